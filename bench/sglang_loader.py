@@ -1,0 +1,456 @@
+"""Load SGLang 0.5.23's real KV-transfer planning functions, as lightly as honestly possible.
+
+Usage (bench venv only; SGLang is a bench-only dependency installed with ``--no-deps``)::
+
+    from sglang_loader import load_sglang
+    sg = load_sglang()
+    sg.group_concurrent_contiguous(src, dst)          # disaggregation/common/utils.py
+    sg.build_transfer_entry_pairs(...)                # disaggregation/utils.py
+    mgr = sg.make_manager(is_mla_backend=True, pp_size=1, prefill_start_layer=0)
+    rc = mgr.send(src_ptrs, dst_ptrs, item_lens, src_pages, dst_pages)   # _send_kvcache_generic
+    mgr.engine.calls                                  # [(session, src_addrs, dst_addrs, lengths)]
+
+How it loads (nothing of SGLang is re-typed here; every function that runs is the wheel's code):
+
+* The five wheel files that hold the planning code and its direct collaborators are executed
+  from the installed wheel under their real dotted names: ``disaggregation/base/conn.py``
+  (``StateType``), ``disaggregation/common/utils.py`` (``group_concurrent_contiguous``),
+  ``disaggregation/utils.py`` (``build_transfer_entry_pairs``, ``is_elided_entry``),
+  ``disaggregation/common/conn.py`` (``CommonKVManager.get_mla_kv_ptrs_with_pp`` /
+  ``get_mha_kv_ptrs_with_pp`` / ``_mla_kv_entry_span_with_pp``) and
+  ``disaggregation/mooncake/conn.py`` (``_uses_flat_entry_layout``,
+  ``MooncakeKVManager._send_kvcache_generic``, ``MooncakeKVManager._transfer_data``).
+* Package ``__init__`` files are *not* executed (``sglang/__init__.py`` alone imports
+  transformers, torch and the whole runtime); the packages are registered as empty shells whose
+  ``__path__`` points into the wheel, so the leaf modules above import by their real names.
+* Every other import those five files make at module level -- third-party packages that are
+  not installed (torch, zmq, msgspec, requests, aiohttp, prometheus_client, ...) and the rest of
+  SGLang (server_args, environ, runtime_context, observability/trace, staging, ...) -- gets a
+  permissive *stand-in* module. Stand-ins only satisfy module-level statements (imports, base
+  classes, decorators, metric objects). ``verify_closure()`` proves that none of them is reachable
+  from the code that runs in the benchmark: it walks every global name the planning functions
+  (and the functions they call, transitively) load, and fails if one resolves to a stand-in.
+* ``MooncakeKVManager`` is never instantiated (its ``__init__`` starts threads, sockets and a
+  transfer engine). Methods run unbound with a ``types.SimpleNamespace`` as ``self`` carrying
+  exactly the attributes ``_send_kvcache_generic`` reads, the real helper methods bound onto it,
+  and a recording engine whose ``batch_transfer_sync`` stores its three lists and returns 0.
+  A missing attribute would raise ``AttributeError``, so the namespace cannot silently stand in
+  for behaviour the method needs.
+"""
+
+from __future__ import annotations
+
+import abc
+import dis
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+SGLANG_VERSION = "0.5.23"
+
+# Modules executed from the wheel, in dependency order.
+REAL_MODULES = (
+    "sglang.srt.disaggregation.base",  # __init__ only re-exports base.conn
+    "sglang.srt.disaggregation.base.conn",
+    "sglang.srt.disaggregation.common.utils",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.disaggregation.common.conn",
+    "sglang.srt.disaggregation.mooncake.conn",
+)
+
+REAL_PACKAGES = ("sglang.srt.disaggregation.base",)
+
+# Third-party packages those files import at module level that are not installed in the bench
+# venv. Only these get stand-ins; any other missing import fails loudly.
+THIRD_PARTY_STANDINS = ("torch", "zmq", "msgspec", "requests", "aiohttp", "prometheus_client")
+
+STUBBED: list[str] = []  # names of the modules that got a stand-in, in import order
+
+
+# --------------------------------------------------------------------------------------------
+# Permissive stand-ins
+# --------------------------------------------------------------------------------------------
+class _StubMeta(abc.ABCMeta):
+    """Metaclass of stand-in classes: any attribute is another stand-in; calling a pure stand-in
+    with a single function/class returns it unchanged (decorator pass-through)."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class(f"{cls.__qualname__}.{name}")
+
+    def __call__(cls, *args, **kwargs):
+        if cls.__dict__.get("_kvplan_stub", False):
+            if len(args) == 1 and not kwargs and isinstance(args[0], (types.FunctionType, type)):
+                return args[0]
+        return super().__call__(*args, **kwargs)
+
+    def __getitem__(cls, item):
+        return cls
+
+    def __iter__(cls):
+        return iter(())
+
+
+class _StubBase(metaclass=_StubMeta):
+    _kvplan_stub = True
+
+    def __init_subclass__(cls, **kwargs):  # e.g. class X(msgspec.Struct, frozen=True)
+        super().__init_subclass__()
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class(f"{type(self).__qualname__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], (types.FunctionType, type)):
+            return args[0]
+        return _StubBase()
+
+    def __bool__(self):
+        return False
+
+    def __iter__(self):
+        return iter(())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stub_class(qualname: str) -> type:
+    cls = _StubMeta(qualname.rsplit(".", 1)[-1], (_StubBase,), {"_kvplan_stub": True})
+    cls.__qualname__ = qualname
+    cls.__module__ = "kvplan_bench_stub"
+    return cls
+
+
+def is_stub(obj) -> bool:
+    if isinstance(obj, _StubModule) or isinstance(obj, _StubBase):
+        return True
+    return isinstance(obj, type) and issubclass(obj, _StubBase) and obj.__dict__.get("_kvplan_stub", False)
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = _stub_class(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        mod = _StubModule(spec.name)
+        mod.__path__ = []  # a package, so `import torch.distributed` works
+        return mod
+
+    def exec_module(self, module):
+        STUBBED.append(module.__name__)
+
+
+class _RealFileLoader(importlib.machinery.SourceFileLoader):
+    pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, root: str):
+        self.root = root  # .../site-packages/sglang
+
+    def find_spec(self, fullname, path=None, target=None):
+        rel = fullname.split(".")[1:]
+        if fullname in REAL_PACKAGES:
+            pkg_dir = os.path.join(self.root, *rel)
+            return importlib.util.spec_from_file_location(
+                fullname, os.path.join(pkg_dir, "__init__.py"),
+                submodule_search_locations=[pkg_dir])
+        if fullname in REAL_MODULES:
+            return importlib.util.spec_from_file_location(
+                fullname, os.path.join(self.root, *rel) + ".py")
+        if fullname == "sglang" or fullname.startswith("sglang."):
+            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
+        top = fullname.split(".")[0]
+        if top in THIRD_PARTY_STANDINS:
+            if importlib.machinery.PathFinder.find_spec(top) is not None and top not in sys.modules:
+                return None  # really installed: use the real package
+            if top in sys.modules and not isinstance(sys.modules[top], _StubModule):
+                return None
+            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
+        return None  # stdlib, numpy, ...: the normal import system
+
+
+class SGLang(types.SimpleNamespace):
+    """The loaded functions plus a factory for stand-in managers."""
+
+
+def _package_shells(root: str) -> None:
+    """Register sglang's packages without running their __init__ files."""
+    shells = set()
+    for name in REAL_MODULES:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            shells.add(".".join(parts[:i]))
+    shells -= set(REAL_PACKAGES)
+    for name in sorted(shells, key=lambda s: s.count(".")):
+        if name in sys.modules:
+            continue
+        mod = types.ModuleType(name)
+        rel = name.split(".")[1:]
+        mod.__path__ = [os.path.join(root, *rel)]
+        mod.__package__ = name
+        mod.__file__ = None
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, mod)
+
+
+_LOADED: SGLang | None = None
+
+
+def load_sglang() -> SGLang:
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    spec = importlib.util.find_spec("sglang")  # locates the wheel; does not execute __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("sglang is not installed in this interpreter (run bench/setup-sglang)")
+    root = list(spec.submodule_search_locations)[0]
+    from importlib.metadata import version
+
+    got = version("sglang")
+    if got != SGLANG_VERSION:
+        raise ImportError(f"expected sglang=={SGLANG_VERSION}, found {got}")
+
+    _package_shells(root)
+    finder = _Finder(root)
+    sys.meta_path.insert(0, finder)
+    try:
+        mods = {name: importlib.import_module(name) for name in REAL_MODULES}
+    finally:
+        sys.meta_path.remove(finder)
+    for name, mod in mods.items():
+        assert not isinstance(mod, _StubModule), name
+        assert mod.__file__ and mod.__file__.startswith(root), (name, mod.__file__)
+
+    cu = mods["sglang.srt.disaggregation.common.utils"]
+    du = mods["sglang.srt.disaggregation.utils"]
+    cc = mods["sglang.srt.disaggregation.common.conn"]
+    mc = mods["sglang.srt.disaggregation.mooncake.conn"]
+    M = mc.MooncakeKVManager
+
+    sg = SGLang(
+        version=got,
+        root=root,
+        modules=mods,
+        stubbed=sorted(set(STUBBED)),
+        group_concurrent_contiguous=cu.group_concurrent_contiguous,
+        build_transfer_entry_pairs=du.build_transfer_entry_pairs,
+        send_kvcache_generic=M._send_kvcache_generic,
+        transfer_data=M._transfer_data,
+        get_mla_kv_ptrs_with_pp=M.get_mla_kv_ptrs_with_pp,
+        get_mha_kv_ptrs_with_pp=M.get_mha_kv_ptrs_with_pp,
+        mla_kv_entry_span_with_pp=M._mla_kv_entry_span_with_pp,
+        StateType=mods["sglang.srt.disaggregation.base.conn"].StateType,
+        MooncakeKVManager=M,
+        CommonKVManager=cc.CommonKVManager,
+    )
+    # The helpers must be the common implementations (Mooncake does not override them).
+    assert M.get_mla_kv_ptrs_with_pp is cc.CommonKVManager.get_mla_kv_ptrs_with_pp
+    assert M.get_mha_kv_ptrs_with_pp is cc.CommonKVManager.get_mha_kv_ptrs_with_pp
+    sg.make_manager = lambda **kw: make_manager(sg, **kw)
+    sg.verify_closure = lambda: verify_closure(sg)
+    _LOADED = sg
+    return sg
+
+
+# --------------------------------------------------------------------------------------------
+# Stand-in manager
+# --------------------------------------------------------------------------------------------
+class RecordingEngine:
+    """Stands in for MooncakeTransferEngine: records each batch_transfer_sync call, returns 0."""
+
+    def __init__(self):
+        self.calls = []
+
+    def batch_transfer_sync(self, session_id, src_addrs, dst_addrs, lengths):
+        self.calls.append((session_id, src_addrs, dst_addrs, lengths))
+        return 0
+
+
+class BlockRecorder:
+    """Replaces ``_transfer_data`` to capture SGLang's plan itself (the list of
+    ``(src, dst, length)`` tuples) without the zip into Mooncake's three lists."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, session_id, transfer_blocks):
+        self.calls.append(transfer_blocks)
+        return 0
+
+
+def make_manager(
+    sg: SGLang,
+    *,
+    is_mla_backend: bool,
+    pp_size: int = 1,
+    prefill_start_layer: int = 0,
+    is_hybrid_mla_backend: bool = False,
+    handoff: bool = True,
+    max_transfer_batch_indices: int = 0,
+    num_draft_entries: int | None = None,
+) -> types.SimpleNamespace:
+    """A ``self`` for the unbound manager methods.
+
+    handoff=True binds SGLang's real ``_transfer_data`` (zip into three lists, then the recording
+    engine). handoff=False binds a ``BlockRecorder`` instead, so a call measures planning only.
+    """
+    kv_args = types.SimpleNamespace(prefill_start_layer=prefill_start_layer)
+    if num_draft_entries is not None:
+        kv_args.num_draft_entries = num_draft_entries
+    self = types.SimpleNamespace(
+        engine=RecordingEngine(),
+        is_mla_backend=is_mla_backend,
+        is_hybrid_mla_backend=is_hybrid_mla_backend,
+        pp_size=pp_size,
+        enable_custom_mem_pool=False,
+        max_transfer_batch_indices=max_transfer_batch_indices,
+        kv_args=kv_args,
+        state_strides_validated=set(),
+    )
+    self.get_mla_kv_ptrs_with_pp = types.MethodType(sg.get_mla_kv_ptrs_with_pp, self)
+    self.get_mha_kv_ptrs_with_pp = types.MethodType(sg.get_mha_kv_ptrs_with_pp, self)
+    self._mla_kv_entry_span_with_pp = types.MethodType(sg.mla_kv_entry_span_with_pp, self)
+    if handoff:
+        self._transfer_data = types.MethodType(sg.transfer_data, self)
+    else:
+        self.blocks = BlockRecorder()
+        self._transfer_data = self.blocks
+
+    def send(src_ptrs, dst_ptrs, item_lens, src_pages, dst_pages, *, src_layer_ids=None,
+             dst_layer_ids=None, session="bench", **kw):
+        return sg.send_kvcache_generic(
+            self, session, src_ptrs, dst_ptrs, item_lens, src_pages, dst_pages, None,
+            src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids, **kw,
+        )
+
+    self.send = send
+    return self
+
+
+# --------------------------------------------------------------------------------------------
+# Proof that no stand-in is reachable from the code that runs
+# --------------------------------------------------------------------------------------------
+def _global_loads(code: types.CodeType):
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield ins.argval
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_loads(const)
+
+
+def verify_closure(sg: SGLang) -> list[str]:
+    """Walk every global the planning code loads, transitively through the module-level
+    functions it reaches; raise if any resolves to a stand-in. Returns the names visited."""
+    roots = [
+        sg.group_concurrent_contiguous,
+        sg.build_transfer_entry_pairs,
+        sg.send_kvcache_generic,
+        sg.transfer_data,
+        sg.get_mla_kv_ptrs_with_pp,
+        sg.get_mha_kv_ptrs_with_pp,
+        sg.mla_kv_entry_span_with_pp,
+    ]
+    seen: set[int] = set()
+    visited: list[str] = []
+    bad: list[str] = []
+    todo = list(roots)
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        visited.append(f"{fn.__module__}.{fn.__qualname__}")
+        g = fn.__globals__
+        for name in _global_loads(fn.__code__):
+            if name in g:
+                obj = g[name]
+            elif hasattr(__builtins__, name) if not isinstance(__builtins__, dict) else name in __builtins__:
+                continue
+            else:
+                bad.append(f"{fn.__qualname__}: global {name!r} is undefined")
+                continue
+            if is_stub(obj):
+                bad.append(f"{fn.__qualname__}: global {name!r} is a stand-in")
+            elif isinstance(obj, types.FunctionType) and obj.__module__.startswith("sglang."):
+                todo.append(obj)
+    if bad:
+        raise AssertionError("stand-ins reachable from the planning code:\n" + "\n".join(bad))
+    return visited
+
+
+# --------------------------------------------------------------------------------------------
+# Worked examples of sglang-semantics.md §11, reproduced by the loaded code
+# --------------------------------------------------------------------------------------------
+def check_worked_examples(sg: SGLang) -> list[str]:
+    """E1, E4, E10, E11, E12. Raises AssertionError on any difference; returns the ids checked."""
+    import numpy as np
+
+    def a(*v):
+        return np.array(v, dtype=np.int32)
+
+    # E1 - runs
+    got = sg.group_concurrent_contiguous(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20))
+    assert got == ([[0, 1, 2], [5, 6], [9]], [[10, 11, 12], [13, 14], [20]]), got
+    # E4 - K/V FIFO pairing
+    got = sg.build_transfer_entry_pairs([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6)
+    assert got == [(0, 0), (1, 1), (2, 3), (3, 4)], got
+    # E10 - generic MLA flat, pp 1
+    m = sg.make_manager(is_mla_backend=True, pp_size=1)
+    rc = m.send([1000, 2000], [5000, 6000], [64, 64], a(0, 1, 2, 7), a(10, 11, 12, 3))
+    assert rc == 0 and m.engine.calls == [
+        ("bench", [1000, 1448, 2000, 2448], [5640, 5192, 6640, 6192], [192, 64, 192, 64])
+    ], m.engine.calls
+    # E11 - generic MHA K/V halves
+    m = sg.make_manager(is_mla_backend=False, pp_size=1)
+    rc = m.send([100, 200, 300, 400], [1100, 1200, 1300, 1400], [8, 8, 16, 16], a(1, 2), a(5, 6))
+    assert rc == 0 and m.engine.calls == [
+        ("bench", [108, 208, 316, 416], [1140, 1240, 1380, 1480], [16, 16, 32, 32])
+    ], m.engine.calls
+    # E12 - layer-id path on an MHA (hybrid) backend, PP stage 1
+    m = sg.make_manager(is_mla_backend=False, pp_size=2, prefill_start_layer=1)
+    rc = m.send([10, 11, 20, 21], [100, 101, 102, 200, 201, 202], [4, 4, 4, 4], a(0, 1), a(5, 6),
+                src_layer_ids=[7, 11, 7, 11], dst_layer_ids=[3, 7, 11, 3, 7, 11])
+    assert rc == 0 and m.engine.calls == [
+        ("bench", [10, 11, 20, 21], [121, 122, 221, 222], [8, 8, 8, 8])
+    ], m.engine.calls
+    # plan-only recorder gives the same blocks as tuples
+    m = sg.make_manager(is_mla_backend=True, pp_size=1, handoff=False)
+    m.send([1000, 2000], [5000, 6000], [64, 64], a(0, 1, 2, 7), a(10, 11, 12, 3))
+    assert m.blocks.calls == [[(1000, 5640, 192), (1448, 5192, 64), (2000, 6640, 192),
+                               (2448, 6192, 64)]], m.blocks.calls
+    return ["E1", "E4", "E10", "E11", "E12"]
+
+
+if __name__ == "__main__":
+    sg = load_sglang()
+    print(f"sglang {sg.version} from {sg.root}")
+    print("executed from the wheel:", ", ".join(REAL_MODULES))
+    print("stand-in modules:", ", ".join(sg.stubbed))
+    print("planning closure (no stand-in reachable):")
+    for name in sorted(sg.verify_closure()):
+        print("   ", name)
+    print("worked examples reproduced:", ", ".join(check_worked_examples(sg)))
