@@ -1,0 +1,458 @@
+"""Engine-independent half of the transfer adapters: plan intake, batching, stats, errors.
+
+An adapter subclass only says how to talk to one engine (initialise, register a list of regions,
+write one batch of Python lists). Everything that must be identical across engines lives here:
+
+* ``register(layout)`` turns a layout into whole, non-overlapping regions and registers each one
+  exactly once (Mooncake rejects overlapping or repeated registrations with ``-7``; memfabric
+  aligns regions to 2 MiB, so neighbours are registered in one call).
+* ``submit(plan, peer_session)`` cuts the plan into bounded batches of array *views*, converts
+  each batch to Python lists once (``.tolist()``; the bindings take lists about 3x faster than
+  numpy arrays), and never loops over blocks in Python.
+* A non-zero engine status, or an exception from the binding, becomes :class:`TransferError`
+  naming the session, the batch index, its blocks and bytes, and the status.
+
+Nothing here imports an engine package.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "PlanLike",
+    "Transport",
+    "TransferError",
+    "TransferStats",
+    "plan_arrays",
+    "merge_regions",
+]
+
+try:  # the core package owns the public exception; fall back only while it is not built yet
+    from kvplan import TransferError  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - only without the core package
+
+    class TransferError(RuntimeError):  # type: ignore[no-redef]
+        """An engine returned a non-zero status or raised (fallback definition)."""
+
+
+U64 = npt.NDArray[np.uint64]
+
+
+class PlanLike(Protocol):
+    """Anything with three equally long 1-D uint64 arrays: a :class:`kvplan.TransferPlan`,
+    a ``PlanBatch``, or a hand-built object in tests."""
+
+    src_addrs: Any
+    dst_addrs: Any
+    lengths: Any
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one ``submit`` moved: blocks, bytes, engine calls and wall time."""
+
+    session: str
+    blocks: int
+    bytes: int
+    batches: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second (0.0 for an empty or instantaneous transfer)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def _as_u64(name: str, values: Any) -> U64:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise TypeError(f"plan.{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.uint64:
+        return arr
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"plan.{name} must hold integers, got dtype {arr.dtype}")
+    # Signed input: a negative value would make the binding raise mid-plan; refuse it up front.
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"plan.{name} holds a negative value ({int(arr.min())})")
+    return arr.astype(np.uint64)
+
+
+def plan_arrays(plan: PlanLike) -> tuple[U64, U64, U64]:
+    """Return ``(src_addrs, dst_addrs, lengths)`` as 1-D uint64 arrays (no copy when already so).
+
+    Raises:
+        TypeError: an array is not 1-D or not integer.
+        ValueError: the three arrays differ in length or hold negative values.
+    """
+    src = _as_u64("src_addrs", plan.src_addrs)
+    dst = _as_u64("dst_addrs", plan.dst_addrs)
+    lengths = _as_u64("lengths", plan.lengths)
+    if not (len(src) == len(dst) == len(lengths)):
+        raise ValueError(
+            f"plan arrays differ in length: src_addrs={len(src)} dst_addrs={len(dst)} "
+            f"lengths={len(lengths)}"
+        )
+    return src, dst, lengths
+
+
+def merge_regions(ptrs: Sequence[int] | npt.ArrayLike, lens: Sequence[int] | npt.ArrayLike
+                  ) -> list[tuple[int, int]]:
+    """Union of ``[ptr, ptr + len)`` buffers as sorted, non-overlapping ``(start, length)`` pairs.
+
+    Zero-length buffers (elided entries) are dropped. Overlapping or repeated buffers are merged
+    (a layout may list the same pool twice, e.g. K and V views of one allocation). Buffers that
+    merely touch stay separate: engines accept neighbours, and keeping them apart keeps each
+    registration equal to one real allocation.
+    """
+    starts = np.asarray(ptrs, dtype=np.uint64).ravel()
+    sizes = np.asarray(lens, dtype=np.uint64).ravel()
+    if starts.shape != sizes.shape:
+        raise ValueError(f"{starts.size} buffer pointers but {sizes.size} lengths")
+    keep = sizes > 0
+    starts, sizes = starts[keep], sizes[keep]
+    order = np.argsort(starts, kind="stable")
+    merged: list[list[int]] = []
+    # One pass over buffers (tens to hundreds per layout), not over blocks.
+    for s, n in zip(starts[order].tolist(), sizes[order].tolist()):
+        end = s + n
+        if merged and s < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([s, end])
+    return [(s, e - s) for s, e in merged]
+
+
+class _InFlight:
+    """Caps the blocks in flight per peer across threads and async batches.
+
+    Mooncake TCP admits about 1,024 queued plus 1,024 pending entries per peer; beyond that a
+    call fails with only part of the data landed. A batch larger than the cap is still allowed
+    when nothing else is in flight (the caller chose that batch size explicitly).
+    """
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self._cond = threading.Condition()
+        self._used: dict[str, int] = {}
+
+    def acquire(self, peer: str, n: int, *, blocking: bool = True) -> bool:
+        if self.cap is None:
+            return True
+        with self._cond:
+            while True:
+                used = self._used.get(peer, 0)
+                if used == 0 or used + n <= self.cap:
+                    self._used[peer] = used + n
+                    return True
+                if not blocking:
+                    return False
+                self._cond.wait()
+
+    def release(self, peer: str, n: int) -> None:
+        if self.cap is None:
+            return
+        with self._cond:
+            left = self._used.get(peer, 0) - n
+            if left > 0:
+                self._used[peer] = left
+            else:
+                self._used.pop(peer, None)
+            self._cond.notify_all()
+
+
+class Transport:
+    """Base class of the engine adapters. Subclasses implement the ``_engine_*`` hooks.
+
+    Class attributes a subclass sets:
+        engine_name: shown in errors (``"mooncake"``, ``"memfabric"``).
+        default_max_blocks_per_batch: batch bound used when ``submit`` is not given one
+            (``None`` = whole plan in one call).
+        status_names: engine status code -> symbolic name, for error messages.
+    """
+
+    engine_name = "engine"
+    default_max_blocks_per_batch: int | None = None
+    status_names: dict[int, str] = {}
+
+    def __init__(self, *, max_blocks_per_batch: int | None = None,
+                 max_blocks_in_flight: int | None = None) -> None:
+        if max_blocks_per_batch is not None and max_blocks_per_batch <= 0:
+            raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
+        self.max_blocks_per_batch = (max_blocks_per_batch if max_blocks_per_batch is not None
+                                     else self.default_max_blocks_per_batch)
+        self._in_flight = _InFlight(max_blocks_in_flight)
+        # Sorted, non-overlapping (start, end) of every region registered through this adapter.
+        self._regions: list[tuple[int, int]] = []
+        self._reg_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ engine hooks
+    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+        raise NotImplementedError
+
+    def _engine_unregister(self, ptrs: list[int]) -> int:
+        raise NotImplementedError
+
+    def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        raise NotImplementedError
+
+    def _engine_session_id(self) -> str:
+        raise NotImplementedError
+
+    def _describe_failure(self, peer: str, status: int) -> str:
+        """Extra context for an error message (e.g. a reachability probe). Never raises."""
+        return ""
+
+    # ------------------------------------------------------------------ public API
+    def local_session_id(self) -> str:
+        """The id peers pass as ``peer_session`` to write into this process (``"host:port"``)."""
+        self._check_open()
+        return self._engine_session_id()
+
+    @property
+    def registered_regions(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every region this adapter registered, sorted by address."""
+        return [(s, e - s) for s, e in self._regions]
+
+    def register(self, layout: Any) -> int:
+        """Register every buffer of ``layout`` with the engine, each region exactly once.
+
+        ``layout`` is a :class:`kvplan.Layout` (anything with ``data_ptrs`` and ``data_lens``).
+        Overlapping or repeated buffers are merged, buffers already inside a registered region
+        are skipped, so calling it again for a layout sharing pools with an earlier one is safe.
+
+        Returns:
+            The number of new regions handed to the engine (0 if nothing was new).
+
+        Raises:
+            TransferError: the engine refused the registration, or a buffer partly overlaps a
+                region registered earlier (engines reject overlaps; re-register whole pools).
+        """
+        return self.register_buffers(list(layout.data_ptrs), list(layout.data_lens))
+
+    def register_buffers(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
+        """Register raw ``(ptr, len)`` buffers; same rules as :meth:`register`."""
+        self._check_open()
+        with self._reg_lock:
+            fresh: list[tuple[int, int]] = []
+            for start, length in merge_regions(ptrs, lens):
+                end = start + length
+                host = self._find_region(start, end)
+                if host == "inside":
+                    continue  # already covered by one earlier registration
+                if host == "partial":
+                    raise self._error(
+                        f"cannot register [{start:#x}, {end:#x}): it partly overlaps a region "
+                        f"registered earlier ({self.engine_name} rejects overlapping regions)",
+                        peer=None, status=None,
+                    )
+                fresh.append((start, length))
+            if not fresh:
+                return 0
+            addrs = [s for s, _ in fresh]
+            sizes = [n for _, n in fresh]
+            # Equal lengths by construction; Mooncake segfaults on unequal lists, so say it.
+            assert len(addrs) == len(sizes)
+            try:
+                status = self._engine_register(addrs, sizes)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise self._error(f"register of {len(addrs)} regions raised {exc!r}",
+                                  peer=None, status=None) from exc
+            if status != 0:
+                raise self._error(
+                    f"register of {len(addrs)} regions ({sum(sizes)} bytes) failed",
+                    peer=None, status=status,
+                )
+            self._regions = sorted(self._regions + [(s, s + n) for s, n in fresh])
+            return len(fresh)
+
+    def unregister_all(self) -> None:
+        """Unregister every region this adapter registered (best effort, never raises)."""
+        with self._reg_lock:
+            if self._regions and not self._closed:
+                try:
+                    self._engine_unregister([s for s, _ in self._regions])
+                except Exception:  # teardown path: the engine may already be gone
+                    pass
+            self._regions = []
+
+    def check_sources(self, plan: PlanLike) -> None:
+        """Raise :class:`TransferError` unless every source range lies inside one registered region.
+
+        TCP engines do not check sources and would send whatever memory the address points at.
+        Vectorised: one ``searchsorted`` over the region starts.
+        """
+        src, _, lengths = plan_arrays(plan)
+        if len(src) == 0:
+            return
+        if not self._regions:
+            raise self._error("no local memory registered; call register(layout) first",
+                              peer=None, status=None)
+        starts = np.array([s for s, _ in self._regions], dtype=np.uint64)
+        ends = np.array([e for _, e in self._regions], dtype=np.uint64)
+        idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        ok &= (src + lengths) <= ends[safe]
+        if not bool(ok.all()):
+            bad = int(np.flatnonzero(~ok)[0])
+            raise self._error(
+                f"block {bad}: source [{int(src[bad]):#x}, +{int(lengths[bad])}) is not inside "
+                f"a registered region",
+                peer=None, status=None,
+            )
+
+    def submit(self, plan: PlanLike, peer_session: str,
+               max_blocks_per_batch: int | None = None, *, check_sources: bool = True
+               ) -> TransferStats:
+        """Write every block of ``plan`` to ``peer_session``, batch by batch, synchronously.
+
+        Args:
+            plan: a :class:`kvplan.TransferPlan` or any object with uint64 ``src_addrs``,
+                ``dst_addrs`` and ``lengths``.
+            peer_session: the peer's ``local_session_id()``.
+            max_blocks_per_batch: blocks per engine call; default is the adapter's bound
+                (1,024 for Mooncake TCP).
+            check_sources: verify that every source range is locally registered first.
+
+        Returns:
+            :class:`TransferStats` for the whole plan.
+
+        Raises:
+            TransferError: an engine call returned non-zero or raised. Earlier batches have
+                landed; blocks of the failed batch may have partly landed or still be in
+                flight, so the destination must not be reused until the peer is torn down.
+        """
+        self._check_open()
+        src, dst, lengths = self._prepare(plan, check_sources)
+        bound = self._batch_bound(max_blocks_per_batch)
+        t0 = time.perf_counter()
+        n_batches = 0
+        for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
+            n_batches += 1
+            self._write_batch(peer_session, index, src[lo:hi], dst[lo:hi], lengths[lo:hi])
+        seconds = time.perf_counter() - t0
+        return TransferStats(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
+                             n_batches, seconds)
+
+    def close(self) -> None:
+        """Unregister memory and release the engine. Further calls raise."""
+        if not self._closed:
+            self.unregister_all()
+            self._closed = True
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._error("transport is closed", peer=None, status=None)
+
+    def _find_region(self, start: int, end: int) -> str:
+        """``"inside"`` one registered region, ``"partial"`` overlap, or ``"none"``."""
+        for s, e in self._regions:
+            if s <= start and end <= e:
+                return "inside"
+            if start < e and s < end:
+                return "partial"
+        return "none"
+
+    def _prepare(self, plan: PlanLike, check_sources: bool) -> tuple[U64, U64, U64]:
+        src, dst, lengths = plan_arrays(plan)
+        # Zero-length blocks move nothing; memfabric rejects a whole batch holding one.
+        if len(lengths) and not bool(lengths.all()):
+            keep = lengths != 0
+            src, dst, lengths = src[keep], dst[keep], lengths[keep]
+        if check_sources:
+            self.check_sources(_Arrays(src, dst, lengths))
+        return src, dst, lengths
+
+    def _batch_bound(self, max_blocks_per_batch: int | None) -> int | None:
+        bound = (max_blocks_per_batch if max_blocks_per_batch is not None
+                 else self.max_blocks_per_batch)
+        if bound is not None and bound <= 0:
+            raise ValueError(f"max_blocks_per_batch must be positive, got {bound}")
+        return bound
+
+    def _write_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64) -> None:
+        n = len(src)
+        # One conversion per batch: the bindings want lists, and .tolist() is the fast path.
+        s, d, ln = src.tolist(), dst.tolist(), lengths.tolist()
+        self._acquire_budget(peer, n)
+        try:
+            status = self._engine_write(peer, s, d, ln)
+        except Exception as exc:
+            raise self._batch_error(peer, index, lengths, status=None, cause=exc) from exc
+        finally:
+            self._in_flight.release(peer, n)
+        if status != 0:
+            raise self._batch_error(peer, index, lengths, status=status, cause=None)
+
+    def _acquire_budget(self, peer: str, n: int) -> None:
+        """Reserve ``n`` in-flight blocks towards ``peer`` (blocks until they fit)."""
+        self._in_flight.acquire(peer, n)
+
+    def _status_text(self, status: int | None) -> str:
+        if status is None:
+            return "no status"
+        name = self.status_names.get(status)
+        return f"status {status} ({name})" if name else f"status {status}"
+
+    def _batch_error(self, peer: str, index: int, lengths: U64, *, status: int | None,
+                     cause: BaseException | None) -> TransferError:
+        n_bytes = int(lengths.sum(dtype=np.uint64))
+        what = f"raised {cause!r}" if cause is not None else "failed"
+        extra = self._describe_failure(peer, status) if status is not None else ""
+        msg = (f"batch {index} ({len(lengths)} blocks, {n_bytes} bytes) to session {peer!r} "
+               f"{what}")
+        if extra:
+            msg += f"; {extra}"
+        return self._error(msg, peer=peer, status=status, batch=index, blocks=len(lengths),
+                           n_bytes=n_bytes)
+
+    def _error(self, msg: str, *, peer: str | None, status: int | None, batch: int | None = None,
+               blocks: int | None = None, n_bytes: int | None = None) -> TransferError:
+        full = f"{self.engine_name}: {msg}"
+        if status is not None:
+            full += f" [{self._status_text(status)}]"
+        err = TransferError(full)
+        # Structured fields for callers that react programmatically (retry, blacklist, ...).
+        err.engine = self.engine_name
+        err.session = peer
+        err.batch = batch
+        err.blocks = blocks
+        err.bytes = n_bytes
+        err.status = status
+        return err
+
+
+@dataclass(frozen=True)
+class _Arrays:
+    src_addrs: U64
+    dst_addrs: U64
+    lengths: U64
+
+
+def _batch_bounds(n: int, bound: int | None) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` of each batch; nothing for an empty plan (empty engine calls are skipped)."""
+    if n == 0:
+        return
+    step = n if bound is None else bound
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)

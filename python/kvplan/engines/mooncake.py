@@ -1,0 +1,320 @@
+"""Mooncake Transfer Engine adapter (``pip install mooncake-transfer-engine-non-cuda``).
+
+Every call that can crash the process inside Mooncake is made impossible here:
+
+* No engine method runs before ``initialize`` returned 0: the constructor raises otherwise, and
+  a closed adapter refuses every call.
+* ``batch_register_memory`` only ever receives two lists built from the same region list.
+* Overlapping or repeated registrations (``-7``) are avoided by the base class.
+* Async batch ids never leave this module: each is wrapped in an object that is waited on
+  exactly once, and ``0`` (a failed submit) is never passed to ``get_batch_transfer_status``.
+
+Facts behind the defaults (measured on 0.3.13.post1, TCP): more than about 2,048 entries per peer
+in flight fail with only part of the data landed, so batches default to 1,024 blocks and at most
+1,024 blocks are in flight per peer; each entry costs ~30 µs on top of ~2 GB/s streaming.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from kvplan.engines._base import (
+    PlanLike,
+    TransferError,
+    TransferStats,
+    Transport,
+    _batch_bounds,
+)
+
+__all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES"]
+
+#: Mooncake ``include/error.h`` codes. Transfer calls collapse most failures into -1.
+MOONCAKE_STATUS_NAMES: dict[int, str] = {
+    -1: "INVALID_ARGUMENT or transfer failed; reason in the engine log",
+    -2: "TOO_MANY_REQUESTS",
+    -3: "ADDRESS_NOT_REGISTERED",
+    -4: "BATCH_BUSY",
+    -6: "DEVICE_NOT_FOUND",
+    -7: "ADDRESS_OVERLAPPED",
+    -101: "DNS",
+    -102: "SOCKET (peer unreachable)",
+    -103: "MALFORMED_JSON",
+    -104: "REJECT_HANDSHAKE",
+}
+
+#: Per-peer admission limit of Mooncake's TCP transport (queued entries; pending doubles it).
+TCP_BLOCKS_PER_PEER = 1024
+
+
+def _tcp_cap() -> int:
+    # A deployment that raised the engine's queue may raise our cap with it.
+    raw = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER")
+    try:
+        return max(1, int(raw)) if raw else TCP_BLOCKS_PER_PEER
+    except ValueError:
+        return TCP_BLOCKS_PER_PEER
+
+
+class MooncakeTransport(Transport):
+    """Writes plans with ``mooncake.engine.TransferEngine`` (P2P handshake, no metadata server).
+
+    Args:
+        hostname: local address peers connect to (``"127.0.0.1"`` for loopback).
+        protocol: ``"tcp"`` (default) or ``"rdma"``. Without an HCA, ``"rdma"`` silently falls
+            back to TCP inside Mooncake, so the TCP batch bounds are kept for both.
+        device_name: RDMA device list, ``""`` for TCP.
+        metadata_server: ``"P2PHANDSHAKE"`` (no server) or an etcd/http URL.
+        max_blocks_per_batch: blocks per engine call (default 1,024).
+        max_blocks_in_flight: blocks in flight per peer across threads and async batches
+            (default 1,024, or ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when set).
+        engine: a fresh, *uninitialised* engine object with Mooncake's signatures to use instead
+            of ``mooncake.engine.TransferEngine()`` (tests pass a recording stand-in).
+
+    Raises:
+        ImportError: the ``mooncake`` package is not installed.
+        TransferError: ``initialize`` returned non-zero (the engine is then never touched again).
+    """
+
+    engine_name = "mooncake"
+    default_max_blocks_per_batch = TCP_BLOCKS_PER_PEER
+    status_names = MOONCAKE_STATUS_NAMES
+
+    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
+                 device_name: str = "", metadata_server: str = "P2PHANDSHAKE",
+                 max_blocks_per_batch: int | None = None,
+                 max_blocks_in_flight: int | None = None, engine: Any = None) -> None:
+        cap = max_blocks_in_flight if max_blocks_in_flight is not None else _tcp_cap()
+        super().__init__(max_blocks_per_batch=max_blocks_per_batch, max_blocks_in_flight=cap)
+        self._closed = True  # until initialize succeeds, nothing may call into the engine
+        self._async_lock = threading.Lock()
+        self._async_fifo: dict[str, deque[_BatchId]] = {}
+        if engine is None:
+            from mooncake.engine import TransferEngine  # on demand, never by `import kvplan`
+
+            engine = TransferEngine()
+        self.hostname = hostname
+        self.protocol = protocol
+        self._engine: Any = engine
+        status = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        if status != 0:
+            self._engine = None  # any further call on an uninitialised engine is a SIGSEGV
+            raise self._error(
+                f"initialize({hostname!r}, {metadata_server!r}, {protocol!r}, {device_name!r}) "
+                f"failed", peer=None, status=status,
+            )
+        self._closed = False
+        self._session = f"{hostname}:{self._engine.get_rpc_port()}"
+
+    # ------------------------------------------------------------------ engine hooks
+    def _engine_session_id(self) -> str:
+        return self._session
+
+    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+        if len(ptrs) != len(lens):  # Mooncake does not check and crashes
+            raise ValueError(f"{len(ptrs)} region addresses but {len(lens)} lengths")
+        if len(ptrs) == 1:
+            return int(self._engine.register_memory(ptrs[0], lens[0]))
+        return int(self._engine.batch_register_memory(ptrs, lens))
+
+    def _engine_unregister(self, ptrs: list[int]) -> int:
+        return int(self._engine.batch_unregister_memory(ptrs))
+
+    def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        return int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
+
+    def _describe_failure(self, peer: str, status: int) -> str:
+        try:
+            probe = int(self._engine.send_probe(peer))
+        except Exception:  # probing is a courtesy for the message; it must not mask the error
+            return ""
+        if probe == 0:
+            return "peer is reachable: bad destination address or queue full (partial data may have landed)"
+        return f"peer unreachable (probe status {probe})"
+
+    # ------------------------------------------------------------------ public API
+    def probe(self, peer_session: str) -> int:
+        """``0`` when ``peer_session`` answers, non-zero (``-102``) when it is unreachable."""
+        self._check_open()
+        return int(self._engine.send_probe(peer_session))
+
+    def submit_async(self, plan: PlanLike, peer_session: str,
+                     max_blocks_per_batch: int | None = None, *, check_sources: bool = True
+                     ) -> PendingTransfer:
+        """Write ``plan`` with Mooncake's async batches; return once every batch is submitted.
+
+        At most ``max_blocks_in_flight`` blocks are in flight per peer: when the budget is full,
+        the oldest outstanding async batch towards that peer (of any handle) is waited on first,
+        so plans larger than the budget block here until their tail fits. Call
+        :meth:`PendingTransfer.wait` (or use the handle as a context manager); until then the
+        buffers are in use.
+
+        Raises:
+            TransferError: a submit failed; the batches already submitted were waited on first.
+        """
+        self._check_open()
+        src, dst, lengths = self._prepare(plan, check_sources)
+        bound = self._batch_bound(max_blocks_per_batch)
+        pending = PendingTransfer(self, peer_session, src, dst, lengths)
+        for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
+            pending._n_batches += 1
+            n = hi - lo
+            self._acquire_budget(peer_session, n)
+            s, d, ln = src[lo:hi].tolist(), dst[lo:hi].tolist(), lengths[lo:hi].tolist()
+            try:
+                value = int(self._engine.batch_transfer_async_write(peer_session, s, d, ln))
+            except Exception as exc:
+                self._in_flight.release(peer_session, n)
+                err = self._batch_error(peer_session, index, lengths[lo:hi], status=None,
+                                        cause=exc)
+                pending._abort(err)
+                raise err from exc
+            if value == 0:  # a failed submit is not a batch: it must never be waited on
+                self._in_flight.release(peer_session, n)
+                err = self._batch_error(peer_session, index, lengths[lo:hi], status=-1,
+                                        cause=None)
+                pending._abort(err)
+                raise err
+            bid = _BatchId(value, index, lo, hi, pending)
+            pending._outstanding += 1
+            with self._async_lock:
+                self._async_fifo.setdefault(peer_session, deque()).append(bid)
+        return pending
+
+    def close(self) -> None:
+        """Wait on every outstanding async batch, unregister memory, drop the engine."""
+        if not self._closed:
+            for peer in list(self._async_fifo):
+                while self._retire_oldest(peer):
+                    pass
+            super().close()
+            self._engine = None
+
+    # ------------------------------------------------------------------ async bookkeeping
+    def _acquire_budget(self, peer: str, n: int) -> None:
+        # Budget held by our own async batches is freed by waiting on the oldest one; budget
+        # held by sync calls in other threads comes back when those calls return.
+        while not self._in_flight.acquire(peer, n, blocking=False):
+            if not self._retire_oldest(peer):
+                self._in_flight.acquire(peer, n)
+                return
+
+    def _retire_oldest(self, peer: str) -> bool:
+        """Wait on the oldest outstanding async batch towards ``peer``; False if there is none."""
+        with self._async_lock:
+            queue = self._async_fifo.get(peer)
+            if not queue:
+                return False
+            bid = queue.popleft()
+            if not queue:
+                del self._async_fifo[peer]
+        try:
+            status = bid.wait(self._engine)
+        except Exception as exc:  # the binding raised: report it as that batch's failure
+            status = None
+            bid.owner._done(bid, status, exc)
+        else:
+            bid.owner._done(bid, status, None)
+        finally:
+            self._in_flight.release(peer, bid.hi - bid.lo)
+        return True
+
+
+class _BatchId:
+    """One Mooncake async batch id, waited on at most once (a second wait is a SIGSEGV)."""
+
+    __slots__ = ("value", "index", "lo", "hi", "owner", "_lock")
+
+    def __init__(self, value: int, index: int, lo: int, hi: int, owner: PendingTransfer) -> None:
+        if value == 0:  # 0 means "submit failed"; waiting on it crashes the process
+            raise ValueError("batch id 0 is a failed submit, not a batch")
+        self.value: int | None = value
+        self.index, self.lo, self.hi, self.owner = index, lo, hi, owner
+        self._lock = threading.Lock()
+
+    def wait(self, engine: Any) -> int:
+        with self._lock:
+            value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("batch id already waited on")
+        return int(engine.get_batch_transfer_status([value]))
+
+
+class PendingTransfer:
+    """Handle of an async Mooncake submission; :meth:`wait` returns :class:`TransferStats`."""
+
+    def __init__(self, transport: MooncakeTransport, peer: str, src: np.ndarray,
+                 dst: np.ndarray, lengths: np.ndarray) -> None:
+        self._t0 = time.perf_counter()
+        self._transport = transport
+        self._peer = peer
+        self._blocks = len(src)
+        self._lengths = lengths
+        self._n_batches = 0
+        self._outstanding = 0
+        self._error: TransferError | None = None
+        self._stats: TransferStats | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def done(self) -> bool:
+        """True once every submitted batch was waited on."""
+        with self._cond:
+            return self._outstanding == 0
+
+    def _done(self, bid: _BatchId, status: int | None, exc: BaseException | None) -> None:
+        with self._cond:
+            self._outstanding -= 1
+            if (status != 0 or exc is not None) and self._error is None:
+                t = self._transport
+                self._error = t._batch_error(self._peer, bid.index, self._lengths[bid.lo:bid.hi],
+                                             status=status, cause=exc)
+            self._cond.notify_all()
+
+    def _abort(self, err: TransferError) -> None:
+        """A submit failed: wait on what this handle already submitted, keep the first error."""
+        try:
+            self.wait()
+        except TransferError:
+            pass
+        with self._cond:
+            self._error = err
+
+    def wait(self) -> TransferStats:
+        """Block until every batch of this submission finished.
+
+        Raises:
+            TransferError: the first failed batch (all batches were still waited on, each once).
+        """
+        t = self._transport
+        while True:
+            with self._cond:
+                if self._outstanding == 0:
+                    break
+            # Ids are waited in submission order per peer, so older batches of other handles
+            # may be retired on their behalf on the way; their handles record the outcome.
+            if not t._retire_oldest(self._peer):
+                with self._cond:  # another thread is waiting on our last id right now
+                    self._cond.wait_for(lambda: self._outstanding == 0, timeout=1.0)
+        if self._error is not None:
+            raise self._error
+        if self._stats is None:
+            self._stats = TransferStats(self._peer, self._blocks,
+                                        int(self._lengths.sum(dtype=np.uint64)),
+                                        self._n_batches, time.perf_counter() - self._t0)
+        return self._stats
+
+    def __enter__(self) -> PendingTransfer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.wait()
+        except TransferError:
+            if exc_type is None:
+                raise
