@@ -1,0 +1,367 @@
+//! Per-request block emission: runs × entry pairs → `(src_addr, dst_addr, length)` columns.
+//!
+//! Blocks are entry-pair major, run minor (SGLang's order), so pair `p`'s blocks are the
+//! contiguous slice `p*R .. (p+1)*R` of the output, `R` being the request's run count.
+//!
+//! The hot path allocates nothing: the runs are first written into the output's own first `R`
+//! slots (as page indices), then every pair's blocks are expanded from them, last pair first,
+//! so that pair 0 finally overwrites the runs in place. Every index is validated against every
+//! paired buffer's capacity before the first address is computed, and layouts guarantee
+//! `base + capacity * item_len` fits in u64, so the expansion cannot overflow.
+
+use crate::error::{PlanError, Result, Side};
+use crate::runs::{PageIndex, RunScan, scan};
+use crate::template::{PairSpec, Template};
+
+/// Three output columns of equal length: source addresses, destination addresses, lengths.
+pub struct Columns<'a> {
+    /// Source addresses.
+    pub src_addrs: &'a mut [u64],
+    /// Destination addresses.
+    pub dst_addrs: &'a mut [u64],
+    /// Lengths in bytes.
+    pub lengths: &'a mut [u64],
+}
+
+impl<'a> Columns<'a> {
+    /// Splits one buffer of `3 * capacity` values into three columns of `capacity` values.
+    pub fn from_flat(buffer: &'a mut [u64], capacity: usize) -> Self {
+        let (src_addrs, rest) = buffer.split_at_mut(capacity);
+        let (dst_addrs, rest) = rest.split_at_mut(capacity);
+        Self { src_addrs, dst_addrs, lengths: &mut rest[..capacity] }
+    }
+
+    fn capacity(&self) -> usize {
+        self.src_addrs.len().min(self.dst_addrs.len()).min(self.lengths.len())
+    }
+}
+
+/// The size of a request's plan, known after one validating pass and before any output exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanShape {
+    /// What the run scan found.
+    pub scan: RunScan,
+    /// Blocks the plan holds: runs × emitting pairs.
+    pub n_blocks: usize,
+    /// Bytes the plan moves: pages × bytes per page.
+    pub total_bytes: u64,
+}
+
+/// A finished plan's size (the columns hold `n_blocks` valid values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanSummary {
+    /// Runs contiguous on both sides.
+    pub n_runs: usize,
+    /// Blocks written.
+    pub n_blocks: usize,
+    /// Bytes moved.
+    pub total_bytes: u64,
+}
+
+/// An owned plan (allocating convenience over [`Template::plan_into`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Source addresses.
+    pub src_addrs: Vec<u64>,
+    /// Destination addresses.
+    pub dst_addrs: Vec<u64>,
+    /// Lengths in bytes.
+    pub lengths: Vec<u64>,
+    /// Runs contiguous on both sides.
+    pub n_runs: usize,
+    /// Bytes moved.
+    pub total_bytes: u64,
+}
+
+impl Template {
+    /// Validates a request's page indices and returns the size of its plan.
+    ///
+    /// # Errors
+    /// Unequal lengths, a negative index, an index outside any paired buffer, a repeated
+    /// destination index (when the template checks overlap) or overflow of the totals.
+    pub fn prepare<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<PlanShape> {
+        let found = scan(src, dst)?;
+        if found.n_pages > 0 {
+            // One comparison per side covers every pair: the limits are the smallest capacities.
+            if found.max_src >= self.src_limit {
+                return Err(self.out_of_range(Side::Src, src));
+            }
+            if found.max_dst >= self.dst_limit {
+                return Err(self.out_of_range(Side::Dst, dst));
+            }
+            if self.check_dst_overlap {
+                check_unique(dst)?;
+            }
+        }
+        let n_blocks = found.n_runs.checked_mul(self.emitting.len()).ok_or(PlanError::Overflow { what: "block count" })?;
+        let total_bytes = (found.n_pages as u64)
+            .checked_mul(self.bytes_per_page)
+            .ok_or(PlanError::Overflow { what: "total bytes" })?;
+        Ok(PlanShape { scan: found, n_blocks, total_bytes })
+    }
+
+    /// Plans one request into columns obtained from `make_output` once the plan size is known.
+    ///
+    /// Allocates nothing itself. `make_output` receives the validated shape and returns columns
+    /// of at least `shape.n_blocks` values each (a pooled buffer, a caller's `out=` array…).
+    ///
+    /// # Errors
+    /// As [`Template::prepare`], whatever `make_output` returns, [`PlanError::OutputTooSmall`],
+    /// or an index that changed between validation and emission (inputs mutated concurrently).
+    pub fn plan_into<'o, S: PageIndex, D: PageIndex, O>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+    ) -> Result<(O, PlanSummary)>
+    where
+        O: AsColumns<'o>,
+    {
+        let shape = self.prepare(src, dst)?;
+        let mut output = make_output(&shape)?;
+        let summary = self.emit(src, dst, &shape, output.columns())?;
+        Ok((output, summary))
+    }
+
+    fn emit<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D], shape: &PlanShape, out: Columns<'_>) -> Result<PlanSummary> {
+        let pairs = &self.emitting;
+        if out.capacity() < shape.n_blocks {
+            return Err(PlanError::OutputTooSmall { have: out.capacity(), need: shape.n_blocks });
+        }
+        if pairs.is_empty() || shape.scan.n_pages == 0 {
+            return Ok(PlanSummary { n_runs: shape.scan.n_runs, n_blocks: 0, total_bytes: shape.total_bytes });
+        }
+        let runs = write_bounded_runs(src, dst, self.src_limit, self.dst_limit, out.src_addrs, out.dst_addrs, out.lengths)?;
+        if runs != shape.scan.n_runs {
+            return Err(PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() });
+        }
+        for (p, pair) in pairs.iter().enumerate().rev() {
+            expand_pair(pair, runs, p * runs, out.src_addrs, out.dst_addrs, out.lengths);
+        }
+        Ok(PlanSummary { n_runs: runs, n_blocks: runs * pairs.len(), total_bytes: shape.total_bytes })
+    }
+
+    /// Allocating convenience: plans one request into freshly allocated columns.
+    ///
+    /// # Errors
+    /// As [`Template::plan_into`].
+    pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
+        let (buffer, summary) = self.plan_into(src, dst, |shape| Ok(FlatBuffer::zeroed(shape.n_blocks)))?;
+        let FlatBuffer { mut data, capacity } = buffer;
+        let n = summary.n_blocks;
+        let lengths = data[2 * capacity..2 * capacity + n].to_vec();
+        let dst_addrs = data[capacity..capacity + n].to_vec();
+        data.truncate(n);
+        Ok(Plan { src_addrs: data, dst_addrs, lengths, n_runs: summary.n_runs, total_bytes: summary.total_bytes })
+    }
+
+    /// Plans one per-request state slot: one block per state pair,
+    /// `(src_base + item_len*src_slot, dst_base + item_len*dst_slot, item_len)`.
+    ///
+    /// # Errors
+    /// A negative slot or one outside a paired buffer's capacity; [`PlanError::OutputTooSmall`].
+    pub fn plan_state_into(&self, src_slot: i64, dst_slot: i64, out: Columns<'_>) -> Result<usize> {
+        let pairs = &self.state_pairs;
+        if out.capacity() < pairs.len() {
+            return Err(PlanError::OutputTooSmall { have: out.capacity(), need: pairs.len() });
+        }
+        for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
+            if slot < 0 {
+                return Err(PlanError::NegativeIndex { side, index: slot, position: 0 });
+            }
+        }
+        let (s, d) = (src_slot as u64, dst_slot as u64);
+        for (k, pair) in pairs.iter().enumerate() {
+            if s >= pair.src_capacity {
+                return Err(self.state_out_of_range(Side::Src, src_slot, pair));
+            }
+            if d >= pair.dst_capacity {
+                return Err(self.state_out_of_range(Side::Dst, dst_slot, pair));
+            }
+            // In bounds, so the layout's base + len check rules out overflow.
+            out.src_addrs[k] = pair.src_base + s * pair.item_len;
+            out.dst_addrs[k] = pair.dst_base + d * pair.item_len;
+            out.lengths[k] = pair.item_len;
+        }
+        Ok(pairs.len())
+    }
+
+    fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+        // Report the first position that breaks the first pair it does not fit.
+        for pair in &self.emitting {
+            let capacity = if side == Side::Src { pair.src_capacity } else { pair.dst_capacity };
+            if let Some((position, index)) = values.iter().map(|v| v.get()).enumerate().find(|&(_, v)| v as u64 >= capacity) {
+                let entry = if side == Side::Src { pair.src_entry } else { pair.dst_entry };
+                return PlanError::IndexOutOfRange {
+                    side,
+                    index,
+                    position,
+                    capacity,
+                    entry,
+                    label: self.entry_label(side, entry),
+                    item_len: pair.item_len,
+                };
+            }
+        }
+        PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() }
+    }
+
+    fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
+        let (capacity, entry) = if side == Side::Src { (pair.src_capacity, pair.src_entry) } else { (pair.dst_capacity, pair.dst_entry) };
+        PlanError::IndexOutOfRange {
+            side,
+            index: slot,
+            position: 0,
+            capacity,
+            entry,
+            label: self.entry_label(side, entry),
+            item_len: pair.item_len,
+        }
+    }
+}
+
+/// Something that lends three output columns (a pooled flat buffer, borrowed numpy rows…).
+pub trait AsColumns<'o> {
+    /// The columns.
+    fn columns(&mut self) -> Columns<'_>;
+}
+
+impl<'o> AsColumns<'o> for Columns<'o> {
+    fn columns(&mut self) -> Columns<'_> {
+        Columns { src_addrs: self.src_addrs, dst_addrs: self.dst_addrs, lengths: self.lengths }
+    }
+}
+
+/// One owned allocation holding three columns of `capacity` values back to back.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FlatBuffer {
+    /// `3 * capacity` values: sources, then destinations, then lengths.
+    pub data: Vec<u64>,
+    /// Values per column.
+    pub capacity: usize,
+}
+
+impl FlatBuffer {
+    /// A zero-filled buffer of `capacity` values per column.
+    pub fn zeroed(capacity: usize) -> Self {
+        Self { data: vec![0; capacity.saturating_mul(3)], capacity }
+    }
+}
+
+impl AsColumns<'_> for FlatBuffer {
+    fn columns(&mut self) -> Columns<'_> {
+        Columns::from_flat(&mut self.data, self.capacity)
+    }
+}
+
+/// Writes runs as page indices into the first slots, rechecking every index against the
+/// limits so that inputs mutated after validation cannot produce an out-of-bounds address.
+fn write_bounded_runs<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    src_limit: u64,
+    dst_limit: u64,
+    src_starts: &mut [u64],
+    dst_starts: &mut [u64],
+    lengths: &mut [u64],
+) -> Result<usize> {
+    let changed = || PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() };
+    let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
+    let mut n = 0usize;
+    let (mut prev_src, mut prev_dst) = (u64::MAX, u64::MAX);
+    for (&s, &d) in src.iter().zip(dst) {
+        // `as u64` maps a negative value to a huge one, which the limit check then rejects.
+        let (s, d) = (s.get() as u64, d.get() as u64);
+        if s >= src_limit || d >= dst_limit {
+            return Err(changed());
+        }
+        if n > 0 && s == prev_src.wrapping_add(1) && d == prev_dst.wrapping_add(1) {
+            lengths[n - 1] += 1;
+        } else {
+            if n == capacity {
+                return Err(changed());
+            }
+            src_starts[n] = s;
+            dst_starts[n] = d;
+            lengths[n] = 1;
+            n += 1;
+        }
+        prev_src = s;
+        prev_dst = d;
+    }
+    Ok(n)
+}
+
+/// Expands one pair's blocks from the runs stored in slots `0..runs` into `offset..offset+runs`.
+/// For `offset == 0` this is in place (each slot is read before it is written).
+fn expand_pair(pair: &PairSpec, runs: usize, offset: usize, src_col: &mut [u64], dst_col: &mut [u64], len_col: &mut [u64]) {
+    let item = pair.item_len;
+    let column = |col: &mut [u64], base: u64, scale_only: bool| {
+        let map = |x: u64| if scale_only { x * item } else { base + x * item };
+        if offset == 0 {
+            col[..runs].iter_mut().for_each(|x| *x = map(*x));
+        } else {
+            let (head, tail) = col.split_at_mut(offset);
+            tail[..runs].iter_mut().zip(&head[..runs]).for_each(|(out, &x)| *out = map(x));
+        }
+    };
+    column(src_col, pair.src_base, false);
+    column(dst_col, pair.dst_base, false);
+    column(len_col, 0, true);
+}
+
+fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
+    // Only when the template asks for it: this is the one allocating check.
+    let mut seen: Vec<(i64, usize)> = dst.iter().map(|v| v.get()).zip(0..).collect();
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(PlanError::DuplicateDestination { index: w[0].0, first: w[0].1, second: w[1].1 }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{Layout, LayoutContext};
+    use crate::template::TemplateOptions;
+
+    fn template(src: &Layout, dst: &Layout) -> Template {
+        Template::new(src, dst, TemplateOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn e10_mla_flat() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
+        let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
+        let plan = template(&src, &dst).plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3]).unwrap();
+        assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
+        assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
+        assert_eq!(plan.lengths, vec![192, 64, 192, 64]);
+        assert_eq!((plan.n_runs, plan.total_bytes), (2, 512));
+    }
+
+    #[test]
+    fn index_past_capacity_is_rejected_with_values() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let err = template(&src, &dst).plan(&[0i64, 4], &[0i64, 1]).unwrap_err();
+        assert!(matches!(err, PlanError::IndexOutOfRange { side: Side::Src, index: 4, position: 1, capacity: 4, .. }), "{err}");
+    }
+
+    #[test]
+    fn state_slot_e17() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![], vec![], vec![], None, ctx()).unwrap().with_state("mamba", vec![1000], vec![160], vec![16], vec![7]).unwrap();
+        let dst = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state("mamba", vec![2000, 3000], vec![80, 160], vec![8, 16], vec![3, 7])
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(1);
+        let n = t.plan_state_into(2, 3, buf.columns()).unwrap();
+        assert_eq!((n, buf.data), (1, vec![1032, 3048, 16]));
+    }
+}

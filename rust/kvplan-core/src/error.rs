@@ -1,0 +1,116 @@
+//! The one error type of the core. Messages reach Python users verbatim, so they say what was
+//! wrong and with which values.
+
+/// Which side of a transfer a value belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The prefill (source) peer.
+    Src,
+    /// The decode (destination) peer.
+    Dst,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Src => "src",
+            Side::Dst => "dst",
+        })
+    }
+}
+
+/// Broad class of an error, so bindings can pick an exception type without matching every variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Entries could not be paired.
+    Pairing,
+    /// An index lies outside its buffer.
+    IndexBounds,
+    /// Paired entries disagree on item size.
+    SizeMismatch,
+    /// A layout is malformed.
+    Layout,
+    /// Anything else (lengths, overflow, output buffers, wire data).
+    Other,
+}
+
+/// Why a layout, template or plan could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    #[error("src has {src} indices but dst has {dst}; index arrays must have equal length")]
+    LengthMismatch { src: usize, dst: usize },
+    #[error("{side} index {index} at position {position} is negative")]
+    NegativeIndex { side: Side, index: i64, position: usize },
+    #[error(
+        "{side} index {index} at position {position} is outside 0..{capacity} of {side} entry {entry} ({label}, item_len {item_len})"
+    )]
+    IndexOutOfRange { side: Side, index: i64, position: usize, capacity: u64, entry: usize, label: String, item_len: u64 },
+    #[error("dst index {index} appears at positions {first} and {second}: a destination item would be written twice")]
+    DuplicateDestination { index: i64, first: usize, second: usize },
+    #[error("Layer metadata must be provided by both PD peers or neither (src has {src_ids} ids, dst has {dst_ids})")]
+    OneSidedMetadata { src_ids: usize, dst_ids: usize },
+    #[error(
+        "Layer metadata length must match transfer entries: src metadata={src_ids} entries={n_src}, dst metadata={dst_ids} entries={n_dst}"
+    )]
+    MetadataLength { src_ids: usize, n_src: usize, dst_ids: usize, n_dst: usize },
+    #[error("role metadata length must match transfer entries: {side} roles={roles} entries={entries}")]
+    RoleLength { side: Side, roles: usize, entries: usize },
+    #[error("Decode peer is missing a transfer entry for model layer {layer}{role} (src entry {src_entry}, occurrence {occurrence})")]
+    MissingLayer { layer: i64, role: String, src_entry: usize, occurrence: usize },
+    #[error("PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries")]
+    PositionalCount { n_src: usize, n_dst: usize },
+    #[error("legacy positional slicing: {reason}")]
+    LegacySlice { reason: String },
+    #[error(
+        "item size mismatch for layer {layer} role {role}: src entry {src_entry} has item_len {src_item_len} bytes, dst entry {dst_entry} has {dst_item_len} bytes"
+    )]
+    SizeMismatch {
+        layer: String,
+        role: String,
+        src_entry: usize,
+        dst_entry: usize,
+        src_item_len: u64,
+        dst_item_len: u64,
+    },
+    #[error("layout list {field} has {len} values but data_ptrs has {expected}")]
+    ListLength { field: &'static str, len: usize, expected: usize },
+    #[error("entry {entry}: base address {base:#x} + {len} bytes overflows u64")]
+    BufferOverflow { entry: usize, base: u64, len: u64 },
+    #[error("{entries} buffers are not a whole multiple of {layers} layers (groups per layer would be {entries}/{layers}); refusing to truncate")]
+    GroupsNotWhole { entries: usize, layers: usize },
+    #[error("{what}")]
+    InvalidLayout { what: String },
+    #[error("address arithmetic overflowed u64 while computing {what}")]
+    Overflow { what: &'static str },
+    #[error("output buffer holds {have} blocks but the plan needs {need}")]
+    OutputTooSmall { have: usize, need: usize },
+    #[error("wire data: {what}")]
+    Wire { what: String },
+}
+
+impl PlanError {
+    /// The broad class of this error (used to choose a Python exception type).
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            PlanError::OneSidedMetadata { .. }
+            | PlanError::MetadataLength { .. }
+            | PlanError::RoleLength { .. }
+            | PlanError::MissingLayer { .. }
+            | PlanError::PositionalCount { .. }
+            | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
+            PlanError::NegativeIndex { .. }
+            | PlanError::IndexOutOfRange { .. }
+            | PlanError::DuplicateDestination { .. } => ErrorClass::IndexBounds,
+            PlanError::SizeMismatch { .. } => ErrorClass::SizeMismatch,
+            PlanError::ListLength { .. }
+            | PlanError::BufferOverflow { .. }
+            | PlanError::GroupsNotWhole { .. }
+            | PlanError::InvalidLayout { .. } => ErrorClass::Layout,
+            _ => ErrorClass::Other,
+        }
+    }
+}
+
+/// Shorthand used across the crate.
+pub type Result<T> = std::result::Result<T, PlanError>;

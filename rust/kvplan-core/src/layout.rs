@@ -1,0 +1,462 @@
+//! A peer's registered transfer entries (its layout) and constructors for the pool shapes
+//! serving engines use: MLA, MHA (K block then V block), hybrid-linear, NPU buffer groups,
+//! draft entries and per-request state entries.
+
+use crate::error::{PlanError, Result};
+
+/// Whether an entry is indexed by KV page or by per-request state slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EntryKind {
+    /// Indexed by page (KV cache); planned by [`crate::Template::plan_into`].
+    Page,
+    /// Indexed by a per-request slot (Mamba conv/temporal state); planned by `plan_state`.
+    State,
+}
+
+impl EntryKind {
+    /// The name used in Python and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EntryKind::Page => "page",
+            EntryKind::State => "state",
+        }
+    }
+
+    /// Parses [`EntryKind::as_str`] output.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for any other string.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "page" => Ok(EntryKind::Page),
+            "state" => Ok(EntryKind::State),
+            other => Err(PlanError::InvalidLayout { what: format!("unknown entry kind {other:?}; expected \"page\" or \"state\"") }),
+        }
+    }
+}
+
+/// Everything about a peer that is not per entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutContext {
+    /// Tokens per page.
+    pub page_size: u64,
+    /// `cpu`, `cuda` or `npu`.
+    pub device: String,
+    /// Layers of the whole model (not just this PP stage), when known.
+    pub num_model_layers: Option<u64>,
+    /// Pipeline-parallel rank of this peer.
+    pub pp_rank: u32,
+    /// Pipeline-parallel size.
+    pub pp_size: u32,
+    /// Tensor-parallel rank of this peer.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+}
+
+impl Default for LayoutContext {
+    fn default() -> Self {
+        Self { page_size: 1, device: "cpu".into(), num_model_layers: None, pp_rank: 0, pp_size: 1, tp_rank: 0, tp_size: 1 }
+    }
+}
+
+/// The raw parallel lists a layout is built from (SGLang's `KVArgs` registration lists plus
+/// roles and kinds).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayoutParts {
+    /// Base address of each buffer.
+    pub data_ptrs: Vec<u64>,
+    /// Bytes of each buffer.
+    pub data_lens: Vec<u64>,
+    /// Bytes of one page or slot of each buffer (the stride between consecutive indices).
+    pub item_lens: Vec<u64>,
+    /// Global layer id per entry (`None` = not published for that entry).
+    pub layer_ids: Vec<Option<i64>>,
+    /// Role per entry (`""` = not published).
+    pub roles: Vec<String>,
+    /// Kind per entry.
+    pub kinds: Vec<EntryKind>,
+}
+
+/// A validated, immutable list of one peer's transfer entries plus its context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    parts: LayoutParts,
+    context: LayoutContext,
+}
+
+impl Layout {
+    /// Validates `parts` and builds a layout.
+    ///
+    /// Empty `layer_ids`, `roles` or `kinds` mean "none published" / "all pages". Within each
+    /// entry kind, ids and roles are all-or-none, so that pairing can tell whether a peer
+    /// publishes them.
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`], [`PlanError::BufferOverflow`] or [`PlanError::InvalidLayout`].
+    pub fn new(mut parts: LayoutParts, context: LayoutContext) -> Result<Self> {
+        let n = parts.data_ptrs.len();
+        if parts.layer_ids.is_empty() {
+            parts.layer_ids = vec![None; n];
+        }
+        if parts.roles.is_empty() {
+            parts.roles = vec![String::new(); n];
+        }
+        if parts.kinds.is_empty() {
+            parts.kinds = vec![EntryKind::Page; n];
+        }
+        for (field, len) in [
+            ("data_lens", parts.data_lens.len()),
+            ("item_lens", parts.item_lens.len()),
+            ("layer_ids", parts.layer_ids.len()),
+            ("roles", parts.roles.len()),
+            ("kinds", parts.kinds.len()),
+        ] {
+            if len != n {
+                return Err(PlanError::ListLength { field, len, expected: n });
+            }
+        }
+        for (entry, (&base, &len)) in parts.data_ptrs.iter().zip(&parts.data_lens).enumerate() {
+            if base.checked_add(len).is_none() {
+                return Err(PlanError::BufferOverflow { entry, base, len });
+            }
+        }
+        if context.page_size == 0 {
+            return Err(invalid("page_size must be at least 1".into()));
+        }
+        if context.pp_size == 0 || context.pp_rank >= context.pp_size {
+            return Err(invalid(format!("pp_rank {} must be below pp_size {}", context.pp_rank, context.pp_size)));
+        }
+        if context.tp_size == 0 || context.tp_rank >= context.tp_size {
+            return Err(invalid(format!("tp_rank {} must be below tp_size {}", context.tp_rank, context.tp_size)));
+        }
+        for kind in [EntryKind::Page, EntryKind::State] {
+            let of_kind: Vec<usize> = (0..n).filter(|&i| parts.kinds[i] == kind).collect();
+            let with_ids = of_kind.iter().filter(|&&i| parts.layer_ids[i].is_some()).count();
+            let with_roles = of_kind.iter().filter(|&&i| !parts.roles[i].is_empty()).count();
+            let total = of_kind.len();
+            if with_ids != 0 && with_ids != total {
+                return Err(invalid(format!(
+                    "{with_ids} of {total} {} entries have a layer id; publish ids for all of them or none",
+                    kind.as_str()
+                )));
+            }
+            if with_roles != 0 && with_roles != total {
+                return Err(invalid(format!(
+                    "{with_roles} of {total} {} entries have a role; publish roles for all of them or none",
+                    kind.as_str()
+                )));
+            }
+        }
+        Ok(Self { parts, context })
+    }
+
+    /// Number of entries.
+    pub fn n_entries(&self) -> usize {
+        self.parts.data_ptrs.len()
+    }
+
+    /// The validated lists.
+    pub fn parts(&self) -> &LayoutParts {
+        &self.parts
+    }
+
+    /// The peer context.
+    pub fn context(&self) -> &LayoutContext {
+        &self.context
+    }
+
+    /// How many items (pages or slots) entry `i` holds; 0 for an elided entry (`item_len == 0`).
+    pub fn capacity(&self, i: usize) -> u64 {
+        self.parts.data_lens[i].checked_div(self.parts.item_lens[i]).unwrap_or(0)
+    }
+
+    /// The entry's layer id as text (`"?"` when unpublished), for messages.
+    pub fn layer_label(&self, i: usize) -> String {
+        self.parts.layer_ids[i].map_or_else(|| format!("?(entry {i})"), |id| id.to_string())
+    }
+
+    /// The entry's role as text (`"-"` when unpublished), for messages.
+    pub fn role_label(&self, i: usize) -> String {
+        let role = &self.parts.roles[i];
+        if role.is_empty() { "-".into() } else { role.clone() }
+    }
+
+    /// Indices of the entries of one kind, in layout order.
+    pub fn entries_of_kind(&self, kind: EntryKind) -> Vec<usize> {
+        (0..self.n_entries()).filter(|&i| self.parts.kinds[i] == kind).collect()
+    }
+
+    /// One `kv` entry per layer (MLA latent buffers).
+    ///
+    /// # Errors
+    /// As [`Layout::new`].
+    pub fn mla(
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: Vec<u64>,
+        layer_ids: Option<Vec<i64>>,
+        context: LayoutContext,
+    ) -> Result<Self> {
+        let n = data_ptrs.len();
+        let layer_ids = layer_ids.map_or_else(Vec::new, |ids| ids.into_iter().map(Some).collect());
+        let parts = LayoutParts { data_ptrs, data_lens, item_lens, layer_ids, roles: vec!["kv".into(); n], kinds: vec![] };
+        Self::new(parts, context)
+    }
+
+    /// All K entries, then all V entries (roles `k` then `v`); ids are repeated K block then V
+    /// block. K and V item lengths may differ.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] when K and V lists differ in length; otherwise as [`Layout::new`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn mha(
+        k_ptrs: Vec<u64>,
+        v_ptrs: Vec<u64>,
+        k_data_lens: Vec<u64>,
+        v_data_lens: Vec<u64>,
+        k_item_lens: Vec<u64>,
+        v_item_lens: Vec<u64>,
+        layer_ids: Option<Vec<i64>>,
+        context: LayoutContext,
+    ) -> Result<Self> {
+        let layers = k_ptrs.len();
+        if v_ptrs.len() != layers {
+            return Err(invalid(format!("MHA layout needs one V entry per K entry: {} K, {} V", layers, v_ptrs.len())));
+        }
+        if let Some(ids) = &layer_ids
+            && ids.len() != layers
+        {
+            return Err(PlanError::ListLength { field: "layer_ids", len: ids.len(), expected: layers });
+        }
+        let concat = |a: Vec<u64>, b: Vec<u64>| a.into_iter().chain(b).collect::<Vec<_>>();
+        let layer_ids = layer_ids.map_or_else(Vec::new, |ids| ids.iter().chain(&ids).copied().map(Some).collect());
+        let roles = std::iter::repeat_n("k", layers).chain(std::iter::repeat_n("v", layers)).map(String::from).collect();
+        let parts = LayoutParts {
+            data_ptrs: concat(k_ptrs, v_ptrs),
+            data_lens: concat(k_data_lens, v_data_lens),
+            item_lens: concat(k_item_lens, v_item_lens),
+            layer_ids,
+            roles,
+            kinds: vec![],
+        };
+        Self::new(parts, context)
+    }
+
+    /// Hybrid-linear pool: only full-attention layers carry KV, published under their global ids
+    /// (strictly increasing). MLA: one entry per full-attention layer; MHA: K entries then V
+    /// entries.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for unsorted ids or a pointer count that does not match.
+    pub fn hybrid_linear(
+        full_attention_layer_ids: Vec<i64>,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: Vec<u64>,
+        mla: bool,
+        context: LayoutContext,
+    ) -> Result<Self> {
+        if full_attention_layer_ids.windows(2).any(|w| w[0] >= w[1]) || full_attention_layer_ids.first().is_some_and(|&x| x < 0) {
+            return Err(invalid(format!(
+                "full-attention layer ids must be non-negative and strictly increasing, got {full_attention_layer_ids:?}"
+            )));
+        }
+        let layers = full_attention_layer_ids.len();
+        let per_layer = if mla { 1 } else { 2 };
+        if data_ptrs.len() != layers * per_layer {
+            return Err(invalid(format!(
+                "hybrid-linear {} pool with {layers} full-attention layers needs {} buffers, got {}",
+                if mla { "MLA" } else { "MHA" },
+                layers * per_layer,
+                data_ptrs.len()
+            )));
+        }
+        if mla {
+            return Self::mla(data_ptrs, data_lens, item_lens, Some(full_attention_layer_ids), context);
+        }
+        let split = |mut v: Vec<u64>| {
+            let tail = v.split_off(layers.min(v.len()));
+            (v, tail)
+        };
+        let (k_ptrs, v_ptrs) = split(data_ptrs);
+        let (k_lens, v_lens) = split(data_lens);
+        let (k_items, v_items) = split(item_lens);
+        Self::mha(k_ptrs, v_ptrs, k_lens, v_lens, k_items, v_items, Some(full_attention_layer_ids), context)
+    }
+
+    /// NPU pool with G buffer groups per layer, group-major (`[g0 per layer…, g1 per layer…]`);
+    /// each layer id is published once per group. A buffer count that is not a whole multiple
+    /// of the layer count is an error, never a truncation (seed risk R1).
+    ///
+    /// # Errors
+    /// [`PlanError::GroupsNotWhole`], or [`PlanError::InvalidLayout`] for bad group roles.
+    pub fn npu_groups(
+        layer_ids: Vec<i64>,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: Vec<u64>,
+        group_roles: Option<Vec<String>>,
+        context: LayoutContext,
+    ) -> Result<Self> {
+        let (entries, layers) = (data_ptrs.len(), layer_ids.len());
+        if layers == 0 || entries == 0 || entries % layers != 0 {
+            return Err(PlanError::GroupsNotWhole { entries, layers });
+        }
+        let groups = entries / layers;
+        let group_roles = group_roles.unwrap_or_else(|| (0..groups).map(|g| format!("g{g}")).collect());
+        if group_roles.len() != groups || group_roles.iter().any(String::is_empty) {
+            return Err(invalid(format!("{groups} buffer groups need {groups} non-empty group roles, got {group_roles:?}")));
+        }
+        let roles = group_roles.iter().flat_map(|r| std::iter::repeat_n(r.clone(), layers)).collect();
+        let ids = (0..groups).flat_map(|_| layer_ids.iter().copied().map(Some)).collect();
+        Self::new(LayoutParts { data_ptrs, data_lens, item_lens, layer_ids: ids, roles, kinds: vec![] }, context)
+    }
+
+    /// Appends draft (speculative decoding) KV entries. Raw draft layer ids are remapped into
+    /// the band above the model: each distinct raw id, numbered by first appearance, becomes
+    /// `num_hidden_layers + number` (SGLang 0.5.23), so K and V of one draft layer share an id.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] when this layout publishes no page ids, or on list lengths.
+    pub fn with_draft(
+        &self,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: Vec<u64>,
+        draft_layer_ids: &[i64],
+        num_hidden_layers: i64,
+        roles: Option<Vec<String>>,
+    ) -> Result<Self> {
+        let n = data_ptrs.len();
+        if draft_layer_ids.len() != n {
+            return Err(invalid(format!(
+                "Draft KV layer ids must cover every registered entry: ids={}, entries={n}",
+                draft_layer_ids.len()
+            )));
+        }
+        let pages = self.entries_of_kind(EntryKind::Page);
+        if !pages.is_empty() && self.parts.layer_ids[pages[0]].is_none() {
+            return Err(invalid("draft entries are published in the id band above the model; this layout publishes no layer ids".into()));
+        }
+        let mut band: Vec<i64> = Vec::new();
+        let mut ids = Vec::with_capacity(n);
+        for &raw in draft_layer_ids {
+            let number = band.iter().position(|&x| x == raw).unwrap_or_else(|| {
+                band.push(raw);
+                band.len() - 1
+            });
+            let id = num_hidden_layers
+                .checked_add(number as i64)
+                .ok_or(PlanError::Overflow { what: "draft layer id band" })?;
+            ids.push(Some(id));
+        }
+        let has_roles = pages.first().is_some_and(|&i| !self.parts.roles[i].is_empty());
+        let draft_roles = match roles {
+            Some(r) if r.len() != n => return Err(PlanError::ListLength { field: "roles", len: r.len(), expected: n }),
+            Some(r) => r.into_iter().map(|x| format!("draft_{x}")).collect(),
+            None if has_roles || pages.is_empty() => vec!["draft".to_string(); n],
+            None => vec![String::new(); n],
+        };
+        self.appended(LayoutParts { data_ptrs, data_lens, item_lens, layer_ids: ids, roles: draft_roles, kinds: vec![EntryKind::Page; n] })
+    }
+
+    /// Appends per-request state entries (kind `state`, role = `name`), e.g. Mamba conv or
+    /// temporal state with one slot per request.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for an empty name; otherwise as [`Layout::new`].
+    pub fn with_state(
+        &self,
+        name: &str,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: Vec<u64>,
+        layer_ids: Vec<i64>,
+    ) -> Result<Self> {
+        if name.is_empty() {
+            return Err(invalid("state entries need a non-empty name (e.g. \"mamba_conv\")".into()));
+        }
+        let n = data_ptrs.len();
+        if layer_ids.len() != n {
+            return Err(PlanError::ListLength { field: "layer_ids", len: layer_ids.len(), expected: n });
+        }
+        let extra = LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens,
+            layer_ids: layer_ids.into_iter().map(Some).collect(),
+            roles: vec![name.to_string(); n],
+            kinds: vec![EntryKind::State; n],
+        };
+        self.appended(extra)
+    }
+
+    fn appended(&self, extra: LayoutParts) -> Result<Self> {
+        let n = extra.data_ptrs.len();
+        for (field, len) in [("data_lens", extra.data_lens.len()), ("item_lens", extra.item_lens.len())] {
+            if len != n {
+                return Err(PlanError::ListLength { field, len, expected: n });
+            }
+        }
+        let mut parts = self.parts.clone();
+        parts.data_ptrs.extend(extra.data_ptrs);
+        parts.data_lens.extend(extra.data_lens);
+        parts.item_lens.extend(extra.item_lens);
+        parts.layer_ids.extend(extra.layer_ids);
+        parts.roles.extend(extra.roles);
+        parts.kinds.extend(extra.kinds);
+        Self::new(parts, self.context.clone())
+    }
+}
+
+fn invalid(what: String) -> PlanError {
+    PlanError::InvalidLayout { what }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> LayoutContext {
+        LayoutContext::default()
+    }
+
+    #[test]
+    fn mha_orders_k_then_v() {
+        let l = Layout::mha(vec![1, 2], vec![3, 4], vec![10; 2], vec![20; 2], vec![5; 2], vec![10; 2], Some(vec![3, 7]), ctx()).unwrap();
+        assert_eq!(l.parts().data_ptrs, vec![1, 2, 3, 4]);
+        assert_eq!(l.parts().layer_ids, vec![Some(3), Some(7), Some(3), Some(7)]);
+        assert_eq!(l.parts().roles, vec!["k", "k", "v", "v"]);
+        assert_eq!(l.capacity(3), 2);
+    }
+
+    #[test]
+    fn npu_groups_refuse_truncation() {
+        let l = Layout::npu_groups(vec![3, 7], vec![1, 2, 3, 4, 5, 6], vec![8; 6], vec![4; 6], None, ctx()).unwrap();
+        assert_eq!(l.parts().layer_ids.iter().map(|x| x.unwrap()).collect::<Vec<_>>(), vec![3, 7, 3, 7, 3, 7]);
+        assert_eq!(
+            Layout::npu_groups(vec![3, 7], vec![1, 2, 3, 4, 5], vec![8; 5], vec![4; 5], None, ctx()),
+            Err(PlanError::GroupsNotWhole { entries: 5, layers: 2 })
+        );
+    }
+
+    #[test]
+    fn draft_band_remap() {
+        let base = Layout::mla(vec![1], vec![8], vec![8], Some(vec![0]), ctx()).unwrap();
+        let l = base.with_draft(vec![2; 6], vec![8; 6], vec![8; 6], &[0, 1, 2, 0, 1, 2], 48, None).unwrap();
+        let ids: Vec<i64> = l.parts().layer_ids[1..].iter().map(|x| x.unwrap()).collect();
+        assert_eq!(ids, vec![48, 49, 50, 48, 49, 50]);
+        let l = base.with_draft(vec![2; 4], vec![8; 4], vec![8; 4], &[5, 2, 5, 2], 48, None).unwrap();
+        let ids: Vec<i64> = l.parts().layer_ids[1..].iter().map(|x| x.unwrap()).collect();
+        assert_eq!(ids, vec![48, 49, 48, 49]);
+    }
+
+    #[test]
+    fn list_lengths_and_overflow_are_checked() {
+        let parts = LayoutParts { data_ptrs: vec![1, 2], data_lens: vec![1], item_lens: vec![1, 1], ..Default::default() };
+        assert_eq!(Layout::new(parts, ctx()), Err(PlanError::ListLength { field: "data_lens", len: 1, expected: 2 }));
+        let parts = LayoutParts { data_ptrs: vec![u64::MAX], data_lens: vec![2], item_lens: vec![1], ..Default::default() };
+        assert!(matches!(Layout::new(parts, ctx()), Err(PlanError::BufferOverflow { .. })));
+    }
+}

@@ -1,0 +1,20 @@
+//! kvplan core: plans KV-cache transfers between a prefill peer and a decode peer.
+//!
+//! Pure Rust, no Python. Data flows one way: [`Layout`]s (once per peer) → [`Template`] (once
+//! per peer pair: entries paired by global layer id and validated) → per-request plans
+//! (`(src_addr, dst_addr, length)` columns) → a transfer engine.
+#![forbid(unsafe_code)]
+
+pub mod emit;
+pub mod error;
+pub mod layout;
+pub mod pairing;
+pub mod runs;
+pub mod template;
+
+pub use emit::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
+pub use error::{ErrorClass, PlanError, Result, Side};
+pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+pub use pairing::{EntryMetadata, EntryPair, LegacyKind, legacy_pp_pairs, pair_entries};
+pub use runs::{PageIndex, RunScan, group_contiguous};
+pub use template::{PairSpec, Template, TemplateOptions};

@@ -1,0 +1,269 @@
+//! Pairing source transfer entries with destination entries.
+//!
+//! Identity pairing (by global layer id, and by role when both peers publish roles) is the
+//! default: it is SGLang's `build_transfer_entry_pairs`, FIFO on repeated ids, extra decode
+//! entries allowed. Positional pairing exists for legacy peers that publish no ids, in two
+//! forms: SGLang's flat fallback ([`pair_entries`] with `allow_positional_fallback`) and the
+//! pipeline-parallel slicing by `prefill_start_layer` ([`legacy_pp_pairs`]), made strict.
+
+use std::collections::HashMap;
+
+use crate::error::{PlanError, Result, Side};
+
+/// One pair: `[src_entry_index, dst_entry_index]`.
+pub type EntryPair = [usize; 2];
+
+/// Layer ids and (optionally) roles published by one peer for its entries.
+#[derive(Debug, Clone, Copy)]
+pub struct EntryMetadata<'a> {
+    /// Global layer id per entry; `None` or empty means "not published".
+    pub layer_ids: Option<&'a [i64]>,
+    /// Role per entry (`k`, `v`, `kv`, a state name…); `None` means "not published".
+    pub roles: Option<&'a [String]>,
+    /// Number of entries.
+    pub n_entries: usize,
+}
+
+impl<'a> EntryMetadata<'a> {
+    /// Metadata with ids only.
+    pub fn ids(layer_ids: Option<&'a [i64]>, n_entries: usize) -> Self {
+        Self { layer_ids, roles: None, n_entries }
+    }
+
+    fn published_ids(&self) -> Option<&'a [i64]> {
+        self.layer_ids.filter(|ids| !ids.is_empty())
+    }
+}
+
+/// Pairs every source entry with a destination entry.
+///
+/// Same pairs and the same error conditions as SGLang's `build_transfer_entry_pairs`
+/// (sglang-semantics.md §3), plus: when both peers publish roles, the key is (layer id, role),
+/// so a K entry can never pair with a V entry.
+///
+/// # Errors
+/// [`PlanError::OneSidedMetadata`], [`PlanError::MetadataLength`], [`PlanError::RoleLength`],
+/// [`PlanError::MissingLayer`] or [`PlanError::PositionalCount`].
+pub fn pair_entries(
+    src: EntryMetadata<'_>,
+    dst: EntryMetadata<'_>,
+    allow_positional_fallback: bool,
+) -> Result<Vec<EntryPair>> {
+    if src.n_entries == 0 {
+        return Ok(Vec::new());
+    }
+    match (src.published_ids(), dst.published_ids()) {
+        (Some(src_ids), Some(dst_ids)) => pair_by_identity(src_ids, dst_ids, src, dst),
+        (None, None) => pair_positionally(src.n_entries, dst.n_entries, allow_positional_fallback),
+        // One-sided ids with fallback: SGLang treats both sides as unpublished.
+        _ if allow_positional_fallback => pair_positionally(src.n_entries, dst.n_entries, true),
+        (one, other) => Err(PlanError::OneSidedMetadata {
+            src_ids: one.map_or(0, <[i64]>::len),
+            dst_ids: other.map_or(0, <[i64]>::len),
+        }),
+    }
+}
+
+fn pair_positionally(n_src: usize, n_dst: usize, allow_fallback: bool) -> Result<Vec<EntryPair>> {
+    if n_dst < n_src || (n_src != n_dst && !allow_fallback) {
+        return Err(PlanError::PositionalCount { n_src, n_dst });
+    }
+    Ok((0..n_src).map(|i| [i, i]).collect())
+}
+
+fn pair_by_identity(
+    src_ids: &[i64],
+    dst_ids: &[i64],
+    src: EntryMetadata<'_>,
+    dst: EntryMetadata<'_>,
+) -> Result<Vec<EntryPair>> {
+    if src_ids.len() != src.n_entries || dst_ids.len() != dst.n_entries {
+        return Err(PlanError::MetadataLength {
+            src_ids: src_ids.len(),
+            n_src: src.n_entries,
+            dst_ids: dst_ids.len(),
+            n_dst: dst.n_entries,
+        });
+    }
+    // Roles refine the key only when both peers publish them (a peer without roles is an
+    // SGLang peer, which pairs K and V purely by occurrence order).
+    let (src_roles, dst_roles): (Option<&[String]>, Option<&[String]>) = match (src.roles, dst.roles) {
+        (Some(s), Some(d)) => {
+            check_role_count(Side::Src, s, src.n_entries)?;
+            check_role_count(Side::Dst, d, dst.n_entries)?;
+            (Some(s), Some(d))
+        }
+        _ => (None, None),
+    };
+    let key = |roles: Option<&[String]>, ids: &[i64], i: usize| -> (i64, Option<String>) { (ids[i], roles.map(|r| r[i].clone())) };
+
+    // FIFO queue of destination positions per key, in ascending position, with a read cursor.
+    let mut queues: HashMap<(i64, Option<String>), (Vec<usize>, usize)> = HashMap::new();
+    for j in 0..dst_ids.len() {
+        queues.entry(key(dst_roles, dst_ids, j)).or_default().0.push(j);
+    }
+    let mut pairs = Vec::with_capacity(src_ids.len());
+    for i in 0..src_ids.len() {
+        let wanted = key(src_roles, src_ids, i);
+        let next = queues.get_mut(&wanted).and_then(|(positions, cursor)| {
+            let j = positions.get(*cursor).copied();
+            *cursor += 1;
+            j
+        });
+        let Some(j) = next else {
+            let occurrence = (0..=i).filter(|&k| key(src_roles, src_ids, k) == wanted).count();
+            return Err(PlanError::MissingLayer {
+                layer: wanted.0,
+                role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
+                src_entry: i,
+                occurrence,
+            });
+        };
+        pairs.push([i, j]);
+    }
+    Ok(pairs)
+}
+
+fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> {
+    if roles.len() == entries {
+        Ok(())
+    } else {
+        Err(PlanError::RoleLength { side, roles: roles.len(), entries })
+    }
+}
+
+/// How a legacy peer lays out its entries when it publishes no layer ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegacyKind {
+    /// One entry per layer (MLA latent), optionally followed by draft entries.
+    Mla,
+    /// All K entries, then all V entries.
+    Mha,
+}
+
+/// Positional pipeline-parallel slicing for peers that publish no layer ids.
+///
+/// SGLang's `get_mla_kv_ptrs_with_pp` / `get_mha_kv_ptrs_with_pp` (sglang-semantics.md §5.1,
+/// §5.2), made strict: a slice that does not fit, an odd MHA entry count or an empty stage is an
+/// error, and the MHA V block starts at the decode's layer count (`decode_num_layers`, or half
+/// the decode entries when unknown), never at the modulo heuristic that mis-slices uneven splits.
+///
+/// # Errors
+/// [`PlanError::LegacySlice`] naming the counts involved.
+pub fn legacy_pp_pairs(
+    kind: LegacyKind,
+    n_src: usize,
+    n_dst: usize,
+    prefill_start_layer: usize,
+    num_draft_entries: usize,
+    decode_num_layers: Option<usize>,
+) -> Result<Vec<EntryPair>> {
+    let fail = |reason: String| Err(PlanError::LegacySlice { reason });
+    if n_src == 0 {
+        return Ok(Vec::new());
+    }
+    match kind {
+        LegacyKind::Mla => {
+            if n_src == n_dst {
+                // Decode PP equals prefill PP: both lists are stage-local.
+                return Ok((0..n_src).map(|i| [i, i]).collect());
+            }
+            if num_draft_entries > n_src || num_draft_entries > n_dst {
+                return fail(format!(
+                    "{num_draft_entries} draft entries but src has {n_src} and dst has {n_dst} entries"
+                ));
+            }
+            let main = n_src - num_draft_entries;
+            let dst_main = n_dst - num_draft_entries;
+            let end = prefill_start_layer.checked_add(main).unwrap_or(usize::MAX);
+            if end > dst_main {
+                return fail(format!(
+                    "prefill stage layers {prefill_start_layer}..{end} do not fit the decode's {dst_main} target entries (src={n_src}, dst={n_dst}, draft={num_draft_entries})"
+                ));
+            }
+            let target = (0..main).map(|i| [i, prefill_start_layer + i]);
+            let draft = (0..num_draft_entries).map(|k| [main + k, dst_main + k]);
+            Ok(target.chain(draft).collect())
+        }
+        LegacyKind::Mha => {
+            if n_src % 2 != 0 || n_dst % 2 != 0 {
+                return fail(format!(
+                    "MHA layouts hold K entries then V entries, so entry counts must be even (src={n_src}, dst={n_dst})"
+                ));
+            }
+            let (layers, dst_half) = (n_src / 2, n_dst / 2);
+            if layers == dst_half {
+                return Ok((0..n_src).map(|i| [i, i]).collect());
+            }
+            let decode_layers = decode_num_layers.unwrap_or(dst_half);
+            if decode_layers == 0 || decode_layers * 2 > n_dst {
+                return fail(format!("decode layer count {decode_layers} does not fit {n_dst} decode entries"));
+            }
+            let end = prefill_start_layer.checked_add(layers).unwrap_or(usize::MAX);
+            if end > decode_layers {
+                return fail(format!(
+                    "prefill stage layers {prefill_start_layer}..{end} exceed the decode's {decode_layers} layers (src={n_src}, dst={n_dst})"
+                ));
+            }
+            let k = (0..layers).map(|l| [l, prefill_start_layer + l]);
+            let v = (0..layers).map(|l| [layers + l, decode_layers + prefill_start_layer + l]);
+            Ok(k.chain(v).collect())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(src: &[i64], dst: &[i64], n_src: usize, n_dst: usize, fallback: bool) -> Result<Vec<EntryPair>> {
+        pair_entries(EntryMetadata::ids(Some(src), n_src), EntryMetadata::ids(Some(dst), n_dst), fallback)
+    }
+
+    #[test]
+    fn e4_fifo_kv() {
+        assert_eq!(pairs(&[3, 7, 3, 7], &[3, 7, 11, 3, 7, 11], 4, 6, false).unwrap(), vec![[0, 0], [1, 1], [2, 3], [3, 4]]);
+    }
+
+    #[test]
+    fn e6_positional_and_errors() {
+        assert_eq!(pairs(&[], &[], 3, 5, true).unwrap(), vec![[0, 0], [1, 1], [2, 2]]);
+        assert_eq!(pairs(&[1], &[], 1, 3, true).unwrap(), vec![[0, 0]]);
+        assert!(pairs(&[9], &[], 0, 0, false).unwrap().is_empty());
+        assert!(matches!(pairs(&[1], &[], 1, 1, false), Err(PlanError::OneSidedMetadata { .. })));
+        assert!(matches!(pairs(&[1, 2], &[1, 2, 3], 3, 3, false), Err(PlanError::MetadataLength { .. })));
+        assert!(matches!(pairs(&[1, 9], &[1, 2, 3], 2, 3, false), Err(PlanError::MissingLayer { layer: 9, .. })));
+        assert!(matches!(pairs(&[3, 3, 3], &[3, 3], 3, 2, false), Err(PlanError::MissingLayer { layer: 3, occurrence: 3, .. })));
+        assert!(matches!(pairs(&[], &[], 3, 5, false), Err(PlanError::PositionalCount { n_src: 3, n_dst: 5 })));
+        assert!(matches!(pairs(&[], &[], 5, 3, true), Err(PlanError::PositionalCount { n_src: 5, n_dst: 3 })));
+    }
+
+    #[test]
+    fn roles_keep_k_and_v_apart() {
+        let roles = |r: &[&str]| r.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let (src_roles, dst_roles) = (roles(&["v", "k"]), roles(&["k", "v"]));
+        let src = EntryMetadata { layer_ids: Some(&[3, 3]), roles: Some(&src_roles), n_entries: 2 };
+        let dst = EntryMetadata { layer_ids: Some(&[3, 3]), roles: Some(&dst_roles), n_entries: 2 };
+        assert_eq!(pair_entries(src, dst, false).unwrap(), vec![[0, 1], [1, 0]]);
+    }
+
+    #[test]
+    fn e8_mla_slices() {
+        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 2, 5, 2, 0, None).unwrap(), vec![[0, 2], [1, 3]]);
+        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 3, 6, 2, 1, None).unwrap(), vec![[0, 2], [1, 3], [2, 5]]);
+        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 2, 2, 5, 0, None).unwrap(), vec![[0, 0], [1, 1]]);
+        assert!(legacy_pp_pairs(LegacyKind::Mla, 2, 5, 4, 0, None).is_err());
+    }
+
+    #[test]
+    fn e9_mha_uneven_split_is_correct() {
+        // 15 layers split 7 + 8; decode holds K0..K14 then V0..V14.
+        let stage0 = legacy_pp_pairs(LegacyKind::Mha, 14, 30, 0, 0, Some(15)).unwrap();
+        assert_eq!(stage0[7..], (0..7).map(|l| [7 + l, 15 + l]).collect::<Vec<_>>()[..]);
+        let stage1 = legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, None).unwrap();
+        assert_eq!(stage1[..8], (0..8).map(|l| [l, 7 + l]).collect::<Vec<_>>()[..]);
+        assert_eq!(stage1[8..], (0..8).map(|l| [8 + l, 22 + l]).collect::<Vec<_>>()[..]);
+        assert!(legacy_pp_pairs(LegacyKind::Mha, 15, 30, 0, 0, None).is_err());
+        assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 8, 0, None).is_err());
+    }
+}

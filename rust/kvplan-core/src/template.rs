@@ -1,0 +1,214 @@
+//! A compiled peer pair: entries paired and validated once, ready for per-request planning.
+
+use crate::error::{PlanError, Result, Side};
+use crate::layout::{EntryKind, Layout};
+use crate::pairing::{EntryMetadata, EntryPair, LegacyKind, legacy_pp_pairs, pair_entries};
+
+/// Everything planning needs about one source/destination entry pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairSpec {
+    /// Index of the source entry in the source layout.
+    pub src_entry: usize,
+    /// Index of the destination entry in the destination layout.
+    pub dst_entry: usize,
+    /// Source buffer base address.
+    pub src_base: u64,
+    /// Destination buffer base address.
+    pub dst_base: u64,
+    /// Bytes per item (equal on both sides; checked at template time).
+    pub item_len: u64,
+    /// Items the source buffer holds.
+    pub src_capacity: u64,
+    /// Items the destination buffer holds.
+    pub dst_capacity: u64,
+}
+
+/// How to pair the two layouts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TemplateOptions {
+    /// Pair positionally when only one peer (or neither) publishes ids (SGLang allows this at
+    /// prefill PP = 1 only).
+    pub allow_positional_fallback: bool,
+    /// For peers without ids and with different entry counts: the first layer this prefill
+    /// stage owns (SGLang's `prefill_start_layer`), enabling legacy PP slicing.
+    pub prefill_start_layer: Option<usize>,
+    /// Entry layout of legacy peers; inferred from roles (`k`/`v` means MHA) when absent.
+    pub legacy_kind: Option<LegacyKind>,
+    /// Reject requests that would write one destination item twice.
+    pub check_dst_overlap: bool,
+}
+
+/// Validated entry pairs for one (prefill layout, decode layout) pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    pub(crate) page_pairs: Vec<PairSpec>,
+    /// Page pairs with a non-zero item length, in order: the ones that emit blocks.
+    pub(crate) emitting: Vec<PairSpec>,
+    pub(crate) state_pairs: Vec<PairSpec>,
+    /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
+    pub(crate) bytes_per_page: u64,
+    /// Smallest capacity over emitting pairs, per side: every index must lie below it.
+    pub(crate) src_limit: u64,
+    pub(crate) dst_limit: u64,
+    pub(crate) check_dst_overlap: bool,
+    /// "layer L, role R" per entry of each side, for error messages.
+    src_labels: Vec<String>,
+    dst_labels: Vec<String>,
+}
+
+impl Template {
+    /// Pairs `src` (prefill) entries with `dst` (decode) entries, page entries with page entries
+    /// and state entries with state entries, and checks that every pair agrees on item length.
+    ///
+    /// # Errors
+    /// Pairing errors, [`PlanError::SizeMismatch`] naming layer, role and both sizes, or
+    /// [`PlanError::Overflow`].
+    pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
+        let page_pairs = pair_kind(src, dst, EntryKind::Page, options)?;
+        let state_pairs = pair_kind(src, dst, EntryKind::State, TemplateOptions { prefill_start_layer: None, ..options })?;
+        let emitting: Vec<PairSpec> = page_pairs.iter().copied().filter(|p| p.item_len > 0).collect();
+        let bytes_per_page = emitting
+            .iter()
+            .try_fold(0u64, |acc, p| acc.checked_add(p.item_len))
+            .ok_or(PlanError::Overflow { what: "bytes per page" })?;
+        let src_limit = emitting.iter().map(|p| p.src_capacity).min().unwrap_or(u64::MAX);
+        let dst_limit = emitting.iter().map(|p| p.dst_capacity).min().unwrap_or(u64::MAX);
+        Ok(Self {
+            page_pairs,
+            emitting,
+            state_pairs,
+            bytes_per_page,
+            src_limit,
+            dst_limit,
+            check_dst_overlap: options.check_dst_overlap,
+            src_labels: entry_labels(src),
+            dst_labels: entry_labels(dst),
+        })
+    }
+
+    /// "layer L, role R" of an entry on one side, for messages.
+    pub(crate) fn entry_label(&self, side: Side, entry: usize) -> String {
+        let labels = if side == Side::Src { &self.src_labels } else { &self.dst_labels };
+        labels.get(entry).cloned().unwrap_or_default()
+    }
+
+    /// Page-entry pairs in planning order (including elided pairs with `item_len == 0`).
+    pub fn page_pairs(&self) -> &[PairSpec] {
+        &self.page_pairs
+    }
+
+    /// State-entry pairs in planning order.
+    pub fn state_pairs(&self) -> &[PairSpec] {
+        &self.state_pairs
+    }
+
+    /// Page pairs that emit blocks (non-zero item length).
+    pub fn emitting_pairs(&self) -> &[PairSpec] {
+        &self.emitting
+    }
+
+    /// Bytes moved per page index pair (sum of item lengths over emitting pairs).
+    pub fn bytes_per_page(&self) -> u64 {
+        self.bytes_per_page
+    }
+}
+
+fn entry_labels(layout: &Layout) -> Vec<String> {
+    (0..layout.n_entries()).map(|i| format!("layer {}, role {}", layout.layer_label(i), layout.role_label(i))).collect()
+}
+
+fn pair_kind(src: &Layout, dst: &Layout, kind: EntryKind, options: TemplateOptions) -> Result<Vec<PairSpec>> {
+    let src_entries = src.entries_of_kind(kind);
+    let dst_entries = dst.entries_of_kind(kind);
+    let (src_ids, src_roles) = metadata_of(src, &src_entries);
+    let (dst_ids, dst_roles) = metadata_of(dst, &dst_entries);
+    let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
+
+    let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
+    let local_pairs: Vec<EntryPair> = match options.prefill_start_layer {
+        Some(start) if legacy => {
+            let kind = match options.legacy_kind {
+                Some(kind) => kind,
+                None => infer_legacy_kind(src_roles.as_deref())?,
+            };
+            let roles_start_with = |roles: &Option<Vec<String>>, prefix: &str| {
+                roles.as_ref().map_or(0, |r| r.iter().filter(|x| x.starts_with(prefix)).count())
+            };
+            let num_draft = roles_start_with(&src_roles, "draft");
+            let decode_layers = match roles_start_with(&dst_roles, "k") {
+                0 => dst.context().num_model_layers.map(|x| x as usize),
+                k_entries => Some(k_entries),
+            };
+            legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?
+        }
+        _ => pair_entries(
+            EntryMetadata { layer_ids: src_ids.as_deref(), roles: src_roles.as_deref(), n_entries: n_src },
+            EntryMetadata { layer_ids: dst_ids.as_deref(), roles: dst_roles.as_deref(), n_entries: n_dst },
+            options.allow_positional_fallback,
+        )?,
+    };
+
+    local_pairs
+        .into_iter()
+        .map(|[i, j]| {
+            let (s, d) = (src_entries[i], dst_entries[j]);
+            let (src_item_len, dst_item_len) = (src.parts().item_lens[s], dst.parts().item_lens[d]);
+            if src_item_len != dst_item_len {
+                return Err(PlanError::SizeMismatch {
+                    layer: src.layer_label(s),
+                    role: src.role_label(s),
+                    src_entry: s,
+                    dst_entry: d,
+                    src_item_len,
+                    dst_item_len,
+                });
+            }
+            Ok(PairSpec {
+                src_entry: s,
+                dst_entry: d,
+                src_base: src.parts().data_ptrs[s],
+                dst_base: dst.parts().data_ptrs[d],
+                item_len: src_item_len,
+                src_capacity: src.capacity(s),
+                dst_capacity: dst.capacity(d),
+            })
+        })
+        .collect()
+}
+
+/// Ids and roles of a subset of entries; `None` when the subset does not publish them
+/// (layouts guarantee all-or-none within a kind).
+fn metadata_of(layout: &Layout, entries: &[usize]) -> (Option<Vec<i64>>, Option<Vec<String>>) {
+    let parts = layout.parts();
+    let ids: Option<Vec<i64>> = entries.iter().map(|&i| parts.layer_ids[i]).collect();
+    let roles: Vec<String> = entries.iter().map(|&i| parts.roles[i].clone()).collect();
+    let roles = (!roles.is_empty() && roles.iter().all(|r| !r.is_empty())).then_some(roles);
+    (ids.filter(|ids| !ids.is_empty()), roles)
+}
+
+fn infer_legacy_kind(src_roles: Option<&[String]>) -> Result<LegacyKind> {
+    match src_roles {
+        Some(roles) if roles.iter().any(|r| r == "k" || r == "v") => Ok(LegacyKind::Mha),
+        Some(roles) if roles.iter().all(|r| r == "kv" || r.starts_with("draft")) => Ok(LegacyKind::Mla),
+        _ => Err(PlanError::LegacySlice {
+            reason: "peers publish no layer ids and their entry counts differ; say whether the layout is \"mla\" or \"mha\" (legacy_kind)".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::LayoutContext;
+
+    #[test]
+    fn size_mismatch_names_layer_role_and_sizes() {
+        let src = Layout::mla(vec![1000], vec![160], vec![16], Some(vec![7]), LayoutContext::default()).unwrap();
+        let dst = Layout::mla(vec![2000, 3000], vec![80, 320], vec![8, 32], Some(vec![3, 7]), LayoutContext::default()).unwrap();
+        let err = Template::new(&src, &dst, TemplateOptions::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "item size mismatch for layer 7 role kv: src entry 0 has item_len 16 bytes, dst entry 1 has 32 bytes"
+        );
+    }
+}
