@@ -1,0 +1,458 @@
+"""Worked examples of ../shared/docs/sglang-semantics.md section 11, through kvplan's public API.
+
+Every expected value below is copied from the spec (verified there against SGLang 0.5.23), not
+produced by running kvplan. Where SGLang raises RuntimeError, kvplan raises a KvPlanError
+subclass; where SGLang is wrong (E9's uneven split, R1), kvplan must be right or refuse.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan import KvPlanError, Layout, LayoutError, PairingError, SizeMismatchError, Template
+
+
+def a(*xs: int) -> np.ndarray:
+    """The spec's a(...): an int32 numpy array."""
+    return np.array(xs, dtype=np.int32)
+
+
+def gcc(src, dst):
+    """group_contiguous, converted to SGLang's ([[src run]], [[dst run]]) shape."""
+    s, d, n = kvplan.group_contiguous(src, dst)
+    for arr in (s, d, n):
+        assert isinstance(arr, np.ndarray)
+        assert arr.dtype == np.int64
+        assert arr.ndim == 1
+    assert len(s) == len(d) == len(n)
+    return (
+        [list(range(int(x), int(x) + int(k))) for x, k in zip(s, n)],
+        [list(range(int(x), int(x) + int(k))) for x, k in zip(d, n)],
+    )
+
+
+def pairs(src_ids, dst_ids, n_src, n_dst, fallback=False, **kw):
+    out = kvplan.pair_entries(src_ids, dst_ids, n_src, n_dst, fallback, **kw)
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == np.int64
+    assert out.shape == (len(out), 2)
+    return [tuple(int(v) for v in row) for row in out]
+
+
+def blocks(plan):
+    src, dst, ln = plan.src_addrs, plan.dst_addrs, plan.lengths
+    for arr in (src, dst, ln):
+        assert arr.dtype == np.uint64
+    return ([int(x) for x in src], [int(x) for x in dst], [int(x) for x in ln])
+
+
+def has_num(msg: str, value) -> bool:
+    return re.search(rf"(?<![0-9]){re.escape(str(value))}(?![0-9])", msg) is not None
+
+
+# ------------------------------------------------------------------------------------ E1-E3
+
+
+def test_e1_runs():
+    assert gcc(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20)) == (
+        [[0, 1, 2], [5, 6], [9]],
+        [[10, 11, 12], [13, 14], [20]],
+    )
+
+
+def test_e1_runs_raw_arrays():
+    s, d, n = kvplan.group_contiguous(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20))
+    assert s.tolist() == [0, 5, 9]
+    assert d.tolist() == [10, 13, 20]
+    assert n.tolist() == [3, 2, 1]
+
+
+def test_e2_duplicates_break_runs():
+    assert gcc(a(3, 3, 4), a(7, 8, 9)) == ([[3], [3, 4]], [[7], [8, 9]])
+
+
+def test_e2_descents_break_runs():
+    assert gcc(a(5, 4, 3), a(1, 2, 3)) == ([[5], [4], [3]], [[1], [2], [3]])
+
+
+@pytest.mark.parametrize("src,dst", [(a(), a()), (a(1, 2), a()), (a(), a(1, 2))])
+def test_e3_empty(src, dst):
+    assert gcc(src, dst) == ([], [])
+
+
+def test_e3_unequal_lengths():
+    with pytest.raises(KvPlanError) as ei:
+        kvplan.group_contiguous(a(1, 2, 3), a(4, 5))
+    msg = str(ei.value)
+    assert has_num(msg, 3) and has_num(msg, 2), msg
+
+
+# ------------------------------------------------------------------------------------ E4-E6
+
+
+def test_e4_kv_fifo_pairing():
+    assert pairs([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6) == [(0, 0), (1, 1), (2, 3), (3, 4)]
+
+
+def test_e4_kv_fifo_pairing_with_roles():
+    got = pairs(
+        [3, 7, 3, 7],
+        [3, 7, 11, 3, 7, 11],
+        4,
+        6,
+        src_roles=["k", "k", "v", "v"],
+        dst_roles=["k", "k", "k", "v", "v", "v"],
+    )
+    assert got == [(0, 0), (1, 1), (2, 3), (3, 4)]
+
+
+def test_e4_roles_prevent_k_v_crossing():
+    # Decode lists V before K: FIFO by id alone would pair K with V; (id, role) must not.
+    got = pairs(
+        [3, 7, 3, 7],
+        [3, 7, 3, 7],
+        4,
+        4,
+        src_roles=["k", "k", "v", "v"],
+        dst_roles=["v", "v", "k", "k"],
+    )
+    assert got == [(0, 2), (1, 3), (2, 0), (3, 1)]
+
+
+def test_e5_pp_stages_with_draft():
+    dst = [0, 1, 2, 3, 4, 5, 1000000]
+    assert pairs([0, 1, 2, 3], dst, 4, 7) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert pairs([4, 5, 1000000], dst, 3, 7) == [(0, 4), (1, 5), (2, 6)]
+
+
+def test_e6_positional():
+    assert pairs([], [], 3, 5, fallback=True) == [(0, 0), (1, 1), (2, 2)]
+    assert pairs([1], [], 1, 3, fallback=True) == [(0, 0)]
+    assert pairs([9], [], 0, 0) == []
+    assert pairs(None, None, 2, 2) == [(0, 0), (1, 1)]
+
+
+def test_e6_ids_as_numpy_arrays():
+    # kvplan accepts numpy id arrays (SGLang's truthiness test would raise on them, R17).
+    got = pairs(np.array([3, 7, 3, 7]), np.array([3, 7, 11, 3, 7, 11]), 4, 6)
+    assert got == [(0, 0), (1, 1), (2, 3), (3, 4)]
+    assert pairs(np.array([], dtype=np.int64), None, 2, 2) == [(0, 0), (1, 1)]
+
+
+def test_e6_one_sided():
+    with pytest.raises(PairingError):
+        kvplan.pair_entries([1], [], 1, 1)
+    with pytest.raises(PairingError):
+        kvplan.pair_entries([], [1], 1, 1)
+    with pytest.raises(PairingError):
+        kvplan.pair_entries(None, [1, 2], 2, 2)
+
+
+def test_e6_metadata_length():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([1, 2], [1, 2, 3], 3, 3)
+    msg = str(ei.value)
+    assert has_num(msg, 2) and has_num(msg, 3), msg
+
+
+def test_e6_missing_layer():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([1, 9], [1, 2, 3], 2, 3)
+    assert has_num(str(ei.value), 9), str(ei.value)
+
+
+def test_e6_missing_occurrence():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([3, 3, 3], [3, 3], 3, 2)
+    assert has_num(str(ei.value), 3), str(ei.value)
+
+
+def test_e6_positional_count_mismatch_without_fallback():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([], [], 3, 5)
+    msg = str(ei.value)
+    assert has_num(msg, 3) and has_num(msg, 5), msg
+
+
+def test_e6_positional_fewer_dst_with_fallback():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([], [], 5, 3, True)
+    msg = str(ei.value)
+    assert has_num(msg, 5) and has_num(msg, 3), msg
+
+
+# ------------------------------------------------------------------------------------ E7
+
+
+def test_e7_hybrid_mla_ids():
+    lay = Layout.hybrid_linear([3, 7], [100, 200], [64, 64], 8)
+    assert lay.layer_ids == [3, 7]
+    assert lay.n_entries == 2
+
+
+def test_e7_hybrid_mha_ids():
+    lay = Layout.hybrid_linear([3, 7], [100, 200, 300, 400], [64] * 4, 8, mla=False)
+    assert lay.layer_ids == [3, 7, 3, 7]
+    assert lay.roles == ["k", "k", "v", "v"]
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_e7_npu_groups_ids(groups):
+    n = 2 * groups
+    lay = Layout.npu_groups([3, 7], list(range(100, 100 + 100 * n, 100)), [64] * n, 8)
+    assert lay.layer_ids == [3, 7] * groups
+    assert lay.roles == [f"g{g}" for g in range(groups) for _ in range(2)]
+
+
+@pytest.mark.parametrize("n_ptrs", [5, 1, 3])
+def test_e7_npu_groups_not_whole_multiple(n_ptrs):
+    # SGLang truncates ([3,7,3,7] for 5 entries) or silently goes positional ([] for 1) -- R1.
+    with pytest.raises(LayoutError) as ei:
+        Layout.npu_groups([3, 7], list(range(100, 100 + 100 * n_ptrs, 100)), [64] * n_ptrs, 8)
+    msg = str(ei.value)
+    assert has_num(msg, n_ptrs) and has_num(msg, 2), msg
+
+
+# ------------------------------------------------------------------------------------ E8
+
+
+def legacy(kind, n_src, n_dst, start, **kw):
+    out = kvplan.legacy_pp_pairs(kind, n_src, n_dst, start, **kw)
+    assert isinstance(out, np.ndarray) and out.dtype == np.int64 and out.shape == (len(out), 2)
+    return [tuple(int(v) for v in row) for row in out]
+
+
+def apply_pairs(src, dst, prs):
+    """Turn index pairs into the (src list, sliced dst list) SGLang returns."""
+    return [src[i] for i, _ in prs], [dst[j] for _, j in prs]
+
+
+def test_e8_mla_pp_slice():
+    src, dst = [1, 2], [10, 11, 12, 13, 14]
+    prs = legacy("mla", len(src), len(dst), 2)
+    assert apply_pairs(src, dst, prs) == ([1, 2], [12, 13])
+    assert len(prs) == 2
+
+
+def test_e8_mla_pp_slice_with_draft():
+    src, dst = [1, 2, 9], [10, 11, 12, 13, 14, 19]
+    prs = legacy("mla", len(src), len(dst), 2, num_draft_entries=1)
+    assert apply_pairs(src, dst, prs) == ([1, 2, 9], [12, 13, 19])
+    assert len(prs) == 3
+
+
+def test_e8_mla_equal_lengths_unchanged():
+    src, dst = [1, 2], [3, 4]
+    assert apply_pairs(src, dst, legacy("mla", 2, 2, 5)) == ([1, 2], [3, 4])
+
+
+def test_mla_pp_slice_out_of_range_is_pairing_error():
+    # SGLang: dst[4:6] of 5 entries is short -> IndexError later (R4). kvplan: PairingError.
+    with pytest.raises(PairingError):
+        kvplan.legacy_pp_pairs("mla", 2, 5, 4)
+
+
+# ------------------------------------------------------------------------------------ E9
+
+
+def mha_slices(src, dst, start, **kw):
+    prs = legacy("mha", len(src), len(dst), start, **kw)
+    n = len(src) // 2
+    assert len(prs) == 2 * n
+    k = [dst[j] for _, j in prs[:n]]
+    v = [dst[j] for _, j in prs[n:]]
+    assert [i for i, _ in prs] == list(range(2 * n))
+    return k, v
+
+
+@pytest.mark.parametrize("kw", [{}, {"decode_num_layers": 4}])
+def test_e9_mha_even_split(kw):
+    src = [102, 103, 202, 203]
+    dst = [100, 101, 102, 103, 200, 201, 202, 203]
+    assert mha_slices(src, dst, 2, **kw) == ([102, 103], [202, 203])
+
+
+def test_e9_mha_draft_layout_with_decode_layer_count():
+    # dst = K0..K3, V0..V3, draft K, draft K, draft V, draft V; prefill has the 4 main layers.
+    K = [1000 + i for i in range(4)]
+    V = [2000 + i for i in range(4)]
+    dst = K + V + [3000, 3001, 4000, 4001]
+    src = [10, 11, 12, 13, 20, 21, 22, 23]
+    assert mha_slices(src, dst, 0, decode_num_layers=4) == (K, V)
+
+
+# 15 layers split 7 + 8, decode PP 1, no draft, K=1000+i, V=2000+i (E9 uneven split, R2).
+E9_DST = [1000 + i for i in range(15)] + [2000 + i for i in range(15)]
+E9_CASES = [
+    # (stage layers, start, correct K, correct V, SGLang's wrong V)
+    (7, 0, list(range(1000, 1007)), list(range(2000, 2007)), [1014] + list(range(2000, 2006))),
+    (8, 7, list(range(1007, 1015)), list(range(2007, 2015)), list(range(2000, 2008))),
+]
+
+
+@pytest.mark.parametrize("case", E9_CASES, ids=["stage0", "stage1"])
+@pytest.mark.parametrize("kw", [{"decode_num_layers": 15}, {}], ids=["with_layers", "no_layers"])
+def test_e9_mha_uneven_split_correct_or_error(case, kw):
+    n, start, good_k, good_v, sglang_v = case
+    src = list(range(2 * n))
+    try:
+        k, v = mha_slices(src, E9_DST, start, **kw)
+    except PairingError:
+        assert "decode_num_layers" not in kw, "decode layer count given: must slice correctly"
+        return
+    assert v != sglang_v, "SGLang's wrong slice (issue #27740)"
+    assert (k, v) == (good_k, good_v)
+
+
+@pytest.mark.parametrize(
+    "n_src,n_dst,start",
+    [
+        (5, 10, 0),  # odd MHA source count: SGLang drops the last V silently (R4)
+        (0, 8, 0),  # empty stage: SGLang divides by zero (R2)
+        (4, 8, 3),  # slice runs into the V block (R4)
+    ],
+)
+def test_mha_legacy_strict_errors(n_src, n_dst, start):
+    with pytest.raises(PairingError):
+        kvplan.legacy_pp_pairs("mha", n_src, n_dst, start)
+
+
+# ------------------------------------------------------------------------------------ E10-E12
+
+
+def test_e10_generic_mla_flat():
+    src = Layout.mla([1000, 2000], [1000, 1000], 64)
+    dst = Layout.mla([5000, 6000], [1000, 1000], 64)
+    t = Template(src, dst)
+    assert t.pairs.tolist() == [[0, 0], [1, 1]]
+    plan = t.plan(a(0, 1, 2, 7), a(10, 11, 12, 3))
+    assert blocks(plan) == (
+        [1000, 1448, 2000, 2448],
+        [5640, 5192, 6640, 6192],
+        [192, 64, 192, 64],
+    )
+    assert plan.n_blocks == 4
+    assert plan.total_bytes == 512
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_e11_generic_mha_kv_halves(with_ids):
+    ids = [0, 1] if with_ids else None
+    src = Layout.mha([100, 200], [300, 400], [100, 100], [128, 128], 8, 16, layer_ids=ids)
+    dst = Layout.mha([1100, 1200], [1300, 1400], [100, 100], [128, 128], 8, 16, layer_ids=ids)
+    assert src.item_lens == [8, 8, 16, 16]
+    assert src.data_ptrs == [100, 200, 300, 400]
+    plan = Template(src, dst).plan(a(1, 2), a(5, 6))
+    assert blocks(plan) == (
+        [108, 208, 316, 416],
+        [1140, 1240, 1380, 1480],
+        [16, 16, 32, 32],
+    )
+
+
+def test_e12_layer_id_path_mha_pp_stage1():
+    src = Layout(
+        [10, 11, 20, 21], [64] * 4, 4, layer_ids=[7, 11, 7, 11], pp_rank=1, pp_size=2
+    )
+    dst = Layout([100, 101, 102, 200, 201, 202], [64] * 6, 4, layer_ids=[3, 7, 11, 3, 7, 11])
+    t = Template(src, dst)
+    assert t.pairs.tolist() == [[0, 1], [1, 2], [2, 4], [3, 5]]
+    plan = t.plan(a(0, 1), a(5, 6))
+    assert blocks(plan) == ([10, 11, 20, 21], [121, 122, 221, 222], [8, 8, 8, 8])
+
+
+def test_e12_with_named_constructor_and_roles():
+    src = Layout.mha([10, 11], [20, 21], [64, 64], [64, 64], 4, 4, layer_ids=[7, 11])
+    dst = Layout.mha(
+        [100, 101, 102], [200, 201, 202], [64] * 3, [64] * 3, 4, 4, layer_ids=[3, 7, 11]
+    )
+    assert src.layer_ids == [7, 11, 7, 11]
+    assert dst.layer_ids == [3, 7, 11, 3, 7, 11]
+    plan = Template(src, dst).plan(a(0, 1), a(5, 6))
+    assert blocks(plan) == ([10, 11, 20, 21], [121, 122, 221, 222], [8, 8, 8, 8])
+
+
+# ------------------------------------------------------------------------------------ E17-E18
+
+
+def _mamba_layouts(src_item, dst_items, src_ids, dst_ids):
+    src = Layout.mla([500], [6400], 64, layer_ids=[7] if src_ids else None)
+    src = src.with_state("mamba_conv", [1000], [64], [src_item], src_ids)
+    n_dst = len(dst_items)
+    dst_page_ids = [3, 7][:n_dst] if dst_ids else None
+    dst = Layout.mla([600, 700][:n_dst], [6400] * n_dst, 64, layer_ids=dst_page_ids)
+    dst = dst.with_state("mamba_conv", [2000, 3000][:n_dst], [64] * n_dst, dst_items, dst_ids)
+    return src, dst
+
+
+def test_e17_mamba_slot_pp_stage1():
+    src, dst = _mamba_layouts(16, [8, 16], [7], [3, 7])
+    assert src.kinds == ["page", "state"]
+    assert src.roles is None or src.roles[1] == "mamba_conv"
+    t = Template(src, dst)
+    assert t.state_pairs.tolist() == [[1, 3]]
+    plan = t.plan_state(2, 3)
+    assert blocks(plan) == ([1032], [3048], [16])
+    assert plan.n_blocks == 1 and plan.total_bytes == 16
+
+
+def test_e18_mamba_slot_size_mismatch_with_ids():
+    src, dst = _mamba_layouts(16, [32], [7], [7])
+    with pytest.raises(SizeMismatchError) as ei:
+        Template(src, dst)
+    msg = str(ei.value)
+    assert has_num(msg, 16) and has_num(msg, 32) and has_num(msg, 7), msg
+    assert "mamba_conv" in msg, msg
+
+
+def test_e18_mamba_slot_size_mismatch_positional():
+    src, dst = _mamba_layouts(16, [32], None, None)
+    with pytest.raises(SizeMismatchError) as ei:
+        Template(src, dst, allow_positional_fallback=True)
+    msg = str(ei.value)
+    assert has_num(msg, 16) and has_num(msg, 32), msg
+
+
+# ------------------------------------------------------------------------------------ E22, E25
+
+
+def test_e22_ascend_pp1_flat():
+    src = Layout.mla([1000, 2000, 3000], [1000] * 3, [10, 20, 30], device="npu")
+    dst = Layout.mla([7000, 8000, 9000], [1000] * 3, [10, 20, 30], device="npu")
+    plan = Template(src, dst).plan(a(1, 2, 5), a(4, 5, 9))
+    assert blocks(plan) == (
+        [1010, 1050, 2020, 2100, 3030, 3150],
+        [7040, 7090, 8080, 8180, 9120, 9270],
+        [20, 10, 40, 20, 60, 30],
+    )
+    assert plan.pair_offsets.tolist() == [0, 2, 4, 6]
+
+
+def test_e25_hybrid_60_layers_stage1_by_id():
+    full = list(range(3, 60, 4))  # 15 full-attention layers
+    assert len(full) == 15
+    stage = full[7:]  # stage 1 owns 31, 35, ..., 59
+    F, N, off = 8, 15, 7
+    src_ptrs = [1000 + i for i in range(2 * F)]
+    src_items = [10 + i for i in range(2 * F)]
+    dst_ptrs = [2000 + i for i in range(2 * N)]
+    # Decode item lengths equal the paired source lengths (kvplan checks them); unpaired: 10.
+    dst_items = [10] * (2 * N)
+    for i in range(F):
+        dst_items[off + i] = 10 + i
+        dst_items[N + off + i] = 10 + F + i
+    src = Layout.hybrid_linear(
+        stage, src_ptrs, [64] * (2 * F), src_items, mla=False, pp_rank=1, pp_size=2
+    )
+    dst = Layout.hybrid_linear(full, dst_ptrs, [64] * (2 * N), dst_items, mla=False)
+    assert src.layer_ids == stage * 2
+    plan = Template(src, dst).plan(a(0), a(0))
+    assert blocks(plan) == (
+        list(range(1000, 1016)),
+        list(range(2007, 2015)) + list(range(2022, 2030)),
+        list(range(10, 26)),
+    )
