@@ -1,0 +1,69 @@
+"""The ``kvplan`` console script.
+
+Subcommands register themselves in :data:`SUBCOMMANDS`: a name mapped to a function that adds
+its arguments to an ``argparse`` sub-parser and returns the function that runs it. Adding a
+command (``explain`` is next) means writing one ``_add_<name>`` function and one table row.
+Heavy imports (numpy, the extension, engines) happen inside the command, so ``kvplan --help``
+stays fast and works even when an optional engine is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+Runner = Callable[[argparse.Namespace], int]
+
+
+def _add_demo(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("--layers", type=int, default=48,
+                        help="model layers; full attention (MLA) on every 4th (default 48)")
+    parser.add_argument("--pages", type=int, default=8192,
+                        help="pages per KV buffer on each side (default 8192)")
+    parser.add_argument("--request-pages", type=int, default=None,
+                        help="pages the request moves (default 3/4 of --pages)")
+    parser.add_argument("--pp", type=int, default=2, help="prefill pipeline stages (default 2)")
+    parser.add_argument("--max-blocks", type=int, default=None,
+                        help="blocks per engine call (default: the engine's bound, 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for data and pages")
+
+    def run(args: argparse.Namespace) -> int:
+        from kvplan import demo
+
+        return demo.run_cli(args)
+
+    return run
+
+
+#: name -> (one-line help, adder). The adder fills the sub-parser and returns the runner.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Runner]]] = {
+    "demo": ("move a hybrid model's KV cache between real processes (Mooncake TCP, loopback) "
+             "and verify every byte", _add_demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvplan",
+        description="KV-cache transfer planner for prefill/decode disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_run=add(sp))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status (``kvplan = "kvplan.cli:main"``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
