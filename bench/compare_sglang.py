@@ -1,0 +1,673 @@
+"""kvplan side by side with SGLang 0.5.23's own planner (issue 4).
+
+    .venv-bench/bin/python bench/compare_sglang.py            # full run: RESULTS.md + chart.png
+    .venv-bench/bin/python bench/compare_sglang.py --quick    # smoke run, writes to /tmp
+
+For every scenario the same inputs go to SGLang's real ``MooncakeKVManager._send_kvcache_generic``
+(loaded by ``sglang_loader``) and to a cached ``kvplan.Template``; the blocks must be identical
+(same triples, same order) before anything is timed. Timings are interleaved (SGLang and every
+kvplan variant in turn, rotating order, same process) and reported as medians.
+
+Variants
+  sglang plan      _send_kvcache_generic with a recorder in place of _transfer_data: runs,
+                   pairing and the list of (src, dst, len) tuples SGLang builds.
+  sglang handoff   the same call with SGLang's real _transfer_data: the tuples are unzipped into
+                   the three Python lists handed to batch_transfer_sync (recording engine).
+  kvplan fresh     template.plan() into freshly allocated memory (pool disabled / bypassed).
+  kvplan pooled    template.plan() in a loop that drops each plan (buffer reused from the pool).
+  kvplan out=      template.plan(..., out=buf) into one warm caller buffer.
+  kvplan handoff   template.plan() + plan.as_lists() + the same recording engine call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import sglang_loader  # noqa: E402
+
+try:
+    import kvplan  # noqa: E402
+
+    if not hasattr(kvplan, "Template"):
+        raise ImportError(f"kvplan at {list(getattr(kvplan, '__path__', []))} has no Template yet")
+    KVPLAN_ERR = None
+except Exception as e:  # pragma: no cover - before the core lands
+    kvplan = None
+    KVPLAN_ERR = f"{type(e).__name__}: {e}"
+
+BASE = 0x7F00_0000_0000  # fake device addresses (never dereferenced)
+SESSION = "bench"
+NS = 1e-9
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenarios
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Scenario:
+    key: str
+    model: str
+    kind: str  # "mla" | "mha" | "hybrid"
+    page_size: int
+    tokens: int
+    frag: float
+    layers: int = 61
+    bytes_per_token: int = 1152  # per entry (per K or per V for MHA)
+    # hybrid PP stage
+    src_ids: list | None = None
+    dst_ids: list | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    start_layer: int = 0
+    note: str = ""
+
+    @property
+    def n_pages(self) -> int:
+        return -(-self.tokens // self.page_size)
+
+    @property
+    def item_len(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+
+def hybrid_ids(n_layers=48, every=4, pp_size=2, pp_rank=1):
+    full = [i for i in range(n_layers) if i % every == every - 1]
+    per = n_layers // pp_size
+    lo, hi = pp_rank * per, (pp_rank + 1) * per
+    stage = [i for i in full if lo <= i < hi]
+    start_dense = sum(1 for i in full if i < lo)  # SGLang's dense prefill_start_layer
+    return stage, full, start_dense
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    out = []
+    toks = [4096, 32768, 131072] if not quick else [4096, 32768]
+    for ps in (1, 64):
+        for t in toks:
+            for f in (0.0, 0.05, 1.0):
+                out.append(Scenario(f"dsv3-p{ps}-{t // 1024}k-f{int(f * 100)}", "DeepSeek-V3 MLA",
+                                    "mla", ps, t, f))
+    for t, f in ((32768, 0.0), (32768, 0.05), (32768, 1.0)) if not quick else ((4096, 0.05),):
+        out.append(Scenario(f"qwen3-p1-{t // 1024}k-f{int(f * 100)}", "Qwen3-235B MHA", "mha", 1,
+                            t, f, layers=94, bytes_per_token=1024))
+    stage, full, start = hybrid_ids()
+    for f in (0.05, 1.0):
+        out.append(Scenario(f"hybrid-pp2s1-p1-32k-f{int(f * 100)}",
+                            "hybrid 48L (full attn every 4th), PP=2 stage 1, K/V by layer id",
+                            "hybrid", 1, 32768, f, layers=len(stage), bytes_per_token=1024,
+                            src_ids=stage, dst_ids=full, pp_size=2, pp_rank=1,
+                            start_layer=start))
+    out.append(Scenario("dsv3-single-61", "DeepSeek-V3 MLA, one contiguous request (1k tokens, "
+                        "page 64 = 16 pages -> 61 blocks)", "mla", 64, 1024, 0.0,
+                        note="call overhead"))
+    return out
+
+
+def make_pages(n: int, frag: float, seed: int):
+    """src: contiguous; dst: strictly increasing, with exactly round(frag*(n-1)) positions where
+    contiguity breaks (a forward gap of 1..8 pages), chosen by a seeded RNG."""
+    rng = np.random.default_rng(seed)
+    src = np.arange(3, 3 + n, dtype=np.int64)
+    steps = np.ones(n, dtype=np.int64)
+    steps[0] = 5
+    n_breaks = int(round(frag * (n - 1)))
+    if n_breaks:
+        pos = rng.choice(np.arange(1, n), size=n_breaks, replace=False)
+        steps[pos] += rng.integers(1, 9, size=n_breaks)
+    dst = np.cumsum(steps)
+    return src.astype(np.int32), dst.astype(np.int32)
+
+
+@dataclasses.dataclass
+class Built:
+    sc: Scenario
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    src_ptrs: list
+    dst_ptrs: list
+    src_lens: list  # data_lens
+    dst_lens: list
+    item_lens: list  # per source entry
+    dst_item_lens: list
+    src_ids: list | None
+    dst_ids: list | None
+
+
+def _ptrs(n_entries, cap, item_lens, base):
+    ptrs, lens = [], []
+    addr = base
+    for k in range(n_entries):
+        size = cap * item_lens[k]
+        ptrs.append(addr)
+        lens.append(size)
+        addr += (size + (1 << 21) - 1) // (1 << 21) * (1 << 21) + (1 << 21)
+    return ptrs, lens
+
+
+def build(sc: Scenario, seed: int = 1234) -> Built:
+    src_pages, dst_pages = make_pages(sc.n_pages, sc.frag, seed)
+    src_cap = int(src_pages.max()) + 1
+    dst_cap = int(dst_pages.max()) + 1
+    L = sc.item_len
+    if sc.kind == "mla":
+        n_src = n_dst = sc.layers
+        src_ids = dst_ids = None
+    elif sc.kind == "mha":
+        n_src = n_dst = 2 * sc.layers
+        src_ids = dst_ids = None
+    else:  # hybrid: K entries then V entries, ids repeated (K block then V block)
+        n_src, n_dst = 2 * len(sc.src_ids), 2 * len(sc.dst_ids)
+        src_ids = list(sc.src_ids) * 2
+        dst_ids = list(sc.dst_ids) * 2
+    src_item = [L] * n_src
+    dst_item = [L] * n_dst
+    src_ptrs, src_lens = _ptrs(n_src, src_cap, src_item, BASE)
+    dst_ptrs, dst_lens = _ptrs(n_dst, dst_cap, dst_item, BASE + (1 << 44))
+    return Built(sc, src_pages, dst_pages, src_ptrs, dst_ptrs, src_lens, dst_lens, src_item,
+                 dst_item, src_ids, dst_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two sides
+# ----------------------------------------------------------------------------------------------
+class SGLangSide:
+    def __init__(self, sg, b: Built):
+        sc = b.sc
+        self.b = b
+        kw = dict(is_mla_backend=sc.kind == "mla", pp_size=sc.pp_size,
+                  prefill_start_layer=sc.start_layer)
+        self.m_plan = sg.make_manager(handoff=False, **kw)
+        self.m_hand = sg.make_manager(handoff=True, **kw)
+        self.args = (b.src_ptrs, b.dst_ptrs, b.item_lens, b.src_pages, b.dst_pages)
+        self.kw = dict(src_layer_ids=b.src_ids, dst_layer_ids=b.dst_ids)
+
+    def plan(self):
+        self.m_plan.blocks.calls.clear()
+        rc = self.m_plan.send(*self.args, **self.kw)
+        assert rc == 0
+
+    def handoff(self):
+        self.m_hand.engine.calls.clear()
+        rc = self.m_hand.send(*self.args, **self.kw)
+        assert rc == 0
+
+    def result_lists(self):
+        self.handoff()
+        calls = self.m_hand.engine.calls
+        assert len(calls) == 1, len(calls)
+        _, s, d, n = calls[0]
+        return s, d, n
+
+    def reset(self):
+        self.m_plan.blocks.calls.clear()
+        self.m_hand.engine.calls.clear()
+
+
+class KvplanSide:
+    def __init__(self, b: Built):
+        sc = b.sc
+        self.b = b
+        ctx = dict(page_size=sc.page_size)
+        if sc.kind == "mla":
+            src = kvplan.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens, **ctx)
+            dst = kvplan.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens, **ctx)
+            fallback = sc.pp_size == 1
+        elif sc.kind == "mha":
+            h, hd = len(b.src_ptrs) // 2, len(b.dst_ptrs) // 2
+            src = kvplan.Layout.mha(b.src_ptrs[:h], b.src_ptrs[h:], b.src_lens[:h], b.src_lens[h:],
+                                    b.item_lens[:h], b.item_lens[h:], **ctx)
+            dst = kvplan.Layout.mha(b.dst_ptrs[:hd], b.dst_ptrs[hd:], b.dst_lens[:hd],
+                                    b.dst_lens[hd:], b.dst_item_lens[:hd], b.dst_item_lens[hd:],
+                                    **ctx)
+            fallback = sc.pp_size == 1
+        else:
+            src = kvplan.Layout.hybrid_linear(sc.src_ids, b.src_ptrs, b.src_lens, b.item_lens,
+                                              mla=False, pp_rank=sc.pp_rank, pp_size=sc.pp_size,
+                                              **ctx)
+            dst = kvplan.Layout.hybrid_linear(sc.dst_ids, b.dst_ptrs, b.dst_lens,
+                                              b.dst_item_lens, mla=False, **ctx)
+            fallback = False
+        self.template = kvplan.Template(src, dst, fallback)
+        self.s, self.d = b.src_pages, b.dst_pages
+        first = self.template.plan(self.s, self.d)
+        self.n_blocks = int(first.n_blocks)
+        self.out = np.empty((3, max(self.n_blocks, 1)), dtype=np.uint64)
+        self.template.plan(self.s, self.d, out=self.out)  # warm the caller buffer
+        del first
+        self.engine = sglang_loader.RecordingEngine()
+        self._keep = []
+
+    def pooled(self):
+        self.template.plan(self.s, self.d)
+
+    def out_(self):
+        self.template.plan(self.s, self.d, out=self.out)
+
+    def fresh(self):
+        # Keeping every plan of the sample alive means no buffer can come back from the pool:
+        # each call writes into memory it has never touched.
+        self._keep.append(self.template.plan(self.s, self.d))
+
+    def handoff(self):
+        self.engine.calls.clear()
+        p = self.template.plan(self.s, self.d)
+        s, d, n = p.as_lists()
+        self.engine.batch_transfer_sync(SESSION, s, d, n)
+
+    def reset(self):
+        self._keep.clear()
+        self.engine.calls.clear()
+
+    def result(self):
+        return self.template.plan(self.s, self.d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+def one(fn, inner: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter_ns() - t0) / inner
+
+
+def calibrate(fn, reset, min_sample_ns: float) -> tuple[int, float]:
+    fn()
+    reset()
+    t = one(fn, 1)
+    reset()
+    inner = max(1, int(min_sample_ns // max(t, 1.0)))
+    if inner > 1:
+        t = one(fn, inner)
+        reset()
+    return inner, t
+
+
+def measure(variants: dict, budget_s: float, min_reps: int, max_reps: int,
+            min_sample_ns: float = 200_000) -> dict:
+    """variants: name -> (fn, reset). Interleaved: each repetition samples every variant once, in
+    an order rotated per repetition. Returns name -> list of per-call ns."""
+    cal = {k: calibrate(fn, reset, min_sample_ns) for k, (fn, reset) in variants.items()}
+    per_rep = sum(inner * t for inner, t in cal.values()) * NS
+    reps = int(max(min_reps, min(max_reps, budget_s // max(per_rep, 1e-9))))
+    names = list(variants)
+    samples = {k: [] for k in names}
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(reps):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for k in order:
+                fn, reset = variants[k]
+                inner = cal[k][0]
+                samples[k].append(one(fn, inner))
+                reset()
+    finally:
+        if gc_was:
+            gc.enable()
+    return samples
+
+
+def identical(sg_lists, plan) -> None:
+    s, d, n = sg_lists
+    assert plan.n_blocks == len(s), (plan.n_blocks, len(s))
+    for name, ref, got in (("src", s, plan.src_addrs), ("dst", d, plan.dst_addrs),
+                           ("len", n, plan.lengths)):
+        ref_a = np.fromiter(ref, dtype=np.uint64, count=len(ref))
+        got_a = np.asarray(got)
+        if not np.array_equal(ref_a, got_a):
+            bad = int(np.flatnonzero(ref_a != got_a)[0])
+            raise AssertionError(f"{name} differs at block {bad}: sglang {ref[bad]} kvplan "
+                                 f"{int(got_a[bad])}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak memory of a 10M-block plan (child process, RSS high-water mark)
+# ----------------------------------------------------------------------------------------------
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def mem_child(n_blocks_target: int) -> None:
+    sc = Scenario("mem", "DeepSeek-V3 MLA", "mla", 1, n_blocks_target // 61 + 1, 1.0)
+    b = build(sc)
+    src = kvplan.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens)
+    dst = kvplan.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens)
+    t = kvplan.Template(src, dst, True)
+    small = t.plan(b.src_pages[:64], b.dst_pages[:64])  # load everything lazily touched
+    del small
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    rss0, hwm0 = _status("VmRSS"), _status("VmHWM")
+    t0 = time.perf_counter_ns()
+    plan = t.plan(b.src_pages, b.dst_pages)
+    dt = time.perf_counter_ns() - t0
+    hwm1, rss1 = _status("VmHWM"), _status("VmRSS")
+    n = int(plan.n_blocks)
+    plan_bytes = n * 24 + int(np.asarray(plan.pair_offsets).nbytes)
+    print(f"MEM n_blocks={n} plan_bytes={plan_bytes} rss0={rss0} hwm0={hwm0} hwm1={hwm1} "
+          f"rss1={rss1} reset={int(reset)} plan_ns={dt}")
+
+
+def measure_memory(n_blocks: int) -> dict | None:
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mem-child", str(n_blocks)],
+                       capture_output=True, text=True, timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("MEM ")]
+    if r.returncode != 0 or not line:
+        print(r.stdout, r.stderr, file=sys.stderr)
+        return None
+    d = {k: int(v) for k, v in (kv.split("=") for kv in line[0].split()[1:])}
+    d["peak_extra"] = d["hwm1"] - d["rss0"]
+    d["ratio"] = d["peak_extra"] / d["plan_bytes"]
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+def sh(cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+    except Exception:
+        return ""
+
+
+def machine() -> list[str]:
+    lscpu = sh("lscpu")
+    def field(name):
+        for line in lscpu.splitlines():
+            if line.startswith(name + ":"):
+                return line.split(":", 1)[1].strip()
+        return "?"
+    mem = sh("free -g | awk '/Mem:/{print $2}'")
+    kv_ver = getattr(kvplan, "__version__", "?") if kvplan else "not built"
+    return [
+        f"- CPU: {field('Model name')}, {field('CPU(s)')} CPU(s), {field('Thread(s) per core')} "
+        f"thread(s) per core, {field('Hypervisor vendor')} guest; L1d {field('L1d cache')}, "
+        f"L2 {field('L2 cache')}, L3 {field('L3 cache')}; RAM {mem} GiB",
+        f"- OS: {platform.platform()} (`uname -r` {platform.release()})",
+        f"- Python {platform.python_version()} ({sys.executable}), numpy {np.__version__}",
+        f"- SGLang {sglang_loader.SGLANG_VERSION} (PyPI wheel, `--no-deps`), kvplan {kv_ver} at "
+        f"commit {sh(f'git -C {REPO} rev-parse --short HEAD')}"
+        + (" (+ uncommitted changes)" if sh(f"git -C {REPO} status --porcelain -- rust python") else ""),
+        f"- load during the run: {os.getloadavg()[0]:.2f} (1-min average at the end)",
+    ]
+
+
+def fmt_ns(ns: float) -> str:
+    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
+        return "–"
+    if ns < 1e3:
+        return f"{ns:.0f} ns"
+    if ns < 1e6:
+        return f"{ns / 1e3:.1f} µs"
+    if ns < 1e9:
+        return f"{ns / 1e6:.2f} ms"
+    return f"{ns / 1e9:.2f} s"
+
+
+def fmt_ratio(x):
+    if x is None or math.isnan(x):
+        return "–"
+    return f"{x:,.0f}×" if x >= 10 else f"{x:.1f}×"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small smoke run; writes to /tmp")
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--mem-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mem-blocks", type=int, default=10_000_000)
+    args = ap.parse_args()
+    if args.mem_child is not None:
+        mem_child(args.mem_child)
+        return
+    out_dir = args.out_dir or ("/tmp/kvplan-bench-quick" if args.quick else HERE)
+    os.makedirs(out_dir, exist_ok=True)
+    t_start = time.time()
+
+    sg = sglang_loader.load_sglang()
+    closure = sg.verify_closure()
+    examples = sglang_loader.check_worked_examples(sg)
+    print(f"SGLang {sg.version}: {len(closure)} planning functions, no stand-in reachable; "
+          f"examples {', '.join(examples)} reproduced", flush=True)
+    if kvplan is None:
+        print(f"kvplan not importable ({KVPLAN_ERR}): SGLang-only run", flush=True)
+
+    rows = []
+    for sc in scenarios(args.quick):
+        b = build(sc)
+        sgs = SGLangSide(sg, b)
+        t0 = time.time()
+        sg_lists = sgs.result_lists()
+        n_blocks = len(sg_lists[0])
+        one_call = time.time() - t0
+        variants = {"sglang plan": (sgs.plan, sgs.reset),
+                    "sglang handoff": (sgs.handoff, sgs.reset)}
+        kv_ok = False
+        if kvplan is not None:
+            kvs = KvplanSide(b)
+            identical(sg_lists, kvs.result())
+            kv_ok = True
+            variants.update({"kvplan fresh": (kvs.fresh, kvs.reset),
+                             "kvplan pooled": (kvs.pooled, kvs.reset),
+                             "kvplan out=": (kvs.out_, kvs.reset),
+                             "kvplan handoff": (kvs.handoff, kvs.reset)})
+        del sg_lists
+        sgs.reset()
+        gc.collect()
+        # Budget: large SGLang calls take seconds; few repetitions there, many for small ones.
+        budget = 3.0 if args.quick else (12.0 if one_call > 0.5 else 6.0)
+        min_reps = 3 if one_call > 0.5 else 7
+        samples = measure(variants, budget, min_reps=min_reps, max_reps=301)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        row = dict(sc=sc, n_blocks=n_blocks, n_runs=n_blocks // max(1, len(b.src_ptrs)),
+                   reps=len(samples["sglang plan"]), med=med, identical=kv_ok)
+        rows.append(row)
+        print(f"{sc.key:28s} blocks={n_blocks:>10,d} reps={row['reps']:>3d} "
+              + " ".join(f"{k}={fmt_ns(v)}" for k, v in med.items()), flush=True)
+        del sgs, samples
+        if kvplan is not None:
+            del kvs
+        gc.collect()
+
+    mem = measure_memory(args.mem_blocks) if (kvplan is not None and not args.quick) else None
+    elapsed = time.time() - t_start
+    cmd = "python bench/compare_sglang.py" + (" --quick" if args.quick else "")
+    write_results(out_dir, rows, mem, elapsed, cmd, sg)
+    chart(out_dir, rows)
+    print(f"wrote {out_dir}/RESULTS.md and chart.png in {elapsed:.0f} s")
+
+
+def write_results(out_dir, rows, mem, elapsed, cmd, sg):
+    have_kv = bool(rows) and "kvplan pooled" in rows[0]["med"]
+    L = []
+    L.append("# kvplan vs SGLang 0.5.23 — planning benchmark")
+    L.append("")
+    L.append("Generated by one command (also writes `bench/chart.png`); do not edit by hand:")
+    L.append("")
+    L.append("```")
+    L.append(f".venv-bench/bin/{cmd}     # venv: bench/setup-sglang")
+    L.append("```")
+    L.append("")
+    L.append(f"Run took {elapsed:.0f} s.")
+    L.append("")
+    L.append("## Machine")
+    L.append("")
+    L.extend(machine())
+    L.append("")
+    L.append("## What is compared")
+    L.append("")
+    L.append("SGLang's real planning code from the 0.5.23 wheel (`group_concurrent_contiguous`, "
+             "`build_transfer_entry_pairs`, `MooncakeKVManager._send_kvcache_generic` and the "
+             "helpers it calls; see `bench/sglang_loader.py` for how it is loaded) against a "
+             "cached `kvplan.Template`. Inputs: int32 page arrays; source pages contiguous; "
+             "destination pages strictly increasing with exactly round(f·(n−1)) seeded-random "
+             "breaks of contiguity (f = fragmentation). Before timing, every scenario checks "
+             "that both planners emit the identical block list (same triples, same order). "
+             "Timings interleave all variants in one process (order rotated per repetition, GC "
+             "off while sampling); small calls are looped so one sample is ≥0.2 ms. "
+             "Medians per call.")
+    L.append("")
+    L.append("- **sglang plan**: `_send_kvcache_generic` up to its list of `(src, dst, len)` "
+             "tuples (a recorder stands in for `_transfer_data`).")
+    L.append("- **sglang handoff**: the same call with SGLang's real `_transfer_data`, which "
+             "unzips the tuples into the three lists passed to `batch_transfer_sync` "
+             "(a recording engine that returns 0).")
+    if have_kv:
+        L.append("- **kvplan fresh**: `template.plan(src, dst)` with every plan of the sample "
+                 "kept alive, so each call writes into never-touched memory (page faults).")
+        L.append("- **kvplan pooled**: `template.plan(src, dst)`, plan dropped each time; its "
+                 "buffer returns to kvplan's pool (steady state).")
+        L.append("- **kvplan out=**: `template.plan(src, dst, out=buf)` into one warm "
+                 "`(3, M)` uint64 buffer (steady state).")
+        L.append("- **kvplan handoff**: `template.plan(src, dst).as_lists()` and the same "
+                 "recording engine call.")
+        L.append("- **ratio plan** = sglang plan / kvplan pooled; **ratio fresh** = sglang plan "
+                 "/ kvplan fresh; **ratio handoff** = sglang handoff / kvplan handoff.")
+    L.append("")
+    L.append("## Results (medians)")
+    L.append("")
+    if have_kv:
+        L.append("| scenario | model | page | tokens | frag | blocks | reps | sglang plan | "
+                 "sglang handoff | kvplan fresh | kvplan pooled | kvplan out= | kvplan handoff "
+                 "| ratio plan | ratio fresh | ratio handoff | kvplan ns/block (out=) |")
+        L.append("|" + "---|" * 17)
+    else:
+        L.append("| scenario | model | page | tokens | frag | blocks | reps | sglang plan | "
+                 "sglang handoff | sglang ns/block |")
+        L.append("|" + "---|" * 10)
+    for r in rows:
+        sc, m, n = r["sc"], r["med"], r["n_blocks"]
+        head = (f"| `{sc.key}` | {sc.model} | {sc.page_size} | {sc.tokens:,} | "
+                f"{sc.frag * 100:g} % | {n:,} | {r['reps']} | {fmt_ns(m['sglang plan'])} | "
+                f"{fmt_ns(m['sglang handoff'])} |")
+        if have_kv:
+            L.append(head + f" {fmt_ns(m['kvplan fresh'])} | {fmt_ns(m['kvplan pooled'])} | "
+                     f"{fmt_ns(m['kvplan out='])} | {fmt_ns(m['kvplan handoff'])} | "
+                     f"{fmt_ratio(m['sglang plan'] / m['kvplan pooled'])} | "
+                     f"{fmt_ratio(m['sglang plan'] / m['kvplan fresh'])} | "
+                     f"{fmt_ratio(m['sglang handoff'] / m['kvplan handoff'])} | "
+                     f"{m['kvplan out='] / max(n, 1):.2f} |")
+        else:
+            L.append(head + f" {m['sglang plan'] / max(n, 1):.0f} |")
+    L.append("")
+    if have_kv:
+        L.extend(targets(rows, mem))
+    else:
+        L.append(f"kvplan was not importable in this run ({KVPLAN_ERR}); SGLang side only.")
+    L.append("")
+    L.append("## SGLang loading (what runs, what is a stand-in)")
+    L.append("")
+    L.append("Executed from the wheel: " + ", ".join(f"`{m}`" for m in sglang_loader.REAL_MODULES)
+             + ". Stand-in modules (satisfy module-level imports only; `verify_closure()` proves "
+             "none is reachable from the planning code): " + ", ".join(f"`{m}`" for m in sg.stubbed)
+             + ". Worked examples E1, E4, E10, E11, E12 of sglang-semantics.md §11 are "
+             "re-checked at the start of every run.")
+    with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def targets(rows, mem) -> list[str]:
+    L = ["## Targets (issue 4)", "", "| target | measured | status |", "|---|---|---|"]
+    big = [r for r in rows if r["n_blocks"] >= 100_000]
+    if big:
+        worst = min(big, key=lambda r: r["med"]["sglang plan"] / r["med"]["kvplan pooled"])
+        wr = worst["med"]["sglang plan"] / worst["med"]["kvplan pooled"]
+        worst_f = min(big, key=lambda r: r["med"]["sglang plan"] / r["med"]["kvplan fresh"])
+        wf = worst_f["med"]["sglang plan"] / worst_f["med"]["kvplan fresh"]
+        L.append(f"| ≥300× faster than SGLang at ≥100k blocks (steady state) | min "
+                 f"{wr:,.0f}× (`{worst['sc'].key}`, {worst['n_blocks']:,} blocks) over "
+                 f"{len(big)} scenarios | {status(wr >= 300, f'{wr / 300:.2f}× the target')} |")
+        L.append(f"| same, fresh memory (not a target; for reference) | min {wf:,.0f}× "
+                 f"(`{worst_f['sc'].key}`) | {'≥300×' if wf >= 300 else f'{wf / 300:.2f}× of 300×'} |")
+    single = [r for r in rows if r["sc"].key == "dsv3-single-61"]
+    if single:
+        r = single[0]
+        x = r["med"]["sglang plan"] / r["med"]["kvplan pooled"]
+        L.append(f"| ≥30× on the single 61-block request | {x:,.1f}× "
+                 f"({fmt_ns(r['med']['sglang plan'])} vs {fmt_ns(r['med']['kvplan pooled'])}) | "
+                 f"{status(x >= 30, f'{x / 30:.2f}× the target')} |")
+        ov = r["med"]["kvplan pooled"]
+        L.append(f"| ≤3 µs Python call overhead, cached template | {fmt_ns(ov)} per "
+                 f"`template.plan()` (61 blocks, pooled) | {status(ov <= 3000, f'{ov / 3000:.2f}× the limit')} |")
+    largest = max(rows, key=lambda r: r["n_blocks"])
+    nsb = largest["med"]["kvplan out="] / largest["n_blocks"]
+    L.append(f"| ≤1.5 ns/block core emission, one thread | {nsb:.2f} ns/block through Python "
+             f"(`out=`, `{largest['sc'].key}`, {largest['n_blocks']:,} blocks; includes run "
+             f"grouping and validation; Rust microbenchmark pending) | "
+             f"{status(nsb <= 1.5, f'{nsb / 1.5:.2f}× the limit')} |")
+    if mem:
+        mr = mem["ratio"]
+        L.append(f"| peak memory ≤1.2× plan bytes at 10M blocks | peak RSS growth "
+                 f"{mem['peak_extra'] / 2**20:.0f} MiB for a {mem['plan_bytes'] / 2**20:.0f} MiB "
+                 f"plan ({mem['n_blocks']:,} blocks) = {mem['ratio']:.2f}× | "
+                 f"{status(mr <= 1.2, f'{mr / 1.2:.2f}× the limit')} |")
+    L.append("")
+    return L
+
+
+def status(ok: bool, how: str) -> str:
+    return f"met ({how})" if ok else f"**missed** ({how})"
+
+
+def chart(out_dir, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    series = [("sglang plan", "SGLang 0.5.23 plan", "o", "tab:red"),
+              ("sglang handoff", "SGLang plan + Mooncake lists", "x", "tab:orange"),
+              ("kvplan fresh", "kvplan, fresh memory", "s", "tab:cyan"),
+              ("kvplan pooled", "kvplan, pooled (steady state)", "D", "tab:blue"),
+              ("kvplan handoff", "kvplan plan + as_lists()", "^", "tab:green")]
+    for key, label, marker, color in series:
+        pts = sorted((r["n_blocks"], r["med"][key] / r["n_blocks"]) for r in rows
+                     if key in r["med"] and r["n_blocks"] > 0)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker=marker, linestyle="-", color=color, label=label, alpha=0.85,
+                markersize=5, linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("blocks per plan")
+    ax.set_ylabel("time per block (ns), median")
+    ax.set_title("KV transfer planning: kvplan vs SGLang 0.5.23 (same inputs, identical output)",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "chart.png"))
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
