@@ -312,13 +312,23 @@ def test_e9_mha_uneven_split_correct_or_error(case, kw):
     "n_src,n_dst,start",
     [
         (5, 10, 0),  # odd MHA source count: SGLang drops the last V silently (R4)
-        (0, 8, 0),  # empty stage: SGLang divides by zero (R2)
         (4, 8, 3),  # slice runs into the V block (R4)
+        (6, 8, 2),  # K slice 2..5 overruns the 4 decode layers (R4: IndexError / wrong layers)
     ],
 )
 def test_mha_legacy_strict_errors(n_src, n_dst, start):
     with pytest.raises(PairingError):
         kvplan.legacy_pp_pairs("mha", n_src, n_dst, start)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_legacy_empty_stage_no_crash(kind):
+    # SGLang divides by zero for an empty MHA stage (R2). kvplan: no pairs, or a PairingError.
+    try:
+        out = kvplan.legacy_pp_pairs(kind, 0, 8, 0)
+    except PairingError:
+        return
+    assert out.shape == (0, 2)
 
 
 # ------------------------------------------------------------------------------------ E10-E12
@@ -380,11 +390,23 @@ def test_e12_with_named_constructor_and_roles():
 
 
 def _mamba_layouts(src_item, dst_items, src_ids, dst_ids):
-    src = Layout.mla([500], [6400], 64, layer_ids=[7] if src_ids else None)
-    src = src.with_state("mamba_conv", [1000], [64], [src_item], src_ids)
+    """A hybrid layout: MLA page entries plus one Mamba conv state entry per layer."""
     n_dst = len(dst_items)
-    dst_page_ids = [3, 7][:n_dst] if dst_ids else None
-    dst = Layout.mla([600, 700][:n_dst], [6400] * n_dst, 64, layer_ids=dst_page_ids)
+    if src_ids is None:
+        # No ids published: raw entry lists with kinds (with_state always carries ids).
+        src = Layout([500, 1000], [6400, 64], [64, src_item], roles=["kv", "mamba_conv"],
+                     kinds=["page", "state"])
+        dst = Layout(
+            [600, 700][:n_dst] + [2000, 3000][:n_dst],
+            [6400] * n_dst + [64] * n_dst,
+            [64] * n_dst + list(dst_items),
+            roles=["kv"] * n_dst + ["mamba_conv"] * n_dst,
+            kinds=["page"] * n_dst + ["state"] * n_dst,
+        )
+        return src, dst
+    src = Layout.mla([500], [6400], 64, layer_ids=src_ids)
+    src = src.with_state("mamba_conv", [1000], [64], [src_item], src_ids)
+    dst = Layout.mla([600, 700][:n_dst], [6400] * n_dst, 64, layer_ids=dst_ids)
     dst = dst.with_state("mamba_conv", [2000, 3000][:n_dst], [64] * n_dst, dst_items, dst_ids)
     return src, dst
 
