@@ -1,0 +1,40 @@
+"""kvplan: KV-cache transfer planning for prefill/decode disaggregated LLM serving.
+
+Pair prefill and decode transfer entries by global layer id, group page indices into runs that
+are contiguous on both sides, and emit ``(src_addr, dst_addr, length)`` blocks, in Rust. Engine
+adapters live in :mod:`kvplan.engines` and are imported only on demand.
+"""
+
+from __future__ import annotations
+
+from kvplan._core import (
+    IndexBoundsError,
+    KvPlanError,
+    LayoutError,
+    PairingError,
+    SizeMismatchError,
+    __version__,
+    group_contiguous,
+    legacy_pp_pairs,
+    pair_entries,
+)
+from kvplan._core import Layout as Layout
+from kvplan._errors import TransferError
+from kvplan._plan import PlanBatch, Template, TransferPlan
+
+__all__ = [
+    "IndexBoundsError",
+    "KvPlanError",
+    "Layout",
+    "LayoutError",
+    "PairingError",
+    "PlanBatch",
+    "SizeMismatchError",
+    "Template",
+    "TransferError",
+    "TransferPlan",
+    "__version__",
+    "group_contiguous",
+    "legacy_pp_pairs",
+    "pair_entries",
+]

@@ -1,0 +1,22 @@
+"""Exceptions defined in Python (the planning errors come from the native module)."""
+
+from __future__ import annotations
+
+__all__ = ["TransferError"]
+
+
+class TransferError(RuntimeError):
+    """A transfer engine returned a non-zero status or raised.
+
+    Adapters in :mod:`kvplan.engines` set ``engine``, ``session``, ``batch``, ``blocks``,
+    ``bytes`` and ``status`` on the instance and name them in the message. After a failure,
+    some blocks of the batch may have landed and others may still be in flight: do not reuse
+    the buffers until the session is torn down or the peer is known dead.
+    """
+
+    engine: str | None = None
+    session: str | None = None
+    batch: int | None = None
+    blocks: int | None = None
+    bytes: int | None = None
+    status: int | None = None

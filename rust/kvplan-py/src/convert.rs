@@ -1,0 +1,64 @@
+//! Argument conversion: index arrays taken zero-copy as int32 or int64 slices.
+
+use kvplan_core::PageIndex;
+use numpy::{PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+
+/// A borrowed 1-D index array of either supported dtype (kept alive by the borrow).
+pub(crate) enum IndexArray<'py> {
+    I32(PyReadonlyArray1<'py, i32>),
+    I64(PyReadonlyArray1<'py, i64>),
+}
+
+/// A plain slice view of an [`IndexArray`]; `Send`, so it may cross into `Python::detach`.
+#[derive(Clone, Copy)]
+pub(crate) enum IndexSlice<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+impl<'py> IndexArray<'py> {
+    /// Borrows `obj` as a 1-D C-contiguous int32 or int64 numpy array, or raises a `TypeError`
+    /// that names the argument and what it was.
+    pub(crate) fn extract(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Self> {
+        if let Ok(array) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+            return Ok(IndexArray::I64(array));
+        }
+        if let Ok(array) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
+            return Ok(IndexArray::I32(array));
+        }
+        let what = match obj.cast::<PyUntypedArray>() {
+            Ok(array) => format!("a {}-D numpy array of dtype {}", array.ndim(), array.dtype().str()?),
+            Err(_) => format!("{}", obj.get_type().name()?),
+        };
+        Err(PyTypeError::new_err(format!(
+            "{name} must be a 1-D numpy array of dtype int32 or int64 (native byte order), got {what}"
+        )))
+    }
+
+    /// The slice view; a `TypeError` for non-contiguous arrays (no hidden copy).
+    pub(crate) fn as_slice(&self, name: &str) -> PyResult<IndexSlice<'_>> {
+        let contiguous_error = |_| PyTypeError::new_err(format!("{name} must be C-contiguous (use np.ascontiguousarray)"));
+        Ok(match self {
+            IndexArray::I32(a) => IndexSlice::I32(a.as_slice().map_err(contiguous_error)?),
+            IndexArray::I64(a) => IndexSlice::I64(a.as_slice().map_err(contiguous_error)?),
+        })
+    }
+}
+
+/// Work that is generic over the two index dtypes of a request.
+pub(crate) trait IndexVisitor {
+    type Output;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output;
+}
+
+/// Calls `visitor` with the concrete slice types (four monomorphised variants).
+pub(crate) fn dispatch<V: IndexVisitor>(src: IndexSlice<'_>, dst: IndexSlice<'_>, visitor: V) -> V::Output {
+    match (src, dst) {
+        (IndexSlice::I32(s), IndexSlice::I32(d)) => visitor.visit(s, d),
+        (IndexSlice::I32(s), IndexSlice::I64(d)) => visitor.visit(s, d),
+        (IndexSlice::I64(s), IndexSlice::I32(d)) => visitor.visit(s, d),
+        (IndexSlice::I64(s), IndexSlice::I64(d)) => visitor.visit(s, d),
+    }
+}

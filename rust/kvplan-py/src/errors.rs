@@ -1,0 +1,24 @@
+//! The kvplan exception hierarchy and the one place core errors become Python exceptions.
+
+use kvplan_core::{ErrorClass, PlanError};
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+create_exception!(kvplan, KvPlanError, PyValueError, "Base class of every kvplan planning error.");
+create_exception!(kvplan, PairingError, KvPlanError, "Transfer entries could not be paired.");
+create_exception!(kvplan, IndexBoundsError, KvPlanError, "A page or slot index is negative or outside its buffer.");
+create_exception!(kvplan, SizeMismatchError, KvPlanError, "Paired entries disagree on item size.");
+create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
+
+/// Maps a core error to its Python exception. (Not a `From` impl: both types are foreign here.)
+pub(crate) fn to_py_err(err: PlanError) -> PyErr {
+    let message = err.to_string();
+    match err.class() {
+        ErrorClass::Pairing => PairingError::new_err(message),
+        ErrorClass::IndexBounds => IndexBoundsError::new_err(message),
+        ErrorClass::SizeMismatch => SizeMismatchError::new_err(message),
+        ErrorClass::Layout => LayoutError::new_err(message),
+        _ => KvPlanError::new_err(message),
+    }
+}

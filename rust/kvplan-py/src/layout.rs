@@ -1,0 +1,284 @@
+//! `kvplan.Layout`: a peer's transfer entries, built from SGLang-style registration lists or
+//! from the named constructors of the core.
+
+use kvplan_core::{EntryKind, Layout, LayoutContext, LayoutParts};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::to_py_err;
+
+/// Bytes per item: one value for every entry, or one per entry.
+#[derive(FromPyObject)]
+pub(crate) enum ItemLens {
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl ItemLens {
+    fn expand(self, n: usize) -> Vec<u64> {
+        match self {
+            ItemLens::One(len) => vec![len; n],
+            ItemLens::Many(lens) => lens,
+        }
+    }
+}
+
+/// Reads the peer context from keyword arguments, rejecting unknown keys.
+fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
+    let mut context = LayoutContext::default();
+    let Some(kwargs) = kwargs else { return Ok(context) };
+    for (key, value) in kwargs.iter() {
+        let key: String = key.extract()?;
+        match key.as_str() {
+            "page_size" => context.page_size = value.extract()?,
+            "device" => context.device = value.extract()?,
+            "num_model_layers" => context.num_model_layers = value.extract()?,
+            "pp_rank" => context.pp_rank = value.extract()?,
+            "pp_size" => context.pp_size = value.extract()?,
+            "tp_rank" => context.tp_rank = value.extract()?,
+            "tp_size" => context.tp_size = value.extract()?,
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size"
+                )));
+            }
+        }
+    }
+    Ok(context)
+}
+
+/// An immutable list of one peer's transfer entries plus its context (page size, device, PP/TP).
+#[pyclass(frozen, eq, name = "Layout", module = "kvplan")]
+#[derive(PartialEq)]
+pub struct PyLayout {
+    pub(crate) inner: Layout,
+}
+
+fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
+    layout.map(|inner| PyLayout { inner }).map_err(to_py_err)
+}
+
+#[pymethods]
+impl PyLayout {
+    #[new]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, **context))]
+    fn new(
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        layer_ids: Option<Vec<i64>>,
+        roles: Option<Vec<String>>,
+        kinds: Option<Vec<String>>,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        let kinds = kinds.unwrap_or_default().iter().map(|k| EntryKind::parse(k)).collect::<Result<Vec<_>, _>>().map_err(to_py_err)?;
+        let parts = LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens: item_lens.expand(n),
+            layer_ids: layer_ids.unwrap_or_default().into_iter().map(Some).collect(),
+            roles: roles.unwrap_or_default(),
+            kinds,
+        };
+        wrap(Layout::new(parts, context_from(context)?))
+    }
+
+    /// One `kv` entry per layer (MLA latent buffers).
+    #[staticmethod]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, **context))]
+    fn mla(
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        layer_ids: Option<Vec<i64>>,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        wrap(Layout::mla(data_ptrs, data_lens, item_lens.expand(n), layer_ids, context_from(context)?))
+    }
+
+    /// All K entries then all V entries; K and V item lengths may differ.
+    #[staticmethod]
+    #[pyo3(signature = (k_ptrs, v_ptrs, k_data_lens, v_data_lens, k_item_lens, v_item_lens, layer_ids=None, **context))]
+    #[allow(clippy::too_many_arguments)]
+    fn mha(
+        k_ptrs: Vec<u64>,
+        v_ptrs: Vec<u64>,
+        k_data_lens: Vec<u64>,
+        v_data_lens: Vec<u64>,
+        k_item_lens: ItemLens,
+        v_item_lens: ItemLens,
+        layer_ids: Option<Vec<i64>>,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let (nk, nv) = (k_ptrs.len(), v_ptrs.len());
+        let layout = Layout::mha(
+            k_ptrs,
+            v_ptrs,
+            k_data_lens,
+            v_data_lens,
+            k_item_lens.expand(nk),
+            v_item_lens.expand(nv),
+            layer_ids,
+            context_from(context)?,
+        );
+        wrap(layout)
+    }
+
+    /// Hybrid-linear pool: KV only for full-attention layers, published under global ids.
+    #[staticmethod]
+    #[pyo3(signature = (full_attention_layer_ids, data_ptrs, data_lens, item_lens, *, mla=true, **context))]
+    fn hybrid_linear(
+        full_attention_layer_ids: Vec<i64>,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        mla: bool,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        wrap(Layout::hybrid_linear(full_attention_layer_ids, data_ptrs, data_lens, item_lens.expand(n), mla, context_from(context)?))
+    }
+
+    /// NPU pool with several buffer groups per layer (group-major), ids repeated per group.
+    #[staticmethod]
+    #[pyo3(signature = (layer_ids, data_ptrs, data_lens, item_lens, *, group_roles=None, **context))]
+    fn npu_groups(
+        layer_ids: Vec<i64>,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        group_roles: Option<Vec<String>>,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        wrap(Layout::npu_groups(layer_ids, data_ptrs, data_lens, item_lens.expand(n), group_roles, context_from(context)?))
+    }
+
+    /// A new layout with draft KV entries appended (ids remapped into the band above the model).
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, *, draft_layer_ids, num_hidden_layers, roles=None))]
+    fn with_draft(
+        &self,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        draft_layer_ids: Vec<i64>,
+        num_hidden_layers: i64,
+        roles: Option<Vec<String>>,
+    ) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        wrap(self.inner.with_draft(data_ptrs, data_lens, item_lens.expand(n), &draft_layer_ids, num_hidden_layers, roles))
+    }
+
+    /// A new layout with per-request state entries appended (kind "state", role = name).
+    #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids))]
+    fn with_state(&self, name: &str, data_ptrs: Vec<u64>, data_lens: Vec<u64>, item_lens: ItemLens, layer_ids: Vec<i64>) -> PyResult<Self> {
+        let n = data_ptrs.len();
+        wrap(self.inner.with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids))
+    }
+
+    #[getter]
+    fn n_entries(&self) -> usize {
+        self.inner.n_entries()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.n_entries()
+    }
+
+    #[getter]
+    fn data_ptrs(&self) -> Vec<u64> {
+        self.inner.parts().data_ptrs.clone()
+    }
+
+    #[getter]
+    fn data_lens(&self) -> Vec<u64> {
+        self.inner.parts().data_lens.clone()
+    }
+
+    #[getter]
+    fn item_lens(&self) -> Vec<u64> {
+        self.inner.parts().item_lens.clone()
+    }
+
+    /// Global layer id per entry; `None` when no entry publishes one (`None` items for entries
+    /// of a kind that publishes none while another kind does).
+    #[getter]
+    fn layer_ids(&self) -> Option<Vec<Option<i64>>> {
+        let ids = &self.inner.parts().layer_ids;
+        ids.iter().any(Option::is_some).then(|| ids.clone())
+    }
+
+    /// Role per entry; `None` when no entry publishes one (`""` for entries without a role).
+    #[getter]
+    fn roles(&self) -> Option<Vec<String>> {
+        let roles = &self.inner.parts().roles;
+        roles.iter().any(|r| !r.is_empty()).then(|| roles.clone())
+    }
+
+    #[getter]
+    fn kinds(&self) -> Vec<&'static str> {
+        self.inner.parts().kinds.iter().map(|k| k.as_str()).collect()
+    }
+
+    /// Items (pages or slots) each entry holds: `data_len // item_len` (0 when item_len is 0).
+    #[getter]
+    fn capacities(&self) -> Vec<u64> {
+        (0..self.inner.n_entries()).map(|i| self.inner.capacity(i)).collect()
+    }
+
+    #[getter]
+    fn page_size(&self) -> u64 {
+        self.inner.context().page_size
+    }
+
+    #[getter]
+    fn device(&self) -> String {
+        self.inner.context().device.clone()
+    }
+
+    #[getter]
+    fn num_model_layers(&self) -> Option<u64> {
+        self.inner.context().num_model_layers
+    }
+
+    #[getter]
+    fn pp_rank(&self) -> u32 {
+        self.inner.context().pp_rank
+    }
+
+    #[getter]
+    fn pp_size(&self) -> u32 {
+        self.inner.context().pp_size
+    }
+
+    #[getter]
+    fn tp_rank(&self) -> u32 {
+        self.inner.context().tp_rank
+    }
+
+    #[getter]
+    fn tp_size(&self) -> u32 {
+        self.inner.context().tp_size
+    }
+
+    fn __repr__(&self) -> String {
+        let parts = self.inner.parts();
+        let pages = parts.kinds.iter().filter(|&&k| k == EntryKind::Page).count();
+        let ctx = self.inner.context();
+        format!(
+            "Layout({} entries: {} page, {} state; page_size={}, device={:?}, pp={}/{}, tp={}/{})",
+            self.inner.n_entries(),
+            pages,
+            self.inner.n_entries() - pages,
+            ctx.page_size,
+            ctx.device,
+            ctx.pp_rank,
+            ctx.pp_size,
+            ctx.tp_rank,
+            ctx.tp_size
+        )
+    }
+}

@@ -1,0 +1,259 @@
+//! Runs, pairing, templates and plans. The GIL is released around every pass over index arrays;
+//! plans come back as NumPy arrays viewing a pooled Rust buffer (no copy, no per-block objects).
+
+use kvplan_core::{
+    Columns, EntryMetadata, FlatBuffer, LegacyKind, PageIndex, PlanSummary, Template, TemplateOptions,
+};
+use numpy::ndarray::{Array2, ArrayView1};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::convert::{IndexArray, IndexVisitor, dispatch};
+use crate::errors::{KvPlanError, to_py_err};
+use crate::layout::PyLayout;
+use crate::pool;
+
+fn pairs_array<'py>(py: Python<'py>, pairs: impl ExactSizeIterator<Item = [usize; 2]>) -> Bound<'py, PyArray2<i64>> {
+    let n = pairs.len();
+    let flat: Vec<i64> = pairs.flat_map(|[i, j]| [i as i64, j as i64]).collect();
+    Array2::from_shape_vec((n, 2), flat).expect("two columns by construction").into_pyarray(py)
+}
+
+/// Runs contiguous on both sides as `(src_starts, dst_starts, lengths)` int64 arrays.
+///
+/// Contract: 1-D C-contiguous int32/int64 arrays, borrowed without copying; GIL released.
+#[pyfunction]
+#[pyo3(signature = (src, dst, /))]
+pub fn group_contiguous<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    dst: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>)> {
+    struct Group;
+    impl IndexVisitor for Group {
+        type Output = kvplan_core::Result<(Vec<u64>, Vec<u64>, Vec<u64>)>;
+        fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+            kvplan_core::group_contiguous(src, dst)
+        }
+    }
+    let (src_array, dst_array) = (IndexArray::extract(src, "src")?, IndexArray::extract(dst, "dst")?);
+    let (src_slice, dst_slice) = (src_array.as_slice("src")?, dst_array.as_slice("dst")?);
+    let (s, d, l) = py.detach(|| dispatch(src_slice, dst_slice, Group)).map_err(to_py_err)?;
+    // Indices were validated non-negative, so the reinterpretation is exact; collecting into a
+    // same-sized element type reuses each allocation.
+    let signed = |v: Vec<u64>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>().into_pyarray(py);
+    Ok((signed(s), signed(d), signed(l)))
+}
+
+/// SGLang's `build_transfer_entry_pairs`, keyed by (layer id, role) when both sides give roles.
+#[pyfunction]
+#[pyo3(signature = (src_layer_ids, dst_layer_ids, n_src, n_dst, allow_positional_fallback=false, *, src_roles=None, dst_roles=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn pair_entries<'py>(
+    py: Python<'py>,
+    src_layer_ids: Option<Vec<i64>>,
+    dst_layer_ids: Option<Vec<i64>>,
+    n_src: usize,
+    n_dst: usize,
+    allow_positional_fallback: bool,
+    src_roles: Option<Vec<String>>,
+    dst_roles: Option<Vec<String>>,
+) -> PyResult<Bound<'py, PyArray2<i64>>> {
+    let src = EntryMetadata { layer_ids: src_layer_ids.as_deref(), roles: src_roles.as_deref(), n_entries: n_src };
+    let dst = EntryMetadata { layer_ids: dst_layer_ids.as_deref(), roles: dst_roles.as_deref(), n_entries: n_dst };
+    let pairs = kvplan_core::pair_entries(src, dst, allow_positional_fallback).map_err(to_py_err)?;
+    Ok(pairs_array(py, pairs.into_iter()))
+}
+
+fn parse_legacy_kind(kind: &str) -> PyResult<LegacyKind> {
+    match kind {
+        "mla" => Ok(LegacyKind::Mla),
+        "mha" => Ok(LegacyKind::Mha),
+        other => Err(KvPlanError::new_err(format!("legacy kind must be \"mla\" or \"mha\", got {other:?}"))),
+    }
+}
+
+/// Positional PP slicing for peers without layer ids (strict; see the core's `legacy_pp_pairs`).
+#[pyfunction]
+#[pyo3(signature = (kind, n_src, n_dst, prefill_start_layer, *, num_draft_entries=0, decode_num_layers=None))]
+pub fn legacy_pp_pairs<'py>(
+    py: Python<'py>,
+    kind: &str,
+    n_src: usize,
+    n_dst: usize,
+    prefill_start_layer: usize,
+    num_draft_entries: usize,
+    decode_num_layers: Option<usize>,
+) -> PyResult<Bound<'py, PyArray2<i64>>> {
+    let kind = parse_legacy_kind(kind)?;
+    let pairs = kvplan_core::legacy_pp_pairs(kind, n_src, n_dst, prefill_start_layer, num_draft_entries, decode_num_layers)
+        .map_err(to_py_err)?;
+    Ok(pairs_array(py, pairs.into_iter()))
+}
+
+/// `(buffers pooled, bytes pooled, hits, misses)` of the plan output pool.
+#[pyfunction]
+pub fn pool_stats() -> (usize, usize, u64, u64) {
+    pool::stats()
+}
+
+/// Owner of a plan's memory. NumPy arrays of a plan view it; when the last one dies the buffer
+/// returns to the pool.
+#[pyclass(frozen, name = "PlanBuffer", module = "kvplan._core")]
+pub struct PyPlanBuffer {
+    data: Vec<u64>,
+}
+
+impl Drop for PyPlanBuffer {
+    fn drop(&mut self) {
+        pool::give_back(std::mem::take(&mut self.data));
+    }
+}
+
+#[pymethods]
+impl PyPlanBuffer {
+    /// Bytes held (the pooled capacity, which may exceed the plan's own bytes).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.data.len() * 8
+    }
+}
+
+type Column<'py> = Bound<'py, PyArray1<u64>>;
+/// What `_plan` returns: the three columns (absent when written into `out`), runs, blocks, bytes.
+type RawPlan<'py> = (Option<(Column<'py>, Column<'py>, Column<'py>)>, usize, usize, u64);
+
+/// A compiled peer pair. Python's `kvplan.Template` subclasses it to return `TransferPlan`s.
+#[pyclass(frozen, subclass, name = "Template", module = "kvplan._core")]
+pub struct PyTemplate {
+    inner: Template,
+}
+
+struct PlanPooled<'t>(&'t Template);
+
+impl IndexVisitor for PlanPooled<'_> {
+    type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_into(src, dst, |shape| {
+            Ok(FlatBuffer { data: pool::take(shape.n_blocks.saturating_mul(3)), capacity: shape.n_blocks })
+        })
+    }
+}
+
+struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
+
+impl IndexVisitor for PlanInto<'_, '_> {
+    type Output = kvplan_core::Result<PlanSummary>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        let columns = self.1;
+        self.0.plan_into(src, dst, move |_| Ok(columns)).map(|(_, summary)| summary)
+    }
+}
+
+#[pymethods]
+impl PyTemplate {
+    #[new]
+    #[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
+    fn new(
+        src_layout: PyRef<'_, PyLayout>,
+        dst_layout: PyRef<'_, PyLayout>,
+        allow_positional_fallback: bool,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<&str>,
+        check_dst_overlap: bool,
+    ) -> PyResult<Self> {
+        let options = TemplateOptions {
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
+            check_dst_overlap,
+        };
+        let inner = Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
+        Ok(Self { inner })
+    }
+
+    /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
+    #[getter]
+    fn pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+        pairs_array(py, self.inner.page_pairs().iter().map(|p| [p.src_entry, p.dst_entry]))
+    }
+
+    /// `(n_state_pairs, 2)` int64: (src entry, dst entry) of every state-entry pair.
+    #[getter]
+    fn state_pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+        pairs_array(py, self.inner.state_pairs().iter().map(|p| [p.src_entry, p.dst_entry]))
+    }
+
+    /// Per page pair: whether it emits blocks (item length > 0).
+    #[getter]
+    fn emitting(&self) -> Vec<bool> {
+        self.inner.page_pairs().iter().map(|p| p.item_len > 0).collect()
+    }
+
+    /// Item length of every page pair.
+    #[getter]
+    fn pair_item_lens(&self) -> Vec<u64> {
+        self.inner.page_pairs().iter().map(|p| p.item_len).collect()
+    }
+
+    /// Bytes moved per page index pair.
+    #[getter]
+    fn bytes_per_page(&self) -> u64 {
+        self.inner.bytes_per_page()
+    }
+
+    /// Plans one request. Contract: 1-D C-contiguous int32/int64 index arrays (borrowed, not
+    /// copied); GIL released while planning. Without `out`, the columns view one pooled buffer.
+    /// With `out` (C-contiguous `(3, M)` uint64), the columns are written into its rows and
+    /// `None` is returned in their place.
+    #[pyo3(signature = (src_pages, dst_pages, out=None))]
+    fn _plan<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+        out: Option<PyReadwriteArray2<'py, u64>>,
+    ) -> PyResult<RawPlan<'py>> {
+        let (src_array, dst_array) = (IndexArray::extract(src_pages, "src_pages")?, IndexArray::extract(dst_pages, "dst_pages")?);
+        let (src, dst) = (src_array.as_slice("src_pages")?, dst_array.as_slice("dst_pages")?);
+        let template = &self.inner;
+        if let Some(mut out) = out {
+            // as_slice_mut also accepts Fortran order, which would scramble the rows.
+            if !out.is_c_contiguous() || out.shape()[0] != 3 {
+                return Err(KvPlanError::new_err(format!(
+                    "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
+                    out.shape()
+                )));
+            }
+            let capacity = out.shape()[1];
+            let flat = out.as_slice_mut()?;
+            let columns = Columns::from_flat(flat, capacity);
+            let summary = py.detach(|| dispatch(src, dst, PlanInto(template, columns))).map_err(to_py_err)?;
+            return Ok((None, summary.n_runs, summary.n_blocks, summary.total_bytes));
+        }
+        let (buffer, summary) = py.detach(|| dispatch(src, dst, PlanPooled(template))).map_err(to_py_err)?;
+        let n = summary.n_blocks;
+        let stride = buffer.capacity;
+        let owner = Bound::new(py, PyPlanBuffer { data: buffer.data })?;
+        let data = owner.get().data.as_slice();
+        let column = |k: usize| -> Column<'py> {
+            let view = ArrayView1::from(&data[k * stride..k * stride + n]);
+            // SAFETY: the array keeps `owner` alive through its base reference; `owner` is frozen,
+            // so its Vec is never mutated, moved or reallocated until the owner is dropped.
+            unsafe { PyArray1::borrow_from_array(&view, owner.clone().into_any()) }
+        };
+        Ok((Some((column(0), column(1), column(2))), summary.n_runs, n, summary.total_bytes))
+    }
+
+    /// Plans one per-request state slot: one block per state pair.
+    #[pyo3(signature = (src_slot, dst_slot))]
+    fn _plan_state<'py>(&self, py: Python<'py>, src_slot: i64, dst_slot: i64) -> PyResult<(Column<'py>, Column<'py>, Column<'py>)> {
+        let n = self.inner.state_pairs().len();
+        let mut buffer = FlatBuffer::zeroed(n);
+        self.inner.plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n)).map_err(to_py_err)?;
+        let mut data = buffer.data;
+        let lengths = data.split_off(2 * n);
+        let dst_addrs = data.split_off(n);
+        Ok((data.into_pyarray(py), dst_addrs.into_pyarray(py), lengths.into_pyarray(py)))
+    }
+}
