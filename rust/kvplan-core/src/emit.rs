@@ -28,11 +28,18 @@ impl<'a> Columns<'a> {
     pub fn from_flat(buffer: &'a mut [u64], capacity: usize) -> Self {
         let (src_addrs, rest) = buffer.split_at_mut(capacity);
         let (dst_addrs, rest) = rest.split_at_mut(capacity);
-        Self { src_addrs, dst_addrs, lengths: &mut rest[..capacity] }
+        Self {
+            src_addrs,
+            dst_addrs,
+            lengths: &mut rest[..capacity],
+        }
     }
 
     fn capacity(&self) -> usize {
-        self.src_addrs.len().min(self.dst_addrs.len()).min(self.lengths.len())
+        self.src_addrs
+            .len()
+            .min(self.dst_addrs.len())
+            .min(self.lengths.len())
     }
 }
 
@@ -93,11 +100,23 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let n_blocks = found.n_runs.checked_mul(self.emitting.len()).ok_or(PlanError::Overflow { what: "block count" })?;
+        let n_blocks =
+            found
+                .n_runs
+                .checked_mul(self.emitting.len())
+                .ok_or(PlanError::Overflow {
+                    what: "block count",
+                })?;
         let total_bytes = (found.n_pages as u64)
             .checked_mul(self.bytes_per_page)
-            .ok_or(PlanError::Overflow { what: "total bytes" })?;
-        Ok(PlanShape { scan: found, n_blocks, total_bytes })
+            .ok_or(PlanError::Overflow {
+                what: "total bytes",
+            })?;
+        Ok(PlanShape {
+            scan: found,
+            n_blocks,
+            total_bytes,
+        })
     }
 
     /// Plans one request into columns obtained from `make_output` once the plan size is known.
@@ -123,22 +142,56 @@ impl Template {
         Ok((output, summary))
     }
 
-    fn emit<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D], shape: &PlanShape, out: Columns<'_>) -> Result<PlanSummary> {
+    fn emit<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        shape: &PlanShape,
+        out: Columns<'_>,
+    ) -> Result<PlanSummary> {
         let pairs = &self.emitting;
         if out.capacity() < shape.n_blocks {
-            return Err(PlanError::OutputTooSmall { have: out.capacity(), need: shape.n_blocks });
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: shape.n_blocks,
+            });
         }
         if pairs.is_empty() || shape.scan.n_pages == 0 {
-            return Ok(PlanSummary { n_runs: shape.scan.n_runs, n_blocks: 0, total_bytes: shape.total_bytes });
+            return Ok(PlanSummary {
+                n_runs: shape.scan.n_runs,
+                n_blocks: 0,
+                total_bytes: shape.total_bytes,
+            });
         }
-        let runs = write_bounded_runs(src, dst, self.src_limit, self.dst_limit, out.src_addrs, out.dst_addrs, out.lengths)?;
+        let runs = write_bounded_runs(
+            src,
+            dst,
+            self.src_limit,
+            self.dst_limit,
+            out.src_addrs,
+            out.dst_addrs,
+            out.lengths,
+        )?;
         if runs != shape.scan.n_runs {
-            return Err(PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() });
+            return Err(PlanError::InvalidLayout {
+                what: "index arrays changed while planning (mutated from another thread?)".into(),
+            });
         }
         for (p, pair) in pairs.iter().enumerate().rev() {
-            expand_pair(pair, runs, p * runs, out.src_addrs, out.dst_addrs, out.lengths);
+            expand_pair(
+                pair,
+                runs,
+                p * runs,
+                out.src_addrs,
+                out.dst_addrs,
+                out.lengths,
+            );
         }
-        Ok(PlanSummary { n_runs: runs, n_blocks: runs * pairs.len(), total_bytes: shape.total_bytes })
+        Ok(PlanSummary {
+            n_runs: runs,
+            n_blocks: runs * pairs.len(),
+            total_bytes: shape.total_bytes,
+        })
     }
 
     /// Allocating convenience: plans one request into freshly allocated columns.
@@ -146,13 +199,20 @@ impl Template {
     /// # Errors
     /// As [`Template::plan_into`].
     pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
-        let (buffer, summary) = self.plan_into(src, dst, |shape| Ok(FlatBuffer::zeroed(shape.n_blocks)))?;
+        let (buffer, summary) =
+            self.plan_into(src, dst, |shape| Ok(FlatBuffer::zeroed(shape.n_blocks)))?;
         let FlatBuffer { mut data, capacity } = buffer;
         let n = summary.n_blocks;
         let lengths = data[2 * capacity..2 * capacity + n].to_vec();
         let dst_addrs = data[capacity..capacity + n].to_vec();
         data.truncate(n);
-        Ok(Plan { src_addrs: data, dst_addrs, lengths, n_runs: summary.n_runs, total_bytes: summary.total_bytes })
+        Ok(Plan {
+            src_addrs: data,
+            dst_addrs,
+            lengths,
+            n_runs: summary.n_runs,
+            total_bytes: summary.total_bytes,
+        })
     }
 
     /// Plans one per-request state slot: one block per state pair,
@@ -163,11 +223,18 @@ impl Template {
     pub fn plan_state_into(&self, src_slot: i64, dst_slot: i64, out: Columns<'_>) -> Result<usize> {
         let pairs = &self.state_pairs;
         if out.capacity() < pairs.len() {
-            return Err(PlanError::OutputTooSmall { have: out.capacity(), need: pairs.len() });
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: pairs.len(),
+            });
         }
         for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
             if slot < 0 {
-                return Err(PlanError::NegativeIndex { side, index: slot, position: 0 });
+                return Err(PlanError::NegativeIndex {
+                    side,
+                    index: slot,
+                    position: 0,
+                });
             }
         }
         let (s, d) = (src_slot as u64, dst_slot as u64);
@@ -189,9 +256,22 @@ impl Template {
     fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
         // Report the first position that breaks the first pair it does not fit.
         for pair in &self.emitting {
-            let capacity = if side == Side::Src { pair.src_capacity } else { pair.dst_capacity };
-            if let Some((position, index)) = values.iter().map(|v| v.get()).enumerate().find(|&(_, v)| v as u64 >= capacity) {
-                let entry = if side == Side::Src { pair.src_entry } else { pair.dst_entry };
+            let capacity = if side == Side::Src {
+                pair.src_capacity
+            } else {
+                pair.dst_capacity
+            };
+            if let Some((position, index)) = values
+                .iter()
+                .map(|v| v.get())
+                .enumerate()
+                .find(|&(_, v)| v as u64 >= capacity)
+            {
+                let entry = if side == Side::Src {
+                    pair.src_entry
+                } else {
+                    pair.dst_entry
+                };
                 return PlanError::IndexOutOfRange {
                     side,
                     index,
@@ -203,11 +283,17 @@ impl Template {
                 };
             }
         }
-        PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() }
+        PlanError::InvalidLayout {
+            what: "index arrays changed while planning (mutated from another thread?)".into(),
+        }
     }
 
     fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
-        let (capacity, entry) = if side == Side::Src { (pair.src_capacity, pair.src_entry) } else { (pair.dst_capacity, pair.dst_entry) };
+        let (capacity, entry) = if side == Side::Src {
+            (pair.src_capacity, pair.src_entry)
+        } else {
+            (pair.dst_capacity, pair.dst_entry)
+        };
         PlanError::IndexOutOfRange {
             side,
             index: slot,
@@ -228,7 +314,11 @@ pub trait AsColumns<'o> {
 
 impl<'o> AsColumns<'o> for Columns<'o> {
     fn columns(&mut self) -> Columns<'_> {
-        Columns { src_addrs: self.src_addrs, dst_addrs: self.dst_addrs, lengths: self.lengths }
+        Columns {
+            src_addrs: self.src_addrs,
+            dst_addrs: self.dst_addrs,
+            lengths: self.lengths,
+        }
     }
 }
 
@@ -244,7 +334,10 @@ pub struct FlatBuffer {
 impl FlatBuffer {
     /// A zero-filled buffer of `capacity` values per column.
     pub fn zeroed(capacity: usize) -> Self {
-        Self { data: vec![0; capacity.saturating_mul(3)], capacity }
+        Self {
+            data: vec![0; capacity.saturating_mul(3)],
+            capacity,
+        }
     }
 }
 
@@ -265,7 +358,9 @@ fn write_bounded_runs<S: PageIndex, D: PageIndex>(
     dst_starts: &mut [u64],
     lengths: &mut [u64],
 ) -> Result<usize> {
-    let changed = || PlanError::InvalidLayout { what: "index arrays changed while planning (mutated from another thread?)".into() };
+    let changed = || PlanError::InvalidLayout {
+        what: "index arrays changed while planning (mutated from another thread?)".into(),
+    };
     let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
     let mut n = 0usize;
     let (mut prev_src, mut prev_dst) = (u64::MAX, u64::MAX);
@@ -294,15 +389,31 @@ fn write_bounded_runs<S: PageIndex, D: PageIndex>(
 
 /// Expands one pair's blocks from the runs stored in slots `0..runs` into `offset..offset+runs`.
 /// For `offset == 0` this is in place (each slot is read before it is written).
-fn expand_pair(pair: &PairSpec, runs: usize, offset: usize, src_col: &mut [u64], dst_col: &mut [u64], len_col: &mut [u64]) {
+fn expand_pair(
+    pair: &PairSpec,
+    runs: usize,
+    offset: usize,
+    src_col: &mut [u64],
+    dst_col: &mut [u64],
+    len_col: &mut [u64],
+) {
     let item = pair.item_len;
     let column = |col: &mut [u64], base: u64, scale_only: bool| {
-        let map = |x: u64| if scale_only { x * item } else { base + x * item };
+        let map = |x: u64| {
+            if scale_only {
+                x * item
+            } else {
+                base + x * item
+            }
+        };
         if offset == 0 {
             col[..runs].iter_mut().for_each(|x| *x = map(*x));
         } else {
             let (head, tail) = col.split_at_mut(offset);
-            tail[..runs].iter_mut().zip(&head[..runs]).for_each(|(out, &x)| *out = map(x));
+            tail[..runs]
+                .iter_mut()
+                .zip(&head[..runs])
+                .for_each(|(out, &x)| *out = map(x));
         }
     };
     column(src_col, pair.src_base, false);
@@ -315,7 +426,11 @@ fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
     let mut seen: Vec<(i64, usize)> = dst.iter().map(|v| v.get()).zip(0..).collect();
     seen.sort_unstable();
     match seen.windows(2).find(|w| w[0].0 == w[1].0) {
-        Some(w) => Err(PlanError::DuplicateDestination { index: w[0].0, first: w[0].1, second: w[1].1 }),
+        Some(w) => Err(PlanError::DuplicateDestination {
+            index: w[0].0,
+            first: w[0].1,
+            second: w[1].1,
+        }),
         None => Ok(()),
     }
 }
@@ -335,7 +450,9 @@ mod tests {
         let ctx = LayoutContext::default;
         let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
         let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
-        let plan = template(&src, &dst).plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3]).unwrap();
+        let plan = template(&src, &dst)
+            .plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3])
+            .unwrap();
         assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
         assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
         assert_eq!(plan.lengths, vec![192, 64, 192, 64]);
@@ -347,17 +464,40 @@ mod tests {
         let ctx = LayoutContext::default;
         let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
         let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
-        let err = template(&src, &dst).plan(&[0i64, 4], &[0i64, 1]).unwrap_err();
-        assert!(matches!(err, PlanError::IndexOutOfRange { side: Side::Src, index: 4, position: 1, capacity: 4, .. }), "{err}");
+        let err = template(&src, &dst)
+            .plan(&[0i64, 4], &[0i64, 1])
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PlanError::IndexOutOfRange {
+                    side: Side::Src,
+                    index: 4,
+                    position: 1,
+                    capacity: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn state_slot_e17() {
         let ctx = LayoutContext::default;
-        let src = Layout::mla(vec![], vec![], vec![], None, ctx()).unwrap().with_state("mamba", vec![1000], vec![160], vec![16], vec![7]).unwrap();
+        let src = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state("mamba", vec![1000], vec![160], vec![16], vec![7])
+            .unwrap();
         let dst = Layout::mla(vec![], vec![], vec![], None, ctx())
             .unwrap()
-            .with_state("mamba", vec![2000, 3000], vec![80, 160], vec![8, 16], vec![3, 7])
+            .with_state(
+                "mamba",
+                vec![2000, 3000],
+                vec![80, 160],
+                vec![8, 16],
+                vec![3, 7],
+            )
             .unwrap();
         let t = template(&src, &dst);
         let mut buf = FlatBuffer::zeroed(1);

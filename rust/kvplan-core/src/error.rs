@@ -41,24 +41,64 @@ pub enum PlanError {
     #[error("src has {src} indices but dst has {dst}; index arrays must have equal length")]
     LengthMismatch { src: usize, dst: usize },
     #[error("{side} index {index} at position {position} is negative")]
-    NegativeIndex { side: Side, index: i64, position: usize },
+    NegativeIndex {
+        side: Side,
+        index: i64,
+        position: usize,
+    },
     #[error(
         "{side} index {index} at position {position} is outside 0..{capacity} of {side} entry {entry} ({label}, item_len {item_len})"
     )]
-    IndexOutOfRange { side: Side, index: i64, position: usize, capacity: u64, entry: usize, label: String, item_len: u64 },
-    #[error("dst index {index} appears at positions {first} and {second}: a destination item would be written twice")]
-    DuplicateDestination { index: i64, first: usize, second: usize },
-    #[error("Layer metadata must be provided by both PD peers or neither (src has {src_ids} ids, dst has {dst_ids})")]
+    IndexOutOfRange {
+        side: Side,
+        index: i64,
+        position: usize,
+        capacity: u64,
+        entry: usize,
+        label: String,
+        item_len: u64,
+    },
+    #[error(
+        "dst index {index} appears at positions {first} and {second}: a destination item would be written twice"
+    )]
+    DuplicateDestination {
+        index: i64,
+        first: usize,
+        second: usize,
+    },
+    #[error(
+        "Layer metadata must be provided by both PD peers or neither (src has {src_ids} ids, dst has {dst_ids})"
+    )]
     OneSidedMetadata { src_ids: usize, dst_ids: usize },
     #[error(
         "Layer metadata length must match transfer entries: src metadata={src_ids} entries={n_src}, dst metadata={dst_ids} entries={n_dst}"
     )]
-    MetadataLength { src_ids: usize, n_src: usize, dst_ids: usize, n_dst: usize },
-    #[error("role metadata length must match transfer entries: {side} roles={roles} entries={entries}")]
-    RoleLength { side: Side, roles: usize, entries: usize },
-    #[error("Decode peer is missing a transfer entry for model layer {layer}{role} (src entry {src_entry}, occurrence {occurrence})")]
-    MissingLayer { layer: i64, role: String, src_entry: usize, occurrence: usize },
-    #[error("PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries")]
+    MetadataLength {
+        src_ids: usize,
+        n_src: usize,
+        dst_ids: usize,
+        n_dst: usize,
+    },
+    #[error(
+        "role metadata length must match transfer entries: {side} roles={roles} entries={entries}"
+    )]
+    RoleLength {
+        side: Side,
+        roles: usize,
+        entries: usize,
+    },
+    #[error(
+        "Decode peer is missing a transfer entry for model layer {layer}{role} (src entry {src_entry}, occurrence {occurrence})"
+    )]
+    MissingLayer {
+        layer: i64,
+        role: String,
+        src_entry: usize,
+        occurrence: usize,
+    },
+    #[error(
+        "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries"
+    )]
     PositionalCount { n_src: usize, n_dst: usize },
     #[error("legacy positional slicing: {reason}")]
     LegacySlice { reason: String },
@@ -74,10 +114,16 @@ pub enum PlanError {
         dst_item_len: u64,
     },
     #[error("layout list {field} has {len} values but data_ptrs has {expected}")]
-    ListLength { field: &'static str, len: usize, expected: usize },
+    ListLength {
+        field: &'static str,
+        len: usize,
+        expected: usize,
+    },
     #[error("entry {entry}: base address {base:#x} + {len} bytes overflows u64")]
     BufferOverflow { entry: usize, base: u64, len: u64 },
-    #[error("{entries} buffers are not a whole multiple of {layers} layers (groups per layer would be {entries}/{layers}); refusing to truncate")]
+    #[error(
+        "{entries} buffers are not a whole multiple of {layers} layers (groups per layer would be {entries}/{layers}); refusing to truncate"
+    )]
     GroupsNotWhole { entries: usize, layers: usize },
     #[error("{what}")]
     InvalidLayout { what: String },

@@ -30,7 +30,9 @@ impl EntryKind {
         match name {
             "page" => Ok(EntryKind::Page),
             "state" => Ok(EntryKind::State),
-            other => Err(PlanError::InvalidLayout { what: format!("unknown entry kind {other:?}; expected \"page\" or \"state\"") }),
+            other => Err(PlanError::InvalidLayout {
+                what: format!("unknown entry kind {other:?}; expected \"page\" or \"state\""),
+            }),
         }
     }
 }
@@ -56,7 +58,15 @@ pub struct LayoutContext {
 
 impl Default for LayoutContext {
     fn default() -> Self {
-        Self { page_size: 1, device: "cpu".into(), num_model_layers: None, pp_rank: 0, pp_size: 1, tp_rank: 0, tp_size: 1 }
+        Self {
+            page_size: 1,
+            device: "cpu".into(),
+            num_model_layers: None,
+            pp_rank: 0,
+            pp_size: 1,
+            tp_rank: 0,
+            tp_size: 1,
+        }
     }
 }
 
@@ -113,7 +123,11 @@ impl Layout {
             ("kinds", parts.kinds.len()),
         ] {
             if len != n {
-                return Err(PlanError::ListLength { field, len, expected: n });
+                return Err(PlanError::ListLength {
+                    field,
+                    len,
+                    expected: n,
+                });
             }
         }
         for (entry, (&base, &len)) in parts.data_ptrs.iter().zip(&parts.data_lens).enumerate() {
@@ -125,15 +139,27 @@ impl Layout {
             return Err(invalid("page_size must be at least 1".into()));
         }
         if context.pp_size == 0 || context.pp_rank >= context.pp_size {
-            return Err(invalid(format!("pp_rank {} must be below pp_size {}", context.pp_rank, context.pp_size)));
+            return Err(invalid(format!(
+                "pp_rank {} must be below pp_size {}",
+                context.pp_rank, context.pp_size
+            )));
         }
         if context.tp_size == 0 || context.tp_rank >= context.tp_size {
-            return Err(invalid(format!("tp_rank {} must be below tp_size {}", context.tp_rank, context.tp_size)));
+            return Err(invalid(format!(
+                "tp_rank {} must be below tp_size {}",
+                context.tp_rank, context.tp_size
+            )));
         }
         for kind in [EntryKind::Page, EntryKind::State] {
             let of_kind: Vec<usize> = (0..n).filter(|&i| parts.kinds[i] == kind).collect();
-            let with_ids = of_kind.iter().filter(|&&i| parts.layer_ids[i].is_some()).count();
-            let with_roles = of_kind.iter().filter(|&&i| !parts.roles[i].is_empty()).count();
+            let with_ids = of_kind
+                .iter()
+                .filter(|&&i| parts.layer_ids[i].is_some())
+                .count();
+            let with_roles = of_kind
+                .iter()
+                .filter(|&&i| !parts.roles[i].is_empty())
+                .count();
             let total = of_kind.len();
             if with_ids != 0 && with_ids != total {
                 return Err(invalid(format!(
@@ -168,7 +194,9 @@ impl Layout {
 
     /// How many items (pages or slots) entry `i` holds; 0 for an elided entry (`item_len == 0`).
     pub fn capacity(&self, i: usize) -> u64 {
-        self.parts.data_lens[i].checked_div(self.parts.item_lens[i]).unwrap_or(0)
+        self.parts.data_lens[i]
+            .checked_div(self.parts.item_lens[i])
+            .unwrap_or(0)
     }
 
     /// The entry's layer id as text (`"?"` when unpublished), for messages.
@@ -179,12 +207,18 @@ impl Layout {
     /// The entry's role as text (`"-"` when unpublished), for messages.
     pub fn role_label(&self, i: usize) -> String {
         let role = &self.parts.roles[i];
-        if role.is_empty() { "-".into() } else { role.clone() }
+        if role.is_empty() {
+            "-".into()
+        } else {
+            role.clone()
+        }
     }
 
     /// Indices of the entries of one kind, in layout order.
     pub fn entries_of_kind(&self, kind: EntryKind) -> Vec<usize> {
-        (0..self.n_entries()).filter(|&i| self.parts.kinds[i] == kind).collect()
+        (0..self.n_entries())
+            .filter(|&i| self.parts.kinds[i] == kind)
+            .collect()
     }
 
     /// One `kv` entry per layer (MLA latent buffers).
@@ -200,7 +234,14 @@ impl Layout {
     ) -> Result<Self> {
         let n = data_ptrs.len();
         let layer_ids = layer_ids.map_or_else(Vec::new, |ids| ids.into_iter().map(Some).collect());
-        let parts = LayoutParts { data_ptrs, data_lens, item_lens, layer_ids, roles: vec!["kv".into(); n], kinds: vec![] };
+        let parts = LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens,
+            layer_ids,
+            roles: vec!["kv".into(); n],
+            kinds: vec![],
+        };
         Self::new(parts, context)
     }
 
@@ -222,16 +263,29 @@ impl Layout {
     ) -> Result<Self> {
         let layers = k_ptrs.len();
         if v_ptrs.len() != layers {
-            return Err(invalid(format!("MHA layout needs one V entry per K entry: {} K, {} V", layers, v_ptrs.len())));
+            return Err(invalid(format!(
+                "MHA layout needs one V entry per K entry: {} K, {} V",
+                layers,
+                v_ptrs.len()
+            )));
         }
         if let Some(ids) = &layer_ids
             && ids.len() != layers
         {
-            return Err(PlanError::ListLength { field: "layer_ids", len: ids.len(), expected: layers });
+            return Err(PlanError::ListLength {
+                field: "layer_ids",
+                len: ids.len(),
+                expected: layers,
+            });
         }
         let concat = |a: Vec<u64>, b: Vec<u64>| a.into_iter().chain(b).collect::<Vec<_>>();
-        let layer_ids = layer_ids.map_or_else(Vec::new, |ids| ids.iter().chain(&ids).copied().map(Some).collect());
-        let roles = std::iter::repeat_n("k", layers).chain(std::iter::repeat_n("v", layers)).map(String::from).collect();
+        let layer_ids = layer_ids.map_or_else(Vec::new, |ids| {
+            ids.iter().chain(&ids).copied().map(Some).collect()
+        });
+        let roles = std::iter::repeat_n("k", layers)
+            .chain(std::iter::repeat_n("v", layers))
+            .map(String::from)
+            .collect();
         let parts = LayoutParts {
             data_ptrs: concat(k_ptrs, v_ptrs),
             data_lens: concat(k_data_lens, v_data_lens),
@@ -257,7 +311,9 @@ impl Layout {
         mla: bool,
         context: LayoutContext,
     ) -> Result<Self> {
-        if full_attention_layer_ids.windows(2).any(|w| w[0] >= w[1]) || full_attention_layer_ids.first().is_some_and(|&x| x < 0) {
+        if full_attention_layer_ids.windows(2).any(|w| w[0] >= w[1])
+            || full_attention_layer_ids.first().is_some_and(|&x| x < 0)
+        {
             return Err(invalid(format!(
                 "full-attention layer ids must be non-negative and strictly increasing, got {full_attention_layer_ids:?}"
             )));
@@ -273,7 +329,13 @@ impl Layout {
             )));
         }
         if mla {
-            return Self::mla(data_ptrs, data_lens, item_lens, Some(full_attention_layer_ids), context);
+            return Self::mla(
+                data_ptrs,
+                data_lens,
+                item_lens,
+                Some(full_attention_layer_ids),
+                context,
+            );
         }
         let split = |mut v: Vec<u64>| {
             let tail = v.split_off(layers.min(v.len()));
@@ -282,7 +344,16 @@ impl Layout {
         let (k_ptrs, v_ptrs) = split(data_ptrs);
         let (k_lens, v_lens) = split(data_lens);
         let (k_items, v_items) = split(item_lens);
-        Self::mha(k_ptrs, v_ptrs, k_lens, v_lens, k_items, v_items, Some(full_attention_layer_ids), context)
+        Self::mha(
+            k_ptrs,
+            v_ptrs,
+            k_lens,
+            v_lens,
+            k_items,
+            v_items,
+            Some(full_attention_layer_ids),
+            context,
+        )
     }
 
     /// NPU pool with G buffer groups per layer, group-major (`[g0 per layer…, g1 per layer…]`);
@@ -304,13 +375,31 @@ impl Layout {
             return Err(PlanError::GroupsNotWhole { entries, layers });
         }
         let groups = entries / layers;
-        let group_roles = group_roles.unwrap_or_else(|| (0..groups).map(|g| format!("g{g}")).collect());
+        let group_roles =
+            group_roles.unwrap_or_else(|| (0..groups).map(|g| format!("g{g}")).collect());
         if group_roles.len() != groups || group_roles.iter().any(String::is_empty) {
-            return Err(invalid(format!("{groups} buffer groups need {groups} non-empty group roles, got {group_roles:?}")));
+            return Err(invalid(format!(
+                "{groups} buffer groups need {groups} non-empty group roles, got {group_roles:?}"
+            )));
         }
-        let roles = group_roles.iter().flat_map(|r| std::iter::repeat_n(r.clone(), layers)).collect();
-        let ids = (0..groups).flat_map(|_| layer_ids.iter().copied().map(Some)).collect();
-        Self::new(LayoutParts { data_ptrs, data_lens, item_lens, layer_ids: ids, roles, kinds: vec![] }, context)
+        let roles = group_roles
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r.clone(), layers))
+            .collect();
+        let ids = (0..groups)
+            .flat_map(|_| layer_ids.iter().copied().map(Some))
+            .collect();
+        Self::new(
+            LayoutParts {
+                data_ptrs,
+                data_lens,
+                item_lens,
+                layer_ids: ids,
+                roles,
+                kinds: vec![],
+            },
+            context,
+        )
     }
 
     /// Appends draft (speculative decoding) KV entries. Raw draft layer ids are remapped into
@@ -348,17 +437,34 @@ impl Layout {
             });
             let id = num_hidden_layers
                 .checked_add(number as i64)
-                .ok_or(PlanError::Overflow { what: "draft layer id band" })?;
+                .ok_or(PlanError::Overflow {
+                    what: "draft layer id band",
+                })?;
             ids.push(Some(id));
         }
-        let has_roles = pages.first().is_some_and(|&i| !self.parts.roles[i].is_empty());
+        let has_roles = pages
+            .first()
+            .is_some_and(|&i| !self.parts.roles[i].is_empty());
         let draft_roles = match roles {
-            Some(r) if r.len() != n => return Err(PlanError::ListLength { field: "roles", len: r.len(), expected: n }),
+            Some(r) if r.len() != n => {
+                return Err(PlanError::ListLength {
+                    field: "roles",
+                    len: r.len(),
+                    expected: n,
+                });
+            }
             Some(r) => r.into_iter().map(|x| format!("draft_{x}")).collect(),
             None if has_roles || pages.is_empty() => vec!["draft".to_string(); n],
             None => vec![String::new(); n],
         };
-        self.appended(LayoutParts { data_ptrs, data_lens, item_lens, layer_ids: ids, roles: draft_roles, kinds: vec![EntryKind::Page; n] })
+        self.appended(LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens,
+            layer_ids: ids,
+            roles: draft_roles,
+            kinds: vec![EntryKind::Page; n],
+        })
     }
 
     /// Appends per-request state entries (kind `state`, role = `name`), e.g. Mamba conv or
@@ -375,11 +481,17 @@ impl Layout {
         layer_ids: Vec<i64>,
     ) -> Result<Self> {
         if name.is_empty() {
-            return Err(invalid("state entries need a non-empty name (e.g. \"mamba_conv\")".into()));
+            return Err(invalid(
+                "state entries need a non-empty name (e.g. \"mamba_conv\")".into(),
+            ));
         }
         let n = data_ptrs.len();
         if layer_ids.len() != n {
-            return Err(PlanError::ListLength { field: "layer_ids", len: layer_ids.len(), expected: n });
+            return Err(PlanError::ListLength {
+                field: "layer_ids",
+                len: layer_ids.len(),
+                expected: n,
+            });
         }
         let extra = LayoutParts {
             data_ptrs,
@@ -394,9 +506,16 @@ impl Layout {
 
     fn appended(&self, extra: LayoutParts) -> Result<Self> {
         let n = extra.data_ptrs.len();
-        for (field, len) in [("data_lens", extra.data_lens.len()), ("item_lens", extra.item_lens.len())] {
+        for (field, len) in [
+            ("data_lens", extra.data_lens.len()),
+            ("item_lens", extra.item_lens.len()),
+        ] {
             if len != n {
-                return Err(PlanError::ListLength { field, len, expected: n });
+                return Err(PlanError::ListLength {
+                    field,
+                    len,
+                    expected: n,
+                });
             }
         }
         let mut parts = self.parts.clone();
@@ -424,39 +543,114 @@ mod tests {
 
     #[test]
     fn mha_orders_k_then_v() {
-        let l = Layout::mha(vec![1, 2], vec![3, 4], vec![10; 2], vec![20; 2], vec![5; 2], vec![10; 2], Some(vec![3, 7]), ctx()).unwrap();
+        let l = Layout::mha(
+            vec![1, 2],
+            vec![3, 4],
+            vec![10; 2],
+            vec![20; 2],
+            vec![5; 2],
+            vec![10; 2],
+            Some(vec![3, 7]),
+            ctx(),
+        )
+        .unwrap();
         assert_eq!(l.parts().data_ptrs, vec![1, 2, 3, 4]);
-        assert_eq!(l.parts().layer_ids, vec![Some(3), Some(7), Some(3), Some(7)]);
+        assert_eq!(
+            l.parts().layer_ids,
+            vec![Some(3), Some(7), Some(3), Some(7)]
+        );
         assert_eq!(l.parts().roles, vec!["k", "k", "v", "v"]);
         assert_eq!(l.capacity(3), 2);
     }
 
     #[test]
     fn npu_groups_refuse_truncation() {
-        let l = Layout::npu_groups(vec![3, 7], vec![1, 2, 3, 4, 5, 6], vec![8; 6], vec![4; 6], None, ctx()).unwrap();
-        assert_eq!(l.parts().layer_ids.iter().map(|x| x.unwrap()).collect::<Vec<_>>(), vec![3, 7, 3, 7, 3, 7]);
+        let l = Layout::npu_groups(
+            vec![3, 7],
+            vec![1, 2, 3, 4, 5, 6],
+            vec![8; 6],
+            vec![4; 6],
+            None,
+            ctx(),
+        )
+        .unwrap();
         assert_eq!(
-            Layout::npu_groups(vec![3, 7], vec![1, 2, 3, 4, 5], vec![8; 5], vec![4; 5], None, ctx()),
-            Err(PlanError::GroupsNotWhole { entries: 5, layers: 2 })
+            l.parts()
+                .layer_ids
+                .iter()
+                .map(|x| x.unwrap())
+                .collect::<Vec<_>>(),
+            vec![3, 7, 3, 7, 3, 7]
+        );
+        assert_eq!(
+            Layout::npu_groups(
+                vec![3, 7],
+                vec![1, 2, 3, 4, 5],
+                vec![8; 5],
+                vec![4; 5],
+                None,
+                ctx()
+            ),
+            Err(PlanError::GroupsNotWhole {
+                entries: 5,
+                layers: 2
+            })
         );
     }
 
     #[test]
     fn draft_band_remap() {
         let base = Layout::mla(vec![1], vec![8], vec![8], Some(vec![0]), ctx()).unwrap();
-        let l = base.with_draft(vec![2; 6], vec![8; 6], vec![8; 6], &[0, 1, 2, 0, 1, 2], 48, None).unwrap();
-        let ids: Vec<i64> = l.parts().layer_ids[1..].iter().map(|x| x.unwrap()).collect();
+        let l = base
+            .with_draft(
+                vec![2; 6],
+                vec![8; 6],
+                vec![8; 6],
+                &[0, 1, 2, 0, 1, 2],
+                48,
+                None,
+            )
+            .unwrap();
+        let ids: Vec<i64> = l.parts().layer_ids[1..]
+            .iter()
+            .map(|x| x.unwrap())
+            .collect();
         assert_eq!(ids, vec![48, 49, 50, 48, 49, 50]);
-        let l = base.with_draft(vec![2; 4], vec![8; 4], vec![8; 4], &[5, 2, 5, 2], 48, None).unwrap();
-        let ids: Vec<i64> = l.parts().layer_ids[1..].iter().map(|x| x.unwrap()).collect();
+        let l = base
+            .with_draft(vec![2; 4], vec![8; 4], vec![8; 4], &[5, 2, 5, 2], 48, None)
+            .unwrap();
+        let ids: Vec<i64> = l.parts().layer_ids[1..]
+            .iter()
+            .map(|x| x.unwrap())
+            .collect();
         assert_eq!(ids, vec![48, 49, 48, 49]);
     }
 
     #[test]
     fn list_lengths_and_overflow_are_checked() {
-        let parts = LayoutParts { data_ptrs: vec![1, 2], data_lens: vec![1], item_lens: vec![1, 1], ..Default::default() };
-        assert_eq!(Layout::new(parts, ctx()), Err(PlanError::ListLength { field: "data_lens", len: 1, expected: 2 }));
-        let parts = LayoutParts { data_ptrs: vec![u64::MAX], data_lens: vec![2], item_lens: vec![1], ..Default::default() };
-        assert!(matches!(Layout::new(parts, ctx()), Err(PlanError::BufferOverflow { .. })));
+        let parts = LayoutParts {
+            data_ptrs: vec![1, 2],
+            data_lens: vec![1],
+            item_lens: vec![1, 1],
+            ..Default::default()
+        };
+        assert_eq!(
+            Layout::new(parts, ctx()),
+            Err(PlanError::ListLength {
+                field: "data_lens",
+                len: 1,
+                expected: 2
+            })
+        );
+        let parts = LayoutParts {
+            data_ptrs: vec![u64::MAX],
+            data_lens: vec![2],
+            item_lens: vec![1],
+            ..Default::default()
+        };
+        assert!(matches!(
+            Layout::new(parts, ctx()),
+            Err(PlanError::BufferOverflow { .. })
+        ));
     }
 }

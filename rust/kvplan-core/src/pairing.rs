@@ -27,7 +27,11 @@ pub struct EntryMetadata<'a> {
 impl<'a> EntryMetadata<'a> {
     /// Metadata with ids only.
     pub fn ids(layer_ids: Option<&'a [i64]>, n_entries: usize) -> Self {
-        Self { layer_ids, roles: None, n_entries }
+        Self {
+            layer_ids,
+            roles: None,
+            n_entries,
+        }
     }
 
     fn published_ids(&self) -> Option<&'a [i64]> {
@@ -87,20 +91,27 @@ fn pair_by_identity(
     }
     // Roles refine the key only when both peers publish them (a peer without roles is an
     // SGLang peer, which pairs K and V purely by occurrence order).
-    let (src_roles, dst_roles): (Option<&[String]>, Option<&[String]>) = match (src.roles, dst.roles) {
-        (Some(s), Some(d)) => {
-            check_role_count(Side::Src, s, src.n_entries)?;
-            check_role_count(Side::Dst, d, dst.n_entries)?;
-            (Some(s), Some(d))
-        }
-        _ => (None, None),
+    let (src_roles, dst_roles): (Option<&[String]>, Option<&[String]>) =
+        match (src.roles, dst.roles) {
+            (Some(s), Some(d)) => {
+                check_role_count(Side::Src, s, src.n_entries)?;
+                check_role_count(Side::Dst, d, dst.n_entries)?;
+                (Some(s), Some(d))
+            }
+            _ => (None, None),
+        };
+    let key = |roles: Option<&[String]>, ids: &[i64], i: usize| -> (i64, Option<String>) {
+        (ids[i], roles.map(|r| r[i].clone()))
     };
-    let key = |roles: Option<&[String]>, ids: &[i64], i: usize| -> (i64, Option<String>) { (ids[i], roles.map(|r| r[i].clone())) };
 
     // FIFO queue of destination positions per key, in ascending position, with a read cursor.
     let mut queues: HashMap<(i64, Option<String>), (Vec<usize>, usize)> = HashMap::new();
     for j in 0..dst_ids.len() {
-        queues.entry(key(dst_roles, dst_ids, j)).or_default().0.push(j);
+        queues
+            .entry(key(dst_roles, dst_ids, j))
+            .or_default()
+            .0
+            .push(j);
     }
     let mut pairs = Vec::with_capacity(src_ids.len());
     for i in 0..src_ids.len() {
@@ -111,7 +122,9 @@ fn pair_by_identity(
             j
         });
         let Some(j) = next else {
-            let occurrence = (0..=i).filter(|&k| key(src_roles, src_ids, k) == wanted).count();
+            let occurrence = (0..=i)
+                .filter(|&k| key(src_roles, src_ids, k) == wanted)
+                .count();
             return Err(PlanError::MissingLayer {
                 layer: wanted.0,
                 role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
@@ -128,7 +141,11 @@ fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> 
     if roles.len() == entries {
         Ok(())
     } else {
-        Err(PlanError::RoleLength { side, roles: roles.len(), entries })
+        Err(PlanError::RoleLength {
+            side,
+            roles: roles.len(),
+            entries,
+        })
     }
 }
 
@@ -175,7 +192,7 @@ pub fn legacy_pp_pairs(
             }
             let main = n_src - num_draft_entries;
             let dst_main = n_dst - num_draft_entries;
-            let end = prefill_start_layer.checked_add(main).unwrap_or(usize::MAX);
+            let end = prefill_start_layer.saturating_add(main);
             if end > dst_main {
                 return fail(format!(
                     "prefill stage layers {prefill_start_layer}..{end} do not fit the decode's {dst_main} target entries (src={n_src}, dst={n_dst}, draft={num_draft_entries})"
@@ -186,7 +203,7 @@ pub fn legacy_pp_pairs(
             Ok(target.chain(draft).collect())
         }
         LegacyKind::Mha => {
-            if n_src % 2 != 0 || n_dst % 2 != 0 {
+            if !n_src.is_multiple_of(2) || !n_dst.is_multiple_of(2) {
                 return fail(format!(
                     "MHA layouts hold K entries then V entries, so entry counts must be even (src={n_src}, dst={n_dst})"
                 ));
@@ -197,9 +214,11 @@ pub fn legacy_pp_pairs(
             }
             let decode_layers = decode_num_layers.unwrap_or(dst_half);
             if decode_layers == 0 || decode_layers * 2 > n_dst {
-                return fail(format!("decode layer count {decode_layers} does not fit {n_dst} decode entries"));
+                return fail(format!(
+                    "decode layer count {decode_layers} does not fit {n_dst} decode entries"
+                ));
             }
-            let end = prefill_start_layer.checked_add(layers).unwrap_or(usize::MAX);
+            let end = prefill_start_layer.saturating_add(layers);
             if end > decode_layers {
                 return fail(format!(
                     "prefill stage layers {prefill_start_layer}..{end} exceed the decode's {decode_layers} layers (src={n_src}, dst={n_dst})"
@@ -216,42 +235,97 @@ pub fn legacy_pp_pairs(
 mod tests {
     use super::*;
 
-    fn pairs(src: &[i64], dst: &[i64], n_src: usize, n_dst: usize, fallback: bool) -> Result<Vec<EntryPair>> {
-        pair_entries(EntryMetadata::ids(Some(src), n_src), EntryMetadata::ids(Some(dst), n_dst), fallback)
+    fn pairs(
+        src: &[i64],
+        dst: &[i64],
+        n_src: usize,
+        n_dst: usize,
+        fallback: bool,
+    ) -> Result<Vec<EntryPair>> {
+        pair_entries(
+            EntryMetadata::ids(Some(src), n_src),
+            EntryMetadata::ids(Some(dst), n_dst),
+            fallback,
+        )
     }
 
     #[test]
     fn e4_fifo_kv() {
-        assert_eq!(pairs(&[3, 7, 3, 7], &[3, 7, 11, 3, 7, 11], 4, 6, false).unwrap(), vec![[0, 0], [1, 1], [2, 3], [3, 4]]);
+        assert_eq!(
+            pairs(&[3, 7, 3, 7], &[3, 7, 11, 3, 7, 11], 4, 6, false).unwrap(),
+            vec![[0, 0], [1, 1], [2, 3], [3, 4]]
+        );
     }
 
     #[test]
     fn e6_positional_and_errors() {
-        assert_eq!(pairs(&[], &[], 3, 5, true).unwrap(), vec![[0, 0], [1, 1], [2, 2]]);
+        assert_eq!(
+            pairs(&[], &[], 3, 5, true).unwrap(),
+            vec![[0, 0], [1, 1], [2, 2]]
+        );
         assert_eq!(pairs(&[1], &[], 1, 3, true).unwrap(), vec![[0, 0]]);
         assert!(pairs(&[9], &[], 0, 0, false).unwrap().is_empty());
-        assert!(matches!(pairs(&[1], &[], 1, 1, false), Err(PlanError::OneSidedMetadata { .. })));
-        assert!(matches!(pairs(&[1, 2], &[1, 2, 3], 3, 3, false), Err(PlanError::MetadataLength { .. })));
-        assert!(matches!(pairs(&[1, 9], &[1, 2, 3], 2, 3, false), Err(PlanError::MissingLayer { layer: 9, .. })));
-        assert!(matches!(pairs(&[3, 3, 3], &[3, 3], 3, 2, false), Err(PlanError::MissingLayer { layer: 3, occurrence: 3, .. })));
-        assert!(matches!(pairs(&[], &[], 3, 5, false), Err(PlanError::PositionalCount { n_src: 3, n_dst: 5 })));
-        assert!(matches!(pairs(&[], &[], 5, 3, true), Err(PlanError::PositionalCount { n_src: 5, n_dst: 3 })));
+        assert!(matches!(
+            pairs(&[1], &[], 1, 1, false),
+            Err(PlanError::OneSidedMetadata { .. })
+        ));
+        assert!(matches!(
+            pairs(&[1, 2], &[1, 2, 3], 3, 3, false),
+            Err(PlanError::MetadataLength { .. })
+        ));
+        assert!(matches!(
+            pairs(&[1, 9], &[1, 2, 3], 2, 3, false),
+            Err(PlanError::MissingLayer { layer: 9, .. })
+        ));
+        assert!(matches!(
+            pairs(&[3, 3, 3], &[3, 3], 3, 2, false),
+            Err(PlanError::MissingLayer {
+                layer: 3,
+                occurrence: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            pairs(&[], &[], 3, 5, false),
+            Err(PlanError::PositionalCount { n_src: 3, n_dst: 5 })
+        ));
+        assert!(matches!(
+            pairs(&[], &[], 5, 3, true),
+            Err(PlanError::PositionalCount { n_src: 5, n_dst: 3 })
+        ));
     }
 
     #[test]
     fn roles_keep_k_and_v_apart() {
         let roles = |r: &[&str]| r.iter().map(ToString::to_string).collect::<Vec<_>>();
         let (src_roles, dst_roles) = (roles(&["v", "k"]), roles(&["k", "v"]));
-        let src = EntryMetadata { layer_ids: Some(&[3, 3]), roles: Some(&src_roles), n_entries: 2 };
-        let dst = EntryMetadata { layer_ids: Some(&[3, 3]), roles: Some(&dst_roles), n_entries: 2 };
+        let src = EntryMetadata {
+            layer_ids: Some(&[3, 3]),
+            roles: Some(&src_roles),
+            n_entries: 2,
+        };
+        let dst = EntryMetadata {
+            layer_ids: Some(&[3, 3]),
+            roles: Some(&dst_roles),
+            n_entries: 2,
+        };
         assert_eq!(pair_entries(src, dst, false).unwrap(), vec![[0, 1], [1, 0]]);
     }
 
     #[test]
     fn e8_mla_slices() {
-        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 2, 5, 2, 0, None).unwrap(), vec![[0, 2], [1, 3]]);
-        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 3, 6, 2, 1, None).unwrap(), vec![[0, 2], [1, 3], [2, 5]]);
-        assert_eq!(legacy_pp_pairs(LegacyKind::Mla, 2, 2, 5, 0, None).unwrap(), vec![[0, 0], [1, 1]]);
+        assert_eq!(
+            legacy_pp_pairs(LegacyKind::Mla, 2, 5, 2, 0, None).unwrap(),
+            vec![[0, 2], [1, 3]]
+        );
+        assert_eq!(
+            legacy_pp_pairs(LegacyKind::Mla, 3, 6, 2, 1, None).unwrap(),
+            vec![[0, 2], [1, 3], [2, 5]]
+        );
+        assert_eq!(
+            legacy_pp_pairs(LegacyKind::Mla, 2, 2, 5, 0, None).unwrap(),
+            vec![[0, 0], [1, 1]]
+        );
         assert!(legacy_pp_pairs(LegacyKind::Mla, 2, 5, 4, 0, None).is_err());
     }
 
@@ -259,10 +333,19 @@ mod tests {
     fn e9_mha_uneven_split_is_correct() {
         // 15 layers split 7 + 8; decode holds K0..K14 then V0..V14.
         let stage0 = legacy_pp_pairs(LegacyKind::Mha, 14, 30, 0, 0, Some(15)).unwrap();
-        assert_eq!(stage0[7..], (0..7).map(|l| [7 + l, 15 + l]).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            stage0[7..],
+            (0..7).map(|l| [7 + l, 15 + l]).collect::<Vec<_>>()[..]
+        );
         let stage1 = legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, None).unwrap();
-        assert_eq!(stage1[..8], (0..8).map(|l| [l, 7 + l]).collect::<Vec<_>>()[..]);
-        assert_eq!(stage1[8..], (0..8).map(|l| [8 + l, 22 + l]).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            stage1[..8],
+            (0..8).map(|l| [l, 7 + l]).collect::<Vec<_>>()[..]
+        );
+        assert_eq!(
+            stage1[8..],
+            (0..8).map(|l| [8 + l, 22 + l]).collect::<Vec<_>>()[..]
+        );
         assert!(legacy_pp_pairs(LegacyKind::Mha, 15, 30, 0, 0, None).is_err());
         assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 8, 0, None).is_err());
     }

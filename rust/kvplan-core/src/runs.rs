@@ -46,9 +46,15 @@ pub struct RunScan {
 /// [`PlanError::LengthMismatch`] or [`PlanError::NegativeIndex`].
 pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan> {
     if src.len() != dst.len() {
-        return Err(PlanError::LengthMismatch { src: src.len(), dst: dst.len() });
+        return Err(PlanError::LengthMismatch {
+            src: src.len(),
+            dst: dst.len(),
+        });
     }
-    let mut result = RunScan { n_pages: src.len(), ..RunScan::default() };
+    let mut result = RunScan {
+        n_pages: src.len(),
+        ..RunScan::default()
+    };
     let (mut min_src, mut min_dst) = (0i64, 0i64);
     let (mut max_src, mut max_dst) = (0i64, 0i64);
     let (mut prev_src, mut prev_dst) = (i64::MIN, i64::MIN);
@@ -56,7 +62,8 @@ pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan>
         let (s, d) = (s.get(), d.get());
         // wrapping_sub: i64::MIN sentinels and extreme values must not overflow; a wrapped
         // difference is never exactly 1 unless the true step is 1.
-        let continues = s.wrapping_sub(prev_src) == 1 && d.wrapping_sub(prev_dst) == 1 && prev_src != i64::MIN;
+        let continues =
+            s.wrapping_sub(prev_src) == 1 && d.wrapping_sub(prev_dst) == 1 && prev_src != i64::MIN;
         result.n_runs += usize::from(!continues);
         min_src = min_src.min(s);
         min_dst = min_dst.min(d);
@@ -84,7 +91,11 @@ fn first_negative<T: PageIndex>(side: Side, values: &[T]) -> PlanError {
         .enumerate()
         .find(|&(_, v)| v < 0)
         .unwrap_or((0, -1));
-    PlanError::NegativeIndex { side, index, position }
+    PlanError::NegativeIndex {
+        side,
+        index,
+        position,
+    }
 }
 
 /// Writes the runs of `(src, dst)` as `(src_start, dst_start, length)` into three slices.
@@ -110,7 +121,10 @@ pub fn write_runs<S: PageIndex, D: PageIndex>(
             lengths[n - 1] += 1;
         } else {
             if n == capacity {
-                return Err(PlanError::OutputTooSmall { have: capacity, need: n + 1 });
+                return Err(PlanError::OutputTooSmall {
+                    have: capacity,
+                    need: n + 1,
+                });
             }
             src_starts[n] = s as u64;
             dst_starts[n] = d as u64;
@@ -145,7 +159,8 @@ mod tests {
 
     #[test]
     fn e1_runs() {
-        let (s, d, l) = group_contiguous(&[0i32, 1, 2, 5, 6, 9], &[10i32, 11, 12, 13, 14, 20]).unwrap();
+        let (s, d, l) =
+            group_contiguous(&[0i32, 1, 2, 5, 6, 9], &[10i32, 11, 12, 13, 14, 20]).unwrap();
         assert_eq!((s, d, l), (vec![0, 5, 9], vec![10, 13, 20], vec![3, 2, 1]));
     }
 
@@ -160,10 +175,17 @@ mod tests {
     #[test]
     fn empty_and_errors() {
         assert_eq!(scan::<i32, i32>(&[], &[]).unwrap().n_runs, 0);
-        assert_eq!(scan(&[1i32, 2], &[] as &[i32]), Err(PlanError::LengthMismatch { src: 2, dst: 0 }));
+        assert_eq!(
+            scan(&[1i32, 2], &[] as &[i32]),
+            Err(PlanError::LengthMismatch { src: 2, dst: 0 })
+        );
         assert_eq!(
             scan(&[1i64, -4], &[0i64, 1]),
-            Err(PlanError::NegativeIndex { side: Side::Src, index: -4, position: 1 })
+            Err(PlanError::NegativeIndex {
+                side: Side::Src,
+                index: -4,
+                position: 1
+            })
         );
     }
 

@@ -65,14 +65,36 @@ impl Template {
     /// [`PlanError::Overflow`].
     pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
         let page_pairs = pair_kind(src, dst, EntryKind::Page, options)?;
-        let state_pairs = pair_kind(src, dst, EntryKind::State, TemplateOptions { prefill_start_layer: None, ..options })?;
-        let emitting: Vec<PairSpec> = page_pairs.iter().copied().filter(|p| p.item_len > 0).collect();
+        let state_pairs = pair_kind(
+            src,
+            dst,
+            EntryKind::State,
+            TemplateOptions {
+                prefill_start_layer: None,
+                ..options
+            },
+        )?;
+        let emitting: Vec<PairSpec> = page_pairs
+            .iter()
+            .copied()
+            .filter(|p| p.item_len > 0)
+            .collect();
         let bytes_per_page = emitting
             .iter()
             .try_fold(0u64, |acc, p| acc.checked_add(p.item_len))
-            .ok_or(PlanError::Overflow { what: "bytes per page" })?;
-        let src_limit = emitting.iter().map(|p| p.src_capacity).min().unwrap_or(u64::MAX);
-        let dst_limit = emitting.iter().map(|p| p.dst_capacity).min().unwrap_or(u64::MAX);
+            .ok_or(PlanError::Overflow {
+                what: "bytes per page",
+            })?;
+        let src_limit = emitting
+            .iter()
+            .map(|p| p.src_capacity)
+            .min()
+            .unwrap_or(u64::MAX);
+        let dst_limit = emitting
+            .iter()
+            .map(|p| p.dst_capacity)
+            .min()
+            .unwrap_or(u64::MAX);
         Ok(Self {
             page_pairs,
             emitting,
@@ -88,7 +110,11 @@ impl Template {
 
     /// "layer L, role R" of an entry on one side, for messages.
     pub(crate) fn entry_label(&self, side: Side, entry: usize) -> String {
-        let labels = if side == Side::Src { &self.src_labels } else { &self.dst_labels };
+        let labels = if side == Side::Src {
+            &self.src_labels
+        } else {
+            &self.dst_labels
+        };
         labels.get(entry).cloned().unwrap_or_default()
     }
 
@@ -114,10 +140,23 @@ impl Template {
 }
 
 fn entry_labels(layout: &Layout) -> Vec<String> {
-    (0..layout.n_entries()).map(|i| format!("layer {}, role {}", layout.layer_label(i), layout.role_label(i))).collect()
+    (0..layout.n_entries())
+        .map(|i| {
+            format!(
+                "layer {}, role {}",
+                layout.layer_label(i),
+                layout.role_label(i)
+            )
+        })
+        .collect()
 }
 
-fn pair_kind(src: &Layout, dst: &Layout, kind: EntryKind, options: TemplateOptions) -> Result<Vec<PairSpec>> {
+fn pair_kind(
+    src: &Layout,
+    dst: &Layout,
+    kind: EntryKind,
+    options: TemplateOptions,
+) -> Result<Vec<PairSpec>> {
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
     let (src_ids, src_roles) = metadata_of(src, &src_entries);
@@ -132,7 +171,9 @@ fn pair_kind(src: &Layout, dst: &Layout, kind: EntryKind, options: TemplateOptio
                 None => infer_legacy_kind(src_roles.as_deref())?,
             };
             let roles_start_with = |roles: &Option<Vec<String>>, prefix: &str| {
-                roles.as_ref().map_or(0, |r| r.iter().filter(|x| x.starts_with(prefix)).count())
+                roles
+                    .as_ref()
+                    .map_or(0, |r| r.iter().filter(|x| x.starts_with(prefix)).count())
             };
             let num_draft = roles_start_with(&src_roles, "draft");
             let decode_layers = match roles_start_with(&dst_roles, "k") {
@@ -142,8 +183,16 @@ fn pair_kind(src: &Layout, dst: &Layout, kind: EntryKind, options: TemplateOptio
             legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?
         }
         _ => pair_entries(
-            EntryMetadata { layer_ids: src_ids.as_deref(), roles: src_roles.as_deref(), n_entries: n_src },
-            EntryMetadata { layer_ids: dst_ids.as_deref(), roles: dst_roles.as_deref(), n_entries: n_dst },
+            EntryMetadata {
+                layer_ids: src_ids.as_deref(),
+                roles: src_roles.as_deref(),
+                n_entries: n_src,
+            },
+            EntryMetadata {
+                layer_ids: dst_ids.as_deref(),
+                roles: dst_roles.as_deref(),
+                n_entries: n_dst,
+            },
             options.allow_positional_fallback,
         )?,
     };
@@ -203,8 +252,22 @@ mod tests {
 
     #[test]
     fn size_mismatch_names_layer_role_and_sizes() {
-        let src = Layout::mla(vec![1000], vec![160], vec![16], Some(vec![7]), LayoutContext::default()).unwrap();
-        let dst = Layout::mla(vec![2000, 3000], vec![80, 320], vec![8, 32], Some(vec![3, 7]), LayoutContext::default()).unwrap();
+        let src = Layout::mla(
+            vec![1000],
+            vec![160],
+            vec![16],
+            Some(vec![7]),
+            LayoutContext::default(),
+        )
+        .unwrap();
+        let dst = Layout::mla(
+            vec![2000, 3000],
+            vec![80, 320],
+            vec![8, 32],
+            Some(vec![3, 7]),
+            LayoutContext::default(),
+        )
+        .unwrap();
         let err = Template::new(&src, &dst, TemplateOptions::default()).unwrap_err();
         assert_eq!(
             err.to_string(),

@@ -1,7 +1,7 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices.
 
 use kvplan_core::PageIndex;
-use numpy::{PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -22,14 +22,25 @@ impl<'py> IndexArray<'py> {
     /// Borrows `obj` as a 1-D C-contiguous int32 or int64 numpy array, or raises a `TypeError`
     /// that names the argument and what it was.
     pub(crate) fn extract(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Self> {
-        if let Ok(array) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
-            return Ok(IndexArray::I64(array));
+        // `cast` checks type, ndim and dtype without building a Python exception on failure,
+        // which matters for the per-call overhead of small requests.
+        let borrow_error = |_| {
+            PyTypeError::new_err(format!(
+                "{name} is being written elsewhere (mutably borrowed)"
+            ))
+        };
+        if let Ok(array) = obj.cast::<PyArray1<i64>>() {
+            return Ok(IndexArray::I64(array.try_readonly().map_err(borrow_error)?));
         }
-        if let Ok(array) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
-            return Ok(IndexArray::I32(array));
+        if let Ok(array) = obj.cast::<PyArray1<i32>>() {
+            return Ok(IndexArray::I32(array.try_readonly().map_err(borrow_error)?));
         }
         let what = match obj.cast::<PyUntypedArray>() {
-            Ok(array) => format!("a {}-D numpy array of dtype {}", array.ndim(), array.dtype().str()?),
+            Ok(array) => format!(
+                "a {}-D numpy array of dtype {}",
+                array.ndim(),
+                array.dtype().str()?
+            ),
             Err(_) => format!("{}", obj.get_type().name()?),
         };
         Err(PyTypeError::new_err(format!(
@@ -39,7 +50,11 @@ impl<'py> IndexArray<'py> {
 
     /// The slice view; a `TypeError` for non-contiguous arrays (no hidden copy).
     pub(crate) fn as_slice(&self, name: &str) -> PyResult<IndexSlice<'_>> {
-        let contiguous_error = |_| PyTypeError::new_err(format!("{name} must be C-contiguous (use np.ascontiguousarray)"));
+        let contiguous_error = |_| {
+            PyTypeError::new_err(format!(
+                "{name} must be C-contiguous (use np.ascontiguousarray)"
+            ))
+        };
         Ok(match self {
             IndexArray::I32(a) => IndexSlice::I32(a.as_slice().map_err(contiguous_error)?),
             IndexArray::I64(a) => IndexSlice::I64(a.as_slice().map_err(contiguous_error)?),
@@ -54,7 +69,11 @@ pub(crate) trait IndexVisitor {
 }
 
 /// Calls `visitor` with the concrete slice types (four monomorphised variants).
-pub(crate) fn dispatch<V: IndexVisitor>(src: IndexSlice<'_>, dst: IndexSlice<'_>, visitor: V) -> V::Output {
+pub(crate) fn dispatch<V: IndexVisitor>(
+    src: IndexSlice<'_>,
+    dst: IndexSlice<'_>,
+    visitor: V,
+) -> V::Output {
     match (src, dst) {
         (IndexSlice::I32(s), IndexSlice::I32(d)) => visitor.visit(s, d),
         (IndexSlice::I32(s), IndexSlice::I64(d)) => visitor.visit(s, d),

@@ -5,10 +5,30 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-create_exception!(kvplan, KvPlanError, PyValueError, "Base class of every kvplan planning error.");
-create_exception!(kvplan, PairingError, KvPlanError, "Transfer entries could not be paired.");
-create_exception!(kvplan, IndexBoundsError, KvPlanError, "A page or slot index is negative or outside its buffer.");
-create_exception!(kvplan, SizeMismatchError, KvPlanError, "Paired entries disagree on item size.");
+create_exception!(
+    kvplan,
+    KvPlanError,
+    PyValueError,
+    "Base class of every kvplan planning error."
+);
+create_exception!(
+    kvplan,
+    PairingError,
+    KvPlanError,
+    "Transfer entries could not be paired."
+);
+create_exception!(
+    kvplan,
+    IndexBoundsError,
+    KvPlanError,
+    "A page or slot index is negative or outside its buffer."
+);
+create_exception!(
+    kvplan,
+    SizeMismatchError,
+    KvPlanError,
+    "Paired entries disagree on item size."
+);
 create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
 
 /// Maps a core error to its Python exception. (Not a `From` impl: both types are foreign here.)
@@ -19,6 +39,6 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         ErrorClass::IndexBounds => IndexBoundsError::new_err(message),
         ErrorClass::SizeMismatch => SizeMismatchError::new_err(message),
         ErrorClass::Layout => LayoutError::new_err(message),
-        _ => KvPlanError::new_err(message),
+        ErrorClass::Other => KvPlanError::new_err(message),
     }
 }

@@ -27,7 +27,9 @@ impl ItemLens {
 /// Reads the peer context from keyword arguments, rejecting unknown keys.
 fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let mut context = LayoutContext::default();
-    let Some(kwargs) = kwargs else { return Ok(context) };
+    let Some(kwargs) = kwargs else {
+        return Ok(context);
+    };
     for (key, value) in kwargs.iter() {
         let key: String = key.extract()?;
         match key.as_str() {
@@ -73,12 +75,21 @@ impl PyLayout {
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        let kinds = kinds.unwrap_or_default().iter().map(|k| EntryKind::parse(k)).collect::<Result<Vec<_>, _>>().map_err(to_py_err)?;
+        let kinds = kinds
+            .unwrap_or_default()
+            .iter()
+            .map(|k| EntryKind::parse(k))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(to_py_err)?;
         let parts = LayoutParts {
             data_ptrs,
             data_lens,
             item_lens: item_lens.expand(n),
-            layer_ids: layer_ids.unwrap_or_default().into_iter().map(Some).collect(),
+            layer_ids: layer_ids
+                .unwrap_or_default()
+                .into_iter()
+                .map(Some)
+                .collect(),
             roles: roles.unwrap_or_default(),
             kinds,
         };
@@ -96,7 +107,13 @@ impl PyLayout {
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::mla(data_ptrs, data_lens, item_lens.expand(n), layer_ids, context_from(context)?))
+        wrap(Layout::mla(
+            data_ptrs,
+            data_lens,
+            item_lens.expand(n),
+            layer_ids,
+            context_from(context)?,
+        ))
     }
 
     /// All K entries then all V entries; K and V item lengths may differ.
@@ -139,7 +156,14 @@ impl PyLayout {
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::hybrid_linear(full_attention_layer_ids, data_ptrs, data_lens, item_lens.expand(n), mla, context_from(context)?))
+        wrap(Layout::hybrid_linear(
+            full_attention_layer_ids,
+            data_ptrs,
+            data_lens,
+            item_lens.expand(n),
+            mla,
+            context_from(context)?,
+        ))
     }
 
     /// NPU pool with several buffer groups per layer (group-major), ids repeated per group.
@@ -154,7 +178,14 @@ impl PyLayout {
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::npu_groups(layer_ids, data_ptrs, data_lens, item_lens.expand(n), group_roles, context_from(context)?))
+        wrap(Layout::npu_groups(
+            layer_ids,
+            data_ptrs,
+            data_lens,
+            item_lens.expand(n),
+            group_roles,
+            context_from(context)?,
+        ))
     }
 
     /// A new layout with draft KV entries appended (ids remapped into the band above the model).
@@ -169,14 +200,31 @@ impl PyLayout {
         roles: Option<Vec<String>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(self.inner.with_draft(data_ptrs, data_lens, item_lens.expand(n), &draft_layer_ids, num_hidden_layers, roles))
+        wrap(self.inner.with_draft(
+            data_ptrs,
+            data_lens,
+            item_lens.expand(n),
+            &draft_layer_ids,
+            num_hidden_layers,
+            roles,
+        ))
     }
 
     /// A new layout with per-request state entries appended (kind "state", role = name).
     #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids))]
-    fn with_state(&self, name: &str, data_ptrs: Vec<u64>, data_lens: Vec<u64>, item_lens: ItemLens, layer_ids: Vec<i64>) -> PyResult<Self> {
+    fn with_state(
+        &self,
+        name: &str,
+        data_ptrs: Vec<u64>,
+        data_lens: Vec<u64>,
+        item_lens: ItemLens,
+        layer_ids: Vec<i64>,
+    ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(self.inner.with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids))
+        wrap(
+            self.inner
+                .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids),
+        )
     }
 
     #[getter]
@@ -220,13 +268,20 @@ impl PyLayout {
 
     #[getter]
     fn kinds(&self) -> Vec<&'static str> {
-        self.inner.parts().kinds.iter().map(|k| k.as_str()).collect()
+        self.inner
+            .parts()
+            .kinds
+            .iter()
+            .map(|k| k.as_str())
+            .collect()
     }
 
     /// Items (pages or slots) each entry holds: `data_len // item_len` (0 when item_len is 0).
     #[getter]
     fn capacities(&self) -> Vec<u64> {
-        (0..self.inner.n_entries()).map(|i| self.inner.capacity(i)).collect()
+        (0..self.inner.n_entries())
+            .map(|i| self.inner.capacity(i))
+            .collect()
     }
 
     #[getter]
@@ -266,7 +321,11 @@ impl PyLayout {
 
     fn __repr__(&self) -> String {
         let parts = self.inner.parts();
-        let pages = parts.kinds.iter().filter(|&&k| k == EntryKind::Page).count();
+        let pages = parts
+            .kinds
+            .iter()
+            .filter(|&&k| k == EntryKind::Page)
+            .count();
         let ctx = self.inner.context();
         format!(
             "Layout({} entries: {} page, {} state; page_size={}, device={:?}, pp={}/{}, tp={}/{})",

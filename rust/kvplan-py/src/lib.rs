@@ -10,11 +10,15 @@ mod pool;
 #[pyo3::pymodule]
 mod _core {
     #[pymodule_export]
-    use crate::errors::{IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError};
+    use crate::errors::{
+        IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
+    };
     #[pymodule_export]
     use crate::layout::PyLayout;
     #[pymodule_export]
-    use crate::plan::{PyPlanBuffer, PyTemplate, group_contiguous, legacy_pp_pairs, pair_entries, pool_stats};
+    use crate::plan::{
+        PyPlanBuffer, PyTemplate, group_contiguous, legacy_pp_pairs, pair_entries, pool_stats,
+    };
 
     #[allow(non_upper_case_globals)]
     #[pymodule_export]

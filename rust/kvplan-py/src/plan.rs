@@ -2,7 +2,8 @@
 //! plans come back as NumPy arrays viewing a pooled Rust buffer (no copy, no per-block objects).
 
 use kvplan_core::{
-    Columns, EntryMetadata, FlatBuffer, LegacyKind, PageIndex, PlanSummary, Template, TemplateOptions,
+    Columns, EntryMetadata, FlatBuffer, LegacyKind, PageIndex, PlanSummary, Template,
+    TemplateOptions,
 };
 use numpy::ndarray::{Array2, ArrayView1};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
@@ -13,11 +14,23 @@ use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::pool;
 
-fn pairs_array<'py>(py: Python<'py>, pairs: impl ExactSizeIterator<Item = [usize; 2]>) -> Bound<'py, PyArray2<i64>> {
+fn pairs_array(
+    py: Python<'_>,
+    pairs: impl ExactSizeIterator<Item = [usize; 2]>,
+) -> Bound<'_, PyArray2<i64>> {
     let n = pairs.len();
     let flat: Vec<i64> = pairs.flat_map(|[i, j]| [i as i64, j as i64]).collect();
-    Array2::from_shape_vec((n, 2), flat).expect("two columns by construction").into_pyarray(py)
+    Array2::from_shape_vec((n, 2), flat)
+        .expect("two columns by construction")
+        .into_pyarray(py)
 }
+
+/// `(src_starts, dst_starts, lengths)`.
+type Runs<'py> = (
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+);
 
 /// Runs contiguous on both sides as `(src_starts, dst_starts, lengths)` int64 arrays.
 ///
@@ -28,7 +41,7 @@ pub fn group_contiguous<'py>(
     py: Python<'py>,
     src: &Bound<'py, PyAny>,
     dst: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>)> {
+) -> PyResult<Runs<'py>> {
     struct Group;
     impl IndexVisitor for Group {
         type Output = kvplan_core::Result<(Vec<u64>, Vec<u64>, Vec<u64>)>;
@@ -36,12 +49,22 @@ pub fn group_contiguous<'py>(
             kvplan_core::group_contiguous(src, dst)
         }
     }
-    let (src_array, dst_array) = (IndexArray::extract(src, "src")?, IndexArray::extract(dst, "dst")?);
+    let (src_array, dst_array) = (
+        IndexArray::extract(src, "src")?,
+        IndexArray::extract(dst, "dst")?,
+    );
     let (src_slice, dst_slice) = (src_array.as_slice("src")?, dst_array.as_slice("dst")?);
-    let (s, d, l) = py.detach(|| dispatch(src_slice, dst_slice, Group)).map_err(to_py_err)?;
+    let (s, d, l) = py
+        .detach(|| dispatch(src_slice, dst_slice, Group))
+        .map_err(to_py_err)?;
     // Indices were validated non-negative, so the reinterpretation is exact; collecting into a
     // same-sized element type reuses each allocation.
-    let signed = |v: Vec<u64>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>().into_pyarray(py);
+    let signed = |v: Vec<u64>| {
+        v.into_iter()
+            .map(|x| x as i64)
+            .collect::<Vec<i64>>()
+            .into_pyarray(py)
+    };
     Ok((signed(s), signed(d), signed(l)))
 }
 
@@ -49,8 +72,8 @@ pub fn group_contiguous<'py>(
 #[pyfunction]
 #[pyo3(signature = (src_layer_ids, dst_layer_ids, n_src, n_dst, allow_positional_fallback=false, *, src_roles=None, dst_roles=None))]
 #[allow(clippy::too_many_arguments)]
-pub fn pair_entries<'py>(
-    py: Python<'py>,
+pub fn pair_entries(
+    py: Python<'_>,
     src_layer_ids: Option<Vec<i64>>,
     dst_layer_ids: Option<Vec<i64>>,
     n_src: usize,
@@ -58,10 +81,19 @@ pub fn pair_entries<'py>(
     allow_positional_fallback: bool,
     src_roles: Option<Vec<String>>,
     dst_roles: Option<Vec<String>>,
-) -> PyResult<Bound<'py, PyArray2<i64>>> {
-    let src = EntryMetadata { layer_ids: src_layer_ids.as_deref(), roles: src_roles.as_deref(), n_entries: n_src };
-    let dst = EntryMetadata { layer_ids: dst_layer_ids.as_deref(), roles: dst_roles.as_deref(), n_entries: n_dst };
-    let pairs = kvplan_core::pair_entries(src, dst, allow_positional_fallback).map_err(to_py_err)?;
+) -> PyResult<Bound<'_, PyArray2<i64>>> {
+    let src = EntryMetadata {
+        layer_ids: src_layer_ids.as_deref(),
+        roles: src_roles.as_deref(),
+        n_entries: n_src,
+    };
+    let dst = EntryMetadata {
+        layer_ids: dst_layer_ids.as_deref(),
+        roles: dst_roles.as_deref(),
+        n_entries: n_dst,
+    };
+    let pairs =
+        kvplan_core::pair_entries(src, dst, allow_positional_fallback).map_err(to_py_err)?;
     Ok(pairs_array(py, pairs.into_iter()))
 }
 
@@ -69,7 +101,9 @@ fn parse_legacy_kind(kind: &str) -> PyResult<LegacyKind> {
     match kind {
         "mla" => Ok(LegacyKind::Mla),
         "mha" => Ok(LegacyKind::Mha),
-        other => Err(KvPlanError::new_err(format!("legacy kind must be \"mla\" or \"mha\", got {other:?}"))),
+        other => Err(KvPlanError::new_err(format!(
+            "legacy kind must be \"mla\" or \"mha\", got {other:?}"
+        ))),
     }
 }
 
@@ -86,8 +120,15 @@ pub fn legacy_pp_pairs<'py>(
     decode_num_layers: Option<usize>,
 ) -> PyResult<Bound<'py, PyArray2<i64>>> {
     let kind = parse_legacy_kind(kind)?;
-    let pairs = kvplan_core::legacy_pp_pairs(kind, n_src, n_dst, prefill_start_layer, num_draft_entries, decode_num_layers)
-        .map_err(to_py_err)?;
+    let pairs = kvplan_core::legacy_pp_pairs(
+        kind,
+        n_src,
+        n_dst,
+        prefill_start_layer,
+        num_draft_entries,
+        decode_num_layers,
+    )
+    .map_err(to_py_err)?;
     Ok(pairs_array(py, pairs.into_iter()))
 }
 
@@ -121,7 +162,12 @@ impl PyPlanBuffer {
 
 type Column<'py> = Bound<'py, PyArray1<u64>>;
 /// What `_plan` returns: the three columns (absent when written into `out`), runs, blocks, bytes.
-type RawPlan<'py> = (Option<(Column<'py>, Column<'py>, Column<'py>)>, usize, usize, u64);
+type RawPlan<'py> = (
+    Option<(Column<'py>, Column<'py>, Column<'py>)>,
+    usize,
+    usize,
+    u64,
+);
 
 /// A compiled peer pair. Python's `kvplan.Template` subclasses it to return `TransferPlan`s.
 #[pyclass(frozen, subclass, name = "Template", module = "kvplan._core")]
@@ -135,7 +181,10 @@ impl IndexVisitor for PlanPooled<'_> {
     type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
         self.0.plan_into(src, dst, |shape| {
-            Ok(FlatBuffer { data: pool::take(shape.n_blocks.saturating_mul(3)), capacity: shape.n_blocks })
+            Ok(FlatBuffer {
+                data: pool::take(shape.n_blocks.saturating_mul(3)),
+                capacity: shape.n_blocks,
+            })
         })
     }
 }
@@ -146,7 +195,9 @@ impl IndexVisitor for PlanInto<'_, '_> {
     type Output = kvplan_core::Result<PlanSummary>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
         let columns = self.1;
-        self.0.plan_into(src, dst, move |_| Ok(columns)).map(|(_, summary)| summary)
+        self.0
+            .plan_into(src, dst, move |_| Ok(columns))
+            .map(|(_, summary)| summary)
     }
 }
 
@@ -168,26 +219,43 @@ impl PyTemplate {
             legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
             check_dst_overlap,
         };
-        let inner = Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
+        let inner =
+            Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
         Ok(Self { inner })
     }
 
     /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
     #[getter]
     fn pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
-        pairs_array(py, self.inner.page_pairs().iter().map(|p| [p.src_entry, p.dst_entry]))
+        pairs_array(
+            py,
+            self.inner
+                .page_pairs()
+                .iter()
+                .map(|p| [p.src_entry, p.dst_entry]),
+        )
     }
 
     /// `(n_state_pairs, 2)` int64: (src entry, dst entry) of every state-entry pair.
     #[getter]
     fn state_pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
-        pairs_array(py, self.inner.state_pairs().iter().map(|p| [p.src_entry, p.dst_entry]))
+        pairs_array(
+            py,
+            self.inner
+                .state_pairs()
+                .iter()
+                .map(|p| [p.src_entry, p.dst_entry]),
+        )
     }
 
     /// Per page pair: whether it emits blocks (item length > 0).
     #[getter]
     fn emitting(&self) -> Vec<bool> {
-        self.inner.page_pairs().iter().map(|p| p.item_len > 0).collect()
+        self.inner
+            .page_pairs()
+            .iter()
+            .map(|p| p.item_len > 0)
+            .collect()
     }
 
     /// Item length of every page pair.
@@ -214,8 +282,14 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         out: Option<PyReadwriteArray2<'py, u64>>,
     ) -> PyResult<RawPlan<'py>> {
-        let (src_array, dst_array) = (IndexArray::extract(src_pages, "src_pages")?, IndexArray::extract(dst_pages, "dst_pages")?);
-        let (src, dst) = (src_array.as_slice("src_pages")?, dst_array.as_slice("dst_pages")?);
+        let (src_array, dst_array) = (
+            IndexArray::extract(src_pages, "src_pages")?,
+            IndexArray::extract(dst_pages, "dst_pages")?,
+        );
+        let (src, dst) = (
+            src_array.as_slice("src_pages")?,
+            dst_array.as_slice("dst_pages")?,
+        );
         let template = &self.inner;
         if let Some(mut out) = out {
             // as_slice_mut also accepts Fortran order, which would scramble the rows.
@@ -228,10 +302,14 @@ impl PyTemplate {
             let capacity = out.shape()[1];
             let flat = out.as_slice_mut()?;
             let columns = Columns::from_flat(flat, capacity);
-            let summary = py.detach(|| dispatch(src, dst, PlanInto(template, columns))).map_err(to_py_err)?;
+            let summary = py
+                .detach(|| dispatch(src, dst, PlanInto(template, columns)))
+                .map_err(to_py_err)?;
             return Ok((None, summary.n_runs, summary.n_blocks, summary.total_bytes));
         }
-        let (buffer, summary) = py.detach(|| dispatch(src, dst, PlanPooled(template))).map_err(to_py_err)?;
+        let (buffer, summary) = py
+            .detach(|| dispatch(src, dst, PlanPooled(template)))
+            .map_err(to_py_err)?;
         let n = summary.n_blocks;
         let stride = buffer.capacity;
         let owner = Bound::new(py, PyPlanBuffer { data: buffer.data })?;
@@ -242,18 +320,34 @@ impl PyTemplate {
             // so its Vec is never mutated, moved or reallocated until the owner is dropped.
             unsafe { PyArray1::borrow_from_array(&view, owner.clone().into_any()) }
         };
-        Ok((Some((column(0), column(1), column(2))), summary.n_runs, n, summary.total_bytes))
+        Ok((
+            Some((column(0), column(1), column(2))),
+            summary.n_runs,
+            n,
+            summary.total_bytes,
+        ))
     }
 
     /// Plans one per-request state slot: one block per state pair.
     #[pyo3(signature = (src_slot, dst_slot))]
-    fn _plan_state<'py>(&self, py: Python<'py>, src_slot: i64, dst_slot: i64) -> PyResult<(Column<'py>, Column<'py>, Column<'py>)> {
+    fn _plan_state<'py>(
+        &self,
+        py: Python<'py>,
+        src_slot: i64,
+        dst_slot: i64,
+    ) -> PyResult<(Column<'py>, Column<'py>, Column<'py>)> {
         let n = self.inner.state_pairs().len();
         let mut buffer = FlatBuffer::zeroed(n);
-        self.inner.plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n)).map_err(to_py_err)?;
+        self.inner
+            .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
+            .map_err(to_py_err)?;
         let mut data = buffer.data;
         let lengths = data.split_off(2 * n);
         let dst_addrs = data.split_off(n);
-        Ok((data.into_pyarray(py), dst_addrs.into_pyarray(py), lengths.into_pyarray(py)))
+        Ok((
+            data.into_pyarray(py),
+            dst_addrs.into_pyarray(py),
+            lengths.into_pyarray(py),
+        ))
     }
 }

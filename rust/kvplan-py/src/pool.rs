@@ -18,11 +18,16 @@ struct Pool {
     misses: u64,
 }
 
-static POOL: Mutex<Pool> = Mutex::new(Pool { buffers: Vec::new(), hits: 0, misses: 0 });
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    buffers: Vec::new(),
+    hits: 0,
+    misses: 0,
+});
 
 fn lock() -> std::sync::MutexGuard<'static, Pool> {
     // A panic while holding the lock cannot leave the list inconsistent; keep using it.
-    POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    POOL.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Rounds a size up to one of 8 steps per power of two (≤ 12.5 % slack), so that requests of
@@ -38,7 +43,9 @@ fn rounded(values: usize) -> usize {
 /// A buffer of at least `values` u64s: the smallest pooled one that fits, else a fresh one.
 pub(crate) fn take(values: usize) -> Vec<u64> {
     let mut pool = lock();
-    let best = (0..pool.buffers.len()).filter(|&i| pool.buffers[i].len() >= values).min_by_key(|&i| pool.buffers[i].len());
+    let best = (0..pool.buffers.len())
+        .filter(|&i| pool.buffers[i].len() >= values)
+        .min_by_key(|&i| pool.buffers[i].len());
     if let Some(i) = best {
         pool.hits += 1;
         return pool.buffers.swap_remove(i);
@@ -57,8 +64,12 @@ pub(crate) fn give_back(buffer: Vec<u64>) {
     let mut pool = lock();
     pool.buffers.push(buffer);
     // Evict the smallest buffers first: large ones are the expensive ones to fault in again.
-    while pool.buffers.len() > MAX_POOLED_BUFFERS || pool.buffers.iter().map(|b| b.len() * 8).sum::<usize>() > MAX_POOLED_BYTES {
-        let smallest = (0..pool.buffers.len()).min_by_key(|&i| pool.buffers[i].len()).unwrap_or(0);
+    while pool.buffers.len() > MAX_POOLED_BUFFERS
+        || pool.buffers.iter().map(|b| b.len() * 8).sum::<usize>() > MAX_POOLED_BYTES
+    {
+        let smallest = (0..pool.buffers.len())
+            .min_by_key(|&i| pool.buffers[i].len())
+            .unwrap_or(0);
         let evicted = pool.buffers.swap_remove(smallest);
         drop(evicted);
     }
@@ -67,5 +78,10 @@ pub(crate) fn give_back(buffer: Vec<u64>) {
 /// `(buffers pooled, bytes pooled, hits, misses)`.
 pub(crate) fn stats() -> (usize, usize, u64, u64) {
     let pool = lock();
-    (pool.buffers.len(), pool.buffers.iter().map(|b| b.len() * 8).sum(), pool.hits, pool.misses)
+    (
+        pool.buffers.len(),
+        pool.buffers.iter().map(|b| b.len() * 8).sum(),
+        pool.hits,
+        pool.misses,
+    )
 }
