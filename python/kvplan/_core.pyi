@@ -1,0 +1,179 @@
+# Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
+from collections.abc import Sequence
+from typing import final
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class KvPlanError(ValueError): ...
+class PairingError(KvPlanError): ...
+class IndexBoundsError(KvPlanError): ...
+class SizeMismatchError(KvPlanError): ...
+class LayoutError(KvPlanError): ...
+
+IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
+I64Array = npt.NDArray[np.int64]
+U64Array = npt.NDArray[np.uint64]
+
+def group_contiguous(src: IndexArray, dst: IndexArray, /) -> tuple[I64Array, I64Array, I64Array]: ...
+def pair_entries(
+    src_layer_ids: Sequence[int] | None,
+    dst_layer_ids: Sequence[int] | None,
+    n_src: int,
+    n_dst: int,
+    allow_positional_fallback: bool = False,
+    *,
+    src_roles: Sequence[str] | None = None,
+    dst_roles: Sequence[str] | None = None,
+) -> I64Array: ...
+def legacy_pp_pairs(
+    kind: str,
+    n_src: int,
+    n_dst: int,
+    prefill_start_layer: int,
+    *,
+    num_draft_entries: int = 0,
+    decode_num_layers: int | None = None,
+) -> I64Array: ...
+def pool_stats() -> tuple[int, int, int, int]: ...
+
+@final
+class Layout:
+    def __new__(
+        cls,
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        layer_ids: Sequence[int] | None = None,
+        roles: Sequence[str] | None = None,
+        *,
+        kinds: Sequence[str] | None = None,
+        page_size: int = ...,
+        device: str = ...,
+        num_model_layers: int | None = ...,
+        pp_rank: int = ...,
+        pp_size: int = ...,
+        tp_rank: int = ...,
+        tp_size: int = ...,
+    ) -> Layout: ...
+    @staticmethod
+    def mla(
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        layer_ids: Sequence[int] | None = None,
+        **context: object,
+    ) -> Layout: ...
+    @staticmethod
+    def mha(
+        k_ptrs: Sequence[int],
+        v_ptrs: Sequence[int],
+        k_data_lens: Sequence[int],
+        v_data_lens: Sequence[int],
+        k_item_lens: int | Sequence[int],
+        v_item_lens: int | Sequence[int],
+        layer_ids: Sequence[int] | None = None,
+        **context: object,
+    ) -> Layout: ...
+    @staticmethod
+    def hybrid_linear(
+        full_attention_layer_ids: Sequence[int],
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        *,
+        mla: bool = True,
+        **context: object,
+    ) -> Layout: ...
+    @staticmethod
+    def npu_groups(
+        layer_ids: Sequence[int],
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        *,
+        group_roles: Sequence[str] | None = None,
+        **context: object,
+    ) -> Layout: ...
+    def with_draft(
+        self,
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        *,
+        draft_layer_ids: Sequence[int],
+        num_hidden_layers: int,
+        roles: Sequence[str] | None = None,
+    ) -> Layout: ...
+    def with_state(
+        self,
+        name: str,
+        data_ptrs: Sequence[int],
+        data_lens: Sequence[int],
+        item_lens: int | Sequence[int],
+        layer_ids: Sequence[int],
+    ) -> Layout: ...
+    def __len__(self) -> int: ...
+    @property
+    def n_entries(self) -> int: ...
+    @property
+    def data_ptrs(self) -> list[int]: ...
+    @property
+    def data_lens(self) -> list[int]: ...
+    @property
+    def item_lens(self) -> list[int]: ...
+    @property
+    def layer_ids(self) -> list[int | None] | None: ...
+    @property
+    def roles(self) -> list[str] | None: ...
+    @property
+    def kinds(self) -> list[str]: ...
+    @property
+    def capacities(self) -> list[int]: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def num_model_layers(self) -> int | None: ...
+    @property
+    def pp_rank(self) -> int: ...
+    @property
+    def pp_size(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+
+@final
+class PlanBuffer:
+    @property
+    def nbytes(self) -> int: ...
+
+class Template:
+    def __new__(
+        cls,
+        src_layout: Layout,
+        dst_layout: Layout,
+        allow_positional_fallback: bool = False,
+        *,
+        prefill_start_layer: int | None = None,
+        legacy_kind: str | None = None,
+        check_dst_overlap: bool = False,
+    ) -> Template: ...
+    @property
+    def pairs(self) -> I64Array: ...
+    @property
+    def state_pairs(self) -> I64Array: ...
+    @property
+    def emitting(self) -> list[bool]: ...
+    @property
+    def pair_item_lens(self) -> list[int]: ...
+    @property
+    def bytes_per_page(self) -> int: ...
+    def _plan(
+        self, src_pages: IndexArray, dst_pages: IndexArray, out: U64Array | None = None
+    ) -> tuple[tuple[U64Array, U64Array, U64Array] | None, int, int, int]: ...
+    def _plan_state(self, src_slot: int, dst_slot: int) -> tuple[U64Array, U64Array, U64Array]: ...
