@@ -307,7 +307,7 @@ def test_layout_is_immutable():
 
 
 def test_layout_full_u64_addresses():
-    top = 2**64 - 4096
+    top = 2**64 - 8192  # buffer ends 4 KiB below 2**64
     lay = Layout([top], [4096], 64)
     assert lay.data_ptrs == [top]
     t = Template(lay, Layout([1 << 20], [4096], 64))
