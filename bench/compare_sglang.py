@@ -13,7 +13,7 @@ Variants
                    pairing and the list of (src, dst, len) tuples SGLang builds.
   sglang handoff   the same call with SGLang's real _transfer_data: the tuples are unzipped into
                    the three Python lists handed to batch_transfer_sync (recording engine).
-  kvplan fresh     template.plan() into freshly allocated memory (pool disabled / bypassed).
+  kvplan fresh     template.plan() into freshly allocated memory (pool drained untimed first).
   kvplan pooled    template.plan() in a loop that drops each plan (buffer reused from the pool).
   kvplan out=      template.plan(..., out=buf) into one warm caller buffer.
   kvplan handoff   template.plan() + plan.as_lists() + the same recording engine call.
@@ -250,7 +250,9 @@ class KvplanSide:
         self.template.plan(self.s, self.d, out=self.out)  # warm the caller buffer
         del first
         self.engine = sglang_loader.RecordingEngine()
-        self._keep = []
+        self._keep, self._held = [], []
+        self._misses0 = 0
+        self.fresh_checked = 0
 
     def pooled(self):
         self.template.plan(self.s, self.d)
@@ -258,10 +260,26 @@ class KvplanSide:
     def out_(self):
         self.template.plan(self.s, self.d, out=self.out)
 
+    def fresh_before(self):
+        """Untimed: take every pooled buffer this plan could reuse (hold them), so the timed
+        calls all miss the pool and write into newly allocated, never-touched memory."""
+        _, _, _, misses = kvplan._core.pool_stats()
+        while True:
+            self._held.append(self.template.plan(self.s, self.d))
+            _, _, _, now = kvplan._core.pool_stats()
+            if now > misses:
+                break
+        self._misses0 = now
+
     def fresh(self):
-        # Keeping every plan of the sample alive means no buffer can come back from the pool:
-        # each call writes into memory it has never touched.
         self._keep.append(self.template.plan(self.s, self.d))
+
+    def fresh_after(self):
+        _, _, _, now = kvplan._core.pool_stats()
+        assert now - self._misses0 == len(self._keep), "a fresh call reused a pooled buffer"
+        self.fresh_checked += len(self._keep)
+        self._keep.clear()
+        self._held.clear()
 
     def handoff(self):
         self.engine.calls.clear()
@@ -287,23 +305,27 @@ def one(fn, inner: int) -> float:
     return (time.perf_counter_ns() - t0) / inner
 
 
-def calibrate(fn, reset, min_sample_ns: float) -> tuple[int, float]:
+def calibrate(fn, before, after, min_sample_ns: float) -> tuple[int, float]:
+    before()
     fn()
-    reset()
+    after()
+    before()
     t = one(fn, 1)
-    reset()
+    after()
     inner = max(1, int(min_sample_ns // max(t, 1.0)))
     if inner > 1:
+        before()
         t = one(fn, inner)
-        reset()
+        after()
     return inner, t
 
 
 def measure(variants: dict, budget_s: float, min_reps: int, max_reps: int,
             min_sample_ns: float = 200_000) -> dict:
-    """variants: name -> (fn, reset). Interleaved: each repetition samples every variant once, in
+    """variants: name -> (fn, before, after); before/after run untimed around each sample.
+    Interleaved: each repetition samples every variant once, in
     an order rotated per repetition. Returns name -> list of per-call ns."""
-    cal = {k: calibrate(fn, reset, min_sample_ns) for k, (fn, reset) in variants.items()}
+    cal = {k: calibrate(*v, min_sample_ns) for k, v in variants.items()}
     per_rep = sum(inner * t for inner, t in cal.values()) * NS
     reps = int(max(min_reps, min(max_reps, budget_s // max(per_rep, 1e-9))))
     names = list(variants)
@@ -314,10 +336,10 @@ def measure(variants: dict, budget_s: float, min_reps: int, max_reps: int,
         for r in range(reps):
             order = names[r % len(names):] + names[: r % len(names)]
             for k in order:
-                fn, reset = variants[k]
-                inner = cal[k][0]
-                samples[k].append(one(fn, inner))
-                reset()
+                fn, before, after = variants[k]
+                before()
+                samples[k].append(one(fn, cal[k][0]))
+                after()
     finally:
         if gc_was:
             gc.enable()
@@ -467,17 +489,18 @@ def main():
         sg_lists = sgs.result_lists()
         n_blocks = len(sg_lists[0])
         one_call = time.time() - t0
-        variants = {"sglang plan": (sgs.plan, sgs.reset),
-                    "sglang handoff": (sgs.handoff, sgs.reset)}
+        nop = lambda: None  # noqa: E731
+        variants = {"sglang plan": (sgs.plan, nop, sgs.reset),
+                    "sglang handoff": (sgs.handoff, nop, sgs.reset)}
         kv_ok = False
         if kvplan is not None:
             kvs = KvplanSide(b)
             identical(sg_lists, kvs.result())
             kv_ok = True
-            variants.update({"kvplan fresh": (kvs.fresh, kvs.reset),
-                             "kvplan pooled": (kvs.pooled, kvs.reset),
-                             "kvplan out=": (kvs.out_, kvs.reset),
-                             "kvplan handoff": (kvs.handoff, kvs.reset)})
+            variants.update({"kvplan fresh": (kvs.fresh, kvs.fresh_before, kvs.fresh_after),
+                             "kvplan pooled": (kvs.pooled, nop, kvs.reset),
+                             "kvplan out=": (kvs.out_, nop, kvs.reset),
+                             "kvplan handoff": (kvs.handoff, nop, kvs.reset)})
         del sg_lists
         sgs.reset()
         gc.collect()
@@ -540,8 +563,10 @@ def write_results(out_dir, rows, mem, elapsed, cmd, sg):
              "unzips the tuples into the three lists passed to `batch_transfer_sync` "
              "(a recording engine that returns 0).")
     if have_kv:
-        L.append("- **kvplan fresh**: `template.plan(src, dst)` with every plan of the sample "
-                 "kept alive, so each call writes into never-touched memory (page faults).")
+        L.append("- **kvplan fresh**: `template.plan(src, dst)` into newly allocated memory: "
+                 "before each sample (untimed) every pooled buffer that fits is taken and held, "
+                 "and the sample's plans are kept alive, so each timed call misses the pool "
+                 "(checked with `kvplan._core.pool_stats()`) and pays the page faults.")
         L.append("- **kvplan pooled**: `template.plan(src, dst)`, plan dropped each time; its "
                  "buffer returns to kvplan's pool (steady state).")
         L.append("- **kvplan out=**: `template.plan(src, dst, out=buf)` into one warm "
