@@ -6,7 +6,10 @@ use kvplan_core::{
     TemplateOptions,
 };
 use numpy::ndarray::{Array2, ArrayView1};
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use crate::convert::{IndexArray, IndexVisitor, dispatch};
@@ -169,6 +172,19 @@ type RawPlan<'py> = (
     u64,
 );
 
+/// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
+/// read-only array or one that aliases an input (never a panic).
+fn writable_out<'py>(out: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py, u64>> {
+    let array = out.cast::<PyArray2<u64>>().map_err(|_| {
+        PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
+    })?;
+    array.try_readwrite().map_err(|err| {
+        KvPlanError::new_err(format!(
+            "out cannot be written: {err} (read-only, or it shares memory with an input)"
+        ))
+    })
+}
+
 /// A compiled peer pair. Python's `kvplan.Template` subclasses it to return `TransferPlan`s.
 #[pyclass(frozen, subclass, name = "Template", module = "kvplan._core")]
 pub struct PyTemplate {
@@ -280,7 +296,7 @@ impl PyTemplate {
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
-        out: Option<PyReadwriteArray2<'py, u64>>,
+        out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<RawPlan<'py>> {
         let (src_array, dst_array) = (
             IndexArray::extract(src_pages, "src_pages")?,
@@ -291,7 +307,8 @@ impl PyTemplate {
             dst_array.as_slice("dst_pages")?,
         );
         let template = &self.inner;
-        if let Some(mut out) = out {
+        if let Some(out) = out {
+            let mut out = writable_out(out)?;
             // as_slice_mut also accepts Fortran order, which would scramble the rows.
             if !out.is_c_contiguous() || out.shape()[0] != 3 {
                 return Err(KvPlanError::new_err(format!(
