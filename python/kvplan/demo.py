@@ -297,9 +297,13 @@ class PeerFailure(RuntimeError):
 
 
 def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
-               env: dict[str, str]) -> None:
+               env: dict[str, str], log_path: str | None = None) -> None:
     """Entry point of a spawned peer: own an engine, register the arena, serve commands."""
     os.environ.update(env)
+    if log_path is not None:  # the engine's glog writes to fd 2; keep the demo's output clean
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
     transport = None
     try:
         from kvplan.engines import MooncakeTransport
@@ -410,13 +414,16 @@ class PeerProcess:
     """
 
     def __init__(self, spec: PeerSpec, arena: Arena, *, env: dict[str, str] | None = None,
-                 wait: bool = True, start_timeout: float = 60.0) -> None:
+                 wait: bool = True, start_timeout: float = 60.0, log_path: str | None = None
+                 ) -> None:
         self.spec = spec
+        self.log_path = log_path
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_peer_main, name=f"kvplan-{spec.name}",
-            args=(child, spec.to_dict(), arena.path, arena.size, {**ENGINE_ENV, **(env or {})}),
+            args=(child, spec.to_dict(), arena.path, arena.size, {**ENGINE_ENV, **(env or {})},
+                  log_path),
             daemon=True)
         self.process.start()
         child.close()
@@ -594,9 +601,14 @@ class DemoReport:
 
 
 def run_demo(model: HybridModel, *, prefill_pp: int = 2, request_pages: int | None = None,
-             seed: int = 0, max_blocks_per_batch: int | None = None) -> DemoReport:
+             seed: int = 0, max_blocks_per_batch: int | None = None, quiet: bool = True
+             ) -> DemoReport:
     """Run the hybrid scenario end to end and return the verified report (never raises on a
-    wrong byte: the report says which one)."""
+    wrong byte: the report says which one).
+
+    ``quiet`` sends the engines' log lines to a file instead of stderr; when a peer fails, the
+    end of that log is attached to the :class:`PeerFailure`.
+    """
     import kvplan  # noqa: F401  (fail here, clearly, if the extension is not built)
 
     t_wall = time.perf_counter()
@@ -626,8 +638,10 @@ def run_demo(model: HybridModel, *, prefill_pp: int = 2, request_pages: int | No
             fill_source(a, seed + 1 + r)
             sources.append(a)
         # Start all engines at once (start-up dominates the wall time), then wait for them.
-        peers.append(PeerProcess(decode_spec, decode, wait=False))
-        peers += [PeerProcess(spec, a, wait=False) for spec, a in zip(prefill_specs, sources)]
+        log = os.path.join(workdir, "engines.log") if quiet else None
+        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log))
+        peers += [PeerProcess(spec, a, wait=False, log_path=log)
+                  for spec, a in zip(prefill_specs, sources)]
         for p in peers:
             p.ready()
         dpeer = peers[0]
@@ -652,6 +666,10 @@ def run_demo(model: HybridModel, *, prefill_pp: int = 2, request_pages: int | No
         report.error = first_wrong_byte(decode, decode_spec, writes)
         if report.error is None:
             report.verified_bytes = decode.size
+    except PeerFailure as exc:
+        tail = _log_tail(os.path.join(workdir, "engines.log"))
+        raise PeerFailure(f"{exc}\n--- engine log (last lines) ---\n{tail}" if tail
+                          else str(exc)) from None
     finally:
         for p in peers:
             p.stop()
@@ -660,6 +678,14 @@ def run_demo(model: HybridModel, *, prefill_pp: int = 2, request_pages: int | No
         shutil.rmtree(workdir, ignore_errors=True)
     report.wall_s = time.perf_counter() - t_wall
     return report
+
+
+def _log_tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def demo_model(layers: int = 48, pages: int = 8192) -> HybridModel:

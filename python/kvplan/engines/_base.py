@@ -35,12 +35,7 @@ __all__ = [
     "merge_regions",
 ]
 
-try:  # the core package owns the public exception; fall back only while it is not built yet
-    from kvplan import TransferError  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - only without the core package
-
-    class TransferError(RuntimeError):  # type: ignore[no-redef]
-        """An engine returned a non-zero status or raised (fallback definition)."""
+from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 
 
 U64 = npt.NDArray[np.uint64]

@@ -129,17 +129,20 @@ class MooncakeTransport(Transport):
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
 
     def _describe_failure(self, peer: str, status: int) -> str:
-        try:
-            probe = int(self._engine.send_probe(peer))
-        except Exception:  # probing is a courtesy for the message; it must not mask the error
-            return ""
-        if probe == 0:
-            return "peer is reachable: bad destination address or queue full (partial data may have landed)"
-        return f"peer unreachable (probe status {probe})"
+        # Deliberately no automatic send_probe here: against a hung (stopped) peer the probe
+        # blocks for about 60 s, far longer than the transfer timeout. Callers who want to tell a
+        # dead peer from a rejected write call probe() themselves.
+        return ("the engine log on stderr has the reason: a dead or hung peer, a destination "
+                "outside the peer's registered memory, or a full queue; blocks of this batch may "
+                "have partly landed")
 
     # ------------------------------------------------------------------ public API
     def probe(self, peer_session: str) -> int:
-        """``0`` when ``peer_session`` answers, non-zero (``-102``) when it is unreachable."""
+        """``0`` when ``peer_session`` answers, ``-102`` when nothing listens there.
+
+        Fast (< 1 ms) for live and dead peers, but it can block for about a minute when the peer
+        process is alive yet not scheduled (stopped, swapping): never call it on a hot path.
+        """
         self._check_open()
         return int(self._engine.send_probe(peer_session))
 

@@ -1,0 +1,117 @@
+"""Helpers for tests that move real bytes between spawned processes.
+
+The processes themselves are :class:`kvplan.demo.PeerProcess` (the demo uses the same ones).
+What lives here is test-only: a context manager that owns arenas and peers and always cleans
+up, and an *independent* byte oracle: it builds the whole expected decode arena with plain numpy
+and compares it with the real one in one go, so the check shares no code with kvplan's
+pairing or with the demo's verifier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvplan.demo import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
+
+__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "require_mooncake"]
+
+
+def require_mooncake() -> None:
+    """Fail (never skip) when Mooncake is missing: CI must run the real transfers."""
+    try:
+        importlib.import_module("mooncake.engine")
+    except ImportError as exc:  # pragma: no cover - only on a broken environment
+        pytest.fail(f"mooncake-transfer-engine is required for these tests and failed to import: "
+                    f"{exc}. Run scripts/setup-env.", pytrace=False)
+
+
+@dataclass
+class Cluster:
+    """Arenas and peer processes of one test; filled by :func:`cluster`."""
+
+    workdir: str
+    arenas: dict[str, Arena] = field(default_factory=dict)
+    peers: dict[str, PeerProcess] = field(default_factory=dict)
+    specs: dict[str, PeerSpec] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1
+            ) -> Iterator[Cluster]:
+    """Create a sentinel-filled decode arena and random source arenas, start one peer process
+    per spec (all at once), and stop/kill every process and delete every file on exit."""
+    total = decode.size + sum(s.size for s in sources)
+    c = Cluster(arena_dir(total))
+    try:
+        for i, spec in enumerate([decode, *sources]):
+            arena = Arena(os.path.join(c.workdir, spec.name), spec.size, create=True)
+            c.arenas[spec.name] = arena
+            c.specs[spec.name] = spec
+            if spec is decode:
+                arena.array[:] = SENTINEL
+            else:
+                fill_source(arena, seed + i)
+        for spec in [decode, *sources]:
+            c.peers[spec.name] = PeerProcess(spec, c.arenas[spec.name], wait=False)
+        for p in c.peers.values():
+            p.ready(60.0)
+        yield c
+    finally:
+        for p in c.peers.values():
+            p.stop()
+        for a in c.arenas.values():
+            a.close()
+        shutil.rmtree(c.workdir, ignore_errors=True)
+
+
+def expected_decode(decode: PeerSpec, decode_before: np.ndarray,
+                    writes: Sequence[tuple[PeerSpec, np.ndarray, np.ndarray, np.ndarray,
+                                           int | None, int | None]]) -> np.ndarray:
+    """The whole decode arena as it must be after the writes.
+
+    ``writes``: per source peer ``(spec, source_arena_bytes, src_pages, dst_pages, src_slot,
+    dst_slot)``. Ground truth: a source buffer lands in the decode buffer with the same global
+    layer id and role; page buffers move ``src_pages[i] -> dst_pages[i]``, state buffers move
+    slot ``src_slot -> dst_slot``.
+    """
+    expected = decode_before.copy()
+    dst_of = {(e.layer_id, e.role): e for e in decode.entries}
+    for spec, src_bytes, src_pages, dst_pages, src_slot, dst_slot in writes:
+        for s in spec.entries:
+            d = dst_of[(s.layer_id, s.role)]
+            assert s.item_len == d.item_len
+            if s.kind == "page":
+                pairs = zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist())
+            elif src_slot is not None:
+                pairs = iter([(src_slot, dst_slot)])
+            else:
+                continue
+            for si, di in pairs:  # plain loops: slow but obviously right
+                a = s.offset + si * s.item_len
+                b = d.offset + di * d.item_len
+                expected[b:b + d.item_len] = src_bytes[a:a + s.item_len]
+    return expected
+
+
+def assert_decode_bytes(got: np.ndarray, expected: np.ndarray, decode: PeerSpec) -> None:
+    """Compare every byte; on failure name the first wrong byte's buffer, item and offset."""
+    assert got.shape == expected.shape
+    bad = np.flatnonzero(got != expected)
+    if bad.size:
+        off = int(bad[0])
+        where = "outside every buffer"
+        for e in decode.entries:
+            if e.offset <= off < e.offset + e.nbytes:
+                item, byte = divmod(off - e.offset, e.item_len)
+                where = f"layer {e.layer_id} {e.role} item {item} byte {byte}"
+        pytest.fail(f"{bad.size} wrong bytes in the decode arena; first at offset {off} ({where}):"
+                    f" got {int(got[off]):#04x}, expected {int(expected[off]):#04x}"
+                    f" (sentinel {SENTINEL:#04x})", pytrace=False)
