@@ -845,3 +845,105 @@ def test_concurrent_planning_shares_one_template():
         sys.setswitchinterval(old)
     assert not errors, errors
     assert not mismatches, mismatches[:10]
+
+
+# ------------------------------------------------------------------------------ more contract
+
+
+def test_group_contiguous_python_lists_are_type_error():
+    with pytest.raises(TypeError):
+        kvplan.group_contiguous([1, 2, 3], [4, 5, 6])
+
+
+def test_pair_entries_roles_on_one_side_only_pair_by_id():
+    # Roles refine the key only when BOTH peers publish them (an SGLang peer publishes none).
+    got = kvplan.pair_entries([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6, src_roles=["k", "k", "v", "v"])
+    assert got.tolist() == [[0, 0], [1, 1], [2, 3], [3, 4]]
+
+
+def test_pair_entries_roles_missing_key_names_layer():
+    with pytest.raises(PairingError) as ei:
+        kvplan.pair_entries([3, 3], [3, 3], 2, 2, src_roles=["k", "k"], dst_roles=["k", "v"])
+    assert has_num(str(ei.value), 3), str(ei.value)
+
+
+def test_check_dst_overlap():
+    src, dst, rs, rd = mla_pair()
+    loose = Template(src, dst)
+    strict = Template(src, dst, check_dst_overlap=True)
+    sp, dp = i32(1, 2, 9), i32(5, 6, 5)  # decode page 5 written twice
+    plan = loose.plan(sp, dp)  # SGLang semantics: allowed
+    assert_plan_equals(plan, expected_plan(rs, rd, [1, 2, 9], [5, 6, 5]))
+    with pytest.raises(KvPlanError) as ei:
+        strict.plan(sp, dp)
+    assert has_num(str(ei.value), 5), str(ei.value)
+    assert_plan_equals(strict.plan(i32(1, 2, 9), i32(5, 6, 7)), expected_plan(rs, rd, [1, 2, 9], [5, 6, 7]))
+
+
+def test_large_fragmented_plan_matches_reference():
+    """61 MLA layers (DeepSeek-V3 item 1152) x 4096 fully fragmented pages = 249,856 blocks."""
+    n_layers, n_pages, item = 61, 4096, 1152
+    cap = 2 * n_pages
+    sp_ = [(k + 1) << 36 for k in range(n_layers)]
+    dp_ = [(k + 200) << 36 for k in range(n_layers)]
+    src = Layout.mla(sp_, [cap * item] * n_layers, item, layer_ids=list(range(n_layers)))
+    dst = Layout.mla(dp_, [cap * item] * n_layers, item, layer_ids=list(range(n_layers)))
+    rng = np.random.default_rng(61)
+    s_pages = rng.permutation(cap)[:n_pages].astype(np.int32)
+    d_pages = (2 * np.arange(n_pages)).astype(np.int32)  # every step is +2: no runs at all
+    plan = Template(src, dst).plan(s_pages, d_pages)
+    assert plan.n_blocks == n_layers * n_pages
+    assert plan.total_bytes == n_layers * n_pages * item
+    # reference formula per block, vectorised only in the comparison
+    sp64, dp64 = s_pages.astype(np.uint64), d_pages.astype(np.uint64)
+    exp_src = np.concatenate([np.uint64(b) + sp64 * np.uint64(item) for b in sp_])
+    exp_dst = np.concatenate([np.uint64(b) + dp64 * np.uint64(item) for b in dp_])
+    assert np.array_equal(plan.src_addrs, exp_src)
+    assert np.array_equal(plan.dst_addrs, exp_dst)
+    assert (plan.lengths == item).all()
+    # and the pure-Python reference on a slice of layers
+    rs = ref.RefLayout(sp_[:2], [cap * item] * 2, [item] * 2, [0, 1])
+    rd = ref.RefLayout(dp_[:2], [cap * item] * 2, [item] * 2, [0, 1])
+    e = ref.plan_blocks(rs, rd, [(0, 0), (1, 1)], s_pages.tolist(), d_pages.tolist())
+    assert plan.src_addrs[: 2 * n_pages].tolist() == e.src
+    assert plan.dst_addrs[: 2 * n_pages].tolist() == e.dst
+
+
+def test_single_surviving_view_keeps_buffer():
+    """Only one small view of one output array survives: the buffer must not go back to the pool."""
+    src, dst, rs, rd = mla_pair()
+    t = Template(src, dst)
+    exp = expected_plan(rs, rd, FRAG_SRC.tolist(), FRAG_DST.tolist())
+    plan = t.plan(FRAG_SRC, FRAG_DST)
+    last_batch = list(plan.batches(5))[-1]
+    lens_view = plan.lengths[3:9]
+    del plan
+    gc.collect()
+    for k in range(30):  # same-sized plans would grab a returned buffer first
+        t.plan(i32(*range(40, 48)), i32(*range(k, k + 16, 2)))
+    assert [int(x) for x in lens_view] == exp.lengths[3:9]
+    assert [int(x) for x in last_batch.src_addrs] == exp.src[10:]
+    assert [int(x) for x in last_batch.dst_addrs] == exp.dst[10:]
+
+
+def test_pool_takes_buffers_back():
+    stats = getattr(kvplan._core, "pool_stats", None)
+    if stats is None:
+        pytest.skip("no pool statistics exposed")
+    src, dst, rs, rd = mla_pair()
+    t = Template(src, dst)
+    sp = np.arange(CAP, dtype=np.int32)[::-1].copy()  # 100 runs x 3 pairs = 300 blocks
+    dp = np.arange(CAP, dtype=np.int32)
+    plan = t.plan(sp, dp)
+    assert plan.n_blocks == 300
+    del plan
+    gc.collect()
+    hits0, misses0 = stats()[2], stats()[3]
+    for _ in range(5):
+        plan = t.plan(sp, dp)
+        assert plan.n_blocks == 300
+        del plan
+        gc.collect()
+    hits1, misses1 = stats()[2], stats()[3]
+    assert misses1 == misses0, "steady state must not allocate fresh output memory"
+    assert hits1 == hits0 + 5

@@ -454,11 +454,16 @@ def test_e22_ascend_pp1_flat():
     assert plan.pair_offsets.tolist() == [0, 2, 4, 6]
 
 
-def test_e25_hybrid_60_layers_stage1_by_id():
-    full = list(range(3, 60, 4))  # 15 full-attention layers
-    assert len(full) == 15
-    stage = full[7:]  # stage 1 owns 31, 35, ..., 59
-    F, N, off = 8, 15, 7
+@pytest.mark.parametrize(
+    "n_model,F,off",
+    [(60, 8, 7), (60, 7, 0), (48, 5, 0)],
+    ids=["60_layers_stage1", "60_layers_stage0", "48_layers_stage0"],
+)
+def test_e25_hybrid_by_layer_id(n_model, F, off):
+    """E25 / TestHybridSendUsesLayerIdPairing: full attention every 4th layer, one page 0 -> 0."""
+    full = list(range(3, n_model, 4))
+    N = len(full)
+    stage = full[off:off + F]
     src_ptrs = [1000 + i for i in range(2 * F)]
     src_items = [10 + i for i in range(2 * F)]
     dst_ptrs = [2000 + i for i in range(2 * N)]
@@ -468,13 +473,64 @@ def test_e25_hybrid_60_layers_stage1_by_id():
         dst_items[off + i] = 10 + i
         dst_items[N + off + i] = 10 + F + i
     src = Layout.hybrid_linear(
-        stage, src_ptrs, [64] * (2 * F), src_items, mla=False, pp_rank=1, pp_size=2
+        stage, src_ptrs, [64] * (2 * F), src_items, mla=False, pp_rank=1 if off else 0, pp_size=2
     )
     dst = Layout.hybrid_linear(full, dst_ptrs, [64] * (2 * N), dst_items, mla=False)
     assert src.layer_ids == stage * 2
     plan = Template(src, dst).plan(a(0), a(0))
+    # expected: (1000+i, 2000+off+i, 10+i) for i<F, then (1000+F+i, 2000+N+off+i, 10+F+i)
     assert blocks(plan) == (
-        list(range(1000, 1016)),
-        list(range(2007, 2015)) + list(range(2022, 2030)),
-        list(range(10, 26)),
+        [1000 + i for i in range(F)] + [1000 + F + i for i in range(F)],
+        [2000 + off + i for i in range(F)] + [2000 + N + off + i for i in range(F)],
+        [10 + i for i in range(F)] + [10 + F + i for i in range(F)],
     )
+    if (n_model, off) == (60, 7):  # the spec's literal E25 numbers
+        assert blocks(plan) == (
+            list(range(1000, 1016)),
+            list(range(2007, 2015)) + list(range(2022, 2030)),
+            list(range(10, 26)),
+        )
+
+
+def test_e26_mha_draft_geometry_15_plus_1():
+    """E26 / TestGetMhaKvPtrsWithPp: prefill 15 layers (30 ptrs 0..29), decode 15 + 1 draft
+    (32 ptrs 100..131, draft K/V at the end), start 0 -> dst_k 100..114, dst_v 115..129."""
+    src = list(range(30))
+    dst = list(range(100, 132))
+    k, v = mha_slices(src, dst, 0, decode_num_layers=15)
+    assert (k, v) == (list(range(100, 115)), list(range(115, 130)))
+
+
+def test_e9_uneven_split_through_template():
+    # Legacy peers (no ids): stage 1 of 15 layers split 7 + 8, decode PP 1 knows its 15 layers.
+    K = [1000 + i for i in range(15)]
+    V = [2000 + i for i in range(15)]
+    dst = Layout.mha(K, V, [64] * 15, [64] * 15, 8, 8, num_model_layers=15)
+    src = Layout.mha(list(range(8)), list(range(8, 16)), [64] * 8, [64] * 8, 8, 8,
+                     pp_rank=1, pp_size=2)
+    t = Template(src, dst, prefill_start_layer=7, legacy_kind="mha")
+    got = [dst.data_ptrs[j] for _, j in t.pairs.tolist()]
+    assert got == K[7:] + V[7:]
+
+
+@pytest.mark.parametrize(
+    "n_main,n_draft,start",
+    [(15, 1, 0), (4, 2, 0)],
+    ids=["E26_15_plus_1", "E9_draft_4_plus_2"],
+)
+def test_mha_draft_layout_without_decode_layer_count_correct_or_error(n_main, n_draft, start):
+    """Decode = K main, V main, draft K, draft V; the caller does not pass decode_num_layers.
+
+    From the counts alone the layout is ambiguous (uneven PP split vs. draft entries), so kvplan
+    must either find the right V block or refuse; SGLang 0.5.23's heuristic gets these right, so
+    a wrong slice here would be a new silent wrong copy."""
+    L = n_main  # the prefill holds every main layer (PP 1 on both sides, draft only on decode)
+    src = list(range(2 * L))
+    K = [1000 + i for i in range(n_main)]
+    V = [2000 + i for i in range(n_main)]
+    dst = K + V + [3000 + i for i in range(n_draft)] + [4000 + i for i in range(n_draft)]
+    try:
+        k, v = mha_slices(src, dst, start)
+    except PairingError:
+        return
+    assert (k, v) == (K, V)
