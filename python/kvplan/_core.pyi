@@ -38,6 +38,14 @@ def legacy_pp_pairs(
     decode_num_layers: int | None = None,
 ) -> I64Array: ...
 def pool_stats() -> tuple[int, int, int, int]: ...
+def check_pairs(
+    src_layout: Layout,
+    dst_layout: Layout,
+    allow_positional_fallback: bool = False,
+    *,
+    prefill_start_layer: int | None = None,
+    legacy_kind: str | None = None,
+) -> list[tuple[str, int, int | None, str | None, str | None]]: ...
 
 @final
 class Layout:

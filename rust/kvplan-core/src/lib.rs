@@ -15,6 +15,8 @@ pub mod template;
 pub use emit::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use error::{ErrorClass, PlanError, Result, Side};
 pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
-pub use pairing::{EntryMetadata, EntryPair, LegacyKind, legacy_pp_pairs, pair_entries};
+pub use pairing::{
+    EntryMetadata, EntryPair, LegacyKind, Partner, legacy_pp_pairs, pair_each, pair_entries,
+};
 pub use runs::{PageIndex, RunScan, group_contiguous};
-pub use template::{PairSpec, Template, TemplateOptions};
+pub use template::{EntryCheck, PairSpec, Template, TemplateOptions, check_pairs};

@@ -47,20 +47,46 @@ impl<'a> EntryMetadata<'a> {
 ///
 /// # Errors
 /// [`PlanError::OneSidedMetadata`], [`PlanError::MetadataLength`], [`PlanError::RoleLength`],
-/// [`PlanError::MissingLayer`] or [`PlanError::PositionalCount`].
+/// [`PlanError::MissingLayer`] (the first source entry without a partner) or
+/// [`PlanError::PositionalCount`].
 pub fn pair_entries(
     src: EntryMetadata<'_>,
     dst: EntryMetadata<'_>,
     allow_positional_fallback: bool,
 ) -> Result<Vec<EntryPair>> {
+    pair_each(src, dst, allow_positional_fallback)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, partner)| partner.map(|j| [i, j]))
+        .collect()
+}
+
+/// The partner of one source entry, or why it has none.
+pub type Partner = Result<usize>;
+
+/// Like [`pair_entries`], but reports every source entry: its partner or why it has none, so a
+/// compatibility report can list all problems while templates raise the first.
+///
+/// # Errors
+/// Problems that concern the whole list rather than one entry: [`PlanError::OneSidedMetadata`],
+/// [`PlanError::MetadataLength`], [`PlanError::RoleLength`], [`PlanError::PositionalCount`].
+pub fn pair_each(
+    src: EntryMetadata<'_>,
+    dst: EntryMetadata<'_>,
+    allow_positional_fallback: bool,
+) -> Result<Vec<Partner>> {
     if src.n_entries == 0 {
         return Ok(Vec::new());
     }
+    let positional = |fallback| {
+        pair_positionally(src.n_entries, dst.n_entries, fallback)
+            .map(|pairs| pairs.into_iter().map(|[_, j]| Ok(j)).collect())
+    };
     match (src.published_ids(), dst.published_ids()) {
         (Some(src_ids), Some(dst_ids)) => pair_by_identity(src_ids, dst_ids, src, dst),
-        (None, None) => pair_positionally(src.n_entries, dst.n_entries, allow_positional_fallback),
+        (None, None) => positional(allow_positional_fallback),
         // One-sided ids with fallback: SGLang treats both sides as unpublished.
-        _ if allow_positional_fallback => pair_positionally(src.n_entries, dst.n_entries, true),
+        _ if allow_positional_fallback => positional(true),
         (one, other) => Err(PlanError::OneSidedMetadata {
             src_ids: one.map_or(0, <[i64]>::len),
             dst_ids: other.map_or(0, <[i64]>::len),
@@ -80,7 +106,7 @@ fn pair_by_identity(
     dst_ids: &[i64],
     src: EntryMetadata<'_>,
     dst: EntryMetadata<'_>,
-) -> Result<Vec<EntryPair>> {
+) -> Result<Vec<Partner>> {
     if src_ids.len() != src.n_entries || dst_ids.len() != dst.n_entries {
         return Err(PlanError::MetadataLength {
             src_ids: src_ids.len(),
@@ -121,18 +147,21 @@ fn pair_by_identity(
             *cursor += 1;
             j
         });
-        let Some(j) = next else {
+        pairs.push(next.ok_or_else(|| {
             let occurrence = (0..=i)
                 .filter(|&k| key(src_roles, src_ids, k) == wanted)
                 .count();
-            return Err(PlanError::MissingLayer {
+            PlanError::MissingLayer {
                 layer: wanted.0,
-                role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
+                role: wanted
+                    .1
+                    .clone()
+                    .map(|r| format!(" role {r}"))
+                    .unwrap_or_default(),
                 src_entry: i,
                 occurrence,
-            });
-        };
-        pairs.push([i, j]);
+            }
+        }));
     }
     Ok(pairs)
 }

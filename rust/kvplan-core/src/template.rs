@@ -2,7 +2,7 @@
 
 use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout};
-use crate::pairing::{EntryMetadata, EntryPair, LegacyKind, legacy_pp_pairs, pair_entries};
+use crate::pairing::{EntryMetadata, LegacyKind, Partner, legacy_pp_pairs, pair_each};
 
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,16 +64,18 @@ impl Template {
     /// Pairing errors, [`PlanError::SizeMismatch`] naming layer, role and both sizes, or
     /// [`PlanError::Overflow`].
     pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
-        let page_pairs = pair_kind(src, dst, EntryKind::Page, options)?;
-        let state_pairs = pair_kind(
-            src,
-            dst,
-            EntryKind::State,
-            TemplateOptions {
-                prefill_start_layer: None,
-                ..options
-            },
-        )?;
+        let checks = check_pairs(src, dst, options);
+        if let Some(problem) = checks.iter().find_map(|c| c.problem.clone()) {
+            return Err(problem);
+        }
+        let spec_of = |kind: EntryKind| -> Vec<PairSpec> {
+            checks
+                .iter()
+                .filter(|c| c.kind == kind)
+                .filter_map(|c| c.dst_entry.map(|d| pair_spec(src, dst, c.src_entry, d)))
+                .collect()
+        };
+        let (page_pairs, state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
             .copied()
@@ -151,20 +153,95 @@ fn entry_labels(layout: &Layout) -> Vec<String> {
         .collect()
 }
 
-fn pair_kind(
+/// The pairing verdict for one source entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryCheck {
+    /// Page or state entry.
+    pub kind: EntryKind,
+    /// Source entry index.
+    pub src_entry: usize,
+    /// Its destination partner, when pairing found one.
+    pub dst_entry: Option<usize>,
+    /// Why the entry cannot be transferred (no partner, list-level pairing failure, or a size
+    /// mismatch with its partner); `None` when it is fine.
+    pub problem: Option<PlanError>,
+}
+
+/// Checks every source entry of `src` against `dst`: page entries first, then state entries,
+/// each in layout order. [`Template::new`] fails with the first problem of this list, so a
+/// compatibility report built from it never disagrees with the template.
+pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
+    let state_options = TemplateOptions {
+        prefill_start_layer: None,
+        ..options
+    };
+    let mut checks = check_kind(src, dst, EntryKind::Page, options);
+    checks.extend(check_kind(src, dst, EntryKind::State, state_options));
+    checks
+}
+
+fn check_kind(
     src: &Layout,
     dst: &Layout,
     kind: EntryKind,
     options: TemplateOptions,
-) -> Result<Vec<PairSpec>> {
+) -> Vec<EntryCheck> {
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
-    let (src_ids, src_roles) = metadata_of(src, &src_entries);
-    let (dst_ids, dst_roles) = metadata_of(dst, &dst_entries);
-    let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
+    let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
+    src_entries
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            let partner = match &partners {
+                Ok(list) => list[i].clone(),
+                // A list-level failure concerns every entry of the kind.
+                Err(problem) => Err(problem.clone()),
+            };
+            match partner {
+                Err(problem) => EntryCheck {
+                    kind,
+                    src_entry: s,
+                    dst_entry: None,
+                    problem: Some(problem),
+                },
+                Ok(j) => {
+                    let d = dst_entries[j];
+                    let (src_item_len, dst_item_len) =
+                        (src.parts().item_lens[s], dst.parts().item_lens[d]);
+                    let problem = (src_item_len != dst_item_len).then(|| PlanError::SizeMismatch {
+                        layer: src.layer_label(s),
+                        role: src.role_label(s),
+                        src_entry: s,
+                        dst_entry: d,
+                        src_item_len,
+                        dst_item_len,
+                    });
+                    EntryCheck {
+                        kind,
+                        src_entry: s,
+                        dst_entry: Some(d),
+                        problem,
+                    }
+                }
+            }
+        })
+        .collect()
+}
 
+/// Partners of one kind's entries, as positions within `dst_entries`.
+fn local_partners(
+    src: &Layout,
+    dst: &Layout,
+    src_entries: &[usize],
+    dst_entries: &[usize],
+    options: TemplateOptions,
+) -> Result<Vec<Partner>> {
+    let (src_ids, src_roles) = metadata_of(src, src_entries);
+    let (dst_ids, dst_roles) = metadata_of(dst, dst_entries);
+    let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
     let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
-    let local_pairs: Vec<EntryPair> = match options.prefill_start_layer {
+    match options.prefill_start_layer {
         Some(start) if legacy => {
             let kind = match options.legacy_kind {
                 Some(kind) => kind,
@@ -180,9 +257,10 @@ fn pair_kind(
                 0 => dst.context().num_model_layers.map(|x| x as usize),
                 k_entries => Some(k_entries),
             };
-            legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?
+            let pairs = legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?;
+            Ok(pairs.into_iter().map(|[_, j]| Ok(j)).collect())
         }
-        _ => pair_entries(
+        _ => pair_each(
             EntryMetadata {
                 layer_ids: src_ids.as_deref(),
                 roles: src_roles.as_deref(),
@@ -194,35 +272,20 @@ fn pair_kind(
                 n_entries: n_dst,
             },
             options.allow_positional_fallback,
-        )?,
-    };
+        ),
+    }
+}
 
-    local_pairs
-        .into_iter()
-        .map(|[i, j]| {
-            let (s, d) = (src_entries[i], dst_entries[j]);
-            let (src_item_len, dst_item_len) = (src.parts().item_lens[s], dst.parts().item_lens[d]);
-            if src_item_len != dst_item_len {
-                return Err(PlanError::SizeMismatch {
-                    layer: src.layer_label(s),
-                    role: src.role_label(s),
-                    src_entry: s,
-                    dst_entry: d,
-                    src_item_len,
-                    dst_item_len,
-                });
-            }
-            Ok(PairSpec {
-                src_entry: s,
-                dst_entry: d,
-                src_base: src.parts().data_ptrs[s],
-                dst_base: dst.parts().data_ptrs[d],
-                item_len: src_item_len,
-                src_capacity: src.capacity(s),
-                dst_capacity: dst.capacity(d),
-            })
-        })
-        .collect()
+fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
+    PairSpec {
+        src_entry: s,
+        dst_entry: d,
+        src_base: src.parts().data_ptrs[s],
+        dst_base: dst.parts().data_ptrs[d],
+        item_len: src.parts().item_lens[s],
+        src_capacity: src.capacity(s),
+        dst_capacity: dst.capacity(d),
+    }
 }
 
 /// Ids and roles of a subset of entries; `None` when the subset does not publish them

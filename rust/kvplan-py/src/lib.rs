@@ -17,7 +17,8 @@ mod _core {
     use crate::layout::PyLayout;
     #[pymodule_export]
     use crate::plan::{
-        PyPlanBuffer, PyTemplate, group_contiguous, legacy_pp_pairs, pair_entries, pool_stats,
+        PyPlanBuffer, PyTemplate, check_pairs, group_contiguous, legacy_pp_pairs, pair_entries,
+        pool_stats,
     };
 
     #[allow(non_upper_case_globals)]

@@ -13,7 +13,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use crate::convert::{IndexArray, IndexVisitor, dispatch};
-use crate::errors::{KvPlanError, to_py_err};
+use crate::errors::{KvPlanError, exception_name, to_py_err};
 use crate::layout::PyLayout;
 use crate::pool;
 
@@ -172,6 +172,57 @@ type RawPlan<'py> = (
     u64,
 );
 
+fn template_options(
+    allow_positional_fallback: bool,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+    check_dst_overlap: bool,
+) -> PyResult<TemplateOptions> {
+    Ok(TemplateOptions {
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
+        check_dst_overlap,
+    })
+}
+
+/// `(kind, src_entry, dst_entry or None, problem or None, exception name or None)`.
+type EntryCheckRow = (
+    &'static str,
+    usize,
+    Option<usize>,
+    Option<String>,
+    Option<&'static str>,
+);
+
+/// One row per source entry, page entries first: its partner or why it has none.
+/// `Template(...)` raises exactly the first problem listed here.
+#[pyfunction]
+#[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None))]
+pub fn check_pairs(
+    src_layout: PyRef<'_, PyLayout>,
+    dst_layout: PyRef<'_, PyLayout>,
+    allow_positional_fallback: bool,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+) -> PyResult<Vec<EntryCheckRow>> {
+    let options = template_options(
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind,
+        false,
+    )?;
+    let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
+    Ok(checks
+        .into_iter()
+        .map(|c| {
+            let name = c.problem.as_ref().map(exception_name);
+            let problem = c.problem.as_ref().map(ToString::to_string);
+            (c.kind.as_str(), c.src_entry, c.dst_entry, problem, name)
+        })
+        .collect())
+}
+
 /// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
 /// read-only array or one that aliases an input (never a panic).
 fn writable_out<'py>(out: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py, u64>> {
@@ -229,12 +280,12 @@ impl PyTemplate {
         legacy_kind: Option<&str>,
         check_dst_overlap: bool,
     ) -> PyResult<Self> {
-        let options = TemplateOptions {
+        let options = template_options(
             allow_positional_fallback,
             prefill_start_layer,
-            legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
+            legacy_kind,
             check_dst_overlap,
-        };
+        )?;
         let inner =
             Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
         Ok(Self { inner })
