@@ -103,7 +103,7 @@ fn page_by_page_then_merge(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 
                         && last[0] + last[2] == block[0]
                         && last[1] + last[2] == block[1] =>
                 {
-                    last[2] += block[2]
+                    last[2] += block[2];
                 }
                 _ => blocks.push(block),
             }
