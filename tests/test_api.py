@@ -947,3 +947,16 @@ def test_pool_takes_buffers_back():
     hits1, misses1 = stats()[2], stats()[3]
     assert misses1 == misses0, "steady state must not allocate fresh output memory"
     assert hits1 == hits0 + 5
+
+
+def test_unaligned_input_correct_or_type_error():
+    raw = bytearray(4 * 6 + 1)
+    src = np.frombuffer(raw, dtype=np.int32, offset=1, count=6)
+    src[:] = [0, 1, 2, 5, 6, 9]
+    assert not src.flags.aligned
+    dst = np.array([10, 11, 12, 13, 14, 20], dtype=np.int32)
+    try:
+        s, d, n = kvplan.group_contiguous(src, dst)
+    except TypeError:
+        return
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 5, 9], [10, 13, 20], [3, 2, 1])

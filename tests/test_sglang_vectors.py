@@ -534,3 +534,13 @@ def test_mha_draft_layout_without_decode_layer_count_correct_or_error(n_main, n_
     except PairingError:
         return
     assert (k, v) == (K, V)
+
+
+def test_e8_mla_pp_slice_with_draft_through_template():
+    # Legacy MLA peers (no ids): stage start 2 owns layers 2, 3 plus one draft entry.
+    src = Layout([1, 2, 9], [640] * 3, 64, roles=["kv", "kv", "draft"])
+    dst = Layout([10, 11, 12, 13, 14, 19], [640] * 6, 64, roles=["kv"] * 5 + ["draft"])
+    t = Template(src, dst, prefill_start_layer=2, legacy_kind="mla")
+    assert [dst.data_ptrs[j] for _, j in t.pairs.tolist()] == [12, 13, 19]
+    plan = t.plan(a(0, 1), a(4, 5))
+    assert blocks(plan) == ([1, 2, 9], [12 + 256, 13 + 256, 19 + 256], [128, 128, 128])
