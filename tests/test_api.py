@@ -960,3 +960,13 @@ def test_unaligned_input_correct_or_type_error():
     except TypeError:
         return
     assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 5, 9], [10, 13, 20], [3, 2, 1])
+
+
+def test_layout_context_properties():
+    lay = Layout.mla([4096, 8192], [4096, 4096], 1024, layer_ids=[30, 31], page_size=16, device="npu",
+                     num_model_layers=61, pp_rank=1, pp_size=2, tp_rank=3, tp_size=4)
+    assert (lay.page_size, lay.device, lay.num_model_layers) == (16, "npu", 61)
+    assert (lay.pp_rank, lay.pp_size, lay.tp_rank, lay.tp_size) == (1, 2, 3, 4)
+    assert lay.capacities == [4, 4]  # capacity counts items (pages), not tokens
+    with pytest.raises(KvPlanError):
+        Layout.mla([1], [64], 8, pp_rank=2, pp_size=2)
