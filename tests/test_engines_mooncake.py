@@ -13,6 +13,7 @@ skips, when Mooncake is missing.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -613,3 +614,54 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
             os.kill(d.process.pid, signal.SIGCONT)
         assert info.value.status == -1
         assert 4 < elapsed < 15  # MC_TRANSFER_TIMEOUT=5
+
+
+# ---------------------------------------------------------------------------------------------
+# kvplan demo
+# ---------------------------------------------------------------------------------------------
+
+
+def test_demo_verifier_names_the_first_wrong_byte(tmp_path: Any) -> None:
+    """The demo's own verifier (no engine): a correct copy passes, then one corrupted planned
+    byte and one touched sentinel byte are each reported with layer, role, item and byte."""
+    from kvplan.demo import SENTINEL, Arena, HybridModel, fill_source, first_wrong_byte
+
+    model = HybridModel(num_layers=8, pages=16, state_slots=2)
+    decode, stage = model.decode(), model.prefill(1)[0]
+    d = Arena(str(tmp_path / "d"), decode.size, create=True)
+    s = Arena(str(tmp_path / "s"), stage.size, create=True)
+    d.array[:] = SENTINEL
+    fill_source(s, 1)
+    src_pages, dst_pages = np.array([0, 1, 2]), np.array([9, 4, 5])
+    by_key = {(e.layer_id, e.role): e for e in decode.entries}
+    for e in stage.entries:
+        t = by_key[(e.layer_id, e.role)]
+        if e.kind == "page":
+            d.view(t)[dst_pages] = s.view(e)[src_pages]
+        else:
+            d.view(t)[1] = s.view(e)[0]
+    writes = [(s, stage, src_pages, dst_pages, 0, 1)]
+    assert first_wrong_byte(d, decode, writes) is None
+    kv7 = by_key[(7, "kv")]
+    d.view(kv7)[4, 17] ^= 0xFF
+    assert first_wrong_byte(d, decode, writes).startswith("decode layer 7 kv item 4 byte 17")
+    d.view(kv7)[4, 17] ^= 0xFF
+    d.view(kv7)[3, 0] = 0
+    msg = first_wrong_byte(d, decode, writes)
+    assert msg.startswith("decode layer 7 kv item 3 byte 0") and "not planned" in msg
+    d.close()
+    s.close()
+
+
+@mooncake
+def test_kvplan_demo_command_verifies_every_byte(mooncake_env: None) -> None:
+    """``kvplan demo`` end to end (smaller than the default size to keep the suite quick)."""
+    res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--layers", "16",
+                          "--pages", "1024"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    out = res.stdout
+    assert "16 layers, 4 full-attention (MLA) + 12 linear (state)" in out
+    assert "entries paired: 4 KV + 24 state" in out
+    assert re.search(r"^verified: \d+ bytes OK", out, re.M), out
+    for key in ("pages:", "runs:", "blocks:", "bytes:", "planning time:", "transfer time:"):
+        assert key in out

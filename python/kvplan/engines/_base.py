@@ -300,7 +300,8 @@ class Transport:
         idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
-        ok &= (src + lengths) <= ends[safe]
+        end = src + lengths
+        ok &= (end >= src) & (end <= ends[safe])  # end >= src: no u64 wrap-around
         if not bool(ok.all()):
             bad = int(np.flatnonzero(~ok)[0])
             raise self._error(
