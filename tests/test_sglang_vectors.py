@@ -79,7 +79,22 @@ def test_e2_descents_break_runs():
     assert gcc(a(5, 4, 3), a(1, 2, 3)) == ([[5], [4], [3]], [[1], [2], [3]])
 
 
-@pytest.mark.parametrize("src,dst", [(a(), a()), (a(1, 2), a()), (a(), a(1, 2))])
+E3_ONE_SIDED_BUG = pytest.mark.xfail(
+    strict=True,
+    raises=KvPlanError,
+    reason="kvplan bug: group_contiguous raises 'src has 2 indices but dst has 0' when exactly one "
+    "side is empty; sglang-semantics.md section 2 rule 1 and docs/api.md say three empty arrays",
+)
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (a(), a()),
+        pytest.param(a(1, 2), a(), marks=E3_ONE_SIDED_BUG),
+        pytest.param(a(), a(1, 2), marks=E3_ONE_SIDED_BUG),
+    ],
+)
 def test_e3_empty(src, dst):
     assert gcc(src, dst) == ([], [])
 
@@ -513,6 +528,13 @@ def test_e9_uneven_split_through_template():
     assert got == K[7:] + V[7:]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="kvplan bug: legacy_pp_pairs('mha') without decode_num_layers puts the V block at "
+    "n_dst // 2, silently mis-slicing decode layouts with draft K/V (SGLang 0.5.23 gets these "
+    "right); the counts are ambiguous, so it should raise PairingError instead",
+)
 @pytest.mark.parametrize(
     "n_main,n_draft,start",
     [(15, 1, 0), (4, 2, 0)],
