@@ -432,6 +432,47 @@ def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
     assert_decode_bytes(d_mem, expected_decode(decode, before, writes), decode)
 
 
+def test_stand_in_npu_groups_hybrid_pp2_the_seed_scenario() -> None:
+    """The seed's exact case: Ascend pools with two buffer groups per full-attention layer
+    (each layer id published once per group), hybrid-linear state, prefill PP=2 -> decode PP=1."""
+    import kvplan
+    from kvplan.demo import SENTINEL, PeerSpec, build_layout, fragmented_pages, pack_entries
+    from peers import assert_decode_bytes, expected_decode
+
+    full, linear, pages = (3, 7), (0, 1, 2, 4, 5, 6), 24
+    groups = (("g0", 1024), ("g1", 128))  # e.g. MLA nope / rope parts on NPU
+
+    def spec(name: str, layers: range, rank: int, size: int) -> PeerSpec:
+        rows = [(i, g, "page", n, pages) for g, n in groups for i in full if i in layers]
+        rows += [(i, "mamba_conv", "state", 2048, 2) for i in linear if i in layers]
+        return PeerSpec(name, "npu_groups", pack_entries(rows), 8, rank, size)
+
+    decode = spec("decode", range(8), 0, 1)
+    stages = [spec("prefill0", range(0, 4), 0, 2), spec("prefill1", range(4, 8), 1, 2)]
+    network: dict[str, StandInMemfabric] = {}
+    d_mem = np.full(decode.size, SENTINEL, np.uint8)
+    d_t = AscendTransport("Decode", engine=StandInMemfabric(network), store_url="tcp://s:1")
+    d_layout = build_layout(decode, d_mem.ctypes.data)
+    d_t.register(d_layout)
+    rng = np.random.default_rng(5)
+    src_pages = np.arange(0, 16, dtype=np.int64)
+    dst_pages = fragmented_pages(rng, 16, pages, mean_run=2)
+    before, writes = d_mem.copy(), []
+    keep = []
+    for st in stages:
+        mem = rng.integers(0, 255, st.size, dtype=np.uint8)
+        keep.append(mem)
+        t = AscendTransport("Prefill", engine=StandInMemfabric(network), store_url="tcp://s:1")
+        layout = build_layout(st, mem.ctypes.data)
+        t.register(layout)
+        tpl = kvplan.Template(layout, d_layout)
+        assert len(tpl.pairs) == 2  # one full-attention layer x two groups per stage
+        t.submit(tpl.plan(src_pages, dst_pages), d_t.local_session_id())
+        t.submit(tpl.plan_state(0, 1), d_t.local_session_id())
+        writes.append((st, mem, src_pages, dst_pages, 0, 1))
+    assert_decode_bytes(d_mem, expected_decode(decode, before, writes), decode)
+
+
 def test_stand_in_rejects_destination_outside_peer_memory() -> None:
     network: dict[str, StandInMemfabric] = {}
     src = np.arange(8192, dtype=np.uint8)

@@ -75,7 +75,8 @@ class PeerSpec:
     """A peer's buffers and how to describe them to kvplan.
 
     ``style`` picks the Layout constructor: ``"hybrid_mla"`` (``Layout.hybrid_linear`` +
-    ``with_state``) or ``"mha"`` (``Layout.mha``); ``"raw"`` registers the buffers without
+    ``with_state``), ``"npu_groups"`` (``Layout.npu_groups`` + ``with_state``; page entries
+    group-major) or ``"mha"`` (``Layout.mha``); ``"raw"`` registers the buffers without
     building a layout (engine-level tests).
     """
 
@@ -254,12 +255,22 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
                                  [e.nbytes for e in ks], [e.nbytes for e in vs],
                                  [e.item_len for e in ks], [e.item_len for e in vs],
                                  layer_ids=[e.layer_id for e in ks], **ctx)
-    if spec.style != "hybrid_mla":
+    if spec.style == "npu_groups":
+        # Ascend pools: G buffer groups per layer, group-major, each layer id once per group.
+        groups = list(dict.fromkeys(e.role for e in pages))
+        ids = [e.layer_id for e in pages if e.role == groups[0]]
+        if [e.role for e in pages] != [g for g in groups for _ in ids]:
+            raise ValueError("npu_groups entries must be group-major")
+        layout = kvplan.Layout.npu_groups(ids, [base + e.offset for e in pages],
+                                          [e.nbytes for e in pages],
+                                          [e.item_len for e in pages], group_roles=groups, **ctx)
+    elif spec.style == "hybrid_mla":
+        layout = kvplan.Layout.hybrid_linear([e.layer_id for e in pages],
+                                             [base + e.offset for e in pages],
+                                             [e.nbytes for e in pages],
+                                             [e.item_len for e in pages], mla=True, **ctx)
+    else:
         raise ValueError(f"unknown layout style {spec.style!r}")
-    layout = kvplan.Layout.hybrid_linear([e.layer_id for e in pages],
-                                         [base + e.offset for e in pages],
-                                         [e.nbytes for e in pages], [e.item_len for e in pages],
-                                         mla=True, **ctx)
     states: dict[str, list[Entry]] = {}
     for e in ents:
         if e.kind == "state":
