@@ -440,6 +440,73 @@ def emission_estimate(rows) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Profiles (perf, by shared object), so that RESULTS.md says where the time goes
+# ----------------------------------------------------------------------------------------------
+PROFILES = {
+    "call61": "kvplan `template.plan()` on the single 61-block request, 300k calls",
+    "emit2m": "kvplan `template.plan(out=buf)` on `dsv3-p1-32k-f100` (2.0M blocks), 150 calls",
+    "fresh2m": "kvplan `template.plan()` into fresh memory on `dsv3-p1-32k-f100`, 60 calls",
+    "sglang2m": "SGLang plan on `dsv3-p1-32k-f100`, 2 calls",
+}
+
+
+def prof_child(kind: str) -> None:
+    key = "dsv3-single-61" if kind == "call61" else "dsv3-p1-32k-f100"
+    sc = next(x for x in scenarios(False) if x.key == key)
+    b = build(sc)
+    if kind == "sglang2m":
+        side = SGLangSide(sglang_loader.load_sglang(), b)
+        for _ in range(2):
+            side.plan()
+            side.reset()
+        return
+    k = KvplanSide(b)
+    if kind == "call61":
+        for _ in range(300_000):
+            k.pooled()
+    elif kind == "emit2m":
+        for _ in range(150):
+            k.out_()
+    elif kind == "fresh2m":
+        for _ in range(20):
+            k.fresh_before()
+            for _ in range(3):
+                k.fresh()
+            k.fresh_after()
+
+
+def profile(kind: str) -> list[tuple[float, str]] | None:
+    """perf record a child; return [(percent, 'dso' or 'dso: symbol')] for the top entries."""
+    import shutil
+    import tempfile
+
+    if not shutil.which("perf"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "perf.data")
+        r = subprocess.run(["perf", "record", "-q", "-F", "1999", "-o", data, "--",
+                            sys.executable, os.path.abspath(__file__), "--prof-child", kind],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            return None
+        out = []
+        for sort in ("dso", "dso,sym"):
+            rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children",
+                                  "--sort", sort], capture_output=True, text=True).stdout
+            lines = [x for x in rep.splitlines() if x.strip() and not x.startswith("#")
+                     and "%" in x.split()[0]]
+            for x in lines[: (6 if sort == "dso" else 8)]:
+                parts = x.split()
+                pct = float(parts[0].rstrip("%"))
+                if sort == "dso":
+                    out.append((pct, parts[1]))
+                else:
+                    sym = " ".join(parts[3:]) if len(parts) > 3 else "?"
+                    out.append((pct, f"{parts[1]}: {sym}"))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Peak memory of a 10M-block plan (child process, RSS high-water mark)
 # ----------------------------------------------------------------------------------------------
 def _status(field: str) -> int:
@@ -546,9 +613,14 @@ def main():
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--mem-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mem-blocks", type=int, default=10_000_000)
+    ap.add_argument("--prof-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-profile", action="store_true", help="skip the perf profiles")
     args = ap.parse_args()
     if args.mem_child is not None:
         mem_child(args.mem_child)
+        return
+    if args.prof_child is not None:
+        prof_child(args.prof_child)
         return
     out_dir = args.out_dir or ("/tmp/kvplan-bench-quick" if args.quick else HERE)
     os.makedirs(out_dir, exist_ok=True)
@@ -603,6 +675,11 @@ def main():
 
     mem = measure_memory(args.mem_blocks) if (kvplan is not None and not args.quick) else None
     ovh = overhead_breakdown() if kvplan is not None else None
+    profs = {}
+    if kvplan is not None and not args.quick and not args.no_profile:
+        for kind in PROFILES:
+            profs[kind] = profile(kind)
+            print(f"profiled {kind}", flush=True)
     big = max(rows, key=lambda r: r["n_blocks"])
     floor = {"n_blocks": big["n_blocks"], "ns": store_floor(big["n_blocks"])}
     mid = [r for r in rows if 50_000 <= r["n_blocks"] <= 150_000]
@@ -611,12 +688,12 @@ def main():
         floor["mid_ns"] = store_floor(mid[0]["n_blocks"])
     elapsed = time.time() - t_start
     cmd = "python bench/compare_sglang.py" + (" --quick" if args.quick else "")
-    write_results(out_dir, rows, mem, ovh, floor, elapsed, cmd, sg)
+    write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg)
     chart(out_dir, rows)
     print(f"wrote {out_dir}/RESULTS.md and chart.png in {elapsed:.0f} s")
 
 
-def write_results(out_dir, rows, mem, ovh, floor, elapsed, cmd, sg):
+def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     have_kv = bool(rows) and "kvplan pooled" in rows[0]["med"]
     L = []
     L.append("# kvplan vs SGLang 0.5.23 — planning benchmark")
@@ -714,6 +791,24 @@ def write_results(out_dir, rows, mem, ovh, floor, elapsed, cmd, sg):
                      f"/proc/self/clear_refs: {'yes' if mem['reset'] else 'no'}); that single "
                      f"fresh-memory plan took {mem['plan_ns'] / 1e6:.0f} ms "
                      f"({mem['plan_ns'] / mem['n_blocks']:.1f} ns/block).")
+            L.append("")
+        if any(profs.values()):
+            L.append("### Profiles (`perf record`, same run; share of samples)")
+            L.append("")
+            L.append("The extension is a stripped release build, so its own time shows as "
+                     "`_core.abi3.so` addresses; shares by shared object are what matters.")
+            L.append("")
+            for kind, prof in profs.items():
+                if not prof:
+                    continue
+                L.append(f"- {PROFILES[kind]}: "
+                         + ", ".join(f"{name} {pct:.0f} %" for pct, name in prof
+                                     if ":" not in name))
+                top = [(pct, name) for pct, name in prof if ":" in name and "0x" not in name]
+                if top:
+                    L.append("  - top symbols: " + ", ".join(f"{n.split(': ', 1)[1]} "
+                                                             f"({n.split(':')[0]}) {p:.1f} %"
+                                                             for p, n in top[:5]))
             L.append("")
         L.extend(ANALYSIS)
     else:
