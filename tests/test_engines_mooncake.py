@@ -457,7 +457,7 @@ def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> Non
             p = c.peers[spec.name]
             # Each stage registered exactly its own buffers (one region per buffer here).
             assert len(p.regions) == len(spec.entries)
-            results.append(p.call("transfer", decode.to_dict(), dpeer.base, dpeer.session,
+            results.append(p.call("transfer", dpeer.layout_wire, dpeer.session,
                                   src_pages, dst_pages, src_slot, dst_slot, None, timeout=60))
         writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
                   for s in stages]
@@ -487,7 +487,7 @@ def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> Non
     with cluster(decode, [prefill]) as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
-        res = c.peers["prefill"].call("transfer", decode.to_dict(), dpeer.base, dpeer.session,
+        res = c.peers["prefill"].call("transfer", dpeer.layout_wire, dpeer.session,
                                       src_pages, dst_pages, None, None, 7, timeout=60)
         expected = expected_decode(decode, before, [(prefill, c.arenas["prefill"].array,
                                                      src_pages, dst_pages, None, None)])
@@ -557,7 +557,7 @@ def test_fault_decode_gone_before_submit(mooncake_env: None) -> None:
         d.kill()  # the decode worker crashed after the handshake
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
-            c.peers["prefill0"].call("transfer", decode.to_dict(), d.base, d.session,
+            c.peers["prefill0"].call("transfer", d.layout_wire, d.session,
                                      src_pages, dst_pages, 0, 0, None, timeout=30)
         elapsed = time.monotonic() - t0
         err = info.value
