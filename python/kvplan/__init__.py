@@ -21,12 +21,17 @@ from kvplan._core import (
 from kvplan._core import Layout as Layout
 from kvplan._errors import TransferError
 from kvplan._plan import PlanBatch, Template, TransferPlan
+from kvplan.policy import PairingChoice, select_pairing
+from kvplan.report import CompatReport, EntryCheck, compare
 
 __all__ = [
+    "CompatReport",
+    "EntryCheck",
     "IndexBoundsError",
     "KvPlanError",
     "Layout",
     "LayoutError",
+    "PairingChoice",
     "PairingError",
     "PlanBatch",
     "SizeMismatchError",
@@ -34,7 +39,9 @@ __all__ = [
     "TransferError",
     "TransferPlan",
     "__version__",
+    "compare",
     "group_contiguous",
     "legacy_pp_pairs",
     "pair_entries",
+    "select_pairing",
 ]

@@ -1,0 +1,450 @@
+"""Handshake compatibility report: can this prefill layout send to that decode layout, and why not.
+
+:func:`compare` is what a peer runs when the other side's layout arrives, before the first
+request. It is built on the native ``check_pairs``, the same per-entry check ``Template`` runs,
+and ``Template`` raises exactly the first problem it lists, so the verdict and the template
+never disagree: ``compare(p, d).compatible`` is true exactly when ``Template(p, d)`` builds.
+
+Everything else in the report (page size, device, TP, model-layer count, PP coverage) explains;
+it does not change the verdict. Those differences are listed as *warnings* because the template
+accepts them, and a verdict that rejected what the template accepts would be a second, diverging
+source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvplan import _core
+from kvplan._core import Layout
+
+__all__ = ["CompatReport", "EntryCheck", "compare", "format_ids"]
+
+_ERRORS: dict[str, type[_core.KvPlanError]] = {
+    "KvPlanError": _core.KvPlanError,
+    "PairingError": _core.PairingError,
+    "IndexBoundsError": _core.IndexBoundsError,
+    "SizeMismatchError": _core.SizeMismatchError,
+    "LayoutError": _core.LayoutError,
+}
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """One prefill (source) entry: its decode partner, or why it has none.
+
+    Attributes:
+        kind: ``"page"`` or ``"state"``.
+        src_index: Entry index in the prefill layout.
+        dst_index: Paired entry index in the decode layout, or ``None``.
+        layer_id: The source entry's global layer id (``None`` if not published).
+        role: The source entry's role (``None`` if not published).
+        src_item_len: Source bytes per page (or per state slot).
+        dst_item_len: The partner's bytes per item, or ``None``.
+        problem: Why this entry cannot be transferred, or ``None`` when it can.
+        error: The exception class ``Template`` raises for ``problem`` (e.g. ``"PairingError"``).
+    """
+
+    kind: str
+    src_index: int
+    dst_index: int | None
+    layer_id: int | None
+    role: str | None
+    src_item_len: int
+    dst_item_len: int | None
+    problem: str | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def unpaired(self) -> bool:
+        return self.dst_index is None
+
+    @property
+    def size_mismatch(self) -> bool:
+        return self.error == "SizeMismatchError"
+
+
+@dataclass(frozen=True)
+class CompatReport:
+    """The result of :func:`compare`. ``str(report)`` is the human-readable text.
+
+    Attributes:
+        entries: One :class:`EntryCheck` per source entry (page entries first, then state).
+        compatible: True exactly when ``Template`` accepts the pair.
+        reasons: Why not compatible (empty when compatible), one summary line per kind of
+            problem; the exact first problem is in :attr:`first_problem`.
+        coverage: Which layers each side covers and which the decode lacks, in words.
+        warnings: Differences the template accepts but a person should know about (page size,
+            device, TP, model-layer count, decode layers no prefill entry writes).
+        prefill: The prefill layout's one-line description.
+        decode: The decode layout's one-line description.
+    """
+
+    entries: tuple[EntryCheck, ...]
+    compatible: bool
+    reasons: tuple[str, ...]
+    coverage: tuple[str, ...]
+    warnings: tuple[str, ...]
+    prefill: str
+    decode: str
+
+    @property
+    def first_problem(self) -> tuple[str, str] | None:
+        """``(exception class name, message)`` of what ``Template`` raises, or ``None``."""
+        for e in self.entries:
+            if e.problem is not None:
+                return (e.error or "KvPlanError", e.problem)
+        return None
+
+    @property
+    def unpaired(self) -> tuple[EntryCheck, ...]:
+        """Source entries with no decode partner."""
+        return tuple(e for e in self.entries if e.unpaired)
+
+    @property
+    def size_mismatches(self) -> tuple[EntryCheck, ...]:
+        """Paired entries whose item lengths differ."""
+        return tuple(e for e in self.entries if e.size_mismatch)
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """``(src entry, dst entry)`` of every paired source entry, in report order."""
+        return tuple((e.src_index, e.dst_index) for e in self.entries if e.dst_index is not None)
+
+    def raise_if_incompatible(self) -> None:
+        """Raise what ``Template`` would raise for this pair (same class, same message)."""
+        first = self.first_problem
+        if first is not None:
+            raise _ERRORS.get(first[0], _core.KvPlanError)(first[1])
+
+    def __bool__(self) -> bool:
+        return self.compatible
+
+    def __str__(self) -> str:
+        lines = [f"prefill: {self.prefill}", f"decode:  {self.decode}"]
+        if self.compatible:
+            lines.append("verdict: compatible")
+        else:
+            lines.append("verdict: NOT compatible")
+            lines += [f"  - {r}" for r in self.reasons]
+            first = self.first_problem
+            if first is not None:
+                lines.append(f"  Template(...) raises {first[0]}: {first[1]}")
+        if self.coverage:
+            lines.append("coverage:")
+            lines += [f"  {c}" for c in self.coverage]
+        if self.warnings:
+            lines.append("warnings:")
+            lines += [f"  - {w}" for w in self.warnings]
+        lines.append("entries (source -> decode):")
+        lines += [f"  {row}" for row in _entry_lines(self.entries)]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+# ---------------------------------------------------------------------------------------------
+
+
+def compare(
+    prefill_layout: Layout,
+    decode_layout: Layout,
+    allow_positional_fallback: bool = False,
+    *,
+    prefill_start_layer: int | None = None,
+    legacy_kind: str | None = None,
+) -> CompatReport:
+    """Check a prefill layout against a decode layout before anything is transferred.
+
+    Takes the same pairing options as :class:`kvplan.Template` and runs the same per-entry
+    checks, so ``report.compatible`` is true exactly when ``Template`` with these arguments
+    builds, and ``report.raise_if_incompatible()`` raises what it would raise.
+
+    Args:
+        prefill_layout: The source (prefill PP stage) layout.
+        decode_layout: The destination (decode) layout.
+        allow_positional_fallback: As for ``Template``: pair positionally without ids.
+        prefill_start_layer: As for ``Template`` (legacy peers without ids).
+        legacy_kind: As for ``Template`` (``"mla"`` or ``"mha"``).
+
+    Returns:
+        A :class:`CompatReport`; ``str()`` of it is a readable report.
+
+    Raises:
+        KvPlanError: An option itself is invalid (e.g. an unknown ``legacy_kind``), exactly
+            as ``Template`` would raise it.
+    """
+    rows = _core.check_pairs(
+        prefill_layout,
+        decode_layout,
+        allow_positional_fallback,
+        prefill_start_layer=prefill_start_layer,
+        legacy_kind=legacy_kind,
+    )
+    src_ids = prefill_layout.layer_ids
+    src_roles = prefill_layout.roles
+    src_items = prefill_layout.item_lens
+    dst_items = decode_layout.item_lens
+    entries = tuple(
+        EntryCheck(
+            kind=kind,
+            src_index=i,
+            dst_index=j,
+            layer_id=None if src_ids is None else src_ids[i],
+            role=None if src_roles is None else src_roles[i],
+            src_item_len=src_items[i],
+            dst_item_len=None if j is None else dst_items[j],
+            problem=problem,
+            error=error,
+        )
+        for kind, i, j, problem, error in rows
+    )
+    reasons = _reasons(entries)
+    return CompatReport(
+        entries=entries,
+        compatible=not reasons,
+        reasons=tuple(reasons),
+        coverage=tuple(_coverage(prefill_layout, decode_layout, entries)),
+        warnings=tuple(_warnings(prefill_layout, decode_layout, entries)),
+        prefill=describe_layout(prefill_layout),
+        decode=describe_layout(decode_layout),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Wording
+# ---------------------------------------------------------------------------------------------
+
+
+def format_ids(ids: Iterable[int], limit: int = 10) -> str:
+    """Layer ids in words: ``"31–59"``, ``"3–59 every 4th"``, ``"1, 4–6, 9"``.
+
+    Sorted and de-duplicated; more than ``limit`` pieces are cut with a count of the rest.
+    """
+    values = sorted(set(ids))
+    if not values:
+        return "none"
+    if len(values) >= 3:
+        step = values[1] - values[0]
+        if step > 1 and all(b - a == step for a, b in zip(values, values[1:])):
+            return f"{values[0]}–{values[-1]} every {_ordinal(step)}"
+    pieces: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        pieces.append(str(start) if start == prev else f"{start}–{prev}")
+        if v is not None:
+            start = prev = v
+    if len(pieces) > limit:
+        return ", ".join(pieces[:limit]) + f", … ({len(pieces) - limit} more)"
+    return ", ".join(pieces)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _plural(n: int, word: str) -> str:
+    """``"1 entry"``, ``"2 entries"``, ``"3 layer ids"``."""
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
+
+
+def describe_layout(layout: Layout) -> str:
+    """One line: entry counts, roles, PP/TP position, page size, device."""
+    kinds = layout.kinds
+    n_page = sum(1 for k in kinds if k == "page")
+    n_state = len(kinds) - n_page
+    counts = _plural(n_page, "page entry")
+    if n_state:
+        counts += f" + {_plural(n_state, 'state entry')}"
+    roles = layout.roles
+    role_text = f" ({', '.join(dict.fromkeys(roles))})" if roles else ""
+    ids = "layer ids" if layout.layer_ids is not None else "no layer ids"
+    model = "" if layout.num_model_layers is None else f", {layout.num_model_layers}-layer model"
+    return (
+        f"{counts}{role_text}, {ids}{model}, PP rank {layout.pp_rank} of {layout.pp_size}, "
+        f"TP rank {layout.tp_rank} of {layout.tp_size}, page_size {layout.page_size}, "
+        f"device {layout.device}"
+    )
+
+
+def _label(e: EntryCheck) -> str:
+    layer = "" if e.layer_id is None else f"layer {e.layer_id}"
+    role = "" if e.role is None else e.role
+    text = " ".join(x for x in (layer, role) if x)
+    return text or f"entry {e.src_index}"
+
+
+def _reasons(entries: Sequence[EntryCheck]) -> list[str]:
+    """One line per kind of problem, in the order ``Template`` meets them."""
+    missing = [e for e in entries if e.problem is not None and e.unpaired]
+    sizes = [e for e in entries if e.problem is not None and e.size_mismatch]
+    other = [e for e in entries if e.problem is not None and not e.unpaired and not e.size_mismatch]
+    out: list[str] = []
+    if missing:
+        distinct = list(dict.fromkeys(e.problem for e in missing))
+        if len(distinct) == 1 and len(missing) > 1:
+            # One cause for every entry (e.g. one-sided ids, positional counts): say it once.
+            out.append(f"{_plural(len(missing), 'source entry')} cannot be paired: "
+                       f"{distinct[0]}")
+        else:
+            labels = ", ".join(_label(e) for e in missing[:8])
+            more = f", … ({len(missing) - 8} more)" if len(missing) > 8 else ""
+            out.append(f"{_plural(len(missing), 'source entry')} "
+                       + f"{'has' if len(missing) == 1 else 'have'} no decode partner: "
+                       + labels + more)
+    if sizes:
+        labels = "; ".join(f"{_label(e)} {e.src_item_len} vs {e.dst_item_len} bytes"
+                           for e in sizes[:8])
+        more = f"; … ({len(sizes) - 8} more)" if len(sizes) > 8 else ""
+        out.append(f"{_plural(len(sizes), 'paired entry')} "
+                   + f"{'differs' if len(sizes) == 1 else 'differ'} in item size "
+                   "(prefill vs decode): " + labels + more)
+    out += list(dict.fromkeys(e.problem for e in other if e.problem is not None))
+    return out
+
+
+def _split_model_draft(ids: Iterable[int], n_model: int | None) -> tuple[list[int], list[int]]:
+    ids = list(ids)
+    if n_model is None:
+        return ids, []
+    return [i for i in ids if i < n_model], [i for i in ids if i >= n_model]
+
+
+def _page_ids(layout: Layout) -> list[int]:
+    ids = layout.layer_ids
+    if ids is None:
+        return []
+    return [i for i, k in zip(ids, layout.kinds) if k == "page" and i is not None]
+
+
+def _side(name: str, layout: Layout, verb: str, n_model: int | None) -> str:
+    ids = _page_ids(layout)
+    n_page = sum(1 for k in layout.kinds if k == "page")
+    model, draft = _split_model_draft(ids, n_model)
+    who = name if layout.pp_size == 1 else f"{name} stage (PP rank {layout.pp_rank} of {layout.pp_size})"
+    if not ids:
+        return f"{who} publishes no layer ids ({_plural(n_page, 'page entry')})"
+    text = (f"{who} {verb} layers {format_ids(model)}: "
+            f"{_plural(len(set(model)), 'layer id')} in {_plural(n_page, 'page entry')}")
+    if draft:
+        text += f" plus draft band {format_ids(draft)}"
+    return text
+
+
+def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
+    n_model = src.num_model_layers if src.num_model_layers is not None else dst.num_model_layers
+    out = [_side("prefill", src, "covers", n_model), _side("decode", dst, "has", n_model)]
+    page = [e for e in entries if e.kind == "page"]
+    missing = [e.layer_id for e in page if e.unpaired and e.layer_id is not None]
+    if missing:
+        out.append(f"decode has no entry for layer{'s' if len(set(missing)) > 1 else ''} "
+                   f"{format_ids(missing)}")
+    if src.layer_ids is None or dst.layer_ids is None:
+        paired = [e for e in page if e.dst_index is not None]
+        if paired:
+            out.append(f"entries pair by position: prefill entries "
+                       f"{format_ids(e.src_index for e in paired)} -> decode entries "
+                       f"{format_ids(e.dst_index for e in paired if e.dst_index is not None)}")
+    else:
+        # Decode layers this stage does not write: normal for a PP stage, a gap at PP=1.
+        sent = {e.dst_index for e in page if e.dst_index is not None}
+        unsent = [lid for j, (lid, k) in enumerate(zip(dst.layer_ids, dst.kinds))
+                  if k == "page" and j not in sent and lid is not None]
+        unsent_model, unsent_draft = _split_model_draft(set(unsent), n_model)
+        if unsent_model:
+            tail = ("another PP stage sends them" if src.pp_size > 1
+                    else "nothing will write them")
+            out.append(f"decode layers {format_ids(unsent_model)} get nothing from this "
+                       f"prefill: {tail}")
+        if unsent_draft:
+            out.append(f"decode draft band {format_ids(unsent_draft)} gets nothing from this "
+                       "prefill")
+    states = [e for e in entries if e.kind == "state"]
+    if states:
+        ok = sum(1 for e in states if e.ok)
+        roles = ", ".join(dict.fromkeys(e.role or "state" for e in states))
+        out.append(f"state: {ok} of {_plural(len(states), 'entry')} ({roles}) paired"
+                   )
+    return out
+
+
+def _warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
+    out: list[str] = []
+    if src.page_size != dst.page_size:
+        out.append(f"page sizes differ (prefill {src.page_size}, decode {dst.page_size} tokens "
+                   "per page): page index i names different tokens on the two peers")
+    if src.device != dst.device:
+        out.append(f"devices differ (prefill {src.device}, decode {dst.device}): the transfer "
+                   "engine must reach both")
+    if src.tp_size != dst.tp_size:
+        roles = set(src.roles or ())
+        sharded = bool(roles & {"k", "v"})
+        out.append(
+            f"TP sizes differ (prefill {src.tp_size}, decode {dst.tp_size}): kvplan copies "
+            "whole items; "
+            + ("K/V entries are head-sharded, so head-sliced transfers would be needed "
+               "(not planned by kvplan)" if sharded
+               else "correct only for replicated caches such as an MLA latent")
+        )
+    if dst.pp_size not in (1, src.pp_size):
+        out.append(f"decode PP size {dst.pp_size} is neither 1 nor the prefill's "
+                   f"{src.pp_size} (SGLang supports only those)")
+    if (src.num_model_layers is not None and dst.num_model_layers is not None
+            and src.num_model_layers != dst.num_model_layers):
+        out.append(f"model layer counts differ (prefill {src.num_model_layers}, decode "
+                   f"{dst.num_model_layers}): the draft band's ids shift")
+    elided = [e for e in entries if e.src_item_len == 0]
+    if elided:
+        out.append(f"{_plural(len(elided), 'source entry')} with item_len 0 (elided): "
+                   "never transferred")
+    return out
+
+
+def _entry_lines(entries: Sequence[EntryCheck]) -> list[str]:
+    """Entries grouped: consecutive healthy entries stepping by one on both sides share a line."""
+    groups: list[list[EntryCheck]] = []
+    for e in entries:
+        if groups:
+            last = groups[-1][-1]
+            if (e.problem is not None and e.problem == last.problem and e.kind == last.kind
+                    and e.src_index == last.src_index + 1 and e.unpaired and last.unpaired):
+                # One shared cause (one-sided ids, positional counts): one line, not n.
+                groups[-1].append(e)
+                continue
+            if (e.ok and last.ok and e.kind == last.kind and e.role == last.role
+                    and e.src_item_len == last.src_item_len
+                    and e.src_index == last.src_index + 1
+                    and e.dst_index is not None and last.dst_index is not None
+                    and e.dst_index == last.dst_index + 1):
+                groups[-1].append(e)
+                continue
+        groups.append([e])
+    lines = []
+    for g in groups:
+        first, last = g[0], g[-1]
+        src = str(first.src_index) if len(g) == 1 else f"{first.src_index}–{last.src_index}"
+        ids = [e.layer_id for e in g if e.layer_id is not None]
+        layers = ("layer " + str(ids[0]) if len(ids) == 1
+                  else "layers " + format_ids(ids) if ids else "no ids")
+        role = first.role or "-"
+        if first.dst_index is None:
+            dst = "none"
+        elif len(g) == 1:
+            dst = str(first.dst_index)
+        else:
+            dst = f"{first.dst_index}–{last.dst_index}"
+        status = "ok" if first.ok else f"{first.error}: {first.problem}"
+        lines.append(f"{first.kind:<5} src {src:<9} {layers:<28} {role:<10} "
+                     f"{first.src_item_len:>9} B -> dst {dst:<9} {status}")
+    return lines
