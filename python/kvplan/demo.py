@@ -752,6 +752,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(args: Any) -> int:
     """Body of ``kvplan demo``: print the report; exit 1 naming the first wrong byte."""
+    import importlib.util
+
+    try:
+        have_mooncake = importlib.util.find_spec("mooncake.engine") is not None
+    except ModuleNotFoundError:
+        have_mooncake = False
+    if not have_mooncake:
+        print("kvplan demo needs the Mooncake Transfer Engine: pip install "
+              "'kvplan[mooncake]' (plus Debian libibverbs1 libnuma1), or run scripts/setup-env")
+        return 2
+    problems = [msg for bad, msg in [
+        (args.layers < 4, "--layers must be at least 4 (full attention is every 4th layer)"),
+        (not 1 <= args.pp <= args.layers, "--pp must be between 1 and --layers"),
+        (args.pages < 1, "--pages must be positive"),
+        (args.request_pages is not None and not 1 <= args.request_pages <= args.pages,
+         "--request-pages must be between 1 and --pages"),
+        (args.max_blocks is not None and args.max_blocks < 1, "--max-blocks must be positive"),
+    ] if bad]
+    if problems:
+        print("kvplan demo: " + "; ".join(problems))
+        return 2
     model = demo_model(args.layers, args.pages)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
           f"prefill PP={args.pp} -> decode PP=1 over Mooncake TCP (127.0.0.1) ...", flush=True)
@@ -763,5 +784,6 @@ def run_cli(args: Any) -> int:
         return 2
     for line in report.lines():
         print(line)
-    print(f"wall time:      {report.wall_s:.1f} s (3 processes, engine start-up included)")
+    print(f"wall time:      {report.wall_s:.1f} s ({args.pp + 1} processes, engine start-up "
+          f"included)")
     return 0 if report.error is None else 1
