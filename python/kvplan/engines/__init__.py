@@ -3,10 +3,18 @@
 ``import kvplan`` never imports this package, and importing this package never imports an
 engine: ``mooncake`` and ``memfabric_hybrid`` are imported when a transport is constructed.
 
->>> from kvplan.engines import MooncakeTransport
->>> t = MooncakeTransport("127.0.0.1")            # initialize() must return 0 or this raises
->>> t.register(layout)                            # every buffer once, overlaps merged
->>> stats = t.submit(plan, peer.local_session_id())  # TransferStats(blocks, bytes, batches, seconds)
+Usage::
+
+    from kvplan.engines import MooncakeTransport
+
+    t = MooncakeTransport("127.0.0.1")      # raises TransferError unless initialize() returns 0
+    t.register(layout)                      # every buffer once; overlaps merged, repeats skipped
+    session = t.local_session_id()          # "127.0.0.1:PORT": what peers pass as peer_session
+    stats = t.submit(plan, peer_session)    # TransferStats(session, blocks, bytes, batches, seconds)
+    pending = t.submit_async(plan, peer_session)   # Mooncake only; pending.wait() -> TransferStats
+
+Failures raise :class:`kvplan.TransferError` with ``engine``, ``session``, ``batch``, ``blocks``,
+``bytes`` and ``status`` set.
 """
 
 from __future__ import annotations
