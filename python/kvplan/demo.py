@@ -628,10 +628,12 @@ class DemoReport:
             f"(by global layer id and role)",
             f"pages:          {self.request_pages} of {self.pages} per KV buffer, "
             f"fragmented destination",
-            f"runs:           {self.runs:,} (pages contiguous on both sides, merged)",
+            f"runs:           {self.runs:,} (runs of pages contiguous on both sides: "
+            f"{self.request_pages / max(self.runs, 1):.1f} pages per block instead of 1)",
             f"blocks:         {self.blocks:,} = {self.entries_paired} KV pairs x {self.runs:,} "
             f"runs + {self.state_entries_paired} state, in {self.batches} engine calls",
-            f"bytes:          {self.bytes:,} ({self.bytes / 2**20:.1f} MiB)",
+            f"bytes:          {self.bytes:,} ({self.bytes / 2**20:.1f} MiB, "
+            f"{self.bytes / max(self.blocks, 1) / 1024:.1f} KiB per block on average)",
             f"planning time:  {(self.template_s + self.plan_s) * 1e3:.2f} ms "
             f"(template {self.template_s * 1e3:.2f} ms, once per peer pair; "
             f"plan {self.plan_s * 1e3:.2f} ms, per request)",
