@@ -169,7 +169,10 @@ def legacy_pp_pairs(
         L, D = n_src // 2, n_dst // 2
         if L == D:  # equal layer counts: whole halves (start ignored)
             return [(i, i) for i in range(n_src)]
-        H = D if decode_num_layers is None else decode_num_layers
+        if decode_num_layers is None:
+            # Counts alone cannot tell an uneven PP split from appended draft K/V.
+            raise RefError("pairing", "decode layer count unknown")
+        H = decode_num_layers
         if H <= 0 or 2 * H > n_dst:
             raise RefError("pairing", "decode layer count does not fit its entries")
         if start < 0 or start + L > H:

@@ -11,6 +11,7 @@ pub mod layout;
 pub mod pairing;
 pub mod runs;
 pub mod template;
+pub mod wire;
 
 pub use emit::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use error::{ErrorClass, PlanError, Result, Side};

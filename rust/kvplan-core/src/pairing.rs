@@ -241,7 +241,14 @@ pub fn legacy_pp_pairs(
             if layers == dst_half {
                 return Ok((0..n_src).map(|i| [i, i]).collect());
             }
-            let decode_layers = decode_num_layers.unwrap_or(dst_half);
+            // From counts alone an uneven PP split and appended draft K/V look the same (R2:
+            // SGLang's modulo heuristic guesses and silently mis-slices), so the decode's layer
+            // count must be known.
+            let Some(decode_layers) = decode_num_layers else {
+                return fail(format!(
+                    "the decode's layer count is needed to find its V block (src={n_src}, dst={n_dst} entries: an uneven PP split and draft entries look alike); publish layer ids, MHA roles or num_model_layers"
+                ));
+            };
             if decode_layers == 0 || decode_layers * 2 > n_dst {
                 return fail(format!(
                     "decode layer count {decode_layers} does not fit {n_dst} decode entries"
@@ -366,7 +373,7 @@ mod tests {
             stage0[7..],
             (0..7).map(|l| [7 + l, 15 + l]).collect::<Vec<_>>()[..]
         );
-        let stage1 = legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, None).unwrap();
+        let stage1 = legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, Some(15)).unwrap();
         assert_eq!(
             stage1[..8],
             (0..8).map(|l| [l, 7 + l]).collect::<Vec<_>>()[..]
@@ -376,6 +383,8 @@ mod tests {
             (0..8).map(|l| [8 + l, 22 + l]).collect::<Vec<_>>()[..]
         );
         assert!(legacy_pp_pairs(LegacyKind::Mha, 15, 30, 0, 0, None).is_err());
-        assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 8, 0, None).is_err());
+        assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 8, 0, Some(15)).is_err());
+        // Without the decode's layer count the V block is ambiguous: an error, not a guess.
+        assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, None).is_err());
     }
 }

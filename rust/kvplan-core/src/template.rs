@@ -253,7 +253,10 @@ fn local_partners(
                     .map_or(0, |r| r.iter().filter(|x| x.starts_with(prefix)).count())
             };
             let num_draft = roles_start_with(&src_roles, "draft");
-            let decode_layers = match roles_start_with(&dst_roles, "k") {
+            let k_roles = dst_roles
+                .as_ref()
+                .map_or(0, |r| r.iter().filter(|x| *x == "k").count());
+            let decode_layers = match k_roles {
                 0 => dst.context().num_model_layers.map(|x| x as usize),
                 k_entries => Some(k_entries),
             };

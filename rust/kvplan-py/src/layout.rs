@@ -4,9 +4,9 @@
 use kvplan_core::{EntryKind, Layout, LayoutContext, LayoutParts};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::to_py_err;
+use crate::errors::{KvPlanError, to_py_err};
 
 /// Bytes per item: one value for every entry, or one per entry.
 #[derive(FromPyObject)]
@@ -69,7 +69,7 @@ impl PyLayout {
         data_ptrs: Vec<u64>,
         data_lens: Vec<u64>,
         item_lens: ItemLens,
-        layer_ids: Option<Vec<i64>>,
+        layer_ids: Option<Vec<Option<i64>>>,
         roles: Option<Vec<String>>,
         kinds: Option<Vec<String>>,
         context: Option<&Bound<'_, PyDict>>,
@@ -85,11 +85,7 @@ impl PyLayout {
             data_ptrs,
             data_lens,
             item_lens: item_lens.expand(n),
-            layer_ids: layer_ids
-                .unwrap_or_default()
-                .into_iter()
-                .map(Some)
-                .collect(),
+            layer_ids: layer_ids.unwrap_or_default(),
             roles: roles.unwrap_or_default(),
             kinds,
         };
@@ -224,6 +220,77 @@ impl PyLayout {
         wrap(
             self.inner
                 .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids),
+        )
+    }
+
+    /// The versioned binary encoding exchanged in the handshake (exact round trip).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = kvplan_core::wire::encode(&self.inner).map_err(to_py_err)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Decodes [`to_bytes`] output; truncated, corrupted, oversized or unknown-version data
+    /// raises `KvPlanError` (nothing is allocated beyond a small multiple of the input).
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+        let data = data.to_vec();
+        wrap(py.detach(move || kvplan_core::wire::decode(&data)))
+    }
+
+    /// A JSON-able dict: exactly `Layout(**d)`'s arguments plus `"version"`.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let parts = self.inner.parts();
+        let ctx = self.inner.context();
+        let dict = PyDict::new(py);
+        dict.set_item("version", kvplan_core::wire::WIRE_VERSION)?;
+        dict.set_item("data_ptrs", &parts.data_ptrs)?;
+        dict.set_item("data_lens", &parts.data_lens)?;
+        dict.set_item("item_lens", &parts.item_lens)?;
+        dict.set_item("layer_ids", &parts.layer_ids)?;
+        dict.set_item("roles", &parts.roles)?;
+        dict.set_item("kinds", self.kinds())?;
+        dict.set_item("page_size", ctx.page_size)?;
+        dict.set_item("device", &ctx.device)?;
+        dict.set_item("num_model_layers", ctx.num_model_layers)?;
+        dict.set_item("pp_rank", ctx.pp_rank)?;
+        dict.set_item("pp_size", ctx.pp_size)?;
+        dict.set_item("tp_rank", ctx.tp_rank)?;
+        dict.set_item("tp_size", ctx.tp_size)?;
+        Ok(dict)
+    }
+
+    /// Builds a layout from [`to_dict`] output (e.g. parsed from a JSON config file).
+    #[staticmethod]
+    fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let data = data.copy()?;
+        let version: u16 = match data.get_item("version")? {
+            Some(v) => v.extract()?,
+            None => return Err(KvPlanError::new_err("layout dict has no \"version\" key")),
+        };
+        if version != kvplan_core::wire::WIRE_VERSION {
+            return Err(KvPlanError::new_err(format!(
+                "unknown layout dict version {version} (this build reads version {})",
+                kvplan_core::wire::WIRE_VERSION
+            )));
+        }
+        data.del_item("version")?;
+        let take = |key: &str| -> PyResult<Bound<'_, PyAny>> {
+            let value = data
+                .get_item(key)?
+                .ok_or_else(|| KvPlanError::new_err(format!("layout dict has no {key:?} key")))?;
+            data.del_item(key)?;
+            Ok(value)
+        };
+        let (ptrs, lens, items) = (take("data_ptrs")?, take("data_lens")?, take("item_lens")?);
+        let (ids, roles, kinds) = (take("layer_ids")?, take("roles")?, take("kinds")?);
+        Self::new(
+            ptrs.extract()?,
+            lens.extract()?,
+            items.extract()?,
+            ids.extract()?,
+            roles.extract()?,
+            kinds.extract()?,
+            Some(&data),
         )
     }
 

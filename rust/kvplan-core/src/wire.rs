@@ -1,0 +1,308 @@
+//! Versioned binary encoding of a layout, exchanged by peers during the bootstrap handshake.
+//!
+//! Format v1, little-endian throughout:
+//!
+//! ```text
+//! magic "KVPL" | version u16 | flags u16 (0) | entry count u32
+//! context: page_size u64 | num_model_layers u64 (u64::MAX = unknown)
+//!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str
+//! entry:   data_ptr u64 | data_len u64 | item_len u64 | kind u8 | has_id u8 | layer_id i64 | role str
+//! trailer: CRC-32 (IEEE) of every preceding byte
+//! str:     length u16 | UTF-8 bytes
+//! ```
+//!
+//! Decoding never trusts a count before checking it against the bytes actually present, so a
+//! corrupted or hostile message cannot make it allocate more than a small multiple of its own
+//! size. Every decoded layout goes through [`Layout::new`]'s validation.
+
+use crate::error::{PlanError, Result};
+use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+
+const MAGIC: &[u8; 4] = b"KVPL";
+/// The only version this build writes and reads.
+pub const WIRE_VERSION: u16 = 1;
+/// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
+pub const MAX_ENTRIES: u32 = 1 << 20;
+/// Bytes of the fixed part of one entry (without its role's bytes).
+const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 8 + 2;
+const HEADER: usize = 4 + 2 + 2 + 4;
+const CONTEXT_FIXED: usize = 8 + 8 + 4 * 4 + 2;
+const TRAILER: usize = 4;
+
+fn wire_error(what: impl Into<String>) -> PlanError {
+    PlanError::Wire { what: what.into() }
+}
+
+/// Encodes a layout (exact round trip with [`decode`]).
+///
+/// # Errors
+/// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes.
+pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
+    let parts = layout.parts();
+    let ctx = layout.context();
+    let n = layout.n_entries();
+    let strings: usize = parts.roles.iter().map(String::len).sum::<usize>() + ctx.device.len();
+    let mut out = Vec::with_capacity(HEADER + CONTEXT_FIXED + n * ENTRY_FIXED + strings + TRAILER);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    let count =
+        u32::try_from(n).map_err(|_| wire_error(format!("{n} entries do not fit the format")))?;
+    out.extend_from_slice(&count.to_le_bytes());
+    out.extend_from_slice(&ctx.page_size.to_le_bytes());
+    out.extend_from_slice(&ctx.num_model_layers.unwrap_or(u64::MAX).to_le_bytes());
+    for value in [ctx.pp_rank, ctx.pp_size, ctx.tp_rank, ctx.tp_size] {
+        out.extend_from_slice(&value.to_le_bytes());
+    }
+    put_str(&mut out, &ctx.device)?;
+    for i in 0..n {
+        out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
+        out.extend_from_slice(&parts.data_lens[i].to_le_bytes());
+        out.extend_from_slice(&parts.item_lens[i].to_le_bytes());
+        out.push(match parts.kinds[i] {
+            EntryKind::Page => 0,
+            EntryKind::State => 1,
+        });
+        out.push(u8::from(parts.layer_ids[i].is_some()));
+        out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
+        put_str(&mut out, &parts.roles[i])?;
+    }
+    let crc = crc32(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    Ok(out)
+}
+
+fn put_str(out: &mut Vec<u8>, text: &str) -> Result<()> {
+    let len = u16::try_from(text.len())
+        .map_err(|_| wire_error(format!("string of {} bytes exceeds 65535", text.len())))?;
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
+    Ok(())
+}
+
+/// Decodes [`encode`]'s output.
+///
+/// # Errors
+/// [`PlanError::Wire`] for a wrong magic, an unknown version, truncation, trailing bytes, a
+/// checksum mismatch, bad UTF-8 or an out-of-range field; then [`Layout::new`]'s errors.
+pub fn decode(data: &[u8]) -> Result<Layout> {
+    if data.len() < HEADER + CONTEXT_FIXED + TRAILER {
+        return Err(wire_error(format!(
+            "{} bytes is too short for a layout (at least {} needed)",
+            data.len(),
+            HEADER + CONTEXT_FIXED + TRAILER
+        )));
+    }
+    if &data[..4] != MAGIC {
+        return Err(wire_error("not a kvplan layout (bad magic)"));
+    }
+    let mut reader = Reader {
+        data: &data[..data.len() - TRAILER],
+        at: 4,
+    };
+    let version = reader.u16()?;
+    if version != WIRE_VERSION {
+        return Err(wire_error(format!(
+            "unknown layout wire version {version} (this build reads version {WIRE_VERSION})"
+        )));
+    }
+    let stored_crc = u32::from_le_bytes(
+        data[data.len() - TRAILER..]
+            .try_into()
+            .map_err(|_| wire_error("truncated"))?,
+    );
+    let actual_crc = crc32(&data[..data.len() - TRAILER]);
+    if stored_crc != actual_crc {
+        return Err(wire_error(format!(
+            "checksum mismatch (stored {stored_crc:#010x}, computed {actual_crc:#010x}): data corrupted or truncated"
+        )));
+    }
+    let flags = reader.u16()?;
+    if flags != 0 {
+        return Err(wire_error(format!("unknown flags {flags:#06x}")));
+    }
+    let count = reader.u32()?;
+    if count > MAX_ENTRIES {
+        return Err(wire_error(format!(
+            "{count} entries exceeds the limit of {MAX_ENTRIES}"
+        )));
+    }
+    let n = count as usize;
+    // Check the count against the bytes present before allocating anything sized by it.
+    if n.saturating_mul(ENTRY_FIXED) > reader.remaining() {
+        return Err(wire_error(format!(
+            "{n} entries announced but only {} bytes follow",
+            reader.remaining()
+        )));
+    }
+    let page_size = reader.u64()?;
+    let layers = reader.u64()?;
+    let context = LayoutContext {
+        page_size,
+        num_model_layers: (layers != u64::MAX).then_some(layers),
+        pp_rank: reader.u32()?,
+        pp_size: reader.u32()?,
+        tp_rank: reader.u32()?,
+        tp_size: reader.u32()?,
+        device: reader.string()?,
+    };
+    let mut parts = LayoutParts {
+        data_ptrs: Vec::with_capacity(n),
+        data_lens: Vec::with_capacity(n),
+        item_lens: Vec::with_capacity(n),
+        layer_ids: Vec::with_capacity(n),
+        roles: Vec::with_capacity(n),
+        kinds: Vec::with_capacity(n),
+    };
+    for _ in 0..n {
+        parts.data_ptrs.push(reader.u64()?);
+        parts.data_lens.push(reader.u64()?);
+        parts.item_lens.push(reader.u64()?);
+        parts.kinds.push(match reader.u8()? {
+            0 => EntryKind::Page,
+            1 => EntryKind::State,
+            other => return Err(wire_error(format!("unknown entry kind code {other}"))),
+        });
+        let has_id = reader.u8()?;
+        let id = i64::from_le_bytes(
+            reader
+                .bytes(8)?
+                .try_into()
+                .map_err(|_| wire_error("truncated"))?,
+        );
+        parts.layer_ids.push(match has_id {
+            0 => None,
+            1 => Some(id),
+            other => return Err(wire_error(format!("bad layer-id flag {other}"))),
+        });
+        parts.roles.push(reader.string()?);
+    }
+    if reader.remaining() != 0 {
+        return Err(wire_error(format!(
+            "{} unexpected bytes after the last entry",
+            reader.remaining()
+        )));
+    }
+    Layout::new(parts, context)
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.data.len() - self.at
+    }
+
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.remaining() < n {
+            return Err(wire_error(format!(
+                "truncated at byte {} (needed {n} more, {} left)",
+                self.at,
+                self.remaining()
+            )));
+        }
+        let slice = &self.data[self.at..self.at + n];
+        self.at += n;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.bytes(N)?);
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self) -> Result<String> {
+        let len = usize::from(self.u16()?);
+        let bytes = self.bytes(len)?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| wire_error(format!("string at byte {} is not UTF-8", self.at - len)))
+    }
+}
+
+/// CRC-32 (IEEE 802.3, reflected, as zlib's `crc32`), bitwise: layouts are small and exchanged
+/// once per peer, so a table is not worth its code.
+pub fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in data {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & 0u32.wrapping_sub(crc & 1));
+        }
+    }
+    !crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Layout {
+        let ctx = LayoutContext {
+            page_size: 64,
+            device: "npu".into(),
+            num_model_layers: Some(48),
+            pp_rank: 1,
+            pp_size: 2,
+            tp_rank: 0,
+            tp_size: 4,
+        };
+        Layout::npu_groups(
+            vec![3, 7],
+            vec![1, 2, 3, 4],
+            vec![64; 4],
+            vec![8; 4],
+            None,
+            ctx,
+        )
+        .unwrap()
+        .with_state("mamba_conv", vec![99], vec![160], vec![16], vec![1])
+        .unwrap()
+    }
+
+    #[test]
+    fn round_trip_is_exact() {
+        let layout = sample();
+        assert_eq!(decode(&encode(&layout).unwrap()).unwrap(), layout);
+    }
+
+    #[test]
+    fn crc_matches_zlib() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn every_truncation_and_bit_flip_is_an_error() {
+        let bytes = encode(&sample()).unwrap();
+        for cut in 0..bytes.len() {
+            assert!(
+                decode(&bytes[..cut]).is_err(),
+                "truncation at {cut} accepted"
+            );
+        }
+        for i in 0..bytes.len() {
+            let mut flipped = bytes.clone();
+            flipped[i] ^= 0x10;
+            assert!(decode(&flipped).is_err(), "bit flip at {i} accepted");
+        }
+    }
+}
