@@ -437,6 +437,27 @@ def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> N
     assert wrong.total_bytes == plan.total_bytes
     np.testing.assert_array_equal(wrong.src_addrs, plan.src_addrs)
 
+    # Positional pairing of the state entries would also cross layers (and even state kinds).
+    s_states = [e for e in stage1.entries if e.kind == "state"]
+    d_states = [e for e in decode.entries if e.kind == "state"]
+    pos = kvplan.pair_entries(None, None, len(s_states), len(d_states),
+                              allow_positional_fallback=True)
+    crossed = [(s_states[i].layer_id, s_states[i].role, d_states[j].layer_id, d_states[j].role)
+               for i, j in pos.tolist()]
+    assert all((sl, sr) != (dl, dr) for sl, sr, dl, dr in crossed), crossed
+    by_id = kvplan.Template(s_layout, d_layout).state_pairs.tolist()
+    n_pages = sum(1 for e in stage1.entries if e.kind == "page")
+    n_dpages = sum(1 for e in decode.entries if e.kind == "page")
+    for i, j in by_id:  # identity pairing: same layer, same state name
+        s_e, d_e = stage1.entries[i], decode.entries[j]
+        assert i >= n_pages and j >= n_dpages
+        assert (s_e.layer_id, s_e.role) == (d_e.layer_id, d_e.role)
+
+    # SGLang-style positional PP slicing (start at the stage's first layer) has no decode entry
+    # for stage 1 at all: kvplan refuses instead of indexing past the end.
+    with pytest.raises(kvplan.PairingError):
+        kvplan.legacy_pp_pairs("mla", 1, 2, 4)
+
 
 @mooncake
 def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> None:
