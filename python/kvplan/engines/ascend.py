@@ -17,6 +17,11 @@ practical batch cap, so a plan goes in one call unless a bound is asked for.
 
 ``initialize`` needs an Ascend NPU and driver; on other machines it returns -1 and the adapter
 raises. Tests pass ``engine=`` (a stand-in with the same signature) or ``initialize=False``.
+
+There is no ``submit_async`` here: memfabric's asynchronous calls are ordered on an NPU stream
+(``batch_transfer_async_write_submit(..., stream)``), which belongs to the caller's device code.
+memfabric logs to stdout; ``ASCEND_MF_LOG_LEVEL=3`` (or ``memfabric_hybrid.set_log_level``)
+quiets it.
 """
 
 from __future__ import annotations
