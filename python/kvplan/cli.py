@@ -38,10 +38,18 @@ def _add_demo(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
+def _add_explain(parser: argparse.ArgumentParser) -> Runner:
+    from kvplan import explain  # its arguments live with the command
+
+    return explain.add_arguments(parser)
+
+
 #: name -> (one-line help, adder). The adder fills the sub-parser and returns the runner.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Runner]]] = {
     "demo": ("move a hybrid model's KV cache between real processes (Mooncake TCP, loopback) "
              "and verify every byte", _add_demo),
+    "explain": ("show what a plan does for a model preset or two layout files: pairs, runs, "
+                "blocks, bytes per layer, fragmentation warnings", _add_explain),
 }
 
 

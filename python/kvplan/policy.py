@@ -94,27 +94,25 @@ class PairingChoice:
             "legacy_kind": self.legacy_kind,
         }
 
-    def template(
+    def prepare(
         self,
         prefill_layout: Layout,
         decode_layout: Layout,
         *,
         prefill_start_layer: int | None = None,
-        check_dst_overlap: bool = False,
-    ) -> Any:
-        """A ``kvplan.Template`` that pairs the way this choice says.
+    ) -> tuple[Layout, Layout, dict[str, Any]]:
+        """The layouts and keyword arguments that make ``Template`` / ``compare`` follow this choice.
 
-        Positional and legacy modes ignore published layer ids (that is what the legacy
-        path does), so the layouts are re-built without them before pairing.
+        Positional and legacy modes ignore the page entries' published layer ids (that is what
+        the legacy KV path does), so the layouts are re-built without them. State entries keep
+        their ids: SGLang pairs state components by id whenever they are published, whichever
+        path the KV pages take.
 
         Raises:
             KvPlanError: ``legacy`` mode without ``prefill_start_layer``, or a layout whose
                 positional pairing kvplan cannot do safely (NPU buffer groups with different
                 entry counts: Ascend's per-group slicing is not implemented).
-            PairingError, SizeMismatchError: As ``Template`` raises them.
         """
-        from kvplan._plan import Template
-
         kwargs = self.template_kwargs(prefill_start_layer)
         src, dst = prefill_layout, decode_layout
         if self.mode != "layer_id":
@@ -126,8 +124,42 @@ class PairingChoice:
                     "legacy positional slicing of NPU buffer groups (Ascend's per-group "
                     "slicing) is not supported; publish layer ids on both peers instead"
                 )
-            src, dst = _without_ids(src), _without_ids(dst)
+            src, dst = _without_page_ids(src), _without_page_ids(dst)
+        return src, dst, kwargs
+
+    def template(
+        self,
+        prefill_layout: Layout,
+        decode_layout: Layout,
+        *,
+        prefill_start_layer: int | None = None,
+        check_dst_overlap: bool = False,
+    ) -> Any:
+        """A ``kvplan.Template`` that pairs the way this choice says (see :meth:`prepare`).
+
+        Raises:
+            KvPlanError: As :meth:`prepare`.
+            PairingError, SizeMismatchError: As ``Template`` raises them.
+        """
+        from kvplan._plan import Template
+
+        src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
+                                        prefill_start_layer=prefill_start_layer)
         return Template(src, dst, check_dst_overlap=check_dst_overlap, **kwargs)
+
+    def compare(
+        self,
+        prefill_layout: Layout,
+        decode_layout: Layout,
+        *,
+        prefill_start_layer: int | None = None,
+    ) -> Any:
+        """``kvplan.compare`` under this choice: the report for exactly what :meth:`template` builds."""
+        from kvplan.report import compare
+
+        src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
+                                        prefill_start_layer=prefill_start_layer)
+        return compare(src, dst, **kwargs)
 
 
 def _has_groups(layout: Layout) -> bool:
@@ -135,15 +167,17 @@ def _has_groups(layout: Layout) -> bool:
     return any(r.startswith("g") and r[1:].isdigit() for r in roles)
 
 
-def _without_ids(layout: Layout) -> Layout:
-    """The same entries and context without layer ids (layouts are immutable)."""
-    if layout.layer_ids is None:
+def _without_page_ids(layout: Layout) -> Layout:
+    """The same entries and context without page-entry layer ids (layouts are immutable)."""
+    ids = layout.layer_ids
+    if ids is None:
         return layout
+    kept = [i if k == "state" else None for i, k in zip(ids, layout.kinds)]
     return Layout(
         layout.data_ptrs,
         layout.data_lens,
         layout.item_lens,
-        None,
+        kept if any(i is not None for i in kept) else None,
         layout.roles,
         kinds=layout.kinds,
         page_size=layout.page_size,

@@ -1,0 +1,218 @@
+"""Reference models (design.md §7) as layouts: one per prefill PP stage, one for the decode peer.
+
+Used by ``kvplan explain``, tests and examples. Addresses are synthetic (never dereferenced):
+what matters for planning is the entry structure, the item lengths and the capacities.
+
+Sizes per token per layer (bf16 unless said otherwise):
+
+* DeepSeek-V3: 61 layers, MLA latent 512 + 64 rope = 576 elements = 1152 bytes.
+* Qwen3-235B-A22B: 94 layers, GQA 4 KV heads × 128 = 1024 bytes for K and again for V.
+* Qwen3-Next-80B-A3B: 48 layers, full attention on every 4th (12 layers, GQA 2 heads × 256 =
+  1024 bytes each for K and V); the other 36 are Gated DeltaNet layers with per-request state.
+  From the model config (16 key heads, 32 value heads, head dim 128, conv kernel 4): conv
+  state (2·16·128 + 32·128) channels × 3 steps × 2 bytes = 49,152 bytes; recurrent state
+  32 × 128 × 128 × fp32 = 2,097,152 bytes.
+* Kimi-Linear-style hybrid MLA: full attention (MLA, 1152 bytes) on every 4th layer, linear
+  (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
+  73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
+  (27 is the other published size: pass ``num_layers=27``).
+
+State sizes are for TP 1 and are meant to show proportions, not to size a deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvplan._core import KvPlanError, Layout
+
+__all__ = ["PRESETS", "ModelPreset", "StateSpec", "get_preset", "split_layers"]
+
+PREFILL_BASE = 0x1000_0000_0000
+DECODE_BASE = 0x9000_0000_0000
+_ALIGN = 2 << 20  # entry buffers start on 2 MiB boundaries, as pools registered for RDMA do
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-request state component of a linear-attention layer (one slot per request)."""
+
+    name: str
+    bytes_per_slot: int
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model's KV-cache geometry.
+
+    Attributes:
+        key: Command-line name (``deepseek-v3``, ...).
+        name: Display name.
+        num_layers: Model layers.
+        attention: ``"mla"`` (one latent entry per layer) or ``"mha"`` (K and V entries).
+        kv_bytes_per_token: Bytes per token per layer per entry (per K or per V for MHA).
+        full_attention_every: ``None`` for dense models; ``n`` when full attention (the only
+            layers with paged KV) sits on every n-th layer (ids ``n-1, 2n-1, …``).
+        state: Per-request state components of each linear-attention layer.
+        description: One line for reports.
+    """
+
+    key: str
+    name: str
+    num_layers: int
+    attention: Literal["mla", "mha"]
+    kv_bytes_per_token: int
+    full_attention_every: int | None = None
+    state: tuple[StateSpec, ...] = field(default_factory=tuple)
+    description: str = ""
+
+    @property
+    def hybrid(self) -> bool:
+        return self.full_attention_every is not None
+
+    def kv_layers(self, layers: Sequence[int] | None = None) -> list[int]:
+        """Layers with paged KV (all for dense models), optionally restricted to ``layers``."""
+        every = self.full_attention_every
+        pool = range(self.num_layers) if layers is None else layers
+        return [i for i in pool if every is None or i % every == every - 1]
+
+    def linear_layers(self, layers: Sequence[int] | None = None) -> list[int]:
+        """Layers with per-request state (none for dense models)."""
+        if not self.hybrid:
+            return []
+        kv = set(self.kv_layers(layers))
+        pool = range(self.num_layers) if layers is None else layers
+        return [i for i in pool if i not in kv]
+
+    def with_layers(self, num_layers: int) -> ModelPreset:
+        """The same geometry with another layer count (e.g. the 27-layer Kimi-Linear)."""
+        if num_layers < 1:
+            raise KvPlanError(f"num_layers must be at least 1, got {num_layers}")
+        return ModelPreset(self.key, self.name, num_layers, self.attention,
+                           self.kv_bytes_per_token, self.full_attention_every, self.state,
+                           self.description)
+
+    def layout(
+        self,
+        layers: Sequence[int],
+        *,
+        page_size: int,
+        capacity: int,
+        state_slots: int = 8,
+        base: int = PREFILL_BASE,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        device: str = "cpu",
+    ) -> Layout:
+        """The layout of a peer that holds ``layers``, publishing global layer ids.
+
+        Args:
+            layers: Model layers this peer holds (a PP stage's range, or all of them).
+            page_size: Tokens per page; an entry's item is ``kv_bytes_per_token * page_size``.
+            capacity: Pages per KV buffer.
+            state_slots: Request slots per state buffer (hybrid models).
+            base: Address of the first buffer (synthetic).
+            pp_rank: This peer's PP rank.
+            pp_size: This peer's PP size.
+            device: Device kind recorded in the layout.
+        """
+        if page_size < 1 or capacity < 1:
+            raise KvPlanError("page_size and capacity must be at least 1")
+        item = self.kv_bytes_per_token * page_size
+        kv = self.kv_layers(layers)
+        n_buf = len(kv) * (2 if self.attention == "mha" else 1)
+        span = _align(capacity * item)
+        ptrs = [base + i * span for i in range(n_buf)]
+        lens = [capacity * item] * n_buf
+        ctx = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
+               "pp_rank": pp_rank, "pp_size": pp_size}
+        if self.hybrid:
+            layout = Layout.hybrid_linear(kv, ptrs, lens, item, mla=self.attention == "mla", **ctx)
+        elif self.attention == "mla":
+            layout = Layout.mla(ptrs, lens, item, layer_ids=kv, **ctx)
+        else:
+            half = len(kv)
+            layout = Layout.mha(ptrs[:half], ptrs[half:], lens[:half], lens[half:], item, item,
+                                layer_ids=kv, **ctx)
+        address = base + n_buf * span
+        linear = self.linear_layers(layers)
+        for spec in self.state if linear else ():
+            span = _align(state_slots * spec.bytes_per_slot)
+            layout = layout.with_state(
+                spec.name,
+                [address + i * span for i in range(len(linear))],
+                [state_slots * spec.bytes_per_slot] * len(linear),
+                spec.bytes_per_slot,
+                linear,
+            )
+            address += len(linear) * span
+        return layout
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def split_layers(num_layers: int, pp_size: int, counts: Sequence[int] | None = None) -> list[range]:
+    """Layer ranges of the prefill PP stages.
+
+    Args:
+        num_layers: Model layers.
+        pp_size: Number of stages (ignored when ``counts`` is given).
+        counts: Explicit layers per stage (must sum to ``num_layers``).
+
+    Returns:
+        One ``range`` per stage. Without ``counts`` the split is even and the remainder goes
+        one layer each to the first stages.
+
+    Raises:
+        KvPlanError: Counts that do not sum to the layer count, or a stage without layers.
+    """
+    if counts is None:
+        if pp_size < 1 or pp_size > num_layers:
+            raise KvPlanError(f"pp_size must be in 1..{num_layers}, got {pp_size}")
+        base, extra = divmod(num_layers, pp_size)
+        counts = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    if any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise KvPlanError(
+            f"PP split {list(counts)} must be positive layer counts summing to {num_layers}")
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+_GDN = (StateSpec("mamba_conv", 49_152), StateSpec("mamba_temporal", 2_097_152))
+_KDA = (StateSpec("mamba_conv", 73_728), StateSpec("mamba_temporal", 2_097_152))
+
+PRESETS: dict[str, ModelPreset] = {
+    p.key: p
+    for p in (
+        ModelPreset("deepseek-v3", "DeepSeek-V3", 61, "mla", 1152,
+                    description="61 layers, MLA latent 576 × bf16 = 1152 B per token per layer"),
+        ModelPreset("qwen3-235b", "Qwen3-235B-A22B", 94, "mha", 1024,
+                    description="94 layers, GQA 4 KV heads × 128 × bf16 = 1024 B per token for "
+                                "K and for V"),
+        ModelPreset("qwen3-next", "Qwen3-Next-80B-A3B", 48, "mha", 1024, 4, _GDN,
+                    description="48 layers: 12 full attention (GQA 2 × 256, 1024 B per token "
+                                "for K and V) + 36 Gated DeltaNet (conv + recurrent state)"),
+        ModelPreset("kimi-linear", "Kimi-Linear-style hybrid MLA", 48, "mla", 1152, 4, _KDA,
+                    description="full attention (MLA, 1152 B per token) on every 4th layer, "
+                                "KDA layers with conv + recurrent state"),
+    )
+}
+
+
+def get_preset(key: str, num_layers: int | None = None) -> ModelPreset:
+    """A preset by key (case-insensitive), optionally with another layer count.
+
+    Raises:
+        KvPlanError: Unknown key (the message lists the known ones).
+    """
+    preset = PRESETS.get(key.strip().lower())
+    if preset is None:
+        raise KvPlanError(f"unknown preset {key!r}; known: {', '.join(PRESETS)}")
+    return preset if num_layers is None else preset.with_layers(num_layers)
