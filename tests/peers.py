@@ -88,10 +88,11 @@ def expected_decode(decode: PeerSpec, decode_before: np.ndarray,
         for s in spec.entries:
             d = dst_of[(s.layer_id, s.role)]
             assert s.item_len == d.item_len
+            pairs: list[tuple[int, int]]
             if s.kind == "page":
-                pairs = zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist())
-            elif src_slot is not None:
-                pairs = iter([(src_slot, dst_slot)])
+                pairs = list(zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()))
+            elif src_slot is not None and dst_slot is not None:
+                pairs = [(src_slot, dst_slot)]
             else:
                 continue
             for si, di in pairs:  # plain loops: slow but obviously right

@@ -45,7 +45,9 @@ ADAPTER_METHODS = ("initialize", "get_rpc_port", "batch_register_memory", "unreg
 
 def _split_top(text: str, sep: str) -> list[str]:
     """Split on ``sep`` outside (), [], <> (pybind11 defaults look like ``<Enum.X: 1>``)."""
-    parts, depth, cur, i = [], 0, [], 0
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = i = 0
     while i < len(text):
         ch = text[i]
         if ch in "([<":

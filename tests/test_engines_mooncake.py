@@ -244,7 +244,7 @@ def test_nonzero_status_becomes_transfer_error_with_fields() -> None:
     with pytest.raises(TransferError) as info:
         t.submit(make_plan(1500), "10.0.0.2:777")
     err = info.value
-    assert isinstance(err, RuntimeError)
+    assert isinstance(err, TransferError) and isinstance(err, RuntimeError)
     assert (err.session, err.batch, err.blocks, err.bytes, err.status) == (
         "10.0.0.2:777", 0, 1024, 1024 * 64, -1)
     msg = str(err)
@@ -350,7 +350,7 @@ def test_async_failure_after_partial_submit_waits_the_rest() -> None:
         count["n"] += 1
         return 0 if count["n"] == 3 else real_submit(*args)
 
-    fake.batch_transfer_async_write = flaky  # type: ignore[method-assign]
+    fake.batch_transfer_async_write = flaky  # type: ignore[method-assign,assignment]
     with pytest.raises(TransferError, match="batch 2"):
         t.submit_async(make_plan(10), "p:1", max_blocks_per_batch=2)
     assert fake.live_ids == {}  # batches 0 and 1 were waited, once each
@@ -624,7 +624,9 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
     with cluster(decode, [prefill]) as c:
         d = c.peers["decode"]
         c.peers["prefill"].call("submit_raw", d.session, [0], [d.base], [4096], timeout=30)
-        os.kill(d.process.pid, signal.SIGSTOP)
+        pid = d.process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
             with pytest.raises(TransferError) as info:
@@ -632,7 +634,7 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
                                         timeout=40)
             elapsed = time.monotonic() - t0
         finally:
-            os.kill(d.process.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         assert info.value.status == -1
         assert 4 < elapsed < 15  # MC_TRANSFER_TIMEOUT=5
 
@@ -665,11 +667,13 @@ def test_demo_verifier_names_the_first_wrong_byte(tmp_path: Any) -> None:
     assert first_wrong_byte(d, decode, writes) is None
     kv7 = by_key[(7, "kv")]
     d.view(kv7)[4, 17] ^= 0xFF
-    assert first_wrong_byte(d, decode, writes).startswith("decode layer 7 kv item 4 byte 17")
+    msg = first_wrong_byte(d, decode, writes)
+    assert msg is not None and msg.startswith("decode layer 7 kv item 4 byte 17")
     d.view(kv7)[4, 17] ^= 0xFF
     d.view(kv7)[3, 0] = 0
     msg = first_wrong_byte(d, decode, writes)
-    assert msg.startswith("decode layer 7 kv item 3 byte 0") and "not planned" in msg
+    assert msg is not None and msg.startswith("decode layer 7 kv item 3 byte 0")
+    assert "not planned" in msg
     d.close()
     s.close()
 

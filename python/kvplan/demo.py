@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -241,8 +241,8 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
     import kvplan
 
     ents = spec.entries
-    ctx = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
-               pp_size=spec.pp_size)
+    ctx: dict[str, Any] = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
+                               pp_size=spec.pp_size)
     if not with_ids:
         return kvplan.Layout([base + e.offset for e in ents], [e.nbytes for e in ents],
                              [e.item_len for e in ents], None, None,
@@ -391,7 +391,7 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
     t1 = time.perf_counter()
     plan = template.plan(np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
     plans = [plan]
-    if src_slot is not None and len(template.state_pairs):
+    if src_slot is not None and dst_slot is not None and len(template.state_pairs):
         plans.append(template.plan_state(src_slot, dst_slot))
     t2 = time.perf_counter()
     out: dict[str, Any] = {"template_s": t1 - t0, "plan_s": t2 - t1,
@@ -438,7 +438,7 @@ def _cmd_probe(state: _PeerState, peer: str) -> int:
     return int(state.transport.probe(peer))
 
 
-_COMMANDS = {"transfer": _cmd_transfer, "submit_raw": _cmd_submit_raw,
+_COMMANDS: dict[str, Callable[..., Any]] = {"transfer": _cmd_transfer, "submit_raw": _cmd_submit_raw,
              "submit_async_raw": _cmd_submit_async_raw, "probe": _cmd_probe}
 
 
@@ -540,8 +540,8 @@ def expected_moves(src: PeerSpec, dst: PeerSpec) -> list[tuple[Entry, Entry]]:
 
 
 def first_wrong_byte(decode: Arena, dst_spec: PeerSpec,
-                     writes: list[tuple[Arena, PeerSpec, np.ndarray, np.ndarray, int | None,
-                                        int | None]]) -> str | None:
+                     writes: Sequence[tuple[Arena, PeerSpec, np.ndarray, np.ndarray, int | None,
+                                            int | None]]) -> str | None:
     """``None`` if the decode arena holds exactly the expected bytes, else a description of the
     first wrong byte. ``writes``: per prefill peer (arena, spec, src_pages, dst_pages, src_slot,
     dst_slot)."""

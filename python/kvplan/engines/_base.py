@@ -45,9 +45,12 @@ class PlanLike(Protocol):
     """Anything with three equally long 1-D uint64 arrays: a :class:`kvplan.TransferPlan`,
     a ``PlanBatch``, or a hand-built object in tests."""
 
-    src_addrs: Any
-    dst_addrs: Any
-    lengths: Any
+    @property
+    def src_addrs(self) -> Any: ...
+    @property
+    def dst_addrs(self) -> Any: ...
+    @property
+    def lengths(self) -> Any: ...
 
 
 @dataclass(frozen=True)
