@@ -206,3 +206,19 @@ def test_kind_strings_and_errors():
 def test_exported_from_kvplan():
     assert kvplan.select_pairing is select_pairing
     assert "select_pairing" in kvplan.__all__ and "PairingChoice" in kvplan.__all__
+
+
+def test_legacy_kv_keeps_state_ids():
+    # SGLang pairs state components by id whenever published, whatever path the KV takes:
+    # Ascend hybrid MHA at PP 2 slices K/V positionally but pairs Mamba state by layer id.
+    src = Layout.hybrid_linear([7], [1, 2], [640, 640], 64, mla=False, pp_rank=1, pp_size=2)
+    src = src.with_state("mamba_conv", [3], [160], 16, [5])
+    dst = Layout.hybrid_linear([3, 7], [10, 11, 12, 13], [640] * 4, 64, mla=False)
+    dst = dst.with_state("mamba_conv", [14, 15], [160, 160], 16, [4, 5])
+    choice = select_pairing("ascend", src)
+    assert (choice.mode, choice.legacy_kind) == ("legacy", "mha")
+    t = choice.template(src, dst, prefill_start_layer=1)
+    # K7 -> decode entry 1, V7 -> decode entry 3 (E9-style slice), state layer 5 -> entry 5.
+    assert t.pairs.tolist() == [[0, 1], [1, 3]]
+    assert t.state_pairs.tolist() == [[2, 5]]
+    assert choice.compare(src, dst, prefill_start_layer=1).compatible

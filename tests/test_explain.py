@@ -1,0 +1,207 @@
+"""kvplan explain, presets and the plot.
+
+Expected numbers come from design.md §7 (layers, bytes per token per layer) and arithmetic on
+them (blocks = entry pairs × runs; bytes = entries × pages × page_size × bytes per token), and
+from the state sizes documented in kvplan/presets.py (model config arithmetic), not from
+running kvplan.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan import cli, explain
+from kvplan.presets import PRESETS, get_preset, split_layers
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(["explain", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def stage_row(out: str, label: str) -> list[str]:
+    for line in out.splitlines():
+        if line.startswith(label) and "entries paired" not in line:  # not the header
+            return line.split()
+    raise AssertionError(f"no row {label!r} in\n{out}")
+
+
+# ------------------------------------------------------------------------ presets (§7)
+
+
+def test_presets_match_design_table():
+    assert set(PRESETS) == {"deepseek-v3", "qwen3-235b", "qwen3-next", "kimi-linear"}
+    ds = get_preset("DeepSeek-V3")
+    assert (ds.num_layers, ds.attention, ds.kv_bytes_per_token) == (61, "mla", 1152)
+    qw = get_preset("qwen3-235b")
+    assert (qw.num_layers, qw.attention, qw.kv_bytes_per_token) == (94, "mha", 1024)
+    nx = get_preset("qwen3-next")
+    assert (nx.num_layers, nx.attention, nx.kv_bytes_per_token) == (48, "mha", 1024)
+    assert nx.kv_layers() == list(range(3, 48, 4)) and len(nx.linear_layers()) == 36
+    km = get_preset("kimi-linear")
+    assert (km.num_layers, km.attention, km.kv_bytes_per_token) == (48, "mla", 1152)
+    assert km.kv_layers() == list(range(3, 48, 4))
+    assert get_preset("kimi-linear", 27).kv_layers() == [3, 7, 11, 15, 19, 23]
+    with pytest.raises(kvplan.KvPlanError, match="unknown preset"):
+        get_preset("llama")
+
+
+def test_preset_layouts():
+    ds = get_preset("deepseek-v3")
+    lay = ds.layout(range(31, 61), page_size=16, capacity=100, pp_rank=1, pp_size=2)
+    assert lay.n_entries == 30 and lay.layer_ids == list(range(31, 61))
+    assert set(lay.item_lens) == {1152 * 16} and set(lay.capacities) == {100}
+    assert (lay.pp_rank, lay.pp_size, lay.page_size, lay.num_model_layers) == (1, 2, 16, 61)
+    qw = get_preset("qwen3-235b").layout(range(94), page_size=1, capacity=8)
+    assert qw.n_entries == 188 and qw.roles == ["k"] * 94 + ["v"] * 94
+    nx = get_preset("qwen3-next").layout(range(24, 48), page_size=1, capacity=8)
+    # 6 full-attention layers (27..47 every 4th) × K/V, 18 linear layers × (conv, temporal).
+    assert nx.kinds.count("page") == 12 and nx.kinds.count("state") == 36
+    assert nx.layer_ids[:6] == [27, 31, 35, 39, 43, 47]
+    assert sorted(set(nx.item_lens)) == [1024, 49_152, 2_097_152]
+
+
+def test_split_layers():
+    assert split_layers(61, 2) == [range(0, 31), range(31, 61)]
+    assert split_layers(48, 1) == [range(0, 48)]
+    assert split_layers(48, 2, [20, 28]) == [range(0, 20), range(20, 48)]
+    with pytest.raises(kvplan.KvPlanError):
+        split_layers(48, 2, [20, 20])
+
+
+# ------------------------------------------------------------------------ fragmentation
+
+
+@pytest.mark.parametrize("frag,runs", [(0.0, 1), (1.0, 512), (0.5, 257)])
+def test_decode_pages_break_count(frag, runs):
+    dst, breaks = explain.decode_pages(512, frag, seed=3)
+    assert breaks == runs - 1
+    src = np.arange(512, dtype=np.int64)
+    assert len(kvplan.group_contiguous(src, dst)[2]) == runs
+    assert len(set(dst.tolist())) == 512  # a free list never hands out a page twice
+
+
+def test_histogram_buckets():
+    assert explain.histogram([1, 1, 2, 3, 4, 8, 9]) == [
+        ("1", 2, 2), ("2–3", 2, 5), ("4–7", 1, 4), ("8–15", 2, 17)]
+
+
+# ------------------------------------------------------------------------ CLI output
+
+
+def test_deepseek_fully_fragmented(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "512",
+                         "--fragmentation", "1")
+    assert rc == 0
+    # 61 MLA entries × 512 runs; 61 × 512 pages × 1152 bytes.
+    row = stage_row(out, "prefill")
+    assert row[1:6] == ["layer_id", "61", "512", f"{61 * 512:,}", f"{61 * 512 * 1152:,}"]
+    assert "destination fully fragmented: 512× more blocks than contiguous" in out
+    assert f"{512 * 1152:,} B) each: layers 0–60 (61 layers)" in out
+    assert "engine calls of at most 1,024 blocks" in out
+
+
+def test_deepseek_contiguous_pp2(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pp", "2", "--pages", "100",
+                         "--page-size", "64")
+    assert rc == 0
+    item = 1152 * 64
+    assert stage_row(out, "stage 0/2")[2:7] == ["layer_id", "31", "1", "31", f"{31 * 100 * item:,}"]
+    assert stage_row(out, "stage 1/2")[2:7] == ["layer_id", "30", "1", "30", f"{30 * 100 * item:,}"]
+    assert "fragmented" not in out
+    assert "layers 0–30 | 31–60" in out
+
+
+def test_qwen3_235b_kv_per_layer(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "qwen3-235b", "--pages", "64", "--page-size", "16")
+    assert rc == 0
+    # K and V per layer: 2 × 64 pages × 16 tokens × 1024 bytes.
+    assert f"({2 * 64 * 16 * 1024:,} B) each: layers 0–93 (94 layers)" in out
+    assert stage_row(out, "prefill")[1:5] == ["layer_id", "188", "1", "188"]
+
+
+def test_kimi_linear_hybrid_pp2(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "kimi-linear", "--pp", "2", "--pages", "32",
+                         "--page-size", "16")
+    assert rc == 0
+    # Stage 1 holds layers 24-47: MLA on 27..47 every 4th (6), state on 18 KDA layers × 2.
+    row = stage_row(out, "stage 1/2")
+    assert row[2:6] == ["layer_id", "6", "+", "36"]
+    assert f"({32 * 16 * 1152:,} B) each: layers 3–47 every 4th (12 layers)" in out
+    assert f"({73_728 + 2_097_152:,} B) each: layers 0–2, 4–6" in out
+
+
+def test_qwen3_next_ascend_legacy_with_state_ids(capsys):
+    # Ascend + hybrid MHA + PP 2 -> legacy KV slicing (seed's dispatch); state pairs by id.
+    rc, out, _ = run_cli(capsys, "--preset", "qwen3-next", "--pp-split", "20,28", "--stage", "1",
+                         "--backend", "ascend", "--pages", "8")
+    assert rc == 0, out
+    row = stage_row(out, "stage 1/2")
+    # Layers 20-47: full attention on 23..47 every 4th = 7 layers × K/V; 21 linear × 2 states.
+    assert row[2:6] == ["legacy", "14", "+", "42"]
+    assert f"({2 * 8 * 1024:,} B) each: layers 23–47 every 4th (7 layers)" in out
+    assert f"({49_152 + 2_097_152:,} B) each" in out
+
+
+def test_json_layouts_round_trip(capsys, tmp_path):
+    rc, first, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pp", "2", "--pages", "64",
+                           "--fragmentation", "0.25", "--write-layouts", str(tmp_path))
+    assert rc == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["decode.json", "prefill-stage0.json", "prefill-stage1.json"]
+    assert json.loads((tmp_path / "decode.json").read_text())["layer_ids"] == list(range(61))
+    rc, again, _ = run_cli(capsys, "--prefill", str(tmp_path / "prefill-stage0.json"),
+                           "--prefill", str(tmp_path / "prefill-stage1.json"),
+                           "--decode", str(tmp_path / "decode.json"), "--pages", "64",
+                           "--fragmentation", "0.25")
+    assert rc == 0
+    for label in ("stage 0/2", "stage 1/2"):
+        assert stage_row(again, label)[:7] == stage_row(first, label)[:7]
+
+
+def test_incompatible_layouts_exit_1_with_report(capsys, tmp_path):
+    ds = get_preset("deepseek-v3")
+    (tmp_path / "p.json").write_text(json.dumps(
+        ds.layout(range(31, 61), page_size=1, capacity=64, pp_rank=1, pp_size=2).to_dict()))
+    (tmp_path / "d.json").write_text(json.dumps(
+        ds.layout(range(60), page_size=1, capacity=64).to_dict()))  # decode lacks layer 60
+    rc, out, _ = run_cli(capsys, "--prefill", str(tmp_path / "p.json"),
+                         "--decode", str(tmp_path / "d.json"), "--pages", "16")
+    assert rc == 1
+    assert "NOT COMPATIBLE" in out and "decode has no entry for layer 60" in out
+
+
+def test_bad_input_exit_2(capsys):
+    rc, _, err = run_cli(capsys, "--preset", "deepseek-v3", "--fragmentation", "2")
+    assert rc == 2 and "--fragmentation" in err
+    rc, _, err = run_cli(capsys, "--preset", "deepseek-v3", "--pp", "2", "--stage", "5")
+    assert rc == 2 and "--stage" in err
+
+
+# ------------------------------------------------------------------------ plot
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    import matplotlib  # noqa: F401  (the 'plot' extra is part of the test extra: never skipped)
+
+    path = tmp_path / "explain.png"
+    rc, out, _ = run_cli(capsys, "--preset", "kimi-linear", "--pp", "2", "--pages", "256",
+                         "--fragmentation", "0.3", "--plot", str(path))
+    assert rc == 0 and f"plot written to {path}" in out
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_import_kvplan_does_not_import_matplotlib_or_engines():
+    code = ("import sys, kvplan, kvplan.cli; kvplan.cli.build_parser(); "
+            "bad = [m for m in sys.modules if m.startswith(('matplotlib', 'kvplan.engines', "
+            "'mooncake', 'memfabric'))]; print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
