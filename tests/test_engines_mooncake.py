@@ -254,7 +254,8 @@ def test_nonzero_status_becomes_transfer_error_with_fields() -> None:
 
 
 def test_engine_exception_becomes_transfer_error() -> None:
-    t, fake = transport(write_status=TypeError("incompatible function arguments"))  # type: ignore[arg-type]
+    boom = TypeError("incompatible function arguments")
+    t, fake = transport(write_status=boom)  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="raised TypeError") as info:
         t.submit(make_plan(3), "p:1")
     assert isinstance(info.value.__cause__, TypeError)
@@ -544,7 +545,8 @@ def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -
                                         np.uint64(d.base) + dst_slots.astype(np.uint64) * size,
                                         np.full(n, size, np.uint64), timeout=60)
         for i, slot in enumerate(dst_slots.tolist()):
-            expected[slot * size:(slot + 1) * size] = c.arenas["prefill"].array[i * size:(i + 1) * size]
+            src_bytes = c.arenas["prefill"].array[i * size:(i + 1) * size]
+            expected[slot * size:(slot + 1) * size] = src_bytes
         assert_decode_bytes(c.arenas["decode"].array, expected, decode)
     assert stats["blocks"] == n and stats["batches"] == 3
 

@@ -1,4 +1,4 @@
-"""``kvplan demo``: plan and move a hybrid model's KV cache between real processes, check every byte.
+"""``kvplan demo``: plan and move a hybrid model's KV cache between processes, check every byte.
 
 Scenario (the one the seed fix was about): a Kimi-Linear-style hybrid model, full-attention MLA
 on every 4th layer, Mamba-style per-request state (conv + temporal) on every other layer. The
@@ -438,8 +438,12 @@ def _cmd_probe(state: _PeerState, peer: str) -> int:
     return int(state.transport.probe(peer))
 
 
-_COMMANDS: dict[str, Callable[..., Any]] = {"transfer": _cmd_transfer, "submit_raw": _cmd_submit_raw,
-             "submit_async_raw": _cmd_submit_async_raw, "probe": _cmd_probe}
+_COMMANDS: dict[str, Callable[..., Any]] = {
+    "transfer": _cmd_transfer,
+    "submit_raw": _cmd_submit_raw,
+    "submit_async_raw": _cmd_submit_async_raw,
+    "probe": _cmd_probe,
+}
 
 
 class PeerProcess:

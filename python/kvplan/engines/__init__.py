@@ -10,7 +10,7 @@ Usage::
     t = MooncakeTransport("127.0.0.1")      # raises TransferError unless initialize() returns 0
     t.register(layout)                      # every buffer once; overlaps merged, repeats skipped
     session = t.local_session_id()          # "127.0.0.1:PORT": what peers pass as peer_session
-    stats = t.submit(plan, peer_session)    # TransferStats(session, blocks, bytes, batches, seconds)
+    stats = t.submit(plan, peer_session)  # TransferStats(blocks, bytes, batches, seconds, ...)
     pending = t.submit_async(plan, peer_session)   # Mooncake only; pending.wait() -> TransferStats
 
 Failures raise :class:`kvplan.TransferError` with ``engine``, ``session``, ``batch``, ``blocks``,
