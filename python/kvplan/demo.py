@@ -470,6 +470,7 @@ class PeerProcess:
         self.base = 0
         self.regions: list[tuple[int, int]] = []
         self.layout_wire: bytes | None = None
+        self._broken = False
         if wait:
             self.ready(start_timeout)
 
@@ -488,6 +489,7 @@ class PeerProcess:
                 raise PeerFailure(f"{self.spec.name} died during {what} "
                                   f"(exit code {self.process.exitcode})")
             if time.monotonic() > deadline:
+                self._broken = True
                 raise PeerFailure(f"{self.spec.name} gave no answer to {what} in {timeout:.0f} s")
         try:
             kind, *payload = self._conn.recv()
@@ -504,12 +506,22 @@ class PeerProcess:
             raise err
         raise PeerFailure(f"{self.spec.name} failed during {what}: {payload[0]}")
 
-    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
-        """Run command ``cmd`` in the peer; re-raises its TransferError here."""
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start command ``cmd`` in the peer without waiting (pair with :meth:`result`)."""
+        if self._broken:  # a late answer to a timed-out command would be misread
+            raise PeerFailure(f"{self.spec.name} timed out earlier; not reusable")
         try:
             self._conn.send((cmd, *args))
         except (BrokenPipeError, OSError) as exc:
             raise PeerFailure(f"{self.spec.name} is gone ({exc})") from None
+
+    def result(self, timeout: float = 60.0, what: str = "command") -> Any:
+        """The answer to the last :meth:`send`; re-raises the peer's TransferError here."""
+        return self._reply(timeout, what)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run command ``cmd`` in the peer and return its result."""
+        self.send(cmd, *args)
         return self._reply(timeout, cmd)
 
     def kill(self) -> None:
@@ -520,11 +532,11 @@ class PeerProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the peer to close its engine and exit; kill it if it does not."""
-        if self.process.is_alive():
+        if self.process.is_alive() and not self._broken:
             try:
                 self._conn.send(("stop",))
                 self._reply(timeout, "stop")
-            except (PeerFailure, BrokenPipeError, OSError):
+            except Exception:  # teardown: a late answer or a dead pipe must not mask the test
                 pass
             self.process.join(timeout)
         if self.process.is_alive():
@@ -700,10 +712,10 @@ def run_demo(model: HybridModel, *, prefill_pp: int = 2, request_pages: int | No
         # The prefill stages write concurrently, as real PP stages do: send every request
         # first, then collect the answers.
         for p in peers[1:]:
-            p._conn.send(("transfer", dpeer.layout_wire, dpeer.session, src_pages, dst_pages,
-                          src_slot, dst_slot, max_blocks_per_batch))
+            p.send("transfer", dpeer.layout_wire, dpeer.session, src_pages, dst_pages,
+                   src_slot, dst_slot, max_blocks_per_batch)
         for p in peers[1:]:
-            res = p._reply(120.0, "transfer")
+            res = p.result(120.0, "transfer")
             report.per_peer.append(res)
             report.entries_paired += res["pairs"]
             report.state_entries_paired += res["state_pairs"]
