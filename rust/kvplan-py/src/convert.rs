@@ -81,3 +81,34 @@ pub(crate) fn dispatch<V: IndexVisitor>(
         (IndexSlice::I64(s), IndexSlice::I64(d)) => visitor.visit(s, d),
     }
 }
+
+impl IndexSlice<'_> {
+    fn len(self) -> usize {
+        match self {
+            IndexSlice::I32(s) => s.len(),
+            IndexSlice::I64(s) => s.len(),
+        }
+    }
+}
+
+/// Requests with fewer index pairs than this are planned without releasing the GIL: for a
+/// handful of pages, releasing and re-acquiring it costs more than the planning itself.
+const DETACH_MIN_PAGES: usize = 1024;
+
+/// Runs `visitor` over the request, with the GIL released unless the request is tiny.
+pub(crate) fn visit_request<V>(
+    py: Python<'_>,
+    src: IndexSlice<'_>,
+    dst: IndexSlice<'_>,
+    visitor: V,
+) -> V::Output
+where
+    V: IndexVisitor + Send,
+    V::Output: Send,
+{
+    if src.len().max(dst.len()) < DETACH_MIN_PAGES {
+        dispatch(src, dst, visitor)
+    } else {
+        py.detach(|| dispatch(src, dst, visitor))
+    }
+}

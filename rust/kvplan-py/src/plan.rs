@@ -12,7 +12,7 @@ use numpy::{
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::convert::{IndexArray, IndexVisitor, dispatch};
+use crate::convert::{IndexArray, IndexVisitor, visit_request};
 use crate::errors::{KvPlanError, exception_name, to_py_err};
 use crate::layout::PyLayout;
 use crate::pool;
@@ -57,9 +57,7 @@ pub fn group_contiguous<'py>(
         IndexArray::extract(dst, "dst")?,
     );
     let (src_slice, dst_slice) = (src_array.as_slice("src")?, dst_array.as_slice("dst")?);
-    let (s, d, l) = py
-        .detach(|| dispatch(src_slice, dst_slice, Group))
-        .map_err(to_py_err)?;
+    let (s, d, l) = visit_request(py, src_slice, dst_slice, Group).map_err(to_py_err)?;
     // Indices were validated non-negative, so the reinterpretation is exact; collecting into a
     // same-sized element type reuses each allocation.
     let signed = |v: Vec<u64>| {
@@ -370,14 +368,12 @@ impl PyTemplate {
             let capacity = out.shape()[1];
             let flat = out.as_slice_mut()?;
             let columns = Columns::from_flat(flat, capacity);
-            let summary = py
-                .detach(|| dispatch(src, dst, PlanInto(template, columns)))
-                .map_err(to_py_err)?;
+            let summary =
+                visit_request(py, src, dst, PlanInto(template, columns)).map_err(to_py_err)?;
             return Ok((None, summary.n_runs, summary.n_blocks, summary.total_bytes));
         }
-        let (buffer, summary) = py
-            .detach(|| dispatch(src, dst, PlanPooled(template)))
-            .map_err(to_py_err)?;
+        let (buffer, summary) =
+            visit_request(py, src, dst, PlanPooled(template)).map_err(to_py_err)?;
         let n = summary.n_blocks;
         let stride = buffer.capacity;
         let owner = Bound::new(py, PyPlanBuffer { data: buffer.data })?;
