@@ -150,7 +150,8 @@ def test_positional_counts_e6():
     assert not bad.compatible and "got src=3 dst=5 entries" in bad.reasons[0]
     good = kvplan.compare(src, dst, True)
     assert good.pairs == ((0, 0), (1, 1), (2, 2))
-    assert "entries pair by position: prefill entries 0–2 -> decode entries 0–2" in good.coverage
+    assert ("entries pair by position: prefill entries 0–2 -> decode entries 0–2"
+            in good.coverage)
 
 
 def test_legacy_slicing_options_pass_through_e8():

@@ -509,7 +509,7 @@ def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]]
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``kvplan explain``; exit 0 when every stage is compatible, 1 otherwise, 2 on bad input."""
+    """Run ``kvplan explain``: exit 0 if every stage is compatible, 1 if not, 2 on bad input."""
     import sys
 
     try:

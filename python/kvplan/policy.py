@@ -101,7 +101,7 @@ class PairingChoice:
         *,
         prefill_start_layer: int | None = None,
     ) -> tuple[Layout, Layout, dict[str, Any]]:
-        """The layouts and keyword arguments that make ``Template`` / ``compare`` follow this choice.
+        """Layouts and keyword arguments that make ``Template`` / ``compare`` follow this choice.
 
         Positional and legacy modes ignore the page entries' published layer ids (that is what
         the legacy KV path does), so the layouts are re-built without them. State entries keep
@@ -154,7 +154,7 @@ class PairingChoice:
         *,
         prefill_start_layer: int | None = None,
     ) -> Any:
-        """``kvplan.compare`` under this choice: the report for exactly what :meth:`template` builds."""
+        """``kvplan.compare`` under this choice: the report for what :meth:`template` builds."""
         from kvplan.report import compare
 
         src, dst, kwargs = self.prepare(prefill_layout, decode_layout,

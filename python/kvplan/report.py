@@ -332,7 +332,8 @@ def _side(name: str, layout: Layout, verb: str, n_model: int | None) -> str:
     ids = _page_ids(layout)
     n_page = sum(1 for k in layout.kinds if k == "page")
     model, draft = _split_model_draft(ids, n_model)
-    who = name if layout.pp_size == 1 else f"{name} stage (PP rank {layout.pp_rank} of {layout.pp_size})"
+    who = (name if layout.pp_size == 1
+           else f"{name} stage (PP rank {layout.pp_rank} of {layout.pp_size})")
     if not ids:
         return f"{who} publishes no layer ids ({_plural(n_page, 'page entry')})"
     text = (f"{who} {verb} layers {format_ids(model)}: "
