@@ -312,9 +312,13 @@ def one(fn, inner: int) -> float:
 
 
 def calibrate(fn, before, after, min_sample_ns: float) -> tuple[int, float]:
+    """Inner-loop count so that one sample lasts >= min_sample_ns. Calls taking >= 20 ms are
+    not repeated here (at 8M blocks one SGLang call takes >10 s): they run once, as warm-up."""
     before()
-    fn()
+    t = one(fn, 1)
     after()
+    if t >= 20e6:
+        return 1, t
     before()
     t = one(fn, 1)
     after()
@@ -329,10 +333,15 @@ def calibrate(fn, before, after, min_sample_ns: float) -> tuple[int, float]:
 def measure(variants: dict, budget_s: float, min_reps: int, max_reps: int,
             min_sample_ns: float = 200_000) -> dict:
     """variants: name -> (fn, before, after); before/after run untimed around each sample.
-    Interleaved: each repetition samples every variant once, in
-    an order rotated per repetition. Returns name -> list of per-call ns."""
+    Interleaved: each repetition samples every variant in an order rotated per repetition.
+    A variant much cheaper than the slowest one takes up to 20 consecutive samples per
+    repetition (so kvplan gets enough samples even when SGLang allows only 3 repetitions).
+    Returns name -> list of per-call ns."""
     cal = {k: calibrate(*v, min_sample_ns) for k, v in variants.items()}
-    per_rep = sum(inner * t for inner, t in cal.values()) * NS
+    per_sample = {k: inner * t for k, (inner, t) in cal.items()}
+    slowest = max(per_sample.values())
+    burst = {k: int(max(1, min(20, 0.25 * slowest // max(v, 1.0)))) for k, v in per_sample.items()}
+    per_rep = sum(per_sample[k] * burst[k] for k in cal) * NS
     reps = int(max(min_reps, min(max_reps, budget_s // max(per_rep, 1e-9))))
     names = list(variants)
     samples = {k: [] for k in names}
@@ -343,9 +352,10 @@ def measure(variants: dict, budget_s: float, min_reps: int, max_reps: int,
             order = names[r % len(names):] + names[: r % len(names)]
             for k in order:
                 fn, before, after = variants[k]
-                before()
-                samples[k].append(one(fn, cal[k][0]))
-                after()
+                for _ in range(burst[k]):
+                    before()
+                    samples[k].append(one(fn, cal[k][0]))
+                    after()
     finally:
         if gc_was:
             gc.enable()
@@ -664,7 +674,8 @@ def main():
         samples = measure(variants, budget, min_reps=min_reps, max_reps=301)
         med = {k: statistics.median(v) for k, v in samples.items()}
         row = dict(sc=sc, n_blocks=n_blocks, n_runs=n_blocks // max(1, len(b.src_ptrs)),
-                   reps=len(samples["sglang plan"]), med=med, identical=kv_ok)
+                   reps=len(samples["sglang plan"]),
+                   kv_samples=len(samples.get("kvplan pooled", [])), med=med, identical=kv_ok)
         rows.append(row)
         print(f"{sc.key:28s} blocks={n_blocks:>10,d} reps={row['reps']:>3d} "
               + " ".join(f"{k}={fmt_ns(v)}" for k, v in med.items()), flush=True)
@@ -720,8 +731,9 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
              "breaks of contiguity (f = fragmentation). Before timing, every scenario checks "
              "that both planners emit the identical block list (same triples, same order). "
              "Timings interleave all variants in one process (order rotated per repetition, GC "
-             "off while sampling); small calls are looped so one sample is ≥0.2 ms. "
-             "Medians per call.")
+             "off while sampling); small calls are looped so one sample is ≥0.2 ms, and a "
+             "variant far cheaper than the slowest takes up to 20 samples per repetition. "
+             "Medians per call. SGLang calls of several seconds get 3 repetitions.")
     L.append("")
     L.append("- **sglang plan**: `_send_kvcache_generic` up to its list of `(src, dst, len)` "
              "tuples (a recorder stands in for `_transfer_data`).")
@@ -745,7 +757,7 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     L.append("## Results (medians)")
     L.append("")
     if have_kv:
-        L.append("| scenario | model | page | tokens | frag | blocks | reps | sglang plan | "
+        L.append("| scenario | model | page | tokens | frag | blocks | samples (sglang / kvplan) | sglang plan | "
                  "sglang handoff | kvplan fresh | kvplan pooled | kvplan out= | kvplan handoff "
                  "| ratio plan | ratio fresh | ratio handoff | kvplan ns/block (out=) |")
         L.append("|" + "---|" * 17)
@@ -756,7 +768,9 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     for r in rows:
         sc, m, n = r["sc"], r["med"], r["n_blocks"]
         head = (f"| `{sc.key}` | {sc.model} | {sc.page_size} | {sc.tokens:,} | "
-                f"{sc.frag * 100:g} % | {n:,} | {r['reps']} | {fmt_ns(m['sglang plan'])} | "
+                f"{sc.frag * 100:g} % | {n:,} | {r['reps']}"
+                + (f" / {r['kv_samples']}" if r.get("kv_samples") else "")
+                + f" | {fmt_ns(m['sglang plan'])} | "
                 f"{fmt_ns(m['sglang handoff'])} |")
         if have_kv:
             L.append(head + f" {fmt_ns(m['kvplan fresh'])} | {fmt_ns(m['kvplan pooled'])} | "
