@@ -243,23 +243,20 @@ fn local_partners(
     let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
     match options.prefill_start_layer {
         Some(start) if legacy => {
+            // Both peers say which buffer group each entry belongs to (k/v, NPU groups g0/g1…,
+            // draft): slice each group on its own, as Ascend's per-group slicing does (§5.3).
+            if let (Some(src_roles), Some(dst_roles)) = (&src_roles, &dst_roles) {
+                let partners = slice_per_role(src_roles, dst_roles, start)?;
+                return Ok(partners.into_iter().map(Ok).collect());
+            }
             let kind = match options.legacy_kind {
                 Some(kind) => kind,
                 None => infer_legacy_kind(src_roles.as_deref())?,
             };
-            let roles_start_with = |roles: &Option<Vec<String>>, prefix: &str| {
-                roles
-                    .as_ref()
-                    .map_or(0, |r| r.iter().filter(|x| x.starts_with(prefix)).count())
-            };
-            let num_draft = roles_start_with(&src_roles, "draft");
-            let k_roles = dst_roles
+            let num_draft = src_roles
                 .as_ref()
-                .map_or(0, |r| r.iter().filter(|x| *x == "k").count());
-            let decode_layers = match k_roles {
-                0 => dst.context().num_model_layers.map(|x| x as usize),
-                k_entries => Some(k_entries),
-            };
+                .map_or(0, |r| r.iter().filter(|x| x.starts_with("draft")).count());
+            let decode_layers = dst.context().num_model_layers.map(|x| x as usize);
             let pairs = legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?;
             Ok(pairs.into_iter().map(|[_, j]| Ok(j)).collect())
         }
@@ -277,6 +274,41 @@ fn local_partners(
             options.allow_positional_fallback,
         ),
     }
+}
+
+/// Legacy positional slicing within each role: the prefill's entries of role `r` (in order) go to
+/// the decode's entries of role `r` starting at `prefill_start_layer`; draft roles go to the last
+/// entries of their role (the decode's draft band), as SGLang's draft tail does.
+fn slice_per_role(src_roles: &[String], dst_roles: &[String], start: usize) -> Result<Vec<usize>> {
+    let mut seen: Vec<(&str, usize)> = Vec::new(); // role -> how many src entries had it so far
+    src_roles
+        .iter()
+        .map(|role| {
+            let k = match seen.iter_mut().find(|(r, _)| *r == role.as_str()) {
+                Some((_, count)) => {
+                    *count += 1;
+                    *count - 1
+                }
+                None => {
+                    seen.push((role.as_str(), 1));
+                    0
+                }
+            };
+            let dst_of_role: Vec<usize> = (0..dst_roles.len()).filter(|&j| dst_roles[j] == *role).collect();
+            let src_of_role = src_roles.iter().filter(|r| *r == role).count();
+            let offset = if role.starts_with("draft") {
+                dst_of_role.len().checked_sub(src_of_role)
+            } else {
+                Some(start).filter(|&s| s + src_of_role <= dst_of_role.len())
+            };
+            offset.map(|o| dst_of_role[o + k]).ok_or_else(|| PlanError::LegacySlice {
+                reason: format!(
+                    "prefill has {src_of_role} entries of role {role:?} from layer {start}, decode has only {} entries of that role",
+                    dst_of_role.len()
+                ),
+            })
+        })
+        .collect()
 }
 
 fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
@@ -315,6 +347,54 @@ fn infer_legacy_kind(src_roles: Option<&[String]>) -> Result<LegacyKind> {
 mod tests {
     use super::*;
     use crate::layout::LayoutContext;
+
+    #[test]
+    fn legacy_slicing_is_per_buffer_group() {
+        // E23: NPU groups, decode [g0 x4, g1 x4, draft g0, draft g1], prefill stage from layer 2.
+        let ctx = LayoutContext::default;
+        let roles = |r: &[&str]| r.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let parts = |ptrs: Vec<u64>, r: Vec<String>| crate::layout::LayoutParts {
+            data_lens: vec![64; ptrs.len()],
+            item_lens: vec![8; ptrs.len()],
+            data_ptrs: ptrs,
+            roles: r,
+            ..Default::default()
+        };
+        let src = Layout::new(
+            parts(
+                vec![102, 103, 202, 203, 300, 400],
+                roles(&["g0", "g0", "g1", "g1", "draft_g0", "draft_g1"]),
+            ),
+            ctx(),
+        )
+        .unwrap();
+        let dst_roles = roles(&[
+            "g0", "g0", "g0", "g0", "g1", "g1", "g1", "g1", "draft_g0", "draft_g1",
+        ]);
+        let dst = Layout::new(
+            parts(
+                vec![100, 101, 102, 103, 200, 201, 202, 203, 300, 400],
+                dst_roles,
+            ),
+            ctx(),
+        )
+        .unwrap();
+        let options = TemplateOptions {
+            prefill_start_layer: Some(2),
+            ..TemplateOptions::default()
+        };
+        let t = Template::new(&src, &dst, options).unwrap();
+        let bases: Vec<u64> = t.page_pairs().iter().map(|p| p.dst_base).collect();
+        assert_eq!(bases, vec![102, 103, 202, 203, 300, 400]);
+        let too_far = TemplateOptions {
+            prefill_start_layer: Some(3),
+            ..TemplateOptions::default()
+        };
+        assert!(matches!(
+            Template::new(&src, &dst, too_far),
+            Err(PlanError::LegacySlice { .. })
+        ));
+    }
 
     #[test]
     fn size_mismatch_names_layer_role_and_sizes() {

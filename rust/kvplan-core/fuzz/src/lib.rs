@@ -143,6 +143,18 @@ fn roles_of(codes: &[u8]) -> Vec<String> {
         .collect()
 }
 
+fn meta<'a>(
+    ids: &'a Option<Vec<i64>>,
+    roles: &'a Option<Vec<String>>,
+    n: usize,
+) -> kvplan_core::EntryMetadata<'a> {
+    kvplan_core::EntryMetadata {
+        layer_ids: ids.as_deref(),
+        roles: roles.as_deref(),
+        n_entries: n,
+    }
+}
+
 pub fn check_pairing(input: &PairingInput) {
     let src_ids: Option<Vec<i64>> = input
         .src_ids
@@ -157,11 +169,6 @@ pub fn check_pairing(input: &PairingInput) {
     let n_dst = (base(&dst_ids) as i64 + i64::from(input.n_dst_delta % 3)).max(0) as usize;
     let src_roles = input.src_roles.as_deref().map(roles_of);
     let dst_roles = input.dst_roles.as_deref().map(roles_of);
-    let meta = |ids: &Option<Vec<i64>>, roles: &Option<Vec<String>>, n| kvplan_core::EntryMetadata {
-        layer_ids: ids.as_deref(),
-        roles: roles.as_deref(),
-        n_entries: n,
-    };
     let result = pair_entries(
         meta(&src_ids, &src_roles, n_src),
         meta(&dst_ids, &dst_roles, n_dst),
