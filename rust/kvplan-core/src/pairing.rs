@@ -249,7 +249,13 @@ pub fn legacy_pp_pairs(
                     "the decode's layer count is needed to find its V block (src={n_src}, dst={n_dst} entries: an uneven PP split and draft entries look alike); publish layer ids, MHA roles or num_model_layers"
                 ));
             };
-            if decode_layers == 0 || decode_layers * 2 > n_dst {
+            // checked: a huge count (user input, or a peer's num_model_layers) must not wrap
+            // to a small product and let V entries pair far outside the decode's list.
+            if decode_layers == 0
+                || decode_layers
+                    .checked_mul(2)
+                    .is_none_or(|k_and_v| k_and_v > n_dst)
+            {
                 return fail(format!(
                     "decode layer count {decode_layers} does not fit {n_dst} decode entries"
                 ));
@@ -386,5 +392,21 @@ mod tests {
         assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 8, 0, Some(15)).is_err());
         // Without the decode's layer count the V block is ambiguous: an error, not a guess.
         assert!(legacy_pp_pairs(LegacyKind::Mha, 16, 30, 7, 0, None).is_err());
+    }
+
+    #[test]
+    fn mha_huge_decode_layer_count_is_an_error_not_a_wrap() {
+        // Found by the `pairing` fuzz target: `decode_layers * 2` overflowed (a panic with
+        // overflow checks; in release it wrapped to 0, the slice was accepted and V entries
+        // paired with decode entry 2**63, which made Template::new index out of bounds).
+        for layers in [usize::MAX / 2 + 1, usize::MAX / 2 + 2, usize::MAX] {
+            let err = legacy_pp_pairs(LegacyKind::Mha, 2, 4, 0, 0, Some(layers)).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "decode layer count {layers} does not fit 4 decode entries"
+                )),
+                "{err}"
+            );
+        }
     }
 }
