@@ -790,6 +790,13 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     L.append("")
     L.append("## Results (medians)")
     L.append("")
+    n_id = sum(1 for r in rows if r.get("identical"))
+    total_blocks = sum(r["n_blocks"] for r in rows if r.get("identical"))
+    if have_kv:
+        L.append(f"Identical output checked before timing: {n_id} of {len(rows)} scenarios, "
+                 f"{total_blocks:,} blocks compared triple by triple (SGLang's engine-call lists "
+                 "vs kvplan's three uint64 columns).")
+        L.append("")
     if have_kv:
         L.append("| scenario | model | page | tokens | frag | blocks | samples (sglang / kvplan) | sglang plan | "
                  "sglang handoff | kvplan fresh | kvplan pooled | kvplan out= | kvplan handoff "
