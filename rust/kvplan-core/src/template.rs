@@ -1,5 +1,7 @@
 //! A compiled peer pair: entries paired and validated once, ready for per-request planning.
 
+use std::collections::HashMap;
+
 use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout};
 use crate::pairing::{EntryMetadata, LegacyKind, Partner, legacy_pp_pairs, pair_each};
@@ -279,36 +281,49 @@ fn local_partners(
 /// Legacy positional slicing within each role: the prefill's entries of role `r` (in order) go to
 /// the decode's entries of role `r` starting at `prefill_start_layer`; draft roles go to the last
 /// entries of their role (the decode's draft band), as SGLang's draft tail does.
+fn positions_by_role(roles: &[String]) -> HashMap<&str, Vec<usize>> {
+    let mut by_role: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (j, role) in roles.iter().enumerate() {
+        by_role.entry(role.as_str()).or_default().push(j);
+    }
+    by_role
+}
+
 fn slice_per_role(src_roles: &[String], dst_roles: &[String], start: usize) -> Result<Vec<usize>> {
-    let mut seen: Vec<(&str, usize)> = Vec::new(); // role -> how many src entries had it so far
-    src_roles
-        .iter()
-        .map(|role| {
-            let k = match seen.iter_mut().find(|(r, _)| *r == role.as_str()) {
-                Some((_, count)) => {
-                    *count += 1;
-                    *count - 1
-                }
-                None => {
-                    seen.push((role.as_str(), 1));
-                    0
-                }
-            };
-            let dst_of_role: Vec<usize> = (0..dst_roles.len()).filter(|&j| dst_roles[j] == *role).collect();
-            let src_of_role = src_roles.iter().filter(|r| *r == role).count();
-            let offset = if role.starts_with("draft") {
-                dst_of_role.len().checked_sub(src_of_role)
-            } else {
-                Some(start).filter(|&s| s + src_of_role <= dst_of_role.len())
-            };
-            offset.map(|o| dst_of_role[o + k]).ok_or_else(|| PlanError::LegacySlice {
+    // Positions of each role on both sides, in layout order (linear in the entry counts).
+    let (src_by_role, dst_by_role) = (positions_by_role(src_roles), positions_by_role(dst_roles));
+    let mut partners = vec![0; src_roles.len()];
+    // Roles in order of first appearance, so the first error reported is deterministic.
+    for (i, role) in src_roles.iter().enumerate() {
+        let src_positions = &src_by_role[role.as_str()];
+        if src_positions[0] != i {
+            continue; // not this role's first entry: already handled
+        }
+        let dst_positions = dst_by_role
+            .get(role.as_str())
+            .map_or(&[][..], Vec::as_slice);
+        let wanted = src_positions.len();
+        let offset = if role.starts_with("draft") {
+            dst_positions.len().checked_sub(wanted)
+        } else {
+            start
+                .checked_add(wanted)
+                .filter(|&end| end <= dst_positions.len())
+                .map(|_| start)
+        };
+        let Some(offset) = offset else {
+            return Err(PlanError::LegacySlice {
                 reason: format!(
-                    "prefill has {src_of_role} entries of role {role:?} from layer {start}, decode has only {} entries of that role",
-                    dst_of_role.len()
+                    "prefill has {wanted} entries of role {role:?} from layer {start}, decode has only {} entries of that role",
+                    dst_positions.len()
                 ),
-            })
-        })
-        .collect()
+            });
+        };
+        for (k, &i) in src_positions.iter().enumerate() {
+            partners[i] = dst_positions[offset + k];
+        }
+    }
+    Ok(partners)
 }
 
 fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
