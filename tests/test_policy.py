@@ -122,17 +122,23 @@ def test_row_ascend_mla_pp_needs_start_layer():
         choice.template_kwargs()
 
 
-def test_row_ascend_npu_groups_pp_refuses_flat_slicing():
-    # E23's layout (2 buffer groups, no ids): Ascend slices per group (§5.3). kvplan's legacy
-    # slicing is flat, which would pair group 1 with the wrong layers, so the policy refuses.
-    dst = Layout([100, 101, 102, 103, 200, 201, 202, 203], [640] * 8, 64,
-                 roles=["g0"] * 4 + ["g1"] * 4)
-    src = Layout([102, 103, 202, 203], [640] * 4, 64, roles=["g0", "g0", "g1", "g1"],
-                 pp_rank=1, pp_size=2)
+def test_row_ascend_npu_groups_pp_slices_per_group_e23():
+    # E23: 2 buffer groups, 4 target + 1 draft layer on decode, stage from layer 2. Ascend
+    # slices per group (§5.3): a flat slice would pair group 1 with group 0 of other layers.
+    dst = Layout([100, 101, 102, 103, 200, 201, 202, 203, 300, 400], [640] * 10, 64,
+                 roles=["g0"] * 4 + ["g1"] * 4 + ["draft_g0", "draft_g1"])
+    src = Layout([102, 103, 202, 203, 300, 400], [640] * 6, 64,
+                 roles=["g0", "g0", "g1", "g1", "draft_g0", "draft_g1"], pp_rank=1, pp_size=2)
     choice = select_pairing("ascend", src, 2)
     assert (choice.mode, choice.legacy_kind) == ("legacy", "mla")
-    with pytest.raises(KvPlanError, match="buffer groups"):
-        choice.template(src, dst, prefill_start_layer=2)
+    t = choice.template(src, dst, prefill_start_layer=2)
+    assert [dst.data_ptrs[j] for _, j in t.pairs.tolist()] == [102, 103, 202, 203, 300, 400]
+    # Non-last rank without draft entries: [K2, K3, V2, V3].
+    t = choice.template(Layout([102, 103, 202, 203], [640] * 4, 64,
+                               roles=["g0", "g0", "g1", "g1"]), dst, prefill_start_layer=2)
+    assert [dst.data_ptrs[j] for _, j in t.pairs.tolist()] == [102, 103, 202, 203]
+    with pytest.raises(kvplan.PairingError, match="role \"g0\" from layer 3"):
+        choice.template(src, dst, prefill_start_layer=3)
 
 
 @pytest.mark.parametrize("kind", ["mha", "hybrid_mha"])

@@ -109,21 +109,13 @@ class PairingChoice:
         path the KV pages take.
 
         Raises:
-            KvPlanError: ``legacy`` mode without ``prefill_start_layer``, or a layout whose
-                positional pairing kvplan cannot do safely (NPU buffer groups with different
-                entry counts: Ascend's per-group slicing is not implemented).
+            KvPlanError: ``legacy`` mode without ``prefill_start_layer``.
         """
         kwargs = self.template_kwargs(prefill_start_layer)
         src, dst = prefill_layout, decode_layout
         if self.mode != "layer_id":
-            if (self.mode == "legacy" and _has_groups(src)
-                    and src.n_entries != dst.n_entries):
-                # Flat MLA slicing on a group-major layout pairs group 1 entries with group 0
-                # slots of the wrong layers (sglang-semantics.md §5.3 slices per group).
-                raise _core.KvPlanError(
-                    "legacy positional slicing of NPU buffer groups (Ascend's per-group "
-                    "slicing) is not supported; publish layer ids on both peers instead"
-                )
+            # Legacy slicing is per role when both peers publish roles (k/v, NPU buffer groups,
+            # draft), which is Ascend's per-group slicing (sglang-semantics.md §5.3).
             src, dst = _without_page_ids(src), _without_page_ids(dst)
         return src, dst, kwargs
 
@@ -160,11 +152,6 @@ class PairingChoice:
         src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
                                         prefill_start_layer=prefill_start_layer)
         return compare(src, dst, **kwargs)
-
-
-def _has_groups(layout: Layout) -> bool:
-    roles = layout.roles or ()
-    return any(r.startswith("g") and r[1:].isdigit() for r in roles)
 
 
 def _without_page_ids(layout: Layout) -> Layout:
