@@ -415,7 +415,9 @@ def plot(e: Explanation, path: str) -> None:
     ax_layers.bar(layers, kv, color="#4c72b0", label="KV pages")
     if any(state):
         ax_layers.bar(layers, state, bottom=kv, color="#dd8452", label="per-request state")
-        ax_layers.legend()
+        ax_layers.legend(loc="upper left", bbox_to_anchor=(0, -0.18), ncol=2, frameon=False)
+    # Headroom so the tallest bars are not cut by the frame.
+    ax_layers.set_ylim(0, max(k + s for k, s in zip(kv, state, strict=True)) * 1.1 or 1)
     ax_layers.set_xlabel("layer id")
     ax_layers.set_ylabel("MiB")
     ax_layers.set_title(f"bytes per layer (total {e.bytes / (1 << 20):,.1f} MiB)")
