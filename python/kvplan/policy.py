@@ -160,21 +160,9 @@ def _without_page_ids(layout: Layout) -> Layout:
     if ids is None:
         return layout
     kept = [i if k == "state" else None for i, k in zip(ids, layout.kinds)]
-    return Layout(
-        layout.data_ptrs,
-        layout.data_lens,
-        layout.item_lens,
-        kept if any(i is not None for i in kept) else None,
-        layout.roles,
-        kinds=layout.kinds,
-        page_size=layout.page_size,
-        device=layout.device,
-        num_model_layers=layout.num_model_layers,
-        pp_rank=layout.pp_rank,
-        pp_size=layout.pp_size,
-        tp_rank=layout.tp_rank,
-        tp_size=layout.tp_size,
-    )
+    spec = layout.to_dict()
+    spec["layer_ids"] = kept if any(i is not None for i in kept) else None
+    return Layout.from_dict(spec)
 
 
 def layout_kind(layout: Layout) -> str:
