@@ -32,22 +32,12 @@ from kvplan import (
 )
 
 import reference as ref
+from robustness_checks import assert_invariants, ref_layout
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 U64_MAX = 2**64 - 1
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def ref_layout(layout: Layout) -> ref.RefLayout:
-    return ref.RefLayout(
-        list(layout.data_ptrs),
-        list(layout.data_lens),
-        list(layout.item_lens),
-        layout.layer_ids,
-        layout.roles,
-        list(layout.kinds),
-    )
 
 
 def check_plan(template: Template, src: Layout, dst: Layout, sp, dp, *, overlap=False):
@@ -57,29 +47,10 @@ def check_plan(template: Template, src: Layout, dst: Layout, sp, dp, *, overlap=
     pairs = ref.template_pairs(rs, rd)
     assert [tuple(p) for p in template.pairs.tolist()] == pairs
     exp = ref.plan_blocks(rs, rd, pairs, [int(x) for x in sp], [int(x) for x in dp])
-    got = plan.as_lists()
-    assert got == (exp.src, exp.dst, exp.lengths)
+    assert plan.as_lists() == (exp.src, exp.dst, exp.lengths)
     assert plan.n_runs == exp.n_runs
     assert_invariants(plan, template, src, dst, len(sp), overlap=overlap)
     return plan
-
-
-def assert_invariants(plan, template, src, dst, n_pages, *, overlap=False):
-    s, d, ln = plan.as_lists()
-    offsets = plan.pair_offsets.tolist()
-    written = set()
-    for p, (i, j) in enumerate(template.pairs.tolist()):
-        item = src.item_lens[i]
-        for b in range(offsets[p], offsets[p + 1]):
-            assert src.data_ptrs[i] <= s[b] and s[b] + ln[b] <= src.data_ptrs[i] + src.data_lens[i]
-            assert dst.data_ptrs[j] <= d[b] and d[b] + ln[b] <= dst.data_ptrs[j] + dst.data_lens[j]
-            assert ln[b] > 0 and ln[b] % item == 0
-            if overlap:
-                first = (d[b] - dst.data_ptrs[j]) // item
-                for k in range(ln[b] // item):
-                    assert (j, first + k) not in written, "destination item written twice"
-                    written.add((j, first + k))
-    assert sum(ln) == n_pages * template.bytes_per_page == plan.total_bytes
 
 
 def run_isolated(code: str, timeout: float = 120) -> str:

@@ -1,0 +1,43 @@
+"""Shared checks for the robustness suites (test_adversarial.py, test_fuzz.py, leak test)."""
+
+from __future__ import annotations
+
+import reference as ref
+
+from kvplan import Layout
+
+
+def ref_layout(layout: Layout) -> ref.RefLayout:
+    """The reference model of a kvplan Layout (built from its read-only properties)."""
+    return ref.RefLayout(
+        list(layout.data_ptrs),
+        list(layout.data_lens),
+        list(layout.item_lens),
+        layout.layer_ids,
+        layout.roles,
+        list(layout.kinds),
+    )
+
+
+def assert_invariants(plan, template, src: Layout, dst: Layout, n_pages: int, *, overlap=False):
+    """The safety properties of a page plan, independent of any reference: every block inside its
+    entry's registered buffer on both sides (so no u64 wrap), a whole number of items, bytes
+    conserved (sum of lengths = pages x bytes per page), and with the overlap check on no
+    destination item written twice."""
+    s, d, ln = plan.as_lists()
+    offsets = plan.pair_offsets.tolist()
+    assert offsets[-1] == len(ln) == plan.n_blocks
+    written = set()
+    for p, (i, j) in enumerate(template.pairs.tolist()):
+        item = src.item_lens[i]
+        assert dst.item_lens[j] == item
+        for b in range(offsets[p], offsets[p + 1]):
+            assert src.data_ptrs[i] <= s[b] and s[b] + ln[b] <= src.data_ptrs[i] + src.data_lens[i]
+            assert dst.data_ptrs[j] <= d[b] and d[b] + ln[b] <= dst.data_ptrs[j] + dst.data_lens[j]
+            assert ln[b] > 0 and ln[b] % item == 0 and (s[b] - src.data_ptrs[i]) % item == 0
+            if overlap:
+                first = (d[b] - dst.data_ptrs[j]) // item
+                for k in range(ln[b] // item):
+                    assert (j, first + k) not in written, "destination item written twice"
+                    written.add((j, first + k))
+    assert sum(ln) == n_pages * template.bytes_per_page == plan.total_bytes
