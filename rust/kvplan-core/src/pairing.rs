@@ -79,8 +79,10 @@ pub fn pair_each(
         return Ok(Vec::new());
     }
     let positional = |fallback| {
-        pair_positionally(src.n_entries, dst.n_entries, fallback)
-            .map(|pairs| pairs.into_iter().map(|[_, j]| Ok(j)).collect())
+        pair_positionally(src.n_entries, dst.n_entries, fallback).and_then(|pairs| {
+            let n = pairs.len();
+            collect_exact(n, pairs.into_iter().map(|[_, j]| Ok(j)))
+        })
     };
     match (src.published_ids(), dst.published_ids()) {
         (Some(src_ids), Some(dst_ids)) => pair_by_identity(src_ids, dst_ids, src, dst),
@@ -98,7 +100,20 @@ fn pair_positionally(n_src: usize, n_dst: usize, allow_fallback: bool) -> Result
     if n_dst < n_src || (n_src != n_dst && !allow_fallback) {
         return Err(PlanError::PositionalCount { n_src, n_dst });
     }
-    Ok((0..n_src).map(|i| [i, i]).collect())
+    collect_exact(n_src, (0..n_src).map(|i| [i, i]))
+}
+
+/// Collects `n` items into a vector whose allocation is checked: entry counts reach here from
+/// Python as bare integers, and an absurd count must be an error, not an allocation abort
+/// (which kills the process) or a capacity-overflow panic.
+fn collect_exact<T>(n: usize, items: impl Iterator<Item = T>) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| PlanError::InvalidLayout {
+            what: format!("cannot allocate {n} entry pairs: no layout has that many entries"),
+        })?;
+    out.extend(items);
+    Ok(out)
 }
 
 fn pair_by_identity(
@@ -212,7 +227,7 @@ pub fn legacy_pp_pairs(
         LegacyKind::Mla => {
             if n_src == n_dst {
                 // Decode PP equals prefill PP: both lists are stage-local.
-                return Ok((0..n_src).map(|i| [i, i]).collect());
+                return collect_exact(n_src, (0..n_src).map(|i| [i, i]));
             }
             if num_draft_entries > n_src || num_draft_entries > n_dst {
                 return fail(format!(
@@ -229,7 +244,7 @@ pub fn legacy_pp_pairs(
             }
             let target = (0..main).map(|i| [i, prefill_start_layer + i]);
             let draft = (0..num_draft_entries).map(|k| [main + k, dst_main + k]);
-            Ok(target.chain(draft).collect())
+            collect_exact(n_src, target.chain(draft))
         }
         LegacyKind::Mha => {
             if !n_src.is_multiple_of(2) || !n_dst.is_multiple_of(2) {
@@ -239,7 +254,7 @@ pub fn legacy_pp_pairs(
             }
             let (layers, dst_half) = (n_src / 2, n_dst / 2);
             if layers == dst_half {
-                return Ok((0..n_src).map(|i| [i, i]).collect());
+                return collect_exact(n_src, (0..n_src).map(|i| [i, i]));
             }
             // From counts alone an uneven PP split and appended draft K/V look the same (R2:
             // SGLang's modulo heuristic guesses and silently mis-slices), so the decode's layer
@@ -268,7 +283,7 @@ pub fn legacy_pp_pairs(
             }
             let k = (0..layers).map(|l| [l, prefill_start_layer + l]);
             let v = (0..layers).map(|l| [layers + l, decode_layers + prefill_start_layer + l]);
-            Ok(k.chain(v).collect())
+            collect_exact(n_src, k.chain(v))
         }
     }
 }
@@ -407,6 +422,27 @@ mod tests {
                 )),
                 "{err}"
             );
+        }
+    }
+
+    #[test]
+    fn absurd_entry_counts_are_errors_not_allocation_aborts() {
+        // Found while fuzzing the Python API: bare counts of 2**40 (allocation abort, SIGABRT)
+        // or 2**63 (capacity-overflow panic) reached these collects.
+        for n in [1usize << 60, usize::MAX / 2] {
+            assert!(matches!(
+                legacy_pp_pairs(LegacyKind::Mla, n, n, 0, 0, None),
+                Err(PlanError::InvalidLayout { .. })
+            ));
+            assert!(matches!(
+                legacy_pp_pairs(LegacyKind::Mha, 2 * (n / 4), 2 * (n / 4), 0, 0, None),
+                Err(PlanError::InvalidLayout { .. })
+            ));
+            let none = EntryMetadata::ids(None, n);
+            assert!(matches!(
+                pair_entries(none, none, true),
+                Err(PlanError::InvalidLayout { .. })
+            ));
         }
     }
 }
