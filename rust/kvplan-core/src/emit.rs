@@ -10,7 +10,7 @@
 //! `base + capacity * item_len` fits in u64, so the expansion cannot overflow.
 
 use crate::error::{PlanError, Result, Side};
-use crate::runs::{PageIndex, RunScan, scan};
+use crate::runs::{IndexLimits, PageIndex, RunScan, scan, write_runs};
 use crate::template::{PairSpec, Template};
 
 /// Three output columns of equal length: source addresses, destination addresses, lengths.
@@ -163,19 +163,27 @@ impl Template {
                 total_bytes: shape.total_bytes,
             });
         }
-        let runs = write_bounded_runs(
+        // Runs go into the first slots as page indices; limits are re-checked per run, and a
+        // run count that differs from the validating scan means the inputs changed meanwhile.
+        let expected = shape.scan.n_runs;
+        let limits = IndexLimits {
+            src: self.src_limit,
+            dst: self.dst_limit,
+        };
+        let runs = write_runs(
             src,
             dst,
-            self.src_limit,
-            self.dst_limit,
-            out.src_addrs,
-            out.dst_addrs,
-            out.lengths,
-        )?;
-        if runs != shape.scan.n_runs {
-            return Err(PlanError::InvalidLayout {
-                what: "index arrays changed while planning (mutated from another thread?)".into(),
-            });
+            limits,
+            &mut out.src_addrs[..expected],
+            &mut out.dst_addrs[..expected],
+            &mut out.lengths[..expected],
+        )
+        .map_err(|err| match err {
+            PlanError::OutputTooSmall { .. } => PlanError::InputChanged,
+            other => other,
+        })?;
+        if runs != expected {
+            return Err(PlanError::InputChanged);
         }
         for (p, pair) in pairs.iter().enumerate().rev() {
             expand_pair(
@@ -283,9 +291,7 @@ impl Template {
                 };
             }
         }
-        PlanError::InvalidLayout {
-            what: "index arrays changed while planning (mutated from another thread?)".into(),
-        }
+        PlanError::InputChanged
     }
 
     fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
@@ -345,46 +351,6 @@ impl AsColumns<'_> for FlatBuffer {
     fn columns(&mut self) -> Columns<'_> {
         Columns::from_flat(&mut self.data, self.capacity)
     }
-}
-
-/// Writes runs as page indices into the first slots, rechecking every index against the
-/// limits so that inputs mutated after validation cannot produce an out-of-bounds address.
-fn write_bounded_runs<S: PageIndex, D: PageIndex>(
-    src: &[S],
-    dst: &[D],
-    src_limit: u64,
-    dst_limit: u64,
-    src_starts: &mut [u64],
-    dst_starts: &mut [u64],
-    lengths: &mut [u64],
-) -> Result<usize> {
-    let changed = || PlanError::InvalidLayout {
-        what: "index arrays changed while planning (mutated from another thread?)".into(),
-    };
-    let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
-    let mut n = 0usize;
-    let (mut prev_src, mut prev_dst) = (u64::MAX, u64::MAX);
-    for (&s, &d) in src.iter().zip(dst) {
-        // `as u64` maps a negative value to a huge one, which the limit check then rejects.
-        let (s, d) = (s.get() as u64, d.get() as u64);
-        if s >= src_limit || d >= dst_limit {
-            return Err(changed());
-        }
-        if n > 0 && s == prev_src.wrapping_add(1) && d == prev_dst.wrapping_add(1) {
-            lengths[n - 1] += 1;
-        } else {
-            if n == capacity {
-                return Err(changed());
-            }
-            src_starts[n] = s;
-            dst_starts[n] = d;
-            lengths[n] = 1;
-            n += 1;
-        }
-        prev_src = s;
-        prev_dst = d;
-    }
-    Ok(n)
 }
 
 /// Expands one pair's blocks from the runs stored in slots `0..runs` into `offset..offset+runs`.

@@ -131,6 +131,8 @@ pub enum PlanError {
     Overflow { what: &'static str },
     #[error("output buffer holds {have} blocks but the plan needs {need}")]
     OutputTooSmall { have: usize, need: usize },
+    #[error("index arrays changed while planning (written by another thread during the call?)")]
+    InputChanged,
     #[error("wire data: {what}")]
     Wire { what: String },
 }
@@ -147,7 +149,8 @@ impl PlanError {
             | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
             PlanError::NegativeIndex { .. }
             | PlanError::IndexOutOfRange { .. }
-            | PlanError::DuplicateDestination { .. } => ErrorClass::IndexBounds,
+            | PlanError::DuplicateDestination { .. }
+            | PlanError::InputChanged => ErrorClass::IndexBounds,
             PlanError::SizeMismatch { .. } => ErrorClass::SizeMismatch,
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }

@@ -19,5 +19,5 @@ pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Partner, legacy_pp_pairs, pair_each, pair_entries,
 };
-pub use runs::{PageIndex, RunScan, group_contiguous};
+pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use template::{EntryCheck, PairSpec, Template, TemplateOptions, check_pairs};

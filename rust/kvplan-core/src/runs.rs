@@ -8,24 +8,32 @@
 use crate::error::{PlanError, Result, Side};
 
 /// An integer page or slot index as engines hand it over (SGLang uses int32, others int64).
-pub trait PageIndex: Copy + Send + Sync + 'static {
+///
+/// Comparisons and steps work in the native width: the scans then vectorise on baseline x86-64
+/// (SSE2 has 32-bit compares but no 64-bit min/max), which matters for int32 page tables.
+pub trait PageIndex: Copy + Ord + Send + Sync + 'static {
     /// The index widened to `i64`.
     fn get(self) -> i64;
+    /// Whether `next == self + 1` (computed without overflow).
+    fn steps_to(self, next: Self) -> bool;
 }
 
-impl PageIndex for i32 {
-    #[inline]
-    fn get(self) -> i64 {
-        i64::from(self)
-    }
+macro_rules! page_index {
+    ($($t:ty),*) => {$(
+        impl PageIndex for $t {
+            #[inline]
+            fn get(self) -> i64 {
+                i64::from(self)
+            }
+            #[inline]
+            fn steps_to(self, next: Self) -> bool {
+                // A wrapped difference is never exactly 1 unless the true step is 1.
+                next.wrapping_sub(self) == 1
+            }
+        }
+    )*};
 }
-
-impl PageIndex for i64 {
-    #[inline]
-    fn get(self) -> i64 {
-        self
-    }
-}
+page_index!(i32, i64);
 
 /// What one validating pass over a request's index arrays found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,6 +50,9 @@ pub struct RunScan {
 
 /// Validates a request's index arrays (equal lengths, no negative value) and counts its runs.
 ///
+/// Three branch-free passes (min/max of each side, then run breaks) that the compiler
+/// vectorises; positions are only looked up on the error path.
+///
 /// # Errors
 /// [`PlanError::LengthMismatch`] or [`PlanError::NegativeIndex`].
 pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan> {
@@ -51,37 +62,65 @@ pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan>
             dst: dst.len(),
         });
     }
-    let mut result = RunScan {
-        n_pages: src.len(),
-        ..RunScan::default()
-    };
-    let (mut min_src, mut min_dst) = (0i64, 0i64);
-    let (mut max_src, mut max_dst) = (0i64, 0i64);
-    let (mut prev_src, mut prev_dst) = (i64::MIN, i64::MIN);
-    for (&s, &d) in src.iter().zip(dst) {
-        let (s, d) = (s.get(), d.get());
-        // wrapping_sub: i64::MIN sentinels and extreme values must not overflow; a wrapped
-        // difference is never exactly 1 unless the true step is 1.
-        let continues =
-            s.wrapping_sub(prev_src) == 1 && d.wrapping_sub(prev_dst) == 1 && prev_src != i64::MIN;
-        result.n_runs += usize::from(!continues);
-        min_src = min_src.min(s);
-        min_dst = min_dst.min(d);
-        max_src = max_src.max(s);
-        max_dst = max_dst.max(d);
-        prev_src = s;
-        prev_dst = d;
-    }
-    // The minimum is tracked branch-free in the loop; the position is only looked up on error.
+    let (min_src, max_src) = min_max(src);
+    let (min_dst, max_dst) = min_max(dst);
     if min_src < 0 {
         return Err(first_negative(Side::Src, src));
     }
     if min_dst < 0 {
         return Err(first_negative(Side::Dst, dst));
     }
-    result.max_src = max_src as u64;
-    result.max_dst = max_dst as u64;
-    Ok(result)
+    let n_runs = if src.is_empty() {
+        0
+    } else {
+        1 + count_breaks(src, dst)
+    };
+    Ok(RunScan {
+        n_pages: src.len(),
+        n_runs,
+        max_src: max_src as u64,
+        max_dst: max_dst as u64,
+    })
+}
+
+/// `(min, max)` of the values, `(0, 0)` when empty.
+fn min_max<T: PageIndex>(values: &[T]) -> (i64, i64) {
+    let Some(&first) = values.first() else {
+        return (0, 0);
+    };
+    let (lo, hi) = values
+        .iter()
+        .fold((first, first), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    (lo.get(), hi.get())
+}
+
+#[inline]
+fn steps<T: PageIndex>(prev: T, next: T) -> bool {
+    prev.steps_to(next)
+}
+
+/// Positions `i >= 1` where a run breaks: either side's step is not exactly +1.
+fn count_breaks<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> usize {
+    let src_steps = src.iter().zip(&src[1..]);
+    let dst_steps = dst.iter().zip(&dst[1..]);
+    src_steps
+        .zip(dst_steps)
+        .map(|((&s0, &s1), (&d0, &d1))| usize::from(!(steps(s0, s1) & steps(d0, d1))))
+        .sum()
+}
+
+/// Bit `k` set when a run breaks between `src[k]` and `src[k + 1]` (either side's step is not
+/// +1); at most 65 values per call.
+#[inline]
+fn break_mask<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> u64 {
+    let src_steps = src.iter().zip(&src[1..]);
+    let dst_steps = dst.iter().zip(&dst[1..]);
+    src_steps
+        .zip(dst_steps)
+        .enumerate()
+        .fold(0u64, |mask, (k, ((&s0, &s1), (&d0, &d1)))| {
+            mask | (u64::from(!(steps(s0, s1) & steps(d0, d1))) << k)
+        })
 }
 
 fn first_negative<T: PageIndex>(side: Side, values: &[T]) -> PlanError {
@@ -98,41 +137,93 @@ fn first_negative<T: PageIndex>(side: Side, values: &[T]) -> PlanError {
     }
 }
 
-/// Writes the runs of `(src, dst)` as `(src_start, dst_start, length)` into three slices.
+/// Exclusive upper bounds that every source / destination index must respect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexLimits {
+    /// Every source index must be below this.
+    pub src: u64,
+    /// Every destination index must be below this.
+    pub dst: u64,
+}
+
+impl IndexLimits {
+    /// No bound beyond non-negativity.
+    pub const NONE: Self = Self {
+        src: u64::MAX,
+        dst: u64::MAX,
+    };
+}
+
+/// Writes the runs of `(src, dst)` as `(src_start, dst_start, length)` into three slices and
+/// returns how many it wrote.
 ///
-/// The inputs must have passed [`scan`], and each output slice must hold at least
-/// `scan.n_runs` values. Returns the number of runs written.
+/// Every run is checked against `limits` again (its first and last index: inside a run the
+/// values step by +1), so inputs mutated after [`scan`] validated them (another thread writing
+/// the arrays while the GIL is released) cannot yield an out-of-bounds run.
 ///
 /// # Errors
-/// [`PlanError::OutputTooSmall`] when an output slice is shorter than the run count.
+/// [`PlanError::OutputTooSmall`] when an output slice is shorter than the run count, or
+/// [`PlanError::InputChanged`] when a run breaks `limits` (or is negative).
 pub fn write_runs<S: PageIndex, D: PageIndex>(
     src: &[S],
     dst: &[D],
+    limits: IndexLimits,
     src_starts: &mut [u64],
     dst_starts: &mut [u64],
     lengths: &mut [u64],
 ) -> Result<usize> {
     let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
-    let mut n = 0usize;
-    let (mut prev_src, mut prev_dst) = (i64::MIN, i64::MIN);
-    for (&s, &d) in src.iter().zip(dst) {
-        let (s, d) = (s.get(), d.get());
-        if n > 0 && s.wrapping_sub(prev_src) == 1 && d.wrapping_sub(prev_dst) == 1 {
-            lengths[n - 1] += 1;
-        } else {
+    let (Some(&s0), Some(&d0)) = (src.first(), dst.first()) else {
+        return Ok(0);
+    };
+    if capacity == 0 {
+        return Err(PlanError::OutputTooSmall { have: 0, need: 1 });
+    }
+    // First pass: each run's first indices, and (in `lengths`) the position where it starts.
+    // Positions are examined 64 at a time as a bit mask of breaks (a branch-free, vectorisable
+    // computation), so long contiguous stretches cost a few instructions per page and only the
+    // breaks themselves take the slow path.
+    (src_starts[0], dst_starts[0], lengths[0]) = (s0.get() as u64, d0.get() as u64, 0);
+    let mut n = 1usize;
+    let len = src.len().min(dst.len());
+    let mut chunk_start = 1usize;
+    while chunk_start < len {
+        let chunk_end = (chunk_start + 64).min(len);
+        let mut breaks = break_mask(
+            &src[chunk_start - 1..chunk_end],
+            &dst[chunk_start - 1..chunk_end],
+        );
+        while breaks != 0 {
+            let position = chunk_start + breaks.trailing_zeros() as usize;
+            breaks &= breaks - 1;
             if n == capacity {
                 return Err(PlanError::OutputTooSmall {
                     have: capacity,
                     need: n + 1,
                 });
             }
-            src_starts[n] = s as u64;
-            dst_starts[n] = d as u64;
-            lengths[n] = 1;
+            (src_starts[n], dst_starts[n], lengths[n]) = (
+                src[position].get() as u64,
+                dst[position].get() as u64,
+                position as u64,
+            );
             n += 1;
         }
-        prev_src = s;
-        prev_dst = d;
+        chunk_start = chunk_end;
+    }
+    // Second pass: start positions become lengths; each run's span is checked.
+    let total = len as u64;
+    for r in 0..n {
+        let end = if r + 1 < n { lengths[r + 1] } else { total };
+        let len = end - lengths[r];
+        lengths[r] = len;
+        // `as u64` turned negatives into huge values, which the limits reject too.
+        let fits = |start: u64, limit: u64| {
+            start < limit && start.checked_add(len - 1).is_some_and(|last| last < limit)
+        };
+        if !fits(src_starts[r], limits.src) || !fits(dst_starts[r], limits.dst) {
+            return Err(PlanError::InputChanged);
+        }
     }
     Ok(n)
 }
@@ -149,7 +240,14 @@ pub fn group_contiguous<S: PageIndex, D: PageIndex>(
     let mut starts_src = vec![0; found.n_runs];
     let mut starts_dst = vec![0; found.n_runs];
     let mut lengths = vec![0; found.n_runs];
-    write_runs(src, dst, &mut starts_src, &mut starts_dst, &mut lengths)?;
+    write_runs(
+        src,
+        dst,
+        IndexLimits::NONE,
+        &mut starts_src,
+        &mut starts_dst,
+        &mut lengths,
+    )?;
     Ok((starts_src, starts_dst, lengths))
 }
 
