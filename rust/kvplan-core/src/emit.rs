@@ -185,15 +185,32 @@ impl Template {
         if runs != expected {
             return Err(PlanError::InputChanged);
         }
+        // Last pair first, so the runs in slots 0..R survive until pair 0 overwrites them.
+        // A pair with the same item length as the pair expanded just before it (every MLA
+        // layer, every K and every V entry) is that pair's blocks shifted by the difference of
+        // the bases: an add per value instead of a 64-bit multiply.
+        let mut previous: Option<(usize, &PairSpec)> = None;
         for (p, pair) in pairs.iter().enumerate().rev() {
-            expand_pair(
-                pair,
-                runs,
-                p * runs,
-                out.src_addrs,
-                out.dst_addrs,
-                out.lengths,
-            );
+            let to = p * runs;
+            let columns = [&mut *out.src_addrs, &mut *out.dst_addrs, &mut *out.lengths];
+            match previous {
+                Some((from, prev)) if prev.item_len == pair.item_len => {
+                    let src_delta = pair.src_base.wrapping_sub(prev.src_base);
+                    let dst_delta = pair.dst_base.wrapping_sub(prev.dst_base);
+                    let [src_col, dst_col, len_col] = columns;
+                    derive(src_col, runs, from, to, |x| x.wrapping_add(src_delta));
+                    derive(dst_col, runs, from, to, |x| x.wrapping_add(dst_delta));
+                    derive(len_col, runs, from, to, |x| x);
+                }
+                _ => {
+                    let item = pair.item_len;
+                    let [src_col, dst_col, len_col] = columns;
+                    derive(src_col, runs, 0, to, |x| pair.src_base + x * item);
+                    derive(dst_col, runs, 0, to, |x| pair.dst_base + x * item);
+                    derive(len_col, runs, 0, to, |x| x * item);
+                }
+            }
+            previous = Some((to, pair));
         }
         Ok(PlanSummary {
             n_runs: runs,
@@ -353,38 +370,23 @@ impl AsColumns<'_> for FlatBuffer {
     }
 }
 
-/// Expands one pair's blocks from the runs stored in slots `0..runs` into `offset..offset+runs`.
-/// For `offset == 0` this is in place (each slot is read before it is written).
-fn expand_pair(
-    pair: &PairSpec,
-    runs: usize,
-    offset: usize,
-    src_col: &mut [u64],
-    dst_col: &mut [u64],
-    len_col: &mut [u64],
-) {
-    let item = pair.item_len;
-    let column = |col: &mut [u64], base: u64, scale_only: bool| {
-        let map = |x: u64| {
-            if scale_only {
-                x * item
-            } else {
-                base + x * item
-            }
-        };
-        if offset == 0 {
-            col[..runs].iter_mut().for_each(|x| *x = map(*x));
-        } else {
-            let (head, tail) = col.split_at_mut(offset);
-            tail[..runs]
-                .iter_mut()
-                .zip(&head[..runs])
-                .for_each(|(out, &x)| *out = map(x));
+/// `col[to..to+n] = f(col[from..from+n])`, in place when `from == to` (each value is read
+/// before it is written); the two ranges never partly overlap (they are whole pair blocks).
+fn derive(col: &mut [u64], n: usize, from: usize, to: usize, f: impl Fn(u64) -> u64) {
+    use std::cmp::Ordering;
+    match from.cmp(&to) {
+        Ordering::Equal => col[to..to + n].iter_mut().for_each(|x| *x = f(*x)),
+        Ordering::Less => {
+            let (head, tail) = col.split_at_mut(to);
+            let outputs = tail[..n].iter_mut().zip(&head[from..from + n]);
+            outputs.for_each(|(out, &x)| *out = f(x));
         }
-    };
-    column(src_col, pair.src_base, false);
-    column(dst_col, pair.dst_base, false);
-    column(len_col, 0, true);
+        Ordering::Greater => {
+            let (head, tail) = col.split_at_mut(from);
+            let outputs = head[to..to + n].iter_mut().zip(&tail[..n]);
+            outputs.for_each(|(out, &x)| *out = f(x));
+        }
+    }
 }
 
 fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
