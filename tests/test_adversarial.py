@@ -517,6 +517,36 @@ def test_legacy_pp_pairs_extreme_counts(args, kwargs):
         assert len(set(pairs[:, 1].tolist())) == n_src
 
 
+def test_absurd_entry_counts_are_errors_not_aborts():
+    """Bare counts size the positional pair lists: 2**40 used to abort the process (failed
+    allocation, SIGABRT) and 2**63 raised PanicException. Run under a 3 GiB address-space limit
+    so the outcome does not depend on the machine's memory."""
+    out = run_isolated(
+        """
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        import kvplan
+        calls = [
+            lambda: kvplan.legacy_pp_pairs("mla", 2**40, 2**40, 0),
+            lambda: kvplan.legacy_pp_pairs("mha", 2**41, 2**41, 0),
+            lambda: kvplan.legacy_pp_pairs("mla", 2**62, 2**62 + 8, 0),
+            lambda: kvplan.pair_entries(None, None, 2**63, 2**63, True),
+            lambda: kvplan.pair_entries(None, None, 2**30, 2**30 + 1, True),
+            lambda: kvplan.pair_entries([], [], 2**40, 2**40),
+        ]
+        for call in calls:
+            try:
+                call()
+            except kvplan.LayoutError as exc:
+                assert "cannot allocate" in str(exc) and "entry pairs" in str(exc), exc
+                print("LayoutError")
+            else:
+                raise AssertionError("accepted")
+        """
+    )
+    assert out.split() == ["LayoutError"] * 6
+
+
 def test_pair_entries_extreme_values():
     big = 2**63 - 1
     assert kvplan.pair_entries([big, -big], [-big, big], 2, 2).tolist() == [[0, 1], [1, 0]]

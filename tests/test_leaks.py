@@ -4,6 +4,7 @@ flat. The 1M-call figure comes from `bench/leak_check.py` (see docs/robustness.m
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
 
 import numpy as np
@@ -18,11 +19,13 @@ MAX_GROWTH_KIB = 8 * 1024
 
 def test_rss_probe_sees_growth():
     # negative control: the probe must notice memory that is really kept
+    # (a fresh anonymous mapping: heap memory freed by earlier tests could be reused unseen)
     before = leak_check.rss_kib()
-    kept = np.ones(32 * 1024 * 1024 // 8)  # 32 MiB, touched
+    kept = mmap.mmap(-1, 32 << 20)
+    np.frombuffer(kept, dtype=np.uint8)[::4096] = 1  # touch every page
     after = leak_check.rss_kib()
     assert after - before >= 24 * 1024, (before, after)
-    del kept
+    kept.close()
 
 
 def test_100k_plan_calls_keep_rss_stable():
