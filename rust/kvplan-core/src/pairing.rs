@@ -236,8 +236,13 @@ pub fn legacy_pp_pairs(
             }
             let main = n_src - num_draft_entries;
             let dst_main = n_dst - num_draft_entries;
+            // checked, not saturating: a saturated end of usize::MAX would pass against a
+            // dst_main of usize::MAX and pair the last entry with index n_dst (out of range).
             let end = prefill_start_layer.saturating_add(main);
-            if end > dst_main {
+            if prefill_start_layer
+                .checked_add(main)
+                .is_none_or(|end| end > dst_main)
+            {
                 return fail(format!(
                     "prefill stage layers {prefill_start_layer}..{end} do not fit the decode's {dst_main} target entries (src={n_src}, dst={n_dst}, draft={num_draft_entries})"
                 ));
@@ -444,5 +449,16 @@ mod tests {
                 Err(PlanError::InvalidLayout { .. })
             ));
         }
+    }
+
+    #[test]
+    fn mla_slice_end_past_usize_max_is_an_error() {
+        // Found by the Python fuzz run: start + 1 saturated to usize::MAX == dst_main, so
+        // (1 src, usize::MAX dst, start usize::MAX) paired entry 0 with dst index n_dst.
+        assert!(legacy_pp_pairs(LegacyKind::Mla, 1, usize::MAX, usize::MAX, 0, None).is_err());
+        assert_eq!(
+            legacy_pp_pairs(LegacyKind::Mla, 1, usize::MAX, usize::MAX - 1, 0, None).unwrap(),
+            vec![[0, usize::MAX - 1]]
+        );
     }
 }
