@@ -497,6 +497,7 @@ def test_legacy_slicing_with_huge_decode_layer_count_is_a_pairing_error():
     [
         (("mla", 2**63, 4, 0), {}),
         (("mla", 4, 4, 2**64 - 1), {}),
+        (("mla", 1, 2**64 - 1, 2**64 - 1), {}),  # end saturated to n_dst: paired index n_dst
         (("mla", 3, 8, 2**64 - 1), {}),
         (("mla", 3, 8, 0), dict(num_draft_entries=2**64 - 1)),
         (("mha", 2, 2**64 - 2, 2**64 - 1), dict(decode_num_layers=2**63 - 1)),
