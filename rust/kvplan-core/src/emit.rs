@@ -185,6 +185,14 @@ impl Template {
         if runs != expected {
             return Err(PlanError::InputChanged);
         }
+        if runs <= SMALL_RUNS {
+            expand_small(pairs, runs, out);
+            return Ok(PlanSummary {
+                n_runs: runs,
+                n_blocks: runs * pairs.len(),
+                total_bytes: shape.total_bytes,
+            });
+        }
         // Last pair first, so the runs in slots 0..R survive until pair 0 overwrites them.
         // A pair with the same item length as the pair expanded just before it (every MLA
         // layer, every K and every V entry) is that pair's blocks shifted by the difference of
@@ -367,6 +375,30 @@ impl FlatBuffer {
 impl AsColumns<'_> for FlatBuffer {
     fn columns(&mut self) -> Columns<'_> {
         Columns::from_flat(&mut self.data, self.capacity)
+    }
+}
+
+/// Requests with at most this many runs are expanded pair by pair from a stack copy of the
+/// runs: for a handful of runs per pair, per-pair bookkeeping would cost more than the blocks.
+const SMALL_RUNS: usize = 8;
+
+fn expand_small(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
+    let mut starts = [[0u64; SMALL_RUNS]; 3];
+    starts[0][..runs].copy_from_slice(&out.src_addrs[..runs]);
+    starts[1][..runs].copy_from_slice(&out.dst_addrs[..runs]);
+    starts[2][..runs].copy_from_slice(&out.lengths[..runs]);
+    let blocks = out
+        .src_addrs
+        .chunks_exact_mut(runs)
+        .zip(out.dst_addrs.chunks_exact_mut(runs))
+        .zip(out.lengths.chunks_exact_mut(runs));
+    for (pair, ((src, dst), len)) in pairs.iter().zip(blocks) {
+        let item = pair.item_len;
+        for r in 0..runs {
+            src[r] = pair.src_base + starts[0][r] * item;
+            dst[r] = pair.dst_base + starts[1][r] * item;
+            len[r] = starts[2][r] * item;
+        }
     }
 }
 
