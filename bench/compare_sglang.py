@@ -1030,16 +1030,13 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
             f"trivial PyO3 call costs {fmt_ns(floor_ns)}; the same call on a 1-layer template "
             f"costs {fmt_ns(one_ns)} (argument extraction and dtype checks of three arrays, "
             "rust-numpy's dynamic borrow tracking, the 16-page scan); "
-            f"each further entry pair adds ≈{per_pair:.0f} ns although it emits one block: per "
-            "pair the emitter runs three column loops (vector prologue, remainder loop) for a "
-            "single run, which is where the profile's hottest extension addresses are. The Python "
+            f"each further entry pair adds ≈{per_pair:.0f} ns (it emits one block). The Python "
             f"`TransferPlan` wrapper adds {fmt_ns(max(plan_ns - native_ns, 0))}; the `out=` path "
             f"is slower ({fmt_ns(out_ns)}) because it slices three row views in Python. "
             + (f"Profile: {share_txt}. " if share_txt else "")
             + "What would close it: build the plan object natively "
             "(a pyclass whose column views are created on first access, instead of a Python "
-            "`__init__` plus three NumPy arrays per call); emit few-run pairs with one scalar "
-            "loop writing all three columns of a block together; try the int32 cast before "
+            "`__init__` plus three NumPy arrays per call); try the int32 cast before "
             "int64 (SGLang passes int32: the same call with int64 pages takes "
             f"{fmt_ns(native64_ns)} vs {fmt_ns(native_out_ns)}).")
         L.append("")
