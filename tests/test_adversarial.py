@@ -310,8 +310,8 @@ def test_duplicate_destination_pages():
         (dict(data_ptrs=[2**70]), OverflowError, "int too big to convert"),
         (dict(data_lens=[-640]), OverflowError, "can't convert negative int to unsigned"),
         (dict(data_lens=[2**64]), OverflowError, "int too big to convert"),
-        (dict(item_lens=-64), TypeError, "can't convert negative int to unsigned"),
-        (dict(item_lens=[2**64]), TypeError, "int too big to convert"),
+        (dict(item_lens=-64), TypeError, "item_lens must be a non-negative int below 2**64"),
+        (dict(item_lens=[2**64]), TypeError, "got [18446744073709551616]"),
         (dict(data_ptrs=[1.5]), TypeError, "'float' object cannot be interpreted as an integer"),
         (dict(data_ptrs=["0x1000"]), TypeError, "'str' object cannot be interpreted as an integer"),
         (dict(data_ptrs=None), TypeError, "'None' is not an instance of 'Sequence'"),
@@ -352,13 +352,18 @@ def test_kvplan_checked_layout_values_raise_layout_error():
 
 
 @pytest.mark.parametrize("ctx", [dict(pp_rank=-1), dict(tp_size=2**32), dict(page_size=-1),
-                                 dict(num_model_layers=-3)])
-def test_out_of_range_layout_context_is_overflow_error(ctx):
-    """Context keywords out of range: OverflowError, but (unlike list arguments) without a note
-    naming the keyword ("out of range integral type conversion attempted"): reported in
-    docs/robustness.md as a confusing message."""
-    with pytest.raises(OverflowError):
+                                 dict(num_model_layers=-3), dict(device=3)])
+def test_out_of_range_layout_context_names_the_keyword(ctx):
+    """Context keywords out of range: a TypeError that names the keyword, its range and value."""
+    (key, value), = ctx.items()
+    with pytest.raises(TypeError, match=f"^{key} must be .*, got {value!r}$"):
         Layout([4096], [640], 64, **ctx)
+
+
+@pytest.mark.parametrize("item_lens", [-64, "x", [64, -1], 2**64])
+def test_bad_item_lens_have_one_clear_message(item_lens):
+    with pytest.raises(TypeError, match="item_lens must be a non-negative int below 2\\*\\*64"):
+        Layout([4096, 8192], [640, 640], item_lens)
 
 
 def test_layout_accepts_numpy_integers_and_full_u64_range():

@@ -9,10 +9,27 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::errors::{KvPlanError, to_py_err};
 
 /// Bytes per item: one value for every entry, or one per entry.
-#[derive(FromPyObject)]
 pub(crate) enum ItemLens {
     One(u64),
     Many(Vec<u64>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ItemLens {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        // One clear message instead of PyO3's report of every enum variant that failed.
+        if let Ok(one) = obj.extract::<u64>() {
+            return Ok(ItemLens::One(one));
+        }
+        if let Ok(many) = obj.extract::<Vec<u64>>() {
+            return Ok(ItemLens::Many(many));
+        }
+        Err(PyTypeError::new_err(format!(
+            "item_lens must be a non-negative int below 2**64 or a sequence of them, got {}",
+            obj.repr()?
+        )))
+    }
 }
 
 impl ItemLens {
@@ -32,14 +49,37 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     };
     for (key, value) in kwargs.iter() {
         let key: String = key.extract()?;
+        // Name the keyword and its range in the message (PyO3's OverflowError names neither).
+        let field = |range: &str| {
+            PyTypeError::new_err(format!(
+                "{key} must be {range}, got {}",
+                value.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        };
+        let u64_field = || {
+            value
+                .extract::<u64>()
+                .map_err(|_| field("an int in 0..2**64"))
+        };
+        let u32_field = || {
+            value
+                .extract::<u32>()
+                .map_err(|_| field("an int in 0..2**32"))
+        };
         match key.as_str() {
-            "page_size" => context.page_size = value.extract()?,
-            "device" => context.device = value.extract()?,
-            "num_model_layers" => context.num_model_layers = value.extract()?,
-            "pp_rank" => context.pp_rank = value.extract()?,
-            "pp_size" => context.pp_size = value.extract()?,
-            "tp_rank" => context.tp_rank = value.extract()?,
-            "tp_size" => context.tp_size = value.extract()?,
+            "page_size" => context.page_size = u64_field()?,
+            "device" => context.device = value.extract().map_err(|_| field("a str"))?,
+            "num_model_layers" => {
+                context.num_model_layers = if value.is_none() {
+                    None
+                } else {
+                    Some(u64_field()?)
+                };
+            }
+            "pp_rank" => context.pp_rank = u32_field()?,
+            "pp_size" => context.pp_size = u32_field()?,
+            "tp_rank" => context.tp_rank = u32_field()?,
+            "tp_size" => context.tp_size = u32_field()?,
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size"

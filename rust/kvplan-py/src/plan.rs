@@ -17,15 +17,20 @@ use crate::errors::{KvPlanError, exception_name, to_py_err};
 use crate::layout::PyLayout;
 use crate::pool;
 
+/// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts
+/// of 2**63 or more) is an error, never a negative index.
 fn pairs_array(
     py: Python<'_>,
     pairs: impl ExactSizeIterator<Item = [usize; 2]>,
-) -> Bound<'_, PyArray2<i64>> {
+) -> PyResult<Bound<'_, PyArray2<i64>>> {
     let n = pairs.len();
-    let flat: Vec<i64> = pairs.flat_map(|[i, j]| [i as i64, j as i64]).collect();
-    Array2::from_shape_vec((n, 2), flat)
+    let flat = pairs
+        .flat_map(|[i, j]| [i64::try_from(i), i64::try_from(j)])
+        .collect::<Result<Vec<i64>, _>>()
+        .map_err(|_| KvPlanError::new_err("an entry index does not fit int64"))?;
+    Ok(Array2::from_shape_vec((n, 2), flat)
         .expect("two columns by construction")
-        .into_pyarray(py)
+        .into_pyarray(py))
 }
 
 /// `(src_starts, dst_starts, lengths)`.
@@ -95,7 +100,7 @@ pub fn pair_entries(
     };
     let pairs =
         kvplan_core::pair_entries(src, dst, allow_positional_fallback).map_err(to_py_err)?;
-    Ok(pairs_array(py, pairs.into_iter()))
+    pairs_array(py, pairs.into_iter())
 }
 
 fn parse_legacy_kind(kind: &str) -> PyResult<LegacyKind> {
@@ -130,7 +135,7 @@ pub fn legacy_pp_pairs<'py>(
         decode_num_layers,
     )
     .map_err(to_py_err)?;
-    Ok(pairs_array(py, pairs.into_iter()))
+    pairs_array(py, pairs.into_iter())
 }
 
 /// `(buffers pooled, bytes pooled, hits, misses)` of the plan output pool.
@@ -291,7 +296,7 @@ impl PyTemplate {
 
     /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
     #[getter]
-    fn pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+    fn pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         pairs_array(
             py,
             self.inner
@@ -303,7 +308,7 @@ impl PyTemplate {
 
     /// `(n_state_pairs, 2)` int64: (src entry, dst entry) of every state-entry pair.
     #[getter]
-    fn state_pairs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+    fn state_pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         pairs_array(
             py,
             self.inner
