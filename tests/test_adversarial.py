@@ -268,7 +268,7 @@ def test_item_len_zero_entries_are_elided_and_not_bounds_checked():
     src = Layout.mla([1 << 20, 2 << 20], [6400, 0], [64, 0], layer_ids=[0, 1])
     dst = Layout.mla([1 << 30, 2 << 30], [6400, 640], [64, 0], layer_ids=[0, 1])
     t = Template(src, dst)
-    assert t.emitting == [True, False] and t.bytes_per_page == 64
+    assert t.emitting == (True, False) and t.bytes_per_page == 64
     plan = check_plan(t, src, dst, np.array([0, 1, 99]), np.array([5, 6, 0]))
     assert plan.pair_offsets.tolist() == [0, 2, 2]
     # every entry elided: any non-negative index is accepted and nothing moves

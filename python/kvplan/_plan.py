@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -13,6 +14,9 @@ from kvplan import _core
 __all__ = ["PlanBatch", "Template", "TransferPlan"]
 
 U64Array = npt.NDArray[np.uint64]
+
+# Building a plan is on every request's path: tuple.__new__ is a C call, a Python __init__ is not.
+_new_tuple = tuple.__new__
 
 
 class PlanBatch(NamedTuple):
@@ -27,30 +31,24 @@ class PlanBatch(NamedTuple):
         return self.src_addrs.tolist(), self.dst_addrs.tolist(), self.lengths.tolist()
 
 
-class TransferPlan:
+class TransferPlan(tuple):  # type: ignore[type-arg]
     """The `(src_addr, dst_addr, length)` blocks of one request, entry-pair major, run minor.
 
     The three uint64 arrays view one Rust buffer without a copy; it returns to kvplan's pool
     when the last of them dies, so they stay valid after the plan object is gone.
+
+    A tuple underneath (``src_addrs, dst_addrs, lengths, n_runs, total_bytes, emitting``)
+    because the native planner builds it in one step; use the named attributes.
     """
 
-    __slots__ = ("_emitting", "dst_addrs", "lengths", "n_runs", "src_addrs", "total_bytes")
+    __slots__ = ()
 
-    def __init__(
-        self,
-        src_addrs: U64Array,
-        dst_addrs: U64Array,
-        lengths: U64Array,
-        n_runs: int,
-        total_bytes: int,
-        emitting: tuple[bool, ...],
-    ) -> None:
-        self.src_addrs = src_addrs
-        self.dst_addrs = dst_addrs
-        self.lengths = lengths
-        self.n_runs = n_runs
-        self.total_bytes = total_bytes
-        self._emitting = emitting
+    src_addrs: U64Array = property(itemgetter(0))  # type: ignore[assignment]
+    dst_addrs: U64Array = property(itemgetter(1))  # type: ignore[assignment]
+    lengths: U64Array = property(itemgetter(2))  # type: ignore[assignment]
+    n_runs: int = property(itemgetter(3))  # type: ignore[assignment]
+    total_bytes: int = property(itemgetter(4))  # type: ignore[assignment]
+    _emitting: tuple[bool, ...] = property(itemgetter(5))  # type: ignore[assignment]
 
     @property
     def n_blocks(self) -> int:
@@ -62,7 +60,13 @@ class TransferPlan:
         return len(self._emitting)
 
     def __len__(self) -> int:
-        return len(self.src_addrs)
+        return len(self[0])
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
     @property
     def pair_offsets(self) -> npt.NDArray[np.int64]:
@@ -112,15 +116,11 @@ class Template(_core.Template):
         SizeMismatchError: Paired entries have different item lengths (names layer, role, sizes).
     """
 
-    __slots__ = ("_emitting_cache",)
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        # The native __new__ has validated everything; cache what every plan needs.
-        self._emitting_cache: tuple[bool, ...] = tuple(self.emitting)
+    __slots__ = ()
 
     @property
     def n_pairs(self) -> int:
-        return len(self._emitting_cache)
+        return len(self.emitting)
 
     def plan(
         self,
@@ -142,11 +142,11 @@ class Template(_core.Template):
             KvPlanError: Unequal lengths, ``out`` too small, overflow.
             TypeError: Not a 1-D C-contiguous int32/int64 numpy array.
         """
-        columns, n_runs, n_blocks, total_bytes = self._plan(src_pages, dst_pages, out)
-        if columns is None:
-            assert out is not None
-            columns = (out[0, :n_blocks], out[1, :n_blocks], out[2, :n_blocks])
-        return TransferPlan(*columns, n_runs, total_bytes, self._emitting_cache)
+        raw = self._plan(src_pages, dst_pages, out)
+        if out is not None:  # the native call wrote into `out` and returned the block count
+            n = raw[0]
+            raw = (out[0, :n], out[1, :n], out[2, :n], *raw[3:])
+        return _new_tuple(TransferPlan, raw)
 
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
@@ -156,4 +156,4 @@ class Template(_core.Template):
         """
         src, dst, lengths = self._plan_state(src_slot, dst_slot)
         n = len(src)
-        return TransferPlan(src, dst, lengths, 1 if n else 0, int(lengths.sum()), (True,) * n)
+        return _new_tuple(TransferPlan, (src, dst, lengths, 1 if n else 0, int(lengths.sum()), (True,) * n))

@@ -29,11 +29,12 @@ impl<'py> IndexArray<'py> {
                 "{name} is being written elsewhere (mutably borrowed)"
             ))
         };
-        if let Ok(array) = obj.cast::<PyArray1<i64>>() {
-            return Ok(IndexArray::I64(array.try_readonly().map_err(borrow_error)?));
-        }
+        // int32 first: SGLang's page tables are int32.
         if let Ok(array) = obj.cast::<PyArray1<i32>>() {
             return Ok(IndexArray::I32(array.try_readonly().map_err(borrow_error)?));
+        }
+        if let Ok(array) = obj.cast::<PyArray1<i64>>() {
+            return Ok(IndexArray::I64(array.try_readonly().map_err(borrow_error)?));
         }
         let what = match obj.cast::<PyUntypedArray>() {
             Ok(array) => format!(

@@ -11,6 +11,7 @@ use numpy::{
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::convert::{IndexArray, IndexVisitor, visit_request};
 use crate::errors::{KvPlanError, exception_name, to_py_err};
@@ -167,12 +168,16 @@ impl PyPlanBuffer {
 }
 
 type Column<'py> = Bound<'py, PyArray1<u64>>;
-/// What `_plan` returns: the three columns (absent when written into `out`), runs, blocks, bytes.
+/// What `_plan` returns, laid out as `kvplan.TransferPlan`'s tuple fields: `(src_addrs,
+/// dst_addrs, lengths, n_runs, total_bytes, emitting)`. When the plan was written into `out`,
+/// the first field is the block count and the next two are `None` (Python slices `out`).
 type RawPlan<'py> = (
-    Option<(Column<'py>, Column<'py>, Column<'py>)>,
-    usize,
+    Bound<'py, PyAny>,
+    Option<Column<'py>>,
+    Option<Column<'py>>,
     usize,
     u64,
+    Py<PyTuple>,
 );
 
 fn template_options(
@@ -243,6 +248,8 @@ fn writable_out<'py>(out: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py,
 #[pyclass(frozen, subclass, name = "Template", module = "kvplan._core")]
 pub struct PyTemplate {
     inner: Template,
+    /// Per page pair, whether it emits blocks; shared by every plan of this template.
+    emitting: Py<PyTuple>,
 }
 
 struct PlanPooled<'t>(&'t Template);
@@ -276,6 +283,7 @@ impl PyTemplate {
     #[new]
     #[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
     fn new(
+        py: Python<'_>,
         src_layout: PyRef<'_, PyLayout>,
         dst_layout: PyRef<'_, PyLayout>,
         allow_positional_fallback: bool,
@@ -291,7 +299,9 @@ impl PyTemplate {
         )?;
         let inner =
             Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
-        Ok(Self { inner })
+        let emitting =
+            PyTuple::new(py, inner.page_pairs().iter().map(|p| p.item_len > 0))?.unbind();
+        Ok(Self { inner, emitting })
     }
 
     /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
@@ -320,15 +330,10 @@ impl PyTemplate {
 
     /// Per page pair: whether it emits blocks (item length > 0).
     #[getter]
-    fn emitting(&self) -> Vec<bool> {
-        self.inner
-            .page_pairs()
-            .iter()
-            .map(|p| p.item_len > 0)
-            .collect()
+    fn emitting(&self, py: Python<'_>) -> Py<PyTuple> {
+        self.emitting.clone_ref(py)
     }
 
-    /// Item length of every page pair.
     #[getter]
     fn pair_item_lens(&self) -> Vec<u64> {
         self.inner.page_pairs().iter().map(|p| p.item_len).collect()
@@ -375,7 +380,16 @@ impl PyTemplate {
             let columns = Columns::from_flat(flat, capacity);
             let summary =
                 visit_request(py, src, dst, PlanInto(template, columns)).map_err(to_py_err)?;
-            return Ok((None, summary.n_runs, summary.n_blocks, summary.total_bytes));
+            let n_blocks = summary.n_blocks.into_pyobject(py)?.into_any();
+            let emitting = self.emitting.clone_ref(py);
+            return Ok((
+                n_blocks,
+                None,
+                None,
+                summary.n_runs,
+                summary.total_bytes,
+                emitting,
+            ));
         }
         let (buffer, summary) =
             visit_request(py, src, dst, PlanPooled(template)).map_err(to_py_err)?;
@@ -390,10 +404,12 @@ impl PyTemplate {
             unsafe { PyArray1::borrow_from_array(&view, owner.clone().into_any()) }
         };
         Ok((
-            Some((column(0), column(1), column(2))),
+            column(0).into_any(),
+            Some(column(1)),
+            Some(column(2)),
             summary.n_runs,
-            n,
             summary.total_bytes,
+            self.emitting.clone_ref(py),
         ))
     }
 

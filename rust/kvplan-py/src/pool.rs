@@ -40,15 +40,14 @@ fn rounded(values: usize) -> usize {
     values.div_ceil(step).saturating_mul(step)
 }
 
-/// A buffer of at least `values` u64s: the smallest pooled one that fits, else a fresh one.
+/// A buffer of at least `values` u64s: the most recently returned one that fits (its memory is
+/// the most likely to still be in cache: rotating through several same-size buffers made every
+/// plan write cache-cold memory), else a fresh one.
 pub(crate) fn take(values: usize) -> Vec<u64> {
     let mut pool = lock();
-    let best = (0..pool.buffers.len())
-        .filter(|&i| pool.buffers[i].len() >= values)
-        .min_by_key(|&i| pool.buffers[i].len());
-    if let Some(i) = best {
+    if let Some(i) = pool.buffers.iter().rposition(|b| b.len() >= values) {
         pool.hits += 1;
-        return pool.buffers.swap_remove(i);
+        return pool.buffers.remove(i);
     }
     pool.misses += 1;
     drop(pool);
@@ -70,7 +69,7 @@ pub(crate) fn give_back(buffer: Vec<u64>) {
         let smallest = (0..pool.buffers.len())
             .min_by_key(|&i| pool.buffers[i].len())
             .unwrap_or(0);
-        let evicted = pool.buffers.swap_remove(smallest);
+        let evicted = pool.buffers.remove(smallest);
         drop(evicted);
     }
 }
