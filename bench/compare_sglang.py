@@ -403,7 +403,7 @@ def overhead_breakdown() -> dict:
         "template.plan(src, dst, out=buf)": lambda: t.plan(s, d, out=out),
         "template._plan(src, dst, buf) (native call, no arrays created)":
             lambda: t._plan(s, d, out),
-        "template._plan(src64, dst64, buf) (same with int64 pages: no failed int64 cast first)":
+        "template._plan(src64, dst64, buf) (same with int64 pages: int32 is tried first)":
             lambda: t._plan(s64, d64, out),
         "template._plan(src64, dst64, buf) on a 1-layer template (fixed cost of a call)":
             lambda: t1._plan(s64, d64, out1),
@@ -975,8 +975,8 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
             f"2. *Emission.* In-cache plans (100k–500k blocks) run at "
             f"{min(mk):.1f}–{max(mk):.1f} ns/block against a fill floor of "
             f"{floor['mid_ns']:.2f} ns/block. In the `out=` profile at 2M blocks most samples "
-            "are in `_core.abi3.so`; in this build (emission by base difference, commit "
-            "1e1bc02) its hottest addresses are the add-only column loop — every pair after the "
+            "are in `_core.abi3.so`; in this build (emission by base difference) its hottest "
+            "addresses are the add-only column loop — every pair after the "
             "first is the previous pair's blocks plus a base difference: load, `paddq`, store — "
             "and the copy of the lengths column. The emitter is load/store-bound and touches "
             "each block twice (it reads the previous pair's 24 B back, then writes 24 B). "
@@ -1000,18 +1000,14 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
     if slow:
         w = max(slow, key=lambda r: r["med"]["kvplan pooled"] / r["med"]["kvplan out="])
         L.append(
-            f"4. *Pool reuse order.* In {len(slow)} of the {len(big)} scenarios with ≥100k "
+            f"4. *Pooled vs `out=`.* In {len(slow)} of the {len(big)} scenarios with ≥100k "
             "blocks the pooled plan is >1.3× slower than `out=` into one warm buffer (worst: "
             f"`{w['sc'].key}`, {fmt_ns(w['med']['kvplan pooled'])} vs "
-            f"{fmt_ns(w['med']['kvplan out='])}). After the fresh-memory variant has held several "
-            "plans, the pool holds up to four buffers of the same size, and `pool::take` picks "
-            "the first smallest fit after a `swap_remove`, so consecutive plans rotate through "
-            "all of them: 4 × a few MiB no longer fits the 8 MiB L3 and every plan writes "
-            "cache-cold memory. (Isolated check: 125k blocks, 243 µs pooled with one pooled "
-            "buffer, 500–600 µs once four are pooled, `out=` 195–257 µs.) Any application "
-            "holding a few plans at once gets the same state. Fix: prefer the most recently "
-            "returned buffer among those that fit (LIFO), keeping the hot one hot. The target "
-            "row therefore also gives the `out=` ratio.")
+            f"{fmt_ns(w['med']['kvplan out='])}). The pool hands out the most recently "
+            "returned buffer that fits (LIFO), so a steady loop reuses one warm buffer; what "
+            "remains is the cost of a buffer larger than the caches being re-faulted into L3 "
+            "and the NumPy view creation, which `out=` skips. The target row therefore also "
+            "gives the `out=` ratio.")
     L.append("")
     single = by.get("dsv3-single-61")
     if single and ovh:
@@ -1031,14 +1027,14 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
             f"costs {fmt_ns(one_ns)} (argument extraction and dtype checks of three arrays, "
             "rust-numpy's dynamic borrow tracking, the 16-page scan); "
             f"each further entry pair adds ≈{per_pair:.0f} ns (it emits one block). The Python "
-            f"`TransferPlan` wrapper adds {fmt_ns(max(plan_ns - native_ns, 0))}; the `out=` path "
+            f"`TransferPlan` (a tuple subclass built from the native call's one return value) "
+            f"adds {fmt_ns(max(plan_ns - native_ns, 0))}; the `out=` path "
             f"is slower ({fmt_ns(out_ns)}) because it slices three row views in Python. "
             + (f"Profile: {share_txt}. " if share_txt else "")
-            + "What would close it: build the plan object natively "
-            "(a pyclass whose column views are created on first access, instead of a Python "
-            "`__init__` plus three NumPy arrays per call); try the int32 cast before "
-            "int64 (SGLang passes int32: the same call with int64 pages takes "
-            f"{fmt_ns(native64_ns)} vs {fmt_ns(native_out_ns)}).")
+            + "What would close the rest: a native plan object whose column views are "
+            "created on first access (three NumPy arrays per call are most of the native "
+            f"call); int64 pages take {fmt_ns(native64_ns)} vs {fmt_ns(native_out_ns)} for "
+            "int32 (int32, SGLang's dtype, is recognised first).")
         L.append("")
     em = emission_estimate(rows)
     if em:
