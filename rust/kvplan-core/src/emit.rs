@@ -4,10 +4,13 @@
 //! contiguous slice `p*R .. (p+1)*R` of the output, `R` being the request's run count.
 //!
 //! The hot path allocates nothing: the runs are first written into the output's own first `R`
-//! slots (as page indices), then every pair's blocks are expanded from them, last pair first,
-//! so that pair 0 finally overwrites the runs in place. Every index is validated against every
-//! paired buffer's capacity before the first address is computed, and layouts guarantee
-//! `base + capacity * item_len` fits in u64, so the expansion cannot overflow.
+//! slots (as page indices), then every pair's blocks are expanded, last pair first, so that
+//! pair 0 finally overwrites the runs in place. A pair whose item length equals the pair
+//! expanded just before it is derived from that pair's blocks by adding the base difference;
+//! requests with a handful of runs are expanded from a stack copy instead. Every index is
+//! validated against every paired buffer's capacity before the first address is computed (and
+//! each run again while it is written), and layouts guarantee `base + capacity * item_len` fits
+//! in u64, so the expansion cannot overflow.
 
 use crate::error::{PlanError, Result, Side};
 use crate::runs::{IndexLimits, PageIndex, RunScan, scan, write_runs};
