@@ -2,8 +2,27 @@
 from collections.abc import Sequence
 from typing import final
 
+from typing_extensions import disjoint_base
+
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "IndexBoundsError",
+    "KvPlanError",
+    "Layout",
+    "LayoutError",
+    "PairingError",
+    "PlanBuffer",
+    "SizeMismatchError",
+    "Template",
+    "__version__",
+    "check_pairs",
+    "group_contiguous",
+    "legacy_pp_pairs",
+    "pair_entries",
+    "pool_stats",
+]
 
 __version__: str
 
@@ -13,11 +32,11 @@ class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...
 class LayoutError(KvPlanError): ...
 
-IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
-I64Array = npt.NDArray[np.int64]
-U64Array = npt.NDArray[np.uint64]
+_IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
+_I64Array = npt.NDArray[np.int64]
+_U64Array = npt.NDArray[np.uint64]
 
-def group_contiguous(src: IndexArray, dst: IndexArray, /) -> tuple[I64Array, I64Array, I64Array]: ...
+def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
 def pair_entries(
     src_layer_ids: Sequence[int] | None,
     dst_layer_ids: Sequence[int] | None,
@@ -27,7 +46,7 @@ def pair_entries(
     *,
     src_roles: Sequence[str] | None = None,
     dst_roles: Sequence[str] | None = None,
-) -> I64Array: ...
+) -> _I64Array: ...
 def legacy_pp_pairs(
     kind: str,
     n_src: int,
@@ -36,7 +55,7 @@ def legacy_pp_pairs(
     *,
     num_draft_entries: int = 0,
     decode_num_layers: int | None = None,
-) -> I64Array: ...
+) -> _I64Array: ...
 def pool_stats() -> tuple[int, int, int, int]: ...
 def check_pairs(
     src_layout: Layout,
@@ -166,6 +185,7 @@ class PlanBuffer:
     @property
     def nbytes(self) -> int: ...
 
+@disjoint_base
 class Template:
     def __new__(
         cls,
@@ -178,9 +198,9 @@ class Template:
         check_dst_overlap: bool = False,
     ) -> Template: ...
     @property
-    def pairs(self) -> I64Array: ...
+    def pairs(self) -> _I64Array: ...
     @property
-    def state_pairs(self) -> I64Array: ...
+    def state_pairs(self) -> _I64Array: ...
     @property
     def emitting(self) -> tuple[bool, ...]: ...
     @property
@@ -188,6 +208,6 @@ class Template:
     @property
     def bytes_per_page(self) -> int: ...
     def _plan(
-        self, src_pages: IndexArray, dst_pages: IndexArray, out: U64Array | None = None
-    ) -> tuple[U64Array | int, U64Array | None, U64Array | None, int, int, tuple[bool, ...]]: ...
-    def _plan_state(self, src_slot: int, dst_slot: int) -> tuple[U64Array, U64Array, U64Array]: ...
+        self, src_pages: _IndexArray, dst_pages: _IndexArray, out: _U64Array | None = None
+    ) -> tuple[_U64Array | int, _U64Array | None, _U64Array | None, int, int, tuple[bool, ...]]: ...
+    def _plan_state(self, src_slot: int, dst_slot: int) -> tuple[_U64Array, _U64Array, _U64Array]: ...
