@@ -141,12 +141,9 @@ fn pair_by_identity(
             }
             _ => (None, None),
         };
-    let key = |roles: Option<&[String]>, ids: &[i64], i: usize| -> (i64, Option<String>) {
-        (ids[i], roles.map(|r| r[i].clone()))
-    };
-
     // FIFO queue of destination positions per key, in ascending position, with a read cursor.
-    let mut queues: HashMap<(i64, Option<String>), (Vec<usize>, usize)> = HashMap::new();
+    // Keys borrow the roles: no string is copied per entry.
+    let mut queues: HashMap<EntryKey<'_>, (Vec<usize>, usize)> = HashMap::new();
     for j in 0..dst_ids.len() {
         queues
             .entry(key(dst_roles, dst_ids, j))
@@ -168,17 +165,21 @@ fn pair_by_identity(
                 .count();
             PlanError::MissingLayer {
                 layer: wanted.0,
-                role: wanted
-                    .1
-                    .clone()
-                    .map(|r| format!(" role {r}"))
-                    .unwrap_or_default(),
+                role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
                 src_entry: i,
                 occurrence,
             }
         }));
     }
     Ok(pairs)
+}
+
+/// Layer id, refined by role when both peers publish roles.
+type EntryKey<'a> = (i64, Option<&'a str>);
+
+/// The pairing key of entry `i`.
+fn key<'a>(roles: Option<&'a [String]>, ids: &[i64], i: usize) -> EntryKey<'a> {
+    (ids[i], roles.map(|r| r[i].as_str()))
 }
 
 fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> {
