@@ -237,13 +237,9 @@ impl Template {
     pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
         let (buffer, summary) =
             self.plan_into(src, dst, |shape| Ok(FlatBuffer::zeroed(shape.n_blocks)))?;
-        let FlatBuffer { mut data, capacity } = buffer;
-        let n = summary.n_blocks;
-        let lengths = data[2 * capacity..2 * capacity + n].to_vec();
-        let dst_addrs = data[capacity..capacity + n].to_vec();
-        data.truncate(n);
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks);
         Ok(Plan {
-            src_addrs: data,
+            src_addrs,
             dst_addrs,
             lengths,
             n_runs: summary.n_runs,
@@ -372,6 +368,17 @@ impl FlatBuffer {
             data: vec![0; capacity.saturating_mul(3)],
             capacity,
         }
+    }
+
+    /// The first `n` values of each column as three owned vectors (the source column keeps
+    /// this buffer's allocation).
+    pub fn into_columns(self, n: usize) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        let Self { mut data, capacity } = self;
+        let n = n.min(capacity);
+        let lengths = data[2 * capacity..2 * capacity + n].to_vec();
+        let dst_addrs = data[capacity..capacity + n].to_vec();
+        data.truncate(n);
+        (data, dst_addrs, lengths)
     }
 }
 

@@ -426,11 +426,9 @@ impl PyTemplate {
         self.inner
             .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
             .map_err(to_py_err)?;
-        let mut data = buffer.data;
-        let lengths = data.split_off(2 * n);
-        let dst_addrs = data.split_off(n);
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(n);
         Ok((
-            data.into_pyarray(py),
+            src_addrs.into_pyarray(py),
             dst_addrs.into_pyarray(py),
             lengths.into_pyarray(py),
         ))
