@@ -42,15 +42,3 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         ErrorClass::Other => KvPlanError::new_err(message),
     }
 }
-
-/// The Python name of the exception [`to_py_err`] raises for `err` (for reports that list
-/// problems without raising them).
-pub(crate) fn exception_name(err: &PlanError) -> &'static str {
-    match err.class() {
-        ErrorClass::Pairing => "PairingError",
-        ErrorClass::IndexBounds => "IndexBoundsError",
-        ErrorClass::SizeMismatch => "SizeMismatchError",
-        ErrorClass::Layout => "LayoutError",
-        ErrorClass::Other => "KvPlanError",
-    }
-}

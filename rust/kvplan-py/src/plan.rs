@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::convert::{IndexArray, IndexVisitor, visit_request};
-use crate::errors::{KvPlanError, exception_name, to_py_err};
+use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::pool;
 
@@ -200,7 +200,7 @@ type EntryCheckRow = (
     usize,
     Option<usize>,
     Option<String>,
-    Option<&'static str>,
+    Option<String>,
 );
 
 /// One row per source entry, page entries first: its partner or why it has none.
@@ -208,6 +208,7 @@ type EntryCheckRow = (
 #[pyfunction]
 #[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None))]
 pub fn check_pairs(
+    py: Python<'_>,
     src_layout: PyRef<'_, PyLayout>,
     dst_layout: PyRef<'_, PyLayout>,
     allow_positional_fallback: bool,
@@ -221,14 +222,18 @@ pub fn check_pairs(
         false,
     )?;
     let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
-    Ok(checks
+    checks
         .into_iter()
         .map(|c| {
-            let name = c.problem.as_ref().map(exception_name);
-            let problem = c.problem.as_ref().map(ToString::to_string);
-            (c.kind.as_str(), c.src_entry, c.dst_entry, problem, name)
+            let problem = c.problem.map(|p| (p.to_string(), to_py_err(p)));
+            // The exception's own type name: the one mapping in errors.rs decides both.
+            let (message, name) = match problem {
+                Some((message, err)) => (Some(message), Some(err.get_type(py).name()?.to_string())),
+                None => (None, None),
+            };
+            Ok((c.kind.as_str(), c.src_entry, c.dst_entry, message, name))
         })
-        .collect())
+        .collect()
 }
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
