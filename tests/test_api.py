@@ -970,3 +970,15 @@ def test_layout_context_properties():
     assert lay.capacities == [4, 4]  # capacity counts items (pages), not tokens
     with pytest.raises(KvPlanError):
         Layout.mla([1], [64], 8, pp_rank=2, pp_size=2)
+
+
+def test_elided_state_entries_emit_nothing_and_hold_no_slots():
+    # Found by the hypothesis fuzz run: a state entry with item_len 0 (capacity 0) made every
+    # slot "out of range", while page entries with item_len 0 are simply skipped.
+    empty = Layout([], [], 1)
+    src = empty.with_state("conv", [1000, 2000], [0, 160], [0, 16], [0, 1])
+    dst = empty.with_state("conv", [5000, 6000], [0, 160], [0, 16], [0, 1])
+    plan = Template(src, dst).plan_state(3, 4)
+    assert plan.as_lists() == ([2000 + 3 * 16], [6000 + 4 * 16], [16])
+    with pytest.raises(IndexBoundsError, match="src index 10"):
+        Template(src, dst).plan_state(10, 0)

@@ -247,17 +247,19 @@ impl Template {
         })
     }
 
-    /// Plans one per-request state slot: one block per state pair,
+    /// Plans one per-request state slot: one block per state pair with a non-zero item length,
     /// `(src_base + item_len*src_slot, dst_base + item_len*dst_slot, item_len)`.
     ///
     /// # Errors
     /// A negative slot or one outside a paired buffer's capacity; [`PlanError::OutputTooSmall`].
     pub fn plan_state_into(&self, src_slot: i64, dst_slot: i64, out: Columns<'_>) -> Result<usize> {
-        let pairs = &self.state_pairs;
-        if out.capacity() < pairs.len() {
+        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
+        let pairs = || self.state_pairs.iter().filter(|p| p.item_len > 0);
+        let n = pairs().count();
+        if out.capacity() < n {
             return Err(PlanError::OutputTooSmall {
                 have: out.capacity(),
-                need: pairs.len(),
+                need: n,
             });
         }
         for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
@@ -270,7 +272,7 @@ impl Template {
             }
         }
         let (s, d) = (src_slot as u64, dst_slot as u64);
-        for (k, pair) in pairs.iter().enumerate() {
+        for (k, pair) in pairs().enumerate() {
             if s >= pair.src_capacity {
                 return Err(self.state_out_of_range(Side::Src, src_slot, pair));
             }
@@ -282,7 +284,7 @@ impl Template {
             out.dst_addrs[k] = pair.dst_base + d * pair.item_len;
             out.lengths[k] = pair.item_len;
         }
-        Ok(pairs.len())
+        Ok(n)
     }
 
     fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
@@ -490,6 +492,41 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn elided_state_entries_emit_nothing_and_hold_no_slots() {
+        // Found by the Python fuzz run: an item_len-0 state entry (capacity 0) made every
+        // slot out of range, while page entries with item_len 0 are simply skipped.
+        let ctx = LayoutContext::default;
+        let empty = || Layout::mla(vec![], vec![], vec![], None, ctx()).unwrap();
+        let src = empty()
+            .with_state(
+                "conv",
+                vec![1000, 2000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let dst = empty()
+            .with_state(
+                "conv",
+                vec![5000, 6000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(2);
+        let n = t.plan_state_into(3, 4, buf.columns()).unwrap();
+        assert_eq!(buf.into_columns(n), (vec![2048], vec![6064], vec![16]));
+        let mut buf = FlatBuffer::zeroed(2);
+        assert!(matches!(
+            t.plan_state_into(-1, 0, buf.columns()),
+            Err(PlanError::NegativeIndex { .. })
+        ));
     }
 
     #[test]

@@ -428,10 +428,11 @@ impl PyTemplate {
     ) -> PyResult<(Column<'py>, Column<'py>, Column<'py>)> {
         let n = self.inner.state_pairs().len();
         let mut buffer = FlatBuffer::zeroed(n);
-        self.inner
+        let written = self
+            .inner
             .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
             .map_err(to_py_err)?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(n);
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(written);
         Ok((
             src_addrs.into_pyarray(py),
             dst_addrs.into_pyarray(py),
