@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 import reference as ref
 
 from kvplan import Layout
+
+
+def accepts_index_array(obj) -> bool:
+    """Whether kvplan takes `obj` as a page index array (else: TypeError, checked before any
+    value): a 1-D numpy array of native-order int32 or int64 that numpy calls C-contiguous."""
+    return (
+        type(obj) is np.ndarray
+        and obj.ndim == 1
+        and obj.dtype in (np.dtype(np.int32), np.dtype(np.int64))
+        and obj.dtype.isnative
+        and obj.flags.c_contiguous
+    )
 
 
 def ref_layout(layout: Layout) -> ref.RefLayout:

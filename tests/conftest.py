@@ -1,0 +1,42 @@
+"""Hypothesis profiles: the test suite is deterministic; random exploration is a separate command.
+
+- ``deterministic`` (the default, and what CI runs): every hypothesis test draws its examples from
+  a seed derived from the test itself (``derandomize=True``) and reads no example database, so the
+  same code gives the same verdict on every run and every machine.
+- ``explore`` (selected by ``KVPLAN_HYPOTHESIS_PROFILE=explore``, which ``scripts/fuzz`` sets):
+  fresh random seeds on every run, for open-ended search. Anything it finds becomes an
+  ``@example`` (or a fixed case) in the suite, so the deterministic run keeps checking it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "deterministic",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+)
+settings.register_profile(
+    "explore",
+    derandomize=False,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+PROFILE = os.environ.get("KVPLAN_HYPOTHESIS_PROFILE", "deterministic")
+if PROFILE not in ("deterministic", "explore"):
+    raise RuntimeError(
+        f"KVPLAN_HYPOTHESIS_PROFILE must be 'deterministic' or 'explore', got {PROFILE!r}"
+    )
+settings.load_profile(PROFILE)
+
+
+def pytest_report_header(config):  # noqa: ARG001 (pytest hook signature)
+    return f"hypothesis profile: {PROFILE}"
