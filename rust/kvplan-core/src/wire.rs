@@ -239,17 +239,10 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// CRC-32 (IEEE 802.3, reflected, as zlib's `crc32`), bitwise: layouts are small and exchanged
-/// once per peer, so a table is not worth its code.
+/// CRC-32 (IEEE 802.3, reflected: the same value as zlib's `crc32`), from `crc32fast`, the
+/// implementation the ecosystem shares (table-driven, SIMD where the CPU has it).
 pub fn crc32(data: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &byte in data {
-        crc ^= u32::from(byte);
-        for _ in 0..8 {
-            crc = (crc >> 1) ^ (0xEDB8_8320 & 0u32.wrapping_sub(crc & 1));
-        }
-    }
-    !crc
+    crc32fast::hash(data)
 }
 
 #[cfg(test)]
