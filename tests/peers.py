@@ -1,10 +1,10 @@
 """Helpers for tests that move real bytes between spawned processes.
 
-The processes themselves are :class:`kvplan.demo.PeerProcess` (the demo uses the same ones).
+The processes themselves are :class:`kvplan.testing.PeerProcess` (the demo uses the same ones).
 What lives here is test-only: a context manager that owns arenas and peers and always cleans
 up, and an *independent* byte oracle: it builds the whole expected decode arena with plain numpy
 and compares it with the real one in one go, so the check shares no code with kvplan's
-pairing or with the demo's verifier.
+pairing or with :func:`kvplan.testing.first_wrong_byte`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvplan.demo import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
+from kvplan.testing import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
 
 __all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "require_mooncake"]
 

@@ -404,11 +404,14 @@ def _plan(src: list[int], dst: list[int], lengths: list[int]) -> Any:
 def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
     """The hybrid scenario through the Ascend adapter, every byte checked."""
     import kvplan
-    from kvplan.demo import SENTINEL, HybridModel, build_layout, fragmented_pages
+    from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
+    from kvplan.testing import SENTINEL, build_layout, model_peers
     from peers import assert_decode_bytes, expected_decode
 
-    model = HybridModel(num_layers=8, full_attention_ids=(3, 7), pages=32, state_slots=3)
-    decode, stages = model.decode(), model.prefill(2)
+    tiny = ModelPreset("tiny-hybrid", "tiny hybrid MLA", 8, "mla", 1152, 4,
+                       (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
+    peers = model_peers(tiny, pages=32, pp_size=2, state_slots=3)
+    decode, stages = peers.decode, peers.prefill
     network: dict[str, StandInMemfabric] = {}
     rng = np.random.default_rng(11)
     d_mem = np.full(decode.size, SENTINEL, np.uint8)
@@ -416,7 +419,7 @@ def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
     d_layout = build_layout(decode, d_mem.ctypes.data)
     assert d_t.register(d_layout) == len(decode.entries)
     src_pages = np.arange(2, 22, dtype=np.int64)
-    dst_pages = fragmented_pages(rng, 20, model.pages, mean_run=3)
+    dst_pages = fragmented_pages(20, 1 / 3, seed=11, shuffle_runs=True, capacity=32)
     before = d_mem.copy()
     writes = []
     mems = []
@@ -438,7 +441,8 @@ def test_stand_in_npu_groups_hybrid_pp2_the_seed_scenario() -> None:
     """The seed's exact case: Ascend pools with two buffer groups per full-attention layer
     (each layer id published once per group), hybrid-linear state, prefill PP=2 -> decode PP=1."""
     import kvplan
-    from kvplan.demo import SENTINEL, PeerSpec, build_layout, fragmented_pages, pack_entries
+    from kvplan.presets import fragmented_pages
+    from kvplan.testing import SENTINEL, PeerSpec, build_layout, pack_entries
     from peers import assert_decode_bytes, expected_decode
 
     full, linear, pages = (3, 7), (0, 1, 2, 4, 5, 6), 24
@@ -458,7 +462,7 @@ def test_stand_in_npu_groups_hybrid_pp2_the_seed_scenario() -> None:
     d_t.register(d_layout)
     rng = np.random.default_rng(5)
     src_pages = np.arange(0, 16, dtype=np.int64)
-    dst_pages = fragmented_pages(rng, 16, pages, mean_run=2)
+    dst_pages = fragmented_pages(16, 0.5, seed=5, shuffle_runs=True, capacity=pages)
     before, writes = d_mem.copy(), []
     keep = []
     for st in stages:

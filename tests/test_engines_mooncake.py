@@ -26,6 +26,7 @@ import pytest
 
 from kvplan.engines import MooncakeTransport, TransferError, TransferStats, merge_regions
 from kvplan.engines._base import _Arrays
+from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 
 # ---------------------------------------------------------------------------------------------
 # A stand-in with Mooncake's signatures whose crash sites raise instead
@@ -388,25 +389,29 @@ def mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
 
 
-def _hybrid():
-    from kvplan.demo import HybridModel, fragmented_pages
+#: A small Kimi-Linear-style hybrid: MLA on layers 3 and 7, two state components elsewhere.
+TINY_HYBRID = ModelPreset("tiny-hybrid", "tiny hybrid MLA", 8, "mla", 1152, 4,
+                          (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
 
-    model = HybridModel(num_layers=8, full_attention_ids=(3, 7), pages=64, state_slots=4)
-    rng = np.random.default_rng(7)
+
+def _hybrid():
+    from kvplan.testing import model_peers
+
+    peers = model_peers(TINY_HYBRID, pages=64, pp_size=2, state_slots=4)
     src_pages = np.arange(5, 5 + 40, dtype=np.int64)
-    dst_pages = fragmented_pages(rng, 40, model.pages, mean_run=3)
-    return model, src_pages, dst_pages
+    dst_pages = fragmented_pages(40, 1 / 3, seed=7, shuffle_runs=True, capacity=64)
+    return peers, src_pages, dst_pages
 
 
 def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> None:
     """On plans alone: id pairing sends prefill stage 1's layer 7 to decode layer 7, while
     positional pairing of the same buffers (no ids) would send it to decode layer 3."""
     import kvplan
-    from kvplan.demo import build_layout
+    from kvplan.testing import build_layout
 
-    model, src_pages, dst_pages = _hybrid()
-    decode = model.decode()
-    stage1 = model.prefill(2)[1]
+    peers, src_pages, dst_pages = _hybrid()
+    decode = peers.decode
+    stage1 = peers.prefill[1]
     d_base, s_base = 0x7000_0000_0000, 0x1000_0000_0000
     d_layout = build_layout(decode, d_base)
     s_layout = build_layout(stage1, s_base)
@@ -422,8 +427,9 @@ def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> N
     plan = kvplan.Template(s_layout, d_layout).plan(src_pages, dst_pages)
     assert {layer_of(int(a)) for a in plan.dst_addrs} == {7}
 
-    # The same KV buffers published without ids, paired by position (the seed's bug).
-    from kvplan.demo import PeerSpec
+    # The same KV buffers published without ids, paired by position (the bug kvplan exists to
+    # prevent: plausible bytes in the wrong layer).
+    from kvplan.testing import PeerSpec
 
     def kv_only(spec: PeerSpec) -> PeerSpec:
         return PeerSpec(spec.name, spec.style, tuple(e for e in spec.entries if e.kind == "page"),
@@ -464,9 +470,9 @@ def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> N
 def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> None:
     from peers import assert_decode_bytes, cluster, expected_decode
 
-    model, src_pages, dst_pages = _hybrid()
-    decode = model.decode()
-    stages = model.prefill(2)
+    peers, src_pages, dst_pages = _hybrid()
+    decode = peers.decode
+    stages = peers.prefill
     # Each stage holds only its own layers: KV for 3 (stage 0) / 7 (stage 1), state elsewhere.
     assert {e.layer_id for e in stages[0].entries} == {0, 1, 2, 3}
     assert {e.layer_id for e in stages[1].entries} == {4, 5, 6, 7}
@@ -488,24 +494,25 @@ def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> Non
     # One KV pair per stage, one state pair per (linear layer, state name) of the stage.
     assert [r["pairs"] for r in results] == [1, 1]
     assert [r["state_pairs"] for r in results] == [6, 6]
-    kv_bytes = 40 * model.kv_item_len
-    state_bytes = 3 * sum(n for _, n in model.state_item_lens)
+    kv_bytes = 40 * TINY_HYBRID.kv_bytes_per_token
+    state_bytes = 3 * sum(s.bytes_per_slot for s in TINY_HYBRID.state)
     assert [r["bytes"] for r in results] == [kv_bytes + state_bytes] * 2
     assert all(r["blocks"] == r["runs"] + 6 for r in results)  # one block per run + states
 
 
 @mooncake
 def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> None:
-    from kvplan.demo import MhaModel, fragmented_pages
+    from kvplan.testing import PeerSpec, pack_entries
     from peers import assert_decode_bytes, cluster, expected_decode
 
-    model = MhaModel(num_layers=4, k_item_len=768, v_item_len=512, pages=48)
-    decode, prefill = model.peer("decode"), model.peer("prefill")
-    roles = [e.role for e in decode.entries]
-    assert roles == ["k"] * 4 + ["v"] * 4  # K entries then V entries
+    # K and V of different widths (e.g. 192- vs 128-dim heads), K entries then V entries.
+    rows = [(i, role, "page", item, 48) for role, item in (("k", 768), ("v", 512))
+            for i in range(4)]
+    decode = PeerSpec("decode", "mha", pack_entries(rows), 4)
+    prefill = PeerSpec("prefill", "mha", pack_entries(rows), 4)
     rng = np.random.default_rng(3)
     src_pages = rng.permutation(48)[:30].astype(np.int64)
-    dst_pages = fragmented_pages(rng, 30, 48, mean_run=4)
+    dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
     with cluster(decode, [prefill]) as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
@@ -520,7 +527,7 @@ def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> Non
 
 
 def _raw_pair():
-    from kvplan.demo import PeerSpec, pack_entries
+    from kvplan.testing import PeerSpec, pack_entries
 
     decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", 4096, 64)]), 1)
     prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", 4096, 64)]), 1)
@@ -573,8 +580,8 @@ def test_async_submit_moves_bytes(mooncake_env: None) -> None:
 def test_fault_decode_gone_before_submit(mooncake_env: None) -> None:
     from peers import cluster
 
-    model, src_pages, dst_pages = _hybrid()
-    decode, stages = model.decode(), model.prefill(2)
+    peers, src_pages, dst_pages = _hybrid()
+    decode, stages = peers.decode, peers.prefill
     with cluster(decode, stages[:1]) as c:
         d = c.peers["decode"]
         d.kill()  # the decode worker crashed after the handshake
@@ -649,10 +656,10 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
 def test_demo_verifier_names_the_first_wrong_byte(tmp_path: Any) -> None:
     """The demo's own verifier (no engine): a correct copy passes, then one corrupted planned
     byte and one touched sentinel byte are each reported with layer, role, item and byte."""
-    from kvplan.demo import SENTINEL, Arena, HybridModel, fill_source, first_wrong_byte
+    from kvplan.testing import SENTINEL, Arena, fill_source, first_wrong_byte, model_peers
 
-    model = HybridModel(num_layers=8, pages=16, state_slots=2)
-    decode, stage = model.decode(), model.prefill(1)[0]
+    peers = model_peers(TINY_HYBRID, pages=16, pp_size=1, state_slots=2)
+    decode, stage = peers.decode, peers.prefill[0]
     d = Arena(str(tmp_path / "d"), decode.size, create=True)
     s = Arena(str(tmp_path / "s"), stage.size, create=True)
     d.array[:] = SENTINEL

@@ -1,10 +1,10 @@
 """The ``kvplan`` console script.
 
-Subcommands register themselves in :data:`SUBCOMMANDS`: a name mapped to a function that adds
-its arguments to an ``argparse`` sub-parser and returns the function that runs it. Adding a
-command (``explain`` is next) means writing one ``_add_<name>`` function and one table row.
-Heavy imports (numpy, the extension, engines) happen inside the command, so ``kvplan --help``
-stays fast and works even when an optional engine is missing.
+Subcommands register themselves in :data:`SUBCOMMANDS`: a name mapped to a function that
+imports the command's module, lets it add its own arguments to an ``argparse`` sub-parser and
+returns the function that runs it. Adding a command means one module with ``add_arguments`` and
+one table row. Engines are imported only when a command runs, so ``kvplan --help`` works even
+when an optional engine is missing.
 """
 
 from __future__ import annotations
@@ -19,23 +19,9 @@ Runner = Callable[[argparse.Namespace], int]
 
 
 def _add_demo(parser: argparse.ArgumentParser) -> Runner:
-    parser.add_argument("--layers", type=int, default=48,
-                        help="model layers; full attention (MLA) on every 4th (default 48)")
-    parser.add_argument("--pages", type=int, default=8192,
-                        help="pages per KV buffer on each side (default 8192)")
-    parser.add_argument("--request-pages", type=int, default=None,
-                        help="pages the request moves (default 3/4 of --pages)")
-    parser.add_argument("--pp", type=int, default=2, help="prefill pipeline stages (default 2)")
-    parser.add_argument("--max-blocks", type=int, default=None,
-                        help="blocks per engine call (default: the engine's bound, 1024)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for data and pages")
+    from kvplan import demo  # its arguments live with the command
 
-    def run(args: argparse.Namespace) -> int:
-        from kvplan import demo
-
-        return demo.run_cli(args)
-
-    return run
+    return demo.add_arguments(parser)
 
 
 def _add_explain(parser: argparse.ArgumentParser) -> Runner:

@@ -1,6 +1,7 @@
-"""Reference models (design.md §7) as layouts: one per prefill PP stage, one for the decode peer.
+"""Reference models as layouts (one per prefill PP stage, one for the decode peer) and reference
+requests (page lists with a chosen fragmentation).
 
-Used by ``kvplan explain``, tests and examples. Addresses are synthetic (never dereferenced):
+Used by ``kvplan explain``, ``kvplan demo``, the tests and the benchmarks. Addresses are synthetic (never dereferenced):
 what matters for planning is the entry structure, the item lengths and the capacities.
 
 Sizes per token per layer (bf16 unless said otherwise):
@@ -26,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from kvplan._core import KvPlanError, Layout
 
-__all__ = ["PRESETS", "ModelPreset", "StateSpec", "get_preset", "split_layers"]
+__all__ = ["PRESETS", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset", "split_layers"]
 
 PREFILL_BASE = 0x1000_0000_0000
 DECODE_BASE = 0x9000_0000_0000
@@ -216,3 +219,54 @@ def get_preset(key: str, num_layers: int | None = None) -> ModelPreset:
     if preset is None:
         raise KvPlanError(f"unknown preset {key!r}; known: {', '.join(PRESETS)}")
     return preset if num_layers is None else preset.with_layers(num_layers)
+
+
+def fragmented_pages(n: int, fragmentation: float, *, seed: int = 0, start: int = 0,
+                     max_gap: int = 1, shuffle_runs: bool = False,
+                     capacity: int | None = None) -> np.ndarray:
+    """A request's page indices as a free list hands them out: ``n`` distinct pages made of runs.
+
+    Against a contiguous list the result has exactly ``round(fragmentation * (n - 1))`` breaks
+    (so that many + 1 runs, unless ``shuffle_runs`` happens to put two runs back to back). A
+    break skips 1..``max_gap`` free pages (drawn uniformly); the first page is ``start``.
+    ``shuffle_runs`` puts the runs in random order, as a free list after some churn does.
+
+    Args:
+        n: Pages in the request.
+        fragmentation: 0 (one run) .. 1 (a break after every page).
+        seed: Seed of the random breaks, gaps and order (same seed, same pages).
+        start: The first page index.
+        max_gap: Largest number of pages a break skips.
+        shuffle_runs: Randomise the order of the runs.
+        capacity: If given, every index must be below it.
+
+    Returns:
+        int64 array of ``n`` page indices.
+
+    Raises:
+        ValueError: ``n`` < 0, ``fragmentation`` outside [0, 1], ``max_gap`` < 1, or the pages do
+            not fit ``capacity``.
+    """
+    if n < 0:
+        raise ValueError(f"the number of pages must be non-negative, got {n}")
+    if not 0.0 <= fragmentation <= 1.0:
+        raise ValueError(f"fragmentation must be in [0, 1], got {fragmentation}")
+    if max_gap < 1:
+        raise ValueError(f"max_gap must be at least 1, got {max_gap}")
+    rng = np.random.default_rng(seed)
+    steps = np.ones(n, dtype=np.int64)
+    if n:
+        steps[0] = start
+    breaks = round(fragmentation * (n - 1)) if n else 0
+    if breaks:
+        at = rng.choice(np.arange(1, n), size=breaks, replace=False)
+        steps[at] += 1 if max_gap == 1 else rng.integers(1, max_gap + 1, size=breaks)
+    pages = np.cumsum(steps)
+    if shuffle_runs and breaks:
+        runs = np.split(pages, np.sort(at))
+        pages = np.concatenate([runs[i] for i in rng.permutation(len(runs))])
+    if capacity is not None and n and int(pages.max()) >= capacity:
+        raise ValueError(f"{n} pages with fragmentation {fragmentation} (max gap {max_gap}) from "
+                         f"page {start} need indices up to {int(pages.max())}, beyond capacity "
+                         f"{capacity}")
+    return pages

@@ -1,0 +1,49 @@
+"""Helpers for tests that move real bytes between processes through a transfer engine.
+
+Public, so that a serving engine's own integration tests can use them (as ``polars.testing`` or
+``numpy.testing`` serve their users); ``kvplan demo`` runs on them too. Importing
+:mod:`kvplan.testing` imports no engine: peer processes import theirs when they start.
+
+- :class:`PeerSpec` / :class:`Entry`: a peer's buffers as plain, picklable data (offsets in an
+  arena); :func:`preset_peer` and :func:`model_peers` derive them from a
+  :class:`kvplan.presets.ModelPreset`; :func:`build_layout` gives the :class:`kvplan.Layout` a
+  peer publishes.
+- :class:`Arena`: memory shared between the test and its peer processes (a mapped file);
+  :func:`fill_source` fills sources with bytes that never equal :data:`SENTINEL`, the byte
+  destinations start with.
+- :class:`PeerProcess`: a spawned process that owns an engine (Mooncake TCP today), registers
+  its arena, publishes session id and wire layout, and plans and submits on command.
+- :func:`first_wrong_byte`: checks a whole destination arena against the expected moves.
+"""
+
+from kvplan.testing.memory import SENTINEL, Arena, arena_dir, fill_source
+from kvplan.testing.peers import ENGINE_ENV, PeerFailure, PeerProcess
+from kvplan.testing.specs import (
+    Entry,
+    ModelPeers,
+    PeerSpec,
+    build_layout,
+    model_peers,
+    pack_entries,
+    preset_peer,
+)
+from kvplan.testing.verify import expected_moves, first_wrong_byte
+
+__all__ = [
+    "ENGINE_ENV",
+    "SENTINEL",
+    "Arena",
+    "Entry",
+    "ModelPeers",
+    "PeerFailure",
+    "PeerProcess",
+    "PeerSpec",
+    "arena_dir",
+    "build_layout",
+    "expected_moves",
+    "fill_source",
+    "first_wrong_byte",
+    "model_peers",
+    "pack_entries",
+    "preset_peer",
+]

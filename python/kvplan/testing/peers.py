@@ -1,0 +1,268 @@
+"""Peer processes: one spawned process per :class:`~kvplan.testing.PeerSpec`, each owning a
+transfer engine, registering its arena and serving commands over a pipe.
+
+The parent never touches an engine itself, so an engine crash costs a child, not the caller.
+Start-up answers with what a real worker publishes in its bootstrap handshake: the engine's
+session id and the peer's layout in kvplan's wire format (``Layout.to_bytes``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvplan.testing.memory import Arena
+from kvplan.testing.specs import PeerSpec, build_layout
+
+__all__ = ["ENGINE_ENV", "PeerFailure", "PeerProcess"]
+
+#: Environment for engine processes: fail a hung peer in ~5 s, keep the engine's log quiet.
+ENGINE_ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"}
+
+
+class PeerFailure(RuntimeError):
+    """A peer process died, timed out, or raised something other than a TransferError."""
+
+
+@dataclass
+class _PeerState:
+    """What a peer process holds between commands."""
+
+    transport: Any
+    spec: PeerSpec
+    arena: Arena
+    layout: Any = None  # kvplan.Layout of this peer (None for "raw" specs)
+    templates: dict[bytes, Any] = field(default_factory=dict)  # per decode layout (wire bytes)
+
+
+def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
+               env: dict[str, str], log_path: str | None = None) -> None:
+    """Entry point of a spawned peer: own an engine, register the arena, serve commands.
+
+    Start-up answers with the handshake a real worker would publish: its session id and its
+    layout in kvplan's wire format (``Layout.to_bytes``).
+    """
+    os.environ.update(env)
+    if log_path is not None:  # the engine's glog writes to fd 2; keep the demo's output clean
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        from kvplan.engines import MooncakeTransport
+
+        spec = PeerSpec.from_dict(spec_dict)
+        arena = Arena(arena_path, size, create=False)
+        state = _PeerState(MooncakeTransport("127.0.0.1"), spec, arena)
+        if spec.style == "raw":  # plain buffers, no kvplan layout (engine fault tests)
+            state.transport.register_buffers([arena.base + e.offset for e in spec.entries],
+                                             [e.nbytes for e in spec.entries])
+            wire = None
+        else:
+            state.layout = build_layout(spec, arena.base)
+            state.transport.register(state.layout)
+            wire = state.layout.to_bytes()
+        conn.send(("ok", {"session": state.transport.local_session_id(), "base": arena.base,
+                          "regions": state.transport.registered_regions, "layout": wire}))
+    except BaseException as exc:  # report start-up failures instead of dying silently
+        conn.send(("fail", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # parent went away
+            break
+        cmd, args = msg[0], msg[1:]
+        if cmd == "stop":
+            break
+        try:
+            result = _COMMANDS[cmd](state, *args)
+            conn.send(("ok", result))
+        except BaseException as exc:
+            from kvplan.engines import TransferError
+
+            if isinstance(exc, TransferError):
+                fields = {k: getattr(exc, k, None)
+                          for k in ("engine", "session", "batch", "blocks", "bytes", "status")}
+                conn.send(("transfer_error", str(exc), fields))
+            else:
+                conn.send(("fail", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    state.transport.close()
+    conn.send(("ok", "stopped"))
+
+
+def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
+                  src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
+                  dst_slot: int | None, max_blocks: int | None) -> dict[str, Any]:
+    """Plan this peer's part of one request with kvplan and write it to the decode peer.
+
+    The decode layout arrives as wire bytes (what the bootstrap handshake carries); the
+    template is built once per decode layout and reused, as a serving worker would.
+    """
+    import kvplan
+
+    t0 = time.perf_counter()
+    template = state.templates.get(dst_layout_wire)
+    if template is None:
+        dst_layout = kvplan.Layout.from_bytes(dst_layout_wire)
+        template = state.templates[dst_layout_wire] = kvplan.Template(state.layout, dst_layout)
+    t1 = time.perf_counter()
+    plan = template.plan(np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
+    plans = [plan]
+    if src_slot is not None and dst_slot is not None and len(template.state_pairs):
+        plans.append(template.plan_state(src_slot, dst_slot))
+    t2 = time.perf_counter()
+    out: dict[str, Any] = {"template_s": t1 - t0, "plan_s": t2 - t1,
+                           "pairs": int(len(template.pairs)),
+                           "state_pairs": int(len(template.state_pairs)),
+                           "runs": int(plan.n_runs), "blocks": 0, "bytes": 0, "batches": 0,
+                           "transfer_s": 0.0}
+    for p in plans:
+        stats = state.transport.submit(p, dst_session, max_blocks)
+        out["blocks"] += stats.blocks
+        out["bytes"] += stats.bytes
+        out["batches"] += stats.batches
+        out["transfer_s"] += stats.seconds
+    return out
+
+
+def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
+              lengths: Sequence[int]) -> Any:
+    from kvplan.engines._base import _Arrays
+
+    return _Arrays(np.asarray(src, np.uint64) + np.uint64(state.arena.base),
+                   np.asarray(dst, np.uint64), np.asarray(lengths, np.uint64))
+
+
+def _cmd_submit_raw(state: _PeerState, dst_session: str, src: Sequence[int],
+                    dst: Sequence[int], lengths: Sequence[int], max_blocks: int | None = None,
+                    check_sources: bool = True) -> dict[str, Any]:
+    """Write hand-made blocks (fault tests); ``src`` are offsets into this peer's arena."""
+    stats = state.transport.submit(_raw_plan(state, src, dst, lengths), dst_session, max_blocks,
+                                   check_sources=check_sources)
+    return asdict(stats)
+
+
+def _cmd_submit_async_raw(state: _PeerState, dst_session: str, src: Sequence[int],
+                          dst: Sequence[int], lengths: Sequence[int],
+                          max_blocks: int | None = None) -> dict[str, Any]:
+    """Like ``submit_raw`` through Mooncake's async batch ids."""
+    pending = state.transport.submit_async(_raw_plan(state, src, dst, lengths), dst_session,
+                                           max_blocks)
+    return asdict(pending.wait())
+
+
+def _cmd_probe(state: _PeerState, peer: str) -> int:
+    return int(state.transport.probe(peer))
+
+
+_COMMANDS: dict[str, Callable[..., Any]] = {
+    "transfer": _cmd_transfer,
+    "submit_raw": _cmd_submit_raw,
+    "submit_async_raw": _cmd_submit_async_raw,
+    "probe": _cmd_probe,
+}
+
+
+class PeerProcess:
+    """A spawned process running ``_peer_main`` for one :class:`PeerSpec`.
+
+    The parent never touches an engine itself, so an engine crash costs a child, not the caller.
+    """
+
+    def __init__(self, spec: PeerSpec, arena: Arena, *, env: dict[str, str] | None = None,
+                 wait: bool = True, start_timeout: float = 60.0, log_path: str | None = None
+                 ) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_peer_main, name=f"kvplan-{spec.name}",
+            args=(child, spec.to_dict(), arena.path, arena.size, {**ENGINE_ENV, **(env or {})},
+                  log_path),
+            daemon=True)
+        self.process.start()
+        child.close()
+        self.session = ""
+        self.base = 0
+        self.regions: list[tuple[int, int]] = []
+        self.layout_wire: bytes | None = None
+        self._broken = False
+        if wait:
+            self.ready(start_timeout)
+
+    def ready(self, timeout: float = 60.0) -> PeerProcess:
+        """Wait for start-up (engine initialised, arena registered); returns ``self``."""
+        if not self.session:
+            info = self._reply(timeout, "start")
+            self.session, self.base, self.regions = info["session"], info["base"], info["regions"]
+            self.layout_wire = info["layout"]
+        return self
+
+    def _reply(self, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.05):
+            if not self.process.is_alive():
+                raise PeerFailure(f"{self.spec.name} died during {what} "
+                                  f"(exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                self._broken = True
+                raise PeerFailure(f"{self.spec.name} gave no answer to {what} in {timeout:.0f} s")
+        try:
+            kind, *payload = self._conn.recv()
+        except EOFError:
+            raise PeerFailure(f"{self.spec.name} closed its pipe during {what}") from None
+        if kind == "ok":
+            return payload[0]
+        if kind == "transfer_error":
+            from kvplan.engines import TransferError
+
+            err = TransferError(payload[0])
+            for key, value in payload[1].items():
+                setattr(err, key, value)
+            raise err
+        raise PeerFailure(f"{self.spec.name} failed during {what}: {payload[0]}")
+
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start command ``cmd`` in the peer without waiting (pair with :meth:`result`)."""
+        if self._broken:  # a late answer to a timed-out command would be misread
+            raise PeerFailure(f"{self.spec.name} timed out earlier; not reusable")
+        try:
+            self._conn.send((cmd, *args))
+        except (BrokenPipeError, OSError) as exc:
+            raise PeerFailure(f"{self.spec.name} is gone ({exc})") from None
+
+    def result(self, timeout: float = 60.0, what: str = "command") -> Any:
+        """The answer to the last :meth:`send`; re-raises the peer's TransferError here."""
+        return self._reply(timeout, what)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run command ``cmd`` in the peer and return its result."""
+        self.send(cmd, *args)
+        return self._reply(timeout, cmd)
+
+    def kill(self) -> None:
+        """SIGKILL the peer (a crashed decode worker) and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the peer to close its engine and exit; kill it if it does not."""
+        if self.process.is_alive() and not self._broken:
+            try:
+                self._conn.send(("stop",))
+                self._reply(timeout, "stop")
+            except Exception:  # teardown: a late answer or a dead pipe must not mask the test
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
