@@ -127,15 +127,10 @@ def scenarios(quick: bool) -> list[Scenario]:
 def make_pages(n: int, frag: float, seed: int):
     """src: contiguous; dst: strictly increasing, with exactly round(frag*(n-1)) positions where
     contiguity breaks (a forward gap of 1..8 pages), chosen by a seeded RNG."""
-    rng = np.random.default_rng(seed)
     src = np.arange(3, 3 + n, dtype=np.int64)
-    steps = np.ones(n, dtype=np.int64)
-    steps[0] = 5
-    n_breaks = int(round(frag * (n - 1)))
-    if n_breaks:
-        pos = rng.choice(np.arange(1, n), size=n_breaks, replace=False)
-        steps[pos] += rng.integers(1, 9, size=n_breaks)
-    dst = np.cumsum(steps)
+    from kvplan.presets import fragmented_pages
+
+    dst = fragmented_pages(n, frag, seed=seed, start=5, max_gap=8)
     return src.astype(np.int32), dst.astype(np.int32)
 
 
