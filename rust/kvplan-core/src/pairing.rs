@@ -143,6 +143,10 @@ fn pair_by_identity(
         };
     // FIFO queue of destination positions per key, in ascending position, with a read cursor.
     // Keys borrow the roles: no string is copied per entry.
+    // The cursor also counts the source occurrences of its key, so an entry without a partner
+    // knows its occurrence number without rescanning the entries before it (a rescan per
+    // missing entry made incompatible layouts quadratic). Keys no destination entry has get an
+    // empty queue for the same reason.
     let mut queues: HashMap<EntryKey<'_>, (Vec<usize>, usize)> = HashMap::new();
     for j in 0..dst_ids.len() {
         queues
@@ -151,25 +155,23 @@ fn pair_by_identity(
             .0
             .push(j);
     }
-    let mut pairs = Vec::with_capacity(src_ids.len());
+    let mut pairs = collect_exact(src_ids.len(), std::iter::empty())?;
     for i in 0..src_ids.len() {
         let wanted = key(src_roles, src_ids, i);
-        let next = queues.get_mut(&wanted).and_then(|(positions, cursor)| {
-            let j = positions.get(*cursor).copied();
-            *cursor += 1;
-            j
-        });
-        pairs.push(next.ok_or_else(|| {
-            let occurrence = (0..=i)
-                .filter(|&k| key(src_roles, src_ids, k) == wanted)
-                .count();
-            PlanError::MissingLayer {
-                layer: wanted.0,
-                role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
-                src_entry: i,
-                occurrence,
-            }
-        }));
+        let (positions, cursor) = queues.entry(wanted).or_default();
+        let occurrence = *cursor;
+        *cursor += 1;
+        pairs.push(
+            positions
+                .get(occurrence)
+                .copied()
+                .ok_or_else(|| PlanError::MissingLayer {
+                    layer: wanted.0,
+                    role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
+                    src_entry: i,
+                    occurrence: occurrence + 1,
+                }),
+        );
     }
     Ok(pairs)
 }
@@ -179,7 +181,16 @@ type EntryKey<'a> = (i64, Option<&'a str>);
 
 /// The pairing key of entry `i`.
 fn key<'a>(roles: Option<&'a [String]>, ids: &[i64], i: usize) -> EntryKey<'a> {
+    #[cfg(test)]
+    KEYS_BUILT.with(|n| n.set(n.get() + 1));
     (ids[i], roles.map(|r| r[i].as_str()))
+}
+
+// Counts key evaluations, so tests can check that identity pairing does a bounded amount of
+// work per entry (a deterministic complexity check, not a timing).
+#[cfg(test)]
+thread_local! {
+    pub(crate) static KEYS_BUILT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> {
@@ -373,6 +384,34 @@ mod tests {
             n_entries: 2,
         };
         assert_eq!(pair_entries(src, dst, false).unwrap(), vec![[0, 1], [1, 0]]);
+    }
+
+    #[test]
+    fn missing_partners_cost_one_key_per_entry() {
+        // No source id has a partner: every entry is reported missing, each with its
+        // occurrence number. That used to rescan all earlier entries per missing entry
+        // (quadratic); now each entry's key is built once.
+        let n = 5_000;
+        let src: Vec<i64> = (0..n as i64).map(|i| i / 2).collect();
+        let dst: Vec<i64> = (0..n as i64).map(|i| 1_000_000 + i).collect();
+        KEYS_BUILT.with(|k| k.set(0));
+        let partners = pair_each(
+            EntryMetadata::ids(Some(&src), n),
+            EntryMetadata::ids(Some(&dst), n),
+            false,
+        )
+        .unwrap();
+        assert_eq!(KEYS_BUILT.with(std::cell::Cell::get), 2 * n);
+        assert_eq!(
+            partners[3],
+            Err(PlanError::MissingLayer {
+                layer: 1,
+                role: String::new(),
+                src_entry: 3,
+                occurrence: 2,
+            })
+        );
+        assert!(partners.iter().all(Result::is_err));
     }
 
     #[test]

@@ -411,6 +411,40 @@ mod tests {
         ));
     }
 
+    fn role_layout(roles: &[&str], ids: Option<Vec<i64>>) -> Layout {
+        let n = roles.len();
+        Layout::new(
+            crate::layout::LayoutParts {
+                data_ptrs: (0..n as u64).map(|i| 1000 * (i + 1)).collect(),
+                data_lens: vec![64; n],
+                item_lens: vec![8; n],
+                layer_ids: ids.map_or_else(Vec::new, |v| v.into_iter().map(Some).collect()),
+                roles: roles.iter().map(ToString::to_string).collect(),
+                kinds: vec![],
+            },
+            LayoutContext::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn incompatible_template_does_linear_pairing_work() {
+        // Every source id lacks a partner: check_pairs reports each entry, building each key
+        // once (the missing-entry message used to rescan all earlier entries).
+        let n = 20_000;
+        let roles = vec!["kv"; n];
+        let src = role_layout(&roles, Some((0..n as i64).collect()));
+        let dst = role_layout(&roles, Some((0..n as i64).map(|i| i + 1_000_000).collect()));
+        crate::pairing::KEYS_BUILT.with(|k| k.set(0));
+        let checks = check_pairs(&src, &dst, TemplateOptions::default());
+        assert_eq!(crate::pairing::KEYS_BUILT.with(std::cell::Cell::get), 2 * n);
+        assert!(
+            checks
+                .iter()
+                .all(|c| matches!(c.problem, Some(PlanError::MissingLayer { .. })))
+        );
+    }
+
     #[test]
     fn size_mismatch_names_layer_role_and_sizes() {
         let src = Layout::mla(
