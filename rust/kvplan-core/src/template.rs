@@ -428,6 +428,35 @@ mod tests {
     }
 
     #[test]
+    fn id_less_pairing_never_pairs_different_roles() {
+        // Same counts, no ids, roles on both sides: a decode listed K, V per layer against a
+        // prefill listed K block then V block pairs K with K and V with V.
+        let prefill = role_layout(&["k", "k", "v", "v"], None);
+        let decode = role_layout(&["k", "v", "k", "v"], None);
+        let t = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap();
+        let pairs: Vec<[usize; 2]> = t
+            .page_pairs()
+            .iter()
+            .map(|p| [p.src_entry, p.dst_entry])
+            .collect();
+        assert_eq!(pairs, vec![[0, 0], [1, 2], [2, 1], [3, 3]]);
+        // A draft entry never pairs with a model entry: refused, and check_pairs (what the
+        // compatibility report lists) names the same first problem Template raises.
+        let prefill = role_layout(&["kv", "kv", "draft"], None);
+        let decode = role_layout(&["kv", "kv", "kv"], None);
+        let err = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, PlanError::MissingRole { role, src_entry: 2, .. } if role == "draft")
+        );
+        let checks = check_pairs(&prefill, &decode, TemplateOptions::default());
+        assert_eq!(
+            checks[..2].iter().map(|c| c.dst_entry).collect::<Vec<_>>(),
+            [Some(0), Some(1)]
+        );
+        assert_eq!(checks[2].problem, Some(err));
+    }
+
+    #[test]
     fn incompatible_template_does_linear_pairing_work() {
         // Every source id lacks a partner: check_pairs reports each entry, building each key
         // once (the missing-entry message used to rescan all earlier entries).
