@@ -76,7 +76,10 @@ def pair_entries(
     src_roles=None,
     dst_roles=None,
 ) -> list[tuple[int, int]]:
-    """SGLang's build_transfer_entry_pairs; keyed by (id, role) when both sides give roles."""
+    """SGLang's build_transfer_entry_pairs; keyed by (id, role) when both sides give roles.
+
+    Without ids (positional pairing), roles given on both sides restrict pairs to equal roles.
+    """
     if n_src == 0:
         return []
     has_src, has_dst = _published(src_ids), _published(dst_ids)
@@ -122,7 +125,22 @@ def pair_entries(
             f"PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} "
             f"dst={n_dst} entries",
         )
-    return [(i, i) for i in range(n_src)]
+    if src_roles is None or dst_roles is None:
+        return [(i, i) for i in range(n_src)]
+    # Both peers say what each entry holds: never pair different roles. The k-th entry of a
+    # role pairs with the k-th entry of that role on the other side.
+    src_roles = [str(r) for r in src_roles]
+    dst_roles = [str(r) for r in dst_roles]
+    if len(src_roles) != n_src or len(dst_roles) != n_dst:
+        raise RefError("pairing", "role metadata length must match transfer entries")
+    pairs = []
+    for i, role in enumerate(src_roles):
+        k = src_roles[:i].count(role)
+        same = [j for j, r in enumerate(dst_roles) if r == role]
+        if k >= len(same):
+            raise RefError("pairing", f"decode has only {len(same)} entries of role {role!r}")
+        pairs.append((i, same[k]))
+    return pairs
 
 
 # --------------------------------------------------------------------------------------------

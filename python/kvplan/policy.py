@@ -46,7 +46,8 @@ class PairingChoice:
 
     Attributes:
         mode: ``"layer_id"`` (pair by global layer id and role), ``"positional"`` (entry ``i``
-            to entry ``i``; extra decode entries ignored) or ``"legacy"`` (positional PP
+            to entry ``i``, counted within each role when both peers publish roles; extra
+            decode entries ignored) or ``"legacy"`` (positional PP
             slicing from ``prefill_start_layer``, strict).
         backend: The backend name, lower-cased.
         layout_kind: ``"mla"``, ``"mha"``, ``"hybrid_mla"`` or ``"hybrid_mha"``; ``None`` when

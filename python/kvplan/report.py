@@ -328,6 +328,14 @@ def _page_ids(layout: Layout) -> list[int]:
     return [i for i, k in zip(ids, layout.kinds) if k == "page" and i is not None]
 
 
+def _page_roles(layout: Layout) -> bool:
+    """Whether the layout publishes a role for its page entries (all or none of them do)."""
+    roles = layout.roles
+    if roles is None:
+        return False
+    return any(r for r, k in zip(roles, layout.kinds) if k == "page")
+
+
 def _side(name: str, layout: Layout, verb: str, n_model: int | None) -> str:
     ids = _page_ids(layout)
     n_page = sum(1 for k in layout.kinds if k == "page")
@@ -357,6 +365,9 @@ def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[s
             out.append(f"entries pair by position: prefill entries "
                        f"{format_ids(e.src_index for e in paired)} -> decode entries "
                        f"{format_ids(e.dst_index for e in paired if e.dst_index is not None)}")
+            if _page_roles(src) and _page_roles(dst):
+                out.append("positions count within each role: the k-th entry of a role pairs "
+                           "with the k-th entry of that role, never with another role")
     else:
         # Decode layers this stage does not write: normal for a PP stage, a gap at PP=1.
         sent = {e.dst_index for e in page if e.dst_index is not None}

@@ -97,6 +97,15 @@ pub enum PlanError {
         occurrence: usize,
     },
     #[error(
+        "Decode peer has no entry of role {role:?} for src entry {src_entry} (occurrence {occurrence} of that role; the decode has {dst_count}): without layer ids, entries pair by position within their role"
+    )]
+    MissingRole {
+        role: String,
+        src_entry: usize,
+        occurrence: usize,
+        dst_count: usize,
+    },
+    #[error(
         "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries"
     )]
     PositionalCount { n_src: usize, n_dst: usize },
@@ -145,6 +154,7 @@ impl PlanError {
             | PlanError::MetadataLength { .. }
             | PlanError::RoleLength { .. }
             | PlanError::MissingLayer { .. }
+            | PlanError::MissingRole { .. }
             | PlanError::PositionalCount { .. }
             | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
             PlanError::NegativeIndex { .. }

@@ -2,6 +2,8 @@
 //! serving engines use: MLA, MHA (K block then V block), hybrid-linear, NPU buffer groups,
 //! draft entries and per-request state entries.
 
+use std::collections::HashMap;
+
 use crate::error::{PlanError, Result};
 
 /// Whether an entry is indexed by KV page or by per-request state slot.
@@ -428,13 +430,13 @@ impl Layout {
         if !pages.is_empty() && self.parts.layer_ids[pages[0]].is_none() {
             return Err(invalid("draft entries are published in the id band above the model; this layout publishes no layer ids".into()));
         }
-        let mut band: Vec<i64> = Vec::new();
+        // Number of each distinct raw id, by first appearance: a map, not a search of the ids
+        // seen so far, which made this quadratic in the number of distinct draft ids.
+        let mut band: HashMap<i64, usize> = HashMap::new();
         let mut ids = Vec::with_capacity(n);
         for &raw in draft_layer_ids {
-            let number = band.iter().position(|&x| x == raw).unwrap_or_else(|| {
-                band.push(raw);
-                band.len() - 1
-            });
+            let next = band.len();
+            let number = *band.entry(raw).or_insert(next);
             let id = num_hidden_layers
                 .checked_add(number as i64)
                 .ok_or(PlanError::Overflow {
@@ -624,6 +626,20 @@ mod tests {
             .map(|x| x.unwrap())
             .collect();
         assert_eq!(ids, vec![48, 49, 48, 49]);
+    }
+
+    #[test]
+    fn draft_band_of_many_distinct_ids_completes() {
+        // A quarter of a million distinct draft ids: a search of the ids seen so far per id
+        // (the old numbering) is ~3e10 comparisons, hours in a debug build; a map is instant.
+        let n = 1 << 18;
+        let base = Layout::mla(vec![1], vec![8], vec![8], Some(vec![0]), ctx()).unwrap();
+        let raw: Vec<i64> = (0..n as i64).rev().collect();
+        let l = base
+            .with_draft(vec![2; n], vec![8; n], vec![8; n], &raw, 10, None)
+            .unwrap();
+        assert_eq!(l.parts().layer_ids[1], Some(10));
+        assert_eq!(l.parts().layer_ids[n], Some(10 + n as i64 - 1));
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! entries allowed. Positional pairing exists for legacy peers that publish no ids, in two
 //! forms: SGLang's flat fallback ([`pair_entries`] with `allow_positional_fallback`) and the
 //! pipeline-parallel slicing by `prefill_start_layer` ([`legacy_pp_pairs`]), made strict.
+//! Whatever the mode, when both peers publish roles an entry only pairs with an entry of the
+//! same role (positions are counted within each role).
 
 use std::collections::HashMap;
 
@@ -42,13 +44,14 @@ impl<'a> EntryMetadata<'a> {
 /// Pairs every source entry with a destination entry.
 ///
 /// Same pairs and the same error conditions as SGLang's `build_transfer_entry_pairs`
-/// (sglang-semantics.md §3), plus: when both peers publish roles, the key is (layer id, role),
-/// so a K entry can never pair with a V entry.
+/// (sglang-semantics.md §3), plus: when both peers publish roles, no entry ever pairs with an
+/// entry of another role. With ids the key is (layer id, role); without ids (positional
+/// pairing) the k-th entry of a role pairs with the k-th entry of that role on the other side.
 ///
 /// # Errors
 /// [`PlanError::OneSidedMetadata`], [`PlanError::MetadataLength`], [`PlanError::RoleLength`],
-/// [`PlanError::MissingLayer`] (the first source entry without a partner) or
-/// [`PlanError::PositionalCount`].
+/// [`PlanError::MissingLayer`] or [`PlanError::MissingRole`] (the first source entry without a
+/// partner) or [`PlanError::PositionalCount`].
 pub fn pair_entries(
     src: EntryMetadata<'_>,
     dst: EntryMetadata<'_>,
@@ -78,12 +81,7 @@ pub fn pair_each(
     if src.n_entries == 0 {
         return Ok(Vec::new());
     }
-    let positional = |fallback| {
-        pair_positionally(src.n_entries, dst.n_entries, fallback).and_then(|pairs| {
-            let n = pairs.len();
-            collect_exact(n, pairs.into_iter().map(|[_, j]| Ok(j)))
-        })
-    };
+    let positional = |fallback| pair_positionally(src, dst, fallback);
     match (src.published_ids(), dst.published_ids()) {
         (Some(src_ids), Some(dst_ids)) => pair_by_identity(src_ids, dst_ids, src, dst),
         (None, None) => positional(allow_positional_fallback),
@@ -96,11 +94,47 @@ pub fn pair_each(
     }
 }
 
-fn pair_positionally(n_src: usize, n_dst: usize, allow_fallback: bool) -> Result<Vec<EntryPair>> {
+/// Entry `i` to entry `i`, or, when both peers publish roles, the k-th entry of a role to the
+/// k-th entry of the same role: a position says nothing about what an entry holds, and two
+/// peers may list the same entries in different orders (K block then V block against K, V per
+/// layer), so only the roles can keep K from pairing with V or a draft entry with a model one.
+fn pair_positionally(
+    src: EntryMetadata<'_>,
+    dst: EntryMetadata<'_>,
+    allow_fallback: bool,
+) -> Result<Vec<Partner>> {
+    let (n_src, n_dst) = (src.n_entries, dst.n_entries);
     if n_dst < n_src || (n_src != n_dst && !allow_fallback) {
         return Err(PlanError::PositionalCount { n_src, n_dst });
     }
-    collect_exact(n_src, (0..n_src).map(|i| [i, i]))
+    let (Some(src_roles), Some(dst_roles)) = (src.roles, dst.roles) else {
+        return collect_exact(n_src, (0..n_src).map(Ok));
+    };
+    check_role_count(Side::Src, src_roles, n_src)?;
+    check_role_count(Side::Dst, dst_roles, n_dst)?;
+    // Destination positions per role, in layout order, with a read cursor (linear overall).
+    let mut queues: HashMap<&str, (Vec<usize>, usize)> = HashMap::new();
+    for (j, role) in dst_roles.iter().enumerate() {
+        queues.entry(role.as_str()).or_default().0.push(j);
+    }
+    let mut partners = collect_exact(n_src, std::iter::empty())?;
+    for (i, role) in src_roles.iter().enumerate() {
+        let (positions, cursor) = queues.entry(role.as_str()).or_default();
+        let occurrence = *cursor;
+        *cursor += 1;
+        partners.push(
+            positions
+                .get(occurrence)
+                .copied()
+                .ok_or_else(|| PlanError::MissingRole {
+                    role: role.clone(),
+                    src_entry: i,
+                    occurrence: occurrence + 1,
+                    dst_count: positions.len(),
+                }),
+        );
+    }
+    Ok(partners)
 }
 
 /// Collects `n` items into a vector whose allocation is checked: entry counts reach here from
@@ -143,6 +177,10 @@ fn pair_by_identity(
         };
     // FIFO queue of destination positions per key, in ascending position, with a read cursor.
     // Keys borrow the roles: no string is copied per entry.
+    // The cursor also counts the source occurrences of its key, so an entry without a partner
+    // knows its occurrence number without rescanning the entries before it (a rescan per
+    // missing entry made incompatible layouts quadratic). Keys no destination entry has get an
+    // empty queue for the same reason.
     let mut queues: HashMap<EntryKey<'_>, (Vec<usize>, usize)> = HashMap::new();
     for j in 0..dst_ids.len() {
         queues
@@ -151,25 +189,23 @@ fn pair_by_identity(
             .0
             .push(j);
     }
-    let mut pairs = Vec::with_capacity(src_ids.len());
+    let mut pairs = collect_exact(src_ids.len(), std::iter::empty())?;
     for i in 0..src_ids.len() {
         let wanted = key(src_roles, src_ids, i);
-        let next = queues.get_mut(&wanted).and_then(|(positions, cursor)| {
-            let j = positions.get(*cursor).copied();
-            *cursor += 1;
-            j
-        });
-        pairs.push(next.ok_or_else(|| {
-            let occurrence = (0..=i)
-                .filter(|&k| key(src_roles, src_ids, k) == wanted)
-                .count();
-            PlanError::MissingLayer {
-                layer: wanted.0,
-                role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
-                src_entry: i,
-                occurrence,
-            }
-        }));
+        let (positions, cursor) = queues.entry(wanted).or_default();
+        let occurrence = *cursor;
+        *cursor += 1;
+        pairs.push(
+            positions
+                .get(occurrence)
+                .copied()
+                .ok_or_else(|| PlanError::MissingLayer {
+                    layer: wanted.0,
+                    role: wanted.1.map(|r| format!(" role {r}")).unwrap_or_default(),
+                    src_entry: i,
+                    occurrence: occurrence + 1,
+                }),
+        );
     }
     Ok(pairs)
 }
@@ -179,7 +215,16 @@ type EntryKey<'a> = (i64, Option<&'a str>);
 
 /// The pairing key of entry `i`.
 fn key<'a>(roles: Option<&'a [String]>, ids: &[i64], i: usize) -> EntryKey<'a> {
+    #[cfg(test)]
+    KEYS_BUILT.with(|n| n.set(n.get() + 1));
     (ids[i], roles.map(|r| r[i].as_str()))
+}
+
+// Counts key evaluations, so tests can check that identity pairing does a bounded amount of
+// work per entry (a deterministic complexity check, not a timing).
+#[cfg(test)]
+thread_local! {
+    pub(crate) static KEYS_BUILT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> {
@@ -373,6 +418,122 @@ mod tests {
             n_entries: 2,
         };
         assert_eq!(pair_entries(src, dst, false).unwrap(), vec![[0, 1], [1, 0]]);
+    }
+
+    #[test]
+    fn missing_partners_cost_one_key_per_entry() {
+        // No source id has a partner: every entry is reported missing, each with its
+        // occurrence number. That used to rescan all earlier entries per missing entry
+        // (quadratic); now each entry's key is built once.
+        let n = 5_000;
+        let src: Vec<i64> = (0..n as i64).map(|i| i / 2).collect();
+        let dst: Vec<i64> = (0..n as i64).map(|i| 1_000_000 + i).collect();
+        KEYS_BUILT.with(|k| k.set(0));
+        let partners = pair_each(
+            EntryMetadata::ids(Some(&src), n),
+            EntryMetadata::ids(Some(&dst), n),
+            false,
+        )
+        .unwrap();
+        assert_eq!(KEYS_BUILT.with(std::cell::Cell::get), 2 * n);
+        assert_eq!(
+            partners[3],
+            Err(PlanError::MissingLayer {
+                layer: 1,
+                role: String::new(),
+                src_entry: 3,
+                occurrence: 2,
+            })
+        );
+        assert!(partners.iter().all(Result::is_err));
+    }
+
+    fn role_list(r: &[&str]) -> Vec<String> {
+        r.iter().map(ToString::to_string).collect()
+    }
+
+    fn positional(
+        src_roles: &[String],
+        dst_roles: &[String],
+        fallback: bool,
+    ) -> Result<Vec<EntryPair>> {
+        pair_entries(
+            EntryMetadata {
+                layer_ids: None,
+                roles: Some(src_roles),
+                n_entries: src_roles.len(),
+            },
+            EntryMetadata {
+                layer_ids: None,
+                roles: Some(dst_roles),
+                n_entries: dst_roles.len(),
+            },
+            fallback,
+        )
+    }
+
+    #[test]
+    fn positional_pairing_stays_within_roles() {
+        // Decode listed K, V per layer; prefill K block then V block: position i of one is not
+        // position i of the other, the k-th K is the k-th K.
+        let decode = role_list(&["k", "v", "k", "v"]);
+        let prefill = role_list(&["k", "k", "v", "v"]);
+        assert_eq!(
+            positional(&prefill, &decode, false).unwrap(),
+            vec![[0, 0], [1, 2], [2, 1], [3, 3]]
+        );
+        // Draft entries pair with draft entries only, also with extra decode entries.
+        let prefill = role_list(&["kv", "kv", "draft"]);
+        let decode = role_list(&["kv", "kv", "kv", "draft"]);
+        assert_eq!(
+            positional(&prefill, &decode, true).unwrap(),
+            vec![[0, 0], [1, 1], [2, 3]]
+        );
+    }
+
+    #[test]
+    fn positional_pairing_refuses_role_count_mismatch() {
+        let prefill = role_list(&["kv", "kv", "draft"]);
+        let decode = role_list(&["kv", "kv", "kv"]);
+        let err = positional(&prefill, &decode, false).unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::MissingRole {
+                role: "draft".into(),
+                src_entry: 2,
+                occurrence: 1,
+                dst_count: 0,
+            }
+        );
+        assert!(err.to_string().contains("src entry 2"), "{err}");
+        assert_eq!(err.class(), crate::error::ErrorClass::Pairing);
+        // Counts are checked first, as without roles.
+        assert!(matches!(
+            positional(&prefill, &role_list(&["kv"]), true),
+            Err(PlanError::PositionalCount { n_src: 3, n_dst: 1 })
+        ));
+        // Roles that do not cover every entry are refused, not zipped short.
+        let short = role_list(&["kv"]);
+        assert!(matches!(
+            pair_entries(
+                EntryMetadata {
+                    layer_ids: None,
+                    roles: Some(&short),
+                    n_entries: 2,
+                },
+                EntryMetadata {
+                    layer_ids: None,
+                    roles: Some(&prefill),
+                    n_entries: 3,
+                },
+                true,
+            ),
+            Err(PlanError::RoleLength {
+                side: Side::Src,
+                roles: 1,
+                entries: 2
+            })
+        ));
     }
 
     #[test]

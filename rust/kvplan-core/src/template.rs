@@ -411,6 +411,69 @@ mod tests {
         ));
     }
 
+    fn role_layout(roles: &[&str], ids: Option<Vec<i64>>) -> Layout {
+        let n = roles.len();
+        Layout::new(
+            crate::layout::LayoutParts {
+                data_ptrs: (0..n as u64).map(|i| 1000 * (i + 1)).collect(),
+                data_lens: vec![64; n],
+                item_lens: vec![8; n],
+                layer_ids: ids.map_or_else(Vec::new, |v| v.into_iter().map(Some).collect()),
+                roles: roles.iter().map(ToString::to_string).collect(),
+                kinds: vec![],
+            },
+            LayoutContext::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn id_less_pairing_never_pairs_different_roles() {
+        // Same counts, no ids, roles on both sides: a decode listed K, V per layer against a
+        // prefill listed K block then V block pairs K with K and V with V.
+        let prefill = role_layout(&["k", "k", "v", "v"], None);
+        let decode = role_layout(&["k", "v", "k", "v"], None);
+        let t = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap();
+        let pairs: Vec<[usize; 2]> = t
+            .page_pairs()
+            .iter()
+            .map(|p| [p.src_entry, p.dst_entry])
+            .collect();
+        assert_eq!(pairs, vec![[0, 0], [1, 2], [2, 1], [3, 3]]);
+        // A draft entry never pairs with a model entry: refused, and check_pairs (what the
+        // compatibility report lists) names the same first problem Template raises.
+        let prefill = role_layout(&["kv", "kv", "draft"], None);
+        let decode = role_layout(&["kv", "kv", "kv"], None);
+        let err = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, PlanError::MissingRole { role, src_entry: 2, .. } if role == "draft")
+        );
+        let checks = check_pairs(&prefill, &decode, TemplateOptions::default());
+        assert_eq!(
+            checks[..2].iter().map(|c| c.dst_entry).collect::<Vec<_>>(),
+            [Some(0), Some(1)]
+        );
+        assert_eq!(checks[2].problem, Some(err));
+    }
+
+    #[test]
+    fn incompatible_template_does_linear_pairing_work() {
+        // Every source id lacks a partner: check_pairs reports each entry, building each key
+        // once (the missing-entry message used to rescan all earlier entries).
+        let n = 20_000;
+        let roles = vec!["kv"; n];
+        let src = role_layout(&roles, Some((0..n as i64).collect()));
+        let dst = role_layout(&roles, Some((0..n as i64).map(|i| i + 1_000_000).collect()));
+        crate::pairing::KEYS_BUILT.with(|k| k.set(0));
+        let checks = check_pairs(&src, &dst, TemplateOptions::default());
+        assert_eq!(crate::pairing::KEYS_BUILT.with(std::cell::Cell::get), 2 * n);
+        assert!(
+            checks
+                .iter()
+                .all(|c| matches!(c.problem, Some(PlanError::MissingLayer { .. })))
+        );
+    }
+
     #[test]
     fn size_mismatch_names_layer_role_and_sizes() {
         let src = Layout::mla(

@@ -75,7 +75,8 @@ pub fn group_contiguous<'py>(
     Ok((signed(s), signed(d), signed(l)))
 }
 
-/// SGLang's `build_transfer_entry_pairs`, keyed by (layer id, role) when both sides give roles.
+/// SGLang's `build_transfer_entry_pairs`; when both sides give roles, entries pair only with
+/// entries of the same role (keyed by (layer id, role), or by position within each role).
 #[pyfunction]
 #[pyo3(signature = (src_layer_ids, dst_layer_ids, n_src, n_dst, allow_positional_fallback=false, *, src_roles=None, dst_roles=None))]
 #[allow(clippy::too_many_arguments)]
