@@ -252,11 +252,40 @@ pub fn check_pairs(
 }
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
-/// read-only array or one that aliases an input (never a panic).
-fn writable_out<'py>(out: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py, u64>> {
+/// wrong layout, a read-only array or one whose memory overlaps an input (never a panic).
+fn writable_out<'py>(
+    out: &Bound<'py, PyAny>,
+    inputs: [(&IndexArray<'_>, &str); 2],
+) -> PyResult<PyReadwriteArray2<'py, u64>> {
     let array = out.cast::<PyArray2<u64>>().map_err(|_| {
         PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
     })?;
+    // A Fortran-ordered array would have a slice view too, with the rows scrambled.
+    if !array.is_c_contiguous() || array.shape()[0] != 3 {
+        return Err(KvPlanError::new_err(format!(
+            "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
+            array.shape()
+        )));
+    }
+    // NumPy's borrow tracking only sees aliasing through a shared base object; two views of
+    // one buffer made separately (np.frombuffer twice) have different bases. Compare the
+    // address ranges themselves.
+    let start = array.data() as usize;
+    let out_range = (start, start + array.len() * 8);
+    for (input, name) in inputs {
+        let range = input.byte_range();
+        let overlaps = range.0 < range.1
+            && out_range.0 < out_range.1
+            && range.0 < out_range.1
+            && out_range.0 < range.1;
+        if overlaps {
+            return Err(KvPlanError::new_err(format!(
+                "out overlaps {name} in memory (out is bytes {:#x}..{:#x}, {name} is bytes \
+                 {:#x}..{:#x}): planning would overwrite its own input; pass a separate out array",
+                out_range.0, out_range.1, range.0, range.1
+            )));
+        }
+    }
     array.try_readwrite().map_err(|err| {
         KvPlanError::new_err(format!(
             "out cannot be written: {err} (read-only, or it shares memory with an input)"
@@ -387,14 +416,8 @@ impl PyTemplate {
         );
         let template = &self.inner;
         if let Some(out) = out {
-            let mut out = writable_out(out)?;
-            // as_slice_mut also accepts Fortran order, which would scramble the rows.
-            if !out.is_c_contiguous() || out.shape()[0] != 3 {
-                return Err(KvPlanError::new_err(format!(
-                    "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
-                    out.shape()
-                )));
-            }
+            let mut out =
+                writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
             let capacity = out.shape()[1];
             let flat = out.as_slice_mut()?;
             let columns = Columns::from_flat(flat, capacity);
