@@ -135,16 +135,22 @@ class Template(_core.Template):
             src_pages: 1-D int32 or int64 page indices in the prefill pool (not copied).
             dst_pages: Same length, page indices in the decode pool.
             out: Optional C-contiguous ``(3, M)`` uint64 buffer to reuse; the plan's arrays are
-                then views of its rows.
+                then 1-D plain ``ndarray`` views of its rows (also for subclasses such as
+                ``np.matrix``). It must not overlap the index arrays in memory.
 
         Raises:
             IndexBoundsError: An index is negative or not below its buffer's capacity.
-            KvPlanError: Unequal lengths, ``out`` too small, overflow.
-            TypeError: Not a 1-D C-contiguous int32/int64 numpy array.
+            KvPlanError: Unequal lengths, ``out`` too small or overlapping an input, overflow.
+            TypeError: Not a 1-D C-contiguous, aligned int32/int64 numpy array.
+            MemoryError: The plan's output cannot be allocated.
         """
         raw = self._plan(src_pages, dst_pages, out)
         if out is not None:  # the native call wrote into `out` and returned the block count
             n = raw[0]
+            if type(out) is not np.ndarray:
+                # A subclass may index differently (np.matrix rows stay 2-D): slice a plain
+                # ndarray view of the same memory so the columns are 1-D.
+                out = out.view(np.ndarray)
             raw = (out[0, :n], out[1, :n], out[2, :n], *raw[3:])
         return _new_tuple(TransferPlan, raw)
 

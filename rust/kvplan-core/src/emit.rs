@@ -236,8 +236,8 @@ impl Template {
     /// As [`Template::plan_into`].
     pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
         let (buffer, summary) =
-            self.plan_into(src, dst, |shape| Ok(FlatBuffer::zeroed(shape.n_blocks)))?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks);
+            self.plan_into(src, dst, |shape| FlatBuffer::try_zeroed(shape.n_blocks))?;
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
         Ok(Plan {
             src_addrs,
             dst_addrs,
@@ -364,7 +364,8 @@ pub struct FlatBuffer {
 }
 
 impl FlatBuffer {
-    /// A zero-filled buffer of `capacity` values per column.
+    /// A zero-filled buffer of `capacity` values per column (aborts when memory runs out; see
+    /// [`FlatBuffer::try_zeroed`] for sizes that come from a request).
     pub fn zeroed(capacity: usize) -> Self {
         Self {
             data: vec![0; capacity.saturating_mul(3)],
@@ -372,15 +373,41 @@ impl FlatBuffer {
         }
     }
 
+    /// A zero-filled buffer of `capacity` values per column, or an error naming its size.
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`].
+    pub fn try_zeroed(capacity: usize) -> Result<Self> {
+        let values = capacity.checked_mul(3).ok_or(PlanError::OutOfMemory {
+            what: "plan output",
+            bytes: capacity as u128 * 24,
+        })?;
+        Ok(Self {
+            data: crate::error::try_vec(values, 0, "plan output")?,
+            capacity,
+        })
+    }
+
     /// The first `n` values of each column as three owned vectors (the source column keeps
     /// this buffer's allocation).
-    pub fn into_columns(self, n: usize) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`] when the two other columns cannot be allocated.
+    pub fn into_columns(self, n: usize) -> Result<(Vec<u64>, Vec<u64>, Vec<u64>)> {
         let Self { mut data, capacity } = self;
         let n = n.min(capacity);
-        let lengths = data[2 * capacity..2 * capacity + n].to_vec();
-        let dst_addrs = data[capacity..capacity + n].to_vec();
+        let copy = |from: usize| -> Result<Vec<u64>> {
+            let mut column = Vec::new();
+            column
+                .try_reserve_exact(n)
+                .map_err(|_| PlanError::out_of_memory::<u64>("plan column", n))?;
+            column.extend_from_slice(&data[from..from + n]);
+            Ok(column)
+        };
+        let lengths = copy(2 * capacity)?;
+        let dst_addrs = copy(capacity)?;
         data.truncate(n);
-        (data, dst_addrs, lengths)
+        Ok((data, dst_addrs, lengths))
     }
 }
 
@@ -434,8 +461,12 @@ fn derive(col: &mut [u64], n: usize, from: usize, to: usize, f: impl Fn(u64) -> 
 }
 
 fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
-    // Only when the template asks for it: this is the one allocating check.
-    let mut seen: Vec<(i64, usize)> = dst.iter().map(|v| v.get()).zip(0..).collect();
+    // Only when the template asks for it: this is the one allocating check (16 bytes per
+    // index, so its allocation may fail for a large request).
+    let mut seen: Vec<(i64, usize)> = Vec::new();
+    seen.try_reserve_exact(dst.len())
+        .map_err(|_| PlanError::out_of_memory::<(i64, usize)>("the overlap check", dst.len()))?;
+    seen.extend(dst.iter().map(|v| v.get()).zip(0..));
     seen.sort_unstable();
     match seen.windows(2).find(|w| w[0].0 == w[1].0) {
         Some(w) => Err(PlanError::DuplicateDestination {
@@ -521,12 +552,32 @@ mod tests {
         let t = template(&src, &dst);
         let mut buf = FlatBuffer::zeroed(2);
         let n = t.plan_state_into(3, 4, buf.columns()).unwrap();
-        assert_eq!(buf.into_columns(n), (vec![2048], vec![6064], vec![16]));
+        assert_eq!(
+            buf.into_columns(n).unwrap(),
+            (vec![2048], vec![6064], vec![16])
+        );
         let mut buf = FlatBuffer::zeroed(2);
         assert!(matches!(
             t.plan_state_into(-1, 0, buf.columns()),
             Err(PlanError::NegativeIndex { .. })
         ));
+    }
+
+    #[test]
+    fn an_output_too_large_to_allocate_is_an_error_not_an_abort() {
+        for capacity in [usize::MAX, usize::MAX / 3, (isize::MAX as usize) / 8] {
+            let err = FlatBuffer::try_zeroed(capacity).unwrap_err();
+            assert_eq!(err.class(), crate::ErrorClass::Memory, "{err}");
+            assert!(err.to_string().starts_with("cannot allocate "), "{err}");
+        }
+        assert_eq!(
+            PlanError::out_of_memory::<u64>("plan output", usize::MAX).to_string(),
+            format!(
+                "cannot allocate {} bytes for plan output",
+                u128::from(u64::MAX) * 8
+            )
+        );
+        assert_eq!(FlatBuffer::try_zeroed(2).unwrap(), FlatBuffer::zeroed(2));
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub enum ErrorClass {
     SizeMismatch,
     /// A layout is malformed.
     Layout,
+    /// Memory for a result could not be allocated (bindings raise `MemoryError`).
+    Memory,
     /// Anything else (lengths, overflow, output buffers, wire data).
     Other,
 }
@@ -144,6 +146,33 @@ pub enum PlanError {
     InputChanged,
     #[error("wire data: {what}")]
     Wire { what: String },
+    /// Sizes come from requests (runs × pairs, bare counts), so an allocation can fail without
+    /// anything being wrong with the process: it is reported, never an abort.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory { what: &'static str, bytes: u128 },
+}
+
+impl PlanError {
+    /// The error for `count` values of type `T` that could not be allocated.
+    pub fn out_of_memory<T>(what: &'static str, count: usize) -> Self {
+        PlanError::OutOfMemory {
+            what,
+            bytes: count as u128 * std::mem::size_of::<T>() as u128,
+        }
+    }
+}
+
+/// `n` copies of `value` in a vector whose allocation may fail (an error naming `what` and the
+/// size) instead of aborting the process.
+///
+/// # Errors
+/// [`PlanError::OutOfMemory`].
+pub fn try_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| PlanError::out_of_memory::<T>(what, n))?;
+    out.resize(n, value);
+    Ok(out)
 }
 
 impl PlanError {
@@ -166,6 +195,7 @@ impl PlanError {
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }
             | PlanError::InvalidLayout { .. } => ErrorClass::Layout,
+            PlanError::OutOfMemory { .. } => ErrorClass::Memory,
             _ => ErrorClass::Other,
         }
     }

@@ -14,7 +14,7 @@ pub mod template;
 pub mod wire;
 
 pub use emit::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
-pub use error::{ErrorClass, PlanError, Result, Side};
+pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Partner, legacy_pp_pairs, pair_each, pair_entries,

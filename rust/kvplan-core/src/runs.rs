@@ -5,7 +5,7 @@
 //! Runs are computed in two passes so nothing is allocated: [`scan`] validates and counts,
 //! [`write_runs`] fills caller-provided slices.
 
-use crate::error::{PlanError, Result, Side};
+use crate::error::{PlanError, Result, Side, try_vec};
 
 /// An integer page or slot index as engines hand it over (SGLang uses int32, others int64).
 ///
@@ -124,17 +124,20 @@ fn break_mask<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> u64 {
 }
 
 fn first_negative<T: PageIndex>(side: Side, values: &[T]) -> PlanError {
-    let (position, index) = values
+    // The error reports a value the caller passed, never a placeholder: when the negative value
+    // the scan saw is gone by now, the array was written concurrently.
+    values
         .iter()
         .map(|v| v.get())
         .enumerate()
         .find(|&(_, v)| v < 0)
-        .unwrap_or((0, -1));
-    PlanError::NegativeIndex {
-        side,
-        index,
-        position,
-    }
+        .map_or(PlanError::InputChanged, |(position, index)| {
+            PlanError::NegativeIndex {
+                side,
+                index,
+                position,
+            }
+        })
 }
 
 /// Exclusive upper bounds that every source / destination index must respect.
@@ -231,23 +234,50 @@ pub fn write_runs<S: PageIndex, D: PageIndex>(
 /// Allocating convenience: validates, then returns `(src_starts, dst_starts, lengths)`.
 ///
 /// # Errors
-/// As [`scan`].
+/// As [`scan`]; [`PlanError::OutOfMemory`] when the result cannot be allocated;
+/// [`PlanError::InputChanged`] when the arrays were written while this ran.
 pub fn group_contiguous<S: PageIndex, D: PageIndex>(
     src: &[S],
     dst: &[D],
 ) -> Result<(Vec<u64>, Vec<u64>, Vec<u64>)> {
     let found = scan(src, dst)?;
-    let mut starts_src = vec![0; found.n_runs];
-    let mut starts_dst = vec![0; found.n_runs];
-    let mut lengths = vec![0; found.n_runs];
-    write_runs(
+    runs_of_scan(src, dst, &found)
+}
+
+/// The runs of arrays that `found` was scanned from, re-validated as a plan is: the arrays may
+/// have been written since (another thread, GIL released), and the result must then be a
+/// tiling of the positions with non-negative starts and no empty run, or an error.
+fn runs_of_scan<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    found: &RunScan,
+) -> Result<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+    let n = found.n_runs;
+    let mut starts_src = try_vec(n, 0, "run starts")?;
+    let mut starts_dst = try_vec(n, 0, "run starts")?;
+    let mut lengths = try_vec(n, 0, "run lengths")?;
+    // Negative values are huge as u64, so these limits refuse them again.
+    let non_negative = i64::MAX as u64 + 1;
+    let limits = IndexLimits {
+        src: non_negative,
+        dst: non_negative,
+    };
+    let written = write_runs(
         src,
         dst,
-        IndexLimits::NONE,
+        limits,
         &mut starts_src,
         &mut starts_dst,
         &mut lengths,
-    )?;
+    )
+    .map_err(|err| match err {
+        // The buffers were sized by the scan: more runs now means the inputs changed.
+        PlanError::OutputTooSmall { .. } => PlanError::InputChanged,
+        other => other,
+    })?;
+    if written != n {
+        return Err(PlanError::InputChanged);
+    }
     Ok((starts_src, starts_dst, lengths))
 }
 
@@ -285,6 +315,75 @@ mod tests {
                 position: 1
             })
         );
+    }
+
+    #[test]
+    fn inputs_changed_after_the_scan_are_an_error_never_a_bad_tiling() {
+        // Simulates another thread writing the arrays between the scan and the pass that
+        // writes the runs: the scan saw `before`, the runs are written from `after`.
+        let before = [0i64, 1, 2, 3, 4, 5];
+        let found = scan(&before, &before).unwrap();
+        assert_eq!(found.n_runs, 1);
+        let more_runs = [0i64, 2, 4, 6, 8, 10];
+        let negative = [0i64, 1, 2, -9, -8, -7];
+        let fewer_runs_before = [0i64, 2, 4, 6, 8, 10];
+        let few = scan(&fewer_runs_before, &fewer_runs_before).unwrap();
+        for (after, scanned) in [(&more_runs, &found), (&negative, &found), (&before, &few)] {
+            assert_eq!(
+                runs_of_scan(after, after, scanned),
+                Err(PlanError::InputChanged),
+                "{after:?}"
+            );
+        }
+        // Unchanged arrays give the runs.
+        assert_eq!(
+            runs_of_scan(&before, &before, &found).unwrap(),
+            (vec![0], vec![0], vec![6])
+        );
+        assert!(
+            !PlanError::InputChanged
+                .to_string()
+                .contains("output buffer")
+        );
+    }
+
+    #[test]
+    fn a_negative_value_gone_by_the_report_is_input_changed_not_a_made_up_value() {
+        assert_eq!(
+            first_negative(Side::Src, &[0i64, 1]),
+            PlanError::InputChanged
+        );
+        assert_eq!(
+            first_negative(Side::Dst, &[0i64, i64::MIN]),
+            PlanError::NegativeIndex {
+                side: Side::Dst,
+                index: i64::MIN,
+                position: 1
+            }
+        );
+    }
+
+    #[test]
+    fn extreme_values_are_reported_as_passed() {
+        // i32::MAX then i32::MIN: negative, whatever a wrapped step would say.
+        assert_eq!(
+            group_contiguous(&[i32::MAX, i32::MIN], &[0i32, 1]),
+            Err(PlanError::NegativeIndex {
+                side: Side::Src,
+                index: i64::from(i32::MIN),
+                position: 1
+            })
+        );
+        assert_eq!(
+            group_contiguous(&[0i64, 1], &[i64::MIN, i64::MAX]),
+            Err(PlanError::NegativeIndex {
+                side: Side::Dst,
+                index: i64::MIN,
+                position: 0
+            })
+        );
+        let (s, d, l) = group_contiguous(&[i64::MAX - 1, i64::MAX], &[0i32, 1]).unwrap();
+        assert_eq!((s, d, l), (vec![i64::MAX as u64 - 1], vec![0], vec![2]));
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices.
 
 use kvplan_core::PageIndex;
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -36,30 +39,69 @@ impl<'py> IndexArray<'py> {
         if let Ok(array) = obj.cast::<PyArray1<i64>>() {
             return Ok(IndexArray::I64(array.try_readonly().map_err(borrow_error)?));
         }
-        let what = match obj.cast::<PyUntypedArray>() {
-            Ok(array) => format!(
-                "a {}-D numpy array of dtype {}",
-                array.ndim(),
-                array.dtype().str()?
-            ),
-            Err(_) => format!("{}", obj.get_type().name()?),
+        let (what, advice) = match obj.cast::<PyUntypedArray>() {
+            Ok(array) => {
+                let dtype = array.dtype();
+                // Unsigned arrays are refused rather than range-checked: a uint64 index of
+                // 2**63 or more has no int64 value to report or plan with, and accepting only
+                // the small ones would make a dtype valid or not depending on the data.
+                let advice = if dtype.kind() == b'u' {
+                    "; unsigned dtypes are not accepted: check the values are below 2**63 and \
+                     convert with .astype(np.int64)"
+                } else {
+                    ""
+                };
+                (
+                    format!("a {}-D numpy array of dtype {}", array.ndim(), dtype.str()?),
+                    advice,
+                )
+            }
+            Err(_) => (format!("{}", obj.get_type().name()?), ""),
         };
         Err(PyTypeError::new_err(format!(
-            "{name} must be a 1-D numpy array of dtype int32 or int64 (native byte order), got {what}"
+            "{name} must be a 1-D numpy array of dtype int32 or int64 (native byte order), got {what}{advice}"
         )))
     }
 
-    /// The slice view; a `TypeError` for non-contiguous arrays (no hidden copy).
+    /// The slice view; a `TypeError` for non-contiguous or misaligned arrays (no hidden copy),
+    /// whose advice produces an array that is accepted.
     pub(crate) fn as_slice(&self, name: &str) -> PyResult<IndexSlice<'_>> {
-        let contiguous_error = |_| {
+        let layout_error = |_| self.layout_error(name);
+        Ok(match self {
+            IndexArray::I32(a) => IndexSlice::I32(a.as_slice().map_err(layout_error)?),
+            IndexArray::I64(a) => IndexSlice::I64(a.as_slice().map_err(layout_error)?),
+        })
+    }
+
+    /// Why the array has no slice view. A C-contiguous array can still be misaligned (e.g.
+    /// `np.frombuffer(raw, np.int64, offset=1)`), and np.ascontiguousarray returns such an
+    /// array unchanged, so that case gets advice of its own.
+    #[cold]
+    fn layout_error(&self, name: &str) -> PyErr {
+        let (aligned, itemsize) = match self {
+            IndexArray::I32(a) => (a.is_aligned(), 4),
+            IndexArray::I64(a) => (a.is_aligned(), 8),
+        };
+        if aligned {
             PyTypeError::new_err(format!(
                 "{name} must be C-contiguous (use np.ascontiguousarray)"
             ))
+        } else {
+            PyTypeError::new_err(format!(
+                "{name} is unaligned (its data address is not a multiple of {itemsize}, e.g. \
+                 np.frombuffer at an odd offset); pass an aligned copy: {name}.copy()"
+            ))
+        }
+    }
+
+    /// The address range `[start, end)` of the array's data (the array is contiguous: call
+    /// after [`IndexArray::as_slice`] succeeded).
+    pub(crate) fn byte_range(&self) -> (usize, usize) {
+        let (ptr, bytes) = match self {
+            IndexArray::I32(a) => (a.data() as usize, a.len() * 4),
+            IndexArray::I64(a) => (a.data() as usize, a.len() * 8),
         };
-        Ok(match self {
-            IndexArray::I32(a) => IndexSlice::I32(a.as_slice().map_err(contiguous_error)?),
-            IndexArray::I64(a) => IndexSlice::I64(a.as_slice().map_err(contiguous_error)?),
-        })
+        (ptr, ptr + bytes)
     }
 }
 

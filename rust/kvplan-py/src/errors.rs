@@ -2,7 +2,7 @@
 
 use kvplan_core::{ErrorClass, PlanError};
 use pyo3::create_exception;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -39,6 +39,7 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         ErrorClass::IndexBounds => IndexBoundsError::new_err(message),
         ErrorClass::SizeMismatch => SizeMismatchError::new_err(message),
         ErrorClass::Layout => LayoutError::new_err(message),
+        ErrorClass::Memory => PyMemoryError::new_err(message),
         ErrorClass::Other => KvPlanError::new_err(message),
     }
 }

@@ -273,7 +273,16 @@ impl PyLayout {
     /// raises `KvPlanError` (nothing is allocated beyond a small multiple of the input).
     #[staticmethod]
     fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        let data = data.to_vec();
+        // Copied so the GIL can be released while decoding; the copy is as large as the input.
+        let mut owned = Vec::new();
+        owned.try_reserve_exact(data.len()).map_err(|_| {
+            to_py_err(kvplan_core::PlanError::out_of_memory::<u8>(
+                "a copy of the wire data",
+                data.len(),
+            ))
+        })?;
+        owned.extend_from_slice(data);
+        let data = owned;
         wrap(py.detach(move || kvplan_core::wire::decode(&data)))
     }
 

@@ -2,7 +2,7 @@
 //! plans come back as NumPy arrays viewing a pooled Rust buffer (no copy, no per-block objects).
 
 use kvplan_core::{
-    Columns, EntryMetadata, FlatBuffer, LegacyKind, PageIndex, PlanSummary, Template,
+    Columns, EntryMetadata, FlatBuffer, LegacyKind, PageIndex, PlanError, PlanSummary, Template,
     TemplateOptions,
 };
 use numpy::ndarray::{Array2, ArrayView1};
@@ -25,10 +25,18 @@ fn pairs_array(
     pairs: impl ExactSizeIterator<Item = [usize; 2]>,
 ) -> PyResult<Bound<'_, PyArray2<i64>>> {
     let n = pairs.len();
-    let flat = pairs
-        .flat_map(|[i, j]| [i64::try_from(i), i64::try_from(j)])
-        .collect::<Result<Vec<i64>, _>>()
-        .map_err(|_| KvPlanError::new_err("an entry index does not fit int64"))?;
+    // The pair count can come from bare integers (legacy_pp_pairs): this copy may not fit even
+    // when the core's own list did, and must then raise, not abort.
+    let values = n.saturating_mul(2);
+    let mut flat: Vec<i64> = Vec::new();
+    flat.try_reserve_exact(values)
+        .map_err(|_| to_py_err(PlanError::out_of_memory::<i64>("entry pairs", values)))?;
+    for [i, j] in pairs {
+        let (Ok(i), Ok(j)) = (i64::try_from(i), i64::try_from(j)) else {
+            return Err(KvPlanError::new_err("an entry index does not fit int64"));
+        };
+        flat.extend_from_slice(&[i, j]);
+    }
     Ok(Array2::from_shape_vec((n, 2), flat)
         .expect("two columns by construction")
         .into_pyarray(py))
@@ -64,15 +72,22 @@ pub fn group_contiguous<'py>(
     );
     let (src_slice, dst_slice) = (src_array.as_slice("src")?, dst_array.as_slice("dst")?);
     let (s, d, l) = visit_request(py, src_slice, dst_slice, Group).map_err(to_py_err)?;
-    // Indices were validated non-negative, so the reinterpretation is exact; collecting into a
-    // same-sized element type reuses each allocation.
-    let signed = |v: Vec<u64>| {
-        v.into_iter()
-            .map(|x| x as i64)
-            .collect::<Vec<i64>>()
-            .into_pyarray(py)
-    };
+    let signed = |v: Vec<u64>| signed_in_place(v).into_pyarray(py);
     Ok((signed(s), signed(d), signed(l)))
+}
+
+/// The same allocation reinterpreted as int64 (no copy, no second allocation).
+///
+/// Every value is a validated index, a run start or a run length: all below 2**63, so the
+/// reinterpretation is exact.
+fn signed_in_place(v: Vec<u64>) -> Vec<i64> {
+    debug_assert!(v.iter().all(|&x| i64::try_from(x).is_ok()));
+    let mut v = std::mem::ManuallyDrop::new(v);
+    let (ptr, len, capacity) = (v.as_mut_ptr(), v.len(), v.capacity());
+    // SAFETY: i64 and u64 have the same size and alignment, so the allocation's layout is the
+    // one a Vec<i64> of this capacity frees; every bit pattern is a valid i64; the original
+    // Vec is never dropped or used again (ManuallyDrop), so the allocation has one owner.
+    unsafe { Vec::from_raw_parts(ptr.cast::<i64>(), len, capacity) }
 }
 
 /// SGLang's `build_transfer_entry_pairs`; when both sides give roles, entries pair only with
@@ -238,11 +253,40 @@ pub fn check_pairs(
 }
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
-/// read-only array or one that aliases an input (never a panic).
-fn writable_out<'py>(out: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py, u64>> {
+/// wrong layout, a read-only array or one whose memory overlaps an input (never a panic).
+fn writable_out<'py>(
+    out: &Bound<'py, PyAny>,
+    inputs: [(&IndexArray<'_>, &str); 2],
+) -> PyResult<PyReadwriteArray2<'py, u64>> {
     let array = out.cast::<PyArray2<u64>>().map_err(|_| {
         PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
     })?;
+    // A Fortran-ordered array would have a slice view too, with the rows scrambled.
+    if !array.is_c_contiguous() || array.shape()[0] != 3 {
+        return Err(KvPlanError::new_err(format!(
+            "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
+            array.shape()
+        )));
+    }
+    // NumPy's borrow tracking only sees aliasing through a shared base object; two views of
+    // one buffer made separately (np.frombuffer twice) have different bases. Compare the
+    // address ranges themselves.
+    let start = array.data() as usize;
+    let out_range = (start, start + array.len() * 8);
+    for (input, name) in inputs {
+        let range = input.byte_range();
+        let overlaps = range.0 < range.1
+            && out_range.0 < out_range.1
+            && range.0 < out_range.1
+            && out_range.0 < range.1;
+        if overlaps {
+            return Err(KvPlanError::new_err(format!(
+                "out overlaps {name} in memory (out is bytes {:#x}..{:#x}, {name} is bytes \
+                 {:#x}..{:#x}): planning would overwrite its own input; pass a separate out array",
+                out_range.0, out_range.1, range.0, range.1
+            )));
+        }
+    }
     array.try_readwrite().map_err(|err| {
         KvPlanError::new_err(format!(
             "out cannot be written: {err} (read-only, or it shares memory with an input)"
@@ -265,7 +309,7 @@ impl IndexVisitor for PlanPooled<'_> {
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
         self.0.plan_into(src, dst, |shape| {
             Ok(FlatBuffer {
-                data: pool::take(shape.n_blocks.saturating_mul(3)),
+                data: pool::take(shape.n_blocks.saturating_mul(3))?,
                 capacity: shape.n_blocks,
             })
         })
@@ -373,14 +417,8 @@ impl PyTemplate {
         );
         let template = &self.inner;
         if let Some(out) = out {
-            let mut out = writable_out(out)?;
-            // as_slice_mut also accepts Fortran order, which would scramble the rows.
-            if !out.is_c_contiguous() || out.shape()[0] != 3 {
-                return Err(KvPlanError::new_err(format!(
-                    "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
-                    out.shape()
-                )));
-            }
+            let mut out =
+                writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
             let capacity = out.shape()[1];
             let flat = out.as_slice_mut()?;
             let columns = Columns::from_flat(flat, capacity);
@@ -428,12 +466,12 @@ impl PyTemplate {
         dst_slot: i64,
     ) -> PyResult<(Column<'py>, Column<'py>, Column<'py>)> {
         let n = self.inner.state_pairs().len();
-        let mut buffer = FlatBuffer::zeroed(n);
+        let mut buffer = FlatBuffer::try_zeroed(n).map_err(to_py_err)?;
         let written = self
             .inner
             .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
             .map_err(to_py_err)?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(written);
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(written).map_err(to_py_err)?;
         Ok((
             src_addrs.into_pyarray(py),
             dst_addrs.into_pyarray(py),

@@ -7,6 +7,8 @@
 
 use std::sync::Mutex;
 
+use kvplan_core::PlanError;
+
 /// Buffers kept for reuse, at most.
 const MAX_POOLED_BUFFERS: usize = 4;
 /// Bytes kept for reuse, at most (larger buffers are freed when returned).
@@ -36,22 +38,57 @@ fn rounded(values: usize) -> usize {
     if values <= 64 {
         return 64;
     }
-    let step = (values.next_power_of_two() / 8).max(1);
+    // Sizes beyond the largest power of two cannot be allocated anyway: left as they are, the
+    // allocation then fails with an error naming them.
+    let Some(power) = values.checked_next_power_of_two() else {
+        return values;
+    };
+    let step = (power / 8).max(1);
     values.div_ceil(step).saturating_mul(step)
+}
+
+/// `len` zeroed u64s, or `None` when the allocator refuses.
+///
+/// The size comes from a request (runs × pairs), so failure must be an error, not the abort of
+/// `vec![0; len]`. Zeroed memory comes from `calloc`-style allocation: fresh pages arrive
+/// already zero, so this costs no extra pass over a large buffer (a `resize` would).
+fn try_zeroed(len: usize) -> Option<Vec<u64>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u64>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (len > 0, u64 is not zero-sized).
+    let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+    if raw.is_null() {
+        return None;
+    }
+    #[allow(clippy::cast_ptr_alignment)] // allocated with u64's alignment (`layout`)
+    let slice = std::ptr::slice_from_raw_parts_mut(raw.cast::<u64>(), len);
+    // SAFETY: the global allocator returned this memory for the layout of `[u64; len]`, which
+    // is the layout a `Box<[u64]>` of `len` values owns and frees; all values are initialised
+    // (zero bytes are a valid u64).
+    Some(unsafe { Box::from_raw(slice) }.into_vec())
 }
 
 /// A buffer of at least `values` u64s: the most recently returned one that fits (its memory is
 /// the most likely to still be in cache: rotating through several same-size buffers made every
 /// plan write cache-cold memory), else a fresh one.
-pub(crate) fn take(values: usize) -> Vec<u64> {
+///
+/// # Errors
+/// [`PlanError::OutOfMemory`] when no pooled buffer fits and a fresh one cannot be allocated.
+pub(crate) fn take(values: usize) -> Result<Vec<u64>, PlanError> {
     let mut pool = lock();
     if let Some(i) = pool.buffers.iter().rposition(|b| b.len() >= values) {
         pool.hits += 1;
-        return pool.buffers.remove(i);
+        return Ok(pool.buffers.remove(i));
     }
     pool.misses += 1;
     drop(pool);
-    vec![0; rounded(values)]
+    // Slack is an optimisation: when the rounded size does not fit, the exact one may.
+    let size = rounded(values);
+    try_zeroed(size)
+        .or_else(|| try_zeroed(values))
+        .ok_or_else(|| PlanError::out_of_memory::<u64>("plan output", values))
 }
 
 /// Gives a buffer back for reuse (or frees it when the pool is full).
@@ -83,4 +120,19 @@ pub(crate) fn stats() -> (usize, usize, u64, u64) {
         pool.hits,
         pool.misses,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absurd_sizes_are_errors_not_aborts() {
+        for values in [usize::MAX, usize::MAX / 2, (isize::MAX as usize) / 8 + 1] {
+            assert!(try_zeroed(values).is_none());
+            assert!(matches!(take(values), Err(PlanError::OutOfMemory { .. })));
+        }
+        assert_eq!(rounded(usize::MAX), usize::MAX);
+        assert_eq!(try_zeroed(3), Some(vec![0; 3]));
+    }
 }
