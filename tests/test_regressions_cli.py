@@ -1,0 +1,286 @@
+"""Regressions from adversarial review: ``kvplan explain`` input handling and legacy start
+layers, the Ascend adapter's session id, and ``kvplan.compat.sglang``'s documented differences.
+
+Expected values come from arithmetic on the layouts built here and from SGLang's own expressions
+(``np.diff`` in the array's dtype), not from running kvplan.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvplan
+from kvplan import cli, explain
+from kvplan.presets import get_preset
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(["explain", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def assert_usage_error(rc: int, out: str, err: str, *needles: str) -> None:
+    """Exit 2, nothing on stdout, exactly one line on stderr naming the option and value."""
+    assert rc == 2, (rc, out, err)
+    assert out == "", out
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvplan explain: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ------------------------------------------------------------------------ layout files
+
+DS8 = get_preset("deepseek-v3").with_layers(8)  # 8 MLA layers: small, every entry 1152 B/token
+
+
+def write_layout(path: Path, layout: Any, *, ids: bool = True, **edits: Any) -> Path:
+    data = layout.to_dict()
+    if not ids:
+        data["layer_ids"] = None
+    data.update(edits)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def idless(tmp_path: Path) -> dict[str, str]:
+    """A PP 2 split of 8 MLA layers (0-3 | 4-7) and a decode peer, none publishing layer ids."""
+    files = {
+        "p0": write_layout(tmp_path / "p0.json", DS8.layout(range(0, 4), page_size=1, capacity=64,
+                                                            pp_rank=0, pp_size=2), ids=False),
+        "p1": write_layout(tmp_path / "p1.json", DS8.layout(range(4, 8), page_size=1, capacity=64,
+                                                            pp_rank=1, pp_size=2), ids=False),
+        "d": write_layout(tmp_path / "d.json", DS8.layout(range(8), page_size=1, capacity=64),
+                          ids=False),
+    }
+    return {k: str(v) for k, v in files.items()}
+
+
+# ------------------------------------------------------------------------ id-less stage files
+
+
+def test_idless_stages_are_refused_not_planned_from_layer_0(capsys, idless) -> None:
+    # Before: exit 0, and stage 1 wrote decode layers 0-3 (the same ones as stage 0).
+    rc, out, err = run_cli(capsys, "--prefill", idless["p0"], "--prefill", idless["p1"],
+                           "--decode", idless["d"], "--pages", "4")
+    assert_usage_error(rc, out, err, "--prefill-start-layer", "stage 0/2", "stage 1/2",
+                       "the stage publishes no layer ids")
+
+
+def test_idless_stages_with_start_layers_plan_their_own_layers(capsys, idless) -> None:
+    rc, out, err = run_cli(capsys, "--prefill", idless["p0"], "--prefill", idless["p1"],
+                           "--decode", idless["d"], "--pages", "4",
+                           "--prefill-start-layer", "0,4")
+    assert rc == 0, err
+    assert "no layer ids, first layer 4" in out
+    # Each of the 8 decode layers gets 4 pages × 1152 B exactly once (stage 1 -> 4..7).
+    assert f"({4 * 1152:,} B) each: layers 0–7 (8 layers)" in out
+
+
+def test_idless_explain_library_call_pairs_stage_1_onto_decode_layers_4_to_7(idless) -> None:
+    p0, p1, d = (explain._load_layout(idless[k]) for k in ("p0", "p1", "d"))
+    e = explain.explain([("s0", p0), ("s1", p1)], d, title="t", pages=4,
+                        prefill_start_layer=[0, 4])
+    assert e.ok and e.kv_bytes_per_layer == {i: 4 * 1152 for i in range(8)}
+    with pytest.raises(ValueError, match="--prefill-start-layer"):
+        explain.explain([("s0", p0), ("s1", p1)], d, title="t", pages=4)
+    with pytest.raises(ValueError, match="one per stage"):
+        explain.explain([("s0", p0), ("s1", p1)], d, title="t", pages=4, prefill_start_layer=4)
+
+
+def test_single_stage_takes_a_single_start_layer(capsys, idless) -> None:
+    args = ("--prefill", idless["p0"], "--prefill", idless["p1"], "--decode", idless["d"],
+            "--pages", "4", "--stage", "1")
+    rc, out, err = run_cli(capsys, *args, "--prefill-start-layer", "4")
+    assert rc == 0 and "first layer 4" in out, err
+    rc, out, err = run_cli(capsys, *args, "--prefill-start-layer", "0,4")  # indexed by --stage
+    assert rc == 0 and "first layer 4" in out, err
+    rc, out, err = run_cli(capsys, *args[:-2], "--prefill-start-layer", "0,4,8")
+    assert_usage_error(rc, out, err, "--prefill-start-layer", "3 value(s) for 2")
+
+
+def test_decode_without_ids_cannot_give_a_start_layer(capsys, tmp_path) -> None:
+    # Ascend slices hybrid MHA by position at PP 2; the stages publish ids, the decode does not.
+    rc, _, _ = run_cli(capsys, "--preset", "qwen3-next", "--pp", "2", "--pages", "8",
+                       "--write-layouts", str(tmp_path))
+    assert rc == 0
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    decode["layer_ids"] = None
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    rc, out, err = run_cli(capsys, "--prefill", str(tmp_path / "prefill-stage1.json"),
+                           "--decode", str(tmp_path / "decode.json"), "--backend", "ascend",
+                           "--pages", "8")
+    assert_usage_error(rc, out, err, "the decode layout publishes no layer ids", "stage 1/2")
+
+
+def test_start_layer_from_ids_still_derived(capsys) -> None:
+    # Presets publish ids: nothing to pass, as before.
+    rc, out, err = run_cli(capsys, "--preset", "qwen3-next", "--pp", "2", "--pages", "8",
+                           "--backend", "ascend")
+    assert rc == 0, err
+
+
+# ------------------------------------------------------------------------ bad options
+
+
+BAD_OPTIONS = [
+    (["--max-blocks", "0"], ["--max-blocks", "0"]),           # was ZeroDivisionError, exit 1
+    (["--max-blocks", "-3"], ["--max-blocks", "-3"]),         # was exit 0, "-20 engine calls"
+    (["--page-size", str(10**15)], ["--page-size", str(10**15), "64-bit"]),  # was OverflowError
+    (["--page-size", "10**15"], ["--page-size", "'10**15'"]),
+    (["--page-size", "0"], ["--page-size", "0"]),
+    (["--pages", "0"], ["--pages", "0"]),
+    (["--pages", "x"], ["--pages", "'x'"]),
+    (["--pp", "0"], ["--pp", "0"]),
+    (["--pp", "62"], ["--pp 62", "61"]),
+    (["--pp-split", "a,b"], ["--pp-split", "'a,b'"]),
+    (["--pp-split", "30,30"], ["--pp-split 30,30", "61"]),
+    (["--pp-split", "30,31", "--pp", "3"], ["--pp 3", "--pp-split 30,31"]),
+    (["--layers", "0"], ["--layers", "0"]),
+    (["--layers", str(10**9)], ["--layers", str(10**9)]),
+    (["--seed", "-1"], ["--seed", "-1"]),
+    (["--fragmentation", "nan"], ["--fragmentation", "nan"]),
+    (["--fragmentation", "2"], ["--fragmentation", "2"]),
+    (["--stage", "-1"], ["--stage", "-1"]),
+    (["--stage", "1"], ["--stage", "1"]),
+    (["--prefill-start-layer", "-1"], ["--prefill-start-layer", "-1"]),
+    (["--prefill-start-layer", str(2**70)], ["--prefill-start-layer", str(2**70)]),
+    (["--prefill-start-layer", "0,x"], ["--prefill-start-layer", "'0,x'"]),
+    (["--decode", "d.json"], ["--decode"]),                   # was silently ignored
+    (["--bogus"], ["--bogus"]),
+    (["--plot", "/nonexistent-dir/x.png"], ["--plot", "/nonexistent-dir/x.png"]),
+    (["--plot", "explain.not-an-image-format"], ["--plot", "not-an-image-format"]),
+]
+
+
+@pytest.mark.parametrize("argv,needles", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_option_is_one_line_exit_2(capsys, argv, needles) -> None:
+    rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8", *argv)
+    assert_usage_error(rc, out, err, *needles)
+
+
+def test_preset_only_options_are_refused_with_layout_files(capsys, idless) -> None:
+    for option, value in (("--page-size", "16"), ("--pp", "2"), ("--pp-split", "2,2"),
+                          ("--layers", "8")):
+        rc, out, err = run_cli(capsys, "--prefill", idless["p0"], "--decode", idless["d"],
+                               option, value)
+        assert_usage_error(rc, out, err, option, "--preset")
+    rc, out, err = run_cli(capsys, "--prefill", idless["p0"])
+    assert_usage_error(rc, out, err, "--decode")
+
+
+def test_write_layouts_onto_a_file_is_one_line(capsys, tmp_path) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("")
+    rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8",
+                           "--write-layouts", str(target))
+    assert_usage_error(rc, out, err, "--write-layouts", str(target))
+
+
+# ------------------------------------------------------------------------ bad layout files
+
+
+def _base_layout() -> dict[str, Any]:
+    return DS8.layout(range(4), page_size=1, capacity=64).to_dict()
+
+
+def _edit(field: str, value: Any, index: int | None = None) -> dict[str, Any]:
+    data = copy.deepcopy(_base_layout())
+    if index is None:
+        data[field] = value
+    else:
+        data[field][index] = value
+    return data
+
+
+BAD_LAYOUTS: list[tuple[str, Any, list[str]]] = [
+    ("negative pointer", _edit("data_ptrs", -1, 0), ["data_ptrs[0]", "-1"]),
+    ("2**70 pointer", _edit("data_ptrs", 2**70, 0), ["data_ptrs[0]", str(2**70)]),
+    ("float length", _edit("data_lens", 4096.0, 1), ["data_lens[1]", "4096.0"]),
+    ("bool length", _edit("data_lens", True, 2), ["data_lens[2]", "True"]),
+    ("item_lens string", _edit("item_lens", "x"), ["item_lens", "'x'"]),
+    ("item_lens element", _edit("item_lens", "1", 3), ["item_lens[3]", "'1'"]),
+    ("pp_rank string", _edit("pp_rank", "a"), ["pp_rank", "'a'"]),
+    ("pp_rank 2**40", _edit("pp_rank", 2**40), ["pp_rank", str(2**40)]),
+    ("pp_rank past pp_size", _edit("pp_rank", 5), ["pp_rank", "5"]),
+    ("page_size null", _edit("page_size", None), ["page_size", "None"]),
+    ("layer id 2**70", _edit("layer_ids", 2**70, 0), ["layer_ids[0]", str(2**70)]),
+    ("layer_ids string", _edit("layer_ids", "abc"), ["layer_ids", "'abc'"]),
+    ("role int", _edit("roles", 5, 0), ["roles[0]", "5"]),
+    ("unknown kind", _edit("kinds", "foo", 0), ["foo"]),
+    ("device int", _edit("device", 5), ["device", "5"]),
+    ("unknown key", _edit("bogus", 1), ["bogus"]),
+    ("huge string", _edit("pp_rank", "a" * 100_000), ["pp_rank", "'aaaa"]),
+    ("not an object", [1, 2], ["JSON object", "list"]),
+]
+
+
+@pytest.mark.parametrize("data,needles", [(d, n) for _, d, n in BAD_LAYOUTS],
+                         ids=[label for label, _, _ in BAD_LAYOUTS])
+@pytest.mark.parametrize("side", ["--prefill", "--decode"])
+def test_bad_layout_field_is_one_line_exit_2(capsys, tmp_path, side, data, needles) -> None:
+    good = write_layout(tmp_path / "good.json", DS8.layout(range(4), page_size=1, capacity=64))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    files = {"--prefill": good, "--decode": good, side: bad}
+    rc, out, err = run_cli(capsys, "--prefill", str(files["--prefill"]),
+                           "--decode", str(files["--decode"]), "--pages", "4")
+    assert_usage_error(rc, out, err, f"{side} {bad}", *needles)
+    assert len(err) < 600  # a 100 kB value is cut, not echoed
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"{not json", "not a valid JSON file"),
+    (b"[" * 100_000 + b"]" * 100_000, "not a valid JSON file"),  # RecursionError
+    (b"\xff\xfe\x00garbage", "not a valid JSON file"),
+    (b'{"version": 1, "page_size": NaN}', "page_size"),
+])
+def test_unreadable_layout_file_is_one_line_exit_2(capsys, tmp_path, content, needle) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    rc, out, err = run_cli(capsys, "--prefill", str(bad), "--decode", str(bad))
+    assert_usage_error(rc, out, err, f"--prefill {bad}", needle)
+    rc, out, err = run_cli(capsys, "--prefill", str(tmp_path / "missing.json"),
+                           "--decode", str(bad))
+    assert_usage_error(rc, out, err, "missing.json", "cannot read")
+
+
+def test_explain_library_call_refuses_bad_max_blocks() -> None:
+    d = DS8.layout(range(8), page_size=1, capacity=64)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="--max-blocks"):
+            explain.explain([("p", d)], d, title="t", pages=4, max_blocks=bad)
+
+
+def test_internal_error_is_exit_3_never_1(capsys, monkeypatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(explain, "explain", broken)
+    rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8")
+    assert rc == 3 and "Traceback" in err and "RuntimeError: boom" in err
+    assert "internal error" in err.splitlines()[-1]
+
+
+def test_console_script_exit_status_and_help() -> None:
+    res = subprocess.run([sys.executable, "-m", "kvplan.cli", "explain", "--preset",
+                          "deepseek-v3", "--max-blocks", "0"], capture_output=True, text=True)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "kvplan explain: argument --max-blocks: must be at least 1, got 0 (see --help)"]
+    res = subprocess.run([sys.executable, "-m", "kvplan.cli", "explain", "--help"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0
+    assert "exit status: 0 every stage is compatible; 1 a stage is not" in res.stdout
+    assert "--prefill-start-layer gives" in res.stdout
+    assert "the seed" not in res.stdout and "seed's" not in res.stdout
