@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_engines_ascend import (  # the memfabric stand-ins live with the adapter's tests
+    ADAPTER_METHODS,
+    FixtureEngine,
+    StandInMemfabric,
+    _plan,
+    fixture,
+)
 
-import kvplan
 from kvplan import cli, explain
+from kvplan.engines import AscendTransport, TransferError
 from kvplan.presets import get_preset
 
 
@@ -284,3 +291,80 @@ def test_console_script_exit_status_and_help() -> None:
     assert "exit status: 0 every stage is compatible; 1 a stage is not" in res.stdout
     assert "--prefill-start-layer gives" in res.stdout
     assert "the seed" not in res.stdout and "seed's" not in res.stdout
+
+
+# ------------------------------------------------------------------------ Ascend session id
+
+
+
+class PortAfterInitialize(StandInMemfabric):
+    """memfabric-hybrid 1.3.0 as its log describes it: ``get_rpc_port()`` is 0 until
+    ``initialize`` has run, which picks the listening port and registers the engine under
+    ``host:port`` (the port in the session id it was given is not used)."""
+
+    def __init__(self, network: dict[str, StandInMemfabric]) -> None:
+        super().__init__(network)
+        self.initialized = False
+
+    def initialize(self, store_url: str, session_id: str, role: str, device_id: int,
+                   data_op_type: Any = StandInMemfabric.TransDataOpType.SDMA,
+                   store_server_role: str = "Decode", nic: str = "") -> int:
+        if role not in ("Prefill", "Decode"):
+            return -1
+        self.initialized = True
+        self.session = f"{session_id.rpartition(':')[0]}:{self._port}"
+        self.network[self.session] = self
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return self._port if self.initialized else 0
+
+
+def test_port_after_initialize_stand_in_matches_the_memfabric_signatures() -> None:
+    import inspect
+
+    want = fixture()["methods"]
+    for name in ADAPTER_METHODS:
+        got = [p for p in inspect.signature(getattr(PortAfterInitialize, name)).parameters.values()
+               if p.name != "self"]
+        assert [p.name for p in got] == [p[0] for p in want[name]["params"]], name
+        for p, (_, _, default) in zip(got, want[name]["params"]):
+            assert (p.default is inspect.Parameter.empty) == (default is None), (name, p.name)
+
+
+def test_session_id_reads_the_port_again_after_initialize() -> None:
+    import numpy as np
+
+    network: dict[str, StandInMemfabric] = {}
+    d_eng = PortAfterInitialize(network)
+    d_t = AscendTransport("Decode", hostname="10.0.0.7", engine=d_eng, store_url="tcp://s:1")
+    # Before: "10.0.0.7:0", which no peer can reach.
+    assert d_t.local_session_id() == f"10.0.0.7:{d_eng._port}" and d_eng._port != 0
+    dst = np.zeros(4096, np.uint8)
+    d_t.register_buffers([dst.ctypes.data], [4096])
+    src = np.arange(4096, dtype=np.uint8)
+    p_t = AscendTransport("Prefill", hostname="10.0.0.8", engine=PortAfterInitialize(network),
+                          store_url="tcp://s:1")
+    p_t.register_buffers([src.ctypes.data], [4096])
+    p_t.submit(_plan([src.ctypes.data], [dst.ctypes.data], [4096]), d_t.local_session_id())
+    assert (dst == src).all()
+
+
+def test_session_id_of_an_engine_initialised_elsewhere() -> None:
+    eng = PortAfterInitialize({})
+    t = AscendTransport("Decode", hostname="h", engine=eng, initialize=False)
+    with pytest.raises(TransferError, match="get_rpc_port"):
+        t.local_session_id()  # port 0: there is no id to hand out yet
+    assert eng.initialize("tcp://s:1", "h:0", "Decode", 0) == 0
+    assert t.local_session_id() == f"h:{eng._port}"
+    explicit = AscendTransport("Decode", engine=PortAfterInitialize({}), initialize=False,
+                               session_id="h:1234")
+    assert explicit.local_session_id() == "h:1234"
+
+
+def test_port_known_before_initialize_is_read_once() -> None:
+    # An engine that reports the port up front (older builds): no extra call, id unchanged.
+    eng = FixtureEngine()
+    t = AscendTransport("Prefill", hostname="h", engine=eng, store_url="tcp://s:1")
+    assert t.local_session_id() == "h:30001"
+    assert [n for n, _ in eng.calls].count("get_rpc_port") == 1

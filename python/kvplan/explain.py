@@ -678,9 +678,10 @@ def _one_line_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn
 
 
 EPILOG = f"""\
-exit status: {EXIT_OK} every stage is compatible; {EXIT_INCOMPATIBLE} a stage is not (its report is printed);
-  {EXIT_USAGE} bad input: an option, a layout file or a field in it (one line on stderr names it
-  and the value); {EXIT_INTERNAL} internal error (a bug in kvplan: the traceback is printed).
+exit status: {EXIT_OK} every stage is compatible; {EXIT_INCOMPATIBLE} a stage is not (its report
+  is printed); {EXIT_USAGE} bad input: an option, a layout file or a field in it (one line on
+  stderr names it and the value); {EXIT_INTERNAL} internal error (a bug in kvplan: the traceback
+  is printed).
 
 Peers without layer ids at prefill PP > 1 pair by legacy positional slicing, which needs the
 layer each prefill stage starts at. It is derived from published layer ids; when a stage or the
