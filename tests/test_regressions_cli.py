@@ -8,12 +8,14 @@ Expected values come from arithmetic on the layouts built here and from SGLang's
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from test_engines_ascend import (  # the memfabric stand-ins live with the adapter's tests
     ADAPTER_METHODS,
@@ -333,8 +335,6 @@ def test_port_after_initialize_stand_in_matches_the_memfabric_signatures() -> No
 
 
 def test_session_id_reads_the_port_again_after_initialize() -> None:
-    import numpy as np
-
     network: dict[str, StandInMemfabric] = {}
     d_eng = PortAfterInitialize(network)
     d_t = AscendTransport("Decode", hostname="10.0.0.7", engine=d_eng, store_url="tcp://s:1")
@@ -368,3 +368,140 @@ def test_port_known_before_initialize_is_read_once() -> None:
     t = AscendTransport("Prefill", hostname="h", engine=eng, store_url="tcp://s:1")
     assert t.local_session_id() == "h:30001"
     assert [n for n, _ in eng.calls].count("get_rpc_port") == 1
+
+
+# ------------------------------------------------------------------------ compat.sglang
+
+
+def sglang_runs(src: np.ndarray, dst: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """SGLang 0.5.23's grouping expression, verbatim (np.diff in each array's own dtype)."""
+    brk = np.where((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
+    return ([g.tolist() for g in np.split(src, brk)], [g.tolist() for g in np.split(dst, brk)])
+
+
+WRAP_CASES = [
+    # numpy computes -2**31 - (2**31-1) as 1 in int32, and 0 - (2**32-1) as 1 in uint32.
+    ("int32 max->min", [2**31 - 1, -(2**31)], np.int32, [[2**31 - 1, -(2**31)]]),
+    ("uint32 max->0", [2**32 - 1, 0], np.uint32, [[2**32 - 1, 0]]),
+    ("uint8 max->0", [255, 0, 1], np.uint8, [[255, 0, 1]]),
+    ("int64 max->min", [2**63 - 1, -(2**63)], np.int64, [[2**63 - 1, -(2**63)]]),
+    ("uint64 max->0", [2**64 - 1, 0], np.uint64, [[2**64 - 1, 0]]),
+    ("big-endian uint32", [2**32 - 1, 0], np.dtype(">u4"), [[2**32 - 1, 0]]),
+    # Differences that wrap to something other than 1 break the run, as in exact arithmetic
+    # (this one used to raise IndexBoundsError).
+    ("int64 min->max-1", [-(2**63), 2**63 - 2], np.int64, [[-(2**63)], [2**63 - 2]]),
+    ("int32 min->max", [-(2**31), 2**31 - 1], np.int32, [[-(2**31)], [2**31 - 1]]),
+]
+
+
+@pytest.mark.parametrize("values,dtype,runs", [c[1:] for c in WRAP_CASES],
+                         ids=[c[0] for c in WRAP_CASES])
+def test_group_concurrent_contiguous_wraps_like_numpy(values, dtype, runs) -> None:
+    from kvplan.compat.sglang import group_concurrent_contiguous
+
+    src = np.array(values, dtype=dtype)
+    dst = np.arange(10, 10 + len(values), dtype=np.int64)  # contiguous: src decides
+    got = group_concurrent_contiguous(src, dst)
+    assert got == sglang_runs(src, dst)
+    assert got[0] == runs
+    # Either side may wrap.
+    assert group_concurrent_contiguous(dst, src) == sglang_runs(dst, src)
+
+
+def test_group_concurrent_contiguous_matches_sglang_on_extreme_values() -> None:
+    # Every small array over each integer dtype's extreme values, against SGLang's expression.
+    from kvplan.compat.sglang import group_concurrent_contiguous
+
+    for dtype in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                  np.uint64):
+        info = np.iinfo(dtype)
+        special = [int(info.min), int(info.min) + 1, int(info.max) - 1, int(info.max), 0, 1]
+        for n in (2, 3):
+            for combo in itertools.product(special, repeat=n):
+                src = np.array(combo, dtype=dtype)
+                dst = np.array(combo[::-1], dtype=dtype)
+                for a, b in ((src, dst), (src, np.arange(n, dtype=dtype))):
+                    assert group_concurrent_contiguous(a, b) == sglang_runs(a, b), (dtype, a, b)
+
+
+def test_build_transfer_entry_pairs_float_counts_as_sglang() -> None:
+    from kvplan.compat.sglang import build_transfer_entry_pairs
+
+    # Layer-id path: SGLang only compares the counts with the id-list lengths.
+    assert build_transfer_entry_pairs([1, 2, 3], [3, 2, 1], 3.0, 3.0) == [(0, 2), (1, 1), (2, 0)]
+    assert build_transfer_entry_pairs([5], [5, 6], np.int64(1), 2.0) == [(0, 0)]
+    with pytest.raises(RuntimeError, match=r"src metadata=3 entries=2\.5"):
+        build_transfer_entry_pairs([1, 2, 3], [1, 2, 3], 2.5, 3)
+    # Positional path: SGLang's range(n_src) accepts __index__ objects and raises for floats.
+    assert build_transfer_entry_pairs(None, None, np.int64(2), 3.0, True) == [(0, 0), (1, 1)]
+    assert build_transfer_entry_pairs(None, None, True, 1) == [(0, 0)]
+    for n_src in (3.0, -1.0):
+        with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
+            build_transfer_entry_pairs(None, None, n_src, 3.0, True)
+    assert build_transfer_entry_pairs(None, None, -1, -1) == []  # range(-1) is empty
+    assert build_transfer_entry_pairs(None, None, 0.0, 5.0) == []  # n_src == 0 first
+
+
+def test_build_transfer_entry_pairs_error_order_as_sglang() -> None:
+    from kvplan.compat.sglang import build_transfer_entry_pairs
+
+    # SGLang hashes every decode id first, then walks the prefill ids in order: a missing id
+    # is reported before a later unhashable one, and an unhashable decode id before anything.
+    with pytest.raises(RuntimeError, match="missing a transfer entry for model layer 99"):
+        build_transfer_entry_pairs([99, [1]], [0, 1], 2, 2)
+    with pytest.raises(TypeError, match="unhashable type: 'list'"):
+        build_transfer_entry_pairs([0, [1]], [0, 1], 2, 2)
+    with pytest.raises(TypeError, match="unhashable type: 'set'"):
+        build_transfer_entry_pairs([[0], 1], [{0}, 1], 2, 2)
+
+
+# Each documented difference, pinned (the module docstring lists them).
+
+
+@pytest.mark.parametrize("bad", [
+    np.array([1.0, 2.0]),                  # SGLang groups floats by their differences
+    np.array([True, False]),               # SGLang: numpy's TypeError for bool subtraction
+    np.array([1, 2], dtype=object),        # SGLang groups Python ints without wrap-around
+    np.array([[1, 2], [3, 4]]),            # SGLang splits rows at last-axis positions
+], ids=["float", "bool", "object", "2-D"])
+def test_documented_difference_non_integer_or_not_1d_is_type_error(bad) -> None:
+    from kvplan.compat.sglang import group_concurrent_contiguous
+
+    other = np.arange(bad.size, dtype=np.int64).reshape(bad.shape)
+    with pytest.raises(TypeError, match="1-D integer numpy array"):
+        group_concurrent_contiguous(bad, other)
+
+
+def test_documented_difference_zero_d_is_type_error() -> None:
+    from kvplan.compat.sglang import group_concurrent_contiguous
+
+    with pytest.raises(TypeError, match="1-D integer numpy array"):  # SGLang: ValueError
+        group_concurrent_contiguous(np.array(5), np.array(6))
+
+
+def test_documented_difference_masked_array_is_read_as_plain_data() -> None:
+    from kvplan.compat.sglang import group_concurrent_contiguous
+
+    src = np.ma.array([1, 2, 3], mask=[False, True, False])
+    assert group_concurrent_contiguous(src, np.array([7, 8, 9])) == ([[1, 2, 3]], [[7, 8, 9]])
+
+
+def test_documented_difference_int_subclass_ids_compare_by_value() -> None:
+    from kvplan.compat.sglang import build_transfer_entry_pairs
+
+    class Opaque(int):  # equal to nothing (not even itself) in a dict, like SGLang keys it
+        def __eq__(self, other: object) -> bool:
+            return False
+
+        def __hash__(self) -> int:
+            return id(self)
+
+    # SGLang raises "missing a transfer entry" here; the core compares integer values.
+    assert build_transfer_entry_pairs([Opaque(4)], [Opaque(4)], 1, 1) == [(0, 0)]
+
+
+def test_documented_difference_unmaterialisable_counts_fail_up_front() -> None:
+    from kvplan.compat.sglang import build_transfer_entry_pairs
+
+    with pytest.raises(OverflowError):  # SGLang: MemoryError while building the list
+        build_transfer_entry_pairs(None, None, 2**63, 2**63, True)
