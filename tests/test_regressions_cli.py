@@ -271,6 +271,21 @@ def test_explain_library_call_refuses_bad_max_blocks() -> None:
             explain.explain([("p", d)], d, title="t", pages=4, max_blocks=bad)
 
 
+def test_explain_library_call_refuses_negative_seed() -> None:
+    with pytest.raises(ValueError, match="--seed must be at least 0, got -1"):
+        explain.decode_pages(8, 0.5, seed=-1)
+
+
+def test_elided_entries_do_not_bound_the_request(capsys, tmp_path) -> None:
+    # item_len 0 entries are never indexed; their zero capacity used to refuse every request.
+    layout = get_preset("qwen3-next").with_layers(8).layout(range(8), page_size=1, capacity=16)
+    path = write_layout(tmp_path / "elided.json", layout,
+                        item_lens=[0] * layout.n_entries)
+    rc, out, err = run_cli(capsys, "--prefill", str(path), "--decode", str(path), "--pages", "8")
+    assert rc == 0, err
+    assert "total bytes 0 B" in out
+
+
 def test_internal_error_is_exit_3_never_1(capsys, monkeypatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("boom")

@@ -120,6 +120,8 @@ def decode_pages(pages: int, fragmentation: float, seed: int) -> tuple[Any, int]
         raise ValueError(f"--pages must be at least 1, got {pages}")
     if not 0.0 <= fragmentation <= 1.0:
         raise ValueError(f"--fragmentation must be in [0, 1], got {fragmentation}")
+    if seed < 0:  # numpy's own message would not name the option
+        raise ValueError(f"--seed must be at least 0, got {seed}")
     breaks = round(fragmentation * (pages - 1))
     steps = np.ones(pages, dtype=np.int64)
     steps[0] = 0
@@ -331,7 +333,7 @@ def explain(
             continue
         template = choice.template(src, decode, prefill_start_layer=start)
         for side, layout, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
-            caps = [c for c, k in zip(layout.capacities, layout.kinds) if k == "page"]
+            caps = _live_capacities(layout, "page")
             if caps and int(idx.max()) >= min(caps):
                 raise kvplan.IndexBoundsError(
                     f"{side} pool holds {min(caps)} pages but the request needs page "
@@ -421,8 +423,15 @@ def _layer_keys(src: Any, decode: Any, legacy_kind: str | None,
     return layer_of
 
 
+def _live_capacities(layout: Any, kind: str) -> list[int]:
+    """Capacities of the ``kind`` entries that move bytes (elided entries, item_len 0, are
+    never indexed, so their capacity bounds nothing)."""
+    return [c for c, k, n in zip(layout.capacities, layout.kinds, layout.item_lens)
+            if k == kind and n > 0]
+
+
 def _min_state_cap(layout: Any) -> int:
-    caps = [c for c, k in zip(layout.capacities, layout.kinds) if k == "state"]
+    caps = _live_capacities(layout, "state")
     return min(caps) if caps else 0
 
 
