@@ -46,13 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, add) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.set_defaults(_run=add(sp))
+        sp.set_defaults(_run=add(sp), _parser=sp)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status (``kvplan = "kvplan.cli:main"``)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # reported by the command's own parser, so it formats the error its own way
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as stop:  # argparse exits on --help and bad arguments; return the status
+        return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 2
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

@@ -10,6 +10,15 @@ imported only then).
 Page lists: the prefill pages are ``0 .. pages-1`` (contiguous); the decode pages come from a
 free list in which a fraction ``--fragmentation`` of the page boundaries is broken (0: one run;
 1: every page its own run), chosen reproducibly from ``--seed``.
+
+Peers without layer ids at prefill PP > 1 pair by legacy positional slicing, which needs the
+layer each prefill stage starts at. It is derived from published ids; when it cannot be,
+``explain`` refuses (as ``PairingChoice.template`` does) unless ``--prefill-start-layer`` gives
+one value per stage: a wrong start would silently plan a stage onto another stage's layers.
+
+Exit status: 0 every stage is compatible, 1 a stage is not (its report is printed), 2 bad input
+(one line on stderr naming the option or layout field and the value), 3 internal error (a bug:
+the traceback is printed), so that 1 always means "incompatible".
 """
 
 from __future__ import annotations
@@ -18,10 +27,12 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["Explanation", "StageResult", "add_arguments", "explain", "render", "run"]
 
@@ -33,6 +44,14 @@ DEFAULT_MAX_BLOCKS = 1024
 SMALL_BLOCK_BYTES = 16 << 10
 #: design.md §6: handing Mooncake Python lists costs ~20-100 ns per element (three lists).
 LIST_NS_PER_ELEMENT = (20, 100)
+#: Exit statuses of ``kvplan explain``.
+EXIT_OK, EXIT_INCOMPATIBLE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+#: ``--layers`` bound: every layer becomes layout entries in memory, and no model comes close.
+MAX_LAYERS = 1 << 16
+#: ``--prefill-start-layer`` bound: far above any model, and within every integer the core takes.
+MAX_START_LAYER = (1 << 31) - 1
+_U64 = 1 << 64
+_I64 = 1 << 63
 
 
 @dataclass
@@ -101,6 +120,8 @@ def decode_pages(pages: int, fragmentation: float, seed: int) -> tuple[Any, int]
         raise ValueError(f"--pages must be at least 1, got {pages}")
     if not 0.0 <= fragmentation <= 1.0:
         raise ValueError(f"--fragmentation must be in [0, 1], got {fragmentation}")
+    if seed < 0:  # numpy's own message would not name the option
+        raise ValueError(f"--seed must be at least 0, got {seed}")
     breaks = round(fragmentation * (pages - 1))
     steps = np.ones(pages, dtype=np.int64)
     steps[0] = 0
@@ -111,21 +132,112 @@ def decode_pages(pages: int, fragmentation: float, seed: int) -> tuple[Any, int]
     return np.cumsum(steps), breaks
 
 
-def _stage_start(decode: Any, stage: Any) -> int:
-    """The dense offset of a stage's first layer among the decode's page layers (legacy start)."""
-    stage_ids = [i for i, k in zip(stage.layer_ids or [], stage.kinds) if k == "page"]
+def _stage_start(decode: Any, stage: Any) -> int | None:
+    """The dense offset of a stage's first layer among the decode's page layers (legacy start).
+
+    ``None`` when it cannot be derived: the stage's page entries or the decode's publish no
+    layer ids. Guessing 0 there would plan every later stage onto the decode's first layers.
+    """
+    stage_ids = [i for i, k in zip(stage.layer_ids or [], stage.kinds)
+                 if k == "page" and i is not None]
     if not stage_ids or decode.layer_ids is None:
-        return 0
+        return None
+    decode_ids = {i for i, k in zip(decode.layer_ids, decode.kinds)
+                  if k == "page" and i is not None}
+    if not decode_ids:
+        return None
     first = min(stage_ids)
-    return len({i for i, k in zip(decode.layer_ids, decode.kinds)
-                if k == "page" and i is not None and i < first})
+    return len({i for i in decode_ids if i < first})
 
 
-def _load_layout(path: str) -> Any:
-    from kvplan import Layout
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters so that an error stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
-    with open(path, encoding="utf-8") as f:
-        return Layout.from_dict(json.load(f))
+
+#: Layout dict fields holding unsigned 64-bit integers, one per entry (``Layout.to_dict``).
+_U64_LISTS = ("data_ptrs", "data_lens", "item_lens")
+
+
+def _check_layout_dict(data: Any, where: str) -> None:
+    """Check a parsed layout JSON document field by field, so that a bad file gets one line
+    naming the field, the entry and the value (the native loader reports some of these as bare
+    integer-conversion errors)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object (Layout.to_dict), got "
+                         f"{type(data).__name__} {_short(data)}")
+    for name in _U64_LISTS:
+        if name not in data:
+            continue  # the native loader names missing keys
+        value = data[name]
+        if name == "item_lens" and not isinstance(value, list):
+            # One item length for every entry is allowed.
+            if type(value) is not int or not 0 <= value < _U64:
+                raise ValueError(f"{where}: item_lens must be an integer in 0..2**64-1 or a "
+                                 f"list of them, got {_short(value)}")
+            continue
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: {name} must be a list of integers in 0..2**64-1, got "
+                             f"{_short(value)}")
+        for k, v in enumerate(value):
+            if type(v) is not int or not 0 <= v < _U64:
+                raise ValueError(f"{where}: {name}[{k}] must be an integer in 0..2**64-1, got "
+                                 f"{_short(v)}")
+    ids = data.get("layer_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise ValueError(f"{where}: layer_ids must be a list of integers (or null), got "
+                             f"{_short(ids)}")
+        for k, v in enumerate(ids):
+            if v is not None and (type(v) is not int or not -_I64 <= v < _I64):
+                raise ValueError(f"{where}: layer_ids[{k}] must be a 64-bit integer or null, "
+                                 f"got {_short(v)}")
+    for name in ("roles", "kinds"):
+        value = data.get(name)
+        if value is None:
+            continue  # null roles mean "not published"; the native loader names other gaps
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: {name} must be a list of strings, got {_short(value)}")
+        for k, v in enumerate(value):
+            if not isinstance(v, str):
+                raise ValueError(f"{where}: {name}[{k}] must be a string, got {_short(v)}")
+    for name in ("version", "page_size", "num_model_layers", "pp_rank", "pp_size", "tp_rank",
+                 "tp_size"):
+        v = data.get(name)
+        if v is None and (name not in data or name == "num_model_layers"):
+            continue
+        if type(v) is not int or not 0 <= v < _U64:
+            raise ValueError(f"{where}: {name} must be a non-negative integer, got {_short(v)}")
+    if "device" in data and not isinstance(data["device"], str):
+        raise ValueError(f"{where}: device must be a string, got {_short(data['device'])}")
+
+
+def _load_layout(path: str, option: str = "--prefill") -> Any:
+    """A layout from a JSON file; every problem is a one-line ``ValueError`` naming the file."""
+    from kvplan import KvPlanError, Layout
+
+    where = f"{option} {path}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read: {err.strerror or err}") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError too
+        raise ValueError(f"{where}: not a valid JSON file: {_one_line(err)}") from None
+    _check_layout_dict(data, where)
+    try:
+        return Layout.from_dict(data)
+    except (KvPlanError, TypeError, OverflowError, ValueError) as err:
+        raise ValueError(f"{where}: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +255,7 @@ def explain(
     fragmentation: float = 0.0,
     seed: int = 0,
     backend: str = "mooncake",
-    prefill_start_layer: int | None = None,
+    prefill_start_layer: int | Sequence[int | None] | None = None,
     max_blocks: int = DEFAULT_MAX_BLOCKS,
 ) -> Explanation:
     """Plan one request of ``pages`` pages from every prefill stage to ``decode``.
@@ -157,12 +269,43 @@ def explain(
         fragmentation: Fraction of decode page boundaries that break a run (0..1).
         seed: Seed for where the breaks fall.
         backend: Backend for :func:`kvplan.select_pairing`.
-        prefill_start_layer: For legacy (id-less) pairing; default derived from the ids.
+        prefill_start_layer: The first layer of each prefill stage, for legacy (id-less)
+            pairing: one value (or ``None``: derive it) per stage, or a single int when there
+            is one stage. Default: derived from the published layer ids.
         max_blocks: Blocks per engine call, for the engine-call count.
+
+    Raises:
+        ValueError: A bad argument, or a stage that pairs by legacy slicing whose start layer
+            is neither given nor derivable from layer ids (the message names the stage).
+        IndexBoundsError: A pool too small for the request.
     """
     import numpy as np
 
     import kvplan
+
+    if type(max_blocks) is not int or max_blocks < 1:
+        raise ValueError(f"--max-blocks must be at least 1, got {_short(max_blocks)}")
+    starts = _per_stage_starts(prefill_start_layer, len(prefills))
+    choices = [kvplan.select_pairing(backend, src) for _, src in prefills]
+    missing, why = [], set()
+    for k, ((label, src), choice) in enumerate(zip(prefills, choices)):
+        if choice.mode == "legacy" and starts[k] is None:
+            starts[k] = _stage_start(decode, src)
+            if starts[k] is None:
+                missing.append(label)
+                stage_ids = any(i is not None for i, kind in zip(src.layer_ids or [], src.kinds)
+                                if kind == "page")
+                why.add("the decode layout publishes no layer ids" if stage_ids
+                        else "the stage publishes no layer ids")
+    if missing:
+        # The library refuses legacy slicing without a start layer; so does explain, rather
+        # than plan every stage from layer 0 onto the decode's first layers.
+        raise ValueError(
+            f"legacy positional slicing needs the layer each prefill stage starts at, and it "
+            f"cannot be derived for {', '.join(missing)} ({'; '.join(sorted(why))}): pass "
+            f"--prefill-start-layer "
+            f"{','.join(f'S{k}' for k in range(len(prefills)))} (one value per stage, "
+            f"in stage order)")
 
     dst_pages, breaks = decode_pages(pages, fragmentation, seed)
     src_pages = np.arange(pages, dtype=np.int64)
@@ -173,12 +316,8 @@ def explain(
     stages: list[StageResult] = []
     warnings: list[str] = []
 
-    for label, src in prefills:
-        layer_text = _layers_text(src)
-        choice = kvplan.select_pairing(backend, src)
-        start = prefill_start_layer
-        if choice.mode == "legacy" and start is None:
-            start = _stage_start(decode, src)
+    for (label, src), choice, start in zip(prefills, choices, starts):
+        layer_text = _layers_text(src, start if choice.mode == "legacy" else None)
         try:
             report = choice.compare(src, decode, prefill_start_layer=start)
         except kvplan.KvPlanError as e:
@@ -194,7 +333,7 @@ def explain(
             continue
         template = choice.template(src, decode, prefill_start_layer=start)
         for side, layout, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
-            caps = [c for c, k in zip(layout.capacities, layout.kinds) if k == "page"]
+            caps = _live_capacities(layout, "page")
             if caps and int(idx.max()) >= min(caps):
                 raise kvplan.IndexBoundsError(
                     f"{side} pool holds {min(caps)} pages but the request needs page "
@@ -203,11 +342,11 @@ def explain(
         t0 = time.perf_counter()
         plan = template.plan(src_pages, dst_pages)
         plan_us = (time.perf_counter() - t0) * 1e6
-        src_ids = src.layer_ids
+        layer_of = _layer_keys(src, decode, choice.legacy_kind, start)
         lengths = plan.lengths
         offsets = plan.pair_offsets
-        for p, (i, _) in enumerate(template.pairs.tolist()):
-            lid = src_ids[i] if src_ids is not None else i
+        for p, (i, j) in enumerate(template.pairs.tolist()):
+            lid = layer_of(i, j)
             nbytes = int(lengths[offsets[p]:offsets[p + 1]].sum())
             kv_per_layer[lid] = kv_per_layer.get(lid, 0) + nbytes
         state_blocks = state_bytes = 0
@@ -215,8 +354,8 @@ def explain(
             # One request slot per side: slot 0 on prefill to slot 1 on decode.
             state_plan = template.plan_state(0, 1 if _min_state_cap(decode) > 1 else 0)
             state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
-            for (i, _), n in zip(template.state_pairs.tolist(), state_plan.lengths.tolist()):
-                lid = src_ids[i] if src_ids is not None else i
+            for (i, j), n in zip(template.state_pairs.tolist(), state_plan.lengths.tolist()):
+                lid = layer_of(i, j)
                 state_per_layer[lid] = state_per_layer.get(lid, 0) + int(n)
         stages.append(StageResult(
             label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
@@ -230,17 +369,79 @@ def explain(
     return expl
 
 
+def _per_stage_starts(value: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    """``prefill_start_layer`` as one entry per stage (``None``: derive from the layer ids)."""
+    if value is None:
+        return [None] * n
+    if isinstance(value, int):
+        if n != 1:
+            raise ValueError(f"--prefill-start-layer: one value for {n} prefill stages; give "
+                             f"one per stage (comma-separated), as stages start at different "
+                             f"layers")
+        values: list[int | None] = [value]
+    else:
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"--prefill-start-layer: {len(values)} value(s) for {n} prefill "
+                             f"stages; give one per stage")
+    for v in values:
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_START_LAYER):
+            raise ValueError(f"--prefill-start-layer must be in 0..{MAX_START_LAYER}, "
+                             f"got {_short(v)}")
+    return values
+
+
+def _layer_keys(src: Any, decode: Any, legacy_kind: str | None,
+                start: int | None) -> Callable[[int, int], int]:
+    """The layer a ``(src entry, dst entry)`` pair moves, for the bytes-per-layer table.
+
+    The prefill's layer id when it publishes one, else the decode's; for peers without ids, the
+    decode entry's position among the decode entries of its kind and role, which is the dense
+    layer index legacy slicing and positional pairing work with (for MHA without roles, K and V
+    halves share indices).
+    """
+    src_ids, dst_ids = src.layer_ids, decode.layer_ids
+    position: list[int] = []
+    seen: dict[tuple[str, str | None], int] = {}
+    roles = decode.roles or [None] * decode.n_entries
+    for kind, role in zip(decode.kinds, roles):
+        key = (kind, role)
+        position.append(seen.get(key, 0))
+        seen[key] = position[-1] + 1
+    half = seen.get(("page", None), 0) // 2 if legacy_kind == "mha" and not decode.roles else 0
+
+    def layer_of(i: int, j: int) -> int:
+        if src_ids is not None and src_ids[i] is not None:
+            return int(src_ids[i])
+        if dst_ids is not None and dst_ids[j] is not None:
+            return int(dst_ids[j])
+        pos = position[j]
+        if half and decode.kinds[j] == "page":
+            pos %= half
+        return pos
+
+    return layer_of
+
+
+def _live_capacities(layout: Any, kind: str) -> list[int]:
+    """Capacities of the ``kind`` entries that move bytes (elided entries, item_len 0, are
+    never indexed, so their capacity bounds nothing)."""
+    return [c for c, k, n in zip(layout.capacities, layout.kinds, layout.item_lens)
+            if k == kind and n > 0]
+
+
 def _min_state_cap(layout: Any) -> int:
-    caps = [c for c, k in zip(layout.capacities, layout.kinds) if k == "state"]
+    caps = _live_capacities(layout, "state")
     return min(caps) if caps else 0
 
 
-def _layers_text(layout: Any) -> str:
+def _layers_text(layout: Any, start: int | None = None) -> str:
     from kvplan.report import format_ids
 
     ids = layout.layer_ids
     if ids is None:
-        return f"{layout.n_entries} entries, no layer ids"
+        first = f", first layer {start}" if start is not None else ""
+        return f"{layout.n_entries} entries, no layer ids{first}"
     n_model = layout.num_model_layers
     page = [i for i, k in zip(ids, layout.kinds) if k == "page" and i is not None]
     state = [i for i, k in zip(ids, layout.kinds) if k == "state" and i is not None]
@@ -432,39 +633,117 @@ def plot(e: Explanation, path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low..high`` (the error names the bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also digit strings past Python's conversion limit
+            raise argparse.ArgumentTypeError(f"expected an integer, got {_short(text)}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {_short(text)}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _int_list_arg(low: int, high: int, example: str) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each in ``low..high``."""
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        try:
+            values = [int(x) for x in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers like {example}, got {_short(text)}") from None
+        bad = [v for v in values if not low <= v <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"every value must be in {low}..{high}, got {bad[0]} in {_short(text)}")
+        return values
+
+    return parse
+
+
+def _one_line_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn]:
+    """argparse's ``error`` as one line on stderr and exit 2 (no usage block)."""
+    def error(message: str) -> NoReturn:
+        sys.stderr.write(f"{parser.prog}: {_one_line(ValueError(message), 500)} "
+                         f"(see --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+    return error
+
+
+EPILOG = f"""\
+exit status: {EXIT_OK} every stage is compatible; {EXIT_INCOMPATIBLE} a stage is not (its report
+  is printed); {EXIT_USAGE} bad input: an option, a layout file or a field in it (one line on
+  stderr names it and the value); {EXIT_INTERNAL} internal error (a bug in kvplan: the traceback
+  is printed).
+
+Peers without layer ids at prefill PP > 1 pair by legacy positional slicing, which needs the
+layer each prefill stage starts at. It is derived from published layer ids; when a stage or the
+decode layout publishes none, explain refuses (exit {EXIT_USAGE}) unless --prefill-start-layer gives
+it, one value per stage.
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> Runner:
     """Fill the ``explain`` sub-parser; returns the runner (the ``cli.SUBCOMMANDS`` contract)."""
     from kvplan.presets import PRESETS
 
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's lines
+    setattr(parser, "error", _one_line_error(parser))  # an instance attribute, not a subclass
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS),
                      help="reference model (design.md §7)")
     src.add_argument("--prefill", action="append", metavar="FILE.json",
                      help="prefill layout JSON (Layout.to_dict); repeat once per PP stage")
     parser.add_argument("--decode", metavar="FILE.json",
-                        help="decode layout JSON (required with --prefill)")
-    parser.add_argument("--pages", type=int, default=512,
-                        help="pages the request moves (default 512)")
-    parser.add_argument("--page-size", type=int, default=1,
-                        help="tokens per page for presets (default 1, SGLang's default)")
-    parser.add_argument("--pp", type=int, default=1, help="prefill PP stages (default 1)")
-    parser.add_argument("--pp-split", metavar="N,N,...",
-                        help="layers per prefill stage (default: even split)")
-    parser.add_argument("--stage", type=int, default=None,
-                        help="explain only this prefill stage (default: all)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="override the preset's layer count (e.g. 27 for kimi-linear)")
-    parser.add_argument("--fragmentation", type=float, default=0.0,
+                        help="decode layout JSON (required with --prefill, refused with --preset)")
+    parser.add_argument("--pages", type=_int_arg(1), default=512,
+                        help="pages the request moves, at least 1 (default 512)")
+    parser.add_argument("--page-size", type=_int_arg(1), default=None,
+                        help="tokens per page for presets, at least 1 (default 1, SGLang's "
+                             "default); layout files carry their own")
+    parser.add_argument("--pp", type=_int_arg(1), default=None,
+                        help="prefill PP stages for presets (default 1)")
+    parser.add_argument("--pp-split", metavar="N,N,...", type=_int_list_arg(1, MAX_LAYERS, "20,28"),
+                        help="layers per prefill stage for presets (default: even split)")
+    parser.add_argument("--stage", type=_int_arg(0), default=None,
+                        help="explain only this prefill stage, counted from 0 (default: all)")
+    parser.add_argument("--layers", type=_int_arg(1, MAX_LAYERS), default=None,
+                        help="override the preset's layer count (e.g. 27 for kimi-linear; "
+                             f"at most {MAX_LAYERS:,})")
+    parser.add_argument("--fragmentation", type=_fraction_arg, default=0.0,
                         help="fraction of decode page boundaries that break a run: 0 = one "
                              "contiguous run, 1 = every page its own run (default 0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for where the breaks fall")
+    parser.add_argument("--seed", type=_int_arg(0), default=0,
+                        help="seed for where the breaks fall, at least 0 (default 0)")
     parser.add_argument("--backend", default="mooncake",
                         help="pairing policy backend for select_pairing (default mooncake; "
-                             "'ascend' applies the seed's dispatch)")
-    parser.add_argument("--prefill-start-layer", type=int, default=None,
-                        help="first layer of the prefill stage, for legacy peers without ids")
-    parser.add_argument("--max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
-                        help=f"blocks per engine call (default {DEFAULT_MAX_BLOCKS})")
+                             "'ascend' applies Ascend's pairing rules, as "
+                             "kvplan.select_pairing documents them)")
+    parser.add_argument("--prefill-start-layer", metavar="N[,N,...]",
+                        type=_int_list_arg(0, MAX_START_LAYER, "0,31"), default=None,
+                        help="first layer of each prefill stage, for legacy slicing of peers "
+                             "without layer ids: one value per prefill stage in stage order "
+                             "(or a single value when one stage is explained); default: derived "
+                             "from the layer ids, refused when there are none")
+    parser.add_argument("--max-blocks", type=_int_arg(1), default=DEFAULT_MAX_BLOCKS,
+                        help=f"blocks per engine call, at least 1 (default {DEFAULT_MAX_BLOCKS})")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw the run-length histogram and bytes per layer "
                              "(needs matplotlib: the 'plot' extra)")
@@ -473,75 +752,148 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
-def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]], Any]:
-    """(title, description, prefill stages, decode) from the command line."""
-    from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset, split_layers
-
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse options the chosen input ignores (a silently ignored option is a wrong answer)."""
     if args.preset:
-        preset = get_preset(args.preset, args.layers)
-        counts = ([int(x) for x in args.pp_split.split(",")] if args.pp_split else None)
-        pp = len(counts) if counts else args.pp
-        splits = split_layers(preset.num_layers, pp, counts)
-        # Pools large enough for the request (with its fragmentation gaps) on both sides.
-        capacity = args.pages + round(args.fragmentation * (args.pages - 1))
-        stages = [
-            (f"stage {k}/{pp}" if pp > 1 else "prefill",
-             preset.layout(list(r), page_size=args.page_size, capacity=capacity,
-                           base=PREFILL_BASE + k * (1 << 40), pp_rank=k, pp_size=pp))
-            for k, r in enumerate(splits)
-        ]
-        decode = preset.layout(list(range(preset.num_layers)), page_size=args.page_size,
-                               capacity=capacity, base=DECODE_BASE)
-        split_text = " | ".join(f"{r.start}–{r.stop - 1}" for r in splits)
-        desc = (f"{preset.description}; prefill PP {pp} (layers {split_text}), decode PP 1, "
-                f"page_size {args.page_size}")
-        title = f"{preset.name}" + (f" ({preset.num_layers} layers)" if args.layers else "")
-        return title, desc, stages, decode
+        if args.decode:
+            raise ValueError("--decode is for layout files (with --prefill); a preset builds "
+                             "its own decode layout")
+        if args.pp is not None and args.pp_split is not None and args.pp != len(args.pp_split):
+            raise ValueError(f"--pp {args.pp} disagrees with --pp-split {_pp_text(args)} "
+                             f"({len(args.pp_split)} stages)")
+        return
+    given = [opt for opt, value in (("--page-size", args.page_size), ("--pp", args.pp),
+                                    ("--pp-split", args.pp_split), ("--layers", args.layers))
+             if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to --preset; layout files carry their "
+                         f"own page size, PP split and layers")
     if not args.decode:
         raise ValueError("--prefill needs --decode FILE.json")
+
+
+def _pp_text(args: argparse.Namespace) -> str:
+    return ",".join(map(str, args.pp_split))
+
+
+def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]], Any]:
+    """(title, description, prefill stages, decode) from the command line."""
+    from kvplan import KvPlanError
+    from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset, split_layers
+
+    _check_options(args)
+    if args.preset:
+        preset = get_preset(args.preset, args.layers)
+        counts = args.pp_split
+        pp = len(counts) if counts else (args.pp or 1)
+        page_size = args.page_size or 1
+        try:
+            splits = split_layers(preset.num_layers, pp, counts)
+        except KvPlanError as err:
+            option = f"--pp-split {_pp_text(args)}" if counts else f"--pp {pp}"
+            raise ValueError(f"{option}: {err}") from None
+        # Pools large enough for the request (with its fragmentation gaps) on both sides.
+        capacity = args.pages + round(args.fragmentation * (args.pages - 1))
+        try:
+            stages = [
+                (f"stage {k}/{pp}" if pp > 1 else "prefill",
+                 preset.layout(list(r), page_size=page_size, capacity=capacity,
+                               base=PREFILL_BASE + k * (1 << 40), pp_rank=k, pp_size=pp))
+                for k, r in enumerate(splits)
+            ]
+            decode = preset.layout(list(range(preset.num_layers)), page_size=page_size,
+                                   capacity=capacity, base=DECODE_BASE)
+        except (KvPlanError, OverflowError) as err:
+            # Page size x pages sizes the synthetic pools; past 2**64 bytes of address space
+            # the layout cannot be built.
+            raise ValueError(
+                f"--page-size {page_size} with --pages {args.pages}: {preset.name}'s KV pools "
+                f"({capacity:,} pages × {preset.kv_bytes_per_token * page_size:,} B per page) "
+                f"do not fit in a 64-bit address space ({_one_line(err)})") from None
+        split_text = " | ".join(f"{r.start}–{r.stop - 1}" for r in splits)
+        desc = (f"{preset.description}; prefill PP {pp} (layers {split_text}), decode PP 1, "
+                f"page_size {page_size}")
+        title = f"{preset.name}" + (f" ({preset.num_layers} layers)" if args.layers else "")
+        return title, desc, stages, decode
     stages = []
     for k, path in enumerate(args.prefill):
-        layout = _load_layout(path)
+        layout = _load_layout(path, "--prefill")
         stages.append((f"stage {layout.pp_rank}/{layout.pp_size}" if layout.pp_size > 1
                        else f"prefill {k}" if len(args.prefill) > 1 else "prefill", layout))
-    decode = _load_layout(args.decode)
+    decode = _load_layout(args.decode, "--decode")
     title = f"{', '.join(os.path.basename(p) for p in args.prefill)} -> " \
             f"{os.path.basename(args.decode)}"
     return title, "layouts from JSON files", stages, decode
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``kvplan explain``: exit 0 if every stage is compatible, 1 if not, 2 on bad input."""
-    import sys
+def _starts_for(args: argparse.Namespace, n_stages: int) -> list[int | None] | None:
+    """``--prefill-start-layer`` for the stages explained (after ``--stage``)."""
+    values = args.prefill_start_layer
+    if values is None:
+        return None
+    if len(values) == 1 and (n_stages == 1 or args.stage is not None):
+        return [values[0]]
+    if len(values) != n_stages:
+        raise ValueError(f"--prefill-start-layer: {len(values)} value(s) for {n_stages} "
+                         f"prefill stages; give one per stage, in stage order")
+    return list(values) if args.stage is None else [values[args.stage]]
 
+
+def _write_layouts(directory: str, stages: list[tuple[str, Any]], decode: Any) -> None:
     try:
-        title, desc, stages, decode = _scenario(args)
-        if args.stage is not None:
-            if not 0 <= args.stage < len(stages):
-                raise ValueError(f"--stage must be in 0..{len(stages) - 1}, got {args.stage}")
-            stages = [stages[args.stage]]
-        if args.write_layouts:
-            os.makedirs(args.write_layouts, exist_ok=True)
-            for k, (_, layout) in enumerate(stages):
-                with open(os.path.join(args.write_layouts, f"prefill-stage{layout.pp_rank}.json"
-                                       if layout.pp_size > 1 else "prefill.json"), "w",
-                          encoding="utf-8") as f:
-                    json.dump(layout.to_dict(), f, indent=1)
-            with open(os.path.join(args.write_layouts, "decode.json"), "w",
-                      encoding="utf-8") as f:
-                json.dump(decode.to_dict(), f, indent=1)
-        e = explain(stages, decode, title=title, description=desc, pages=args.pages,
-                    fragmentation=args.fragmentation, seed=args.seed, backend=args.backend,
-                    prefill_start_layer=args.prefill_start_layer, max_blocks=args.max_blocks)
+        os.makedirs(directory, exist_ok=True)
+        for _, layout in stages:
+            name = f"prefill-stage{layout.pp_rank}.json" if layout.pp_size > 1 else "prefill.json"
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                json.dump(layout.to_dict(), f, indent=1)
+        with open(os.path.join(directory, "decode.json"), "w", encoding="utf-8") as f:
+            json.dump(decode.to_dict(), f, indent=1)
+    except OSError as err:
+        raise ValueError(f"--write-layouts {directory}: {err.strerror or err}"
+                         + (f": {err.filename}" if err.filename else "")) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvplan explain``: exit 0 if every stage is compatible, 1 if not, 2 on bad input,
+    3 on an internal error (so that 1 never stands for a crash)."""
+    try:
+        return _run(args)
     except (ValueError, OSError) as err:  # KvPlanError is a ValueError
-        print(f"kvplan explain: {err}", file=sys.stderr)
-        return 2
-    print(render(e))
+        print(f"kvplan explain: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        print("kvplan explain: out of memory for this request: lower --pages (or "
+              "--fragmentation, which multiplies the blocks)", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:  # a bug, not bad input: show it, but never as exit 1 ("incompatible")
+        traceback.print_exc()
+        print("kvplan explain: internal error (the traceback above is a bug in kvplan)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _run(args: argparse.Namespace) -> int:
+    title, desc, stages, decode = _scenario(args)
+    n_all = len(stages)
+    if args.stage is not None:
+        if not 0 <= args.stage < n_all:
+            raise ValueError(f"--stage must be in 0..{n_all - 1}, got {args.stage}")
+        stages = [stages[args.stage]]
+    starts = _starts_for(args, n_all)
+    if args.write_layouts:
+        _write_layouts(args.write_layouts, stages, decode)
+    e = explain(stages, decode, title=title, description=desc, pages=args.pages,
+                fragmentation=args.fragmentation, seed=args.seed, backend=args.backend,
+                prefill_start_layer=starts, max_blocks=args.max_blocks)
     if args.plot:
+        # Before printing: a plot that cannot be written is bad input, reported on its own.
         try:
             plot(e, args.plot)
         except ImportError as err:
-            print(f"kvplan explain: {err}", file=sys.stderr)
-            return 2
+            raise ValueError(str(err)) from None
+        except (OSError, ValueError) as err:  # unwritable path, unknown image format
+            raise ValueError(f"--plot {args.plot}: {_one_line(err)}") from None
+    print(render(e))
+    if args.plot:
         print(f"plot written to {args.plot}")
-    return 0 if e.ok else 1
+    return EXIT_OK if e.ok else EXIT_INCOMPATIBLE

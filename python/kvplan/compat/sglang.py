@@ -7,18 +7,37 @@ Switch an engine by changing one import::
     from kvplan.compat.sglang import build_transfer_entry_pairs, group_concurrent_contiguous
 
 Both functions keep SGLang's signatures, return types (Python lists of Python ints; a list of
-``(int, int)`` tuples) and error types and messages (``ValueError`` / ``AttributeError`` /
-``RuntimeError``, texts from sglang-semantics.md §8), including SGLang's quirks that callers may
+``(int, int)`` tuples), error types and messages, including SGLang's quirks that callers may
 rely on: either side empty means "no runs", plain lists raise ``AttributeError``, layer ids are
-tested for truthiness, extra decode entries are left unpaired.
+tested for truthiness, extra decode entries are left unpaired, counts are compared with ``==``
+(so ``3.0`` works wherever SGLang's code only compares it, and raises SGLang's ``TypeError``
+where SGLang's ``range(n_src)`` does).
 
-Deliberate differences (inputs SGLang only accepts by accident):
+For every input not listed below, results and errors are identical to SGLang 0.5.23's. Run
+boundaries are SGLang's ``np.diff(x) != 1`` in each array's own dtype, wrap-around included:
+int32 ``[2**31-1, -2**31]`` and uint32 ``[2**32-1, 0]`` are one run, as numpy computes
+``-2**31 - (2**31-1)`` and ``0 - (2**32-1)`` as 1 in those dtypes. The Rust core groups arrays
+whose values are non-negative and below their dtype's maximum (where exact and wrap-around
+differences agree); any other array is grouped with SGLang's own numpy expression.
 
-* ``group_concurrent_contiguous`` takes 1-D *integer* arrays (any integer dtype, any byte order,
-  any strides); float, bool or multi-dimensional arrays raise ``TypeError`` instead of being
-  grouped by float differences or along the last axis.
-* Everything kvplan's native functions check that SGLang does not (e.g. negative indices) is
-  handled here so that the result is still SGLang's.
+The differences, all for inputs SGLang only handles by accident:
+
+* ``group_concurrent_contiguous`` with an array that is not 1-D or whose dtype is not an integer
+  dtype raises ``TypeError`` (kvplan's message) once both sides are non-empty and of equal size.
+  SGLang instead groups float and object arrays by their differences (a run continues where
+  the step is exactly 1), raises numpy's ``TypeError`` for bool arrays and numpy's
+  ``ValueError`` for 0-d arrays, and for 2-D arrays returns rows split at positions computed
+  from the last axis.
+* ``group_concurrent_contiguous`` reads ndarray subclasses (e.g. ``np.ma.MaskedArray``) as plain
+  arrays (``np.asarray``): a mask is ignored, and runs hold the underlying values. SGLang's
+  result then follows the subclass's own ``np.diff`` and ``tolist`` (``None`` for masked values).
+* ``build_transfer_entry_pairs`` compares layer ids that are ints (or have ``__index__``, like
+  numpy integers) by integer value in the core; SGLang compares them through a dict. The two
+  differ only for int subclasses that override ``__eq__`` or ``__hash__``. Other ids (floats,
+  strings, tuples, ...) go through a dict here too, in SGLang's order.
+* ``build_transfer_entry_pairs`` with counts too large to materialise: SGLang fails while
+  building the list (``MemoryError``); kvplan fails before (``OverflowError`` past ``2**63``
+  pairs, else ``MemoryError``).
 """
 
 from __future__ import annotations
@@ -61,15 +80,21 @@ def _for_core(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _shifted(arr: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-    """``arr - arr.min()`` as int64: the same steps between neighbours, no negative values.
+def _core_takes(arr: npt.NDArray[Any]) -> bool:
+    """True when the core's exact integer steps are SGLang's wrap-around ``np.diff`` steps.
 
-    Runs depend only on neighbour differences, so shifting a side changes no run boundary.
-    Only used after the core rejected a negative value (never on the hot path); uint64 values
-    above the int64 range end up here too, because the int64 cast wraps them negative.
+    In an integer dtype, ``np.diff`` yields 1 for a step that is not +1 only from the dtype's
+    largest value to its smallest (``b - a`` wraps to 1 exactly then), so an array that does not
+    hold its dtype's maximum has the same run boundaries both ways. Negative values go to
+    SGLang's expression as well, because the core refuses them as page indices.
     """
-    wide = arr.astype(np.uint64 if arr.dtype.kind == "u" else np.int64)
-    return np.ascontiguousarray(wide - wide.min(), dtype=np.int64)
+    return not arr.size or int(arr.max()) < min(int(np.iinfo(arr.dtype).max), 2**63 - 1)
+
+
+def _sglang_run_lengths(src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> list[int]:
+    """Run lengths from SGLang's own expression, in each array's dtype (wrap-around included)."""
+    brk = np.where((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
+    return np.diff(np.concatenate(([0], brk, [src.size]))).tolist()
 
 
 def group_concurrent_contiguous(
@@ -105,11 +130,15 @@ def group_concurrent_contiguous(
         )
     src = _core_indices(src_indices, "src")
     dst = _core_indices(dst_indices, "dst")
-    try:
-        _, _, lengths = _core.group_contiguous(_for_core(src), _for_core(dst))
-    except _core.IndexBoundsError:
-        # The core refuses negative page indices; SGLang just groups them.
-        _, _, lengths = _core.group_contiguous(_shifted(src), _shifted(dst))
+    lengths: Any
+    if _core_takes(src) and _core_takes(dst):
+        try:
+            _, _, lengths = _core.group_contiguous(_for_core(src), _for_core(dst))
+        except _core.KvPlanError:
+            # Negative indices: the core refuses them as pages; SGLang just groups them.
+            lengths = _sglang_run_lengths(src, dst)
+    else:
+        lengths = _sglang_run_lengths(src, dst)
     # Slice the original values (one .tolist() per side) so every element is the caller's own
     # value as a Python int, whatever the dtype.
     ends = np.cumsum(lengths).tolist()
@@ -133,23 +162,40 @@ def _dense_codes(
     """Renumber arbitrary hashable ids to small ints with Python's own equality.
 
     SGLang keys a dict by the ids, so anything hashable works and ``3 == 3.0 == True``; the core
-    takes 64-bit ints. Mapping through one dict keeps SGLang's notion of "same id" exactly.
+    takes 64-bit ints. Mapping through one dict keeps SGLang's notion of "same id" exactly, and
+    the order keeps its errors: every decode id is hashed first (SGLang builds its dict from
+    them), then the prefill ids in order, where a missing id is reported before a later
+    unhashable one.
     """
     codes: dict[Hashable, int] = {}
-    return (
-        [codes.setdefault(x, len(codes)) for x in src_ids],
-        [codes.setdefault(x, len(codes)) for x in dst_ids],
-    )
+    dst = [codes.setdefault(x, len(codes)) for x in dst_ids]
+    src = []
+    for k, x in enumerate(src_ids):
+        try:
+            src.append(codes.setdefault(x, len(codes)))
+        except TypeError:
+            missing = _first_missing(src_ids[:k], dst_ids)
+            if missing is not _NONE_MISSING:
+                raise _missing_error(missing) from None
+            raise
+    return src, dst
 
 
-def _first_missing(src_ids: Sequence[Hashable], dst_ids: Sequence[Hashable]) -> Hashable:
-    """The first source id whose occurrence has no decode counterpart (error path only)."""
+_NONE_MISSING = object()
+
+
+def _first_missing(src_ids: Sequence[Hashable], dst_ids: Sequence[Hashable]) -> Any:
+    """The first source id whose occurrence has no decode counterpart, else ``_NONE_MISSING``."""
     remaining = Counter(dst_ids)
     for lid in src_ids:
         if remaining[lid] <= 0:
             return lid
         remaining[lid] -= 1
-    raise AssertionError("the core reported a missing layer but every source id has a partner")
+    return _NONE_MISSING
+
+
+def _missing_error(lid: Any) -> RuntimeError:
+    return RuntimeError(f"Decode peer is missing a transfer entry for model layer {lid}")
 
 
 def build_transfer_entry_pairs(
@@ -199,27 +245,31 @@ def build_transfer_entry_pairs(
                 f"src metadata={len(src_layer_ids)} entries={n_src}, "
                 f"dst metadata={len(dst_layer_ids)} entries={n_dst}"
             )
+        # The counts only had to compare equal to the lengths (SGLang never uses them past
+        # that check, so 3.0 works there); the core takes the lengths themselves.
+        n_src_ids, n_dst_ids = len(src_layer_ids), len(dst_layer_ids)
         try:
             try:
-                pairs = _core.pair_entries(src_layer_ids, dst_layer_ids, n_src, n_dst, False)
+                pairs = _core.pair_entries(src_layer_ids, dst_layer_ids, n_src_ids, n_dst_ids,
+                                           False)
             except (TypeError, OverflowError):
                 # Non-int or out-of-i64 ids (SGLang accepts any hashable): renumber and retry.
                 src_codes, dst_codes = _dense_codes(src_layer_ids, dst_layer_ids)
-                pairs = _core.pair_entries(src_codes, dst_codes, n_src, n_dst, False)
+                pairs = _core.pair_entries(src_codes, dst_codes, n_src_ids, n_dst_ids, False)
         except _core.PairingError:
             # The only failure left in this branch is a source id (occurrence) decode lacks.
             # SGLang's message names it exactly as the caller spelled it; kvplan's adds detail.
-            missing = _first_missing(src_layer_ids, dst_layer_ids)
-            raise RuntimeError(
-                f"Decode peer is missing a transfer entry for model layer {missing}"
-            ) from None
+            raise _missing_error(_first_missing(src_layer_ids, dst_layer_ids)) from None
     else:
         if n_dst < n_src or (n_src != n_dst and not allow_positional_fallback):
             raise RuntimeError(
                 "PP-heterogeneous transfer requires layer ids on "
                 f"both peers; got src={n_src} dst={n_dst} entries"
             )
-        if n_src < 0:
-            return []  # SGLang's range(n_src) is empty; the core takes counts as unsigned
-        pairs = _core.pair_entries(None, None, n_src, n_dst, True)
+        # SGLang returns [(i, i) for i in range(n_src)]: range's own TypeError for a float
+        # count, nothing for a negative one, any __index__ object accepted.
+        count = len(range(n_src))
+        if count == 0:
+            return []
+        pairs = _core.pair_entries(None, None, count, count, True)
     return [(i, j) for i, j in pairs.tolist()]

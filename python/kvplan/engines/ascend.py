@@ -10,10 +10,14 @@ The calls made here match the installed memfabric 1.3.0 bindings exactly (checke
     batch_transfer_sync_write(dest_session, buffers, peer_buffers, lengths, flags=0) -> int
 
 Differences from Mooncake that this adapter hides: the session id is produced *before*
-``initialize`` and passed into it; there is a central config store (``store_url``, default from
-``ASCEND_MF_STORE_URL``); the role is ``"Prefill"`` or ``"Decode"``; a batch is validated as a
-whole before any copy (an empty batch or a zero length fails it with -2000), and there is no
-practical batch cap, so a plan goes in one call unless a bound is asked for.
+``initialize`` and passed into it, but memfabric 1.3.0's ``get_rpc_port()`` answers 0 until
+``initialize`` has run (it logs "call initialize() first to get the real listening port"), so a
+port of 0 is read again after a successful ``initialize`` (and, for an engine initialised
+elsewhere, whenever the session id is asked for); there is a central config store
+(``store_url``, default from ``ASCEND_MF_STORE_URL``); the role is ``"Prefill"`` or
+``"Decode"``; a batch is validated as a whole before any copy (an empty batch or a zero length
+fails it with -2000), and there is no practical batch cap, so a plan goes in one call unless a
+bound is asked for.
 
 ``initialize`` needs an Ascend NPU and driver; on other machines it returns -1 and the adapter
 raises. Tests pass ``engine=`` (a stand-in with the same signature) or ``initialize=False``.
@@ -69,7 +73,8 @@ class AscendTransport(Transport):
     Args:
         role: ``"Prefill"`` (sender) or ``"Decode"`` (receiver).
         hostname: this host's address; the session id is ``f"{hostname}:{get_rpc_port()}"``
-            unless ``session_id`` is given.
+            unless ``session_id`` is given. A port of 0 (memfabric's answer before
+            ``initialize``) is read again once the engine is initialised.
         device_id: NPU id.
         store_url: memfabric config store (``"tcp://ip:port"``); default ``ASCEND_MF_STORE_URL``.
         data_op_type: a ``TransDataOpType`` name (``"SDMA"``, ``"DEVICE_RDMA"``, ...) or member;
@@ -79,6 +84,9 @@ class AscendTransport(Transport):
         initialize: call ``engine.initialize`` now (default). ``False`` leaves the engine as it
             is, for engines initialised elsewhere or for argument checks on an idle engine.
         max_blocks_per_batch: blocks per call; default ``None`` (whole plan at once).
+
+    ``local_session_id()`` raises ``TransferError`` while the engine still reports port 0
+    (not initialised) and no ``session_id`` was given.
 
     Raises:
         ImportError: memfabric_hybrid is not installed and no ``engine`` was given.
@@ -99,8 +107,12 @@ class AscendTransport(Transport):
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self._engine: Any = engine if engine is not None else _default_engine()
-        # memfabric hands out the port before initialize, and initialize takes the session id.
-        self._session = session_id or f"{hostname}:{int(self._engine.get_rpc_port())}"
+        self._hostname = hostname
+        # initialize takes the session id, so one is built first; memfabric 1.3.0 answers port 0
+        # until initialize has run, and _refresh_session replaces it once the engine has a port.
+        self._port = 0 if session_id else int(self._engine.get_rpc_port())
+        self._session = session_id or f"{hostname}:{self._port}"
+        self._explicit_session = bool(session_id)
         if initialize:
             url = store_url if store_url is not None else os.environ.get("ASCEND_MF_STORE_URL")
             if not url:
@@ -113,6 +125,16 @@ class AscendTransport(Transport):
                     f"initialize({url!r}, {self._session!r}, {role!r}, {device_id}, {op!r}) "
                     f"failed (an Ascend NPU and driver are required)", peer=None, status=status,
                 )
+            self._refresh_session()
+
+    def _refresh_session(self) -> None:
+        """Replace a ``host:0`` session id once the engine reports its real port."""
+        if self._explicit_session or self._port != 0:
+            return
+        port = int(self._engine.get_rpc_port())
+        if port != 0:
+            self._port = port
+            self._session = f"{self._hostname}:{port}"
 
     def _op_type(self, value: Any) -> Any:
         if value is None:
@@ -137,6 +159,13 @@ class AscendTransport(Transport):
 
     # ------------------------------------------------------------------ engine hooks
     def _engine_session_id(self) -> str:
+        # With initialize=False the engine may have been initialised since construction.
+        self._refresh_session()
+        if not self._explicit_session and self._port == 0:
+            # "host:0" reaches nobody: a peer writing to it would fail far from the cause.
+            raise self._error(
+                f"get_rpc_port() is 0, so there is no session id for {self._hostname!r} yet: "
+                f"initialize the engine first, or pass session_id=", peer=None, status=None)
         return self._session
 
     def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
