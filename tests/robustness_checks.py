@@ -11,13 +11,15 @@ from kvplan import Layout
 
 def accepts_index_array(obj) -> bool:
     """Whether kvplan takes `obj` as a page index array (else: TypeError, checked before any
-    value): a 1-D numpy array of native-order int32 or int64 that numpy calls C-contiguous."""
+    value): a 1-D numpy array of native-order int32 or int64 that numpy calls C-contiguous and
+    aligned."""
     return (
         type(obj) is np.ndarray
         and obj.ndim == 1
         and obj.dtype in (np.dtype(np.int32), np.dtype(np.int64))
         and obj.dtype.isnative
         and obj.flags.c_contiguous
+        and obj.flags.aligned
     )
 
 
