@@ -724,7 +724,7 @@ def test_batches_cover_plan_exactly(mla, max_blocks):
     assert len(batches) == -(-exp.n_blocks // max_blocks)
     cat = [[], [], []]
     for b in batches:
-        assert b._fields == ("src_addrs", "dst_addrs", "lengths")
+        assert len(tuple(b)) == 3  # unpacks as src_addrs, dst_addrs, lengths
         for k, arr in enumerate(b):
             assert arr.dtype == np.uint64
             assert np.shares_memory(arr, (plan.src_addrs, plan.dst_addrs, plan.lengths)[k])

@@ -396,9 +396,9 @@ def test_stand_in_signatures_match_the_fixture() -> None:
 
 
 def _plan(src: list[int], dst: list[int], lengths: list[int]) -> Any:
-    from kvplan.engines._base import _Arrays
+    from kvplan import PlanBatch
 
-    return _Arrays(*(np.array(x, dtype=np.uint64) for x in (src, dst, lengths)))
+    return PlanBatch(*(np.array(x, dtype=np.uint64) for x in (src, dst, lengths)))
 
 
 def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from kvplan.engines import MooncakeTransport, TransferError, TransferStats, merge_regions
-from kvplan.engines._base import _Arrays
+from kvplan import PlanBatch
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 
 # ---------------------------------------------------------------------------------------------

@@ -10,17 +10,19 @@ from __future__ import annotations
 from kvplan._core import (
     IndexBoundsError,
     KvPlanError,
+    Layout,
     LayoutError,
     PairingError,
+    PlanBatch,
     SizeMismatchError,
+    Template,
+    TransferPlan,
     __version__,
     group_contiguous,
     legacy_pp_pairs,
     pair_entries,
 )
-from kvplan._core import Layout as Layout
 from kvplan._errors import TransferError
-from kvplan._plan import PlanBatch, Template, TransferPlan
 from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 

@@ -1,5 +1,5 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import final
 
 from typing_extensions import disjoint_base
@@ -13,9 +13,11 @@ __all__ = [
     "Layout",
     "LayoutError",
     "PairingError",
+    "PlanBatch",
     "PlanBuffer",
     "SizeMismatchError",
     "Template",
+    "TransferPlan",
     "__version__",
     "check_pairs",
     "group_contiguous",
@@ -64,7 +66,7 @@ def check_pairs(
     *,
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
-) -> list[tuple[str, int, int | None, str | None, str | None]]: ...
+) -> list[tuple[str, int, int | None, KvPlanError | None]]: ...
 
 @final
 class Layout:
@@ -185,8 +187,61 @@ class PlanBuffer:
     @property
     def nbytes(self) -> int: ...
 
-@disjoint_base
+@final
+class PlanBatch:
+    """A slice of a plan's blocks (views, no copy), sized for one engine submission; unpacks as
+    ``src_addrs, dst_addrs, lengths = batch``."""
+
+    def __new__(cls, src_addrs: _U64Array, dst_addrs: _U64Array, lengths: _U64Array) -> PlanBatch: ...
+    @property
+    def src_addrs(self) -> _U64Array: ...
+    @property
+    def dst_addrs(self) -> _U64Array: ...
+    @property
+    def lengths(self) -> _U64Array: ...
+    @property
+    def n_blocks(self) -> int: ...
+    def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
+    def __iter__(self) -> Iterator[_U64Array]: ...
+
+@final
+class TransferPlan:
+    """The ``(src_addr, dst_addr, length)`` blocks of one request, entry-pair major, run minor.
+
+    The three uint64 arrays view one pooled Rust buffer (or the caller's ``out=`` array) without
+    a copy; a pooled buffer returns to kvplan's pool when the last of them dies.
+    """
+
+    @property
+    def src_addrs(self) -> _U64Array: ...
+    @property
+    def dst_addrs(self) -> _U64Array: ...
+    @property
+    def lengths(self) -> _U64Array: ...
+    @property
+    def n_blocks(self) -> int: ...
+    @property
+    def n_runs(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def n_pairs(self) -> int: ...
+    @property
+    def pair_offsets(self) -> _I64Array: ...
+    def pair_blocks(self, pair: int) -> slice: ...
+    def batches(self, max_blocks: int) -> list[PlanBatch]: ...
+    def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
+    def __len__(self) -> int: ...
+
+@final
 class Template:
+    """A validated peer pair (prefill layout → decode layout), built once, planned per request.
+
+    Raises (on construction):
+        PairingError: A source entry has no partner, ids are one-sided, counts do not fit.
+        SizeMismatchError: Paired entries have different item lengths (names layer, role, sizes).
+    """
+
     def __new__(
         cls,
         src_layout: Layout,
@@ -204,10 +259,25 @@ class Template:
     @property
     def emitting(self) -> tuple[bool, ...]: ...
     @property
+    def n_pairs(self) -> int: ...
+    @property
     def pair_item_lens(self) -> list[int]: ...
     @property
     def bytes_per_page(self) -> int: ...
-    def _plan(
-        self, src_pages: _IndexArray, dst_pages: _IndexArray, out: _U64Array | None = None
-    ) -> tuple[_U64Array | int, _U64Array | None, _U64Array | None, int, int, tuple[bool, ...]]: ...
-    def _plan_state(self, src_slot: int, dst_slot: int) -> tuple[_U64Array, _U64Array, _U64Array]: ...
+    def plan(
+        self, src_pages: _IndexArray, dst_pages: _IndexArray, *, out: _U64Array | None = None
+    ) -> TransferPlan:
+        """Plan the blocks that copy page ``src_pages[i]`` to ``dst_pages[i]`` for every pair.
+
+        Raises:
+            IndexBoundsError: An index is negative or not below its buffer's capacity.
+            KvPlanError: Unequal lengths, ``out`` too small or overlapping an input, overflow.
+            TypeError: Not a 1-D C-contiguous, aligned int32/int64 numpy array.
+            MemoryError: The plan's output cannot be allocated.
+        """
+    def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
+        """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
+
+        Raises:
+            IndexBoundsError: A slot is negative or outside a paired state buffer.
+        """

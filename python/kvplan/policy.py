@@ -134,7 +134,7 @@ class PairingChoice:
             KvPlanError: As :meth:`prepare`.
             PairingError, SizeMismatchError: As ``Template`` raises them.
         """
-        from kvplan._plan import Template
+        from kvplan._core import Template
 
         src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
                                         prefill_start_layer=prefill_start_layer)

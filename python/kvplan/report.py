@@ -21,15 +21,6 @@ from kvplan._core import Layout
 
 __all__ = ["CompatReport", "EntryCheck", "compare", "format_ids"]
 
-_ERRORS: dict[str, type[_core.KvPlanError]] = {
-    "KvPlanError": _core.KvPlanError,
-    "PairingError": _core.PairingError,
-    "IndexBoundsError": _core.IndexBoundsError,
-    "SizeMismatchError": _core.SizeMismatchError,
-    "LayoutError": _core.LayoutError,
-}
-
-
 @dataclass(frozen=True)
 class EntryCheck:
     """One prefill (source) entry: its decode partner, or why it has none.
@@ -42,8 +33,8 @@ class EntryCheck:
         role: The source entry's role (``None`` if not published).
         src_item_len: Source bytes per page (or per state slot).
         dst_item_len: The partner's bytes per item, or ``None``.
-        problem: Why this entry cannot be transferred, or ``None`` when it can.
-        error: The exception class ``Template`` raises for ``problem`` (e.g. ``"PairingError"``).
+        exception: What ``Template`` raises for this entry (a :class:`kvplan.KvPlanError`
+            subclass instance), or ``None`` when the entry can be transferred.
     """
 
     kind: str
@@ -53,12 +44,21 @@ class EntryCheck:
     role: str | None
     src_item_len: int
     dst_item_len: int | None
-    problem: str | None
-    error: str | None
+    exception: _core.KvPlanError | None
+
+    @property
+    def problem(self) -> str | None:
+        """Why this entry cannot be transferred (the exception's message), or ``None``."""
+        return None if self.exception is None else str(self.exception)
+
+    @property
+    def error(self) -> str | None:
+        """The exception's class name (e.g. ``"PairingError"``), or ``None``."""
+        return None if self.exception is None else type(self.exception).__name__
 
     @property
     def ok(self) -> bool:
-        return self.problem is None
+        return self.exception is None
 
     @property
     def unpaired(self) -> bool:
@@ -66,7 +66,7 @@ class EntryCheck:
 
     @property
     def size_mismatch(self) -> bool:
-        return self.error == "SizeMismatchError"
+        return isinstance(self.exception, _core.SizeMismatchError)
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ class CompatReport:
     def first_problem(self) -> tuple[str, str] | None:
         """``(exception class name, message)`` of what ``Template`` raises, or ``None``."""
         for e in self.entries:
-            if e.problem is not None:
-                return (e.error or "KvPlanError", e.problem)
+            if e.exception is not None:
+                return (type(e.exception).__name__, str(e.exception))
         return None
 
     @property
@@ -118,9 +118,9 @@ class CompatReport:
 
     def raise_if_incompatible(self) -> None:
         """Raise what ``Template`` would raise for this pair (same class, same message)."""
-        first = self.first_problem
-        if first is not None:
-            raise _ERRORS.get(first[0], _core.KvPlanError)(first[1])
+        for e in self.entries:
+            if e.exception is not None:
+                raise type(e.exception)(*e.exception.args)
 
     def __bool__(self) -> bool:
         return self.compatible
@@ -199,10 +199,9 @@ def compare(
             role=None if src_roles is None else src_roles[i],
             src_item_len=src_items[i],
             dst_item_len=None if j is None else dst_items[j],
-            problem=problem,
-            error=error,
+            exception=exception,
         )
-        for kind, i, j, problem, error in rows
+        for kind, i, j, exception in rows
     )
     reasons = _reasons(entries)
     return CompatReport(

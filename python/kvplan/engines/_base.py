@@ -35,6 +35,7 @@ __all__ = [
     "merge_regions",
 ]
 
+from kvplan._core import PlanBatch
 from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 
 
@@ -379,7 +380,7 @@ class Transport:
             keep = lengths != 0
             src, dst, lengths = src[keep], dst[keep], lengths[keep]
         if check_sources:
-            self.check_sources(_Arrays(src, dst, lengths))
+            self.check_sources(PlanBatch(src, dst, lengths))
         return src, dst, lengths
 
     def _batch_bound(self, max_blocks_per_batch: int | None) -> int | None:
@@ -439,13 +440,6 @@ class Transport:
         err.bytes = n_bytes
         err.status = status
         return err
-
-
-@dataclass(frozen=True)
-class _Arrays:
-    src_addrs: U64
-    dst_addrs: U64
-    lengths: U64
 
 
 def _batch_bounds(n: int, bound: int | None) -> Iterator[tuple[int, int]]:

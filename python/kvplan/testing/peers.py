@@ -134,9 +134,9 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
 
 def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
               lengths: Sequence[int]) -> Any:
-    from kvplan.engines._base import _Arrays
+    from kvplan import PlanBatch
 
-    return _Arrays(np.asarray(src, np.uint64) + np.uint64(state.arena.base),
+    return PlanBatch(np.asarray(src, np.uint64) + np.uint64(state.arena.base),
                    np.asarray(dst, np.uint64), np.asarray(lengths, np.uint64))
 
 

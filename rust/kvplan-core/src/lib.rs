@@ -9,15 +9,16 @@ pub mod emit;
 pub mod error;
 pub mod layout;
 pub mod pairing;
+pub mod plan;
 pub mod runs;
 pub mod template;
 pub mod wire;
 
-pub use emit::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Partner, legacy_pp_pairs, pair_each, pair_entries,
 };
+pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use template::{EntryCheck, PairSpec, Template, TemplateOptions, check_pairs};

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout};
 use crate::pairing::{EntryMetadata, LegacyKind, Partner, legacy_pp_pairs, pair_each};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
+use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
 
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -358,6 +360,260 @@ fn infer_legacy_kind(src_roles: Option<&[String]>) -> Result<LegacyKind> {
     }
 }
 
+// ------------------------------------------------------------------------- per request
+
+impl Template {
+    /// Validates a request's page indices and returns the size of its plan.
+    ///
+    /// # Errors
+    /// Unequal lengths, a negative index, an index outside any paired buffer, a repeated
+    /// destination index (when the template checks overlap) or overflow of the totals.
+    pub fn prepare<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<PlanShape> {
+        let found = scan(src, dst)?;
+        if found.n_pages > 0 {
+            // One comparison per side covers every pair: the limits are the smallest capacities.
+            if found.max_src >= self.src_limit {
+                return Err(self.out_of_range(Side::Src, src));
+            }
+            if found.max_dst >= self.dst_limit {
+                return Err(self.out_of_range(Side::Dst, dst));
+            }
+            if self.check_dst_overlap {
+                check_unique(dst)?;
+            }
+        }
+        let n_blocks =
+            found
+                .n_runs
+                .checked_mul(self.emitting.len())
+                .ok_or(PlanError::Overflow {
+                    what: "block count",
+                })?;
+        let total_bytes = (found.n_pages as u64)
+            .checked_mul(self.bytes_per_page)
+            .ok_or(PlanError::Overflow {
+                what: "total bytes",
+            })?;
+        Ok(PlanShape {
+            scan: found,
+            n_blocks,
+            total_bytes,
+        })
+    }
+
+    /// Plans one request into columns obtained from `make_output` once the plan size is known.
+    ///
+    /// Allocates nothing itself. `make_output` receives the validated shape and returns columns
+    /// of at least `shape.n_blocks` values each (a pooled buffer, a caller's `out=` array…).
+    ///
+    /// # Errors
+    /// As [`Template::prepare`], whatever `make_output` returns, [`PlanError::OutputTooSmall`],
+    /// or an index that changed between validation and emission (inputs mutated concurrently).
+    pub fn plan_into<'o, S: PageIndex, D: PageIndex, O>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+    ) -> Result<(O, PlanSummary)>
+    where
+        O: AsColumns<'o>,
+    {
+        let shape = self.prepare(src, dst)?;
+        let mut output = make_output(&shape)?;
+        let summary = self.emit_request(src, dst, &shape, output.columns())?;
+        Ok((output, summary))
+    }
+
+    fn emit_request<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        shape: &PlanShape,
+        out: Columns<'_>,
+    ) -> Result<PlanSummary> {
+        let pairs = &self.emitting;
+        if out.capacity() < shape.n_blocks {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: shape.n_blocks,
+            });
+        }
+        if pairs.is_empty() || shape.scan.n_pages == 0 {
+            return Ok(PlanSummary {
+                n_runs: shape.scan.n_runs,
+                n_blocks: 0,
+                total_bytes: shape.total_bytes,
+            });
+        }
+        // Runs go into the first slots as page indices; limits are re-checked per run, and a
+        // run count that differs from the validating scan means the inputs changed meanwhile.
+        let expected = shape.scan.n_runs;
+        let limits = IndexLimits {
+            src: self.src_limit,
+            dst: self.dst_limit,
+        };
+        let runs = write_runs(
+            src,
+            dst,
+            limits,
+            &mut out.src_addrs[..expected],
+            &mut out.dst_addrs[..expected],
+            &mut out.lengths[..expected],
+        )
+        .map_err(|err| match err {
+            PlanError::OutputTooSmall { .. } => PlanError::InputChanged,
+            other => other,
+        })?;
+        if runs != expected {
+            return Err(PlanError::InputChanged);
+        }
+        crate::emit::expand_runs(pairs, runs, out);
+        Ok(PlanSummary {
+            n_runs: runs,
+            n_blocks: runs * pairs.len(),
+            total_bytes: shape.total_bytes,
+        })
+    }
+
+    /// Allocating convenience: plans one request into freshly allocated columns.
+    ///
+    /// # Errors
+    /// As [`Template::plan_into`].
+    pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
+        let (buffer, summary) =
+            self.plan_into(src, dst, |shape| FlatBuffer::try_zeroed(shape.n_blocks))?;
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
+        Ok(Plan {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            n_runs: summary.n_runs,
+            total_bytes: summary.total_bytes,
+        })
+    }
+
+    /// Plans one per-request state slot: one block per state pair with a non-zero item length,
+    /// `(src_base + item_len*src_slot, dst_base + item_len*dst_slot, item_len)`.
+    ///
+    /// The summary counts the slot as one run (of one index) when any block is written.
+    ///
+    /// # Errors
+    /// A negative slot or one outside a paired buffer's capacity; [`PlanError::OutputTooSmall`].
+    pub fn plan_state_into(
+        &self,
+        src_slot: i64,
+        dst_slot: i64,
+        out: Columns<'_>,
+    ) -> Result<PlanSummary> {
+        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
+        let pairs = || self.state_pairs.iter().filter(|p| p.item_len > 0);
+        let n = pairs().count();
+        if out.capacity() < n {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: n,
+            });
+        }
+        for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
+            if slot < 0 {
+                return Err(PlanError::NegativeIndex {
+                    side,
+                    index: slot,
+                    position: 0,
+                });
+            }
+        }
+        let (s, d) = (src_slot as u64, dst_slot as u64);
+        for (k, pair) in pairs().enumerate() {
+            if s >= pair.src_capacity {
+                return Err(self.state_out_of_range(Side::Src, src_slot, pair));
+            }
+            if d >= pair.dst_capacity {
+                return Err(self.state_out_of_range(Side::Dst, dst_slot, pair));
+            }
+            // In bounds, so the layout's base + len check rules out overflow.
+            out.src_addrs[k] = pair.src_base + s * pair.item_len;
+            out.dst_addrs[k] = pair.dst_base + d * pair.item_len;
+            out.lengths[k] = pair.item_len;
+        }
+        // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
+        let total_bytes = pairs().map(|p| p.item_len).sum();
+        Ok(PlanSummary {
+            n_runs: usize::from(n > 0),
+            n_blocks: n,
+            total_bytes,
+        })
+    }
+
+    fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+        // Report the first position that breaks the first pair it does not fit.
+        for pair in &self.emitting {
+            let capacity = if side == Side::Src {
+                pair.src_capacity
+            } else {
+                pair.dst_capacity
+            };
+            if let Some((position, index)) = values
+                .iter()
+                .map(|v| v.get())
+                .enumerate()
+                .find(|&(_, v)| v as u64 >= capacity)
+            {
+                let entry = if side == Side::Src {
+                    pair.src_entry
+                } else {
+                    pair.dst_entry
+                };
+                return PlanError::IndexOutOfRange {
+                    side,
+                    index,
+                    position,
+                    capacity,
+                    entry,
+                    label: self.entry_label(side, entry),
+                    item_len: pair.item_len,
+                };
+            }
+        }
+        PlanError::InputChanged
+    }
+
+    fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
+        let (capacity, entry) = if side == Side::Src {
+            (pair.src_capacity, pair.src_entry)
+        } else {
+            (pair.dst_capacity, pair.dst_entry)
+        };
+        PlanError::IndexOutOfRange {
+            side,
+            index: slot,
+            position: 0,
+            capacity,
+            entry,
+            label: self.entry_label(side, entry),
+            item_len: pair.item_len,
+        }
+    }
+}
+
+fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
+    // Only when the template asks for it: this is the one allocating check (16 bytes per
+    // index, so its allocation may fail for a large request).
+    let mut seen: Vec<(i64, usize)> = Vec::new();
+    seen.try_reserve_exact(dst.len())
+        .map_err(|_| PlanError::out_of_memory::<(i64, usize)>("the overlap check", dst.len()))?;
+    seen.extend(dst.iter().map(|v| v.get()).zip(0..));
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(PlanError::DuplicateDestination {
+            index: w[0].0,
+            first: w[0].1,
+            second: w[1].1,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,5 +753,131 @@ mod tests {
             err.to_string(),
             "item size mismatch for layer 7 role kv: src entry 0 has item_len 16 bytes, dst entry 1 has 32 bytes"
         );
+    }
+}
+
+#[cfg(test)]
+mod request_tests {
+    use super::*;
+    use crate::layout::{Layout, LayoutContext};
+    use crate::template::TemplateOptions;
+
+    fn template(src: &Layout, dst: &Layout) -> Template {
+        Template::new(src, dst, TemplateOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn e10_mla_flat() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
+        let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
+        let plan = template(&src, &dst)
+            .plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3])
+            .unwrap();
+        assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
+        assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
+        assert_eq!(plan.lengths, vec![192, 64, 192, 64]);
+        assert_eq!((plan.n_runs, plan.total_bytes), (2, 512));
+    }
+
+    #[test]
+    fn index_past_capacity_is_rejected_with_values() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let err = template(&src, &dst)
+            .plan(&[0i64, 4], &[0i64, 1])
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PlanError::IndexOutOfRange {
+                    side: Side::Src,
+                    index: 4,
+                    position: 1,
+                    capacity: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn elided_state_entries_emit_nothing_and_hold_no_slots() {
+        // Found by the Python fuzz run: an item_len-0 state entry (capacity 0) made every
+        // slot out of range, while page entries with item_len 0 are simply skipped.
+        let ctx = LayoutContext::default;
+        let empty = || Layout::mla(vec![], vec![], vec![], None, ctx()).unwrap();
+        let src = empty()
+            .with_state(
+                "conv",
+                vec![1000, 2000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let dst = empty()
+            .with_state(
+                "conv",
+                vec![5000, 6000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(2);
+        let n = t.plan_state_into(3, 4, buf.columns()).unwrap().n_blocks;
+        assert_eq!(
+            buf.into_columns(n).unwrap(),
+            (vec![2048], vec![6064], vec![16])
+        );
+        let mut buf = FlatBuffer::zeroed(2);
+        assert!(matches!(
+            t.plan_state_into(-1, 0, buf.columns()),
+            Err(PlanError::NegativeIndex { .. })
+        ));
+    }
+
+    #[test]
+    fn an_output_too_large_to_allocate_is_an_error_not_an_abort() {
+        for capacity in [usize::MAX, usize::MAX / 3, (isize::MAX as usize) / 8] {
+            let err = FlatBuffer::try_zeroed(capacity).unwrap_err();
+            assert_eq!(err.class(), crate::ErrorClass::Memory, "{err}");
+            assert!(err.to_string().starts_with("cannot allocate "), "{err}");
+        }
+        assert_eq!(
+            PlanError::out_of_memory::<u64>("plan output", usize::MAX).to_string(),
+            format!(
+                "cannot allocate {} bytes for plan output",
+                u128::from(u64::MAX) * 8
+            )
+        );
+        assert_eq!(FlatBuffer::try_zeroed(2).unwrap(), FlatBuffer::zeroed(2));
+    }
+
+    #[test]
+    fn state_slot_e17() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state("mamba", vec![1000], vec![160], vec![16], vec![7])
+            .unwrap();
+        let dst = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state(
+                "mamba",
+                vec![2000, 3000],
+                vec![80, 160],
+                vec![8, 16],
+                vec![3, 7],
+            )
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(1);
+        let n = t.plan_state_into(2, 3, buf.columns()).unwrap().n_blocks;
+        assert_eq!((n, buf.data), (1, vec![1032, 3048, 16]));
     }
 }

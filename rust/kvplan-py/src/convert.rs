@@ -1,12 +1,16 @@
-//! Argument conversion: index arrays taken zero-copy as int32 or int64 slices.
+//! Argument conversion: index arrays taken zero-copy as int32 or int64 slices, and entry pair
+//! lists handed back as `(n, 2)` int64 arrays.
 
-use kvplan_core::PageIndex;
+use kvplan_core::{PageIndex, PlanError};
+use numpy::ndarray::Array2;
 use numpy::{
-    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
-    PyUntypedArrayMethods,
+    IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+
+use crate::errors::{KvPlanError, to_py_err};
 
 /// A borrowed 1-D index array of either supported dtype (kept alive by the borrow).
 pub(crate) enum IndexArray<'py> {
@@ -154,4 +158,28 @@ where
     } else {
         py.detach(|| dispatch(src, dst, visitor))
     }
+}
+
+/// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts
+/// of 2**63 or more) is an error, never a negative index.
+pub(crate) fn pairs_array(
+    py: Python<'_>,
+    pairs: impl ExactSizeIterator<Item = [usize; 2]>,
+) -> PyResult<Bound<'_, PyArray2<i64>>> {
+    let n = pairs.len();
+    // The pair count can come from bare integers (legacy_pp_pairs): this copy may not fit even
+    // when the core's own list did, and must then raise, not abort.
+    let values = n.saturating_mul(2);
+    let mut flat: Vec<i64> = Vec::new();
+    flat.try_reserve_exact(values)
+        .map_err(|_| to_py_err(PlanError::out_of_memory::<i64>("entry pairs", values)))?;
+    for [i, j] in pairs {
+        let (Ok(i), Ok(j)) = (i64::try_from(i), i64::try_from(j)) else {
+            return Err(KvPlanError::new_err("an entry index does not fit int64"));
+        };
+        flat.extend_from_slice(&[i, j]);
+    }
+    Ok(Array2::from_shape_vec((n, 2), flat)
+        .expect("two columns by construction")
+        .into_pyarray(py))
 }

@@ -1,11 +1,16 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
+//! Modules mirror the core's: `runs`, `pairing`, `layout`, `template`, `plan` (+ the output
+//! `pool`), with `convert` and `errors` shared.
 
 mod convert;
 mod errors;
 mod layout;
+mod pairing;
 mod plan;
 mod pool;
+mod runs;
+mod template;
 
 #[pyo3::pymodule]
 mod _core {
@@ -16,10 +21,15 @@ mod _core {
     #[pymodule_export]
     use crate::layout::PyLayout;
     #[pymodule_export]
-    use crate::plan::{
-        PyPlanBuffer, PyTemplate, check_pairs, group_contiguous, legacy_pp_pairs, pair_entries,
-        pool_stats,
-    };
+    use crate::pairing::{legacy_pp_pairs, pair_entries};
+    #[pymodule_export]
+    use crate::plan::{PyPlanBatch, PyPlanBuffer, PyTransferPlan};
+    #[pymodule_export]
+    use crate::pool::pool_stats;
+    #[pymodule_export]
+    use crate::runs::group_contiguous;
+    #[pymodule_export]
+    use crate::template::{PyTemplate, check_pairs};
 
     #[allow(non_upper_case_globals)]
     #[pymodule_export]

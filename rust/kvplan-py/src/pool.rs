@@ -2,7 +2,7 @@
 //!
 //! Writing a 2M-block plan into fresh memory costs ~25 ms of page faults (the kernel maps and
 //! zero-fills every page, and large frees go back to the OS), versus ~3 ms into a warm buffer
-//! (design.md §6). Plans therefore draw their buffers from this pool, and a buffer comes back
+//! (see docs/design.md, Performance model). Plans therefore draw their buffers from this pool, and a buffer comes back
 //! when the last NumPy array viewing it dies.
 
 use std::sync::Mutex;
@@ -135,4 +135,10 @@ mod tests {
         assert_eq!(rounded(usize::MAX), usize::MAX);
         assert_eq!(try_zeroed(3), Some(vec![0; 3]));
     }
+}
+
+/// `(buffers pooled, bytes pooled, hits, misses)` of the plan output pool.
+#[pyo3::pyfunction]
+pub fn pool_stats() -> (usize, usize, u64, u64) {
+    stats()
 }

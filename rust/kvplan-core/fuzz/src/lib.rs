@@ -764,7 +764,9 @@ pub fn check_plan(input: &PlanInput) {
         data: vec![0xDEAD_BEEF; cap * 3],
         capacity: cap,
     };
-    let result = template.plan_state_into(ss, ds, Columns::from_flat(&mut buf.data, cap));
+    let result = template
+        .plan_state_into(ss, ds, Columns::from_flat(&mut buf.data, cap))
+        .map(|summary| summary.n_blocks);
     let in_bounds = ss >= 0
         && ds >= 0
         && template

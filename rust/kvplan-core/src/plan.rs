@@ -1,0 +1,151 @@
+//! A request's plan as data: the output columns, the plan's size before and after emission,
+//! and owned buffers for callers that do not bring their own memory.
+
+use crate::error::{PlanError, Result};
+use crate::runs::RunScan;
+
+/// Three output columns of equal length: source addresses, destination addresses, lengths.
+pub struct Columns<'a> {
+    /// Source addresses.
+    pub src_addrs: &'a mut [u64],
+    /// Destination addresses.
+    pub dst_addrs: &'a mut [u64],
+    /// Lengths in bytes.
+    pub lengths: &'a mut [u64],
+}
+
+impl<'a> Columns<'a> {
+    /// Splits one buffer of `3 * capacity` values into three columns of `capacity` values.
+    pub fn from_flat(buffer: &'a mut [u64], capacity: usize) -> Self {
+        let (src_addrs, rest) = buffer.split_at_mut(capacity);
+        let (dst_addrs, rest) = rest.split_at_mut(capacity);
+        Self {
+            src_addrs,
+            dst_addrs,
+            lengths: &mut rest[..capacity],
+        }
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.src_addrs
+            .len()
+            .min(self.dst_addrs.len())
+            .min(self.lengths.len())
+    }
+}
+
+/// The size of a request's plan, known after one validating pass and before any output exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanShape {
+    /// What the run scan found.
+    pub scan: RunScan,
+    /// Blocks the plan holds: runs × emitting pairs.
+    pub n_blocks: usize,
+    /// Bytes the plan moves: pages × bytes per page.
+    pub total_bytes: u64,
+}
+
+/// A finished plan's size (the columns hold `n_blocks` valid values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanSummary {
+    /// Runs contiguous on both sides.
+    pub n_runs: usize,
+    /// Blocks written.
+    pub n_blocks: usize,
+    /// Bytes moved.
+    pub total_bytes: u64,
+}
+
+/// An owned plan (allocating convenience over [`Template::plan_into`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Source addresses.
+    pub src_addrs: Vec<u64>,
+    /// Destination addresses.
+    pub dst_addrs: Vec<u64>,
+    /// Lengths in bytes.
+    pub lengths: Vec<u64>,
+    /// Runs contiguous on both sides.
+    pub n_runs: usize,
+    /// Bytes moved.
+    pub total_bytes: u64,
+}
+
+/// Something that lends three output columns (a pooled flat buffer, borrowed numpy rows…).
+pub trait AsColumns<'o> {
+    /// The columns.
+    fn columns(&mut self) -> Columns<'_>;
+}
+
+impl<'o> AsColumns<'o> for Columns<'o> {
+    fn columns(&mut self) -> Columns<'_> {
+        Columns {
+            src_addrs: self.src_addrs,
+            dst_addrs: self.dst_addrs,
+            lengths: self.lengths,
+        }
+    }
+}
+
+/// One owned allocation holding three columns of `capacity` values back to back.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FlatBuffer {
+    /// `3 * capacity` values: sources, then destinations, then lengths.
+    pub data: Vec<u64>,
+    /// Values per column.
+    pub capacity: usize,
+}
+
+impl FlatBuffer {
+    /// A zero-filled buffer of `capacity` values per column (aborts when memory runs out; see
+    /// [`FlatBuffer::try_zeroed`] for sizes that come from a request).
+    pub fn zeroed(capacity: usize) -> Self {
+        Self {
+            data: vec![0; capacity.saturating_mul(3)],
+            capacity,
+        }
+    }
+
+    /// A zero-filled buffer of `capacity` values per column, or an error naming its size.
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`].
+    pub fn try_zeroed(capacity: usize) -> Result<Self> {
+        let values = capacity.checked_mul(3).ok_or(PlanError::OutOfMemory {
+            what: "plan output",
+            bytes: capacity as u128 * 24,
+        })?;
+        Ok(Self {
+            data: crate::error::try_vec(values, 0, "plan output")?,
+            capacity,
+        })
+    }
+
+    /// The first `n` values of each column as three owned vectors (the source column keeps
+    /// this buffer's allocation).
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`] when the two other columns cannot be allocated.
+    pub fn into_columns(self, n: usize) -> Result<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        let Self { mut data, capacity } = self;
+        let n = n.min(capacity);
+        let copy = |from: usize| -> Result<Vec<u64>> {
+            let mut column = Vec::new();
+            column
+                .try_reserve_exact(n)
+                .map_err(|_| PlanError::out_of_memory::<u64>("plan column", n))?;
+            column.extend_from_slice(&data[from..from + n]);
+            Ok(column)
+        };
+        let lengths = copy(2 * capacity)?;
+        let dst_addrs = copy(capacity)?;
+        data.truncate(n);
+        Ok((data, dst_addrs, lengths))
+    }
+}
+
+impl AsColumns<'_> for FlatBuffer {
+    fn columns(&mut self) -> Columns<'_> {
+        Columns::from_flat(&mut self.data, self.capacity)
+    }
+}

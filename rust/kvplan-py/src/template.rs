@@ -1,0 +1,298 @@
+//! `Template`: a compiled peer pair, planned per request. The GIL is released around every
+//! pass over index arrays; plans come back as NumPy columns viewing a pooled Rust buffer or the
+//! caller's `out=` array.
+
+use std::sync::Arc;
+
+use kvplan_core::{Columns, FlatBuffer, PageIndex, PlanSummary, Template, TemplateOptions};
+use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
+use crate::errors::{KvPlanError, to_py_err};
+use crate::layout::PyLayout;
+use crate::pairing::parse_legacy_kind;
+use crate::plan::{PairShape, PyTransferPlan, out_columns, pooled_columns};
+use crate::pool;
+
+fn template_options(
+    allow_positional_fallback: bool,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+    check_dst_overlap: bool,
+) -> PyResult<TemplateOptions> {
+    Ok(TemplateOptions {
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
+        check_dst_overlap,
+    })
+}
+
+/// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
+/// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
+type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
+
+/// One row per source entry, page entries first: its partner or why it has none.
+/// `Template(...)` raises exactly the first problem listed here.
+#[pyfunction]
+#[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None))]
+pub fn check_pairs(
+    py: Python<'_>,
+    src_layout: PyRef<'_, PyLayout>,
+    dst_layout: PyRef<'_, PyLayout>,
+    allow_positional_fallback: bool,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+) -> PyResult<Vec<EntryCheckRow>> {
+    let options = template_options(
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind,
+        false,
+    )?;
+    let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
+    Ok(checks
+        .into_iter()
+        .map(|c| {
+            let exception = c.problem.map(|p| to_py_err(p).into_value(py).into_any());
+            (c.kind.as_str(), c.src_entry, c.dst_entry, exception)
+        })
+        .collect())
+}
+
+/// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
+/// wrong layout, a read-only array or one whose memory overlaps an input (never a panic).
+fn writable_out<'py>(
+    out: &Bound<'py, PyAny>,
+    inputs: [(&IndexArray<'_>, &str); 2],
+) -> PyResult<PyReadwriteArray2<'py, u64>> {
+    let array = out.cast::<PyArray2<u64>>().map_err(|_| {
+        PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
+    })?;
+    // A Fortran-ordered array would have a slice view too, with the rows scrambled.
+    if !array.is_c_contiguous() || array.shape()[0] != 3 {
+        return Err(KvPlanError::new_err(format!(
+            "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
+            array.shape()
+        )));
+    }
+    // NumPy's borrow tracking only sees aliasing through a shared base object; two views of
+    // one buffer made separately (np.frombuffer twice) have different bases. Compare the
+    // address ranges themselves.
+    let start = array.data() as usize;
+    let out_range = (start, start + array.len() * 8);
+    for (input, name) in inputs {
+        let range = input.byte_range();
+        let overlaps = range.0 < range.1
+            && out_range.0 < out_range.1
+            && range.0 < out_range.1
+            && out_range.0 < range.1;
+        if overlaps {
+            return Err(KvPlanError::new_err(format!(
+                "out overlaps {name} in memory (out is bytes {:#x}..{:#x}, {name} is bytes \
+                 {:#x}..{:#x}): planning would overwrite its own input; pass a separate out array",
+                out_range.0, out_range.1, range.0, range.1
+            )));
+        }
+    }
+    array.try_readwrite().map_err(|err| {
+        KvPlanError::new_err(format!(
+            "out cannot be written: {err} (read-only, or it shares memory with an input)"
+        ))
+    })
+}
+
+/// A validated peer pair (prefill layout → decode layout), built once, planned per request.
+#[pyclass(frozen, name = "Template", module = "kvplan._core")]
+pub struct PyTemplate {
+    inner: Template,
+    /// Per page pair, whether it emits blocks; shared by every plan of this template.
+    emitting: Arc<[bool]>,
+    /// The same, per state pair.
+    state_emitting: Arc<[bool]>,
+}
+
+struct PlanPooled<'t>(&'t Template);
+
+impl IndexVisitor for PlanPooled<'_> {
+    type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_into(src, dst, |shape| {
+            Ok(FlatBuffer {
+                data: pool::take(shape.n_blocks.saturating_mul(3))?,
+                capacity: shape.n_blocks,
+            })
+        })
+    }
+}
+
+struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
+
+impl IndexVisitor for PlanInto<'_, '_> {
+    type Output = kvplan_core::Result<PlanSummary>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        let columns = self.1;
+        self.0
+            .plan_into(src, dst, move |_| Ok(columns))
+            .map(|(_, summary)| summary)
+    }
+}
+
+#[pymethods]
+impl PyTemplate {
+    #[new]
+    #[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
+    fn new(
+        src_layout: PyRef<'_, PyLayout>,
+        dst_layout: PyRef<'_, PyLayout>,
+        allow_positional_fallback: bool,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<&str>,
+        check_dst_overlap: bool,
+    ) -> PyResult<Self> {
+        let options = template_options(
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+            check_dst_overlap,
+        )?;
+        let inner =
+            Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
+        let emits =
+            |pairs: &[kvplan_core::PairSpec]| pairs.iter().map(|p| p.item_len > 0).collect();
+        Ok(Self {
+            emitting: emits(inner.page_pairs()),
+            state_emitting: emits(inner.state_pairs()),
+            inner,
+        })
+    }
+
+    /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
+    #[getter]
+    fn pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        pairs_array(
+            py,
+            self.inner
+                .page_pairs()
+                .iter()
+                .map(|p| [p.src_entry, p.dst_entry]),
+        )
+    }
+
+    /// `(n_state_pairs, 2)` int64: (src entry, dst entry) of every state-entry pair.
+    #[getter]
+    fn state_pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        pairs_array(
+            py,
+            self.inner
+                .state_pairs()
+                .iter()
+                .map(|p| [p.src_entry, p.dst_entry]),
+        )
+    }
+
+    /// Per page pair: whether it emits blocks (item length > 0).
+    #[getter]
+    fn emitting<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.emitting.iter().copied())
+    }
+
+    /// Page-entry pairs (including elided pairs with item length 0).
+    #[getter]
+    fn n_pairs(&self) -> usize {
+        self.emitting.len()
+    }
+
+    /// Item length of every page-entry pair.
+    #[getter]
+    fn pair_item_lens(&self) -> Vec<u64> {
+        self.inner.page_pairs().iter().map(|p| p.item_len).collect()
+    }
+
+    /// Bytes moved per page index pair.
+    #[getter]
+    fn bytes_per_page(&self) -> u64 {
+        self.inner.bytes_per_page()
+    }
+
+    /// Plans the blocks that copy page `src_pages[i]` to `dst_pages[i]` for every entry pair.
+    ///
+    /// `src_pages`, `dst_pages`: equally long 1-D, C-contiguous, aligned int32/int64 NumPy
+    /// arrays (borrowed, not copied; the GIL is released while planning). Without `out`, the
+    /// plan's columns view one pooled buffer; with `out` (a C-contiguous `(3, M)` uint64 array
+    /// not overlapping the inputs) they are views of its rows.
+    #[pyo3(signature = (src_pages, dst_pages, *, out=None))]
+    fn plan<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<PyTransferPlan> {
+        let (src_array, dst_array) = (
+            IndexArray::extract(src_pages, "src_pages")?,
+            IndexArray::extract(dst_pages, "dst_pages")?,
+        );
+        let (src, dst) = (
+            src_array.as_slice("src_pages")?,
+            dst_array.as_slice("dst_pages")?,
+        );
+        let template = &self.inner;
+        let (columns, summary) = if let Some(out) = out {
+            let mut writable =
+                writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
+            let capacity = writable.shape()[1];
+            let flat = writable.as_slice_mut()?;
+            let summary = visit_request(
+                py,
+                src,
+                dst,
+                PlanInto(template, Columns::from_flat(flat, capacity)),
+            )
+            .map_err(to_py_err)?;
+            drop(writable);
+            let out = out.cast::<PyArray2<u64>>()?;
+            (out_columns(out, summary.n_blocks), summary)
+        } else {
+            let (buffer, summary) =
+                visit_request(py, src, dst, PlanPooled(template)).map_err(to_py_err)?;
+            let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
+            (columns, summary)
+        };
+        Ok(PyTransferPlan::new(
+            columns,
+            summary.n_blocks,
+            summary.n_runs,
+            summary.total_bytes,
+            PairShape {
+                emitting: Arc::clone(&self.emitting),
+                blocks_per_pair: summary.n_runs,
+            },
+        ))
+    }
+
+    /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
+    /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
+    fn plan_state(&self, py: Python<'_>, src_slot: i64, dst_slot: i64) -> PyResult<PyTransferPlan> {
+        let n = self.inner.state_pairs().len();
+        let mut buffer = FlatBuffer::try_zeroed(n).map_err(to_py_err)?;
+        let summary = self
+            .inner
+            .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
+            .map_err(to_py_err)?;
+        let columns = pooled_columns(py, buffer.data, n, summary.n_blocks)?;
+        Ok(PyTransferPlan::new(
+            columns,
+            summary.n_blocks,
+            summary.n_runs,
+            summary.total_bytes,
+            PairShape {
+                emitting: Arc::clone(&self.state_emitting),
+                blocks_per_pair: 1,
+            },
+        ))
+    }
+}
