@@ -1,4 +1,4 @@
-"""kvplan side by side with SGLang 0.5.23's own planner (issue 4).
+"""kvplan side by side with SGLang 0.5.23's own planner.
 
     .venv-bench/bin/python bench/compare_sglang.py            # full run: RESULTS.md + chart.png
     .venv-bench/bin/python bench/compare_sglang.py --quick    # smoke run, writes to /tmp
@@ -869,14 +869,15 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     L.append("Executed from the wheel: " + ", ".join(f"`{m}`" for m in sglang_loader.REAL_MODULES)
              + ". Stand-in modules (satisfy module-level imports only; `verify_closure()` proves "
              "none is reachable from the planning code): " + ", ".join(f"`{m}`" for m in sg.stubbed)
-             + ". Worked examples E1, E4, E10, E11, E12 of sglang-semantics.md §11 are "
-             "re-checked at the start of every run.")
+             + ". Worked examples W-runs-basic, W-kv-fifo, W-mla-flat-plan, W-mha-halves-plan "
+             "and W-mha-hybrid-stage1 of docs/semantics.md are re-checked at the start of every "
+             "run.")
     with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
         f.write("\n".join(L) + "\n")
 
 
 def targets(rows, mem) -> list[str]:
-    L = ["## Targets (issue 4)", "", "| target | measured | status |", "|---|---|---|"]
+    L = ["## Targets", "", "| target | measured | status |", "|---|---|---|"]
     big = [r for r in rows if r["n_blocks"] >= 100_000]
     if big:
         worst = min(big, key=lambda r: r["med"]["sglang plan"] / r["med"]["kvplan pooled"])
@@ -929,8 +930,8 @@ def targets(rows, mem) -> list[str]:
 
 def analysis(rows, floor, ovh, mem, profs) -> list[str]:
     """Why targets are missed and what would close them. The reasoning comes from profiles and
-    disassembly of the extension taken on this machine (see bench/compare_sglang.py history and
-    the report of issue 4); every number below is taken from this run."""
+    disassembly of the extension taken on this machine (see bench/compare_sglang.py history);
+    every number below is taken from this run."""
     by = {r["sc"].key: r for r in rows}
     big = [r for r in rows if r["n_blocks"] >= 100_000]
     if not big:
@@ -1051,7 +1052,7 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
             f"{fmt_ns(r2['med']['kvplan fresh'])} against {fmt_ns(r2['med']['kvplan pooled'])} "
             "pooled; its profile is mostly kernel page-fault handling and page zeroing "
             "(`clear_page_rep`, `exc_page_fault`). The pool and `out=` are what make the "
-            "steady-state numbers possible (design.md §6).")
+            "steady-state numbers possible (docs/design.md, Performance model).")
         L.append("")
         hand = r2["med"]["kvplan handoff"] - r2["med"]["kvplan pooled"]
         L.append(

@@ -1,4 +1,4 @@
-"""Leak check: many plan calls with stable RSS (issue 6).
+"""Leak check: many plan calls with stable RSS.
 
 Runs N iterations (default 1,000,000) of a mixed workload over one shared template — pooled
 plans of varying size, plans into a caller's ``out=`` buffer, ``plan_state``, rejected requests

@@ -403,34 +403,36 @@ def verify_closure(sg: SGLang) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Worked examples of sglang-semantics.md §11, reproduced by the loaded code
+# Worked examples of docs/semantics.md, reproduced by the loaded code
 # --------------------------------------------------------------------------------------------
 def check_worked_examples(sg: SGLang) -> list[str]:
-    """E1, E4, E10, E11, E12. Raises AssertionError on any difference; returns the ids checked."""
+    """W-runs-basic, W-kv-fifo, W-mla-flat-plan, W-mha-halves-plan, W-mha-hybrid-stage1.
+
+    Raises AssertionError on any difference; returns the names checked."""
     import numpy as np
 
     def a(*v):
         return np.array(v, dtype=np.int32)
 
-    # E1 - runs
+    # W-runs-basic - runs
     got = sg.group_concurrent_contiguous(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20))
     assert got == ([[0, 1, 2], [5, 6], [9]], [[10, 11, 12], [13, 14], [20]]), got
-    # E4 - K/V FIFO pairing
+    # W-kv-fifo - K/V FIFO pairing
     got = sg.build_transfer_entry_pairs([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6)
     assert got == [(0, 0), (1, 1), (2, 3), (3, 4)], got
-    # E10 - generic MLA flat, pp 1
+    # W-mla-flat-plan - generic MLA flat, pp 1
     m = sg.make_manager(is_mla_backend=True, pp_size=1)
     rc = m.send([1000, 2000], [5000, 6000], [64, 64], a(0, 1, 2, 7), a(10, 11, 12, 3))
     assert rc == 0 and m.engine.calls == [
         ("bench", [1000, 1448, 2000, 2448], [5640, 5192, 6640, 6192], [192, 64, 192, 64])
     ], m.engine.calls
-    # E11 - generic MHA K/V halves
+    # W-mha-halves-plan - generic MHA K/V halves
     m = sg.make_manager(is_mla_backend=False, pp_size=1)
     rc = m.send([100, 200, 300, 400], [1100, 1200, 1300, 1400], [8, 8, 16, 16], a(1, 2), a(5, 6))
     assert rc == 0 and m.engine.calls == [
         ("bench", [108, 208, 316, 416], [1140, 1240, 1380, 1480], [16, 16, 32, 32])
     ], m.engine.calls
-    # E12 - layer-id path on an MHA (hybrid) backend, PP stage 1
+    # W-mha-hybrid-stage1 - layer-id path on an MHA (hybrid) backend, PP stage 1
     m = sg.make_manager(is_mla_backend=False, pp_size=2, prefill_start_layer=1)
     rc = m.send([10, 11, 20, 21], [100, 101, 102, 200, 201, 202], [4, 4, 4, 4], a(0, 1), a(5, 6),
                 src_layer_ids=[7, 11, 7, 11], dst_layer_ids=[3, 7, 11, 3, 7, 11])
@@ -442,7 +444,8 @@ def check_worked_examples(sg: SGLang) -> list[str]:
     m.send([1000, 2000], [5000, 6000], [64, 64], a(0, 1, 2, 7), a(10, 11, 12, 3))
     assert m.blocks.calls == [[(1000, 5640, 192), (1448, 5192, 64), (2000, 6640, 192),
                                (2448, 6192, 64)]], m.blocks.calls
-    return ["E1", "E4", "E10", "E11", "E12"]
+    return ["W-runs-basic", "W-kv-fifo", "W-mla-flat-plan", "W-mha-halves-plan",
+            "W-mha-hybrid-stage1"]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """A small, deliberately naive pure-Python reference for kvplan's planning semantics.
 
-Written from ../shared/docs/sglang-semantics.md (sections 2, 3, 5, 6.2, 6.4) and docs/api.md,
-not from kvplan's code. Everything here is plain Python ints and lists, O(n) loops, no numpy
-tricks, so that it is easy to check by reading. The property tests compare kvplan against it.
+Written from docs/semantics.md (Runs, Entry pairing, Legacy PP slicing, From pairs to blocks,
+State entries) and docs/api.md, not from kvplan's code. Everything here is plain Python ints and
+lists, O(n) loops, no numpy tricks, so that it is easy to check by reading. The property tests
+compare kvplan against it.
 
 Errors are raised as ``RefError(kind, message)`` where ``kind`` is one of ``"pairing"``,
 ``"size"``, ``"bounds"``, ``"value"``; tests map these to kvplan's exception classes.
@@ -24,7 +25,7 @@ class RefError(Exception):
 
 
 # --------------------------------------------------------------------------------------------
-# 1. Runs (sglang-semantics.md section 2)
+# 1. Runs (docs/semantics.md, Runs)
 # --------------------------------------------------------------------------------------------
 
 
@@ -59,7 +60,7 @@ def runs_as_lists(runs: list[tuple[int, int, int]]) -> tuple[list[list[int]], li
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Entry pairing (sglang-semantics.md section 3, plus kvplan's (id, role) keying)
+# 2. Entry pairing (docs/semantics.md, Entry pairing, plus kvplan's (id, role) keying)
 # --------------------------------------------------------------------------------------------
 
 
@@ -144,7 +145,7 @@ def pair_entries(
 
 
 # --------------------------------------------------------------------------------------------
-# 3. Legacy positional PP slicing (section 5.1 / 5.2) with the CORRECT semantics
+# 3. Legacy positional PP slicing (docs/semantics.md) with the CORRECT semantics
 # --------------------------------------------------------------------------------------------
 
 
@@ -166,7 +167,7 @@ def legacy_pp_pairs(
     start = prefill_start_layer
     if n_src == 0:
         # An empty stage (e.g. a PP stage holding no full-attention layer) transfers nothing.
-        # SGLang divides by zero here for MHA (R2); api.md calls it a PairingError, kvplan's core
+        # SGLang divides by zero here for MHA; api.md calls it a PairingError, kvplan's core
         # returns no pairs -- both are acceptable outcomes, tests accept either.
         return []
     if kind == "mla":
@@ -200,7 +201,8 @@ def legacy_pp_pairs(
 
 
 # --------------------------------------------------------------------------------------------
-# 4. Layout model and block emission (section 6.2 step 4, 6.4; docs/api.md "Template and plan")
+# 4. Layout model and block emission (docs/semantics.md, From pairs to blocks and State
+#    entries; docs/api.md "Template and plan")
 # --------------------------------------------------------------------------------------------
 
 

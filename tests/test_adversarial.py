@@ -1,4 +1,4 @@
-"""Adversarial inputs (issue 6): every bad input ends as a clear Python exception, every accepted
+"""Adversarial inputs: every bad input ends as a clear Python exception, every accepted
 input gives a correct plan, and the process survives.
 
 Each case either checks a plan against the naive reference (tests/reference.py) plus the safety

@@ -346,7 +346,7 @@ def test_hybrid_linear_ids_must_increase():
 
 
 def test_hybrid_linear_pointer_count_must_match():
-    # SGLang publishes [3, 7] for any pointer count (E7); kvplan refuses the mismatch.
+    # SGLang publishes [3, 7] for any pointer count (W-hybrid-ids); kvplan refuses the mismatch.
     with pytest.raises(LayoutError):
         Layout.hybrid_linear([3, 7], [100, 200, 300], [64] * 3, 8)
 
@@ -366,7 +366,7 @@ def test_with_draft_band():
         [10, 11, 12, 13], [64] * 4, 8, draft_layer_ids=[5, 2, 5, 2], num_hidden_layers=48,
         roles=["k", "k", "v", "v"],
     )
-    # E29-style band: ids remapped by first appearance above the model's 48 layers
+    # W-draft-band: ids remapped by first appearance above the model's 48 layers
     assert lay.layer_ids == [0, 1, 0, 1, 48, 49, 48, 49]
     assert lay.roles == ["k", "k", "v", "v", "draft_k", "draft_k", "draft_v", "draft_v"]
 
@@ -438,7 +438,7 @@ def test_positional_count_mismatch_without_fallback():
 
 
 def test_template_legacy_mha_pp_even_split():
-    # E9 even split through a Template: stage start 2, 2 layers; decode 4 layers K then V.
+    # W-mha-pp-slice, even split, through a Template: stage start 2, 2 layers; decode 4 layers K then V.
     src = Layout.mha([102, 103], [202, 203], [64] * 2, [64] * 2, 8, 8)
     dst = Layout.mha([100, 101, 102, 103], [200, 201, 202, 203], [64] * 4, [64] * 4, 8, 8)
     t = Template(src, dst, prefill_start_layer=2, legacy_kind="mha")

@@ -1,6 +1,7 @@
-"""kvplan.compat.sglang against sglang-semantics.md §2, §3, §8 and the §11 vectors E1-E6.
+"""kvplan.compat.sglang against docs/semantics.md (Runs, Entry pairing, Errors) and its worked
+examples W-runs-basic … W-positional.
 
-Expected values and error texts are copied from the spec (verified there against SGLang 0.5.23),
+Expected values and error texts are copied from docs/semantics.md (SGLang 0.5.23's results),
 never produced by running kvplan. Besides values, the drop-in must match SGLang's *types*:
 Python lists of Python ints, a list of tuples, and SGLang's exception classes and messages.
 """
@@ -18,7 +19,7 @@ from kvplan.compat.sglang import group_concurrent_contiguous as gcc
 
 
 def a(*xs: int, dtype=np.int32) -> np.ndarray:
-    """The spec's a(...): an int32 numpy array."""
+    """docs/semantics.md's a(...): an int32 numpy array."""
     return np.array(xs, dtype=dtype)
 
 
@@ -42,34 +43,34 @@ def assert_plain_pairs(result) -> None:
 # ---------------------------------------------------------------- group_concurrent_contiguous
 
 
-def test_e1_runs():
+def test_w_runs_basic():
     out = gcc(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20))
     assert_plain_runs(out)
     assert out == ([[0, 1, 2], [5, 6], [9]], [[10, 11, 12], [13, 14], [20]])
 
 
-def test_e2_duplicates_break_runs():
+def test_w_runs_break_duplicates():
     out = gcc(a(3, 3, 4), a(7, 8, 9))
     assert_plain_runs(out)
     assert out == ([[3], [3, 4]], [[7], [8, 9]])
 
 
-def test_e2_descents_break_runs():
+def test_w_runs_break_descents():
     assert gcc(a(5, 4, 3), a(1, 2, 3)) == ([[5], [4], [3]], [[1], [2], [3]])
 
 
-def test_e3_both_empty():
+def test_w_runs_empty_both():
     out = gcc(a(), a())
     assert out == ([], []) and type(out[0]) is list and type(out[1]) is list
 
 
-def test_e3_one_side_empty_is_no_runs():
+def test_w_runs_empty_one_side_is_no_runs():
     # SGLang 0.5.23 guards both sides (kvplan.group_contiguous itself raises here).
     assert gcc(a(1, 2), a()) == ([], [])
     assert gcc(a(), a(1, 2)) == ([], [])
 
 
-def test_e3_unequal_lengths_value_error_exact_message():
+def test_w_runs_empty_unequal_lengths_value_error_exact_message():
     with pytest.raises(ValueError) as err:
         gcc(a(1, 2, 3), a(4, 5))
     assert type(err.value) is ValueError  # SGLang's class, not a KvPlanError subclass
@@ -79,7 +80,7 @@ def test_e3_unequal_lengths_value_error_exact_message():
 
 
 def test_plain_lists_raise_attribute_error():
-    # §2: "Inputs must expose .size (numpy arrays); plain lists raise AttributeError."
+    # SGLang reads .size, so plain Python lists raise AttributeError (docs/semantics.md, Runs).
     with pytest.raises(AttributeError):
         gcc([0, 1, 2], [5, 6, 7])
     with pytest.raises(AttributeError):
@@ -90,7 +91,7 @@ def test_plain_lists_raise_attribute_error():
     "dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
               np.dtype(">i4"), np.dtype(">i8")])
 def test_any_integer_dtype(dtype):
-    # §2: "two 1-D numpy integer arrays (any int dtype)". E1 in every integer dtype.
+    # SGLang takes two 1-D numpy arrays of any integer dtype: W-runs-basic in every one.
     out = gcc(a(0, 1, 2, 5, 6, 9, dtype=dtype), a(10, 11, 12, 13, 14, 20, dtype=dtype))
     assert_plain_runs(out)
     assert out == ([[0, 1, 2], [5, 6], [9]], [[10, 11, 12], [13, 14], [20]])
@@ -139,19 +140,19 @@ def test_non_integer_arrays_rejected():
 # ---------------------------------------------------------------- build_transfer_entry_pairs
 
 
-def test_e4_kv_fifo_pairing():
+def test_w_kv_fifo_pairing():
     out = pairs([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6)
     assert_plain_pairs(out)
     assert out == [(0, 0), (1, 1), (2, 3), (3, 4)]
 
 
-def test_e5_pp_stages_with_draft():
+def test_w_unique_draft_ids_pp_stages():
     dst = [0, 1, 2, 3, 4, 5, 1000000]
     assert pairs([0, 1, 2, 3], dst, 4, 7) == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert pairs([4, 5, 1000000], dst, 3, 7) == [(0, 4), (1, 5), (2, 6)]
 
 
-def test_e6_positional():
+def test_w_positional():
     out = pairs([], [], 3, 5, True)
     assert_plain_pairs(out)
     assert out == [(0, 0), (1, 1), (2, 2)]
@@ -159,7 +160,7 @@ def test_e6_positional():
     assert pairs([9], [], 0, 0) == []  # n_src == 0 first: no other check
 
 
-def test_e6_none_means_not_published():
+def test_w_positional_none_means_not_published():
     assert pairs(None, None, 2, 2) == [(0, 0), (1, 1)]
     assert pairs(None, [4], 1, 1, True) == [(0, 0)]
 
@@ -171,30 +172,30 @@ def _raises_runtime(message: str, *args) -> None:
     assert str(err.value) == message
 
 
-def test_e6_one_sided_metadata():
+def test_w_positional_one_sided_metadata():
     _raises_runtime("Layer metadata must be provided by both PD peers or neither", [1], [], 1, 1)
     _raises_runtime("Layer metadata must be provided by both PD peers or neither",
                     None, [1, 2], 2, 2)
 
 
-def test_e6_metadata_length():
+def test_w_positional_metadata_length():
     _raises_runtime(
         "Layer metadata length must match transfer entries: "
         "src metadata=2 entries=3, dst metadata=3 entries=3",
         [1, 2], [1, 2, 3], 3, 3)
 
 
-def test_e6_missing_layer():
+def test_w_positional_missing_layer():
     _raises_runtime("Decode peer is missing a transfer entry for model layer 9",
                     [1, 9], [1, 2, 3], 2, 3)
 
 
-def test_e6_missing_occurrence():
+def test_w_positional_missing_occurrence():
     _raises_runtime("Decode peer is missing a transfer entry for model layer 3",
                     [3, 3, 3], [3, 3], 3, 2)
 
 
-def test_e6_pp_heterogeneous():
+def test_w_positional_pp_heterogeneous():
     _raises_runtime(
         "PP-heterogeneous transfer requires layer ids on both peers; got src=3 dst=5 entries",
         [], [], 3, 5)
@@ -204,19 +205,20 @@ def test_e6_pp_heterogeneous():
 
 
 def test_fallback_has_no_effect_when_both_publish_ids():
-    # §3.3: "allow_positional_fallback has no effect in this branch".
+    # With ids on both sides, allow_positional_fallback has no effect (docs/semantics.md,
+    # Entry pairing).
     _raises_runtime("Decode peer is missing a transfer entry for model layer 9",
                     [9], [1, 2], 1, 2, True)
     assert pairs([2], [1, 2], 1, 2, True) == [(0, 1)]
 
 
-def test_e12_mha_stage_ids():
-    # E12's pairing: src [7,11,7,11] onto dst [3,7,11,3,7,11].
+def test_w_mha_hybrid_stage1_ids():
+    # W-mha-hybrid-stage1's pairing: src [7,11,7,11] onto dst [3,7,11,3,7,11].
     assert pairs([7, 11, 7, 11], [3, 7, 11, 3, 7, 11], 4, 6) == [(0, 1), (1, 2), (2, 4), (3, 5)]
 
 
 def test_draft_band_pairs_across_pipeline_stages():
-    # §10 TestDraftBandPairsAcrossPipelineStages.
+    # W-draft-band-pp (SGLang's TestDraftBandPairsAcrossPipelineStages).
     stage = [31, 35, 39, 43, 47, 51, 55, 59]
     full = list(range(3, 60, 4))
     out = pairs(stage * 2 + [60, 60], full * 2 + [60, 60], 18, 32)
@@ -239,7 +241,7 @@ def test_missing_layer_message_spells_the_callers_id():
 
 
 def test_numpy_id_arrays_fail_truthiness_like_sglang():
-    # R17: SGLang tests ids with bool(); a numpy array of several ids raises ValueError there.
+    # SGLang tests ids with bool(); a numpy array of several ids raises ValueError there.
     with pytest.raises(ValueError, match=re.escape("truth value of an array")):
         pairs(np.array([1, 2]), [1, 2], 2, 2)
 
@@ -251,7 +253,7 @@ def test_module_exports():
 def test_signatures_match_sglang():
     import inspect
 
-    # §2 / §3: parameter names and the one default, so keyword call sites keep working.
+    # SGLang's parameter names and the one default, so keyword call sites keep working.
     g = inspect.signature(gcc)
     assert list(g.parameters) == ["src_indices", "dst_indices"]
     p = inspect.signature(pairs)

@@ -437,9 +437,10 @@ def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
     assert_decode_bytes(d_mem, expected_decode(decode, before, writes), decode)
 
 
-def test_stand_in_npu_groups_hybrid_pp2_the_seed_scenario() -> None:
-    """The seed's exact case: Ascend pools with two buffer groups per full-attention layer
-    (each layer id published once per group), hybrid-linear state, prefill PP=2 -> decode PP=1."""
+def test_stand_in_npu_groups_hybrid_pp2_pairs_by_layer_id() -> None:
+    """The case SGLang's fix for Ascend hybrid-linear models under prefill PP (pair by layer id)
+    is for: Ascend pools with two buffer groups per full-attention layer (each layer id published
+    once per group), hybrid-linear state, prefill PP=2 -> decode PP=1."""
     import kvplan
     from kvplan.presets import fragmented_pages
     from kvplan.testing import SENTINEL, PeerSpec, build_layout, pack_entries

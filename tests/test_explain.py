@@ -1,9 +1,9 @@
 """kvplan explain, presets and the plot.
 
-Expected numbers come from design.md §7 (layers, bytes per token per layer) and arithmetic on
-them (blocks = entry pairs × runs; bytes = entries × pages × page_size × bytes per token), and
-from the state sizes documented in kvplan/presets.py (model config arithmetic), not from
-running kvplan.
+Expected numbers come from docs/design.md, Reference scenarios (layers, bytes per token per
+layer) and arithmetic on them (blocks = entry pairs × runs; bytes = entries × pages × page_size
+× bytes per token), and from the state sizes documented in kvplan/presets.py (model config
+arithmetic), not from running kvplan.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def stage_row(out: str, label: str) -> list[str]:
     raise AssertionError(f"no row {label!r} in\n{out}")
 
 
-# ------------------------------------------------------------------------ presets (§7)
+# ------------------------------------------------------------------------ presets
 
 
 def test_presets_match_design_table():
@@ -139,7 +139,7 @@ def test_kimi_linear_hybrid_pp2(capsys):
 
 
 def test_qwen3_next_ascend_legacy_with_state_ids(capsys):
-    # Ascend + hybrid MHA + PP 2 -> legacy KV slicing (seed's dispatch); state pairs by id.
+    # Ascend + hybrid MHA + PP 2 -> legacy KV slicing (SGLang's Ascend dispatch); state pairs by id.
     rc, out, _ = run_cli(capsys, "--preset", "qwen3-next", "--pp-split", "20,28", "--stage", "1",
                          "--backend", "ascend", "--pages", "8")
     assert rc == 0, out

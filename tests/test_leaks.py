@@ -1,4 +1,4 @@
-"""Leaks (issue 6): 100k mixed plan calls (pooled, out=, plan_state, error paths, wire) keep RSS
+"""Leaks: 100k mixed plan calls (pooled, out=, plan_state, error paths, wire) keep RSS
 flat. The 1M-call figure comes from `bench/leak_check.py` (see docs/robustness.md)."""
 
 from __future__ import annotations

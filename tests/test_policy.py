@@ -1,7 +1,9 @@
 """kvplan.select_pairing: one test per row of the policy table (README, kvplan/policy.py).
 
-Where a row's pairing can be checked end to end, the expected pairs are spec vectors
-(sglang-semantics.md §7, §10, §11: E4, E6, E8, E9, E12, E21, E22, E25), not kvplan output.
+Where a row's pairing can be checked end to end, the expected pairs are the worked examples of
+docs/semantics.md (Ascend; Worked examples: W-positional, W-mla-pp-slice, W-mha-pp-slice,
+W-mha-hybrid-stage1, W-ascend-hybrid-dispatch, W-ascend-pp1-flat, W-ascend-groups,
+W-hybrid-pp-stage1), not kvplan output.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import kvplan
 from kvplan import KvPlanError, Layout, select_pairing
 from kvplan.policy import layout_kind
 
-FULL60 = list(range(3, 60, 4))  # 60-layer hybrid, full attention every 4th layer (§10)
+FULL60 = list(range(3, 60, 4))  # 60-layer hybrid, full attention every 4th layer
 STAGE1 = [31, 35, 39, 43, 47, 51, 55, 59]
 
 
@@ -31,7 +33,7 @@ def test_layout_kind_inference():
     assert layout_kind(Layout.hybrid_linear(STAGE1, list(range(8)), [64] * 8, 8)) == "hybrid_mla"
     assert layout_kind(Layout.hybrid_linear(STAGE1, list(range(16)), [64] * 16, 8, mla=False)) \
         == "hybrid_mha"
-    # NPU hybrid: ids repeated once per buffer group (E7: [3,7,3,7]).
+    # NPU hybrid: ids repeated once per buffer group (W-hybrid-ids: [3,7,3,7]).
     assert layout_kind(Layout.npu_groups([3, 7], [1, 2, 3, 4], [64] * 4, 8)) == "hybrid_mla"
     # A hybrid stage with one full-attention layer is recognised by its state entries.
     one = Layout.hybrid_linear([7], [1], [64], 8).with_state("mamba_conv", [9], [64], 16, [4])
@@ -51,9 +53,10 @@ def test_layout_kind_needs_roles():
 # --------------------------------------------------------------------- Ascend rows
 
 
-def test_row_ascend_hybrid_mla_pp_uses_layer_ids_e21():
-    # E21 / TestAscendHybridPpDispatch: hybrid-MLA Ascend, pp_size 2, src ids [31,35,31,35]
-    # (two NPU buffer groups), decode ids [3,7,31,35,3,7,31,35] -> layer-id pairing.
+def test_row_ascend_hybrid_mla_pp_uses_layer_ids():
+    # W-ascend-hybrid-dispatch / TestAscendHybridPpDispatch: hybrid-MLA Ascend, pp_size 2,
+    # src ids [31,35,31,35] (two NPU buffer groups), decode ids [3,7,31,35,3,7,31,35]
+    # -> layer-id pairing.
     src = Layout.npu_groups([31, 35], [101, 102, 103, 104], [1100, 1200, 1300, 1400],
                             [11, 12, 13, 14], pp_rank=1, pp_size=2, device="npu")
     dst = Layout.npu_groups([3, 7, 31, 35], list(range(8)), [1400] * 8,
@@ -79,8 +82,9 @@ def test_row_ascend_hybrid_mla_pp1_is_legacy_flat():
     assert choice.template_kwargs() == {"allow_positional_fallback": True}
 
 
-def test_row_ascend_pp1_flat_e22():
-    # E22: Ascend PP 1, MLA entries [1000,2000,3000] items [10,20,30] -> [7000,8000,9000].
+def test_row_ascend_pp1_flat():
+    # W-ascend-pp1-flat: Ascend PP 1, MLA entries [1000,2000,3000] items [10,20,30]
+    # -> [7000,8000,9000].
     src = Layout.mla([1000, 2000, 3000], [1000] * 3, [10, 20, 30], device="npu")
     dst = Layout.mla([7000, 8000, 9000], [1000] * 3, [10, 20, 30], device="npu")
     choice = select_pairing("ascend", src, 1)
@@ -97,15 +101,16 @@ def test_row_ascend_pp1_flat_e22():
 
 
 def test_row_ascend_pp1_ignores_ids_like_the_legacy_path():
-    # §7 step 3: at PP 1 the Ascend legacy path pairs flat by position even if ids exist.
+    # At PP 1 the Ascend legacy path pairs flat by position even if ids exist
+    # (docs/semantics.md, Ascend).
     src = Layout.hybrid_linear([3, 7], [10, 20], [640, 640], 64)
     dst = Layout.hybrid_linear([3, 7, 11], [30, 40, 50], [640] * 3, 64)
     t = select_pairing("ascend", src, 1).template(src, dst)
     assert t.pairs.tolist() == [[0, 0], [1, 1]]
 
 
-def test_row_ascend_mla_pp_legacy_slice_e8():
-    # E8: start 2, src [1,2] -> dst [10..14] slices to [12, 13].
+def test_row_ascend_mla_pp_legacy_slice():
+    # W-mla-pp-slice: start 2, src [1,2] -> dst [10..14] slices to [12, 13].
     src = Layout.mla([1, 2], [640, 640], 64, pp_rank=1, pp_size=2, device="npu")
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64, device="npu")
     choice = select_pairing("ascend", src, 2)
@@ -122,9 +127,9 @@ def test_row_ascend_mla_pp_needs_start_layer():
         choice.template_kwargs()
 
 
-def test_row_ascend_npu_groups_pp_slices_per_group_e23():
-    # E23: 2 buffer groups, 4 target + 1 draft layer on decode, stage from layer 2. Ascend
-    # slices per group (§5.3): a flat slice would pair group 1 with group 0 of other layers.
+def test_row_ascend_npu_groups_pp_slices_per_group():
+    # W-ascend-groups: 2 buffer groups, 4 target + 1 draft layer on decode, stage from layer 2.
+    # Ascend slices per group: a flat slice would pair group 1 with group 0 of other layers.
     dst = Layout([100, 101, 102, 103, 200, 201, 202, 203, 300, 400], [640] * 10, 64,
                  roles=["g0"] * 4 + ["g1"] * 4 + ["draft_g0", "draft_g1"])
     src = Layout([102, 103, 202, 203, 300, 400], [640] * 6, 64,
@@ -142,9 +147,10 @@ def test_row_ascend_npu_groups_pp_slices_per_group_e23():
 
 
 @pytest.mark.parametrize("kind", ["mha", "hybrid_mha"])
-def test_row_ascend_mha_pp_legacy_slice_e9(kind):
+def test_row_ascend_mha_pp_legacy_slice(kind):
     assert select_pairing("ascend", kind, 2).legacy_kind == "mha"
-    # E9: start 2, src [102,103,202,203], dst K 100..103 V 200..203 -> K [102,103] V [202,203].
+    # W-mha-pp-slice: start 2, src [102,103,202,203], dst K 100..103 V 200..203
+    # -> K [102,103] V [202,203].
     src = Layout.mha([102, 103], [202, 203], [640] * 2, [640] * 2, 64, 64, pp_rank=1, pp_size=2)
     dst = Layout.mha([100, 101, 102, 103], [200, 201, 202, 203], [640] * 4, [640] * 4, 64, 64)
     choice = select_pairing("ascend", src, 2)
@@ -159,7 +165,7 @@ def test_row_ascend_mha_pp_legacy_slice_e9(kind):
 @pytest.mark.parametrize("backend", ["mooncake", "nixl", "Mooncake "])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_row_default_ids_pair_by_layer_id(backend, pp):
-    # E12: src ids [7,11,7,11] (MHA hybrid stage 1) onto dst [3,7,11,3,7,11].
+    # W-mha-hybrid-stage1: src ids [7,11,7,11] (MHA hybrid stage 1) onto dst [3,7,11,3,7,11].
     src = Layout.hybrid_linear([7, 11], [10, 11, 20, 21], [64] * 4, 4, mla=False,
                                pp_rank=pp - 1, pp_size=pp)
     dst = Layout.hybrid_linear([3, 7, 11], [100, 101, 102, 200, 201, 202], [64] * 6, 4,
@@ -171,16 +177,17 @@ def test_row_default_ids_pair_by_layer_id(backend, pp):
     assert dst_ptr_pairs(t, dst) == [(0, 101), (1, 102), (2, 201), (3, 202)]
 
 
-def test_row_default_ids_dense_mla_e25_stage1():
-    # E25 / TestHybridSendUsesLayerIdPairing stage 1: stage entry i -> decode entry 7 + i.
+def test_row_default_ids_dense_mla_hybrid_pp_stage1():
+    # W-hybrid-pp-stage1 / TestHybridSendUsesLayerIdPairing stage 1:
+    # stage entry i -> decode entry 7 + i.
     src = Layout.hybrid_linear(STAGE1, list(range(1000, 1008)), [64] * 8, 8, pp_rank=1, pp_size=2)
     dst = Layout.hybrid_linear(FULL60, list(range(2000, 2015)), [64] * 15, 8)
     t = select_pairing("mooncake", src).template(src, dst)
     assert t.pairs.tolist() == [[i, 7 + i] for i in range(8)]
 
 
-def test_row_default_no_ids_pp1_positional_e6():
-    # E6: pairs([], [], 3, 5, fallback=True) -> [(0,0),(1,1),(2,2)].
+def test_row_default_no_ids_pp1_positional():
+    # W-positional: pairs([], [], 3, 5, fallback=True) -> [(0,0),(1,1),(2,2)].
     src = Layout.mla([1, 2, 3], [640] * 3, 64)
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64)
     choice = select_pairing("mooncake", src, 1)
@@ -189,7 +196,7 @@ def test_row_default_no_ids_pp1_positional_e6():
 
 
 def test_row_default_no_ids_pp_legacy_slice():
-    # E8 on a non-Ascend backend: no ids, PP 2 -> strict legacy slicing.
+    # W-mla-pp-slice on a non-Ascend backend: no ids, PP 2 -> strict legacy slicing.
     src = Layout.mla([1, 2], [640, 640], 64, pp_rank=1, pp_size=2)
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64)
     choice = select_pairing("mooncake", src)
@@ -224,7 +231,7 @@ def test_legacy_kv_keeps_state_ids():
     choice = select_pairing("ascend", src)
     assert (choice.mode, choice.legacy_kind) == ("legacy", "mha")
     t = choice.template(src, dst, prefill_start_layer=1)
-    # K7 -> decode entry 1, V7 -> decode entry 3 (E9-style slice), state layer 5 -> entry 5.
+    # K7 -> decode entry 1, V7 -> decode entry 3 (legacy MHA slice), state layer 5 -> entry 5.
     assert t.pairs.tolist() == [[0, 1], [1, 3]]
     assert t.state_pairs.tolist() == [[2, 5]]
     assert choice.compare(src, dst, prefill_start_layer=1).compatible

@@ -1,4 +1,5 @@
-"""Hypothesis differential tests: kvplan vs tests/reference.py (a naive oracle written from the spec)."""
+"""Hypothesis differential tests: kvplan vs tests/reference.py (a naive oracle written from
+docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -208,10 +209,11 @@ def as_lists(plan):
 
 
 # ------------------------------------------------------------------------------ oracle sanity
-# The oracle itself reproduces the spec's worked examples (so differential tests mean something).
+# The oracle itself reproduces docs/semantics.md's worked examples (so differential tests mean
+# something).
 
 
-def test_reference_reproduces_spec_examples():
+def test_reference_reproduces_worked_examples():
     assert ref.runs_as_lists(ref.group_runs([0, 1, 2, 5, 6, 9], [10, 11, 12, 13, 14, 20])) == (
         [[0, 1, 2], [5, 6], [9]],
         [[10, 11, 12], [13, 14], [20]],
@@ -226,17 +228,17 @@ def test_reference_reproduces_spec_examples():
     for args in [([1], [], 1, 1), ([1, 9], [1, 2, 3], 2, 3), ([3, 3, 3], [3, 3], 3, 2), ([], [], 3, 5)]:
         with pytest.raises(ref.RefError):
             ref.pair_entries(*args)
-    # E10
+    # W-mla-flat-plan
     s = ref.RefLayout([1000, 2000], [1000, 1000], [64, 64])
     d = ref.RefLayout([5000, 6000], [1000, 1000], [64, 64])
     p = ref.plan_blocks(s, d, ref.template_pairs(s, d), [0, 1, 2, 7], [10, 11, 12, 3])
     assert (p.src, p.dst, p.lengths) == (
         [1000, 1448, 2000, 2448], [5640, 5192, 6640, 6192], [192, 64, 192, 64]
     )
-    # E9 uneven split, correct slices
+    # W-mha-pp-slice, uneven split: correct slices
     prs = ref.legacy_pp_pairs("mha", 16, 30, 7, decode_num_layers=15)
     assert [j for _, j in prs[8:]] == list(range(22, 30))
-    # E8 with draft
+    # W-mla-pp-slice with draft
     assert ref.legacy_pp_pairs("mla", 3, 6, 2, num_draft_entries=1) == [(0, 2), (1, 3), (2, 5)]
 
 

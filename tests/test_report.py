@@ -1,6 +1,6 @@
 """kvplan.compare: the handshake compatibility report.
 
-Pairings expected here are spec vectors (sglang-semantics.md §10/§11); the central property is
+Pairings expected here are docs/semantics.md's worked examples; the central property is
 that the report and Template never disagree (same verdict, same first error, same pairs).
 """
 
@@ -45,7 +45,7 @@ def template_outcome(src, dst, *args, **kwargs):
 
 
 def test_hybrid_stage1_compatible_pairs_by_layer_id():
-    # §10 TestHybridSendUsesLayerIdPairing, stage 1 of 60 layers: stage entry i -> decode 7+i.
+    # W-hybrid-pp-stage1, stage 1 of 60 layers: stage entry i -> decode 7+i.
     report = kvplan.compare(stage1(), decode())
     assert isinstance(report, CompatReport)
     assert report.compatible and bool(report)
@@ -74,7 +74,7 @@ def test_pp1_prefill_with_extra_decode_layers_is_flagged():
 
 
 def test_missing_layer_in_words():
-    # The issue's example: the stage covers 31–59 and sends draft layer 60; decode has no 60.
+    # A stage that covers 31–59 and sends draft layer 60; decode has no 60.
     src = stage1().with_draft([9 << 32], [64 * ITEM], ITEM, draft_layer_ids=[0],
                               num_hidden_layers=60)
     report = kvplan.compare(src, decode())
@@ -94,8 +94,9 @@ def test_missing_layer_in_words():
     assert str(again.value) == str(err.value)
 
 
-def test_item_size_mismatch_e18():
-    # E18: Mamba slot 16 bytes on prefill, 32 on decode -> refused before any transfer.
+def test_item_size_mismatch_mamba_slot():
+    # W-mamba-slot-mismatch: Mamba slot 16 bytes on prefill, 32 on decode -> refused before
+    # any transfer.
     src = stage1().with_state("mamba_conv", [7 << 32], [16 * 8], 16, [30])
     dst = decode().with_state("mamba_conv", [8 << 32], [32 * 8], 32, [30])
     report = kvplan.compare(src, dst)
@@ -129,7 +130,7 @@ def test_every_problem_listed_not_only_the_first():
 
 
 def test_one_sided_ids_said_once():
-    # E6 one-sided: ids on the prefill only, no fallback.
+    # W-positional, one-sided: ids on the prefill only, no fallback.
     src = Layout.mla([1, 2, 3], [640] * 3, 64, layer_ids=[0, 1, 2])
     dst = Layout.mla([4, 5, 6], [640] * 3, 64)
     report = kvplan.compare(src, dst)
@@ -142,8 +143,9 @@ def test_one_sided_ids_said_once():
     assert ok.compatible and ok.pairs == ((0, 0), (1, 1), (2, 2))
 
 
-def test_positional_counts_e6():
-    # E6: pairs([], [], 3, 5) -> "got src=3 dst=5 entries"; with fallback (0,0),(1,1),(2,2).
+def test_positional_counts():
+    # W-positional: pairs([], [], 3, 5) -> "got src=3 dst=5 entries";
+    # with fallback (0,0),(1,1),(2,2).
     src = Layout.mla([1, 2, 3], [640] * 3, 64)
     dst = Layout.mla([4, 5, 6, 7, 8], [640] * 5, 64)
     bad = kvplan.compare(src, dst)
@@ -154,8 +156,8 @@ def test_positional_counts_e6():
             in good.coverage)
 
 
-def test_legacy_slicing_options_pass_through_e8():
-    # E8: legacy MLA, start 2: src [1,2] -> dst entries 2, 3.
+def test_legacy_slicing_options_pass_through():
+    # W-mla-pp-slice: legacy MLA, start 2: src [1,2] -> dst entries 2, 3.
     src = Layout.mla([1, 2], [640, 640], 64, pp_rank=1, pp_size=2)
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64)
     report = kvplan.compare(src, dst, prefill_start_layer=2, legacy_kind="mla")

@@ -1,8 +1,9 @@
-"""Worked examples of ../shared/docs/sglang-semantics.md section 11, through kvplan's public API.
+"""The worked examples of docs/semantics.md ("Worked examples", W-…), through kvplan's public API.
 
-Every expected value below is copied from the spec (verified there against SGLang 0.5.23), not
-produced by running kvplan. Where SGLang raises RuntimeError, kvplan raises a KvPlanError
-subclass; where SGLang is wrong (E9's uneven split, R1), kvplan must be right or refuse.
+Every expected value below is copied from that table (SGLang 0.5.23's results), not produced by
+running kvplan. Where SGLang raises RuntimeError, kvplan raises a KvPlanError subclass; where
+SGLang is wrong (W-mha-pp-slice's uneven split, NPU id truncation in W-hybrid-ids), kvplan must
+be right or refuse.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvplan import KvPlanError, Layout, LayoutError, PairingError, SizeMismatchE
 
 
 def a(*xs: int) -> np.ndarray:
-    """The spec's a(...): an int32 numpy array."""
+    """docs/semantics.md's a(...): an int32 numpy array."""
     return np.array(xs, dtype=np.int32)
 
 
@@ -54,58 +55,58 @@ def has_num(msg: str, value) -> bool:
     return re.search(rf"(?<![0-9]){re.escape(str(value))}(?![0-9])", msg) is not None
 
 
-# ------------------------------------------------------------------------------------ E1-E3
+# ------------------------------------------------- W-runs-basic, W-runs-break, W-runs-empty
 
 
-def test_e1_runs():
+def test_w_runs_basic():
     assert gcc(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20)) == (
         [[0, 1, 2], [5, 6], [9]],
         [[10, 11, 12], [13, 14], [20]],
     )
 
 
-def test_e1_runs_raw_arrays():
+def test_w_runs_basic_raw_arrays():
     s, d, n = kvplan.group_contiguous(a(0, 1, 2, 5, 6, 9), a(10, 11, 12, 13, 14, 20))
     assert s.tolist() == [0, 5, 9]
     assert d.tolist() == [10, 13, 20]
     assert n.tolist() == [3, 2, 1]
 
 
-def test_e2_duplicates_break_runs():
+def test_w_runs_break_duplicates():
     assert gcc(a(3, 3, 4), a(7, 8, 9)) == ([[3], [3, 4]], [[7], [8, 9]])
 
 
-def test_e2_descents_break_runs():
+def test_w_runs_break_descents():
     assert gcc(a(5, 4, 3), a(1, 2, 3)) == ([[5], [4], [3]], [[1], [2], [3]])
 
 
-def test_e3_empty():
+def test_w_runs_empty_both():
     assert gcc(a(), a()) == ([], [])
 
 
 @pytest.mark.parametrize("src,dst", [(a(1, 2), a()), (a(), a(1, 2))])
-def test_e3_one_side_empty_is_an_error_not_a_silent_drop(src, dst):
-    # SGLang returns ([], []) here, silently dropping the pages of the non-empty side (R5/R14);
+def test_w_runs_empty_one_side_is_an_error_not_a_silent_drop(src, dst):
+    # SGLang returns ([], []) here, silently dropping the pages of the non-empty side;
     # kvplan's own API is strict. kvplan.compat.sglang reproduces SGLang's result exactly.
     with pytest.raises(KvPlanError, match=f"src has {len(src)} indices but dst has {len(dst)}"):
         kvplan.group_contiguous(src, dst)
 
 
-def test_e3_unequal_lengths():
+def test_w_runs_empty_unequal_lengths():
     with pytest.raises(KvPlanError) as ei:
         kvplan.group_contiguous(a(1, 2, 3), a(4, 5))
     msg = str(ei.value)
     assert has_num(msg, 3) and has_num(msg, 2), msg
 
 
-# ------------------------------------------------------------------------------------ E4-E6
+# ------------------------------------------------ W-kv-fifo, W-unique-draft-ids, W-positional
 
 
-def test_e4_kv_fifo_pairing():
+def test_w_kv_fifo_pairing():
     assert pairs([3, 7, 3, 7], [3, 7, 11, 3, 7, 11], 4, 6) == [(0, 0), (1, 1), (2, 3), (3, 4)]
 
 
-def test_e4_kv_fifo_pairing_with_roles():
+def test_w_kv_fifo_pairing_with_roles():
     got = pairs(
         [3, 7, 3, 7],
         [3, 7, 11, 3, 7, 11],
@@ -117,7 +118,7 @@ def test_e4_kv_fifo_pairing_with_roles():
     assert got == [(0, 0), (1, 1), (2, 3), (3, 4)]
 
 
-def test_e4_roles_prevent_k_v_crossing():
+def test_w_kv_fifo_roles_prevent_k_v_crossing():
     # Decode lists V before K: FIFO by id alone would pair K with V; (id, role) must not.
     got = pairs(
         [3, 7, 3, 7],
@@ -130,27 +131,27 @@ def test_e4_roles_prevent_k_v_crossing():
     assert got == [(0, 2), (1, 3), (2, 0), (3, 1)]
 
 
-def test_e5_pp_stages_with_draft():
+def test_w_unique_draft_ids_pp_stages():
     dst = [0, 1, 2, 3, 4, 5, 1000000]
     assert pairs([0, 1, 2, 3], dst, 4, 7) == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert pairs([4, 5, 1000000], dst, 3, 7) == [(0, 4), (1, 5), (2, 6)]
 
 
-def test_e6_positional():
+def test_w_positional():
     assert pairs([], [], 3, 5, fallback=True) == [(0, 0), (1, 1), (2, 2)]
     assert pairs([1], [], 1, 3, fallback=True) == [(0, 0)]
     assert pairs([9], [], 0, 0) == []
     assert pairs(None, None, 2, 2) == [(0, 0), (1, 1)]
 
 
-def test_e6_ids_as_numpy_arrays():
-    # kvplan accepts numpy id arrays (SGLang's truthiness test would raise on them, R17).
+def test_w_positional_ids_as_numpy_arrays():
+    # kvplan accepts numpy id arrays (SGLang's truthiness test would raise on them).
     got = pairs(np.array([3, 7, 3, 7]), np.array([3, 7, 11, 3, 7, 11]), 4, 6)
     assert got == [(0, 0), (1, 1), (2, 3), (3, 4)]
     assert pairs(np.array([], dtype=np.int64), None, 2, 2) == [(0, 0), (1, 1)]
 
 
-def test_e6_one_sided():
+def test_w_positional_one_sided():
     with pytest.raises(PairingError):
         kvplan.pair_entries([1], [], 1, 1)
     with pytest.raises(PairingError):
@@ -159,56 +160,56 @@ def test_e6_one_sided():
         kvplan.pair_entries(None, [1, 2], 2, 2)
 
 
-def test_e6_metadata_length():
+def test_w_positional_metadata_length():
     with pytest.raises(PairingError) as ei:
         kvplan.pair_entries([1, 2], [1, 2, 3], 3, 3)
     msg = str(ei.value)
     assert has_num(msg, 2) and has_num(msg, 3), msg
 
 
-def test_e6_missing_layer():
+def test_w_positional_missing_layer():
     with pytest.raises(PairingError) as ei:
         kvplan.pair_entries([1, 9], [1, 2, 3], 2, 3)
     assert has_num(str(ei.value), 9), str(ei.value)
 
 
-def test_e6_missing_occurrence():
+def test_w_positional_missing_occurrence():
     with pytest.raises(PairingError) as ei:
         kvplan.pair_entries([3, 3, 3], [3, 3], 3, 2)
     assert has_num(str(ei.value), 3), str(ei.value)
 
 
-def test_e6_positional_count_mismatch_without_fallback():
+def test_w_positional_count_mismatch_without_fallback():
     with pytest.raises(PairingError) as ei:
         kvplan.pair_entries([], [], 3, 5)
     msg = str(ei.value)
     assert has_num(msg, 3) and has_num(msg, 5), msg
 
 
-def test_e6_positional_fewer_dst_with_fallback():
+def test_w_positional_fewer_dst_with_fallback():
     with pytest.raises(PairingError) as ei:
         kvplan.pair_entries([], [], 5, 3, True)
     msg = str(ei.value)
     assert has_num(msg, 5) and has_num(msg, 3), msg
 
 
-# ------------------------------------------------------------------------------------ E7
+# ------------------------------------------------------------------------------- W-hybrid-ids
 
 
-def test_e7_hybrid_mla_ids():
+def test_w_hybrid_ids_mla():
     lay = Layout.hybrid_linear([3, 7], [100, 200], [64, 64], 8)
     assert lay.layer_ids == [3, 7]
     assert lay.n_entries == 2
 
 
-def test_e7_hybrid_mha_ids():
+def test_w_hybrid_ids_mha():
     lay = Layout.hybrid_linear([3, 7], [100, 200, 300, 400], [64] * 4, 8, mla=False)
     assert lay.layer_ids == [3, 7, 3, 7]
     assert lay.roles == ["k", "k", "v", "v"]
 
 
 @pytest.mark.parametrize("groups", [2, 3])
-def test_e7_npu_groups_ids(groups):
+def test_w_hybrid_ids_npu_groups(groups):
     n = 2 * groups
     lay = Layout.npu_groups([3, 7], list(range(100, 100 + 100 * n, 100)), [64] * n, 8)
     assert lay.layer_ids == [3, 7] * groups
@@ -216,15 +217,15 @@ def test_e7_npu_groups_ids(groups):
 
 
 @pytest.mark.parametrize("n_ptrs", [5, 1, 3])
-def test_e7_npu_groups_not_whole_multiple(n_ptrs):
-    # SGLang truncates ([3,7,3,7] for 5 entries) or silently goes positional ([] for 1) -- R1.
+def test_w_hybrid_ids_npu_groups_not_whole_multiple(n_ptrs):
+    # SGLang truncates ([3,7,3,7] for 5 entries) or silently goes positional ([] for 1).
     with pytest.raises(LayoutError) as ei:
         Layout.npu_groups([3, 7], list(range(100, 100 + 100 * n_ptrs, 100)), [64] * n_ptrs, 8)
     msg = str(ei.value)
     assert has_num(msg, n_ptrs) and has_num(msg, 2), msg
 
 
-# ------------------------------------------------------------------------------------ E8
+# ----------------------------------------------------------------------------- W-mla-pp-slice
 
 
 def legacy(kind, n_src, n_dst, start, **kw):
@@ -238,32 +239,32 @@ def apply_pairs(src, dst, prs):
     return [src[i] for i, _ in prs], [dst[j] for _, j in prs]
 
 
-def test_e8_mla_pp_slice():
+def test_w_mla_pp_slice():
     src, dst = [1, 2], [10, 11, 12, 13, 14]
     prs = legacy("mla", len(src), len(dst), 2)
     assert apply_pairs(src, dst, prs) == ([1, 2], [12, 13])
     assert len(prs) == 2
 
 
-def test_e8_mla_pp_slice_with_draft():
+def test_w_mla_pp_slice_with_draft():
     src, dst = [1, 2, 9], [10, 11, 12, 13, 14, 19]
     prs = legacy("mla", len(src), len(dst), 2, num_draft_entries=1)
     assert apply_pairs(src, dst, prs) == ([1, 2, 9], [12, 13, 19])
     assert len(prs) == 3
 
 
-def test_e8_mla_equal_lengths_unchanged():
+def test_w_mla_pp_slice_equal_lengths_unchanged():
     src, dst = [1, 2], [3, 4]
     assert apply_pairs(src, dst, legacy("mla", 2, 2, 5)) == ([1, 2], [3, 4])
 
 
 def test_mla_pp_slice_out_of_range_is_pairing_error():
-    # SGLang: dst[4:6] of 5 entries is short -> IndexError later (R4). kvplan: PairingError.
+    # SGLang: dst[4:6] of 5 entries is short -> IndexError later. kvplan: PairingError.
     with pytest.raises(PairingError):
         kvplan.legacy_pp_pairs("mla", 2, 5, 4)
 
 
-# ------------------------------------------------------------------------------------ E9
+# ----------------------------------------------------------------------------- W-mha-pp-slice
 
 
 def mha_slices(src, dst, start, **kw):
@@ -276,7 +277,7 @@ def mha_slices(src, dst, start, **kw):
     return k, v
 
 
-def test_e9_mha_even_split():
+def test_w_mha_pp_slice_even_split():
     src = [102, 103, 202, 203]
     dst = [100, 101, 102, 103, 200, 201, 202, 203]
     assert mha_slices(src, dst, 2, decode_num_layers=4) == ([102, 103], [202, 203])
@@ -286,7 +287,7 @@ def test_e9_mha_even_split():
         mha_slices(src, dst, 2)
 
 
-def test_e9_mha_draft_layout_with_decode_layer_count():
+def test_w_mha_pp_slice_draft_layout_with_decode_layer_count():
     # dst = K0..K3, V0..V3, draft K, draft K, draft V, draft V; prefill has the 4 main layers.
     K = [1000 + i for i in range(4)]
     V = [2000 + i for i in range(4)]
@@ -295,35 +296,35 @@ def test_e9_mha_draft_layout_with_decode_layer_count():
     assert mha_slices(src, dst, 0, decode_num_layers=4) == (K, V)
 
 
-# 15 layers split 7 + 8, decode PP 1, no draft, K=1000+i, V=2000+i (E9 uneven split, R2).
-E9_DST = [1000 + i for i in range(15)] + [2000 + i for i in range(15)]
-E9_CASES = [
+# 15 layers split 7 + 8, decode PP 1, no draft, K=1000+i, V=2000+i (W-mha-pp-slice, uneven split).
+UNEVEN_DST = [1000 + i for i in range(15)] + [2000 + i for i in range(15)]
+UNEVEN_CASES = [
     # (stage layers, start, correct K, correct V, SGLang's wrong V)
     (7, 0, list(range(1000, 1007)), list(range(2000, 2007)), [1014] + list(range(2000, 2006))),
     (8, 7, list(range(1007, 1015)), list(range(2007, 2015)), list(range(2000, 2008))),
 ]
 
 
-@pytest.mark.parametrize("case", E9_CASES, ids=["stage0", "stage1"])
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=["stage0", "stage1"])
 @pytest.mark.parametrize("kw", [{"decode_num_layers": 15}, {}], ids=["with_layers", "no_layers"])
-def test_e9_mha_uneven_split_correct_or_error(case, kw):
+def test_w_mha_pp_slice_uneven_split_correct_or_error(case, kw):
     n, start, good_k, good_v, sglang_v = case
     src = list(range(2 * n))
     try:
-        k, v = mha_slices(src, E9_DST, start, **kw)
+        k, v = mha_slices(src, UNEVEN_DST, start, **kw)
     except PairingError:
         assert "decode_num_layers" not in kw, "decode layer count given: must slice correctly"
         return
-    assert v != sglang_v, "SGLang's wrong slice (issue #27740)"
+    assert v != sglang_v, "SGLang's wrong slice for an uneven split"
     assert (k, v) == (good_k, good_v)
 
 
 @pytest.mark.parametrize(
     "n_src,n_dst,start",
     [
-        (5, 10, 0),  # odd MHA source count: SGLang drops the last V silently (R4)
-        (4, 8, 3),  # slice runs into the V block (R4)
-        (6, 8, 2),  # K slice 2..5 overruns the 4 decode layers (R4: IndexError / wrong layers)
+        (5, 10, 0),  # odd MHA source count: SGLang drops the last V silently
+        (4, 8, 3),  # slice runs into the V block
+        (6, 8, 2),  # K slice 2..5 overruns the 4 decode layers (SGLang: IndexError / wrong layers)
     ],
 )
 def test_mha_legacy_strict_errors(n_src, n_dst, start):
@@ -333,7 +334,7 @@ def test_mha_legacy_strict_errors(n_src, n_dst, start):
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_legacy_empty_stage_no_crash(kind):
-    # SGLang divides by zero for an empty MHA stage (R2). kvplan: no pairs, or a PairingError.
+    # SGLang divides by zero for an empty MHA stage. kvplan: no pairs, or a PairingError.
     try:
         out = kvplan.legacy_pp_pairs(kind, 0, 8, 0)
     except PairingError:
@@ -341,10 +342,10 @@ def test_legacy_empty_stage_no_crash(kind):
     assert out.shape == (0, 2)
 
 
-# ------------------------------------------------------------------------------------ E10-E12
+# ------------------------------------ W-mla-flat-plan, W-mha-halves-plan, W-mha-hybrid-stage1
 
 
-def test_e10_generic_mla_flat():
+def test_w_mla_flat_plan():
     src = Layout.mla([1000, 2000], [1000, 1000], 64)
     dst = Layout.mla([5000, 6000], [1000, 1000], 64)
     t = Template(src, dst)
@@ -360,7 +361,7 @@ def test_e10_generic_mla_flat():
 
 
 @pytest.mark.parametrize("with_ids", [False, True])
-def test_e11_generic_mha_kv_halves(with_ids):
+def test_w_mha_halves_plan(with_ids):
     ids = [0, 1] if with_ids else None
     src = Layout.mha([100, 200], [300, 400], [100, 100], [128, 128], 8, 16, layer_ids=ids)
     dst = Layout.mha([1100, 1200], [1300, 1400], [100, 100], [128, 128], 8, 16, layer_ids=ids)
@@ -374,7 +375,7 @@ def test_e11_generic_mha_kv_halves(with_ids):
     )
 
 
-def test_e12_layer_id_path_mha_pp_stage1():
+def test_w_mha_hybrid_stage1_layer_id_path():
     src = Layout(
         [10, 11, 20, 21], [64] * 4, 4, layer_ids=[7, 11, 7, 11], pp_rank=1, pp_size=2
     )
@@ -385,7 +386,7 @@ def test_e12_layer_id_path_mha_pp_stage1():
     assert blocks(plan) == ([10, 11, 20, 21], [121, 122, 221, 222], [8, 8, 8, 8])
 
 
-def test_e12_with_named_constructor_and_roles():
+def test_w_mha_hybrid_stage1_named_constructor_and_roles():
     src = Layout.mha([10, 11], [20, 21], [64, 64], [64, 64], 4, 4, layer_ids=[7, 11])
     dst = Layout.mha(
         [100, 101, 102], [200, 201, 202], [64] * 3, [64] * 3, 4, 4, layer_ids=[3, 7, 11]
@@ -396,7 +397,7 @@ def test_e12_with_named_constructor_and_roles():
     assert blocks(plan) == ([10, 11, 20, 21], [121, 122, 221, 222], [8, 8, 8, 8])
 
 
-# ------------------------------------------------------------------------------------ E17-E18
+# ------------------------------------------------------ W-mamba-slot-stage1, W-mamba-slot-mismatch
 
 
 def _mamba_layouts(src_item, dst_items, src_ids, dst_ids):
@@ -421,7 +422,7 @@ def _mamba_layouts(src_item, dst_items, src_ids, dst_ids):
     return src, dst
 
 
-def test_e17_mamba_slot_pp_stage1():
+def test_w_mamba_slot_stage1():
     src, dst = _mamba_layouts(16, [8, 16], [7], [3, 7])
     assert src.kinds == ["page", "state"]
     assert src.roles is None or src.roles[1] == "mamba_conv"
@@ -432,7 +433,7 @@ def test_e17_mamba_slot_pp_stage1():
     assert plan.n_blocks == 1 and plan.total_bytes == 16
 
 
-def test_e18_mamba_slot_size_mismatch_with_ids():
+def test_w_mamba_slot_mismatch_with_ids():
     src, dst = _mamba_layouts(16, [32], [7], [7])
     with pytest.raises(SizeMismatchError) as ei:
         Template(src, dst)
@@ -441,7 +442,7 @@ def test_e18_mamba_slot_size_mismatch_with_ids():
     assert "mamba_conv" in msg, msg
 
 
-def test_e18_mamba_slot_size_mismatch_positional():
+def test_w_mamba_slot_mismatch_positional():
     src, dst = _mamba_layouts(16, [32], None, None)
     with pytest.raises(SizeMismatchError) as ei:
         Template(src, dst, allow_positional_fallback=True)
@@ -449,10 +450,10 @@ def test_e18_mamba_slot_size_mismatch_positional():
     assert has_num(msg, 16) and has_num(msg, 32), msg
 
 
-# ------------------------------------------------------------------------------------ E22, E25
+# ------------------------------------------------------------ W-ascend-pp1-flat, W-hybrid-pp-stage1
 
 
-def test_e22_ascend_pp1_flat():
+def test_w_ascend_pp1_flat():
     src = Layout.mla([1000, 2000, 3000], [1000] * 3, [10, 20, 30], device="npu")
     dst = Layout.mla([7000, 8000, 9000], [1000] * 3, [10, 20, 30], device="npu")
     plan = Template(src, dst).plan(a(1, 2, 5), a(4, 5, 9))
@@ -469,8 +470,9 @@ def test_e22_ascend_pp1_flat():
     [(60, 8, 7), (60, 7, 0), (48, 5, 0)],
     ids=["60_layers_stage1", "60_layers_stage0", "48_layers_stage0"],
 )
-def test_e25_hybrid_by_layer_id(n_model, F, off):
-    """E25 / TestHybridSendUsesLayerIdPairing: full attention every 4th layer, one page 0 -> 0."""
+def test_w_hybrid_pp_stage1_by_layer_id(n_model, F, off):
+    """W-hybrid-pp-stage1 / TestHybridSendUsesLayerIdPairing: full attention every 4th layer,
+    one page 0 -> 0."""
     full = list(range(3, n_model, 4))
     N = len(full)
     stage = full[off:off + F]
@@ -494,7 +496,7 @@ def test_e25_hybrid_by_layer_id(n_model, F, off):
         [2000 + off + i for i in range(F)] + [2000 + N + off + i for i in range(F)],
         [10 + i for i in range(F)] + [10 + F + i for i in range(F)],
     )
-    if (n_model, off) == (60, 7):  # the spec's literal E25 numbers
+    if (n_model, off) == (60, 7):  # W-hybrid-pp-stage1's literal numbers
         assert blocks(plan) == (
             list(range(1000, 1016)),
             list(range(2007, 2015)) + list(range(2022, 2030)),
@@ -502,16 +504,17 @@ def test_e25_hybrid_by_layer_id(n_model, F, off):
         )
 
 
-def test_e26_mha_draft_geometry_15_plus_1():
-    """E26 / TestGetMhaKvPtrsWithPp: prefill 15 layers (30 ptrs 0..29), decode 15 + 1 draft
-    (32 ptrs 100..131, draft K/V at the end), start 0 -> dst_k 100..114, dst_v 115..129."""
+def test_w_mha_draft_tail_15_plus_1():
+    """W-mha-draft-tail / TestGetMhaKvPtrsWithPp: prefill 15 layers (30 ptrs 0..29), decode
+    15 + 1 draft (32 ptrs 100..131, draft K/V at the end), start 0 -> dst_k 100..114,
+    dst_v 115..129."""
     src = list(range(30))
     dst = list(range(100, 132))
     k, v = mha_slices(src, dst, 0, decode_num_layers=15)
     assert (k, v) == (list(range(100, 115)), list(range(115, 130)))
 
 
-def test_e9_uneven_split_through_template():
+def test_w_mha_pp_slice_uneven_split_through_template():
     # Legacy peers (no ids): stage 1 of 15 layers split 7 + 8, decode PP 1 knows its 15 layers.
     K = [1000 + i for i in range(15)]
     V = [2000 + i for i in range(15)]
@@ -526,7 +529,7 @@ def test_e9_uneven_split_through_template():
 @pytest.mark.parametrize(
     "n_main,n_draft,start",
     [(15, 1, 0), (4, 2, 0)],
-    ids=["E26_15_plus_1", "E9_draft_4_plus_2"],
+    ids=["draft_tail_15_plus_1", "mha_pp_slice_draft_4_plus_2"],
 )
 def test_mha_draft_layout_without_decode_layer_count_correct_or_error(n_main, n_draft, start):
     """Decode = K main, V main, draft K, draft V; the caller does not pass decode_num_layers.
@@ -546,7 +549,7 @@ def test_mha_draft_layout_without_decode_layer_count_correct_or_error(n_main, n_
     assert (k, v) == (K, V)
 
 
-def test_e8_mla_pp_slice_with_draft_through_template():
+def test_w_mla_pp_slice_with_draft_through_template():
     # Legacy MLA peers (no ids): stage start 2 owns layers 2, 3 plus one draft entry.
     src = Layout([1, 2, 9], [640] * 3, 64, roles=["kv", "kv", "draft"])
     dst = Layout([10, 11, 12, 13, 14, 19], [640] * 6, 64, roles=["kv"] * 5 + ["draft"])

@@ -1,9 +1,9 @@
 """``kvplan explain``: what a plan will do for a model, a request size, a PP split, fragmentation.
 
-For a preset (design.md §7) or two layout JSON files (``Layout.to_dict`` format), it builds the
-template of every prefill PP stage against the decode peer (with the pairing
-:func:`kvplan.select_pairing` picks for ``--backend``), plans one request and prints entries
-paired, runs, blocks, bytes, a run-length histogram, bytes per layer and warnings.
+For a preset (docs/design.md, Reference scenarios) or two layout JSON files (``Layout.to_dict``
+format), it builds the template of every prefill PP stage against the decode peer (with the
+pairing :func:`kvplan.select_pairing` picks for ``--backend``), plans one request and prints
+entries paired, runs, blocks, bytes, a run-length histogram, bytes per layer and warnings.
 ``--plot FILE.png`` draws the histogram and bytes per layer (matplotlib, the ``plot`` extra,
 imported only then).
 
@@ -42,7 +42,8 @@ Runner = Callable[[argparse.Namespace], int]
 DEFAULT_MAX_BLOCKS = 1024
 #: Average block size below which per-block engine overhead dominates (warning threshold).
 SMALL_BLOCK_BYTES = 16 << 10
-#: design.md §6: handing Mooncake Python lists costs ~20-100 ns per element (three lists).
+#: Handing Mooncake Python lists costs ~20-100 ns per element, three lists (docs/design.md,
+#: Performance model).
 LIST_NS_PER_ELEMENT = (20, 100)
 #: Exit statuses of ``kvplan explain``.
 EXIT_OK, EXIT_INCOMPATIBLE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -473,7 +474,7 @@ def _plan_warnings(e: Explanation) -> list[str]:
     lo, hi = (e.blocks * 3 * ns / 1e6 for ns in LIST_NS_PER_ELEMENT)
     if lo >= 1.0:
         out.append(f"handing {e.blocks:,} blocks to Mooncake as Python lists costs about "
-                   f"{lo:.0f}–{hi:.0f} ms (design.md §6: 20–100 ns per list element)")
+                   f"{lo:.0f}–{hi:.0f} ms (20–100 ns per list element, 3 elements per block)")
     for s in e.stages:
         out += [f"{s.label}: {p}" for p in s.problems]
     return out
@@ -708,7 +709,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
     setattr(parser, "error", _one_line_error(parser))  # an instance attribute, not a subclass
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS),
-                     help="reference model (design.md §7)")
+                     help="reference model (docs/design.md, Reference scenarios)")
     src.add_argument("--prefill", action="append", metavar="FILE.json",
                      help="prefill layout JSON (Layout.to_dict); repeat once per PP stage")
     parser.add_argument("--decode", metavar="FILE.json",
