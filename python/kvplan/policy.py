@@ -1,9 +1,9 @@
-"""The seed's dispatch as an explicit policy: which pairing a backend uses for a layout.
+"""SGLang's Ascend dispatch as an explicit policy: which pairing a backend uses for a layout.
 
-The seed (SGLang's Ascend fix for Kimi-style hybrid models) keeps Ascend's legacy positional PP
+SGLang's fix for Ascend hybrid-linear (Kimi-style) models keeps Ascend's legacy positional PP
 slicing for every layout except one: hybrid-linear MLA with prefill PP > 1, which it moves to
 pairing by global layer id, because positional slicing picks the wrong decode entries for later
-PP stages there (sglang-semantics.md §7). kvplan's own default is simpler: pair by layer id
+PP stages there (docs/semantics.md, Ascend). kvplan's own default is simpler: pair by layer id
 whenever the peers publish ids, on every backend. :func:`select_pairing` returns which rule a
 given (backend, layout, PP size) gets, so an engine that must keep Ascend's legacy behaviour
 for the other layouts can do so explicitly, in one tested place.
@@ -11,7 +11,7 @@ for the other layouts can do so explicitly, in one tested place.
 =========  =============================  ===========  ========================================
 backend    prefill layout                 prefill PP   pairing
 =========  =============================  ===========  ========================================
-ascend     hybrid-linear MLA              > 1          ``layer_id`` (the seed's fix)
+ascend     hybrid-linear MLA              > 1          ``layer_id`` (SGLang's Ascend hybrid fix)
 ascend     hybrid-linear MLA              1            ``positional`` (legacy flat)
 ascend     MLA / NPU buffer groups        > 1          ``legacy`` slicing, kind ``mla``
 ascend     MHA (incl. hybrid MHA)         > 1          ``legacy`` slicing, kind ``mha``
@@ -116,7 +116,7 @@ class PairingChoice:
         src, dst = prefill_layout, decode_layout
         if self.mode != "layer_id":
             # Legacy slicing is per role when both peers publish roles (k/v, NPU buffer groups,
-            # draft), which is Ascend's per-group slicing (sglang-semantics.md §5.3).
+            # draft), which is Ascend's per-group slicing (docs/semantics.md, Ascend).
             src, dst = _without_page_ids(src), _without_page_ids(dst)
         return src, dst, kwargs
 
@@ -202,10 +202,10 @@ def layout_kind(layout: Layout) -> str:
 
 
 def select_pairing(backend: str, layout: Layout | str, pp_size: int | None = None) -> PairingChoice:
-    """Pick the pairing rule for a prefill peer: the seed's Ascend dispatch, kvplan elsewhere.
+    """Pick the pairing rule for a prefill peer: SGLang's Ascend dispatch, kvplan elsewhere.
 
     Args:
-        backend: Transfer backend of the prefill peer: ``"ascend"`` gets the seed's dispatch;
+        backend: Transfer backend of the prefill peer: ``"ascend"`` gets SGLang's Ascend dispatch;
             any other name (``"mooncake"``, ``"nixl"``, ...) gets kvplan's default.
         layout: The prefill layout (its kind is inferred with :func:`layout_kind`), or a kind
             string from :data:`LAYOUT_KINDS`. A string says nothing about published ids:
@@ -252,7 +252,7 @@ def select_pairing(backend: str, layout: Layout | str, pp_size: int | None = Non
             return choice("layer_id", k, None, "ascend-hybrid-mla-pp",
                           "Ascend hybrid-linear MLA with prefill PP > 1: positional slicing "
                           "picks the wrong decode entries for later stages, so pair by global "
-                          "layer id (the seed's fix)")
+                          "layer id (SGLang's fix for Ascend hybrid-linear models)")
         if pp_size == 1:
             return choice("positional", k, None, "ascend-pp1",
                           "Ascend with prefill PP = 1: legacy flat positional pairing (entry i "

@@ -360,7 +360,7 @@ impl Layout {
 
     /// NPU pool with G buffer groups per layer, group-major (`[g0 per layer…, g1 per layer…]`);
     /// each layer id is published once per group. A buffer count that is not a whole multiple
-    /// of the layer count is an error, never a truncation (seed risk R1).
+    /// of the layer count is an error, never a truncation (SGLang truncates with `//`).
     ///
     /// # Errors
     /// [`PlanError::GroupsNotWhole`], or [`PlanError::InvalidLayout`] for bad group roles.

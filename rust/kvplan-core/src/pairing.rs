@@ -44,7 +44,7 @@ impl<'a> EntryMetadata<'a> {
 /// Pairs every source entry with a destination entry.
 ///
 /// Same pairs and the same error conditions as SGLang's `build_transfer_entry_pairs`
-/// (sglang-semantics.md §3), plus: when both peers publish roles, no entry ever pairs with an
+/// (docs/semantics.md, Entry pairing), plus: when both peers publish roles, no entry ever pairs with an
 /// entry of another role. With ids the key is (layer id, role); without ids (positional
 /// pairing) the k-th entry of a role pairs with the k-th entry of that role on the other side.
 ///
@@ -250,8 +250,8 @@ pub enum LegacyKind {
 
 /// Positional pipeline-parallel slicing for peers that publish no layer ids.
 ///
-/// SGLang's `get_mla_kv_ptrs_with_pp` / `get_mha_kv_ptrs_with_pp` (sglang-semantics.md §5.1,
-/// §5.2), made strict: a slice that does not fit, an odd MHA entry count or an empty stage is an
+/// SGLang's `get_mla_kv_ptrs_with_pp` / `get_mha_kv_ptrs_with_pp` (docs/semantics.md, Legacy
+/// PP slicing), made strict: a slice that does not fit, an odd MHA entry count or an empty stage is an
 /// error, and the MHA V block starts at the decode's layer count (`decode_num_layers`, or half
 /// the decode entries when unknown), never at the modulo heuristic that mis-slices uneven splits.
 ///
@@ -307,8 +307,8 @@ pub fn legacy_pp_pairs(
             if layers == dst_half {
                 return collect_exact(n_src, (0..n_src).map(|i| [i, i]));
             }
-            // From counts alone an uneven PP split and appended draft K/V look the same (R2:
-            // SGLang's modulo heuristic guesses and silently mis-slices), so the decode's layer
+            // From counts alone an uneven PP split and appended draft K/V look the same
+            // (SGLang's modulo heuristic guesses and silently mis-slices), so the decode's layer
             // count must be known.
             let Some(decode_layers) = decode_num_layers else {
                 return fail(format!(
@@ -358,7 +358,7 @@ mod tests {
     }
 
     #[test]
-    fn e4_fifo_kv() {
+    fn worked_example_kv_fifo() {
         assert_eq!(
             pairs(&[3, 7, 3, 7], &[3, 7, 11, 3, 7, 11], 4, 6, false).unwrap(),
             vec![[0, 0], [1, 1], [2, 3], [3, 4]]
@@ -366,7 +366,7 @@ mod tests {
     }
 
     #[test]
-    fn e6_positional_and_errors() {
+    fn worked_example_positional_and_errors() {
         assert_eq!(
             pairs(&[], &[], 3, 5, true).unwrap(),
             vec![[0, 0], [1, 1], [2, 2]]
@@ -537,7 +537,7 @@ mod tests {
     }
 
     #[test]
-    fn e8_mla_slices() {
+    fn worked_example_mla_pp_slices() {
         assert_eq!(
             legacy_pp_pairs(LegacyKind::Mla, 2, 5, 2, 0, None).unwrap(),
             vec![[0, 2], [1, 3]]
@@ -554,7 +554,7 @@ mod tests {
     }
 
     #[test]
-    fn e9_mha_uneven_split_is_correct() {
+    fn worked_example_mha_uneven_split_is_correct() {
         // 15 layers split 7 + 8; decode holds K0..K14 then V0..V14.
         let stage0 = legacy_pp_pairs(LegacyKind::Mha, 14, 30, 0, 0, Some(15)).unwrap();
         assert_eq!(

@@ -286,14 +286,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn e1_runs() {
+    fn worked_example_runs_basic() {
         let (s, d, l) =
             group_contiguous(&[0i32, 1, 2, 5, 6, 9], &[10i32, 11, 12, 13, 14, 20]).unwrap();
         assert_eq!((s, d, l), (vec![0, 5, 9], vec![10, 13, 20], vec![3, 2, 1]));
     }
 
     #[test]
-    fn e2_duplicates_and_descents_break() {
+    fn duplicates_and_descents_break_runs() {
         let (s, _, l) = group_contiguous(&[3i64, 3, 4], &[7i64, 8, 9]).unwrap();
         assert_eq!((s, l), (vec![3, 3], vec![1, 2]));
         let (s, _, l) = group_contiguous(&[5i64, 4, 3], &[1i64, 2, 3]).unwrap();

@@ -248,7 +248,8 @@ fn local_partners(
     match options.prefill_start_layer {
         Some(start) if legacy => {
             // Both peers say which buffer group each entry belongs to (k/v, NPU groups g0/g1…,
-            // draft): slice each group on its own, as Ascend's per-group slicing does (§5.3).
+            // draft): slice each group on its own, as Ascend's per-group slicing does
+            // (docs/semantics.md, Ascend).
             if let (Some(src_roles), Some(dst_roles)) = (&src_roles, &dst_roles) {
                 let partners = slice_per_role(src_roles, dst_roles, start)?;
                 return Ok(partners.into_iter().map(Ok).collect());
@@ -621,7 +622,7 @@ mod tests {
 
     #[test]
     fn legacy_slicing_is_per_buffer_group() {
-        // E23: NPU groups, decode [g0 x4, g1 x4, draft g0, draft g1], prefill stage from layer 2.
+        // W-ascend-groups (docs/semantics.md): NPU groups, decode [g0 x4, g1 x4, draft g0, draft g1], prefill stage from layer 2.
         let ctx = LayoutContext::default;
         let roles = |r: &[&str]| r.iter().map(ToString::to_string).collect::<Vec<_>>();
         let parts = |ptrs: Vec<u64>, r: Vec<String>| crate::layout::LayoutParts {
@@ -767,7 +768,7 @@ mod request_tests {
     }
 
     #[test]
-    fn e10_mla_flat() {
+    fn worked_example_mla_flat_plan() {
         let ctx = LayoutContext::default;
         let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
         let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
@@ -859,7 +860,7 @@ mod request_tests {
     }
 
     #[test]
-    fn state_slot_e17() {
+    fn worked_example_mamba_slot_stage1() {
         let ctx = LayoutContext::default;
         let src = Layout::mla(vec![], vec![], vec![], None, ctx())
             .unwrap()

@@ -2,8 +2,8 @@
 //!
 //! Writing a 2M-block plan into fresh memory costs ~25 ms of page faults (the kernel maps and
 //! zero-fills every page, and large frees go back to the OS), versus ~3 ms into a warm buffer
-//! (see docs/design.md, Performance model). Plans therefore draw their buffers from this pool, and a buffer comes back
-//! when the last NumPy array viewing it dies.
+//! (see docs/design.md, Performance model). Plans therefore draw their buffers from this pool,
+//! and a buffer comes back when the last NumPy array viewing it dies.
 
 use std::sync::Mutex;
 
