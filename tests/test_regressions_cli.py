@@ -520,3 +520,19 @@ def test_documented_difference_unmaterialisable_counts_fail_up_front() -> None:
 
     with pytest.raises(OverflowError):  # SGLang: MemoryError while building the list
         build_transfer_entry_pairs(None, None, 2**63, 2**63, True)
+
+
+def test_output_cut_short_by_the_reader_is_quiet() -> None:
+    # `kvplan explain ... | head`: the reader closes the pipe early; no traceback, no
+    # "bad input" message, the shell's usual status for SIGPIPE.
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvplan.cli", "explain", "--preset",
+                             "deepseek-v3", "--pages", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "Broken pipe" not in err

@@ -10,6 +10,7 @@ when an optional engine is missing.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -59,9 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # argparse exits on --help and bad arguments; return the status
         return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 2
     try:
-        return int(args._run(args))
+        status = int(args._run(args))
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`kvplan explain ... | head`): stop quietly, as shell tools do.
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -113,24 +113,19 @@ def decode_pages(pages: int, fragmentation: float, seed: int) -> tuple[Any, int]
     """Decode page indices: ``pages`` values, ``round(fragmentation * (pages - 1))`` breaks.
 
     A break skips one free page, so the list needs ``pages + breaks`` slots and has exactly
-    ``breaks + 1`` runs against a contiguous prefill list.
+    ``breaks + 1`` runs against a contiguous prefill list (:func:`kvplan.presets.fragmented_pages`
+    with the option names of ``kvplan explain`` in its errors).
     """
-    import numpy as np
-
     if pages < 1:
         raise ValueError(f"--pages must be at least 1, got {pages}")
     if not 0.0 <= fragmentation <= 1.0:
         raise ValueError(f"--fragmentation must be in [0, 1], got {fragmentation}")
     if seed < 0:  # numpy's own message would not name the option
         raise ValueError(f"--seed must be at least 0, got {seed}")
+    from kvplan.presets import fragmented_pages
+
     breaks = round(fragmentation * (pages - 1))
-    steps = np.ones(pages, dtype=np.int64)
-    steps[0] = 0
-    if breaks:
-        rng = np.random.default_rng(seed)
-        at = rng.choice(np.arange(1, pages), size=breaks, replace=False)
-        steps[at] = 2
-    return np.cumsum(steps), breaks
+    return fragmented_pages(pages, fragmentation, seed=seed), breaks
 
 
 def _stage_start(decode: Any, stage: Any) -> int | None:
@@ -859,6 +854,8 @@ def run(args: argparse.Namespace) -> int:
     3 on an internal error (so that 1 never stands for a crash)."""
     try:
         return _run(args)
+    except BrokenPipeError:
+        raise  # the reader went away: the console script stops quietly
     except (ValueError, OSError) as err:  # KvPlanError is a ValueError
         print(f"kvplan explain: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE

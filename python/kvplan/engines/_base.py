@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -390,17 +390,31 @@ class Transport:
             raise ValueError(f"max_blocks_per_batch must be positive, got {bound}")
         return bound
 
-    def _write_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64) -> None:
+    def _call_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64,
+                    call: Callable[[str, list[int], list[int], list[int]], Any], *,
+                    hold_budget: bool) -> Any:
+        """One engine call for one batch; returns what ``call`` returned.
+
+        Reserves the batch's blocks in the per-peer in-flight budget, converts the columns to
+        lists once (the bindings want lists, and ``.tolist()`` is the fast path), and turns an
+        engine exception into a :class:`TransferError` naming the batch. The budget is released
+        when the call returns, unless ``hold_budget`` (async batches keep it until waited on).
+        """
         n = len(src)
-        # One conversion per batch: the bindings want lists, and .tolist() is the fast path.
         s, d, ln = src.tolist(), dst.tolist(), lengths.tolist()
         self._acquire_budget(peer, n)
         try:
-            status = self._engine_write(peer, s, d, ln)
+            result = call(peer, s, d, ln)
         except Exception as exc:
-            raise self._batch_error(peer, index, lengths, status=None, cause=exc) from exc
-        finally:
             self._in_flight.release(peer, n)
+            raise self._batch_error(peer, index, lengths, status=None, cause=exc) from exc
+        if not hold_budget:
+            self._in_flight.release(peer, n)
+        return result
+
+    def _write_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64) -> None:
+        status = self._call_batch(peer, index, src, dst, lengths, self._engine_write,
+                                  hold_budget=False)
         if status != 0:
             raise self._batch_error(peer, index, lengths, status=status, cause=None)
 

@@ -166,23 +166,19 @@ class MooncakeTransport(Transport):
         pending = PendingTransfer(self, peer_session, src, dst, lengths)
         for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
             pending._n_batches += 1
-            n = hi - lo
-            self._acquire_budget(peer_session, n)
-            s, d, ln = src[lo:hi].tolist(), dst[lo:hi].tolist(), lengths[lo:hi].tolist()
             try:
-                value = int(self._engine.batch_transfer_async_write(peer_session, s, d, ln))
-            except Exception as exc:
-                self._in_flight.release(peer_session, n)
-                err = self._batch_error(peer_session, index, lengths[lo:hi], status=None,
-                                        cause=exc)
-                pending._abort(err)
-                raise err from exc
+                value = int(self._call_batch(peer_session, index, src[lo:hi], dst[lo:hi],
+                                             lengths[lo:hi], self._engine.batch_transfer_async_write,
+                                             hold_budget=True))
+            except TransferError as raised:
+                pending._abort(raised)
+                raise
             if value == 0:  # a failed submit is not a batch: it must never be waited on
-                self._in_flight.release(peer_session, n)
-                err = self._batch_error(peer_session, index, lengths[lo:hi], status=-1,
-                                        cause=None)
-                pending._abort(err)
-                raise err
+                self._in_flight.release(peer_session, hi - lo)
+                failed = self._batch_error(peer_session, index, lengths[lo:hi], status=-1,
+                                           cause=None)
+                pending._abort(failed)
+                raise failed
             bid = _BatchId(value, index, lo, hi, pending)
             pending._outstanding += 1
             with self._async_lock:

@@ -99,28 +99,32 @@ fn steps<T: PageIndex>(prev: T, next: T) -> bool {
     prev.steps_to(next)
 }
 
-/// Positions `i >= 1` where a run breaks: either side's step is not exactly +1.
-fn count_breaks<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> usize {
+/// For each consecutive pair of positions, whether a run breaks there: either side's step is
+/// not exactly +1. Both counting and masking go through this one definition.
+#[inline]
+fn step_breaks<'a, S: PageIndex, D: PageIndex>(
+    src: &'a [S],
+    dst: &'a [D],
+) -> impl Iterator<Item = bool> + 'a {
     let src_steps = src.iter().zip(&src[1..]);
     let dst_steps = dst.iter().zip(&dst[1..]);
     src_steps
         .zip(dst_steps)
-        .map(|((&s0, &s1), (&d0, &d1))| usize::from(!(steps(s0, s1) & steps(d0, d1))))
-        .sum()
+        .map(|((&s0, &s1), (&d0, &d1))| !(steps(s0, s1) & steps(d0, d1)))
 }
 
-/// Bit `k` set when a run breaks between `src[k]` and `src[k + 1]` (either side's step is not
-/// +1); at most 65 values per call.
+/// Positions `i >= 1` where a run breaks.
+#[inline]
+fn count_breaks<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> usize {
+    step_breaks(src, dst).map(usize::from).sum()
+}
+
+/// Bit `k` set when a run breaks between `src[k]` and `src[k + 1]`; at most 65 values per call.
 #[inline]
 fn break_mask<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> u64 {
-    let src_steps = src.iter().zip(&src[1..]);
-    let dst_steps = dst.iter().zip(&dst[1..]);
-    src_steps
-        .zip(dst_steps)
+    step_breaks(src, dst)
         .enumerate()
-        .fold(0u64, |mask, (k, ((&s0, &s1), (&d0, &d1)))| {
-            mask | (u64::from(!(steps(s0, s1) & steps(d0, d1))) << k)
-        })
+        .fold(0u64, |mask, (k, broken)| mask | (u64::from(broken) << k))
 }
 
 fn first_negative<T: PageIndex>(side: Side, values: &[T]) -> PlanError {
