@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 
 import reference as ref
@@ -57,3 +62,29 @@ def assert_invariants(plan, template, src: Layout, dst: Layout, n_pages: int, *,
                     assert (j, first + k) not in written, "destination item written twice"
                     written.add((j, first + k))
     assert sum(ln) == n_pages * template.bytes_per_page == plan.total_bytes
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_isolated(code: str, timeout: float = 120, *, prelude: str = "") -> str:
+    """Runs ``prelude + code`` in a fresh interpreter (tests/ importable, one BLAS thread) and
+    returns its stdout. Any non-zero exit (a segfault, an abort, a panic that ends the process)
+    or a panic / allocation-failure message fails the test instead of killing pytest."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n" + prelude
+         + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=TESTS_DIR,
+    )
+    assert proc.returncode == 0, (
+        f"subprocess exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+        f"--- stderr\n{proc.stderr[-3000:]}"
+    )
+    assert "memory allocation of" not in proc.stderr, proc.stderr[-3000:]
+    assert "panicked" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stdout

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -32,7 +30,7 @@ from kvplan import (
 )
 
 import reference as ref
-from robustness_checks import assert_invariants, ref_layout
+from robustness_checks import assert_invariants, ref_layout, run_isolated
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 U64_MAX = 2**64 - 1
@@ -51,22 +49,6 @@ def check_plan(template: Template, src: Layout, dst: Layout, sp, dp, *, overlap=
     assert plan.n_runs == exp.n_runs
     assert_invariants(plan, template, src, dst, len(sp), overlap=overlap)
     return plan
-
-
-def run_isolated(code: str, timeout: float = 120) -> str:
-    """Runs `code` in a fresh interpreter; a crash (segfault, abort, panic) fails the test."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, %r)\n" % TESTS_DIR + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (
-        f"subprocess exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-        f"--- stderr\n{proc.stderr[-3000:]}"
-    )
-    assert "panicked" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stdout
 
 
 def mla(ptrs, cap, item=64, ids=None, **ctx):

@@ -9,9 +9,6 @@ Cases that would have killed the interpreter (allocation aborts) run in a subpro
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -22,6 +19,7 @@ from kvplan import IndexBoundsError, KvPlanError, Layout, Template
 
 import reference as ref
 from robustness_checks import assert_invariants, ref_layout
+from robustness_checks import run_isolated as run_in_subprocess
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -48,24 +46,7 @@ MB = 1 << 20
 def run_isolated(code: str, timeout: float = 120) -> str:
     """Runs LIMITS + `code` in a fresh interpreter; any non-zero exit (SIGABRT included) fails
     the test."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", LIMITS + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=TESTS_DIR,
-    )
-    assert proc.returncode == 0, (
-        f"subprocess exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-        f"--- stderr\n{proc.stderr[-3000:]}"
-    )
-    assert "memory allocation of" not in proc.stderr, proc.stderr[-3000:]
-    assert "panicked" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stdout
-
-
+    return run_in_subprocess(code, timeout, prelude=LIMITS)
 
 
 def mla(ptrs, cap, item=64):
