@@ -11,7 +11,9 @@ __all__ = [
     "IndexBoundsError",
     "KvPlanError",
     "Layout",
+    "LayoutEntry",
     "LayoutError",
+    "Pairing",
     "PairingError",
     "PlanBatch",
     "PlanBuffer",
@@ -62,11 +64,62 @@ def pool_stats() -> tuple[int, int, int, int]: ...
 def check_pairs(
     src_layout: Layout,
     dst_layout: Layout,
-    allow_positional_fallback: bool = False,
+    pairing: Pairing | bool | None = None,
     *,
+    allow_positional_fallback: bool | None = None,
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
 ) -> list[tuple[str, int, int | None, KvPlanError | None]]: ...
+
+@final
+class Pairing:
+    """How a ``Template`` pairs prefill entries with decode entries (an immutable value)."""
+
+    @staticmethod
+    def by_layer_id(
+        allow_positional_fallback: bool = False,
+        *,
+        prefill_start_layer: int | None = None,
+        legacy_kind: str | None = None,
+    ) -> Pairing: ...
+    @staticmethod
+    def positional() -> Pairing: ...
+    @staticmethod
+    def legacy(kind: str | None = None, *, prefill_start_layer: int) -> Pairing: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def allow_positional_fallback(self) -> bool: ...
+    @property
+    def prefill_start_layer(self) -> int | None: ...
+    @property
+    def legacy_kind(self) -> str | None: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class LayoutEntry:
+    """One entry of a layout, as ``Layout.entries()`` lists it (read-only)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def layer_id(self) -> int | None: ...
+    @property
+    def role(self) -> str | None: ...
+    @property
+    def is_draft(self) -> bool: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def data_len(self) -> int: ...
+    @property
+    def item_len(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...
 
 @final
 class Layout:
@@ -76,9 +129,10 @@ class Layout:
         data_lens: Sequence[int],
         item_lens: int | Sequence[int],
         layer_ids: Sequence[int | None] | None = None,
-        roles: Sequence[str] | None = None,
+        roles: Sequence[str | None] | None = None,
         *,
         kinds: Sequence[str] | None = None,
+        drafts: Sequence[bool] | None = None,
         page_size: int = ...,
         device: str = ...,
         num_model_layers: int | None = ...,
@@ -162,9 +216,12 @@ class Layout:
     @property
     def layer_ids(self) -> list[int | None] | None: ...
     @property
-    def roles(self) -> list[str] | None: ...
+    def roles(self) -> list[str | None] | None: ...
     @property
     def kinds(self) -> list[str]: ...
+    @property
+    def drafts(self) -> list[bool]: ...
+    def entries(self, kind: str | None = None) -> list[LayoutEntry]: ...
     @property
     def capacities(self) -> list[int]: ...
     @property
@@ -246,8 +303,9 @@ class Template:
         cls,
         src_layout: Layout,
         dst_layout: Layout,
-        allow_positional_fallback: bool = False,
+        pairing: Pairing | bool | None = None,
         *,
+        allow_positional_fallback: bool | None = None,
         prefill_start_layer: int | None = None,
         legacy_kind: str | None = None,
         check_dst_overlap: bool = False,
@@ -271,8 +329,10 @@ class Template:
 
         Raises:
             IndexBoundsError: An index is negative or not below its buffer's capacity.
-            KvPlanError: Unequal lengths, ``out`` too small or overlapping an input, overflow.
-            TypeError: Not a 1-D C-contiguous, aligned int32/int64 numpy array.
+            KvPlanError: Unequal lengths, ``out`` too small, read-only or overlapping an input,
+                overflow.
+            TypeError: Not a 1-D C-contiguous, aligned int32/int64 numpy array; ``out`` not a
+                C-contiguous ``(3, M)`` uint64 array.
             MemoryError: The plan's output cannot be allocated.
         """
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:

@@ -134,12 +134,10 @@ def _stage_start(decode: Any, stage: Any) -> int | None:
     ``None`` when it cannot be derived: the stage's page entries or the decode's publish no
     layer ids. Guessing 0 there would plan every later stage onto the decode's first layers.
     """
-    stage_ids = [i for i, k in zip(stage.layer_ids or [], stage.kinds)
-                 if k == "page" and i is not None]
+    stage_ids = [e.layer_id for e in stage.entries("page") if e.layer_id is not None]
     if not stage_ids or decode.layer_ids is None:
         return None
-    decode_ids = {i for i, k in zip(decode.layer_ids, decode.kinds)
-                  if k == "page" and i is not None}
+    decode_ids = {e.layer_id for e in decode.entries("page") if e.layer_id is not None}
     if not decode_ids:
         return None
     first = min(stage_ids)
@@ -289,8 +287,7 @@ def explain(
             starts[k] = _stage_start(decode, src)
             if starts[k] is None:
                 missing.append(label)
-                stage_ids = any(i is not None for i, kind in zip(src.layer_ids or [], src.kinds)
-                                if kind == "page")
+                stage_ids = any(e.layer_id is not None for e in src.entries("page"))
                 why.add("the decode layout publishes no layer ids" if stage_ids
                         else "the stage publishes no layer ids")
     if missing:
@@ -399,9 +396,8 @@ def _layer_keys(src: Any, decode: Any, legacy_kind: str | None,
     src_ids, dst_ids = src.layer_ids, decode.layer_ids
     position: list[int] = []
     seen: dict[tuple[str, str | None], int] = {}
-    roles = decode.roles or [None] * decode.n_entries
-    for kind, role in zip(decode.kinds, roles):
-        key = (kind, role)
+    for e in decode.entries():
+        key = (e.kind, e.role)
         position.append(seen.get(key, 0))
         seen[key] = position[-1] + 1
     half = seen.get(("page", None), 0) // 2 if legacy_kind == "mha" and not decode.roles else 0
@@ -422,8 +418,7 @@ def _layer_keys(src: Any, decode: Any, legacy_kind: str | None,
 def _live_capacities(layout: Any, kind: str) -> list[int]:
     """Capacities of the ``kind`` entries that move bytes (elided entries, item_len 0, are
     never indexed, so their capacity bounds nothing)."""
-    return [c for c, k, n in zip(layout.capacities, layout.kinds, layout.item_lens)
-            if k == kind and n > 0]
+    return [e.capacity for e in layout.entries(kind) if e.item_len > 0]
 
 
 def _min_state_cap(layout: Any) -> int:
@@ -439,8 +434,8 @@ def _layers_text(layout: Any, start: int | None = None) -> str:
         first = f", first layer {start}" if start is not None else ""
         return f"{layout.n_entries} entries, no layer ids{first}"
     n_model = layout.num_model_layers
-    page = [i for i, k in zip(ids, layout.kinds) if k == "page" and i is not None]
-    state = [i for i, k in zip(ids, layout.kinds) if k == "state" and i is not None]
+    page = [e.layer_id for e in layout.entries("page") if e.layer_id is not None]
+    state = [e.layer_id for e in layout.entries("state") if e.layer_id is not None]
     every = sorted(set(page) | set(state))
     model = [i for i in every if n_model is None or i < n_model]
     text = f"layers {format_ids(model)}" if model else "no layers"

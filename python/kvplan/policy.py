@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvplan import _core
-from kvplan._core import Layout
+from kvplan._core import Layout, Pairing
 
 __all__ = ["LAYOUT_KINDS", "PairingChoice", "layout_kind", "select_pairing"]
 
@@ -37,12 +37,14 @@ PairingMode = Literal["layer_id", "positional", "legacy"]
 #: Layout kinds :func:`select_pairing` distinguishes (a string may be passed instead of a Layout).
 LAYOUT_KINDS = ("mla", "mha", "hybrid_mla", "hybrid_mha")
 
-_MHA_ROLES = frozenset({"k", "v"})
+#: Roles of the separate K and V entries of an MHA layout.
+MHA_ROLES = frozenset({"k", "v"})
 
 
 @dataclass(frozen=True)
 class PairingChoice:
-    """What :func:`select_pairing` decided, and how to build a ``Template`` that follows it.
+    """What :func:`select_pairing` decided, and how to build a ``Template`` that follows it:
+    :meth:`pairing` is the :class:`kvplan.Pairing` to pass as ``pairing=``.
 
     Attributes:
         mode: ``"layer_id"`` (pair by global layer id and role), ``"positional"`` (entry ``i``
@@ -70,8 +72,16 @@ class PairingChoice:
     def uses_layer_ids(self) -> bool:
         return self.mode == "layer_id"
 
-    def template_kwargs(self, prefill_start_layer: int | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``Template`` / ``compare`` that implement this choice.
+    def pairing(self, prefill_start_layer: int | None = None) -> Pairing:
+        """The :class:`kvplan.Pairing` that implements this choice.
+
+        ``layer_id`` mode is ``Pairing.by_layer_id()``, ``positional`` mode
+        ``Pairing.positional()`` and ``legacy`` mode ``Pairing.legacy(legacy_kind,
+        prefill_start_layer=...)``. Positional and legacy modes ignore the page entries'
+        published layer ids (that is what the legacy KV path does); state entries keep pairing
+        by id (SGLang pairs state components by id whenever they are published, whichever path
+        the KV pages take). Legacy slicing is per role when both peers publish roles (k/v, NPU
+        buffer groups, draft), which is Ascend's per-group slicing.
 
         Args:
             prefill_start_layer: The first layer this prefill stage owns; required by
@@ -81,44 +91,34 @@ class PairingChoice:
             KvPlanError: ``legacy`` mode without ``prefill_start_layer``.
         """
         if self.mode == "layer_id":
-            return {"allow_positional_fallback": False}
+            return Pairing.by_layer_id()
         if self.mode == "positional":
-            return {"allow_positional_fallback": True}
+            return Pairing.positional()
         if prefill_start_layer is None:
             raise _core.KvPlanError(
                 f"rule {self.rule!r} pairs by legacy positional PP slicing: pass "
                 "prefill_start_layer (the first layer this prefill stage owns)"
             )
-        return {
-            "allow_positional_fallback": False,
-            "prefill_start_layer": prefill_start_layer,
-            "legacy_kind": self.legacy_kind,
-        }
+        return Pairing.legacy(self.legacy_kind, prefill_start_layer=prefill_start_layer)
 
-    def prepare(
-        self,
-        prefill_layout: Layout,
-        decode_layout: Layout,
-        *,
-        prefill_start_layer: int | None = None,
-    ) -> tuple[Layout, Layout, dict[str, Any]]:
-        """Layouts and keyword arguments that make ``Template`` / ``compare`` follow this choice.
+    def template_kwargs(self, prefill_start_layer: int | None = None) -> dict[str, Any]:
+        """The shorthand keywords of :meth:`pairing` (``allow_positional_fallback``,
+        ``prefill_start_layer``, ``legacy_kind``).
 
-        Positional and legacy modes ignore the page entries' published layer ids (that is what
-        the legacy KV path does), so the layouts are re-built without them. State entries keep
-        their ids: SGLang pairs state components by id whenever they are published, whichever
-        path the KV pages take.
+        They do not say that positional and legacy modes ignore the page entries' layer ids:
+        pass ``pairing=self.pairing(...)`` to ``Template`` / ``compare`` instead.
 
         Raises:
             KvPlanError: ``legacy`` mode without ``prefill_start_layer``.
         """
-        kwargs = self.template_kwargs(prefill_start_layer)
-        src, dst = prefill_layout, decode_layout
-        if self.mode != "layer_id":
-            # Legacy slicing is per role when both peers publish roles (k/v, NPU buffer groups,
-            # draft), which is Ascend's per-group slicing (docs/semantics.md, Ascend).
-            src, dst = _without_page_ids(src), _without_page_ids(dst)
-        return src, dst, kwargs
+        pairing = self.pairing(prefill_start_layer)
+        if self.mode != "legacy":
+            return {"allow_positional_fallback": pairing.allow_positional_fallback}
+        return {
+            "allow_positional_fallback": False,
+            "prefill_start_layer": pairing.prefill_start_layer,
+            "legacy_kind": pairing.legacy_kind,
+        }
 
     def template(
         self,
@@ -127,18 +127,15 @@ class PairingChoice:
         *,
         prefill_start_layer: int | None = None,
         check_dst_overlap: bool = False,
-    ) -> Any:
-        """A ``kvplan.Template`` that pairs the way this choice says (see :meth:`prepare`).
+    ) -> _core.Template:
+        """A ``kvplan.Template`` that pairs the way this choice says (see :meth:`pairing`).
 
         Raises:
-            KvPlanError: As :meth:`prepare`.
+            KvPlanError: As :meth:`pairing`.
             PairingError, SizeMismatchError: As ``Template`` raises them.
         """
-        from kvplan._core import Template
-
-        src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
-                                        prefill_start_layer=prefill_start_layer)
-        return Template(src, dst, check_dst_overlap=check_dst_overlap, **kwargs)
+        return _core.Template(prefill_layout, decode_layout, self.pairing(prefill_start_layer),
+                              check_dst_overlap=check_dst_overlap)
 
     def compare(
         self,
@@ -150,20 +147,7 @@ class PairingChoice:
         """``kvplan.compare`` under this choice: the report for what :meth:`template` builds."""
         from kvplan.report import compare
 
-        src, dst, kwargs = self.prepare(prefill_layout, decode_layout,
-                                        prefill_start_layer=prefill_start_layer)
-        return compare(src, dst, **kwargs)
-
-
-def _without_page_ids(layout: Layout) -> Layout:
-    """The same entries and context without page-entry layer ids (layouts are immutable)."""
-    ids = layout.layer_ids
-    if ids is None:
-        return layout
-    kept = [i if k == "state" else None for i, k in zip(ids, layout.kinds)]
-    spec = layout.to_dict()
-    spec["layer_ids"] = kept if any(i is not None for i in kept) else None
-    return Layout.from_dict(spec)
+        return compare(prefill_layout, decode_layout, self.pairing(prefill_start_layer))
 
 
 def layout_kind(layout: Layout) -> str:
@@ -178,25 +162,22 @@ def layout_kind(layout: Layout) -> str:
         KvPlanError: The layout has no roles, so MLA and MHA cannot be told apart; pass the
             kind as a string instead.
     """
-    kinds = layout.kinds
-    roles = layout.roles
-    if roles is None:
+    if layout.roles is None:
         raise _core.KvPlanError(
             "cannot tell MLA from MHA: the layout has no roles; pass the layout kind as a "
             f"string, one of {', '.join(LAYOUT_KINDS)}"
         )
-    page_roles = {r for r, k in zip(roles, kinds) if k == "page" and not r.startswith("draft")}
-    attention = "mha" if page_roles & _MHA_ROLES else "mla"
-    ids = layout.layer_ids
-    if ids is None:
+    model_pages = [e for e in layout.entries("page") if not e.is_draft]
+    page_roles = {e.role for e in model_pages}
+    attention = "mha" if page_roles & MHA_ROLES else "mla"
+    if layout.layer_ids is None:
         return attention
     n_model = layout.num_model_layers
     model_ids = sorted({
-        i for i, k, r in zip(ids, kinds, roles)
-        if k == "page" and i is not None and not r.startswith("draft")
-        and (n_model is None or i < n_model)
+        e.layer_id for e in model_pages
+        if e.layer_id is not None and (n_model is None or e.layer_id < n_model)
     })
-    has_state = "state" in kinds
+    has_state = bool(layout.entries("state"))
     sparse = any(b - a != 1 for a, b in zip(model_ids, model_ids[1:]))
     return f"hybrid_{attention}" if has_state or sparse else attention
 
@@ -213,8 +194,9 @@ def select_pairing(backend: str, layout: Layout | str, pp_size: int | None = Non
         pp_size: Prefill pipeline-parallel size; default: the layout's ``pp_size``.
 
     Returns:
-        A :class:`PairingChoice`; ``.template(prefill, decode, prefill_start_layer=...)``
-        builds the matching ``Template``.
+        A :class:`PairingChoice`; ``.pairing(prefill_start_layer=...)`` is the matching
+        :class:`kvplan.Pairing`, ``.template(prefill, decode, prefill_start_layer=...)`` builds
+        the ``Template`` with it.
 
     Raises:
         KvPlanError: Unknown layout kind, ``pp_size < 1``, or a kind that cannot be inferred

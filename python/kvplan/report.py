@@ -17,7 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvplan import _core
-from kvplan._core import Layout
+from kvplan._core import Layout, LayoutEntry, Pairing
+from kvplan.policy import MHA_ROLES
 
 __all__ = ["CompatReport", "EntryCheck", "compare", "format_ids"]
 
@@ -154,50 +155,54 @@ class CompatReport:
 def compare(
     prefill_layout: Layout,
     decode_layout: Layout,
-    allow_positional_fallback: bool = False,
+    pairing: Pairing | bool | None = None,
     *,
+    allow_positional_fallback: bool | None = None,
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
 ) -> CompatReport:
     """Check a prefill layout against a decode layout before anything is transferred.
 
-    Takes the same pairing options as :class:`kvplan.Template` and runs the same per-entry
+    Takes the same pairing arguments as :class:`kvplan.Template` and runs the same per-entry
     checks, so ``report.compatible`` is true exactly when ``Template`` with these arguments
     builds, and ``report.raise_if_incompatible()`` raises what it would raise.
 
     Args:
         prefill_layout: The source (prefill PP stage) layout.
         decode_layout: The destination (decode) layout.
-        allow_positional_fallback: As for ``Template``: pair positionally without ids.
-        prefill_start_layer: As for ``Template`` (legacy peers without ids).
-        legacy_kind: As for ``Template`` (``"mla"`` or ``"mha"``).
+        pairing: A :class:`kvplan.Pairing` (default ``Pairing.by_layer_id()``); a bool is the
+            ``allow_positional_fallback`` shorthand. When it ignores the page entries' layer
+            ids (positional and legacy modes), so does the report.
+        allow_positional_fallback, prefill_start_layer, legacy_kind: Shorthands for
+            ``Pairing.by_layer_id(...)``, as for ``Template``.
 
     Returns:
         A :class:`CompatReport`; ``str()`` of it is a readable report.
 
     Raises:
+        TypeError: ``pairing`` given together with a shorthand keyword.
         KvPlanError: An option itself is invalid (e.g. an unknown ``legacy_kind``), exactly
             as ``Template`` would raise it.
     """
     rows = _core.check_pairs(
         prefill_layout,
         decode_layout,
-        allow_positional_fallback,
+        pairing,
+        allow_positional_fallback=allow_positional_fallback,
         prefill_start_layer=prefill_start_layer,
         legacy_kind=legacy_kind,
     )
-    src_ids = prefill_layout.layer_ids
-    src_roles = prefill_layout.roles
-    src_items = prefill_layout.item_lens
+    hide = isinstance(pairing, Pairing) and pairing.mode != "layer_id"
+    src_entries = _visible(prefill_layout, hide)
     dst_items = decode_layout.item_lens
     entries = tuple(
         EntryCheck(
             kind=kind,
             src_index=i,
             dst_index=j,
-            layer_id=None if src_ids is None else src_ids[i],
-            role=None if src_roles is None else src_roles[i],
-            src_item_len=src_items[i],
+            layer_id=src_entries[i].layer_id,
+            role=src_entries[i].role,
+            src_item_len=src_entries[i].item_len,
             dst_item_len=None if j is None else dst_items[j],
             exception=exception,
         )
@@ -208,11 +213,30 @@ def compare(
         entries=entries,
         compatible=not reasons,
         reasons=tuple(reasons),
-        coverage=tuple(_coverage(prefill_layout, decode_layout, entries)),
+        coverage=tuple(_coverage(prefill_layout, decode_layout, entries, hide)),
         warnings=tuple(_warnings(prefill_layout, decode_layout, entries)),
-        prefill=describe_layout(prefill_layout),
-        decode=describe_layout(decode_layout),
+        prefill=describe_layout(prefill_layout, hide_page_ids=hide),
+        decode=describe_layout(decode_layout, hide_page_ids=hide),
     )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What the report says about one entry: a layout entry as the pairing sees it."""
+
+    kind: str
+    layer_id: int | None
+    role: str | None
+    item_len: int
+
+
+def _visible(layout: Layout, hide_page_ids: bool) -> list[_Entry]:
+    """The layout's entries, without the page entries' layer ids when the pairing ignores them."""
+    def seen(e: LayoutEntry) -> _Entry:
+        layer_id = None if hide_page_ids and e.kind == "page" else e.layer_id
+        return _Entry(e.kind, layer_id, e.role, e.item_len)
+
+    return [seen(e) for e in layout.entries()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,17 +282,21 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
 
 
-def describe_layout(layout: Layout) -> str:
-    """One line: entry counts, roles, PP/TP position, page size, device."""
-    kinds = layout.kinds
-    n_page = sum(1 for k in kinds if k == "page")
-    n_state = len(kinds) - n_page
+def describe_layout(layout: Layout, *, hide_page_ids: bool = False) -> str:
+    """One line: entry counts, roles, PP/TP position, page size, device.
+
+    ``hide_page_ids``: describe the layout as a pairing that ignores page ids sees it.
+    """
+    entries = _visible(layout, hide_page_ids)
+    n_page = sum(1 for e in entries if e.kind == "page")
+    n_state = len(entries) - n_page
     counts = _plural(n_page, "page entry")
     if n_state:
         counts += f" + {_plural(n_state, 'state entry')}"
-    roles = layout.roles
+    roles = [str(e.role) for e in entries] if layout.roles is not None else []
     role_text = f" ({', '.join(dict.fromkeys(roles))})" if roles else ""
-    ids = "layer ids" if layout.layer_ids is not None else "no layer ids"
+    publishes = any(e.layer_id is not None for e in entries)
+    ids = "layer ids" if publishes else "no layer ids"
     model = "" if layout.num_model_layers is None else f", {layout.num_model_layers}-layer model"
     return (
         f"{counts}{role_text}, {ids}{model}, PP rank {layout.pp_rank} of {layout.pp_size}, "
@@ -320,24 +348,19 @@ def _split_model_draft(ids: Iterable[int], n_model: int | None) -> tuple[list[in
     return [i for i in ids if i < n_model], [i for i in ids if i >= n_model]
 
 
-def _page_ids(layout: Layout) -> list[int]:
-    ids = layout.layer_ids
-    if ids is None:
-        return []
-    return [i for i, k in zip(ids, layout.kinds) if k == "page" and i is not None]
+def _page_ids(entries: Sequence[_Entry]) -> list[int]:
+    return [e.layer_id for e in entries if e.kind == "page" and e.layer_id is not None]
 
 
 def _page_roles(layout: Layout) -> bool:
     """Whether the layout publishes a role for its page entries (all or none of them do)."""
-    roles = layout.roles
-    if roles is None:
-        return False
-    return any(r for r, k in zip(roles, layout.kinds) if k == "page")
+    return any(e.role is not None for e in layout.entries("page"))
 
 
-def _side(name: str, layout: Layout, verb: str, n_model: int | None) -> str:
-    ids = _page_ids(layout)
-    n_page = sum(1 for k in layout.kinds if k == "page")
+def _side(name: str, layout: Layout, verb: str, n_model: int | None, hide: bool) -> str:
+    entries = _visible(layout, hide)
+    ids = _page_ids(entries)
+    n_page = sum(1 for e in entries if e.kind == "page")
     model, draft = _split_model_draft(ids, n_model)
     who = (name if layout.pp_size == 1
            else f"{name} stage (PP rank {layout.pp_rank} of {layout.pp_size})")
@@ -350,15 +373,19 @@ def _side(name: str, layout: Layout, verb: str, n_model: int | None) -> str:
     return text
 
 
-def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
+def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck], hide: bool) -> list[str]:
+    """``hide``: the pairing ignores the page entries' layer ids, so the report does too."""
     n_model = src.num_model_layers if src.num_model_layers is not None else dst.num_model_layers
-    out = [_side("prefill", src, "covers", n_model), _side("decode", dst, "has", n_model)]
+    out = [_side("prefill", src, "covers", n_model, hide),
+           _side("decode", dst, "has", n_model, hide)]
+    src_seen, dst_seen = _visible(src, hide), _visible(dst, hide)
     page = [e for e in entries if e.kind == "page"]
     missing = [e.layer_id for e in page if e.unpaired and e.layer_id is not None]
     if missing:
         out.append(f"decode has no entry for layer{'s' if len(set(missing)) > 1 else ''} "
                    f"{format_ids(missing)}")
-    if src.layer_ids is None or dst.layer_ids is None:
+    if not any(e.layer_id is not None for e in src_seen) or not any(
+            e.layer_id is not None for e in dst_seen):
         paired = [e for e in page if e.dst_index is not None]
         if paired:
             out.append(f"entries pair by position: prefill entries "
@@ -370,8 +397,8 @@ def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[s
     else:
         # Decode layers this stage does not write: normal for a PP stage, a gap at PP=1.
         sent = {e.dst_index for e in page if e.dst_index is not None}
-        unsent = [lid for j, (lid, k) in enumerate(zip(dst.layer_ids, dst.kinds))
-                  if k == "page" and j not in sent and lid is not None]
+        unsent = [e.layer_id for j, e in enumerate(dst_seen)
+                  if e.kind == "page" and j not in sent and e.layer_id is not None]
         unsent_model, unsent_draft = _split_model_draft(set(unsent), n_model)
         if unsent_model:
             tail = ("another PP stage sends them" if src.pp_size > 1
@@ -399,8 +426,7 @@ def _warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[s
         out.append(f"devices differ (prefill {src.device}, decode {dst.device}): the transfer "
                    "engine must reach both")
     if src.tp_size != dst.tp_size:
-        roles = set(src.roles or ())
-        sharded = bool(roles & {"k", "v"})
+        sharded = any(e.role in MHA_ROLES for e in src.entries())
         out.append(
             f"TP sizes differ (prefill {src.tp_size}, decode {dst.tp_size}): kvplan copies "
             "whole items; "
@@ -448,7 +474,7 @@ def _entry_lines(entries: Sequence[EntryCheck]) -> list[str]:
         ids = [e.layer_id for e in g if e.layer_id is not None]
         layers = ("layer " + str(ids[0]) if len(ids) == 1
                   else "layers " + format_ids(ids) if ids else "no ids")
-        role = first.role or "-"
+        role = str(first.role)
         if first.dst_index is None:
             dst = "none"
         elif len(g) == 1:

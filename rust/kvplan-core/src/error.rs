@@ -10,6 +10,16 @@ pub enum Side {
     Dst,
 }
 
+impl Side {
+    /// The value that belongs to this side: `src` for [`Side::Src`], `dst` for [`Side::Dst`].
+    pub fn pick<T>(self, src: T, dst: T) -> T {
+        match self {
+            Side::Src => src,
+            Side::Dst => dst,
+        }
+    }
+}
+
 impl std::fmt::Display for Side {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -32,7 +42,8 @@ pub enum ErrorClass {
     Layout,
     /// Memory for a result could not be allocated (bindings raise `MemoryError`).
     Memory,
-    /// Anything else (lengths, overflow, output buffers, wire data).
+    /// Any other value error: index arrays of unequal length, arithmetic overflow, an output
+    /// buffer too small, inputs changed while planning, malformed wire data.
     Other,
 }
 
@@ -176,7 +187,8 @@ pub fn try_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T
 }
 
 impl PlanError {
-    /// The broad class of this error (used to choose a Python exception type).
+    /// The broad class of this error (used to choose a Python exception type). Every variant
+    /// is listed: a new variant does not compile until it is classified.
     pub fn class(&self) -> ErrorClass {
         match self {
             PlanError::OneSidedMetadata { .. }
@@ -196,7 +208,10 @@ impl PlanError {
             | PlanError::GroupsNotWhole { .. }
             | PlanError::InvalidLayout { .. } => ErrorClass::Layout,
             PlanError::OutOfMemory { .. } => ErrorClass::Memory,
-            _ => ErrorClass::Other,
+            PlanError::LengthMismatch { .. }
+            | PlanError::Overflow { .. }
+            | PlanError::OutputTooSmall { .. }
+            | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }
 }

@@ -88,6 +88,33 @@ pub struct LayoutParts {
     pub roles: Vec<String>,
     /// Kind per entry.
     pub kinds: Vec<EntryKind>,
+    /// Whether each entry belongs to the draft model (speculative decoding). Empty: derived
+    /// from the roles, a role starting with `draft` marking a draft entry (the names
+    /// [`Layout::with_draft`] gives).
+    pub drafts: Vec<bool>,
+}
+
+/// Role of the K entries of an MHA layout.
+pub const K_ROLE: &str = "k";
+/// Role of the V entries of an MHA layout.
+pub const V_ROLE: &str = "v";
+
+/// Whether `role` names the K or V half of a layer (an MHA layout).
+pub fn is_mha_role(role: &str) -> bool {
+    role == K_ROLE || role == V_ROLE
+}
+
+/// The error for a list of `len` values where `expected` are needed.
+fn check_len(field: &'static str, len: usize, expected: usize) -> Result<()> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(PlanError::ListLength {
+            field,
+            len,
+            expected,
+        })
+    }
 }
 
 /// A validated, immutable list of one peer's transfer entries plus its context.
@@ -117,20 +144,18 @@ impl Layout {
         if parts.kinds.is_empty() {
             parts.kinds = vec![EntryKind::Page; n];
         }
+        if parts.drafts.is_empty() {
+            parts.drafts = parts.roles.iter().map(|r| r.starts_with("draft")).collect();
+        }
         for (field, len) in [
             ("data_lens", parts.data_lens.len()),
             ("item_lens", parts.item_lens.len()),
             ("layer_ids", parts.layer_ids.len()),
             ("roles", parts.roles.len()),
             ("kinds", parts.kinds.len()),
+            ("drafts", parts.drafts.len()),
         ] {
-            if len != n {
-                return Err(PlanError::ListLength {
-                    field,
-                    len,
-                    expected: n,
-                });
-            }
+            check_len(field, len, n)?;
         }
         for (entry, (&base, &len)) in parts.data_ptrs.iter().zip(&parts.data_lens).enumerate() {
             if base.checked_add(len).is_none() {
@@ -201,19 +226,24 @@ impl Layout {
             .unwrap_or(0)
     }
 
-    /// The entry's layer id as text (`"?"` when unpublished), for messages.
+    /// The entry's layer id as text (`None` when unpublished, as Python shows it), for messages.
     pub fn layer_label(&self, i: usize) -> String {
-        self.parts.layer_ids[i].map_or_else(|| format!("?(entry {i})"), |id| id.to_string())
+        self.parts.layer_ids[i].map_or_else(|| "None".into(), |id| id.to_string())
     }
 
-    /// The entry's role as text (`"-"` when unpublished), for messages.
+    /// The entry's role (`None` when unpublished).
+    pub fn role(&self, i: usize) -> Option<&str> {
+        Some(self.parts.roles[i].as_str()).filter(|r| !r.is_empty())
+    }
+
+    /// The entry's role as text (`None` when unpublished, as Python shows it), for messages.
     pub fn role_label(&self, i: usize) -> String {
-        let role = &self.parts.roles[i];
-        if role.is_empty() {
-            "-".into()
-        } else {
-            role.clone()
-        }
+        self.role(i).unwrap_or("None").to_string()
+    }
+
+    /// Whether entry `i` belongs to the draft model.
+    pub fn is_draft(&self, i: usize) -> bool {
+        self.parts.drafts[i]
     }
 
     /// Indices of the entries of one kind, in layout order.
@@ -243,6 +273,7 @@ impl Layout {
             layer_ids,
             roles: vec!["kv".into(); n],
             kinds: vec![],
+            drafts: vec![],
         };
         Self::new(parts, context)
     }
@@ -271,21 +302,15 @@ impl Layout {
                 v_ptrs.len()
             )));
         }
-        if let Some(ids) = &layer_ids
-            && ids.len() != layers
-        {
-            return Err(PlanError::ListLength {
-                field: "layer_ids",
-                len: ids.len(),
-                expected: layers,
-            });
+        if let Some(ids) = &layer_ids {
+            check_len("layer_ids", ids.len(), layers)?;
         }
         let concat = |a: Vec<u64>, b: Vec<u64>| a.into_iter().chain(b).collect::<Vec<_>>();
         let layer_ids = layer_ids.map_or_else(Vec::new, |ids| {
             ids.iter().chain(&ids).copied().map(Some).collect()
         });
-        let roles = std::iter::repeat_n("k", layers)
-            .chain(std::iter::repeat_n("v", layers))
+        let roles = std::iter::repeat_n(K_ROLE, layers)
+            .chain(std::iter::repeat_n(V_ROLE, layers))
             .map(String::from)
             .collect();
         let parts = LayoutParts {
@@ -295,6 +320,7 @@ impl Layout {
             layer_ids,
             roles,
             kinds: vec![],
+            drafts: vec![],
         };
         Self::new(parts, context)
     }
@@ -399,6 +425,7 @@ impl Layout {
                 layer_ids: ids,
                 roles,
                 kinds: vec![],
+                drafts: vec![],
             },
             context,
         )
@@ -447,14 +474,10 @@ impl Layout {
         let has_roles = pages
             .first()
             .is_some_and(|&i| !self.parts.roles[i].is_empty());
+        if let Some(r) = &roles {
+            check_len("roles", r.len(), n)?;
+        }
         let draft_roles = match roles {
-            Some(r) if r.len() != n => {
-                return Err(PlanError::ListLength {
-                    field: "roles",
-                    len: r.len(),
-                    expected: n,
-                });
-            }
             Some(r) => r.into_iter().map(|x| format!("draft_{x}")).collect(),
             None if has_roles || pages.is_empty() => vec!["draft".to_string(); n],
             None => vec![String::new(); n],
@@ -466,6 +489,7 @@ impl Layout {
             layer_ids: ids,
             roles: draft_roles,
             kinds: vec![EntryKind::Page; n],
+            drafts: vec![true; n],
         })
     }
 
@@ -488,13 +512,7 @@ impl Layout {
             ));
         }
         let n = data_ptrs.len();
-        if layer_ids.len() != n {
-            return Err(PlanError::ListLength {
-                field: "layer_ids",
-                len: layer_ids.len(),
-                expected: n,
-            });
-        }
+        check_len("layer_ids", layer_ids.len(), n)?;
         let extra = LayoutParts {
             data_ptrs,
             data_lens,
@@ -502,24 +520,15 @@ impl Layout {
             layer_ids: layer_ids.into_iter().map(Some).collect(),
             roles: vec![name.to_string(); n],
             kinds: vec![EntryKind::State; n],
+            drafts: vec![false; n],
         };
         self.appended(extra)
     }
 
     fn appended(&self, extra: LayoutParts) -> Result<Self> {
         let n = extra.data_ptrs.len();
-        for (field, len) in [
-            ("data_lens", extra.data_lens.len()),
-            ("item_lens", extra.item_lens.len()),
-        ] {
-            if len != n {
-                return Err(PlanError::ListLength {
-                    field,
-                    len,
-                    expected: n,
-                });
-            }
-        }
+        check_len("data_lens", extra.data_lens.len(), n)?;
+        check_len("item_lens", extra.item_lens.len(), n)?;
         let mut parts = self.parts.clone();
         parts.data_ptrs.extend(extra.data_ptrs);
         parts.data_lens.extend(extra.data_lens);
@@ -527,6 +536,7 @@ impl Layout {
         parts.layer_ids.extend(extra.layer_ids);
         parts.roles.extend(extra.roles);
         parts.kinds.extend(extra.kinds);
+        parts.drafts.extend(extra.drafts);
         Self::new(parts, self.context.clone())
     }
 }

@@ -17,7 +17,8 @@ pub mod wire;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 pub use pairing::{
-    EntryMetadata, EntryPair, LegacyKind, Partner, legacy_pp_pairs, pair_each, pair_entries,
+    EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
+    pair_each, pair_entries,
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};

@@ -143,9 +143,7 @@ fn pair_positionally(
 fn collect_exact<T>(n: usize, items: impl Iterator<Item = T>) -> Result<Vec<T>> {
     let mut out = Vec::new();
     out.try_reserve_exact(n)
-        .map_err(|_| PlanError::InvalidLayout {
-            what: format!("cannot allocate {n} entry pairs: no layout has that many entries"),
-        })?;
+        .map_err(|_| PlanError::out_of_memory::<EntryPair>("entry pairs", n))?;
     out.extend(items);
     Ok(out)
 }
@@ -240,12 +238,135 @@ fn check_role_count(side: Side, roles: &[String], entries: usize) -> Result<()> 
 }
 
 /// How a legacy peer lays out its entries when it publishes no layer ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LegacyKind {
     /// One entry per layer (MLA latent), optionally followed by draft entries.
     Mla,
     /// All K entries, then all V entries.
     Mha,
+}
+
+impl LegacyKind {
+    /// `"mla"` or `"mha"`, as Python spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LegacyKind::Mla => "mla",
+            LegacyKind::Mha => "mha",
+        }
+    }
+}
+
+/// Which rule pairs the page entries of two layouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PairingMode {
+    /// By (global layer id, role), as SGLang's `build_transfer_entry_pairs`; peers without ids
+    /// fall back to positional pairing or legacy PP slicing when the [`Pairing`] allows it.
+    LayerId,
+    /// Page ids are ignored: entry `i` pairs with entry `i` (within each role when both peers
+    /// publish roles); extra decode entries are allowed.
+    Positional,
+    /// Page ids are ignored: strict legacy PP slicing from the prefill stage's first layer
+    /// (per role when both peers publish roles).
+    Legacy,
+}
+
+impl PairingMode {
+    /// `"layer_id"`, `"positional"` or `"legacy"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PairingMode::LayerId => "layer_id",
+            PairingMode::Positional => "positional",
+            PairingMode::Legacy => "legacy",
+        }
+    }
+}
+
+/// How two layouts are paired: a mode plus the settings it uses.
+///
+/// Whatever the mode, state entries pair by layer id (SGLang pairs state components by id
+/// whenever they are published, whichever path the KV pages take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pairing {
+    mode: PairingMode,
+    allow_positional_fallback: bool,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<LegacyKind>,
+}
+
+impl Default for Pairing {
+    fn default() -> Self {
+        Self::by_layer_id(false, None, None)
+    }
+}
+
+impl Pairing {
+    /// Pair by (layer id, role). Peers that publish no ids pair positionally when
+    /// `allow_positional_fallback` (SGLang allows this at prefill PP = 1 only), or by legacy PP
+    /// slicing from `prefill_start_layer` when their entry counts differ; `legacy_kind` says how
+    /// such a peer lays out its entries (inferred from roles when absent).
+    pub const fn by_layer_id(
+        allow_positional_fallback: bool,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<LegacyKind>,
+    ) -> Self {
+        Self {
+            mode: PairingMode::LayerId,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+        }
+    }
+
+    /// Ignore the page entries' layer ids and pair by position.
+    pub const fn positional() -> Self {
+        Self {
+            mode: PairingMode::Positional,
+            allow_positional_fallback: true,
+            prefill_start_layer: None,
+            legacy_kind: None,
+        }
+    }
+
+    /// Ignore the page entries' layer ids and slice strictly from `prefill_start_layer`.
+    pub const fn legacy(kind: Option<LegacyKind>, prefill_start_layer: usize) -> Self {
+        Self {
+            mode: PairingMode::Legacy,
+            allow_positional_fallback: false,
+            prefill_start_layer: Some(prefill_start_layer),
+            legacy_kind: kind,
+        }
+    }
+
+    /// The mode.
+    pub fn mode(self) -> PairingMode {
+        self.mode
+    }
+
+    /// Whether peers without (usable) ids may pair positionally.
+    pub fn allow_positional_fallback(self) -> bool {
+        self.allow_positional_fallback
+    }
+
+    /// The prefill stage's first layer, for legacy PP slicing.
+    pub fn prefill_start_layer(self) -> Option<usize> {
+        self.prefill_start_layer
+    }
+
+    /// The legacy entry layout, when given.
+    pub fn legacy_kind(self) -> Option<LegacyKind> {
+        self.legacy_kind
+    }
+
+    /// Whether the page entries' layer ids are ignored (positional and legacy modes).
+    pub fn ignores_page_ids(self) -> bool {
+        self.mode != PairingMode::LayerId
+    }
+
+    /// The pairing of the state entries: by layer id, with the same fallback, never sliced.
+    #[must_use]
+    pub fn for_state(self) -> Self {
+        Self::by_layer_id(self.allow_positional_fallback, None, None)
+    }
 }
 
 /// Positional pipeline-parallel slicing for peers that publish no layer ids.
@@ -597,19 +718,18 @@ mod tests {
         // Found while fuzzing the Python API: bare counts of 2**40 (allocation abort, SIGABRT)
         // or 2**63 (capacity-overflow panic) reached these collects.
         for n in [1usize << 60, usize::MAX / 2] {
+            // Reported as an allocation failure (MemoryError in Python), not a layout error.
             assert!(matches!(
                 legacy_pp_pairs(LegacyKind::Mla, n, n, 0, 0, None),
-                Err(PlanError::InvalidLayout { .. })
+                Err(PlanError::OutOfMemory { .. })
             ));
             assert!(matches!(
                 legacy_pp_pairs(LegacyKind::Mha, 2 * (n / 4), 2 * (n / 4), 0, 0, None),
-                Err(PlanError::InvalidLayout { .. })
+                Err(PlanError::OutOfMemory { .. })
             ));
             let none = EntryMetadata::ids(None, n);
-            assert!(matches!(
-                pair_entries(none, none, true),
-                Err(PlanError::InvalidLayout { .. })
-            ));
+            let err = pair_entries(none, none, true).unwrap_err();
+            assert_eq!(err.class(), crate::ErrorClass::Memory, "{err}");
         }
     }
 

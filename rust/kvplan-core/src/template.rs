@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result, Side};
-use crate::layout::{EntryKind, Layout};
-use crate::pairing::{EntryMetadata, LegacyKind, Partner, legacy_pp_pairs, pair_each};
+use crate::layout::{EntryKind, Layout, is_mha_role};
+use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
 use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
 
@@ -30,14 +30,8 @@ pub struct PairSpec {
 /// How to pair the two layouts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TemplateOptions {
-    /// Pair positionally when only one peer (or neither) publishes ids (SGLang allows this at
-    /// prefill PP = 1 only).
-    pub allow_positional_fallback: bool,
-    /// For peers without ids and with different entry counts: the first layer this prefill
-    /// stage owns (SGLang's `prefill_start_layer`), enabling legacy PP slicing.
-    pub prefill_start_layer: Option<usize>,
-    /// Entry layout of legacy peers; inferred from roles (`k`/`v` means MHA) when absent.
-    pub legacy_kind: Option<LegacyKind>,
+    /// How entries pair (by layer id by default).
+    pub pairing: Pairing,
     /// Reject requests that would write one destination item twice.
     pub check_dst_overlap: bool,
 }
@@ -116,12 +110,10 @@ impl Template {
 
     /// "layer L, role R" of an entry on one side, for messages.
     pub(crate) fn entry_label(&self, side: Side, entry: usize) -> String {
-        let labels = if side == Side::Src {
-            &self.src_labels
-        } else {
-            &self.dst_labels
-        };
-        labels.get(entry).cloned().unwrap_or_default()
+        side.pick(&self.src_labels, &self.dst_labels)
+            .get(entry)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Page-entry pairs in planning order (including elided pairs with `item_len == 0`).
@@ -176,7 +168,7 @@ pub struct EntryCheck {
 /// compatibility report built from it never disagrees with the template.
 pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
     let state_options = TemplateOptions {
-        prefill_start_layer: None,
+        pairing: options.pairing.for_state(),
         ..options
     };
     let mut checks = check_kind(src, dst, EntryKind::Page, options);
@@ -241,26 +233,26 @@ fn local_partners(
     dst_entries: &[usize],
     options: TemplateOptions,
 ) -> Result<Vec<Partner>> {
-    let (src_ids, src_roles) = metadata_of(src, src_entries);
-    let (dst_ids, dst_roles) = metadata_of(dst, dst_entries);
+    let pairing = options.pairing;
+    let (src_ids, src_roles) = metadata_of(src, src_entries, pairing);
+    let (dst_ids, dst_roles) = metadata_of(dst, dst_entries, pairing);
     let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
     let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
-    match options.prefill_start_layer {
+    match pairing.prefill_start_layer() {
         Some(start) if legacy => {
             // Both peers say which buffer group each entry belongs to (k/v, NPU groups g0/g1…,
             // draft): slice each group on its own, as Ascend's per-group slicing does
             // (docs/semantics.md, Ascend).
+            let src_drafts: Vec<bool> = src_entries.iter().map(|&i| src.is_draft(i)).collect();
             if let (Some(src_roles), Some(dst_roles)) = (&src_roles, &dst_roles) {
-                let partners = slice_per_role(src_roles, dst_roles, start)?;
+                let partners = slice_per_role(src_roles, &src_drafts, dst_roles, start)?;
                 return Ok(partners.into_iter().map(Ok).collect());
             }
-            let kind = match options.legacy_kind {
+            let kind = match pairing.legacy_kind() {
                 Some(kind) => kind,
-                None => infer_legacy_kind(src_roles.as_deref())?,
+                None => infer_legacy_kind(src_roles.as_deref(), &src_drafts)?,
             };
-            let num_draft = src_roles
-                .as_ref()
-                .map_or(0, |r| r.iter().filter(|x| x.starts_with("draft")).count());
+            let num_draft = src_drafts.iter().filter(|&&d| d).count();
             let decode_layers = dst.context().num_model_layers.map(|x| x as usize);
             let pairs = legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?;
             Ok(pairs.into_iter().map(|[_, j]| Ok(j)).collect())
@@ -276,7 +268,7 @@ fn local_partners(
                 roles: dst_roles.as_deref(),
                 n_entries: n_dst,
             },
-            options.allow_positional_fallback,
+            pairing.allow_positional_fallback(),
         ),
     }
 }
@@ -284,6 +276,7 @@ fn local_partners(
 /// Legacy positional slicing within each role: the prefill's entries of role `r` (in order) go to
 /// the decode's entries of role `r` starting at `prefill_start_layer`; draft roles go to the last
 /// entries of their role (the decode's draft band), as SGLang's draft tail does.
+/// `src_drafts` says which source entries are draft entries.
 fn positions_by_role(roles: &[String]) -> HashMap<&str, Vec<usize>> {
     let mut by_role: HashMap<&str, Vec<usize>> = HashMap::new();
     for (j, role) in roles.iter().enumerate() {
@@ -292,7 +285,12 @@ fn positions_by_role(roles: &[String]) -> HashMap<&str, Vec<usize>> {
     by_role
 }
 
-fn slice_per_role(src_roles: &[String], dst_roles: &[String], start: usize) -> Result<Vec<usize>> {
+fn slice_per_role(
+    src_roles: &[String],
+    src_drafts: &[bool],
+    dst_roles: &[String],
+    start: usize,
+) -> Result<Vec<usize>> {
     // Positions of each role on both sides, in layout order (linear in the entry counts).
     let (src_by_role, dst_by_role) = (positions_by_role(src_roles), positions_by_role(dst_roles));
     let mut partners = vec![0; src_roles.len()];
@@ -306,7 +304,7 @@ fn slice_per_role(src_roles: &[String], dst_roles: &[String], start: usize) -> R
             .get(role.as_str())
             .map_or(&[][..], Vec::as_slice);
         let wanted = src_positions.len();
-        let offset = if role.starts_with("draft") {
+        let offset = if src_drafts[i] {
             dst_positions.len().checked_sub(wanted)
         } else {
             start
@@ -342,19 +340,33 @@ fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
 }
 
 /// Ids and roles of a subset of entries; `None` when the subset does not publish them
-/// (layouts guarantee all-or-none within a kind).
-fn metadata_of(layout: &Layout, entries: &[usize]) -> (Option<Vec<i64>>, Option<Vec<String>>) {
+/// (layouts guarantee all-or-none within a kind) or when `pairing` ignores its page ids.
+fn metadata_of(
+    layout: &Layout,
+    entries: &[usize],
+    pairing: Pairing,
+) -> (Option<Vec<i64>>, Option<Vec<String>>) {
     let parts = layout.parts();
-    let ids: Option<Vec<i64>> = entries.iter().map(|&i| parts.layer_ids[i]).collect();
+    let hide_ids = pairing.ignores_page_ids()
+        && entries
+            .first()
+            .is_some_and(|&i| parts.kinds[i] == EntryKind::Page);
+    let ids: Option<Vec<i64>> = if hide_ids {
+        None
+    } else {
+        entries.iter().map(|&i| parts.layer_ids[i]).collect()
+    };
     let roles: Vec<String> = entries.iter().map(|&i| parts.roles[i].clone()).collect();
     let roles = (!roles.is_empty() && roles.iter().all(|r| !r.is_empty())).then_some(roles);
     (ids.filter(|ids| !ids.is_empty()), roles)
 }
 
-fn infer_legacy_kind(src_roles: Option<&[String]>) -> Result<LegacyKind> {
+fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Result<LegacyKind> {
     match src_roles {
-        Some(roles) if roles.iter().any(|r| r == "k" || r == "v") => Ok(LegacyKind::Mha),
-        Some(roles) if roles.iter().all(|r| r == "kv" || r.starts_with("draft")) => Ok(LegacyKind::Mla),
+        Some(roles) if roles.iter().any(|r| is_mha_role(r)) => Ok(LegacyKind::Mha),
+        Some(roles) if roles.iter().zip(src_drafts).all(|(r, &d)| r == "kv" || d) => {
+            Ok(LegacyKind::Mla)
+        }
         _ => Err(PlanError::LegacySlice {
             reason: "peers publish no layer ids and their entry counts differ; say whether the layout is \"mla\" or \"mha\" (legacy_kind)".into(),
         }),
@@ -549,22 +561,14 @@ impl Template {
     fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
         // Report the first position that breaks the first pair it does not fit.
         for pair in &self.emitting {
-            let capacity = if side == Side::Src {
-                pair.src_capacity
-            } else {
-                pair.dst_capacity
-            };
+            let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
             if let Some((position, index)) = values
                 .iter()
                 .map(|v| v.get())
                 .enumerate()
                 .find(|&(_, v)| v as u64 >= capacity)
             {
-                let entry = if side == Side::Src {
-                    pair.src_entry
-                } else {
-                    pair.dst_entry
-                };
+                let entry = side.pick(pair.src_entry, pair.dst_entry);
                 return PlanError::IndexOutOfRange {
                     side,
                     index,
@@ -580,11 +584,10 @@ impl Template {
     }
 
     fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
-        let (capacity, entry) = if side == Side::Src {
-            (pair.src_capacity, pair.src_entry)
-        } else {
-            (pair.dst_capacity, pair.dst_entry)
-        };
+        let (capacity, entry) = side.pick(
+            (pair.src_capacity, pair.src_entry),
+            (pair.dst_capacity, pair.dst_entry),
+        );
         PlanError::IndexOutOfRange {
             side,
             index: slot,
@@ -652,14 +655,14 @@ mod tests {
         )
         .unwrap();
         let options = TemplateOptions {
-            prefill_start_layer: Some(2),
+            pairing: Pairing::by_layer_id(false, Some(2), None),
             ..TemplateOptions::default()
         };
         let t = Template::new(&src, &dst, options).unwrap();
         let bases: Vec<u64> = t.page_pairs().iter().map(|p| p.dst_base).collect();
         assert_eq!(bases, vec![102, 103, 202, 203, 300, 400]);
         let too_far = TemplateOptions {
-            prefill_start_layer: Some(3),
+            pairing: Pairing::by_layer_id(false, Some(3), None),
             ..TemplateOptions::default()
         };
         assert!(matches!(
@@ -678,6 +681,7 @@ mod tests {
                 layer_ids: ids.map_or_else(Vec::new, |v| v.into_iter().map(Some).collect()),
                 roles: roles.iter().map(ToString::to_string).collect(),
                 kinds: vec![],
+                drafts: vec![],
             },
             LayoutContext::default(),
         )

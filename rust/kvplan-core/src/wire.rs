@@ -1,15 +1,20 @@
 //! Versioned binary encoding of a layout, exchanged by peers during the bootstrap handshake.
 //!
-//! Format v1, little-endian throughout:
+//! Format v2, little-endian throughout:
 //!
 //! ```text
 //! magic "KVPL" | version u16 | flags u16 (0) | entry count u32
 //! context: page_size u64 | num_model_layers u64 (u64::MAX = unknown)
 //!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str
-//! entry:   data_ptr u64 | data_len u64 | item_len u64 | kind u8 | has_id u8 | layer_id i64 | role str
+//! entry:   data_ptr u64 | data_len u64 | item_len u64 | kind u8 | entry flags u8
+//!          | has_id u8 | layer_id i64 | role str
 //! trailer: CRC-32 (IEEE) of every preceding byte
 //! str:     length u16 | UTF-8 bytes
 //! ```
+//!
+//! Entry flags: bit 0 marks a draft-model entry; other bits must be 0. Version 1 (still read)
+//! has no entry flags byte; its draft entries are the ones whose role starts with `draft`,
+//! the only way version 1 told them apart.
 //!
 //! Decoding never trusts a count before checking it against the bytes actually present, so a
 //! corrupted or hostile message cannot make it allocate more than a small multiple of its own
@@ -19,12 +24,16 @@ use crate::error::{PlanError, Result};
 use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 
 const MAGIC: &[u8; 4] = b"KVPL";
-/// The only version this build writes and reads.
-pub const WIRE_VERSION: u16 = 1;
+/// The version this build writes.
+pub const WIRE_VERSION: u16 = 2;
+/// The oldest version this build reads.
+pub const OLDEST_WIRE_VERSION: u16 = 1;
+const DRAFT_FLAG: u8 = 1;
 /// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
 pub const MAX_ENTRIES: u32 = 1 << 20;
-/// Bytes of the fixed part of one entry (without its role's bytes).
-const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 8 + 2;
+/// Bytes of the fixed part of one version 2 entry (without its role's bytes); version 1
+/// entries have one byte less.
+const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 1 + 8 + 2;
 const HEADER: usize = 4 + 2 + 2 + 4;
 const CONTEXT_FIXED: usize = 8 + 8 + 4 * 4 + 2;
 const TRAILER: usize = 4;
@@ -63,6 +72,7 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
             EntryKind::Page => 0,
             EntryKind::State => 1,
         });
+        out.push(if parts.drafts[i] { DRAFT_FLAG } else { 0 });
         out.push(u8::from(parts.layer_ids[i].is_some()));
         out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
         put_str(&mut out, &parts.roles[i])?;
@@ -101,11 +111,17 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         at: 4,
     };
     let version = reader.u16()?;
-    if version != WIRE_VERSION {
+    if !(OLDEST_WIRE_VERSION..=WIRE_VERSION).contains(&version) {
         return Err(wire_error(format!(
-            "unknown layout wire version {version} (this build reads version {WIRE_VERSION})"
+            "unknown layout wire version {version} (this build reads versions {OLDEST_WIRE_VERSION} to {WIRE_VERSION})"
         )));
     }
+    let has_entry_flags = version >= 2;
+    let entry_fixed = if has_entry_flags {
+        ENTRY_FIXED
+    } else {
+        ENTRY_FIXED - 1
+    };
     let stored_crc = u32::from_le_bytes(
         data[data.len() - TRAILER..]
             .try_into()
@@ -129,7 +145,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     let n = count as usize;
     // Check the count against the bytes present before allocating anything sized by it.
-    if n.saturating_mul(ENTRY_FIXED) > reader.remaining() {
+    if n.saturating_mul(entry_fixed) > reader.remaining() {
         return Err(wire_error(format!(
             "{n} entries announced but only {} bytes follow",
             reader.remaining()
@@ -153,6 +169,8 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         layer_ids: Vec::with_capacity(n),
         roles: Vec::with_capacity(n),
         kinds: Vec::with_capacity(n),
+        // Version 1: left empty, so Layout::new derives draft-ness from the roles.
+        drafts: Vec::with_capacity(if has_entry_flags { n } else { 0 }),
     };
     for _ in 0..n {
         parts.data_ptrs.push(reader.u64()?);
@@ -163,6 +181,13 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             1 => EntryKind::State,
             other => return Err(wire_error(format!("unknown entry kind code {other}"))),
         });
+        if has_entry_flags {
+            let flags = reader.u8()?;
+            if flags & !DRAFT_FLAG != 0 {
+                return Err(wire_error(format!("unknown entry flags {flags:#04x}")));
+            }
+            parts.drafts.push(flags & DRAFT_FLAG != 0);
+        }
         let has_id = reader.u8()?;
         let id = i64::from_le_bytes(
             reader
@@ -276,6 +301,50 @@ mod tests {
     fn round_trip_is_exact() {
         let layout = sample();
         assert_eq!(decode(&encode(&layout).unwrap()).unwrap(), layout);
+    }
+
+    #[test]
+    fn draft_flag_round_trips_and_version_1_derives_it() {
+        // Draft entries of a layout without roles: only the entry flag says they are drafts.
+        let parts = LayoutParts {
+            data_ptrs: vec![8],
+            data_lens: vec![64],
+            item_lens: vec![8],
+            layer_ids: vec![Some(0)],
+            ..Default::default()
+        };
+        let base = Layout::new(parts, LayoutContext::default()).unwrap();
+        let draft = base
+            .with_draft(vec![100], vec![64], vec![8], &[0], 1, None)
+            .unwrap();
+        assert!(draft.is_draft(1) && draft.role(1).is_none());
+        assert_eq!(decode(&encode(&draft).unwrap()).unwrap(), draft);
+        // Version 1 bytes (no entry flags byte) of a layout with draft roles.
+        let named = Layout::mla(
+            vec![8],
+            vec![64],
+            vec![8],
+            Some(vec![0]),
+            LayoutContext::default(),
+        )
+        .unwrap()
+        .with_draft(vec![100], vec![64], vec![8], &[0], 1, None)
+        .unwrap();
+        let v2 = encode(&named).unwrap();
+        let mut v1 = v2[..v2.len() - TRAILER].to_vec();
+        v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let first_entry = HEADER + CONTEXT_FIXED + named.context().device.len();
+        let entry_len = |i: usize| ENTRY_FIXED + named.parts().roles[i].len();
+        // Remove each entry's flags byte (after data_ptr, data_len, item_len, kind), last first.
+        let second_entry = first_entry + entry_len(0);
+        for start in [second_entry, first_entry] {
+            v1.remove(start + 25);
+        }
+        let crc = crc32(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        let decoded = decode(&v1).unwrap();
+        assert_eq!(decoded, named);
+        assert!(decoded.is_draft(1) && !decoded.is_draft(0));
     }
 
     #[test]

@@ -90,6 +90,57 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     Ok(context)
 }
 
+/// One entry of a layout, as `Layout.entries()` lists it (read-only).
+#[pyclass(frozen, eq, get_all, name = "LayoutEntry", module = "kvplan")]
+#[derive(PartialEq)]
+pub struct PyLayoutEntry {
+    /// Position in the layout.
+    index: usize,
+    /// `"page"` or `"state"`.
+    kind: &'static str,
+    /// Global layer id, `None` when not published.
+    layer_id: Option<i64>,
+    /// Role, `None` when not published.
+    role: Option<String>,
+    /// Whether the entry belongs to the draft model.
+    is_draft: bool,
+    data_ptr: u64,
+    data_len: u64,
+    item_len: u64,
+    /// Items (pages or slots) the entry holds: `data_len // item_len` (0 when item_len is 0).
+    capacity: u64,
+}
+
+#[pymethods]
+impl PyLayoutEntry {
+    fn __repr__(&self) -> String {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "None".into());
+        // Python's quoting, so the repr reads like Python.
+        let quoted = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"));
+        format!(
+            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, capacity={})",
+            self.index,
+            quoted(self.kind),
+            opt(self.layer_id.map(|i| i.to_string())),
+            opt(self.role.as_deref().map(quoted)),
+            if self.is_draft { "True" } else { "False" },
+            self.data_ptr,
+            self.data_len,
+            self.item_len,
+            self.capacity
+        )
+    }
+}
+
+impl PyLayout {
+    /// Role per entry, `None` where not published.
+    fn entry_roles(&self) -> Vec<Option<&str>> {
+        (0..self.inner.n_entries())
+            .map(|i| self.inner.role(i))
+            .collect()
+    }
+}
+
 /// An immutable list of one peer's transfer entries plus its context (page size, device, PP/TP).
 #[pyclass(frozen, eq, name = "Layout", module = "kvplan")]
 #[derive(PartialEq)]
@@ -104,14 +155,16 @@ fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, **context))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         data_ptrs: Vec<u64>,
         data_lens: Vec<u64>,
         item_lens: ItemLens,
         layer_ids: Option<Vec<Option<i64>>>,
-        roles: Option<Vec<String>>,
+        roles: Option<Vec<Option<String>>>,
         kinds: Option<Vec<String>>,
+        drafts: Option<Vec<bool>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
@@ -126,8 +179,14 @@ impl PyLayout {
             data_lens,
             item_lens: item_lens.expand(n),
             layer_ids: layer_ids.unwrap_or_default(),
-            roles: roles.unwrap_or_default(),
+            // None and "" both mean "not published".
+            roles: roles
+                .unwrap_or_default()
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
             kinds,
+            drafts: drafts.unwrap_or_default(),
         };
         wrap(Layout::new(parts, context_from(context)?))
     }
@@ -296,8 +355,9 @@ impl PyLayout {
         dict.set_item("data_lens", &parts.data_lens)?;
         dict.set_item("item_lens", &parts.item_lens)?;
         dict.set_item("layer_ids", &parts.layer_ids)?;
-        dict.set_item("roles", &parts.roles)?;
+        dict.set_item("roles", self.entry_roles())?;
         dict.set_item("kinds", self.kinds())?;
+        dict.set_item("drafts", &parts.drafts)?;
         dict.set_item("page_size", ctx.page_size)?;
         dict.set_item("device", &ctx.device)?;
         dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -316,10 +376,12 @@ impl PyLayout {
             Some(v) => v.extract()?,
             None => return Err(KvPlanError::new_err("layout dict has no \"version\" key")),
         };
-        if version != kvplan_core::wire::WIRE_VERSION {
+        let readable = kvplan_core::wire::OLDEST_WIRE_VERSION..=kvplan_core::wire::WIRE_VERSION;
+        if !readable.contains(&version) {
             return Err(KvPlanError::new_err(format!(
-                "unknown layout dict version {version} (this build reads version {})",
-                kvplan_core::wire::WIRE_VERSION
+                "unknown layout dict version {version} (this build reads versions {} to {})",
+                readable.start(),
+                readable.end()
             )));
         }
         data.del_item("version")?;
@@ -332,6 +394,14 @@ impl PyLayout {
         };
         let (ptrs, lens, items) = (take("data_ptrs")?, take("data_lens")?, take("item_lens")?);
         let (ids, roles, kinds) = (take("layer_ids")?, take("roles")?, take("kinds")?);
+        // Without "drafts" (version 1 has none) draft-ness follows from the roles.
+        let drafts = match data.get_item("drafts")? {
+            Some(value) => {
+                data.del_item("drafts")?;
+                value.extract()?
+            }
+            None => None,
+        };
         Self::new(
             ptrs.extract()?,
             lens.extract()?,
@@ -339,6 +409,7 @@ impl PyLayout {
             ids.extract()?,
             roles.extract()?,
             kinds.extract()?,
+            drafts,
             Some(&data),
         )
     }
@@ -375,11 +446,41 @@ impl PyLayout {
         ids.iter().any(Option::is_some).then(|| ids.clone())
     }
 
-    /// Role per entry; `None` when no entry publishes one (`""` for entries without a role).
+    /// Role per entry; `None` when no entry publishes one (`None` items for entries of a
+    /// kind that publishes none while another kind does).
     #[getter]
-    fn roles(&self) -> Option<Vec<String>> {
-        let roles = &self.inner.parts().roles;
-        roles.iter().any(|r| !r.is_empty()).then(|| roles.clone())
+    fn roles(&self) -> Option<Vec<Option<&str>>> {
+        let roles = self.entry_roles();
+        roles.iter().any(Option::is_some).then_some(roles)
+    }
+
+    /// Whether each entry belongs to the draft model.
+    #[getter]
+    fn drafts(&self) -> Vec<bool> {
+        self.inner.parts().drafts.clone()
+    }
+
+    /// One read-only record per entry, in layout order; only the entries of `kind`
+    /// (`"page"` or `"state"`) when given.
+    #[pyo3(signature = (kind=None))]
+    fn entries(&self, kind: Option<&str>) -> PyResult<Vec<PyLayoutEntry>> {
+        let kind = kind.map(EntryKind::parse).transpose().map_err(to_py_err)?;
+        let layout = &self.inner;
+        let parts = layout.parts();
+        Ok((0..layout.n_entries())
+            .filter(|&i| kind.is_none_or(|k| parts.kinds[i] == k))
+            .map(|i| PyLayoutEntry {
+                index: i,
+                kind: parts.kinds[i].as_str(),
+                layer_id: parts.layer_ids[i],
+                role: layout.role(i).map(str::to_owned),
+                is_draft: layout.is_draft(i),
+                data_ptr: parts.data_ptrs[i],
+                data_len: parts.data_lens[i],
+                item_len: parts.item_lens[i],
+                capacity: layout.capacity(i),
+            })
+            .collect())
     }
 
     #[getter]

@@ -19,9 +19,9 @@ mod _core {
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
     };
     #[pymodule_export]
-    use crate::layout::PyLayout;
+    use crate::layout::{PyLayout, PyLayoutEntry};
     #[pymodule_export]
-    use crate::pairing::{legacy_pp_pairs, pair_entries};
+    use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
     use crate::plan::{PyPlanBatch, PyPlanBuffer, PyTransferPlan};
     #[pymodule_export]

@@ -1,7 +1,9 @@
-//! Entry pairing on its own: SGLang's `build_transfer_entry_pairs` and strict legacy PP slicing.
+//! Entry pairing: the `Pairing` value templates take, and, on their own, SGLang's
+//! `build_transfer_entry_pairs` and strict legacy PP slicing.
 
-use kvplan_core::{EntryMetadata, LegacyKind};
+use kvplan_core::{EntryMetadata, LegacyKind, Pairing, PairingMode};
 use numpy::PyArray2;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use crate::convert::pairs_array;
@@ -70,4 +72,160 @@ pub fn legacy_pp_pairs<'py>(
     )
     .map_err(to_py_err)?;
     pairs_array(py, pairs.into_iter())
+}
+
+/// How a `Template` pairs prefill entries with decode entries (an immutable value).
+///
+/// Build one with `Pairing.by_layer_id(...)`, `Pairing.positional()` or
+/// `Pairing.legacy(...)`; pass it as `pairing=` to `Template`, `compare` and `check_pairs`.
+#[pyclass(
+    frozen,
+    eq,
+    hash,
+    skip_from_py_object,
+    name = "Pairing",
+    module = "kvplan"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyPairing {
+    pub(crate) inner: Pairing,
+}
+
+#[pymethods]
+impl PyPairing {
+    /// Pair by (global layer id, role). Peers that publish no ids pair positionally when
+    /// `allow_positional_fallback`, or by legacy PP slicing from `prefill_start_layer` when
+    /// their entry counts differ (`legacy_kind` "mla" or "mha"; inferred from roles if None).
+    #[staticmethod]
+    #[pyo3(signature = (allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None))]
+    fn by_layer_id(
+        allow_positional_fallback: bool,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<&str>,
+    ) -> PyResult<Self> {
+        let kind = legacy_kind.map(parse_legacy_kind).transpose()?;
+        Ok(Self {
+            inner: Pairing::by_layer_id(allow_positional_fallback, prefill_start_layer, kind),
+        })
+    }
+
+    /// Ignore the page entries' layer ids and pair by position (within each role when both
+    /// peers publish roles; extra decode entries allowed). State entries still pair by id.
+    #[staticmethod]
+    fn positional() -> Self {
+        Self {
+            inner: Pairing::positional(),
+        }
+    }
+
+    /// Ignore the page entries' layer ids and slice strictly from `prefill_start_layer` (per
+    /// role when both peers publish roles). State entries still pair by id.
+    #[staticmethod]
+    #[pyo3(signature = (kind=None, *, prefill_start_layer))]
+    fn legacy(kind: Option<&str>, prefill_start_layer: usize) -> PyResult<Self> {
+        let kind = kind.map(parse_legacy_kind).transpose()?;
+        Ok(Self {
+            inner: Pairing::legacy(kind, prefill_start_layer),
+        })
+    }
+
+    /// `"layer_id"`, `"positional"` or `"legacy"`.
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.inner.mode().as_str()
+    }
+
+    #[getter]
+    fn allow_positional_fallback(&self) -> bool {
+        self.inner.allow_positional_fallback()
+    }
+
+    #[getter]
+    fn prefill_start_layer(&self) -> Option<usize> {
+        self.inner.prefill_start_layer()
+    }
+
+    #[getter]
+    fn legacy_kind(&self) -> Option<&'static str> {
+        self.inner.legacy_kind().map(LegacyKind::as_str)
+    }
+
+    fn __repr__(&self) -> String {
+        let p = self.inner;
+        let kind = |k: Option<LegacyKind>| k.map(|k| format!("'{}'", k.as_str()));
+        match p.mode() {
+            PairingMode::Positional => "Pairing.positional()".into(),
+            PairingMode::Legacy => {
+                let start = p.prefill_start_layer().unwrap_or_default();
+                match kind(p.legacy_kind()) {
+                    Some(k) => format!("Pairing.legacy({k}, prefill_start_layer={start})"),
+                    None => format!("Pairing.legacy(prefill_start_layer={start})"),
+                }
+            }
+            PairingMode::LayerId => {
+                let mut args = Vec::new();
+                if p.allow_positional_fallback() {
+                    args.push("allow_positional_fallback=True".to_string());
+                }
+                if let Some(start) = p.prefill_start_layer() {
+                    args.push(format!("prefill_start_layer={start}"));
+                }
+                if let Some(k) = kind(p.legacy_kind()) {
+                    args.push(format!("legacy_kind={k}"));
+                }
+                format!("Pairing.by_layer_id({})", args.join(", "))
+            }
+        }
+    }
+}
+
+/// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
+/// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
+/// that build one (`allow_positional_fallback`, `prefill_start_layer`, `legacy_kind`). A
+/// `Pairing` together with a shorthand is a `TypeError`.
+pub(crate) fn resolve_pairing(
+    pairing: Option<&Bound<'_, PyAny>>,
+    allow_positional_fallback: Option<bool>,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+) -> PyResult<Pairing> {
+    let pairing = pairing.filter(|p| !p.is_none());
+    if let Some(p) = pairing
+        && let Ok(p) = p.cast::<PyPairing>()
+    {
+        if allow_positional_fallback.is_some()
+            || prefill_start_layer.is_some()
+            || legacy_kind.is_some()
+        {
+            return Err(PyTypeError::new_err(
+                "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
+            ));
+        }
+        return Ok(p.get().inner);
+    }
+    let fallback = match pairing {
+        None => allow_positional_fallback.unwrap_or(false),
+        Some(p) => {
+            let Ok(flag) = p.extract::<bool>() else {
+                return Err(PyTypeError::new_err(format!(
+                    "pairing must be a kvplan.Pairing (or a bool, the allow_positional_fallback shorthand), got {}",
+                    p.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                )));
+            };
+            if allow_positional_fallback.is_some() {
+                return Err(PyTypeError::new_err(
+                    "allow_positional_fallback given twice (positionally and as a keyword)",
+                ));
+            }
+            flag
+        }
+    };
+    Ok(Pairing::by_layer_id(
+        fallback,
+        prefill_start_layer,
+        legacy_kind.map(parse_legacy_kind).transpose()?,
+    ))
 }

@@ -13,23 +13,9 @@ use pyo3::types::PyTuple;
 use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
-use crate::pairing::parse_legacy_kind;
+use crate::pairing::resolve_pairing;
 use crate::plan::{PairShape, PyTransferPlan, out_columns, pooled_columns};
 use crate::pool;
-
-fn template_options(
-    allow_positional_fallback: bool,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
-    check_dst_overlap: bool,
-) -> PyResult<TemplateOptions> {
-    Ok(TemplateOptions {
-        allow_positional_fallback,
-        prefill_start_layer,
-        legacy_kind: legacy_kind.map(parse_legacy_kind).transpose()?,
-        check_dst_overlap,
-    })
-}
 
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
 /// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
@@ -38,21 +24,25 @@ type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
 /// One row per source entry, page entries first: its partner or why it has none.
 /// `Template(...)` raises exactly the first problem listed here.
 #[pyfunction]
-#[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None))]
+#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None))]
 pub fn check_pairs(
     py: Python<'_>,
     src_layout: PyRef<'_, PyLayout>,
     dst_layout: PyRef<'_, PyLayout>,
-    allow_positional_fallback: bool,
+    pairing: Option<&Bound<'_, PyAny>>,
+    allow_positional_fallback: Option<bool>,
     prefill_start_layer: Option<usize>,
     legacy_kind: Option<&str>,
 ) -> PyResult<Vec<EntryCheckRow>> {
-    let options = template_options(
-        allow_positional_fallback,
-        prefill_start_layer,
-        legacy_kind,
-        false,
-    )?;
+    let options = TemplateOptions {
+        pairing: resolve_pairing(
+            pairing,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+        )?,
+        check_dst_overlap: false,
+    };
     let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
     Ok(checks
         .into_iter()
@@ -63,8 +53,9 @@ pub fn check_pairs(
         .collect())
 }
 
-/// Borrows `out` for writing: a `TypeError` for a wrong type or dtype, a `KvPlanError` for a
-/// wrong layout, a read-only array or one whose memory overlaps an input (never a panic).
+/// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
+/// (input shape), a `KvPlanError` for a read-only array or one whose memory overlaps an input
+/// (never a panic).
 fn writable_out<'py>(
     out: &Bound<'py, PyAny>,
     inputs: [(&IndexArray<'_>, &str); 2],
@@ -74,7 +65,7 @@ fn writable_out<'py>(
     })?;
     // A Fortran-ordered array would have a slice view too, with the rows scrambled.
     if !array.is_c_contiguous() || array.shape()[0] != 3 {
-        return Err(KvPlanError::new_err(format!(
+        return Err(PyTypeError::new_err(format!(
             "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
             array.shape()
         )));
@@ -144,21 +135,25 @@ impl IndexVisitor for PlanInto<'_, '_> {
 #[pymethods]
 impl PyTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, allow_positional_fallback=false, *, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
         dst_layout: PyRef<'_, PyLayout>,
-        allow_positional_fallback: bool,
+        pairing: Option<&Bound<'_, PyAny>>,
+        allow_positional_fallback: Option<bool>,
         prefill_start_layer: Option<usize>,
         legacy_kind: Option<&str>,
         check_dst_overlap: bool,
     ) -> PyResult<Self> {
-        let options = template_options(
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
+        let options = TemplateOptions {
+            pairing: resolve_pairing(
+                pairing,
+                allow_positional_fallback,
+                prefill_start_layer,
+                legacy_kind,
+            )?,
             check_dst_overlap,
-        )?;
+        };
         let inner =
             Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
         let emits =

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use arbitrary::{Arbitrary, Unstructured};
 use kvplan_core::{
     Columns, EntryKind, FlatBuffer, Layout, LayoutContext, LayoutParts, LegacyKind, PlanError,
-    Template, TemplateOptions, check_pairs, pair_entries, runs::group_contiguous,
+    Pairing, Template, TemplateOptions, check_pairs, pair_entries, runs::group_contiguous,
 };
 
 // ------------------------------------------------------------------------------------ runs
@@ -666,13 +666,15 @@ pub fn check_plan(input: &PlanInput) {
     check_layout(&src);
     check_layout(&dst);
     let options = TemplateOptions {
-        allow_positional_fallback: input.fallback,
-        prefill_start_layer: input.prefill_start_layer.map(|x| usize::from(x % 16)),
-        legacy_kind: match input.legacy_kind % 3 {
-            0 => None,
-            1 => Some(LegacyKind::Mla),
-            _ => Some(LegacyKind::Mha),
-        },
+        pairing: Pairing::by_layer_id(
+            input.fallback,
+            input.prefill_start_layer.map(|x| usize::from(x % 16)),
+            match input.legacy_kind % 3 {
+                0 => None,
+                1 => Some(LegacyKind::Mla),
+                _ => Some(LegacyKind::Mha),
+            },
+        ),
         check_dst_overlap: input.check_dst_overlap,
     };
     let checks = check_pairs(&src, &dst, options);
