@@ -1,15 +1,24 @@
 //! Versioned binary encoding of a layout, exchanged by peers during the bootstrap handshake.
 //!
-//! Format v1, little-endian throughout:
+//! Format v2 (written by this build), little-endian throughout:
 //!
 //! ```text
-//! magic "KVPL" | version u16 | flags u16 (0) | entry count u32
+//! magic "KVPL" | version u16 (2) | flags u16 (0) | entry count u32
 //! context: page_size u64 | num_model_layers u64 (u64::MAX = unknown)
-//!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str
-//! entry:   data_ptr u64 | data_len u64 | item_len u64 | kind u8 | has_id u8 | layer_id i64 | role str
+//!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str | ext
+//! entry:   data_ptr u64 | data_len u64 | item_len u64 | stride u64
+//!          | kind u8 | has_id u8 | layer_id i64 | role str | ext
 //! trailer: CRC-32 (IEEE) of every preceding byte
 //! str:     length u16 | UTF-8 bytes
+//! ext:     count u16 | count × (tag u16 | length u16 | bytes)
 //! ```
+//!
+//! Extensions are room for fields later versions add per peer or per entry (memory order,
+//! tokens per page, heads, head dim, dtype size): this build writes none; a reader skips an
+//! extension whose tag is below `0x8000` and refuses one at or above it (a field it must
+//! understand to plan correctly).
+//!
+//! Format v1 (still read): no `stride` (it equals `item_len`) and no `ext` fields.
 //!
 //! Decoding never trusts a count before checking it against the bytes actually present, so a
 //! corrupted or hostile message cannot make it allocate more than a small multiple of its own
@@ -19,12 +28,18 @@ use crate::error::{PlanError, Result};
 use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 
 const MAGIC: &[u8; 4] = b"KVPL";
-/// The only version this build writes and reads.
-pub const WIRE_VERSION: u16 = 1;
+/// The version this build writes (it reads this one and v1).
+pub const WIRE_VERSION: u16 = 2;
+/// The first version, still read: entries without strides.
+pub const WIRE_VERSION_1: u16 = 1;
+/// Extension tags at or above this must be understood by the reader.
+pub const EXT_MUST_UNDERSTAND: u16 = 0x8000;
 /// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
 pub const MAX_ENTRIES: u32 = 1 << 20;
 /// Bytes of the fixed part of one entry (without its role's bytes).
 const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 8 + 2;
+/// The same in v2: a stride and an (empty) extension list more.
+const ENTRY_FIXED_V2: usize = ENTRY_FIXED + 8 + 2;
 const HEADER: usize = 4 + 2 + 2 + 4;
 const CONTEXT_FIXED: usize = 8 + 8 + 4 * 4 + 2;
 const TRAILER: usize = 4;
@@ -42,7 +57,8 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
     let ctx = layout.context();
     let n = layout.n_entries();
     let strings: usize = parts.roles.iter().map(String::len).sum::<usize>() + ctx.device.len();
-    let mut out = Vec::with_capacity(HEADER + CONTEXT_FIXED + n * ENTRY_FIXED + strings + TRAILER);
+    let mut out =
+        Vec::with_capacity(HEADER + CONTEXT_FIXED + 2 + n * ENTRY_FIXED_V2 + strings + TRAILER);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
@@ -55,10 +71,12 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&value.to_le_bytes());
     }
     put_str(&mut out, &ctx.device)?;
+    out.extend_from_slice(&0u16.to_le_bytes()); // no context extensions
     for i in 0..n {
         out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
         out.extend_from_slice(&parts.data_lens[i].to_le_bytes());
         out.extend_from_slice(&parts.item_lens[i].to_le_bytes());
+        out.extend_from_slice(&layout.strides()[i].to_le_bytes());
         out.push(match parts.kinds[i] {
             EntryKind::Page => 0,
             EntryKind::State => 1,
@@ -66,6 +84,7 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.push(u8::from(parts.layer_ids[i].is_some()));
         out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
         put_str(&mut out, &parts.roles[i])?;
+        out.extend_from_slice(&0u16.to_le_bytes()); // no entry extensions
     }
     let crc = crc32(&out);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -80,7 +99,7 @@ fn put_str(out: &mut Vec<u8>, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Decodes [`encode`]'s output.
+/// Decodes [`encode`]'s output (v2) or a v1 message.
 ///
 /// # Errors
 /// [`PlanError::Wire`] for a wrong magic, an unknown version, truncation, trailing bytes, a
@@ -101,11 +120,13 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         at: 4,
     };
     let version = reader.u16()?;
-    if version != WIRE_VERSION {
+    if version != WIRE_VERSION && version != WIRE_VERSION_1 {
         return Err(wire_error(format!(
-            "unknown layout wire version {version} (this build reads version {WIRE_VERSION})"
+            "unknown layout wire version {version} (this build reads versions {WIRE_VERSION_1} and {WIRE_VERSION})"
         )));
     }
+    let v2 = version == WIRE_VERSION;
+    let entry_fixed = if v2 { ENTRY_FIXED_V2 } else { ENTRY_FIXED };
     let stored_crc = u32::from_le_bytes(
         data[data.len() - TRAILER..]
             .try_into()
@@ -129,7 +150,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     let n = count as usize;
     // Check the count against the bytes present before allocating anything sized by it.
-    if n.saturating_mul(ENTRY_FIXED) > reader.remaining() {
+    if n.saturating_mul(entry_fixed) > reader.remaining() {
         return Err(wire_error(format!(
             "{n} entries announced but only {} bytes follow",
             reader.remaining()
@@ -146,6 +167,10 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         tp_size: reader.u32()?,
         device: reader.string()?,
     };
+    if v2 {
+        reader.extensions("the context")?;
+    }
+    let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
         data_lens: Vec::with_capacity(n),
@@ -158,6 +183,9 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         parts.data_ptrs.push(reader.u64()?);
         parts.data_lens.push(reader.u64()?);
         parts.item_lens.push(reader.u64()?);
+        if v2 {
+            strides.push(reader.u64()?);
+        }
         parts.kinds.push(match reader.u8()? {
             0 => EntryKind::Page,
             1 => EntryKind::State,
@@ -176,6 +204,9 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             other => return Err(wire_error(format!("bad layer-id flag {other}"))),
         });
         parts.roles.push(reader.string()?);
+        if v2 {
+            reader.extensions("an entry")?;
+        }
     }
     if reader.remaining() != 0 {
         return Err(wire_error(format!(
@@ -183,7 +214,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    Layout::new(parts, context)
+    Layout::new(parts, context)?.with_strides(strides)
 }
 
 struct Reader<'a> {
@@ -229,6 +260,23 @@ impl<'a> Reader<'a> {
 
     fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// Skips an extension list; an extension this build must understand but does not is an
+    /// error naming its tag.
+    fn extensions(&mut self, owner: &str) -> Result<()> {
+        let count = self.u16()?;
+        for _ in 0..count {
+            let tag = self.u16()?;
+            let len = usize::from(self.u16()?);
+            if tag >= EXT_MUST_UNDERSTAND {
+                return Err(wire_error(format!(
+                    "{owner} carries extension {tag:#06x}, which this build does not know and must understand to plan correctly (upgrade kvplan)"
+                )));
+            }
+            self.bytes(len)?;
+        }
+        Ok(())
     }
 
     fn string(&mut self) -> Result<String> {
