@@ -481,9 +481,8 @@ fn build_groups(
     let mut open = false;
     for (index, pair) in page_pairs.iter().enumerate() {
         let given = match &geometry.fragments {
-            Fragments::Whole => None,
             Fragments::Every(list) if pair.item_len > 0 => Some(list),
-            Fragments::Every(_) => None,
+            Fragments::Whole | Fragments::Every(_) => None,
             Fragments::PerPair(lists) => lists[index].as_ref(),
         };
         let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();

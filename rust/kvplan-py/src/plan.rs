@@ -256,7 +256,7 @@ impl PairShape {
         }
     }
 
-    fn offsets(&self, lens: impl Iterator<Item = usize>) -> Vec<i64> {
+    fn offsets(lens: impl Iterator<Item = usize>) -> Vec<i64> {
         let mut offsets = vec![0i64];
         let mut at = 0i64;
         for len in lens {
@@ -348,9 +348,7 @@ impl PyTransferPlan {
     #[getter]
     fn pair_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         let n = self.pairs.shape.pair_groups.len();
-        self.pairs
-            .offsets((0..n).map(|p| self.pairs.pair_len(p)))
-            .into_pyarray(py)
+        PairShape::offsets((0..n).map(|p| self.pairs.pair_len(p))).into_pyarray(py)
     }
 
     /// The block range of entry pair `pair` (`pair_offsets[pair]:pair_offsets[pair+1]`).
@@ -379,9 +377,7 @@ impl PyTransferPlan {
     #[getter]
     fn group_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         let n = self.pairs.shape.groups.len();
-        self.pairs
-            .offsets((0..n).map(|g| self.pairs.group_len(g)))
-            .into_pyarray(py)
+        PairShape::offsets((0..n).map(|g| self.pairs.group_len(g))).into_pyarray(py)
     }
 
     /// The group of each entry pair (int64; -1 for an elided pair).
