@@ -1,8 +1,9 @@
-//! Block emission: a request's runs × a template's emitting pairs → `(src_addr, dst_addr,
-//! length)` columns.
+//! Block emission: a request's runs × a template's pieces (whole pairs, coalesced groups of
+//! pairs, or fragments) → `(src_addr, dst_addr, length)` columns.
 //!
-//! Blocks are entry-pair major, run minor (SGLang's order), so pair `p`'s blocks are the
-//! contiguous slice `p*R .. (p+1)*R` of the output, `R` being the request's run count.
+//! Blocks are piece major, run minor (SGLang's order when every piece is one packed pair), so
+//! with only per-run pieces piece `p`'s blocks are the slice `p*R .. (p+1)*R` of the output, `R`
+//! being the request's run count; a per-page piece has one block per page instead.
 //!
 //! Emission allocates nothing: the caller has written the runs into the output's own first `R`
 //! slots (as page indices); every pair's blocks are then expanded, last pair first, so that
