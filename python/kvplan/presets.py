@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -138,7 +138,7 @@ class ModelPreset:
         span = _align(capacity * item)
         ptrs = [base + i * span for i in range(n_buf)]
         lens = [capacity * item] * n_buf
-        ctx = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
+        ctx: dict[str, Any] = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
                "pp_rank": pp_rank, "pp_size": pp_size}
         if self.hybrid:
             layout = Layout.hybrid_linear(kv, ptrs, lens, item, mla=self.attention == "mla", **ctx)
