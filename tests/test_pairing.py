@@ -3,6 +3,7 @@ and Layout.entries() / draft-ness as entry fields."""
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import pytest
@@ -195,14 +196,16 @@ def test_version_1_bytes_and_dicts_still_decode():
                                                     num_hidden_layers=1)
     v2 = lay.to_bytes()
     assert v2[4:6] == (2).to_bytes(2, "little")
-    # Rebuild the same layout in version 1: no entry flags byte.
-    body = bytearray(v2[:-4])
-    body[4:6] = (1).to_bytes(2, "little")
-    first = 12 + 8 + 8 + 16 + 2 + len("cpu")
-    second = first + 8 * 3 + 1 + 1 + 1 + 8 + 2 + len("kv")
-    for start in (second, first):
-        del body[start + 25]
-    v1 = bytes(body) + zlib.crc32(bytes(body)).to_bytes(4, "little")
+    # The same layout in version 1 (no strides, entry flags or extensions), written the way
+    # earlier builds wrote it: draft-ness comes back from the roles.
+    body = b"KVPL" + struct.pack("<HHI", 1, 0, lay.n_entries)
+    body += struct.pack("<QQIIII", lay.page_size, 2**64 - 1, 0, 1, 0, 1)
+    body += struct.pack("<H", 3) + b"cpu"
+    for e in lay.entries():
+        role = (e.role or "").encode()
+        body += struct.pack("<QQQBBqH", e.data_ptr, e.data_len, e.item_len, 0, 1, e.layer_id,
+                            len(role)) + role
+    v1 = body + zlib.crc32(body).to_bytes(4, "little")
     assert Layout.from_bytes(v1) == lay
     d = lay.to_dict()
     assert d["version"] == 2

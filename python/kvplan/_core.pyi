@@ -118,6 +118,8 @@ class LayoutEntry:
     @property
     def item_len(self) -> int: ...
     @property
+    def stride(self) -> int: ...
+    @property
     def capacity(self) -> int: ...
     def __eq__(self, value: object, /) -> bool: ...
 
@@ -133,6 +135,7 @@ class Layout:
         *,
         kinds: Sequence[str] | None = None,
         drafts: Sequence[bool] | None = None,
+        strides: int | Sequence[int] | None = None,
         page_size: int = ...,
         device: str = ...,
         num_model_layers: int | None = ...,
@@ -147,6 +150,8 @@ class Layout:
         data_lens: Sequence[int],
         item_lens: int | Sequence[int],
         layer_ids: Sequence[int] | None = None,
+        *,
+        strides: int | Sequence[int] | None = None,
         **context: object,
     ) -> Layout: ...
     @staticmethod
@@ -158,6 +163,8 @@ class Layout:
         k_item_lens: int | Sequence[int],
         v_item_lens: int | Sequence[int],
         layer_ids: Sequence[int] | None = None,
+        *,
+        strides: int | Sequence[int] | None = None,
         **context: object,
     ) -> Layout: ...
     @staticmethod
@@ -168,6 +175,7 @@ class Layout:
         item_lens: int | Sequence[int],
         *,
         mla: bool = True,
+        strides: int | Sequence[int] | None = None,
         **context: object,
     ) -> Layout: ...
     @staticmethod
@@ -178,8 +186,21 @@ class Layout:
         item_lens: int | Sequence[int],
         *,
         group_roles: Sequence[str] | None = None,
+        strides: int | Sequence[int] | None = None,
         **context: object,
     ) -> Layout: ...
+    @staticmethod
+    def cross_layer(
+        pool_ptr: int,
+        pool_len: int,
+        layer_ids: Sequence[int] | None,
+        item_lens: int | Sequence[int],
+        *,
+        roles: Sequence[str] | None = None,
+        **context: object,
+    ) -> Layout:
+        """One allocation holding every layer of a page side by side: entry ``j``'s item of page
+        ``i`` is at ``pool_ptr + i * sum(item_lens) + sum(item_lens[:j])``."""
     def with_draft(
         self,
         data_ptrs: Sequence[int],
@@ -189,6 +210,7 @@ class Layout:
         draft_layer_ids: Sequence[int],
         num_hidden_layers: int,
         roles: Sequence[str] | None = None,
+        strides: int | Sequence[int] | None = None,
     ) -> Layout: ...
     def with_state(
         self,
@@ -197,6 +219,8 @@ class Layout:
         data_lens: Sequence[int],
         item_lens: int | Sequence[int],
         layer_ids: Sequence[int],
+        *,
+        strides: int | Sequence[int] | None = None,
     ) -> Layout: ...
     def to_bytes(self) -> bytes: ...
     @staticmethod
@@ -222,6 +246,8 @@ class Layout:
     @property
     def drafts(self) -> list[bool]: ...
     def entries(self, kind: str | None = None) -> list[LayoutEntry]: ...
+    @property
+    def strides(self) -> list[int]: ...
     @property
     def capacities(self) -> list[int]: ...
     @property
@@ -286,6 +312,13 @@ class TransferPlan:
     @property
     def pair_offsets(self) -> _I64Array: ...
     def pair_blocks(self, pair: int) -> slice: ...
+    @property
+    def n_groups(self) -> int: ...
+    @property
+    def group_offsets(self) -> _I64Array: ...
+    @property
+    def pair_groups(self) -> _I64Array: ...
+    def group_blocks(self, group: int) -> slice: ...
     def batches(self, max_blocks: int) -> list[PlanBatch]: ...
     def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
     def __len__(self) -> int: ...
@@ -309,6 +342,8 @@ class Template:
         prefill_start_layer: int | None = None,
         legacy_kind: str | None = None,
         check_dst_overlap: bool = False,
+        fragments: Sequence[tuple[int, int, int]] | Sequence[Sequence[tuple[int, int, int]] | None] | None = None,
+        coalesce: bool = True,
     ) -> Template: ...
     @property
     def pairs(self) -> _I64Array: ...
@@ -322,6 +357,13 @@ class Template:
     def pair_item_lens(self) -> list[int]: ...
     @property
     def bytes_per_page(self) -> int: ...
+    @property
+    def pair_strides(self) -> list[tuple[int, int]]: ...
+    @property
+    def n_groups(self) -> int: ...
+    @property
+    def pair_groups(self) -> _I64Array: ...
+    def n_blocks_for(self, n_pages: int, n_runs: int = 1) -> int: ...
     def plan(
         self, src_pages: _IndexArray, dst_pages: _IndexArray, *, out: _U64Array | None = None
     ) -> TransferPlan:

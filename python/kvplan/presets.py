@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -108,6 +108,7 @@ class ModelPreset:
         pp_rank: int = 0,
         pp_size: int = 1,
         device: str = "cpu",
+        cross_layer: bool = False,
     ) -> Layout:
         """The layout of a peer that holds ``layers``, publishing global layer ids.
 
@@ -120,16 +121,24 @@ class ModelPreset:
             pp_rank: This peer's PP rank.
             pp_size: This peer's PP size.
             device: Device kind recorded in the layout.
+            cross_layer: One pool holding every KV layer of a page side by side
+                (``Layout.cross_layer``: per page, each layer's item, K then V for MHA) instead
+                of one buffer per layer (and per K/V); state entries stay per layer.
         """
         if page_size < 1 or capacity < 1:
             raise KvPlanError("page_size and capacity must be at least 1")
         item = self.kv_bytes_per_token * page_size
         kv = self.kv_layers(layers)
         n_buf = len(kv) * (2 if self.attention == "mha" else 1)
+        if cross_layer:
+            return self._add_state(
+                self._cross_layer_pool(kv, item, capacity, base, page_size, device, pp_rank,
+                                       pp_size),
+                layers, state_slots, base + _align(capacity * item * n_buf))
         span = _align(capacity * item)
         ptrs = [base + i * span for i in range(n_buf)]
         lens = [capacity * item] * n_buf
-        ctx = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
+        ctx: dict[str, Any] = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
                "pp_rank": pp_rank, "pp_size": pp_size}
         if self.hybrid:
             layout = Layout.hybrid_linear(kv, ptrs, lens, item, mla=self.attention == "mla", **ctx)
@@ -139,7 +148,20 @@ class ModelPreset:
             half = len(kv)
             layout = Layout.mha(ptrs[:half], ptrs[half:], lens[:half], lens[half:], item, item,
                                 layer_ids=kv, **ctx)
-        address = base + n_buf * span
+        return self._add_state(layout, layers, state_slots, base + n_buf * span)
+
+    def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
+                          page_size: int, device: str, pp_rank: int, pp_size: int) -> Layout:
+        mha = self.attention == "mha"
+        ids = [i for i in kv for _ in range(2 if mha else 1)]
+        roles = ["k", "v"] * len(kv) if mha else None
+        return Layout.cross_layer(base, capacity * item * len(ids), ids, item, roles=roles,
+                                  page_size=page_size, device=device,
+                                  num_model_layers=self.num_layers, pp_rank=pp_rank,
+                                  pp_size=pp_size)
+
+    def _add_state(self, layout: Layout, layers: Sequence[int], state_slots: int,
+                   address: int) -> Layout:
         linear = self.linear_layers(layers)
         for spec in self.state if linear else ():
             span = _align(state_slots * spec.bytes_per_slot)

@@ -84,6 +84,8 @@ class CompatReport:
             device, TP, model-layer count, decode layers no prefill entry writes).
         prefill: The prefill layout's one-line description.
         decode: The decode layout's one-line description.
+        blocks: How many blocks a request of ``request_pages`` pages takes, contiguous and
+            fully fragmented, with and without coalescing (empty when not compatible).
     """
 
     entries: tuple[EntryCheck, ...]
@@ -93,6 +95,7 @@ class CompatReport:
     warnings: tuple[str, ...]
     prefill: str
     decode: str
+    blocks: tuple[str, ...] = ()
 
     @property
     def first_problem(self) -> tuple[str, str] | None:
@@ -142,6 +145,9 @@ class CompatReport:
         if self.warnings:
             lines.append("warnings:")
             lines += [f"  - {w}" for w in self.warnings]
+        if self.blocks:
+            lines.append("blocks per request:")
+            lines += [f"  {b}" for b in self.blocks]
         lines.append("entries (source -> decode):")
         lines += [f"  {row}" for row in _entry_lines(self.entries)]
         return "\n".join(lines)
@@ -160,6 +166,7 @@ def compare(
     allow_positional_fallback: bool | None = None,
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
+    request_pages: int = 1024,
 ) -> CompatReport:
     """Check a prefill layout against a decode layout before anything is transferred.
 
@@ -175,6 +182,7 @@ def compare(
             ids (positional and legacy modes), so does the report.
         allow_positional_fallback, prefill_start_layer, legacy_kind: Shorthands for
             ``Pairing.by_layer_id(...)``, as for ``Template``.
+        request_pages: The request size :attr:`CompatReport.blocks` counts blocks for.
 
     Returns:
         A :class:`CompatReport`; ``str()`` of it is a readable report.
@@ -209,14 +217,21 @@ def compare(
         for kind, i, j, exception in rows
     )
     reasons = _reasons(entries)
+    blocks: list[str] = []
+    if not reasons:
+        blocks = _blocks(prefill_layout, decode_layout, request_pages, pairing=pairing,
+                         allow_positional_fallback=allow_positional_fallback,
+                         prefill_start_layer=prefill_start_layer, legacy_kind=legacy_kind)
     return CompatReport(
         entries=entries,
         compatible=not reasons,
         reasons=tuple(reasons),
         coverage=tuple(_coverage(prefill_layout, decode_layout, entries, hide)),
-        warnings=tuple(_warnings(prefill_layout, decode_layout, entries)),
+        warnings=tuple(_warnings(prefill_layout, decode_layout, entries)
+                       + _stride_warnings(prefill_layout, decode_layout, entries)),
         prefill=describe_layout(prefill_layout, hide_page_ids=hide),
         decode=describe_layout(decode_layout, hide_page_ids=hide),
+        blocks=tuple(blocks),
     )
 
 
@@ -237,6 +252,36 @@ def _visible(layout: Layout, hide_page_ids: bool) -> list[_Entry]:
         return _Entry(e.kind, layer_id, e.role, e.item_len)
 
     return [seen(e) for e in layout.entries()]
+
+
+def _stride_warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
+    """Paired entries whose strides differ (e.g. per-layer buffers against a cross-layer pool)."""
+    src_strides, dst_strides = src.strides, dst.strides
+    differ = [(e, src_strides[e.src_index], dst_strides[e.dst_index]) for e in entries
+              if e.dst_index is not None and e.src_item_len > 0
+              and src_strides[e.src_index] != dst_strides[e.dst_index]]
+    if not differ:
+        return []
+    labels = "; ".join(f"{_label(e)} {a} vs {b} bytes" for e, a, b in differ[:8])
+    more = f"; … ({len(differ) - 8} more)" if len(differ) > 8 else ""
+    return [f"strides differ for {_plural(len(differ), 'paired entry')} (prefill vs decode): "
+            f"{labels}{more}; pages of those entries are not contiguous on both sides, so "
+            "they move one block per page (or per coalesced group and page), not per run"]
+
+
+def _blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str]:
+    """Block counts of a request of ``pages`` pages, coalesced and not."""
+    if pages < 1:
+        return []
+    lines = []
+    for coalesce in (True, False):
+        template = _core.Template(src, dst, coalesce=coalesce, **options)  # type: ignore[arg-type]
+        contiguous, scattered = template.n_blocks_for(pages, 1), template.n_blocks_for(pages, pages)
+        how = (f"coalesced ({_plural(template.n_groups, 'group')})" if coalesce
+               else f"without coalescing ({_plural(template.n_groups, 'group')})")
+        lines.append(f"{pages} pages {how}: {contiguous} blocks in one run, {scattered} blocks "
+                     "with every page its own run")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------

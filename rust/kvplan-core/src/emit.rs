@@ -1,8 +1,9 @@
-//! Block emission: a request's runs × a template's emitting pairs → `(src_addr, dst_addr,
-//! length)` columns.
+//! Block emission: a request's runs × a template's pieces (whole pairs, coalesced groups of
+//! pairs, or fragments) → `(src_addr, dst_addr, length)` columns.
 //!
-//! Blocks are entry-pair major, run minor (SGLang's order), so pair `p`'s blocks are the
-//! contiguous slice `p*R .. (p+1)*R` of the output, `R` being the request's run count.
+//! Blocks are piece major, run minor (SGLang's order when every piece is one packed pair), so
+//! with only per-run pieces piece `p`'s blocks are the slice `p*R .. (p+1)*R` of the output, `R`
+//! being the request's run count; a per-page piece has one block per page instead.
 //!
 //! Emission allocates nothing: the caller has written the runs into the output's own first `R`
 //! slots (as page indices); every pair's blocks are then expanded, last pair first, so that
@@ -13,11 +14,36 @@
 //! `base + capacity * item_len` fits in u64, so the expansion cannot overflow.
 
 use crate::plan::Columns;
-use crate::template::PairSpec;
+
+/// One emission unit of a template: a whole pair, a coalesced group of pairs, or one fragment
+/// of a pair. Page `i` of the piece is the `len` bytes at `src_base + i * src_stride` (and at
+/// `dst_base + i * dst_stride`); `src_base`/`dst_base` already include a fragment's offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Source address of page 0 of the piece.
+    pub src_base: u64,
+    /// Destination address of page 0 of the piece.
+    pub dst_base: u64,
+    /// Bytes per page.
+    pub len: u64,
+    /// Bytes between consecutive source pages.
+    pub src_stride: u64,
+    /// Bytes between consecutive destination pages.
+    pub dst_stride: u64,
+}
+
+impl Piece {
+    /// Whether consecutive pages are contiguous on both sides (`len` equals both strides), so
+    /// a run of `n` pages is one block of `n * len` bytes; otherwise one block per page.
+    pub fn per_run(&self) -> bool {
+        self.len == self.src_stride && self.len == self.dst_stride
+    }
+}
 
 /// Expands `runs` runs, stored as page indices in the first `runs` slots of `out`, into the
-/// blocks of every pair in `pairs` (`out` holds at least `runs * pairs.len()` values).
-pub(crate) fn expand_runs(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
+/// blocks of every piece in `pairs`, all of which are [`Piece::per_run`] (`out` holds at least
+/// `runs * pairs.len()` values).
+pub(crate) fn expand_runs(pairs: &[Piece], runs: usize, out: Columns<'_>) {
     if runs <= SMALL_RUNS {
         expand_small(pairs, runs, out);
         return;
@@ -26,12 +52,12 @@ pub(crate) fn expand_runs(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
     // A pair with the same item length as the pair expanded just before it (every MLA
     // layer, every K and every V entry) is that pair's blocks shifted by the difference of
     // the bases: an add per value instead of a 64-bit multiply.
-    let mut previous: Option<(usize, &PairSpec)> = None;
+    let mut previous: Option<(usize, &Piece)> = None;
     for (p, pair) in pairs.iter().enumerate().rev() {
         let to = p * runs;
         let columns = [&mut *out.src_addrs, &mut *out.dst_addrs, &mut *out.lengths];
         match previous {
-            Some((from, prev)) if prev.item_len == pair.item_len => {
+            Some((from, prev)) if prev.len == pair.len => {
                 let src_delta = pair.src_base.wrapping_sub(prev.src_base);
                 let dst_delta = pair.dst_base.wrapping_sub(prev.dst_base);
                 let [src_col, dst_col, len_col] = columns;
@@ -40,7 +66,7 @@ pub(crate) fn expand_runs(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
                 derive(len_col, runs, from, to, |x| x);
             }
             _ => {
-                let item = pair.item_len;
+                let item = pair.len;
                 let [src_col, dst_col, len_col] = columns;
                 derive(src_col, runs, 0, to, |x| pair.src_base + x * item);
                 derive(dst_col, runs, 0, to, |x| pair.dst_base + x * item);
@@ -55,7 +81,7 @@ pub(crate) fn expand_runs(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
 /// runs: for a handful of runs per pair, per-pair bookkeeping would cost more than the blocks.
 const SMALL_RUNS: usize = 8;
 
-fn expand_small(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
+fn expand_small(pairs: &[Piece], runs: usize, out: Columns<'_>) {
     let mut starts = [[0u64; SMALL_RUNS]; 3];
     starts[0][..runs].copy_from_slice(&out.src_addrs[..runs]);
     starts[1][..runs].copy_from_slice(&out.dst_addrs[..runs]);
@@ -66,7 +92,7 @@ fn expand_small(pairs: &[PairSpec], runs: usize, out: Columns<'_>) {
         .zip(out.dst_addrs.chunks_exact_mut(runs))
         .zip(out.lengths.chunks_exact_mut(runs));
     for (pair, ((src, dst), len)) in pairs.iter().zip(blocks) {
-        let item = pair.item_len;
+        let item = pair.len;
         for r in 0..runs {
             src[r] = pair.src_base + starts[0][r] * item;
             dst[r] = pair.dst_base + starts[1][r] * item;
@@ -90,6 +116,49 @@ fn derive(col: &mut [u64], n: usize, from: usize, to: usize, f: impl Fn(u64) -> 
             let (head, tail) = col.split_at_mut(from);
             let outputs = head[to..to + n].iter_mut().zip(&tail[..n]);
             outputs.for_each(|(out, &x)| *out = f(x));
+        }
+    }
+}
+
+/// Expands `runs` runs (page indices in the first `runs` slots of `out`, covering `pages` index
+/// pairs) into the blocks of `pieces`, any mix of per-run and per-page pieces: piece-major, and
+/// within a piece run-minor (a per-page piece: the request's pages in order). `out` holds at
+/// least the plan's block count.
+///
+/// Pieces are written last first, so the runs in slots `0..runs` survive until piece 0 (the
+/// only one whose blocks cover those slots: every piece has at least `runs` blocks) overwrites
+/// them; piece 0 itself is written from its last block backwards, never over a run not yet read.
+pub(crate) fn expand_pieces(pieces: &[Piece], runs: usize, pages: usize, out: Columns<'_>) {
+    let mut end = pieces
+        .iter()
+        .map(|p| if p.per_run() { runs } else { pages })
+        .sum::<usize>();
+    for piece in pieces.iter().rev() {
+        if piece.per_run() {
+            let start = end - runs;
+            // Run r is read from slot r and written to slot start + r >= r: in place for
+            // piece 0, untouched runs otherwise.
+            for r in 0..runs {
+                let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r]);
+                out.src_addrs[start + r] = piece.src_base + s * piece.len;
+                out.dst_addrs[start + r] = piece.dst_base + d * piece.len;
+                out.lengths[start + r] = n * piece.len;
+            }
+            end = start;
+        } else {
+            // Runs last to first, pages last to first: run r's pages go to positions at or
+            // after r, and only runs before r remain to be read.
+            let mut at = end;
+            for r in (0..runs).rev() {
+                let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r] as usize);
+                at -= n;
+                for k in (0..n).rev() {
+                    out.src_addrs[at + k] = piece.src_base + (s + k as u64) * piece.src_stride;
+                    out.dst_addrs[at + k] = piece.dst_base + (d + k as u64) * piece.dst_stride;
+                    out.lengths[at + k] = piece.len;
+                }
+            }
+            end = at;
         }
     }
 }

@@ -161,6 +161,9 @@ pub enum PlanError {
     /// anything being wrong with the process: it is reported, never an abort.
     #[error("cannot allocate {bytes} bytes for {what}")]
     OutOfMemory { what: &'static str, bytes: u128 },
+    /// A template's geometry option (fragments) that does not fit its pairs.
+    #[error("{what}")]
+    Geometry { what: String },
 }
 
 impl PlanError {
@@ -211,6 +214,7 @@ impl PlanError {
             PlanError::LengthMismatch { .. }
             | PlanError::Overflow { .. }
             | PlanError::OutputTooSmall { .. }
+            | PlanError::Geometry { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

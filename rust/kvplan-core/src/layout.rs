@@ -122,6 +122,8 @@ fn check_len(field: &'static str, len: usize, expected: usize) -> Result<()> {
 pub struct Layout {
     parts: LayoutParts,
     context: LayoutContext,
+    /// Bytes between consecutive items of each entry (`item_len` unless given).
+    strides: Vec<u64>,
 }
 
 impl Layout {
@@ -201,7 +203,102 @@ impl Layout {
                 )));
             }
         }
-        Ok(Self { parts, context })
+        let strides = parts.item_lens.clone();
+        Ok(Self {
+            parts,
+            context,
+            strides,
+        })
+    }
+
+    /// The same layout with explicit strides: item `i` of entry `e` is the `item_len` bytes at
+    /// `data_ptr + i * stride`. An empty list keeps the default (`stride = item_len`).
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
+    /// for a stride smaller than its entry's item length.
+    pub fn with_strides(mut self, strides: Vec<u64>) -> Result<Self> {
+        if strides.is_empty() {
+            return Ok(self);
+        }
+        check_len("strides", strides.len(), self.n_entries())?;
+        for (entry, (&stride, &item_len)) in strides.iter().zip(&self.parts.item_lens).enumerate() {
+            if stride < item_len {
+                return Err(invalid(format!(
+                    "entry {entry} ({}): stride {stride} is smaller than its item_len {item_len}; consecutive items would overlap",
+                    self.role_label(entry)
+                )));
+            }
+        }
+        self.strides = strides;
+        Ok(self)
+    }
+
+    /// Bytes between consecutive items of each entry (equal to `item_len` unless set).
+    pub fn strides(&self) -> &[u64] {
+        &self.strides
+    }
+
+    /// Whether any entry's stride differs from its item length.
+    pub fn is_strided(&self) -> bool {
+        self.strides != self.parts.item_lens
+    }
+
+    /// One allocation holding every layer of a page side by side,
+    /// `[page 0: entry 0 item | entry 1 item | ...][page 1: ...]...` (a cross-layer pool).
+    /// Every entry's stride is the page stride `sum(item_lens)`; entry `j` starts at
+    /// `pool_ptr + item_lens[0] + ... + item_lens[j-1]`. The pool holds
+    /// `pool_len / page_stride` whole pages (a partial page at the end is not used).
+    /// `roles` default to `kv` for every entry; give one per entry (e.g. `k`, `v`, `k`, `v`…)
+    /// for K and V entries, with the layer id repeated per entry.
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`] for lists of different lengths, [`PlanError::Overflow`] when
+    /// the page stride overflows, then as [`Layout::new`].
+    pub fn cross_layer(
+        pool_ptr: u64,
+        pool_len: u64,
+        layer_ids: Option<Vec<i64>>,
+        item_lens: Vec<u64>,
+        roles: Option<Vec<String>>,
+        context: LayoutContext,
+    ) -> Result<Self> {
+        let n = item_lens.len();
+        check_len("layer_ids", layer_ids.as_ref().map_or(n, Vec::len), n)?;
+        check_len("roles", roles.as_ref().map_or(n, Vec::len), n)?;
+        let stride = item_lens
+            .iter()
+            .try_fold(0u64, |acc, &l| acc.checked_add(l))
+            .ok_or(PlanError::Overflow {
+                what: "cross-layer page stride",
+            })?;
+        let pages = pool_len.checked_div(stride).unwrap_or(0);
+        let used = pages * stride; // <= pool_len
+        let mut offset = 0u64;
+        let (mut data_ptrs, mut data_lens) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for &item in &item_lens {
+            data_ptrs.push(
+                pool_ptr
+                    .checked_add(offset)
+                    .ok_or(PlanError::BufferOverflow {
+                        entry: data_ptrs.len(),
+                        base: pool_ptr,
+                        len: offset,
+                    })?,
+            );
+            data_lens.push(used.saturating_sub(offset));
+            offset += item; // bounded by the checked sum above
+        }
+        let parts = LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens,
+            layer_ids: layer_ids.map_or_else(Vec::new, |ids| ids.into_iter().map(Some).collect()),
+            roles: roles.unwrap_or_else(|| vec!["kv".into(); n]),
+            kinds: vec![],
+            drafts: vec![],
+        };
+        Self::new(parts, context)?.with_strides(vec![stride; n])
     }
 
     /// Number of entries.
@@ -219,11 +316,16 @@ impl Layout {
         &self.context
     }
 
-    /// How many items (pages or slots) entry `i` holds; 0 for an elided entry (`item_len == 0`).
+    /// How many items (pages or slots) entry `i` holds: the whole items that fit in its buffer,
+    /// `(data_len - item_len) / stride + 1` (`data_len / item_len` when the stride is the item
+    /// length); 0 for an elided entry (`item_len == 0`) or a buffer smaller than one item.
     pub fn capacity(&self, i: usize) -> u64 {
-        self.parts.data_lens[i]
-            .checked_div(self.parts.item_lens[i])
-            .unwrap_or(0)
+        let (len, item) = (self.parts.data_lens[i], self.parts.item_lens[i]);
+        if item == 0 || len < item {
+            return 0;
+        }
+        // stride >= item > 0 (checked when the strides were set).
+        (len - item) / self.strides[i] + 1
     }
 
     /// The entry's layer id as text (`None` when unpublished, as Python shows it), for messages.
@@ -529,6 +631,13 @@ impl Layout {
         let n = extra.data_ptrs.len();
         check_len("data_lens", extra.data_lens.len(), n)?;
         check_len("item_lens", extra.item_lens.len(), n)?;
+        // Appended entries are packed (stride = item_len); the existing ones keep theirs.
+        let strides: Vec<u64> = self
+            .strides
+            .iter()
+            .chain(&extra.item_lens)
+            .copied()
+            .collect();
         let mut parts = self.parts.clone();
         parts.data_ptrs.extend(extra.data_ptrs);
         parts.data_lens.extend(extra.data_lens);
@@ -537,7 +646,7 @@ impl Layout {
         parts.roles.extend(extra.roles);
         parts.kinds.extend(extra.kinds);
         parts.drafts.extend(extra.drafts);
-        Self::new(parts, self.context.clone())
+        Self::new(parts, self.context.clone())?.with_strides(strides)
     }
 }
 

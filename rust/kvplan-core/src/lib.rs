@@ -14,6 +14,7 @@ pub mod runs;
 pub mod template;
 pub mod wire;
 
+pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 pub use pairing::{
@@ -22,4 +23,7 @@ pub use pairing::{
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
-pub use template::{EntryCheck, PairSpec, Template, TemplateOptions, check_pairs};
+pub use template::{
+    EntryCheck, Fragment, Fragments, GeometryOptions, Group, PairSpec, Template, TemplateOptions,
+    check_pairs,
+};

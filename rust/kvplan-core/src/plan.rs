@@ -54,6 +54,8 @@ pub struct PlanSummary {
     pub n_blocks: usize,
     /// Bytes moved.
     pub total_bytes: u64,
+    /// Index pairs planned (0 for a state plan).
+    pub n_pages: usize,
 }
 
 /// An owned plan (allocating convenience over [`Template::plan_into`]).

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use crate::emit::Piece;
 use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
@@ -25,6 +26,78 @@ pub struct PairSpec {
     pub src_capacity: u64,
     /// Items the destination buffer holds.
     pub dst_capacity: u64,
+    /// Bytes between consecutive source items.
+    pub src_stride: u64,
+    /// Bytes between consecutive destination items.
+    pub dst_stride: u64,
+}
+
+/// Bytes `src_off..src_off+len` of a source item go to `dst_off..dst_off+len` of its
+/// destination item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fragment {
+    /// Offset inside the source item.
+    pub src_off: u64,
+    /// Offset inside the destination item.
+    pub dst_off: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Which bytes of each item a template moves.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Fragments {
+    /// Every item whole (one fragment `(0, 0, item_len)` per pair).
+    #[default]
+    Whole,
+    /// The same fragments for every emitting page pair.
+    Every(Vec<Fragment>),
+    /// Per page pair in planning order (elided pairs included); `None` = the whole item.
+    PerPair(Vec<Option<Vec<Fragment>>>),
+}
+
+/// How a template turns pairs into blocks (independent of how entries are paired).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GeometryOptions {
+    /// Bytes of each item to move.
+    pub fragments: Fragments,
+    /// Merge consecutive pairs whose items touch on both sides into one block per page (or per
+    /// run); off: every pair keeps its own blocks (per-layer submission).
+    pub coalesce: bool,
+}
+
+impl Default for GeometryOptions {
+    fn default() -> Self {
+        Self {
+            fragments: Fragments::Whole,
+            coalesce: true,
+        }
+    }
+}
+
+/// Consecutive emitting page pairs whose blocks are emitted together (one pair unless
+/// coalesced), with the pieces they emit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// First page pair of the group (index into [`Template::page_pairs`]).
+    pub first_pair: usize,
+    /// Last page pair of the group; it owns the group's blocks in per-pair offsets.
+    pub last_pair: usize,
+    /// The group's pieces: `pieces()[first_piece .. first_piece + n_pieces]`.
+    pub first_piece: usize,
+    /// Number of pieces.
+    pub n_pieces: usize,
+    /// Pieces emitting one block per run.
+    pub per_run: usize,
+    /// Pieces emitting one block per page.
+    pub per_page: usize,
+}
+
+impl Group {
+    /// Blocks the group emits for a request of `pages` index pairs in `runs` runs.
+    pub fn n_blocks(&self, runs: usize, pages: usize) -> usize {
+        self.per_run * runs + self.per_page * pages
+    }
 }
 
 /// How to pair the two layouts.
@@ -49,6 +122,14 @@ pub struct Template {
     pub(crate) src_limit: u64,
     pub(crate) dst_limit: u64,
     pub(crate) check_dst_overlap: bool,
+    /// Emission units in block order (group-major, then fragment).
+    pub(crate) pieces: Vec<Piece>,
+    /// Pieces emitting one block per run, and one block per page.
+    pub(crate) per_run_pieces: usize,
+    pub(crate) per_page_pieces: usize,
+    pub(crate) groups: Vec<Group>,
+    /// The group of each page pair (`None` for elided pairs).
+    pub(crate) pair_groups: Vec<Option<usize>>,
     /// "layer L, role R" per entry of each side, for error messages.
     src_labels: Vec<String>,
     dst_labels: Vec<String>,
@@ -62,6 +143,19 @@ impl Template {
     /// Pairing errors, [`PlanError::SizeMismatch`] naming layer, role and both sizes, or
     /// [`PlanError::Overflow`].
     pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
+        Self::with_geometry(src, dst, options, &GeometryOptions::default())
+    }
+
+    /// As [`Template::new`], with explicit fragments and coalescing.
+    ///
+    /// # Errors
+    /// As [`Template::new`]; [`PlanError::Geometry`] for fragments that do not fit their items.
+    pub fn with_geometry(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+    ) -> Result<Self> {
         let checks = check_pairs(src, dst, options);
         if let Some(problem) = checks.iter().find_map(|c| c.problem.clone()) {
             return Err(problem);
@@ -79,12 +173,15 @@ impl Template {
             .copied()
             .filter(|p| p.item_len > 0)
             .collect();
-        let bytes_per_page = emitting
+        let labels = (entry_labels(src), entry_labels(dst));
+        let (pieces, groups, pair_groups) = build_groups(&page_pairs, geometry, &labels.0)?;
+        let bytes_per_page = pieces
             .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(p.item_len))
+            .try_fold(0u64, |acc, p| acc.checked_add(p.len))
             .ok_or(PlanError::Overflow {
                 what: "bytes per page",
             })?;
+        let per_run_pieces = pieces.iter().filter(|p| p.per_run()).count();
         let src_limit = emitting
             .iter()
             .map(|p| p.src_capacity)
@@ -103,9 +200,36 @@ impl Template {
             src_limit,
             dst_limit,
             check_dst_overlap: options.check_dst_overlap,
-            src_labels: entry_labels(src),
-            dst_labels: entry_labels(dst),
+            per_run_pieces,
+            per_page_pieces: pieces.len() - per_run_pieces,
+            pieces,
+            groups,
+            pair_groups,
+            src_labels: labels.0,
+            dst_labels: labels.1,
         })
+    }
+
+    /// Emission units in block order: group-major, then fragment.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
+    }
+
+    /// Emission groups in block order (one per emitting pair unless pairs were coalesced).
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// The group of each page pair (`None` for an elided pair).
+    pub fn pair_groups(&self) -> &[Option<usize>] {
+        &self.pair_groups
+    }
+
+    /// Blocks of a request of `pages` index pairs in `runs` runs (`None` on overflow).
+    pub fn n_blocks(&self, runs: usize, pages: usize) -> Option<usize> {
+        self.per_run_pieces
+            .checked_mul(runs)?
+            .checked_add(self.per_page_pieces.checked_mul(pages)?)
     }
 
     /// "layer L, role R" of an entry on one side, for messages.
@@ -327,6 +451,179 @@ fn slice_per_role(
     Ok(partners)
 }
 
+/// Pieces, groups and each page pair's group. Without fragments, a pair continues the group of
+/// the emitting pair before it when both are whole-item transfers whose items touch on both
+/// sides (`base = previous base + previous item`, equal strides) and the group still fits in
+/// one stride on each side; a pair with fragments is a group of its own, one piece per fragment.
+#[allow(clippy::type_complexity)]
+fn build_groups(
+    page_pairs: &[PairSpec],
+    geometry: &GeometryOptions,
+    src_labels: &[String],
+) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
+    if let Fragments::PerPair(list) = &geometry.fragments
+        && list.len() != page_pairs.len()
+    {
+        return Err(PlanError::Geometry {
+            what: format!(
+                "fragments give {} per-pair lists but the template has {} page pairs",
+                list.len(),
+                page_pairs.len()
+            ),
+        });
+    }
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut groups: Vec<Group> = Vec::new();
+    let mut pair_groups = vec![None; page_pairs.len()];
+    // Whether the last group is whole items (fragment-free), so a touching pair may join it.
+    let mut open = false;
+    for (index, pair) in page_pairs.iter().enumerate() {
+        let given = match &geometry.fragments {
+            Fragments::Every(list) if pair.item_len > 0 => Some(list),
+            Fragments::Whole | Fragments::Every(_) => None,
+            Fragments::PerPair(lists) => lists[index].as_ref(),
+        };
+        let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();
+        let fragments = match given {
+            Some(list) => check_fragments(index, pair, list, &label)?,
+            None => None,
+        };
+        if pair.item_len == 0 {
+            continue;
+        }
+        let Some(fragments) = fragments else {
+            let whole = Piece {
+                src_base: pair.src_base,
+                dst_base: pair.dst_base,
+                len: pair.item_len,
+                src_stride: pair.src_stride,
+                dst_stride: pair.dst_stride,
+            };
+            // Coalesce with the previous group when it is a whole-item group this pair touches.
+            if geometry.coalesce
+                && open
+                && let Some(group) = groups.last_mut()
+                && let Some(last) = pieces.last_mut()
+                && touches(last, &whole)
+            {
+                last.len += whole.len; // <= the strides (checked by `touches`)
+                group.last_pair = index;
+                let per_run = usize::from(last.per_run());
+                (group.per_run, group.per_page) = (per_run, 1 - per_run);
+                pair_groups[index] = Some(groups.len() - 1);
+                continue;
+            }
+            pair_groups[index] = Some(groups.len());
+            let per_run = usize::from(whole.per_run());
+            groups.push(Group {
+                first_pair: index,
+                last_pair: index,
+                first_piece: pieces.len(),
+                n_pieces: 1,
+                per_run,
+                per_page: 1 - per_run,
+            });
+            pieces.push(whole);
+            open = true;
+            continue;
+        };
+        open = false;
+        pair_groups[index] = Some(groups.len());
+        let first_piece = pieces.len();
+        pieces.extend(fragments.iter().map(|f| Piece {
+            // Inside the item (checked), so inside the buffer.
+            src_base: pair.src_base + f.src_off,
+            dst_base: pair.dst_base + f.dst_off,
+            len: f.len,
+            src_stride: pair.src_stride,
+            dst_stride: pair.dst_stride,
+        }));
+        let per_run = pieces[first_piece..].iter().filter(|p| p.per_run()).count();
+        groups.push(Group {
+            first_pair: index,
+            last_pair: index,
+            first_piece,
+            n_pieces: fragments.len(),
+            per_run,
+            per_page: fragments.len() - per_run,
+        });
+    }
+    Ok((pieces, groups, pair_groups))
+}
+
+/// Whether `next` (a whole item) starts where `group` (whole items) ends on both sides, with
+/// the same strides, and the widened group still fits in one stride on each side (so it never
+/// reaches into the next page: packed per-layer buffers, stride = item, never coalesce).
+fn touches(group: &Piece, next: &Piece) -> bool {
+    group.src_stride == next.src_stride
+        && group.dst_stride == next.dst_stride
+        && group.src_base.checked_add(group.len) == Some(next.src_base)
+        && group.dst_base.checked_add(group.len) == Some(next.dst_base)
+        && group
+            .len
+            .checked_add(next.len)
+            .is_some_and(|w| w <= group.src_stride && w <= group.dst_stride)
+}
+
+/// Validates one pair's fragments: non-empty, each of positive length and inside the item on
+/// both sides, no two overlapping on the destination. `None` when the list is exactly the
+/// whole item (the default, which may coalesce).
+fn check_fragments(
+    index: usize,
+    pair: &PairSpec,
+    list: &[Fragment],
+    label: &dyn Fn() -> String,
+) -> Result<Option<Vec<Fragment>>> {
+    let fail = |what: String| PlanError::Geometry {
+        what: format!("page pair {index} ({}): {what}", label()),
+    };
+    if list.is_empty() {
+        return Err(fail(
+            "an empty fragment list (give None for the whole item)".into(),
+        ));
+    }
+    let item = pair.item_len;
+    for (k, f) in list.iter().enumerate() {
+        let inside = |off: u64| off.checked_add(f.len).is_some_and(|end| end <= item);
+        if f.len == 0 {
+            return Err(fail(format!(
+                "fragment {k} (src_off {}, dst_off {}, len 0) is empty",
+                f.src_off, f.dst_off
+            )));
+        }
+        if !inside(f.src_off) || !inside(f.dst_off) {
+            return Err(fail(format!(
+                "fragment {k} (src_off {}, dst_off {}, len {}) is not inside the item of {item} bytes",
+                f.src_off, f.dst_off, f.len
+            )));
+        }
+    }
+    let mut by_dst: Vec<(u64, u64, usize)> = list
+        .iter()
+        .enumerate()
+        .map(|(k, f)| (f.dst_off, f.len, k))
+        .collect();
+    by_dst.sort_unstable();
+    for w in by_dst.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
+            return Err(fail(format!(
+                "fragments {a} and {b} overlap on the destination (dst bytes {}..{} and {}..{})",
+                list[a].dst_off,
+                list[a].dst_off + list[a].len,
+                list[b].dst_off,
+                list[b].dst_off + list[b].len
+            )));
+        }
+    }
+    let whole = [Fragment {
+        src_off: 0,
+        dst_off: 0,
+        len: item,
+    }];
+    Ok((list != whole).then(|| list.to_vec()))
+}
+
 fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
     PairSpec {
         src_entry: s,
@@ -336,6 +633,8 @@ fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
         item_len: src.parts().item_lens[s],
         src_capacity: src.capacity(s),
         dst_capacity: dst.capacity(d),
+        src_stride: src.strides()[s],
+        dst_stride: dst.strides()[d],
     }
 }
 
@@ -395,13 +694,11 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let n_blocks =
-            found
-                .n_runs
-                .checked_mul(self.emitting.len())
-                .ok_or(PlanError::Overflow {
-                    what: "block count",
-                })?;
+        let n_blocks = self
+            .n_blocks(found.n_runs, found.n_pages)
+            .ok_or(PlanError::Overflow {
+                what: "block count",
+            })?;
         let total_bytes = (found.n_pages as u64)
             .checked_mul(self.bytes_per_page)
             .ok_or(PlanError::Overflow {
@@ -444,18 +741,19 @@ impl Template {
         shape: &PlanShape,
         out: Columns<'_>,
     ) -> Result<PlanSummary> {
-        let pairs = &self.emitting;
+        let pieces = &self.pieces;
         if out.capacity() < shape.n_blocks {
             return Err(PlanError::OutputTooSmall {
                 have: out.capacity(),
                 need: shape.n_blocks,
             });
         }
-        if pairs.is_empty() || shape.scan.n_pages == 0 {
+        if pieces.is_empty() || shape.scan.n_pages == 0 {
             return Ok(PlanSummary {
                 n_runs: shape.scan.n_runs,
                 n_blocks: 0,
                 total_bytes: shape.total_bytes,
+                n_pages: shape.scan.n_pages,
             });
         }
         // Runs go into the first slots as page indices; limits are re-checked per run, and a
@@ -480,11 +778,16 @@ impl Template {
         if runs != expected {
             return Err(PlanError::InputChanged);
         }
-        crate::emit::expand_runs(pairs, runs, out);
+        if self.per_page_pieces == 0 {
+            crate::emit::expand_runs(pieces, runs, out);
+        } else {
+            crate::emit::expand_pieces(pieces, runs, shape.scan.n_pages, out);
+        }
         Ok(PlanSummary {
             n_runs: runs,
-            n_blocks: runs * pairs.len(),
+            n_blocks: shape.n_blocks,
             total_bytes: shape.total_bytes,
+            n_pages: shape.scan.n_pages,
         })
     }
 
@@ -545,8 +848,8 @@ impl Template {
                 return Err(self.state_out_of_range(Side::Dst, dst_slot, pair));
             }
             // In bounds, so the layout's base + len check rules out overflow.
-            out.src_addrs[k] = pair.src_base + s * pair.item_len;
-            out.dst_addrs[k] = pair.dst_base + d * pair.item_len;
+            out.src_addrs[k] = pair.src_base + s * pair.src_stride;
+            out.dst_addrs[k] = pair.dst_base + d * pair.dst_stride;
             out.lengths[k] = pair.item_len;
         }
         // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
@@ -555,6 +858,7 @@ impl Template {
             n_runs: usize::from(n > 0),
             n_blocks: n,
             total_bytes,
+            n_pages: 0,
         })
     }
 

@@ -1,20 +1,27 @@
 //! Versioned binary encoding of a layout, exchanged by peers during the bootstrap handshake.
 //!
-//! Format v2, little-endian throughout:
+//! Format v2 (written by this build), little-endian throughout:
 //!
 //! ```text
-//! magic "KVPL" | version u16 | flags u16 (0) | entry count u32
+//! magic "KVPL" | version u16 (2) | flags u16 (0) | entry count u32
 //! context: page_size u64 | num_model_layers u64 (u64::MAX = unknown)
-//!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str
-//! entry:   data_ptr u64 | data_len u64 | item_len u64 | kind u8 | entry flags u8
-//!          | has_id u8 | layer_id i64 | role str
+//!          | pp_rank u32 | pp_size u32 | tp_rank u32 | tp_size u32 | device str | ext
+//! entry:   data_ptr u64 | data_len u64 | item_len u64 | stride u64
+//!          | kind u8 | entry flags u8 | has_id u8 | layer_id i64 | role str | ext
 //! trailer: CRC-32 (IEEE) of every preceding byte
 //! str:     length u16 | UTF-8 bytes
+//! ext:     count u16 | count × (tag u16 | length u16 | bytes)
 //! ```
 //!
-//! Entry flags: bit 0 marks a draft-model entry; other bits must be 0. Version 1 (still read)
-//! has no entry flags byte; its draft entries are the ones whose role starts with `draft`,
-//! the only way version 1 told them apart.
+//! Entry flags: bit 0 marks a draft-model entry; other bits must be 0.
+//!
+//! Extensions are room for fields later versions add per peer or per entry (memory order,
+//! tokens per page, heads, head dim, dtype size): this build writes none; a reader skips an
+//! extension whose tag is below `0x8000` and refuses one at or above it (a field it must
+//! understand to plan correctly).
+//!
+//! Format v1 (still read): no `stride` (it equals `item_len`), no entry flags (draft entries are
+//! the ones whose role starts with `draft`, the only way v1 told them apart) and no `ext`.
 //!
 //! Decoding never trusts a count before checking it against the bytes actually present, so a
 //! corrupted or hostile message cannot make it allocate more than a small multiple of its own
@@ -24,16 +31,20 @@ use crate::error::{PlanError, Result};
 use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
 
 const MAGIC: &[u8; 4] = b"KVPL";
-/// The version this build writes.
+/// The version this build writes (it reads this one and v1).
 pub const WIRE_VERSION: u16 = 2;
-/// The oldest version this build reads.
-pub const OLDEST_WIRE_VERSION: u16 = 1;
+/// The first version, still read: entries without strides, flags or extensions.
+pub const WIRE_VERSION_1: u16 = 1;
+/// Extension tags at or above this must be understood by the reader.
+pub const EXT_MUST_UNDERSTAND: u16 = 0x8000;
+/// Entry flag bit 0: a draft-model entry.
 const DRAFT_FLAG: u8 = 1;
 /// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
 pub const MAX_ENTRIES: u32 = 1 << 20;
-/// Bytes of the fixed part of one version 2 entry (without its role's bytes); version 1
-/// entries have one byte less.
-const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 1 + 8 + 2;
+/// Bytes of the fixed part of one v1 entry (without its role's bytes).
+const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 8 + 2;
+/// The same in v2: a stride, the entry flags and an (empty) extension list more.
+const ENTRY_FIXED_V2: usize = ENTRY_FIXED + 8 + 1 + 2;
 const HEADER: usize = 4 + 2 + 2 + 4;
 const CONTEXT_FIXED: usize = 8 + 8 + 4 * 4 + 2;
 const TRAILER: usize = 4;
@@ -51,7 +62,8 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
     let ctx = layout.context();
     let n = layout.n_entries();
     let strings: usize = parts.roles.iter().map(String::len).sum::<usize>() + ctx.device.len();
-    let mut out = Vec::with_capacity(HEADER + CONTEXT_FIXED + n * ENTRY_FIXED + strings + TRAILER);
+    let mut out =
+        Vec::with_capacity(HEADER + CONTEXT_FIXED + 2 + n * ENTRY_FIXED_V2 + strings + TRAILER);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
@@ -64,10 +76,12 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&value.to_le_bytes());
     }
     put_str(&mut out, &ctx.device)?;
+    out.extend_from_slice(&0u16.to_le_bytes()); // no context extensions
     for i in 0..n {
         out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
         out.extend_from_slice(&parts.data_lens[i].to_le_bytes());
         out.extend_from_slice(&parts.item_lens[i].to_le_bytes());
+        out.extend_from_slice(&layout.strides()[i].to_le_bytes());
         out.push(match parts.kinds[i] {
             EntryKind::Page => 0,
             EntryKind::State => 1,
@@ -76,6 +90,7 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.push(u8::from(parts.layer_ids[i].is_some()));
         out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
         put_str(&mut out, &parts.roles[i])?;
+        out.extend_from_slice(&0u16.to_le_bytes()); // no entry extensions
     }
     let crc = crc32(&out);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -90,7 +105,7 @@ fn put_str(out: &mut Vec<u8>, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Decodes [`encode`]'s output.
+/// Decodes [`encode`]'s output (v2) or a v1 message.
 ///
 /// # Errors
 /// [`PlanError::Wire`] for a wrong magic, an unknown version, truncation, trailing bytes, a
@@ -111,17 +126,13 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         at: 4,
     };
     let version = reader.u16()?;
-    if !(OLDEST_WIRE_VERSION..=WIRE_VERSION).contains(&version) {
+    if version != WIRE_VERSION && version != WIRE_VERSION_1 {
         return Err(wire_error(format!(
-            "unknown layout wire version {version} (this build reads versions {OLDEST_WIRE_VERSION} to {WIRE_VERSION})"
+            "unknown layout wire version {version} (this build reads versions {WIRE_VERSION_1} and {WIRE_VERSION})"
         )));
     }
-    let has_entry_flags = version >= 2;
-    let entry_fixed = if has_entry_flags {
-        ENTRY_FIXED
-    } else {
-        ENTRY_FIXED - 1
-    };
+    let v2 = version == WIRE_VERSION;
+    let entry_fixed = if v2 { ENTRY_FIXED_V2 } else { ENTRY_FIXED };
     let stored_crc = u32::from_le_bytes(
         data[data.len() - TRAILER..]
             .try_into()
@@ -162,6 +173,10 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         tp_size: reader.u32()?,
         device: reader.string()?,
     };
+    if v2 {
+        reader.extensions("the context")?;
+    }
+    let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
         data_lens: Vec::with_capacity(n),
@@ -170,18 +185,21 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         roles: Vec::with_capacity(n),
         kinds: Vec::with_capacity(n),
         // Version 1: left empty, so Layout::new derives draft-ness from the roles.
-        drafts: Vec::with_capacity(if has_entry_flags { n } else { 0 }),
+        drafts: Vec::with_capacity(if v2 { n } else { 0 }),
     };
     for _ in 0..n {
         parts.data_ptrs.push(reader.u64()?);
         parts.data_lens.push(reader.u64()?);
         parts.item_lens.push(reader.u64()?);
+        if v2 {
+            strides.push(reader.u64()?);
+        }
         parts.kinds.push(match reader.u8()? {
             0 => EntryKind::Page,
             1 => EntryKind::State,
             other => return Err(wire_error(format!("unknown entry kind code {other}"))),
         });
-        if has_entry_flags {
+        if v2 {
             let flags = reader.u8()?;
             if flags & !DRAFT_FLAG != 0 {
                 return Err(wire_error(format!("unknown entry flags {flags:#04x}")));
@@ -201,6 +219,9 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             other => return Err(wire_error(format!("bad layer-id flag {other}"))),
         });
         parts.roles.push(reader.string()?);
+        if v2 {
+            reader.extensions("an entry")?;
+        }
     }
     if reader.remaining() != 0 {
         return Err(wire_error(format!(
@@ -208,7 +229,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    Layout::new(parts, context)
+    Layout::new(parts, context)?.with_strides(strides)
 }
 
 struct Reader<'a> {
@@ -256,6 +277,23 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// Skips an extension list; an extension this build must understand but does not is an
+    /// error naming its tag.
+    fn extensions(&mut self, owner: &str) -> Result<()> {
+        let count = self.u16()?;
+        for _ in 0..count {
+            let tag = self.u16()?;
+            let len = usize::from(self.u16()?);
+            if tag >= EXT_MUST_UNDERSTAND {
+                return Err(wire_error(format!(
+                    "{owner} carries extension {tag:#06x}, which this build does not know and must understand to plan correctly (upgrade kvplan)"
+                )));
+            }
+            self.bytes(len)?;
+        }
+        Ok(())
+    }
+
     fn string(&mut self) -> Result<String> {
         let len = usize::from(self.u16()?);
         let bytes = self.bytes(len)?;
@@ -273,6 +311,34 @@ pub fn crc32(data: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The version 1 encoding (no strides, no entry flags, no extensions), as earlier builds
+    /// wrote it.
+    fn encode_v1(layout: &Layout) -> Vec<u8> {
+        let (parts, ctx) = (layout.parts(), layout.context());
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&WIRE_VERSION_1.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&(layout.n_entries() as u32).to_le_bytes());
+        out.extend_from_slice(&ctx.page_size.to_le_bytes());
+        out.extend_from_slice(&ctx.num_model_layers.unwrap_or(u64::MAX).to_le_bytes());
+        for value in [ctx.pp_rank, ctx.pp_size, ctx.tp_rank, ctx.tp_size] {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+        put_str(&mut out, &ctx.device).unwrap();
+        for i in 0..layout.n_entries() {
+            for value in [parts.data_ptrs[i], parts.data_lens[i], parts.item_lens[i]] {
+                out.extend_from_slice(&value.to_le_bytes());
+            }
+            out.push(u8::from(parts.kinds[i] == EntryKind::State));
+            out.push(u8::from(parts.layer_ids[i].is_some()));
+            out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
+            put_str(&mut out, &parts.roles[i]).unwrap();
+        }
+        let crc = crc32(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
 
     fn sample() -> Layout {
         let ctx = LayoutContext {
@@ -330,18 +396,7 @@ mod tests {
         .unwrap()
         .with_draft(vec![100], vec![64], vec![8], &[0], 1, None)
         .unwrap();
-        let v2 = encode(&named).unwrap();
-        let mut v1 = v2[..v2.len() - TRAILER].to_vec();
-        v1[4..6].copy_from_slice(&1u16.to_le_bytes());
-        let first_entry = HEADER + CONTEXT_FIXED + named.context().device.len();
-        let entry_len = |i: usize| ENTRY_FIXED + named.parts().roles[i].len();
-        // Remove each entry's flags byte (after data_ptr, data_len, item_len, kind), last first.
-        let second_entry = first_entry + entry_len(0);
-        for start in [second_entry, first_entry] {
-            v1.remove(start + 25);
-        }
-        let crc = crc32(&v1);
-        v1.extend_from_slice(&crc.to_le_bytes());
+        let v1 = encode_v1(&named);
         let decoded = decode(&v1).unwrap();
         assert_eq!(decoded, named);
         assert!(decoded.is_draft(1) && !decoded.is_draft(0));

@@ -41,6 +41,61 @@ impl ItemLens {
     }
 }
 
+/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
+/// per entry.
+fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
+    let Some(obj) = strides.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    if let Ok(one) = obj.extract::<u64>() {
+        return Ok(vec![one; n]);
+    }
+    if let Ok(many) = obj.extract::<Vec<u64>>() {
+        return Ok(many);
+    }
+    Err(PyTypeError::new_err(format!(
+        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
+        obj.repr()?
+    )))
+}
+
+/// Applies `strides=` to a freshly built layout (all its entries).
+fn strided(
+    layout: kvplan_core::Result<Layout>,
+    strides: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyLayout> {
+    let layout = layout.map_err(to_py_err)?;
+    let strides = strides_arg(strides, layout.n_entries())?;
+    wrap(layout.with_strides(strides))
+}
+
+/// Applies `strides=` to the entries `appended` added after the `before` entries of `base`.
+fn strided_tail(
+    base: &Layout,
+    appended: kvplan_core::Result<Layout>,
+    strides: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyLayout> {
+    let layout = appended.map_err(to_py_err)?;
+    let before = base.n_entries();
+    let tail = strides_arg(strides, layout.n_entries() - before)?;
+    if tail.is_empty() {
+        return Ok(PyLayout { inner: layout });
+    }
+    let all: Vec<u64> = layout.strides()[..before]
+        .iter()
+        .chain(&tail)
+        .copied()
+        .collect();
+    if all.len() != layout.n_entries() {
+        return Err(to_py_err(kvplan_core::PlanError::ListLength {
+            field: "strides",
+            len: tail.len(),
+            expected: layout.n_entries() - before,
+        }));
+    }
+    wrap(layout.with_strides(all))
+}
+
 /// Reads the peer context from keyword arguments, rejecting unknown keys.
 fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let mut context = LayoutContext::default();
@@ -107,7 +162,9 @@ pub struct PyLayoutEntry {
     data_ptr: u64,
     data_len: u64,
     item_len: u64,
-    /// Items (pages or slots) the entry holds: `data_len // item_len` (0 when item_len is 0).
+    /// Bytes between consecutive items (`item_len` for packed buffers).
+    stride: u64,
+    /// Whole items (pages or slots) the entry holds (0 when item_len is 0).
     capacity: u64,
 }
 
@@ -118,7 +175,7 @@ impl PyLayoutEntry {
         // Python's quoting, so the repr reads like Python.
         let quoted = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"));
         format!(
-            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, capacity={})",
+            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={})",
             self.index,
             quoted(self.kind),
             opt(self.layer_id.map(|i| i.to_string())),
@@ -127,6 +184,7 @@ impl PyLayoutEntry {
             self.data_ptr,
             self.data_len,
             self.item_len,
+            self.stride,
             self.capacity
         )
     }
@@ -155,7 +213,7 @@ fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, **context))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_ptrs: Vec<u64>,
@@ -165,6 +223,7 @@ impl PyLayout {
         roles: Option<Vec<Option<String>>>,
         kinds: Option<Vec<String>>,
         drafts: Option<Vec<bool>>,
+        strides: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
@@ -188,32 +247,34 @@ impl PyLayout {
             kinds,
             drafts: drafts.unwrap_or_default(),
         };
-        wrap(Layout::new(parts, context_from(context)?))
+        strided(Layout::new(parts, context_from(context)?), strides)
     }
 
     /// One `kv` entry per layer (MLA latent buffers).
     #[staticmethod]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, *, strides=None, **context))]
     fn mla(
         data_ptrs: Vec<u64>,
         data_lens: Vec<u64>,
         item_lens: ItemLens,
         layer_ids: Option<Vec<i64>>,
+        strides: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::mla(
+        let layout = Layout::mla(
             data_ptrs,
             data_lens,
             item_lens.expand(n),
             layer_ids,
             context_from(context)?,
-        ))
+        );
+        strided(layout, strides)
     }
 
     /// All K entries then all V entries; K and V item lengths may differ.
     #[staticmethod]
-    #[pyo3(signature = (k_ptrs, v_ptrs, k_data_lens, v_data_lens, k_item_lens, v_item_lens, layer_ids=None, **context))]
+    #[pyo3(signature = (k_ptrs, v_ptrs, k_data_lens, v_data_lens, k_item_lens, v_item_lens, layer_ids=None, *, strides=None, **context))]
     #[allow(clippy::too_many_arguments)]
     fn mha(
         k_ptrs: Vec<u64>,
@@ -223,6 +284,7 @@ impl PyLayout {
         k_item_lens: ItemLens,
         v_item_lens: ItemLens,
         layer_ids: Option<Vec<i64>>,
+        strides: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let (nk, nv) = (k_ptrs.len(), v_ptrs.len());
@@ -236,55 +298,87 @@ impl PyLayout {
             layer_ids,
             context_from(context)?,
         );
-        wrap(layout)
+        strided(layout, strides)
     }
 
     /// Hybrid-linear pool: KV only for full-attention layers, published under global ids.
     #[staticmethod]
-    #[pyo3(signature = (full_attention_layer_ids, data_ptrs, data_lens, item_lens, *, mla=true, **context))]
+    #[pyo3(signature = (full_attention_layer_ids, data_ptrs, data_lens, item_lens, *, mla=true, strides=None, **context))]
     fn hybrid_linear(
         full_attention_layer_ids: Vec<i64>,
         data_ptrs: Vec<u64>,
         data_lens: Vec<u64>,
         item_lens: ItemLens,
         mla: bool,
+        strides: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::hybrid_linear(
+        let layout = Layout::hybrid_linear(
             full_attention_layer_ids,
             data_ptrs,
             data_lens,
             item_lens.expand(n),
             mla,
             context_from(context)?,
-        ))
+        );
+        strided(layout, strides)
     }
 
     /// NPU pool with several buffer groups per layer (group-major), ids repeated per group.
     #[staticmethod]
-    #[pyo3(signature = (layer_ids, data_ptrs, data_lens, item_lens, *, group_roles=None, **context))]
+    #[pyo3(signature = (layer_ids, data_ptrs, data_lens, item_lens, *, group_roles=None, strides=None, **context))]
     fn npu_groups(
         layer_ids: Vec<i64>,
         data_ptrs: Vec<u64>,
         data_lens: Vec<u64>,
         item_lens: ItemLens,
         group_roles: Option<Vec<String>>,
+        strides: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(Layout::npu_groups(
+        let layout = Layout::npu_groups(
             layer_ids,
             data_ptrs,
             data_lens,
             item_lens.expand(n),
             group_roles,
             context_from(context)?,
+        );
+        strided(layout, strides)
+    }
+
+    /// One allocation holding every layer of a page side by side (a cross-layer pool):
+    /// entry `j`'s item of page `i` is at `pool_ptr + i * sum(item_lens) + sum(item_lens[:j])`.
+    #[staticmethod]
+    #[pyo3(signature = (pool_ptr, pool_len, layer_ids, item_lens, *, roles=None, **context))]
+    fn cross_layer(
+        pool_ptr: u64,
+        pool_len: u64,
+        layer_ids: Option<Vec<i64>>,
+        item_lens: ItemLens,
+        roles: Option<Vec<String>>,
+        context: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let n = layer_ids
+            .as_ref()
+            .map(Vec::len)
+            .or_else(|| roles.as_ref().map(Vec::len))
+            .unwrap_or(0);
+        wrap(Layout::cross_layer(
+            pool_ptr,
+            pool_len,
+            layer_ids,
+            item_lens.expand(n),
+            roles,
+            context_from(context)?,
         ))
     }
 
     /// A new layout with draft KV entries appended (ids remapped into the band above the model).
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, *, draft_layer_ids, num_hidden_layers, roles=None))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, *, draft_layer_ids, num_hidden_layers, roles=None, strides=None))]
+    #[allow(clippy::too_many_arguments)]
     fn with_draft(
         &self,
         data_ptrs: Vec<u64>,
@@ -293,20 +387,22 @@ impl PyLayout {
         draft_layer_ids: Vec<i64>,
         num_hidden_layers: i64,
         roles: Option<Vec<String>>,
+        strides: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(self.inner.with_draft(
+        let layout = self.inner.with_draft(
             data_ptrs,
             data_lens,
             item_lens.expand(n),
             &draft_layer_ids,
             num_hidden_layers,
             roles,
-        ))
+        );
+        strided_tail(&self.inner, layout, strides)
     }
 
     /// A new layout with per-request state entries appended (kind "state", role = name).
-    #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids))]
+    #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids, *, strides=None))]
     fn with_state(
         &self,
         name: &str,
@@ -314,12 +410,13 @@ impl PyLayout {
         data_lens: Vec<u64>,
         item_lens: ItemLens,
         layer_ids: Vec<i64>,
+        strides: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
-        wrap(
+        let layout =
             self.inner
-                .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids),
-        )
+                .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids);
+        strided_tail(&self.inner, layout, strides)
     }
 
     /// The versioned binary encoding exchanged in the handshake (exact round trip).
@@ -358,6 +455,7 @@ impl PyLayout {
         dict.set_item("roles", self.entry_roles())?;
         dict.set_item("kinds", self.kinds())?;
         dict.set_item("drafts", &parts.drafts)?;
+        dict.set_item("strides", self.inner.strides())?;
         dict.set_item("page_size", ctx.page_size)?;
         dict.set_item("device", &ctx.device)?;
         dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -376,12 +474,13 @@ impl PyLayout {
             Some(v) => v.extract()?,
             None => return Err(KvPlanError::new_err("layout dict has no \"version\" key")),
         };
-        let readable = kvplan_core::wire::OLDEST_WIRE_VERSION..=kvplan_core::wire::WIRE_VERSION;
-        if !readable.contains(&version) {
+        if version != kvplan_core::wire::WIRE_VERSION
+            && version != kvplan_core::wire::WIRE_VERSION_1
+        {
             return Err(KvPlanError::new_err(format!(
-                "unknown layout dict version {version} (this build reads versions {} to {})",
-                readable.start(),
-                readable.end()
+                "unknown layout dict version {version} (this build reads versions {} and {})",
+                kvplan_core::wire::WIRE_VERSION_1,
+                kvplan_core::wire::WIRE_VERSION
             )));
         }
         data.del_item("version")?;
@@ -394,14 +493,17 @@ impl PyLayout {
         };
         let (ptrs, lens, items) = (take("data_ptrs")?, take("data_lens")?, take("item_lens")?);
         let (ids, roles, kinds) = (take("layer_ids")?, take("roles")?, take("kinds")?);
-        // Without "drafts" (version 1 has none) draft-ness follows from the roles.
-        let drafts = match data.get_item("drafts")? {
-            Some(value) => {
-                data.del_item("drafts")?;
-                value.extract()?
+        // Optional keys of version 2 documents: without "drafts" draft-ness follows from the
+        // roles (as in version 1); without "strides" every stride is the item length.
+        let optional = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            let value = data.get_item(key)?;
+            if value.is_some() {
+                data.del_item(key)?;
             }
-            None => None,
+            Ok(value)
         };
+        let drafts: Option<Vec<bool>> = optional("drafts")?.map(|v| v.extract()).transpose()?;
+        let strides = optional("strides")?;
         Self::new(
             ptrs.extract()?,
             lens.extract()?,
@@ -410,6 +512,7 @@ impl PyLayout {
             roles.extract()?,
             kinds.extract()?,
             drafts,
+            strides.as_ref(),
             Some(&data),
         )
     }
@@ -478,9 +581,16 @@ impl PyLayout {
                 data_ptr: parts.data_ptrs[i],
                 data_len: parts.data_lens[i],
                 item_len: parts.item_lens[i],
+                stride: layout.strides()[i],
                 capacity: layout.capacity(i),
             })
             .collect())
+    }
+
+    /// Bytes between consecutive items of each entry (`item_len` unless set).
+    #[getter]
+    fn strides(&self) -> Vec<u64> {
+        self.inner.strides().to_vec()
     }
 
     #[getter]
@@ -493,7 +603,8 @@ impl PyLayout {
             .collect()
     }
 
-    /// Items (pages or slots) each entry holds: `data_len // item_len` (0 when item_len is 0).
+    /// Items (pages or slots) each entry holds: the whole items that fit,
+    /// `(data_len - item_len) // stride + 1` (0 when item_len is 0 or exceeds data_len).
     #[getter]
     fn capacities(&self) -> Vec<u64> {
         (0..self.inner.n_entries())

@@ -181,16 +181,89 @@ impl PyPlanBatch {
     }
 }
 
-/// How a plan's blocks divide among the template's entry pairs: pair `p` has
-/// `blocks_per_pair` blocks when it emits (non-zero item length), none otherwise.
+/// How a template's blocks divide among its emission groups and entry pairs, whatever the
+/// request: a group emits `per_run` blocks per run and `per_page` blocks per page; its blocks
+/// belong to its last pair (the other pairs of a coalesced group, and elided pairs, own none).
+pub(crate) struct BlockShape {
+    /// Per group: (blocks per run, blocks per page).
+    pub(crate) groups: Vec<(usize, usize)>,
+    /// Per entry pair: its group, or `None` for an elided pair.
+    pub(crate) pair_groups: Vec<Option<usize>>,
+    /// Per entry pair: whether it owns its group's blocks.
+    pub(crate) owner: Vec<bool>,
+}
+
+impl BlockShape {
+    /// The shape of a page template.
+    pub(crate) fn of_pages(template: &kvplan_core::Template) -> Self {
+        let groups = template
+            .groups()
+            .iter()
+            .map(|g| (g.per_run, g.per_page))
+            .collect();
+        let owners = template.groups().iter().map(|g| g.last_pair);
+        let mut owner = vec![false; template.page_pairs().len()];
+        for last in owners {
+            owner[last] = true;
+        }
+        Self {
+            groups,
+            pair_groups: template.pair_groups().to_vec(),
+            owner,
+        }
+    }
+
+    /// The shape of a state plan: one block per emitting state pair.
+    pub(crate) fn of_state(template: &kvplan_core::Template) -> Self {
+        let mut groups = Vec::new();
+        let pair_groups: Vec<Option<usize>> = template
+            .state_pairs()
+            .iter()
+            .map(|p| {
+                (p.item_len > 0).then(|| {
+                    groups.push((1, 0));
+                    groups.len() - 1
+                })
+            })
+            .collect();
+        let owner = pair_groups.iter().map(Option::is_some).collect();
+        Self {
+            groups,
+            pair_groups,
+            owner,
+        }
+    }
+}
+
+/// A plan's block counts: the template's [`BlockShape`] for this request's runs and pages.
 pub(crate) struct PairShape {
-    pub(crate) emitting: Arc<[bool]>,
-    pub(crate) blocks_per_pair: usize,
+    pub(crate) shape: Arc<BlockShape>,
+    pub(crate) runs: usize,
+    pub(crate) pages: usize,
 }
 
 impl PairShape {
-    fn offset(&self, pair: usize) -> usize {
-        self.emitting[..pair].iter().filter(|&&e| e).count() * self.blocks_per_pair
+    fn group_len(&self, group: usize) -> usize {
+        let (per_run, per_page) = self.shape.groups[group];
+        per_run * self.runs + per_page * self.pages
+    }
+
+    /// Blocks owned by pair `pair`.
+    fn pair_len(&self, pair: usize) -> usize {
+        match self.shape.pair_groups[pair] {
+            Some(group) if self.shape.owner[pair] => self.group_len(group),
+            _ => 0,
+        }
+    }
+
+    fn offsets(lens: impl Iterator<Item = usize>) -> Vec<i64> {
+        let mut offsets = vec![0i64];
+        let mut at = 0i64;
+        for len in lens {
+            at += len as i64;
+            offsets.push(at);
+        }
+        offsets
     }
 }
 
@@ -267,28 +340,20 @@ impl PyTransferPlan {
     /// Entry pairs of the template (including elided pairs that emit nothing).
     #[getter]
     fn n_pairs(&self) -> usize {
-        self.pairs.emitting.len()
+        self.pairs.shape.pair_groups.len()
     }
 
     /// `n_pairs + 1` block offsets (int64): pair p's blocks are
-    /// `pair_offsets[p]:pair_offsets[p+1]`.
+    /// `pair_offsets[p]:pair_offsets[p+1]`. A coalesced group's blocks belong to its last pair.
     #[getter]
     fn pair_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        let mut offsets = Vec::with_capacity(self.pairs.emitting.len() + 1);
-        let mut at = 0i64;
-        offsets.push(at);
-        for &emits in self.pairs.emitting.iter() {
-            if emits {
-                at += self.pairs.blocks_per_pair as i64;
-            }
-            offsets.push(at);
-        }
-        offsets.into_pyarray(py)
+        let n = self.pairs.shape.pair_groups.len();
+        PairShape::offsets((0..n).map(|p| self.pairs.pair_len(p))).into_pyarray(py)
     }
 
-    /// The block range of entry pair `pair` (per-layer submission needs no re-sorting).
+    /// The block range of entry pair `pair` (`pair_offsets[pair]:pair_offsets[pair+1]`).
     fn pair_blocks<'py>(&self, py: Python<'py>, pair: isize) -> PyResult<Bound<'py, PySlice>> {
-        let n = self.pairs.emitting.len() as isize;
+        let n = self.pairs.shape.pair_groups.len() as isize;
         let index = if pair < 0 { pair + n } else { pair };
         if !(0..n).contains(&index) {
             return Err(PyIndexError::new_err(format!(
@@ -296,13 +361,47 @@ impl PyTransferPlan {
             )));
         }
         let index = index as usize;
-        let start = self.pairs.offset(index);
-        let stop = start
-            + if self.pairs.emitting[index] {
-                self.pairs.blocks_per_pair
-            } else {
-                0
-            };
+        let start: usize = (0..index).map(|p| self.pairs.pair_len(p)).sum();
+        let stop = start + self.pairs.pair_len(index);
+        Ok(PySlice::new(py, start as isize, stop as isize, 1))
+    }
+
+    /// Emission groups (one per emitting pair unless pairs were coalesced).
+    #[getter]
+    fn n_groups(&self) -> usize {
+        self.pairs.shape.groups.len()
+    }
+
+    /// `n_groups + 1` block offsets (int64): group g's blocks are
+    /// `group_offsets[g]:group_offsets[g+1]`.
+    #[getter]
+    fn group_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let n = self.pairs.shape.groups.len();
+        PairShape::offsets((0..n).map(|g| self.pairs.group_len(g))).into_pyarray(py)
+    }
+
+    /// The group of each entry pair (int64; -1 for an elided pair).
+    #[getter]
+    fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let groups = self.pairs.shape.pair_groups.iter();
+        groups
+            .map(|g| g.map_or(-1, |g| g as i64))
+            .collect::<Vec<_>>()
+            .into_pyarray(py)
+    }
+
+    /// The block range of group `group` (all blocks carrying its pairs' bytes).
+    fn group_blocks<'py>(&self, py: Python<'py>, group: isize) -> PyResult<Bound<'py, PySlice>> {
+        let n = self.pairs.shape.groups.len() as isize;
+        let index = if group < 0 { group + n } else { group };
+        if !(0..n).contains(&index) {
+            return Err(PyIndexError::new_err(format!(
+                "group {group} is out of range for a plan of {n} groups"
+            )));
+        }
+        let index = index as usize;
+        let start: usize = (0..index).map(|g| self.pairs.group_len(g)).sum();
+        let stop = start + self.pairs.group_len(index);
         Ok(PySlice::new(py, start as isize, stop as isize, 1))
     }
 
@@ -339,7 +438,7 @@ impl PyTransferPlan {
             "TransferPlan(n_blocks={}, n_runs={}, n_pairs={}, total_bytes={})",
             self.n_blocks,
             self.n_runs,
-            self.pairs.emitting.len(),
+            self.pairs.shape.pair_groups.len(),
             self.total_bytes
         )
     }

@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{Columns, FlatBuffer, PageIndex, PlanSummary, Template, TemplateOptions};
+use kvplan_core::{
+    Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex, PlanSummary, Template,
+    TemplateOptions,
+};
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -14,8 +17,40 @@ use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::pairing::resolve_pairing;
-use crate::plan::{PairShape, PyTransferPlan, out_columns, pooled_columns};
+use crate::plan::{BlockShape, PairShape, PyTransferPlan, out_columns, pooled_columns};
 use crate::pool;
+
+/// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
+/// page pair, or one such list (or `None`) per page pair.
+fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fragments> {
+    let Some(obj) = fragments.filter(|o| !o.is_none()) else {
+        return Ok(Fragments::Whole);
+    };
+    let to_fragments = |list: Vec<(u64, u64, u64)>| -> Vec<Fragment> {
+        list.into_iter()
+            .map(|(src_off, dst_off, len)| Fragment {
+                src_off,
+                dst_off,
+                len,
+            })
+            .collect()
+    };
+    if let Ok(every) = obj.extract::<Vec<(u64, u64, u64)>>() {
+        return Ok(Fragments::Every(to_fragments(every)));
+    }
+    if let Ok(per_pair) = obj.extract::<Vec<Option<Vec<(u64, u64, u64)>>>>() {
+        return Ok(Fragments::PerPair(
+            per_pair
+                .into_iter()
+                .map(|list| list.map(to_fragments))
+                .collect(),
+        ));
+    }
+    Err(PyTypeError::new_err(format!(
+        "fragments must be None, a list of (src_off, dst_off, len) tuples of non-negative ints, or one such list (or None) per page pair; got {}",
+        obj.repr()?
+    )))
+}
 
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
 /// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
@@ -100,10 +135,12 @@ fn writable_out<'py>(
 #[pyclass(frozen, name = "Template", module = "kvplan._core")]
 pub struct PyTemplate {
     inner: Template,
-    /// Per page pair, whether it emits blocks; shared by every plan of this template.
+    /// Per page pair, whether it emits blocks.
     emitting: Arc<[bool]>,
-    /// The same, per state pair.
-    state_emitting: Arc<[bool]>,
+    /// How page plans' blocks divide among groups and pairs; shared by every plan.
+    page_shape: Arc<BlockShape>,
+    /// The same for state plans.
+    state_shape: Arc<BlockShape>,
 }
 
 struct PlanPooled<'t>(&'t Template);
@@ -135,7 +172,8 @@ impl IndexVisitor for PlanInto<'_, '_> {
 #[pymethods]
 impl PyTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false))]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
         dst_layout: PyRef<'_, PyLayout>,
@@ -144,6 +182,8 @@ impl PyTemplate {
         prefill_start_layer: Option<usize>,
         legacy_kind: Option<&str>,
         check_dst_overlap: bool,
+        fragments: Option<&Bound<'_, PyAny>>,
+        coalesce: bool,
     ) -> PyResult<Self> {
         let options = TemplateOptions {
             pairing: resolve_pairing(
@@ -154,13 +194,17 @@ impl PyTemplate {
             )?,
             check_dst_overlap,
         };
+        let geometry = GeometryOptions {
+            fragments: fragments_arg(fragments)?,
+            coalesce,
+        };
         let inner =
-            Template::new(&src_layout.inner, &dst_layout.inner, options).map_err(to_py_err)?;
-        let emits =
-            |pairs: &[kvplan_core::PairSpec]| pairs.iter().map(|p| p.item_len > 0).collect();
+            Template::with_geometry(&src_layout.inner, &dst_layout.inner, options, &geometry)
+                .map_err(to_py_err)?;
         Ok(Self {
-            emitting: emits(inner.page_pairs()),
-            state_emitting: emits(inner.state_pairs()),
+            emitting: inner.page_pairs().iter().map(|p| p.item_len > 0).collect(),
+            page_shape: Arc::new(BlockShape::of_pages(&inner)),
+            state_shape: Arc::new(BlockShape::of_state(&inner)),
             inner,
         })
     }
@@ -213,6 +257,48 @@ impl PyTemplate {
         self.inner.bytes_per_page()
     }
 
+    /// `(src stride, dst stride)` of every page-entry pair.
+    #[getter]
+    fn pair_strides(&self) -> Vec<(u64, u64)> {
+        let pairs = self.inner.page_pairs().iter();
+        pairs.map(|p| (p.src_stride, p.dst_stride)).collect()
+    }
+
+    /// Emission groups: one per emitting pair, fewer when pairs were coalesced.
+    #[getter]
+    fn n_groups(&self) -> usize {
+        self.inner.groups().len()
+    }
+
+    /// The group of each page pair (int64; -1 for an elided pair).
+    #[getter]
+    fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArray1<i64>> {
+        let groups = self.inner.pair_groups().iter();
+        numpy::IntoPyArray::into_pyarray(
+            groups
+                .map(|g| g.map_or(-1, |g| g as i64))
+                .collect::<Vec<_>>(),
+            py,
+        )
+    }
+
+    /// Blocks of a request of `n_pages` index pairs in `n_runs` runs (runs contiguous on both
+    /// sides), without planning it.
+    #[pyo3(signature = (n_pages, n_runs=1))]
+    fn n_blocks_for(&self, n_pages: usize, n_runs: usize) -> PyResult<usize> {
+        if n_runs > n_pages || (n_runs == 0 && n_pages > 0) {
+            return Err(KvPlanError::new_err(format!(
+                "a request of {n_pages} pages has between {} and {n_pages} runs, got {n_runs}",
+                usize::from(n_pages > 0)
+            )));
+        }
+        self.inner.n_blocks(n_runs, n_pages).ok_or_else(|| {
+            KvPlanError::new_err(format!(
+                "{n_pages} pages in {n_runs} runs overflow the block count"
+            ))
+        })
+    }
+
     /// Plans the blocks that copy page `src_pages[i]` to `dst_pages[i]` for every entry pair.
     ///
     /// `src_pages`, `dst_pages`: equally long 1-D, C-contiguous, aligned int32/int64 NumPy
@@ -263,8 +349,9 @@ impl PyTemplate {
             summary.n_runs,
             summary.total_bytes,
             PairShape {
-                emitting: Arc::clone(&self.emitting),
-                blocks_per_pair: summary.n_runs,
+                shape: Arc::clone(&self.page_shape),
+                runs: summary.n_runs,
+                pages: summary.n_pages,
             },
         ))
     }
@@ -285,8 +372,9 @@ impl PyTemplate {
             summary.n_runs,
             summary.total_bytes,
             PairShape {
-                emitting: Arc::clone(&self.state_emitting),
-                blocks_per_pair: 1,
+                shape: Arc::clone(&self.state_shape),
+                runs: 1,
+                pages: 0,
             },
         ))
     }
