@@ -58,6 +58,7 @@ class _PeerState:
     engine: str = "mooncake"
     layout: Any = None  # kvplan.Layout of this peer (None for "raw" specs)
     templates: dict[bytes, Any] = field(default_factory=dict)  # per decode layout (wire bytes)
+    prepped: dict[tuple[bytes, str], Any] = field(default_factory=dict)  # NIXL PreppedPair
 
 
 def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
@@ -160,6 +161,41 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
     return out
 
 
+def _cmd_transfer_prepped(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
+                          src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
+                          dst_slot: int | None, notif: bytes = b"") -> dict[str, Any]:
+    """NIXL only: the same request as ``transfer`` through the prepped path, one descriptor
+    per page per entry pair (vLLM's form); the descriptor lists are prepared once per decode
+    layout and peer."""
+    import kvplan
+
+    if state.engine != "nixl":
+        raise ValueError("transfer_prepped needs a NIXL peer")
+    t0 = time.perf_counter()
+    key = (dst_layout_wire, dst_session)
+    prepped = state.prepped.get(key)
+    if prepped is None:
+        dst_layout = kvplan.Layout.from_bytes(dst_layout_wire)
+        prepped = state.prepped[key] = state.transport.prep(state.layout, dst_layout,
+                                                            dst_session)
+    t1 = time.perf_counter()
+    local, remote = prepped.indices(src_pages, dst_pages)
+    parts = [(local, remote)]
+    if src_slot is not None and dst_slot is not None and len(prepped.template.state_pairs):
+        parts.append(prepped.state_indices(src_slot, dst_slot))
+    t2 = time.perf_counter()
+    out: dict[str, Any] = {"prep_s": t1 - t0, "indices_s": t2 - t1, "blocks": 0, "bytes": 0,
+                           "batches": 0, "transfer_s": 0.0,
+                           "table_rows": prepped.n_local + prepped.n_remote}
+    for k, (li, ri) in enumerate(parts):
+        stats = prepped.submit(li, ri, notif=notif if k == len(parts) - 1 else b"")
+        out["blocks"] += stats.blocks
+        out["bytes"] += stats.bytes
+        out["batches"] += stats.batches
+        out["transfer_s"] += stats.seconds
+    return out
+
+
 def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
               lengths: Sequence[int]) -> Any:
     from kvplan import PlanBatch
@@ -212,6 +248,7 @@ def _cmd_live_handles(state: _PeerState) -> int:
 
 _COMMANDS: dict[str, Callable[..., Any]] = {
     "transfer": _cmd_transfer,
+    "transfer_prepped": _cmd_transfer_prepped,
     "submit_raw": _cmd_submit_raw,
     "submit_async_raw": _cmd_submit_async_raw,
     "probe": _cmd_probe,
