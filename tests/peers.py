@@ -21,7 +21,8 @@ import pytest
 
 from kvplan.testing import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
 
-__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "require_mooncake"]
+__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "require_mooncake",
+           "require_nixl"]
 
 
 def require_mooncake() -> None:
@@ -33,6 +34,15 @@ def require_mooncake() -> None:
                     f"{exc}. Run scripts/setup-env.", pytrace=False)
 
 
+def require_nixl() -> None:
+    """Fail (never skip) when NIXL is missing: CI must run the real transfers."""
+    try:
+        importlib.import_module("nixl_cu12._api")
+    except ImportError as exc:  # pragma: no cover - only on a broken environment
+        pytest.fail(f"nixl-cu12 is required for these tests and failed to import: {exc}. "
+                    f"Run scripts/setup-env (pip install --no-deps nixl-cu12).", pytrace=False)
+
+
 @dataclass
 class Cluster:
     """Arenas and peer processes of one test; filled by :func:`cluster`."""
@@ -41,13 +51,16 @@ class Cluster:
     arenas: dict[str, Arena] = field(default_factory=dict)
     peers: dict[str, PeerProcess] = field(default_factory=dict)
     specs: dict[str, PeerSpec] = field(default_factory=dict)
+    #: Per source peer: the session it submits to (NIXL: the decode agent's name, loaded).
+    sessions: dict[str, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1
-            ) -> Iterator[Cluster]:
+def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1,
+            engine: str = "mooncake") -> Iterator[Cluster]:
     """Create a sentinel-filled decode arena and random source arenas, start one peer process
-    per spec (all at once), and stop/kill every process and delete every file on exit."""
+    per spec (all at once) running ``engine``, connect every source to the decode peer, and
+    stop/kill every process and delete every file on exit."""
     total = decode.size + sum(s.size for s in sources)
     c = Cluster(arena_dir(total))
     try:
@@ -60,9 +73,12 @@ def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1
             else:
                 fill_source(arena, seed + i)
         for spec in [decode, *sources]:
-            c.peers[spec.name] = PeerProcess(spec, c.arenas[spec.name], wait=False)
+            c.peers[spec.name] = PeerProcess(spec, c.arenas[spec.name], wait=False,
+                                             engine=engine)
         for p in c.peers.values():
             p.ready(60.0)
+        for spec in sources:
+            c.sessions[spec.name] = c.peers[spec.name].connect(c.peers[decode.name])
         yield c
     finally:
         for p in c.peers.values():

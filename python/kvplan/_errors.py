@@ -9,7 +9,9 @@ class TransferError(RuntimeError):
     """A transfer engine returned a non-zero status or raised.
 
     Adapters in :mod:`kvplan.engines` set ``engine``, ``session``, ``batch``, ``blocks``,
-    ``bytes`` and ``status`` on the instance and name them in the message. After a failure,
+    ``bytes`` and ``status`` on the instance and name them in the message; the NIXL adapter
+    also sets ``agent`` (its own agent name) and ``state`` (the request's last state, e.g.
+    ``"ERR"``, ``"PROC (timed out)"`` or ``"initialize_xfer: NIXL_ERR_NOT_FOUND"``). After a failure,
     some blocks of the batch may have landed and others may still be in flight: do not reuse
     the buffers until the session is torn down or the peer is known dead.
     """
@@ -20,3 +22,5 @@ class TransferError(RuntimeError):
     blocks: int | None = None
     bytes: int | None = None
     status: int | None = None
+    agent: str | None = None
+    state: str | None = None

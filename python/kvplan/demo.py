@@ -6,7 +6,9 @@ pipeline-parallel (two processes by default, each holding and registering only i
 the decode side runs PP=1 in a third process. Destination pages are fragmented, as they are when
 they come from a free list. Each prefill process receives the decode layout as wire bytes, plans
 with kvplan (pairing by global layer id and role) and writes with the Mooncake Transfer Engine
-over TCP on 127.0.0.1. Afterwards the parent reads the whole decode pool: planned bytes must
+over TCP on 127.0.0.1, or with NIXL (``--engine nixl``: one NIXL agent per process, UCX on this
+host, agent metadata exchanged as bytes, and a completion notification per stage that the
+decode process waits for). Afterwards the parent reads the whole decode pool: planned bytes must
 equal the source, every other byte must still be the sentinel.
 
 The processes, arenas and the verifier are :mod:`kvplan.testing`'s.
@@ -37,6 +39,9 @@ from kvplan.testing import (
 
 __all__ = ["DemoReport", "add_arguments", "demo_model", "run_demo"]
 
+#: What the report calls each engine's transport.
+ENGINE_LABELS = {"mooncake": "Mooncake TCP on 127.0.0.1", "nixl": "NIXL (UCX) on this host"}
+
 #: Fragmentation of the decode pages: a break after a quarter of the pages (runs of ~4 pages).
 DEMO_FRAGMENTATION = 0.25
 
@@ -62,6 +67,8 @@ class DemoReport:
     wall_s: float = 0.0
     verified_bytes: int = 0
     error: str | None = None
+    engine: str = "mooncake"
+    notifications: int = 0
     per_peer: list[dict[str, Any]] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -71,7 +78,7 @@ class DemoReport:
             f"{self.full_attention_layers} full-attention (MLA) + "
             f"{self.layers - self.full_attention_layers} linear (state)",
             f"topology:       prefill PP={self.prefill_pp} ({self.prefill_pp} processes) -> "
-            f"decode PP=1, Mooncake TCP on 127.0.0.1",
+            f"decode PP=1, {ENGINE_LABELS[self.engine]}",
             f"handshake:      decode layout {self.handshake_bytes:,} bytes on the wire "
             f"(Layout.to_bytes)",
             f"entries paired: {self.entries_paired} KV + {self.state_entries_paired} state "
@@ -89,6 +96,9 @@ class DemoReport:
             f"plan {self.plan_s * 1e3:.2f} ms, per request)",
             f"transfer time:  {self.transfer_s * 1e3:.1f} ms ({gbps:.2f} GB/s)",
         ]
+        if self.engine == "nixl":
+            out.append(f"notifications:  {self.notifications} of {self.prefill_pp} completion "
+                       f"notifications received by the decode agent")
         if self.error is None:
             out.append(f"verified: {self.verified_bytes} bytes OK "
                        f"(whole decode pool: planned bytes match the source, the rest untouched)")
@@ -104,7 +114,8 @@ def demo_model(layers: int = 48) -> ModelPreset:
 
 def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
              request_pages: int | None = None, state_slots: int = 2, seed: int = 0,
-             max_blocks_per_batch: int | None = None, quiet: bool = True) -> DemoReport:
+             max_blocks_per_batch: int | None = None, quiet: bool = True,
+             engine: str = "mooncake") -> DemoReport:
     """Run the hybrid scenario end to end and return the verified report (never raises on a
     wrong byte: the report says which one).
 
@@ -123,7 +134,7 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
     src_slot, dst_slot = 1 % state_slots, state_slots - 1
 
     report = DemoReport(model.name, model.num_layers, len(model.kv_layers()), prefill_pp,
-                        pages, n_req)
+                        pages, n_req, engine=engine)
     total = decode_spec.size + sum(s.size for s in prefill_specs)
     workdir = arena_dir(total)
     arenas: list[Arena] = []
@@ -140,18 +151,20 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             sources.append(a)
         # Start all engines at once (start-up dominates the wall time), then wait for them.
         log = os.path.join(workdir, "engines.log") if quiet else None
-        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log))
-        peers += [PeerProcess(spec, a, wait=False, log_path=log)
+        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log, engine=engine))
+        peers += [PeerProcess(spec, a, wait=False, log_path=log, engine=engine)
                   for spec, a in zip(prefill_specs, sources)]
         for p in peers:
             p.ready()
         dpeer = peers[0]
+        # NIXL: each prefill agent loads the decode agent's metadata (bytes over the pipe).
+        sessions = [p.connect(dpeer) for p in peers[1:]]
         report.handshake_bytes = len(dpeer.layout_wire or b"")
         # The prefill stages write concurrently, as real PP stages do: send every request
         # first, then collect the answers.
-        for p in peers[1:]:
-            p.send("transfer", dpeer.layout_wire, dpeer.session, src_pages, dst_pages,
-                   src_slot, dst_slot, max_blocks_per_batch)
+        for p, session in zip(peers[1:], sessions):
+            p.send("transfer", dpeer.layout_wire, session, src_pages, dst_pages,
+                   src_slot, dst_slot, max_blocks_per_batch, p.spec.name.encode())
         for p in peers[1:]:
             res = p.result(120.0, "transfer")
             report.per_peer.append(res)
@@ -164,6 +177,10 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             report.template_s = max(report.template_s, res["template_s"])
             report.plan_s = max(report.plan_s, res["plan_s"])
             report.transfer_s = max(report.transfer_s, res["transfer_s"])
+        if engine == "nixl":  # the decode learns of completion from NIXL, not from us
+            for p in peers[1:]:
+                dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
+                report.notifications += 1
         writes = [(a, s, src_pages, dst_pages, src_slot, dst_slot)
                   for a, s in zip(sources, prefill_specs)]
         report.error = first_wrong_byte(decode, decode_spec, writes)
@@ -203,8 +220,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument("--state-slots", type=int, default=2,
                         help="request slots per state buffer (default 2)")
     parser.add_argument("--max-blocks", type=int, default=None,
-                        help="blocks per engine call (default: the engine's bound, 1024)")
+                        help="blocks per engine call (default: the engine's bound, 1024 for "
+                             "Mooncake, the whole plan for NIXL)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for data and pages")
+    parser.add_argument("--engine", choices=sorted(ENGINE_LABELS), default="mooncake",
+                        help="transfer engine in every process: mooncake (TCP) or nixl (UCX); "
+                             "default mooncake")
     return run_cli
 
 
@@ -214,13 +235,18 @@ def run_cli(args: argparse.Namespace) -> int:
     import importlib.util
     import sys
 
+    module, hint = {
+        "mooncake": ("mooncake.engine", "the Mooncake Transfer Engine: pip install "
+                     "'kvplan[mooncake]' (plus Debian libibverbs1 libnuma1)"),
+        "nixl": ("nixl_cu12._api", "NIXL: pip install --no-deps nixl-cu12 (its torch "
+                 "requirement is not needed)"),
+    }[args.engine]
     try:
-        have_mooncake = importlib.util.find_spec("mooncake.engine") is not None
+        have_engine = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
-        have_mooncake = False
-    if not have_mooncake:
-        print("kvplan demo needs the Mooncake Transfer Engine: pip install "
-              "'kvplan[mooncake]' (plus Debian libibverbs1 libnuma1), or run scripts/setup-env",
+        have_engine = False
+    if not have_engine:
+        print(f"kvplan demo --engine {args.engine} needs {hint}, or run scripts/setup-env",
               file=sys.stderr)
         return 2
     problems = [msg for bad, msg in [
@@ -237,11 +263,13 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     model = demo_model(args.layers)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
-          f"prefill PP={args.pp} -> decode PP=1 over Mooncake TCP (127.0.0.1) ...", flush=True)
+          f"prefill PP={args.pp} -> decode PP=1 over {ENGINE_LABELS[args.engine]} ...",
+          flush=True)
     try:
         report = run_demo(model, pages=args.pages, prefill_pp=args.pp,
                           request_pages=args.request_pages, state_slots=args.state_slots,
-                          seed=args.seed, max_blocks_per_batch=args.max_blocks)
+                          seed=args.seed, max_blocks_per_batch=args.max_blocks,
+                          engine=args.engine)
     except PeerFailure as exc:
         print(f"kvplan demo: a peer process failed: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Transfer-engine adapters: register a layout's buffers, submit a plan in bounded batches.
 
 ``import kvplan`` never imports this package, and importing this package never imports an
-engine: ``mooncake`` and ``memfabric_hybrid`` are imported when a transport is constructed.
+engine: ``mooncake``, ``memfabric_hybrid`` and ``nixl_cu12`` are imported when a transport is
+constructed.
 
 Usage::
 
@@ -12,6 +13,10 @@ Usage::
     session = t.local_session_id()          # "127.0.0.1:PORT": what peers pass as peer_session
     stats = t.submit(plan, peer_session)  # TransferStats(blocks, bytes, batches, seconds, ...)
     pending = t.submit_async(plan, peer_session)   # Mooncake only; pending.wait() -> TransferStats
+
+NIXL (:class:`NixlTransport`) adds agent metadata the caller ships to peers
+(``t.metadata()`` -> peer's ``add_peer(bytes)``), completion notifications, and the prepped
+path (``t.prep(...)``); see :mod:`kvplan.engines.nixl`.
 
 Failures raise :class:`kvplan.TransferError` with ``engine``, ``session``, ``batch``, ``blocks``,
 ``bytes`` and ``status`` set.
@@ -31,12 +36,16 @@ from kvplan.engines._base import (
 )
 from kvplan.engines.ascend import AscendTransport
 from kvplan.engines.mooncake import MooncakeTransport, PendingTransfer
+from kvplan.engines.nixl import NixlPending, NixlTransport, PreppedPair
 
 __all__ = [
     "AscendTransport",
     "MooncakeTransport",
+    "NixlPending",
+    "NixlTransport",
     "PendingTransfer",
     "PlanLike",
+    "PreppedPair",
     "TransferError",
     "TransferStats",
     "Transport",
@@ -45,12 +54,13 @@ __all__ = [
     "plan_arrays",
 ]
 
-_ENGINES = {"mooncake": MooncakeTransport, "ascend": AscendTransport,
-            "memfabric": AscendTransport}
+_ENGINES: dict[str, type[Transport]] = {"mooncake": MooncakeTransport,
+                                        "ascend": AscendTransport,
+                                        "memfabric": AscendTransport, "nixl": NixlTransport}
 
 
 def create_transport(engine: str, **kwargs: Any) -> Transport:
-    """Build a transport by engine name (``"mooncake"``, ``"ascend"``/``"memfabric"``)."""
+    """Build a transport by engine name (``"mooncake"``, ``"ascend"``/``"memfabric"``, ``"nixl"``)."""
     try:
         cls = _ENGINES[engine.lower()]
     except KeyError:

@@ -11,13 +11,13 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
 - :class:`Arena`: memory shared between the test and its peer processes (a mapped file);
   :func:`fill_source` fills sources with bytes that never equal :data:`SENTINEL`, the byte
   destinations start with.
-- :class:`PeerProcess`: a spawned process that owns an engine (Mooncake TCP today), registers
+- :class:`PeerProcess`: a spawned process that owns an engine (Mooncake or NIXL), registers
   its arena, publishes session id and wire layout, and plans and submits on command.
 - :func:`first_wrong_byte`: checks a whole destination arena against the expected moves.
 """
 
 from kvplan.testing.memory import SENTINEL, Arena, arena_dir, fill_source
-from kvplan.testing.peers import ENGINE_ENV, PeerFailure, PeerProcess
+from kvplan.testing.peers import ENGINE_ENV, ENGINES, PeerFailure, PeerProcess
 from kvplan.testing.specs import (
     Entry,
     ModelPeers,
@@ -31,6 +31,7 @@ from kvplan.testing.verify import expected_moves, first_wrong_byte
 
 __all__ = [
     "ENGINE_ENV",
+    "ENGINES",
     "SENTINEL",
     "Arena",
     "Entry",

@@ -1,9 +1,11 @@
 """Peer processes: one spawned process per :class:`~kvplan.testing.PeerSpec`, each owning a
-transfer engine, registering its arena and serving commands over a pipe.
+transfer engine (Mooncake or NIXL, chosen per process), registering its arena and serving
+commands over a pipe.
 
 The parent never touches an engine itself, so an engine crash costs a child, not the caller.
 Start-up answers with what a real worker publishes in its bootstrap handshake: the engine's
-session id and the peer's layout in kvplan's wire format (``Layout.to_bytes``).
+session id, the peer's layout in kvplan's wire format (``Layout.to_bytes``) and, for NIXL, the
+agent metadata other peers load with :meth:`PeerProcess.connect`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,25 @@ import numpy as np
 from kvplan.testing.memory import Arena
 from kvplan.testing.specs import PeerSpec, build_layout
 
-__all__ = ["ENGINE_ENV", "PeerFailure", "PeerProcess"]
+__all__ = ["ENGINE_ENV", "ENGINES", "PeerFailure", "PeerProcess"]
 
 #: Environment for engine processes: fail a hung peer in ~5 s, keep the engine's log quiet.
-ENGINE_ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"}
+ENGINE_ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR"}
+
+#: Engines a peer process can own.
+ENGINES = ("mooncake", "nixl")
+
+
+def _make_transport(engine: str, name: str) -> Any:
+    if engine == "mooncake":
+        from kvplan.engines import MooncakeTransport
+
+        return MooncakeTransport("127.0.0.1")
+    if engine == "nixl":
+        from kvplan.engines.nixl import NixlTransport
+
+        return NixlTransport(f"kvplan-{name}-{os.getpid()}")
+    raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
 
 
 class PeerFailure(RuntimeError):
@@ -38,12 +55,15 @@ class _PeerState:
     transport: Any
     spec: PeerSpec
     arena: Arena
+    engine: str = "mooncake"
     layout: Any = None  # kvplan.Layout of this peer (None for "raw" specs)
     templates: dict[bytes, Any] = field(default_factory=dict)  # per decode layout (wire bytes)
+    prepped: dict[tuple[bytes, str], Any] = field(default_factory=dict)  # NIXL PreppedPair
 
 
 def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
-               env: dict[str, str], log_path: str | None = None) -> None:
+               env: dict[str, str], log_path: str | None = None, engine: str = "mooncake"
+               ) -> None:
     """Entry point of a spawned peer: own an engine, register the arena, serve commands.
 
     Start-up answers with the handshake a real worker would publish: its session id and its
@@ -55,11 +75,9 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
         os.dup2(fd, 2)
         os.close(fd)
     try:
-        from kvplan.engines import MooncakeTransport
-
         spec = PeerSpec.from_dict(spec_dict)
         arena = Arena(arena_path, size, create=False)
-        state = _PeerState(MooncakeTransport("127.0.0.1"), spec, arena)
+        state = _PeerState(_make_transport(engine, spec.name), spec, arena, engine)
         if spec.style == "raw":  # plain buffers, no kvplan layout (engine fault tests)
             state.transport.register_buffers([arena.base + e.offset for e in spec.entries],
                                              [e.nbytes for e in spec.entries])
@@ -68,8 +86,11 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
             state.layout = build_layout(spec, arena.base)
             state.transport.register(state.layout)
             wire = state.layout.to_bytes()
+        # NIXL: the metadata describes the registered memory, so it is taken after register.
+        metadata = state.transport.metadata() if engine == "nixl" else None
         conn.send(("ok", {"session": state.transport.local_session_id(), "base": arena.base,
-                          "regions": state.transport.registered_regions, "layout": wire}))
+                          "regions": state.transport.registered_regions, "layout": wire,
+                          "metadata": metadata}))
     except BaseException as exc:  # report start-up failures instead of dying silently
         conn.send(("fail", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
@@ -89,7 +110,8 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
 
             if isinstance(exc, TransferError):
                 fields = {k: getattr(exc, k, None)
-                          for k in ("engine", "session", "batch", "blocks", "bytes", "status")}
+                          for k in ("engine", "session", "batch", "blocks", "bytes", "status",
+                                    "agent", "state")}
                 conn.send(("transfer_error", str(exc), fields))
             else:
                 conn.send(("fail", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -97,13 +119,19 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
     conn.send(("ok", "stopped"))
 
 
+def _submit_kw(state: _PeerState, notif: bytes) -> dict[str, Any]:
+    return {"notif": notif} if state.engine == "nixl" else {}
+
+
 def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                   src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
-                  dst_slot: int | None, max_blocks: int | None) -> dict[str, Any]:
+                  dst_slot: int | None, max_blocks: int | None, notif: bytes = b""
+                  ) -> dict[str, Any]:
     """Plan this peer's part of one request with kvplan and write it to the decode peer.
 
     The decode layout arrives as wire bytes (what the bootstrap handshake carries); the
-    template is built once per decode layout and reused, as a serving worker would.
+    template is built once per decode layout and reused, as a serving worker would. With
+    NIXL, ``notif`` goes with the last plan, so the decode sees it after every byte landed.
     """
     import kvplan
 
@@ -123,8 +151,44 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                            "state_pairs": int(len(template.state_pairs)),
                            "runs": int(plan.n_runs), "blocks": 0, "bytes": 0, "batches": 0,
                            "transfer_s": 0.0}
-    for p in plans:
-        stats = state.transport.submit(p, dst_session, max_blocks)
+    for k, p in enumerate(plans):
+        kw = _submit_kw(state, notif) if k == len(plans) - 1 else {}
+        stats = state.transport.submit(p, dst_session, max_blocks, **kw)
+        out["blocks"] += stats.blocks
+        out["bytes"] += stats.bytes
+        out["batches"] += stats.batches
+        out["transfer_s"] += stats.seconds
+    return out
+
+
+def _cmd_transfer_prepped(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
+                          src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
+                          dst_slot: int | None, notif: bytes = b"") -> dict[str, Any]:
+    """NIXL only: the same request as ``transfer`` through the prepped path, one descriptor
+    per page per entry pair (vLLM's form); the descriptor lists are prepared once per decode
+    layout and peer."""
+    import kvplan
+
+    if state.engine != "nixl":
+        raise ValueError("transfer_prepped needs a NIXL peer")
+    t0 = time.perf_counter()
+    key = (dst_layout_wire, dst_session)
+    prepped = state.prepped.get(key)
+    if prepped is None:
+        dst_layout = kvplan.Layout.from_bytes(dst_layout_wire)
+        prepped = state.prepped[key] = state.transport.prep(state.layout, dst_layout,
+                                                            dst_session)
+    t1 = time.perf_counter()
+    local, remote = prepped.indices(src_pages, dst_pages)
+    parts = [(local, remote)]
+    if src_slot is not None and dst_slot is not None and len(prepped.template.state_pairs):
+        parts.append(prepped.state_indices(src_slot, dst_slot))
+    t2 = time.perf_counter()
+    out: dict[str, Any] = {"prep_s": t1 - t0, "indices_s": t2 - t1, "blocks": 0, "bytes": 0,
+                           "batches": 0, "transfer_s": 0.0,
+                           "table_rows": prepped.n_local + prepped.n_remote}
+    for k, (li, ri) in enumerate(parts):
+        stats = prepped.submit(li, ri, notif=notif if k == len(parts) - 1 else b"")
         out["blocks"] += stats.blocks
         out["bytes"] += stats.bytes
         out["batches"] += stats.batches
@@ -142,19 +206,20 @@ def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
 
 def _cmd_submit_raw(state: _PeerState, dst_session: str, src: Sequence[int],
                     dst: Sequence[int], lengths: Sequence[int], max_blocks: int | None = None,
-                    check_sources: bool = True) -> dict[str, Any]:
+                    check_sources: bool = True, notif: bytes = b"") -> dict[str, Any]:
     """Write hand-made blocks (fault tests); ``src`` are offsets into this peer's arena."""
     stats = state.transport.submit(_raw_plan(state, src, dst, lengths), dst_session, max_blocks,
-                                   check_sources=check_sources)
+                                   check_sources=check_sources, **_submit_kw(state, notif))
     return asdict(stats)
 
 
 def _cmd_submit_async_raw(state: _PeerState, dst_session: str, src: Sequence[int],
                           dst: Sequence[int], lengths: Sequence[int],
-                          max_blocks: int | None = None) -> dict[str, Any]:
-    """Like ``submit_raw`` through Mooncake's async batch ids."""
+                          max_blocks: int | None = None, notif: bytes = b"") -> dict[str, Any]:
+    """Like ``submit_raw`` through the engine's async path (Mooncake batch ids, NIXL
+    posted requests): every batch is submitted before the first wait."""
     pending = state.transport.submit_async(_raw_plan(state, src, dst, lengths), dst_session,
-                                           max_blocks)
+                                           max_blocks, **_submit_kw(state, notif))
     return asdict(pending.wait())
 
 
@@ -162,31 +227,59 @@ def _cmd_probe(state: _PeerState, peer: str) -> int:
     return int(state.transport.probe(peer))
 
 
+def _cmd_add_peer(state: _PeerState, metadata: bytes | None, device: str = "cpu") -> str | None:
+    """Load a peer's NIXL metadata; returns its name (``None`` for engines without metadata)."""
+    if state.engine != "nixl" or metadata is None:
+        return None
+    return str(state.transport.add_peer(metadata, device))
+
+
+def _cmd_wait_notification(state: _PeerState, peer: str, message: bytes,
+                           timeout: float = 30.0) -> bool:
+    """Block until NIXL notification ``message`` from ``peer`` arrived (TransferError if not)."""
+    state.transport.wait_notification(peer, message, timeout)
+    return True
+
+
+def _cmd_live_handles(state: _PeerState) -> int:
+    """Transfer handles the NIXL adapter still holds (0 for other engines)."""
+    return int(getattr(state.transport, "live_handles", 0))
+
+
 _COMMANDS: dict[str, Callable[..., Any]] = {
     "transfer": _cmd_transfer,
+    "transfer_prepped": _cmd_transfer_prepped,
     "submit_raw": _cmd_submit_raw,
     "submit_async_raw": _cmd_submit_async_raw,
     "probe": _cmd_probe,
+    "add_peer": _cmd_add_peer,
+    "wait_notification": _cmd_wait_notification,
+    "live_handles": _cmd_live_handles,
 }
 
 
 class PeerProcess:
     """A spawned process running ``_peer_main`` for one :class:`PeerSpec`.
 
-    The parent never touches an engine itself, so an engine crash costs a child, not the caller.
+    ``engine`` picks the transfer engine the process owns: ``"mooncake"`` (TCP on 127.0.0.1)
+    or ``"nixl"`` (a NIXL agent on UCX). The parent never touches an engine itself, so an
+    engine crash costs a child, not the caller.
     """
 
     def __init__(self, spec: PeerSpec, arena: Arena, *, env: dict[str, str] | None = None,
-                 wait: bool = True, start_timeout: float = 60.0, log_path: str | None = None
-                 ) -> None:
+                 wait: bool = True, start_timeout: float = 60.0, log_path: str | None = None,
+                 engine: str = "mooncake") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
         self.spec = spec
+        self.engine = engine
         self.log_path = log_path
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_peer_main, name=f"kvplan-{spec.name}",
             args=(child, spec.to_dict(), arena.path, arena.size, {**ENGINE_ENV, **(env or {})},
-                  log_path),
+                  log_path, engine),
             daemon=True)
         self.process.start()
         child.close()
@@ -194,6 +287,7 @@ class PeerProcess:
         self.base = 0
         self.regions: list[tuple[int, int]] = []
         self.layout_wire: bytes | None = None
+        self.metadata: bytes | None = None  # NIXL agent metadata (None for Mooncake)
         self._broken = False
         if wait:
             self.ready(start_timeout)
@@ -204,7 +298,22 @@ class PeerProcess:
             info = self._reply(timeout, "start")
             self.session, self.base, self.regions = info["session"], info["base"], info["regions"]
             self.layout_wire = info["layout"]
+            self.metadata = info.get("metadata")
         return self
+
+    def connect(self, other: PeerProcess, timeout: float = 60.0) -> str:
+        """Make ``other`` reachable from this peer; returns the session to submit to.
+
+        NIXL: load ``other``'s agent metadata here (the bytes a bootstrap channel carries).
+        Mooncake needs nothing: its session id is enough.
+        """
+        if self.engine != other.engine:
+            raise ValueError(f"{self.spec.name} runs {self.engine}, {other.spec.name} "
+                             f"runs {other.engine}")
+        if self.engine == "nixl":
+            name = self.call("add_peer", other.metadata, "cpu", timeout=timeout)
+            assert name == other.session, (name, other.session)
+        return other.session
 
     def _reply(self, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout

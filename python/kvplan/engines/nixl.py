@@ -1,0 +1,740 @@
+"""NIXL adapter (``pip install --no-deps nixl-cu12``; the wheel bundles UCX).
+
+NIXL is the transfer library under vLLM's NixlConnector, NVIDIA Dynamo and SGLang's ``nixl``
+backend. One :class:`NixlTransport` owns one NIXL agent:
+
+* **Metadata exchange** is the caller's: :meth:`NixlTransport.metadata` returns the agent's
+  metadata as bytes, the caller ships them over its own channel (bootstrap socket, pipe, ...),
+  and the peer calls :meth:`NixlTransport.add_peer` with them. The peer's name is then what
+  ``submit`` takes as ``peer_session``.
+* **Descriptors** go to NIXL as ``(N, 3)`` uint64 arrays of ``(addr, len, dev_id)`` rows,
+  built from the plan's columns with vectorised numpy (:func:`descriptor_rows`); no Python
+  object is built per block. Memory type and device id come from the layout's ``device``
+  (``"cpu"`` -> ``DRAM``/0, ``"cuda:N"`` -> ``VRAM``/N).
+* **Completion** is signalled to the receiver with a notification: ``submit(..., notif=b"...")``;
+  the receiver calls :meth:`NixlTransport.wait_notification`.
+* **Handles**: every transfer handle is released on every path (success, ``ERR``, exception,
+  timeout). A handle NIXL refuses to release (a transfer it cannot cancel) is retried at
+  :meth:`NixlTransport.close`; :attr:`NixlTransport.live_handles` counts what is still held.
+* **The prepped path** (vLLM's): :meth:`NixlTransport.prep` registers one descriptor per item
+  (page or state slot) of each side's layout with ``prep_xfer_dlist`` once per peer pair, and
+  :meth:`PreppedPair.submit` sends a request as two index arrays with ``make_prepped_xfer``.
+
+Facts behind the defaults (nixl-cu12 1.5.1, UCX 1.23, DRAM to DRAM between two processes on
+one host): ``transfer()`` may finish the whole transfer before it returns; a peer that dies
+mid-transfer turns into ``nixlRemoteDisconnectError`` within well under a second; a descriptor
+outside registered memory or an unknown peer is refused by ``initialize_xfer`` before anything
+moves (``NIXL_ERR_NOT_FOUND``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplan.engines._base import (
+    PlanLike,
+    TransferError,
+    TransferStats,
+    Transport,
+    _batch_bounds,
+)
+
+__all__ = ["NixlTransport", "NixlPending", "PreppedPair", "descriptor_rows", "item_table",
+           "memory_of", "NIXL_STATUS_NAMES"]
+
+U64 = npt.NDArray[np.uint64]
+
+#: NIXL's ``nixl_status_t`` values (the Python binding raises exceptions whose text is the name).
+NIXL_STATUS_NAMES: dict[int, str] = {
+    -1: "NIXL_ERR_NOT_POSTED",
+    -2: "NIXL_ERR_INVALID_PARAM",
+    -3: "NIXL_ERR_BACKEND",
+    -4: "NIXL_ERR_NOT_FOUND",
+    -5: "NIXL_ERR_MISMATCH",
+    -6: "NIXL_ERR_NOT_ALLOWED",
+    -7: "NIXL_ERR_REPOST_ACTIVE",
+    -8: "NIXL_ERR_UNKNOWN",
+    -9: "NIXL_ERR_NOT_SUPPORTED",
+}
+_STATUS_OF = {name: code for code, name in NIXL_STATUS_NAMES.items()}
+
+#: Seconds a transfer may stay in ``PROC`` before ``submit`` gives up (raises TransferError).
+DEFAULT_TIMEOUT = 60.0
+
+_names = itertools.count()
+
+
+def memory_of(device: str) -> tuple[str, int]:
+    """NIXL memory type and device id of a layout's ``device`` string.
+
+    ``"cpu"`` (or ``""``, ``"dram"``) -> ``("DRAM", 0)``; ``"cuda"``/``"gpu"`` -> ``("VRAM", 0)``;
+    ``"cuda:N"``/``"gpu:N"`` -> ``("VRAM", N)``.
+
+    Raises:
+        ValueError: any other device (NIXL has no NPU memory type).
+    """
+    name, _, index = device.strip().lower().partition(":")
+    if name in ("", "cpu", "dram") and not index:
+        return "DRAM", 0
+    if name in ("cuda", "gpu", "vram"):
+        if not index:
+            return "VRAM", 0
+        if index.isdigit():
+            return "VRAM", int(index)
+    raise ValueError(f"device {device!r} has no NIXL memory type; use 'cpu' or 'cuda:N'")
+
+
+def descriptor_rows(addrs: npt.ArrayLike, lengths: npt.ArrayLike, dev_id: int) -> U64:
+    """An ``(N, 3)`` C-contiguous uint64 array of ``(addr, len, dev_id)`` rows, NIXL's
+    descriptor-list form (``get_xfer_descs(rows, mem_type)`` takes it as is).
+
+    Three vectorised column writes into one ``np.empty``: a few ns per row, no per-block
+    Python object. NIXL rejects non-contiguous arrays, so a transposed view of the plan's
+    ``(3, M)`` buffer cannot be passed instead.
+    """
+    a = np.asarray(addrs, dtype=np.uint64)
+    n = np.asarray(lengths, dtype=np.uint64)
+    rows = np.empty((len(a), 3), dtype=np.uint64)
+    rows[:, 0] = a
+    rows[:, 1] = n
+    rows[:, 2] = dev_id
+    return rows
+
+
+def item_table(layout: Any, dev_id: int | None = None) -> tuple[U64, npt.NDArray[np.int64]]:
+    """One descriptor per item of every entry of ``layout``: the per-page table vLLM prepares.
+
+    Returns ``(rows, offsets)``: ``rows`` is ``(R, 3)`` uint64 ``(addr, item_len, dev_id)``,
+    entry by entry (``capacity`` rows each, item ``i`` at ``ptr + i * item_len``; elided
+    entries contribute none); item ``i`` of entry ``e`` is row ``offsets[e] + i``.
+    ``dev_id`` defaults to the layout's device (:func:`memory_of`).
+    """
+    if dev_id is None:
+        dev_id = memory_of(layout.device)[1]
+    ptrs = np.asarray(layout.data_ptrs, dtype=np.uint64)
+    items = np.asarray(layout.item_lens, dtype=np.uint64)
+    caps = np.asarray(layout.capacities, dtype=np.int64)
+    caps = np.where(items > 0, caps, 0)
+    offsets = np.zeros(len(caps) + 1, dtype=np.int64)
+    np.cumsum(caps, out=offsets[1:])
+    total = int(offsets[-1])
+    entry = np.repeat(np.arange(len(caps)), caps)
+    within = np.arange(total, dtype=np.int64) - offsets[entry]
+    rows = np.empty((total, 3), dtype=np.uint64)
+    rows[:, 0] = ptrs[entry] + within.astype(np.uint64) * items[entry]
+    rows[:, 1] = items[entry]
+    rows[:, 2] = dev_id
+    return rows, offsets
+
+
+def _nixl_status(exc: BaseException) -> tuple[int | None, str]:
+    """(status code or None, NIXL name) of an exception raised by the binding."""
+    text = str(exc).strip()
+    name = text.split()[0] if text.startswith("NIXL_") else type(exc).__name__
+    return _STATUS_OF.get(name), name
+
+
+class NixlTransport(Transport):
+    """Writes plans with a NIXL agent (UCX backend by default).
+
+    Args:
+        name: agent name, unique among the agents that talk to each other (default
+            ``kvplan-<host>-<pid>-<n>``). It is what peers pass as ``peer_session``.
+        backends: NIXL backends to create (``["UCX"]``).
+        timeout: default seconds a submitted transfer may stay in progress before ``submit``
+            raises :class:`TransferError` (and releases, or cancels, its handles).
+        max_blocks_per_batch: descriptors per NIXL transfer request (default: the whole plan
+            in one request).
+        agent: an already created ``nixl_agent`` to use instead of creating one.
+
+    Raises:
+        ImportError: ``nixl_cu12`` (or ``nixl``) is not installed.
+        TransferError: the agent could not be created or has none of ``backends``.
+    """
+
+    engine_name = "nixl"
+    default_max_blocks_per_batch = None
+    status_names = NIXL_STATUS_NAMES
+
+    def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",),
+                 timeout: float = DEFAULT_TIMEOUT, max_blocks_per_batch: int | None = None,
+                 agent: Any = None) -> None:
+        super().__init__(max_blocks_per_batch=max_blocks_per_batch)
+        self._closed = True  # until the agent exists, nothing may call into it
+        self.name = name or f"kvplan-{socket.gethostname()}-{os.getpid()}-{next(_names)}"
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._live: set[Any] = set()      # transfer handles not yet released
+        self._stuck: list[Any] = []       # handles NIXL refused to release; retried at close
+        self._dlists: set[Any] = set()    # prepped descriptor-list handles
+        self._reg_descs: list[Any] = []   # what register_memory returned, for deregistration
+        self._peers: dict[str, tuple[str, int]] = {}  # peer name -> (mem type, dev id)
+        self._notifs: dict[str, list[bytes]] = {}
+        self._mem: tuple[str, int] | None = None       # local (mem type, dev id)
+        self._pending_mem: tuple[str, int] = ("DRAM", 0)
+        if agent is None:
+            try:
+                from nixl_cu12._api import nixl_agent, nixl_agent_config
+            except ImportError:  # the CUDA-13 wheel names its package plainly
+                from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+            try:
+                agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+            except Exception as exc:
+                raise self._error(f"creating agent {self.name!r} raised {exc!r}", peer=None,
+                                  status=None) from exc
+        self._agent: Any = agent
+        missing = [b for b in backends if b not in getattr(agent, "backends", {})]
+        if missing:
+            raise self._error(f"agent {self.name!r} has no {missing} backend (plugins: "
+                              f"{getattr(agent, 'plugin_list', '?')})", peer=None, status=None)
+        self._closed = False
+
+    # ------------------------------------------------------------------ engine hooks
+    def _engine_session_id(self) -> str:
+        return self.name
+
+    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+        mem_type, dev = self._pending_mem
+        descs = self._agent.register_memory(
+            [(p, n, dev, "") for p, n in zip(ptrs, lens)], mem_type)
+        self._reg_descs.append(descs)
+        self._mem = (mem_type, dev)
+        return 0
+
+    def _engine_unregister(self, ptrs: list[int]) -> int:
+        while self._reg_descs:
+            self._agent.deregister_memory(self._reg_descs.pop())
+        return 0
+
+    def _error(self, msg: str, *, peer: str | None, status: int | None, batch: int | None = None,
+               blocks: int | None = None, n_bytes: int | None = None) -> TransferError:
+        err = super()._error(f"[agent {self.name!r}] {msg}" if "agent " not in msg else msg,
+                             peer=peer, status=status, batch=batch, blocks=blocks,
+                             n_bytes=n_bytes)
+        err.agent = self.name
+        return err
+
+    # ------------------------------------------------------------------ agent, peers
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory), to ship to peers.
+
+        Call it after :meth:`register`: peers can write only into memory it describes.
+        """
+        self._check_open()
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes, device: str = "cpu") -> str:
+        """Load a peer's :meth:`metadata`; returns its name (the ``peer_session`` to submit to).
+
+        ``device`` is the peer layout's ``device``: it gives the memory type and device id of
+        the remote descriptors.
+        """
+        self._check_open()
+        remote = memory_of(device)
+        try:
+            name = self._agent.add_remote_agent(bytes(metadata))
+        except Exception as exc:
+            raise self._error(f"loading peer metadata ({len(metadata)} bytes) raised {exc!r}",
+                              peer=None, status=_nixl_status(exc)[0]) from exc
+        peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers[peer] = remote
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (disconnects; later submits to it raise)."""
+        self._check_open()
+        self._peers.pop(peer, None)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception:  # already gone
+            pass
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of the peers loaded with :meth:`add_peer`."""
+        return sorted(self._peers)
+
+    @property
+    def live_handles(self) -> int:
+        """Transfer handles held and not yet released (0 when nothing is in flight)."""
+        with self._lock:
+            return len(self._live) + len(self._stuck)
+
+    def register(self, layout: Any) -> int:
+        """Register ``layout``'s buffers with NIXL (memory type and device id from
+        ``layout.device``); same merging rules as the other adapters.
+
+        Raises:
+            TransferError: NIXL refused the registration, or the layout's device differs from
+                memory this agent registered before.
+            ValueError: the device has no NIXL memory type.
+        """
+        return self._register_on(memory_of(layout.device), list(layout.data_ptrs),
+                                 list(layout.data_lens))
+
+    def register_buffers(self, ptrs: Sequence[int], lens: Sequence[int],
+                         device: str = "cpu") -> int:
+        """Register raw ``(ptr, len)`` buffers of ``device`` memory."""
+        return self._register_on(memory_of(device), ptrs, lens)
+
+    def _register_on(self, mem: tuple[str, int], ptrs: Sequence[int], lens: Sequence[int]
+                     ) -> int:
+        if self._mem is not None and mem != self._mem:
+            raise self._error(f"cannot register {mem[0]} device {mem[1]} memory: this agent "
+                              f"already holds {self._mem[0]} device {self._mem[1]}", peer=None,
+                              status=None)
+        self._pending_mem = mem
+        return super().register_buffers(ptrs, lens)
+
+    # ------------------------------------------------------------------ notifications
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Every notification received and not yet consumed, by sender (and consume them)."""
+        self._check_open()
+        self._poll_notifs()
+        out, self._notifs = self._notifs, {}
+        return out
+
+    def wait_notification(self, peer: str, message: bytes, timeout: float = 30.0) -> None:
+        """Block until ``peer`` sent notification ``message`` (consumed when found).
+
+        Raises:
+            TransferError: it did not arrive within ``timeout`` seconds.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        while True:
+            self._poll_notifs()
+            got = self._notifs.get(peer, [])
+            if message in got:
+                got.remove(message)
+                return
+            if time.monotonic() > deadline:
+                raise self._error(f"no notification {message!r} from {peer!r} in {timeout:g} s "
+                                  f"(received from: {sorted(self._notifs)})", peer=peer,
+                                  status=None)
+            time.sleep(delay)
+            delay = min(0.001 if delay == 0 else delay * 2, 0.01)
+
+    def _poll_notifs(self) -> None:
+        for sender, msgs in self._agent.get_new_notifs().items():
+            key = sender.decode() if isinstance(sender, bytes) else str(sender)
+            self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, plan: PlanLike, peer_session: str,
+               max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
+               notif: bytes = b"", timeout: float | None = None) -> TransferStats:
+        """Write every block of ``plan`` to peer ``peer_session`` and wait for completion.
+
+        Args:
+            plan: a :class:`kvplan.TransferPlan` or any object with uint64 ``src_addrs``,
+                ``dst_addrs`` and ``lengths``.
+            peer_session: a name returned by :meth:`add_peer`.
+            max_blocks_per_batch: descriptors per NIXL request (default: all in one).
+            check_sources: verify first that every source lies in registered memory.
+            notif: notification the peer receives once every block has landed (sent with the
+                last request, which is posted after the others completed).
+            timeout: seconds before giving up (default: the adapter's ``timeout``).
+
+        Raises:
+            TransferError: NIXL refused a request (unknown peer, memory not registered on
+                either side, length mismatch), a request ended in ``ERR`` or raised (peer
+                died), or ``timeout`` passed. Every handle is released (or, if NIXL cannot
+                cancel it, kept for :meth:`close`) before the error is raised.
+        """
+        return self.submit_async(plan, peer_session, max_blocks_per_batch,
+                                 check_sources=check_sources, notif=notif).wait(timeout)
+
+    def submit_async(self, plan: PlanLike, peer_session: str,
+                     max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
+                     notif: bytes = b"") -> NixlPending:
+        """Create and post the plan's requests; return a handle to :meth:`NixlPending.wait` on.
+
+        With several batches the notification goes with the last one, posted by ``wait`` (or
+        ``done``) once the others completed, so it never overtakes data.
+        """
+        self._check_open()
+        src, dst, lengths = self._prepare(plan, check_sources)
+        bound = self._batch_bound(max_blocks_per_batch)
+        local_mem, remote_mem = self._mems(peer_session, len(src))
+        pending = NixlPending(self, peer_session, lengths)
+        batches = list(_batch_bounds(len(src), bound))
+        try:
+            for index, (lo, hi) in enumerate(batches):
+                last = index == len(batches) - 1
+                handle = self._make(peer_session, index, lengths[lo:hi], local_mem, remote_mem,
+                                    src[lo:hi], dst[lo:hi], notif if last else b"")
+                pending._add(index, lo, hi, handle, deferred=last and len(batches) > 1)
+        except BaseException:
+            pending._release_all()
+            raise
+        pending._post_ready()
+        return pending
+
+    def _mems(self, peer: str, n: int) -> tuple[tuple[str, int], tuple[str, int]]:
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise self._error(f"unknown peer {peer!r}: load its metadata with add_peer() "
+                              f"first (known: {self.peers})", peer=peer, status=None,
+                              blocks=n)
+        return self._mem or ("DRAM", 0), remote
+
+    def _make(self, peer: str, index: int, lengths: U64, local_mem: tuple[str, int],
+              remote_mem: tuple[str, int], src: U64, dst: U64, notif: bytes) -> Any:
+        """One NIXL transfer request (not yet posted), tracked as live."""
+        try:
+            local = self._agent.get_xfer_descs(descriptor_rows(src, lengths, local_mem[1]),
+                                               local_mem[0])
+            remote = self._agent.get_xfer_descs(descriptor_rows(dst, lengths, remote_mem[1]),
+                                                remote_mem[0])
+            handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
+        except Exception as exc:
+            raise self._request_error(peer, index, lengths, "initialize_xfer", exc) from exc
+        with self._lock:
+            self._live.add(handle)
+        return handle
+
+    def _release(self, handle: Any) -> bool:
+        """Release one handle; False (and kept for close) when NIXL refuses."""
+        with self._lock:
+            self._live.discard(handle)
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:
+            with self._lock:
+                self._stuck.append(handle)
+            return False
+
+    def _request_error(self, peer: str, index: int, lengths: U64, state: str,
+                       cause: BaseException | None, *, extra: str = "") -> TransferError:
+        status, name = _nixl_status(cause) if cause is not None else (None, state)
+        if cause is not None:
+            state = f"{state}: {name}"
+        n_bytes = int(lengths.sum(dtype=np.uint64))
+        msg = (f"agent {self.name!r} -> peer {peer!r}: request {index} ({len(lengths)} blocks, "
+               f"{n_bytes} bytes) {state}")
+        if cause is not None and str(cause).strip() != name:
+            msg += f" ({cause!r})"
+        if name == "NIXL_ERR_NOT_FOUND" and not extra:
+            extra = ("a descriptor lies outside the memory registered here or described by "
+                     "the peer's metadata")
+        elif name == "NIXL_ERR_REMOTE_DISCONNECT" and not extra:
+            extra = "the peer disconnected (died?); blocks may have partly landed"
+        if extra:
+            msg += f"; {extra}"
+        err = self._error(msg, peer=peer, status=status, batch=index, blocks=len(lengths),
+                          n_bytes=n_bytes)
+        err.agent = self.name
+        err.state = state
+        return err
+
+    # ------------------------------------------------------------------ prepped path
+    def prep(self, src_layout: Any, dst_layout: Any, peer: str, template: Any = None
+             ) -> PreppedPair:
+        """Prepare vLLM-style descriptor lists for one peer pair: one descriptor per item
+        (page or state slot) of every entry of each layout (:func:`item_table`), handed to
+        ``prep_xfer_dlist`` once. Requests then travel as index arrays
+        (:meth:`PreppedPair.submit`)."""
+        self._check_open()
+        import kvplan
+
+        if template is None:
+            template = kvplan.Template(src_layout, dst_layout)
+        local_mem, remote_mem = self._mems(peer, 0)
+        src_rows, src_off = item_table(src_layout, local_mem[1])
+        dst_rows, dst_off = item_table(dst_layout, remote_mem[1])
+        if max(len(src_rows), len(dst_rows)) >= 2**31:
+            raise ValueError("a prepped list holds more than 2**31 descriptors")
+        handles: list[Any] = []
+        try:
+            handles.append(self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_rows,
+                                                       local_mem[0]))
+            handles.append(self._agent.prep_xfer_dlist(peer, dst_rows, remote_mem[0]))
+        except Exception as exc:
+            for h in handles:
+                h.release()
+            raise self._error(f"prep_xfer_dlist towards {peer!r} raised {exc!r}", peer=peer,
+                              status=_nixl_status(exc)[0]) from exc
+        self._dlists.update(handles)
+        return PreppedPair(self, peer, template, src_layout, dst_layout, src_off, dst_off,
+                           handles[0], handles[1], len(src_rows), len(dst_rows))
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Release every handle (waiting up to the timeout for transfers NIXL cannot cancel),
+        deregister memory, drop the agent. Further calls raise."""
+        if self._closed:
+            return
+        with self._lock:
+            left = list(self._live) + self._stuck
+            self._live.clear()
+            self._stuck = []
+        deadline = time.monotonic() + self.timeout
+        for handle in left:
+            while True:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        break  # NIXL keeps it on the agent's own leak list
+                    time.sleep(0.01)
+        for dl in list(self._dlists):
+            try:
+                dl.release()
+            except Exception:
+                pass
+        self._dlists.clear()
+        for peer in list(self._peers):
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:
+                pass
+        self._peers.clear()
+        super().close()
+        self._agent = None
+
+
+class NixlPending:
+    """Posted NIXL requests of one submission. :meth:`wait` returns :class:`TransferStats`
+    and releases every handle, whatever the outcome."""
+
+    def __init__(self, transport: NixlTransport, peer: str, lengths: U64) -> None:
+        self._t = transport
+        self._peer = peer
+        self._lengths = lengths
+        self._t0 = time.perf_counter()
+        # [index, lo, hi, handle, posted]; the deferred last request is posted after the rest.
+        self._reqs: list[list[Any]] = []
+        self._deferred: list[Any] | None = None
+        self._count = 0
+        self._error: TransferError | None = None
+        self._stats: TransferStats | None = None
+        self._lock = threading.Lock()
+
+    def _add(self, index: int, lo: int, hi: int, handle: Any, *, deferred: bool) -> None:
+        req = [index, lo, hi, handle, False]
+        self._count += 1
+        if deferred:
+            self._deferred = req
+        else:
+            self._reqs.append(req)
+
+    def _post(self, req: list[Any]) -> None:
+        index, lo, hi, handle, _ = req
+        t = self._t
+        try:
+            state = t._agent.transfer(handle)
+        except Exception as exc:
+            raise t._request_error(self._peer, index, self._lengths[lo:hi], "transfer", exc
+                                   ) from exc
+        req[4] = True
+        if state == "ERR":
+            raise t._request_error(self._peer, index, self._lengths[lo:hi], "ERR", None,
+                                   extra="posting failed")
+
+    def _post_ready(self) -> None:
+        try:
+            for req in self._reqs:
+                self._post(req)
+        except TransferError as err:
+            self._release_all()
+            self._error = err
+            raise
+
+    def _release_all(self) -> None:
+        for req in self._reqs + ([self._deferred] if self._deferred else []):
+            if req[3] is not None:
+                self._t._release(req[3])
+                req[3] = None
+
+    def _poll(self, deadline: float | None) -> bool:
+        """Check every posted request once; True when all (and the deferred one) are DONE."""
+        t = self._t
+        for req in self._reqs:
+            index, lo, hi, handle, _ = req
+            if handle is None:
+                continue
+            try:
+                state = t._agent.check_xfer_state(handle)
+            except Exception as exc:
+                raise t._request_error(self._peer, index, self._lengths[lo:hi], "check", exc
+                                       ) from exc
+            if state == "DONE":
+                t._release(handle)
+                req[3] = None
+            elif state != "PROC":
+                raise t._request_error(self._peer, index, self._lengths[lo:hi], state, None,
+                                       extra="the peer may have died or refused the write")
+        if any(r[3] is not None for r in self._reqs):
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._timeout()
+            return False
+        if self._deferred is not None:  # every other request landed: now the notification
+            self._reqs, self._deferred = [self._deferred], None
+            self._post(self._reqs[0])
+            return self._poll(deadline)
+        return True
+
+    def _timeout(self) -> TransferError:
+        req = next(r for r in self._reqs if r[3] is not None)
+        index, lo, hi = req[0], req[1], req[2]
+        return self._t._request_error(
+            self._peer, index, self._lengths[lo:hi], "PROC (timed out)", None,
+            extra="NIXL was asked to cancel it; blocks may have partly landed")
+
+    @property
+    def done(self) -> bool:
+        """True once every request finished (successfully or not); never blocks."""
+        with self._lock:
+            if self._stats is not None or self._error is not None:
+                return True
+            try:
+                return self._poll(None)
+            except TransferError as err:
+                self._error = err
+                self._release_all()
+                return True
+
+    def wait(self, timeout: float | None = None) -> TransferStats:
+        """Block until every request is ``DONE``; release every handle.
+
+        Raises:
+            TransferError: a request failed or ``timeout`` (default: the transport's) passed;
+                all handles were released (or queued for :meth:`NixlTransport.close`) first.
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._stats is not None:
+                return self._stats
+            limit = self._t.timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            delay = 0.0
+            try:
+                while not self._poll(deadline):
+                    time.sleep(delay)
+                    delay = min(1e-5 if delay == 0 else delay * 2, 1e-3)
+            except TransferError as err:
+                self._error = err
+                self._release_all()
+                raise
+            lengths = self._lengths
+            self._stats = TransferStats(self._peer, len(lengths),
+                                        int(lengths.sum(dtype=np.uint64)), self._count,
+                                        time.perf_counter() - self._t0)
+            return self._stats
+
+    def __enter__(self) -> NixlPending:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.wait()
+        except TransferError:
+            if exc_type is None:
+                raise
+
+
+class PreppedPair:
+    """Prepped descriptor lists of one (local layout, remote layout, peer): requests as index
+    arrays, one descriptor per page per entry pair (what vLLM's NixlConnector sends)."""
+
+    def __init__(self, transport: NixlTransport, peer: str, template: Any, src_layout: Any,
+                 dst_layout: Any, src_offsets: npt.NDArray[np.int64],
+                 dst_offsets: npt.NDArray[np.int64], local: Any, remote: Any, n_local: int,
+                 n_remote: int) -> None:
+        self.transport, self.peer, self.template = transport, peer, template
+        self.src_offsets, self.dst_offsets = src_offsets, dst_offsets
+        self.n_local, self.n_remote = n_local, n_remote
+        self._local, self._remote = local, remote
+        self._item = np.asarray(src_layout.item_lens, dtype=np.int64)
+        self._src_cap = np.asarray(src_layout.capacities, dtype=np.int64)
+        self._dst_cap = np.asarray(dst_layout.capacities, dtype=np.int64)
+        pairs = np.asarray(template.pairs, dtype=np.int64).reshape(-1, 2)
+        self._pairs = pairs[self._item[pairs[:, 0]] > 0] if len(pairs) else pairs
+        self._state_pairs = np.asarray(template.state_pairs, dtype=np.int64).reshape(-1, 2)
+
+    def indices(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+                ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """``(local, remote)`` int32 index arrays of a request: page pair major, page minor,
+        the order of :meth:`kvplan.Template.plan`'s blocks before run merging.
+
+        Raises:
+            ValueError: unequal lengths, or a page outside some paired entry's capacity.
+        """
+        s = np.asarray(src_pages, dtype=np.int64).ravel()
+        d = np.asarray(dst_pages, dtype=np.int64).ravel()
+        if len(s) != len(d):
+            raise ValueError(f"{len(s)} source pages but {len(d)} destination pages")
+        return self._gather(self._pairs, s, d)
+
+    def state_indices(self, src_slot: int, dst_slot: int
+                      ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """Index arrays moving state slot ``src_slot`` to ``dst_slot`` for every state pair."""
+        return self._gather(self._state_pairs, np.array([src_slot]), np.array([dst_slot]))
+
+    def _gather(self, pairs: npt.NDArray[np.int64], s: npt.NDArray[np.int64],
+                d: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int32],
+                                                    npt.NDArray[np.int32]]:
+        if len(pairs) == 0 or len(s) == 0:
+            empty = np.zeros(0, dtype=np.int32)
+            return empty, empty.copy()
+        cap_s = int(self._src_cap[pairs[:, 0]].min())
+        cap_d = int(self._dst_cap[pairs[:, 1]].min())
+        for name, idx, cap in (("source", s, cap_s), ("destination", d, cap_d)):
+            if int(idx.min()) < 0 or int(idx.max()) >= cap:
+                raise ValueError(f"{name} index {int(idx.min()) if idx.min() < 0 else int(idx.max())} "
+                                 f"is outside 0..{cap} (smallest paired capacity)")
+        local = (self.src_offsets[pairs[:, 0]][:, None] + s[None, :]).astype(np.int32).ravel()
+        remote = (self.dst_offsets[pairs[:, 1]][:, None] + d[None, :]).astype(np.int32).ravel()
+        return local, remote
+
+    def submit(self, local: npt.ArrayLike, remote: npt.ArrayLike, *, notif: bytes = b"",
+               timeout: float | None = None) -> TransferStats:
+        """One ``make_prepped_xfer`` request from :meth:`indices` (or :meth:`state_indices`)
+        arrays; waits, releases the handle on every path.
+
+        Raises:
+            TransferError: as :meth:`NixlTransport.submit`.
+        """
+        t = self.transport
+        t._check_open()
+        li = np.ascontiguousarray(local, dtype=np.int32)
+        ri = np.ascontiguousarray(remote, dtype=np.int32)
+        if len(li) != len(ri):
+            raise ValueError(f"{len(li)} local but {len(ri)} remote indices")
+        lengths = np.asarray(self._item_lengths(li), dtype=np.uint64)
+        pending = NixlPending(t, self.peer, lengths)
+        try:
+            handle = t._agent.make_prepped_xfer("WRITE", self._local, li, self._remote, ri,
+                                                notif)
+        except Exception as exc:
+            raise t._request_error(self.peer, 0, lengths, "make_prepped_xfer", exc) from exc
+        with t._lock:
+            t._live.add(handle)
+        pending._add(0, 0, len(li), handle, deferred=False)
+        pending._post_ready()
+        return pending.wait(timeout)
+
+    def _item_lengths(self, local: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        entry = np.searchsorted(self.src_offsets, local, side="right") - 1
+        return self._item[entry]
+
+    def release(self) -> None:
+        """Release both prepped lists (also done by the transport's ``close``)."""
+        for h in (self._local, self._remote):
+            if h in self.transport._dlists:
+                self.transport._dlists.discard(h)
+                h.release()

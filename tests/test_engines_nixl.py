@@ -1,0 +1,478 @@
+"""NIXL adapter: in-process checks with real NIXL agents (and a stand-in agent for the paths a
+real transfer cannot be forced into), then real two-process transfers over UCX.
+
+Every test here needs ``nixl_cu12`` and fails, never skips, when it cannot be imported
+(scripts/setup-env installs it with ``pip install --no-deps nixl-cu12``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan import PlanBatch, TransferError
+from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
+
+pytestmark = pytest.mark.nixl
+
+
+@pytest.fixture(autouse=True)
+def _nixl() -> None:
+    from peers import require_nixl
+
+    require_nixl()
+
+
+def _nixl_mod() -> Any:
+    from kvplan.engines import nixl
+
+    return nixl
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_import_kvplan_and_engines_import_no_nixl() -> None:
+    code = ("import sys, kvplan, kvplan.testing; a = [m for m in sys.modules if "
+            "m.startswith(('nixl', 'kvplan.engines'))]; import kvplan.engines; "
+            "b = [m for m in sys.modules if m.startswith('nixl')]; print(a, b); "
+            "sys.exit(1 if a or b else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_memory_type_and_device_id_come_from_the_layout_device() -> None:
+    memory_of = _nixl_mod().memory_of
+    assert memory_of("cpu") == ("DRAM", 0)
+    assert memory_of("cuda") == ("VRAM", 0)
+    assert memory_of("cuda:3") == ("VRAM", 3)
+    for bad in ("npu:0", "cuda:x", "cpu:1"):
+        with pytest.raises(ValueError, match="no NIXL memory type"):
+            memory_of(bad)
+
+
+def test_descriptor_rows_are_c_contiguous_n_by_3() -> None:
+    rows = _nixl_mod().descriptor_rows(np.array([10, 20], np.uint64), np.array([1, 2]), 5)
+    assert rows.flags.c_contiguous and rows.dtype == np.uint64
+    assert rows.tolist() == [[10, 1, 5], [20, 2, 5]]
+
+
+def test_item_table_has_one_row_per_item_entry_by_entry() -> None:
+    layout = kvplan.Layout.mla([0x1000, 0x9000, 0x20000], [256, 0, 96], [64, 0, 32],
+                               layer_ids=[0, 1, 2], device="cuda:2")
+    rows, offsets = _nixl_mod().item_table(layout)
+    assert offsets.tolist() == [0, 4, 4, 7]  # the elided entry contributes no rows
+    assert rows[:, 0].tolist() == [0x1000, 0x1040, 0x1080, 0x10C0, 0x20000, 0x20020, 0x20040]
+    assert set(rows[:, 1].tolist()[:4]) == {64} and set(rows[:, 2].tolist()) == {2}
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: two real agents (metadata still exchanged as bytes)
+# ---------------------------------------------------------------------------------------------
+
+
+class Pair:
+    """Two agents in this process, ``a`` writing into ``b``'s buffer."""
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        NixlTransport = _nixl_mod().NixlTransport
+        rng = np.random.default_rng(11)
+        self.src = rng.integers(0, 255, size, dtype=np.uint8)
+        self.dst = np.zeros(size, np.uint8)
+        self.a, self.b = NixlTransport("unit-a", timeout=20), NixlTransport("unit-b", timeout=20)
+        self.a.register_buffers([self.src.ctypes.data], [size])
+        self.b.register_buffers([self.dst.ctypes.data], [size])
+        self.peer = self.a.add_peer(self.b.metadata())
+
+    def plan(self, src_off: np.ndarray, dst_off: np.ndarray, length: int) -> PlanBatch:
+        n = len(src_off)
+        return PlanBatch(np.uint64(self.src.ctypes.data) + src_off.astype(np.uint64),
+                         np.uint64(self.dst.ctypes.data) + dst_off.astype(np.uint64),
+                         np.full(n, length, np.uint64))
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture
+def pair() -> Any:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_submit_in_batches_lands_bytes_and_notifies(pair: Pair) -> None:
+    assert pair.peer == "unit-b" and pair.a.peers == ["unit-b"]
+    src_off = np.arange(20, dtype=np.int64) * 4096
+    dst_off = src_off[::-1].copy()
+    stats = pair.a.submit(pair.plan(src_off, dst_off, 4096), pair.peer, max_blocks_per_batch=6,
+                          notif=b"req-1")
+    assert (stats.blocks, stats.bytes, stats.batches) == (20, 20 * 4096, 4)
+    pair.b.wait_notification("unit-a", b"req-1", timeout=20)
+    got = pair.dst[:20 * 4096].reshape(20, 4096)
+    np.testing.assert_array_equal(got, pair.src[:20 * 4096].reshape(20, 4096)[::-1])
+    assert pair.a.live_handles == 0
+
+
+def test_async_submit_and_wait(pair: Pair) -> None:
+    off = np.arange(8, dtype=np.int64) * 1000
+    pending = pair.a.submit_async(pair.plan(off, off + 7, 1000), pair.peer, 3, notif=b"x")
+    stats = pending.wait()
+    assert stats.batches == 3 and pending.done and pending.wait() is stats
+    np.testing.assert_array_equal(pair.dst[7:8007], pair.src[:8000])
+    assert pair.a.live_handles == 0
+
+
+def test_unknown_peer_is_a_transfer_error(pair: Pair) -> None:
+    with pytest.raises(TransferError, match="unknown peer 'nobody'") as info:
+        pair.a.submit(pair.plan(np.array([0]), np.array([0]), 64), "nobody")
+    assert info.value.engine == "nixl" and info.value.agent == "unit-a"
+    assert pair.a.live_handles == 0
+
+
+def test_descriptors_outside_registered_memory_are_refused_before_anything_moves(
+        pair: Pair) -> None:
+    size = pair.dst.size
+    with pytest.raises(TransferError) as info:
+        pair.a.submit(pair.plan(np.array([0, 4096]), np.array([0, size]), 4096), pair.peer)
+    err = info.value
+    assert (err.session, err.blocks, err.bytes, err.agent) == ("unit-b", 2, 8192, "unit-a")
+    assert err.state == "initialize_xfer: NIXL_ERR_NOT_FOUND" and err.status == -4
+    assert "outside the memory registered" in str(err)
+    # Local side: kvplan's own check first, NIXL's when that check is switched off.
+    with pytest.raises(TransferError, match="not inside a registered region"):
+        pair.a.submit(pair.plan(np.array([size]), np.array([0]), 64), pair.peer)
+    with pytest.raises(TransferError, match="NIXL_ERR_NOT_FOUND"):
+        pair.a.submit(pair.plan(np.array([size]), np.array([0]), 64), pair.peer,
+                      check_sources=False)
+    assert not pair.dst.any() and pair.a.live_handles == 0
+
+
+def test_closed_transport_refuses_calls(pair: Pair) -> None:
+    pair.a.close()
+    with pytest.raises(TransferError, match="closed"):
+        pair.a.submit(pair.plan(np.array([0]), np.array([0]), 64), pair.peer)
+    with pytest.raises(TransferError, match="closed"):
+        pair.a.metadata()
+
+
+def test_prepped_indices_move_the_same_bytes_as_the_plan() -> None:
+    """The prepped path (one descriptor per page per layer) and the run-merged plan write the
+    same bytes; checked against a plain numpy copy."""
+    NixlTransport = _nixl_mod().NixlTransport
+    layers, pages, item = 3, 32, 256
+    src = np.random.default_rng(2).integers(0, 255, layers * pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    ptrs = [src.ctypes.data + i * pages * item for i in range(layers)]
+    dptrs = [dst.ctypes.data + i * pages * item for i in range(layers)]
+    s_layout = kvplan.Layout.mla(ptrs, [pages * item] * layers, item, layer_ids=[0, 1, 2])
+    d_layout = kvplan.Layout.mla(dptrs, [pages * item] * layers, item, layer_ids=[0, 1, 2])
+    a, b = NixlTransport("prep-a"), NixlTransport("prep-b")
+    try:
+        a.register(s_layout)
+        b.register(d_layout)
+        peer = a.add_peer(b.metadata())
+        prepped = a.prep(s_layout, d_layout, peer)
+        sp = np.array([0, 1, 2, 9, 10], np.int64)
+        dp = np.array([5, 6, 7, 30, 1], np.int64)
+        local, remote = prepped.indices(sp, dp)
+        assert local.dtype == np.int32 and len(local) == layers * len(sp)
+        assert local[:5].tolist() == sp.tolist() and remote[5:10].tolist() == (dp + 32).tolist()
+        stats = prepped.submit(local, remote, notif=b"p")
+        assert (stats.blocks, stats.bytes) == (15, 15 * item)
+        b.wait_notification("prep-a", b"p", 20)
+        want = np.zeros_like(dst).reshape(layers, pages, item)
+        want[:, dp] = src.reshape(layers, pages, item)[:, sp]
+        np.testing.assert_array_equal(dst.reshape(layers, pages, item), want)
+        with pytest.raises(ValueError, match="outside 0..32"):
+            prepped.indices(np.array([32]), np.array([0]))
+        assert a.live_handles == 0
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: a stand-in agent for a transfer that never finishes and a handle NIXL keeps
+# ---------------------------------------------------------------------------------------------
+
+
+class StuckAgent:
+    """Real-signature stand-in: requests stay ``PROC`` forever; release fails ``refuse`` times."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.backends = {"UCX": 1}
+        self.refuse = refuse
+        self.live: set[int] = set()
+        self.next = 0
+
+    def register_memory(self, reg_list: Any, mem_type: str | None = None,
+                        backends: list[str] = []) -> Any:
+        return list(reg_list)
+
+    def deregister_memory(self, dereg_list: Any, backends: list[str] = []) -> None:
+        pass
+
+    def get_agent_metadata(self) -> bytes:
+        return b"md"
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return b"peer"
+
+    def remove_remote_agent(self, agent: str) -> None:
+        pass
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> Any:
+        assert isinstance(descs, np.ndarray) and descs.flags.c_contiguous
+        return descs
+
+    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any,
+                        remote_agent: str, notif_msg: bytes = b"",
+                        backends: list[str] = []) -> int:
+        self.next += 1
+        self.live.add(self.next)
+        return self.next
+
+    def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        assert handle in self.live, "state of a released handle"
+        return "PROC"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.live.remove(handle)
+
+
+def test_timeout_raises_and_releases_the_handle() -> None:
+    NixlTransport = _nixl_mod().NixlTransport
+    agent = StuckAgent()
+    t = NixlTransport("stuck", agent=agent, timeout=0.2)
+    t.register_buffers([0x10000], [1 << 20])
+    peer = t.add_peer(b"md")
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="timed out") as info:
+        t.submit(PlanBatch(np.array([0x10000], np.uint64), np.array([0], np.uint64),
+                           np.array([64], np.uint64)), peer)
+    assert time.monotonic() - t0 < 10
+    assert info.value.state == "PROC (timed out)" and info.value.agent == "stuck"
+    assert agent.live == set() and t.live_handles == 0
+
+
+def test_a_handle_nixl_refuses_to_release_is_released_at_close() -> None:
+    NixlTransport = _nixl_mod().NixlTransport
+    agent = StuckAgent(refuse=1)
+    t = NixlTransport("stuck", agent=agent, timeout=0.2)
+    t.register_buffers([0x10000], [1 << 20])
+    with pytest.raises(TransferError):
+        t.submit(PlanBatch(np.array([0x10000], np.uint64), np.array([0], np.uint64),
+                           np.array([64], np.uint64)), t.add_peer(b"md"))
+    assert t.live_handles == 1 and len(agent.live) == 1
+    t.close()
+    assert agent.live == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# Real two-process transfers (each peer its own process and NIXL agent)
+# ---------------------------------------------------------------------------------------------
+
+#: A small Kimi-Linear-style hybrid: MLA on layers 3 and 7, two state components elsewhere.
+TINY_HYBRID = ModelPreset("tiny-hybrid", "tiny hybrid MLA", 8, "mla", 1152, 4,
+                          (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
+
+
+def _hybrid() -> Any:
+    from kvplan.testing import model_peers
+
+    peers = model_peers(TINY_HYBRID, pages=64, pp_size=2, state_slots=4)
+    src_pages = np.arange(5, 5 + 40, dtype=np.int64)
+    dst_pages = fragmented_pages(40, 1 / 3, seed=7, shuffle_runs=True, capacity=64)
+    return peers, src_pages, dst_pages
+
+
+@pytest.mark.parametrize("path", ["plan", "prepped"])
+def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
+    from peers import assert_decode_bytes, cluster, expected_decode
+
+    peers, src_pages, dst_pages = _hybrid()
+    decode, stages = peers.decode, peers.prefill
+    src_slot, dst_slot = 2, 1
+    with cluster(decode, stages, engine="nixl") as c:
+        dpeer = c.peers["decode"]
+        before = c.arenas["decode"].array.copy()
+        results = []
+        for spec in stages:  # both stages in flight at once, as real PP stages are
+            if path == "plan":
+                c.peers[spec.name].send("transfer", dpeer.layout_wire, c.sessions[spec.name],
+                                        src_pages, dst_pages, src_slot, dst_slot, None,
+                                        spec.name.encode())
+            else:
+                c.peers[spec.name].send("transfer_prepped", dpeer.layout_wire,
+                                        c.sessions[spec.name], src_pages, dst_pages, src_slot,
+                                        dst_slot, spec.name.encode())
+        for spec in stages:
+            results.append(c.peers[spec.name].result(60, "transfer"))
+        for spec in stages:  # the decode sees each stage's completion notification
+            assert dpeer.call("wait_notification", c.peers[spec.name].session,
+                              spec.name.encode(), 30.0, timeout=60)
+        writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
+                  for s in stages]
+        assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes),
+                            decode)
+        assert all(c.peers[s.name].call("live_handles") == 0 for s in stages)
+    kv_bytes = 40 * TINY_HYBRID.kv_bytes_per_token
+    state_bytes = 3 * sum(s.bytes_per_slot for s in TINY_HYBRID.state)
+    assert [r["bytes"] for r in results] == [kv_bytes + state_bytes] * 2
+    if path == "plan":
+        assert all(r["blocks"] == r["runs"] + 6 for r in results)  # one block per run + states
+    else:
+        assert all(r["blocks"] == 40 + 6 for r in results)  # one descriptor per page
+
+
+def test_mha_k_then_v_with_different_item_lengths() -> None:
+    from kvplan.testing import PeerSpec, pack_entries
+    from peers import assert_decode_bytes, cluster, expected_decode
+
+    rows = [(i, role, "page", item, 48) for role, item in (("k", 768), ("v", 512))
+            for i in range(4)]
+    decode = PeerSpec("decode", "mha", pack_entries(rows), 4)
+    prefill = PeerSpec("prefill", "mha", pack_entries(rows), 4)
+    rng = np.random.default_rng(3)
+    src_pages = rng.permutation(48)[:30].astype(np.int64)
+    dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
+    with cluster(decode, [prefill], engine="nixl") as c:
+        dpeer = c.peers["decode"]
+        before = c.arenas["decode"].array.copy()
+        res = c.peers["prefill"].call("transfer", dpeer.layout_wire, c.sessions["prefill"],
+                                      src_pages, dst_pages, None, None, 7, b"mha", timeout=60)
+        assert dpeer.call("wait_notification", c.peers["prefill"].session, b"mha", 30.0)
+        expected = expected_decode(decode, before, [(prefill, c.arenas["prefill"].array,
+                                                     src_pages, dst_pages, None, None)])
+        assert_decode_bytes(c.arenas["decode"].array, expected, decode)
+    assert res["pairs"] == 8 and res["bytes"] == 30 * 4 * (768 + 512)
+    assert res["batches"] == -(-res["blocks"] // 7)
+
+
+def _raw_pair(capacity: int = 64, item: int = 4096) -> Any:
+    from kvplan.testing import PeerSpec, pack_entries
+
+    decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", item, capacity)]), 1)
+    prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", item, capacity)]), 1)
+    return decode, prefill
+
+
+def test_async_submit_moves_bytes() -> None:
+    from peers import cluster
+
+    decode, prefill = _raw_pair()
+    with cluster(decode, [prefill], engine="nixl") as c:
+        d = c.peers["decode"]
+        n = 64
+        src = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(4096)
+        dst = np.uint64(d.base) + np.arange(n, dtype=np.uint64) * np.uint64(4096)
+        stats = c.peers["prefill"].call("submit_async_raw", c.sessions["prefill"], src, dst,
+                                        np.full(n, 4096, np.uint64), 10, b"async", timeout=60)
+        assert d.call("wait_notification", c.peers["prefill"].session, b"async", 30.0)
+        got = c.arenas["decode"].array.reshape(n, 4096)
+        np.testing.assert_array_equal(got, c.arenas["prefill"].array.reshape(n, 4096)[::-1])
+        assert c.peers["prefill"].call("live_handles") == 0
+    assert stats["batches"] == 7
+
+
+def test_fault_decode_killed_mid_transfer() -> None:
+    """256 MiB in 65,536 descriptors (about a second here); the decode process is SIGKILLed
+    once the first bytes have landed. The prefill gets a TransferError, holds no handle, and
+    stays alive."""
+    from kvplan.testing import SENTINEL
+    from peers import cluster
+
+    n, item = 65536, 4096
+    decode, prefill = _raw_pair(n, item)
+    with cluster(decode, [prefill], engine="nixl") as c:
+        d, p = c.peers["decode"], c.peers["prefill"]
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(item)
+        p.send("submit_raw", c.sessions["prefill"], offs, np.uint64(d.base) + offs,
+               np.full(n, item, np.uint64))
+        first = c.arenas["decode"].array[:item]
+        deadline = time.monotonic() + 60
+        while (first == SENTINEL).all() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        t0 = time.monotonic()
+        d.kill()
+        with pytest.raises(TransferError) as info:
+            p.result(60, "submit_raw")
+        assert time.monotonic() - t0 < 30
+        err = info.value
+        assert err.engine == "nixl" and err.session == d.session and err.agent == p.session
+        assert err.blocks == n and err.bytes == n * item and err.state
+        assert p.process.is_alive() and p.call("live_handles") == 0
+        # Another request to the dead peer fails too, in bounded time.
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            p.call("submit_raw", c.sessions["prefill"], [0], [d.base], [item], timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert p.call("live_handles") == 0
+
+
+def test_fault_destination_outside_registered_memory_then_a_good_transfer() -> None:
+    from peers import assert_decode_bytes, cluster
+
+    decode, prefill = _raw_pair()
+    with cluster(decode, [prefill], engine="nixl") as c:
+        d, p = c.peers["decode"], c.peers["prefill"]
+        before = c.arenas["decode"].array.copy()
+        outside = d.base + decode.size + (1 << 20)
+        with pytest.raises(TransferError) as info:
+            p.call("submit_raw", c.sessions["prefill"], [0, 4096], [outside, outside + 4096],
+                   [4096, 4096], timeout=30)
+        err = info.value
+        assert (err.session, err.blocks, err.bytes, err.status) == (d.session, 2, 8192, -4)
+        assert err.agent == p.session and "NIXL_ERR_NOT_FOUND" in (err.state or "")
+        assert_decode_bytes(c.arenas["decode"].array, before, decode)
+        assert p.call("live_handles") == 0
+        p.call("submit_raw", c.sessions["prefill"], [0], [d.base], [4096], timeout=30)
+        np.testing.assert_array_equal(c.arenas["decode"].array[:4096],
+                                      c.arenas["prefill"].array[:4096])
+
+
+def test_fault_unknown_peer() -> None:
+    from peers import cluster
+
+    decode, prefill = _raw_pair()
+    with cluster(decode, [prefill], engine="nixl") as c:
+        d, p = c.peers["decode"], c.peers["prefill"]
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="unknown peer 'not-loaded'") as info:
+            p.call("submit_raw", "not-loaded", [0], [d.base], [4096], timeout=30)
+        assert time.monotonic() - t0 < 30
+        assert info.value.agent == p.session and info.value.session == "not-loaded"
+        assert p.call("live_handles") == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# kvplan demo --engine nixl
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kvplan_demo_over_nixl_verifies_every_byte() -> None:
+    res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--engine", "nixl",
+                          "--layers", "16", "--pages", "1024"], capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    out = res.stdout
+    assert "NIXL (UCX) on this host" in out
+    assert "entries paired: 4 KV + 24 state" in out
+    assert re.search(r"^verified: \d+ bytes OK", out, re.M), out
