@@ -143,6 +143,11 @@ class Layout:
         pp_size: int = ...,
         tp_rank: int = ...,
         tp_size: int = ...,
+        kv_heads: int | None = ...,
+        heads_per_rank: int | None = ...,
+        head_dim: int | None = ...,
+        dtype_size: int | None = ...,
+        memory_order: str | None = ...,
     ) -> Layout: ...
     @staticmethod
     def mla(
@@ -264,6 +269,16 @@ class Layout:
     def tp_rank(self) -> int: ...
     @property
     def tp_size(self) -> int: ...
+    @property
+    def kv_heads(self) -> int | None: ...
+    @property
+    def heads_per_rank(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def dtype_size(self) -> int | None: ...
+    @property
+    def memory_order(self) -> str | None: ...
 
 @final
 class PlanBuffer:

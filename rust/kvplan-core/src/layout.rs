@@ -39,6 +39,70 @@ impl EntryKind {
     }
 }
 
+/// How the tokens and heads of one page are laid out inside a KV item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryOrder {
+    /// `[tokens][heads][head_dim]`: one token's heads are contiguous (vLLM's and SGLang's
+    /// default).
+    Nhd,
+    /// `[heads][tokens][head_dim]`: one head's tokens are contiguous.
+    Hnd,
+}
+
+impl MemoryOrder {
+    /// `"NHD"` or `"HND"`, as Python and the wire spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryOrder::Nhd => "NHD",
+            MemoryOrder::Hnd => "HND",
+        }
+    }
+
+    /// Parses [`MemoryOrder::as_str`] output (case-insensitive).
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for any other string.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.to_ascii_uppercase().as_str() {
+            "NHD" => Ok(MemoryOrder::Nhd),
+            "HND" => Ok(MemoryOrder::Hnd),
+            _ => Err(PlanError::InvalidLayout {
+                what: format!("unknown memory order {name:?}; expected \"NHD\" or \"HND\""),
+            }),
+        }
+    }
+}
+
+/// The attention geometry of a peer's KV items: what a receiver must know to slice heads when
+/// the two sides use different tensor-parallel sizes (tokens per page is the context's
+/// `page_size`). For MLA the latent is one "head" of `head_dim` elements, replicated on every
+/// TP rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionGeometry {
+    /// KV heads of the whole model (all TP ranks together).
+    pub total_kv_heads: u32,
+    /// KV heads this rank holds: `max(1, total_kv_heads / tp_size)` in the usual split.
+    pub heads_per_rank: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per element (2 for bf16, 1 for fp8…).
+    pub dtype_size: u32,
+    /// Token-major (`NHD`) or head-major (`HND`) items.
+    pub memory_order: MemoryOrder,
+}
+
+impl AttentionGeometry {
+    /// Bytes of one head of one token: `head_dim * dtype_size`.
+    pub fn head_bytes(&self) -> u64 {
+        u64::from(self.head_dim) * u64::from(self.dtype_size)
+    }
+
+    /// Bytes of one token of this rank's heads: `heads_per_rank * head_dim * dtype_size`.
+    pub fn token_bytes(&self) -> u64 {
+        u64::from(self.heads_per_rank) * self.head_bytes()
+    }
+}
+
 /// Everything about a peer that is not per entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayoutContext {
@@ -56,6 +120,8 @@ pub struct LayoutContext {
     pub tp_rank: u32,
     /// Tensor-parallel size.
     pub tp_size: u32,
+    /// Heads, head size and memory order of the KV items, when the peer publishes them.
+    pub attention: Option<AttentionGeometry>,
 }
 
 impl Default for LayoutContext {
@@ -68,6 +134,7 @@ impl Default for LayoutContext {
             pp_size: 1,
             tp_rank: 0,
             tp_size: 1,
+            attention: None,
         }
     }
 }
@@ -178,6 +245,9 @@ impl Layout {
                 "tp_rank {} must be below tp_size {}",
                 context.tp_rank, context.tp_size
             )));
+        }
+        if let Some(geometry) = &context.attention {
+            check_attention(geometry)?;
         }
         for kind in [EntryKind::Page, EntryKind::State] {
             let of_kind: Vec<usize> = (0..n).filter(|&i| parts.kinds[i] == kind).collect();
@@ -648,6 +718,28 @@ impl Layout {
         parts.drafts.extend(extra.drafts);
         Self::new(parts, self.context.clone())?.with_strides(strides)
     }
+}
+
+/// The attention geometry on its own: every count positive, a rank holding no more heads than
+/// the model has.
+fn check_attention(g: &AttentionGeometry) -> Result<()> {
+    for (name, value) in [
+        ("kv_heads", g.total_kv_heads),
+        ("heads_per_rank", g.heads_per_rank),
+        ("head_dim", g.head_dim),
+        ("dtype_size", g.dtype_size),
+    ] {
+        if value == 0 {
+            return Err(invalid(format!("{name} must be at least 1, got 0")));
+        }
+    }
+    if g.heads_per_rank > g.total_kv_heads {
+        return Err(invalid(format!(
+            "heads_per_rank {} exceeds kv_heads {} (the model's KV heads)",
+            g.heads_per_rank, g.total_kv_heads
+        )));
+    }
+    Ok(())
 }
 
 fn invalid(what: String) -> PlanError {

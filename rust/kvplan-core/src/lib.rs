@@ -16,7 +16,7 @@ pub mod wire;
 
 pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
-pub use layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+pub use layout::{AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,

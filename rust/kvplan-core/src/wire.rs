@@ -15,10 +15,11 @@
 //!
 //! Entry flags: bit 0 marks a draft-model entry; other bits must be 0.
 //!
-//! Extensions are room for fields later versions add per peer or per entry (memory order,
-//! tokens per page, heads, head dim, dtype size): this build writes none; a reader skips an
-//! extension whose tag is below `0x8000` and refuses one at or above it (a field it must
-//! understand to plan correctly).
+//! Extensions carry fields added after the fixed layout, as `tag u16 | length u16 | bytes`: a
+//! reader skips an unknown extension whose tag is below `0x8000` and refuses an unknown one at or
+//! above it (a field it must understand to plan correctly). Context tag `0x8001`: the attention
+//! geometry (`kv_heads u32 | heads_per_rank u32 | head_dim u32 | dtype_size u32 | order u8`,
+//! order 0 = NHD, 1 = HND), written when the peer publishes it.
 //!
 //! Format v1 (still read): no `stride` (it equals `item_len`), no entry flags (draft entries are
 //! the ones whose role starts with `draft`, the only way v1 told them apart) and no `ext`.
@@ -28,7 +29,9 @@
 //! size. Every decoded layout goes through [`Layout::new`]'s validation.
 
 use crate::error::{PlanError, Result};
-use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+use crate::layout::{
+    AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder,
+};
 
 const MAGIC: &[u8; 4] = b"KVPL";
 /// The version this build writes (it reads this one and v1).
@@ -37,6 +40,11 @@ pub const WIRE_VERSION: u16 = 2;
 pub const WIRE_VERSION_1: u16 = 1;
 /// Extension tags at or above this must be understood by the reader.
 pub const EXT_MUST_UNDERSTAND: u16 = 0x8000;
+/// Context extension: the attention geometry (heads, head size, memory order). A reader that
+/// ignored it could slice heads wrongly, so it is a must-understand tag.
+pub const EXT_ATTENTION: u16 = 0x8001;
+/// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
+const ATTENTION_LEN: usize = 4 * 4 + 1;
 /// Entry flag bit 0: a draft-model entry.
 const DRAFT_FLAG: u8 = 1;
 /// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
@@ -76,7 +84,15 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&value.to_le_bytes());
     }
     put_str(&mut out, &ctx.device)?;
-    out.extend_from_slice(&0u16.to_le_bytes()); // no context extensions
+    match &ctx.attention {
+        None => out.extend_from_slice(&0u16.to_le_bytes()),
+        Some(geometry) => {
+            out.extend_from_slice(&1u16.to_le_bytes());
+            out.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
+            out.extend_from_slice(&(ATTENTION_LEN as u16).to_le_bytes());
+            encode_attention(&mut out, geometry);
+        }
+    }
     for i in 0..n {
         out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
         out.extend_from_slice(&parts.data_lens[i].to_le_bytes());
@@ -164,7 +180,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     let page_size = reader.u64()?;
     let layers = reader.u64()?;
-    let context = LayoutContext {
+    let mut context = LayoutContext {
         page_size,
         num_model_layers: (layers != u64::MAX).then_some(layers),
         pp_rank: reader.u32()?,
@@ -172,9 +188,16 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         tp_rank: reader.u32()?,
         tp_size: reader.u32()?,
         device: reader.string()?,
+        attention: None,
     };
     if v2 {
-        reader.extensions("the context")?;
+        reader.extensions("the context", |tag, payload| {
+            if tag != EXT_ATTENTION {
+                return Ok(false);
+            }
+            context.attention = Some(decode_attention(payload)?);
+            Ok(true)
+        })?;
     }
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
@@ -220,7 +243,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         });
         parts.roles.push(reader.string()?);
         if v2 {
-            reader.extensions("an entry")?;
+            reader.extensions("an entry", |_, _| Ok(false))?;
         }
     }
     if reader.remaining() != 0 {
@@ -230,6 +253,44 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         )));
     }
     Layout::new(parts, context)?.with_strides(strides)
+}
+
+fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {
+    for value in [g.total_kv_heads, g.heads_per_rank, g.head_dim, g.dtype_size] {
+        out.extend_from_slice(&value.to_le_bytes());
+    }
+    out.push(match g.memory_order {
+        MemoryOrder::Nhd => 0,
+        MemoryOrder::Hnd => 1,
+    });
+}
+
+fn decode_attention(payload: &[u8]) -> Result<AttentionGeometry> {
+    if payload.len() != ATTENTION_LEN {
+        return Err(wire_error(format!(
+            "attention geometry of {} bytes (expected {ATTENTION_LEN})",
+            payload.len()
+        )));
+    }
+    let word = |k: usize| {
+        u32::from_le_bytes([
+            payload[4 * k],
+            payload[4 * k + 1],
+            payload[4 * k + 2],
+            payload[4 * k + 3],
+        ])
+    };
+    Ok(AttentionGeometry {
+        total_kv_heads: word(0),
+        heads_per_rank: word(1),
+        head_dim: word(2),
+        dtype_size: word(3),
+        memory_order: match payload[16] {
+            0 => MemoryOrder::Nhd,
+            1 => MemoryOrder::Hnd,
+            other => return Err(wire_error(format!("unknown memory order code {other}"))),
+        },
+    })
 }
 
 struct Reader<'a> {
@@ -279,17 +340,26 @@ impl<'a> Reader<'a> {
 
     /// Skips an extension list; an extension this build must understand but does not is an
     /// error naming its tag.
-    fn extensions(&mut self, owner: &str) -> Result<()> {
+    /// Reads an extension list; `known` handles the tags this build understands (returning
+    /// `true`), the others are skipped or refused by their tag.
+    fn extensions(
+        &mut self,
+        owner: &str,
+        mut known: impl FnMut(u16, &[u8]) -> Result<bool>,
+    ) -> Result<()> {
         let count = self.u16()?;
         for _ in 0..count {
             let tag = self.u16()?;
             let len = usize::from(self.u16()?);
+            let payload = self.bytes(len)?;
+            if known(tag, payload)? {
+                continue;
+            }
             if tag >= EXT_MUST_UNDERSTAND {
                 return Err(wire_error(format!(
                     "{owner} carries extension {tag:#06x}, which this build does not know and must understand to plan correctly (upgrade kvplan)"
                 )));
             }
-            self.bytes(len)?;
         }
         Ok(())
     }
@@ -349,6 +419,7 @@ mod tests {
             pp_size: 2,
             tp_rank: 0,
             tp_size: 4,
+            attention: None,
         };
         Layout::npu_groups(
             vec![3, 7],
@@ -367,6 +438,53 @@ mod tests {
     fn round_trip_is_exact() {
         let layout = sample();
         assert_eq!(decode(&encode(&layout).unwrap()).unwrap(), layout);
+    }
+
+    #[test]
+    fn attention_geometry_round_trips_as_a_context_extension() {
+        let geometry = AttentionGeometry {
+            total_kv_heads: 8,
+            heads_per_rank: 2,
+            head_dim: 128,
+            dtype_size: 2,
+            memory_order: MemoryOrder::Hnd,
+        };
+        let ctx = LayoutContext {
+            page_size: 16,
+            tp_rank: 1,
+            tp_size: 4,
+            attention: Some(geometry),
+            ..LayoutContext::default()
+        };
+        let layout = Layout::mha(
+            vec![4096],
+            vec![1 << 30],
+            vec![1 << 20],
+            vec![1 << 20],
+            vec![8192],
+            vec![8192],
+            Some(vec![0]),
+            ctx,
+        )
+        .unwrap();
+        let bytes = encode(&layout).unwrap();
+        assert_eq!(decode(&bytes).unwrap(), layout);
+        // A payload of the wrong size is refused, not misread.
+        let mut short = bytes[..bytes.len() - TRAILER].to_vec();
+        let at = short
+            .windows(4)
+            .position(|w| w == [0x01, 0x80, ATTENTION_LEN as u8, 0])
+            .unwrap();
+        short[at + 2] = ATTENTION_LEN as u8 - 1;
+        short.remove(at + 4);
+        let crc = crc32(&short);
+        short.extend_from_slice(&crc.to_le_bytes());
+        assert!(
+            decode(&short)
+                .unwrap_err()
+                .to_string()
+                .contains("attention geometry")
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `kvplan.Layout`: a peer's transfer entries, built from SGLang-style registration lists or
 //! from the named constructors of the core.
 
-use kvplan_core::{EntryKind, Layout, LayoutContext, LayoutParts};
+use kvplan_core::{AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -102,6 +102,7 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let Some(kwargs) = kwargs else {
         return Ok(context);
     };
+    let mut attention = AttentionKeywords::default();
     for (key, value) in kwargs.iter() {
         let key: String = key.extract()?;
         // Name the keyword and its range in the message (PyO3's OverflowError names neither).
@@ -121,6 +122,14 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
                 .extract::<u32>()
                 .map_err(|_| field("an int in 0..2**32"))
         };
+        // The attention keywords accept None ("not published"), as from_dict writes them.
+        let optional_u32 = || -> PyResult<Option<u32>> {
+            if value.is_none() {
+                Ok(None)
+            } else {
+                u32_field().map(Some)
+            }
+        };
         match key.as_str() {
             "page_size" => context.page_size = u64_field()?,
             "device" => context.device = value.extract().map_err(|_| field("a str"))?,
@@ -135,14 +144,68 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
             "pp_size" => context.pp_size = u32_field()?,
             "tp_rank" => context.tp_rank = u32_field()?,
             "tp_size" => context.tp_size = u32_field()?,
+            "kv_heads" => attention.kv_heads = optional_u32()?,
+            "heads_per_rank" => attention.heads_per_rank = optional_u32()?,
+            "head_dim" => attention.head_dim = optional_u32()?,
+            "dtype_size" => attention.dtype_size = optional_u32()?,
+            "memory_order" => {
+                attention.memory_order = if value.is_none() {
+                    None
+                } else {
+                    let name: String = value.extract().map_err(|_| field("\"NHD\" or \"HND\""))?;
+                    Some(MemoryOrder::parse(&name).map_err(to_py_err)?)
+                };
+            }
             other => {
                 return Err(PyTypeError::new_err(format!(
-                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size"
+                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size, kv_heads, heads_per_rank, head_dim, dtype_size, memory_order"
                 )));
             }
         }
     }
+    context.attention = attention.resolve(context.tp_size)?;
     Ok(context)
+}
+
+/// The attention keywords as given; all or none of `kv_heads`, `head_dim`, `dtype_size` (and
+/// optionally `heads_per_rank`, `memory_order`).
+#[derive(Default)]
+struct AttentionKeywords {
+    kv_heads: Option<u32>,
+    heads_per_rank: Option<u32>,
+    head_dim: Option<u32>,
+    dtype_size: Option<u32>,
+    memory_order: Option<MemoryOrder>,
+}
+
+impl AttentionKeywords {
+    fn resolve(self, tp_size: u32) -> PyResult<Option<AttentionGeometry>> {
+        let Self {
+            kv_heads,
+            heads_per_rank,
+            head_dim,
+            dtype_size,
+            memory_order,
+        } = self;
+        match (kv_heads, head_dim, dtype_size) {
+            (None, None, None) if heads_per_rank.is_none() && memory_order.is_none() => Ok(None),
+            (Some(total_kv_heads), Some(head_dim), Some(dtype_size)) => {
+                Ok(Some(AttentionGeometry {
+                    total_kv_heads,
+                    // The usual split: heads divided over the TP ranks, replicated when fewer.
+                    heads_per_rank: heads_per_rank
+                        .unwrap_or_else(|| (total_kv_heads / tp_size.max(1)).max(1)),
+                    head_dim,
+                    dtype_size,
+                    memory_order: memory_order.unwrap_or(MemoryOrder::Nhd),
+                }))
+            }
+            _ => Err(PyTypeError::new_err(
+                "the attention geometry needs kv_heads, head_dim and dtype_size together \
+                 (heads_per_rank defaults to max(1, kv_heads // tp_size), memory_order to \"NHD\")",
+            )),
+        }
+    }
 }
 
 /// One entry of a layout, as `Layout.entries()` lists it (read-only).
@@ -463,6 +526,12 @@ impl PyLayout {
         dict.set_item("pp_size", ctx.pp_size)?;
         dict.set_item("tp_rank", ctx.tp_rank)?;
         dict.set_item("tp_size", ctx.tp_size)?;
+        let attention = ctx.attention.as_ref();
+        dict.set_item("kv_heads", attention.map(|g| g.total_kv_heads))?;
+        dict.set_item("heads_per_rank", attention.map(|g| g.heads_per_rank))?;
+        dict.set_item("head_dim", attention.map(|g| g.head_dim))?;
+        dict.set_item("dtype_size", attention.map(|g| g.dtype_size))?;
+        dict.set_item("memory_order", attention.map(|g| g.memory_order.as_str()))?;
         Ok(dict)
     }
 
@@ -645,6 +714,39 @@ impl PyLayout {
     #[getter]
     fn tp_size(&self) -> u32 {
         self.inner.context().tp_size
+    }
+
+    /// KV heads of the whole model, when the layout publishes its attention geometry.
+    #[getter]
+    fn kv_heads(&self) -> Option<u32> {
+        self.inner.context().attention.map(|g| g.total_kv_heads)
+    }
+
+    /// KV heads this rank holds, when published.
+    #[getter]
+    fn heads_per_rank(&self) -> Option<u32> {
+        self.inner.context().attention.map(|g| g.heads_per_rank)
+    }
+
+    /// Elements per head, when published.
+    #[getter]
+    fn head_dim(&self) -> Option<u32> {
+        self.inner.context().attention.map(|g| g.head_dim)
+    }
+
+    /// Bytes per element, when published.
+    #[getter]
+    fn dtype_size(&self) -> Option<u32> {
+        self.inner.context().attention.map(|g| g.dtype_size)
+    }
+
+    /// `"NHD"` or `"HND"`, when published.
+    #[getter]
+    fn memory_order(&self) -> Option<&'static str> {
+        self.inner
+            .context()
+            .attention
+            .map(|g| g.memory_order.as_str())
     }
 
     fn __repr__(&self) -> String {
