@@ -50,8 +50,31 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan import _core
+from kvplan.compat._sglang_manager import (
+    DEFAULT_MAX_BLOCKS_PER_BATCH,
+    REPLACED_METHODS,
+    TemplateCache,
+    install,
+    installed,
+    layout_from_kv_args,
+    layout_from_register_info,
+    template_cache,
+    uninstall,
+)
 
-__all__ = ["build_transfer_entry_pairs", "group_concurrent_contiguous"]
+__all__ = [
+    "DEFAULT_MAX_BLOCKS_PER_BATCH",
+    "REPLACED_METHODS",
+    "TemplateCache",
+    "build_transfer_entry_pairs",
+    "group_concurrent_contiguous",
+    "install",
+    "installed",
+    "layout_from_kv_args",
+    "layout_from_register_info",
+    "template_cache",
+    "uninstall",
+]
 
 
 # ---------------------------------------------------------------------------------------------
