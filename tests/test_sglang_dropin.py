@@ -324,3 +324,178 @@ def test_state_types_and_device_destinations_stay_sglangs(sg: Any) -> None:
                                            dst_layer_ids=dids)
             calls.append((rc, mgr.engine.calls))
     assert calls[0] == calls[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ascend manager: NPU buffer groups, hybrid-MLA + PP > 1 dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def last_rank(value: bool) -> Iterator[None]:
+    runtime = load_loader().RUNTIME
+    old = runtime.parallel.pp_group.is_last_rank
+    runtime.parallel.pp_group.is_last_rank = value
+    try:
+        yield
+    finally:
+        runtime.parallel.pp_group.is_last_rank = old
+
+
+def _ascend_cases() -> list[tuple[Any, ...]]:
+    cases = []
+    for kind, pp, draft in itertools.product(("npu", "mla-hybrid", "mha"), (1, 2, 4), (0, 1)):
+        for stage in range(pp):
+            cases.append((kind, pp, stage, draft))
+    return cases
+
+
+@pytest.mark.parametrize("kind,pp,stage,draft", _ascend_cases())
+def test_ascend_send_kvcache_moves_the_same_bytes(sg: Any, kind: str, pp: int, stage: int,
+                                                   draft: int) -> None:
+    if kind == "npu":
+        dep = Deployment("npu", 12, list(range(12)), pp, stage, groups=2, draft_layers=draft,
+                         publish_ids=False, item_seed=stage)
+    elif kind == "mla-hybrid":
+        dep = Deployment("mla", 24, list(range(1, 24, 2)), pp, stage, hybrid=True,
+                         draft_layers=draft, item_seed=stage)
+    else:
+        dep = Deployment("mha", 12, list(range(12)), pp, stage, draft_layers=draft,
+                         publish_ids=False, item_seed=stage)
+    rng = np.random.default_rng(2000 + pp * 10 + stage)
+    verdicts = set()
+    with last_rank(stage == pp - 1):
+        for fragmented in (False, True):
+            src, dst = request(rng, fragmented=fragmented)
+            verdicts.add(check(sg, sg.AscendKVManager, dep, src, dst,
+                               install_kw={"decode_kv_layers": 12}, may_fix=kind == "mha"))
+    if kind != "mha" or not draft:
+        assert verdicts == {"same"}, verdicts
+
+
+def test_ascend_npu_groups_not_a_whole_multiple_are_refused_not_truncated(sg: Any) -> None:
+    """SGLang's ``len(ptrs) // kv_buf_groups`` truncates: a stray prefill buffer makes it fail
+    with an IndexError mid-planning; a stray decode buffer is silently left out of the group
+    arithmetic. kvplan names the cause up front (LayoutError)."""
+    dep = Deployment("npu", 4, list(range(4)), 2, 0, groups=2, publish_ids=False)
+    dep.src_entries = dep.src_entries + [("g0", 9)]  # a stray fifth buffer
+    dep.items[("g0", 9)] = 32
+    dep.dst_entries = dep.dst_entries + [("g0", 9)]
+    src, dst = np.arange(2, dtype=np.int32), np.arange(2, dtype=np.int32)
+    with last_rank(False):
+        orig = outcome(sg, sg.AscendKVManager, dep, src, dst)
+        assert orig[0] == "raise" and isinstance(orig[1], IndexError), orig
+        with installed(sg.AscendKVManager):
+            new = outcome(sg, sg.AscendKVManager, dep, src, dst)
+    assert new[0] == "raise" and isinstance(new[1], kvplan.LayoutError), new
+    assert "refusing to truncate" in str(new[1])
+
+
+def test_ascend_hisparse_device_destinations_raise_as_sglang(sg: Any) -> None:
+    dep = Deployment("npu", 4, list(range(4)), 1, 0, groups=2, publish_ids=False)
+    dptrs, _, _ = dep.dst_lists()
+    pages = np.arange(2, dtype=np.int32)
+    with installed(sg.AscendKVManager):
+        mgr = manager(sg, sg.AscendKVManager, dep)
+        with pytest.raises(NotImplementedError, match="HiSparse"):
+            mgr.send_kvcache(SESSION, pages, dptrs, pages, None, dst_device_kv_indices=pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba state
+# ---------------------------------------------------------------------------------------------
+
+
+def _mamba(sg: Any, pp: int, *, src_ids: list[int], dst_ids: list[int], src_items: list[int],
+           dst_items: list[int] | None, src_slot: int, dst_slot: int) -> tuple[Any, ...]:
+    import types
+
+    mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=types.SimpleNamespace(
+        state_data_ptrs=[[1000 + 100000 * i for i in range(len(src_ids))]],
+        state_data_lens=[[64 * x for x in src_items]]), pp_size=pp)
+    req = types.SimpleNamespace(mooncake_session_id=SESSION)
+    src_ptrs = [1000 + 100000 * i for i in range(len(src_ids))]
+    dst_ptrs = [9000000 + 100000 * j for j in range(len(dst_ids))]
+    try:
+        rc = mgr._send_mamba_state(req, [src_slot], src_ptrs, src_items, dst_ptrs, [dst_slot],
+                                   src_ids, dst_ids, dst_items)
+    except Exception as exc:  # noqa: BLE001
+        return ("raise", exc)
+    return ("ok", rc, mgr.engine.calls)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mamba_state_moves_the_same_bytes(sg: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    linear = [x for x in range(24) if x % 4 != 3]  # 18 linear-attention layers
+    pp = int(rng.choice([1, 2, 4]))
+    stage = int(rng.integers(0, pp))
+    per = -(-len(linear) // pp)
+    mine = linear[stage * per:(stage + 1) * per]
+    items = {x: int(rng.choice([256, 512])) for x in linear}
+    kw = dict(src_ids=mine, dst_ids=linear, src_items=[items[x] for x in mine],
+              dst_items=[items[x] for x in linear] if seed % 2 else None,
+              src_slot=int(rng.integers(0, 64)), dst_slot=int(rng.integers(0, 1000)))
+    orig = _mamba(sg, pp, **kw)
+    with installed(sg.MooncakeKVManager):
+        new = _mamba(sg, pp, **kw)
+    assert orig[0] == new[0] == "ok"
+    assert orig[1] == new[1] == 0
+    assert canonical(engine_blocks(orig[2])) == canonical(engine_blocks(new[2]))
+
+
+def test_mamba_slot_size_mismatch_is_a_typed_error_with_sglangs_message(sg: Any) -> None:
+    kw = dict(src_ids=[7], dst_ids=[3, 7], src_items=[16], dst_items=[8, 32], src_slot=2,
+              dst_slot=3)
+    orig = _mamba(sg, 2, **kw)
+    assert orig[0] == "raise" and isinstance(orig[1], RuntimeError)
+    with installed(sg.MooncakeKVManager):
+        new = _mamba(sg, 2, **kw)
+    assert new[0] == "raise" and isinstance(new[1], kvplan.SizeMismatchError)
+    assert str(new[1]) == str(orig[1])
+
+
+def test_mamba_slot_stage1_worked_example(sg: Any) -> None:
+    """W-mamba-slot-stage1: one block (1032, 3048, 16)."""
+    import types
+
+    with installed(sg.MooncakeKVManager):
+        mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=types.SimpleNamespace(
+            state_data_ptrs=[[1000]], state_data_lens=[[16 * 64]]), pp_size=2)
+        req = types.SimpleNamespace(mooncake_session_id=SESSION)
+        assert mgr._send_mamba_state(req, [2], [1000], [16], [2000, 3000], [3], [7], [3, 7],
+                                     [8, 16]) == 0
+        assert mgr.engine.calls == [(SESSION, [1032], [3048], [16])]
+        with pytest.raises(kvplan.IndexBoundsError):  # slot 64 is past the prefill's buffer
+            mgr._send_mamba_state(req, [64], [1000], [16], [2000, 3000], [3], [7], [3, 7],
+                                  [8, 16])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts from SGLang's state
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layouts_from_kv_args_and_register_info_pair_like_the_manager() -> None:
+    dep = Deployment("mla", 24, list(range(1, 24, 2)), 2, 1, hybrid=True, draft_layers=1)
+    kv_args = dep.kv_args()
+    kv_args.state_types = ["mamba"]
+    kv_args.state_data_ptrs = [[5000, 6000]]
+    kv_args.state_data_lens = [[1600, 1600]]
+    kv_args.state_item_lens = [[16, 16]]
+    kv_args.state_layer_ids = [[12, 14]]
+    src = compat.layout_from_kv_args(kv_args, is_mla_backend=True, pp_size=2)
+    assert src.kinds.count("state") == 2 and src.roles[-3:] == ["draft", "mamba0", "mamba0"]
+    info = dep.register_info()
+    info.dst_state_data_ptrs = [[7000, 8000, 9000]]
+    info.dst_state_item_lens = [[16, 16, 16]]
+    info.dst_state_layer_ids = [[10, 12, 14]]
+    dst = compat.layout_from_register_info(info, is_mla_backend=True, num_draft_entries=1,
+                                           state_types=["mamba"])
+    t = kvplan.Template(src, dst)
+    where = {e: j for j, e in enumerate(dep.dst_entries)}
+    assert t.pairs.tolist() == [[i, where[e]] for i, e in enumerate(dep.src_entries)]
+    assert t.plan_state(1, 2).as_lists() == ([5016, 6016], [8032, 9032], [16, 16])
+    with pytest.raises(kvplan.LayoutError, match="truncate"):
+        kv_args.kv_buf_groups = 5
+        compat.layout_from_kv_args(kv_args, is_mla_backend=True)
