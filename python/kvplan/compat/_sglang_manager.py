@@ -122,12 +122,12 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
         tp_rank=int(getattr(kv_args, "engine_rank", 0) or 0),
     )
     if state:
-        layout = _with_mamba_state(layout, kv_args.__dict__ if hasattr(kv_args, "__dict__")
-                                   else {}, kv_args)
+        layout = _with_mamba_state(layout, kv_args)
     return layout
 
 
-def _with_mamba_state(layout: Layout, _d: dict[str, Any], kv_args: Any) -> Layout:
+def _with_mamba_state(layout: Layout, kv_args: Any) -> Layout:
+    """``layout`` plus every Mamba component of ``kv_args`` as state entries."""
     types = list(getattr(kv_args, "state_types", None) or [])
     ptrs = list(getattr(kv_args, "state_data_ptrs", None) or [])
     lens = list(getattr(kv_args, "state_data_lens", None) or [])
@@ -188,7 +188,7 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
                     tp_size=int(getattr(info, "dst_attn_tp_size", 1) or 1))
     if state_types:
         state = _RegisterState(info, state_types)
-        layout = _with_mamba_state(layout, {}, state)
+        layout = _with_mamba_state(layout, state)
     return layout
 
 
