@@ -1,6 +1,8 @@
 """Load SGLang 0.5.23's real KV-transfer planning functions, as lightly as honestly possible.
 
-Usage (bench venv only; SGLang is a bench-only dependency installed with ``--no-deps``)::
+Usage (the bench venv, where SGLang is installed with ``--no-deps``; or any interpreter, where
+``load_sglang()`` falls back to the wheel that ``fetch_wheel()`` downloads with
+``pip download --no-deps sglang==0.5.23`` and caches under ``.venv/sglang-wheel``)::
 
     from sglang_loader import load_sglang
     sg = load_sglang()
@@ -12,14 +14,16 @@ Usage (bench venv only; SGLang is a bench-only dependency installed with ``--no-
 
 How it loads (nothing of SGLang is re-typed here; every function that runs is the wheel's code):
 
-* The five wheel files that hold the planning code and its direct collaborators are executed
+* The six wheel files that hold the planning code and its direct collaborators are executed
   from the installed wheel under their real dotted names: ``disaggregation/base/conn.py``
   (``StateType``), ``disaggregation/common/utils.py`` (``group_concurrent_contiguous``),
   ``disaggregation/utils.py`` (``build_transfer_entry_pairs``, ``is_elided_entry``),
   ``disaggregation/common/conn.py`` (``CommonKVManager.get_mla_kv_ptrs_with_pp`` /
   ``get_mha_kv_ptrs_with_pp`` / ``_mla_kv_entry_span_with_pp``) and
   ``disaggregation/mooncake/conn.py`` (``_uses_flat_entry_layout``,
-  ``MooncakeKVManager._send_kvcache_generic``, ``MooncakeKVManager._transfer_data``).
+  ``MooncakeKVManager._send_kvcache_generic``, ``MooncakeKVManager._transfer_data``,
+  ``send_kvcache``, ``_send_mamba_state``) and ``disaggregation/ascend/conn.py``
+  (``AscendKVManager.send_kvcache`` and its NPU-group ``get_mla_kv_ptrs_with_pp``).
 * Package ``__init__`` files are *not* executed (``sglang/__init__.py`` alone imports
   transformers, torch and the whole runtime); the packages are registered as empty shells whose
   ``__path__`` points into the wheel, so the leaf modules above import by their real names.
@@ -36,6 +40,12 @@ How it loads (nothing of SGLang is re-typed here; every function that runs is th
   and a recording engine whose ``batch_transfer_sync`` stores its three lists and returns 0.
   A missing attribute would raise ``AttributeError``, so the namespace cannot silently stand in
   for behaviour the method needs.
+* ``manager_object(cls, kv_args=..., **attrs)`` instead builds a real instance of a manager
+  class without running ``__init__`` (attribute look-up made strict), so methods resolve through
+  the class and ``kvplan.compat.sglang.install(cls)`` takes effect on it.
+* The three runtime-context accessors the send paths read (``get_memory``, ``get_parallel``,
+  ``get_spec``) are replaced in the loaded modules by :data:`RUNTIME`'s explicit values (a plain
+  GPU deployment: no unified memory, last PP rank); tests change them there.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ REAL_MODULES = (
     "sglang.srt.disaggregation.utils",
     "sglang.srt.disaggregation.common.conn",
     "sglang.srt.disaggregation.mooncake.conn",
+    "sglang.srt.disaggregation.ascend.conn",
 )
 
 REAL_PACKAGES = ("sglang.srt.disaggregation.base",)
@@ -218,20 +229,89 @@ def _package_shells(root: str) -> None:
 
 _LOADED: SGLang | None = None
 
+# Where the test suite keeps the downloaded wheel and the files it needs from it (ignored by git:
+# .venv is). KVPLAN_SGLANG_CACHE overrides it.
+DEFAULT_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             ".venv", "sglang-wheel")
+# The wheel members the loader executes (and the metadata that names the version).
+_WHEEL_PREFIXES = ("sglang/srt/disaggregation/",)
 
-def load_sglang() -> SGLang:
+
+def fetch_wheel(cache_dir: str | None = None) -> str:
+    """Download SGLang's wheel once (``pip download --no-deps``) and unpack the disaggregation
+    package; return the unpacked ``sglang`` directory. Cached: a second call only checks files.
+
+    Only PyPI is contacted (pip's index). Raises ``RuntimeError`` naming the pip failure.
+    """
+    import glob
+    import subprocess
+    import zipfile
+
+    cache = cache_dir or os.environ.get("KVPLAN_SGLANG_CACHE") or DEFAULT_CACHE
+    unpacked = os.path.join(cache, f"sglang-{SGLANG_VERSION}")
+    marker = os.path.join(unpacked, ".complete")
+    if os.path.exists(marker):
+        return os.path.join(unpacked, "sglang")
+    os.makedirs(cache, exist_ok=True)
+    wheels = glob.glob(os.path.join(cache, f"sglang-{SGLANG_VERSION}-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+               "--no-deps", f"sglang=={SGLANG_VERSION}", "-d", cache]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(cache, f"sglang-{SGLANG_VERSION}-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    tmp = unpacked + f".tmp{os.getpid()}"
+    with zipfile.ZipFile(wheels[0]) as zf:
+        members = [n for n in zf.namelist()
+                   if n.startswith(_WHEEL_PREFIXES)
+                   or n == f"sglang-{SGLANG_VERSION}.dist-info/METADATA"]
+        zf.extractall(tmp, members=members)
+    open(os.path.join(tmp, ".complete"), "w").close()
+    try:
+        os.rename(tmp, unpacked)
+    except OSError:  # another process unpacked it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return os.path.join(unpacked, "sglang")
+
+
+def _unpacked_version(root: str) -> str:
+    meta = os.path.join(os.path.dirname(root), f"sglang-{SGLANG_VERSION}.dist-info", "METADATA")
+    if not os.path.exists(meta):
+        return "unknown"
+    with open(meta, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def load_sglang(root: str | None = None) -> SGLang:
+    """Load the planning modules from ``root`` (an ``sglang`` package directory, e.g. the one
+    :func:`fetch_wheel` returns); by default from an installed ``sglang`` if there is one, else
+    from the cached wheel (downloaded on first use)."""
     global _LOADED
     if _LOADED is not None:
+        if root is not None and os.path.abspath(root) != os.path.abspath(_LOADED.root):
+            raise ImportError(f"sglang already loaded from {_LOADED.root}, not {root}")
         return _LOADED
-    spec = importlib.util.find_spec("sglang")  # locates the wheel; does not execute __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed in this interpreter (run bench/setup-sglang)")
-    root = list(spec.submodule_search_locations)[0]
-    from importlib.metadata import version
+    if root is None:
+        spec = importlib.util.find_spec("sglang")  # locates an install; does not execute __init__
+        if spec is not None and spec.submodule_search_locations:
+            root = list(spec.submodule_search_locations)[0]
+            from importlib.metadata import version
 
-    got = version("sglang")
+            got = version("sglang")
+        else:
+            root = fetch_wheel()
+            got = _unpacked_version(root)
+    else:
+        got = _unpacked_version(root)
     if got != SGLANG_VERSION:
-        raise ImportError(f"expected sglang=={SGLANG_VERSION}, found {got}")
+        raise ImportError(f"expected sglang=={SGLANG_VERSION}, found {got} at {root}")
 
     _package_shells(root)
     finder = _Finder(root)
@@ -265,11 +345,14 @@ def load_sglang() -> SGLang:
         StateType=mods["sglang.srt.disaggregation.base.conn"].StateType,
         MooncakeKVManager=M,
         CommonKVManager=cc.CommonKVManager,
+        AscendKVManager=mods["sglang.srt.disaggregation.ascend.conn"].AscendKVManager,
     )
     # The helpers must be the common implementations (Mooncake does not override them).
     assert M.get_mla_kv_ptrs_with_pp is cc.CommonKVManager.get_mla_kv_ptrs_with_pp
     assert M.get_mha_kv_ptrs_with_pp is cc.CommonKVManager.get_mha_kv_ptrs_with_pp
     sg.make_manager = lambda **kw: make_manager(sg, **kw)
+    sg.manager_object = lambda cls, **kw: manager_object(sg, cls, **kw)
+    _install_runtime(sg)
     sg.verify_closure = lambda: verify_closure(sg)
     _LOADED = sg
     return sg
@@ -350,6 +433,75 @@ def make_manager(
     return self
 
 
+class RuntimeContext:
+    """Explicit stand-ins for the three runtime-context accessors the manager methods read
+    (``get_memory()``, ``get_parallel()``, ``get_spec()``), installed as the module globals of
+    the loaded ``mooncake.conn`` / ``ascend.conn``. Their defaults are a plain GPU deployment:
+    no unified memory, this rank is the last PP rank, no speculative algorithm."""
+
+    def __init__(self) -> None:
+        self.memory = types.SimpleNamespace(enable_unified_memory=False)
+        self.parallel = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True))
+        self.spec = types.SimpleNamespace(speculative_algorithm=None)
+
+
+RUNTIME = RuntimeContext()
+
+
+def _install_runtime(sg: SGLang) -> None:
+    for name in ("sglang.srt.disaggregation.mooncake.conn", "sglang.srt.disaggregation.ascend.conn",
+                 "sglang.srt.disaggregation.common.conn"):
+        g = sg.modules[name].__dict__
+        if "get_memory" in g:
+            g["get_memory"] = lambda: RUNTIME.memory
+        if "get_parallel" in g:
+            g["get_parallel"] = lambda: RUNTIME.parallel
+        if "get_spec" in g:
+            g["get_spec"] = lambda: RUNTIME.spec
+
+
+_STRICT: dict[type, type] = {}
+
+
+def _strict_class(cls: type) -> type:
+    """``cls`` with attribute look-up that fails for a missing attribute. The real classes
+    inherit a stand-in mixin (``StagingManagerMixin``) whose ``__getattr__`` would answer any
+    name; the subclass defines nothing else, so every method still resolves to ``cls``'s."""
+    if cls not in _STRICT:
+        def __getattr__(self, name):
+            raise AttributeError(f"stand-in manager has no attribute {name!r}")
+
+        _STRICT[cls] = type(f"Strict{cls.__name__}", (cls,), {"__getattr__": __getattr__})
+    return _STRICT[cls]
+
+
+def manager_object(sg: SGLang, cls: type, *, kv_args: types.SimpleNamespace,
+                   engine=None, **attrs):
+    """An instance of ``cls`` (SGLang's real manager class) built without ``__init__``: the
+    methods resolve through the class (so ``install(cls)`` / ``uninstall(cls)`` take effect),
+    ``self`` carries exactly the attributes given plus the bookkeeping the send paths read, and
+    a missing attribute raises ``AttributeError``."""
+    obj = object.__new__(_strict_class(cls))
+    defaults = dict(
+        engine=engine if engine is not None else RecordingEngine(),
+        is_mla_backend=False,
+        is_hybrid_mla_backend=False,
+        pp_size=1,
+        enable_custom_mem_pool=False,
+        custom_mem_pool_type=None,
+        max_transfer_batch_indices=0,
+        state_strides_validated=set(),
+        decode_kv_args_table={},
+        enable_deferred_decode_kv_release=False,
+        attn_tp_size=1,
+        state_tp_size=1,
+    )
+    defaults.update(attrs)
+    obj.__dict__.update(defaults)
+    obj.kv_args = kv_args
+    return obj
+
+
 # --------------------------------------------------------------------------------------------
 # Proof that no stand-in is reachable from the code that runs
 # --------------------------------------------------------------------------------------------
@@ -373,6 +525,13 @@ def verify_closure(sg: SGLang) -> list[str]:
         sg.get_mla_kv_ptrs_with_pp,
         sg.get_mha_kv_ptrs_with_pp,
         sg.mla_kv_entry_span_with_pp,
+        # the manager methods kvplan.compat.sglang replaces, and what they call on self
+        sg.MooncakeKVManager.send_kvcache,
+        sg.MooncakeKVManager._send_mamba_state,
+        sg.MooncakeKVManager._validate_envelope_kv_layout,
+        sg.MooncakeKVManager._await_transfer_futures,
+        sg.AscendKVManager.send_kvcache,
+        sg.AscendKVManager.get_mla_kv_ptrs_with_pp,
     ]
     seen: set[int] = set()
     visited: list[str] = []

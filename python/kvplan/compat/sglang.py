@@ -1,6 +1,60 @@
-"""SGLang 0.5.23's two planning helpers, computed by kvplan's Rust core.
+"""SGLang 0.5.23 integration: its two planning helpers, and its KV managers' planning methods.
 
-Switch an engine by changing one import::
+**Managers.** ``install(MooncakeKVManager)`` (and/or ``install(AscendKVManager)``) at start-up
+replaces these methods on the class, with SGLang 0.5.23's exact signatures and return values;
+``uninstall(cls)`` restores exactly what was there (docs/sglang.md has the full account):
+
+* ``_send_kvcache_generic`` for the KV pool (``state_type`` None): a ``kvplan.Template`` per
+  decode peer (cached by ``mooncake_session_id``, rebuilt when the peer's registration changes)
+  plans the request in one call; blocks go to ``self.engine.batch_transfer_sync`` in batches of
+  at most ``max_blocks_per_batch`` (default 1,024), or one executor task per entry pair on the
+  custom-memory-pool path. The first non-zero engine status is returned, as SGLang returns its
+  one call's status. Page-indexed state components (``state_type`` SWA, DSA, ...), HiSparse
+  device destinations (``dst_device_data_indices``), calls with ``dst_item_lens`` (SGLang's
+  stride check and ``conclude_failure``) and compressed-MLA pools (``mla_compression_ratios``)
+  are handed to SGLang's own method unchanged.
+* ``send_kvcache``: SGLang's envelope check (``_validate_envelope_kv_layout``), then the above;
+  HiSparse device destinations go to SGLang's own method.
+* ``AscendKVManager.send_kvcache``: SGLang's dispatch kept: hybrid-linear MLA with PP > 1 pairs
+  by layer id; otherwise PP > 1 slices positionally (NPU buffer groups per group, MHA K/V), and
+  PP 1 pairs entry ``i`` with decode entry ``i``. HiSparse raises ``NotImplementedError`` as SGLang.
+* ``_send_mamba_state``: state entries paired by layer id (positional fallback at PP 1), one
+  block per pair from ``Template.plan_state``; SGLang's slot-size check kept.
+
+``send_kvcache_slice`` (TP-sliced MHA, prefill and decode attention TP sizes differ) is **not**
+replaced: kvplan has no TP head slicing yet, so SGLang's own method keeps running. Everything
+else (engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
+
+Differences from SGLang's methods, each where SGLang moves wrong bytes, drops bytes, or fails
+without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a ``ValueError``):
+
+* Page index arrays of different lengths: SGLang sends nothing and returns 0 when exactly one
+  side is empty (and raises ``ValueError`` otherwise); kvplan raises ``KvPlanError``. A negative
+  prefill page, or one past the prefill buffer (``kv_data_lens``), is ``IndexBoundsError``
+  (SGLang reads outside the buffer). The decode publishes no buffer lengths, so decode pages
+  are bounded only by the address space.
+* Decode item sizes: SGLang addresses the decode with the prefill's item length. When the
+  decode's registration (``decode_kv_args_table[session].dst_kv_item_lens``) covers the entries,
+  kvplan checks every pair and raises ``SizeMismatchError``; the Mamba slot check raises
+  ``SizeMismatchError`` with SGLang's message instead of ``RuntimeError``.
+* Pairing failures SGLang reports as ``RuntimeError`` (missing layer, one-sided ids, counts that
+  do not fit) are ``PairingError``; an out-of-range positional slice, which SGLang turns into an
+  ``IndexError`` or, with draft entries, into target layers written to the draft entry, is
+  ``PairingError``.
+* MHA peers without layer ids at PP > 1: SGLang guesses where the decode's V block starts from
+  the entry counts (wrong for uneven splits and for a prefill stage with draft K/V, silently).
+  kvplan needs the decode's KV layer count (``install(..., decode_kv_layers=N)`` or the instance
+  attribute ``kvplan_decode_kv_layers``) and then slices correctly; without it, any stage whose
+  entry count differs from the decode's raises ``PairingError``.
+* NPU buffer groups: buffer counts that are not a whole multiple of ``kv_buf_groups`` raise
+  ``LayoutError`` (SGLang divides with ``//`` and then fails with ``IndexError`` or ignores the
+  extra buffer); a decode whose buffer count is not ``groups * (hidden_kv_layers +
+  draft_kv_layers)`` raises ``LayoutError`` (SGLang's per-group offsets would be wrong).
+* Engine calls: at most ``max_blocks_per_batch`` blocks per call (SGLang: one call per request,
+  or per ``max_transfer_batch_indices`` pages); runs are maximal, so the block list may differ
+  from SGLang's by merging, never in the bytes moved.
+
+**Helpers.** Switch an engine by changing one import::
 
     # from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
     # from sglang.srt.disaggregation.utils import build_transfer_entry_pairs
@@ -50,8 +104,31 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan import _core
+from kvplan.compat._sglang_manager import (
+    DEFAULT_MAX_BLOCKS_PER_BATCH,
+    REPLACED_METHODS,
+    TemplateCache,
+    install,
+    installed,
+    layout_from_kv_args,
+    layout_from_register_info,
+    template_cache,
+    uninstall,
+)
 
-__all__ = ["build_transfer_entry_pairs", "group_concurrent_contiguous"]
+__all__ = [
+    "DEFAULT_MAX_BLOCKS_PER_BATCH",
+    "REPLACED_METHODS",
+    "TemplateCache",
+    "build_transfer_entry_pairs",
+    "group_concurrent_contiguous",
+    "install",
+    "installed",
+    "layout_from_kv_args",
+    "layout_from_register_info",
+    "template_cache",
+    "uninstall",
+]
 
 
 # ---------------------------------------------------------------------------------------------

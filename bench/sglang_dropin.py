@@ -1,0 +1,148 @@
+"""Per-request time of SGLang 0.5.23's manager send methods, original vs kvplan-patched.
+
+Both run on real manager instances of the wheel's classes (bench/sglang_loader.py) with the
+same inputs, including the engine submission to an engine whose ``batch_transfer_sync`` only
+keeps its arguments (so the time is planning plus handing lists to the engine). The byte maps of
+the two are checked equal before timing.
+
+    .venv/bin/python bench/sglang_dropin.py [--repeat 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import sglang_loader  # noqa: E402
+from sglang_models import SESSION, Deployment, canonical, engine_blocks, request  # noqa: E402
+
+from kvplan.compat import sglang as compat  # noqa: E402
+
+
+class KeepLastEngine:
+    """Keeps the arguments of every call (cleared per request), returns 0."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def batch_transfer_sync(self, session: str, src: list[int], dst: list[int],
+                            lengths: list[int]) -> int:
+        self.calls.append((session, src, dst, lengths))
+        return 0
+
+
+@contextlib.contextmanager
+def patched(cls: type, on: bool) -> Iterator[None]:
+    if on:
+        compat.install(cls)
+    try:
+        yield
+    finally:
+        if on:
+            compat.uninstall(cls)
+
+
+def kv_call(sg: Any, dep: Deployment, src: np.ndarray, dst: np.ndarray
+            ) -> tuple[Any, Callable[[], int]]:
+    hybrid_mla = dep.hybrid
+    mgr = sg.manager_object(
+        sg.MooncakeKVManager, kv_args=dep.kv_args(), engine=KeepLastEngine(),
+        is_mla_backend=not hybrid_mla, is_hybrid_mla_backend=hybrid_mla, pp_size=dep.pp_size,
+        decode_kv_args_table={SESSION: dep.register_info()})
+    dptrs, _, dids = dep.dst_lists()
+
+    def call() -> int:
+        mgr.engine.calls.clear()
+        return mgr.send_kvcache(SESSION, src, dptrs, dst, None, dst_layer_ids=dids)
+
+    return mgr, call
+
+
+def mamba_call(sg: Any, n_src: int, n_dst: int) -> tuple[Any, Callable[[], int]]:
+    src_ptrs = [0x1_0000_0000 + (i << 24) for i in range(n_src)]
+    dst_ptrs = [0x9_0000_0000 + (j << 24) for j in range(n_dst)]
+    items = [2 * 1024 * 1024] * n_src
+    mgr = sg.manager_object(sg.MooncakeKVManager, engine=KeepLastEngine(), pp_size=1,
+                            kv_args=types.SimpleNamespace(state_data_ptrs=[src_ptrs],
+                                                          state_data_lens=[[x * 8 for x in items]]))
+    ids = list(range(n_src))
+    req = types.SimpleNamespace(mooncake_session_id=SESSION)
+
+    def call() -> int:
+        mgr.engine.calls.clear()
+        return mgr._send_mamba_state(req, [3], src_ptrs, items, dst_ptrs, [5], ids,
+                                     list(range(n_dst)), [2 * 1024 * 1024] * n_dst)
+
+    return mgr, call
+
+
+def timed(call: Callable[[], int], repeat: int) -> float:
+    for _ in range(min(50, repeat)):
+        call()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        call()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples) / 1000.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeat", type=int, default=2000)
+    args = ap.parse_args()
+    sg = sglang_loader.load_sglang()
+    rng = np.random.default_rng(0)
+    cases = {
+        "61-layer MLA": Deployment("mla", 61, list(range(61)), 1, 0, publish_ids=False),
+        "hybrid MLA, 12 of 48 layers KV (ids)": Deployment(
+            "mla", 48, list(range(3, 48, 4)), 1, 0, hybrid=True),
+    }
+    rows = []
+    for name, dep in cases.items():
+        for fragmented in (False, True):
+            src, dst = request(rng, fragmented=fragmented, n=64 if fragmented else 48)
+            res = {}
+            for on in (False, True):
+                with patched(sg.MooncakeKVManager, on):
+                    mgr, call = kv_call(sg, dep, src, dst)
+                    assert call() == 0
+                    res[on] = (canonical(engine_blocks(mgr.engine.calls)),
+                               sum(len(c[1]) for c in mgr.engine.calls), timed(call, args.repeat))
+            assert res[False][0] == res[True][0] == dep.truth(src, dst)
+            rows.append((name, "fragmented" if fragmented else "contiguous", len(src),
+                         res[False][1], res[False][2], res[True][2]))
+    res = {}
+    for on in (False, True):
+        with patched(sg.MooncakeKVManager, on):
+            mgr, call = mamba_call(sg, 36, 36)
+            assert call() == 0
+            res[on] = (canonical(engine_blocks(mgr.engine.calls)), timed(call, args.repeat))
+    assert res[False][0] == res[True][0]
+    rows.append(("hybrid Mamba state, 36 linear layers", "one slot", 1, 36, res[False][1],
+                 res[True][1]))
+    print(f"SGLang {sg.version}, Python {platform.python_version()}, {platform.machine()}, "
+          f"median of {args.repeat} calls")
+    print("| request | pages | n pages | blocks | SGLang (us) | kvplan-patched (us) | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, kind, pages, blocks, t_orig, t_new in rows:
+        print(f"| {name} | {kind} | {pages} | {blocks} | {t_orig:.1f} | {t_new:.1f} | "
+              f"{t_orig / t_new:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,801 @@
+"""kvplan-backed planning methods for SGLang 0.5.23's KV managers (see :mod:`kvplan.compat.sglang`).
+
+Everything here works on SGLang's own objects (``KVArgs``, ``KVArgsRegisterInfo``, the manager
+instance) through the attributes SGLang 0.5.23 defines; nothing imports SGLang.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvplan import _core
+from kvplan._core import Layout, Template
+
+__all__ = [
+    "DEFAULT_MAX_BLOCKS_PER_BATCH",
+    "REPLACED_METHODS",
+    "TemplateCache",
+    "install",
+    "installed",
+    "layout_from_kv_args",
+    "layout_from_register_info",
+    "template_cache",
+    "uninstall",
+]
+
+#: Blocks per engine call. Mooncake's TCP transport admits about 1,024 queued entries per peer.
+DEFAULT_MAX_BLOCKS_PER_BATCH = 1024
+
+#: Methods :func:`install` replaces, per manager class name (a class inheriting from one of these
+#: gets the set of its nearest listed base).
+REPLACED_METHODS: dict[str, tuple[str, ...]] = {
+    "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
+    "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
+}
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _unbounded(ptrs: Sequence[int]) -> list[int]:
+    """Buffer lengths for a peer whose lengths SGLang does not publish (the decode): as large as
+    the address space allows, so only u64 overflow bounds an index there."""
+    return [_U64_MAX - int(p) for p in ptrs]
+
+
+def _ids(ids: Sequence[int] | None) -> list[int] | None:
+    """SGLang's truthiness: ``None`` and ``[]`` both mean "not published"."""
+    return list(ids) if ids else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts from SGLang's state
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
+              num_layers: int | None = None) -> list[str] | None:
+    """Roles of SGLang's KV entry list, or None when they cannot be derived exactly."""
+    if groups > 1:
+        if n % groups:
+            return None
+        per = n // groups
+        if num_layers is not None:
+            draft = per - num_layers
+        else:
+            draft = num_draft // groups if num_draft % groups == 0 else -1
+        if draft < 0 or draft > per:
+            return None
+        roles = [f"g{g}" for g in range(groups) for _ in range(per - draft)]
+        return roles + [f"draft_g{g}" for g in range(groups) for _ in range(draft)]
+    if mla:
+        if num_draft > n:
+            return None
+        return ["kv"] * (n - num_draft) + ["draft"] * num_draft
+    if num_layers is None:
+        if num_draft % 2 or (n - num_draft) % 2:
+            return None
+        layers, draft = (n - num_draft) // 2, num_draft // 2
+    else:
+        layers, draft = num_layers, n // 2 - num_layers
+        if n % 2 or draft < 0:
+            return None
+    return ["k"] * layers + ["v"] * layers + ["draft_k"] * draft + ["draft_v"] * draft
+
+
+def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
+                        state: bool = True) -> Layout:
+    """The prefill peer's :class:`kvplan.Layout` from SGLang's ``KVArgs``.
+
+    Page entries are ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens`` with
+    ``kv_layer_ids`` (``[]`` means "not published"), in SGLang's order; roles are derived where
+    SGLang's attributes determine them (``kv``/``draft`` for MLA, ``k``/``v``/``draft_k``/
+    ``draft_v`` for MHA, ``g0``.. and ``draft_g0``.. for NPU buffer groups, ``kv_buf_groups``);
+    ``num_draft_entries`` counts the appended draft entries. With ``state``, every Mamba state
+    component (``state_types`` entry ``"mamba"``) is appended as state entries with role
+    ``mamba<i>`` and its ``state_layer_ids`` (unpublished ids: ``None``).
+
+    Context: ``page_size``, ``pp_rank`` / ``pp_size``, ``engine_rank`` as ``tp_rank``.
+
+    Raises:
+        LayoutError: The lists disagree in length, or NPU groups are not a whole multiple of the
+            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate).
+    """
+    ptrs = list(kv_args.kv_data_ptrs)
+    groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
+    if groups > 1 and len(ptrs) % groups:
+        raise _core.LayoutError(
+            f"{len(ptrs)} KV buffers are not a whole multiple of kv_buf_groups={groups}: "
+            "refusing to truncate (SGLang divides with //)")
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if groups > 1:
+        num_draft = groups * int(getattr(kv_args, "draft_kv_layers", 0) or 0)
+    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
+    layout = Layout(
+        ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
+        _ids(getattr(kv_args, "kv_layer_ids", None)), roles,
+        page_size=int(getattr(kv_args, "page_size", 1) or 1),
+        pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
+        tp_rank=int(getattr(kv_args, "engine_rank", 0) or 0),
+    )
+    if state:
+        layout = _with_mamba_state(layout, kv_args)
+    return layout
+
+
+def _with_mamba_state(layout: Layout, kv_args: Any) -> Layout:
+    """``layout`` plus every Mamba component of ``kv_args`` as state entries."""
+    types = list(getattr(kv_args, "state_types", None) or [])
+    ptrs = list(getattr(kv_args, "state_data_ptrs", None) or [])
+    lens = list(getattr(kv_args, "state_data_lens", None) or [])
+    items = list(getattr(kv_args, "state_item_lens", None) or [])
+    ids = list(getattr(kv_args, "state_layer_ids", None) or [])
+    for i, st in enumerate(types):
+        if str(getattr(st, "value", st)) != "mamba" or i >= len(ptrs):
+            continue
+        comp_ids = ids[i] if i < len(ids) and ids[i] else [None] * len(ptrs[i])
+        spec = layout.to_dict()
+        n = len(ptrs[i])
+        layout = Layout(
+            list(spec["data_ptrs"]) + list(ptrs[i]),  # type: ignore[call-overload]
+            list(spec["data_lens"]) + list(lens[i]),  # type: ignore[call-overload]
+            list(spec["item_lens"]) + list(items[i]),  # type: ignore[call-overload]
+            _merge_opt(spec["layer_ids"], layout.n_entries, list(comp_ids)),
+            _merge_opt(spec["roles"], layout.n_entries, [f"mamba{i}"] * n, fill="kv"),
+            kinds=list(layout.kinds) + ["state"] * n,
+            page_size=layout.page_size, pp_rank=layout.pp_rank, pp_size=layout.pp_size,
+            tp_rank=layout.tp_rank,
+        )
+    return layout
+
+
+def _merge_opt(existing: Any, n_existing: int, extra: list[Any], fill: Any = None) -> Any:
+    if existing is None and all(x is None for x in extra):
+        return None
+    head = list(existing) if existing is not None else [fill] * n_existing
+    return head + extra
+
+
+def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups: int = 1,
+                              num_draft_entries: int = 0, num_layers: int | None = None,
+                              state_types: Sequence[Any] = ()) -> Layout:
+    """The decode peer's :class:`kvplan.Layout` from SGLang's ``KVArgsRegisterInfo``.
+
+    Page entries are ``dst_kv_ptrs`` with ``dst_kv_layer_ids`` and ``dst_kv_item_lens`` (the
+    per-entry list SGLang 0.5.23 registers; an older peer's single ``dst_kv_item_len`` is used
+    for every entry). The decode does not publish its buffer lengths, so every capacity is as
+    large as the address space allows (index bounds are checked on the prefill side only).
+    Roles as in :func:`layout_from_kv_args` where they are determined: for MHA the K/V split
+    needs ``num_layers`` (target layers) unless ``num_draft_entries`` says how many entries are
+    draft; otherwise roles are left out. ``state_types`` (the prefill's ``KVArgs.state_types``,
+    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries.
+
+    Raises:
+        LayoutError: Lists disagree in length (e.g. item lengths not one per entry).
+    """
+    ptrs = list(info.dst_kv_ptrs)
+    items = list(getattr(info, "dst_kv_item_lens", None) or [])
+    if not items:
+        items = [int(info.dst_kv_item_len)] * len(ptrs)
+    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
+                      num_draft=num_draft_entries, num_layers=num_layers)
+    layout = Layout(ptrs, _unbounded(ptrs), items, _ids(info.dst_kv_layer_ids), roles,
+                    num_model_layers=num_layers,
+                    tp_rank=int(getattr(info, "dst_tp_rank", 0) or 0),
+                    tp_size=int(getattr(info, "dst_attn_tp_size", 1) or 1))
+    if state_types:
+        state = _RegisterState(info, state_types)
+        layout = _with_mamba_state(layout, state)
+    return layout
+
+
+class _RegisterState:
+    """A decode registration's state lists under ``KVArgs``'s attribute names."""
+
+    def __init__(self, info: Any, state_types: Sequence[Any]) -> None:
+        self.state_types = list(state_types)
+        self.state_data_ptrs = list(info.dst_state_data_ptrs or [])
+        self.state_data_lens = [_unbounded(p) for p in self.state_data_ptrs]
+        self.state_item_lens = list(info.dst_state_item_lens or [])
+        self.state_layer_ids = list(info.dst_state_layer_ids or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Template cache, per decode peer
+# ---------------------------------------------------------------------------------------------
+
+
+class TemplateCache:
+    """Templates per decode peer (SGLang's ``mooncake_session_id``), rebuilt when the inputs
+    they were built from change (a peer that re-registers gets new templates on first use).
+
+    Keys are ``(session, path)``; each entry keeps the inputs it was built from and is reused
+    only when they compare equal. Thread-safe: SGLang runs several transfer workers.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], tuple[tuple[Any, ...], Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session: str, path: str, inputs: tuple[Any, ...],
+            build: Callable[[], Any]) -> Any:
+        key = (session, path)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == inputs:
+            return hit[1]
+        value = build()
+        frozen = tuple(list(x) if isinstance(x, list) else x for x in inputs)
+        with self._lock:
+            self._entries[key] = (frozen, value)
+        return value
+
+    def drop(self, session: str) -> None:
+        """Forget every template of one decode peer."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == session]:
+                del self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def sessions(self) -> set[str]:
+        return {k[0] for k in self._entries}
+
+
+def template_cache(manager: Any) -> TemplateCache:
+    """The manager's :class:`TemplateCache` (created on first use, stored on the instance)."""
+    cache = manager.__dict__.get("_kvplan_templates")
+    if cache is None:
+        cache = manager.__dict__.setdefault("_kvplan_templates", TemplateCache())
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: SGLang's call -> Template
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
+    """Source buffer lengths when ``ptrs`` are the manager's own KV buffers, else unbounded."""
+    own = getattr(kv_args, "kv_data_ptrs", None)
+    if own is not None and list(own) == list(ptrs):
+        return list(kv_args.kv_data_lens)
+    return _unbounded(ptrs)
+
+
+def _registered_item_lens(manager: Any, session: str, dst_ptrs: Sequence[int]) -> list[int] | None:
+    """The decode's per-entry item lengths, when its registration for ``session`` covers
+    exactly ``dst_ptrs``."""
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    info = table.get(session)
+    if info is None:
+        return None
+    items = list(getattr(info, "dst_kv_item_lens", None) or [])
+    if len(items) != len(dst_ptrs) or list(info.dst_kv_ptrs) != list(dst_ptrs):
+        return None
+    return items
+
+
+def _dst_item_lens(pairs: Any, src_items: Sequence[int], n_dst: int,
+                   known: list[int] | None) -> list[int]:
+    """Decode item lengths: the registered ones, else the source's for each paired entry (the
+    stride SGLang assumes) and 0 (never emitted) for unpaired ones."""
+    if known is not None:
+        return known
+    items = [0] * n_dst
+    for i, j in pairs.tolist():
+        items[j] = int(src_items[i])
+    return items
+
+
+def _is_ascend(manager: Any) -> bool:
+    fn = type(manager).get_mla_kv_ptrs_with_pp
+    return getattr(fn, "__qualname__", "").startswith("AscendKVManager.")
+
+
+def _sglang_global(manager: Any, method: str, name: str) -> Any:
+    """A module global of SGLang's own ``method`` (e.g. ``get_memory``, ``get_parallel``)."""
+    fn = _original_for(type(manager), method)
+    return fn.__globals__[name]
+
+
+def _decode_kv_layers(manager: Any) -> int | None:
+    value = manager.__dict__.get("kvplan_decode_kv_layers")
+    if value is None:
+        value = getattr(type(manager), "_kvplan_decode_kv_layers", None)
+    return None if value is None else int(value)
+
+
+def _legacy_mha(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: list[int],
+                src_lens: list[int], known: list[int] | None) -> Template:
+    """SGLang's ``get_mha_kv_ptrs_with_pp`` (K block then V block), strict."""
+    start = int(manager.kv_args.prefill_start_layer)
+    n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+    decode_layers = _decode_kv_layers(manager)
+    if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
+        decode_layers = n_dst // 2  # equal halves: K with K, V with V, whatever the count says
+    pairs = _core.legacy_pp_pairs("mha", n_src, n_dst, start, decode_num_layers=decode_layers)
+    src = Layout(src_ptrs, src_lens, items)
+    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+                 num_model_layers=decode_layers)
+    return Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+
+
+def _legacy_mla(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: list[int],
+                src_lens: list[int], known: list[int] | None) -> Template:
+    """SGLang's ``get_mla_kv_ptrs_with_pp``: the common one, or the Ascend NPU-group one."""
+    kv_args = manager.kv_args
+    start = int(kv_args.prefill_start_layer)
+    n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+    if _is_ascend(manager):
+        groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
+        for side, n in (("prefill", n_src), ("decode", n_dst)):
+            if n % groups:
+                raise _core.LayoutError(
+                    f"{side} registered {n} KV buffers, not a whole multiple of "
+                    f"kv_buf_groups={groups}: refusing to truncate (SGLang divides with //)")
+        if n_src // groups == n_dst // groups:
+            src = Layout(src_ptrs, src_lens, items)
+            pairs = _core.pair_entries(None, None, n_src, n_dst, True)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                         _dst_item_lens(pairs, items, n_dst, known))
+            return Template(src, dst, allow_positional_fallback=True)
+        draft_layers = int(getattr(kv_args, "draft_kv_layers", 0) or 0)
+        is_last = _is_last_rank(manager)
+        src_draft = draft_layers if (is_last and draft_layers) else 0
+        hidden = int(getattr(kv_args, "hidden_kv_layers", 0) or 0)
+        if n_dst != groups * (hidden + draft_layers):
+            raise _core.LayoutError(
+                f"decode registered {n_dst} KV buffers; {groups} groups of hidden_kv_layers="
+                f"{hidden} plus draft_kv_layers={draft_layers} make "
+                f"{groups * (hidden + draft_layers)}: SGLang would slice the wrong buffers")
+        src_roles = _kv_roles(n_src, mla=True, groups=groups, num_draft=groups * src_draft)
+        dst_roles = _kv_roles(n_dst, mla=True, groups=groups, num_draft=groups * draft_layers)
+        if src_roles is None or dst_roles is None:
+            raise _core.LayoutError(
+                f"prefill has {n_src} KV buffers in {groups} groups with {src_draft} draft "
+                "layers per group: the buffers do not split into those groups")
+        src = Layout(src_ptrs, src_lens, items, roles=src_roles)
+        pairs = _role_slice_pairs(src_roles, dst_roles, start)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+                     roles=dst_roles)
+        return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    pairs = _core.legacy_pp_pairs("mla", n_src, n_dst, start, num_draft_entries=num_draft)
+    roles = _kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
+    src = Layout(src_ptrs, src_lens, items, roles=roles)
+    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known))
+    return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+
+
+def _is_last_rank(manager: Any) -> bool:
+    get_parallel = _sglang_global(manager, "get_mla_kv_ptrs_with_pp", "get_parallel")
+    return bool(get_parallel().pp_group.is_last_rank)
+
+
+def _role_slice_pairs(src_roles: list[str], dst_roles: list[str], start: int) -> Any:
+    """Per-role legacy slicing (what ``Template`` does when both peers publish roles): used
+    only to derive the decode item lengths before the template is built."""
+    by_role: dict[str, list[int]] = {}
+    for j, r in enumerate(dst_roles):
+        by_role.setdefault(r, []).append(j)
+    seen: dict[str, int] = {}
+    out = []
+    counts: dict[str, int] = {}
+    for r in src_roles:
+        counts[r] = counts.get(r, 0) + 1
+    for i, r in enumerate(src_roles):
+        k = seen.get(r, 0)
+        seen[r] = k + 1
+        dst = by_role.get(r, [])
+        offset = len(dst) - counts[r] if r.startswith("draft") else start
+        pos = offset + k
+        if 0 <= offset and pos < len(dst):
+            out.append((i, dst[pos]))
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _kv_template(manager: Any, session: str, src_ptrs: list[int], dst_ptrs: list[int],
+                 items: list[int], src_ids: list[int] | None, dst_ids: list[int] | None,
+                 flat: bool) -> Template:
+    """The template for one call of the KV send path (cached per decode peer)."""
+    kv_args = manager.kv_args
+    pp_size = int(manager.pp_size)
+    ascend = _is_ascend(manager)
+    inputs: tuple[Any, ...] = (
+        src_ptrs, dst_ptrs, items, src_ids, dst_ids, flat, pp_size,
+        int(kv_args.prefill_start_layer), getattr(kv_args, "num_draft_entries", 0),
+        _decode_kv_layers(manager),
+        _registered_item_lens(manager, session, dst_ptrs),
+        (getattr(kv_args, "kv_buf_groups", 1), getattr(kv_args, "hidden_kv_layers", 0),
+         getattr(kv_args, "draft_kv_layers", 0), _is_last_rank(manager)) if ascend else None,
+    )
+
+    def build() -> Template:
+        known = inputs[10]
+        src_lens = _kv_args_lens(kv_args, src_ptrs)
+        if flat and (src_ids or dst_ids):
+            fallback = pp_size == 1
+            pairs = _core.pair_entries(_ids(src_ids), _ids(dst_ids), len(src_ptrs),
+                                       len(dst_ptrs), fallback)
+            src = Layout(src_ptrs, src_lens, items, _ids(src_ids))
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                         _dst_item_lens(pairs, items, len(dst_ptrs), known), _ids(dst_ids))
+            return Template(src, dst, allow_positional_fallback=fallback)
+        if flat:
+            return _legacy_mla(manager, src_ptrs, dst_ptrs, items, src_lens, known)
+        return _legacy_mha(manager, src_ptrs, dst_ptrs, items, src_lens, known)
+
+    return template_cache(manager).get(session, "kv", inputs, build)
+
+
+def _as_index(arr: Any) -> Any:
+    a = np.asarray(arr)
+    if a.dtype in (np.int32, np.int64) and a.dtype.isnative and a.flags.c_contiguous \
+            and a.flags.aligned:
+        return a
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"page indices must be integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _plan_pages(template: Template, src_pages: Any, dst_pages: Any) -> Any:
+    src, dst = _as_index(src_pages), _as_index(dst_pages)
+    if src.shape != dst.shape:
+        # SGLang: ValueError for different non-zero sizes, and no runs at all (nothing sent,
+        # status 0) when exactly one side is empty.
+        raise _core.KvPlanError(
+            f"prefill and decode page index arrays differ in length ({src.size} and "
+            f"{dst.size}); SGLang drops every page when one side is empty")
+    return template.plan(src, dst)
+
+
+def _max_blocks(manager: Any) -> int:
+    value = manager.__dict__.get("kvplan_max_blocks_per_batch")
+    if value is None:
+        value = getattr(type(manager), "_kvplan_max_blocks_per_batch",
+                        DEFAULT_MAX_BLOCKS_PER_BATCH)
+    return int(value)
+
+
+def _submit(manager: Any, session: str, plan: Any) -> int:
+    """Hand the plan to the manager's own engine in bounded batches; the first non-zero status
+    is returned (later batches are not submitted), as SGLang's ``_transfer_data`` returns its
+    one call's status."""
+    if plan.n_blocks == 0:
+        return 0
+    engine = manager.engine
+    for batch in plan.batches(_max_blocks(manager)):
+        src, dst, lengths = batch.as_lists()
+        status = engine.batch_transfer_sync(session, src, dst, lengths)
+        if status != 0:
+            return int(status)
+    return 0
+
+
+def _submit_per_pair(manager: Any, session: str, plan: Any, executor: Any) -> int:
+    """The custom-memory-pool path: one executor task per entry pair (SGLang: one per layer),
+    awaited with SGLang's own ``_await_transfer_futures``."""
+    def one(p: int) -> int:
+        blocks = plan.pair_blocks(p)
+        src = plan.src_addrs[blocks].tolist()
+        if not src:
+            return 0
+        return int(manager.engine.batch_transfer_sync(
+            session, src, plan.dst_addrs[blocks].tolist(), plan.lengths[blocks].tolist()))
+
+    futures = [executor.submit(one, p) for p in range(plan.n_pairs)]
+    await_futures = getattr(manager, "_await_transfer_futures", None)
+    if await_futures is not None:
+        return int(await_futures(futures))
+    import concurrent.futures
+
+    for future in concurrent.futures.as_completed(futures):
+        status = future.result()
+        if status != 0:
+            for f in futures:
+                f.cancel()
+            return int(status)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The drop-in methods
+# ---------------------------------------------------------------------------------------------
+
+
+def _send_kvcache_generic(
+    self: Any,
+    mooncake_session_id: str,
+    src_data_ptrs: list[int],
+    dst_data_ptrs: list[int],
+    item_lens: list[int],
+    prefill_data_indices: Any,
+    dst_data_indices: Any,
+    executor: Any,
+    state_type: Any = None,
+    force_flat: bool = False,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_data_indices: Any = None,
+    dst_device_data_ptrs: set[int] | None = None,
+    dst_item_lens: list[int] | None = None,
+    bootstrap_room: int | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager._send_kvcache_generic`` (SGLang 0.5.23 signature)."""
+    if (state_type is not None or dst_device_data_indices is not None
+            or dst_item_lens is not None
+            or getattr(self.kv_args, "mla_compression_ratios", None)):
+        original = _original_for(type(self), "_send_kvcache_generic")
+        return int(original(
+            self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
+            prefill_data_indices, dst_data_indices, executor, state_type, force_flat,
+            src_layer_ids, dst_layer_ids, dst_device_data_indices, dst_device_data_ptrs,
+            dst_item_lens, bootstrap_room))
+    flat = bool(self.is_mla_backend or self.is_hybrid_mla_backend or force_flat
+                or src_layer_ids or dst_layer_ids)
+    template = _kv_template(self, mooncake_session_id, list(src_data_ptrs), list(dst_data_ptrs),
+                            list(item_lens), _ids(src_layer_ids), _ids(dst_layer_ids), flat)
+    plan = _plan_pages(template, prefill_data_indices, dst_data_indices)
+    if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
+                                               None) != "INTRA_NODE_NVLINK":
+        return _submit_per_pair(self, mooncake_session_id, plan, executor)
+    return _submit(self, mooncake_session_id, plan)
+
+
+def _unified_memory(manager: Any) -> bool:
+    get_memory = _sglang_global(manager, "_validate_envelope_kv_layout", "get_memory")
+    return bool(get_memory().enable_unified_memory)
+
+
+def send_kvcache(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_kv_indices: Any = None,
+    dst_kv_item_len: int | None = None,
+    dst_attn_tp_size: int | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager.send_kvcache`` (SGLang 0.5.23 signature)."""
+    if dst_device_kv_indices is not None:  # HiSparse device destinations: SGLang's own path
+        original = _original_for(type(self), "send_kvcache")
+        return int(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                            dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
+                            dst_kv_item_len, dst_attn_tp_size))
+    self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
+    return _send_kvcache_generic(
+        self, mooncake_session_id, self.kv_args.kv_data_ptrs, dst_kv_ptrs,
+        self.kv_args.kv_item_lens, prefill_kv_indices, dst_kv_indices, executor,
+        force_flat=_unified_memory(self), src_layer_ids=self.kv_args.kv_layer_ids,
+        dst_layer_ids=dst_layer_ids)
+
+
+def ascend_send_kvcache(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_kv_indices: Any = None,
+    dst_kv_item_len: int | None = None,
+    dst_attn_tp_size: int | None = None,
+) -> int:
+    """kvplan's ``AscendKVManager.send_kvcache`` (SGLang 0.5.23 signature and dispatch)."""
+    if dst_device_kv_indices is not None:
+        raise NotImplementedError(
+            "Ascend PD transfer does not support HiSparse destination device KV indices")
+    self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
+    if self.is_hybrid_mla_backend and self.pp_size > 1:
+        return _send_kvcache_generic(
+            self, mooncake_session_id, self.kv_args.kv_data_ptrs, dst_kv_ptrs,
+            self.kv_args.kv_item_lens, prefill_kv_indices, dst_kv_indices, executor,
+            src_layer_ids=self.kv_args.kv_layer_ids, dst_layer_ids=dst_layer_ids)
+    kv_args = self.kv_args
+    src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
+    dst_ptrs = list(dst_kv_ptrs)
+    pp_size = int(self.pp_size)
+    path = "ascend-pp" if pp_size > 1 else "ascend-flat"
+    inputs: tuple[Any, ...] = (
+        src_ptrs, dst_ptrs, items, pp_size, bool(self.is_mla_backend),
+        int(kv_args.prefill_start_layer), _decode_kv_layers(self),
+        _registered_item_lens(self, mooncake_session_id, dst_ptrs),
+        getattr(kv_args, "kv_buf_groups", 1), getattr(kv_args, "hidden_kv_layers", 0),
+        getattr(kv_args, "draft_kv_layers", 0),
+        _is_last_rank(self) if pp_size > 1 and self.is_mla_backend else None,
+    )
+
+    def build() -> Template:
+        known = inputs[7]
+        src_lens = _kv_args_lens(kv_args, src_ptrs)
+        if pp_size > 1:
+            if self.is_mla_backend:
+                return _legacy_mla(self, src_ptrs, dst_ptrs, items, src_lens, known)
+            return _legacy_mha(self, src_ptrs, dst_ptrs, items, src_lens, known)
+        # PP 1: entry i to decode entry i, ids ignored, extra decode entries unused.
+        pairs = _core.pair_entries(None, None, len(src_ptrs), len(dst_ptrs), True)
+        src = Layout(src_ptrs, src_lens, items)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                     _dst_item_lens(pairs, items, len(dst_ptrs), known))
+        return Template(src, dst, allow_positional_fallback=True)
+
+    template = template_cache(self).get(mooncake_session_id, path, inputs, build)
+    plan = _plan_pages(template, prefill_kv_indices, dst_kv_indices)
+    if self.enable_custom_mem_pool:
+        return _submit_per_pair(self, mooncake_session_id, plan, executor)
+    return _submit(self, mooncake_session_id, plan)
+
+
+def _send_mamba_state(
+    self: Any,
+    req: Any,
+    prefill_mamba_index: list[Any],
+    src_state_data_ptrs: list[int],
+    src_state_item_lens: list[int],
+    dst_state_data_ptrs: list[int],
+    dst_mamba_index: list[Any],
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+    dst_state_item_lens: list[int] | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager._send_mamba_state`` (SGLang 0.5.23 signature)."""
+    assert len(prefill_mamba_index) == 1, "Mamba should have single state index"
+    session = req.mooncake_session_id
+    src_ptrs, dst_ptrs = list(src_state_data_ptrs), list(dst_state_data_ptrs)
+    items = list(src_state_item_lens)
+    known = list(dst_state_item_lens) if dst_state_item_lens else None
+    fallback = int(self.pp_size) == 1
+    inputs = (src_ptrs, dst_ptrs, items, _ids(src_layer_ids), _ids(dst_layer_ids), known,
+              fallback, _state_lens(self.kv_args, src_ptrs))
+
+    def build() -> Template:
+        pairs = _core.pair_entries(_ids(src_layer_ids), _ids(dst_layer_ids), len(src_ptrs),
+                                   len(dst_ptrs), fallback)
+        if known is not None:
+            for i, j in pairs.tolist():
+                if items[i] != known[j]:
+                    raise _core.SizeMismatchError(
+                        "Prefill/Decode Mamba slot size mismatch "
+                        f"(src={items[i]}, dst={known[j]}). "
+                        "Configure matching persistent state layouts on both peers.")
+        dst_items = _dst_item_lens(pairs, items, len(dst_ptrs), known)
+        src = Layout(src_ptrs, inputs[7], items, _ids(src_layer_ids),
+                     kinds=["state"] * len(src_ptrs))
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, _ids(dst_layer_ids),
+                     kinds=["state"] * len(dst_ptrs))
+        return Template(src, dst, allow_positional_fallback=fallback)
+
+    template = template_cache(self).get(session, "mamba", inputs, build)
+    plan = template.plan_state(int(prefill_mamba_index[0]), int(dst_mamba_index[0]))
+    return _submit(self, session, plan)
+
+
+def _state_lens(kv_args: Any, ptrs: list[int]) -> list[int]:
+    """Source slot-buffer lengths when ``ptrs`` is one of the manager's state components."""
+    for comp_ptrs, comp_lens in zip(getattr(kv_args, "state_data_ptrs", None) or [],
+                                    getattr(kv_args, "state_data_lens", None) or []):
+        if list(comp_ptrs) == ptrs:
+            return list(comp_lens)
+    return _unbounded(ptrs)
+
+
+# ---------------------------------------------------------------------------------------------
+# install / uninstall
+# ---------------------------------------------------------------------------------------------
+
+_MISSING = object()
+# (class, method name) -> what the class's own __dict__ held before install (or _MISSING)
+_SAVED: dict[tuple[type, str], Any] = {}
+# (class, method name) -> SGLang's function that the class resolved before install
+_ORIGINALS: dict[tuple[type, str], Any] = {}
+
+
+def _dropin(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn._kvplan_dropin = True  # type: ignore[attr-defined]
+    return fn
+
+
+_DROPINS: dict[str, Callable[..., Any]] = {
+    "_send_kvcache_generic": _dropin(_send_kvcache_generic),
+    "send_kvcache": _dropin(send_kvcache),
+    "_send_mamba_state": _dropin(_send_mamba_state),
+}
+_ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(ascend_send_kvcache))
+
+
+def _resolve_original(cls: type, name: str) -> Any:
+    """SGLang's function ``cls`` resolves ``name`` to, looking through kvplan's drop-ins."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            value = klass.__dict__[name]
+            if getattr(value, "_kvplan_dropin", False):
+                return _ORIGINALS[(klass, name)]
+            return value
+    raise AttributeError(f"{cls.__name__} has no method {name!r}")
+
+
+def _original_for(cls: type, name: str) -> Any:
+    """SGLang's own implementation of ``name`` for instances of ``cls`` (installed or not)."""
+    for klass in cls.__mro__:
+        if (klass, name) in _ORIGINALS:
+            return _ORIGINALS[(klass, name)]
+    return _resolve_original(cls, name)
+
+
+def _manager_kind(cls: type) -> str:
+    names = [k.__name__ for k in cls.__mro__]
+    for kind in ("AscendKVManager", "MooncakeKVManager"):
+        if kind in names:
+            return kind
+    raise TypeError(
+        f"{cls.__name__} is not an SGLang MooncakeKVManager or AscendKVManager (subclass)")
+
+
+def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
+            decode_kv_layers: int | None = None) -> tuple[str, ...]:
+    """Replace ``manager_class``'s planning methods with kvplan's (see the module docstring).
+
+    Args:
+        manager_class: SGLang 0.5.23's ``MooncakeKVManager`` or ``AscendKVManager`` (or a
+            subclass). Installing twice is a no-op for the methods already replaced.
+        max_blocks_per_batch: Blocks per ``engine.batch_transfer_sync`` call.
+        decode_kv_layers: The decode's target KV layer count (dense KV layers, without draft),
+            needed only by MHA peers that publish no layer ids when the prefill's entry count
+            differs from the decode's (PP > 1); SGLang guesses it from the counts, kvplan does
+            not. An instance attribute ``kvplan_decode_kv_layers`` overrides it.
+
+    Returns:
+        The names of the methods replaced.
+    """
+    if max_blocks_per_batch <= 0:
+        raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
+    kind = _manager_kind(manager_class)
+    dropins = _ASCEND_DROPINS if kind == "AscendKVManager" else _DROPINS
+    replaced = []
+    for name in REPLACED_METHODS[kind]:
+        key = (manager_class, name)
+        if key in _SAVED:
+            continue
+        _ORIGINALS[key] = _resolve_original(manager_class, name)
+        _SAVED[key] = manager_class.__dict__.get(name, _MISSING)
+        setattr(manager_class, name, dropins[name])
+        replaced.append(name)
+    manager_class._kvplan_max_blocks_per_batch = max_blocks_per_batch  # type: ignore[attr-defined]
+    manager_class._kvplan_decode_kv_layers = decode_kv_layers  # type: ignore[attr-defined]
+    return tuple(replaced)
+
+
+def uninstall(manager_class: type) -> tuple[str, ...]:
+    """Restore exactly what :func:`install` replaced on ``manager_class``; returns the names."""
+    restored = []
+    for (klass, name) in list(_SAVED):
+        if klass is not manager_class:
+            continue
+        saved = _SAVED.pop((klass, name))
+        _ORIGINALS.pop((klass, name), None)
+        if saved is _MISSING:
+            delattr(klass, name)
+        else:
+            setattr(klass, name, saved)
+        restored.append(name)
+    for attr in ("_kvplan_max_blocks_per_batch", "_kvplan_decode_kv_layers"):
+        if attr in manager_class.__dict__:
+            delattr(manager_class, attr)
+    return tuple(restored)
+
+
+def installed(manager_class: type) -> tuple[str, ...]:
+    """Names of the methods currently replaced on ``manager_class`` itself."""
+    return tuple(name for (klass, name) in _SAVED if klass is manager_class)
