@@ -137,17 +137,25 @@ def _with_mamba_state(layout: Layout, kv_args: Any) -> Layout:
         if str(getattr(st, "value", st)) != "mamba" or i >= len(ptrs):
             continue
         comp_ids = ids[i] if i < len(ids) and ids[i] else [None] * len(ptrs[i])
-        spec = layout.to_dict()
         n = len(ptrs[i])
+        if all(x is not None for x in comp_ids):
+            layer_ids: list[int] = [int(x) for x in comp_ids]
+            layout = layout.with_state(f"mamba{i}", list(ptrs[i]), list(lens[i]), list(items[i]),
+                                       layer_ids)
+            continue
+        # Components without layer ids: with_state needs ids, so extend the entry lists.
         layout = Layout(
-            list(spec["data_ptrs"]) + list(ptrs[i]),  # type: ignore[call-overload]
-            list(spec["data_lens"]) + list(lens[i]),  # type: ignore[call-overload]
-            list(spec["item_lens"]) + list(items[i]),  # type: ignore[call-overload]
-            _merge_opt(spec["layer_ids"], layout.n_entries, list(comp_ids)),
-            _merge_opt(spec["roles"], layout.n_entries, [f"mamba{i}"] * n, fill="kv"),
+            layout.data_ptrs + list(ptrs[i]),
+            layout.data_lens + list(lens[i]),
+            layout.item_lens + list(items[i]),
+            _merge_opt(layout.layer_ids, layout.n_entries, list(comp_ids)),
+            _merge_opt(layout.roles, layout.n_entries, [f"mamba{i}"] * n, fill="kv"),
             kinds=list(layout.kinds) + ["state"] * n,
-            page_size=layout.page_size, pp_rank=layout.pp_rank, pp_size=layout.pp_size,
-            tp_rank=layout.tp_rank,
+            drafts=layout.drafts + [False] * n,
+            strides=layout.strides + list(items[i]),
+            page_size=layout.page_size, device=layout.device,
+            num_model_layers=layout.num_model_layers, pp_rank=layout.pp_rank,
+            pp_size=layout.pp_size, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
         )
     return layout
 
