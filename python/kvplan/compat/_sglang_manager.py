@@ -139,7 +139,7 @@ def _with_mamba_state(layout: Layout, kv_args: Any) -> Layout:
         comp_ids = ids[i] if i < len(ids) and ids[i] else [None] * len(ptrs[i])
         n = len(ptrs[i])
         if all(x is not None for x in comp_ids):
-            layer_ids: list[int] = [int(x) for x in comp_ids]
+            layer_ids: list[int] = [int(x) for x in comp_ids if x is not None]
             layout = layout.with_state(f"mamba{i}", list(ptrs[i]), list(lens[i]), list(items[i]),
                                        layer_ids)
             continue
