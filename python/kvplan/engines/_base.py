@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "PendingBase",
     "PlanLike",
     "Transport",
     "TransferError",
@@ -52,6 +53,24 @@ class PlanLike(Protocol):
     def dst_addrs(self) -> Any: ...
     @property
     def lengths(self) -> Any: ...
+
+
+class PendingBase:
+    """What every async handle shares: used as a context manager, it waits on exit, and a
+    transfer error is raised unless the block is already leaving with another exception."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> TransferStats:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.wait()
+        except TransferError:
+            if exc_type is None:
+                raise
 
 
 @dataclass(frozen=True)

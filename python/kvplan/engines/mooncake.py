@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvplan.engines._base import (
+    PendingBase,
     PlanLike,
     TransferError,
     TransferStats,
@@ -244,7 +245,7 @@ class _BatchId:
         return int(engine.get_batch_transfer_status([value]))
 
 
-class PendingTransfer:
+class PendingTransfer(PendingBase):
     """Handle of an async Mooncake submission; :meth:`wait` returns :class:`TransferStats`."""
 
     def __init__(self, transport: MooncakeTransport, peer: str, src: np.ndarray,
@@ -308,12 +309,3 @@ class PendingTransfer:
                                         self._n_batches, time.perf_counter() - self._t0)
         return self._stats
 
-    def __enter__(self) -> PendingTransfer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        try:
-            self.wait()
-        except TransferError:
-            if exc_type is None:
-                raise

@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan.engines._base import (
+    PendingBase,
     PlanLike,
     TransferError,
     TransferStats,
@@ -506,7 +507,7 @@ class NixlTransport(Transport):
         self._agent = None
 
 
-class NixlPending:
+class NixlPending(PendingBase):
     """Posted NIXL requests of one submission. :meth:`wait` returns :class:`TransferStats`
     and releases every handle, whatever the outcome."""
 
@@ -636,15 +637,6 @@ class NixlPending:
                                         time.perf_counter() - self._t0)
             return self._stats
 
-    def __enter__(self) -> NixlPending:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        try:
-            self.wait()
-        except TransferError:
-            if exc_type is None:
-                raise
 
 
 class PreppedPair:
