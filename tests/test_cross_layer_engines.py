@@ -242,3 +242,25 @@ def test_nixl_cross_layer_hybrid_prefill_pp2_to_decode_pp1() -> None:
     results = _run(peers.decode, peers.prefill, "nixl")
     for r in results:
         assert r["groups"] == 1 and r["blocks"] == N_REQ + 12
+
+
+@pytest.mark.mooncake
+def test_kvplan_demo_cross_layer_verifies_every_byte(mooncake_env: None) -> None:
+    """``kvplan demo --layout cross-layer`` end to end over Mooncake (smaller than default)."""
+    import re
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--layout", "cross-layer",
+                          "--layers", "16", "--pages", "1024"], capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    out = res.stdout
+    assert "cross-layer KV" in out and "layout:         cross-layer pools" in out
+    # 4 MLA layers (3, 7, 11, 15): the decode page holds 4 items, each stage's 2.
+    assert f"decode page {4 * 1152:,} B, prefill stage pages {2 * 1152:,}, {2 * 1152:,} B" in out
+    assert "entries paired: 4 KV + 24 state" in out
+    # 768 pages per stage, one block per page per stage (2 groups), + 24 state blocks.
+    assert re.search(r"^blocks: +1,560 = 4 KV pairs coalesced into 2 group\(s\) x 768 pages",
+                     out, re.M), out
+    assert re.search(r"^verified: \d+ bytes OK", out, re.M), out
