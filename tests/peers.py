@@ -96,7 +96,8 @@ def expected_decode(decode: PeerSpec, decode_before: np.ndarray,
     ``writes``: per source peer ``(spec, source_arena_bytes, src_pages, dst_pages, src_slot,
     dst_slot)``. Ground truth: a source buffer lands in the decode buffer with the same global
     layer id and role; page buffers move ``src_pages[i] -> dst_pages[i]``, state buffers move
-    slot ``src_slot -> dst_slot``.
+    slot ``src_slot -> dst_slot``. Item ``i`` of an entry is the ``item_len`` bytes at
+    ``offset + i * stride`` (strides differ from item lengths in cross-layer pools).
     """
     expected = decode_before.copy()
     dst_of = {(e.layer_id, e.role): e for e in decode.entries}
@@ -112,8 +113,8 @@ def expected_decode(decode: PeerSpec, decode_before: np.ndarray,
             else:
                 continue
             for si, di in pairs:  # plain loops: slow but obviously right
-                a = s.offset + si * s.item_len
-                b = d.offset + di * d.item_len
+                a = s.offset + si * s.stride  # stride: bytes between items (cross-layer pools)
+                b = d.offset + di * d.stride
                 expected[b:b + d.item_len] = src_bytes[a:a + s.item_len]
     return expected
 
@@ -127,8 +128,9 @@ def assert_decode_bytes(got: np.ndarray, expected: np.ndarray, decode: PeerSpec)
         where = "outside every buffer"
         for e in decode.entries:
             if e.offset <= off < e.offset + e.nbytes:
-                item, byte = divmod(off - e.offset, e.item_len)
-                where = f"layer {e.layer_id} {e.role} item {item} byte {byte}"
+                item, byte = divmod(off - e.offset, e.stride)
+                if byte < e.item_len:  # else a gap between this entry's items
+                    where = f"layer {e.layer_id} {e.role} item {item} byte {byte}"
         pytest.fail(f"{bad.size} wrong bytes in the decode arena; first at offset {off} ({where}):"
                     f" got {int(got[off]):#04x}, expected {int(expected[off]):#04x}"
                     f" (sentinel {SENTINEL:#04x})", pytrace=False)

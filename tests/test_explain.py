@@ -205,3 +205,64 @@ def test_import_kvplan_does_not_import_matplotlib_or_engines():
             "'mooncake', 'memfabric'))]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------ --layout cross-layer
+
+
+def comparison_row(out: str, label: str) -> list[str]:
+    block = out.split("blocks per request, per-layer vs cross-layer")[1]
+    for line in block.splitlines()[2:]:
+        if line.strip().startswith(label):
+            return line.split()
+    raise AssertionError(f"no comparison row {label!r} in\n{out}")
+
+
+def test_cross_layer_deepseek_fully_fragmented(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "512",
+                         "--fragmentation", "1", "--layout", "cross-layer")
+    assert rc == 0
+    # One pool on both sides holding all 61 layers: the group is the whole page on both sides,
+    # one block per run (512 runs); the same bytes as 61 per-layer entries.
+    assert "cross-layer KV pools (state per layer)" in out
+    row = stage_row(out, "prefill")
+    assert row[1:6] == ["layer_id", "61", "512", "512", f"{61 * 512 * 1152:,}"]
+    assert comparison_row(out, "prefill")[1:5] == [f"{61 * 512:,}", "512", "61.0×", "1"]
+    # Bytes per layer are counted per layer even though the plan's blocks span all of them.
+    assert f"{512 * 1152:,} B) each: layers 0–60 (61 layers)" in out
+    assert ("destination fully fragmented: 512× more blocks than contiguous (512 runs for 512 "
+            "pages; one block per run per coalesced group)") in out
+
+
+def test_cross_layer_kimi_linear_pp2_compares_both_layouts(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "kimi-linear", "--pp", "2", "--pages", "64",
+                         "--page-size", "16", "--fragmentation", "1", "--layout", "cross-layer")
+    assert rc == 0
+    # Each stage: 6 MLA layers in its pool, 18 KDA layers x 2 state components. Its pool page
+    # is half of the decode's: one block per page (64), against 6 x 64 per-layer blocks.
+    assert stage_row(out, "stage 0/2")[2:9] == ["layer_id", "6", "+", "36", "state", "64",
+                                               f"{64 + 36}"]
+    assert comparison_row(out, "stage 0/2")[2:7] == [f"{6 * 64}", "64", "6.0×", "1", "36"]
+    assert comparison_row(out, "total")[1:4] == [f"{12 * 64}", "128", "6.0×"]
+    assert "strides differ for 6 paired entries" in out
+
+
+def test_cross_layer_pp2_low_fragmentation_says_when_it_costs_more(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "kimi-linear", "--pp", "2", "--pages", "64",
+                         "--page-size", "16", "--layout", "cross-layer")
+    assert rc == 0
+    # Contiguous: per-layer 6 blocks per stage; cross-layer one per page, 64.
+    assert comparison_row(out, "stage 1/2")[2:5] == ["6", "64", "0.1×"]
+    assert "cross-layer moves more blocks here" in out
+
+
+def test_layout_is_for_presets_only(capsys, tmp_path):
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps(get_preset("deepseek-v3").layout(range(2), page_size=1,
+                                                                capacity=8).to_dict()))
+    rc, out, err = run_cli(capsys, "--prefill", str(path), "--decode", str(path), "--layout",
+                           "cross-layer")
+    assert rc == 2 and out == ""
+    assert "--layout only apply to --preset" in err
+    rc, _, err = run_cli(capsys, "--preset", "deepseek-v3", "--layout", "pooled")
+    assert rc == 2 and "--layout" in err

@@ -11,6 +11,12 @@ host, agent metadata exchanged as bytes, and a completion notification per stage
 decode process waits for). Afterwards the parent reads the whole decode pool: planned bytes must
 equal the source, every other byte must still be the sentinel.
 
+``--layout cross-layer`` gives every process one cross-layer KV pool instead of one buffer per
+layer: per page, the items of all its full-attention layers side by side (``Layout.cross_layer``,
+vLLM's cross-layer layout); state entries stay per layer. The planner coalesces a stage's layers
+into one block per page (per run when a pool page is moved whole on both sides, as at PP=1),
+instead of one block per layer per run.
+
 The processes, arenas and the verifier are :mod:`kvplan.testing`'s.
 """
 
@@ -45,6 +51,9 @@ ENGINE_LABELS = {"mooncake": "Mooncake TCP on 127.0.0.1", "nixl": "NIXL (UCX) on
 #: Fragmentation of the decode pages: a break after a quarter of the pages (runs of ~4 pages).
 DEMO_FRAGMENTATION = 0.25
 
+#: ``--layout`` choices: one buffer per full-attention layer, or one cross-layer pool per peer.
+LAYOUTS = ("per-layer", "cross-layer")
+
 
 @dataclass
 class DemoReport:
@@ -69,7 +78,36 @@ class DemoReport:
     error: str | None = None
     engine: str = "mooncake"
     notifications: int = 0
+    layout: str = "per-layer"
+    groups: int = 0  # emission groups over all stages (coalesced KV pairs)
+    pool_strides: list[int] = field(default_factory=list)  # decode first, then each stage
     per_peer: list[dict[str, Any]] = field(default_factory=list)
+
+    def _per_run(self) -> bool:
+        """Whether KV blocks are one per run (per pair or group), not one per page."""
+        kv = self.blocks - self.state_entries_paired
+        groups = self.groups if self.layout == "cross-layer" else self.entries_paired
+        return kv == groups * self.runs
+
+    def _runs_line(self) -> str:
+        text = f"runs:           {self.runs:,} (runs of pages contiguous on both sides"
+        if self._per_run():
+            return (f"{text}: {self.request_pages / max(self.runs, 1):.1f} pages per block "
+                    f"instead of 1)")
+        return f"{text}; blocks here are per page, see below)"
+
+    def _blocks_line(self) -> str:
+        calls = f"in {self.batches} engine calls"
+        if self.layout != "cross-layer":
+            return (f"blocks:         {self.blocks:,} = {self.entries_paired} KV pairs x "
+                    f"{self.runs:,} runs + {self.state_entries_paired} state, {calls}")
+        unit = (f"{self.runs:,} runs (each group is a whole pool page on both sides)"
+                if self._per_run()
+                else f"{self.request_pages:,} pages (a stage's layers are part of a decode "
+                     f"pool page: one block per page)")
+        return (f"blocks:         {self.blocks:,} = {self.entries_paired} KV pairs coalesced "
+                f"into {self.groups} group(s) x {unit} + {self.state_entries_paired} state, "
+                f"{calls}")
 
     def lines(self) -> list[str]:
         gbps = self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
@@ -85,10 +123,8 @@ class DemoReport:
             f"(by global layer id and role)",
             f"pages:          {self.request_pages} of {self.pages} per KV buffer, "
             f"fragmented destination",
-            f"runs:           {self.runs:,} (runs of pages contiguous on both sides: "
-            f"{self.request_pages / max(self.runs, 1):.1f} pages per block instead of 1)",
-            f"blocks:         {self.blocks:,} = {self.entries_paired} KV pairs x {self.runs:,} "
-            f"runs + {self.state_entries_paired} state, in {self.batches} engine calls",
+            self._runs_line(),
+            self._blocks_line(),
             f"bytes:          {self.bytes:,} ({self.bytes / 2**20:.1f} MiB, "
             f"{self.bytes / max(self.blocks, 1) / 1024:.1f} KiB per block on average)",
             f"planning time:  {(self.template_s + self.plan_s) * 1e3:.2f} ms "
@@ -96,6 +132,12 @@ class DemoReport:
             f"plan {self.plan_s * 1e3:.2f} ms, per request)",
             f"transfer time:  {self.transfer_s * 1e3:.1f} ms ({gbps:.2f} GB/s)",
         ]
+        if self.layout == "cross-layer":
+            decode_stride, *stage_strides = self.pool_strides
+            out.insert(2, f"layout:         cross-layer pools (KV of every full-attention "
+                          f"layer of a page side by side; state per layer): decode page "
+                          f"{decode_stride:,} B, prefill stage pages "
+                          f"{', '.join(f'{n:,}' for n in stage_strides)} B")
         if self.engine == "nixl":
             out.append(f"notifications:  {self.notifications} of {self.prefill_pp} completion "
                        f"notifications received by the decode agent")
@@ -115,17 +157,23 @@ def demo_model(layers: int = 48) -> ModelPreset:
 def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
              request_pages: int | None = None, state_slots: int = 2, seed: int = 0,
              max_blocks_per_batch: int | None = None, quiet: bool = True,
-             engine: str = "mooncake") -> DemoReport:
+             engine: str = "mooncake", layout: str = "per-layer") -> DemoReport:
     """Run the hybrid scenario end to end and return the verified report (never raises on a
     wrong byte: the report says which one).
+
+    ``layout``: ``"per-layer"`` (one KV buffer per full-attention layer) or ``"cross-layer"``
+    (one cross-layer KV pool per process, state per layer), the same on every process.
 
     ``quiet`` sends the engines' log lines to a file instead of stderr; when a peer fails, the
     end of that log is attached to the :class:`~kvplan.testing.PeerFailure`.
     """
     import kvplan  # noqa: F401  (fail here, clearly, if the extension is not built)
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     t_wall = time.perf_counter()
-    peers_spec = model_peers(model, pages=pages, pp_size=prefill_pp, state_slots=state_slots)
+    peers_spec = model_peers(model, pages=pages, pp_size=prefill_pp, state_slots=state_slots,
+                             cross_layer=layout == "cross-layer")
     decode_spec, prefill_specs = peers_spec.decode, peers_spec.prefill
     n_req = request_pages if request_pages is not None else pages * 3 // 4
     src_pages = np.arange(n_req, dtype=np.int64) + (pages - n_req) // 2
@@ -134,7 +182,9 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
     src_slot, dst_slot = 1 % state_slots, state_slots - 1
 
     report = DemoReport(model.name, model.num_layers, len(model.kv_layers()), prefill_pp,
-                        pages, n_req, engine=engine)
+                        pages, n_req, engine=engine, layout=layout)
+    report.pool_strides = [next(e.stride for e in spec.entries if e.kind == "page")
+                           for spec in (decode_spec, *prefill_specs)]
     total = decode_spec.size + sum(s.size for s in prefill_specs)
     workdir = arena_dir(total)
     arenas: list[Arena] = []
@@ -170,6 +220,7 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             report.per_peer.append(res)
             report.entries_paired += res["pairs"]
             report.state_entries_paired += res["state_pairs"]
+            report.groups += res["groups"]
             report.runs = max(report.runs, res["runs"])  # same pages on every stage
             report.blocks += res["blocks"]
             report.bytes += res["bytes"]
@@ -226,6 +277,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument("--engine", choices=sorted(ENGINE_LABELS), default="mooncake",
                         help="transfer engine in every process: mooncake (TCP) or nixl (UCX); "
                              "default mooncake")
+    parser.add_argument("--layout", choices=LAYOUTS, default="per-layer",
+                        help="KV memory of every process: per-layer (one buffer per "
+                             "full-attention layer, default) or cross-layer (one pool per "
+                             "process, the items of all its full-attention layers side by "
+                             "side in each page, vLLM's cross-layer layout; state buffers stay "
+                             "per layer)")
     return run_cli
 
 
@@ -263,13 +320,13 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     model = demo_model(args.layers)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
-          f"prefill PP={args.pp} -> decode PP=1 over {ENGINE_LABELS[args.engine]} ...",
-          flush=True)
+          f"{args.layout} KV, prefill PP={args.pp} -> decode PP=1 over "
+          f"{ENGINE_LABELS[args.engine]} ...", flush=True)
     try:
         report = run_demo(model, pages=args.pages, prefill_pp=args.pp,
                           request_pages=args.request_pages, state_slots=args.state_slots,
                           seed=args.seed, max_blocks_per_batch=args.max_blocks,
-                          engine=args.engine)
+                          engine=args.engine, layout=args.layout)
     except PeerFailure as exc:
         print(f"kvplan demo: a peer process failed: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,11 @@ layer each prefill stage starts at. It is derived from published ids; when it ca
 ``explain`` refuses (as ``PairingChoice.template`` does) unless ``--prefill-start-layer`` gives
 one value per stage: a wrong start would silently plan a stage onto another stage's layers.
 
+``--layout cross-layer`` (presets only) builds every peer with one cross-layer KV pool
+(``ModelPreset.layout(..., cross_layer=True)``: per page, the items of all the peer's KV layers
+side by side; state per layer), explains that, and adds a table of blocks per request for the
+per-layer and the cross-layer layout of the same model, request and split.
+
 Exit status: 0 every stage is compatible, 1 a stage is not (its report is printed), 2 bad input
 (one line on stderr naming the option or layout field and the value), 3 internal error (a bug:
 the traceback is printed), so that 1 always means "incompatible".
@@ -72,6 +77,8 @@ class StageResult:
     plan_us: float
     report: Any
     problems: list[str] = field(default_factory=list)
+    groups: int = 0  # emission groups of the template (= emitting page pairs unless coalesced)
+    contiguous_blocks: int = 0  # page blocks of the same request with one run
 
 
 @dataclass
@@ -90,6 +97,9 @@ class Explanation:
     state_bytes_per_layer: dict[int, int]
     warnings: list[str]
     max_blocks: int
+    layout: str = "per-layer"
+    #: With ``--layout cross-layer``: the per-layer explanation of the same scenario.
+    per_layer: Explanation | None = None
 
     @property
     def ok(self) -> bool:
@@ -251,6 +261,7 @@ def explain(
     backend: str = "mooncake",
     prefill_start_layer: int | Sequence[int | None] | None = None,
     max_blocks: int = DEFAULT_MAX_BLOCKS,
+    layout: str = "per-layer",
 ) -> Explanation:
     """Plan one request of ``pages`` pages from every prefill stage to ``decode``.
 
@@ -267,6 +278,8 @@ def explain(
             pairing: one value (or ``None``: derive it) per stage, or a single int when there
             is one stage. Default: derived from the published layer ids.
         max_blocks: Blocks per engine call, for the engine-call count.
+        layout: ``"per-layer"`` or ``"cross-layer"``: how the layouts keep their KV (only
+            changes the wording of the warnings; the layouts themselves say it).
 
     Raises:
         ValueError: A bad argument, or a stage that pairs by legacy slicing whose start layer
@@ -325,8 +338,8 @@ def explain(
                                       report, list(report.reasons)))
             continue
         template = choice.template(src, decode, prefill_start_layer=start)
-        for side, layout, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
-            caps = _live_capacities(layout, "page")
+        for side, peer, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
+            caps = _live_capacities(peer, "page")
             if caps and int(idx.max()) >= min(caps):
                 raise kvplan.IndexBoundsError(
                     f"{side} pool holds {min(caps)} pages but the request needs page "
@@ -338,9 +351,15 @@ def explain(
         layer_of = _layer_keys(src, decode, choice.legacy_kind, start)
         lengths = plan.lengths
         offsets = plan.pair_offsets
+        item_lens = src.item_lens
+        emitting = sum(1 for i, _ in template.pairs.tolist() if item_lens[i] > 0)
+        coalesced = template.n_groups < emitting
         for p, (i, j) in enumerate(template.pairs.tolist()):
             lid = layer_of(i, j)
-            nbytes = int(lengths[offsets[p]:offsets[p + 1]].sum())
+            if coalesced:  # a group's blocks belong to its last pair: count items instead
+                nbytes = item_lens[i] * pages
+            else:
+                nbytes = int(lengths[offsets[p]:offsets[p + 1]].sum())
             kv_per_layer[lid] = kv_per_layer.get(lid, 0) + nbytes
         state_blocks = state_bytes = 0
         if template.state_pairs.size:
@@ -353,11 +372,11 @@ def explain(
         stages.append(StageResult(
             label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
             plan.n_runs, plan.n_blocks, plan.total_bytes, state_blocks, state_bytes, plan_us,
-            report))
+            report, groups=template.n_groups, contiguous_blocks=template.n_blocks_for(pages, 1)))
 
     expl = Explanation(title, description, pages, page_size, fragmentation, breaks, stages,
                        [int(x) for x in run_lengths], kv_per_layer, state_per_layer, warnings,
-                       max_blocks)
+                       max_blocks, layout)
     expl.warnings = warnings + _plan_warnings(expl)
     return expl
 
@@ -447,11 +466,17 @@ def _layers_text(layout: Any, start: int | None = None) -> str:
 def _plan_warnings(e: Explanation) -> list[str]:
     out: list[str] = []
     runs = len(e.run_lengths)
-    if runs > 1:
-        what = "fully fragmented" if runs == e.pages else "fragmented"
-        out.append(f"destination {what}: {runs}× more blocks than contiguous "
-                   f"({runs:,} runs for {e.pages:,} pages; one block per run per entry pair)")
     page_blocks = sum(s.blocks for s in e.stages)
+    contiguous = sum(s.contiguous_blocks for s in e.stages)
+    if runs > 1 and page_blocks > contiguous:
+        what = "fully fragmented" if runs == e.pages else "fragmented"
+        if page_blocks == runs * contiguous:
+            out.append(f"destination {what}: {runs}× more blocks than contiguous "
+                       f"({runs:,} runs for {e.pages:,} pages; one block per run per "
+                       f"{'coalesced group' if e.layout == 'cross-layer' else 'entry pair'})")
+        else:
+            out.append(f"destination {what}: {page_blocks / contiguous:.1f}× more blocks than "
+                       f"contiguous ({runs:,} runs for {e.pages:,} pages)")
     page_bytes = sum(s.bytes for s in e.stages)
     if page_blocks and page_bytes / page_blocks < SMALL_BLOCK_BYTES:
         out.append(f"average block is {_bytes(page_bytes // page_blocks)}: per-block engine "
@@ -549,6 +574,9 @@ def render(e: Explanation) -> str:
     if not e.kv_bytes_per_layer and not e.state_bytes_per_layer:
         lines.append("  nothing planned")
 
+    if e.per_layer is not None:
+        lines.append("")
+        lines += _layout_comparison(e.per_layer, e)
     for s in e.stages:
         if s.report is not None and not s.report.compatible:
             lines.append("")
@@ -561,6 +589,38 @@ def render(e: Explanation) -> str:
     else:
         lines.append("warnings: none")
     return "\n".join(lines)
+
+
+def _layout_comparison(per_layer: Explanation, cross: Explanation) -> list[str]:
+    """Blocks per request of the same request under both layouts, per stage and in total."""
+    lines = ["blocks per request, per-layer vs cross-layer KV layout (same model, pages, "
+             "split; state blocks are the same in both):",
+             f"  {'prefill stage':<16} {'per-layer':>12} {'cross-layer':>12} {'ratio':>9} "
+             f"{'groups':>7} {'state':>7}"]
+
+    def row(label: str, a: int, b: int, groups: str, state: int) -> str:
+        ratio = f"{a / b:,.1f}×" if b else "–"
+        return f"  {label:<16} {a:>12,} {b:>12,} {ratio:>9} {groups:>7} {state:>7,}"
+
+    pairs = list(zip(per_layer.stages, cross.stages, strict=True))
+    for a, b in pairs:
+        if b.report is None or not b.report.compatible or a.report is None \
+                or not a.report.compatible:
+            lines.append(f"  {b.label:<16} {'NOT COMPATIBLE':>12}")
+            continue
+        lines.append(row(b.label, a.blocks, b.blocks, f"{b.groups:,}", b.state_blocks))
+    if len(pairs) > 1:
+        lines.append(row("total", sum(a.blocks for a, _ in pairs),
+                         sum(b.blocks for _, b in pairs), "",
+                         sum(b.state_blocks for _, b in pairs)))
+    lines.append("  (KV page blocks; a cross-layer group is the run of a stage's layers that "
+                 "sit side by side on both sides: one block per run when it is a whole pool "
+                 "page on both sides, else one per page)")
+    if any(b.blocks > a.blocks for a, b in pairs):
+        lines.append("  cross-layer moves more blocks here: a stage's pool page is only part of "
+                     "the decode's, so each page is its own block, while per-layer buffers "
+                     "move one block per run per layer")
+    return lines
 
 
 def _per_layer_lines(what: str, per_layer: dict[int, int],
@@ -715,6 +775,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
                         help="layers per prefill stage for presets (default: even split)")
     parser.add_argument("--stage", type=_int_arg(0), default=None,
                         help="explain only this prefill stage, counted from 0 (default: all)")
+    parser.add_argument("--layout", choices=("per-layer", "cross-layer"), default=None,
+                        help="KV memory of the preset's peers: per-layer (one buffer per layer "
+                             "and K/V, default) or cross-layer (one pool per peer holding every "
+                             "KV layer of a page side by side, vLLM's cross-layer layout; state "
+                             "stays per layer). cross-layer also prints blocks per request for "
+                             "both layouts")
     parser.add_argument("--layers", type=_int_arg(1, MAX_LAYERS), default=None,
                         help="override the preset's layer count (e.g. 27 for kimi-linear; "
                              f"at most {MAX_LAYERS:,})")
@@ -754,11 +820,12 @@ def _check_options(args: argparse.Namespace) -> None:
                              f"({len(args.pp_split)} stages)")
         return
     given = [opt for opt, value in (("--page-size", args.page_size), ("--pp", args.pp),
-                                    ("--pp-split", args.pp_split), ("--layers", args.layers))
+                                    ("--pp-split", args.pp_split), ("--layers", args.layers),
+                                    ("--layout", getattr(args, "layout", None)))
              if value is not None]
     if given:
         raise ValueError(f"{', '.join(given)} only apply to --preset; layout files carry their "
-                         f"own page size, PP split and layers")
+                         f"own page size, PP split, layers and memory layout")
     if not args.decode:
         raise ValueError("--prefill needs --decode FILE.json")
 
@@ -767,8 +834,10 @@ def _pp_text(args: argparse.Namespace) -> str:
     return ",".join(map(str, args.pp_split))
 
 
-def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]], Any]:
-    """(title, description, prefill stages, decode) from the command line."""
+def _scenario(args: argparse.Namespace, cross_layer: bool = False
+              ) -> tuple[str, str, list[tuple[str, Any]], Any]:
+    """(title, description, prefill stages, decode) from the command line; for presets with
+    ``cross_layer``, every peer's KV in one cross-layer pool."""
     from kvplan import KvPlanError
     from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset, split_layers
 
@@ -789,11 +858,12 @@ def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]]
             stages = [
                 (f"stage {k}/{pp}" if pp > 1 else "prefill",
                  preset.layout(list(r), page_size=page_size, capacity=capacity,
-                               base=PREFILL_BASE + k * (1 << 40), pp_rank=k, pp_size=pp))
+                               base=PREFILL_BASE + k * (1 << 40), pp_rank=k, pp_size=pp,
+                               cross_layer=cross_layer))
                 for k, r in enumerate(splits)
             ]
             decode = preset.layout(list(range(preset.num_layers)), page_size=page_size,
-                                   capacity=capacity, base=DECODE_BASE)
+                                   capacity=capacity, base=DECODE_BASE, cross_layer=cross_layer)
         except (KvPlanError, OverflowError) as err:
             # Page size x pages sizes the synthetic pools; past 2**64 bytes of address space
             # the layout cannot be built.
@@ -803,7 +873,8 @@ def _scenario(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]]
                 f"do not fit in a 64-bit address space ({_one_line(err)})") from None
         split_text = " | ".join(f"{r.start}–{r.stop - 1}" for r in splits)
         desc = (f"{preset.description}; prefill PP {pp} (layers {split_text}), decode PP 1, "
-                f"page_size {page_size}")
+                f"page_size {page_size}"
+                + ("; cross-layer KV pools (state per layer)" if cross_layer else ""))
         title = f"{preset.name}" + (f" ({preset.num_layers} layers)" if args.layers else "")
         return title, desc, stages, decode
     stages = []
@@ -866,7 +937,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    title, desc, stages, decode = _scenario(args)
+    cross = getattr(args, "layout", None) == "cross-layer"
+    title, desc, stages, decode = _scenario(args, cross_layer=cross)
     n_all = len(stages)
     if args.stage is not None:
         if not 0 <= args.stage < n_all:
@@ -877,7 +949,17 @@ def _run(args: argparse.Namespace) -> int:
         _write_layouts(args.write_layouts, stages, decode)
     e = explain(stages, decode, title=title, description=desc, pages=args.pages,
                 fragmentation=args.fragmentation, seed=args.seed, backend=args.backend,
-                prefill_start_layer=starts, max_blocks=args.max_blocks)
+                prefill_start_layer=starts, max_blocks=args.max_blocks,
+                layout="cross-layer" if cross else "per-layer")
+    if cross:
+        # The same scenario with per-layer buffers, for the blocks-per-request comparison.
+        _, _, flat_stages, flat_decode = _scenario(args)
+        if args.stage is not None:
+            flat_stages = [flat_stages[args.stage]]
+        e.per_layer = explain(flat_stages, flat_decode, title=title, description=desc,
+                              pages=args.pages, fragmentation=args.fragmentation,
+                              seed=args.seed, backend=args.backend, prefill_start_layer=starts,
+                              max_blocks=args.max_blocks)
     if args.plot:
         # Before printing: a plot that cannot be written is bad input, reported on its own.
         try:

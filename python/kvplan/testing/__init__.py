@@ -6,7 +6,8 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
 
 - :class:`PeerSpec` / :class:`Entry`: a peer's buffers as plain, picklable data (offsets in an
   arena); :func:`preset_peer` and :func:`model_peers` derive them from a
-  :class:`kvplan.presets.ModelPreset`; :func:`build_layout` gives the :class:`kvplan.Layout` a
+  :class:`kvplan.presets.ModelPreset` (per-layer buffers, or with ``cross_layer=True`` one
+  cross-layer pool of strided entries); :func:`build_layout` gives the :class:`kvplan.Layout` a
   peer publishes.
 - :class:`Arena`: memory shared between the test and its peer processes (a mapped file);
   :func:`fill_source` fills sources with bytes that never equal :data:`SENTINEL`, the byte
@@ -23,6 +24,7 @@ from kvplan.testing.specs import (
     ModelPeers,
     PeerSpec,
     build_layout,
+    cross_layer_entries,
     model_peers,
     pack_entries,
     preset_peer,
@@ -41,6 +43,7 @@ __all__ = [
     "PeerSpec",
     "arena_dir",
     "build_layout",
+    "cross_layer_entries",
     "expected_moves",
     "fill_source",
     "first_wrong_byte",

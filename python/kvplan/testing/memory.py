@@ -45,9 +45,14 @@ class Arena:
         return int(self.array.ctypes.data)
 
     def view(self, entry: Entry) -> np.ndarray:
-        """``(capacity, item_len)`` uint8 view of one buffer."""
+        """``(capacity, item_len)`` uint8 view of one buffer: row ``i`` is item ``i``, the
+        ``item_len`` bytes at ``entry.offset + i * entry.stride`` (a strided view for entries
+        of a cross-layer pool; no copy either way)."""
         flat = self.array[entry.offset: entry.offset + entry.nbytes]
-        return flat.reshape(entry.capacity, entry.item_len)
+        if not entry.strided:
+            return flat.reshape(entry.capacity, entry.item_len)
+        return np.lib.stride_tricks.as_strided(
+            flat, shape=(entry.capacity, entry.item_len), strides=(entry.stride, 1))
 
     def close(self) -> None:
         self.array = np.zeros(0, dtype=np.uint8)  # drop the export before closing the map

@@ -148,6 +148,7 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
     t2 = time.perf_counter()
     out: dict[str, Any] = {"template_s": t1 - t0, "plan_s": t2 - t1,
                            "pairs": int(len(template.pairs)),
+                           "groups": int(template.n_groups),
                            "state_pairs": int(len(template.state_pairs)),
                            "runs": int(plan.n_runs), "blocks": 0, "bytes": 0, "batches": 0,
                            "transfer_s": 0.0}

@@ -26,7 +26,11 @@ def expected_moves(src: PeerSpec, dst: PeerSpec) -> list[tuple[Entry, Entry]]:
 def first_wrong_byte(decode: Arena, dst_spec: PeerSpec, writes: Writes) -> str | None:
     """``None`` if the destination arena holds exactly the expected bytes (planned items equal
     their source, every other byte still :data:`SENTINEL`), else a description of the first
-    wrong byte naming layer, role, item and byte."""
+    wrong byte naming layer, role, item and byte.
+
+    Items are read through :meth:`Arena.view`, so strided entries (cross-layer pools) on
+    either side are compared item by item at their strides; source and destination strides
+    may differ (a cross-layer prefill writing a per-layer decode)."""
     written: dict[Entry, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for arena, spec, src_pages, dst_pages, src_slot, dst_slot in writes:
         for s, d in expected_moves(spec, dst_spec):
@@ -47,7 +51,7 @@ def first_wrong_byte(decode: Arena, dst_spec: PeerSpec, writes: Writes) -> str |
                 row, col = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 item = int(idx_d[row])
                 return (f"decode layer {d.layer_id} {d.role} item {item} byte {col} "
-                        f"(arena offset {d.offset + item * d.item_len + col}): "
+                        f"(arena offset {d.offset + item * d.stride + col}): "
                         f"got {int(got[item, col]):#04x}, expected "
                         f"{int(src_view[idx_s[row], col]):#04x}")
         untouched = got[~mask]
@@ -56,6 +60,6 @@ def first_wrong_byte(decode: Arena, dst_spec: PeerSpec, writes: Writes) -> str |
             row, col = np.unravel_index(int(np.argmax(bad)), bad.shape)
             item = int(np.flatnonzero(~mask)[row])
             return (f"decode layer {d.layer_id} {d.role} item {item} byte {col} "
-                    f"(arena offset {d.offset + item * d.item_len + col}) was not planned but "
+                    f"(arena offset {d.offset + item * d.stride + col}) was not planned but "
                     f"changed: got {int(got[item, col]):#04x}, sentinel {SENTINEL:#04x}")
     return None
