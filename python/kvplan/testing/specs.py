@@ -42,6 +42,10 @@ class PeerSpec:
     plus ``with_state``), ``"npu_groups"`` (``Layout.npu_groups`` plus ``with_state``; page
     entries group-major); ``"raw"`` registers the buffers without building a layout
     (engine-level tests).
+
+    ``context``: further layout-context keywords as ``(name, value)`` pairs, e.g. the TP
+    position and attention geometry (``tp_rank``, ``tp_size``, ``kv_heads``, ``head_dim``,
+    ``dtype_size``, ``memory_order``, ``page_size``) of a head-sharded peer.
     """
 
     name: str
@@ -50,6 +54,7 @@ class PeerSpec:
     num_model_layers: int
     pp_rank: int = 0
     pp_size: int = 1
+    context: tuple[tuple[str, Any], ...] = ()
 
     @property
     def size(self) -> int:
@@ -65,6 +70,7 @@ class PeerSpec:
     def from_dict(cls, d: dict[str, Any]) -> PeerSpec:
         d = dict(d)
         d["entries"] = tuple(Entry(**e) for e in d["entries"])
+        d["context"] = tuple((str(k), v) for k, v in d.get("context", ()))
         return cls(**d)
 
 
@@ -130,7 +136,7 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
 
     ents = spec.entries
     ctx: dict[str, Any] = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
-                               pp_size=spec.pp_size)
+                               pp_size=spec.pp_size, **dict(spec.context))
 
     def columns(es: Sequence[Entry]) -> tuple[list[int], list[int], list[int]]:
         return [base + e.offset for e in es], [e.nbytes for e in es], [e.item_len for e in es]
