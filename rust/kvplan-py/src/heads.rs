@@ -194,10 +194,9 @@ impl PyTpPeers {
             ranks_text(&ranks)
         );
         if self.split.holders(Side::Src) > 1 {
-            text += &format!(
-                " (each head is held by {} prefill ranks; one elected sender per decode rank)",
-                self.split.holders(Side::Src)
-            );
+            text.push_str(" (each head is held by ");
+            text.push_str(&self.split.holders(Side::Src).to_string());
+            text.push_str(" prefill ranks; one elected sender per decode rank)");
         }
         text
     }
