@@ -420,5 +420,9 @@ def test_v2_carries_strides_and_refuses_unknown_required_extensions() -> None:
         return body + zlib.crc32(body).to_bytes(4, "little")
 
     assert kvplan.Layout.from_bytes(with_ext(0x0001)) == pool  # unknown optional: skipped
-    with pytest.raises(kvplan.KvPlanError, match="extension 0x8fff"):
-        kvplan.Layout.from_bytes(with_ext(0x8fff))
+    # 0x8001 is the attention geometry now (known, and 2 bytes are malformed for it); an
+    # unknown must-understand tag is refused by number.
+    with pytest.raises(kvplan.KvPlanError, match="extension 0x80ff"):
+        kvplan.Layout.from_bytes(with_ext(0x80FF))
+    with pytest.raises(kvplan.KvPlanError, match="attention geometry of 2 bytes"):
+        kvplan.Layout.from_bytes(with_ext(0x8001))

@@ -18,11 +18,13 @@ from kvplan._core import (
     PlanBatch,
     SizeMismatchError,
     Template,
+    TpPeers,
     TransferPlan,
     __version__,
     group_contiguous,
     legacy_pp_pairs,
     pair_entries,
+    tp_peers,
 )
 from kvplan._errors import TransferError
 from kvplan.policy import PairingChoice, select_pairing
@@ -42,6 +44,7 @@ __all__ = [
     "PlanBatch",
     "SizeMismatchError",
     "Template",
+    "TpPeers",
     "TransferError",
     "TransferPlan",
     "__version__",
@@ -50,4 +53,5 @@ __all__ = [
     "legacy_pp_pairs",
     "pair_entries",
     "select_pairing",
+    "tp_peers",
 ]

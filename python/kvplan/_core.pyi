@@ -19,6 +19,7 @@ __all__ = [
     "PlanBuffer",
     "SizeMismatchError",
     "Template",
+    "TpPeers",
     "TransferPlan",
     "__version__",
     "check_pairs",
@@ -26,6 +27,7 @@ __all__ = [
     "legacy_pp_pairs",
     "pair_entries",
     "pool_stats",
+    "tp_peers",
 ]
 
 __version__: str
@@ -369,6 +371,11 @@ class Template:
     @property
     def n_pairs(self) -> int: ...
     @property
+    def empty_reason(self) -> str | None:
+        """Why this template moves no page bytes although it pairs entries (between TP sizes:
+        the prefill rank holds none of the decode rank's heads, or is not their elected
+        sender); ``None`` when it moves pages."""
+    @property
     def pair_item_lens(self) -> list[int]: ...
     @property
     def bytes_per_page(self) -> int: ...
@@ -398,3 +405,48 @@ class Template:
         Raises:
             IndexBoundsError: A slot is negative or outside a paired state buffer.
         """
+
+@final
+class TpPeers:
+    """One rank's view of the KV-head split between a prefill and a decode TP group."""
+
+    @property
+    def side(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def prefill_tp(self) -> int: ...
+    @property
+    def decode_tp(self) -> int: ...
+    @property
+    def heads(self) -> tuple[int, int]: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def peers(self) -> list[int]: ...
+    @property
+    def send_to(self) -> list[int]: ...
+    @property
+    def receive_from(self) -> list[int]: ...
+    @property
+    def is_sender(self) -> bool: ...
+    def heads_with(self, peer: int) -> tuple[int, int] | None: ...
+    def reason(self, peer: int) -> str | None: ...
+
+def tp_peers(
+    kv_heads: int,
+    prefill_tp: int,
+    decode_tp: int,
+    *,
+    prefill_rank: int | None = None,
+    decode_rank: int | None = None,
+) -> TpPeers:
+    """The peers of one prefill or decode rank (give exactly one of the two ranks).
+
+    Raises:
+        KvPlanError: A count is 0, neither of ``kv_heads`` and a TP size divides the other, or
+            the rank is outside its TP size.
+        TypeError: Both ranks or neither given.
+    """

@@ -18,7 +18,10 @@ Sizes per token per layer (bf16 unless said otherwise):
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
   (27 is the other published size: pass ``num_layers=27``).
 
-State sizes are for TP 1 and are meant to show proportions, not to size a deployment.
+State sizes are for TP 1 and are meant to show proportions, not to size a deployment. A layout
+built with ``tp_size > 1`` holds its rank's share: ``kv_heads / tp_size`` KV heads per K/V item
+(at least one head; fewer heads than ranks replicate them), the MLA latent whole, and state
+items divided by the TP size (state sharded over TP along its leading axis).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class ModelPreset:
             layers with paged KV) sits on every n-th layer (ids ``n-1, 2n-1, …``).
         state: Per-request state components of each linear-attention layer.
         description: One line for reports.
+        kv_heads: KV heads of the model (1 for an MLA latent).
+        head_dim: Elements per head (the latent width for MLA); ``kv_bytes_per_token`` is
+            ``kv_heads * head_dim * dtype_size``.
+        dtype_size: Bytes per element.
     """
 
     key: str
@@ -70,6 +77,9 @@ class ModelPreset:
     full_attention_every: int | None = None
     state: tuple[StateSpec, ...] = field(default_factory=tuple)
     description: str = ""
+    kv_heads: int = 1
+    head_dim: int = 0
+    dtype_size: int = 2
 
     @property
     def hybrid(self) -> bool:
@@ -95,7 +105,24 @@ class ModelPreset:
             raise KvPlanError(f"num_layers must be at least 1, got {num_layers}")
         return ModelPreset(self.key, self.name, num_layers, self.attention,
                            self.kv_bytes_per_token, self.full_attention_every, self.state,
-                           self.description)
+                           self.description, self.kv_heads, self.head_dim, self.dtype_size)
+
+    def heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each rank holds at TP size ``tp_size``: ``max(1, kv_heads // tp_size)``."""
+        return max(1, self.kv_heads // tp_size)
+
+    def geometry(self, tp_size: int = 1, memory_order: str = "NHD") -> dict[str, Any]:
+        """The attention-geometry keywords of a layout at TP size ``tp_size`` (``kv_heads``,
+        ``heads_per_rank``, ``head_dim``, ``dtype_size``, ``memory_order``).
+
+        Raises:
+            KvPlanError: The preset does not give its head dim.
+        """
+        if self.head_dim < 1:
+            raise KvPlanError(f"preset {self.key!r} gives no head geometry (head_dim)")
+        return {"kv_heads": self.kv_heads, "heads_per_rank": self.heads_per_rank(tp_size),
+                "head_dim": self.head_dim, "dtype_size": self.dtype_size,
+                "memory_order": memory_order}
 
     def layout(
         self,
@@ -109,6 +136,9 @@ class ModelPreset:
         pp_size: int = 1,
         device: str = "cpu",
         cross_layer: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        memory_order: str | None = None,
     ) -> Layout:
         """The layout of a peer that holds ``layers``, publishing global layer ids.
 
@@ -124,22 +154,32 @@ class ModelPreset:
             cross_layer: One pool holding every KV layer of a page side by side
                 (``Layout.cross_layer``: per page, each layer's item, K then V for MHA) instead
                 of one buffer per layer (and per K/V); state entries stay per layer.
+            tp_rank, tp_size: This peer's TP position. With ``tp_size > 1`` the items hold this
+                rank's heads (see the module docstring).
+            memory_order: ``"NHD"`` or ``"HND"``. The layout publishes its attention geometry
+                (:meth:`geometry`) when this is given or ``tp_size > 1`` (default order NHD),
+                so that templates between different TP sizes re-slice heads.
         """
         if page_size < 1 or capacity < 1:
             raise KvPlanError("page_size and capacity must be at least 1")
-        item = self.kv_bytes_per_token * page_size
+        heads = self.heads_per_rank(tp_size) if self.attention == "mha" else 1
+        item = self.kv_bytes_per_token // max(1, self.kv_heads if self.attention == "mha" else 1)
+        item *= heads * page_size
+        tp: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size}
+        if memory_order is not None or tp_size > 1:
+            tp.update(self.geometry(tp_size, memory_order or "NHD"))
         kv = self.kv_layers(layers)
         n_buf = len(kv) * (2 if self.attention == "mha" else 1)
         if cross_layer:
             return self._add_state(
                 self._cross_layer_pool(kv, item, capacity, base, page_size, device, pp_rank,
-                                       pp_size),
-                layers, state_slots, base + _align(capacity * item * n_buf))
+                                       pp_size, tp),
+                layers, state_slots, base + _align(capacity * item * n_buf), tp_size)
         span = _align(capacity * item)
         ptrs = [base + i * span for i in range(n_buf)]
         lens = [capacity * item] * n_buf
         ctx: dict[str, Any] = {"page_size": page_size, "device": device, "num_model_layers": self.num_layers,
-               "pp_rank": pp_rank, "pp_size": pp_size}
+               "pp_rank": pp_rank, "pp_size": pp_size, **tp}
         if self.hybrid:
             layout = Layout.hybrid_linear(kv, ptrs, lens, item, mla=self.attention == "mla", **ctx)
         elif self.attention == "mla":
@@ -148,28 +188,30 @@ class ModelPreset:
             half = len(kv)
             layout = Layout.mha(ptrs[:half], ptrs[half:], lens[:half], lens[half:], item, item,
                                 layer_ids=kv, **ctx)
-        return self._add_state(layout, layers, state_slots, base + n_buf * span)
+        return self._add_state(layout, layers, state_slots, base + n_buf * span, tp_size)
 
     def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
-                          page_size: int, device: str, pp_rank: int, pp_size: int) -> Layout:
+                          page_size: int, device: str, pp_rank: int, pp_size: int,
+                          tp: dict[str, Any]) -> Layout:
         mha = self.attention == "mha"
         ids = [i for i in kv for _ in range(2 if mha else 1)]
         roles = ["k", "v"] * len(kv) if mha else None
         return Layout.cross_layer(base, capacity * item * len(ids), ids, item, roles=roles,
                                   page_size=page_size, device=device,
                                   num_model_layers=self.num_layers, pp_rank=pp_rank,
-                                  pp_size=pp_size)
+                                  pp_size=pp_size, **tp)
 
     def _add_state(self, layout: Layout, layers: Sequence[int], state_slots: int,
-                   address: int) -> Layout:
+                   address: int, tp_size: int = 1) -> Layout:
         linear = self.linear_layers(layers)
         for spec in self.state if linear else ():
-            span = _align(state_slots * spec.bytes_per_slot)
+            slot = spec.bytes_per_slot // tp_size  # sharded over TP along its leading axis
+            span = _align(state_slots * slot)
             layout = layout.with_state(
                 spec.name,
                 [address + i * span for i in range(len(linear))],
-                [state_slots * spec.bytes_per_slot] * len(linear),
-                spec.bytes_per_slot,
+                [state_slots * slot] * len(linear),
+                slot,
                 linear,
             )
             address += len(linear) * span
@@ -217,16 +259,19 @@ PRESETS: dict[str, ModelPreset] = {
     p.key: p
     for p in (
         ModelPreset("deepseek-v3", "DeepSeek-V3", 61, "mla", 1152,
-                    description="61 layers, MLA latent 576 × bf16 = 1152 B per token per layer"),
+                    description="61 layers, MLA latent 576 × bf16 = 1152 B per token per layer",
+                    kv_heads=1, head_dim=576),
         ModelPreset("qwen3-235b", "Qwen3-235B-A22B", 94, "mha", 1024,
                     description="94 layers, GQA 4 KV heads × 128 × bf16 = 1024 B per token for "
-                                "K and for V"),
+                                "K and for V", kv_heads=4, head_dim=128),
         ModelPreset("qwen3-next", "Qwen3-Next-80B-A3B", 48, "mha", 1024, 4, _GDN,
                     description="48 layers: 12 full attention (GQA 2 × 256, 1024 B per token "
-                                "for K and V) + 36 Gated DeltaNet (conv + recurrent state)"),
+                                "for K and V) + 36 Gated DeltaNet (conv + recurrent state)",
+                    kv_heads=2, head_dim=256),
         ModelPreset("kimi-linear", "Kimi-Linear-style hybrid MLA", 48, "mla", 1152, 4, _KDA,
                     description="full attention (MLA, 1152 B per token) on every 4th layer, "
-                                "KDA layers with conv + recurrent state"),
+                                "KDA layers with conv + recurrent state", kv_heads=1,
+                    head_dim=576),
     )
 }
 

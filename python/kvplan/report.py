@@ -67,7 +67,10 @@ class EntryCheck:
 
     @property
     def size_mismatch(self) -> bool:
-        return isinstance(self.exception, _core.SizeMismatchError)
+        """Paired items of different lengths (not a head-slicing problem between TP sizes,
+        which the report words on its own)."""
+        return (isinstance(self.exception, _core.SizeMismatchError)
+                and not str(self.exception).startswith("head slicing:"))
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,11 @@ def _stride_warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) ->
     src_strides, dst_strides = src.strides, dst.strides
     differ = [(e, src_strides[e.src_index], dst_strides[e.dst_index]) for e in entries
               if e.dst_index is not None and e.src_item_len > 0
-              and src_strides[e.src_index] != dst_strides[e.dst_index]]
+              and src_strides[e.src_index] != dst_strides[e.dst_index]
+              # Items of different sizes (heads re-sliced between TP sizes), each packed:
+              # their pages are per-page fragments anyway, said by the TP lines.
+              and not (src_strides[e.src_index] == e.src_item_len
+                       and dst_strides[e.dst_index] == e.dst_item_len)]
     if not differ:
         return []
     labels = "; ".join(f"{_label(e)} {a} vs {b} bytes" for e, a, b in differ[:8])
@@ -470,15 +477,7 @@ def _warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[s
     if src.device != dst.device:
         out.append(f"devices differ (prefill {src.device}, decode {dst.device}): the transfer "
                    "engine must reach both")
-    if src.tp_size != dst.tp_size:
-        sharded = any(e.role in MHA_ROLES for e in src.entries())
-        out.append(
-            f"TP sizes differ (prefill {src.tp_size}, decode {dst.tp_size}): kvplan copies "
-            "whole items; "
-            + ("K/V entries are head-sharded, so head-sliced transfers would be needed "
-               "(not planned by kvplan)" if sharded
-               else "correct only for replicated caches such as an MLA latent")
-        )
+    out += _tp_lines(src, dst)
     if dst.pp_size not in (1, src.pp_size):
         out.append(f"decode PP size {dst.pp_size} is neither 1 nor the prefill's "
                    f"{src.pp_size} (SGLang supports only those)")
@@ -490,6 +489,57 @@ def _warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[s
     if elided:
         out.append(f"{_plural(len(elided), 'source entry')} with item_len 0 (elided): "
                    "never transferred")
+    return out
+
+
+def _heads(n: int) -> str:
+    return f"{n} head" if n == 1 else f"{n} heads"
+
+
+def _tp_lines(src: Layout, dst: Layout) -> list[str]:
+    """TP and head differences in words: who sends which heads to whom, and what this pair moves."""
+    if src.kv_heads is None or dst.kv_heads is None:
+        if src.tp_size == dst.tp_size:
+            return []
+        sharded = any(e.role in MHA_ROLES for e in src.entries())
+        who = ("neither layout publishes its" if src.kv_heads is None and dst.kv_heads is None
+               else "the prefill does not publish its" if src.kv_heads is None
+               else "the decode does not publish its")
+        return [
+            f"TP sizes differ (prefill {src.tp_size}, decode {dst.tp_size}) and {who} "
+            "attention geometry (kv_heads, head_dim, dtype_size, memory_order): kvplan copies "
+            "whole items; "
+            + ("K/V entries are head-sharded, so head-sliced transfers are needed: publish the "
+               "geometry on both sides" if sharded
+               else "correct only for replicated caches such as an MLA latent")
+        ]
+    if src.tp_size == dst.tp_size and src.tp_rank == dst.tp_rank:
+        return []
+    try:
+        peers = _core.tp_peers(src.kv_heads, src.tp_size, dst.tp_size, decode_rank=dst.tp_rank)
+    except _core.KvPlanError:
+        return []  # the geometry check names the problem (see the verdict)
+    hp, hd = src.heads_per_rank or 0, dst.heads_per_rank or 0
+    line = (f"prefill TP {src.tp_size} × {_heads(hp)}, decode TP {dst.tp_size} × {_heads(hd)}: "
+            f"{peers}")
+    out = [line]
+    reason = peers.reason(src.tp_rank)
+    if reason is not None:
+        out.append(f"this pair (prefill rank {src.tp_rank} -> decode rank {dst.tp_rank}) moves "
+                   f"no KV: {reason}")
+    else:
+        got = peers.heads_with(src.tp_rank)
+        start, stop = got if got is not None else (0, 0)
+        moved = stop - start
+        heads = f"head {start}" if moved == 1 else f"heads {start}–{stop - 1}"
+        if moved == hp == hd:
+            how = "whole items"
+        elif src.memory_order == "HND":
+            how = "HND: one block per page and entry"
+        else:
+            how = f"NHD: one block per token slot, {src.page_size} per page and entry"
+        out.append(f"this pair (prefill rank {src.tp_rank} -> decode rank {dst.tp_rank}) moves "
+                   f"{heads} ({how})")
     return out
 
 

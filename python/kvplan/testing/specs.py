@@ -65,6 +65,10 @@ class PeerSpec:
     entries group-major), ``"cross_layer"`` (``Layout.cross_layer`` over one pool holding
     every page entry side by side, plus ``with_state``); ``"raw"`` registers the buffers
     without building a layout (engine-level tests).
+
+    ``context``: further layout-context keywords as ``(name, value)`` pairs, e.g. the TP
+    position and attention geometry (``tp_rank``, ``tp_size``, ``kv_heads``, ``head_dim``,
+    ``dtype_size``, ``memory_order``, ``page_size``) of a head-sharded peer.
     """
 
     name: str
@@ -73,6 +77,7 @@ class PeerSpec:
     num_model_layers: int
     pp_rank: int = 0
     pp_size: int = 1
+    context: tuple[tuple[str, Any], ...] = ()
 
     @property
     def size(self) -> int:
@@ -88,6 +93,7 @@ class PeerSpec:
     def from_dict(cls, d: dict[str, Any]) -> PeerSpec:
         d = dict(d)
         d["entries"] = tuple(Entry(**e) for e in d["entries"])
+        d["context"] = tuple((str(k), v) for k, v in d.get("context", ()))
         return cls(**d)
 
 
@@ -186,7 +192,7 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
 
     ents = spec.entries
     ctx: dict[str, Any] = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
-                               pp_size=spec.pp_size)
+                               pp_size=spec.pp_size, **dict(spec.context))
 
     def columns(es: Sequence[Entry]) -> tuple[list[int], list[int], list[int]]:
         return [base + e.offset for e in es], [e.nbytes for e in es], [e.item_len for e in es]

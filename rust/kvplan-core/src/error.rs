@@ -164,6 +164,10 @@ pub enum PlanError {
     /// A template's geometry option (fragments) that does not fit its pairs.
     #[error("{what}")]
     Geometry { what: String },
+    /// The two sides' attention geometries cannot be bridged by head slicing (or an entry's
+    /// item does not match its side's geometry).
+    #[error("head slicing: {what}")]
+    HeadMismatch { what: String },
 }
 
 impl PlanError {
@@ -205,7 +209,9 @@ impl PlanError {
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }
             | PlanError::InputChanged => ErrorClass::IndexBounds,
-            PlanError::SizeMismatch { .. } => ErrorClass::SizeMismatch,
+            PlanError::SizeMismatch { .. } | PlanError::HeadMismatch { .. } => {
+                ErrorClass::SizeMismatch
+            }
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use crate::emit::Piece;
 use crate::error::{PlanError, Result, Side};
+use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
 use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
@@ -20,8 +21,11 @@ pub struct PairSpec {
     pub src_base: u64,
     /// Destination buffer base address.
     pub dst_base: u64,
-    /// Bytes per item (equal on both sides; checked at template time).
+    /// Bytes per source item (equal to `dst_item_len` unless heads are re-sliced between
+    /// different TP sizes; checked at template time).
     pub item_len: u64,
+    /// Bytes per destination item.
+    pub dst_item_len: u64,
     /// Items the source buffer holds.
     pub src_capacity: u64,
     /// Items the destination buffer holds.
@@ -133,6 +137,8 @@ pub struct Template {
     /// "layer L, role R" per entry of each side, for error messages.
     src_labels: Vec<String>,
     dst_labels: Vec<String>,
+    /// Head slicing between different TP sizes, when both layouts publish their geometry.
+    heads: Option<HeadSlicing>,
 }
 
 impl Template {
@@ -167,14 +173,41 @@ impl Template {
                 .filter_map(|c| c.dst_entry.map(|d| pair_spec(src, dst, c.src_entry, d)))
                 .collect()
         };
-        let (page_pairs, state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
+        let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
+        // Checked by `check_pairs` above, so it succeeds here.
+        let heads = HeadSlicing::between(src, dst)?;
+        let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
             .copied()
-            .filter(|p| p.item_len > 0)
+            .filter(|p| p.item_len > 0 && moves_pages)
             .collect();
         let labels = (entry_labels(src), entry_labels(dst));
-        let (pieces, groups, pair_groups) = build_groups(&page_pairs, geometry, &labels.0)?;
+        let sliced_geometry;
+        let geometry = match &heads {
+            Some(slicing) => {
+                if geometry.fragments != Fragments::Whole {
+                    return Err(PlanError::Geometry {
+                        what: "fragments= cannot be combined with head slicing: both layouts \
+                               publish their attention geometry, so kvplan computes the \
+                               fragments"
+                            .into(),
+                    });
+                }
+                sliced_geometry = GeometryOptions {
+                    fragments: slicing.page_fragments(),
+                    coalesce: geometry.coalesce,
+                };
+                slice_state_pairs(slicing, &mut state_pairs);
+                &sliced_geometry
+            }
+            None => geometry,
+        };
+        let (pieces, groups, pair_groups) = if moves_pages {
+            build_groups(&page_pairs, geometry, &labels.0)?
+        } else {
+            (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
+        };
         let bytes_per_page = pieces
             .iter()
             .try_fold(0u64, |acc, p| acc.checked_add(p.len))
@@ -207,7 +240,24 @@ impl Template {
             pair_groups,
             src_labels: labels.0,
             dst_labels: labels.1,
+            heads,
         })
+    }
+
+    /// The head slicing between the two layouts' TP sizes (`None` when either does not publish
+    /// its attention geometry).
+    pub fn head_slicing(&self) -> Option<&HeadSlicing> {
+        self.heads.as_ref()
+    }
+
+    /// Why this template moves no page bytes although it pairs entries (a prefill rank that
+    /// holds none of the decode rank's heads, or is not the elected sender of replicated
+    /// heads); `None` when it moves pages or has no page pairs.
+    pub fn empty_reason(&self) -> Option<String> {
+        if self.page_pairs.is_empty() {
+            return None;
+        }
+        self.heads.as_ref().and_then(HeadSlicing::empty_reason)
     }
 
     /// Emission units in block order: group-major, then fragment.
@@ -295,8 +345,15 @@ pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<
         pairing: options.pairing.for_state(),
         ..options
     };
-    let mut checks = check_kind(src, dst, EntryKind::Page, options);
-    checks.extend(check_kind(src, dst, EntryKind::State, state_options));
+    let heads = HeadSlicing::between(src, dst);
+    let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
+    checks.extend(check_kind(
+        src,
+        dst,
+        EntryKind::State,
+        state_options,
+        &heads,
+    ));
     checks
 }
 
@@ -305,6 +362,7 @@ fn check_kind(
     dst: &Layout,
     kind: EntryKind,
     options: TemplateOptions,
+    heads: &Result<Option<HeadSlicing>>,
 ) -> Vec<EntryCheck> {
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
@@ -329,14 +387,34 @@ fn check_kind(
                     let d = dst_entries[j];
                     let (src_item_len, dst_item_len) =
                         (src.parts().item_lens[s], dst.parts().item_lens[d]);
-                    let problem = (src_item_len != dst_item_len).then(|| PlanError::SizeMismatch {
+                    let size_mismatch = || PlanError::SizeMismatch {
                         layer: src.layer_label(s),
                         role: src.role_label(s),
                         src_entry: s,
                         dst_entry: d,
                         src_item_len,
                         dst_item_len,
-                    });
+                    };
+                    let head_problem = |what: String| PlanError::HeadMismatch {
+                        what: format!(
+                            "layer {}, role {} (src entry {s}, dst entry {d}): {what}",
+                            src.layer_label(s),
+                            src.role_label(s)
+                        ),
+                    };
+                    let problem = match (heads, kind) {
+                        (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        (Ok(Some(_)), _) if src_item_len == 0 => None,
+                        (Ok(Some(slicing)), EntryKind::Page) => slicing
+                            .check_page_items(src_item_len, dst_item_len)
+                            .err()
+                            .map(head_problem),
+                        (Ok(Some(slicing)), EntryKind::State) => slicing
+                            .state_fragment(src_item_len, dst_item_len)
+                            .err()
+                            .map(head_problem),
+                        _ => (src_item_len != dst_item_len).then(size_mismatch),
+                    };
                     EntryCheck {
                         kind,
                         src_entry: s,
@@ -582,18 +660,23 @@ fn check_fragments(
             "an empty fragment list (give None for the whole item)".into(),
         ));
     }
-    let item = pair.item_len;
+    let (item, dst_item) = (pair.item_len, pair.dst_item_len);
     for (k, f) in list.iter().enumerate() {
-        let inside = |off: u64| off.checked_add(f.len).is_some_and(|end| end <= item);
+        let inside = |off: u64, item: u64| off.checked_add(f.len).is_some_and(|end| end <= item);
         if f.len == 0 {
             return Err(fail(format!(
                 "fragment {k} (src_off {}, dst_off {}, len 0) is empty",
                 f.src_off, f.dst_off
             )));
         }
-        if !inside(f.src_off) || !inside(f.dst_off) {
+        if !inside(f.src_off, item) || !inside(f.dst_off, dst_item) {
+            let size = if item == dst_item {
+                format!("{item} bytes")
+            } else {
+                format!("{item} (src) / {dst_item} (dst) bytes")
+            };
             return Err(fail(format!(
-                "fragment {k} (src_off {}, dst_off {}, len {}) is not inside the item of {item} bytes",
+                "fragment {k} (src_off {}, dst_off {}, len {}) is not inside the item of {size}",
                 f.src_off, f.dst_off, f.len
             )));
         }
@@ -621,7 +704,24 @@ fn check_fragments(
         dst_off: 0,
         len: item,
     }];
-    Ok((list != whole).then(|| list.to_vec()))
+    Ok((list != whole || item != dst_item).then(|| list.to_vec()))
+}
+
+/// Narrows each state pair to the one fragment this rank pair moves (replicated state: the
+/// whole item from the elected prefill rank; sharded state: the overlap of the two ranks'
+/// shares); a pair that moves nothing gets item length 0, as an elided entry. Addresses stay
+/// `base + slot * stride`, with the fragment's offsets folded into the bases.
+fn slice_state_pairs(slicing: &HeadSlicing, pairs: &mut [PairSpec]) {
+    for pair in pairs.iter_mut().filter(|p| p.item_len > 0) {
+        // Checked by `check_pairs`: the lengths are equal or in the TP ratio.
+        if let Ok(Some(f)) = slicing.state_fragment(pair.item_len, pair.dst_item_len) {
+            pair.src_base += f.src_off; // inside the first item, so inside the buffer
+            pair.dst_base += f.dst_off;
+            (pair.item_len, pair.dst_item_len) = (f.len, f.len);
+        } else {
+            (pair.item_len, pair.dst_item_len) = (0, 0);
+        }
+    }
 }
 
 fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
@@ -631,6 +731,7 @@ fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
         src_base: src.parts().data_ptrs[s],
         dst_base: dst.parts().data_ptrs[d],
         item_len: src.parts().item_lens[s],
+        dst_item_len: dst.parts().item_lens[d],
         src_capacity: src.capacity(s),
         dst_capacity: dst.capacity(d),
         src_stride: src.strides()[s],

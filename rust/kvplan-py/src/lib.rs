@@ -5,6 +5,7 @@
 
 mod convert;
 mod errors;
+mod heads;
 mod layout;
 mod pairing;
 mod plan;
@@ -18,6 +19,8 @@ mod _core {
     use crate::errors::{
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
     };
+    #[pymodule_export]
+    use crate::heads::{PyTpPeers, tp_peers};
     #[pymodule_export]
     use crate::layout::{PyLayout, PyLayoutEntry};
     #[pymodule_export]

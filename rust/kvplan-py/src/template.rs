@@ -202,7 +202,7 @@ impl PyTemplate {
             Template::with_geometry(&src_layout.inner, &dst_layout.inner, options, &geometry)
                 .map_err(to_py_err)?;
         Ok(Self {
-            emitting: inner.page_pairs().iter().map(|p| p.item_len > 0).collect(),
+            emitting: inner.pair_groups().iter().map(Option::is_some).collect(),
             page_shape: Arc::new(BlockShape::of_pages(&inner)),
             state_shape: Arc::new(BlockShape::of_state(&inner)),
             inner,
@@ -233,7 +233,8 @@ impl PyTemplate {
         )
     }
 
-    /// Per page pair: whether it emits blocks (item length > 0).
+    /// Per page pair: whether it emits blocks (item length > 0 and, between TP sizes, heads to
+    /// move).
     #[getter]
     fn emitting<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.emitting.iter().copied())
@@ -245,7 +246,15 @@ impl PyTemplate {
         self.emitting.len()
     }
 
-    /// Item length of every page-entry pair.
+    /// Why this template moves no page bytes although it pairs entries (between different TP
+    /// sizes: the prefill rank holds none of the decode rank's heads, or is not their elected
+    /// sender); None when it moves pages.
+    #[getter]
+    fn empty_reason(&self) -> Option<String> {
+        self.inner.empty_reason()
+    }
+
+    /// Item length of every page-entry pair (the prefill side's).
     #[getter]
     fn pair_item_lens(&self) -> Vec<u64> {
         self.inner.page_pairs().iter().map(|p| p.item_len).collect()

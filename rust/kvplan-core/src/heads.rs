@@ -1,0 +1,532 @@
+//! Prefill TP ≠ decode TP: which ranks exchange which KV heads, and the byte fragments that
+//! move them.
+//!
+//! A model has `H` KV heads. A side with TP size `tp` gives each rank `max(1, H / tp)` heads:
+//! rank `r` holds heads `r·H/tp ..` when `H ≥ tp`, and otherwise the single head
+//! `r / (tp / H)`, held by `tp / H` consecutive ranks (replicated heads). One of `H` and `tp`
+//! must divide the other.
+//!
+//! Election. A decode rank needs each of its heads exactly once. When the prefill side
+//! replicates heads (`H < tp_p`, `R = tp_p / H` holders per head), the holders of head `h` are
+//! prefill ranks `h·R .. h·R + R - 1`; decode rank `r_d` takes its heads from holder number
+//! `r_d mod R` (the one with `r_p mod R == r_d mod R`), so consecutive decode ranks are served
+//! by different replicas. Without replication (`R = 1`) every prefill rank whose heads overlap
+//! the decode rank's sends them. MLA is the case `H = 1`: the latent is one replicated head.
+//!
+//! State (per request, not per head), following SGLang 0.5.23's Mamba state transfer: a state
+//! item whose length is equal on both sides is replicated across TP and is written to decode
+//! rank `r_d` by one prefill rank only, `floor(r_d · tp_p / tp_d)` (the first prefill rank of
+//! `r_d`'s share: in aggregation the first of each group of `tp_p / tp_d` writers, in scatter
+//! the one rank that feeds it). A state item whose lengths are in the TP ratio
+//! (`src_len · tp_p == dst_len · tp_d`) is sharded along its leading axis: rank `r` holds bytes
+//! `r·len .. (r+1)·len` of the whole state, and each pair moves the overlap of the two byte
+//! ranges as one block.
+
+use crate::error::{PlanError, Result, Side};
+use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
+use crate::template::{Fragment, Fragments};
+
+/// How a model's KV heads are split over the prefill and the decode TP groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TpSplit {
+    /// KV heads of the whole model.
+    pub kv_heads: u32,
+    /// Prefill attention TP size.
+    pub prefill_tp: u32,
+    /// Decode attention TP size.
+    pub decode_tp: u32,
+}
+
+/// What one (prefill rank, decode rank) pair moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Link {
+    /// The prefill rank sends heads `start..stop` (model head numbers) to the decode rank.
+    Send {
+        /// First head moved.
+        start: u32,
+        /// One past the last head moved.
+        stop: u32,
+    },
+    /// The prefill rank holds heads `start..stop` of the decode rank, but they are replicated
+    /// and prefill rank `sender` is elected to send them.
+    Replica {
+        /// First overlapping head.
+        start: u32,
+        /// One past the last overlapping head.
+        stop: u32,
+        /// The prefill rank that sends these heads to this decode rank.
+        sender: u32,
+    },
+    /// The two ranks hold no head in common.
+    Disjoint,
+}
+
+impl TpSplit {
+    /// Checks the split: every count at least 1, and on each side one of `kv_heads` and the TP
+    /// size divides the other.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] naming the values.
+    pub fn new(kv_heads: u32, prefill_tp: u32, decode_tp: u32) -> Result<Self> {
+        for (name, value) in [
+            ("kv_heads", kv_heads),
+            ("prefill TP size", prefill_tp),
+            ("decode TP size", decode_tp),
+        ] {
+            if value == 0 {
+                return Err(geometry(format!("{name} must be at least 1, got 0")));
+            }
+        }
+        for (name, tp) in [("prefill", prefill_tp), ("decode", decode_tp)] {
+            if !kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(kv_heads) {
+                return Err(geometry(format!(
+                    "{name} TP size {tp} and kv_heads {kv_heads}: neither divides the other, so \
+                     heads cannot be split evenly over the ranks"
+                )));
+            }
+        }
+        Ok(Self {
+            kv_heads,
+            prefill_tp,
+            decode_tp,
+        })
+    }
+
+    /// The TP size of one side.
+    pub fn tp(&self, side: Side) -> u32 {
+        side.pick(self.prefill_tp, self.decode_tp)
+    }
+
+    /// Heads each rank of `side` holds: `max(1, kv_heads / tp)`.
+    pub fn heads_per_rank(&self, side: Side) -> u32 {
+        (self.kv_heads / self.tp(side)).max(1)
+    }
+
+    /// Ranks of `side` holding each head: `max(1, tp / kv_heads)` (1 = not replicated).
+    pub fn holders(&self, side: Side) -> u32 {
+        (self.tp(side) / self.kv_heads).max(1)
+    }
+
+    /// Heads `(start, stop)` rank `rank` of `side` holds.
+    pub fn heads(&self, side: Side, rank: u32) -> (u32, u32) {
+        let per = self.heads_per_rank(side);
+        let first = (rank / self.holders(side)) * per;
+        (first, first + per)
+    }
+
+    fn check_rank(&self, side: Side, rank: u32) -> Result<()> {
+        let tp = self.tp(side);
+        if rank >= tp {
+            let name = side.pick("prefill", "decode");
+            return Err(geometry(format!(
+                "{name} rank {rank} is outside TP size {tp} (ranks 0..{tp})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// What prefill rank `r_p` sends decode rank `r_d`.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a rank outside its TP size.
+    pub fn link(&self, r_p: u32, r_d: u32) -> Result<Link> {
+        self.check_rank(Side::Src, r_p)?;
+        self.check_rank(Side::Dst, r_d)?;
+        let (ps, pe) = self.heads(Side::Src, r_p);
+        let (ds, de) = self.heads(Side::Dst, r_d);
+        let (start, stop) = (ps.max(ds), pe.min(de));
+        if start >= stop {
+            return Ok(Link::Disjoint);
+        }
+        let replicas = self.holders(Side::Src);
+        let elected = r_d % replicas;
+        if r_p % replicas == elected {
+            Ok(Link::Send { start, stop })
+        } else {
+            Ok(Link::Replica {
+                start,
+                stop,
+                sender: r_p - r_p % replicas + elected,
+            })
+        }
+    }
+
+    /// Ranks of the other side whose heads overlap `rank`'s (in rank order): the pairs a
+    /// deployment connects, elected or not.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a rank outside its TP size.
+    pub fn peers(&self, side: Side, rank: u32) -> Result<Vec<u32>> {
+        self.check_rank(side, rank)?;
+        let other = match side {
+            Side::Src => Side::Dst,
+            Side::Dst => Side::Src,
+        };
+        let links = (0..self.tp(other)).map(|peer| {
+            let (r_p, r_d) = side.pick((rank, peer), (peer, rank));
+            self.link(r_p, r_d).map(|link| (peer, link))
+        });
+        let mut out = Vec::new();
+        for item in links {
+            let (peer, link) = item?;
+            if link != Link::Disjoint {
+                out.push(peer);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether prefill rank `r_p` writes decode rank `r_d`'s copy of a replicated state item:
+    /// `r_p == floor(r_d · tp_p / tp_d)`.
+    pub fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
+        u64::from(r_p) == u64::from(r_d) * u64::from(self.prefill_tp) / u64::from(self.decode_tp)
+    }
+
+    /// Whether the two ranks' shares of a state sharded over TP overlap.
+    pub fn shares_overlap(&self, r_p: u32, r_d: u32) -> bool {
+        let (tp_p, tp_d) = (u64::from(self.prefill_tp), u64::from(self.decode_tp));
+        let (r_p, r_d) = (u64::from(r_p), u64::from(r_d));
+        r_p * tp_d < (r_d + 1) * tp_p && r_d * tp_p < (r_p + 1) * tp_d
+    }
+}
+
+/// Heads `start..stop` in words: `head 3`, `heads 4–7`.
+pub fn heads_text(start: u32, stop: u32) -> String {
+    if stop == start + 1 {
+        format!("head {start}")
+    } else {
+        format!("heads {start}–{}", stop - 1)
+    }
+}
+
+impl Link {
+    /// Why this pair moves no KV, in words (`None` when it does).
+    pub fn reason(&self, r_p: u32, r_d: u32, split: &TpSplit) -> Option<String> {
+        match *self {
+            Link::Send { .. } => None,
+            Link::Replica {
+                start,
+                stop,
+                sender,
+            } => Some(format!(
+                "prefill rank {r_p} holds {} of decode rank {r_d}, but they are replicated on {} \
+                 prefill ranks and prefill rank {sender} is elected to send them \
+                 (the holder whose rank mod {} equals the decode rank mod {})",
+                heads_text(start, stop),
+                split.holders(Side::Src),
+                split.holders(Side::Src),
+                split.holders(Side::Src),
+            )),
+            Link::Disjoint => {
+                let (ps, pe) = split.heads(Side::Src, r_p);
+                let (ds, de) = split.heads(Side::Dst, r_d);
+                Some(format!(
+                    "prefill rank {r_p} holds {} and decode rank {r_d} holds {}: no head in common",
+                    heads_text(ps, pe),
+                    heads_text(ds, de)
+                ))
+            }
+        }
+    }
+}
+
+/// The head slicing of one (prefill layout, decode layout) pair, when both publish their
+/// attention geometry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadSlicing {
+    /// The split both layouts agree on.
+    pub split: TpSplit,
+    /// Prefill rank.
+    pub src_rank: u32,
+    /// Decode rank.
+    pub dst_rank: u32,
+    /// What this pair moves.
+    pub link: Link,
+    src: AttentionGeometry,
+    dst: AttentionGeometry,
+    page_size: u64,
+}
+
+impl HeadSlicing {
+    /// The slicing between two layouts; `None` when either does not publish its attention
+    /// geometry (items are then copied whole, as before).
+    ///
+    /// # Errors
+    /// [`PlanError::HeadMismatch`] when the geometries cannot be bridged (different head
+    /// dims, element sizes, memory orders, page sizes or model head counts, or heads per rank
+    /// that do not follow from the TP size), naming both values.
+    pub fn between(src: &Layout, dst: &Layout) -> Result<Option<Self>> {
+        let (sc, dc) = (src.context(), dst.context());
+        let (Some(s), Some(d)) = (sc.attention, dc.attention) else {
+            return Ok(None);
+        };
+        let differ = |what: &str, a: String, b: String| PlanError::HeadMismatch {
+            what: format!(
+                "{what} differ (prefill {a}, decode {b}); heads can only be re-sliced between \
+                 items of the same shape"
+            ),
+        };
+        if s.total_kv_heads != d.total_kv_heads {
+            return Err(differ(
+                "model KV head counts (kv_heads)",
+                s.total_kv_heads.to_string(),
+                d.total_kv_heads.to_string(),
+            ));
+        }
+        if s.head_dim != d.head_dim {
+            return Err(differ(
+                "head dims",
+                s.head_dim.to_string(),
+                d.head_dim.to_string(),
+            ));
+        }
+        if s.dtype_size != d.dtype_size {
+            return Err(differ(
+                "element sizes (dtype_size)",
+                format!("{} bytes", s.dtype_size),
+                format!("{} bytes", d.dtype_size),
+            ));
+        }
+        if s.memory_order != d.memory_order {
+            return Err(differ(
+                "memory orders",
+                s.memory_order.as_str().into(),
+                d.memory_order.as_str().into(),
+            ));
+        }
+        if sc.page_size != dc.page_size {
+            return Err(differ(
+                "page sizes",
+                format!("{} tokens", sc.page_size),
+                format!("{} tokens", dc.page_size),
+            ));
+        }
+        let split = TpSplit::new(s.total_kv_heads, sc.tp_size, dc.tp_size).map_err(|e| {
+            PlanError::HeadMismatch {
+                what: e.to_string(),
+            }
+        })?;
+        for (side, g) in [(Side::Src, &s), (Side::Dst, &d)] {
+            let want = split.heads_per_rank(side);
+            if g.heads_per_rank != want {
+                let name = side.pick("prefill", "decode");
+                return Err(PlanError::HeadMismatch {
+                    what: format!(
+                        "{name} publishes heads_per_rank {} but kv_heads {} over TP size {} \
+                         gives {want} per rank",
+                        g.heads_per_rank,
+                        split.kv_heads,
+                        split.tp(side)
+                    ),
+                });
+            }
+        }
+        let link = split.link(sc.tp_rank, dc.tp_rank)?;
+        Ok(Some(Self {
+            split,
+            src_rank: sc.tp_rank,
+            dst_rank: dc.tp_rank,
+            link,
+            src: s,
+            dst: d,
+            page_size: sc.page_size,
+        }))
+    }
+
+    /// Why this pair moves no KV (`None` when it does).
+    pub fn empty_reason(&self) -> Option<String> {
+        self.link.reason(self.src_rank, self.dst_rank, &self.split)
+    }
+
+    /// The heads moved, when the pair moves any and they are a strict part of an item on
+    /// either side (`None`: nothing moves, or whole items move).
+    fn sliced(&self) -> Option<(u32, u32)> {
+        match self.link {
+            Link::Send { start, stop } => {
+                let whole = stop - start == self.src.heads_per_rank
+                    && stop - start == self.dst.heads_per_rank;
+                (!whole).then_some((start, stop))
+            }
+            _ => None,
+        }
+    }
+
+    /// Bytes of one side's page item implied by the geometry.
+    fn item_bytes(&self, side: Side) -> u64 {
+        let g = side.pick(&self.src, &self.dst);
+        self.page_size * g.token_bytes()
+    }
+
+    /// Whether a page pair of these item lengths can be planned: equal lengths when whole items
+    /// move (or nothing moves), else each the item the geometry implies.
+    pub fn check_page_items(
+        &self,
+        src_item: u64,
+        dst_item: u64,
+    ) -> std::result::Result<(), String> {
+        if self.sliced().is_none() {
+            return if src_item == dst_item
+                || matches!(self.link, Link::Disjoint | Link::Replica { .. })
+            {
+                Ok(())
+            } else {
+                Err(format!(
+                    "item lengths differ (prefill {src_item}, decode {dst_item} bytes) although \
+                     both ranks hold the same heads"
+                ))
+            };
+        }
+        for (side, have) in [(Side::Src, src_item), (Side::Dst, dst_item)] {
+            let want = self.item_bytes(side);
+            if have != want {
+                let g = side.pick(&self.src, &self.dst);
+                return Err(format!(
+                    "a head-sliced transfer needs {} items of page_size {} × {} heads × head_dim \
+                     {} × {} bytes = {want} bytes, this entry has {have}",
+                    side.pick("prefill", "decode"),
+                    self.page_size,
+                    g.heads_per_rank,
+                    g.head_dim,
+                    g.dtype_size
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any page bytes move.
+    pub fn moves_pages(&self) -> bool {
+        matches!(self.link, Link::Send { .. })
+    }
+
+    /// The fragments of every page pair: whole items, or the moved heads (HND: one fragment
+    /// per page; NHD: one per token slot).
+    pub fn page_fragments(&self) -> Fragments {
+        let Some((start, stop)) = self.sliced() else {
+            return Fragments::Whole;
+        };
+        let head = self.src.head_bytes();
+        let (src_first, _) = self.split.heads(Side::Src, self.src_rank);
+        let (dst_first, _) = self.split.heads(Side::Dst, self.dst_rank);
+        let (src_skip, dst_skip) = (u64::from(start - src_first), u64::from(start - dst_first));
+        let count = u64::from(stop - start);
+        let (hp, hd) = (
+            u64::from(self.src.heads_per_rank),
+            u64::from(self.dst.heads_per_rank),
+        );
+        match self.src.memory_order {
+            MemoryOrder::Hnd => {
+                let per_head = self.page_size * head;
+                Fragments::Every(vec![Fragment {
+                    src_off: src_skip * per_head,
+                    dst_off: dst_skip * per_head,
+                    len: count * per_head,
+                }])
+            }
+            MemoryOrder::Nhd => Fragments::Every(
+                (0..self.page_size)
+                    .map(|t| Fragment {
+                        src_off: (t * hp + src_skip) * head,
+                        dst_off: (t * hd + dst_skip) * head,
+                        len: count * head,
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The one fragment of a state item of these lengths this pair moves (`None`: none).
+    ///
+    /// # Errors
+    /// [`PlanError::HeadMismatch`] when the lengths are neither equal (replicated state) nor in
+    /// the TP ratio (state sharded along its leading axis).
+    pub fn state_fragment(
+        &self,
+        src_item: u64,
+        dst_item: u64,
+    ) -> std::result::Result<Option<Fragment>, String> {
+        let (tp_p, tp_d) = (
+            u64::from(self.split.prefill_tp),
+            u64::from(self.split.decode_tp),
+        );
+        let (r_p, r_d) = (u64::from(self.src_rank), u64::from(self.dst_rank));
+        if src_item == dst_item {
+            let sends = self
+                .split
+                .sends_replicated_state(self.src_rank, self.dst_rank);
+            return Ok(sends.then_some(Fragment {
+                src_off: 0,
+                dst_off: 0,
+                len: src_item,
+            }));
+        }
+        let total = src_item.checked_mul(tp_p);
+        if total.is_none() || total != dst_item.checked_mul(tp_d) {
+            return Err(format!(
+                "state item lengths prefill {src_item} bytes at TP {tp_p}, decode {dst_item} \
+                 bytes at TP {tp_d}: neither equal (a replicated state) nor in the TP ratio \
+                 ({src_item} × {tp_p} = {dst_item} × {tp_d} for a state sharded over TP)"
+            ));
+        }
+        let (src_start, dst_start) = (r_p * src_item, r_d * dst_item); // <= total: no overflow
+        let start = src_start.max(dst_start);
+        let stop = (src_start + src_item).min(dst_start + dst_item);
+        Ok((start < stop).then(|| Fragment {
+            src_off: start - src_start,
+            dst_off: start - dst_start,
+            len: stop - start,
+        }))
+    }
+}
+
+fn geometry(what: String) -> PlanError {
+    PlanError::Geometry { what }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_decode_head_has_exactly_one_sender() {
+        for h in [1u32, 2, 4, 8, 16] {
+            for tp_p in [1u32, 2, 4, 8] {
+                for tp_d in [1u32, 2, 4, 8] {
+                    let split = TpSplit::new(h, tp_p, tp_d).unwrap();
+                    for r_d in 0..tp_d {
+                        let (ds, de) = split.heads(Side::Dst, r_d);
+                        let mut got = vec![0; h as usize];
+                        for r_p in 0..tp_p {
+                            if let Link::Send { start, stop } = split.link(r_p, r_d).unwrap() {
+                                assert!(split.peers(Side::Dst, r_d).unwrap().contains(&r_p));
+                                (start..stop).for_each(|x| got[x as usize] += 1);
+                            }
+                        }
+                        for x in 0..h {
+                            let want = u32::from((ds..de).contains(&x));
+                            assert_eq!(got[x as usize], want, "H={h} {tp_p}->{tp_d} r_d={r_d}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn example_8_to_2_and_mla() {
+        let split = TpSplit::new(8, 8, 2).unwrap();
+        assert_eq!(split.peers(Side::Dst, 1).unwrap(), vec![4, 5, 6, 7]);
+        assert_eq!(split.link(5, 1).unwrap(), Link::Send { start: 5, stop: 6 });
+        let mla = TpSplit::new(1, 8, 2).unwrap();
+        assert_eq!(mla.link(1, 1).unwrap(), Link::Send { start: 0, stop: 1 });
+        assert_eq!(
+            mla.link(3, 1).unwrap(),
+            Link::Replica {
+                start: 0,
+                stop: 1,
+                sender: 1
+            }
+        );
+        assert!(TpSplit::new(3, 2, 1).is_err());
+    }
+}

@@ -1,0 +1,131 @@
+"""Prefill TP != decode TP with real bytes: Mooncake over TCP on 127.0.0.1, one process per
+rank. Prefill TP=2 (two processes, one KV head each) -> decode TP=1 (both heads), and prefill
+TP=1 -> decode TP=2 (two decode processes), in NHD and HND; every decode byte is checked
+against the split of the prefill's global KV, and bytes outside the request stay untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan.presets import fragmented_pages
+from kvplan.testing import (
+    SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, build_layout, fill_source, pack_entries,
+)
+
+HEADS, HEAD_DIM, DTYPE, TOKENS, LAYERS, PAGES = 2, 64, 2, 4, 3, 24
+HEAD_BYTES = HEAD_DIM * DTYPE
+
+
+def spec(name: str, tp_rank: int, tp_size: int, order: str) -> PeerSpec:
+    per = max(1, HEADS // tp_size)
+    item = TOKENS * per * HEAD_BYTES
+    rows = [(layer, role, "page", item, PAGES) for role in ("k", "v") for layer in range(LAYERS)]
+    ctx = (("page_size", TOKENS), ("tp_rank", tp_rank), ("tp_size", tp_size),
+           ("kv_heads", HEADS), ("head_dim", HEAD_DIM), ("dtype_size", DTYPE),
+           ("memory_order", order))
+    return PeerSpec(name, "mha", pack_entries(rows), LAYERS, context=ctx)
+
+
+def heads_view(buf: np.ndarray, spec: PeerSpec, order: str) -> dict[tuple[int, str], np.ndarray]:
+    """Per (layer, role): ``[page][token][head][byte]`` view of an arena (HND transposed)."""
+    per = max(1, HEADS // dict(spec.context)["tp_size"])
+    out = {}
+    for e in spec.entries:
+        raw = buf[e.offset:e.offset + e.nbytes]
+        if order == "NHD":
+            out[(e.layer_id, e.role)] = raw.reshape(PAGES, TOKENS, per, HEAD_BYTES)
+        else:
+            out[(e.layer_id, e.role)] = raw.reshape(PAGES, per, TOKENS, HEAD_BYTES).transpose(
+                0, 2, 1, 3)
+    return out
+
+
+@contextlib.contextmanager
+def ranks(specs: list[PeerSpec], sources: set[str]) -> Iterator[tuple[dict, dict]]:
+    workdir = arena_dir(sum(s.size for s in specs))
+    arenas: dict[str, Arena] = {}
+    procs: dict[str, PeerProcess] = {}
+    try:
+        for i, s in enumerate(specs):
+            arenas[s.name] = Arena(os.path.join(workdir, s.name), s.size, create=True)
+            if s.name in sources:
+                fill_source(arenas[s.name], 11 + i)
+            else:
+                arenas[s.name].array[:] = SENTINEL
+        for s in specs:
+            procs[s.name] = PeerProcess(s, arenas[s.name], wait=False)
+        for p in procs.values():
+            p.ready(60.0)
+        yield arenas, procs
+    finally:
+        for p in procs.values():
+            p.stop()
+        for a in arenas.values():
+            a.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
+def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from peers import require_mooncake
+
+    require_mooncake()
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    prefill = [spec(f"prefill{r}", r, tp_p, order) for r in range(tp_p)]
+    decode = [spec(f"decode{r}", r, tp_d, order) for r in range(tp_d)]
+    src_pages = np.array([3, 4, 5, 9, 0, 17, 18], dtype=np.int64)
+    dst_pages = fragmented_pages(len(src_pages), 0.5, seed=5, shuffle_runs=True, capacity=PAGES)
+    with ranks(prefill + decode, {s.name for s in prefill}) as (arenas, procs):
+        before = {d.name: arenas[d.name].array.copy() for d in decode}
+        for d in decode:
+            r_d = dict(d.context)["tp_rank"]
+            peers = kvplan.tp_peers(HEADS, tp_p, tp_d, decode_rank=r_d)
+            for r_p in peers.peers:
+                res = procs[f"prefill{r_p}"].call(
+                    "transfer", procs[d.name].layout_wire, procs[d.name].session,
+                    src_pages, dst_pages, None, None, None, timeout=60)
+                # One head of TOKENS tokens per page and entry pair moves.
+                assert res["bytes"] == len(src_pages) * 2 * LAYERS * TOKENS * HEAD_BYTES
+                per_page = 1 if order == "HND" else TOKENS
+                assert res["blocks"] == len(src_pages) * 2 * LAYERS * per_page
+        # Ground truth: the global KV of the request, gathered from the prefill arenas.
+        glob = {}
+        for p in prefill:
+            r_p = dict(p.context)["tp_rank"]
+            first = kvplan.tp_peers(HEADS, tp_p, tp_d, prefill_rank=r_p).heads[0]
+            for key, v in heads_view(arenas[p.name].array, p, order).items():
+                g = glob.setdefault(key, np.zeros((len(src_pages), TOKENS, HEADS, HEAD_BYTES),
+                                                  np.uint8))
+                g[:, :, first:first + v.shape[2], :] = v[src_pages]
+        for d in decode:
+            r_d = dict(d.context)["tp_rank"]
+            start, stop = kvplan.tp_peers(HEADS, tp_p, tp_d, decode_rank=r_d).heads
+            want_arena = before[d.name].copy()
+            want = heads_view(want_arena, d, order)
+            for key, v in want.items():
+                v[dst_pages] = glob[key][:, :, start:stop, :]
+            got = arenas[d.name].array
+            bad = np.flatnonzero(got != want_arena)
+            assert bad.size == 0, f"{d.name}: {bad.size} wrong bytes, first at {bad[0]}"
+            # Every page of the request landed, nothing else was touched.
+            touched = np.flatnonzero(got != SENTINEL).size
+            assert touched == len(src_pages) * 2 * LAYERS * TOKENS * (stop - start) * HEAD_BYTES
+
+
+def test_peer_spec_carries_the_geometry_across_processes() -> None:
+    s = spec("prefill0", 1, 2, "HND")
+    again = PeerSpec.from_dict(s.to_dict())
+    assert again == s
+    layout = build_layout(again, 1 << 40)
+    assert (layout.tp_rank, layout.tp_size, layout.kv_heads, layout.heads_per_rank,
+            layout.memory_order, layout.page_size) == (1, 2, 2, 1, "HND", TOKENS)
