@@ -8,6 +8,7 @@ use crate::layout::{EntryKind, Layout, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
 use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
+use crate::tokens::TokenTemplate;
 
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,6 +134,10 @@ pub struct Template {
     /// "layer L, role R" per entry of each side, for error messages.
     src_labels: Vec<String>,
     dst_labels: Vec<String>,
+    /// Tokens per page on each side.
+    pub(crate) page_sizes: (u64, u64),
+    /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
+    pub(crate) tokens: Result<TokenTemplate>,
 }
 
 impl Template {
@@ -175,6 +180,13 @@ impl Template {
             .collect();
         let labels = (entry_labels(src), entry_labels(dst));
         let (pieces, groups, pair_groups) = build_groups(&page_pairs, geometry, &labels.0)?;
+        let page_sizes = (src.context().page_size, dst.context().page_size);
+        let tokens = TokenTemplate::build(src, dst, &page_pairs, geometry, (&labels.0, &labels.1));
+        if page_sizes.0 != page_sizes.1
+            && let Err(problem) = &tokens
+        {
+            return Err(problem.clone());
+        }
         let bytes_per_page = pieces
             .iter()
             .try_fold(0u64, |acc, p| acc.checked_add(p.len))
@@ -207,6 +219,8 @@ impl Template {
             pair_groups,
             src_labels: labels.0,
             dst_labels: labels.1,
+            page_sizes,
+            tokens,
         })
     }
 
@@ -309,6 +323,9 @@ fn check_kind(
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
     let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
+    // Different tokens per page: paired page items differ in size by design (item = page size
+    // x token bytes); they must agree per token instead (module `tokens`).
+    let by_token = kind == EntryKind::Page && src.context().page_size != dst.context().page_size;
     src_entries
         .iter()
         .enumerate()
@@ -329,14 +346,18 @@ fn check_kind(
                     let d = dst_entries[j];
                     let (src_item_len, dst_item_len) =
                         (src.parts().item_lens[s], dst.parts().item_lens[d]);
-                    let problem = (src_item_len != dst_item_len).then(|| PlanError::SizeMismatch {
-                        layer: src.layer_label(s),
-                        role: src.role_label(s),
-                        src_entry: s,
-                        dst_entry: d,
-                        src_item_len,
-                        dst_item_len,
-                    });
+                    let problem = if by_token {
+                        crate::tokens::pair_problem(src, dst, &pair_spec(src, dst, s, d))
+                    } else {
+                        (src_item_len != dst_item_len).then(|| PlanError::SizeMismatch {
+                            layer: src.layer_label(s),
+                            role: src.role_label(s),
+                            src_entry: s,
+                            dst_entry: d,
+                            src_item_len,
+                            dst_item_len,
+                        })
+                    };
                     EntryCheck {
                         kind,
                         src_entry: s,
@@ -862,7 +883,7 @@ impl Template {
         })
     }
 
-    fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+    pub(crate) fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
         // Report the first position that breaks the first pair it does not fit.
         for pair in &self.emitting {
             let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
@@ -904,7 +925,7 @@ impl Template {
     }
 }
 
-fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
+pub(crate) fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
     // Only when the template asks for it: this is the one allocating check (16 bytes per
     // index, so its allocation may fail for a large request).
     let mut seen: Vec<(i64, usize)> = Vec::new();
