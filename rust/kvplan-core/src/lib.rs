@@ -28,4 +28,4 @@ pub use template::{
     EntryCheck, Fragment, Fragments, GeometryOptions, Group, PairSpec, Template, TemplateOptions,
     check_pairs,
 };
-pub use tokens::{TOKEN_CLASSES, TokenPiece, TokenShape, TokenTemplate};
+pub use tokens::{TOKEN_CLASSES, TokenPiece, TokenShape, TokenTemplate, needs_tokens};

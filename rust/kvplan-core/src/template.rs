@@ -136,6 +136,8 @@ pub struct Template {
     dst_labels: Vec<String>,
     /// Tokens per page on each side.
     pub(crate) page_sizes: (u64, u64),
+    /// Whole pages cannot be copied as they are (page sizes or memory orders differ).
+    pub(crate) by_token: bool,
     /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
     pub(crate) tokens: Result<TokenTemplate>,
 }
@@ -182,9 +184,8 @@ impl Template {
         let (pieces, groups, pair_groups) = build_groups(&page_pairs, geometry, &labels.0)?;
         let page_sizes = (src.context().page_size, dst.context().page_size);
         let tokens = TokenTemplate::build(src, dst, &page_pairs, geometry, (&labels.0, &labels.1));
-        if page_sizes.0 != page_sizes.1
-            && let Err(problem) = &tokens
-        {
+        let by_token = crate::tokens::needs_tokens(src, dst);
+        if by_token && let Err(problem) = &tokens {
             return Err(problem.clone());
         }
         let bytes_per_page = pieces
@@ -220,6 +221,7 @@ impl Template {
             src_labels: labels.0,
             dst_labels: labels.1,
             page_sizes,
+            by_token,
             tokens,
         })
     }
@@ -323,9 +325,9 @@ fn check_kind(
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
     let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
-    // Different tokens per page: paired page items differ in size by design (item = page size
-    // x token bytes); they must agree per token instead (module `tokens`).
-    let by_token = kind == EntryKind::Page && src.context().page_size != dst.context().page_size;
+    // Different tokens per page (or memory orders): paired page items differ in size by design
+    // (item = page size x token bytes); they must agree per token instead (module `tokens`).
+    let by_token = kind == EntryKind::Page && crate::tokens::needs_tokens(src, dst);
     src_entries
         .iter()
         .enumerate()

@@ -145,6 +145,12 @@ pub struct TokenShape {
     pub total_bytes: u64,
 }
 
+/// Whether whole pages cannot be copied as they are: the page sizes differ, or one side is
+/// token-major and the other head-major. Every page plan between such layouts is a token plan.
+pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
+    src.context().page_size != dst.context().page_size || memory_order(src) != memory_order(dst)
+}
+
 fn memory_order(layout: &Layout) -> MemoryOrder {
     layout
         .context()
@@ -428,6 +434,40 @@ fn breaks(class: usize, [(src_edge, src_step), (dst_edge, dst_step)]: [(bool, bo
     (src_edge && !(src_packed && src_step)) || (dst_edge && !(dst_packed && dst_step))
 }
 
+/// Blocks per piece class, segments and blocks of a request of `n` tokens over `src`/`dst`
+/// (pages in token order, at least `ceil(n / page size)` of each; values are not checked).
+fn count_blocks<S: PageIndex, D: PageIndex>(
+    tokens: &TokenTemplate,
+    src: &[S],
+    dst: &[D],
+    n: u64,
+) -> Result<([usize; TOKEN_CLASSES], usize, usize)> {
+    let sizes = (tokens.src_page_size, tokens.dst_page_size);
+    let mut class_blocks = [0usize; TOKEN_CLASSES];
+    let mut n_segments = 0usize;
+    for seg in segments(n, sizes) {
+        n_segments += 1;
+        let edges = edges(&seg, src, dst);
+        for (class, count) in class_blocks.iter_mut().enumerate().skip(1) {
+            *count += usize::from(seg.t == 0 || breaks(class, edges));
+        }
+    }
+    class_blocks[0] = usize::try_from(n).map_err(|_| PlanError::Overflow {
+        what: "block count",
+    })?;
+    let n_blocks = tokens
+        .class_pieces
+        .iter()
+        .zip(class_blocks)
+        .try_fold(0usize, |acc, (&pieces, blocks)| {
+            acc.checked_add(pieces.checked_mul(blocks)?)
+        })
+        .ok_or(PlanError::Overflow {
+            what: "block count",
+        })?;
+    Ok((class_blocks, n_segments, n_blocks))
+}
+
 /// The first position of `values` below 0 or at/above `limit`, as the error to report.
 fn check_pages<T: PageIndex>(
     template: &Template,
@@ -462,10 +502,10 @@ impl Template {
         self.tokens.as_ref().map_err(Clone::clone)
     }
 
-    /// Whether the two layouts have different tokens per page (every page plan is then a token
-    /// plan).
-    pub fn page_sizes_differ(&self) -> bool {
-        self.page_sizes.0 != self.page_sizes.1
+    /// Whether every page plan of this template is a token plan: the two layouts have
+    /// different tokens per page, or different memory orders ([`needs_tokens`]).
+    pub fn by_token(&self) -> bool {
+        self.by_token
     }
 
     /// Tokens per page of the source and destination layouts.
@@ -524,28 +564,7 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let mut class_blocks = [0usize; TOKEN_CLASSES];
-        let mut n_segments = 0usize;
-        for seg in segments(n, sizes) {
-            n_segments += 1;
-            let edges = edges(&seg, src, dst);
-            for (class, count) in class_blocks.iter_mut().enumerate().skip(1) {
-                *count += usize::from(seg.t == 0 || breaks(class, edges));
-            }
-        }
-        class_blocks[0] = usize::try_from(n).map_err(|_| PlanError::Overflow {
-            what: "block count",
-        })?;
-        let n_blocks = tokens
-            .class_pieces
-            .iter()
-            .zip(class_blocks)
-            .try_fold(0usize, |acc, (&pieces, blocks)| {
-                acc.checked_add(pieces.checked_mul(blocks)?)
-            })
-            .ok_or(PlanError::Overflow {
-                what: "block count",
-            })?;
+        let (class_blocks, n_segments, n_blocks) = count_blocks(tokens, src, dst, n)?;
         let total_bytes = n
             .checked_mul(tokens.bytes_per_token)
             .ok_or(PlanError::Overflow {
@@ -560,6 +579,28 @@ impl Template {
             n_blocks,
             total_bytes,
         })
+    }
+
+    /// Blocks of a token request of `n_tokens` tokens without planning it: pages consecutive
+    /// on both sides, or (`fragmented`) no two pages consecutive on either side. Returns
+    /// `(blocks, segments)`.
+    ///
+    /// # Errors
+    /// The template's token error; [`PlanError::OutOfMemory`] or [`PlanError::Overflow`] for
+    /// absurd counts.
+    pub fn token_blocks(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
+        let tokens = self.token_template()?;
+        let step = if fragmented { 2 } else { 1 };
+        let pages = |size: u64| -> Result<Vec<i64>> {
+            let n = usize::try_from(n_tokens.div_ceil(size))
+                .map_err(|_| PlanError::Overflow { what: "pages" })?;
+            let mut v = crate::error::try_vec(n, 0i64, "page list")?;
+            v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
+            Ok(v)
+        };
+        let (src, dst) = (pages(tokens.src_page_size)?, pages(tokens.dst_page_size)?);
+        let (_, segments, blocks) = count_blocks(tokens, &src, &dst, n_tokens)?;
+        Ok((blocks, segments))
     }
 
     /// Plans a token request into columns obtained from `make_output` once its size is known
