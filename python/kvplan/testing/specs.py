@@ -50,6 +50,8 @@ class PeerSpec:
     num_model_layers: int
     pp_rank: int = 0
     pp_size: int = 1
+    #: Tokens per page of the page entries (published in the layout's context).
+    page_size: int = 1
 
     @property
     def size(self) -> int:
@@ -94,7 +96,8 @@ def preset_peer(preset: ModelPreset, name: str, layers: Sequence[int], *, pages:
     for state in preset.state if linear else ():
         rows += [(i, state.name, "state", state.bytes_per_slot, state_slots) for i in linear]
     style = ("hybrid_" if preset.hybrid else "") + preset.attention
-    return PeerSpec(name, style, pack_entries(rows), preset.num_layers, pp_rank, pp_size)
+    return PeerSpec(name, style, pack_entries(rows), preset.num_layers, pp_rank, pp_size,
+                    page_size)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
 
     ents = spec.entries
     ctx: dict[str, Any] = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
-                               pp_size=spec.pp_size)
+                               pp_size=spec.pp_size, page_size=spec.page_size)
 
     def columns(es: Sequence[Entry]) -> tuple[list[int], list[int], list[int]]:
         return [base + e.offset for e in es], [e.nbytes for e in es], [e.item_len for e in es]
