@@ -302,7 +302,7 @@ fn token_bytes(
         (Side::Src, pair.src_entry, items.0, sizes.0),
         (Side::Dst, pair.dst_entry, items.1, sizes.1),
     ] {
-        if item % size != 0 {
+        if !item.is_multiple_of(size) {
             return Err(PlanError::TokenSize {
                 side,
                 entry,
@@ -358,7 +358,7 @@ fn head_bytes(
         let Some(g) = geometry else { continue };
         let heads = u64::from(g.heads_per_rank);
         let exact = order == MemoryOrder::Nhd || heads * g.head_bytes() == token_bytes;
-        if g.head_bytes() != head || !exact || token_bytes % head != 0 {
+        if g.head_bytes() != head || !exact || !token_bytes.is_multiple_of(head) {
             return Err(fail(side, entry, heads, g.head_bytes()));
         }
     }
@@ -843,8 +843,10 @@ mod tests {
     ) {
         let src = layout(0x1000, sizes.0, 16, orders.0, pads.0);
         let dst = layout(0x10_0000, sizes.1, 16, orders.1, pads.1);
-        let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let plan = t.plan_tokens(src_pages, dst_pages, n_tokens).unwrap();
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let plan = template
+            .plan_tokens(src_pages, dst_pages, n_tokens)
+            .unwrap();
         let n = n_tokens.unwrap_or_else(|| {
             (src_pages.len() as u64 * sizes.0).min(dst_pages.len() as u64 * sizes.1)
         });
@@ -869,15 +871,15 @@ mod tests {
         }
         let mut written = vec![false; dlen];
         for k in 0..plan.lengths.len() {
-            let (s, d, l) = (
+            let (s, d, len) = (
                 (plan.src_addrs[k] - sb) as usize,
                 (plan.dst_addrs[k] - db) as usize,
                 plan.lengths[k] as usize,
             );
-            assert!(l > 0);
-            assert!(written[d..d + l].iter().all(|w| !w), "byte written twice");
-            written[d..d + l].iter_mut().for_each(|w| *w = true);
-            got[d..d + l].copy_from_slice(&source[s..s + l]);
+            assert!(len > 0);
+            assert!(written[d..d + len].iter().all(|w| !w), "byte written twice");
+            written[d..d + len].iter_mut().for_each(|w| *w = true);
+            got[d..d + len].copy_from_slice(&source[s..s + len]);
         }
         assert_eq!(got, want);
         assert_eq!(plan.total_bytes, n * TOKEN * 4);
@@ -1024,11 +1026,11 @@ mod tests {
             pads in (prop::sample::select(vec![0u64, 0, 8]), prop::sample::select(vec![0u64, 0, 8])),
             src_gaps in prop::collection::vec(any::<bool>(), 16),
             dst_gaps in prop::collection::vec(any::<bool>(), 16),
-            frac in 0.0f64..=1.0,
+            per_mille in 0u64..=1000,
             given in any::<bool>(),
         ) {
             let max_tokens = (16 * ps).min(16 * pd).min(300);
-            let n = ((max_tokens as f64) * frac) as u64;
+            let n = max_tokens * per_mille / 1000;
             let src_pages = pages(n.div_ceil(ps) as usize, &src_gaps);
             let dst_pages = pages(n.div_ceil(pd) as usize, &dst_gaps);
             check((ps, pd), orders, pads, &src_pages, &dst_pages, given.then_some(n));
