@@ -285,7 +285,8 @@ def test_cross_layer_pool_addresses() -> None:
     assert pool.data_ptrs == [0x10000, 0x10010, 0x10030, 0x10040]
     assert pool.strides == [96] * 4 and pool.capacities == [10] * 4
     assert pool.roles == ["k", "v", "k", "v"] and pool.page_size == 16
-    per_layer = kvplan.Layout.mha([0x1000, 0x2000], [0x3000, 0x4000], [160, 160], [320, 320], 16, 32, [0, 1])
+    per_layer = kvplan.Layout.mha([0x1000, 0x2000], [0x3000, 0x4000], [160, 160], [320, 320], 16, 32, [0, 1],
+                                  page_size=16)
     t = kvplan.Template(per_layer, pool)
     plan = t.plan(np.array([0, 1]), np.array([4, 5]))
     # K of layer 0, page 4 of the pool: pool + 4 * 96.

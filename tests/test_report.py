@@ -177,7 +177,7 @@ def test_context_differences_are_warnings():
     report = kvplan.compare(src, dst)
     assert report.compatible == (template_outcome(src, dst)[1] is None)
     text = "\n".join(report.warnings)
-    assert "page sizes differ (prefill 16, decode 32 tokens per page)" in text
+    assert "page sizes differ (prefill 16, decode 32 tokens per page, ratio 1:2)" in text
     assert "devices differ (prefill npu, decode cuda)" in text
     assert "TP sizes differ (prefill 2, decode 4)" in text and "MLA latent" in text
     assert "decode PP size 4 is neither 1 nor the prefill's 2" in text

@@ -386,10 +386,24 @@ class Template:
     @property
     def pair_groups(self) -> _I64Array: ...
     def n_blocks_for(self, n_pages: int, n_runs: int = 1) -> int: ...
+    @property
+    def page_sizes(self) -> tuple[int, int]: ...
+    @property
+    def by_token(self) -> bool: ...
+    def n_token_blocks(self, n_tokens: int, *, fragmented: bool = False) -> int: ...
     def plan(
-        self, src_pages: _IndexArray, dst_pages: _IndexArray, *, out: _U64Array | None = None
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        n_tokens: int | None = None,
+        out: _U64Array | None = None,
     ) -> TransferPlan:
         """Plan the blocks that copy page ``src_pages[i]`` to ``dst_pages[i]`` for every pair.
+
+        When the layouts' page sizes differ, or ``n_tokens`` is given, both arrays are each
+        side's pages in token order and the plan copies the first ``n_tokens`` tokens (default:
+        the full pages of the shorter side) token by token.
 
         Raises:
             IndexBoundsError: An index is negative or not below its buffer's capacity.

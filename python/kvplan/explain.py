@@ -313,10 +313,15 @@ def explain(
             f"{','.join(f'S{k}' for k in range(len(prefills)))} (one value per stage, "
             f"in stage order)")
 
-    dst_pages, breaks = decode_pages(pages, fragmentation, seed)
     src_pages = np.arange(pages, dtype=np.int64)
-    _, _, run_lengths = kvplan.group_contiguous(src_pages, dst_pages)
     page_size = decode.page_size
+    # Different page sizes: ``pages`` prefill pages are a number of tokens, and the decode holds
+    # them in its own (fewer or more) pages; plans are token-exact (Template.plan, n_tokens).
+    src_size = prefills[0][1].page_size if prefills else page_size
+    dst_count = -(-pages * src_size // page_size) if src_size != page_size else pages
+    dst_pages, breaks = decode_pages(dst_count, fragmentation, seed)
+    _, _, run_lengths = kvplan.group_contiguous(np.arange(dst_count, dtype=np.int64), dst_pages)
+    page_size = src_size
     kv_per_layer: dict[int, int] = {}
     state_per_layer: dict[int, int] = {}
     stages: list[StageResult] = []
@@ -372,7 +377,7 @@ def explain(
         stages.append(StageResult(
             label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
             plan.n_runs, plan.n_blocks, plan.total_bytes, state_blocks, state_bytes, plan_us,
-            report, groups=template.n_groups, contiguous_blocks=template.n_blocks_for(pages, 1)))
+            report, groups=template.n_groups, contiguous_blocks=_contiguous_blocks(template, pages)))
 
     expl = Explanation(title, description, pages, page_size, fragmentation, breaks, stages,
                        [int(x) for x in run_lengths], kv_per_layer, state_per_layer, warnings,
@@ -463,12 +468,24 @@ def _layers_text(layout: Any, start: int | None = None) -> str:
     return text
 
 
+def _contiguous_blocks(template: Any, pages: int) -> int:
+    """Page blocks of the same request in one run (pages consecutive on both sides)."""
+    if template.by_token:  # different page sizes: count by the request's tokens
+        return int(template.n_token_blocks(pages * template.page_sizes[0]))
+    return int(template.n_blocks_for(pages, 1))
+
+
 def _plan_warnings(e: Explanation) -> list[str]:
     out: list[str] = []
     runs = len(e.run_lengths)
     page_blocks = sum(s.blocks for s in e.stages)
     contiguous = sum(s.contiguous_blocks for s in e.stages)
-    if runs > 1 and page_blocks > contiguous:
+    if runs > 1 and sum(e.run_lengths) != e.pages:
+        # Token plans (page sizes differ): the runs are the decode's pages, not the request's.
+        out.append(f"destination fragmented: {runs:,} runs over {sum(e.run_lengths):,} decode "
+                   f"pages; a token plan ends a block at every page edge that is not "
+                   f"consecutive on both sides")
+    elif runs > 1 and page_blocks > contiguous:
         what = "fully fragmented" if runs == e.pages else "fragmented"
         if page_blocks == runs * contiguous:
             out.append(f"destination {what}: {runs}× more blocks than contiguous "
@@ -559,7 +576,8 @@ def render(e: Explanation) -> str:
                      f"{e.max_blocks:,} blocks; planned in {plan_us:,.0f} µs")
 
     lines.append("")
-    lines.append(f"run lengths ({len(e.run_lengths):,} runs over {e.pages:,} pages):")
+    lines.append(f"run lengths ({len(e.run_lengths):,} runs over {sum(e.run_lengths):,} "
+                 f"{'pages' if sum(e.run_lengths) == e.pages else 'decode pages'}):")
     rows = histogram(e.run_lengths)
     top = max((r[1] for r in rows), default=0)
     lines.append(f"  {'length':>11}  {'runs':>7}  {'pages':>8}")
@@ -769,6 +787,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("--page-size", type=_int_arg(1), default=None,
                         help="tokens per page for presets, at least 1 (default 1, SGLang's "
                              "default); layout files carry their own")
+    parser.add_argument("--decode-page-size", type=_int_arg(1), default=None,
+                        help="tokens per decode page for presets, when it differs from the "
+                             "prefill's --page-size (plans are then token-exact; default: the "
+                             "same as --page-size)")
     parser.add_argument("--pp", type=_int_arg(1), default=None,
                         help="prefill PP stages for presets (default 1)")
     parser.add_argument("--pp-split", metavar="N,N,...", type=_int_list_arg(1, MAX_LAYERS, "20,28"),
@@ -819,8 +841,10 @@ def _check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--pp {args.pp} disagrees with --pp-split {_pp_text(args)} "
                              f"({len(args.pp_split)} stages)")
         return
-    given = [opt for opt, value in (("--page-size", args.page_size), ("--pp", args.pp),
-                                    ("--pp-split", args.pp_split), ("--layers", args.layers),
+    given = [opt for opt, value in (("--page-size", args.page_size),
+                                    ("--decode-page-size", args.decode_page_size),
+                                    ("--pp", args.pp), ("--pp-split", args.pp_split),
+                                    ("--layers", args.layers),
                                     ("--layout", getattr(args, "layout", None)))
              if value is not None]
     if given:
@@ -862,8 +886,15 @@ def _scenario(args: argparse.Namespace, cross_layer: bool = False
                                cross_layer=cross_layer))
                 for k, r in enumerate(splits)
             ]
-            decode = preset.layout(list(range(preset.num_layers)), page_size=page_size,
-                                   capacity=capacity, base=DECODE_BASE, cross_layer=cross_layer)
+            decode_size = args.decode_page_size or page_size
+            decode_capacity = capacity
+            if decode_size != page_size:
+                # The request's tokens in decode pages, plus the fragmentation gaps.
+                needed = -(-args.pages * page_size // decode_size)
+                decode_capacity = needed + round(args.fragmentation * (needed - 1))
+            decode = preset.layout(list(range(preset.num_layers)), page_size=decode_size,
+                                   capacity=decode_capacity, base=DECODE_BASE,
+                                   cross_layer=cross_layer)
         except (KvPlanError, OverflowError) as err:
             # Page size x pages sizes the synthetic pools; past 2**64 bytes of address space
             # the layout cannot be built.
@@ -872,8 +903,10 @@ def _scenario(args: argparse.Namespace, cross_layer: bool = False
                 f"({capacity:,} pages × {preset.kv_bytes_per_token * page_size:,} B per page) "
                 f"do not fit in a 64-bit address space ({_one_line(err)})") from None
         split_text = " | ".join(f"{r.start}–{r.stop - 1}" for r in splits)
+        sizes = (f"page_size {page_size}" if decode.page_size == page_size
+                 else f"page_size {page_size} prefill, {decode.page_size} decode")
         desc = (f"{preset.description}; prefill PP {pp} (layers {split_text}), decode PP 1, "
-                f"page_size {page_size}"
+                f"{sizes}"
                 + ("; cross-layer KV pools (state per layer)" if cross_layer else ""))
         title = f"{preset.name}" + (f" ({preset.num_layers} layers)" if args.layers else "")
         return title, desc, stages, decode

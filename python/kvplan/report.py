@@ -13,6 +13,7 @@ source of truth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -260,13 +261,17 @@ def _visible(layout: Layout, hide_page_ids: bool) -> list[_Entry]:
 def _stride_warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
     """Paired entries whose strides differ (e.g. per-layer buffers against a cross-layer pool)."""
     src_strides, dst_strides = src.strides, dst.strides
+    # Items of different page sizes differ by design; strides differ when their ratio to the
+    # item does (one side packed, the other not).
     differ = [(e, src_strides[e.src_index], dst_strides[e.dst_index]) for e in entries
-              if e.dst_index is not None and e.src_item_len > 0
-              and src_strides[e.src_index] != dst_strides[e.dst_index]
-              # Items of different sizes (heads re-sliced between TP sizes), each packed:
-              # their pages are per-page fragments anyway, said by the TP lines.
+              if e.dst_index is not None and e.src_item_len > 0 and e.dst_item_len is not None
+              # Items of different sizes (heads re-sliced between TP sizes, or different page
+              # sizes), each packed, are not a stride difference: the TP and page-size lines
+              # say what they cost.
               and not (src_strides[e.src_index] == e.src_item_len
-                       and dst_strides[e.dst_index] == e.dst_item_len)]
+                       and dst_strides[e.dst_index] == e.dst_item_len)
+              and src_strides[e.src_index] * e.dst_item_len
+              != dst_strides[e.dst_index] * e.src_item_len]
     if not differ:
         return []
     labels = "; ".join(f"{_label(e)} {a} vs {b} bytes" for e, a, b in differ[:8])
@@ -280,6 +285,8 @@ def _blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str
     """Block counts of a request of ``pages`` pages, coalesced and not."""
     if pages < 1:
         return []
+    if src.page_size != dst.page_size or _order(src) != _order(dst):
+        return _token_blocks(src, dst, pages, **options)
     lines = []
     for coalesce in (True, False):
         template = _core.Template(src, dst, coalesce=coalesce, **options)  # type: ignore[arg-type]
@@ -288,6 +295,36 @@ def _blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str
                else f"without coalescing ({_plural(template.n_groups, 'group')})")
         lines.append(f"{pages} pages {how}: {contiguous} blocks in one run, {scattered} blocks "
                      "with every page its own run")
+    return lines
+
+
+def _order(layout: Layout) -> str:
+    return layout.memory_order or "NHD"
+
+
+def _token_blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str]:
+    """What token-exact planning costs: blocks of a request of ``pages`` prefill pages."""
+    template = _core.Template(src, dst, **options)  # type: ignore[arg-type]
+    ps, pd = src.page_size, dst.page_size
+    tokens = pages * ps
+    g = math.gcd(ps, pd)
+    contiguous = template.n_token_blocks(tokens)
+    scattered = template.n_token_blocks(tokens, fragmented=True)
+    per_pair = template.n_pairs - template.emitting.count(False)
+    heads = ("; head-major (HND) items move one block per head per segment"
+             if "HND" in (_order(src), _order(dst)) else "")
+    lines = [
+        f"page size ratio prefill:decode = {ps}:{pd} ({ps // g}:{pd // g}); token plans in units "
+        f"of {g} token{'s' if g > 1 else ''}{heads}",
+        f"{tokens} tokens ({pages} prefill pages, {-(-tokens // pd)} decode pages): {contiguous} "
+        f"blocks with pages consecutive on both sides, {scattered} blocks with no two pages "
+        f"consecutive",
+    ]
+    # At equal page sizes, consecutive pages are one block per pair and scattered pages one per
+    # page of the larger page size: what the mismatch adds on top.
+    same = per_pair * -(-tokens // max(ps, pd))
+    lines.append(f"for comparison, packed per-layer buffers at one common page size of "
+                 f"{max(ps, pd)}: {per_pair} blocks consecutive, {same} scattered")
     return lines
 
 
@@ -472,8 +509,15 @@ def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck], hide: boo
 def _warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
     out: list[str] = []
     if src.page_size != dst.page_size:
+        g = math.gcd(src.page_size, dst.page_size)
         out.append(f"page sizes differ (prefill {src.page_size}, decode {dst.page_size} tokens "
-                   "per page): page index i names different tokens on the two peers")
+                   f"per page, ratio {src.page_size // g}:{dst.page_size // g}): plans are "
+                   "token-exact (Template.plan(src_pages, dst_pages, n_tokens=...) takes each "
+                   "side's pages in token order) and cost more blocks where pages are not "
+                   "consecutive; see blocks")
+    if _order(src) != _order(dst):
+        out.append(f"memory orders differ (prefill {_order(src)}, decode {_order(dst)}): plans "
+                   "are token-exact, one block per token per head")
     if src.device != dst.device:
         out.append(f"devices differ (prefill {src.device}, decode {dst.device}): the transfer "
                    "engine must reach both")

@@ -125,9 +125,12 @@ def _submit_kw(state: _PeerState, notif: bytes) -> dict[str, Any]:
 
 def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                   src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
-                  dst_slot: int | None, max_blocks: int | None, notif: bytes = b""
-                  ) -> dict[str, Any]:
+                  dst_slot: int | None, max_blocks: int | None, notif: bytes = b"",
+                  n_tokens: int | None = None) -> dict[str, Any]:
     """Plan this peer's part of one request with kvplan and write it to the decode peer.
+
+    ``n_tokens`` (or page sizes that differ between the peers) makes it a token plan: the page
+    arrays are each side's pages in token order (see ``Template.plan``).
 
     The decode layout arrives as wire bytes (what the bootstrap handshake carries); the
     template is built once per decode layout and reused, as a serving worker would. With
@@ -141,7 +144,8 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
         dst_layout = kvplan.Layout.from_bytes(dst_layout_wire)
         template = state.templates[dst_layout_wire] = kvplan.Template(state.layout, dst_layout)
     t1 = time.perf_counter()
-    plan = template.plan(np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
+    plan = template.plan(np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64),
+                         n_tokens=n_tokens)
     plans = [plan]
     if src_slot is not None and dst_slot is not None and len(template.state_pairs):
         plans.append(template.plan_state(src_slot, dst_slot))

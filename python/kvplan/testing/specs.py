@@ -77,6 +77,9 @@ class PeerSpec:
     num_model_layers: int
     pp_rank: int = 0
     pp_size: int = 1
+    #: Tokens per page of the page entries (published in the layout's context).
+    page_size: int = 1
+    #: Further layout-context keywords as (name, value) pairs (they win over page_size).
     context: tuple[tuple[str, Any], ...] = ()
 
     @property
@@ -143,14 +146,14 @@ def preset_peer(preset: ModelPreset, name: str, layers: Sequence[int], *, pages:
         pool = cross_layer_entries([(i, r, item) for i in kv for r in roles], pages)
         end = max((e.offset + e.nbytes for e in pool), default=0)
         return PeerSpec(name, "cross_layer", pool + pack_entries(states, start=end),
-                        preset.num_layers, pp_rank, pp_size)
+                        preset.num_layers, pp_rank, pp_size, page_size)
     if preset.attention == "mla":
         rows = [(i, "kv", "page", item, pages) for i in kv]
     else:
         rows = [(i, role, "page", item, pages) for role in ("k", "v") for i in kv]
     style = ("hybrid_" if preset.hybrid else "") + preset.attention
     return PeerSpec(name, style, pack_entries(rows + states), preset.num_layers, pp_rank,
-                    pp_size)
+                    pp_size, page_size)
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,8 @@ def build_layout(spec: PeerSpec, base: int, *, with_ids: bool = True) -> Any:
 
     ents = spec.entries
     ctx: dict[str, Any] = dict(num_model_layers=spec.num_model_layers, pp_rank=spec.pp_rank,
-                               pp_size=spec.pp_size, **dict(spec.context))
+                               pp_size=spec.pp_size, page_size=spec.page_size)
+    ctx.update(spec.context)
 
     def columns(es: Sequence[Entry]) -> tuple[list[int], list[int], list[int]]:
         return [base + e.offset for e in es], [e.nbytes for e in es], [e.item_len for e in es]

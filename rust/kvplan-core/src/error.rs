@@ -161,6 +161,53 @@ pub enum PlanError {
     /// anything being wrong with the process: it is reported, never an abort.
     #[error("cannot allocate {bytes} bytes for {what}")]
     OutOfMemory { what: &'static str, bytes: u128 },
+    /// Different tokens per page: an item that is not a whole number of tokens.
+    #[error(
+        "{side} entry {entry} ({label}): item_len {item_len} bytes is not a whole number of tokens of page_size {page_size}; token-exact planning needs item_len = page_size x bytes per token"
+    )]
+    TokenSize {
+        side: Side,
+        entry: usize,
+        label: String,
+        item_len: u64,
+        page_size: u64,
+    },
+    /// Different tokens per page: paired items that disagree on bytes per token.
+    #[error(
+        "bytes per token differ for {label}: src entry {src_entry} has item_len {src_item_len} for page_size {src_page_size}, dst entry {dst_entry} has item_len {dst_item_len} for page_size {dst_page_size}; paired items must hold the same bytes per token"
+    )]
+    TokenBytes {
+        label: String,
+        src_entry: usize,
+        dst_entry: usize,
+        src_item_len: u64,
+        src_page_size: u64,
+        dst_item_len: u64,
+        dst_page_size: u64,
+    },
+    /// A head-major (HND) item whose size disagrees with the published attention geometry.
+    #[error(
+        "{side} entry {entry} ({label}): {token_bytes} bytes per token do not match the attention geometry ({heads} heads per rank x {head_bytes} bytes per head); head-major items must hold exactly heads_per_rank x head_dim x dtype_size bytes per token, with the same head size on both sides"
+    )]
+    HeadLayout {
+        side: Side,
+        entry: usize,
+        label: String,
+        token_bytes: u64,
+        heads: u64,
+        head_bytes: u64,
+    },
+    /// A token request with fewer pages than its tokens need on one side.
+    #[error(
+        "n_tokens {n_tokens} needs {needed} {side} pages of {page_size} tokens, but {given} were given"
+    )]
+    TokenCount {
+        side: Side,
+        n_tokens: u64,
+        page_size: u64,
+        needed: u64,
+        given: usize,
+    },
     /// A template's geometry option (fragments) that does not fit its pairs.
     #[error("{what}")]
     Geometry { what: String },
@@ -209,9 +256,11 @@ impl PlanError {
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }
             | PlanError::InputChanged => ErrorClass::IndexBounds,
-            PlanError::SizeMismatch { .. } | PlanError::HeadMismatch { .. } => {
-                ErrorClass::SizeMismatch
-            }
+            PlanError::SizeMismatch { .. }
+            | PlanError::HeadMismatch { .. }
+            | PlanError::TokenSize { .. }
+            | PlanError::TokenBytes { .. }
+            | PlanError::HeadLayout { .. } => ErrorClass::SizeMismatch,
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }
@@ -221,6 +270,7 @@ impl PlanError {
             | PlanError::Overflow { .. }
             | PlanError::OutputTooSmall { .. }
             | PlanError::Geometry { .. }
+            | PlanError::TokenCount { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

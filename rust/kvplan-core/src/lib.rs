@@ -13,6 +13,7 @@ pub mod pairing;
 pub mod plan;
 pub mod runs;
 pub mod template;
+pub mod tokens;
 pub mod wire;
 
 pub use emit::Piece;
@@ -29,3 +30,4 @@ pub use template::{
     EntryCheck, Fragment, Fragments, GeometryOptions, Group, PairSpec, Template, TemplateOptions,
     check_pairs,
 };
+pub use tokens::{TOKEN_CLASSES, TokenPiece, TokenShape, TokenTemplate, needs_tokens};

@@ -9,6 +9,7 @@ use crate::layout::{EntryKind, Layout, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
 use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
 use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
+use crate::tokens::TokenTemplate;
 
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +140,12 @@ pub struct Template {
     dst_labels: Vec<String>,
     /// Head slicing between different TP sizes, when both layouts publish their geometry.
     heads: Option<HeadSlicing>,
+    /// Tokens per page on each side.
+    pub(crate) page_sizes: (u64, u64),
+    /// Whole pages cannot be copied as they are (page sizes or memory orders differ).
+    pub(crate) by_token: bool,
+    /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
+    pub(crate) tokens: Result<TokenTemplate>,
 }
 
 impl Template {
@@ -175,7 +182,7 @@ impl Template {
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
         // Checked by `check_pairs` above, so it succeeds here.
-        let heads = HeadSlicing::between(src, dst)?;
+        let heads = head_slicing(src, dst)?;
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
@@ -208,6 +215,12 @@ impl Template {
         } else {
             (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
         };
+        let page_sizes = (src.context().page_size, dst.context().page_size);
+        let tokens = TokenTemplate::build(src, dst, &page_pairs, geometry, (&labels.0, &labels.1));
+        let by_token = crate::tokens::needs_tokens(src, dst);
+        if by_token && let Err(problem) = &tokens {
+            return Err(problem.clone());
+        }
         let bytes_per_page = pieces
             .iter()
             .try_fold(0u64, |acc, p| acc.checked_add(p.len))
@@ -241,6 +254,9 @@ impl Template {
             src_labels: labels.0,
             dst_labels: labels.1,
             heads,
+            page_sizes,
+            by_token,
+            tokens,
         })
     }
 
@@ -311,6 +327,38 @@ impl Template {
     }
 }
 
+/// Head re-slicing between the two layouts (whole-page copies between different TP sizes).
+/// Token plans (different page sizes or memory orders) move every head of a token as it is, so
+/// there both ranks must hold the same heads: re-slicing heads and re-paging tokens in one plan
+/// is refused, naming both splits.
+fn head_slicing(src: &Layout, dst: &Layout) -> Result<Option<HeadSlicing>> {
+    if !crate::tokens::needs_tokens(src, dst) {
+        return HeadSlicing::between(src, dst);
+    }
+    let (sc, dc) = (src.context(), dst.context());
+    match (sc.attention, dc.attention) {
+        (Some(s), Some(d)) if s.heads_per_rank != d.heads_per_rank || sc.tp_size != dc.tp_size => {
+            Err(PlanError::HeadMismatch {
+                what: format!(
+                    "prefill TP {} x {} heads ({} tokens per page, {}) and decode TP {} x {} heads \
+                     ({} tokens per page, {}): re-slicing heads between TP sizes and re-paging \
+                     tokens (different page sizes or memory orders) in one plan is not \
+                     supported yet",
+                    sc.tp_size,
+                    s.heads_per_rank,
+                    sc.page_size,
+                    s.memory_order.as_str(),
+                    dc.tp_size,
+                    d.heads_per_rank,
+                    dc.page_size,
+                    d.memory_order.as_str()
+                ),
+            })
+        }
+        _ => Ok(None),
+    }
+}
+
 fn entry_labels(layout: &Layout) -> Vec<String> {
     (0..layout.n_entries())
         .map(|i| {
@@ -345,7 +393,7 @@ pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<
         pairing: options.pairing.for_state(),
         ..options
     };
-    let heads = HeadSlicing::between(src, dst);
+    let heads = head_slicing(src, dst);
     let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
     checks.extend(check_kind(
         src,
@@ -367,6 +415,9 @@ fn check_kind(
     let src_entries = src.entries_of_kind(kind);
     let dst_entries = dst.entries_of_kind(kind);
     let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
+    // Different tokens per page (or memory orders): paired page items differ in size by design
+    // (item = page size x token bytes); they must agree per token instead (module `tokens`).
+    let by_token = kind == EntryKind::Page && crate::tokens::needs_tokens(src, dst);
     src_entries
         .iter()
         .enumerate()
@@ -404,6 +455,9 @@ fn check_kind(
                     };
                     let problem = match (heads, kind) {
                         (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        _ if by_token => {
+                            crate::tokens::pair_problem(src, dst, &pair_spec(src, dst, s, d))
+                        }
                         (Ok(Some(_)), _) if src_item_len == 0 => None,
                         (Ok(Some(slicing)), EntryKind::Page) => slicing
                             .check_page_items(src_item_len, dst_item_len)
@@ -963,7 +1017,7 @@ impl Template {
         })
     }
 
-    fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+    pub(crate) fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
         // Report the first position that breaks the first pair it does not fit.
         for pair in &self.emitting {
             let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
@@ -1005,7 +1059,7 @@ impl Template {
     }
 }
 
-fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
+pub(crate) fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
     // Only when the template asks for it: this is the one allocating check (16 bytes per
     // index, so its allocation may fail for a large request).
     let mut seen: Vec<(i64, usize)> = Vec::new();

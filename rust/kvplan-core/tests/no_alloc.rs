@@ -62,3 +62,44 @@ fn plan_into_never_allocates() {
     assert_eq!(result.unwrap().1.n_blocks, capacity);
     assert_eq!(ALLOCATIONS.load(Relaxed), 0, "plan_into allocated");
 }
+
+#[test]
+fn plan_tokens_into_never_allocates() {
+    // Prefill pages of 16 tokens, decode pages of 64, fragmented on both sides.
+    let layers = 61usize;
+    let layout = |page_size: u64, base: u64| {
+        let ptrs: Vec<u64> = (0..layers as u64).map(|l| base * (l + 1)).collect();
+        let context = LayoutContext {
+            page_size,
+            ..LayoutContext::default()
+        };
+        let item = 1152 * page_size;
+        Layout::mla(
+            ptrs,
+            vec![item * 4096; layers],
+            vec![item; layers],
+            Some((0..layers as i64).collect()),
+            context,
+        )
+        .unwrap()
+    };
+    let template = Template::new(
+        &layout(16, 0x1_0000_0000),
+        &layout(64, 0x100_0000_0000),
+        TemplateOptions::default(),
+    )
+    .unwrap();
+    let src: Vec<i32> = (0..2048).rev().collect();
+    let dst: Vec<i64> = (0..512).map(|p| 2 * p).collect();
+    let capacity = 2048 * layers;
+    let mut storage = vec![0u64; 3 * capacity];
+
+    COUNTING.with(|c| c.set(true));
+    let result = template.plan_tokens_into(&src, &dst, Some(32_000), |_| {
+        Ok(Columns::from_flat(&mut storage, capacity))
+    });
+    COUNTING.with(|c| c.set(false));
+
+    assert_eq!(result.unwrap().1.n_blocks, 2000 * layers);
+    assert_eq!(ALLOCATIONS.load(Relaxed), 0, "plan_tokens_into allocated");
+}

@@ -367,9 +367,12 @@ fn geometry_differences_are_errors_naming_both_values() {
     };
     let dst = rank(&hnd, Side::Dst, 0, 0, 0x8000);
     let err = Template::new(&src.layout, &dst.layout, TemplateOptions::default()).unwrap_err();
+    // Different memory orders are planned token by token, which cannot re-slice heads too.
     assert_eq!(
         err.to_string(),
-        "head slicing: memory orders differ (prefill NHD, decode HND); heads can only be re-sliced between items of the same shape"
+        "head slicing: prefill TP 2 x 4 heads (4 tokens per page, NHD) and decode TP 4 x 2 heads \
+         (4 tokens per page, HND): re-slicing heads between TP sizes and re-paging tokens \
+         (different page sizes or memory orders) in one plan is not supported yet"
     );
     assert_eq!(err.class(), kvplan_core::ErrorClass::SizeMismatch);
 }

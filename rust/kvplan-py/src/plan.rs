@@ -191,6 +191,9 @@ pub(crate) struct BlockShape {
     pub(crate) pair_groups: Vec<Option<usize>>,
     /// Per entry pair: whether it owns its group's blocks.
     pub(crate) owner: Vec<bool>,
+    /// Per group, for token plans: its token pieces of each class (empty when the template
+    /// cannot plan by token).
+    pub(crate) token_groups: Vec<[usize; kvplan_core::TOKEN_CLASSES]>,
 }
 
 impl BlockShape {
@@ -206,10 +209,30 @@ impl BlockShape {
         for last in owners {
             owner[last] = true;
         }
+        let token_groups = template.token_template().map_or_else(
+            |_| Vec::new(),
+            |tokens| {
+                let groups = template.groups().iter();
+                groups
+                    .map(|g| {
+                        let mut classes = [0; kvplan_core::TOKEN_CLASSES];
+                        let (start, end) = (
+                            tokens.pair_pieces[g.first_pair].0,
+                            tokens.pair_pieces[g.last_pair].1,
+                        );
+                        for piece in &tokens.pieces[start..end] {
+                            classes[piece.class] += 1;
+                        }
+                        classes
+                    })
+                    .collect()
+            },
+        );
         Self {
             groups,
             pair_groups: template.pair_groups().to_vec(),
             owner,
+            token_groups,
         }
     }
 
@@ -231,6 +254,7 @@ impl BlockShape {
             groups,
             pair_groups,
             owner,
+            token_groups: Vec::new(),
         }
     }
 }
@@ -240,10 +264,19 @@ pub(crate) struct PairShape {
     pub(crate) shape: Arc<BlockShape>,
     pub(crate) runs: usize,
     pub(crate) pages: usize,
+    /// A token plan: blocks one piece of each class emits.
+    pub(crate) tokens: Option<[usize; kvplan_core::TOKEN_CLASSES]>,
 }
 
 impl PairShape {
     fn group_len(&self, group: usize) -> usize {
+        if let Some(blocks) = &self.tokens {
+            let classes = self.shape.token_groups[group].iter();
+            return classes
+                .zip(blocks)
+                .map(|(pieces, blocks)| pieces * blocks)
+                .sum();
+        }
         let (per_run, per_page) = self.shape.groups[group];
         per_run * self.runs + per_page * self.pages
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvplan_core::{
     Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex, PlanSummary, Template,
-    TemplateOptions,
+    TemplateOptions, TokenShape,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -159,6 +159,34 @@ impl IndexVisitor for PlanPooled<'_> {
 
 struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
 
+/// A token plan (different page sizes, or `n_tokens` given) into a pooled buffer.
+struct TokensPooled<'t>(&'t Template, Option<u64>);
+
+impl IndexVisitor for TokensPooled<'_> {
+    type Output = kvplan_core::Result<(FlatBuffer, TokenShape)>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_tokens_into(src, dst, self.1, |shape| {
+            Ok(FlatBuffer {
+                data: pool::take(shape.n_blocks.saturating_mul(3))?,
+                capacity: shape.n_blocks,
+            })
+        })
+    }
+}
+
+/// A token plan into the caller's `out=` columns.
+struct TokensInto<'t, 'o>(&'t Template, Option<u64>, Columns<'o>);
+
+impl IndexVisitor for TokensInto<'_, '_> {
+    type Output = kvplan_core::Result<TokenShape>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        let columns = self.2;
+        self.0
+            .plan_tokens_into(src, dst, self.1, move |_| Ok(columns))
+            .map(|(_, shape)| shape)
+    }
+}
+
 impl IndexVisitor for PlanInto<'_, '_> {
     type Output = kvplan_core::Result<PlanSummary>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
@@ -260,6 +288,29 @@ impl PyTemplate {
         self.inner.page_pairs().iter().map(|p| p.item_len).collect()
     }
 
+    /// Blocks of a token plan of `n_tokens` tokens, without planning it: pages consecutive on
+    /// both sides, or (`fragmented=True`) no two pages consecutive on either side.
+    #[pyo3(signature = (n_tokens, *, fragmented=false))]
+    fn n_token_blocks(&self, n_tokens: u64, fragmented: bool) -> PyResult<usize> {
+        let (blocks, _) = self
+            .inner
+            .token_blocks(n_tokens, fragmented)
+            .map_err(to_py_err)?;
+        Ok(blocks)
+    }
+
+    /// Whether every page plan is a token plan (page sizes or memory orders differ).
+    #[getter]
+    fn by_token(&self) -> bool {
+        self.inner.by_token()
+    }
+
+    /// Tokens per page of the prefill and decode layouts.
+    #[getter]
+    fn page_sizes(&self) -> (u64, u64) {
+        self.inner.page_sizes()
+    }
+
     /// Bytes moved per page index pair.
     #[getter]
     fn bytes_per_page(&self) -> u64 {
@@ -295,6 +346,14 @@ impl PyTemplate {
     /// sides), without planning it.
     #[pyo3(signature = (n_pages, n_runs=1))]
     fn n_blocks_for(&self, n_pages: usize, n_runs: usize) -> PyResult<usize> {
+        if self.inner.by_token() {
+            let (src, dst) = self.inner.page_sizes();
+            return Err(KvPlanError::new_err(format!(
+                "this template plans by token (prefill {src}, decode {dst} tokens per page, or \
+                 different memory orders): blocks depend on how the request's pages line up; \
+                 plan the request and read plan.n_blocks"
+            )));
+        }
         if n_runs > n_pages || (n_runs == 0 && n_pages > 0) {
             return Err(KvPlanError::new_err(format!(
                 "a request of {n_pages} pages has between {} and {n_pages} runs, got {n_runs}",
@@ -314,12 +373,17 @@ impl PyTemplate {
     /// arrays (borrowed, not copied; the GIL is released while planning). Without `out`, the
     /// plan's columns view one pooled buffer; with `out` (a C-contiguous `(3, M)` uint64 array
     /// not overlapping the inputs) they are views of its rows.
-    #[pyo3(signature = (src_pages, dst_pages, *, out=None))]
+    ///
+    /// Token plans: when the two layouts have different page sizes, or `n_tokens` is given, the
+    /// arrays are each side's pages in token order (lengths may differ) and the plan moves the
+    /// first `n_tokens` tokens (default: the full pages of the shorter side) token-exactly.
+    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, out=None))]
     fn plan<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
+        n_tokens: Option<u64>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PyTransferPlan> {
         let (src_array, dst_array) = (
@@ -331,6 +395,36 @@ impl PyTemplate {
             dst_array.as_slice("dst_pages")?,
         );
         let template = &self.inner;
+        if n_tokens.is_some() || template.by_token() {
+            let (columns, shape) = if let Some(out) = out {
+                let mut writable =
+                    writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
+                let capacity = writable.shape()[1];
+                let flat = writable.as_slice_mut()?;
+                let visitor = TokensInto(template, n_tokens, Columns::from_flat(flat, capacity));
+                let shape = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+                drop(writable);
+                let out = out.cast::<PyArray2<u64>>()?;
+                (out_columns(out, shape.n_blocks), shape)
+            } else {
+                let (buffer, shape) = visit_request(py, src, dst, TokensPooled(template, n_tokens))
+                    .map_err(to_py_err)?;
+                let columns = pooled_columns(py, buffer.data, buffer.capacity, shape.n_blocks)?;
+                (columns, shape)
+            };
+            return Ok(PyTransferPlan::new(
+                columns,
+                shape.n_blocks,
+                shape.n_segments,
+                shape.total_bytes,
+                PairShape {
+                    shape: Arc::clone(&self.page_shape),
+                    runs: shape.n_segments,
+                    pages: 0,
+                    tokens: Some(shape.class_blocks),
+                },
+            ));
+        }
         let (columns, summary) = if let Some(out) = out {
             let mut writable =
                 writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
@@ -361,6 +455,7 @@ impl PyTemplate {
                 shape: Arc::clone(&self.page_shape),
                 runs: summary.n_runs,
                 pages: summary.n_pages,
+                tokens: None,
             },
         ))
     }
@@ -384,6 +479,7 @@ impl PyTemplate {
                 shape: Arc::clone(&self.state_shape),
                 runs: 1,
                 pages: 0,
+                tokens: None,
             },
         ))
     }
