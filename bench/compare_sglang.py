@@ -733,6 +733,28 @@ def main():
     print(f"wrote {out_dir}/RESULTS.md and chart.png in {elapsed:.0f} s")
 
 
+#: The other benchmark records, each written by its own script with the command that made it.
+OTHER_RECORDS = [
+    "## Other benchmark records",
+    "",
+    "Each file names the command that produced it; numbers are medians of one run on this "
+    "2-core machine.",
+    "",
+    "- [plan-overhead.md](plan-overhead.md): per-call cost of a 61-block plan "
+    "(`bench/plan_overhead.py`).",
+    "- [cross-layer-results.md](cross-layer-results.md): per-layer vs cross-layer pools, blocks, "
+    "plan time and real Mooncake TCP transfers (`bench/cross_layer.py`).",
+    "- [tp-results.md](tp-results.md): prefill TP != decode TP, kvplan vs SGLang's "
+    "`send_kvcache_slice`, NHD vs HND blocks (`bench/tp_bench.py`).",
+    "- [pagesize-results.md](pagesize-results.md): different prefill/decode page sizes, blocks "
+    "and plan time (`bench/pagesize_bench.py`).",
+    "- [nixl-results.md](nixl-results.md): real NIXL (UCX) transfers, run-merged descriptors vs "
+    "the prepped one-per-page path (`bench/nixl_transfer.py`).",
+    "- [sglang-dropin.md](sglang-dropin.md): SGLang's manager methods, original vs patched by "
+    "`kvplan.compat.sglang.install` (`bench/sglang_dropin.py`).",
+]
+
+
 def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     have_kv = bool(rows) and "kvplan pooled" in rows[0]["med"]
     L = []
@@ -872,6 +894,8 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
              + ". Worked examples W-runs-basic, W-kv-fifo, W-mla-flat-plan, W-mha-halves-plan "
              "and W-mha-hybrid-stage1 of docs/semantics.md are re-checked at the start of every "
              "run.")
+    L.append("")
+    L.extend(OTHER_RECORDS)
     with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
         f.write("\n".join(L) + "\n")
 
