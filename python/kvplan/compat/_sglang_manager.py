@@ -33,7 +33,8 @@ DEFAULT_MAX_BLOCKS_PER_BATCH = 1024
 #: Methods :func:`install` replaces, per manager class name (a class inheriting from one of these
 #: gets the set of its nearest listed base).
 REPLACED_METHODS: dict[str, tuple[str, ...]] = {
-    "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
+    "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state",
+                          "send_kvcache_slice"),
     "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
 }
 
@@ -558,6 +559,141 @@ def _send_kvcache_generic(
     return _submit(self, mooncake_session_id, plan)
 
 
+def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
+                    dst_kv_item_len: int) -> dict[str, int]:
+    """The attention geometry SGLang's ``send_kvcache_slice`` derives from the manager: total KV
+    heads (``total_kv_head_num``, else ``kv_head_num * attn_tp_size``), both TP sizes and ranks
+    (modulo their sizes), the page size, and the bytes of one head of one token, which SGLang
+    takes from the decode's item (``dst_kv_item_len // page_size // dst_heads_per_rank``)."""
+    kv_args = manager.kv_args
+    heads = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
+    tp_p = int(manager.attn_tp_size)
+    if heads <= 0:
+        heads = int(kv_args.kv_head_num) * tp_p
+    tp_d = int(dst_attn_tp_size)
+    page = int(kv_args.page_size)
+    dst_hpr = max(1, heads // tp_d)
+    return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
+                r_d=int(dst_tp_rank) % tp_d, page=page, src_hpr=max(1, heads // tp_p),
+                dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
+
+
+def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: int,
+                    dst_ids: list[int] | None, g: dict[str, int]) -> Template:
+    """The head-sliced template of one ``send_kvcache_slice`` call (cached per decode peer).
+
+    Both layouts are NHD (token-major items, SGLang's MHA pools) with ``kv_heads``,
+    ``heads_per_rank``, ``head_dim`` = bytes per head and ``dtype_size`` = 1 (SGLang knows only
+    their product), the prefill's page size on both sides (the decode publishes none) and both
+    TP ranks. A prefill rank holding replicated heads is planned as the replica kvplan elects
+    for this decode rank (``r_p`` with ``r_p % R == r_d % R`` in the same group of ``R``
+    holders): it holds the same heads at the same offsets, so the bytes are this rank's own,
+    and every prefill rank SGLang's decode asks for its heads sends them, as in SGLang.
+    """
+    kv_args = manager.kv_args
+    src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
+    src_ids = _ids(getattr(kv_args, "kv_layer_ids", None))
+    pp_size = int(manager.pp_size)
+    start = int(kv_args.prefill_start_layer)
+    inputs: tuple[Any, ...] = (
+        src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_size, start,
+        tuple(sorted(g.items())), _decode_kv_layers(manager), list(kv_args.kv_data_lens))
+
+    def build() -> Template:
+        heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
+        replicas = max(1, tp_p // heads)
+        r_p = g["r_p"]
+        if replicas > 1:
+            r_p = r_p // replicas * replicas + r_d % replicas
+        geometry: dict[str, Any] = dict(page_size=g["page"], kv_heads=heads,
+                                        head_dim=g["head_bytes"], dtype_size=1,
+                                        memory_order="NHD")
+        n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+        src_lens = _kv_args_lens(kv_args, src_ptrs)
+        if src_ids or dst_ids:
+            src = Layout(src_ptrs, src_lens, items, src_ids, tp_rank=r_p, tp_size=tp_p,
+                         heads_per_rank=g["src_hpr"], **geometry)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst, dst_ids,
+                         tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
+            template = Template(src, dst, allow_positional_fallback=pp_size == 1)
+        else:
+            decode_layers = _decode_kv_layers(manager)
+            if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
+                decode_layers = n_dst // 2
+            src = Layout(src_ptrs, src_lens, items, tp_rank=r_p, tp_size=tp_p,
+                         heads_per_rank=g["src_hpr"], **geometry)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst,
+                         num_model_layers=decode_layers, tp_rank=r_d, tp_size=tp_d,
+                         heads_per_rank=g["dst_hpr"], **geometry)
+            template = Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+        if template.empty_reason is not None:
+            raise _core.PairingError(
+                f"send_kvcache_slice: prefill rank {g['r_p']} of TP {tp_p} has no KV heads for "
+                f"decode rank {r_d} of TP {tp_d}: {template.empty_reason} (SGLang would write "
+                "this rank's heads into the decode's slots of other heads)")
+        return template
+
+    return template_cache(manager).get(session, "slice", inputs, build)
+
+
+def send_kvcache_slice(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    dst_tp_rank: int,
+    dst_attn_tp_size: int,
+    dst_kv_item_len: int,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager.send_kvcache_slice`` (SGLang 0.5.23 signature).
+
+    Prefill and decode attention TP sizes differ (MHA): the KV heads this prefill rank and
+    decode rank ``dst_tp_rank`` have in common move as one block per token slot and entry pair
+    (maximal runs merged), planned by a head-sliced :class:`kvplan.Template` cached per decode
+    peer and submitted through ``self.engine`` in bounded batches. SGLang's two failure
+    statuses are kept (``-1`` with SGLang's log message): KV entries of different item lengths
+    when layer ids are published, and a head slice larger than the decode's token slot.
+
+    Differences from SGLang's method (which submits one executor task per layer pair and
+    derives every offset from the decode's item length):
+
+    * A prefill item length that is not ``page_size * heads_per_rank * head_bytes`` (the head
+      size SGLang derives from the decode's item), a decode item length not divisible that way,
+      or head and TP counts of which neither divides the other: ``SizeMismatchError`` /
+      ``LayoutError`` (SGLang truncates and reads or writes at wrong offsets).
+    * A prefill rank that holds none of the decode rank's heads: ``PairingError`` (SGLang writes
+      this rank's heads into the decode's slots for other heads).
+    * Page index arrays of different lengths: ``KvPlanError``; prefill pages outside
+      ``kv_data_lens``: ``IndexBoundsError`` (SGLang reads outside the buffer).
+    """
+    g = _slice_geometry(self, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len)
+    logger = _sglang_global(self, "send_kvcache_slice", "logger")
+    items = list(self.kv_args.kv_item_lens)
+    if (getattr(self.kv_args, "kv_layer_ids", None) or dst_layer_ids) and any(
+            n != items[0] for n in items):
+        logger.error(
+            f"[{mooncake_session_id}] head-sliced transfer assumes one item "
+            f"length for every KV entry, got {set(items)}")
+        return -1
+    num_heads = g["src_hpr"] if g["tp_p"] > g["tp_d"] else g["dst_hpr"]
+    slot = int(dst_kv_item_len) // g["page"]
+    if num_heads * g["head_bytes"] > slot:
+        logger.error(
+            f"[{mooncake_session_id}] slice size ({num_heads * g['head_bytes']}) exceeds "
+            f"target token slot size ({slot})")
+        return -1
+    template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),
+                               int(dst_kv_item_len), _ids(dst_layer_ids), g)
+    plan = _plan_pages(template, prefill_kv_indices, dst_kv_indices)
+    if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
+                                               None) != "INTRA_NODE_NVLINK":
+        return _submit_per_pair(self, mooncake_session_id, plan, executor)
+    return _submit(self, mooncake_session_id, plan)
+
+
 def _unified_memory(manager: Any) -> bool:
     get_memory = _sglang_global(manager, "_validate_envelope_kv_layout", "get_memory")
     return bool(get_memory().enable_unified_memory)
@@ -719,6 +855,7 @@ _DROPINS: dict[str, Callable[..., Any]] = {
     "_send_kvcache_generic": _dropin(_send_kvcache_generic),
     "send_kvcache": _dropin(send_kvcache),
     "_send_mamba_state": _dropin(_send_mamba_state),
+    "send_kvcache_slice": _dropin(send_kvcache_slice),
 }
 _ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(ascend_send_kvcache))
 
