@@ -662,8 +662,8 @@ def send_kvcache_slice(
 
     * A prefill item length that is not ``page_size * heads_per_rank * head_bytes`` (the head
       size SGLang derives from the decode's item), a decode item length not divisible that way,
-      or head and TP counts of which neither divides the other: ``SizeMismatchError`` /
-      ``LayoutError`` (SGLang truncates and reads or writes at wrong offsets).
+      or head and TP counts of which neither divides the other: ``SizeMismatchError`` (SGLang
+      truncates and reads or writes at wrong offsets).
     * A prefill rank that holds none of the decode rank's heads: ``PairingError`` (SGLang writes
       this rank's heads into the decode's slots for other heads).
     * Page index arrays of different lengths: ``KvPlanError``; prefill pages outside

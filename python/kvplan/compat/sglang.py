@@ -20,10 +20,15 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   PP 1 pairs entry ``i`` with decode entry ``i``. HiSparse raises ``NotImplementedError`` as SGLang.
 * ``_send_mamba_state``: state entries paired by layer id (positional fallback at PP 1), one
   block per pair from ``Template.plan_state``; SGLang's slot-size check kept.
+* ``MooncakeKVManager.send_kvcache_slice`` (prefill and decode attention TP sizes differ, MHA):
+  a head-sliced ``kvplan.Template`` (NHD items; total KV heads, heads per rank, head bytes,
+  page size and both TP sizes and ranks as SGLang derives them) per decode peer, one block per
+  token slot and entry pair with runs merged, submitted as above; SGLang's two ``-1`` statuses
+  are kept. A prefill rank holding replicated heads is planned as kvplan's elected replica
+  for that decode rank (same heads, same offsets), so every rank SGLang's decode asks sends.
 
-``send_kvcache_slice`` (TP-sliced MHA, prefill and decode attention TP sizes differ) is **not**
-replaced: kvplan has no TP head slicing yet, so SGLang's own method keeps running. Everything
-else (engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
+Everything else (``send_kvcache_dcp``, ``send_kvcache_staged``, ``_send_mamba_state_slice``,
+engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
 
 Differences from SGLang's methods, each where SGLang moves wrong bytes, drops bytes, or fails
 without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a ``ValueError``):
@@ -50,6 +55,13 @@ without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a
   ``LayoutError`` (SGLang divides with ``//`` and then fails with ``IndexError`` or ignores the
   extra buffer); a decode whose buffer count is not ``groups * (hidden_kv_layers +
   draft_kv_layers)`` raises ``LayoutError`` (SGLang's per-group offsets would be wrong).
+* ``send_kvcache_slice``: a prefill rank that holds none of the decode rank's heads is a
+  ``PairingError`` (SGLang writes its heads into the slots of other heads); a prefill item
+  that is not ``page_size * heads_per_rank * head_bytes`` (SGLang's head size, from the
+  decode's item), a decode item not divisible that way, or head and TP counts of which
+  neither divides the other, are ``SizeMismatchError`` / ``LayoutError`` (SGLang truncates and
+  reads or writes at wrong offsets); page lists of different lengths are ``KvPlanError`` and
+  prefill pages past the buffer ``IndexBoundsError``, as for ``send_kvcache``.
 * Engine calls: at most ``max_blocks_per_batch`` blocks per call (SGLang: one call per request,
   or per ``max_transfer_batch_indices`` pages); runs are maximal, so the block list may differ
   from SGLang's by merging, never in the bytes moved.
