@@ -3,7 +3,8 @@
 Both run on real manager instances of the wheel's classes (bench/sglang_loader.py) with the
 same inputs, including the engine submission to an engine whose ``batch_transfer_sync`` only
 keeps its arguments (so the time is planning plus handing lists to the engine). The byte maps of
-the two are checked equal before timing.
+the two are checked equal before timing. ``send_kvcache_slice`` (prefill TP != decode TP) is
+timed over ``--repeat`` / 10 calls.
 
     .venv/bin/python bench/sglang_dropin.py [--repeat 2000]
 """
@@ -90,6 +91,48 @@ def mamba_call(sg: Any, n_src: int, n_dst: int) -> tuple[Any, Callable[[], int]]
     return mgr, call
 
 
+class InlineExecutor:
+    """Runs each submitted call at once (SGLang's slice path submits one task per layer)."""
+
+    def submit(self, fn: Callable[..., int], *args: Any) -> Any:
+        import concurrent.futures
+
+        f: concurrent.futures.Future[int] = concurrent.futures.Future()
+        f.set_result(fn(*args))
+        return f
+
+
+SLICE = dict(layers=32, heads=8, head_bytes=256, page=16, pages=16)
+
+
+def slice_call(sg: Any, tp_p: int, r_p: int, tp_d: int, r_d: int
+               ) -> tuple[Any, Callable[[], int]]:
+    """``send_kvcache_slice`` of one request: 32-layer MHA, 8 KV heads of 256 bytes (head dim
+    128, bf16), page 16, 16 contiguous pages (256 tokens), NHD pools, layer ids published."""
+    L, H, hb, page, n = (SLICE[k] for k in ("layers", "heads", "head_bytes", "page", "pages"))
+    si, di = page * max(1, H // tp_p) * hb, page * max(1, H // tp_d) * hb
+    cap = 64
+    sptrs = [0x1_0000_0000 + e * si * cap for e in range(2 * L)]
+    dptrs = [0x9_0000_0000 + e * di * cap for e in range(2 * L)]
+    ids = list(range(L)) * 2
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=sptrs, kv_data_lens=[si * cap] * (2 * L), kv_item_lens=[si] * (2 * L),
+        kv_layer_ids=ids, page_size=page, total_kv_head_num=H, kv_head_num=max(1, H // tp_p),
+        engine_rank=r_p, prefill_start_layer=0)
+    mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=kv_args, engine=KeepLastEngine(),
+                            attn_tp_size=tp_p)
+    src = np.arange(3, 3 + n, dtype=np.int32)
+    dst = np.arange(20, 20 + n, dtype=np.int32)
+    ex = InlineExecutor()
+
+    def call() -> int:
+        mgr.engine.calls.clear()
+        return mgr.send_kvcache_slice(SESSION, src, dptrs, dst, r_d, tp_d, di, ex,
+                                      dst_layer_ids=ids)
+
+    return mgr, call
+
+
 def timed(call: Callable[[], int], repeat: int) -> float:
     for _ in range(min(50, repeat)):
         call()
@@ -135,6 +178,25 @@ def main() -> None:
     assert res[False][0] == res[True][0]
     rows.append(("hybrid Mamba state, 36 linear layers", "one slot", 1, 36, res[False][1],
                  res[True][1]))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_bench", os.path.join(HERE, "tp_bench.py"))
+    assert spec is not None and spec.loader is not None
+    tp_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_bench)
+    tp_bench.load_head_slicing(sg)  # compute_head_slice_params, from the wheel
+    for tp_p, r_p, tp_d, r_d in ((8, 5, 2, 1), (2, 1, 8, 5)):
+        res = {}
+        for on in (False, True):
+            with patched(sg.MooncakeKVManager, on):
+                mgr, call = slice_call(sg, tp_p, r_p, tp_d, r_d)
+                assert call() == 0
+                res[on] = (canonical(engine_blocks(mgr.engine.calls)),
+                           sum(len(c[1]) for c in mgr.engine.calls),
+                           timed(call, max(1, args.repeat // 10)))
+        assert res[False][0] == res[True][0]
+        rows.append((f"send_kvcache_slice, MHA TP {tp_p} -> {tp_d} (rank {r_p} -> {r_d})",
+                     "contiguous", SLICE["pages"], res[False][1], res[False][2], res[True][2]))
     print(f"SGLang {sg.version}, Python {platform.python_version()}, {platform.machine()}, "
           f"median of {args.repeat} calls")
     print("| request | pages | n pages | blocks | SGLang (us) | kvplan-patched (us) | ratio |")
