@@ -392,16 +392,14 @@ def overhead_breakdown() -> dict:
     one_pair = KvplanSide(build(dataclasses.replace(sc, layers=1)))
     t1, out1 = one_pair.template, one_pair.out
     fns = {
-        "template.plan(src, dst)": lambda: t.plan(s, d),
-        "template._plan(src, dst, None) (native call: 3 NumPy views of a pooled buffer)":
-            lambda: t._plan(s, d, None),
-        "template.plan(src, dst, out=buf)": lambda: t.plan(s, d, out=out),
-        "template._plan(src, dst, buf) (native call, no arrays created)":
-            lambda: t._plan(s, d, out),
-        "template._plan(src64, dst64, buf) (same with int64 pages: int32 is tried first)":
-            lambda: t._plan(s64, d64, out),
-        "template._plan(src64, dst64, buf) on a 1-layer template (fixed cost of a call)":
-            lambda: t1._plan(s64, d64, out1),
+        "template.plan(src, dst) (native: a TransferPlan viewing a pooled buffer)":
+            lambda: t.plan(s, d),
+        "template.plan(src, dst, out=buf) (views of the caller's rows)":
+            lambda: t.plan(s, d, out=out),
+        "template.plan(src64, dst64, out=buf) (int64 pages: int32 is tried first)":
+            lambda: t.plan(s64, d64, out=out),
+        "template.plan(src64, dst64, out=buf) on a 1-layer template (fixed cost of a call)":
+            lambda: t1.plan(s64, d64, out=out1),
         "kvplan._core.pool_stats() (trivial native call returning a 4-tuple: PyO3 floor)":
             kvplan._core.pool_stats,
         "kvplan.group_contiguous(src, dst) (runs only, 3 new int64 arrays)":
@@ -1035,29 +1033,24 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
     single = by.get("dsv3-single-61")
     if single and ovh:
         vals = list(ovh.values())
-        plan_ns, native_ns, out_ns, native_out_ns, native64_ns, one_ns, floor_ns = vals[:7]
-        per_pair = (native64_ns - one_ns) / 60
+        plan_ns, out_ns, out64_ns, one_ns, floor_ns = vals[:5]
+        per_pair = (out64_ns - one_ns) / 60
         prof = profs.get("call61") or []
         shares = {name: pct for pct, name in prof if ":" not in name}
         share_txt = ", ".join(f"{k} {v:.0f} %" for k, v in list(shares.items())[:3])
         L.append(
             f"**≤3 µs call overhead.** `template.plan()` on 61 blocks: "
             f"{fmt_ns(single['med']['kvplan pooled'])} in the interleaved run, "
-            f"{fmt_ns(plan_ns)} in the isolated loop (breakdown above). The native call alone "
-            f"(`_plan`, returns three NumPy views) takes {fmt_ns(native_ns)}, "
-            f"{fmt_ns(native_out_ns)} into `out=` (no arrays created). Splitting the latter: a "
-            f"trivial PyO3 call costs {fmt_ns(floor_ns)}; the same call on a 1-layer template "
-            f"costs {fmt_ns(one_ns)} (argument extraction and dtype checks of three arrays, "
-            "rust-numpy's dynamic borrow tracking, the 16-page scan); "
-            f"each further entry pair adds ≈{per_pair:.0f} ns (it emits one block). The Python "
-            f"`TransferPlan` (a tuple subclass built from the native call's one return value) "
-            f"adds {fmt_ns(max(plan_ns - native_ns, 0))}; the `out=` path "
-            f"is slower ({fmt_ns(out_ns)}) because it slices three row views in Python. "
-            + (f"Profile: {share_txt}. " if share_txt else "")
-            + "What would close the rest: a native plan object whose column views are "
-            "created on first access (three NumPy arrays per call are most of the native "
-            f"call); int64 pages take {fmt_ns(native64_ns)} vs {fmt_ns(native_out_ns)} for "
-            "int32 (int32, SGLang's dtype, is recognised first).")
+            f"{fmt_ns(plan_ns)} in the isolated loop (breakdown above); "
+            f"{fmt_ns(out_ns)} into `out=`. `Template.plan` is the native method and "
+            "`TransferPlan` a native object built in one step (its three NumPy column views "
+            "over a pooled buffer or the caller's rows). Splitting the `out=` call: a trivial "
+            f"PyO3 call costs {fmt_ns(floor_ns)}; the same call on a 1-layer template costs "
+            f"{fmt_ns(one_ns)} (argument extraction and dtype checks, rust-numpy's borrow "
+            f"tracking, the 16-page scan, the plan object); each further entry pair adds "
+            f"≈{per_pair:.0f} ns (it emits one block). int64 pages take {fmt_ns(out64_ns)} vs "
+            f"{fmt_ns(out_ns)} for int32 (int32, SGLang's dtype, is recognised first). "
+            + (f"Profile: {share_txt}." if share_txt else ""))
         L.append("")
     em = emission_estimate(rows)
     if em:

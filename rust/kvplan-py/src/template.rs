@@ -52,6 +52,26 @@ fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fragments> {
     )))
 }
 
+/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the shorthand
+/// keywords that build one.
+fn template_options(
+    pairing: Option<&Bound<'_, PyAny>>,
+    allow_positional_fallback: Option<bool>,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+    check_dst_overlap: bool,
+) -> PyResult<TemplateOptions> {
+    Ok(TemplateOptions {
+        pairing: resolve_pairing(
+            pairing,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+        )?,
+        check_dst_overlap,
+    })
+}
+
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
 /// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
 type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
@@ -69,15 +89,13 @@ pub fn check_pairs(
     prefill_start_layer: Option<usize>,
     legacy_kind: Option<&str>,
 ) -> PyResult<Vec<EntryCheckRow>> {
-    let options = TemplateOptions {
-        pairing: resolve_pairing(
-            pairing,
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
-        )?,
-        check_dst_overlap: false,
-    };
+    let options = template_options(
+        pairing,
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind,
+        false,
+    )?;
     let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
     Ok(checks
         .into_iter()
@@ -213,15 +231,13 @@ impl PyTemplate {
         fragments: Option<&Bound<'_, PyAny>>,
         coalesce: bool,
     ) -> PyResult<Self> {
-        let options = TemplateOptions {
-            pairing: resolve_pairing(
-                pairing,
-                allow_positional_fallback,
-                prefill_start_layer,
-                legacy_kind,
-            )?,
+        let options = template_options(
+            pairing,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
             check_dst_overlap,
-        };
+        )?;
         let geometry = GeometryOptions {
             fragments: fragments_arg(fragments)?,
             coalesce,
