@@ -526,11 +526,11 @@ def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> Non
     assert res["batches"] == -(-res["blocks"] // 7)  # the explicit bound was honoured
 
 
-def _raw_pair():
+def _raw_pair(pages: int = 64):
     from kvplan.testing import PeerSpec, pack_entries
 
-    decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", 4096, 64)]), 1)
-    prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", 4096, 64)]), 1)
+    decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", 4096, pages)]), 1)
+    prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", 4096, pages)]), 1)
     return decode, prefill
 
 
@@ -624,12 +624,36 @@ def test_fault_destination_outside_registered_region(mooncake_env: None) -> None
                                       c.arenas["prefill"].array[:4096])
 
 
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Returns once every thread of ``pid`` is in the stopped state ("T" in /proc)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    # The state follows the parenthesised command name.
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just exited
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} did not stop within {timeout} s (thread states {states})",
+                        pytrace=False)
+        time.sleep(0.01)
+
+
 @mooncake
 def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
     """A stopped (not dead) decode process: the engine gives up after MC_TRANSFER_TIMEOUT=5 s."""
     from peers import cluster
 
-    decode, prefill = _raw_pair()
+    # 128 MiB: more than the loopback socket buffers can hold (Linux lets a receive buffer grow
+    # to 32 MiB by default), so the write cannot complete into the kernel while the receiver is
+    # stopped.
+    size = 128 << 20
+    decode, prefill = _raw_pair(size // 4096)
     with cluster(decode, [prefill]) as c:
         d = c.peers["decode"]
         c.peers["prefill"].call("submit_raw", d.session, [0], [d.base], [4096], timeout=30)
@@ -637,9 +661,12 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         try:
+            # kill() returns before the signal is acted on: wait until every thread of the
+            # decode process is stopped, or a busy machine lets it receive this very transfer.
+            _wait_stopped(pid)
             t0 = time.monotonic()
             with pytest.raises(TransferError) as info:
-                c.peers["prefill"].call("submit_raw", d.session, [0], [d.base], [1 << 18],
+                c.peers["prefill"].call("submit_raw", d.session, [0], [d.base], [size],
                                         timeout=40)
             elapsed = time.monotonic() - t0
         finally:
