@@ -59,6 +59,16 @@ struct Plane {
     plane: u64, // 0 = K, 1 = V (MLA: 0)
 }
 
+/// The entries of a rank's pool in layout order: one latent plane per layer (MLA), or every
+/// layer's K plane, then every layer's V plane (MHA).
+fn planes_of(layers: &[u32], mla: bool) -> Vec<Plane> {
+    let planes: &[u64] = if mla { &[0] } else { &[0, 1] };
+    planes
+        .iter()
+        .flat_map(|&plane| layers.iter().map(move |&layer| Plane { layer, plane }))
+        .collect()
+}
+
 fn layers_of(stage: u32, pp: u32) -> Vec<u32> {
     let per = LAYERS / pp;
     (stage * per..(stage + 1) * per).collect()
@@ -97,16 +107,7 @@ fn rank(case: &Case, side: Side, tp_rank: u32, stage: u32, base: u64) -> Rank {
     let per_rank = split.heads_per_rank(side);
     let item = TOKENS * u64::from(per_rank) * HEAD_BYTES;
     let layers = layers_of(stage, pp);
-    let planes: Vec<Plane> = if case.mla {
-        layers
-            .iter()
-            .map(|&layer| Plane { layer, plane: 0 })
-            .collect()
-    } else {
-        (0..2)
-            .flat_map(|plane| layers.iter().map(move |&layer| Plane { layer, plane }))
-            .collect()
-    };
+    let planes = planes_of(&layers, case.mla);
     let entry_len = item * PAGES;
     let n = planes.len() as u64;
     let ptrs: Vec<u64> = (0..n).map(|e| base + e * entry_len).collect();
@@ -288,16 +289,7 @@ fn fill_expected(case: &Case, split: &TpSplit, r_d: u32, stage: u32, want: &mut 
     let per = split.heads_per_rank(Side::Dst);
     let item = TOKENS * u64::from(per) * HEAD_BYTES;
     let layers = layers_of(stage, case.pp_d);
-    let planes: Vec<Plane> = if case.mla {
-        layers
-            .iter()
-            .map(|&layer| Plane { layer, plane: 0 })
-            .collect()
-    } else {
-        (0..2)
-            .flat_map(|plane| layers.iter().map(move |&layer| Plane { layer, plane }))
-            .collect()
-    };
+    let planes = planes_of(&layers, case.mla);
     let entry_len = item * PAGES;
     for (e, p) in planes.iter().enumerate() {
         for (i, &page) in DST_PAGES.iter().enumerate() {
