@@ -134,3 +134,28 @@ def assert_decode_bytes(got: np.ndarray, expected: np.ndarray, decode: PeerSpec)
         pytest.fail(f"{bad.size} wrong bytes in the decode arena; first at offset {off} ({where}):"
                     f" got {int(got[off]):#04x}, expected {int(expected[off]):#04x}"
                     f" (sentinel {SENTINEL:#04x})", pytrace=False)
+
+
+def raw_pair(pages: int = 64, item: int = 4096) -> tuple[PeerSpec, PeerSpec]:
+    """Decode and prefill peers of one plain buffer each (engine-level tests, no layout)."""
+    from kvplan.testing import pack_entries
+
+    entries = pack_entries([(0, "kv", "page", item, pages)])
+    return PeerSpec("decode", "raw", entries, 1), PeerSpec("prefill", "raw", entries, 1)
+
+
+def mha_k_v_case() -> tuple[PeerSpec, PeerSpec, np.ndarray, np.ndarray]:
+    """MHA peers whose K and V items differ in width (e.g. 192- vs 128-dim heads; 4 layers, K
+    entries then V entries, 48 pages) and a request of 30 permuted source pages onto
+    fragmented destination pages: ``(decode, prefill, src_pages, dst_pages)``."""
+    from kvplan.presets import fragmented_pages
+    from kvplan.testing import pack_entries
+
+    rows = [(i, role, "page", item, 48) for role, item in (("k", 768), ("v", 512))
+            for i in range(4)]
+    decode = PeerSpec("decode", "mha", pack_entries(rows), 4)
+    prefill = PeerSpec("prefill", "mha", pack_entries(rows), 4)
+    rng = np.random.default_rng(3)
+    src_pages = rng.permutation(48)[:30].astype(np.int64)
+    dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
+    return decode, prefill, src_pages, dst_pages

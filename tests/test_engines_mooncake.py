@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from kvplan.engines import MooncakeTransport, TransferError, TransferStats, merge_regions
-from kvplan import PlanBatch
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
+
+from peers import raw_pair
 
 # ---------------------------------------------------------------------------------------------
 # A stand-in with Mooncake's signatures whose crash sites raise instead
@@ -502,17 +503,9 @@ def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> Non
 
 @mooncake
 def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> None:
-    from kvplan.testing import PeerSpec, pack_entries
-    from peers import assert_decode_bytes, cluster, expected_decode
+    from peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
 
-    # K and V of different widths (e.g. 192- vs 128-dim heads), K entries then V entries.
-    rows = [(i, role, "page", item, 48) for role, item in (("k", 768), ("v", 512))
-            for i in range(4)]
-    decode = PeerSpec("decode", "mha", pack_entries(rows), 4)
-    prefill = PeerSpec("prefill", "mha", pack_entries(rows), 4)
-    rng = np.random.default_rng(3)
-    src_pages = rng.permutation(48)[:30].astype(np.int64)
-    dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
+    decode, prefill, src_pages, dst_pages = mha_k_v_case()
     with cluster(decode, [prefill]) as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
@@ -526,21 +519,13 @@ def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> Non
     assert res["batches"] == -(-res["blocks"] // 7)  # the explicit bound was honoured
 
 
-def _raw_pair(pages: int = 64):
-    from kvplan.testing import PeerSpec, pack_entries
-
-    decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", 4096, pages)]), 1)
-    prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", 4096, pages)]), 1)
-    return decode, prefill
-
-
 @mooncake
 def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -> None:
     """3,000 blocks in one plan: more than Mooncake TCP accepts per call (~2,048), so only the
     default 1,024-block batching makes this work."""
     from peers import assert_decode_bytes, cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     n, size = 3000, 64
     rng = np.random.default_rng(5)
     dst_slots = rng.permutation(decode.size // size)[:n]
@@ -562,7 +547,7 @@ def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -
 def test_async_submit_moves_bytes(mooncake_env: None) -> None:
     from peers import cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     with cluster(decode, [prefill]) as c:
         d = c.peers["decode"]
         n = 64
@@ -604,7 +589,7 @@ def test_fault_decode_gone_before_submit(mooncake_env: None) -> None:
 def test_fault_destination_outside_registered_region(mooncake_env: None) -> None:
     from peers import assert_decode_bytes, cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     with cluster(decode, [prefill]) as c:
         d = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
@@ -653,7 +638,7 @@ def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
     # to 32 MiB by default), so the write cannot complete into the kernel while the receiver is
     # stopped.
     size = 128 << 20
-    decode, prefill = _raw_pair(size // 4096)
+    decode, prefill = raw_pair(size // 4096)
     with cluster(decode, [prefill]) as c:
         d = c.peers["decode"]
         c.peers["prefill"].call("submit_raw", d.session, [0], [d.base], [4096], timeout=30)

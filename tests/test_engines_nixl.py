@@ -20,6 +20,8 @@ import kvplan
 from kvplan import PlanBatch, TransferError
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 
+from peers import raw_pair
+
 pytestmark = pytest.mark.nixl
 
 
@@ -343,16 +345,9 @@ def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
 
 
 def test_mha_k_then_v_with_different_item_lengths() -> None:
-    from kvplan.testing import PeerSpec, pack_entries
-    from peers import assert_decode_bytes, cluster, expected_decode
+    from peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
 
-    rows = [(i, role, "page", item, 48) for role, item in (("k", 768), ("v", 512))
-            for i in range(4)]
-    decode = PeerSpec("decode", "mha", pack_entries(rows), 4)
-    prefill = PeerSpec("prefill", "mha", pack_entries(rows), 4)
-    rng = np.random.default_rng(3)
-    src_pages = rng.permutation(48)[:30].astype(np.int64)
-    dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
+    decode, prefill, src_pages, dst_pages = mha_k_v_case()
     with cluster(decode, [prefill], engine="nixl") as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
@@ -366,18 +361,10 @@ def test_mha_k_then_v_with_different_item_lengths() -> None:
     assert res["batches"] == -(-res["blocks"] // 7)
 
 
-def _raw_pair(capacity: int = 64, item: int = 4096) -> Any:
-    from kvplan.testing import PeerSpec, pack_entries
-
-    decode = PeerSpec("decode", "raw", pack_entries([(0, "kv", "page", item, capacity)]), 1)
-    prefill = PeerSpec("prefill", "raw", pack_entries([(0, "kv", "page", item, capacity)]), 1)
-    return decode, prefill
-
-
 def test_async_submit_moves_bytes() -> None:
     from peers import cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:
         d = c.peers["decode"]
         n = 64
@@ -400,7 +387,7 @@ def test_fault_decode_killed_mid_transfer() -> None:
     from peers import cluster
 
     n, item = 65536, 4096
-    decode, prefill = _raw_pair(n, item)
+    decode, prefill = raw_pair(n, item)
     with cluster(decode, [prefill], engine="nixl") as c:
         d, p = c.peers["decode"], c.peers["prefill"]
         offs = np.arange(n, dtype=np.uint64) * np.uint64(item)
@@ -430,7 +417,7 @@ def test_fault_decode_killed_mid_transfer() -> None:
 def test_fault_destination_outside_registered_memory_then_a_good_transfer() -> None:
     from peers import assert_decode_bytes, cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:
         d, p = c.peers["decode"], c.peers["prefill"]
         before = c.arenas["decode"].array.copy()
@@ -451,7 +438,7 @@ def test_fault_destination_outside_registered_memory_then_a_good_transfer() -> N
 def test_fault_unknown_peer() -> None:
     from peers import cluster
 
-    decode, prefill = _raw_pair()
+    decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:
         d, p = c.peers["decode"], c.peers["prefill"]
         t0 = time.monotonic()
