@@ -1,6 +1,6 @@
 """Hypothesis profiles: the test suite is deterministic; random exploration is a separate command.
 
-- ``deterministic`` (the default, and what CI runs): every hypothesis test draws its examples from
+- ``deterministic`` (the default, and the only profile allowed when ``CI=true``): every hypothesis test draws its examples from
   a seed derived from the test itself (``derandomize=True``) and reads no example database, so the
   same code gives the same verdict on every run and every machine.
 - ``explore`` (selected by ``KVPLAN_HYPOTHESIS_PROFILE=explore``, which ``scripts/fuzz`` sets):
@@ -35,6 +35,10 @@ if PROFILE not in ("deterministic", "explore"):
     raise RuntimeError(
         f"KVPLAN_HYPOTHESIS_PROFILE must be 'deterministic' or 'explore', got {PROFILE!r}"
     )
+if PROFILE == "explore" and os.environ.get("CI", "").lower() == "true":
+    # CI's verdict must not depend on the draw: random search is a separate command.
+    raise RuntimeError("KVPLAN_HYPOTHESIS_PROFILE=explore is refused when CI=true; "
+                       "CI runs the deterministic profile (random search: scripts/fuzz)")
 settings.load_profile(PROFILE)
 
 
