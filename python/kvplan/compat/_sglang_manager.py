@@ -372,7 +372,7 @@ def _legacy_mla(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
                 f"prefill has {n_src} KV buffers in {groups} groups with {src_draft} draft "
                 "layers per group: the buffers do not split into those groups")
         src = Layout(src_ptrs, src_lens, items, roles=src_roles)
-        pairs = _role_slice_pairs(src_roles, dst_roles, start)
+        pairs = _partners(src, Layout(dst_ptrs, _unbounded(dst_ptrs), 0, roles=dst_roles), start)
         dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                      roles=dst_roles)
         return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
@@ -389,25 +389,13 @@ def _is_last_rank(manager: Any) -> bool:
     return bool(get_parallel().pp_group.is_last_rank)
 
 
-def _role_slice_pairs(src_roles: list[str], dst_roles: list[str], start: int) -> Any:
-    """Per-role legacy slicing (what ``Template`` does when both peers publish roles): used
-    only to derive the decode item lengths before the template is built."""
-    by_role: dict[str, list[int]] = {}
-    for j, r in enumerate(dst_roles):
-        by_role.setdefault(r, []).append(j)
-    seen: dict[str, int] = {}
-    out = []
-    counts: dict[str, int] = {}
-    for r in src_roles:
-        counts[r] = counts.get(r, 0) + 1
-    for i, r in enumerate(src_roles):
-        k = seen.get(r, 0)
-        seen[r] = k + 1
-        dst = by_role.get(r, [])
-        offset = len(dst) - counts[r] if r.startswith("draft") else start
-        pos = offset + k
-        if 0 <= offset and pos < len(dst):
-            out.append((i, dst[pos]))
+def _partners(src: Layout, dst_probe: Layout, start: int) -> Any:
+    """``(n, 2)`` (prefill entry, decode entry) pairs exactly as the template built below pairs
+    them (the core's per-role legacy slicing), from a decode layout whose item lengths are not
+    known yet: used only to derive those lengths. Entries without a partner are left out; the
+    template reports them."""
+    rows = _core.check_pairs(src, dst_probe, prefill_start_layer=start, legacy_kind="mla")
+    out = [(i, j) for _, i, j, _ in rows if j is not None]
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
