@@ -150,6 +150,24 @@ def test_qwen3_next_ascend_legacy_with_state_ids(capsys):
     assert f"({49_152 + 2_097_152:,} B) each" in out
 
 
+def _state_peer(base: int) -> kvplan.Layout:
+    """One MLA page entry (layer 0) and state entries for layers 0 (elided, item_len 0) and 1."""
+    layout = kvplan.Layout([base], [64 * 1152], 1152, [0], ["kv"], page_size=1)
+    return layout.with_state("conv", [base + (1 << 24), base + (2 << 24)], [64, 64], [0, 16],
+                             [0, 1])
+
+
+def test_state_bytes_are_booked_to_their_own_layer_when_a_state_pair_is_elided():
+    # The elided layer-0 state pair emits no block; layer 1's 16-byte block is its own.
+    src, dst = _state_peer(0x10_0000_0000), _state_peer(0x90_0000_0000)
+    e = explain.explain([("prefill", src)], dst, title="t", pages=4)
+    assert e.state_bytes_per_layer == {0: 0, 1: 16}
+    assert e.kv_bytes_per_layer == {0: 4 * 1152}
+    text = explain.render(e)
+    assert "16 B each: layers 1 (1 layer)" in text
+    assert "0 B each: layers 0 (1 layer)" in text
+
+
 def test_json_layouts_round_trip(capsys, tmp_path):
     rc, first, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pp", "2", "--pages", "64",
                            "--fragmentation", "0.25", "--write-layouts", str(tmp_path))

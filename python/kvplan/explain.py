@@ -354,26 +354,27 @@ def explain(
         plan = template.plan(src_pages, dst_pages)
         plan_us = (time.perf_counter() - t0) * 1e6
         layer_of = _layer_keys(src, decode, choice.legacy_kind, start)
-        lengths = plan.lengths
-        offsets = plan.pair_offsets
-        item_lens = src.item_lens
-        emitting = sum(1 for i, _ in template.pairs.tolist() if item_lens[i] > 0)
-        coalesced = template.n_groups < emitting
-        for p, (i, j) in enumerate(template.pairs.tolist()):
+        per_pair_plan = plan
+        if template.n_groups < sum(template.emitting):
+            # A coalesced group's blocks span several layers and belong to its last pair; the
+            # same request planned without coalescing gives every layer its own blocks.
+            per_pair_plan = choice.template(src, decode, prefill_start_layer=start,
+                                            coalesce=False).plan(src_pages, dst_pages)
+        for (i, j), nbytes in zip(template.pairs.tolist(), _pair_bytes(per_pair_plan),
+                                  strict=True):
             lid = layer_of(i, j)
-            if coalesced:  # a group's blocks belong to its last pair: count items instead
-                nbytes = item_lens[i] * pages
-            else:
-                nbytes = int(lengths[offsets[p]:offsets[p + 1]].sum())
             kv_per_layer[lid] = kv_per_layer.get(lid, 0) + nbytes
         state_blocks = state_bytes = 0
         if template.state_pairs.size:
             # One request slot per side: slot 0 on prefill to slot 1 on decode.
             state_plan = template.plan_state(0, 1 if _min_state_cap(decode) > 1 else 0)
             state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
-            for (i, j), n in zip(template.state_pairs.tolist(), state_plan.lengths.tolist()):
+            # Elided state pairs (item_len 0) emit no block: the plan's pair offsets say which
+            # blocks are whose.
+            for (i, j), nbytes in zip(template.state_pairs.tolist(), _pair_bytes(state_plan),
+                                      strict=True):
                 lid = layer_of(i, j)
-                state_per_layer[lid] = state_per_layer.get(lid, 0) + int(n)
+                state_per_layer[lid] = state_per_layer.get(lid, 0) + nbytes
         stages.append(StageResult(
             label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
             plan.n_runs, plan.n_blocks, plan.total_bytes, state_blocks, state_bytes, plan_us,
@@ -384,6 +385,12 @@ def explain(
                        max_blocks, layout)
     expl.warnings = warnings + _plan_warnings(expl)
     return expl
+
+
+def _pair_bytes(plan: Any) -> list[int]:
+    """Bytes of each entry pair's blocks, from the plan's own pair offsets."""
+    lengths, offsets = plan.lengths, plan.pair_offsets.tolist()
+    return [int(lengths[a:b].sum()) for a, b in zip(offsets, offsets[1:])]
 
 
 def _per_stage_starts(value: int | Sequence[int | None] | None, n: int) -> list[int | None]:

@@ -127,15 +127,17 @@ class PairingChoice:
         *,
         prefill_start_layer: int | None = None,
         check_dst_overlap: bool = False,
+        coalesce: bool = True,
     ) -> _core.Template:
-        """A ``kvplan.Template`` that pairs the way this choice says (see :meth:`pairing`).
+        """A ``kvplan.Template`` that pairs the way this choice says (see :meth:`pairing`);
+        ``check_dst_overlap`` and ``coalesce`` are ``Template``'s.
 
         Raises:
             KvPlanError: As :meth:`pairing`.
             PairingError, SizeMismatchError: As ``Template`` raises them.
         """
         return _core.Template(prefill_layout, decode_layout, self.pairing(prefill_start_layer),
-                              check_dst_overlap=check_dst_overlap)
+                              check_dst_overlap=check_dst_overlap, coalesce=coalesce)
 
     def compare(
         self,
