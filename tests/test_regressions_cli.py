@@ -290,7 +290,7 @@ def test_internal_error_is_exit_3_never_1(capsys, monkeypatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(explain, "explain", broken)
+    monkeypatch.setattr(explain.command, "explain", broken)  # the name the runner calls
     rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8")
     assert rc == 3 and "Traceback" in err and "RuntimeError: boom" in err
     assert "internal error" in err.splitlines()[-1]

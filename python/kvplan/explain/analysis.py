@@ -1,0 +1,397 @@
+"""The library side of ``kvplan explain``: plan one request per prefill stage and collect what
+it does (:class:`Explanation`), with the warnings a person should read."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplan.explain.words import format_bytes, short
+
+__all__ = ["DEFAULT_MAX_BLOCKS", "LIST_NS_PER_ELEMENT", "MAX_START_LAYER", "SMALL_BLOCK_BYTES",
+           "Explanation", "StageResult", "decode_pages", "explain", "histogram"]
+
+#: Blocks per engine call assumed for the "engine calls" figure (the engines' default bound).
+DEFAULT_MAX_BLOCKS = 1024
+#: Average block size below which per-block engine overhead dominates (warning threshold).
+SMALL_BLOCK_BYTES = 16 << 10
+#: Handing Mooncake Python lists costs ~20-100 ns per element, three lists (docs/design.md,
+#: Performance model).
+LIST_NS_PER_ELEMENT = (20, 100)
+#: ``--prefill-start-layer`` bound: far above any model, and within every integer the core takes.
+MAX_START_LAYER = (1 << 31) - 1
+
+
+@dataclass
+class StageResult:
+    """One prefill PP stage planned against the decode peer."""
+
+    label: str
+    layers: str
+    pairing: str
+    page_pairs: int
+    state_pairs: int
+    runs: int
+    blocks: int
+    bytes: int
+    state_blocks: int
+    state_bytes: int
+    plan_us: float
+    report: Any
+    problems: list[str] = field(default_factory=list)
+    groups: int = 0  # emission groups of the template (= emitting page pairs unless coalesced)
+    contiguous_blocks: int = 0  # page blocks of the same request with one run
+
+
+@dataclass
+class Explanation:
+    """Everything ``render`` prints and ``--plot`` draws."""
+
+    title: str
+    description: str
+    pages: int
+    page_size: int
+    fragmentation: float
+    breaks: int
+    stages: list[StageResult]
+    run_lengths: list[int]
+    kv_bytes_per_layer: dict[int, int]
+    state_bytes_per_layer: dict[int, int]
+    warnings: list[str]
+    max_blocks: int
+    layout: str = "per-layer"
+    #: With ``--layout cross-layer``: the per-layer explanation of the same scenario.
+    per_layer: Explanation | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(s.report is None or s.report.compatible for s in self.stages)
+
+    @property
+    def blocks(self) -> int:
+        return sum(s.blocks + s.state_blocks for s in self.stages)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes + s.state_bytes for s in self.stages)
+
+
+def decode_pages(pages: int, fragmentation: float, seed: int) -> tuple[Any, int]:
+    """Decode page indices: ``pages`` values, ``round(fragmentation * (pages - 1))`` breaks.
+
+    A break skips one free page, so the list needs ``pages + breaks`` slots and has exactly
+    ``breaks + 1`` runs against a contiguous prefill list (:func:`kvplan.presets.fragmented_pages`
+    with the option names of ``kvplan explain`` in its errors).
+    """
+    if pages < 1:
+        raise ValueError(f"--pages must be at least 1, got {pages}")
+    if not 0.0 <= fragmentation <= 1.0:
+        raise ValueError(f"--fragmentation must be in [0, 1], got {fragmentation}")
+    if seed < 0:  # numpy's own message would not name the option
+        raise ValueError(f"--seed must be at least 0, got {seed}")
+    from kvplan.presets import fragmented_pages
+
+    breaks = round(fragmentation * (pages - 1))
+    return fragmented_pages(pages, fragmentation, seed=seed), breaks
+
+
+def _stage_start(decode: Any, stage: Any) -> int | None:
+    """The dense offset of a stage's first layer among the decode's page layers (legacy start).
+
+    ``None`` when it cannot be derived: the stage's page entries or the decode's publish no
+    layer ids. Guessing 0 there would plan every later stage onto the decode's first layers.
+    """
+    stage_ids = [e.layer_id for e in stage.entries("page") if e.layer_id is not None]
+    if not stage_ids or decode.layer_ids is None:
+        return None
+    decode_ids = {e.layer_id for e in decode.entries("page") if e.layer_id is not None}
+    if not decode_ids:
+        return None
+    first = min(stage_ids)
+    return len({i for i in decode_ids if i < first})
+
+
+def explain(
+    prefills: Sequence[tuple[str, Any]],
+    decode: Any,
+    *,
+    title: str,
+    description: str = "",
+    pages: int = 512,
+    fragmentation: float = 0.0,
+    seed: int = 0,
+    backend: str = "mooncake",
+    prefill_start_layer: int | Sequence[int | None] | None = None,
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
+    layout: str = "per-layer",
+) -> Explanation:
+    """Plan one request of ``pages`` pages from every prefill stage to ``decode``.
+
+    Args:
+        prefills: ``(label, layout)`` per prefill PP stage.
+        decode: The decode layout.
+        title: Heading (model name or file names).
+        description: One line under the heading.
+        pages: Pages the request moves.
+        fragmentation: Fraction of decode page boundaries that break a run (0..1).
+        seed: Seed for where the breaks fall.
+        backend: Backend for :func:`kvplan.select_pairing`.
+        prefill_start_layer: The first layer of each prefill stage, for legacy (id-less)
+            pairing: one value (or ``None``: derive it) per stage, or a single int when there
+            is one stage. Default: derived from the published layer ids.
+        max_blocks: Blocks per engine call, for the engine-call count.
+        layout: ``"per-layer"`` or ``"cross-layer"``: how the layouts keep their KV (only
+            changes the wording of the warnings; the layouts themselves say it).
+
+    Raises:
+        ValueError: A bad argument, or a stage that pairs by legacy slicing whose start layer
+            is neither given nor derivable from layer ids (the message names the stage).
+        IndexBoundsError: A pool too small for the request.
+    """
+    import numpy as np
+
+    import kvplan
+
+    if type(max_blocks) is not int or max_blocks < 1:
+        raise ValueError(f"--max-blocks must be at least 1, got {short(max_blocks)}")
+    starts = _per_stage_starts(prefill_start_layer, len(prefills))
+    choices = [kvplan.select_pairing(backend, src) for _, src in prefills]
+    missing, why = [], set()
+    for k, ((label, src), choice) in enumerate(zip(prefills, choices)):
+        if choice.mode == "legacy" and starts[k] is None:
+            starts[k] = _stage_start(decode, src)
+            if starts[k] is None:
+                missing.append(label)
+                stage_ids = any(e.layer_id is not None for e in src.entries("page"))
+                why.add("the decode layout publishes no layer ids" if stage_ids
+                        else "the stage publishes no layer ids")
+    if missing:
+        # The library refuses legacy slicing without a start layer; so does explain, rather
+        # than plan every stage from layer 0 onto the decode's first layers.
+        raise ValueError(
+            f"legacy positional slicing needs the layer each prefill stage starts at, and it "
+            f"cannot be derived for {', '.join(missing)} ({'; '.join(sorted(why))}): pass "
+            f"--prefill-start-layer "
+            f"{','.join(f'S{k}' for k in range(len(prefills)))} (one value per stage, "
+            f"in stage order)")
+
+    src_pages = np.arange(pages, dtype=np.int64)
+    page_size = decode.page_size
+    # Different page sizes: ``pages`` prefill pages are a number of tokens, and the decode holds
+    # them in its own (fewer or more) pages; plans are token-exact (Template.plan, n_tokens).
+    src_size = prefills[0][1].page_size if prefills else page_size
+    dst_count = -(-pages * src_size // page_size) if src_size != page_size else pages
+    dst_pages, breaks = decode_pages(dst_count, fragmentation, seed)
+    _, _, run_lengths = kvplan.group_contiguous(np.arange(dst_count, dtype=np.int64), dst_pages)
+    page_size = src_size
+    kv_per_layer: dict[int, int] = {}
+    state_per_layer: dict[int, int] = {}
+    stages: list[StageResult] = []
+    warnings: list[str] = []
+
+    for (label, src), choice, start in zip(prefills, choices, starts):
+        layer_text = _layers_text(src, start if choice.mode == "legacy" else None)
+        try:
+            report = choice.compare(src, decode, prefill_start_layer=start)
+        except kvplan.KvPlanError as e:
+            stages.append(StageResult(label, layer_text, choice.mode, 0, 0, 0, 0, 0, 0, 0, 0.0,
+                                      None, [str(e)]))
+            continue
+        for w in report.warnings:
+            if w not in warnings:
+                warnings.append(w)
+        if not report.compatible:
+            stages.append(StageResult(label, layer_text, choice.mode, 0, 0, 0, 0, 0, 0, 0, 0.0,
+                                      report, list(report.reasons)))
+            continue
+        template = choice.template(src, decode, prefill_start_layer=start)
+        for side, peer, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
+            caps = _live_capacities(peer, "page")
+            if caps and int(idx.max()) >= min(caps):
+                raise kvplan.IndexBoundsError(
+                    f"{side} pool holds {min(caps)} pages but the request needs page "
+                    f"{int(idx.max())}: lower --pages or --fragmentation")
+        template.plan(src_pages, dst_pages)  # warm the buffer pool (plan dropped at once): time steady state
+        t0 = time.perf_counter()
+        plan = template.plan(src_pages, dst_pages)
+        plan_us = (time.perf_counter() - t0) * 1e6
+        layer_of = _layer_keys(src, decode, choice.legacy_kind, start)
+        per_pair_plan = plan
+        if template.n_groups < sum(template.emitting):
+            # A coalesced group's blocks span several layers and belong to its last pair; the
+            # same request planned without coalescing gives every layer its own blocks.
+            per_pair_plan = choice.template(src, decode, prefill_start_layer=start,
+                                            coalesce=False).plan(src_pages, dst_pages)
+        for (i, j), nbytes in zip(template.pairs.tolist(), _pair_bytes(per_pair_plan),
+                                  strict=True):
+            lid = layer_of(i, j)
+            kv_per_layer[lid] = kv_per_layer.get(lid, 0) + nbytes
+        state_blocks = state_bytes = 0
+        if template.state_pairs.size:
+            # One request slot per side: slot 0 on prefill to slot 1 on decode.
+            state_plan = template.plan_state(0, 1 if _min_state_cap(decode) > 1 else 0)
+            state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
+            # Elided state pairs (item_len 0) emit no block: the plan's pair offsets say which
+            # blocks are whose.
+            for (i, j), nbytes in zip(template.state_pairs.tolist(), _pair_bytes(state_plan),
+                                      strict=True):
+                lid = layer_of(i, j)
+                state_per_layer[lid] = state_per_layer.get(lid, 0) + nbytes
+        stages.append(StageResult(
+            label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
+            plan.n_runs, plan.n_blocks, plan.total_bytes, state_blocks, state_bytes, plan_us,
+            report, groups=template.n_groups, contiguous_blocks=_contiguous_blocks(template, pages)))
+
+    expl = Explanation(title, description, pages, page_size, fragmentation, breaks, stages,
+                       [int(x) for x in run_lengths], kv_per_layer, state_per_layer, warnings,
+                       max_blocks, layout)
+    expl.warnings = warnings + _plan_warnings(expl)
+    return expl
+
+
+def _pair_bytes(plan: Any) -> list[int]:
+    """Bytes of each entry pair's blocks, from the plan's own pair offsets."""
+    lengths, offsets = plan.lengths, plan.pair_offsets.tolist()
+    return [int(lengths[a:b].sum()) for a, b in zip(offsets, offsets[1:])]
+
+
+def _per_stage_starts(value: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    """``prefill_start_layer`` as one entry per stage (``None``: derive from the layer ids)."""
+    if value is None:
+        return [None] * n
+    if isinstance(value, int):
+        if n != 1:
+            raise ValueError(f"--prefill-start-layer: one value for {n} prefill stages; give "
+                             f"one per stage (comma-separated), as stages start at different "
+                             f"layers")
+        values: list[int | None] = [value]
+    else:
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"--prefill-start-layer: {len(values)} value(s) for {n} prefill "
+                             f"stages; give one per stage")
+    for v in values:
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_START_LAYER):
+            raise ValueError(f"--prefill-start-layer must be in 0..{MAX_START_LAYER}, "
+                             f"got {short(v)}")
+    return values
+
+
+def _layer_keys(src: Any, decode: Any, legacy_kind: str | None,
+                start: int | None) -> Callable[[int, int], int]:
+    """The layer a ``(src entry, dst entry)`` pair moves, for the bytes-per-layer table.
+
+    The prefill's layer id when it publishes one, else the decode's; for peers without ids, the
+    decode entry's position among the decode entries of its kind and role, which is the dense
+    layer index legacy slicing and positional pairing work with (for MHA without roles, K and V
+    halves share indices).
+    """
+    src_ids, dst_ids = src.layer_ids, decode.layer_ids
+    position: list[int] = []
+    seen: dict[tuple[str, str | None], int] = {}
+    for e in decode.entries():
+        key = (e.kind, e.role)
+        position.append(seen.get(key, 0))
+        seen[key] = position[-1] + 1
+    half = seen.get(("page", None), 0) // 2 if legacy_kind == "mha" and not decode.roles else 0
+
+    def layer_of(i: int, j: int) -> int:
+        if src_ids is not None and src_ids[i] is not None:
+            return int(src_ids[i])
+        if dst_ids is not None and dst_ids[j] is not None:
+            return int(dst_ids[j])
+        pos = position[j]
+        if half and decode.kinds[j] == "page":
+            pos %= half
+        return pos
+
+    return layer_of
+
+
+def _live_capacities(layout: Any, kind: str) -> list[int]:
+    """Capacities of the ``kind`` entries that move bytes (elided entries, item_len 0, are
+    never indexed, so their capacity bounds nothing)."""
+    return [e.capacity for e in layout.entries(kind) if e.item_len > 0]
+
+
+def _min_state_cap(layout: Any) -> int:
+    caps = _live_capacities(layout, "state")
+    return min(caps) if caps else 0
+
+
+def _layers_text(layout: Any, start: int | None = None) -> str:
+    from kvplan.report import format_ids
+
+    ids = layout.layer_ids
+    if ids is None:
+        first = f", first layer {start}" if start is not None else ""
+        return f"{layout.n_entries} entries, no layer ids{first}"
+    n_model = layout.num_model_layers
+    page = [e.layer_id for e in layout.entries("page") if e.layer_id is not None]
+    state = [e.layer_id for e in layout.entries("state") if e.layer_id is not None]
+    every = sorted(set(page) | set(state))
+    model = [i for i in every if n_model is None or i < n_model]
+    text = f"layers {format_ids(model)}" if model else "no layers"
+    if state:
+        text += f" (KV on {format_ids(page)})"
+    return text
+
+
+def _contiguous_blocks(template: Any, pages: int) -> int:
+    """Page blocks of the same request in one run (pages consecutive on both sides)."""
+    if template.by_token:  # different page sizes: count by the request's tokens
+        return int(template.n_token_blocks(pages * template.page_sizes[0]))
+    return int(template.n_blocks_for(pages, 1))
+
+
+def _plan_warnings(e: Explanation) -> list[str]:
+    out: list[str] = []
+    runs = len(e.run_lengths)
+    page_blocks = sum(s.blocks for s in e.stages)
+    contiguous = sum(s.contiguous_blocks for s in e.stages)
+    if runs > 1 and sum(e.run_lengths) != e.pages:
+        # Token plans (page sizes differ): the runs are the decode's pages, not the request's.
+        out.append(f"destination fragmented: {runs:,} runs over {sum(e.run_lengths):,} decode "
+                   f"pages; a token plan ends a block at every page edge that is not "
+                   f"consecutive on both sides")
+    elif runs > 1 and page_blocks > contiguous:
+        what = "fully fragmented" if runs == e.pages else "fragmented"
+        if page_blocks == runs * contiguous:
+            out.append(f"destination {what}: {runs}× more blocks than contiguous "
+                       f"({runs:,} runs for {e.pages:,} pages; one block per run per "
+                       f"{'coalesced group' if e.layout == 'cross-layer' else 'entry pair'})")
+        else:
+            out.append(f"destination {what}: {page_blocks / contiguous:.1f}× more blocks than "
+                       f"contiguous ({runs:,} runs for {e.pages:,} pages)")
+    page_bytes = sum(s.bytes for s in e.stages)
+    if page_blocks and page_bytes / page_blocks < SMALL_BLOCK_BYTES:
+        out.append(f"average block is {format_bytes(page_bytes // page_blocks)}: per-block engine "
+                   "overhead dominates (larger pages or less fragmentation help)")
+    for s in e.stages:
+        total = s.blocks + s.state_blocks
+        if total > e.max_blocks:
+            out.append(f"{s.label}: {total:,} blocks need {math.ceil(total / e.max_blocks):,} "
+                       f"engine calls of at most {e.max_blocks:,} blocks")
+    lo, hi = (e.blocks * 3 * ns / 1e6 for ns in LIST_NS_PER_ELEMENT)
+    if lo >= 1.0:
+        out.append(f"handing {e.blocks:,} blocks to Mooncake as Python lists costs about "
+                   f"{lo:.0f}–{hi:.0f} ms (20–100 ns per list element, 3 elements per block)")
+    for s in e.stages:
+        out += [f"{s.label}: {p}" for p in s.problems]
+    return out
+
+
+def histogram(run_lengths: Sequence[int]) -> list[tuple[str, int, int]]:
+    """Power-of-two buckets: ``(label, runs, pages)`` for 1, 2–3, 4–7, … up to the longest."""
+    if not run_lengths:
+        return []
+    top = max(run_lengths).bit_length()
+    rows = []
+    for b in range(top):
+        lo, hi = 1 << b, (1 << (b + 1)) - 1
+        inside = [n for n in run_lengths if lo <= n <= hi]
+        rows.append((str(lo) if lo == hi else f"{lo}–{hi}", len(inside), sum(inside)))
+    return rows

@@ -1,0 +1,215 @@
+"""The ``kvplan explain`` sub-command: its arguments, and the runner that maps every outcome to
+an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+from kvplan.explain.analysis import DEFAULT_MAX_BLOCKS, MAX_START_LAYER, explain
+from kvplan.explain.figure import plot
+from kvplan.explain.layout_files import write_layouts
+from kvplan.explain.scenario import scenario, starts_for
+from kvplan.explain.text import render
+from kvplan.explain.words import one_line, short
+
+__all__ = ["EXIT_INCOMPATIBLE", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "MAX_LAYERS",
+           "add_arguments", "run"]
+
+#: What ``add_arguments`` returns: runs the parsed command line, returns the exit status.
+Runner = Callable[[argparse.Namespace], int]
+#: Exit statuses of ``kvplan explain``.
+EXIT_OK, EXIT_INCOMPATIBLE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+#: ``--layers`` bound: every layer becomes layout entries in memory, and no model comes close.
+MAX_LAYERS = 1 << 16
+
+
+def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low..high`` (the error names the bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also digit strings past Python's conversion limit
+            raise argparse.ArgumentTypeError(f"expected an integer, got {short(text)}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {short(text)}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _int_list_arg(low: int, high: int, example: str) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each in ``low..high``."""
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        try:
+            values = [int(x) for x in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers like {example}, got {short(text)}") from None
+        bad = [v for v in values if not low <= v <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"every value must be in {low}..{high}, got {bad[0]} in {short(text)}")
+        return values
+
+    return parse
+
+
+def _one_line_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn]:
+    """argparse's ``error`` as one line on stderr and exit 2 (no usage block)."""
+    def error(message: str) -> NoReturn:
+        sys.stderr.write(f"{parser.prog}: {one_line(ValueError(message), 500)} "
+                         f"(see --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+    return error
+
+
+EPILOG = f"""\
+exit status: {EXIT_OK} every stage is compatible; {EXIT_INCOMPATIBLE} a stage is not (its report
+  is printed); {EXIT_USAGE} bad input: an option, a layout file or a field in it (one line on
+  stderr names it and the value); {EXIT_INTERNAL} internal error (a bug in kvplan: the traceback
+  is printed).
+
+Peers without layer ids at prefill PP > 1 pair by legacy positional slicing, which needs the
+layer each prefill stage starts at. It is derived from published layer ids; when a stage or the
+decode layout publishes none, explain refuses (exit {EXIT_USAGE}) unless --prefill-start-layer gives
+it, one value per stage.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> Runner:
+    """Fill the ``explain`` sub-parser; returns the runner (the ``cli.SUBCOMMANDS`` contract)."""
+    from kvplan.presets import PRESETS
+
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's lines
+    setattr(parser, "error", _one_line_error(parser))  # an instance attribute, not a subclass
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS),
+                     help="reference model (docs/design.md, Reference scenarios)")
+    src.add_argument("--prefill", action="append", metavar="FILE.json",
+                     help="prefill layout JSON (Layout.to_dict); repeat once per PP stage")
+    parser.add_argument("--decode", metavar="FILE.json",
+                        help="decode layout JSON (required with --prefill, refused with --preset)")
+    parser.add_argument("--pages", type=_int_arg(1), default=512,
+                        help="pages the request moves, at least 1 (default 512)")
+    parser.add_argument("--page-size", type=_int_arg(1), default=None,
+                        help="tokens per page for presets, at least 1 (default 1, SGLang's "
+                             "default); layout files carry their own")
+    parser.add_argument("--decode-page-size", type=_int_arg(1), default=None,
+                        help="tokens per decode page for presets, when it differs from the "
+                             "prefill's --page-size (plans are then token-exact; default: the "
+                             "same as --page-size)")
+    parser.add_argument("--pp", type=_int_arg(1), default=None,
+                        help="prefill PP stages for presets (default 1)")
+    parser.add_argument("--pp-split", metavar="N,N,...", type=_int_list_arg(1, MAX_LAYERS, "20,28"),
+                        help="layers per prefill stage for presets (default: even split)")
+    parser.add_argument("--stage", type=_int_arg(0), default=None,
+                        help="explain only this prefill stage, counted from 0 (default: all)")
+    parser.add_argument("--layout", choices=("per-layer", "cross-layer"), default=None,
+                        help="KV memory of the preset's peers: per-layer (one buffer per layer "
+                             "and K/V, default) or cross-layer (one pool per peer holding every "
+                             "KV layer of a page side by side, vLLM's cross-layer layout; state "
+                             "stays per layer). cross-layer also prints blocks per request for "
+                             "both layouts")
+    parser.add_argument("--layers", type=_int_arg(1, MAX_LAYERS), default=None,
+                        help="override the preset's layer count (e.g. 27 for kimi-linear; "
+                             f"at most {MAX_LAYERS:,})")
+    parser.add_argument("--fragmentation", type=_fraction_arg, default=0.0,
+                        help="fraction of decode page boundaries that break a run: 0 = one "
+                             "contiguous run, 1 = every page its own run (default 0)")
+    parser.add_argument("--seed", type=_int_arg(0), default=0,
+                        help="seed for where the breaks fall, at least 0 (default 0)")
+    parser.add_argument("--backend", default="mooncake",
+                        help="pairing policy backend for select_pairing (default mooncake; "
+                             "'ascend' applies Ascend's pairing rules, as "
+                             "kvplan.select_pairing documents them)")
+    parser.add_argument("--prefill-start-layer", metavar="N[,N,...]",
+                        type=_int_list_arg(0, MAX_START_LAYER, "0,31"), default=None,
+                        help="first layer of each prefill stage, for legacy slicing of peers "
+                             "without layer ids: one value per prefill stage in stage order "
+                             "(or a single value when one stage is explained); default: derived "
+                             "from the layer ids, refused when there are none")
+    parser.add_argument("--max-blocks", type=_int_arg(1), default=DEFAULT_MAX_BLOCKS,
+                        help=f"blocks per engine call, at least 1 (default {DEFAULT_MAX_BLOCKS})")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw the run-length histogram and bytes per layer "
+                             "(needs matplotlib: the 'plot' extra)")
+    parser.add_argument("--write-layouts", metavar="DIR",
+                        help="also write the layouts as JSON (prefill-stageK.json, decode.json)")
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvplan explain``: exit 0 if every stage is compatible, 1 if not, 2 on bad input,
+    3 on an internal error (so that 1 never stands for a crash)."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        raise  # the reader went away: the console script stops quietly
+    except (ValueError, OSError) as err:  # KvPlanError is a ValueError
+        print(f"kvplan explain: {one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        print("kvplan explain: out of memory for this request: lower --pages (or "
+              "--fragmentation, which multiplies the blocks)", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:  # a bug, not bad input: show it, but never as exit 1 ("incompatible")
+        traceback.print_exc()
+        print("kvplan explain: internal error (the traceback above is a bug in kvplan)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _run(args: argparse.Namespace) -> int:
+    cross = getattr(args, "layout", None) == "cross-layer"
+    title, desc, stages, decode = scenario(args, cross_layer=cross)
+    n_all = len(stages)
+    if args.stage is not None:
+        if not 0 <= args.stage < n_all:
+            raise ValueError(f"--stage must be in 0..{n_all - 1}, got {args.stage}")
+        stages = [stages[args.stage]]
+    starts = starts_for(args, n_all)
+    if args.write_layouts:
+        write_layouts(args.write_layouts, stages, decode)
+    e = explain(stages, decode, title=title, description=desc, pages=args.pages,
+                fragmentation=args.fragmentation, seed=args.seed, backend=args.backend,
+                prefill_start_layer=starts, max_blocks=args.max_blocks,
+                layout="cross-layer" if cross else "per-layer")
+    if cross:
+        # The same scenario with per-layer buffers, for the blocks-per-request comparison.
+        _, _, flat_stages, flat_decode = scenario(args)
+        if args.stage is not None:
+            flat_stages = [flat_stages[args.stage]]
+        e.per_layer = explain(flat_stages, flat_decode, title=title, description=desc,
+                              pages=args.pages, fragmentation=args.fragmentation,
+                              seed=args.seed, backend=args.backend, prefill_start_layer=starts,
+                              max_blocks=args.max_blocks)
+    if args.plot:
+        # Before printing: a plot that cannot be written is bad input, reported on its own.
+        try:
+            plot(e, args.plot)
+        except ImportError as err:
+            raise ValueError(str(err)) from None
+        except (OSError, ValueError) as err:  # unwritable path, unknown image format
+            raise ValueError(f"--plot {args.plot}: {one_line(err)}") from None
+    print(render(e))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return EXIT_OK if e.ok else EXIT_INCOMPATIBLE
