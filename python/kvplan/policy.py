@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 from kvplan import _core
 from kvplan._core import Layout, Pairing
+from kvplan._roles import MHA_ROLES
+from kvplan.report import CompatReport, compare
 
 __all__ = ["LAYOUT_KINDS", "PairingChoice", "layout_kind", "select_pairing"]
 
@@ -36,9 +38,6 @@ PairingMode = Literal["layer_id", "positional", "legacy"]
 
 #: Layout kinds :func:`select_pairing` distinguishes (a string may be passed instead of a Layout).
 LAYOUT_KINDS = ("mla", "mha", "hybrid_mla", "hybrid_mha")
-
-#: Roles of the separate K and V entries of an MHA layout.
-MHA_ROLES = frozenset({"k", "v"})
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,8 @@ class PairingChoice:
         decode_layout: Layout,
         *,
         prefill_start_layer: int | None = None,
-    ) -> Any:
+    ) -> CompatReport:
         """``kvplan.compare`` under this choice: the report for what :meth:`template` builds."""
-        from kvplan.report import compare
-
         return compare(prefill_layout, decode_layout, self.pairing(prefill_start_layer))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvplan import _core
 from kvplan._core import Layout, LayoutEntry, Pairing
-from kvplan.policy import MHA_ROLES
+from kvplan._roles import MHA_ROLES
 
 __all__ = ["CompatReport", "EntryCheck", "compare", "format_ids"]
 
