@@ -968,7 +968,6 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
         f"{min(kv_nsb):.1f}–{max(kv_nsb):.1f} ns per block. What keeps it there:")
     L.append("")
     largest = max(rows, key=lambda r: r["n_blocks"])
-    kv_large = largest["med"]["kvplan out="] / largest["n_blocks"]
     huge = [r for r in rows if r["n_blocks"] >= 1_000_000] or [largest]
     hw = min(huge, key=lambda r: r["med"]["sglang plan"] / r["med"]["kvplan out="])
     hw_sg = hw["med"]["sglang plan"] / hw["n_blocks"]

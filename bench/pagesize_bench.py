@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50)
     args = ap.parse_args()
     print(f"{args.tokens} tokens; median of {args.repeat} plans into a reused out=\n")
-    print(f"| model | order | prefill → decode page | decode fragmentation | blocks | plan µs |")
+    print("| model | order | prefill → decode page | decode fragmentation | blocks | plan µs |")
     print("| --- | --- | --- | --- | ---: | ---: |")
     for model in MODELS:
         orders = ["NHD"] if model == "deepseek-v3" else ["NHD", "HND"]

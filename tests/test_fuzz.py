@@ -23,7 +23,6 @@ Properties, on every input:
 from __future__ import annotations
 
 import os
-import random
 import time
 import zlib
 

@@ -48,7 +48,7 @@ def build(shape: str, base: int, page_size: int, pages: int, order: str | None, 
     if shape == "pool":
         n = 2 * len(layers)
         stride = n * item
-        layout = Layout.cross_layer(base, pages * stride, [l for l in layers for _ in (0, 1)],
+        layout = Layout.cross_layer(base, pages * stride, [layer for layer in layers for _ in (0, 1)],
                                     [item] * n, roles=["k", "v"] * len(layers), **ctx)
         return Side(layout, pages * stride, page_size, order or "NHD", heads)
     stride = item + pad

@@ -2,8 +2,6 @@
 from collections.abc import Iterator, Sequence
 from typing import final
 
-from typing_extensions import disjoint_base
-
 import numpy as np
 import numpy.typing as npt
 

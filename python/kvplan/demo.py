@@ -26,6 +26,7 @@ import argparse
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,7 +260,7 @@ def _log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> Any:
+def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Fill ``kvplan demo``'s sub-parser; returns the function that runs the command."""
     parser.add_argument("--layers", type=int, default=48,
                         help="model layers; full attention (MLA) on every 4th (default 48)")
