@@ -1,4 +1,4 @@
-"""kvplan.select_pairing: one test per row of the policy table (README, kvplan/policy.py).
+"""kvplan.select_pairing: one test per row of the policy table (docs/cli.md, kvplan/policy.py).
 
 Where a row's pairing can be checked end to end, the expected pairs are the worked examples of
 docs/semantics.md (Ascend; Worked examples: W-positional, W-mla-pp-slice, W-mha-pp-slice,
