@@ -204,6 +204,18 @@ def test_prepped_indices_move_the_same_bytes_as_the_plan() -> None:
         b.close()
 
 
+def test_an_empty_plan_still_delivers_its_notification(pair: Pair) -> None:
+    """A plan of no blocks (e.g. a decode rank sharing no head with this prefill rank) still
+    tells the receiver the request is complete, synchronously and asynchronously."""
+    empty = PlanBatch(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+    stats = pair.a.submit(empty, pair.peer, notif=b"req-7")
+    assert (stats.blocks, stats.bytes) == (0, 0)
+    pair.b.wait_notification("unit-a", b"req-7", timeout=10)
+    pair.a.submit_async(empty, pair.peer, notif=b"req-8").wait()
+    pair.b.wait_notification("unit-a", b"req-8", timeout=10)
+    assert not pair.dst.any() and pair.a.live_handles == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process: a stand-in agent for a transfer that never finishes and a handle NIXL keeps
 # ---------------------------------------------------------------------------------------------

@@ -362,7 +362,9 @@ class NixlTransport(Transport):
         """Create and post the plan's requests; return a handle to :meth:`NixlPending.wait` on.
 
         With several batches the notification goes with the last one, posted by ``wait`` (or
-        ``done``) once the others completed, so it never overtakes data.
+        ``done``) once the others completed, so it never overtakes data. A plan of no blocks
+        still delivers ``notif``, as a bare NIXL notification: a decode rank that receives
+        nothing from this prefill rank (no head in common) still waits for its completion.
         """
         self._check_open()
         src, dst, lengths = self._prepare(plan, check_sources)
@@ -379,8 +381,19 @@ class NixlTransport(Transport):
         except BaseException:
             pending._release_all()
             raise
+        if not batches and notif:
+            self._notify(peer_session, notif)
         pending._post_ready()
         return pending
+
+    def _notify(self, peer: str, notif: bytes) -> None:
+        """A notification bound to no transfer (NIXL's ``send_notif``): what a request that
+        moves no byte sends to say it is complete."""
+        try:
+            self._agent.send_notif(peer, notif)
+        except Exception as exc:
+            raise self._error(f"send_notif({notif!r}) to peer {peer!r} raised {exc!r}",
+                              peer=peer, status=_nixl_status(exc)[0]) from exc
 
     def _mems(self, peer: str, n: int) -> tuple[tuple[str, int], tuple[str, int]]:
         remote = self._peers.get(peer)
