@@ -16,9 +16,12 @@ backend. One :class:`NixlTransport` owns one NIXL agent:
 * **Handles**: every transfer handle is released on every path (success, ``ERR``, exception,
   timeout). A handle NIXL refuses to release (a transfer it cannot cancel) is retried at
   :meth:`NixlTransport.close`; :attr:`NixlTransport.live_handles` counts what is still held.
-* **The prepped path** (vLLM's): :meth:`NixlTransport.prep` registers one descriptor per item
-  (page or state slot) of each side's layout with ``prep_xfer_dlist`` once per peer pair, and
-  :meth:`PreppedPair.submit` sends a request as two index arrays with ``make_prepped_xfer``.
+* **The prepped path** (vLLM's): :meth:`NixlTransport.prep` hands the template's prepped
+  descriptor tables (``Template.descriptor_table``: the plan's address model, one descriptor
+  per page of every emission piece and per slot of every state pair) to ``prep_xfer_dlist``
+  once per peer pair, and :meth:`PreppedPair.submit` sends a request as the two index arrays
+  the core computes (``Template.prepped_indices``) with ``make_prepped_xfer``. No address is
+  computed here.
 
 Facts behind the defaults (nixl-cu12 1.5.1, UCX 1.23, DRAM to DRAM between two processes on
 one host): ``transfer()`` may finish the whole transfer before it returns; a peer that dies
@@ -49,8 +52,8 @@ from kvplan.engines._base import (
     _batch_bounds,
 )
 
-__all__ = ["NixlTransport", "NixlPending", "PreppedPair", "descriptor_rows", "item_table",
-           "memory_of", "NIXL_STATUS_NAMES"]
+__all__ = ["NixlTransport", "NixlPending", "PreppedPair", "descriptor_rows", "memory_of",
+           "NIXL_STATUS_NAMES"]
 
 U64 = npt.NDArray[np.uint64]
 
@@ -109,32 +112,6 @@ def descriptor_rows(addrs: npt.ArrayLike, lengths: npt.ArrayLike, dev_id: int) -
     rows[:, 1] = n
     rows[:, 2] = dev_id
     return rows
-
-
-def item_table(layout: Any, dev_id: int | None = None) -> tuple[U64, npt.NDArray[np.int64]]:
-    """One descriptor per item of every entry of ``layout``: the per-page table vLLM prepares.
-
-    Returns ``(rows, offsets)``: ``rows`` is ``(R, 3)`` uint64 ``(addr, item_len, dev_id)``,
-    entry by entry (``capacity`` rows each, item ``i`` at ``ptr + i * item_len``; elided
-    entries contribute none); item ``i`` of entry ``e`` is row ``offsets[e] + i``.
-    ``dev_id`` defaults to the layout's device (:func:`memory_of`).
-    """
-    if dev_id is None:
-        dev_id = memory_of(layout.device)[1]
-    ptrs = np.asarray(layout.data_ptrs, dtype=np.uint64)
-    items = np.asarray(layout.item_lens, dtype=np.uint64)
-    caps = np.asarray(layout.capacities, dtype=np.int64)
-    caps = np.where(items > 0, caps, 0)
-    offsets = np.zeros(len(caps) + 1, dtype=np.int64)
-    np.cumsum(caps, out=offsets[1:])
-    total = int(offsets[-1])
-    entry = np.repeat(np.arange(len(caps)), caps)
-    within = np.arange(total, dtype=np.int64) - offsets[entry]
-    rows = np.empty((total, 3), dtype=np.uint64)
-    rows[:, 0] = ptrs[entry] + within.astype(np.uint64) * items[entry]
-    rows[:, 1] = items[entry]
-    rows[:, 2] = dev_id
-    return rows, offsets
 
 
 def _nixl_status(exc: BaseException) -> tuple[int | None, str]:
@@ -456,33 +433,47 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ prepped path
     def prep(self, src_layout: Any, dst_layout: Any, peer: str, template: Any = None
              ) -> PreppedPair:
-        """Prepare vLLM-style descriptor lists for one peer pair: one descriptor per item
-        (page or state slot) of every entry of each layout (:func:`item_table`), handed to
-        ``prep_xfer_dlist`` once. Requests then travel as index arrays
-        (:meth:`PreppedPair.submit`)."""
+        """Prepare vLLM-style descriptor lists for one peer pair: the template's prepped
+        descriptor tables (``template.descriptor_table("src")`` here, ``"dst"`` at the peer;
+        the plan's address model), handed to ``prep_xfer_dlist`` once per side. Requests then
+        travel as index arrays (:meth:`PreppedPair.indices`, :meth:`PreppedPair.submit`).
+
+        ``template`` defaults to ``kvplan.Template(src_layout, dst_layout)``.
+
+        Raises:
+            KvPlanError: the template plans by token (different page sizes or memory orders),
+                which whole-page descriptors cannot express: plan with ``Template.plan`` and
+                send with :meth:`submit` instead.
+            ValueError: a table holds 2**31 descriptors or more (NIXL's indices are int32).
+            TransferError: NIXL refused a list, or the peer is unknown.
+        """
         self._check_open()
         import kvplan
 
         if template is None:
             template = kvplan.Template(src_layout, dst_layout)
         local_mem, remote_mem = self._mems(peer, 0)
-        src_rows, src_off = item_table(src_layout, local_mem[1])
-        dst_rows, dst_off = item_table(dst_layout, remote_mem[1])
-        if max(len(src_rows), len(dst_rows)) >= 2**31:
-            raise ValueError("a prepped list holds more than 2**31 descriptors")
+        src_addrs, src_lens = template.descriptor_table("src")
+        dst_addrs, dst_lens = template.descriptor_table("dst")
+        if max(len(src_lens), len(dst_lens)) >= 2**31:
+            raise ValueError(f"a prepped list would hold {max(len(src_lens), len(dst_lens))} "
+                             f"descriptors; NIXL's indices are int32 (at most 2**31 - 1)")
         handles: list[Any] = []
         try:
-            handles.append(self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_rows,
-                                                       local_mem[0]))
-            handles.append(self._agent.prep_xfer_dlist(peer, dst_rows, remote_mem[0]))
+            # NIXL cannot prepare an empty list; a side without descriptors has no handle.
+            for agent, addrs, lens, (mem_type, dev) in (
+                    ("NIXL_INIT_AGENT", src_addrs, src_lens, local_mem),
+                    (peer, dst_addrs, dst_lens, remote_mem)):
+                handles.append(self._agent.prep_xfer_dlist(
+                    agent, descriptor_rows(addrs, lens, dev), mem_type) if len(lens) else None)
         except Exception as exc:
             for h in handles:
-                h.release()
+                if h is not None:
+                    h.release()
             raise self._error(f"prep_xfer_dlist towards {peer!r} raised {exc!r}", peer=peer,
                               status=_nixl_status(exc)[0]) from exc
-        self._dlists.update(handles)
-        return PreppedPair(self, peer, template, src_layout, dst_layout, src_off, dst_off,
-                           handles[0], handles[1], len(src_rows), len(dst_rows))
+        self._dlists.update(h for h in handles if h is not None)
+        return PreppedPair(self, peer, template, handles[0], handles[1], src_lens, dst_lens)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -652,76 +643,75 @@ class NixlPending(PendingBase):
 
 
 
-class PreppedPair:
-    """Prepped descriptor lists of one (local layout, remote layout, peer): requests as index
-    arrays, one descriptor per page per entry pair (what vLLM's NixlConnector sends)."""
+def _index_array(values: npt.ArrayLike) -> npt.NDArray[Any]:
+    """A 1-D int32/int64 array for the core (integer lists and other signed widths widened;
+    anything else passed on for the core's TypeError)."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "i" and arr.dtype not in (np.int32, np.int64):
+        arr = arr.astype(np.int64)
+    return np.ascontiguousarray(arr.ravel())
 
-    def __init__(self, transport: NixlTransport, peer: str, template: Any, src_layout: Any,
-                 dst_layout: Any, src_offsets: npt.NDArray[np.int64],
-                 dst_offsets: npt.NDArray[np.int64], local: Any, remote: Any, n_local: int,
-                 n_remote: int) -> None:
+
+class PreppedPair:
+    """Prepped descriptor lists of one (local layout, remote layout, peer): requests travel as
+    index arrays into the template's prepped tables (what vLLM's NixlConnector sends).
+
+    Attributes:
+        n_local, n_remote: descriptors in the local (source) and remote (destination) list.
+    """
+
+    def __init__(self, transport: NixlTransport, peer: str, template: Any, local: Any,
+                 remote: Any, src_lens: U64, dst_lens: U64) -> None:
         self.transport, self.peer, self.template = transport, peer, template
-        self.src_offsets, self.dst_offsets = src_offsets, dst_offsets
-        self.n_local, self.n_remote = n_local, n_remote
         self._local, self._remote = local, remote
-        self._item = np.asarray(src_layout.item_lens, dtype=np.int64)
-        self._src_cap = np.asarray(src_layout.capacities, dtype=np.int64)
-        self._dst_cap = np.asarray(dst_layout.capacities, dtype=np.int64)
-        pairs = np.asarray(template.pairs, dtype=np.int64).reshape(-1, 2)
-        self._pairs = pairs[self._item[pairs[:, 0]] > 0] if len(pairs) else pairs
-        self._state_pairs = np.asarray(template.state_pairs, dtype=np.int64).reshape(-1, 2)
+        self._src_lens, self._dst_lens = src_lens, dst_lens
+        self.n_local, self.n_remote = len(src_lens), len(dst_lens)
 
     def indices(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        """``(local, remote)`` int32 index arrays of a request: page pair major, page minor,
-        the order of :meth:`kvplan.Template.plan`'s blocks before run merging.
+        """``(local, remote)`` int32 index arrays of a page request (``Template.prepped_indices``:
+        piece major, page minor; empty when the template moves no page bytes).
 
         Raises:
-            ValueError: unequal lengths, or a page outside some paired entry's capacity.
+            IndexBoundsError: a negative page, or one outside some paired entry's capacity
+                (the checks of ``Template.plan``).
+            KvPlanError: unequal lengths.
         """
-        s = np.asarray(src_pages, dtype=np.int64).ravel()
-        d = np.asarray(dst_pages, dtype=np.int64).ravel()
-        if len(s) != len(d):
-            raise ValueError(f"{len(s)} source pages but {len(d)} destination pages")
-        return self._gather(self._pairs, s, d)
+        local, remote = self.template.prepped_indices(_index_array(src_pages),
+                                                      _index_array(dst_pages))
+        return local.astype(np.int32), remote.astype(np.int32)  # tables hold < 2**31 rows
 
     def state_indices(self, src_slot: int, dst_slot: int
                       ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        """Index arrays moving state slot ``src_slot`` to ``dst_slot`` for every state pair."""
-        return self._gather(self._state_pairs, np.array([src_slot]), np.array([dst_slot]))
-
-    def _gather(self, pairs: npt.NDArray[np.int64], s: npt.NDArray[np.int64],
-                d: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int32],
-                                                    npt.NDArray[np.int32]]:
-        if len(pairs) == 0 or len(s) == 0:
-            empty = np.zeros(0, dtype=np.int32)
-            return empty, empty.copy()
-        cap_s = int(self._src_cap[pairs[:, 0]].min())
-        cap_d = int(self._dst_cap[pairs[:, 1]].min())
-        for name, idx, cap in (("source", s, cap_s), ("destination", d, cap_d)):
-            if int(idx.min()) < 0 or int(idx.max()) >= cap:
-                raise ValueError(f"{name} index {int(idx.min()) if idx.min() < 0 else int(idx.max())} "
-                                 f"is outside 0..{cap} (smallest paired capacity)")
-        local = (self.src_offsets[pairs[:, 0]][:, None] + s[None, :]).astype(np.int32).ravel()
-        remote = (self.dst_offsets[pairs[:, 1]][:, None] + d[None, :]).astype(np.int32).ravel()
-        return local, remote
+        """Index arrays moving state slot ``src_slot`` to ``dst_slot`` for every state pair
+        that moves bytes (``Template.prepped_state_indices``)."""
+        local, remote = self.template.prepped_state_indices(src_slot, dst_slot)
+        return local.astype(np.int32), remote.astype(np.int32)
 
     def submit(self, local: npt.ArrayLike, remote: npt.ArrayLike, *, notif: bytes = b"",
                timeout: float | None = None) -> TransferStats:
         """One ``make_prepped_xfer`` request from :meth:`indices` (or :meth:`state_indices`)
-        arrays; waits, releases the handle on every path.
+        arrays; waits, releases the handle on every path. Empty arrays move nothing and still
+        deliver ``notif`` (a bare notification).
 
         Raises:
             TransferError: as :meth:`NixlTransport.submit`.
+            IndexBoundsError: an index outside its list.
+            SizeMismatchError: paired descriptors of different lengths (indices that did not
+                come from one request of this pair).
         """
         t = self.transport
         t._check_open()
-        li = np.ascontiguousarray(local, dtype=np.int32)
-        ri = np.ascontiguousarray(remote, dtype=np.int32)
+        li = np.ascontiguousarray(np.asarray(local).ravel(), dtype=np.int32)
+        ri = np.ascontiguousarray(np.asarray(remote).ravel(), dtype=np.int32)
         if len(li) != len(ri):
             raise ValueError(f"{len(li)} local but {len(ri)} remote indices")
-        lengths = np.asarray(self._item_lengths(li), dtype=np.uint64)
+        lengths = self._lengths(li, ri)
         pending = NixlPending(t, self.peer, lengths)
+        if len(li) == 0:
+            if notif:
+                t._notify(self.peer, notif)
+            return pending.wait(timeout)
         try:
             handle = t._agent.make_prepped_xfer("WRITE", self._local, li, self._remote, ri,
                                                 notif)
@@ -733,13 +723,29 @@ class PreppedPair:
         pending._post_ready()
         return pending.wait(timeout)
 
-    def _item_lengths(self, local: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
-        entry = np.searchsorted(self.src_offsets, local, side="right") - 1
-        return self._item[entry]
+    def _lengths(self, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]) -> U64:
+        """Bytes of each descriptor pair, after checking both indices lie in their lists."""
+        from kvplan import IndexBoundsError, SizeMismatchError
+
+        for name, idx, n in (("local", li, self.n_local), ("remote", ri, self.n_remote)):
+            bad = np.flatnonzero((idx < 0) | (idx >= n))
+            if bad.size:
+                k = int(bad[0])
+                raise IndexBoundsError(f"{name} index {int(idx[k])} at position {k} is outside "
+                                       f"0..{n} (the prepped {name} list)")
+        lengths = self._src_lens[li]
+        differ = np.flatnonzero(lengths != self._dst_lens[ri])
+        if differ.size:
+            k = int(differ[0])
+            raise SizeMismatchError(
+                f"position {k}: local descriptor {int(li[k])} has {int(lengths[k])} bytes but "
+                f"remote descriptor {int(ri[k])} has {int(self._dst_lens[ri[k]])}; pass index "
+                f"arrays from one indices() or state_indices() call")
+        return lengths
 
     def release(self) -> None:
         """Release both prepped lists (also done by the transport's ``close``)."""
         for h in (self._local, self._remote):
-            if h in self.transport._dlists:
+            if h is not None and h in self.transport._dlists:
                 self.transport._dlists.discard(h)
                 h.release()
