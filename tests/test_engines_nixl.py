@@ -350,6 +350,42 @@ def test_an_empty_plan_still_delivers_its_notification(pair: Pair) -> None:
     assert not pair.dst.any() and pair.a.live_handles == 0
 
 
+def test_waiting_after_close_names_the_closed_transport(pair: Pair) -> None:
+    """Several batches: the last one (with the notification) is posted only by wait(), so it
+    is certainly in flight when close() releases every handle."""
+    off = np.arange(8, dtype=np.int64) * 1000
+    pending = pair.a.submit_async(pair.plan(off, off, 1000), pair.peer, 3, notif=b"late")
+    pair.a.close()
+    assert pending.done
+    with pytest.raises(TransferError, match="transport closed") as info:
+        pending.wait()
+    assert "AttributeError" not in str(info.value) and info.value.agent == "unit-a"
+    with pytest.raises(TransferError, match="transport closed"):  # the same error again
+        pending.wait()
+
+
+def test_submit_after_release_or_close_says_why() -> None:
+    layers, pages, item = 2, 8, 128
+    src = np.arange(layers * pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s_layout = kvplan.Layout.mla([src.ctypes.data + i * pages * item for i in range(layers)],
+                                 [pages * item] * layers, item, layer_ids=[0, 1])
+    d_layout = kvplan.Layout.mla([dst.ctypes.data + i * pages * item for i in range(layers)],
+                                 [pages * item] * layers, item, layer_ids=[0, 1])
+    with _agents("release", s_layout, d_layout) as (a, b, peer):
+        prepped = a.prep(s_layout, d_layout, peer)
+        local, remote = prepped.indices(np.array([1, 2]), np.array([3, 4]))
+        prepped.release()
+        with pytest.raises(TransferError, match=r"prepped lists .* released") as info:
+            prepped.submit(local, remote)
+        assert "NIXL_ERR" not in str(info.value)
+        again = a.prep(s_layout, d_layout, peer)
+        a.close()
+        with pytest.raises(TransferError, match="transport is closed"):
+            again.submit(local, remote)
+    assert not dst.any()
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process: a stand-in agent for a transfer that never finishes and a handle NIXL keeps
 # ---------------------------------------------------------------------------------------------

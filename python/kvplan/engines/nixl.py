@@ -148,6 +148,8 @@ class NixlTransport(Transport):
                  agent: Any = None) -> None:
         super().__init__(max_blocks_per_batch=max_blocks_per_batch)
         self._closed = True  # until the agent exists, nothing may call into it
+        # Set when close() starts: pending transfers then stop polling handles close() owns.
+        self._closing = False
         self.name = name or f"kvplan-{socket.gethostname()}-{os.getpid()}-{next(_names)}"
         self.timeout = timeout
         self._lock = threading.Lock()
@@ -399,6 +401,8 @@ class NixlTransport(Transport):
         """Release one handle; False (and kept for close) when NIXL refuses."""
         with self._lock:
             self._live.discard(handle)
+            if self._closing:  # close() releases every handle it found itself
+                return True
         try:
             self._agent.release_xfer_handle(handle)
             return True
@@ -482,6 +486,7 @@ class NixlTransport(Transport):
         if self._closed:
             return
         with self._lock:
+            self._closing = True
             left = list(self._live) + self._stuck
             self._live.clear()
             self._stuck = []
@@ -567,6 +572,8 @@ class NixlPending(PendingBase):
     def _poll(self, deadline: float | None) -> bool:
         """Check every posted request once; True when all (and the deferred one) are DONE."""
         t = self._t
+        if t._closing:
+            raise self._closed_error()
         for req in self._reqs:
             index, lo, hi, handle, _ = req
             if handle is None:
@@ -591,6 +598,21 @@ class NixlPending(PendingBase):
             self._post(self._reqs[0])
             return self._poll(deadline)
         return True
+
+    def _closed_error(self) -> TransferError:
+        """The transport was closed while requests were in flight: close() released their
+        handles (cancelling what NIXL could), so they can no longer be checked."""
+        unfinished = [r for r in self._reqs if r[3] is not None]
+        if self._deferred is not None:
+            unfinished.append(self._deferred)
+        index, lo, hi = unfinished[0][:3] if unfinished else (0, 0, len(self._lengths))
+        for req in unfinished:
+            req[3] = None  # released by close(), never again here
+        return self._t._request_error(
+            self._peer, index, self._lengths[lo:hi], "transport closed", None,
+            extra=f"NixlTransport.close() ran before {len(unfinished)} of {self._count} "
+                  f"requests completed and released their handles; blocks may have partly "
+                  f"landed and the notification, if any, was not sent")
 
     def _timeout(self) -> TransferError:
         req = next(r for r in self._reqs if r[3] is not None)
@@ -666,6 +688,7 @@ class PreppedPair:
         self._local, self._remote = local, remote
         self._src_lens, self._dst_lens = src_lens, dst_lens
         self.n_local, self.n_remote = len(src_lens), len(dst_lens)
+        self._released = False
 
     def indices(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -695,13 +718,18 @@ class PreppedPair:
         deliver ``notif`` (a bare notification).
 
         Raises:
-            TransferError: as :meth:`NixlTransport.submit`.
+            TransferError: as :meth:`NixlTransport.submit`; the transport is closed; the lists
+                were released (:meth:`release`).
             IndexBoundsError: an index outside its list.
             SizeMismatchError: paired descriptors of different lengths (indices that did not
                 come from one request of this pair).
         """
         t = self.transport
         t._check_open()
+        if self._released:
+            raise t._error(f"prepped lists towards peer {self.peer!r} released "
+                           f"(PreppedPair.release()); prepare new ones with prep()",
+                           peer=self.peer, status=None)
         li = np.ascontiguousarray(np.asarray(local).ravel(), dtype=np.int32)
         ri = np.ascontiguousarray(np.asarray(remote).ravel(), dtype=np.int32)
         if len(li) != len(ri):
@@ -744,7 +772,9 @@ class PreppedPair:
         return lengths
 
     def release(self) -> None:
-        """Release both prepped lists (also done by the transport's ``close``)."""
+        """Release both prepped lists (also done by the transport's ``close``); later
+        :meth:`submit` calls raise :class:`TransferError`."""
+        self._released = True
         for h in (self._local, self._remote):
             if h is not None and h in self.transport._dlists:
                 self.transport._dlists.discard(h)
