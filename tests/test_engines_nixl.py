@@ -7,10 +7,12 @@ Every test here needs ``nixl_cu12`` and fails, never skips, when it cannot be im
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -68,13 +70,28 @@ def test_descriptor_rows_are_c_contiguous_n_by_3() -> None:
     assert rows.tolist() == [[10, 1, 5], [20, 2, 5]]
 
 
-def test_item_table_has_one_row_per_item_entry_by_entry() -> None:
-    layout = kvplan.Layout.mla([0x1000, 0x9000, 0x20000], [256, 0, 96], [64, 0, 32],
-                               layer_ids=[0, 1, 2], device="cuda:2")
-    rows, offsets = _nixl_mod().item_table(layout)
-    assert offsets.tolist() == [0, 4, 4, 7]  # the elided entry contributes no rows
-    assert rows[:, 0].tolist() == [0x1000, 0x1040, 0x1080, 0x10C0, 0x20000, 0x20020, 0x20040]
-    assert set(rows[:, 1].tolist()[:4]) == {64} and set(rows[:, 2].tolist()) == {2}
+def test_prepped_tables_come_from_the_core_with_strides() -> None:
+    """The prepped lists are the template's descriptor tables: descriptor j*pages + k is page k
+    of piece j, at the entry's stride (a cross-layer pool), an elided entry contributes none,
+    and a request's indices point at those descriptors."""
+    items = [64, 0, 32]
+    pool = kvplan.Layout.cross_layer(0x10000, 4 * 96, [0, 1, 2], items)  # stride 96, 4 pages
+    per_layer = kvplan.Layout.mla([0x1000, 0x9000, 0x20000], [256, 0, 96], items,
+                                  layer_ids=[0, 1, 2])  # 4 and 3 pages
+    t = kvplan.Template(pool, per_layer)
+    addrs, lens = t.descriptor_table("src")
+    assert addrs.dtype == np.uint64 and lens.dtype == np.uint64
+    assert addrs.tolist() == [0x10000 + k * 96 for k in range(4)] + \
+        [0x10000 + 64 + k * 96 for k in range(4)]
+    assert lens.tolist() == [64] * 4 + [32] * 4
+    addrs, lens = t.descriptor_table("dst")  # 3 pages: the smallest paired capacity here
+    assert addrs.tolist() == [0x1000, 0x1040, 0x1080, 0x20000, 0x20020, 0x20040]
+    s, d = t.prepped_indices(np.array([2, 0]), np.array([1, 2]))
+    assert s.tolist() == [2, 0, 6, 4] and d.tolist() == [1, 2, 4, 5]
+    with pytest.raises(kvplan.IndexBoundsError, match="dst index 3 at position 1"):
+        t.prepped_indices(np.array([0, 1]), np.array([0, 3]))
+    with pytest.raises(kvplan.KvPlanError, match='side must be "src"'):
+        t.descriptor_table("local")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +219,171 @@ def test_prepped_indices_move_the_same_bytes_as_the_plan() -> None:
     finally:
         a.close()
         b.close()
+
+
+@contextlib.contextmanager
+def _agents(name: str, src_layout: Any, dst_layout: Any) -> Iterator[tuple[Any, Any, str]]:
+    """Two real agents in this process: ``a`` holds ``src_layout`` and writes into ``b``'s
+    ``dst_layout``; yields ``(a, b, peer)``."""
+    NixlTransport = _nixl_mod().NixlTransport
+    a, b = NixlTransport(f"{name}-a", timeout=20), NixlTransport(f"{name}-b", timeout=20)
+    try:
+        a.register(src_layout)
+        b.register(dst_layout)
+        yield a, b, a.add_peer(b.metadata())
+    finally:
+        a.close()
+        b.close()
+
+
+def _prepped_request(a: Any, b: Any, peer: str, src_layout: Any, dst_layout: Any,
+                     src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes) -> Any:
+    """One request through the prepped path; the receiver must see ``notif``."""
+    prepped = a.prep(src_layout, dst_layout, peer)
+    local, remote = prepped.indices(src_pages, dst_pages)
+    stats = prepped.submit(local, remote, notif=notif)
+    b.wait_notification(a.name, notif, timeout=10)
+    assert a.live_handles == 0
+    return stats
+
+
+def test_prepped_cross_layer_pool_to_per_layer_decode_honours_strides() -> None:
+    """Source items sit at the pool's stride (the page), not at item_len; every byte of the
+    per-layer decode is checked against a plain numpy copy."""
+    items, pages = [96, 160, 64], 12
+    stride = sum(items)
+    offsets = np.cumsum([0, *items[:-1]])
+    pool = np.random.default_rng(5).integers(0, 255, pages * stride, dtype=np.uint8)
+    decode = [np.zeros(pages * item, np.uint8) for item in items]
+    src_layout = kvplan.Layout.cross_layer(pool.ctypes.data, pool.nbytes, [0, 1, 2], items)
+    dst_layout = kvplan.Layout.mla([d.ctypes.data for d in decode], [d.nbytes for d in decode],
+                                   items, layer_ids=[0, 1, 2])
+    sp, dp = np.array([3, 4, 5, 11, 0]), np.array([7, 1, 2, 3, 10])
+    with _agents("pool", src_layout, dst_layout) as (a, b, peer):
+        stats = _prepped_request(a, b, peer, src_layout, dst_layout, sp, dp, b"pool")
+        assert stats.bytes == len(sp) * stride
+        by_page = pool.reshape(pages, stride)
+        for layer, (item, off) in enumerate(zip(items, offsets)):
+            want = np.zeros((pages, item), np.uint8)
+            want[dp] = by_page[sp, off:off + item]
+            np.testing.assert_array_equal(decode[layer].reshape(pages, item), want)
+
+
+def _tp_case(heads: int, order: str, tp_p: int, r_p: int, tp_d: int, r_d: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Any]:
+    """Rank pools (test_tp's oracle) of prefill rank ``r_p`` and decode rank ``r_d``:
+    ``(src, dst, want, src_layout, dst_layout)``, ``want`` being the decode pool once exactly
+    the heads both ranks hold have landed."""
+    from test_tp import DST_PAGES, SRC_PAGES, global_kv, layout, rank_pool
+
+    kv = global_kv(heads)
+    mine = kvplan.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p).heads
+    theirs = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d).heads
+    src = rank_pool(kv, mine, SRC_PAGES, order, max(1, heads // tp_p))
+    hd = max(1, heads // tp_d)
+    dst = rank_pool(None, theirs, DST_PAGES, order, hd)
+    shared = np.full_like(kv, 0xEEEE)  # the sentinel rank_pool fills with
+    lo, hi = max(mine[0], theirs[0]), min(mine[1], theirs[1])
+    shared[:, :, :, :, lo:hi] = kv[:, :, :, :, lo:hi]
+    want = rank_pool(shared, theirs, DST_PAGES, order, hd)
+    return (src, dst, want, layout(src, order, heads, r_p, tp_p),
+            layout(dst, order, heads, r_d, tp_d))
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_prepped_tp8_rank5_to_tp2_rank1_moves_only_the_shared_head(order: str) -> None:
+    """Prefill rank 5 of 8 holds head 5; decode rank 1 of 2 holds heads 4..7: the prepped
+    lists carry the head fragment at each side's offset (items of different lengths)."""
+    from test_tp import DST_PAGES, SRC_PAGES
+
+    assert 5 in kvplan.tp_peers(8, 8, 2, decode_rank=1).receive_from
+    src, dst, want, s_layout, d_layout = _tp_case(8, order, 8, 5, 2, 1)
+    assert not np.array_equal(dst, want)
+    with _agents("tp82", s_layout, d_layout) as (a, b, peer):
+        stats = _prepped_request(a, b, peer, s_layout, d_layout, SRC_PAGES, DST_PAGES, b"tp")
+        assert stats.bytes == kvplan.Template(s_layout, d_layout).bytes_per_page * len(SRC_PAGES)
+        np.testing.assert_array_equal(dst, want)
+
+
+def test_prepped_tp2_rank0_to_rank1_moves_nothing_and_still_notifies() -> None:
+    """No head in common (the template says why): the prepped tables hold no page descriptor,
+    nothing moves, and the decode still receives the completion notification."""
+    from test_tp import DST_PAGES, SRC_PAGES
+
+    src, dst, want, s_layout, d_layout = _tp_case(8, "HND", 2, 0, 2, 1)
+    assert kvplan.Template(s_layout, d_layout).empty_reason
+    before = dst.copy()
+    with _agents("tp22", s_layout, d_layout) as (a, b, peer):
+        stats = _prepped_request(a, b, peer, s_layout, d_layout, SRC_PAGES, DST_PAGES, b"none")
+        assert (stats.blocks, stats.bytes) == (0, 0)
+        np.testing.assert_array_equal(dst, before)
+
+
+def test_prepped_path_refuses_nhd_to_hnd_and_names_the_plan_path() -> None:
+    """Equal page sizes, different memory orders: a page's tokens are re-ordered, which no
+    whole-page descriptor expresses. prep() refuses before NIXL sees anything; the plan path
+    it names moves the bytes right."""
+    from test_tp import DST_PAGES, SRC_PAGES, global_kv, layout, rank_pool
+
+    kv = global_kv(2)
+    src = rank_pool(kv, (0, 2), SRC_PAGES, "NHD", 2)
+    dst = rank_pool(None, (0, 2), DST_PAGES, "HND", 2)
+    s_layout, d_layout = layout(src, "NHD", 2, 0, 1), layout(dst, "HND", 2, 0, 1)
+    with _agents("order", s_layout, d_layout) as (a, b, peer):
+        with pytest.raises(kvplan.KvPlanError, match=r"memory orders.*Template\.plan.*"
+                           r"submit\(plan\)") as info:
+            a.prep(s_layout, d_layout, peer)
+        assert not isinstance(info.value, TransferError)
+        a.submit(kvplan.Template(s_layout, d_layout).plan(SRC_PAGES, DST_PAGES), peer)
+        np.testing.assert_array_equal(dst, rank_pool(kv, (0, 2), DST_PAGES, "HND", 2))
+
+
+def test_an_empty_plan_still_delivers_its_notification(pair: Pair) -> None:
+    """A plan of no blocks (e.g. a decode rank sharing no head with this prefill rank) still
+    tells the receiver the request is complete, synchronously and asynchronously."""
+    empty = PlanBatch(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+    stats = pair.a.submit(empty, pair.peer, notif=b"req-7")
+    assert (stats.blocks, stats.bytes) == (0, 0)
+    pair.b.wait_notification("unit-a", b"req-7", timeout=10)
+    pair.a.submit_async(empty, pair.peer, notif=b"req-8").wait()
+    pair.b.wait_notification("unit-a", b"req-8", timeout=10)
+    assert not pair.dst.any() and pair.a.live_handles == 0
+
+
+def test_waiting_after_close_names_the_closed_transport(pair: Pair) -> None:
+    """Several batches: the last one (with the notification) is posted only by wait(), so it
+    is certainly in flight when close() releases every handle."""
+    off = np.arange(8, dtype=np.int64) * 1000
+    pending = pair.a.submit_async(pair.plan(off, off, 1000), pair.peer, 3, notif=b"late")
+    pair.a.close()
+    assert pending.done
+    with pytest.raises(TransferError, match="transport closed") as info:
+        pending.wait()
+    assert "AttributeError" not in str(info.value) and info.value.agent == "unit-a"
+    with pytest.raises(TransferError, match="transport closed"):  # the same error again
+        pending.wait()
+
+
+def test_submit_after_release_or_close_says_why() -> None:
+    layers, pages, item = 2, 8, 128
+    src = np.arange(layers * pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s_layout = kvplan.Layout.mla([src.ctypes.data + i * pages * item for i in range(layers)],
+                                 [pages * item] * layers, item, layer_ids=[0, 1])
+    d_layout = kvplan.Layout.mla([dst.ctypes.data + i * pages * item for i in range(layers)],
+                                 [pages * item] * layers, item, layer_ids=[0, 1])
+    with _agents("release", s_layout, d_layout) as (a, b, peer):
+        prepped = a.prep(s_layout, d_layout, peer)
+        local, remote = prepped.indices(np.array([1, 2]), np.array([3, 4]))
+        prepped.release()
+        with pytest.raises(TransferError, match=r"prepped lists .* released") as info:
+            prepped.submit(local, remote)
+        assert "NIXL_ERR" not in str(info.value)
+        again = a.prep(s_layout, d_layout, peer)
+        a.close()
+        with pytest.raises(TransferError, match="transport is closed"):
+            again.submit(local, remote)
+    assert not dst.any()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -417,6 +417,33 @@ class Template:
         Raises:
             IndexBoundsError: A slot is negative or outside a paired state buffer.
         """
+    def descriptor_table(self, side: str) -> tuple[_U64Array, _U64Array]:
+        """``(addrs, lens)`` of one side's (``"src"`` or ``"dst"``) prepped descriptor table:
+        descriptor ``j * pages + k`` is page ``k`` of emission piece ``j`` (the plan's address
+        model: strides, head fragments, coalesced groups), then one descriptor per slot of every
+        state pair that moves bytes.
+
+        Raises:
+            KvPlanError: The template plans by token (different page sizes or memory orders);
+                a bad ``side``; a table too large to index with int64.
+            MemoryError: The table cannot be allocated.
+        """
+    def prepped_indices(self, src_pages: _IndexArray, dst_pages: _IndexArray
+                        ) -> tuple[_I64Array, _I64Array]:
+        """A page request as ``(src_idx, dst_idx)`` into the two prepped tables, piece major,
+        page minor (empty when no page bytes move).
+
+        Raises:
+            IndexBoundsError, KvPlanError, TypeError: As ``plan`` for the same request; a
+                token template (KvPlanError).
+        """
+    def prepped_state_indices(self, src_slot: int, dst_slot: int
+                              ) -> tuple[_I64Array, _I64Array]:
+        """State slot ``src_slot`` -> ``dst_slot`` as indices into the two prepped tables.
+
+        Raises:
+            IndexBoundsError: As ``plan_state``.
+        """
 
 @final
 class TpPeers:

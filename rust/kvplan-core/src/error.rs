@@ -215,6 +215,10 @@ pub enum PlanError {
     /// item does not match its side's geometry).
     #[error("head slicing: {what}")]
     HeadMismatch { what: String },
+    /// A template whose transfers prepped descriptor tables (one descriptor per whole page)
+    /// cannot express; `why` names the template's property and the path that works.
+    #[error("prepped descriptor tables: {why}")]
+    NotPreppable { why: String },
 }
 
 impl PlanError {
@@ -271,6 +275,7 @@ impl PlanError {
             | PlanError::OutputTooSmall { .. }
             | PlanError::Geometry { .. }
             | PlanError::TokenCount { .. }
+            | PlanError::NotPreppable { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

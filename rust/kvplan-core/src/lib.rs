@@ -5,6 +5,7 @@
 //! (`(src_addr, dst_addr, length)` columns) → a transfer engine.
 #![forbid(unsafe_code)]
 
+pub mod descriptors;
 pub mod emit;
 pub mod error;
 pub mod heads;
@@ -16,6 +17,7 @@ pub mod template;
 pub mod tokens;
 pub mod wire;
 
+pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
 pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use heads::{HeadSlicing, Link, TpSplit, heads_text};

@@ -325,6 +325,15 @@ impl Template {
     pub fn bytes_per_page(&self) -> u64 {
         self.bytes_per_page
     }
+
+    /// Per side, the bound every page index must lie below: the smallest capacity over the
+    /// emitting pairs (`u64::MAX` when no pair emits).
+    pub fn index_limits(&self) -> IndexLimits {
+        IndexLimits {
+            src: self.src_limit,
+            dst: self.dst_limit,
+        }
+    }
 }
 
 /// Head re-slicing between the two layouts (whole-page copies between different TP sizes).

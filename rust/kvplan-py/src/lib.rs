@@ -1,9 +1,10 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `runs`, `pairing`, `layout`, `template`, `plan` (+ the output
-//! `pool`), with `convert` and `errors` shared.
+//! Modules mirror the core's: `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
+//! the output `pool`), with `convert` and `errors` shared.
 
 mod convert;
+mod descriptors;
 mod errors;
 mod heads;
 mod layout;

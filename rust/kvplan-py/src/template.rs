@@ -476,6 +476,40 @@ impl PyTemplate {
         ))
     }
 
+    /// One side's prepped descriptor table, `(addrs, lens)` uint64: descriptor `j * pages + k`
+    /// is page `k` of emission piece `j`, then one descriptor per slot of every state pair
+    /// that moves bytes. The address model is the plan's (strides, head fragments, coalesced
+    /// groups); a token template (different page sizes or memory orders) is a KvPlanError.
+    fn descriptor_table<'py>(
+        &self,
+        py: Python<'py>,
+        side: &str,
+    ) -> PyResult<crate::descriptors::TableArrays<'py>> {
+        crate::descriptors::descriptor_table(py, &self.inner, side)
+    }
+
+    /// A page request as `(src_idx, dst_idx)` int64 indices into the two prepped tables, piece
+    /// major, page minor; validated exactly as `plan` validates the same request.
+    fn prepped_indices<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+    ) -> PyResult<crate::descriptors::IndexArrays<'py>> {
+        crate::descriptors::prepped_indices(py, &self.inner, src_pages, dst_pages)
+    }
+
+    /// State slot `src_slot` -> `dst_slot` as `(src_idx, dst_idx)` int64 indices into the two
+    /// prepped tables, one per state pair that moves bytes; validated as `plan_state`.
+    fn prepped_state_indices<'py>(
+        &self,
+        py: Python<'py>,
+        src_slot: i64,
+        dst_slot: i64,
+    ) -> PyResult<crate::descriptors::IndexArrays<'py>> {
+        crate::descriptors::prepped_state_indices(py, &self.inner, src_slot, dst_slot)
+    }
+
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
     /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
     fn plan_state(&self, py: Python<'_>, src_slot: i64, dst_slot: i64) -> PyResult<PyTransferPlan> {

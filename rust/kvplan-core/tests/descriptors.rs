@@ -1,0 +1,450 @@
+//! Prepped descriptor tables: every descriptor lies inside its side's buffers, a request's
+//! descriptor pairs move exactly the bytes of the plan of the same request (and, where every
+//! piece is per page, are its blocks one for one), requests are validated as plans are, and
+//! what a table cannot express (token plans) or hold (sizes) is an error.
+
+use kvplan_core::{
+    AttentionGeometry, ErrorClass, GeometryOptions, Layout, LayoutContext, LayoutParts,
+    MemoryOrder, PlanError, Side, Template, TemplateOptions,
+};
+
+const SRC: u64 = 0x10_0000;
+const DST: u64 = 0x80_0000;
+const PAGES: u64 = 8;
+const SRC_PAGES: [i64; 5] = [0, 1, 2, 6, 3];
+const DST_PAGES: [i64; 5] = [7, 2, 3, 4, 0];
+
+fn opts() -> TemplateOptions {
+    TemplateOptions::default()
+}
+
+/// Per-layer buffers, `pad` bytes between items (a stride larger than the item).
+fn per_layer(base: u64, items: &[u64], pad: u64) -> Layout {
+    let (mut ptrs, mut lens, mut strides, mut at) = (vec![], vec![], vec![], base);
+    for &item in items {
+        let stride = item + pad;
+        ptrs.push(at);
+        lens.push(PAGES * stride - pad);
+        strides.push(stride);
+        at += PAGES * stride + 64;
+    }
+    let n = items.len() as i64;
+    Layout::new(
+        LayoutParts {
+            data_ptrs: ptrs,
+            data_lens: lens,
+            item_lens: items.to_vec(),
+            layer_ids: (0..n).map(Some).collect(),
+            ..Default::default()
+        },
+        LayoutContext::default(),
+    )
+    .unwrap()
+    .with_strides(strides)
+    .unwrap()
+}
+
+/// One cross-layer pool: every layer's item of a page side by side.
+fn pool(base: u64, items: &[u64]) -> Layout {
+    let n = items.len() as i64;
+    let stride: u64 = items.iter().sum();
+    Layout::cross_layer(
+        base,
+        PAGES * stride,
+        Some((0..n).collect()),
+        items.to_vec(),
+        None,
+        LayoutContext::default(),
+    )
+    .unwrap()
+}
+
+const TOKENS: u64 = 4;
+const HEAD_BYTES: u64 = 4;
+const LAYERS: usize = 2;
+
+/// An MHA rank (K block then V block, per-layer buffers) holding `H / tp` heads (at least 1),
+/// with a replicated state entry per layer whose slots are strided.
+fn mha_rank(
+    base: u64,
+    heads: u32,
+    tp: u32,
+    rank: u32,
+    order: MemoryOrder,
+    page_size: u64,
+) -> Layout {
+    let per_rank = (heads / tp).max(1);
+    let item = page_size * u64::from(per_rank) * HEAD_BYTES;
+    let entry = PAGES * item;
+    let ptrs: Vec<u64> = (0..2 * LAYERS as u64)
+        .map(|e| base + e * (entry + 128))
+        .collect();
+    let ctx = LayoutContext {
+        page_size,
+        tp_rank: rank,
+        tp_size: tp,
+        attention: Some(AttentionGeometry {
+            total_kv_heads: heads,
+            heads_per_rank: per_rank,
+            head_dim: 2,
+            dtype_size: 2,
+            memory_order: order,
+        }),
+        ..LayoutContext::default()
+    };
+    let ids: Vec<i64> = (0..LAYERS as i64).collect();
+    let layout = Layout::mha(
+        ptrs[..LAYERS].to_vec(),
+        ptrs[LAYERS..].to_vec(),
+        vec![entry; LAYERS],
+        vec![entry; LAYERS],
+        vec![item; LAYERS],
+        vec![item; LAYERS],
+        Some(ids.clone()),
+        ctx,
+    )
+    .unwrap();
+    let state_at = base + 2 * LAYERS as u64 * (entry + 128);
+    let state_ptrs = (0..LAYERS as u64).map(|l| state_at + l * 4096).collect();
+    layout
+        .with_state(
+            "conv",
+            state_ptrs,
+            vec![3 * 24 + 16; LAYERS],
+            vec![16; LAYERS],
+            ids,
+        )
+        .unwrap()
+        .with_strides(
+            // pages keep their item stride; the state slots sit 24 bytes apart
+            (0..3 * LAYERS)
+                .map(|e| if e < 2 * LAYERS { item } else { 24 })
+                .collect(),
+        )
+        .unwrap()
+}
+
+/// Buffers `[ptr, ptr + len)` of a layout, merged where they touch or overlap.
+fn buffers(layout: &Layout) -> Vec<(u64, u64)> {
+    let parts = layout.parts();
+    let mut spans: Vec<(u64, u64)> = parts
+        .data_ptrs
+        .iter()
+        .zip(&parts.data_lens)
+        .map(|(&p, &n)| (p, p + n))
+        .collect();
+    spans.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = vec![];
+    for (s, e) in spans {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    merged
+}
+
+/// Every descriptor of `side`'s table lies inside the side's buffers (a coalesced piece may
+/// span touching buffers of one pool), and none is empty.
+fn assert_inside(t: &Template, side: Side, layout: &Layout) {
+    let table = t.descriptor_table(side).unwrap();
+    let spans = buffers(layout);
+    for (k, (&a, &n)) in table.addrs.iter().zip(&table.lens).enumerate() {
+        assert!(n > 0, "{side} descriptor {k} is empty");
+        assert!(
+            spans.iter().any(|&(s, e)| s <= a && a + n <= e),
+            "{side} descriptor {k} [{a:#x}, +{n}) outside every buffer {spans:x?}"
+        );
+    }
+}
+
+/// `(src, dst, len)` of each descriptor pair of a request.
+fn prepped_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
+    let (s_table, d_table) = (
+        t.descriptor_table(Side::Src).unwrap(),
+        t.descriptor_table(Side::Dst).unwrap(),
+    );
+    let idx = t.prepped_indices(src, dst).unwrap();
+    assert_eq!(idx.src.len(), idx.dst.len());
+    idx.src
+        .iter()
+        .zip(&idx.dst)
+        .map(|(&s, &d)| {
+            let (s, d) = (s as usize, d as usize);
+            assert_eq!(
+                s_table.lens[s], d_table.lens[d],
+                "paired descriptors differ in length"
+            );
+            [s_table.addrs[s], d_table.addrs[d], s_table.lens[s]]
+        })
+        .collect()
+}
+
+/// Destination byte -> source byte, sorted.
+fn byte_map(blocks: impl IntoIterator<Item = [u64; 3]>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = blocks
+        .into_iter()
+        .flat_map(|[s, d, n]| (0..n).map(move |b| (d + b, s + b)))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+fn plan_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
+    let plan = t.plan(src, dst).unwrap();
+    (0..plan.lengths.len())
+        .map(|k| [plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]])
+        .collect()
+}
+
+/// The whole contract for one template: tables inside the buffers, the same bytes as the plan
+/// (the same blocks when every piece is per page), state slots as `plan_state_into`.
+fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
+    let geometry = GeometryOptions {
+        coalesce,
+        ..GeometryOptions::default()
+    };
+    let t = Template::with_geometry(src, dst, opts(), &geometry).unwrap();
+    assert_inside(&t, Side::Src, src);
+    assert_inside(&t, Side::Dst, dst);
+    let got = prepped_blocks(&t, &SRC_PAGES, &DST_PAGES);
+    let want = plan_blocks(&t, &SRC_PAGES, &DST_PAGES);
+    if t.pieces().iter().all(|p| !p.per_run()) {
+        assert_eq!(
+            got, want,
+            "{name}: descriptor pairs are not the plan's blocks"
+        );
+    }
+    assert_eq!(
+        byte_map(got),
+        byte_map(want),
+        "{name}: different bytes than the plan"
+    );
+    let shape = t.prepped_shape().unwrap();
+    assert_eq!(shape.pieces, t.pieces().len(), "{name}");
+    if shape.state_pairs > 0 {
+        let idx = t.prepped_state_indices(1, 2).unwrap();
+        let (s_table, d_table) = (
+            t.descriptor_table(Side::Src).unwrap(),
+            t.descriptor_table(Side::Dst).unwrap(),
+        );
+        let got: Vec<[u64; 3]> = idx
+            .src
+            .iter()
+            .zip(&idx.dst)
+            .map(|(&s, &d)| {
+                [
+                    s_table.addrs[s as usize],
+                    d_table.addrs[d as usize],
+                    s_table.lens[s as usize],
+                ]
+            })
+            .collect();
+        let mut flat = vec![0u64; 3 * shape.state_pairs];
+        let n = shape.state_pairs;
+        t.plan_state_into(1, 2, kvplan_core::Columns::from_flat(&mut flat, n))
+            .unwrap();
+        let want: Vec<[u64; 3]> = (0..n)
+            .map(|k| [flat[k], flat[n + k], flat[2 * n + k]])
+            .collect();
+        assert_eq!(
+            got, want,
+            "{name}: state descriptors are not plan_state's blocks"
+        );
+    }
+    t
+}
+
+#[test]
+fn strided_per_layer_buffers() {
+    let items = [48, 32, 64];
+    let t = check(
+        "strided",
+        &per_layer(SRC, &items, 16),
+        &per_layer(DST, &items, 8),
+        true,
+    );
+    assert_eq!(t.prepped_shape().unwrap().rows, (3 * PAGES, 3 * PAGES));
+    // Packed buffers: per-run pieces, still one descriptor per page.
+    check(
+        "packed",
+        &per_layer(SRC, &items, 0),
+        &per_layer(DST, &items, 0),
+        true,
+    );
+}
+
+#[test]
+fn cross_layer_pools() {
+    let items = [48, 32, 64];
+    check(
+        "pool to per-layer",
+        &pool(SRC, &items),
+        &per_layer(DST, &items, 0),
+        true,
+    );
+    check(
+        "per-layer to pool",
+        &per_layer(SRC, &items, 0),
+        &pool(DST, &items),
+        true,
+    );
+    // Pool to pool coalesces every layer into one piece: one descriptor per page.
+    let t = check("pool to pool", &pool(SRC, &items), &pool(DST, &items), true);
+    assert_eq!(t.prepped_shape().unwrap().rows, (PAGES, PAGES));
+    check(
+        "pool to pool, not coalesced",
+        &pool(SRC, &items),
+        &pool(DST, &items),
+        false,
+    );
+}
+
+#[test]
+fn head_sliced_hnd_and_nhd() {
+    for order in [MemoryOrder::Hnd, MemoryOrder::Nhd] {
+        for (heads, tp_p, r_p, tp_d, r_d) in [(8, 8, 5, 2, 1), (8, 2, 1, 4, 3), (2, 4, 2, 1, 0)] {
+            let src = mha_rank(SRC, heads, tp_p, r_p, order, TOKENS);
+            let dst = mha_rank(DST, heads, tp_d, r_d, order, TOKENS);
+            let name = format!("{order:?} H{heads} TP{tp_p} r{r_p} -> TP{tp_d} r{r_d}");
+            let t = check(&name, &src, &dst, true);
+            assert!(t.empty_reason().is_none(), "{name}");
+            let per_pair = if order == MemoryOrder::Hnd {
+                1
+            } else {
+                TOKENS as usize
+            };
+            assert_eq!(t.pieces().len(), 2 * LAYERS * per_pair, "{name}");
+        }
+    }
+}
+
+#[test]
+fn a_pair_without_shared_heads_has_no_page_descriptors() {
+    let src = mha_rank(SRC, 8, 2, 0, MemoryOrder::Hnd, TOKENS);
+    let dst = mha_rank(DST, 8, 2, 1, MemoryOrder::Hnd, TOKENS);
+    let t = Template::new(&src, &dst, opts()).unwrap();
+    assert!(t.empty_reason().is_some());
+    let shape = t.prepped_shape().unwrap();
+    assert_eq!(
+        (shape.pieces, shape.pages, shape.state_start),
+        (0, (0, 0), (0, 0))
+    );
+    let idx = t.prepped_indices(&SRC_PAGES, &DST_PAGES).unwrap();
+    assert!(idx.src.is_empty() && idx.dst.is_empty());
+    // Replicated state still has its one writer: rank 0 writes decode rank 1's copy.
+    check("empty pages, state", &src, &dst, true);
+}
+
+#[test]
+fn requests_are_validated_exactly_as_plans() {
+    let items = [48, 32];
+    let t = Template::new(&pool(SRC, &items), &per_layer(DST, &items, 8), opts()).unwrap();
+    let cases: [(&[i64], &[i64]); 4] = [
+        (&[0, -3], &[1, 2]),
+        (&[0, 1], &[2, PAGES as i64]),
+        (&[PAGES as i64 + 5], &[0]),
+        (&[0, 1], &[2]),
+    ];
+    for (src, dst) in cases {
+        let err = t.prepped_indices(src, dst).unwrap_err();
+        assert_eq!(err, t.plan(src, dst).unwrap_err());
+    }
+    let err = t.prepped_indices(&[0, 1], &[2, PAGES as i64]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::IndexOutOfRange {
+                side: Side::Dst,
+                index: 8,
+                position: 1,
+                capacity: 8,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let src = mha_rank(SRC, 2, 1, 0, MemoryOrder::Hnd, TOKENS);
+    let st = Template::new(
+        &src,
+        &mha_rank(DST, 2, 1, 0, MemoryOrder::Hnd, TOKENS),
+        opts(),
+    )
+    .unwrap();
+    let mut scratch = vec![0u64; 3 * LAYERS];
+    for (s, d) in [(-1, 0), (0, 4), (9, 0)] {
+        let columns = kvplan_core::Columns::from_flat(&mut scratch, LAYERS);
+        let want = st.plan_state_into(s, d, columns).unwrap_err();
+        assert_eq!(st.prepped_state_indices(s, d).unwrap_err(), want);
+    }
+}
+
+#[test]
+fn token_templates_are_refused_naming_the_plan_path() {
+    let cases = [
+        (
+            MemoryOrder::Nhd,
+            TOKENS,
+            MemoryOrder::Hnd,
+            TOKENS,
+            "memory orders",
+        ),
+        (
+            MemoryOrder::Nhd,
+            TOKENS,
+            MemoryOrder::Nhd,
+            2 * TOKENS,
+            "prefill pages hold 4 tokens and decode pages 8",
+        ),
+    ];
+    for (so, sp, d_order, dp, says) in cases {
+        let src = mha_rank(SRC, 2, 1, 0, so, sp);
+        let dst = mha_rank(DST, 2, 1, 0, d_order, dp);
+        let t = Template::new(&src, &dst, opts()).unwrap();
+        assert!(t.by_token());
+        let errors = [
+            t.descriptor_table(Side::Src).unwrap_err(),
+            t.prepped_indices(&SRC_PAGES, &DST_PAGES).unwrap_err(),
+            t.prepped_state_indices(0, 0).unwrap_err(),
+        ];
+        for err in errors {
+            assert!(matches!(err, PlanError::NotPreppable { .. }), "{err}");
+            assert_eq!(err.class(), ErrorClass::Other);
+            let text = err.to_string();
+            assert!(
+                text.contains(says)
+                    && text.contains("Template.plan")
+                    && text.contains("submit(plan)"),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn tables_too_large_are_errors_not_aborts() {
+    // One byte per page: 2**60 pages per entry fit a buffer but not a table in memory; `n`
+    // entries viewing the same buffer (as K and V views of one allocation may).
+    let huge = |base: u64, n: usize| {
+        Layout::mla(
+            vec![base; n],
+            vec![1 << 60; n],
+            vec![1; n],
+            Some((0..n as i64).collect()),
+            LayoutContext::default(),
+        )
+        .unwrap()
+    };
+    let t = Template::new(&huge(0, 1), &huge(1 << 62, 1), opts()).unwrap();
+    let err = t.descriptor_table(Side::Src).unwrap_err();
+    assert_eq!(err.class(), ErrorClass::Memory, "{err}");
+    // Nine such entries: 9 * 2**60 descriptors, more than an int64 index reaches.
+    let t = Template::new(&huge(0, 9), &huge(1 << 62, 9), opts()).unwrap();
+    assert_eq!(t.pieces().len(), 9);
+    let err = t.prepped_shape().unwrap_err();
+    assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
+    assert!(matches!(
+        t.descriptor_table(Side::Dst).unwrap_err(),
+        PlanError::Overflow { .. }
+    ));
+}

@@ -1,0 +1,85 @@
+//! Prepped descriptor tables (`Template.descriptor_table`, `Template.prepped_indices`,
+//! `Template.prepped_state_indices`): arguments converted, the core's `descriptors` module
+//! called, its vectors handed to NumPy without copying.
+
+use kvplan_core::{PageIndex, PreppedIndices, Side, Template};
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+
+use crate::convert::{IndexArray, IndexVisitor, visit_request};
+use crate::errors::{KvPlanError, to_py_err};
+
+/// `(addrs, lens)` of one side's table, both uint64.
+pub(crate) type TableArrays<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>);
+/// `(src_idx, dst_idx)` of a prepped request, both int64.
+pub(crate) type IndexArrays<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+
+fn side_arg(side: &str) -> PyResult<Side> {
+    match side {
+        "src" => Ok(Side::Src),
+        "dst" => Ok(Side::Dst),
+        other => Err(KvPlanError::new_err(format!(
+            "side must be \"src\" (prefill) or \"dst\" (decode), got {other:?}"
+        ))),
+    }
+}
+
+fn index_arrays(py: Python<'_>, indices: PreppedIndices) -> IndexArrays<'_> {
+    (indices.src.into_pyarray(py), indices.dst.into_pyarray(py))
+}
+
+/// One side's prepped descriptor table (built with the GIL released: it may hold millions of
+/// descriptors).
+pub(crate) fn descriptor_table<'py>(
+    py: Python<'py>,
+    template: &Template,
+    side: &str,
+) -> PyResult<TableArrays<'py>> {
+    let side = side_arg(side)?;
+    let table = py
+        .detach(|| template.descriptor_table(side))
+        .map_err(to_py_err)?;
+    Ok((table.addrs.into_pyarray(py), table.lens.into_pyarray(py)))
+}
+
+struct Indices<'t>(&'t Template);
+
+impl IndexVisitor for Indices<'_> {
+    type Output = kvplan_core::Result<PreppedIndices>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.prepped_indices(src, dst)
+    }
+}
+
+/// A page request's indices into the prepped tables (index arrays borrowed without copying,
+/// the GIL released for large requests, as `Template.plan`).
+pub(crate) fn prepped_indices<'py>(
+    py: Python<'py>,
+    template: &Template,
+    src_pages: &Bound<'py, PyAny>,
+    dst_pages: &Bound<'py, PyAny>,
+) -> PyResult<IndexArrays<'py>> {
+    let (src_array, dst_array) = (
+        IndexArray::extract(src_pages, "src_pages")?,
+        IndexArray::extract(dst_pages, "dst_pages")?,
+    );
+    let (src, dst) = (
+        src_array.as_slice("src_pages")?,
+        dst_array.as_slice("dst_pages")?,
+    );
+    let indices = visit_request(py, src, dst, Indices(template)).map_err(to_py_err)?;
+    Ok(index_arrays(py, indices))
+}
+
+/// A state slot's indices into the prepped tables.
+pub(crate) fn prepped_state_indices<'py>(
+    py: Python<'py>,
+    template: &Template,
+    src_slot: i64,
+    dst_slot: i64,
+) -> PyResult<IndexArrays<'py>> {
+    let indices = template
+        .prepped_state_indices(src_slot, dst_slot)
+        .map_err(to_py_err)?;
+    Ok(index_arrays(py, indices))
+}
