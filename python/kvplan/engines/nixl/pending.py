@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvplan.engines._base import PendingBase, TransferError, TransferStats
 from kvplan.engines.nixl.descriptors import U64
-
-if TYPE_CHECKING:
-    from kvplan.engines.nixl.transport import NixlTransport
+from kvplan.engines.nixl.owner import TransportHandle
 
 __all__ = ["NixlPending"]
 
@@ -21,7 +19,7 @@ class NixlPending(PendingBase):
     """Posted NIXL requests of one submission. :meth:`wait` returns :class:`TransferStats`
     and releases every handle, whatever the outcome."""
 
-    def __init__(self, transport: NixlTransport, peer: str, lengths: U64) -> None:
+    def __init__(self, transport: TransportHandle, peer: str, lengths: U64) -> None:
         self._t = transport
         self._peer = peer
         self._lengths = lengths

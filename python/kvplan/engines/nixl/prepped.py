@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplan.engines._base import TransferStats
 from kvplan.engines.nixl.descriptors import U64
+from kvplan.engines.nixl.owner import TransportHandle
 from kvplan.engines.nixl.pending import NixlPending
-
-if TYPE_CHECKING:
-    from kvplan.engines.nixl.transport import NixlTransport
 
 __all__ = ["PreppedPair"]
 
@@ -35,7 +33,7 @@ class PreppedPair:
         n_local, n_remote: descriptors in the local (source) and remote (destination) list.
     """
 
-    def __init__(self, transport: NixlTransport, peer: str, template: Any, local: Any,
+    def __init__(self, transport: TransportHandle, peer: str, template: Any, local: Any,
                  remote: Any, src_lens: U64, dst_lens: U64) -> None:
         self.transport, self.peer, self.template = transport, peer, template
         self._local, self._remote = local, remote
