@@ -89,8 +89,17 @@ def _kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
     return ["k"] * layers + ["v"] * layers + ["draft_k"] * draft + ["draft_v"] * draft
 
 
+def _tp_context(rank: Any, size: Any, what: str) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` as SGLang uses them: the rank modulo the attention TP size (with
+    DP attention a global rank exceeds the size); an unset size (0 or None) is 1."""
+    tp_size = int(size or 1)
+    if tp_size < 1:
+        raise _core.LayoutError(f"{what} must be positive, got {size}")
+    return int(rank or 0) % tp_size, tp_size
+
+
 def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
-                        state: bool = True) -> Layout:
+                        attn_tp_size: int | None = None, state: bool = True) -> Layout:
     """The prefill peer's :class:`kvplan.Layout` from SGLang's ``KVArgs``.
 
     Page entries are ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens`` with
@@ -101,11 +110,15 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     component (``state_types`` entry ``"mamba"``) is appended as state entries with role
     ``mamba<i>`` and its ``state_layer_ids`` (unpublished ids: ``None``).
 
-    Context: ``page_size``, ``pp_rank`` / ``pp_size``, ``engine_rank`` as ``tp_rank``.
+    Context: ``page_size``, ``pp_rank`` / ``pp_size``; and with ``attn_tp_size`` (the manager's
+    ``attn_tp_size``: ``KVArgs`` does not carry it) ``tp_size = attn_tp_size`` and
+    ``tp_rank = engine_rank % attn_tp_size``, the local rank SGLang's head slicing uses. Without
+    it the layout has no TP context (rank 0 of 1).
 
     Raises:
-        LayoutError: The lists disagree in length, or NPU groups are not a whole multiple of the
-            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate).
+        LayoutError: The lists disagree in length, NPU groups are not a whole multiple of the
+            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate), or
+            ``attn_tp_size`` is not positive.
     """
     ptrs = list(kv_args.kv_data_ptrs)
     groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
@@ -117,12 +130,14 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     if groups > 1:
         num_draft = groups * int(getattr(kv_args, "draft_kv_layers", 0) or 0)
     roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
+    tp_rank, tp_size = (0, 1) if attn_tp_size is None else _tp_context(
+        getattr(kv_args, "engine_rank", 0), attn_tp_size, "attn_tp_size")
     layout = Layout(
         ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
         _ids(getattr(kv_args, "kv_layer_ids", None)), roles,
         page_size=int(getattr(kv_args, "page_size", 1) or 1),
         pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
-        tp_rank=int(getattr(kv_args, "engine_rank", 0) or 0),
+        tp_rank=tp_rank, tp_size=tp_size,
     )
     if state:
         layout = _with_mamba_state(layout, kv_args)
@@ -182,10 +197,13 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
     Roles as in :func:`layout_from_kv_args` where they are determined: for MHA the K/V split
     needs ``num_layers`` (target layers) unless ``num_draft_entries`` says how many entries are
     draft; otherwise roles are left out. ``state_types`` (the prefill's ``KVArgs.state_types``,
-    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries.
+    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries. TP context:
+    ``tp_size = dst_attn_tp_size`` and ``tp_rank = dst_tp_rank % dst_attn_tp_size`` (with DP
+    attention the decode publishes its global TP rank; SGLang uses it modulo the size).
 
     Raises:
-        LayoutError: Lists disagree in length (e.g. item lengths not one per entry).
+        LayoutError: Lists disagree in length (e.g. item lengths not one per entry), or
+            ``dst_attn_tp_size`` is negative.
     """
     ptrs = list(info.dst_kv_ptrs)
     items = list(getattr(info, "dst_kv_item_lens", None) or [])
@@ -193,10 +211,10 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
         items = [int(info.dst_kv_item_len)] * len(ptrs)
     roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
                       num_draft=num_draft_entries, num_layers=num_layers)
+    tp_rank, tp_size = _tp_context(getattr(info, "dst_tp_rank", 0),
+                                   getattr(info, "dst_attn_tp_size", 1), "dst_attn_tp_size")
     layout = Layout(ptrs, _unbounded(ptrs), items, _ids(info.dst_kv_layer_ids), roles,
-                    num_model_layers=num_layers,
-                    tp_rank=int(getattr(info, "dst_tp_rank", 0) or 0),
-                    tp_size=int(getattr(info, "dst_attn_tp_size", 1) or 1))
+                    num_model_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
     if state_types:
         state = _RegisterState(info, state_types)
         layout = _with_mamba_state(layout, state)
