@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -318,13 +319,17 @@ SEAMS = ("_transfer_data", "_await_transfer_futures", "get_mla_kv_ptrs_with_pp",
 _MOONCAKE, _ASCEND = "MooncakeKVManager", "AscendKVManager"
 # SGLang's manager classes by name, as found in the MRO of the classes passed to install()
 _SGLANG_CLASSES: dict[str, type] = {}
+# SGLang's manager class name -> the globals of the module that defines it
+_SGLANG_GLOBALS: dict[str, dict[str, Any]] = {}
 # seam name -> {SGLang's function: name of the SGLang class that defines it}
 _SGLANG_IMPLS: dict[str, dict[Any, str]] = {name: {} for name in SEAMS}
 
 
 def _function(value: Any) -> Any:
     """The plain function behind a bound method, staticmethod or classmethod."""
-    return getattr(value, "__func__", value)
+    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+        return value.__func__
+    return value
 
 
 def _class_attr(cls: type, name: str) -> tuple[type, Any] | None:
@@ -341,6 +346,8 @@ def _register_sglang_classes(cls: type) -> None:
         if klass.__name__ not in (_MOONCAKE, _ASCEND) or klass.__name__ in _SGLANG_CLASSES:
             continue
         _SGLANG_CLASSES[klass.__name__] = klass
+        _SGLANG_GLOBALS[klass.__name__] = _function(
+            _resolve_original(klass, "send_kvcache")).__globals__
         for name in SEAMS:
             found = _class_attr(klass, name)
             if found is not None:
@@ -353,11 +360,8 @@ def _sglang_impl(manager: Any, name: str) -> str | None:
     attrs = getattr(manager, "__dict__", None)
     if attrs is not None and name in attrs:
         value = attrs[name]
-    else:
-        found = _class_attr(type(manager), name)
-        if found is None:
-            return None
-        value = found[1]
+    else:  # the class's attribute as Python resolves it (a function, for a plain method)
+        value = getattr(type(manager), name, None)
     try:
         return _SGLANG_IMPLS[name].get(_function(value))
     except TypeError:  # an unhashable callable is not SGLang's
@@ -398,9 +402,10 @@ def _sglang_method(manager: Any, name: str, kind: str) -> Any:
     return _resolve_original(base, name)
 
 
-def _sglang_global(manager: Any, method: str, name: str, kind: str = _MOONCAKE) -> Any:
-    """A module global of SGLang's own ``method`` (e.g. ``get_memory``, ``logger``)."""
-    return _function(_sglang_method(manager, method, kind)).__globals__[name]
+def _sglang_global(name: str, kind: str = _MOONCAKE) -> Any:
+    """A global of the SGLang module that defines the ``kind`` class (e.g. ``get_memory``,
+    ``logger``), read when needed, as SGLang's methods read it."""
+    return _SGLANG_GLOBALS[kind][name]
 
 
 def _status(value: Any) -> int:
@@ -418,7 +423,7 @@ def _kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
     own = getattr(kv_args, "kv_data_ptrs", None)
     lens = getattr(kv_args, "kv_data_lens", None)
     if own is not None and lens is not None and list(own) == list(ptrs):
-        return [int(x) for x in lens]
+        return list(lens)
     return _unbounded(ptrs)
 
 
@@ -429,7 +434,7 @@ def _registered_item_lens(manager: Any, session: str, dst_ptrs: Sequence[int]) -
     info = table.get(session)
     if info is None:
         return None
-    items = [int(x) for x in (getattr(info, "dst_kv_item_lens", None) or [])]
+    items = list(getattr(info, "dst_kv_item_lens", None) or [])
     if len(items) != len(dst_ptrs) or list(info.dst_kv_ptrs) != list(dst_ptrs):
         return None
     return items
@@ -539,8 +544,7 @@ def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_
 def _is_last_rank(manager: Any) -> bool:
     """SGLang's ``get_parallel().pp_group.is_last_rank``, from the module of the Ascend
     ``get_mla_kv_ptrs_with_pp`` that reads it."""
-    fn = _function(_resolve_original(_SGLANG_CLASSES[_ASCEND], "get_mla_kv_ptrs_with_pp"))
-    return bool(fn.__globals__["get_parallel"]().pp_group.is_last_rank)
+    return bool(_sglang_global("get_parallel", _ASCEND)().pp_group.is_last_rank)
 
 
 def _partners(src: Layout, dst_probe: Layout, start: int) -> npt.NDArray[np.int64]:
@@ -895,7 +899,7 @@ def send_kvcache_slice(
         return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
                                 dst_kv_indices, dst_tp_rank, dst_attn_tp_size,
                                 dst_kv_item_len, executor, dst_layer_ids))
-    logger = _sglang_global(self, "send_kvcache_slice", "logger")
+    logger = _sglang_global("logger")
     items = list(self.kv_args.kv_item_lens)
     if (_ids(self.kv_args.kv_layer_ids) or dst_ids) and any(n != items[0] for n in items):
         logger.error(
@@ -940,7 +944,7 @@ def send_kvcache(
                                 dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
                                 dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
-    get_memory = _sglang_global(self, "send_kvcache", "get_memory")
+    get_memory = _sglang_global("get_memory")
     return _status(self._send_kvcache_generic(
         mooncake_session_id=mooncake_session_id,
         src_data_ptrs=self.kv_args.kv_data_ptrs,
@@ -1061,7 +1065,7 @@ def _state_lens(kv_args: Any, ptrs: list[int]) -> list[int]:
     for comp_ptrs, comp_lens in zip(getattr(kv_args, "state_data_ptrs", None) or [],
                                     getattr(kv_args, "state_data_lens", None) or []):
         if list(comp_ptrs) == ptrs:
-            return [int(x) for x in comp_lens]
+            return list(comp_lens)
     return _unbounded(ptrs)
 
 
