@@ -433,7 +433,7 @@ def test_slice_keeps_sglangs_submission_through_the_engine(
 
 
 def test_slice_goes_through_an_overridden_await_transfer_futures(sg: Any) -> None:
-    class Awaiting(sg.MooncakeKVManager):  # type: ignore[misc,name-defined]
+    class Awaiting(sg.MooncakeKVManager):
         def _await_transfer_futures(self, futures: Any) -> int:
             self.awaited.append(len(futures))
             return int(super()._await_transfer_futures(futures))
@@ -476,7 +476,7 @@ def test_ascend_hybrid_dispatch_reaches_a_subclass_generic_override(sg: Any) -> 
     dep = Deployment("mla", 24, list(range(1, 24, 2)), 2, 1, hybrid=True)
     dptrs, _, dids = dep.dst_lists()
 
-    class Spy(sg.AscendKVManager):  # type: ignore[misc,name-defined]
+    class Spy(sg.AscendKVManager):
         def _send_kvcache_generic(self, **kwargs: Any) -> int:
             self.kwargs = _comparable(kwargs)
             return int(super()._send_kvcache_generic(**kwargs))
