@@ -501,3 +501,52 @@ def test_layouts_from_kv_args_and_register_info_pair_like_the_manager() -> None:
     with pytest.raises(kvplan.LayoutError, match="truncate"):
         kv_args.kv_buf_groups = 5
         compat.layout_from_kv_args(kv_args, is_mla_backend=True)
+
+
+def _real_kv_args(sg: Any, *, engine_rank: int) -> Any:
+    """SGLang's own ``KVArgs`` for an MLA prefill rank of 4 layers (no state)."""
+    kv_args = sg.modules["sglang.srt.disaggregation.base.conn"].KVArgs()
+    kv_args.engine_rank = engine_rank
+    kv_args.kv_data_ptrs = [0x1000_0000 + i * 0x10000 for i in range(4)]
+    kv_args.kv_data_lens = [64 * 32] * 4
+    kv_args.kv_item_lens = [64] * 4
+    kv_args.kv_layer_ids = []
+    kv_args.page_size = 16
+    kv_args.pp_rank = 0
+    kv_args.state_types = []
+    return kv_args
+
+
+@pytest.mark.parametrize("engine_rank", [0, 1, 2, 3])
+def test_layout_from_real_kv_args_has_the_attention_tp_rank_within_its_size(
+        sg: Any, engine_rank: int) -> None:
+    """``KVArgs.engine_rank`` is a TP rank, the TP size lives on the manager: kvplan used to set
+    ``tp_rank=engine_rank`` with TP size 1 (``LayoutError`` for every rank but 0)."""
+    kv_args = _real_kv_args(sg, engine_rank=engine_rank)
+    plain = compat.layout_from_kv_args(kv_args, is_mla_backend=True)
+    assert (plain.tp_rank, plain.tp_size) == (0, 1)  # no TP size given: no TP context
+    for attn_tp_size in (2, 4):
+        layout = compat.layout_from_kv_args(kv_args, is_mla_backend=True,
+                                            attn_tp_size=attn_tp_size)
+        assert (layout.tp_rank, layout.tp_size) == (engine_rank % attn_tp_size, attn_tp_size)
+        assert layout.data_ptrs == kv_args.kv_data_ptrs and layout.page_size == 16
+    with pytest.raises(kvplan.LayoutError, match="attn_tp_size must be positive"):
+        compat.layout_from_kv_args(kv_args, is_mla_backend=True, attn_tp_size=-2)
+
+
+def test_layout_from_real_register_info_uses_the_rank_modulo_the_attention_tp_size(
+        sg: Any) -> None:
+    """With DP attention the decode registers its global TP rank (5) and its attention TP size
+    (2): SGLang's head slicing uses ``5 % 2``; kvplan used 5 and refused it."""
+    import struct
+
+    mooncake_conn = sg.modules["sglang.srt.disaggregation.mooncake.conn"]
+    ptrs = [0x9000_0000 + i * 0x10000 for i in range(4)]
+    info = mooncake_conn.KVArgsRegisterInfo.from_zmq([
+        b"7", b"10.0.0.2", b"9000", SESSION.encode(), struct.pack("4Q", *ptrs),
+        struct.pack("1Q", 0x5000_0000), b"", b"5", b"2", b"64", b"", b"",
+        struct.pack("4I", 3, 7, 3, 7)])
+    assert (info.dst_tp_rank, info.dst_attn_tp_size) == (5, 2)
+    dst = compat.layout_from_register_info(info, is_mla_backend=False, num_layers=2)
+    assert (dst.tp_rank, dst.tp_size) == (1, 2)
+    assert dst.layer_ids == [3, 7, 3, 7] and dst.roles == ["k", "k", "v", "v"]

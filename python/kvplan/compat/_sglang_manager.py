@@ -6,14 +6,17 @@ instance) through the attributes SGLang 0.5.23 defines; nothing imports SGLang.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from kvplan import _core
-from kvplan._core import Layout, Template
+from kvplan._core import Layout, Template, TransferPlan
 
 __all__ = [
     "DEFAULT_MAX_BLOCKS_PER_BATCH",
@@ -87,8 +90,17 @@ def _kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
     return ["k"] * layers + ["v"] * layers + ["draft_k"] * draft + ["draft_v"] * draft
 
 
+def _tp_context(rank: Any, size: Any, what: str) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` as SGLang uses them: the rank modulo the attention TP size (with
+    DP attention a global rank exceeds the size); an unset size (0 or None) is 1."""
+    tp_size = int(size or 1)
+    if tp_size < 1:
+        raise _core.LayoutError(f"{what} must be positive, got {size}")
+    return int(rank or 0) % tp_size, tp_size
+
+
 def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
-                        state: bool = True) -> Layout:
+                        attn_tp_size: int | None = None, state: bool = True) -> Layout:
     """The prefill peer's :class:`kvplan.Layout` from SGLang's ``KVArgs``.
 
     Page entries are ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens`` with
@@ -99,11 +111,15 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     component (``state_types`` entry ``"mamba"``) is appended as state entries with role
     ``mamba<i>`` and its ``state_layer_ids`` (unpublished ids: ``None``).
 
-    Context: ``page_size``, ``pp_rank`` / ``pp_size``, ``engine_rank`` as ``tp_rank``.
+    Context: ``page_size``, ``pp_rank`` / ``pp_size``; and with ``attn_tp_size`` (the manager's
+    ``attn_tp_size``: ``KVArgs`` does not carry it) ``tp_size = attn_tp_size`` and
+    ``tp_rank = engine_rank % attn_tp_size``, the local rank SGLang's head slicing uses. Without
+    it the layout has no TP context (rank 0 of 1).
 
     Raises:
-        LayoutError: The lists disagree in length, or NPU groups are not a whole multiple of the
-            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate).
+        LayoutError: The lists disagree in length, NPU groups are not a whole multiple of the
+            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate), or
+            ``attn_tp_size`` is not positive.
     """
     ptrs = list(kv_args.kv_data_ptrs)
     groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
@@ -115,12 +131,14 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     if groups > 1:
         num_draft = groups * int(getattr(kv_args, "draft_kv_layers", 0) or 0)
     roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
+    tp_rank, tp_size = (0, 1) if attn_tp_size is None else _tp_context(
+        getattr(kv_args, "engine_rank", 0), attn_tp_size, "attn_tp_size")
     layout = Layout(
         ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
         _ids(getattr(kv_args, "kv_layer_ids", None)), roles,
         page_size=int(getattr(kv_args, "page_size", 1) or 1),
         pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
-        tp_rank=int(getattr(kv_args, "engine_rank", 0) or 0),
+        tp_rank=tp_rank, tp_size=tp_size,
     )
     if state:
         layout = _with_mamba_state(layout, kv_args)
@@ -180,10 +198,13 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
     Roles as in :func:`layout_from_kv_args` where they are determined: for MHA the K/V split
     needs ``num_layers`` (target layers) unless ``num_draft_entries`` says how many entries are
     draft; otherwise roles are left out. ``state_types`` (the prefill's ``KVArgs.state_types``,
-    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries.
+    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries. TP context:
+    ``tp_size = dst_attn_tp_size`` and ``tp_rank = dst_tp_rank % dst_attn_tp_size`` (with DP
+    attention the decode publishes its global TP rank; SGLang uses it modulo the size).
 
     Raises:
-        LayoutError: Lists disagree in length (e.g. item lengths not one per entry).
+        LayoutError: Lists disagree in length (e.g. item lengths not one per entry), or
+            ``dst_attn_tp_size`` is negative.
     """
     ptrs = list(info.dst_kv_ptrs)
     items = list(getattr(info, "dst_kv_item_lens", None) or [])
@@ -191,10 +212,10 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
         items = [int(info.dst_kv_item_len)] * len(ptrs)
     roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
                       num_draft=num_draft_entries, num_layers=num_layers)
+    tp_rank, tp_size = _tp_context(getattr(info, "dst_tp_rank", 0),
+                                   getattr(info, "dst_attn_tp_size", 1), "dst_attn_tp_size")
     layout = Layout(ptrs, _unbounded(ptrs), items, _ids(info.dst_kv_layer_ids), roles,
-                    num_model_layers=num_layers,
-                    tp_rank=int(getattr(info, "dst_tp_rank", 0) or 0),
-                    tp_size=int(getattr(info, "dst_attn_tp_size", 1) or 1))
+                    num_model_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
     if state_types:
         state = _RegisterState(info, state_types)
         layout = _with_mamba_state(layout, state)
@@ -259,11 +280,137 @@ class TemplateCache:
 
 
 def template_cache(manager: Any) -> TemplateCache:
-    """The manager's :class:`TemplateCache` (created on first use, stored on the instance)."""
-    cache = manager.__dict__.get("_kvplan_templates")
-    if cache is None:
-        cache = manager.__dict__.setdefault("_kvplan_templates", TemplateCache())
+    """The manager's :class:`TemplateCache` (created on first use, stored on the instance).
+
+    An object without an instance ``__dict__`` (``__slots__``) gets a fresh, unstored cache, so
+    its templates are rebuilt per call: SGLang's methods accept such objects, so kvplan's do.
+    """
+    attrs = getattr(manager, "__dict__", None)
+    if attrs is None:
+        return TemplateCache()
+    cache = attrs.get("_kvplan_templates")
+    if cache is None:  # setdefault: two transfer workers may get here at once
+        cache = attrs.setdefault("_kvplan_templates", TemplateCache())
+    if not isinstance(cache, TemplateCache):
+        raise TypeError(f"_kvplan_templates on {type(manager).__name__} is a "
+                        f"{type(cache).__name__}, not kvplan's TemplateCache")
     return cache
+
+
+def _instance_setting(manager: Any, name: str) -> Any:
+    """A kvplan setting stored on the instance itself (``None`` when absent), without asking
+    the object's ``__getattr__``."""
+    attrs = getattr(manager, "__dict__", None)
+    return None if attrs is None else attrs.get(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's seams: the methods its send paths call on ``self``
+# ---------------------------------------------------------------------------------------------
+
+#: Methods SGLang's replaced send paths call on ``self`` and kvplan's fast path stands in for.
+#: When a manager resolves one of them to anything but SGLang's own function (a subclass
+#: override, an instance attribute, a tracing wrapper, a test's recorder), kvplan calls it as
+#: SGLang would: blocks go through ``_transfer_data`` and ``_await_transfer_futures``, and a
+#: replaced pointer-slicing method hands the call to SGLang's own send method.
+SEAMS = ("_transfer_data", "_await_transfer_futures", "get_mla_kv_ptrs_with_pp",
+         "_mla_kv_entry_span_with_pp", "get_mha_kv_ptrs_with_pp")
+
+_MOONCAKE, _ASCEND = "MooncakeKVManager", "AscendKVManager"
+# SGLang's manager classes by name, as found in the MRO of the classes passed to install()
+_SGLANG_CLASSES: dict[str, type] = {}
+# SGLang's manager class name -> the globals of the module that defines it
+_SGLANG_GLOBALS: dict[str, dict[str, Any]] = {}
+# seam name -> {SGLang's function: name of the SGLang class that defines it}
+_SGLANG_IMPLS: dict[str, dict[Any, str]] = {name: {} for name in SEAMS}
+
+
+def _function(value: Any) -> Any:
+    """The plain function behind a bound method, staticmethod or classmethod."""
+    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+        return value.__func__
+    return value
+
+
+def _class_attr(cls: type, name: str) -> tuple[type, Any] | None:
+    """``(defining class, raw value)`` of ``name`` in ``cls``'s MRO, without descriptors."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass, klass.__dict__[name]
+    return None
+
+
+def _register_sglang_classes(cls: type) -> None:
+    """Remember SGLang's manager classes in ``cls``'s MRO and their seam functions."""
+    for klass in cls.__mro__:
+        if klass.__name__ not in (_MOONCAKE, _ASCEND) or klass.__name__ in _SGLANG_CLASSES:
+            continue
+        _SGLANG_CLASSES[klass.__name__] = klass
+        _SGLANG_GLOBALS[klass.__name__] = _function(
+            _resolve_original(klass, "send_kvcache")).__globals__
+        for name in SEAMS:
+            found = _class_attr(klass, name)
+            if found is not None:
+                _SGLANG_IMPLS[name][_function(found[1])] = found[0].__name__
+
+
+def _sglang_impl(manager: Any, name: str) -> str | None:
+    """The SGLang class whose own ``name`` ``manager`` resolves to (instance attribute first,
+    as Python looks it up), or None when it resolves to anything else or nothing."""
+    attrs = getattr(manager, "__dict__", None)
+    if attrs is not None and name in attrs:
+        value = attrs[name]
+    else:  # the class's attribute as Python resolves it (a function, for a plain method)
+        value = getattr(type(manager), name, None)
+    try:
+        return _SGLANG_IMPLS[name].get(_function(value))
+    except TypeError:  # an unhashable callable is not SGLang's
+        return None
+
+
+def _own_transfer_data(manager: Any) -> bool:
+    return _sglang_impl(manager, "_transfer_data") is not None
+
+
+def _mla_slicer(manager: Any) -> str | None:
+    """Which of SGLang's ``get_mla_kv_ptrs_with_pp`` the manager uses: ``"common"`` (with the
+    common ``_mla_kv_entry_span_with_pp``), ``"ascend"`` (NPU buffer groups), or None for
+    anything else (kvplan then hands the call to SGLang's own method)."""
+    impl = _sglang_impl(manager, "get_mla_kv_ptrs_with_pp")
+    if impl == _ASCEND:
+        return "ascend"
+    if impl is not None and _sglang_impl(manager, "_mla_kv_entry_span_with_pp") is not None:
+        return "common"
+    return None
+
+
+def _own_mha_slicer(manager: Any) -> bool:
+    return _sglang_impl(manager, "get_mha_kv_ptrs_with_pp") is not None
+
+
+def _sglang_method(manager: Any, name: str, kind: str) -> Any:
+    """SGLang's own ``name`` for ``manager``: the original kvplan replaced on the nearest
+    installed class in its MRO, else (an object of another class, called unbound, e.g. a test's
+    recorder) the one of SGLang's ``kind`` class."""
+    for klass in type(manager).__mro__:
+        original = _ORIGINALS.get((klass, name))
+        if original is not None:
+            return original
+    base = _SGLANG_CLASSES.get(kind)
+    if base is None:
+        raise RuntimeError(f"kvplan's {name} runs only after install({kind}) (or a subclass)")
+    return _resolve_original(base, name)
+
+
+def _sglang_global(name: str, kind: str = _MOONCAKE) -> Any:
+    """A global of the SGLang module that defines the ``kind`` class (e.g. ``get_memory``,
+    ``logger``), read when needed, as SGLang's methods read it."""
+    return _SGLANG_GLOBALS[kind][name]
+
+
+def _status(value: Any) -> int:
+    """An engine or seam status, returned unchanged as SGLang returns it."""
+    return cast(int, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +421,9 @@ def template_cache(manager: Any) -> TemplateCache:
 def _kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
     """Source buffer lengths when ``ptrs`` are the manager's own KV buffers, else unbounded."""
     own = getattr(kv_args, "kv_data_ptrs", None)
-    if own is not None and list(own) == list(ptrs):
-        return list(kv_args.kv_data_lens)
+    lens = getattr(kv_args, "kv_data_lens", None)
+    if own is not None and lens is not None and list(own) == list(ptrs):
+        return list(lens)
     return _unbounded(ptrs)
 
 
@@ -304,19 +452,8 @@ def _dst_item_lens(pairs: Any, src_items: Sequence[int], n_dst: int,
     return items
 
 
-def _is_ascend(manager: Any) -> bool:
-    fn = type(manager).get_mla_kv_ptrs_with_pp
-    return getattr(fn, "__qualname__", "").startswith("AscendKVManager.")
-
-
-def _sglang_global(manager: Any, method: str, name: str) -> Any:
-    """A module global of SGLang's own ``method`` (e.g. ``get_memory``, ``get_parallel``)."""
-    fn = _original_for(type(manager), method)
-    return fn.__globals__[name]
-
-
 def _decode_kv_layers(manager: Any) -> int | None:
-    value = manager.__dict__.get("kvplan_decode_kv_layers")
+    value = _instance_setting(manager, "kvplan_decode_kv_layers")
     if value is None:
         value = getattr(type(manager), "_kvplan_decode_kv_layers", None)
     return None if value is None else int(value)
@@ -337,29 +474,49 @@ def _legacy_mha(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
     return Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
 
 
-def _legacy_mla(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: list[int],
-                src_lens: list[int], known: list[int] | None) -> Template:
-    """SGLang's ``get_mla_kv_ptrs_with_pp``: the common one, or the Ascend NPU-group one."""
+def _ascend_groups(kv_args: Any) -> tuple[int, int, int]:
+    """``kv_buf_groups``, ``hidden_kv_layers``, ``draft_kv_layers`` with SGLang's defaults."""
+    return (int(getattr(kv_args, "kv_buf_groups", 1) or 1),
+            int(getattr(kv_args, "hidden_kv_layers", 0) or 0),
+            int(getattr(kv_args, "draft_kv_layers", 0) or 0))
+
+
+def _legacy_mla_inputs(manager: Any, slicer: str, n_src: int, n_dst: int) -> tuple[Any, ...]:
+    """What SGLang's ``get_mla_kv_ptrs_with_pp`` reads for these entry counts, read as it
+    reads them (the start layer and PP rank only when the counts differ)."""
     kv_args = manager.kv_args
-    start = int(kv_args.prefill_start_layer)
+    if slicer == "ascend":
+        groups, hidden, draft = _ascend_groups(kv_args)
+        if n_src // groups == n_dst // groups:
+            return (slicer, groups)
+        return (slicer, groups, hidden, draft, int(kv_args.prefill_start_layer),
+                _is_last_rank(manager) and draft > 0)
+    if n_src == n_dst:
+        return (slicer,)
+    return (slicer, int(getattr(kv_args, "num_draft_entries", 0) or 0),
+            int(kv_args.prefill_start_layer))
+
+
+def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_lens: list[int],
+                known: list[int] | None, how: tuple[Any, ...]) -> Template:
+    """SGLang's ``get_mla_kv_ptrs_with_pp``, the common one or the Ascend NPU-group one, from
+    what :func:`_legacy_mla_inputs` read."""
     n_src, n_dst = len(src_ptrs), len(dst_ptrs)
-    if _is_ascend(manager):
-        groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
+    if how[0] == "ascend":
+        groups = how[1]
         for side, n in (("prefill", n_src), ("decode", n_dst)):
             if n % groups:
                 raise _core.LayoutError(
                     f"{side} registered {n} KV buffers, not a whole multiple of "
                     f"kv_buf_groups={groups}: refusing to truncate (SGLang divides with //)")
-        if n_src // groups == n_dst // groups:
+        if len(how) == 2:  # as many layers per group on both sides: entry i to entry i
             src = Layout(src_ptrs, src_lens, items)
             pairs = _core.pair_entries(None, None, n_src, n_dst, True)
             dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
                          _dst_item_lens(pairs, items, n_dst, known))
             return Template(src, dst, allow_positional_fallback=True)
-        draft_layers = int(getattr(kv_args, "draft_kv_layers", 0) or 0)
-        is_last = _is_last_rank(manager)
-        src_draft = draft_layers if (is_last and draft_layers) else 0
-        hidden = int(getattr(kv_args, "hidden_kv_layers", 0) or 0)
+        _, _, hidden, draft_layers, start, sends_draft = how
+        src_draft = draft_layers if sends_draft else 0
         if n_dst != groups * (hidden + draft_layers):
             raise _core.LayoutError(
                 f"decode registered {n_dst} KV buffers; {groups} groups of hidden_kv_layers="
@@ -376,7 +533,7 @@ def _legacy_mla(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
         dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                      roles=dst_roles)
         return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
-    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    num_draft, start = (how[1], how[2]) if len(how) == 3 else (0, 0)
     pairs = _core.legacy_pp_pairs("mla", n_src, n_dst, start, num_draft_entries=num_draft)
     roles = _kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
     src = Layout(src_ptrs, src_lens, items, roles=roles)
@@ -385,11 +542,12 @@ def _legacy_mla(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
 
 
 def _is_last_rank(manager: Any) -> bool:
-    get_parallel = _sglang_global(manager, "get_mla_kv_ptrs_with_pp", "get_parallel")
-    return bool(get_parallel().pp_group.is_last_rank)
+    """SGLang's ``get_parallel().pp_group.is_last_rank``, from the module of the Ascend
+    ``get_mla_kv_ptrs_with_pp`` that reads it."""
+    return bool(_sglang_global("get_parallel", _ASCEND)().pp_group.is_last_rank)
 
 
-def _partners(src: Layout, dst_probe: Layout, start: int) -> Any:
+def _partners(src: Layout, dst_probe: Layout, start: int) -> npt.NDArray[np.int64]:
     """``(n, 2)`` (prefill entry, decode entry) pairs exactly as the template built below pairs
     them (the core's per-role legacy slicing), from a decode layout whose item lengths are not
     known yet: used only to derive those lengths. Entries without a partner are left out; the
@@ -399,41 +557,55 @@ def _partners(src: Layout, dst_probe: Layout, start: int) -> Any:
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
-def _kv_template(manager: Any, session: str, src_ptrs: list[int], dst_ptrs: list[int],
-                 items: list[int], src_ids: list[int] | None, dst_ids: list[int] | None,
-                 flat: bool) -> Template:
-    """The template for one call of the KV send path (cached per decode peer)."""
-    kv_args = manager.kv_args
-    pp_size = int(manager.pp_size)
-    ascend = _is_ascend(manager)
-    inputs: tuple[Any, ...] = (
-        src_ptrs, dst_ptrs, items, src_ids, dst_ids, flat, pp_size,
-        int(kv_args.prefill_start_layer), getattr(kv_args, "num_draft_entries", 0),
-        _decode_kv_layers(manager),
-        _registered_item_lens(manager, session, dst_ptrs),
-        (getattr(kv_args, "kv_buf_groups", 1), getattr(kv_args, "hidden_kv_layers", 0),
-         getattr(kv_args, "draft_kv_layers", 0), _is_last_rank(manager)) if ascend else None,
-    )
+def _ids_template(manager: Any, session: str, path: str, src_ptrs: list[int],
+                  dst_ptrs: list[int], items: list[int], src_ids: list[int] | None,
+                  dst_ids: list[int] | None, fallback: bool) -> Template:
+    """Pairing by layer id (positional fallback when SGLang allows it), cached per peer."""
+    kv_args = getattr(manager, "kv_args", None)
+    known = _registered_item_lens(manager, session, dst_ptrs)
+    inputs = ("ids", src_ptrs, dst_ptrs, items, src_ids, dst_ids, fallback, known)
 
     def build() -> Template:
-        known = inputs[10]
+        pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs), fallback)
+        src = Layout(src_ptrs, _kv_args_lens(kv_args, src_ptrs), items, src_ids)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                     _dst_item_lens(pairs, items, len(dst_ptrs), known), dst_ids)
+        return Template(src, dst, allow_positional_fallback=fallback)
+
+    return cast(Template, template_cache(manager).get(session, path, inputs, build))
+
+
+def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[int],
+                         dst_ptrs: list[int], items: list[int], slicer: str) -> Template:
+    """SGLang's positional slicing (``slicer``: ``"common"`` / ``"ascend"`` MLA, ``"mha"``, or
+    ``"flat"`` for entry ``i`` to entry ``i``), cached per peer."""
+    kv_args = manager.kv_args
+    known = _registered_item_lens(manager, session, dst_ptrs)
+    how: tuple[Any, ...]
+    if slicer == "mha":
+        how = (slicer, int(kv_args.prefill_start_layer), _decode_kv_layers(manager))
+    elif slicer == "flat":
+        how = (slicer,)
+    else:
+        how = _legacy_mla_inputs(manager, slicer, len(src_ptrs), len(dst_ptrs))
+    inputs = (how, src_ptrs, dst_ptrs, items, known)
+
+    def build() -> Template:
         src_lens = _kv_args_lens(kv_args, src_ptrs)
-        if flat and (src_ids or dst_ids):
-            fallback = pp_size == 1
-            pairs = _core.pair_entries(_ids(src_ids), _ids(dst_ids), len(src_ptrs),
-                                       len(dst_ptrs), fallback)
-            src = Layout(src_ptrs, src_lens, items, _ids(src_ids))
+        if slicer == "mha":
+            return _legacy_mha(manager, src_ptrs, dst_ptrs, items, src_lens, known)
+        if slicer == "flat":
+            pairs = _core.pair_entries(None, None, len(src_ptrs), len(dst_ptrs), True)
             dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
-                         _dst_item_lens(pairs, items, len(dst_ptrs), known), _ids(dst_ids))
-            return Template(src, dst, allow_positional_fallback=fallback)
-        if flat:
-            return _legacy_mla(manager, src_ptrs, dst_ptrs, items, src_lens, known)
-        return _legacy_mha(manager, src_ptrs, dst_ptrs, items, src_lens, known)
+                         _dst_item_lens(pairs, items, len(dst_ptrs), known))
+            return Template(Layout(src_ptrs, src_lens, items), dst,
+                            allow_positional_fallback=True)
+        return _legacy_mla(src_ptrs, dst_ptrs, items, src_lens, known, how)
 
-    return template_cache(manager).get(session, "kv", inputs, build)
+    return cast(Template, template_cache(manager).get(session, path, inputs, build))
 
 
-def _as_index(arr: Any) -> Any:
+def _as_index(arr: Any) -> npt.NDArray[Any]:
     a = np.asarray(arr)
     if a.dtype in (np.int32, np.int64) and a.dtype.isnative and a.flags.c_contiguous \
             and a.flags.aligned:
@@ -443,7 +615,7 @@ def _as_index(arr: Any) -> Any:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _plan_pages(template: Template, src_pages: Any, dst_pages: Any) -> Any:
+def _page_arrays(src_pages: Any, dst_pages: Any) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     src, dst = _as_index(src_pages), _as_index(dst_pages)
     if src.shape != dst.shape:
         # SGLang: ValueError for different non-zero sizes, and no runs at all (nothing sent,
@@ -451,21 +623,32 @@ def _plan_pages(template: Template, src_pages: Any, dst_pages: Any) -> Any:
         raise _core.KvPlanError(
             f"prefill and decode page index arrays differ in length ({src.size} and "
             f"{dst.size}); SGLang drops every page when one side is empty")
-    return template.plan(src, dst)
+    return src, dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Submission: kvplan's bounded engine batches, or SGLang's seams
+# ---------------------------------------------------------------------------------------------
 
 
 def _max_blocks(manager: Any) -> int:
-    value = manager.__dict__.get("kvplan_max_blocks_per_batch")
+    value = _instance_setting(manager, "kvplan_max_blocks_per_batch")
     if value is None:
         value = getattr(type(manager), "_kvplan_max_blocks_per_batch",
                         DEFAULT_MAX_BLOCKS_PER_BATCH)
     return int(value)
 
 
-def _submit(manager: Any, session: str, plan: Any) -> int:
-    """Hand the plan to the manager's own engine in bounded batches; the first non-zero status
-    is returned (later batches are not submitted), as SGLang's ``_transfer_data`` returns its
-    one call's status."""
+def _blocks(plan: TransferPlan, which: slice = slice(None)) -> list[tuple[int, int, int]]:
+    """Blocks as SGLang hands them to ``_transfer_data``: ``(src, dst, length)`` tuples."""
+    return list(zip(plan.src_addrs[which].tolist(), plan.dst_addrs[which].tolist(),
+                    plan.lengths[which].tolist()))
+
+
+def _engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
+    """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
+    own ``_transfer_data`` does with its one list); the first non-zero status is returned and
+    later batches are not submitted."""
     if plan.n_blocks == 0:
         return 0
     engine = manager.engine
@@ -473,33 +656,61 @@ def _submit(manager: Any, session: str, plan: Any) -> int:
         src, dst, lengths = batch.as_lists()
         status = engine.batch_transfer_sync(session, src, dst, lengths)
         if status != 0:
-            return int(status)
+            return _status(status)
     return 0
 
 
-def _submit_per_pair(manager: Any, session: str, plan: Any, executor: Any) -> int:
-    """The custom-memory-pool path: one executor task per entry pair (SGLang: one per layer),
-    awaited with SGLang's own ``_await_transfer_futures``."""
-    def one(p: int) -> int:
-        blocks = plan.pair_blocks(p)
-        src = plan.src_addrs[blocks].tolist()
+def _send_all(manager: Any, session: str, plan: TransferPlan) -> int:
+    """All blocks of one call: the fast path when ``_transfer_data`` is SGLang's own, else one
+    ``_transfer_data(session, blocks)`` call, as SGLang makes it."""
+    if _own_transfer_data(manager):
+        return _engine_batches(manager, session, plan)
+    return _status(manager._transfer_data(session, _blocks(plan)))
+
+
+def _send_index_windows(manager: Any, session: str, template: Template,
+                        src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> int:
+    """``_send_kvcache_generic``'s submission through a replaced ``_transfer_data``: one call,
+    or, with ``max_transfer_batch_indices``, one call per window of that many page positions,
+    each window planned on its own (SGLang's runs break at window edges too)."""
+    window = manager.max_transfer_batch_indices
+    if window <= 0 or src.size <= window:
+        return _status(manager._transfer_data(session, _blocks(template.plan(src, dst))))
+    for start in range(0, src.size, window):
+        part = template.plan(src[start:start + window], dst[start:start + window])
+        status = manager._transfer_data(session, _blocks(part))
+        if status != 0:
+            return _status(status)
+    return 0
+
+
+def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any, *,
+                   through_transfer_data: bool, await_with_manager: bool) -> int:
+    """One executor task per entry pair (SGLang: one per layer). Each task hands its blocks to
+    ``_transfer_data`` when that is the call's seam and it is not SGLang's own, else straight
+    to the engine. Awaited with the manager's ``_await_transfer_futures`` where SGLang does,
+    else SGLang's Ascend loop (first non-zero status, the rest cancelled)."""
+    seam = through_transfer_data and not _own_transfer_data(manager)
+
+    def one(pair: int) -> int:
+        which = plan.pair_blocks(pair)
+        if seam:
+            return _status(manager._transfer_data(session, _blocks(plan, which)))
+        src = plan.src_addrs[which].tolist()
         if not src:
             return 0
-        return int(manager.engine.batch_transfer_sync(
-            session, src, plan.dst_addrs[blocks].tolist(), plan.lengths[blocks].tolist()))
+        return _status(manager.engine.batch_transfer_sync(
+            session, src, plan.dst_addrs[which].tolist(), plan.lengths[which].tolist()))
 
     futures = [executor.submit(one, p) for p in range(plan.n_pairs)]
-    await_futures = getattr(manager, "_await_transfer_futures", None)
-    if await_futures is not None:
-        return int(await_futures(futures))
-    import concurrent.futures
-
+    if await_with_manager:
+        return _status(manager._await_transfer_futures(futures))
     for future in concurrent.futures.as_completed(futures):
         status = future.result()
         if status != 0:
             for f in futures:
                 f.cancel()
-            return int(status)
+            return _status(status)
     return 0
 
 
@@ -527,24 +738,44 @@ def _send_kvcache_generic(
     bootstrap_room: int | None = None,
 ) -> int:
     """kvplan's ``MooncakeKVManager._send_kvcache_generic`` (SGLang 0.5.23 signature)."""
-    if (state_type is not None or dst_device_data_indices is not None
-            or dst_item_lens is not None
-            or getattr(self.kv_args, "mla_compression_ratios", None)):
-        original = _original_for(type(self), "_send_kvcache_generic")
-        return int(original(
+
+    def sglangs() -> int:
+        original = _sglang_method(self, "_send_kvcache_generic", _MOONCAKE)
+        return _status(original(
             self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
             prefill_data_indices, dst_data_indices, executor, state_type, force_flat,
             src_layer_ids, dst_layer_ids, dst_device_data_indices, dst_device_data_ptrs,
             dst_item_lens, bootstrap_room))
-    flat = bool(self.is_mla_backend or self.is_hybrid_mla_backend or force_flat
-                or src_layer_ids or dst_layer_ids)
-    template = _kv_template(self, mooncake_session_id, list(src_data_ptrs), list(dst_data_ptrs),
-                            list(item_lens), _ids(src_layer_ids), _ids(dst_layer_ids), flat)
-    plan = _plan_pages(template, prefill_data_indices, dst_data_indices)
+
+    if state_type is not None or dst_device_data_indices is not None or dst_item_lens is not None:
+        return sglangs()
+    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
+    src_ids, dst_ids = _ids(src_layer_ids), _ids(dst_layer_ids)
+    session = mooncake_session_id
+    # SGLang's branch, reading what it reads in its order.
+    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
+        if src_ids or dst_ids:
+            template = _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
+                                     dst_ids, self.pp_size == 1)
+        else:
+            slicer = _mla_slicer(self)
+            if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
+                    self.kv_args, "mla_compression_ratios", None)):
+                return sglangs()  # a replaced slicer, or compressed MLA: SGLang's own path
+            template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items,
+                                            slicer)
+    else:
+        if not _own_mha_slicer(self):
+            return sglangs()
+        template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
+    src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
     if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
                                                None) != "INTRA_NODE_NVLINK":
-        return _submit_per_pair(self, mooncake_session_id, plan, executor)
-    return _submit(self, mooncake_session_id, plan)
+        return _send_per_pair(self, session, template.plan(src, dst), executor,
+                              through_transfer_data=True, await_with_manager=True)
+    if _own_transfer_data(self):
+        return _engine_batches(self, session, template.plan(src, dst))
+    return _send_index_windows(self, session, template, src, dst)
 
 
 def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
@@ -554,13 +785,13 @@ def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
     (modulo their sizes), the page size, and the bytes of one head of one token, which SGLang
     takes from the decode's item (``dst_kv_item_len // page_size // dst_heads_per_rank``)."""
     kv_args = manager.kv_args
-    heads = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
-    tp_p = int(manager.attn_tp_size)
-    if heads <= 0:
-        heads = int(kv_args.kv_head_num) * tp_p
-    tp_d = int(dst_attn_tp_size)
     page = int(kv_args.page_size)
+    heads = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
+    if heads <= 0:
+        heads = int(kv_args.kv_head_num) * int(manager.attn_tp_size)
+    tp_d = int(dst_attn_tp_size)
     dst_hpr = max(1, heads // tp_d)
+    tp_p = int(manager.attn_tp_size)
     return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
                 r_d=int(dst_tp_rank) % tp_d, page=page, src_hpr=max(1, heads // tp_p),
                 dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
@@ -580,12 +811,15 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
     """
     kv_args = manager.kv_args
     src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
-    src_ids = _ids(getattr(kv_args, "kv_layer_ids", None))
-    pp_size = int(manager.pp_size)
-    start = int(kv_args.prefill_start_layer)
+    src_ids = _ids(kv_args.kv_layer_ids)
+    by_id = bool(src_ids or dst_ids)
+    # SGLang reads the PP size only to pair by id, the start layer only to slice positionally.
+    pp_fallback = manager.pp_size == 1 if by_id else None
+    start = None if by_id else int(kv_args.prefill_start_layer)
+    src_lens = _kv_args_lens(kv_args, src_ptrs)
     inputs: tuple[Any, ...] = (
-        src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_size, start,
-        tuple(sorted(g.items())), _decode_kv_layers(manager), list(kv_args.kv_data_lens))
+        src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_fallback, start,
+        tuple(sorted(g.items())), _decode_kv_layers(manager), src_lens)
 
     def build() -> Template:
         heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
@@ -597,13 +831,12 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
                                         head_dim=g["head_bytes"], dtype_size=1,
                                         memory_order="NHD")
         n_src, n_dst = len(src_ptrs), len(dst_ptrs)
-        src_lens = _kv_args_lens(kv_args, src_ptrs)
-        if src_ids or dst_ids:
+        if by_id:
             src = Layout(src_ptrs, src_lens, items, src_ids, tp_rank=r_p, tp_size=tp_p,
                          heads_per_rank=g["src_hpr"], **geometry)
             dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst, dst_ids,
                          tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
-            template = Template(src, dst, allow_positional_fallback=pp_size == 1)
+            template = Template(src, dst, allow_positional_fallback=bool(pp_fallback))
         else:
             decode_layers = _decode_kv_layers(manager)
             if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
@@ -621,7 +854,7 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
                 "this rank's heads into the decode's slots of other heads)")
         return template
 
-    return template_cache(manager).get(session, "slice", inputs, build)
+    return cast(Template, template_cache(manager).get(session, "slice", inputs, build))
 
 
 def send_kvcache_slice(
@@ -641,9 +874,11 @@ def send_kvcache_slice(
     Prefill and decode attention TP sizes differ (MHA): the KV heads this prefill rank and
     decode rank ``dst_tp_rank`` have in common move as one block per token slot and entry pair
     (maximal runs merged), planned by a head-sliced :class:`kvplan.Template` cached per decode
-    peer and submitted through ``self.engine`` in bounded batches. SGLang's two failure
-    statuses are kept (``-1`` with SGLang's log message): KV entries of different item lengths
-    when layer ids are published, and a head slice larger than the decode's token slot.
+    peer and submitted through ``self.engine`` in bounded batches (per entry pair through the
+    executor and ``self._await_transfer_futures`` when that method is not SGLang's own). SGLang's
+    two failure statuses are kept (``-1`` with SGLang's log message): KV entries of different
+    item lengths when layer ids are published, and a head slice larger than the decode's token
+    slot.
 
     Differences from SGLang's method (which submits one executor task per layer pair and
     derives every offset from the decode's item length):
@@ -658,10 +893,15 @@ def send_kvcache_slice(
       ``kv_data_lens``: ``IndexBoundsError`` (SGLang reads outside the buffer).
     """
     g = _slice_geometry(self, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len)
-    logger = _sglang_global(self, "send_kvcache_slice", "logger")
+    dst_ids = _ids(dst_layer_ids)
+    if not (_ids(self.kv_args.kv_layer_ids) or dst_ids) and not _own_mha_slicer(self):
+        original = _sglang_method(self, "send_kvcache_slice", _MOONCAKE)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, dst_tp_rank, dst_attn_tp_size,
+                                dst_kv_item_len, executor, dst_layer_ids))
+    logger = _sglang_global("logger")
     items = list(self.kv_args.kv_item_lens)
-    if (getattr(self.kv_args, "kv_layer_ids", None) or dst_layer_ids) and any(
-            n != items[0] for n in items):
+    if (_ids(self.kv_args.kv_layer_ids) or dst_ids) and any(n != items[0] for n in items):
         logger.error(
             f"[{mooncake_session_id}] head-sliced transfer assumes one item "
             f"length for every KV entry, got {set(items)}")
@@ -674,17 +914,14 @@ def send_kvcache_slice(
             f"target token slot size ({slot})")
         return -1
     template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),
-                               int(dst_kv_item_len), _ids(dst_layer_ids), g)
-    plan = _plan_pages(template, prefill_kv_indices, dst_kv_indices)
-    if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
-                                               None) != "INTRA_NODE_NVLINK":
-        return _submit_per_pair(self, mooncake_session_id, plan, executor)
-    return _submit(self, mooncake_session_id, plan)
-
-
-def _unified_memory(manager: Any) -> bool:
-    get_memory = _sglang_global(manager, "_validate_envelope_kv_layout", "get_memory")
-    return bool(get_memory().enable_unified_memory)
+                               int(dst_kv_item_len), dst_ids, g)
+    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
+    # SGLang's slice hands each layer pair to the engine itself (no ``_transfer_data``) and
+    # awaits the executor's tasks with ``_await_transfer_futures``.
+    if _sglang_impl(self, "_await_transfer_futures") is None:
+        return _send_per_pair(self, mooncake_session_id, plan, executor,
+                              through_transfer_data=False, await_with_manager=True)
+    return _engine_batches(self, mooncake_session_id, plan)
 
 
 def send_kvcache(
@@ -699,18 +936,29 @@ def send_kvcache(
     dst_kv_item_len: int | None = None,
     dst_attn_tp_size: int | None = None,
 ) -> int:
-    """kvplan's ``MooncakeKVManager.send_kvcache`` (SGLang 0.5.23 signature)."""
+    """kvplan's ``MooncakeKVManager.send_kvcache`` (SGLang 0.5.23 signature): SGLang's envelope
+    check, then ``self._send_kvcache_generic`` with SGLang's keyword arguments."""
     if dst_device_kv_indices is not None:  # HiSparse device destinations: SGLang's own path
-        original = _original_for(type(self), "send_kvcache")
-        return int(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
-                            dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
-                            dst_kv_item_len, dst_attn_tp_size))
+        original = _sglang_method(self, "send_kvcache", _MOONCAKE)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
+                                dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
-    return _send_kvcache_generic(
-        self, mooncake_session_id, self.kv_args.kv_data_ptrs, dst_kv_ptrs,
-        self.kv_args.kv_item_lens, prefill_kv_indices, dst_kv_indices, executor,
-        force_flat=_unified_memory(self), src_layer_ids=self.kv_args.kv_layer_ids,
-        dst_layer_ids=dst_layer_ids)
+    get_memory = _sglang_global("get_memory")
+    return _status(self._send_kvcache_generic(
+        mooncake_session_id=mooncake_session_id,
+        src_data_ptrs=self.kv_args.kv_data_ptrs,
+        dst_data_ptrs=dst_kv_ptrs,
+        item_lens=self.kv_args.kv_item_lens,
+        prefill_data_indices=prefill_kv_indices,
+        dst_data_indices=dst_kv_indices,
+        executor=executor,
+        force_flat=get_memory().enable_unified_memory,
+        src_layer_ids=self.kv_args.kv_layer_ids,
+        dst_layer_ids=dst_layer_ids,
+        dst_device_data_indices=None,
+        dst_device_data_ptrs=None,
+    ))
 
 
 def ascend_send_kvcache(
@@ -731,43 +979,40 @@ def ascend_send_kvcache(
             "Ascend PD transfer does not support HiSparse destination device KV indices")
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
     if self.is_hybrid_mla_backend and self.pp_size > 1:
-        return _send_kvcache_generic(
-            self, mooncake_session_id, self.kv_args.kv_data_ptrs, dst_kv_ptrs,
-            self.kv_args.kv_item_lens, prefill_kv_indices, dst_kv_indices, executor,
-            src_layer_ids=self.kv_args.kv_layer_ids, dst_layer_ids=dst_layer_ids)
+        return _status(self._send_kvcache_generic(
+            mooncake_session_id=mooncake_session_id,
+            src_data_ptrs=self.kv_args.kv_data_ptrs,
+            dst_data_ptrs=dst_kv_ptrs,
+            item_lens=self.kv_args.kv_item_lens,
+            prefill_data_indices=prefill_kv_indices,
+            dst_data_indices=dst_kv_indices,
+            executor=executor,
+            src_layer_ids=self.kv_args.kv_layer_ids,
+            dst_layer_ids=dst_layer_ids,
+        ))
     kv_args = self.kv_args
     src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
     dst_ptrs = list(dst_kv_ptrs)
-    pp_size = int(self.pp_size)
-    path = "ascend-pp" if pp_size > 1 else "ascend-flat"
-    inputs: tuple[Any, ...] = (
-        src_ptrs, dst_ptrs, items, pp_size, bool(self.is_mla_backend),
-        int(kv_args.prefill_start_layer), _decode_kv_layers(self),
-        _registered_item_lens(self, mooncake_session_id, dst_ptrs),
-        getattr(kv_args, "kv_buf_groups", 1), getattr(kv_args, "hidden_kv_layers", 0),
-        getattr(kv_args, "draft_kv_layers", 0),
-        _is_last_rank(self) if pp_size > 1 and self.is_mla_backend else None,
-    )
-
-    def build() -> Template:
-        known = inputs[7]
-        src_lens = _kv_args_lens(kv_args, src_ptrs)
-        if pp_size > 1:
-            if self.is_mla_backend:
-                return _legacy_mla(self, src_ptrs, dst_ptrs, items, src_lens, known)
-            return _legacy_mha(self, src_ptrs, dst_ptrs, items, src_lens, known)
-        # PP 1: entry i to decode entry i, ids ignored, extra decode entries unused.
-        pairs = _core.pair_entries(None, None, len(src_ptrs), len(dst_ptrs), True)
-        src = Layout(src_ptrs, src_lens, items)
-        dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
-                     _dst_item_lens(pairs, items, len(dst_ptrs), known))
-        return Template(src, dst, allow_positional_fallback=True)
-
-    template = template_cache(self).get(mooncake_session_id, path, inputs, build)
-    plan = _plan_pages(template, prefill_kv_indices, dst_kv_indices)
+    slicer: str | None = "flat"
+    if self.pp_size > 1:
+        if self.is_mla_backend:
+            slicer = _mla_slicer(self)
+            if getattr(kv_args, "mla_compression_ratios", None):
+                slicer = None  # compressed MLA: SGLang's own slicing
+        else:
+            slicer = "mha" if _own_mha_slicer(self) else None
+    if slicer is None:
+        original = _sglang_method(self, "send_kvcache", _ASCEND)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
+                                dst_kv_item_len, dst_attn_tp_size))
+    template = _positional_template(self, mooncake_session_id, f"ascend-{slicer}", src_ptrs,
+                                    dst_ptrs, items, slicer)
+    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
     if self.enable_custom_mem_pool:
-        return _submit_per_pair(self, mooncake_session_id, plan, executor)
-    return _submit(self, mooncake_session_id, plan)
+        return _send_per_pair(self, mooncake_session_id, plan, executor,
+                              through_transfer_data=True, await_with_manager=False)
+    return _send_all(self, mooncake_session_id, plan)
 
 
 def _send_mamba_state(
@@ -784,13 +1029,13 @@ def _send_mamba_state(
 ) -> int:
     """kvplan's ``MooncakeKVManager._send_mamba_state`` (SGLang 0.5.23 signature)."""
     assert len(prefill_mamba_index) == 1, "Mamba should have single state index"
-    session = req.mooncake_session_id
     src_ptrs, dst_ptrs = list(src_state_data_ptrs), list(dst_state_data_ptrs)
     items = list(src_state_item_lens)
     known = list(dst_state_item_lens) if dst_state_item_lens else None
-    fallback = int(self.pp_size) == 1
+    fallback = self.pp_size == 1
+    src_lens = _state_lens(getattr(self, "kv_args", None), src_ptrs)
     inputs = (src_ptrs, dst_ptrs, items, _ids(src_layer_ids), _ids(dst_layer_ids), known,
-              fallback, _state_lens(self.kv_args, src_ptrs))
+              fallback, src_lens)
 
     def build() -> Template:
         pairs = _core.pair_entries(_ids(src_layer_ids), _ids(dst_layer_ids), len(src_ptrs),
@@ -803,15 +1048,16 @@ def _send_mamba_state(
                         f"(src={items[i]}, dst={known[j]}). "
                         "Configure matching persistent state layouts on both peers.")
         dst_items = _dst_item_lens(pairs, items, len(dst_ptrs), known)
-        src = Layout(src_ptrs, inputs[7], items, _ids(src_layer_ids),
+        src = Layout(src_ptrs, src_lens, items, _ids(src_layer_ids),
                      kinds=["state"] * len(src_ptrs))
         dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, _ids(dst_layer_ids),
                      kinds=["state"] * len(dst_ptrs))
         return Template(src, dst, allow_positional_fallback=fallback)
 
-    template = template_cache(self).get(session, "mamba", inputs, build)
+    session = req.mooncake_session_id
+    template = cast(Template, template_cache(self).get(session, "mamba", inputs, build))
     plan = template.plan_state(int(prefill_mamba_index[0]), int(dst_mamba_index[0]))
-    return _submit(self, session, plan)
+    return _send_all(self, session, plan)
 
 
 def _state_lens(kv_args: Any, ptrs: list[int]) -> list[int]:
@@ -834,12 +1080,12 @@ _SAVED: dict[tuple[type, str], Any] = {}
 _ORIGINALS: dict[tuple[type, str], Any] = {}
 
 
-def _dropin(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn._kvplan_dropin = True  # type: ignore[attr-defined]
+def _dropin(fn: Callable[..., int]) -> Callable[..., int]:
+    setattr(fn, "_kvplan_dropin", True)
     return fn
 
 
-_DROPINS: dict[str, Callable[..., Any]] = {
+_DROPINS: dict[str, Callable[..., int]] = {
     "_send_kvcache_generic": _dropin(_send_kvcache_generic),
     "send_kvcache": _dropin(send_kvcache),
     "_send_mamba_state": _dropin(_send_mamba_state),
@@ -869,7 +1115,7 @@ def _original_for(cls: type, name: str) -> Any:
 
 def _manager_kind(cls: type) -> str:
     names = [k.__name__ for k in cls.__mro__]
-    for kind in ("AscendKVManager", "MooncakeKVManager"):
+    for kind in (_ASCEND, _MOONCAKE):
         if kind in names:
             return kind
     raise TypeError(
@@ -895,6 +1141,7 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     if max_blocks_per_batch <= 0:
         raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
     kind = _manager_kind(manager_class)
+    _register_sglang_classes(manager_class)
     dropins = _ASCEND_DROPINS if kind == "AscendKVManager" else _DROPINS
     replaced = []
     for name in REPLACED_METHODS[kind]:
@@ -905,8 +1152,8 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
         _SAVED[key] = manager_class.__dict__.get(name, _MISSING)
         setattr(manager_class, name, dropins[name])
         replaced.append(name)
-    manager_class._kvplan_max_blocks_per_batch = max_blocks_per_batch  # type: ignore[attr-defined]
-    manager_class._kvplan_decode_kv_layers = decode_kv_layers  # type: ignore[attr-defined]
+    setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
+    setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
     return tuple(replaced)
 
 

@@ -30,6 +30,13 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
 Everything else (``send_kvcache_dcp``, ``send_kvcache_staged``, ``_send_mamba_state_slice``,
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
 
+SGLang's seams are kept: each drop-in calls what SGLang's method calls on ``self`` at that
+point (``_transfer_data`` with SGLang's block lists whenever it is not SGLang's own,
+``_send_kvcache_generic`` with SGLang's keyword arguments, ``_await_transfer_futures``, a
+replaced pointer-slicing helper through SGLang's own method) and reads only the attributes
+SGLang's method reads there, so subclasses, wrappers and stand-in objects work as with SGLang.
+The bounded engine batches above are the path taken when ``_transfer_data`` is SGLang's own.
+
 Differences from SGLang's methods, each where SGLang moves wrong bytes, drops bytes, or fails
 without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a ``ValueError``):
 
@@ -150,13 +157,13 @@ __all__ = [
 
 def _core_indices(arr: Any, side: str) -> npt.NDArray[Any]:
     """``arr`` as a 1-D integer ndarray (no copy when it already is one the core takes)."""
-    arr = np.asarray(arr)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    out: npt.NDArray[Any] = np.asarray(arr)
+    if out.ndim != 1 or out.dtype.kind not in "iu":
         raise TypeError(
-            f"{side}_indices must be a 1-D integer numpy array, got a {arr.ndim}-D array of "
-            f"dtype {arr.dtype}"
+            f"{side}_indices must be a 1-D integer numpy array, got a {out.ndim}-D array of "
+            f"dtype {out.dtype}"
         )
-    return arr
+    return out
 
 
 def _for_core(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -183,7 +190,8 @@ def _core_takes(arr: npt.NDArray[Any]) -> bool:
 def _sglang_run_lengths(src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> list[int]:
     """Run lengths from SGLang's own expression, in each array's dtype (wrap-around included)."""
     brk = np.where((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
-    return np.diff(np.concatenate(([0], brk, [src.size]))).tolist()
+    lengths: npt.NDArray[np.int64] = np.diff(np.concatenate(([0], brk, [src.size])))
+    return [int(n) for n in lengths]
 
 
 def group_concurrent_contiguous(
