@@ -18,7 +18,7 @@ pub mod wire;
 
 pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
-pub use heads::{HeadSlicing, Link, TpSplit, heads_text};
+pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
 pub use layout::{AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,

@@ -181,8 +181,10 @@ impl Template {
                 .collect()
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
-        // Checked by `check_pairs` above, so it succeeds here.
-        let heads = head_slicing(src, dst)?;
+        // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
+        // above, so it succeeds here.
+        let heads = HeadSlicing::between(src, dst)?;
+        let by_token = crate::tokens::needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
@@ -191,7 +193,7 @@ impl Template {
             .collect();
         let labels = (entry_labels(src), entry_labels(dst));
         let sliced_geometry;
-        let geometry = match &heads {
+        let page_geometry = match &heads {
             Some(slicing) => {
                 if geometry.fragments != Fragments::Whole {
                     return Err(PlanError::Geometry {
@@ -201,23 +203,35 @@ impl Template {
                             .into(),
                     });
                 }
+                slice_state_pairs(slicing, &mut state_pairs);
+                // A by-token template places heads per token (module `tokens`); its page
+                // groups only say which pairs' blocks go together.
                 sliced_geometry = GeometryOptions {
-                    fragments: slicing.page_fragments(),
+                    fragments: if by_token {
+                        Fragments::Whole
+                    } else {
+                        slicing.page_fragments()
+                    },
                     coalesce: geometry.coalesce,
                 };
-                slice_state_pairs(slicing, &mut state_pairs);
                 &sliced_geometry
             }
             None => geometry,
         };
         let (pieces, groups, pair_groups) = if moves_pages {
-            build_groups(&page_pairs, geometry, &labels.0)?
+            build_groups(&page_pairs, page_geometry, &labels.0)?
         } else {
             (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
         };
         let page_sizes = (src.context().page_size, dst.context().page_size);
-        let tokens = TokenTemplate::build(src, dst, &page_pairs, geometry, (&labels.0, &labels.1));
-        let by_token = crate::tokens::needs_tokens(src, dst);
+        let tokens = TokenTemplate::build(
+            src,
+            dst,
+            &page_pairs,
+            &geometry.fragments,
+            heads.as_ref(),
+            (&labels.0, &labels.1),
+        );
         if by_token && let Err(problem) = &tokens {
             return Err(problem.clone());
         }
@@ -327,38 +341,6 @@ impl Template {
     }
 }
 
-/// Head re-slicing between the two layouts (whole-page copies between different TP sizes).
-/// Token plans (different page sizes or memory orders) move every head of a token as it is, so
-/// there both ranks must hold the same heads: re-slicing heads and re-paging tokens in one plan
-/// is refused, naming both splits.
-fn head_slicing(src: &Layout, dst: &Layout) -> Result<Option<HeadSlicing>> {
-    if !crate::tokens::needs_tokens(src, dst) {
-        return HeadSlicing::between(src, dst);
-    }
-    let (sc, dc) = (src.context(), dst.context());
-    match (sc.attention, dc.attention) {
-        (Some(s), Some(d)) if s.heads_per_rank != d.heads_per_rank || sc.tp_size != dc.tp_size => {
-            Err(PlanError::HeadMismatch {
-                what: format!(
-                    "prefill TP {} x {} heads ({} tokens per page, {}) and decode TP {} x {} heads \
-                     ({} tokens per page, {}): re-slicing heads between TP sizes and re-paging \
-                     tokens (different page sizes or memory orders) in one plan is not \
-                     supported yet",
-                    sc.tp_size,
-                    s.heads_per_rank,
-                    sc.page_size,
-                    s.memory_order.as_str(),
-                    dc.tp_size,
-                    d.heads_per_rank,
-                    dc.page_size,
-                    d.memory_order.as_str()
-                ),
-            })
-        }
-        _ => Ok(None),
-    }
-}
-
 fn entry_labels(layout: &Layout) -> Vec<String> {
     (0..layout.n_entries())
         .map(|i| {
@@ -393,7 +375,7 @@ pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<
         pairing: options.pairing.for_state(),
         ..options
     };
-    let heads = head_slicing(src, dst);
+    let heads = HeadSlicing::between(src, dst);
     let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
     checks.extend(check_kind(
         src,
@@ -416,7 +398,9 @@ fn check_kind(
     let dst_entries = dst.entries_of_kind(kind);
     let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
     // Different tokens per page (or memory orders): paired page items differ in size by design
-    // (item = page size x token bytes); they must agree per token instead (module `tokens`).
+    // (item = page size x token bytes); they must agree per token instead (module `tokens`),
+    // unless heads are sliced, where each side's item must be what its own geometry implies
+    // (the same check as for page plans).
     let by_token = kind == EntryKind::Page && crate::tokens::needs_tokens(src, dst);
     src_entries
         .iter()
@@ -455,14 +439,18 @@ fn check_kind(
                     };
                     let problem = match (heads, kind) {
                         (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        (Ok(Some(_)), _) if src_item_len == 0 => None,
+                        (Ok(Some(slicing)), EntryKind::Page)
+                            if !(by_token && slicing.moves_whole_heads()) =>
+                        {
+                            slicing
+                                .check_page_items(src_item_len, dst_item_len)
+                                .err()
+                                .map(head_problem)
+                        }
                         _ if by_token => {
                             crate::tokens::pair_problem(src, dst, &pair_spec(src, dst, s, d))
                         }
-                        (Ok(Some(_)), _) if src_item_len == 0 => None,
-                        (Ok(Some(slicing)), EntryKind::Page) => slicing
-                            .check_page_items(src_item_len, dst_item_len)
-                            .err()
-                            .map(head_problem),
                         (Ok(Some(slicing)), EntryKind::State) => slicing
                             .state_fragment(src_item_len, dst_item_len)
                             .err()
