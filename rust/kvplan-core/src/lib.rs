@@ -24,7 +24,7 @@ pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,
 };
-pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
+pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit};
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use template::{
     EntryCheck, Fragment, Fragments, GeometryOptions, Group, PairSpec, Template, TemplateOptions,

@@ -30,7 +30,7 @@
 use crate::error::{PlanError, Result, Side};
 use crate::heads::{HeadSlicing, SlicedHeads};
 use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan};
+use crate::plan::{Columns, PlanSummary};
 use crate::runs::PageIndex;
 use crate::template::{Fragments, PairSpec, Template, check_unique};
 
@@ -576,7 +576,8 @@ impl Template {
         self.page_sizes
     }
 
-    /// Validates a token request and returns the size of its plan. `src` and `dst` are the
+    /// Validates a token request (through [`Template::prepare`]) and returns the size of its
+    /// plan. `src` and `dst` are the
     /// request's pages in token order on each side (their lengths may differ); `n_tokens`
     /// defaults to the full pages of the shorter side. Only the pages holding the first
     /// `n_tokens` tokens are read (and validated); later ones are ignored.
@@ -585,7 +586,7 @@ impl Template {
     /// [`PlanError::TokenCount`] when a side has too few pages; a negative index or one outside
     /// a paired buffer; a repeated destination page (when the template checks overlap); the
     /// template's token error; overflow.
-    pub fn prepare_tokens<S: PageIndex, D: PageIndex>(
+    pub(crate) fn prepare_tokens<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
@@ -666,61 +667,21 @@ impl Template {
         Ok((blocks, segments))
     }
 
-    /// Plans a token request into columns obtained from `make_output` once its size is known
-    /// (allocates nothing itself). See [`Template::prepare_tokens`] for the arguments.
-    ///
-    /// # Errors
-    /// As [`Template::prepare_tokens`], whatever `make_output` returns,
-    /// [`PlanError::OutputTooSmall`], or [`PlanError::InputChanged`] when a page index changed
-    /// between validation and emission.
-    pub fn plan_tokens_into<'o, S: PageIndex, D: PageIndex, O>(
+    /// Emits a validated token request into `out` (at least `shape.n_blocks` long).
+    pub(crate) fn emit_token_request<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
-        n_tokens: Option<u64>,
-        make_output: impl FnOnce(&TokenShape) -> Result<O>,
-    ) -> Result<(O, TokenShape)>
-    where
-        O: AsColumns<'o>,
-    {
-        let shape = self.prepare_tokens(src, dst, n_tokens)?;
-        let mut output = make_output(&shape)?;
-        let out = output.columns();
-        if out.capacity() < shape.n_blocks {
-            return Err(PlanError::OutputTooSmall {
-                have: out.capacity(),
-                need: shape.n_blocks,
-            });
-        }
-        self.emit_tokens(
-            &src[..shape.src_pages],
-            &dst[..shape.dst_pages],
-            &shape,
-            out,
-        )?;
-        Ok((output, shape))
-    }
-
-    /// Allocating convenience over [`Template::plan_tokens_into`].
-    ///
-    /// # Errors
-    /// As [`Template::plan_tokens_into`].
-    pub fn plan_tokens<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-    ) -> Result<Plan> {
-        let (buffer, shape) = self.plan_tokens_into(src, dst, n_tokens, |shape| {
-            FlatBuffer::try_zeroed(shape.n_blocks)
-        })?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(shape.n_blocks)?;
-        Ok(Plan {
-            src_addrs,
-            dst_addrs,
-            lengths,
+        shape: &TokenShape,
+        out: Columns<'_>,
+    ) -> Result<PlanSummary> {
+        self.emit_tokens(&src[..shape.src_pages], &dst[..shape.dst_pages], shape, out)?;
+        Ok(PlanSummary {
             n_runs: shape.n_segments,
+            n_blocks: shape.n_blocks,
             total_bytes: shape.total_bytes,
+            n_pages: 0,
+            tokens: Some(*shape),
         })
     }
 
@@ -907,9 +868,7 @@ mod tests {
         let src = layout(0x1000, sizes.0, 16, orders.0, pads.0);
         let dst = layout(0x10_0000, sizes.1, 16, orders.1, pads.1);
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let plan = template
-            .plan_tokens(src_pages, dst_pages, n_tokens)
-            .unwrap();
+        let plan = template.plan(src_pages, dst_pages, n_tokens).unwrap();
         let n = n_tokens.unwrap_or_else(|| {
             (src_pages.len() as u64 * sizes.0).min(dst_pages.len() as u64 * sizes.1)
         });
@@ -966,7 +925,7 @@ mod tests {
         let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Nhd), 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         let plan = t
-            .plan_tokens(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
+            .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
             .unwrap();
         assert_eq!(plan.lengths, vec![128 * TOKEN; 4]);
         // HND: one block per head per segment: 100 tokens over source pages of 16 are 7.
@@ -974,7 +933,7 @@ mod tests {
         let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Hnd), 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         let plan = t
-            .plan_tokens(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
+            .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
             .unwrap();
         assert_eq!(plan.lengths.len(), 4 * 2 * 7);
         check(
@@ -992,7 +951,7 @@ mod tests {
         let src = layout(0x1000, 16, 16, None, 0);
         let dst = layout(0x10_0000, 64, 4, None, 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let err = t.plan_tokens(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
+        let err = t.plan(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
         assert_eq!(
             err,
             PlanError::TokenCount {
@@ -1003,7 +962,7 @@ mod tests {
                 given: 2
             }
         );
-        let err = t.plan_tokens(&[0i64, 1], &[4i64], None).unwrap_err();
+        let err = t.plan(&[0i64, 1], &[4i64], None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1015,7 +974,7 @@ mod tests {
             ),
             "{err}"
         );
-        let err = t.plan_tokens(&[0i64, -1], &[0i64], None).unwrap_err();
+        let err = t.plan(&[0i64, -1], &[0i64], None).unwrap_err();
         assert!(
             matches!(
                 err,

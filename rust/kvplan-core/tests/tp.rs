@@ -331,12 +331,8 @@ fn apply(case: &Case, src: &Rank, dst: &mut Rank, blocks: (&[u64], &[u64], &[u64
 /// The request's KV plan: page indices on both sides, with `n_tokens` when the case gives it.
 fn plan(case: &Case, t: &Template) -> Plan {
     let (src, dst) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let n_tokens = case.given.then_some(case.tokens);
-    if n_tokens.is_some() || t.by_token() {
-        t.plan_tokens(&src, &dst, n_tokens).unwrap()
-    } else {
-        t.plan(&src, &dst).unwrap()
-    }
+    t.plan(&src, &dst, case.given.then_some(case.tokens))
+        .unwrap()
 }
 
 /// Plans and applies every (prefill rank, decode rank) pair for the decode ranks `decode`, and
