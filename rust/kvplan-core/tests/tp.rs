@@ -480,26 +480,29 @@ fn token_plans_slice_heads_across_page_sizes_and_orders() {
     assert!(templates > 5_000, "{templates}");
 }
 
+/// A change to a layout's attention geometry.
+type Change = fn(&mut AttentionGeometry);
+
+/// A layout like `layout` with `page_size` tokens per page (items and buffers rescaled from 4
+/// tokens per page, state unchanged) and its attention geometry changed by `change`.
+fn repaged(layout: &Layout, page_size: u64, change: Change) -> Layout {
+    let mut ctx = layout.context().clone();
+    change(ctx.attention.as_mut().unwrap());
+    ctx.page_size = page_size;
+    let mut parts = layout.parts().clone();
+    for k in 0..parts.item_lens.len() {
+        if parts.kinds[k] == kvplan_core::EntryKind::Page {
+            parts.item_lens[k] = parts.item_lens[k] / 4 * page_size;
+            parts.data_lens[k] = parts.data_lens[k] / 4 * page_size;
+        }
+    }
+    Layout::new(parts, ctx).unwrap()
+}
+
 #[test]
 fn geometry_differences_are_errors_naming_both_values() {
     let case = Case::page_plan(8, 2, 4, MemoryOrder::Nhd, false);
     let src = rank(&case, Side::Src, 0, 0);
-    let with = |f: &dyn Fn(&mut AttentionGeometry), page_size: u64| {
-        let mut ctx = src.layout.context().clone();
-        f(ctx.attention.as_mut().unwrap());
-        ctx.page_size = page_size;
-        let parts = src.layout.parts().clone();
-        let mut parts = parts;
-        // Items of the other page size keep the same bytes per token.
-        let ratio = |x: u64| x / 4 * page_size;
-        for (k, item) in parts.item_lens.iter_mut().enumerate() {
-            if parts.kinds[k] == kvplan_core::EntryKind::Page {
-                *item = ratio(*item);
-                parts.data_lens[k] = ratio(parts.data_lens[k]);
-            }
-        }
-        Layout::new(parts, ctx).unwrap()
-    };
     // Memory orders differ while heads are re-sliced: a token plan that moves the decode's
     // heads (covered byte for byte above), no longer an error.
     let hnd = Case {
@@ -509,47 +512,39 @@ fn geometry_differences_are_errors_naming_both_values() {
     let dst = rank(&hnd, Side::Dst, 0, 0);
     let t = Template::new(&src.layout, &dst.layout, TemplateOptions::default()).unwrap();
     assert!(t.by_token() && t.empty_reason().is_none());
-    // The geometry refusals hold whatever the page sizes: equal, and 4 -> 16 tokens per page.
+    // The geometry refusals hold whatever the page sizes (4 -> 4 and 4 -> 16 tokens per page)
+    // and memory orders.
     let dst = rank(&case, Side::Dst, 0, 0);
+    let changes: [(Change, &str); 3] = [
+        (
+            |g| (g.head_dim, g.dtype_size) = (4, 1),
+            "head slicing: head dims differ (prefill 2, decode 4)",
+        ),
+        (
+            |g| g.heads_per_rank = 1,
+            "head slicing: decode publishes heads_per_rank 1 but kv_heads 8 over TP size 4 \
+             gives 2 per rank",
+        ),
+        (
+            |g| g.total_kv_heads = 16,
+            "head slicing: model KV head counts (kv_heads) differ (prefill 8, decode 16)",
+        ),
+    ];
     for page_size in [4, 16] {
-        let cases: [(&dyn Fn(&mut AttentionGeometry), &str); 3] = [
-            (
-                &|g| (g.head_dim, g.dtype_size) = (4, 1),
-                "head slicing: head dims differ (prefill 2, decode 4)",
-            ),
-            (
-                &|g| g.heads_per_rank = 1,
-                "head slicing: decode publishes heads_per_rank 1 but kv_heads 8 over TP size 4 \
-                 gives 2 per rank",
-            ),
-            (
-                &|g| g.total_kv_heads = 16,
-                "head slicing: model KV head counts (kv_heads) differ (prefill 8, decode 16)",
-            ),
-        ];
-        for (change, message) in cases {
-            let other = with(change, page_size);
-            let fixed = Layout::new(dst.layout.parts().clone(), other.context().clone());
-            let dst_layout = if page_size == 4 {
-                fixed.unwrap()
-            } else {
-                other
-            };
-            let dst_layout = Layout::new(
-                dst_layout.parts().clone(),
-                LayoutContext {
-                    tp_size: 4,
-                    ..dst_layout.context().clone()
-                },
-            )
-            .unwrap();
-            let err =
-                Template::new(&src.layout, &dst_layout, TemplateOptions::default()).unwrap_err();
-            assert!(
-                err.to_string().starts_with(message),
-                "page size {page_size}: {err}"
-            );
-            assert_eq!(err.class(), kvplan_core::ErrorClass::SizeMismatch);
+        for (change, message) in changes {
+            for order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
+                let other = repaged(&dst.layout, page_size, change);
+                let mut ctx = other.context().clone();
+                ctx.attention.as_mut().unwrap().memory_order = order;
+                let other = Layout::new(other.parts().clone(), ctx).unwrap();
+                let err =
+                    Template::new(&src.layout, &other, TemplateOptions::default()).unwrap_err();
+                assert!(
+                    err.to_string().starts_with(message),
+                    "page size {page_size}, {order:?}: {err}"
+                );
+                assert_eq!(err.class(), kvplan_core::ErrorClass::SizeMismatch);
+            }
         }
     }
 }
