@@ -6,6 +6,7 @@ that the report and Template never disagree (same verdict, same first error, sam
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,6 +189,32 @@ def test_tp_difference_on_kv_heads_names_head_slicing():
     src = Layout.mha([1], [2], [640], [640], 64, 64, layer_ids=[0], tp_size=2)
     dst = Layout.mha([3], [4], [640], [640], 64, 64, layer_ids=[0], tp_size=4)
     assert any("head-sliced" in w for w in kvplan.compare(src, dst).warnings)
+
+
+def test_compare_and_token_plans_agree_on_which_tp_pairs_move_kv():
+    """MLA latent, TP 2 -> 2, 1 -> 64 tokens per page: compare() said prefill rank 0 -> decode
+    rank 1 "moves no KV" while its token plan moved every byte of the latent (the elected sender
+    rank 1 moved them too)."""
+    def mla(page_size, rank, base):
+        item, cap = 1152 * page_size, 128 // page_size + 1
+        return Layout.mla([base, base + (1 << 24)], [cap * item] * 2, item, [0, 1],
+                          page_size=page_size, tp_rank=rank, tp_size=2, kv_heads=1,
+                          head_dim=576, dtype_size=2)
+    src_pages, dst_pages = np.arange(128), np.array([1, 0])
+    for r_p in (0, 1):
+        src, dst = mla(1, r_p, 1 << 32), mla(64, 1, 1 << 40)
+        report = kvplan.compare(src, dst)
+        silent = [w for w in report.warnings + report.blocks if "moves no KV" in w]
+        plan = Template(src, dst).plan(src_pages, dst_pages)
+        counted = [b for b in report.blocks if "blocks with pages consecutive" in b]
+        if r_p == 0:
+            assert silent and "prefill rank 1 is elected" in silent[0]
+            assert plan.total_bytes == 0 and len(plan) == 0
+            assert counted and ": 0 blocks with pages consecutive on both sides" in counted[0]
+        else:
+            assert not silent
+            assert plan.total_bytes == 128 * 1152 * 2
+            assert counted and ": 2 blocks with pages consecutive on both sides" in counted[0]
 
 
 # ------------------------------------------------------------------------ report == Template

@@ -111,17 +111,213 @@ def test_tp_peers_words_and_election() -> None:
         kvplan.tp_peers(8, 8, 2)
 
 
+# ---------------------------------------------------------------------------------------------
+# Token plans (different page sizes or memory orders, or n_tokens) re-slice heads as page plans do
+# ---------------------------------------------------------------------------------------------
+
+STATE_SLOTS, SHARDED = 2, 64  # state slots per rank; bytes of the whole sharded state item
+
+
+class Rank:
+    """One rank's memory as one byte arena: KV pool (uint16 elements), then a sharded state
+    entry per layer; ``layout`` describes it."""
+
+    def __init__(self, kv: np.ndarray | None, heads: int, tp_rank: int, tp_size: int,
+                 page_size: int, order: str, pages: np.ndarray, n_tokens: int, mla: bool,
+                 state: bool) -> None:
+        first, stop = kvplan.tp_peers(heads, tp_size if kv is not None else 1,
+                                      tp_size, decode_rank=tp_rank).heads
+        self.first, self.n_heads = first, stop - first
+        planes, capacity = (1 if mla else 2), len(pages) + 2
+        inner = ((page_size, self.n_heads) if order == "NHD" else (self.n_heads, page_size))
+        shape = (LAYERS, planes, capacity) + inner + (HEAD_DIM,)
+        kv_bytes = int(np.prod(shape)) * 2
+        self.shard = SHARDED // tp_size
+        state_bytes = LAYERS * STATE_SLOTS * self.shard if state else 0
+        self.arena = np.full(kv_bytes + state_bytes, 0xEE, dtype=np.uint8)
+        pool = self.arena[:kv_bytes].view(np.uint16).reshape(shape)
+        if kv is not None:  # every token of the listed pages, past n_tokens too
+            for t in range(n_tokens):
+                p, slot = int(pages[t // page_size]), t % page_size
+                part = kv[:, :planes, t, first:stop, :]
+                if order == "NHD":
+                    pool[:, :, p, slot] = part
+                else:
+                    pool[:, :, p, :, slot] = part
+        base = self.arena.ctypes.data
+        self.base = base
+        item = int(np.prod(inner)) * HEAD_DIM * 2
+        entry = capacity * item
+        ptr = [[base + (layer * planes + plane) * entry for plane in range(planes)]
+               for layer in range(LAYERS)]
+        ctx = dict(page_size=page_size, tp_rank=tp_rank, tp_size=tp_size, kv_heads=heads,
+                   head_dim=HEAD_DIM, dtype_size=2, memory_order=order)
+        ids = list(range(LAYERS))
+        if mla:
+            layout = kvplan.Layout.mla([p[0] for p in ptr], [entry] * LAYERS, item, ids, **ctx)
+        else:
+            layout = kvplan.Layout.mha([p[0] for p in ptr], [p[1] for p in ptr], [entry] * LAYERS,
+                                       [entry] * LAYERS, item, item, ids, **ctx)
+        if state:
+            at = base + kv_bytes
+            ptrs = [at + layer * STATE_SLOTS * self.shard for layer in ids]
+            layout = layout.with_state("mamba_temporal", ptrs, [STATE_SLOTS * self.shard] * LAYERS,
+                                       self.shard, ids)
+        self.layout = layout
+        self.kv_bytes = kv_bytes
+
+    def state_slot(self, layer: int, slot: int) -> np.ndarray:
+        at = self.kv_bytes + (layer * STATE_SLOTS + slot) * self.shard
+        return self.arena[at:at + self.shard]
+
+
+def whole_state(layer: int) -> np.ndarray:
+    return ((np.arange(SHARDED) * 7 + layer * 31 + 3) % 251).astype(np.uint8)
+
+
+def token_kv(heads: int, n_tokens: int) -> np.ndarray:
+    """[layer][K/V][request token][head][dim] as uint16."""
+    n = LAYERS * 2 * n_tokens * heads * HEAD_DIM
+    return (np.arange(n, dtype=np.uint64) * 2654435761 % 65521).astype(np.uint16).reshape(
+        LAYERS, 2, n_tokens, heads, HEAD_DIM)
+
+
+def gather(heads: int, tp_p: int, tp_d: int, r_d: int, *, page_sizes: tuple[int, int],
+           orders: tuple[str, str], n_tokens: int, given: bool, mla: bool = False,
+           state: bool = False) -> dict[int, kvplan.Template]:
+    """Plans every prefill rank tp_peers(decode_rank=r_d).peers names into decode rank r_d,
+    applies the blocks (and state slot 0 -> 1), and checks the decode rank's arena byte for byte
+    against its heads of the request's tokens, with no byte written twice. Returns the
+    templates by prefill rank."""
+    (ps, pd), (op, od) = page_sizes, orders
+    src_pages = np.array([p for p in range(-(-n_tokens // ps) + 3) if p != 1][:-(-n_tokens // ps)])
+    dst_pages = np.arange(-(-n_tokens // pd))[::-1].copy()
+    kv = token_kv(heads, len(src_pages) * ps)
+    dst = Rank(None, heads, r_d, tp_d, pd, od, dst_pages, 0, mla, state)
+    want = Rank(kv, heads, r_d, tp_d, pd, od, dst_pages, n_tokens, mla, state)
+    seen = np.zeros(dst.arena.nbytes, dtype=bool)
+    templates = {}
+    peers = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d)
+    for r_p in peers.peers:
+        src = Rank(kv, heads, r_p, tp_p, ps, op, src_pages, len(src_pages) * ps, mla, state)
+        for layer in range(LAYERS if state else 0):
+            src.state_slot(layer, 0)[:] = whole_state(layer)[r_p * src.shard:(r_p + 1) * src.shard]
+        t = kvplan.Template(src.layout, dst.layout)
+        templates[r_p] = t
+        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens if given else None)
+        assert (len(plan) == 0) == (t.empty_reason is not None), (r_p, t.empty_reason)
+        if r_p not in peers.receive_from:
+            assert len(plan) == 0 and t.empty_reason == peers.reason(r_p)
+        for block_plan in (plan, t.plan_state(0, 1)):
+            for s, d, n in zip(*block_plan.as_lists()):
+                s, d = s - src.base, d - dst.base
+                assert 0 <= s and s + n <= src.arena.nbytes and 0 <= d
+                assert not seen[d:d + n].any(), "a destination byte written twice"
+                seen[d:d + n] = True
+                dst.arena[d:d + n] = src.arena[s:s + n]
+    for layer in range(LAYERS if state else 0):
+        want.state_slot(layer, 1)[:] = whole_state(layer)[r_d * dst.shard:(r_d + 1) * dst.shard]
+    np.testing.assert_array_equal(dst.arena, want.arena)
+    return templates
+
+
+def test_equal_tp_different_ranks_move_no_heads_in_token_plans() -> None:
+    """kv_heads 8, TP 2 -> 2: prefill rank 0 holds heads 0-3, decode rank 1 heads 4-7. Token plans
+    (16 -> 64 tokens per page, or 16 -> 16 with n_tokens) used to copy heads 0-3 into the slots
+    of heads 4-7 (4,096 bytes at 16 -> 64) with no empty_reason."""
+    for page_sizes, given in (((16, 64), False), ((16, 16), True)):
+        for r_d in (0, 1):
+            t = gather(8, 2, 2, r_d, page_sizes=page_sizes, orders=("NHD", "NHD"), n_tokens=64,
+                       given=given)
+            assert set(t) == {r_d}  # the peer lists of equal TP sizes hold the same rank only
+        src = Rank(token_kv(8, 64), 8, 0, 2, page_sizes[0], "NHD", np.arange(4), 64, False, False)
+        dst = Rank(None, 8, 1, 2, page_sizes[1], "NHD", np.arange(4), 0, False, False)
+        t = kvplan.Template(src.layout, dst.layout)
+        assert t.empty_reason == ("prefill rank 0 holds heads 0–3 and decode rank 1 holds heads "
+                                  "4–7: no head in common")
+        pages = np.arange(64 // page_sizes[0]), np.arange(64 // page_sizes[1])
+        assert len(t.plan(*pages, n_tokens=64 if given else None)) == 0
+
+
+def test_mla_sharded_state_token_plan_has_one_sender_per_decode_rank() -> None:
+    """MLA with a TP-sharded state entry, TP 2 -> 2, pages 1 -> 64, templates for every rank of
+    tp_peers(decode_rank=r).peers: every KV byte used to be written twice and decode rank 0's
+    state shard overwritten with rank 1's."""
+    for r_d in (0, 1):
+        templates = gather(1, 2, 2, r_d, page_sizes=(1, 64), orders=("NHD", "NHD"), n_tokens=128,
+                           given=False, mla=True, state=True)
+        assert sorted(templates) == [0, 1]
+        other = templates[1 - r_d]
+        assert other.empty_reason is not None and "elected" in other.empty_reason
+
+
+@pytest.mark.parametrize(("heads", "tp_p", "tp_d"), [(8, 8, 2), (8, 2, 8), (2, 4, 1), (1, 2, 4),
+                                                      (16, 4, 4)])
+@pytest.mark.parametrize(("page_sizes", "orders"), [((16, 64), ("NHD", "HND")),
+                                                    ((64, 16), ("HND", "NHD")),
+                                                    ((16, 16), ("NHD", "HND")),
+                                                    ((4, 4), ("HND", "HND"))])
+def test_head_slicing_with_token_plans_is_byte_exact(heads: int, tp_p: int, tp_d: int,
+                                                     page_sizes: tuple[int, int],
+                                                     orders: tuple[str, str]) -> None:
+    """Re-slicing heads between TP sizes together with re-paging tokens (different page sizes
+    or memory orders, or n_tokens with a partial last page) used to be refused; it is planned
+    byte-exact, state included."""
+    for r_d in range(tp_d):
+        for n_tokens, given in ((64, False), (20, True)):
+            gather(heads, tp_p, tp_d, r_d, page_sizes=page_sizes, orders=orders,
+                   n_tokens=n_tokens, given=given, state=True)
+
+
+def test_head_sliced_template_plans_n_tokens_with_a_partial_last_page() -> None:
+    """TP 8 -> 2 at equal page sizes: plan(..., n_tokens=20) used to raise "fragments ... build
+    the template without fragments" on a pair that moves heads (the caller gave none), and
+    "bytes per token differ" on a pair with no head in common, instead of the empty plan;
+    n_token_blocks(20) likewise."""
+    for order in ("NHD", "HND"):
+        templates = gather(8, 8, 2, 1, page_sizes=(16, 16), orders=(order, order), n_tokens=20,
+                           given=True)
+        moving = templates[5]
+        # NHD: head 5 is one of four heads of a decode token, one block per token and entry;
+        # HND: one block per page segment and entry (20 tokens in two pages of 16).
+        per_entry = 20 if order == "NHD" else 2
+        assert moving.n_token_blocks(20) == per_entry * 2 * LAYERS
+        src = Rank(token_kv(8, 32), 8, 0, 8, 16, order, np.arange(2), 32, False, False)
+        dst = Rank(None, 8, 1, 2, 16, order, np.arange(2), 0, False, False)
+        idle = kvplan.Template(src.layout, dst.layout)
+        assert idle.empty_reason is not None and "no head in common" in idle.empty_reason
+        assert len(idle.plan(np.arange(2), np.arange(2), n_tokens=20)) == 0
+        assert idle.n_token_blocks(20) == 0
+
+
 def test_geometry_mismatch_is_a_size_mismatch_error_naming_values() -> None:
-    src = rank_pool(None, (0, 4), SRC_PAGES, "NHD", 4)
-    dst = rank_pool(None, (0, 2), DST_PAGES, "NHD", 2)
-    # Different memory orders are planned token by token, which does not re-slice heads too:
-    # the error names both splits, page sizes and orders.
-    want = (r"prefill TP 2 x 4 heads \(4 tokens per page, NHD\) and decode TP 4 x 2 heads "
-            r"\(4 tokens per page, HND\)")
-    with pytest.raises(kvplan.SizeMismatchError, match=want):
-        kvplan.Template(layout(src, "NHD", 8, 0, 2), layout(dst, "HND", 8, 0, 4))
-    report = kvplan.compare(layout(src, "NHD", 8, 0, 2), layout(dst, "HND", 8, 0, 4))
-    assert not report.compatible and "not supported yet" in " ".join(report.reasons)
+    """The geometry refusals hold whatever the page sizes and memory orders: they used to be
+    skipped when page sizes differed (bf16 elements planned as bytes)."""
+    def mha(page_size: int, **geometry: int | str) -> kvplan.Layout:
+        g: dict[str, int | str] = dict(kv_heads=8, heads_per_rank=4, head_dim=HEAD_DIM,
+                                       dtype_size=2, memory_order="NHD", tp_size=2)
+        g.update(geometry)
+        item = page_size * int(g["heads_per_rank"]) * HEAD_DIM * 2
+        return kvplan.Layout.mha([0x1000], [0x9000_0000], [item * 8], [item * 8], item, item, [0],
+                                 page_size=page_size, **g)  # type: ignore[arg-type]
+    src = mha(16)
+    wrong = [
+        (dict(head_dim=2 * HEAD_DIM, dtype_size=1), "head dims differ"),
+        (dict(heads_per_rank=2), "decode publishes heads_per_rank 2 but kv_heads 8 over TP size 2 "
+                                 "gives 4 per rank"),
+        (dict(kv_heads=16, heads_per_rank=8), r"model KV head counts \(kv_heads\) differ "
+                                              r"\(prefill 8, decode 16\)"),
+    ]
+    for page_size in (16, 64):
+        for order in ("NHD", "HND"):
+            for geometry, message in wrong:
+                dst = mha(page_size, memory_order=order, **geometry)  # type: ignore[arg-type]
+                with pytest.raises(kvplan.SizeMismatchError, match=message):
+                    kvplan.Template(src, dst)
+                report = kvplan.compare(src, dst)
+                assert not report.compatible
+                assert report.first_problem is not None
+                assert report.first_problem[0] == "SizeMismatchError"
 
 
 def test_compare_says_who_sends_what() -> None:
@@ -132,6 +328,12 @@ def test_compare_says_who_sends_what() -> None:
     assert ("prefill TP 8 × 1 head, decode TP 2 × 4 heads: decode rank 1 of TP 2 (heads 4–7) "
             "gathers heads 4–7 from prefill ranks 4–7") in text
     assert "moves head 5 (NHD: one block per token slot, 64 per page and entry)" in text
+    # A token plan (decode pages of 16 tokens, head-major) moves the same head, token by token.
+    d16 = m.layout(range(8), page_size=16, capacity=32, tp_rank=1, tp_size=2, base=1 << 44,
+                   memory_order="HND")
+    text = str(kvplan.compare(m.layout(range(8), page_size=64, capacity=8, tp_rank=5, tp_size=8),
+                              d16))
+    assert "moves head 5 (token plan: one block per head per token and entry)" in text
     assert "strides differ" not in text
     other = kvplan.compare(m.layout(range(8), page_size=64, capacity=8, tp_rank=0, tp_size=8), d)
     assert other.compatible

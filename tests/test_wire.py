@@ -102,3 +102,22 @@ def test_from_dict_rejects_bad_documents() -> None:
         kvplan.Layout.from_dict({**good, "colour": "blue"})
     with pytest.raises(kvplan.LayoutError):
         kvplan.Layout.from_dict({**good, "item_lens": [64]})
+
+
+def test_a_repeated_attention_geometry_extension_is_refused() -> None:
+    """Two 0x8001 extensions in the context used to decode (the last won) and re-encode to
+    different bytes; a tag appears at most once per extension list."""
+    layout = kvplan.Layout.mha([0x1000], [0x9000], [4096], [4096], 64, 64, [0], page_size=4,
+                               tp_size=2, kv_heads=8, head_dim=2, dtype_size=2,
+                               memory_order="NHD")
+    body = layout.to_bytes()[:-4]
+    at = body.index(b"\x01\x80\x11\x00")  # tag 0x8001, 17-byte payload
+    count = int.from_bytes(body[at - 2:at], "little")
+    assert count == 1
+    other = kvplan.Layout.mha([0x1000], [0x9000], [4096], [4096], 64, 64, [0], page_size=4,
+                              tp_size=2, kv_heads=16, head_dim=2, dtype_size=2,
+                              memory_order="HND").to_bytes()
+    ext = other[other.index(b"\x01\x80\x11\x00"):][:4 + 17]
+    doubled = body[:at - 2] + (2).to_bytes(2, "little") + body[at:at + 21] + ext + body[at + 21:]
+    with pytest.raises(kvplan.KvPlanError, match="extension 0x8001 twice"):
+        kvplan.Layout.from_bytes(doubled + zlib.crc32(doubled).to_bytes(4, "little"))

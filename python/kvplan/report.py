@@ -576,8 +576,15 @@ def _tp_lines(src: Layout, dst: Layout) -> list[str]:
         start, stop = got if got is not None else (0, 0)
         moved = stop - start
         heads = f"head {start}" if moved == 1 else f"heads {start}–{stop - 1}"
+        orders = (_order(src), _order(dst))
+        by_token = src.page_size != dst.page_size or orders[0] != orders[1]
         if moved == hp == hd:
-            how = "whole items"
+            how = "whole tokens, token plan" if by_token else "whole items"
+        elif by_token:
+            how = ("token plan: one block per token and entry" if orders == ("NHD", "NHD")
+                   else "token plan: one block per head per segment and entry"
+                   if orders == ("HND", "HND")
+                   else "token plan: one block per head per token and entry")
         elif src.memory_order == "HND":
             how = "HND: one block per page and entry"
         else:

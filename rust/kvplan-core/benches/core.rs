@@ -71,7 +71,7 @@ fn emit_fragmented_warm(bencher: Bencher<'_, '_>, pages: usize) {
         .counter(divan::counter::ItemsCount::new(blocks))
         .bench_local(|| {
             template
-                .plan_into(black_box(&src), black_box(&dst), |_| {
+                .plan_into(black_box(&src), black_box(&dst), None, |_| {
                     Ok(Columns::from_flat(&mut storage, blocks))
                 })
                 .unwrap()
@@ -86,7 +86,11 @@ fn emit_fragmented_fresh(bencher: Bencher<'_, '_>, pages: usize) {
     let (src, dst) = fragmented(pages);
     bencher
         .counter(divan::counter::ItemsCount::new(pages * LAYERS))
-        .bench_local(|| template.plan(black_box(&src), black_box(&dst)).unwrap());
+        .bench_local(|| {
+            template
+                .plan(black_box(&src), black_box(&dst), None)
+                .unwrap()
+        });
 }
 
 /// A contiguous request: one run, so 61 blocks whatever the page count (per-call overhead).
@@ -99,7 +103,7 @@ fn emit_contiguous_warm(bencher: Bencher<'_, '_>, pages: usize) {
         .counter(divan::counter::ItemsCount::new(LAYERS))
         .bench_local(|| {
             template
-                .plan_into(black_box(&src), black_box(&src), |_| {
+                .plan_into(black_box(&src), black_box(&src), None, |_| {
                     Ok(Columns::from_flat(&mut storage, LAYERS))
                 })
                 .unwrap()

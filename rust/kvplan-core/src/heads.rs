@@ -244,17 +244,38 @@ pub struct HeadSlicing {
     pub link: Link,
     src: AttentionGeometry,
     dst: AttentionGeometry,
-    page_size: u64,
+    /// Tokens per page of the prefill and the decode layout.
+    page_sizes: (u64, u64),
+}
+
+/// The heads a sliced pair moves, relative to what each side's rank holds: what a token plan
+/// needs to place them on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlicedHeads {
+    /// Heads moved.
+    pub count: u64,
+    /// Bytes of one head of one token.
+    pub head_bytes: u64,
+    /// Position of the first moved head among the heads the prefill rank holds.
+    pub src_skip: u64,
+    /// Position of the first moved head among the heads the decode rank holds.
+    pub dst_skip: u64,
+    /// Heads the prefill rank holds.
+    pub src_heads: u64,
+    /// Heads the decode rank holds.
+    pub dst_heads: u64,
 }
 
 impl HeadSlicing {
     /// The slicing between two layouts; `None` when either does not publish its attention
-    /// geometry (items are then copied whole, as before).
+    /// geometry (items are then copied whole, as before). Computed whatever the two page sizes
+    /// and memory orders: they only decide whether the template plans by page or by token, and
+    /// both plans move the heads (and the state) this slicing says.
     ///
     /// # Errors
     /// [`PlanError::HeadMismatch`] when the geometries cannot be bridged (different head
-    /// dims, element sizes, memory orders, page sizes or model head counts, or heads per rank
-    /// that do not follow from the TP size), naming both values.
+    /// dims, element sizes or model head counts, or heads per rank that do not follow from the
+    /// TP size), naming both values.
     pub fn between(src: &Layout, dst: &Layout) -> Result<Option<Self>> {
         let (sc, dc) = (src.context(), dst.context());
         let (Some(s), Some(d)) = (sc.attention, dc.attention) else {
@@ -287,20 +308,6 @@ impl HeadSlicing {
                 format!("{} bytes", d.dtype_size),
             ));
         }
-        if s.memory_order != d.memory_order {
-            return Err(differ(
-                "memory orders",
-                s.memory_order.as_str().into(),
-                d.memory_order.as_str().into(),
-            ));
-        }
-        if sc.page_size != dc.page_size {
-            return Err(differ(
-                "page sizes",
-                format!("{} tokens", sc.page_size),
-                format!("{} tokens", dc.page_size),
-            ));
-        }
         let split = TpSplit::new(s.total_kv_heads, sc.tp_size, dc.tp_size).map_err(|e| {
             PlanError::HeadMismatch {
                 what: e.to_string(),
@@ -329,7 +336,7 @@ impl HeadSlicing {
             link,
             src: s,
             dst: d,
-            page_size: sc.page_size,
+            page_sizes: (sc.page_size, dc.page_size),
         }))
     }
 
@@ -351,14 +358,37 @@ impl HeadSlicing {
         }
     }
 
-    /// Bytes of one side's page item implied by the geometry.
+    /// Whether the pair moves every head each rank holds (whole items, or whole tokens of a
+    /// token plan).
+    pub fn moves_whole_heads(&self) -> bool {
+        self.moves_pages() && self.sliced().is_none()
+    }
+
+    /// The heads moved when they are a strict part of a token on either side (`None`: nothing
+    /// moves, or every head of both ranks moves).
+    pub fn sliced_heads(&self) -> Option<SlicedHeads> {
+        let (start, stop) = self.sliced()?;
+        let (src_first, _) = self.split.heads(Side::Src, self.src_rank);
+        let (dst_first, _) = self.split.heads(Side::Dst, self.dst_rank);
+        Some(SlicedHeads {
+            count: u64::from(stop - start),
+            head_bytes: self.src.head_bytes(),
+            src_skip: u64::from(start - src_first),
+            dst_skip: u64::from(start - dst_first),
+            src_heads: u64::from(self.src.heads_per_rank),
+            dst_heads: u64::from(self.dst.heads_per_rank),
+        })
+    }
+
+    /// Bytes of one side's page item implied by the geometry (its own page size).
     fn item_bytes(&self, side: Side) -> u64 {
         let g = side.pick(&self.src, &self.dst);
-        self.page_size * g.token_bytes()
+        side.pick(self.page_sizes.0, self.page_sizes.1) * g.token_bytes()
     }
 
     /// Whether a page pair of these item lengths can be planned: equal lengths when whole items
-    /// move (or nothing moves), else each the item the geometry implies.
+    /// move (or nothing moves), else each the item the geometry implies on its own side (page
+    /// size × heads per rank × head bytes), for page plans and token plans alike.
     pub fn check_page_items(
         &self,
         src_item: u64,
@@ -384,7 +414,7 @@ impl HeadSlicing {
                     "a head-sliced transfer needs {} items of page_size {} × {} heads × head_dim \
                      {} × {} bytes = {want} bytes, this entry has {have}",
                     side.pick("prefill", "decode"),
-                    self.page_size,
+                    side.pick(self.page_sizes.0, self.page_sizes.1),
                     g.heads_per_rank,
                     g.head_dim,
                     g.dtype_size
@@ -399,24 +429,25 @@ impl HeadSlicing {
         matches!(self.link, Link::Send { .. })
     }
 
-    /// The fragments of every page pair: whole items, or the moved heads (HND: one fragment
-    /// per page; NHD: one per token slot).
+    /// The fragments of every page pair of a page plan (both sides with the same page size and
+    /// memory order): whole items, or the moved heads (HND: one fragment per page; NHD: one per
+    /// token slot). Token plans place the heads themselves from [`HeadSlicing::sliced_heads`].
     pub fn page_fragments(&self) -> Fragments {
-        let Some((start, stop)) = self.sliced() else {
+        let Some(sliced) = self.sliced_heads() else {
             return Fragments::Whole;
         };
-        let head = self.src.head_bytes();
-        let (src_first, _) = self.split.heads(Side::Src, self.src_rank);
-        let (dst_first, _) = self.split.heads(Side::Dst, self.dst_rank);
-        let (src_skip, dst_skip) = (u64::from(start - src_first), u64::from(start - dst_first));
-        let count = u64::from(stop - start);
-        let (hp, hd) = (
-            u64::from(self.src.heads_per_rank),
-            u64::from(self.dst.heads_per_rank),
-        );
+        let SlicedHeads {
+            count,
+            head_bytes: head,
+            src_skip,
+            dst_skip,
+            src_heads: hp,
+            dst_heads: hd,
+        } = sliced;
+        let page_size = self.page_sizes.0;
         match self.src.memory_order {
             MemoryOrder::Hnd => {
-                let per_head = self.page_size * head;
+                let per_head = page_size * head;
                 Fragments::Every(vec![Fragment {
                     src_off: src_skip * per_head,
                     dst_off: dst_skip * per_head,
@@ -424,7 +455,7 @@ impl HeadSlicing {
                 }])
             }
             MemoryOrder::Nhd => Fragments::Every(
-                (0..self.page_size)
+                (0..page_size)
                     .map(|t| Fragment {
                         src_off: (t * hp + src_skip) * head,
                         dst_off: (t * hd + dst_skip) * head,

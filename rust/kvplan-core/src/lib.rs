@@ -20,13 +20,13 @@ pub mod wire;
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
 pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
-pub use heads::{HeadSlicing, Link, TpSplit, heads_text};
+pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
 pub use layout::{AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,
 };
-pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
+pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit};
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use template::{
     EntryCheck, Fragment, Fragments, GeometryOptions, Group, PairSpec, Template, TemplateOptions,

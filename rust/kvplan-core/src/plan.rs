@@ -3,6 +3,7 @@
 
 use crate::error::{PlanError, Result};
 use crate::runs::RunScan;
+use crate::tokens::TokenShape;
 
 /// Three output columns of equal length: source addresses, destination addresses, lengths.
 pub struct Columns<'a> {
@@ -37,12 +38,22 @@ impl<'a> Columns<'a> {
 /// The size of a request's plan, known after one validating pass and before any output exists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanShape {
-    /// What the run scan found.
-    pub scan: RunScan,
-    /// Blocks the plan holds: runs × emitting pairs.
+    /// Blocks the plan holds.
     pub n_blocks: usize,
-    /// Bytes the plan moves: pages × bytes per page.
+    /// Bytes the plan moves.
     pub total_bytes: u64,
+    /// How the request is planned, and what its validating pass found.
+    pub unit: PlanUnit,
+}
+
+/// Whether a request is planned by page (index pairs copied item by item) or by token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanUnit {
+    /// Page plan: what the run scan found (blocks = runs × per-run pieces + pages × per-page
+    /// pieces).
+    Pages(RunScan),
+    /// Token plan (the template plans by token, or `n_tokens` was given).
+    Tokens(TokenShape),
 }
 
 /// A finished plan's size (the columns hold `n_blocks` valid values).
@@ -54,8 +65,10 @@ pub struct PlanSummary {
     pub n_blocks: usize,
     /// Bytes moved.
     pub total_bytes: u64,
-    /// Index pairs planned (0 for a state plan).
+    /// Index pairs planned (0 for a state plan and a token plan).
     pub n_pages: usize,
+    /// A token plan's shape (`None` for a page or state plan); `n_runs` then counts segments.
+    pub tokens: Option<TokenShape>,
 }
 
 /// An owned plan (allocating convenience over [`Template::plan_into`]).

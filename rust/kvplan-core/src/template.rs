@@ -7,7 +7,7 @@ use crate::error::{PlanError, Result, Side};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit};
 use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
 use crate::tokens::TokenTemplate;
 
@@ -181,8 +181,10 @@ impl Template {
                 .collect()
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
-        // Checked by `check_pairs` above, so it succeeds here.
-        let heads = head_slicing(src, dst)?;
+        // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
+        // above, so it succeeds here.
+        let heads = HeadSlicing::between(src, dst)?;
+        let by_token = crate::tokens::needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
@@ -191,7 +193,7 @@ impl Template {
             .collect();
         let labels = (entry_labels(src), entry_labels(dst));
         let sliced_geometry;
-        let geometry = match &heads {
+        let page_geometry = match &heads {
             Some(slicing) => {
                 if geometry.fragments != Fragments::Whole {
                     return Err(PlanError::Geometry {
@@ -201,23 +203,35 @@ impl Template {
                             .into(),
                     });
                 }
+                slice_state_pairs(slicing, &mut state_pairs);
+                // A by-token template places heads per token (module `tokens`); its page
+                // groups only say which pairs' blocks go together.
                 sliced_geometry = GeometryOptions {
-                    fragments: slicing.page_fragments(),
+                    fragments: if by_token {
+                        Fragments::Whole
+                    } else {
+                        slicing.page_fragments()
+                    },
                     coalesce: geometry.coalesce,
                 };
-                slice_state_pairs(slicing, &mut state_pairs);
                 &sliced_geometry
             }
             None => geometry,
         };
         let (pieces, groups, pair_groups) = if moves_pages {
-            build_groups(&page_pairs, geometry, &labels.0)?
+            build_groups(&page_pairs, page_geometry, &labels.0)?
         } else {
             (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
         };
         let page_sizes = (src.context().page_size, dst.context().page_size);
-        let tokens = TokenTemplate::build(src, dst, &page_pairs, geometry, (&labels.0, &labels.1));
-        let by_token = crate::tokens::needs_tokens(src, dst);
+        let tokens = TokenTemplate::build(
+            src,
+            dst,
+            &page_pairs,
+            &geometry.fragments,
+            heads.as_ref(),
+            (&labels.0, &labels.1),
+        );
         if by_token && let Err(problem) = &tokens {
             return Err(problem.clone());
         }
@@ -336,38 +350,6 @@ impl Template {
     }
 }
 
-/// Head re-slicing between the two layouts (whole-page copies between different TP sizes).
-/// Token plans (different page sizes or memory orders) move every head of a token as it is, so
-/// there both ranks must hold the same heads: re-slicing heads and re-paging tokens in one plan
-/// is refused, naming both splits.
-fn head_slicing(src: &Layout, dst: &Layout) -> Result<Option<HeadSlicing>> {
-    if !crate::tokens::needs_tokens(src, dst) {
-        return HeadSlicing::between(src, dst);
-    }
-    let (sc, dc) = (src.context(), dst.context());
-    match (sc.attention, dc.attention) {
-        (Some(s), Some(d)) if s.heads_per_rank != d.heads_per_rank || sc.tp_size != dc.tp_size => {
-            Err(PlanError::HeadMismatch {
-                what: format!(
-                    "prefill TP {} x {} heads ({} tokens per page, {}) and decode TP {} x {} heads \
-                     ({} tokens per page, {}): re-slicing heads between TP sizes and re-paging \
-                     tokens (different page sizes or memory orders) in one plan is not \
-                     supported yet",
-                    sc.tp_size,
-                    s.heads_per_rank,
-                    sc.page_size,
-                    s.memory_order.as_str(),
-                    dc.tp_size,
-                    d.heads_per_rank,
-                    dc.page_size,
-                    d.memory_order.as_str()
-                ),
-            })
-        }
-        _ => Ok(None),
-    }
-}
-
 fn entry_labels(layout: &Layout) -> Vec<String> {
     (0..layout.n_entries())
         .map(|i| {
@@ -402,7 +384,7 @@ pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<
         pairing: options.pairing.for_state(),
         ..options
     };
-    let heads = head_slicing(src, dst);
+    let heads = HeadSlicing::between(src, dst);
     let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
     checks.extend(check_kind(
         src,
@@ -425,7 +407,9 @@ fn check_kind(
     let dst_entries = dst.entries_of_kind(kind);
     let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
     // Different tokens per page (or memory orders): paired page items differ in size by design
-    // (item = page size x token bytes); they must agree per token instead (module `tokens`).
+    // (item = page size x token bytes); they must agree per token instead (module `tokens`),
+    // unless heads are sliced, where each side's item must be what its own geometry implies
+    // (the same check as for page plans).
     let by_token = kind == EntryKind::Page && crate::tokens::needs_tokens(src, dst);
     src_entries
         .iter()
@@ -464,14 +448,18 @@ fn check_kind(
                     };
                     let problem = match (heads, kind) {
                         (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        (Ok(Some(_)), _) if src_item_len == 0 => None,
+                        (Ok(Some(slicing)), EntryKind::Page)
+                            if !(by_token && slicing.moves_whole_heads()) =>
+                        {
+                            slicing
+                                .check_page_items(src_item_len, dst_item_len)
+                                .err()
+                                .map(head_problem)
+                        }
                         _ if by_token => {
                             crate::tokens::pair_problem(src, dst, &pair_spec(src, dst, s, d))
                         }
-                        (Ok(Some(_)), _) if src_item_len == 0 => None,
-                        (Ok(Some(slicing)), EntryKind::Page) => slicing
-                            .check_page_items(src_item_len, dst_item_len)
-                            .err()
-                            .map(head_problem),
                         (Ok(Some(slicing)), EntryKind::State) => slicing
                             .state_fragment(src_item_len, dst_item_len)
                             .err()
@@ -839,12 +827,34 @@ fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Resul
 // ------------------------------------------------------------------------- per request
 
 impl Template {
-    /// Validates a request's page indices and returns the size of its plan.
+    /// Validates a request and returns the size of its plan: the one entry point every plan
+    /// goes through, so every block lies inside its entry's registered buffer whatever the
+    /// template.
+    ///
+    /// A page request (`n_tokens` is `None` and the template does not plan by token) takes
+    /// equally long index lists, page `src[i]` to page `dst[i]`. A token request (`n_tokens`
+    /// given, or [`Template::by_token`]: page sizes or memory orders differ) takes each side's
+    /// pages in token order, of any lengths, and moves the first `n_tokens` tokens (default: the
+    /// full pages of the shorter side); see [`Template::prepare_tokens`].
     ///
     /// # Errors
-    /// Unequal lengths, a negative index, an index outside any paired buffer, a repeated
-    /// destination index (when the template checks overlap) or overflow of the totals.
-    pub fn prepare<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<PlanShape> {
+    /// Unequal lengths (page request), too few pages for `n_tokens` (token request), a
+    /// negative index, an index outside any paired buffer, a repeated destination index (when
+    /// the template checks overlap), the template's token error, or overflow of the totals.
+    pub fn prepare<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<PlanShape> {
+        if self.by_token || n_tokens.is_some() {
+            let shape = self.prepare_tokens(src, dst, n_tokens)?;
+            return Ok(PlanShape {
+                n_blocks: shape.n_blocks,
+                total_bytes: shape.total_bytes,
+                unit: PlanUnit::Tokens(shape),
+            });
+        }
         let found = scan(src, dst)?;
         if found.n_pages > 0 {
             // One comparison per side covers every pair: the limits are the smallest capacities.
@@ -869,13 +879,14 @@ impl Template {
                 what: "total bytes",
             })?;
         Ok(PlanShape {
-            scan: found,
             n_blocks,
             total_bytes,
+            unit: PlanUnit::Pages(found),
         })
     }
 
-    /// Plans one request into columns obtained from `make_output` once the plan size is known.
+    /// Plans one request (see [`Template::prepare`]) into columns obtained from `make_output`
+    /// once the plan size is known.
     ///
     /// Allocates nothing itself. `make_output` receives the validated shape and returns columns
     /// of at least `shape.n_blocks` values each (a pooled buffer, a caller's `out=` array…).
@@ -887,14 +898,25 @@ impl Template {
         &self,
         src: &[S],
         dst: &[D],
+        n_tokens: Option<u64>,
         make_output: impl FnOnce(&PlanShape) -> Result<O>,
     ) -> Result<(O, PlanSummary)>
     where
         O: AsColumns<'o>,
     {
-        let shape = self.prepare(src, dst)?;
+        let shape = self.prepare(src, dst, n_tokens)?;
         let mut output = make_output(&shape)?;
-        let summary = self.emit_request(src, dst, &shape, output.columns())?;
+        let out = output.columns();
+        if out.capacity() < shape.n_blocks {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: shape.n_blocks,
+            });
+        }
+        let summary = match shape.unit {
+            PlanUnit::Pages(found) => self.emit_request(src, dst, &shape, &found, out)?,
+            PlanUnit::Tokens(tokens) => self.emit_token_request(src, dst, &tokens, out)?,
+        };
         Ok((output, summary))
     }
 
@@ -903,26 +925,22 @@ impl Template {
         src: &[S],
         dst: &[D],
         shape: &PlanShape,
+        found: &crate::runs::RunScan,
         out: Columns<'_>,
     ) -> Result<PlanSummary> {
         let pieces = &self.pieces;
-        if out.capacity() < shape.n_blocks {
-            return Err(PlanError::OutputTooSmall {
-                have: out.capacity(),
-                need: shape.n_blocks,
-            });
-        }
-        if pieces.is_empty() || shape.scan.n_pages == 0 {
+        if pieces.is_empty() || found.n_pages == 0 {
             return Ok(PlanSummary {
-                n_runs: shape.scan.n_runs,
+                n_runs: found.n_runs,
                 n_blocks: 0,
                 total_bytes: shape.total_bytes,
-                n_pages: shape.scan.n_pages,
+                n_pages: found.n_pages,
+                tokens: None,
             });
         }
         // Runs go into the first slots as page indices; limits are re-checked per run, and a
         // run count that differs from the validating scan means the inputs changed meanwhile.
-        let expected = shape.scan.n_runs;
+        let expected = found.n_runs;
         let limits = IndexLimits {
             src: self.src_limit,
             dst: self.dst_limit,
@@ -945,23 +963,31 @@ impl Template {
         if self.per_page_pieces == 0 {
             crate::emit::expand_runs(pieces, runs, out);
         } else {
-            crate::emit::expand_pieces(pieces, runs, shape.scan.n_pages, out);
+            crate::emit::expand_pieces(pieces, runs, found.n_pages, out);
         }
         Ok(PlanSummary {
             n_runs: runs,
             n_blocks: shape.n_blocks,
             total_bytes: shape.total_bytes,
-            n_pages: shape.scan.n_pages,
+            n_pages: found.n_pages,
+            tokens: None,
         })
     }
 
-    /// Allocating convenience: plans one request into freshly allocated columns.
+    /// Allocating convenience: plans one request (see [`Template::prepare`]) into freshly
+    /// allocated columns.
     ///
     /// # Errors
     /// As [`Template::plan_into`].
-    pub fn plan<S: PageIndex, D: PageIndex>(&self, src: &[S], dst: &[D]) -> Result<Plan> {
-        let (buffer, summary) =
-            self.plan_into(src, dst, |shape| FlatBuffer::try_zeroed(shape.n_blocks))?;
+    pub fn plan<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<Plan> {
+        let (buffer, summary) = self.plan_into(src, dst, n_tokens, |shape| {
+            FlatBuffer::try_zeroed(shape.n_blocks)
+        })?;
         let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
         Ok(Plan {
             src_addrs,
@@ -1023,6 +1049,7 @@ impl Template {
             n_blocks: n,
             total_bytes,
             n_pages: 0,
+            tokens: None,
         })
     }
 
@@ -1245,7 +1272,7 @@ mod request_tests {
         let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
         let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
         let plan = template(&src, &dst)
-            .plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3])
+            .plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3], None)
             .unwrap();
         assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
         assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
@@ -1259,7 +1286,7 @@ mod request_tests {
         let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
         let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
         let err = template(&src, &dst)
-            .plan(&[0i64, 4], &[0i64, 1])
+            .plan(&[0i64, 4], &[0i64, 1], None)
             .unwrap_err();
         assert!(
             matches!(

@@ -28,10 +28,11 @@
 //! difference of their bases).
 
 use crate::error::{PlanError, Result, Side};
+use crate::heads::{HeadSlicing, SlicedHeads};
 use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan};
+use crate::plan::{Columns, PlanSummary};
 use crate::runs::PageIndex;
-use crate::template::{Fragments, GeometryOptions, PairSpec, Template, check_unique};
+use crate::template::{Fragments, PairSpec, Template, check_unique};
 
 /// Piece classes: 0 = one block per token; `1 + 2 * src_packed + dst_packed` = one block per
 /// run of tokens contiguous on both sides (a page edge on a side joins only when that side's
@@ -158,22 +159,62 @@ fn memory_order(layout: &Layout) -> MemoryOrder {
         .map_or(MemoryOrder::Nhd, |g| g.memory_order)
 }
 
+/// Which heads of a token one pair moves and where they sit on each side: `count` heads of
+/// `head` bytes, starting `skip` heads into what each side's rank holds, in tokens of `token`
+/// bytes per side.
+#[derive(Debug, Clone, Copy)]
+struct HeadRange {
+    skip: (u64, u64),
+    count: u64,
+    head: u64,
+    token: (u64, u64),
+}
+
+impl HeadRange {
+    /// The heads a head-sliced pair moves (its items were checked against each side's
+    /// geometry by [`HeadSlicing::check_page_items`]).
+    fn sliced(heads: SlicedHeads) -> Self {
+        Self {
+            skip: (heads.src_skip, heads.dst_skip),
+            count: heads.count,
+            head: heads.head_bytes,
+            token: (
+                heads.src_heads * heads.head_bytes,
+                heads.dst_heads * heads.head_bytes,
+            ),
+        }
+    }
+
+    /// Every head of a token whose bytes are the same on both sides.
+    fn whole(token_bytes: u64, head: u64) -> Self {
+        Self {
+            skip: (0, 0),
+            count: token_bytes / head,
+            head,
+            token: (token_bytes, token_bytes),
+        }
+    }
+}
+
 impl TokenTemplate {
     /// Token pieces for `page_pairs`; an error says why tokens cannot be mapped (items that
     /// are not whole tokens, different token sizes, a head-major item whose size disagrees with
-    /// its geometry, fragments).
+    /// its geometry, fragments). With a head slicing, only the heads it sends move, at each
+    /// side's own offsets; a pair that is not the elected sender, or holds no head of the
+    /// decode rank, has no pieces.
     ///
     /// # Errors
     /// [`PlanError::TokenSize`], [`PlanError::TokenBytes`], [`PlanError::HeadLayout`],
-    /// [`PlanError::Geometry`].
+    /// [`PlanError::HeadMismatch`], [`PlanError::Geometry`].
     pub(crate) fn build(
         src: &Layout,
         dst: &Layout,
         page_pairs: &[PairSpec],
-        geometry: &GeometryOptions,
+        fragments: &Fragments,
+        heads: Option<&HeadSlicing>,
         labels: (&[String], &[String]),
     ) -> Result<Self> {
-        if geometry.fragments != Fragments::Whole {
+        if *fragments != Fragments::Whole {
             return Err(PlanError::Geometry {
                 what: "fragments are offsets inside whole items and do not apply to token plans \
                        (different page sizes, or n_tokens given); build the template without \
@@ -190,52 +231,30 @@ impl TokenTemplate {
                 .cloned()
                 .unwrap_or_default()
         };
+        let moves = heads.is_none_or(HeadSlicing::moves_pages);
+        let sliced = heads.and_then(HeadSlicing::sliced_heads);
         let mut pieces = Vec::new();
         let mut pair_pieces = Vec::with_capacity(page_pairs.len());
         for pair in page_pairs {
             let start = pieces.len();
-            let items = (
-                src.parts().item_lens[pair.src_entry],
-                dst.parts().item_lens[pair.dst_entry],
-            );
-            if items == (0, 0) {
+            // Elided pairs (source item 0, as page plans elide them) and pairs of a rank pair
+            // that moves no heads have no pieces.
+            if pair.item_len == 0 || !moves {
                 pair_pieces.push((start, start));
                 continue;
             }
-            let token_bytes = token_bytes(pair, items, sizes, &label)?;
-            let bases = (pair.src_base, pair.dst_base);
-            let page_strides = (pair.src_stride, pair.dst_stride);
-            if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
-                let slots = (token_bytes, token_bytes);
-                pieces.push(TokenPiece::new(
-                    bases,
-                    page_strides,
-                    slots,
-                    token_bytes,
-                    sizes,
-                ));
-            } else {
-                let head = head_bytes(pair, token_bytes, orders, attention, &label)?;
-                let heads = token_bytes / head;
-                // Head h: head-major items hold it at h * page_size * head bytes, with one head
-                // of a token every head bytes; token-major items at h * head bytes, one token
-                // every token bytes.
-                let place = |order: MemoryOrder, size: u64, h: u64| match order {
-                    MemoryOrder::Hnd => (h * size * head, head),
-                    MemoryOrder::Nhd => (h * head, token_bytes),
-                };
-                for h in 0..heads {
-                    let (src_off, src_slot) = place(orders.0, sizes.0, h);
-                    let (dst_off, dst_slot) = place(orders.1, sizes.1, h);
-                    pieces.push(TokenPiece::new(
-                        (bases.0 + src_off, bases.1 + dst_off),
-                        page_strides,
-                        (src_slot, dst_slot),
-                        head,
-                        sizes,
-                    ));
+            let range = match (sliced, heads) {
+                (Some(sliced), Some(slicing)) => {
+                    // Each side's item is what its own geometry implies (checked by
+                    // `check_pairs` too; re-checked here because every offset below relies on it).
+                    slicing
+                        .check_page_items(pair.item_len, pair.dst_item_len)
+                        .map_err(|what| PlanError::HeadMismatch { what })?;
+                    HeadRange::sliced(sliced)
                 }
-            }
+                _ => whole_tokens(pair, sizes, orders, attention, &label)?,
+            };
+            push_pieces(&mut pieces, pair, range, orders, sizes);
             pair_pieces.push((start, pieces.len()));
         }
         let mut class_pieces = [0; TOKEN_CLASSES];
@@ -259,15 +278,47 @@ impl TokenTemplate {
     }
 }
 
+/// The pieces of one pair moving `range`: one piece of `count` heads when both sides are
+/// token-major (contiguous within a token on each side), else one piece per head.
+fn push_pieces(
+    pieces: &mut Vec<TokenPiece>,
+    pair: &PairSpec,
+    range: HeadRange,
+    orders: (MemoryOrder, MemoryOrder),
+    sizes: (u64, u64),
+) {
+    let head = range.head;
+    // Head number `k` of a side's rank (counted from its first head): a head-major item holds
+    // it at k * page_size * head bytes, one token every head bytes; a token-major item at
+    // k * head bytes, one token every token bytes of that side. All inside the item (checked).
+    let place = |order: MemoryOrder, size: u64, token: u64, k: u64| match order {
+        MemoryOrder::Hnd => (k * size * head, head),
+        MemoryOrder::Nhd => (k * head, token),
+    };
+    let page_strides = (pair.src_stride, pair.dst_stride);
+    let piece = |k: u64, len: u64| {
+        let (src_off, src_slot) = place(orders.0, sizes.0, range.token.0, range.skip.0 + k);
+        let (dst_off, dst_slot) = place(orders.1, sizes.1, range.token.1, range.skip.1 + k);
+        TokenPiece::new(
+            (pair.src_base + src_off, pair.dst_base + dst_off),
+            page_strides,
+            (src_slot, dst_slot),
+            len,
+            sizes,
+        )
+    };
+    if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
+        pieces.push(piece(0, range.count * head));
+    } else {
+        pieces.extend((0..range.count).map(|k| piece(k, head)));
+    }
+}
+
 /// Why paired page entries `s` and `d` cannot be planned token by token, if they cannot:
 /// items that are not whole tokens, different bytes per token, or a head-major item that
 /// disagrees with its geometry. What `check_pairs` reports when the page sizes differ.
 pub(crate) fn pair_problem(src: &Layout, dst: &Layout, pair: &PairSpec) -> Option<PlanError> {
-    let items = (
-        src.parts().item_lens[pair.src_entry],
-        dst.parts().item_lens[pair.dst_entry],
-    );
-    if items == (0, 0) {
+    if (pair.item_len, pair.dst_item_len) == (0, 0) {
         return None;
     }
     let label = |side: Side, entry: usize| {
@@ -279,16 +330,28 @@ pub(crate) fn pair_problem(src: &Layout, dst: &Layout, pair: &PairSpec) -> Optio
         )
     };
     let sizes = (src.context().page_size, dst.context().page_size);
-    let token_bytes = match token_bytes(pair, items, sizes, &label) {
-        Ok(bytes) => bytes,
-        Err(problem) => return Some(problem),
-    };
     let orders = (memory_order(src), memory_order(dst));
-    if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
-        return None;
-    }
     let attention = (src.context().attention, dst.context().attention);
-    head_bytes(pair, token_bytes, orders, attention, &label).err()
+    whole_tokens(pair, sizes, orders, attention, &label).err()
+}
+
+/// The heads of a pair that moves whole tokens: the same bytes per token on both sides, and,
+/// when either side is head-major, heads that agree with the published geometry.
+fn whole_tokens(
+    pair: &PairSpec,
+    sizes: (u64, u64),
+    orders: (MemoryOrder, MemoryOrder),
+    attention: (Option<AttentionGeometry>, Option<AttentionGeometry>),
+    label: &dyn Fn(Side, usize) -> String,
+) -> Result<HeadRange> {
+    let items = (pair.item_len, pair.dst_item_len);
+    let token_bytes = token_bytes(pair, items, sizes, label)?;
+    let head = if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
+        token_bytes
+    } else {
+        head_bytes(pair, token_bytes, orders, attention, label)?
+    };
+    Ok(HeadRange::whole(token_bytes, head))
 }
 
 /// Bytes per token of one pair: each item a whole number of tokens, the same on both sides.
@@ -513,7 +576,8 @@ impl Template {
         self.page_sizes
     }
 
-    /// Validates a token request and returns the size of its plan. `src` and `dst` are the
+    /// Validates a token request (through [`Template::prepare`]) and returns the size of its
+    /// plan. `src` and `dst` are the
     /// request's pages in token order on each side (their lengths may differ); `n_tokens`
     /// defaults to the full pages of the shorter side. Only the pages holding the first
     /// `n_tokens` tokens are read (and validated); later ones are ignored.
@@ -522,7 +586,7 @@ impl Template {
     /// [`PlanError::TokenCount`] when a side has too few pages; a negative index or one outside
     /// a paired buffer; a repeated destination page (when the template checks overlap); the
     /// template's token error; overflow.
-    pub fn prepare_tokens<S: PageIndex, D: PageIndex>(
+    pub(crate) fn prepare_tokens<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
@@ -603,61 +667,21 @@ impl Template {
         Ok((blocks, segments))
     }
 
-    /// Plans a token request into columns obtained from `make_output` once its size is known
-    /// (allocates nothing itself). See [`Template::prepare_tokens`] for the arguments.
-    ///
-    /// # Errors
-    /// As [`Template::prepare_tokens`], whatever `make_output` returns,
-    /// [`PlanError::OutputTooSmall`], or [`PlanError::InputChanged`] when a page index changed
-    /// between validation and emission.
-    pub fn plan_tokens_into<'o, S: PageIndex, D: PageIndex, O>(
+    /// Emits a validated token request into `out` (at least `shape.n_blocks` long).
+    pub(crate) fn emit_token_request<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
-        n_tokens: Option<u64>,
-        make_output: impl FnOnce(&TokenShape) -> Result<O>,
-    ) -> Result<(O, TokenShape)>
-    where
-        O: AsColumns<'o>,
-    {
-        let shape = self.prepare_tokens(src, dst, n_tokens)?;
-        let mut output = make_output(&shape)?;
-        let out = output.columns();
-        if out.capacity() < shape.n_blocks {
-            return Err(PlanError::OutputTooSmall {
-                have: out.capacity(),
-                need: shape.n_blocks,
-            });
-        }
-        self.emit_tokens(
-            &src[..shape.src_pages],
-            &dst[..shape.dst_pages],
-            &shape,
-            out,
-        )?;
-        Ok((output, shape))
-    }
-
-    /// Allocating convenience over [`Template::plan_tokens_into`].
-    ///
-    /// # Errors
-    /// As [`Template::plan_tokens_into`].
-    pub fn plan_tokens<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-    ) -> Result<Plan> {
-        let (buffer, shape) = self.plan_tokens_into(src, dst, n_tokens, |shape| {
-            FlatBuffer::try_zeroed(shape.n_blocks)
-        })?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(shape.n_blocks)?;
-        Ok(Plan {
-            src_addrs,
-            dst_addrs,
-            lengths,
+        shape: &TokenShape,
+        out: Columns<'_>,
+    ) -> Result<PlanSummary> {
+        self.emit_tokens(&src[..shape.src_pages], &dst[..shape.dst_pages], shape, out)?;
+        Ok(PlanSummary {
             n_runs: shape.n_segments,
+            n_blocks: shape.n_blocks,
             total_bytes: shape.total_bytes,
+            n_pages: 0,
+            tokens: Some(*shape),
         })
     }
 
@@ -844,9 +868,7 @@ mod tests {
         let src = layout(0x1000, sizes.0, 16, orders.0, pads.0);
         let dst = layout(0x10_0000, sizes.1, 16, orders.1, pads.1);
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let plan = template
-            .plan_tokens(src_pages, dst_pages, n_tokens)
-            .unwrap();
+        let plan = template.plan(src_pages, dst_pages, n_tokens).unwrap();
         let n = n_tokens.unwrap_or_else(|| {
             (src_pages.len() as u64 * sizes.0).min(dst_pages.len() as u64 * sizes.1)
         });
@@ -903,7 +925,7 @@ mod tests {
         let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Nhd), 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         let plan = t
-            .plan_tokens(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
+            .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
             .unwrap();
         assert_eq!(plan.lengths, vec![128 * TOKEN; 4]);
         // HND: one block per head per segment: 100 tokens over source pages of 16 are 7.
@@ -911,7 +933,7 @@ mod tests {
         let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Hnd), 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         let plan = t
-            .plan_tokens(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
+            .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
             .unwrap();
         assert_eq!(plan.lengths.len(), 4 * 2 * 7);
         check(
@@ -929,7 +951,7 @@ mod tests {
         let src = layout(0x1000, 16, 16, None, 0);
         let dst = layout(0x10_0000, 64, 4, None, 0);
         let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let err = t.plan_tokens(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
+        let err = t.plan(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
         assert_eq!(
             err,
             PlanError::TokenCount {
@@ -940,7 +962,7 @@ mod tests {
                 given: 2
             }
         );
-        let err = t.plan_tokens(&[0i64, 1], &[4i64], None).unwrap_err();
+        let err = t.plan(&[0i64, 1], &[4i64], None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -952,7 +974,7 @@ mod tests {
             ),
             "{err}"
         );
-        let err = t.plan_tokens(&[0i64, -1], &[0i64], None).unwrap_err();
+        let err = t.plan(&[0i64, -1], &[0i64], None).unwrap_err();
         assert!(
             matches!(
                 err,

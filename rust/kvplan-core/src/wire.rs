@@ -17,7 +17,8 @@
 //!
 //! Extensions carry fields added after the fixed layout, as `tag u16 | length u16 | bytes`: a
 //! reader skips an unknown extension whose tag is below `0x8000` and refuses an unknown one at or
-//! above it (a field it must understand to plan correctly). Context tag `0x8001`: the attention
+//! above it (a field it must understand to plan correctly). A tag appears at most once in one
+//! extension list (the context's, or one entry's); a repeated tag is malformed. Context tag `0x8001`: the attention
 //! geometry (`kv_heads u32 | heads_per_rank u32 | head_dim u32 | dtype_size u32 | order u8`,
 //! order 0 = NHD, 1 = HND), written when the peer publishes it.
 //!
@@ -338,18 +339,31 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
-    /// Skips an extension list; an extension this build must understand but does not is an
-    /// error naming its tag.
     /// Reads an extension list; `known` handles the tags this build understands (returning
-    /// `true`), the others are skipped or refused by their tag.
+    /// `true`), the others are skipped or refused by their tag. A tag may appear once per list:
+    /// a repeated one would make the decoded value depend on which copy wins and the layout
+    /// re-encode to different bytes, so it is malformed, known or not.
     fn extensions(
         &mut self,
         owner: &str,
         mut known: impl FnMut(u16, &[u8]) -> Result<bool>,
     ) -> Result<()> {
         let count = self.u16()?;
+        // One bit per possible tag (8 KiB), only for a non-empty list: linear in the count.
+        let mut seen = if count > 0 {
+            vec![0u64; 1 << 10]
+        } else {
+            Vec::new()
+        };
         for _ in 0..count {
             let tag = self.u16()?;
+            let (word, bit) = (usize::from(tag >> 6), 1u64 << (tag & 63));
+            if seen[word] & bit != 0 {
+                return Err(wire_error(format!(
+                    "{owner} carries extension {tag:#06x} twice; each extension may appear once"
+                )));
+            }
+            seen[word] |= bit;
             let len = usize::from(self.u16()?);
             let payload = self.bytes(len)?;
             if known(tag, payload)? {
@@ -518,6 +532,62 @@ mod tests {
         let decoded = decode(&v1).unwrap();
         assert_eq!(decoded, named);
         assert!(decoded.is_draft(1) && !decoded.is_draft(0));
+    }
+
+    /// `bytes` (without trailer) with one more extension appended to the list whose count is at
+    /// `count_at`, and a fresh trailer.
+    fn with_extension(bytes: &[u8], count_at: usize, ext: &[u8]) -> Vec<u8> {
+        let mut out = bytes[..bytes.len() - TRAILER].to_vec();
+        let count = u16::from_le_bytes([out[count_at], out[count_at + 1]]);
+        out[count_at..count_at + 2].copy_from_slice(&(count + 1).to_le_bytes());
+        let mut end = count_at + 2;
+        for _ in 0..count {
+            let len = usize::from(u16::from_le_bytes([out[end + 2], out[end + 3]]));
+            end += 4 + len;
+        }
+        out.splice(end..end, ext.iter().copied());
+        let crc = crc32(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn a_repeated_extension_tag_is_malformed() {
+        let geometry = |heads: u32| AttentionGeometry {
+            total_kv_heads: heads,
+            heads_per_rank: heads,
+            head_dim: 128,
+            dtype_size: 2,
+            memory_order: MemoryOrder::Nhd,
+        };
+        let ctx = LayoutContext {
+            attention: Some(geometry(8)),
+            ..LayoutContext::default()
+        };
+        let layout =
+            Layout::mla(vec![4096], vec![1 << 20], vec![2048], Some(vec![0]), ctx).unwrap();
+        let bytes = encode(&layout).unwrap();
+        // The context's extension count follows the device string ("cpu").
+        let count_at = HEADER + 8 + 8 + 4 * 4 + 2 + 3;
+        let mut second = Vec::new();
+        second.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
+        second.extend_from_slice(&(ATTENTION_LEN as u16).to_le_bytes());
+        encode_attention(&mut second, &geometry(16));
+        let err = decode(&with_extension(&bytes, count_at, &second)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "wire data: the context carries extension 0x8001 twice; each extension may appear once"
+        );
+        // A skippable tag repeated in an entry's list is just as malformed.
+        let entry_ext = bytes.len() - TRAILER - 2;
+        let skippable = [0x10, 0x00, 0x01, 0x00, 0xAA];
+        let once = with_extension(&bytes, entry_ext, &skippable);
+        assert_eq!(decode(&once).unwrap(), layout);
+        let twice = with_extension(&once, entry_ext, &skippable);
+        assert_eq!(
+            decode(&twice).unwrap_err().to_string(),
+            "wire data: an entry carries extension 0x0010 twice; each extension may appear once"
+        );
     }
 
     #[test]

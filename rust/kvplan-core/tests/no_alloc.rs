@@ -54,7 +54,7 @@ fn plan_into_never_allocates() {
     let mut storage = vec![0u64; 3 * capacity];
 
     COUNTING.with(|c| c.set(true));
-    let result = template.plan_into(&src, &dst, |_| {
+    let result = template.plan_into(&src, &dst, None, |_| {
         Ok(Columns::from_flat(&mut storage, capacity))
     });
     COUNTING.with(|c| c.set(false));
@@ -64,7 +64,7 @@ fn plan_into_never_allocates() {
 }
 
 #[test]
-fn plan_tokens_into_never_allocates() {
+fn token_plan_into_never_allocates() {
     // Prefill pages of 16 tokens, decode pages of 64, fragmented on both sides.
     let layers = 61usize;
     let layout = |page_size: u64, base: u64| {
@@ -95,11 +95,11 @@ fn plan_tokens_into_never_allocates() {
     let mut storage = vec![0u64; 3 * capacity];
 
     COUNTING.with(|c| c.set(true));
-    let result = template.plan_tokens_into(&src, &dst, Some(32_000), |_| {
+    let result = template.plan_into(&src, &dst, Some(32_000), |_| {
         Ok(Columns::from_flat(&mut storage, capacity))
     });
     COUNTING.with(|c| c.set(false));
 
     assert_eq!(result.unwrap().1.n_blocks, 2000 * layers);
-    assert_eq!(ALLOCATIONS.load(Relaxed), 0, "plan_tokens_into allocated");
+    assert_eq!(ALLOCATIONS.load(Relaxed), 0, "a token plan_into allocated");
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvplan_core::{
     Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex, PlanSummary, Template,
-    TemplateOptions, TokenShape,
+    TemplateOptions,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -161,12 +161,14 @@ pub struct PyTemplate {
     state_shape: Arc<BlockShape>,
 }
 
-struct PlanPooled<'t>(&'t Template);
+/// One request (`n_tokens` as given) planned into a pooled buffer; the core decides between a
+/// page and a token plan.
+struct PlanPooled<'t>(&'t Template, Option<u64>);
 
 impl IndexVisitor for PlanPooled<'_> {
     type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_into(src, dst, |shape| {
+        self.0.plan_into(src, dst, self.1, |shape| {
             Ok(FlatBuffer {
                 data: pool::take(shape.n_blocks.saturating_mul(3))?,
                 capacity: shape.n_blocks,
@@ -175,42 +177,15 @@ impl IndexVisitor for PlanPooled<'_> {
     }
 }
 
-struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
-
-/// A token plan (different page sizes, or `n_tokens` given) into a pooled buffer.
-struct TokensPooled<'t>(&'t Template, Option<u64>);
-
-impl IndexVisitor for TokensPooled<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, TokenShape)>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_tokens_into(src, dst, self.1, |shape| {
-            Ok(FlatBuffer {
-                data: pool::take(shape.n_blocks.saturating_mul(3))?,
-                capacity: shape.n_blocks,
-            })
-        })
-    }
-}
-
-/// A token plan into the caller's `out=` columns.
-struct TokensInto<'t, 'o>(&'t Template, Option<u64>, Columns<'o>);
-
-impl IndexVisitor for TokensInto<'_, '_> {
-    type Output = kvplan_core::Result<TokenShape>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        let columns = self.2;
-        self.0
-            .plan_tokens_into(src, dst, self.1, move |_| Ok(columns))
-            .map(|(_, shape)| shape)
-    }
-}
+/// The same into the caller's `out=` columns.
+struct PlanInto<'t, 'o>(&'t Template, Option<u64>, Columns<'o>);
 
 impl IndexVisitor for PlanInto<'_, '_> {
     type Output = kvplan_core::Result<PlanSummary>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        let columns = self.1;
+        let columns = self.2;
         self.0
-            .plan_into(src, dst, move |_| Ok(columns))
+            .plan_into(src, dst, self.1, move |_| Ok(columns))
             .map(|(_, summary)| summary)
     }
 }
@@ -411,36 +386,6 @@ impl PyTemplate {
             dst_array.as_slice("dst_pages")?,
         );
         let template = &self.inner;
-        if n_tokens.is_some() || template.by_token() {
-            let (columns, shape) = if let Some(out) = out {
-                let mut writable =
-                    writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
-                let capacity = writable.shape()[1];
-                let flat = writable.as_slice_mut()?;
-                let visitor = TokensInto(template, n_tokens, Columns::from_flat(flat, capacity));
-                let shape = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
-                drop(writable);
-                let out = out.cast::<PyArray2<u64>>()?;
-                (out_columns(out, shape.n_blocks), shape)
-            } else {
-                let (buffer, shape) = visit_request(py, src, dst, TokensPooled(template, n_tokens))
-                    .map_err(to_py_err)?;
-                let columns = pooled_columns(py, buffer.data, buffer.capacity, shape.n_blocks)?;
-                (columns, shape)
-            };
-            return Ok(PyTransferPlan::new(
-                columns,
-                shape.n_blocks,
-                shape.n_segments,
-                shape.total_bytes,
-                PairShape {
-                    shape: Arc::clone(&self.page_shape),
-                    runs: shape.n_segments,
-                    pages: 0,
-                    tokens: Some(shape.class_blocks),
-                },
-            ));
-        }
         let (columns, summary) = if let Some(out) = out {
             let mut writable =
                 writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
@@ -450,7 +395,7 @@ impl PyTemplate {
                 py,
                 src,
                 dst,
-                PlanInto(template, Columns::from_flat(flat, capacity)),
+                PlanInto(template, n_tokens, Columns::from_flat(flat, capacity)),
             )
             .map_err(to_py_err)?;
             drop(writable);
@@ -458,7 +403,7 @@ impl PyTemplate {
             (out_columns(out, summary.n_blocks), summary)
         } else {
             let (buffer, summary) =
-                visit_request(py, src, dst, PlanPooled(template)).map_err(to_py_err)?;
+                visit_request(py, src, dst, PlanPooled(template, n_tokens)).map_err(to_py_err)?;
             let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
             (columns, summary)
         };
@@ -471,7 +416,7 @@ impl PyTemplate {
                 shape: Arc::clone(&self.page_shape),
                 runs: summary.n_runs,
                 pages: summary.n_pages,
-                tokens: None,
+                tokens: summary.tokens.map(|shape| shape.class_blocks),
             },
         ))
     }

@@ -638,7 +638,7 @@ fn plan_with<S: kvplan_core::PageIndex, D: kvplan_core::PageIndex>(
 ) -> kvplan_core::Result<(Vec<u64>, Vec<u64>, Vec<u64>, usize, u64)> {
     match out_capacity {
         None => t
-            .plan(s, d)
+            .plan(s, d, None)
             .map(|p| (p.src_addrs, p.dst_addrs, p.lengths, p.n_runs, p.total_bytes)),
         Some(cap) => {
             // A caller-provided buffer of fixed size, pre-filled with garbage.
@@ -646,7 +646,7 @@ fn plan_with<S: kvplan_core::PageIndex, D: kvplan_core::PageIndex>(
                 data: vec![0xDEAD_BEEF; cap * 3],
                 capacity: cap,
             };
-            let (_, summary) = t.plan_into(s, d, |_| Ok(Columns::from_flat(&mut buf.data, cap)))?;
+            let (_, summary) = t.plan_into(s, d, None, |_| Ok(Columns::from_flat(&mut buf.data, cap)))?;
             let n = summary.n_blocks;
             Ok((
                 buf.data[..n].to_vec(),
