@@ -20,7 +20,7 @@
 //! express: they are refused, naming the plan path.
 
 use crate::error::{PlanError, Result, Side, try_vec};
-use crate::plan::Columns;
+use crate::plan::{Columns, PlanUnit};
 use crate::runs::PageIndex;
 use crate::template::{PairSpec, Template};
 
@@ -80,22 +80,7 @@ impl Template {
     /// [`PlanError::Overflow`] when a table would hold more than `i64::MAX` descriptors.
     pub fn prepped_shape(&self) -> Result<PreppedShape> {
         if self.by_token() {
-            let (src, dst) = self.page_sizes();
-            let what = if src == dst {
-                "the prefill and decode layouts store a page's tokens in different memory \
-                 orders (NHD and HND)"
-                    .to_string()
-            } else {
-                format!("prefill pages hold {src} tokens and decode pages {dst}")
-            };
-            return Err(PlanError::NotPreppable {
-                why: format!(
-                    "{what}, so a page's bytes do not land in one page of the other side and \
-                     tables of whole-page descriptors cannot express the transfer; plan it \
-                     token by token with Template.plan(src_pages, dst_pages) and send the plan \
-                     with submit(plan)"
-                ),
-            });
+            return Err(self.token_refusal());
         }
         let pieces = self.pieces().len();
         let limits = self.index_limits();
@@ -172,6 +157,25 @@ impl Template {
         Ok(table)
     }
 
+    /// Why a template that plans by token has no prepped tables.
+    fn token_refusal(&self) -> PlanError {
+        let (src, dst) = self.page_sizes();
+        let what = if src == dst {
+            "the prefill and decode layouts store a page's tokens in different memory orders \
+             (NHD and HND)"
+                .to_string()
+        } else {
+            format!("prefill pages hold {src} tokens and decode pages {dst}")
+        };
+        PlanError::NotPreppable {
+            why: format!(
+                "{what}, so a page's bytes do not land in one page of the other side and tables \
+                 of whole-page descriptors cannot express the transfer; plan it token by token \
+                 with Template.plan(src_pages, dst_pages) and send the plan with submit(plan)"
+            ),
+        }
+    }
+
     /// A page request as indices into the prepped tables: piece major, page minor (for
     /// per-page pieces the order of [`Template::plan`]'s blocks). Validated exactly as a
     /// plan of the same request.
@@ -187,10 +191,14 @@ impl Template {
         dst: &[D],
     ) -> Result<PreppedIndices> {
         let shape = self.prepped_shape()?;
-        let request = self.prepare(src, dst)?;
+        // A page request: `prepped_shape` has refused templates that plan by token.
+        let n_pages = match self.prepare(src, dst, None)?.unit {
+            PlanUnit::Pages(scan) => scan.n_pages,
+            PlanUnit::Tokens(_) => return Err(self.token_refusal()),
+        };
         let n = shape
             .pieces
-            .checked_mul(request.scan.n_pages)
+            .checked_mul(n_pages)
             .ok_or(PlanError::Overflow {
                 what: "prepped index count",
             })?;

@@ -191,7 +191,7 @@ fn byte_map(blocks: impl IntoIterator<Item = [u64; 3]>) -> Vec<(u64, u64)> {
 }
 
 fn plan_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
-    let plan = t.plan(src, dst).unwrap();
+    let plan = t.plan(src, dst, None).unwrap();
     (0..plan.lengths.len())
         .map(|k| [plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]])
         .collect()
@@ -348,7 +348,7 @@ fn requests_are_validated_exactly_as_plans() {
     ];
     for (src, dst) in cases {
         let err = t.prepped_indices(src, dst).unwrap_err();
-        assert_eq!(err, t.plan(src, dst).unwrap_err());
+        assert_eq!(err, t.plan(src, dst, None).unwrap_err());
     }
     let err = t.prepped_indices(&[0, 1], &[2, PAGES as i64]).unwrap_err();
     assert!(
