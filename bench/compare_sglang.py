@@ -4,7 +4,7 @@
     .venv-bench/bin/python bench/compare_sglang.py --quick    # smoke run, writes to /tmp
 
 For every scenario the same inputs go to SGLang's real ``MooncakeKVManager._send_kvcache_generic``
-(loaded by ``sglang_loader``) and to a cached ``kvplan.Template``; the blocks must be identical
+(loaded by ``support.sglang_loader``) and to a cached ``kvplan.Template``; the blocks must be identical
 (same triples, same order) before anything is timed. Timings are interleaved (SGLang and every
 kvplan variant in turn, rotating order, same process) and reported as medians.
 
@@ -41,9 +41,9 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
-import sglang_loader  # noqa: E402
+import harness  # noqa: E402, F401  (tests/ on sys.path: support.*)
+from support import sglang_loader  # noqa: E402
 
 try:
     import kvplan  # noqa: E402
@@ -774,7 +774,7 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg):
     L.append("")
     L.append("SGLang's real planning code from the 0.5.23 wheel (`group_concurrent_contiguous`, "
              "`build_transfer_entry_pairs`, `MooncakeKVManager._send_kvcache_generic` and the "
-             "helpers it calls; see `bench/sglang_loader.py` for how it is loaded) against a "
+             "helpers it calls; see `tests/support/sglang_loader.py` for how it is loaded) against a "
              "cached `kvplan.Template`. Inputs: int32 page arrays; source pages contiguous; "
              "destination pages strictly increasing with exactly round(f·(n−1)) seeded-random "
              "breaks of contiguity (f = fragmentation). Before timing, every scenario checks "

@@ -1,6 +1,6 @@
 """Per-request time of SGLang 0.5.23's manager send methods, original vs kvplan-patched.
 
-Both run on real manager instances of the wheel's classes (bench/sglang_loader.py) with the
+Both run on real manager instances of the wheel's classes (tests/support/sglang_loader.py) with the
 same inputs, including the engine submission to an engine whose ``batch_transfer_sync`` only
 keeps its arguments (so the time is planning plus handing lists to the engine). The byte maps of
 the two are checked equal before timing. ``send_kvcache_slice`` (prefill TP != decode TP) is
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import platform
 import statistics
-import sys
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -24,14 +22,12 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+import harness  # noqa: F401  (tests/ on sys.path: support.*)
+from support import sglang_loader
+from support.sglang_loader import InlineExecutor
+from support.sglang_models import SESSION, Deployment, canonical, engine_blocks, request
 
-import sglang_loader  # noqa: E402
-from sglang_models import SESSION, Deployment, canonical, engine_blocks, request  # noqa: E402
-
-from kvplan.compat import sglang as compat  # noqa: E402
+from kvplan.compat import sglang as compat
 
 
 class KeepLastEngine:
@@ -89,17 +85,6 @@ def mamba_call(sg: Any, n_src: int, n_dst: int) -> tuple[Any, Callable[[], int]]
                                      list(range(n_dst)), [2 * 1024 * 1024] * n_dst)
 
     return mgr, call
-
-
-class InlineExecutor:
-    """Runs each submitted call at once (SGLang's slice path submits one task per layer)."""
-
-    def submit(self, fn: Callable[..., int], *args: Any) -> Any:
-        import concurrent.futures
-
-        f: concurrent.futures.Future[int] = concurrent.futures.Future()
-        f.set_result(fn(*args))
-        return f
 
 
 SLICE = dict(layers=32, heads=8, head_bytes=256, page=16, pages=16)
@@ -178,13 +163,7 @@ def main() -> None:
     assert res[False][0] == res[True][0]
     rows.append(("hybrid Mamba state, 36 linear layers", "one slot", 1, 36, res[False][1],
                  res[True][1]))
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tp_bench", os.path.join(HERE, "tp_bench.py"))
-    assert spec is not None and spec.loader is not None
-    tp_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_bench)
-    tp_bench.load_head_slicing(sg)  # compute_head_slice_params, from the wheel
+    sglang_loader.load_head_slicing(sg)  # compute_head_slice_params, from the wheel
     for tp_p, r_p, tp_d, r_d in ((8, 5, 2, 1), (2, 1, 8, 5)):
         res = {}
         for on in (False, True):
