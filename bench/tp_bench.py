@@ -22,7 +22,7 @@ import types
 
 import numpy as np
 
-import harness  # noqa: F401  (tests/ on sys.path: support.*)
+from harness.timing import NS, call_times_ns  # harness puts tests/ on sys.path: support.*
 from support.sglang_loader import InlineExecutor, RecordingEngine, load_head_slicing, load_sglang
 
 import kvplan
@@ -129,13 +129,7 @@ def timing(sg, repeat: int) -> list[str]:
         sg_best = min(sglang_slice(sg, src_pages=src_pages, dst_pages=dst_pages, **kw)[1]
                       for _ in range(repeat))
         t = kvplan_template(**kw)
-        kv_times = []
-        for _ in range(repeat * 5):
-            t0 = time.perf_counter()
-            plan = t.plan(src_pages, dst_pages)
-            kv_times.append(time.perf_counter() - t0)
-            del plan
-        kv_best = min(kv_times)
+        kv_best = min(call_times_ns(lambda: t.plan(src_pages, dst_pages), repeat * 5)) * NS
         blocks = t.n_blocks_for(n, 1)
         out.append(f"| TP {tp_p} -> {tp_d} (prefill rank {r_p} -> decode rank {r_d}) | "
                    f"{blocks:,} | {sg_best * 1e3:,.1f} ms | {kv_best * 1e3:,.2f} ms | "
