@@ -1,12 +1,12 @@
 """kvplan side by side with SGLang 0.5.23's own planner.
 
-    .venv-bench/bin/python bench/compare_sglang.py            # full run: results/RESULTS.md + chart.png
+    .venv-bench/bin/python bench/compare_sglang.py            # full run, into bench/results/
     .venv-bench/bin/python bench/compare_sglang.py --quick    # smoke run, writes to /tmp
 
 For every scenario the same inputs go to SGLang's real ``MooncakeKVManager._send_kvcache_generic``
-(loaded by ``support.sglang_loader``) and to a cached ``kvplan.Template``; the blocks must be identical
-(same triples, same order) before anything is timed. Timings are interleaved (SGLang and every
-kvplan variant in turn, rotating order, same process) and reported as medians.
+(loaded by ``support.sglang_loader``) and to a cached ``kvplan.Template``; the blocks must be
+identical (same triples, same order) before anything is timed. Timings are interleaved (SGLang
+and every kvplan variant in turn, rotating order, same process) and reported as medians.
 
 Variants
   sglang plan      _send_kvcache_generic with a recorder in place of _transfer_data: runs,
