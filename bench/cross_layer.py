@@ -27,10 +27,11 @@ import argparse
 import os
 import shutil
 import statistics
-import time
 from typing import Any
 
 import numpy as np
+from harness.machine import summary
+from harness.timing import call_times_ns
 
 import kvplan
 from kvplan.presets import DECODE_BASE, PREFILL_BASE, fragmented_pages, get_preset
@@ -69,19 +70,14 @@ def plan_table(tokens: int, page_size: int, fragmentations: list[float], reps: i
                 model.layout(layers, page_size=page_size, capacity=cap, base=DECODE_BASE,
                              cross_layer=cross))
             plan = t.plan(src_pages, dst_pages)  # warm-up (buffer pool)
+            n_blocks, n_runs = plan.n_blocks, plan.n_runs
             del plan
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                plan = t.plan(src_pages, dst_pages)
-                times.append(time.perf_counter() - t0)
-                n_blocks, n_runs = plan.n_blocks, plan.n_runs
-                del plan
+            times = call_times_ns(lambda: t.plan(src_pages, dst_pages), reps)
             blocks[lay] = n_blocks
             ratio = ("1" if lay == "per-layer" else
                      f"÷{blocks['per-layer'] / n_blocks:.1f}")
             rows.append(f"| {f:.0%} | {lay} | {n_runs:,} | {n_blocks:,} | {ratio} | "
-                        f"{statistics.median(times) * 1e6:,.0f} |")
+                        f"{statistics.median(times) / 1e3:,.0f} |")
     return rows
 
 
@@ -179,7 +175,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per transfer")
     ap.add_argument("--no-transfer", action="store_true")
     args = ap.parse_args()
-    print(f"kvplan {kvplan.__version__}, {os.cpu_count()} CPUs")
+    print(f"kvplan {kvplan.__version__}, {summary()}")
     for line in plan_table(args.tokens, args.page_size, args.fragmentation, args.plan_reps):
         print(line, flush=True)
     if args.page_size != args.transfer_page_size:

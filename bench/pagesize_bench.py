@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
+from harness.timing import call_times_ns
 
 import kvplan
 from kvplan.presets import fragmented_pages
@@ -52,12 +52,8 @@ def measure(model: str, order: str, ps: int, pd: int, tokens: int, frag: float,
     dst_pages = fragmented_pages(n_dst, frag, seed=1, capacity=cap_dst).astype(np.int32)
     plan = t.plan(src_pages, dst_pages)
     out = np.empty((3, plan.n_blocks), dtype=np.uint64)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        t.plan(src_pages, dst_pages, out=out)
-        times.append(time.perf_counter() - t0)
-    return plan.n_blocks, statistics.median(times) * 1e6
+    times = call_times_ns(lambda: t.plan(src_pages, dst_pages, out=out), repeat)
+    return plan.n_blocks, statistics.median(times) / 1e3
 
 
 def main() -> None:

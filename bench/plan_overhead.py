@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import timeit
 
 import numpy as np
+from harness.timing import loop_ns
 
 import kvplan
 from kvplan.presets import get_preset
@@ -40,8 +40,7 @@ def main() -> None:
     print(f"kvplan {kvplan.__version__}: 61-layer MLA, 64 contiguous pages -> 61 blocks; "
           f"median/min of {args.repeat} x {args.number} calls")
     for name, fn in cases.items():
-        times = [t / args.number * 1e6 for t in timeit.repeat(fn, number=args.number,
-                                                               repeat=args.repeat)]
+        times = [t / 1e3 for t in loop_ns(fn, args.number, args.repeat)]
         print(f"  {name:14s} median {statistics.median(times):.3f} us   min {min(times):.3f} us")
 
 

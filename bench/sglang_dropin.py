@@ -1,8 +1,8 @@
 """Per-request time of SGLang 0.5.23's manager send methods, original vs kvplan-patched.
 
-Both run on real manager instances of the wheel's classes (bench/sglang_loader.py) with the
+Both run on real manager instances of the wheel's classes (tests/support/sglang_loader.py) with the
 same inputs, including the engine submission to an engine whose ``batch_transfer_sync`` only
-keeps its arguments (so the time is planning plus handing lists to the engine). The byte maps of
+records its arguments (so the time is planning plus handing lists to the engine). The byte maps of
 the two are checked equal before timing. ``send_kvcache_slice`` (prefill TP != decode TP) is
 timed over ``--repeat`` / 10 calls.
 
@@ -13,37 +13,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import platform
 import statistics
-import sys
-import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from harness.machine import summary  # importing harness puts tests/ on sys.path: support.*
+from harness.timing import call_times_ns
+from support import sglang_loader
+from support.sglang_loader import InlineExecutor, RecordingEngine
+from support.sglang_models import SESSION, Deployment, canonical, engine_blocks, request
 
-import sglang_loader  # noqa: E402
-from sglang_models import SESSION, Deployment, canonical, engine_blocks, request  # noqa: E402
-
-from kvplan.compat import sglang as compat  # noqa: E402
-
-
-class KeepLastEngine:
-    """Keeps the arguments of every call (cleared per request), returns 0."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def batch_transfer_sync(self, session: str, src: list[int], dst: list[int],
-                            lengths: list[int]) -> int:
-        self.calls.append((session, src, dst, lengths))
-        return 0
+from kvplan.compat import sglang as compat
 
 
 @contextlib.contextmanager
@@ -61,7 +44,7 @@ def kv_call(sg: Any, dep: Deployment, src: np.ndarray, dst: np.ndarray
             ) -> tuple[Any, Callable[[], int]]:
     hybrid_mla = dep.hybrid
     mgr = sg.manager_object(
-        sg.MooncakeKVManager, kv_args=dep.kv_args(), engine=KeepLastEngine(),
+        sg.MooncakeKVManager, kv_args=dep.kv_args(), engine=RecordingEngine(),
         is_mla_backend=not hybrid_mla, is_hybrid_mla_backend=hybrid_mla, pp_size=dep.pp_size,
         decode_kv_args_table={SESSION: dep.register_info()})
     dptrs, _, dids = dep.dst_lists()
@@ -77,7 +60,7 @@ def mamba_call(sg: Any, n_src: int, n_dst: int) -> tuple[Any, Callable[[], int]]
     src_ptrs = [0x1_0000_0000 + (i << 24) for i in range(n_src)]
     dst_ptrs = [0x9_0000_0000 + (j << 24) for j in range(n_dst)]
     items = [2 * 1024 * 1024] * n_src
-    mgr = sg.manager_object(sg.MooncakeKVManager, engine=KeepLastEngine(), pp_size=1,
+    mgr = sg.manager_object(sg.MooncakeKVManager, engine=RecordingEngine(), pp_size=1,
                             kv_args=types.SimpleNamespace(state_data_ptrs=[src_ptrs],
                                                           state_data_lens=[[x * 8 for x in items]]))
     ids = list(range(n_src))
@@ -89,17 +72,6 @@ def mamba_call(sg: Any, n_src: int, n_dst: int) -> tuple[Any, Callable[[], int]]
                                      list(range(n_dst)), [2 * 1024 * 1024] * n_dst)
 
     return mgr, call
-
-
-class InlineExecutor:
-    """Runs each submitted call at once (SGLang's slice path submits one task per layer)."""
-
-    def submit(self, fn: Callable[..., int], *args: Any) -> Any:
-        import concurrent.futures
-
-        f: concurrent.futures.Future[int] = concurrent.futures.Future()
-        f.set_result(fn(*args))
-        return f
 
 
 SLICE = dict(layers=32, heads=8, head_bytes=256, page=16, pages=16)
@@ -119,7 +91,7 @@ def slice_call(sg: Any, tp_p: int, r_p: int, tp_d: int, r_d: int
         kv_data_ptrs=sptrs, kv_data_lens=[si * cap] * (2 * L), kv_item_lens=[si] * (2 * L),
         kv_layer_ids=ids, page_size=page, total_kv_head_num=H, kv_head_num=max(1, H // tp_p),
         engine_rank=r_p, prefill_start_layer=0)
-    mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=kv_args, engine=KeepLastEngine(),
+    mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=kv_args, engine=RecordingEngine(),
                             attn_tp_size=tp_p)
     src = np.arange(3, 3 + n, dtype=np.int32)
     dst = np.arange(20, 20 + n, dtype=np.int32)
@@ -134,14 +106,8 @@ def slice_call(sg: Any, tp_p: int, r_p: int, tp_d: int, r_d: int
 
 
 def timed(call: Callable[[], int], repeat: int) -> float:
-    for _ in range(min(50, repeat)):
-        call()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        call()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1000.0
+    """Median µs per call, after up to 50 untimed calls."""
+    return statistics.median(call_times_ns(call, repeat, warmup=min(50, repeat))) / 1000.0
 
 
 def main() -> None:
@@ -178,13 +144,7 @@ def main() -> None:
     assert res[False][0] == res[True][0]
     rows.append(("hybrid Mamba state, 36 linear layers", "one slot", 1, 36, res[False][1],
                  res[True][1]))
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tp_bench", os.path.join(HERE, "tp_bench.py"))
-    assert spec is not None and spec.loader is not None
-    tp_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_bench)
-    tp_bench.load_head_slicing(sg)  # compute_head_slice_params, from the wheel
+    sglang_loader.load_head_slicing(sg)  # compute_head_slice_params, from the wheel
     for tp_p, r_p, tp_d, r_d in ((8, 5, 2, 1), (2, 1, 8, 5)):
         res = {}
         for on in (False, True):
@@ -197,8 +157,7 @@ def main() -> None:
         assert res[False][0] == res[True][0]
         rows.append((f"send_kvcache_slice, MHA TP {tp_p} -> {tp_d} (rank {r_p} -> {r_d})",
                      "contiguous", SLICE["pages"], res[False][1], res[False][2], res[True][2]))
-    print(f"SGLang {sg.version}, Python {platform.python_version()}, {platform.machine()}, "
-          f"median of {args.repeat} calls")
+    print(f"SGLang {sg.version}, {summary()}, median of {args.repeat} calls")
     print("| request | pages | n pages | blocks | SGLang (us) | kvplan-patched (us) | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, kind, pages, blocks, t_orig, t_new in rows:

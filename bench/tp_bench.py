@@ -1,5 +1,6 @@
 """Prefill TP != decode TP: kvplan's head-sliced templates against SGLang 0.5.23's
-``MooncakeKVManager.send_kvcache_slice`` (run from the real wheel via bench/sglang_loader.py).
+``MooncakeKVManager.send_kvcache_slice`` (run from the real wheel by
+tests/support/sglang_loader.py).
 
     .venv-bench/bin/python bench/tp_bench.py            # check + timing + blocks table
     .venv-bench/bin/python bench/tp_bench.py --check    # only the equality check
@@ -16,58 +17,15 @@ kvplan's is ``Template.plan`` (the template is built once per peer pair, outside
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import os
-import sys
 import time
 import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_loader  # noqa: E402
-from sglang_loader import RecordingEngine, load_sglang  # noqa: E402
+from harness.timing import NS, call_times_ns  # harness puts tests/ on sys.path: support.*
+from support.sglang_loader import InlineExecutor, RecordingEngine, load_head_slicing, load_sglang
 
-import kvplan  # noqa: E402
-
-
-STAGING = "sglang.srt.disaggregation.common.staging_buffer"
-
-
-def load_head_slicing(sg) -> None:
-    """Execute ``disaggregation/common/staging_buffer.py`` (``compute_head_slice_params``, which
-    ``send_kvcache_slice`` imports when called) from the wheel, with the loader's stand-ins for
-    its GPU-only imports (torch, triton, kernels), and check the function is the wheel's."""
-    import importlib.util
-
-    if STAGING in sys.modules and not sglang_loader.is_stub(sys.modules[STAGING]):
-        return
-    saved = sglang_loader.THIRD_PARTY_STANDINS
-    sglang_loader.THIRD_PARTY_STANDINS = (*saved, "triton")
-    finder = sglang_loader._Finder(sg.root)
-    sys.meta_path.insert(0, finder)
-    try:
-        path = os.path.join(sg.root, "srt", "disaggregation", "common", "staging_buffer.py")
-        spec = importlib.util.spec_from_file_location(STAGING, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[STAGING] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        sys.meta_path.remove(finder)
-        sglang_loader.THIRD_PARTY_STANDINS = saved
-    fn = mod.compute_head_slice_params
-    assert fn.__code__.co_filename == path, fn.__code__.co_filename
-    # Everything it calls is a builtin (max): no stand-in is reachable from it.
-    assert set(fn.__code__.co_names) <= {"max"}, fn.__code__.co_names
-
-
-class InlineExecutor:
-    """Runs each submitted call at once (the timing then excludes thread hand-off)."""
-
-    def submit(self, fn, *args):
-        f: concurrent.futures.Future = concurrent.futures.Future()
-        f.set_result(fn(*args))
-        return f
+import kvplan
 
 
 def sglang_slice(sg, *, layers, heads, head_dim, dtype, page, tp_p, r_p, tp_d, r_d,
@@ -171,13 +129,7 @@ def timing(sg, repeat: int) -> list[str]:
         sg_best = min(sglang_slice(sg, src_pages=src_pages, dst_pages=dst_pages, **kw)[1]
                       for _ in range(repeat))
         t = kvplan_template(**kw)
-        kv_times = []
-        for _ in range(repeat * 5):
-            t0 = time.perf_counter()
-            plan = t.plan(src_pages, dst_pages)
-            kv_times.append(time.perf_counter() - t0)
-            del plan
-        kv_best = min(kv_times)
+        kv_best = min(call_times_ns(lambda: t.plan(src_pages, dst_pages), repeat * 5)) * NS
         blocks = t.n_blocks_for(n, 1)
         out.append(f"| TP {tp_p} -> {tp_d} (prefill rank {r_p} -> decode rank {r_d}) | "
                    f"{blocks:,} | {sg_best * 1e3:,.1f} ms | {kv_best * 1e3:,.2f} ms | "

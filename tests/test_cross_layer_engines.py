@@ -144,7 +144,7 @@ def _run(decode: PeerSpec, stages: list[PeerSpec], engine: str) -> list[dict[str
     """Every stage writes one request (pages and one state slot) to the decode peer at once;
     the whole decode arena is then checked against the independent oracle and against
     ``first_wrong_byte``."""
-    from peers import assert_decode_bytes, cluster, expected_decode
+    from support.engine_peers import assert_decode_bytes, cluster, expected_decode
 
     src_pages, dst_pages = _request()
     with cluster(decode, stages, engine=engine) as c:
@@ -175,7 +175,7 @@ def _state_bytes(stage: PeerSpec) -> int:
 
 @pytest.fixture
 def mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from peers import require_mooncake
+    from support.engine_peers import require_mooncake
 
     require_mooncake()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
@@ -235,7 +235,7 @@ def test_mooncake_cross_layer_mha_pp1_whole_page_is_one_block_per_run(
 
 @pytest.mark.nixl
 def test_nixl_cross_layer_hybrid_prefill_pp2_to_decode_pp1() -> None:
-    from peers import require_nixl
+    from support.engine_peers import require_nixl
 
     require_nixl()
     peers = model_peers(HYBRID_MLA, pages=PAGES, pp_size=2, state_slots=4, cross_layer=True)

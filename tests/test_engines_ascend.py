@@ -406,7 +406,7 @@ def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
     import kvplan
     from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
     from kvplan.testing import SENTINEL, build_layout, model_peers
-    from peers import assert_decode_bytes, expected_decode
+    from support.engine_peers import assert_decode_bytes, expected_decode
 
     tiny = ModelPreset("tiny-hybrid", "tiny hybrid MLA", 8, "mla", 1152, 4,
                        (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
@@ -444,7 +444,7 @@ def test_stand_in_npu_groups_hybrid_pp2_pairs_by_layer_id() -> None:
     import kvplan
     from kvplan.presets import fragmented_pages
     from kvplan.testing import SENTINEL, PeerSpec, build_layout, pack_entries
-    from peers import assert_decode_bytes, expected_decode
+    from support.engine_peers import assert_decode_bytes, expected_decode
 
     full, linear, pages = (3, 7), (0, 1, 2, 4, 5, 6), 24
     groups = (("g0", 1024), ("g1", 128))  # e.g. MLA nope / rope parts on NPU

@@ -27,7 +27,7 @@ import pytest
 from kvplan.engines import MooncakeTransport, TransferError, TransferStats, merge_regions
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 
-from peers import raw_pair
+from support.engine_peers import raw_pair
 
 # ---------------------------------------------------------------------------------------------
 # A stand-in with Mooncake's signatures whose crash sites raise instead
@@ -382,7 +382,7 @@ mooncake = pytest.mark.mooncake
 
 @pytest.fixture(autouse=False)
 def mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from peers import require_mooncake
+    from support.engine_peers import require_mooncake
 
     require_mooncake()
     # Spawned peers inherit these: a hung peer fails in ~5 s, logs stay at ERROR.
@@ -469,7 +469,7 @@ def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> N
 
 @mooncake
 def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> None:
-    from peers import assert_decode_bytes, cluster, expected_decode
+    from support.engine_peers import assert_decode_bytes, cluster, expected_decode
 
     peers, src_pages, dst_pages = _hybrid()
     decode = peers.decode
@@ -503,7 +503,7 @@ def test_hybrid_kimi_linear_prefill_pp2_to_decode_pp1(mooncake_env: None) -> Non
 
 @mooncake
 def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> None:
-    from peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
+    from support.engine_peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
 
     decode, prefill, src_pages, dst_pages = mha_k_v_case()
     with cluster(decode, [prefill]) as c:
@@ -523,7 +523,7 @@ def test_mha_pp1_k_then_v_with_different_item_lengths(mooncake_env: None) -> Non
 def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -> None:
     """3,000 blocks in one plan: more than Mooncake TCP accepts per call (~2,048), so only the
     default 1,024-block batching makes this work."""
-    from peers import assert_decode_bytes, cluster
+    from support.engine_peers import assert_decode_bytes, cluster
 
     decode, prefill = raw_pair()
     n, size = 3000, 64
@@ -545,7 +545,7 @@ def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -
 
 @mooncake
 def test_async_submit_moves_bytes(mooncake_env: None) -> None:
-    from peers import cluster
+    from support.engine_peers import cluster
 
     decode, prefill = raw_pair()
     with cluster(decode, [prefill]) as c:
@@ -563,7 +563,7 @@ def test_async_submit_moves_bytes(mooncake_env: None) -> None:
 
 @mooncake
 def test_fault_decode_gone_before_submit(mooncake_env: None) -> None:
-    from peers import cluster
+    from support.engine_peers import cluster
 
     peers, src_pages, dst_pages = _hybrid()
     decode, stages = peers.decode, peers.prefill
@@ -587,7 +587,7 @@ def test_fault_decode_gone_before_submit(mooncake_env: None) -> None:
 
 @mooncake
 def test_fault_destination_outside_registered_region(mooncake_env: None) -> None:
-    from peers import assert_decode_bytes, cluster
+    from support.engine_peers import assert_decode_bytes, cluster
 
     decode, prefill = raw_pair()
     with cluster(decode, [prefill]) as c:
@@ -632,7 +632,7 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
 @mooncake
 def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
     """A stopped (not dead) decode process: the engine gives up after MC_TRANSFER_TIMEOUT=5 s."""
-    from peers import cluster
+    from support.engine_peers import cluster
 
     # 128 MiB: more than the loopback socket buffers can hold (Linux lets a receive buffer grow
     # to 32 MiB by default), so the write cannot complete into the kernel while the receiver is

@@ -22,14 +22,14 @@ import kvplan
 from kvplan import PlanBatch, TransferError
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 
-from peers import raw_pair
+from support.engine_peers import raw_pair
 
 pytestmark = pytest.mark.nixl
 
 
 @pytest.fixture(autouse=True)
 def _nixl() -> None:
-    from peers import require_nixl
+    from support.engine_peers import require_nixl
 
     require_nixl()
 
@@ -489,7 +489,7 @@ def _hybrid() -> Any:
 
 @pytest.mark.parametrize("path", ["plan", "prepped"])
 def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
-    from peers import assert_decode_bytes, cluster, expected_decode
+    from support.engine_peers import assert_decode_bytes, cluster, expected_decode
 
     peers, src_pages, dst_pages = _hybrid()
     decode, stages = peers.decode, peers.prefill
@@ -527,7 +527,7 @@ def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
 
 
 def test_mha_k_then_v_with_different_item_lengths() -> None:
-    from peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
+    from support.engine_peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
 
     decode, prefill, src_pages, dst_pages = mha_k_v_case()
     with cluster(decode, [prefill], engine="nixl") as c:
@@ -544,7 +544,7 @@ def test_mha_k_then_v_with_different_item_lengths() -> None:
 
 
 def test_async_submit_moves_bytes() -> None:
-    from peers import cluster
+    from support.engine_peers import cluster
 
     decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:
@@ -566,7 +566,7 @@ def test_fault_decode_killed_mid_transfer() -> None:
     once the first bytes have landed. The prefill gets a TransferError, holds no handle, and
     stays alive."""
     from kvplan.testing import SENTINEL
-    from peers import cluster
+    from support.engine_peers import cluster
 
     n, item = 65536, 4096
     decode, prefill = raw_pair(n, item)
@@ -597,7 +597,7 @@ def test_fault_decode_killed_mid_transfer() -> None:
 
 
 def test_fault_destination_outside_registered_memory_then_a_good_transfer() -> None:
-    from peers import assert_decode_bytes, cluster
+    from support.engine_peers import assert_decode_bytes, cluster
 
     decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:
@@ -618,7 +618,7 @@ def test_fault_destination_outside_registered_memory_then_a_good_transfer() -> N
 
 
 def test_fault_unknown_peer() -> None:
-    from peers import cluster
+    from support.engine_peers import cluster
 
     decode, prefill = raw_pair()
     with cluster(decode, [prefill], engine="nixl") as c:

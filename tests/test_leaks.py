@@ -1,18 +1,13 @@
 """Leaks: 100k mixed plan calls (pooled, out=, plan_state, error paths, wire) keep RSS
-flat. The 1M-call figure comes from `bench/leak_check.py` (see docs/robustness.md)."""
+flat. The 1M-call figure comes from `bench/leak_check.py`, same workload
+(support/leak_workload.py; see docs/robustness.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import mmap
-import os
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("leak_check", os.path.join(HERE, "..", "bench", "leak_check.py"))
-leak_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(leak_check)
+from support import leak_workload
 
 MAX_GROWTH_KIB = 8 * 1024
 
@@ -20,16 +15,16 @@ MAX_GROWTH_KIB = 8 * 1024
 def test_rss_probe_sees_growth():
     # negative control: the probe must notice memory that is really kept
     # (a fresh anonymous mapping: heap memory freed by earlier tests could be reused unseen)
-    before = leak_check.rss_kib()
+    before = leak_workload.rss_kib()
     kept = mmap.mmap(-1, 32 << 20)
     np.frombuffer(kept, dtype=np.uint8)[::4096] = 1  # touch every page
-    after = leak_check.rss_kib()
+    after = leak_workload.rss_kib()
     assert after - before >= 24 * 1024, (before, after)
     kept.close()
 
 
 def test_100k_plan_calls_keep_rss_stable():
-    r = leak_check.run(100_000)
+    r = leak_workload.run(100_000)
     print(f"\nRSS {r['rss_before_kib']} KiB -> {r['rss_after_kib']} KiB over {r['calls'] - r['warmup']} calls")
     assert r["errors_raised"] == 20_000
     assert r["growth_kib"] <= MAX_GROWTH_KIB, r

@@ -23,7 +23,7 @@ TOKEN = TINY_HYBRID.kv_bytes_per_token
 
 @pytest.fixture
 def mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from peers import require_mooncake
+    from support.engine_peers import require_mooncake
 
     require_mooncake()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
@@ -53,7 +53,7 @@ def expected_tokens(decode: PeerSpec, before: np.ndarray, writes, n_tokens: int)
 @pytest.mark.parametrize("prefill_page, decode_page, n_tokens", [(16, 64, 600), (64, 16, 600)])
 def test_hybrid_pp2_between_page_sizes_is_byte_exact(mooncake_env: None, prefill_page: int,
                                                      decode_page: int, n_tokens: int) -> None:
-    from peers import assert_decode_bytes, cluster
+    from support.engine_peers import assert_decode_bytes, cluster
 
     decode = preset_peer(TINY_HYBRID, "decode", range(8), pages=64, page_size=decode_page)
     stages = [preset_peer(TINY_HYBRID, f"prefill{r}", range(4 * r, 4 * r + 4), pages=64,

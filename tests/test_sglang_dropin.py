@@ -20,7 +20,7 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from sglang_models import (
+from support.sglang_models import (
     SESSION,
     STRIDE,
     Deployment,

@@ -38,7 +38,7 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
     try:
         os.environ.update({"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"})
         sys.path.insert(0, HERE)
-        from sglang_models import load_loader
+        from support.sglang_models import load_loader
 
         from kvplan.compat import sglang as compat
         from kvplan.engines import MooncakeTransport
@@ -95,8 +95,8 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
 
 
 def test_patched_manager_moves_real_bytes_over_mooncake_loopback() -> None:
-    from peers import assert_decode_bytes, expected_decode, require_mooncake
-    from sglang_models import load_sglang_or_fail
+    from support.engine_peers import assert_decode_bytes, expected_decode, require_mooncake
+    from support.sglang_models import load_sglang_or_fail
 
     from kvplan.testing import model_peers
 

@@ -9,8 +9,6 @@ ranks a decode rank asks, they must fill exactly that rank's heads with the righ
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from typing import Any
 
@@ -19,7 +17,7 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from sglang_models import ROOT, canonical, engine_blocks, load_loader, load_sglang_or_fail
+from support.sglang_models import canonical, engine_blocks, load_loader, load_sglang_or_fail
 
 SESSION = "decode-peer:1"
 SRC_BASE, DST_BASE, CAP = 1 << 36, 1 << 44, 16
@@ -28,14 +26,7 @@ SRC_BASE, DST_BASE, CAP = 1 << 36, 1 << 44, 16
 @pytest.fixture(scope="module")
 def sg() -> Any:
     sg = load_sglang_or_fail()
-    load_loader()
-    if "tp_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tp_bench", ROOT / "bench" / "tp_bench.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["tp_bench"] = mod
-        spec.loader.exec_module(mod)
-    sys.modules["tp_bench"].load_head_slicing(sg)  # compute_head_slice_params, from the wheel
+    load_loader().load_head_slicing(sg)  # compute_head_slice_params, from the wheel
     return sg
 
 

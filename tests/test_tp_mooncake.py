@@ -77,7 +77,7 @@ def ranks(specs: list[PeerSpec], sources: set[str]) -> Iterator[tuple[dict, dict
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
 def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from peers import require_mooncake
+    from support.engine_peers import require_mooncake
 
     require_mooncake()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")

@@ -4,7 +4,7 @@ Usage (the bench venv, where SGLang is installed with ``--no-deps``; or any inte
 ``load_sglang()`` falls back to the wheel that ``fetch_wheel()`` downloads with
 ``pip download --no-deps sglang==0.5.23`` and caches under ``.venv/sglang-wheel``)::
 
-    from sglang_loader import load_sglang
+    from support.sglang_loader import load_sglang     # tests/ on sys.path (see support/__init__)
     sg = load_sglang()
     sg.group_concurrent_contiguous(src, dst)          # disaggregation/common/utils.py
     sg.build_transfer_entry_pairs(...)                # disaggregation/utils.py
@@ -231,8 +231,8 @@ _LOADED: SGLang | None = None
 
 # Where the test suite keeps the downloaded wheel and the files it needs from it (ignored by git:
 # .venv is). KVPLAN_SGLANG_CACHE overrides it.
-DEFAULT_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             ".venv", "sglang-wheel")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CACHE = os.path.join(_REPO, ".venv", "sglang-wheel")
 # The wheel members the loader executes (and the metadata that names the version).
 _WHEEL_PREFIXES = ("sglang/srt/disaggregation/",)
 
@@ -359,6 +359,40 @@ def load_sglang(root: str | None = None) -> SGLang:
 
 
 # --------------------------------------------------------------------------------------------
+# Head slicing (prefill TP != decode TP)
+# --------------------------------------------------------------------------------------------
+STAGING_BUFFER = "sglang.srt.disaggregation.common.staging_buffer"
+
+
+def load_head_slicing(sg: SGLang) -> None:
+    """Execute ``disaggregation/common/staging_buffer.py`` (``compute_head_slice_params``, which
+    ``send_kvcache_slice`` imports when called) from the wheel, with the loader's stand-ins for
+    its GPU-only imports (torch, triton, kernels), and check the function is the wheel's."""
+    global THIRD_PARTY_STANDINS
+
+    if STAGING_BUFFER in sys.modules and not is_stub(sys.modules[STAGING_BUFFER]):
+        return
+    saved = THIRD_PARTY_STANDINS
+    THIRD_PARTY_STANDINS = (*saved, "triton")
+    finder = _Finder(sg.root)
+    sys.meta_path.insert(0, finder)
+    try:
+        path = os.path.join(sg.root, "srt", "disaggregation", "common", "staging_buffer.py")
+        spec = importlib.util.spec_from_file_location(STAGING_BUFFER, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[STAGING_BUFFER] = mod
+        spec.loader.exec_module(mod)
+    finally:
+        sys.meta_path.remove(finder)
+        THIRD_PARTY_STANDINS = saved
+    fn = mod.compute_head_slice_params
+    assert fn.__code__.co_filename == path, fn.__code__.co_filename
+    # Everything it calls is a builtin (max): no stand-in is reachable from it.
+    assert set(fn.__code__.co_names) <= {"max"}, fn.__code__.co_names
+
+
+# --------------------------------------------------------------------------------------------
 # Stand-in manager
 # --------------------------------------------------------------------------------------------
 class RecordingEngine:
@@ -370,6 +404,18 @@ class RecordingEngine:
     def batch_transfer_sync(self, session_id, src_addrs, dst_addrs, lengths):
         self.calls.append((session_id, src_addrs, dst_addrs, lengths))
         return 0
+
+
+class InlineExecutor:
+    """Stands in for the thread pool ``send_kvcache_slice`` is handed: runs each submitted call
+    at once and returns its already finished future (timings then exclude thread hand-off)."""
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(fn(*args))
+        return f
 
 
 class BlockRecorder:

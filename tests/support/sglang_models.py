@@ -9,33 +9,23 @@ SGLang's band above the model (``num_layers + index``).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
 SESSION = "decode-peer:1"
 SRC_BASE, DST_BASE, STRIDE = 0x1_0000_0000, 0x9_0000_0000, 0x100000
 SRC_PAGES, DST_PAGES = 64, 96
 
 
 def load_loader() -> Any:
-    """bench/sglang_loader.py as a module."""
-    if "sglang_loader" in sys.modules:
-        return sys.modules["sglang_loader"]
-    spec = importlib.util.spec_from_file_location("sglang_loader",
-                                                  ROOT / "bench" / "sglang_loader.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_loader"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The SGLang loader module (``support.sglang_loader``)."""
+    from . import sglang_loader
+
+    return sglang_loader
 
 
 def load_sglang_or_fail() -> Any:
