@@ -21,24 +21,13 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from sglang_models import SESSION, Deployment, engine_blocks, load_loader, load_sglang_or_fail
+from support.sglang_models import SESSION, Deployment, engine_blocks, load_loader, load_sglang_or_fail
 
 
 @pytest.fixture(scope="module")
 def sg() -> Any:
     sg = load_sglang_or_fail()
-    import importlib.util
-    import sys
-
-    from sglang_models import ROOT
-
-    if "tp_bench" not in sys.modules:  # compute_head_slice_params from the wheel, for the slice
-        spec = importlib.util.spec_from_file_location("tp_bench", ROOT / "bench" / "tp_bench.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["tp_bench"] = mod
-        spec.loader.exec_module(mod)
-    sys.modules["tp_bench"].load_head_slicing(sg)
+    load_loader().load_head_slicing(sg)  # compute_head_slice_params, from the wheel
     return sg
 
 
