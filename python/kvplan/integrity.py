@@ -29,7 +29,17 @@ from kvplan._core import (
     index_digest,
 )
 
-__all__ = ["IntegrityError", "Manifest", "build_manifest", "verify", "template_label"]
+__all__ = [
+    "IntegrityError",
+    "Manifest",
+    "build_manifest",
+    "check_notification",
+    "is_notification",
+    "pack_notification",
+    "template_label",
+    "unpack_notification",
+    "verify",
+]
 
 _MAGIC = b"KVPM"
 _VERSION = 1
@@ -255,3 +265,86 @@ def verify(
         role=role,
         bad_pairs=len(bad),
     )
+
+
+_NOTIFY_MAGIC = b"KVPN"
+_NOTIFY_HEAD = struct.Struct("<4sHH")
+
+
+def pack_notification(manifests: list[Manifest]) -> bytes:
+    """The bytes a prefill sends with its completion notification (NIXL) or through its own
+    side channel (Mooncake): magic ``KVPN``, version u16 (1), count u16, then per manifest a
+    u32 length and :meth:`Manifest.to_bytes` (the page plan's first, then the state plan's)."""
+    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, 1, len(manifests))]
+    for m in manifests:
+        data = m.to_bytes()
+        parts.append(struct.pack("<I", len(data)) + data)
+    return b"".join(parts)
+
+
+def is_notification(data: bytes) -> bool:
+    """Whether ``data`` starts like :func:`pack_notification`'s output."""
+    return bytes(data[:4]) == _NOTIFY_MAGIC
+
+
+def unpack_notification(data: bytes) -> list[Manifest]:
+    """Decodes :func:`pack_notification`; anything else raises :class:`KvPlanError`."""
+    data = bytes(data)
+    if len(data) < _NOTIFY_HEAD.size or not is_notification(data):
+        raise KvPlanError(f"not a kvplan integrity notification ({len(data)} bytes)")
+    _, version, count = _NOTIFY_HEAD.unpack_from(data)
+    if version != 1:
+        raise KvPlanError(f"integrity notification version {version}; this build reads 1")
+    at, out = _NOTIFY_HEAD.size, []
+    for _ in range(count):
+        if at + 4 > len(data):
+            raise KvPlanError("integrity notification truncated")
+        (n,) = struct.unpack_from("<I", data, at)
+        out.append(Manifest.from_bytes(data[at + 4 : at + 4 + n]))
+        at += 4 + n
+    if at != len(data):
+        raise KvPlanError(f"integrity notification has {len(data) - at} trailing bytes")
+    return out
+
+
+def check_notification(
+    payload: bytes,
+    *,
+    src_layout: Layout,
+    dst_layout: Layout,
+    buffers: Iterable[Buffer],
+    src_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
+    dst_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
+    src_slot: int | None = None,
+    dst_slot: int | None = None,
+    n_tokens: int | None = None,
+    template: Template | None = None,
+) -> list[Manifest]:
+    """The decode-side check: re-plans the request from the prefill's layout (as the handshake
+    carried it) and its own, digests what landed in ``buffers`` and verifies every manifest of
+    ``payload`` (page plan, then state plan when slots are given); raises
+    :class:`IntegrityError` naming what differs. Returns the decode's own manifests."""
+    template = template or Template(src_layout, dst_layout)
+    buffers = list(buffers)
+    plans: list[tuple[TransferPlan, bool, _Pages, _Pages]] = [
+        (template.plan(src_pages, dst_pages, n_tokens=n_tokens), False, src_pages, dst_pages)
+    ]
+    if src_slot is not None and dst_slot is not None and len(template.state_pairs):
+        plans.append((template.plan_state(src_slot, dst_slot), True, src_slot, dst_slot))
+    received = unpack_notification(payload)
+    label = template_label(src_layout, dst_layout)
+    if len(received) != len(plans):
+        raise _fail(
+            f"the prefill sent {len(received)} plan manifests, the decode planned {len(plans)} "
+            f"(page plan{' and state plan' if len(plans) > 1 else ''})",
+            "plans",
+            label,
+        )
+    mine = []
+    for (plan, state, sp, dp), sent in zip(plans, received, strict=True):
+        own = build_manifest(plan, "dst", buffers, src_pages=sp, dst_pages=dp)
+        verify(
+            sent, own, template=template, src_layout=src_layout, dst_layout=dst_layout, state=state
+        )
+        mine.append(own)
+    return mine
