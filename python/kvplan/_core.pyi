@@ -42,6 +42,7 @@ class LayoutError(KvPlanError): ...
 
 _IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _I64Array = npt.NDArray[np.int64]
+_Buffer = Buffer | npt.NDArray[np.generic]
 _U64Array = npt.NDArray[np.uint64]
 
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
@@ -352,7 +353,7 @@ class TransferPlan:
     def digest(self) -> int:
         """The plan digest (64-bit int): both layout fingerprints, pair offsets, every block."""
     def pair_content_digests(
-        self, side: Literal["src", "dst"], buffers: Iterable[Buffer]
+        self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]
     ) -> npt.NDArray[np.uint64]:
         """Per entry pair, XXH3-64 of the bytes its blocks cover on ``side`` (zero-copy).
 
@@ -360,7 +361,7 @@ class TransferPlan:
             IndexBoundsError: A block does not lie inside one of ``buffers``.
             TypeError: A buffer is not C-contiguous or has no buffer protocol.
         """
-    def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[Buffer]) -> int:
+    def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]) -> int:
         """The content digest (64-bit int) over ``pair_content_digests(side, buffers)``."""
     def __len__(self) -> int: ...
 

@@ -45,6 +45,7 @@ _MAGIC = b"KVPM"
 _VERSION = 1
 _HEAD = struct.Struct("<4sHH9QI")
 _Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | int
+_Buffer = Buffer | npt.NDArray[np.generic]
 
 
 class IntegrityError(KvPlanError):
@@ -132,7 +133,7 @@ def _pages_digest(pages: _Pages) -> int:
 def build_manifest(
     plan: TransferPlan,
     side: Literal["src", "dst"],
-    buffers: Iterable[Buffer],
+    buffers: Iterable[_Buffer],
     *,
     src_pages: _Pages,
     dst_pages: _Pages,
@@ -312,7 +313,7 @@ def check_notification(
     *,
     src_layout: Layout,
     dst_layout: Layout,
-    buffers: Iterable[Buffer],
+    buffers: Iterable[_Buffer],
     src_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
     dst_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
     src_slot: int | None = None,

@@ -170,7 +170,7 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
         from kvplan import integrity
 
         pages = (np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
-        sides = [pages, (src_slot, dst_slot)]
+        sides: list[tuple[Any, Any]] = [pages, (src_slot, dst_slot)]
         notif = integrity.pack_notification([
             integrity.build_manifest(p, "src", [state.arena.array], src_pages=sp, dst_pages=dp)
             for p, (sp, dp) in zip(plans, sides)])
