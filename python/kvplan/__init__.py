@@ -27,6 +27,7 @@ from kvplan._core import (
     tp_peers,
 )
 from kvplan._errors import TransferError
+from kvplan.integrity import IntegrityError
 from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 
@@ -34,6 +35,7 @@ __all__ = [
     "CompatReport",
     "EntryCheck",
     "IndexBoundsError",
+    "IntegrityError",
     "KvPlanError",
     "Layout",
     "LayoutEntry",

@@ -1,6 +1,8 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
-from collections.abc import Iterator, Sequence
-from typing import final
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal, final
+
+from typing_extensions import Buffer
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +23,9 @@ __all__ = [
     "TransferPlan",
     "__version__",
     "check_pairs",
+    "combine_pair_digests",
     "group_contiguous",
+    "index_digest",
     "legacy_pp_pairs",
     "pair_entries",
     "pool_stats",
@@ -38,6 +42,7 @@ class LayoutError(KvPlanError): ...
 
 _IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _I64Array = npt.NDArray[np.int64]
+_Buffer = Buffer | npt.NDArray[np.generic]
 _U64Array = npt.NDArray[np.uint64]
 
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
@@ -61,6 +66,10 @@ def legacy_pp_pairs(
     decode_num_layers: int | None = None,
 ) -> _I64Array: ...
 def pool_stats() -> tuple[int, int, int, int]: ...
+def combine_pair_digests(pair_digests: Sequence[int] | npt.NDArray[np.uint64]) -> int:
+    """The content digest of a plan from its pair digests (no byte is hashed again)."""
+def index_digest(pages: _IndexArray) -> int:
+    """XXH3-64 of a page list (widened to int64), as integrity manifests carry it."""
 def check_pairs(
     src_layout: Layout,
     dst_layout: Layout,
@@ -227,6 +236,8 @@ class Layout:
         *,
         strides: int | Sequence[int] | None = None,
     ) -> Layout: ...
+    def fingerprint(self) -> int:
+        """XXH3-64 of ``to_bytes()``: equal on two peers exactly when their layouts agree."""
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> Layout: ...
@@ -336,6 +347,22 @@ class TransferPlan:
     def group_blocks(self, group: int) -> slice: ...
     def batches(self, max_blocks: int) -> list[PlanBatch]: ...
     def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
+    @property
+    def layout_fingerprints(self) -> tuple[int, int]:
+        """Fingerprints of the prefill and decode layouts the plan was planned between."""
+    def digest(self) -> int:
+        """The plan digest (64-bit int): both layout fingerprints, pair offsets, every block."""
+    def pair_content_digests(
+        self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]
+    ) -> npt.NDArray[np.uint64]:
+        """Per entry pair, XXH3-64 of the bytes its blocks cover on ``side`` (zero-copy).
+
+        Raises:
+            IndexBoundsError: A block does not lie inside one of ``buffers``.
+            TypeError: A buffer is not C-contiguous or has no buffer protocol.
+        """
+    def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]) -> int:
+        """The content digest (64-bit int) over ``pair_content_digests(side, buffers)``."""
     def __len__(self) -> int: ...
 
 @final

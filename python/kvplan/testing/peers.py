@@ -108,7 +108,13 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
         except BaseException as exc:
             from kvplan.engines import TransferError
 
-            if isinstance(exc, TransferError):
+            from kvplan.integrity import IntegrityError
+
+            if isinstance(exc, IntegrityError):
+                fields = {k: getattr(exc, k, None)
+                          for k in ("what", "template", "pair", "layer", "role", "bad_pairs")}
+                conn.send(("integrity_error", str(exc), fields))
+            elif isinstance(exc, TransferError):
                 fields = {k: getattr(exc, k, None)
                           for k in ("engine", "session", "batch", "blocks", "bytes", "status",
                                     "agent", "state")}
@@ -126,7 +132,7 @@ def _submit_kw(state: _PeerState, notif: bytes) -> dict[str, Any]:
 def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                   src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
                   dst_slot: int | None, max_blocks: int | None, notif: bytes = b"",
-                  n_tokens: int | None = None) -> dict[str, Any]:
+                  n_tokens: int | None = None, digest: bool = False) -> dict[str, Any]:
     """Plan this peer's part of one request with kvplan and write it to the decode peer.
 
     ``n_tokens`` (or page sizes that differ between the peers) makes it a token plan: the page
@@ -135,6 +141,10 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
     The decode layout arrives as wire bytes (what the bootstrap handshake carries); the
     template is built once per decode layout and reused, as a serving worker would. With
     NIXL, ``notif`` goes with the last plan, so the decode sees it after every byte landed.
+
+    ``digest=True``: the plans' integrity manifests over the bytes sent
+    (``kvplan.integrity.pack_notification``) become the NIXL notification and are returned as
+    ``manifest`` for a caller's own side channel (Mooncake).
     """
     import kvplan
 
@@ -156,6 +166,15 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                            "state_pairs": int(len(template.state_pairs)),
                            "runs": int(plan.n_runs), "blocks": 0, "bytes": 0, "batches": 0,
                            "transfer_s": 0.0}
+    if digest:
+        from kvplan import integrity
+
+        pages = (np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
+        sides: list[tuple[Any, Any]] = [pages, (src_slot, dst_slot)]
+        notif = integrity.pack_notification([
+            integrity.build_manifest(p, "src", [state.arena.array], src_pages=sp, dst_pages=dp)
+            for p, (sp, dp) in zip(plans, sides)])
+        out["manifest"] = notif
     for k, p in enumerate(plans):
         kw = _submit_kw(state, notif) if k == len(plans) - 1 else {}
         stats = state.transport.submit(p, dst_session, max_blocks, **kw)
@@ -228,6 +247,33 @@ def _cmd_submit_async_raw(state: _PeerState, dst_session: str, src: Sequence[int
     return asdict(pending.wait())
 
 
+def _cmd_check_digest(state: _PeerState, src_layout_wire: bytes, payload: bytes | None,
+                      src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
+                      dst_slot: int | None, peer: str | None = None, timeout: float = 30.0,
+                      n_tokens: int | None = None) -> int:
+    """Decode side: verify a prefill's integrity manifests against what landed in this arena
+    (``kvplan.integrity.check_notification``; IntegrityError when they differ). ``payload``
+    None: wait for the NIXL notification from ``peer`` that carries them. Returns the number
+    of plans verified."""
+    import kvplan
+    from kvplan import integrity
+
+    if payload is None:
+        deadline = time.monotonic() + timeout
+        while payload is None:
+            got = state.transport.notifications().get(peer, [])
+            payload = next((m for m in got if integrity.is_notification(m)), None)
+            if payload is None and time.monotonic() > deadline:
+                raise PeerFailure(f"no integrity notification from {peer!r} in {timeout:g} s")
+            time.sleep(0.001)
+    mine = integrity.check_notification(
+        payload, src_layout=kvplan.Layout.from_bytes(src_layout_wire), dst_layout=state.layout,
+        buffers=[state.arena.array], src_pages=np.asarray(src_pages, np.int64),
+        dst_pages=np.asarray(dst_pages, np.int64), src_slot=src_slot, dst_slot=dst_slot,
+        n_tokens=n_tokens)
+    return len(mine)
+
+
 def _cmd_probe(state: _PeerState, peer: str) -> int:
     return int(state.transport.probe(peer))
 
@@ -256,6 +302,7 @@ _COMMANDS: dict[str, Callable[..., Any]] = {
     "transfer_prepped": _cmd_transfer_prepped,
     "submit_raw": _cmd_submit_raw,
     "submit_async_raw": _cmd_submit_async_raw,
+    "check_digest": _cmd_check_digest,
     "probe": _cmd_probe,
     "add_peer": _cmd_add_peer,
     "wait_notification": _cmd_wait_notification,
@@ -335,6 +382,13 @@ class PeerProcess:
             raise PeerFailure(f"{self.spec.name} closed its pipe during {what}") from None
         if kind == "ok":
             return payload[0]
+        if kind == "integrity_error":
+            from kvplan.integrity import IntegrityError
+
+            error = IntegrityError(payload[0])
+            for key, value in payload[1].items():
+                setattr(error, key, value)
+            raise error
         if kind == "transfer_error":
             from kvplan.engines import TransferError
 

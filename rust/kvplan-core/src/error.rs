@@ -219,6 +219,23 @@ pub enum PlanError {
     /// cannot express; `why` names the template's property and the path that works.
     #[error("prepped descriptor tables: {why}")]
     NotPreppable { why: String },
+    /// A block to digest that does not lie inside one of the buffers given for its side.
+    #[error(
+        "{side} block {block} at [{addr:#x}, +{len} bytes) does not lie inside one of the \
+         {n_buffers} buffers given for that side ({nearest}); every block must lie inside one \
+         buffer"
+    )]
+    BlockOutsideBuffers {
+        side: Side,
+        block: usize,
+        addr: u64,
+        len: u64,
+        n_buffers: usize,
+        nearest: String,
+    },
+    /// Digest inputs that do not describe a plan (columns of unequal lengths, bad offsets).
+    #[error("digest input: {what}")]
+    DigestInput { what: String },
 }
 
 impl PlanError {
@@ -259,7 +276,8 @@ impl PlanError {
             PlanError::NegativeIndex { .. }
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }
-            | PlanError::InputChanged => ErrorClass::IndexBounds,
+            | PlanError::InputChanged
+            | PlanError::BlockOutsideBuffers { .. } => ErrorClass::IndexBounds,
             PlanError::SizeMismatch { .. }
             | PlanError::HeadMismatch { .. }
             | PlanError::TokenSize { .. }
@@ -276,6 +294,7 @@ impl PlanError {
             | PlanError::Geometry { .. }
             | PlanError::TokenCount { .. }
             | PlanError::NotPreppable { .. }
+            | PlanError::DigestInput { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod descriptors;
+pub mod digest;
 pub mod emit;
 pub mod error;
 pub mod heads;
@@ -18,6 +19,10 @@ pub mod tokens;
 pub mod wire;
 
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
+pub use digest::{
+    PlanBlocks, Region, content_digest, index_digest, layout_fingerprint, pair_content_digests,
+    plan_digest,
+};
 pub use emit::Piece;
 pub use error::{ErrorClass, PlanError, Result, Side, try_vec};
 pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};

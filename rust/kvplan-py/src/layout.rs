@@ -482,6 +482,12 @@ impl PyLayout {
         strided_tail(&self.inner, layout, strides)
     }
 
+    /// XXH3-64 of the layout's wire encoding: equal on two peers exactly when they agree on
+    /// every field the handshake carries.
+    fn fingerprint(&self) -> PyResult<u64> {
+        kvplan_core::layout_fingerprint(&self.inner).map_err(to_py_err)
+    }
+
     /// The versioned binary encoding exchanged in the handshake (exact round trip).
     fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let bytes = kvplan_core::wire::encode(&self.inner).map_err(to_py_err)?;

@@ -5,6 +5,7 @@
 
 mod convert;
 mod descriptors;
+mod digest;
 mod errors;
 mod heads;
 mod layout;
@@ -16,6 +17,8 @@ mod template;
 
 #[pyo3::pymodule]
 mod _core {
+    #[pymodule_export]
+    use crate::digest::{combine_pair_digests, index_digest};
     #[pymodule_export]
     use crate::errors::{
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,

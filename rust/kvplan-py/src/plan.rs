@@ -194,11 +194,26 @@ pub(crate) struct BlockShape {
     /// Per group, for token plans: its token pieces of each class (empty when the template
     /// cannot plan by token).
     pub(crate) token_groups: Vec<[usize; kvplan_core::TOKEN_CLASSES]>,
+    /// Fingerprints of the (prefill, decode) layouts the template was built from (`None` when
+    /// a layout has no wire encoding, e.g. a role longer than the format allows).
+    pub(crate) fingerprints: Option<(u64, u64)>,
 }
 
 impl BlockShape {
+    /// The fingerprints of a template's two layouts, for the plan digest.
+    pub(crate) fn fingerprints(
+        src: &kvplan_core::Layout,
+        dst: &kvplan_core::Layout,
+    ) -> Option<(u64, u64)> {
+        let src = kvplan_core::layout_fingerprint(src).ok()?;
+        Some((src, kvplan_core::layout_fingerprint(dst).ok()?))
+    }
+
     /// The shape of a page template.
-    pub(crate) fn of_pages(template: &kvplan_core::Template) -> Self {
+    pub(crate) fn of_pages(
+        template: &kvplan_core::Template,
+        fingerprints: Option<(u64, u64)>,
+    ) -> Self {
         let groups = template
             .groups()
             .iter()
@@ -233,11 +248,15 @@ impl BlockShape {
             pair_groups: template.pair_groups().to_vec(),
             owner,
             token_groups,
+            fingerprints,
         }
     }
 
     /// The shape of a state plan: one block per emitting state pair.
-    pub(crate) fn of_state(template: &kvplan_core::Template) -> Self {
+    pub(crate) fn of_state(
+        template: &kvplan_core::Template,
+        fingerprints: Option<(u64, u64)>,
+    ) -> Self {
         let mut groups = Vec::new();
         let pair_groups: Vec<Option<usize>> = template
             .state_pairs()
@@ -255,6 +274,7 @@ impl BlockShape {
             pair_groups,
             owner,
             token_groups: Vec::new(),
+            fingerprints,
         }
     }
 }
@@ -333,6 +353,70 @@ impl PyTransferPlan {
             total_bytes,
             pairs,
         }
+    }
+}
+
+impl PyTransferPlan {
+    /// Block offsets of every entry pair (`n_pairs + 1` values).
+    fn pair_offset_values(&self) -> Vec<usize> {
+        let n = self.pairs.shape.pair_groups.len();
+        let mut offsets = Vec::with_capacity(n + 1);
+        let mut at = 0;
+        offsets.push(at);
+        for p in 0..n {
+            at += self.pairs.pair_len(p);
+            offsets.push(at);
+        }
+        offsets
+    }
+
+    /// Runs `f` on the plan's columns and pair offsets as slices (borrowed, not copied).
+    fn with_blocks<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&kvplan_core::PlanBlocks<'_>) -> PyResult<R>,
+    ) -> PyResult<R> {
+        let borrow = |c: &Column| {
+            c.bind(py).try_readonly().map_err(|e| {
+                KvPlanError::new_err(format!(
+                    "the plan's columns are being written elsewhere: {e}"
+                ))
+            })
+        };
+        let (src, dst, lengths) = (
+            borrow(&self.blocks.src_addrs)?,
+            borrow(&self.blocks.dst_addrs)?,
+            borrow(&self.blocks.lengths)?,
+        );
+        let offsets = self.pair_offset_values();
+        f(&kvplan_core::PlanBlocks {
+            src_addrs: src.as_slice()?,
+            dst_addrs: dst.as_slice()?,
+            lengths: lengths.as_slice()?,
+            pair_offsets: &offsets,
+        })
+    }
+
+    fn fingerprints(&self) -> PyResult<(u64, u64)> {
+        self.pairs.shape.fingerprints.ok_or_else(|| {
+            KvPlanError::new_err(
+                "this plan's layouts have no wire encoding (a role or device name longer than \
+                 65,535 bytes), so they have no fingerprint and the plan no digest",
+            )
+        })
+    }
+
+    fn pair_digest_values(
+        &self,
+        py: Python<'_>,
+        side: &str,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u64>> {
+        let side = crate::digest::parse_side(side)?;
+        let buffers = crate::digest::Buffers::extract(py, buffers)?;
+        self.with_blocks(py, |blocks| {
+            crate::digest::pair_digests(py, blocks, side, &buffers)
+        })
     }
 }
 
@@ -460,6 +544,55 @@ impl PyTransferPlan {
     /// All blocks as three Python lists (one `.tolist()` each, no Python loop per block).
     fn as_lists(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
         self.blocks.as_lists(py)
+    }
+
+    /// Fingerprints (XXH3-64 of the wire encoding) of the prefill and decode layouts the plan
+    /// was planned between.
+    #[getter]
+    fn layout_fingerprints(&self) -> PyResult<(u64, u64)> {
+        self.fingerprints()
+    }
+
+    /// The plan digest: a 64-bit integer hashing both layout fingerprints, the pair offsets and
+    /// every block in plan order (encoding in docs/integrity.md). Equal on two peers exactly
+    /// when they planned the same blocks between the same layouts.
+    fn digest(&self, py: Python<'_>) -> PyResult<u64> {
+        let fingerprints = self.fingerprints()?;
+        self.with_blocks(py, |blocks| {
+            let run = || kvplan_core::plan_digest(fingerprints, blocks);
+            let digest = if blocks.lengths.len() >= 4096 {
+                py.detach(run)
+            } else {
+                run()
+            };
+            digest.map_err(crate::errors::to_py_err)
+        })
+    }
+
+    /// The digest of each entry pair's bytes (uint64, `n_pairs` values), read in plan order
+    /// from `side` (`"src"` or `"dst"`) memory held by `buffers` (numpy arrays or other
+    /// C-contiguous buffer-protocol objects, borrowed without a copy; the GIL is released
+    /// while hashing). Every block must lie inside one buffer, else `IndexBoundsError`.
+    fn pair_content_digests<'py>(
+        &self,
+        py: Python<'py>,
+        side: &str,
+        buffers: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        Ok(self.pair_digest_values(py, side, buffers)?.into_pyarray(py))
+    }
+
+    /// The content digest: a 64-bit integer over the pair digests of `side` (see
+    /// `pair_content_digests`). The prefill's over `"src"` equals the decode's over `"dst"`
+    /// exactly when every planned byte arrived at its planned place.
+    fn content_digest(
+        &self,
+        py: Python<'_>,
+        side: &str,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let pairs = self.pair_digest_values(py, side, buffers)?;
+        Ok(kvplan_core::content_digest(&pairs))
     }
 
     fn __len__(&self) -> usize {

@@ -220,10 +220,11 @@ impl PyTemplate {
         let inner =
             Template::with_geometry(&src_layout.inner, &dst_layout.inner, options, &geometry)
                 .map_err(to_py_err)?;
+        let fingerprints = BlockShape::fingerprints(&src_layout.inner, &dst_layout.inner);
         Ok(Self {
             emitting: inner.pair_groups().iter().map(Option::is_some).collect(),
-            page_shape: Arc::new(BlockShape::of_pages(&inner)),
-            state_shape: Arc::new(BlockShape::of_state(&inner)),
+            page_shape: Arc::new(BlockShape::of_pages(&inner, fingerprints)),
+            state_shape: Arc::new(BlockShape::of_state(&inner, fingerprints)),
             inner,
         })
     }

@@ -1,0 +1,351 @@
+"""Integrity manifests: the prefill says what it planned and sent, the decode checks it.
+
+The prefill builds a :class:`Manifest` after its transfer (``side="src"``: the bytes it sent)
+and ships :meth:`Manifest.to_bytes` with its completion notification. The decode, which knows
+both layouts and both page lists, builds its own manifest of the same plan over what landed in
+its memory (``side="dst"``) and calls :func:`verify`, which raises :class:`IntegrityError`
+naming the first thing that differs: a layout fingerprint, a page list, the pair or block
+count, the plan itself, or the bytes (with the template and the layer and role of the first
+pair whose bytes differ). Every digest is computed by the native core (docs/integrity.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+from kvplan._core import (
+    KvPlanError,
+    Layout,
+    Template,
+    TransferPlan,
+    combine_pair_digests,
+    index_digest,
+)
+
+__all__ = [
+    "IntegrityError",
+    "Manifest",
+    "build_manifest",
+    "check_notification",
+    "is_notification",
+    "pack_notification",
+    "template_label",
+    "unpack_notification",
+    "verify",
+]
+
+_MAGIC = b"KVPM"
+_VERSION = 1
+_HEAD = struct.Struct("<4sHH9QI")
+_Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | int
+_Buffer = Buffer | npt.NDArray[np.generic]
+
+
+class IntegrityError(KvPlanError):
+    """The decode's digests disagree with the prefill's.
+
+    ``what`` is one of ``"layout"``, ``"pages"``, ``"pairs"``, ``"blocks"``, ``"plan"`` or
+    ``"content"``; ``template`` names the (prefill, decode) rank pair; for ``"content"``,
+    ``pair``, ``layer`` and ``role`` name the first entry pair whose bytes differ and
+    ``bad_pairs`` counts the pairs that differ.
+    """
+
+    what: str = ""
+    template: str = ""
+    pair: int | None = None
+    layer: int | None = None
+    role: str | None = None
+    bad_pairs: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one side planned and the digest of the bytes it read through that plan."""
+
+    src_fingerprint: int
+    dst_fingerprint: int
+    src_pages_digest: int
+    dst_pages_digest: int
+    n_pairs: int
+    n_blocks: int
+    total_bytes: int
+    plan_digest: int
+    content_digest: int
+    pair_digests: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        """Little-endian: magic ``KVPM``, version u16, flags u16, nine u64 fields in
+        declaration order, the pair count u32, then one u64 per pair digest."""
+        head = _HEAD.pack(
+            _MAGIC,
+            _VERSION,
+            0,
+            self.src_fingerprint,
+            self.dst_fingerprint,
+            self.src_pages_digest,
+            self.dst_pages_digest,
+            self.n_pairs,
+            self.n_blocks,
+            self.total_bytes,
+            self.plan_digest,
+            self.content_digest,
+            len(self.pair_digests),
+        )
+        return head + struct.pack(f"<{len(self.pair_digests)}Q", *self.pair_digests)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Decodes :meth:`to_bytes`; anything else raises :class:`KvPlanError`."""
+        data = bytes(data)
+        if len(data) < _HEAD.size or data[:4] != _MAGIC:
+            raise KvPlanError(
+                f"not a kvplan integrity manifest ({len(data)} bytes, starting {data[:4]!r})"
+            )
+        _, version, flags, *fields, count = _HEAD.unpack_from(data)
+        if version != _VERSION or flags != 0:
+            raise KvPlanError(
+                f"integrity manifest version {version} flags {flags:#x}; this build reads "
+                f"version {_VERSION} with flags 0"
+            )
+        if len(data) != _HEAD.size + 8 * count:
+            raise KvPlanError(
+                f"integrity manifest announces {count} pair digests but carries "
+                f"{len(data) - _HEAD.size} bytes after its header ({8 * count} expected)"
+            )
+        pairs = struct.unpack_from(f"<{count}Q", data, _HEAD.size)
+        names = [f for f in cls.__dataclass_fields__ if f != "pair_digests"]
+        return cls(**dict(zip(names, fields, strict=True)), pair_digests=tuple(pairs))
+
+
+def _pages_digest(pages: _Pages) -> int:
+    if isinstance(pages, int):
+        pages = np.array([pages], dtype=np.int64)
+    return index_digest(pages)
+
+
+def build_manifest(
+    plan: TransferPlan,
+    side: Literal["src", "dst"],
+    buffers: Iterable[_Buffer],
+    *,
+    src_pages: _Pages,
+    dst_pages: _Pages,
+) -> Manifest:
+    """The manifest of ``plan`` (planned from ``src_pages`` to ``dst_pages``, page arrays or,
+    for a state plan, the two slots) with the content read on ``side`` from ``buffers``."""
+    src_fp, dst_fp = plan.layout_fingerprints
+    pairs = plan.pair_content_digests(side, buffers)
+    return Manifest(
+        src_fingerprint=src_fp,
+        dst_fingerprint=dst_fp,
+        src_pages_digest=_pages_digest(src_pages),
+        dst_pages_digest=_pages_digest(dst_pages),
+        n_pairs=plan.n_pairs,
+        n_blocks=plan.n_blocks,
+        total_bytes=plan.total_bytes,
+        plan_digest=plan.digest(),
+        content_digest=combine_pair_digests(pairs),
+        pair_digests=tuple(int(d) for d in pairs),
+    )
+
+
+def template_label(src_layout: Layout, dst_layout: Layout) -> str:
+    """``prefill pp 0/2 tp 1/4 -> decode pp 0/1 tp 0/2``: the rank pair a template serves."""
+
+    def ranks(layout: Layout) -> str:
+        return f"pp {layout.pp_rank}/{layout.pp_size} tp {layout.tp_rank}/{layout.tp_size}"
+
+    return f"prefill {ranks(src_layout)} -> decode {ranks(dst_layout)}"
+
+
+def _fail(message: str, what: str, template: str, **attrs: object) -> IntegrityError:
+    error = IntegrityError(f"integrity check failed for {template}: {message}")
+    error.what = what
+    error.template = template
+    for name, value in attrs.items():
+        setattr(error, name, value)
+    return error
+
+
+def verify(
+    received: Manifest | bytes,
+    expected: Manifest,
+    *,
+    template: Template,
+    src_layout: Layout,
+    dst_layout: Layout,
+    state: bool = False,
+) -> None:
+    """Compares the prefill's manifest (``received``) with the decode's own (``expected``,
+    from :func:`build_manifest` over ``side="dst"``) for the plan ``template`` built between
+    ``src_layout`` and ``dst_layout`` (``state=True`` for a state plan). Raises
+    :class:`IntegrityError` naming the first difference, checked in the order an operator
+    needs them: the layouts, the page lists, the pair and block counts, the plan, the bytes."""
+    sent = received if isinstance(received, Manifest) else Manifest.from_bytes(received)
+    label = template_label(src_layout, dst_layout)
+    for side, a, b in (
+        ("prefill", sent.src_fingerprint, expected.src_fingerprint),
+        ("decode", sent.dst_fingerprint, expected.dst_fingerprint),
+    ):
+        if a != b:
+            raise _fail(
+                f"the {side} layout fingerprint differs: the prefill planned with {a:016x}, "
+                f"the decode holds {b:016x} (the two sides use different versions of the "
+                f"{side} layout: re-run the handshake)",
+                "layout",
+                label,
+            )
+    for side, a, b in (
+        ("prefill (src)", sent.src_pages_digest, expected.src_pages_digest),
+        ("decode (dst)", sent.dst_pages_digest, expected.dst_pages_digest),
+    ):
+        if a != b:
+            raise _fail(
+                f"the {side} page list differs: digest {a:016x} at the prefill, {b:016x} at "
+                f"the decode (pages sent for another request, or reallocated)",
+                "pages",
+                label,
+            )
+    if sent.n_pairs != expected.n_pairs:
+        raise _fail(
+            f"the prefill planned {sent.n_pairs} entry pairs, the decode {expected.n_pairs}",
+            "pairs",
+            label,
+        )
+    if sent.n_blocks != expected.n_blocks:
+        raise _fail(
+            f"the prefill planned {sent.n_blocks} blocks ({sent.total_bytes} bytes), the "
+            f"decode {expected.n_blocks} ({expected.total_bytes} bytes)",
+            "blocks",
+            label,
+        )
+    if sent.plan_digest != expected.plan_digest:
+        raise _fail(
+            f"same layouts, pages and block count but different blocks: plan digest "
+            f"{sent.plan_digest:016x} at the prefill, {expected.plan_digest:016x} at the decode "
+            f"(the two sides planned with different pairing options or kvplan versions)",
+            "plan",
+            label,
+        )
+    if (
+        sent.content_digest == expected.content_digest
+        and sent.pair_digests == expected.pair_digests
+    ):
+        return
+    bad = [p for p, (a, b) in enumerate(zip(sent.pair_digests, expected.pair_digests)) if a != b]
+    if not bad:
+        raise _fail(
+            f"content digest {sent.content_digest:016x} at the prefill, "
+            f"{expected.content_digest:016x} at the decode",
+            "content",
+            label,
+        )
+    pair = bad[0]
+    pairs = template.state_pairs if state else template.pairs
+    dst_entry = int(pairs[pair][1])
+    ids = dst_layout.layer_ids
+    roles = dst_layout.roles
+    layer = None if ids is None else ids[dst_entry]
+    role = None if roles is None else roles[dst_entry]
+    raise _fail(
+        f"the bytes of {len(bad)} of {sent.n_pairs} entry pairs differ; first: "
+        f"{'state ' if state else ''}pair {pair} (layer {layer}, role {role}, decode entry "
+        f"{dst_entry}): {sent.pair_digests[pair]:016x} sent, {expected.pair_digests[pair]:016x} "
+        f"landed",
+        "content",
+        label,
+        pair=pair,
+        layer=layer,
+        role=role,
+        bad_pairs=len(bad),
+    )
+
+
+_NOTIFY_MAGIC = b"KVPN"
+_NOTIFY_HEAD = struct.Struct("<4sHH")
+
+
+def pack_notification(manifests: list[Manifest]) -> bytes:
+    """The bytes a prefill sends with its completion notification (NIXL) or through its own
+    side channel (Mooncake): magic ``KVPN``, version u16 (1), count u16, then per manifest a
+    u32 length and :meth:`Manifest.to_bytes` (the page plan's first, then the state plan's)."""
+    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, 1, len(manifests))]
+    for m in manifests:
+        data = m.to_bytes()
+        parts.append(struct.pack("<I", len(data)) + data)
+    return b"".join(parts)
+
+
+def is_notification(data: bytes) -> bool:
+    """Whether ``data`` starts like :func:`pack_notification`'s output."""
+    return bytes(data[:4]) == _NOTIFY_MAGIC
+
+
+def unpack_notification(data: bytes) -> list[Manifest]:
+    """Decodes :func:`pack_notification`; anything else raises :class:`KvPlanError`."""
+    data = bytes(data)
+    if len(data) < _NOTIFY_HEAD.size or not is_notification(data):
+        raise KvPlanError(f"not a kvplan integrity notification ({len(data)} bytes)")
+    _, version, count = _NOTIFY_HEAD.unpack_from(data)
+    if version != 1:
+        raise KvPlanError(f"integrity notification version {version}; this build reads 1")
+    at, out = _NOTIFY_HEAD.size, []
+    for _ in range(count):
+        if at + 4 > len(data):
+            raise KvPlanError("integrity notification truncated")
+        (n,) = struct.unpack_from("<I", data, at)
+        out.append(Manifest.from_bytes(data[at + 4 : at + 4 + n]))
+        at += 4 + n
+    if at != len(data):
+        raise KvPlanError(f"integrity notification has {len(data) - at} trailing bytes")
+    return out
+
+
+def check_notification(
+    payload: bytes,
+    *,
+    src_layout: Layout,
+    dst_layout: Layout,
+    buffers: Iterable[_Buffer],
+    src_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
+    dst_pages: npt.NDArray[np.int32] | npt.NDArray[np.int64],
+    src_slot: int | None = None,
+    dst_slot: int | None = None,
+    n_tokens: int | None = None,
+    template: Template | None = None,
+) -> list[Manifest]:
+    """The decode-side check: re-plans the request from the prefill's layout (as the handshake
+    carried it) and its own, digests what landed in ``buffers`` and verifies every manifest of
+    ``payload`` (page plan, then state plan when slots are given); raises
+    :class:`IntegrityError` naming what differs. Returns the decode's own manifests."""
+    template = template or Template(src_layout, dst_layout)
+    buffers = list(buffers)
+    plans: list[tuple[TransferPlan, bool, _Pages, _Pages]] = [
+        (template.plan(src_pages, dst_pages, n_tokens=n_tokens), False, src_pages, dst_pages)
+    ]
+    if src_slot is not None and dst_slot is not None and len(template.state_pairs):
+        plans.append((template.plan_state(src_slot, dst_slot), True, src_slot, dst_slot))
+    received = unpack_notification(payload)
+    label = template_label(src_layout, dst_layout)
+    if len(received) != len(plans):
+        raise _fail(
+            f"the prefill sent {len(received)} plan manifests, the decode planned {len(plans)} "
+            f"(page plan{' and state plan' if len(plans) > 1 else ''})",
+            "plans",
+            label,
+        )
+    mine = []
+    for (plan, state, sp, dp), sent in zip(plans, received, strict=True):
+        own = build_manifest(plan, "dst", buffers, src_pages=sp, dst_pages=dp)
+        verify(
+            sent, own, template=template, src_layout=src_layout, dst_layout=dst_layout, state=state
+        )
+        mine.append(own)
+    return mine

@@ -1,0 +1,328 @@
+//! Integrity digests: what a plan is (the plan digest) and what it moved (the content digest).
+//!
+//! Both peers can compute the same plan, so the decode can recompute the prefill's plan digest
+//! from the two layouts and both page lists and compare it before it trusts any byte, and both
+//! sides can hash the bytes the plan moves, each reading its own memory through its own column
+//! of the same plan: the prefill its sources, the decode its destinations. The two content
+//! digests are equal exactly when every planned byte arrived at its planned place, whatever the
+//! relayout between the two sides (TP head slices, PP stages, page sizes, pools, state slots).
+//!
+//! Every hash is XXH3-64 with seed 0 (the reference `XXH3_64bits` function), and every integer
+//! is written little-endian. The exact byte encodings, so that another implementation (a GPU
+//! kernel, another language) reproduces the same values:
+//!
+//! ```text
+//! layout fingerprint = XXH3_64(the layout's wire bytes, as Layout::to_bytes writes them)
+//!
+//! plan digest = XXH3_64(
+//!     "KVPLPD" 0x01 0x00                 8 bytes: magic and plan-digest version 1
+//!     src fingerprint u64 | dst fingerprint u64
+//!     n_pairs u64 | pair_offsets: n_pairs + 1 values, u64 each
+//!     n_blocks u64
+//!     src_addrs: n_blocks × u64 | dst_addrs: n_blocks × u64 | lengths: n_blocks × u64)
+//!
+//! chunk hash   = XXH3_64(one chunk's bytes); each block, read at its address on one side, is
+//!                cut into chunks of CHUNK_BYTES (65,536) bytes from its start, the last chunk
+//!                of a block possibly shorter; a zero-length block has no chunk
+//! pair digest  = XXH3_64(the chunk hashes of the pair's blocks, in plan order, u64 each)
+//!                (a pair that owns no block hashes the empty input)
+//! content digest = XXH3_64(
+//!     "KVPLCD" 0x01 0x00                 8 bytes: magic and content-digest version 1
+//!     n_pairs u64 | the n_pairs pair digests, u64 each)
+//!
+//! index digest = XXH3_64("KVPLIX" 0x01 0x00 | n u64 | the n indices, i64 each)
+//! ```
+//!
+//! A pair's blocks are `pair_offsets[p]..pair_offsets[p + 1]` (a coalesced group's blocks
+//! belong to its last pair). Chunks make the content digest parallel: every chunk hash is
+//! independent, so a kernel can hash chunks concurrently and combine them in order.
+//!
+//! The content digest is defined over the plan's blocks, so the two sides must hash the same
+//! plan; that is what the plan digest checks first.
+
+use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
+
+use crate::error::{PlanError, Result, Side};
+use crate::layout::Layout;
+
+/// Bytes of one content chunk (the last chunk of a block may be shorter).
+pub const CHUNK_BYTES: usize = 1 << 16;
+/// Leading bytes of the plan digest's input: magic and version.
+pub const PLAN_DIGEST_TAG: [u8; 8] = *b"KVPLPD\x01\x00";
+/// Leading bytes of the content digest's input: magic and version.
+pub const CONTENT_DIGEST_TAG: [u8; 8] = *b"KVPLCD\x01\x00";
+/// Leading bytes of an index list digest's input: magic and version.
+pub const INDEX_DIGEST_TAG: [u8; 8] = *b"KVPLIX\x01\x00";
+
+/// The fingerprint of a layout: XXH3-64 of its wire encoding, so two peers agree on it exactly
+/// when they agree on every field the handshake carries.
+///
+/// # Errors
+/// [`crate::wire::encode`]'s errors.
+pub fn layout_fingerprint(layout: &Layout) -> Result<u64> {
+    Ok(xxh3_64(&crate::wire::encode(layout)?))
+}
+
+/// XXH3-64 of an index list (a request's page list), widened to i64.
+pub fn index_digest<P: crate::runs::PageIndex>(indices: &[P]) -> u64 {
+    let mut hasher = Xxh3Default::new();
+    hasher.update(&INDEX_DIGEST_TAG);
+    hasher.update(&(indices.len() as u64).to_le_bytes());
+    let mut words = Words::new(&mut hasher);
+    for &index in indices {
+        words.push(index.get() as u64);
+    }
+    words.flush();
+    hasher.digest()
+}
+
+/// A plan's blocks and how they divide among its entry pairs.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanBlocks<'a> {
+    /// Source addresses.
+    pub src_addrs: &'a [u64],
+    /// Destination addresses.
+    pub dst_addrs: &'a [u64],
+    /// Lengths in bytes.
+    pub lengths: &'a [u64],
+    /// `n_pairs + 1` increasing block offsets starting at 0 and ending at the block count.
+    pub pair_offsets: &'a [usize],
+}
+
+impl PlanBlocks<'_> {
+    /// Checks the columns and offsets describe one plan.
+    ///
+    /// # Errors
+    /// [`PlanError::DigestInput`] naming the lengths or the offset that is wrong.
+    pub fn check(&self) -> Result<()> {
+        let n = self.lengths.len();
+        if self.src_addrs.len() != n || self.dst_addrs.len() != n {
+            return Err(PlanError::DigestInput {
+                what: format!(
+                    "plan columns of unequal lengths: {} sources, {} destinations, {n} lengths",
+                    self.src_addrs.len(),
+                    self.dst_addrs.len()
+                ),
+            });
+        }
+        let offsets = self.pair_offsets;
+        let ok = offsets.first() == Some(&0)
+            && offsets.last() == Some(&n)
+            && offsets.windows(2).all(|w| w[0] <= w[1]);
+        if !ok {
+            return Err(PlanError::DigestInput {
+                what: format!(
+                    "pair offsets must increase from 0 to the block count {n}, got {} offsets \
+                     from {:?} to {:?}",
+                    offsets.len(),
+                    offsets.first(),
+                    offsets.last()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Entry pairs of the plan.
+    pub fn n_pairs(&self) -> usize {
+        self.pair_offsets.len().saturating_sub(1)
+    }
+}
+
+/// Writes u64 values into a hasher through a small buffer (one `update` per 512 values).
+struct Words<'h> {
+    hasher: &'h mut Xxh3Default,
+    buffer: [u8; 4096],
+    used: usize,
+}
+
+impl<'h> Words<'h> {
+    fn new(hasher: &'h mut Xxh3Default) -> Self {
+        Self {
+            hasher,
+            buffer: [0; 4096],
+            used: 0,
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, value: u64) {
+        if self.used == self.buffer.len() {
+            self.flush();
+        }
+        self.buffer[self.used..self.used + 8].copy_from_slice(&value.to_le_bytes());
+        self.used += 8;
+    }
+
+    fn extend(&mut self, values: impl IntoIterator<Item = u64>) {
+        for value in values {
+            self.push(value);
+        }
+    }
+
+    fn flush(&mut self) {
+        self.hasher.update(&self.buffer[..self.used]);
+        self.used = 0;
+    }
+}
+
+/// The plan digest of `blocks` planned between layouts with fingerprints `fingerprints`
+/// (source, destination); see the module documentation for the exact encoding.
+///
+/// # Errors
+/// [`PlanBlocks::check`]'s errors.
+pub fn plan_digest(fingerprints: (u64, u64), blocks: &PlanBlocks<'_>) -> Result<u64> {
+    blocks.check()?;
+    let mut hasher = Xxh3Default::new();
+    hasher.update(&PLAN_DIGEST_TAG);
+    let mut words = Words::new(&mut hasher);
+    words.extend([fingerprints.0, fingerprints.1, blocks.n_pairs() as u64]);
+    words.extend(blocks.pair_offsets.iter().map(|&o| o as u64));
+    words.push(blocks.lengths.len() as u64);
+    for column in [blocks.src_addrs, blocks.dst_addrs, blocks.lengths] {
+        words.extend(column.iter().copied());
+    }
+    words.flush();
+    Ok(hasher.digest())
+}
+
+/// One buffer of a side's memory: the address of its first byte and its bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Region<'a> {
+    /// Address of `bytes[0]` in the address space the plan's addresses use.
+    pub base: u64,
+    /// The buffer's bytes.
+    pub bytes: &'a [u8],
+}
+
+impl Region<'_> {
+    fn end(&self) -> u128 {
+        u128::from(self.base) + self.bytes.len() as u128
+    }
+
+    fn holds(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base && u128::from(addr) + u128::from(len) <= self.end()
+    }
+}
+
+/// Finds the region holding each block (regions sorted by base once; the last hit is tried
+/// first, since consecutive blocks usually come from the same buffer).
+struct Regions<'r, 'a> {
+    all: &'r [Region<'a>],
+    by_base: Vec<usize>,
+    last: usize,
+}
+
+impl<'r, 'a> Regions<'r, 'a> {
+    fn new(regions: &'r [Region<'a>]) -> Self {
+        let mut by_base: Vec<usize> = (0..regions.len()).collect();
+        by_base.sort_by_key(|&i| regions[i].base);
+        Self {
+            all: regions,
+            by_base,
+            last: 0,
+        }
+    }
+
+    fn find(&mut self, addr: u64, len: u64) -> Option<&'r [u8]> {
+        if let Some(region) = self.all.get(self.last)
+            && region.holds(addr, len)
+        {
+            return Some(slice_of(region, addr, len));
+        }
+        // The last region starting at or before `addr`; with overlapping regions another one
+        // may hold the block, so fall back to trying them all.
+        let after = self.by_base.partition_point(|&i| self.all[i].base <= addr);
+        let candidate = after.checked_sub(1).map(|k| self.by_base[k]);
+        let found = candidate
+            .filter(|&i| self.all[i].holds(addr, len))
+            .or_else(|| (0..self.all.len()).find(|&i| self.all[i].holds(addr, len)))?;
+        self.last = found;
+        Some(slice_of(&self.all[found], addr, len))
+    }
+
+    /// "buffer i at [start, end)" for the region nearest to `addr`, for messages.
+    fn nearest(&self, addr: u64) -> String {
+        let distance = |r: &Region<'_>| -> u128 {
+            if u128::from(addr) < u128::from(r.base) {
+                u128::from(r.base - addr)
+            } else {
+                u128::from(addr).saturating_sub(r.end())
+            }
+        };
+        (0..self.all.len())
+            .min_by_key(|&i| distance(&self.all[i]))
+            .map_or_else(
+                || "no buffers were given".to_string(),
+                |i| {
+                    let r = &self.all[i];
+                    format!(
+                        "nearest is buffer {i} at [{:#x}, {:#x}), {} bytes",
+                        r.base,
+                        r.end(),
+                        r.bytes.len()
+                    )
+                },
+            )
+    }
+}
+
+fn slice_of<'a>(region: &Region<'a>, addr: u64, len: u64) -> &'a [u8] {
+    // `holds` checked both ends, so these fit in usize (they lie inside a slice).
+    let start = (addr - region.base) as usize;
+    &region.bytes[start..start + len as usize]
+}
+
+/// The digest of each entry pair's bytes, read on `side` from `regions` (see the module
+/// documentation for the encoding).
+///
+/// # Errors
+/// [`PlanBlocks::check`]'s errors; [`PlanError::BlockOutsideBuffers`] naming the first block
+/// that does not lie inside one region (nothing outside a region is ever read).
+pub fn pair_content_digests(
+    blocks: &PlanBlocks<'_>,
+    side: Side,
+    regions: &[Region<'_>],
+) -> Result<Vec<u64>> {
+    blocks.check()?;
+    let addrs = side.pick(blocks.src_addrs, blocks.dst_addrs);
+    let mut lookup = Regions::new(regions);
+    let mut digests = crate::error::try_vec(blocks.n_pairs(), 0u64, "pair digests")?;
+    for (pair, digest) in digests.iter_mut().enumerate() {
+        let mut hasher = Xxh3Default::new();
+        let mut words = Words::new(&mut hasher);
+        let range = blocks.pair_offsets[pair]..blocks.pair_offsets[pair + 1];
+        let pair_blocks = addrs[range.clone()]
+            .iter()
+            .zip(&blocks.lengths[range.clone()]);
+        for (block, (&addr, &len)) in range.zip(pair_blocks) {
+            let bytes = lookup
+                .find(addr, len)
+                .ok_or_else(|| PlanError::BlockOutsideBuffers {
+                    side,
+                    block,
+                    addr,
+                    len,
+                    n_buffers: regions.len(),
+                    nearest: lookup.nearest(addr),
+                })?;
+            for chunk in bytes.chunks(CHUNK_BYTES) {
+                words.push(xxh3_64(chunk));
+            }
+        }
+        words.flush();
+        *digest = hasher.digest();
+    }
+    Ok(digests)
+}
+
+/// The content digest of a plan from its pair digests (see the module documentation).
+pub fn content_digest(pair_digests: &[u64]) -> u64 {
+    let mut hasher = Xxh3Default::new();
+    hasher.update(&CONTENT_DIGEST_TAG);
+    let mut words = Words::new(&mut hasher);
+    words.push(pair_digests.len() as u64);
+    words.extend(pair_digests.iter().copied());
+    words.flush();
+    hasher.digest()
+}

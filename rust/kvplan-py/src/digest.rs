@@ -1,0 +1,138 @@
+//! Argument conversion for the core's integrity digests: a side's memory as zero-copy byte
+//! regions of Python buffers, and a plan's columns as slices. The hashing is the core's.
+
+use kvplan_core::{PlanBlocks, Region, Side};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+
+use crate::convert::IndexArray;
+use crate::errors::{KvPlanError, to_py_err};
+
+/// Plans of at least this many blocks are digested with the GIL released.
+const DETACH_BLOCKS: usize = 256;
+
+/// `"src"` or `"dst"`, else a `KvPlanError`.
+pub(crate) fn parse_side(side: &str) -> PyResult<Side> {
+    match side {
+        "src" => Ok(Side::Src),
+        "dst" => Ok(Side::Dst),
+        other => Err(KvPlanError::new_err(format!(
+            "side must be \"src\" or \"dst\", got {other:?}"
+        ))),
+    }
+}
+
+/// Python buffers held for the duration of a digest: each one's address and size in bytes.
+pub(crate) struct Buffers<'py> {
+    /// Keeps every buffer alive (and numpy's view of a non-array buffer).
+    _arrays: Vec<Bound<'py, PyUntypedArray>>,
+    spans: Vec<(usize, usize)>,
+}
+
+impl<'py> Buffers<'py> {
+    /// Borrows every object of `buffers` without copying: a numpy array of any dtype as it is,
+    /// anything else with the buffer protocol through `numpy.frombuffer`. Each must be
+    /// C-contiguous.
+    pub(crate) fn extract(py: Python<'py>, buffers: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let frombuffer = py.import("numpy")?.getattr("frombuffer")?;
+        let mut arrays = Vec::new();
+        let mut spans = Vec::new();
+        for (i, obj) in buffers.try_iter()?.enumerate() {
+            let obj = obj?;
+            let array = if let Ok(array) = obj.cast::<PyUntypedArray>() {
+                array.clone()
+            } else {
+                let view = frombuffer.call1((&obj, "uint8")).map_err(|e| {
+                    PyTypeError::new_err(format!(
+                        "buffers[{i}] ({}) is not a C-contiguous object with the buffer \
+                         protocol: {e}",
+                        obj.get_type()
+                            .name()
+                            .map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                })?;
+                view.cast_into::<PyUntypedArray>()?
+            };
+            if !array.is_c_contiguous() {
+                return Err(PyTypeError::new_err(format!(
+                    "buffers[{i}] is not C-contiguous (shape {:?}, strides {:?}): pass the \
+                     whole registered buffer, not a strided view",
+                    array.shape(),
+                    array.strides()
+                )));
+            }
+            let nbytes = array.len() * array.dtype().itemsize();
+            // SAFETY: `as_array_ptr` points to the live array object held by `array`; reading
+            // its `data` field does not touch the data.
+            let data = unsafe { (*array.as_array_ptr()).data };
+            spans.push((data as usize, nbytes));
+            arrays.push(array);
+        }
+        Ok(Self {
+            _arrays: arrays,
+            spans,
+        })
+    }
+
+    /// The address and size of every buffer (plain values, `Send`).
+    pub(crate) fn spans(&self) -> &[(usize, usize)] {
+        &self.spans
+    }
+}
+
+/// Byte regions of `spans`, for as long as the [`Buffers`] they came from are held.
+fn regions(spans: &[(usize, usize)]) -> Vec<Region<'_>> {
+    spans
+        .iter()
+        .map(|&(addr, len)| Region {
+            base: addr as u64,
+            // SAFETY: each span is the data pointer and byte size of a C-contiguous numpy array
+            // held alive by the `Buffers` borrowed for this call (the lifetime of `spans`), so
+            // the memory is valid for `len` bytes; it is only read. Another thread may write it
+            // concurrently (as a transfer engine does), which can change the digest but never
+            // reads outside the buffer.
+            bytes: if len == 0 {
+                &[]
+            } else {
+                unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+            },
+        })
+        .collect()
+}
+
+/// The pair digests of `blocks` read on `side` from `buffers`, with the GIL released for
+/// large plans.
+pub(crate) fn pair_digests(
+    py: Python<'_>,
+    blocks: &PlanBlocks<'_>,
+    side: Side,
+    buffers: &Buffers<'_>,
+) -> PyResult<Vec<u64>> {
+    let spans = buffers.spans();
+    let run = || kvplan_core::pair_content_digests(blocks, side, &regions(spans));
+    let digests = if blocks.lengths.len() >= DETACH_BLOCKS {
+        py.detach(run)
+    } else {
+        run()
+    };
+    digests.map_err(to_py_err)
+}
+
+/// `index_digest(pages)`: XXH3-64 of a page list (int32 or int64, widened to int64), as the
+/// integrity manifest carries it.
+#[pyfunction]
+pub(crate) fn index_digest(pages: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let array = IndexArray::extract(pages, "pages")?;
+    Ok(match array.as_slice("pages")? {
+        crate::convert::IndexSlice::I32(s) => kvplan_core::index_digest(s),
+        crate::convert::IndexSlice::I64(s) => kvplan_core::index_digest(s),
+    })
+}
+
+/// `combine_pair_digests(pair_digests)`: the content digest of a plan from its pair digests
+/// (what `TransferPlan.content_digest` returns, without hashing the bytes again).
+#[pyfunction]
+pub(crate) fn combine_pair_digests(pair_digests: Vec<u64>) -> u64 {
+    kvplan_core::content_digest(&pair_digests)
+}
