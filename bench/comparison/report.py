@@ -33,6 +33,8 @@ OTHER_RECORDS = [
     "the prepped one-per-page path (`bench/nixl_transfer.py`).",
     "- [sglang-dropin.md](sglang-dropin.md): SGLang's manager methods, original vs patched by "
     "`kvplan.compat.sglang.install` (`bench/sglang_dropin.py`).",
+    "- [digest-results.md](digest-results.md): content digest of a request vs one memcpy of the "
+    "same bytes (`bench/digest_bench.py`).",
 ]
 
 
