@@ -98,6 +98,7 @@ class PreppedPair:
             raise t._request_error(self.peer, 0, lengths, "make_prepped_xfer", exc) from exc
         with t._lock:
             t._live.add(handle)
+        pending._n_batches += 1
         pending._add(0, 0, len(li), handle, deferred=False)
         pending._post_ready()
         return pending.wait(timeout)
