@@ -66,6 +66,7 @@ class PlanLike(Protocol):
 
 
 P = TypeVar("P", bound="PendingBase")
+S = TypeVar("S")  # an engine status, returned as the engine gave it
 
 
 class PendingBase(ABC):
@@ -597,7 +598,7 @@ class Transport:
 
 
 def write_batches(src: U64, dst: U64, lengths: U64, bound: int | None,
-                  write: Callable[[int, U64, U64, U64], Any]) -> tuple[int, Any]:
+                  write: Callable[[int, U64, U64, U64], S]) -> tuple[int, S | int]:
     """The one batching loop: ``write(index, src, dst, lengths)`` for each batch of at most
     ``bound`` blocks (array views, no copy), in order, stopping at the first non-zero status.
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplan._core import Layout, Template
 from kvplan.engines._base import PlanLike, TransferError, TransferStats, Transport
 from kvplan.engines.nixl.descriptors import (
     NIXL_STATUS_NAMES,
@@ -20,6 +21,7 @@ from kvplan.engines.nixl.descriptors import (
     descriptor_rows,
     memory_of,
 )
+from kvplan.engines.nixl.owner import Memory
 from kvplan.engines.nixl.pending import NixlPending
 from kvplan.engines.nixl.prepped import PreppedPair
 
@@ -67,9 +69,9 @@ class NixlTransport(Transport):
         self._stuck: list[Any] = []       # handles NIXL refused to release; retried at close
         self._dlists: set[Any] = set()    # prepped descriptor-list handles
         self._reg_descs: list[Any] = []   # what register_memory returned, for deregistration
-        self._peers: dict[str, tuple[str, int]] = {}  # peer name -> (mem type, dev id)
+        self._peers: dict[str, Memory] = {}  # peer name -> (mem type, dev id)
         self._notifs: dict[str, list[bytes]] = {}
-        self._mem: tuple[str, int] | None = None       # local (mem type, dev id)
+        self._mem: Memory | None = None  # local (mem type, dev id)
         if agent is None:
             try:
                 from nixl_cu12._api import nixl_agent, nixl_agent_config
@@ -246,7 +248,7 @@ class NixlTransport(Transport):
             raise self._error(f"send_notif({notif!r}) to peer {peer!r} raised {exc!r}",
                               peer=peer, status=_nixl_status(exc)[0]) from exc
 
-    def _mems(self, peer: str, n: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    def _mems(self, peer: str, n: int) -> tuple[Memory, Memory]:
         remote = self._peers.get(peer)
         if remote is None:
             raise self._error(f"unknown peer {peer!r}: load its metadata with add_peer() "
@@ -254,8 +256,8 @@ class NixlTransport(Transport):
                               blocks=n)
         return self._mem or ("DRAM", 0), remote
 
-    def _make(self, peer: str, index: int, lengths: U64, local_mem: tuple[str, int],
-              remote_mem: tuple[str, int], src: U64, dst: U64, notif: bytes) -> Any:
+    def _make(self, peer: str, index: int, lengths: U64, local_mem: Memory, remote_mem: Memory,
+              src: U64, dst: U64, notif: bytes) -> Any:
         """One NIXL transfer request (not yet posted), tracked as live."""
         try:
             local = self._agent.get_xfer_descs(descriptor_rows(src, lengths, local_mem[1]),
@@ -307,8 +309,8 @@ class NixlTransport(Transport):
         return err
 
     # ------------------------------------------------------------------ prepped path
-    def prep(self, src_layout: Any, dst_layout: Any, peer: str, template: Any = None
-             ) -> PreppedPair:
+    def prep(self, src_layout: Layout, dst_layout: Layout, peer: str,
+             template: Template | None = None) -> PreppedPair:
         """Prepare vLLM-style descriptor lists for one peer pair: the template's prepped
         descriptor tables (``template.descriptor_table("src")`` here, ``"dst"`` at the peer;
         the plan's address model), handed to ``prep_xfer_dlist`` once per side. Requests then
@@ -324,10 +326,8 @@ class NixlTransport(Transport):
             TransferError: NIXL refused a list, or the peer is unknown.
         """
         self._check_open()
-        import kvplan
-
         if template is None:
-            template = kvplan.Template(src_layout, dst_layout)
+            template = Template(src_layout, dst_layout)
         local_mem, remote_mem = self._mems(peer, 0)
         src_addrs, src_lens = template.descriptor_table("src")
         dst_addrs, dst_lens = template.descriptor_table("dst")
