@@ -337,9 +337,9 @@ class Transport:
         """Register every buffer of ``layout`` with the engine, each region exactly once.
 
         ``layout`` is a :class:`kvplan.Layout` (anything with ``data_ptrs`` and ``data_lens``;
-        ``device`` is read when present, else ``"cpu"``). Overlapping or repeated buffers are merged, buffers already inside a
-        registered region are skipped, so calling it again for a layout sharing pools with an
-        earlier one is safe.
+        ``device`` is read when present, else ``"cpu"``). Overlapping or repeated buffers are
+        merged, buffers already inside a registered region are skipped, so calling it again for
+        a layout sharing pools with an earlier one is safe.
 
         Returns:
             The number of new regions handed to the engine (0 if nothing was new).
