@@ -605,8 +605,14 @@ def write_batches(src: U64, dst: U64, lengths: U64, bound: int | None,
     Returns ``(batches handed to write, status)``: the status is 0 when every batch was
     written, else the failed batch's (the last one handed over), unchanged.
     """
+    n = len(src)
+    if n == 0:
+        return 0, 0  # empty engine calls are skipped
+    if bound is None or n <= bound:  # one batch (the common case): the arrays as they are
+        status = write(0, src, dst, lengths)
+        return 1, (status if status != 0 else 0)
     count = 0
-    for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
+    for index, (lo, hi) in enumerate(_batch_bounds(n, bound)):
         count += 1
         status = write(index, src[lo:hi], dst[lo:hi], lengths[lo:hi])
         if status != 0:
