@@ -124,7 +124,7 @@ def test_install_on_both_classes_keeps_each_original(sg: Any) -> None:
     compat.install(M)
     compat.install(A)
     try:
-        from kvplan.compat._sglang_manager import _original_for
+        from kvplan.compat.sglang.registry import _original_for
 
         assert _original_for(A, "_send_kvcache_generic") is orig_generic
         assert _original_for(A, "send_kvcache") is orig_ascend

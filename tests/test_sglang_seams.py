@@ -491,7 +491,7 @@ def test_real_instances_take_the_bounded_batch_fast_path(sg: Any) -> None:
     """With SGLang's own ``_transfer_data``, SGLang makes one engine call per request; kvplan
     plans arrays and submits at most ``max_blocks_per_batch`` blocks per call, never building
     SGLang's tuple list. Seen through every patched method on real instances."""
-    from kvplan.compat import _sglang_manager as impl
+    from kvplan.compat.sglang import submit as impl
 
     def no_tuples(*args: Any) -> Any:
         raise AssertionError("the seam path ran on a manager with SGLang's _transfer_data")

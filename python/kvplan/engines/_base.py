@@ -1,14 +1,19 @@
 """Engine-independent half of the transfer adapters: plan intake, batching, stats, errors.
 
-An adapter subclass only says how to talk to one engine (initialise, register a list of regions,
-write one batch of Python lists). Everything that must be identical across engines lives here:
+An adapter subclass only says how to talk to one engine, by implementing hooks (initialise,
+register a list of regions, write one batch: as Python lists, or as the uint64 array views
+themselves). Everything that must be identical across engines lives here:
 
 * ``register(layout)`` turns a layout into whole, non-overlapping regions and registers each one
   exactly once (Mooncake rejects overlapping or repeated registrations with ``-7``; memfabric
   aligns regions to 2 MiB, so neighbours are registered in one call).
-* ``submit(plan, peer_session)`` cuts the plan into bounded batches of array *views*, converts
-  each batch to Python lists once (``.tolist()``; the bindings take lists about 3x faster than
-  numpy arrays), and never loops over blocks in Python.
+* ``submit(plan, peer_session)`` cuts the plan into bounded batches of array *views*
+  (:func:`write_batches`, the one batching loop) and hands each to the array hook; its default
+  converts each batch to Python lists once (``.tolist()``; the bindings take lists about 3x
+  faster than numpy arrays) for the list hook. No loop over blocks in Python.
+* Async submissions (``_submit_async``) share the same loop; each engine's handle derives from
+  :class:`PendingBase`, the one pending protocol (``done``, ``wait()``, ``stats``, context
+  manager).
 * A non-zero engine status, or an exception from the binding, becomes :class:`TransferError`
   naming the session, the batch index, its blocks and bytes, and the status.
 
@@ -20,11 +25,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+from kvplan._core import PlanBatch
+from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
+
+if TYPE_CHECKING:
+    from kvplan._core import Layout
 
 __all__ = [
     "PendingBase",
@@ -34,10 +46,8 @@ __all__ = [
     "TransferStats",
     "plan_arrays",
     "merge_regions",
+    "write_batches",
 ]
-
-from kvplan._core import PlanBatch
-from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 
 
 U64 = npt.NDArray[np.uint64]
@@ -48,21 +58,76 @@ class PlanLike(Protocol):
     a ``PlanBatch``, or a hand-built object in tests."""
 
     @property
-    def src_addrs(self) -> Any: ...
+    def src_addrs(self) -> npt.ArrayLike: ...
     @property
-    def dst_addrs(self) -> Any: ...
+    def dst_addrs(self) -> npt.ArrayLike: ...
     @property
-    def lengths(self) -> Any: ...
+    def lengths(self) -> npt.ArrayLike: ...
 
 
-class PendingBase:
-    """What every async handle shares: used as a context manager, it waits on exit, and a
-    transfer error is raised unless the block is already leaving with another exception."""
+P = TypeVar("P", bound="PendingBase")
+S = TypeVar("S")  # an engine status, returned as the engine gave it
 
-    def wait(self, *args: Any, **kwargs: Any) -> TransferStats:  # pragma: no cover - abstract
-        raise NotImplementedError
 
-    def __enter__(self) -> Any:
+class PendingBase(ABC):
+    """The one pending protocol: the handle every engine's ``submit_async`` returns.
+
+    * :attr:`done`: True once every batch finished (successfully or not); never blocks.
+    * :meth:`wait`: block until every batch finished; returns :class:`TransferStats` (the same
+      object on every later call) or raises the first failure as :class:`TransferError`.
+    * :attr:`stats`: the :class:`TransferStats` once :meth:`wait` succeeded, else ``None``.
+    * As a context manager it waits on exit; a transfer error is raised unless the block is
+      already leaving with another exception.
+
+    The submission side (called by :meth:`Transport._submit_async`, which owns the batch loop):
+    :meth:`_post_batch` once per bounded batch, :meth:`_abort` when posting raised, and
+    :meth:`_submitted` once every batch was posted.
+    """
+
+    def __init__(self, peer: str, lengths: U64) -> None:
+        self._t0 = time.perf_counter()
+        self._peer = peer
+        self._lengths = lengths
+        self._n_batches = 0  # counted by the submission loop, one per posted batch
+        self._error: TransferError | None = None
+        self._stats: TransferStats | None = None
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """True once every batch finished (successfully or not); never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> TransferStats:
+        """Block until every batch finished; raise :class:`TransferError` for a failure."""
+
+    @property
+    def stats(self) -> TransferStats | None:
+        """What the submission moved, once :meth:`wait` returned; ``None`` before or on failure."""
+        return self._stats
+
+    @abstractmethod
+    def _post_batch(self, index: int, lo: int, hi: int, src: U64, dst: U64, lengths: U64, *,
+                    last: bool) -> None:
+        """Hand batch ``index`` (blocks ``lo:hi`` of the submission, as array views) to the
+        engine; ``last`` marks the final batch. Raises :class:`TransferError` on failure."""
+
+    def _abort(self, exc: BaseException) -> None:
+        """Posting a batch raised ``exc`` (re-raised afterwards): clean up what was posted."""
+
+    def _submitted(self) -> None:
+        """Every batch was handed to the engine (none for an empty plan)."""
+
+    def _succeeded(self) -> TransferStats:
+        """Record (once) and return the stats of a submission whose every batch landed."""
+        if self._stats is None:
+            lengths = self._lengths
+            self._stats = TransferStats(self._peer, len(lengths),
+                                        int(lengths.sum(dtype=np.uint64)), self._n_batches,
+                                        time.perf_counter() - self._t0)
+        return self._stats
+
+    def __enter__(self: P) -> P:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -89,7 +154,7 @@ class TransferStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def _as_u64(name: str, values: Any) -> U64:
+def _as_u64(name: str, values: npt.ArrayLike) -> U64:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise TypeError(f"plan.{name} must be 1-D, got shape {arr.shape}")
@@ -189,7 +254,16 @@ class _InFlight:
 
 
 class Transport:
-    """Base class of the engine adapters. Subclasses implement the ``_engine_*`` hooks.
+    """Base class of the engine adapters. Subclasses implement the ``_engine_*`` hooks:
+
+    * ``_engine_session_id``, ``_engine_register`` / ``_engine_unregister`` (lists of regions);
+    * ``_engine_write`` (one batch as Python lists), or ``_engine_write_arrays`` (one batch as
+      uint64 array views; the default converts once and calls ``_engine_write``);
+    * optionally ``_engine_memory`` (refuse a device, before anything is registered),
+      ``_error_origin`` (how the engine's errors name their origin) and ``_describe_failure``.
+
+    An engine with asynchronous submission returns a :class:`PendingBase` subclass from a
+    ``submit_async`` that calls :meth:`_submit_async` (the one async batch loop).
 
     Class attributes a subclass sets:
         engine_name: shown in errors (``"mooncake"``, ``"memfabric"``).
@@ -215,13 +289,26 @@ class Transport:
         self._closed = False
 
     # ------------------------------------------------------------------ engine hooks
-    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+    def _engine_memory(self, device: str) -> None:
+        """Refuse ``device`` (raise) before any of its buffers is registered; default: accept."""
+
+    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
+        """Register the regions (``device`` memory, already accepted by ``_engine_memory``)."""
         raise NotImplementedError
 
     def _engine_unregister(self, ptrs: list[int]) -> int:
         raise NotImplementedError
 
+    def _engine_write_arrays(self, peer: str, src: U64, dst: U64, lengths: U64) -> int:
+        """Write one bounded batch, given as uint64 array views; returns the engine status.
+
+        The default converts the columns to Python lists once (the bindings want lists, and
+        ``.tolist()`` is the fast path) and calls the list hook :meth:`_engine_write`.
+        """
+        return self._engine_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+
     def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        """Write one bounded batch, given as Python lists; returns the engine status."""
         raise NotImplementedError
 
     def _engine_session_id(self) -> str:
@@ -230,6 +317,10 @@ class Transport:
     def _describe_failure(self, peer: str, status: int) -> str:
         """Extra context for an error message (e.g. a reachability probe). Never raises."""
         return ""
+
+    def _error_origin(self, msg: str) -> tuple[str, dict[str, Any]]:
+        """``msg`` as this engine's errors word it, and the extra attributes they carry."""
+        return msg, {}
 
     # ------------------------------------------------------------------ public API
     def local_session_id(self) -> str:
@@ -242,12 +333,13 @@ class Transport:
         """``(start, length)`` of every region this adapter registered, sorted by address."""
         return [(s, e - s) for s, e in self._regions]
 
-    def register(self, layout: Any) -> int:
+    def register(self, layout: Layout) -> int:
         """Register every buffer of ``layout`` with the engine, each region exactly once.
 
-        ``layout`` is a :class:`kvplan.Layout` (anything with ``data_ptrs`` and ``data_lens``).
-        Overlapping or repeated buffers are merged, buffers already inside a registered region
-        are skipped, so calling it again for a layout sharing pools with an earlier one is safe.
+        ``layout`` is a :class:`kvplan.Layout` (anything with ``data_ptrs`` and ``data_lens``;
+        ``device`` is read when present, else ``"cpu"``). Overlapping or repeated buffers are
+        merged, buffers already inside a registered region are skipped, so calling it again for
+        a layout sharing pools with an earlier one is safe.
 
         Returns:
             The number of new regions handed to the engine (0 if nothing was new).
@@ -256,10 +348,14 @@ class Transport:
             TransferError: the engine refused the registration, or a buffer partly overlaps a
                 region registered earlier (engines reject overlaps; re-register whole pools).
         """
-        return self.register_buffers(list(layout.data_ptrs), list(layout.data_lens))
+        return self.register_buffers(list(layout.data_ptrs), list(layout.data_lens),
+                                     getattr(layout, "device", "cpu"))
 
-    def register_buffers(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
-        """Register raw ``(ptr, len)`` buffers; same rules as :meth:`register`."""
+    def register_buffers(self, ptrs: Sequence[int], lens: Sequence[int],
+                         device: str = "cpu") -> int:
+        """Register raw ``(ptr, len)`` buffers of ``device`` memory; same rules as
+        :meth:`register`."""
+        self._engine_memory(device)
         self._check_open()
         with self._reg_lock:
             fresh: list[tuple[int, int]] = []
@@ -282,7 +378,7 @@ class Transport:
             # Equal lengths by construction; Mooncake segfaults on unequal lists, so say it.
             assert len(addrs) == len(sizes)
             try:
-                status = self._engine_register(addrs, sizes)
+                status = self._engine_register(addrs, sizes, device)
             except TransferError:
                 raise
             except Exception as exc:
@@ -358,13 +454,39 @@ class Transport:
         src, dst, lengths = self._prepare(plan, check_sources)
         bound = self._batch_bound(max_blocks_per_batch)
         t0 = time.perf_counter()
-        n_batches = 0
-        for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
-            n_batches += 1
-            self._write_batch(peer_session, index, src[lo:hi], dst[lo:hi], lengths[lo:hi])
+
+        def write(index: int, s: U64, d: U64, n: U64) -> int:
+            self._write_batch(peer_session, index, s, d, n)  # raises on a non-zero status
+            return 0
+
+        n_batches, _ = write_batches(src, dst, lengths, bound, write)
         seconds = time.perf_counter() - t0
         return TransferStats(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
                              n_batches, seconds)
+
+    def _submit_async(self, plan: PlanLike, peer_session: str,
+                      max_blocks_per_batch: int | None, check_sources: bool,
+                      open_pending: Callable[[U64], P]) -> P:
+        """The async batch loop behind every engine's ``submit_async``: the plan's bounded
+        batches posted, in order, into the handle ``open_pending(lengths)`` returns (called once
+        the plan was accepted). When posting raises, the handle cleans up (``_abort``) and the
+        error propagates; once all are posted the handle is told (``_submitted``)."""
+        self._check_open()
+        src, dst, lengths = self._prepare(plan, check_sources)
+        bound = self._batch_bound(max_blocks_per_batch)
+        pending = open_pending(lengths)
+        batches = list(_batch_bounds(len(src), bound))
+        last = len(batches) - 1
+        try:
+            for index, (lo, hi) in enumerate(batches):
+                pending._n_batches += 1
+                pending._post_batch(index, lo, hi, src[lo:hi], dst[lo:hi], lengths[lo:hi],
+                                    last=index == last)
+        except BaseException as exc:
+            pending._abort(exc)
+            raise
+        pending._submitted()
+        return pending
 
     def close(self) -> None:
         """Unregister memory and release the engine. Further calls raise."""
@@ -410,20 +532,17 @@ class Transport:
         return bound
 
     def _call_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64,
-                    call: Callable[[str, list[int], list[int], list[int]], Any], *,
-                    hold_budget: bool) -> Any:
-        """One engine call for one batch; returns what ``call`` returned.
+                    call: Callable[[str, U64, U64, U64], int], *, hold_budget: bool) -> int:
+        """One engine call for one batch (array views); returns what ``call`` returned.
 
-        Reserves the batch's blocks in the per-peer in-flight budget, converts the columns to
-        lists once (the bindings want lists, and ``.tolist()`` is the fast path), and turns an
-        engine exception into a :class:`TransferError` naming the batch. The budget is released
-        when the call returns, unless ``hold_budget`` (async batches keep it until waited on).
+        Reserves the batch's blocks in the per-peer in-flight budget and turns an engine
+        exception into a :class:`TransferError` naming the batch. The budget is released when
+        the call returns, unless ``hold_budget`` (async batches keep it until waited on).
         """
         n = len(src)
-        s, d, ln = src.tolist(), dst.tolist(), lengths.tolist()
         self._acquire_budget(peer, n)
         try:
-            result = call(peer, s, d, ln)
+            result = call(peer, src, dst, lengths)
         except Exception as exc:
             self._in_flight.release(peer, n)
             raise self._batch_error(peer, index, lengths, status=None, cause=exc) from exc
@@ -432,7 +551,7 @@ class Transport:
         return result
 
     def _write_batch(self, peer: str, index: int, src: U64, dst: U64, lengths: U64) -> None:
-        status = self._call_batch(peer, index, src, dst, lengths, self._engine_write,
+        status = self._call_batch(peer, index, src, dst, lengths, self._engine_write_arrays,
                                   hold_budget=False)
         if status != 0:
             raise self._batch_error(peer, index, lengths, status=status, cause=None)
@@ -461,6 +580,7 @@ class Transport:
 
     def _error(self, msg: str, *, peer: str | None, status: int | None, batch: int | None = None,
                blocks: int | None = None, n_bytes: int | None = None) -> TransferError:
+        msg, attrs = self._error_origin(msg)
         full = f"{self.engine_name}: {msg}"
         if status is not None:
             full += f" [{self._status_text(status)}]"
@@ -472,7 +592,32 @@ class Transport:
         err.blocks = blocks
         err.bytes = n_bytes
         err.status = status
+        for name, value in attrs.items():
+            setattr(err, name, value)
         return err
+
+
+def write_batches(src: U64, dst: U64, lengths: U64, bound: int | None,
+                  write: Callable[[int, U64, U64, U64], S]) -> tuple[int, S | int]:
+    """The one batching loop: ``write(index, src, dst, lengths)`` for each batch of at most
+    ``bound`` blocks (array views, no copy), in order, stopping at the first non-zero status.
+
+    Returns ``(batches handed to write, status)``: the status is 0 when every batch was
+    written, else the failed batch's (the last one handed over), unchanged.
+    """
+    n = len(src)
+    if n == 0:
+        return 0, 0  # empty engine calls are skipped
+    if bound is None or n <= bound:  # one batch (the common case): the arrays as they are
+        status = write(0, src, dst, lengths)
+        return 1, (status if status != 0 else 0)
+    count = 0
+    for index, (lo, hi) in enumerate(_batch_bounds(n, bound)):
+        count += 1
+        status = write(index, src[lo:hi], dst[lo:hi], lengths[lo:hi])
+        if status != 0:
+            return count, status
+    return count, 0
 
 
 def _batch_bounds(n: int, bound: int | None) -> Iterator[tuple[int, int]]:

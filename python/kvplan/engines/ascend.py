@@ -168,7 +168,7 @@ class AscendTransport(Transport):
                 f"initialize the engine first, or pass session_id=", peer=None, status=None)
         return self._session
 
-    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
         if len(ptrs) != len(lens):
             raise ValueError(f"{len(ptrs)} region addresses but {len(lens)} lengths")
         # One call for neighbouring regions (memfabric aligns to 2 MiB); chunk only past its cap.

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import deque
 from typing import Any
 
-import numpy as np
-
 from kvplan.engines._base import (
+    U64,
     PendingBase,
     PlanLike,
     TransferError,
     TransferStats,
     Transport,
-    _batch_bounds,
 )
 
 __all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES"]
@@ -116,7 +113,7 @@ class MooncakeTransport(Transport):
     def _engine_session_id(self) -> str:
         return self._session
 
-    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
+    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
         if len(ptrs) != len(lens):  # Mooncake does not check and crashes
             raise ValueError(f"{len(ptrs)} region addresses but {len(lens)} lengths")
         if len(ptrs) == 1:
@@ -128,6 +125,11 @@ class MooncakeTransport(Transport):
 
     def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
+
+    def _engine_write_async(self, peer: str, src: U64, dst: U64, lengths: U64) -> int:
+        """Submit one batch asynchronously; the batch id (0: the submit failed)."""
+        return int(self._engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(),
+                                                           lengths.tolist()))
 
     def _describe_failure(self, peer: str, status: int) -> str:
         # Deliberately no automatic send_probe here: against a hung (stopped) peer the probe
@@ -161,30 +163,8 @@ class MooncakeTransport(Transport):
         Raises:
             TransferError: a submit failed; the batches already submitted were waited on first.
         """
-        self._check_open()
-        src, dst, lengths = self._prepare(plan, check_sources)
-        bound = self._batch_bound(max_blocks_per_batch)
-        pending = PendingTransfer(self, peer_session, src, dst, lengths)
-        for index, (lo, hi) in enumerate(_batch_bounds(len(src), bound)):
-            pending._n_batches += 1
-            try:
-                value = int(self._call_batch(peer_session, index, src[lo:hi], dst[lo:hi],
-                                             lengths[lo:hi], self._engine.batch_transfer_async_write,
-                                             hold_budget=True))
-            except TransferError as raised:
-                pending._abort(raised)
-                raise
-            if value == 0:  # a failed submit is not a batch: it must never be waited on
-                self._in_flight.release(peer_session, hi - lo)
-                failed = self._batch_error(peer_session, index, lengths[lo:hi], status=-1,
-                                           cause=None)
-                pending._abort(failed)
-                raise failed
-            bid = _BatchId(value, index, lo, hi, pending)
-            pending._outstanding += 1
-            with self._async_lock:
-                self._async_fifo.setdefault(peer_session, deque()).append(bid)
-        return pending
+        return self._submit_async(plan, peer_session, max_blocks_per_batch, check_sources,
+                                  lambda lengths: PendingTransfer(self, peer_session, lengths))
 
     def close(self) -> None:
         """Wait on every outstanding async batch, unregister memory, drop the engine."""
@@ -224,6 +204,11 @@ class MooncakeTransport(Transport):
             self._in_flight.release(peer, bid.hi - bid.lo)
         return True
 
+    def _enqueue(self, peer: str, bid: _BatchId) -> None:
+        """Queue a submitted async batch for retirement, oldest first per peer."""
+        with self._async_lock:
+            self._async_fifo.setdefault(peer, deque()).append(bid)
+
 
 class _BatchId:
     """One Mooncake async batch id, waited on at most once (a second wait is a SIGSEGV)."""
@@ -248,17 +233,10 @@ class _BatchId:
 class PendingTransfer(PendingBase):
     """Handle of an async Mooncake submission; :meth:`wait` returns :class:`TransferStats`."""
 
-    def __init__(self, transport: MooncakeTransport, peer: str, src: np.ndarray,
-                 dst: np.ndarray, lengths: np.ndarray) -> None:
-        self._t0 = time.perf_counter()
+    def __init__(self, transport: MooncakeTransport, peer: str, lengths: U64) -> None:
+        super().__init__(peer, lengths)
         self._transport = transport
-        self._peer = peer
-        self._blocks = len(src)
-        self._lengths = lengths
-        self._n_batches = 0
         self._outstanding = 0
-        self._error: TransferError | None = None
-        self._stats: TransferStats | None = None
         self._cond = threading.Condition()
 
     @property
@@ -266,6 +244,17 @@ class PendingTransfer(PendingBase):
         """True once every submitted batch was waited on."""
         with self._cond:
             return self._outstanding == 0
+
+    def _post_batch(self, index: int, lo: int, hi: int, src: U64, dst: U64, lengths: U64, *,
+                    last: bool) -> None:
+        t, peer = self._transport, self._peer
+        value = t._call_batch(peer, index, src, dst, lengths, t._engine_write_async,
+                              hold_budget=True)
+        if value == 0:  # a failed submit is not a batch: it must never be waited on
+            t._in_flight.release(peer, hi - lo)
+            raise t._batch_error(peer, index, lengths, status=-1, cause=None)
+        self._outstanding += 1
+        t._enqueue(peer, _BatchId(value, index, lo, hi, self))
 
     def _done(self, bid: _BatchId, status: int | None, exc: BaseException | None) -> None:
         with self._cond:
@@ -276,21 +265,29 @@ class PendingTransfer(PendingBase):
                                              status=status, cause=exc)
             self._cond.notify_all()
 
-    def _abort(self, err: TransferError) -> None:
+    def _abort(self, exc: BaseException) -> None:
         """A submit failed: wait on what this handle already submitted, keep the first error."""
+        if not isinstance(exc, TransferError):
+            return
         try:
             self.wait()
         except TransferError:
             pass
         with self._cond:
-            self._error = err
+            self._error = exc
 
-    def wait(self) -> TransferStats:
+    def wait(self, timeout: float | None = None) -> TransferStats:
         """Block until every batch of this submission finished.
+
+        ``timeout`` must be ``None``: Mooncake's batch status call blocks until the batch ends.
 
         Raises:
             TransferError: the first failed batch (all batches were still waited on, each once).
+            ValueError: a ``timeout`` was given.
         """
+        if timeout is not None:
+            raise ValueError("Mooncake's batch status call blocks until the batch ends; "
+                             "wait() takes no timeout")
         t = self._transport
         while True:
             with self._cond:
@@ -303,9 +300,4 @@ class PendingTransfer(PendingBase):
                     self._cond.wait_for(lambda: self._outstanding == 0, timeout=1.0)
         if self._error is not None:
             raise self._error
-        if self._stats is None:
-            self._stats = TransferStats(self._peer, self._blocks,
-                                        int(self._lengths.sum(dtype=np.uint64)),
-                                        self._n_batches, time.perf_counter() - self._t0)
-        return self._stats
-
+        return self._succeeded()

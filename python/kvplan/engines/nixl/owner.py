@@ -12,7 +12,10 @@ from typing import Any, Protocol
 from kvplan.engines._base import TransferError
 from kvplan.engines.nixl.descriptors import U64
 
-__all__ = ["TransportHandle"]
+__all__ = ["Memory", "TransportHandle"]
+
+#: NIXL memory type and device id (``("DRAM", 0)``, ``("VRAM", 1)``).
+Memory = tuple[str, int]
 
 
 class TransportHandle(Protocol):
@@ -30,6 +33,9 @@ class TransportHandle(Protocol):
     def _release(self, handle: Any) -> bool: ...
 
     def _notify(self, peer: str, notif: bytes) -> None: ...
+
+    def _make(self, peer: str, index: int, lengths: U64, local_mem: Memory, remote_mem: Memory,
+              src: U64, dst: U64, notif: bytes) -> Any: ...
 
     def _error(self, msg: str, *, peer: str | None, status: int | None, batch: int | None = None,
                blocks: int | None = None, n_bytes: int | None = None) -> TransferError: ...

@@ -6,11 +6,9 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from kvplan.engines._base import PendingBase, TransferError, TransferStats
 from kvplan.engines.nixl.descriptors import U64
-from kvplan.engines.nixl.owner import TransportHandle
+from kvplan.engines.nixl.owner import Memory, TransportHandle
 
 __all__ = ["NixlPending"]
 
@@ -19,22 +17,39 @@ class NixlPending(PendingBase):
     """Posted NIXL requests of one submission. :meth:`wait` returns :class:`TransferStats`
     and releases every handle, whatever the outcome."""
 
-    def __init__(self, transport: TransportHandle, peer: str, lengths: U64) -> None:
+    def __init__(self, transport: TransportHandle, peer: str, lengths: U64, *,
+                 notif: bytes = b"", mems: tuple[Memory, Memory] | None = None) -> None:
+        super().__init__(peer, lengths)
         self._t = transport
-        self._peer = peer
-        self._lengths = lengths
-        self._t0 = time.perf_counter()
+        self._notif = notif
+        self._mems = mems  # (local, remote) memory of the plan's requests
         # [index, lo, hi, handle, posted]; the deferred last request is posted after the rest.
         self._reqs: list[list[Any]] = []
         self._deferred: list[Any] | None = None
-        self._count = 0
-        self._error: TransferError | None = None
-        self._stats: TransferStats | None = None
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ submission side
+    def _post_batch(self, index: int, lo: int, hi: int, src: U64, dst: U64, lengths: U64, *,
+                    last: bool) -> None:
+        """One request per batch; the notification travels with the last one, which waits
+        until the others completed when there are several (it never overtakes data)."""
+        assert self._mems is not None, "a plan submission names its memories"
+        local_mem, remote_mem = self._mems
+        handle = self._t._make(self._peer, index, lengths, local_mem, remote_mem, src, dst,
+                               self._notif if last else b"")
+        self._add(index, lo, hi, handle, deferred=last and index > 0)
+
+    def _abort(self, exc: BaseException) -> None:
+        self._release_all()
+
+    def _submitted(self) -> None:
+        if self._n_batches == 0 and self._notif:
+            # No request moves a byte: a bare notification says the submission is complete.
+            self._t._notify(self._peer, self._notif)
+        self._post_ready()
 
     def _add(self, index: int, lo: int, hi: int, handle: Any, *, deferred: bool) -> None:
         req = [index, lo, hi, handle, False]
-        self._count += 1
         if deferred:
             self._deferred = req
         else:
@@ -109,7 +124,7 @@ class NixlPending(PendingBase):
             req[3] = None  # released by close(), never again here
         return self._t._request_error(
             self._peer, index, self._lengths[lo:hi], "transport closed", None,
-            extra=f"NixlTransport.close() ran before {len(unfinished)} of {self._count} "
+            extra=f"NixlTransport.close() ran before {len(unfinished)} of {self._n_batches} "
                   f"requests completed and released their handles; blocks may have partly "
                   f"landed and the notification, if any, was not sent")
 
@@ -156,8 +171,4 @@ class NixlPending(PendingBase):
                 self._error = err
                 self._release_all()
                 raise
-            lengths = self._lengths
-            self._stats = TransferStats(self._peer, len(lengths),
-                                        int(lengths.sum(dtype=np.uint64)), self._count,
-                                        time.perf_counter() - self._t0)
-            return self._stats
+            return self._succeeded()

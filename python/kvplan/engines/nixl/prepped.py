@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvplan._core import Template
 from kvplan.engines._base import TransferStats
 from kvplan.engines.nixl.descriptors import U64
 from kvplan.engines.nixl.owner import TransportHandle
@@ -33,7 +34,7 @@ class PreppedPair:
         n_local, n_remote: descriptors in the local (source) and remote (destination) list.
     """
 
-    def __init__(self, transport: TransportHandle, peer: str, template: Any, local: Any,
+    def __init__(self, transport: TransportHandle, peer: str, template: Template, local: Any,
                  remote: Any, src_lens: U64, dst_lens: U64) -> None:
         self.transport, self.peer, self.template = transport, peer, template
         self._local, self._remote = local, remote
@@ -98,6 +99,7 @@ class PreppedPair:
             raise t._request_error(self.peer, 0, lengths, "make_prepped_xfer", exc) from exc
         with t._lock:
             t._live.add(handle)
+        pending._n_batches += 1
         pending._add(0, 0, len(li), handle, deferred=False)
         pending._post_ready()
         return pending.wait(timeout)

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kvplan.engines._base import PlanLike, TransferError, TransferStats, Transport, _batch_bounds
+from kvplan._core import Layout, Template
+from kvplan.engines._base import PlanLike, TransferError, TransferStats, Transport
 from kvplan.engines.nixl.descriptors import (
     NIXL_STATUS_NAMES,
     U64,
@@ -20,6 +21,7 @@ from kvplan.engines.nixl.descriptors import (
     descriptor_rows,
     memory_of,
 )
+from kvplan.engines.nixl.owner import Memory
 from kvplan.engines.nixl.pending import NixlPending
 from kvplan.engines.nixl.prepped import PreppedPair
 
@@ -67,10 +69,9 @@ class NixlTransport(Transport):
         self._stuck: list[Any] = []       # handles NIXL refused to release; retried at close
         self._dlists: set[Any] = set()    # prepped descriptor-list handles
         self._reg_descs: list[Any] = []   # what register_memory returned, for deregistration
-        self._peers: dict[str, tuple[str, int]] = {}  # peer name -> (mem type, dev id)
+        self._peers: dict[str, Memory] = {}  # peer name -> (mem type, dev id)
         self._notifs: dict[str, list[bytes]] = {}
-        self._mem: tuple[str, int] | None = None       # local (mem type, dev id)
-        self._pending_mem: tuple[str, int] = ("DRAM", 0)
+        self._mem: Memory | None = None  # local (mem type, dev id)
         if agent is None:
             try:
                 from nixl_cu12._api import nixl_agent, nixl_agent_config
@@ -92,8 +93,16 @@ class NixlTransport(Transport):
     def _engine_session_id(self) -> str:
         return self.name
 
-    def _engine_register(self, ptrs: list[int], lens: list[int]) -> int:
-        mem_type, dev = self._pending_mem
+    def _engine_memory(self, device: str) -> None:
+        # One agent registers one memory type and device: its descriptors name a single one.
+        mem = memory_of(device)  # ValueError for a device NIXL has no memory type for
+        if self._mem is not None and mem != self._mem:
+            raise self._error(f"cannot register {mem[0]} device {mem[1]} memory: this agent "
+                              f"already holds {self._mem[0]} device {self._mem[1]}", peer=None,
+                              status=None)
+
+    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
+        mem_type, dev = memory_of(device)
         descs = self._agent.register_memory(
             [(p, n, dev, "") for p, n in zip(ptrs, lens)], mem_type)
         self._reg_descs.append(descs)
@@ -105,13 +114,9 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(self._reg_descs.pop())
         return 0
 
-    def _error(self, msg: str, *, peer: str | None, status: int | None, batch: int | None = None,
-               blocks: int | None = None, n_bytes: int | None = None) -> TransferError:
-        err = super()._error(f"[agent {self.name!r}] {msg}" if "agent " not in msg else msg,
-                             peer=peer, status=status, batch=batch, blocks=blocks,
-                             n_bytes=n_bytes)
-        err.agent = self.name
-        return err
+    def _error_origin(self, msg: str) -> tuple[str, dict[str, Any]]:
+        # Every error names the agent (once: request errors start with it already).
+        return (msg if "agent " in msg else f"[agent {self.name!r}] {msg}"), {"agent": self.name}
 
     # ------------------------------------------------------------------ agent, peers
     def metadata(self) -> bytes:
@@ -158,32 +163,6 @@ class NixlTransport(Transport):
         """Transfer handles held and not yet released (0 when nothing is in flight)."""
         with self._lock:
             return len(self._live) + len(self._stuck)
-
-    def register(self, layout: Any) -> int:
-        """Register ``layout``'s buffers with NIXL (memory type and device id from
-        ``layout.device``); same merging rules as the other adapters.
-
-        Raises:
-            TransferError: NIXL refused the registration, or the layout's device differs from
-                memory this agent registered before.
-            ValueError: the device has no NIXL memory type.
-        """
-        return self._register_on(memory_of(layout.device), list(layout.data_ptrs),
-                                 list(layout.data_lens))
-
-    def register_buffers(self, ptrs: Sequence[int], lens: Sequence[int],
-                         device: str = "cpu") -> int:
-        """Register raw ``(ptr, len)`` buffers of ``device`` memory."""
-        return self._register_on(memory_of(device), ptrs, lens)
-
-    def _register_on(self, mem: tuple[str, int], ptrs: Sequence[int], lens: Sequence[int]
-                     ) -> int:
-        if self._mem is not None and mem != self._mem:
-            raise self._error(f"cannot register {mem[0]} device {mem[1]} memory: this agent "
-                              f"already holds {self._mem[0]} device {self._mem[1]}", peer=None,
-                              status=None)
-        self._pending_mem = mem
-        return super().register_buffers(ptrs, lens)
 
     # ------------------------------------------------------------------ notifications
     def notifications(self) -> dict[str, list[bytes]]:
@@ -255,25 +234,10 @@ class NixlTransport(Transport):
         still delivers ``notif``, as a bare NIXL notification: a decode rank that receives
         nothing from this prefill rank (no head in common) still waits for its completion.
         """
-        self._check_open()
-        src, dst, lengths = self._prepare(plan, check_sources)
-        bound = self._batch_bound(max_blocks_per_batch)
-        local_mem, remote_mem = self._mems(peer_session, len(src))
-        pending = NixlPending(self, peer_session, lengths)
-        batches = list(_batch_bounds(len(src), bound))
-        try:
-            for index, (lo, hi) in enumerate(batches):
-                last = index == len(batches) - 1
-                handle = self._make(peer_session, index, lengths[lo:hi], local_mem, remote_mem,
-                                    src[lo:hi], dst[lo:hi], notif if last else b"")
-                pending._add(index, lo, hi, handle, deferred=last and len(batches) > 1)
-        except BaseException:
-            pending._release_all()
-            raise
-        if not batches and notif:
-            self._notify(peer_session, notif)
-        pending._post_ready()
-        return pending
+        return self._submit_async(
+            plan, peer_session, max_blocks_per_batch, check_sources,
+            lambda lengths: NixlPending(self, peer_session, lengths, notif=notif,
+                                        mems=self._mems(peer_session, len(lengths))))
 
     def _notify(self, peer: str, notif: bytes) -> None:
         """A notification bound to no transfer (NIXL's ``send_notif``): what a request that
@@ -284,7 +248,7 @@ class NixlTransport(Transport):
             raise self._error(f"send_notif({notif!r}) to peer {peer!r} raised {exc!r}",
                               peer=peer, status=_nixl_status(exc)[0]) from exc
 
-    def _mems(self, peer: str, n: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    def _mems(self, peer: str, n: int) -> tuple[Memory, Memory]:
         remote = self._peers.get(peer)
         if remote is None:
             raise self._error(f"unknown peer {peer!r}: load its metadata with add_peer() "
@@ -292,8 +256,8 @@ class NixlTransport(Transport):
                               blocks=n)
         return self._mem or ("DRAM", 0), remote
 
-    def _make(self, peer: str, index: int, lengths: U64, local_mem: tuple[str, int],
-              remote_mem: tuple[str, int], src: U64, dst: U64, notif: bytes) -> Any:
+    def _make(self, peer: str, index: int, lengths: U64, local_mem: Memory, remote_mem: Memory,
+              src: U64, dst: U64, notif: bytes) -> Any:
         """One NIXL transfer request (not yet posted), tracked as live."""
         try:
             local = self._agent.get_xfer_descs(descriptor_rows(src, lengths, local_mem[1]),
@@ -345,8 +309,8 @@ class NixlTransport(Transport):
         return err
 
     # ------------------------------------------------------------------ prepped path
-    def prep(self, src_layout: Any, dst_layout: Any, peer: str, template: Any = None
-             ) -> PreppedPair:
+    def prep(self, src_layout: Layout, dst_layout: Layout, peer: str,
+             template: Template | None = None) -> PreppedPair:
         """Prepare vLLM-style descriptor lists for one peer pair: the template's prepped
         descriptor tables (``template.descriptor_table("src")`` here, ``"dst"`` at the peer;
         the plan's address model), handed to ``prep_xfer_dlist`` once per side. Requests then
@@ -362,10 +326,8 @@ class NixlTransport(Transport):
             TransferError: NIXL refused a list, or the peer is unknown.
         """
         self._check_open()
-        import kvplan
-
         if template is None:
-            template = kvplan.Template(src_layout, dst_layout)
+            template = Template(src_layout, dst_layout)
         local_mem, remote_mem = self._mems(peer, 0)
         src_addrs, src_lens = template.descriptor_table("src")
         dst_addrs, dst_lens = template.descriptor_table("dst")

@@ -1,117 +1,6 @@
-"""SGLang 0.5.23 integration: its two planning helpers, and its KV managers' planning methods.
-
-**Managers.** ``install(MooncakeKVManager)`` (and/or ``install(AscendKVManager)``) at start-up
-replaces these methods on the class, with SGLang 0.5.23's exact signatures and return values;
-``uninstall(cls)`` restores exactly what was there (docs/sglang.md has the full account):
-
-* ``_send_kvcache_generic`` for the KV pool (``state_type`` None): a ``kvplan.Template`` per
-  decode peer (cached by ``mooncake_session_id``, rebuilt when the peer's registration changes)
-  plans the request in one call; blocks go to ``self.engine.batch_transfer_sync`` in batches of
-  at most ``max_blocks_per_batch`` (default 1,024), or one executor task per entry pair on the
-  custom-memory-pool path. The first non-zero engine status is returned, as SGLang returns its
-  one call's status. Page-indexed state components (``state_type`` SWA, DSA, ...), HiSparse
-  device destinations (``dst_device_data_indices``), calls with ``dst_item_lens`` (SGLang's
-  stride check and ``conclude_failure``) and compressed-MLA pools (``mla_compression_ratios``)
-  are handed to SGLang's own method unchanged.
-* ``send_kvcache``: SGLang's envelope check (``_validate_envelope_kv_layout``), then the above;
-  HiSparse device destinations go to SGLang's own method.
-* ``AscendKVManager.send_kvcache``: SGLang's dispatch kept: hybrid-linear MLA with PP > 1 pairs
-  by layer id; otherwise PP > 1 slices positionally (NPU buffer groups per group, MHA K/V), and
-  PP 1 pairs entry ``i`` with decode entry ``i``. HiSparse raises ``NotImplementedError`` as SGLang.
-* ``_send_mamba_state``: state entries paired by layer id (positional fallback at PP 1), one
-  block per pair from ``Template.plan_state``; SGLang's slot-size check kept.
-* ``MooncakeKVManager.send_kvcache_slice`` (prefill and decode attention TP sizes differ, MHA):
-  a head-sliced ``kvplan.Template`` (NHD items; total KV heads, heads per rank, head bytes,
-  page size and both TP sizes and ranks as SGLang derives them) per decode peer, one block per
-  token slot and entry pair with runs merged, submitted as above; SGLang's two ``-1`` statuses
-  are kept. A prefill rank holding replicated heads is planned as kvplan's elected replica
-  for that decode rank (same heads, same offsets), so every rank SGLang's decode asks sends.
-
-Everything else (``send_kvcache_dcp``, ``send_kvcache_staged``, ``_send_mamba_state_slice``,
-engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
-
-SGLang's seams are kept: each drop-in calls what SGLang's method calls on ``self`` at that
-point (``_transfer_data`` with SGLang's block lists whenever it is not SGLang's own,
-``_send_kvcache_generic`` with SGLang's keyword arguments, ``_await_transfer_futures``, a
-replaced pointer-slicing helper through SGLang's own method) and reads only the attributes
-SGLang's method reads there, so subclasses, wrappers and stand-in objects work as with SGLang.
-The bounded engine batches above are the path taken when ``_transfer_data`` is SGLang's own.
-
-Differences from SGLang's methods, each where SGLang moves wrong bytes, drops bytes, or fails
-without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a ``ValueError``):
-
-* Page index arrays of different lengths: SGLang sends nothing and returns 0 when exactly one
-  side is empty (and raises ``ValueError`` otherwise); kvplan raises ``KvPlanError``. A negative
-  prefill page, or one past the prefill buffer (``kv_data_lens``), is ``IndexBoundsError``
-  (SGLang reads outside the buffer). The decode publishes no buffer lengths, so decode pages
-  are bounded only by the address space.
-* Decode item sizes: SGLang addresses the decode with the prefill's item length. When the
-  decode's registration (``decode_kv_args_table[session].dst_kv_item_lens``) covers the entries,
-  kvplan checks every pair and raises ``SizeMismatchError``; the Mamba slot check raises
-  ``SizeMismatchError`` with SGLang's message instead of ``RuntimeError``.
-* Pairing failures SGLang reports as ``RuntimeError`` (missing layer, one-sided ids, counts that
-  do not fit) are ``PairingError``; an out-of-range positional slice, which SGLang turns into an
-  ``IndexError`` or, with draft entries, into target layers written to the draft entry, is
-  ``PairingError``.
-* MHA peers without layer ids at PP > 1: SGLang guesses where the decode's V block starts from
-  the entry counts (wrong for uneven splits and for a prefill stage with draft K/V, silently).
-  kvplan needs the decode's KV layer count (``install(..., decode_kv_layers=N)`` or the instance
-  attribute ``kvplan_decode_kv_layers``) and then slices correctly; without it, any stage whose
-  entry count differs from the decode's raises ``PairingError``.
-* NPU buffer groups: buffer counts that are not a whole multiple of ``kv_buf_groups`` raise
-  ``LayoutError`` (SGLang divides with ``//`` and then fails with ``IndexError`` or ignores the
-  extra buffer); a decode whose buffer count is not ``groups * (hidden_kv_layers +
-  draft_kv_layers)`` raises ``LayoutError`` (SGLang's per-group offsets would be wrong).
-* ``send_kvcache_slice``: a prefill rank that holds none of the decode rank's heads is a
-  ``PairingError`` (SGLang writes its heads into the slots of other heads); a prefill item
-  that is not ``page_size * heads_per_rank * head_bytes`` (SGLang's head size, from the
-  decode's item), a decode item not divisible that way, or head and TP counts of which
-  neither divides the other, are ``SizeMismatchError`` / ``LayoutError`` (SGLang truncates and
-  reads or writes at wrong offsets); page lists of different lengths are ``KvPlanError`` and
-  prefill pages past the buffer ``IndexBoundsError``, as for ``send_kvcache``.
-* Engine calls: at most ``max_blocks_per_batch`` blocks per call (SGLang: one call per request,
-  or per ``max_transfer_batch_indices`` pages); runs are maximal, so the block list may differ
-  from SGLang's by merging, never in the bytes moved.
-
-**Helpers.** Switch an engine by changing one import::
-
-    # from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
-    # from sglang.srt.disaggregation.utils import build_transfer_entry_pairs
-    from kvplan.compat.sglang import build_transfer_entry_pairs, group_concurrent_contiguous
-
-Both functions keep SGLang's signatures, return types (Python lists of Python ints; a list of
-``(int, int)`` tuples), error types and messages, including SGLang's quirks that callers may
-rely on: either side empty means "no runs", plain lists raise ``AttributeError``, layer ids are
-tested for truthiness, extra decode entries are left unpaired, counts are compared with ``==``
-(so ``3.0`` works wherever SGLang's code only compares it, and raises SGLang's ``TypeError``
-where SGLang's ``range(n_src)`` does).
-
-For every input not listed below, results and errors are identical to SGLang 0.5.23's. Run
-boundaries are SGLang's ``np.diff(x) != 1`` in each array's own dtype, wrap-around included:
-int32 ``[2**31-1, -2**31]`` and uint32 ``[2**32-1, 0]`` are one run, as numpy computes
-``-2**31 - (2**31-1)`` and ``0 - (2**32-1)`` as 1 in those dtypes. The Rust core groups arrays
-whose values are non-negative and below their dtype's maximum (where exact and wrap-around
-differences agree); any other array is grouped with SGLang's own numpy expression.
-
-The differences, all for inputs SGLang only handles by accident:
-
-* ``group_concurrent_contiguous`` with an array that is not 1-D or whose dtype is not an integer
-  dtype raises ``TypeError`` (kvplan's message) once both sides are non-empty and of equal size.
-  SGLang instead groups float and object arrays by their differences (a run continues where
-  the step is exactly 1), raises numpy's ``TypeError`` for bool arrays and numpy's
-  ``ValueError`` for 0-d arrays, and for 2-D arrays returns rows split at positions computed
-  from the last axis.
-* ``group_concurrent_contiguous`` reads ndarray subclasses (e.g. ``np.ma.MaskedArray``) as plain
-  arrays (``np.asarray``): a mask is ignored, and runs hold the underlying values. SGLang's
-  result then follows the subclass's own ``np.diff`` and ``tolist`` (``None`` for masked values).
-* ``build_transfer_entry_pairs`` compares layer ids that are ints (or have ``__index__``, like
-  numpy integers) by integer value in the core; SGLang compares them through a dict. The two
-  differ only for int subclasses that override ``__eq__`` or ``__hash__``. Other ids (floats,
-  strings, tuples, ...) go through a dict here too, in SGLang's order.
-* ``build_transfer_entry_pairs`` with counts too large to materialise: SGLang fails while
-  building the list (``MemoryError``); kvplan fails before (``OverflowError`` past ``2**63``
-  pairs, else ``MemoryError``).
-"""
+"""SGLang 0.5.23's two planning helpers, ``group_concurrent_contiguous`` and
+``build_transfer_entry_pairs``, with SGLang's signatures, results, errors and quirks, computed by
+kvplan's core (the package docstring lists the few documented differences)."""
 
 from __future__ import annotations
 
@@ -123,31 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan import _core
-from kvplan.compat._sglang_manager import (
-    DEFAULT_MAX_BLOCKS_PER_BATCH,
-    REPLACED_METHODS,
-    TemplateCache,
-    install,
-    installed,
-    layout_from_kv_args,
-    layout_from_register_info,
-    template_cache,
-    uninstall,
-)
 
-__all__ = [
-    "DEFAULT_MAX_BLOCKS_PER_BATCH",
-    "REPLACED_METHODS",
-    "TemplateCache",
-    "build_transfer_entry_pairs",
-    "group_concurrent_contiguous",
-    "install",
-    "installed",
-    "layout_from_kv_args",
-    "layout_from_register_info",
-    "template_cache",
-    "uninstall",
-]
+__all__ = ["build_transfer_entry_pairs", "group_concurrent_contiguous"]
 
 
 # ---------------------------------------------------------------------------------------------

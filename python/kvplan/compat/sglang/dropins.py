@@ -1,0 +1,271 @@
+"""The drop-in methods with SGLang 0.5.23's signatures: Mooncake's ``_send_kvcache_generic``
+and ``send_kvcache``, Ascend's ``send_kvcache``, ``send_kvcache_slice`` and
+``_send_mamba_state``. Each keeps SGLang's dispatch, plans with a cached template and submits;
+anything kvplan does not plan goes to SGLang's own method."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplan.compat.sglang.layouts import _ids
+from kvplan.compat.sglang.registry import (
+    _ASCEND,
+    _MOONCAKE,
+    _sglang_global,
+    _sglang_impl,
+    _sglang_method,
+)
+from kvplan.compat.sglang.seams import _mla_slicer, _own_mha_slicer, _own_transfer_data
+from kvplan.compat.sglang.submit import (
+    _engine_batches,
+    _send_all,
+    _send_index_windows,
+    _send_per_pair,
+    _status,
+)
+from kvplan.compat.sglang.templates import (
+    _ids_template,
+    _mamba_template,
+    _page_arrays,
+    _positional_template,
+    _slice_geometry,
+    _slice_template,
+)
+
+
+def _send_kvcache_generic(
+    self: Any,
+    mooncake_session_id: str,
+    src_data_ptrs: list[int],
+    dst_data_ptrs: list[int],
+    item_lens: list[int],
+    prefill_data_indices: Any,
+    dst_data_indices: Any,
+    executor: Any,
+    state_type: Any = None,
+    force_flat: bool = False,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_data_indices: Any = None,
+    dst_device_data_ptrs: set[int] | None = None,
+    dst_item_lens: list[int] | None = None,
+    bootstrap_room: int | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager._send_kvcache_generic`` (SGLang 0.5.23 signature)."""
+
+    def sglangs() -> int:
+        original = _sglang_method(self, "_send_kvcache_generic", _MOONCAKE)
+        return _status(original(
+            self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
+            prefill_data_indices, dst_data_indices, executor, state_type, force_flat,
+            src_layer_ids, dst_layer_ids, dst_device_data_indices, dst_device_data_ptrs,
+            dst_item_lens, bootstrap_room))
+
+    if state_type is not None or dst_device_data_indices is not None or dst_item_lens is not None:
+        return sglangs()
+    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
+    src_ids, dst_ids = _ids(src_layer_ids), _ids(dst_layer_ids)
+    session = mooncake_session_id
+    # SGLang's branch, reading what it reads in its order.
+    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
+        if src_ids or dst_ids:
+            template = _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
+                                     dst_ids, self.pp_size == 1)
+        else:
+            slicer = _mla_slicer(self)
+            if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
+                    self.kv_args, "mla_compression_ratios", None)):
+                return sglangs()  # a replaced slicer, or compressed MLA: SGLang's own path
+            template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items,
+                                            slicer)
+    else:
+        if not _own_mha_slicer(self):
+            return sglangs()
+        template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
+    src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
+    if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
+                                               None) != "INTRA_NODE_NVLINK":
+        return _send_per_pair(self, session, template.plan(src, dst), executor,
+                              through_transfer_data=True, await_with_manager=True)
+    if _own_transfer_data(self):
+        return _engine_batches(self, session, template.plan(src, dst))
+    return _send_index_windows(self, session, template, src, dst)
+
+
+def send_kvcache_slice(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    dst_tp_rank: int,
+    dst_attn_tp_size: int,
+    dst_kv_item_len: int,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager.send_kvcache_slice`` (SGLang 0.5.23 signature).
+
+    Prefill and decode attention TP sizes differ (MHA): the KV heads this prefill rank and
+    decode rank ``dst_tp_rank`` have in common move as one block per token slot and entry pair
+    (maximal runs merged), planned by a head-sliced :class:`kvplan.Template` cached per decode
+    peer and submitted through ``self.engine`` in bounded batches (per entry pair through the
+    executor and ``self._await_transfer_futures`` when that method is not SGLang's own). SGLang's
+    two failure statuses are kept (``-1`` with SGLang's log message): KV entries of different
+    item lengths when layer ids are published, and a head slice larger than the decode's token
+    slot.
+
+    Differences from SGLang's method (which submits one executor task per layer pair and
+    derives every offset from the decode's item length):
+
+    * A prefill item length that is not ``page_size * heads_per_rank * head_bytes`` (the head
+      size SGLang derives from the decode's item), a decode item length not divisible that way,
+      or head and TP counts of which neither divides the other: ``SizeMismatchError`` (SGLang
+      truncates and reads or writes at wrong offsets).
+    * A prefill rank that holds none of the decode rank's heads: ``PairingError`` (SGLang writes
+      this rank's heads into the decode's slots for other heads).
+    * Page index arrays of different lengths: ``KvPlanError``; prefill pages outside
+      ``kv_data_lens``: ``IndexBoundsError`` (SGLang reads outside the buffer).
+    """
+    g = _slice_geometry(self, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len)
+    dst_ids = _ids(dst_layer_ids)
+    if not (_ids(self.kv_args.kv_layer_ids) or dst_ids) and not _own_mha_slicer(self):
+        original = _sglang_method(self, "send_kvcache_slice", _MOONCAKE)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, dst_tp_rank, dst_attn_tp_size,
+                                dst_kv_item_len, executor, dst_layer_ids))
+    logger = _sglang_global("logger")
+    items = list(self.kv_args.kv_item_lens)
+    if (_ids(self.kv_args.kv_layer_ids) or dst_ids) and any(n != items[0] for n in items):
+        logger.error(
+            f"[{mooncake_session_id}] head-sliced transfer assumes one item "
+            f"length for every KV entry, got {set(items)}")
+        return -1
+    num_heads = g["src_hpr"] if g["tp_p"] > g["tp_d"] else g["dst_hpr"]
+    slot = int(dst_kv_item_len) // g["page"]
+    if num_heads * g["head_bytes"] > slot:
+        logger.error(
+            f"[{mooncake_session_id}] slice size ({num_heads * g['head_bytes']}) exceeds "
+            f"target token slot size ({slot})")
+        return -1
+    template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),
+                               int(dst_kv_item_len), dst_ids, g)
+    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
+    # SGLang's slice hands each layer pair to the engine itself (no ``_transfer_data``) and
+    # awaits the executor's tasks with ``_await_transfer_futures``.
+    if _sglang_impl(self, "_await_transfer_futures") is None:
+        return _send_per_pair(self, mooncake_session_id, plan, executor,
+                              through_transfer_data=False, await_with_manager=True)
+    return _engine_batches(self, mooncake_session_id, plan)
+
+
+def send_kvcache(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_kv_indices: Any = None,
+    dst_kv_item_len: int | None = None,
+    dst_attn_tp_size: int | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager.send_kvcache`` (SGLang 0.5.23 signature): SGLang's envelope
+    check, then ``self._send_kvcache_generic`` with SGLang's keyword arguments."""
+    if dst_device_kv_indices is not None:  # HiSparse device destinations: SGLang's own path
+        original = _sglang_method(self, "send_kvcache", _MOONCAKE)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
+                                dst_kv_item_len, dst_attn_tp_size))
+    self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
+    get_memory = _sglang_global("get_memory")
+    return _status(self._send_kvcache_generic(
+        mooncake_session_id=mooncake_session_id,
+        src_data_ptrs=self.kv_args.kv_data_ptrs,
+        dst_data_ptrs=dst_kv_ptrs,
+        item_lens=self.kv_args.kv_item_lens,
+        prefill_data_indices=prefill_kv_indices,
+        dst_data_indices=dst_kv_indices,
+        executor=executor,
+        force_flat=get_memory().enable_unified_memory,
+        src_layer_ids=self.kv_args.kv_layer_ids,
+        dst_layer_ids=dst_layer_ids,
+        dst_device_data_indices=None,
+        dst_device_data_ptrs=None,
+    ))
+
+
+def ascend_send_kvcache(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+    dst_device_kv_indices: Any = None,
+    dst_kv_item_len: int | None = None,
+    dst_attn_tp_size: int | None = None,
+) -> int:
+    """kvplan's ``AscendKVManager.send_kvcache`` (SGLang 0.5.23 signature and dispatch)."""
+    if dst_device_kv_indices is not None:
+        raise NotImplementedError(
+            "Ascend PD transfer does not support HiSparse destination device KV indices")
+    self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
+    if self.is_hybrid_mla_backend and self.pp_size > 1:
+        return _status(self._send_kvcache_generic(
+            mooncake_session_id=mooncake_session_id,
+            src_data_ptrs=self.kv_args.kv_data_ptrs,
+            dst_data_ptrs=dst_kv_ptrs,
+            item_lens=self.kv_args.kv_item_lens,
+            prefill_data_indices=prefill_kv_indices,
+            dst_data_indices=dst_kv_indices,
+            executor=executor,
+            src_layer_ids=self.kv_args.kv_layer_ids,
+            dst_layer_ids=dst_layer_ids,
+        ))
+    kv_args = self.kv_args
+    src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
+    dst_ptrs = list(dst_kv_ptrs)
+    slicer: str | None = "flat"
+    if self.pp_size > 1:
+        if self.is_mla_backend:
+            slicer = _mla_slicer(self)
+            if getattr(kv_args, "mla_compression_ratios", None):
+                slicer = None  # compressed MLA: SGLang's own slicing
+        else:
+            slicer = "mha" if _own_mha_slicer(self) else None
+    if slicer is None:
+        original = _sglang_method(self, "send_kvcache", _ASCEND)
+        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                                dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
+                                dst_kv_item_len, dst_attn_tp_size))
+    template = _positional_template(self, mooncake_session_id, f"ascend-{slicer}", src_ptrs,
+                                    dst_ptrs, items, slicer)
+    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
+    if self.enable_custom_mem_pool:
+        return _send_per_pair(self, mooncake_session_id, plan, executor,
+                              through_transfer_data=True, await_with_manager=False)
+    return _send_all(self, mooncake_session_id, plan)
+
+
+def _send_mamba_state(
+    self: Any,
+    req: Any,
+    prefill_mamba_index: list[Any],
+    src_state_data_ptrs: list[int],
+    src_state_item_lens: list[int],
+    dst_state_data_ptrs: list[int],
+    dst_mamba_index: list[Any],
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+    dst_state_item_lens: list[int] | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager._send_mamba_state`` (SGLang 0.5.23 signature)."""
+    assert len(prefill_mamba_index) == 1, "Mamba should have single state index"
+    session, template = _mamba_template(self, req, src_state_data_ptrs, src_state_item_lens,
+                                        dst_state_data_ptrs, src_layer_ids, dst_layer_ids,
+                                        dst_state_item_lens)
+    plan = template.plan_state(int(prefill_mamba_index[0]), int(dst_mamba_index[0]))
+    return _send_all(self, session, plan)

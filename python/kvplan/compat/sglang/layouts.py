@@ -1,0 +1,196 @@
+"""The layout builders: a :class:`kvplan.Layout` from SGLang's ``KVArgs`` (the prefill) or
+``KVArgsRegisterInfo`` (the decode), with roles, TP context and Mamba state entries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvplan import _core
+from kvplan._core import Layout
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _unbounded(ptrs: Sequence[int]) -> list[int]:
+    """Buffer lengths for a peer whose lengths SGLang does not publish (the decode): as large as
+    the address space allows, so only u64 overflow bounds an index there."""
+    return [_U64_MAX - int(p) for p in ptrs]
+
+
+def _ids(ids: Sequence[int] | None) -> list[int] | None:
+    """SGLang's truthiness: ``None`` and ``[]`` both mean "not published"."""
+    return list(ids) if ids else None
+
+
+def _kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
+              num_layers: int | None = None) -> list[str] | None:
+    """Roles of SGLang's KV entry list, or None when they cannot be derived exactly."""
+    if groups > 1:
+        if n % groups:
+            return None
+        per = n // groups
+        if num_layers is not None:
+            draft = per - num_layers
+        else:
+            draft = num_draft // groups if num_draft % groups == 0 else -1
+        if draft < 0 or draft > per:
+            return None
+        roles = [f"g{g}" for g in range(groups) for _ in range(per - draft)]
+        return roles + [f"draft_g{g}" for g in range(groups) for _ in range(draft)]
+    if mla:
+        if num_draft > n:
+            return None
+        return ["kv"] * (n - num_draft) + ["draft"] * num_draft
+    if num_layers is None:
+        if num_draft % 2 or (n - num_draft) % 2:
+            return None
+        layers, draft = (n - num_draft) // 2, num_draft // 2
+    else:
+        layers, draft = num_layers, n // 2 - num_layers
+        if n % 2 or draft < 0:
+            return None
+    return ["k"] * layers + ["v"] * layers + ["draft_k"] * draft + ["draft_v"] * draft
+
+
+def _tp_context(rank: Any, size: Any, what: str) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` as SGLang uses them: the rank modulo the attention TP size (with
+    DP attention a global rank exceeds the size); an unset size (0 or None) is 1."""
+    tp_size = int(size or 1)
+    if tp_size < 1:
+        raise _core.LayoutError(f"{what} must be positive, got {size}")
+    return int(rank or 0) % tp_size, tp_size
+
+
+def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
+                        attn_tp_size: int | None = None, state: bool = True) -> Layout:
+    """The prefill peer's :class:`kvplan.Layout` from SGLang's ``KVArgs``.
+
+    Page entries are ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens`` with
+    ``kv_layer_ids`` (``[]`` means "not published"), in SGLang's order; roles are derived where
+    SGLang's attributes determine them (``kv``/``draft`` for MLA, ``k``/``v``/``draft_k``/
+    ``draft_v`` for MHA, ``g0``.. and ``draft_g0``.. for NPU buffer groups, ``kv_buf_groups``);
+    ``num_draft_entries`` counts the appended draft entries. With ``state``, every Mamba state
+    component (``state_types`` entry ``"mamba"``) is appended as state entries with role
+    ``mamba<i>`` and its ``state_layer_ids`` (unpublished ids: ``None``).
+
+    Context: ``page_size``, ``pp_rank`` / ``pp_size``; and with ``attn_tp_size`` (the manager's
+    ``attn_tp_size``: ``KVArgs`` does not carry it) ``tp_size = attn_tp_size`` and
+    ``tp_rank = engine_rank % attn_tp_size``, the local rank SGLang's head slicing uses. Without
+    it the layout has no TP context (rank 0 of 1).
+
+    Raises:
+        LayoutError: The lists disagree in length, NPU groups are not a whole multiple of the
+            entries (SGLang's ``len(ptrs) // kv_buf_groups`` would truncate), or
+            ``attn_tp_size`` is not positive.
+    """
+    ptrs = list(kv_args.kv_data_ptrs)
+    groups = int(getattr(kv_args, "kv_buf_groups", 1) or 1)
+    if groups > 1 and len(ptrs) % groups:
+        raise _core.LayoutError(
+            f"{len(ptrs)} KV buffers are not a whole multiple of kv_buf_groups={groups}: "
+            "refusing to truncate (SGLang divides with //)")
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if groups > 1:
+        num_draft = groups * int(getattr(kv_args, "draft_kv_layers", 0) or 0)
+    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
+    tp_rank, tp_size = (0, 1) if attn_tp_size is None else _tp_context(
+        getattr(kv_args, "engine_rank", 0), attn_tp_size, "attn_tp_size")
+    layout = Layout(
+        ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
+        _ids(getattr(kv_args, "kv_layer_ids", None)), roles,
+        page_size=int(getattr(kv_args, "page_size", 1) or 1),
+        pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
+        tp_rank=tp_rank, tp_size=tp_size,
+    )
+    if state:
+        layout = _with_mamba_state(layout, kv_args)
+    return layout
+
+
+def _with_mamba_state(layout: Layout, kv_args: Any) -> Layout:
+    """``layout`` plus every Mamba component of ``kv_args`` as state entries."""
+    types = list(getattr(kv_args, "state_types", None) or [])
+    ptrs = list(getattr(kv_args, "state_data_ptrs", None) or [])
+    lens = list(getattr(kv_args, "state_data_lens", None) or [])
+    items = list(getattr(kv_args, "state_item_lens", None) or [])
+    ids = list(getattr(kv_args, "state_layer_ids", None) or [])
+    for i, st in enumerate(types):
+        if str(getattr(st, "value", st)) != "mamba" or i >= len(ptrs):
+            continue
+        comp_ids = ids[i] if i < len(ids) and ids[i] else [None] * len(ptrs[i])
+        n = len(ptrs[i])
+        if all(x is not None for x in comp_ids):
+            layer_ids: list[int] = [int(x) for x in comp_ids if x is not None]
+            layout = layout.with_state(f"mamba{i}", list(ptrs[i]), list(lens[i]), list(items[i]),
+                                       layer_ids)
+            continue
+        # Components without layer ids: with_state needs ids, so extend the entry lists.
+        layout = Layout(
+            layout.data_ptrs + list(ptrs[i]),
+            layout.data_lens + list(lens[i]),
+            layout.item_lens + list(items[i]),
+            _merge_opt(layout.layer_ids, layout.n_entries, list(comp_ids)),
+            _merge_opt(layout.roles, layout.n_entries, [f"mamba{i}"] * n, fill="kv"),
+            kinds=list(layout.kinds) + ["state"] * n,
+            drafts=layout.drafts + [False] * n,
+            strides=layout.strides + list(items[i]),
+            page_size=layout.page_size, device=layout.device,
+            num_model_layers=layout.num_model_layers, pp_rank=layout.pp_rank,
+            pp_size=layout.pp_size, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+        )
+    return layout
+
+
+def _merge_opt(existing: Any, n_existing: int, extra: list[Any], fill: Any = None) -> Any:
+    if existing is None and all(x is None for x in extra):
+        return None
+    head = list(existing) if existing is not None else [fill] * n_existing
+    return head + extra
+
+
+def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups: int = 1,
+                              num_draft_entries: int = 0, num_layers: int | None = None,
+                              state_types: Sequence[Any] = ()) -> Layout:
+    """The decode peer's :class:`kvplan.Layout` from SGLang's ``KVArgsRegisterInfo``.
+
+    Page entries are ``dst_kv_ptrs`` with ``dst_kv_layer_ids`` and ``dst_kv_item_lens`` (the
+    per-entry list SGLang 0.5.23 registers; an older peer's single ``dst_kv_item_len`` is used
+    for every entry). The decode does not publish its buffer lengths, so every capacity is as
+    large as the address space allows (index bounds are checked on the prefill side only).
+    Roles as in :func:`layout_from_kv_args` where they are determined: for MHA the K/V split
+    needs ``num_layers`` (target layers) unless ``num_draft_entries`` says how many entries are
+    draft; otherwise roles are left out. ``state_types`` (the prefill's ``KVArgs.state_types``,
+    parallel to ``dst_state_data_ptrs``) adds the Mamba components as state entries. TP context:
+    ``tp_size = dst_attn_tp_size`` and ``tp_rank = dst_tp_rank % dst_attn_tp_size`` (with DP
+    attention the decode publishes its global TP rank; SGLang uses it modulo the size).
+
+    Raises:
+        LayoutError: Lists disagree in length (e.g. item lengths not one per entry), or
+            ``dst_attn_tp_size`` is negative.
+    """
+    ptrs = list(info.dst_kv_ptrs)
+    items = list(getattr(info, "dst_kv_item_lens", None) or [])
+    if not items:
+        items = [int(info.dst_kv_item_len)] * len(ptrs)
+    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
+                      num_draft=num_draft_entries, num_layers=num_layers)
+    tp_rank, tp_size = _tp_context(getattr(info, "dst_tp_rank", 0),
+                                   getattr(info, "dst_attn_tp_size", 1), "dst_attn_tp_size")
+    layout = Layout(ptrs, _unbounded(ptrs), items, _ids(info.dst_kv_layer_ids), roles,
+                    num_model_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
+    if state_types:
+        state = _RegisterState(info, state_types)
+        layout = _with_mamba_state(layout, state)
+    return layout
+
+
+class _RegisterState:
+    """A decode registration's state lists under ``KVArgs``'s attribute names."""
+
+    def __init__(self, info: Any, state_types: Sequence[Any]) -> None:
+        self.state_types = list(state_types)
+        self.state_data_ptrs = list(info.dst_state_data_ptrs or [])
+        self.state_data_lens = [_unbounded(p) for p in self.state_data_ptrs]
+        self.state_item_lens = list(info.dst_state_item_lens or [])
+        self.state_layer_ids = list(info.dst_state_layer_ids or [])

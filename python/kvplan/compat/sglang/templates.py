@@ -1,0 +1,343 @@
+"""SGLang's call -> a cached :class:`kvplan.Template`: pairing by layer id, SGLang's positional
+PP slicing (MHA, MLA, Ascend NPU groups), head-sliced MHA, and Mamba state, each reading only
+what SGLang's method reads; and the page index arrays of a request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplan import _core
+from kvplan._core import Layout, Template
+from kvplan.compat.sglang.cache import template_cache
+from kvplan.compat.sglang.layouts import _ids, _kv_roles, _unbounded
+from kvplan.compat.sglang.registry import _ASCEND, _sglang_global
+from kvplan.compat.sglang.settings import _decode_kv_layers
+
+
+def _kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
+    """Source buffer lengths when ``ptrs`` are the manager's own KV buffers, else unbounded."""
+    own = getattr(kv_args, "kv_data_ptrs", None)
+    lens = getattr(kv_args, "kv_data_lens", None)
+    if own is not None and lens is not None and list(own) == list(ptrs):
+        return list(lens)
+    return _unbounded(ptrs)
+
+
+def _registered_item_lens(manager: Any, session: str, dst_ptrs: Sequence[int]) -> list[int] | None:
+    """The decode's per-entry item lengths, when its registration for ``session`` covers
+    exactly ``dst_ptrs``."""
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    info = table.get(session)
+    if info is None:
+        return None
+    items = list(getattr(info, "dst_kv_item_lens", None) or [])
+    if len(items) != len(dst_ptrs) or list(info.dst_kv_ptrs) != list(dst_ptrs):
+        return None
+    return items
+
+
+def _dst_item_lens(pairs: Any, src_items: Sequence[int], n_dst: int,
+                   known: list[int] | None) -> list[int]:
+    """Decode item lengths: the registered ones, else the source's for each paired entry (the
+    stride SGLang assumes) and 0 (never emitted) for unpaired ones."""
+    if known is not None:
+        return known
+    items = [0] * n_dst
+    for i, j in pairs.tolist():
+        items[j] = int(src_items[i])
+    return items
+
+
+def _legacy_mha(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: list[int],
+                src_lens: list[int], known: list[int] | None) -> Template:
+    """SGLang's ``get_mha_kv_ptrs_with_pp`` (K block then V block), strict."""
+    start = int(manager.kv_args.prefill_start_layer)
+    n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+    decode_layers = _decode_kv_layers(manager)
+    if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
+        decode_layers = n_dst // 2  # equal halves: K with K, V with V, whatever the count says
+    pairs = _core.legacy_pp_pairs("mha", n_src, n_dst, start, decode_num_layers=decode_layers)
+    src = Layout(src_ptrs, src_lens, items)
+    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+                 num_model_layers=decode_layers)
+    return Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+
+
+def _ascend_groups(kv_args: Any) -> tuple[int, int, int]:
+    """``kv_buf_groups``, ``hidden_kv_layers``, ``draft_kv_layers`` with SGLang's defaults."""
+    return (int(getattr(kv_args, "kv_buf_groups", 1) or 1),
+            int(getattr(kv_args, "hidden_kv_layers", 0) or 0),
+            int(getattr(kv_args, "draft_kv_layers", 0) or 0))
+
+
+def _legacy_mla_inputs(manager: Any, slicer: str, n_src: int, n_dst: int) -> tuple[Any, ...]:
+    """What SGLang's ``get_mla_kv_ptrs_with_pp`` reads for these entry counts, read as it
+    reads them (the start layer and PP rank only when the counts differ)."""
+    kv_args = manager.kv_args
+    if slicer == "ascend":
+        groups, hidden, draft = _ascend_groups(kv_args)
+        if n_src // groups == n_dst // groups:
+            return (slicer, groups)
+        return (slicer, groups, hidden, draft, int(kv_args.prefill_start_layer),
+                _is_last_rank(manager) and draft > 0)
+    if n_src == n_dst:
+        return (slicer,)
+    return (slicer, int(getattr(kv_args, "num_draft_entries", 0) or 0),
+            int(kv_args.prefill_start_layer))
+
+
+def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_lens: list[int],
+                known: list[int] | None, how: tuple[Any, ...]) -> Template:
+    """SGLang's ``get_mla_kv_ptrs_with_pp``, the common one or the Ascend NPU-group one, from
+    what :func:`_legacy_mla_inputs` read."""
+    n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+    if how[0] == "ascend":
+        groups = how[1]
+        for side, n in (("prefill", n_src), ("decode", n_dst)):
+            if n % groups:
+                raise _core.LayoutError(
+                    f"{side} registered {n} KV buffers, not a whole multiple of "
+                    f"kv_buf_groups={groups}: refusing to truncate (SGLang divides with //)")
+        if len(how) == 2:  # as many layers per group on both sides: entry i to entry i
+            src = Layout(src_ptrs, src_lens, items)
+            pairs = _core.pair_entries(None, None, n_src, n_dst, True)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                         _dst_item_lens(pairs, items, n_dst, known))
+            return Template(src, dst, allow_positional_fallback=True)
+        _, _, hidden, draft_layers, start, sends_draft = how
+        src_draft = draft_layers if sends_draft else 0
+        if n_dst != groups * (hidden + draft_layers):
+            raise _core.LayoutError(
+                f"decode registered {n_dst} KV buffers; {groups} groups of hidden_kv_layers="
+                f"{hidden} plus draft_kv_layers={draft_layers} make "
+                f"{groups * (hidden + draft_layers)}: SGLang would slice the wrong buffers")
+        src_roles = _kv_roles(n_src, mla=True, groups=groups, num_draft=groups * src_draft)
+        dst_roles = _kv_roles(n_dst, mla=True, groups=groups, num_draft=groups * draft_layers)
+        if src_roles is None or dst_roles is None:
+            raise _core.LayoutError(
+                f"prefill has {n_src} KV buffers in {groups} groups with {src_draft} draft "
+                "layers per group: the buffers do not split into those groups")
+        src = Layout(src_ptrs, src_lens, items, roles=src_roles)
+        pairs = _partners(src, Layout(dst_ptrs, _unbounded(dst_ptrs), 0, roles=dst_roles), start)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+                     roles=dst_roles)
+        return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+    num_draft, start = (how[1], how[2]) if len(how) == 3 else (0, 0)
+    pairs = _core.legacy_pp_pairs("mla", n_src, n_dst, start, num_draft_entries=num_draft)
+    roles = _kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
+    src = Layout(src_ptrs, src_lens, items, roles=roles)
+    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known))
+    return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+
+
+def _is_last_rank(manager: Any) -> bool:
+    """SGLang's ``get_parallel().pp_group.is_last_rank``, from the module of the Ascend
+    ``get_mla_kv_ptrs_with_pp`` that reads it."""
+    return bool(_sglang_global("get_parallel", _ASCEND)().pp_group.is_last_rank)
+
+
+def _partners(src: Layout, dst_probe: Layout, start: int) -> npt.NDArray[np.int64]:
+    """``(n, 2)`` (prefill entry, decode entry) pairs exactly as the template built below pairs
+    them (the core's per-role legacy slicing), from a decode layout whose item lengths are not
+    known yet: used only to derive those lengths. Entries without a partner are left out; the
+    template reports them."""
+    rows = _core.check_pairs(src, dst_probe, prefill_start_layer=start, legacy_kind="mla")
+    out = [(i, j) for _, i, j, _ in rows if j is not None]
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _ids_template(manager: Any, session: str, path: str, src_ptrs: list[int],
+                  dst_ptrs: list[int], items: list[int], src_ids: list[int] | None,
+                  dst_ids: list[int] | None, fallback: bool) -> Template:
+    """Pairing by layer id (positional fallback when SGLang allows it), cached per peer."""
+    kv_args = getattr(manager, "kv_args", None)
+    known = _registered_item_lens(manager, session, dst_ptrs)
+    inputs = ("ids", src_ptrs, dst_ptrs, items, src_ids, dst_ids, fallback, known)
+
+    def build() -> Template:
+        pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs), fallback)
+        src = Layout(src_ptrs, _kv_args_lens(kv_args, src_ptrs), items, src_ids)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                     _dst_item_lens(pairs, items, len(dst_ptrs), known), dst_ids)
+        return Template(src, dst, allow_positional_fallback=fallback)
+
+    return cast(Template, template_cache(manager).get(session, path, inputs, build))
+
+
+def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[int],
+                         dst_ptrs: list[int], items: list[int], slicer: str) -> Template:
+    """SGLang's positional slicing (``slicer``: ``"common"`` / ``"ascend"`` MLA, ``"mha"``, or
+    ``"flat"`` for entry ``i`` to entry ``i``), cached per peer."""
+    kv_args = manager.kv_args
+    known = _registered_item_lens(manager, session, dst_ptrs)
+    how: tuple[Any, ...]
+    if slicer == "mha":
+        how = (slicer, int(kv_args.prefill_start_layer), _decode_kv_layers(manager))
+    elif slicer == "flat":
+        how = (slicer,)
+    else:
+        how = _legacy_mla_inputs(manager, slicer, len(src_ptrs), len(dst_ptrs))
+    inputs = (how, src_ptrs, dst_ptrs, items, known)
+
+    def build() -> Template:
+        src_lens = _kv_args_lens(kv_args, src_ptrs)
+        if slicer == "mha":
+            return _legacy_mha(manager, src_ptrs, dst_ptrs, items, src_lens, known)
+        if slicer == "flat":
+            pairs = _core.pair_entries(None, None, len(src_ptrs), len(dst_ptrs), True)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+                         _dst_item_lens(pairs, items, len(dst_ptrs), known))
+            return Template(Layout(src_ptrs, src_lens, items), dst,
+                            allow_positional_fallback=True)
+        return _legacy_mla(src_ptrs, dst_ptrs, items, src_lens, known, how)
+
+    return cast(Template, template_cache(manager).get(session, path, inputs, build))
+
+
+def _as_index(arr: Any) -> npt.NDArray[Any]:
+    a = np.asarray(arr)
+    if a.dtype in (np.int32, np.int64) and a.dtype.isnative and a.flags.c_contiguous \
+            and a.flags.aligned:
+        return a
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"page indices must be integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _page_arrays(src_pages: Any, dst_pages: Any) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    src, dst = _as_index(src_pages), _as_index(dst_pages)
+    if src.shape != dst.shape:
+        # SGLang: ValueError for different non-zero sizes, and no runs at all (nothing sent,
+        # status 0) when exactly one side is empty.
+        raise _core.KvPlanError(
+            f"prefill and decode page index arrays differ in length ({src.size} and "
+            f"{dst.size}); SGLang drops every page when one side is empty")
+    return src, dst
+
+
+def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
+                    dst_kv_item_len: int) -> dict[str, int]:
+    """The attention geometry SGLang's ``send_kvcache_slice`` derives from the manager: total KV
+    heads (``total_kv_head_num``, else ``kv_head_num * attn_tp_size``), both TP sizes and ranks
+    (modulo their sizes), the page size, and the bytes of one head of one token, which SGLang
+    takes from the decode's item (``dst_kv_item_len // page_size // dst_heads_per_rank``)."""
+    kv_args = manager.kv_args
+    page = int(kv_args.page_size)
+    heads = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
+    if heads <= 0:
+        heads = int(kv_args.kv_head_num) * int(manager.attn_tp_size)
+    tp_d = int(dst_attn_tp_size)
+    dst_hpr = max(1, heads // tp_d)
+    tp_p = int(manager.attn_tp_size)
+    return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
+                r_d=int(dst_tp_rank) % tp_d, page=page, src_hpr=max(1, heads // tp_p),
+                dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
+
+
+def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: int,
+                    dst_ids: list[int] | None, g: dict[str, int]) -> Template:
+    """The head-sliced template of one ``send_kvcache_slice`` call (cached per decode peer).
+
+    Both layouts are NHD (token-major items, SGLang's MHA pools) with ``kv_heads``,
+    ``heads_per_rank``, ``head_dim`` = bytes per head and ``dtype_size`` = 1 (SGLang knows only
+    their product), the prefill's page size on both sides (the decode publishes none) and both
+    TP ranks. A prefill rank holding replicated heads is planned as the replica kvplan elects
+    for this decode rank (``r_p`` with ``r_p % R == r_d % R`` in the same group of ``R``
+    holders): it holds the same heads at the same offsets, so the bytes are this rank's own,
+    and every prefill rank SGLang's decode asks for its heads sends them, as in SGLang.
+    """
+    kv_args = manager.kv_args
+    src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
+    src_ids = _ids(kv_args.kv_layer_ids)
+    by_id = bool(src_ids or dst_ids)
+    # SGLang reads the PP size only to pair by id, the start layer only to slice positionally.
+    pp_fallback = manager.pp_size == 1 if by_id else None
+    start = None if by_id else int(kv_args.prefill_start_layer)
+    src_lens = _kv_args_lens(kv_args, src_ptrs)
+    inputs: tuple[Any, ...] = (
+        src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_fallback, start,
+        tuple(sorted(g.items())), _decode_kv_layers(manager), src_lens)
+
+    def build() -> Template:
+        heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
+        replicas = max(1, tp_p // heads)
+        r_p = g["r_p"]
+        if replicas > 1:
+            r_p = r_p // replicas * replicas + r_d % replicas
+        geometry: dict[str, Any] = dict(page_size=g["page"], kv_heads=heads,
+                                        head_dim=g["head_bytes"], dtype_size=1,
+                                        memory_order="NHD")
+        n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+        if by_id:
+            src = Layout(src_ptrs, src_lens, items, src_ids, tp_rank=r_p, tp_size=tp_p,
+                         heads_per_rank=g["src_hpr"], **geometry)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst, dst_ids,
+                         tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
+            template = Template(src, dst, allow_positional_fallback=bool(pp_fallback))
+        else:
+            decode_layers = _decode_kv_layers(manager)
+            if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
+                decode_layers = n_dst // 2
+            src = Layout(src_ptrs, src_lens, items, tp_rank=r_p, tp_size=tp_p,
+                         heads_per_rank=g["src_hpr"], **geometry)
+            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst,
+                         num_model_layers=decode_layers, tp_rank=r_d, tp_size=tp_d,
+                         heads_per_rank=g["dst_hpr"], **geometry)
+            template = Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+        if template.empty_reason is not None:
+            raise _core.PairingError(
+                f"send_kvcache_slice: prefill rank {g['r_p']} of TP {tp_p} has no KV heads for "
+                f"decode rank {r_d} of TP {tp_d}: {template.empty_reason} (SGLang would write "
+                "this rank's heads into the decode's slots of other heads)")
+        return template
+
+    return cast(Template, template_cache(manager).get(session, "slice", inputs, build))
+
+
+def _state_lens(kv_args: Any, ptrs: list[int]) -> list[int]:
+    """Source slot-buffer lengths when ``ptrs`` is one of the manager's state components."""
+    for comp_ptrs, comp_lens in zip(getattr(kv_args, "state_data_ptrs", None) or [],
+                                    getattr(kv_args, "state_data_lens", None) or []):
+        if list(comp_ptrs) == ptrs:
+            return list(comp_lens)
+    return _unbounded(ptrs)
+
+
+def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
+                    src_state_item_lens: Sequence[int], dst_state_data_ptrs: Sequence[int],
+                    src_layer_ids: Sequence[int] | None, dst_layer_ids: Sequence[int] | None,
+                    dst_state_item_lens: Sequence[int] | None) -> tuple[str, Template]:
+    """``(decode session, state template)`` of one ``_send_mamba_state`` call (cached per
+    decode peer): state entries paired by layer id (positional at PP 1), SGLang's slot-size
+    check kept. The session is read from ``req`` after the manager, as before."""
+    src_ptrs, dst_ptrs = list(src_state_data_ptrs), list(dst_state_data_ptrs)
+    items = list(src_state_item_lens)
+    known = list(dst_state_item_lens) if dst_state_item_lens else None
+    fallback = manager.pp_size == 1
+    src_lens = _state_lens(getattr(manager, "kv_args", None), src_ptrs)
+    inputs = (src_ptrs, dst_ptrs, items, _ids(src_layer_ids), _ids(dst_layer_ids), known,
+              fallback, src_lens)
+
+    def build() -> Template:
+        pairs = _core.pair_entries(_ids(src_layer_ids), _ids(dst_layer_ids), len(src_ptrs),
+                                   len(dst_ptrs), fallback)
+        if known is not None:
+            for i, j in pairs.tolist():
+                if items[i] != known[j]:
+                    raise _core.SizeMismatchError(
+                        "Prefill/Decode Mamba slot size mismatch "
+                        f"(src={items[i]}, dst={known[j]}). "
+                        "Configure matching persistent state layouts on both peers.")
+        dst_items = _dst_item_lens(pairs, items, len(dst_ptrs), known)
+        src = Layout(src_ptrs, src_lens, items, _ids(src_layer_ids),
+                     kinds=["state"] * len(src_ptrs))
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, _ids(dst_layer_ids),
+                     kinds=["state"] * len(dst_ptrs))
+        return Template(src, dst, allow_positional_fallback=fallback)
+
+    session = req.mooncake_session_id
+    return session, cast(Template, template_cache(manager).get(session, "mamba", inputs, build))
