@@ -15,7 +15,7 @@ from kvplan.integrity import IntegrityError, unpack_notification
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_manifest_travels_between_processes_and_catches_a_corrupted_block(engine: str) -> None:
-    from peers import cluster, mha_k_v_case, require_mooncake, require_nixl
+    from support.engine_peers import cluster, mha_k_v_case, require_mooncake, require_nixl
 
     (require_nixl if engine == "nixl" else require_mooncake)()
     decode, prefill, src_pages, dst_pages = mha_k_v_case()
