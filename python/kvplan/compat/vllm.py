@@ -79,8 +79,8 @@ class _PeerTemplates:
 
     __slots__ = ("local", "remote", "groups", "error")
 
-    def __init__(self, worker: Any, vllm: Any, agent_meta: Any, local_regions: list,
-                 remote_regions: list) -> None:
+    def __init__(self, worker: Any, vllm: Any, agent_meta: Any, local_regions: list[Any],
+                 remote_regions: list[Any]) -> None:
         self.local = local_regions  # identity-checked cache key (vLLM reuses the lists)
         self.remote = remote_regions
         self.groups: list[tuple[int, tuple[int, ...], kvplan.Template]] = []
@@ -92,7 +92,7 @@ class _PeerTemplates:
 
     def _build(self, worker: Any, agent_meta: Any) -> None:
         buffers = sorted(zip(worker.seen_base_addresses, worker._kv_data_lens))
-        by_key: dict[tuple[int, tuple[int, ...]], list[tuple]] = {}
+        by_key: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]] = {}
         for index, (lr, rr) in enumerate(zip(self.local, self.remote)):
             if lr.group_index != rr.group_index:
                 raise kvplan.PairingError(
@@ -130,12 +130,12 @@ class _PeerTemplates:
                 src, dst, kvplan.Pairing.positional())))
 
 
-def _templates(self: Any, agent_meta: Any, local_regions: list, remote_regions: list,
-               vllm: Any) -> _PeerTemplates:
+def _templates(self: Any, agent_meta: Any, local_regions: list[Any],
+               remote_regions: list[Any], vllm: Any) -> _PeerTemplates:
     cache = self.__dict__.setdefault("_kvplan_templates", {})
     key = (id(local_regions), id(remote_regions), agent_meta.remote_tp_rank,
            agent_meta.remote_tp_size)
-    peer = cache.get(key)
+    peer: _PeerTemplates | None = cache.get(key)
     if peer is None or peer.local is not local_regions or peer.remote is not remote_regions:
         peer = _PeerTemplates(self, vllm, agent_meta, local_regions, remote_regions)
         cache[key] = peer
@@ -167,8 +167,10 @@ def _vllm_module(cls: type) -> Any:
     raise TypeError(f"{cls.__name__} is not vLLM's MooncakeConnectorWorker (or a subclass)")
 
 
-async def _build_transfer_params(self: Any, ready_reqs: list, agent_meta: Any,
-                                 local_regions: list, remote_regions: list):
+async def _build_transfer_params(
+    self: Any, ready_reqs: list[Any], agent_meta: Any, local_regions: list[Any],
+    remote_regions: list[Any],
+) -> tuple[BlockColumn, BlockColumn, BlockColumn, list[str], str | None]:
     vllm = _vllm_module(type(self))
     null_block = vllm.NULL_BLOCK_ID
     mamba_spec = vllm.MambaSpec
@@ -322,12 +324,13 @@ def _connector_class() -> type:
 
         mc = importlib.import_module(_VLLM_MOONCAKE)
 
-        class KvplanMooncakeConnectorWorker(mc.MooncakeConnectorWorker):
+        class KvplanMooncakeConnectorWorker(  # type: ignore[misc,name-defined]
+                mc.MooncakeConnectorWorker):
             """vLLM's Mooncake worker planning its transfers with kvplan."""
 
         install(KvplanMooncakeConnectorWorker)
 
-        class KvplanMooncakeConnector(mc.MooncakeConnector):
+        class KvplanMooncakeConnector(mc.MooncakeConnector):  # type: ignore[misc,name-defined]
             """vLLM's ``MooncakeConnector`` (``SupportsHMA``) whose worker plans with kvplan."""
 
             def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -339,7 +342,7 @@ def _connector_class() -> type:
 
         KvplanMooncakeConnector.__module__ = __name__
         KvplanMooncakeConnectorWorker.__module__ = __name__
-        KvplanMooncakeConnector.Worker = KvplanMooncakeConnectorWorker  # type: ignore[attr-defined]
+        KvplanMooncakeConnector.Worker = KvplanMooncakeConnectorWorker
         _CONNECTOR = KvplanMooncakeConnector
     return _CONNECTOR
 
