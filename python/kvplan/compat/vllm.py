@@ -324,8 +324,9 @@ def _connector_class() -> type:
 
         mc = importlib.import_module(_VLLM_MOONCAKE)
 
-        class KvplanMooncakeConnectorWorker(  # type: ignore[misc,name-defined]
-                mc.MooncakeConnectorWorker):
+        base_worker = mc.MooncakeConnectorWorker
+
+        class KvplanMooncakeConnectorWorker(base_worker):  # type: ignore[misc,valid-type]
             """vLLM's Mooncake worker planning its transfers with kvplan."""
 
         install(KvplanMooncakeConnectorWorker)
