@@ -43,8 +43,10 @@ import numpy as np
 
 import kvplan
 
-__all__ = ["install", "uninstall", "installed", "plan_request", "DEFAULT_MAX_BLOCKS_PER_BATCH",
-           "KvplanMooncakeConnector", "BlockColumn"]
+# KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
+# vLLM's connector, which is imported only then), so it has no module-level definition.
+__all__ = ["install", "uninstall", "installed", "plan_request",  # noqa: F822
+           "DEFAULT_MAX_BLOCKS_PER_BATCH", "KvplanMooncakeConnector", "BlockColumn"]
 
 logger = logging.getLogger(__name__)
 
