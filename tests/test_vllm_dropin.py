@@ -14,7 +14,7 @@ import kvplan
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_cases import (  # noqa: E402
-    RecordingEngine, canonical, generate, make_worker, run_coroutine, xfer_meta)
+    RecordingEngine, canonical, generate, make_worker, run_coroutine)
 from support.vllm_loader import load_vllm  # noqa: E402
 
 N_CASES = 2400
@@ -67,17 +67,6 @@ def test_install_uninstall_restores_exactly(v):
     assert cls._build_transfer_params is v.MooncakeConnectorWorker._build_transfer_params
     with pytest.raises(TypeError):
         compat.install(int)
-
-
-def _run_both(v, patched, case):
-    w = case.prefill
-    local, remote, err = w._prepare_transfer_regions(case.meta)
-    assert err is None, err
-    ref = run_coroutine(v.MooncakeConnectorWorker._build_transfer_params(
-        w, case.ready, case.meta, local, remote))
-    w.__class__ = patched.__mro__[0] if False else w.__class__
-    got = run_coroutine(patched._build_transfer_params(w, case.ready, case.meta, local, remote))
-    return ref, got
 
 
 def _in_buffers(addrs, lengths, buffers):
