@@ -11,6 +11,7 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "MHA_ROLES",
     "Pairing",
     "PairingError",
     "PlanBatch",
@@ -23,14 +24,20 @@ __all__ = [
     "check_pairs",
     "group_contiguous",
     "legacy_pp_pairs",
+    "needs_tokens",
     "pair_entries",
     "pool_stats",
     "tp_peers",
 ]
 
 __version__: str
+#: Roles of the separate K and V entries of an MHA layout (head-sharded between TP ranks).
+MHA_ROLES: list[str]
 
-class KvPlanError(ValueError): ...
+class KvPlanError(ValueError):
+    #: The core's stable name of the error's family (``"head_slicing"``, ``"size_mismatch"``,
+    #: ``"fragments"``, ...; ``"other"`` for errors raised by Python code).
+    kind: str
 class PairingError(KvPlanError): ...
 class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...
@@ -61,6 +68,7 @@ def legacy_pp_pairs(
     decode_num_layers: int | None = None,
 ) -> _I64Array: ...
 def pool_stats() -> tuple[int, int, int, int]: ...
+def needs_tokens(src_layout: Layout, dst_layout: Layout) -> bool: ...
 def check_pairs(
     src_layout: Layout,
     dst_layout: Layout,

@@ -229,7 +229,9 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
                 Err(PlanError::LengthMismatch { .. }) if !t.by_token() && n_tokens.is_none() => {
                     continue;
                 }
-                Err(PlanError::Geometry { .. }) if geometry.fragments != Fragments::Whole => {
+                Err(PlanError::Geometry { .. } | PlanError::FragmentCombination { .. })
+                    if geometry.fragments != Fragments::Whole =>
+                {
                     continue;
                 }
                 Err(e) => panic!("{label}: {e}"),
@@ -264,6 +266,7 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
                 lengths,
                 n_runs: 1,
                 total_bytes,
+                ..Plan::default()
             };
             check_blocks(&format!("{what}: state {s} -> {d}"), src, dst, &plan);
         }
