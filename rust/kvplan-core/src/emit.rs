@@ -125,14 +125,17 @@ pub(crate) fn expand_pieces(pieces: &[Piece], runs: usize, pages: usize, out: Co
         } else {
             // Runs last to first, pages last to first: run r's pages go to positions at or
             // after r, and only runs before r remain to be read.
+            // The piece's fields in locals: the loop below then keeps them in registers.
+            let (src_base, src_stride) = (piece.src.base, piece.src.page_stride);
+            let (dst_base, dst_stride, len) = (piece.dst.base, piece.dst.page_stride, piece.len);
             let mut at = end;
             for r in (0..runs).rev() {
                 let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r] as usize);
                 at -= n;
                 for k in (0..n).rev() {
-                    out.src_addrs[at + k] = piece.src.base + (s + k as u64) * piece.src.page_stride;
-                    out.dst_addrs[at + k] = piece.dst.base + (d + k as u64) * piece.dst.page_stride;
-                    out.lengths[at + k] = piece.len;
+                    out.src_addrs[at + k] = src_base + (s + k as u64) * src_stride;
+                    out.dst_addrs[at + k] = dst_base + (d + k as u64) * dst_stride;
+                    out.lengths[at + k] = len;
                 }
             }
             end = at;

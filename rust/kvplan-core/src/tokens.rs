@@ -421,7 +421,7 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
         out.lengths[at] = len;
         Ok(at + 1)
     };
-    let (ps, pd) = (&piece.src, &piece.dst);
+    let (ps, pd, len) = (piece.src, piece.dst, piece.len); // in registers for the loop
     let mut open = false; // whether the last block written may be extended
     for seg in segments(n_tokens, sizes) {
         let sp = page(src[seg.src_pos].get(), limits.0)?;
@@ -432,11 +432,11 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
         if class == 0 {
             for k in 0..seg.n {
                 let (s, d) = (s + k * ps.slot_stride, d + k * pd.slot_stride);
-                at = push(out, at, s, d, piece.len)?;
+                at = push(out, at, s, d, len)?;
             }
             continue;
         }
-        let bytes = seg.n * piece.len;
+        let bytes = seg.n * len;
         if open && !breaks(class, edges(&seg, src, dst)) {
             out.lengths[at - 1] += bytes;
         } else {

@@ -30,7 +30,14 @@ fn layout(base: u64, page_size: u64, order: Option<(MemoryOrder, u32, u32)>) -> 
         }),
         ..LayoutContext::default()
     };
-    Layout::mla(vec![base], vec![PAGES * item], vec![item], Some(vec![0]), ctx).unwrap()
+    Layout::mla(
+        vec![base],
+        vec![PAGES * item],
+        vec![item],
+        Some(vec![0]),
+        ctx,
+    )
+    .unwrap()
 }
 
 fn template(src: &Layout, dst: &Layout, fragments: Vec<Fragment>) -> Result<Template, PlanError> {
@@ -61,7 +68,10 @@ fn run(src: &Layout, dst: &Layout, plan: &kvplan_core::Plan) -> Vec<u8> {
             (plan.dst_addrs[k] - DST) as usize,
             plan.lengths[k] as usize,
         );
-        assert!(written[d..d + n].iter().all(|w| !w), "block {k} writes a byte twice");
+        assert!(
+            written[d..d + n].iter().all(|w| !w),
+            "block {k} writes a byte twice"
+        );
         written[d..d + n].iter_mut().for_each(|w| *w = true);
         out[d..d + n].copy_from_slice(&source[s..s + n]);
     }
@@ -87,7 +97,10 @@ fn reference(
         .collect();
     let mut out = vec![0u8; dst.parts().data_lens[0] as usize];
     for t in 0..n {
-        let (sp, dp) = (pages.0[(t / p) as usize] as u64, pages.1[(t / p) as usize] as u64);
+        let (sp, dp) = (
+            pages.0[(t / p) as usize] as u64,
+            pages.1[(t / p) as usize] as u64,
+        );
         for (s, d, len) in bytes(t % p) {
             for k in 0..len {
                 out[(dp * item_d + d + k) as usize] = source[(sp * item_s + s + k) as usize];
@@ -136,13 +149,24 @@ fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
     let t = template(&src, &dst, vec![frag(0, 4, 4), frag(4, 12, 4)]).unwrap();
     let plan = t.plan(pages.0, pages.1, None).unwrap();
     let want = reference(&src, &dst, pages, 8, &|s| {
-        if s < 2 { vec![(s * 4, s * 8 + 4, 4)] } else { vec![] }
+        if s < 2 {
+            vec![(s * 4, s * 8 + 4, 4)]
+        } else {
+            vec![]
+        }
     });
     assert_eq!(run(&src, &dst, &plan), want);
     // The same fragments with n_tokens do not move every token alike: refused, saying why.
     let err = t.plan(pages.0, pages.1, Some(6)).unwrap_err();
-    assert!(matches!(err, PlanError::FragmentCombination { .. }), "{err}");
-    assert!(err.to_string().contains("do not move the same bytes of every token"), "{err}");
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("do not move the same bytes of every token"),
+        "{err}"
+    );
     // The first 2 bytes of the moved head of every token, 6 tokens: a head-sliced token plan.
     let list = (0..4).map(|t| frag(t * 4, t * 8 + 4, 2)).collect();
     let t = template(&src, &dst, list).unwrap();
@@ -152,16 +176,29 @@ fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
     assert_eq!(plan.total_bytes, 6 * 2);
     // A fragment sending the moved head elsewhere than head slicing does has no destination.
     let err = template(&src, &dst, vec![frag(0, 0, 4)]).unwrap_err();
-    assert!(matches!(err, PlanError::FragmentCombination { .. }), "{err}");
-    assert!(err.to_string().contains("disagree on where the moved heads go"), "{err}");
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("disagree on where the moved heads go"),
+        "{err}"
+    );
 }
 
 #[test]
 fn fragments_between_different_page_sizes_are_refused_saying_why() {
     let (src, dst) = (layout(SRC, 4, None), layout(DST, 8, None));
     let err = template(&src, &dst, vec![frag(0, 0, 8)]).unwrap_err();
-    assert!(matches!(err, PlanError::FragmentCombination { .. }), "{err}");
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
     let text = err.to_string();
-    assert!(text.contains("prefill pages hold 4 tokens and decode pages 8"), "{text}");
+    assert!(
+        text.contains("prefill pages hold 4 tokens and decode pages 8"),
+        "{text}"
+    );
     assert_eq!(err.kind(), "fragments");
 }
