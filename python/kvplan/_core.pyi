@@ -13,6 +13,7 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "MHA_ROLES",
     "Pairing",
     "PairingError",
     "PlanBatch",
@@ -27,14 +28,20 @@ __all__ = [
     "group_contiguous",
     "index_digest",
     "legacy_pp_pairs",
+    "needs_tokens",
     "pair_entries",
     "pool_stats",
     "tp_peers",
 ]
 
 __version__: str
+#: Roles of the separate K and V entries of an MHA layout (head-sharded between TP ranks).
+MHA_ROLES: list[str]
 
-class KvPlanError(ValueError): ...
+class KvPlanError(ValueError):
+    #: The core's stable name of the error's family (``"head_slicing"``, ``"size_mismatch"``,
+    #: ``"fragments"``, ...; ``"other"`` for errors raised by Python code).
+    kind: str
 class PairingError(KvPlanError): ...
 class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...
@@ -70,6 +77,7 @@ def combine_pair_digests(pair_digests: Sequence[int] | npt.NDArray[np.uint64]) -
     """The content digest of a plan from its pair digests (no byte is hashed again)."""
 def index_digest(pages: _IndexArray) -> int:
     """XXH3-64 of a page list (widened to int64), as integrity manifests carry it."""
+def needs_tokens(src_layout: Layout, dst_layout: Layout) -> bool: ...
 def check_pairs(
     src_layout: Layout,
     dst_layout: Layout,

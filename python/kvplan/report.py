@@ -71,7 +71,7 @@ class EntryCheck:
         """Paired items of different lengths (not a head-slicing problem between TP sizes,
         which the report words on its own)."""
         return (isinstance(self.exception, _core.SizeMismatchError)
-                and not str(self.exception).startswith("head slicing:"))
+                and self.exception.kind != "head_slicing")
 
 
 @dataclass(frozen=True)
@@ -285,11 +285,11 @@ def _blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str
     """Block counts of a request of ``pages`` pages, coalesced and not."""
     if pages < 1:
         return []
-    if src.page_size != dst.page_size or _order(src) != _order(dst):
-        return _token_blocks(src, dst, pages, **options)
     lines = []
     for coalesce in (True, False):
         template = _core.Template(src, dst, coalesce=coalesce, **options)  # type: ignore[arg-type]
+        if template.by_token:  # the core's choice: different page sizes or memory orders
+            return _token_blocks(template, src, dst, pages)
         contiguous, scattered = template.n_blocks_for(pages, 1), template.n_blocks_for(pages, pages)
         how = (f"coalesced ({_plural(template.n_groups, 'group')})" if coalesce
                else f"without coalescing ({_plural(template.n_groups, 'group')})")
@@ -302,9 +302,8 @@ def _order(layout: Layout) -> str:
     return layout.memory_order or "NHD"
 
 
-def _token_blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str]:
+def _token_blocks(template: _core.Template, src: Layout, dst: Layout, pages: int) -> list[str]:
     """What token-exact planning costs: blocks of a request of ``pages`` prefill pages."""
-    template = _core.Template(src, dst, **options)  # type: ignore[arg-type]
     ps, pd = src.page_size, dst.page_size
     tokens = pages * ps
     g = math.gcd(ps, pd)
@@ -577,7 +576,7 @@ def _tp_lines(src: Layout, dst: Layout) -> list[str]:
         moved = stop - start
         heads = f"head {start}" if moved == 1 else f"heads {start}–{stop - 1}"
         orders = (_order(src), _order(dst))
-        by_token = src.page_size != dst.page_size or orders[0] != orders[1]
+        by_token = _core.needs_tokens(src, dst)
         if moved == hp == hd:
             how = "whole tokens, token plan" if by_token else "whole items"
         elif by_token:

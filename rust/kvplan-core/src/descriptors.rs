@@ -20,9 +20,10 @@
 //! express: they are refused, naming the plan path.
 
 use crate::error::{PlanError, Result, Side, try_vec};
+use crate::pieces::PairSpec;
 use crate::plan::{Columns, PlanUnit};
 use crate::runs::PageIndex;
-use crate::template::{PairSpec, Template};
+use crate::template::Template;
 
 /// How a template's prepped tables are laid out (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,14 +133,14 @@ impl Template {
         let mut rows = table.addrs.iter_mut().zip(table.lens.iter_mut());
         let pages = side.pick(shape.pages.0, shape.pages.1);
         let slots = side.pick(shape.slots.0, shape.slots.1);
-        let pieces = self.pieces().iter().map(|p| {
-            let (base, stride) = side.pick((p.src_base, p.src_stride), (p.dst_base, p.dst_stride));
-            (base, stride, p.len, pages)
-        });
-        let states = self.moving_state_pairs().map(|p| {
-            let (base, stride) = side.pick((p.src_base, p.src_stride), (p.dst_base, p.dst_stride));
-            (base, stride, p.item_len, slots)
-        });
+        // Page pieces have one slot per page and state pieces one per slot: the side's page
+        // stride steps from one descriptor to the next.
+        let place = |p: &crate::pieces::Piece, count: u64| {
+            let at = side.pick(&p.src, &p.dst);
+            (at.base, at.page_stride, p.len, count)
+        };
+        let pieces = self.pieces().iter().map(|p| place(p, pages));
+        let states = self.state_pieces.iter().map(|p| place(p, slots));
         for (base, stride, len, count) in pieces.chain(states) {
             for k in 0..count {
                 // In range of every paired buffer, so inside a buffer whose end fits in u64;

@@ -1,5 +1,6 @@
-//! Block emission: a request's runs × a template's pieces (whole pairs, coalesced groups of
-//! pairs, or fragments) → `(src_addr, dst_addr, length)` columns.
+//! Page emission: a request's runs × a template's page pieces (whole pairs, coalesced groups
+//! of pairs, or fragments: [`Piece`]s with one slot per page) → `(src_addr, dst_addr, length)`
+//! columns. The kernels take pieces and runs only, never a template.
 //!
 //! Blocks are piece major, run minor (SGLang's order when every piece is one packed pair), so
 //! with only per-run pieces piece `p`'s blocks are the slice `p*R .. (p+1)*R` of the output, `R`
@@ -13,32 +14,8 @@
 //! validated every index against every paired buffer's capacity, and layouts guarantee
 //! `base + capacity * item_len` fits in u64, so the expansion cannot overflow.
 
+use crate::pieces::Piece;
 use crate::plan::Columns;
-
-/// One emission unit of a template: a whole pair, a coalesced group of pairs, or one fragment
-/// of a pair. Page `i` of the piece is the `len` bytes at `src_base + i * src_stride` (and at
-/// `dst_base + i * dst_stride`); `src_base`/`dst_base` already include a fragment's offsets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Piece {
-    /// Source address of page 0 of the piece.
-    pub src_base: u64,
-    /// Destination address of page 0 of the piece.
-    pub dst_base: u64,
-    /// Bytes per page.
-    pub len: u64,
-    /// Bytes between consecutive source pages.
-    pub src_stride: u64,
-    /// Bytes between consecutive destination pages.
-    pub dst_stride: u64,
-}
-
-impl Piece {
-    /// Whether consecutive pages are contiguous on both sides (`len` equals both strides), so
-    /// a run of `n` pages is one block of `n * len` bytes; otherwise one block per page.
-    pub fn per_run(&self) -> bool {
-        self.len == self.src_stride && self.len == self.dst_stride
-    }
-}
 
 /// Expands `runs` runs, stored as page indices in the first `runs` slots of `out`, into the
 /// blocks of every piece in `pairs`, all of which are [`Piece::per_run`] (`out` holds at least
@@ -58,8 +35,8 @@ pub(crate) fn expand_runs(pairs: &[Piece], runs: usize, out: Columns<'_>) {
         let columns = [&mut *out.src_addrs, &mut *out.dst_addrs, &mut *out.lengths];
         match previous {
             Some((from, prev)) if prev.len == pair.len => {
-                let src_delta = pair.src_base.wrapping_sub(prev.src_base);
-                let dst_delta = pair.dst_base.wrapping_sub(prev.dst_base);
+                let src_delta = pair.src.base.wrapping_sub(prev.src.base);
+                let dst_delta = pair.dst.base.wrapping_sub(prev.dst.base);
                 let [src_col, dst_col, len_col] = columns;
                 derive(src_col, runs, from, to, |x| x.wrapping_add(src_delta));
                 derive(dst_col, runs, from, to, |x| x.wrapping_add(dst_delta));
@@ -68,8 +45,8 @@ pub(crate) fn expand_runs(pairs: &[Piece], runs: usize, out: Columns<'_>) {
             _ => {
                 let item = pair.len;
                 let [src_col, dst_col, len_col] = columns;
-                derive(src_col, runs, 0, to, |x| pair.src_base + x * item);
-                derive(dst_col, runs, 0, to, |x| pair.dst_base + x * item);
+                derive(src_col, runs, 0, to, |x| pair.src.base + x * item);
+                derive(dst_col, runs, 0, to, |x| pair.dst.base + x * item);
                 derive(len_col, runs, 0, to, |x| x * item);
             }
         }
@@ -94,8 +71,8 @@ fn expand_small(pairs: &[Piece], runs: usize, out: Columns<'_>) {
     for (pair, ((src, dst), len)) in pairs.iter().zip(blocks) {
         let item = pair.len;
         for r in 0..runs {
-            src[r] = pair.src_base + starts[0][r] * item;
-            dst[r] = pair.dst_base + starts[1][r] * item;
+            src[r] = pair.src.base + starts[0][r] * item;
+            dst[r] = pair.dst.base + starts[1][r] * item;
             len[r] = starts[2][r] * item;
         }
     }
@@ -140,22 +117,25 @@ pub(crate) fn expand_pieces(pieces: &[Piece], runs: usize, pages: usize, out: Co
             // piece 0, untouched runs otherwise.
             for r in 0..runs {
                 let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r]);
-                out.src_addrs[start + r] = piece.src_base + s * piece.len;
-                out.dst_addrs[start + r] = piece.dst_base + d * piece.len;
+                out.src_addrs[start + r] = piece.src.base + s * piece.len;
+                out.dst_addrs[start + r] = piece.dst.base + d * piece.len;
                 out.lengths[start + r] = n * piece.len;
             }
             end = start;
         } else {
             // Runs last to first, pages last to first: run r's pages go to positions at or
             // after r, and only runs before r remain to be read.
+            // The piece's fields in locals: the loop below then keeps them in registers.
+            let (src_base, src_stride) = (piece.src.base, piece.src.page_stride);
+            let (dst_base, dst_stride, len) = (piece.dst.base, piece.dst.page_stride, piece.len);
             let mut at = end;
             for r in (0..runs).rev() {
                 let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r] as usize);
                 at -= n;
                 for k in (0..n).rev() {
-                    out.src_addrs[at + k] = piece.src_base + (s + k as u64) * piece.src_stride;
-                    out.dst_addrs[at + k] = piece.dst_base + (d + k as u64) * piece.dst_stride;
-                    out.lengths[at + k] = piece.len;
+                    out.src_addrs[at + k] = src_base + (s + k as u64) * src_stride;
+                    out.dst_addrs[at + k] = dst_base + (d + k as u64) * dst_stride;
+                    out.lengths[at + k] = len;
                 }
             }
             end = at;

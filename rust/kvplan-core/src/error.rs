@@ -212,9 +212,16 @@ pub enum PlanError {
     #[error("{what}")]
     Geometry { what: String },
     /// The two sides' attention geometries cannot be bridged by head slicing (or an entry's
-    /// item does not match its side's geometry).
-    #[error("head slicing: {what}")]
-    HeadMismatch { what: String },
+    /// item does not match its side's geometry); `entry` names the pair when one is at fault.
+    #[error("head slicing: {}{problem}", entry.as_deref().map(|e| format!("{e}: ")).unwrap_or_default())]
+    HeadMismatch {
+        entry: Option<String>,
+        problem: HeadProblem,
+    },
+    /// Caller fragments that cannot be combined with how the template moves bytes (a token
+    /// plan, head slicing); `why` says exactly which bytes have no defined destination.
+    #[error("fragments: {why}")]
+    FragmentCombination { why: String },
     /// A template whose transfers prepped descriptor tables (one descriptor per whole page)
     /// cannot express; `why` names the template's property and the path that works.
     #[error("prepped descriptor tables: {why}")]
@@ -238,7 +245,87 @@ pub enum PlanError {
     DigestInput { what: String },
 }
 
+/// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
+/// parse a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeadProblem {
+    /// A geometry value both sides must share differs.
+    #[error(
+        "{what} differ (prefill {src}, decode {dst}); heads can only be re-sliced between items of the same shape"
+    )]
+    Differ {
+        what: &'static str,
+        src: String,
+        dst: String,
+    },
+    /// Heads cannot be split evenly over a side's ranks, or a rank is outside its TP size.
+    #[error("{what}")]
+    Split { what: String },
+    /// A side publishes heads per rank that do not follow from kv_heads and its TP size.
+    #[error(
+        "{} publishes heads_per_rank {published} but kv_heads {kv_heads} over TP size {tp} gives {want} per rank",
+        side.pick("prefill", "decode")
+    )]
+    HeadsPerRank {
+        side: Side,
+        published: u32,
+        kv_heads: u32,
+        tp: u32,
+        want: u32,
+    },
+    /// Whole items move but their lengths differ.
+    #[error(
+        "item lengths differ (prefill {src_item}, decode {dst_item} bytes) although both ranks hold the same heads"
+    )]
+    ItemsDiffer { src_item: u64, dst_item: u64 },
+    /// Part of an item moves, and one side's item is not what its geometry implies.
+    #[error(
+        "a head-sliced transfer needs {} items of page_size {page_size} × {heads} heads × head_dim {head_dim} × {dtype_size} bytes = {want} bytes, this entry has {have}",
+        side.pick("prefill", "decode")
+    )]
+    SlicedItem {
+        side: Side,
+        page_size: u64,
+        heads: u32,
+        head_dim: u32,
+        dtype_size: u32,
+        want: u64,
+        have: u64,
+    },
+    /// State items neither equal (replicated) nor in the TP ratio (sharded).
+    #[error(
+        "state item lengths prefill {src_item} bytes at TP {tp_p}, decode {dst_item} bytes at TP {tp_d}: neither equal (a replicated state) nor in the TP ratio ({src_item} × {tp_p} = {dst_item} × {tp_d} for a state sharded over TP)"
+    )]
+    StateRatio {
+        src_item: u64,
+        tp_p: u64,
+        dst_item: u64,
+        tp_d: u64,
+    },
+}
+
 impl PlanError {
+    /// A stable name of the error's variant family, for callers that must tell errors of one
+    /// class apart without reading messages (Python's `KvPlanError.kind`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PlanError::HeadMismatch { .. } => "head_slicing",
+            PlanError::SizeMismatch { .. } => "size_mismatch",
+            PlanError::TokenSize { .. } | PlanError::TokenBytes { .. } => "token_size",
+            PlanError::HeadLayout { .. } => "head_layout",
+            PlanError::FragmentCombination { .. } => "fragments",
+            PlanError::Geometry { .. } => "geometry",
+            PlanError::NotPreppable { .. } => "not_preppable",
+            other => match other.class() {
+                ErrorClass::Pairing => "pairing",
+                ErrorClass::IndexBounds => "index_bounds",
+                ErrorClass::Layout => "layout",
+                ErrorClass::Memory => "memory",
+                ErrorClass::SizeMismatch | ErrorClass::Other => "other",
+            },
+        }
+    }
+
     /// The error for `count` values of type `T` that could not be allocated.
     pub fn out_of_memory<T>(what: &'static str, count: usize) -> Self {
         PlanError::OutOfMemory {
@@ -292,6 +379,7 @@ impl PlanError {
             | PlanError::Overflow { .. }
             | PlanError::OutputTooSmall { .. }
             | PlanError::Geometry { .. }
+            | PlanError::FragmentCombination { .. }
             | PlanError::TokenCount { .. }
             | PlanError::NotPreppable { .. }
             | PlanError::DigestInput { .. }

@@ -22,9 +22,9 @@
 //! `r·len .. (r+1)·len` of the whole state, and each pair moves the overlap of the two byte
 //! ranges as one block.
 
-use crate::error::{PlanError, Result, Side};
+use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
-use crate::template::{Fragment, Fragments};
+use crate::pieces::{Fragment, Fragments};
 
 /// How a model's KV heads are split over the prefill and the decode TP groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -281,11 +281,12 @@ impl HeadSlicing {
         let (Some(s), Some(d)) = (sc.attention, dc.attention) else {
             return Ok(None);
         };
-        let differ = |what: &str, a: String, b: String| PlanError::HeadMismatch {
-            what: format!(
-                "{what} differ (prefill {a}, decode {b}); heads can only be re-sliced between \
-                 items of the same shape"
-            ),
+        let mismatch = |problem: HeadProblem| PlanError::HeadMismatch {
+            entry: None,
+            problem,
+        };
+        let differ = |what: &'static str, src: String, dst: String| {
+            mismatch(HeadProblem::Differ { what, src, dst })
         };
         if s.total_kv_heads != d.total_kv_heads {
             return Err(differ(
@@ -309,23 +310,20 @@ impl HeadSlicing {
             ));
         }
         let split = TpSplit::new(s.total_kv_heads, sc.tp_size, dc.tp_size).map_err(|e| {
-            PlanError::HeadMismatch {
+            mismatch(HeadProblem::Split {
                 what: e.to_string(),
-            }
+            })
         })?;
         for (side, g) in [(Side::Src, &s), (Side::Dst, &d)] {
             let want = split.heads_per_rank(side);
             if g.heads_per_rank != want {
-                let name = side.pick("prefill", "decode");
-                return Err(PlanError::HeadMismatch {
-                    what: format!(
-                        "{name} publishes heads_per_rank {} but kv_heads {} over TP size {} \
-                         gives {want} per rank",
-                        g.heads_per_rank,
-                        split.kv_heads,
-                        split.tp(side)
-                    ),
-                });
+                return Err(mismatch(HeadProblem::HeadsPerRank {
+                    side,
+                    published: g.heads_per_rank,
+                    kv_heads: split.kv_heads,
+                    tp: split.tp(side),
+                    want,
+                }));
             }
         }
         let link = split.link(sc.tp_rank, dc.tp_rank)?;
@@ -393,32 +391,28 @@ impl HeadSlicing {
         &self,
         src_item: u64,
         dst_item: u64,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), HeadProblem> {
         if self.sliced().is_none() {
-            return if src_item == dst_item
-                || matches!(self.link, Link::Disjoint | Link::Replica { .. })
-            {
+            let nothing_moves = matches!(self.link, Link::Disjoint | Link::Replica { .. });
+            return if src_item == dst_item || nothing_moves {
                 Ok(())
             } else {
-                Err(format!(
-                    "item lengths differ (prefill {src_item}, decode {dst_item} bytes) although \
-                     both ranks hold the same heads"
-                ))
+                Err(HeadProblem::ItemsDiffer { src_item, dst_item })
             };
         }
         for (side, have) in [(Side::Src, src_item), (Side::Dst, dst_item)] {
             let want = self.item_bytes(side);
             if have != want {
                 let g = side.pick(&self.src, &self.dst);
-                return Err(format!(
-                    "a head-sliced transfer needs {} items of page_size {} × {} heads × head_dim \
-                     {} × {} bytes = {want} bytes, this entry has {have}",
-                    side.pick("prefill", "decode"),
-                    side.pick(self.page_sizes.0, self.page_sizes.1),
-                    g.heads_per_rank,
-                    g.head_dim,
-                    g.dtype_size
-                ));
+                return Err(HeadProblem::SlicedItem {
+                    side,
+                    page_size: side.pick(self.page_sizes.0, self.page_sizes.1),
+                    heads: g.heads_per_rank,
+                    head_dim: g.head_dim,
+                    dtype_size: g.dtype_size,
+                    want,
+                    have,
+                });
             }
         }
         Ok(())
@@ -475,7 +469,7 @@ impl HeadSlicing {
         &self,
         src_item: u64,
         dst_item: u64,
-    ) -> std::result::Result<Option<Fragment>, String> {
+    ) -> std::result::Result<Option<Fragment>, HeadProblem> {
         let (tp_p, tp_d) = (
             u64::from(self.split.prefill_tp),
             u64::from(self.split.decode_tp),
@@ -493,11 +487,12 @@ impl HeadSlicing {
         }
         let total = src_item.checked_mul(tp_p);
         if total.is_none() || total != dst_item.checked_mul(tp_d) {
-            return Err(format!(
-                "state item lengths prefill {src_item} bytes at TP {tp_p}, decode {dst_item} \
-                 bytes at TP {tp_d}: neither equal (a replicated state) nor in the TP ratio \
-                 ({src_item} × {tp_p} = {dst_item} × {tp_d} for a state sharded over TP)"
-            ));
+            return Err(HeadProblem::StateRatio {
+                src_item,
+                tp_p,
+                dst_item,
+                tp_d,
+            });
         }
         let (src_start, dst_start) = (r_p * src_item, r_d * dst_item); // <= total: no overflow
         let start = src_start.max(dst_start);

@@ -6,6 +6,10 @@ use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
 
+/// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are
+/// sharded between TP ranks (an MLA latent, role `kv`, and NPU buffer groups are not).
+pub const MHA_ROLES: [&str; 2] = [K_ROLE, V_ROLE];
+
 /// Whether an entry is indexed by KV page or by per-request state slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EntryKind {

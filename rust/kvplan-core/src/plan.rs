@@ -2,8 +2,8 @@
 //! and owned buffers for callers that do not bring their own memory.
 
 use crate::error::{PlanError, Result};
+use crate::pieces::TOKEN_CLASSES;
 use crate::runs::RunScan;
-use crate::tokens::TokenShape;
 
 /// Three output columns of equal length: source addresses, destination addresses, lengths.
 pub struct Columns<'a> {
@@ -56,6 +56,25 @@ pub enum PlanUnit {
     Tokens(TokenShape),
 }
 
+/// The size of a token request's plan, known before any output exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenShape {
+    /// Tokens planned.
+    pub n_tokens: u64,
+    /// Leading source pages holding them (`ceil(n_tokens / P_s)`).
+    pub src_pages: usize,
+    /// Leading destination pages holding them.
+    pub dst_pages: usize,
+    /// Segments (token ranges inside one page on each side).
+    pub n_segments: usize,
+    /// Blocks one piece of each class emits.
+    pub class_blocks: [usize; TOKEN_CLASSES],
+    /// Blocks of the whole plan.
+    pub n_blocks: usize,
+    /// Bytes the plan moves.
+    pub total_bytes: u64,
+}
+
 /// A finished plan's size (the columns hold `n_blocks` valid values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanSummary {
@@ -69,6 +88,8 @@ pub struct PlanSummary {
     pub n_pages: usize,
     /// A token plan's shape (`None` for a page or state plan); `n_runs` then counts segments.
     pub tokens: Option<TokenShape>,
+    /// A state plan (one block per state pair that moves bytes).
+    pub state: bool,
 }
 
 /// An owned plan (allocating convenience over [`Template::plan_into`]).
@@ -84,6 +105,9 @@ pub struct Plan {
     pub n_runs: usize,
     /// Bytes moved.
     pub total_bytes: u64,
+    /// `n_pairs + 1` block offsets: page pair `p`'s blocks are `pair_offsets[p]..
+    /// pair_offsets[p + 1]` (see [`Template::pair_offsets`]).
+    pub pair_offsets: Vec<usize>,
 }
 
 /// Something that lends three output columns (a pooled flat buffer, borrowed numpy rows…).

@@ -285,6 +285,29 @@ fn runs_of_scan<S: PageIndex, D: PageIndex>(
     Ok((starts_src, starts_dst, lengths))
 }
 
+/// No destination index repeated (what `check_dst_overlap` asks for).
+///
+/// # Errors
+/// [`PlanError::DuplicateDestination`] naming the index and both positions;
+/// [`PlanError::OutOfMemory`].
+pub(crate) fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
+    // Only when the template asks for it: this is the one allocating check (16 bytes per
+    // index, so its allocation may fail for a large request).
+    let mut seen: Vec<(i64, usize)> = Vec::new();
+    seen.try_reserve_exact(dst.len())
+        .map_err(|_| PlanError::out_of_memory::<(i64, usize)>("the overlap check", dst.len()))?;
+    seen.extend(dst.iter().map(|v| v.get()).zip(0..));
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(PlanError::DuplicateDestination {
+            index: w[0].0,
+            first: w[0].1,
+            second: w[1].1,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,65 +1,19 @@
-//! A compiled peer pair: entries paired and validated once, ready for per-request planning.
+//! A compiled peer pair: entries paired and validated once (module `check`), turned into
+//! pieces once (module `pieces`), with the strategy chosen once: a page plan (kernels in
+//! `emit`) or a token plan (module `tokens`). Every request goes through [`Template::prepare`].
 
-use std::collections::HashMap;
-
-use crate::emit::Piece;
+use crate::check::{
+    TemplateOptions, check_fragments, check_pairs, compose, entry_labels, needs_tokens, pair_spec,
+};
 use crate::error::{PlanError, Result, Side};
 use crate::heads::HeadSlicing;
-use crate::layout::{EntryKind, Layout, is_mha_role};
-use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit};
-use crate::runs::{IndexLimits, PageIndex, scan, write_runs};
-use crate::tokens::TokenTemplate;
-
-/// Everything planning needs about one source/destination entry pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PairSpec {
-    /// Index of the source entry in the source layout.
-    pub src_entry: usize,
-    /// Index of the destination entry in the destination layout.
-    pub dst_entry: usize,
-    /// Source buffer base address.
-    pub src_base: u64,
-    /// Destination buffer base address.
-    pub dst_base: u64,
-    /// Bytes per source item (equal to `dst_item_len` unless heads are re-sliced between
-    /// different TP sizes; checked at template time).
-    pub item_len: u64,
-    /// Bytes per destination item.
-    pub dst_item_len: u64,
-    /// Items the source buffer holds.
-    pub src_capacity: u64,
-    /// Items the destination buffer holds.
-    pub dst_capacity: u64,
-    /// Bytes between consecutive source items.
-    pub src_stride: u64,
-    /// Bytes between consecutive destination items.
-    pub dst_stride: u64,
-}
-
-/// Bytes `src_off..src_off+len` of a source item go to `dst_off..dst_off+len` of its
-/// destination item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fragment {
-    /// Offset inside the source item.
-    pub src_off: u64,
-    /// Offset inside the destination item.
-    pub dst_off: u64,
-    /// Bytes.
-    pub len: u64,
-}
-
-/// Which bytes of each item a template moves.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Fragments {
-    /// Every item whole (one fragment `(0, 0, item_len)` per pair).
-    #[default]
-    Whole,
-    /// The same fragments for every emitting page pair.
-    Every(Vec<Fragment>),
-    /// Per page pair in planning order (elided pairs included); `None` = the whole item.
-    PerPair(Vec<Option<Vec<Fragment>>>),
-}
+use crate::layout::{EntryKind, Layout};
+use crate::pieces::{Fragments, PairSpec, Piece, TOKEN_CLASSES};
+use crate::plan::{
+    AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
+};
+use crate::runs::{IndexLimits, PageIndex, check_unique, scan, write_runs};
+use crate::tokens::{TokenTemplate, count_blocks, emit_tokens};
 
 /// How a template turns pairs into blocks (independent of how entries are paired).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,15 +59,6 @@ impl Group {
     }
 }
 
-/// How to pair the two layouts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TemplateOptions {
-    /// How entries pair (by layer id by default).
-    pub pairing: Pairing,
-    /// Reject requests that would write one destination item twice.
-    pub check_dst_overlap: bool,
-}
-
 /// Validated entry pairs for one (prefill layout, decode layout) pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Template {
@@ -121,6 +66,8 @@ pub struct Template {
     /// Page pairs with a non-zero item length, in order: the ones that emit blocks.
     pub(crate) emitting: Vec<PairSpec>,
     pub(crate) state_pairs: Vec<PairSpec>,
+    /// One piece per state pair that moves bytes (a slot is a one-page request), in order.
+    pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
     pub(crate) bytes_per_page: u64,
     /// Smallest capacity over emitting pairs, per side: every index must lie below it.
@@ -142,6 +89,9 @@ pub struct Template {
     heads: Option<HeadSlicing>,
     /// Tokens per page on each side.
     pub(crate) page_sizes: (u64, u64),
+    /// Per page pair, its group's token pieces of each class (empty when the template cannot
+    /// plan by token): what block offsets of a token plan are made of.
+    pub(crate) token_groups: Vec<[usize; TOKEN_CLASSES]>,
     /// Whole pages cannot be copied as they are (page sizes or memory orders differ).
     pub(crate) by_token: bool,
     /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
@@ -184,7 +134,7 @@ impl Template {
         // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
         // above, so it succeeds here.
         let heads = HeadSlicing::between(src, dst)?;
-        let by_token = crate::tokens::needs_tokens(src, dst);
+        let by_token = needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
             .iter()
@@ -192,34 +142,24 @@ impl Template {
             .filter(|p| p.item_len > 0 && moves_pages)
             .collect();
         let labels = (entry_labels(src), entry_labels(dst));
-        let sliced_geometry;
-        let page_geometry = match &heads {
-            Some(slicing) => {
-                if geometry.fragments != Fragments::Whole {
-                    return Err(PlanError::Geometry {
-                        what: "fragments= cannot be combined with head slicing: both layouts \
-                               publish their attention geometry, so kvplan computes the \
-                               fragments"
-                            .into(),
-                    });
-                }
-                slice_state_pairs(slicing, &mut state_pairs);
-                // A by-token template places heads per token (module `tokens`); its page
-                // groups only say which pairs' blocks go together.
-                sliced_geometry = GeometryOptions {
-                    fragments: if by_token {
-                        Fragments::Whole
-                    } else {
-                        slicing.page_fragments()
-                    },
-                    coalesce: geometry.coalesce,
-                };
-                &sliced_geometry
-            }
-            None => geometry,
+        if let Some(slicing) = &heads {
+            slice_state_pairs(slicing, &mut state_pairs);
+        }
+        // A page plan moves the head slicing's fragments (restricted to the caller's, if any);
+        // a token template places heads per token (module `tokens`), its page groups only say
+        // which pairs' blocks go together.
+        let head_fragments = match &heads {
+            Some(slicing) if !by_token => slicing.page_fragments(),
+            _ => Fragments::Whole,
         };
         let (pieces, groups, pair_groups) = if moves_pages {
-            build_groups(&page_pairs, page_geometry, &labels.0)?
+            build_groups(
+                &page_pairs,
+                &geometry.fragments,
+                &head_fragments,
+                geometry.coalesce,
+                &labels.0,
+            )?
         } else {
             (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
         };
@@ -242,6 +182,15 @@ impl Template {
                 what: "bytes per page",
             })?;
         let per_run_pieces = pieces.iter().filter(|p| p.per_run()).count();
+        let token_groups = match &tokens {
+            Ok(tokens) => token_groups(tokens, &groups),
+            Err(_) => Vec::new(),
+        };
+        let state_pieces = state_pairs
+            .iter()
+            .filter(|p| p.item_len > 0)
+            .map(|p| p.piece(p.whole()))
+            .collect();
         let src_limit = emitting
             .iter()
             .map(|p| p.src_capacity)
@@ -256,6 +205,7 @@ impl Template {
             page_pairs,
             emitting,
             state_pairs,
+            state_pieces,
             bytes_per_page,
             src_limit,
             dst_limit,
@@ -269,6 +219,7 @@ impl Template {
             dst_labels: labels.1,
             heads,
             page_sizes,
+            token_groups,
             by_token,
             tokens,
         })
@@ -350,236 +301,6 @@ impl Template {
     }
 }
 
-fn entry_labels(layout: &Layout) -> Vec<String> {
-    (0..layout.n_entries())
-        .map(|i| {
-            format!(
-                "layer {}, role {}",
-                layout.layer_label(i),
-                layout.role_label(i)
-            )
-        })
-        .collect()
-}
-
-/// The pairing verdict for one source entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EntryCheck {
-    /// Page or state entry.
-    pub kind: EntryKind,
-    /// Source entry index.
-    pub src_entry: usize,
-    /// Its destination partner, when pairing found one.
-    pub dst_entry: Option<usize>,
-    /// Why the entry cannot be transferred (no partner, list-level pairing failure, or a size
-    /// mismatch with its partner); `None` when it is fine.
-    pub problem: Option<PlanError>,
-}
-
-/// Checks every source entry of `src` against `dst`: page entries first, then state entries,
-/// each in layout order. [`Template::new`] fails with the first problem of this list, so a
-/// compatibility report built from it never disagrees with the template.
-pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
-    let state_options = TemplateOptions {
-        pairing: options.pairing.for_state(),
-        ..options
-    };
-    let heads = HeadSlicing::between(src, dst);
-    let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
-    checks.extend(check_kind(
-        src,
-        dst,
-        EntryKind::State,
-        state_options,
-        &heads,
-    ));
-    checks
-}
-
-fn check_kind(
-    src: &Layout,
-    dst: &Layout,
-    kind: EntryKind,
-    options: TemplateOptions,
-    heads: &Result<Option<HeadSlicing>>,
-) -> Vec<EntryCheck> {
-    let src_entries = src.entries_of_kind(kind);
-    let dst_entries = dst.entries_of_kind(kind);
-    let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
-    // Different tokens per page (or memory orders): paired page items differ in size by design
-    // (item = page size x token bytes); they must agree per token instead (module `tokens`),
-    // unless heads are sliced, where each side's item must be what its own geometry implies
-    // (the same check as for page plans).
-    let by_token = kind == EntryKind::Page && crate::tokens::needs_tokens(src, dst);
-    src_entries
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| {
-            let partner = match &partners {
-                Ok(list) => list[i].clone(),
-                // A list-level failure concerns every entry of the kind.
-                Err(problem) => Err(problem.clone()),
-            };
-            match partner {
-                Err(problem) => EntryCheck {
-                    kind,
-                    src_entry: s,
-                    dst_entry: None,
-                    problem: Some(problem),
-                },
-                Ok(j) => {
-                    let d = dst_entries[j];
-                    let (src_item_len, dst_item_len) =
-                        (src.parts().item_lens[s], dst.parts().item_lens[d]);
-                    let size_mismatch = || PlanError::SizeMismatch {
-                        layer: src.layer_label(s),
-                        role: src.role_label(s),
-                        src_entry: s,
-                        dst_entry: d,
-                        src_item_len,
-                        dst_item_len,
-                    };
-                    let head_problem = |what: String| PlanError::HeadMismatch {
-                        what: format!(
-                            "layer {}, role {} (src entry {s}, dst entry {d}): {what}",
-                            src.layer_label(s),
-                            src.role_label(s)
-                        ),
-                    };
-                    let problem = match (heads, kind) {
-                        (Err(problem), EntryKind::Page) => Some(problem.clone()),
-                        (Ok(Some(_)), _) if src_item_len == 0 => None,
-                        (Ok(Some(slicing)), EntryKind::Page)
-                            if !(by_token && slicing.moves_whole_heads()) =>
-                        {
-                            slicing
-                                .check_page_items(src_item_len, dst_item_len)
-                                .err()
-                                .map(head_problem)
-                        }
-                        _ if by_token => {
-                            crate::tokens::pair_problem(src, dst, &pair_spec(src, dst, s, d))
-                        }
-                        (Ok(Some(slicing)), EntryKind::State) => slicing
-                            .state_fragment(src_item_len, dst_item_len)
-                            .err()
-                            .map(head_problem),
-                        _ => (src_item_len != dst_item_len).then(size_mismatch),
-                    };
-                    EntryCheck {
-                        kind,
-                        src_entry: s,
-                        dst_entry: Some(d),
-                        problem,
-                    }
-                }
-            }
-        })
-        .collect()
-}
-
-/// Partners of one kind's entries, as positions within `dst_entries`.
-fn local_partners(
-    src: &Layout,
-    dst: &Layout,
-    src_entries: &[usize],
-    dst_entries: &[usize],
-    options: TemplateOptions,
-) -> Result<Vec<Partner>> {
-    let pairing = options.pairing;
-    let (src_ids, src_roles) = metadata_of(src, src_entries, pairing);
-    let (dst_ids, dst_roles) = metadata_of(dst, dst_entries, pairing);
-    let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
-    let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
-    match pairing.prefill_start_layer() {
-        Some(start) if legacy => {
-            // Both peers say which buffer group each entry belongs to (k/v, NPU groups g0/g1…,
-            // draft): slice each group on its own, as Ascend's per-group slicing does
-            // (docs/semantics.md, Ascend).
-            let src_drafts: Vec<bool> = src_entries.iter().map(|&i| src.is_draft(i)).collect();
-            if let (Some(src_roles), Some(dst_roles)) = (&src_roles, &dst_roles) {
-                let partners = slice_per_role(src_roles, &src_drafts, dst_roles, start)?;
-                return Ok(partners.into_iter().map(Ok).collect());
-            }
-            let kind = match pairing.legacy_kind() {
-                Some(kind) => kind,
-                None => infer_legacy_kind(src_roles.as_deref(), &src_drafts)?,
-            };
-            let num_draft = src_drafts.iter().filter(|&&d| d).count();
-            let decode_layers = dst.context().num_model_layers.map(|x| x as usize);
-            let pairs = legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?;
-            Ok(pairs.into_iter().map(|[_, j]| Ok(j)).collect())
-        }
-        _ => pair_each(
-            EntryMetadata {
-                layer_ids: src_ids.as_deref(),
-                roles: src_roles.as_deref(),
-                n_entries: n_src,
-            },
-            EntryMetadata {
-                layer_ids: dst_ids.as_deref(),
-                roles: dst_roles.as_deref(),
-                n_entries: n_dst,
-            },
-            pairing.allow_positional_fallback(),
-        ),
-    }
-}
-
-/// Legacy positional slicing within each role: the prefill's entries of role `r` (in order) go to
-/// the decode's entries of role `r` starting at `prefill_start_layer`; draft roles go to the last
-/// entries of their role (the decode's draft band), as SGLang's draft tail does.
-/// `src_drafts` says which source entries are draft entries.
-fn positions_by_role(roles: &[String]) -> HashMap<&str, Vec<usize>> {
-    let mut by_role: HashMap<&str, Vec<usize>> = HashMap::new();
-    for (j, role) in roles.iter().enumerate() {
-        by_role.entry(role.as_str()).or_default().push(j);
-    }
-    by_role
-}
-
-fn slice_per_role(
-    src_roles: &[String],
-    src_drafts: &[bool],
-    dst_roles: &[String],
-    start: usize,
-) -> Result<Vec<usize>> {
-    // Positions of each role on both sides, in layout order (linear in the entry counts).
-    let (src_by_role, dst_by_role) = (positions_by_role(src_roles), positions_by_role(dst_roles));
-    let mut partners = vec![0; src_roles.len()];
-    // Roles in order of first appearance, so the first error reported is deterministic.
-    for (i, role) in src_roles.iter().enumerate() {
-        let src_positions = &src_by_role[role.as_str()];
-        if src_positions[0] != i {
-            continue; // not this role's first entry: already handled
-        }
-        let dst_positions = dst_by_role
-            .get(role.as_str())
-            .map_or(&[][..], Vec::as_slice);
-        let wanted = src_positions.len();
-        let offset = if src_drafts[i] {
-            dst_positions.len().checked_sub(wanted)
-        } else {
-            start
-                .checked_add(wanted)
-                .filter(|&end| end <= dst_positions.len())
-                .map(|_| start)
-        };
-        let Some(offset) = offset else {
-            return Err(PlanError::LegacySlice {
-                reason: format!(
-                    "prefill has {wanted} entries of role {role:?} from layer {start}, decode has only {} entries of that role",
-                    dst_positions.len()
-                ),
-            });
-        };
-        for (k, &i) in src_positions.iter().enumerate() {
-            partners[i] = dst_positions[offset + k];
-        }
-    }
-    Ok(partners)
-}
-
 /// Pieces, groups and each page pair's group. Without fragments, a pair continues the group of
 /// the emitting pair before it when both are whole-item transfers whose items touch on both
 /// sides (`base = previous base + previous item`, equal strides) and the group still fits in
@@ -587,10 +308,12 @@ fn slice_per_role(
 #[allow(clippy::type_complexity)]
 fn build_groups(
     page_pairs: &[PairSpec],
-    geometry: &GeometryOptions,
+    fragments: &Fragments,
+    head_fragments: &Fragments,
+    coalesce: bool,
     src_labels: &[String],
 ) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
-    if let Fragments::PerPair(list) = &geometry.fragments
+    if let Fragments::PerPair(list) = fragments
         && list.len() != page_pairs.len()
     {
         return Err(PlanError::Geometry {
@@ -607,29 +330,32 @@ fn build_groups(
     // Whether the last group is whole items (fragment-free), so a touching pair may join it.
     let mut open = false;
     for (index, pair) in page_pairs.iter().enumerate() {
-        let given = match &geometry.fragments {
-            Fragments::Every(list) if pair.item_len > 0 => Some(list),
-            Fragments::Whole | Fragments::Every(_) => None,
-            Fragments::PerPair(lists) => lists[index].as_ref(),
+        let given = match fragments {
+            Fragments::Every(_) if pair.item_len == 0 => None,
+            _ => fragments.of_pair(index),
         };
         let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();
         let fragments = match given {
             Some(list) => check_fragments(index, pair, list, &label)?,
             None => None,
         };
+        // Head slicing's fragments, restricted to the caller's where both are given.
+        let fragments = match (fragments, head_fragments.of_pair(index)) {
+            (None, None) => None,
+            (Some(user), None) => Some(user),
+            (None, Some(heads)) => Some(heads.to_vec()),
+            (Some(user), Some(heads)) => {
+                let pair_label = || format!("page pair {index} ({})", label());
+                Some(compose(&user, heads, &pair_label)?)
+            }
+        };
         if pair.item_len == 0 {
             continue;
         }
         let Some(fragments) = fragments else {
-            let whole = Piece {
-                src_base: pair.src_base,
-                dst_base: pair.dst_base,
-                len: pair.item_len,
-                src_stride: pair.src_stride,
-                dst_stride: pair.dst_stride,
-            };
+            let whole = pair.piece(pair.whole());
             // Coalesce with the previous group when it is a whole-item group this pair touches.
-            if geometry.coalesce
+            if coalesce
                 && open
                 && let Some(group) = groups.last_mut()
                 && let Some(last) = pieces.last_mut()
@@ -659,14 +385,8 @@ fn build_groups(
         open = false;
         pair_groups[index] = Some(groups.len());
         let first_piece = pieces.len();
-        pieces.extend(fragments.iter().map(|f| Piece {
-            // Inside the item (checked), so inside the buffer.
-            src_base: pair.src_base + f.src_off,
-            dst_base: pair.dst_base + f.dst_off,
-            len: f.len,
-            src_stride: pair.src_stride,
-            dst_stride: pair.dst_stride,
-        }));
+        // Inside the item (checked), so inside the buffer.
+        pieces.extend(fragments.iter().map(|&f| pair.piece(f)));
         let per_run = pieces[first_piece..].iter().filter(|p| p.per_run()).count();
         groups.push(Group {
             first_pair: index,
@@ -684,78 +404,33 @@ fn build_groups(
 /// the same strides, and the widened group still fits in one stride on each side (so it never
 /// reaches into the next page: packed per-layer buffers, stride = item, never coalesce).
 fn touches(group: &Piece, next: &Piece) -> bool {
-    group.src_stride == next.src_stride
-        && group.dst_stride == next.dst_stride
-        && group.src_base.checked_add(group.len) == Some(next.src_base)
-        && group.dst_base.checked_add(group.len) == Some(next.dst_base)
+    let (gs, gd) = (&group.src, &group.dst);
+    gs.page_stride == next.src.page_stride
+        && gd.page_stride == next.dst.page_stride
+        && gs.base.checked_add(group.len) == Some(next.src.base)
+        && gd.base.checked_add(group.len) == Some(next.dst.base)
         && group
             .len
             .checked_add(next.len)
-            .is_some_and(|w| w <= group.src_stride && w <= group.dst_stride)
+            .is_some_and(|w| w <= gs.page_stride && w <= gd.page_stride)
 }
 
-/// Validates one pair's fragments: non-empty, each of positive length and inside the item on
-/// both sides, no two overlapping on the destination. `None` when the list is exactly the
-/// whole item (the default, which may coalesce).
-fn check_fragments(
-    index: usize,
-    pair: &PairSpec,
-    list: &[Fragment],
-    label: &dyn Fn() -> String,
-) -> Result<Option<Vec<Fragment>>> {
-    let fail = |what: String| PlanError::Geometry {
-        what: format!("page pair {index} ({}): {what}", label()),
-    };
-    if list.is_empty() {
-        return Err(fail(
-            "an empty fragment list (give None for the whole item)".into(),
-        ));
-    }
-    let (item, dst_item) = (pair.item_len, pair.dst_item_len);
-    for (k, f) in list.iter().enumerate() {
-        let inside = |off: u64, item: u64| off.checked_add(f.len).is_some_and(|end| end <= item);
-        if f.len == 0 {
-            return Err(fail(format!(
-                "fragment {k} (src_off {}, dst_off {}, len 0) is empty",
-                f.src_off, f.dst_off
-            )));
-        }
-        if !inside(f.src_off, item) || !inside(f.dst_off, dst_item) {
-            let size = if item == dst_item {
-                format!("{item} bytes")
-            } else {
-                format!("{item} (src) / {dst_item} (dst) bytes")
-            };
-            return Err(fail(format!(
-                "fragment {k} (src_off {}, dst_off {}, len {}) is not inside the item of {size}",
-                f.src_off, f.dst_off, f.len
-            )));
-        }
-    }
-    let mut by_dst: Vec<(u64, u64, usize)> = list
+/// Per group, its pairs' token pieces of each class.
+fn token_groups(tokens: &TokenTemplate, groups: &[Group]) -> Vec<[usize; TOKEN_CLASSES]> {
+    groups
         .iter()
-        .enumerate()
-        .map(|(k, f)| (f.dst_off, f.len, k))
-        .collect();
-    by_dst.sort_unstable();
-    for w in by_dst.windows(2) {
-        if w[0].0 + w[0].1 > w[1].0 {
-            let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
-            return Err(fail(format!(
-                "fragments {a} and {b} overlap on the destination (dst bytes {}..{} and {}..{})",
-                list[a].dst_off,
-                list[a].dst_off + list[a].len,
-                list[b].dst_off,
-                list[b].dst_off + list[b].len
-            )));
-        }
-    }
-    let whole = [Fragment {
-        src_off: 0,
-        dst_off: 0,
-        len: item,
-    }];
-    Ok((list != whole || item != dst_item).then(|| list.to_vec()))
+        .map(|g| {
+            let mut classes = [0; TOKEN_CLASSES];
+            let (start, end) = (
+                tokens.pair_pieces[g.first_pair].0,
+                tokens.pair_pieces[g.last_pair].1,
+            );
+            for piece in &tokens.pieces[start..end] {
+                classes[piece.token_class()] += 1;
+            }
+            classes
+        })
+        .collect()
 }
 
 /// Narrows each state pair to the one fragment this rank pair moves (replicated state: the
@@ -772,55 +447,6 @@ fn slice_state_pairs(slicing: &HeadSlicing, pairs: &mut [PairSpec]) {
         } else {
             (pair.item_len, pair.dst_item_len) = (0, 0);
         }
-    }
-}
-
-fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
-    PairSpec {
-        src_entry: s,
-        dst_entry: d,
-        src_base: src.parts().data_ptrs[s],
-        dst_base: dst.parts().data_ptrs[d],
-        item_len: src.parts().item_lens[s],
-        dst_item_len: dst.parts().item_lens[d],
-        src_capacity: src.capacity(s),
-        dst_capacity: dst.capacity(d),
-        src_stride: src.strides()[s],
-        dst_stride: dst.strides()[d],
-    }
-}
-
-/// Ids and roles of a subset of entries; `None` when the subset does not publish them
-/// (layouts guarantee all-or-none within a kind) or when `pairing` ignores its page ids.
-fn metadata_of(
-    layout: &Layout,
-    entries: &[usize],
-    pairing: Pairing,
-) -> (Option<Vec<i64>>, Option<Vec<String>>) {
-    let parts = layout.parts();
-    let hide_ids = pairing.ignores_page_ids()
-        && entries
-            .first()
-            .is_some_and(|&i| parts.kinds[i] == EntryKind::Page);
-    let ids: Option<Vec<i64>> = if hide_ids {
-        None
-    } else {
-        entries.iter().map(|&i| parts.layer_ids[i]).collect()
-    };
-    let roles: Vec<String> = entries.iter().map(|&i| parts.roles[i].clone()).collect();
-    let roles = (!roles.is_empty() && roles.iter().all(|r| !r.is_empty())).then_some(roles);
-    (ids.filter(|ids| !ids.is_empty()), roles)
-}
-
-fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Result<LegacyKind> {
-    match src_roles {
-        Some(roles) if roles.iter().any(|r| is_mha_role(r)) => Ok(LegacyKind::Mha),
-        Some(roles) if roles.iter().zip(src_drafts).all(|(r, &d)| r == "kv" || d) => {
-            Ok(LegacyKind::Mla)
-        }
-        _ => Err(PlanError::LegacySlice {
-            reason: "peers publish no layer ids and their entry counts differ; say whether the layout is \"mla\" or \"mha\" (legacy_kind)".into(),
-        }),
     }
 }
 
@@ -915,7 +541,20 @@ impl Template {
         }
         let summary = match shape.unit {
             PlanUnit::Pages(found) => self.emit_request(src, dst, &shape, &found, out)?,
-            PlanUnit::Tokens(tokens) => self.emit_token_request(src, dst, &tokens, out)?,
+            PlanUnit::Tokens(tokens) => {
+                let limits = (self.src_limit, self.dst_limit);
+                let token_pieces = self.token_template()?;
+                let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
+                emit_tokens(token_pieces, src, dst, limits, &tokens, out)?;
+                PlanSummary {
+                    n_runs: tokens.n_segments,
+                    n_blocks: tokens.n_blocks,
+                    total_bytes: tokens.total_bytes,
+                    n_pages: 0,
+                    tokens: Some(tokens),
+                    state: false,
+                }
+            }
         };
         Ok((output, summary))
     }
@@ -936,6 +575,7 @@ impl Template {
                 total_bytes: shape.total_bytes,
                 n_pages: found.n_pages,
                 tokens: None,
+                state: false,
             });
         }
         // Runs go into the first slots as page indices; limits are re-checked per run, and a
@@ -971,6 +611,7 @@ impl Template {
             total_bytes: shape.total_bytes,
             n_pages: found.n_pages,
             tokens: None,
+            state: false,
         })
     }
 
@@ -995,6 +636,7 @@ impl Template {
             lengths,
             n_runs: summary.n_runs,
             total_bytes: summary.total_bytes,
+            pair_offsets: self.pair_offsets(&summary),
         })
     }
 
@@ -1011,9 +653,10 @@ impl Template {
         dst_slot: i64,
         out: Columns<'_>,
     ) -> Result<PlanSummary> {
-        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
-        let pairs = || self.state_pairs.iter().filter(|p| p.item_len > 0);
-        let n = pairs().count();
+        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries;
+        // each moving pair has one piece (a slot is a one-page request of it).
+        let pairs = self.state_pairs.iter().filter(|p| p.item_len > 0);
+        let n = self.state_pieces.len();
         if out.capacity() < n {
             return Err(PlanError::OutputTooSmall {
                 have: out.capacity(),
@@ -1030,7 +673,7 @@ impl Template {
             }
         }
         let (s, d) = (src_slot as u64, dst_slot as u64);
-        for (k, pair) in pairs().enumerate() {
+        for (k, (pair, piece)) in pairs.zip(&self.state_pieces).enumerate() {
             if s >= pair.src_capacity {
                 return Err(self.state_out_of_range(Side::Src, src_slot, pair));
             }
@@ -1038,18 +681,19 @@ impl Template {
                 return Err(self.state_out_of_range(Side::Dst, dst_slot, pair));
             }
             // In bounds, so the layout's base + len check rules out overflow.
-            out.src_addrs[k] = pair.src_base + s * pair.src_stride;
-            out.dst_addrs[k] = pair.dst_base + d * pair.dst_stride;
-            out.lengths[k] = pair.item_len;
+            out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
+            out.dst_addrs[k] = piece.dst.base + d * piece.dst.page_stride;
+            out.lengths[k] = piece.len;
         }
         // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
-        let total_bytes = pairs().map(|p| p.item_len).sum();
+        let total_bytes = self.state_pieces.iter().map(|p| p.len).sum();
         Ok(PlanSummary {
             n_runs: usize::from(n > 0),
             n_blocks: n,
             total_bytes,
             n_pages: 0,
             tokens: None,
+            state: true,
         })
     }
 
@@ -1095,28 +739,288 @@ impl Template {
     }
 }
 
-pub(crate) fn check_unique<T: PageIndex>(dst: &[T]) -> Result<()> {
-    // Only when the template asks for it: this is the one allocating check (16 bytes per
-    // index, so its allocation may fail for a large request).
-    let mut seen: Vec<(i64, usize)> = Vec::new();
-    seen.try_reserve_exact(dst.len())
-        .map_err(|_| PlanError::out_of_memory::<(i64, usize)>("the overlap check", dst.len()))?;
-    seen.extend(dst.iter().map(|v| v.get()).zip(0..));
-    seen.sort_unstable();
-    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
-        Some(w) => Err(PlanError::DuplicateDestination {
-            index: w[0].0,
-            first: w[0].1,
-            second: w[1].1,
-        }),
-        None => Ok(()),
+// ------------------------------------------------------------------- token requests, blocks
+
+/// A request shape whose blocks [`Template::count_blocks`] counts without planning it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockRequest {
+    /// A page request of `pages` index pairs in `runs` runs contiguous on both sides.
+    Pages {
+        /// Index pairs.
+        pages: usize,
+        /// Runs (between 1 and `pages`, 0 for no pages).
+        runs: usize,
+    },
+    /// A token request of `n_tokens` tokens: pages consecutive on both sides, or
+    /// (`fragmented`) no two pages consecutive on either side.
+    Tokens {
+        /// Tokens.
+        n_tokens: u64,
+        /// No two pages consecutive.
+        fragmented: bool,
+    },
+}
+
+impl Template {
+    /// Token pieces, or why this template cannot plan by token.
+    ///
+    /// # Errors
+    /// The reason the pairs' items cannot be cut into tokens.
+    pub fn token_template(&self) -> Result<&TokenTemplate> {
+        self.tokens.as_ref().map_err(Clone::clone)
     }
+
+    /// Whether every page plan of this template is a token plan: the two layouts have
+    /// different tokens per page, or different memory orders ([`needs_tokens`]).
+    pub fn by_token(&self) -> bool {
+        self.by_token
+    }
+
+    /// Tokens per page of the source and destination layouts.
+    pub fn page_sizes(&self) -> (u64, u64) {
+        self.page_sizes
+    }
+
+    /// Validates a token request (through [`Template::prepare`]) and returns the size of its
+    /// plan. `src` and `dst` are the request's pages in token order on each side (their lengths
+    /// may differ); `n_tokens` defaults to the full pages of the shorter side. Only the pages
+    /// holding the first `n_tokens` tokens are read (and validated); later ones are ignored.
+    ///
+    /// # Errors
+    /// [`PlanError::TokenCount`] when a side has too few pages; a negative index or one outside
+    /// a paired buffer; a repeated destination page (when the template checks overlap); the
+    /// template's token error; overflow.
+    fn prepare_tokens<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<TokenShape> {
+        let tokens = self.token_template()?;
+        let maps = tokens.maps;
+        let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
+        let (src_full, dst_full) = (
+            full(src.len(), maps.0.page_size()),
+            full(dst.len(), maps.1.page_size()),
+        );
+        let n = match n_tokens {
+            Some(n) => n,
+            None => src_full
+                .zip(dst_full)
+                .map(|(a, b)| a.min(b))
+                .ok_or(PlanError::Overflow { what: "tokens" })?,
+        };
+        let (src_pages, dst_pages) = (maps.0.pages_for(n), maps.1.pages_for(n));
+        for (side, pages, needed, map) in [
+            (Side::Src, src.len(), src_pages, maps.0),
+            (Side::Dst, dst.len(), dst_pages, maps.1),
+        ] {
+            if needed > pages as u64 {
+                return Err(PlanError::TokenCount {
+                    side,
+                    n_tokens: n,
+                    page_size: map.page_size(),
+                    needed,
+                    given: pages,
+                });
+            }
+        }
+        // At most the given lengths (checked above), so they fit usize.
+        let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
+        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        if !tokens.pieces.is_empty() && n > 0 {
+            self.check_pages(Side::Src, src, self.src_limit)?;
+            self.check_pages(Side::Dst, dst, self.dst_limit)?;
+            if self.check_dst_overlap {
+                check_unique(dst)?;
+            }
+        }
+        let (class_blocks, n_segments, n_blocks) = count_blocks(tokens, src, dst, n)?;
+        let total_bytes = n
+            .checked_mul(tokens.bytes_per_token)
+            .ok_or(PlanError::Overflow {
+                what: "total bytes",
+            })?;
+        Ok(TokenShape {
+            n_tokens: n,
+            src_pages,
+            dst_pages,
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        })
+    }
+
+    /// The first position of `values` below 0 or at/above `limit`, as the error to report.
+    fn check_pages<T: PageIndex>(&self, side: Side, values: &[T], limit: u64) -> Result<()> {
+        if let Some((position, index)) = values
+            .iter()
+            .map(|v| v.get())
+            .enumerate()
+            .find(|&(_, v)| v < 0 || v as u64 >= limit)
+        {
+            if index < 0 {
+                return Err(PlanError::NegativeIndex {
+                    side,
+                    index,
+                    position,
+                });
+            }
+            return Err(self.out_of_range(side, values));
+        }
+        Ok(())
+    }
+
+    /// Blocks of a request of the given shape without planning it: the one block count for
+    /// every request shape.
+    ///
+    /// # Errors
+    /// A page shape on a template that plans by token (its blocks depend on how the pages line
+    /// up), a run count impossible for the page count, the template's token error, or
+    /// overflow / memory for absurd counts.
+    pub fn count_blocks(&self, request: BlockRequest) -> Result<usize> {
+        match request {
+            BlockRequest::Pages { pages, runs } => {
+                if self.by_token {
+                    let (src, dst) = self.page_sizes;
+                    return Err(PlanError::Geometry {
+                        what: format!(
+                            "this template plans by token (prefill {src}, decode {dst} tokens \
+                             per page, or different memory orders): blocks depend on how the \
+                             request's pages line up; plan the request and read plan.n_blocks"
+                        ),
+                    });
+                }
+                if runs > pages || (runs == 0 && pages > 0) {
+                    return Err(PlanError::Geometry {
+                        what: format!(
+                            "a request of {pages} pages has between {} and {pages} runs, got {runs}",
+                            usize::from(pages > 0)
+                        ),
+                    });
+                }
+                self.n_blocks(runs, pages).ok_or(PlanError::Overflow {
+                    what: "block count",
+                })
+            }
+            BlockRequest::Tokens {
+                n_tokens,
+                fragmented,
+            } => Ok(self.token_count(n_tokens, fragmented)?.0),
+        }
+    }
+
+    /// Blocks of a token request of `n_tokens` tokens without planning it (see
+    /// [`BlockRequest::Tokens`]). Returns `(blocks, segments)`.
+    ///
+    /// # Errors
+    /// As [`Template::count_blocks`].
+    pub fn token_blocks(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
+        self.token_count(n_tokens, fragmented)
+    }
+
+    /// `(blocks, segments)` of a token request over consecutive (or, `fragmented`, never
+    /// consecutive) pages.
+    fn token_count(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
+        let tokens = self.token_template()?;
+        let step = if fragmented { 2 } else { 1 };
+        let pages = |size: u64| -> Result<Vec<i64>> {
+            let n = usize::try_from(n_tokens.div_ceil(size))
+                .map_err(|_| PlanError::Overflow { what: "pages" })?;
+            let mut v = crate::error::try_vec(n, 0i64, "page list")?;
+            v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
+            Ok(v)
+        };
+        let (src, dst) = (
+            pages(tokens.maps.0.page_size())?,
+            pages(tokens.maps.1.page_size())?,
+        );
+        let (_, segments, blocks) = count_blocks(tokens, &src, &dst, n_tokens)?;
+        Ok((blocks, segments))
+    }
+
+    /// Blocks group `group` holds in a plan of this shape: one function for page, token and
+    /// state plans (a state plan's groups are its moving state pairs, one block each).
+    pub fn group_blocks(&self, group: usize, summary: &PlanSummary) -> usize {
+        if summary.state {
+            return usize::from(group < self.state_pieces.len());
+        }
+        if let Some(tokens) = &summary.tokens {
+            let classes = self
+                .token_groups
+                .get(group)
+                .map_or(&[0; TOKEN_CLASSES], |c| c);
+            return classes
+                .iter()
+                .zip(tokens.class_blocks)
+                .map(|(pieces, blocks)| pieces * blocks)
+                .sum();
+        }
+        self.groups
+            .get(group)
+            .map_or(0, |g| g.n_blocks(summary.n_runs, summary.n_pages))
+    }
+
+    /// Groups of a plan of this kind (the page groups, or a state plan's moving state pairs).
+    pub fn n_groups(&self, summary: &PlanSummary) -> usize {
+        if summary.state {
+            self.state_pieces.len()
+        } else {
+            self.groups.len()
+        }
+    }
+
+    /// `n_groups + 1` block offsets of a plan: group `g`'s blocks are `offsets[g]..offsets[g+1]`.
+    pub fn group_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
+        offsets((0..self.n_groups(summary)).map(|g| self.group_blocks(g, summary)))
+    }
+
+    /// The group of each pair of a plan of this kind (`None`: an elided pair, which owns no
+    /// blocks): page pairs for page and token plans, state pairs for state plans.
+    pub fn plan_pair_groups(&self, summary: &PlanSummary) -> Vec<Option<usize>> {
+        if !summary.state {
+            return self.pair_groups.clone();
+        }
+        let mut next = 0;
+        let moving = self.state_pairs.iter().map(|p| {
+            (p.item_len > 0).then(|| {
+                next += 1;
+                next - 1
+            })
+        });
+        moving.collect()
+    }
+
+    /// `n_pairs + 1` block offsets of a plan: pair `p`'s blocks are `offsets[p]..offsets[p+1]`.
+    /// A group's blocks belong to its last pair (the others, and elided pairs, own none), so
+    /// the ranges partition the plan and submitting pair by pair in order sends a coalesced
+    /// group when its last layer is done.
+    pub fn pair_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
+        let groups = self.plan_pair_groups(summary);
+        let owns = |p: usize, g: usize| summary.state || self.groups[g].last_pair == p;
+        offsets(groups.iter().enumerate().map(|(p, group)| match *group {
+            Some(g) if owns(p, g) => self.group_blocks(g, summary),
+            _ => 0,
+        }))
+    }
+}
+
+fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut out = vec![0];
+    let mut at = 0;
+    for len in lens {
+        at += len;
+        out.push(at);
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::layout::LayoutContext;
+    use crate::pairing::Pairing;
 
     #[test]
     fn legacy_slicing_is_per_buffer_group() {

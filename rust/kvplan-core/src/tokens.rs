@@ -5,13 +5,15 @@
 //! destination page `dst_pages[t / P_d]`, slot `t % P_d`. The request is cut into *segments*:
 //! maximal token ranges inside one source page and one destination page (their edges are the
 //! multiples of `P_s` and of `P_d`, so every segment is a whole number of `gcd(P_s, P_d)`-token
-//! units, except a partial last one). Each entry pair becomes one or more [`TokenPiece`]s,
-//! fixed at template time:
+//! units, except a partial last one). Each entry pair becomes one or more [`Piece`]s, fixed
+//! at template time, each side with its own tokens per page in its [`TokenMap`]:
 //!
 //! - token-major items (`NHD`, also every layout that publishes no attention geometry, and MLA
 //!   latents): one piece per pair, the whole token (`token bytes = item_len / page_size`);
 //! - head-major items (`HND`: `[heads][tokens][head bytes]`, on either side): one piece per
-//!   head, `head_dim * dtype_size` bytes per token.
+//!   head, `head_dim * dtype_size` bytes per token;
+//! - a head slicing (TP sizes differ) moves only its heads, each side at its own offsets, and
+//!   caller fragments are read as the bytes of every token they select (`check::per_token`).
 //!
 //! A piece moves `len` bytes per token, from `src_base + page * src_page_stride + slot *
 //! src_slot` (likewise on the destination). When `len` equals both slot strides, the tokens of a
@@ -27,98 +29,21 @@
 //! (a piece with the same strides as the one before it is that piece's blocks shifted by the
 //! difference of their bases).
 
+use crate::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
 use crate::error::{PlanError, Result, Side};
-use crate::heads::{HeadSlicing, SlicedHeads};
-use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
-use crate::plan::{Columns, PlanSummary};
+use crate::heads::HeadSlicing;
+use crate::layout::{Layout, MemoryOrder};
+use crate::pieces::{Fragment, Fragments, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap};
+use crate::plan::{Columns, TokenShape};
 use crate::runs::PageIndex;
-use crate::template::{Fragments, PairSpec, Template, check_unique};
-
-/// Piece classes: 0 = one block per token; `1 + 2 * src_packed + dst_packed` = one block per
-/// run of tokens contiguous on both sides (a page edge on a side joins only when that side's
-/// pages are packed and its next page index is the previous plus one).
-pub const TOKEN_CLASSES: usize = 5;
-
-/// One emission unit of a token plan: `len` bytes of every token of one entry pair (the whole
-/// token, or one head of it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TokenPiece {
-    /// Source address of slot 0 of page 0 (the head's offset included).
-    pub src_base: u64,
-    /// Destination address of slot 0 of page 0.
-    pub dst_base: u64,
-    /// Bytes between consecutive source pages (the entry's stride).
-    pub src_page_stride: u64,
-    /// Bytes between consecutive destination pages.
-    pub dst_page_stride: u64,
-    /// Bytes between consecutive source tokens of the piece.
-    pub src_slot: u64,
-    /// Bytes between consecutive destination tokens of the piece.
-    pub dst_slot: u64,
-    /// Bytes per token.
-    pub len: u64,
-    /// Its class (see [`TOKEN_CLASSES`]).
-    pub class: usize,
-}
-
-impl TokenPiece {
-    fn new(
-        bases: (u64, u64),
-        page_strides: (u64, u64),
-        slots: (u64, u64),
-        len: u64,
-        page_sizes: (u64, u64),
-    ) -> Self {
-        let contiguous = len == slots.0 && len == slots.1;
-        // Both products are at most the item length (checked at template time).
-        let packed = |stride: u64, size: u64, slot: u64| stride == size * slot;
-        let class = if contiguous {
-            1 + 2 * usize::from(packed(page_strides.0, page_sizes.0, slots.0))
-                + usize::from(packed(page_strides.1, page_sizes.1, slots.1))
-        } else {
-            0
-        };
-        Self {
-            src_base: bases.0,
-            dst_base: bases.1,
-            src_page_stride: page_strides.0,
-            dst_page_stride: page_strides.1,
-            src_slot: slots.0,
-            dst_slot: slots.1,
-            len,
-            class,
-        }
-    }
-
-    /// Same strides, slots, length and class: blocks differ only by the bases.
-    fn same_shape(&self, other: &Self) -> bool {
-        (
-            self.src_page_stride,
-            self.dst_page_stride,
-            self.src_slot,
-            self.dst_slot,
-            self.len,
-            self.class,
-        ) == (
-            other.src_page_stride,
-            other.dst_page_stride,
-            other.src_slot,
-            other.dst_slot,
-            other.len,
-            other.class,
-        )
-    }
-}
 
 /// A template's token pieces, built once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenTemplate {
-    /// Tokens per source page.
-    pub src_page_size: u64,
-    /// Tokens per destination page.
-    pub dst_page_size: u64,
+    /// How each side places a request's tokens.
+    pub maps: (TokenMap, TokenMap),
     /// Pieces in block order (page pairs in planning order, heads next).
-    pub pieces: Vec<TokenPiece>,
+    pub pieces: Vec<Piece>,
     /// Per page pair: its pieces, `pieces[start..end]` (empty for an elided pair).
     pub pair_pieces: Vec<(usize, usize)>,
     /// Pieces per class.
@@ -127,85 +52,17 @@ pub struct TokenTemplate {
     pub bytes_per_token: u64,
 }
 
-/// The size of a token request's plan, known before any output exists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TokenShape {
-    /// Tokens planned.
-    pub n_tokens: u64,
-    /// Leading source pages holding them (`ceil(n_tokens / P_s)`).
-    pub src_pages: usize,
-    /// Leading destination pages holding them.
-    pub dst_pages: usize,
-    /// Segments (token ranges inside one page on each side).
-    pub n_segments: usize,
-    /// Blocks one piece of each class emits.
-    pub class_blocks: [usize; TOKEN_CLASSES],
-    /// Blocks of the whole plan.
-    pub n_blocks: usize,
-    /// Bytes the plan moves.
-    pub total_bytes: u64,
-}
-
-/// Whether whole pages cannot be copied as they are: the page sizes differ, or one side is
-/// token-major and the other head-major. Every page plan between such layouts is a token plan.
-pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
-    src.context().page_size != dst.context().page_size || memory_order(src) != memory_order(dst)
-}
-
-fn memory_order(layout: &Layout) -> MemoryOrder {
-    layout
-        .context()
-        .attention
-        .map_or(MemoryOrder::Nhd, |g| g.memory_order)
-}
-
-/// Which heads of a token one pair moves and where they sit on each side: `count` heads of
-/// `head` bytes, starting `skip` heads into what each side's rank holds, in tokens of `token`
-/// bytes per side.
-#[derive(Debug, Clone, Copy)]
-struct HeadRange {
-    skip: (u64, u64),
-    count: u64,
-    head: u64,
-    token: (u64, u64),
-}
-
-impl HeadRange {
-    /// The heads a head-sliced pair moves (its items were checked against each side's
-    /// geometry by [`HeadSlicing::check_page_items`]).
-    fn sliced(heads: SlicedHeads) -> Self {
-        Self {
-            skip: (heads.src_skip, heads.dst_skip),
-            count: heads.count,
-            head: heads.head_bytes,
-            token: (
-                heads.src_heads * heads.head_bytes,
-                heads.dst_heads * heads.head_bytes,
-            ),
-        }
-    }
-
-    /// Every head of a token whose bytes are the same on both sides.
-    fn whole(token_bytes: u64, head: u64) -> Self {
-        Self {
-            skip: (0, 0),
-            count: token_bytes / head,
-            head,
-            token: (token_bytes, token_bytes),
-        }
-    }
-}
-
 impl TokenTemplate {
     /// Token pieces for `page_pairs`; an error says why tokens cannot be mapped (items that
     /// are not whole tokens, different token sizes, a head-major item whose size disagrees with
-    /// its geometry, fragments). With a head slicing, only the heads it sends move, at each
-    /// side's own offsets; a pair that is not the elected sender, or holds no head of the
-    /// decode rank, has no pieces.
+    /// its geometry, caller fragments that do not select the same bytes of every token). With a
+    /// head slicing, only the heads it sends move, at each side's own offsets (restricted to
+    /// the caller's fragments, if any); a pair that is not the elected sender, or holds no head
+    /// of the decode rank, has no pieces.
     ///
     /// # Errors
     /// [`PlanError::TokenSize`], [`PlanError::TokenBytes`], [`PlanError::HeadLayout`],
-    /// [`PlanError::HeadMismatch`], [`PlanError::Geometry`].
+    /// [`PlanError::HeadMismatch`], [`PlanError::FragmentCombination`], [`PlanError::Geometry`].
     pub(crate) fn build(
         src: &Layout,
         dst: &Layout,
@@ -214,14 +71,6 @@ impl TokenTemplate {
         heads: Option<&HeadSlicing>,
         labels: (&[String], &[String]),
     ) -> Result<Self> {
-        if *fragments != Fragments::Whole {
-            return Err(PlanError::Geometry {
-                what: "fragments are offsets inside whole items and do not apply to token plans \
-                       (different page sizes, or n_tokens given); build the template without \
-                       fragments"
-                    .into(),
-            });
-        }
         let sizes = (src.context().page_size, dst.context().page_size);
         let orders = (memory_order(src), memory_order(dst));
         let attention = (src.context().attention, dst.context().attention);
@@ -235,31 +84,72 @@ impl TokenTemplate {
         let sliced = heads.and_then(HeadSlicing::sliced_heads);
         let mut pieces = Vec::new();
         let mut pair_pieces = Vec::with_capacity(page_pairs.len());
-        for pair in page_pairs {
+        for (index, pair) in page_pairs.iter().enumerate() {
             let start = pieces.len();
+            let pair_label = || format!("page pair {index} ({})", label(Side::Src, pair.src_entry));
+            let given = match fragments.of_pair(index) {
+                Some(list) => crate::check::check_fragments(index, pair, list, &|| {
+                    label(Side::Src, pair.src_entry)
+                })?,
+                None => None,
+            };
             // Elided pairs (source item 0, as page plans elide them) and pairs of a rank pair
             // that moves no heads have no pieces.
             if pair.item_len == 0 || !moves {
                 pair_pieces.push((start, start));
                 continue;
             }
-            let range = match (sliced, heads) {
-                (Some(sliced), Some(slicing)) => {
-                    // Each side's item is what its own geometry implies (checked by
-                    // `check_pairs` too; re-checked here because every offset below relies on it).
-                    slicing
-                        .check_page_items(pair.item_len, pair.dst_item_len)
-                        .map_err(|what| PlanError::HeadMismatch { what })?;
-                    HeadRange::sliced(sliced)
-                }
-                _ => whole_tokens(pair, sizes, orders, attention, &label)?,
+            // Bytes of one token per side, bytes per head, and the bytes of a token that move.
+            let (tokens, head, moved) = if let (Some(sliced), Some(slicing)) = (sliced, heads) {
+                // Each side's item is what its own geometry implies (checked by
+                // `check_pairs` too; re-checked here because every offset below relies on it).
+                slicing
+                    .check_page_items(pair.item_len, pair.dst_item_len)
+                    .map_err(|problem| PlanError::HeadMismatch {
+                        entry: None,
+                        problem,
+                    })?;
+                let head = sliced.head_bytes;
+                let tokens = (sliced.src_heads * head, sliced.dst_heads * head);
+                let moved = Fragment {
+                    src_off: sliced.src_skip * head,
+                    dst_off: sliced.dst_skip * head,
+                    len: sliced.count * head,
+                };
+                (tokens, head, moved)
+            } else {
+                let (token, head) = whole_tokens(pair, sizes, orders, attention, &label)?;
+                let whole = Fragment {
+                    src_off: 0,
+                    dst_off: 0,
+                    len: token,
+                };
+                ((token, token), head, whole)
             };
-            push_pieces(&mut pieces, pair, range, orders, sizes);
+            let ranges = match given {
+                None => vec![moved],
+                Some(list) => {
+                    let frame = |side: Side| TokenFrame {
+                        page_size: side.pick(sizes.0, sizes.1),
+                        token: side.pick(tokens.0, tokens.1),
+                        head,
+                        order: side.pick(orders.0, orders.1),
+                    };
+                    let wanted =
+                        per_token(&list, (frame(Side::Src), frame(Side::Dst)), &pair_label)?;
+                    if sliced.is_some() {
+                        compose(&wanted, &[moved], &pair_label)?
+                    } else {
+                        wanted
+                    }
+                }
+            };
+            push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, sizes);
             pair_pieces.push((start, pieces.len()));
         }
         let mut class_pieces = [0; TOKEN_CLASSES];
         for piece in &pieces {
-            class_pieces[piece.class] += 1;
+            class_pieces[piece.token_class()] += 1;
         }
         let bytes_per_token = pieces
             .iter()
@@ -268,167 +158,78 @@ impl TokenTemplate {
                 what: "bytes per token",
             })?;
         Ok(Self {
-            src_page_size: sizes.0,
-            dst_page_size: sizes.1,
+            maps: (
+                TokenMap::Paged { page_size: sizes.0 },
+                TokenMap::Paged { page_size: sizes.1 },
+            ),
             pieces,
             pair_pieces,
             class_pieces,
             bytes_per_token,
         })
     }
+
+    fn sizes(&self) -> (u64, u64) {
+        (self.maps.0.page_size(), self.maps.1.page_size())
+    }
 }
 
-/// The pieces of one pair moving `range`: one piece of `count` heads when both sides are
-/// token-major (contiguous within a token on each side), else one piece per head.
+/// The pieces of one pair moving `ranges` of every token (offsets inside a token, head by
+/// head): one piece per range when both sides are token-major (contiguous within a token on
+/// each side), else one piece per head of each range.
 fn push_pieces(
-    pieces: &mut Vec<TokenPiece>,
+    pieces: &mut Vec<Piece>,
     pair: &PairSpec,
-    range: HeadRange,
+    ranges: &[Fragment],
+    head: u64,
+    tokens: (u64, u64),
     orders: (MemoryOrder, MemoryOrder),
     sizes: (u64, u64),
 ) {
-    let head = range.head;
-    // Head number `k` of a side's rank (counted from its first head): a head-major item holds
-    // it at k * page_size * head bytes, one token every head bytes; a token-major item at
-    // k * head bytes, one token every token bytes of that side. All inside the item (checked).
-    let place = |order: MemoryOrder, size: u64, token: u64, k: u64| match order {
-        MemoryOrder::Hnd => (k * size * head, head),
-        MemoryOrder::Nhd => (k * head, token),
+    // Byte `w` of a token (counted head by head) on a side: a head-major item holds head
+    // `w / head` at `(w / head) * page_size * head`, one token every head bytes; a token-major
+    // item at `w`, one token every token bytes of that side. All inside the item (checked).
+    let place = |order: MemoryOrder, size: u64, token: u64, w: u64| match order {
+        MemoryOrder::Hnd => ((w / head) * size * head + w % head, head),
+        MemoryOrder::Nhd => (w, token),
     };
-    let page_strides = (pair.src_stride, pair.dst_stride);
-    let piece = |k: u64, len: u64| {
-        let (src_off, src_slot) = place(orders.0, sizes.0, range.token.0, range.skip.0 + k);
-        let (dst_off, dst_slot) = place(orders.1, sizes.1, range.token.1, range.skip.1 + k);
-        TokenPiece::new(
-            (pair.src_base + src_off, pair.dst_base + dst_off),
-            page_strides,
-            (src_slot, dst_slot),
-            len,
-            sizes,
-        )
+    let piece = |f: Fragment| {
+        let (src_off, src_slot) = place(orders.0, sizes.0, tokens.0, f.src_off);
+        let (dst_off, dst_slot) = place(orders.1, sizes.1, tokens.1, f.dst_off);
+        let side = |base: u64, stride: u64, slot: u64, size: u64| PieceSide {
+            base,
+            page_stride: stride,
+            slot_stride: slot,
+            map: TokenMap::Paged { page_size: size },
+        };
+        Piece {
+            src: side(pair.src_base + src_off, pair.src_stride, src_slot, sizes.0),
+            dst: side(pair.dst_base + dst_off, pair.dst_stride, dst_slot, sizes.1),
+            len: f.len,
+        }
     };
-    if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
-        pieces.push(piece(0, range.count * head));
-    } else {
-        pieces.extend((0..range.count).map(|k| piece(k, head)));
-    }
-}
-
-/// Why paired page entries `s` and `d` cannot be planned token by token, if they cannot:
-/// items that are not whole tokens, different bytes per token, or a head-major item that
-/// disagrees with its geometry. What `check_pairs` reports when the page sizes differ.
-pub(crate) fn pair_problem(src: &Layout, dst: &Layout, pair: &PairSpec) -> Option<PlanError> {
-    if (pair.item_len, pair.dst_item_len) == (0, 0) {
-        return None;
-    }
-    let label = |side: Side, entry: usize| {
-        let layout = side.pick(src, dst);
-        format!(
-            "layer {}, role {}",
-            layout.layer_label(entry),
-            layout.role_label(entry)
-        )
-    };
-    let sizes = (src.context().page_size, dst.context().page_size);
-    let orders = (memory_order(src), memory_order(dst));
-    let attention = (src.context().attention, dst.context().attention);
-    whole_tokens(pair, sizes, orders, attention, &label).err()
-}
-
-/// The heads of a pair that moves whole tokens: the same bytes per token on both sides, and,
-/// when either side is head-major, heads that agree with the published geometry.
-fn whole_tokens(
-    pair: &PairSpec,
-    sizes: (u64, u64),
-    orders: (MemoryOrder, MemoryOrder),
-    attention: (Option<AttentionGeometry>, Option<AttentionGeometry>),
-    label: &dyn Fn(Side, usize) -> String,
-) -> Result<HeadRange> {
-    let items = (pair.item_len, pair.dst_item_len);
-    let token_bytes = token_bytes(pair, items, sizes, label)?;
-    let head = if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
-        token_bytes
-    } else {
-        head_bytes(pair, token_bytes, orders, attention, label)?
-    };
-    Ok(HeadRange::whole(token_bytes, head))
-}
-
-/// Bytes per token of one pair: each item a whole number of tokens, the same on both sides.
-fn token_bytes(
-    pair: &PairSpec,
-    items: (u64, u64),
-    sizes: (u64, u64),
-    label: &dyn Fn(Side, usize) -> String,
-) -> Result<u64> {
-    for (side, entry, item, size) in [
-        (Side::Src, pair.src_entry, items.0, sizes.0),
-        (Side::Dst, pair.dst_entry, items.1, sizes.1),
-    ] {
-        if !item.is_multiple_of(size) {
-            return Err(PlanError::TokenSize {
-                side,
-                entry,
-                label: label(side, entry),
-                item_len: item,
-                page_size: size,
-            });
+    for &range in ranges {
+        if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
+            pieces.push(piece(range));
+            continue;
+        }
+        // Cut at every head edge of either side.
+        let mut at = 0;
+        while at < range.len {
+            let left = |off: u64| head - (off + at) % head;
+            let n = left(range.src_off)
+                .min(left(range.dst_off))
+                .min(range.len - at);
+            pieces.push(piece(Fragment {
+                src_off: range.src_off + at,
+                dst_off: range.dst_off + at,
+                len: n,
+            }));
+            at += n;
         }
     }
-    let (src_token, dst_token) = (items.0 / sizes.0, items.1 / sizes.1);
-    if src_token != dst_token {
-        return Err(PlanError::TokenBytes {
-            label: label(Side::Src, pair.src_entry),
-            src_entry: pair.src_entry,
-            dst_entry: pair.dst_entry,
-            src_item_len: items.0,
-            src_page_size: sizes.0,
-            dst_item_len: items.1,
-            dst_page_size: sizes.1,
-        });
-    }
-    Ok(src_token)
 }
 
-/// Bytes of one head when either side is head-major: both sides that publish a geometry agree
-/// on it, a head-major side's tokens are exactly its heads per rank times that, and a token is a
-/// whole number of heads.
-fn head_bytes(
-    pair: &PairSpec,
-    token_bytes: u64,
-    orders: (MemoryOrder, MemoryOrder),
-    attention: (Option<AttentionGeometry>, Option<AttentionGeometry>),
-    label: &dyn Fn(Side, usize) -> String,
-) -> Result<u64> {
-    let fail = |side: Side, entry: usize, heads: u64, head: u64| PlanError::HeadLayout {
-        side,
-        entry,
-        label: label(side, entry),
-        token_bytes,
-        heads,
-        head_bytes: head,
-    };
-    // A head-major side always publishes its geometry (that is where its order comes from).
-    let sides = [
-        (Side::Src, pair.src_entry, orders.0, attention.0),
-        (Side::Dst, pair.dst_entry, orders.1, attention.1),
-    ];
-    let head = sides
-        .iter()
-        .find_map(|&(_, _, order, g)| (order == MemoryOrder::Hnd).then_some(g).flatten())
-        .map_or(token_bytes, |g| g.head_bytes());
-    for (side, entry, order, geometry) in sides {
-        let Some(g) = geometry else { continue };
-        let heads = u64::from(g.heads_per_rank);
-        let exact = order == MemoryOrder::Nhd || heads * g.head_bytes() == token_bytes;
-        if g.head_bytes() != head || !exact || !token_bytes.is_multiple_of(head) {
-            return Err(fail(side, entry, heads, g.head_bytes()));
-        }
-    }
-    Ok(head)
-}
-
-/// One segment of a token request: `n` tokens inside one page on each side.
 #[derive(Debug, Clone, Copy)]
 struct Segment {
     /// First token.
@@ -499,13 +300,13 @@ fn breaks(class: usize, [(src_edge, src_step), (dst_edge, dst_step)]: [(bool, bo
 
 /// Blocks per piece class, segments and blocks of a request of `n` tokens over `src`/`dst`
 /// (pages in token order, at least `ceil(n / page size)` of each; values are not checked).
-fn count_blocks<S: PageIndex, D: PageIndex>(
+pub(crate) fn count_blocks<S: PageIndex, D: PageIndex>(
     tokens: &TokenTemplate,
     src: &[S],
     dst: &[D],
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize)> {
-    let sizes = (tokens.src_page_size, tokens.dst_page_size);
+    let sizes = tokens.sizes();
     let mut class_blocks = [0usize; TOKEN_CLASSES];
     let mut n_segments = 0usize;
     for seg in segments(n, sizes) {
@@ -531,208 +332,70 @@ fn count_blocks<S: PageIndex, D: PageIndex>(
     Ok((class_blocks, n_segments, n_blocks))
 }
 
-/// The first position of `values` below 0 or at/above `limit`, as the error to report.
-fn check_pages<T: PageIndex>(
-    template: &Template,
-    side: Side,
-    values: &[T],
-    limit: u64,
+/// Emits a validated token request (`src`, `dst`: the pages holding its tokens; every index
+/// below `limits`) into `out`, at least `shape.n_blocks` long. A piece with the same shape as
+/// the one before it is that piece's blocks shifted by the difference of their bases.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
+    tokens: &TokenTemplate,
+    src: &[S],
+    dst: &[D],
+    limits: (u64, u64),
+    shape: &TokenShape,
+    mut out: Columns<'_>,
 ) -> Result<()> {
-    if let Some((position, index)) = values
-        .iter()
-        .map(|v| v.get())
-        .enumerate()
-        .find(|&(_, v)| v < 0 || v as u64 >= limit)
-    {
-        if index < 0 {
-            return Err(PlanError::NegativeIndex {
-                side,
-                index,
-                position,
-            });
+    let sizes = tokens.sizes();
+    let mut at = 0usize;
+    let mut previous: Option<(usize, &Piece)> = None;
+    for piece in &tokens.pieces {
+        let class = piece.token_class();
+        let expected = shape.class_blocks[class];
+        let start = at;
+        if at + expected > out.capacity() {
+            return Err(PlanError::InputChanged);
         }
-        return Err(template.out_of_range(side, values));
+        match previous {
+            Some((from, prev)) if prev.same_shape(piece) => {
+                let (ds, dd) = (
+                    piece.src.base.wrapping_sub(prev.src.base),
+                    piece.dst.base.wrapping_sub(prev.dst.base),
+                );
+                for k in 0..expected {
+                    out.src_addrs[at + k] = out.src_addrs[from + k].wrapping_add(ds);
+                    out.dst_addrs[at + k] = out.dst_addrs[from + k].wrapping_add(dd);
+                    out.lengths[at + k] = out.lengths[from + k];
+                }
+                at += expected;
+            }
+            _ => {
+                at = emit_piece(
+                    piece,
+                    class,
+                    src,
+                    dst,
+                    sizes,
+                    limits,
+                    shape.n_tokens,
+                    at,
+                    &mut out,
+                )?;
+                if at - start != expected {
+                    return Err(PlanError::InputChanged);
+                }
+            }
+        }
+        previous = Some((start, piece));
     }
     Ok(())
-}
-
-impl Template {
-    /// Token pieces, or why this template cannot plan by token.
-    ///
-    /// # Errors
-    /// The reason the pairs' items cannot be cut into tokens.
-    pub fn token_template(&self) -> Result<&TokenTemplate> {
-        self.tokens.as_ref().map_err(Clone::clone)
-    }
-
-    /// Whether every page plan of this template is a token plan: the two layouts have
-    /// different tokens per page, or different memory orders ([`needs_tokens`]).
-    pub fn by_token(&self) -> bool {
-        self.by_token
-    }
-
-    /// Tokens per page of the source and destination layouts.
-    pub fn page_sizes(&self) -> (u64, u64) {
-        self.page_sizes
-    }
-
-    /// Validates a token request (through [`Template::prepare`]) and returns the size of its
-    /// plan. `src` and `dst` are the
-    /// request's pages in token order on each side (their lengths may differ); `n_tokens`
-    /// defaults to the full pages of the shorter side. Only the pages holding the first
-    /// `n_tokens` tokens are read (and validated); later ones are ignored.
-    ///
-    /// # Errors
-    /// [`PlanError::TokenCount`] when a side has too few pages; a negative index or one outside
-    /// a paired buffer; a repeated destination page (when the template checks overlap); the
-    /// template's token error; overflow.
-    pub(crate) fn prepare_tokens<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-    ) -> Result<TokenShape> {
-        let tokens = self.token_template()?;
-        let sizes = (tokens.src_page_size, tokens.dst_page_size);
-        let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
-        let (src_full, dst_full) = (full(src.len(), sizes.0), full(dst.len(), sizes.1));
-        let n = match n_tokens {
-            Some(n) => n,
-            None => src_full
-                .zip(dst_full)
-                .map(|(a, b)| a.min(b))
-                .ok_or(PlanError::Overflow { what: "tokens" })?,
-        };
-        let (src_pages, dst_pages) = (n.div_ceil(sizes.0), n.div_ceil(sizes.1));
-        for (side, pages, needed, size) in [
-            (Side::Src, src.len(), src_pages, sizes.0),
-            (Side::Dst, dst.len(), dst_pages, sizes.1),
-        ] {
-            if needed > pages as u64 {
-                return Err(PlanError::TokenCount {
-                    side,
-                    n_tokens: n,
-                    page_size: size,
-                    needed,
-                    given: pages,
-                });
-            }
-        }
-        // At most the given lengths (checked above), so they fit usize.
-        let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
-        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        if !tokens.pieces.is_empty() && n > 0 {
-            check_pages(self, Side::Src, src, self.src_limit)?;
-            check_pages(self, Side::Dst, dst, self.dst_limit)?;
-            if self.check_dst_overlap {
-                check_unique(dst)?;
-            }
-        }
-        let (class_blocks, n_segments, n_blocks) = count_blocks(tokens, src, dst, n)?;
-        let total_bytes = n
-            .checked_mul(tokens.bytes_per_token)
-            .ok_or(PlanError::Overflow {
-                what: "total bytes",
-            })?;
-        Ok(TokenShape {
-            n_tokens: n,
-            src_pages,
-            dst_pages,
-            n_segments,
-            class_blocks,
-            n_blocks,
-            total_bytes,
-        })
-    }
-
-    /// Blocks of a token request of `n_tokens` tokens without planning it: pages consecutive
-    /// on both sides, or (`fragmented`) no two pages consecutive on either side. Returns
-    /// `(blocks, segments)`.
-    ///
-    /// # Errors
-    /// The template's token error; [`PlanError::OutOfMemory`] or [`PlanError::Overflow`] for
-    /// absurd counts.
-    pub fn token_blocks(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
-        let tokens = self.token_template()?;
-        let step = if fragmented { 2 } else { 1 };
-        let pages = |size: u64| -> Result<Vec<i64>> {
-            let n = usize::try_from(n_tokens.div_ceil(size))
-                .map_err(|_| PlanError::Overflow { what: "pages" })?;
-            let mut v = crate::error::try_vec(n, 0i64, "page list")?;
-            v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
-            Ok(v)
-        };
-        let (src, dst) = (pages(tokens.src_page_size)?, pages(tokens.dst_page_size)?);
-        let (_, segments, blocks) = count_blocks(tokens, &src, &dst, n_tokens)?;
-        Ok((blocks, segments))
-    }
-
-    /// Emits a validated token request into `out` (at least `shape.n_blocks` long).
-    pub(crate) fn emit_token_request<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        shape: &TokenShape,
-        out: Columns<'_>,
-    ) -> Result<PlanSummary> {
-        self.emit_tokens(&src[..shape.src_pages], &dst[..shape.dst_pages], shape, out)?;
-        Ok(PlanSummary {
-            n_runs: shape.n_segments,
-            n_blocks: shape.n_blocks,
-            total_bytes: shape.total_bytes,
-            n_pages: 0,
-            tokens: Some(*shape),
-        })
-    }
-
-    fn emit_tokens<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        shape: &TokenShape,
-        mut out: Columns<'_>,
-    ) -> Result<()> {
-        let tokens = self.token_template()?;
-        let sizes = (tokens.src_page_size, tokens.dst_page_size);
-        let limits = (self.src_limit, self.dst_limit);
-        let mut at = 0usize;
-        let mut previous: Option<(usize, &TokenPiece)> = None;
-        for piece in &tokens.pieces {
-            let expected = shape.class_blocks[piece.class];
-            let start = at;
-            if at + expected > out.capacity() {
-                return Err(PlanError::InputChanged);
-            }
-            match previous {
-                Some((from, prev)) if prev.same_shape(piece) => {
-                    let (ds, dd) = (
-                        piece.src_base.wrapping_sub(prev.src_base),
-                        piece.dst_base.wrapping_sub(prev.dst_base),
-                    );
-                    for k in 0..expected {
-                        out.src_addrs[at + k] = out.src_addrs[from + k].wrapping_add(ds);
-                        out.dst_addrs[at + k] = out.dst_addrs[from + k].wrapping_add(dd);
-                        out.lengths[at + k] = out.lengths[from + k];
-                    }
-                    at += expected;
-                }
-                _ => {
-                    at = emit_piece(piece, src, dst, sizes, limits, shape.n_tokens, at, &mut out)?;
-                    if at - start != expected {
-                        return Err(PlanError::InputChanged);
-                    }
-                }
-            }
-            previous = Some((start, piece));
-        }
-        Ok(())
-    }
 }
 
 /// Writes one piece's blocks from position `at`; returns the position after them.
 #[allow(clippy::too_many_arguments)]
 fn emit_piece<S: PageIndex, D: PageIndex>(
-    piece: &TokenPiece,
+    piece: &Piece,
+    class: usize,
     src: &[S],
     dst: &[D],
     sizes: (u64, u64),
@@ -758,22 +421,23 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
         out.lengths[at] = len;
         Ok(at + 1)
     };
+    let (ps, pd, len) = (piece.src, piece.dst, piece.len); // in registers for the loop
     let mut open = false; // whether the last block written may be extended
     for seg in segments(n_tokens, sizes) {
         let sp = page(src[seg.src_pos].get(), limits.0)?;
         let dp = page(dst[seg.dst_pos].get(), limits.1)?;
         // In bounds (checked just above), so inside the buffer: no overflow.
-        let s = piece.src_base + sp * piece.src_page_stride + seg.src_slot * piece.src_slot;
-        let d = piece.dst_base + dp * piece.dst_page_stride + seg.dst_slot * piece.dst_slot;
-        if piece.class == 0 {
+        let s = ps.base + sp * ps.page_stride + seg.src_slot * ps.slot_stride;
+        let d = pd.base + dp * pd.page_stride + seg.dst_slot * pd.slot_stride;
+        if class == 0 {
             for k in 0..seg.n {
-                let (s, d) = (s + k * piece.src_slot, d + k * piece.dst_slot);
-                at = push(out, at, s, d, piece.len)?;
+                let (s, d) = (s + k * ps.slot_stride, d + k * pd.slot_stride);
+                at = push(out, at, s, d, len)?;
             }
             continue;
         }
-        let bytes = seg.n * piece.len;
-        if open && !breaks(piece.class, edges(&seg, src, dst)) {
+        let bytes = seg.n * len;
+        if open && !breaks(class, edges(&seg, src, dst)) {
             out.lengths[at - 1] += bytes;
         } else {
             at = push(out, at, s, d, bytes)?;
@@ -786,8 +450,9 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::LayoutContext;
-    use crate::template::TemplateOptions;
+    use crate::check::TemplateOptions;
+    use crate::layout::{AttentionGeometry, LayoutContext};
+    use crate::template::Template;
     use proptest::prelude::*;
 
     const HEADS: u32 = 2;

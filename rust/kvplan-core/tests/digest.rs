@@ -42,7 +42,9 @@ impl Fixture {
         let (src, dst) = (layout(SRC_BASE, 1), layout(DST_BASE, 1));
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         // Three runs: [0, 1] -> [3, 4], 2 -> 7, 5 -> 8.
-        let plan = template.plan(&[0i64, 1, 2, 5], &[3i64, 4, 7, 8]).unwrap();
+        let plan = template
+            .plan(&[0i64, 1, 2, 5], &[3i64, 4, 7, 8], None)
+            .unwrap();
         assert_eq!((plan.n_runs, plan.lengths.len()), (3, 6));
         // Uncoalesced packed buffers: pair p owns blocks p * runs .. (p + 1) * runs.
         let offsets = (0..=LAYERS as usize).map(|p| p * plan.n_runs).collect();

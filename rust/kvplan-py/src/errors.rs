@@ -31,8 +31,20 @@ create_exception!(
 );
 create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
 
-/// Maps a core error to its Python exception. (Not a `From` impl: both types are foreign here.)
+/// Maps a core error to its Python exception, with the core's stable name of the error's
+/// family as its `kind` attribute (so Python tells errors apart without reading messages).
+/// (Not a `From` impl: both types are foreign here.)
 pub(crate) fn to_py_err(err: PlanError) -> PyErr {
+    let kind = err.kind();
+    let exception = exception_of(&err);
+    Python::attach(|py| {
+        // An exception instance always takes attributes; failing here would hide the error.
+        let _ = exception.value(py).setattr("kind", kind);
+    });
+    exception
+}
+
+fn exception_of(err: &PlanError) -> PyErr {
     let message = err.to_string();
     match err.class() {
         ErrorClass::Pairing => PairingError::new_err(message),

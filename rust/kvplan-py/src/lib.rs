@@ -36,7 +36,19 @@ mod _core {
     #[pymodule_export]
     use crate::runs::group_contiguous;
     #[pymodule_export]
-    use crate::template::{PyTemplate, check_pairs};
+    use crate::template::{PyTemplate, check_pairs, needs_tokens};
+
+    /// Module attributes the core owns: its role classification, and the default `kind` of a
+    /// `KvPlanError` raised by Python code.
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        use pyo3::prelude::*;
+        m.add("MHA_ROLES", kvplan_core::MHA_ROLES.to_vec())?;
+        m.py()
+            .get_type::<crate::errors::KvPlanError>()
+            .setattr("kind", "other")?;
+        Ok(())
+    }
 
     #[allow(non_upper_case_globals)]
     #[pymodule_export]

@@ -10,6 +10,8 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PySlice;
 
+use kvplan_core::{PlanSummary, Template};
+
 use crate::errors::KvPlanError;
 use crate::pool;
 
@@ -181,145 +183,6 @@ impl PyPlanBatch {
     }
 }
 
-/// How a template's blocks divide among its emission groups and entry pairs, whatever the
-/// request: a group emits `per_run` blocks per run and `per_page` blocks per page; its blocks
-/// belong to its last pair (the other pairs of a coalesced group, and elided pairs, own none).
-pub(crate) struct BlockShape {
-    /// Per group: (blocks per run, blocks per page).
-    pub(crate) groups: Vec<(usize, usize)>,
-    /// Per entry pair: its group, or `None` for an elided pair.
-    pub(crate) pair_groups: Vec<Option<usize>>,
-    /// Per entry pair: whether it owns its group's blocks.
-    pub(crate) owner: Vec<bool>,
-    /// Per group, for token plans: its token pieces of each class (empty when the template
-    /// cannot plan by token).
-    pub(crate) token_groups: Vec<[usize; kvplan_core::TOKEN_CLASSES]>,
-    /// Fingerprints of the (prefill, decode) layouts the template was built from (`None` when
-    /// a layout has no wire encoding, e.g. a role longer than the format allows).
-    pub(crate) fingerprints: Option<(u64, u64)>,
-}
-
-impl BlockShape {
-    /// The fingerprints of a template's two layouts, for the plan digest.
-    pub(crate) fn fingerprints(
-        src: &kvplan_core::Layout,
-        dst: &kvplan_core::Layout,
-    ) -> Option<(u64, u64)> {
-        let src = kvplan_core::layout_fingerprint(src).ok()?;
-        Some((src, kvplan_core::layout_fingerprint(dst).ok()?))
-    }
-
-    /// The shape of a page template.
-    pub(crate) fn of_pages(
-        template: &kvplan_core::Template,
-        fingerprints: Option<(u64, u64)>,
-    ) -> Self {
-        let groups = template
-            .groups()
-            .iter()
-            .map(|g| (g.per_run, g.per_page))
-            .collect();
-        let owners = template.groups().iter().map(|g| g.last_pair);
-        let mut owner = vec![false; template.page_pairs().len()];
-        for last in owners {
-            owner[last] = true;
-        }
-        let token_groups = template.token_template().map_or_else(
-            |_| Vec::new(),
-            |tokens| {
-                let groups = template.groups().iter();
-                groups
-                    .map(|g| {
-                        let mut classes = [0; kvplan_core::TOKEN_CLASSES];
-                        let (start, end) = (
-                            tokens.pair_pieces[g.first_pair].0,
-                            tokens.pair_pieces[g.last_pair].1,
-                        );
-                        for piece in &tokens.pieces[start..end] {
-                            classes[piece.class] += 1;
-                        }
-                        classes
-                    })
-                    .collect()
-            },
-        );
-        Self {
-            groups,
-            pair_groups: template.pair_groups().to_vec(),
-            owner,
-            token_groups,
-            fingerprints,
-        }
-    }
-
-    /// The shape of a state plan: one block per emitting state pair.
-    pub(crate) fn of_state(
-        template: &kvplan_core::Template,
-        fingerprints: Option<(u64, u64)>,
-    ) -> Self {
-        let mut groups = Vec::new();
-        let pair_groups: Vec<Option<usize>> = template
-            .state_pairs()
-            .iter()
-            .map(|p| {
-                (p.item_len > 0).then(|| {
-                    groups.push((1, 0));
-                    groups.len() - 1
-                })
-            })
-            .collect();
-        let owner = pair_groups.iter().map(Option::is_some).collect();
-        Self {
-            groups,
-            pair_groups,
-            owner,
-            token_groups: Vec::new(),
-            fingerprints,
-        }
-    }
-}
-
-/// A plan's block counts: the template's [`BlockShape`] for this request's runs and pages.
-pub(crate) struct PairShape {
-    pub(crate) shape: Arc<BlockShape>,
-    pub(crate) runs: usize,
-    pub(crate) pages: usize,
-    /// A token plan: blocks one piece of each class emits.
-    pub(crate) tokens: Option<[usize; kvplan_core::TOKEN_CLASSES]>,
-}
-
-impl PairShape {
-    fn group_len(&self, group: usize) -> usize {
-        if let Some(blocks) = &self.tokens {
-            let classes = self.shape.token_groups[group].iter();
-            return classes
-                .zip(blocks)
-                .map(|(pieces, blocks)| pieces * blocks)
-                .sum();
-        }
-        let (per_run, per_page) = self.shape.groups[group];
-        per_run * self.runs + per_page * self.pages
-    }
-
-    /// Blocks owned by pair `pair`.
-    fn pair_len(&self, pair: usize) -> usize {
-        match self.shape.pair_groups[pair] {
-            Some(group) if self.shape.owner[pair] => self.group_len(group),
-            _ => 0,
-        }
-    }
-
-    fn offsets(lens: impl Iterator<Item = usize>) -> Vec<i64> {
-        let mut offsets = vec![0i64];
-        let mut at = 0i64;
-        for len in lens {
-            at += len as i64;
-            offsets.push(at);
-        }
-        offsets
-    }
-}
-
 /// The `(src_addr, dst_addr, length)` blocks of one request, entry-pair major, run minor.
 ///
 /// The three uint64 arrays view one pooled Rust buffer (or the caller's `out=` array) without
@@ -331,16 +194,19 @@ pub struct PyTransferPlan {
     n_blocks: usize,
     n_runs: usize,
     total_bytes: u64,
-    pairs: PairShape,
+    /// The template and the plan's summary: the core answers every block-offset question.
+    template: Arc<Template>,
+    summary: PlanSummary,
+    /// Fingerprints of the template's two layouts (`None`: a layout has no wire encoding).
+    fingerprints: Option<(u64, u64)>,
 }
 
 impl PyTransferPlan {
     pub(crate) fn new(
         [src_addrs, dst_addrs, lengths]: [Column; 3],
-        n_blocks: usize,
-        n_runs: usize,
-        total_bytes: u64,
-        pairs: PairShape,
+        template: Arc<Template>,
+        summary: PlanSummary,
+        fingerprints: Option<(u64, u64)>,
     ) -> Self {
         Self {
             blocks: Blocks {
@@ -348,28 +214,49 @@ impl PyTransferPlan {
                 dst_addrs,
                 lengths,
             },
-            n_blocks,
-            n_runs,
-            total_bytes,
-            pairs,
+            n_blocks: summary.n_blocks,
+            n_runs: summary.n_runs,
+            total_bytes: summary.total_bytes,
+            template,
+            summary,
+            fingerprints,
         }
+    }
+
+    fn n_pair_slots(&self) -> usize {
+        self.template.plan_pair_groups(&self.summary).len()
     }
 }
 
-impl PyTransferPlan {
-    /// Block offsets of every entry pair (`n_pairs + 1` values).
-    fn pair_offset_values(&self) -> Vec<usize> {
-        let n = self.pairs.shape.pair_groups.len();
-        let mut offsets = Vec::with_capacity(n + 1);
-        let mut at = 0;
-        offsets.push(at);
-        for p in 0..n {
-            at += self.pairs.pair_len(p);
-            offsets.push(at);
-        }
-        offsets
-    }
+/// Offsets as int64 for NumPy (block counts fit: a plan's blocks are allocated).
+fn offsets_array(py: Python<'_>, offsets: Vec<usize>) -> Bound<'_, PyArray1<i64>> {
+    offsets
+        .into_iter()
+        .map(|o| o as i64)
+        .collect::<Vec<_>>()
+        .into_pyarray(py)
+}
 
+/// `start..stop` of item `index` (negative counts from the end) in `offsets`.
+fn range_of<'py>(
+    py: Python<'py>,
+    offsets: &[usize],
+    index: isize,
+    what: &str,
+    of: &str,
+) -> PyResult<Bound<'py, PySlice>> {
+    let n = offsets.len() as isize - 1;
+    let at = if index < 0 { index + n } else { index };
+    if !(0..n).contains(&at) {
+        return Err(PyIndexError::new_err(format!(
+            "{what} {index} is out of range for a plan of {n} {of}"
+        )));
+    }
+    let (start, stop) = (offsets[at as usize], offsets[at as usize + 1]);
+    Ok(PySlice::new(py, start as isize, stop as isize, 1))
+}
+
+impl PyTransferPlan {
     /// Runs `f` on the plan's columns and pair offsets as slices (borrowed, not copied).
     fn with_blocks<R>(
         &self,
@@ -388,7 +275,7 @@ impl PyTransferPlan {
             borrow(&self.blocks.dst_addrs)?,
             borrow(&self.blocks.lengths)?,
         );
-        let offsets = self.pair_offset_values();
+        let offsets = self.template.pair_offsets(&self.summary);
         f(&kvplan_core::PlanBlocks {
             src_addrs: src.as_slice()?,
             dst_addrs: dst.as_slice()?,
@@ -398,7 +285,7 @@ impl PyTransferPlan {
     }
 
     fn fingerprints(&self) -> PyResult<(u64, u64)> {
-        self.pairs.shape.fingerprints.ok_or_else(|| {
+        self.fingerprints.ok_or_else(|| {
             KvPlanError::new_err(
                 "this plan's layouts have no wire encoding (a role or device name longer than \
                  65,535 bytes), so they have no fingerprint and the plan no digest",
@@ -457,51 +344,41 @@ impl PyTransferPlan {
     /// Entry pairs of the template (including elided pairs that emit nothing).
     #[getter]
     fn n_pairs(&self) -> usize {
-        self.pairs.shape.pair_groups.len()
+        self.n_pair_slots()
     }
 
     /// `n_pairs + 1` block offsets (int64): pair p's blocks are
     /// `pair_offsets[p]:pair_offsets[p+1]`. A coalesced group's blocks belong to its last pair.
     #[getter]
     fn pair_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        let n = self.pairs.shape.pair_groups.len();
-        PairShape::offsets((0..n).map(|p| self.pairs.pair_len(p))).into_pyarray(py)
+        offsets_array(py, self.template.pair_offsets(&self.summary))
     }
 
     /// The block range of entry pair `pair` (`pair_offsets[pair]:pair_offsets[pair+1]`).
     fn pair_blocks<'py>(&self, py: Python<'py>, pair: isize) -> PyResult<Bound<'py, PySlice>> {
-        let n = self.pairs.shape.pair_groups.len() as isize;
-        let index = if pair < 0 { pair + n } else { pair };
-        if !(0..n).contains(&index) {
-            return Err(PyIndexError::new_err(format!(
-                "pair {pair} is out of range for a plan of {n} entry pairs"
-            )));
-        }
-        let index = index as usize;
-        let start: usize = (0..index).map(|p| self.pairs.pair_len(p)).sum();
-        let stop = start + self.pairs.pair_len(index);
-        Ok(PySlice::new(py, start as isize, stop as isize, 1))
+        let offsets = self.template.pair_offsets(&self.summary);
+        range_of(py, &offsets, pair, "pair", "entry pairs")
     }
 
     /// Emission groups (one per emitting pair unless pairs were coalesced).
     #[getter]
     fn n_groups(&self) -> usize {
-        self.pairs.shape.groups.len()
+        self.template.n_groups(&self.summary)
     }
 
     /// `n_groups + 1` block offsets (int64): group g's blocks are
     /// `group_offsets[g]:group_offsets[g+1]`.
     #[getter]
     fn group_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        let n = self.pairs.shape.groups.len();
-        PairShape::offsets((0..n).map(|g| self.pairs.group_len(g))).into_pyarray(py)
+        offsets_array(py, self.template.group_offsets(&self.summary))
     }
 
     /// The group of each entry pair (int64; -1 for an elided pair).
     #[getter]
     fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        let groups = self.pairs.shape.pair_groups.iter();
+        let groups = self.template.plan_pair_groups(&self.summary);
         groups
+            .iter()
             .map(|g| g.map_or(-1, |g| g as i64))
             .collect::<Vec<_>>()
             .into_pyarray(py)
@@ -509,17 +386,8 @@ impl PyTransferPlan {
 
     /// The block range of group `group` (all blocks carrying its pairs' bytes).
     fn group_blocks<'py>(&self, py: Python<'py>, group: isize) -> PyResult<Bound<'py, PySlice>> {
-        let n = self.pairs.shape.groups.len() as isize;
-        let index = if group < 0 { group + n } else { group };
-        if !(0..n).contains(&index) {
-            return Err(PyIndexError::new_err(format!(
-                "group {group} is out of range for a plan of {n} groups"
-            )));
-        }
-        let index = index as usize;
-        let start: usize = (0..index).map(|g| self.pairs.group_len(g)).sum();
-        let stop = start + self.pairs.group_len(index);
-        Ok(PySlice::new(py, start as isize, stop as isize, 1))
+        let offsets = self.template.group_offsets(&self.summary);
+        range_of(py, &offsets, group, "group", "groups")
     }
 
     /// Consecutive views of at most `max_blocks` blocks each (none for an empty plan).
@@ -604,7 +472,7 @@ impl PyTransferPlan {
             "TransferPlan(n_blocks={}, n_runs={}, n_pairs={}, total_bytes={})",
             self.n_blocks,
             self.n_runs,
-            self.pairs.shape.pair_groups.len(),
+            self.n_pair_slots(),
             self.total_bytes
         )
     }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use kvplan_core::{
-    Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex, PlanSummary, Template,
-    TemplateOptions,
+    BlockRequest, Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex,
+    PlanSummary, Template, TemplateOptions,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -17,7 +17,7 @@ use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::pairing::resolve_pairing;
-use crate::plan::{BlockShape, PairShape, PyTransferPlan, out_columns, pooled_columns};
+use crate::plan::{PyTransferPlan, out_columns, pooled_columns};
 use crate::pool;
 
 /// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
@@ -106,6 +106,13 @@ pub fn check_pairs(
         .collect())
 }
 
+/// Whether every plan between these layouts is a token plan (different page sizes or memory
+/// orders): the core's rule, for callers that describe a pair before building its template.
+#[pyfunction]
+pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLayout>) -> bool {
+    kvplan_core::needs_tokens(&src_layout.inner, &dst_layout.inner)
+}
+
 /// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
 /// (input shape), a `KvPlanError` for a read-only array or one whose memory overlaps an input
 /// (never a panic).
@@ -152,13 +159,11 @@ fn writable_out<'py>(
 /// A validated peer pair (prefill layout → decode layout), built once, planned per request.
 #[pyclass(frozen, name = "Template", module = "kvplan._core")]
 pub struct PyTemplate {
-    inner: Template,
-    /// Per page pair, whether it emits blocks.
-    emitting: Arc<[bool]>,
-    /// How page plans' blocks divide among groups and pairs; shared by every plan.
-    page_shape: Arc<BlockShape>,
-    /// The same for state plans.
-    state_shape: Arc<BlockShape>,
+    /// Shared with every plan, which asks it for its block offsets.
+    inner: Arc<Template>,
+    /// The core's fingerprints of the (prefill, decode) layouts, for plan digests (`None` when
+    /// a layout has no wire encoding).
+    fingerprints: Option<(u64, u64)>,
 }
 
 /// One request (`n_tokens` as given) planned into a pooled buffer; the core decides between a
@@ -220,12 +225,11 @@ impl PyTemplate {
         let inner =
             Template::with_geometry(&src_layout.inner, &dst_layout.inner, options, &geometry)
                 .map_err(to_py_err)?;
-        let fingerprints = BlockShape::fingerprints(&src_layout.inner, &dst_layout.inner);
+        let fingerprint = |layout: &PyLayout| kvplan_core::layout_fingerprint(&layout.inner).ok();
+        let fingerprints = fingerprint(&src_layout).zip(fingerprint(&dst_layout));
         Ok(Self {
-            emitting: inner.pair_groups().iter().map(Option::is_some).collect(),
-            page_shape: Arc::new(BlockShape::of_pages(&inner, fingerprints)),
-            state_shape: Arc::new(BlockShape::of_state(&inner, fingerprints)),
-            inner,
+            inner: Arc::new(inner),
+            fingerprints,
         })
     }
 
@@ -257,13 +261,13 @@ impl PyTemplate {
     /// move).
     #[getter]
     fn emitting<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.emitting.iter().copied())
+        PyTuple::new(py, self.inner.pair_groups().iter().map(Option::is_some))
     }
 
     /// Page-entry pairs (including elided pairs with item length 0).
     #[getter]
     fn n_pairs(&self) -> usize {
-        self.emitting.len()
+        self.inner.page_pairs().len()
     }
 
     /// Why this template moves no page bytes although it pairs entries (between different TP
@@ -284,11 +288,11 @@ impl PyTemplate {
     /// both sides, or (`fragmented=True`) no two pages consecutive on either side.
     #[pyo3(signature = (n_tokens, *, fragmented=false))]
     fn n_token_blocks(&self, n_tokens: u64, fragmented: bool) -> PyResult<usize> {
-        let (blocks, _) = self
-            .inner
-            .token_blocks(n_tokens, fragmented)
-            .map_err(to_py_err)?;
-        Ok(blocks)
+        let request = BlockRequest::Tokens {
+            n_tokens,
+            fragmented,
+        };
+        self.inner.count_blocks(request).map_err(to_py_err)
     }
 
     /// Whether every page plan is a token plan (page sizes or memory orders differ).
@@ -338,25 +342,11 @@ impl PyTemplate {
     /// sides), without planning it.
     #[pyo3(signature = (n_pages, n_runs=1))]
     fn n_blocks_for(&self, n_pages: usize, n_runs: usize) -> PyResult<usize> {
-        if self.inner.by_token() {
-            let (src, dst) = self.inner.page_sizes();
-            return Err(KvPlanError::new_err(format!(
-                "this template plans by token (prefill {src}, decode {dst} tokens per page, or \
-                 different memory orders): blocks depend on how the request's pages line up; \
-                 plan the request and read plan.n_blocks"
-            )));
-        }
-        if n_runs > n_pages || (n_runs == 0 && n_pages > 0) {
-            return Err(KvPlanError::new_err(format!(
-                "a request of {n_pages} pages has between {} and {n_pages} runs, got {n_runs}",
-                usize::from(n_pages > 0)
-            )));
-        }
-        self.inner.n_blocks(n_runs, n_pages).ok_or_else(|| {
-            KvPlanError::new_err(format!(
-                "{n_pages} pages in {n_runs} runs overflow the block count"
-            ))
-        })
+        let request = BlockRequest::Pages {
+            pages: n_pages,
+            runs: n_runs,
+        };
+        self.inner.count_blocks(request).map_err(to_py_err)
     }
 
     /// Plans the blocks that copy page `src_pages[i]` to `dst_pages[i]` for every entry pair.
@@ -386,7 +376,7 @@ impl PyTemplate {
             src_array.as_slice("src_pages")?,
             dst_array.as_slice("dst_pages")?,
         );
-        let template = &self.inner;
+        let template: &Template = &self.inner;
         let (columns, summary) = if let Some(out) = out {
             let mut writable =
                 writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
@@ -410,15 +400,9 @@ impl PyTemplate {
         };
         Ok(PyTransferPlan::new(
             columns,
-            summary.n_blocks,
-            summary.n_runs,
-            summary.total_bytes,
-            PairShape {
-                shape: Arc::clone(&self.page_shape),
-                runs: summary.n_runs,
-                pages: summary.n_pages,
-                tokens: summary.tokens.map(|shape| shape.class_blocks),
-            },
+            Arc::clone(&self.inner),
+            summary,
+            self.fingerprints,
         ))
     }
 
@@ -468,15 +452,9 @@ impl PyTemplate {
         let columns = pooled_columns(py, buffer.data, n, summary.n_blocks)?;
         Ok(PyTransferPlan::new(
             columns,
-            summary.n_blocks,
-            summary.n_runs,
-            summary.total_bytes,
-            PairShape {
-                shape: Arc::clone(&self.state_shape),
-                runs: 1,
-                pages: 0,
-                tokens: None,
-            },
+            Arc::clone(&self.inner),
+            summary,
+            self.fingerprints,
         ))
     }
 }

@@ -1,0 +1,632 @@
+//! Every rule that decides whether two layouts can be planned, in one place: entry pairing
+//! (by layer id, by role, positional or legacy PP slicing), item sizes, head slicing between TP
+//! sizes, token plans between page sizes or memory orders, and caller fragments. A template is
+//! built only from pairs this module accepts, and `check_pairs` reports exactly what
+//! `Template::new` would refuse, so a compatibility report never disagrees with a template.
+
+use std::collections::HashMap;
+
+use crate::error::{HeadProblem, PlanError, Result, Side};
+use crate::heads::HeadSlicing;
+use crate::layout::{AttentionGeometry, EntryKind, Layout, MemoryOrder, is_mha_role};
+use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
+use crate::pieces::{Fragment, PairSpec};
+
+/// How to pair the two layouts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TemplateOptions {
+    /// How entries pair (by layer id by default).
+    pub pairing: Pairing,
+    /// Reject requests that would write one destination item twice.
+    pub check_dst_overlap: bool,
+}
+
+pub(crate) fn entry_labels(layout: &Layout) -> Vec<String> {
+    (0..layout.n_entries())
+        .map(|i| {
+            format!(
+                "layer {}, role {}",
+                layout.layer_label(i),
+                layout.role_label(i)
+            )
+        })
+        .collect()
+}
+
+/// The pairing verdict for one source entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryCheck {
+    /// Page or state entry.
+    pub kind: EntryKind,
+    /// Source entry index.
+    pub src_entry: usize,
+    /// Its destination partner, when pairing found one.
+    pub dst_entry: Option<usize>,
+    /// Why the entry cannot be transferred (no partner, list-level pairing failure, or a size
+    /// mismatch with its partner); `None` when it is fine.
+    pub problem: Option<PlanError>,
+}
+
+/// Checks every source entry of `src` against `dst`: page entries first, then state entries,
+/// each in layout order. [`Template::new`] fails with the first problem of this list, so a
+/// compatibility report built from it never disagrees with the template.
+pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
+    let state_options = TemplateOptions {
+        pairing: options.pairing.for_state(),
+        ..options
+    };
+    let heads = HeadSlicing::between(src, dst);
+    let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
+    checks.extend(check_kind(
+        src,
+        dst,
+        EntryKind::State,
+        state_options,
+        &heads,
+    ));
+    checks
+}
+
+fn check_kind(
+    src: &Layout,
+    dst: &Layout,
+    kind: EntryKind,
+    options: TemplateOptions,
+    heads: &Result<Option<HeadSlicing>>,
+) -> Vec<EntryCheck> {
+    let src_entries = src.entries_of_kind(kind);
+    let dst_entries = dst.entries_of_kind(kind);
+    let partners = local_partners(src, dst, &src_entries, &dst_entries, options);
+    // Different tokens per page (or memory orders): paired page items differ in size by design
+    // (item = page size x token bytes); they must agree per token instead (module `tokens`),
+    // unless heads are sliced, where each side's item must be what its own geometry implies
+    // (the same check as for page plans).
+    let by_token = kind == EntryKind::Page && needs_tokens(src, dst);
+    src_entries
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            let partner = match &partners {
+                Ok(list) => list[i].clone(),
+                // A list-level failure concerns every entry of the kind.
+                Err(problem) => Err(problem.clone()),
+            };
+            match partner {
+                Err(problem) => EntryCheck {
+                    kind,
+                    src_entry: s,
+                    dst_entry: None,
+                    problem: Some(problem),
+                },
+                Ok(j) => {
+                    let d = dst_entries[j];
+                    let (src_item_len, dst_item_len) =
+                        (src.parts().item_lens[s], dst.parts().item_lens[d]);
+                    let size_mismatch = || PlanError::SizeMismatch {
+                        layer: src.layer_label(s),
+                        role: src.role_label(s),
+                        src_entry: s,
+                        dst_entry: d,
+                        src_item_len,
+                        dst_item_len,
+                    };
+                    let head_problem = |problem: HeadProblem| PlanError::HeadMismatch {
+                        entry: Some(format!(
+                            "layer {}, role {} (src entry {s}, dst entry {d})",
+                            src.layer_label(s),
+                            src.role_label(s)
+                        )),
+                        problem,
+                    };
+                    let problem = match (heads, kind) {
+                        (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        (Ok(Some(_)), _) if src_item_len == 0 => None,
+                        (Ok(Some(slicing)), EntryKind::Page)
+                            if !(by_token && slicing.moves_whole_heads()) =>
+                        {
+                            slicing
+                                .check_page_items(src_item_len, dst_item_len)
+                                .err()
+                                .map(head_problem)
+                        }
+                        _ if by_token => pair_problem(src, dst, &pair_spec(src, dst, s, d)),
+                        (Ok(Some(slicing)), EntryKind::State) => slicing
+                            .state_fragment(src_item_len, dst_item_len)
+                            .err()
+                            .map(head_problem),
+                        _ => (src_item_len != dst_item_len).then(size_mismatch),
+                    };
+                    EntryCheck {
+                        kind,
+                        src_entry: s,
+                        dst_entry: Some(d),
+                        problem,
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// Partners of one kind's entries, as positions within `dst_entries`.
+fn local_partners(
+    src: &Layout,
+    dst: &Layout,
+    src_entries: &[usize],
+    dst_entries: &[usize],
+    options: TemplateOptions,
+) -> Result<Vec<Partner>> {
+    let pairing = options.pairing;
+    let (src_ids, src_roles) = metadata_of(src, src_entries, pairing);
+    let (dst_ids, dst_roles) = metadata_of(dst, dst_entries, pairing);
+    let (n_src, n_dst) = (src_entries.len(), dst_entries.len());
+    let legacy = src_ids.is_none() && dst_ids.is_none() && n_src != n_dst;
+    match pairing.prefill_start_layer() {
+        Some(start) if legacy => {
+            // Both peers say which buffer group each entry belongs to (k/v, NPU groups g0/g1…,
+            // draft): slice each group on its own, as Ascend's per-group slicing does
+            // (docs/semantics.md, Ascend).
+            let src_drafts: Vec<bool> = src_entries.iter().map(|&i| src.is_draft(i)).collect();
+            if let (Some(src_roles), Some(dst_roles)) = (&src_roles, &dst_roles) {
+                let partners = slice_per_role(src_roles, &src_drafts, dst_roles, start)?;
+                return Ok(partners.into_iter().map(Ok).collect());
+            }
+            let kind = match pairing.legacy_kind() {
+                Some(kind) => kind,
+                None => infer_legacy_kind(src_roles.as_deref(), &src_drafts)?,
+            };
+            let num_draft = src_drafts.iter().filter(|&&d| d).count();
+            let decode_layers = dst.context().num_model_layers.map(|x| x as usize);
+            let pairs = legacy_pp_pairs(kind, n_src, n_dst, start, num_draft, decode_layers)?;
+            Ok(pairs.into_iter().map(|[_, j]| Ok(j)).collect())
+        }
+        _ => pair_each(
+            EntryMetadata {
+                layer_ids: src_ids.as_deref(),
+                roles: src_roles.as_deref(),
+                n_entries: n_src,
+            },
+            EntryMetadata {
+                layer_ids: dst_ids.as_deref(),
+                roles: dst_roles.as_deref(),
+                n_entries: n_dst,
+            },
+            pairing.allow_positional_fallback(),
+        ),
+    }
+}
+
+/// Legacy positional slicing within each role: the prefill's entries of role `r` (in order) go to
+/// the decode's entries of role `r` starting at `prefill_start_layer`; draft roles go to the last
+/// entries of their role (the decode's draft band), as SGLang's draft tail does.
+/// `src_drafts` says which source entries are draft entries.
+fn positions_by_role(roles: &[String]) -> HashMap<&str, Vec<usize>> {
+    let mut by_role: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (j, role) in roles.iter().enumerate() {
+        by_role.entry(role.as_str()).or_default().push(j);
+    }
+    by_role
+}
+
+fn slice_per_role(
+    src_roles: &[String],
+    src_drafts: &[bool],
+    dst_roles: &[String],
+    start: usize,
+) -> Result<Vec<usize>> {
+    // Positions of each role on both sides, in layout order (linear in the entry counts).
+    let (src_by_role, dst_by_role) = (positions_by_role(src_roles), positions_by_role(dst_roles));
+    let mut partners = vec![0; src_roles.len()];
+    // Roles in order of first appearance, so the first error reported is deterministic.
+    for (i, role) in src_roles.iter().enumerate() {
+        let src_positions = &src_by_role[role.as_str()];
+        if src_positions[0] != i {
+            continue; // not this role's first entry: already handled
+        }
+        let dst_positions = dst_by_role
+            .get(role.as_str())
+            .map_or(&[][..], Vec::as_slice);
+        let wanted = src_positions.len();
+        let offset = if src_drafts[i] {
+            dst_positions.len().checked_sub(wanted)
+        } else {
+            start
+                .checked_add(wanted)
+                .filter(|&end| end <= dst_positions.len())
+                .map(|_| start)
+        };
+        let Some(offset) = offset else {
+            return Err(PlanError::LegacySlice {
+                reason: format!(
+                    "prefill has {wanted} entries of role {role:?} from layer {start}, decode has only {} entries of that role",
+                    dst_positions.len()
+                ),
+            });
+        };
+        for (k, &i) in src_positions.iter().enumerate() {
+            partners[i] = dst_positions[offset + k];
+        }
+    }
+    Ok(partners)
+}
+
+/// Validates one pair's fragments: non-empty, each of positive length and inside the item on
+/// both sides, no two overlapping on the destination. `None` when the list is exactly the
+/// whole item (the default, which may coalesce).
+pub(crate) fn check_fragments(
+    index: usize,
+    pair: &PairSpec,
+    list: &[Fragment],
+    label: &dyn Fn() -> String,
+) -> Result<Option<Vec<Fragment>>> {
+    let fail = |what: String| PlanError::Geometry {
+        what: format!("page pair {index} ({}): {what}", label()),
+    };
+    if list.is_empty() {
+        return Err(fail(
+            "an empty fragment list (give None for the whole item)".into(),
+        ));
+    }
+    let (item, dst_item) = (pair.item_len, pair.dst_item_len);
+    for (k, f) in list.iter().enumerate() {
+        let inside = |off: u64, item: u64| off.checked_add(f.len).is_some_and(|end| end <= item);
+        if f.len == 0 {
+            return Err(fail(format!(
+                "fragment {k} (src_off {}, dst_off {}, len 0) is empty",
+                f.src_off, f.dst_off
+            )));
+        }
+        if !inside(f.src_off, item) || !inside(f.dst_off, dst_item) {
+            let size = if item == dst_item {
+                format!("{item} bytes")
+            } else {
+                format!("{item} (src) / {dst_item} (dst) bytes")
+            };
+            return Err(fail(format!(
+                "fragment {k} (src_off {}, dst_off {}, len {}) is not inside the item of {size}",
+                f.src_off, f.dst_off, f.len
+            )));
+        }
+    }
+    let mut by_dst: Vec<(u64, u64, usize)> = list
+        .iter()
+        .enumerate()
+        .map(|(k, f)| (f.dst_off, f.len, k))
+        .collect();
+    by_dst.sort_unstable();
+    for w in by_dst.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
+            return Err(fail(format!(
+                "fragments {a} and {b} overlap on the destination (dst bytes {}..{} and {}..{})",
+                list[a].dst_off,
+                list[a].dst_off + list[a].len,
+                list[b].dst_off,
+                list[b].dst_off + list[b].len
+            )));
+        }
+    }
+    let whole = [Fragment {
+        src_off: 0,
+        dst_off: 0,
+        len: item,
+    }];
+    Ok((list != whole || item != dst_item).then(|| list.to_vec()))
+}
+
+pub(crate) fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairSpec {
+    PairSpec {
+        src_entry: s,
+        dst_entry: d,
+        src_base: src.parts().data_ptrs[s],
+        dst_base: dst.parts().data_ptrs[d],
+        item_len: src.parts().item_lens[s],
+        dst_item_len: dst.parts().item_lens[d],
+        src_capacity: src.capacity(s),
+        dst_capacity: dst.capacity(d),
+        src_stride: src.strides()[s],
+        dst_stride: dst.strides()[d],
+    }
+}
+
+/// Ids and roles of a subset of entries; `None` when the subset does not publish them
+/// (layouts guarantee all-or-none within a kind) or when `pairing` ignores its page ids.
+fn metadata_of(
+    layout: &Layout,
+    entries: &[usize],
+    pairing: Pairing,
+) -> (Option<Vec<i64>>, Option<Vec<String>>) {
+    let parts = layout.parts();
+    let hide_ids = pairing.ignores_page_ids()
+        && entries
+            .first()
+            .is_some_and(|&i| parts.kinds[i] == EntryKind::Page);
+    let ids: Option<Vec<i64>> = if hide_ids {
+        None
+    } else {
+        entries.iter().map(|&i| parts.layer_ids[i]).collect()
+    };
+    let roles: Vec<String> = entries.iter().map(|&i| parts.roles[i].clone()).collect();
+    let roles = (!roles.is_empty() && roles.iter().all(|r| !r.is_empty())).then_some(roles);
+    (ids.filter(|ids| !ids.is_empty()), roles)
+}
+
+fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Result<LegacyKind> {
+    match src_roles {
+        Some(roles) if roles.iter().any(|r| is_mha_role(r)) => Ok(LegacyKind::Mha),
+        Some(roles) if roles.iter().zip(src_drafts).all(|(r, &d)| r == "kv" || d) => {
+            Ok(LegacyKind::Mla)
+        }
+        _ => Err(PlanError::LegacySlice {
+            reason: "peers publish no layer ids and their entry counts differ; say whether the layout is \"mla\" or \"mha\" (legacy_kind)".into(),
+        }),
+    }
+}
+
+/// Whether whole pages cannot be copied as they are: the page sizes differ, or one side is
+/// token-major and the other head-major. Every page plan between such layouts is a token plan.
+pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
+    src.context().page_size != dst.context().page_size || memory_order(src) != memory_order(dst)
+}
+
+pub(crate) fn memory_order(layout: &Layout) -> MemoryOrder {
+    layout
+        .context()
+        .attention
+        .map_or(MemoryOrder::Nhd, |g| g.memory_order)
+}
+
+/// Why paired page entries `s` and `d` cannot be planned token by token, if they cannot:
+/// items that are not whole tokens, different bytes per token, or a head-major item that
+/// disagrees with its geometry. What `check_pairs` reports when the page sizes differ.
+fn pair_problem(src: &Layout, dst: &Layout, pair: &PairSpec) -> Option<PlanError> {
+    if (pair.item_len, pair.dst_item_len) == (0, 0) {
+        return None;
+    }
+    let label = |side: Side, entry: usize| {
+        let layout = side.pick(src, dst);
+        format!(
+            "layer {}, role {}",
+            layout.layer_label(entry),
+            layout.role_label(entry)
+        )
+    };
+    let sizes = (src.context().page_size, dst.context().page_size);
+    let orders = (memory_order(src), memory_order(dst));
+    let attention = (src.context().attention, dst.context().attention);
+    whole_tokens(pair, sizes, orders, attention, &label).err()
+}
+
+/// `(token bytes, head bytes)` of a pair that moves whole tokens: the same bytes per token on
+/// both sides, and, when either side is head-major, heads that agree with the published
+/// geometry (a pair of token-major sides counts its whole token as one head).
+pub(crate) fn whole_tokens(
+    pair: &PairSpec,
+    sizes: (u64, u64),
+    orders: (MemoryOrder, MemoryOrder),
+    attention: (Option<AttentionGeometry>, Option<AttentionGeometry>),
+    label: &dyn Fn(Side, usize) -> String,
+) -> Result<(u64, u64)> {
+    let items = (pair.item_len, pair.dst_item_len);
+    let token_bytes = token_bytes(pair, items, sizes, label)?;
+    let head = if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
+        token_bytes
+    } else {
+        head_bytes(pair, token_bytes, orders, attention, label)?
+    };
+    Ok((token_bytes, head))
+}
+
+/// Bytes per token of one pair: each item a whole number of tokens, the same on both sides.
+fn token_bytes(
+    pair: &PairSpec,
+    items: (u64, u64),
+    sizes: (u64, u64),
+    label: &dyn Fn(Side, usize) -> String,
+) -> Result<u64> {
+    for (side, entry, item, size) in [
+        (Side::Src, pair.src_entry, items.0, sizes.0),
+        (Side::Dst, pair.dst_entry, items.1, sizes.1),
+    ] {
+        if !item.is_multiple_of(size) {
+            return Err(PlanError::TokenSize {
+                side,
+                entry,
+                label: label(side, entry),
+                item_len: item,
+                page_size: size,
+            });
+        }
+    }
+    let (src_token, dst_token) = (items.0 / sizes.0, items.1 / sizes.1);
+    if src_token != dst_token {
+        return Err(PlanError::TokenBytes {
+            label: label(Side::Src, pair.src_entry),
+            src_entry: pair.src_entry,
+            dst_entry: pair.dst_entry,
+            src_item_len: items.0,
+            src_page_size: sizes.0,
+            dst_item_len: items.1,
+            dst_page_size: sizes.1,
+        });
+    }
+    Ok(src_token)
+}
+
+/// Bytes of one head when either side is head-major: both sides that publish a geometry agree
+/// on it, a head-major side's tokens are exactly its heads per rank times that, and a token is a
+/// whole number of heads.
+fn head_bytes(
+    pair: &PairSpec,
+    token_bytes: u64,
+    orders: (MemoryOrder, MemoryOrder),
+    attention: (Option<AttentionGeometry>, Option<AttentionGeometry>),
+    label: &dyn Fn(Side, usize) -> String,
+) -> Result<u64> {
+    let fail = |side: Side, entry: usize, heads: u64, head: u64| PlanError::HeadLayout {
+        side,
+        entry,
+        label: label(side, entry),
+        token_bytes,
+        heads,
+        head_bytes: head,
+    };
+    // A head-major side always publishes its geometry (that is where its order comes from).
+    let sides = [
+        (Side::Src, pair.src_entry, orders.0, attention.0),
+        (Side::Dst, pair.dst_entry, orders.1, attention.1),
+    ];
+    let head = sides
+        .iter()
+        .find_map(|&(_, _, order, g)| (order == MemoryOrder::Hnd).then_some(g).flatten())
+        .map_or(token_bytes, |g| g.head_bytes());
+    for (side, entry, order, geometry) in sides {
+        let Some(g) = geometry else { continue };
+        let heads = u64::from(g.heads_per_rank);
+        let exact = order == MemoryOrder::Nhd || heads * g.head_bytes() == token_bytes;
+        if g.head_bytes() != head || !exact || !token_bytes.is_multiple_of(head) {
+            return Err(fail(side, entry, heads, g.head_bytes()));
+        }
+    }
+    Ok(head)
+}
+
+/// The bytes both rules move, where they agree on the destination: each caller fragment
+/// restricted to the bytes `rule` moves (head slicing's fragments). A source byte both move to
+/// different places has no defined destination and is refused, naming both.
+pub(crate) fn compose(
+    user: &[Fragment],
+    rule: &[Fragment],
+    label: &dyn Fn() -> String,
+) -> Result<Vec<Fragment>> {
+    let mut out = Vec::new();
+    for (k, u) in user.iter().enumerate() {
+        for r in rule {
+            let overlap = u.src_off < r.src_off + r.len && r.src_off < u.src_off + u.len;
+            if !overlap {
+                continue;
+            }
+            let Some(both) = u.agree(r) else {
+                let start = u.src_off.max(r.src_off);
+                return Err(PlanError::FragmentCombination {
+                    why: format!(
+                        "{}: fragment {k} (src_off {}, dst_off {}, len {}) sends source byte \
+                         {start} to destination byte {}, but head slicing places it at {}: the \
+                         two disagree on where the moved heads go",
+                        label(),
+                        u.src_off,
+                        u.dst_off,
+                        u.len,
+                        u.dst_off + (start - u.src_off),
+                        r.dst_off + (start - r.src_off),
+                    ),
+                });
+            };
+            out.push(both);
+        }
+    }
+    Ok(out)
+}
+
+/// How one side stores a page's tokens, for reading item offsets as token coordinates.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TokenFrame {
+    /// Tokens per page.
+    pub page_size: u64,
+    /// Bytes per token.
+    pub token: u64,
+    /// Bytes per head (the whole token on a token-major side without heads).
+    pub head: u64,
+    /// Token-major or head-major.
+    pub order: MemoryOrder,
+}
+
+impl TokenFrame {
+    /// Item byte `b` as (token slot, byte inside the token counted head by head), and the bytes
+    /// left before the next token (token-major) or head (head-major) boundary.
+    fn locate(&self, b: u64) -> (u64, u64, u64) {
+        match self.order {
+            MemoryOrder::Nhd => (b / self.token, b % self.token, self.token - b % self.token),
+            MemoryOrder::Hnd => {
+                let (h, r) = (
+                    b / (self.page_size * self.head),
+                    b % (self.page_size * self.head),
+                );
+                let off = r % self.head;
+                (r / self.head, h * self.head + off, self.head - off)
+            }
+        }
+    }
+}
+
+/// Caller fragments (item offsets) of a page pair as the bytes of one token that a token plan
+/// moves for every token: each fragment must keep every byte in its token slot, and every slot
+/// must move the same bytes. Items at different page sizes are refused: an item on one side is
+/// not an item on the other, so item offsets say nothing about where a token goes.
+pub(crate) fn per_token(
+    list: &[Fragment],
+    frames: (TokenFrame, TokenFrame),
+    label: &dyn Fn() -> String,
+) -> Result<Vec<Fragment>> {
+    let fail = |why: String| PlanError::FragmentCombination {
+        why: format!("{}: {why}", label()),
+    };
+    let (src, dst) = frames;
+    if src.page_size != dst.page_size {
+        return Err(fail(format!(
+            "fragments are byte ranges inside one page's item, but prefill pages hold {} tokens \
+             and decode pages {}: an item on one side is not an item on the other, so a \
+             fragment's destination is undefined; publish the layouts' attention geometry to \
+             move part of every token (head slicing), or plan without fragments",
+            src.page_size, dst.page_size
+        )));
+    }
+    let mut slots: Vec<Vec<Fragment>> =
+        vec![Vec::new(); usize::try_from(src.page_size).unwrap_or(0)];
+    for (k, f) in list.iter().enumerate() {
+        let mut at = 0;
+        while at < f.len {
+            let (s_slot, s_w, s_left) = src.locate(f.src_off + at);
+            let (d_slot, d_w, d_left) = dst.locate(f.dst_off + at);
+            if s_slot != d_slot {
+                return Err(fail(format!(
+                    "fragment {k} (src_off {}, dst_off {}, len {}) moves bytes of token slot \
+                     {s_slot} to token slot {d_slot}; a token plan (n_tokens given, or different \
+                     memory orders) moves each token to its own slot",
+                    f.src_off, f.dst_off, f.len
+                )));
+            }
+            let n = s_left.min(d_left).min(f.len - at);
+            slots[s_slot as usize].push(Fragment {
+                src_off: s_w,
+                dst_off: d_w,
+                len: n,
+            });
+            at += n;
+        }
+    }
+    for chunks in &mut slots {
+        chunks.sort_unstable_by_key(|f| f.src_off);
+        // Merge neighbours contiguous on both sides, so equal byte sets compare equal.
+        chunks.dedup_by(|next, last| {
+            let joins =
+                last.src_off + last.len == next.src_off && last.dst_off + last.len == next.dst_off;
+            if joins {
+                last.len += next.len;
+            }
+            joins
+        });
+    }
+    if let Some(slot) = slots.iter().position(|c| *c != slots[0]) {
+        let bytes = |c: &[Fragment]| c.iter().map(|f| f.len).sum::<u64>();
+        return Err(fail(format!(
+            "the fragments do not move the same bytes of every token (token slot 0: {} bytes, \
+             token slot {slot}: {} bytes, or at other offsets); a token plan (n_tokens given, or \
+             different memory orders) moves every token the same way, so plan whole pages without \
+             n_tokens to move item-level fragments",
+            bytes(&slots[0]),
+            bytes(&slots[slot])
+        )));
+    }
+    Ok(slots.swap_remove(0))
+}

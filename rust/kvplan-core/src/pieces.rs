@@ -1,0 +1,244 @@
+//! The one address model: where the bytes of a pair of entries live, and the pieces that move
+//! them.
+//!
+//! Item `i` of an entry is the `item_len` bytes at `base + i × stride`. A template turns its
+//! entry pairs ([`PairSpec`]) into [`Piece`]s once; a request only multiplies pieces by pages,
+//! runs or tokens. A piece says, per side, where token `t` of a request sits: the side's
+//! [`TokenMap`] turns `t` into (position in that side's page list, slot in the page), and the
+//! byte address is `base + page × page_stride + slot × slot_stride`; `len` bytes move per token.
+//!
+//! Every way kvplan moves bytes is a piece:
+//! - a page plan is a token plan whose "token" is the whole page (one slot per page, slot stride
+//!   = page stride): a whole item, a coalesced group of items (`len` = the group's width) or a
+//!   fragment (bases shifted by the fragment's offsets, head slices included);
+//! - a token plan between different page sizes or memory orders has one piece per pair (or per
+//!   head) with each side's own tokens per page;
+//! - a state slot is a one-page request of a piece whose "token" is the slot.
+//!
+//! A piece is contiguous on both sides across slots when `len` equals both slot strides; then a
+//! run of consecutive pages (or tokens) is one block. That is a property of the piece, not a
+//! separate type.
+
+/// How one side places the tokens of a request: token `t` → (index into that side's page list,
+/// slot inside the page). The seam for layouts whose tokens are not dealt page after page (a
+/// decode context-parallel rank holding every `n`-th token would be a second variant).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenMap {
+    /// Tokens fill pages of `page_size` slots in order: `t → (t / page_size, t % page_size)`.
+    Paged {
+        /// Tokens (slots) per page, at least 1.
+        page_size: u64,
+    },
+}
+
+impl TokenMap {
+    /// Slots per page.
+    pub fn page_size(self) -> u64 {
+        match self {
+            TokenMap::Paged { page_size } => page_size,
+        }
+    }
+
+    /// Where token `t` sits: (position in the side's page list, slot in that page).
+    pub fn locate(self, t: u64) -> (u64, u64) {
+        match self {
+            TokenMap::Paged { page_size } => (t / page_size, t % page_size),
+        }
+    }
+
+    /// Pages of the side's list holding the first `n_tokens` tokens.
+    pub fn pages_for(self, n_tokens: u64) -> u64 {
+        match self {
+            TokenMap::Paged { page_size } => n_tokens.div_ceil(page_size),
+        }
+    }
+}
+
+/// One side of a piece: token `t` at (page `p`, slot `s`) is at `base + p × page_stride + s ×
+/// slot_stride`, with `(p, s)` from `map`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PieceSide {
+    /// Address of slot 0 of page 0 (a fragment's or head's offset included).
+    pub base: u64,
+    /// Bytes between consecutive pages (the entry's stride).
+    pub page_stride: u64,
+    /// Bytes between consecutive slots of a page.
+    pub slot_stride: u64,
+    /// Token → (page, slot).
+    pub map: TokenMap,
+}
+
+impl PieceSide {
+    /// A side of a page piece: one slot per page, so the slot stride is the page stride.
+    pub fn of_pages(base: u64, stride: u64) -> Self {
+        Self {
+            base,
+            page_stride: stride,
+            slot_stride: stride,
+            map: TokenMap::Paged { page_size: 1 },
+        }
+    }
+
+    /// Whether consecutive pages continue each other when the piece covers whole pages
+    /// (`page_stride == page_size × slot_stride`).
+    pub fn packed(&self) -> bool {
+        self.map.page_size().checked_mul(self.slot_stride) == Some(self.page_stride)
+    }
+}
+
+/// One emission unit: `len` bytes of every token of a request, from the source side to the
+/// destination side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Where the bytes come from.
+    pub src: PieceSide,
+    /// Where they go.
+    pub dst: PieceSide,
+    /// Bytes per token (per page for a page piece).
+    pub len: u64,
+}
+
+impl Piece {
+    /// A page piece: page `k` is `len` bytes at `src_base + k × src_stride` and `dst_base + k ×
+    /// dst_stride`.
+    pub fn of_pages(src: (u64, u64), dst: (u64, u64), len: u64) -> Self {
+        Self {
+            src: PieceSide::of_pages(src.0, src.1),
+            dst: PieceSide::of_pages(dst.0, dst.1),
+            len,
+        }
+    }
+
+    /// Whether consecutive slots are contiguous on both sides (`len` equals both slot strides):
+    /// a run of consecutive pages of a page piece is one block of `n × len` bytes; otherwise one
+    /// block per page (per token).
+    pub fn per_run(&self) -> bool {
+        self.len == self.src.slot_stride && self.len == self.dst.slot_stride
+    }
+
+    /// The piece's token class (see [`TOKEN_CLASSES`]).
+    pub fn token_class(&self) -> usize {
+        if self.per_run() {
+            1 + 2 * usize::from(self.src.packed()) + usize::from(self.dst.packed())
+        } else {
+            0
+        }
+    }
+
+    /// Same strides, maps and length: the blocks of the two pieces differ only by their bases.
+    pub fn same_shape(&self, other: &Self) -> bool {
+        let shape = |p: &Self| {
+            (
+                (p.src.page_stride, p.src.slot_stride, p.src.map),
+                (p.dst.page_stride, p.dst.slot_stride, p.dst.map),
+                p.len,
+            )
+        };
+        shape(self) == shape(other)
+    }
+}
+
+/// Token classes of pieces: 0 = one block per token; `1 + 2 × src_packed + dst_packed` = one
+/// block per run of tokens contiguous on both sides (a page edge on a side joins only when that
+/// side's pages are packed and its next page index is the previous plus one).
+pub const TOKEN_CLASSES: usize = 5;
+
+/// Everything planning needs about one source/destination entry pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairSpec {
+    /// Index of the source entry in the source layout.
+    pub src_entry: usize,
+    /// Index of the destination entry in the destination layout.
+    pub dst_entry: usize,
+    /// Source buffer base address.
+    pub src_base: u64,
+    /// Destination buffer base address.
+    pub dst_base: u64,
+    /// Bytes per source item (equal to `dst_item_len` unless heads are re-sliced between
+    /// different TP sizes or page sizes differ; checked at template time).
+    pub item_len: u64,
+    /// Bytes per destination item.
+    pub dst_item_len: u64,
+    /// Items the source buffer holds.
+    pub src_capacity: u64,
+    /// Items the destination buffer holds.
+    pub dst_capacity: u64,
+    /// Bytes between consecutive source items.
+    pub src_stride: u64,
+    /// Bytes between consecutive destination items.
+    pub dst_stride: u64,
+}
+
+impl PairSpec {
+    /// The page piece moving bytes `f.src_off..` of every source item to `f.dst_off..` of its
+    /// destination item (the fragment lies inside both items: checked by the caller).
+    pub fn piece(&self, f: Fragment) -> Piece {
+        Piece::of_pages(
+            (self.src_base + f.src_off, self.src_stride),
+            (self.dst_base + f.dst_off, self.dst_stride),
+            f.len,
+        )
+    }
+
+    /// The fragment of the whole item.
+    pub fn whole(&self) -> Fragment {
+        Fragment {
+            src_off: 0,
+            dst_off: 0,
+            len: self.item_len,
+        }
+    }
+}
+
+/// Bytes `src_off..src_off+len` of a source item go to `dst_off..dst_off+len` of its
+/// destination item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fragment {
+    /// Offset inside the source item.
+    pub src_off: u64,
+    /// Offset inside the destination item.
+    pub dst_off: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl Fragment {
+    /// The bytes both `self` and `other` move to the same place (`None`: none): where both map
+    /// a source byte, to the same destination byte.
+    pub fn agree(&self, other: &Fragment) -> Option<Fragment> {
+        // Same shift on both: the two maps agree on the overlap of their source ranges.
+        if self.dst_off.wrapping_sub(self.src_off) != other.dst_off.wrapping_sub(other.src_off) {
+            return None;
+        }
+        let start = self.src_off.max(other.src_off);
+        let stop = (self.src_off + self.len).min(other.src_off + other.len);
+        (start < stop).then(|| Fragment {
+            src_off: start,
+            dst_off: self.dst_off + (start - self.src_off),
+            len: stop - start,
+        })
+    }
+}
+
+/// Which bytes of each item a template moves.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Fragments {
+    /// Every item whole (one fragment `(0, 0, item_len)` per pair).
+    #[default]
+    Whole,
+    /// The same fragments for every emitting page pair.
+    Every(Vec<Fragment>),
+    /// Per page pair in planning order (elided pairs included); `None` = the whole item.
+    PerPair(Vec<Option<Vec<Fragment>>>),
+}
+
+impl Fragments {
+    /// The fragments given for page pair `index` (`None`: the whole item).
+    pub fn of_pair(&self, index: usize) -> Option<&[Fragment]> {
+        match self {
+            Fragments::Whole => None,
+            Fragments::Every(list) => Some(list),
+            Fragments::PerPair(lists) => lists.get(index).and_then(|l| l.as_deref()),
+        }
+    }
+}

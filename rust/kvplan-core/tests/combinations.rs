@@ -1,0 +1,204 @@
+//! Caller fragments meet token plans and head slicing: planned byte-exactly where the
+//! combination has one meaning, refused from the one check module (saying why) where it has
+//! none. Each plan is copied between byte arenas and compared with a per-token, per-byte copier
+//! written from the layout definitions; no destination byte is written twice.
+
+use kvplan_core::{
+    AttentionGeometry, Fragment, Fragments, GeometryOptions, Layout, LayoutContext, MemoryOrder,
+    PlanError, Template, TemplateOptions,
+};
+
+const SRC: u64 = 0x10_0000;
+const DST: u64 = 0x80_0000;
+const PAGES: u64 = 4;
+const HEAD: u64 = 4; // head_dim 2 × 2-byte elements
+
+/// One layer's K entry at `base`: `PAGES` pages of `page_size` tokens, `heads` heads per rank.
+fn layout(base: u64, page_size: u64, order: Option<(MemoryOrder, u32, u32)>) -> Layout {
+    let heads = order.map_or(2, |(_, tp, _)| u64::from(2 / tp));
+    let item = page_size * heads * HEAD;
+    let ctx = LayoutContext {
+        page_size,
+        tp_size: order.map_or(1, |o| o.1),
+        tp_rank: order.map_or(0, |o| o.2),
+        attention: order.map(|(memory_order, tp, _)| AttentionGeometry {
+            total_kv_heads: 2,
+            heads_per_rank: 2 / tp,
+            head_dim: 2,
+            dtype_size: 2,
+            memory_order,
+        }),
+        ..LayoutContext::default()
+    };
+    Layout::mla(
+        vec![base],
+        vec![PAGES * item],
+        vec![item],
+        Some(vec![0]),
+        ctx,
+    )
+    .unwrap()
+}
+
+fn template(src: &Layout, dst: &Layout, fragments: Vec<Fragment>) -> Result<Template, PlanError> {
+    let geometry = GeometryOptions {
+        fragments: Fragments::Every(fragments),
+        coalesce: true,
+    };
+    Template::with_geometry(src, dst, TemplateOptions::default(), &geometry)
+}
+
+fn frag(src_off: u64, dst_off: u64, len: u64) -> Fragment {
+    Fragment {
+        src_off,
+        dst_off,
+        len,
+    }
+}
+
+/// Copies the plan between arenas (source bytes numbered) and returns the destination arena.
+fn run(src: &Layout, dst: &Layout, plan: &kvplan_core::Plan) -> Vec<u8> {
+    let span = |l: &Layout| l.parts().data_lens[0] as usize;
+    let source: Vec<u8> = (0..span(src)).map(|i| (i * 7 + 1) as u8).collect();
+    let mut out = vec![0u8; span(dst)];
+    let mut written = vec![false; span(dst)];
+    for k in 0..plan.lengths.len() {
+        let (s, d, n) = (
+            (plan.src_addrs[k] - SRC) as usize,
+            (plan.dst_addrs[k] - DST) as usize,
+            plan.lengths[k] as usize,
+        );
+        assert!(
+            written[d..d + n].iter().all(|w| !w),
+            "block {k} writes a byte twice"
+        );
+        written[d..d + n].iter_mut().for_each(|w| *w = true);
+        out[d..d + n].copy_from_slice(&source[s..s + n]);
+    }
+    out
+}
+
+/// The reference: for every token `t < n`, `bytes(slot)` lists `(src byte, dst byte, len)`
+/// inside the two items; copied from page `src_pages[t / P]` to page `dst_pages[t / P]`.
+fn reference(
+    src: &Layout,
+    dst: &Layout,
+    pages: (&[i64], &[i64]),
+    n: u64,
+    bytes: &dyn Fn(u64) -> Vec<(u64, u64, u64)>,
+) -> Vec<u8> {
+    let (p, item_s, item_d) = (
+        src.context().page_size,
+        src.parts().item_lens[0],
+        dst.parts().item_lens[0],
+    );
+    let source: Vec<u8> = (0..src.parts().data_lens[0] as usize)
+        .map(|i| (i * 7 + 1) as u8)
+        .collect();
+    let mut out = vec![0u8; dst.parts().data_lens[0] as usize];
+    for t in 0..n {
+        let (sp, dp) = (
+            pages.0[(t / p) as usize] as u64,
+            pages.1[(t / p) as usize] as u64,
+        );
+        for (s, d, len) in bytes(t % p) {
+            for k in 0..len {
+                out[(dp * item_d + d + k) as usize] = source[(sp * item_s + s + k) as usize];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn per_token_fragments_with_n_tokens_and_with_different_memory_orders() {
+    use MemoryOrder::{Hnd, Nhd};
+    let pages: (&[i64], &[i64]) = (&[2, 0], &[1, 3]);
+    // Token-major, no geometry: head 1 of every token to head 0 of the same token, 6 tokens.
+    let (src, dst) = (layout(SRC, 4, None), layout(DST, 4, None));
+    let list = (0..4).map(|t| frag(t * 8 + 4, t * 8, 4)).collect();
+    let t = template(&src, &dst, list).unwrap();
+    let plan = t.plan(pages.0, pages.1, Some(6)).unwrap();
+    let want = reference(&src, &dst, pages, 6, &|s| vec![(s * 8 + 4, s * 8, 4)]);
+    assert_eq!(run(&src, &dst, &plan), want);
+    assert_eq!(plan.total_bytes, 6 * 4);
+    // NHD -> HND at one page size (a token plan without n_tokens): head 1 of every token.
+    let (src, dst) = (
+        layout(SRC, 4, Some((Nhd, 1, 0))),
+        layout(DST, 4, Some((Hnd, 1, 0))),
+    );
+    let list = (0..4).map(|t| frag(t * 8 + 4, 16 + t * 4, 4)).collect();
+    let t = template(&src, &dst, list).unwrap();
+    assert!(t.by_token());
+    let plan = t.plan(pages.0, pages.1, None).unwrap();
+    let want = reference(&src, &dst, pages, 8, &|s| vec![(s * 8 + 4, 16 + s * 4, 4)]);
+    assert_eq!(run(&src, &dst, &plan), want);
+}
+
+#[test]
+fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
+    use MemoryOrder::Nhd;
+    // Prefill TP 2 rank 1 holds head 1 (4 bytes per token); decode TP 1 holds heads 0 and 1
+    // (8 bytes per token): head slicing moves src byte 4t.. to dst byte 8t + 4.
+    let (src, dst) = (
+        layout(SRC, 4, Some((Nhd, 2, 1))),
+        layout(DST, 4, Some((Nhd, 1, 0))),
+    );
+    let pages: (&[i64], &[i64]) = (&[0, 1], &[2, 3]);
+    // Tokens 0 and 1 only (a sub-page transfer), agreeing with head slicing: a page plan.
+    let t = template(&src, &dst, vec![frag(0, 4, 4), frag(4, 12, 4)]).unwrap();
+    let plan = t.plan(pages.0, pages.1, None).unwrap();
+    let want = reference(&src, &dst, pages, 8, &|s| {
+        if s < 2 {
+            vec![(s * 4, s * 8 + 4, 4)]
+        } else {
+            vec![]
+        }
+    });
+    assert_eq!(run(&src, &dst, &plan), want);
+    // The same fragments with n_tokens do not move every token alike: refused, saying why.
+    let err = t.plan(pages.0, pages.1, Some(6)).unwrap_err();
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("do not move the same bytes of every token"),
+        "{err}"
+    );
+    // The first 2 bytes of the moved head of every token, 6 tokens: a head-sliced token plan.
+    let list = (0..4).map(|t| frag(t * 4, t * 8 + 4, 2)).collect();
+    let t = template(&src, &dst, list).unwrap();
+    let plan = t.plan(pages.0, pages.1, Some(6)).unwrap();
+    let want = reference(&src, &dst, pages, 6, &|s| vec![(s * 4, s * 8 + 4, 2)]);
+    assert_eq!(run(&src, &dst, &plan), want);
+    assert_eq!(plan.total_bytes, 6 * 2);
+    // A fragment sending the moved head elsewhere than head slicing does has no destination.
+    let err = template(&src, &dst, vec![frag(0, 0, 4)]).unwrap_err();
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("disagree on where the moved heads go"),
+        "{err}"
+    );
+}
+
+#[test]
+fn fragments_between_different_page_sizes_are_refused_saying_why() {
+    let (src, dst) = (layout(SRC, 4, None), layout(DST, 8, None));
+    let err = template(&src, &dst, vec![frag(0, 0, 8)]).unwrap_err();
+    assert!(
+        matches!(err, PlanError::FragmentCombination { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("prefill pages hold 4 tokens and decode pages 8"),
+        "{text}"
+    );
+    assert_eq!(err.kind(), "fragments");
+}
