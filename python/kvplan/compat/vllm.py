@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 import kvplan
+from kvplan.compat._methods import MethodPatches
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
@@ -53,7 +54,6 @@ logger = logging.getLogger(__name__)
 #: Entries per ``batch_transfer_sync_write`` call (Mooncake's TCP transport refuses batches past
 #: about 2,048 entries per peer; RDMA has no such cap).
 DEFAULT_MAX_BLOCKS_PER_BATCH = 1024
-REPLACED_METHODS = ("_build_transfer_params", "_send_blocks")
 # Remote buffers are not published by vLLM's handshake: bounded by the address space only.
 _ADDRESS_SPACE = 2**64 - 1
 
@@ -261,10 +261,9 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
 # ---------------------------------------------------------------------------------------------
 # install / uninstall
 # ---------------------------------------------------------------------------------------------
-_MISSING = object()
-_SAVED: dict[tuple[type, str], Any] = {}
-_ORIGINALS: dict[tuple[type, str], Any] = {}
-_DROPINS = {"_build_transfer_params": _build_transfer_params, "_send_blocks": _send_blocks}
+_PATCHES = MethodPatches({"_build_transfer_params": _build_transfer_params,
+                          "_send_blocks": _send_blocks})
+REPLACED_METHODS = tuple(_PATCHES.replacements)
 
 
 def install(worker_class: type, *,
@@ -277,39 +276,21 @@ def install(worker_class: type, *,
     if not any(k.__name__ == "MooncakeConnectorWorker" for k in worker_class.__mro__):
         raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
                         "(or a subclass)")
-    replaced = []
-    for name in REPLACED_METHODS:
-        key = (worker_class, name)
-        if key in _SAVED:
-            continue
-        _ORIGINALS[key] = getattr(worker_class, name)
-        _SAVED[key] = worker_class.__dict__.get(name, _MISSING)
-        setattr(worker_class, name, _DROPINS[name])
-        replaced.append(name)
+    replaced = _PATCHES.install(worker_class)
     setattr(worker_class, "kvplan_max_blocks_per_batch", max_blocks_per_batch)
-    return tuple(replaced)
+    return replaced
 
 
 def uninstall(worker_class: type) -> tuple[str, ...]:
     """Restore exactly what :func:`install` replaced on ``worker_class``."""
-    restored = []
-    for klass, name in list(_SAVED):
-        if klass is not worker_class:
-            continue
-        saved = _SAVED.pop((klass, name))
-        _ORIGINALS.pop((klass, name), None)
-        if saved is _MISSING:
-            delattr(klass, name)
-        else:
-            setattr(klass, name, saved)
-        restored.append(name)
+    restored = _PATCHES.uninstall(worker_class)
     if "kvplan_max_blocks_per_batch" in worker_class.__dict__:
         delattr(worker_class, "kvplan_max_blocks_per_batch")
-    return tuple(restored)
+    return restored
 
 
 def installed(worker_class: type) -> tuple[str, ...]:
-    return tuple(name for klass, name in _SAVED if klass is worker_class)
+    return _PATCHES.installed(worker_class)
 
 
 # ---------------------------------------------------------------------------------------------
