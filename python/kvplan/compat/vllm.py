@@ -151,21 +151,44 @@ def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[list[int]
         raise peer.error
     plans = []
     block_ids_for_region = vllm._block_ids_for_region
+    n_groups = len(local_by_group)
     for group, shared, template in peer.groups:
-        local = block_ids_for_region(local_by_group, group, shared)
-        if not local:
-            continue
-        remote = block_ids_for_region(remote_by_group, group, shared)
-        plans.append(template.plan(np.array(local, dtype=np.int64),
-                                   np.array(remote, dtype=np.int64)))
+        if 0 <= group < n_groups and group < len(remote_by_group):
+            # vLLM's _block_ids_for_region returns a copy of this group's list: the list
+            # itself is the same ids, and it is read once, right here
+            local = local_by_group[group]
+            if not len(local):
+                continue
+            remote = remote_by_group[group]
+        else:  # packed regions shared by several groups, or vLLM's missing-group assert
+            local = block_ids_for_region(local_by_group, group, shared)
+            if not local:
+                continue
+            remote = block_ids_for_region(remote_by_group, group, shared)
+        plans.append(template.plan(_ids(local), _ids(remote)))
     return plans
+
+
+def _ids(block_ids: Any) -> np.ndarray:
+    """vLLM's block-id list as int64, in one pass (``np.fromiter`` with the count known is the
+    cheapest conversion of a list of Python ints; arrays pass through)."""
+    if isinstance(block_ids, np.ndarray):
+        return block_ids.astype(np.int64, copy=False)
+    return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+
+
+_MODULES: dict[type, Any] = {}
 
 
 def _vllm_module(cls: type) -> Any:
     """vLLM's connector module (its helpers and constants), from the worker class's MRO."""
+    mod = _MODULES.get(cls)
+    if mod is not None:
+        return mod
     for klass in cls.__mro__:
         if klass.__name__ == "MooncakeConnectorWorker":
-            return sys.modules[klass.__module__]
+            mod = _MODULES[cls] = sys.modules[klass.__module__]
+            return mod
     raise TypeError(f"{cls.__name__} is not vLLM's MooncakeConnectorWorker (or a subclass)")
 
 
