@@ -289,7 +289,7 @@ def test_prefill_pp_pairs_by_layer_and_unpatched_pairs_by_position(a, patched):
     assert n_wrong == n_cases  # every request with blocks gets wrong bytes without the fix
 
 
-def test_the_issue_case_four_layers_pp2(a, patched):
+def test_four_layers_prefill_pp2_stage1_lands_in_layers_0_1(a, patched):
     """Four layers, two groups, prefill PP 2: unpatched, stage 1's layers 2-3 land in the
     decode's layers 0-1 and layers 2-3 keep their old bytes; patched, each layer is right."""
     for seed in range(200):
