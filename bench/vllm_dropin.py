@@ -70,6 +70,26 @@ def timeit(fn, repeat):
     return statistics.median(samples), out
 
 
+def breakdown(v, w, meta, ready, lr, rr, t_total, repeat):
+    """Where the patched method's time goes for one request: converting vLLM's two lists of
+    block ids to int64 arrays, the core's plan, and the rest (vLLM's rules, the template
+    lookup, the output columns)."""
+    import numpy as np
+
+    peer = compat._templates(w, meta, lr, rr, v.mc)
+    template = peer.groups[0][2]
+    local = ready[0][1].local_block_ids[0]
+    remote = meta.req_blocks[ready[0][0]][1][0]
+    t_ids, _ = timeit(lambda: (compat._ids(local), compat._ids(remote)), repeat)
+    la, ra = compat._ids(local), compat._ids(remote)
+    t_plan, _ = timeit(lambda: template.plan(la, ra), repeat)
+    t_floor, _ = timeit(lambda: np.fromiter(local, np.int64, len(local)), repeat)
+    print(f"    of which: block ids to arrays {t_ids * 1e6:.1f} us ({len(local)} + "
+          f"{len(remote)} ids; one np.fromiter {t_floor * 1e6:.1f} us), Template.plan "
+          f"{t_plan * 1e6:.1f} us, the rest {(t_total - t_ids - t_plan) * 1e6:.1f} us",
+          flush=True)
+
+
 def main():
     quick = "--quick" in sys.argv
     v = load_vllm()
@@ -91,6 +111,8 @@ def main():
         rows.append((label, len(ref[0]), len(new[0]), t_ref, t_new))
         print(f"{label:32s} vLLM {len(ref[0]):>7} desc {t_ref * 1e3:10.3f} ms | kvplan "
               f"{len(new[0]):>7} desc {t_new * 1e6:10.1f} us | x{t_ref / t_new:,.0f}", flush=True)
+        if frag == 0.0:
+            breakdown(v, w, meta, ready, lr, rr, t_new, 20 if quick else 2000)
     return rows
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 import kvplan
+from kvplan.compat._methods import MethodPatches
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
@@ -53,7 +54,6 @@ logger = logging.getLogger(__name__)
 #: Entries per ``batch_transfer_sync_write`` call (Mooncake's TCP transport refuses batches past
 #: about 2,048 entries per peer; RDMA has no such cap).
 DEFAULT_MAX_BLOCKS_PER_BATCH = 1024
-REPLACED_METHODS = ("_build_transfer_params", "_send_blocks")
 # Remote buffers are not published by vLLM's handshake: bounded by the address space only.
 _ADDRESS_SPACE = 2**64 - 1
 
@@ -151,21 +151,44 @@ def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[list[int]
         raise peer.error
     plans = []
     block_ids_for_region = vllm._block_ids_for_region
+    n_groups = len(local_by_group)
     for group, shared, template in peer.groups:
-        local = block_ids_for_region(local_by_group, group, shared)
-        if not local:
-            continue
-        remote = block_ids_for_region(remote_by_group, group, shared)
-        plans.append(template.plan(np.array(local, dtype=np.int64),
-                                   np.array(remote, dtype=np.int64)))
+        if 0 <= group < n_groups and group < len(remote_by_group):
+            # vLLM's _block_ids_for_region returns a copy of this group's list: the list
+            # itself is the same ids, and it is read once, right here
+            local = local_by_group[group]
+            if not len(local):
+                continue
+            remote = remote_by_group[group]
+        else:  # packed regions shared by several groups, or vLLM's missing-group assert
+            local = block_ids_for_region(local_by_group, group, shared)
+            if not local:
+                continue
+            remote = block_ids_for_region(remote_by_group, group, shared)
+        plans.append(template.plan(_ids(local), _ids(remote)))
     return plans
+
+
+def _ids(block_ids: Any) -> np.ndarray:
+    """vLLM's block-id list as int64, in one pass (``np.fromiter`` with the count known is the
+    cheapest conversion of a list of Python ints; arrays pass through)."""
+    if isinstance(block_ids, np.ndarray):
+        return block_ids.astype(np.int64, copy=False)
+    return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+
+
+_MODULES: dict[type, Any] = {}
 
 
 def _vllm_module(cls: type) -> Any:
     """vLLM's connector module (its helpers and constants), from the worker class's MRO."""
+    mod = _MODULES.get(cls)
+    if mod is not None:
+        return mod
     for klass in cls.__mro__:
         if klass.__name__ == "MooncakeConnectorWorker":
-            return sys.modules[klass.__module__]
+            mod = _MODULES[cls] = sys.modules[klass.__module__]
+            return mod
     raise TypeError(f"{cls.__name__} is not vLLM's MooncakeConnectorWorker (or a subclass)")
 
 
@@ -261,10 +284,9 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
 # ---------------------------------------------------------------------------------------------
 # install / uninstall
 # ---------------------------------------------------------------------------------------------
-_MISSING = object()
-_SAVED: dict[tuple[type, str], Any] = {}
-_ORIGINALS: dict[tuple[type, str], Any] = {}
-_DROPINS = {"_build_transfer_params": _build_transfer_params, "_send_blocks": _send_blocks}
+_PATCHES = MethodPatches({"_build_transfer_params": _build_transfer_params,
+                          "_send_blocks": _send_blocks})
+REPLACED_METHODS = tuple(_PATCHES.replacements)
 
 
 def install(worker_class: type, *,
@@ -277,39 +299,21 @@ def install(worker_class: type, *,
     if not any(k.__name__ == "MooncakeConnectorWorker" for k in worker_class.__mro__):
         raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
                         "(or a subclass)")
-    replaced = []
-    for name in REPLACED_METHODS:
-        key = (worker_class, name)
-        if key in _SAVED:
-            continue
-        _ORIGINALS[key] = getattr(worker_class, name)
-        _SAVED[key] = worker_class.__dict__.get(name, _MISSING)
-        setattr(worker_class, name, _DROPINS[name])
-        replaced.append(name)
+    replaced = _PATCHES.install(worker_class)
     setattr(worker_class, "kvplan_max_blocks_per_batch", max_blocks_per_batch)
-    return tuple(replaced)
+    return replaced
 
 
 def uninstall(worker_class: type) -> tuple[str, ...]:
     """Restore exactly what :func:`install` replaced on ``worker_class``."""
-    restored = []
-    for klass, name in list(_SAVED):
-        if klass is not worker_class:
-            continue
-        saved = _SAVED.pop((klass, name))
-        _ORIGINALS.pop((klass, name), None)
-        if saved is _MISSING:
-            delattr(klass, name)
-        else:
-            setattr(klass, name, saved)
-        restored.append(name)
+    restored = _PATCHES.uninstall(worker_class)
     if "kvplan_max_blocks_per_batch" in worker_class.__dict__:
         delattr(worker_class, "kvplan_max_blocks_per_batch")
-    return tuple(restored)
+    return restored
 
 
 def installed(worker_class: type) -> tuple[str, ...]:
-    return tuple(name for klass, name in _SAVED if klass is worker_class)
+    return _PATCHES.installed(worker_class)
 
 
 # ---------------------------------------------------------------------------------------------
