@@ -17,6 +17,14 @@ vLLM's cross-layer layout); state entries stay per layer. The planner coalesces 
 into one block per page (per run when a pool page is moved whole on both sides, as at PP=1),
 instead of one block per layer per run.
 
+``--verify digest`` has the decode check the request itself, as a serving decode would: each
+prefill process digests what it sends (``Transport.manifest``) and hands the manifests to its
+last submit; over NIXL they travel in the completion notification, over Mooncake the parent
+carries them as the side channel. The decode process re-plans each stage's request from the
+stage's layout bytes and verifies what landed in its registered memory
+(``Transport.check_landed``). The default, ``--verify bytes``, compares the whole decode pool
+with the sources from the parent.
+
 The processes, arenas and the verifier are :mod:`kvplan.testing`'s.
 """
 
@@ -55,6 +63,10 @@ DEMO_FRAGMENTATION = 0.25
 #: ``--layout`` choices: one buffer per full-attention layer, or one cross-layer pool per peer.
 LAYOUTS = ("per-layer", "cross-layer")
 
+#: ``--verify`` choices: the parent compares every byte of the decode pool (default), or the
+#: decode process checks the prefill stages' integrity digests.
+VERIFY = ("bytes", "digest")
+
 
 @dataclass
 class DemoReport:
@@ -81,6 +93,9 @@ class DemoReport:
     notifications: int = 0
     layout: str = "per-layer"
     groups: int = 0  # emission groups over all stages (coalesced KV pairs)
+    verify: str = "bytes"
+    digest_stages: int = 0  # stages whose digests the decode verified (--verify digest)
+    digest_plans: int = 0  # plans (page and state) verified over those stages
     pool_strides: list[int] = field(default_factory=list)  # decode first, then each stage
     per_peer: list[dict[str, Any]] = field(default_factory=list)
 
@@ -142,11 +157,16 @@ class DemoReport:
         if self.engine == "nixl":
             out.append(f"notifications:  {self.notifications} of {self.prefill_pp} completion "
                        f"notifications received by the decode agent")
-        if self.error is None:
+        if self.error is not None:
+            out.append(f"VERIFICATION FAILED: {self.error}")
+        elif self.verify == "digest":
+            out.append(f"verified (digest): {self.digest_stages} of {self.prefill_pp} prefill "
+                       f"stages match, checked by the decode process ({self.digest_plans} "
+                       f"plans: plan digest and content digest of {self.entries_paired} KV + "
+                       f"{self.state_entries_paired} state pairs, {self.bytes:,} bytes)")
+        else:
             out.append(f"verified: {self.verified_bytes} bytes OK "
                        f"(whole decode pool: planned bytes match the source, the rest untouched)")
-        else:
-            out.append(f"VERIFICATION FAILED: {self.error}")
         return out
 
 
@@ -158,9 +178,14 @@ def demo_model(layers: int = 48) -> ModelPreset:
 def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
              request_pages: int | None = None, state_slots: int = 2, seed: int = 0,
              max_blocks_per_batch: int | None = None, quiet: bool = True,
-             engine: str = "mooncake", layout: str = "per-layer") -> DemoReport:
+             engine: str = "mooncake", layout: str = "per-layer", verify: str = "bytes"
+             ) -> DemoReport:
     """Run the hybrid scenario end to end and return the verified report (never raises on a
     wrong byte: the report says which one).
+
+    ``verify``: ``"bytes"`` (the parent compares the whole decode pool with the sources) or
+    ``"digest"`` (the decode process checks each stage's integrity manifests, carried in the
+    NIXL completion notification or, with Mooncake, by the parent).
 
     ``layout``: ``"per-layer"`` (one KV buffer per full-attention layer) or ``"cross-layer"``
     (one cross-layer KV pool per process, state per layer), the same on every process.
@@ -172,6 +197,8 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
 
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    if verify not in VERIFY:
+        raise ValueError(f"unknown verification {verify!r}; choose from {VERIFY}")
     t_wall = time.perf_counter()
     peers_spec = model_peers(model, pages=pages, pp_size=prefill_pp, state_slots=state_slots,
                              cross_layer=layout == "cross-layer")
@@ -183,7 +210,7 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
     src_slot, dst_slot = 1 % state_slots, state_slots - 1
 
     report = DemoReport(model.name, model.num_layers, len(model.kv_layers()), prefill_pp,
-                        pages, n_req, engine=engine, layout=layout)
+                        pages, n_req, engine=engine, layout=layout, verify=verify)
     report.pool_strides = [next(e.stride for e in spec.entries if e.kind == "page")
                            for spec in (decode_spec, *prefill_specs)]
     total = decode_spec.size + sum(s.size for s in prefill_specs)
@@ -215,9 +242,12 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
         # first, then collect the answers.
         for p, session in zip(peers[1:], sessions):
             p.send("transfer", dpeer.layout_wire, session, src_pages, dst_pages,
-                   src_slot, dst_slot, max_blocks_per_batch, p.spec.name.encode())
+                   src_slot, dst_slot, max_blocks_per_batch, p.spec.name.encode(), None,
+                   verify == "digest")
+        manifests = []
         for p in peers[1:]:
             res = p.result(120.0, "transfer")
+            manifests.append(res.get("manifest"))
             report.per_peer.append(res)
             report.entries_paired += res["pairs"]
             report.state_entries_paired += res["state_pairs"]
@@ -229,15 +259,19 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             report.template_s = max(report.template_s, res["template_s"])
             report.plan_s = max(report.plan_s, res["plan_s"])
             report.transfer_s = max(report.transfer_s, res["transfer_s"])
-        if engine == "nixl":  # the decode learns of completion from NIXL, not from us
-            for p in peers[1:]:
-                dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
-                report.notifications += 1
-        writes = [(a, s, src_pages, dst_pages, src_slot, dst_slot)
-                  for a, s in zip(sources, prefill_specs)]
-        report.error = first_wrong_byte(decode, decode_spec, writes)
-        if report.error is None:
-            report.verified_bytes = decode.size
+        if verify == "digest":
+            report.error = _check_digests(report, dpeer, peers[1:], manifests, src_pages,
+                                          dst_pages, src_slot, dst_slot)
+        else:
+            if engine == "nixl":  # the decode learns of completion from NIXL, not from us
+                for p in peers[1:]:
+                    dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
+                    report.notifications += 1
+            writes = [(a, s, src_pages, dst_pages, src_slot, dst_slot)
+                      for a, s in zip(sources, prefill_specs)]
+            report.error = first_wrong_byte(decode, decode_spec, writes)
+            if report.error is None:
+                report.verified_bytes = decode.size
     except PeerFailure as exc:
         tail = _log_tail(os.path.join(workdir, "engines.log"))
         raise PeerFailure(f"{exc}\n--- engine log (last lines) ---\n{tail}" if tail
@@ -250,6 +284,32 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
         shutil.rmtree(workdir, ignore_errors=True)
     report.wall_s = time.perf_counter() - t_wall
     return report
+
+
+def _check_digests(report: DemoReport, dpeer: PeerProcess, stages: list[PeerProcess],
+                   manifests: list[bytes | None], src_pages: np.ndarray, dst_pages: np.ndarray,
+                   src_slot: int, dst_slot: int) -> str | None:
+    """The decode process verifies every stage's request from that stage's manifests (NIXL:
+    the completion notification it received; Mooncake: the bytes the parent carries for it).
+    Returns the first failure, naming the stage's template, or None."""
+    from kvplan.integrity import IntegrityError
+
+    failures = []
+    for p, carried in zip(stages, manifests):
+        payload = None if report.engine == "nixl" else carried
+        try:
+            report.digest_plans += dpeer.call(
+                "check_digest", p.layout_wire, payload, src_pages, dst_pages, src_slot,
+                dst_slot, p.session, 60.0, None, p.spec.name.encode(), timeout=90.0)
+            report.digest_stages += 1
+        except IntegrityError as exc:
+            failures.append(str(exc))
+        if report.engine == "nixl":
+            report.notifications += 1
+    if not failures:
+        return None
+    more = f" (and {len(failures) - 1} more stages)" if len(failures) > 1 else ""
+    return failures[0] + more
 
 
 def _log_tail(path: str, lines: int = 15) -> str:
@@ -284,12 +344,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
                              "process, the items of all its full-attention layers side by "
                              "side in each page, vLLM's cross-layer layout; state buffers stay "
                              "per layer)")
+    parser.add_argument("--verify", choices=VERIFY, default="bytes",
+                        help="bytes (default): the parent compares the whole decode pool with "
+                             "the sources; digest: the decode process checks the integrity "
+                             "digests each prefill stage sent with its completion (NIXL "
+                             "notification, or the parent as Mooncake's side channel)")
     return run_cli
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Body of ``kvplan demo``: print the report; exit 1 naming the first wrong byte, 2 when
-    the arguments are bad or a peer fails."""
+    """Body of ``kvplan demo``: print the report; exit 1 naming the first wrong byte (or the
+    first digest that differs), 2 when the arguments are bad or a peer fails."""
     import importlib.util
     import sys
 
@@ -322,12 +387,14 @@ def run_cli(args: argparse.Namespace) -> int:
     model = demo_model(args.layers)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
           f"{args.layout} KV, prefill PP={args.pp} -> decode PP=1 over "
-          f"{ENGINE_LABELS[args.engine]} ...", flush=True)
+          f"{ENGINE_LABELS[args.engine]}"
+          f"{', the decode verifying by digest' if args.verify == 'digest' else ''} ...",
+          flush=True)
     try:
         report = run_demo(model, pages=args.pages, prefill_pp=args.pp,
                           request_pages=args.request_pages, state_slots=args.state_slots,
                           seed=args.seed, max_blocks_per_batch=args.max_blocks,
-                          engine=args.engine, layout=args.layout)
+                          engine=args.engine, layout=args.layout, verify=args.verify)
     except PeerFailure as exc:
         print(f"kvplan demo: a peer process failed: {exc}", file=sys.stderr)
         return 2

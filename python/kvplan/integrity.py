@@ -12,7 +12,7 @@ pair whose bytes differ). Every digest is computed by the native core (docs/inte
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +36,7 @@ __all__ = [
     "check_notification",
     "is_notification",
     "pack_notification",
+    "read_notification",
     "template_label",
     "unpack_notification",
     "verify",
@@ -269,14 +270,20 @@ def verify(
 
 
 _NOTIFY_MAGIC = b"KVPN"
+_NOTIFY_VERSION = 2
 _NOTIFY_HEAD = struct.Struct("<4sHH")
+_NOTIFY_MESSAGE = struct.Struct("<I")
 
 
-def pack_notification(manifests: list[Manifest]) -> bytes:
+def pack_notification(manifests: Sequence[Manifest], message: bytes = b"") -> bytes:
     """The bytes a prefill sends with its completion notification (NIXL) or through its own
-    side channel (Mooncake): magic ``KVPN``, version u16 (1), count u16, then per manifest a
-    u32 length and :meth:`Manifest.to_bytes` (the page plan's first, then the state plan's)."""
-    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, 1, len(manifests))]
+    side channel (Mooncake): magic ``KVPN``, version u16 (2), count u16, the length u32 and
+    bytes of ``message`` (the caller's own completion message, empty by default), then per
+    manifest a u32 length and :meth:`Manifest.to_bytes` (the page plan's first, then the
+    state plan's). Version 1, still read, had no message."""
+    message = bytes(message)
+    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, _NOTIFY_VERSION, len(manifests)),
+             _NOTIFY_MESSAGE.pack(len(message)), message]
     for m in manifests:
         data = m.to_bytes()
         parts.append(struct.pack("<I", len(data)) + data)
@@ -288,15 +295,27 @@ def is_notification(data: bytes) -> bool:
     return bytes(data[:4]) == _NOTIFY_MAGIC
 
 
-def unpack_notification(data: bytes) -> list[Manifest]:
-    """Decodes :func:`pack_notification`; anything else raises :class:`KvPlanError`."""
+def read_notification(data: bytes) -> tuple[bytes, list[Manifest]]:
+    """Decodes :func:`pack_notification`: ``(message, manifests)``; anything else raises
+    :class:`KvPlanError`."""
     data = bytes(data)
     if len(data) < _NOTIFY_HEAD.size or not is_notification(data):
         raise KvPlanError(f"not a kvplan integrity notification ({len(data)} bytes)")
     _, version, count = _NOTIFY_HEAD.unpack_from(data)
-    if version != 1:
-        raise KvPlanError(f"integrity notification version {version}; this build reads 1")
-    at, out = _NOTIFY_HEAD.size, []
+    at, message = _NOTIFY_HEAD.size, b""
+    if version == _NOTIFY_VERSION:
+        if at + _NOTIFY_MESSAGE.size > len(data):
+            raise KvPlanError("integrity notification truncated in its message length")
+        (n,) = _NOTIFY_MESSAGE.unpack_from(data, at)
+        at += _NOTIFY_MESSAGE.size
+        if at + n > len(data):
+            raise KvPlanError(f"integrity notification announces a {n}-byte message but "
+                              f"carries {len(data) - at} bytes after its header")
+        message, at = data[at:at + n], at + n
+    elif version != 1:
+        raise KvPlanError(f"integrity notification version {version}; this build reads 1 and "
+                          f"{_NOTIFY_VERSION}")
+    out = []
     for _ in range(count):
         if at + 4 > len(data):
             raise KvPlanError("integrity notification truncated")
@@ -305,11 +324,16 @@ def unpack_notification(data: bytes) -> list[Manifest]:
         at += 4 + n
     if at != len(data):
         raise KvPlanError(f"integrity notification has {len(data) - at} trailing bytes")
-    return out
+    return message, out
+
+
+def unpack_notification(data: bytes) -> list[Manifest]:
+    """The manifests of :func:`pack_notification`'s output (see :func:`read_notification`)."""
+    return read_notification(data)[1]
 
 
 def check_notification(
-    payload: bytes,
+    payload: bytes | Sequence[Manifest],
     *,
     src_layout: Layout,
     dst_layout: Layout,
@@ -323,8 +347,9 @@ def check_notification(
 ) -> list[Manifest]:
     """The decode-side check: re-plans the request from the prefill's layout (as the handshake
     carried it) and its own, digests what landed in ``buffers`` and verifies every manifest of
-    ``payload`` (page plan, then state plan when slots are given); raises
-    :class:`IntegrityError` naming what differs. Returns the decode's own manifests."""
+    ``payload`` (:func:`pack_notification`'s bytes, or the manifests themselves: page plan,
+    then state plan when slots are given); raises :class:`IntegrityError` naming what
+    differs. Returns the decode's own manifests."""
     template = template or Template(src_layout, dst_layout)
     buffers = list(buffers)
     plans: list[tuple[TransferPlan, bool, _Pages, _Pages]] = [
@@ -332,7 +357,8 @@ def check_notification(
     ]
     if src_slot is not None and dst_slot is not None and len(template.state_pairs):
         plans.append((template.plan_state(src_slot, dst_slot), True, src_slot, dst_slot))
-    received = unpack_notification(payload)
+    received = (unpack_notification(bytes(payload))
+                if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload))
     label = template_label(src_layout, dst_layout)
     if len(received) != len(plans):
         raise _fail(

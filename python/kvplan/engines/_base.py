@@ -16,12 +16,21 @@ themselves). Everything that must be identical across engines lives here:
   manager).
 * A non-zero engine status, or an exception from the binding, becomes :class:`TransferError`
   naming the session, the batch index, its blocks and bytes, and the status.
+* Integrity (:mod:`kvplan.integrity`): the prefill digests what it sends over its registered
+  memory (:meth:`Transport.manifest`) and passes the request's manifests to the last
+  ``submit(..., manifest=...)``; the packed notification comes back as
+  :attr:`TransferStats.integrity` (NIXL has already delivered it with the completion
+  notification; other engines leave it to the caller's side channel). The decode checks what
+  landed in its registered memory with :meth:`Transport.check_landed`, which raises
+  :class:`kvplan.IntegrityError` naming the template and the first pair that differs.
 
 Nothing here imports an engine package.
 """
 
 from __future__ import annotations
 
+import builtins
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,9 +43,10 @@ import numpy.typing as npt
 
 from kvplan._core import PlanBatch
 from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
+from kvplan.integrity import Manifest, build_manifest, check_notification, pack_notification
 
 if TYPE_CHECKING:
-    from kvplan._core import Layout
+    from kvplan._core import Layout, Template, TransferPlan
 
 __all__ = [
     "PendingBase",
@@ -44,6 +54,7 @@ __all__ = [
     "Transport",
     "TransferError",
     "TransferStats",
+    "integrity_notification",
     "plan_arrays",
     "merge_regions",
     "write_batches",
@@ -91,6 +102,7 @@ class PendingBase(ABC):
         self._n_batches = 0  # counted by the submission loop, one per posted batch
         self._error: TransferError | None = None
         self._stats: TransferStats | None = None
+        self._integrity = b""  # the packed manifests of ``manifest=``, for the stats
 
     @property
     @abstractmethod
@@ -124,7 +136,7 @@ class PendingBase(ABC):
             lengths = self._lengths
             self._stats = TransferStats(self._peer, len(lengths),
                                         int(lengths.sum(dtype=np.uint64)), self._n_batches,
-                                        time.perf_counter() - self._t0)
+                                        time.perf_counter() - self._t0, self._integrity)
         return self._stats
 
     def __enter__(self: P) -> P:
@@ -140,13 +152,20 @@ class PendingBase(ABC):
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one ``submit`` moved: blocks, bytes, engine calls and wall time."""
+    """What one ``submit`` moved: blocks, bytes, engine calls and wall time.
+
+    ``integrity``: with ``submit(..., manifest=...)``, the integrity notification for the
+    decode (:func:`kvplan.integrity.pack_notification` of the manifests); NIXL delivered it
+    as the completion notification, other engines leave it to the caller's side channel
+    (send it once ``submit`` returned: every byte has landed then). Empty otherwise.
+    """
 
     session: str
     blocks: int
     bytes: int
     batches: int
     seconds: float
+    integrity: builtins.bytes = b""  # `bytes` here would name the field above
 
     @property
     def throughput(self) -> float:
@@ -186,6 +205,27 @@ def plan_arrays(plan: PlanLike) -> tuple[U64, U64, U64]:
             f"lengths={len(lengths)}"
         )
     return src, dst, lengths
+
+
+#: What a ``manifest=`` argument may be: one plan's manifest, or every plan's of a request (the
+#: page plan's first, then the state plan's), as :func:`kvplan.integrity.check_notification`
+#: expects them.
+Manifests = Manifest | Sequence[Manifest]
+
+
+def integrity_notification(manifest: Manifests | None, message: bytes = b"") -> bytes:
+    """The packed integrity notification of ``manifest`` carrying the caller's completion
+    ``message``; empty when there is no manifest."""
+    if manifest is None:
+        return b""
+    manifests = [manifest] if isinstance(manifest, Manifest) else list(manifest)
+    return pack_notification(manifests, message)
+
+
+def _host_device(device: str) -> bool:
+    """Whether ``device`` names host memory (what the digests can read in place)."""
+    name, _, index = device.strip().lower().partition(":")
+    return name in ("", "cpu", "dram") and not index
 
 
 def merge_regions(ptrs: Sequence[int] | npt.ArrayLike, lens: Sequence[int] | npt.ArrayLike
@@ -285,6 +325,7 @@ class Transport:
         self._in_flight = _InFlight(max_blocks_in_flight)
         # Sorted, non-overlapping (start, end) of every region registered through this adapter.
         self._regions: list[tuple[int, int]] = []
+        self._region_devices: dict[int, str] = {}  # region start -> device it was registered as
         self._reg_lock = threading.Lock()
         self._closed = False
 
@@ -390,6 +431,7 @@ class Transport:
                     peer=None, status=status,
                 )
             self._regions = sorted(self._regions + [(s, s + n) for s, n in fresh])
+            self._region_devices.update((s, device) for s, _ in fresh)
             return len(fresh)
 
     def unregister_all(self) -> None:
@@ -401,6 +443,7 @@ class Transport:
                 except Exception:  # teardown path: the engine may already be gone
                     pass
             self._regions = []
+            self._region_devices = {}
 
     def check_sources(self, plan: PlanLike) -> None:
         """Raise :class:`TransferError` unless every source range lies inside one registered region.
@@ -430,8 +473,8 @@ class Transport:
             )
 
     def submit(self, plan: PlanLike, peer_session: str,
-               max_blocks_per_batch: int | None = None, *, check_sources: bool = True
-               ) -> TransferStats:
+               max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
+               manifest: Manifests | None = None) -> TransferStats:
         """Write every block of ``plan`` to ``peer_session``, batch by batch, synchronously.
 
         Args:
@@ -441,6 +484,9 @@ class Transport:
             max_blocks_per_batch: blocks per engine call; default is the adapter's bound
                 (1,024 for Mooncake TCP).
             check_sources: verify that every source range is locally registered first.
+            manifest: the request's integrity manifests (:meth:`manifest`), given with its
+                last plan: packed into :attr:`TransferStats.integrity` for the caller's side
+                channel to the decode.
 
         Returns:
             :class:`TransferStats` for the whole plan.
@@ -462,19 +508,21 @@ class Transport:
         n_batches, _ = write_batches(src, dst, lengths, bound, write)
         seconds = time.perf_counter() - t0
         return TransferStats(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
-                             n_batches, seconds)
+                             n_batches, seconds, integrity_notification(manifest))
 
     def _submit_async(self, plan: PlanLike, peer_session: str,
                       max_blocks_per_batch: int | None, check_sources: bool,
-                      open_pending: Callable[[U64], P]) -> P:
+                      open_pending: Callable[[U64], P], integrity: bytes = b"") -> P:
         """The async batch loop behind every engine's ``submit_async``: the plan's bounded
         batches posted, in order, into the handle ``open_pending(lengths)`` returns (called once
         the plan was accepted). When posting raises, the handle cleans up (``_abort``) and the
-        error propagates; once all are posted the handle is told (``_submitted``)."""
+        error propagates; once all are posted the handle is told (``_submitted``).
+        ``integrity`` (packed manifests) ends up in the handle's stats."""
         self._check_open()
         src, dst, lengths = self._prepare(plan, check_sources)
         bound = self._batch_bound(max_blocks_per_batch)
         pending = open_pending(lengths)
+        pending._integrity = integrity
         batches = list(_batch_bounds(len(src), bound))
         last = len(batches) - 1
         try:
@@ -487,6 +535,70 @@ class Transport:
             raise
         pending._submitted()
         return pending
+
+    # ------------------------------------------------------------------ integrity
+    def registered_buffers(self) -> list[npt.NDArray[np.uint8]]:
+        """Every region this adapter registered, as a uint8 array viewing it in place (no
+        copy): the memory the integrity digests read. The views are valid while the regions
+        stay registered.
+
+        Raises:
+            TransferError: a region is device memory (``cuda:0``, an NPU), which the host
+                cannot read in place: pass host ``buffers=`` to :meth:`manifest` or
+                :meth:`check_landed` instead.
+        """
+        self._check_open()
+        with self._reg_lock:
+            regions = list(self._regions)
+            devices = dict(self._region_devices)
+        views = []
+        for start, end in regions:
+            device = devices.get(start, "cpu")
+            if not _host_device(device):
+                raise self._error(
+                    f"region [{start:#x}, {end:#x}) is {device} memory, which the host cannot "
+                    f"digest in place; pass host buffers (buffers=...) holding its bytes",
+                    peer=None, status=None)
+            raw = (ctypes.c_uint8 * (end - start)).from_address(start)
+            views.append(np.ctypeslib.as_array(raw))
+        return views
+
+    def manifest(self, plan: TransferPlan, *, src_pages: Any, dst_pages: Any,
+                 buffers: Sequence[Any] | None = None) -> Manifest:
+        """The prefill's integrity manifest of ``plan``: its plan digest and the digests of the
+        bytes it sends, read from this adapter's registered memory (or ``buffers``).
+
+        ``src_pages`` and ``dst_pages`` are the page arrays the plan was made from (for a
+        state plan, the two slots). Pass every plan's manifest of a request to the last
+        :meth:`submit` as ``manifest=[...]`` (the page plan's first).
+
+        Raises:
+            IndexBoundsError: a block lies outside every registered region.
+            TransferError: see :meth:`registered_buffers`.
+        """
+        held = self.registered_buffers() if buffers is None else buffers
+        return build_manifest(plan, "src", held, src_pages=src_pages, dst_pages=dst_pages)
+
+    def check_landed(self, received: bytes | Sequence[Manifest], *, src_layout: Layout,
+                     dst_layout: Layout, src_pages: Any, dst_pages: Any,
+                     src_slot: int | None = None, dst_slot: int | None = None,
+                     n_tokens: int | None = None, template: Template | None = None,
+                     buffers: Sequence[Any] | None = None) -> list[Manifest]:
+        """The decode-side check of one prefill's request: re-plans it between ``src_layout``
+        (as the handshake carried it) and ``dst_layout`` (this side's), digests what landed in
+        this adapter's registered memory (or ``buffers``) and compares with ``received`` (the
+        prefill's integrity notification, or its manifests). Returns the decode's manifests.
+
+        Raises:
+            kvplan.IntegrityError: the two sides disagree; ``what``, ``template`` and, for
+                content, ``pair``, ``layer`` and ``role`` name the first difference.
+            TransferError: see :meth:`registered_buffers`.
+        """
+        held = self.registered_buffers() if buffers is None else buffers
+        return check_notification(received, src_layout=src_layout, dst_layout=dst_layout,
+                                  buffers=held, src_pages=src_pages, dst_pages=dst_pages,
+                                  src_slot=src_slot, dst_slot=dst_slot, n_tokens=n_tokens,
+                                  template=template)
 
     def close(self) -> None:
         """Unregister memory and release the engine. Further calls raise."""

@@ -23,11 +23,13 @@ from typing import Any
 
 from kvplan.engines._base import (
     U64,
+    Manifests,
     PendingBase,
     PlanLike,
     TransferError,
     TransferStats,
     Transport,
+    integrity_notification,
 )
 
 __all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES"]
@@ -150,21 +152,23 @@ class MooncakeTransport(Transport):
         return int(self._engine.send_probe(peer_session))
 
     def submit_async(self, plan: PlanLike, peer_session: str,
-                     max_blocks_per_batch: int | None = None, *, check_sources: bool = True
-                     ) -> PendingTransfer:
+                     max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
+                     manifest: Manifests | None = None) -> PendingTransfer:
         """Write ``plan`` with Mooncake's async batches; return once every batch is submitted.
 
         At most ``max_blocks_in_flight`` blocks are in flight per peer: when the budget is full,
         the oldest outstanding async batch towards that peer (of any handle) is waited on first,
         so plans larger than the budget block here until their tail fits. Call
         :meth:`PendingTransfer.wait` (or use the handle as a context manager); until then the
-        buffers are in use.
+        buffers are in use. ``manifest``: as in :meth:`submit`; the packed notification is in
+        the stats :meth:`PendingTransfer.wait` returns, to send once every byte landed.
 
         Raises:
             TransferError: a submit failed; the batches already submitted were waited on first.
         """
         return self._submit_async(plan, peer_session, max_blocks_per_batch, check_sources,
-                                  lambda lengths: PendingTransfer(self, peer_session, lengths))
+                                  lambda lengths: PendingTransfer(self, peer_session, lengths),
+                                  integrity_notification(manifest))
 
     def close(self) -> None:
         """Wait on every outstanding async batch, unregister memory, drop the engine."""

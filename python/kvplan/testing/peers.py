@@ -142,9 +142,10 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
     template is built once per decode layout and reused, as a serving worker would. With
     NIXL, ``notif`` goes with the last plan, so the decode sees it after every byte landed.
 
-    ``digest=True``: the plans' integrity manifests over the bytes sent
-    (``kvplan.integrity.pack_notification``) become the NIXL notification and are returned as
-    ``manifest`` for a caller's own side channel (Mooncake).
+    ``digest=True``: the transport digests what it sends (``Transport.manifest`` per plan)
+    and the last submit carries the manifests (``manifest=``): NIXL sends them with the
+    completion notification (carrying ``notif``); either way the packed notification is
+    returned as ``manifest`` for a caller's own side channel (Mooncake).
     """
     import kvplan
 
@@ -166,18 +167,19 @@ def _cmd_transfer(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
                            "state_pairs": int(len(template.state_pairs)),
                            "runs": int(plan.n_runs), "blocks": 0, "bytes": 0, "batches": 0,
                            "transfer_s": 0.0}
+    manifests = None
     if digest:
-        from kvplan import integrity
-
         pages = (np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64))
         sides: list[tuple[Any, Any]] = [pages, (src_slot, dst_slot)]
-        notif = integrity.pack_notification([
-            integrity.build_manifest(p, "src", [state.arena.array], src_pages=sp, dst_pages=dp)
-            for p, (sp, dp) in zip(plans, sides)])
-        out["manifest"] = notif
+        manifests = [state.transport.manifest(p, src_pages=sp, dst_pages=dp)
+                     for p, (sp, dp) in zip(plans, sides)]
     for k, p in enumerate(plans):
-        kw = _submit_kw(state, notif) if k == len(plans) - 1 else {}
-        stats = state.transport.submit(p, dst_session, max_blocks, **kw)
+        last = k == len(plans) - 1
+        kw = _submit_kw(state, notif) if last else {}
+        stats = state.transport.submit(p, dst_session, max_blocks, **kw,
+                                       manifest=manifests if last else None)
+        if stats.integrity:
+            out["manifest"] = stats.integrity
         out["blocks"] += stats.blocks
         out["bytes"] += stats.bytes
         out["batches"] += stats.batches
@@ -250,27 +252,19 @@ def _cmd_submit_async_raw(state: _PeerState, dst_session: str, src: Sequence[int
 def _cmd_check_digest(state: _PeerState, src_layout_wire: bytes, payload: bytes | None,
                       src_pages: np.ndarray, dst_pages: np.ndarray, src_slot: int | None,
                       dst_slot: int | None, peer: str | None = None, timeout: float = 30.0,
-                      n_tokens: int | None = None) -> int:
-    """Decode side: verify a prefill's integrity manifests against what landed in this arena
-    (``kvplan.integrity.check_notification``; IntegrityError when they differ). ``payload``
-    None: wait for the NIXL notification from ``peer`` that carries them. Returns the number
-    of plans verified."""
+                      n_tokens: int | None = None, message: bytes = b"") -> int:
+    """Decode side: verify a prefill's integrity manifests against what landed in this
+    peer's registered memory (``Transport.check_landed``; IntegrityError when they differ).
+    ``payload`` None: wait for the NIXL integrity notification from ``peer`` carrying
+    ``message`` (``NixlTransport.wait_manifests``). Returns the number of plans verified."""
     import kvplan
-    from kvplan import integrity
 
-    if payload is None:
-        deadline = time.monotonic() + timeout
-        while payload is None:
-            got = state.transport.notifications().get(peer, [])
-            payload = next((m for m in got if integrity.is_notification(m)), None)
-            if payload is None and time.monotonic() > deadline:
-                raise PeerFailure(f"no integrity notification from {peer!r} in {timeout:g} s")
-            time.sleep(0.001)
-    mine = integrity.check_notification(
-        payload, src_layout=kvplan.Layout.from_bytes(src_layout_wire), dst_layout=state.layout,
-        buffers=[state.arena.array], src_pages=np.asarray(src_pages, np.int64),
-        dst_pages=np.asarray(dst_pages, np.int64), src_slot=src_slot, dst_slot=dst_slot,
-        n_tokens=n_tokens)
+    received = (payload if payload is not None
+                else state.transport.wait_manifests(peer, message, timeout))
+    mine = state.transport.check_landed(
+        received, src_layout=kvplan.Layout.from_bytes(src_layout_wire), dst_layout=state.layout,
+        src_pages=np.asarray(src_pages, np.int64), dst_pages=np.asarray(dst_pages, np.int64),
+        src_slot=src_slot, dst_slot=dst_slot, n_tokens=n_tokens)
     return len(mine)
 
 

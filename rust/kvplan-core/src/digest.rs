@@ -274,7 +274,10 @@ fn slice_of<'a>(region: &Region<'a>, addr: u64, len: u64) -> &'a [u8] {
 }
 
 /// The digest of each entry pair's bytes, read on `side` from `regions` (see the module
-/// documentation for the encoding).
+/// documentation for the encoding), hashed on the calling thread: on the 2-core development
+/// machine, shared with other work, two hashing threads were slower than one (see
+/// bench/results/digest-results.md); [`pair_content_digests_on`] spreads the chunks over
+/// threads where cores are free.
 ///
 /// # Errors
 /// [`PlanBlocks::check`]'s errors; [`PlanError::BlockOutsideBuffers`] naming the first block
@@ -284,36 +287,84 @@ pub fn pair_content_digests(
     side: Side,
     regions: &[Region<'_>],
 ) -> Result<Vec<u64>> {
+    pair_content_digests_on(blocks, side, regions, 1)
+}
+
+/// [`pair_content_digests`] with the chunks hashed on `threads` threads (0 or 1: the calling
+/// thread only). Every chunk hash is independent, so the result is the same for any count.
+///
+/// # Errors
+/// As [`pair_content_digests`].
+pub fn pair_content_digests_on(
+    blocks: &PlanBlocks<'_>,
+    side: Side,
+    regions: &[Region<'_>],
+    threads: usize,
+) -> Result<Vec<u64>> {
     blocks.check()?;
     let addrs = side.pick(blocks.src_addrs, blocks.dst_addrs);
+    let n = blocks.lengths.len();
+    // Every block's bytes first, so the first block outside the buffers is the one named.
     let mut lookup = Regions::new(regions);
+    let mut slices: Vec<&[u8]> = crate::error::try_vec(n, &[][..], "block slices")?;
+    // chunk_start[b]: index of block b's first chunk among all chunks of the plan.
+    let mut chunk_start = crate::error::try_vec(n + 1, 0usize, "chunk offsets")?;
+    for (block, (&addr, &len)) in addrs.iter().zip(blocks.lengths).enumerate() {
+        slices[block] = lookup
+            .find(addr, len)
+            .ok_or_else(|| PlanError::BlockOutsideBuffers {
+                side,
+                block,
+                addr,
+                len,
+                n_buffers: regions.len(),
+                nearest: lookup.nearest(addr),
+            })?;
+        chunk_start[block + 1] = chunk_start[block] + slices[block].len().div_ceil(CHUNK_BYTES);
+    }
+    let mut hashes = crate::error::try_vec(chunk_start[n], 0u64, "chunk hashes")?;
+    let per_thread = hashes.len().div_ceil(threads.max(1)).max(1);
+    if per_thread >= hashes.len() {
+        hash_chunks(&slices, &chunk_start, 0, &mut hashes);
+    } else {
+        std::thread::scope(|scope| {
+            for (k, part) in hashes.chunks_mut(per_thread).enumerate() {
+                let (slices, chunk_start) = (&slices, &chunk_start);
+                scope.spawn(move || hash_chunks(slices, chunk_start, k * per_thread, part));
+            }
+        });
+    }
     let mut digests = crate::error::try_vec(blocks.n_pairs(), 0u64, "pair digests")?;
     for (pair, digest) in digests.iter_mut().enumerate() {
         let mut hasher = Xxh3Default::new();
         let mut words = Words::new(&mut hasher);
-        let range = blocks.pair_offsets[pair]..blocks.pair_offsets[pair + 1];
-        let pair_blocks = addrs[range.clone()]
-            .iter()
-            .zip(&blocks.lengths[range.clone()]);
-        for (block, (&addr, &len)) in range.zip(pair_blocks) {
-            let bytes = lookup
-                .find(addr, len)
-                .ok_or_else(|| PlanError::BlockOutsideBuffers {
-                    side,
-                    block,
-                    addr,
-                    len,
-                    n_buffers: regions.len(),
-                    nearest: lookup.nearest(addr),
-                })?;
-            for chunk in bytes.chunks(CHUNK_BYTES) {
-                words.push(xxh3_64(chunk));
-            }
-        }
+        let first = chunk_start[blocks.pair_offsets[pair]];
+        let end = chunk_start[blocks.pair_offsets[pair + 1]];
+        words.extend(hashes[first..end].iter().copied());
         words.flush();
         *digest = hasher.digest();
     }
     Ok(digests)
+}
+
+/// Hashes chunks `first..first + out.len()` of the plan (numbered across all blocks in plan
+/// order; `chunk_start` as in [`pair_content_digests_on`]) into `out`.
+fn hash_chunks(slices: &[&[u8]], chunk_start: &[usize], first: usize, out: &mut [u64]) {
+    if out.is_empty() {
+        return;
+    }
+    // The block holding chunk `first`: the last one starting at or before it (blocks without
+    // chunks start where the next one does, so this one has chunks).
+    let mut block = chunk_start.partition_point(|&c| c <= first) - 1;
+    for (k, hash) in out.iter_mut().enumerate() {
+        let chunk = first + k;
+        while chunk_start[block + 1] <= chunk {
+            block += 1;
+        }
+        let at = (chunk - chunk_start[block]) * CHUNK_BYTES;
+        let bytes = slices[block];
+        *hash = chunk_hash(&bytes[at..bytes.len().min(at + CHUNK_BYTES)]);
+    }
 }
 
 /// The content digest of a plan from its pair digests (see the module documentation).
@@ -325,4 +376,11 @@ pub fn content_digest(pair_digests: &[u64]) -> u64 {
     words.extend(pair_digests.iter().copied());
     words.flush();
     hasher.digest()
+}
+
+/// XXH3-64 of one content chunk, through an implementation that picks its SIMD path (AVX2,
+/// SSE2, NEON) when it runs, not when it is compiled: a portable build still gets AVX2.
+#[inline]
+fn chunk_hash(chunk: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(chunk)
 }

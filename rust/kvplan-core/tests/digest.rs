@@ -1,7 +1,9 @@
 //! Plan and content digests: the documented byte encodings (re-implemented here from the
 //! module documentation), pinned test vectors, and the bounds every block must respect.
 
-use kvplan_core::digest::{CHUNK_BYTES, CONTENT_DIGEST_TAG, PLAN_DIGEST_TAG};
+use kvplan_core::digest::{
+    CHUNK_BYTES, CONTENT_DIGEST_TAG, PLAN_DIGEST_TAG, pair_content_digests_on,
+};
 use kvplan_core::{
     Layout, LayoutContext, PlanBlocks, PlanError, Region, Side, Template, TemplateOptions,
     content_digest, index_digest, layout_fingerprint, pair_content_digests, plan_digest,
@@ -320,4 +322,70 @@ fn malformed_inputs_are_errors() {
     };
     let err = pair_content_digests(&bad_columns, Side::Src, &[]).unwrap_err();
     assert!(err.to_string().contains("unequal lengths"), "{err}");
+}
+
+/// Chunks hashed on several threads give the documented value (the chunk hashes of each pair's
+/// blocks in plan order) for any thread count, across blocks of every size: empty, shorter than
+/// a chunk, several chunks long, and pairs owning no block.
+#[test]
+fn the_thread_count_never_changes_the_digest() {
+    let lengths: Vec<u64> = [
+        0,
+        7,
+        CHUNK_BYTES + 1,
+        3 * CHUNK_BYTES,
+        0,
+        65,
+        2 * CHUNK_BYTES - 1,
+        1,
+    ]
+    .iter()
+    .map(|&n| n as u64)
+    .collect();
+    let mut at = SRC_BASE;
+    let src_addrs: Vec<u64> = lengths
+        .iter()
+        .map(|&n| {
+            let a = at;
+            at += n + 3;
+            a
+        })
+        .collect();
+    let bytes: Vec<u8> = (0..at - SRC_BASE).map(|i| (i * 7 % 253) as u8).collect();
+    let blocks = PlanBlocks {
+        src_addrs: &src_addrs,
+        dst_addrs: &src_addrs,
+        lengths: &lengths,
+        pair_offsets: &[0, 3, 3, 6, 8],
+    };
+    let regions = [Region {
+        base: SRC_BASE,
+        bytes: &bytes,
+    }];
+    let expected: Vec<u64> = blocks
+        .pair_offsets
+        .windows(2)
+        .map(|w| {
+            let chunks: Vec<u64> = (w[0]..w[1])
+                .flat_map(|b| {
+                    let s = (src_addrs[b] - SRC_BASE) as usize;
+                    bytes[s..s + lengths[b] as usize]
+                        .chunks(CHUNK_BYTES)
+                        .map(xxh3_64)
+                })
+                .collect();
+            xxh3_64(&le(&chunks))
+        })
+        .collect();
+    for threads in [0, 1, 2, 3, 4, 7, 8, 64] {
+        assert_eq!(
+            pair_content_digests_on(&blocks, Side::Src, &regions, threads).unwrap(),
+            expected,
+            "{threads} threads"
+        );
+    }
+    assert_eq!(
+        pair_content_digests(&blocks, Side::Src, &regions).unwrap(),
+        expected
+    );
 }

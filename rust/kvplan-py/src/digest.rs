@@ -9,8 +9,10 @@ use pyo3::prelude::*;
 use crate::convert::IndexArray;
 use crate::errors::{KvPlanError, to_py_err};
 
-/// Plans of at least this many blocks are digested with the GIL released.
+/// Plans of at least this many blocks, or moving at least `DETACH_BYTES`, are digested with
+/// the GIL released (a few long blocks take as long to hash as many short ones).
 const DETACH_BLOCKS: usize = 256;
+const DETACH_BYTES: u64 = 1 << 20;
 
 /// `"src"` or `"dst"`, else a `KvPlanError`.
 pub(crate) fn parse_side(side: &str) -> PyResult<Side> {
@@ -111,11 +113,9 @@ pub(crate) fn pair_digests(
 ) -> PyResult<Vec<u64>> {
     let spans = buffers.spans();
     let run = || kvplan_core::pair_content_digests(blocks, side, &regions(spans));
-    let digests = if blocks.lengths.len() >= DETACH_BLOCKS {
-        py.detach(run)
-    } else {
-        run()
-    };
+    let large =
+        blocks.lengths.len() >= DETACH_BLOCKS || blocks.lengths.iter().sum::<u64>() >= DETACH_BYTES;
+    let digests = if large { py.detach(run) } else { run() };
     digests.map_err(to_py_err)
 }
 

@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan._core import Template
-from kvplan.engines._base import TransferStats
+from kvplan.engines._base import Manifests, TransferStats, integrity_notification
 from kvplan.engines.nixl.descriptors import U64
 from kvplan.engines.nixl.owner import TransportHandle
 from kvplan.engines.nixl.pending import NixlPending
@@ -64,10 +64,12 @@ class PreppedPair:
         return local.astype(np.int32), remote.astype(np.int32)
 
     def submit(self, local: npt.ArrayLike, remote: npt.ArrayLike, *, notif: bytes = b"",
-               timeout: float | None = None) -> TransferStats:
+               timeout: float | None = None, manifest: Manifests | None = None
+               ) -> TransferStats:
         """One ``make_prepped_xfer`` request from :meth:`indices` (or :meth:`state_indices`)
         arrays; waits, releases the handle on every path. Empty arrays move nothing and still
-        deliver ``notif`` (a bare notification).
+        deliver ``notif`` (a bare notification). ``manifest``: as in
+        :meth:`NixlTransport.submit` (digest the same request's ``Template.plan`` to build it).
 
         Raises:
             TransferError: as :meth:`NixlTransport.submit`; the transport is closed; the lists
@@ -88,6 +90,8 @@ class PreppedPair:
             raise ValueError(f"{len(li)} local but {len(ri)} remote indices")
         lengths = self._lengths(li, ri)
         pending = NixlPending(t, self.peer, lengths)
+        pending._integrity = integrity_notification(manifest, notif)
+        notif = pending._integrity or notif
         if len(li) == 0:
             if notif:
                 t._notify(self.peer, notif)

@@ -7,13 +7,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvplan._core import Layout, Template
-from kvplan.engines._base import PlanLike, TransferError, TransferStats, Transport
+from kvplan._core import KvPlanError, Layout, Template
+from kvplan.engines._base import (
+    Manifests,
+    PlanLike,
+    TransferError,
+    TransferStats,
+    Transport,
+    integrity_notification,
+)
 from kvplan.engines.nixl.descriptors import (
     NIXL_STATUS_NAMES,
     U64,
@@ -24,6 +31,7 @@ from kvplan.engines.nixl.descriptors import (
 from kvplan.engines.nixl.owner import Memory
 from kvplan.engines.nixl.pending import NixlPending
 from kvplan.engines.nixl.prepped import PreppedPair
+from kvplan.integrity import Manifest, is_notification, read_notification
 
 __all__ = ["DEFAULT_TIMEOUT", "NixlTransport"]
 
@@ -31,6 +39,17 @@ __all__ = ["DEFAULT_TIMEOUT", "NixlTransport"]
 DEFAULT_TIMEOUT = 60.0
 
 _names = itertools.count()
+
+
+def _integrity_message(notification: bytes) -> bytes | None:
+    """The completion message an integrity notification carries; None for any other
+    notification (or a malformed one, which no waiter can match)."""
+    if not is_notification(notification):
+        return None
+    try:
+        return read_notification(notification)[0]
+    except KvPlanError:
+        return None
 
 
 class NixlTransport(Transport):
@@ -175,20 +194,46 @@ class NixlTransport(Transport):
     def wait_notification(self, peer: str, message: bytes, timeout: float = 30.0) -> None:
         """Block until ``peer`` sent notification ``message`` (consumed when found).
 
+        A notification sent with ``submit(..., notif=message, manifest=...)`` counts too (its
+        manifests are then dropped): a decode that does not verify still sees the completion.
+        To verify, wait with :meth:`wait_manifests` instead.
+
         Raises:
             TransferError: it did not arrive within ``timeout`` seconds.
         """
+        self._wait_for(peer, timeout, f"notification {message!r}",
+                       lambda m: m == message or _integrity_message(m) == message)
+
+    def wait_manifests(self, peer: str, message: bytes = b"", timeout: float = 30.0
+                       ) -> list[Manifest]:
+        """Block until ``peer``'s integrity notification carrying completion ``message``
+        arrived (``submit(..., notif=message, manifest=...)``; consumed when found) and return
+        its manifests, for :meth:`check_landed`.
+
+        Raises:
+            TransferError: it did not arrive within ``timeout`` seconds.
+            KvPlanError: it arrived but is not a well-formed integrity notification.
+        """
+        found = self._wait_for(peer, timeout, f"integrity notification {message!r}",
+                               lambda m: _integrity_message(m) == message)
+        return read_notification(found)[1]
+
+    def _wait_for(self, peer: str, timeout: float, what: str,
+                  matches: Callable[[bytes], bool]) -> bytes:
+        """The first notification from ``peer`` that ``matches`` (consumed), polled until
+        ``timeout`` seconds passed."""
         self._check_open()
         deadline = time.monotonic() + timeout
         delay = 0.0
         while True:
             self._poll_notifs()
             got = self._notifs.get(peer, [])
-            if message in got:
-                got.remove(message)
-                return
+            found = next((m for m in got if matches(m)), None)
+            if found is not None:
+                got.remove(found)
+                return found
             if time.monotonic() > deadline:
-                raise self._error(f"no notification {message!r} from {peer!r} in {timeout:g} s "
+                raise self._error(f"no {what} from {peer!r} in {timeout:g} s "
                                   f"(received from: {sorted(self._notifs)})", peer=peer,
                                   status=None)
             time.sleep(delay)
@@ -202,7 +247,8 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ submit
     def submit(self, plan: PlanLike, peer_session: str,
                max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
-               notif: bytes = b"", timeout: float | None = None) -> TransferStats:
+               notif: bytes = b"", timeout: float | None = None,
+               manifest: Manifests | None = None) -> TransferStats:
         """Write every block of ``plan`` to peer ``peer_session`` and wait for completion.
 
         Args:
@@ -214,6 +260,11 @@ class NixlTransport(Transport):
             notif: notification the peer receives once every block has landed (sent with the
                 last request, which is posted after the others completed).
             timeout: seconds before giving up (default: the adapter's ``timeout``).
+            manifest: the request's integrity manifests (:meth:`manifest`), given with its
+                last plan: the notification becomes
+                :func:`kvplan.integrity.pack_notification` of them carrying ``notif`` (the
+                decode waits for it with :meth:`wait_manifests`), returned as
+                :attr:`TransferStats.integrity` too.
 
         Raises:
             TransferError: NIXL refused a request (unknown peer, memory not registered on
@@ -222,22 +273,26 @@ class NixlTransport(Transport):
                 cancel it, kept for :meth:`close`) before the error is raised.
         """
         return self.submit_async(plan, peer_session, max_blocks_per_batch,
-                                 check_sources=check_sources, notif=notif).wait(timeout)
+                                 check_sources=check_sources, notif=notif,
+                                 manifest=manifest).wait(timeout)
 
     def submit_async(self, plan: PlanLike, peer_session: str,
                      max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
-                     notif: bytes = b"") -> NixlPending:
+                     notif: bytes = b"", manifest: Manifests | None = None) -> NixlPending:
         """Create and post the plan's requests; return a handle to :meth:`NixlPending.wait` on.
 
         With several batches the notification goes with the last one, posted by ``wait`` (or
         ``done``) once the others completed, so it never overtakes data. A plan of no blocks
         still delivers ``notif``, as a bare NIXL notification: a decode rank that receives
         nothing from this prefill rank (no head in common) still waits for its completion.
+        ``manifest``: as in :meth:`submit`.
         """
+        integrity = integrity_notification(manifest, notif)
         return self._submit_async(
             plan, peer_session, max_blocks_per_batch, check_sources,
-            lambda lengths: NixlPending(self, peer_session, lengths, notif=notif,
-                                        mems=self._mems(peer_session, len(lengths))))
+            lambda lengths: NixlPending(self, peer_session, lengths, notif=integrity or notif,
+                                        mems=self._mems(peer_session, len(lengths))),
+            integrity)
 
     def _notify(self, peer: str, notif: bytes) -> None:
         """A notification bound to no transfer (NIXL's ``send_notif``): what a request that
