@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvplan
-import reference as ref
+from support import reference as ref
 from kvplan import Layout, PairingError
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import kvplan._core
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEV_BUILD = ROOT / "scripts" / "dev-build"
 EXTENSION = Path(kvplan._core.__file__).resolve()
 
