@@ -551,6 +551,7 @@ def test_async_submit_moves_bytes() -> None:
     assert stats["batches"] == 7
 
 
+@pytest.mark.slow
 def test_fault_decode_killed_mid_transfer() -> None:
     """256 MiB in 65,536 descriptors (about a second here); the decode process is SIGKILLed
     once the first bytes have landed. The prefill gets a TransferError, holds no handle, and
@@ -626,6 +627,7 @@ def test_fault_unknown_peer() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kvplan_demo_over_nixl_verifies_every_byte() -> None:
     res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--engine", "nixl",
                           "--layers", "16", "--pages", "1024"], capture_output=True, text=True,

@@ -356,6 +356,7 @@ def test_layout_accepts_numpy_integers_and_full_u64_range():
     assert lay.capacities == [64]
 
 
+@pytest.mark.slow
 def test_huge_layouts_one_million_entries():
     n = 1_000_000
     src = Layout.mla([(1 << 32) + 4096 * i for i in range(n)], [4096] * n, 64, layer_ids=list(range(n)))

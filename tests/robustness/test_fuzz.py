@@ -44,6 +44,9 @@ from kvplan import (
 from support import reference as ref
 from support.robustness_checks import accepts_index_array, assert_invariants, ref_layout
 
+# Minutes of hypothesis batches: CI and scripts/test run them, a plain local pytest does not.
+pytestmark = pytest.mark.slow
+
 EXPLORE = os.environ.get("KVPLAN_HYPOTHESIS_PROFILE") == "explore"
 BUDGET = float(os.environ.get("KVPLAN_FUZZ_SECONDS", "40"))
 SHARES = {"plan": 0.5, "wire": 0.2, "free": 0.3}
