@@ -8,7 +8,7 @@ round trips) and prints RSS (VmRSS from /proc/self/status) after a warm-up and a
     .venv/bin/python bench/leak_check.py -n 100000  # quicker
 
 Exit status 1 when RSS grew by more than --max-growth-mb (default 16) after warm-up.
-tests/test_leaks.py runs the same workload with a smaller count.
+tests/robustness/test_leaks.py runs the same workload with a smaller count.
 """
 
 from __future__ import annotations

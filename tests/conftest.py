@@ -1,4 +1,14 @@
-"""Hypothesis profiles: the test suite is deterministic; random exploration is a separate command.
+"""The test suite's root: where the support package is found, and the hypothesis profiles.
+
+The tests live in folders by architecture (``core/``, ``engines/``, ``compat/``, ``cli/``,
+``robustness/``, ``packaging/``), none of them a package; what they share is the one support
+package ``tests/support``, imported as ``support``. This file puts ``tests/`` at the front of
+``sys.path`` before any test module is collected, so ``from support import ...`` works from
+every folder and under any pytest import mode; processes started with multiprocessing's
+``spawn`` method get the same ``sys.path`` from their parent. A test module's basename must be
+unique across the folders (they are imported as top-level modules).
+
+Hypothesis profiles: the test suite is deterministic; random exploration is a separate command.
 
 - ``deterministic`` (the default, and the only profile allowed when ``CI=true``): every hypothesis test draws its examples from
   a seed derived from the test itself (``derandomize=True``) and reads no example database, so the
@@ -11,8 +21,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from hypothesis import HealthCheck, settings
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 settings.register_profile(
     "deterministic",

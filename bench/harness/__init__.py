@@ -3,7 +3,7 @@ where and how results are written (``results``).
 
 Importing this package also makes the test support package importable as ``support``
 (``tests/support``: the SGLang loader, synthetic SGLang deployments, the leak workload), by
-putting ``tests/`` at the front of ``sys.path`` as pytest does. The benchmarks may use the
+putting ``tests/`` at the front of ``sys.path`` as ``tests/conftest.py`` does. The benchmarks may use the
 tests' support code; the tests never import anything from ``bench/``.
 """
 

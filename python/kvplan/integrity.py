@@ -14,11 +14,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Buffer
 
 from kvplan._core import (
     KvPlanError,
@@ -46,7 +45,10 @@ _MAGIC = b"KVPM"
 _VERSION = 1
 _HEAD = struct.Struct("<4sHH9QI")
 _Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | int
-_Buffer = Buffer | npt.NDArray[np.generic]
+if TYPE_CHECKING:  # typing_extensions is a type checker's dependency, not the wheel's
+    from typing_extensions import Buffer
+
+    _Buffer = Buffer | npt.NDArray[np.generic]
 
 
 class IntegrityError(KvPlanError):

@@ -4,10 +4,16 @@
 - ``sglang_models``: synthetic SGLang deployments and the ground truth of their bytes.
 - ``engine_peers``: arenas, spawned peers and an independent byte oracle for real transfers.
 - ``leak_workload``: the mixed plan-call workload whose RSS must stay flat.
+- ``vllm_loader`` / ``vllm_cases``: vLLM's real connector code from its wheel, and the cases
+  the drop-in tests and benchmark share.
+- ``memfabric_standins``: the Ascend engine's recorded signatures and in-process stand-ins.
+- ``reference``: the naive pairing and block-list reference the property and robustness suites
+  compare plans with; ``robustness_checks``: the plan invariants and the isolated-subprocess
+  runner those suites share.
 
-How it is imported: ``tests/`` is not a package (the test modules import each other by their
-bare names), so pytest puts ``tests/`` at the front of ``sys.path`` for every test module and
-this package is ``support``. A benchmark does the same with one line,
+How it is imported: ``tests/`` and its folders are not packages; ``tests/conftest.py`` puts
+``tests/`` at the front of ``sys.path`` before any test module is collected, so this package is
+``support`` from every folder. Test modules never import each other, only this package. A benchmark does the same with one line,
 ``sys.path.insert(0, <repo>/tests)`` (``bench/harness/__init__.py``), and imports the same
 ``support.*`` modules. Nothing here imports from ``bench/``.
 """

@@ -4,7 +4,7 @@ N iterations of a mixed workload over one shared template: pooled plans of varyi
 into a caller's ``out=`` buffer, ``plan_state``, rejected requests (IndexBoundsError /
 TypeError: the error path builds messages and exceptions), plus every 100th iteration a
 ``group_contiguous`` call and a wire round trip. ``run(n)`` reports RSS (VmRSS from
-/proc/self/status) after a warm-up and at the end. tests/test_leaks.py runs it with 100,000
+/proc/self/status) after a warm-up and at the end. tests/robustness/test_leaks.py runs it with 100,000
 calls; ``bench/leak_check.py`` with 1,000,000.
 """
 

@@ -1,7 +1,7 @@
 """Ascend adapter over ``memfabric_hybrid.TransferEngine`` (``pip install memfabric-hybrid``).
 
 The calls made here match the installed memfabric 1.3.0 bindings exactly (checked by
-``tests/test_engines_ascend.py`` against the package's own pybind11 signatures)::
+``tests/engines/test_ascend.py`` against the package's own pybind11 signatures)::
 
     initialize(store_url, session_id, role, device_id, data_op_type, ...)  -> int
     get_rpc_port()                                                          -> int

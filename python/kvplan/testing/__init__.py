@@ -15,9 +15,18 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
 - :class:`PeerProcess`: a spawned process that owns an engine (Mooncake or NIXL), registers
   its arena, publishes session id and wire layout, and plans and submits on command.
 - :func:`first_wrong_byte`: checks a whole destination arena against the expected moves.
+- :mod:`kvplan.testing.oracle`: the byte-level oracle (:func:`reference_copy`: what a correct
+  transfer writes, token by token and head by head, from the layout definitions alone) and
+  :func:`apply_plan` (a plan's blocks as memmoves between :class:`Memory` objects).
+- :mod:`kvplan.testing.ranks`: one TP rank's KV cache in a numpy arena and its layout, and
+  :func:`~kvplan.testing.ranks.check_request` (every prefill rank into one decode rank, checked
+  against the oracle).
+- :mod:`kvplan.testing.strategies`: hypothesis strategies for those deployments and requests;
+  the only module here that needs hypothesis, and not imported by this package.
 """
 
 from kvplan.testing.memory import SENTINEL, Arena, arena_dir, fill_source
+from kvplan.testing.oracle import Memory, apply_plan, reference_copy
 from kvplan.testing.peers import ENGINE_ENV, ENGINES, PeerFailure, PeerProcess
 from kvplan.testing.specs import (
     Entry,
@@ -37,10 +46,12 @@ __all__ = [
     "SENTINEL",
     "Arena",
     "Entry",
+    "Memory",
     "ModelPeers",
     "PeerFailure",
     "PeerProcess",
     "PeerSpec",
+    "apply_plan",
     "arena_dir",
     "build_layout",
     "cross_layer_entries",
@@ -50,4 +61,5 @@ __all__ = [
     "model_peers",
     "pack_entries",
     "preset_peer",
+    "reference_copy",
 ]

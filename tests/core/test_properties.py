@@ -1,4 +1,4 @@
-"""Hypothesis differential tests: kvplan vs tests/reference.py (a naive oracle written from
+"""Hypothesis differential tests: kvplan vs tests/support/reference.py (a naive oracle written from
 docs/semantics.md)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import kvplan
 from kvplan import IndexBoundsError, KvPlanError, Layout, PairingError, SizeMismatchError, Template
 
-import reference as ref
+from support import reference as ref
 
 FAST = settings(
     max_examples=120,

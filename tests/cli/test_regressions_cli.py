@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_engines_ascend import (  # the memfabric stand-ins live with the adapter's tests
+from support.memfabric_standins import (
     ADAPTER_METHODS,
     FixtureEngine,
     StandInMemfabric,
-    _plan,
     fixture,
+    plan_batch,
 )
 
 from kvplan import cli, explain
@@ -361,7 +361,7 @@ def test_session_id_reads_the_port_again_after_initialize() -> None:
     p_t = AscendTransport("Prefill", hostname="10.0.0.8", engine=PortAfterInitialize(network),
                           store_url="tcp://s:1")
     p_t.register_buffers([src.ctypes.data], [4096])
-    p_t.submit(_plan([src.ctypes.data], [dst.ctypes.data], [4096]), d_t.local_session_id())
+    p_t.submit(plan_batch([src.ctypes.data], [dst.ctypes.data], [4096]), d_t.local_session_id())
     assert (dst == src).all()
 
 

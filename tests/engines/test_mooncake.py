@@ -629,6 +629,7 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @mooncake
 def test_fault_hung_decode_times_out(mooncake_env: None) -> None:
     """A stopped (not dead) decode process: the engine gives up after MC_TRANSFER_TIMEOUT=5 s."""
@@ -699,6 +700,7 @@ def test_demo_verifier_names_the_first_wrong_byte(tmp_path: Any) -> None:
     s.close()
 
 
+@pytest.mark.slow
 @mooncake
 def test_kvplan_demo_command_verifies_every_byte(mooncake_env: None) -> None:
     """``kvplan demo`` end to end (smaller than the default size to keep the suite quick)."""

@@ -21,6 +21,8 @@ import pytest
 import kvplan
 from kvplan import PlanBatch, TransferError
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
+from kvplan.testing.oracle import reference_copy
+from kvplan.testing.ranks import Model, Rank, rank_memory
 
 from support.engine_peers import raw_pair
 
@@ -269,52 +271,45 @@ def test_prepped_cross_layer_pool_to_per_layer_decode_honours_strides() -> None:
             np.testing.assert_array_equal(decode[layer].reshape(pages, item), want)
 
 
-def _tp_case(heads: int, order: str, tp_p: int, r_p: int, tp_d: int, r_d: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Any]:
-    """Rank pools (test_tp's oracle) of prefill rank ``r_p`` and decode rank ``r_d``:
-    ``(src, dst, want, src_layout, dst_layout)``, ``want`` being the decode pool once exactly
-    the heads both ranks hold have landed."""
-    from test_tp import DST_PAGES, SRC_PAGES, global_kv, layout, rank_pool
+TP_SRC_PAGES = np.array([0, 1, 3], dtype=np.int64)
+TP_DST_PAGES = np.array([4, 2, 0], dtype=np.int64)
 
-    kv = global_kv(heads)
-    mine = kvplan.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p).heads
-    theirs = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d).heads
-    src = rank_pool(kv, mine, SRC_PAGES, order, max(1, heads // tp_p))
-    hd = max(1, heads // tp_d)
-    dst = rank_pool(None, theirs, DST_PAGES, order, hd)
-    shared = np.full_like(kv, 0xEEEE)  # the sentinel rank_pool fills with
-    lo, hi = max(mine[0], theirs[0]), min(mine[1], theirs[1])
-    shared[:, :, :, :, lo:hi] = kv[:, :, :, :, lo:hi]
-    want = rank_pool(shared, theirs, DST_PAGES, order, hd)
-    return (src, dst, want, layout(src, order, heads, r_p, tp_p),
-            layout(dst, order, heads, r_d, tp_d))
+
+def _tp_ranks(heads: int, orders: tuple[str, str], tp_p: int, r_p: int, tp_d: int, r_d: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Any]:
+    """Prefill rank ``r_p`` and decode rank ``r_d`` (3 layers, 4-token pages of 5, 2-element
+    heads) in numpy arenas: ``(src, dst, want, src_layout, dst_layout)``, ``want`` being the
+    decode arena once the request has landed (kvplan.testing's oracle)."""
+    model = Model(layers=3, kv_heads=heads, head_dim=2, dtype_size=2)
+    src = rank_memory(model, Rank(r_p, tp_p, 4, orders[0], 5), seed=r_p + 1)
+    dst = rank_memory(model, Rank(r_d, tp_d, 4, orders[1], 5))
+    want = dst.memory.copy()
+    reference_copy(src.layout, src.memory, dst.layout, want, TP_SRC_PAGES, TP_DST_PAGES)
+    return src.memory.data, dst.memory.data, want.data, src.layout, dst.layout
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_prepped_tp8_rank5_to_tp2_rank1_moves_only_the_shared_head(order: str) -> None:
     """Prefill rank 5 of 8 holds head 5; decode rank 1 of 2 holds heads 4..7: the prepped
     lists carry the head fragment at each side's offset (items of different lengths)."""
-    from test_tp import DST_PAGES, SRC_PAGES
-
     assert 5 in kvplan.tp_peers(8, 8, 2, decode_rank=1).receive_from
-    src, dst, want, s_layout, d_layout = _tp_case(8, order, 8, 5, 2, 1)
+    src, dst, want, s_layout, d_layout = _tp_ranks(8, (order, order), 8, 5, 2, 1)
     assert not np.array_equal(dst, want)
     with _agents("tp82", s_layout, d_layout) as (a, b, peer):
-        stats = _prepped_request(a, b, peer, s_layout, d_layout, SRC_PAGES, DST_PAGES, b"tp")
-        assert stats.bytes == kvplan.Template(s_layout, d_layout).bytes_per_page * len(SRC_PAGES)
+        stats = _prepped_request(a, b, peer, s_layout, d_layout, TP_SRC_PAGES, TP_DST_PAGES, b"tp")
+        assert stats.bytes == kvplan.Template(s_layout, d_layout).bytes_per_page * len(TP_SRC_PAGES)
         np.testing.assert_array_equal(dst, want)
 
 
 def test_prepped_tp2_rank0_to_rank1_moves_nothing_and_still_notifies() -> None:
     """No head in common (the template says why): the prepped tables hold no page descriptor,
     nothing moves, and the decode still receives the completion notification."""
-    from test_tp import DST_PAGES, SRC_PAGES
-
-    src, dst, want, s_layout, d_layout = _tp_case(8, "HND", 2, 0, 2, 1)
+    src, dst, want, s_layout, d_layout = _tp_ranks(8, ("HND", "HND"), 2, 0, 2, 1)
+    assert np.array_equal(dst, want)  # the oracle moves nothing either
     assert kvplan.Template(s_layout, d_layout).empty_reason
     before = dst.copy()
     with _agents("tp22", s_layout, d_layout) as (a, b, peer):
-        stats = _prepped_request(a, b, peer, s_layout, d_layout, SRC_PAGES, DST_PAGES, b"none")
+        stats = _prepped_request(a, b, peer, s_layout, d_layout, TP_SRC_PAGES, TP_DST_PAGES, b"none")
         assert (stats.blocks, stats.bytes) == (0, 0)
         np.testing.assert_array_equal(dst, before)
 
@@ -323,19 +318,14 @@ def test_prepped_path_refuses_nhd_to_hnd_and_names_the_plan_path() -> None:
     """Equal page sizes, different memory orders: a page's tokens are re-ordered, which no
     whole-page descriptor expresses. prep() refuses before NIXL sees anything; the plan path
     it names moves the bytes right."""
-    from test_tp import DST_PAGES, SRC_PAGES, global_kv, layout, rank_pool
-
-    kv = global_kv(2)
-    src = rank_pool(kv, (0, 2), SRC_PAGES, "NHD", 2)
-    dst = rank_pool(None, (0, 2), DST_PAGES, "HND", 2)
-    s_layout, d_layout = layout(src, "NHD", 2, 0, 1), layout(dst, "HND", 2, 0, 1)
+    src, dst, want, s_layout, d_layout = _tp_ranks(2, ("NHD", "HND"), 1, 0, 1, 0)
     with _agents("order", s_layout, d_layout) as (a, b, peer):
         with pytest.raises(kvplan.KvPlanError, match=r"memory orders.*Template\.plan.*"
                            r"submit\(plan\)") as info:
             a.prep(s_layout, d_layout, peer)
         assert not isinstance(info.value, TransferError)
-        a.submit(kvplan.Template(s_layout, d_layout).plan(SRC_PAGES, DST_PAGES), peer)
-        np.testing.assert_array_equal(dst, rank_pool(kv, (0, 2), DST_PAGES, "HND", 2))
+        a.submit(kvplan.Template(s_layout, d_layout).plan(TP_SRC_PAGES, TP_DST_PAGES), peer)
+        np.testing.assert_array_equal(dst, want)
 
 
 def test_an_empty_plan_still_delivers_its_notification(pair: Pair) -> None:
@@ -561,6 +551,7 @@ def test_async_submit_moves_bytes() -> None:
     assert stats["batches"] == 7
 
 
+@pytest.mark.slow
 def test_fault_decode_killed_mid_transfer() -> None:
     """256 MiB in 65,536 descriptors (about a second here); the decode process is SIGKILLed
     once the first bytes have landed. The prefill gets a TransferError, holds no handle, and
@@ -636,6 +627,7 @@ def test_fault_unknown_peer() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kvplan_demo_over_nixl_verifies_every_byte() -> None:
     res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--engine", "nixl",
                           "--layers", "16", "--pages", "1024"], capture_output=True, text=True,

@@ -8,7 +8,6 @@ Cases that would have killed the interpreter (allocation aborts) run in a subpro
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -17,11 +16,10 @@ import pytest
 import kvplan
 from kvplan import IndexBoundsError, KvPlanError, Layout, Template
 
-import reference as ref
-from robustness_checks import assert_invariants, ref_layout
-from robustness_checks import run_isolated as run_in_subprocess
+from support import reference as ref
+from support.robustness_checks import assert_invariants, ref_layout
+from support.robustness_checks import run_isolated as run_in_subprocess
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 # Sets RLIMIT_AS to the address space in use plus `headroom` bytes, and back.

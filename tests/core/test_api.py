@@ -23,7 +23,7 @@ from kvplan import (
     Template,
 )
 
-import reference as ref
+from support import reference as ref
 
 
 def has_num(msg: str, value) -> bool:

@@ -11,7 +11,7 @@ Two modes, chosen by the hypothesis profile (tests/conftest.py):
 
 Properties, on every input:
 - an accepted layout round-trips (wire bytes and dict) and its template's pairs equal the
-  reference's (tests/reference.py); a rejected one raises KvPlanError / TypeError /
+  reference's (tests/support/reference.py); a rejected one raises KvPlanError / TypeError /
   OverflowError (Python ints out of the u64 / i64 range), never anything else;
 - an accepted plan equals the reference's blocks, every block lies inside its entry's buffer,
   sum of lengths = pages x bytes per page, and with check_dst_overlap no destination item is
@@ -41,8 +41,11 @@ from kvplan import (
     Template,
 )
 
-import reference as ref
-from robustness_checks import accepts_index_array, assert_invariants, ref_layout
+from support import reference as ref
+from support.robustness_checks import accepts_index_array, assert_invariants, ref_layout
+
+# Minutes of hypothesis batches: CI and scripts/test run them, a plain local pytest does not.
+pytestmark = pytest.mark.slow
 
 EXPLORE = os.environ.get("KVPLAN_HYPOTHESIS_PROFILE") == "explore"
 BUDGET = float(os.environ.get("KVPLAN_FUZZ_SECONDS", "40"))

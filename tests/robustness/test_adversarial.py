@@ -1,7 +1,7 @@
 """Adversarial inputs: every bad input ends as a clear Python exception, every accepted
 input gives a correct plan, and the process survives.
 
-Each case either checks a plan against the naive reference (tests/reference.py) plus the safety
+Each case either checks a plan against the naive reference (tests/support/reference.py) plus the safety
 invariants (every block inside its entry's buffer, bytes conserved, no destination item written
 twice when the overlap check is on), or expects ``KvPlanError`` / ``TypeError`` (``OverflowError``
 only where Python itself refuses to convert an out-of-range int; see docs/robustness.md) with a
@@ -12,7 +12,6 @@ in a subprocess, so a crash fails the test instead of killing pytest.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
 
@@ -29,10 +28,9 @@ from kvplan import (
     Template,
 )
 
-import reference as ref
-from robustness_checks import assert_invariants, ref_layout, run_isolated
+from support import reference as ref
+from support.robustness_checks import assert_invariants, ref_layout, run_isolated
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 U64_MAX = 2**64 - 1
 
 # ------------------------------------------------------------------------------------ helpers
@@ -358,6 +356,7 @@ def test_layout_accepts_numpy_integers_and_full_u64_range():
     assert lay.capacities == [64]
 
 
+@pytest.mark.slow
 def test_huge_layouts_one_million_entries():
     n = 1_000_000
     src = Layout.mla([(1 << 32) + 4096 * i for i in range(n)], [4096] * n, 64, layer_ids=list(range(n)))

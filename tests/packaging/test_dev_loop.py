@@ -12,14 +12,14 @@ import pytest
 
 import kvplan._core
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEV_BUILD = ROOT / "scripts" / "dev-build"
 EXTENSION = Path(kvplan._core.__file__).resolve()
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("build"), pytest.mark.skipif(
     not (ROOT / ".venv" / "bin" / "maturin").exists() or EXTENSION.parent != ROOT / "python" / "kvplan",
     reason="needs the editable development install made by scripts/setup-env (.venv with maturin)",
-)
+)]
 
 
 def test_dev_build_failure_is_an_error():

@@ -1,6 +1,6 @@
 """Ascend (memfabric) adapter, tested in three layers because no NPU is available here.
 
-1. **Signatures.** ``tests/fixtures/memfabric_signatures.json`` records the pybind11 signatures
+1. **Signatures.** ``tests/support/fixtures/memfabric_signatures.json`` records the pybind11 signatures
    of ``memfabric_hybrid.TransferEngine`` (1.3.0). When memfabric is installed, the installed
    package's docstrings are parsed and compared with the fixture (skipped, with the reason
    printed by ``-ra``, only when memfabric cannot be imported). Independently of memfabric,
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import json
 import os
@@ -24,19 +23,22 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from support.memfabric_standins import (
+    ADAPTER_METHODS,
+    FIXTURE,
+    INVALID_PARAM,
+    FixtureEngine,
+    StandInMemfabric,
+    fixture,
+    plan_batch,
+)
+
 from kvplan.engines import AscendTransport, TransferError
-
-FIXTURE = Path(__file__).parent / "fixtures" / "memfabric_signatures.json"
-
-#: The engine methods the adapter calls; their signatures must match the fixture exactly.
-ADAPTER_METHODS = ("initialize", "get_rpc_port", "batch_register_memory", "unregister_memory",
-                   "batch_transfer_sync_write", "unInitialize")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,9 +99,6 @@ def installed_signatures() -> dict[str, Any]:
             "class": "memfabric_hybrid.TransferEngine", "methods": methods}
 
 
-def fixture() -> dict[str, Any]:
-    return json.loads(FIXTURE.read_text())
-
 
 # ---------------------------------------------------------------------------------------------
 # Layer 1: signatures
@@ -130,56 +129,6 @@ def test_installed_memfabric_matches_fixture() -> None:
             f"{got['version']} (installed)")
 
 
-def _check_type(annotation: str, value: Any, where: str) -> None:
-    """The subset of pybind11 annotations memfabric uses."""
-    if annotation == "str":
-        assert isinstance(value, str), f"{where}: {value!r} is not a str"
-    elif annotation == "typing.SupportsInt":
-        assert type(value) is int and 0 <= value < 2**64, f"{where}: {value!r} is not a u64 int"
-    elif annotation.startswith("collections.abc.Sequence"):
-        assert type(value) is list, f"{where}: {type(value).__name__} passed, the adapter must " \
-                                    f"pass lists (3x faster to convert than numpy arrays)"
-        for v in value:
-            assert type(v) is int and 0 <= v < 2**64, f"{where}: element {v!r} is not a u64 int"
-    elif annotation.endswith("TransDataOpType"):
-        assert value is not None
-    else:
-        raise AssertionError(f"{where}: no checker for annotation {annotation!r}")
-
-
-class FixtureEngine:
-    """Records calls after binding them to the fixture's signatures and checking types.
-
-    Any call shape the real binding would refuse (wrong arity, unknown keyword, float, numpy
-    array) fails here, without memfabric installed.
-    """
-
-    def __init__(self, statuses: dict[str, int] | None = None) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.statuses = statuses or {}
-        spec = fixture()["methods"]
-        for name, sig in spec.items():
-            setattr(self, name, self._method(name, sig))
-
-    def _method(self, name: str, sig: dict[str, Any]) -> Any:
-        params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    default=inspect.Parameter.empty if d is None else d)
-                  for p, _, d in sig["params"]]
-        signature = inspect.Signature(params)
-        types = {p: t for p, t, _ in sig["params"]}
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)  # TypeError on a wrong call shape
-            for key, value in bound.arguments.items():
-                _check_type(types[key], value, f"{name}({key}=...)")
-            self.calls.append((name, dict(bound.arguments)))
-            if sig["returns"] == "None":
-                return None
-            return self.statuses.get(name, 30001 if name == "get_rpc_port" else 0)
-
-        return call
-
-
 def test_adapter_calls_bind_to_the_memfabric_signatures() -> None:
     eng = FixtureEngine()
     t = AscendTransport("Prefill", hostname="10.0.0.1", engine=eng, device_id=3,
@@ -188,7 +137,7 @@ def test_adapter_calls_bind_to_the_memfabric_signatures() -> None:
     buf = np.zeros(1 << 16, np.uint8)
     base = buf.ctypes.data
     t.register_buffers([base, base + 4096], [4096, 8192])
-    plan = _plan([base, base + 4096], [0x5000, 0x9000], [4096, 4096])
+    plan = plan_batch([base, base + 4096], [0x5000, 0x9000], [4096, 4096])
     stats = t.submit(plan, "10.0.0.2:30002")
     t.close()
     names = [n for n, _ in eng.calls]
@@ -210,7 +159,7 @@ def test_memfabric_status_becomes_transfer_error() -> None:
     buf = np.zeros(4096, np.uint8)
     t.register_buffers([buf.ctypes.data], [4096])
     with pytest.raises(TransferError, match=r"status -2000 \(INVALID_PARAM\)") as info:
-        t.submit(_plan([buf.ctypes.data], [0x1000], [4096]), "peer:9")
+        t.submit(plan_batch([buf.ctypes.data], [0x1000], [4096]), "peer:9")
     assert (info.value.session, info.value.batch, info.value.blocks, info.value.bytes) == (
         "peer:9", 0, 1, 4096)
 
@@ -306,85 +255,6 @@ def test_real_uninitialised_engine_accepts_the_adapter_calls() -> None:
 # Layer 3: a copying stand-in with the exact signatures
 # ---------------------------------------------------------------------------------------------
 
-INVALID_PARAM = -2000
-
-
-class StandInMemfabric:
-    """In-process stand-in for ``memfabric_hybrid.TransferEngine``: same signatures, copies bytes.
-
-    Engines find each other through ``network`` (session id -> engine). Like memfabric,
-    ``batch_transfer_sync_write`` validates the whole batch before copying anything.
-    """
-
-    class TransDataOpType:  # the enum values of memfabric 1.3.0
-        SDMA, HOST_RDMA, DEVICE_RDMA, DEVICE_URMA, DEVICE_UBOE = 1, 2, 8, 64, 128
-
-    _next_port = 30001
-
-    def __init__(self, network: dict[str, StandInMemfabric]) -> None:
-        self.network = network
-        self.session: str | None = None
-        self.regions: list[tuple[int, int]] = []
-        self.writes = 0
-        StandInMemfabric._next_port += 1
-        self._port = StandInMemfabric._next_port
-
-    @staticmethod
-    def _u64(*values: Any) -> None:
-        for v in values:
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**64:
-                raise TypeError("incompatible function arguments")
-
-    def initialize(self, store_url: str, session_id: str, role: str, device_id: int,
-                   data_op_type: Any = TransDataOpType.SDMA, store_server_role: str = "Decode",
-                   nic: str = "") -> int:
-        if role not in ("Prefill", "Decode"):
-            return -1
-        self.session = session_id
-        self.network[session_id] = self
-        return 0
-
-    def get_rpc_port(self) -> int:
-        return self._port
-
-    def register_memory(self, buffer_addr: int, capacity: int) -> int:
-        return self.batch_register_memory([buffer_addr], [capacity])
-
-    def batch_register_memory(self, buffer_addrs: Any, capacities: Any) -> int:
-        self._u64(*buffer_addrs, *capacities)
-        if len(buffer_addrs) != len(capacities):
-            return -1
-        self.regions += list(zip(buffer_addrs, capacities))
-        return 0
-
-    def unregister_memory(self, buffer_addr: int) -> int:
-        self.regions = [r for r in self.regions if r[0] != buffer_addr]
-        return 0
-
-    def _inside(self, addr: int, n: int) -> bool:
-        return any(s <= addr and addr + n <= s + ln for s, ln in self.regions)
-
-    def batch_transfer_sync_write(self, dest_session: str, buffers: Any, peer_buffers: Any,
-                                  lengths: Any, flags: int = 0) -> int:
-        self._u64(*buffers, *peer_buffers, *lengths, flags)
-        if not (len(buffers) == len(peer_buffers) == len(lengths)):
-            return -1
-        peer = self.network.get(dest_session)
-        if (not buffers or flags != 0 or peer is None or 0 in lengths or 0 in buffers
-                or 0 in peer_buffers):
-            return INVALID_PARAM
-        if not all(peer._inside(d, n) for d, n in zip(peer_buffers, lengths)):
-            return INVALID_PARAM
-        for s, d, n in zip(buffers, peer_buffers, lengths):
-            ctypes.memmove(d, s, n)
-        self.writes += 1
-        return 0
-
-    def unInitialize(self) -> None:
-        if self.session is not None:
-            self.network.pop(self.session, None)
-
-
 def test_stand_in_signatures_match_the_fixture() -> None:
     want = fixture()["methods"]
     for name in ADAPTER_METHODS + ("register_memory",):
@@ -393,12 +263,6 @@ def test_stand_in_signatures_match_the_fixture() -> None:
         assert [p.name for p in params] == [p[0] for p in want[name]["params"]], name
         for p, (_, _, default) in zip(params, want[name]["params"]):
             assert (p.default is inspect.Parameter.empty) == (default is None), (name, p.name)
-
-
-def _plan(src: list[int], dst: list[int], lengths: list[int]) -> Any:
-    from kvplan import PlanBatch
-
-    return PlanBatch(*(np.array(x, dtype=np.uint64) for x in (src, dst, lengths)))
 
 
 def test_stand_in_hybrid_prefill_pp2_to_decode_pp1_bytes() -> None:
@@ -489,7 +353,7 @@ def test_stand_in_rejects_destination_outside_peer_memory() -> None:
     p_t = AscendTransport("Prefill", engine=StandInMemfabric(network), store_url="tcp://s:1")
     p_t.register_buffers([src.ctypes.data], [8192])
     good = dst.ctypes.data
-    plan = _plan([src.ctypes.data, src.ctypes.data + 4096], [good, good + 4096], [16, 16])
+    plan = plan_batch([src.ctypes.data, src.ctypes.data + 4096], [good, good + 4096], [16, 16])
     with pytest.raises(TransferError, match="INVALID_PARAM") as info:
         p_t.submit(plan, d_t.local_session_id())
     assert info.value.blocks == 2 and info.value.status == INVALID_PARAM
@@ -504,7 +368,7 @@ def test_empty_plan_is_not_sent_to_memfabric() -> None:
     # memfabric answers an empty batch with -2000; the adapter must not make that call.
     network: dict[str, StandInMemfabric] = {}
     t = AscendTransport("Prefill", engine=StandInMemfabric(network), store_url="tcp://s:1")
-    stats = t.submit(_plan([], [], []), "nobody:1")
+    stats = t.submit(plan_batch([], [], []), "nobody:1")
     assert stats.batches == 0 and t._engine.writes == 0
 
 
@@ -532,4 +396,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--write-fixture"]:
         write_fixture()
     else:
-        print("usage: python tests/test_engines_ascend.py --write-fixture")
+        print("usage: python tests/engines/test_ascend.py --write-fixture")

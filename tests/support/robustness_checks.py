@@ -1,4 +1,4 @@
-"""Shared checks for the robustness suites (test_adversarial.py, test_fuzz.py, leak test)."""
+"""Shared checks for the robustness suites (tests/robustness: adversarial, fuzz, regressions)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 
-import reference as ref
+from support import reference as ref
 
 from kvplan import Layout
 
@@ -64,7 +64,7 @@ def assert_invariants(plan, template, src: Layout, dst: Layout, n_pages: int, *,
     assert sum(ln) == n_pages * template.bytes_per_page == plan.total_bytes
 
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_isolated(code: str, timeout: float = 120, *, prelude: str = "") -> str:

@@ -25,7 +25,7 @@ import pytest
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 from kvplan.testing import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_HYBRID = ModelPreset("tiny-hybrid", "tiny hybrid MLA", 8, "mla", 1152, 4,
                           (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
@@ -37,7 +37,7 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
                   src_slot: int, dst_slot: int) -> None:
     try:
         os.environ.update({"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"})
-        sys.path.insert(0, HERE)
+        sys.path.insert(0, TESTS_DIR)
         from support.sglang_models import load_loader
 
         from kvplan.compat import sglang as compat

@@ -1,5 +1,5 @@
 """Prefill TP != decode TP through the bindings: tp_peers, head-sliced templates on real bytes
-(numpy arenas, blocks applied as memmoves), empty templates and why, compare() wording, presets.
+(numpy arenas, blocks applied as memmoves and checked against kvplan.testing's oracle), empty templates and why, compare() wording, presets.
 The full matrix (TP {1,2,4,8}², H {1,2,8,16}, NHD/HND, MHA/MLA, PP 1/2) runs in the core's
 byte-level simulation (rust/kvplan-core/tests/tp.rs)."""
 
@@ -10,80 +10,35 @@ import pytest
 
 import kvplan
 from kvplan.presets import ModelPreset, get_preset
+from kvplan.testing.ranks import Model, Rank, check_request, rank_memory
 
 TOKENS, HEAD_DIM, LAYERS = 4, 2, 3
 PAGES = 5
 SRC_PAGES = np.array([0, 1, 3], dtype=np.int64)
 DST_PAGES = np.array([4, 2, 0], dtype=np.int64)
+STATE_SLOTS, SHARDED = 2, 64  # state slots per rank; bytes of the whole sharded state item
 
 
-def global_kv(heads: int) -> np.ndarray:
-    """[layer][K/V][request page][token][head][dim] as uint16 (bf16-sized elements)."""
-    n = LAYERS * 2 * len(SRC_PAGES) * TOKENS * heads * HEAD_DIM
-    return (np.arange(n, dtype=np.uint32) * 2654435761 % 65521).astype(np.uint16).reshape(
-        LAYERS, 2, len(SRC_PAGES), TOKENS, heads, HEAD_DIM)
-
-
-def rank_pool(kv: np.ndarray | None, heads: tuple[int, int], pages: np.ndarray, order: str,
-              n_heads: int) -> np.ndarray:
-    """[layer][K/V][pool page] items of this rank's heads, in its memory order."""
-    pool = np.full((LAYERS, 2, PAGES, TOKENS * n_heads * HEAD_DIM), 0xEEEE, dtype=np.uint16)
-    if kv is not None:
-        part = kv[:, :, :, :, heads[0]:heads[1], :]
-        if order == "HND":
-            part = part.transpose(0, 1, 2, 4, 3, 5)
-        pool[:, :, pages, :] = part.reshape(LAYERS, 2, len(pages), -1)
-    return pool
-
-
-def layout(pool: np.ndarray, order: str, kv_heads: int, tp_rank: int, tp_size: int
-           ) -> kvplan.Layout:
-    base = pool.ctypes.data
-    entry = pool.shape[2] * pool.shape[3] * 2
-    item = pool.shape[3] * 2
-    k = [base + (layer * 2) * entry for layer in range(LAYERS)]
-    v = [base + (layer * 2 + 1) * entry for layer in range(LAYERS)]
-    return kvplan.Layout.mha(k, v, [entry] * LAYERS, [entry] * LAYERS, item, item,
-                             layer_ids=list(range(LAYERS)),
-                             page_size=TOKENS, tp_rank=tp_rank, tp_size=tp_size,
-                             kv_heads=kv_heads, head_dim=HEAD_DIM, dtype_size=2,
-                             memory_order=order)
-
-
-def apply(plan: kvplan.TransferPlan, src: np.ndarray, dst: np.ndarray, seen: np.ndarray) -> None:
-    s_base, d_base = src.ctypes.data, dst.ctypes.data
-    s_bytes, d_bytes = src.view(np.uint8).reshape(-1), dst.view(np.uint8).reshape(-1)
-    for s, d, n in zip(*plan.as_lists()):
-        s, d = s - s_base, d - d_base
-        assert not seen[d:d + n].any(), "a destination byte written twice"
-        seen[d:d + n] = True
-        d_bytes[d:d + n] = s_bytes[s:s + n]
+def model(heads: int, *, mla: bool = False, state: bool = False) -> Model:
+    return Model(layers=LAYERS, kv_heads=heads, head_dim=HEAD_DIM, dtype_size=2, mla=mla,
+                 state_bytes=SHARDED if state else 0)
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("heads", "tp_p", "tp_d"), [(8, 8, 2), (8, 2, 8), (2, 4, 1), (2, 1, 4),
                                                       (1, 2, 4), (16, 4, 4)])
 def test_head_sliced_bytes(order: str, heads: int, tp_p: int, tp_d: int) -> None:
-    kv = global_kv(heads)
     for r_d in range(tp_d):
         peers = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d)
-        hd = max(1, heads // tp_d)
-        dst = rank_pool(None, peers.heads, DST_PAGES, order, hd)
-        want = rank_pool(kv, peers.heads, DST_PAGES, order, hd)
-        seen = np.zeros(dst.nbytes, dtype=bool)
-        d_layout = layout(dst, order, heads, r_d, tp_d)
-        for r_p in range(tp_p):
+        templates = check_request(model(heads), Rank(0, tp_p, TOKENS, order, PAGES),
+                                  Rank(r_d, tp_d, TOKENS, order, PAGES), SRC_PAGES, DST_PAGES)
+        for r_p, t in templates.items():
             mine = kvplan.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p)
-            src = rank_pool(kv, mine.heads, SRC_PAGES, order, max(1, heads // tp_p))
-            t = kvplan.Template(layout(src, order, heads, r_p, tp_p), d_layout)
-            plan = t.plan(SRC_PAGES, DST_PAGES)
             if r_p not in peers.receive_from:
-                assert len(plan) == 0 and t.empty_reason is not None
+                assert len(t.plan(SRC_PAGES, DST_PAGES)) == 0 and t.empty_reason is not None
                 assert t.empty_reason == peers.reason(r_p)
                 continue
             assert t.empty_reason is None and r_d in mine.send_to
-            apply(plan, src, dst, seen)
-        np.testing.assert_array_equal(dst, want)
 
 
 def test_tp_peers_words_and_election() -> None:
@@ -115,110 +70,32 @@ def test_tp_peers_words_and_election() -> None:
 # Token plans (different page sizes or memory orders, or n_tokens) re-slice heads as page plans do
 # ---------------------------------------------------------------------------------------------
 
-STATE_SLOTS, SHARDED = 2, 64  # state slots per rank; bytes of the whole sharded state item
-
-
-class Rank:
-    """One rank's memory as one byte arena: KV pool (uint16 elements), then a sharded state
-    entry per layer; ``layout`` describes it."""
-
-    def __init__(self, kv: np.ndarray | None, heads: int, tp_rank: int, tp_size: int,
-                 page_size: int, order: str, pages: np.ndarray, n_tokens: int, mla: bool,
-                 state: bool) -> None:
-        first, stop = kvplan.tp_peers(heads, tp_size if kv is not None else 1,
-                                      tp_size, decode_rank=tp_rank).heads
-        self.first, self.n_heads = first, stop - first
-        planes, capacity = (1 if mla else 2), len(pages) + 2
-        inner = ((page_size, self.n_heads) if order == "NHD" else (self.n_heads, page_size))
-        shape = (LAYERS, planes, capacity) + inner + (HEAD_DIM,)
-        kv_bytes = int(np.prod(shape)) * 2
-        self.shard = SHARDED // tp_size
-        state_bytes = LAYERS * STATE_SLOTS * self.shard if state else 0
-        self.arena = np.full(kv_bytes + state_bytes, 0xEE, dtype=np.uint8)
-        pool = self.arena[:kv_bytes].view(np.uint16).reshape(shape)
-        if kv is not None:  # every token of the listed pages, past n_tokens too
-            for t in range(n_tokens):
-                p, slot = int(pages[t // page_size]), t % page_size
-                part = kv[:, :planes, t, first:stop, :]
-                if order == "NHD":
-                    pool[:, :, p, slot] = part
-                else:
-                    pool[:, :, p, :, slot] = part
-        base = self.arena.ctypes.data
-        self.base = base
-        item = int(np.prod(inner)) * HEAD_DIM * 2
-        entry = capacity * item
-        ptr = [[base + (layer * planes + plane) * entry for plane in range(planes)]
-               for layer in range(LAYERS)]
-        ctx = dict(page_size=page_size, tp_rank=tp_rank, tp_size=tp_size, kv_heads=heads,
-                   head_dim=HEAD_DIM, dtype_size=2, memory_order=order)
-        ids = list(range(LAYERS))
-        if mla:
-            layout = kvplan.Layout.mla([p[0] for p in ptr], [entry] * LAYERS, item, ids, **ctx)
-        else:
-            layout = kvplan.Layout.mha([p[0] for p in ptr], [p[1] for p in ptr], [entry] * LAYERS,
-                                       [entry] * LAYERS, item, item, ids, **ctx)
-        if state:
-            at = base + kv_bytes
-            ptrs = [at + layer * STATE_SLOTS * self.shard for layer in ids]
-            layout = layout.with_state("mamba_temporal", ptrs, [STATE_SLOTS * self.shard] * LAYERS,
-                                       self.shard, ids)
-        self.layout = layout
-        self.kv_bytes = kv_bytes
-
-    def state_slot(self, layer: int, slot: int) -> np.ndarray:
-        at = self.kv_bytes + (layer * STATE_SLOTS + slot) * self.shard
-        return self.arena[at:at + self.shard]
-
-
-def whole_state(layer: int) -> np.ndarray:
-    return ((np.arange(SHARDED) * 7 + layer * 31 + 3) % 251).astype(np.uint8)
-
-
-def token_kv(heads: int, n_tokens: int) -> np.ndarray:
-    """[layer][K/V][request token][head][dim] as uint16."""
-    n = LAYERS * 2 * n_tokens * heads * HEAD_DIM
-    return (np.arange(n, dtype=np.uint64) * 2654435761 % 65521).astype(np.uint16).reshape(
-        LAYERS, 2, n_tokens, heads, HEAD_DIM)
+def layout(heads: int, tp_rank: int, tp_size: int, page_size: int, order: str,
+           capacity: int) -> kvplan.Layout:
+    return rank_memory(model(heads), Rank(tp_rank, tp_size, page_size, order, capacity)).layout
 
 
 def gather(heads: int, tp_p: int, tp_d: int, r_d: int, *, page_sizes: tuple[int, int],
            orders: tuple[str, str], n_tokens: int, given: bool, mla: bool = False,
            state: bool = False) -> dict[int, kvplan.Template]:
-    """Plans every prefill rank tp_peers(decode_rank=r_d).peers names into decode rank r_d,
-    applies the blocks (and state slot 0 -> 1), and checks the decode rank's arena byte for byte
-    against its heads of the request's tokens, with no byte written twice. Returns the
-    templates by prefill rank."""
+    """Plans every prefill rank into decode rank r_d (and state slot 0 -> 1) and checks the
+    decode rank's memory byte for byte against kvplan.testing's oracle, with no byte written
+    twice; a rank outside the decode rank's receive list must plan no KV and say why. Returns
+    the templates of the ranks tp_peers(decode_rank=r_d).peers names."""
     (ps, pd), (op, od) = page_sizes, orders
     src_pages = np.array([p for p in range(-(-n_tokens // ps) + 3) if p != 1][:-(-n_tokens // ps)])
     dst_pages = np.arange(-(-n_tokens // pd))[::-1].copy()
-    kv = token_kv(heads, len(src_pages) * ps)
-    dst = Rank(None, heads, r_d, tp_d, pd, od, dst_pages, 0, mla, state)
-    want = Rank(kv, heads, r_d, tp_d, pd, od, dst_pages, n_tokens, mla, state)
-    seen = np.zeros(dst.arena.nbytes, dtype=bool)
-    templates = {}
+    templates = check_request(model(heads, mla=mla, state=state),
+                              Rank(0, tp_p, ps, op, len(src_pages) + 3, state_slots=STATE_SLOTS),
+                              Rank(r_d, tp_d, pd, od, len(dst_pages) + 2, state_slots=STATE_SLOTS),
+                              src_pages, dst_pages, n_tokens=n_tokens if given else None)
     peers = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d)
-    for r_p in peers.peers:
-        src = Rank(kv, heads, r_p, tp_p, ps, op, src_pages, len(src_pages) * ps, mla, state)
-        for layer in range(LAYERS if state else 0):
-            src.state_slot(layer, 0)[:] = whole_state(layer)[r_p * src.shard:(r_p + 1) * src.shard]
-        t = kvplan.Template(src.layout, dst.layout)
-        templates[r_p] = t
-        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens if given else None)
-        assert (len(plan) == 0) == (t.empty_reason is not None), (r_p, t.empty_reason)
+    for r_p, t in templates.items():
         if r_p not in peers.receive_from:
-            assert len(plan) == 0 and t.empty_reason == peers.reason(r_p)
-        for block_plan in (plan, t.plan_state(0, 1)):
-            for s, d, n in zip(*block_plan.as_lists()):
-                s, d = s - src.base, d - dst.base
-                assert 0 <= s and s + n <= src.arena.nbytes and 0 <= d
-                assert not seen[d:d + n].any(), "a destination byte written twice"
-                seen[d:d + n] = True
-                dst.arena[d:d + n] = src.arena[s:s + n]
-    for layer in range(LAYERS if state else 0):
-        want.state_slot(layer, 1)[:] = whole_state(layer)[r_d * dst.shard:(r_d + 1) * dst.shard]
-    np.testing.assert_array_equal(dst.arena, want.arena)
-    return templates
+            assert len(t.plan(src_pages, dst_pages, n_tokens=n_tokens if given else None)) == 0
+            if r_p in peers.peers:
+                assert t.empty_reason == peers.reason(r_p)
+    return {r_p: t for r_p, t in templates.items() if r_p in peers.peers}
 
 
 def test_equal_tp_different_ranks_move_no_heads_in_token_plans() -> None:
@@ -230,9 +107,8 @@ def test_equal_tp_different_ranks_move_no_heads_in_token_plans() -> None:
             t = gather(8, 2, 2, r_d, page_sizes=page_sizes, orders=("NHD", "NHD"), n_tokens=64,
                        given=given)
             assert set(t) == {r_d}  # the peer lists of equal TP sizes hold the same rank only
-        src = Rank(token_kv(8, 64), 8, 0, 2, page_sizes[0], "NHD", np.arange(4), 64, False, False)
-        dst = Rank(None, 8, 1, 2, page_sizes[1], "NHD", np.arange(4), 0, False, False)
-        t = kvplan.Template(src.layout, dst.layout)
+        t = kvplan.Template(layout(8, 0, 2, page_sizes[0], "NHD", 6),
+                            layout(8, 1, 2, page_sizes[1], "NHD", 6))
         assert t.empty_reason == ("prefill rank 0 holds heads 0–3 and decode rank 1 holds heads "
                                   "4–7: no head in common")
         pages = np.arange(64 // page_sizes[0]), np.arange(64 // page_sizes[1])
@@ -282,9 +158,7 @@ def test_head_sliced_template_plans_n_tokens_with_a_partial_last_page() -> None:
         # HND: one block per page segment and entry (20 tokens in two pages of 16).
         per_entry = 20 if order == "NHD" else 2
         assert moving.n_token_blocks(20) == per_entry * 2 * LAYERS
-        src = Rank(token_kv(8, 32), 8, 0, 8, 16, order, np.arange(2), 32, False, False)
-        dst = Rank(None, 8, 1, 2, 16, order, np.arange(2), 0, False, False)
-        idle = kvplan.Template(src.layout, dst.layout)
+        idle = kvplan.Template(layout(8, 0, 8, 16, order, 4), layout(8, 1, 2, 16, order, 4))
         assert idle.empty_reason is not None and "no head in common" in idle.empty_reason
         assert len(idle.plan(np.arange(2), np.arange(2), n_tokens=20)) == 0
         assert idle.n_token_blocks(20) == 0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvplan
-import reference as ref
+from support import reference as ref
 from kvplan import Layout, PairingError
 
 
@@ -156,6 +156,7 @@ def test_id_less_pairing_matches_reference_and_report(case):
 BIG = 300_000
 
 
+@pytest.mark.slow
 def test_incompatible_layouts_of_300k_entries_are_reported_whole():
     ids = np.arange(BIG, dtype=np.int64)
     src = Layout.mla(np.arange(1, BIG + 1).tolist(), [640] * BIG, 64, layer_ids=ids.tolist())
@@ -170,6 +171,7 @@ def test_incompatible_layouts_of_300k_entries_are_reported_whole():
     assert report.reasons[0].endswith(f"({BIG - 8} more)")
 
 
+@pytest.mark.slow
 def test_id_less_role_mismatch_of_300k_entries_is_reported_whole():
     src = _layout(["draft_kv"] * BIG)
     dst = _layout(["kv"] * BIG, base=10**6)

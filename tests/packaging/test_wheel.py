@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+# Builds a wheel and a fresh venv (CI, scripts/test); one build at a time with the dev-loop tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("build")]
 DIST = ROOT / "dist"
 BUILD_SCRIPT = ROOT / "scripts" / "build-wheels"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "python" / "kvplan"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "python" / "kvplan"
 
 
 def module_names(root: Path) -> dict[str, Path]:

@@ -244,6 +244,7 @@ def test_nixl_cross_layer_hybrid_prefill_pp2_to_decode_pp1() -> None:
         assert r["groups"] == 1 and r["blocks"] == N_REQ + 12
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 def test_kvplan_demo_cross_layer_verifies_every_byte(mooncake_env: None) -> None:
     """``kvplan demo --layout cross-layer`` end to end over Mooncake (smaller than default)."""

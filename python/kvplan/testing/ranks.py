@@ -1,0 +1,131 @@
+"""One TP rank's KV cache in a numpy arena, and a whole request checked against the oracle.
+
+:func:`rank_memory` builds what a serving engine's rank holds (per-layer KV buffers or one
+cross-layer pool, its heads in NHD or HND order, optional state slots) and the
+:class:`kvplan.Layout` it publishes; :func:`check_request` plans one request from every prefill
+rank into one decode rank, applies the blocks and compares the decode memory byte for byte with
+:func:`kvplan.testing.oracle.reference_copy`. :mod:`kvplan.testing.strategies` draws the
+deployments (hypothesis); without hypothesis, build :class:`Model` and :class:`Rank` by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import kvplan
+from kvplan.testing.memory import SENTINEL
+from kvplan.testing.oracle import Memory, apply_plan, rank_heads, reference_copy
+
+__all__ = ["Model", "Rank", "RankMemory", "check_request", "rank_memory"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """What every rank of a deployment shares."""
+
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 4
+    dtype_size: int = 2
+    mla: bool = False
+    #: bytes of one layer's whole state item (0: no state entries)
+    state_bytes: int = 0
+    #: state items split over TP ranks (``state_bytes / tp_size`` each) or replicated whole
+    sharded_state: bool = True
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank's side of the deployment."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    page_size: int = 1
+    memory_order: str = "NHD"
+    capacity: int = 8
+    cross_layer: bool = False
+    state_slots: int = 2
+
+
+@dataclass
+class RankMemory:
+    layout: kvplan.Layout
+    memory: Memory
+
+
+def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMemory:
+    """The arena of one rank (random bytes with ``seed``, else :data:`SENTINEL`) and its layout."""
+    heads = len(rank_heads(model.kv_heads, rank.tp_size, rank.tp_rank))
+    item = rank.page_size * heads * model.head_dim * model.dtype_size
+    planes = 1 if model.mla else 2
+    ids = list(range(model.layers))
+    state_item = (model.state_bytes // rank.tp_size if model.sharded_state
+                  else model.state_bytes)
+    kv_bytes = model.layers * planes * rank.capacity * item
+    state_bytes = model.layers * rank.state_slots * state_item
+    arena = np.full(kv_bytes + state_bytes + 64, SENTINEL, dtype=np.uint8)
+    if seed is not None:
+        data = np.random.default_rng(seed).integers(0, 255, arena.size, dtype=np.uint8)
+        data[data == SENTINEL] = 0xFF
+        arena[:] = data
+    base = int(arena.ctypes.data)
+    ctx: dict[str, Any] = dict(page_size=rank.page_size, tp_rank=rank.tp_rank,
+                                  tp_size=rank.tp_size, kv_heads=model.kv_heads,
+                                  head_dim=model.head_dim, dtype_size=model.dtype_size,
+                                  memory_order=rank.memory_order)
+    if rank.cross_layer:
+        roles = ["kv"] * model.layers if model.mla else ["k", "v"] * model.layers
+        pool_ids = ids if model.mla else [i for i in ids for _ in range(2)]
+        layout = kvplan.Layout.cross_layer(base, kv_bytes, pool_ids, item, roles=roles, **ctx)
+    else:
+        entry = rank.capacity * item
+        ptr = [[base + (layer * planes + plane) * entry for plane in range(planes)]
+               for layer in ids]
+        if model.mla:
+            layout = kvplan.Layout.mla([p[0] for p in ptr], [entry] * model.layers, item,
+                                       layer_ids=ids, **ctx)
+        else:
+            layout = kvplan.Layout.mha([p[0] for p in ptr], [p[1] for p in ptr],
+                                       [entry] * model.layers, [entry] * model.layers, item,
+                                       item, layer_ids=ids, **ctx)
+    if state_item:
+        at = base + kv_bytes
+        size = rank.state_slots * state_item
+        layout = layout.with_state("mamba_temporal", [at + i * size for i in ids],
+                                   [size] * model.layers, state_item, ids)
+    return RankMemory(layout, Memory(arena, base))
+
+
+def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarray,
+                  dst_pages: np.ndarray, *, n_tokens: int | None = None,
+                  slots: tuple[int, int] | None = (0, 1)) -> dict[int, kvplan.Template]:
+    """Plans the request from every prefill rank (``prefill`` with each ``tp_rank``) into
+    ``decode``, applies the blocks (and the state slots ``slots``) and asserts: the decode
+    memory equals the oracle's, no destination byte is written twice, and a template that
+    plans nothing says why (``empty_reason``). Returns the templates by prefill rank."""
+    dst = rank_memory(model, decode)
+    want = dst.memory.copy()
+    written = np.zeros(dst.memory.data.size, dtype=bool)
+    templates = {}
+    for r_p in range(prefill.tp_size):
+        src = rank_memory(model, Rank(r_p, prefill.tp_size, prefill.page_size,
+                                      prefill.memory_order, prefill.capacity,
+                                      prefill.cross_layer, prefill.state_slots), seed=r_p + 1)
+        t = kvplan.Template(src.layout, dst.layout)
+        templates[r_p] = t
+        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens)
+        kv = reference_copy(src.layout, src.memory, dst.layout, want, src_pages, dst_pages,
+                            n_tokens=n_tokens)
+        assert plan.total_bytes == kv, (r_p, plan.total_bytes, kv)
+        assert (len(plan) == 0) == (t.empty_reason is not None), (r_p, t.empty_reason)
+        apply_plan(plan, src.memory, dst.memory, written)
+        if slots is not None and model.state_bytes:
+            apply_plan(t.plan_state(*slots), src.memory, dst.memory, written)
+            reference_copy(src.layout, src.memory, dst.layout, want, [], [], n_tokens=0,
+                           src_slot=slots[0], dst_slot=slots[1])
+    bad = np.flatnonzero(dst.memory.data != want.data)
+    assert bad.size == 0, f"{bad.size} wrong decode bytes, the first at offset {bad[0]}"
+    return templates
