@@ -48,6 +48,6 @@ pub use plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
-pub use slices::{LayerSlices, Manifest, PlanSlices, SliceWork};
+pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};
 pub use tokens::TokenTemplate;

@@ -1,6 +1,6 @@
 //! Layer-wise streaming: one request's plan cut into per-layer-group slices, each a list of
 //! block ranges of that one plan (no re-planning, no copy), plus the **seal** (every block no
-//! layer group covers) and the expected-work [`Manifest`] a decode checks completeness against.
+//! layer group covers) and the expected-work [`WorkManifest`] a decode checks completeness against.
 //!
 //! [`LayerSlices`] is built once per template from the caller's [`LayerGroups`]: which of the
 //! template's emission groups belong to each layer group, and which to the seal. Slices are
@@ -51,7 +51,7 @@ pub struct LayerSlices {
 /// Blocks and bytes of one slice of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SliceWork {
-    /// The layer group's id ([`Manifest::SEAL`] for the seal).
+    /// The layer group's id ([`WorkManifest::SEAL`] for the seal).
     pub group: u64,
     /// Blocks.
     pub blocks: u64,
@@ -225,7 +225,7 @@ impl LayerSlices {
                     .collect(),
                 seal_ranges: ranges,
                 seal: SliceWork {
-                    group: Manifest::SEAL,
+                    group: WorkManifest::SEAL,
                     blocks: summary.n_blocks as u64,
                     bytes: summary.total_bytes,
                 },
@@ -261,7 +261,7 @@ impl LayerSlices {
             .iter()
             .map(|s| cut(&s.emission_groups, s.group))
             .unzip();
-        let (seal_ranges, seal) = cut(&self.seal_groups, Manifest::SEAL);
+        let (seal_ranges, seal) = cut(&self.seal_groups, WorkManifest::SEAL);
         PlanSlices {
             ranges,
             work,
@@ -285,13 +285,13 @@ impl PlanSlices {
         request: u64,
         peers: (PeerRanks, PeerRanks),
         extra: Option<&PlanSlices>,
-    ) -> Manifest {
+    ) -> WorkManifest {
         let mut seal = self.seal;
         if let Some(state) = extra {
             seal.blocks += state.seal.blocks;
             seal.bytes += state.seal.bytes;
         }
-        Manifest {
+        WorkManifest {
             request,
             prefill: peers.0,
             decode: peers.1,
@@ -306,7 +306,7 @@ impl PlanSlices {
 /// it knows the request is complete when every listed slice (and each seal) has arrived, and a
 /// slice missing from the arrivals is missing, not slow, once its peer reports the request sent.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Manifest {
+pub struct WorkManifest {
     /// The caller's request id.
     pub request: u64,
     /// The sending prefill peer.
@@ -315,7 +315,7 @@ pub struct Manifest {
     pub decode: PeerRanks,
     /// Per layer group, in group id order.
     pub slices: Vec<SliceWork>,
-    /// The seal (group [`Manifest::SEAL`]).
+    /// The seal (group [`WorkManifest::SEAL`]).
     pub seal: SliceWork,
 }
 
@@ -325,7 +325,7 @@ const MANIFEST_VERSION: u16 = 1;
 const MANIFEST_HEADER: usize = 4 + 2 + 2 + 8 + 8 * 4 + 4;
 const MANIFEST_MAX_SLICES: usize = 1 << 20;
 
-impl Manifest {
+impl WorkManifest {
     /// The group id the seal carries.
     pub const SEAL: u64 = u64::MAX;
 
@@ -366,7 +366,7 @@ impl Manifest {
         out
     }
 
-    /// Decodes [`Manifest::to_bytes`] output.
+    /// Decodes [`WorkManifest::to_bytes`] output.
     ///
     /// # Errors
     /// [`PlanError::Wire`] for a wrong magic, an unknown version, a length that does not match

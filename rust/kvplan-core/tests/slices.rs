@@ -6,8 +6,8 @@
 
 use kvplan_core::{
     AsColumns, AttentionGeometry, EntryTag, FlatBuffer, GeometryOptions, LayerGroups, LayerSlices,
-    Layout, LayoutContext, Manifest, MemoryOrder, PlanSlices, PlanSummary, SliceKey, Template,
-    TemplateOptions,
+    Layout, LayoutContext, MemoryOrder, PlanSlices, PlanSummary, SliceKey, Template,
+    TemplateOptions, WorkManifest,
 };
 
 fn ctx(page_size: u64) -> LayoutContext {
@@ -197,7 +197,7 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
                     .len()
                     + 2
             );
-            assert_eq!(Manifest::from_bytes(&m.to_bytes()).unwrap(), m);
+            assert_eq!(WorkManifest::from_bytes(&m.to_bytes()).unwrap(), m);
         }
     }
 }
@@ -377,20 +377,20 @@ fn manifest_wire_round_trip_and_refusals() {
     );
     let bytes = m.to_bytes();
     assert_eq!(bytes.len(), 52 + 24 * 2 + 20);
-    assert_eq!(Manifest::from_bytes(&bytes).unwrap(), m);
+    assert_eq!(WorkManifest::from_bytes(&bytes).unwrap(), m);
     let mut bad = bytes.clone();
     bad[20] ^= 1;
     assert!(
-        Manifest::from_bytes(&bad)
+        WorkManifest::from_bytes(&bad)
             .unwrap_err()
             .to_string()
             .contains("CRC-32")
     );
-    assert!(Manifest::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+    assert!(WorkManifest::from_bytes(&bytes[..bytes.len() - 1]).is_err());
     let mut version = bytes;
     version[4] = 9;
     assert!(
-        Manifest::from_bytes(&version)
+        WorkManifest::from_bytes(&version)
             .unwrap_err()
             .to_string()
             .contains("version 9")
