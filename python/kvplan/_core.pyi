@@ -10,6 +10,8 @@ import numpy.typing as npt
 __all__ = [
     "IndexBoundsError",
     "KvPlanError",
+    "LayerGroups",
+    "LayerSlices",
     "Layout",
     "LayoutEntry",
     "LayoutError",
@@ -18,10 +20,12 @@ __all__ = [
     "PairingError",
     "PlanBatch",
     "PlanBuffer",
+    "PlanSlices",
     "SizeMismatchError",
     "Template",
     "TpPeers",
     "TransferPlan",
+    "WorkManifest",
     "__version__",
     "check_pairs",
     "combine_pair_digests",
@@ -394,7 +398,15 @@ class Template:
         check_dst_overlap: bool = False,
         fragments: Sequence[tuple[int, int, int]] | Sequence[Sequence[tuple[int, int, int]] | None] | None = None,
         coalesce: bool = True,
+        layer_groups: LayerGroups | None = None,
     ) -> Template: ...
+    def layer_slices(self, groups: LayerGroups) -> LayerSlices:
+        """This template's layer slices for ``groups``, built once; cut plans with ``.of(plan)``.
+
+        Raises:
+            KvPlanError: A coalesced block holds layers of two groups (or of a group and the
+                seal); build the template with ``layer_groups=groups``.
+        """
     @property
     def pairs(self) -> _I64Array: ...
     @property
@@ -524,3 +536,103 @@ def tp_peers(
             the rank is outside its TP size.
         TypeError: Both ranks or neither given.
     """
+
+_Ranks = tuple[int, int, int, int]
+
+@final
+class LayerGroups:
+    """Which layers stream together, keyed by global layer id, and which entries wait for the
+    seal (state, draft and id-less entries always do; ``seal_layers`` / ``seal_roles`` add
+    more, e.g. indexer caches no per-layer hook fires for)."""
+
+    @staticmethod
+    def every_layer(*, seal_layers: Sequence[int] | None = None,
+                    seal_roles: Sequence[str] | None = None) -> LayerGroups: ...
+    @staticmethod
+    def fixed(size: int, *, seal_layers: Sequence[int] | None = None,
+              seal_roles: Sequence[str] | None = None) -> LayerGroups:
+        """Groups of ``size`` consecutive global layer ids (layer ``l`` in group ``l // size``).
+
+        Raises:
+            KvPlanError: ``size`` is 0.
+        """
+    @staticmethod
+    def sets(sets: Sequence[Sequence[int]], *, seal_layers: Sequence[int] | None = None,
+             seal_roles: Sequence[str] | None = None) -> LayerGroups:
+        """The caller's disjoint sets of layer ids (group ``g`` is ``sets[g]``).
+
+        Raises:
+            KvPlanError: A layer id in two sets, or a negative id.
+        """
+    def group_of(self, layer: int) -> int | None: ...
+
+@final
+class LayerSlices:
+    """A template's layer groups: per slice the layers it waits for; the rest is the seal."""
+
+    @property
+    def n_slices(self) -> int: ...
+    @property
+    def group_ids(self) -> list[int]: ...
+    @property
+    def layers(self) -> list[list[int]]: ...
+    @property
+    def seal_groups(self) -> list[int]: ...
+    @property
+    def peers(self) -> tuple[_Ranks, _Ranks]:
+        """``(pp_rank, pp_size, tp_rank, tp_size)`` of the prefill and of the decode."""
+    def slice_of_layer(self, layer: int) -> int | None:
+        """The slice waiting for ``layer``; ``None`` for a model layer with nothing to wait for.
+
+        Raises:
+            KvPlanError: A layer id the model's layer groups do not have.
+        """
+    def of(self, plan: TransferPlan) -> PlanSlices:
+        """Cut a plan of this template (page, token or state plan) into slices.
+
+        Raises:
+            KvPlanError: The plan comes from another template.
+        """
+
+@final
+class PlanSlices:
+    """One plan cut into slices: block ranges (views of the plan) and work per slice and seal."""
+
+    @property
+    def n_slices(self) -> int: ...
+    @property
+    def ranges(self) -> list[list[tuple[int, int]]]: ...
+    @property
+    def work(self) -> list[tuple[int, int, int]]:
+        """Per slice ``(group id, blocks, bytes)``."""
+    @property
+    def seal_ranges(self) -> list[tuple[int, int]]: ...
+    @property
+    def seal_work(self) -> tuple[int, int]: ...
+    def manifest(self, request: int, state: PlanSlices | None = None) -> WorkManifest: ...
+
+@final
+class WorkManifest:
+    """Expected work of one request from one prefill peer to one decode peer."""
+
+    @property
+    def request(self) -> int: ...
+    @property
+    def prefill(self) -> _Ranks: ...
+    @property
+    def decode(self) -> _Ranks: ...
+    @property
+    def slices(self) -> list[tuple[int, int, int]]: ...
+    @property
+    def seal(self) -> tuple[int, int]: ...
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> WorkManifest:
+        """Raises:
+            KvPlanError: Not a manifest, an unknown version, a wrong length or CRC.
+        """
+    def __eq__(self, value: object, /) -> bool: ...

@@ -14,6 +14,10 @@ class TransferError(RuntimeError):
     ``"ERR"``, ``"PROC (timed out)"`` or ``"initialize_xfer: NIXL_ERR_NOT_FOUND"``). After a failure,
     some blocks of the batch may have landed and others may still be in flight: do not reuse
     the buffers until the session is torn down or the peer is known dead.
+
+    The streaming submitter (:mod:`kvplan.engines.streaming`) also sets ``request``, ``slice``
+    (the slice index, or ``"seal"``), ``group`` and ``layers`` of the slice that failed, and
+    ``layer`` when a layer's ready event failed.
     """
 
     engine: str | None = None
@@ -24,3 +28,8 @@ class TransferError(RuntimeError):
     status: int | None = None
     agent: str | None = None
     state: str | None = None
+    request: str | None = None
+    slice: int | str | None = None
+    group: int | None = None
+    layers: list[int] | None = None
+    layer: int | None = None

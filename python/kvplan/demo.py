@@ -312,6 +312,101 @@ def _check_digests(report: DemoReport, dpeer: PeerProcess, stages: list[PeerProc
     return failures[0] + more
 
 
+def run_stream_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
+                    request_pages: int | None = None, state_slots: int = 2, seed: int = 0,
+                    layer_ms: float = 2.0, group_size: int = 4, quiet: bool = True,
+                    engine: str = "mooncake") -> list[str]:
+    """Layer-wise streaming next to the monolithic send, in one run on the same bytes.
+
+    Each prefill process runs a synthetic forward (``layer_ms`` per layer), signals every
+    layer as it finishes and streams groups of ``group_size`` layers
+    (:class:`kvplan.engines.StreamingSubmitter`); the decode arena is verified byte for byte.
+    The decode is then reset and the same request is sent the monolithic way, after the last
+    layer, and verified again. Returns the report lines, one starting ``tail:``.
+    """
+    from kvplan.presets import split_layers
+
+    peers_spec = model_peers(model, pages=pages, pp_size=prefill_pp, state_slots=state_slots)
+    decode_spec, prefill_specs = peers_spec.decode, peers_spec.prefill
+    stages = split_layers(model.num_layers, prefill_pp)
+    n_req = request_pages if request_pages is not None else pages * 3 // 4
+    src_pages = np.arange(n_req, dtype=np.int64) + (pages - n_req) // 2
+    dst_pages = fragmented_pages(n_req, DEMO_FRAGMENTATION, seed=seed, shuffle_runs=True,
+                                 capacity=pages)
+    src_slot, dst_slot = 1 % state_slots, state_slots - 1
+    total = decode_spec.size + sum(s.size for s in prefill_specs)
+    workdir = arena_dir(total)
+    arenas: list[Arena] = []
+    peers: list[PeerProcess] = []
+    lines: list[str] = []
+    try:
+        decode = Arena(os.path.join(workdir, "decode"), decode_spec.size, create=True)
+        arenas.append(decode)
+        sources = []
+        for r, spec in enumerate(prefill_specs):
+            a = Arena(os.path.join(workdir, spec.name), spec.size, create=True)
+            arenas.append(a)
+            fill_source(a, seed + 1 + r)
+            sources.append(a)
+        log = os.path.join(workdir, "engines.log") if quiet else None
+        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log, engine=engine))
+        peers += [PeerProcess(spec, a, wait=False, log_path=log, engine=engine)
+                  for spec, a in zip(prefill_specs, sources)]
+        for p in peers:
+            p.ready()
+        dpeer = peers[0]
+        sessions = [p.connect(dpeer) for p in peers[1:]]
+        writes = [(a, s, src_pages, dst_pages, src_slot, dst_slot)
+                  for a, s in zip(sources, prefill_specs)]
+        # Streaming: every stage's forward signals its layers; slices leave as groups fill.
+        decode.array[:] = SENTINEL
+        for p, session, layers in zip(peers[1:], sessions, stages):
+            request = {"name": p.spec.name, "session": session, "src_pages": src_pages,
+                       "dst_pages": dst_pages, "src_slot": src_slot, "dst_slot": dst_slot}
+            p.send("stream", dpeer.layout_wire, [request], group_size, list(layers), layer_ms)
+        streamed = [p.result(300.0, "stream") for p in peers[1:]]
+        if engine == "nixl":
+            for p in peers[1:]:
+                dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
+        results = [out["requests"][p.spec.name] for out, p in zip(streamed, peers[1:])]
+        failed = [r["error"] for r in results if not r["ok"]]
+        stream_error = failed[0] if failed else first_wrong_byte(decode, decode_spec, writes)
+        # Monolithic: the same request after the last layer (its tail is its whole transfer).
+        decode.array[:] = SENTINEL
+        for p, session in zip(peers[1:], sessions):
+            p.send("transfer", dpeer.layout_wire, session, src_pages, dst_pages, src_slot,
+                   dst_slot, None, p.spec.name.encode())
+        mono = [p.result(300.0, "transfer") for p in peers[1:]]
+        if engine == "nixl":
+            for p in peers[1:]:
+                dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
+        mono_error = first_wrong_byte(decode, decode_spec, writes)
+    finally:
+        for p in peers:
+            p.stop()
+        for a in arenas:
+            a.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    ok = [r for r in results if r["ok"]]
+    blocks = sum(r["blocks"] for r in ok)
+    nbytes = sum(r["bytes"] for r in ok)
+    slices = sum(r["slices"] for r in ok)
+    forward = max(out["times"]["forward_s"] for out in streamed)
+    tail = max((r["tail_s"] for r in ok), default=float("nan"))
+    mono_tail = max(m["plan_s"] + m["transfer_s"] for m in mono)
+    lines.append(f"streamed:       {slices} slices of {group_size} layers + seal, {blocks} "
+                 f"blocks, {nbytes} bytes; synthetic forward {forward * 1e3:.1f} ms "
+                 f"({layer_ms} ms per layer)")
+    lines.append(f"verified:       streaming {'every byte' if stream_error is None else 'FAILED: ' + stream_error}; "
+                 f"monolithic {'every byte' if mono_error is None else 'FAILED: ' + mono_error}")
+    lines.append(f"tail:           streaming {tail * 1e3:.2f} ms vs monolithic "
+                 f"{mono_tail * 1e3:.2f} ms (last ready signal -> decode holds every byte; "
+                 f"same run, same bytes)")
+    if stream_error is not None or mono_error is not None:
+        lines.append("error")
+    return lines
+
+
 def _log_tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -349,6 +444,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
                              "the sources; digest: the decode process checks the integrity "
                              "digests each prefill stage sent with its completion (NIXL "
                              "notification, or the parent as Mooncake's side channel)")
+    parser.add_argument("--stream", action="store_true",
+                        help="stream layer groups while a synthetic forward runs, then send "
+                             "the same request monolithically; prints both transfer tails")
+    parser.add_argument("--layer-ms", type=float, default=2.0,
+                        help="synthetic compute per layer with --stream (default 2 ms)")
+    parser.add_argument("--stream-group", type=int, default=4,
+                        help="layers per streamed group with --stream (default 4)")
     return run_cli
 
 
@@ -380,11 +482,15 @@ def run_cli(args: argparse.Namespace) -> int:
          "--request-pages must be between 1 and --pages"),
         (args.state_slots < 1, "--state-slots must be positive"),
         (args.max_blocks is not None and args.max_blocks < 1, "--max-blocks must be positive"),
+        (args.stream and args.verify == "digest",
+         "--stream verifies every byte itself; --verify digest applies to the monolithic demo"),
     ] if bad]
     if problems:
         print("kvplan demo: " + "; ".join(problems), file=sys.stderr)
         return 2
     model = demo_model(args.layers)
+    if args.stream:
+        return _run_stream_cli(args, model)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
           f"{args.layout} KV, prefill PP={args.pp} -> decode PP=1 over "
           f"{ENGINE_LABELS[args.engine]}"
@@ -403,3 +509,30 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"wall time:      {report.wall_s:.1f} s ({args.pp + 1} processes, engine start-up "
           f"included)")
     return 0 if report.error is None else 1
+
+
+def _run_stream_cli(args: argparse.Namespace, model: ModelPreset) -> int:
+    """``kvplan demo --stream``: exit 1 when a byte is wrong, 2 when a peer fails."""
+    import sys
+
+    if args.layer_ms < 0 or args.stream_group < 1:
+        print("kvplan demo: --layer-ms must be >= 0 and --stream-group >= 1", file=sys.stderr)
+        return 2
+    print(f"kvplan demo --stream: {model.num_layers}-layer hybrid model, {args.pages} pages, "
+          f"prefill PP={args.pp} -> decode PP=1 over {ENGINE_LABELS[args.engine]}, "
+          f"{args.layer_ms} ms per layer ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        lines = run_stream_demo(model, pages=args.pages, prefill_pp=args.pp,
+                                request_pages=args.request_pages,
+                                state_slots=args.state_slots, seed=args.seed,
+                                layer_ms=args.layer_ms, group_size=args.stream_group,
+                                engine=args.engine)
+    except PeerFailure as exc:
+        print(f"kvplan demo: a peer process failed: {exc}", file=sys.stderr)
+        return 2
+    failed = lines[-1] == "error"
+    for line in lines[:-1] if failed else lines:
+        print(line)
+    print(f"wall time:      {time.perf_counter() - t0:.1f} s")
+    return 1 if failed else 0

@@ -18,6 +18,9 @@ NIXL (:class:`NixlTransport`) adds agent metadata the caller ships to peers
 (``t.metadata()`` -> peer's ``add_peer(bytes)``), completion notifications, and the prepped
 path (``t.prep(...)``); see :mod:`kvplan.engines.nixl`.
 
+Layer-wise streaming (:class:`StreamingSubmitter`, :mod:`kvplan.engines.streaming`) sends each
+layer group's slice of a plan as soon as its layers are signalled ready, over any transport.
+
 Failures raise :class:`kvplan.TransferError` with ``engine``, ``session``, ``batch``, ``blocks``,
 ``bytes`` and ``status`` set.
 """
@@ -37,6 +40,7 @@ from kvplan.engines._base import (
 from kvplan.engines.ascend import AscendTransport
 from kvplan.engines.mooncake import MooncakeTransport, PendingTransfer
 from kvplan.engines.nixl import NixlPending, NixlTransport, PreppedPair
+from kvplan.engines.streaming import StreamingSubmitter, StreamRequest, StreamStats
 
 __all__ = [
     "AscendTransport",
@@ -46,6 +50,9 @@ __all__ = [
     "PendingTransfer",
     "PlanLike",
     "PreppedPair",
+    "StreamRequest",
+    "StreamStats",
+    "StreamingSubmitter",
     "TransferError",
     "TransferStats",
     "Transport",

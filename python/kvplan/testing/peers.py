@@ -286,6 +286,91 @@ def _cmd_wait_notification(state: _PeerState, peer: str, message: bytes,
     return True
 
 
+def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[dict[str, Any]],
+                group_size: int, order: Sequence[int], layer_ms: float = 0.0,
+                min_stream_bytes: int = 0, seal_roles: Sequence[str] = (),
+                timeout: float = 30.0, probes: bool = False) -> dict[str, Any]:
+    """Stream requests layer group by layer group (``kvplan.engines.streaming``).
+
+    Each request is ``{"name", "session", "src_pages", "dst_pages", "src_slot", "dst_slot"}``
+    (``session`` may name a peer that does not exist: that request's slices fail). A "forward"
+    thread signals the layers in ``order`` (``layer_ms`` of synthetic compute before each),
+    through a device-event stand-in whose ``synchronize`` records the thread it ran on, then
+    seals every request. Returns each request's verdict and stats, the signalling times, and
+    with ``probes`` what a ready signal for an unknown layer and one after ``close`` raise.
+    """
+    import threading
+
+    import kvplan
+    from kvplan.engines.streaming import StreamingSubmitter
+
+    dst_layout = kvplan.Layout.from_bytes(dst_layout_wire)
+    groups = kvplan.LayerGroups.fixed(group_size, seal_roles=list(seal_roles))
+    template = kvplan.Template(state.layout, dst_layout, layer_groups=groups)
+    slices = template.layer_slices(groups)
+    sync_threads: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            sync_threads.append(threading.current_thread().name)
+
+    streamer = StreamingSubmitter(state.transport, slices, min_stream_bytes=min_stream_bytes,
+                                  timeout=timeout)
+    opened = []
+    for r in requests:
+        plan = template.plan(np.asarray(r["src_pages"], np.int64),
+                             np.asarray(r["dst_pages"], np.int64))
+        state_plan = (template.plan_state(r["src_slot"], r["dst_slot"])
+                      if r.get("src_slot") is not None and len(template.state_pairs) else None)
+        opened.append(streamer.open(r["name"], plan, r["session"], state_plan=state_plan,
+                                    notif=r["name"].encode()))
+    times: dict[str, float] = {}
+
+    def forward() -> None:
+        for layer in order:
+            if layer_ms:
+                time.sleep(layer_ms / 1000)
+            streamer.ready(layer, event=Event())
+        times["last_ready"] = time.perf_counter()
+        for req in opened:
+            req.seal()
+
+    thread = threading.Thread(target=forward, name="forward")
+    t0 = time.perf_counter()
+    thread.start()
+    thread.join()
+    times["forward_s"] = time.perf_counter() - t0
+    out: dict[str, Any] = {"requests": {}, "slices": slices.n_slices, "times": times,
+                           "sync_threads": sorted(set(sync_threads))}
+    for req in opened:
+        t_wait = time.perf_counter()
+        try:
+            st = req.wait(timeout)
+            out["requests"][req.request] = {
+                "ok": True, "blocks": st.blocks, "bytes": st.bytes, "slices": st.slices,
+                "submissions": st.submissions, "streamed": st.streamed,
+                "tail_s": st.tail_seconds, "seconds": st.seconds,
+                "manifest": req.manifest.to_bytes()}
+        except kvplan.TransferError as exc:
+            out["requests"][req.request] = {
+                "ok": False, "error": str(exc), "slice": getattr(exc, "slice", None),
+                "layers": getattr(exc, "layers", None), "state": getattr(exc, "state", None),
+                "wait_s": time.perf_counter() - t_wait}
+    if probes:
+        try:
+            streamer.ready(10_000)
+        except kvplan.KvPlanError as exc:
+            out["unknown_layer"] = f"{type(exc).__name__}: {exc}"
+    streamer.close()
+    if probes:
+        try:
+            streamer.ready(order[0])
+        except kvplan.TransferError as exc:
+            out["after_close"] = f"{type(exc).__name__}: {exc}"
+    out["live_handles"] = int(getattr(state.transport, "live_handles", 0))
+    return out
+
+
 def _cmd_live_handles(state: _PeerState) -> int:
     """Transfer handles the NIXL adapter still holds (0 for other engines)."""
     return int(getattr(state.transport, "live_handles", 0))
@@ -301,6 +386,7 @@ _COMMANDS: dict[str, Callable[..., Any]] = {
     "add_peer": _cmd_add_peer,
     "wait_notification": _cmd_wait_notification,
     "live_handles": _cmd_live_handles,
+    "stream": _cmd_stream,
 }
 
 

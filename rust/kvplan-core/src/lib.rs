@@ -5,9 +5,9 @@
 //! (`(src_addr, dst_addr, length)` columns) → a transfer engine.
 //!
 //! Modules form layers, each using only the ones above it: `error`, `layout`, `runs`,
-//! `pairing` → `pieces` (the address model) → `heads` (TP head slicing) → `check` (every rule)
+//! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
 //! → `plan` (output types) → `emit` and `tokens` (kernels over pieces) → `template` (build
-//! once, pick the strategy, one request path) → `descriptors`, `wire`.
+//! once, pick the strategy, one request path) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
 #![forbid(unsafe_code)]
 
 pub mod check;
@@ -15,12 +15,14 @@ pub mod descriptors;
 pub mod digest;
 pub mod emit;
 pub mod error;
+pub mod groups;
 pub mod heads;
 pub mod layout;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
 pub mod runs;
+pub mod slices;
 pub mod template;
 pub mod tokens;
 pub mod wire;
@@ -32,6 +34,7 @@ pub use digest::{
     plan_digest,
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side, try_vec};
+pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};
 pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
@@ -45,5 +48,6 @@ pub use plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
+pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};
 pub use tokens::TokenTemplate;

@@ -6,6 +6,7 @@ use crate::check::{
     TemplateOptions, check_fragments, check_pairs, compose, entry_labels, needs_tokens, pair_spec,
 };
 use crate::error::{PlanError, Result, Side};
+use crate::groups::{LayerGroups, SliceKey, StreamFacts};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout};
 use crate::pieces::{Fragments, PairSpec, Piece, TOKEN_CLASSES};
@@ -96,6 +97,9 @@ pub struct Template {
     pub(crate) by_token: bool,
     /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
     pub(crate) tokens: Result<TokenTemplate>,
+    /// What layer-wise slicing needs (module `slices`): each page pair's layer id, role and
+    /// kind, and both peers' ranks.
+    pub(crate) stream: StreamFacts,
 }
 
 impl Template {
@@ -119,6 +123,32 @@ impl Template {
         options: TemplateOptions,
         geometry: &GeometryOptions,
     ) -> Result<Self> {
+        Self::build(src, dst, options, geometry, None)
+    }
+
+    /// As [`Template::with_geometry`], coalescing only pairs whose entries belong to the same
+    /// layer group (or both to the seal): every group's blocks stay its own, so a layer group
+    /// of a cross-layer pool is one strided piece per run and can be sent alone.
+    ///
+    /// # Errors
+    /// As [`Template::with_geometry`].
+    pub fn with_layer_groups(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+        groups: &LayerGroups,
+    ) -> Result<Self> {
+        Self::build(src, dst, options, geometry, Some(groups))
+    }
+
+    fn build(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+        layer_groups: Option<&LayerGroups>,
+    ) -> Result<Self> {
         let checks = check_pairs(src, dst, options);
         if let Some(problem) = checks.iter().find_map(|c| c.problem.clone()) {
             return Err(problem);
@@ -131,6 +161,10 @@ impl Template {
                 .collect()
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
+        let stream = StreamFacts::new(src, dst, &page_pairs);
+        let coalesce_keys: Vec<SliceKey> = layer_groups
+            .map(|groups| stream.page_tags.iter().map(|t| groups.key(t)).collect())
+            .unwrap_or_default();
         // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
         // above, so it succeeds here.
         let heads = HeadSlicing::between(src, dst)?;
@@ -158,6 +192,7 @@ impl Template {
                 &geometry.fragments,
                 &head_fragments,
                 geometry.coalesce,
+                &coalesce_keys,
                 &labels.0,
             )?
         } else {
@@ -222,6 +257,7 @@ impl Template {
             token_groups,
             by_token,
             tokens,
+            stream,
         })
     }
 
@@ -305,12 +341,14 @@ impl Template {
 /// the emitting pair before it when both are whole-item transfers whose items touch on both
 /// sides (`base = previous base + previous item`, equal strides) and the group still fits in
 /// one stride on each side; a pair with fragments is a group of its own, one piece per fragment.
+/// With `coalesce_keys` (one per page pair), only pairs of equal keys join (layer-group edges).
 #[allow(clippy::type_complexity)]
 fn build_groups(
     page_pairs: &[PairSpec],
     fragments: &Fragments,
     head_fragments: &Fragments,
     coalesce: bool,
+    coalesce_keys: &[SliceKey],
     src_labels: &[String],
 ) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
     if let Fragments::PerPair(list) = fragments
@@ -360,6 +398,7 @@ fn build_groups(
                 && let Some(group) = groups.last_mut()
                 && let Some(last) = pieces.last_mut()
                 && touches(last, &whole)
+                && coalesce_keys.get(group.last_pair) == coalesce_keys.get(index)
             {
                 last.len += whole.len; // <= the strides (checked by `touches`)
                 group.last_pair = index;

@@ -13,6 +13,7 @@ mod pairing;
 mod plan;
 mod pool;
 mod runs;
+mod slices;
 mod template;
 
 #[pyo3::pymodule]
@@ -35,6 +36,8 @@ mod _core {
     use crate::pool::pool_stats;
     #[pymodule_export]
     use crate::runs::group_contiguous;
+    #[pymodule_export]
+    use crate::slices::{PyLayerGroups, PyLayerSlices, PyPlanSlices, PyWorkManifest};
     #[pymodule_export]
     use crate::template::{PyTemplate, check_pairs, needs_tokens};
 

@@ -223,6 +223,11 @@ impl PyTransferPlan {
         }
     }
 
+    /// The template that planned it and the plan's summary (for the core's questions).
+    pub(crate) fn template_and_summary(&self) -> (&Arc<Template>, &PlanSummary) {
+        (&self.template, &self.summary)
+    }
+
     fn n_pair_slots(&self) -> usize {
         self.template.plan_pair_groups(&self.summary).len()
     }

@@ -198,7 +198,7 @@ impl IndexVisitor for PlanInto<'_, '_> {
 #[pymethods]
 impl PyTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true))]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true, layer_groups=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
@@ -210,6 +210,7 @@ impl PyTemplate {
         check_dst_overlap: bool,
         fragments: Option<&Bound<'_, PyAny>>,
         coalesce: bool,
+        layer_groups: Option<PyRef<'_, crate::slices::PyLayerGroups>>,
     ) -> PyResult<Self> {
         let options = template_options(
             pairing,
@@ -222,9 +223,14 @@ impl PyTemplate {
             fragments: fragments_arg(fragments)?,
             coalesce,
         };
-        let inner =
-            Template::with_geometry(&src_layout.inner, &dst_layout.inner, options, &geometry)
-                .map_err(to_py_err)?;
+        let (src, dst) = (&src_layout.inner, &dst_layout.inner);
+        let inner = match &layer_groups {
+            Some(groups) => {
+                Template::with_layer_groups(src, dst, options, &geometry, &groups.inner)
+            }
+            None => Template::with_geometry(src, dst, options, &geometry),
+        }
+        .map_err(to_py_err)?;
         let fingerprint = |layout: &PyLayout| kvplan_core::layout_fingerprint(&layout.inner).ok();
         let fingerprints = fingerprint(&src_layout).zip(fingerprint(&dst_layout));
         Ok(Self {
@@ -404,6 +410,16 @@ impl PyTemplate {
             summary,
             self.fingerprints,
         ))
+    }
+
+    /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
+    /// A `KvPlanError` when a coalesced block holds layers of two groups: build the template
+    /// with `layer_groups=groups`.
+    fn layer_slices(
+        &self,
+        groups: PyRef<'_, crate::slices::PyLayerGroups>,
+    ) -> PyResult<crate::slices::PyLayerSlices> {
+        crate::slices::PyLayerSlices::build(Arc::clone(&self.inner), &groups)
     }
 
     /// One side's prepped descriptor table, `(addrs, lens)` uint64: descriptor `j * pages + k`

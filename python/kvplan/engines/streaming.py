@@ -1,0 +1,418 @@
+"""Layer-wise streaming: send each layer group of a request while prefill computes the next.
+
+A serving engine plans a request once, opens it here, and signals each layer as its KV cache
+is written (from its per-layer hook, on any thread, in any order). One submitter thread sends
+a layer group's slice of the plan (block ranges the core computed: ``LayerSlices.of(plan)``)
+as soon as every layer of the group is ready and the destination is known, then the seal
+(state, draft, marked entries) once the forward is done. The caller never blocks; each request
+ends with one verdict.
+
+::
+
+    groups = kvplan.LayerGroups.fixed(4)
+    template = kvplan.Template(src, dst, layer_groups=groups)
+    streamer = StreamingSubmitter(transport, template.layer_slices(groups))
+    req = streamer.open("req-7", template.plan(sp, dp), peer_session,
+                        state_plan=template.plan_state(ss, ds))
+    streamer.ready(layer_id)                # per layer, every open request (or req.ready(...))
+    streamer.ready(layer_id, event=ev)      # ev.synchronize() runs on the submitter's thread
+    req.seal()                              # forward done: the rest, then the seal
+    stats = req.wait(timeout=30.0)          # StreamStats, or TransferError naming the slice
+
+Nothing here imports an engine package; any :class:`kvplan.engines.Transport` works (Mooncake,
+NIXL: its completion notification goes with the request's last submission).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvplan._core import LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
+from kvplan._errors import TransferError
+
+__all__ = ["ReadyEvent", "StreamRequest", "StreamStats", "StreamingSubmitter"]
+
+#: Requests moving fewer bytes go out in one piece at seal time: per-slice messages of short
+#: prompts cost more than the overlap gains.
+DEFAULT_MIN_STREAM_BYTES = 1 << 20
+
+
+class ReadyEvent(Protocol):
+    """A device event (CUDA, NPU) recorded after the kernel that wrote a layer's cache."""
+
+    def synchronize(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """What one streamed request moved, and when."""
+
+    request: str
+    session: str
+    blocks: int
+    bytes: int
+    #: Engine submissions (one per block range of each slice sent, plus the seal's).
+    submissions: int
+    #: Slices sent before the seal (0 for a request below the size threshold).
+    slices: int
+    #: Whether the request went out as slices (False: one piece at seal time).
+    streamed: bool
+    #: Open to the last byte's completion.
+    seconds: float
+    #: From the last ready signal (or the seal, whichever came later) to completion.
+    tail_seconds: float
+
+
+class StreamRequest:
+    """One request being streamed: its slices, their state, and its verdict."""
+
+    def __init__(self, owner: StreamingSubmitter, request: str, plan: TransferPlan,
+                 cut: PlanSlices, slices: LayerSlices, peer: str | None,
+                 state: tuple[TransferPlan, PlanSlices] | None, notif: bytes,
+                 streamed: bool) -> None:
+        self.request = request
+        self._owner = owner
+        self._plan = plan
+        self._cut = cut
+        self._slices = slices
+        self._peer = peer
+        self._state = state
+        self._notif = notif
+        self.streamed = streamed
+        layers = slices.layers
+        # Per slice, the layers still awaited; slices with blocks only.
+        self._waiting: dict[int, set[int]] = {
+            k: set(layers[k]) for k, ranges in enumerate(cut.ranges) if ranges}
+        self._ready_slices: list[int] = []  # all layers ready, not yet sent
+        self._sent: set[int] = set()
+        self._sealed = False
+        self._t_open = time.perf_counter()
+        self._t_last_signal = self._t_open
+        self._blocks = self._bytes = self._submissions = 0
+        self._done = threading.Event()
+        self._error: TransferError | None = None
+        self._stats: StreamStats | None = None
+        self._cancelled = False
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def done(self) -> bool:
+        """True once the verdict is in (success, failure or cancel); never blocks."""
+        return self._done.is_set()
+
+    @property
+    def manifest(self) -> WorkManifest:
+        """The expected work of this request (slices, blocks, bytes, seal with state)."""
+        state = self._state[1] if self._state is not None else None
+        return self._cut.manifest(self._owner._request_number(self.request), state)
+
+    def ready(self, layer: int, event: ReadyEvent | None = None) -> None:
+        """Layer ``layer`` of this request is written (see :meth:`StreamingSubmitter.ready`)."""
+        self._owner._signal(layer, event, self)
+
+    def set_peer(self, peer_session: str) -> None:
+        """The destination is known now (slices ready before it wait for it)."""
+        self._owner._post(("peer", self, peer_session))
+
+    def seal(self) -> None:
+        """The forward is done: send every slice not sent yet, then the seal."""
+        self._owner._post(("seal", self, time.perf_counter()))
+
+    def cancel(self) -> None:
+        """Send nothing more for this request; its verdict becomes a cancel
+        (:class:`TransferError` with ``state="cancelled"``). Slices already handed to the engine
+        may still land."""
+        self._owner._post(("cancel", self))
+
+    def wait(self, timeout: float | None = None) -> StreamStats:
+        """Block until the verdict; return :class:`StreamStats` or raise the failure.
+
+        Raises:
+            TransferError: a slice failed (``slice``, ``group`` and ``layers`` name it), the
+                request was cancelled, the submitter closed first, or ``timeout`` passed.
+        """
+        if not self._done.wait(timeout):
+            err = TransferError(f"streaming: request {self.request!r} not complete after "
+                                f"{timeout} s")
+            err.state = "timeout"
+            raise err
+        if self._error is not None:
+            raise self._error
+        assert self._stats is not None
+        return self._stats
+
+    # ------------------------------------------------------------------ submitter side
+    def _fail(self, err: TransferError) -> None:
+        if not self._done.is_set():
+            self._error = err
+            self._done.set()
+
+
+class StreamingSubmitter:
+    """Streams requests' layer-group slices through ``transport`` from one thread of its own.
+
+    Args:
+        transport: a :class:`kvplan.engines.Transport` (Mooncake, NIXL, ...).
+        slices: the default ``LayerSlices`` (``template.layer_slices(groups)``) requests are cut
+            with and ready signals are checked against.
+        min_stream_bytes: requests moving fewer bytes (plan plus state) ignore ready signals
+            and go out in one piece at seal time.
+        max_blocks_per_batch: passed to ``transport.submit``.
+        timeout: per-submission timeout for engines that take one (NIXL).
+    """
+
+    def __init__(self, transport: Any, slices: LayerSlices, *,
+                 min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
+                 max_blocks_per_batch: int | None = None, timeout: float | None = None) -> None:
+        self._transport = transport
+        self._slices = slices
+        self.min_stream_bytes = min_stream_bytes
+        self._max_blocks = max_blocks_per_batch
+        self._timeout = timeout
+        self._nixl = getattr(transport, "engine_name", "") == "nixl"
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._open: list[StreamRequest] = []
+        self._numbers: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvplan-streaming", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def open(self, request: str, plan: TransferPlan, peer_session: str | None, *,
+             state_plan: TransferPlan | None = None, notif: bytes = b"",
+             slices: LayerSlices | None = None) -> StreamRequest:
+        """Start streaming one planned request (``peer_session`` may be ``None`` until
+        :meth:`StreamRequest.set_peer`). Cutting the plan is the core's (``slices.of``).
+
+        Raises:
+            KvPlanError: the plan (or state plan) is not of the slices' template.
+            TransferError: the submitter is closed.
+        """
+        self._check_open("open")
+        slices = self._slices if slices is None else slices
+        cut = slices.of(plan)
+        state = (state_plan, slices.of(state_plan)) if state_plan is not None else None
+        total = plan.total_bytes + (state_plan.total_bytes if state_plan is not None else 0)
+        req = StreamRequest(self, request, plan, cut, slices, peer_session, state, notif,
+                            streamed=total >= self.min_stream_bytes)
+        with self._lock:
+            self._numbers.setdefault(request, len(self._numbers))
+        self._post(("open", req))
+        return req
+
+    def ready(self, layer: int, event: ReadyEvent | None = None) -> None:
+        """Layer ``layer`` (global id) is written for every open request. Never blocks: the
+        signal is queued; ``event.synchronize()`` (a device event recorded after the layer's
+        write) runs on the submitter's thread before the layer counts as ready.
+
+        Raises:
+            KvPlanError: a layer id the model's layer groups do not have.
+            TransferError: the submitter is closed.
+        """
+        self._signal(layer, event, None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: requests without a verdict fail (``state="closed"``); the thread is joined."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(("close",))
+        self._thread.join(timeout)
+
+    def __enter__(self) -> StreamingSubmitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _request_number(self, request: str) -> int:
+        with self._lock:
+            return self._numbers.get(request, 0)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            err = TransferError(f"streaming: {what} after close(): the submitter is closed")
+            err.state = "closed"
+            raise err
+
+    def _signal(self, layer: int, event: ReadyEvent | None, req: StreamRequest | None) -> None:
+        self._check_open(f"ready({layer})")
+        slices = self._slices if req is None else req._slices
+        slices.slice_of_layer(layer)  # raises KvPlanError for a layer the model has not
+        self._queue.put(("ready", layer, event, req, time.perf_counter()))
+
+    def _post(self, item: tuple[Any, ...]) -> None:
+        self._check_open(item[0])
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            kind = item[0]
+            if kind == "close":
+                break
+            try:
+                self._handle(item)
+            except BaseException as exc:  # never let the thread die with requests open
+                err = TransferError(f"streaming: internal error handling {kind}: {exc!r}")
+                for req in list(self._open):
+                    req._fail(err)
+                self._open.clear()
+        closed = TransferError("streaming: the submitter was closed before the request "
+                               "completed")
+        closed.state = "closed"
+        for req in self._open:
+            req._fail(closed)
+        self._open.clear()
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "open":
+            self._open.append(item[1])
+            return
+        if kind == "ready":
+            _, layer, event, target, t = item
+            reqs = [target] if target is not None else list(self._open)
+            if event is not None:
+                try:
+                    event.synchronize()
+                except Exception as exc:
+                    err = TransferError(f"streaming: ready event of layer {layer} failed: "
+                                        f"{exc!r}")
+                    err.layer = layer
+                    for req in reqs:
+                        self._finish(req, err)
+                    return
+            for req in reqs:
+                if req.done or req._sealed:
+                    continue
+                req._t_last_signal = max(req._t_last_signal, t)
+                if not req.streamed:
+                    continue
+                k = req._slices.slice_of_layer(layer)
+                waiting = req._waiting.get(k) if k is not None else None
+                if k is not None and waiting is not None and layer in waiting:
+                    waiting.discard(layer)
+                    if not waiting:
+                        req._ready_slices.append(k)
+                self._pump(req)
+            return
+        req = item[1]
+        if req.done:
+            return
+        if kind == "peer":
+            req._peer = item[2]
+            self._pump(req)
+        elif kind == "cancel":
+            err = TransferError(f"streaming: request {req.request!r} cancelled")
+            err.state = "cancelled"
+            self._finish(req, err)
+        elif kind == "seal":
+            req._sealed = True
+            req._t_last_signal = max(req._t_last_signal, item[2])
+            # The forward is done: every layer is written, whether or not its hook fired.
+            req._ready_slices.extend(k for k in req._waiting if k not in req._sent
+                                     and k not in req._ready_slices)
+            self._pump(req)
+
+    def _pump(self, req: StreamRequest) -> None:
+        """Send what is ready; finish the request after its seal."""
+        if req._peer is None or req.done:
+            return
+        try:
+            if req.streamed:
+                while req._ready_slices:
+                    k = req._ready_slices.pop(0)
+                    req._sent.add(k)
+                    self._send(req, req._cut.ranges[k], req._plan, what=("slice", k),
+                               last=False)
+            if not req._sealed:
+                return
+            pieces: list[tuple[TransferPlan, Sequence[tuple[int, int]]]]
+            if req.streamed:
+                pieces = [(req._plan, req._cut.seal_ranges)]
+            else:
+                pieces = [(req._plan, [(0, req._plan.n_blocks)] if req._plan.n_blocks else [])]
+            if req._state is not None:
+                pieces.append((req._state[0], req._state[1].seal_ranges))
+            nonempty = [(p, r) for p, r in pieces if r]
+            for i, (plan, ranges) in enumerate(nonempty):
+                self._send(req, ranges, plan, what=("seal", None), last=i == len(nonempty) - 1)
+            if not nonempty and self._nixl:
+                self._send(req, [], req._plan, what=("seal", None), last=True)
+        except TransferError as err:
+            self._finish(req, err)
+            return
+        now = time.perf_counter()
+        req._stats = StreamStats(req.request, req._peer, req._blocks, req._bytes,
+                                 req._submissions, len(req._sent), req.streamed,
+                                 now - req._t_open, now - req._t_last_signal)
+        self._finish(req, None)
+
+    def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
+              *, what: tuple[str, int | None], last: bool) -> None:
+        assert req._peer is not None
+        src, dst, lengths = plan.src_addrs, plan.dst_addrs, plan.lengths
+        views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b]) for a, b in ranges]
+        if not views:  # a bare notification (NIXL) for a request that moves nothing
+            views = [PlanBatch(src[:0], dst[:0], lengths[:0])]
+        for i, view in enumerate(views):
+            kw: dict[str, Any] = {}
+            if self._nixl:
+                kw = {"notif": req._notif if last and i == len(views) - 1 else b"",
+                      "timeout": self._timeout}
+            try:
+                stats = self._transport.submit(view, req._peer, self._max_blocks, **kw)
+            except TransferError as exc:
+                raise _slice_error(req, what, exc) from exc
+            req._blocks += stats.blocks
+            req._bytes += stats.bytes
+            req._submissions += 1
+
+    def _finish(self, req: StreamRequest, err: TransferError | None) -> None:
+        if err is not None:
+            req._fail(err)
+        else:
+            req._done.set()
+        if req in self._open:
+            self._open.remove(req)
+
+
+def _slice_error(req: StreamRequest, what: tuple[str, int | None],
+                 cause: TransferError) -> TransferError:
+    kind, k = what
+    if kind == "slice" and k is not None:
+        group = req._slices.group_ids[k]
+        layers = req._slices.layers[k]
+        name = f"slice {k} (layer group {group}, layers {_ids(layers)})"
+    else:
+        group, layers, name = None, [], "the seal"
+    err = TransferError(f"streaming: request {req.request!r}: {name} failed: {cause}")
+    for field in ("engine", "session", "batch", "blocks", "bytes", "status", "agent", "state"):
+        setattr(err, field, getattr(cause, field, None))
+    err.request = req.request
+    err.slice = k if kind == "slice" else "seal"
+    err.group = group
+    err.layers = layers
+    return err
+
+
+def _ids(ids: Sequence[int]) -> str:
+    if not ids:
+        return "none"
+    arr = np.asarray(ids)
+    breaks = np.flatnonzero(np.diff(arr) != 1)
+    starts = [int(arr[0]), *(int(arr[b + 1]) for b in breaks)]
+    stops = [*(int(arr[b]) for b in breaks), int(arr[-1])]
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in zip(starts, stops))
+

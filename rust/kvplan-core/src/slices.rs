@@ -1,0 +1,490 @@
+//! Layer-wise streaming: one request's plan cut into per-layer-group slices, each a list of
+//! block ranges of that one plan (no re-planning, no copy), plus the **seal** (every block no
+//! layer group covers) and the expected-work [`WorkManifest`] a decode checks completeness against.
+//!
+//! [`LayerSlices`] is built once per template from the caller's [`LayerGroups`]: which of the
+//! template's emission groups belong to each layer group, and which to the seal. Slices are
+//! keyed by global layer id, never by the order hooks fire in. A coalesced emission group that
+//! straddles two layer groups is refused (build the template with
+//! [`Template::with_layer_groups`] so coalescing stops at the group edges). Cutting a plan
+//! ([`LayerSlices::of`]) only reads the template's group offsets for the plan's summary, so it
+//! works the same for page, token and state plans, and for a chunk of a chunked prefill (a plan
+//! of the chunk's new pages).
+
+use std::collections::BTreeMap;
+
+use crate::error::{PlanError, Result};
+use crate::groups::{LayerGroups, PeerRanks, SliceKey};
+use crate::plan::PlanSummary;
+use crate::template::Template;
+
+/// One layer group of a template: the layers whose ready signals it waits for and the
+/// template's emission groups whose blocks it sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceSpec {
+    /// The layer group's id ([`LayerGroups::group_of`]).
+    pub group: u64,
+    /// Layer ids of this template's page pairs in the group, ascending (empty: the group
+    /// covers no entry of this stage, and its slice of every plan is empty).
+    pub layers: Vec<i64>,
+    /// The template's emission groups in it, in block order.
+    pub emission_groups: Vec<usize>,
+}
+
+/// A template's layer groups, built once (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerSlices {
+    groups: LayerGroups,
+    slices: Vec<SliceSpec>,
+    /// Emission groups sent with the seal, in block order.
+    seal_groups: Vec<usize>,
+    /// Layer id → its slice (layers with entries in a slice).
+    layer_slice: BTreeMap<i64, usize>,
+    /// Layer ids the template knows that wait for no slice (state, draft, marked, elided).
+    other_layers: Vec<i64>,
+    n_layers: u64,
+    prefill: PeerRanks,
+    decode: PeerRanks,
+    n_pairs: usize,
+}
+
+/// Blocks and bytes of one slice of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SliceWork {
+    /// The layer group's id ([`WorkManifest::SEAL`] for the seal).
+    pub group: u64,
+    /// Blocks.
+    pub blocks: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One plan cut into slices: per slice (in [`LayerSlices::slices`] order) its block ranges
+/// `start..stop` in the plan, merged where they touch, and its work; the same for the seal.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PlanSlices {
+    /// Per slice, its block ranges in plan order.
+    pub ranges: Vec<Vec<(usize, usize)>>,
+    /// Per slice, its blocks and bytes.
+    pub work: Vec<SliceWork>,
+    /// The seal's block ranges in this plan (a state plan is all seal).
+    pub seal_ranges: Vec<(usize, usize)>,
+    /// The seal's blocks and bytes in this plan.
+    pub seal: SliceWork,
+}
+
+impl LayerSlices {
+    /// The slices of `template` for `groups`: every layer group listed (every caller set, or
+    /// the fixed groups covering the model's layers) with this template's layers and emission
+    /// groups in it, the rest in the seal.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] when one emission group holds pairs of two layer groups (or of a
+    /// group and the seal), naming the pairs, their layers and their groups.
+    pub fn new(template: &Template, groups: &LayerGroups) -> Result<Self> {
+        let facts = &template.stream;
+        let keys: Vec<SliceKey> = facts.page_tags.iter().map(|t| groups.key(t)).collect();
+        let n_groups = groups.n_groups(facts.n_layers);
+        // Fixed groups of layers past the model's count (an id band the layouts did not
+        // announce) still get slices: the list grows to the largest group seen.
+        let seen_max = keys
+            .iter()
+            .filter_map(|k| match k {
+                SliceKey::Group(g) => Some(*g + 1),
+                SliceKey::Seal => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let listed = n_groups.max(seen_max);
+        let listed = usize::try_from(listed).map_err(|_| PlanError::Overflow {
+            what: "layer group count",
+        })?;
+        if listed > 1 << 20 {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "layer groups would list {listed} slices; group ids come from layer ids, \
+                     which are at most 2^20 here"
+                ),
+            });
+        }
+        let mut slices: Vec<SliceSpec> = (0..listed as u64)
+            .map(|group| SliceSpec {
+                group,
+                layers: Vec::new(),
+                emission_groups: Vec::new(),
+            })
+            .collect();
+        let mut seal_groups = Vec::new();
+        let mut other_layers: Vec<i64> = facts.state_layers.clone();
+        for (g, group) in template.groups().iter().enumerate() {
+            let key = keys[group.first_pair];
+            if let Some(p) = (group.first_pair..=group.last_pair).find(|&p| keys[p] != key) {
+                return Err(straddle(template, &keys, group.first_pair, p));
+            }
+            match key {
+                SliceKey::Group(id) => slices[id as usize].emission_groups.push(g),
+                SliceKey::Seal => seal_groups.push(g),
+            }
+        }
+        let mut layer_slice = BTreeMap::new();
+        for (p, (tag, key)) in facts.page_tags.iter().zip(&keys).enumerate() {
+            let Some(layer) = tag.layer else { continue };
+            match key {
+                SliceKey::Group(id) if template.pair_groups()[p].is_some() => {
+                    slices[*id as usize].layers.push(layer);
+                    layer_slice.insert(layer, *id as usize);
+                }
+                _ => other_layers.push(layer),
+            }
+        }
+        for s in &mut slices {
+            s.layers.sort_unstable();
+            s.layers.dedup();
+        }
+        other_layers.sort_unstable();
+        other_layers.dedup();
+        Ok(Self {
+            groups: groups.clone(),
+            slices,
+            seal_groups,
+            layer_slice,
+            other_layers,
+            n_layers: facts.n_layers,
+            prefill: facts.prefill,
+            decode: facts.decode,
+            n_pairs: template.page_pairs().len(),
+        })
+    }
+
+    /// The slices, in layer-group id order (one per listed group, empty ones included).
+    pub fn slices(&self) -> &[SliceSpec] {
+        &self.slices
+    }
+
+    /// Emission groups sent with the seal.
+    pub fn seal_groups(&self) -> &[usize] {
+        &self.seal_groups
+    }
+
+    /// Prefill and decode ranks of the template.
+    pub fn peers(&self) -> (PeerRanks, PeerRanks) {
+        (self.prefill, self.decode)
+    }
+
+    /// The slice that waits for layer `layer` (`None`: a layer of the model this template
+    /// holds nothing of in any slice — a state or draft layer, one marked for the seal, or a
+    /// layer of another PP stage; its signal completes nothing here).
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a layer id the model does not have: negative, in no caller
+    /// set, or past the model's layers.
+    pub fn slice_of_layer(&self, layer: i64) -> Result<Option<usize>> {
+        if let Some(&s) = self.layer_slice.get(&layer) {
+            return Ok(Some(s));
+        }
+        // A layer of a listed group (fixed groups: below the model's layer count).
+        let in_model = self.groups.group_of(layer).is_some_and(|g| {
+            (g as usize) < self.slices.len()
+                && self.groups.layers_of(g, self.n_layers).contains(&layer)
+        });
+        if in_model || self.other_layers.binary_search(&layer).is_ok() {
+            return Ok(None);
+        }
+        let held: Vec<i64> = self.layer_slice.keys().copied().collect();
+        Err(PlanError::Geometry {
+            what: format!(
+                "layer {layer} is not a layer of this model's layer groups (model layers 0..{}, \
+                 {} groups; this template streams layers {})",
+                self.n_layers,
+                self.slices.len(),
+                crate::groups::ids_text(&held)
+            ),
+        })
+    }
+
+    /// Cuts one plan of this template (page, token or state plan, described by its summary)
+    /// into slices: per slice its block ranges and work, and the seal's.
+    pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
+        if summary.state {
+            // A state plan moves per-request state: no hook covers it, all of it is seal.
+            let ranges = if summary.n_blocks > 0 {
+                vec![(0, summary.n_blocks)]
+            } else {
+                Vec::new()
+            };
+            return PlanSlices {
+                ranges: vec![Vec::new(); self.slices.len()],
+                work: self
+                    .slices
+                    .iter()
+                    .map(|s| SliceWork {
+                        group: s.group,
+                        blocks: 0,
+                        bytes: 0,
+                    })
+                    .collect(),
+                seal_ranges: ranges,
+                seal: SliceWork {
+                    group: WorkManifest::SEAL,
+                    blocks: summary.n_blocks as u64,
+                    bytes: summary.total_bytes,
+                },
+            };
+        }
+        let offsets = template.group_offsets(summary);
+        let cut = |groups: &[usize], group: u64| -> (Vec<(usize, usize)>, SliceWork) {
+            let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(groups.len().min(4));
+            let mut bytes = 0u64;
+            for &g in groups {
+                let (start, stop) = (offsets[g], offsets[g + 1]);
+                bytes += group_bytes(template, g, summary);
+                if start == stop {
+                    continue;
+                }
+                match ranges.last_mut() {
+                    Some(last) if last.1 == start => last.1 = stop,
+                    _ => ranges.push((start, stop)),
+                }
+            }
+            let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
+            (
+                ranges,
+                SliceWork {
+                    group,
+                    blocks,
+                    bytes,
+                },
+            )
+        };
+        let (ranges, work) = self
+            .slices
+            .iter()
+            .map(|s| cut(&s.emission_groups, s.group))
+            .unzip();
+        let (seal_ranges, seal) = cut(&self.seal_groups, WorkManifest::SEAL);
+        PlanSlices {
+            ranges,
+            work,
+            seal_ranges,
+            seal,
+        }
+    }
+
+    /// Page pairs of the template these slices were cut for (a cheap identity check).
+    pub fn n_pairs(&self) -> usize {
+        self.n_pairs
+    }
+}
+
+impl PlanSlices {
+    /// The expected-work manifest of one request between this (prefill, decode) peer pair:
+    /// every slice's blocks and bytes, and the seal's, with `extra` (the request's state plan,
+    /// cut by the same slices) added to the seal.
+    pub fn manifest(
+        &self,
+        request: u64,
+        peers: (PeerRanks, PeerRanks),
+        extra: Option<&PlanSlices>,
+    ) -> WorkManifest {
+        let mut seal = self.seal;
+        if let Some(state) = extra {
+            seal.blocks += state.seal.blocks;
+            seal.bytes += state.seal.bytes;
+        }
+        WorkManifest {
+            request,
+            prefill: peers.0,
+            decode: peers.1,
+            slices: self.work.clone(),
+            seal,
+        }
+    }
+}
+
+/// What one prefill peer sends one decode peer for one request: per layer group its blocks and
+/// bytes, and the seal's. A decode that holds the manifests of every prefill peer sending to
+/// it knows the request is complete when every listed slice (and each seal) has arrived, and a
+/// slice missing from the arrivals is missing, not slow, once its peer reports the request sent.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WorkManifest {
+    /// The caller's request id.
+    pub request: u64,
+    /// The sending prefill peer.
+    pub prefill: PeerRanks,
+    /// The receiving decode peer.
+    pub decode: PeerRanks,
+    /// Per layer group, in group id order.
+    pub slices: Vec<SliceWork>,
+    /// The seal (group [`WorkManifest::SEAL`]).
+    pub seal: SliceWork,
+}
+
+const MANIFEST_MAGIC: &[u8; 4] = b"KVSM";
+const MANIFEST_VERSION: u16 = 1;
+/// Header: magic, version, reserved, request, 8 rank fields, slice count.
+const MANIFEST_HEADER: usize = 4 + 2 + 2 + 8 + 8 * 4 + 4;
+const MANIFEST_MAX_SLICES: usize = 1 << 20;
+
+impl WorkManifest {
+    /// The group id the seal carries.
+    pub const SEAL: u64 = u64::MAX;
+
+    /// Blocks over every slice and the seal.
+    pub fn total_blocks(&self) -> u64 {
+        self.slices.iter().map(|s| s.blocks).sum::<u64>() + self.seal.blocks
+    }
+
+    /// Bytes over every slice and the seal.
+    pub fn total_bytes(&self) -> u64 {
+        self.slices.iter().map(|s| s.bytes).sum::<u64>() + self.seal.bytes
+    }
+
+    /// Little-endian wire bytes: magic `KVSM`, version 1, the request id, both peers' PP and
+    /// TP ranks and sizes, the slices (group, blocks, bytes) and the seal (blocks, bytes), then
+    /// a CRC-32 of everything before it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(MANIFEST_HEADER + 24 * self.slices.len() + 20);
+        out.extend_from_slice(MANIFEST_MAGIC);
+        out.extend_from_slice(&MANIFEST_VERSION.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&self.request.to_le_bytes());
+        for p in [self.prefill, self.decode] {
+            for v in [p.pp_rank, p.pp_size, p.tp_rank, p.tp_size] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&(self.slices.len() as u32).to_le_bytes());
+        for s in &self.slices {
+            for v in [s.group, s.blocks, s.bytes] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&self.seal.blocks.to_le_bytes());
+        out.extend_from_slice(&self.seal.bytes.to_le_bytes());
+        let crc = crate::wire::crc32(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes [`WorkManifest::to_bytes`] output.
+    ///
+    /// # Errors
+    /// [`PlanError::Wire`] for a wrong magic, an unknown version, a length that does not match
+    /// the slice count, too many slices, or a CRC mismatch.
+    pub fn from_bytes(data: &[u8]) -> Result<Self> {
+        let wire = |what: String| PlanError::Wire { what };
+        if data.len() < MANIFEST_HEADER + 20 {
+            return Err(wire(format!(
+                "a manifest is at least {} bytes, got {}",
+                MANIFEST_HEADER + 20,
+                data.len()
+            )));
+        }
+        if &data[..4] != MANIFEST_MAGIC {
+            return Err(wire(format!(
+                "not a manifest: magic {:?}, expected \"KVSM\"",
+                &data[..4]
+            )));
+        }
+        let u16_at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
+        let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap_or([0; 4]));
+        let u64_at = |at: usize| u64::from_le_bytes(data[at..at + 8].try_into().unwrap_or([0; 8]));
+        let version = u16_at(4);
+        if version != MANIFEST_VERSION {
+            return Err(wire(format!(
+                "manifest version {version} is not supported (this build reads version {MANIFEST_VERSION})"
+            )));
+        }
+        let n = u32_at(MANIFEST_HEADER - 4) as usize;
+        if n > MANIFEST_MAX_SLICES {
+            return Err(wire(format!(
+                "manifest lists {n} slices, more than the {MANIFEST_MAX_SLICES} allowed"
+            )));
+        }
+        let expected = MANIFEST_HEADER + 24 * n + 16 + 4;
+        if data.len() != expected {
+            return Err(wire(format!(
+                "a manifest of {n} slices is {expected} bytes, got {}",
+                data.len()
+            )));
+        }
+        let body = expected - 4;
+        let (stored, computed) = (u32_at(body), crate::wire::crc32(&data[..body]));
+        if stored != computed {
+            return Err(wire(format!(
+                "manifest CRC-32 mismatch: stored {stored:#010x}, computed {computed:#010x}"
+            )));
+        }
+        let ranks = |at: usize| PeerRanks {
+            pp_rank: u32_at(at),
+            pp_size: u32_at(at + 4),
+            tp_rank: u32_at(at + 8),
+            tp_size: u32_at(at + 12),
+        };
+        let slices = (0..n)
+            .map(|k| {
+                let at = MANIFEST_HEADER + 24 * k;
+                SliceWork {
+                    group: u64_at(at),
+                    blocks: u64_at(at + 8),
+                    bytes: u64_at(at + 16),
+                }
+            })
+            .collect();
+        let seal_at = MANIFEST_HEADER + 24 * n;
+        Ok(Self {
+            request: u64_at(8),
+            prefill: ranks(16),
+            decode: ranks(32),
+            slices,
+            seal: SliceWork {
+                group: Self::SEAL,
+                blocks: u64_at(seal_at),
+                bytes: u64_at(seal_at + 8),
+            },
+        })
+    }
+}
+
+/// Bytes emission group `g` moves in a page or token plan: each of its pieces moves `len`
+/// bytes per page (page plan) or per token (token plan).
+fn group_bytes(template: &Template, g: usize, summary: &PlanSummary) -> u64 {
+    let group = &template.groups()[g];
+    if let Some(tokens) = &summary.tokens {
+        let Ok(pieces) = template.token_template() else {
+            return 0;
+        };
+        let (start, end) = (
+            pieces.pair_pieces[group.first_pair].0,
+            pieces.pair_pieces[group.last_pair].1,
+        );
+        let per_token: u64 = pieces.pieces[start..end].iter().map(|p| p.len).sum();
+        return per_token * tokens.n_tokens;
+    }
+    let pieces = &template.pieces()[group.first_piece..group.first_piece + group.n_pieces];
+    pieces.iter().map(|p| p.len).sum::<u64>() * summary.n_pages as u64
+}
+
+/// The error for an emission group whose pairs `first` and `other` belong to different slices.
+fn straddle(template: &Template, keys: &[SliceKey], first: usize, other: usize) -> PlanError {
+    let tags = &template.stream.page_tags;
+    let name = |p: usize| {
+        let layer = tags[p]
+            .layer
+            .map_or_else(|| "no layer id".to_string(), |l| format!("layer {l}"));
+        let key = match keys[p] {
+            SliceKey::Group(g) => format!("layer group {g}"),
+            SliceKey::Seal => "the seal".to_string(),
+        };
+        format!("page pair {p} ({layer}, {key})")
+    };
+    PlanError::Geometry {
+        what: format!(
+            "{} and {} are coalesced into one block per run, so neither can be sent alone; \
+             build the template with these layer groups (Template::with_layer_groups, \
+             Template(..., layer_groups=...)) so coalescing stops at group edges",
+            name(first),
+            name(other)
+        ),
+    }
+}
