@@ -93,3 +93,14 @@ def test_demo_digest_verdict_names_the_failing_stage_and_counts_the_rest(engine:
     assert [args[0] for args in dpeer.calls] == [b"p0-layout", b"p1-layout"]
     report.error = error
     assert report.lines()[-1] == f"VERIFICATION FAILED: {bad}"
+
+
+def test_demo_refuses_stream_with_digest_verification(capsys: Any) -> None:
+    import argparse
+
+    from kvplan import demo
+
+    parser = argparse.ArgumentParser()
+    run = demo.add_arguments(parser)
+    assert run(parser.parse_args(["--stream", "--verify", "digest"])) == 2
+    assert "--stream verifies every byte itself" in capsys.readouterr().err
