@@ -1,6 +1,8 @@
 """Test support: code the tests share and the benchmarks may reuse, never the other way round.
 
 - ``sglang_loader``: SGLang 0.5.23's real planning code, executed from its wheel.
+- ``package_shells``: the package shells, stand-in modules, meta-path finder and stand-in
+  reachability walk the SGLang and vLLM loaders share, and their unpacked-download cache.
 - ``sglang_models``: synthetic SGLang deployments and the ground truth of their bytes.
 - ``engine_peers``: arenas, spawned peers and an independent byte oracle for real transfers.
 - ``leak_workload``: the mixed plan-call workload whose RSS must stay flat.

@@ -34,6 +34,8 @@ How it loads (nothing of SGLang is re-typed here; every function that runs is th
   classes, decorators, metric objects). ``verify_closure()`` proves that none of them is reachable
   from the code that runs in the benchmark: it walks every global name the planning functions
   (and the functions they call, transitively) load, and fails if one resolves to a stand-in.
+  The shells, stand-ins, finder and that walk are ``support.package_shells``'s, shared with
+  ``support.vllm_loader``.
 * ``MooncakeKVManager`` is never instantiated (its ``__init__`` starts threads, sockets and a
   transfer engine). Methods run unbound with a ``types.SimpleNamespace`` as ``self`` carrying
   exactly the attributes ``_send_kvcache_generic`` reads, the real helper methods bound onto it,
@@ -50,15 +52,23 @@ How it loads (nothing of SGLang is re-typed here; every function that runs is th
 
 from __future__ import annotations
 
-import abc
-import dis
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
+
+from support.package_shells import (
+    STUBBED,
+    Finder,
+    dist_version,
+    download_wheel,
+    finding,
+    import_real,
+    is_stub,
+    unpack_once,
+    walk_globals,
+)
 
 SGLANG_VERSION = "0.5.23"
 
@@ -79,152 +89,9 @@ REAL_PACKAGES = ("sglang.srt.disaggregation.base",)
 # venv. Only these get stand-ins; any other missing import fails loudly.
 THIRD_PARTY_STANDINS = ("torch", "zmq", "msgspec", "requests", "aiohttp", "prometheus_client")
 
-STUBBED: list[str] = []  # names of the modules that got a stand-in, in import order
-
-
-# --------------------------------------------------------------------------------------------
-# Permissive stand-ins
-# --------------------------------------------------------------------------------------------
-class _StubMeta(abc.ABCMeta):
-    """Metaclass of stand-in classes: any attribute is another stand-in; calling a pure stand-in
-    with a single function/class returns it unchanged (decorator pass-through)."""
-
-    def __getattr__(cls, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _stub_class(f"{cls.__qualname__}.{name}")
-
-    def __call__(cls, *args, **kwargs):
-        if cls.__dict__.get("_kvplan_stub", False):
-            if len(args) == 1 and not kwargs and isinstance(args[0], (types.FunctionType, type)):
-                return args[0]
-        return super().__call__(*args, **kwargs)
-
-    def __getitem__(cls, item):
-        return cls
-
-    def __iter__(cls):
-        return iter(())
-
-
-class _StubBase(metaclass=_StubMeta):
-    _kvplan_stub = True
-
-    def __init_subclass__(cls, **kwargs):  # e.g. class X(msgspec.Struct, frozen=True)
-        super().__init_subclass__()
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _stub_class(f"{type(self).__qualname__}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and isinstance(args[0], (types.FunctionType, type)):
-            return args[0]
-        return _StubBase()
-
-    def __bool__(self):
-        return False
-
-    def __iter__(self):
-        return iter(())
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _stub_class(qualname: str) -> type:
-    cls = _StubMeta(qualname.rsplit(".", 1)[-1], (_StubBase,), {"_kvplan_stub": True})
-    cls.__qualname__ = qualname
-    cls.__module__ = "kvplan_bench_stub"
-    return cls
-
-
-def is_stub(obj) -> bool:
-    if isinstance(obj, _StubModule) or isinstance(obj, _StubBase):
-        return True
-    return isinstance(obj, type) and issubclass(obj, _StubBase) and obj.__dict__.get("_kvplan_stub", False)
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        value = _stub_class(f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
-class _StubLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        mod = _StubModule(spec.name)
-        mod.__path__ = []  # a package, so `import torch.distributed` works
-        return mod
-
-    def exec_module(self, module):
-        STUBBED.append(module.__name__)
-
-
-class _RealFileLoader(importlib.machinery.SourceFileLoader):
-    pass
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, root: str):
-        self.root = root  # .../site-packages/sglang
-
-    def find_spec(self, fullname, path=None, target=None):
-        rel = fullname.split(".")[1:]
-        if fullname in REAL_PACKAGES:
-            pkg_dir = os.path.join(self.root, *rel)
-            return importlib.util.spec_from_file_location(
-                fullname, os.path.join(pkg_dir, "__init__.py"),
-                submodule_search_locations=[pkg_dir])
-        if fullname in REAL_MODULES:
-            return importlib.util.spec_from_file_location(
-                fullname, os.path.join(self.root, *rel) + ".py")
-        if fullname == "sglang" or fullname.startswith("sglang."):
-            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
-        top = fullname.split(".")[0]
-        if top in THIRD_PARTY_STANDINS:
-            if importlib.machinery.PathFinder.find_spec(top) is not None and top not in sys.modules:
-                return None  # really installed: use the real package
-            if top in sys.modules and not isinstance(sys.modules[top], _StubModule):
-                return None
-            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
-        return None  # stdlib, numpy, ...: the normal import system
-
 
 class SGLang(types.SimpleNamespace):
     """The loaded functions plus a factory for stand-in managers."""
-
-
-def _package_shells(root: str) -> None:
-    """Register sglang's packages without running their __init__ files."""
-    shells = set()
-    for name in REAL_MODULES:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            shells.add(".".join(parts[:i]))
-    shells -= set(REAL_PACKAGES)
-    for name in sorted(shells, key=lambda s: s.count(".")):
-        if name in sys.modules:
-            continue
-        mod = types.ModuleType(name)
-        rel = name.split(".")[1:]
-        mod.__path__ = [os.path.join(root, *rel)]
-        mod.__package__ = name
-        mod.__file__ = None
-        sys.modules[name] = mod
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, mod)
 
 
 _LOADED: SGLang | None = None
@@ -243,50 +110,23 @@ def fetch_wheel(cache_dir: str | None = None) -> str:
 
     Only PyPI is contacted (pip's index). Raises ``RuntimeError`` naming the pip failure.
     """
-    import glob
-    import subprocess
     import zipfile
 
     cache = cache_dir or os.environ.get("KVPLAN_SGLANG_CACHE") or DEFAULT_CACHE
-    unpacked = os.path.join(cache, f"sglang-{SGLANG_VERSION}")
-    marker = os.path.join(unpacked, ".complete")
-    if os.path.exists(marker):
-        return os.path.join(unpacked, "sglang")
-    os.makedirs(cache, exist_ok=True)
-    wheels = glob.glob(os.path.join(cache, f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-               "--no-deps", f"sglang=={SGLANG_VERSION}", "-d", cache]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = glob.glob(os.path.join(cache, f"sglang-{SGLANG_VERSION}-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    tmp = unpacked + f".tmp{os.getpid()}"
-    with zipfile.ZipFile(wheels[0]) as zf:
-        members = [n for n in zf.namelist()
-                   if n.startswith(_WHEEL_PREFIXES)
-                   or n == f"sglang-{SGLANG_VERSION}.dist-info/METADATA"]
-        zf.extractall(tmp, members=members)
-    open(os.path.join(tmp, ".complete"), "w").close()
-    try:
-        os.rename(tmp, unpacked)
-    except OSError:  # another process unpacked it first
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return os.path.join(unpacked, "sglang")
+    def unpack(tmp: str) -> None:
+        with zipfile.ZipFile(download_wheel("sglang", SGLANG_VERSION, cache)) as zf:
+            members = [n for n in zf.namelist()
+                       if n.startswith(_WHEEL_PREFIXES)
+                       or n == f"sglang-{SGLANG_VERSION}.dist-info/METADATA"]
+            zf.extractall(tmp, members=members)
+
+    return unpack_once(cache, f"sglang-{SGLANG_VERSION}", "sglang", unpack)
 
 
 def _unpacked_version(root: str) -> str:
-    meta = os.path.join(os.path.dirname(root), f"sglang-{SGLANG_VERSION}.dist-info", "METADATA")
-    if not os.path.exists(meta):
-        return "unknown"
-    with open(meta, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
+    return dist_version(os.path.join(os.path.dirname(root),
+                                     f"sglang-{SGLANG_VERSION}.dist-info", "METADATA"))
 
 
 def load_sglang(root: str | None = None) -> SGLang:
@@ -313,16 +153,8 @@ def load_sglang(root: str | None = None) -> SGLang:
     if got != SGLANG_VERSION:
         raise ImportError(f"expected sglang=={SGLANG_VERSION}, found {got} at {root}")
 
-    _package_shells(root)
-    finder = _Finder(root)
-    sys.meta_path.insert(0, finder)
-    try:
-        mods = {name: importlib.import_module(name) for name in REAL_MODULES}
-    finally:
-        sys.meta_path.remove(finder)
-    for name, mod in mods.items():
-        assert not isinstance(mod, _StubModule), name
-        assert mod.__file__ and mod.__file__.startswith(root), (name, mod.__file__)
+    mods = import_real(root, "sglang", REAL_MODULES, real_packages=REAL_PACKAGES,
+                       standins=THIRD_PARTY_STANDINS)
 
     cu = mods["sglang.srt.disaggregation.common.utils"]
     du = mods["sglang.srt.disaggregation.utils"]
@@ -368,24 +200,17 @@ def load_head_slicing(sg: SGLang) -> None:
     """Execute ``disaggregation/common/staging_buffer.py`` (``compute_head_slice_params``, which
     ``send_kvcache_slice`` imports when called) from the wheel, with the loader's stand-ins for
     its GPU-only imports (torch, triton, kernels), and check the function is the wheel's."""
-    global THIRD_PARTY_STANDINS
-
     if STAGING_BUFFER in sys.modules and not is_stub(sys.modules[STAGING_BUFFER]):
         return
-    saved = THIRD_PARTY_STANDINS
-    THIRD_PARTY_STANDINS = (*saved, "triton")
-    finder = _Finder(sg.root)
-    sys.meta_path.insert(0, finder)
-    try:
+    finder = Finder({"sglang": sg.root}, REAL_MODULES, real_packages=REAL_PACKAGES,
+                    standins=(*THIRD_PARTY_STANDINS, "triton"))
+    with finding(finder):
         path = os.path.join(sg.root, "srt", "disaggregation", "common", "staging_buffer.py")
         spec = importlib.util.spec_from_file_location(STAGING_BUFFER, path)
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[STAGING_BUFFER] = mod
         spec.loader.exec_module(mod)
-    finally:
-        sys.meta_path.remove(finder)
-        THIRD_PARTY_STANDINS = saved
     fn = mod.compute_head_slice_params
     assert fn.__code__.co_filename == path, fn.__code__.co_filename
     # Everything it calls is a builtin (max): no stand-in is reachable from it.
@@ -551,15 +376,6 @@ def manager_object(sg: SGLang, cls: type, *, kv_args: types.SimpleNamespace,
 # --------------------------------------------------------------------------------------------
 # Proof that no stand-in is reachable from the code that runs
 # --------------------------------------------------------------------------------------------
-def _global_loads(code: types.CodeType):
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            yield ins.argval
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _global_loads(const)
-
-
 def verify_closure(sg: SGLang) -> list[str]:
     """Walk every global the planning code loads, transitively through the module-level
     functions it reaches; raise if any resolves to a stand-in. Returns the names visited."""
@@ -579,32 +395,7 @@ def verify_closure(sg: SGLang) -> list[str]:
         sg.AscendKVManager.send_kvcache,
         sg.AscendKVManager.get_mla_kv_ptrs_with_pp,
     ]
-    seen: set[int] = set()
-    visited: list[str] = []
-    bad: list[str] = []
-    todo = list(roots)
-    while todo:
-        fn = todo.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        visited.append(f"{fn.__module__}.{fn.__qualname__}")
-        g = fn.__globals__
-        for name in _global_loads(fn.__code__):
-            if name in g:
-                obj = g[name]
-            elif hasattr(__builtins__, name) if not isinstance(__builtins__, dict) else name in __builtins__:
-                continue
-            else:
-                bad.append(f"{fn.__qualname__}: global {name!r} is undefined")
-                continue
-            if is_stub(obj):
-                bad.append(f"{fn.__qualname__}: global {name!r} is a stand-in")
-            elif isinstance(obj, types.FunctionType) and obj.__module__.startswith("sglang."):
-                todo.append(obj)
-    if bad:
-        raise AssertionError("stand-ins reachable from the planning code:\n" + "\n".join(bad))
-    return visited
+    return walk_globals(roots, ("sglang.",))
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ How it loads (nothing of vLLM is re-typed here; every function that runs is the 
   logger (``vllm/logger.py``, ``vllm/envs.py``, ``vllm/logging_utils/formatter.py``).
 * Every other ``vllm.*`` module, and the third-party packages in :data:`THIRD_PARTY_STANDINS`
   that are not installed (torch, zmq, msgspec, ...), gets a permissive stand-in (the same
-  stand-ins as ``support.sglang_loader``). They satisfy module-level statements only.
+  stand-ins as ``support.sglang_loader``: ``support.package_shells``). They satisfy module-level
+  statements only.
   :func:`verify_closure` walks every global the planning methods load, transitively through
   the module-level functions they reach, and fails if one resolves to a stand-in.
 * vllm-ascend ships only an sdist. :func:`fetch_ascend_sdist` downloads it with
@@ -31,17 +32,22 @@ How it loads (nothing of vLLM is re-typed here; every function that runs is the 
 
 from __future__ import annotations
 
-import glob
-import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import subprocess
 import sys
 import types
 
-from support.sglang_loader import _global_loads, _StubLoader, _StubModule, is_stub
+from support.package_shells import (
+    Finder,
+    dist_version,
+    download_wheel,
+    finding,
+    import_real,
+    pip_download,
+    unpack_once,
+    walk_globals,
+)
 
 VLLM_VERSION = "0.33.0"
 VLLM_ASCEND_VERSION = "0.23.0.post1"
@@ -84,46 +90,20 @@ def _cache(cache_dir: str | None) -> str:
     return cache_dir or os.environ.get("KVPLAN_VLLM_CACHE") or DEFAULT_CACHE
 
 
-def _pip_download(args: list[str], cache: str, env: dict | None = None) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-           "--no-deps", *args, "-d", cache]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-
-
-def _publish(tmp: str, final: str) -> None:
-    open(os.path.join(tmp, ".complete"), "w").close()
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another process unpacked it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def fetch_wheel(cache_dir: str | None = None) -> str:
     """vLLM's wheel, downloaded once and its Python files unpacked; returns the ``vllm`` dir."""
     import zipfile
 
     cache = _cache(cache_dir)
-    unpacked = os.path.join(cache, f"vllm-{VLLM_VERSION}")
-    if os.path.exists(os.path.join(unpacked, ".complete")):
-        return os.path.join(unpacked, "vllm")
-    os.makedirs(cache, exist_ok=True)
-    pattern = os.path.join(cache, f"vllm-{VLLM_VERSION}-*.whl")
-    if not glob.glob(pattern):
-        _pip_download([f"vllm=={VLLM_VERSION}"], cache)
-    wheel = glob.glob(pattern)[0]
-    tmp = unpacked + f".tmp{os.getpid()}"
-    with zipfile.ZipFile(wheel) as zf:
-        members = [n for n in zf.namelist()
-                   if (n.startswith("vllm/") and n.endswith(".py"))
-                   or n == f"vllm-{VLLM_VERSION}.dist-info/METADATA"]
-        zf.extractall(tmp, members=members)
-    _publish(tmp, unpacked)
-    return os.path.join(unpacked, "vllm")
+
+    def unpack(tmp: str) -> None:
+        with zipfile.ZipFile(download_wheel("vllm", VLLM_VERSION, cache)) as zf:
+            members = [n for n in zf.namelist()
+                       if (n.startswith("vllm/") and n.endswith(".py"))
+                       or n == f"vllm-{VLLM_VERSION}.dist-info/METADATA"]
+            zf.extractall(tmp, members=members)
+
+    return unpack_once(cache, f"vllm-{VLLM_VERSION}", "vllm", unpack)
 
 
 def fetch_ascend_sdist(cache_dir: str | None = None) -> str:
@@ -132,108 +112,40 @@ def fetch_ascend_sdist(cache_dir: str | None = None) -> str:
     import tarfile
 
     cache = _cache(cache_dir)
-    unpacked = os.path.join(cache, f"vllm_ascend-{VLLM_ASCEND_VERSION}")
-    if os.path.exists(os.path.join(unpacked, ".complete")):
-        return os.path.join(unpacked, "vllm_ascend")
-    os.makedirs(cache, exist_ok=True)
-    sdist = os.path.join(cache, f"vllm_ascend-{VLLM_ASCEND_VERSION}.tar.gz")
-    if not os.path.exists(sdist):
-        env = dict(os.environ, SOC_VERSION="ascend910b1", COMPILE_CUSTOM_KERNELS="0")
-        if importlib.util.find_spec("setuptools_scm") is None:
-            tools = os.path.join(cache, "buildtools")
-            if not os.path.isdir(os.path.join(tools, "setuptools_scm")):
-                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", tools,
-                                "setuptools_scm", "setuptools"], check=True, capture_output=True)
-            env["PYTHONPATH"] = tools + os.pathsep + env.get("PYTHONPATH", "")
-        _pip_download(["--no-binary", ":all:", "--no-build-isolation",
-                       f"vllm-ascend=={VLLM_ASCEND_VERSION}"], cache, env)
-    tmp = unpacked + f".tmp{os.getpid()}"
-    top = f"vllm_ascend-{VLLM_ASCEND_VERSION}/"
-    with tarfile.open(sdist) as tf:
-        members = []
-        for m in tf.getmembers():
-            rel = m.name[len(top):] if m.name.startswith(top) else None
-            if rel is None or not (rel == "PKG-INFO"
-                                   or rel.startswith("vllm_ascend/distributed/kv_transfer/")):
-                continue
-            if not (m.isfile() or m.isdir()):
-                continue
-            m.name = rel
-            members.append(m)
-        tf.extractall(tmp, members=members, filter="data")
-    _publish(tmp, unpacked)
-    return os.path.join(unpacked, "vllm_ascend")
 
+    def unpack(tmp: str) -> None:
+        sdist = os.path.join(cache, f"vllm_ascend-{VLLM_ASCEND_VERSION}.tar.gz")
+        if not os.path.exists(sdist):
+            env = dict(os.environ, SOC_VERSION="ascend910b1", COMPILE_CUSTOM_KERNELS="0")
+            if importlib.util.find_spec("setuptools_scm") is None:
+                tools = os.path.join(cache, "buildtools")
+                if not os.path.isdir(os.path.join(tools, "setuptools_scm")):
+                    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target",
+                                    tools, "setuptools_scm", "setuptools"],
+                                   check=True, capture_output=True)
+                env["PYTHONPATH"] = tools + os.pathsep + env.get("PYTHONPATH", "")
+            pip_download(["--no-binary", ":all:", "--no-build-isolation",
+                          f"vllm-ascend=={VLLM_ASCEND_VERSION}"], cache, env)
+        top = f"vllm_ascend-{VLLM_ASCEND_VERSION}/"
+        with tarfile.open(sdist) as tf:
+            members = []
+            for m in tf.getmembers():
+                rel = m.name[len(top):] if m.name.startswith(top) else None
+                if rel is None or not (rel == "PKG-INFO"
+                                       or rel.startswith("vllm_ascend/distributed/kv_transfer/")):
+                    continue
+                if not (m.isfile() or m.isdir()):
+                    continue
+                m.name = rel
+                members.append(m)
+            tf.extractall(tmp, members=members, filter="data")
 
-def _dist_version(meta: str) -> str:
-    with open(meta, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, roots: dict[str, str], real: tuple[str, ...]):
-        self.roots = roots  # top package name -> its directory
-        self.real = real
-
-    def find_spec(self, fullname, path=None, target=None):
-        top = fullname.split(".")[0]
-        if top in self.roots:
-            rel = fullname.split(".")[1:]
-            if fullname in REAL_PACKAGES and fullname in self.real:
-                pkg_dir = os.path.join(self.roots[top], *rel)
-                return importlib.util.spec_from_file_location(
-                    fullname, os.path.join(pkg_dir, "__init__.py"),
-                    submodule_search_locations=[pkg_dir])
-            if fullname in self.real:
-                return importlib.util.spec_from_file_location(
-                    fullname, os.path.join(self.roots[top], *rel) + ".py")
-            if fullname in sys.modules:
-                return None
-            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
-        if top in THIRD_PARTY_STANDINS:
-            if top in sys.modules and not isinstance(sys.modules[top], _StubModule):
-                return None
-            if top not in sys.modules and importlib.machinery.PathFinder.find_spec(top) is not None:
-                return None  # really installed: use the real package
-            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
-        return None
-
-
-def _package_shells(root: str, modules: tuple[str, ...]) -> None:
-    shells = set()
-    for name in modules:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            shells.add(".".join(parts[:i]))
-    shells -= set(REAL_PACKAGES)
-    for name in sorted(shells, key=lambda s: s.count(".")):
-        if name in sys.modules:
-            continue
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        mod.__package__ = name
-        mod.__file__ = None
-        sys.modules[name] = mod
-        parent, _, child = name.rpartition(".")
-        if parent in sys.modules:  # a real package parent sets it when imported
-            setattr(sys.modules[parent], child, mod)
+    return unpack_once(cache, f"vllm_ascend-{VLLM_ASCEND_VERSION}", "vllm_ascend", unpack)
 
 
 def _import_real(root: str, top: str, modules: tuple[str, ...]) -> dict[str, types.ModuleType]:
-    _package_shells(root, modules)
-    finder = _Finder({top: root}, modules)
-    sys.meta_path.insert(0, finder)
-    try:
-        mods = {name: importlib.import_module(name) for name in modules}
-    finally:
-        sys.meta_path.remove(finder)
-    for name, mod in mods.items():
-        assert not isinstance(mod, _StubModule), name
-        assert mod.__file__ and mod.__file__.startswith(root), (name, mod.__file__)
-    return mods
+    return import_real(root, top, modules, real_packages=REAL_PACKAGES,
+                       standins=THIRD_PARTY_STANDINS)
 
 
 class VLLM(types.SimpleNamespace):
@@ -249,7 +161,7 @@ def load_vllm(root: str | None = None) -> VLLM:
     if _LOADED is not None:
         return _LOADED
     root = root or fetch_wheel()
-    got = _dist_version(os.path.join(os.path.dirname(root),
+    got = dist_version(os.path.join(os.path.dirname(root),
                                      f"vllm-{VLLM_VERSION}.dist-info", "METADATA"))
     if got != VLLM_VERSION:
         raise ImportError(f"expected vllm=={VLLM_VERSION}, found {got} at {root}")
@@ -281,21 +193,19 @@ def load_vllm_ascend(root: str | None = None) -> types.SimpleNamespace:
         return _LOADED_ASCEND
     v = load_vllm()
     root = root or fetch_ascend_sdist()
-    got = _dist_version(os.path.join(os.path.dirname(root), "PKG-INFO"))
+    got = dist_version(os.path.join(os.path.dirname(root), "PKG-INFO"))
     if got != VLLM_ASCEND_VERSION:
         raise ImportError(f"expected vllm-ascend=={VLLM_ASCEND_VERSION}, found {got} at {root}")
-    finder = _Finder({"vllm": v.root}, REAL_MODULES)  # further vllm.* imports: stand-ins
-    sys.meta_path.insert(0, finder)
-    try:
+    # further vllm.* imports: stand-ins
+    with finding(Finder({"vllm": v.root}, REAL_MODULES, real_packages=REAL_PACKAGES,
+                        standins=THIRD_PARTY_STANDINS)):
         mods = _import_real(root, "vllm_ascend", ASCEND_REAL_MODULES)
-    finally:
-        sys.meta_path.remove(finder)
     hy = mods[_ASC]
     a = types.SimpleNamespace(version=got, root=root, modules=mods, hybrid=hy,
                               KVCacheRecvingThread=hy.KVCacheRecvingThread,
                               MooncakeSpec=v.kvi.MambaSpec)
     roots = [hy.KVCacheRecvingThread._transfer_kv_cache_all_groups, hy.group_concurrent_contiguous]
-    a.verify_closure = lambda: _walk(roots, ("vllm_ascend.", "vllm."))
+    a.verify_closure = lambda: walk_globals(roots, ("vllm_ascend.", "vllm."))
     _LOADED_ASCEND = a
     return a
 
@@ -323,39 +233,8 @@ def planning_roots(v: VLLM) -> list:
     ]
 
 
-def _walk(roots: list, prefixes: tuple[str, ...]) -> list[str]:
-    seen: set[int] = set()
-    visited: list[str] = []
-    bad: list[str] = []
-    todo = list(roots)
-    while todo:
-        fn = todo.pop()
-        fn = getattr(fn, "__func__", fn)
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        visited.append(f"{fn.__module__}.{fn.__qualname__}")
-        g = fn.__globals__
-        for name in _global_loads(fn.__code__):
-            if name in g:
-                obj = g[name]
-            elif isinstance(__builtins__, dict) and name in __builtins__ or hasattr(
-                    __builtins__, name):
-                continue
-            else:
-                bad.append(f"{fn.__qualname__}: global {name!r} is undefined")
-                continue
-            if is_stub(obj):
-                bad.append(f"{fn.__qualname__}: global {name!r} is a stand-in")
-            elif isinstance(obj, types.FunctionType) and obj.__module__.startswith(prefixes):
-                todo.append(obj)
-    if bad:
-        raise AssertionError("stand-ins reachable from the planning code:\n" + "\n".join(bad))
-    return visited
-
-
 def verify_closure(v: VLLM) -> list[str]:
-    return _walk(planning_roots(v), ("vllm.",))
+    return walk_globals(planning_roots(v), ("vllm.",))
 
 
 if __name__ == "__main__":
