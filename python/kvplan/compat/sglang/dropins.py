@@ -180,6 +180,24 @@ def send_kvcache(
                                 dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
     get_memory = _sglang_global("get_memory")
+    return _generic_over_kv_buffers(
+        self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor,
+        dst_layer_ids, force_flat=get_memory().enable_unified_memory,
+        dst_device_data_indices=None, dst_device_data_ptrs=None)
+
+
+def _generic_over_kv_buffers(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    executor: Any,
+    dst_layer_ids: list[int] | None,
+    **manager_kwargs: Any,
+) -> int:
+    """``self._send_kvcache_generic`` over this manager's KV buffers, with the keyword arguments
+    SGLang's ``send_kvcache`` passes; ``manager_kwargs`` are those only one manager passes."""
     return _status(self._send_kvcache_generic(
         mooncake_session_id=mooncake_session_id,
         src_data_ptrs=self.kv_args.kv_data_ptrs,
@@ -188,11 +206,9 @@ def send_kvcache(
         prefill_data_indices=prefill_kv_indices,
         dst_data_indices=dst_kv_indices,
         executor=executor,
-        force_flat=get_memory().enable_unified_memory,
         src_layer_ids=self.kv_args.kv_layer_ids,
         dst_layer_ids=dst_layer_ids,
-        dst_device_data_indices=None,
-        dst_device_data_ptrs=None,
+        **manager_kwargs,
     ))
 
 
@@ -214,17 +230,8 @@ def ascend_send_kvcache(
             "Ascend PD transfer does not support HiSparse destination device KV indices")
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
     if self.is_hybrid_mla_backend and self.pp_size > 1:
-        return _status(self._send_kvcache_generic(
-            mooncake_session_id=mooncake_session_id,
-            src_data_ptrs=self.kv_args.kv_data_ptrs,
-            dst_data_ptrs=dst_kv_ptrs,
-            item_lens=self.kv_args.kv_item_lens,
-            prefill_data_indices=prefill_kv_indices,
-            dst_data_indices=dst_kv_indices,
-            executor=executor,
-            src_layer_ids=self.kv_args.kv_layer_ids,
-            dst_layer_ids=dst_layer_ids,
-        ))
+        return _generic_over_kv_buffers(self, mooncake_session_id, prefill_kv_indices,
+                                        dst_kv_ptrs, dst_kv_indices, executor, dst_layer_ids)
     kv_args = self.kv_args
     src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
     dst_ptrs = list(dst_kv_ptrs)
