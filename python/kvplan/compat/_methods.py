@@ -1,6 +1,6 @@
 """Replacing methods on an engine's class and restoring exactly what was there.
 
-The vLLM and vllm-ascend integrations share this: ``install`` swaps functions into a class's
+The vLLM, vllm-ascend and SGLang integrations share this: ``install`` swaps functions into a class's
 ``__dict__`` and remembers what the class itself held (or that it held nothing and inherited
 the method), ``uninstall`` puts that back, so a subclass patched and restored is byte for byte
 the class it was.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvplan.compat._methods import MethodPatches
 from kvplan.compat.sglang.dropins import (
     _send_kvcache_generic,
     _send_mamba_state,
@@ -13,9 +14,7 @@ from kvplan.compat.sglang.dropins import (
     send_kvcache_slice,
 )
 from kvplan.compat.sglang.registry import (
-    _MISSING,
     _ORIGINALS,
-    _SAVED,
     REPLACED_METHODS,
     _dropin,
     _manager_kind,
@@ -33,6 +32,12 @@ _DROPINS: dict[str, Callable[..., int]] = {
 
 
 _ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(ascend_send_kvcache))
+
+# What each manager kind's classes get, and what each patched class held before.
+_PATCHES = {
+    kind: MethodPatches({name: dropins[name] for name in REPLACED_METHODS[kind]})
+    for kind, dropins in (("MooncakeKVManager", _DROPINS), ("AscendKVManager", _ASCEND_DROPINS))
+}
 
 
 def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
@@ -55,40 +60,31 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
         raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
     kind = _manager_kind(manager_class)
     _register_sglang_classes(manager_class)
-    dropins = _ASCEND_DROPINS if kind == "AscendKVManager" else _DROPINS
-    replaced = []
-    for name in REPLACED_METHODS[kind]:
-        key = (manager_class, name)
-        if key in _SAVED:
-            continue
-        _ORIGINALS[key] = _resolve_original(manager_class, name)
-        _SAVED[key] = manager_class.__dict__.get(name, _MISSING)
-        setattr(manager_class, name, dropins[name])
-        replaced.append(name)
+    patches = _PATCHES[kind]
+    already = patches.installed(manager_class)
+    # SGLang's functions, resolved before the drop-ins hide them
+    originals = {(manager_class, name): _resolve_original(manager_class, name)
+                 for name in patches.replacements if name not in already}
+    replaced = patches.install(manager_class)
+    _ORIGINALS.update(originals)
     setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
     setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
-    return tuple(replaced)
+    return replaced
 
 
 def uninstall(manager_class: type) -> tuple[str, ...]:
     """Restore exactly what :func:`install` replaced on ``manager_class``; returns the names."""
-    restored = []
-    for (klass, name) in list(_SAVED):
-        if klass is not manager_class:
-            continue
-        saved = _SAVED.pop((klass, name))
-        _ORIGINALS.pop((klass, name), None)
-        if saved is _MISSING:
-            delattr(klass, name)
-        else:
-            setattr(klass, name, saved)
-        restored.append(name)
+    restored = tuple(name for patches in _PATCHES.values()
+                     for name in patches.uninstall(manager_class))
+    for name in restored:
+        _ORIGINALS.pop((manager_class, name), None)
     for attr in ("_kvplan_max_blocks_per_batch", "_kvplan_decode_kv_layers"):
         if attr in manager_class.__dict__:
             delattr(manager_class, attr)
-    return tuple(restored)
+    return restored
 
 
 def installed(manager_class: type) -> tuple[str, ...]:
     """Names of the methods currently replaced on ``manager_class`` itself."""
-    return tuple(name for (klass, name) in _SAVED if klass is manager_class)
+    return tuple(name for patches in _PATCHES.values()
+                 for name in patches.installed(manager_class))

@@ -42,13 +42,6 @@ _SGLANG_GLOBALS: dict[str, dict[str, Any]] = {}
 _SGLANG_IMPLS: dict[str, dict[Any, str]] = {name: {} for name in SEAMS}
 
 
-_MISSING = object()
-
-
-# (class, method name) -> what the class's own __dict__ held before install (or _MISSING)
-_SAVED: dict[tuple[type, str], Any] = {}
-
-
 # (class, method name) -> SGLang's function that the class resolved before install
 _ORIGINALS: dict[tuple[type, str], Any] = {}
 
