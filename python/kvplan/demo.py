@@ -31,10 +31,11 @@ The processes, arenas and the verifier are :mod:`kvplan.testing`'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from kvplan.testing import (
     Arena,
     PeerFailure,
     PeerProcess,
+    PeerSpec,
     arena_dir,
     fill_source,
     first_wrong_byte,
@@ -170,6 +172,63 @@ class DemoReport:
         return out
 
 
+@dataclass
+class _DemoPeers:
+    """The arenas and engine processes of one demo run: ``peers[0]`` serves ``decode``, each
+    further one a prefill stage's source arena, connected to the decode through ``sessions``."""
+
+    workdir: str
+    decode: Arena
+    sources: list[Arena]
+    peers: list[PeerProcess]
+    sessions: list[Any]
+
+
+@contextlib.contextmanager
+def _demo_peers(decode_spec: PeerSpec, prefill_specs: Sequence[PeerSpec], *, seed: int, quiet: bool,
+                engine: str, engine_log_in_failure: bool = False) -> Iterator[_DemoPeers]:
+    """Create the decode arena (filled with ``SENTINEL``) and each prefill stage's (seeded
+    bytes), start one engine process per arena and connect every prefill to the decode; on
+    exit stop them and remove the arenas. With ``engine_log_in_failure``, a ``PeerFailure``
+    is raised again with the last lines of the engines' log."""
+    total = decode_spec.size + sum(s.size for s in prefill_specs)
+    workdir = arena_dir(total)
+    arenas: list[Arena] = []
+    peers: list[PeerProcess] = []
+    try:
+        decode = Arena(os.path.join(workdir, "decode"), decode_spec.size, create=True)
+        arenas.append(decode)
+        decode.array[:] = SENTINEL
+        sources = []
+        for r, spec in enumerate(prefill_specs):
+            a = Arena(os.path.join(workdir, spec.name), spec.size, create=True)
+            arenas.append(a)
+            fill_source(a, seed + 1 + r)
+            sources.append(a)
+        # Start all engines at once (start-up dominates the wall time), then wait for them.
+        log = os.path.join(workdir, "engines.log") if quiet else None
+        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log, engine=engine))
+        peers += [PeerProcess(spec, a, wait=False, log_path=log, engine=engine)
+                  for spec, a in zip(prefill_specs, sources)]
+        for p in peers:
+            p.ready()
+        # NIXL: each prefill agent loads the decode agent's metadata (bytes over the pipe).
+        sessions = [p.connect(peers[0]) for p in peers[1:]]
+        yield _DemoPeers(workdir, decode, sources, peers, sessions)
+    except PeerFailure as exc:
+        if not engine_log_in_failure:
+            raise
+        tail = _log_tail(os.path.join(workdir, "engines.log"))
+        raise PeerFailure(f"{exc}\n--- engine log (last lines) ---\n{tail}" if tail
+                          else str(exc)) from None
+    finally:
+        for p in peers:
+            p.stop()
+        for a in arenas:
+            a.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def demo_model(layers: int = 48) -> ModelPreset:
     """The demo's model: the Kimi-Linear-style preset with ``layers`` layers."""
     return get_preset("kimi-linear", layers)
@@ -213,30 +272,10 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
                         pages, n_req, engine=engine, layout=layout, verify=verify)
     report.pool_strides = [next(e.stride for e in spec.entries if e.kind == "page")
                            for spec in (decode_spec, *prefill_specs)]
-    total = decode_spec.size + sum(s.size for s in prefill_specs)
-    workdir = arena_dir(total)
-    arenas: list[Arena] = []
-    peers: list[PeerProcess] = []
-    try:
-        decode = Arena(os.path.join(workdir, "decode"), decode_spec.size, create=True)
-        arenas.append(decode)
-        decode.array[:] = SENTINEL
-        sources = []
-        for r, spec in enumerate(prefill_specs):
-            a = Arena(os.path.join(workdir, spec.name), spec.size, create=True)
-            arenas.append(a)
-            fill_source(a, seed + 1 + r)
-            sources.append(a)
-        # Start all engines at once (start-up dominates the wall time), then wait for them.
-        log = os.path.join(workdir, "engines.log") if quiet else None
-        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log, engine=engine))
-        peers += [PeerProcess(spec, a, wait=False, log_path=log, engine=engine)
-                  for spec, a in zip(prefill_specs, sources)]
-        for p in peers:
-            p.ready()
+    with _demo_peers(decode_spec, prefill_specs, seed=seed, quiet=quiet, engine=engine,
+                     engine_log_in_failure=True) as run:
+        decode, sources, peers, sessions = run.decode, run.sources, run.peers, run.sessions
         dpeer = peers[0]
-        # NIXL: each prefill agent loads the decode agent's metadata (bytes over the pipe).
-        sessions = [p.connect(dpeer) for p in peers[1:]]
         report.handshake_bytes = len(dpeer.layout_wire or b"")
         # The prefill stages write concurrently, as real PP stages do: send every request
         # first, then collect the answers.
@@ -272,16 +311,6 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             report.error = first_wrong_byte(decode, decode_spec, writes)
             if report.error is None:
                 report.verified_bytes = decode.size
-    except PeerFailure as exc:
-        tail = _log_tail(os.path.join(workdir, "engines.log"))
-        raise PeerFailure(f"{exc}\n--- engine log (last lines) ---\n{tail}" if tail
-                          else str(exc)) from None
-    finally:
-        for p in peers:
-            p.stop()
-        for a in arenas:
-            a.close()
-        shutil.rmtree(workdir, ignore_errors=True)
     report.wall_s = time.perf_counter() - t_wall
     return report
 
@@ -334,28 +363,10 @@ def run_stream_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
     dst_pages = fragmented_pages(n_req, DEMO_FRAGMENTATION, seed=seed, shuffle_runs=True,
                                  capacity=pages)
     src_slot, dst_slot = 1 % state_slots, state_slots - 1
-    total = decode_spec.size + sum(s.size for s in prefill_specs)
-    workdir = arena_dir(total)
-    arenas: list[Arena] = []
-    peers: list[PeerProcess] = []
     lines: list[str] = []
-    try:
-        decode = Arena(os.path.join(workdir, "decode"), decode_spec.size, create=True)
-        arenas.append(decode)
-        sources = []
-        for r, spec in enumerate(prefill_specs):
-            a = Arena(os.path.join(workdir, spec.name), spec.size, create=True)
-            arenas.append(a)
-            fill_source(a, seed + 1 + r)
-            sources.append(a)
-        log = os.path.join(workdir, "engines.log") if quiet else None
-        peers.append(PeerProcess(decode_spec, decode, wait=False, log_path=log, engine=engine))
-        peers += [PeerProcess(spec, a, wait=False, log_path=log, engine=engine)
-                  for spec, a in zip(prefill_specs, sources)]
-        for p in peers:
-            p.ready()
+    with _demo_peers(decode_spec, prefill_specs, seed=seed, quiet=quiet, engine=engine) as run:
+        decode, sources, peers, sessions = run.decode, run.sources, run.peers, run.sessions
         dpeer = peers[0]
-        sessions = [p.connect(dpeer) for p in peers[1:]]
         writes = [(a, s, src_pages, dst_pages, src_slot, dst_slot)
                   for a, s in zip(sources, prefill_specs)]
         # Streaming: every stage's forward signals its layers; slices leave as groups fill.
@@ -381,12 +392,6 @@ def run_stream_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
             for p in peers[1:]:
                 dpeer.call("wait_notification", p.session, p.spec.name.encode(), 60.0)
         mono_error = first_wrong_byte(decode, decode_spec, writes)
-    finally:
-        for p in peers:
-            p.stop()
-        for a in arenas:
-            a.close()
-        shutil.rmtree(workdir, ignore_errors=True)
     ok = [r for r in results if r["ok"]]
     blocks = sum(r["blocks"] for r in ok)
     nbytes = sum(r["bytes"] for r in ok)
