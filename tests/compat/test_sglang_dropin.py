@@ -26,6 +26,7 @@ from support.sglang_models import (
     Deployment,
     canonical,
     engine_blocks,
+    last_rank,
     load_loader,
     load_sglang_or_fail,
     request,
@@ -331,17 +332,6 @@ def test_state_types_and_device_destinations_stay_sglangs(sg: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # Ascend manager: NPU buffer groups, hybrid-MLA + PP > 1 dispatch
 # ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def last_rank(value: bool) -> Iterator[None]:
-    runtime = load_loader().RUNTIME
-    old = runtime.parallel.pp_group.is_last_rank
-    runtime.parallel.pp_group.is_last_rank = value
-    try:
-        yield
-    finally:
-        runtime.parallel.pp_group.is_last_rank = old
 
 
 def _ascend_cases() -> list[tuple[Any, ...]]:

@@ -21,7 +21,14 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from support.sglang_models import SESSION, Deployment, engine_blocks, load_loader, load_sglang_or_fail
+from support.sglang_models import (
+    SESSION,
+    Deployment,
+    engine_blocks,
+    last_rank,
+    load_loader,
+    load_sglang_or_fail,
+)
 
 
 @pytest.fixture(scope="module")
@@ -277,17 +284,6 @@ def tracing_manager(sg: Any, cls: type, dep: Deployment, **attrs: Any) -> Any:
 def seen_and_sent(mgr: Any, rc: Any) -> tuple[Any, ...]:
     """Status, every ``_transfer_data`` call's blocks, and every engine call."""
     return rc, mgr.seen, mgr.engine.calls
-
-
-@contextlib.contextmanager
-def last_rank(value: bool) -> Iterator[None]:
-    runtime = load_loader().RUNTIME
-    old = runtime.parallel.pp_group.is_last_rank
-    runtime.parallel.pp_group.is_last_rank = value
-    try:
-        yield
-    finally:
-        runtime.parallel.pp_group.is_last_rank = old
 
 
 KV_CASES = [

@@ -9,8 +9,10 @@ SGLang's band above the model (``num_layers + index``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,19 @@ def load_sglang_or_fail() -> Any:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg)
         pytest.skip(msg + " (fails under CI=true)")
+
+
+@contextlib.contextmanager
+def last_rank(value: bool) -> Iterator[None]:
+    """The loader's runtime context says this rank is (or is not) the last PP rank, for the
+    block; restored after it."""
+    runtime = load_loader().RUNTIME
+    old = runtime.parallel.pp_group.is_last_rank
+    runtime.parallel.pp_group.is_last_rank = value
+    try:
+        yield
+    finally:
+        runtime.parallel.pp_group.is_last_rank = old
 
 
 @dataclass
