@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import re
-import sys
 import threading
 import tracemalloc
 import weakref
@@ -24,6 +23,7 @@ from kvplan import (
 )
 
 from support import reference as ref
+from support.robustness_checks import run_racing_threads
 
 
 def has_num(msg: str, value) -> bool:
@@ -834,16 +834,7 @@ def test_concurrent_planning_shares_one_template():
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=120)
-    finally:
-        sys.setswitchinterval(old)
+    run_racing_threads(worker, n_threads, switch_interval=1e-6)
     assert not errors, errors
     assert not mismatches, mismatches[:10]
 

@@ -12,7 +12,6 @@ in a subprocess, so a crash fails the test instead of killing pytest.
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 
 import numpy as np
@@ -29,7 +28,12 @@ from kvplan import (
 )
 
 from support import reference as ref
-from support.robustness_checks import assert_invariants, ref_layout, run_isolated
+from support.robustness_checks import (
+    assert_invariants,
+    ref_layout,
+    run_isolated,
+    run_racing_threads,
+)
 
 U64_MAX = 2**64 - 1
 
@@ -765,15 +769,6 @@ def test_concurrent_planning_8_threads_mixed_requests_and_errors():
         except BaseException as exc:  # noqa: BLE001
             failures.append(exc)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=120)
-    finally:
-        sys.setswitchinterval(old)
+    threads = run_racing_threads(worker, 8, switch_interval=1e-5)
     assert not any(th.is_alive() for th in threads)
     assert not failures, failures[:10]

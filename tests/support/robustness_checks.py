@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -88,3 +90,21 @@ def run_isolated(code: str, timeout: float = 120, *, prelude: str = "") -> str:
     assert "memory allocation of" not in proc.stderr, proc.stderr[-3000:]
     assert "panicked" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_racing_threads(worker: Callable[[int], object], n_threads: int, *,
+                       switch_interval: float) -> list[threading.Thread]:
+    """``worker(i)`` on ``n_threads`` threads at once, with the interpreter switching threads
+    every ``switch_interval`` seconds (restored after) so their calls interleave as finely as
+    possible; joins each (120 s at most) and returns the threads."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old)
+    return threads
