@@ -144,7 +144,7 @@ def _run(decode: PeerSpec, stages: list[PeerSpec], engine: str) -> list[dict[str
     """Every stage writes one request (pages and one state slot) to the decode peer at once;
     the whole decode arena is then checked against the independent oracle and against
     ``first_wrong_byte``."""
-    from support.engine_peers import assert_decode_bytes, cluster, expected_decode
+    from support.engine_peers import assert_stages_landed, cluster, wait_stage_notifications
 
     src_pages, dst_pages = _request()
     with cluster(decode, stages, engine=engine) as c:
@@ -156,13 +156,8 @@ def _run(decode: PeerSpec, stages: list[PeerSpec], engine: str) -> list[dict[str
                                     spec.name.encode())
         results = [c.peers[spec.name].result(60, "transfer") for spec in stages]
         if engine == "nixl":  # the decode sees each stage's completion notification
-            for spec in stages:
-                assert dpeer.call("wait_notification", c.peers[spec.name].session,
-                                  spec.name.encode(), 30.0, timeout=60)
-        writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, SRC_SLOT, DST_SLOT)
-                  for s in stages]
-        assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes),
-                            decode)
+            wait_stage_notifications(c, stages)
+        assert_stages_landed(c, decode, stages, before, src_pages, dst_pages, SRC_SLOT, DST_SLOT)
         assert first_wrong_byte(c.arenas["decode"], decode,
                                 [(c.arenas[s.name], s, src_pages, dst_pages, SRC_SLOT,
                                   DST_SLOT) for s in stages]) is None

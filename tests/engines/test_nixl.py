@@ -479,7 +479,7 @@ def _hybrid() -> Any:
 
 @pytest.mark.parametrize("path", ["plan", "prepped"])
 def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
-    from support.engine_peers import assert_decode_bytes, cluster, expected_decode
+    from support.engine_peers import assert_stages_landed, cluster, wait_stage_notifications
 
     peers, src_pages, dst_pages = _hybrid()
     decode, stages = peers.decode, peers.prefill
@@ -499,13 +499,8 @@ def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
                                         dst_slot, spec.name.encode())
         for spec in stages:
             results.append(c.peers[spec.name].result(60, "transfer"))
-        for spec in stages:  # the decode sees each stage's completion notification
-            assert dpeer.call("wait_notification", c.peers[spec.name].session,
-                              spec.name.encode(), 30.0, timeout=60)
-        writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
-                  for s in stages]
-        assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes),
-                            decode)
+        wait_stage_notifications(c, stages)  # the decode sees each stage's completion
+        assert_stages_landed(c, decode, stages, before, src_pages, dst_pages, src_slot, dst_slot)
         assert all(c.peers[s.name].call("live_handles") == 0 for s in stages)
     kv_bytes = 40 * TINY_HYBRID.kv_bytes_per_token
     state_bytes = 3 * sum(s.bytes_per_slot for s in TINY_HYBRID.state)

@@ -136,6 +136,25 @@ def assert_decode_bytes(got: np.ndarray, expected: np.ndarray, decode: PeerSpec)
                     f" (sentinel {SENTINEL:#04x})", pytrace=False)
 
 
+
+def wait_stage_notifications(c: Cluster, stages: Sequence[PeerSpec]) -> None:
+    """NIXL: the decode receives each stage's completion notification (its name as the tag)."""
+    for spec in stages:
+        assert c.peers["decode"].call("wait_notification", c.peers[spec.name].session,
+                                      spec.name.encode(), 30.0, timeout=60)
+
+
+def assert_stages_landed(c: Cluster, decode: PeerSpec, stages: Sequence[PeerSpec],
+                         before: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray,
+                         src_slot: int | None, dst_slot: int | None) -> None:
+    """The whole decode arena is ``before`` plus every stage's request (the same pages and
+    state slots on each stage), checked byte for byte against :func:`expected_decode`."""
+    writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
+              for s in stages]
+    assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes),
+                        decode)
+
+
 def raw_pair(pages: int = 64, item: int = 4096) -> tuple[PeerSpec, PeerSpec]:
     """Decode and prefill peers of one plain buffer each (engine-level tests, no layout)."""
     from kvplan.testing import pack_entries
