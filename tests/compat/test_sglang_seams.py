@@ -21,14 +21,8 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from support.sglang_models import (
-    SESSION,
-    Deployment,
-    engine_blocks,
-    last_rank,
-    load_loader,
-    load_sglang_or_fail,
-)
+from support.sglang_models import (SESSION, Deployment, engine_blocks, last_rank, load_loader,
+                                   load_sglang_or_fail)
 
 
 @pytest.fixture(scope="module")
