@@ -95,8 +95,8 @@ pub(crate) fn check_context(context: &LayoutContext, parts: &LayoutParts) -> Res
         .ok_or(PlanError::Overflow {
             what: "DCP virtual page",
         })?;
-    let draft = (0..parts.data_ptrs.len())
-        .find(|&i| parts.drafts[i] && parts.kinds[i] == EntryKind::Page);
+    let draft =
+        (0..parts.data_ptrs.len()).find(|&i| parts.drafts[i] && parts.kinds[i] == EntryKind::Page);
     if let Some(entry) = draft
         && !page.is_multiple_of(d.interleave)
     {
@@ -185,16 +185,16 @@ pub fn shares_tokens(maps: (TokenMap, TokenMap)) -> bool {
             ranks, interleave, ..
         } => ranks * interleave,
     };
-    let (a, b) = (period(maps.0), period(maps.1));
-    let lcm = a / gcd(a, b) * b; // both bounded by validation; the product may not be
-    let mut t = 0u64;
-    while t < lcm {
-        let s = maps.0.next_owned(t);
-        let d = maps.1.next_owned(s);
-        if d == s {
-            return s < lcm;
+    let (src_period, dst_period) = (period(maps.0), period(maps.1));
+    let lcm = (src_period / gcd(src_period, dst_period)).saturating_mul(dst_period);
+    let mut token = 0u64;
+    while token < lcm {
+        let on_src = maps.0.next_owned(token);
+        let on_both = maps.1.next_owned(on_src);
+        if on_both == on_src {
+            return on_src < lcm;
         }
-        t = d;
+        token = on_both;
     }
     false
 }
@@ -363,7 +363,9 @@ mod tests {
                 for t in 0..500u64 {
                     let owns = (t / interleave) % ranks == rank;
                     assert_eq!(m.owns(t), owns);
-                    let next = (t..).find(|&u| (u / interleave) % ranks == rank).unwrap();
+                    let next = (t..t + interleave * ranks)
+                        .find(|&u| (u / interleave) % ranks == rank)
+                        .unwrap();
                     assert_eq!(m.next_owned(t), next);
                     assert_eq!(m.local_count(t), local);
                     if owns {
@@ -389,6 +391,9 @@ mod tests {
         assert!(!shares_tokens((dealt(4, 2, 0, 1), dealt(4, 4, 1, 1))));
         // Different interleaves meet everywhere.
         assert!(shares_tokens((dealt(4, 2, 0, 4), dealt(4, 4, 3, 1))));
-        assert!(shares_tokens((TokenMap::Paged { page_size: 4 }, dealt(4, 8, 7, 1))));
+        assert!(shares_tokens((
+            TokenMap::Paged { page_size: 4 },
+            dealt(4, 8, 7, 1)
+        )));
     }
 }

@@ -43,7 +43,8 @@ pub use pairing::{
     pair_each, pair_entries,
 };
 pub use pieces::{
-    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES, TokenMap,
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
+    TokenMap,
 };
 pub use plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,

@@ -293,7 +293,8 @@ fn decode_dcp(payload: &[u8]) -> Result<DcpContext> {
             payload.len()
         ))
     })?;
-    let u32_at = |k: usize| u32::from_le_bytes([bytes[k], bytes[k + 1], bytes[k + 2], bytes[k + 3]]);
+    let u32_at =
+        |k: usize| u32::from_le_bytes([bytes[k], bytes[k + 1], bytes[k + 2], bytes[k + 3]]);
     let mut interleave = [0u8; 8];
     interleave.copy_from_slice(&bytes[8..]);
     Ok(DcpContext {
