@@ -363,8 +363,9 @@ fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Resul
     }
 }
 
-/// Whether whole pages cannot be copied as they are: the page sizes differ, or one side is
-/// token-major and the other head-major. Every page plan between such layouts is a token plan.
+/// Whether whole pages cannot be copied as they are: the page sizes differ, one side is
+/// token-major and the other head-major, or either side deals tokens over decode
+/// context-parallel ranks (module `dcp`). Every page plan between such layouts is a token plan.
 pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
     src.context().page_size != dst.context().page_size
         || memory_order(src) != memory_order(dst)
