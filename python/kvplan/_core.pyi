@@ -164,6 +164,9 @@ class Layout:
         pp_size: int = ...,
         tp_rank: int = ...,
         tp_size: int = ...,
+        dcp_size: int = ...,
+        dcp_rank: int = ...,
+        dcp_interleave: int = ...,
         kv_heads: int | None = ...,
         heads_per_rank: int | None = ...,
         head_dim: int | None = ...,
@@ -292,6 +295,12 @@ class Layout:
     def tp_rank(self) -> int: ...
     @property
     def tp_size(self) -> int: ...
+    @property
+    def dcp_size(self) -> int: ...
+    @property
+    def dcp_rank(self) -> int: ...
+    @property
+    def dcp_interleave(self) -> int: ...
     @property
     def kv_heads(self) -> int | None: ...
     @property

@@ -363,10 +363,13 @@ fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Resul
     }
 }
 
-/// Whether whole pages cannot be copied as they are: the page sizes differ, or one side is
-/// token-major and the other head-major. Every page plan between such layouts is a token plan.
+/// Whether whole pages cannot be copied as they are: the page sizes differ, one side is
+/// token-major and the other head-major, or either side deals tokens over decode
+/// context-parallel ranks (module `dcp`). Every page plan between such layouts is a token plan.
 pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
-    src.context().page_size != dst.context().page_size || memory_order(src) != memory_order(dst)
+    src.context().page_size != dst.context().page_size
+        || memory_order(src) != memory_order(dst)
+        || crate::dcp::dealt_pair(src, dst)
 }
 
 pub(crate) fn memory_order(layout: &Layout) -> MemoryOrder {
@@ -391,7 +394,11 @@ fn pair_problem(src: &Layout, dst: &Layout, pair: &PairSpec) -> Option<PlanError
             layout.role_label(entry)
         )
     };
-    let sizes = (src.context().page_size, dst.context().page_size);
+    // Tokens per item of each entry (a DCP draft item holds a virtual page, module `dcp`).
+    let sizes = (
+        crate::dcp::tokens_per_item(src, pair.src_entry),
+        crate::dcp::tokens_per_item(dst, pair.dst_entry),
+    );
     let orders = (memory_order(src), memory_order(dst));
     let attention = (src.context().attention, dst.context().attention);
     whole_tokens(pair, sizes, orders, attention, &label).err()

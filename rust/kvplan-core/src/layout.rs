@@ -126,6 +126,9 @@ pub struct LayoutContext {
     pub tp_size: u32,
     /// Heads, head size and memory order of the KV items, when the peer publishes them.
     pub attention: Option<AttentionGeometry>,
+    /// Decode context parallelism: how the request's tokens are dealt over this peer's
+    /// context-parallel ranks (module `dcp`; size 1 = not dealt).
+    pub dcp: crate::dcp::DcpContext,
 }
 
 impl Default for LayoutContext {
@@ -139,6 +142,7 @@ impl Default for LayoutContext {
             tp_rank: 0,
             tp_size: 1,
             attention: None,
+            dcp: crate::dcp::DcpContext::default(),
         }
     }
 }
@@ -253,6 +257,7 @@ impl Layout {
         if let Some(geometry) = &context.attention {
             check_attention(geometry)?;
         }
+        crate::dcp::check_context(&context, &parts)?;
         for kind in [EntryKind::Page, EntryKind::State] {
             let of_kind: Vec<usize> = (0..n).filter(|&i| parts.kinds[i] == kind).collect();
             let with_ids = of_kind

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod check;
+pub mod dcp;
 pub mod descriptors;
 pub mod digest;
 pub mod emit;
@@ -28,6 +29,7 @@ pub mod tokens;
 pub mod wire;
 
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
+pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
 pub use digest::{
     PlanBlocks, Region, content_digest, index_digest, layout_fingerprint, pair_content_digests,
@@ -43,7 +45,10 @@ pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,
 };
-pub use pieces::{Fragment, Fragments, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap};
+pub use pieces::{
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
+    TokenMap,
+};
 pub use plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };

@@ -20,8 +20,8 @@
 //! separate type.
 
 /// How one side places the tokens of a request: token `t` → (index into that side's page list,
-/// slot inside the page). The seam for layouts whose tokens are not dealt page after page (a
-/// decode context-parallel rank holding every `n`-th token would be a second variant).
+/// slot inside the page). A decode context-parallel rank holds only the tokens dealt to it
+/// ([`TokenMap::Dealt`], module `dcp`), at consecutive local positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenMap {
     /// Tokens fill pages of `page_size` slots in order: `t → (t / page_size, t % page_size)`.
@@ -29,28 +29,41 @@ pub enum TokenMap {
         /// Tokens (slots) per page, at least 1.
         page_size: u64,
     },
+    /// Deals of `interleave` consecutive tokens go to `ranks` ranks in turn; this side is rank
+    /// `rank` and holds global token `t` when `(t / interleave) % ranks == rank`, at local token
+    /// `l = (t / (interleave·ranks))·interleave + t % interleave`, page `l / page_size`, slot
+    /// `l % page_size` (arithmetic in module `dcp`).
+    Dealt {
+        /// Local tokens (slots) per page, at least 1.
+        page_size: u64,
+        /// Ranks the tokens are dealt over.
+        ranks: u64,
+        /// This side's rank, below `ranks`.
+        rank: u64,
+        /// Tokens per deal, at least 1.
+        interleave: u64,
+    },
 }
 
 impl TokenMap {
     /// Slots per page.
     pub fn page_size(self) -> u64 {
         match self {
-            TokenMap::Paged { page_size } => page_size,
+            TokenMap::Paged { page_size } | TokenMap::Dealt { page_size, .. } => page_size,
         }
     }
 
-    /// Where token `t` sits: (position in the side's page list, slot in that page).
+    /// Where token `t` (held by this side) sits: (position in the side's page list, slot in
+    /// that page).
     pub fn locate(self, t: u64) -> (u64, u64) {
-        match self {
-            TokenMap::Paged { page_size } => (t / page_size, t % page_size),
-        }
+        let local = self.local(t);
+        let page_size = self.page_size();
+        (local / page_size, local % page_size)
     }
 
-    /// Pages of the side's list holding the first `n_tokens` tokens.
+    /// Pages of the side's list holding its share of the first `n_tokens` tokens.
     pub fn pages_for(self, n_tokens: u64) -> u64 {
-        match self {
-            TokenMap::Paged { page_size } => n_tokens.div_ceil(page_size),
-        }
+        self.local_count(n_tokens).div_ceil(self.page_size())
     }
 }
 
@@ -116,7 +129,7 @@ impl Piece {
         self.len == self.src.slot_stride && self.len == self.dst.slot_stride
     }
 
-    /// The piece's token class (see [`TOKEN_CLASSES`]).
+    /// The piece's token class within its lane (see [`PIECE_CLASSES`]).
     pub fn token_class(&self) -> usize {
         if self.per_run() {
             1 + 2 * usize::from(self.src.packed()) + usize::from(self.dst.packed())
@@ -141,7 +154,15 @@ impl Piece {
 /// Token classes of pieces: 0 = one block per token; `1 + 2 × src_packed + dst_packed` = one
 /// block per run of tokens contiguous on both sides (a page edge on a side joins only when that
 /// side's pages are packed and its next page index is the previous plus one).
-pub const TOKEN_CLASSES: usize = 5;
+pub const PIECE_CLASSES: usize = 5;
+
+/// Token walks of a token template: lane 0 moves the tokens of its token maps (all of them, or
+/// those two dealt decode-context-parallel ranks share), lane 1 the draft tokens a DCP template
+/// sends whole (module `dcp`). Each lane's walk counts its own blocks.
+pub const TOKEN_LANES: usize = 2;
+
+/// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
+pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;
 
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -179,6 +179,13 @@ impl Template {
         if let Some(slicing) = &heads {
             slice_state_pairs(slicing, &mut state_pairs);
         }
+        // State is not dealt over decode context-parallel ranks: every decode rank receives
+        // it, from one source rank (module `dcp`).
+        if crate::dcp::dealt_pair(src, dst) && !crate::dcp::sends_undealt(src, dst) {
+            for pair in &mut state_pairs {
+                (pair.item_len, pair.dst_item_len) = (0, 0);
+            }
+        }
         // A page plan moves the head slicing's fragments (restricted to the caller's, if any);
         // a token template places heads per token (module `tokens`), its page groups only say
         // which pairs' blocks go together.
@@ -274,7 +281,13 @@ impl Template {
         if self.page_pairs.is_empty() {
             return None;
         }
-        self.heads.as_ref().and_then(HeadSlicing::empty_reason)
+        self.heads
+            .as_ref()
+            .and_then(HeadSlicing::empty_reason)
+            .or_else(|| {
+                let tokens = self.tokens.as_ref().ok()?;
+                tokens.empty_reason.clone()
+            })
     }
 
     /// Emission units in block order: group-major, then fragment.
@@ -465,7 +478,7 @@ fn token_groups(tokens: &TokenTemplate, groups: &[Group]) -> Vec<[usize; TOKEN_C
                 tokens.pair_pieces[g.last_pair].1,
             );
             for piece in &tokens.pieces[start..end] {
-                classes[piece.token_class()] += 1;
+                classes[tokens.class_of(piece)] += 1;
             }
             classes
         })
@@ -844,12 +857,20 @@ impl Template {
         );
         let n = match n_tokens {
             Some(n) => n,
+            // A dealt side's pages hold only its share: the request's length is not in them.
+            None if tokens.dealt() => {
+                return Err(PlanError::Geometry {
+                    what: "a decode-context-parallel template needs n_tokens, the request's \
+                           global token count (each rank's pages hold only its share)"
+                        .into(),
+                });
+            }
             None => src_full
                 .zip(dst_full)
                 .map(|(a, b)| a.min(b))
                 .ok_or(PlanError::Overflow { what: "tokens" })?,
         };
-        let (src_pages, dst_pages) = (maps.0.pages_for(n), maps.1.pages_for(n));
+        let (src_pages, dst_pages) = tokens.pages_needed(n);
         for (side, pages, needed, map) in [
             (Side::Src, src.len(), src_pages, maps.0),
             (Side::Dst, dst.len(), dst_pages, maps.1),
@@ -874,12 +895,7 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let (class_blocks, n_segments, n_blocks) = count_blocks(tokens, src, dst, n)?;
-        let total_bytes = n
-            .checked_mul(tokens.bytes_per_token)
-            .ok_or(PlanError::Overflow {
-                what: "total bytes",
-            })?;
+        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
         Ok(TokenShape {
             n_tokens: n,
             src_pages,
@@ -964,18 +980,15 @@ impl Template {
     fn token_count(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
         let tokens = self.token_template()?;
         let step = if fragmented { 2 } else { 1 };
-        let pages = |size: u64| -> Result<Vec<i64>> {
-            let n = usize::try_from(n_tokens.div_ceil(size))
-                .map_err(|_| PlanError::Overflow { what: "pages" })?;
+        let pages = |count: u64| -> Result<Vec<i64>> {
+            let n = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "pages" })?;
             let mut v = crate::error::try_vec(n, 0i64, "page list")?;
             v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
             Ok(v)
         };
-        let (src, dst) = (
-            pages(tokens.maps.0.page_size())?,
-            pages(tokens.maps.1.page_size())?,
-        );
-        let (_, segments, blocks) = count_blocks(tokens, &src, &dst, n_tokens)?;
+        let (src_pages, dst_pages) = tokens.pages_needed(n_tokens);
+        let (src, dst) = (pages(src_pages)?, pages(dst_pages)?);
+        let (_, segments, blocks, _) = count_blocks(tokens, &src, &dst, n_tokens)?;
         Ok((blocks, segments))
     }
 

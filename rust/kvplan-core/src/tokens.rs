@@ -33,15 +33,23 @@ use crate::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
 use crate::error::{PlanError, Result, Side};
 use crate::heads::HeadSlicing;
 use crate::layout::{Layout, MemoryOrder};
-use crate::pieces::{Fragment, Fragments, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap};
+use crate::pieces::{
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
+    TokenMap,
+};
 use crate::plan::{Columns, TokenShape};
 use crate::runs::PageIndex;
 
 /// A template's token pieces, built once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenTemplate {
-    /// How each side places a request's tokens.
+    /// How each side places a request's tokens (lane 0: target entries).
     pub maps: (TokenMap, TokenMap),
+    /// How each side places the draft tokens a decode-context-parallel template sends whole
+    /// (lane 1, module `dcp`); `None` when no side deals tokens.
+    pub draft_maps: Option<(TokenMap, TokenMap)>,
+    /// Why a decode-context-parallel template moves no token (its ranks share none).
+    pub empty_reason: Option<String>,
     /// Pieces in block order (page pairs in planning order, heads next).
     pub pieces: Vec<Piece>,
     /// Per page pair: its pieces, `pieces[start..end]` (empty for an elided pair).
@@ -50,6 +58,8 @@ pub struct TokenTemplate {
     pub class_pieces: [usize; TOKEN_CLASSES],
     /// Bytes moved per token (sum of piece lengths).
     pub bytes_per_token: u64,
+    /// Bytes moved per token of each lane.
+    pub lane_bytes: [u64; TOKEN_LANES],
 }
 
 impl TokenTemplate {
@@ -71,7 +81,14 @@ impl TokenTemplate {
         heads: Option<&HeadSlicing>,
         labels: (&[String], &[String]),
     ) -> Result<Self> {
-        let sizes = (src.context().page_size, dst.context().page_size);
+        // Decode context parallelism (module `dcp`): target entries use each side's dealt
+        // token map; draft entries are not dealt (lane 1, virtual pages, sent by one source
+        // rank to each decode rank); a rank pair that shares no token moves no target bytes.
+        let dealt = crate::dcp::dealt_pair(src, dst);
+        let target_maps = (crate::dcp::token_map(src), crate::dcp::token_map(dst));
+        let draft_maps = dealt.then(|| (crate::dcp::draft_map(src), crate::dcp::draft_map(dst)));
+        let sends_undealt = crate::dcp::sends_undealt(src, dst);
+        let shares = !dealt || crate::dcp::shares_tokens(target_maps);
         let orders = (memory_order(src), memory_order(dst));
         let attention = (src.context().attention, dst.context().attention);
         let label = |side: Side, entry: usize| {
@@ -93,9 +110,27 @@ impl TokenTemplate {
                 })?,
                 None => None,
             };
-            // Elided pairs (source item 0, as page plans elide them) and pairs of a rank pair
-            // that moves no heads have no pieces.
-            if pair.item_len == 0 || !moves {
+            let draft = dealt && src.is_draft(pair.src_entry);
+            if dealt && draft != dst.is_draft(pair.dst_entry) {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "{}: a draft entry paired with a target entry; under decode context \
+                         parallelism draft tokens are not dealt and target tokens are, so both \
+                         sides must mark the pair alike",
+                        pair_label()
+                    ),
+                });
+            }
+            let maps = match draft_maps {
+                Some(lane) if draft => lane,
+                _ => target_maps,
+            };
+            let sizes = (maps.0.page_size(), maps.1.page_size());
+            // Elided pairs (source item 0, as page plans elide them), pairs of a rank pair
+            // that moves no heads, and (DCP) tokens this rank pair does not exchange have no
+            // pieces.
+            let exchanged = if draft { sends_undealt } else { shares };
+            if pair.item_len == 0 || !moves || !exchanged {
                 pair_pieces.push((start, start));
                 continue;
             }
@@ -144,33 +179,65 @@ impl TokenTemplate {
                     }
                 }
             };
-            push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, sizes);
+            push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, maps);
             pair_pieces.push((start, pieces.len()));
         }
-        let mut class_pieces = [0; TOKEN_CLASSES];
-        for piece in &pieces {
-            class_pieces[piece.token_class()] += 1;
-        }
-        let bytes_per_token = pieces
-            .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(p.len))
-            .ok_or(PlanError::Overflow {
-                what: "bytes per token",
-            })?;
-        Ok(Self {
-            maps: (
-                TokenMap::Paged { page_size: sizes.0 },
-                TokenMap::Paged { page_size: sizes.1 },
-            ),
+        let mut template = Self {
+            maps: target_maps,
+            draft_maps,
+            empty_reason: None,
             pieces,
             pair_pieces,
-            class_pieces,
-            bytes_per_token,
-        })
+            class_pieces: [0; TOKEN_CLASSES],
+            bytes_per_token: 0,
+            lane_bytes: [0; TOKEN_LANES],
+        };
+        let overflow = PlanError::Overflow {
+            what: "bytes per token",
+        };
+        for k in 0..template.pieces.len() {
+            let piece = template.pieces[k];
+            let class = template.class_of(&piece);
+            template.class_pieces[class] += 1;
+            let lane = &mut template.lane_bytes[class / PIECE_CLASSES];
+            *lane = lane.checked_add(piece.len).ok_or(overflow.clone())?;
+        }
+        template.bytes_per_token = template.lane_bytes[0]
+            .checked_add(template.lane_bytes[1])
+            .ok_or(overflow)?;
+        if dealt && template.pieces.is_empty() {
+            template.empty_reason = crate::dcp::no_shared_tokens(src, dst);
+        }
+        Ok(template)
     }
 
-    fn sizes(&self) -> (u64, u64) {
-        (self.maps.0.page_size(), self.maps.1.page_size())
+    /// The piece's class among [`TOKEN_CLASSES`]: its lane (which token walk it follows) times
+    /// [`PIECE_CLASSES`] plus its class within the lane.
+    pub fn class_of(&self, piece: &Piece) -> usize {
+        let draft = self
+            .draft_maps
+            .is_some_and(|lane| (piece.src.map, piece.dst.map) == lane);
+        usize::from(draft) * PIECE_CLASSES + piece.token_class()
+    }
+
+    /// The token maps of each lane that has pieces (or lane 0 alone when none has).
+    pub fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
+        let draft = self
+            .draft_maps
+            .filter(|_| self.class_pieces[PIECE_CLASSES..].iter().any(|&n| n > 0));
+        std::iter::once((0, self.maps)).chain(draft.map(|maps| (1, maps)))
+    }
+
+    /// Whether either side deals tokens over decode context-parallel ranks.
+    pub fn dealt(&self) -> bool {
+        self.draft_maps.is_some()
+    }
+
+    /// Leading pages of each side's list that hold the first `n` global tokens of every lane.
+    pub fn pages_needed(&self, n: u64) -> (u64, u64) {
+        self.lanes().fold((0, 0), |(s, d), (_, (ms, md))| {
+            (s.max(ms.pages_for(n)), d.max(md.pages_for(n)))
+        })
     }
 }
 
@@ -184,8 +251,9 @@ fn push_pieces(
     head: u64,
     tokens: (u64, u64),
     orders: (MemoryOrder, MemoryOrder),
-    sizes: (u64, u64),
+    maps: (TokenMap, TokenMap),
 ) {
+    let sizes = (maps.0.page_size(), maps.1.page_size());
     // Byte `w` of a token (counted head by head) on a side: a head-major item holds head
     // `w / head` at `(w / head) * page_size * head`, one token every head bytes; a token-major
     // item at `w`, one token every token bytes of that side. All inside the item (checked).
@@ -196,15 +264,15 @@ fn push_pieces(
     let piece = |f: Fragment| {
         let (src_off, src_slot) = place(orders.0, sizes.0, tokens.0, f.src_off);
         let (dst_off, dst_slot) = place(orders.1, sizes.1, tokens.1, f.dst_off);
-        let side = |base: u64, stride: u64, slot: u64, size: u64| PieceSide {
+        let side = |base: u64, stride: u64, slot: u64, map: TokenMap| PieceSide {
             base,
             page_stride: stride,
             slot_stride: slot,
-            map: TokenMap::Paged { page_size: size },
+            map,
         };
         Piece {
-            src: side(pair.src_base + src_off, pair.src_stride, src_slot, sizes.0),
-            dst: side(pair.dst_base + dst_off, pair.dst_stride, dst_slot, sizes.1),
+            src: side(pair.src_base + src_off, pair.src_stride, src_slot, maps.0),
+            dst: side(pair.dst_base + dst_off, pair.dst_stride, dst_slot, maps.1),
             len: f.len,
         }
     };
@@ -242,10 +310,63 @@ struct Segment {
     /// Slot of its first token in each page.
     src_slot: u64,
     dst_slot: u64,
+    /// Whether its first local token on each side does not follow the previous segment's last
+    /// (a dealt side skips the tokens the other side's rank does not hold).
+    src_gap: bool,
+    dst_gap: bool,
+}
+
+/// Segments of the first `n_tokens` global tokens both maps hold, in token order.
+fn segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<Item = Segment> {
+    match maps {
+        (TokenMap::Paged { page_size: ps }, TokenMap::Paged { page_size: pd }) => {
+            Walk::Paged(paged_segments(n_tokens, (ps, pd)))
+        }
+        _ => Walk::Dealt(dealt_segments(n_tokens, maps)),
+    }
+}
+
+/// One of the two token walks (paged sides keep their incremental walk).
+enum Walk<P, D> {
+    Paged(P),
+    Dealt(D),
+}
+
+impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk<P, D> {
+    type Item = Segment;
+
+    fn next(&mut self) -> Option<Segment> {
+        match self {
+            Walk::Paged(walk) => walk.next(),
+            Walk::Dealt(walk) => walk.next(),
+        }
+    }
+}
+
+/// The dealt walk (module `dcp`) as segments: page, slot and gap of each side's local tokens.
+fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<Item = Segment> {
+    let (ps, pd) = (maps.0.page_size(), maps.1.page_size());
+    let mut ends: Option<(u64, u64)> = None;
+    crate::dcp::dealt_segments(n_tokens, maps).map(move |d| {
+        let (ls, ld) = d.local;
+        let (src_gap, dst_gap) = ends.map_or((false, false), |(es, ed)| (es != ls, ed != ld));
+        ends = Some((ls + d.n, ld + d.n));
+        Segment {
+            t: d.t,
+            n: d.n,
+            // Below the page counts the request was validated against, so they fit usize.
+            src_pos: (ls / ps) as usize,
+            dst_pos: (ld / pd) as usize,
+            src_slot: ls % ps,
+            dst_slot: ld % pd,
+            src_gap,
+            dst_gap,
+        }
+    })
 }
 
 /// Segments of `n_tokens` tokens over pages of `sizes` tokens, in token order.
-fn segments(n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
+fn paged_segments(n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
     let (ps, pd) = sizes;
     let mut seg = Segment {
         t: 0,
@@ -254,6 +375,8 @@ fn segments(n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
         dst_pos: 0,
         src_slot: 0,
         dst_slot: 0,
+        src_gap: false,
+        dst_gap: false,
     };
     std::iter::from_fn(move || {
         // Advance past the previous segment.
@@ -292,33 +415,53 @@ fn edges<S: PageIndex, D: PageIndex>(seg: &Segment, src: &[S], dst: &[D]) -> [(b
     ]
 }
 
-/// Whether a segment starts a new block for a contiguous piece of class `class` (1..=4).
-fn breaks(class: usize, [(src_edge, src_step), (dst_edge, dst_step)]: [(bool, bool); 2]) -> bool {
+/// Whether a segment starts a new block for a contiguous piece of class `class` (1..=4 within
+/// its lane).
+fn breaks(
+    class: usize,
+    seg: &Segment,
+    [(src_edge, src_step), (dst_edge, dst_step)]: [(bool, bool); 2],
+) -> bool {
     let (src_packed, dst_packed) = ((class - 1) & 2 != 0, (class - 1) & 1 != 0);
-    (src_edge && !(src_packed && src_step)) || (dst_edge && !(dst_packed && dst_step))
+    seg.src_gap
+        || seg.dst_gap
+        || (src_edge && !(src_packed && src_step))
+        || (dst_edge && !(dst_packed && dst_step))
 }
 
-/// Blocks per piece class, segments and blocks of a request of `n` tokens over `src`/`dst`
-/// (pages in token order, at least `ceil(n / page size)` of each; values are not checked).
+/// Blocks per piece class, segments, blocks and bytes of a request of `n` global tokens over
+/// `src`/`dst` (pages in token order, at least [`TokenTemplate::pages_needed`] of each; values
+/// are not checked). Each lane walks its own tokens.
 pub(crate) fn count_blocks<S: PageIndex, D: PageIndex>(
     tokens: &TokenTemplate,
     src: &[S],
     dst: &[D],
     n: u64,
-) -> Result<([usize; TOKEN_CLASSES], usize, usize)> {
-    let sizes = tokens.sizes();
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
     let mut class_blocks = [0usize; TOKEN_CLASSES];
     let mut n_segments = 0usize;
-    for seg in segments(n, sizes) {
-        n_segments += 1;
-        let edges = edges(&seg, src, dst);
-        for (class, count) in class_blocks.iter_mut().enumerate().skip(1) {
-            *count += usize::from(seg.t == 0 || breaks(class, edges));
+    let mut total_bytes = 0u64;
+    for (lane, maps) in tokens.lanes() {
+        let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
+        let mut moved = 0u64;
+        for (k, seg) in segments(n, maps).enumerate() {
+            n_segments += 1;
+            moved += seg.n;
+            let edges = edges(&seg, src, dst);
+            for (class, count) in classes.iter_mut().enumerate().skip(1) {
+                *count += usize::from(k == 0 || breaks(class, &seg, edges));
+            }
         }
+        classes[0] = usize::try_from(moved).map_err(|_| PlanError::Overflow {
+            what: "block count",
+        })?;
+        total_bytes = moved
+            .checked_mul(tokens.lane_bytes[lane])
+            .and_then(|b| b.checked_add(total_bytes))
+            .ok_or(PlanError::Overflow {
+                what: "total bytes",
+            })?;
     }
-    class_blocks[0] = usize::try_from(n).map_err(|_| PlanError::Overflow {
-        what: "block count",
-    })?;
     let n_blocks = tokens
         .class_pieces
         .iter()
@@ -329,7 +472,7 @@ pub(crate) fn count_blocks<S: PageIndex, D: PageIndex>(
         .ok_or(PlanError::Overflow {
             what: "block count",
         })?;
-    Ok((class_blocks, n_segments, n_blocks))
+    Ok((class_blocks, n_segments, n_blocks, total_bytes))
 }
 
 /// Emits a validated token request (`src`, `dst`: the pages holding its tokens; every index
@@ -346,11 +489,10 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     shape: &TokenShape,
     mut out: Columns<'_>,
 ) -> Result<()> {
-    let sizes = tokens.sizes();
     let mut at = 0usize;
     let mut previous: Option<(usize, &Piece)> = None;
     for piece in &tokens.pieces {
-        let class = piece.token_class();
+        let class = tokens.class_of(piece);
         let expected = shape.class_blocks[class];
         let start = at;
         if at + expected > out.capacity() {
@@ -372,10 +514,9 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
             _ => {
                 at = emit_piece(
                     piece,
-                    class,
+                    class % PIECE_CLASSES,
                     src,
                     dst,
-                    sizes,
                     limits,
                     shape.n_tokens,
                     at,
@@ -398,7 +539,6 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
     class: usize,
     src: &[S],
     dst: &[D],
-    sizes: (u64, u64),
     limits: (u64, u64),
     n_tokens: u64,
     mut at: usize,
@@ -423,7 +563,7 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
     };
     let (ps, pd, len) = (piece.src, piece.dst, piece.len); // in registers for the loop
     let mut open = false; // whether the last block written may be extended
-    for seg in segments(n_tokens, sizes) {
+    for seg in segments(n_tokens, (ps.map, pd.map)) {
         let sp = page(src[seg.src_pos].get(), limits.0)?;
         let dp = page(dst[seg.dst_pos].get(), limits.1)?;
         // In bounds (checked just above), so inside the buffer: no overflow.
@@ -437,7 +577,7 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
             continue;
         }
         let bytes = seg.n * len;
-        if open && !breaks(class, edges(&seg, src, dst)) {
+        if open && !breaks(class, &seg, edges(&seg, src, dst)) {
             out.lengths[at - 1] += bytes;
         } else {
             at = push(out, at, s, d, bytes)?;

@@ -20,7 +20,10 @@
 //! above it (a field it must understand to plan correctly). A tag appears at most once in one
 //! extension list (the context's, or one entry's); a repeated tag is malformed. Context tag `0x8001`: the attention
 //! geometry (`kv_heads u32 | heads_per_rank u32 | head_dim u32 | dtype_size u32 | order u8`,
-//! order 0 = NHD, 1 = HND), written when the peer publishes it.
+//! order 0 = NHD, 1 = HND), written when the peer publishes it. Context tag `0x8002`: decode
+//! context parallelism (`dcp_size u32 | dcp_rank u32 | dcp_interleave u64`), written when it
+//! differs from the default (size 1, rank 0, interleave 1), so a layout without DCP encodes as
+//! before; a reader that ignored it would plan tokens the peer does not hold.
 //!
 //! Format v1 (still read): no `stride` (it equals `item_len`), no entry flags (draft entries are
 //! the ones whose role starts with `draft`, the only way v1 told them apart) and no `ext`.
@@ -29,6 +32,7 @@
 //! corrupted or hostile message cannot make it allocate more than a small multiple of its own
 //! size. Every decoded layout goes through [`Layout::new`]'s validation.
 
+use crate::dcp::DcpContext;
 use crate::error::{PlanError, Result};
 use crate::layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder,
@@ -44,6 +48,11 @@ pub const EXT_MUST_UNDERSTAND: u16 = 0x8000;
 /// Context extension: the attention geometry (heads, head size, memory order). A reader that
 /// ignored it could slice heads wrongly, so it is a must-understand tag.
 pub const EXT_ATTENTION: u16 = 0x8001;
+/// Context extension: decode context parallelism (how tokens are dealt over the peer's ranks).
+/// Must be understood: ignoring it would address tokens the peer does not hold.
+pub const EXT_DCP: u16 = 0x8002;
+/// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
+const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
 const ATTENTION_LEN: usize = 4 * 4 + 1;
 /// Entry flag bit 0: a draft-model entry.
@@ -85,14 +94,20 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&value.to_le_bytes());
     }
     put_str(&mut out, &ctx.device)?;
-    match &ctx.attention {
-        None => out.extend_from_slice(&0u16.to_le_bytes()),
-        Some(geometry) => {
-            out.extend_from_slice(&1u16.to_le_bytes());
-            out.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
-            out.extend_from_slice(&(ATTENTION_LEN as u16).to_le_bytes());
-            encode_attention(&mut out, geometry);
-        }
+    let dcp = (ctx.dcp != DcpContext::default()).then_some(ctx.dcp);
+    let count = u16::from(ctx.attention.is_some()) + u16::from(dcp.is_some());
+    out.extend_from_slice(&count.to_le_bytes());
+    if let Some(geometry) = &ctx.attention {
+        out.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
+        out.extend_from_slice(&(ATTENTION_LEN as u16).to_le_bytes());
+        encode_attention(&mut out, geometry);
+    }
+    if let Some(dcp) = dcp {
+        out.extend_from_slice(&EXT_DCP.to_le_bytes());
+        out.extend_from_slice(&(DCP_LEN as u16).to_le_bytes());
+        out.extend_from_slice(&dcp.size.to_le_bytes());
+        out.extend_from_slice(&dcp.rank.to_le_bytes());
+        out.extend_from_slice(&dcp.interleave.to_le_bytes());
     }
     for i in 0..n {
         out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
@@ -190,14 +205,19 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         tp_size: reader.u32()?,
         device: reader.string()?,
         attention: None,
+        dcp: DcpContext::default(),
     };
     if v2 {
-        reader.extensions("the context", |tag, payload| {
-            if tag != EXT_ATTENTION {
-                return Ok(false);
+        reader.extensions("the context", |tag, payload| match tag {
+            EXT_ATTENTION => {
+                context.attention = Some(decode_attention(payload)?);
+                Ok(true)
             }
-            context.attention = Some(decode_attention(payload)?);
-            Ok(true)
+            EXT_DCP => {
+                context.dcp = decode_dcp(payload)?;
+                Ok(true)
+            }
+            _ => Ok(false),
         })?;
     }
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
@@ -264,6 +284,24 @@ fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {
         MemoryOrder::Nhd => 0,
         MemoryOrder::Hnd => 1,
     });
+}
+
+fn decode_dcp(payload: &[u8]) -> Result<DcpContext> {
+    let bytes: [u8; DCP_LEN] = payload.try_into().map_err(|_| {
+        wire_error(format!(
+            "DCP context of {} bytes (expected {DCP_LEN})",
+            payload.len()
+        ))
+    })?;
+    let u32_at =
+        |k: usize| u32::from_le_bytes([bytes[k], bytes[k + 1], bytes[k + 2], bytes[k + 3]]);
+    let mut interleave = [0u8; 8];
+    interleave.copy_from_slice(&bytes[8..]);
+    Ok(DcpContext {
+        size: u32_at(0),
+        rank: u32_at(4),
+        interleave: u64::from_le_bytes(interleave),
+    })
 }
 
 fn decode_attention(payload: &[u8]) -> Result<AttentionGeometry> {
@@ -434,6 +472,7 @@ mod tests {
             tp_rank: 0,
             tp_size: 4,
             attention: None,
+            dcp: DcpContext::default(),
         };
         Layout::npu_groups(
             vec![3, 7],

@@ -144,6 +144,9 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
             "pp_size" => context.pp_size = u32_field()?,
             "tp_rank" => context.tp_rank = u32_field()?,
             "tp_size" => context.tp_size = u32_field()?,
+            "dcp_size" => context.dcp.size = u32_field()?,
+            "dcp_rank" => context.dcp.rank = u32_field()?,
+            "dcp_interleave" => context.dcp.interleave = u64_field()?,
             "kv_heads" => attention.kv_heads = optional_u32()?,
             "heads_per_rank" => attention.heads_per_rank = optional_u32()?,
             "head_dim" => attention.head_dim = optional_u32()?,
@@ -158,7 +161,7 @@ fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
             }
             other => {
                 return Err(PyTypeError::new_err(format!(
-                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size, kv_heads, heads_per_rank, head_dim, dtype_size, memory_order"
+                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size, dcp_size, dcp_rank, dcp_interleave, kv_heads, heads_per_rank, head_dim, dtype_size, memory_order"
                 )));
             }
         }
@@ -532,6 +535,9 @@ impl PyLayout {
         dict.set_item("pp_size", ctx.pp_size)?;
         dict.set_item("tp_rank", ctx.tp_rank)?;
         dict.set_item("tp_size", ctx.tp_size)?;
+        dict.set_item("dcp_size", ctx.dcp.size)?;
+        dict.set_item("dcp_rank", ctx.dcp.rank)?;
+        dict.set_item("dcp_interleave", ctx.dcp.interleave)?;
         let attention = ctx.attention.as_ref();
         dict.set_item("kv_heads", attention.map(|g| g.total_kv_heads))?;
         dict.set_item("heads_per_rank", attention.map(|g| g.heads_per_rank))?;
@@ -722,6 +728,24 @@ impl PyLayout {
         self.inner.context().tp_size
     }
 
+    /// Decode context-parallel ranks this peer's tokens are dealt over (1: not dealt).
+    #[getter]
+    fn dcp_size(&self) -> u32 {
+        self.inner.context().dcp.size
+    }
+
+    /// This peer's decode context-parallel rank.
+    #[getter]
+    fn dcp_rank(&self) -> u32 {
+        self.inner.context().dcp.rank
+    }
+
+    /// Consecutive tokens per deal over the DCP ranks (1: token round robin).
+    #[getter]
+    fn dcp_interleave(&self) -> u64 {
+        self.inner.context().dcp.interleave
+    }
+
     /// KV heads of the whole model, when the layout publishes its attention geometry.
     #[getter]
     fn kv_heads(&self) -> Option<u32> {
@@ -763,8 +787,16 @@ impl PyLayout {
             .filter(|&&k| k == EntryKind::Page)
             .count();
         let ctx = self.inner.context();
+        let dcp = if ctx.dcp.dealt() {
+            format!(
+                ", dcp={}/{} (interleave {})",
+                ctx.dcp.rank, ctx.dcp.size, ctx.dcp.interleave
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "Layout({} entries: {} page, {} state; page_size={}, device={:?}, pp={}/{}, tp={}/{})",
+            "Layout({} entries: {} page, {} state; page_size={}, device={:?}, pp={}/{}, tp={}/{}{dcp})",
             self.inner.n_entries(),
             pages,
             self.inner.n_entries() - pages,

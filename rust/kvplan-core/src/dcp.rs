@@ -1,0 +1,399 @@
+//! Decode context parallelism (DCP): the tokens of a request dealt over a peer's context-parallel
+//! ranks.
+//!
+//! A layout with `dcp_size = N > 1` holds only some tokens of each request: deals of
+//! `dcp_interleave = I` consecutive tokens go to ranks `0, 1, …, N−1` in turn, so global token
+//! `t` lives on rank `(t / I) mod N`, at local token `(t / (I·N))·I + t mod I` of that rank, and
+//! the rank's page list holds its local tokens in order (page `l / P`, slot `l mod P`).
+//! `I = 1` is SGLang's token round robin; `I = P` is vLLM's block interleave.
+//!
+//! What this module decides, and nothing else does:
+//! - the dealt [`TokenMap`] of a layout's target (non-draft) page entries, and the arithmetic of
+//!   that map (which tokens a rank owns, where they sit locally);
+//! - draft (speculative) entries are not dealt: on a DCP layout a draft item holds a whole
+//!   *virtual page* of `P·N` tokens (the tokens the ranks' page `k` cover together), every rank
+//!   holds every draft token, and each decode rank receives them from one source rank;
+//! - state entries are not dealt either: every decode DCP rank receives the state, from one
+//!   source rank (the same election as for drafts), as SGLang sends state to every decode rank;
+//! - which (source rank, decode rank) pairs share tokens, and why a pair that shares none plans
+//!   nothing;
+//! - pack plans (module section below): gathering the strided source rows one decode rank
+//!   needs into a pack buffer, so the network moves few destination-contiguous blocks.
+
+use crate::error::{PlanError, Result};
+use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+use crate::pieces::TokenMap;
+
+/// A peer's decode-context-parallel coordinates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DcpContext {
+    /// Context-parallel ranks the request's tokens are dealt over (1: not dealt).
+    pub size: u32,
+    /// This peer's rank, below `size`.
+    pub rank: u32,
+    /// Consecutive tokens per deal, at least 1.
+    pub interleave: u64,
+}
+
+impl Default for DcpContext {
+    fn default() -> Self {
+        Self {
+            size: 1,
+            rank: 0,
+            interleave: 1,
+        }
+    }
+}
+
+impl DcpContext {
+    /// Whether tokens are dealt (more than one rank).
+    pub fn dealt(&self) -> bool {
+        self.size > 1
+    }
+
+    /// `"rank r of N (interleave I)"`, for messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "DCP rank {} of {} (interleave {})",
+            self.rank, self.size, self.interleave
+        )
+    }
+}
+
+/// The DCP fields of a layout context on their own, and with the entries: rank below size,
+/// interleave at least 1, a page that holds whole deals or a deal that holds whole pages, and,
+/// when there are draft page entries, deals that divide the page (a draft item is the virtual
+/// page of `P·N` tokens, which only then is what the ranks' page `k` cover together).
+pub(crate) fn check_context(context: &LayoutContext, parts: &LayoutParts) -> Result<()> {
+    let d = context.dcp;
+    let invalid = |what: String| PlanError::InvalidLayout { what };
+    if d.size == 0 || d.rank >= d.size {
+        return Err(invalid(format!(
+            "dcp_rank {} must be below dcp_size {}",
+            d.rank, d.size
+        )));
+    }
+    if d.interleave == 0 {
+        return Err(invalid(
+            "dcp_interleave must be at least 1 (tokens per deal)".into(),
+        ));
+    }
+    if !d.dealt() {
+        return Ok(());
+    }
+    let page = context.page_size;
+    if !page.is_multiple_of(d.interleave) && !d.interleave.is_multiple_of(page) {
+        return Err(invalid(format!(
+            "dcp_interleave {} and page_size {page}: one must divide the other (a page holds \
+             whole deals, or a deal whole pages)",
+            d.interleave
+        )));
+    }
+    u64::from(d.size)
+        .checked_mul(page)
+        .and_then(|v| v.checked_mul(d.interleave))
+        .ok_or(PlanError::Overflow {
+            what: "DCP virtual page",
+        })?;
+    let draft =
+        (0..parts.data_ptrs.len()).find(|&i| parts.drafts[i] && parts.kinds[i] == EntryKind::Page);
+    if let Some(entry) = draft
+        && !page.is_multiple_of(d.interleave)
+    {
+        return Err(invalid(format!(
+            "entry {entry} is a draft entry, which DCP does not deal: its item holds the virtual \
+             page of page_size x dcp_size tokens, which needs dcp_interleave {} to divide \
+             page_size {page}",
+            d.interleave
+        )));
+    }
+    Ok(())
+}
+
+/// The token map of a layout's target (dealt) page entries.
+pub fn token_map(layout: &Layout) -> TokenMap {
+    let ctx = layout.context();
+    if ctx.dcp.dealt() {
+        TokenMap::Dealt {
+            page_size: ctx.page_size,
+            ranks: u64::from(ctx.dcp.size),
+            rank: u64::from(ctx.dcp.rank),
+            interleave: ctx.dcp.interleave,
+        }
+    } else {
+        TokenMap::Paged {
+            page_size: ctx.page_size,
+        }
+    }
+}
+
+/// The token map of a layout's draft entries: every token, pages of `page_size × dcp_size`.
+pub fn draft_map(layout: &Layout) -> TokenMap {
+    TokenMap::Paged {
+        page_size: tokens_per_draft_item(layout),
+    }
+}
+
+fn tokens_per_draft_item(layout: &Layout) -> u64 {
+    let ctx = layout.context();
+    ctx.page_size * u64::from(ctx.dcp.size) // checked not to overflow at validation
+}
+
+/// Tokens one item of entry `entry` holds: the page size, times `dcp_size` for a draft entry
+/// (the virtual page).
+pub fn tokens_per_item(layout: &Layout, entry: usize) -> u64 {
+    if layout.is_draft(entry) {
+        tokens_per_draft_item(layout)
+    } else {
+        layout.context().page_size
+    }
+}
+
+/// Whether either side deals tokens: every plan between them is a token plan.
+pub fn dealt_pair(src: &Layout, dst: &Layout) -> bool {
+    src.context().dcp.dealt() || dst.context().dcp.dealt()
+}
+
+/// Whether this source rank is the one that sends what is not dealt (draft tokens, state) to
+/// this decode rank: source DCP rank `decode rank mod source size`, so the decode ranks are
+/// spread over the source ranks and each receives once.
+pub fn sends_undealt(src: &Layout, dst: &Layout) -> bool {
+    let (s, d) = (src.context().dcp, dst.context().dcp);
+    d.rank % s.size == s.rank
+}
+
+/// Why the two sides' dealt tokens never meet, when they do not (`None`: they share tokens).
+pub fn no_shared_tokens(src: &Layout, dst: &Layout) -> Option<String> {
+    let maps = (token_map(src), token_map(dst));
+    if shares_tokens(maps) {
+        return None;
+    }
+    Some(format!(
+        "prefill {} and decode {} hold no token in common: no target KV moves between them \
+         (the decode rank's tokens come from other prefill ranks)",
+        src.context().dcp.describe(),
+        dst.context().dcp.describe()
+    ))
+}
+
+/// Whether some token lives on both maps' ranks: checked over one period of both deal patterns
+/// (their tokens repeat with period `lcm(I_s·N_s, I_d·N_d)`), segment by segment.
+pub fn shares_tokens(maps: (TokenMap, TokenMap)) -> bool {
+    let period = |m: TokenMap| match m {
+        TokenMap::Paged { .. } => 1,
+        TokenMap::Dealt {
+            ranks, interleave, ..
+        } => ranks * interleave,
+    };
+    let (src_period, dst_period) = (period(maps.0), period(maps.1));
+    let lcm = (src_period / gcd(src_period, dst_period)).saturating_mul(dst_period);
+    let mut token = 0u64;
+    while token < lcm {
+        let on_src = maps.0.next_owned(token);
+        let on_both = maps.1.next_owned(on_src);
+        if on_both == on_src {
+            return on_src < lcm;
+        }
+        token = on_both;
+    }
+    false
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl TokenMap {
+    /// Whether global token `t` lives on this map's rank (always, for a paged map).
+    pub fn owns(self, t: u64) -> bool {
+        match self {
+            TokenMap::Paged { .. } => true,
+            TokenMap::Dealt {
+                ranks,
+                rank,
+                interleave,
+                ..
+            } => (t / interleave) % ranks == rank,
+        }
+    }
+
+    /// The first token at or after `t` that lives on this map's rank (`u64::MAX` past the end).
+    pub fn next_owned(self, t: u64) -> u64 {
+        match self {
+            TokenMap::Paged { .. } => t,
+            TokenMap::Dealt {
+                ranks,
+                rank,
+                interleave,
+                ..
+            } => {
+                let deal = t / interleave;
+                let owner = deal % ranks;
+                if owner == rank {
+                    return t;
+                }
+                let ahead = (rank + ranks - owner) % ranks;
+                (deal + ahead).saturating_mul(interleave)
+            }
+        }
+    }
+
+    /// Local token (position among this rank's tokens) of an owned global token.
+    pub fn local(self, t: u64) -> u64 {
+        match self {
+            TokenMap::Paged { .. } => t,
+            TokenMap::Dealt {
+                ranks, interleave, ..
+            } => t / (interleave * ranks) * interleave + t % interleave,
+        }
+    }
+
+    /// Consecutive global tokens from an owned `t` that stay on this rank (`u64::MAX`: all).
+    pub fn run_left(self, t: u64) -> u64 {
+        match self {
+            TokenMap::Paged { .. } => u64::MAX,
+            TokenMap::Dealt { interleave, .. } => interleave - t % interleave,
+        }
+    }
+
+    /// How many of the first `n` global tokens live on this rank.
+    pub fn local_count(self, n: u64) -> u64 {
+        match self {
+            TokenMap::Paged { .. } => n,
+            TokenMap::Dealt {
+                ranks,
+                rank,
+                interleave,
+                ..
+            } => {
+                let cycle = interleave * ranks;
+                let rest = (n % cycle).saturating_sub(rank * interleave);
+                n / cycle * interleave + rest.min(interleave)
+            }
+        }
+    }
+
+    /// The global tokens below `n` this map's rank holds, as `(first global token, tokens)`
+    /// ranges in order (a whole-request range for a paged map).
+    pub fn owned_ranges(self, n: u64) -> impl Iterator<Item = (u64, u64)> {
+        let mut t = 0u64;
+        std::iter::from_fn(move || {
+            t = self.next_owned(t);
+            if t >= n {
+                return None;
+            }
+            let len = self.run_left(t).min(n - t);
+            let start = t;
+            t += len;
+            Some((start, len))
+        })
+    }
+}
+
+/// A segment of a token walk over two maps: `n` global tokens from `t` that both sides hold,
+/// inside one page on each side, with each side's local token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DealtSegment {
+    pub t: u64,
+    pub n: u64,
+    pub local: (u64, u64),
+}
+
+/// The segments of the first `n_tokens` global tokens both maps hold, in token order: cut at
+/// every deal edge and local page edge of either side.
+pub(crate) fn dealt_segments(
+    n_tokens: u64,
+    maps: (TokenMap, TokenMap),
+) -> impl Iterator<Item = DealtSegment> {
+    let (ms, md) = maps;
+    let (ps, pd) = (ms.page_size(), md.page_size());
+    let mut t = 0u64;
+    std::iter::from_fn(move || {
+        // The next token both hold: alternate until both agree (each step moves forward).
+        loop {
+            if t >= n_tokens {
+                return None;
+            }
+            let s = ms.next_owned(t);
+            let d = md.next_owned(s);
+            if d == s {
+                t = s;
+                break;
+            }
+            t = d;
+        }
+        if t >= n_tokens {
+            return None;
+        }
+        let local = (ms.local(t), md.local(t));
+        let n = ms
+            .run_left(t)
+            .min(md.run_left(t))
+            .min(ps - local.0 % ps)
+            .min(pd - local.1 % pd)
+            .min(n_tokens - t);
+        let seg = DealtSegment { t, n, local };
+        t += n;
+        Some(seg)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dealt(page_size: u64, ranks: u64, rank: u64, interleave: u64) -> TokenMap {
+        TokenMap::Dealt {
+            page_size,
+            ranks,
+            rank,
+            interleave,
+        }
+    }
+
+    #[test]
+    fn the_map_is_the_definition() {
+        for (ranks, interleave) in [(2, 1), (4, 1), (4, 16), (8, 3), (3, 5)] {
+            for rank in 0..ranks {
+                let m = dealt(16, ranks, rank, interleave);
+                let mut local = 0;
+                for t in 0..500u64 {
+                    let owns = (t / interleave) % ranks == rank;
+                    assert_eq!(m.owns(t), owns);
+                    let next = (t..t + interleave * ranks)
+                        .find(|&u| (u / interleave) % ranks == rank)
+                        .unwrap();
+                    assert_eq!(m.next_owned(t), next);
+                    assert_eq!(m.local_count(t), local);
+                    if owns {
+                        assert_eq!(
+                            m.local(t),
+                            (t / (interleave * ranks)) * interleave + t % interleave
+                        );
+                        assert_eq!(m.local(t), local);
+                        local += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shared_tokens_between_rank_pairs() {
+        // Equal layouts: only equal ranks meet.
+        assert!(shares_tokens((dealt(4, 4, 1, 1), dealt(4, 4, 1, 1))));
+        assert!(!shares_tokens((dealt(4, 4, 1, 1), dealt(4, 4, 2, 1))));
+        // DCP 2 -> 4 at interleave 1: rank 0 (even tokens) meets ranks 0 and 2 only.
+        assert!(shares_tokens((dealt(4, 2, 0, 1), dealt(4, 4, 2, 1))));
+        assert!(!shares_tokens((dealt(4, 2, 0, 1), dealt(4, 4, 1, 1))));
+        // Different interleaves meet everywhere.
+        assert!(shares_tokens((dealt(4, 2, 0, 4), dealt(4, 4, 3, 1))));
+        assert!(shares_tokens((
+            TokenMap::Paged { page_size: 4 },
+            dealt(4, 8, 7, 1)
+        )));
+    }
+}
