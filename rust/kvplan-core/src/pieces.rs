@@ -143,6 +143,23 @@ impl Piece {
 /// side's pages are packed and its next page index is the previous plus one).
 pub const TOKEN_CLASSES: usize = 5;
 
+/// Pieces of each token class among `pieces`.
+pub(crate) fn class_counts(pieces: &[Piece]) -> [usize; TOKEN_CLASSES] {
+    let mut classes = [0; TOKEN_CLASSES];
+    for p in pieces {
+        classes[p.token_class()] += 1;
+    }
+    classes
+}
+
+/// Bytes the pieces move per page (per token), or overflow of `what`.
+pub(crate) fn total_len(pieces: &[Piece], what: &'static str) -> crate::error::Result<u64> {
+    let total = pieces
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.len));
+    total.ok_or(crate::error::PlanError::Overflow { what })
+}
+
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PairSpec {

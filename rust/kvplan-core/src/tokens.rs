@@ -33,7 +33,9 @@ use crate::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
 use crate::error::{PlanError, Result, Side};
 use crate::heads::HeadSlicing;
 use crate::layout::{Layout, MemoryOrder};
-use crate::pieces::{Fragment, Fragments, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap};
+use crate::pieces::{
+    Fragment, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap, class_counts, total_len,
+};
 use crate::plan::{Columns, TokenShape};
 use crate::runs::PageIndex;
 
@@ -67,7 +69,7 @@ impl TokenTemplate {
         src: &Layout,
         dst: &Layout,
         page_pairs: &[PairSpec],
-        fragments: &Fragments,
+        given: &[Option<Vec<Fragment>>],
         heads: Option<&HeadSlicing>,
         labels: (&[String], &[String]),
     ) -> Result<Self> {
@@ -84,15 +86,9 @@ impl TokenTemplate {
         let sliced = heads.and_then(HeadSlicing::sliced_heads);
         let mut pieces = Vec::new();
         let mut pair_pieces = Vec::with_capacity(page_pairs.len());
-        for (index, pair) in page_pairs.iter().enumerate() {
+        for (index, (pair, given)) in page_pairs.iter().zip(given).enumerate() {
             let start = pieces.len();
             let pair_label = || format!("page pair {index} ({})", label(Side::Src, pair.src_entry));
-            let given = match fragments.of_pair(index) {
-                Some(list) => crate::check::check_fragments(index, pair, list, &|| {
-                    label(Side::Src, pair.src_entry)
-                })?,
-                None => None,
-            };
             // Elided pairs (source item 0, as page plans elide them) and pairs of a rank pair
             // that moves no heads have no pieces.
             if pair.item_len == 0 || !moves {
@@ -136,7 +132,7 @@ impl TokenTemplate {
                         order: side.pick(orders.0, orders.1),
                     };
                     let wanted =
-                        per_token(&list, (frame(Side::Src), frame(Side::Dst)), &pair_label)?;
+                        per_token(list, (frame(Side::Src), frame(Side::Dst)), &pair_label)?;
                     if sliced.is_some() {
                         compose(&wanted, &[moved], &pair_label)?
                     } else {
@@ -147,16 +143,8 @@ impl TokenTemplate {
             push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, sizes);
             pair_pieces.push((start, pieces.len()));
         }
-        let mut class_pieces = [0; TOKEN_CLASSES];
-        for piece in &pieces {
-            class_pieces[piece.token_class()] += 1;
-        }
-        let bytes_per_token = pieces
-            .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(p.len))
-            .ok_or(PlanError::Overflow {
-                what: "bytes per token",
-            })?;
+        let class_pieces = class_counts(&pieces);
+        let bytes_per_token = total_len(&pieces, "bytes per token")?;
         Ok(Self {
             maps: (
                 TokenMap::Paged { page_size: sizes.0 },
