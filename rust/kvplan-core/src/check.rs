@@ -10,7 +10,7 @@ use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::heads::HeadSlicing;
 use crate::layout::{AttentionGeometry, EntryKind, Layout, MemoryOrder, is_mha_role};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
-use crate::pieces::{Fragment, PairSpec};
+use crate::pieces::{Fragment, Fragments, PairSpec};
 
 /// How to pair the two layouts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -250,10 +250,43 @@ fn slice_per_role(
     Ok(partners)
 }
 
+/// The caller's fragments of each page pair, validated once for page and token plans alike
+/// (`None`: the whole item; fragments given for every pair pass over elided ones).
+///
+/// # Errors
+/// [`PlanError::Geometry`] for a per-pair list of the wrong length or a fragment that
+/// [`check_fragments`] refuses.
+pub(crate) fn pair_fragments(
+    fragments: &Fragments,
+    page_pairs: &[PairSpec],
+    src_labels: &[String],
+) -> Result<Vec<Option<Vec<Fragment>>>> {
+    if let Fragments::PerPair(list) = fragments
+        && list.len() != page_pairs.len()
+    {
+        return Err(PlanError::Geometry {
+            what: format!(
+                "fragments give {} per-pair lists but the template has {} page pairs",
+                list.len(),
+                page_pairs.len()
+            ),
+        });
+    }
+    let checked = page_pairs.iter().enumerate().map(|(index, pair)| {
+        let given = match fragments {
+            Fragments::Every(_) if pair.item_len == 0 => None,
+            _ => fragments.of_pair(index),
+        };
+        let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();
+        given.map_or(Ok(None), |list| check_fragments(index, pair, list, &label))
+    });
+    checked.collect()
+}
+
 /// Validates one pair's fragments: non-empty, each of positive length and inside the item on
 /// both sides, no two overlapping on the destination. `None` when the list is exactly the
 /// whole item (the default, which may coalesce).
-pub(crate) fn check_fragments(
+fn check_fragments(
     index: usize,
     pair: &PairSpec,
     list: &[Fragment],

@@ -181,13 +181,6 @@ impl TpSplit {
     pub fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
         u64::from(r_p) == u64::from(r_d) * u64::from(self.prefill_tp) / u64::from(self.decode_tp)
     }
-
-    /// Whether the two ranks' shares of a state sharded over TP overlap.
-    pub fn shares_overlap(&self, r_p: u32, r_d: u32) -> bool {
-        let (tp_p, tp_d) = (u64::from(self.prefill_tp), u64::from(self.decode_tp));
-        let (r_p, r_d) = (u64::from(r_p), u64::from(r_d));
-        r_p * tp_d < (r_d + 1) * tp_p && r_d * tp_p < (r_p + 1) * tp_d
-    }
 }
 
 /// Heads `start..stop` in words: `head 3`, `heads 4–7`.

@@ -96,6 +96,26 @@ pub struct AttentionGeometry {
 }
 
 impl AttentionGeometry {
+    /// The geometry of one rank of a model with `total_kv_heads` heads over `tp_size` ranks,
+    /// with the usual defaults: heads divided over the ranks and replicated when fewer
+    /// (`max(1, total_kv_heads / tp_size)`), token-major items.
+    pub fn for_rank(
+        total_kv_heads: u32,
+        head_dim: u32,
+        dtype_size: u32,
+        tp_size: u32,
+        heads_per_rank: Option<u32>,
+        memory_order: Option<MemoryOrder>,
+    ) -> Self {
+        Self {
+            total_kv_heads,
+            heads_per_rank: heads_per_rank.unwrap_or((total_kv_heads / tp_size.max(1)).max(1)),
+            head_dim,
+            dtype_size,
+            memory_order: memory_order.unwrap_or(MemoryOrder::Nhd),
+        }
+    }
+
     /// Bytes of one head of one token: `head_dim * dtype_size`.
     pub fn head_bytes(&self) -> u64 {
         u64::from(self.head_dim) * u64::from(self.dtype_size)
@@ -313,14 +333,25 @@ impl Layout {
         Ok(self)
     }
 
+    /// The same layout with strides for the entries after the first `before` (the ones an
+    /// `append` added); the earlier entries keep theirs. An empty list keeps the defaults.
+    ///
+    /// # Errors
+    /// As [`Layout::with_strides`], the list counted against the appended entries.
+    pub fn with_tail_strides(self, before: usize, tail: Vec<u64>) -> Result<Self> {
+        if tail.is_empty() {
+            return Ok(self);
+        }
+        let appended = self.n_entries().saturating_sub(before);
+        check_len("strides", tail.len(), appended)?;
+        let mut all = self.strides[..before.min(self.strides.len())].to_vec();
+        all.extend(tail);
+        self.with_strides(all)
+    }
+
     /// Bytes between consecutive items of each entry (equal to `item_len` unless set).
     pub fn strides(&self) -> &[u64] {
         &self.strides
-    }
-
-    /// Whether any entry's stride differs from its item length.
-    pub fn is_strided(&self) -> bool {
-        self.strides != self.parts.item_lens
     }
 
     /// One allocation holding every layer of a page side by side,

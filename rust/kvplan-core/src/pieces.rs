@@ -164,6 +164,14 @@ pub const TOKEN_LANES: usize = 2;
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
 pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;
 
+/// Bytes the pieces move per page (per token), or overflow of `what`.
+pub(crate) fn total_len(pieces: &[Piece], what: &'static str) -> crate::error::Result<u64> {
+    let total = pieces
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.len));
+    total.ok_or(crate::error::PlanError::Overflow { what })
+}
+
 /// Everything planning needs about one source/destination entry pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PairSpec {

@@ -3,13 +3,13 @@
 //! `emit`) or a token plan (module `tokens`). Every request goes through [`Template::prepare`].
 
 use crate::check::{
-    TemplateOptions, check_fragments, check_pairs, compose, entry_labels, needs_tokens, pair_spec,
+    TemplateOptions, check_pairs, compose, entry_labels, needs_tokens, pair_fragments, pair_spec,
 };
 use crate::error::{PlanError, Result, Side};
 use crate::groups::{LayerGroups, SliceKey, StreamFacts};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout};
-use crate::pieces::{Fragments, PairSpec, Piece, TOKEN_CLASSES};
+use crate::pieces::{Fragment, Fragments, PairSpec, Piece, TOKEN_CLASSES, TokenMap, total_len};
 use crate::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
@@ -193,10 +193,11 @@ impl Template {
             Some(slicing) if !by_token => slicing.page_fragments(),
             _ => Fragments::Whole,
         };
+        let given = pair_fragments(&geometry.fragments, &page_pairs, &labels.0)?;
         let (pieces, groups, pair_groups) = if moves_pages {
             build_groups(
                 &page_pairs,
-                &geometry.fragments,
+                &given,
                 &head_fragments,
                 geometry.coalesce,
                 &coalesce_keys,
@@ -210,19 +211,14 @@ impl Template {
             src,
             dst,
             &page_pairs,
-            &geometry.fragments,
+            &given,
             heads.as_ref(),
             (&labels.0, &labels.1),
         );
         if by_token && let Err(problem) = &tokens {
             return Err(problem.clone());
         }
-        let bytes_per_page = pieces
-            .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(p.len))
-            .ok_or(PlanError::Overflow {
-                what: "bytes per page",
-            })?;
+        let bytes_per_page = total_len(&pieces, "bytes per page")?;
         let per_run_pieces = pieces.iter().filter(|p| p.per_run()).count();
         let token_groups = match &tokens {
             Ok(tokens) => token_groups(tokens, &groups),
@@ -233,16 +229,9 @@ impl Template {
             .filter(|p| p.item_len > 0)
             .map(|p| p.piece(p.whole()))
             .collect();
-        let src_limit = emitting
-            .iter()
-            .map(|p| p.src_capacity)
-            .min()
-            .unwrap_or(u64::MAX);
-        let dst_limit = emitting
-            .iter()
-            .map(|p| p.dst_capacity)
-            .min()
-            .unwrap_or(u64::MAX);
+        let (src_limit, dst_limit) = emitting.iter().fold((u64::MAX, u64::MAX), |(s, d), p| {
+            (s.min(p.src_capacity), d.min(p.dst_capacity))
+        });
         Ok(Self {
             page_pairs,
             emitting,
@@ -358,46 +347,27 @@ impl Template {
 #[allow(clippy::type_complexity)]
 fn build_groups(
     page_pairs: &[PairSpec],
-    fragments: &Fragments,
+    given: &[Option<Vec<Fragment>>],
     head_fragments: &Fragments,
     coalesce: bool,
     coalesce_keys: &[SliceKey],
     src_labels: &[String],
 ) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
-    if let Fragments::PerPair(list) = fragments
-        && list.len() != page_pairs.len()
-    {
-        return Err(PlanError::Geometry {
-            what: format!(
-                "fragments give {} per-pair lists but the template has {} page pairs",
-                list.len(),
-                page_pairs.len()
-            ),
-        });
-    }
     let mut pieces: Vec<Piece> = Vec::new();
     let mut groups: Vec<Group> = Vec::new();
     let mut pair_groups = vec![None; page_pairs.len()];
     // Whether the last group is whole items (fragment-free), so a touching pair may join it.
     let mut open = false;
-    for (index, pair) in page_pairs.iter().enumerate() {
-        let given = match fragments {
-            Fragments::Every(_) if pair.item_len == 0 => None,
-            _ => fragments.of_pair(index),
-        };
+    for (index, (pair, given)) in page_pairs.iter().zip(given).enumerate() {
         let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();
-        let fragments = match given {
-            Some(list) => check_fragments(index, pair, list, &label)?,
-            None => None,
-        };
         // Head slicing's fragments, restricted to the caller's where both are given.
-        let fragments = match (fragments, head_fragments.of_pair(index)) {
+        let fragments = match (given, head_fragments.of_pair(index)) {
             (None, None) => None,
-            (Some(user), None) => Some(user),
+            (Some(user), None) => Some(user.clone()),
             (None, Some(heads)) => Some(heads.to_vec()),
             (Some(user), Some(heads)) => {
                 let pair_label = || format!("page pair {index} ({})", label());
-                Some(compose(&user, heads, &pair_label)?)
+                Some(compose(user, heads, &pair_label)?)
             }
         };
         if pair.item_len == 0 {
@@ -472,11 +442,11 @@ fn token_groups(tokens: &TokenTemplate, groups: &[Group]) -> Vec<[usize; TOKEN_C
     groups
         .iter()
         .map(|g| {
-            let mut classes = [0; TOKEN_CLASSES];
             let (start, end) = (
                 tokens.pair_pieces[g.first_pair].0,
                 tokens.pair_pieces[g.last_pair].1,
             );
+            let mut classes = [0; TOKEN_CLASSES];
             for piece in &tokens.pieces[start..end] {
                 classes[tokens.class_of(piece)] += 1;
             }
@@ -620,15 +590,16 @@ impl Template {
         out: Columns<'_>,
     ) -> Result<PlanSummary> {
         let pieces = &self.pieces;
+        let summary = PlanSummary {
+            n_runs: found.n_runs,
+            n_blocks: shape.n_blocks, // 0 without pieces or pages
+            total_bytes: shape.total_bytes,
+            n_pages: found.n_pages,
+            tokens: None,
+            state: false,
+        };
         if pieces.is_empty() || found.n_pages == 0 {
-            return Ok(PlanSummary {
-                n_runs: found.n_runs,
-                n_blocks: 0,
-                total_bytes: shape.total_bytes,
-                n_pages: found.n_pages,
-                tokens: None,
-                state: false,
-            });
+            return Ok(summary);
         }
         // Runs go into the first slots as page indices; limits are re-checked per run, and a
         // run count that differs from the validating scan means the inputs changed meanwhile.
@@ -657,14 +628,7 @@ impl Template {
         } else {
             crate::emit::expand_pieces(pieces, runs, found.n_pages, out);
         }
-        Ok(PlanSummary {
-            n_runs: runs,
-            n_blocks: shape.n_blocks,
-            total_bytes: shape.total_bytes,
-            n_pages: found.n_pages,
-            tokens: None,
-            state: false,
-        })
+        Ok(summary)
     }
 
     /// Allocating convenience: plans one request (see [`Template::prepare`]) into freshly
@@ -727,10 +691,10 @@ impl Template {
         let (s, d) = (src_slot as u64, dst_slot as u64);
         for (k, (pair, piece)) in pairs.zip(&self.state_pieces).enumerate() {
             if s >= pair.src_capacity {
-                return Err(self.state_out_of_range(Side::Src, src_slot, pair));
+                return Err(self.index_error(Side::Src, pair, src_slot, 0));
             }
             if d >= pair.dst_capacity {
-                return Err(self.state_out_of_range(Side::Dst, dst_slot, pair));
+                return Err(self.index_error(Side::Dst, pair, dst_slot, 0));
             }
             // In bounds, so the layout's base + len check rules out overflow.
             out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
@@ -759,30 +723,22 @@ impl Template {
                 .enumerate()
                 .find(|&(_, v)| v as u64 >= capacity)
             {
-                let entry = side.pick(pair.src_entry, pair.dst_entry);
-                return PlanError::IndexOutOfRange {
-                    side,
-                    index,
-                    position,
-                    capacity,
-                    entry,
-                    label: self.entry_label(side, entry),
-                    item_len: pair.item_len,
-                };
+                return self.index_error(side, pair, index, position);
             }
         }
         PlanError::InputChanged
     }
 
-    fn state_out_of_range(&self, side: Side, slot: i64, pair: &PairSpec) -> PlanError {
+    /// `index` (at `position` of its list) lies outside `pair`'s buffer on `side`.
+    fn index_error(&self, side: Side, pair: &PairSpec, index: i64, position: usize) -> PlanError {
         let (capacity, entry) = side.pick(
             (pair.src_capacity, pair.src_entry),
             (pair.dst_capacity, pair.dst_entry),
         );
         PlanError::IndexOutOfRange {
             side,
-            index: slot,
-            position: 0,
+            index,
+            position,
             capacity,
             entry,
             label: self.entry_label(side, entry),
@@ -962,7 +918,20 @@ impl Template {
             BlockRequest::Tokens {
                 n_tokens,
                 fragmented,
-            } => Ok(self.token_count(n_tokens, fragmented)?.0),
+            } => {
+                // Pages consecutive on both sides, or (fragmented) never consecutive.
+                let tokens = self.token_template()?;
+                let step = if fragmented { 2 } else { 1 };
+                let pages = |map: TokenMap| -> Result<Vec<i64>> {
+                    let n = usize::try_from(map.pages_for(n_tokens))
+                        .map_err(|_| PlanError::Overflow { what: "pages" })?;
+                    let mut v = crate::error::try_vec(n, 0i64, "page list")?;
+                    v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
+                    Ok(v)
+                };
+                let (src, dst) = (pages(tokens.maps.0)?, pages(tokens.maps.1)?);
+                Ok(count_blocks(tokens, &src, &dst, n_tokens)?.2)
+            }
         }
     }
 

@@ -3,10 +3,13 @@
 //! none. Each plan is copied between byte arenas and compared with a per-token, per-byte copier
 //! written from the layout definitions; no destination byte is written twice.
 
+mod support;
+
 use kvplan_core::{
     AttentionGeometry, Fragment, Fragments, GeometryOptions, Layout, LayoutContext, MemoryOrder,
     PlanError, Template, TemplateOptions,
 };
+use support::reference::{Request, check_plan};
 
 const SRC: u64 = 0x10_0000;
 const DST: u64 = 0x80_0000;
@@ -40,6 +43,23 @@ fn layout(base: u64, page_size: u64, order: Option<(MemoryOrder, u32, u32)>) -> 
     .unwrap()
 }
 
+/// Plans pages `pages` (`n` tokens) and compares the copied bytes with the reference.
+fn check(
+    t: &Template,
+    src: &Layout,
+    dst: &Layout,
+    pages: (&[i64], &[i64]),
+    n: Option<u64>,
+    list: &[Fragment],
+) -> kvplan_core::Plan {
+    let request = Request {
+        src_pages: pages.0,
+        dst_pages: pages.1,
+        n_tokens: n,
+    };
+    check_plan(t, src, dst, &request, Some(list))
+}
+
 fn template(src: &Layout, dst: &Layout, fragments: Vec<Fragment>) -> Result<Template, PlanError> {
     let geometry = GeometryOptions {
         fragments: Fragments::Every(fragments),
@@ -56,83 +76,26 @@ fn frag(src_off: u64, dst_off: u64, len: u64) -> Fragment {
     }
 }
 
-/// Copies the plan between arenas (source bytes numbered) and returns the destination arena.
-fn run(src: &Layout, dst: &Layout, plan: &kvplan_core::Plan) -> Vec<u8> {
-    let span = |l: &Layout| l.parts().data_lens[0] as usize;
-    let source: Vec<u8> = (0..span(src)).map(|i| (i * 7 + 1) as u8).collect();
-    let mut out = vec![0u8; span(dst)];
-    let mut written = vec![false; span(dst)];
-    for k in 0..plan.lengths.len() {
-        let (s, d, n) = (
-            (plan.src_addrs[k] - SRC) as usize,
-            (plan.dst_addrs[k] - DST) as usize,
-            plan.lengths[k] as usize,
-        );
-        assert!(
-            written[d..d + n].iter().all(|w| !w),
-            "block {k} writes a byte twice"
-        );
-        written[d..d + n].iter_mut().for_each(|w| *w = true);
-        out[d..d + n].copy_from_slice(&source[s..s + n]);
-    }
-    out
-}
-
-/// The reference: for every token `t < n`, `bytes(slot)` lists `(src byte, dst byte, len)`
-/// inside the two items; copied from page `src_pages[t / P]` to page `dst_pages[t / P]`.
-fn reference(
-    src: &Layout,
-    dst: &Layout,
-    pages: (&[i64], &[i64]),
-    n: u64,
-    bytes: &dyn Fn(u64) -> Vec<(u64, u64, u64)>,
-) -> Vec<u8> {
-    let (p, item_s, item_d) = (
-        src.context().page_size,
-        src.parts().item_lens[0],
-        dst.parts().item_lens[0],
-    );
-    let source: Vec<u8> = (0..src.parts().data_lens[0] as usize)
-        .map(|i| (i * 7 + 1) as u8)
-        .collect();
-    let mut out = vec![0u8; dst.parts().data_lens[0] as usize];
-    for t in 0..n {
-        let (sp, dp) = (
-            pages.0[(t / p) as usize] as u64,
-            pages.1[(t / p) as usize] as u64,
-        );
-        for (s, d, len) in bytes(t % p) {
-            for k in 0..len {
-                out[(dp * item_d + d + k) as usize] = source[(sp * item_s + s + k) as usize];
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn per_token_fragments_with_n_tokens_and_with_different_memory_orders() {
     use MemoryOrder::{Hnd, Nhd};
     let pages: (&[i64], &[i64]) = (&[2, 0], &[1, 3]);
     // Token-major, no geometry: head 1 of every token to head 0 of the same token, 6 tokens.
     let (src, dst) = (layout(SRC, 4, None), layout(DST, 4, None));
-    let list = (0..4).map(|t| frag(t * 8 + 4, t * 8, 4)).collect();
-    let t = template(&src, &dst, list).unwrap();
-    let plan = t.plan(pages.0, pages.1, Some(6)).unwrap();
-    let want = reference(&src, &dst, pages, 6, &|s| vec![(s * 8 + 4, s * 8, 4)]);
-    assert_eq!(run(&src, &dst, &plan), want);
+    let list: Vec<_> = (0..4).map(|t| frag(t * 8 + 4, t * 8, 4)).collect();
+    let t = template(&src, &dst, list.clone()).unwrap();
+    let plan = check(&t, &src, &dst, pages, Some(6), &list);
     assert_eq!(plan.total_bytes, 6 * 4);
     // NHD -> HND at one page size (a token plan without n_tokens): head 1 of every token.
     let (src, dst) = (
         layout(SRC, 4, Some((Nhd, 1, 0))),
         layout(DST, 4, Some((Hnd, 1, 0))),
     );
-    let list = (0..4).map(|t| frag(t * 8 + 4, 16 + t * 4, 4)).collect();
-    let t = template(&src, &dst, list).unwrap();
+    let list: Vec<_> = (0..4).map(|t| frag(t * 8 + 4, 16 + t * 4, 4)).collect();
+    let t = template(&src, &dst, list.clone()).unwrap();
     assert!(t.by_token());
-    let plan = t.plan(pages.0, pages.1, None).unwrap();
-    let want = reference(&src, &dst, pages, 8, &|s| vec![(s * 8 + 4, 16 + s * 4, 4)]);
-    assert_eq!(run(&src, &dst, &plan), want);
+    let plan = check(&t, &src, &dst, pages, None, &list);
+    assert_eq!(plan.total_bytes, 8 * 4);
 }
 
 #[test]
@@ -146,16 +109,10 @@ fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
     );
     let pages: (&[i64], &[i64]) = (&[0, 1], &[2, 3]);
     // Tokens 0 and 1 only (a sub-page transfer), agreeing with head slicing: a page plan.
-    let t = template(&src, &dst, vec![frag(0, 4, 4), frag(4, 12, 4)]).unwrap();
-    let plan = t.plan(pages.0, pages.1, None).unwrap();
-    let want = reference(&src, &dst, pages, 8, &|s| {
-        if s < 2 {
-            vec![(s * 4, s * 8 + 4, 4)]
-        } else {
-            vec![]
-        }
-    });
-    assert_eq!(run(&src, &dst, &plan), want);
+    let list = [frag(0, 4, 4), frag(4, 12, 4)];
+    let t = template(&src, &dst, list.to_vec()).unwrap();
+    let plan = check(&t, &src, &dst, pages, None, &list);
+    assert_eq!(plan.total_bytes, 2 * 2 * 4);
     // The same fragments with n_tokens do not move every token alike: refused, saying why.
     let err = t.plan(pages.0, pages.1, Some(6)).unwrap_err();
     assert!(
@@ -168,11 +125,9 @@ fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
         "{err}"
     );
     // The first 2 bytes of the moved head of every token, 6 tokens: a head-sliced token plan.
-    let list = (0..4).map(|t| frag(t * 4, t * 8 + 4, 2)).collect();
-    let t = template(&src, &dst, list).unwrap();
-    let plan = t.plan(pages.0, pages.1, Some(6)).unwrap();
-    let want = reference(&src, &dst, pages, 6, &|s| vec![(s * 4, s * 8 + 4, 2)]);
-    assert_eq!(run(&src, &dst, &plan), want);
+    let list: Vec<_> = (0..4).map(|t| frag(t * 4, t * 8 + 4, 2)).collect();
+    let t = template(&src, &dst, list.clone()).unwrap();
+    let plan = check(&t, &src, &dst, pages, Some(6), &list);
     assert_eq!(plan.total_bytes, 6 * 2);
     // A fragment sending the moved head elsewhere than head slicing does has no destination.
     let err = template(&src, &dst, vec![frag(0, 0, 4)]).unwrap_err();

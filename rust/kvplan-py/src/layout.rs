@@ -1,12 +1,13 @@
 //! `kvplan.Layout`: a peer's transfer entries, built from SGLang-style registration lists or
 //! from the named constructors of the core.
 
-use kvplan_core::{AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder};
+use kvplan_core::{EntryKind, Layout, LayoutParts};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{KvPlanError, to_py_err};
+use crate::options::{context_from, strides_arg};
 
 /// Bytes per item: one value for every entry, or one per entry.
 pub(crate) enum ItemLens {
@@ -41,24 +42,6 @@ impl ItemLens {
     }
 }
 
-/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
-/// per entry.
-fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
-    let Some(obj) = strides.filter(|o| !o.is_none()) else {
-        return Ok(Vec::new());
-    };
-    if let Ok(one) = obj.extract::<u64>() {
-        return Ok(vec![one; n]);
-    }
-    if let Ok(many) = obj.extract::<Vec<u64>>() {
-        return Ok(many);
-    }
-    Err(PyTypeError::new_err(format!(
-        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
-        obj.repr()?
-    )))
-}
-
 /// Applies `strides=` to a freshly built layout (all its entries).
 fn strided(
     layout: kvplan_core::Result<Layout>,
@@ -78,137 +61,7 @@ fn strided_tail(
     let layout = appended.map_err(to_py_err)?;
     let before = base.n_entries();
     let tail = strides_arg(strides, layout.n_entries() - before)?;
-    if tail.is_empty() {
-        return Ok(PyLayout { inner: layout });
-    }
-    let all: Vec<u64> = layout.strides()[..before]
-        .iter()
-        .chain(&tail)
-        .copied()
-        .collect();
-    if all.len() != layout.n_entries() {
-        return Err(to_py_err(kvplan_core::PlanError::ListLength {
-            field: "strides",
-            len: tail.len(),
-            expected: layout.n_entries() - before,
-        }));
-    }
-    wrap(layout.with_strides(all))
-}
-
-/// Reads the peer context from keyword arguments, rejecting unknown keys.
-fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
-    let mut context = LayoutContext::default();
-    let Some(kwargs) = kwargs else {
-        return Ok(context);
-    };
-    let mut attention = AttentionKeywords::default();
-    for (key, value) in kwargs.iter() {
-        let key: String = key.extract()?;
-        // Name the keyword and its range in the message (PyO3's OverflowError names neither).
-        let field = |range: &str| {
-            PyTypeError::new_err(format!(
-                "{key} must be {range}, got {}",
-                value.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        };
-        let u64_field = || {
-            value
-                .extract::<u64>()
-                .map_err(|_| field("an int in 0..2**64"))
-        };
-        let u32_field = || {
-            value
-                .extract::<u32>()
-                .map_err(|_| field("an int in 0..2**32"))
-        };
-        // The attention keywords accept None ("not published"), as from_dict writes them.
-        let optional_u32 = || -> PyResult<Option<u32>> {
-            if value.is_none() {
-                Ok(None)
-            } else {
-                u32_field().map(Some)
-            }
-        };
-        match key.as_str() {
-            "page_size" => context.page_size = u64_field()?,
-            "device" => context.device = value.extract().map_err(|_| field("a str"))?,
-            "num_model_layers" => {
-                context.num_model_layers = if value.is_none() {
-                    None
-                } else {
-                    Some(u64_field()?)
-                };
-            }
-            "pp_rank" => context.pp_rank = u32_field()?,
-            "pp_size" => context.pp_size = u32_field()?,
-            "tp_rank" => context.tp_rank = u32_field()?,
-            "tp_size" => context.tp_size = u32_field()?,
-            "dcp_size" => context.dcp.size = u32_field()?,
-            "dcp_rank" => context.dcp.rank = u32_field()?,
-            "dcp_interleave" => context.dcp.interleave = u64_field()?,
-            "kv_heads" => attention.kv_heads = optional_u32()?,
-            "heads_per_rank" => attention.heads_per_rank = optional_u32()?,
-            "head_dim" => attention.head_dim = optional_u32()?,
-            "dtype_size" => attention.dtype_size = optional_u32()?,
-            "memory_order" => {
-                attention.memory_order = if value.is_none() {
-                    None
-                } else {
-                    let name: String = value.extract().map_err(|_| field("\"NHD\" or \"HND\""))?;
-                    Some(MemoryOrder::parse(&name).map_err(to_py_err)?)
-                };
-            }
-            other => {
-                return Err(PyTypeError::new_err(format!(
-                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size, dcp_size, dcp_rank, dcp_interleave, kv_heads, heads_per_rank, head_dim, dtype_size, memory_order"
-                )));
-            }
-        }
-    }
-    context.attention = attention.resolve(context.tp_size)?;
-    Ok(context)
-}
-
-/// The attention keywords as given; all or none of `kv_heads`, `head_dim`, `dtype_size` (and
-/// optionally `heads_per_rank`, `memory_order`).
-#[derive(Default)]
-struct AttentionKeywords {
-    kv_heads: Option<u32>,
-    heads_per_rank: Option<u32>,
-    head_dim: Option<u32>,
-    dtype_size: Option<u32>,
-    memory_order: Option<MemoryOrder>,
-}
-
-impl AttentionKeywords {
-    fn resolve(self, tp_size: u32) -> PyResult<Option<AttentionGeometry>> {
-        let Self {
-            kv_heads,
-            heads_per_rank,
-            head_dim,
-            dtype_size,
-            memory_order,
-        } = self;
-        match (kv_heads, head_dim, dtype_size) {
-            (None, None, None) if heads_per_rank.is_none() && memory_order.is_none() => Ok(None),
-            (Some(total_kv_heads), Some(head_dim), Some(dtype_size)) => {
-                Ok(Some(AttentionGeometry {
-                    total_kv_heads,
-                    // The usual split: heads divided over the TP ranks, replicated when fewer.
-                    heads_per_rank: heads_per_rank
-                        .unwrap_or_else(|| (total_kv_heads / tp_size.max(1)).max(1)),
-                    head_dim,
-                    dtype_size,
-                    memory_order: memory_order.unwrap_or(MemoryOrder::Nhd),
-                }))
-            }
-            _ => Err(PyTypeError::new_err(
-                "the attention geometry needs kv_heads, head_dim and dtype_size together \
-                 (heads_per_rank defaults to max(1, kv_heads // tp_size), memory_order to \"NHD\")",
-            )),
-        }
-    }
+    wrap(layout.with_tail_strides(before, tail))
 }
 
 /// One entry of a layout, as `Layout.entries()` lists it (read-only).

@@ -1,7 +1,7 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
 //! Modules mirror the core's: `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
-//! the output `pool`), with `convert` and `errors` shared.
+//! the output `pool`), with `convert`, `errors` and `options` (keyword parsing) shared.
 
 mod convert;
 mod descriptors;
@@ -9,6 +9,7 @@ mod digest;
 mod errors;
 mod heads;
 mod layout;
+mod options;
 mod pairing;
 mod plan;
 mod pool;

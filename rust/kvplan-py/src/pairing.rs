@@ -3,7 +3,6 @@
 
 use kvplan_core::{EntryMetadata, LegacyKind, Pairing, PairingMode};
 use numpy::PyArray2;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use crate::convert::pairs_array;
@@ -177,55 +176,4 @@ impl PyPairing {
             }
         }
     }
-}
-
-/// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
-/// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
-/// that build one (`allow_positional_fallback`, `prefill_start_layer`, `legacy_kind`). A
-/// `Pairing` together with a shorthand is a `TypeError`.
-pub(crate) fn resolve_pairing(
-    pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
-) -> PyResult<Pairing> {
-    let pairing = pairing.filter(|p| !p.is_none());
-    if let Some(p) = pairing
-        && let Ok(p) = p.cast::<PyPairing>()
-    {
-        if allow_positional_fallback.is_some()
-            || prefill_start_layer.is_some()
-            || legacy_kind.is_some()
-        {
-            return Err(PyTypeError::new_err(
-                "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
-            ));
-        }
-        return Ok(p.get().inner);
-    }
-    let fallback = match pairing {
-        None => allow_positional_fallback.unwrap_or(false),
-        Some(p) => {
-            let Ok(flag) = p.extract::<bool>() else {
-                return Err(PyTypeError::new_err(format!(
-                    "pairing must be a kvplan.Pairing (or a bool, the allow_positional_fallback shorthand), got {}",
-                    p.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                )));
-            };
-            if allow_positional_fallback.is_some() {
-                return Err(PyTypeError::new_err(
-                    "allow_positional_fallback given twice (positionally and as a keyword)",
-                ));
-            }
-            flag
-        }
-    };
-    Ok(Pairing::by_layer_id(
-        fallback,
-        prefill_start_layer,
-        legacy_kind.map(parse_legacy_kind).transpose()?,
-    ))
 }

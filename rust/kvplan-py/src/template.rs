@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use kvplan_core::{
-    BlockRequest, Columns, FlatBuffer, Fragment, Fragments, GeometryOptions, PageIndex,
-    PlanSummary, Template, TemplateOptions,
+    BlockRequest, Columns, FlatBuffer, GeometryOptions, PageIndex, PlanSummary, Template,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -16,61 +15,9 @@ use pyo3::types::PyTuple;
 use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
-use crate::pairing::resolve_pairing;
+use crate::options::{fragments_arg, template_options};
 use crate::plan::{PyTransferPlan, out_columns, pooled_columns};
 use crate::pool;
-
-/// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
-/// page pair, or one such list (or `None`) per page pair.
-fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fragments> {
-    let Some(obj) = fragments.filter(|o| !o.is_none()) else {
-        return Ok(Fragments::Whole);
-    };
-    let to_fragments = |list: Vec<(u64, u64, u64)>| -> Vec<Fragment> {
-        list.into_iter()
-            .map(|(src_off, dst_off, len)| Fragment {
-                src_off,
-                dst_off,
-                len,
-            })
-            .collect()
-    };
-    if let Ok(every) = obj.extract::<Vec<(u64, u64, u64)>>() {
-        return Ok(Fragments::Every(to_fragments(every)));
-    }
-    if let Ok(per_pair) = obj.extract::<Vec<Option<Vec<(u64, u64, u64)>>>>() {
-        return Ok(Fragments::PerPair(
-            per_pair
-                .into_iter()
-                .map(|list| list.map(to_fragments))
-                .collect(),
-        ));
-    }
-    Err(PyTypeError::new_err(format!(
-        "fragments must be None, a list of (src_off, dst_off, len) tuples of non-negative ints, or one such list (or None) per page pair; got {}",
-        obj.repr()?
-    )))
-}
-
-/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the shorthand
-/// keywords that build one.
-fn template_options(
-    pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
-    check_dst_overlap: bool,
-) -> PyResult<TemplateOptions> {
-    Ok(TemplateOptions {
-        pairing: resolve_pairing(
-            pairing,
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
-        )?,
-        check_dst_overlap,
-    })
-}
 
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
 /// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.

@@ -1,0 +1,228 @@
+//! Token plans (different page sizes or memory orders, or `n_tokens`) against the byte-level
+//! reference: block shapes, typed errors, and a property test over page sizes, orders, padded
+//! strides, page lists and token counts.
+
+mod support;
+
+use kvplan_core::{
+    AttentionGeometry, Layout, LayoutContext, MemoryOrder, PlanError, Side, Template,
+    TemplateOptions,
+};
+use proptest::prelude::*;
+use support::reference::{Request, check_plan};
+
+const HEADS: u32 = 2;
+const HEAD_DIM: u32 = 2;
+const DTYPE: u32 = 2;
+const HEAD_BYTES: u64 = (HEAD_DIM * DTYPE) as u64;
+const TOKEN: u64 = HEADS as u64 * HEAD_BYTES;
+
+/// K and V of two layers at `page_size`, `pages` pages each, packed or with a padded
+/// stride, in an arena starting at `base`.
+fn layout(base: u64, page_size: u64, pages: u64, order: Option<MemoryOrder>, pad: u64) -> Layout {
+    let item = page_size * TOKEN;
+    let stride = item + pad;
+    let len = pages * stride;
+    let ptrs: Vec<u64> = (0..4).map(|i| base + i * len).collect();
+    let context = LayoutContext {
+        page_size,
+        attention: order.map(|memory_order| AttentionGeometry {
+            total_kv_heads: HEADS,
+            heads_per_rank: HEADS,
+            head_dim: HEAD_DIM,
+            dtype_size: DTYPE,
+            memory_order,
+        }),
+        ..LayoutContext::default()
+    };
+    Layout::mha(
+        ptrs[..2].to_vec(),
+        ptrs[2..].to_vec(),
+        vec![len; 2],
+        vec![len; 2],
+        vec![item; 2],
+        vec![item; 2],
+        Some(vec![0, 1]),
+        context,
+    )
+    .unwrap()
+    .with_strides(vec![stride; 4])
+    .unwrap()
+}
+
+/// Plans the request and compares its bytes with the reference copier (which also checks that
+/// no destination byte is written twice and every block stays inside its buffers).
+fn check(
+    sizes: (u64, u64),
+    orders: (Option<MemoryOrder>, Option<MemoryOrder>),
+    pads: (u64, u64),
+    src_pages: &[i64],
+    dst_pages: &[i64],
+    n_tokens: Option<u64>,
+) {
+    let src = layout(0x1000, sizes.0, 16, orders.0, pads.0);
+    let dst = layout(0x10_0000, sizes.1, 16, orders.1, pads.1);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let request = Request {
+        src_pages,
+        dst_pages,
+        n_tokens,
+    };
+    let plan = check_plan(&template, &src, &dst, &request, None);
+    let n = n_tokens.unwrap_or_else(|| {
+        (src_pages.len() as u64 * sizes.0).min(dst_pages.len() as u64 * sizes.1)
+    });
+    assert_eq!(plan.total_bytes, n * TOKEN * 4);
+}
+
+fn pages(n: usize, swaps: &[bool]) -> Vec<i64> {
+    // n distinct pages below 16: 0..16 with some positions swapped (runs and breaks).
+    let mut v: Vec<i64> = (0..16).collect();
+    for (k, &swap) in swaps.iter().enumerate() {
+        if swap {
+            v.swap(k, (k * 5 + 3) % 16);
+        }
+    }
+    v.truncate(n);
+    v
+}
+
+#[test]
+fn sixteen_to_sixty_four_nhd_contiguous_is_one_block_per_entry() {
+    let src = layout(0x1000, 16, 16, Some(MemoryOrder::Nhd), 0);
+    let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Nhd), 0);
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let plan = t
+        .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
+        .unwrap();
+    assert_eq!(plan.lengths, vec![128 * TOKEN; 4]);
+    // HND: one block per head per segment: 100 tokens over source pages of 16 are 7.
+    let src = layout(0x1000, 16, 16, Some(MemoryOrder::Hnd), 0);
+    let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Hnd), 0);
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let plan = t
+        .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
+        .unwrap();
+    assert_eq!(plan.lengths.len(), 4 * 2 * 7);
+    check(
+        (16, 64),
+        (Some(MemoryOrder::Hnd), Some(MemoryOrder::Hnd)),
+        (0, 0),
+        &(0..8).collect::<Vec<_>>(),
+        &[1, 2],
+        Some(100),
+    );
+}
+
+#[test]
+fn errors_carry_values() {
+    let src = layout(0x1000, 16, 16, None, 0);
+    let dst = layout(0x10_0000, 64, 4, None, 0);
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let err = t.plan(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
+    assert_eq!(
+        err,
+        PlanError::TokenCount {
+            side: Side::Src,
+            n_tokens: 40,
+            page_size: 16,
+            needed: 3,
+            given: 2
+        }
+    );
+    let err = t.plan(&[0i64, 1], &[4i64], None).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::IndexOutOfRange {
+                side: Side::Dst,
+                index: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = t.plan(&[0i64, -1], &[0i64], None).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::NegativeIndex {
+                side: Side::Src,
+                index: -1,
+                position: 1
+            }
+        ),
+        "{err}"
+    );
+    // Items of different bytes per token.
+    let mut bad = layout(0x10_0000, 32, 4, None, 0);
+    bad = Layout::new(
+        bad.parts().clone(),
+        LayoutContext {
+            page_size: 64,
+            ..LayoutContext::default()
+        },
+    )
+    .unwrap();
+    let err = Template::new(&src, &bad, TemplateOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::TokenBytes {
+                src_page_size: 16,
+                dst_page_size: 64,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let odd = Layout::new(
+        src.parts().clone(),
+        LayoutContext {
+            page_size: 3,
+            ..LayoutContext::default()
+        },
+    )
+    .unwrap();
+    let err = Template::new(&odd, &dst, TemplateOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::TokenSize {
+                side: Side::Src,
+                page_size: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+fn order() -> impl Strategy<Value = Option<MemoryOrder>> {
+    prop_oneof![
+        Just(None),
+        Just(Some(MemoryOrder::Nhd)),
+        Just(Some(MemoryOrder::Hnd))
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn token_plans_match_a_per_token_reference(
+        ps in prop::sample::select(vec![1u64, 2, 4, 16, 32, 64]),
+        pd in prop::sample::select(vec![1u64, 2, 4, 16, 32, 64]),
+        orders in (order(), order()),
+        pads in (prop::sample::select(vec![0u64, 0, 8]), prop::sample::select(vec![0u64, 0, 8])),
+        src_gaps in prop::collection::vec(any::<bool>(), 16),
+        dst_gaps in prop::collection::vec(any::<bool>(), 16),
+        per_mille in 0u64..=1000,
+        given in any::<bool>(),
+    ) {
+        let max_tokens = (16 * ps).min(16 * pd).min(300);
+        let n = max_tokens * per_mille / 1000;
+        let src_pages = pages(n.div_ceil(ps) as usize, &src_gaps);
+        let dst_pages = pages(n.div_ceil(pd) as usize, &dst_gaps);
+        check((ps, pd), orders, pads, &src_pages, &dst_pages, given.then_some(n));
+    }
+}

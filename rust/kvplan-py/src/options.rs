@@ -1,0 +1,249 @@
+//! Keyword parsing of the Python API: what `Layout`'s constructors, `Template` and
+//! `check_pairs` accept, turned into the core's option values. Only conversion and the
+//! messages for arguments of the wrong type live here; the rules and defaults are the core's
+//! (e.g. `AttentionGeometry::for_rank`, `Layout::with_tail_strides`).
+
+use kvplan_core::{
+    AttentionGeometry, Fragment, Fragments, LayoutContext, MemoryOrder, Pairing, TemplateOptions,
+};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::to_py_err;
+use crate::pairing::{PyPairing, parse_legacy_kind};
+
+/// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
+/// page pair, or one such list (or `None`) per page pair.
+pub(crate) fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fragments> {
+    let Some(obj) = fragments.filter(|o| !o.is_none()) else {
+        return Ok(Fragments::Whole);
+    };
+    let to_fragments = |list: Vec<(u64, u64, u64)>| -> Vec<Fragment> {
+        list.into_iter()
+            .map(|(src_off, dst_off, len)| Fragment {
+                src_off,
+                dst_off,
+                len,
+            })
+            .collect()
+    };
+    if let Ok(every) = obj.extract::<Vec<(u64, u64, u64)>>() {
+        return Ok(Fragments::Every(to_fragments(every)));
+    }
+    if let Ok(per_pair) = obj.extract::<Vec<Option<Vec<(u64, u64, u64)>>>>() {
+        return Ok(Fragments::PerPair(
+            per_pair
+                .into_iter()
+                .map(|list| list.map(to_fragments))
+                .collect(),
+        ));
+    }
+    Err(PyTypeError::new_err(format!(
+        "fragments must be None, a list of (src_off, dst_off, len) tuples of non-negative ints, or one such list (or None) per page pair; got {}",
+        obj.repr()?
+    )))
+}
+
+/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the shorthand
+/// keywords that build one.
+pub(crate) fn template_options(
+    pairing: Option<&Bound<'_, PyAny>>,
+    allow_positional_fallback: Option<bool>,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+    check_dst_overlap: bool,
+) -> PyResult<TemplateOptions> {
+    Ok(TemplateOptions {
+        pairing: resolve_pairing(
+            pairing,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+        )?,
+        check_dst_overlap,
+    })
+}
+
+/// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
+/// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
+/// that build one (`allow_positional_fallback`, `prefill_start_layer`, `legacy_kind`). A
+/// `Pairing` together with a shorthand is a `TypeError`.
+pub(crate) fn resolve_pairing(
+    pairing: Option<&Bound<'_, PyAny>>,
+    allow_positional_fallback: Option<bool>,
+    prefill_start_layer: Option<usize>,
+    legacy_kind: Option<&str>,
+) -> PyResult<Pairing> {
+    let pairing = pairing.filter(|p| !p.is_none());
+    if let Some(p) = pairing
+        && let Ok(p) = p.cast::<PyPairing>()
+    {
+        if allow_positional_fallback.is_some()
+            || prefill_start_layer.is_some()
+            || legacy_kind.is_some()
+        {
+            return Err(PyTypeError::new_err(
+                "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
+            ));
+        }
+        return Ok(p.get().inner);
+    }
+    let fallback = match pairing {
+        None => allow_positional_fallback.unwrap_or(false),
+        Some(p) => {
+            let Ok(flag) = p.extract::<bool>() else {
+                return Err(PyTypeError::new_err(format!(
+                    "pairing must be a kvplan.Pairing (or a bool, the allow_positional_fallback shorthand), got {}",
+                    p.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                )));
+            };
+            if allow_positional_fallback.is_some() {
+                return Err(PyTypeError::new_err(
+                    "allow_positional_fallback given twice (positionally and as a keyword)",
+                ));
+            }
+            flag
+        }
+    };
+    Ok(Pairing::by_layer_id(
+        fallback,
+        prefill_start_layer,
+        legacy_kind.map(parse_legacy_kind).transpose()?,
+    ))
+}
+
+/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
+/// per entry.
+pub(crate) fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
+    let Some(obj) = strides.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    if let Ok(one) = obj.extract::<u64>() {
+        return Ok(vec![one; n]);
+    }
+    if let Ok(many) = obj.extract::<Vec<u64>>() {
+        return Ok(many);
+    }
+    Err(PyTypeError::new_err(format!(
+        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
+        obj.repr()?
+    )))
+}
+
+/// Reads the peer context from keyword arguments, rejecting unknown keys.
+pub(crate) fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
+    let mut context = LayoutContext::default();
+    let Some(kwargs) = kwargs else {
+        return Ok(context);
+    };
+    let mut attention = AttentionKeywords::default();
+    for (key, value) in kwargs.iter() {
+        let key: String = key.extract()?;
+        // Name the keyword and its range in the message (PyO3's OverflowError names neither).
+        let field = |range: &str| {
+            PyTypeError::new_err(format!(
+                "{key} must be {range}, got {}",
+                value.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        };
+        let u64_field = || {
+            value
+                .extract::<u64>()
+                .map_err(|_| field("an int in 0..2**64"))
+        };
+        let u32_field = || {
+            value
+                .extract::<u32>()
+                .map_err(|_| field("an int in 0..2**32"))
+        };
+        // The attention keywords accept None ("not published"), as from_dict writes them.
+        let optional_u32 = || -> PyResult<Option<u32>> {
+            if value.is_none() {
+                Ok(None)
+            } else {
+                u32_field().map(Some)
+            }
+        };
+        match key.as_str() {
+            "page_size" => context.page_size = u64_field()?,
+            "device" => context.device = value.extract().map_err(|_| field("a str"))?,
+            "num_model_layers" => {
+                context.num_model_layers = if value.is_none() {
+                    None
+                } else {
+                    Some(u64_field()?)
+                };
+            }
+            "pp_rank" => context.pp_rank = u32_field()?,
+            "pp_size" => context.pp_size = u32_field()?,
+            "tp_rank" => context.tp_rank = u32_field()?,
+            "tp_size" => context.tp_size = u32_field()?,
+            "dcp_size" => context.dcp.size = u32_field()?,
+            "dcp_rank" => context.dcp.rank = u32_field()?,
+            "dcp_interleave" => context.dcp.interleave = u64_field()?,
+            "kv_heads" => attention.kv_heads = optional_u32()?,
+            "heads_per_rank" => attention.heads_per_rank = optional_u32()?,
+            "head_dim" => attention.head_dim = optional_u32()?,
+            "dtype_size" => attention.dtype_size = optional_u32()?,
+            "memory_order" => {
+                attention.memory_order = if value.is_none() {
+                    None
+                } else {
+                    let name: String = value.extract().map_err(|_| field("\"NHD\" or \"HND\""))?;
+                    Some(MemoryOrder::parse(&name).map_err(to_py_err)?)
+                };
+            }
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword argument {other:?}; layout context keys are page_size, device, num_model_layers, pp_rank, pp_size, tp_rank, tp_size, dcp_size, dcp_rank, dcp_interleave, kv_heads, heads_per_rank, head_dim, dtype_size, memory_order"
+                )));
+            }
+        }
+    }
+    context.attention = attention.resolve(context.tp_size)?;
+    Ok(context)
+}
+
+/// The attention keywords as given; all or none of `kv_heads`, `head_dim`, `dtype_size` (and
+/// optionally `heads_per_rank`, `memory_order`).
+#[derive(Default)]
+struct AttentionKeywords {
+    kv_heads: Option<u32>,
+    heads_per_rank: Option<u32>,
+    head_dim: Option<u32>,
+    dtype_size: Option<u32>,
+    memory_order: Option<MemoryOrder>,
+}
+
+impl AttentionKeywords {
+    fn resolve(self, tp_size: u32) -> PyResult<Option<AttentionGeometry>> {
+        let Self {
+            kv_heads,
+            heads_per_rank,
+            head_dim,
+            dtype_size,
+            memory_order,
+        } = self;
+        match (kv_heads, head_dim, dtype_size) {
+            (None, None, None) if heads_per_rank.is_none() && memory_order.is_none() => Ok(None),
+            (Some(total_kv_heads), Some(head_dim), Some(dtype_size)) => {
+                Ok(Some(AttentionGeometry::for_rank(
+                    total_kv_heads,
+                    head_dim,
+                    dtype_size,
+                    tp_size,
+                    heads_per_rank,
+                    memory_order,
+                )))
+            }
+            _ => Err(PyTypeError::new_err(
+                "the attention geometry needs kv_heads, head_dim and dtype_size together \
+                 (heads_per_rank defaults to max(1, kv_heads // tp_size), memory_order to \"NHD\")",
+            )),
+        }
+    }
+}
