@@ -35,6 +35,9 @@ OTHER_RECORDS = [
     "`kvplan.compat.sglang.install` (`bench/sglang_dropin.py`).",
     "- [digest-results.md](digest-results.md): content digest of a request vs one memcpy of the "
     "same bytes (`bench/digest_bench.py`).",
+    "- [vllm-dropin.md](vllm-dropin.md): vLLM's `_build_transfer_params` vs the patched method per request (`bench/vllm_dropin.py`).",
+    "- [vllm-nixl-request.md](vllm-nixl-request.md): vLLM's NIXL per-request functions vs kvplan descriptors on real agents (`bench/vllm_nixl_request.py`).",
+    "- [model-results.md](model-results.md): the core before and after the one-piece address model, alternating builds in one run (commands inside).",
 ]
 
 
