@@ -139,6 +139,9 @@ class ModelPreset:
         tp_rank: int = 0,
         tp_size: int = 1,
         memory_order: str | None = None,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
     ) -> Layout:
         """The layout of a peer that holds ``layers``, publishing global layer ids.
 
@@ -159,6 +162,8 @@ class ModelPreset:
             memory_order: ``"NHD"`` or ``"HND"``. The layout publishes its attention geometry
                 (:meth:`geometry`) when this is given or ``tp_size > 1`` (default order NHD),
                 so that templates between different TP sizes re-slice heads.
+            dcp_size, dcp_rank, dcp_interleave: This peer's decode-context-parallel position
+                (the ``Layout`` keywords of the same names; default: tokens not dealt).
         """
         if page_size < 1 or capacity < 1:
             raise KvPlanError("page_size and capacity must be at least 1")
@@ -166,6 +171,8 @@ class ModelPreset:
         item = self.kv_bytes_per_token // max(1, self.kv_heads if self.attention == "mha" else 1)
         item *= heads * page_size
         tp: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size}
+        if dcp_size != 1 or dcp_rank != 0 or dcp_interleave != 1:
+            tp.update(dcp_size=dcp_size, dcp_rank=dcp_rank, dcp_interleave=dcp_interleave)
         if memory_order is not None or tp_size > 1:
             tp.update(self.geometry(tp_size, memory_order or "NHD"))
         kv = self.kv_layers(layers)

@@ -21,7 +21,7 @@ from kvplan import _core
 from kvplan._core import Layout, LayoutEntry, Pairing
 from kvplan._roles import MHA_ROLES
 
-__all__ = ["CompatReport", "EntryCheck", "compare", "format_ids"]
+__all__ = ["CompatReport", "EntryCheck", "compare", "describe_deal", "format_ids"]
 
 @dataclass(frozen=True)
 class EntryCheck:
@@ -90,6 +90,9 @@ class CompatReport:
         decode: The decode layout's one-line description.
         blocks: How many blocks a request of ``request_pages`` pages takes, contiguous and
             fully fragmented, with and without coalescing (empty when not compatible).
+        dcp: Decode context parallelism in words, when either side deals tokens over DCP
+            ranks: which tokens each side's rank holds, and what this rank pair moves (empty
+            when neither side deals).
     """
 
     entries: tuple[EntryCheck, ...]
@@ -100,6 +103,7 @@ class CompatReport:
     prefill: str
     decode: str
     blocks: tuple[str, ...] = ()
+    dcp: tuple[str, ...] = ()
 
     @property
     def first_problem(self) -> tuple[str, str] | None:
@@ -149,6 +153,9 @@ class CompatReport:
         if self.warnings:
             lines.append("warnings:")
             lines += [f"  - {w}" for w in self.warnings]
+        if self.dcp:
+            lines.append("decode context parallel:")
+            lines += [f"  {d}" for d in self.dcp]
         if self.blocks:
             lines.append("blocks per request:")
             lines += [f"  {b}" for b in self.blocks]
@@ -186,7 +193,9 @@ def compare(
             ids (positional and legacy modes), so does the report.
         allow_positional_fallback, prefill_start_layer, legacy_kind: Shorthands for
             ``Pairing.by_layer_id(...)``, as for ``Template``.
-        request_pages: The request size :attr:`CompatReport.blocks` counts blocks for.
+        request_pages: The request size :attr:`CompatReport.blocks` counts blocks for. When
+            either side deals tokens over DCP ranks, the request is ``request_pages`` pages of
+            the prefill's page size of *global* tokens, and the blocks are this rank pair's.
 
     Returns:
         A :class:`CompatReport`; ``str()`` of it is a readable report.
@@ -222,10 +231,15 @@ def compare(
     )
     reasons = _reasons(entries)
     blocks: list[str] = []
+    options = {"pairing": pairing, "allow_positional_fallback": allow_positional_fallback,
+               "prefill_start_layer": prefill_start_layer, "legacy_kind": legacy_kind}
+    dealt = prefill_layout.dcp_size > 1 or decode_layout.dcp_size > 1
+    dcp = _dcp_lines(prefill_layout, decode_layout) if dealt else []
     if not reasons:
-        blocks = _blocks(prefill_layout, decode_layout, request_pages, pairing=pairing,
-                         allow_positional_fallback=allow_positional_fallback,
-                         prefill_start_layer=prefill_start_layer, legacy_kind=legacy_kind)
+        if dealt:
+            blocks = _dcp_blocks(prefill_layout, decode_layout, request_pages, **options)
+        else:
+            blocks = _blocks(prefill_layout, decode_layout, request_pages, **options)
     return CompatReport(
         entries=entries,
         compatible=not reasons,
@@ -236,6 +250,7 @@ def compare(
         prefill=describe_layout(prefill_layout, hide_page_ids=hide),
         decode=describe_layout(decode_layout, hide_page_ids=hide),
         blocks=tuple(blocks),
+        dcp=tuple(dcp),
     )
 
 
@@ -296,6 +311,45 @@ def _blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str
         lines.append(f"{pages} pages {how}: {contiguous} blocks in one run, {scattered} blocks "
                      "with every page its own run")
     return lines
+
+
+def describe_deal(layout: Layout) -> str:
+    """Which of the request's global tokens ``t`` this layout's DCP rank holds, in words."""
+    n, r, i = layout.dcp_size, layout.dcp_rank, layout.dcp_interleave
+    if n == 1:
+        return "not dealt: holds every token of the request"
+    if i == 1:  # token round robin
+        return (f"DCP rank {r} of {n} (interleave 1): holds tokens t with t % {n} == {r}, at "
+                f"local token t // {n}")
+    return (f"DCP rank {r} of {n} (interleave {i}): holds tokens t with (t // {i}) % {n} == {r}, "
+            f"at local token (t // {i * n})·{i} + t % {i}")
+
+
+def _dcp_lines(src: Layout, dst: Layout) -> list[str]:
+    """Each side's deal, and who sends the tokens that are not dealt (draft, state)."""
+    lines = [f"prefill {describe_deal(src)}", f"decode {describe_deal(dst)}"]
+    if dst.dcp_size > 1:
+        lines.append(f"build one template per decode DCP rank (0..{dst.dcp_size - 1}): each "
+                     "receives the target KV of its own tokens only")
+        lines.append(f"draft (MTP) and state entries are not dealt: every decode rank receives "
+                     f"them whole, from prefill DCP rank (decode rank % {src.dcp_size})")
+    return lines
+
+
+def _dcp_blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list[str]:
+    """What this DCP rank pair moves for a request of ``pages`` prefill pages of global tokens,
+    counted by the core (the template's own token-block count)."""
+    if pages < 1:
+        return []
+    template = _core.Template(src, dst, **options)  # type: ignore[arg-type]
+    tokens = pages * src.page_size
+    if template.empty_reason is not None:
+        return [f"{tokens} tokens: 0 blocks ({template.empty_reason})"]
+    contiguous = template.n_token_blocks(tokens)
+    scattered = template.n_token_blocks(tokens, fragmented=True)
+    return [f"{tokens} global tokens, prefill DCP rank {src.dcp_rank} -> decode DCP rank "
+            f"{dst.dcp_rank}: {contiguous} blocks with pages consecutive on both sides, "
+            f"{scattered} blocks with no two pages consecutive"]
 
 
 def _order(layout: Layout) -> str:
@@ -386,9 +440,11 @@ def describe_layout(layout: Layout, *, hide_page_ids: bool = False) -> str:
     publishes = any(e.layer_id is not None for e in entries)
     ids = "layer ids" if publishes else "no layer ids"
     model = "" if layout.num_model_layers is None else f", {layout.num_model_layers}-layer model"
+    dcp = (f", DCP rank {layout.dcp_rank} of {layout.dcp_size} (interleave "
+           f"{layout.dcp_interleave})" if layout.dcp_size > 1 else "")
     return (
         f"{counts}{role_text}, {ids}{model}, PP rank {layout.pp_rank} of {layout.pp_size}, "
-        f"TP rank {layout.tp_rank} of {layout.tp_size}, page_size {layout.page_size}, "
+        f"TP rank {layout.tp_rank} of {layout.tp_size}{dcp}, page_size {layout.page_size}, "
         f"device {layout.device}"
     )
 

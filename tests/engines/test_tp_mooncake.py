@@ -5,19 +5,12 @@ against the split of the prefill's global KV, and bytes outside the request stay
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 import kvplan
 from kvplan.presets import fragmented_pages
-from kvplan.testing import (
-    SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, build_layout, fill_source, pack_entries,
-)
+from kvplan.testing import SENTINEL, PeerSpec, build_layout, pack_entries
 
 HEADS, HEAD_DIM, DTYPE, TOKENS, LAYERS, PAGES = 2, 64, 2, 4, 3, 24
 HEAD_BYTES = HEAD_DIM * DTYPE
@@ -47,37 +40,12 @@ def heads_view(buf: np.ndarray, spec: PeerSpec, order: str) -> dict[tuple[int, s
     return out
 
 
-@contextlib.contextmanager
-def ranks(specs: list[PeerSpec], sources: set[str]) -> Iterator[tuple[dict, dict]]:
-    workdir = arena_dir(sum(s.size for s in specs))
-    arenas: dict[str, Arena] = {}
-    procs: dict[str, PeerProcess] = {}
-    try:
-        for i, s in enumerate(specs):
-            arenas[s.name] = Arena(os.path.join(workdir, s.name), s.size, create=True)
-            if s.name in sources:
-                fill_source(arenas[s.name], 11 + i)
-            else:
-                arenas[s.name].array[:] = SENTINEL
-        for s in specs:
-            procs[s.name] = PeerProcess(s, arenas[s.name], wait=False)
-        for p in procs.values():
-            p.ready(60.0)
-        yield arenas, procs
-    finally:
-        for p in procs.values():
-            p.stop()
-        for a in arenas.values():
-            a.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 @pytest.mark.mooncake
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
 def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from support.engine_peers import require_mooncake
+    from support.engine_peers import peer_group, require_mooncake
 
     require_mooncake()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
@@ -85,7 +53,7 @@ def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
     decode = [spec(f"decode{r}", r, tp_d, order) for r in range(tp_d)]
     src_pages = np.array([3, 4, 5, 9, 0, 17, 18], dtype=np.int64)
     dst_pages = fragmented_pages(len(src_pages), 0.5, seed=5, shuffle_runs=True, capacity=PAGES)
-    with ranks(prefill + decode, {s.name for s in prefill}) as (arenas, procs):
+    with peer_group(prefill + decode, {s.name for s in prefill}) as (arenas, procs):
         before = {d.name: arenas[d.name].array.copy() for d in decode}
         for d in decode:
             r_d = dict(d.context)["tp_rank"]

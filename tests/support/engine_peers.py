@@ -21,8 +21,8 @@ import pytest
 
 from kvplan.testing import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
 
-__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "require_mooncake",
-           "require_nixl"]
+__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "peer_group",
+           "require_mooncake", "require_nixl"]
 
 
 def require_mooncake() -> None:
@@ -86,6 +86,35 @@ def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1,
         for a in c.arenas.values():
             a.close()
         shutil.rmtree(c.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def peer_group(specs: Sequence[PeerSpec], sources: set[str]
+               ) -> Iterator[tuple[dict[str, Arena], dict[str, PeerProcess]]]:
+    """Any number of Mooncake peers (several decode ranks, say): random arenas for the peers
+    named in ``sources``, sentinel-filled arenas for the others, one process per spec (all
+    started at once); every process stopped and every file deleted on exit."""
+    workdir = arena_dir(sum(s.size for s in specs))
+    arenas: dict[str, Arena] = {}
+    procs: dict[str, PeerProcess] = {}
+    try:
+        for i, s in enumerate(specs):
+            arenas[s.name] = Arena(os.path.join(workdir, s.name), s.size, create=True)
+            if s.name in sources:
+                fill_source(arenas[s.name], 11 + i)
+            else:
+                arenas[s.name].array[:] = SENTINEL
+        for s in specs:
+            procs[s.name] = PeerProcess(s, arenas[s.name], wait=False)
+        for p in procs.values():
+            p.ready(60.0)
+        yield arenas, procs
+    finally:
+        for p in procs.values():
+            p.stop()
+        for a in arenas.values():
+            a.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def expected_decode(decode: PeerSpec, decode_before: np.ndarray,

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from kvplan.explain.analysis import (
     DEFAULT_MAX_BLOCKS as DEFAULT_MAX_BLOCKS,
+    DcpExplanation,
+    DcpRankResult as DcpRankResult,
     LIST_NS_PER_ELEMENT as LIST_NS_PER_ELEMENT,
     MAX_START_LAYER as MAX_START_LAYER,
     SMALL_BLOCK_BYTES as SMALL_BLOCK_BYTES,
@@ -42,6 +44,7 @@ from kvplan.explain.analysis import (
     StageResult,
     decode_pages as decode_pages,
     explain,
+    explain_dcp,
     histogram as histogram,
 )
 from kvplan.explain.command import (
@@ -57,10 +60,11 @@ from kvplan.explain.command import (
 )
 from kvplan.explain.figure import plot as plot
 from kvplan.explain.layout_files import load_layout as load_layout
-from kvplan.explain.text import render
+from kvplan.explain.text import render, render_dcp
 
 # The public names; the other names imported above stay importable from here as before.
-__all__ = ["Explanation", "StageResult", "add_arguments", "explain", "render", "run"]
+__all__ = ["DcpExplanation", "Explanation", "StageResult", "add_arguments", "explain",
+           "explain_dcp", "render", "render_dcp", "run"]
 
 # The module's former private name, used by callers that load layout files the way the CLI does.
 _load_layout = load_layout

@@ -395,3 +395,125 @@ def histogram(run_lengths: Sequence[int]) -> list[tuple[str, int, int]]:
         inside = [n for n in run_lengths if lo <= n <= hi]
         rows.append((str(lo) if lo == hi else f"{lo}–{hi}", len(inside), sum(inside)))
     return rows
+
+
+@dataclass
+class DcpRankResult:
+    """One prefill stage planned against one decode DCP rank (``--decode-dcp``)."""
+
+    stage: str
+    rank: int
+    #: Which global tokens the decode rank holds, in words (:func:`kvplan.report.describe_deal`).
+    deal: str
+    #: Blocks of the request's plan, pages consecutive on both sides (the plan's own count).
+    blocks: int
+    #: Blocks of the same request with no two pages consecutive (the core's token-block count).
+    scattered_blocks: int
+    bytes: int
+    state_blocks: int
+    state_bytes: int
+    #: Why this pair moves no KV (the template's own reason), or ``None``.
+    empty_reason: str | None
+    report: Any
+
+
+@dataclass
+class DcpExplanation:
+    """What ``kvplan explain --decode-dcp N`` prints: every prefill stage against every decode
+    DCP rank, for one request of global tokens."""
+
+    title: str
+    description: str
+    pages: int
+    page_size: int
+    decode_page_size: int
+    dcp_size: int
+    interleave: int
+    rows: list[DcpRankResult]
+    warnings: list[str]
+    max_blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def ok(self) -> bool:
+        return all(r.report is not None and r.report.compatible for r in self.rows)
+
+    def rank_totals(self) -> list[tuple[int, int, int, int]]:
+        """``(rank, blocks, scattered blocks, bytes)`` per decode rank, over every stage, state
+        included."""
+        out: dict[int, list[int]] = {}
+        for r in self.rows:
+            t = out.setdefault(r.rank, [0, 0, 0])
+            t[0] += r.blocks + r.state_blocks
+            t[1] += r.scattered_blocks + r.state_blocks
+            t[2] += r.bytes + r.state_bytes
+        return [(rank, a, b, c) for rank, (a, b, c) in sorted(out.items())]
+
+
+def explain_dcp(
+    prefills: Sequence[tuple[str, Any]],
+    decodes: Sequence[Any],
+    *,
+    title: str,
+    description: str = "",
+    pages: int = 512,
+    backend: str = "mooncake",
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
+) -> DcpExplanation:
+    """Plan one request of ``pages`` prefill pages of global tokens from every prefill stage to
+    every decode DCP rank (``decodes``: the decode layout of each rank, in rank order).
+
+    Every count comes from the core: the plan's blocks and bytes, the template's token-block
+    count for scattered pages and its reason when a rank pair moves nothing. Each side's page
+    list is consecutive and long enough for every token of the request (a rank uses the first
+    pages it needs).
+
+    Raises:
+        ValueError: ``decodes`` is empty or ``max_blocks`` is below 1.
+    """
+    import numpy as np
+
+    import kvplan
+    from kvplan.report import describe_deal
+
+    if type(max_blocks) is not int or max_blocks < 1:
+        raise ValueError(f"--max-blocks must be at least 1, got {short(max_blocks)}")
+    if not decodes:
+        raise ValueError("explain_dcp needs the decode layout of at least one DCP rank")
+    if pages < 1:
+        raise ValueError(f"--pages must be at least 1, got {pages}")
+    page_size = prefills[0][1].page_size if prefills else decodes[0].page_size
+    decode_size = decodes[0].page_size
+    tokens = pages * page_size
+    src_pages = np.arange(-(-tokens // page_size), dtype=np.int64)
+    dst_pages = np.arange(-(-tokens // decode_size), dtype=np.int64)
+    rows: list[DcpRankResult] = []
+    warnings: list[str] = []
+    for decode in decodes:
+        deal = describe_deal(decode)
+        for label, src in prefills:
+            choice = kvplan.select_pairing(backend, src)
+            report = choice.compare(src, decode)
+            for w in report.warnings:
+                if w not in warnings:
+                    warnings.append(w)
+            if not report.compatible:
+                rows.append(DcpRankResult(label, decode.dcp_rank, deal, 0, 0, 0, 0, 0, None,
+                                          report))
+                continue
+            template = choice.template(src, decode)
+            plan = template.plan(src_pages, dst_pages, n_tokens=tokens)
+            scattered = template.n_token_blocks(tokens, fragmented=True)
+            state_blocks = state_bytes = 0
+            if template.state_pairs.size:
+                state_plan = template.plan_state(0, 0)
+                state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
+            rows.append(DcpRankResult(label, decode.dcp_rank, deal, plan.n_blocks, scattered,
+                                      plan.total_bytes, state_blocks, state_bytes,
+                                      template.empty_reason, report))
+    return DcpExplanation(title, description, pages, page_size, decode_size,
+                          decodes[0].dcp_size, decodes[0].dcp_interleave, rows, warnings,
+                          max_blocks)

@@ -9,11 +9,11 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from kvplan.explain.analysis import DEFAULT_MAX_BLOCKS, MAX_START_LAYER, explain
+from kvplan.explain.analysis import DEFAULT_MAX_BLOCKS, MAX_START_LAYER, explain, explain_dcp
 from kvplan.explain.figure import plot
 from kvplan.explain.layout_files import write_layouts
-from kvplan.explain.scenario import scenario, starts_for
-from kvplan.explain.text import render
+from kvplan.explain.scenario import dcp_decodes, scenario, starts_for
+from kvplan.explain.text import render, render_dcp
 from kvplan.explain.words import one_line, short
 
 __all__ = ["EXIT_INCOMPATIBLE", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "MAX_LAYERS",
@@ -116,6 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
                         help="tokens per decode page for presets, when it differs from the "
                              "prefill's --page-size (plans are then token-exact; default: the "
                              "same as --page-size)")
+    parser.add_argument("--decode-dcp", type=_int_arg(1), default=None, metavar="N",
+                        help="for presets: the decode deals the request's tokens over N "
+                             "decode-context-parallel ranks; prints which tokens each rank "
+                             "holds and the blocks each rank's plan costs (default 1)")
+    parser.add_argument("--dcp-interleave", type=_int_arg(1), default=None, metavar="I",
+                        help="with --decode-dcp: consecutive tokens per deal (default 1, "
+                             "SGLang's token round robin; the decode page size gives vLLM's "
+                             "block interleave)")
     parser.add_argument("--pp", type=_int_arg(1), default=None,
                         help="prefill PP stages for presets (default 1)")
     parser.add_argument("--pp-split", metavar="N,N,...", type=_int_list_arg(1, MAX_LAYERS, "20,28"),
@@ -178,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "decode_dcp", None) is not None or getattr(args, "dcp_interleave", None):
+        return _run_dcp(args)
     cross = getattr(args, "layout", None) == "cross-layer"
     title, desc, stages, decode = scenario(args, cross_layer=cross)
     n_all = len(stages)
@@ -212,4 +222,17 @@ def _run(args: argparse.Namespace) -> int:
     print(render(e))
     if args.plot:
         print(f"plot written to {args.plot}")
+    return EXIT_OK if e.ok else EXIT_INCOMPATIBLE
+
+
+def _run_dcp(args: argparse.Namespace) -> int:
+    """``--decode-dcp N``: every prefill stage against every decode DCP rank."""
+    title, desc, stages, decodes = dcp_decodes(args)
+    if args.stage is not None:
+        if not 0 <= args.stage < len(stages):
+            raise ValueError(f"--stage must be in 0..{len(stages) - 1}, got {args.stage}")
+        stages = [stages[args.stage]]
+    e = explain_dcp(stages, decodes, title=title, description=desc, pages=args.pages,
+                    backend=args.backend, max_blocks=args.max_blocks)
+    print(render_dcp(e))
     return EXIT_OK if e.ok else EXIT_INCOMPATIBLE

@@ -10,7 +10,7 @@ from typing import Any
 from kvplan.explain.layout_files import load_layout
 from kvplan.explain.words import one_line
 
-__all__ = ["check_options", "scenario", "starts_for"]
+__all__ = ["check_options", "dcp_decodes", "scenario", "starts_for"]
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -24,6 +24,8 @@ def check_options(args: argparse.Namespace) -> None:
                              f"({len(args.pp_split)} stages)")
         return
     given = [opt for opt, value in (("--page-size", args.page_size),
+                                    ("--decode-dcp", getattr(args, "decode_dcp", None)),
+                                    ("--dcp-interleave", getattr(args, "dcp_interleave", None)),
                                     ("--decode-page-size", args.decode_page_size),
                                     ("--pp", args.pp), ("--pp-split", args.pp_split),
                                     ("--layers", args.layers),
@@ -114,3 +116,39 @@ def starts_for(args: argparse.Namespace, n_stages: int) -> list[int | None] | No
         raise ValueError(f"--prefill-start-layer: {len(values)} value(s) for {n_stages} "
                          f"prefill stages; give one per stage, in stage order")
     return list(values) if args.stage is None else [values[args.stage]]
+
+
+def dcp_decodes(args: argparse.Namespace) -> tuple[str, str, list[tuple[str, Any]], list[Any]]:
+    """(title, description, prefill stages, decode layout of every DCP rank) for
+    ``--decode-dcp N``: the preset's decode, its tokens dealt over N ranks."""
+    from kvplan import KvPlanError
+    from kvplan.presets import DECODE_BASE, get_preset
+
+    refused = [opt for opt, given in (("--prefill", not args.preset),
+                                      ("--layout", getattr(args, "layout", None) is not None),
+                                      ("--fragmentation", args.fragmentation != 0.0),
+                                      ("--plot", bool(args.plot)),
+                                      ("--write-layouts", bool(args.write_layouts)),
+                                      ("--prefill-start-layer",
+                                       args.prefill_start_layer is not None))
+               if given]
+    if refused:
+        raise ValueError(f"--decode-dcp explains a preset with per-layer buffers and "
+                         f"consecutive pages; it does not take {', '.join(refused)}")
+    size = args.decode_dcp or 1
+    interleave = args.dcp_interleave or 1
+    title, desc, stages, decode = scenario(args)
+    preset = get_preset(args.preset, args.layers)
+    decodes = []
+    for rank in range(size):
+        try:
+            decodes.append(preset.layout(list(range(preset.num_layers)),
+                                         page_size=decode.page_size,
+                                         capacity=decode.entries("page")[0].capacity,
+                                         base=DECODE_BASE,
+                                         dcp_size=size, dcp_rank=rank,
+                                         dcp_interleave=interleave))
+        except KvPlanError as err:
+            raise ValueError(f"--decode-dcp {size} --dcp-interleave {interleave}: "
+                             f"{one_line(err)}") from None
+    return title, f"{desc}; decode DCP {size} (interleave {interleave})", stages, decodes

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from kvplan.explain.analysis import Explanation, histogram
+from kvplan.explain.analysis import DcpExplanation, Explanation, histogram
 from kvplan.explain.words import format_bytes
 
-__all__ = ["render"]
+__all__ = ["render", "render_dcp"]
 
 
 def _bar(value: int, top: int, width: int = 32) -> str:
@@ -124,3 +124,55 @@ def _per_layer_lines(what: str, per_layer: dict[int, int],
     return [f"  {what:<5} {format_bytes(n):>28} each: layers {format_ids(layers)} "
             f"({len(layers)} layer{'s' if len(layers) != 1 else ''})"
             for n, layers in sorted(by_value.items(), key=lambda kv: kv[1][0])]
+
+
+def render_dcp(e: DcpExplanation) -> str:
+    """The text ``kvplan explain --decode-dcp N`` prints: which tokens each decode DCP rank
+    holds, and what each rank's plan costs."""
+    lines = [f"kvplan explain: {e.title}"]
+    if e.description:
+        lines.append(f"  {e.description}")
+    sizes = (f"page_size {e.page_size}" if e.page_size == e.decode_page_size
+             else f"page_size {e.page_size} prefill, {e.decode_page_size} decode")
+    lines.append(f"request: {e.tokens:,} global tokens ({e.pages:,} prefill pages, {sizes}), "
+                 f"dealt over decode DCP {e.dcp_size} (interleave {e.interleave})")
+    lines.append("")
+    lines.append("which tokens each decode rank holds:")
+    seen: set[int] = set()
+    for r in e.rows:
+        if r.rank not in seen:
+            seen.add(r.rank)
+            lines.append(f"  rank {r.rank}: {r.deal}")
+    lines.append("")
+    lines.append(f"{'decode rank':<12} {'prefill stage':<16} {'blocks':>10} {'scattered':>10} "
+                 f"{'state':>6} {'bytes':>16}")
+    for r in e.rows:
+        if r.report is None or not r.report.compatible:
+            lines.append(f"{'rank ' + str(r.rank):<12} {r.stage:<16} {'NOT COMPATIBLE':>10}")
+            continue
+        lines.append(f"{'rank ' + str(r.rank):<12} {r.stage:<16} {r.blocks:>10,} "
+                     f"{r.scattered_blocks:>10,} {r.state_blocks:>6,} "
+                     f"{r.bytes + r.state_bytes:>16,}")
+        if r.empty_reason is not None:
+            lines.append(f"  moves no KV: {r.empty_reason}")
+    lines.append("  (blocks: pages consecutive on both sides; scattered: no two pages "
+                 "consecutive; state blocks are counted in the totals)")
+    lines.append("")
+    lines.append("per decode rank, every stage:")
+    for rank, blocks, scattered, nbytes in e.rank_totals():
+        calls = math.ceil(blocks / e.max_blocks)
+        lines.append(f"  rank {rank}: {blocks:,} blocks ({scattered:,} scattered), "
+                     f"{format_bytes(nbytes)}, {calls:,} engine call(s) of at most "
+                     f"{e.max_blocks:,} blocks")
+    for r in e.rows:
+        if r.report is not None and not r.report.compatible:
+            lines.append("")
+            lines.append(f"rank {r.rank}, {r.stage}: compatibility report")
+            lines += [f"  {x}" for x in str(r.report).splitlines()]
+    lines.append("")
+    if e.warnings:
+        lines.append("warnings:")
+        lines += [f"  - {w}" for w in e.warnings]
+    else:
+        lines.append("warnings: none")
+    return "\n".join(lines)
