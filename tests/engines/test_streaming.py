@@ -120,3 +120,139 @@ def test_ready_never_blocks_while_a_slice_is_in_the_engine():
     with StreamingSubmitter(rec, slices) as s, \
             pytest.raises(kvplan.KvPlanError, match="another template"):
         s.open("b", other.plan(np.arange(2), np.arange(2)), "peer")
+
+
+def test_a_layer_never_signalled_is_reported_by_the_verdict():
+    template, slices, plan = _setup()
+    rec = Recorder()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=0) as s:
+        req = s.open("skipped", plan, "peer")
+        for layer in (0, 1, 2, 5):  # the hook of layers 3 and 4 never fired
+            s.ready(layer)
+        req.seal()
+        stats = req.wait(10)
+        assert stats.unsignalled_layers == (3, 4)
+        assert stats.unsignalled_slices == (1, 2)
+        # Every byte still went out (the forward wrote those layers before the seal).
+        assert (stats.blocks, stats.bytes) == (plan.n_blocks, plan.total_bytes)
+        full = s.open("full", plan, "peer")
+        for layer in range(6):
+            full.ready(layer)
+        full.seal()
+        assert full.wait(10).unsignalled_layers == ()
+
+
+def test_require_signals_fails_a_request_sealed_with_unsignalled_layers():
+    template, slices, plan = _setup()
+    rec = Recorder()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=0, require_signals=True) as s:
+        req = s.open("skipped", plan, "peer")
+        for layer in (0, 1, 2):
+            s.ready(layer)
+        req.seal()
+        with pytest.raises(kvplan.TransferError, match=r"sealed before layers 3 was signalled|"
+                           r"sealed before layers 3-5 were signalled") as err:
+            req.wait(10)
+    assert err.value.state == "unsignalled"
+    assert err.value.layers == [3, 4, 5] and err.value.slice == 1
+    assert "slice 1 (layer group 1, layers 2-3); slice 2 (layer group 2, layers 4-5)" in str(
+        err.value)
+    # Group 0 went out while streaming; nothing was sent after the seal.
+    assert [c[1] for c in rec.calls] == [_first_src_of_group(plan, slices, 0)]
+
+
+def test_a_linear_layers_state_goes_out_with_its_group():
+    preset = get_preset("kimi-linear", 8)
+    src = preset.layout(range(8), page_size=1, capacity=32, state_slots=4, base=PREFILL_BASE)
+    dst = preset.layout(range(8), page_size=1, capacity=32, state_slots=4, base=DECODE_BASE)
+    groups = kvplan.LayerGroups.fixed(4)
+    template = kvplan.Template(src, dst, layer_groups=groups)
+    slices = template.layer_slices(groups)
+    plan = template.plan(np.arange(8), np.arange(8) + 4)
+    state = template.plan_state(1, 2)
+    state_cut = slices.of(state)
+    assert state_cut.seal_work == (0, 0) and all(state_cut.ranges)
+    rec = Recorder()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=0) as s:
+        req = s.open("hybrid", plan, "peer", state_plan=state)
+        for layer in range(4):
+            s.ready(layer)
+        # Group 0 goes out before the seal: its page ranges, then its layers' state.
+        want = [("peer", int(p.src_addrs[a]), b - a)
+                for p, ranges in ((plan, slices.of(plan).ranges[0]), (state, state_cut.ranges[0]))
+                for a, b in ranges]
+        for _ in range(500):
+            if len(rec.calls) >= len(want):
+                break
+            threading.Event().wait(0.01)
+        first_group = list(rec.calls)
+        req.seal()
+        stats = req.wait(10)
+    assert first_group == want
+    assert (stats.blocks, stats.bytes) == (plan.n_blocks + state.n_blocks,
+                                           plan.total_bytes + state.total_bytes)
+    assert req.manifest.seal == (0, 0)
+
+
+class Copier(Recorder):
+    """Records every block handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[np.ndarray] = []
+
+    def submit(self, plan, peer, max_blocks=None, **kw) -> TransferStats:
+        cols = [np.asarray(c, dtype=np.uint64) for c in (plan.src_addrs, plan.dst_addrs,
+                                                         plan.lengths)]
+        self.blocks.append(np.stack(cols, axis=1))
+        return super().submit(plan, peer, max_blocks, **kw)
+
+
+def _copy_map(blocks: np.ndarray) -> list[tuple[int, int, int]]:
+    """The byte mapping a list of blocks performs, as maximal ``(src, dst, len)`` runs: two
+    block lists with the same mapping give the same runs, however they were cut."""
+    rows = sorted((int(s), int(d), int(n)) for s, d, n in blocks if n)
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in rows:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+@pytest.mark.parametrize("key", ["deepseek-v3", "kimi-linear"])
+def test_chunked_prefill_streams_each_chunks_new_pages(key: str):
+    # A request of 12 pages prefilled in three chunks: each chunk plans only its new pages,
+    # cuts that plan into slices and streams it; the state (final after the last chunk) goes
+    # with the last chunk. Together the chunks move exactly the monolithic request.
+    preset = get_preset(key, 8)
+    src = preset.layout(range(8), page_size=2, capacity=32, state_slots=4, base=PREFILL_BASE)
+    dst = preset.layout(range(8), page_size=2, capacity=32, state_slots=4, base=DECODE_BASE)
+    groups = kvplan.LayerGroups.fixed(4)
+    template = kvplan.Template(src, dst, layer_groups=groups)
+    slices = template.layer_slices(groups)
+    src_pages = np.array([3, 4, 5, 6, 9, 10, 11, 12, 13, 20, 21, 22], dtype=np.int64)
+    dst_pages = np.array([0, 1, 2, 3, 4, 5, 16, 17, 18, 19, 7, 8], dtype=np.int64)
+    chunks = [(0, 5), (5, 9), (9, 12)]
+    state = template.plan_state(1, 2) if preset.state else None
+    rec = Copier()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=0) as s:
+        for i, (a, b) in enumerate(chunks):
+            plan = template.plan(src_pages[a:b], dst_pages[a:b])
+            last = i == len(chunks) - 1
+            req = s.open(f"r.chunk{i}", plan, "peer", state_plan=state if last else None)
+            for layer in np.random.default_rng(i).permutation(8).tolist():
+                req.ready(layer)
+            req.seal()
+            stats = req.wait(10)
+            assert stats.unsignalled_layers == () and stats.streamed
+            assert stats.slices == 2
+            assert req.manifest.total_bytes == stats.bytes
+    whole = template.plan(src_pages, dst_pages)
+    expected = [np.stack([whole.src_addrs, whole.dst_addrs, whole.lengths], axis=1)]
+    if state is not None:
+        expected.append(np.stack([state.src_addrs, state.dst_addrs, state.lengths], axis=1))
+    got = np.concatenate(rec.blocks)
+    assert _copy_map(got) == _copy_map(np.concatenate(expected))
+    assert int(got[:, 2].sum()) == whole.total_bytes + (state.total_bytes if state else 0)

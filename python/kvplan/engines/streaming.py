@@ -3,8 +3,9 @@
 A serving engine plans a request once, opens it here, and signals each layer as its KV cache
 is written (from its per-layer hook, on any thread, in any order). One submitter thread sends
 a layer group's slice of the plan (block ranges the core computed: ``LayerSlices.of(plan)``)
-as soon as every layer of the group is ready and the destination is known, then the seal
-(state, draft, marked entries) once the forward is done. The caller never blocks; each request
+as soon as every layer of the group is ready and the destination is known (with the group's
+per-request state, which its layers' forward writes), then the seal (draft entries, entries
+the caller marks, state of layers outside every group) once the forward is done. The caller never blocks; each request
 ends with one verdict.
 
 ::
@@ -68,6 +69,11 @@ class StreamStats:
     seconds: float
     #: From the last ready signal (or the seal, whichever came later) to completion.
     tail_seconds: float
+    #: Layers whose ready signal never came before the seal (a skipped per-layer hook), in
+    #: ascending order; their slices went out with the seal (the forward had written them).
+    unsignalled_layers: tuple[int, ...] = ()
+    #: The slices (indices into ``LayerSlices.group_ids``) those layers held back.
+    unsignalled_slices: tuple[int, ...] = ()
 
 
 class StreamRequest:
@@ -87,12 +93,15 @@ class StreamRequest:
         self._notif = notif
         self.streamed = streamed
         layers = slices.layers
-        # Per slice, the layers still awaited; slices with blocks only.
+        state_ranges = state[1].ranges if state is not None else [[] for _ in cut.ranges]
+        # Per slice, the layers still awaited; slices with blocks (page or state) only.
         self._waiting: dict[int, set[int]] = {
-            k: set(layers[k]) for k, ranges in enumerate(cut.ranges) if ranges}
+            k: set(layers[k]) for k, (ranges, more) in enumerate(zip(cut.ranges, state_ranges))
+            if ranges or more}
         self._ready_slices: list[int] = []  # all layers ready, not yet sent
         self._sent: set[int] = set()
         self._sealed = False
+        self._unsignalled: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._t_open = time.perf_counter()
         self._t_last_signal = self._t_open
         self._blocks = self._bytes = self._submissions = 0
@@ -164,16 +173,23 @@ class StreamingSubmitter:
             with and ready signals are checked against.
         min_stream_bytes: requests moving fewer bytes (plan plus state) ignore ready signals
             and go out in one piece at seal time.
+        require_signals: a streamed request some of whose layers were never signalled ready
+            before its seal fails with ``TransferError(state="unsignalled")`` naming the slices
+            and layers, sending nothing more. By default such slices go out with the seal (the
+            forward has written them) and the verdict lists them
+            (:attr:`StreamStats.unsignalled_layers`).
         max_blocks_per_batch: passed to ``transport.submit``.
         timeout: per-submission timeout for engines that take one (NIXL).
     """
 
     def __init__(self, transport: Any, slices: LayerSlices, *,
                  min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
-                 max_blocks_per_batch: int | None = None, timeout: float | None = None) -> None:
+                 max_blocks_per_batch: int | None = None, timeout: float | None = None,
+                 require_signals: bool = False) -> None:
         self._transport = transport
         self._slices = slices
         self.min_stream_bytes = min_stream_bytes
+        self.require_signals = require_signals
         self._max_blocks = max_blocks_per_batch
         self._timeout = timeout
         self._nixl = getattr(transport, "engine_name", "") == "nixl"
@@ -320,7 +336,23 @@ class StreamingSubmitter:
         elif kind == "seal":
             req._sealed = True
             req._t_last_signal = max(req._t_last_signal, item[2])
-            # The forward is done: every layer is written, whether or not its hook fired.
+            # The forward is done: every layer is written, whether or not its hook fired; a
+            # layer whose hook did not fire is reported (a skipped hook is a bug upstream).
+            held = sorted(k for k, waiting in req._waiting.items() if waiting)
+            if held and req.streamed:
+                layers = tuple(sorted(layer for k in held for layer in req._waiting[k]))
+                req._unsignalled = (layers, tuple(held))
+                if self.require_signals:
+                    names = "; ".join(_slice_name(req, k) for k in held)
+                    err = TransferError(
+                        f"streaming: request {req.request!r} sealed before layers "
+                        f"{_ids(list(layers))} were signalled ready ({names}); nothing more sent")
+                    err.state = "unsignalled"
+                    err.request = req.request
+                    err.slice = held[0]
+                    err.layers = list(layers)
+                    self._finish(req, err)
+                    return
             req._ready_slices.extend(k for k in req._waiting if k not in req._sent
                                      and k not in req._ready_slices)
             self._pump(req)
@@ -336,6 +368,9 @@ class StreamingSubmitter:
                     req._sent.add(k)
                     self._send(req, req._cut.ranges[k], req._plan, what=("slice", k),
                                last=False)
+                    if req._state is not None and req._state[1].ranges[k]:
+                        self._send(req, req._state[1].ranges[k], req._state[0],
+                                   what=("slice", k), last=False)
             if not req._sealed:
                 return
             pieces: list[tuple[TransferPlan, Sequence[tuple[int, int]]]]
@@ -344,7 +379,9 @@ class StreamingSubmitter:
             else:
                 pieces = [(req._plan, [(0, req._plan.n_blocks)] if req._plan.n_blocks else [])]
             if req._state is not None:
-                pieces.append((req._state[0], req._state[1].seal_ranges))
+                state_plan, state_cut = req._state
+                pieces.append((state_plan, state_cut.seal_ranges if req.streamed
+                               else [(0, state_plan.n_blocks)] if state_plan.n_blocks else []))
             nonempty = [(p, r) for p, r in pieces if r]
             for i, (plan, ranges) in enumerate(nonempty):
                 self._send(req, ranges, plan, what=("seal", None), last=i == len(nonempty) - 1)
@@ -356,7 +393,8 @@ class StreamingSubmitter:
         now = time.perf_counter()
         req._stats = StreamStats(req.request, req._peer, req._blocks, req._bytes,
                                  req._submissions, len(req._sent), req.streamed,
-                                 now - req._t_open, now - req._t_last_signal)
+                                 now - req._t_open, now - req._t_last_signal,
+                                 *req._unsignalled)
         self._finish(req, None)
 
     def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
@@ -394,7 +432,7 @@ def _slice_error(req: StreamRequest, what: tuple[str, int | None],
     if kind == "slice" and k is not None:
         group = req._slices.group_ids[k]
         layers = req._slices.layers[k]
-        name = f"slice {k} (layer group {group}, layers {_ids(layers)})"
+        name = _slice_name(req, k)
     else:
         group, layers, name = None, [], "the seal"
     err = TransferError(f"streaming: request {req.request!r}: {name} failed: {cause}")
@@ -405,6 +443,11 @@ def _slice_error(req: StreamRequest, what: tuple[str, int | None],
     err.group = group
     err.layers = layers
     return err
+
+
+def _slice_name(req: StreamRequest, k: int) -> str:
+    return (f"slice {k} (layer group {req._slices.group_ids[k]}, layers "
+            f"{_ids(req._slices.layers[k])})")
 
 
 def _ids(ids: Sequence[int]) -> str:

@@ -340,8 +340,7 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
     thread.start()
     thread.join()
     times["forward_s"] = time.perf_counter() - t0
-    out: dict[str, Any] = {"requests": {}, "slices": slices.n_slices, "times": times,
-                           "sync_threads": sorted(set(sync_threads))}
+    out: dict[str, Any] = {"requests": {}, "slices": slices.n_slices, "times": times}
     for req in opened:
         t_wait = time.perf_counter()
         try:
@@ -356,6 +355,9 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
                 "ok": False, "error": str(exc), "slice": getattr(exc, "slice", None),
                 "layers": getattr(exc, "layers", None), "state": getattr(exc, "state", None),
                 "wait_s": time.perf_counter() - t_wait}
+    # Read once every verdict is in: the submitter's thread synchronises the events it
+    # dequeues, possibly after the forward has finished.
+    out["sync_threads"] = sorted(set(sync_threads))
     if probes:
         try:
             streamer.ready(10_000)
