@@ -256,3 +256,44 @@ def test_chunked_prefill_streams_each_chunks_new_pages(key: str):
     got = np.concatenate(rec.blocks)
     assert _copy_map(got) == _copy_map(np.concatenate(expected))
     assert int(got[:, 2].sum()) == whole.total_bytes + (state.total_bytes if state else 0)
+
+
+def test_check_stream_names_a_slice_the_prefill_did_not_send():
+    from kvplan.engines.streaming import check_stream, read_receipt, slice_receipt
+
+    template, slices, plan = _setup()
+    rec = Recorder()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=0) as s:
+        req = s.open("a", plan, "peer")
+        for layer in range(6):
+            req.ready(layer)
+        req.seal()
+        final = req.wait(10).notification
+    got = check_stream(final)  # the prefill's own account: every slice sent
+    assert got.state == "complete" and got.arrived == (0, 1, 2)
+    assert got.manifest == req.manifest
+    # Receipts the decode saw (NIXL) take precedence: slice 2's never came.
+    got = check_stream(final, arrived=[0, 1], message=b"a")
+    assert got.state == "missing" and got.missing == (2,)
+    work = req.manifest.slices[2]
+    assert f"missing slice 2 (layer group 2, {work[1]} blocks, {work[2]} bytes)" in got.detail
+    assert check_stream(None, arrived=[0]).state == "in_flight"
+    with pytest.raises(kvplan.KvPlanError, match="expected b'b'"):
+        check_stream(final, message=b"b")
+    with pytest.raises(kvplan.KvPlanError, match="not a final notification"):
+        check_stream(b"junk")
+    assert read_receipt(slice_receipt(7, b"a")) == (7, b"a")
+    assert read_receipt(b"a") is None
+
+
+def test_a_request_in_one_piece_is_complete_once_its_final_notification_is_in():
+    from kvplan.engines.streaming import check_stream
+
+    template, slices, plan = _setup()
+    rec = Recorder()
+    with StreamingSubmitter(rec, slices, min_stream_bytes=plan.total_bytes + 1) as s:
+        req = s.open("small", plan, "peer")
+        req.seal()
+        final = req.wait(10).notification
+    got = check_stream(final, arrived=[])  # no receipts: it went in one piece
+    assert got.state == "complete"

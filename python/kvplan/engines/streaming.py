@@ -22,11 +22,24 @@ ends with one verdict.
 
 Nothing here imports an engine package; any :class:`kvplan.engines.Transport` works (Mooncake,
 NIXL: its completion notification goes with the request's last submission).
+
+**Completeness at the decode.** The request's last submission carries its *final
+notification*: the integrity notification (:func:`kvplan.integrity.pack_notification`, the same
+channel digests use) holding the caller's completion message and a work record, the
+expected-work manifest plus the slices the prefill sent. With NIXL each slice's last submission
+also carries a slice receipt (``KVSR``, the slice index, the message), which NIXL delivers once
+that slice's bytes have landed; the decode waits with ``NixlTransport.wait_stream``. Mooncake
+has no notifications at the target: :attr:`StreamStats.notification` holds the final
+notification for the caller's side channel, and :func:`check_stream` on the decode reads it.
+Either way the decode gets a :class:`StreamCompleteness`: complete, a slice missing (named),
+or still in flight.
 """
 
 from __future__ import annotations
 
+import builtins
 import queue
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -35,10 +48,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvplan._core import LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
+from kvplan._core import KvPlanError, LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
 from kvplan._errors import TransferError
+from kvplan.integrity import is_notification, pack_notification, read_notification, read_work
 
-__all__ = ["ReadyEvent", "StreamRequest", "StreamStats", "StreamingSubmitter"]
+__all__ = ["ReadyEvent", "StreamCompleteness", "StreamRequest", "StreamStats",
+           "StreamingSubmitter", "check_stream", "slice_receipt"]
+
+_RECEIPT_MAGIC = b"KVSR"
+_RECEIPT = struct.Struct("<4sI")
+_RECORD_MAGIC = b"KVSW"
+_RECORD = struct.Struct("<4sHBBI")
 
 #: Requests moving fewer bytes go out in one piece at seal time: per-slice messages of short
 #: prompts cost more than the overlap gains.
@@ -74,6 +94,9 @@ class StreamStats:
     unsignalled_layers: tuple[int, ...] = ()
     #: The slices (indices into ``LayerSlices.group_ids``) those layers held back.
     unsignalled_slices: tuple[int, ...] = ()
+    #: The final notification (integrity notification with the work record); NIXL delivered
+    #: it with the last submission, other engines leave it to the caller's side channel.
+    notification: builtins.bytes = b""  # `bytes` here would name the field above
 
 
 class StreamRequest:
@@ -93,13 +116,19 @@ class StreamRequest:
         self._notif = notif
         self.streamed = streamed
         layers = slices.layers
-        state_ranges = state[1].ranges if state is not None else [[] for _ in cut.ranges]
+        # The core's answers, read once per request (each getter converts a whole list).
+        self._ranges = cut.ranges
+        self._state_ranges = state[1].ranges if state is not None else [[] for _ in cut.ranges]
+        self._columns = {id(p): (p.src_addrs, p.dst_addrs, p.lengths)
+                         for p in (plan, *((state[0],) if state is not None else ()))}
         # Per slice, the layers still awaited; slices with blocks (page or state) only.
         self._waiting: dict[int, set[int]] = {
-            k: set(layers[k]) for k, (ranges, more) in enumerate(zip(cut.ranges, state_ranges))
+            k: set(layers[k])
+            for k, (ranges, more) in enumerate(zip(self._ranges, self._state_ranges))
             if ranges or more}
         self._ready_slices: list[int] = []  # all layers ready, not yet sent
         self._sent: set[int] = set()
+        self._confirmed: list[int] = []  # slices whose every submission succeeded
         self._sealed = False
         self._unsignalled: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._t_open = time.perf_counter()
@@ -217,7 +246,9 @@ class StreamingSubmitter:
         cut = slices.of(plan)
         state = (state_plan, slices.of(state_plan)) if state_plan is not None else None
         total = plan.total_bytes + (state_plan.total_bytes if state_plan is not None else 0)
-        req = StreamRequest(self, request, plan, cut, slices, peer_session, state, notif,
+        # The completion message names the request in its receipts and final notification.
+        req = StreamRequest(self, request, plan, cut, slices, peer_session, state,
+                            notif or request.encode(),
                             streamed=total >= self.min_stream_bytes)
         with self._lock:
             self._numbers.setdefault(request, len(self._numbers))
@@ -366,11 +397,16 @@ class StreamingSubmitter:
                 while req._ready_slices:
                     k = req._ready_slices.pop(0)
                     req._sent.add(k)
-                    self._send(req, req._cut.ranges[k], req._plan, what=("slice", k),
-                               last=False)
-                    if req._state is not None and req._state[1].ranges[k]:
-                        self._send(req, req._state[1].ranges[k], req._state[0],
-                                   what=("slice", k), last=False)
+                    parts: list[tuple[TransferPlan, Sequence[tuple[int, int]]]] = [
+                        (req._plan, req._ranges[k])]
+                    if req._state is not None:
+                        parts.append((req._state[0], req._state_ranges[k]))
+                    parts = [(p, r) for p, r in parts if r]
+                    for i, (plan, ranges) in enumerate(parts):
+                        receipt = (slice_receipt(k, req._notif)
+                                   if i == len(parts) - 1 else b"")
+                        self._send(req, ranges, plan, what=("slice", k), notif=receipt)
+                    req._confirmed.append(k)
             if not req._sealed:
                 return
             pieces: list[tuple[TransferPlan, Sequence[tuple[int, int]]]]
@@ -383,10 +419,12 @@ class StreamingSubmitter:
                 pieces.append((state_plan, state_cut.seal_ranges if req.streamed
                                else [(0, state_plan.n_blocks)] if state_plan.n_blocks else []))
             nonempty = [(p, r) for p, r in pieces if r]
+            final = pack_notification([], req._notif, work=_work_record(req))
             for i, (plan, ranges) in enumerate(nonempty):
-                self._send(req, ranges, plan, what=("seal", None), last=i == len(nonempty) - 1)
+                self._send(req, ranges, plan, what=("seal", None),
+                           notif=final if i == len(nonempty) - 1 else b"")
             if not nonempty and self._nixl:
-                self._send(req, [], req._plan, what=("seal", None), last=True)
+                self._send(req, [], req._plan, what=("seal", None), notif=final)
         except TransferError as err:
             self._finish(req, err)
             return
@@ -394,20 +432,21 @@ class StreamingSubmitter:
         req._stats = StreamStats(req.request, req._peer, req._blocks, req._bytes,
                                  req._submissions, len(req._sent), req.streamed,
                                  now - req._t_open, now - req._t_last_signal,
-                                 *req._unsignalled)
+                                 *req._unsignalled, final)
         self._finish(req, None)
 
     def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
-              *, what: tuple[str, int | None], last: bool) -> None:
+              *, what: tuple[str, int | None], notif: bytes) -> None:
+        """Submit ``ranges`` of ``plan``; with NIXL ``notif`` rides the last submission."""
         assert req._peer is not None
-        src, dst, lengths = plan.src_addrs, plan.dst_addrs, plan.lengths
+        src, dst, lengths = req._columns[id(plan)]
         views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b]) for a, b in ranges]
         if not views:  # a bare notification (NIXL) for a request that moves nothing
             views = [PlanBatch(src[:0], dst[:0], lengths[:0])]
         for i, view in enumerate(views):
             kw: dict[str, Any] = {}
             if self._nixl:
-                kw = {"notif": req._notif if last and i == len(views) - 1 else b"",
+                kw = {"notif": notif if i == len(views) - 1 else b"",
                       "timeout": self._timeout}
             try:
                 stats = self._transport.submit(view, req._peer, self._max_blocks, **kw)
@@ -459,3 +498,105 @@ def _ids(ids: Sequence[int]) -> str:
     stops = [*(int(arr[b]) for b in breaks), int(arr[-1])]
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in zip(starts, stops))
 
+
+
+def slice_receipt(k: int, message: bytes) -> bytes:
+    """The NIXL notification that says slice ``k`` of the request whose completion message is
+    ``message`` has landed: magic ``KVSR``, the slice index (u32), the message."""
+    return _RECEIPT.pack(_RECEIPT_MAGIC, k) + bytes(message)
+
+
+def read_receipt(data: bytes) -> tuple[int, bytes] | None:
+    """``(slice, message)`` of a :func:`slice_receipt`; ``None`` for any other notification."""
+    data = bytes(data)
+    if len(data) < _RECEIPT.size or data[:4] != _RECEIPT_MAGIC:
+        return None
+    return _RECEIPT.unpack_from(data)[1], data[_RECEIPT.size:]
+
+
+def _work_record(req: StreamRequest) -> bytes:
+    """Magic ``KVSW``, version u16 (1), streamed u8, reserved u8, the count u32 and indices
+    (u32 each) of the slices sent before the seal, then the request's
+    :meth:`WorkManifest.to_bytes`."""
+    sent = req._confirmed
+    return (_RECORD.pack(_RECORD_MAGIC, 1, int(req.streamed), 0, len(sent))
+            + struct.pack(f"<{len(sent)}I", *sent) + req.manifest.to_bytes())
+
+
+def _read_record(data: bytes) -> tuple[bool, list[int], WorkManifest]:
+    if len(data) < _RECORD.size or data[:4] != _RECORD_MAGIC:
+        raise KvPlanError(f"not a streaming work record ({len(data)} bytes)")
+    _, version, streamed, _, n = _RECORD.unpack_from(data)
+    if version != 1:
+        raise KvPlanError(f"streaming work record version {version}; this build reads 1")
+    at = _RECORD.size + 4 * n
+    if at > len(data):
+        raise KvPlanError(f"streaming work record lists {n} slices but is {len(data)} bytes")
+    sent = list(struct.unpack_from(f"<{n}I", data, _RECORD.size))
+    return bool(streamed), sent, WorkManifest.from_bytes(data[at:])
+
+
+@dataclass(frozen=True)
+class StreamCompleteness:
+    """What the decode knows about one streamed request from one prefill peer."""
+
+    #: ``"complete"``, ``"missing"`` (the final notification arrived, a slice did not) or
+    #: ``"in_flight"`` (the final notification has not arrived yet).
+    state: str
+    #: The expected-work manifest (``None`` while in flight).
+    manifest: WorkManifest | None
+    #: Slices (indices into the manifest's ``slices``) expected and not arrived.
+    missing: tuple[int, ...]
+    #: Slices the decode holds evidence for.
+    arrived: tuple[int, ...]
+    #: One line for a log: what is missing (slice, layer group, blocks, bytes) or in flight.
+    detail: str
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+
+def check_stream(final: bytes | None, arrived: Sequence[int] | None = None,
+                 message: bytes | None = None) -> StreamCompleteness:
+    """The decode's completeness check of one streamed request from one prefill peer.
+
+    ``final``: the request's final notification (NIXL delivered it; with Mooncake the prefill
+    sent :attr:`StreamStats.notification` through the caller's side channel), or ``None`` if it
+    has not arrived. ``arrived``: the slices the decode saw receipts for (NIXL's
+    :func:`slice_receipt` notifications); ``None`` takes the slices the prefill reports sent
+    (engines without notifications at the target, whose writes return once applied).
+
+    Raises:
+        KvPlanError: ``final`` is not a final notification (or not of ``message``).
+    """
+    seen = tuple(sorted(set(arrived))) if arrived is not None else ()
+    if final is None:
+        return StreamCompleteness("in_flight", None, (), seen,
+                                  f"final notification not arrived; slices seen {list(seen)}")
+    final = bytes(final)
+    if not is_notification(final):
+        raise KvPlanError(f"not a final notification ({len(final)} bytes)")
+    got, _ = read_notification(final)
+    if message is not None and got != message:
+        raise KvPlanError(f"final notification of {got!r}, expected {message!r}")
+    work = read_work(final)
+    if not work:
+        raise KvPlanError("the notification carries no work record (not a streamed request)")
+    streamed, sent, manifest = _read_record(work)
+    expected = [k for k, (_, blocks, _) in enumerate(manifest.slices) if blocks]
+    if not streamed:  # one piece with the final notification: it arrived, so did every slice
+        have = set(expected)
+    else:
+        have = set(seen) if arrived is not None else set(sent)
+    missing = tuple(k for k in expected if k not in have)
+    if not missing:
+        return StreamCompleteness("complete", manifest, (), tuple(sorted(have)),
+                                  f"request {manifest.request}: complete "
+                                  f"({manifest.total_blocks} blocks, {manifest.total_bytes} "
+                                  f"bytes)")
+    names = "; ".join(f"slice {k} (layer group {manifest.slices[k][0]}, "
+                      f"{manifest.slices[k][1]} blocks, {manifest.slices[k][2]} bytes)"
+                      for k in missing)
+    return StreamCompleteness("missing", manifest, missing, tuple(sorted(have)),
+                              f"request {manifest.request}: missing {names}")
