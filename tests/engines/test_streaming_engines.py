@@ -117,7 +117,7 @@ def test_a_failing_slice_fails_only_its_request_and_signals_are_checked(engine: 
         out = c.peers[stage.name].call(
             "stream", c.peers["decode"].layout_wire,
             [_spec("good", c.sessions[stage.name], good), _spec("bad", bogus, bad)], 4,
-            [3, 1, 0, 2, 7, 5, 6, 4], 0.0, 0, (), 30.0, True, timeout=90)
+            [3, 1, 0, 2, 7, 5, 6, 4], 20.0, 0, (), 30.0, True, timeout=90)
         _check_bytes(c, decode, stage, before, [good])  # nothing of "bad" landed
     assert out["requests"]["good"]["ok"], out["requests"]["good"]
     failed = out["requests"]["bad"]
@@ -168,8 +168,9 @@ def test_the_decode_tells_a_withheld_slice_from_a_complete_or_slow_request() -> 
         prefill, dpeer = c.peers[stage.name], c.peers["decode"]
         session, sender = c.sessions[stage.name], prefill.session
         # Slice 1 of "lost" is dropped on the way; the prefill's verdict still says sent.
+        # (20 ms per layer: each group leaves in a submission of its own.)
         out = prefill.call("stream", dpeer.layout_wire, [_spec("lost", session, lost)], 4,
-                           order, 0.0, 0, (), 30.0, False, 1, timeout=90)
+                           order, 20.0, 0, (), 30.0, False, 1, timeout=90)
         assert out["requests"]["lost"]["ok"]
         got = dpeer.call("wait_stream", sender, b"lost", 30.0, timeout=60)
         assert got["state"] == "missing" and got["missing"] == [1], got

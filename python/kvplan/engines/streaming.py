@@ -303,13 +303,29 @@ class StreamingSubmitter:
         self._queue.put(item)
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            kind = item[0]
-            if kind == "close":
-                break
+        stop = False
+        while not stop:
+            # Everything queued meanwhile (signals that came while a submission was in the
+            # engine) is handled before anything is sent, so the groups it completed go out
+            # in one submission: the submitter never falls more than one submission behind.
+            items = [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._dirty: list[StreamRequest] = []
+            kind = ""
             try:
-                self._handle(item)
+                for item in items:
+                    kind = item[0]
+                    if kind == "close":
+                        stop = True
+                        break
+                    self._handle(item)
+                kind = "send"
+                for req in self._dirty:
+                    self._pump(req)
             except BaseException as exc:  # never let the thread die with requests open
                 err = TransferError(f"streaming: internal error handling {kind}: {exc!r}")
                 for req in list(self._open):
@@ -352,14 +368,14 @@ class StreamingSubmitter:
                     waiting.discard(layer)
                     if not waiting:
                         req._ready_slices.append(k)
-                self._pump(req)
+                self._mark(req)
             return
         req = item[1]
         if req.done:
             return
         if kind == "peer":
             req._peer = item[2]
-            self._pump(req)
+            self._mark(req)
         elif kind == "cancel":
             err = TransferError(f"streaming: request {req.request!r} cancelled")
             err.state = "cancelled"
@@ -386,7 +402,12 @@ class StreamingSubmitter:
                     return
             req._ready_slices.extend(k for k in req._waiting if k not in req._sent
                                      and k not in req._ready_slices)
-            self._pump(req)
+            self._mark(req)
+
+    def _mark(self, req: StreamRequest) -> None:
+        """``req`` may have something to send once the queued items are handled."""
+        if req not in self._dirty:
+            self._dirty.append(req)
 
     def _pump(self, req: StreamRequest) -> None:
         """Send what is ready; finish the request after its seal."""
@@ -394,19 +415,22 @@ class StreamingSubmitter:
             return
         try:
             if req.streamed:
-                while req._ready_slices:
-                    k = req._ready_slices.pop(0)
-                    req._sent.add(k)
+                if req._ready_slices:
+                    # Every ready slice in one submission (per plan), in slice order.
+                    ks = sorted(req._ready_slices)
+                    req._ready_slices.clear()
+                    req._sent.update(ks)
                     parts: list[tuple[TransferPlan, Sequence[tuple[int, int]]]] = [
-                        (req._plan, req._ranges[k])]
+                        (req._plan, _touching([r for k in ks for r in req._ranges[k]]))]
                     if req._state is not None:
-                        parts.append((req._state[0], req._state_ranges[k]))
+                        parts.append((req._state[0], _touching(
+                            [r for k in ks for r in req._state_ranges[k]])))
                     parts = [(p, r) for p, r in parts if r]
                     for i, (plan, ranges) in enumerate(parts):
-                        receipt = (slice_receipt(k, req._notif)
+                        receipt = (slice_receipt(ks, req._notif)
                                    if i == len(parts) - 1 else b"")
-                        self._send(req, ranges, plan, what=("slice", k), notif=receipt)
-                    req._confirmed.append(k)
+                        self._send(req, ranges, plan, what=("slice", ks), notif=receipt)
+                    req._confirmed.extend(ks)
             if not req._sealed:
                 return
             pieces: list[tuple[TransferPlan, Sequence[tuple[int, int]]]]
@@ -436,12 +460,18 @@ class StreamingSubmitter:
         self._finish(req, None)
 
     def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
-              *, what: tuple[str, int | None], notif: bytes) -> None:
-        """Submit ``ranges`` of ``plan``; with NIXL ``notif`` rides the last submission."""
+              *, what: tuple[str, list[int] | None], notif: bytes) -> None:
+        """Submit ``ranges`` of ``plan`` in one submission (a view for one range, the ranges'
+        blocks gathered for several); with NIXL ``notif`` rides it."""
         assert req._peer is not None
         src, dst, lengths = req._columns[id(plan)]
-        views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b]) for a, b in ranges]
-        if not views:  # a bare notification (NIXL) for a request that moves nothing
+        if len(ranges) == 1:
+            ((a, b),) = ranges
+            views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b])]
+        elif ranges:
+            views = [PlanBatch(*(np.concatenate([c[a:b] for a, b in ranges])
+                                 for c in (src, dst, lengths)))]
+        else:  # a bare notification (NIXL) for a request that moves nothing
             views = [PlanBatch(src[:0], dst[:0], lengths[:0])]
         for i, view in enumerate(views):
             kw: dict[str, Any] = {}
@@ -465,15 +495,16 @@ class StreamingSubmitter:
             self._open.remove(req)
 
 
-def _slice_error(req: StreamRequest, what: tuple[str, int | None],
+def _slice_error(req: StreamRequest, what: tuple[str, list[int] | None],
                  cause: TransferError) -> TransferError:
-    kind, k = what
-    if kind == "slice" and k is not None:
+    kind, ks = what
+    if kind == "slice" and ks:
+        k = ks[0]
         group = req._slices.group_ids[k]
-        layers = req._slices.layers[k]
-        name = _slice_name(req, k)
+        layers = [layer for j in ks for layer in req._slices.layers[j]]
+        name = "; ".join(_slice_name(req, j) for j in ks)
     else:
-        group, layers, name = None, [], "the seal"
+        k, group, layers, name = None, None, [], "the seal"
     err = TransferError(f"streaming: request {req.request!r}: {name} failed: {cause}")
     for field in ("engine", "session", "batch", "blocks", "bytes", "status", "agent", "state"):
         setattr(err, field, getattr(cause, field, None))
@@ -500,18 +531,36 @@ def _ids(ids: Sequence[int]) -> str:
 
 
 
-def slice_receipt(k: int, message: bytes) -> bytes:
-    """The NIXL notification that says slice ``k`` of the request whose completion message is
-    ``message`` has landed: magic ``KVSR``, the slice index (u32), the message."""
-    return _RECEIPT.pack(_RECEIPT_MAGIC, k) + bytes(message)
+def slice_receipt(slices: Sequence[int], message: bytes) -> bytes:
+    """The NIXL notification that says ``slices`` of the request whose completion message is
+    ``message`` have landed: magic ``KVSR``, the count (u32) and slice indices (u32 each),
+    the message."""
+    return (_RECEIPT.pack(_RECEIPT_MAGIC, len(slices)) + struct.pack(f"<{len(slices)}I", *slices)
+            + bytes(message))
 
 
-def read_receipt(data: bytes) -> tuple[int, bytes] | None:
-    """``(slice, message)`` of a :func:`slice_receipt`; ``None`` for any other notification."""
+def read_receipt(data: bytes) -> tuple[list[int], bytes] | None:
+    """``(slices, message)`` of a :func:`slice_receipt`; ``None`` for any other
+    notification."""
     data = bytes(data)
     if len(data) < _RECEIPT.size or data[:4] != _RECEIPT_MAGIC:
         return None
-    return _RECEIPT.unpack_from(data)[1], data[_RECEIPT.size:]
+    n = _RECEIPT.unpack_from(data)[1]
+    at = _RECEIPT.size + 4 * n
+    if at > len(data):
+        return None
+    return list(struct.unpack_from(f"<{n}I", data, _RECEIPT.size)), data[at:]
+
+
+def _touching(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (ascending) with ranges that touch merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _work_record(req: StreamRequest) -> bytes:

@@ -247,7 +247,7 @@ class NixlTransport(Transport):
         for m in got:
             receipt = read_receipt(m)
             if receipt is not None and receipt[1] == message:
-                arrived.append(receipt[0])
+                arrived.extend(receipt[0])
             else:
                 rest.append(m)
         if final is not None:
