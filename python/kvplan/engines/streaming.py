@@ -26,9 +26,9 @@ NIXL: its completion notification goes with the request's last submission).
 **Completeness at the decode.** The request's last submission carries its *final
 notification*: the integrity notification (:func:`kvplan.integrity.pack_notification`, the same
 channel digests use) holding the caller's completion message and a work record, the
-expected-work manifest plus the slices the prefill sent. With NIXL each slice's last submission
-also carries a slice receipt (``KVSR``, the slice index, the message), which NIXL delivers once
-that slice's bytes have landed; the decode waits with ``NixlTransport.wait_stream``. Mooncake
+expected-work manifest plus the slices the prefill sent. With NIXL each slice submission also
+carries a slice receipt (``KVSR``, the indices of its slices, the message), which NIXL delivers
+once those bytes have landed; the decode waits with ``NixlTransport.wait_stream``. Mooncake
 has no notifications at the target: :attr:`StreamStats.notification` holds the final
 notification for the caller's side channel, and :func:`check_stream` on the decode reads it.
 Either way the decode gets a :class:`StreamCompleteness`: complete, a slice missing (named),
