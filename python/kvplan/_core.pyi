@@ -551,8 +551,9 @@ _Ranks = tuple[int, int, int, int]
 @final
 class LayerGroups:
     """Which layers stream together, keyed by global layer id, and which entries wait for the
-    seal (state, draft and id-less entries always do; ``seal_layers`` / ``seal_roles`` add
-    more, e.g. indexer caches no per-layer hook fires for)."""
+    seal (draft and id-less entries and layers in no group always do; ``seal_layers`` /
+    ``seal_roles`` add more, e.g. indexer caches no per-layer hook fires for). A layer's
+    per-request state goes with its group, like its pages."""
 
     @staticmethod
     def every_layer(*, seal_layers: Sequence[int] | None = None,

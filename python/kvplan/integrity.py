@@ -36,6 +36,7 @@ __all__ = [
     "is_notification",
     "pack_notification",
     "read_notification",
+    "read_work",
     "template_label",
     "unpack_notification",
     "verify",
@@ -273,19 +274,29 @@ def verify(
 
 _NOTIFY_MAGIC = b"KVPN"
 _NOTIFY_VERSION = 2
+#: Version 3 adds a work record after the message (layer-wise streaming's expected work).
+_NOTIFY_VERSION_WORK = 3
 _NOTIFY_HEAD = struct.Struct("<4sHH")
 _NOTIFY_MESSAGE = struct.Struct("<I")
 
 
-def pack_notification(manifests: Sequence[Manifest], message: bytes = b"") -> bytes:
+def pack_notification(manifests: Sequence[Manifest], message: bytes = b"",
+                      work: bytes = b"") -> bytes:
     """The bytes a prefill sends with its completion notification (NIXL) or through its own
     side channel (Mooncake): magic ``KVPN``, version u16 (2), count u16, the length u32 and
     bytes of ``message`` (the caller's own completion message, empty by default), then per
     manifest a u32 length and :meth:`Manifest.to_bytes` (the page plan's first, then the
-    state plan's). Version 1, still read, had no message."""
-    message = bytes(message)
-    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, _NOTIFY_VERSION, len(manifests)),
+    state plan's). Version 1, still read, had no message.
+
+    ``work``: a streamed request's work record (:mod:`kvplan.engines.streaming`: its
+    expected-work manifest and the slices the prefill sent), carried after the message as a
+    u32 length and its bytes; the version is then 3."""
+    message, work = bytes(message), bytes(work)
+    version = _NOTIFY_VERSION_WORK if work else _NOTIFY_VERSION
+    parts = [_NOTIFY_HEAD.pack(_NOTIFY_MAGIC, version, len(manifests)),
              _NOTIFY_MESSAGE.pack(len(message)), message]
+    if work:
+        parts += [_NOTIFY_MESSAGE.pack(len(work)), work]
     for m in manifests:
         data = m.to_bytes()
         parts.append(struct.pack("<I", len(data)) + data)
@@ -300,23 +311,35 @@ def is_notification(data: bytes) -> bool:
 def read_notification(data: bytes) -> tuple[bytes, list[Manifest]]:
     """Decodes :func:`pack_notification`: ``(message, manifests)``; anything else raises
     :class:`KvPlanError`."""
+    message, _, manifests = _read(data)
+    return message, manifests
+
+
+def read_work(data: bytes) -> bytes:
+    """The work record :func:`pack_notification` carried (empty when it carried none)."""
+    return _read(data)[1]
+
+
+def _read(data: bytes) -> tuple[bytes, bytes, list[Manifest]]:
     data = bytes(data)
     if len(data) < _NOTIFY_HEAD.size or not is_notification(data):
         raise KvPlanError(f"not a kvplan integrity notification ({len(data)} bytes)")
     _, version, count = _NOTIFY_HEAD.unpack_from(data)
-    at, message = _NOTIFY_HEAD.size, b""
-    if version == _NOTIFY_VERSION:
+    at, fields = _NOTIFY_HEAD.size, [b"", b""]
+    if version not in (1, _NOTIFY_VERSION, _NOTIFY_VERSION_WORK):
+        raise KvPlanError(f"integrity notification version {version}; this build reads 1 to "
+                          f"{_NOTIFY_VERSION_WORK}")
+    # Version 2: the message; version 3: the message, then the work record.
+    for k, what in enumerate(("message", "work record")[: max(0, version - 1)]):
         if at + _NOTIFY_MESSAGE.size > len(data):
-            raise KvPlanError("integrity notification truncated in its message length")
+            raise KvPlanError(f"integrity notification truncated in its {what} length")
         (n,) = _NOTIFY_MESSAGE.unpack_from(data, at)
         at += _NOTIFY_MESSAGE.size
         if at + n > len(data):
-            raise KvPlanError(f"integrity notification announces a {n}-byte message but "
-                              f"carries {len(data) - at} bytes after its header")
-        message, at = data[at:at + n], at + n
-    elif version != 1:
-        raise KvPlanError(f"integrity notification version {version}; this build reads 1 and "
-                          f"{_NOTIFY_VERSION}")
+            raise KvPlanError(f"integrity notification announces a {n}-byte {what} but "
+                              f"carries {len(data) - at} bytes after it")
+        fields[k], at = data[at:at + n], at + n
+    message, work = fields
     out = []
     for _ in range(count):
         if at + 4 > len(data):
@@ -326,7 +349,7 @@ def read_notification(data: bytes) -> tuple[bytes, list[Manifest]]:
         at += 4 + n
     if at != len(data):
         raise KvPlanError(f"integrity notification has {len(data) - at} trailing bytes")
-    return message, out
+    return message, work, out
 
 
 def unpack_notification(data: bytes) -> list[Manifest]:

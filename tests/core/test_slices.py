@@ -2,8 +2,9 @@
 
 The property: a request's slices plus its seal are the monolithic plan, block for block and
 byte for byte (every block in exactly one slice, in plan order), each slice's blocks belong to
-entries of its layer group and the seal's to entries no group covers, and the manifest counts
-exactly what the slices move. Drawn over dense, hybrid (state) and draft layouts, prefill PP
+entries of its layer group (page and per-request state entries alike: a layer's forward writes
+both) and the seal's to entries no group covers, and the manifest counts exactly what the
+slices move. Drawn over dense, hybrid (state) and draft layouts, prefill PP
 {1, 2, 4}, TP slicing, page-size ratios and cross-layer pools.
 """
 
@@ -28,7 +29,7 @@ def _owner_key(entries, groups: LayerGroups, addr: int, seal: set[int], seal_rol
             continue
         page, offset = divmod(addr - e.data_ptr, e.stride)
         if page < e.capacity and offset < e.item_len:
-            if (e.kind == "state" or e.is_draft or e.layer_id is None or e.layer_id in seal
+            if (e.is_draft or e.layer_id is None or e.layer_id in seal
                     or (e.role or "") in seal_roles):
                 return "seal"
             group = groups.group_of(e.layer_id)
@@ -134,10 +135,14 @@ def test_slices_and_seal_are_the_monolithic_plan(key, layers, pp, stage, tp, pag
         plan = template.plan(src_pages, dst_pages)
     cut = _check(template, src, groups, plan, set(seal), set())
     state = template.plan_state(1, 2)
-    state_cut = template.layer_slices(groups).of(state)
-    assert state_cut.seal_work == (state.n_blocks, state.total_bytes)
-    assert all(not r for r in state_cut.ranges)
+    # The state plan's slices tile it too, each block with its layer's group.
+    state_cut = _check(template, src, groups, state, set(seal), set())
+    if preset.state and not mark:
+        # Every held layer is in some group: a state entry reaches the seal only when marked.
+        assert state_cut.seal_work == (0, 0)
     manifest = cut.manifest(seed, state_cut)
+    for (gid, blocks, nbytes), page, more in zip(manifest.slices, cut.work, state_cut.work):
+        assert (gid, blocks, nbytes) == (page[0], page[1] + more[1], page[2] + more[2])
     assert manifest.total_blocks == plan.n_blocks + state.n_blocks
     assert manifest.total_bytes == plan.total_bytes + state.total_bytes
     assert WorkManifest.from_bytes(manifest.to_bytes()) == manifest

@@ -228,5 +228,14 @@ def test_notification_carries_a_message_and_still_reads_version_1() -> None:
     assert read_notification(v1) == (b"", [m])
     with pytest.raises(kvplan.KvPlanError, match="announces a 99-byte message"):
         read_notification(struct.pack("<4sHHI", b"KVPN", 2, 0, 99) + b"short")
-    with pytest.raises(kvplan.KvPlanError, match="version 3"):
-        read_notification(struct.pack("<4sHHI", b"KVPN", 3, 0, 0))
+    with pytest.raises(kvplan.KvPlanError, match="version 4"):
+        read_notification(struct.pack("<4sHHI", b"KVPN", 4, 0, 0))
+    # Version 3 carries a streamed request's work record after the message.
+    from kvplan.integrity import read_work
+
+    v3 = pack_notification([m], b"stage-1", work=b"record")
+    assert struct.unpack_from("<HH", v3, 4) == (3, 1)
+    assert read_notification(v3) == (b"stage-1", [m]) and read_work(v3) == b"record"
+    assert read_work(data) == b""
+    with pytest.raises(kvplan.KvPlanError, match="announces a 50-byte work record"):
+        read_notification(struct.pack("<4sHHII", b"KVPN", 3, 0, 0, 50) + b"short")

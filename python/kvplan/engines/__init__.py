@@ -40,7 +40,13 @@ from kvplan.engines._base import (
 from kvplan.engines.ascend import AscendTransport
 from kvplan.engines.mooncake import MooncakeTransport, PendingTransfer
 from kvplan.engines.nixl import NixlPending, NixlTransport, PreppedPair
-from kvplan.engines.streaming import StreamingSubmitter, StreamRequest, StreamStats
+from kvplan.engines.streaming import (
+    StreamCompleteness,
+    StreamingSubmitter,
+    StreamRequest,
+    StreamStats,
+    check_stream,
+)
 
 __all__ = [
     "AscendTransport",
@@ -50,12 +56,14 @@ __all__ = [
     "PendingTransfer",
     "PlanLike",
     "PreppedPair",
+    "StreamCompleteness",
     "StreamRequest",
     "StreamStats",
     "StreamingSubmitter",
     "TransferError",
     "TransferStats",
     "Transport",
+    "check_stream",
     "create_transport",
     "merge_regions",
     "plan_arrays",

@@ -3,8 +3,9 @@
 A serving engine plans a request once, opens it here, and signals each layer as its KV cache
 is written (from its per-layer hook, on any thread, in any order). One submitter thread sends
 a layer group's slice of the plan (block ranges the core computed: ``LayerSlices.of(plan)``)
-as soon as every layer of the group is ready and the destination is known, then the seal
-(state, draft, marked entries) once the forward is done. The caller never blocks; each request
+as soon as every layer of the group is ready and the destination is known (with the group's
+per-request state, which its layers' forward writes), then the seal (draft entries, entries
+the caller marks, state of layers outside every group) once the forward is done. The caller never blocks; each request
 ends with one verdict.
 
 ::
@@ -21,11 +22,24 @@ ends with one verdict.
 
 Nothing here imports an engine package; any :class:`kvplan.engines.Transport` works (Mooncake,
 NIXL: its completion notification goes with the request's last submission).
+
+**Completeness at the decode.** The request's last submission carries its *final
+notification*: the integrity notification (:func:`kvplan.integrity.pack_notification`, the same
+channel digests use) holding the caller's completion message and a work record, the
+expected-work manifest plus the slices the prefill sent. With NIXL each slice submission also
+carries a slice receipt (``KVSR``, the indices of its slices, the message), which NIXL delivers
+once those bytes have landed; the decode waits with ``NixlTransport.wait_stream``. Mooncake
+has no notifications at the target: :attr:`StreamStats.notification` holds the final
+notification for the caller's side channel, and :func:`check_stream` on the decode reads it.
+Either way the decode gets a :class:`StreamCompleteness`: complete, a slice missing (named),
+or still in flight.
 """
 
 from __future__ import annotations
 
+import builtins
 import queue
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -34,10 +48,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvplan._core import LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
+from kvplan._core import KvPlanError, LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
 from kvplan._errors import TransferError
+from kvplan.integrity import is_notification, pack_notification, read_notification, read_work
 
-__all__ = ["ReadyEvent", "StreamRequest", "StreamStats", "StreamingSubmitter"]
+__all__ = ["ReadyEvent", "StreamCompleteness", "StreamRequest", "StreamStats",
+           "StreamingSubmitter", "check_stream", "slice_receipt"]
+
+_RECEIPT_MAGIC = b"KVSR"
+_RECEIPT = struct.Struct("<4sI")
+_RECORD_MAGIC = b"KVSW"
+_RECORD = struct.Struct("<4sHBBI")
 
 #: Requests moving fewer bytes go out in one piece at seal time: per-slice messages of short
 #: prompts cost more than the overlap gains.
@@ -68,6 +89,14 @@ class StreamStats:
     seconds: float
     #: From the last ready signal (or the seal, whichever came later) to completion.
     tail_seconds: float
+    #: Layers whose ready signal never came before the seal (a skipped per-layer hook), in
+    #: ascending order; their slices went out with the seal (the forward had written them).
+    unsignalled_layers: tuple[int, ...] = ()
+    #: The slices (indices into ``LayerSlices.group_ids``) those layers held back.
+    unsignalled_slices: tuple[int, ...] = ()
+    #: The final notification (integrity notification with the work record); NIXL delivered
+    #: it with the last submission, other engines leave it to the caller's side channel.
+    notification: builtins.bytes = b""  # `bytes` here would name the field above
 
 
 class StreamRequest:
@@ -87,12 +116,21 @@ class StreamRequest:
         self._notif = notif
         self.streamed = streamed
         layers = slices.layers
-        # Per slice, the layers still awaited; slices with blocks only.
+        # The core's answers, read once per request (each getter converts a whole list).
+        self._ranges = cut.ranges
+        self._state_ranges = state[1].ranges if state is not None else [[] for _ in cut.ranges]
+        self._columns = {id(p): (p.src_addrs, p.dst_addrs, p.lengths)
+                         for p in (plan, *((state[0],) if state is not None else ()))}
+        # Per slice, the layers still awaited; slices with blocks (page or state) only.
         self._waiting: dict[int, set[int]] = {
-            k: set(layers[k]) for k, ranges in enumerate(cut.ranges) if ranges}
+            k: set(layers[k])
+            for k, (ranges, more) in enumerate(zip(self._ranges, self._state_ranges))
+            if ranges or more}
         self._ready_slices: list[int] = []  # all layers ready, not yet sent
         self._sent: set[int] = set()
+        self._confirmed: list[int] = []  # slices whose every submission succeeded
         self._sealed = False
+        self._unsignalled: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._t_open = time.perf_counter()
         self._t_last_signal = self._t_open
         self._blocks = self._bytes = self._submissions = 0
@@ -164,16 +202,23 @@ class StreamingSubmitter:
             with and ready signals are checked against.
         min_stream_bytes: requests moving fewer bytes (plan plus state) ignore ready signals
             and go out in one piece at seal time.
+        require_signals: a streamed request some of whose layers were never signalled ready
+            before its seal fails with ``TransferError(state="unsignalled")`` naming the slices
+            and layers, sending nothing more. By default such slices go out with the seal (the
+            forward has written them) and the verdict lists them
+            (:attr:`StreamStats.unsignalled_layers`).
         max_blocks_per_batch: passed to ``transport.submit``.
         timeout: per-submission timeout for engines that take one (NIXL).
     """
 
     def __init__(self, transport: Any, slices: LayerSlices, *,
                  min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
-                 max_blocks_per_batch: int | None = None, timeout: float | None = None) -> None:
+                 max_blocks_per_batch: int | None = None, timeout: float | None = None,
+                 require_signals: bool = False) -> None:
         self._transport = transport
         self._slices = slices
         self.min_stream_bytes = min_stream_bytes
+        self.require_signals = require_signals
         self._max_blocks = max_blocks_per_batch
         self._timeout = timeout
         self._nixl = getattr(transport, "engine_name", "") == "nixl"
@@ -201,7 +246,9 @@ class StreamingSubmitter:
         cut = slices.of(plan)
         state = (state_plan, slices.of(state_plan)) if state_plan is not None else None
         total = plan.total_bytes + (state_plan.total_bytes if state_plan is not None else 0)
-        req = StreamRequest(self, request, plan, cut, slices, peer_session, state, notif,
+        # The completion message names the request in its receipts and final notification.
+        req = StreamRequest(self, request, plan, cut, slices, peer_session, state,
+                            notif or request.encode(),
                             streamed=total >= self.min_stream_bytes)
         with self._lock:
             self._numbers.setdefault(request, len(self._numbers))
@@ -256,13 +303,29 @@ class StreamingSubmitter:
         self._queue.put(item)
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            kind = item[0]
-            if kind == "close":
-                break
+        stop = False
+        while not stop:
+            # Everything queued meanwhile (signals that came while a submission was in the
+            # engine) is handled before anything is sent, so the groups it completed go out
+            # in one submission: the submitter never falls more than one submission behind.
+            items = [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._dirty: list[StreamRequest] = []
+            kind = ""
             try:
-                self._handle(item)
+                for item in items:
+                    kind = item[0]
+                    if kind == "close":
+                        stop = True
+                        break
+                    self._handle(item)
+                kind = "send"
+                for req in self._dirty:
+                    self._pump(req)
             except BaseException as exc:  # never let the thread die with requests open
                 err = TransferError(f"streaming: internal error handling {kind}: {exc!r}")
                 for req in list(self._open):
@@ -305,14 +368,14 @@ class StreamingSubmitter:
                     waiting.discard(layer)
                     if not waiting:
                         req._ready_slices.append(k)
-                self._pump(req)
+                self._mark(req)
             return
         req = item[1]
         if req.done:
             return
         if kind == "peer":
             req._peer = item[2]
-            self._pump(req)
+            self._mark(req)
         elif kind == "cancel":
             err = TransferError(f"streaming: request {req.request!r} cancelled")
             err.state = "cancelled"
@@ -320,10 +383,31 @@ class StreamingSubmitter:
         elif kind == "seal":
             req._sealed = True
             req._t_last_signal = max(req._t_last_signal, item[2])
-            # The forward is done: every layer is written, whether or not its hook fired.
+            # The forward is done: every layer is written, whether or not its hook fired; a
+            # layer whose hook did not fire is reported (a skipped hook is a bug upstream).
+            held = sorted(k for k, waiting in req._waiting.items() if waiting)
+            if held and req.streamed:
+                layers = tuple(sorted(layer for k in held for layer in req._waiting[k]))
+                req._unsignalled = (layers, tuple(held))
+                if self.require_signals:
+                    names = "; ".join(_slice_name(req, k) for k in held)
+                    err = TransferError(
+                        f"streaming: request {req.request!r} sealed before layers "
+                        f"{_ids(list(layers))} were signalled ready ({names}); nothing more sent")
+                    err.state = "unsignalled"
+                    err.request = req.request
+                    err.slice = held[0]
+                    err.layers = list(layers)
+                    self._finish(req, err)
+                    return
             req._ready_slices.extend(k for k in req._waiting if k not in req._sent
                                      and k not in req._ready_slices)
-            self._pump(req)
+            self._mark(req)
+
+    def _mark(self, req: StreamRequest) -> None:
+        """``req`` may have something to send once the queued items are handled."""
+        if req not in self._dirty:
+            self._dirty.append(req)
 
     def _pump(self, req: StreamRequest) -> None:
         """Send what is ready; finish the request after its seal."""
@@ -331,11 +415,22 @@ class StreamingSubmitter:
             return
         try:
             if req.streamed:
-                while req._ready_slices:
-                    k = req._ready_slices.pop(0)
-                    req._sent.add(k)
-                    self._send(req, req._cut.ranges[k], req._plan, what=("slice", k),
-                               last=False)
+                if req._ready_slices:
+                    # Every ready slice in one submission (per plan), in slice order.
+                    ks = sorted(req._ready_slices)
+                    req._ready_slices.clear()
+                    req._sent.update(ks)
+                    parts: list[tuple[TransferPlan, Sequence[tuple[int, int]]]] = [
+                        (req._plan, _touching([r for k in ks for r in req._ranges[k]]))]
+                    if req._state is not None:
+                        parts.append((req._state[0], _touching(
+                            [r for k in ks for r in req._state_ranges[k]])))
+                    parts = [(p, r) for p, r in parts if r]
+                    for i, (plan, ranges) in enumerate(parts):
+                        receipt = (slice_receipt(ks, req._notif)
+                                   if i == len(parts) - 1 else b"")
+                        self._send(req, ranges, plan, what=("slice", ks), notif=receipt)
+                    req._confirmed.extend(ks)
             if not req._sealed:
                 return
             pieces: list[tuple[TransferPlan, Sequence[tuple[int, int]]]]
@@ -344,32 +439,44 @@ class StreamingSubmitter:
             else:
                 pieces = [(req._plan, [(0, req._plan.n_blocks)] if req._plan.n_blocks else [])]
             if req._state is not None:
-                pieces.append((req._state[0], req._state[1].seal_ranges))
+                state_plan, state_cut = req._state
+                pieces.append((state_plan, state_cut.seal_ranges if req.streamed
+                               else [(0, state_plan.n_blocks)] if state_plan.n_blocks else []))
             nonempty = [(p, r) for p, r in pieces if r]
+            final = pack_notification([], req._notif, work=_work_record(req))
             for i, (plan, ranges) in enumerate(nonempty):
-                self._send(req, ranges, plan, what=("seal", None), last=i == len(nonempty) - 1)
+                self._send(req, ranges, plan, what=("seal", None),
+                           notif=final if i == len(nonempty) - 1 else b"")
             if not nonempty and self._nixl:
-                self._send(req, [], req._plan, what=("seal", None), last=True)
+                self._send(req, [], req._plan, what=("seal", None), notif=final)
         except TransferError as err:
             self._finish(req, err)
             return
         now = time.perf_counter()
         req._stats = StreamStats(req.request, req._peer, req._blocks, req._bytes,
                                  req._submissions, len(req._sent), req.streamed,
-                                 now - req._t_open, now - req._t_last_signal)
+                                 now - req._t_open, now - req._t_last_signal,
+                                 *req._unsignalled, final)
         self._finish(req, None)
 
     def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
-              *, what: tuple[str, int | None], last: bool) -> None:
+              *, what: tuple[str, list[int] | None], notif: bytes) -> None:
+        """Submit ``ranges`` of ``plan`` in one submission (a view for one range, the ranges'
+        blocks gathered for several); with NIXL ``notif`` rides it."""
         assert req._peer is not None
-        src, dst, lengths = plan.src_addrs, plan.dst_addrs, plan.lengths
-        views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b]) for a, b in ranges]
-        if not views:  # a bare notification (NIXL) for a request that moves nothing
+        src, dst, lengths = req._columns[id(plan)]
+        if len(ranges) == 1:
+            ((a, b),) = ranges
+            views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b])]
+        elif ranges:
+            views = [PlanBatch(*(np.concatenate([c[a:b] for a, b in ranges])
+                                 for c in (src, dst, lengths)))]
+        else:  # a bare notification (NIXL) for a request that moves nothing
             views = [PlanBatch(src[:0], dst[:0], lengths[:0])]
         for i, view in enumerate(views):
             kw: dict[str, Any] = {}
             if self._nixl:
-                kw = {"notif": req._notif if last and i == len(views) - 1 else b"",
+                kw = {"notif": notif if i == len(views) - 1 else b"",
                       "timeout": self._timeout}
             try:
                 stats = self._transport.submit(view, req._peer, self._max_blocks, **kw)
@@ -388,15 +495,16 @@ class StreamingSubmitter:
             self._open.remove(req)
 
 
-def _slice_error(req: StreamRequest, what: tuple[str, int | None],
+def _slice_error(req: StreamRequest, what: tuple[str, list[int] | None],
                  cause: TransferError) -> TransferError:
-    kind, k = what
-    if kind == "slice" and k is not None:
+    kind, ks = what
+    if kind == "slice" and ks:
+        k = ks[0]
         group = req._slices.group_ids[k]
-        layers = req._slices.layers[k]
-        name = f"slice {k} (layer group {group}, layers {_ids(layers)})"
+        layers = [layer for j in ks for layer in req._slices.layers[j]]
+        name = "; ".join(_slice_name(req, j) for j in ks)
     else:
-        group, layers, name = None, [], "the seal"
+        k, group, layers, name = None, None, [], "the seal"
     err = TransferError(f"streaming: request {req.request!r}: {name} failed: {cause}")
     for field in ("engine", "session", "batch", "blocks", "bytes", "status", "agent", "state"):
         setattr(err, field, getattr(cause, field, None))
@@ -405,6 +513,11 @@ def _slice_error(req: StreamRequest, what: tuple[str, int | None],
     err.group = group
     err.layers = layers
     return err
+
+
+def _slice_name(req: StreamRequest, k: int) -> str:
+    return (f"slice {k} (layer group {req._slices.group_ids[k]}, layers "
+            f"{_ids(req._slices.layers[k])})")
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -416,3 +529,123 @@ def _ids(ids: Sequence[int]) -> str:
     stops = [*(int(arr[b]) for b in breaks), int(arr[-1])]
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in zip(starts, stops))
 
+
+
+def slice_receipt(slices: Sequence[int], message: bytes) -> bytes:
+    """The NIXL notification that says ``slices`` of the request whose completion message is
+    ``message`` have landed: magic ``KVSR``, the count (u32) and slice indices (u32 each),
+    the message."""
+    return (_RECEIPT.pack(_RECEIPT_MAGIC, len(slices)) + struct.pack(f"<{len(slices)}I", *slices)
+            + bytes(message))
+
+
+def read_receipt(data: bytes) -> tuple[list[int], bytes] | None:
+    """``(slices, message)`` of a :func:`slice_receipt`; ``None`` for any other
+    notification."""
+    data = bytes(data)
+    if len(data) < _RECEIPT.size or data[:4] != _RECEIPT_MAGIC:
+        return None
+    n = _RECEIPT.unpack_from(data)[1]
+    at = _RECEIPT.size + 4 * n
+    if at > len(data):
+        return None
+    return list(struct.unpack_from(f"<{n}I", data, _RECEIPT.size)), data[at:]
+
+
+def _touching(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (ascending) with ranges that touch merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _work_record(req: StreamRequest) -> bytes:
+    """Magic ``KVSW``, version u16 (1), streamed u8, reserved u8, the count u32 and indices
+    (u32 each) of the slices sent before the seal, then the request's
+    :meth:`WorkManifest.to_bytes`."""
+    sent = req._confirmed
+    return (_RECORD.pack(_RECORD_MAGIC, 1, int(req.streamed), 0, len(sent))
+            + struct.pack(f"<{len(sent)}I", *sent) + req.manifest.to_bytes())
+
+
+def _read_record(data: bytes) -> tuple[bool, list[int], WorkManifest]:
+    if len(data) < _RECORD.size or data[:4] != _RECORD_MAGIC:
+        raise KvPlanError(f"not a streaming work record ({len(data)} bytes)")
+    _, version, streamed, _, n = _RECORD.unpack_from(data)
+    if version != 1:
+        raise KvPlanError(f"streaming work record version {version}; this build reads 1")
+    at = _RECORD.size + 4 * n
+    if at > len(data):
+        raise KvPlanError(f"streaming work record lists {n} slices but is {len(data)} bytes")
+    sent = list(struct.unpack_from(f"<{n}I", data, _RECORD.size))
+    return bool(streamed), sent, WorkManifest.from_bytes(data[at:])
+
+
+@dataclass(frozen=True)
+class StreamCompleteness:
+    """What the decode knows about one streamed request from one prefill peer."""
+
+    #: ``"complete"``, ``"missing"`` (the final notification arrived, a slice did not) or
+    #: ``"in_flight"`` (the final notification has not arrived yet).
+    state: str
+    #: The expected-work manifest (``None`` while in flight).
+    manifest: WorkManifest | None
+    #: Slices (indices into the manifest's ``slices``) expected and not arrived.
+    missing: tuple[int, ...]
+    #: Slices the decode holds evidence for.
+    arrived: tuple[int, ...]
+    #: One line for a log: what is missing (slice, layer group, blocks, bytes) or in flight.
+    detail: str
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+
+def check_stream(final: bytes | None, arrived: Sequence[int] | None = None,
+                 message: bytes | None = None) -> StreamCompleteness:
+    """The decode's completeness check of one streamed request from one prefill peer.
+
+    ``final``: the request's final notification (NIXL delivered it; with Mooncake the prefill
+    sent :attr:`StreamStats.notification` through the caller's side channel), or ``None`` if it
+    has not arrived. ``arrived``: the slices the decode saw receipts for (NIXL's
+    :func:`slice_receipt` notifications); ``None`` takes the slices the prefill reports sent
+    (engines without notifications at the target, whose writes return once applied).
+
+    Raises:
+        KvPlanError: ``final`` is not a final notification (or not of ``message``).
+    """
+    seen = tuple(sorted(set(arrived))) if arrived is not None else ()
+    if final is None:
+        return StreamCompleteness("in_flight", None, (), seen,
+                                  f"final notification not arrived; slices seen {list(seen)}")
+    final = bytes(final)
+    if not is_notification(final):
+        raise KvPlanError(f"not a final notification ({len(final)} bytes)")
+    got, _ = read_notification(final)
+    if message is not None and got != message:
+        raise KvPlanError(f"final notification of {got!r}, expected {message!r}")
+    work = read_work(final)
+    if not work:
+        raise KvPlanError("the notification carries no work record (not a streamed request)")
+    streamed, sent, manifest = _read_record(work)
+    expected = [k for k, (_, blocks, _) in enumerate(manifest.slices) if blocks]
+    if not streamed:  # one piece with the final notification: it arrived, so did every slice
+        have = set(expected)
+    else:
+        have = set(seen) if arrived is not None else set(sent)
+    missing = tuple(k for k in expected if k not in have)
+    if not missing:
+        return StreamCompleteness("complete", manifest, (), tuple(sorted(have)),
+                                  f"request {manifest.request}: complete "
+                                  f"({manifest.total_blocks} blocks, {manifest.total_bytes} "
+                                  f"bytes)")
+    names = "; ".join(f"slice {k} (layer group {manifest.slices[k][0]}, "
+                      f"{manifest.slices[k][1]} blocks, {manifest.slices[k][2]} bytes)"
+                      for k in missing)
+    return StreamCompleteness("missing", manifest, missing, tuple(sorted(have)),
+                              f"request {manifest.request}: missing {names}")

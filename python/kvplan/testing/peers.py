@@ -286,10 +286,54 @@ def _cmd_wait_notification(state: _PeerState, peer: str, message: bytes,
     return True
 
 
+def _cmd_wait_stream(state: _PeerState, peer: str, message: bytes,
+                     timeout: float = 30.0) -> dict[str, Any]:
+    """The decode's completeness check of ``peer``'s streamed request ``message``
+    (``NixlTransport.wait_stream``) as a dict of :class:`StreamCompleteness` fields."""
+    got = state.transport.wait_stream(peer, message, timeout)
+    return {"state": got.state, "missing": list(got.missing), "arrived": list(got.arrived),
+            "detail": got.detail}
+
+
+def _cmd_check_stream(state: _PeerState, final: bytes | None) -> dict[str, Any]:
+    """The decode's completeness check of a final notification that came through the
+    caller's side channel (Mooncake): :func:`kvplan.engines.streaming.check_stream`."""
+    from kvplan.engines.streaming import check_stream
+
+    got = check_stream(final)
+    return {"state": got.state, "missing": list(got.missing), "arrived": list(got.arrived),
+            "detail": got.detail}
+
+
+class _Withholding:
+    """A transport that silently drops the submission carrying slice ``k``'s receipt (NIXL)
+    or, without notifications, the submission starting at that slice's first block (a lost
+    slice the engine reports as sent)."""
+
+    def __init__(self, inner: Any, k: int, first_src: int) -> None:
+        self._inner, self._k, self._first_src = inner, k, first_src
+        self.engine_name = inner.engine_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def submit(self, plan: Any, peer: str, max_blocks: int | None = None, **kw: Any) -> Any:
+        from kvplan.engines import TransferStats
+        from kvplan.engines.streaming import read_receipt
+
+        receipt = read_receipt(kw.get("notif", b""))
+        src = plan.src_addrs
+        if (receipt is not None and self._k in receipt[0]) or (
+                not kw and len(src) and int(src[0]) == self._first_src):
+            return TransferStats(peer, len(src), int(plan.lengths.sum()), 1, 0.0)
+        return self._inner.submit(plan, peer, max_blocks, **kw)
+
+
 def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[dict[str, Any]],
                 group_size: int, order: Sequence[int], layer_ms: float = 0.0,
                 min_stream_bytes: int = 0, seal_roles: Sequence[str] = (),
-                timeout: float = 30.0, probes: bool = False) -> dict[str, Any]:
+                timeout: float = 30.0, probes: bool = False,
+                withhold: int | None = None) -> dict[str, Any]:
     """Stream requests layer group by layer group (``kvplan.engines.streaming``).
 
     Each request is ``{"name", "session", "src_pages", "dst_pages", "src_slot", "dst_slot"}``
@@ -298,6 +342,8 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
     through a device-event stand-in whose ``synchronize`` records the thread it ran on, then
     seals every request. Returns each request's verdict and stats, the signalling times, and
     with ``probes`` what a ready signal for an unknown layer and one after ``close`` raise.
+    ``withhold``: slice ``withhold`` of the first request is silently dropped (see
+    ``_Withholding``), as if lost on the way; its verdict still says sent.
     """
     import threading
 
@@ -314,12 +360,16 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
         def synchronize(self) -> None:
             sync_threads.append(threading.current_thread().name)
 
-    streamer = StreamingSubmitter(state.transport, slices, min_stream_bytes=min_stream_bytes,
+    plans = [template.plan(np.asarray(r["src_pages"], np.int64),
+                           np.asarray(r["dst_pages"], np.int64)) for r in requests]
+    transport = state.transport
+    if withhold is not None:
+        start = slices.of(plans[0]).ranges[withhold][0][0]
+        transport = _Withholding(transport, withhold, int(plans[0].src_addrs[start]))
+    streamer = StreamingSubmitter(transport, slices, min_stream_bytes=min_stream_bytes,
                                   timeout=timeout)
     opened = []
-    for r in requests:
-        plan = template.plan(np.asarray(r["src_pages"], np.int64),
-                             np.asarray(r["dst_pages"], np.int64))
+    for r, plan in zip(requests, plans):
         state_plan = (template.plan_state(r["src_slot"], r["dst_slot"])
                       if r.get("src_slot") is not None and len(template.state_pairs) else None)
         opened.append(streamer.open(r["name"], plan, r["session"], state_plan=state_plan,
@@ -340,8 +390,7 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
     thread.start()
     thread.join()
     times["forward_s"] = time.perf_counter() - t0
-    out: dict[str, Any] = {"requests": {}, "slices": slices.n_slices, "times": times,
-                           "sync_threads": sorted(set(sync_threads))}
+    out: dict[str, Any] = {"requests": {}, "slices": slices.n_slices, "times": times}
     for req in opened:
         t_wait = time.perf_counter()
         try:
@@ -350,12 +399,15 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
                 "ok": True, "blocks": st.blocks, "bytes": st.bytes, "slices": st.slices,
                 "submissions": st.submissions, "streamed": st.streamed,
                 "tail_s": st.tail_seconds, "seconds": st.seconds,
-                "manifest": req.manifest.to_bytes()}
+                "manifest": req.manifest.to_bytes(), "notification": st.notification}
         except kvplan.TransferError as exc:
             out["requests"][req.request] = {
                 "ok": False, "error": str(exc), "slice": getattr(exc, "slice", None),
                 "layers": getattr(exc, "layers", None), "state": getattr(exc, "state", None),
                 "wait_s": time.perf_counter() - t_wait}
+    # Read once every verdict is in: the submitter's thread synchronises the events it
+    # dequeues, possibly after the forward has finished.
+    out["sync_threads"] = sorted(set(sync_threads))
     if probes:
         try:
             streamer.ready(10_000)
@@ -387,6 +439,8 @@ _COMMANDS: dict[str, Callable[..., Any]] = {
     "wait_notification": _cmd_wait_notification,
     "live_handles": _cmd_live_handles,
     "stream": _cmd_stream,
+    "wait_stream": _cmd_wait_stream,
+    "check_stream": _cmd_check_stream,
 }
 
 

@@ -4,8 +4,12 @@
 //! group of layers once all of its layers are ready. [`LayerGroups`] says which layers go
 //! together (every layer on its own, fixed-size groups of consecutive ids, or any list of
 //! disjoint id sets) and which entries wait for the end of the forward (the **seal**): entries
-//! no group covers, draft entries, per-request state, entries without a layer id, and whatever
-//! the caller marks by layer id or role (e.g. indexer caches no hook fires for).
+//! of layers no group covers, draft entries, entries without a layer id, and whatever the caller
+//! marks by layer id or role (e.g. indexer caches no hook fires for).
+//!
+//! A per-request state entry (a linear-attention or SSM layer's recurrent and conv state) goes
+//! with its layer's group like a page entry: that layer's forward writes it, so the layer's
+//! ready signal covers it.
 //!
 //! This module only classifies one entry ([`LayerGroups::key`]); the template uses it to stop
 //! coalescing at group edges and `slices` uses it to cut plans into views.
@@ -173,10 +177,11 @@ impl LayerGroups {
         }
     }
 
-    /// Where an entry's blocks go: its layer's group, or the seal for state, draft and
-    /// id-less entries, entries the caller marked, and layers no group covers.
+    /// Where an entry's blocks go: its layer's group (page and state entries alike), or the
+    /// seal for draft and id-less entries, entries the caller marked, and layers no group
+    /// covers.
     pub fn key(&self, tag: &EntryTag) -> SliceKey {
-        if tag.state || tag.draft || self.seal_roles.contains(&tag.role) {
+        if tag.draft || self.seal_roles.contains(&tag.role) {
             return SliceKey::Seal;
         }
         match tag.layer {
@@ -241,14 +246,14 @@ impl PeerRanks {
     }
 }
 
-/// What a template keeps for layer-wise slicing: each page pair's source tag, the layer ids of
-/// its state pairs, both peers' ranks and how many model layers fixed groups cover.
+/// What a template keeps for layer-wise slicing: each page pair's and each state pair's source
+/// tag, both peers' ranks and how many model layers fixed groups cover.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StreamFacts {
     /// Per page pair (planning order), its source entry's tag.
     pub page_tags: Vec<EntryTag>,
-    /// Layer ids of the source entries of the state pairs (they go in the seal).
-    pub state_layers: Vec<i64>,
+    /// Per state pair (template order), its source entry's tag.
+    pub state_tags: Vec<EntryTag>,
     /// Prefill (source) ranks.
     pub prefill: PeerRanks,
     /// Decode (destination) ranks.
@@ -259,18 +264,21 @@ pub struct StreamFacts {
 }
 
 impl StreamFacts {
-    /// The facts of a template pairing `src` with `dst` through `page_pairs`; `state_src` are
-    /// the source entries of its state pairs.
-    pub fn new(src: &Layout, dst: &Layout, page_pairs: &[crate::pieces::PairSpec]) -> Self {
-        let page_tags = page_pairs
-            .iter()
-            .map(|p| EntryTag::of(src, p.src_entry))
-            .collect();
-        let state_layers = src
-            .entries_of_kind(EntryKind::State)
-            .into_iter()
-            .filter_map(|e| src.parts().layer_ids.get(e).copied().flatten())
-            .collect();
+    /// The facts of a template pairing `src` with `dst` through `page_pairs` and
+    /// `state_pairs`.
+    pub fn new(
+        src: &Layout,
+        dst: &Layout,
+        page_pairs: &[crate::pieces::PairSpec],
+        state_pairs: &[crate::pieces::PairSpec],
+    ) -> Self {
+        let tags = |pairs: &[crate::pieces::PairSpec]| {
+            pairs
+                .iter()
+                .map(|p| EntryTag::of(src, p.src_entry))
+                .collect()
+        };
+        let (page_tags, state_tags) = (tags(page_pairs), tags(state_pairs));
         let published = |l: &Layout| l.context().num_model_layers;
         let seen = |l: &Layout| {
             let ids = l.parts().layer_ids.iter().enumerate();
@@ -286,7 +294,7 @@ impl StreamFacts {
             .unwrap_or_else(|| seen(src).max(seen(dst)));
         Self {
             page_tags,
-            state_layers,
+            state_tags,
             prefill: PeerRanks::of(src),
             decode: PeerRanks::of(dst),
             n_layers,

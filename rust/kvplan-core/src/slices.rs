@@ -18,17 +18,20 @@ use crate::groups::{LayerGroups, PeerRanks, SliceKey};
 use crate::plan::PlanSummary;
 use crate::template::Template;
 
-/// One layer group of a template: the layers whose ready signals it waits for and the
-/// template's emission groups whose blocks it sends.
+/// One layer group of a template: the layers whose ready signals it waits for, the template's
+/// emission groups whose blocks it sends from a page or token plan, and the blocks it sends
+/// from a state plan (its layers' per-request state: the layer's forward writes it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceSpec {
     /// The layer group's id ([`LayerGroups::group_of`]).
     pub group: u64,
-    /// Layer ids of this template's page pairs in the group, ascending (empty: the group
-    /// covers no entry of this stage, and its slice of every plan is empty).
+    /// Layer ids of this template's page and state pairs in the group, ascending (empty: the
+    /// group covers no entry of this stage, and its slice of every plan is empty).
     pub layers: Vec<i64>,
     /// The template's emission groups in it, in block order.
     pub emission_groups: Vec<usize>,
+    /// Blocks of a state plan in it (one block per moving state pair), ascending.
+    pub state_blocks: Vec<usize>,
 }
 
 /// A template's layer groups, built once (see the module docs).
@@ -38,9 +41,12 @@ pub struct LayerSlices {
     slices: Vec<SliceSpec>,
     /// Emission groups sent with the seal, in block order.
     seal_groups: Vec<usize>,
+    /// Blocks of a state plan sent with the seal (state of layers no group covers or the
+    /// caller marked), ascending.
+    seal_state_blocks: Vec<usize>,
     /// Layer id → its slice (layers with entries in a slice).
     layer_slice: BTreeMap<i64, usize>,
-    /// Layer ids the template knows that wait for no slice (state, draft, marked, elided).
+    /// Layer ids the template knows that wait for no slice (draft, marked, elided, in no group).
     other_layers: Vec<i64>,
     n_layers: u64,
     prefill: PeerRanks,
@@ -84,11 +90,21 @@ impl LayerSlices {
     pub fn new(template: &Template, groups: &LayerGroups) -> Result<Self> {
         let facts = &template.stream;
         let keys: Vec<SliceKey> = facts.page_tags.iter().map(|t| groups.key(t)).collect();
+        // Moving state pairs (one block each in a state plan, in order) and their keys;
+        // elided ones move nothing and wait for nothing.
+        let moving_state: Vec<(i64, SliceKey)> = template
+            .state_pairs()
+            .iter()
+            .zip(&facts.state_tags)
+            .filter(|(pair, _)| pair.item_len > 0)
+            .map(|(_, tag)| (tag.layer.unwrap_or(-1), groups.key(tag)))
+            .collect();
         let n_groups = groups.n_groups(facts.n_layers);
         // Fixed groups of layers past the model's count (an id band the layouts did not
         // announce) still get slices: the list grows to the largest group seen.
         let seen_max = keys
             .iter()
+            .chain(moving_state.iter().map(|(_, k)| k))
             .filter_map(|k| match k {
                 SliceKey::Group(g) => Some(*g + 1),
                 SliceKey::Seal => None,
@@ -112,10 +128,16 @@ impl LayerSlices {
                 group,
                 layers: Vec::new(),
                 emission_groups: Vec::new(),
+                state_blocks: Vec::new(),
             })
             .collect();
         let mut seal_groups = Vec::new();
-        let mut other_layers: Vec<i64> = facts.state_layers.clone();
+        let mut other_layers: Vec<i64> = facts
+            .state_tags
+            .iter()
+            .filter_map(|t| t.layer)
+            .filter(|&l| l >= 0)
+            .collect();
         for (g, group) in template.groups().iter().enumerate() {
             let key = keys[group.first_pair];
             if let Some(p) = (group.first_pair..=group.last_pair).find(|&p| keys[p] != key) {
@@ -137,6 +159,17 @@ impl LayerSlices {
                 _ => other_layers.push(layer),
             }
         }
+        let mut seal_state_blocks = Vec::new();
+        for (block, &(layer, key)) in moving_state.iter().enumerate() {
+            match key {
+                SliceKey::Group(id) => {
+                    slices[id as usize].state_blocks.push(block);
+                    slices[id as usize].layers.push(layer);
+                    layer_slice.insert(layer, id as usize);
+                }
+                SliceKey::Seal => seal_state_blocks.push(block),
+            }
+        }
         for s in &mut slices {
             s.layers.sort_unstable();
             s.layers.dedup();
@@ -147,6 +180,7 @@ impl LayerSlices {
             groups: groups.clone(),
             slices,
             seal_groups,
+            seal_state_blocks,
             layer_slice,
             other_layers,
             n_layers: facts.n_layers,
@@ -166,13 +200,18 @@ impl LayerSlices {
         &self.seal_groups
     }
 
+    /// Blocks of a state plan sent with the seal.
+    pub fn seal_state_blocks(&self) -> &[usize] {
+        &self.seal_state_blocks
+    }
+
     /// Prefill and decode ranks of the template.
     pub fn peers(&self) -> (PeerRanks, PeerRanks) {
         (self.prefill, self.decode)
     }
 
     /// The slice that waits for layer `layer` (`None`: a layer of the model this template
-    /// holds nothing of in any slice — a state or draft layer, one marked for the seal, or a
+    /// holds nothing of in any slice — a draft layer, one marked for the seal, or a
     /// layer of another PP stage; its signal completes nothing here).
     ///
     /// # Errors
@@ -206,29 +245,38 @@ impl LayerSlices {
     /// into slices: per slice its block ranges and work, and the seal's.
     pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
         if summary.state {
-            // A state plan moves per-request state: no hook covers it, all of it is seal.
-            let ranges = if summary.n_blocks > 0 {
-                vec![(0, summary.n_blocks)]
-            } else {
-                Vec::new()
+            // A state plan: block k is the k-th moving state pair's, with its layer's group.
+            let cut = |blocks: &[usize], group: u64| -> (Vec<(usize, usize)>, SliceWork) {
+                let mut ranges: Vec<(usize, usize)> = Vec::new();
+                let mut bytes = 0u64;
+                for &k in blocks.iter().filter(|&&k| k < summary.n_blocks) {
+                    bytes += template.state_pieces.get(k).map_or(0, |p| p.len);
+                    match ranges.last_mut() {
+                        Some(last) if last.1 == k => last.1 = k + 1,
+                        _ => ranges.push((k, k + 1)),
+                    }
+                }
+                let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
+                (
+                    ranges,
+                    SliceWork {
+                        group,
+                        blocks,
+                        bytes,
+                    },
+                )
             };
+            let (ranges, work) = self
+                .slices
+                .iter()
+                .map(|s| cut(&s.state_blocks, s.group))
+                .unzip();
+            let (seal_ranges, seal) = cut(&self.seal_state_blocks, WorkManifest::SEAL);
             return PlanSlices {
-                ranges: vec![Vec::new(); self.slices.len()],
-                work: self
-                    .slices
-                    .iter()
-                    .map(|s| SliceWork {
-                        group: s.group,
-                        blocks: 0,
-                        bytes: 0,
-                    })
-                    .collect(),
-                seal_ranges: ranges,
-                seal: SliceWork {
-                    group: WorkManifest::SEAL,
-                    blocks: summary.n_blocks as u64,
-                    bytes: summary.total_bytes,
-                },
+                ranges,
+                work,
+                seal_ranges,
+                seal,
             };
         }
         let offsets = template.group_offsets(summary);
@@ -279,7 +327,7 @@ impl LayerSlices {
 impl PlanSlices {
     /// The expected-work manifest of one request between this (prefill, decode) peer pair:
     /// every slice's blocks and bytes, and the seal's, with `extra` (the request's state plan,
-    /// cut by the same slices) added to the seal.
+    /// cut by the same slices) added slice by slice and to the seal.
     pub fn manifest(
         &self,
         request: u64,
@@ -287,15 +335,20 @@ impl PlanSlices {
         extra: Option<&PlanSlices>,
     ) -> WorkManifest {
         let mut seal = self.seal;
+        let mut slices = self.work.clone();
         if let Some(state) = extra {
             seal.blocks += state.seal.blocks;
             seal.bytes += state.seal.bytes;
+            for (slice, more) in slices.iter_mut().zip(&state.work) {
+                slice.blocks += more.blocks;
+                slice.bytes += more.bytes;
+            }
         }
         WorkManifest {
             request,
             prefill: peers.0,
             decode: peers.1,
-            slices: self.work.clone(),
+            slices,
             seal,
         }
     }

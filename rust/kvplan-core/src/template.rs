@@ -161,7 +161,7 @@ impl Template {
                 .collect()
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
-        let stream = StreamFacts::new(src, dst, &page_pairs);
+        let stream = StreamFacts::new(src, dst, &page_pairs, &state_pairs);
         let coalesce_keys: Vec<SliceKey> = layer_groups
             .map(|groups| stream.page_tags.iter().map(|t| groups.key(t)).collect())
             .unwrap_or_default();

@@ -86,11 +86,8 @@ fn check(
                 bytes += block[2];
                 for byte in block[0]..block[0] + block[2] {
                     let e = owner(src, byte);
-                    let got = if summary.state {
-                        SliceKey::Seal
-                    } else {
-                        groups.key(&EntryTag::of(src, e))
-                    };
+                    // State entries go with their layer's group, as page entries do.
+                    let got = groups.key(&EntryTag::of(src, e));
                     assert_eq!(got, key, "block {k} byte {byte:#x} (entry {e})");
                 }
             }
@@ -183,9 +180,17 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
             assert!(cut.seal.blocks >= 3, "{:?}", cut.seal);
             let (blocks, summary) = state_plan(&t, 2, 3);
             let state = check(&t, &src, &groups, &blocks, &summary);
+            // The state of layers 1 and 4 travels with their groups; only a layer no group
+            // covers (or one marked for the seal) leaves its state to the seal.
+            let state_key = |layer: i64| {
+                let slices = LayerSlices::new(&t, &groups).unwrap();
+                slices.slice_of_layer(layer).unwrap()
+            };
+            let sealed = [1, 4].iter().filter(|&&l| state_key(l).is_none()).count();
+            assert_eq!(state.seal.blocks as usize, sealed);
             assert_eq!(
-                (state.seal.blocks, state.seal_ranges.clone()),
-                (2, vec![(0, 2)])
+                state.work.iter().map(|w| w.blocks).sum::<u64>() as usize,
+                2 - sealed
             );
             let peers = LayerSlices::new(&t, &groups).unwrap().peers();
             let m = cut.manifest(42, peers, Some(&state));
@@ -198,6 +203,11 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
                     + 2
             );
             assert_eq!(WorkManifest::from_bytes(&m.to_bytes()).unwrap(), m);
+            // The manifest counts each slice's page and state blocks together.
+            for ((slice, page), state) in m.slices.iter().zip(&cut.work).zip(&state.work) {
+                assert_eq!(slice.blocks, page.blocks + state.blocks);
+                assert_eq!(slice.bytes, page.bytes + state.bytes);
+            }
         }
     }
 }
@@ -395,4 +405,52 @@ fn manifest_wire_round_trip_and_refusals() {
             .to_string()
             .contains("version 9")
     );
+}
+
+#[test]
+fn a_linear_attention_layer_streams_its_state_with_its_group() {
+    // Layers 0 and 2 are paged (attention), layers 1 and 3 hold only per-request state (a
+    // linear-attention layer's recurrent state): their state waits for their own ready signal
+    // and goes with their group; a state entry of layer 9 (in no caller set) stays in the seal.
+    let with_state = |base: u64| {
+        mla(base, &[0, 2], 16, 8, 1)
+            .with_state(
+                "recurrent",
+                vec![base + 0x20_0000, base + 0x30_0000, base + 0x40_0000],
+                vec![64 * 4, 32 * 4, 8 * 4],
+                vec![64, 32, 8],
+                vec![1, 3, 9],
+            )
+            .unwrap()
+    };
+    let (src, dst) = (with_state(0x1_000_000), with_state(0x8_000_000));
+    let groups = LayerGroups::sets(vec![vec![0, 1], vec![2, 3]]).unwrap();
+    let t = Template::with_layer_groups(
+        &src,
+        &dst,
+        TemplateOptions::default(),
+        &GeometryOptions::default(),
+        &groups,
+    )
+    .unwrap();
+    let slices = LayerSlices::new(&t, &groups).unwrap();
+    let layers: Vec<Vec<i64>> = slices.slices().iter().map(|s| s.layers.clone()).collect();
+    assert_eq!(layers, [vec![0, 1], vec![2, 3]]);
+    assert_eq!(slices.slice_of_layer(3).unwrap(), Some(1));
+    assert_eq!(slices.slice_of_layer(9).unwrap(), None);
+    let (blocks, summary) = state_plan(&t, 1, 2);
+    let state = check(&t, &src, &groups, &blocks, &summary);
+    assert_eq!(state.ranges, [vec![(0, 1)], vec![(1, 2)]]);
+    assert_eq!(
+        state.work.iter().map(|w| w.bytes).collect::<Vec<_>>(),
+        [64, 32]
+    );
+    assert_eq!((state.seal.blocks, state.seal.bytes), (1, 8));
+    assert_eq!(state.seal_ranges, [(2, 3)]);
+    let (blocks, summary) = plan(&t, &[0, 1, 5], &[2, 3, 4], None);
+    let pages = check(&t, &src, &groups, &blocks, &summary);
+    let m = pages.manifest(3, slices.peers(), Some(&state));
+    assert_eq!(m.slices[1].bytes, pages.work[1].bytes + 32);
+    assert_eq!(m.seal.bytes, 8);
+    assert_eq!(m.total_bytes(), summary.total_bytes + 64 + 32 + 8);
 }

@@ -183,7 +183,7 @@ impl PyPlanSlices {
             .collect()
     }
 
-    /// The seal's `(start, stop)` block ranges in the plan (a state plan is all seal).
+    /// The seal's `(start, stop)` block ranges in the plan.
     #[getter]
     fn seal_ranges(&self) -> Vec<(usize, usize)> {
         self.inner.seal_ranges.clone()

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from kvplan.engines.nixl.owner import Memory
 from kvplan.engines.nixl.pending import NixlPending
 from kvplan.engines.nixl.prepped import PreppedPair
 from kvplan.integrity import Manifest, is_notification, read_notification
+
+if TYPE_CHECKING:
+    from kvplan.engines.streaming import StreamCompleteness
 
 __all__ = ["DEFAULT_TIMEOUT", "NixlTransport"]
 
@@ -217,6 +220,39 @@ class NixlTransport(Transport):
         found = self._wait_for(peer, timeout, f"integrity notification {message!r}",
                                lambda m: _integrity_message(m) == message)
         return read_notification(found)[1]
+
+    def wait_stream(self, peer: str, message: bytes, timeout: float = 30.0
+                    ) -> StreamCompleteness:
+        """Wait up to ``timeout`` seconds for the final notification of ``peer``'s streamed
+        request whose completion message is ``message`` (:mod:`kvplan.engines.streaming`) and
+        check it against the slice receipts that arrived: complete, a slice missing (named),
+        or still in flight when the final notification did not come in time. The request's
+        receipts and final notification are consumed.
+
+        Raises:
+            KvPlanError: the final notification is malformed.
+        """
+        from kvplan.engines.streaming import check_stream, read_receipt
+
+        def final_of(m: bytes) -> bool:
+            return _integrity_message(m) == message
+
+        try:
+            final: bytes | None = self._wait_for(peer, timeout, "final notification", final_of)
+        except TransferError:
+            final = None
+        self._poll_notifs()  # receipts posted before the final one
+        got = self._notifs.get(peer, [])
+        arrived, rest = [], []
+        for m in got:
+            receipt = read_receipt(m)
+            if receipt is not None and receipt[1] == message:
+                arrived.extend(receipt[0])
+            else:
+                rest.append(m)
+        if final is not None:
+            got[:] = rest
+        return check_stream(final, arrived, message)
 
     def _wait_for(self, peer: str, timeout: float, what: str,
                   matches: Callable[[bytes], bool]) -> bytes:
