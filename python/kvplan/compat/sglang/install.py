@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvplan.compat._methods import MethodPatches
+from kvplan.compat.sglang.dcp import send_kvcache_dcp
 from kvplan.compat.sglang.dropins import (
     _send_kvcache_generic,
     _send_mamba_state,
@@ -28,6 +29,7 @@ _DROPINS: dict[str, Callable[..., int]] = {
     "send_kvcache": _dropin(send_kvcache),
     "_send_mamba_state": _dropin(_send_mamba_state),
     "send_kvcache_slice": _dropin(send_kvcache_slice),
+    "send_kvcache_dcp": _dropin(send_kvcache_dcp),
 }
 
 

@@ -1,0 +1,142 @@
+"""kvplan's ``MooncakeKVManager.send_kvcache_dcp``: a prefill at DCP 1 sends one chunk of a
+request to one decode DCP rank (SGLang's token round robin), planned by a DCP
+:class:`kvplan.Template` cached per decode peer and rank."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import numpy as np
+
+from kvplan import _core
+from kvplan._core import Layout, Template
+from kvplan.compat.sglang.cache import template_cache
+from kvplan.compat.sglang.layouts import _ids, _unbounded
+from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
+from kvplan.compat.sglang.seams import _mla_slicer
+from kvplan.compat.sglang.submit import _send_all, _status
+from kvplan.compat.sglang.templates import _kv_args_lens, _page_arrays
+
+
+def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: list[int],
+                  dst_ids: list[int] | None, dcp_size: int, dcp_rank: int) -> Template:
+    """Prefill (DCP 1) -> decode DCP rank ``dcp_rank`` of ``dcp_size``, cached per peer and
+    rank. Rows are ``token_lens[i]`` bytes; target pages hold ``page_size`` rows, draft pages
+    (not dealt) ``page_size * dcp_size`` rows, as SGLang addresses them."""
+    kv_args = manager.kv_args
+    src_ptrs = list(kv_args.kv_data_ptrs)
+    src_ids = _ids(kv_args.kv_layer_ids)
+    page = int(kv_args.page_size)
+    num_draft = int(kv_args.num_draft_entries)
+    inputs = ("dcp", src_ptrs, src_ids, page, num_draft, token_lens, dst_ptrs, dst_ids,
+              dcp_size, dcp_rank)
+
+    def build() -> Template:
+        n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+        src_drafts = [i >= n_src - num_draft for i in range(n_src)]
+        pairs = _core.pair_entries(src_ids, dst_ids, n_src, n_dst, False)
+        dst_drafts = [False] * n_dst
+        dst_items = [0] * n_dst
+        for i, j in pairs.tolist():
+            dst_drafts[j] = src_drafts[i]
+            dst_items[j] = token_lens[i] * page * (dcp_size if src_drafts[i] else 1)
+        for j in range(n_dst):  # unpaired decode entries: never written, sized as a target
+            if dst_items[j] == 0:
+                dst_items[j] = token_lens[0] * page
+        src = Layout(src_ptrs, _kv_args_lens(kv_args, src_ptrs),
+                     [w * page for w in token_lens[:n_src]], src_ids, drafts=src_drafts,
+                     page_size=page)
+        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, dst_ids, drafts=dst_drafts,
+                     page_size=page, dcp_size=dcp_size, dcp_rank=dcp_rank)
+        return Template(src, dst, allow_positional_fallback=False)
+
+    return cast(Template, template_cache(manager).get(session, "dcp", inputs, build))
+
+
+def send_kvcache_dcp(
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: Any,
+    dst_kv_ptrs: list[int],
+    dst_kv_indices: Any,
+    *,
+    dcp_token_item_lens: list[int],
+    dst_dcp_size: int,
+    dst_dcp_rank: int,
+    src_page_offset: int,
+    decode_prefix_len: int,
+    num_kv_tokens: int,
+    executor: Any,
+    dst_layer_ids: list[int],
+    pack_buffer: Any = None,
+    dst_kv_item_lens: list[int] | None = None,
+    dst_tp_rank: int = 0,
+    dst_attn_tp_size: int | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager.send_kvcache_dcp`` (SGLang 0.5.23 signature).
+
+    The chunk is ``num_kv_tokens`` tokens starting ``src_page_offset`` pages after the
+    decode's ``decode_prefix_len`` cached tokens; the decode rank's page list
+    ``dst_kv_indices`` starts after that prefix. Target rows of the tokens the rank owns and
+    every draft row move in maximal runs, in one ``_transfer_data`` call's worth of blocks (the
+    engine in bounded batches when ``_transfer_data`` is SGLang's own).
+
+    SGLang's own method runs for what kvplan does not plan: a pack buffer, a custom memory
+    pool, draft rows that are head-sliced (decode draft widths different from the source's),
+    a chunk whose start is not a whole decode virtual page (``src_page_offset`` not a multiple
+    of ``dst_dcp_size``), positional PP slicing (no layer ids and different entry counts, or a
+    replaced ``get_mla_kv_ptrs_with_pp``), and SGLang's own input errors (no token count,
+    destination lengths that do not match its buffers, a misaligned decode prefix).
+
+    Differences from SGLang (which indexes arrays and writes where they point):
+
+    * A prefill entry without a decode partner by layer id: ``PairingError`` (SGLang drops it
+      from the destination list and pairs every later entry with the wrong decode buffer).
+    * Fewer decode pages than the rank's tokens need, or more tokens than the prefill pages
+      hold: ``KvPlanError`` (SGLang: numpy ``IndexError``); prefill pages outside
+      ``kv_data_lens``: ``IndexBoundsError``.
+    """
+    args = (self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices)
+    kwargs = dict(dcp_token_item_lens=dcp_token_item_lens, dst_dcp_size=dst_dcp_size,
+                  dst_dcp_rank=dst_dcp_rank, src_page_offset=src_page_offset,
+                  decode_prefix_len=decode_prefix_len, num_kv_tokens=num_kv_tokens,
+                  executor=executor, dst_layer_ids=dst_layer_ids, pack_buffer=pack_buffer,
+                  dst_kv_item_lens=dst_kv_item_lens, dst_tp_rank=dst_tp_rank,
+                  dst_attn_tp_size=dst_attn_tp_size)
+
+    def sglangs() -> int:
+        original = _sglang_method(self, "send_kvcache_dcp", _MOONCAKE)
+        return _status(original(*args, **kwargs))
+
+    kv_args = self.kv_args
+    page = int(kv_args.page_size)
+    size, rank = int(dst_dcp_size), int(dst_dcp_rank)
+    if (num_kv_tokens is None or pack_buffer is not None or self.enable_custom_mem_pool
+            or (dst_kv_item_lens and len(dst_kv_item_lens) != len(dst_kv_ptrs))
+            or decode_prefix_len % (page * size) or src_page_offset % size):
+        return sglangs()
+    src_ids, dst_ids = _ids(kv_args.kv_layer_ids), _ids(dst_layer_ids)
+    n_src, num_draft = len(kv_args.kv_data_ptrs), int(kv_args.num_draft_entries)
+    if not (src_ids or dst_ids) and (len(dst_kv_ptrs) != n_src or _mla_slicer(self) is None):
+        return sglangs()
+    token_lens = [int(w) for w in dcp_token_item_lens]
+    if num_draft and dst_kv_item_lens:
+        # SGLang reads the decode draft widths by source position (after pairing)
+        if src_ids or dst_ids:
+            dst_at = [int(j) for _, j in _core.pair_entries(
+                src_ids, dst_ids, n_src, len(dst_kv_ptrs), False).tolist()]
+        else:
+            dst_at = list(range(n_src))
+        for entry in range(n_src - num_draft, n_src):
+            if entry >= len(dst_at) or dst_kv_item_lens[dst_at[entry]] != (
+                    token_lens[entry] * page * size):
+                return sglangs()  # head-sliced or invalid draft widths: SGLang decides
+    template = _dcp_template(self, mooncake_session_id, list(dst_kv_ptrs), token_lens, dst_ids,
+                             size, rank)
+    src, dst = _page_arrays(prefill_kv_indices, dst_kv_indices)
+    # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
+    dst = np.ascontiguousarray(dst[src_page_offset // size:])
+    plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
+    if plan.n_blocks == 0:
+        return 0
+    return _send_all(self, mooncake_session_id, plan)
