@@ -116,7 +116,8 @@ def test_byte_maps_and_statuses_match_sglang(sg: Any, size: int, page: int, toke
 
         (rc_s, map_s, _), (rc_k, map_k, mgr_k) = run_both(sg, sg.MooncakeKVManager, build, send)
         assert rc_s == rc_k == ("ok", 0)
-        assert map_k == map_s and map_s
+        assert map_k == map_s
+        assert map_s or (n_draft == 0 and rank >= tokens)  # a rank the chunk deals nothing to
         assert isinstance(mgr_k._kvplan_templates, compat.TemplateCache)
         assert len(mgr_k._kvplan_templates) == 1  # planned by kvplan, not handed to SGLang
 

@@ -15,7 +15,7 @@ from kvplan.compat.sglang.layouts import _ids, _unbounded
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
 from kvplan.compat.sglang.seams import _mla_slicer
 from kvplan.compat.sglang.submit import _send_all, _status
-from kvplan.compat.sglang.templates import _kv_args_lens, _page_arrays
+from kvplan.compat.sglang.templates import _as_index, _kv_args_lens
 
 
 def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: list[int],
@@ -133,7 +133,8 @@ def send_kvcache_dcp(
                 return sglangs()  # head-sliced or invalid draft widths: SGLang decides
     template = _dcp_template(self, mooncake_session_id, list(dst_kv_ptrs), token_lens, dst_ids,
                              size, rank)
-    src, dst = _page_arrays(prefill_kv_indices, dst_kv_indices)
+    # each side's pages in token order: the lists differ in length (tokens are dealt)
+    src, dst = _as_index(prefill_kv_indices), _as_index(dst_kv_indices)
     # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
     dst = np.ascontiguousarray(dst[src_page_offset // size:])
     plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
