@@ -214,3 +214,12 @@ def test_subclass_overriding_transfer_data_sees_the_blocks(sg: Any) -> None:
     assert len(mgr_s.seen) == len(mgr_k.seen) == 1
     assert byte_map(mgr_k.seen[0]) == byte_map(mgr_s.seen[0]) and mgr_s.seen[0]
     assert mgr_s.engine.calls == mgr_k.engine.calls == []
+
+
+def test_sglang_dcp_code_runs_from_the_wheel_without_stand_ins(sg: Any) -> None:
+    """The method and its planner are the wheel's, and nothing they reach is a stand-in."""
+    visited = sg.verify_closure()
+    for name in ("mooncake.conn.MooncakeKVManager.send_kvcache_dcp",
+                 "common.utils.build_dcp_token_transfer_plan",
+                 "utils.resolve_dcp_dst_entry_indices"):
+        assert f"sglang.srt.disaggregation.{name}" in visited

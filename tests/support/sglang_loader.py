@@ -389,6 +389,7 @@ def verify_closure(sg: SGLang) -> list[str]:
         sg.mla_kv_entry_span_with_pp,
         # the manager methods kvplan.compat.sglang replaces, and what they call on self
         sg.MooncakeKVManager.send_kvcache,
+        sg.MooncakeKVManager.send_kvcache_dcp,  # and build_dcp_token_transfer_plan
         sg.MooncakeKVManager._send_mamba_state,
         sg.MooncakeKVManager._validate_envelope_kv_layout,
         sg.MooncakeKVManager._await_transfer_futures,
