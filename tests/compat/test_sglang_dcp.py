@@ -216,6 +216,24 @@ def test_subclass_overriding_transfer_data_sees_the_blocks(sg: Any) -> None:
     assert mgr_s.engine.calls == mgr_k.engine.calls == []
 
 
+def test_override_sees_the_empty_list_for_a_rank_the_chunk_deals_nothing_to(sg: Any) -> None:
+    """A decode rank with no token of the chunk: SGLang still calls ``_transfer_data`` (with an
+    empty list), so an override sees that call with kvplan installed too."""
+    def _transfer_data(self: Any, session: str, blocks: Any) -> int:
+        self.seen.append(list(blocks))
+        return 0
+
+    cls = type("TracingManager", (sg.MooncakeKVManager,), {"_transfer_data": _transfer_data})
+    src, dst = np.arange(2, dtype=np.int32), np.arange(20, 30, dtype=np.int32)
+    (rc_s, _, mgr_s), (rc_k, _, mgr_k) = run_both(
+        sg, cls,
+        lambda: manager(sg, cls, n_target=2, n_draft=0, page=2, widths=[8, 16], ids=True),
+        lambda m: call(m, 2, src, dst, size=4, rank=3, offset=0, prefix=0, tokens=3, ids=True))
+    assert rc_s == rc_k == ("ok", 0)
+    assert mgr_s.seen == mgr_k.seen == [[]]
+    assert mgr_s.engine.calls == mgr_k.engine.calls == []
+
+
 def test_sglang_dcp_code_runs_from_the_wheel_without_stand_ins(sg: Any) -> None:
     """The method and its planner are the wheel's, and nothing they reach is a stand-in."""
     visited = sg.verify_closure()

@@ -29,9 +29,7 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
 * ``MooncakeKVManager.send_kvcache_dcp`` (decode context parallelism): a kvplan template per
   decode peer and DCP rank (tokens dealt over the decode ranks, draft rows sent whole),
   entries paired by layer id; pack buffers, custom memory pools, head-sliced draft rows and
-  chunks that start inside a decode virtual page are handed to SGLang's own method. A decode
-  rank that gets no token of the chunk is sent nothing (SGLang calls ``_transfer_data`` with an
-  empty list; the status is 0 either way).
+  chunks that start inside a decode virtual page are handed to SGLang's own method.
 
 Everything else (``send_kvcache_staged``, ``_send_mamba_state_slice``,
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.

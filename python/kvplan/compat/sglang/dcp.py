@@ -13,7 +13,7 @@ from kvplan._core import Layout, Template
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import _ids, _unbounded
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
-from kvplan.compat.sglang.seams import _mla_slicer
+from kvplan.compat.sglang.seams import _mla_slicer, _own_transfer_data
 from kvplan.compat.sglang.submit import _send_all, _status
 from kvplan.compat.sglang.templates import _as_index, _kv_args_lens
 
@@ -138,6 +138,6 @@ def send_kvcache_dcp(
     # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
     dst = np.ascontiguousarray(dst[src_page_offset // size:])
     plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
-    if plan.n_blocks == 0:
-        return 0
-    return _send_all(self, mooncake_session_id, plan)
+    if plan.n_blocks == 0 and _own_transfer_data(self):
+        return 0  # SGLang's own _transfer_data would hand the engine nothing
+    return _send_all(self, mooncake_session_id, plan)  # an override sees even an empty list
