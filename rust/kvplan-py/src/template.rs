@@ -142,6 +142,16 @@ impl IndexVisitor for PlanInto<'_, '_> {
     }
 }
 
+/// One request planned and split around a pack buffer.
+struct PlanPacked<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
+
+impl IndexVisitor for PlanPacked<'_> {
+    type Output = kvplan_core::Result<kvplan_core::PackedPlan>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_packed(src, dst, self.1, self.2)
+    }
+}
+
 #[pymethods]
 impl PyTemplate {
     #[new]
@@ -357,6 +367,47 @@ impl PyTemplate {
             summary,
             self.fingerprints,
         ))
+    }
+
+    /// Plans one request (as `plan`) split in two around a pack buffer `pack = (addr, size)` of
+    /// prefill memory: `(gather, network)`, the gather from prefill memory into the buffer
+    /// (executed by the caller) and the network plan from the buffer to the decode, one block
+    /// per destination-contiguous run. A `SizeMismatchError` names the bytes needed when the
+    /// buffer is too small.
+    #[pyo3(signature = (src_pages, dst_pages, *, pack, n_tokens=None))]
+    fn plan_packed<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+        pack: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
+        let (src_array, dst_array) = (
+            IndexArray::extract(src_pages, "src_pages")?,
+            IndexArray::extract(dst_pages, "dst_pages")?,
+        );
+        let (src, dst) = (
+            src_array.as_slice("src_pages")?,
+            dst_array.as_slice("dst_pages")?,
+        );
+        let buffer = kvplan_core::PackBuffer {
+            addr: pack.0,
+            size: pack.1,
+        };
+        let packed = visit_request(py, src, dst, PlanPacked(&self.inner, n_tokens, buffer))
+            .map_err(to_py_err)?;
+        // The columns move into NumPy arrays; the rest of the plan stays for its offsets.
+        let half = |mut plan: kvplan_core::Plan| -> PyTransferPlan {
+            let columns = [
+                std::mem::take(&mut plan.src_addrs),
+                std::mem::take(&mut plan.dst_addrs),
+                std::mem::take(&mut plan.lengths),
+            ]
+            .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+            PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints)
+        };
+        Ok((half(packed.gather), half(packed.network)))
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
