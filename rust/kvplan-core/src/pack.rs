@@ -21,7 +21,7 @@
 //! [`Template::plan_state_into`].
 
 use crate::error::{PlanError, Result};
-use crate::plan::Plan;
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape};
 use crate::runs::PageIndex;
 use crate::template::Template;
 
@@ -45,13 +45,63 @@ pub struct PackedPlan {
     pub pack_bytes: u64,
 }
 
+/// What [`Template::plan_packed_into`] leaves besides the gather columns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PackedSummary {
+    /// Blocks of the gather plan (the first values of the output columns).
+    pub gather_blocks: usize,
+    /// `n_pairs + 1` block offsets of the gather plan.
+    pub gather_pair_offsets: Vec<usize>,
+    /// The network plan (small: one block per destination-contiguous run).
+    pub network: Plan,
+    /// Bytes of the pack buffer the plans use (from its start): the plan's bytes.
+    pub pack_bytes: u64,
+}
+
 impl Template {
-    /// Plans one request (as [`Template::plan`]) and splits it into a gather into `pack` and a
-    /// network plan from `pack` (see the [`crate::pack`] module).
+    /// Plans one request (as [`Template::plan_into`]) into columns from `make_output`, then
+    /// rewrites them in place into the gather plan and returns the network plan (see the
+    /// [`crate::pack`] module). The pack buffer is checked against the plan's bytes before
+    /// `make_output` is called.
     ///
     /// # Errors
-    /// As [`Template::plan`]; [`PlanError::PackTooSmall`] when `pack` cannot hold the plan's
-    /// bytes; [`PlanError::Overflow`] when the pack buffer's end overflows u64.
+    /// As [`Template::plan_into`]; [`PlanError::PackTooSmall`]; [`PlanError::Overflow`] when
+    /// the pack buffer's end overflows u64.
+    pub fn plan_packed_into<'o, S: PageIndex, D: PageIndex, O>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        pack: PackBuffer,
+        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+    ) -> Result<(O, PackedSummary)>
+    where
+        O: AsColumns<'o>,
+    {
+        pack.addr
+            .checked_add(pack.size)
+            .ok_or(PlanError::Overflow {
+                what: "pack buffer end",
+            })?;
+        let (mut output, summary) = self.plan_into(src, dst, n_tokens, |shape| {
+            if shape.total_bytes > pack.size {
+                return Err(PlanError::PackTooSmall {
+                    need: shape.total_bytes,
+                    have: pack.size,
+                    blocks: shape.n_blocks,
+                });
+            }
+            make_output(shape)
+        })?;
+        let offsets = self.pair_offsets(&summary);
+        let packed = pack_columns(output.columns(), summary.n_blocks, &offsets, pack)?;
+        Ok((output, packed))
+    }
+
+    /// Allocating convenience over [`Template::plan_packed_into`].
+    ///
+    /// # Errors
+    /// As [`Template::plan_packed_into`].
     pub fn plan_packed<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
@@ -59,22 +109,51 @@ impl Template {
         n_tokens: Option<u64>,
         pack: PackBuffer,
     ) -> Result<PackedPlan> {
-        let direct = self.plan(src, dst, n_tokens)?;
-        pack_plan(&direct, pack)
+        let (buffer, packed) = self.plan_packed_into(src, dst, n_tokens, pack, |shape| {
+            FlatBuffer::try_zeroed(shape.n_blocks)
+        })?;
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(packed.gather_blocks)?;
+        let gather = Plan {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            n_runs: packed.gather_blocks,
+            total_bytes: packed.pack_bytes,
+            pair_offsets: packed.gather_pair_offsets,
+        };
+        Ok(PackedPlan {
+            gather,
+            network: packed.network,
+            pack_bytes: packed.pack_bytes,
+        })
     }
 }
 
-/// Splits a direct plan into a gather into `pack` and a network plan from it.
+/// Rewrites the first `n` blocks of a direct plan in place into the gather plan (sources kept,
+/// destinations packed back to back from `pack.addr`, merged where both sides continue) and
+/// returns it with the network plan. `offsets` are the direct plan's pair offsets.
 ///
 /// # Errors
 /// [`PlanError::PackTooSmall`], [`PlanError::Overflow`], [`PlanError::OutOfMemory`].
-pub fn pack_plan(direct: &Plan, pack: PackBuffer) -> Result<PackedPlan> {
-    let need = direct.total_bytes;
+pub fn pack_columns(
+    out: Columns<'_>,
+    n: usize,
+    offsets: &[usize],
+    pack: PackBuffer,
+) -> Result<PackedSummary> {
+    let (src, dst, len) = (out.src_addrs, out.dst_addrs, out.lengths);
+    let n = n.min(src.len()).min(dst.len()).min(len.len());
+    let mut need = 0u64;
+    for &l in &len[..n] {
+        need = need
+            .checked_add(l)
+            .ok_or(PlanError::Overflow { what: "pack bytes" })?;
+    }
     if need > pack.size {
         return Err(PlanError::PackTooSmall {
             need,
             have: pack.size,
-            blocks: direct.lengths.len(),
+            blocks: n,
         });
     }
     pack.addr
@@ -82,94 +161,101 @@ pub fn pack_plan(direct: &Plan, pack: PackBuffer) -> Result<PackedPlan> {
         .ok_or(PlanError::Overflow {
             what: "pack buffer end",
         })?;
-    let n = direct.lengths.len();
-    let offsets = &direct.pair_offsets;
     let by_pair = offsets.len() >= 2 && offsets[0] == 0 && offsets.last() == Some(&n);
     let whole = [0, n];
     let bounds: &[usize] = if by_pair { offsets } else { &whole };
-    let mut gather = Builder::with_capacity(n)?;
-    let mut network = Builder::with_capacity(n)?;
+    let mut network = Network::default();
+    let mut gather_offsets = Vec::with_capacity(bounds.len());
+    gather_offsets.push(0);
+    let mut written = 0usize; // gather blocks so far (<= blocks read: the rewrite stays behind)
     let mut at = pack.addr;
     for pair in bounds.windows(2) {
+        // The open gather block and network block of this pair, kept in locals and written out
+        // when the next block does not continue them (the rewrite index stays behind the read
+        // index, so every block is read before its slot is overwritten).
+        let mut gather: Option<(u64, u64, u64)> = None;
+        let mut run: Option<(u64, u64, u64)> = None;
         for k in pair[0]..pair[1] {
-            let len = direct.lengths[k];
-            gather.push(direct.src_addrs[k], at, len);
-            network.push(at, direct.dst_addrs[k], len);
-            at += len; // at most pack.addr + total_bytes <= pack.addr + pack.size
+            let (s, d, l) = (src[k], dst[k], len[k]);
+            gather = match gather {
+                Some((gs, gd, gl)) if gs + gl == s && gd + gl == at => Some((gs, gd, gl + l)),
+                Some(done) => {
+                    (src[written], dst[written], len[written]) = done;
+                    written += 1;
+                    Some((s, at, l))
+                }
+                None => Some((s, at, l)),
+            };
+            run = match run {
+                Some((ns, nd, nl)) if nd + nl == d => Some((ns, nd, nl + l)),
+                Some(done) => {
+                    network.push(done)?;
+                    Some((at, d, l))
+                }
+                None => Some((at, d, l)),
+            };
+            at += l; // at most pack.addr + need <= pack.addr + pack.size
         }
-        gather.end_pair();
+        if let Some(done) = gather {
+            (src[written], dst[written], len[written]) = done;
+            written += 1;
+        }
+        if let Some(done) = run {
+            network.push(done)?;
+        }
+        gather_offsets.push(written);
         network.end_pair();
     }
-    Ok(PackedPlan {
-        gather: gather.finish(by_pair, offsets),
-        network: network.finish(by_pair, offsets),
+    let mut network = network.finish(need);
+    let gather_pair_offsets = if by_pair {
+        gather_offsets
+    } else {
+        // No pair structure to follow: keep the direct plan's (empty or trivial) offsets.
+        network.pair_offsets = offsets.to_vec();
+        offsets.to_vec()
+    };
+    Ok(PackedSummary {
+        gather_blocks: written,
+        gather_pair_offsets,
+        network,
         pack_bytes: need,
     })
 }
 
-/// Appends blocks, merging one into the previous when both sides continue it (never across
-/// a pair boundary).
-struct Builder {
+/// The network plan as it grows: one block per destination-contiguous run of a pair.
+#[derive(Default)]
+struct Network {
     plan: Plan,
-    /// Whether the next block may merge into the last one (false at a pair's start).
-    open: bool,
-    /// Block offsets of the pairs ended so far.
-    pair_offsets: Vec<usize>,
 }
 
-impl Builder {
-    fn with_capacity(n: usize) -> Result<Self> {
-        let column = || -> Result<Vec<u64>> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(n)
-                .map_err(|_| PlanError::out_of_memory::<u64>("pack plan column", n))?;
-            Ok(v)
-        };
-        Ok(Self {
-            plan: Plan {
-                src_addrs: column()?,
-                dst_addrs: column()?,
-                lengths: column()?,
-                ..Plan::default()
-            },
-            open: false,
-            pair_offsets: vec![0],
-        })
-    }
-
-    fn push(&mut self, src: u64, dst: u64, len: u64) {
+impl Network {
+    fn push(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {
         let p = &mut self.plan;
-        if self.open
-            && let (Some(&s), Some(&d), Some(l)) =
-                (p.src_addrs.last(), p.dst_addrs.last(), p.lengths.last_mut())
-            && s + *l == src
-            && d + *l == dst
-        {
-            *l += len;
-        } else {
-            p.src_addrs.push(src);
-            p.dst_addrs.push(dst);
-            p.lengths.push(len);
+        for (column, value) in [
+            (&mut p.src_addrs, src),
+            (&mut p.dst_addrs, dst),
+            (&mut p.lengths, len),
+        ] {
+            column
+                .try_reserve(1)
+                .map_err(|_| PlanError::out_of_memory::<u64>("network plan", column.len() + 1))?;
+            column.push(value);
         }
-        p.total_bytes += len;
-        self.open = true;
+        Ok(())
     }
 
+    /// Ends a pair: records its end offset.
     fn end_pair(&mut self) {
-        self.pair_offsets.push(self.plan.lengths.len());
-        self.open = false;
+        if self.plan.pair_offsets.is_empty() {
+            self.plan.pair_offsets.push(0);
+        }
+        self.plan.pair_offsets.push(self.plan.lengths.len());
     }
 
-    /// The plan; its pair offsets follow the direct plan's pairs (or, when the direct plan
-    /// has none, stay as the direct plan's).
-    fn finish(self, by_pair: bool, direct_offsets: &[usize]) -> Plan {
+    fn finish(self, total_bytes: u64) -> Plan {
         let mut plan = self.plan;
         plan.n_runs = plan.lengths.len();
-        plan.pair_offsets = if by_pair {
-            self.pair_offsets
-        } else {
-            direct_offsets.to_vec()
-        };
+        plan.total_bytes = total_bytes;
         plan
     }
 }

@@ -228,7 +228,7 @@ impl PyTransferPlan {
     }
 
     /// One of a pack plan's two halves (gather or network), with its own pair offsets; its
-    /// blocks are `columns` (the plan's own columns were moved there: `n_runs` counts them).
+    /// blocks are `columns` (`plan` gives their count as `n_runs`, its columns may be empty).
     pub(crate) fn packed(
         columns: [Column; 3],
         template: Arc<Template>,
@@ -425,7 +425,10 @@ impl PyTransferPlan {
     #[getter]
     fn group_offsets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
         self.check_grouped()?;
-        Ok(offsets_array(py, self.template.group_offsets(&self.summary)))
+        Ok(offsets_array(
+            py,
+            self.template.group_offsets(&self.summary),
+        ))
     }
 
     /// The group of each entry pair (int64; -1 for an elided pair).

@@ -146,9 +146,14 @@ impl IndexVisitor for PlanInto<'_, '_> {
 struct PlanPacked<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
 
 impl IndexVisitor for PlanPacked<'_> {
-    type Output = kvplan_core::Result<kvplan_core::PackedPlan>;
+    type Output = kvplan_core::Result<(FlatBuffer, kvplan_core::PackedSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_packed(src, dst, self.1, self.2)
+        self.0.plan_packed_into(src, dst, self.1, self.2, |shape| {
+            Ok(FlatBuffer {
+                data: pool::take(shape.n_blocks.saturating_mul(3))?,
+                capacity: shape.n_blocks,
+            })
+        })
     }
 }
 
@@ -395,19 +400,31 @@ impl PyTemplate {
             addr: pack.0,
             size: pack.1,
         };
-        let packed = visit_request(py, src, dst, PlanPacked(&self.inner, n_tokens, buffer))
-            .map_err(to_py_err)?;
-        // The columns move into NumPy arrays; the rest of the plan stays for its offsets.
-        let half = |mut plan: kvplan_core::Plan| -> PyTransferPlan {
-            let columns = [
-                std::mem::take(&mut plan.src_addrs),
-                std::mem::take(&mut plan.dst_addrs),
-                std::mem::take(&mut plan.lengths),
-            ]
-            .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
-            PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints)
+        let (columns, packed) =
+            visit_request(py, src, dst, PlanPacked(&self.inner, n_tokens, buffer))
+                .map_err(to_py_err)?;
+        let gather_columns =
+            pooled_columns(py, columns.data, columns.capacity, packed.gather_blocks)?;
+        let gather = kvplan_core::Plan {
+            n_runs: packed.gather_blocks,
+            total_bytes: packed.pack_bytes,
+            pair_offsets: packed.gather_pair_offsets,
+            ..kvplan_core::Plan::default()
         };
-        Ok((half(packed.gather), half(packed.network)))
+        let mut network = packed.network;
+        let network_columns = [
+            std::mem::take(&mut network.src_addrs),
+            std::mem::take(&mut network.dst_addrs),
+            std::mem::take(&mut network.lengths),
+        ]
+        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let half = |columns, plan: &kvplan_core::Plan| {
+            PyTransferPlan::packed(columns, Arc::clone(&self.inner), plan, self.fingerprints)
+        };
+        Ok((
+            half(gather_columns, &gather),
+            half(network_columns, &network),
+        ))
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
