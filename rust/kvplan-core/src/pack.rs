@@ -16,7 +16,9 @@
 //!   buffer) become one block `pack + offset → dst`.
 //!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
-//! pack buffer must hold the plan's bytes, checked before anything is written. State slots
+//! pack buffer must hold the plan's bytes, checked before the plan's output is requested. The
+//! gather is the direct plan's columns rewritten in place (no second large allocation); the
+//! network plan is small and allocated. State slots
 //! are not packed (one block per state pair already): plan them with
 //! [`Template::plan_state_into`].
 
