@@ -467,6 +467,28 @@ class Template:
                 C-contiguous ``(3, M)`` uint64 array.
             MemoryError: The plan's output cannot be allocated.
         """
+    def plan_packed(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        pack: tuple[int, int],
+        n_tokens: int | None = None,
+    ) -> tuple[TransferPlan, TransferPlan]:
+        """Plan one request as ``plan`` does, split in two around a pack buffer of prefill memory.
+
+        ``pack`` is ``(address, size)``. Returns ``(gather, network)``: ``gather`` copies the
+        plan's source rows into the pack buffer (packed back to back from its start, so every
+        run contiguous on the decode side is contiguous in the buffer); the caller executes it
+        before the transfer. ``network`` moves the buffer to the decode, one block per
+        destination-contiguous run. Together they write exactly what ``plan`` writes. The halves
+        have pair offsets but no group or layer-slice views.
+
+        Raises:
+            SizeMismatchError: The pack buffer is smaller than the plan's bytes (the message
+                names the bytes needed).
+            IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
+        """
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
 

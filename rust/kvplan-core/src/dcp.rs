@@ -16,9 +16,10 @@
 //! - state entries are not dealt either: every decode DCP rank receives the state, from one
 //!   source rank (the same election as for drafts), as SGLang sends state to every decode rank;
 //! - which (source rank, decode rank) pairs share tokens, and why a pair that shares none plans
-//!   nothing;
-//! - pack plans (module section below): gathering the strided source rows one decode rank
-//!   needs into a pack buffer, so the network moves few destination-contiguous blocks.
+//!   nothing.
+//!
+//! Pack plans (gathering the strided source rows one decode rank needs into a pack buffer, so
+//! the network moves few destination-contiguous blocks) are in [`crate::pack`].
 
 use crate::error::{PlanError, Result};
 use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};

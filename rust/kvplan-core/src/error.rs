@@ -153,6 +153,11 @@ pub enum PlanError {
     Overflow { what: &'static str },
     #[error("output buffer holds {have} blocks but the plan needs {need}")]
     OutputTooSmall { have: usize, need: usize },
+    /// A pack buffer smaller than the bytes a packed plan gathers into it.
+    #[error(
+        "pack buffer of {have} bytes is too small: the plan gathers {need} bytes ({blocks} blocks) into it; give a pack buffer of at least {need} bytes"
+    )]
+    PackTooSmall { need: u64, have: u64, blocks: usize },
     #[error("index arrays changed while planning (written by another thread during the call?)")]
     InputChanged,
     #[error("wire data: {what}")]
@@ -369,7 +374,8 @@ impl PlanError {
             | PlanError::HeadMismatch { .. }
             | PlanError::TokenSize { .. }
             | PlanError::TokenBytes { .. }
-            | PlanError::HeadLayout { .. } => ErrorClass::SizeMismatch,
+            | PlanError::HeadLayout { .. }
+            | PlanError::PackTooSmall { .. } => ErrorClass::SizeMismatch,
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }

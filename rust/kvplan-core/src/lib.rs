@@ -7,7 +7,7 @@
 //! Modules form layers, each using only the ones above it: `error`, `layout`, `runs`,
 //! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
 //! → `plan` (output types) → `emit` and `tokens` (kernels over pieces) → `template` (build
-//! once, pick the strategy, one request path) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
 #![forbid(unsafe_code)]
 
 pub mod check;
@@ -19,6 +19,7 @@ pub mod error;
 pub mod groups;
 pub mod heads;
 pub mod layout;
+pub mod pack;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
@@ -41,6 +42,7 @@ pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
+pub use pack::{PackBuffer, PackedPlan, PackedSummary, pack_columns};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,

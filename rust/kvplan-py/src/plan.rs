@@ -199,6 +199,9 @@ pub struct PyTransferPlan {
     summary: PlanSummary,
     /// Fingerprints of the template's two layouts (`None`: a layout has no wire encoding).
     fingerprints: Option<(u64, u64)>,
+    /// A pack plan's pair offsets, from the core (`None`: a plan of the template, whose
+    /// offsets the template answers from the summary).
+    packed_offsets: Option<Vec<usize>>,
 }
 
 impl PyTransferPlan {
@@ -220,7 +223,49 @@ impl PyTransferPlan {
             template,
             summary,
             fingerprints,
+            packed_offsets: None,
         }
+    }
+
+    /// One of a pack plan's two halves (gather or network), with its own pair offsets; its
+    /// blocks are `columns` (`plan` gives their count as `n_runs`, its columns may be empty).
+    pub(crate) fn packed(
+        columns: [Column; 3],
+        template: Arc<Template>,
+        plan: &kvplan_core::Plan,
+        fingerprints: Option<(u64, u64)>,
+    ) -> Self {
+        let summary = PlanSummary {
+            n_runs: plan.n_runs,
+            n_blocks: plan.n_runs,
+            total_bytes: plan.total_bytes,
+            n_pages: 0,
+            tokens: None,
+            state: false,
+        };
+        let mut out = Self::new(columns, template, summary, fingerprints);
+        out.packed_offsets = Some(plan.pair_offsets.clone());
+        out
+    }
+
+    /// Block offsets of each entry pair.
+    fn offsets(&self) -> Vec<usize> {
+        match &self.packed_offsets {
+            Some(offsets) => offsets.clone(),
+            None => self.template.pair_offsets(&self.summary),
+        }
+    }
+
+    /// Refuses group and layer-slice views of a pack plan (its blocks follow the pack buffer,
+    /// not the template's emission groups).
+    pub(crate) fn check_grouped(&self) -> PyResult<()> {
+        if self.packed_offsets.is_some() {
+            return Err(KvPlanError::new_err(
+                "a pack plan (gather or network half) has pair offsets but no emission groups \
+                 or layer slices; use the direct plan (template.plan) for those",
+            ));
+        }
+        Ok(())
     }
 
     /// The template that planned it and the plan's summary (for the core's questions).
@@ -229,7 +274,10 @@ impl PyTransferPlan {
     }
 
     fn n_pair_slots(&self) -> usize {
-        self.template.plan_pair_groups(&self.summary).len()
+        match &self.packed_offsets {
+            Some(offsets) => offsets.len().saturating_sub(1),
+            None => self.template.plan_pair_groups(&self.summary).len(),
+        }
     }
 }
 
@@ -280,7 +328,7 @@ impl PyTransferPlan {
             borrow(&self.blocks.dst_addrs)?,
             borrow(&self.blocks.lengths)?,
         );
-        let offsets = self.template.pair_offsets(&self.summary);
+        let offsets = self.offsets();
         f(&kvplan_core::PlanBlocks {
             src_addrs: src.as_slice()?,
             dst_addrs: dst.as_slice()?,
@@ -356,41 +404,48 @@ impl PyTransferPlan {
     /// `pair_offsets[p]:pair_offsets[p+1]`. A coalesced group's blocks belong to its last pair.
     #[getter]
     fn pair_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        offsets_array(py, self.template.pair_offsets(&self.summary))
+        offsets_array(py, self.offsets())
     }
 
     /// The block range of entry pair `pair` (`pair_offsets[pair]:pair_offsets[pair+1]`).
     fn pair_blocks<'py>(&self, py: Python<'py>, pair: isize) -> PyResult<Bound<'py, PySlice>> {
-        let offsets = self.template.pair_offsets(&self.summary);
+        let offsets = self.offsets();
         range_of(py, &offsets, pair, "pair", "entry pairs")
     }
 
     /// Emission groups (one per emitting pair unless pairs were coalesced).
     #[getter]
-    fn n_groups(&self) -> usize {
-        self.template.n_groups(&self.summary)
+    fn n_groups(&self) -> PyResult<usize> {
+        self.check_grouped()?;
+        Ok(self.template.n_groups(&self.summary))
     }
 
     /// `n_groups + 1` block offsets (int64): group g's blocks are
     /// `group_offsets[g]:group_offsets[g+1]`.
     #[getter]
-    fn group_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        offsets_array(py, self.template.group_offsets(&self.summary))
+    fn group_offsets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        self.check_grouped()?;
+        Ok(offsets_array(
+            py,
+            self.template.group_offsets(&self.summary),
+        ))
     }
 
     /// The group of each entry pair (int64; -1 for an elided pair).
     #[getter]
-    fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+    fn pair_groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        self.check_grouped()?;
         let groups = self.template.plan_pair_groups(&self.summary);
-        groups
+        Ok(groups
             .iter()
             .map(|g| g.map_or(-1, |g| g as i64))
             .collect::<Vec<_>>()
-            .into_pyarray(py)
+            .into_pyarray(py))
     }
 
     /// The block range of group `group` (all blocks carrying its pairs' bytes).
     fn group_blocks<'py>(&self, py: Python<'py>, group: isize) -> PyResult<Bound<'py, PySlice>> {
+        self.check_grouped()?;
         let offsets = self.template.group_offsets(&self.summary);
         range_of(py, &offsets, group, "group", "groups")
     }

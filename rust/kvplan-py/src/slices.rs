@@ -138,6 +138,7 @@ impl PyLayerSlices {
 
     /// Cuts a plan of this template (page, token or state plan) into slices.
     fn of(&self, plan: PyRef<'_, PyTransferPlan>) -> PyResult<PyPlanSlices> {
+        plan.check_grouped()?;
         let (template, summary) = plan.template_and_summary();
         if !Arc::ptr_eq(template, &self.template) {
             return Err(KvPlanError::new_err(

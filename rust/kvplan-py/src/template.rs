@@ -142,6 +142,21 @@ impl IndexVisitor for PlanInto<'_, '_> {
     }
 }
 
+/// One request planned and split around a pack buffer.
+struct PlanPacked<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
+
+impl IndexVisitor for PlanPacked<'_> {
+    type Output = kvplan_core::Result<(FlatBuffer, kvplan_core::PackedSummary)>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_packed_into(src, dst, self.1, self.2, |shape| {
+            Ok(FlatBuffer {
+                data: pool::take(shape.n_blocks.saturating_mul(3))?,
+                capacity: shape.n_blocks,
+            })
+        })
+    }
+}
+
 #[pymethods]
 impl PyTemplate {
     #[new]
@@ -356,6 +371,59 @@ impl PyTemplate {
             Arc::clone(&self.inner),
             summary,
             self.fingerprints,
+        ))
+    }
+
+    /// Plans one request (as `plan`) split in two around a pack buffer `pack = (addr, size)` of
+    /// prefill memory: `(gather, network)`, the gather from prefill memory into the buffer
+    /// (executed by the caller) and the network plan from the buffer to the decode, one block
+    /// per destination-contiguous run. A `SizeMismatchError` names the bytes needed when the
+    /// buffer is too small.
+    #[pyo3(signature = (src_pages, dst_pages, *, pack, n_tokens=None))]
+    fn plan_packed<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+        pack: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
+        let (src_array, dst_array) = (
+            IndexArray::extract(src_pages, "src_pages")?,
+            IndexArray::extract(dst_pages, "dst_pages")?,
+        );
+        let (src, dst) = (
+            src_array.as_slice("src_pages")?,
+            dst_array.as_slice("dst_pages")?,
+        );
+        let buffer = kvplan_core::PackBuffer {
+            addr: pack.0,
+            size: pack.1,
+        };
+        let (columns, packed) =
+            visit_request(py, src, dst, PlanPacked(&self.inner, n_tokens, buffer))
+                .map_err(to_py_err)?;
+        let gather_columns =
+            pooled_columns(py, columns.data, columns.capacity, packed.gather_blocks)?;
+        let gather = kvplan_core::Plan {
+            n_runs: packed.gather_blocks,
+            total_bytes: packed.pack_bytes,
+            pair_offsets: packed.gather_pair_offsets,
+            ..kvplan_core::Plan::default()
+        };
+        let mut network = packed.network;
+        let network_columns = [
+            std::mem::take(&mut network.src_addrs),
+            std::mem::take(&mut network.dst_addrs),
+            std::mem::take(&mut network.lengths),
+        ]
+        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let half = |columns, plan: &kvplan_core::Plan| {
+            PyTransferPlan::packed(columns, Arc::clone(&self.inner), plan, self.fingerprints)
+        };
+        Ok((
+            half(gather_columns, &gather),
+            half(network_columns, &network),
         ))
     }
 

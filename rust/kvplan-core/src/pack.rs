@@ -1,0 +1,263 @@
+//! Pack plans: a request's plan split in two, so the network moves few large blocks.
+//!
+//! When the source rows a decode rank needs are strided (a prefill at DCP 1 sending to a decode
+//! at DCP N holds the rank's tokens one row apart in every page: the direct plan is one block per
+//! token per layer), the prefill first gathers those rows into a *pack buffer* of its own memory
+//! (a local copy: a GPU kernel in production), laid out so that every run of blocks contiguous on
+//! the decode side is contiguous in the pack buffer too; the network then moves one block per
+//! destination-contiguous run.
+//!
+//! Both plans derive from the direct plan, block for block, so the decode receives exactly the
+//! bytes the direct plan would write:
+//! - `gather`: direct block `k` (`src → dst`, `len`) becomes `src → pack + offset_k`, with the
+//!   blocks packed back to back in plan order (`offset_k` = bytes of the blocks before `k`);
+//!   consecutive blocks contiguous on both the source and the pack side are merged;
+//! - `network`: consecutive direct blocks contiguous on the decode side (hence in the pack
+//!   buffer) become one block `pack + offset → dst`.
+//!
+//! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
+//! pack buffer must hold the plan's bytes, checked before the plan's output is requested. The
+//! gather is the direct plan's columns rewritten in place (no second large allocation); the
+//! network plan is small and allocated. State slots
+//! are not packed (one block per state pair already): plan them with
+//! [`Template::plan_state_into`].
+
+use crate::error::{PlanError, Result};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape};
+use crate::runs::PageIndex;
+use crate::template::Template;
+
+/// Caller-owned memory on the prefill side that receives the gathered rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackBuffer {
+    /// First byte of the buffer.
+    pub addr: u64,
+    /// Bytes the buffer holds.
+    pub size: u64,
+}
+
+/// A request's plan as a local gather into the pack buffer and a network plan out of it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PackedPlan {
+    /// Prefill memory → pack buffer (executed locally by the caller before the transfer).
+    pub gather: Plan,
+    /// Pack buffer → decode memory, one block per destination-contiguous run.
+    pub network: Plan,
+    /// Bytes of the pack buffer the plans use (from its start).
+    pub pack_bytes: u64,
+}
+
+/// What [`Template::plan_packed_into`] leaves besides the gather columns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PackedSummary {
+    /// Blocks of the gather plan (the first values of the output columns).
+    pub gather_blocks: usize,
+    /// `n_pairs + 1` block offsets of the gather plan.
+    pub gather_pair_offsets: Vec<usize>,
+    /// The network plan (small: one block per destination-contiguous run).
+    pub network: Plan,
+    /// Bytes of the pack buffer the plans use (from its start): the plan's bytes.
+    pub pack_bytes: u64,
+}
+
+impl Template {
+    /// Plans one request (as [`Template::plan_into`]) into columns from `make_output`, then
+    /// rewrites them in place into the gather plan and returns the network plan (see the
+    /// [`crate::pack`] module). The pack buffer is checked against the plan's bytes before
+    /// `make_output` is called.
+    ///
+    /// # Errors
+    /// As [`Template::plan_into`]; [`PlanError::PackTooSmall`]; [`PlanError::Overflow`] when
+    /// the pack buffer's end overflows u64.
+    pub fn plan_packed_into<'o, S: PageIndex, D: PageIndex, O>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        pack: PackBuffer,
+        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+    ) -> Result<(O, PackedSummary)>
+    where
+        O: AsColumns<'o>,
+    {
+        pack.addr
+            .checked_add(pack.size)
+            .ok_or(PlanError::Overflow {
+                what: "pack buffer end",
+            })?;
+        let (mut output, summary) = self.plan_into(src, dst, n_tokens, |shape| {
+            if shape.total_bytes > pack.size {
+                return Err(PlanError::PackTooSmall {
+                    need: shape.total_bytes,
+                    have: pack.size,
+                    blocks: shape.n_blocks,
+                });
+            }
+            make_output(shape)
+        })?;
+        let offsets = self.pair_offsets(&summary);
+        let packed = pack_columns(output.columns(), summary.n_blocks, &offsets, pack)?;
+        Ok((output, packed))
+    }
+
+    /// Allocating convenience over [`Template::plan_packed_into`].
+    ///
+    /// # Errors
+    /// As [`Template::plan_packed_into`].
+    pub fn plan_packed<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        pack: PackBuffer,
+    ) -> Result<PackedPlan> {
+        let (buffer, packed) = self.plan_packed_into(src, dst, n_tokens, pack, |shape| {
+            FlatBuffer::try_zeroed(shape.n_blocks)
+        })?;
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(packed.gather_blocks)?;
+        let gather = Plan {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            n_runs: packed.gather_blocks,
+            total_bytes: packed.pack_bytes,
+            pair_offsets: packed.gather_pair_offsets,
+        };
+        Ok(PackedPlan {
+            gather,
+            network: packed.network,
+            pack_bytes: packed.pack_bytes,
+        })
+    }
+}
+
+/// Rewrites the first `n` blocks of a direct plan in place into the gather plan (sources kept,
+/// destinations packed back to back from `pack.addr`, merged where both sides continue) and
+/// returns it with the network plan. `offsets` are the direct plan's pair offsets.
+///
+/// # Errors
+/// [`PlanError::PackTooSmall`], [`PlanError::Overflow`], [`PlanError::OutOfMemory`].
+pub fn pack_columns(
+    out: Columns<'_>,
+    n: usize,
+    offsets: &[usize],
+    pack: PackBuffer,
+) -> Result<PackedSummary> {
+    let (src, dst, len) = (out.src_addrs, out.dst_addrs, out.lengths);
+    let n = n.min(src.len()).min(dst.len()).min(len.len());
+    let mut need = 0u64;
+    for &l in &len[..n] {
+        need = need
+            .checked_add(l)
+            .ok_or(PlanError::Overflow { what: "pack bytes" })?;
+    }
+    if need > pack.size {
+        return Err(PlanError::PackTooSmall {
+            need,
+            have: pack.size,
+            blocks: n,
+        });
+    }
+    pack.addr
+        .checked_add(pack.size)
+        .ok_or(PlanError::Overflow {
+            what: "pack buffer end",
+        })?;
+    let by_pair = offsets.len() >= 2 && offsets[0] == 0 && offsets.last() == Some(&n);
+    let whole = [0, n];
+    let bounds: &[usize] = if by_pair { offsets } else { &whole };
+    let mut network = Network::default();
+    let mut gather_offsets = Vec::with_capacity(bounds.len());
+    gather_offsets.push(0);
+    let mut written = 0usize; // gather blocks so far (<= blocks read: the rewrite stays behind)
+    let mut at = pack.addr;
+    for pair in bounds.windows(2) {
+        // The open gather block and network block of this pair, kept in locals and written out
+        // when the next block does not continue them (the rewrite index stays behind the read
+        // index, so every block is read before its slot is overwritten).
+        let mut gather: Option<(u64, u64, u64)> = None;
+        let mut run: Option<(u64, u64, u64)> = None;
+        for k in pair[0]..pair[1] {
+            let (s, d, l) = (src[k], dst[k], len[k]);
+            gather = match gather {
+                Some((gs, gd, gl)) if gs + gl == s && gd + gl == at => Some((gs, gd, gl + l)),
+                Some(done) => {
+                    (src[written], dst[written], len[written]) = done;
+                    written += 1;
+                    Some((s, at, l))
+                }
+                None => Some((s, at, l)),
+            };
+            run = match run {
+                Some((ns, nd, nl)) if nd + nl == d => Some((ns, nd, nl + l)),
+                Some(done) => {
+                    network.push(done)?;
+                    Some((at, d, l))
+                }
+                None => Some((at, d, l)),
+            };
+            at += l; // at most pack.addr + need <= pack.addr + pack.size
+        }
+        if let Some(done) = gather {
+            (src[written], dst[written], len[written]) = done;
+            written += 1;
+        }
+        if let Some(done) = run {
+            network.push(done)?;
+        }
+        gather_offsets.push(written);
+        network.end_pair();
+    }
+    let mut network = network.finish(need);
+    let gather_pair_offsets = if by_pair {
+        gather_offsets
+    } else {
+        // No pair structure to follow: keep the direct plan's (empty or trivial) offsets.
+        network.pair_offsets = offsets.to_vec();
+        offsets.to_vec()
+    };
+    Ok(PackedSummary {
+        gather_blocks: written,
+        gather_pair_offsets,
+        network,
+        pack_bytes: need,
+    })
+}
+
+/// The network plan as it grows: one block per destination-contiguous run of a pair.
+#[derive(Default)]
+struct Network {
+    plan: Plan,
+}
+
+impl Network {
+    fn push(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {
+        let p = &mut self.plan;
+        for (column, value) in [
+            (&mut p.src_addrs, src),
+            (&mut p.dst_addrs, dst),
+            (&mut p.lengths, len),
+        ] {
+            column
+                .try_reserve(1)
+                .map_err(|_| PlanError::out_of_memory::<u64>("network plan", column.len() + 1))?;
+            column.push(value);
+        }
+        Ok(())
+    }
+
+    /// Ends a pair: records its end offset.
+    fn end_pair(&mut self) {
+        if self.plan.pair_offsets.is_empty() {
+            self.plan.pair_offsets.push(0);
+        }
+        self.plan.pair_offsets.push(self.plan.lengths.len());
+    }
+
+    fn finish(self, total_bytes: u64) -> Plan {
+        let mut plan = self.plan;
+        plan.n_runs = plan.lengths.len();
+        plan.total_bytes = total_bytes;
+        plan
+    }
+}

@@ -1,0 +1,279 @@
+//! Pack plans: a prefill at DCP 1 sending to a decode rank at DCP N, planned directly and as a
+//! gather into a pack buffer followed by a network plan out of it. Applying gather then network
+//! to byte arenas must leave the decode pool byte for byte as the direct plan leaves it (the
+//! direct plan itself is checked against the layout definitions in tests/dcp.rs), the pack
+//! buffer must be the only thing the two plans share, and the network must move at most one
+//! block per entry per destination page run.
+
+use kvplan_core::{
+    AttentionGeometry, DcpContext, Layout, LayoutContext, MemoryOrder, PackBuffer, Plan, PlanError,
+    Template, TemplateOptions,
+};
+
+const LAYERS: u64 = 3;
+const HEADS: u32 = 2;
+const HEAD_BYTES: u64 = 4;
+const SRC_BASE: u64 = 0x1000_0000;
+const DST_BASE: u64 = 0x2000_0000;
+const PACK_BASE: u64 = 0x3000_0000;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    mha: bool,
+    ranks: u32,
+    rank: u32,
+    interleave: u64,
+    page_sizes: (u64, u64),
+    tokens: u64,
+}
+
+/// A layout with one arena of `capacity` pages per entry, entries back to back from `base`
+/// (64 bytes apart); returns it with the arena's size.
+fn layout(case: &Case, decode: bool, capacity: u64, base: u64) -> (Layout, u64) {
+    let page_size = if decode {
+        case.page_sizes.1
+    } else {
+        case.page_sizes.0
+    };
+    let heads = if case.mha { HEADS } else { 1 };
+    let item = u64::from(heads) * HEAD_BYTES * page_size;
+    let span = capacity * item;
+    let dcp = if decode {
+        DcpContext {
+            size: case.ranks,
+            rank: case.rank,
+            interleave: case.interleave,
+        }
+    } else {
+        DcpContext::default()
+    };
+    let context = LayoutContext {
+        page_size,
+        num_model_layers: Some(LAYERS),
+        attention: Some(AttentionGeometry {
+            total_kv_heads: heads,
+            heads_per_rank: heads,
+            head_dim: 2,
+            dtype_size: 2,
+            memory_order: MemoryOrder::Nhd,
+        }),
+        dcp,
+        ..LayoutContext::default()
+    };
+    let entries = if case.mha { 2 * LAYERS } else { LAYERS };
+    let ptrs: Vec<u64> = (0..entries).map(|e| base + e * (span + 64)).collect();
+    let ids = Some((0..LAYERS as i64).collect());
+    let n = LAYERS as usize;
+    let layout = if case.mha {
+        Layout::mha(
+            ptrs[..n].to_vec(),
+            ptrs[n..].to_vec(),
+            vec![span; n],
+            vec![span; n],
+            vec![item; n],
+            vec![item; n],
+            ids,
+            context,
+        )
+    } else {
+        Layout::mla(ptrs, vec![span; n], vec![item; n], ids, context)
+    }
+    .unwrap();
+    (layout, entries * (span + 64))
+}
+
+/// `count` distinct pages below `count + 3`, some consecutive, some not (deterministic).
+fn pages(count: u64, seed: u64) -> Vec<i64> {
+    let mut v: Vec<i64> = (0..(count + 3) as i64).collect();
+    let mut x = seed | 1;
+    for k in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if x.is_multiple_of(3) {
+            v.swap(k, (x % (k as u64 + 1)) as usize);
+        }
+    }
+    v.truncate(count as usize);
+    v
+}
+
+/// Runs of consecutive indices in a page list.
+fn runs(pages: &[i64]) -> usize {
+    pages.windows(2).filter(|w| w[1] != w[0] + 1).count() + usize::from(!pages.is_empty())
+}
+
+fn apply(plan: &Plan, from: (&[u8], u64), to: (&mut [u8], u64)) {
+    for k in 0..plan.lengths.len() {
+        let s = (plan.src_addrs[k] - from.1) as usize;
+        let d = (plan.dst_addrs[k] - to.1) as usize;
+        let len = plan.lengths[k] as usize;
+        to.0[d..d + len].copy_from_slice(&from.0[s..s + len]);
+    }
+}
+
+fn run(case: &Case) {
+    let what = format!("{case:?}");
+    let src_pages = pages(case.tokens.div_ceil(case.page_sizes.0), 7);
+    let (src, src_size) = layout(case, false, src_pages.len() as u64 + 3, SRC_BASE);
+    let dst_map = kvplan_core::dcp::token_map(&layout(case, true, 1, DST_BASE).0);
+    let dst_pages = pages(dst_map.pages_for(case.tokens), 11 + u64::from(case.rank));
+    let (dst, dst_size) = layout(case, true, dst_pages.len() as u64 + 3, DST_BASE);
+    let source: Vec<u8> = (0..src_size)
+        .map(|k| (k.wrapping_mul(0x9E37_79B9) >> 7) as u8 | 1)
+        .collect();
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let direct = t.plan(&src_pages, &dst_pages, Some(case.tokens)).unwrap();
+    let mut want = vec![0u8; dst_size as usize];
+    apply(&direct, (&source, SRC_BASE), (&mut want, DST_BASE));
+
+    let size = direct.total_bytes + 5; // a little more than needed: only the start is used
+    let pack = PackBuffer {
+        addr: PACK_BASE,
+        size,
+    };
+    let packed = t
+        .plan_packed(&src_pages, &dst_pages, Some(case.tokens), pack)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(packed.pack_bytes, direct.total_bytes, "{what}");
+    let mut buffer = vec![0u8; size as usize];
+    let mut got = vec![0u8; dst_size as usize];
+    // Every block of both plans stays inside the pack buffer on its pack side.
+    for (addr, len) in packed
+        .gather
+        .dst_addrs
+        .iter()
+        .zip(&packed.gather.lengths)
+        .chain(packed.network.src_addrs.iter().zip(&packed.network.lengths))
+    {
+        assert!(
+            *addr >= PACK_BASE && addr + len <= PACK_BASE + packed.pack_bytes,
+            "{what}"
+        );
+    }
+    apply(
+        &packed.gather,
+        (&source, SRC_BASE),
+        (&mut buffer, PACK_BASE),
+    );
+    apply(&packed.network, (&buffer, PACK_BASE), (&mut got, DST_BASE));
+    assert_eq!(
+        want.iter().any(|&b| b != 0),
+        direct.total_bytes > 0,
+        "{what}"
+    );
+    assert_eq!(
+        got, want,
+        "{what}: decode pool differs from the direct plan's"
+    );
+    for plan in [&packed.gather, &packed.network] {
+        assert_eq!(plan.total_bytes, direct.total_bytes, "{what}");
+        assert_eq!(
+            plan.lengths.iter().sum::<u64>(),
+            direct.total_bytes,
+            "{what}"
+        );
+        assert_eq!(plan.pair_offsets.len(), direct.pair_offsets.len(), "{what}");
+        assert_eq!(
+            plan.pair_offsets.last(),
+            Some(&plan.lengths.len()),
+            "{what}"
+        );
+    }
+    let entries = dst.n_entries();
+    assert!(
+        packed.network.lengths.len() <= entries * runs(&dst_pages),
+        "{what}: {} network blocks for {entries} entries x {} destination runs",
+        packed.network.lengths.len(),
+        runs(&dst_pages)
+    );
+    // The point of packing: token round robin from a paged prefill is one block per token per
+    // entry directly, far fewer through the pack buffer.
+    if case.interleave == 1 && case.tokens >= 40 {
+        assert_eq!(
+            direct.lengths.len() as u64,
+            entries as u64 * dst_map.local_count(case.tokens),
+            "{what}"
+        );
+        assert!(
+            packed.network.lengths.len() * 2 < direct.lengths.len(),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn gather_then_network_writes_what_the_direct_plan_writes() {
+    let mut n = 0;
+    for mha in [false, true] {
+        for ranks in [2u32, 4] {
+            for page_sizes in [(4u64, 4u64), (8, 4), (4, 16)] {
+                for interleave in [1, page_sizes.1] {
+                    for tokens in [0u64, 1, 45, 70] {
+                        for rank in 0..ranks {
+                            run(&Case {
+                                mha,
+                                ranks,
+                                rank,
+                                interleave,
+                                page_sizes,
+                                tokens,
+                            });
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(n, 2 * (2 + 4) * 3 * 2 * 4);
+}
+
+#[test]
+fn a_pack_buffer_too_small_names_the_size_needed() {
+    let case = Case {
+        mha: false,
+        ranks: 2,
+        rank: 1,
+        interleave: 1,
+        page_sizes: (4, 4),
+        tokens: 16,
+    };
+    let (src, _) = layout(&case, false, 8, SRC_BASE);
+    let (dst, _) = layout(&case, true, 8, DST_BASE);
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    // 8 local tokens x 3 layers x 4 bytes.
+    let need = 8 * LAYERS * HEAD_BYTES;
+    let pack = |size| PackBuffer {
+        addr: PACK_BASE,
+        size,
+    };
+    let err = t
+        .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need - 1))
+        .unwrap_err();
+    assert!(
+        matches!(err, PlanError::PackTooSmall { need: n, have, .. } if n == need && have == need - 1),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&format!("at least {need} bytes")),
+        "{err}"
+    );
+    let ok = t
+        .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
+        .unwrap();
+    assert_eq!(ok.network.lengths.len(), LAYERS as usize);
+    // A pack buffer whose end overflows the address space is refused, not wrapped.
+    let err = t
+        .plan_packed(
+            &[0i64, 1, 2, 3],
+            &[0i64, 1],
+            Some(16),
+            PackBuffer {
+                addr: u64::MAX - 8,
+                size: need,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
+}
