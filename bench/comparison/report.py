@@ -41,6 +41,8 @@ OTHER_RECORDS = [
     "- [streaming-results.md](streaming-results.md): layer-wise streaming over Mooncake TCP and "
     "NIXL, transfer tail against the loopback bandwidth of the same run, and per-slice slicing "
     "and submitter cost (`bench/streaming.py`).",
+    "- [dcp-results.md](dcp-results.md): decode context parallelism, direct vs packed network "
+    "blocks per decode rank and gather + network planning time (`bench/dcp_bench.py`).",
 ]
 
 
