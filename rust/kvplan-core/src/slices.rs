@@ -244,72 +244,41 @@ impl LayerSlices {
     /// Cuts one plan of this template (page, token or state plan, described by its summary)
     /// into slices: per slice its block ranges and work, and the seal's.
     pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
+        let (ranges, work): (Vec<_>, Vec<_>);
+        let (seal_ranges, seal);
         if summary.state {
             // A state plan: block k is the k-th moving state pair's, with its layer's group.
-            let cut = |blocks: &[usize], group: u64| -> (Vec<(usize, usize)>, SliceWork) {
-                let mut ranges: Vec<(usize, usize)> = Vec::new();
-                let mut bytes = 0u64;
-                for &k in blocks.iter().filter(|&&k| k < summary.n_blocks) {
-                    bytes += template.state_pieces.get(k).map_or(0, |p| p.len);
-                    match ranges.last_mut() {
-                        Some(last) if last.1 == k => last.1 = k + 1,
-                        _ => ranges.push((k, k + 1)),
-                    }
-                }
-                let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
-                (
-                    ranges,
-                    SliceWork {
-                        group,
-                        blocks,
-                        bytes,
-                    },
-                )
+            let spans = |blocks: &[usize]| -> Vec<(usize, usize, u64)> {
+                let blocks = blocks.iter().filter(|&&k| k < summary.n_blocks);
+                blocks
+                    .map(|&k| (k, k + 1, template.state_pieces.get(k).map_or(0, |p| p.len)))
+                    .collect()
             };
-            let (ranges, work) = self
+            (ranges, work) = self
                 .slices
                 .iter()
-                .map(|s| cut(&s.state_blocks, s.group))
+                .map(|s| merged_work(spans(&s.state_blocks), s.group))
                 .unzip();
-            let (seal_ranges, seal) = cut(&self.seal_state_blocks, WorkManifest::SEAL);
-            return PlanSlices {
-                ranges,
-                work,
-                seal_ranges,
-                seal,
+            (seal_ranges, seal) = merged_work(spans(&self.seal_state_blocks), WorkManifest::SEAL);
+        } else {
+            let offsets = template.group_offsets(summary);
+            let spans = |groups: &[usize]| -> Vec<(usize, usize, u64)> {
+                let spans = groups.iter().map(|&g| {
+                    (
+                        offsets[g],
+                        offsets[g + 1],
+                        group_bytes(template, g, summary),
+                    )
+                });
+                spans.collect()
             };
+            (ranges, work) = self
+                .slices
+                .iter()
+                .map(|s| merged_work(spans(&s.emission_groups), s.group))
+                .unzip();
+            (seal_ranges, seal) = merged_work(spans(&self.seal_groups), WorkManifest::SEAL);
         }
-        let offsets = template.group_offsets(summary);
-        let cut = |groups: &[usize], group: u64| -> (Vec<(usize, usize)>, SliceWork) {
-            let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(groups.len().min(4));
-            let mut bytes = 0u64;
-            for &g in groups {
-                let (start, stop) = (offsets[g], offsets[g + 1]);
-                bytes += group_bytes(template, g, summary);
-                if start == stop {
-                    continue;
-                }
-                match ranges.last_mut() {
-                    Some(last) if last.1 == start => last.1 = stop,
-                    _ => ranges.push((start, stop)),
-                }
-            }
-            let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
-            (
-                ranges,
-                SliceWork {
-                    group,
-                    blocks,
-                    bytes,
-                },
-            )
-        };
-        let (ranges, work) = self
-            .slices
-            .iter()
-            .map(|s| cut(&s.emission_groups, s.group))
-            .unzip();
-        let (seal_ranges, seal) = cut(&self.seal_groups, WorkManifest::SEAL);
         PlanSlices {
             ranges,
             work,
@@ -540,4 +509,30 @@ fn straddle(template: &Template, keys: &[SliceKey], first: usize, other: usize) 
             name(other)
         ),
     }
+}
+
+/// One slice's block ranges (adjacent spans merged, empty ones dropped) and its work, from its
+/// `(start, stop, bytes)` spans in plan order.
+fn merged_work(spans: Vec<(usize, usize, u64)>, group: u64) -> (Vec<(usize, usize)>, SliceWork) {
+    let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(spans.len().min(4));
+    let mut bytes = 0u64;
+    for (start, stop, span_bytes) in spans {
+        bytes += span_bytes;
+        if start == stop {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(last) if last.1 == start => last.1 = stop,
+            _ => ranges.push((start, stop)),
+        }
+    }
+    let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
+    (
+        ranges,
+        SliceWork {
+            group,
+            blocks,
+            bytes,
+        },
+    )
 }
