@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from kvplan.explain.analysis import DcpExplanation, Explanation, histogram
 from kvplan.explain.words import format_bytes
+from kvplan.report import CompatReport
 
 __all__ = ["render", "render_dcp"]
 
@@ -69,18 +70,26 @@ def render(e: Explanation) -> str:
     if e.per_layer is not None:
         lines.append("")
         lines += _layout_comparison(e.per_layer, e)
-    for s in e.stages:
-        if s.report is not None and not s.report.compatible:
+    lines += _reports_and_warnings([(s.label, s.report) for s in e.stages], e.warnings)
+    return "\n".join(lines)
+
+
+def _reports_and_warnings(reports: list[tuple[str, CompatReport | None]],
+                          warnings: list[str]) -> list[str]:
+    """The compatibility report of every incompatible (label, report), then the warnings."""
+    lines: list[str] = []
+    for label, report in reports:
+        if report is not None and not report.compatible:
             lines.append("")
-            lines.append(f"{s.label}: compatibility report")
-            lines += [f"  {x}" for x in str(s.report).splitlines()]
+            lines.append(f"{label}: compatibility report")
+            lines += [f"  {x}" for x in str(report).splitlines()]
     lines.append("")
-    if e.warnings:
+    if warnings:
         lines.append("warnings:")
-        lines += [f"  - {w}" for w in e.warnings]
+        lines += [f"  - {w}" for w in warnings]
     else:
         lines.append("warnings: none")
-    return "\n".join(lines)
+    return lines
 
 
 def _layout_comparison(per_layer: Explanation, cross: Explanation) -> list[str]:
@@ -164,15 +173,6 @@ def render_dcp(e: DcpExplanation) -> str:
         lines.append(f"  rank {rank}: {blocks:,} blocks ({scattered:,} scattered), "
                      f"{format_bytes(nbytes)}, {calls:,} engine call(s) of at most "
                      f"{e.max_blocks:,} blocks")
-    for r in e.rows:
-        if r.report is not None and not r.report.compatible:
-            lines.append("")
-            lines.append(f"rank {r.rank}, {r.stage}: compatibility report")
-            lines += [f"  {x}" for x in str(r.report).splitlines()]
-    lines.append("")
-    if e.warnings:
-        lines.append("warnings:")
-        lines += [f"  - {w}" for w in e.warnings]
-    else:
-        lines.append("warnings: none")
+    lines += _reports_and_warnings([(f"rank {r.rank}, {r.stage}", r.report) for r in e.rows],
+                                   e.warnings)
     return "\n".join(lines)
