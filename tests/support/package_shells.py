@@ -275,20 +275,39 @@ def walk_globals(roots: list, prefixes: tuple[str, ...]) -> list[str]:
 # The downloaded distributions, unpacked once in a cache directory
 # --------------------------------------------------------------------------------------------
 def pip_download(args: list[str], cache: str, env: dict | None = None) -> None:
-    """``pip download --no-deps ARGS -d CACHE``; raises ``RuntimeError`` naming the failure."""
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-           "--no-deps", *args, "-d", cache]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    """``pip download --no-deps ARGS`` into ``cache``; raises ``RuntimeError`` naming the failure.
+
+    pip writes into a private directory and each finished file is renamed into ``cache``, so a
+    concurrent reader (another test worker) never sees a partly written archive."""
+    import shutil
+    import tempfile
+
+    os.makedirs(cache, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".download-", dir=cache)
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+               "--no-deps", *args, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(cache, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def download_wheel(dist: str, version: str, cache: str) -> str:
-    """The path of ``dist``'s wheel in ``cache``, downloaded with pip the first time."""
+    """The path of ``dist``'s wheel in ``cache``, downloaded with pip the first time (one
+    process at a time: the others wait for it and reuse its file)."""
+    import fcntl
+
     pattern = os.path.join(cache, f"{dist}-{version}-*.whl")
-    if not glob.glob(pattern):
-        pip_download([f"{dist}=={version}"], cache)
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, f".download-{dist}-{version}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not glob.glob(pattern):
+            pip_download([f"{dist}=={version}"], cache)
     wheels = glob.glob(pattern)
     if not wheels:
         raise RuntimeError(f"pip download {dist}=={version} left no wheel in {cache}")
@@ -297,20 +316,28 @@ def download_wheel(dist: str, version: str, cache: str) -> str:
 
 def unpack_once(cache: str, name: str, package: str, unpack: Callable[[str], None]) -> str:
     """``<cache>/<name>/<package>``, filled the first time by ``unpack(tmp_dir)`` in a private
-    directory that is renamed into place once complete (a concurrent process's copy wins)."""
+    directory that is renamed into place once complete."""
+    import fcntl
+
     unpacked = os.path.join(cache, name)
     if os.path.exists(os.path.join(unpacked, ".complete")):
         return os.path.join(unpacked, package)
     os.makedirs(cache, exist_ok=True)
-    tmp = unpacked + f".tmp{os.getpid()}"
-    unpack(tmp)
-    open(os.path.join(tmp, ".complete"), "w").close()
-    try:
-        os.rename(tmp, unpacked)
-    except OSError:  # another process unpacked it first
-        import shutil
+    # One process at a time fetches and unpacks (test workers start together); the others
+    # wait on the lock and then find the finished copy.
+    with open(os.path.join(cache, f".unpack-{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(unpacked, ".complete")):
+            return os.path.join(unpacked, package)
+        tmp = unpacked + f".tmp{os.getpid()}"
+        unpack(tmp)
+        open(os.path.join(tmp, ".complete"), "w").close()
+        try:
+            os.rename(tmp, unpacked)
+        except OSError:  # a copy from before the lock existed is already in place
+            import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     return os.path.join(unpacked, package)
 
 
