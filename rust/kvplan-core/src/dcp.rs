@@ -21,95 +21,9 @@
 //! Pack plans (gathering the strided source rows one decode rank needs into a pack buffer, so
 //! the network moves few destination-contiguous blocks) are in [`crate::pack`].
 
-use crate::error::{PlanError, Result};
-use crate::layout::{EntryKind, Layout, LayoutContext, LayoutParts};
+pub use crate::layout::DcpContext;
+use crate::layout::Layout;
 use crate::pieces::TokenMap;
-
-/// A peer's decode-context-parallel coordinates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DcpContext {
-    /// Context-parallel ranks the request's tokens are dealt over (1: not dealt).
-    pub size: u32,
-    /// This peer's rank, below `size`.
-    pub rank: u32,
-    /// Consecutive tokens per deal, at least 1.
-    pub interleave: u64,
-}
-
-impl Default for DcpContext {
-    fn default() -> Self {
-        Self {
-            size: 1,
-            rank: 0,
-            interleave: 1,
-        }
-    }
-}
-
-impl DcpContext {
-    /// Whether tokens are dealt (more than one rank).
-    pub fn dealt(&self) -> bool {
-        self.size > 1
-    }
-
-    /// `"rank r of N (interleave I)"`, for messages.
-    pub fn describe(&self) -> String {
-        format!(
-            "DCP rank {} of {} (interleave {})",
-            self.rank, self.size, self.interleave
-        )
-    }
-}
-
-/// The DCP fields of a layout context on their own, and with the entries: rank below size,
-/// interleave at least 1, a page that holds whole deals or a deal that holds whole pages, and,
-/// when there are draft page entries, deals that divide the page (a draft item is the virtual
-/// page of `P·N` tokens, which only then is what the ranks' page `k` cover together).
-pub(crate) fn check_context(context: &LayoutContext, parts: &LayoutParts) -> Result<()> {
-    let d = context.dcp;
-    let invalid = |what: String| PlanError::InvalidLayout { what };
-    if d.size == 0 || d.rank >= d.size {
-        return Err(invalid(format!(
-            "dcp_rank {} must be below dcp_size {}",
-            d.rank, d.size
-        )));
-    }
-    if d.interleave == 0 {
-        return Err(invalid(
-            "dcp_interleave must be at least 1 (tokens per deal)".into(),
-        ));
-    }
-    if !d.dealt() {
-        return Ok(());
-    }
-    let page = context.page_size;
-    if !page.is_multiple_of(d.interleave) && !d.interleave.is_multiple_of(page) {
-        return Err(invalid(format!(
-            "dcp_interleave {} and page_size {page}: one must divide the other (a page holds \
-             whole deals, or a deal whole pages)",
-            d.interleave
-        )));
-    }
-    u64::from(d.size)
-        .checked_mul(page)
-        .and_then(|v| v.checked_mul(d.interleave))
-        .ok_or(PlanError::Overflow {
-            what: "DCP virtual page",
-        })?;
-    let draft =
-        (0..parts.data_ptrs.len()).find(|&i| parts.drafts[i] && parts.kinds[i] == EntryKind::Page);
-    if let Some(entry) = draft
-        && !page.is_multiple_of(d.interleave)
-    {
-        return Err(invalid(format!(
-            "entry {entry} is a draft entry, which DCP does not deal: its item holds the virtual \
-             page of page_size x dcp_size tokens, which needs dcp_interleave {} to divide \
-             page_size {page}",
-            d.interleave
-        )));
-    }
-    Ok(())
-}
 
 /// The token map of a layout's target (dealt) page entries.
 pub fn token_map(layout: &Layout) -> TokenMap {
