@@ -8,6 +8,7 @@ adapters live in :mod:`kvplan.engines` and are imported only on demand.
 from __future__ import annotations
 
 from kvplan._core import (
+    Advice,
     IndexBoundsError,
     KvPlanError,
     LayerGroups,
@@ -22,9 +23,11 @@ from kvplan._core import (
     SizeMismatchError,
     Template,
     TpPeers,
+    TransferCost,
     TransferPlan,
     WorkManifest,
     __version__,
+    advise,
     group_contiguous,
     legacy_pp_pairs,
     pair_entries,
@@ -36,6 +39,7 @@ from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 
 __all__ = [
+    "Advice",
     "CompatReport",
     "EntryCheck",
     "IndexBoundsError",
@@ -54,10 +58,12 @@ __all__ = [
     "SizeMismatchError",
     "Template",
     "TpPeers",
+    "TransferCost",
     "TransferError",
     "TransferPlan",
     "WorkManifest",
     "__version__",
+    "advise",
     "compare",
     "group_contiguous",
     "legacy_pp_pairs",

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Advice",
     "IndexBoundsError",
     "KvPlanError",
     "LayerGroups",
@@ -24,9 +25,11 @@ __all__ = [
     "SizeMismatchError",
     "Template",
     "TpPeers",
+    "TransferCost",
     "TransferPlan",
     "WorkManifest",
     "__version__",
+    "advise",
     "check_pairs",
     "combine_pair_digests",
     "group_contiguous",
@@ -567,6 +570,61 @@ def tp_peers(
             the rank is outside its TP size.
         TypeError: Both ranks or neither given.
     """
+
+@final
+class TransferCost:
+    """What moving bytes costs on one engine, measured once per engine (see
+    :func:`kvplan.engines.measure_cost`): seconds one engine block costs on top of its bytes,
+    the engine's streaming bandwidth and the local copy bandwidth (bytes per second).
+
+    Raises:
+        KvPlanError: A value is not a finite number greater than 0 (``kind == "cost"``).
+    """
+
+    def __new__(cls, *, per_block_s: float, network_bytes_per_s: float,
+                copy_bytes_per_s: float) -> TransferCost: ...
+    @property
+    def per_block_s(self) -> float: ...
+    @property
+    def network_bytes_per_s(self) -> float: ...
+    @property
+    def copy_bytes_per_s(self) -> float: ...
+    def __getnewargs_ex__(self) -> tuple[tuple[()], dict[str, float]]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+
+@final
+class Advice:
+    """Direct or staged for one request, and the estimates the choice rests on::
+
+        direct_s = direct_blocks * per_block_s + bytes / network_bytes_per_s
+        staged_s = copy_bytes / copy_bytes_per_s + staged_blocks * per_block_s
+                   + bytes / network_bytes_per_s
+
+    ``choice`` is the smaller estimate's path, ``"direct"`` on a tie."""
+
+    @property
+    def choice(self) -> Literal["direct", "staged"]: ...
+    @property
+    def direct_s(self) -> float: ...
+    @property
+    def staged_s(self) -> float: ...
+    @property
+    def direct_blocks(self) -> int:
+        """Engine blocks of the direct plan."""
+    @property
+    def staged_blocks(self) -> int:
+        """Engine blocks of the staged network plan."""
+    @property
+    def bytes(self) -> int:
+        """Bytes over the network (the same on both paths)."""
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the staged path copies locally (gather + scatter)."""
+
+def advise(direct_blocks: int, staged_network_blocks: int, bytes: int, gather_bytes: int,
+           scatter_bytes: int, cost: TransferCost) -> Advice:
+    """Direct or staged for a request of these counts (the rule
+    :meth:`Template.transfer_advice` applies to a request's own counts)."""
 
 _Ranks = tuple[int, int, int, int]
 

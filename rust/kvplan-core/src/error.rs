@@ -248,6 +248,10 @@ pub enum PlanError {
     /// Digest inputs that do not describe a plan (columns of unequal lengths, bad offsets).
     #[error("digest input: {what}")]
     DigestInput { what: String },
+    /// A transfer cost value that is not a finite number greater than zero (`value` as given,
+    /// formatted: a float is not `Eq`).
+    #[error("transfer cost {field} must be a finite number greater than 0, got {value}")]
+    InvalidCost { field: &'static str, value: String },
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -321,6 +325,7 @@ impl PlanError {
             PlanError::FragmentCombination { .. } => "fragments",
             PlanError::Geometry { .. } => "geometry",
             PlanError::NotPreppable { .. } => "not_preppable",
+            PlanError::InvalidCost { .. } => "cost",
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
                 ErrorClass::IndexBounds => "index_bounds",
@@ -389,6 +394,7 @@ impl PlanError {
             | PlanError::TokenCount { .. }
             | PlanError::NotPreppable { .. }
             | PlanError::DigestInput { .. }
+            | PlanError::InvalidCost { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

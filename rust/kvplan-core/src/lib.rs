@@ -8,8 +8,11 @@
 //! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
 //! → `plan` (output types) → `emit` and `tokens` (kernels over pieces) → `template` (build
 //! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//!
+//! `advice` (direct or staged, a pure function of counts and measured costs) uses only `error`.
 #![forbid(unsafe_code)]
 
+pub mod advice;
 pub mod check;
 pub mod dcp;
 pub mod descriptors;
@@ -29,6 +32,7 @@ pub mod template;
 pub mod tokens;
 pub mod wire;
 
+pub use advice::{Advice, Choice, TransferCost, advise};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};

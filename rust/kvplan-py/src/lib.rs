@@ -1,8 +1,9 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
+//! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
 //! the output `pool`), with `convert`, `errors` and `options` (keyword parsing) shared.
 
+mod advice;
 mod convert;
 mod descriptors;
 mod digest;
@@ -19,6 +20,8 @@ mod template;
 
 #[pyo3::pymodule]
 mod _core {
+    #[pymodule_export]
+    use crate::advice::{PyAdvice, PyTransferCost, advise};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest};
     #[pymodule_export]
