@@ -31,7 +31,8 @@ import numpy as np
 from kvplan._core import PlanBatch, TransferCost
 from kvplan.engines._base import Transport
 
-__all__ = ["measure_copy_bandwidth", "measure_cost", "measure_loopback", "loopback_bytes"]
+__all__ = ["loopback_bytes", "loopback_transports", "measure_copy_bandwidth", "measure_cost",
+           "measure_loopback", "solve_block_model"]
 
 #: Bytes of one small block (a token of a few heads in an NHD page: the blocks direct plans
 #: of head-sliced requests are made of).
@@ -171,7 +172,7 @@ def measure_loopback(engine: str = "mooncake", *, repeats: int = REPEATS,
     need = loopback_bytes(small_blocks, small_block, large_blocks, large_block)
     src = np.random.default_rng(1).integers(0, 256, need, dtype=np.uint8)
     dst = np.zeros(need, np.uint8)
-    sender, receiver = _loopback_pair(engine)
+    sender, receiver = loopback_transports(engine)
     try:
         sender.register_buffers([src.ctypes.data], [src.nbytes])
         receiver.register_buffers([dst.ctypes.data], [dst.nbytes])
@@ -188,7 +189,10 @@ def measure_loopback(engine: str = "mooncake", *, repeats: int = REPEATS,
         receiver.close()
 
 
-def _loopback_pair(engine: str) -> tuple[Transport, Transport]:
+def loopback_transports(engine: str) -> tuple[Transport, Transport]:
+    """Two open transports of ``engine`` in this process (``"mooncake"``: TCP on 127.0.0.1;
+    ``"nixl"``: UCX agents): a sender and a receiver, nothing registered yet. The caller
+    closes both."""
     if engine == "mooncake":
         from kvplan.engines.mooncake import MooncakeTransport
 
