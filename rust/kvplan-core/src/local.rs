@@ -111,44 +111,61 @@ impl RegionFinder {
     }
 }
 
-/// Checks that no destination buffer shares a byte with another destination buffer or with a
-/// source buffer (`(base, size)` each; empty buffers share nothing). Source buffers may overlap
-/// each other: they are only read.
+/// Checks that no destination buffer shares a byte with another destination buffer, a source
+/// buffer or the memory of the plan's own columns (`(base, size)` each; empty spans share
+/// nothing). Source buffers may overlap each other and the columns: they are only read.
 ///
 /// # Errors
-/// [`PlanError::BuffersOverlap`] naming the first two buffers found to overlap.
-pub fn check_local_buffers(src: &[(u64, u64)], dst: &[(u64, u64)]) -> Result<()> {
+/// [`PlanError::BuffersOverlap`] naming the first two spans found to overlap.
+pub fn check_local_buffers(
+    src: &[(u64, u64)],
+    dst: &[(u64, u64)],
+    columns: &[(u64, u64)],
+) -> Result<()> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        Source,
+        Destination,
+        Column,
+    }
     let end = |(base, size): (u64, u64)| u128::from(base) + u128::from(size);
-    let name = |side: Side, i: usize, span: (u64, u64)| {
-        format!(
-            "{} buffer {i} at [{:#x}, {:#x})",
-            side.pick("source", "destination"),
-            span.0,
-            end(span)
-        )
+    let name = |kind: Kind, i: usize, span: (u64, u64)| {
+        let what = match kind {
+            Kind::Source => format!("source buffer {i}"),
+            Kind::Destination => format!("destination buffer {i}"),
+            Kind::Column => format!("the plan's column {i}"),
+        };
+        format!("{what} at [{:#x}, {:#x})", span.0, end(span))
     };
-    let mut all: Vec<(Side, usize, (u64, u64))> = src
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| (Side::Src, i, s))
-        .chain(dst.iter().enumerate().map(|(i, &s)| (Side::Dst, i, s)))
-        .filter(|&(_, _, (_, size))| size > 0)
-        .collect();
-    all.sort_by_key(|&(_, _, (base, _))| base);
-    // Sweep by base: each buffer is compared with the open buffers it starts inside of.
-    let mut open: Vec<(Side, usize, (u64, u64))> = Vec::new();
-    for &(side, i, span) in &all {
-        open.retain(|&(_, _, o)| end(o) > u128::from(span.0));
-        if let Some(&(other_side, j, other)) = open
+    let listed = |kind: Kind, spans: &[(u64, u64)]| -> Vec<(Kind, usize, (u64, u64))> {
+        spans
             .iter()
-            .find(|&&(other_side, _, _)| side == Side::Dst || other_side == Side::Dst)
-        {
+            .enumerate()
+            .map(|(i, &s)| (kind, i, s))
+            .collect()
+    };
+    let mut all: Vec<(Kind, usize, (u64, u64))> = [
+        listed(Kind::Source, src),
+        listed(Kind::Destination, dst),
+        listed(Kind::Column, columns),
+    ]
+    .concat();
+    all.retain(|&(_, _, (_, size))| size > 0);
+    all.sort_by_key(|&(_, _, (base, _))| base);
+    // Sweep by base: each span is compared with the open spans it starts inside of.
+    let mut open: Vec<(Kind, usize, (u64, u64))> = Vec::new();
+    for &(kind, i, span) in &all {
+        open.retain(|&(_, _, o)| end(o) > u128::from(span.0));
+        let clash = open
+            .iter()
+            .find(|&&(other, _, _)| kind == Kind::Destination || other == Kind::Destination);
+        if let Some(&(other, j, other_span)) = clash {
             return Err(PlanError::BuffersOverlap {
-                first: name(other_side, j, other),
-                second: name(side, i, span),
+                first: name(other, j, other_span),
+                second: name(kind, i, span),
             });
         }
-        open.push((side, i, span));
+        open.push((kind, i, span));
     }
     Ok(())
 }

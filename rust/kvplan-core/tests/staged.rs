@@ -573,15 +573,22 @@ fn copy_local_runs_local_plans_and_checks_blocks() {
         short.iter().all(|&b| b == 0),
         "bytes copied before the error"
     );
-    let overlap = kvplan_core::check_local_buffers(&[(0x1000, 64)], &[(0x1020, 64)]).unwrap_err();
+    let overlap =
+        kvplan_core::check_local_buffers(&[(0x1000, 64)], &[(0x1020, 64)], &[]).unwrap_err();
     assert!(
         matches!(overlap, PlanError::BuffersOverlap { .. }),
         "{overlap:?}"
     );
     assert!(
-        kvplan_core::check_local_buffers(&[(0x1000, 64), (0x1000, 64)], &[(0x1040, 8)]).is_ok()
+        kvplan_core::check_local_buffers(
+            &[(0x1000, 64), (0x1000, 64)],
+            &[(0x1040, 8)],
+            &[(0x1000, 8)]
+        )
+        .is_ok()
     );
-    let dst_dst = kvplan_core::check_local_buffers(&[], &[(0x1000, 64), (0x103f, 1)]).unwrap_err();
+    let dst_dst =
+        kvplan_core::check_local_buffers(&[], &[(0x1000, 64), (0x103f, 1)], &[]).unwrap_err();
     assert!(
         dst_dst.to_string().contains("destination buffer 1"),
         "{dst_dst}"
