@@ -12,7 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
+use crate::convert::{IndexVisitor, RequestArrays, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
@@ -65,7 +65,7 @@ pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLay
 /// (never a panic).
 fn writable_out<'py>(
     out: &Bound<'py, PyAny>,
-    inputs: [(&IndexArray<'_>, &str); 2],
+    inputs: &RequestArrays<'_>,
 ) -> PyResult<PyReadwriteArray2<'py, u64>> {
     let array = out.cast::<PyArray2<u64>>().map_err(|_| {
         PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
@@ -82,7 +82,7 @@ fn writable_out<'py>(
     // address ranges themselves.
     let start = array.data() as usize;
     let out_range = (start, start + array.len() * 8);
-    for (input, name) in inputs {
+    for (input, name) in inputs.named() {
         let range = input.byte_range();
         let overlaps = range.0 < range.1
             && out_range.0 < out_range.1
@@ -351,18 +351,11 @@ impl PyTemplate {
         n_tokens: Option<u64>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PyTransferPlan> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let template: &Template = &self.inner;
         let (columns, summary) = if let Some(out) = out {
-            let mut writable =
-                writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
+            let mut writable = writable_out(out, &arrays)?;
             let capacity = writable.shape()[1];
             let flat = writable.as_slice_mut()?;
             let summary = visit_request(
@@ -403,14 +396,8 @@ impl PyTemplate {
         pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let buffer = kvplan_core::PackBuffer {
             addr: pack.0,
             size: pack.1,
