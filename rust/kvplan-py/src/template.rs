@@ -444,14 +444,8 @@ impl PyTemplate {
         dst_staging: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<crate::staged::PyStagedPlan> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
         let visitor = PlanStaged(
             &self.inner,
