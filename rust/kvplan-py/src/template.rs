@@ -157,6 +157,21 @@ impl IndexVisitor for PlanPacked<'_> {
     }
 }
 
+/// One request planned as a staged plan between two staging regions.
+struct PlanStaged<'t>(
+    &'t Template,
+    Option<u64>,
+    kvplan_core::StagingRegion,
+    kvplan_core::StagingRegion,
+);
+
+impl IndexVisitor for PlanStaged<'_> {
+    type Output = kvplan_core::Result<kvplan_core::StagedPlan>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_staged(src, dst, self.1, self.2, self.3)
+    }
+}
+
 #[pymethods]
 impl PyTemplate {
     #[new]
@@ -412,6 +427,54 @@ impl PyTemplate {
             half(gather_columns, &gather),
             half(network_columns, &network),
         ))
+    }
+
+    /// Plans one request (as `plan`) as a staged plan: `gather` from prefill memory into
+    /// `src_staging = (addr, size)` (prefill memory), `network` from there into `dst_staging =
+    /// (addr, size)` (the decode's staging region, at this writer's offsets) and `scatter` from
+    /// there into the decode's pages. A `SizeMismatchError` names the bytes needed when a region
+    /// is too small.
+    #[pyo3(signature = (src_pages, dst_pages, *, src_staging, dst_staging, n_tokens=None))]
+    fn plan_staged(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        src_staging: (u64, u64),
+        dst_staging: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<crate::staged::PyStagedPlan> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
+        let visitor = PlanStaged(
+            &self.inner,
+            n_tokens,
+            region(src_staging),
+            region(dst_staging),
+        );
+        let staged = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+        let part = |mut plan: kvplan_core::Plan| -> PyResult<Py<PyTransferPlan>> {
+            let columns = [
+                std::mem::take(&mut plan.src_addrs),
+                std::mem::take(&mut plan.dst_addrs),
+                std::mem::take(&mut plan.lengths),
+            ]
+            .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+            let half =
+                PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints);
+            Py::new(py, half)
+        };
+        Ok(crate::staged::PyStagedPlan {
+            gather: part(staged.gather)?,
+            network: part(staged.network)?,
+            scatter: part(staged.scatter)?,
+            src_staging_bytes: staged.src_staging_bytes,
+            dst_staging_range: staged.dst_staging_range,
+            dst_staging_bytes: staged.dst_staging_bytes,
+            direct_blocks: staged.direct_blocks,
+            writer: staged.writer,
+        })
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
