@@ -518,6 +518,22 @@ class Template:
                 pairs move different bytes.
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
+    def transfer_advice(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        cost: TransferCost,
+        *,
+        n_tokens: int | None = None,
+    ) -> Advice:
+        """Direct or staged for one request (taken as ``plan`` takes it) on an engine of
+        ``cost``: :func:`advise` over the request's direct-plan and staged network-plan block
+        counts (this template's writer position included), computed by the core.
+
+        Raises:
+            IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan_staged`` for the
+                same request (no staging region is involved, so none is too small).
+        """
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
 

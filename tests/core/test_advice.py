@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import pickle
 
+import numpy as np
 import pytest
 
 import kvplan
@@ -72,3 +73,83 @@ def test_a_tie_goes_to_direct() -> None:
     # Powers of two make both sums exact: 3 x 0.25 s == 0.25 + 0.25 + 0.25.
     a = kvplan.advise(3, 1, 0, 1, 1, cost(0.25, 1.0, 4.0))
     assert a.direct_s == a.staged_s and a.choice == "direct"
+
+
+# ---------------------------------------------------------------------------------------------
+# Template.transfer_advice: the rule over a request's own counts
+# ---------------------------------------------------------------------------------------------
+
+HEADS, HEAD_DIM, DTYPE, PAGE, LAYERS, CAP = 8, 64, 2, 4, 3, 32
+
+
+def mha(base: int, tp: int, rank: int, order: str = "NHD") -> kvplan.Layout:
+    item = PAGE * max(1, HEADS // tp) * HEAD_DIM * DTYPE
+    ptrs = [base + e * item * CAP for e in range(2 * LAYERS)]
+    return kvplan.Layout.mha(ptrs[:LAYERS], ptrs[LAYERS:], [item * CAP] * LAYERS,
+                             [item * CAP] * LAYERS, item, item, layer_ids=list(range(LAYERS)),
+                             page_size=PAGE, tp_rank=rank, tp_size=tp, kv_heads=HEADS,
+                             head_dim=HEAD_DIM, dtype_size=DTYPE, memory_order=order)
+
+
+def staged_counts(template: kvplan.Template, src: np.ndarray, dst: np.ndarray
+                  ) -> tuple[int, int, int, int]:
+    """(direct blocks, staged network blocks, bytes, copy bytes) from real plans."""
+    direct = template.plan(src, dst)
+    staged = template.plan_staged(src, dst, src_staging=(1 << 44, 1 << 30),
+                                  dst_staging=(1 << 45, 1 << 30))
+    return (direct.n_blocks, staged.network.n_blocks, direct.total_bytes,
+            staged.gather.total_bytes + staged.scatter.total_bytes)
+
+
+@pytest.mark.parametrize(("tp_p", "r_p", "tp_d"), [(8, 3, 2), (2, 1, 2), (1, 0, 4), (4, 2, 1)])
+def test_transfer_advice_counts_are_the_plans_counts(tp_p: int, r_p: int, tp_d: int) -> None:
+    template = kvplan.Template(mha(1 << 32, tp_p, r_p), mha(1 << 36, tp_d, 0))
+    src = np.array([5, 6, 7, 1, 20, 21], np.int64)
+    dst = np.array([0, 2, 4, 9, 10, 30], np.int64)
+    direct_blocks, network_blocks, nbytes, copy_bytes = staged_counts(template, src, dst)
+    a = template.transfer_advice(src, dst, cost())
+    assert (a.direct_blocks, a.staged_blocks, a.bytes, a.copy_bytes) == (
+        direct_blocks, network_blocks, nbytes, copy_bytes)
+    same = kvplan.advise(direct_blocks, network_blocks, nbytes, copy_bytes // 2,
+                         copy_bytes // 2, cost())
+    assert (a.choice, a.direct_s, a.staged_s) == (same.choice, same.direct_s, same.staged_s)
+
+
+def test_transfer_advice_follows_the_cost() -> None:
+    # TP 8 -> 2 on NHD pages: one direct block per token per entry, a few staged ones.
+    template = kvplan.Template(mha(1 << 32, 8, 0), mha(1 << 36, 2, 0))
+    src, dst = np.arange(8, dtype=np.int64), np.arange(0, 16, 2, dtype=np.int64)
+    tcp = template.transfer_advice(src, dst, cost(30e-6, 2e9, 10e9))
+    assert tcp.direct_blocks == 8 * PAGE * 2 * LAYERS and tcp.staged_blocks < 4
+    assert tcp.choice == "staged"
+    # Blocks almost free, copies slow: direct.
+    assert template.transfer_advice(src, dst, cost(1e-12, 2e9, 1e6)).choice == "direct"
+    # One buffer, contiguous pages: one block either way, so staging only adds copies.
+    one = kvplan.Template(kvplan.Layout([1 << 32], [4096 * CAP], 4096, [0]),
+                          kvplan.Layout([1 << 36], [4096 * CAP], 4096, [0]))
+    pages = np.arange(8, dtype=np.int64)
+    a = one.transfer_advice(pages, pages, cost(30e-6, 2e9, 10e9))
+    assert (a.choice, a.direct_blocks, a.staged_blocks) == ("direct", 1, 1)
+    assert a.staged_s > a.direct_s
+
+
+def test_transfer_advice_validates_the_request_as_plan_does() -> None:
+    template = kvplan.Template(mha(1 << 32, 8, 0), mha(1 << 36, 2, 0))
+    bad = np.array([0, CAP], np.int64)
+    ok = np.array([0, 1], np.int64)
+    with pytest.raises(kvplan.IndexBoundsError) as planned:
+        template.plan(ok, bad)
+    with pytest.raises(kvplan.IndexBoundsError) as advised:
+        template.transfer_advice(ok, bad, cost())
+    assert str(advised.value) == str(planned.value)
+    with pytest.raises(TypeError):
+        template.transfer_advice(ok, ok, "fast")  # type: ignore[arg-type]
+
+
+def test_transfer_advice_token_requests() -> None:
+    # Different page sizes plan by token; n_tokens cuts the request.
+    src_l, dst_l = mha(1 << 32, 1, 0), mha(1 << 36, 1, 0)
+    template = kvplan.Template(src_l, dst_l)
+    pages = np.arange(4, dtype=np.int64)
+    a = template.transfer_advice(pages, pages, cost(), n_tokens=10)
+    assert a.bytes == template.plan(pages, pages, n_tokens=10).total_bytes

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplan._core import PlanBatch, TransferCost
+from kvplan._core import Layout, PlanBatch, Template, TransferCost, copy_local
 from kvplan.engines._base import Transport
 
 __all__ = ["loopback_bytes", "loopback_transports", "measure_copy_bandwidth", "measure_cost",
@@ -74,14 +74,20 @@ def _check_region(name: str, region: tuple[int, int], need: int) -> tuple[int, i
 def measure_copy_bandwidth(nbytes: int = 32 << 20, *, block: int = 64 << 10,
                            repeats: int = REPEATS) -> float:
     """Local copy bandwidth in bytes per second: ``nbytes`` between two host buffers in
-    blocks of ``block`` bytes (how gathers and scatters of whole pages run), the median of
-    ``repeats`` copies."""
+    blocks of ``block`` bytes (no two adjacent on the destination, so none merge), executed
+    by :func:`kvplan.copy_local` as gathers and scatters are; the median of ``repeats``."""
     if nbytes <= 0 or block <= 0 or nbytes % block:
         raise ValueError(f"nbytes ({nbytes}) must be a positive multiple of block ({block})")
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.zeros_like(src)
-    s, d = src.reshape(-1, block), dst.reshape(-1, block)
-    seconds = _median_seconds(lambda: np.copyto(d, s), repeats)
+    n = nbytes // block
+
+    def one_entry(buf: np.ndarray) -> Layout:
+        return Layout([buf.ctypes.data], [nbytes], block, [0])
+
+    pages = np.arange(n, dtype=np.int64)
+    plan = Template(one_entry(src), one_entry(dst)).plan(pages, pages[::-1].copy())
+    seconds = _median_seconds(lambda: copy_local(plan, [src], [dst]), repeats)
     return nbytes / max(seconds, 1e-9)
 
 

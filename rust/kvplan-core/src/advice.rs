@@ -19,6 +19,9 @@
 //! copies, nothing to gain).
 
 use crate::error::{PlanError, Result};
+use crate::runs::PageIndex;
+use crate::staged::StagingRegion;
+use crate::template::Template;
 
 /// What moving bytes costs on one engine, measured once (see `kvplan.engines.measure_cost`).
 ///
@@ -146,6 +149,40 @@ pub fn advise(
         staged_blocks: staged_network_blocks,
         bytes,
         copy_bytes,
+    }
+}
+
+impl Template {
+    /// Direct or staged for one request on an engine of this cost: [`advise`] over the
+    /// request's own counts, the blocks of its direct plan and of its staged network plan
+    /// (this template's writer position included), from [`Template::plan_staged`].
+    ///
+    /// # Errors
+    /// As [`Template::plan_staged`] for the same request, except that no staging region can be
+    /// too small: the counts are taken with regions spanning the whole address space.
+    pub fn transfer_advice<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        cost: &TransferCost,
+    ) -> Result<Advice> {
+        // Blocks merge by offsets inside the regions (contiguous on both sides), never by
+        // where the regions start, so regions over the whole address space give the counts of
+        // any real regions.
+        let whole = StagingRegion {
+            addr: 0,
+            size: u64::MAX,
+        };
+        let staged = self.plan_staged(src, dst, n_tokens, whole, whole)?;
+        Ok(advise(
+            staged.direct_blocks,
+            staged.network.src_addrs.len(),
+            staged.network.total_bytes,
+            staged.gather.total_bytes,
+            staged.scatter.total_bytes,
+            cost,
+        ))
     }
 }
 

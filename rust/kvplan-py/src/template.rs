@@ -172,6 +172,16 @@ impl IndexVisitor for PlanStaged<'_> {
     }
 }
 
+/// One request's direct-or-staged advice.
+struct TransferAdvice<'t>(&'t Template, Option<u64>, kvplan_core::TransferCost);
+
+impl IndexVisitor for TransferAdvice<'_> {
+    type Output = kvplan_core::Result<kvplan_core::Advice>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.transfer_advice(src, dst, self.1, &self.2)
+    }
+}
+
 #[pymethods]
 impl PyTemplate {
     #[new]
@@ -475,6 +485,24 @@ impl PyTemplate {
             direct_blocks: staged.direct_blocks,
             writer: staged.writer,
         })
+    }
+
+    /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
+    /// core's rule over the request's direct and staged network block counts.
+    #[pyo3(signature = (src_pages, dst_pages, cost, *, n_tokens=None))]
+    fn transfer_advice(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        cost: PyRef<'_, crate::advice::PyTransferCost>,
+        n_tokens: Option<u64>,
+    ) -> PyResult<crate::advice::PyAdvice> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let visitor = TransferAdvice(&self.inner, n_tokens, cost.inner);
+        let advice = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+        Ok(advice.into())
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
