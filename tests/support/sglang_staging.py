@@ -266,12 +266,14 @@ class StagedWorld:
     def prefill_pools(self, stage: int, r_p: int) -> tuple[list[HostTensor], list[HostTensor]]:
         first = first_head(self.heads, self.tp_p, r_p)
         src_tokens = _tokens(self.src_pages, self.page)
+        inside = (src_tokens >= 0) & (src_tokens < POOL_PAGES * self.page)  # bad pages: none
         out: dict[str, list[HostTensor]] = {}
         for kind in "kv":
             out[kind] = []
             for layer in self.stage_layers(stage):
                 t = pool(self.rng, POOL_PAGES * self.page, self.src_hpr, self.head_dim)
-                t.array[src_tokens] = self.truth[kind][layer][:, first:first + self.src_hpr]
+                t.array[src_tokens[inside]] = self.truth[kind][layer][
+                    inside, first:first + self.src_hpr]
                 out[kind].append(t)
         return out["k"], out["v"]
 
@@ -302,7 +304,11 @@ class StagedWorld:
         return mgr
 
     def send(self, mgr: Any, **overrides: Any) -> Any:
-        """SGLang's ``send_kvcache_staged`` call as its ``PrefillStagingStrategy`` makes it."""
+        """``mgr.send_kvcache_staged(...)`` as SGLang's ``PrefillStagingStrategy`` calls it."""
+        return mgr.send_kvcache_staged(**self.call(mgr, **overrides))
+
+    def call(self, mgr: Any, **overrides: Any) -> dict[str, Any]:
+        """The keyword arguments of that call."""
         kw: dict[str, Any] = dict(
             mooncake_session_id=SESSION, prefill_kv_indices=self.src_pages,
             dst_staging_ptr=self.region_ptr, dst_staging_size=self.region,
@@ -310,7 +316,7 @@ class StagedWorld:
             dst_layer_ids=self.dst_layer_ids(), staging_buffer=mgr.staging,
             dst_slot_layer_ids=self.dst_layer_ids() if self.ids else None)
         kw.update(overrides)
-        return mgr.send_kvcache_staged(**kw)
+        return kw
 
     def memory(self, mgr: Any) -> HostMemory:
         """The engine's view: the prefill staging buffer and the decode's memory."""
