@@ -362,3 +362,15 @@ def test_install_uninstall_restore_send_kvcache_staged_exactly(sg: Any) -> None:
     assert cls.__dict__["send_kvcache_staged"] is not before["send_kvcache_staged"]
     assert "send_kvcache_staged" in compat.uninstall(cls)
     assert dict(vars(cls)) == before
+
+
+def test_signature_is_sglangs(sg: Any) -> None:
+    import inspect
+
+    from kvplan.compat.sglang.staged import send_kvcache_staged
+
+    ours, theirs = inspect.signature(send_kvcache_staged), inspect.signature(
+        sg.send_kvcache_staged)
+    assert list(ours.parameters) == list(theirs.parameters)
+    assert [p.default for p in ours.parameters.values()] == [
+        p.default for p in theirs.parameters.values()]
