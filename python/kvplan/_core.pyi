@@ -22,6 +22,7 @@ __all__ = [
     "PlanBuffer",
     "PlanSlices",
     "SizeMismatchError",
+    "StagedPlan",
     "Template",
     "TpPeers",
     "TransferPlan",
@@ -29,6 +30,7 @@ __all__ = [
     "__version__",
     "check_pairs",
     "combine_pair_digests",
+    "copy_local",
     "group_contiguous",
     "index_digest",
     "legacy_pp_pairs",
@@ -489,6 +491,30 @@ class Template:
                 names the bytes needed).
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
+    def plan_staged(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        src_staging: tuple[int, int],
+        dst_staging: tuple[int, int],
+        n_tokens: int | None = None,
+    ) -> StagedPlan:
+        """Plan one request as ``plan`` does, as a gather, a network plan and a scatter.
+
+        ``src_staging`` (prefill memory) and ``dst_staging`` (the decode's staging region) are
+        ``(address, size)`` of registered memory. ``gather`` copies the request's bytes into the
+        prefill region, back to back from its start; ``network`` moves them into the decode
+        region at this prefill rank's writer offsets (one block per contiguous range); ``scatter``
+        copies them from there into the decode's pages. Together they write exactly what
+        ``plan`` writes. State slots are not staged (``plan_state``).
+
+        Raises:
+            SizeMismatchError: A staging region is smaller than what the plan places in it
+                (the message names the bytes needed), or decode slots are needed and the entry
+                pairs move different bytes.
+            IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
+        """
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
 
@@ -522,6 +548,49 @@ class Template:
         Raises:
             IndexBoundsError: As ``plan_state``.
         """
+
+@final
+class StagedPlan:
+    """A request as ``gather`` (prefill memory → prefill staging), ``network`` (prefill staging →
+    decode staging) and ``scatter`` (decode staging → decode pages), from ``Template.plan_staged``.
+    The three plans have pair offsets but no group or layer-slice views; ``network``'s pair
+    offsets are one range of all its blocks."""
+
+    @property
+    def gather(self) -> TransferPlan: ...
+    @property
+    def network(self) -> TransferPlan: ...
+    @property
+    def scatter(self) -> TransferPlan: ...
+    @property
+    def src_staging_bytes(self) -> int:
+        """Bytes of the prefill staging region used, from its start."""
+    @property
+    def dst_staging_range(self) -> tuple[int, int]:
+        """Offsets ``(start, end)`` of the decode staging region this writer's share covers."""
+    @property
+    def dst_staging_bytes(self) -> int:
+        """Bytes the decode staging region must hold for all writers."""
+    @property
+    def direct_blocks(self) -> int:
+        """Blocks of the request's direct plan (``Template.plan``)."""
+    @property
+    def writer(self) -> tuple[int, int]:
+        """``(writer index, number of writers)`` of this prefill rank in the decode region."""
+
+def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
+    """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.
+
+    Copies every block from the source buffer holding it to the destination buffer holding it
+    (buffers borrowed without a copy; the GIL is released). Returns the bytes copied. Nothing is
+    copied when any check fails.
+
+    Raises:
+        IndexBoundsError: A block does not lie inside one of its side's buffers.
+        KvPlanError: A destination buffer is read-only, or shares memory with another buffer
+            or the plan's columns (``kind == "buffer_overlap"``).
+        TypeError: A buffer is not C-contiguous or has no buffer protocol.
+    """
 
 @final
 class TpPeers:

@@ -183,6 +183,19 @@ impl TpSplit {
     }
 }
 
+/// `(writer index, number of writers)` of prefill rank `prefill_rank` in the decode staging
+/// region it writes (SGLang 0.5.23's `compute_staging_layout`): when the prefill TP is larger
+/// than the decode TP, `prefill_tp / decode_tp` prefill ranks fill one decode rank's region and
+/// rank `r` is writer `r mod (prefill_tp / decode_tp)`; otherwise a region has one writer.
+pub fn staging_writer(prefill_tp: u32, prefill_rank: u32, decode_tp: u32) -> (u32, u32) {
+    if prefill_tp > decode_tp {
+        let writers = prefill_tp / decode_tp.max(1);
+        (prefill_rank % writers, writers)
+    } else {
+        (0, 1)
+    }
+}
+
 /// Heads `start..stop` in words: `head 3`, `heads 4–7`.
 pub fn heads_text(start: u32, stop: u32) -> String {
     if stop == start + 1 {

@@ -6,8 +6,11 @@
 //!
 //! Modules form layers, each using only the ones above it: `error`, `layout`, `runs`,
 //! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
-//! → `plan` (output types) → `emit` and `tokens` (kernels over pieces) → `template` (build
-//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//! → `plan` (output types), `local` (local plans executed on CPU byte slices, which buffer
+//! holds a block) → `emit` and `tokens` (kernels over pieces) → `template` (build
+//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) →
+//! `staged` (a plan split into gather + network between staging regions + scatter) →
+//! `descriptors`, `digest`, `wire`, `slices` (layer-wise views of a plan, the manifest).
 #![forbid(unsafe_code)]
 
 pub mod check;
@@ -19,12 +22,14 @@ pub mod error;
 pub mod groups;
 pub mod heads;
 pub mod layout;
+pub mod local;
 pub mod pack;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
 pub mod runs;
 pub mod slices;
+pub mod staged;
 pub mod template;
 pub mod tokens;
 pub mod wire;
@@ -38,10 +43,11 @@ pub use digest::{
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side, try_vec};
 pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};
-pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
+pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_writer};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
+pub use local::{RegionMut, check_local_buffers, copy_local};
 pub use pack::{PackBuffer, PackedPlan, PackedSummary, pack_columns};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
@@ -56,5 +62,6 @@ pub use plan::{
 };
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
+pub use staged::{StagedPlan, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};
 pub use tokens::TokenTemplate;
