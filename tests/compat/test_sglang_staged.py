@@ -20,7 +20,7 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from kvplan.compat.sglang.staged import staged_template
+from kvplan.compat.sglang.staged import replicated_writers, staged_template
 from support.sglang_models import engine_blocks, load_loader, load_sglang_or_fail
 from support.sglang_staging import (
     SESSION,
@@ -151,10 +151,6 @@ def decode_pools(world: StagedWorld) -> tuple[list[int], list[int]]:
 
 def copy_of(tensors: list[HostTensor]) -> list[HostTensor]:
     return [HostTensor(t.array.copy()) for t in tensors]
-
-
-def replicated_writers(heads: int, tp_p: int, tp_d: int) -> bool:
-    return tp_p > tp_d and tp_p > heads
 
 
 @pytest.mark.parametrize("heads,tp_p,tp_d,pp", CASES)
@@ -374,3 +370,17 @@ def test_signature_is_sglangs(sg: Any) -> None:
     assert list(ours.parameters) == list(theirs.parameters)
     assert [p.default for p in ours.parameters.values()] == [
         p.default for p in theirs.parameters.values()]
+
+
+def test_decode_without_a_prefill_layer_is_a_pairing_error(sg: Any, installed: Any) -> None:
+    """Prefill PP stage 1 (layers 2, 3) and a decode that publishes layers 0-2 only: SGLang
+    raises ``RuntimeError`` after nothing moved; kvplan names the pairing failure."""
+    world = StagedWorld(sg, heads=8, tp_p=4, tp_d=2, r_d=0, pp=2)
+    mgr = world.manager(installed, 1, 0)
+    ids = [0, 1, 2] * 2
+    (rc_s, blocks_s, _), _ = both(sg, world, mgr, dst_layer_ids=ids, dst_slot_layer_ids=ids)
+    assert rc_s[:2] == ("raise", "RuntimeError") and blocks_s == []
+    sg.gather_kernel.calls.clear()
+    with pytest.raises(kvplan.PairingError):
+        world.send(mgr, dst_layer_ids=ids, dst_slot_layer_ids=ids)
+    assert sg.gather_kernel.calls == [] and mgr.engine.calls == []

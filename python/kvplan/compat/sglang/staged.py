@@ -18,7 +18,7 @@ from kvplan.compat.sglang.layouts import _ids, _unbounded
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_global, _sglang_method
 from kvplan.compat.sglang.submit import _blocks, _engine_batches, _status
 from kvplan.compat.sglang.seams import _own_transfer_data
-from kvplan.compat.sglang.templates import _as_index
+from kvplan.compat.sglang.templates import _as_elected_replica, _as_index
 
 #: SGLang's module holding the staging layout and the gather / scatter kernels; imported when
 #: a call needs it, as SGLang's method imports it.
@@ -49,6 +49,12 @@ def _placeholders(n: int) -> tuple[list[int], list[int]]:
     return ptrs, _unbounded(ptrs)
 
 
+def replicated_writers(kv_heads: int, prefill_tp: int, decode_tp: int) -> bool:
+    """Whether SGLang's staged layout has several writers per decode region holding replicas
+    of the same heads (prefill TP larger than the decode's and than the KV head count)."""
+    return prefill_tp > decode_tp and prefill_tp > kv_heads
+
+
 def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int,
                     decode_rank: int, page_size: int, head_dim: int, dtype_size: int,
                     num_layers: int, decode_slots: int | None = None,
@@ -70,11 +76,29 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     ``prefill_pools`` / ``decode_pools`` are ``(pointers, byte lengths)`` of the slots' pool
     tensors; a side given as None gets placeholder pools, so only the plans that do not touch
     that side are meaningful: the prefill (which knows only the decode's staging region) uses
-    ``gather`` and ``network``, the decode ``network`` and ``scatter``. ``decode_item_len`` is
-    the decode's item length (bytes of one page of one slot); by default the prefill's geometry
-    on the decode's heads, SGLang's assumption.
+    ``gather`` and ``network``, the decode ``network`` and ``scatter``. ``prefill_item_lens``
+    (per slot) and ``decode_item_len`` are the bytes of one page of a slot's pool; by default
+    this geometry on each side's heads (SGLang's assumption); the template refuses item lengths
+    that do not match it. A prefill rank holding replicated heads is planned as the replica
+    kvplan elects for the decode rank (same heads at the same offsets; the region's only
+    writer).
+
+    Raises:
+        LayoutError: :func:`replicated_writers` (kvplan does not plan that case).
+        PairingError: The prefill rank holds none of the decode rank's heads, or a prefill slot
+            has no decode slot of its layer id.
+        SizeMismatchError: Item lengths that do not match the geometry.
     """
     heads, tp_p, tp_d = int(kv_heads), int(prefill_tp), int(decode_tp)
+    if replicated_writers(heads, tp_p, tp_d):
+        raise _core.LayoutError(
+            f"send_kvcache_staged: {heads} KV heads replicated over prefill TP {tp_p} with "
+            f"{tp_p // tp_d} writers per decode region: every replica fills its own share, which "
+            "kvplan's head model (one elected sender per head) does not plan; SGLang's own "
+            "method handles it")
+    # A replica plans as the elected holder of its heads: same bytes, and (one writer per
+    # region here) the same share.
+    r_p = _as_elected_replica(int(prefill_rank) % tp_p, int(decode_rank) % tp_d, heads, tp_p)
     src_hpr, dst_hpr = max(1, heads // tp_p), max(1, heads // tp_d)
     head_bytes = int(head_dim) * int(dtype_size)
     n_src = 2 * int(num_layers)
@@ -93,7 +117,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
                                   if prefill_item_lens is not None
                                   else int(page_size) * src_hpr * head_bytes)
     src = Layout(src_ptrs, src_lens, src_items, src_ids,
-                 tp_rank=int(prefill_rank) % tp_p, tp_size=tp_p, heads_per_rank=src_hpr,
+                 tp_rank=r_p, tp_size=tp_p, heads_per_rank=src_hpr,
                  pp_size=int(prefill_pp_size), **geometry)
     dst_item = int(decode_item_len) if decode_item_len is not None else (
         int(page_size) * dst_hpr * head_bytes)
@@ -115,12 +139,12 @@ def _manager_template(manager: Any, session: str, k_buffers: Sequence[Any],
     pools = (*k_buffers, *v_buffers)
     ptrs, lens = _pool_ptrs(pools), _pool_lens(pools)
     first = k_buffers[0]
-    geometry = dict(kv_heads=heads, prefill_tp=int(manager.attn_tp_size),
-                    prefill_rank=int(manager.kv_args.engine_rank), decode_tp=int(dst_tp),
-                    decode_rank=int(dst_tp_rank), page_size=int(page),
-                    head_dim=int(first.shape[-1]), dtype_size=int(first.element_size()),
-                    num_layers=len(k_buffers), prefill_pp_size=int(manager.pp_size),
-                    decode_item_len=int(dst_item))
+    geometry: dict[str, Any] = dict(
+        kv_heads=heads, prefill_tp=int(manager.attn_tp_size),
+        prefill_rank=int(manager.kv_args.engine_rank), decode_tp=int(dst_tp),
+        decode_rank=int(dst_tp_rank), page_size=int(page), head_dim=int(first.shape[-1]),
+        dtype_size=int(first.element_size()), num_layers=len(k_buffers),
+        prefill_pp_size=int(manager.pp_size), decode_item_len=int(dst_item))
     src_ids, dst_ids = slot_ids if slot_ids is not None else (None, None)
     # each pool's own page bytes: a head count other than SGLang's split is the template's
     # geometry error (SGLang's kernel would gather other heads' bytes)
@@ -194,8 +218,8 @@ def send_kvcache_staged(
     page = tensors["page_size"]
     heads = int(staging.resolve_total_kv_heads(self.kv_args, self.attn_tp_size))
     tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
-    if tp_p > tp_d and tp_p > heads:
-        return sglangs()  # replicated heads, several writers: every replica fills its share
+    if replicated_writers(heads, tp_p, tp_d):
+        return sglangs()  # several writers hold replicas: every one fills its own share
     slot_ids = None
     if self.pp_size > 1:
         src_ids = _ids(tensors.get("slot_layer_ids") or self.kv_args.kv_layer_ids)
