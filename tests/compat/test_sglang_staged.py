@@ -156,9 +156,29 @@ def copy_of(tensors: list[HostTensor]) -> list[HostTensor]:
 @pytest.mark.parametrize("heads,tp_p,tp_d,pp", CASES)
 def test_staged_moves_the_same_bytes_as_sglang(sg: Any, installed: Any, heads: int, tp_p: int,
                                                tp_d: int, pp: int) -> None:
+    check_case(sg, installed, heads, tp_p, tp_d, pp)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
+@pytest.mark.parametrize("heads,tp_p,tp_d,pp", [(8, 8, 2, 1), (8, 2, 8, 2), (16, 4, 4, 1),
+                                                (2, 1, 4, 2), (8, 4, 4, 2), (16, 8, 1, 2)])
+def test_page_sizes_and_page_runs(sg: Any, installed: Any, heads: int, tp_p: int, tp_d: int,
+                                  pp: int, page: int, contiguous: bool) -> None:
+    """Runs of consecutive pages on both sides (blocks merge) and other page sizes: the same
+    staging layout as SGLang's."""
+    src, dst = ((4, 5, 6, 7), (9, 10, 11, 12)) if contiguous else ((6, 1, 2, 15), (0, 8, 9, 3))
+    check_case(sg, installed, heads, tp_p, tp_d, pp, page=page, src_pages=src, dst_pages=dst)
+
+
+def check_case(sg: Any, installed: Any, heads: int, tp_p: int, tp_d: int, pp: int,
+               **world_kw: Any) -> None:
+    """Every decode rank and every writer it asks: identical byte maps, statuses and kernel
+    calls; kvplan's gather and the decode's scatter plans against SGLang's kernels; the
+    decode's heads against the ground truth."""
     for r_d in range(tp_d):
         world = StagedWorld(sg, heads=heads, tp_p=tp_p, tp_d=tp_d, r_d=r_d, pp=pp,
-                            seed=heads * 100 + tp_p * 10 + tp_d + r_d)
+                            seed=heads * 100 + tp_p * 10 + tp_d + r_d, **world_kw)
         writers = []
         for stage in range(pp):
             for r_p in asked(tp_p, tp_d, r_d):
@@ -384,3 +404,17 @@ def test_decode_without_a_prefill_layer_is_a_pairing_error(sg: Any, installed: A
     with pytest.raises(kvplan.PairingError):
         world.send(mgr, dst_layer_ids=ids, dst_slot_layer_ids=ids)
     assert sg.gather_kernel.calls == [] and mgr.engine.calls == []
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_empty_request_moves_nothing_with_sglangs_status(sg: Any, installed: Any,
+                                                         pp: int) -> None:
+    """No pages: SGLang gathers nothing and hands the engine zero-length blocks; kvplan calls
+    the kernel the same way and moves no byte either."""
+    world = StagedWorld(sg, heads=8, tp_p=4, tp_d=2, r_d=0, pp=pp)
+    mgr = world.manager(installed, 0, 1)
+    (rc_s, blocks_s, g_s), (rc_k, blocks_k, g_k) = both(
+        sg, world, mgr, prefill_kv_indices=np.zeros(0, np.int32))
+    assert rc_s == rc_k == ("ok", 0)
+    assert range_map(blocks_s) == range_map(blocks_k) == []
+    assert len(g_s) == len(g_k) == 1
