@@ -534,6 +534,7 @@ def check_worked_examples(sg: SGLang) -> list[str]:
 
 if __name__ == "__main__":
     sg = load_sglang()
+    load_staging(sg)
     print(f"sglang {sg.version} from {sg.root}")
     print("executed from the wheel:", ", ".join(REAL_MODULES))
     print("stand-in modules:", ", ".join(sg.stubbed))
