@@ -418,3 +418,17 @@ def test_empty_request_moves_nothing_with_sglangs_status(sg: Any, installed: Any
     assert rc_s == rc_k == ("ok", 0)
     assert range_map(blocks_s) == range_map(blocks_k) == []
     assert len(g_s) == len(g_k) == 1
+
+
+def test_a_kernel_that_writes_another_byte_count_stops_the_send(sg: Any, installed: Any,
+                                                                monkeypatch: Any) -> None:
+    """The gather kernel reports the bytes it wrote; when they are not what kvplan's network
+    plan sends, nothing is sent (the decode would receive other bytes than it expects)."""
+    world = StagedWorld(sg, heads=8, tp_p=4, tp_d=2, r_d=0)
+    mgr = world.manager(installed, 0, 1)
+    real = sg.gather_kernel
+    monkeypatch.setattr(sg.staging_module, "gather_all_layers_to_staging",
+                        lambda *a, **k: real(*a, **k) - 1)
+    with pytest.raises(kvplan.SizeMismatchError, match="gather kernel wrote"):
+        world.send(mgr)
+    assert mgr.engine.calls == []

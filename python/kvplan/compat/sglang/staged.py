@@ -27,7 +27,7 @@ STAGING_MODULE = "sglang.srt.disaggregation.common.staging_buffer"
 #: Address of the first decode pool entry in the prefill's template, whose scatter half is never
 #: run (the prefill knows only the decode's staging region): entry ``j`` sits ``j << 40``
 #: bytes above it, with no length limit. The decode plans with its own pools
-#: (:func:`staged_plan` with ``decode_pools``).
+#: (:func:`staged_template` with ``decode_pools``).
 _PLACEHOLDER_BASE = 1 << 44
 
 
@@ -201,6 +201,8 @@ def send_kvcache_staged(
       decode scatters at other offsets than the prefill staged).
     * A prefill rank holding none of the decode rank's heads: ``PairingError``; a decode peer
       without one of the prefill's layers: ``PairingError`` (SGLang: ``RuntimeError``).
+    * The gather kernel returning another byte count than kvplan's plan sends (its layout and
+      kvplan's disagree): ``SizeMismatchError``, nothing sent (SGLang ignores the count).
     """
     args = (self, mooncake_session_id, prefill_kv_indices, dst_staging_ptr, dst_staging_size,
             dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, dst_layer_ids)
@@ -242,8 +244,13 @@ def send_kvcache_staged(
         return -1
     src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
         tp_p, tp_d, int(self.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
-    staging.gather_all_layers_to_staging(k_buffers, v_buffers, prefill_kv_indices,
-                                         staging_buffer, src_head_start, num_heads, page)
+    written = staging.gather_all_layers_to_staging(
+        k_buffers, v_buffers, prefill_kv_indices, staging_buffer, src_head_start, num_heads, page)
+    if written is not None and int(written) != staged.src_staging_bytes:
+        # the kernel's layout and kvplan's disagree: sending would move the wrong bytes
+        raise _core.SizeMismatchError(
+            f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
+            f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
     if _own_transfer_data(self):
         ret = _engine_batches(self, mooncake_session_id, staged.network)
     else:
