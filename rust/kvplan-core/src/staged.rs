@@ -151,7 +151,7 @@ impl Template {
         // gather rewrite overwrites them. Every address below lies inside its region: the
         // offsets plus the bytes are at most the sizes checked above.
         let mut network = PlanBuilder::default();
-        let mut scatter = PlanBuilder::default();
+        let mut scatter = PlanBuilder::with_capacity(n)?; // at most the direct plan's blocks
         let mut at = src_staging.addr;
         for (r, range) in bounds.get().windows(2).enumerate() {
             let staged = dst_staging.addr + placement.offsets[r];
@@ -169,8 +169,11 @@ impl Template {
         }
         network.end_pair();
         let (written, gather_offsets) = gather_in_place(columns, &bounds, src_staging.addr);
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(written)?;
-        let gather = Plan {
+        let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(written)?;
+        // The source column keeps the direct plan's allocation (three columns of every direct
+        // block); a gather is usually far smaller, so it gives the rest back.
+        src_addrs.shrink_to_fit();
+        let mut gather = Plan {
             src_addrs,
             dst_addrs,
             lengths,
@@ -180,8 +183,9 @@ impl Template {
         };
         let mut scatter = scatter.finish(total);
         if !bounds.by_pair {
-            // No pair structure (an empty plan): the direct plan's offsets, as pack plans keep.
-            scatter.pair_offsets = self.pair_offsets(&summary);
+            // No pair structure (no page pairs): the direct plan's offsets, as pack plans keep.
+            gather.pair_offsets = self.pair_offsets(&summary);
+            scatter.pair_offsets.clone_from(&gather.pair_offsets);
         }
         let network = network.finish(total);
         Ok(StagedPlan {

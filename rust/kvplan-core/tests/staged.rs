@@ -207,6 +207,15 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
             (got.base, vec![0; got.bytes.len()]),
         ],
     };
+    // Gather and scatter keep the direct plan's pairs; the network is one range.
+    for plan in [&staged.gather, &staged.scatter] {
+        assert_eq!(plan.pair_offsets.len(), direct.pair_offsets.len());
+        assert_eq!(plan.pair_offsets.last(), Some(&plan.lengths.len()));
+    }
+    assert_eq!(
+        staged.network.pair_offsets,
+        [0, staged.network.lengths.len()]
+    );
     for plan in [&staged.gather, &staged.network, &staged.scatter] {
         assert_eq!(plan.total_bytes, direct.total_bytes);
         assert_eq!(plan.lengths.iter().sum::<u64>(), direct.total_bytes);
