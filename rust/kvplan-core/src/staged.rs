@@ -93,7 +93,8 @@ impl Template {
     /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than what the
     /// plan places in it; [`PlanError::StagingSlotSizes`] when decode slots are needed and the
     /// pairs move different bytes; [`PlanError::Geometry`] for a coalesced group whose decode
-    /// entries are not consecutive page entries; [`PlanError::Overflow`].
+    /// entries are not consecutive page entries or TP sizes neither of which divides the other
+    /// ([`crate::heads::staging_writer`]); [`PlanError::Overflow`].
     pub fn plan_staged<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
@@ -137,7 +138,7 @@ impl Template {
             self.stream.prefill.tp_size,
             self.stream.prefill.tp_rank,
             self.stream.decode.tp_size,
-        );
+        )?;
         let placement = self.place_decode(&bounds, &range_bytes, writer)?;
         if placement.need > dst_staging.size {
             return Err(PlanError::StagingTooSmall {

@@ -772,3 +772,41 @@ fn unequal_pairs_have_no_decode_slots() {
     assert_eq!(staged.network.lengths.len(), 1);
     assert_eq!(staged.dst_staging_bytes, 4 * 2 * (64 + 32));
 }
+
+/// TP 6 → 4 (12 heads): decode rank 1 takes heads 3–5 from two prefill ranks, decode rank 0
+/// heads 0–2 from two others, with no fixed writer count a layout could place apart; staging
+/// refuses (the direct plan still works).
+#[test]
+fn tp_sizes_that_do_not_divide_are_refused() {
+    assert_eq!(kvplan_core::staging_writer(8, 5, 2).unwrap(), (1, 4));
+    assert_eq!(kvplan_core::staging_writer(2, 1, 8).unwrap(), (0, 1));
+    let case = Case {
+        heads: 12,
+        tp_p: 6,
+        tp_d: 4,
+        order: MemoryOrder::Nhd,
+        pp_p: 1,
+        page_sizes: (4, 4),
+        tokens: 8,
+        state: false,
+        layers: 2,
+    };
+    let src = layout(&case, Side::Src, 1, 0);
+    let dst = layout(&case, Side::Dst, 0, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    assert!(template.plan(&sp, &dp, None).unwrap().total_bytes > 0);
+    let err = template
+        .plan_staged(
+            &sp,
+            &dp,
+            None,
+            region(SRC_STAGING, 1 << 20),
+            region(DST_STAGING, 1 << 20),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, PlanError::Geometry { what } if what.contains("prefill TP 6, decode TP 4")),
+        "{err:?}"
+    );
+}
