@@ -93,7 +93,8 @@ impl Template {
     /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than what the
     /// plan places in it; [`PlanError::StagingSlotSizes`] when decode slots are needed and the
     /// pairs move different bytes; [`PlanError::Geometry`] for a coalesced group whose decode
-    /// entries are not consecutive page entries; [`PlanError::Overflow`].
+    /// entries are not consecutive page entries or TP sizes neither of which divides the other
+    /// ([`crate::heads::staging_writer`]); [`PlanError::Overflow`].
     pub fn plan_staged<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
@@ -137,7 +138,7 @@ impl Template {
             self.stream.prefill.tp_size,
             self.stream.prefill.tp_rank,
             self.stream.decode.tp_size,
-        );
+        )?;
         let placement = self.place_decode(&bounds, &range_bytes, writer)?;
         if placement.need > dst_staging.size {
             return Err(PlanError::StagingTooSmall {
@@ -151,7 +152,7 @@ impl Template {
         // gather rewrite overwrites them. Every address below lies inside its region: the
         // offsets plus the bytes are at most the sizes checked above.
         let mut network = PlanBuilder::default();
-        let mut scatter = PlanBuilder::default();
+        let mut scatter = PlanBuilder::with_capacity(n)?; // at most the direct plan's blocks
         let mut at = src_staging.addr;
         for (r, range) in bounds.get().windows(2).enumerate() {
             let staged = dst_staging.addr + placement.offsets[r];
@@ -169,8 +170,11 @@ impl Template {
         }
         network.end_pair();
         let (written, gather_offsets) = gather_in_place(columns, &bounds, src_staging.addr);
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(written)?;
-        let gather = Plan {
+        let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(written)?;
+        // The source column keeps the direct plan's allocation (three columns of every direct
+        // block); a gather is usually far smaller, so it gives the rest back.
+        src_addrs.shrink_to_fit();
+        let mut gather = Plan {
             src_addrs,
             dst_addrs,
             lengths,
@@ -180,8 +184,9 @@ impl Template {
         };
         let mut scatter = scatter.finish(total);
         if !bounds.by_pair {
-            // No pair structure (an empty plan): the direct plan's offsets, as pack plans keep.
-            scatter.pair_offsets = self.pair_offsets(&summary);
+            // No pair structure (no page pairs): the direct plan's offsets, as pack plans keep.
+            gather.pair_offsets = self.pair_offsets(&summary);
+            scatter.pair_offsets.clone_from(&gather.pair_offsets);
         }
         let network = network.finish(total);
         Ok(StagedPlan {

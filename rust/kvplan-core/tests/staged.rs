@@ -207,6 +207,15 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
             (got.base, vec![0; got.bytes.len()]),
         ],
     };
+    // Gather and scatter keep the direct plan's pairs; the network is one range.
+    for plan in [&staged.gather, &staged.scatter] {
+        assert_eq!(plan.pair_offsets.len(), direct.pair_offsets.len());
+        assert_eq!(plan.pair_offsets.last(), Some(&plan.lengths.len()));
+    }
+    assert_eq!(
+        staged.network.pair_offsets,
+        [0, staged.network.lengths.len()]
+    );
     for plan in [&staged.gather, &staged.network, &staged.scatter] {
         assert_eq!(plan.total_bytes, direct.total_bytes);
         assert_eq!(plan.lengths.iter().sum::<u64>(), direct.total_bytes);
@@ -601,5 +610,203 @@ fn copy_local_runs_local_plans_and_checks_blocks() {
     assert!(
         dst_dst.to_string().contains("destination buffer 1"),
         "{dst_dst}"
+    );
+}
+
+/// Prefill PP 2 on cross-layer pools: each stage's pool coalesces its layers into one block
+/// range, which takes that many consecutive decode slots; the stages' staged plans write what
+/// their direct plans write and tile the decode region with one network block each.
+#[test]
+fn coalesced_pool_stages_take_consecutive_slots() {
+    const ITEM: u64 = 32; // one K or V item of a page
+    const LAYERS: u64 = 4;
+    let pool = |layers: std::ops::Range<i64>, base: u64, pages: u64, stage: u32, pp: u32| {
+        let ids: Vec<i64> = layers.flat_map(|l| [l, l]).collect();
+        let roles = ids
+            .iter()
+            .enumerate()
+            .map(|(i, _)| if i % 2 == 0 { "k" } else { "v" }.to_string())
+            .collect();
+        let stride = ITEM * ids.len() as u64;
+        let context = LayoutContext {
+            page_size: 4,
+            num_model_layers: Some(LAYERS),
+            pp_rank: stage,
+            pp_size: pp,
+            ..LayoutContext::default()
+        };
+        Layout::cross_layer(
+            base,
+            pages * stride,
+            Some(ids.clone()),
+            vec![ITEM; ids.len()],
+            Some(roles),
+            context,
+        )
+        .unwrap()
+    };
+    let dst = pool(0..LAYERS as i64, DST_BASE, 8, 0, 1);
+    let (src_pages, dst_pages) = (vec![0i64, 1, 2, 5], vec![6i64, 7, 1, 2]);
+    let mut covered = vec![0u8; 0];
+    for stage in 0..2u32 {
+        let half = LAYERS as i64 / 2;
+        let layers = i64::from(stage) * half..i64::from(stage + 1) * half;
+        let src = pool(layers, SRC_BASE, 8, stage, 2);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        assert_eq!(
+            template.groups().len(),
+            1,
+            "the stage's pairs coalesce into one group"
+        );
+        let direct = template.plan(&src_pages, &dst_pages, None).unwrap();
+        let staged = template
+            .plan_staged(
+                &src_pages,
+                &dst_pages,
+                None,
+                region(SRC_STAGING, 1 << 20),
+                region(DST_STAGING, 1 << 20),
+            )
+            .unwrap();
+        let source = Arena::numbered(&src);
+        let mut want = Arena::zeroed(&dst);
+        apply(&src, &dst, &direct, &source, &mut want);
+        let mut memory = Memory {
+            regions: vec![
+                (source.base, source.bytes.clone()),
+                (SRC_STAGING, vec![0; staged.src_staging_bytes as usize]),
+                (DST_STAGING, vec![0; staged.dst_staging_bytes as usize]),
+                (want.base, vec![0; want.bytes.len()]),
+            ],
+        };
+        for plan in [&staged.gather, &staged.network, &staged.scatter] {
+            memory.run(plan, &mut HashSet::default());
+        }
+        assert!(memory.regions[3].1 == want.bytes, "stage {stage}");
+        assert_eq!(staged.network.lengths.len(), 1);
+        // 8 decode entries × 4 pages × one item each.
+        assert_eq!(staged.dst_staging_bytes, 8 * 4 * ITEM);
+        if covered.is_empty() {
+            covered = vec![0; staged.dst_staging_bytes as usize];
+        }
+        let at = (staged.network.dst_addrs[0] - DST_STAGING) as usize;
+        assert_eq!(
+            at as u64,
+            u64::from(stage) * 4 * 4 * ITEM,
+            "stage {stage}'s first slot"
+        );
+        for c in &mut covered[at..at + staged.network.lengths[0] as usize] {
+            *c += 1;
+        }
+    }
+    assert!(
+        covered.iter().all(|&c| c == 1),
+        "the two stages tile the region"
+    );
+}
+
+/// Decode slots need one size per entry pair: K and V items of different sizes under PP are a
+/// typed error naming both sizes, not overlapping slots.
+#[test]
+fn unequal_pairs_have_no_decode_slots() {
+    let mha = |base: u64, stage: u32, pp: u32, layers: std::ops::Range<i64>| {
+        let ids: Vec<i64> = layers.collect();
+        let n = ids.len();
+        let ptrs: Vec<u64> = (0..2 * n as u64).map(|e| base + e * 4096).collect();
+        let context = LayoutContext {
+            page_size: 4,
+            num_model_layers: Some(4),
+            pp_rank: stage,
+            pp_size: pp,
+            ..LayoutContext::default()
+        };
+        Layout::mha(
+            ptrs[..n].to_vec(),
+            ptrs[n..].to_vec(),
+            vec![4096; n],
+            vec![4096; n],
+            vec![64; n],
+            vec![32; n],
+            Some(ids),
+            context,
+        )
+        .unwrap()
+    };
+    let src = mha(SRC_BASE, 1, 2, 2..4);
+    let dst = mha(DST_BASE, 0, 1, 0..4);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let err = template
+        .plan_staged(
+            &[0i64, 1],
+            &[3i64, 4],
+            None,
+            region(SRC_STAGING, 1 << 20),
+            region(DST_STAGING, 1 << 20),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanError::StagingSlotSizes {
+                first_pair: 0,
+                first_bytes: 128,
+                pair: 2,
+                bytes: 64
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("128 bytes per entry"), "{err}");
+    // At PP 1 the same items are packed back to back: no slots, no error.
+    let src = mha(SRC_BASE, 0, 1, 0..4);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let staged = template
+        .plan_staged(
+            &[0i64, 1],
+            &[3i64, 4],
+            None,
+            region(SRC_STAGING, 1 << 20),
+            region(DST_STAGING, 1 << 20),
+        )
+        .unwrap();
+    assert_eq!(staged.network.lengths.len(), 1);
+    assert_eq!(staged.dst_staging_bytes, 4 * 2 * (64 + 32));
+}
+
+/// TP 6 → 4 (12 heads): decode rank 1 takes heads 3–5 from two prefill ranks, decode rank 0
+/// heads 0–2 from two others, with no fixed writer count a layout could place apart; staging
+/// refuses (the direct plan still works).
+#[test]
+fn tp_sizes_that_do_not_divide_are_refused() {
+    assert_eq!(kvplan_core::staging_writer(8, 5, 2).unwrap(), (1, 4));
+    assert_eq!(kvplan_core::staging_writer(2, 1, 8).unwrap(), (0, 1));
+    let case = Case {
+        heads: 12,
+        tp_p: 6,
+        tp_d: 4,
+        order: MemoryOrder::Nhd,
+        pp_p: 1,
+        page_sizes: (4, 4),
+        tokens: 8,
+        state: false,
+        layers: 2,
+    };
+    let src = layout(&case, Side::Src, 1, 0);
+    let dst = layout(&case, Side::Dst, 0, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    assert!(template.plan(&sp, &dp, None).unwrap().total_bytes > 0);
+    let err = template
+        .plan_staged(
+            &sp,
+            &dp,
+            None,
+            region(SRC_STAGING, 1 << 20),
+            region(DST_STAGING, 1 << 20),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, PlanError::Geometry { what } if what.contains("prefill TP 6, decode TP 4")),
+        "{err:?}"
     );
 }
