@@ -195,7 +195,9 @@ pub fn staging_writer(prefill_tp: u32, prefill_rank: u32, decode_tp: u32) -> Res
     let (p, d) = (prefill_tp.max(1), decode_tp.max(1));
     if !p.is_multiple_of(d) && !d.is_multiple_of(p) {
         return Err(geometry(format!(
-            "staged plans need one TP size to divide the other (prefill TP {p}, decode TP {d}):              otherwise the prefill ranks filling one decode rank's staging region vary in              number and their shares cannot be laid out apart; plan the request directly"
+            "staged plans need one TP size to divide the other (prefill TP {p}, decode TP {d}): \
+             otherwise the prefill ranks filling one decode rank's staging region vary in \
+             number and their shares cannot be laid out apart; plan the request directly"
         )));
     }
     Ok(if p > d {
