@@ -11,6 +11,8 @@ read-only or overlapping destination) are checked with their messages. The full 
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -196,3 +198,26 @@ def test_copy_local_refuses_overlapping_memory() -> None:
     # Sources may overlap each other: they are only read.
     n = kvplan.copy_local(plan.gather, [src, src[: src.size // 2]], [staging])
     assert n == plan.src_staging_bytes and staging.any()
+
+
+def test_staged_plans_reuse_pooled_output_memory() -> None:
+    """A staged plan's gather and scatter live in two pooled buffers, like a direct plan's
+    columns: once the plans of one request die, planning it again allocates nothing fresh
+    (a large request otherwise spends most of its planning time faulting in new memory)."""
+    template, _, _ = _template()
+    src_pages, dst_pages = np.arange(3), np.array([5, 4, 3])
+    regions = {"src_staging": (1 << 40, 1 << 20), "dst_staging": (1 << 44, 1 << 20)}
+    want = template.plan_staged(src_pages, dst_pages, **regions)
+    lists = [p.as_lists() for p in (want.gather, want.network, want.scatter)]
+    del want
+    gc.collect()
+    _, _, hits0, misses0 = kvplan._core.pool_stats()
+    for _ in range(3):
+        plan = template.plan_staged(src_pages, dst_pages, **regions)
+        assert [p.as_lists() for p in (plan.gather, plan.network, plan.scatter)] == lists
+        assert plan.gather.n_blocks == plan.direct_blocks > plan.network.n_blocks == 1
+        del plan
+        gc.collect()
+    _, _, hits1, misses1 = kvplan._core.pool_stats()
+    assert misses1 == misses0, "steady state must not allocate fresh output memory"
+    assert hits1 == hits0 + 2 * 3  # gather and scatter, per plan

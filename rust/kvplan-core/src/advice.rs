@@ -20,7 +20,6 @@
 
 use crate::error::{PlanError, Result};
 use crate::runs::PageIndex;
-use crate::staged::StagingRegion;
 use crate::template::Template;
 
 /// What moving bytes costs on one engine, measured once (see `kvplan.engines.measure_cost`).
@@ -155,11 +154,11 @@ pub fn advise(
 impl Template {
     /// Direct or staged for one request on an engine of this cost: [`advise`] over the
     /// request's own counts, the blocks of its direct plan and of its staged network plan
-    /// (this template's writer position included), from [`Template::plan_staged`].
+    /// (this template's writer position included), and its bytes (which the gather and the
+    /// scatter each copy), from [`Template::staged_counts`]: nothing is planned.
     ///
     /// # Errors
-    /// As [`Template::plan_staged`] for the same request, except that no staging region can be
-    /// too small: the counts are taken with regions spanning the whole address space.
+    /// As [`Template::staged_counts`].
     pub fn transfer_advice<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
@@ -167,20 +166,13 @@ impl Template {
         n_tokens: Option<u64>,
         cost: &TransferCost,
     ) -> Result<Advice> {
-        // Blocks merge by offsets inside the regions (contiguous on both sides), never by
-        // where the regions start, so regions over the whole address space give the counts of
-        // any real regions.
-        let whole = StagingRegion {
-            addr: 0,
-            size: u64::MAX,
-        };
-        let staged = self.plan_staged(src, dst, n_tokens, whole, whole)?;
+        let counts = self.staged_counts(src, dst, n_tokens)?;
         Ok(advise(
-            staged.direct_blocks,
-            staged.network.src_addrs.len(),
-            staged.network.total_bytes,
-            staged.gather.total_bytes,
-            staged.scatter.total_bytes,
+            counts.direct_blocks,
+            counts.network_blocks,
+            counts.bytes,
+            counts.bytes,
+            counts.bytes,
             cost,
         ))
     }

@@ -67,6 +67,6 @@ pub use plan::{
 };
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
-pub use staged::{StagedPlan, StagingRegion};
+pub use staged::{StagedCounts, StagedPlan, StagedSummary, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};
 pub use tokens::TokenTemplate;

@@ -275,21 +275,6 @@ pub(crate) struct PlanBuilder {
 }
 
 impl PlanBuilder {
-    /// A builder with room for `blocks` blocks (a bound the caller knows: the direct plan's).
-    ///
-    /// # Errors
-    /// [`PlanError::OutOfMemory`].
-    pub(crate) fn with_capacity(blocks: usize) -> Result<Self> {
-        let mut builder = Self::default();
-        let p = &mut builder.plan;
-        for column in [&mut p.src_addrs, &mut p.dst_addrs, &mut p.lengths] {
-            column
-                .try_reserve_exact(blocks)
-                .map_err(|_| PlanError::out_of_memory::<u64>("plan column", blocks))?;
-        }
-        Ok(builder)
-    }
-
     /// Appends a block, merged into the previous one when it belongs to the same pair range
     /// and continues it on both sides.
     pub(crate) fn push_merged(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {

@@ -46,6 +46,31 @@ pub struct PlanShape {
     pub unit: PlanUnit,
 }
 
+impl PlanShape {
+    /// The summary a plan of this shape has once emitted (its counts are known before any
+    /// output exists), so block offsets and bytes per pair can be read without planning.
+    pub fn summary(&self) -> PlanSummary {
+        match self.unit {
+            PlanUnit::Pages(found) => PlanSummary {
+                n_runs: found.n_runs,
+                n_blocks: self.n_blocks, // 0 without pieces or pages
+                total_bytes: self.total_bytes,
+                n_pages: found.n_pages,
+                tokens: None,
+                state: false,
+            },
+            PlanUnit::Tokens(tokens) => PlanSummary {
+                n_runs: tokens.n_segments,
+                n_blocks: tokens.n_blocks,
+                total_bytes: tokens.total_bytes,
+                n_pages: 0,
+                tokens: Some(tokens),
+                state: false,
+            },
+        }
+    }
+}
+
 /// Whether a request is planned by page (index pairs copied item by item) or by token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlanUnit {

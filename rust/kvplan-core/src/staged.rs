@@ -43,7 +43,7 @@
 use crate::error::{PlanError, Result};
 use crate::heads::staging_writer;
 use crate::pack::{PackBuffer, PairBounds, PlanBuilder, gather_in_place, plan_bytes};
-use crate::plan::{AsColumns, FlatBuffer, Plan, PlanShape, PlanUnit};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanUnit};
 use crate::runs::PageIndex;
 use crate::template::Template;
 
@@ -73,6 +73,63 @@ pub struct StagedPlan {
     pub writer: (u32, u32),
 }
 
+/// What [`Template::plan_staged_into`] leaves besides the gather and scatter columns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StagedSummary {
+    /// Blocks of the gather plan (the first values of the first output's columns).
+    pub gather_blocks: usize,
+    /// Block offsets of the gather plan's pair ranges.
+    pub gather_pair_offsets: Vec<usize>,
+    /// Blocks of the scatter plan (the first values of the second output's columns).
+    pub scatter_blocks: usize,
+    /// Block offsets of the scatter plan's pair ranges.
+    pub scatter_pair_offsets: Vec<usize>,
+    /// The network plan (small: at most one block per pair range).
+    pub network: Plan,
+    /// Bytes of the plan (gather, network and scatter each move them).
+    pub total_bytes: u64,
+    /// As [`StagedPlan::dst_staging_range`].
+    pub dst_staging_range: (u64, u64),
+    /// As [`StagedPlan::dst_staging_bytes`].
+    pub dst_staging_bytes: u64,
+    /// As [`StagedPlan::direct_blocks`].
+    pub direct_blocks: usize,
+    /// As [`StagedPlan::writer`].
+    pub writer: (u32, u32),
+}
+
+/// A staged plan's counts, known without planning it (what the direct-or-staged advice needs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedCounts {
+    /// Blocks of the request's direct plan.
+    pub direct_blocks: usize,
+    /// Blocks of the staged network plan (this template's writer position included).
+    pub network_blocks: usize,
+    /// Bytes of the request: what the network moves either way, and what the gather and the
+    /// scatter each copy.
+    pub bytes: u64,
+}
+
+/// Everything of a staged plan that is known before its gather and scatter are emitted: the
+/// one derivation [`Template::plan_staged_into`] emits from and [`Template::staged_counts`]
+/// counts from.
+struct StagedLayout {
+    /// The `n_tokens` the gather and scatter are derived with.
+    tokens: Option<u64>,
+    /// The shape of that plan.
+    shape: PlanShape,
+    /// Its pair offsets, and the block ranges they make.
+    pair_offsets: Vec<usize>,
+    bounds: PairBounds,
+    /// Bytes of every range.
+    range_bytes: Vec<u64>,
+    /// Offset of every range in the decode region.
+    placement: DecodePlacement,
+    network: Plan,
+    direct_blocks: usize,
+    writer: (u32, u32),
+}
+
 /// Where each pair range of a direct plan lands in the decode region.
 struct DecodePlacement {
     /// Per pair range, its offset in the decode region.
@@ -85,16 +142,153 @@ struct DecodePlacement {
     layout: String,
 }
 
+/// Writes the scatter of a direct plan's blocks (`dst_addrs`, `lengths`: its destination and
+/// length columns) into `out`: range `r`'s blocks read back to back from `base +
+/// offsets[r]`, merged within a range when both sides continue. Returns the scatter's blocks
+/// and range offsets.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when a range's blocks do not add up to its bytes (the emitted
+/// plan differs from the validated shape), so no block reaches past the range's place.
+fn scatter_into(
+    (dst_addrs, lengths): (&[u64], &[u64]),
+    out: Columns<'_>,
+    bounds: &PairBounds,
+    (base, offsets): (u64, &[u64]),
+    range_bytes: &[u64],
+) -> Result<(usize, Vec<usize>)> {
+    let bounds = bounds.get();
+    let mut pair_offsets = Vec::with_capacity(bounds.len());
+    pair_offsets.push(0);
+    let mut written = 0usize; // <= blocks read, and the output holds every direct block
+    let mut put = |written: &mut usize, (s, d, l): (u64, u64, u64)| {
+        (
+            out.src_addrs[*written],
+            out.dst_addrs[*written],
+            out.lengths[*written],
+        ) = (s, d, l);
+        *written += 1;
+    };
+    for (r, range) in bounds.windows(2).enumerate() {
+        let (start, bytes) = (base + offsets[r], range_bytes[r]);
+        let mut at = start;
+        // The open scatter block of this range (written out when the next does not continue it).
+        let mut open: Option<(u64, u64, u64)> = None;
+        for (&d, &l) in dst_addrs[range[0]..range[1]]
+            .iter()
+            .zip(&lengths[range[0]..range[1]])
+        {
+            open = match open {
+                Some((os, od, ol)) if od.wrapping_add(ol) == d => Some((os, od, ol + l)),
+                Some(done) => {
+                    put(&mut written, done);
+                    Some((at, d, l))
+                }
+                None => Some((at, d, l)),
+            };
+            at = at.saturating_add(l);
+        }
+        // Each range's blocks add up to its bytes, so every block stays inside its place (else
+        // the whole plan is refused).
+        if at - start != bytes {
+            return Err(PlanError::InputChanged);
+        }
+        if let Some(done) = open {
+            put(&mut written, done);
+        }
+        pair_offsets.push(written);
+    }
+    Ok((written, pair_offsets))
+}
+
 impl Template {
-    /// Plans one request (as [`Template::plan`]) as a staged plan through `src_staging` (prefill
-    /// memory) and `dst_staging` (decode memory); see the [`crate::staged`] module.
+    /// Plans one request (as [`Template::plan_into`]) as a staged plan through `src_staging`
+    /// (prefill memory) and `dst_staging` (decode memory); see the [`crate::staged`] module.
+    ///
+    /// Once both regions are checked, `make_outputs` receives the shape of the plan the stages
+    /// derive from and returns two outputs of at least `shape.n_blocks` values per column (a
+    /// pooled buffer, a caller's arrays…): the plan is emitted into the first and rewritten in
+    /// place into the gather, the scatter is written into the second. Nothing else of the
+    /// plan's size is allocated.
     ///
     /// # Errors
-    /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than what the
-    /// plan places in it; [`PlanError::StagingSlotSizes`] when decode slots are needed and the
-    /// pairs move different bytes; [`PlanError::Geometry`] for a coalesced group whose decode
-    /// entries are not consecutive page entries or TP sizes neither of which divides the other
-    /// ([`crate::heads::staging_writer`]); [`PlanError::Overflow`].
+    /// As [`Template::plan_into`]; [`PlanError::StagingTooSmall`] for a region smaller than
+    /// what the plan places in it; [`PlanError::StagingSlotSizes`] when decode slots are
+    /// needed and the pairs move different bytes; [`PlanError::Geometry`] for a coalesced group
+    /// whose decode entries are not consecutive page entries or TP sizes neither of which
+    /// divides the other ([`crate::heads::staging_writer`]); [`PlanError::OutputTooSmall`];
+    /// [`PlanError::Overflow`].
+    #[allow(clippy::too_many_arguments)] // the request, two regions and the output source
+    pub fn plan_staged_into<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        src_staging: StagingRegion,
+        dst_staging: StagingRegion,
+        make_outputs: impl FnOnce(&PlanShape) -> Result<(O, P)>,
+    ) -> Result<(O, P, StagedSummary)>
+    where
+        O: AsColumns<'o>,
+        P: AsColumns<'p>,
+    {
+        let layout = self.staged_layout(src, dst, n_tokens, src_staging, dst_staging)?;
+        let mut second = None;
+        let (mut output, summary) = self.plan_into(src, dst, layout.tokens, |shape| {
+            if *shape != layout.shape {
+                return Err(PlanError::InputChanged);
+            }
+            let (first, scatter) = make_outputs(shape)?;
+            second = Some(scatter);
+            Ok(first)
+        })?;
+        let mut scatter_output = second.ok_or(PlanError::InputChanged)?;
+        let n = summary.n_blocks;
+        let columns = output.columns();
+        let scatter_columns = scatter_output.columns();
+        if scatter_columns.capacity() < n {
+            return Err(PlanError::OutputTooSmall {
+                have: scatter_columns.capacity(),
+                need: n,
+            });
+        }
+        // The scatter reads the direct destinations, so it is written before the gather
+        // rewrite overwrites them. Every address lies inside its region: the offsets plus the
+        // range bytes are at most the sizes checked, and each range's blocks are checked to
+        // add up to its bytes (the plan is refused otherwise).
+        let (scatter_blocks, mut scatter_pair_offsets) = scatter_into(
+            (&columns.dst_addrs[..n], &columns.lengths[..n]),
+            scatter_columns,
+            &layout.bounds,
+            (dst_staging.addr, &layout.placement.offsets),
+            &layout.range_bytes,
+        )?;
+        let (gather_blocks, mut gather_pair_offsets) =
+            gather_in_place(columns, &layout.bounds, src_staging.addr);
+        if !layout.bounds.by_pair {
+            // No pair structure (no page pairs): the direct plan's offsets, as pack plans keep.
+            gather_pair_offsets.clone_from(&layout.pair_offsets);
+            scatter_pair_offsets.clone_from(&layout.pair_offsets);
+        }
+        let staged = StagedSummary {
+            gather_blocks,
+            gather_pair_offsets,
+            scatter_blocks,
+            scatter_pair_offsets,
+            network: layout.network,
+            total_bytes: layout.shape.total_bytes,
+            dst_staging_range: layout.placement.range,
+            dst_staging_bytes: layout.placement.need,
+            direct_blocks: layout.direct_blocks,
+            writer: layout.writer,
+        };
+        Ok((output, scatter_output, staged))
+    }
+
+    /// Allocating convenience over [`Template::plan_staged_into`].
+    ///
+    /// # Errors
+    /// As [`Template::plan_staged_into`].
     pub fn plan_staged<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
@@ -103,6 +297,74 @@ impl Template {
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
     ) -> Result<StagedPlan> {
+        let (gather, scatter, staged) =
+            self.plan_staged_into(src, dst, n_tokens, src_staging, dst_staging, |shape| {
+                let output = || FlatBuffer::try_zeroed(shape.n_blocks);
+                Ok((output()?, output()?))
+            })?;
+        let owned = |buffer: FlatBuffer, n: usize, pair_offsets: Vec<usize>| -> Result<Plan> {
+            let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(n)?;
+            // The source column keeps the allocation of every direct block; give the rest back.
+            src_addrs.shrink_to_fit();
+            Ok(Plan {
+                src_addrs,
+                dst_addrs,
+                lengths,
+                n_runs: n,
+                total_bytes: staged.total_bytes,
+                pair_offsets,
+            })
+        };
+        Ok(StagedPlan {
+            gather: owned(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
+            scatter: owned(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
+            network: staged.network,
+            src_staging_bytes: staged.total_bytes,
+            dst_staging_range: staged.dst_staging_range,
+            dst_staging_bytes: staged.dst_staging_bytes,
+            direct_blocks: staged.direct_blocks,
+            writer: staged.writer,
+        })
+    }
+
+    /// The counts of the staged plan of one request ([`Template::plan_staged`]) without
+    /// planning it: the direct plan's blocks from its shape, the network plan from the pairs'
+    /// bytes and their decode placement (the same derivation the staged plan is built from),
+    /// the bytes from the plan's shape.
+    ///
+    /// # Errors
+    /// As [`Template::plan_staged`] for the same request, except that no staging region can be
+    /// too small: the counts are taken with regions spanning the whole address space (blocks
+    /// merge by offsets inside the regions, never by where the regions start, so these are the
+    /// counts of any real regions).
+    pub fn staged_counts<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<StagedCounts> {
+        let whole = StagingRegion {
+            addr: 0,
+            size: u64::MAX,
+        };
+        let layout = self.staged_layout(src, dst, n_tokens, whole, whole)?;
+        Ok(StagedCounts {
+            direct_blocks: layout.direct_blocks,
+            network_blocks: layout.network.lengths.len(),
+            bytes: layout.shape.total_bytes,
+        })
+    }
+
+    /// Validates a staged request and derives everything but its gather and scatter columns
+    /// (see [`StagedLayout`]), checking both regions before any output exists.
+    fn staged_layout<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        src_staging: StagingRegion,
+        dst_staging: StagingRegion,
+    ) -> Result<StagedLayout> {
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),
@@ -113,27 +375,23 @@ impl Template {
                 .ok_or(PlanError::Overflow { what })?;
         }
         let direct = self.prepare(src, dst, n_tokens)?;
-        let staged_tokens = self.staging_tokens(src, dst, n_tokens, &direct);
-        let (mut buffer, summary) = self.plan_into(src, dst, staged_tokens, |shape| {
-            if shape.total_bytes > src_staging.size {
-                return Err(PlanError::StagingTooSmall {
-                    region: "prefill",
-                    need: shape.total_bytes,
-                    have: src_staging.size,
-                    layout: format!("the gather of {} blocks", shape.n_blocks),
-                });
-            }
-            FlatBuffer::try_zeroed(shape.n_blocks)
-        })?;
-        let n = summary.n_blocks;
-        let bounds = PairBounds::of(&self.pair_offsets(&summary), n);
-        let columns = buffer.columns();
-        let range_bytes: Vec<u64> = bounds
-            .get()
-            .windows(2)
-            .map(|r| plan_bytes(&columns.lengths[r[0]..r[1]]))
-            .collect::<Result<_>>()?;
-        let total = plan_bytes(&range_bytes)?;
+        let (tokens, shape) = self.staging_tokens(src, dst, n_tokens, direct);
+        if shape.total_bytes > src_staging.size {
+            return Err(PlanError::StagingTooSmall {
+                region: "prefill",
+                need: shape.total_bytes,
+                have: src_staging.size,
+                layout: format!("the gather of {} blocks", shape.n_blocks),
+            });
+        }
+        let summary = shape.summary();
+        let pair_offsets = self.pair_offsets(&summary);
+        let bounds = PairBounds::of(&pair_offsets, shape.n_blocks);
+        let range_bytes = if bounds.by_pair {
+            self.pair_bytes(&summary)?
+        } else {
+            vec![shape.total_bytes]
+        };
         let writer = staging_writer(
             self.stream.prefill.tp_size,
             self.stream.prefill.tp_rank,
@@ -148,83 +406,58 @@ impl Template {
                 layout: placement.layout,
             });
         }
-        // Network and scatter read the direct destinations, so they are built before the
-        // gather rewrite overwrites them. Every address below lies inside its region: the
-        // offsets plus the bytes are at most the sizes checked above.
+        // One block per moving range, merged with the previous one when it continues on both
+        // sides (the prefill side always does: ranges back to back).
         let mut network = PlanBuilder::default();
-        let mut scatter = PlanBuilder::with_capacity(n)?; // at most the direct plan's blocks
         let mut at = src_staging.addr;
-        for (r, range) in bounds.get().windows(2).enumerate() {
-            let staged = dst_staging.addr + placement.offsets[r];
-            if range_bytes[r] > 0 {
-                network.push_merged((at, staged, range_bytes[r]))?;
+        for (r, &bytes) in range_bytes.iter().enumerate() {
+            if bytes > 0 {
+                let staged = dst_staging.addr + placement.offsets[r];
+                network.push_merged((at, staged, bytes))?;
             }
-            let mut off = 0;
-            for k in range[0]..range[1] {
-                let (d, l) = (columns.dst_addrs[k], columns.lengths[k]);
-                scatter.push_merged((staged + off, d, l))?;
-                off += l;
-            }
-            scatter.end_pair();
-            at += range_bytes[r];
+            at += bytes;
         }
         network.end_pair();
-        let (written, gather_offsets) = gather_in_place(columns, &bounds, src_staging.addr);
-        let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(written)?;
-        // The source column keeps the direct plan's allocation (three columns of every direct
-        // block); a gather is usually far smaller, so it gives the rest back.
-        src_addrs.shrink_to_fit();
-        let mut gather = Plan {
-            src_addrs,
-            dst_addrs,
-            lengths,
-            n_runs: written,
-            total_bytes: total,
-            pair_offsets: gather_offsets,
-        };
-        let mut scatter = scatter.finish(total);
-        if !bounds.by_pair {
-            // No pair structure (no page pairs): the direct plan's offsets, as pack plans keep.
-            gather.pair_offsets = self.pair_offsets(&summary);
-            scatter.pair_offsets.clone_from(&gather.pair_offsets);
-        }
-        let network = network.finish(total);
-        Ok(StagedPlan {
-            gather,
+        let network = network.finish(shape.total_bytes);
+        Ok(StagedLayout {
+            tokens,
+            shape,
+            pair_offsets,
+            bounds,
+            range_bytes,
+            placement,
             network,
-            scatter,
-            src_staging_bytes: total,
-            dst_staging_range: placement.range,
-            dst_staging_bytes: placement.need,
             direct_blocks: direct.n_blocks,
             writer,
         })
     }
 
-    /// The `n_tokens` the staged plan is derived with: a page request is staged from its token
-    /// plan when that moves the same bytes in no more blocks (token-major order within each
-    /// pair), else from its page plan; a token request as given.
+    /// The `n_tokens` the staged plan is derived with, and that plan's shape: a page request
+    /// is staged from its token plan when that moves the same bytes in no more blocks
+    /// (token-major order within each pair), else from its page plan; a token request as given.
     fn staging_tokens<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
         n_tokens: Option<u64>,
-        direct: &PlanShape,
-    ) -> Option<u64> {
+        direct: PlanShape,
+    ) -> (Option<u64>, PlanShape) {
         let PlanUnit::Pages(found) = direct.unit else {
-            return n_tokens;
+            return (n_tokens, direct);
         };
         if found.n_pages == 0 || self.tokens.is_err() {
-            return None;
+            return (None, direct);
         }
-        let tokens = (src.len() as u64).checked_mul(self.page_sizes.0)?;
+        let Some(tokens) = (src.len() as u64).checked_mul(self.page_sizes.0) else {
+            return (None, direct);
+        };
         match self.prepare(src, dst, Some(tokens)) {
             Ok(shape)
                 if shape.total_bytes == direct.total_bytes && shape.n_blocks <= direct.n_blocks =>
             {
-                Some(tokens)
+                (Some(tokens), shape)
             }
-            _ => None,
+            _ => (None, direct),
         }
     }
 

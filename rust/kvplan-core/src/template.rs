@@ -9,7 +9,9 @@ use crate::error::{PlanError, Result, Side};
 use crate::groups::{LayerGroups, SliceKey, StreamFacts};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout};
-use crate::pieces::{Fragment, Fragments, PairSpec, Piece, TOKEN_CLASSES, TokenMap, total_len};
+use crate::pieces::{
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, TOKEN_CLASSES, TokenMap, total_len,
+};
 use crate::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
@@ -581,14 +583,7 @@ impl Template {
                 let token_pieces = self.token_template()?;
                 let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
                 emit_tokens(token_pieces, src, dst, limits, &tokens, out)?;
-                PlanSummary {
-                    n_runs: tokens.n_segments,
-                    n_blocks: tokens.n_blocks,
-                    total_bytes: tokens.total_bytes,
-                    n_pages: 0,
-                    tokens: Some(tokens),
-                    state: false,
-                }
+                shape.summary()
             }
         };
         Ok((output, summary))
@@ -603,14 +598,7 @@ impl Template {
         out: Columns<'_>,
     ) -> Result<PlanSummary> {
         let pieces = &self.pieces;
-        let summary = PlanSummary {
-            n_runs: found.n_runs,
-            n_blocks: shape.n_blocks, // 0 without pieces or pages
-            total_bytes: shape.total_bytes,
-            n_pages: found.n_pages,
-            tokens: None,
-            state: false,
-        };
+        let summary = shape.summary();
         if pieces.is_empty() || found.n_pages == 0 {
             return Ok(summary);
         }
@@ -996,6 +984,45 @@ impl Template {
             .map_or(0, |g| g.n_blocks(summary.n_runs, summary.n_pages))
     }
 
+    /// Bytes group `group` moves in a plan of this shape: the twin of
+    /// [`Template::group_blocks`], so a request's bytes per block range are known before it is
+    /// planned (a staged plan's layout and its counts for the advice).
+    ///
+    /// # Errors
+    /// [`PlanError::Overflow`]; the template's token error for a token summary (which only a
+    /// template that plans by token has).
+    pub fn group_bytes(&self, group: usize, summary: &PlanSummary) -> Result<u64> {
+        let overflow = || PlanError::Overflow {
+            what: "group bytes",
+        };
+        if summary.state {
+            return Ok(self.state_pieces.get(group).map_or(0, |p| p.len));
+        }
+        let Some(g) = self.groups.get(group) else {
+            return Ok(0);
+        };
+        if let Some(shape) = &summary.tokens {
+            let tokens = self.token_template()?;
+            let pieces = &tokens.pieces
+                [tokens.pair_pieces[g.first_pair].0..tokens.pair_pieces[g.last_pair].1];
+            // A lane's class-0 count is its moved tokens: every piece of the lane moves its
+            // length for each of them.
+            return pieces.iter().try_fold(0u64, |sum, piece| {
+                let lane = tokens.class_of(piece) / PIECE_CLASSES;
+                let moved = shape.class_blocks[lane * PIECE_CLASSES] as u64;
+                piece
+                    .len
+                    .checked_mul(moved)
+                    .and_then(|b| b.checked_add(sum))
+                    .ok_or_else(overflow)
+            });
+        }
+        let pieces = &self.pieces[g.first_piece..g.first_piece + g.n_pieces];
+        total_len(pieces, "group bytes")?
+            .checked_mul(summary.n_pages as u64)
+            .ok_or_else(overflow)
+    }
+
     /// Groups of a plan of this kind (the page groups, or a state plan's moving state pairs).
     pub fn n_groups(&self, summary: &PlanSummary) -> usize {
         if summary.state {
@@ -1037,6 +1064,24 @@ impl Template {
             Some(g) if owns(p, g) => self.group_blocks(g, summary),
             _ => 0,
         }))
+    }
+
+    /// Bytes of every pair's block range (see [`Template::pair_offsets`]) in a plan of this
+    /// shape: a group's bytes belong to its last pair, other pairs own none.
+    ///
+    /// # Errors
+    /// As [`Template::group_bytes`].
+    pub fn pair_bytes(&self, summary: &PlanSummary) -> Result<Vec<u64>> {
+        let groups = self.plan_pair_groups(summary);
+        let owns = |p: usize, g: usize| summary.state || self.groups[g].last_pair == p;
+        groups
+            .iter()
+            .enumerate()
+            .map(|(p, group)| match *group {
+                Some(g) if owns(p, g) => self.group_bytes(g, summary),
+                _ => Ok(0),
+            })
+            .collect()
     }
 }
 

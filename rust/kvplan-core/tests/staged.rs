@@ -9,8 +9,8 @@
 mod support;
 
 use kvplan_core::{
-    AttentionGeometry, Layout, LayoutContext, MemoryOrder, Plan, PlanError, Side, StagedPlan,
-    StagingRegion, Template, TemplateOptions, TpSplit, copy_local,
+    AttentionGeometry, FlatBuffer, Layout, LayoutContext, MemoryOrder, Plan, PlanError, Side,
+    StagedCounts, StagedPlan, StagingRegion, Template, TemplateOptions, TpSplit, copy_local,
 };
 use std::collections::HashSet;
 
@@ -233,6 +233,28 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
         "{case:?}: {:?}",
         staged.network
     );
+    // The counts the advice takes without planning are the materialised plan's, and the
+    // bytes per pair range it derives them from are the direct plan's.
+    let counts = template.staged_counts(&sp, &dp, case.n_tokens()).unwrap();
+    assert_eq!(
+        counts,
+        StagedCounts {
+            direct_blocks: direct.lengths.len(),
+            network_blocks: staged.network.lengths.len(),
+            bytes: staged.gather.total_bytes,
+        },
+        "{case:?} r_p={r_p} stage={stage} r_d={r_d}"
+    );
+    let summary = template
+        .prepare(&sp, &dp, case.n_tokens())
+        .unwrap()
+        .summary();
+    let planned: Vec<u64> = direct
+        .pair_offsets
+        .windows(2)
+        .map(|r| direct.lengths[r[0]..r[1]].iter().sum())
+        .collect();
+    assert_eq!(template.pair_bytes(&summary).unwrap(), planned, "{case:?}");
     // The network stays inside this writer's share of the decode region.
     let (start, end) = staged.dst_staging_range;
     for k in 0..staged.network.lengths.len() {
@@ -807,6 +829,75 @@ fn tp_sizes_that_do_not_divide_are_refused() {
         .unwrap_err();
     assert!(
         matches!(&err, PlanError::Geometry { what } if what.contains("prefill TP 6, decode TP 4")),
+        "{err:?}"
+    );
+}
+
+/// `plan_staged_into` writes gather and scatter into the caller's two outputs (the allocating
+/// `plan_staged` is the same plan), and refuses a scatter output that cannot hold the plan's
+/// blocks before writing any of it.
+#[test]
+fn staged_into_caller_outputs() {
+    let case = Case {
+        heads: 8,
+        tp_p: 8,
+        tp_d: 2,
+        order: MemoryOrder::Nhd,
+        pp_p: 1,
+        page_sizes: (16, 16),
+        tokens: 48,
+        state: false,
+        layers: 2,
+    };
+    let src = layout(&case, Side::Src, 1, 0);
+    let dst = layout(&case, Side::Dst, 0, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    let regions = (region(SRC_STAGING, 1 << 20), region(DST_STAGING, 1 << 20));
+    let want = template
+        .plan_staged(&sp, &dp, None, regions.0, regions.1)
+        .unwrap();
+    let (gather, scatter, summary) = template
+        .plan_staged_into(&sp, &dp, None, regions.0, regions.1, |shape| {
+            Ok((
+                FlatBuffer::zeroed(shape.n_blocks),
+                FlatBuffer::zeroed(shape.n_blocks),
+            ))
+        })
+        .unwrap();
+    let columns = |b: &FlatBuffer, n: usize| {
+        let c = b.capacity;
+        (
+            b.data[..n].to_vec(),
+            b.data[c..c + n].to_vec(),
+            b.data[2 * c..2 * c + n].to_vec(),
+        )
+    };
+    let of = |p: &Plan| (p.src_addrs.clone(), p.dst_addrs.clone(), p.lengths.clone());
+    assert_eq!(columns(&gather, summary.gather_blocks), of(&want.gather));
+    assert_eq!(columns(&scatter, summary.scatter_blocks), of(&want.scatter));
+    assert_eq!(summary.gather_pair_offsets, want.gather.pair_offsets);
+    assert_eq!(summary.scatter_pair_offsets, want.scatter.pair_offsets);
+    assert_eq!(summary.network, want.network);
+    assert_eq!(
+        (summary.total_bytes, summary.direct_blocks, summary.writer),
+        (want.src_staging_bytes, want.direct_blocks, want.writer)
+    );
+    // Many blocks (one per token per entry), one network block.
+    assert_eq!(want.scatter.lengths.len(), want.direct_blocks);
+    assert_eq!(want.network.lengths.len(), 1);
+
+    let err = template
+        .plan_staged_into(&sp, &dp, None, regions.0, regions.1, |shape| {
+            Ok((
+                FlatBuffer::zeroed(shape.n_blocks),
+                FlatBuffer::zeroed(shape.n_blocks - 1),
+            ))
+        })
+        .unwrap_err();
+    let need = want.direct_blocks;
+    assert!(
+        matches!(err, PlanError::OutputTooSmall { have, need: n } if have == need - 1 && n == need),
         "{err:?}"
     );
 }

@@ -113,6 +113,15 @@ pub struct PyTemplate {
     fingerprints: Option<(u64, u64)>,
 }
 
+/// Output columns for a plan of this shape, from the pool (warm memory when a plan of similar
+/// size has died since).
+fn pooled(shape: &kvplan_core::PlanShape) -> kvplan_core::Result<FlatBuffer> {
+    Ok(FlatBuffer {
+        data: pool::take(shape.n_blocks.saturating_mul(3))?,
+        capacity: shape.n_blocks,
+    })
+}
+
 /// One request (`n_tokens` as given) planned into a pooled buffer; the core decides between a
 /// page and a token plan.
 struct PlanPooled<'t>(&'t Template, Option<u64>);
@@ -120,12 +129,7 @@ struct PlanPooled<'t>(&'t Template, Option<u64>);
 impl IndexVisitor for PlanPooled<'_> {
     type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_into(src, dst, self.1, |shape| {
-            Ok(FlatBuffer {
-                data: pool::take(shape.n_blocks.saturating_mul(3))?,
-                capacity: shape.n_blocks,
-            })
-        })
+        self.0.plan_into(src, dst, self.1, pooled)
     }
 }
 
@@ -148,12 +152,7 @@ struct PlanPacked<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
 impl IndexVisitor for PlanPacked<'_> {
     type Output = kvplan_core::Result<(FlatBuffer, kvplan_core::PackedSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_packed_into(src, dst, self.1, self.2, |shape| {
-            Ok(FlatBuffer {
-                data: pool::take(shape.n_blocks.saturating_mul(3))?,
-                capacity: shape.n_blocks,
-            })
-        })
+        self.0.plan_packed_into(src, dst, self.1, self.2, pooled)
     }
 }
 
@@ -166,9 +165,12 @@ struct PlanStaged<'t>(
 );
 
 impl IndexVisitor for PlanStaged<'_> {
-    type Output = kvplan_core::Result<kvplan_core::StagedPlan>;
+    type Output = kvplan_core::Result<(FlatBuffer, FlatBuffer, kvplan_core::StagedSummary)>;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_staged(src, dst, self.1, self.2, self.3)
+        self.0
+            .plan_staged_into(src, dst, self.1, self.2, self.3, |shape| {
+                Ok((pooled(shape)?, pooled(shape)?))
+            })
     }
 }
 
@@ -463,23 +465,34 @@ impl PyTemplate {
             region(src_staging),
             region(dst_staging),
         );
-        let staged = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
-        let part = |mut plan: kvplan_core::Plan| -> PyResult<Py<PyTransferPlan>> {
-            let columns = [
-                std::mem::take(&mut plan.src_addrs),
-                std::mem::take(&mut plan.dst_addrs),
-                std::mem::take(&mut plan.lengths),
-            ]
-            .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let (gather, scatter, staged) = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+        let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
+            let plan = kvplan_core::Plan {
+                n_runs: n_blocks,
+                total_bytes: staged.total_bytes,
+                pair_offsets,
+                ..kvplan_core::Plan::default()
+            };
             let half =
                 PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints);
             Py::new(py, half)
         };
+        let pooled_part = |buffer: FlatBuffer, n_blocks, pair_offsets| {
+            let columns = pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?;
+            part(columns, n_blocks, pair_offsets)
+        };
+        let mut network = staged.network;
+        let network_columns = [
+            std::mem::take(&mut network.src_addrs),
+            std::mem::take(&mut network.dst_addrs),
+            std::mem::take(&mut network.lengths),
+        ]
+        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
         Ok(crate::staged::PyStagedPlan {
-            gather: part(staged.gather)?,
-            network: part(staged.network)?,
-            scatter: part(staged.scatter)?,
-            src_staging_bytes: staged.src_staging_bytes,
+            gather: pooled_part(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
+            network: part(network_columns, network.n_runs, network.pair_offsets)?,
+            scatter: pooled_part(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
+            src_staging_bytes: staged.total_bytes,
             dst_staging_range: staged.dst_staging_range,
             dst_staging_bytes: staged.dst_staging_bytes,
             direct_blocks: staged.direct_blocks,
