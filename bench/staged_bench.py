@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/staged_bench.py                 # both engines, writes the results
     .venv/bin/python bench/staged_bench.py --engines nixl --quick
+    .venv/bin/python bench/staged_bench.py --planning-only    # planning times only
 
 Both ends of every transfer live in this process, each engine with its own two transports
 (Mooncake: TCP on 127.0.0.1; NIXL: two UCX agents), prefill memory in one registered host
@@ -18,7 +19,10 @@ byte for byte against the direct one.
 
 1. Headline cases: prefill TP 8 -> decode TP 2 on NHD pages (the four prefill writers of decode
    rank 0, one after another), and an equal-TP request whose decode pages are all apart.
-2. Sweep: tokens x geometry (TP and heads) x fragmentation, one writer per point. The cost is
+2. Planning time of ``plan``, ``plan_staged`` and ``transfer_advice`` (one writer, no engine):
+   a 32K-token request of an 80-layer model at TP 8 -> 2 NHD and two small requests
+   (``--planning-only`` prints just this table).
+3. Sweep: tokens x geometry (TP and heads) x fragmentation, one writer per point. The cost is
    measured once per engine with ``kvplan.engines.measure_cost`` on the same transports; at
    each point ``Template.transfer_advice`` picks a path and the two measured transfer times
    say which was faster. Reported: the fraction of points where the advice picked the faster.
@@ -226,6 +230,50 @@ HEADLINE = [
 ]
 
 
+# Planning only (no memory behind the addresses): the 32K-token request of an 80-layer model
+# at TP 8 -> 2 on NHD pages (one writer: one block per token per entry), and two small ones.
+PLANNING = [
+    Case("32K x 80 layers TP 8->2 NHD", layers=80, heads=8, tp_p=8, tp_d=2, tokens=32768,
+         fragmentation=0.0),
+    Case("small TP 8->2 NHD", layers=8, heads=8, tp_p=8, tp_d=2, tokens=1024,
+         fragmentation=0.5),
+    Case("small fragmented equal TP", layers=4, heads=8, tp_p=1, tp_d=1, tokens=2048,
+         fragmentation=1.0),
+]
+PLANNING_REPEATS = 9
+
+
+def planning_rows(repeats: int) -> list[str]:
+    """Median planning time of ``plan``, ``plan_staged`` and ``transfer_advice`` for one
+    writer (prefill rank 0 -> decode rank 0) of each planning case; every plan dies before the
+    next call, so pooled output memory is reused as in a serving loop."""
+    rows = ["| case | direct blocks | gather / network / scatter blocks | plan (ms) | "
+            "plan_staged (ms) | staged / direct | transfer_advice (ms) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    cost = kvplan.TransferCost(per_block_s=30e-6, network_bytes_per_s=1e9, copy_bytes_per_s=4e9)
+    for case in PLANNING:
+        span = lambda tp: 1 << max(40, span_bytes(case, tp).bit_length() + 1)  # noqa: E731
+        template = kvplan.Template(layout(case, 1 << 44, case.tp_p, 0),
+                                   layout(case, 1 << 46, case.tp_d, 0))
+        src_pages, dst_pages = request(case)
+        regions = {"src_staging": (1 << 50, span(case.tp_p)),
+                   "dst_staging": (1 << 52, span(case.tp_d))}
+        staged = template.plan_staged(src_pages, dst_pages, **regions)
+        counts = (staged.direct_blocks, staged.gather.n_blocks, staged.network.n_blocks,
+                  staged.scatter.n_blocks)
+        del staged
+        direct_s = median_s(lambda: template.plan(src_pages, dst_pages), repeats)
+        staged_s = median_s(lambda: template.plan_staged(src_pages, dst_pages, **regions),
+                            repeats)
+        advice_s = median_s(lambda: template.transfer_advice(src_pages, dst_pages, cost),
+                            repeats)
+        rows.append(f"| {case.name}: {case.label()} | {counts[0]:,} | {counts[1]:,} / "
+                    f"{counts[2]:,} / {counts[3]:,} | {direct_s * 1e3:.3f} | {staged_s * 1e3:.3f} | "
+                    f"{staged_s / direct_s:.1f} | {advice_s * 1e3:.3f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def sweep_cases(quick: bool) -> list[Case]:
     geometries = [(8, 2), (2, 1), (1, 1)]
     tokens = [64, 1024] if quick else [64, 256, 1024]
@@ -244,7 +292,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer points and repeats, no file")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--planning-only", action="store_true",
+                    help="only print the planning-time table (no engines, no file)")
     args = ap.parse_args()
+    if args.planning_only:
+        planning_rows(PLANNING_REPEATS)
+        return
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     repeats = 1 if args.quick else args.repeats
@@ -268,6 +321,7 @@ def main() -> None:
     sweep_rows = ["| engine | point | direct blocks | staged blocks | direct (ms) | staged (ms) "
                   "| faster | advice | est. direct (ms) | est. staged (ms) | right |",
                   "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |"]
+    planning = planning_rows(PLANNING_REPEATS)
     costs, scores = [], []
     for engine in args.engines.split(","):
         rig = Rig(engine)
@@ -308,6 +362,12 @@ def main() -> None:
     total_right = sum(r for _, r, _ in scores)
     total = sum(n for _, _, n in scores)
     lines += ["## Headline cases", ""] + headline_rows + [""]
+    lines += ["## Planning time", "",
+              "One writer (prefill rank 0 -> decode rank 0), addresses without memory behind "
+              f"them (planning only); medians of {PLANNING_REPEATS} calls after a warm-up, each "
+              "plan dropped before the next call (pooled output memory is reused, as in a "
+              "serving loop). `transfer_advice` is a made-up cost's advice (the counts are what "
+              "it computes).", ""] + planning + [""]
     lines += ["## Advice sweep", "",
               "Tokens {64, 256, 1024} x (TP 8->2, TP 2->1, TP 1->1; 8 KV heads, 4 layers) x "
               "fragmentation {0, 0.5, 1} of the decode pages, one writer per point. The cost "
