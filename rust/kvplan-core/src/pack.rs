@@ -23,9 +23,10 @@
 //! [`Template::plan_state_into`].
 
 use crate::error::{PlanError, Result};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, TokenShape};
 use crate::runs::PageIndex;
-use crate::template::Template;
+use crate::template::{Template, model_pages};
+use crate::tokens::{count_blocks, emit_tokens};
 
 /// Caller-owned memory on the prefill side that receives the gathered rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +128,85 @@ impl Template {
             gather,
             network: packed.network,
             pack_bytes: packed.pack_bytes,
+        })
+    }
+}
+
+/// Blocks of a token request planned directly and through a pack buffer, counted without the
+/// caller's page lists (see [`Template::packed_block_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PackedCounts {
+    /// Blocks of the direct plan (every one a network descriptor).
+    pub direct: usize,
+    /// Blocks of the gather into the pack buffer (local copies).
+    pub gather: usize,
+    /// Blocks of the network plan out of the pack buffer.
+    pub network: usize,
+}
+
+impl Template {
+    /// What a token request of `n_tokens` tokens costs planned directly and through a pack
+    /// buffer (as [`Template::plan_packed`] plans it), with pages consecutive on both sides or
+    /// (`fragmented`) no two pages consecutive on either side, as
+    /// [`crate::BlockRequest::Tokens`] counts direct blocks. The request is planned on those
+    /// model page lists into scratch memory (only the counts leave: the model pages need not lie
+    /// inside the registered buffers).
+    ///
+    /// # Errors
+    /// The template's token error; [`PlanError::Overflow`] when a model page's address would
+    /// not fit u64; [`PlanError::OutOfMemory`].
+    pub fn packed_block_counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
+        let tokens = self.token_template()?;
+        let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
+        let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
+        let limits = (limit(&src), limit(&dst));
+        for piece in &tokens.pieces {
+            for (side, pages) in [(piece.src, limits.0), (piece.dst, limits.1)] {
+                // The last byte of the last model page stays addressable.
+                pages
+                    .saturating_sub(1)
+                    .checked_mul(side.page_stride)
+                    .and_then(|a| a.checked_add(side.base))
+                    .and_then(|a| {
+                        a.checked_add(side.map.page_size().checked_mul(side.slot_stride)?)
+                    })
+                    .and_then(|a| a.checked_add(piece.len))
+                    .ok_or(PlanError::Overflow {
+                        what: "model page address",
+                    })?;
+            }
+        }
+        let (class_blocks, n_segments, n_blocks, total_bytes) =
+            count_blocks(tokens, &src, &dst, n_tokens)?;
+        let shape = TokenShape {
+            n_tokens,
+            src_pages: src.len(),
+            dst_pages: dst.len(),
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        };
+        let mut scratch = FlatBuffer::try_zeroed(n_blocks)?;
+        emit_tokens(tokens, &src, &dst, limits, &shape, scratch.columns())?;
+        let summary = PlanSummary {
+            n_runs: n_segments,
+            n_blocks,
+            total_bytes,
+            n_pages: 0,
+            tokens: Some(shape),
+            state: false,
+        };
+        let offsets = self.pair_offsets(&summary);
+        let pack = PackBuffer {
+            addr: 0,
+            size: total_bytes,
+        };
+        let packed = pack_columns(scratch.columns(), n_blocks, &offsets, pack)?;
+        Ok(PackedCounts {
+            direct: n_blocks,
+            gather: packed.gather_blocks,
+            network: packed.network.lengths.len(),
         })
     }
 }

@@ -277,3 +277,56 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         .unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
 }
+
+/// `packed_block_counts` is `plan_packed` over the model page lists (`0, 1, 2, …`, or every
+/// other page): planned on buffers large enough to hold them, block for block the same counts.
+#[test]
+fn packed_block_counts_are_the_blocks_of_plan_packed_on_the_model_pages() {
+    let mut n = 0;
+    for mha in [false, true] {
+        for (ranks, interleave) in [(2u32, 1u64), (4, 1), (4, 4), (2, 3)] {
+            for page_sizes in [(4u64, 4u64), (8, 4), (4, 16)] {
+                for tokens in [0u64, 1, 45, 70] {
+                    for rank in 0..ranks {
+                        let case = Case {
+                            mha,
+                            ranks,
+                            rank,
+                            interleave,
+                            page_sizes,
+                            tokens,
+                        };
+                        if page_sizes.1 % interleave != 0 && interleave % page_sizes.1 != 0 {
+                            continue; // an interleave the decode page does not take
+                        }
+                        let src_count = tokens.div_ceil(page_sizes.0);
+                        let (src, _) = layout(&case, false, 2 * src_count + 2, SRC_BASE);
+                        let (dst, _) = layout(&case, true, 2 * src_count + 2, DST_BASE);
+                        let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                        let (ms, md) = t.token_template().unwrap().pages_needed(tokens);
+                        for fragmented in [false, true] {
+                            let step = if fragmented { 2 } else { 1 };
+                            let model = |count: u64| -> Vec<i64> {
+                                (0..count as i64).map(|k| k * step).collect()
+                            };
+                            let (sp, dp) = (model(ms), model(md));
+                            let direct = t.plan(&sp, &dp, Some(tokens)).unwrap();
+                            let pack = PackBuffer {
+                                addr: PACK_BASE,
+                                size: direct.total_bytes,
+                            };
+                            let packed = t.plan_packed(&sp, &dp, Some(tokens), pack).unwrap();
+                            let counts = t.packed_block_counts(tokens, fragmented).unwrap();
+                            let what = format!("{case:?} fragmented={fragmented}");
+                            assert_eq!(counts.direct, direct.lengths.len(), "{what}");
+                            assert_eq!(counts.gather, packed.gather.lengths.len(), "{what}");
+                            assert_eq!(counts.network, packed.network.lengths.len(), "{what}");
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(n > 300, "{n}");
+}

@@ -263,6 +263,22 @@ impl PyTemplate {
         self.inner.count_blocks(request).map_err(to_py_err)
     }
 
+    /// `(direct, gather, network)` blocks of a token plan of `n_tokens` tokens planned directly
+    /// and through a pack buffer (as `plan_packed`), without planning the caller's request:
+    /// pages consecutive on both sides, or (`fragmented=True`) no two pages consecutive.
+    #[pyo3(signature = (n_tokens, *, fragmented=false))]
+    fn packed_block_counts(
+        &self,
+        n_tokens: u64,
+        fragmented: bool,
+    ) -> PyResult<(usize, usize, usize)> {
+        let c = self
+            .inner
+            .packed_block_counts(n_tokens, fragmented)
+            .map_err(to_py_err)?;
+        Ok((c.direct, c.gather, c.network))
+    }
+
     /// Whether every page plan is a token plan (page sizes or memory orders differ).
     #[getter]
     fn by_token(&self) -> bool {
