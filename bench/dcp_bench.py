@@ -12,7 +12,9 @@ here, so torch and the kernel are no-op stand-ins and what is timed is SGLang's 
 the gather launch excluded), both with ``_transfer_data`` replaced by a recorder (planning only,
 no hand-off to an engine); and kvplan's ``Template.plan`` and ``Template.plan_packed``. The byte
 maps of SGLang's and kvplan's direct blocks, and of their network blocks from the same pack
-buffer, are checked equal before timing. Page-sized deals (interleave 64, vLLM) are kvplan only.
+buffer, are checked equal before timing. ``Template.plan_row_gather`` (the gather as source rows,
+as a gather kernel takes it, and the same network plan, checked equal) is timed too. Page-sized
+deals (interleave 64, vLLM) are kvplan only.
 
     .venv/bin/python bench/dcp_bench.py [--repeat 30]
 """
@@ -113,13 +115,19 @@ def main() -> None:
                     direct = t.plan(src_pages, dst_pages, n_tokens=n)
                     pack = (PACK_BASE, direct.total_bytes)
                     gather, network = t.plan_packed(src_pages, dst_pages, n_tokens=n, pack=pack)
+                    rows, row_network = t.plan_row_gather(src_pages, dst_pages, n_tokens=n,
+                                                          pack=pack)
+                    assert row_network.as_lists() == network.as_lists()
                     d_us = median_us(lambda: t.plan(src_pages, dst_pages, n_tokens=n),
                                      args.repeat)
                     p_us = median_us(lambda: t.plan_packed(src_pages, dst_pages, n_tokens=n,
                                                            pack=pack), args.repeat)
+                    r_us = median_us(lambda: t.plan_row_gather(src_pages, dst_pages, n_tokens=n,
+                                                               pack=pack), args.repeat)
                     kv_rows.append((n, size, interleave, frag, rank, direct.n_blocks,
-                                    gather.n_blocks, network.n_blocks,
-                                    direct.total_bytes / 2**20, d_us, p_us))
+                                    gather.n_blocks, sum(r.size for r in rows.rows),
+                                    network.n_blocks, direct.total_bytes / 2**20, d_us, p_us,
+                                    r_us))
                     if interleave != 1:
                         continue
                     common = dict(n=n, size=size, rank=rank, src_capacity=2 * src_count,
@@ -138,7 +146,7 @@ def main() -> None:
                     sd_us = median_us(s_direct, args.repeat)
                     sp_us = median_us(s_packed, args.repeat)
                     sg_rows.append((n, size, frag, rank, len(rec_d.calls[0]),
-                                    len(rec_p.calls[0]), b_us, sd_us, sp_us, d_us, p_us,
+                                    len(rec_p.calls[0]), b_us, sd_us, sp_us, d_us, p_us, r_us,
                                     direct.n_blocks, network.n_blocks))
 
     print("Token round robin, SGLang and kvplan on the same request (blocks per decode rank, "
@@ -146,21 +154,27 @@ def main() -> None:
     print("| tokens | DCP | decode fragmentation | rank | SGLang direct blocks | kvplan direct "
           "blocks | SGLang packed network blocks | kvplan network blocks | SGLang "
           "build_dcp_token_transfer_plan µs | SGLang send_kvcache_dcp µs | kvplan plan µs | "
-          "ratio | SGLang send_kvcache_dcp + pack µs | kvplan plan_packed µs | ratio |")
+          "ratio | SGLang send_kvcache_dcp + pack µs | kvplan plan_packed µs | ratio | kvplan "
+          "plan_row_gather µs | ratio |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: |")
-    for (n, size, frag, rank, sgd, sgp, b_us, sd_us, sp_us, d_us, p_us, kvd, kvn) in sg_rows:
+          "| ---: | ---: | ---: | ---: | ---: |")
+    for (n, size, frag, rank, sgd, sgp, b_us, sd_us, sp_us, d_us, p_us, r_us, kvd,
+         kvn) in sg_rows:
         print(f"| {n:,} | {size} | {frag:.1f} | {rank} | {sgd:,} | {kvd:,} | {sgp:,} | {kvn:,} "
               f"| {b_us:,.1f} | {sd_us:,.1f} | {d_us:,.1f} | {sd_us / d_us:.1f}x | "
-              f"{sp_us:,.1f} | {p_us:,.1f} | {sp_us / p_us:.1f}x |")
+              f"{sp_us:,.1f} | {p_us:,.1f} | {sp_us / p_us:.1f}x | {r_us:,.1f} | "
+              f"{sp_us / r_us:.1f}x |")
     print("\nkvplan, token and page-sized deals\n")
     print("| tokens | DCP | deal | decode fragmentation | rank | direct blocks | gather blocks "
-          "| network blocks | pack MiB | direct plan µs | gather + network plan µs |")
-    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (n, size, interleave, frag, rank, kvd, kvg, kvn, mib, d_us, p_us) in kv_rows:
+          "| gather rows | network blocks | pack MiB | direct plan µs | plan_packed µs "
+          "(block gather + network) | plan_row_gather µs (row gather + network) |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: |")
+    for (n, size, interleave, frag, rank, kvd, kvg, kvr, kvn, mib, d_us, p_us,
+         r_us) in kv_rows:
         deal = "token (I=1)" if interleave == 1 else f"page (I={interleave})"
-        print(f"| {n:,} | {size} | {deal} | {frag:.1f} | {rank} | {kvd:,} | {kvg:,} | {kvn:,} "
-              f"| {mib:.1f} | {d_us:,.1f} | {p_us:,.1f} |")
+        print(f"| {n:,} | {size} | {deal} | {frag:.1f} | {rank} | {kvd:,} | {kvg:,} | {kvr:,} "
+              f"| {kvn:,} | {mib:.1f} | {d_us:,.1f} | {p_us:,.1f} | {r_us:,.1f} |")
 
 
 if __name__ == "__main__":

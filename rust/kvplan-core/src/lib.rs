@@ -42,7 +42,9 @@ pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
-pub use pack::{PackBuffer, PackedCounts, PackedPlan, PackedSummary, pack_columns};
+pub use pack::{
+    PackBuffer, PackedCounts, PackedPlan, PackedSummary, RowCopy, RowGather, pack_columns,
+};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,

@@ -15,6 +15,11 @@
 //! - `network`: consecutive direct blocks contiguous on the decode side (hence in the pack
 //!   buffer) become one block `pack + offset → dst`.
 //!
+//! A token request's gather can also be planned as rows ([`Template::plan_row_gather`]): per
+//! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
+//! takes, with the same pack layout and the same network plan (both fed to one run merger),
+//! without building the direct plan or one block per row.
+//!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
 //! pack buffer must hold the plan's bytes, checked before the plan's output is requested. The
 //! gather is the direct plan's columns rewritten in place (no second large allocation); the
@@ -23,10 +28,11 @@
 //! [`Template::plan_state_into`].
 
 use crate::error::{PlanError, Result};
+use crate::pieces::PIECE_CLASSES;
 use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, TokenShape};
 use crate::runs::PageIndex;
 use crate::template::{Template, model_pages};
-use crate::tokens::{count_blocks, emit_tokens};
+use crate::tokens::{count_blocks, dst_chunks, emit_tokens, lane_rows};
 
 /// Caller-owned memory on the prefill side that receives the gathered rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +217,190 @@ impl Template {
     }
 }
 
+/// The gather of a token request's pack plan in the form a gather kernel takes: per token lane,
+/// the source rows of the tokens it moves, and per piece one row copy. Row copy `c` copies
+/// `c.len` bytes of each row `r = rows[c.lane][k]` from [`RowCopy::src_addr`] to
+/// `c.pack_addr + k × c.len`: exactly what the block gather of [`Template::plan_packed`] copies
+/// (same pack layout), without one block per row.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RowGather {
+    /// Per token lane (0: the target tokens, dealt on a DCP layout; 1: the draft tokens a DCP
+    /// template sends whole), the source row of every token moved, in token order: `row =
+    /// source page index × rows_per_page + slot`. A lane without pieces has no rows.
+    pub rows: Vec<Vec<u64>>,
+    /// One per piece, in plan order (entry pairs, then heads).
+    pub copies: Vec<RowCopy>,
+    /// Bytes of the pack buffer used, from its start.
+    pub pack_bytes: u64,
+}
+
+/// One piece of a [`RowGather`]: where its rows are on the source side and in the pack buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowCopy {
+    /// The lane whose rows it copies.
+    pub lane: usize,
+    /// Source address of row 0 (slot 0 of page 0, the piece's offset included).
+    pub src_base: u64,
+    /// Bytes between source pages.
+    pub page_stride: u64,
+    /// Bytes between rows (slots) of a source page.
+    pub row_stride: u64,
+    /// Rows (slots) per source page.
+    pub rows_per_page: u64,
+    /// Bytes copied per row.
+    pub len: u64,
+    /// Pack address of the lane's first row.
+    pub pack_addr: u64,
+}
+
+impl RowCopy {
+    /// Source address of row `row`: `src_base + (row / rows_per_page) × page_stride + (row %
+    /// rows_per_page) × row_stride`.
+    pub fn src_addr(&self, row: u64) -> u64 {
+        self.src_base
+            + row / self.rows_per_page * self.page_stride
+            + row % self.rows_per_page * self.row_stride
+    }
+}
+
+impl Template {
+    /// Plans one token request (as [`Template::plan_packed`]) as a [`RowGather`] and the
+    /// network plan out of the pack buffer; the network plan is the one `plan_packed` returns,
+    /// block for block, and the row gather copies what its gather copies. No direct plan is
+    /// built: one walk of each lane's tokens gives the rows and the decode places.
+    ///
+    /// # Errors
+    /// As [`Template::plan_packed`]; [`PlanError::Geometry`] when the request is a page plan
+    /// (no `n_tokens` on a template that plans by page).
+    pub fn plan_row_gather<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        pack: PackBuffer,
+    ) -> Result<(RowGather, Plan)> {
+        if !self.by_token() && n_tokens.is_none() {
+            return Err(PlanError::Geometry {
+                what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \
+                       page plan)"
+                    .into(),
+            });
+        }
+        let pack_end = pack
+            .addr
+            .checked_add(pack.size)
+            .ok_or(PlanError::Overflow {
+                what: "pack buffer end",
+            })?;
+        let tokens = self.token_template()?;
+        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        let limits = (self.src_limit, self.dst_limit);
+        let mut rows = vec![Vec::new(); crate::pieces::TOKEN_LANES];
+        let mut places = vec![Vec::new(); crate::pieces::TOKEN_LANES];
+        if !tokens.pieces.is_empty() {
+            for (lane, maps) in tokens.lanes() {
+                (rows[lane], places[lane]) = lane_rows(maps, src, dst, limits, n)?;
+            }
+        }
+        let lane_of = |piece: &crate::pieces::Piece| tokens.class_of(piece) / PIECE_CLASSES;
+        // Pack layout: piece after piece, each piece's rows back to back.
+        let mut need = 0u64;
+        let mut copies = Vec::with_capacity(tokens.pieces.len());
+        for piece in &tokens.pieces {
+            let lane = lane_of(piece);
+            copies.push(RowCopy {
+                lane,
+                src_base: piece.src.base,
+                page_stride: piece.src.page_stride,
+                row_stride: piece.src.slot_stride,
+                rows_per_page: piece.src.map.page_size(),
+                len: piece.len,
+                pack_addr: pack.addr.wrapping_add(need), // checked below
+            });
+            need = (rows[lane].len() as u64)
+                .checked_mul(piece.len)
+                .and_then(|b| b.checked_add(need))
+                .ok_or(PlanError::Overflow { what: "pack bytes" })?;
+        }
+        if need > pack.size {
+            return Err(PlanError::PackTooSmall {
+                need,
+                have: pack.size,
+                blocks: rows.iter().map(Vec::len).sum(),
+            });
+        }
+        debug_assert!(pack.addr + need <= pack_end); // need <= size, end checked above
+        // Network: the decode chunks of each piece in pack order, merged within a group (a
+        // group's blocks are one range of the plan's pair offsets, as plan_packed merges).
+        let mut network = NetworkRuns::default();
+        let mut per_pair = vec![0usize; self.pair_groups.len()];
+        let mut previous: Option<(usize, Vec<Chunk>)> = None;
+        for group in &self.groups {
+            let before = network.plan.lengths.len();
+            let first = tokens.pair_pieces[group.first_pair].0;
+            let last = tokens.pair_pieces[group.last_pair].1;
+            for k in first..last {
+                let (piece, copy) = (&tokens.pieces[k], &copies[k]);
+                // A piece shaped like the one before it has that piece's chunks, shifted.
+                let chunks = match previous {
+                    Some((p, ref chunks))
+                        if tokens.pieces[p].same_shape(piece) && copies[p].lane == copy.lane =>
+                    {
+                        let (dp, dd) = (
+                            copy.pack_addr.wrapping_sub(copies[p].pack_addr),
+                            piece.dst.base.wrapping_sub(tokens.pieces[p].dst.base),
+                        );
+                        chunks
+                            .iter()
+                            .map(|&(a, d, l)| (a.wrapping_add(dp), d.wrapping_add(dd), l))
+                            .collect()
+                    }
+                    _ => {
+                        let mut chunks = Vec::new();
+                        let mut at = copy.pack_addr;
+                        dst_chunks(piece, &places[copy.lane], dst, limits.1, |d, l| {
+                            match chunks.last_mut() {
+                                Some((_, nd, nl)) if *nd + *nl == d => *nl += l,
+                                _ => chunks.push((at, d, l)),
+                            }
+                            at += l;
+                            Ok(())
+                        })?;
+                        chunks
+                    }
+                };
+                for &(a, d, l) in &chunks {
+                    network.add(a, d, l)?;
+                }
+                previous = Some((k, chunks));
+            }
+            network.close()?;
+            per_pair[group.last_pair] = network.plan.lengths.len() - before;
+        }
+        let mut plan = network.finish(need);
+        plan.pair_offsets = vec![0];
+        let mut at = 0;
+        for blocks in per_pair {
+            at += blocks;
+            plan.pair_offsets.push(at);
+        }
+        for (lane, lane_rows) in rows.iter_mut().enumerate() {
+            if !copies.iter().any(|c| c.lane == lane) {
+                lane_rows.clear(); // walked (lane 0 always is), but no piece copies them
+            }
+        }
+        Ok((
+            RowGather {
+                rows,
+                copies,
+                pack_bytes: need,
+            },
+            plan,
+        ))
+    }
+}
+
 /// Rewrites the first `n` blocks of a direct plan in place into the gather plan (sources kept,
 /// destinations packed back to back from `pack.addr`, merged where both sides continue) and
 /// returns it with the network plan. `offsets` are the direct plan's pair offsets.
@@ -246,17 +436,16 @@ pub fn pack_columns(
     let by_pair = offsets.len() >= 2 && offsets[0] == 0 && offsets.last() == Some(&n);
     let whole = [0, n];
     let bounds: &[usize] = if by_pair { offsets } else { &whole };
-    let mut network = Network::default();
+    let mut network = NetworkRuns::default();
     let mut gather_offsets = Vec::with_capacity(bounds.len());
     gather_offsets.push(0);
     let mut written = 0usize; // gather blocks so far (<= blocks read: the rewrite stays behind)
     let mut at = pack.addr;
     for pair in bounds.windows(2) {
-        // The open gather block and network block of this pair, kept in locals and written out
-        // when the next block does not continue them (the rewrite index stays behind the read
-        // index, so every block is read before its slot is overwritten).
+        // The open gather block of this pair, kept in a local and written out when the next
+        // block does not continue it (the rewrite index stays behind the read index, so every
+        // block is read before its slot is overwritten).
         let mut gather: Option<(u64, u64, u64)> = None;
-        let mut run: Option<(u64, u64, u64)> = None;
         for k in pair[0]..pair[1] {
             let (s, d, l) = (src[k], dst[k], len[k]);
             gather = match gather {
@@ -268,25 +457,15 @@ pub fn pack_columns(
                 }
                 None => Some((s, at, l)),
             };
-            run = match run {
-                Some((ns, nd, nl)) if nd + nl == d => Some((ns, nd, nl + l)),
-                Some(done) => {
-                    network.push(done)?;
-                    Some((at, d, l))
-                }
-                None => Some((at, d, l)),
-            };
+            network.add(at, d, l)?;
             at += l; // at most pack.addr + need <= pack.addr + pack.size
         }
         if let Some(done) = gather {
             (src[written], dst[written], len[written]) = done;
             written += 1;
         }
-        if let Some(done) = run {
-            network.push(done)?;
-        }
         gather_offsets.push(written);
-        network.end_pair();
+        network.end_pair()?;
     }
     let mut network = network.finish(need);
     let gather_pair_offsets = if by_pair {
@@ -304,13 +483,32 @@ pub fn pack_columns(
     })
 }
 
-/// The network plan as it grows: one block per destination-contiguous run of a pair.
+/// `(pack address, destination address, bytes)` of a destination-contiguous run.
+type Chunk = (u64, u64, u64);
+
+/// The network plan as it grows: one block per destination-contiguous run of a pair. Bytes are
+/// added in pack order (each continues the previous on the pack side, within a pair), so a
+/// block grows while the next bytes continue it on the decode side.
 #[derive(Default)]
-struct Network {
+struct NetworkRuns {
     plan: Plan,
+    open: Option<(u64, u64, u64)>,
 }
 
-impl Network {
+impl NetworkRuns {
+    /// `len` bytes from pack address `at` to decode address `dst`.
+    fn add(&mut self, at: u64, dst: u64, len: u64) -> Result<()> {
+        self.open = match self.open {
+            Some((ns, nd, nl)) if nd + nl == dst => Some((ns, nd, nl + len)),
+            Some(done) => {
+                self.push(done)?;
+                Some((at, dst, len))
+            }
+            None => Some((at, dst, len)),
+        };
+        Ok(())
+    }
+
     fn push(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {
         let p = &mut self.plan;
         for (column, value) in [
@@ -326,12 +524,22 @@ impl Network {
         Ok(())
     }
 
-    /// Ends a pair: records its end offset.
-    fn end_pair(&mut self) {
+    /// Closes the open block: the next bytes start a new one.
+    fn close(&mut self) -> Result<()> {
+        match self.open.take() {
+            Some(done) => self.push(done),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends a pair: closes its open block and records its end offset.
+    fn end_pair(&mut self) -> Result<()> {
+        self.close()?;
         if self.plan.pair_offsets.is_empty() {
             self.plan.pair_offsets.push(0);
         }
         self.plan.pair_offsets.push(self.plan.lengths.len());
+        Ok(())
     }
 
     fn finish(self, total_bytes: u64) -> Plan {

@@ -805,6 +805,33 @@ impl Template {
         n_tokens: Option<u64>,
     ) -> Result<TokenShape> {
         let tokens = self.token_template()?;
+        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
+        Ok(TokenShape {
+            n_tokens: n,
+            src_pages,
+            dst_pages,
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        })
+    }
+
+    /// Validates a token request (as [`Template::prepare`] does) without counting its blocks:
+    /// returns the request's global token count and the leading pages of each side that hold
+    /// them.
+    ///
+    /// # Errors
+    /// As [`Template::prepare`] for a token request.
+    pub(crate) fn validate_tokens<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<(u64, usize, usize)> {
+        let tokens = self.token_template()?;
         let maps = tokens.maps;
         let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
         let (src_full, dst_full) = (
@@ -851,16 +878,7 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
-        Ok(TokenShape {
-            n_tokens: n,
-            src_pages,
-            dst_pages,
-            n_segments,
-            class_blocks,
-            n_blocks,
-            total_bytes,
-        })
+        Ok((n, src_pages, dst_pages))
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.

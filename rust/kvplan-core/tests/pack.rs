@@ -180,6 +180,40 @@ fn run(case: &Case) {
             "{what}"
         );
     }
+    // The row gather: the same network plan, block for block, and a gather that fills the
+    // pack buffer byte for byte as the block gather does.
+    let (rows, network) = t
+        .plan_row_gather(&src_pages, &dst_pages, Some(case.tokens), pack)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(network, packed.network, "{what}");
+    assert_eq!(rows.pack_bytes, packed.pack_bytes, "{what}");
+    let mut by_rows = vec![0u8; size as usize];
+    let mut copied = 0u64;
+    for copy in &rows.copies {
+        for (k, &row) in rows.rows[copy.lane].iter().enumerate() {
+            let (from, to) = (copy.src_addr(row), copy.pack_addr + k as u64 * copy.len);
+            assert!(
+                from >= SRC_BASE && from + copy.len <= SRC_BASE + src_size,
+                "{what}"
+            );
+            assert!(
+                to >= PACK_BASE && to + copy.len <= PACK_BASE + rows.pack_bytes,
+                "{what}"
+            );
+            let (from, to, n) = (
+                (from - SRC_BASE) as usize,
+                (to - PACK_BASE) as usize,
+                copy.len as usize,
+            );
+            by_rows[to..to + n].copy_from_slice(&source[from..from + n]);
+            copied += copy.len;
+        }
+    }
+    assert_eq!(copied, direct.total_bytes, "{what}");
+    assert_eq!(
+        by_rows, buffer,
+        "{what}: row gather packs other bytes than the block gather"
+    );
     let entries = dst.n_entries();
     assert!(
         packed.network.lengths.len() <= entries * runs(&dst_pages),
@@ -258,6 +292,17 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
     assert!(
         err.to_string().contains(&format!("at least {need} bytes")),
         "{err}"
+    );
+    let err = t
+        .plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need - 1))
+        .unwrap_err();
+    assert!(
+        matches!(err, PlanError::PackTooSmall { need: n, .. } if n == need),
+        "{err}"
+    );
+    assert!(
+        t.plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
+            .is_ok()
     );
     let ok = t
         .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
