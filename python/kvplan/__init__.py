@@ -8,6 +8,7 @@ adapters live in :mod:`kvplan.engines` and are imported only on demand.
 from __future__ import annotations
 
 from kvplan._core import (
+    Advice,
     IndexBoundsError,
     KvPlanError,
     LayerGroups,
@@ -21,11 +22,15 @@ from kvplan._core import (
     PlanSlices,
     RowGather,
     SizeMismatchError,
+    StagedPlan,
     Template,
     TpPeers,
+    TransferCost,
     TransferPlan,
     WorkManifest,
     __version__,
+    advise,
+    copy_local,
     group_contiguous,
     legacy_pp_pairs,
     pair_entries,
@@ -37,6 +42,7 @@ from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 
 __all__ = [
+    "Advice",
     "CompatReport",
     "EntryCheck",
     "IndexBoundsError",
@@ -54,13 +60,17 @@ __all__ = [
     "PlanSlices",
     "RowGather",
     "SizeMismatchError",
+    "StagedPlan",
     "Template",
     "TpPeers",
+    "TransferCost",
     "TransferError",
     "TransferPlan",
     "WorkManifest",
     "__version__",
+    "advise",
     "compare",
+    "copy_local",
     "group_contiguous",
     "legacy_pp_pairs",
     "pair_entries",

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Advice",
     "IndexBoundsError",
     "KvPlanError",
     "LayerGroups",
@@ -23,13 +24,17 @@ __all__ = [
     "PlanSlices",
     "RowGather",
     "SizeMismatchError",
+    "StagedPlan",
     "Template",
     "TpPeers",
+    "TransferCost",
     "TransferPlan",
     "WorkManifest",
     "__version__",
+    "advise",
     "check_pairs",
     "combine_pair_digests",
+    "copy_local",
     "group_contiguous",
     "index_digest",
     "legacy_pp_pairs",
@@ -524,6 +529,46 @@ class Template:
                 names the bytes needed).
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
+    def plan_staged(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        src_staging: tuple[int, int],
+        dst_staging: tuple[int, int],
+        n_tokens: int | None = None,
+    ) -> StagedPlan:
+        """Plan one request as ``plan`` does, as a gather, a network plan and a scatter.
+
+        ``src_staging`` (prefill memory) and ``dst_staging`` (the decode's staging region) are
+        ``(address, size)`` of registered memory. ``gather`` copies the request's bytes into the
+        prefill region, back to back from its start; ``network`` moves them into the decode
+        region at this prefill rank's writer offsets (one block per contiguous range); ``scatter``
+        copies them from there into the decode's pages. Together they write exactly what
+        ``plan`` writes. State slots are not staged (``plan_state``).
+
+        Raises:
+            SizeMismatchError: A staging region is smaller than what the plan places in it
+                (the message names the bytes needed), or decode slots are needed and the entry
+                pairs move different bytes.
+            IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
+        """
+    def transfer_advice(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        cost: TransferCost,
+        *,
+        n_tokens: int | None = None,
+    ) -> Advice:
+        """Direct or staged for one request (taken as ``plan`` takes it) on an engine of
+        ``cost``: :func:`advise` over the request's direct-plan and staged network-plan block
+        counts (this template's writer position included), computed by the core.
+
+        Raises:
+            IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan_staged`` for the
+                same request (no staging region is involved, so none is too small).
+        """
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
 
@@ -557,6 +602,49 @@ class Template:
         Raises:
             IndexBoundsError: As ``plan_state``.
         """
+
+@final
+class StagedPlan:
+    """A request as ``gather`` (prefill memory → prefill staging), ``network`` (prefill staging →
+    decode staging) and ``scatter`` (decode staging → decode pages), from ``Template.plan_staged``.
+    The three plans have pair offsets but no group or layer-slice views; ``network``'s pair
+    offsets are one range of all its blocks."""
+
+    @property
+    def gather(self) -> TransferPlan: ...
+    @property
+    def network(self) -> TransferPlan: ...
+    @property
+    def scatter(self) -> TransferPlan: ...
+    @property
+    def src_staging_bytes(self) -> int:
+        """Bytes of the prefill staging region used, from its start."""
+    @property
+    def dst_staging_range(self) -> tuple[int, int]:
+        """Offsets ``(start, end)`` of the decode staging region this writer's share covers."""
+    @property
+    def dst_staging_bytes(self) -> int:
+        """Bytes the decode staging region must hold for all writers."""
+    @property
+    def direct_blocks(self) -> int:
+        """Blocks of the request's direct plan (``Template.plan``)."""
+    @property
+    def writer(self) -> tuple[int, int]:
+        """``(writer index, number of writers)`` of this prefill rank in the decode region."""
+
+def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
+    """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.
+
+    Copies every block from the source buffer holding it to the destination buffer holding it
+    (buffers borrowed without a copy; the GIL is released). Returns the bytes copied. Nothing is
+    copied when any check fails.
+
+    Raises:
+        IndexBoundsError: A block does not lie inside one of its side's buffers.
+        KvPlanError: A destination buffer is read-only, or shares memory with another buffer
+            or the plan's columns (``kind == "buffer_overlap"``).
+        TypeError: A buffer is not C-contiguous or has no buffer protocol.
+    """
 
 @final
 class TpPeers:
@@ -602,6 +690,61 @@ def tp_peers(
             the rank is outside its TP size.
         TypeError: Both ranks or neither given.
     """
+
+@final
+class TransferCost:
+    """What moving bytes costs on one engine, measured once per engine (see
+    :func:`kvplan.engines.measure_cost`): seconds one engine block costs on top of its bytes,
+    the engine's streaming bandwidth and the local copy bandwidth (bytes per second).
+
+    Raises:
+        KvPlanError: A value is not a finite number greater than 0 (``kind == "cost"``).
+    """
+
+    def __new__(cls, *, per_block_s: float, network_bytes_per_s: float,
+                copy_bytes_per_s: float) -> TransferCost: ...
+    @property
+    def per_block_s(self) -> float: ...
+    @property
+    def network_bytes_per_s(self) -> float: ...
+    @property
+    def copy_bytes_per_s(self) -> float: ...
+    def __getnewargs_ex__(self) -> tuple[tuple[()], dict[str, float]]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+
+@final
+class Advice:
+    """Direct or staged for one request, and the estimates the choice rests on::
+
+        direct_s = direct_blocks * per_block_s + bytes / network_bytes_per_s
+        staged_s = copy_bytes / copy_bytes_per_s + staged_blocks * per_block_s
+                   + bytes / network_bytes_per_s
+
+    ``choice`` is the smaller estimate's path, ``"direct"`` on a tie."""
+
+    @property
+    def choice(self) -> Literal["direct", "staged"]: ...
+    @property
+    def direct_s(self) -> float: ...
+    @property
+    def staged_s(self) -> float: ...
+    @property
+    def direct_blocks(self) -> int:
+        """Engine blocks of the direct plan."""
+    @property
+    def staged_blocks(self) -> int:
+        """Engine blocks of the staged network plan."""
+    @property
+    def bytes(self) -> int:
+        """Bytes over the network (the same on both paths)."""
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the staged path copies locally (gather + scatter)."""
+
+def advise(direct_blocks: int, staged_network_blocks: int, bytes: int, gather_bytes: int,
+           scatter_bytes: int, cost: TransferCost) -> Advice:
+    """Direct or staged for a request of these counts (the rule
+    :meth:`Template.transfer_advice` applies to a request's own counts)."""
 
 _Ranks = tuple[int, int, int, int]
 

@@ -4,6 +4,8 @@
 - ``package_shells``: the package shells, stand-in modules, meta-path finder and stand-in
   reachability walk the SGLang and vLLM loaders share, and their unpacked-download cache.
 - ``sglang_models``: synthetic SGLang deployments and the ground truth of their bytes.
+- ``sglang_staging``: host-memory pools and staging buffers for SGLang's staged path, and the
+  bytes its GPU gather and scatter kernels write.
 - ``engine_peers``: arenas, spawned peers and an independent byte oracle for real transfers.
 - ``leak_workload``: the mixed plan-call workload whose RSS must stay flat.
 - ``vllm_loader`` / ``vllm_cases``: vLLM's real connector code from its wheel, and the cases

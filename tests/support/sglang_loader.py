@@ -45,6 +45,18 @@ How it loads (nothing of SGLang is re-typed here; every function that runs is th
 * ``manager_object(cls, kv_args=..., **attrs)`` instead builds a real instance of a manager
   class without running ``__init__`` (attribute look-up made strict), so methods resolve through
   the class and ``kvplan.compat.sglang.install(cls)`` takes effect on it.
+* ``load_staging(sg)`` adds the staged path: ``MooncakeKVManager.send_kvcache_staged`` (already
+  in ``mooncake/conn.py``) and, from ``disaggregation/common/staging_buffer.py`` (executed from
+  the wheel like the slice path's ``compute_head_slice_params``; its torch/triton imports get
+  stand-ins), the real ``compute_staging_layout``, ``compute_head_slice_params``,
+  ``resolve_total_kv_heads`` and ``StagingBuffer``'s ``get_ptr`` / ``get_size`` / ``fits``.
+  The two GPU kernels, ``gather_all_layers_to_staging`` and ``scatter_staging_to_kv``, cannot
+  run here (torch tensors on a GPU): they are *replaced* in the loaded module by
+  :class:`KernelRecorder`s that keep the real signature and record each call's bound
+  arguments (``support.sglang_staging`` applies SGLang's kernel semantics to a recorded call on
+  host memory). ``send_kvcache_staged`` imports them from the module when called, so it reaches
+  the recorders; ``verify_closure()`` then also walks the staged method and the layout
+  functions.
 * The three runtime-context accessors the send paths read (``get_memory``, ``get_parallel``,
   ``get_spec``) are replaced in the loaded modules by :data:`RUNTIME`'s explicit values (a plain
   GPU deployment: no unified memory, last PP rank); tests change them there.
@@ -284,6 +296,79 @@ class HostPackBuffer:
 
 
 # --------------------------------------------------------------------------------------------
+# Staged transfers (send_kvcache_staged)
+# --------------------------------------------------------------------------------------------
+STAGING_KERNELS = ("gather_all_layers_to_staging", "scatter_staging_to_kv")
+
+
+class KernelRecorder:
+    """Stands in for one of SGLang's GPU staging kernels: same signature (``inspect.signature``
+    gives the real one, and a call that does not bind to it raises ``TypeError`` as the real
+    function would), records each call's arguments by name, moves no byte. ``gather`` returns
+    what the real gather returns (the bytes it writes: every K layer then every V layer of the
+    sent heads), ``scatter`` returns None like the real one."""
+
+    def __init__(self, real):
+        import functools
+        import inspect
+
+        functools.update_wrapper(self, real)
+        self.real = real
+        self.signature = inspect.signature(real)
+        self.calls: list[dict] = []
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        self.calls.append(call)
+        if self.__name__ == "gather_all_layers_to_staging":
+            k = call["k_buffers"]
+            tokens = len(call["page_indices_np"]) * call["page_size"]
+            return (tokens * call["num_heads"] * k[0].shape[-1] * k[0].element_size()
+                    * len(k) * 2)
+        return None
+
+
+def load_staging(sg: SGLang) -> None:
+    """Add SGLang's staged path to ``sg`` (see the module docstring): ``sg.send_kvcache_staged``,
+    ``sg.compute_staging_layout``, ``sg.compute_head_slice_params``,
+    ``sg.resolve_total_kv_heads``, ``sg.StagingBuffer`` and the kernel recorders
+    ``sg.gather_kernel`` / ``sg.scatter_kernel``. Idempotent."""
+    if getattr(sg, "send_kvcache_staged", None) is not None:
+        return
+    load_head_slicing(sg)
+    mod = sys.modules[STAGING_BUFFER]
+    path = os.path.join(sg.root, "srt", "disaggregation", "common", "staging_buffer.py")
+    recorders = {}
+    for name in STAGING_KERNELS:
+        real = getattr(mod, name)
+        assert real.__code__.co_filename == path, real.__code__.co_filename
+        recorders[name] = KernelRecorder(real)
+        setattr(mod, name, recorders[name])
+    for name in ("compute_staging_layout", "compute_head_slice_params",
+                 "resolve_total_kv_heads"):
+        fn = getattr(mod, name)
+        assert fn.__code__.co_filename == path, (name, fn.__code__.co_filename)
+    staged = sg.MooncakeKVManager.send_kvcache_staged
+    assert staged.__code__.co_filename.endswith(
+        os.path.join("disaggregation", "mooncake", "conn.py")), staged.__code__.co_filename
+    sg.staging_module = mod
+    sg.send_kvcache_staged = staged
+    sg.compute_staging_layout = mod.compute_staging_layout
+    sg.compute_head_slice_params = mod.compute_head_slice_params
+    sg.resolve_total_kv_heads = mod.resolve_total_kv_heads
+    sg.StagingBuffer = mod.StagingBuffer
+    sg.gather_kernel = recorders["gather_all_layers_to_staging"]
+    sg.scatter_kernel = recorders["scatter_staging_to_kv"]
+    sg.staging_roots = [
+        staged, mod.compute_staging_layout, mod.compute_head_slice_params,
+        mod.resolve_total_kv_heads, mod.StagingBuffer.get_ptr, mod.StagingBuffer.get_size,
+        mod.StagingBuffer.fits,
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 # Stand-in manager
 # --------------------------------------------------------------------------------------------
 class RecordingEngine:
@@ -461,6 +546,8 @@ def verify_closure(sg: SGLang) -> list[str]:
         sg.MooncakeKVManager._await_transfer_futures,
         sg.AscendKVManager.send_kvcache,
         sg.AscendKVManager.get_mla_kv_ptrs_with_pp,
+        # the staged path, once load_staging() ran (its kernels are recorders, not stand-ins)
+        *getattr(sg, "staging_roots", ()),
     ]
     return walk_globals(roots, ("sglang.",))
 
@@ -513,6 +600,7 @@ def check_worked_examples(sg: SGLang) -> list[str]:
 
 if __name__ == "__main__":
     sg = load_sglang()
+    load_staging(sg)
     print(f"sglang {sg.version} from {sg.root}")
     print("executed from the wheel:", ", ".join(REAL_MODULES))
     print("stand-in modules:", ", ".join(sg.stubbed))

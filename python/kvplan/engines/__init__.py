@@ -18,6 +18,10 @@ NIXL (:class:`NixlTransport`) adds agent metadata the caller ships to peers
 (``t.metadata()`` -> peer's ``add_peer(bytes)``), completion notifications, and the prepped
 path (``t.prep(...)``); see :mod:`kvplan.engines.nixl`.
 
+The direct-or-staged advice needs each engine's cost, measured once: ``measure_cost(t,
+peer, src_region=..., dst_region=...)`` through a caller's transport and peer, or
+``measure_loopback("mooncake")`` with both ends in this process (:mod:`kvplan.engines.measure`).
+
 Layer-wise streaming (:class:`StreamingSubmitter`, :mod:`kvplan.engines.streaming`) sends each
 layer group's slice of a plan as soon as its layers are signalled ready, over any transport.
 
@@ -38,6 +42,7 @@ from kvplan.engines._base import (
     plan_arrays,
 )
 from kvplan.engines.ascend import AscendTransport
+from kvplan.engines.measure import measure_copy_bandwidth, measure_cost, measure_loopback
 from kvplan.engines.mooncake import MooncakeTransport, PendingTransfer
 from kvplan.engines.nixl import NixlPending, NixlTransport, PreppedPair
 from kvplan.engines.streaming import (
@@ -65,6 +70,9 @@ __all__ = [
     "Transport",
     "check_stream",
     "create_transport",
+    "measure_copy_bandwidth",
+    "measure_cost",
+    "measure_loopback",
     "merge_regions",
     "plan_arrays",
 ]

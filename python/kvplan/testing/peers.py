@@ -59,6 +59,24 @@ class _PeerState:
     layout: Any = None  # kvplan.Layout of this peer (None for "raw" specs)
     templates: dict[bytes, Any] = field(default_factory=dict)  # per decode layout (wire bytes)
     prepped: dict[tuple[bytes, str], Any] = field(default_factory=dict)  # NIXL PreppedPair
+    #: Templates of staged transfers, per (prefill layout, decode layout) wire bytes.
+    staged_templates: dict[tuple[bytes, bytes], Any] = field(default_factory=dict)
+
+    @property
+    def staging(self) -> tuple[int, int] | None:
+        """``(addr, size)`` of this peer's staging region, None without one."""
+        if not self.spec.staging:
+            return None
+        return self.arena.base + self.spec.staging_offset, self.spec.staging
+
+    def staging_view(self) -> np.ndarray:
+        """The staging region's bytes (a view of the arena)."""
+        at = self.spec.staging_offset
+        return self.arena.array[at:at + self.spec.staging]
+
+    def buffers_view(self) -> np.ndarray:
+        """The arena's bytes before the staging region (every buffer of the layout)."""
+        return self.arena.array[:self.spec.buffers_end]
 
 
 def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
@@ -86,11 +104,13 @@ def _peer_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
             state.layout = build_layout(spec, arena.base)
             state.transport.register(state.layout)
             wire = state.layout.to_bytes()
+        if state.staging is not None:  # staged transfers read or write it through the engine
+            state.transport.register_buffers([state.staging[0]], [state.staging[1]])
         # NIXL: the metadata describes the registered memory, so it is taken after register.
         metadata = state.transport.metadata() if engine == "nixl" else None
         conn.send(("ok", {"session": state.transport.local_session_id(), "base": arena.base,
                           "regions": state.transport.registered_regions, "layout": wire,
-                          "metadata": metadata}))
+                          "metadata": metadata, "staging": state.staging}))
     except BaseException as exc:  # report start-up failures instead of dying silently
         conn.send(("fail", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
@@ -220,6 +240,75 @@ def _cmd_transfer_prepped(state: _PeerState, dst_layout_wire: bytes, dst_session
         out["batches"] += stats.batches
         out["transfer_s"] += stats.seconds
     return out
+
+
+def _staged_plan(state: _PeerState, src_layout_wire: bytes, dst_layout_wire: bytes,
+                 src_pages: np.ndarray, dst_pages: np.ndarray, n_tokens: int | None,
+                 src_staging: tuple[int, int], dst_staging: tuple[int, int]) -> Any:
+    """The staged plan of one request: the template of the two layouts (built once per pair),
+    planned from the request and both staging regions. Prefill and decode each compute it
+    from the same inputs, so both hold the same plan."""
+    import kvplan
+
+    key = (src_layout_wire, dst_layout_wire)
+    template = state.staged_templates.get(key)
+    if template is None:
+        template = state.staged_templates[key] = kvplan.Template(
+            kvplan.Layout.from_bytes(src_layout_wire), kvplan.Layout.from_bytes(dst_layout_wire))
+    return template.plan_staged(np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64),
+                                src_staging=(int(src_staging[0]), int(src_staging[1])),
+                                dst_staging=(int(dst_staging[0]), int(dst_staging[1])),
+                                n_tokens=n_tokens)
+
+
+def _cmd_transfer_staged(state: _PeerState, dst_layout_wire: bytes, dst_session: str,
+                         dst_staging: tuple[int, int], src_pages: np.ndarray,
+                         dst_pages: np.ndarray, n_tokens: int | None = None,
+                         notif: bytes = b"") -> dict[str, Any]:
+    """Prefill side of a staged transfer: plan it, gather this peer's bytes into its staging
+    region with ``kvplan.copy_local``, write the network plan into the decode's staging region
+    (``dst_staging``, the decode's ``(addr, size)``). With NIXL, ``notif`` goes with the
+    network plan, so the decode knows when to scatter."""
+    import kvplan
+
+    if state.staging is None or state.layout is None:
+        raise ValueError(f"{state.spec.name} has no staging region (PeerSpec.staging)")
+    t0 = time.perf_counter()
+    staged = _staged_plan(state, state.layout.to_bytes(), dst_layout_wire, src_pages, dst_pages,
+                          n_tokens, state.staging, dst_staging)
+    t1 = time.perf_counter()
+    kvplan.copy_local(staged.gather, [state.buffers_view()], [state.staging_view()])
+    t2 = time.perf_counter()
+    stats = state.transport.submit(staged.network, dst_session, **_submit_kw(state, notif))
+    t3 = time.perf_counter()
+    return {"plan_s": t1 - t0, "gather_s": t2 - t1, "network_s": t3 - t2,
+            "direct_blocks": int(staged.direct_blocks), "gather_blocks": int(staged.gather.n_blocks),
+            "blocks": stats.blocks, "bytes": stats.bytes, "writer": tuple(staged.writer),
+            "dst_staging_range": tuple(staged.dst_staging_range)}
+
+
+def _cmd_scatter_staged(state: _PeerState, src_layout_wire: bytes, src_staging: tuple[int, int],
+                        src_pages: np.ndarray, dst_pages: np.ndarray, n_tokens: int | None = None,
+                        peer: str | None = None, message: bytes = b"",
+                        timeout: float = 30.0) -> dict[str, Any]:
+    """Decode side of a staged transfer from one prefill writer: plan the same staged plan
+    (the writer's layout and staging region as published), and once its network plan has
+    landed (NIXL: ``message`` from ``peer`` arrived; Mooncake: the writer's submit returned)
+    scatter from this peer's staging region into its buffers with ``kvplan.copy_local``."""
+    import kvplan
+
+    if state.staging is None or state.layout is None:
+        raise ValueError(f"{state.spec.name} has no staging region (PeerSpec.staging)")
+    if peer is not None:
+        state.transport.wait_notification(peer, message, timeout)
+    t0 = time.perf_counter()
+    staged = _staged_plan(state, src_layout_wire, state.layout.to_bytes(), src_pages, dst_pages,
+                          n_tokens, src_staging, state.staging)
+    t1 = time.perf_counter()
+    kvplan.copy_local(staged.scatter, [state.staging_view()], [state.buffers_view()])
+    t2 = time.perf_counter()
+    return {"plan_s": t1 - t0, "scatter_s": t2 - t1,
+            "scatter_blocks": int(staged.scatter.n_blocks), "writer": tuple(staged.writer)}
 
 
 def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
@@ -431,6 +520,8 @@ def _cmd_live_handles(state: _PeerState) -> int:
 _COMMANDS: dict[str, Callable[..., Any]] = {
     "transfer": _cmd_transfer,
     "transfer_prepped": _cmd_transfer_prepped,
+    "transfer_staged": _cmd_transfer_staged,
+    "scatter_staged": _cmd_scatter_staged,
     "submit_raw": _cmd_submit_raw,
     "submit_async_raw": _cmd_submit_async_raw,
     "check_digest": _cmd_check_digest,
@@ -474,6 +565,8 @@ class PeerProcess:
         self.regions: list[tuple[int, int]] = []
         self.layout_wire: bytes | None = None
         self.metadata: bytes | None = None  # NIXL agent metadata (None for Mooncake)
+        #: ``(addr, size)`` of the peer's staging region in its own address space, or None.
+        self.staging: tuple[int, int] | None = None
         self._broken = False
         if wait:
             self.ready(start_timeout)
@@ -485,6 +578,8 @@ class PeerProcess:
             self.session, self.base, self.regions = info["session"], info["base"], info["regions"]
             self.layout_wire = info["layout"]
             self.metadata = info.get("metadata")
+            staging = info.get("staging")
+            self.staging = (int(staging[0]), int(staging[1])) if staging is not None else None
         return self
 
     def connect(self, other: PeerProcess, timeout: float = 60.0) -> str:

@@ -81,11 +81,27 @@ class PeerSpec:
     page_size: int = 1
     #: Further layout-context keywords as (name, value) pairs (they win over page_size).
     context: tuple[tuple[str, Any], ...] = ()
+    #: Bytes of a staging region after the buffers (registered with the engine, not part of
+    #: the layout): where staged transfers gather into (prefill) or land before the scatter
+    #: (decode). 0: none.
+    staging: int = 0
+
+    @property
+    def buffers_end(self) -> int:
+        """Arena offset just past the last buffer."""
+        return max((e.offset + e.nbytes for e in self.entries), default=0)
+
+    @property
+    def staging_offset(self) -> int:
+        """Arena offset of the staging region: the buffers' end, rounded up to 4 KiB."""
+        return -(-self.buffers_end // 4096) * 4096
 
     @property
     def size(self) -> int:
-        """Bytes of the arena that holds every buffer."""
-        return max((e.offset + e.nbytes for e in self.entries), default=0)
+        """Bytes of the arena that holds every buffer (and the staging region)."""
+        if self.staging:
+            return self.staging_offset + self.staging
+        return self.buffers_end
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -44,6 +44,8 @@ use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
 use crate::error::{PlanError, Result, Side};
 use crate::layout::Layout;
+pub use crate::local::Region;
+use crate::local::RegionFinder;
 
 /// Bytes of one content chunk (the last chunk of a block may be shorter).
 pub const CHUNK_BYTES: usize = 1 << 16;
@@ -186,93 +188,6 @@ pub fn plan_digest(fingerprints: (u64, u64), blocks: &PlanBlocks<'_>) -> Result<
     Ok(hasher.digest())
 }
 
-/// One buffer of a side's memory: the address of its first byte and its bytes.
-#[derive(Debug, Clone, Copy)]
-pub struct Region<'a> {
-    /// Address of `bytes[0]` in the address space the plan's addresses use.
-    pub base: u64,
-    /// The buffer's bytes.
-    pub bytes: &'a [u8],
-}
-
-impl Region<'_> {
-    fn end(&self) -> u128 {
-        u128::from(self.base) + self.bytes.len() as u128
-    }
-
-    fn holds(&self, addr: u64, len: u64) -> bool {
-        addr >= self.base && u128::from(addr) + u128::from(len) <= self.end()
-    }
-}
-
-/// Finds the region holding each block (regions sorted by base once; the last hit is tried
-/// first, since consecutive blocks usually come from the same buffer).
-struct Regions<'r, 'a> {
-    all: &'r [Region<'a>],
-    by_base: Vec<usize>,
-    last: usize,
-}
-
-impl<'r, 'a> Regions<'r, 'a> {
-    fn new(regions: &'r [Region<'a>]) -> Self {
-        let mut by_base: Vec<usize> = (0..regions.len()).collect();
-        by_base.sort_by_key(|&i| regions[i].base);
-        Self {
-            all: regions,
-            by_base,
-            last: 0,
-        }
-    }
-
-    fn find(&mut self, addr: u64, len: u64) -> Option<&'r [u8]> {
-        if let Some(region) = self.all.get(self.last)
-            && region.holds(addr, len)
-        {
-            return Some(slice_of(region, addr, len));
-        }
-        // The last region starting at or before `addr`; with overlapping regions another one
-        // may hold the block, so fall back to trying them all.
-        let after = self.by_base.partition_point(|&i| self.all[i].base <= addr);
-        let candidate = after.checked_sub(1).map(|k| self.by_base[k]);
-        let found = candidate
-            .filter(|&i| self.all[i].holds(addr, len))
-            .or_else(|| (0..self.all.len()).find(|&i| self.all[i].holds(addr, len)))?;
-        self.last = found;
-        Some(slice_of(&self.all[found], addr, len))
-    }
-
-    /// "buffer i at [start, end)" for the region nearest to `addr`, for messages.
-    fn nearest(&self, addr: u64) -> String {
-        let distance = |r: &Region<'_>| -> u128 {
-            if u128::from(addr) < u128::from(r.base) {
-                u128::from(r.base - addr)
-            } else {
-                u128::from(addr).saturating_sub(r.end())
-            }
-        };
-        (0..self.all.len())
-            .min_by_key(|&i| distance(&self.all[i]))
-            .map_or_else(
-                || "no buffers were given".to_string(),
-                |i| {
-                    let r = &self.all[i];
-                    format!(
-                        "nearest is buffer {i} at [{:#x}, {:#x}), {} bytes",
-                        r.base,
-                        r.end(),
-                        r.bytes.len()
-                    )
-                },
-            )
-    }
-}
-
-fn slice_of<'a>(region: &Region<'a>, addr: u64, len: u64) -> &'a [u8] {
-    // `holds` checked both ends, so these fit in usize (they lie inside a slice).
-    let start = (addr - region.base) as usize;
-    &region.bytes[start..start + len as usize]
-}
-
 /// The digest of each entry pair's bytes, read on `side` from `regions` (see the module
 /// documentation for the encoding), hashed on the calling thread: on the 2-core development
 /// machine, shared with other work, two hashing threads were slower than one (see
@@ -305,21 +220,15 @@ pub fn pair_content_digests_on(
     let addrs = side.pick(blocks.src_addrs, blocks.dst_addrs);
     let n = blocks.lengths.len();
     // Every block's bytes first, so the first block outside the buffers is the one named.
-    let mut lookup = Regions::new(regions);
+    let mut lookup = RegionFinder::new(regions.iter().map(|r| (r.base, r.bytes.len())));
     let mut slices: Vec<&[u8]> = crate::error::try_vec(n, &[][..], "block slices")?;
     // chunk_start[b]: index of block b's first chunk among all chunks of the plan.
     let mut chunk_start = crate::error::try_vec(n + 1, 0usize, "chunk offsets")?;
     for (block, (&addr, &len)) in addrs.iter().zip(blocks.lengths).enumerate() {
-        slices[block] = lookup
+        let (i, start) = lookup
             .find(addr, len)
-            .ok_or_else(|| PlanError::BlockOutsideBuffers {
-                side,
-                block,
-                addr,
-                len,
-                n_buffers: regions.len(),
-                nearest: lookup.nearest(addr),
-            })?;
+            .ok_or_else(|| lookup.outside(side, block, addr, len))?;
+        slices[block] = &regions[i].bytes[start..start + len as usize];
         chunk_start[block + 1] = chunk_start[block] + slices[block].len().div_ceil(CHUNK_BYTES);
     }
     let mut hashes = crate::error::try_vec(chunk_start[n], 0u64, "chunk hashes")?;

@@ -158,6 +158,32 @@ pub enum PlanError {
         "pack buffer of {have} bytes is too small: the plan gathers {need} bytes ({blocks} blocks) into it; give a pack buffer of at least {need} bytes"
     )]
     PackTooSmall { need: u64, have: u64, blocks: usize },
+    /// A staging region of a staged plan smaller than the bytes the plan places in it.
+    #[error(
+        "{region} staging region of {have} bytes is too small: {layout} needs {need} bytes; give a region of at least {need} bytes"
+    )]
+    StagingTooSmall {
+        region: &'static str,
+        need: u64,
+        have: u64,
+        layout: String,
+    },
+    /// Decode staging slots (one per decode attention entry) need every pair of a request to
+    /// move the same bytes.
+    #[error(
+        "staged decode slots need equal bytes per attention entry pair: page pair {first_pair} moves {first_bytes} bytes per entry, page pair {pair} moves {bytes}; plan such a request directly"
+    )]
+    StagingSlotSizes {
+        first_pair: usize,
+        first_bytes: u64,
+        pair: usize,
+        bytes: u64,
+    },
+    /// Two buffers given to a local copy share memory.
+    #[error(
+        "{first} overlaps {second}: a local copy needs destination buffers that share no byte with any other buffer given"
+    )]
+    BuffersOverlap { first: String, second: String },
     #[error("index arrays changed while planning (written by another thread during the call?)")]
     InputChanged,
     #[error("wire data: {what}")]
@@ -248,6 +274,10 @@ pub enum PlanError {
     /// Digest inputs that do not describe a plan (columns of unequal lengths, bad offsets).
     #[error("digest input: {what}")]
     DigestInput { what: String },
+    /// A transfer cost value that is not a finite number greater than zero (`value` as given,
+    /// formatted: a float is not `Eq`).
+    #[error("transfer cost {field} must be a finite number greater than 0, got {value}")]
+    InvalidCost { field: &'static str, value: String },
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -321,6 +351,10 @@ impl PlanError {
             PlanError::FragmentCombination { .. } => "fragments",
             PlanError::Geometry { .. } => "geometry",
             PlanError::NotPreppable { .. } => "not_preppable",
+            PlanError::InvalidCost { .. } => "cost",
+            PlanError::StagingTooSmall { .. } => "staging_too_small",
+            PlanError::StagingSlotSizes { .. } => "staging_slots",
+            PlanError::BuffersOverlap { .. } => "buffer_overlap",
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
                 ErrorClass::IndexBounds => "index_bounds",
@@ -375,7 +409,9 @@ impl PlanError {
             | PlanError::TokenSize { .. }
             | PlanError::TokenBytes { .. }
             | PlanError::HeadLayout { .. }
-            | PlanError::PackTooSmall { .. } => ErrorClass::SizeMismatch,
+            | PlanError::PackTooSmall { .. }
+            | PlanError::StagingTooSmall { .. }
+            | PlanError::StagingSlotSizes { .. } => ErrorClass::SizeMismatch,
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }
@@ -389,6 +425,8 @@ impl PlanError {
             | PlanError::TokenCount { .. }
             | PlanError::NotPreppable { .. }
             | PlanError::DigestInput { .. }
+            | PlanError::InvalidCost { .. }
+            | PlanError::BuffersOverlap { .. }
             | PlanError::Wire { .. } => ErrorClass::Other,
         }
     }

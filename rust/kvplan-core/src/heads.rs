@@ -183,6 +183,31 @@ impl TpSplit {
     }
 }
 
+/// `(writer index, number of writers)` of prefill rank `prefill_rank` in the decode staging
+/// region it writes (SGLang 0.5.23's `compute_staging_layout`): when the prefill TP is larger
+/// than the decode TP, `prefill_tp / decode_tp` prefill ranks fill one decode rank's region and
+/// rank `r` is writer `r mod (prefill_tp / decode_tp)`; otherwise a region has one writer.
+///
+/// # Errors
+/// [`PlanError::Geometry`] when neither TP size divides the other: a decode rank's heads then
+/// come from a varying number of prefill ranks, which this layout cannot place apart.
+pub fn staging_writer(prefill_tp: u32, prefill_rank: u32, decode_tp: u32) -> Result<(u32, u32)> {
+    let (p, d) = (prefill_tp.max(1), decode_tp.max(1));
+    if !p.is_multiple_of(d) && !d.is_multiple_of(p) {
+        return Err(geometry(format!(
+            "staged plans need one TP size to divide the other (prefill TP {p}, decode TP {d}): \
+             otherwise the prefill ranks filling one decode rank's staging region vary in \
+             number and their shares cannot be laid out apart; plan the request directly"
+        )));
+    }
+    Ok(if p > d {
+        let writers = p / d;
+        (prefill_rank % writers, writers)
+    } else {
+        (0, 1)
+    })
+}
+
 /// Heads `start..stop` in words: `head 3`, `heads 4–7`.
 pub fn heads_text(start: u32, stop: u32) -> String {
     if stop == start + 1 {

@@ -6,10 +6,17 @@
 //!
 //! Modules form layers, each using only the ones above it: `error`, `layout`, `runs`,
 //! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
-//! → `plan` (output types) → `emit` and `tokens` (kernels over pieces) → `template` (build
-//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) → `descriptors`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//! → `plan` (output types), `local` (local plans executed on CPU byte slices, which buffer
+//! holds a block) → `emit` and `tokens` (kernels over pieces) → `template` (build
+//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) →
+//! `staged` (a plan split into gather + network between staging regions + scatter) →
+//! `descriptors`, `digest`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//!
+//! `advice` (direct or staged from a request's counts and measured costs) comes after `staged`:
+//! its rule is a pure function of counts, and `Template::transfer_advice` asks `staged` for them.
 #![forbid(unsafe_code)]
 
+pub mod advice;
 pub mod check;
 pub mod dcp;
 pub mod descriptors;
@@ -19,16 +26,19 @@ pub mod error;
 pub mod groups;
 pub mod heads;
 pub mod layout;
+pub mod local;
 pub mod pack;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
 pub mod runs;
 pub mod slices;
+pub mod staged;
 pub mod template;
 pub mod tokens;
 pub mod wire;
 
+pub use advice::{Advice, Choice, TransferCost, advise};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
@@ -38,10 +48,11 @@ pub use digest::{
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side, try_vec};
 pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};
-pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text};
+pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_writer};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
+pub use local::{RegionMut, check_local_buffers, copy_local};
 pub use pack::{
     PackBuffer, PackedCounts, PackedPlan, PackedSummary, RowCopy, RowGather, pack_columns,
 };
@@ -58,5 +69,6 @@ pub use plan::{
 };
 pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
+pub use staged::{StagedPlan, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};
 pub use tokens::TokenTemplate;

@@ -17,7 +17,8 @@
 //!
 //! A token request's gather can also be planned as rows ([`Template::plan_row_gather`]): per
 //! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
-//! takes, with the same pack layout and the same network plan (both fed to one run merger),
+//! takes, with the same pack layout and the same network plan (both built by one merging
+//! [`PlanBuilder`]),
 //! without building the direct plan or one block per row.
 //!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
@@ -333,7 +334,7 @@ impl Template {
         debug_assert!(pack.addr + need <= pack_end); // need <= size, end checked above
         // Network: the decode chunks of each piece in pack order, merged within a group (a
         // group's blocks are one range of the plan's pair offsets, as plan_packed merges).
-        let mut network = NetworkRuns::default();
+        let mut network = PlanBuilder::default();
         let mut per_pair = vec![0usize; self.pair_groups.len()];
         let mut previous: Option<(usize, Vec<Chunk>)> = None;
         for group in &self.groups {
@@ -370,12 +371,12 @@ impl Template {
                         chunks
                     }
                 };
-                for &(a, d, l) in &chunks {
-                    network.add(a, d, l)?;
+                for &chunk in &chunks {
+                    network.push_merged(chunk)?;
                 }
                 previous = Some((k, chunks));
             }
-            network.close()?;
+            network.end_pair(); // offsets per group, replaced by per page pair below
             per_pair[group.last_pair] = network.plan.lengths.len() - before;
         }
         let mut plan = network.finish(need);
@@ -413,14 +414,8 @@ pub fn pack_columns(
     offsets: &[usize],
     pack: PackBuffer,
 ) -> Result<PackedSummary> {
-    let (src, dst, len) = (out.src_addrs, out.dst_addrs, out.lengths);
-    let n = n.min(src.len()).min(dst.len()).min(len.len());
-    let mut need = 0u64;
-    for &l in &len[..n] {
-        need = need
-            .checked_add(l)
-            .ok_or(PlanError::Overflow { what: "pack bytes" })?;
-    }
+    let n = n.min(out.capacity());
+    let need = plan_bytes(&out.lengths[..n])?;
     if need > pack.size {
         return Err(PlanError::PackTooSmall {
             need,
@@ -433,42 +428,22 @@ pub fn pack_columns(
         .ok_or(PlanError::Overflow {
             what: "pack buffer end",
         })?;
-    let by_pair = offsets.len() >= 2 && offsets[0] == 0 && offsets.last() == Some(&n);
-    let whole = [0, n];
-    let bounds: &[usize] = if by_pair { offsets } else { &whole };
-    let mut network = NetworkRuns::default();
-    let mut gather_offsets = Vec::with_capacity(bounds.len());
-    gather_offsets.push(0);
-    let mut written = 0usize; // gather blocks so far (<= blocks read: the rewrite stays behind)
+    let bounds = PairBounds::of(offsets, n);
+    // The network plan reads the direct destinations, so it is built before the gather
+    // rewrite overwrites them: one block per destination-contiguous run of a pair (the pack
+    // side continues with it, the blocks being packed back to back).
+    let mut network = PlanBuilder::default();
     let mut at = pack.addr;
-    for pair in bounds.windows(2) {
-        // The open gather block of this pair, kept in a local and written out when the next
-        // block does not continue it (the rewrite index stays behind the read index, so every
-        // block is read before its slot is overwritten).
-        let mut gather: Option<(u64, u64, u64)> = None;
+    for pair in bounds.get().windows(2) {
         for k in pair[0]..pair[1] {
-            let (s, d, l) = (src[k], dst[k], len[k]);
-            gather = match gather {
-                Some((gs, gd, gl)) if gs + gl == s && gd + gl == at => Some((gs, gd, gl + l)),
-                Some(done) => {
-                    (src[written], dst[written], len[written]) = done;
-                    written += 1;
-                    Some((s, at, l))
-                }
-                None => Some((s, at, l)),
-            };
-            network.add(at, d, l)?;
-            at += l; // at most pack.addr + need <= pack.addr + pack.size
+            network.push_merged((at, out.dst_addrs[k], out.lengths[k]))?;
+            at += out.lengths[k]; // at most pack.addr + need <= pack.addr + pack.size
         }
-        if let Some(done) = gather {
-            (src[written], dst[written], len[written]) = done;
-            written += 1;
-        }
-        gather_offsets.push(written);
-        network.end_pair()?;
+        network.end_pair();
     }
+    let (written, gather_offsets) = gather_in_place(out, &bounds, pack.addr);
     let mut network = network.finish(need);
-    let gather_pair_offsets = if by_pair {
+    let gather_pair_offsets = if bounds.by_pair {
         gather_offsets
     } else {
         // No pair structure to follow: keep the direct plan's (empty or trivial) offsets.
@@ -486,31 +461,121 @@ pub fn pack_columns(
 /// `(pack address, destination address, bytes)` of a destination-contiguous run.
 type Chunk = (u64, u64, u64);
 
-/// The network plan as it grows: one block per destination-contiguous run of a pair. Bytes are
-/// added in pack order (each continues the previous on the pack side, within a pair), so a
-/// block grows while the next bytes continue it on the decode side.
-#[derive(Default)]
-struct NetworkRuns {
-    plan: Plan,
-    open: Option<(u64, u64, u64)>,
+/// Bytes of blocks of these lengths.
+///
+/// # Errors
+/// [`PlanError::Overflow`].
+pub(crate) fn plan_bytes(lengths: &[u64]) -> Result<u64> {
+    lengths.iter().try_fold(0u64, |sum, &l| {
+        sum.checked_add(l)
+            .ok_or(PlanError::Overflow { what: "plan bytes" })
+    })
 }
 
-impl NetworkRuns {
-    /// `len` bytes from pack address `at` to decode address `dst`.
-    fn add(&mut self, at: u64, dst: u64, len: u64) -> Result<()> {
-        self.open = match self.open {
-            Some((ns, nd, nl)) if nd + nl == dst => Some((ns, nd, nl + len)),
-            Some(done) => {
-                self.push(done)?;
-                Some((at, dst, len))
-            }
-            None => Some((at, dst, len)),
+/// The block ranges a plan's blocks are walked in: its pair offsets when they cover its `n`
+/// blocks, else one range of all of them.
+pub(crate) struct PairBounds {
+    /// Whether the ranges are the plan's pairs.
+    pub(crate) by_pair: bool,
+    bounds: Vec<usize>,
+}
+
+impl PairBounds {
+    pub(crate) fn of(offsets: &[usize], n: usize) -> Self {
+        let by_pair = offsets.len() >= 2 && offsets[0] == 0 && offsets.last() == Some(&n);
+        let bounds = if by_pair {
+            offsets.to_vec()
+        } else {
+            vec![0, n]
         };
-        Ok(())
+        Self { by_pair, bounds }
     }
 
-    fn push(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {
+    /// `ranges + 1` block offsets.
+    pub(crate) fn get(&self) -> &[usize] {
+        &self.bounds
+    }
+}
+
+/// The one gather rewrite (pack and staged plans): rewrites the blocks `bounds` covers in place
+/// into a gather from their sources into memory from `start`, the blocks back to back in plan
+/// order, consecutive blocks of a range merged when they continue on the source side (the
+/// packed side always does). Returns the gather's block count and its range offsets. The caller
+/// has checked that `start` plus the blocks' bytes does not pass its region's end.
+pub(crate) fn gather_in_place(
+    out: Columns<'_>,
+    bounds: &PairBounds,
+    start: u64,
+) -> (usize, Vec<usize>) {
+    let (src, dst, len) = (out.src_addrs, out.dst_addrs, out.lengths);
+    let bounds = bounds.get();
+    let mut gather_offsets = Vec::with_capacity(bounds.len());
+    gather_offsets.push(0);
+    let mut written = 0usize; // gather blocks so far (<= blocks read: the rewrite stays behind)
+    let mut at = start;
+    for pair in bounds.windows(2) {
+        // The open gather block of this range, kept in locals and written out when the next
+        // block does not continue it (the rewrite index stays behind the read index, so every
+        // block is read before its slot is overwritten).
+        let mut gather: Option<(u64, u64, u64)> = None;
+        for k in pair[0]..pair[1] {
+            let (s, l) = (src[k], len[k]);
+            gather = match gather {
+                Some((gs, gd, gl)) if gs + gl == s && gd + gl == at => Some((gs, gd, gl + l)),
+                Some(done) => {
+                    (src[written], dst[written], len[written]) = done;
+                    written += 1;
+                    Some((s, at, l))
+                }
+                None => Some((s, at, l)),
+            };
+            at += l; // inside the region (checked by the caller)
+        }
+        if let Some(done) = gather {
+            (src[written], dst[written], len[written]) = done;
+            written += 1;
+        }
+        gather_offsets.push(written);
+    }
+    (written, gather_offsets)
+}
+
+/// A small plan as it grows (network and scatter plans), blocks merged within a pair range.
+#[derive(Default)]
+pub(crate) struct PlanBuilder {
+    plan: Plan,
+    /// First block of the current pair range.
+    pair_start: usize,
+}
+
+impl PlanBuilder {
+    /// A builder with room for `blocks` blocks (a bound the caller knows: the direct plan's).
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`].
+    pub(crate) fn with_capacity(blocks: usize) -> Result<Self> {
+        let mut builder = Self::default();
+        let p = &mut builder.plan;
+        for column in [&mut p.src_addrs, &mut p.dst_addrs, &mut p.lengths] {
+            column
+                .try_reserve_exact(blocks)
+                .map_err(|_| PlanError::out_of_memory::<u64>("plan column", blocks))?;
+        }
+        Ok(builder)
+    }
+
+    /// Appends a block, merged into the previous one when it belongs to the same pair range
+    /// and continues it on both sides.
+    pub(crate) fn push_merged(&mut self, (src, dst, len): (u64, u64, u64)) -> Result<()> {
         let p = &mut self.plan;
+        let n = p.lengths.len();
+        if n > self.pair_start {
+            let (ls, ld, ll) = (p.src_addrs[n - 1], p.dst_addrs[n - 1], p.lengths[n - 1]);
+            if ls.checked_add(ll) == Some(src) && ld.checked_add(ll) == Some(dst) {
+                p.lengths[n - 1] = ll + len; // both blocks lie in one region: no overflow
+                return Ok(());
+            }
+        }
         for (column, value) in [
             (&mut p.src_addrs, src),
             (&mut p.dst_addrs, dst),
@@ -518,31 +583,22 @@ impl NetworkRuns {
         ] {
             column
                 .try_reserve(1)
-                .map_err(|_| PlanError::out_of_memory::<u64>("network plan", column.len() + 1))?;
+                .map_err(|_| PlanError::out_of_memory::<u64>("plan column", column.len() + 1))?;
             column.push(value);
         }
         Ok(())
     }
 
-    /// Closes the open block: the next bytes start a new one.
-    fn close(&mut self) -> Result<()> {
-        match self.open.take() {
-            Some(done) => self.push(done),
-            None => Ok(()),
-        }
-    }
-
-    /// Ends a pair: closes its open block and records its end offset.
-    fn end_pair(&mut self) -> Result<()> {
-        self.close()?;
+    /// Ends a pair range: records its end offset (later blocks never merge into it).
+    pub(crate) fn end_pair(&mut self) {
         if self.plan.pair_offsets.is_empty() {
             self.plan.pair_offsets.push(0);
         }
-        self.plan.pair_offsets.push(self.plan.lengths.len());
-        Ok(())
+        self.pair_start = self.plan.lengths.len();
+        self.plan.pair_offsets.push(self.pair_start);
     }
 
-    fn finish(self, total_bytes: u64) -> Plan {
+    pub(crate) fn finish(self, total_bytes: u64) -> Plan {
         let mut plan = self.plan;
         plan.n_runs = plan.lengths.len();
         plan.total_bytes = total_bytes;

@@ -100,6 +100,9 @@ pub struct Template {
     /// What layer-wise slicing needs (module `slices`): each page pair's layer id, role and
     /// kind, and both peers' ranks.
     pub(crate) stream: StreamFacts,
+    /// Per page pair, the position of its decode entry among the decode layout's page
+    /// entries, and their number: the decode staging slots of a staged plan (module `staged`).
+    pub(crate) dst_slots: (Vec<usize>, usize),
 }
 
 impl Template {
@@ -232,7 +235,17 @@ impl Template {
         let (src_limit, dst_limit) = emitting.iter().fold((u64::MAX, u64::MAX), |(s, d), p| {
             (s.min(p.src_capacity), d.min(p.dst_capacity))
         });
+        let dst_page_entries = dst.entries_of_kind(EntryKind::Page);
+        let mut slot_of = vec![0; dst.n_entries()];
+        for (slot, &entry) in dst_page_entries.iter().enumerate() {
+            slot_of[entry] = slot;
+        }
+        let dst_slots = (
+            page_pairs.iter().map(|p| slot_of[p.dst_entry]).collect(),
+            dst_page_entries.len(),
+        );
         Ok(Self {
+            dst_slots,
             page_pairs,
             emitting,
             state_pairs,

@@ -3,7 +3,8 @@
 //! to byte arenas must leave the decode pool byte for byte as the direct plan leaves it (the
 //! direct plan itself is checked against the layout definitions in tests/dcp.rs), the pack
 //! buffer must be the only thing the two plans share, and the network must move at most one
-//! block per entry per destination page run.
+//! block per entry per destination page run. A staged plan of the same request (gather into a
+//! staging region, one network block, scatter) must write the same bytes.
 
 use kvplan_core::{
     AttentionGeometry, DcpContext, Layout, LayoutContext, MemoryOrder, PackBuffer, Plan, PlanError,
@@ -16,6 +17,7 @@ const HEAD_BYTES: u64 = 4;
 const SRC_BASE: u64 = 0x1000_0000;
 const DST_BASE: u64 = 0x2000_0000;
 const PACK_BASE: u64 = 0x3000_0000;
+const STAGE_BASE: u64 = 0x4000_0000;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -136,6 +138,40 @@ fn run(case: &Case) {
         .plan_packed(&src_pages, &dst_pages, Some(case.tokens), pack)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(packed.pack_bytes, direct.total_bytes, "{what}");
+    // The same request staged (gather → one network block → scatter) writes the same bytes.
+    let region = |addr| kvplan_core::StagingRegion { addr, size };
+    let staged = t
+        .plan_staged(
+            &src_pages,
+            &dst_pages,
+            Some(case.tokens),
+            region(PACK_BASE),
+            region(STAGE_BASE),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (mut stage_src, mut stage_dst) = (vec![0u8; size as usize], vec![0u8; size as usize]);
+    let mut staged_pool = vec![0u8; dst_size as usize];
+    apply(
+        &staged.gather,
+        (&source, SRC_BASE),
+        (&mut stage_src, PACK_BASE),
+    );
+    apply(
+        &staged.network,
+        (&stage_src, PACK_BASE),
+        (&mut stage_dst, STAGE_BASE),
+    );
+    apply(
+        &staged.scatter,
+        (&stage_dst, STAGE_BASE),
+        (&mut staged_pool, DST_BASE),
+    );
+    assert!(
+        staged_pool == want,
+        "{what}: staged plan differs from the direct plan"
+    );
+    let one_block = usize::from(direct.total_bytes > 0);
+    assert_eq!(staged.network.lengths.len(), one_block, "{what}");
     let mut buffer = vec![0u8; size as usize];
     let mut got = vec![0u8; dst_size as usize];
     // Every block of both plans stays inside the pack buffer on its pack side.

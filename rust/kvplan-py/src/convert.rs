@@ -18,6 +18,43 @@ pub(crate) enum IndexArray<'py> {
     I64(PyReadonlyArray1<'py, i64>),
 }
 
+/// A request's two borrowed index arrays (prefill pages, decode pages) and their argument
+/// names, so every entry point borrows and checks them the same way.
+pub(crate) struct RequestArrays<'py> {
+    src: IndexArray<'py>,
+    dst: IndexArray<'py>,
+    names: (&'static str, &'static str),
+}
+
+impl<'py> RequestArrays<'py> {
+    /// Borrows both arrays (see [`IndexArray::extract`]); `names` are the argument names the
+    /// errors cite.
+    pub(crate) fn extract(
+        src: &Bound<'py, PyAny>,
+        dst: &Bound<'py, PyAny>,
+        names: (&'static str, &'static str),
+    ) -> PyResult<Self> {
+        Ok(Self {
+            src: IndexArray::extract(src, names.0)?,
+            dst: IndexArray::extract(dst, names.1)?,
+            names,
+        })
+    }
+
+    /// Both arrays with their argument names.
+    pub(crate) fn named(&self) -> [(&IndexArray<'py>, &'static str); 2] {
+        [(&self.src, self.names.0), (&self.dst, self.names.1)]
+    }
+
+    /// Both arrays as slices (see [`IndexArray::as_slice`]).
+    pub(crate) fn slices(&self) -> PyResult<(IndexSlice<'_>, IndexSlice<'_>)> {
+        Ok((
+            self.src.as_slice(self.names.0)?,
+            self.dst.as_slice(self.names.1)?,
+        ))
+    }
+}
+
 /// A plain slice view of an [`IndexArray`]; `Send`, so it may cross into `Python::detach`.
 #[derive(Clone, Copy)]
 pub(crate) enum IndexSlice<'a> {

@@ -6,7 +6,7 @@ use kvplan_core::{PageIndex, PreppedIndices, Side, Template};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{IndexArray, IndexVisitor, visit_request};
+use crate::convert::{IndexVisitor, RequestArrays, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 
 /// `(addrs, lens)` of one side's table, both uint64.
@@ -59,14 +59,8 @@ pub(crate) fn prepped_indices<'py>(
     src_pages: &Bound<'py, PyAny>,
     dst_pages: &Bound<'py, PyAny>,
 ) -> PyResult<IndexArrays<'py>> {
-    let (src_array, dst_array) = (
-        IndexArray::extract(src_pages, "src_pages")?,
-        IndexArray::extract(dst_pages, "dst_pages")?,
-    );
-    let (src, dst) = (
-        src_array.as_slice("src_pages")?,
-        dst_array.as_slice("dst_pages")?,
-    );
+    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let (src, dst) = arrays.slices()?;
     let indices = visit_request(py, src, dst, Indices(template)).map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }

@@ -37,6 +37,17 @@ impl<'py> Buffers<'py> {
     /// anything else with the buffer protocol through `numpy.frombuffer`. Each must be
     /// C-contiguous.
     pub(crate) fn extract(py: Python<'py>, buffers: &Bound<'py, PyAny>) -> PyResult<Self> {
+        Self::extract_named(py, buffers, "buffers", false)
+    }
+
+    /// As [`Buffers::extract`], naming the argument `name` in messages; with `writable`, a
+    /// read-only buffer is a `KvPlanError`.
+    pub(crate) fn extract_named(
+        py: Python<'py>,
+        buffers: &Bound<'py, PyAny>,
+        name: &str,
+        writable: bool,
+    ) -> PyResult<Self> {
         let frombuffer = py.import("numpy")?.getattr("frombuffer")?;
         let mut arrays = Vec::new();
         let mut spans = Vec::new();
@@ -47,7 +58,7 @@ impl<'py> Buffers<'py> {
             } else {
                 let view = frombuffer.call1((&obj, "uint8")).map_err(|e| {
                     PyTypeError::new_err(format!(
-                        "buffers[{i}] ({}) is not a C-contiguous object with the buffer \
+                        "{name}[{i}] ({}) is not a C-contiguous object with the buffer \
                          protocol: {e}",
                         obj.get_type()
                             .name()
@@ -56,9 +67,25 @@ impl<'py> Buffers<'py> {
                 })?;
                 view.cast_into::<PyUntypedArray>()?
             };
+            if writable
+                && !array
+                    .getattr("flags")?
+                    .getattr("writeable")?
+                    .extract::<bool>()?
+            {
+                return Err(KvPlanError::new_err(format!(
+                    "{name}[{i}] is read-only ({}, {} bytes): a local copy writes its \
+                     destination buffers; pass writable memory (a numpy array, bytearray or \
+                     writable memoryview)",
+                    obj.get_type()
+                        .name()
+                        .map_or_else(|_| "?".into(), |n| n.to_string()),
+                    array.len() * array.dtype().itemsize()
+                )));
+            }
             if !array.is_c_contiguous() {
                 return Err(PyTypeError::new_err(format!(
-                    "buffers[{i}] is not C-contiguous (shape {:?}, strides {:?}): pass the \
+                    "{name}[{i}] is not C-contiguous (shape {:?}, strides {:?}): pass the \
                      whole registered buffer, not a strided view",
                     array.shape(),
                     array.strides()
@@ -84,7 +111,7 @@ impl<'py> Buffers<'py> {
 }
 
 /// Byte regions of `spans`, for as long as the [`Buffers`] they came from are held.
-fn regions(spans: &[(usize, usize)]) -> Vec<Region<'_>> {
+pub(crate) fn regions(spans: &[(usize, usize)]) -> Vec<Region<'_>> {
     spans
         .iter()
         .map(|&(addr, len)| Region {

@@ -1,24 +1,29 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
-//! the output `pool`), with `convert`, `errors` and `options` (keyword parsing) shared.
+//! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
+//! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), with `convert`, `errors` and `options` (keyword parsing) shared.
 
+mod advice;
 mod convert;
 mod descriptors;
 mod digest;
 mod errors;
 mod heads;
 mod layout;
+mod local;
 mod options;
 mod pairing;
 mod plan;
 mod pool;
 mod runs;
 mod slices;
+mod staged;
 mod template;
 
 #[pyo3::pymodule]
 mod _core {
+    #[pymodule_export]
+    use crate::advice::{PyAdvice, PyTransferCost, advise};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest};
     #[pymodule_export]
@@ -30,6 +35,8 @@ mod _core {
     #[pymodule_export]
     use crate::layout::{PyLayout, PyLayoutEntry};
     #[pymodule_export]
+    use crate::local::copy_local;
+    #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
     use crate::plan::{PyPlanBatch, PyPlanBuffer, PyTransferPlan};
@@ -39,6 +46,8 @@ mod _core {
     use crate::runs::group_contiguous;
     #[pymodule_export]
     use crate::slices::{PyLayerGroups, PyLayerSlices, PyPlanSlices, PyWorkManifest};
+    #[pymodule_export]
+    use crate::staged::PyStagedPlan;
     #[pymodule_export]
     use crate::template::{PyRowGather, PyTemplate, check_pairs, needs_tokens};
 

@@ -311,7 +311,7 @@ fn range_of<'py>(
 
 impl PyTransferPlan {
     /// Runs `f` on the plan's columns and pair offsets as slices (borrowed, not copied).
-    fn with_blocks<R>(
+    pub(crate) fn with_blocks<R>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&kvplan_core::PlanBlocks<'_>) -> PyResult<R>,
@@ -335,6 +335,20 @@ impl PyTransferPlan {
             lengths: lengths.as_slice()?,
             pair_offsets: &offsets,
         })
+    }
+
+    /// The three column arrays (source addresses, destination addresses, lengths).
+    pub(crate) fn column_arrays<'py>(&self, py: Python<'py>) -> [&Bound<'py, PyArray1<u64>>; 3] {
+        [
+            self.blocks.src_addrs.bind(py),
+            self.blocks.dst_addrs.bind(py),
+            self.blocks.lengths.bind(py),
+        ]
+    }
+
+    /// Blocks of the plan.
+    pub(crate) fn n_blocks_value(&self) -> usize {
+        self.n_blocks
     }
 
     fn fingerprints(&self) -> PyResult<(u64, u64)> {

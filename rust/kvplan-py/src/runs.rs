@@ -4,7 +4,7 @@ use kvplan_core::PageIndex;
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{IndexArray, IndexVisitor, visit_request};
+use crate::convert::{IndexVisitor, RequestArrays, visit_request};
 use crate::errors::to_py_err;
 
 /// `(src_starts, dst_starts, lengths)`.
@@ -31,11 +31,8 @@ pub fn group_contiguous<'py>(
             kvplan_core::group_contiguous(src, dst)
         }
     }
-    let (src_array, dst_array) = (
-        IndexArray::extract(src, "src")?,
-        IndexArray::extract(dst, "dst")?,
-    );
-    let (src_slice, dst_slice) = (src_array.as_slice("src")?, dst_array.as_slice("dst")?);
+    let arrays = RequestArrays::extract(src, dst, ("src", "dst"))?;
+    let (src_slice, dst_slice) = arrays.slices()?;
     let (s, d, l) = visit_request(py, src_slice, dst_slice, Group).map_err(to_py_err)?;
     let signed = |v: Vec<u64>| signed_in_place(v).into_pyarray(py);
     Ok((signed(s), signed(d), signed(l)))

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{IndexArray, IndexVisitor, pairs_array, visit_request};
+use crate::convert::{IndexVisitor, RequestArrays, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
@@ -65,7 +65,7 @@ pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLay
 /// (never a panic).
 fn writable_out<'py>(
     out: &Bound<'py, PyAny>,
-    inputs: [(&IndexArray<'_>, &str); 2],
+    inputs: &RequestArrays<'_>,
 ) -> PyResult<PyReadwriteArray2<'py, u64>> {
     let array = out.cast::<PyArray2<u64>>().map_err(|_| {
         PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
@@ -82,7 +82,7 @@ fn writable_out<'py>(
     // address ranges themselves.
     let start = array.data() as usize;
     let out_range = (start, start + array.len() * 8);
-    for (input, name) in inputs {
+    for (input, name) in inputs.named() {
         let range = input.byte_range();
         let overlaps = range.0 < range.1
             && out_range.0 < out_range.1
@@ -207,6 +207,31 @@ impl PyRowGather {
             self.copies.bind(py).shape()[0],
             self.pack_bytes
         )
+    }
+}
+
+/// One request planned as a staged plan between two staging regions.
+struct PlanStaged<'t>(
+    &'t Template,
+    Option<u64>,
+    kvplan_core::StagingRegion,
+    kvplan_core::StagingRegion,
+);
+
+impl IndexVisitor for PlanStaged<'_> {
+    type Output = kvplan_core::Result<kvplan_core::StagedPlan>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_staged(src, dst, self.1, self.2, self.3)
+    }
+}
+
+/// One request's direct-or-staged advice.
+struct TransferAdvice<'t>(&'t Template, Option<u64>, kvplan_core::TransferCost);
+
+impl IndexVisitor for TransferAdvice<'_> {
+    type Output = kvplan_core::Result<kvplan_core::Advice>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.transfer_advice(src, dst, self.1, &self.2)
     }
 }
 
@@ -405,18 +430,11 @@ impl PyTemplate {
         n_tokens: Option<u64>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PyTransferPlan> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let template: &Template = &self.inner;
         let (columns, summary) = if let Some(out) = out {
-            let mut writable =
-                writable_out(out, [(&src_array, "src_pages"), (&dst_array, "dst_pages")])?;
+            let mut writable = writable_out(out, &arrays)?;
             let capacity = writable.shape()[1];
             let flat = writable.as_slice_mut()?;
             let summary = visit_request(
@@ -457,14 +475,8 @@ impl PyTemplate {
         pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let buffer = kvplan_core::PackBuffer {
             addr: pack.0,
             size: pack.1,
@@ -511,14 +523,8 @@ impl PyTemplate {
         pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyRowGather, PyTransferPlan)> {
-        let (src_array, dst_array) = (
-            IndexArray::extract(src_pages, "src_pages")?,
-            IndexArray::extract(dst_pages, "dst_pages")?,
-        );
-        let (src, dst) = (
-            src_array.as_slice("src_pages")?,
-            dst_array.as_slice("dst_pages")?,
-        );
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
         let buffer = kvplan_core::PackBuffer {
             addr: pack.0,
             size: pack.1,
@@ -573,6 +579,72 @@ impl PyTemplate {
             },
             network,
         ))
+    }
+
+    /// Plans one request (as `plan`) as a staged plan: `gather` from prefill memory into
+    /// `src_staging = (addr, size)` (prefill memory), `network` from there into `dst_staging =
+    /// (addr, size)` (the decode's staging region, at this writer's offsets) and `scatter` from
+    /// there into the decode's pages. A `SizeMismatchError` names the bytes needed when a region
+    /// is too small.
+    #[pyo3(signature = (src_pages, dst_pages, *, src_staging, dst_staging, n_tokens=None))]
+    fn plan_staged(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        src_staging: (u64, u64),
+        dst_staging: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<crate::staged::PyStagedPlan> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
+        let visitor = PlanStaged(
+            &self.inner,
+            n_tokens,
+            region(src_staging),
+            region(dst_staging),
+        );
+        let staged = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+        let part = |mut plan: kvplan_core::Plan| -> PyResult<Py<PyTransferPlan>> {
+            let columns = [
+                std::mem::take(&mut plan.src_addrs),
+                std::mem::take(&mut plan.dst_addrs),
+                std::mem::take(&mut plan.lengths),
+            ]
+            .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+            let half =
+                PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints);
+            Py::new(py, half)
+        };
+        Ok(crate::staged::PyStagedPlan {
+            gather: part(staged.gather)?,
+            network: part(staged.network)?,
+            scatter: part(staged.scatter)?,
+            src_staging_bytes: staged.src_staging_bytes,
+            dst_staging_range: staged.dst_staging_range,
+            dst_staging_bytes: staged.dst_staging_bytes,
+            direct_blocks: staged.direct_blocks,
+            writer: staged.writer,
+        })
+    }
+
+    /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
+    /// core's rule over the request's direct and staged network block counts.
+    #[pyo3(signature = (src_pages, dst_pages, cost, *, n_tokens=None))]
+    fn transfer_advice(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        cost: PyRef<'_, crate::advice::PyTransferCost>,
+        n_tokens: Option<u64>,
+    ) -> PyResult<crate::advice::PyAdvice> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let visitor = TransferAdvice(&self.inner, n_tokens, cost.inner);
+        let advice = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
+        Ok(advice.into())
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).

@@ -31,7 +31,16 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   entries paired by layer id; pack buffers, custom memory pools, head-sliced draft rows and
   chunks that start inside a decode virtual page are handed to SGLang's own method.
 
-Everything else (``send_kvcache_staged``, ``_send_mamba_state_slice``,
+* ``MooncakeKVManager.send_kvcache_staged`` (prefill and decode attention TP sizes differ, MHA,
+  through staging buffers): SGLang's gather kernel fills the prefill's staging buffer as in
+  SGLang; a head-sliced template per decode peer plans where this writer's bytes go in the
+  decode's staging region (SGLang's ``compute_staging_layout``) and the network blocks (one at
+  PP 1, at most two per writer under PP), submitted as above; SGLang's ``-1`` fall-backs and its
+  ``RuntimeError`` on a failed transfer are kept. Prefill heads replicated over several writers
+  of one region, and prefill PP without slot layer ids, go to SGLang's own method.
+  :func:`staged_template` gives the decode the same plan over its own pools (its scatter).
+
+Everything else (``_send_mamba_state_slice``,
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
 
 SGLang's seams are kept: each drop-in calls what SGLang's method calls on ``self`` at that
@@ -73,6 +82,12 @@ without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a
   neither divides the other, are ``SizeMismatchError`` / ``LayoutError`` (SGLang truncates and
   reads or writes at wrong offsets); page lists of different lengths are ``KvPlanError`` and
   prefill pages past the buffer ``IndexBoundsError``, as for ``send_kvcache``.
+* ``send_kvcache_staged``: a negative prefill page or one past the pool tensors is
+  ``IndexBoundsError`` before SGLang's gather kernel runs (which would read outside the pool);
+  pool tensors with another head count than SGLang's split, or a ``dst_kv_item_len`` that is not
+  ``page_size`` x the decode's heads x the prefill's head bytes, are ``SizeMismatchError`` (SGLang
+  gathers other heads' bytes, or the decode scatters at other offsets than the prefill staged);
+  a decode peer without one of the prefill stage's layers is ``PairingError``.
 * Engine calls: at most ``max_blocks_per_batch`` blocks per call (SGLang: one call per request,
   or per ``max_transfer_batch_indices`` pages); runs are maximal, so the block list may differ
   from SGLang's by merging, never in the bytes moved.
@@ -117,7 +132,8 @@ The differences, all for inputs SGLang only handles by accident:
   pairs, else ``MemoryError``).
 
 The package is split by job, each module depending only on those below it: :mod:`.install`
-(install / uninstall), :mod:`.dropins` (the drop-in methods), :mod:`.submit` (engine batches or
+(install / uninstall), :mod:`.dropins` (the drop-in methods; :mod:`.dcp` and :mod:`.staged`
+the DCP and staged ones), :mod:`.submit` (engine batches or
 SGLang's seams), :mod:`.templates` (SGLang's call -> template), :mod:`.cache` (templates per
 decode peer), :mod:`.layouts` (layout builders), :mod:`.settings`, :mod:`.seams`, and at the
 bottom :mod:`.registry` (SGLang's originals); :mod:`.helpers` holds the two helpers.
@@ -131,6 +147,7 @@ from kvplan.compat.sglang.install import install, installed, uninstall
 from kvplan.compat.sglang.layouts import layout_from_kv_args, layout_from_register_info
 from kvplan.compat.sglang.registry import REPLACED_METHODS
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
+from kvplan.compat.sglang.staged import staged_template
 
 __all__ = [
     "DEFAULT_MAX_BLOCKS_PER_BATCH",
@@ -142,6 +159,7 @@ __all__ = [
     "installed",
     "layout_from_kv_args",
     "layout_from_register_info",
+    "staged_template",
     "template_cache",
     "uninstall",
 ]

@@ -23,6 +23,7 @@ from kvplan.compat.sglang.registry import (
     _resolve_original,
 )
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
+from kvplan.compat.sglang.staged import send_kvcache_staged
 
 _DROPINS: dict[str, Callable[..., int]] = {
     "_send_kvcache_generic": _dropin(_send_kvcache_generic),
@@ -30,6 +31,7 @@ _DROPINS: dict[str, Callable[..., int]] = {
     "_send_mamba_state": _dropin(_send_mamba_state),
     "send_kvcache_slice": _dropin(send_kvcache_slice),
     "send_kvcache_dcp": _dropin(send_kvcache_dcp),
+    "send_kvcache_staged": _dropin(send_kvcache_staged),
 }
 
 

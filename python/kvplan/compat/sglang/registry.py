@@ -16,7 +16,7 @@ _MOONCAKE, _ASCEND = "MooncakeKVManager", "AscendKVManager"
 #: gets the set of its nearest listed base).
 REPLACED_METHODS: dict[str, tuple[str, ...]] = {
     "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state",
-                          "send_kvcache_slice", "send_kvcache_dcp"),
+                          "send_kvcache_slice", "send_kvcache_dcp", "send_kvcache_staged"),
     "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
 }
 

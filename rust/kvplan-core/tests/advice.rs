@@ -1,0 +1,118 @@
+//! `Template::transfer_advice`: the core's direct-or-staged rule over a request's own counts.
+//! The counts it uses are those of the request's direct plan and of its staged plan through
+//! any real staging regions (they do not depend on where the regions are), and the choice
+//! follows the cost.
+
+use kvplan_core::{
+    AttentionGeometry, Choice, Layout, LayoutContext, MemoryOrder, StagingRegion, Template,
+    TemplateOptions, TransferCost, advise,
+};
+
+const HEADS: u32 = 8;
+const HEAD_DIM: u32 = 64;
+const PAGE: u64 = 4;
+const LAYERS: usize = 3;
+const CAPACITY: u64 = 32;
+
+/// One TP rank's MHA NHD layout at `base`: every layer's K entry, then every V entry.
+fn layout(base: u64, tp_size: u32, tp_rank: u32) -> Layout {
+    let per_rank = (HEADS / tp_size).max(1);
+    let item = PAGE * u64::from(per_rank) * u64::from(HEAD_DIM) * 2;
+    let len = item * CAPACITY;
+    let ptrs: Vec<u64> = (0..2 * LAYERS as u64).map(|e| base + e * len).collect();
+    let context = LayoutContext {
+        page_size: PAGE,
+        tp_rank,
+        tp_size,
+        attention: Some(AttentionGeometry {
+            total_kv_heads: HEADS,
+            heads_per_rank: per_rank,
+            head_dim: HEAD_DIM,
+            dtype_size: 2,
+            memory_order: MemoryOrder::Nhd,
+        }),
+        ..LayoutContext::default()
+    };
+    Layout::mha(
+        ptrs[..LAYERS].to_vec(),
+        ptrs[LAYERS..].to_vec(),
+        vec![len; LAYERS],
+        vec![len; LAYERS],
+        vec![item; LAYERS],
+        vec![item; LAYERS],
+        Some((0..LAYERS as i64).collect()),
+        context,
+    )
+    .unwrap()
+}
+
+fn template(tp_p: u32, r_p: u32, tp_d: u32) -> Template {
+    Template::new(
+        &layout(1 << 32, tp_p, r_p),
+        &layout(1 << 36, tp_d, 0),
+        TemplateOptions::default(),
+    )
+    .unwrap()
+}
+
+fn cost(per_block_s: f64, network: f64, copy: f64) -> TransferCost {
+    TransferCost::new(per_block_s, network, copy).unwrap()
+}
+
+const SRC: [i64; 6] = [5, 6, 7, 1, 20, 21];
+const DST: [i64; 6] = [0, 2, 4, 9, 10, 30];
+
+#[test]
+fn counts_are_the_plans_counts_wherever_the_regions_are() {
+    for (tp_p, r_p, tp_d) in [(8, 3, 2), (2, 1, 2), (1, 0, 4), (4, 2, 1), (8, 0, 1)] {
+        let t = template(tp_p, r_p, tp_d);
+        let c = cost(30e-6, 2e9, 10e9);
+        let advice = t.transfer_advice(&SRC, &DST, None, &c).unwrap();
+        let direct = t.plan(&SRC, &DST, None).unwrap();
+        for (src_at, dst_at) in [(1 << 40, 1 << 41), (0x1234_5000, 0x7777_0000)] {
+            let region = |addr| StagingRegion {
+                addr,
+                size: 1 << 30,
+            };
+            let staged = t
+                .plan_staged(&SRC, &DST, None, region(src_at), region(dst_at))
+                .unwrap();
+            let want = advise(
+                direct.src_addrs.len(),
+                staged.network.src_addrs.len(),
+                direct.total_bytes,
+                staged.gather.total_bytes,
+                staged.scatter.total_bytes,
+                &c,
+            );
+            assert_eq!(advice, want, "TP {tp_p} -> {tp_d}, rank {r_p}");
+        }
+    }
+}
+
+#[test]
+fn the_choice_follows_the_cost() {
+    // TP 8 -> 2 NHD: one direct block per token per entry, one staged network block.
+    let t = template(8, 0, 2);
+    let (src, dst): (Vec<i64>, Vec<i64>) = (0..8).map(|p| (p, 2 * p)).unzip();
+    let tcp = t
+        .transfer_advice(&src, &dst, None, &cost(30e-6, 2e9, 10e9))
+        .unwrap();
+    assert_eq!(tcp.direct_blocks, 8 * PAGE as usize * 2 * LAYERS);
+    assert_eq!((tcp.choice, tcp.staged_blocks), (Choice::Staged, 1));
+    let free_blocks = t
+        .transfer_advice(&src, &dst, None, &cost(1e-12, 2e9, 1e6))
+        .unwrap();
+    assert_eq!(free_blocks.choice, Choice::Direct);
+}
+
+#[test]
+fn a_bad_request_is_the_plans_error() {
+    let t = template(8, 0, 2);
+    let bad = [0i64, CAPACITY as i64];
+    let planned = t.plan(&[0i64, 1], &bad, None).unwrap_err();
+    let advised = t
+        .transfer_advice(&[0i64, 1], &bad, None, &cost(1e-6, 1e9, 1e9))
+        .unwrap_err();
+    assert_eq!(advised, planned);
+}

@@ -1,0 +1,73 @@
+//! `copy_local`: the core's CPU copier over Python buffers. Buffers are borrowed without a
+//! copy (numpy arrays, bytearrays, memoryviews: anything C-contiguous with the buffer
+//! protocol); the core checks that no destination shares memory with another buffer or the
+//! plan's columns, and that every block lies inside one buffer, before any byte moves.
+
+use kvplan_core::{Region, RegionMut};
+use numpy::{PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::digest::{Buffers, regions};
+use crate::errors::to_py_err;
+use crate::plan::PyTransferPlan;
+
+/// Writable byte regions of `spans`, for as long as the [`Buffers`] they came from are held.
+fn regions_mut(spans: &[(usize, usize)]) -> Vec<RegionMut<'_>> {
+    spans
+        .iter()
+        .map(|&(addr, len)| RegionMut {
+            base: addr as u64,
+            // SAFETY: each span is the data pointer and byte size of a writable C-contiguous
+            // numpy array held alive by the `Buffers` borrowed for this call (the lifetime of
+            // `spans`), so the memory is valid for `len` bytes; `check_local_buffers` has
+            // verified that no two of these spans, no source span and no plan column share a
+            // byte, so this is the only reference to these bytes in this call. Another Python
+            // thread writing the same memory meanwhile (the GIL is released) changes what is
+            // copied, never where: every block was checked against the spans.
+            bytes: if len == 0 {
+                &mut []
+            } else {
+                unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+            },
+        })
+        .collect()
+}
+
+/// `copy_local(plan, src_buffers, dst_buffers)`: executes a local plan (a staged or pack
+/// plan's gather or scatter) on CPU memory, copying each block from the source buffer holding
+/// it to the destination buffer holding it, with the GIL released. Returns the bytes copied.
+#[pyfunction]
+pub(crate) fn copy_local(
+    py: Python<'_>,
+    plan: PyRef<'_, PyTransferPlan>,
+    src_buffers: &Bound<'_, PyAny>,
+    dst_buffers: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    let sources = Buffers::extract_named(py, src_buffers, "src_buffers", false)?;
+    let targets = Buffers::extract_named(py, dst_buffers, "dst_buffers", true)?;
+    let as_u64 = |spans: &[(usize, usize)]| -> Vec<(u64, u64)> {
+        spans.iter().map(|&(a, n)| (a as u64, n as u64)).collect()
+    };
+    let columns: Vec<(u64, u64)> = plan
+        .column_arrays(py)
+        .iter()
+        .map(|c| (c.data() as u64, c.len() as u64 * 8))
+        .collect();
+    kvplan_core::check_local_buffers(&as_u64(sources.spans()), &as_u64(targets.spans()), &columns)
+        .map_err(to_py_err)?;
+    let (src_spans, dst_spans) = (sources.spans(), targets.spans());
+    plan.with_blocks(py, |blocks| {
+        let run = || {
+            let src: Vec<Region<'_>> = regions(src_spans);
+            let mut dst = regions_mut(dst_spans);
+            kvplan_core::copy_local(
+                blocks.src_addrs,
+                blocks.dst_addrs,
+                blocks.lengths,
+                &src,
+                &mut dst,
+            )
+        };
+        py.detach(run).map_err(to_py_err)
+    })
+}
