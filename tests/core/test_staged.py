@@ -221,3 +221,19 @@ def test_staged_plans_reuse_pooled_output_memory() -> None:
     _, _, hits1, misses1 = kvplan._core.pool_stats()
     assert misses1 == misses0, "steady state must not allocate fresh output memory"
     assert hits1 == hits0 + 2 * 3  # gather and scatter, per plan
+
+
+def test_a_small_staged_part_does_not_hold_a_large_buffer() -> None:
+    """Between TP 8 and TP 2 on NHD pages the gather merges to one block per entry while the
+    scatter keeps one block per token: the gather is copied out of its pooled buffer (which
+    goes back to the pool at once), the scatter stays a view of its own."""
+    src = rank_memory(model(8), Rank(0, 8, 4, "NHD", 6), seed=3)
+    dst = rank_memory(model(8), Rank(0, 2, 4, "NHD", 6))
+    template = kvplan.Template(src.layout, dst.layout)
+    plan = template.plan_staged(np.arange(3), np.array([5, 4, 3]),
+                                src_staging=(1 << 40, 1 << 20), dst_staging=(1 << 44, 1 << 20))
+    assert plan.gather.n_blocks * 4 < plan.direct_blocks == plan.scatter.n_blocks
+    for column in (plan.gather.src_addrs, plan.gather.dst_addrs, plan.gather.lengths):
+        assert column.base is None and column.flags.owndata
+    for column in (plan.scatter.src_addrs, plan.scatter.dst_addrs, plan.scatter.lengths):
+        assert column.base is not None

@@ -619,8 +619,21 @@ impl PyTemplate {
                 PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints);
             Py::new(py, half)
         };
-        let pooled_part = |buffer: FlatBuffer, n_blocks, pair_offsets| {
-            let columns = pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?;
+        // A part far smaller than its buffer (the gather of a head-sliced NHD request: 160 of
+        // 5.2M blocks) is copied out and its buffer goes straight back to the pool, so a live
+        // small plan never holds the memory of the large one.
+        let pooled_part = |buffer: FlatBuffer, n_blocks: usize, pair_offsets| {
+            let columns = if n_blocks.saturating_mul(4) < buffer.capacity {
+                let FlatBuffer { data, capacity } = buffer;
+                let columns = [0, 1, 2].map(|k| {
+                    let column = &data[k * capacity..k * capacity + n_blocks];
+                    numpy::PyArray1::from_slice(py, column).unbind()
+                });
+                pool::give_back(data);
+                columns
+            } else {
+                pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?
+            };
             part(columns, n_blocks, pair_offsets)
         };
         let mut network = staged.network;
