@@ -170,7 +170,7 @@ impl Template {
             .unwrap_or_default();
         // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
         // above, so it succeeds here.
-        let heads = HeadSlicing::between(src, dst)?;
+        let heads = HeadSlicing::between(src, dst, options.replicas_send)?;
         let by_token = needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
