@@ -278,7 +278,8 @@ impl Template {
 
     /// Why this template moves no page bytes although it pairs entries (a prefill rank that
     /// holds none of the decode rank's heads, or is not the elected sender of replicated
-    /// heads); `None` when it moves pages or has no page pairs.
+    /// heads, or with `replicas_send` not one of the decode rank's writers); `None` when it
+    /// moves pages or has no page pairs.
     pub fn empty_reason(&self) -> Option<String> {
         if self.page_pairs.is_empty() {
             return None;
