@@ -22,6 +22,7 @@ __all__ = [
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
+    "RowGather",
     "SizeMismatchError",
     "StagedPlan",
     "Template",
@@ -341,6 +342,24 @@ class PlanBatch:
     def __iter__(self) -> Iterator[_U64Array]: ...
 
 @final
+class RowGather:
+    """The gather of a pack plan as source rows (``Template.plan_row_gather``): per token lane
+    the rows moved, per piece one copy, instead of one block per row."""
+
+    @property
+    def rows(self) -> list[_U64Array]:
+        """Per lane (0: target tokens, 1: draft tokens sent whole), the source row of every
+        token moved, in token order: ``source page index * rows_per_page + slot``."""
+    @property
+    def copies(self) -> npt.NDArray[np.uint64]:
+        """``(n_copies, 7)``: ``lane, src_base, page_stride, row_stride, rows_per_page, len,
+        pack_addr``; row ``r = rows[lane][k]`` copies ``len`` bytes from ``src_base + (r //
+        rows_per_page) * page_stride + (r % rows_per_page) * row_stride`` to ``pack_addr + k *
+        len``."""
+    @property
+    def pack_bytes(self) -> int: ...
+
+@final
 class TransferPlan:
     """The ``(src_addr, dst_addr, length)`` blocks of one request, entry-pair major, run minor.
 
@@ -461,6 +480,8 @@ class Template:
     @property
     def by_token(self) -> bool: ...
     def n_token_blocks(self, n_tokens: int, *, fragmented: bool = False) -> int: ...
+    def packed_block_counts(self, n_tokens: int, *, fragmented: bool = False
+                            ) -> tuple[int, int, int]: ...
     def plan(
         self,
         src_pages: _IndexArray,
@@ -482,6 +503,20 @@ class Template:
             TypeError: Not a 1-D C-contiguous, aligned int32/int64 numpy array; ``out`` not a
                 C-contiguous ``(3, M)`` uint64 array.
             MemoryError: The plan's output cannot be allocated.
+        """
+    def plan_row_gather(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        pack: tuple[int, int],
+        n_tokens: int | None = None,
+    ) -> tuple[RowGather, TransferPlan]:
+        """Plan one token request as ``plan_packed`` does, with the gather as source rows.
+
+        Returns ``(rows, network)``: ``network`` is ``plan_packed``'s network plan, and
+        ``rows`` copies into the pack buffer exactly what its gather copies (same pack layout).
+        A too-small buffer is a ``SizeMismatchError``; a page request is a ``KvPlanError``.
         """
     def plan_packed(
         self,

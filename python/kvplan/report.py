@@ -352,9 +352,15 @@ def _dcp_blocks(src: Layout, dst: Layout, pages: int, **options: object) -> list
         return [f"{tokens} tokens: 0 blocks ({template.empty_reason})"]
     contiguous = template.n_token_blocks(tokens)
     scattered = template.n_token_blocks(tokens, fragmented=True)
+    _, gather, network = template.packed_block_counts(tokens)
+    _, gather_scattered, network_scattered = template.packed_block_counts(tokens, fragmented=True)
     return [f"{tokens} global tokens, prefill DCP rank {src.dcp_rank} -> decode DCP rank "
             f"{dst.dcp_rank}: {contiguous} blocks with pages consecutive on both sides, "
-            f"{scattered} blocks with no two pages consecutive"]
+            f"{scattered} blocks with no two pages consecutive",
+            f"packed (Template.plan_packed): {network} network blocks after {gather} gather "
+            f"blocks into the pack buffer with pages consecutive on both sides, "
+            f"{network_scattered} network blocks after {gather_scattered} gather blocks with no "
+            "two pages consecutive"]
 
 
 def _order(layout: Layout) -> str:

@@ -20,14 +20,23 @@ def run_cli(capsys, *argv):
     return rc, out.out, out.err
 
 
-def rank_rows(out: str) -> dict[int, list[int]]:
-    """``rank -> [blocks, scattered, state, bytes]`` of the per-stage table (one stage)."""
+NUM = r"\s+([\d,]+)"
+
+
+def table_rows(out: str) -> dict[int, list[int]]:
+    """``rank -> [blocks, scattered, packed, packed scattered, gather, state, bytes]`` of the
+    per-stage table (one stage)."""
     rows = {}
     for line in out.splitlines():
-        m = re.match(r"rank (\d+)\s+\S+\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)$", line)
+        m = re.match(r"rank (\d+)\s+\S+" + NUM * 7 + "$", line)
         if m:
             rows[int(m.group(1))] = [int(g.replace(",", "")) for g in m.groups()[1:]]
     return rows
+
+
+def rank_rows(out: str) -> dict[int, list[int]]:
+    """``rank -> [blocks, scattered, state, bytes]`` of the per-stage table (one stage)."""
+    return {r: [v[0], v[1], v[5], v[6]] for r, v in table_rows(out).items()}
 
 
 def held(tokens: int, n: int, i: int, r: int) -> list[int]:
@@ -104,3 +113,30 @@ def test_an_interleave_that_does_not_divide_the_page_is_a_usage_error(capsys):
                            "--decode-dcp", "2", "--dcp-interleave", "3")
     assert rc == 2 and out == ""
     assert "--decode-dcp 2 --dcp-interleave 3" in err and "3" in err
+
+
+def test_packed_columns_are_one_network_block_per_layer_and_decode_page_run(capsys):
+    """Through a pack buffer the network moves one block per layer and run of decode pages
+    (consecutive pages: one run; scattered: one per page), after one gather block per layer and
+    run of the rank's tokens adjacent in the prefill's pages (token round robin: every token)."""
+    ds = get_preset("deepseek-v3")
+    layers = ds.num_layers
+    rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8", "--page-size", "4",
+                           "--decode-dcp", "2")
+    assert rc == 0, err
+    rows = table_rows(out)
+    assert sorted(rows) == [0, 1]
+    for r, (blocks, _, packed, packed_scattered, gather, _, _) in rows.items():
+        ts = held(32, 2, 1, r)  # 16 tokens: 4 decode pages of 4
+        assert packed == layers
+        assert packed_scattered == layers * 4
+        assert gather == runs(ts) * layers == blocks
+        assert (f"rank {r}: {blocks:,} blocks ({blocks:,} scattered)") in out
+        assert (f"    packed: {layers} network blocks ({layers * 4} scattered) after "
+                f"{gather:,} gather blocks ({gather:,} scattered)") in out
+    rc, out, err = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "16", "--page-size",
+                           "4", "--decode-dcp", "4", "--dcp-interleave", "4")
+    assert rc == 0, err
+    for r, (blocks, scattered, packed, packed_scattered, gather, _, _) in table_rows(out).items():
+        assert blocks == scattered == gather == 4 * layers  # four whole-page deals, not adjacent
+        assert packed == layers and packed_scattered == 4 * layers

@@ -114,3 +114,49 @@ def test_layouts_that_do_not_deal_get_no_dcp_lines() -> None:
     assert report.dcp == ()
     assert "decode context parallel" not in str(report)
     assert "DCP" not in report.decode
+
+
+def packed_line(report: kvplan.CompatReport) -> tuple[int, int, int, int]:
+    """(network, gather) with pages consecutive, then with no two pages consecutive."""
+    m = re.search(r"packed \(Template.plan_packed\): (\d+) network blocks after (\d+) gather "
+                  r"blocks into the pack buffer with pages consecutive on both sides, (\d+) "
+                  r"network blocks after (\d+) gather blocks with no two pages consecutive",
+                  report.blocks[1])
+    assert m, report.blocks
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def runs_of(ts: list[int]) -> int:
+    return sum(1 for k, t in enumerate(ts) if k == 0 or ts[k - 1] != t - 1)
+
+
+@pytest.mark.parametrize(("n", "i", "ps", "pd"), [(2, 1, 4, 4), (4, 1, 4, 4), (2, 4, 4, 4),
+                                                  (4, 2, 2, 4), (2, 8, 4, 8)])
+def test_the_packed_cost_is_the_cost_of_plan_packed(n: int, i: int, ps: int, pd: int) -> None:
+    """Network and gather blocks through a pack buffer: what plan_packed plans on the same page
+    lists, and what the layout definition gives (one network block per layer and destination
+    page run; one gather block per layer and run of the rank's tokens adjacent in the source)."""
+    pages = 8
+    tokens = pages * ps
+    src = mla(ps, 1 << 32)
+    for r in range(n):
+        dst = mla(pd, 1 << 40, dcp_size=n, dcp_rank=r, dcp_interleave=i)
+        report = kvplan.compare(src, dst, request_pages=pages)
+        network, gather, network_s, gather_s = packed_line(report)
+        template = Template(src, dst)
+        held = [t for t in range(tokens) if owner(t, n, i) == r]
+        dst_count = -(-len(held) // pd)
+        src_pages = np.arange(pages, dtype=np.int64)
+        dst_pages = np.arange(dst_count, dtype=np.int64)
+        for scale, (net, gat) in ((1, (network, gather)), (2, (network_s, gather_s))):
+            direct = template.plan(src_pages * scale, dst_pages * scale, n_tokens=tokens)
+            g, w = template.plan_packed(src_pages * scale, dst_pages * scale, n_tokens=tokens,
+                                        pack=(1 << 48, direct.total_bytes))
+            assert (net, gat) == (w.n_blocks, g.n_blocks)
+        layers = len(LAYERS)
+        assert network == layers  # the rank's tokens fill consecutive decode pages in order
+        assert network_s == layers * dst_count  # every decode page its own run
+        assert gather == layers * runs_of(held)
+        # with no two source pages consecutive, a run also ends at every source page edge
+        cut = [t for t in held if t % ps == 0 or t - 1 not in held]
+        assert gather_s == layers * len(cut)

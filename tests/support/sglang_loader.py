@@ -229,6 +229,72 @@ def load_head_slicing(sg: SGLang) -> None:
     assert set(fn.__code__.co_names) <= {"max"}, fn.__code__.co_names
 
 
+DCP_PACK = "sglang.srt.disaggregation.common.dcp_pack"
+
+
+def load_dcp_pack(sg: SGLang) -> types.ModuleType:
+    """Execute ``disaggregation/common/dcp_pack.py`` (``try_pack_dcp_src``, which
+    ``send_kvcache_dcp`` imports when it is handed a pack buffer) from the wheel.
+
+    Its gather is a Triton kernel on a CUDA device (``copy_mla_rows_into_pack``, with torch
+    tensors and device streams); none of that exists here, so torch, triton, the kernel and
+    ``device_stream_context`` are the loader's no-op stand-ins. What runs for real is SGLang's
+    Python around the kernel: the size check, the per-layer pack pointers and the packed row
+    indices ``send_kvcache_dcp`` then groups into network blocks. The pack buffer is a
+    :class:`HostPackBuffer`. No byte is gathered."""
+    if DCP_PACK in sys.modules and not is_stub(sys.modules[DCP_PACK]):
+        return sys.modules[DCP_PACK]
+    load_head_slicing(sg)  # staging_buffer (StagingBuffer, only an annotation here) is real
+    finder = Finder({"sglang": sg.root}, REAL_MODULES, real_packages=REAL_PACKAGES,
+                    standins=(*THIRD_PARTY_STANDINS, "triton"))
+    with finding(finder):
+        path = os.path.join(sg.root, "srt", "disaggregation", "common", "dcp_pack.py")
+        spec = importlib.util.spec_from_file_location(DCP_PACK, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[DCP_PACK] = mod
+        spec.loader.exec_module(mod)
+    assert mod.try_pack_dcp_src.__code__.co_filename == path
+    assert is_stub(mod.copy_mla_rows_into_pack)  # the GPU kernel: a no-op stand-in
+    return mod
+
+
+class _HostStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostPackBuffer:
+    """The part of SGLang's ``StagingBuffer`` that ``try_pack_dcp_src`` reads (``fits``,
+    ``get_size``, ``get_ptr``, ``buffer.narrow``, the gather and producer streams), for a pack
+    region at address ``ptr`` of ``size`` bytes that no kernel writes."""
+
+    def __init__(self, ptr: int, size: int):
+        self.ptr, self.size = ptr, size
+        # narrow() gives the pack "tensor"; try_pack_dcp_src reads only its device
+        self.buffer = types.SimpleNamespace(
+            narrow=lambda dim, start, length: types.SimpleNamespace(device="host"))
+        self._stream = _HostStream()
+
+    def fits(self, end: int) -> bool:
+        return end <= self.size
+
+    def get_size(self) -> int:
+        return self.size
+
+    def get_ptr(self) -> int:
+        return self.ptr
+
+    def get_gather_stream(self) -> _HostStream:
+        return self._stream
+
+    def producer_stream(self) -> _HostStream:
+        return self._stream
+
+
 # --------------------------------------------------------------------------------------------
 # Staged transfers (send_kvcache_staged)
 # --------------------------------------------------------------------------------------------

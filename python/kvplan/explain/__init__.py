@@ -36,6 +36,7 @@ from __future__ import annotations
 from kvplan.explain.analysis import (
     DEFAULT_MAX_BLOCKS as DEFAULT_MAX_BLOCKS,
     DcpExplanation,
+    DcpRankCost as DcpRankCost,
     DcpRankResult as DcpRankResult,
     LIST_NS_PER_ELEMENT as LIST_NS_PER_ELEMENT,
     MAX_START_LAYER as MAX_START_LAYER,

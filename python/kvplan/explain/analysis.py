@@ -415,6 +415,14 @@ class DcpRankResult:
     #: Why this pair moves no KV (the template's own reason), or ``None``.
     empty_reason: str | None
     report: Any
+    #: Through a pack buffer (``Template.plan_packed``), pages consecutive on both sides: the
+    #: network blocks out of the pack buffer and the local gather blocks into it (the core's
+    #: ``packed_block_counts``; state is not packed).
+    packed_network_blocks: int = 0
+    packed_gather_blocks: int = 0
+    #: The same with no two pages consecutive.
+    packed_scattered_network_blocks: int = 0
+    packed_scattered_gather_blocks: int = 0
 
 
 @dataclass
@@ -444,13 +452,38 @@ class DcpExplanation:
     def rank_totals(self) -> list[tuple[int, int, int, int]]:
         """``(rank, blocks, scattered blocks, bytes)`` per decode rank, over every stage, state
         included."""
-        out: dict[int, list[int]] = {}
+        return [(t.rank, t.blocks, t.scattered_blocks, t.bytes) for t in self.rank_costs()]
+
+    def rank_costs(self) -> list[DcpRankCost]:
+        """What each decode rank costs over every stage, directly and through a pack buffer
+        (state blocks, never packed, counted in both)."""
+        out: dict[int, DcpRankCost] = {}
         for r in self.rows:
-            t = out.setdefault(r.rank, [0, 0, 0])
-            t[0] += r.blocks + r.state_blocks
-            t[1] += r.scattered_blocks + r.state_blocks
-            t[2] += r.bytes + r.state_bytes
-        return [(rank, a, b, c) for rank, (a, b, c) in sorted(out.items())]
+            t = out.setdefault(r.rank, DcpRankCost(r.rank))
+            t.blocks += r.blocks + r.state_blocks
+            t.scattered_blocks += r.scattered_blocks + r.state_blocks
+            t.bytes += r.bytes + r.state_bytes
+            t.network_blocks += r.packed_network_blocks + r.state_blocks
+            t.scattered_network_blocks += r.packed_scattered_network_blocks + r.state_blocks
+            t.gather_blocks += r.packed_gather_blocks
+            t.scattered_gather_blocks += r.packed_scattered_gather_blocks
+        return [out[rank] for rank in sorted(out)]
+
+
+@dataclass
+class DcpRankCost:
+    """One decode rank's cost over every prefill stage (:meth:`DcpExplanation.rank_costs`)."""
+
+    rank: int
+    #: Direct plan blocks (every one a network descriptor), pages consecutive / scattered.
+    blocks: int = 0
+    scattered_blocks: int = 0
+    bytes: int = 0
+    #: Through a pack buffer: network blocks and local gather blocks, consecutive / scattered.
+    network_blocks: int = 0
+    scattered_network_blocks: int = 0
+    gather_blocks: int = 0
+    scattered_gather_blocks: int = 0
 
 
 def explain_dcp(
@@ -511,9 +544,12 @@ def explain_dcp(
             if template.state_pairs.size:
                 state_plan = template.plan_state(0, 0)
                 state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
+            _, gather, network = template.packed_block_counts(tokens)
+            _, gather_s, network_s = template.packed_block_counts(tokens, fragmented=True)
             rows.append(DcpRankResult(label, decode.dcp_rank, deal, plan.n_blocks, scattered,
                                       plan.total_bytes, state_blocks, state_bytes,
-                                      template.empty_reason, report))
+                                      template.empty_reason, report, network, gather,
+                                      network_s, gather_s))
     return DcpExplanation(title, description, pages, page_size, decode_size,
                           decodes[0].dcp_size, decodes[0].dcp_interleave, rows, warnings,
                           max_blocks)

@@ -154,25 +154,31 @@ def render_dcp(e: DcpExplanation) -> str:
             lines.append(f"  rank {r.rank}: {r.deal}")
     lines.append("")
     lines.append(f"{'decode rank':<12} {'prefill stage':<16} {'blocks':>10} {'scattered':>10} "
-                 f"{'state':>6} {'bytes':>16}")
+                 f"{'packed':>8} {'scattered':>10} {'gather':>10} {'state':>6} {'bytes':>16}")
     for r in e.rows:
         if r.report is None or not r.report.compatible:
             lines.append(f"{'rank ' + str(r.rank):<12} {r.stage:<16} {'NOT COMPATIBLE':>10}")
             continue
         lines.append(f"{'rank ' + str(r.rank):<12} {r.stage:<16} {r.blocks:>10,} "
-                     f"{r.scattered_blocks:>10,} {r.state_blocks:>6,} "
-                     f"{r.bytes + r.state_bytes:>16,}")
+                     f"{r.scattered_blocks:>10,} {r.packed_network_blocks:>8,} "
+                     f"{r.packed_scattered_network_blocks:>10,} {r.packed_gather_blocks:>10,} "
+                     f"{r.state_blocks:>6,} {r.bytes + r.state_bytes:>16,}")
         if r.empty_reason is not None:
             lines.append(f"  moves no KV: {r.empty_reason}")
-    lines.append("  (blocks: pages consecutive on both sides; scattered: no two pages "
-                 "consecutive; state blocks are counted in the totals)")
+    lines.append("  (blocks: direct plan, pages consecutive on both sides; scattered: no two "
+                 "pages consecutive; packed: network blocks through a pack buffer "
+                 "(Template.plan_packed), after the gather blocks that fill it locally; state "
+                 "blocks, never packed, are counted in the totals)")
     lines.append("")
     lines.append("per decode rank, every stage:")
-    for rank, blocks, scattered, nbytes in e.rank_totals():
-        calls = math.ceil(blocks / e.max_blocks)
-        lines.append(f"  rank {rank}: {blocks:,} blocks ({scattered:,} scattered), "
-                     f"{format_bytes(nbytes)}, {calls:,} engine call(s) of at most "
+    for t in e.rank_costs():
+        calls = math.ceil(t.blocks / e.max_blocks)
+        lines.append(f"  rank {t.rank}: {t.blocks:,} blocks ({t.scattered_blocks:,} scattered), "
+                     f"{format_bytes(t.bytes)}, {calls:,} engine call(s) of at most "
                      f"{e.max_blocks:,} blocks")
+        lines.append(f"    packed: {t.network_blocks:,} network blocks "
+                     f"({t.scattered_network_blocks:,} scattered) after {t.gather_blocks:,} "
+                     f"gather blocks ({t.scattered_gather_blocks:,} scattered)")
     lines += _reports_and_warnings([(f"rank {r.rank}, {r.stage}", r.report) for r in e.rows],
                                    e.warnings)
     return "\n".join(lines)

@@ -209,22 +209,106 @@ impl TokenMap {
 }
 
 /// A segment of a token walk over two maps: `n` global tokens from `t` that both sides hold,
-/// inside one page on each side, with each side's local token.
+/// inside one page on each side, with each side's local token and its (page, slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DealtSegment {
     pub t: u64,
     pub n: u64,
     pub local: (u64, u64),
+    /// Position in each side's page list (`local / page_size`).
+    pub page: (u64, u64),
+    /// Slot in that page (`local % page_size`).
+    pub slot: (u64, u64),
+}
+
+/// One side of a token walk, advanced incrementally: the walk only moves forward, so each
+/// side keeps the deal it is in (or the next one it owns) and the page and slot of its last
+/// local token, and the per-segment arithmetic is additions (a division only when a side's
+/// local token jumps by a page or more: a paged side skipping the other side's deals).
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    map: TokenMap,
+    /// First token of the owned deal at or after the last query, its end (exclusive) and the
+    /// local token of its first token; a paged side owns one deal of every token.
+    start: u64,
+    end: u64,
+    local_start: u64,
+    /// The last local token placed, and its page and slot.
+    local: u64,
+    page: u64,
+    slot: u64,
+}
+
+impl Cursor {
+    fn new(map: TokenMap) -> Self {
+        let (start, end) = match map {
+            TokenMap::Paged { .. } => (0, u64::MAX),
+            TokenMap::Dealt {
+                rank, interleave, ..
+            } => (rank * interleave, (rank + 1) * interleave),
+        };
+        Self {
+            map,
+            start,
+            end,
+            local_start: 0,
+            local: 0,
+            page: 0,
+            slot: 0,
+        }
+    }
+
+    /// The first token at or after `t` this side holds (`t` never decreases between calls).
+    fn next_owned(&mut self, t: u64) -> u64 {
+        if let TokenMap::Dealt {
+            ranks, interleave, ..
+        } = self.map
+            && self.end <= t
+        {
+            // Skip whole cycles of `ranks` deals at once, then the deal `t` may be in.
+            let cycle = interleave * ranks;
+            let past = t - self.end;
+            // Most steps go just past this deal's end: no division then.
+            let behind = if past < cycle { 1 } else { past / cycle + 1 };
+            self.start = self.start.saturating_add(behind.saturating_mul(cycle));
+            self.end = self.start.saturating_add(interleave);
+            self.local_start += behind * interleave;
+        }
+        t.max(self.start)
+    }
+
+    /// Local token, page and slot of an owned token `t` at or after the last one placed, and
+    /// the tokens from `t` that stay on this side's deal and page.
+    fn place(&mut self, t: u64) -> (u64, u64, u64, u64) {
+        let size = self.map.page_size();
+        let local = match self.map {
+            TokenMap::Paged { .. } => t,
+            TokenMap::Dealt { .. } => self.local_start + (t - self.start),
+        };
+        let ahead = local - self.local;
+        if ahead < size {
+            self.slot += ahead;
+            if self.slot >= size {
+                self.slot -= size;
+                self.page += 1;
+            }
+        } else {
+            (self.page, self.slot) = (local / size, local % size);
+        }
+        self.local = local;
+        let left = (self.end - t).min(size - self.slot);
+        (local, self.page, self.slot, left)
+    }
 }
 
 /// The segments of the first `n_tokens` global tokens both maps hold, in token order: cut at
-/// every deal edge and local page edge of either side.
+/// every deal edge and local page edge of either side (the arithmetic of [`TokenMap::owns`],
+/// [`TokenMap::local`] and the page size, done incrementally).
 pub(crate) fn dealt_segments(
     n_tokens: u64,
     maps: (TokenMap, TokenMap),
 ) -> impl Iterator<Item = DealtSegment> {
-    let (ms, md) = maps;
-    let (ps, pd) = (ms.page_size(), md.page_size());
+    let (mut cs, mut cd) = (Cursor::new(maps.0), Cursor::new(maps.1));
     let mut t = 0u64;
     std::iter::from_fn(move || {
         // The next token both hold: alternate until both agree (each step moves forward).
@@ -232,8 +316,8 @@ pub(crate) fn dealt_segments(
             if t >= n_tokens {
                 return None;
             }
-            let s = ms.next_owned(t);
-            let d = md.next_owned(s);
+            let s = cs.next_owned(t);
+            let d = cd.next_owned(s);
             if d == s {
                 t = s;
                 break;
@@ -243,14 +327,16 @@ pub(crate) fn dealt_segments(
         if t >= n_tokens {
             return None;
         }
-        let local = (ms.local(t), md.local(t));
-        let n = ms
-            .run_left(t)
-            .min(md.run_left(t))
-            .min(ps - local.0 % ps)
-            .min(pd - local.1 % pd)
-            .min(n_tokens - t);
-        let seg = DealtSegment { t, n, local };
+        let (ls, ps, ss, left_s) = cs.place(t);
+        let (ld, pd, sd, left_d) = cd.place(t);
+        let n = left_s.min(left_d).min(n_tokens - t);
+        let seg = DealtSegment {
+            t,
+            n,
+            local: (ls, ld),
+            page: (ps, pd),
+            slot: (ss, sd),
+        };
         t += n;
         Some(seg)
     })
@@ -291,6 +377,48 @@ mod tests {
                         assert_eq!(m.local(t), local);
                         local += 1;
                     }
+                }
+            }
+        }
+    }
+
+    /// The incremental walk against the definition: every token both ranks hold, once, in
+    /// order, at its local token, page and slot, segments inside one deal and page per side.
+    #[test]
+    fn the_walk_is_the_definition() {
+        let maps = [
+            TokenMap::Paged { page_size: 4 },
+            TokenMap::Paged { page_size: 3 },
+            dealt(4, 2, 1, 1),
+            dealt(4, 4, 3, 1),
+            dealt(2, 4, 0, 2),
+            dealt(8, 3, 2, 5),
+            dealt(1, 8, 7, 1),
+            dealt(16, 2, 0, 16),
+        ];
+        for &a in &maps {
+            for &b in &maps {
+                for n in [0u64, 1, 7, 40, 203] {
+                    let mut want = Vec::new();
+                    for t in 0..n {
+                        if a.owns(t) && b.owns(t) {
+                            let (la, lb) = (a.local(t), b.local(t));
+                            want.push((t, la, lb));
+                        }
+                    }
+                    let mut got = Vec::new();
+                    for seg in dealt_segments(n, (a, b)) {
+                        assert!(seg.n >= 1);
+                        let (pa, pb) = (a.page_size(), b.page_size());
+                        assert_eq!(seg.page, (seg.local.0 / pa, seg.local.1 / pb));
+                        assert_eq!(seg.slot, (seg.local.0 % pa, seg.local.1 % pb));
+                        assert!(seg.slot.0 + seg.n <= pa && seg.slot.1 + seg.n <= pb);
+                        for k in 0..seg.n {
+                            got.push((seg.t + k, seg.local.0 + k, seg.local.1 + k));
+                        }
+                        assert!(a.run_left(seg.t) >= seg.n && b.run_left(seg.t) >= seg.n);
+                    }
+                    assert_eq!(got, want, "{a:?} {b:?} n={n}");
                 }
             }
         }

@@ -53,7 +53,9 @@ pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
 pub use local::{RegionMut, check_local_buffers, copy_local};
-pub use pack::{PackBuffer, PackedPlan, PackedSummary, pack_columns};
+pub use pack::{
+    PackBuffer, PackedCounts, PackedPlan, PackedSummary, RowCopy, RowGather, pack_columns,
+};
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
     pair_each, pair_entries,

@@ -15,6 +15,12 @@
 //! - `network`: consecutive direct blocks contiguous on the decode side (hence in the pack
 //!   buffer) become one block `pack + offset → dst`.
 //!
+//! A token request's gather can also be planned as rows ([`Template::plan_row_gather`]): per
+//! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
+//! takes, with the same pack layout and the same network plan (both built by one merging
+//! [`PlanBuilder`]),
+//! without building the direct plan or one block per row.
+//!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
 //! pack buffer must hold the plan's bytes, checked before the plan's output is requested. The
 //! gather is the direct plan's columns rewritten in place (no second large allocation); the
@@ -23,9 +29,11 @@
 //! [`Template::plan_state_into`].
 
 use crate::error::{PlanError, Result};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape};
+use crate::pieces::PIECE_CLASSES;
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, TokenShape};
 use crate::runs::PageIndex;
-use crate::template::Template;
+use crate::template::{Template, model_pages};
+use crate::tokens::{count_blocks, dst_chunks, emit_tokens, lane_rows};
 
 /// Caller-owned memory on the prefill side that receives the gathered rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +139,269 @@ impl Template {
     }
 }
 
+/// Blocks of a token request planned directly and through a pack buffer, counted without the
+/// caller's page lists (see [`Template::packed_block_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PackedCounts {
+    /// Blocks of the direct plan (every one a network descriptor).
+    pub direct: usize,
+    /// Blocks of the gather into the pack buffer (local copies).
+    pub gather: usize,
+    /// Blocks of the network plan out of the pack buffer.
+    pub network: usize,
+}
+
+impl Template {
+    /// What a token request of `n_tokens` tokens costs planned directly and through a pack
+    /// buffer (as [`Template::plan_packed`] plans it), with pages consecutive on both sides or
+    /// (`fragmented`) no two pages consecutive on either side, as
+    /// [`crate::BlockRequest::Tokens`] counts direct blocks. The request is planned on those
+    /// model page lists into scratch memory (only the counts leave: the model pages need not lie
+    /// inside the registered buffers).
+    ///
+    /// # Errors
+    /// The template's token error; [`PlanError::Overflow`] when a model page's address would
+    /// not fit u64; [`PlanError::OutOfMemory`].
+    pub fn packed_block_counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
+        let tokens = self.token_template()?;
+        let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
+        let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
+        let limits = (limit(&src), limit(&dst));
+        for piece in &tokens.pieces {
+            for (side, pages) in [(piece.src, limits.0), (piece.dst, limits.1)] {
+                // The last byte of the last model page stays addressable.
+                pages
+                    .saturating_sub(1)
+                    .checked_mul(side.page_stride)
+                    .and_then(|a| a.checked_add(side.base))
+                    .and_then(|a| {
+                        a.checked_add(side.map.page_size().checked_mul(side.slot_stride)?)
+                    })
+                    .and_then(|a| a.checked_add(piece.len))
+                    .ok_or(PlanError::Overflow {
+                        what: "model page address",
+                    })?;
+            }
+        }
+        let (class_blocks, n_segments, n_blocks, total_bytes) =
+            count_blocks(tokens, &src, &dst, n_tokens)?;
+        let shape = TokenShape {
+            n_tokens,
+            src_pages: src.len(),
+            dst_pages: dst.len(),
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        };
+        let mut scratch = FlatBuffer::try_zeroed(n_blocks)?;
+        emit_tokens(tokens, &src, &dst, limits, &shape, scratch.columns())?;
+        let summary = PlanSummary {
+            n_runs: n_segments,
+            n_blocks,
+            total_bytes,
+            n_pages: 0,
+            tokens: Some(shape),
+            state: false,
+        };
+        let offsets = self.pair_offsets(&summary);
+        let pack = PackBuffer {
+            addr: 0,
+            size: total_bytes,
+        };
+        let packed = pack_columns(scratch.columns(), n_blocks, &offsets, pack)?;
+        Ok(PackedCounts {
+            direct: n_blocks,
+            gather: packed.gather_blocks,
+            network: packed.network.lengths.len(),
+        })
+    }
+}
+
+/// The gather of a token request's pack plan in the form a gather kernel takes: per token lane,
+/// the source rows of the tokens it moves, and per piece one row copy. Row copy `c` copies
+/// `c.len` bytes of each row `r = rows[c.lane][k]` from [`RowCopy::src_addr`] to
+/// `c.pack_addr + k × c.len`: exactly what the block gather of [`Template::plan_packed`] copies
+/// (same pack layout), without one block per row.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RowGather {
+    /// Per token lane (0: the target tokens, dealt on a DCP layout; 1: the draft tokens a DCP
+    /// template sends whole), the source row of every token moved, in token order: `row =
+    /// source page index × rows_per_page + slot`. A lane without pieces has no rows.
+    pub rows: Vec<Vec<u64>>,
+    /// One per piece, in plan order (entry pairs, then heads).
+    pub copies: Vec<RowCopy>,
+    /// Bytes of the pack buffer used, from its start.
+    pub pack_bytes: u64,
+}
+
+/// One piece of a [`RowGather`]: where its rows are on the source side and in the pack buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowCopy {
+    /// The lane whose rows it copies.
+    pub lane: usize,
+    /// Source address of row 0 (slot 0 of page 0, the piece's offset included).
+    pub src_base: u64,
+    /// Bytes between source pages.
+    pub page_stride: u64,
+    /// Bytes between rows (slots) of a source page.
+    pub row_stride: u64,
+    /// Rows (slots) per source page.
+    pub rows_per_page: u64,
+    /// Bytes copied per row.
+    pub len: u64,
+    /// Pack address of the lane's first row.
+    pub pack_addr: u64,
+}
+
+impl RowCopy {
+    /// Source address of row `row`: `src_base + (row / rows_per_page) × page_stride + (row %
+    /// rows_per_page) × row_stride`.
+    pub fn src_addr(&self, row: u64) -> u64 {
+        self.src_base
+            + row / self.rows_per_page * self.page_stride
+            + row % self.rows_per_page * self.row_stride
+    }
+}
+
+impl Template {
+    /// Plans one token request (as [`Template::plan_packed`]) as a [`RowGather`] and the
+    /// network plan out of the pack buffer; the network plan is the one `plan_packed` returns,
+    /// block for block, and the row gather copies what its gather copies. No direct plan is
+    /// built: one walk of each lane's tokens gives the rows and the decode places.
+    ///
+    /// # Errors
+    /// As [`Template::plan_packed`]; [`PlanError::Geometry`] when the request is a page plan
+    /// (no `n_tokens` on a template that plans by page).
+    pub fn plan_row_gather<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        pack: PackBuffer,
+    ) -> Result<(RowGather, Plan)> {
+        if !self.by_token() && n_tokens.is_none() {
+            return Err(PlanError::Geometry {
+                what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \
+                       page plan)"
+                    .into(),
+            });
+        }
+        let pack_end = pack
+            .addr
+            .checked_add(pack.size)
+            .ok_or(PlanError::Overflow {
+                what: "pack buffer end",
+            })?;
+        let tokens = self.token_template()?;
+        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        let limits = (self.src_limit, self.dst_limit);
+        let mut rows = vec![Vec::new(); crate::pieces::TOKEN_LANES];
+        let mut places = vec![Vec::new(); crate::pieces::TOKEN_LANES];
+        if !tokens.pieces.is_empty() {
+            for (lane, maps) in tokens.lanes() {
+                (rows[lane], places[lane]) = lane_rows(maps, src, dst, limits, n)?;
+            }
+        }
+        let lane_of = |piece: &crate::pieces::Piece| tokens.class_of(piece) / PIECE_CLASSES;
+        // Pack layout: piece after piece, each piece's rows back to back.
+        let mut need = 0u64;
+        let mut copies = Vec::with_capacity(tokens.pieces.len());
+        for piece in &tokens.pieces {
+            let lane = lane_of(piece);
+            copies.push(RowCopy {
+                lane,
+                src_base: piece.src.base,
+                page_stride: piece.src.page_stride,
+                row_stride: piece.src.slot_stride,
+                rows_per_page: piece.src.map.page_size(),
+                len: piece.len,
+                pack_addr: pack.addr.wrapping_add(need), // checked below
+            });
+            need = (rows[lane].len() as u64)
+                .checked_mul(piece.len)
+                .and_then(|b| b.checked_add(need))
+                .ok_or(PlanError::Overflow { what: "pack bytes" })?;
+        }
+        if need > pack.size {
+            return Err(PlanError::PackTooSmall {
+                need,
+                have: pack.size,
+                blocks: rows.iter().map(Vec::len).sum(),
+            });
+        }
+        debug_assert!(pack.addr + need <= pack_end); // need <= size, end checked above
+        // Network: the decode chunks of each piece in pack order, merged within a group (a
+        // group's blocks are one range of the plan's pair offsets, as plan_packed merges).
+        let mut network = PlanBuilder::default();
+        let mut per_pair = vec![0usize; self.pair_groups.len()];
+        let mut previous: Option<(usize, Vec<Chunk>)> = None;
+        for group in &self.groups {
+            let before = network.plan.lengths.len();
+            let first = tokens.pair_pieces[group.first_pair].0;
+            let last = tokens.pair_pieces[group.last_pair].1;
+            for k in first..last {
+                let (piece, copy) = (&tokens.pieces[k], &copies[k]);
+                // A piece shaped like the one before it has that piece's chunks, shifted.
+                let chunks = match previous {
+                    Some((p, ref chunks))
+                        if tokens.pieces[p].same_shape(piece) && copies[p].lane == copy.lane =>
+                    {
+                        let (dp, dd) = (
+                            copy.pack_addr.wrapping_sub(copies[p].pack_addr),
+                            piece.dst.base.wrapping_sub(tokens.pieces[p].dst.base),
+                        );
+                        chunks
+                            .iter()
+                            .map(|&(a, d, l)| (a.wrapping_add(dp), d.wrapping_add(dd), l))
+                            .collect()
+                    }
+                    _ => {
+                        let mut chunks = Vec::new();
+                        let mut at = copy.pack_addr;
+                        dst_chunks(piece, &places[copy.lane], dst, limits.1, |d, l| {
+                            match chunks.last_mut() {
+                                Some((_, nd, nl)) if *nd + *nl == d => *nl += l,
+                                _ => chunks.push((at, d, l)),
+                            }
+                            at += l;
+                            Ok(())
+                        })?;
+                        chunks
+                    }
+                };
+                for &chunk in &chunks {
+                    network.push_merged(chunk)?;
+                }
+                previous = Some((k, chunks));
+            }
+            network.end_pair(); // offsets per group, replaced by per page pair below
+            per_pair[group.last_pair] = network.plan.lengths.len() - before;
+        }
+        let mut plan = network.finish(need);
+        plan.pair_offsets = vec![0];
+        let mut at = 0;
+        for blocks in per_pair {
+            at += blocks;
+            plan.pair_offsets.push(at);
+        }
+        for (lane, lane_rows) in rows.iter_mut().enumerate() {
+            if !copies.iter().any(|c| c.lane == lane) {
+                lane_rows.clear(); // walked (lane 0 always is), but no piece copies them
+            }
+        }
+        Ok((
+            RowGather {
+                rows,
+                copies,
+                pack_bytes: need,
+            },
+            plan,
+        ))
+    }
+}
+
 /// Rewrites the first `n` blocks of a direct plan in place into the gather plan (sources kept,
 /// destinations packed back to back from `pack.addr`, merged where both sides continue) and
 /// returns it with the network plan. `offsets` are the direct plan's pair offsets.
@@ -186,6 +457,9 @@ pub fn pack_columns(
         pack_bytes: need,
     })
 }
+
+/// `(pack address, destination address, bytes)` of a destination-contiguous run.
+type Chunk = (u64, u64, u64);
 
 /// Bytes of blocks of these lengths.
 ///

@@ -9,7 +9,7 @@ use crate::error::{PlanError, Result, Side};
 use crate::groups::{LayerGroups, SliceKey, StreamFacts};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout};
-use crate::pieces::{Fragment, Fragments, PairSpec, Piece, TOKEN_CLASSES, TokenMap, total_len};
+use crate::pieces::{Fragment, Fragments, PairSpec, Piece, TOKEN_CLASSES, total_len};
 use crate::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
@@ -819,6 +819,33 @@ impl Template {
         n_tokens: Option<u64>,
     ) -> Result<TokenShape> {
         let tokens = self.token_template()?;
+        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
+        Ok(TokenShape {
+            n_tokens: n,
+            src_pages,
+            dst_pages,
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        })
+    }
+
+    /// Validates a token request (as [`Template::prepare`] does) without counting its blocks:
+    /// returns the request's global token count and the leading pages of each side that hold
+    /// them.
+    ///
+    /// # Errors
+    /// As [`Template::prepare`] for a token request.
+    pub(crate) fn validate_tokens<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<(u64, usize, usize)> {
+        let tokens = self.token_template()?;
         let maps = tokens.maps;
         let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
         let (src_full, dst_full) = (
@@ -865,16 +892,7 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
-        Ok(TokenShape {
-            n_tokens: n,
-            src_pages,
-            dst_pages,
-            n_segments,
-            class_blocks,
-            n_blocks,
-            total_bytes,
-        })
+        Ok((n, src_pages, dst_pages))
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.
@@ -933,17 +951,8 @@ impl Template {
                 n_tokens,
                 fragmented,
             } => {
-                // Pages consecutive on both sides, or (fragmented) never consecutive.
                 let tokens = self.token_template()?;
-                let step = if fragmented { 2 } else { 1 };
-                let pages = |map: TokenMap| -> Result<Vec<i64>> {
-                    let n = usize::try_from(map.pages_for(n_tokens))
-                        .map_err(|_| PlanError::Overflow { what: "pages" })?;
-                    let mut v = crate::error::try_vec(n, 0i64, "page list")?;
-                    v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
-                    Ok(v)
-                };
-                let (src, dst) = (pages(tokens.maps.0)?, pages(tokens.maps.1)?);
+                let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
                 Ok(count_blocks(tokens, &src, &dst, n_tokens)?.2)
             }
         }
@@ -962,15 +971,7 @@ impl Template {
     /// consecutive) pages.
     fn token_count(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
         let tokens = self.token_template()?;
-        let step = if fragmented { 2 } else { 1 };
-        let pages = |count: u64| -> Result<Vec<i64>> {
-            let n = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "pages" })?;
-            let mut v = crate::error::try_vec(n, 0i64, "page list")?;
-            v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
-            Ok(v)
-        };
-        let (src_pages, dst_pages) = tokens.pages_needed(n_tokens);
-        let (src, dst) = (pages(src_pages)?, pages(dst_pages)?);
+        let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
         let (_, segments, blocks, _) = count_blocks(tokens, &src, &dst, n_tokens)?;
         Ok((blocks, segments))
     }
@@ -1039,6 +1040,31 @@ impl Template {
             _ => 0,
         }))
     }
+}
+
+/// The page lists a block count without the caller's pages assumes for a token request of
+/// `n_tokens` tokens: `0, 1, 2, …` on each side (pages consecutive on both sides), or
+/// (`fragmented`) `0, 2, 4, …` (no two pages consecutive), as many as every lane needs.
+///
+/// # Errors
+/// [`PlanError::Overflow`] or [`PlanError::OutOfMemory`] for absurd token counts.
+pub(crate) fn model_pages(
+    tokens: &TokenTemplate,
+    n_tokens: u64,
+    fragmented: bool,
+) -> Result<(Vec<i64>, Vec<i64>)> {
+    let step = if fragmented { 2 } else { 1 };
+    let pages = |count: u64| -> Result<Vec<i64>> {
+        let n = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "pages" })?;
+        if i64::try_from(count.saturating_mul(step as u64)).is_err() {
+            return Err(PlanError::Overflow { what: "pages" });
+        }
+        let mut v = crate::error::try_vec(n, 0i64, "page list")?;
+        v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
+        Ok(v)
+    };
+    let (src_pages, dst_pages) = tokens.pages_needed(n_tokens);
+    Ok((pages(src_pages)?, pages(dst_pages)?))
 }
 
 fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {

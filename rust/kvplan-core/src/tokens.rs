@@ -338,7 +338,6 @@ impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk
 
 /// The dealt walk (module `dcp`) as segments: page, slot and gap of each side's local tokens.
 fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<Item = Segment> {
-    let (ps, pd) = (maps.0.page_size(), maps.1.page_size());
     let mut ends: Option<(u64, u64)> = None;
     crate::dcp::dealt_segments(n_tokens, maps).map(move |d| {
         let (ls, ld) = d.local;
@@ -348,10 +347,10 @@ fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<It
             t: d.t,
             n: d.n,
             // Below the page counts the request was validated against, so they fit usize.
-            src_pos: (ls / ps) as usize,
-            dst_pos: (ld / pd) as usize,
-            src_slot: ls % ps,
-            dst_slot: ld % pd,
+            src_pos: d.page.0 as usize,
+            dst_pos: d.page.1 as usize,
+            src_slot: d.slot.0,
+            dst_slot: d.slot.1,
             src_gap,
             dst_gap,
         }
@@ -580,4 +579,89 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
         }
     }
     Ok(at)
+}
+
+/// Where one segment of a lane's walk sits on the destination side: position in the page list,
+/// first slot, tokens.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DstSegment {
+    pos: usize,
+    slot: u64,
+    n: u64,
+}
+
+/// One lane's walk over a validated token request (module `pack`, row gathers): the source row
+/// of every token it moves, in token order (`row = source page index × tokens per page + slot`),
+/// and its segments' destination places. Every index read is re-checked against `limits`.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn lane_rows<S: PageIndex, D: PageIndex>(
+    maps: (TokenMap, TokenMap),
+    src: &[S],
+    dst: &[D],
+    limits: (u64, u64),
+    n_tokens: u64,
+) -> Result<(Vec<u64>, Vec<DstSegment>)> {
+    let rows_per_page = maps.0.page_size();
+    let local = maps
+        .0
+        .local_count(n_tokens)
+        .min(maps.1.local_count(n_tokens));
+    let mut rows = Vec::new();
+    rows.try_reserve_exact(usize::try_from(local).unwrap_or(usize::MAX))
+        .map_err(|_| PlanError::out_of_memory::<u64>("gather rows", local as usize))?;
+    let mut places = Vec::new();
+    for seg in segments(n_tokens, maps) {
+        let (Some(s), Some(d)) = (src.get(seg.src_pos), dst.get(seg.dst_pos)) else {
+            return Err(PlanError::InputChanged);
+        };
+        match (u64::try_from(s.get()), u64::try_from(d.get())) {
+            (Ok(s), Ok(d)) if s < limits.0 && d < limits.1 => {
+                // In bounds, so row × item stays inside the buffer: no overflow.
+                let first = s * rows_per_page + seg.src_slot;
+                rows.extend(first..first + seg.n);
+            }
+            _ => return Err(PlanError::InputChanged),
+        }
+        places.push(DstSegment {
+            pos: seg.dst_pos,
+            slot: seg.dst_slot,
+            n: seg.n,
+        });
+    }
+    Ok((rows, places))
+}
+
+/// The destination bytes of `piece` over a lane's segments, in token order, as `(address,
+/// bytes)` chunks contiguous on the destination side (a segment whole when the piece's bytes
+/// fill its slots, else one chunk per token). Every index read is re-checked against `limit`.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn dst_chunks<D: PageIndex>(
+    piece: &Piece,
+    places: &[DstSegment],
+    dst: &[D],
+    limit: u64,
+    mut chunk: impl FnMut(u64, u64) -> Result<()>,
+) -> Result<()> {
+    let (side, len) = (piece.dst, piece.len);
+    let whole = len == side.slot_stride;
+    for seg in places {
+        let page = match dst.get(seg.pos).map(|v| u64::try_from(v.get())) {
+            Some(Ok(v)) if v < limit => v,
+            _ => return Err(PlanError::InputChanged),
+        };
+        // In bounds (checked just above), so inside the buffer: no overflow.
+        let d = side.base + page * side.page_stride + seg.slot * side.slot_stride;
+        if whole {
+            chunk(d, seg.n * len)?;
+        } else {
+            for k in 0..seg.n {
+                chunk(d + k * side.slot_stride, len)?;
+            }
+        }
+    }
+    Ok(())
 }

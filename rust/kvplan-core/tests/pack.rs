@@ -216,6 +216,40 @@ fn run(case: &Case) {
             "{what}"
         );
     }
+    // The row gather: the same network plan, block for block, and a gather that fills the
+    // pack buffer byte for byte as the block gather does.
+    let (rows, network) = t
+        .plan_row_gather(&src_pages, &dst_pages, Some(case.tokens), pack)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(network, packed.network, "{what}");
+    assert_eq!(rows.pack_bytes, packed.pack_bytes, "{what}");
+    let mut by_rows = vec![0u8; size as usize];
+    let mut copied = 0u64;
+    for copy in &rows.copies {
+        for (k, &row) in rows.rows[copy.lane].iter().enumerate() {
+            let (from, to) = (copy.src_addr(row), copy.pack_addr + k as u64 * copy.len);
+            assert!(
+                from >= SRC_BASE && from + copy.len <= SRC_BASE + src_size,
+                "{what}"
+            );
+            assert!(
+                to >= PACK_BASE && to + copy.len <= PACK_BASE + rows.pack_bytes,
+                "{what}"
+            );
+            let (from, to, n) = (
+                (from - SRC_BASE) as usize,
+                (to - PACK_BASE) as usize,
+                copy.len as usize,
+            );
+            by_rows[to..to + n].copy_from_slice(&source[from..from + n]);
+            copied += copy.len;
+        }
+    }
+    assert_eq!(copied, direct.total_bytes, "{what}");
+    assert_eq!(
+        by_rows, buffer,
+        "{what}: row gather packs other bytes than the block gather"
+    );
     let entries = dst.n_entries();
     assert!(
         packed.network.lengths.len() <= entries * runs(&dst_pages),
@@ -295,6 +329,17 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         err.to_string().contains(&format!("at least {need} bytes")),
         "{err}"
     );
+    let err = t
+        .plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need - 1))
+        .unwrap_err();
+    assert!(
+        matches!(err, PlanError::PackTooSmall { need: n, .. } if n == need),
+        "{err}"
+    );
+    assert!(
+        t.plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
+            .is_ok()
+    );
     let ok = t
         .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
         .unwrap();
@@ -312,4 +357,57 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         )
         .unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
+}
+
+/// `packed_block_counts` is `plan_packed` over the model page lists (`0, 1, 2, …`, or every
+/// other page): planned on buffers large enough to hold them, block for block the same counts.
+#[test]
+fn packed_block_counts_are_the_blocks_of_plan_packed_on_the_model_pages() {
+    let mut n = 0;
+    for mha in [false, true] {
+        for (ranks, interleave) in [(2u32, 1u64), (4, 1), (4, 4), (2, 3)] {
+            for page_sizes in [(4u64, 4u64), (8, 4), (4, 16)] {
+                for tokens in [0u64, 1, 45, 70] {
+                    for rank in 0..ranks {
+                        let case = Case {
+                            mha,
+                            ranks,
+                            rank,
+                            interleave,
+                            page_sizes,
+                            tokens,
+                        };
+                        if page_sizes.1 % interleave != 0 && interleave % page_sizes.1 != 0 {
+                            continue; // an interleave the decode page does not take
+                        }
+                        let src_count = tokens.div_ceil(page_sizes.0);
+                        let (src, _) = layout(&case, false, 2 * src_count + 2, SRC_BASE);
+                        let (dst, _) = layout(&case, true, 2 * src_count + 2, DST_BASE);
+                        let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                        let (ms, md) = t.token_template().unwrap().pages_needed(tokens);
+                        for fragmented in [false, true] {
+                            let step = if fragmented { 2 } else { 1 };
+                            let model = |count: u64| -> Vec<i64> {
+                                (0..count as i64).map(|k| k * step).collect()
+                            };
+                            let (sp, dp) = (model(ms), model(md));
+                            let direct = t.plan(&sp, &dp, Some(tokens)).unwrap();
+                            let pack = PackBuffer {
+                                addr: PACK_BASE,
+                                size: direct.total_bytes,
+                            };
+                            let packed = t.plan_packed(&sp, &dp, Some(tokens), pack).unwrap();
+                            let counts = t.packed_block_counts(tokens, fragmented).unwrap();
+                            let what = format!("{case:?} fragmented={fragmented}");
+                            assert_eq!(counts.direct, direct.lengths.len(), "{what}");
+                            assert_eq!(counts.gather, packed.gather.lengths.len(), "{what}");
+                            assert_eq!(counts.network, packed.network.lengths.len(), "{what}");
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(n > 300, "{n}");
 }

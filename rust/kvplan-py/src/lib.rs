@@ -49,7 +49,7 @@ mod _core {
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
     #[pymodule_export]
-    use crate::template::{PyTemplate, check_pairs, needs_tokens};
+    use crate::template::{PyRowGather, PyTemplate, check_pairs, needs_tokens};
 
     /// Module attributes the core owns: its role classification, and the default `kind` of a
     /// `KvPlanError` raised by Python code.

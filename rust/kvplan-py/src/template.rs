@@ -160,6 +160,59 @@ impl IndexVisitor for PlanPacked<'_> {
     }
 }
 
+/// One request planned as a row gather and a network plan.
+struct PlanRowGather<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
+
+impl IndexVisitor for PlanRowGather<'_> {
+    type Output = kvplan_core::Result<(kvplan_core::RowGather, kvplan_core::Plan)>;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan_row_gather(src, dst, self.1, self.2)
+    }
+}
+
+/// The gather of a pack plan as source rows (`Template.plan_row_gather`): what a gather kernel
+/// takes instead of one block per row.
+#[pyclass(name = "RowGather", module = "kvplan._core", frozen)]
+pub struct PyRowGather {
+    rows: Vec<Py<numpy::PyArray1<u64>>>,
+    copies: Py<PyArray2<u64>>,
+    pack_bytes: u64,
+}
+
+#[pymethods]
+impl PyRowGather {
+    /// Per token lane (0: target tokens, 1: draft tokens sent whole), the source row of every
+    /// token moved, in token order (`row = source page index * rows_per_page + slot`), uint64.
+    #[getter]
+    fn rows(&self, py: Python<'_>) -> Vec<Py<numpy::PyArray1<u64>>> {
+        self.rows.iter().map(|r| r.clone_ref(py)).collect()
+    }
+
+    /// One row per copy (piece), uint64 columns `lane, src_base, page_stride, row_stride,
+    /// rows_per_page, len, pack_addr`: row `r = rows[lane][k]` copies `len` bytes from
+    /// `src_base + (r // rows_per_page) * page_stride + (r % rows_per_page) * row_stride` to
+    /// `pack_addr + k * len`.
+    #[getter]
+    fn copies(&self, py: Python<'_>) -> Py<PyArray2<u64>> {
+        self.copies.clone_ref(py)
+    }
+
+    /// Bytes of the pack buffer used, from its start.
+    #[getter]
+    fn pack_bytes(&self) -> u64 {
+        self.pack_bytes
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let rows: usize = self.rows.iter().map(|r| r.bind(py).len()).sum();
+        format!(
+            "RowGather(copies={}, rows={rows}, pack_bytes={})",
+            self.copies.bind(py).shape()[0],
+            self.pack_bytes
+        )
+    }
+}
+
 /// One request planned as a staged plan between two staging regions.
 struct PlanStaged<'t>(
     &'t Template,
@@ -291,6 +344,22 @@ impl PyTemplate {
             fragmented,
         };
         self.inner.count_blocks(request).map_err(to_py_err)
+    }
+
+    /// `(direct, gather, network)` blocks of a token plan of `n_tokens` tokens planned directly
+    /// and through a pack buffer (as `plan_packed`), without planning the caller's request:
+    /// pages consecutive on both sides, or (`fragmented=True`) no two pages consecutive.
+    #[pyo3(signature = (n_tokens, *, fragmented=false))]
+    fn packed_block_counts(
+        &self,
+        n_tokens: u64,
+        fragmented: bool,
+    ) -> PyResult<(usize, usize, usize)> {
+        let c = self
+            .inner
+            .packed_block_counts(n_tokens, fragmented)
+            .map_err(to_py_err)?;
+        Ok((c.direct, c.gather, c.network))
     }
 
     /// Whether every page plan is a token plan (page sizes or memory orders differ).
@@ -441,6 +510,79 @@ impl PyTemplate {
         Ok((
             half(gather_columns, &gather),
             half(network_columns, &network),
+        ))
+    }
+
+    /// Plans one token request as a gather of source rows into the pack buffer at
+    /// `pack=(addr, size)` and the network plan out of it: the network plan `plan_packed`
+    /// returns, and a gather that copies what its gather copies, described by rows instead of
+    /// one block per row. A `SizeMismatchError` names the bytes needed when the buffer is too
+    /// small; a page request (no `n_tokens` on a template that plans by page) is a
+    /// `KvPlanError`.
+    #[pyo3(signature = (src_pages, dst_pages, *, pack, n_tokens=None))]
+    fn plan_row_gather<'py>(
+        &self,
+        py: Python<'py>,
+        src_pages: &Bound<'py, PyAny>,
+        dst_pages: &Bound<'py, PyAny>,
+        pack: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<(PyRowGather, PyTransferPlan)> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let buffer = kvplan_core::PackBuffer {
+            addr: pack.0,
+            size: pack.1,
+        };
+        let (gather, mut network) =
+            visit_request(py, src, dst, PlanRowGather(&self.inner, n_tokens, buffer))
+                .map_err(to_py_err)?;
+        let rows = gather
+            .rows
+            .into_iter()
+            .map(|r| numpy::PyArray1::from_vec(py, r).unbind())
+            .collect();
+        let table: Vec<Vec<u64>> = gather
+            .copies
+            .iter()
+            .map(|c| {
+                vec![
+                    c.lane as u64,
+                    c.src_base,
+                    c.page_stride,
+                    c.row_stride,
+                    c.rows_per_page,
+                    c.len,
+                    c.pack_addr,
+                ]
+            })
+            .collect();
+        let copies = if table.is_empty() {
+            numpy::PyArray2::<u64>::zeros(py, [0, 7], false).unbind()
+        } else {
+            PyArray2::from_vec2(py, &table)
+                .map_err(|e| KvPlanError::new_err(e.to_string()))?
+                .unbind()
+        };
+        let network_columns = [
+            std::mem::take(&mut network.src_addrs),
+            std::mem::take(&mut network.dst_addrs),
+            std::mem::take(&mut network.lengths),
+        ]
+        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let network = PyTransferPlan::packed(
+            network_columns,
+            Arc::clone(&self.inner),
+            &network,
+            self.fingerprints,
+        );
+        Ok((
+            PyRowGather {
+                rows,
+                copies,
+                pack_bytes: gather.pack_bytes,
+            },
+            network,
         ))
     }
 
