@@ -96,6 +96,7 @@ def check_pairs(
     allow_positional_fallback: bool | None = None,
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
+    replicas_send: bool = False,
 ) -> list[tuple[str, int, int | None, KvPlanError | None]]: ...
 
 @final
@@ -414,6 +415,14 @@ class TransferPlan:
 class Template:
     """A validated peer pair (prefill layout → decode layout), built once, planned per request.
 
+    Between TP sizes (both layouts publish their attention geometry) the template moves the
+    heads the two ranks have in common; of replicated prefill heads only the elected holder
+    sends. ``replicas_send=True`` makes every writer of a decode rank send them instead: when
+    the prefill TP is a multiple of a smaller decode TP, each of decode rank ``r_d``'s ``w =
+    tp_p // tp_d`` prefill ranks ``r_d*w .. (r_d+1)*w`` moves its own copy (a decode side that
+    expects one share per writer, as SGLang's staged transfer; ``plan_staged`` then fills this
+    rank's share). Default off; no effect with one writer per decode rank, nor on state.
+
     Raises (on construction):
         PairingError: A source entry has no partner, ids are one-sided, counts do not fit.
         SizeMismatchError: Paired entries have different item lengths (names layer, role, sizes).
@@ -432,6 +441,7 @@ class Template:
         fragments: Sequence[tuple[int, int, int]] | Sequence[Sequence[tuple[int, int, int]] | None] | None = None,
         coalesce: bool = True,
         layer_groups: LayerGroups | None = None,
+        replicas_send: bool = False,
     ) -> Template: ...
     def layer_slices(self, groups: LayerGroups) -> LayerSlices:
         """This template's layer slices for ``groups``, built once; cut plans with ``.of(plan)``.
@@ -452,7 +462,8 @@ class Template:
     def empty_reason(self) -> str | None:
         """Why this template moves no page bytes although it pairs entries (between TP sizes:
         the prefill rank holds none of the decode rank's heads, or is not their elected
-        sender); ``None`` when it moves pages."""
+        sender, or with ``replicas_send`` not one of the decode rank's writers); ``None`` when
+        it moves pages."""
     @property
     def pair_item_lens(self) -> list[int]: ...
     @property

@@ -178,6 +178,7 @@ def compare(
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
     request_pages: int = 1024,
+    replicas_send: bool = False,
 ) -> CompatReport:
     """Check a prefill layout against a decode layout before anything is transferred.
 
@@ -193,6 +194,8 @@ def compare(
             ids (positional and legacy modes), so does the report.
         allow_positional_fallback, prefill_start_layer, legacy_kind: Shorthands for
             ``Pairing.by_layer_id(...)``, as for ``Template``.
+        replicas_send: As for ``Template``: every writer of a decode rank sends replicated
+            heads, not only the elected holder.
         request_pages: The request size :attr:`CompatReport.blocks` counts blocks for. When
             either side deals tokens over DCP ranks, the request is ``request_pages`` pages of
             the prefill's page size of *global* tokens, and the blocks are this rank pair's.
@@ -212,6 +215,7 @@ def compare(
         allow_positional_fallback=allow_positional_fallback,
         prefill_start_layer=prefill_start_layer,
         legacy_kind=legacy_kind,
+        replicas_send=replicas_send,
     )
     hide = isinstance(pairing, Pairing) and pairing.mode != "layer_id"
     src_entries = _visible(prefill_layout, hide)
@@ -232,7 +236,8 @@ def compare(
     reasons = _reasons(entries)
     blocks: list[str] = []
     options = {"pairing": pairing, "allow_positional_fallback": allow_positional_fallback,
-               "prefill_start_layer": prefill_start_layer, "legacy_kind": legacy_kind}
+               "prefill_start_layer": prefill_start_layer, "legacy_kind": legacy_kind,
+               "replicas_send": replicas_send}
     dealt = prefill_layout.dcp_size > 1 or decode_layout.dcp_size > 1
     dcp = _dcp_lines(prefill_layout, decode_layout) if dealt else []
     if not reasons:

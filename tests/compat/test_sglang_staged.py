@@ -192,24 +192,20 @@ def check_case(sg: Any, installed: Any, heads: int, tp_p: int, tp_d: int, pp: in
                 for name, value in gather_s[0].items():  # the kernel is called as SGLang calls it
                     assert gather_k[0][name] is value or np.array_equal(
                         gather_k[0][name], value), (where, name)
-                if replicated_writers(heads, tp_p, tp_d):
-                    assert not compat.template_cache(mgr)  # SGLang's own method ran
-                else:
-                    assert len(blocks_k) <= (1 if pp == 1 else 2), (where, blocks_k)
-                    check_gather(mgr, gather_s[0], world, where)
-                    writers.append((stage, r_p))
+                # planned by kvplan, replicated writers included
+                assert len(blocks_k) <= (1 if pp == 1 else 2), (where, blocks_k)
+                check_gather(mgr, gather_s[0], world, where)
+                writers.append((stage, r_p))
                 world.memory(mgr).apply(blocks_k)
         expected = {kind: copy_of(world.decode[kind]) for kind in "kv"}
         scatter_semantics(world.region_view(), expected["k"], expected["v"], world.dst_pages,
                           world.page, tp_p, tp_d, r_d, heads, sg.compute_head_slice_params)
-        if writers:  # kvplan's decode-side scatter of every writer's share
-            for stage, r_p in writers:
-                scatter(world, stage, r_p)
-            for kind in "kv":
-                for got, want in zip(world.decode[kind], expected[kind]):
-                    assert np.array_equal(got.array, want.array), (kind, r_d)
-        else:
-            world.decode = expected
+        assert writers, "no writer planned"
+        for stage, r_p in writers:  # kvplan's decode-side scatter of every writer's share
+            scatter(world, stage, r_p)
+        for kind in "kv":
+            for got, want in zip(world.decode[kind], expected[kind]):
+                assert np.array_equal(got.array, want.array), (kind, r_d)
         world.check_decode()
 
 
@@ -248,25 +244,53 @@ def scatter(world: StagedWorld, stage: int, r_p: int) -> None:
                       [t.array for t in (*world.decode["k"], *world.decode["v"])])
 
 
-def test_replicated_prefill_heads_fill_every_writer_share(sg: Any, installed: Any) -> None:
-    """KV heads 2 at prefill TP 8 -> decode TP 2: four prefill ranks (two replicas of each head)
-    write one decode region, and the decode scatters all four shares. Every share must be
-    written (one replica elected to send would leave the others' shares stale), and the decode
-    ends up with its heads."""
-    heads, tp_p, tp_d = 2, 8, 2
+REPLICATED = [(h, p, d, pp) for h, p, d, pp in CASES if replicated_writers(h, p, d)]
+
+
+@pytest.mark.parametrize("heads,tp_p,tp_d,pp", REPLICATED)
+def test_replicated_prefill_heads_fill_every_writer_share(sg: Any, installed: Any, heads: int,
+                                                          tp_p: int, tp_d: int, pp: int) -> None:
+    """KV heads replicated over several writers of one decode region (e.g. 2 heads at prefill
+    TP 8 -> decode TP 2: four writers, two replicas of each head), and the decode scatters
+    every share. kvplan plans every writer (its own rank, ``replicas_send``): the writers' shares
+    tile the region exactly once (one replica elected to send would leave the others' shares
+    stale), each from the writer's own staging buffer, and the decode ends up with its heads."""
     for r_d in range(tp_d):
-        world = StagedWorld(sg, heads=heads, tp_p=tp_p, tp_d=tp_d, r_d=r_d, seed=7 + r_d)
-        written = np.zeros(world.region, dtype=bool)
-        for r_p in asked(tp_p, tp_d, r_d):
-            mgr = world.manager(installed, 0, r_p)
-            (rc_s, blocks_s, _), (rc_k, blocks_k, _) = both(sg, world, mgr)
-            assert rc_s == rc_k == ("ok", 0) and range_map(blocks_k) == range_map(blocks_s)
-            for _, dst, n in blocks_k:
-                written[dst - world.region_ptr:dst - world.region_ptr + n] = True
-            world.memory(mgr).apply(blocks_k)
-        assert written.all()
+        world = StagedWorld(sg, heads=heads, tp_p=tp_p, tp_d=tp_d, r_d=r_d, pp=pp,
+                            seed=7 + r_d)
+        written = np.zeros(world.region, dtype=np.int64)
+        for stage in range(pp):
+            for r_p in asked(tp_p, tp_d, r_d):
+                mgr = world.manager(installed, stage, r_p)
+                (rc_s, blocks_s, _), (rc_k, blocks_k, _) = both(sg, world, mgr)
+                assert rc_s == rc_k == ("ok", 0) and range_map(blocks_k) == range_map(blocks_s)
+                assert staged_of(mgr).empty_reason is None  # kvplan planned this writer
+                staging = mgr.staging.get_ptr()
+                for src, dst, n in blocks_k:
+                    assert staging <= src and src + n <= staging + mgr.staging.get_size()
+                    written[dst - world.region_ptr:dst - world.region_ptr + n] += 1
+                world.memory(mgr).apply(blocks_k)
+        assert (written == 1).all()
         world.scatter()
         world.check_decode()
+
+
+def test_staged_template_plans_each_replicated_writer_as_itself() -> None:
+    """The drop-in's template for a replicated writer is its own rank's, every writer sending
+    (ranks 1 and 3 are not the replicas kvplan elects for decode rank 0): four writers, four
+    disjoint shares of the decode region."""
+    geometry = dict(kv_heads=2, prefill_tp=8, decode_tp=2, page_size=2, head_dim=4,
+                    dtype_size=2, num_layers=2)
+    pages = np.array([1, 0], np.int32)
+    sizes = set()
+    for r_p in range(4):  # decode rank 0's writers
+        template = staged_template(prefill_rank=r_p, decode_rank=0, **geometry)
+        assert template.empty_reason is None
+        staged = template.plan_staged(pages, pages, src_staging=(1 << 50, 1 << 30),
+                                      dst_staging=(1 << 52, 1 << 30))
+        assert staged.writer == (r_p, 4)
+        sizes.add(staged.dst_staging_range)
+    assert len(sizes) == 4  # four shares, one per writer
 
 
 def test_fall_backs_are_sglangs(sg: Any, installed: Any) -> None:

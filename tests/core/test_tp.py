@@ -232,3 +232,58 @@ def test_presets_publish_geometry_for_tp() -> None:
     a = ds.layout(range(61), page_size=64, capacity=2, tp_rank=1, tp_size=8)
     b = ds.layout(range(61), page_size=64, capacity=2, tp_rank=1, tp_size=2, base=1 << 44)
     assert kvplan.Template(a, b).n_blocks_for(2) == 61  # the whole latent, one block per layer
+
+
+def test_replicas_send_makes_every_writer_send_its_copy() -> None:
+    """2 KV heads, prefill TP 8 -> decode TP 2: decode rank 0's writers are prefill ranks 0-3,
+    all holding head 0. By default only the elected holder (rank 0) plans bytes; with
+    ``replicas_send=True`` every writer moves its own copy to the same place, a holder of the
+    head that writes another decode rank plans nothing and says why, and compare() agrees with
+    the template on which pairs build."""
+    m = ModelPreset("two-heads", "two KV heads", 2, "mha", 2048, kv_heads=2, head_dim=8)
+
+    def rank(r: int, tp: int, base: int, page_size: int = 4) -> kvplan.Layout:
+        return m.layout(range(2), page_size=page_size, capacity=6, tp_rank=r, tp_size=tp,
+                        base=base)
+
+    pages = np.array([3, 0, 5]), np.array([1, 4, 2])
+    dst = rank(0, 2, 1 << 44)
+    elected = [kvplan.Template(rank(r, 8, 1 << 40), dst) for r in range(4)]
+    assert [t.empty_reason is None for t in elected] == [True, False, False, False]
+    assert "prefill rank 0 is elected" in (elected[1].empty_reason or "")
+    want = elected[0].plan(*pages)
+    for r in range(4):
+        t = kvplan.Template(rank(r, 8, 1 << 40), dst, replicas_send=True)
+        assert t.empty_reason is None
+        got = t.plan(*pages)
+        assert np.array_equal(got.dst_addrs, want.dst_addrs), r
+        assert np.array_equal(got.lengths, want.lengths), r
+    # Decode TP 4 replicates heads too: prefill ranks 0-3 hold head 0 for decode ranks 0 and 1;
+    # decode rank 1's writers are prefill ranks 2 and 3.
+    d1 = rank(1, 4, 1 << 44)
+    for r in range(4):
+        t = kvplan.Template(rank(r, 8, 1 << 40), d1, replicas_send=True)
+        assert (t.empty_reason is None) == (r in (2, 3)), (r, t.empty_reason)
+        if r < 2:
+            assert "its 2 writers, prefill ranks 2–3" in (t.empty_reason or "")
+    # Item lengths are checked for every pair that moves heads: a decode item padded to twice
+    # the geometry's bytes fails the writers that send, and compare() says so too.
+    geometry = dict(page_size=4, kv_heads=2, head_dim=8, dtype_size=2, memory_order="NHD")
+
+    def flat(r: int, tp: int, item: int, base: int) -> kvplan.Layout:
+        return kvplan.Layout([base, base + (1 << 20)], [item * 6] * 2, item, tp_rank=r,
+                             tp_size=tp, heads_per_rank=max(1, 2 // tp), **geometry)
+
+    padded = flat(0, 2, 2 * 4 * 16, 1 << 44)
+    for replicas_send in (False, True):
+        built = []
+        for r in range(4):
+            src = flat(r, 8, 4 * 16, 1 << 40)
+            report = kvplan.compare(src, padded, replicas_send=replicas_send)
+            try:
+                kvplan.Template(src, padded, replicas_send=replicas_send)
+                built.append(True)
+            except kvplan.SizeMismatchError:
+                built.append(False)
+            assert report.compatible == built[-1], (r, replicas_send)
+        assert built == ([False, True, True, True] if not replicas_send else [False] * 4)

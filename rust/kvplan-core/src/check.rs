@@ -19,6 +19,14 @@ pub struct TemplateOptions {
     pub pairing: Pairing,
     /// Reject requests that would write one destination item twice.
     pub check_dst_overlap: bool,
+    /// Every prefill rank holding a replicated head sends it, not only the elected holder:
+    /// when the prefill TP is a multiple of a smaller decode TP, each of a decode rank's
+    /// `tp_p / tp_d` writers sends its heads ([`crate::TpSplit::link_every_holder`]; a replica
+    /// holds them at the same offsets as the elected holder). Off by default. For a decode
+    /// side that expects a share from each writer, e.g. SGLang's staged transfer, whose
+    /// decode scatters every writer's share of its staging region. State is unaffected (a
+    /// replicated state item still has one writer per decode rank).
+    pub replicas_send: bool,
 }
 
 pub(crate) fn entry_labels(layout: &Layout) -> Vec<String> {
@@ -55,7 +63,7 @@ pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<
         pairing: options.pairing.for_state(),
         ..options
     };
-    let heads = HeadSlicing::between(src, dst);
+    let heads = HeadSlicing::between(src, dst, options.replicas_send);
     let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
     checks.extend(check_kind(
         src,

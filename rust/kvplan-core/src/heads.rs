@@ -12,6 +12,13 @@
 //! `r_d mod R` (the one with `r_p mod R == r_d mod R`), so consecutive decode ranks are served
 //! by different replicas. Without replication (`R = 1`) every prefill rank whose heads overlap
 //! the decode rank's sends them. MLA is the case `H = 1`: the latent is one replicated head.
+//! A template may instead ask every holder to send (`TemplateOptions::replicas_send`,
+//! [`TpSplit::link_every_holder`]): when `tp_p > tp_d`, decode rank `r_d` then receives its
+//! heads from each of its `w = tp_p / tp_d` *writers*, prefill ranks `r_d·w .. (r_d+1)·w`
+//! (every holder of its heads, unless the decode side replicates heads too: then the other
+//! holders are other decode ranks' writers), once per writer. That is what a layout with one
+//! share per prefill rank expects: SGLang's staged transfer, whose decode scatters every
+//! writer's share of its staging region ([`staging_writer`]).
 //!
 //! State (per request, not per head), following SGLang 0.5.23's Mamba state transfer: a state
 //! item whose length is equal on both sides is replicated across TP and is written to decode
@@ -56,6 +63,19 @@ pub enum Link {
         stop: u32,
         /// The prefill rank that sends these heads to this decode rank.
         sender: u32,
+    },
+    /// Every holder sends ([`TpSplit::link_every_holder`]): the prefill rank holds heads
+    /// `start..stop` of the decode rank, but is not one of its `writers` writers (prefill
+    /// ranks from `first_writer`); it writes another decode rank's region.
+    OtherWriters {
+        /// First overlapping head.
+        start: u32,
+        /// One past the last overlapping head.
+        stop: u32,
+        /// The decode rank's first writer.
+        first_writer: u32,
+        /// The decode rank's number of writers.
+        writers: u32,
     },
     /// The two ranks hold no head in common.
     Disjoint,
@@ -151,6 +171,40 @@ impl TpSplit {
         }
     }
 
+    /// What prefill rank `r_p` sends decode rank `r_d` when every holder of a replicated head
+    /// sends it, not only the elected one (`TemplateOptions::replicas_send`). With prefill TP
+    /// `tp_p` a multiple of a smaller decode TP `tp_d`, the decode rank's writers, prefill ranks
+    /// `r_d·w .. (r_d+1)·w` (`w = tp_p / tp_d`), all hold its heads (at the same offsets as the
+    /// elected holder) and each sends them: a [`Link::Replica`] of a writer becomes a
+    /// [`Link::Send`] of the same heads, and any holder that is one of another decode rank's
+    /// writers (only when the decode side replicates heads too; the elected holder may be one)
+    /// a [`Link::OtherWriters`]. Otherwise (one writer per decode rank) as [`TpSplit::link`].
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a rank outside its TP size.
+    pub fn link_every_holder(&self, r_p: u32, r_d: u32) -> Result<Link> {
+        let link = self.link(r_p, r_d)?;
+        let (tp_p, tp_d) = (self.prefill_tp, self.decode_tp);
+        if tp_p <= tp_d || !tp_p.is_multiple_of(tp_d) {
+            return Ok(link);
+        }
+        let writers = tp_p / tp_d;
+        Ok(match link {
+            Link::Send { start, stop } | Link::Replica { start, stop, .. }
+                if r_p / writers == r_d =>
+            {
+                Link::Send { start, stop }
+            }
+            Link::Send { start, stop } | Link::Replica { start, stop, .. } => Link::OtherWriters {
+                start,
+                stop,
+                first_writer: r_d * writers,
+                writers,
+            },
+            other => other,
+        })
+    }
+
     /// Ranks of the other side whose heads overlap `rank`'s (in rank order): the pairs a
     /// deployment connects, elected or not.
     ///
@@ -235,6 +289,19 @@ impl Link {
                 split.holders(Side::Src),
                 split.holders(Side::Src),
             )),
+            Link::OtherWriters {
+                start,
+                stop,
+                first_writer,
+                writers,
+            } => Some(format!(
+                "prefill rank {r_p} holds {} of decode rank {r_d}, replicated, and every holder \
+                 sends them, but decode rank {r_d} receives them from its {writers} writers, \
+                 prefill ranks {first_writer}–{}; prefill rank {r_p} writes decode rank {}",
+                heads_text(start, stop),
+                first_writer + writers - 1,
+                r_p / writers,
+            )),
             Link::Disjoint => {
                 let (ps, pe) = split.heads(Side::Src, r_p);
                 let (ds, de) = split.heads(Side::Dst, r_d);
@@ -288,13 +355,16 @@ impl HeadSlicing {
     /// The slicing between two layouts; `None` when either does not publish its attention
     /// geometry (items are then copied whole, as before). Computed whatever the two page sizes
     /// and memory orders: they only decide whether the template plans by page or by token, and
-    /// both plans move the heads (and the state) this slicing says.
+    /// both plans move the heads (and the state) this slicing says. With `replicas_send`, a
+    /// prefill rank holding replicated heads sends them whether or not it is the elected holder
+    /// ([`TpSplit::link_every_holder`]); this is the one place the option takes effect, so page
+    /// plans, token plans, checks and `empty_reason` all follow it.
     ///
     /// # Errors
     /// [`PlanError::HeadMismatch`] when the geometries cannot be bridged (different head
     /// dims, element sizes or model head counts, or heads per rank that do not follow from the
     /// TP size), naming both values.
-    pub fn between(src: &Layout, dst: &Layout) -> Result<Option<Self>> {
+    pub fn between(src: &Layout, dst: &Layout, replicas_send: bool) -> Result<Option<Self>> {
         let (sc, dc) = (src.context(), dst.context());
         let (Some(s), Some(d)) = (sc.attention, dc.attention) else {
             return Ok(None);
@@ -344,7 +414,11 @@ impl HeadSlicing {
                 }));
             }
         }
-        let link = split.link(sc.tp_rank, dc.tp_rank)?;
+        let link = if replicas_send {
+            split.link_every_holder(sc.tp_rank, dc.tp_rank)?
+        } else {
+            split.link(sc.tp_rank, dc.tp_rank)?
+        };
         Ok(Some(Self {
             split,
             src_rank: sc.tp_rank,
@@ -411,7 +485,7 @@ impl HeadSlicing {
         dst_item: u64,
     ) -> std::result::Result<(), HeadProblem> {
         if self.sliced().is_none() {
-            let nothing_moves = matches!(self.link, Link::Disjoint | Link::Replica { .. });
+            let nothing_moves = !self.moves_pages();
             return if src_item == dst_item || nothing_moves {
                 Ok(())
             } else {
@@ -554,6 +628,56 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_writer_sends_with_replicas_send() {
+        for h in [1u32, 2, 4, 8, 16] {
+            for tp_p in [1u32, 2, 4, 8] {
+                for tp_d in [1u32, 2, 4, 8] {
+                    let split = TpSplit::new(h, tp_p, tp_d).unwrap();
+                    for r_d in 0..tp_d {
+                        let (ds, de) = split.heads(Side::Dst, r_d);
+                        let mut got = vec![0; h as usize];
+                        for r_p in 0..tp_p {
+                            let link = split.link_every_holder(r_p, r_d).unwrap();
+                            if tp_p <= tp_d {
+                                assert_eq!(link, split.link(r_p, r_d).unwrap());
+                            }
+                            if let Link::Send { start, stop } = link {
+                                if tp_p > tp_d {
+                                    assert_eq!(r_p / (tp_p / tp_d), r_d, "H={h} {tp_p}->{tp_d}");
+                                }
+                                (start..stop).for_each(|x| got[x as usize] += 1);
+                            }
+                        }
+                        // Every head of the decode rank arrives, once per writer holding it.
+                        let per_writer = split.heads_per_rank(Side::Src).min(de - ds);
+                        let total: u32 = got.iter().sum();
+                        if tp_p > tp_d {
+                            assert_eq!(total, (tp_p / tp_d) * per_writer, "H={h} {tp_p}->{tp_d}");
+                        }
+                        for x in 0..h {
+                            assert_eq!(got[x as usize] > 0, (ds..de).contains(&x));
+                        }
+                    }
+                }
+            }
+        }
+        let split = TpSplit::new(1, 8, 2).unwrap();
+        assert_eq!(
+            split.link_every_holder(6, 1).unwrap(),
+            Link::Send { start: 0, stop: 1 }
+        );
+        assert_eq!(
+            split.link_every_holder(1, 1).unwrap(),
+            Link::OtherWriters {
+                start: 0,
+                stop: 1,
+                first_writer: 4,
+                writers: 4
+            }
+        );
     }
 
     #[test]

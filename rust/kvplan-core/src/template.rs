@@ -172,7 +172,7 @@ impl Template {
             .unwrap_or_default();
         // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
         // above, so it succeeds here.
-        let heads = HeadSlicing::between(src, dst)?;
+        let heads = HeadSlicing::between(src, dst, options.replicas_send)?;
         let by_token = needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
@@ -280,7 +280,8 @@ impl Template {
 
     /// Why this template moves no page bytes although it pairs entries (a prefill rank that
     /// holds none of the decode rank's heads, or is not the elected sender of replicated
-    /// heads); `None` when it moves pages or has no page pairs.
+    /// heads, or with `replicas_send` not one of the decode rank's writers); `None` when it
+    /// moves pages or has no page pairs.
     pub fn empty_reason(&self) -> Option<String> {
         if self.page_pairs.is_empty() {
             return None;

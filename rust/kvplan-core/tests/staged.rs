@@ -14,7 +14,7 @@ use kvplan_core::{
 };
 use std::collections::HashSet;
 
-use support::reference::{Arena, Request, apply, reference};
+use support::reference::{Arena, Request, apply, reference, reference_every_holder};
 
 const HEAD_BYTES: u64 = 4; // head_dim 2 × 2-byte elements
 const SRC_BASE: u64 = 0x1000_0000;
@@ -169,9 +169,22 @@ fn region(addr: u64, size: u64) -> StagingRegion {
 /// Plans one (prefill rank, decode rank) pair directly and staged, executes both, and asserts
 /// both equal the reference. Returns the staged plan.
 fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
+    check_pair_with(case, r_p, stage, r_d, TemplateOptions::default()).0
+}
+
+/// As [`check_pair`] with template options; the prefill rank's bytes are numbered by address
+/// and by rank (replicas hold different bytes, so a share shows whose copy it is). Returns the
+/// staged plan and the prefill staging bytes after its gather.
+fn check_pair_with(
+    case: &Case,
+    r_p: u32,
+    stage: u32,
+    r_d: u32,
+    options: TemplateOptions,
+) -> (StagedPlan, Vec<u8>) {
     let src = layout(case, Side::Src, r_p, stage);
     let dst = layout(case, Side::Dst, r_d, 0);
-    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let template = Template::new(&src, &dst, options).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let request = Request {
         src_pages: &sp,
@@ -179,8 +192,15 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
         n_tokens: case.n_tokens(),
     };
     let direct = template.plan(&sp, &dp, case.n_tokens()).unwrap();
-    let source = Arena::numbered(&src);
-    let want = reference(&template, &src, &dst, &request, None, &source);
+    let mut source = Arena::numbered(&src);
+    for byte in &mut source.bytes {
+        *byte = ((u32::from(*byte) + 37 * r_p) % 255 + 1) as u8; // never 0
+    }
+    let want = if options.replicas_send {
+        reference_every_holder(&template, &src, &dst, &request, &source)
+    } else {
+        reference(&template, &src, &dst, &request, None, &source)
+    };
     let mut got = Arena::zeroed(&dst);
     apply(&src, &dst, &direct, &source, &mut got);
     assert!(
@@ -216,10 +236,14 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
         staged.network.pair_offsets,
         [0, staged.network.lengths.len()]
     );
+    let mut gathered = Vec::new();
     for plan in [&staged.gather, &staged.network, &staged.scatter] {
         assert_eq!(plan.total_bytes, direct.total_bytes);
         assert_eq!(plan.lengths.iter().sum::<u64>(), direct.total_bytes);
         memory.run(plan, &mut HashSet::default());
+        if gathered.is_empty() {
+            gathered.clone_from(&memory.regions[1].1);
+        }
     }
     assert!(
         memory.regions[3].1 == want.bytes,
@@ -269,7 +293,7 @@ fn check_pair(case: &Case, r_p: u32, stage: u32, r_d: u32) -> StagedPlan {
             .unwrap();
         assert!(summary.n_blocks <= template.state_pairs().len());
     }
-    staged
+    (staged, gathered)
 }
 
 /// Every valid (heads, TP) combination with every page-size, order, PP and state variant is
@@ -383,6 +407,113 @@ fn writers_tile_one_decode_region() {
         // 4 writers × 8 entries (4 layers × K, V) × 48 tokens × 1 head × 4 bytes.
         assert_eq!(covered.len(), 4 * 8 * 48 * 4);
     }
+}
+
+/// Replicated prefill heads (heads {1, 2}, TP 8 → 2, 4 → 1, 8 → 1, PP 1 and 2, both memory
+/// orders): with `replicas_send` every prefill rank of a decode region is a writer of its own
+/// share (writer `r_p mod (tp_p / tp_d)`), staged == direct == reference for each, and the
+/// shares tile the region with no gap or overlap, each holding its own rank's copy. Without the
+/// option a non-elected replica plans nothing and says why, as before.
+#[test]
+fn replica_writers_fill_their_own_shares() {
+    let every_holder = TemplateOptions {
+        replicas_send: true,
+        ..TemplateOptions::default()
+    };
+    let mut shares = 0;
+    for heads in [1, 2] {
+        for (tp_p, tp_d) in [(8, 2), (4, 1), (8, 1)] {
+            for pp_p in [1, 2] {
+                for order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
+                    let case = Case {
+                        heads,
+                        tp_p,
+                        tp_d,
+                        order,
+                        pp_p,
+                        page_sizes: (16, 16),
+                        tokens: 40,
+                        state: false,
+                        layers: 4,
+                    };
+                    let split = TpSplit::new(heads, tp_p, tp_d).unwrap();
+                    let writers = tp_p / tp_d;
+                    for r_d in 0..tp_d {
+                        // SGLang's writers of decode rank r_d: prefill ranks r_p / writers == r_d.
+                        let ranks: Vec<u32> = (r_d * writers..(r_d + 1) * writers).collect();
+                        for r_p in split.peers(Side::Dst, r_d).unwrap() {
+                            // A holder that is not one of r_d's writers still plans nothing.
+                            let src = layout(&case, Side::Src, r_p, 0);
+                            let dst = layout(&case, Side::Dst, r_d, 0);
+                            let t = Template::new(&src, &dst, every_holder).unwrap();
+                            let reason = t.empty_reason();
+                            assert_eq!(reason.is_none(), ranks.contains(&r_p), "{reason:?}");
+                            if let Some(reason) = reason {
+                                assert!(reason.contains("writers"), "{reason}");
+                            }
+                        }
+                        let mut region: Vec<u8> = Vec::new();
+                        let mut covered: Vec<u8> = Vec::new();
+                        let mut sent = Vec::new();
+                        for &r_p in &ranks {
+                            for stage in 0..pp_p {
+                                let (staged, gathered) =
+                                    check_pair_with(&case, r_p, stage, r_d, every_holder);
+                                assert_eq!(staged.writer, (r_p % writers, writers));
+                                assert!(staged.src_staging_bytes > 0, "{case:?} r_p={r_p}");
+                                if region.is_empty() {
+                                    region = vec![0; staged.dst_staging_bytes as usize];
+                                    covered = vec![0; region.len()];
+                                }
+                                assert_eq!(region.len() as u64, staged.dst_staging_bytes);
+                                let (start, end) = staged.dst_staging_range;
+                                let n = &staged.network;
+                                for k in 0..n.lengths.len() {
+                                    let from = (n.src_addrs[k] - SRC_STAGING) as usize;
+                                    let at = (n.dst_addrs[k] - DST_STAGING) as usize;
+                                    let len = n.lengths[k] as usize;
+                                    assert!(at as u64 >= start && (at + len) as u64 <= end);
+                                    region[at..at + len]
+                                        .copy_from_slice(&gathered[from..from + len]);
+                                    covered[at..at + len].iter_mut().for_each(|c| *c += 1);
+                                    sent.push((r_p, at, gathered[from..from + len].to_vec()));
+                                }
+                                // Without the option only the elected holder sends.
+                                let src = layout(&case, Side::Src, r_p, stage);
+                                let dst = layout(&case, Side::Dst, r_d, 0);
+                                let elected =
+                                    Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                                let plan = elected
+                                    .plan(&case.pages(Side::Src), &case.pages(Side::Dst), None)
+                                    .unwrap();
+                                let is_replica = matches!(
+                                    split.link(r_p, r_d).unwrap(),
+                                    kvplan_core::Link::Replica { .. }
+                                );
+                                assert_eq!(plan.lengths.is_empty(), is_replica);
+                                assert_eq!(elected.empty_reason().is_some(), is_replica);
+                            }
+                        }
+                        assert!(
+                            covered.iter().all(|&c| c == 1),
+                            "{case:?} r_d={r_d}: the writers leave a gap or overlap"
+                        );
+                        // Each share holds its own rank's copy (replicas' bytes differ).
+                        for (r_p, at, bytes) in &sent {
+                            assert!(
+                                region[*at..*at + bytes.len()] == bytes[..],
+                                "{case:?} r_d={r_d}: writer {r_p}'s share was overwritten"
+                            );
+                            shares += 1;
+                        }
+                        let first = |r: u32| sent.iter().find(|s| s.0 == r).map(|s| &s.2);
+                        assert_ne!(first(ranks[0]), first(ranks[1]), "{case:?}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(shares > 100, "only {shares} shares checked");
 }
 
 /// A region of exactly the bytes needed works; one byte less is a typed error naming both

@@ -53,6 +53,7 @@ pub(crate) fn template_options(
     prefill_start_layer: Option<usize>,
     legacy_kind: Option<&str>,
     check_dst_overlap: bool,
+    replicas_send: bool,
 ) -> PyResult<TemplateOptions> {
     Ok(TemplateOptions {
         pairing: resolve_pairing(
@@ -62,6 +63,7 @@ pub(crate) fn template_options(
             legacy_kind,
         )?,
         check_dst_overlap,
+        replicas_send,
     })
 }
 

@@ -26,7 +26,8 @@ type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
 /// One row per source entry, page entries first: its partner or why it has none.
 /// `Template(...)` raises exactly the first problem listed here.
 #[pyfunction]
-#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None))]
+#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, replicas_send=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn check_pairs(
     py: Python<'_>,
     src_layout: PyRef<'_, PyLayout>,
@@ -35,6 +36,7 @@ pub fn check_pairs(
     allow_positional_fallback: Option<bool>,
     prefill_start_layer: Option<usize>,
     legacy_kind: Option<&str>,
+    replicas_send: bool,
 ) -> PyResult<Vec<EntryCheckRow>> {
     let options = template_options(
         pairing,
@@ -42,6 +44,7 @@ pub fn check_pairs(
         prefill_start_layer,
         legacy_kind,
         false,
+        replicas_send,
     )?;
     let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
     Ok(checks
@@ -240,7 +243,7 @@ impl IndexVisitor for TransferAdvice<'_> {
 #[pymethods]
 impl PyTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true, layer_groups=None))]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true, layer_groups=None, replicas_send=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
@@ -253,6 +256,7 @@ impl PyTemplate {
         fragments: Option<&Bound<'_, PyAny>>,
         coalesce: bool,
         layer_groups: Option<PyRef<'_, crate::slices::PyLayerGroups>>,
+        replicas_send: bool,
     ) -> PyResult<Self> {
         let options = template_options(
             pairing,
@@ -260,6 +264,7 @@ impl PyTemplate {
             prefill_start_layer,
             legacy_kind,
             check_dst_overlap,
+            replicas_send,
         )?;
         let geometry = GeometryOptions {
             fragments: fragments_arg(fragments)?,

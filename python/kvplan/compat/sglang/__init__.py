@@ -36,8 +36,10 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   SGLang; a head-sliced template per decode peer plans where this writer's bytes go in the
   decode's staging region (SGLang's ``compute_staging_layout``) and the network blocks (one at
   PP 1, at most two per writer under PP), submitted as above; SGLang's ``-1`` fall-backs and its
-  ``RuntimeError`` on a failed transfer are kept. Prefill heads replicated over several writers
-  of one region, and prefill PP without slot layer ids, go to SGLang's own method.
+  ``RuntimeError`` on a failed transfer are kept. When prefill heads are replicated over
+  several writers of one region, each writer's template is its own rank's with
+  ``replicas_send=True``, so every writer fills its own share as in SGLang; prefill PP without
+  slot layer ids goes to SGLang's own method.
   :func:`staged_template` gives the decode the same plan over its own pools (its scatter).
 
 Everything else (``_send_mamba_state_slice``,

@@ -51,7 +51,9 @@ def _placeholders(n: int) -> tuple[list[int], list[int]]:
 
 def replicated_writers(kv_heads: int, prefill_tp: int, decode_tp: int) -> bool:
     """Whether SGLang's staged layout has several writers per decode region holding replicas
-    of the same heads (prefill TP larger than the decode's and than the KV head count)."""
+    of the same heads (prefill TP larger than the decode's and than the KV head count): each
+    writer fills its own share, so the template is built with ``replicas_send=True`` for the
+    writer's own rank."""
     return prefill_tp > decode_tp and prefill_tp > kv_heads
 
 
@@ -79,26 +81,24 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     ``gather`` and ``network``, the decode ``network`` and ``scatter``. ``prefill_item_lens``
     (per slot) and ``decode_item_len`` are the bytes of one page of a slot's pool; by default
     this geometry on each side's heads (SGLang's assumption); the template refuses item lengths
-    that do not match it. A prefill rank holding replicated heads is planned as the replica
-    kvplan elects for the decode rank (same heads at the same offsets; the region's only
-    writer).
+    that do not match it. When several writers of one decode region hold replicas of the same
+    heads (:func:`replicated_writers`), every writer fills its own share: the template is the
+    writer's own rank's, built with ``replicas_send=True``. Otherwise a prefill rank holding
+    replicated heads is the region's only writer and is planned as the replica kvplan elects
+    for the decode rank (same heads at the same offsets).
 
     Raises:
-        LayoutError: :func:`replicated_writers` (kvplan does not plan that case).
-        PairingError: The prefill rank holds none of the decode rank's heads, or a prefill slot
-            has no decode slot of its layer id.
+        PairingError: The prefill rank holds none of the decode rank's heads (or is not one of
+            its writers), or a prefill slot has no decode slot of its layer id.
         SizeMismatchError: Item lengths that do not match the geometry.
     """
     heads, tp_p, tp_d = int(kv_heads), int(prefill_tp), int(decode_tp)
-    if replicated_writers(heads, tp_p, tp_d):
-        raise _core.LayoutError(
-            f"send_kvcache_staged: {heads} KV heads replicated over prefill TP {tp_p} with "
-            f"{tp_p // tp_d} writers per decode region: every replica fills its own share, which "
-            "kvplan's head model (one elected sender per head) does not plan; SGLang's own "
-            "method handles it")
-    # A replica plans as the elected holder of its heads: same bytes, and (one writer per
-    # region here) the same share.
-    r_p = _as_elected_replica(int(prefill_rank) % tp_p, int(decode_rank) % tp_d, heads, tp_p)
+    every_writer = replicated_writers(heads, tp_p, tp_d)
+    r_p = int(prefill_rank) % tp_p
+    if not every_writer:
+        # A replica plans as the elected holder of its heads: same bytes, and (one writer per
+        # region here) the same share.
+        r_p = _as_elected_replica(r_p, int(decode_rank) % tp_d, heads, tp_p)
     src_hpr, dst_hpr = max(1, heads // tp_p), max(1, heads // tp_d)
     head_bytes = int(head_dim) * int(dtype_size)
     n_src = 2 * int(num_layers)
@@ -123,7 +123,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
         int(page_size) * dst_hpr * head_bytes)
     dst = Layout(dst_ptrs, dst_lens, dst_item, dst_ids, tp_rank=int(decode_rank) % tp_d,
                  tp_size=tp_d, heads_per_rank=dst_hpr, **geometry)
-    template = Template(src, dst, allow_positional_fallback=not by_id)
+    template = Template(src, dst, allow_positional_fallback=not by_id, replicas_send=every_writer)
     if template.empty_reason is not None:
         raise _core.PairingError(
             f"send_kvcache_staged: prefill rank {prefill_rank} of TP {tp_p} has no KV heads for "
@@ -185,11 +185,10 @@ def send_kvcache_staged(
 
     SGLang's fall-backs are kept (``-1``): no ``kv_buffer_tensors`` or no staging buffer, a
     prefill staging buffer or decode staging region too small (logged with kvplan's account of
-    the sizes). SGLang's own method runs when the prefill's heads are replicated over several
-    writers of one decode region (attention TP larger than the decode's and than the KV head
-    count: every replica must fill its own share, which kvplan's head model, electing one
-    sender per head, does not plan), and for prefill PP without slot layer ids (SGLang's
-    pairing error).
+    the sizes). When the prefill's heads are replicated over several writers of one decode
+    region (attention TP larger than the decode's and than the KV head count), every writer
+    fills its own share from its own copy, as in SGLang (the template's ``replicas_send``).
+    SGLang's own method runs for prefill PP without slot layer ids (SGLang's pairing error).
 
     Differences from SGLang's method (whose kernels read and write where the indices point):
 
@@ -220,8 +219,6 @@ def send_kvcache_staged(
     page = tensors["page_size"]
     heads = int(staging.resolve_total_kv_heads(self.kv_args, self.attn_tp_size))
     tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
-    if replicated_writers(heads, tp_p, tp_d):
-        return sglangs()  # several writers hold replicas: every one fills its own share
     slot_ids = None
     if self.pp_size > 1:
         src_ids = _ids(tensors.get("slot_layer_ids") or self.kv_args.kv_layer_ids)

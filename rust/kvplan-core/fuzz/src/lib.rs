@@ -676,6 +676,7 @@ pub fn check_plan(input: &PlanInput) {
             },
         ),
         check_dst_overlap: input.check_dst_overlap,
+        ..TemplateOptions::default()
     };
     let checks = check_pairs(&src, &dst, options);
     let first_problem = checks.iter().find_map(|c| c.problem.clone());

@@ -10,7 +10,8 @@
 //! head + s × head + b` (head-major, `HND`). A side without geometry is token-major with one
 //! "head" of `item_len / page_size` bytes. Token `t` of a request sits in page `pages[t /
 //! page_size]`, slot `t % page_size`, on each side. A prefill rank sends a head its decode rank
-//! also holds, and of replicated heads only the holder with `r_p mod R == r_d mod R`.
+//! also holds, and of replicated heads only the holder with `r_p mod R == r_d mod R` (every
+//! holder, for a template built with `replicas_send`: [`reference_every_holder`]).
 //!
 //! Caller fragments `(src_off, dst_off, len)` are item offsets: the source byte at item offset
 //! `o` goes to destination item offset `o − src_off + dst_off`; with head slicing only where
@@ -179,6 +180,30 @@ pub fn reference(
     fragments: Option<&[Fragment]>,
     source: &Arena,
 ) -> Arena {
+    copy_reference(template, src, dst, request, fragments, source, false)
+}
+
+/// As [`reference`], for a template whose replicated heads are sent by every holder
+/// (`TemplateOptions::replicas_send`), not only the elected one.
+pub fn reference_every_holder(
+    template: &Template,
+    src: &Layout,
+    dst: &Layout,
+    request: &Request<'_>,
+    source: &Arena,
+) -> Arena {
+    copy_reference(template, src, dst, request, None, source, true)
+}
+
+fn copy_reference(
+    template: &Template,
+    src: &Layout,
+    dst: &Layout,
+    request: &Request<'_>,
+    fragments: Option<&[Fragment]>,
+    source: &Arena,
+    every_holder_sends: bool,
+) -> Arena {
     let mut out = Arena::zeroed(dst);
     let (ps, pd) = (src.context().page_size, dst.context().page_size);
     let n = request.n_tokens.unwrap_or_else(|| {
@@ -192,8 +217,9 @@ pub fn reference(
         }
         let (s_side, d_side) = Side::pair(src, dst, items);
         let sliced = (s_side.first_head, s_side.heads) != (d_side.first_head, d_side.heads);
-        let sends =
-            s_side.holders == 1 || s_side.rank % s_side.holders == d_side.rank % s_side.holders;
+        let sends = every_holder_sends
+            || s_side.holders == 1
+            || s_side.rank % s_side.holders == d_side.rank % s_side.holders;
         for t in 0..n {
             let (s_slot, d_slot) = (t % ps, t % pd);
             let s_page = request.src_pages[(t / ps) as usize] as u64;
