@@ -241,3 +241,102 @@ def test_sglang_dcp_code_runs_from_the_wheel_without_stand_ins(sg: Any) -> None:
                  "common.utils.build_dcp_token_transfer_plan",
                  "utils.resolve_dcp_dst_entry_indices"):
         assert f"sglang.srt.disaggregation.{name}" in visited
+
+
+# --------------------------------------------------------------------------------------------
+# With a pack buffer: SGLang's kernel gathers (on host memory here), kvplan plans
+# --------------------------------------------------------------------------------------------
+PACK_BASE = 1 << 34
+
+
+def run_packed(sg: Any, *, size: int, rank: int, page: int, tokens: int, widths: list[int],
+               n_draft: int, pack_bytes: int, src: np.ndarray, dst: np.ndarray, offset: int,
+               seed: int) -> list[tuple[Any, dict[int, int], dict[int, bytes], Any]]:
+    """(status, network byte map, decode pools and pack buffer bytes, manager) with SGLang's
+    method, then kvplan's, each on fresh host memory filled from ``seed``."""
+    from support.sglang_loader import HostMemory, HostPackBuffer, load_dcp_pack
+
+    load_dcp_pack(sg)
+    n = len(widths)
+    results = []
+    for on in (False, True):
+        memory = HostMemory()
+        rng = np.random.default_rng(seed)
+        for i in range(n):
+            memory.add(SRC_BASE + i * BUF, rng.integers(0, 256, BUF, dtype=np.uint8))
+            memory.add(DST_BASE + i * BUF, np.zeros(BUF, dtype=np.uint8))
+        pack = HostPackBuffer(PACK_BASE, pack_bytes, memory)
+        if on:
+            compat.install(sg.MooncakeKVManager)
+        try:
+            mgr = manager(sg, sg.MooncakeKVManager, n_target=n - n_draft, n_draft=n_draft,
+                          page=page, widths=widths, ids=True)
+            rc = outcome(lambda: mgr.send_kvcache_dcp(
+                SESSION, src, [DST_BASE + j * BUF for j in range(n)], dst,
+                dcp_token_item_lens=[w // page for w in mgr.kv_args.kv_item_lens],
+                dst_dcp_size=size, dst_dcp_rank=rank, src_page_offset=offset,
+                decode_prefix_len=0, num_kv_tokens=tokens, executor=None,
+                dst_layer_ids=list(range(n)), pack_buffer=pack))
+        finally:
+            if on:
+                compat.uninstall(sg.MooncakeKVManager)
+        blocks = engine_blocks(mgr.engine.calls)
+        memory.apply(blocks)
+        pools = {base: bytes(memory.regions[base]) for base in
+                 [DST_BASE + j * BUF for j in range(n)] + [PACK_BASE]}
+        results.append((rc, byte_map(blocks), pools, mgr))
+    return results
+
+
+PACKED_CASES = [  # (dcp size, page, tokens, widths of the target entries, chunk offset)
+    (2, 2, 9, [8, 16], 0), (2, 4, 37, [24, 8, 16], 2), (4, 1, 13, [16], 0),
+    (4, 4, 61, [8, 24], 4), (8, 1, 56, [8, 16, 8], 8), (8, 2, 5, [16, 8], 0),
+]
+
+
+@pytest.mark.parametrize("size,page,tokens,widths,offset", PACKED_CASES)
+def test_pack_buffer_kvplan_plans_sglangs_kernel_gathers(sg: Any, size: int, page: int,
+                                                         tokens: int, widths: list[int],
+                                                         offset: int) -> None:
+    rng = np.random.default_rng(size * 100 + tokens)
+    src = rng.choice(200, size=-(-tokens // page), replace=False).astype(np.int32)
+    dst = rng.choice(400, size=offset // size + -(-tokens // page) + 1,
+                     replace=False).astype(np.int32)
+    for rank in range(size):
+        (rc_s, map_s, pools_s, _), (rc_k, map_k, pools_k, mgr_k) = run_packed(
+            sg, size=size, rank=rank, page=page, tokens=tokens, widths=widths, n_draft=0,
+            pack_bytes=1 << 16, src=src, dst=dst, offset=offset, seed=rank)
+        assert rc_s == rc_k == ("ok", 0)
+        assert map_k == map_s  # network: the same pack bytes to the same decode bytes
+        assert pools_k == pools_s  # decode pools and the pack buffer the kernel filled
+        assert len(mgr_k._kvplan_templates) == 1  # planned by kvplan, not handed to SGLang
+        if rank < tokens:  # the rank holds tokens of the chunk: they went through the pack
+            assert map_s and all(PACK_BASE <= s < PACK_BASE + (1 << 16)
+                                 for s in map_s.values())
+            assert any(pools_s[PACK_BASE])
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_too_small_pack_buffer_falls_back_per_token_like_sglang(sg: Any, size: int) -> None:
+    page, tokens, widths = 2, 40, [8, 16]
+    src = np.arange(20, dtype=np.int32)
+    dst = np.arange(100, 130, dtype=np.int32)
+    for rank in range(size):
+        (rc_s, map_s, pools_s, _), (rc_k, map_k, pools_k, mgr_k) = run_packed(
+            sg, size=size, rank=rank, page=page, tokens=tokens, widths=widths, n_draft=0,
+            pack_bytes=16, src=src, dst=dst, offset=0, seed=rank)
+        assert rc_s == rc_k == ("ok", 0)
+        assert map_k == map_s and pools_k == pools_s
+        assert map_s and all(SRC_BASE <= s < DST_BASE for s in map_s.values())  # per token
+
+
+def test_pack_buffer_with_draft_rows_is_sglangs(sg: Any) -> None:
+    """kvplan packs draft rows too, SGLang sends them unpacked: the layouts differ, so
+    SGLang's method runs (byte-identical by construction, checked here)."""
+    src, dst = np.arange(8, dtype=np.int32), np.arange(100, 120, dtype=np.int32)
+    for rank in range(4):
+        (rc_s, map_s, pools_s, _), (rc_k, map_k, pools_k, mgr_k) = run_packed(
+            sg, size=4, rank=rank, page=2, tokens=15, widths=[8, 16, 16], n_draft=1,
+            pack_bytes=1 << 16, src=src, dst=dst, offset=0, seed=rank)
+        assert rc_s == rc_k == ("ok", 0) and map_k == map_s and pools_k == pools_s and map_s
+        assert not getattr(mgr_k, "_kvplan_templates", None)

@@ -237,11 +237,13 @@ def load_dcp_pack(sg: SGLang) -> types.ModuleType:
     ``send_kvcache_dcp`` imports when it is handed a pack buffer) from the wheel.
 
     Its gather is a Triton kernel on a CUDA device (``copy_mla_rows_into_pack``, with torch
-    tensors and device streams); none of that exists here, so torch, triton, the kernel and
-    ``device_stream_context`` are the loader's no-op stand-ins. What runs for real is SGLang's
-    Python around the kernel: the size check, the per-layer pack pointers and the packed row
+    tensors and device streams); none of that exists here, so the loaded module's kernel is
+    replaced by :func:`host_copy_mla_rows_into_pack` (the kernel's byte semantics on
+    :class:`HostMemory`), ``torch.as_tensor`` by a NumPy int64 array and
+    ``device_stream_context`` by a no-op context. What runs for real is SGLang's Python around
+    the kernel: the size check, the call it makes, the per-layer pack pointers and the packed row
     indices ``send_kvcache_dcp`` then groups into network blocks. The pack buffer is a
-    :class:`HostPackBuffer`. No byte is gathered."""
+    :class:`HostPackBuffer`."""
     if DCP_PACK in sys.modules and not is_stub(sys.modules[DCP_PACK]):
         return sys.modules[DCP_PACK]
     load_head_slicing(sg)  # staging_buffer (StagingBuffer, only an annotation here) is real
@@ -255,8 +257,73 @@ def load_dcp_pack(sg: SGLang) -> types.ModuleType:
         sys.modules[DCP_PACK] = mod
         spec.loader.exec_module(mod)
     assert mod.try_pack_dcp_src.__code__.co_filename == path
-    assert is_stub(mod.copy_mla_rows_into_pack)  # the GPU kernel: a no-op stand-in
+    assert is_stub(mod.copy_mla_rows_into_pack)  # the GPU kernel: replaced on host memory
+    import contextlib
+
+    import numpy as np
+
+    mod.copy_mla_rows_into_pack = host_copy_mla_rows_into_pack
+    mod.torch = types.SimpleNamespace(
+        int64=np.int64, as_tensor=lambda a, device=None, dtype=None: np.asarray(a, np.int64))
+    mod.device_stream_context = lambda stream: contextlib.nullcontext()
     return mod
+
+
+class HostMemory:
+    """Byte regions at fake addresses (NumPy uint8 arrays): what the host kernel reads and
+    writes, and what a test applies network blocks to."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self._np = np
+        self.regions: dict[int, object] = {}
+
+    def add(self, base: int, data) -> None:
+        self.regions[base] = data
+
+    def view(self, addr: int, length: int):
+        for base, data in self.regions.items():
+            if base <= addr and addr + length <= base + data.size:
+                return data[addr - base:addr - base + length]
+        raise IndexError(f"[{addr:#x}, {addr + length:#x}) is in no host region")
+
+    def apply(self, blocks) -> None:
+        """Copy every ``(src, dst, length)`` block, as an engine would."""
+        for src, dst, length in blocks:
+            self.view(int(dst), int(length))[:] = self.view(int(src), int(length))
+
+
+class _HostPack:
+    """The pack "tensor" ``buffer.narrow`` gives: a byte range of host memory."""
+
+    def __init__(self, memory: HostMemory | None, addr: int, length: int):
+        self.device, self.memory, self.addr, self.length = "host", memory, addr, length
+
+
+def host_copy_mla_rows_into_pack(kv_data_ptrs, row_indices, pack, token_item_lens,
+                                 src_token_item_lens=None) -> None:
+    """SGLang's ``copy_mla_rows_into_pack`` on host memory, byte for byte: for layer ``l`` with
+    copy width ``w_l`` and source stride ``s_l`` (``src_token_item_lens``, default ``w_l``),
+    pack row ``k`` of layer ``l`` (at ``sum(n * w_j for j < l) + k * w_l`` in ``pack``) gets the
+    ``w_l`` bytes at ``kv_data_ptrs[l] + row_indices[k] * s_l``; same argument checks."""
+    if src_token_item_lens is None:
+        src_token_item_lens = token_item_lens
+    if not (len(kv_data_ptrs) == len(token_item_lens) == len(src_token_item_lens)):
+        raise ValueError("KV pointers, copy widths, and source strides length mismatch")
+    if pack.memory is None:  # a pack buffer without host memory (the benchmark's): no bytes
+        return
+    n = len(row_indices)
+    offset = 0
+    for ptr, width, stride in zip(kv_data_ptrs, token_item_lens, src_token_item_lens):
+        width = int(width)
+        if width <= 0:
+            raise ValueError(f"MLA token item length must be positive, got {width}")
+        assert offset + n * width <= pack.length, "kernel writes past its pack slice"
+        for k, row in enumerate(row_indices):
+            pack.memory.view(pack.addr + offset + k * width, width)[:] = pack.memory.view(
+                int(ptr) + int(row) * int(stride), width)
+        offset += n * width
 
 
 class _HostStream:
@@ -270,13 +337,18 @@ class _HostStream:
 class HostPackBuffer:
     """The part of SGLang's ``StagingBuffer`` that ``try_pack_dcp_src`` reads (``fits``,
     ``get_size``, ``get_ptr``, ``buffer.narrow``, the gather and producer streams), for a pack
-    region at address ``ptr`` of ``size`` bytes that no kernel writes."""
+    region at address ``ptr`` of ``size`` bytes. Held in ``memory`` when one is given, so the
+    host kernel gathers real bytes that can be checked; without, no kernel writes it (the
+    benchmark times planning only)."""
 
-    def __init__(self, ptr: int, size: int):
-        self.ptr, self.size = ptr, size
-        # narrow() gives the pack "tensor"; try_pack_dcp_src reads only its device
+    def __init__(self, ptr: int, size: int, memory: HostMemory | None = None):
+        import numpy as np
+
+        self.ptr, self.size, self.memory = ptr, size, memory
+        if memory is not None:
+            memory.add(ptr, np.zeros(size, dtype=np.uint8))
         self.buffer = types.SimpleNamespace(
-            narrow=lambda dim, start, length: types.SimpleNamespace(device="host"))
+            narrow=lambda dim, start, length: _HostPack(self.memory, ptr + start, length))
         self._stream = _HostStream()
 
     def fits(self, end: int) -> bool:

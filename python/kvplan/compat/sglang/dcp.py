@@ -4,18 +4,22 @@ request to one decode DCP rank (SGLang's token round robin), planned by a DCP
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, cast
 
 import numpy as np
 
 from kvplan import _core
-from kvplan._core import Layout, Template
+from kvplan._core import Layout, SizeMismatchError, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import _ids, _unbounded
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
 from kvplan.compat.sglang.seams import _mla_slicer, _own_transfer_data
 from kvplan.compat.sglang.submit import _send_all, _status
 from kvplan.compat.sglang.templates import _as_index, _kv_args_lens
+
+#: SGLang's module holding ``try_pack_dcp_src`` and its gather kernel.
+DCP_PACK_MODULE = "sglang.srt.disaggregation.common.dcp_pack"
 
 
 def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: list[int],
@@ -53,6 +57,46 @@ def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: l
     return cast(Template, template_cache(manager).get(session, "dcp", inputs, build))
 
 
+def _pack_with_sglangs_kernel(template: Template, src: Any, dst: Any, n_tokens: int,
+                              pack_buffer: Any) -> TransferPlan | None:
+    """Gather the rank's target rows into ``pack_buffer`` with SGLang's own kernel (through
+    ``try_pack_dcp_src``, as SGLang's method calls it) and return kvplan's network plan out of
+    the buffer; ``None`` when SGLang's method must run instead: the buffer is too small (SGLang
+    then sends per token) or kvplan's gather is not what the kernel does.
+
+    The kernel gathers one row-index array for every entry, row ``r`` of an entry from
+    ``ptr + r * width``, entries back to back from the start of the buffer. kvplan's gather
+    fits it when every copy is a target copy (lane 0) of whole rows (``row_stride == len``),
+    its pages are rows back to back (``page_stride == rows_per_page * row_stride``) and the
+    copies' pack addresses are where the kernel puts each entry; the packed pointers SGLang
+    returns are checked against kvplan's before kvplan's network plan is used."""
+    try:
+        rows, network = template.plan_row_gather(
+            src, dst, pack=(int(pack_buffer.get_ptr()), int(pack_buffer.get_size())),
+            n_tokens=n_tokens)
+    except SizeMismatchError:
+        return None
+    copies = rows.copies.astype(np.int64)
+    if network.n_blocks == 0:
+        return network
+    lane, base, page_stride, row_stride, per_page, width, pack_addr = copies.T
+    target = rows.rows[0].astype(np.int64)
+    n = int(target.size)
+    kernel_addrs = int(pack_buffer.get_ptr()) + np.concatenate(([0], np.cumsum(n * width)[:-1]))
+    if (n == 0 or lane.any() or (row_stride != width).any()
+            or (page_stride != per_page * row_stride).any()
+            or (pack_addr != kernel_addrs).any()):
+        return None
+    # imported when a call needs it, as SGLang's method imports it
+    try_pack_dcp_src = importlib.import_module(DCP_PACK_MODULE).try_pack_dcp_src
+    packed = try_pack_dcp_src(pack_buffer=pack_buffer, kv_data_ptrs=[int(b) for b in base],
+                              src_token_indices=target,
+                              token_item_lens=[int(w) for w in width])
+    if packed is None or [int(p) for p in packed[0]] != [int(a) for a in pack_addr]:
+        return None
+    return network
+
+
 def send_kvcache_dcp(
     self: Any,
     mooncake_session_id: str,
@@ -81,8 +125,16 @@ def send_kvcache_dcp(
     every draft row move in maximal runs, in one ``_transfer_data`` call's worth of blocks (the
     engine in bounded batches when ``_transfer_data`` is SGLang's own).
 
-    SGLang's own method runs for what kvplan does not plan: a pack buffer, a custom memory
-    pool, draft rows that are head-sliced (decode draft widths different from the source's),
+    With a ``pack_buffer``, kvplan plans the rank's source rows and the network out of the
+    buffer (``Template.plan_row_gather``), SGLang's own ``try_pack_dcp_src`` gathers those rows
+    with its kernel (``copy_mla_rows_into_pack``: kvplan never gathers on the GPU), and kvplan's
+    network blocks go to ``_transfer_data``; only when kvplan's gather is the kernel's (see
+    :func:`_pack_with_sglangs_kernel`).
+
+    SGLang's own method runs for what kvplan does not plan: a pack buffer with draft entries
+    (kvplan packs the draft rows after the target rows, SGLang sends them from the pool: the
+    layouts differ), a pack buffer too small for the rank's rows (SGLang then sends per
+    token, byte for byte as without kvplan), a custom memory pool, draft rows that are head-sliced (decode draft widths different from the source's),
     a chunk whose start is not a whole decode virtual page (``src_page_offset`` not a multiple
     of ``dst_dcp_size``), positional PP slicing (no layer ids and different entry counts, or a
     replaced ``get_mla_kv_ptrs_with_pp``), and SGLang's own input errors (no token count,
@@ -111,7 +163,8 @@ def send_kvcache_dcp(
     kv_args = self.kv_args
     page = int(kv_args.page_size)
     size, rank = int(dst_dcp_size), int(dst_dcp_rank)
-    if (num_kv_tokens is None or pack_buffer is not None or self.enable_custom_mem_pool
+    if (num_kv_tokens is None or self.enable_custom_mem_pool
+            or (pack_buffer is not None and int(kv_args.num_draft_entries))
             or (dst_kv_item_lens and len(dst_kv_item_lens) != len(dst_kv_ptrs))
             or decode_prefix_len % (page * size) or src_page_offset % size):
         return sglangs()
@@ -137,7 +190,13 @@ def send_kvcache_dcp(
     src, dst = _as_index(prefill_kv_indices), _as_index(dst_kv_indices)
     # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
     dst = np.ascontiguousarray(dst[src_page_offset // size:])
-    plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
+    if pack_buffer is not None:
+        packed = _pack_with_sglangs_kernel(template, src, dst, int(num_kv_tokens), pack_buffer)
+        if packed is None:
+            return sglangs()  # too small a buffer, or a layout the kernel cannot gather
+        plan = packed
+    else:
+        plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
     if plan.n_blocks == 0 and _own_transfer_data(self):
         return 0  # SGLang's own _transfer_data would hand the engine nothing
     return _send_all(self, mooncake_session_id, plan)  # an override sees even an empty list
