@@ -256,16 +256,26 @@ def run_packed(sg: Any, *, size: int, rank: int, page: int, tokens: int, widths:
     method, then kvplan's, each on fresh host memory filled from ``seed``."""
     from support.sglang_loader import HostMemory, HostPackBuffer, load_dcp_pack
 
-    load_dcp_pack(sg)
+    mod = load_dcp_pack(sg)
+    kernel = mod.copy_mla_rows_into_pack
     n = len(widths)
     results = []
     for on in (False, True):
+        calls: list[tuple[Any, ...]] = []
+
+        def recording(ptrs: Any, rows: Any, pack: Any, lens: Any, src_lens: Any = None,
+                      calls: list[tuple[Any, ...]] = calls) -> None:
+            calls.append(([int(p) for p in ptrs], [int(r) for r in rows], pack.addr,
+                          [int(w) for w in lens], src_lens))
+            kernel(ptrs, rows, pack, lens, src_lens)
+
         memory = HostMemory()
         rng = np.random.default_rng(seed)
         for i in range(n):
             memory.add(SRC_BASE + i * BUF, rng.integers(0, 256, BUF, dtype=np.uint8))
             memory.add(DST_BASE + i * BUF, np.zeros(BUF, dtype=np.uint8))
         pack = HostPackBuffer(PACK_BASE, pack_bytes, memory)
+        mod.copy_mla_rows_into_pack = recording
         if on:
             compat.install(sg.MooncakeKVManager)
         try:
@@ -278,8 +288,10 @@ def run_packed(sg: Any, *, size: int, rank: int, page: int, tokens: int, widths:
                 decode_prefix_len=0, num_kv_tokens=tokens, executor=None,
                 dst_layer_ids=list(range(n)), pack_buffer=pack))
         finally:
+            mod.copy_mla_rows_into_pack = kernel
             if on:
                 compat.uninstall(sg.MooncakeKVManager)
+        mgr.kernel_calls = calls
         blocks = engine_blocks(mgr.engine.calls)
         memory.apply(blocks)
         pools = {base: bytes(memory.regions[base]) for base in
@@ -303,10 +315,13 @@ def test_pack_buffer_kvplan_plans_sglangs_kernel_gathers(sg: Any, size: int, pag
     dst = rng.choice(400, size=offset // size + -(-tokens // page) + 1,
                      replace=False).astype(np.int32)
     for rank in range(size):
-        (rc_s, map_s, pools_s, _), (rc_k, map_k, pools_k, mgr_k) = run_packed(
+        (rc_s, map_s, pools_s, mgr_s), (rc_k, map_k, pools_k, mgr_k) = run_packed(
             sg, size=size, rank=rank, page=page, tokens=tokens, widths=widths, n_draft=0,
             pack_bytes=1 << 16, src=src, dst=dst, offset=offset, seed=rank)
         assert rc_s == rc_k == ("ok", 0)
+        # the kernel is given the same source pointers, rows, pack slice and widths
+        assert mgr_k.kernel_calls == mgr_s.kernel_calls
+        assert len(mgr_s.kernel_calls) == (1 if rank < tokens else 0)
         assert map_k == map_s  # network: the same pack bytes to the same decode bytes
         assert pools_k == pools_s  # decode pools and the pack buffer the kernel filled
         assert len(mgr_k._kvplan_templates) == 1  # planned by kvplan, not handed to SGLang
@@ -340,3 +355,36 @@ def test_pack_buffer_with_draft_rows_is_sglangs(sg: Any) -> None:
             pack_bytes=1 << 16, src=src, dst=dst, offset=0, seed=rank)
         assert rc_s == rc_k == ("ok", 0) and map_k == map_s and pools_k == pools_s and map_s
         assert not getattr(mgr_k, "_kvplan_templates", None)
+
+
+def test_pack_buffer_subclass_overriding_transfer_data_sees_the_network_blocks(sg: Any) -> None:
+    """With a pack buffer SGLang hands its one block list (out of the pack buffer) to
+    ``self._transfer_data``; so does kvplan's."""
+    from support.sglang_loader import HostPackBuffer, load_dcp_pack
+
+    load_dcp_pack(sg)
+
+    def _transfer_data(self: Any, session: str, blocks: Any) -> int:
+        self.seen.append(list(blocks))
+        return 0
+
+    cls = type("TracingManager", (sg.MooncakeKVManager,), {"_transfer_data": _transfer_data})
+    src, dst = np.arange(5, dtype=np.int32), np.arange(20, 30, dtype=np.int32)
+    seen = []
+    for on in (False, True):
+        if on:
+            compat.install(cls)
+        try:
+            mgr = manager(sg, cls, n_target=2, n_draft=0, page=2, widths=[8, 16], ids=True)
+            rc = mgr.send_kvcache_dcp(
+                SESSION, src, [DST_BASE, DST_BASE + BUF], dst, dcp_token_item_lens=[4, 8],
+                dst_dcp_size=4, dst_dcp_rank=1, src_page_offset=0, decode_prefix_len=0,
+                num_kv_tokens=10, executor=None, dst_layer_ids=[0, 1],
+                pack_buffer=HostPackBuffer(PACK_BASE, 1 << 12))
+        finally:
+            if on:
+                compat.uninstall(cls)
+        assert rc == 0 and mgr.engine.calls == [] and len(mgr.seen) == 1
+        seen.append(mgr.seen[0])
+    assert byte_map(seen[1]) == byte_map(seen[0]) and seen[0]
+    assert all(PACK_BASE <= s < PACK_BASE + (1 << 12) for s, _, _ in seen[1])
