@@ -7,6 +7,8 @@ Every test here needs ``nixl_cu12`` and fails, never skips, when it cannot be im
 
 from __future__ import annotations
 
+import threading
+
 import contextlib
 import re
 import subprocess
@@ -352,6 +354,45 @@ def test_waiting_after_close_names_the_closed_transport(pair: Pair) -> None:
     assert "AttributeError" not in str(info.value) and info.value.agent == "unit-a"
     with pytest.raises(TransferError, match="transport closed"):  # the same error again
         pending.wait()
+
+
+def test_close_on_another_thread_waits_for_a_state_check_in_progress(pair: Pair) -> None:
+    """close() on one thread while wait() polls on another: close() must not release a handle
+    (or drop the agent) while NIXL is checking it. The agent's check is wrapped so close()
+    starts in the middle of a check."""
+    off = np.arange(8, dtype=np.int64) * 1000
+    pending = pair.a.submit_async(pair.plan(off, off, 1000), pair.peer, 3, notif=b"race")
+    agent = pair.a._agent
+    real_release, real_check = agent.release_xfer_handle, agent.check_xfer_state
+    released: set[Any] = set()
+    released_during_check: list[bool] = []
+    closer: list[threading.Thread] = []
+
+    def release(handle: Any) -> Any:
+        released.add(handle)
+        return real_release(handle)
+
+    def check(handle: Any) -> Any:
+        if not closer:
+            closer.append(threading.Thread(target=pair.a.close))
+            closer[0].start()
+            closer[0].join(0.3)  # close() finishes here unless it waits for this check
+        released_during_check.append(handle in released)
+        if handle in released:
+            return "ERR"  # never hand NIXL a released handle, even on the unfixed code path
+        return real_check(handle)
+
+    agent.release_xfer_handle, agent.check_xfer_state = release, check
+    # Either the transfer completes before close() takes effect, or the waiter is told the
+    # transport closed; never an untyped error from a released handle or a dropped agent.
+    try:
+        pending.wait()
+    except TransferError as err:
+        assert "transport closed" in str(err)
+    closer[0].join(20)
+    assert not closer[0].is_alive()
+    assert released_during_check and not any(released_during_check)
+    assert released  # close() did release the in-flight handles, after the check
 
 
 def test_submit_after_release_or_close_says_why() -> None:

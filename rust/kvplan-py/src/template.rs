@@ -16,7 +16,7 @@ use crate::convert::{IndexVisitor, RequestArrays, pairs_array, visit_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
-use crate::plan::{PyTransferPlan, out_columns, pooled_columns};
+use crate::plan::{Column, PyTransferPlan, out_columns, pooled_columns};
 use crate::pool;
 
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
@@ -61,6 +61,17 @@ pub fn check_pairs(
 #[pyfunction]
 pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLayout>) -> bool {
     kvplan_core::needs_tokens(&src_layout.inner, &dst_layout.inner)
+}
+
+/// A small core plan's three columns moved into NumPy arrays (the plan keeps its counts and
+/// offsets; its columns are left empty).
+fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Column; 3] {
+    [
+        std::mem::take(&mut plan.src_addrs),
+        std::mem::take(&mut plan.dst_addrs),
+        std::mem::take(&mut plan.lengths),
+    ]
+    .map(|column| numpy::PyArray1::from_vec(py, column).unbind())
 }
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
@@ -500,12 +511,7 @@ impl PyTemplate {
             ..kvplan_core::Plan::default()
         };
         let mut network = packed.network;
-        let network_columns = [
-            std::mem::take(&mut network.src_addrs),
-            std::mem::take(&mut network.dst_addrs),
-            std::mem::take(&mut network.lengths),
-        ]
-        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let network_columns = owned_columns(py, &mut network);
         let half = |columns, plan: &kvplan_core::Plan| {
             PyTransferPlan::packed(columns, Arc::clone(&self.inner), plan, self.fingerprints)
         };
@@ -566,12 +572,7 @@ impl PyTemplate {
                 .map_err(|e| KvPlanError::new_err(e.to_string()))?
                 .unbind()
         };
-        let network_columns = [
-            std::mem::take(&mut network.src_addrs),
-            std::mem::take(&mut network.dst_addrs),
-            std::mem::take(&mut network.lengths),
-        ]
-        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let network_columns = owned_columns(py, &mut network);
         let network = PyTransferPlan::packed(
             network_columns,
             Arc::clone(&self.inner),
@@ -642,12 +643,7 @@ impl PyTemplate {
             part(columns, n_blocks, pair_offsets)
         };
         let mut network = staged.network;
-        let network_columns = [
-            std::mem::take(&mut network.src_addrs),
-            std::mem::take(&mut network.dst_addrs),
-            std::mem::take(&mut network.lengths),
-        ]
-        .map(|column| numpy::PyArray1::from_vec(py, column).unbind());
+        let network_columns = owned_columns(py, &mut network);
         Ok(crate::staged::PyStagedPlan {
             gather: pooled_part(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
             network: part(network_columns, network.n_runs, network.pair_offsets)?,

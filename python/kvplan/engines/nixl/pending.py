@@ -55,11 +55,23 @@ class NixlPending(PendingBase):
         else:
             self._reqs.append(req)
 
+    def _call(self, method: str, handle: Any) -> Any:
+        """``agent.<method>(handle)`` under the transport's lock, so ``close()`` (which takes
+        the lock to start releasing handles) never releases this handle, or drops the agent,
+        while NIXL is using it; a transport already closing raises the closed error."""
+        t = self._t
+        with t._lock:
+            if not t._closing:
+                return getattr(t._agent, method)(handle)
+        raise self._closed_error()
+
     def _post(self, req: list[Any]) -> None:
         index, lo, hi, handle, _ = req
         t = self._t
         try:
-            state = t._agent.transfer(handle)
+            state = self._call("transfer", handle)
+        except TransferError:
+            raise
         except Exception as exc:
             raise t._request_error(self._peer, index, self._lengths[lo:hi], "transfer", exc
                                    ) from exc
@@ -93,7 +105,9 @@ class NixlPending(PendingBase):
             if handle is None:
                 continue
             try:
-                state = t._agent.check_xfer_state(handle)
+                state = self._call("check_xfer_state", handle)
+            except TransferError:
+                raise
             except Exception as exc:
                 raise t._request_error(self._peer, index, self._lengths[lo:hi], "check", exc
                                        ) from exc

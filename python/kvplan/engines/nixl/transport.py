@@ -364,17 +364,17 @@ class NixlTransport(Transport):
 
     def _release(self, handle: Any) -> bool:
         """Release one handle; False (and kept for close) when NIXL refuses."""
+        # Under the lock: close() must not drop the agent while NIXL releases this handle.
         with self._lock:
             self._live.discard(handle)
             if self._closing:  # close() releases every handle it found itself
                 return True
-        try:
-            self._agent.release_xfer_handle(handle)
-            return True
-        except Exception:
-            with self._lock:
+            try:
+                self._agent.release_xfer_handle(handle)
+                return True
+            except Exception:
                 self._stuck.append(handle)
-            return False
+                return False
 
     def _request_error(self, peer: str, index: int, lengths: U64, state: str,
                        cause: BaseException | None, *, extra: str = "") -> TransferError:
