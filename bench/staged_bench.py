@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ import numpy as np
 
 from harness.machine import describe
 from harness.results import RESULTS_DIR, write_lines
+from harness.timing import call_times_ns
 
 import kvplan
 from kvplan.engines.measure import loopback_transports, measure_cost
@@ -159,13 +159,8 @@ def request(case: Case) -> tuple[np.ndarray, np.ndarray]:
 
 
 def median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``repeats`` calls after one warm-up (the harness's timer)."""
+    return statistics.median(call_times_ns(fn, repeats, warmup=1)) / 1e9
 
 
 @dataclasses.dataclass
