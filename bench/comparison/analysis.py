@@ -133,8 +133,10 @@ def analysis(rows, floor, ovh, mem, profs) -> list[str]:
             f"{hand / r2['n_blocks']:.0f} ns per block at 2M blocks (`tolist()`: three Python "
             "ints per block), so plan + handoff is only "
             f"{r2['med']['sglang handoff'] / r2['med']['kvplan handoff']:.0f}× faster than SGLang's. "
-            "That cost belongs to Mooncake's list-taking API; an entry point that accepts buffers "
-            "(or submitting `plan.batches()` of bounded size) is what would remove it.")
+            "That cost belongs to Mooncake's list-taking Python API; kvplan's Mooncake adapter "
+            "and SGLang drop-in skip it by handing the native engine the plan's columns "
+            "([mooncake-handoff.md](mooncake-handoff.md), where Mooncake's own submit turns out "
+            "to cost far more per block than either hand-off).")
         L.append("")
     if mem:
         L.append(

@@ -3,6 +3,8 @@ the overhead breakdown, profiles, the analysis and the list of the other benchma
 
 from __future__ import annotations
 
+import os
+
 from harness.machine import describe
 from harness.results import write_lines
 from support import sglang_loader
@@ -31,6 +33,8 @@ OTHER_RECORDS = [
     "and plan time (`bench/pagesize_bench.py`).",
     "- [nixl-results.md](nixl-results.md): real NIXL (UCX) transfers, run-merged descriptors vs "
     "the prepped one-per-page path (`bench/nixl_transfer.py`).",
+    "- [mooncake-handoff.md](mooncake-handoff.md): per request into a real Mooncake engine: "
+    "plan, hand-off (lists or native) and the engine's submit (`bench/mooncake_handoff.py`).",
     "- [sglang-dropin.md](sglang-dropin.md): SGLang's manager methods, original vs patched by "
     "`kvplan.compat.sglang.install` (`bench/sglang_dropin.py`).",
     "- [digest-results.md](digest-results.md): content digest of a request vs one memcpy of the "
@@ -43,7 +47,32 @@ OTHER_RECORDS = [
     "and submitter cost (`bench/streaming.py`).",
     "- [dcp-results.md](dcp-results.md): decode context parallelism, direct vs packed network "
     "blocks per decode rank and gather + network planning time (`bench/dcp_bench.py`).",
+    "- [e2e-vllm.md](e2e-vllm.md): real vLLM 0.32 prefill/decode servers on this CPU, vLLM's "
+    "Mooncake connector vs kvplan's, per-request latency and the connectors' transfer "
+    "statistics (32 layers, long prompts, fragmented decode pool; `bench/e2e_vllm.py`, not in "
+    "CI).",
 ]
+
+
+#: Markers of RESULTS.md's per-request section: it summarises the per-request benchmarks (their
+#: own scripts write the numbers), is kept as written when this file is regenerated, and comes
+#: first because per request is what an engine pays.
+PER_REQUEST_BEGIN = "<!-- per-request: kept as is when compare_sglang.py regenerates this file -->"
+PER_REQUEST_END = "<!-- /per-request -->"
+
+
+def per_request_block(out_dir):
+    """The per-request section of the RESULTS.md already in ``out_dir`` (markers included), or
+    no lines when there is none."""
+    try:
+        with open(os.path.join(out_dir, "RESULTS.md"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return []
+    start, end = text.find(PER_REQUEST_BEGIN), text.find(PER_REQUEST_END)
+    if start < 0 or end < start:
+        return []
+    return [*text[start:end + len(PER_REQUEST_END)].splitlines(), ""]
 
 
 def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg, load_start):
@@ -59,6 +88,7 @@ def write_results(out_dir, rows, mem, ovh, floor, profs, elapsed, cmd, sg, load_
     L.append("")
     L.append(f"Run took {elapsed:.0f} s.")
     L.append("")
+    L.extend(per_request_block(out_dir))
     L.append("## Machine")
     L.append("")
     L.extend(describe(load_start, getattr(kvplan, "__version__", "?") if kvplan else "not built",

@@ -5,6 +5,8 @@
   singly), with the collector off as ``timeit`` does.
 - :func:`interleaved`: several variants sampled in turn in one process, each calibrated so a
   sample lasts long enough, so that machine noise hits every variant alike.
+- :func:`alternating`: the same rotation with one timed call per sample and untimed work
+  around each (an engine submit followed by its wait).
 """
 
 from __future__ import annotations
@@ -105,4 +107,22 @@ def interleaved(variants: dict[str, Variant], budget_s: float, min_reps: int, ma
                     before()
                     samples[k].append(per_call_ns(fn, cal[k][0]))
                     after()
+    return samples
+
+
+def alternating(variants: dict[str, Variant], reps: int) -> dict[str, list[float]]:
+    """One timed call per sample, every variant in turn with the order rotated per repetition,
+    collector off: for calls that must not run back to back (an engine submit that has to be
+    waited on, untimed in ``after``, before the next one). Returns name -> ns of each call."""
+    names = list(variants)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    with gc_off():
+        for r in range(reps):
+            for k in names[r % len(names):] + names[: r % len(names)]:
+                fn, before, after = variants[k]
+                before()
+                t0 = time.perf_counter_ns()
+                fn()
+                samples[k].append(float(time.perf_counter_ns() - t0))
+                after()
     return samples

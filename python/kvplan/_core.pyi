@@ -1,6 +1,6 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal, final
+from typing import ClassVar, Literal, final
 
 from typing_extensions import Buffer
 
@@ -17,6 +17,8 @@ __all__ = [
     "LayoutEntry",
     "LayoutError",
     "MHA_ROLES",
+    "MooncakeBatch",
+    "MooncakeNative",
     "Pairing",
     "PairingError",
     "PlanBatch",
@@ -36,9 +38,11 @@ __all__ = [
     "combine_pair_digests",
     "copy_local",
     "group_contiguous",
+    "index_array",
     "index_digest",
     "legacy_pp_pairs",
     "needs_tokens",
+    "nixl_desc_ids",
     "pair_entries",
     "pool_stats",
     "tp_peers",
@@ -62,6 +66,20 @@ _I64Array = npt.NDArray[np.int64]
 _Buffer = Buffer | npt.NDArray[np.generic]
 _U64Array = npt.NDArray[np.uint64]
 
+def index_array(ids: Sequence[int] | npt.NDArray[np.int64], /) -> npt.NDArray[np.int64]:
+    """``ids`` (a list or tuple of ints, or an int64 array, returned as is) as an int64 array,
+    unboxed in one pass; a non-int element is a ``TypeError``, one outside int64 an
+    ``IndexBoundsError``."""
+def nixl_desc_ids(
+    block_ids: Sequence[Sequence[int] | npt.NDArray[np.int64]], /, *, num_blocks: int,
+    block_size_ratio: int | float | None, region_num_blocks: Sequence[int] | None,
+    layer_groups: Sequence[int], num_regions: int, num_layers: int,
+    region_groups: Sequence[int] | None, worker_region_groups: Sequence[int],
+    grouped: object | None, worker_grouped: object,
+) -> npt.NDArray[np.int64] | None:
+    """vLLM's NIXL ``_compute_desc_ids`` for a model without Mamba state (the worker's
+    attributes passed by keyword); ``None`` when an argument is of a kind the core does not
+    model. A block id outside its region is an ``IndexBoundsError``."""
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
 def pair_entries(
     src_layer_ids: Sequence[int] | None,
@@ -805,8 +823,12 @@ class LayerSlices:
     def slice_of_layer(self, layer: int) -> int | None:
         """The slice waiting for ``layer``; ``None`` for a model layer with nothing to wait for.
 
+        ``None`` also for a layer in no caller set (its entries go with the seal) and a layer of
+        another PP stage: the answer for a model layer does not depend on the stage asked.
+
         Raises:
-            KvPlanError: A layer id the model's layer groups do not have.
+            KvPlanError: A layer id no model layer has (negative, or past the model's layer
+                count and in no caller set).
         """
     def of(self, plan: TransferPlan) -> PlanSlices:
         """Cut a plan of this template (page, token or state plan) into slices.
@@ -857,3 +879,21 @@ class WorkManifest:
             KvPlanError: Not a manifest, an unknown version, a wrong length or CRC.
         """
     def __eq__(self, value: object, /) -> bool: ...
+
+@final
+class MooncakeNative:
+    """Mooncake's native batch API behind one initialised ``mooncake.engine.TransferEngine``."""
+
+    VERIFIED_VERSION: ClassVar[str]
+    def __new__(cls, engine: object, module_path: str, version: str) -> MooncakeNative: ...
+    def write(self, peer: str, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
+              lengths: npt.NDArray[np.uint64], timeout_s: float) -> None: ...
+    def submit(self, peer: str, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
+               lengths: npt.NDArray[np.uint64]) -> MooncakeBatch: ...
+
+@final
+class MooncakeBatch:
+    """One submitted native batch; wait exactly once."""
+
+    def __len__(self) -> int: ...
+    def wait(self, timeout_s: float) -> None: ...

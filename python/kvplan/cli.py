@@ -40,10 +40,22 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Runner]]] 
 }
 
 
+def _version() -> str:
+    """The installed distribution's version (the wheel's metadata), without building the
+    extension's import path."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvplan")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvplan",
         description="KV-cache transfer planner for prefill/decode disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, add) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)

@@ -54,13 +54,28 @@ from kvplan.testing import (
     model_peers,
 )
 
-__all__ = ["DemoReport", "add_arguments", "demo_model", "run_demo"]
+__all__ = ["DemoReport", "add_arguments", "demo_model", "run_demo", "run_stream_demo", "stream_regime"]
 
 #: What the report calls each engine's transport.
 ENGINE_LABELS = {"mooncake": "Mooncake TCP on 127.0.0.1", "nixl": "NIXL (UCX) on this host"}
 
 #: Fragmentation of the decode pages: a break after a quarter of the pages (runs of ~4 pages).
 DEMO_FRAGMENTATION = 0.25
+#: Bounds of ``kvplan demo``'s options: far past any model, and small enough that a typo
+#: gets a one-line refusal instead of a multi-terabyte arena or an endless fill.
+MAX_DEMO_LAYERS = 1024
+MAX_DEMO_PAGES = 1 << 22
+MAX_DEMO_PP = 64
+MAX_DEMO_STATE_SLOTS = 4096
+MAX_DEMO_LAYER_MS = 10_000.0
+#: Pages per KV buffer of the monolithic demo.
+DEFAULT_PAGES = 8192
+#: The streaming demo's defaults: a prefill whose compute per layer group (4 x 40 ms) is longer
+#: than that group's transfer over Mooncake TCP loopback even on a busy two-core machine, the
+#: regime streaming is for (the transfer hides behind the forward; the tail is one group's).
+DEFAULT_STREAM_PAGES = 512
+DEFAULT_LAYER_MS = 40.0
+DEFAULT_STREAM_GROUP = 4
 
 #: ``--layout`` choices: one buffer per full-attention layer, or one cross-layer pool per peer.
 LAYOUTS = ("per-layer", "cross-layer")
@@ -343,7 +358,8 @@ def _check_digests(report: DemoReport, dpeer: PeerProcess, stages: list[PeerProc
 
 def run_stream_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
                     request_pages: int | None = None, state_slots: int = 2, seed: int = 0,
-                    layer_ms: float = 2.0, group_size: int = 4, quiet: bool = True,
+                    layer_ms: float = DEFAULT_LAYER_MS, group_size: int = DEFAULT_STREAM_GROUP,
+                    quiet: bool = True,
                     engine: str = "mooncake") -> list[str]:
     """Layer-wise streaming next to the monolithic send, in one run on the same bytes.
 
@@ -407,9 +423,27 @@ def run_stream_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
     lines.append(f"tail:           streaming {tail * 1e3:.2f} ms vs monolithic "
                  f"{mono_tail * 1e3:.2f} ms (last ready signal -> decode holds every byte; "
                  f"same run, same bytes)")
+    lines.append("regime:         " + stream_regime(tail, mono_tail, layer_ms * group_size / 1e3))
     if stream_error is not None or mono_error is not None:
         lines.append("error")
     return lines
+
+
+def stream_regime(tail_s: float, mono_tail_s: float, group_compute_s: float) -> str:
+    """Which regime a streaming run was in, and by how much. When the transfer keeps pace with
+    the forward, each group's slice lands while the next group computes, so after the last
+    layer only the last group's transfer is left: the streamed tail is at most one group's
+    compute. A longer tail means the slices queued behind each other (transfer-bound)."""
+    ratio = tail_s / mono_tail_s if mono_tail_s > 0 else float("nan")
+    versus = (f"streamed tail {tail_s * 1e3:.1f} ms = {ratio:.2f}x the monolithic "
+              f"{mono_tail_s * 1e3:.1f} ms, {max(0.0, 1 - ratio):.0%} of it hidden")
+    group = f"one group's compute ({group_compute_s * 1e3:.1f} ms)"
+    if tail_s <= group_compute_s:
+        return (f"compute hides the transfer: after the last layer only the last group's "
+                f"transfer was left, {tail_s / group_compute_s:.2f}x {group}; {versus}")
+    return (f"transfer-bound: the tail is {tail_s / group_compute_s:.1f}x {group}, so slices "
+            f"queued behind each other; {versus}; raise --layer-ms or lower --pages to see "
+            f"compute hide the transfer")
 
 
 def _log_tail(path: str, lines: int = 15) -> str:
@@ -422,19 +456,27 @@ def _log_tail(path: str, lines: int = 15) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Fill ``kvplan demo``'s sub-parser; returns the function that runs the command."""
-    parser.add_argument("--layers", type=int, default=48,
-                        help="model layers; full attention (MLA) on every 4th (default 48)")
-    parser.add_argument("--pages", type=int, default=8192,
-                        help="pages per KV buffer on each side (default 8192)")
-    parser.add_argument("--request-pages", type=int, default=None,
+    from kvplan._cli_args import float_arg, int_arg, one_line_error
+
+    setattr(parser, "error", one_line_error(parser))  # one line on stderr, exit 2
+    parser.add_argument("--layers", type=int_arg(4, MAX_DEMO_LAYERS), default=48,
+                        help="model layers; full attention (MLA) on every 4th (default 48, "
+                             f"4..{MAX_DEMO_LAYERS})")
+    parser.add_argument("--pages", type=int_arg(1, MAX_DEMO_PAGES), default=None,
+                        help=f"pages per KV buffer on each side (default {DEFAULT_PAGES}, "
+                             f"{DEFAULT_STREAM_PAGES} with --stream; the arenas must also fit "
+                             "in half the memory this machine has free)")
+    parser.add_argument("--request-pages", type=int_arg(1, MAX_DEMO_PAGES), default=None,
                         help="pages the request moves (default 3/4 of --pages)")
-    parser.add_argument("--pp", type=int, default=2, help="prefill pipeline stages (default 2)")
-    parser.add_argument("--state-slots", type=int, default=2,
+    parser.add_argument("--pp", type=int_arg(1, MAX_DEMO_PP), default=2,
+                        help="prefill pipeline stages (default 2)")
+    parser.add_argument("--state-slots", type=int_arg(1, MAX_DEMO_STATE_SLOTS), default=2,
                         help="request slots per state buffer (default 2)")
-    parser.add_argument("--max-blocks", type=int, default=None,
+    parser.add_argument("--max-blocks", type=int_arg(1, (1 << 31) - 1), default=None,
                         help="blocks per engine call (default: the engine's bound, 1024 for "
                              "Mooncake, the whole plan for NIXL)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for data and pages")
+    parser.add_argument("--seed", type=int_arg(0, (1 << 32) - 1), default=0,
+                        help="random seed for data and pages (default 0)")
     parser.add_argument("--engine", choices=sorted(ENGINE_LABELS), default="mooncake",
                         help="transfer engine in every process: mooncake (TCP) or nixl (UCX); "
                              "default mooncake")
@@ -451,12 +493,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
                              "notification, or the parent as Mooncake's side channel)")
     parser.add_argument("--stream", action="store_true",
                         help="stream layer groups while a synthetic forward runs, then send "
-                             "the same request monolithically; prints both transfer tails")
-    parser.add_argument("--layer-ms", type=float, default=2.0,
-                        help="synthetic compute per layer with --stream (default 2 ms)")
-    parser.add_argument("--stream-group", type=int, default=4,
-                        help="layers per streamed group with --stream (default 4)")
+                             "the same request monolithically; prints both transfer tails "
+                             "and whether compute hid the transfer")
+    parser.add_argument("--layer-ms", type=float_arg(0.0, MAX_DEMO_LAYER_MS), default=None,
+                        help="synthetic compute per layer with --stream (default "
+                             f"{DEFAULT_LAYER_MS:g} ms)")
+    parser.add_argument("--stream-group", type=int_arg(1, MAX_DEMO_LAYERS), default=None,
+                        help=f"layers per streamed group with --stream (default "
+                             f"{DEFAULT_STREAM_GROUP})")
     return run_cli
+
+
+def _arena_problem(model: ModelPreset, args: argparse.Namespace) -> str | None:
+    """Why the arenas of this run cannot be had, or ``None``: every process's arena is mapped
+    by it and by the parent, which also builds the expected decode pool to compare."""
+    from kvplan._cli_args import available_memory
+
+    peers = model_peers(model, pages=args.pages, pp_size=args.pp, state_slots=args.state_slots)
+    total = peers.decode.size + sum(s.size for s in peers.prefill)
+    need = total + 2 * peers.decode.size
+    free = available_memory()
+    if free is not None and need > free // 2:
+        return (f"--pages {args.pages:,} with --layers {args.layers} needs arenas of "
+                f"{total / 2**30:,.2f} GiB (about {need / 2**30:,.2f} GiB with the check), more "
+                f"than half of the {free / 2**30:,.2f} GiB this machine has free: lower --pages "
+                f"or --layers")
+    return None
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -479,21 +541,26 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"kvplan demo --engine {args.engine} needs {hint}, or run scripts/setup-env",
               file=sys.stderr)
         return 2
+    if args.pages is None:
+        args.pages = DEFAULT_STREAM_PAGES if args.stream else DEFAULT_PAGES
     problems = [msg for bad, msg in [
-        (args.layers < 4, "--layers must be at least 4 (full attention is every 4th layer)"),
-        (not 1 <= args.pp <= args.layers, "--pp must be between 1 and --layers"),
-        (args.pages < 1, "--pages must be positive"),
-        (args.request_pages is not None and not 1 <= args.request_pages <= args.pages,
-         "--request-pages must be between 1 and --pages"),
-        (args.state_slots < 1, "--state-slots must be positive"),
-        (args.max_blocks is not None and args.max_blocks < 1, "--max-blocks must be positive"),
+        (args.pp > args.layers, f"--pp must be at most --layers ({args.layers}), got {args.pp}"),
+        (args.request_pages is not None and args.request_pages > args.pages,
+         f"--request-pages must be at most --pages ({args.pages}), got {args.request_pages}"),
+        (args.stream and (args.stream_group or DEFAULT_STREAM_GROUP) > args.layers,
+         f"--stream-group must be at most --layers ({args.layers}), got {args.stream_group}"),
         (args.stream and args.verify == "digest",
          "--stream verifies every byte itself; --verify digest applies to the monolithic demo"),
+        (not args.stream and (args.layer_ms is not None or args.stream_group is not None),
+         "--layer-ms and --stream-group apply only with --stream"),
     ] if bad]
+    model = demo_model(args.layers)
+    if not problems:
+        arena = _arena_problem(model, args)
+        problems += [arena] if arena else []
     if problems:
         print("kvplan demo: " + "; ".join(problems), file=sys.stderr)
         return 2
-    model = demo_model(args.layers)
     if args.stream:
         return _run_stream_cli(args, model)
     print(f"kvplan demo: {model.num_layers}-layer hybrid model, {args.pages} pages, "
@@ -520,9 +587,8 @@ def _run_stream_cli(args: argparse.Namespace, model: ModelPreset) -> int:
     """``kvplan demo --stream``: exit 1 when a byte is wrong, 2 when a peer fails."""
     import sys
 
-    if args.layer_ms < 0 or args.stream_group < 1:
-        print("kvplan demo: --layer-ms must be >= 0 and --stream-group >= 1", file=sys.stderr)
-        return 2
+    args.layer_ms = DEFAULT_LAYER_MS if args.layer_ms is None else args.layer_ms
+    args.stream_group = args.stream_group or DEFAULT_STREAM_GROUP
     print(f"kvplan demo --stream: {model.num_layers}-layer hybrid model, {args.pages} pages, "
           f"prefill PP={args.pp} -> decode PP=1 over {ENGINE_LABELS[args.engine]}, "
           f"{args.layer_ms} ms per layer ...", flush=True)

@@ -198,6 +198,33 @@ def test_mha_uneven_split_sglang_mis_slices_v_kvplan_refuses_or_needs_layer_coun
                  install_kw={"decode_kv_layers": 15}, may_fix=True) == "fixed"
 
 
+def test_on_error_status_logs_kvplans_reason_and_returns_sglangs_failure_status(
+        sg: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # A live server's transfer worker turns a non-zero status into SGLang's failure path for
+    # the request; an exception would end the prefill's transfer thread instead.
+    dep = Deployment("mha", 4, list(range(4)), 1, 0)
+    dptrs, _, dids = dep.dst_lists()
+    short_ptrs, short_ids = dptrs[: len(dptrs) // 2], dids[: len(dids) // 2]  # 2 of 4 layers
+    src, dst = np.arange(3, dtype=np.int32), np.arange(5, 8, dtype=np.int32)
+    with installed(sg.MooncakeKVManager):
+        mgr = manager(sg, sg.MooncakeKVManager, dep, decode_kv_args_table={})
+        with pytest.raises(kvplan.PairingError):
+            mgr.send_kvcache(SESSION, src, short_ptrs, dst, None, dst_layer_ids=short_ids)
+    with installed(sg.MooncakeKVManager, on_error="status"):
+        mgr = manager(sg, sg.MooncakeKVManager, dep, decode_kv_args_table={})
+        with caplog.at_level("ERROR", logger="kvplan.compat.sglang"):
+            status = mgr.send_kvcache(SESSION, src, short_ptrs, dst, None,
+                                      dst_layer_ids=short_ids)
+        assert status == compat.REFUSED_STATUS == -1
+        assert mgr.engine.calls == []  # nothing moved
+        [record] = [r for r in caplog.records if r.name == "kvplan.compat.sglang"]
+        assert "kvplan refused _send_kvcache_generic for session" in record.getMessage()
+        assert "PairingError" in record.getMessage()
+    assert "_kvplan_on_error" not in vars(sg.MooncakeKVManager)  # uninstall removes it
+    with pytest.raises(ValueError, match="on_error"):
+        compat.install(sg.MooncakeKVManager, on_error="ignore")  # type: ignore[arg-type]
+
+
 def test_one_sided_empty_indices_raise_instead_of_sending_nothing(sg: Any) -> None:
     dep = Deployment("mla", 4, list(range(4)), 1, 0)
     dptrs, _, dids = dep.dst_lists()

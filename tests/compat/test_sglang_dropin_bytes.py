@@ -8,6 +8,11 @@ and the engine), installs kvplan, and calls ``send_kvcache`` and ``_send_mamba_s
 prefill PP stage of a small hybrid model (MLA on two layers, two Mamba state components on the
 others). The decode is a :class:`kvplan.testing.PeerProcess`. Every decode byte is then checked
 against an oracle that shares no code with kvplan's pairing.
+
+The manager's ``engine`` is either a recording wrapper that forwards SGLang's lists to the
+engine, or SGLang's own ``MooncakeTransferEngine`` from the wheel around the real Mooncake engine:
+then kvplan hands each batch to Mooncake natively (the plan's columns, no Python lists), or,
+with ``KVPLAN_MOONCAKE_NATIVE=0``, through that wrapper's ``batch_transfer_sync`` lists.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ STATE_ROLES = ("mamba_conv", "mamba_temporal")
 
 def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: int,
                   decode: dict[str, Any], src_pages: list[int], dst_pages: list[int],
-                  src_slot: int, dst_slot: int) -> None:
+                  src_slot: int, dst_slot: int, wrapper: str) -> None:
     try:
         os.environ.update({"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"})
+        if wrapper == "sglang-lists":
+            os.environ["KVPLAN_MOONCAKE_NATIVE"] = "0"
         sys.path.insert(0, TESTS_DIR)
         from support.sglang_models import load_loader
 
@@ -58,6 +65,13 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
                 Engine.calls += 1
                 return transport._engine_write(session, src, dst, lengths)
 
+        engine: Any = Engine()
+        if wrapper != "recording":  # SGLang's own wrapper around the real Mooncake engine
+            engine = object.__new__(load_loader().load_engine_wrapper(sg))
+            engine.engine = transport._engine
+            engine.hostname = "127.0.0.1"
+            engine.session_id = transport.local_session_id()
+
         pages = [e for e in spec.entries if e.kind == "page"]
         states = {r: [e for e in spec.entries if e.role == r] for r in STATE_ROLES}
         d_pages = [e for e in decode["entries"] if e[2] == "page"]
@@ -72,7 +86,7 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
         info = types.SimpleNamespace(dst_kv_ptrs=dst_ptrs, dst_kv_item_lens=[e[4] for e in d_pages],
                                      dst_kv_layer_ids=[e[0] for e in d_pages])
         compat.install(sg.MooncakeKVManager)
-        mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=kv_args, engine=Engine(),
+        mgr = sg.manager_object(sg.MooncakeKVManager, kv_args=kv_args, engine=engine,
                                 is_hybrid_mla_backend=True, pp_size=spec.pp_size,
                                 decode_kv_args_table={decode["session"]: info})
         rc = mgr.send_kvcache(decode["session"], np.asarray(src_pages, np.int32), dst_ptrs,
@@ -86,15 +100,18 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
                 [decode["base"] + e[3] for e in d_state], [dst_slot],
                 [e.layer_id for e in states[r]], [e[0] for e in d_state],
                 [e[4] for e in d_state])
+        native = getattr(engine, "__dict__", {}).get("_kvplan_mooncake_native")
+        native_type = type(native).__name__ if native else ""
         transport.close()
-        conn.send(("ok", rc, Engine.calls))
+        conn.send(("ok", rc, Engine.calls, native_type))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
 
         conn.send(("fail", f"{exc!r}\n{traceback.format_exc()}"))
 
 
-def test_patched_manager_moves_real_bytes_over_mooncake_loopback() -> None:
+@pytest.mark.parametrize("wrapper", ["recording", "sglang", "sglang-lists"])
+def test_patched_manager_moves_real_bytes_over_mooncake_loopback(wrapper: str) -> None:
     from support.engine_peers import assert_decode_bytes, expected_decode, require_mooncake
     from support.sglang_models import load_sglang_or_fail
 
@@ -124,7 +141,7 @@ def test_patched_manager_moves_real_bytes_over_mooncake_loopback() -> None:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_prefill_main, args=(
                 child, s.to_dict(), arenas[s.name].path, s.size, decode, src_pages.tolist(),
-                dst_pages.tolist(), src_slot, dst_slot), daemon=True)
+                dst_pages.tolist(), src_slot, dst_slot, wrapper), daemon=True)
             proc.start()
             child.close()
             if not parent.poll(120):
@@ -134,7 +151,11 @@ def test_patched_manager_moves_real_bytes_over_mooncake_loopback() -> None:
             proc.join(30)
             assert res[0] == "ok", res[1]
             assert res[1] == 0
-            assert res[2] >= 3  # KV batches plus one call per state component
+            if wrapper == "recording":
+                assert res[2] >= 3  # KV batches plus one call per state component
+            # SGLang's own wrapper: kvplan hands Mooncake the plan's columns natively, unless
+            # disabled; a wrapper whose batch_transfer_sync is not SGLang's always gets lists.
+            assert res[3] == ("MooncakeNative" if wrapper == "sglang" else "")
         writes = [(s, arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
                   for s in peers.prefill]
         expected = expected_decode(peers.decode, before, writes)

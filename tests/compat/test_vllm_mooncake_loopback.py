@@ -4,7 +4,9 @@ Two processes over Mooncake's TCP transport on 127.0.0.1: a decode peer (kvplan'
 its arena registered, sentinel-filled) and a prefill process (``support.vllm_send_peer``)
 running vLLM's worker code from the wheel with ``kvplan.compat.vllm`` installed, so the batch is
 planned by the patched ``_build_transfer_params`` and written by the patched ``_send_blocks``
-through Mooncake's ``batch_transfer_sync_write``, in several batches. The oracle is vLLM's own
+in several batches: through Mooncake's native batch API (the engine is vLLM's real
+``mooncake.engine.TransferEngine``), and with ``KVPLAN_MOONCAKE_NATIVE=0`` through the
+binding's ``batch_transfer_sync_write`` lists. The oracle is vLLM's own
 unpatched plan of the same batch applied to the decode's bytes before the transfer with numpy:
 every byte of the decode arena must match it.
 """
@@ -33,8 +35,9 @@ def _reply(conn, proc, timeout=120.0):
     return payload
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "lists"])
 @pytest.mark.parametrize("deployment,batch", [("mla", 64), ("mha_tp2_to_tp1", 100)])
-def test_patched_send_path_moves_vllms_bytes(deployment, batch):
+def test_patched_send_path_moves_vllms_bytes(deployment, batch, native):
     require_mooncake()
     size = arena_bytes(deployment)
     workdir = arena_dir(2 * size)
@@ -47,7 +50,9 @@ def test_patched_send_path_moves_vllms_bytes(deployment, batch):
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=prefill_main, daemon=True,
-                       args=(child, prefill_arena.path, size, dict(ENGINE_ENV), deployment, batch))
+                       args=(child, prefill_arena.path, size,
+                             {**ENGINE_ENV, "KVPLAN_MOONCAKE_NATIVE": native}, deployment,
+                             batch))
     try:
         proc.start()
         child.close()
@@ -56,6 +61,12 @@ def test_patched_send_path_moves_vllms_bytes(deployment, batch):
         conn.send((decode.session, decode.base))
         out = _reply(conn, proc)
         assert out["status"] == 0
+        # the engine is vLLM's real Mooncake engine: the native hand-off is taken unless it
+        # is turned off, and then the list path says why
+        if native == "1":
+            assert tuple(out["handoff"]) == ("native", "")
+        else:
+            assert tuple(out["handoff"]) == ("lists", "disabled (KVPLAN_MOONCAKE_NATIVE=0)")
         src, dst, lengths = (np.array(c, dtype=np.int64) for c in out["ref"])
         assert out["descriptors"] <= len(src) and len(src) > 0
         # several engine calls of at most `batch` entries, one stats record of the whole send

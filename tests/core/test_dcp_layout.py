@@ -36,7 +36,7 @@ def test_dcp_context_round_trips_through_dict_json_and_bytes() -> None:
 
 @pytest.mark.parametrize(("context", "message"), [
     ({"dcp_size": 4, "dcp_rank": 4}, "dcp_rank 4 must be below dcp_size 4"),
-    ({"dcp_size": 0}, "dcp_rank 0 must be below dcp_size 0"),
+    ({"dcp_size": 0}, "dcp_size must be at least 1"),
     ({"dcp_size": 2, "dcp_interleave": 0}, "dcp_interleave must be at least 1"),
     ({"dcp_size": 2, "dcp_interleave": 6},
      "dcp_interleave 6 and page_size 16: one must divide the other"),

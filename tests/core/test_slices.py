@@ -188,3 +188,77 @@ def test_unknown_layers_plans_of_other_templates_and_bad_wire_are_refused():
         WorkManifest.from_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(KvPlanError, match="not a manifest"):
         WorkManifest.from_bytes(b"KVPL" + data[4:])
+
+
+def test_a_model_layer_in_no_caller_set_completes_nothing_on_every_stage():
+    # Per-layer hooks fire for every layer: a caller that streams only some layers' groups
+    # signals the others too, and the answer must not depend on which PP stage is asked.
+    preset = get_preset("deepseek-v3", 8)
+    dst = preset.layout(range(8), page_size=1, capacity=PAGES, base=DECODE_BASE)
+    groups = LayerGroups.sets([[4, 5]])
+    for stage in (range(4), range(4, 8)):
+        src = preset.layout(stage, page_size=1, capacity=PAGES, base=PREFILL_BASE,
+                            pp_rank=stage[0] // 4, pp_size=2)
+        slices = Template(src, dst, layer_groups=groups).layer_slices(groups)
+        for layer in (0, 3, 6, 7):
+            assert slices.slice_of_layer(layer) is None
+        assert slices.slice_of_layer(5) == (0 if stage[0] == 4 else None)
+        for bad in (-1, 8, 1 << 40):
+            with pytest.raises(KvPlanError, match=f"layer {bad} is not a layer of this model"):
+                slices.slice_of_layer(bad)
+
+
+def _dcp_mla(n_layers: int, page: int, capacity: int, dcp: tuple[int, int, int], base: int,
+             pp: tuple[int, int] = (0, 1), tp: tuple[int, int] = (0, 1),
+             layers: range | None = None) -> Layout:
+    size, rank, interleave = dcp
+    ids = list(layers if layers is not None else range(n_layers))
+    item = page * 8  # 8 bytes per token per layer
+    ptrs = [base + k * capacity * item * 2 for k in range(len(ids))]
+    return Layout.mla(ptrs, [capacity * item] * len(ids), item, ids, page_size=page,
+                      dcp_size=size, dcp_rank=rank, dcp_interleave=interleave,
+                      pp_rank=pp[0], pp_size=pp[1], tp_rank=tp[0], tp_size=tp[1])
+
+
+def test_slice_work_under_decode_context_parallelism_counts_what_the_rank_receives():
+    # The example from review: prefill DCP 1 -> decode DCP 2 rank 1, 8 tokens, 2 MLA layers.
+    src = _dcp_mla(2, 4, 8, (1, 0, 1), PREFILL_BASE)
+    dst = _dcp_mla(2, 4, 8, (2, 1, 1), DECODE_BASE)
+    groups = LayerGroups.every_layer()
+    template = Template(src, dst, layer_groups=groups)
+    plan = template.plan(np.arange(2), np.arange(1), n_tokens=8)
+    cut = template.layer_slices(groups).of(plan)
+    assert cut.work == [(0, 4, 32), (1, 4, 32)]
+    assert cut.manifest(0).total_bytes == plan.total_bytes == 64
+
+
+def _work_of_ranges(ranges, lengths) -> tuple[int, int]:
+    return (sum(b - a for a, b in ranges), sum(int(lengths[a:b].sum()) for a, b in ranges))
+
+
+@pytest.mark.parametrize("src_dcp", [(1, 1), (2, 1), (4, 2), (2, 4)])
+@pytest.mark.parametrize("dst_dcp", [(1, 1), (2, 1), (4, 1), (8, 2), (2, 8)])
+@pytest.mark.parametrize(("pages", "pp", "tp"), [((4, 4), 1, 1), ((2, 8), 2, 2), ((8, 2), 2, 1),
+                                                 ((16, 16), 1, 2)])
+def test_slice_work_equals_the_plans_blocks_and_bytes_for_every_dcp_rank_pair(src_dcp, dst_dcp,
+                                                                              pages, pp, tp):
+    n_layers, n_tokens = 4, 53
+    groups = LayerGroups.fixed(2)
+    for stage in range(pp):
+        layers = range(stage * n_layers // pp, (stage + 1) * n_layers // pp)
+        for s_rank in range(src_dcp[0]):
+            src = _dcp_mla(n_layers, pages[0], 64, (src_dcp[0], s_rank, src_dcp[1]), PREFILL_BASE,
+                           pp=(stage, pp), layers=layers)
+            for d_rank in range(dst_dcp[0]):
+                for tp_rank in range(tp):
+                    dst = _dcp_mla(n_layers, pages[1], 64, (dst_dcp[0], d_rank, dst_dcp[1]),
+                                   DECODE_BASE, tp=(tp_rank, tp))
+                    template = Template(src, dst, layer_groups=groups)
+                    plan = template.plan(np.arange(60)[::-1].copy(), np.arange(60) * 2 % 64,
+                                         n_tokens=n_tokens)
+                    cut = template.layer_slices(groups).of(plan)
+                    for (_, blocks, nbytes), ranges in zip(cut.work, cut.ranges):
+                        assert (blocks, nbytes) == _work_of_ranges(ranges, plan.lengths)
+                    assert cut.seal_work == _work_of_ranges(cut.seal_ranges, plan.lengths)
+                    assert cut.manifest(0).total_bytes == plan.total_bytes
+                    assert cut.manifest(0).total_blocks == plan.n_blocks

@@ -673,3 +673,58 @@ def test_kvplan_demo_over_nixl_verifies_every_byte() -> None:
     assert "NIXL (UCX) on this host" in out
     assert "entries paired: 4 KV + 24 state" in out
     assert re.search(r"^verified: \d+ bytes OK", out, re.M), out
+
+
+_EXIT_SCRIPT = """
+import sys
+import numpy as np
+import kvplan
+from kvplan.engines import NixlTransport
+from kvplan.engines.nixl import transport as nixl_transport
+
+a, b = NixlTransport("exit-a"), NixlTransport("exit-b")
+src = np.arange(1 << 16, dtype=np.uint8)
+dst = np.zeros(1 << 16, np.uint8)
+a.register_buffers([src.ctypes.data], [src.nbytes], device="cpu")
+b.register_buffers([dst.ctypes.data], [dst.nbytes], device="cpu")
+peer = a.add_peer(b.metadata())
+plan = kvplan.PlanBatch(np.array([src.ctypes.data], np.uint64),
+                        np.array([dst.ctypes.data], np.uint64), np.array([4096], np.uint64))
+a.submit(plan, peer, notif=b"done", timeout=30.0)
+b.wait_notification("exit-a", b"done", timeout=30.0)
+assert (dst[:4096] == src[:4096]).all()
+if sys.argv[1] == "close":
+    a.close()
+    b.close()
+    assert len(nixl_transport._OPEN) == 0
+else:
+    assert len(nixl_transport._OPEN) == 2  # left to kvplan's exit hook
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_process_that_used_nixl_exits_cleanly_closed_or_not(how: str, tmp_path) -> None:
+    """A script that moved bytes with NIXL exits with status 0 (no crash in teardown), whether
+    it called close() or left the transports to interpreter exit."""
+    script = tmp_path / "nixl_exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert done.stdout.strip().endswith("ok")
+
+
+def test_the_exit_hook_closes_every_open_transport() -> None:
+    """The exit hook releases each transport the program left open (the agent is dropped
+    before the interpreter tears modules down)."""
+    from kvplan.engines import NixlTransport
+    from kvplan.engines.nixl import transport as nixl_transport
+
+    t = NixlTransport("exit-hook")
+    assert t in nixl_transport._OPEN
+    nixl_transport._close_open_transports()
+    assert t not in nixl_transport._OPEN and t._agent is None
+    with pytest.raises(TransferError):
+        t.submit(PlanBatch(np.zeros(1, np.uint64), np.zeros(1, np.uint64),
+                           np.ones(1, np.uint64)), "nobody")

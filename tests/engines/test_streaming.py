@@ -329,3 +329,40 @@ def test_groups_ready_while_a_submission_is_in_the_engine_go_out_together():
     blocks = [sum(b - a for a, b in cut.ranges[k]) for k in range(3)]
     assert [c[2] for c in rec.calls] == [blocks[0], blocks[1] + blocks[2]]
     assert (stats.slices, stats.submissions, stats.blocks) == (3, 2, plan.n_blocks)
+
+
+def test_the_withholding_test_transport_drops_one_slice_from_a_grouped_submission():
+    """The lost-slice test's transport must drop exactly the withheld slice's blocks, and
+    take that slice out of the receipt, when the streamer sends slices 1-3 in one
+    submission (what happens under load): the decode then sees only slice 1 missing."""
+    from kvplan.engines.streaming import read_receipt, slice_receipt
+    from kvplan.testing.peers import _Withholding
+
+    template, slices, plan = _setup(group_size=2)[:3]
+    cut = slices.of(plan)
+    recorder = Recorder()
+    seen: list[tuple[np.ndarray, bytes]] = []
+    inner_submit = recorder.submit
+
+    def submit(p, peer, max_blocks=None, **kw):
+        seen.append((np.asarray(p.src_addrs).copy(), kw.get("notif", b"")))
+        return inner_submit(p, peer, max_blocks)
+
+    recorder.submit = submit  # type: ignore[method-assign]
+    dropped = np.concatenate([plan.src_addrs[a:b] for a, b in cut.ranges[1]])
+    withholding = _Withholding(recorder, 1, dropped)
+    a = cut.ranges[1][0][0]
+    b = cut.ranges[2][-1][1]
+    grouped = kvplan.PlanBatch(plan.src_addrs[a:b], plan.dst_addrs[a:b], plan.lengths[a:b])
+    stats = withholding.submit(grouped, "peer", None, notif=slice_receipt([1, 2], b"r"),
+                               timeout=1.0)
+    assert stats.blocks == b - a  # the verdict counts the dropped blocks as sent
+    ((sent, notif),) = seen
+    assert sorted(sent.tolist()) == sorted(set(plan.src_addrs[a:b].tolist())
+                                           - set(dropped.tolist()))
+    assert read_receipt(notif) == ([2], b"r")
+    # A submission holding only the withheld slice goes nowhere.
+    only = kvplan.PlanBatch(*(c[cut.ranges[1][0][0]:cut.ranges[1][-1][1]]
+                              for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
+    withholding.submit(only, "peer", None, notif=slice_receipt([1], b"r"), timeout=1.0)
+    assert len(seen) == 1

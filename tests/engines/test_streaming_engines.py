@@ -168,7 +168,7 @@ def test_the_decode_tells_a_withheld_slice_from_a_complete_or_slow_request() -> 
         prefill, dpeer = c.peers[stage.name], c.peers["decode"]
         session, sender = c.sessions[stage.name], prefill.session
         # Slice 1 of "lost" is dropped on the way; the prefill's verdict still says sent.
-        # (20 ms per layer: each group leaves in a submission of its own.)
+        # Only slice 1's blocks are dropped, whatever submission the streamer put them in.
         out = prefill.call("stream", dpeer.layout_wire, [_spec("lost", session, lost)], 4,
                            order, 20.0, 0, (), 30.0, False, 1, timeout=90)
         assert out["requests"]["lost"]["ok"]

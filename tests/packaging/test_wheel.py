@@ -125,10 +125,12 @@ def test_wheel_is_tagged_manylinux(wheel: Path) -> None:
     assert "Root-Is-Purelib: false" in info
     assert any(re.fullmatch(r"kvplan/_core\.abi3\.so", n) for n in names), names
     assert f"kvplan-{_version()}.dist-info/licenses/LICENSE" in names, names
+    # Installed into site-packages itself, where Python runs it at start-up.
+    assert f"kvplan-{_version()}.data/purelib/kvplan-sglang-install.pth" in names, names
 
 
 PROBE = r"""
-import importlib.metadata, json, sys
+import importlib.metadata, json, os, sys, sysconfig
 import numpy as np
 import kvplan
 
@@ -156,6 +158,9 @@ print(json.dumps({
     "src0": int(plan.src_addrs[0]),
     "dst0": int(plan.dst_addrs[0]),
     "len0": int(plan.lengths[0]),
+    "sglang_hook": os.path.isfile(os.path.join(sysconfig.get_paths()["purelib"],
+                                               "kvplan-sglang-install.pth")),
+    "sglang_hook_armed": any(type(f).__name__ == "SGLangInstallFinder" for f in sys.meta_path),
 }))
 """.replace("ENGINE_MODULES", repr(ENGINE_MODULES))
 
@@ -166,7 +171,8 @@ def test_wheel_installs_and_plans_in_fresh_venv(
     env_dir = tmp_path_factory.mktemp("wheel-venv") / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     py = env_dir / "bin" / "python"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PYTHON") and k != "KVPLAN_SGLANG_INSTALL"}
     env.pop("VIRTUAL_ENV", None)
     subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
@@ -196,6 +202,8 @@ def test_wheel_installs_and_plans_in_fresh_venv(
     assert got["src0"] == 0x10_0000_0000 + 10 * item, got
     assert got["dst0"] == 0x90_0000_0000 + 100 * item, got
     assert got["len0"] == 64 * item, got
+    # The opt-in SGLang hook is in site-packages and off without KVPLAN_SGLANG_INSTALL.
+    assert got["sglang_hook"] and not got["sglang_hook_armed"], got
 
     cli = subprocess.run(
         [str(env_dir / "bin" / "kvplan"), "--help"],

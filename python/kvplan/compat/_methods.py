@@ -47,5 +47,11 @@ class MethodPatches:
             restored.append(name)
         return tuple(restored)
 
+    def replaced(self, cls: type, name: str) -> Any:
+        """What ``cls`` itself held under ``name`` before :meth:`install` replaced it; ``None``
+        when it held nothing (it inherited the method) or was not patched."""
+        saved = self._saved.get((cls, name))
+        return None if saved is _MISSING else saved
+
     def installed(self, cls: type) -> tuple[str, ...]:
         return tuple(name for klass, name in self._saved if klass is cls)

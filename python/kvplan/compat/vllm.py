@@ -1,5 +1,8 @@
 """vLLM 0.33 integration: kvplan plans the Mooncake connector's per-request transfers.
 
+(For vLLM's NIXL connector, ``install`` dispatches to :mod:`kvplan.compat.vllm_nixl`, which
+replaces the per-request descriptor-id computation.)
+
 ``install(MooncakeConnectorWorker)`` replaces two methods on the class (``uninstall`` restores
 exactly what was there); docs/vllm.md has the full account:
 
@@ -12,9 +15,15 @@ exactly what was there); docs/vllm.md has the full account:
   prefix trimmed to the remote's count, ``_logical_to_kernel_block_ids``); then one
   ``Template.plan`` per group instead of a run split and a Python list entry per block for
   every region. It returns the three columns as uint64 arrays.
-* ``_send_blocks``: hands those arrays to ``engine.batch_transfer_sync_write`` in batches of at
-  most ``max_blocks_per_batch`` entries (one list conversion per batch), with vLLM's stats and
-  logging; the first non-zero status is returned.
+* ``_send_blocks``: hands those arrays to the engine in batches of at most
+  ``max_blocks_per_batch`` entries, with vLLM's stats and logging; the first non-zero status
+  is returned. When ``self.engine`` is vLLM's real ``mooncake.engine.TransferEngine`` of the
+  wheel kvplan's native hand-off was verified against, the columns go to Mooncake's native
+  batch API as they are (``kvplan.engines.mooncake.native_write``: no Python int per block,
+  the GIL released), after a self-test transfer to the worker's own session at first use;
+  otherwise (any other engine object, a failed self-test, ``KVPLAN_MOONCAKE_NATIVE=0``) each
+  column becomes one list, sliced per batch, for ``batch_transfer_sync_write``.
+  :func:`handoff` says which path a worker took and why.
 
 What stays vLLM's: region preparation and alignment by layer name, the TP pairing of ranks
 (which prefill rank sends to which decode rank), handshakes, the engine and every error path.
@@ -24,7 +33,9 @@ typed error's message instead of being sent; a region whose head slice does not 
 (vLLM asserts) fails the requests it would serve the same way.
 
 ``KvplanMooncakeConnector`` is vLLM's ``MooncakeConnector`` (three-argument constructor,
-``SupportsHMA``) whose worker plans with kvplan, for
+``SupportsHMA``) whose worker plans with kvplan and which reports vLLM's Mooncake stats and
+Prometheus series plus kvplan's planning time and blocks per request
+(``kvplan.compat.vllm_metrics``), for
 ``--kv-transfer-config '{"kv_connector": "KvplanMooncakeConnector",
 "kv_connector_module_path": "kvplan.compat.vllm", ...}'``: no monkeypatching.
 
@@ -34,20 +45,27 @@ first access.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 import kvplan
+from kvplan._core import index_array
+from kvplan.compat import vllm_metrics, vllm_nixl
 from kvplan.compat._methods import MethodPatches
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
 __all__ = ["install", "uninstall", "installed", "plan_request",  # noqa: F822
-           "DEFAULT_MAX_BLOCKS_PER_BATCH", "KvplanMooncakeConnector", "BlockColumn"]
+           "DEFAULT_MAX_BLOCKS_PER_BATCH", "KvplanMooncakeConnector", "BlockColumn",
+           "CONNECTOR_NAME", "MAX_PEER_LAYOUTS", "handoff", "register_plugin"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +77,36 @@ _ADDRESS_SPACE = 2**64 - 1
 
 
 class BlockColumn(np.ndarray):
-    """A uint64 column of the plan. Truthy when non-empty, as vLLM's lists are (its caller
-    tests ``if src_ptrs:``); iterating or ``sum()`` works as on a list."""
+    """A uint64 column of the plan, compared and tested for truth as vLLM's ``list[int]`` is.
+
+    Truthy when non-empty (vLLM's caller tests ``if src_ptrs:``); ``==`` / ``!=`` with a list
+    or tuple is one plain bool with list semantics (a numpy array would compare elementwise
+    and be truthy whenever it is non-empty, so ``assert src_ptrs == [...]`` would pass on a
+    wrong answer); with anything else it is numpy's comparison. Iterating, ``len`` and
+    ``sum()`` work as on a list."""
+
+    __hash__ = None
 
     def __bool__(self) -> bool:
         return self.size > 0
 
+    def __eq__(self, other: object) -> Any:
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == other
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> Any:
+        if isinstance(other, (list, tuple)):
+            return self.tolist() != other
+        return super().__ne__(other)
+
+
+_EMPTY = np.empty(0, dtype=np.uint64)
+
 
 def _column(parts: list[np.ndarray]) -> BlockColumn:
     if not parts:
-        arr = np.empty(0, dtype=np.uint64)
+        arr = _EMPTY
     elif len(parts) == 1:
         arr = parts[0]
     else:
@@ -76,24 +114,79 @@ def _column(parts: list[np.ndarray]) -> BlockColumn:
     return arr.view(BlockColumn)
 
 
+#: Peer layouts whose templates a worker keeps (least recently used evicted first). vLLM keeps
+#: up to 1,024 peer layouts; a template costs more than vLLM's region lists, and a layout that
+#: was evicted costs one template build when it returns.
+MAX_PEER_LAYOUTS = 64
+
+
+def _buffer_sources(worker: Any) -> tuple[Any, ...]:
+    """The objects the worker's registered-buffer table is read from (see
+    :func:`_buffer_table`).
+
+    vLLM 0.33's ``register_kv_caches`` keeps the bases (``seen_base_addresses``) and lengths
+    (``_kv_data_lens``); 0.32 keeps only the bases and the registered tensors
+    (``device_kv_caches``), whose storages give the lengths. A worker that never registered
+    (built by its constructor, or by ``__new__`` as vLLM's own tests build it) has none."""
+    seen = getattr(worker, "seen_base_addresses", None)
+    if not seen:
+        return (seen,)
+    lens = getattr(worker, "_kv_data_lens", None)
+    if lens is not None and len(lens) == len(seen):
+        return (seen, lens)
+    return (seen, getattr(worker, "device_kv_caches", None))
+
+
+def _buffer_table(sources: tuple[Any, ...]) -> list[tuple[int, int]] | None:
+    """Sorted ``(base, length)`` of the registered KV buffers, or ``None`` when they are not
+    known (nothing registered, or lengths that cannot be derived): local regions are then
+    bounded by the address space only, which is all vLLM's method checks."""
+    seen = sources[0]
+    if not seen:
+        return None
+    lens = sources[1]
+    if isinstance(lens, list):
+        return sorted(zip(seen, lens))
+    sizes: dict[int, int] = {}
+    for cache in (lens or {}).values():  # vLLM 0.32: the registered tensors' storages
+        storage = cache.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    if sizes and all(base in sizes for base in seen):
+        return sorted((base, sizes[base]) for base in seen)
+    return None
+
+
+def _sources_key(sources: tuple[Any, ...]) -> tuple[int, ...]:
+    """Identity and length of each object the buffer table was read from: vLLM's
+    ``register_kv_caches`` assigns new lists, so a registration changes the key."""
+    if len(sources) == 1:
+        return (id(sources[0]),)
+    seen, lens = sources
+    return (id(seen), len(seen), id(lens), -1 if lens is None else len(lens))
+
+
 class _PeerTemplates:
     """kvplan templates of one peer layout: one per region key (KV group, shared groups)."""
 
-    __slots__ = ("local", "remote", "groups", "error")
+    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "error")
 
-    def __init__(self, worker: Any, vllm: Any, agent_meta: Any, local_regions: list[Any],
+    def __init__(self, worker: Any, agent_meta: Any, local_regions: list[Any],
                  remote_regions: list[Any]) -> None:
         self.local = local_regions  # identity-checked cache key (vLLM reuses the lists)
         self.remote = remote_regions
+        sources = _buffer_sources(worker)
+        buffers = _buffer_table(sources)
+        self.sources = sources  # held so that the ids in sources_key stay theirs
+        self.sources_key = _sources_key(sources)
         self.groups: list[tuple[int, tuple[int, ...], kvplan.Template]] = []
         self.error: kvplan.KvPlanError | None = None
         try:
-            self._build(worker, agent_meta)
+            self._build(worker, agent_meta, buffers)
         except kvplan.KvPlanError as exc:
             self.error = exc
 
-    def _build(self, worker: Any, agent_meta: Any) -> None:
-        buffers = sorted(zip(worker.seen_base_addresses, worker._kv_data_lens))
+    def _build(self, worker: Any, agent_meta: Any,
+               buffers: list[tuple[int, int]] | None) -> None:
         by_key: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]] = {}
         for index, (lr, rr) in enumerate(zip(self.local, self.remote)):
             if lr.group_index != rr.group_index:
@@ -112,15 +205,19 @@ class _PeerTemplates:
                     f"dst offset {dst_off} of {length} bytes exceeds the local block of "
                     f"{lr.kv_block_len} or the remote block of {rr.kv_block_len} bytes")
             src_ptr = lr.base_addr + src_off
-            buf = next(((p, n) for p, n in buffers if p <= src_ptr < p + n), None)
-            if buf is None:
-                raise kvplan.LayoutError(
-                    f"region {index} ({lr.layer_name}): local address {src_ptr:#x} lies in no "
-                    f"registered KV buffer")
+            if buffers is None:
+                src_extent = _ADDRESS_SPACE - src_ptr
+            else:
+                buf = next(((p, n) for p, n in buffers if p <= src_ptr < p + n), None)
+                if buf is None:
+                    raise kvplan.LayoutError(
+                        f"region {index} ({lr.layer_name}): local address {src_ptr:#x} lies "
+                        f"in no registered KV buffer")
+                src_extent = buf[0] + buf[1] - src_ptr
             dst_ptr = rr.base_addr + dst_off
             key = (lr.group_index, tuple(lr.shared_group_ids))
             by_key.setdefault(key, []).append(
-                (src_ptr, buf[0] + buf[1] - src_ptr, lr.block_len,
+                (src_ptr, src_extent, lr.block_len,
                  dst_ptr, _ADDRESS_SPACE - dst_ptr, rr.block_len, length))
         for (group, shared), rows in by_key.items():
             cols = list(zip(*rows))
@@ -133,24 +230,37 @@ class _PeerTemplates:
 
 
 def _templates(self: Any, agent_meta: Any, local_regions: list[Any],
-               remote_regions: list[Any], vllm: Any) -> _PeerTemplates:
-    cache = self.__dict__.setdefault("_kvplan_templates", {})
+               remote_regions: list[Any], vllm: Any = None) -> _PeerTemplates:
+    """The peer layout's templates, from the worker's bounded cache. An entry is reused only
+    for the very region lists it was built from and the buffer table it was checked against:
+    after ``register_kv_caches`` every layout is checked again, so a refusal made before the
+    registration is never served after it."""
+    cache: OrderedDict[tuple[int, ...], _PeerTemplates] | None = \
+        self.__dict__.get("_kvplan_templates")
+    if cache is None:
+        cache = self.__dict__["_kvplan_templates"] = OrderedDict()
     key = (id(local_regions), id(remote_regions), agent_meta.remote_tp_rank,
            agent_meta.remote_tp_size)
-    peer: _PeerTemplates | None = cache.get(key)
-    if peer is None or peer.local is not local_regions or peer.remote is not remote_regions:
-        peer = _PeerTemplates(self, vllm, agent_meta, local_regions, remote_regions)
-        cache[key] = peer
+    peer = cache.get(key)
+    if (peer is not None and peer.local is local_regions and peer.remote is remote_regions
+            and peer.sources_key == _sources_key(_buffer_sources(self))):
+        if len(cache) > 1:
+            cache.move_to_end(key)
+        return peer
+    peer = _PeerTemplates(self, agent_meta, local_regions, remote_regions)
+    cache[key] = peer
+    cache.move_to_end(key)
+    while len(cache) > MAX_PEER_LAYOUTS:
+        cache.popitem(last=False)
     return peer
 
 
-def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[list[int]],
-                 remote_by_group: list[list[int]], vllm: Any) -> list[kvplan.TransferPlan]:
+def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[Any],
+                 remote_by_group: list[Any], vllm: Any) -> list[kvplan.TransferPlan]:
     """Plans of one request's (filtered, kernel-expanded) block ids; raises KvPlanError."""
     if peer.error is not None:
         raise peer.error
     plans = []
-    block_ids_for_region = vllm._block_ids_for_region
     n_groups = len(local_by_group)
     for group, shared, template in peer.groups:
         if 0 <= group < n_groups and group < len(remote_by_group):
@@ -161,20 +271,19 @@ def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[list[int]
                 continue
             remote = remote_by_group[group]
         else:  # packed regions shared by several groups, or vLLM's missing-group assert
-            local = block_ids_for_region(local_by_group, group, shared)
+            local = vllm._block_ids_for_region(local_by_group, group, shared)
             if not local:
                 continue
-            remote = block_ids_for_region(remote_by_group, group, shared)
-        plans.append(template.plan(_ids(local), _ids(remote)))
+            remote = vllm._block_ids_for_region(remote_by_group, group, shared)
+        plans.append(template.plan(index_array(local), index_array(remote)))
     return plans
 
 
 def _ids(block_ids: Any) -> np.ndarray:
-    """vLLM's block-id list as int64, in one pass (``np.fromiter`` with the count known is the
-    cheapest conversion of a list of Python ints; arrays pass through)."""
+    """vLLM's block-id list (or an array) as int64, unboxed in Rust in one pass."""
     if isinstance(block_ids, np.ndarray):
         return block_ids.astype(np.int64, copy=False)
-    return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+    return index_array(block_ids)
 
 
 _MODULES: dict[type, Any] = {}
@@ -197,48 +306,59 @@ async def _build_transfer_params(
     remote_regions: list[Any],
 ) -> tuple[BlockColumn, BlockColumn, BlockColumn, list[str], str | None]:
     vllm = _vllm_module(type(self))
-    null_block = vllm.NULL_BLOCK_ID
-    mamba_spec = vllm.MambaSpec
-    peer = _templates(self, agent_meta, local_regions, remote_regions, vllm)
-    group_specs = self.kv_cache_config.transfer_groups
+    # kvplan's per-request columns, only in the stats class of kvplan's connector: a worker
+    # class given to install() keeps recording exactly vLLM's stats.
+    stats = getattr(self, "xfer_stats", None)
+    record_plan = stats.record_plan if isinstance(stats, vllm_metrics.PlanStats) else None
+    # Templates are looked up only once a request needs them: vLLM's method reads no region
+    # (and nothing register_kv_caches sets) for a request it rejects or skips first.
+    peer: _PeerTemplates | None = None
     src_parts: list[np.ndarray] = []
     dst_parts: list[np.ndarray] = []
     len_parts: list[np.ndarray] = []
     err_reqs: list[str] = []
     err_msg: str | None = None
+    req_blocks = agent_meta.req_blocks
     for d_req_id, send_meta in ready_reqs:
-        _, remote_per_group = agent_meta.req_blocks[d_req_id]
-        if not remote_per_group or all(len(g) == 0 for g in remote_per_group):
+        _, remote_per_group = req_blocks[d_req_id]
+        if not remote_per_group or not any(map(len, remote_per_group)):
             continue
-        if len(send_meta.local_block_ids) != len(remote_per_group):
+        local_per_group = send_meta.local_block_ids
+        if len(local_per_group) != len(remote_per_group):
             logger.error("req %s: KV group count mismatch: local=%d, remote=%d", d_req_id,
-                         len(send_meta.local_block_ids), len(remote_per_group))
+                         len(local_per_group), len(remote_per_group))
             err_reqs.append(d_req_id)
             err_msg = err_msg or "KV group count mismatch"
             continue
-        local_by_group: list[list[int]] = []
-        remote_by_group: list[list[int]] = []
+        group_specs = self.kv_cache_config.transfer_groups
+        local_by_group: list[Any] = []
+        remote_by_group: list[Any] = []
         short = False
-        for index, (local, remote) in enumerate(zip(send_meta.local_block_ids,
-                                                    remote_per_group)):
-            if isinstance(group_specs[index].kv_cache_spec, mamba_spec):
+        for index, (local, remote) in enumerate(zip(local_per_group, remote_per_group)):
+            if isinstance(group_specs[index].kv_cache_spec, vllm.MambaSpec):
+                null_block = vllm.NULL_BLOCK_ID
                 local = [b for b in local if b != null_block]
                 remote = [b for b in remote if b != null_block]
-            if len(local) < len(remote):
+            n_local = len(local)
+            n_remote = len(remote)
+            if n_local < n_remote:
                 short = True
                 break
-            if len(local) > len(remote):  # partial prefix hit: the uncomputed tail only
-                local = local[-len(remote):] if remote else []
+            if n_local > n_remote:  # partial prefix hit: the uncomputed tail only
+                local = local[-n_remote:] if n_remote else []
             local_by_group.append(local)
             remote_by_group.append(remote)
         if short:
             err_reqs.append(d_req_id)
             err_msg = err_msg or "P num blocks less than D"
             continue
-        if not any(local_by_group):
+        if not any(map(len, local_by_group)):
             continue
         local_by_group = self._logical_to_kernel_block_ids(local_by_group)
         remote_by_group = self._logical_to_kernel_block_ids(remote_by_group)
+        if peer is None:
+            peer = _templates(self, agent_meta, local_regions, remote_regions)
+        started = time.perf_counter()
         try:
             plans = plan_request(self, peer, local_by_group, remote_by_group, vllm)
         except kvplan.KvPlanError as exc:
@@ -247,6 +367,8 @@ async def _build_transfer_params(
             err_reqs.append(d_req_id)
             err_msg = err_msg or f"{type(exc).__name__}: {exc}"
             continue
+        if record_plan is not None:
+            record_plan(time.perf_counter() - started, sum(p.n_blocks for p in plans))
         for p in plans:
             src_parts.append(p.src_addrs)
             dst_parts.append(p.dst_addrs)
@@ -257,28 +379,154 @@ async def _build_transfer_params(
 def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
                  lengths: Any) -> int:
     cap = getattr(self, "kvplan_max_blocks_per_batch", DEFAULT_MAX_BLOCKS_PER_BATCH)
-    src = np.asarray(src_ptrs, dtype=np.uint64)
-    dst = np.asarray(dst_ptrs, dtype=np.uint64)
-    lens = np.asarray(lengths, dtype=np.uint64)
+    arrays = all(isinstance(c, np.ndarray) for c in (src_ptrs, dst_ptrs, lengths))
+    native = _native(self) if arrays else None
     start = time.perf_counter()
-    ret = 0
-    for lo in range(0, len(src), cap):
-        hi = lo + cap
-        ret = self.engine.batch_transfer_sync_write(
-            remote_session, src[lo:hi].tolist(), dst[lo:hi].tolist(), lens[lo:hi].tolist())
-        if ret != 0:
-            break
+    if native is not None:
+        # The plan's uint64 columns go to the native engine as they are (one request array
+        # per batch filled in Rust, GIL released for the submit and the wait): no Python int
+        # per block.
+        n = len(src_ptrs)
+        total = int(lengths.sum())
+        ret = _native_batches(native, remote_session, src_ptrs, dst_ptrs, lengths, cap)
+        self.__dict__[_HANDOFF_ATTR] = "native"
+    else:
+        # Mooncake's binding takes Python lists of ints (a numpy array would be read element
+        # by element as numpy scalars, slower still): each column is converted once, in C,
+        # and a batch is a slice of those lists.
+        src = _as_list(src_ptrs)
+        dst = _as_list(dst_ptrs)
+        lens, total = _lengths_list(lengths)
+        n = len(src)
+        ret = _list_batches(self.engine, remote_session, src, dst, lens, cap)
+        self.__dict__[_HANDOFF_ATTR] = "lists"
     duration = time.perf_counter() - start
-    total = int(lens.sum())
     if ret == 0:
-        self.xfer_stats.record_transfer(duration_s=duration, total_bytes=total,
-                                        num_descs=len(src))
+        self.xfer_stats.record_transfer(duration_s=duration, total_bytes=total, num_descs=n)
         logger.debug("Sending to %s done, took %s", remote_session, duration)
     else:
         self.xfer_stats.record_failed_transfer()
         logger.warning("Sending to %s failed (ret=%s) after %s (%d descriptors, %d bytes)",
-                       remote_session, ret, duration, len(src), total)
+                       remote_session, ret, duration, n, total)
     return ret
+
+
+def _list_batches(engine: Any, session: str, src: list[int], dst: list[int],
+                  lens: list[int], cap: int) -> int:
+    """The lists to ``engine.batch_transfer_sync_write`` in slices of at most ``cap``; the
+    first non-zero status is returned and later slices are not sent."""
+    n = len(src)
+    if n <= cap:
+        return int(engine.batch_transfer_sync_write(session, src, dst, lens))
+    ret = 0
+    for lo in range(0, n, cap):
+        hi = lo + cap
+        ret = engine.batch_transfer_sync_write(session, src[lo:hi], dst[lo:hi], lens[lo:hi])
+        if ret != 0:
+            break
+    return int(ret)
+
+
+def _native_batches(native: Any, session: str, src: np.ndarray, dst: np.ndarray,
+                    lengths: np.ndarray, cap: int) -> int:
+    """The columns through the native batch API in slices of at most ``cap`` blocks (views,
+    not copies), each written and waited on before the next; the first failure is returned
+    as Mooncake's binding reports it (-1) and later slices are not sent."""
+    from kvplan.engines.mooncake import _transfer_timeout_s, native_write
+
+    src = np.ascontiguousarray(src, dtype=np.uint64)
+    dst = np.ascontiguousarray(dst, dtype=np.uint64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    timeout_s = _transfer_timeout_s()
+    n = len(src)
+    for lo in range(0, n, cap):
+        hi = lo + cap
+        ret = native_write(native, session, src[lo:hi], dst[lo:hi], lengths[lo:hi], timeout_s)
+        if ret != 0:
+            return ret
+    return 0
+
+
+#: Worker attributes: the native hand-off bound to the worker's engine (``(engine, native or
+#: None, why not)``), and the path the last ``_send_blocks`` took (``"native"`` / ``"lists"``).
+_NATIVE_ATTR = "_kvplan_mooncake_native"
+_HANDOFF_ATTR = "kvplan_handoff"
+_native_lock = threading.Lock()
+# A child of vLLM's "vllm" logger: in a vLLM process the once-per-engine hand-off line goes
+# through vLLM's own handler (the live e2e reads it); elsewhere it is a plain logger.
+_handoff_log = logging.getLogger("vllm.kvplan.mooncake")
+
+
+def _native(worker: Any) -> Any:
+    """The native Mooncake hand-off for ``worker.engine``, bound and self-tested once per engine
+    object (kept on the worker), or None: the list path is then used. Only vLLM's real engine
+    (``mooncake.engine.TransferEngine`` of the verified wheel) qualifies, and only when the
+    worker knows its own session (``hostname`` and ``rpc_port``, as vLLM's ``__init__`` sets
+    them) for the self-test; ``KVPLAN_MOONCAKE_NATIVE=0`` turns it off."""
+    attrs = worker.__dict__
+    engine = attrs.get("engine")
+    cached = attrs.get(_NATIVE_ATTR)
+    if cached is not None and cached[0] is engine:
+        return cached[1]
+    with _native_lock:
+        cached = attrs.get(_NATIVE_ATTR)
+        if cached is None or cached[0] is not engine:
+            native, reason = None, "the worker has no engine"
+            if engine is not None:
+                native, reason = _bind(worker, engine)
+            if native is None:
+                _handoff_log.info("kvplan: Mooncake blocks go through the binding's lists: %s",
+                                  reason)
+            else:
+                _handoff_log.info("kvplan: Mooncake blocks go to the native batch API")
+            cached = attrs[_NATIVE_ATTR] = (engine, native, reason)
+    return cached[1]
+
+
+def _bind(worker: Any, engine: Any) -> tuple[Any, str]:
+    from kvplan.engines.mooncake import native_handoff
+
+    if type(engine).__module__ != "mooncake.engine":
+        return None, f"engine is a {type(engine).__module__}.{type(engine).__name__}"
+    attrs = worker.__dict__
+    host, port = attrs.get("hostname"), attrs.get("rpc_port")
+    if not host or not port:
+        return None, "the worker has no hostname and rpc_port for the self-test"
+    return native_handoff(engine, f"{host}:{port}")
+
+
+def handoff(worker: Any) -> tuple[str, str]:
+    """``(path, why)`` of ``worker``'s Mooncake hand-off: the path its last ``_send_blocks``
+    took (``"native"``, ``"lists"``, or ``""`` before the first), and why the native path is not
+    in use (``""`` when it is or was not tried yet)."""
+    cached = worker.__dict__.get(_NATIVE_ATTR)
+    why = "" if cached is None or cached[1] is not None else cached[2]
+    return worker.__dict__.get(_HANDOFF_ATTR, ""), why
+
+
+def _as_list(column: Any) -> list[int]:
+    """A column as the ``list[int]`` Mooncake's binding takes (vLLM's own lists pass as is)."""
+    if isinstance(column, list):
+        return column
+    if isinstance(column, np.ndarray):
+        return column.tolist()  # type: ignore[no-any-return]
+    return [int(x) for x in column]
+
+
+#: From this many blocks on, a lengths column is checked for one repeated value first.
+_REPEAT_CHECK_MIN = 64
+
+
+def _lengths_list(lengths: Any) -> tuple[list[int], int]:
+    """The lengths as a ``list[int]`` and their sum. A column of one repeated value (a
+    fragmented request: every block is one page) becomes one int referenced ``n`` times
+    instead of ``n`` ints built one by one."""
+    if isinstance(lengths, np.ndarray) and len(lengths) >= _REPEAT_CHECK_MIN:
+        first = int(lengths[0])
+        if int(lengths[-1]) == first and bool((lengths == first).all()):
+            return [first] * len(lengths), first * len(lengths)
+    out = _as_list(lengths)
+    return out, sum(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,32 +535,57 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
 _PATCHES = MethodPatches({"_build_transfer_params": _build_transfer_params,
                           "_send_blocks": _send_blocks})
 REPLACED_METHODS = tuple(_PATCHES.replacements)
+_CAP = "kvplan_max_blocks_per_batch"
+_MISSING = object()
+_SAVED_CAPS: dict[type, Any] = {}
 
 
 def install(worker_class: type, *,
             max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH) -> tuple[str, ...]:
-    """Replace ``worker_class``'s ``_build_transfer_params`` and ``_send_blocks`` (vLLM's
-    ``MooncakeConnectorWorker`` or a subclass); returns the names replaced (none when already
-    installed)."""
+    """Replace planning methods of a vLLM connector worker class; returns the names replaced
+    (none when already installed).
+
+    * ``MooncakeConnectorWorker`` (or a subclass): ``_build_transfer_params`` and
+      ``_send_blocks``; ``max_blocks_per_batch`` caps one ``batch_transfer_sync_write``.
+    * ``NixlBaseConnectorWorker`` (``NixlConnectorWorker``, the pull and push workers, or a
+      subclass): ``_compute_desc_ids`` (:mod:`kvplan.compat.vllm_nixl`); NIXL takes a whole
+      request at once, so ``max_blocks_per_batch`` must be left at its default.
+    """
     if max_blocks_per_batch <= 0:
         raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
+    if vllm_nixl.is_nixl_worker(worker_class):
+        if max_blocks_per_batch != DEFAULT_MAX_BLOCKS_PER_BATCH:
+            raise ValueError(f"max_blocks_per_batch={max_blocks_per_batch}: the NIXL drop-in "
+                             "sends no batches (it replaces the descriptor-id computation)")
+        return vllm_nixl.install(worker_class)
     if not any(k.__name__ == "MooncakeConnectorWorker" for k in worker_class.__mro__):
         raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
-                        "(or a subclass)")
+                        "or NixlBaseConnectorWorker (or a subclass)")
     replaced = _PATCHES.install(worker_class)
-    setattr(worker_class, "kvplan_max_blocks_per_batch", max_blocks_per_batch)
+    if replaced:  # what the class itself held, put back by uninstall
+        _SAVED_CAPS[worker_class] = worker_class.__dict__.get(_CAP, _MISSING)
+    setattr(worker_class, _CAP, max_blocks_per_batch)
     return replaced
 
 
 def uninstall(worker_class: type) -> tuple[str, ...]:
     """Restore exactly what :func:`install` replaced on ``worker_class``."""
+    if vllm_nixl.is_nixl_worker(worker_class):
+        return vllm_nixl.uninstall(worker_class)
     restored = _PATCHES.uninstall(worker_class)
-    if "kvplan_max_blocks_per_batch" in worker_class.__dict__:
-        delattr(worker_class, "kvplan_max_blocks_per_batch")
+    if worker_class in _SAVED_CAPS:
+        saved = _SAVED_CAPS.pop(worker_class)
+        if saved is _MISSING:
+            delattr(worker_class, _CAP)
+        else:
+            setattr(worker_class, _CAP, saved)
     return restored
 
 
 def installed(worker_class: type) -> tuple[str, ...]:
+    """The method names :func:`install` replaced on ``worker_class`` (empty when none)."""
+    if vllm_nixl.is_nixl_worker(worker_class):
+        return vllm_nixl.installed(worker_class)
     return _PATCHES.installed(worker_class)
 
 
@@ -321,6 +594,60 @@ def installed(worker_class: type) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------
 _CONNECTOR: type | None = None
 _VLLM_MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
+_MODULE_TORCH_LOCK = threading.Lock()
+
+
+class _AcceleratorFree:
+    """``torch.accelerator`` for a host without an accelerator: ``current_device_index()``
+    answers 0 instead of raising; everything else is torch's."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = accelerator
+
+    def current_device_index(self) -> int:
+        # vLLM's worker only hands this index to current_platform.set_device, which is a
+        # no-op on the CPU platform; 0 is what a one-device host reports.
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+
+class _TorchWithoutAccelerator:
+    """The ``torch`` module as vLLM's connector module sees it while its worker is built on a
+    host without an accelerator (every attribute but ``accelerator`` is torch's own)."""
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+        self.accelerator = _AcceleratorFree(torch.accelerator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def _has_accelerator(torch: Any) -> bool:
+    try:
+        return bool(torch.accelerator.is_available())
+    except Exception:  # a torch without the accelerator API, or one that cannot tell
+        return False
+
+
+@contextlib.contextmanager
+def _worker_device_on_cpu(module: Any) -> Iterator[None]:
+    """While vLLM's ``MooncakeConnectorWorker.__init__`` runs on a host with no accelerator,
+    its module's ``torch`` answers ``accelerator.current_device_index()`` with 0 (vLLM asks
+    for it unconditionally and torch raises there); vLLM's code is not edited and the module
+    gets its own ``torch`` back afterwards. With an accelerator nothing is changed."""
+    torch = getattr(module, "torch", None)
+    if torch is None or _has_accelerator(torch):
+        yield
+        return
+    with _MODULE_TORCH_LOCK:
+        module.torch = _TorchWithoutAccelerator(torch)
+        try:
+            yield
+        finally:
+            module.torch = torch
 
 
 def _connector_class() -> type:
@@ -331,6 +658,8 @@ def _connector_class() -> type:
         mc = importlib.import_module(_VLLM_MOONCAKE)
 
         base_worker = mc.MooncakeConnectorWorker
+        stats_cls = vllm_metrics.stats_class(mc.MooncakeKVConnectorStats)
+        prom_cls = vllm_metrics.prom_metrics_class(mc)
 
         class KvplanMooncakeConnectorWorker(base_worker):  # type: ignore[misc,valid-type]
             """vLLM's Mooncake worker planning its transfers with kvplan."""
@@ -338,20 +667,58 @@ def _connector_class() -> type:
         install(KvplanMooncakeConnectorWorker)
 
         class KvplanMooncakeConnector(mc.MooncakeConnector):  # type: ignore[misc,name-defined]
-            """vLLM's ``MooncakeConnector`` (``SupportsHMA``) whose worker plans with kvplan."""
+            """vLLM's ``MooncakeConnector`` (``SupportsHMA``) whose worker plans with kvplan;
+            it also starts on a host without an accelerator (vLLM's own worker does not)."""
 
             def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-                super().__init__(vllm_config, role, kv_cache_config)
+                with _worker_device_on_cpu(mc):
+                    super().__init__(vllm_config, role, kv_cache_config)
                 if self.connector_worker is not None:
                     # vLLM's constructor names its worker class directly; the subclass adds
                     # no state, so the built worker takes the planning subclass as is.
                     self.connector_worker.__class__ = KvplanMooncakeConnectorWorker
+                    # vLLM's series plus kvplan's per-request plan columns
+                    self.connector_worker.xfer_stats = stats_cls()
+
+            @classmethod
+            def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+                return stats_cls(data=data or {})
+
+            @classmethod
+            def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                                   labelnames: list[str],
+                                   per_engine_labelvalues: dict[int, list[object]]) -> Any:
+                return prom_cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         KvplanMooncakeConnector.__module__ = __name__
         KvplanMooncakeConnectorWorker.__module__ = __name__
         KvplanMooncakeConnector.Worker = KvplanMooncakeConnectorWorker
+        KvplanMooncakeConnector.Stats = stats_cls
+        KvplanMooncakeConnector.PromMetrics = prom_cls
         _CONNECTOR = KvplanMooncakeConnector
     return _CONNECTOR
+
+
+#: The name vLLM's ``--kv-transfer-config`` uses for kvplan's connector once the plugin ran.
+CONNECTOR_NAME = "KvplanMooncakeConnector"
+_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
+
+
+def register_plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point (declared in kvplan's package metadata):
+    registers ``KvplanMooncakeConnector`` and ``KvplanNixlConnector`` with vLLM's
+    ``KVConnectorFactory``, so ``"kv_connector": "KvplanMooncakeConnector"`` (or the NIXL one)
+    needs no ``kv_connector_module_path``.
+
+    vLLM runs general plugins in every process it starts, possibly several times: a name that
+    is already registered is left as it is. The factory imports this module and builds the
+    class only when a connector of that name is created."""
+    import importlib
+
+    factory = importlib.import_module(_FACTORY).KVConnectorFactory
+    for name in (CONNECTOR_NAME, vllm_nixl.CONNECTOR_NAME):
+        if name not in factory._registry:
+            factory.register_connector(name, __name__, name)
 
 
 def __getattr__(name: str) -> Any:
@@ -359,4 +726,8 @@ def __getattr__(name: str) -> Any:
         return _connector_class()
     if name == "KvplanMooncakeConnectorWorker":
         return _connector_class().Worker  # type: ignore[attr-defined]
+    if name == "KvplanNixlConnector":
+        return vllm_nixl.connector_class()
+    if name == "KvplanNixlConnectorWorker":
+        return vllm_nixl.connector_class().Worker  # type: ignore[attr-defined]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -172,6 +172,12 @@ class TransferStats:
         """Bytes per second (0.0 for an empty or instantaneous transfer)."""
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def bytes_per_block(self) -> float:
+        """Mean bytes per block (descriptor) of this submission (0.0 when it moved no block):
+        what an engine's per-descriptor cost is spread over."""
+        return self.bytes / self.blocks if self.blocks > 0 else 0.0
+
 
 def _as_u64(name: str, values: npt.ArrayLike) -> U64:
     arr = np.asarray(values)

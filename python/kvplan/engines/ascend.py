@@ -26,6 +26,13 @@ There is no ``submit_async`` here: memfabric's asynchronous calls are ordered on
 (``batch_transfer_async_write_submit(..., stream)``), which belongs to the caller's device code.
 memfabric logs to stdout; ``ASCEND_MF_LOG_LEVEL=3`` (or ``memfabric_hybrid.set_log_level``)
 quiets it.
+
+Hand-off: memfabric 1.3.0's batch calls take ``Sequence[int]`` (pybind11 vectors converted element
+by element, with no buffer-protocol path), so each batch is handed over as three ``.tolist()``
+lists, the fastest form that binding converts. The wheel's C library does export a plain C batch
+call taking address arrays (``smem_trans_batch_write`` in ``libmf_smem.so``), but the Python engine
+exposes no handle to the transfer object behind it, and without an NPU nothing could be
+self-tested on this machine, so kvplan does not call it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,13 @@ Every call that can crash the process inside Mooncake is made impossible here:
 * Async batch ids never leave this module: each is wrapped in an object that is waited on
   exactly once, and ``0`` (a failed submit) is never passed to ``get_batch_transfer_status``.
 
+Hand-off: with the verified Mooncake wheel the plan's uint64 columns go straight into the native
+engine's batch API (``kvplan._core.MooncakeNative``: one request array filled in Rust, the GIL
+released for the whole submit and wait) instead of three Python lists per batch. It is used only
+after a self-test transfer at first use moved known bytes exactly; otherwise (another version, a
+stand-in engine, ``KVPLAN_MOONCAKE_NATIVE=0`` or ``native=False``) batches go through the Python
+binding's lists. :attr:`MooncakeTransport.handoff` says which path is in use.
+
 Facts behind the defaults (measured on 0.3.13.post1, TCP): more than about 2,048 entries per peer
 in flight fail with only part of the data landed, so batches default to 1,024 blocks and at most
 1,024 blocks are in flight per peer; each entry costs ~30 µs on top of ~2 GB/s streaming.
@@ -19,7 +26,10 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from importlib import metadata
 from typing import Any
+
+import numpy as np
 
 from kvplan.engines._base import (
     U64,
@@ -32,7 +42,12 @@ from kvplan.engines._base import (
     integrity_notification,
 )
 
-__all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES"]
+__all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES", "NATIVE_DISTRIBUTION",
+           "bind_native", "native_handoff", "native_write", "self_test"]
+
+#: The wheel whose native batch API kvplan's request layout was verified against (only its
+#: CPU build; the version is checked by ``kvplan._core.MooncakeNative``).
+NATIVE_DISTRIBUTION = "mooncake-transfer-engine-non-cuda"
 
 #: Mooncake ``include/error.h`` codes. Transfer calls collapse most failures into -1.
 MOONCAKE_STATUS_NAMES: dict[int, str] = {
@@ -52,6 +67,22 @@ MOONCAKE_STATUS_NAMES: dict[int, str] = {
 TCP_BLOCKS_PER_PEER = 1024
 
 
+def _transfer_timeout_s() -> float:
+    # Mooncake's binding waits MC_TRANSFER_TIMEOUT seconds (at least 5, default 30) plus 1 ns per
+    # byte; the native wait allows the same.
+    raw = os.environ.get("MC_TRANSFER_TIMEOUT")
+    try:
+        return float(max(5, int(raw))) if raw else 30.0
+    except ValueError:
+        return 30.0
+
+
+def _native_wanted(native: bool | None) -> bool:
+    if native is not None:
+        return native
+    return os.environ.get("KVPLAN_MOONCAKE_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
 def _tcp_cap() -> int:
     # A deployment that raised the engine's queue may raise our cap with it.
     raw = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER")
@@ -59,6 +90,80 @@ def _tcp_cap() -> int:
         return max(1, int(raw)) if raw else TCP_BLOCKS_PER_PEER
     except ValueError:
         return TCP_BLOCKS_PER_PEER
+
+
+def bind_native(engine: Any) -> tuple[Any, str]:
+    """``(kvplan._core.MooncakeNative, "")`` for an initialised ``mooncake.engine.TransferEngine``
+    of the verified wheel, else ``(None, why not)``. Nothing is transferred (see
+    :func:`self_test`)."""
+    module = type(engine).__module__
+    if module != "mooncake.engine":
+        return None, f"engine is a {module}.{type(engine).__name__}, not Mooncake's"
+    try:
+        version = metadata.version(NATIVE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None, f"{NATIVE_DISTRIBUTION} is not installed (another build is)"
+    import mooncake.engine
+
+    from kvplan._core import MooncakeNative
+
+    try:
+        return MooncakeNative(engine, mooncake.engine.__file__, version), ""
+    except Exception as exc:  # wrong version, missing symbol, unsupported platform
+        return None, str(exc)
+
+
+def self_test(engine: Any, native: Any, session: str, timeout_s: float = 10.0) -> str:
+    """Write three blocks of distinct sources, offsets and lengths through ``native`` into a
+    fresh buffer registered on ``engine`` and addressed through its own ``session``; ``""`` when
+    exactly the expected bytes landed, else what went wrong. A request layout that did not
+    match the engine's would move the wrong bytes (or none) and fail here, never elsewhere."""
+    buf = np.zeros(8192, np.uint8)
+    buf[:4096] = np.arange(4096, dtype=np.uint64).astype(np.uint8) ^ 0x5A
+    base = buf.ctypes.data
+    status = int(engine.register_memory(base, buf.nbytes))
+    if status != 0:
+        return f"register_memory returned {status}"
+    try:
+        src = np.array([base + 8, base + 1000, base + 3000], np.uint64)
+        dst = np.array([base + 4096 + 2048, base + 4096 + 16, base + 4096 + 3500], np.uint64)
+        lengths = np.array([100, 333, 7], np.uint64)
+        try:
+            native.write(session, src, dst, lengths, min(timeout_s, 10.0))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        want = np.zeros(4096, np.uint8)
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+            want[d - base - 4096:d - base - 4096 + n] = buf[s - base:s - base + n]
+        if not np.array_equal(buf[4096:], want):
+            return "the bytes that landed differ from the bytes written"
+        return ""
+    finally:
+        engine.unregister_memory(base)
+
+
+def native_handoff(engine: Any, session: str) -> tuple[Any, str]:
+    """:func:`bind_native` then :func:`self_test` (honouring ``KVPLAN_MOONCAKE_NATIVE=0``):
+    ``(native, "")`` ready for use on ``engine``, else ``(None, why not)``. For callers that own
+    a Mooncake engine outside :class:`MooncakeTransport` (the SGLang drop-in)."""
+    if not _native_wanted(None):
+        return None, "disabled (KVPLAN_MOONCAKE_NATIVE=0)"
+    native, reason = bind_native(engine)
+    if native is None:
+        return None, reason
+    reason = self_test(engine, native, session, _transfer_timeout_s())
+    return (None, f"self-test failed: {reason}") if reason else (native, "")
+
+
+def native_write(native: Any, session: str, src: U64, dst: U64, lengths: U64,
+                 timeout_s: float) -> int:
+    """One batch through the native API as Mooncake's binding reports it: 0, or -1 when the
+    batch failed, was refused or timed out (the reason is in the engine log)."""
+    try:
+        native.write(session, src, dst, lengths, timeout_s)
+    except (RuntimeError, TimeoutError):
+        return -1
+    return 0
 
 
 class MooncakeTransport(Transport):
@@ -75,6 +180,11 @@ class MooncakeTransport(Transport):
             (default 1,024, or ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when set).
         engine: a fresh, *uninitialised* engine object with Mooncake's signatures to use instead
             of ``mooncake.engine.TransferEngine()`` (tests pass a recording stand-in).
+        native: use the native batch API. ``None`` (default): when available and not disabled
+            with ``KVPLAN_MOONCAKE_NATIVE=0``; ``False``: always the list path; ``True``: raise
+            ``ImportError`` when it cannot be bound. Only a real
+            ``mooncake.engine.TransferEngine`` of the verified wheel qualifies; a failed
+            self-test at the first write falls back to lists (:attr:`handoff_reason` says why).
 
     Raises:
         ImportError: the ``mooncake`` package is not installed.
@@ -88,7 +198,8 @@ class MooncakeTransport(Transport):
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
                  device_name: str = "", metadata_server: str = "P2PHANDSHAKE",
                  max_blocks_per_batch: int | None = None,
-                 max_blocks_in_flight: int | None = None, engine: Any = None) -> None:
+                 max_blocks_in_flight: int | None = None, engine: Any = None,
+                 native: bool | None = None) -> None:
         cap = max_blocks_in_flight if max_blocks_in_flight is not None else _tcp_cap()
         super().__init__(max_blocks_per_batch=max_blocks_per_batch, max_blocks_in_flight=cap)
         self._closed = True  # until initialize succeeds, nothing may call into the engine
@@ -110,6 +221,48 @@ class MooncakeTransport(Transport):
             )
         self._closed = False
         self._session = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._timeout_s = _transfer_timeout_s()
+        self._native: Any = None
+        self._native_lock = threading.Lock()
+        self._native_checked = False
+        #: ``"native"`` or ``"lists"``: how batches reach the engine (``"native"`` is settled by
+        #: the self-test at the first write).
+        self.handoff = "lists"
+        #: Why the native path is not in use (empty when it is, or before the first write).
+        self.handoff_reason = ""
+        if not _native_wanted(native):
+            self.handoff_reason = "disabled (native=False or KVPLAN_MOONCAKE_NATIVE=0)"
+            self._native_checked = True
+        else:
+            self._native = self._bind_native()
+            if self._native is None:
+                self._native_checked = True
+                if native:
+                    self.close()
+                    raise ImportError(f"native Mooncake hand-off unavailable: "
+                                      f"{self.handoff_reason}")
+            else:
+                self.handoff = "native"
+
+    # ------------------------------------------------------------------ native hand-off
+    def _bind_native(self) -> Any:
+        """The native batch API for this engine, or None (with ``handoff_reason`` set)."""
+        native, self.handoff_reason = bind_native(self._engine)
+        return native
+
+    def _native_ready(self) -> Any:
+        """The native API once its self-test passed (run at the first write), else None."""
+        if self._native_checked:
+            return self._native
+        with self._native_lock:
+            if not self._native_checked:
+                reason = self_test(self._engine, self._native, self._session, self._timeout_s)
+                if reason:
+                    self._native = None
+                    self.handoff = "lists"
+                    self.handoff_reason = f"self-test failed: {reason}"
+                self._native_checked = True
+        return self._native
 
     # ------------------------------------------------------------------ engine hooks
     def _engine_session_id(self) -> str:
@@ -125,11 +278,24 @@ class MooncakeTransport(Transport):
     def _engine_unregister(self, ptrs: list[int]) -> int:
         return int(self._engine.batch_unregister_memory(ptrs))
 
+    def _engine_write_arrays(self, peer: str, src: U64, dst: U64, lengths: U64) -> int:
+        native = self._native_ready()
+        if native is None:
+            return self._engine_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+        return native_write(native, peer, src, dst, lengths, self._timeout_s)
+
     def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
 
-    def _engine_write_async(self, peer: str, src: U64, dst: U64, lengths: U64) -> int:
-        """Submit one batch asynchronously; the batch id (0: the submit failed)."""
+    def _engine_write_async(self, peer: str, src: U64, dst: U64, lengths: U64) -> Any:
+        """Submit one batch asynchronously: a native batch, or the binding's batch id (0: the
+        submit failed)."""
+        native = self._native_ready()
+        if native is not None:
+            try:
+                return native.submit(peer, src, dst, lengths)
+            except RuntimeError:  # refused, as the binding's 0
+                return 0
         return int(self._engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(),
                                                            lengths.tolist()))
 
@@ -177,6 +343,7 @@ class MooncakeTransport(Transport):
                 while self._retire_oldest(peer):
                     pass
             super().close()
+            self._native = None  # before the engine it points into
             self._engine = None
 
     # ------------------------------------------------------------------ async bookkeeping
@@ -215,15 +382,18 @@ class MooncakeTransport(Transport):
 
 
 class _BatchId:
-    """One Mooncake async batch id, waited on at most once (a second wait is a SIGSEGV)."""
+    """One Mooncake async batch (the binding's id, or a native batch), waited on at most once
+    (a second wait on a binding id is a SIGSEGV)."""
 
-    __slots__ = ("value", "index", "lo", "hi", "owner", "_lock")
+    __slots__ = ("value", "index", "lo", "hi", "owner", "timeout_s", "_lock")
 
-    def __init__(self, value: int, index: int, lo: int, hi: int, owner: PendingTransfer) -> None:
-        if value == 0:  # 0 means "submit failed"; waiting on it crashes the process
+    def __init__(self, value: Any, index: int, lo: int, hi: int, owner: PendingTransfer,
+                 timeout_s: float = 30.0) -> None:
+        if isinstance(value, int) and value == 0:  # "submit failed"; waiting on it crashes
             raise ValueError("batch id 0 is a failed submit, not a batch")
-        self.value: int | None = value
+        self.value: Any = value
         self.index, self.lo, self.hi, self.owner = index, lo, hi, owner
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
 
     def wait(self, engine: Any) -> int:
@@ -231,6 +401,12 @@ class _BatchId:
             value, self.value = self.value, None
         if value is None:
             raise RuntimeError("batch id already waited on")
+        if not isinstance(value, int):  # a native batch: raises on failure or timeout
+            try:
+                value.wait(self.timeout_s)
+            except (RuntimeError, TimeoutError):
+                return -1
+            return 0
         return int(engine.get_batch_transfer_status([value]))
 
 
@@ -254,11 +430,11 @@ class PendingTransfer(PendingBase):
         t, peer = self._transport, self._peer
         value = t._call_batch(peer, index, src, dst, lengths, t._engine_write_async,
                               hold_budget=True)
-        if value == 0:  # a failed submit is not a batch: it must never be waited on
+        if isinstance(value, int) and value == 0:  # a failed submit: never to be waited on
             t._in_flight.release(peer, hi - lo)
             raise t._batch_error(peer, index, lengths, status=-1, cause=None)
         self._outstanding += 1
-        t._enqueue(peer, _BatchId(value, index, lo, hi, self))
+        t._enqueue(peer, _BatchId(value, index, lo, hi, self, t._timeout_s))
 
     def _done(self, bid: _BatchId, status: int | None, exc: BaseException | None) -> None:
         with self._cond:

@@ -159,6 +159,10 @@ def explain(
         raise ValueError(f"--max-blocks must be at least 1, got {short(max_blocks)}")
     starts = _per_stage_starts(prefill_start_layer, len(prefills))
     choices = [kvplan.select_pairing(backend, src) for _, src in prefills]
+    # A start layer only positions legacy slicing: say so when one is given for a stage that
+    # pairs by layer id or positionally, instead of ignoring it.
+    unused_starts = [label for (label, _), choice, start in zip(prefills, choices, starts)
+                     if start is not None and choice.mode != "legacy"]
     missing, why = [], set()
     for k, ((label, src), choice) in enumerate(zip(prefills, choices)):
         if choice.mode == "legacy" and starts[k] is None:
@@ -178,6 +182,7 @@ def explain(
             f"{','.join(f'S{k}' for k in range(len(prefills)))} (one value per stage, "
             f"in stage order)")
 
+    _check_request_fits(pages, max(1, len(decode)), fragmentation)
     src_pages = np.arange(pages, dtype=np.int64)
     page_size = decode.page_size
     # Different page sizes: ``pages`` prefill pages are a number of tokens, and the decode holds
@@ -191,6 +196,11 @@ def explain(
     state_per_layer: dict[int, int] = {}
     stages: list[StageResult] = []
     warnings: list[str] = []
+    if unused_starts:
+        modes = sorted({c.mode.replace("_", " ") for c in choices if c.mode != "legacy"})
+        warnings.append(f"--prefill-start-layer has no effect on {', '.join(unused_starts)}: "
+                        f"{'that stage pairs' if len(unused_starts) == 1 else 'they pair'} by "
+                        f"{' / '.join(modes)}, not by legacy slicing")
 
     for (label, src), choice, start in zip(prefills, choices, starts):
         layer_text = _layers_text(src, start if choice.mode == "legacy" else None)
@@ -250,6 +260,30 @@ def explain(
                        max_blocks, layout)
     expl.warnings = warnings + _plan_warnings(expl)
     return expl
+
+
+#: Bytes ``explain`` holds per page of the request: the prefill and decode index arrays, the
+#: run grouping's three columns and the fragmenter's scratch (int64 each).
+_BYTES_PER_PAGE = 8 * 8
+#: Bytes per block: the plan's three u64 columns, held twice (the plan and, for coalesced
+#: groups, the same request planned per layer).
+_BYTES_PER_BLOCK = 2 * 3 * 8
+
+
+def _check_request_fits(pages: int, entries: int, fragmentation: float) -> None:
+    """Refuse up front a request whose arrays cannot fit in memory, with the estimate, instead
+    of growing until the kernel kills the process. Blocks are at most one per run per entry."""
+    runs = 1 + round(fragmentation * (pages - 1))
+    need = _BYTES_PER_PAGE * pages + _BYTES_PER_BLOCK * entries * runs
+    from kvplan._cli_args import available_memory
+
+    free = available_memory()
+    if free is not None and need > free // 2:
+        raise ValueError(
+            f"--pages {pages:,} at --fragmentation {fragmentation:g} needs about "
+            f"{need / 2**30:,.1f} GiB for the request's index arrays and up to "
+            f"{entries * runs:,} blocks, more than half of the {free / 2**30:,.1f} GiB this "
+            f"process can still use: lower --pages or --fragmentation")
 
 
 def _pair_bytes(plan: Any) -> list[int]:

@@ -7,14 +7,13 @@ import argparse
 import sys
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
 
 from kvplan.explain.analysis import DEFAULT_MAX_BLOCKS, MAX_START_LAYER, explain, explain_dcp
 from kvplan.explain.figure import plot
 from kvplan.explain.layout_files import write_layouts
 from kvplan.explain.scenario import dcp_decodes, scenario, starts_for
 from kvplan.explain.text import render, render_dcp
-from kvplan.explain.words import one_line, short
+from kvplan._cli_args import float_arg, int_arg, int_list_arg, one_line, one_line_error
 
 __all__ = ["EXIT_INCOMPATIBLE", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "MAX_LAYERS",
            "add_arguments", "run"]
@@ -23,61 +22,11 @@ __all__ = ["EXIT_INCOMPATIBLE", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "MAX_L
 Runner = Callable[[argparse.Namespace], int]
 #: Exit statuses of ``kvplan explain``.
 EXIT_OK, EXIT_INCOMPATIBLE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+#: ``--backend`` choices: the transfer backends kvplan has adapters for (only ``ascend``
+#: changes the pairing rule; a typo must not silently get the default).
+BACKENDS = ("ascend", "mooncake", "nixl")
 #: ``--layers`` bound: every layer becomes layout entries in memory, and no model comes close.
 MAX_LAYERS = 1 << 16
-
-
-def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``low..high`` (the error names the bound)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also digit strings past Python's conversion limit
-            raise argparse.ArgumentTypeError(f"expected an integer, got {short(text)}") from None
-        if value < low or (high is not None and value > high):
-            bound = f"at least {low}" if high is None else f"in {low}..{high}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def _fraction_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {short(text)}") from None
-    if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _int_list_arg(low: int, high: int, example: str) -> Callable[[str], list[int]]:
-    """An argparse ``type``: comma-separated integers, each in ``low..high``."""
-    def parse(text: str) -> list[int]:
-        parts = text.split(",")
-        try:
-            values = [int(x) for x in parts]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers like {example}, got {short(text)}") from None
-        bad = [v for v in values if not low <= v <= high]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"every value must be in {low}..{high}, got {bad[0]} in {short(text)}")
-        return values
-
-    return parse
-
-
-def _one_line_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn]:
-    """argparse's ``error`` as one line on stderr and exit 2 (no usage block)."""
-    def error(message: str) -> NoReturn:
-        sys.stderr.write(f"{parser.prog}: {one_line(ValueError(message), 500)} "
-                         f"(see --help)\n")
-        raise SystemExit(EXIT_USAGE)
-
-    return error
 
 
 EPILOG = f"""\
@@ -99,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
 
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's lines
-    setattr(parser, "error", _one_line_error(parser))  # an instance attribute, not a subclass
+    setattr(parser, "error", one_line_error(parser))  # an instance attribute, not a subclass
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS),
                      help="reference model (docs/design.md, Reference scenarios)")
@@ -107,28 +56,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
                      help="prefill layout JSON (Layout.to_dict); repeat once per PP stage")
     parser.add_argument("--decode", metavar="FILE.json",
                         help="decode layout JSON (required with --prefill, refused with --preset)")
-    parser.add_argument("--pages", type=_int_arg(1), default=512,
+    parser.add_argument("--pages", type=int_arg(1), default=512,
                         help="pages the request moves, at least 1 (default 512)")
-    parser.add_argument("--page-size", type=_int_arg(1), default=None,
+    parser.add_argument("--page-size", type=int_arg(1), default=None,
                         help="tokens per page for presets, at least 1 (default 1, SGLang's "
                              "default); layout files carry their own")
-    parser.add_argument("--decode-page-size", type=_int_arg(1), default=None,
+    parser.add_argument("--decode-page-size", type=int_arg(1), default=None,
                         help="tokens per decode page for presets, when it differs from the "
                              "prefill's --page-size (plans are then token-exact; default: the "
                              "same as --page-size)")
-    parser.add_argument("--decode-dcp", type=_int_arg(1), default=None, metavar="N",
+    parser.add_argument("--decode-dcp", type=int_arg(1), default=None, metavar="N",
                         help="for presets: the decode deals the request's tokens over N "
                              "decode-context-parallel ranks; prints which tokens each rank "
                              "holds and the blocks each rank's plan costs (default 1)")
-    parser.add_argument("--dcp-interleave", type=_int_arg(1), default=None, metavar="I",
+    parser.add_argument("--dcp-interleave", type=int_arg(1), default=None, metavar="I",
                         help="with --decode-dcp: consecutive tokens per deal (default 1, "
                              "SGLang's token round robin; the decode page size gives vLLM's "
                              "block interleave)")
-    parser.add_argument("--pp", type=_int_arg(1), default=None,
+    parser.add_argument("--pp", type=int_arg(1), default=None,
                         help="prefill PP stages for presets (default 1)")
-    parser.add_argument("--pp-split", metavar="N,N,...", type=_int_list_arg(1, MAX_LAYERS, "20,28"),
+    parser.add_argument("--pp-split", metavar="N,N,...", type=int_list_arg(1, MAX_LAYERS, "20,28"),
                         help="layers per prefill stage for presets (default: even split)")
-    parser.add_argument("--stage", type=_int_arg(0), default=None,
+    parser.add_argument("--stage", type=int_arg(0), default=None,
                         help="explain only this prefill stage, counted from 0 (default: all)")
     parser.add_argument("--layout", choices=("per-layer", "cross-layer"), default=None,
                         help="KV memory of the preset's peers: per-layer (one buffer per layer "
@@ -136,25 +85,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
                              "KV layer of a page side by side, vLLM's cross-layer layout; state "
                              "stays per layer). cross-layer also prints blocks per request for "
                              "both layouts")
-    parser.add_argument("--layers", type=_int_arg(1, MAX_LAYERS), default=None,
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS), default=None,
                         help="override the preset's layer count (e.g. 27 for kimi-linear; "
                              f"at most {MAX_LAYERS:,})")
-    parser.add_argument("--fragmentation", type=_fraction_arg, default=0.0,
+    parser.add_argument("--fragmentation", type=float_arg(0.0, 1.0), default=0.0,
                         help="fraction of decode page boundaries that break a run: 0 = one "
                              "contiguous run, 1 = every page its own run (default 0)")
-    parser.add_argument("--seed", type=_int_arg(0), default=0,
+    parser.add_argument("--seed", type=int_arg(0), default=0,
                         help="seed for where the breaks fall, at least 0 (default 0)")
-    parser.add_argument("--backend", default="mooncake",
+    parser.add_argument("--backend", choices=BACKENDS, default="mooncake",
                         help="pairing policy backend for select_pairing (default mooncake; "
                              "'ascend' applies Ascend's pairing rules, as "
                              "kvplan.select_pairing documents them)")
     parser.add_argument("--prefill-start-layer", metavar="N[,N,...]",
-                        type=_int_list_arg(0, MAX_START_LAYER, "0,31"), default=None,
+                        type=int_list_arg(0, MAX_START_LAYER, "0,31"), default=None,
                         help="first layer of each prefill stage, for legacy slicing of peers "
                              "without layer ids: one value per prefill stage in stage order "
                              "(or a single value when one stage is explained); default: derived "
                              "from the layer ids, refused when there are none")
-    parser.add_argument("--max-blocks", type=_int_arg(1), default=DEFAULT_MAX_BLOCKS,
+    parser.add_argument("--max-blocks", type=int_arg(1), default=DEFAULT_MAX_BLOCKS,
                         help=f"blocks per engine call, at least 1 (default {DEFAULT_MAX_BLOCKS})")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw the run-length histogram and bytes per layer "

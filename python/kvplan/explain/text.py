@@ -49,6 +49,9 @@ def render(e: Explanation) -> str:
         plan_us = sum(s.plan_us for s in good)
         lines.append(f"total bytes {format_bytes(e.bytes)}; {calls:,} engine call(s) of at most "
                      f"{e.max_blocks:,} blocks; planned in {plan_us:,.0f} µs")
+        per_block = e.bytes / e.blocks if e.blocks else 0.0
+        lines.append(f"per request: {e.blocks:,} blocks, {format_bytes(per_block)} per block "
+                     f"on average (an engine pays its per-descriptor cost {e.blocks:,} times)")
 
     lines.append("")
     lines.append(f"run lengths ({len(e.run_lengths):,} runs over {sum(e.run_lengths):,} "

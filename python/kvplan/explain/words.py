@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from kvplan._cli_args import one_line, short
 
 __all__ = ["format_bytes", "one_line", "short"]
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters so that an error stays one readable line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def one_line(err: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, cut to ``limit`` characters."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def format_bytes(n: float) -> str:

@@ -395,27 +395,38 @@ def _cmd_check_stream(state: _PeerState, final: bytes | None) -> dict[str, Any]:
 
 
 class _Withholding:
-    """A transport that silently drops the submission carrying slice ``k``'s receipt (NIXL)
-    or, without notifications, the submission starting at that slice's first block (a lost
-    slice the engine reports as sent)."""
+    """A transport that silently drops exactly slice ``k``'s blocks (their source addresses,
+    page and state) from whatever submission carries them, and with NIXL takes ``k`` out of
+    that submission's slice receipt: a lost slice the engine reports as sent. The other
+    slices of the same submission still go, so the decode must name ``k`` alone, however the
+    streamer grouped the ready slices into submissions."""
 
-    def __init__(self, inner: Any, k: int, first_src: int) -> None:
-        self._inner, self._k, self._first_src = inner, k, first_src
+    def __init__(self, inner: Any, k: int, dropped_src: np.ndarray) -> None:
+        self._inner, self._k, self._dropped = inner, k, np.unique(dropped_src)
         self.engine_name = inner.engine_name
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def submit(self, plan: Any, peer: str, max_blocks: int | None = None, **kw: Any) -> Any:
+        from kvplan import PlanBatch
         from kvplan.engines import TransferStats
-        from kvplan.engines.streaming import read_receipt
+        from kvplan.engines.streaming import read_receipt, slice_receipt
 
+        src = np.asarray(plan.src_addrs)
+        keep = ~np.isin(src, self._dropped)
         receipt = read_receipt(kw.get("notif", b""))
-        src = plan.src_addrs
-        if (receipt is not None and self._k in receipt[0]) or (
-                not kw and len(src) and int(src[0]) == self._first_src):
-            return TransferStats(peer, len(src), int(plan.lengths.sum()), 1, 0.0)
-        return self._inner.submit(plan, peer, max_blocks, **kw)
+        if receipt is not None and self._k in receipt[0]:
+            others = [s for s in receipt[0] if s != self._k]
+            kw = {**kw, "notif": slice_receipt(others, receipt[1]) if others else b""}
+        lost = TransferStats(peer, len(src), int(np.asarray(plan.lengths).sum()), 1, 0.0)
+        if not keep.any() and not kw.get("notif"):
+            return lost  # nothing of this submission left to send
+        if not keep.all():
+            plan = PlanBatch(*(np.ascontiguousarray(np.asarray(c)[keep])
+                               for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
+        self._inner.submit(plan, peer, max_blocks, **kw)
+        return lost  # the verdict counts the dropped blocks as sent
 
 
 def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[dict[str, Any]],
@@ -453,8 +464,13 @@ def _cmd_stream(state: _PeerState, dst_layout_wire: bytes, requests: Sequence[di
                            np.asarray(r["dst_pages"], np.int64)) for r in requests]
     transport = state.transport
     if withhold is not None:
-        start = slices.of(plans[0]).ranges[withhold][0][0]
-        transport = _Withholding(transport, withhold, int(plans[0].src_addrs[start]))
+        first = requests[0]
+        dropped = [plans[0].src_addrs[a:b] for a, b in slices.of(plans[0]).ranges[withhold]]
+        if first.get("src_slot") is not None and len(template.state_pairs):
+            first_state = template.plan_state(first["src_slot"], first["dst_slot"])
+            dropped += [first_state.src_addrs[a:b]
+                        for a, b in slices.of(first_state).ranges[withhold]]
+        transport = _Withholding(transport, withhold, np.concatenate(dropped))
     streamer = StreamingSubmitter(transport, slices, min_stream_bytes=min_stream_bytes,
                                   timeout=timeout)
     opened = []
@@ -517,7 +533,14 @@ def _cmd_live_handles(state: _PeerState) -> int:
     return int(getattr(state.transport, "live_handles", 0))
 
 
+def _cmd_handoff(state: _PeerState) -> tuple[str, str]:
+    """How this peer's batches reach the engine, and why not natively (Mooncake; else '')."""
+    return (str(getattr(state.transport, "handoff", "")),
+            str(getattr(state.transport, "handoff_reason", "")))
+
+
 _COMMANDS: dict[str, Callable[..., Any]] = {
+    "handoff": _cmd_handoff,
     "transfer": _cmd_transfer,
     "transfer_prepped": _cmd_transfer_prepped,
     "transfer_staged": _cmd_transfer_staged,

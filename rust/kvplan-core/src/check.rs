@@ -678,3 +678,99 @@ pub(crate) fn per_token(
     }
     Ok(slots.swap_remove(0))
 }
+
+// ---------------------------------------------------------------------------------------------
+// Descriptor ids in vLLM's NIXL layout (module `nixl_ids`)
+// ---------------------------------------------------------------------------------------------
+
+/// The region counts of a descriptor-id request: at least one region, one count per region,
+/// none negative.
+pub(crate) fn desc_id_regions(counts: &[i64], n_regions: usize) -> Result<()> {
+    if n_regions == 0 {
+        return Err(PlanError::InvalidLayout {
+            what: "descriptor ids: the worker has no descriptor region (num_regions and block_len_per_layer are empty)".into(),
+        });
+    }
+    if counts.len() != n_regions {
+        return Err(PlanError::InvalidLayout {
+            what: format!(
+                "descriptor ids: {} region block counts for {n_regions} descriptor regions",
+                counts.len()
+            ),
+        });
+    }
+    if let Some((region, count)) = counts.iter().enumerate().find(|&(_, &c)| c < 0) {
+        return Err(PlanError::InvalidLayout {
+            what: format!("descriptor ids: region {region} has a negative block count {count}"),
+        });
+    }
+    Ok(())
+}
+
+/// One region group id per descriptor region.
+pub(crate) fn desc_id_region_groups(region_groups: &[i64], n_regions: usize) -> Result<()> {
+    if region_groups.len() != n_regions {
+        return Err(PlanError::InvalidLayout {
+            what: format!(
+                "descriptor ids: {} region group ids for {n_regions} descriptor regions",
+                region_groups.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The KV group that feeds layer-routed region `region`, as an index into the request's groups.
+pub(crate) fn desc_id_group(group: i64, region: usize, n_groups: usize) -> Result<usize> {
+    usize::try_from(group)
+        .ok()
+        .filter(|&g| g < n_groups)
+        .ok_or_else(|| PlanError::InvalidLayout {
+            what: format!(
+                "descriptor ids: layer {region} reads KV group {group} but the request has {n_groups} groups"
+            ),
+        })
+}
+
+/// A request that reads every group in every region has at least one group.
+pub(crate) fn desc_id_any_group(groups: &[&[i64]]) -> Result<()> {
+    if groups.is_empty() {
+        return Err(PlanError::InvalidLayout {
+            what: "descriptor ids: the request has no KV group".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A group with blocks has at least one region (its own or a shared one).
+pub(crate) fn desc_id_group_regions(group: usize, n: usize, region_groups: &[i64]) -> Result<()> {
+    if n == 0 {
+        return Err(PlanError::InvalidLayout {
+            what: format!(
+                "descriptor ids: KV group {group} has blocks but no descriptor region (region group ids {region_groups:?})"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Every block id of `group` lies in `0..count` of descriptor region `region` and fits vLLM's
+/// int32 block ids.
+pub(crate) fn desc_id_blocks(
+    group: usize,
+    blocks: &[i64],
+    region: usize,
+    count: i64,
+) -> Result<()> {
+    let limit = count.min(i64::from(i32::MAX) + 1);
+    match blocks.iter().position(|&b| b < 0 || b >= limit) {
+        None => Ok(()),
+        Some(position) => Err(PlanError::DescIdOutOfRegion {
+            group,
+            position,
+            block: blocks[position],
+            region,
+            count: limit,
+        }),
+    }
+}

@@ -16,6 +16,7 @@
 
 use crate::pieces::Piece;
 use crate::plan::Columns;
+use crate::runs::DESCENDING;
 
 /// Expands `runs` runs, stored as page indices in the first `runs` slots of `out`, into the
 /// blocks of every piece in `pairs`, all of which are [`Piece::per_run`] (`out` holds at least
@@ -99,8 +100,9 @@ fn derive(col: &mut [u64], n: usize, from: usize, to: usize, f: impl Fn(u64) -> 
 
 /// Expands `runs` runs (page indices in the first `runs` slots of `out`, covering `pages` index
 /// pairs) into the blocks of `pieces`, any mix of per-run and per-page pieces: piece-major, and
-/// within a piece run-minor (a per-page piece: the request's pages in order). `out` holds at
-/// least the plan's block count.
+/// within a piece run-minor (a per-page piece: the request's pages in order, a descending run's
+/// from its highest page down). `out` holds at least the plan's block count; a run's length may
+/// carry [`DESCENDING`] (its start is then its lowest page on each side).
 ///
 /// Pieces are written last first, so the runs in slots `0..runs` survive until piece 0 (the
 /// only one whose blocks cover those slots: every piece has at least `runs` blocks) overwrites
@@ -116,7 +118,8 @@ pub(crate) fn expand_pieces(pieces: &[Piece], runs: usize, pages: usize, out: Co
             // Run r is read from slot r and written to slot start + r >= r: in place for
             // piece 0, untouched runs otherwise.
             for r in 0..runs {
-                let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r]);
+                let (s, d) = (out.src_addrs[r], out.dst_addrs[r]);
+                let n = out.lengths[r] & !DESCENDING;
                 out.src_addrs[start + r] = piece.src.base + s * piece.len;
                 out.dst_addrs[start + r] = piece.dst.base + d * piece.len;
                 out.lengths[start + r] = n * piece.len;
@@ -130,12 +133,23 @@ pub(crate) fn expand_pieces(pieces: &[Piece], runs: usize, pages: usize, out: Co
             let (dst_base, dst_stride, len) = (piece.dst.base, piece.dst.page_stride, piece.len);
             let mut at = end;
             for r in (0..runs).rev() {
-                let (s, d, n) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r] as usize);
+                let (s, d, tagged) = (out.src_addrs[r], out.dst_addrs[r], out.lengths[r]);
+                let n = (tagged & !DESCENDING) as usize;
                 at -= n;
-                for k in (0..n).rev() {
-                    out.src_addrs[at + k] = src_base + (s + k as u64) * src_stride;
-                    out.dst_addrs[at + k] = dst_base + (d + k as u64) * dst_stride;
-                    out.lengths[at + k] = len;
+                if tagged & DESCENDING == 0 {
+                    for k in (0..n).rev() {
+                        out.src_addrs[at + k] = src_base + (s + k as u64) * src_stride;
+                        out.dst_addrs[at + k] = dst_base + (d + k as u64) * dst_stride;
+                        out.lengths[at + k] = len;
+                    }
+                } else {
+                    // Request order: the run's highest page first.
+                    for k in (0..n).rev() {
+                        let page = (n - 1 - k) as u64;
+                        out.src_addrs[at + k] = src_base + (s + page) * src_stride;
+                        out.dst_addrs[at + k] = dst_base + (d + page) * dst_stride;
+                        out.lengths[at + k] = len;
+                    }
                 }
             }
             end = at;

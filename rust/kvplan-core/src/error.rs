@@ -278,6 +278,18 @@ pub enum PlanError {
     /// formatted: a float is not `Eq`).
     #[error("transfer cost {field} must be a finite number greater than 0, got {value}")]
     InvalidCost { field: &'static str, value: String },
+    /// A block id of a descriptor-id request (module `nixl_ids`) outside the descriptors one
+    /// region holds: the id would name another region's descriptor.
+    #[error(
+        "KV group {group}: block id {block} at position {position} is outside 0..{count}, the blocks of descriptor region {region}"
+    )]
+    DescIdOutOfRegion {
+        group: usize,
+        position: usize,
+        block: i64,
+        region: usize,
+        count: i64,
+    },
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -403,7 +415,8 @@ impl PlanError {
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }
             | PlanError::InputChanged
-            | PlanError::BlockOutsideBuffers { .. } => ErrorClass::IndexBounds,
+            | PlanError::BlockOutsideBuffers { .. }
+            | PlanError::DescIdOutOfRegion { .. } => ErrorClass::IndexBounds,
             PlanError::SizeMismatch { .. }
             | PlanError::HeadMismatch { .. }
             | PlanError::TokenSize { .. }

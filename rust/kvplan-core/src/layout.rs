@@ -829,7 +829,14 @@ impl DcpContext {
 pub(crate) fn check_dcp_context(context: &LayoutContext, parts: &LayoutParts) -> Result<()> {
     let d = context.dcp;
     let invalid = |what: String| PlanError::InvalidLayout { what };
-    if d.size == 0 || d.rank >= d.size {
+    if d.size == 0 {
+        return Err(invalid(
+            "dcp_size must be at least 1 (the decode context-parallel ranks that share a \
+             request's tokens), got 0"
+                .into(),
+        ));
+    }
+    if d.rank >= d.size {
         return Err(invalid(format!(
             "dcp_rank {} must be below dcp_size {}",
             d.rank, d.size

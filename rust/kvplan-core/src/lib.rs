@@ -11,6 +11,7 @@
 //! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) →
 //! `staged` (a plan split into gather + network between staging regions + scatter) →
 //! `descriptors`, `digest`, `wire`, `slices` (layer-wise views of a plan, the manifest).
+//! `nixl_ids` (descriptor ids in vLLM's NIXL layout) uses only `error` and `check`.
 //!
 //! `advice` (direct or staged from a request's counts and measured costs) comes after `staged`:
 //! its rule is a pure function of counts, and `Template::transfer_advice` asks `staged` for them.
@@ -27,6 +28,7 @@ pub mod groups;
 pub mod heads;
 pub mod layout;
 pub mod local;
+pub mod nixl_ids;
 pub mod pack;
 pub mod pairing;
 pub mod pieces;
@@ -53,6 +55,7 @@ pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
 };
 pub use local::{RegionMut, check_local_buffers, copy_local};
+pub use nixl_ids::{BlockScale, DescIdRequest, SHARED_REGION_GROUP, desc_ids};
 pub use pack::{
     PackBuffer, PackedCounts, PackedPlan, PackedSummary, RowCopy, RowGather, pack_columns,
 };
@@ -67,7 +70,7 @@ pub use pieces::{
 pub use plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
-pub use runs::{IndexLimits, PageIndex, RunScan, group_contiguous};
+pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
 pub use staged::{StagedCounts, StagedPlan, StagedSummary, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Group, Template};

@@ -184,7 +184,7 @@ impl Template {
             }
         }
         let (class_blocks, n_segments, n_blocks, total_bytes) =
-            count_blocks(tokens, &src, &dst, n_tokens)?;
+            count_blocks(tokens, &src[..], &dst[..], n_tokens)?;
         let shape = TokenShape {
             n_tokens,
             src_pages: src.len(),

@@ -1,9 +1,21 @@
 //! Grouping paired page indices into maximal runs that are contiguous on both sides.
 //!
-//! A run breaks at position `i + 1` as soon as either side's step is not exactly `+1`
-//! (duplicates, descents and gaps all break), which is SGLang's `group_concurrent_contiguous`.
-//! Runs are computed in two passes so nothing is allocated: [`scan`] validates and counts,
-//! [`write_runs`] fills caller-provided slices.
+//! Two rules ([`RunRule`]), one implementation:
+//! - [`RunRule::Ascending`] (SGLang's `group_concurrent_contiguous`, [`group_contiguous`]): a
+//!   run breaks at position `i + 1` as soon as either side's step is not exactly `+1`
+//!   (duplicates, descents and gaps all break);
+//! - [`RunRule::EitherDirection`] (what plans use): a run also continues while *both* sides step
+//!   by exactly `-1` (pages handed over in offload or eviction order: `[7, 6, 5] → [3, 2, 1]`
+//!   copies pages `5..8` to `1..4`, one contiguous block per entry on each side). A run never
+//!   mixes directions: a step in the other direction, or opposite steps on the two sides, breaks
+//!   it. Runs are taken greedily from the first position.
+//!
+//! A plan is a set of copies, so a descending run is emitted as the ascending run over the same
+//! pages (its lowest page first on each side); pieces with one block per page keep the
+//! request's page order.
+//!
+//! Runs are computed in two passes so nothing is allocated: [`scan`] / [`scan_runs`] validate
+//! and count, [`write_runs`] fills caller-provided slices.
 
 use crate::error::{PlanError, Result, Side, try_vec};
 
@@ -35,6 +47,21 @@ macro_rules! page_index {
 }
 page_index!(i32, i64);
 
+/// Which steps between consecutive index pairs continue a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RunRule {
+    /// Both sides step by `+1` (SGLang's `group_concurrent_contiguous`).
+    Ascending,
+    /// Both sides step by `+1`, or both by `-1`, for the whole run (plans).
+    #[default]
+    EitherDirection,
+}
+
+/// Set in a run's length slot by [`write_runs`] under [`RunRule::EitherDirection`] for a run
+/// whose pages descend in request order (its start is then its lowest page on each side). Run
+/// lengths never reach it: a run has fewer pages than a slice can hold.
+pub(crate) const DESCENDING: u64 = 1 << 63;
+
 /// What one validating pass over a request's index arrays found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RunScan {
@@ -46,16 +73,33 @@ pub struct RunScan {
     pub max_src: u64,
     /// Largest destination index (0 when empty).
     pub max_dst: u64,
+    /// Runs of two or more pages that descend (only under [`RunRule::EitherDirection`]).
+    pub descending_runs: usize,
 }
 
-/// Validates a request's index arrays (equal lengths, no negative value) and counts its runs.
+/// Validates a request's index arrays (equal lengths, no negative value) and counts its runs
+/// under [`RunRule::Ascending`].
 ///
-/// Three branch-free passes (min/max of each side, then run breaks) that the compiler
-/// vectorises; positions are only looked up on the error path.
+/// # Errors
+/// As [`scan_runs`].
+pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan> {
+    scan_runs(src, dst, RunRule::Ascending)
+}
+
+/// Validates a request's index arrays (equal lengths, no negative value) and counts its runs
+/// under `rule`.
+///
+/// Branch-free passes (min/max of each side, then run breaks and descending steps) that the
+/// compiler vectorises; only a request with steps of `-1` on both sides takes a sequential
+/// pass for its runs, and positions are only looked up on the error path.
 ///
 /// # Errors
 /// [`PlanError::LengthMismatch`] or [`PlanError::NegativeIndex`].
-pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan> {
+pub fn scan_runs<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    rule: RunRule,
+) -> Result<RunScan> {
     if src.len() != dst.len() {
         return Err(PlanError::LengthMismatch {
             src: src.len(),
@@ -70,17 +114,70 @@ pub fn scan<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> Result<RunScan>
     if min_dst < 0 {
         return Err(first_negative(Side::Dst, dst));
     }
-    let n_runs = if src.is_empty() {
-        0
+    let (mut n_runs, mut descending_runs) = if src.is_empty() {
+        (0, 0)
     } else {
-        1 + count_breaks(src, dst)
+        (1 + count_breaks(src, dst), 0)
     };
+    if rule == RunRule::EitherDirection && !src.is_empty() && count_descents(src, dst) > 0 {
+        let mut runs = 0;
+        for_each_run(src, dst, |_, _, descending| {
+            runs += 1;
+            descending_runs += usize::from(descending);
+        });
+        n_runs = runs;
+    }
     Ok(RunScan {
         n_pages: src.len(),
         n_runs,
         max_src: max_src as u64,
         max_dst: max_dst as u64,
+        descending_runs,
     })
+}
+
+/// Positions `i >= 1` where both sides step by exactly `-1` (branch-free, like the breaks).
+#[inline]
+fn count_descents<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D]) -> usize {
+    let src_steps = src.iter().zip(&src[1..]);
+    let dst_steps = dst.iter().zip(&dst[1..]);
+    src_steps
+        .zip(dst_steps)
+        .map(|((&s0, &s1), (&d0, &d1))| usize::from(s1.steps_to(s0) & d1.steps_to(d0)))
+        .sum()
+}
+
+/// The runs of a non-empty request under [`RunRule::EitherDirection`], in order, as `(first
+/// position, pages, descending)`: the one sequential definition that counting and writing
+/// share. A run of one page continues in whichever direction the next step takes both sides;
+/// a longer one only in its own.
+fn for_each_run<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    mut run: impl FnMut(usize, usize, bool),
+) {
+    let len = src.len().min(dst.len());
+    let (mut start, mut direction) = (0usize, None::<bool>); // Some(true): descending
+    for i in 1..len {
+        let up = steps(src[i - 1], src[i]) & steps(dst[i - 1], dst[i]);
+        let down = steps(src[i], src[i - 1]) & steps(dst[i], dst[i - 1]);
+        let step = if up {
+            Some(false)
+        } else if down {
+            Some(true)
+        } else {
+            None
+        };
+        match (step, direction) {
+            (Some(s), None) => direction = Some(s),
+            (Some(s), Some(d)) if s == d => {}
+            _ => {
+                run(start, i - start, direction == Some(true));
+                (start, direction) = (i, None);
+            }
+        }
+    }
+    run(start, len - start, direction == Some(true));
 }
 
 /// `(min, max)` of the values, `(0, 0)` when empty.
@@ -162,11 +259,13 @@ impl IndexLimits {
 }
 
 /// Writes the runs of `(src, dst)` as `(src_start, dst_start, length)` into three slices and
-/// returns how many it wrote.
+/// returns how many it wrote. Under [`RunRule::EitherDirection`], when the scan found
+/// descending runs (`found.descending_runs > 0`), a descending run is written with its lowest
+/// page on each side as its start and [`DESCENDING`] set in its length.
 ///
-/// Every run is checked against `limits` again (its first and last index: inside a run the
-/// values step by +1), so inputs mutated after [`scan`] validated them (another thread writing
-/// the arrays while the GIL is released) cannot yield an out-of-bounds run.
+/// Every run is checked against `limits` again (its lowest and highest index: inside a run the
+/// values step by one), so inputs mutated after [`scan_runs`] validated them (another thread
+/// writing the arrays while the GIL is released) cannot yield an out-of-bounds run.
 ///
 /// # Errors
 /// [`PlanError::OutputTooSmall`] when an output slice is shorter than the run count, or
@@ -179,12 +278,28 @@ pub fn write_runs<S: PageIndex, D: PageIndex>(
     dst_starts: &mut [u64],
     lengths: &mut [u64],
 ) -> Result<usize> {
+    write_runs_by(src, dst, limits, false, [src_starts, dst_starts, lengths])
+}
+
+/// [`write_runs`] with descending runs (`descending`: the scan under
+/// [`RunRule::EitherDirection`] found some; otherwise every run ascends and the vectorised
+/// path writes them).
+pub(crate) fn write_runs_by<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    limits: IndexLimits,
+    descending: bool,
+    [src_starts, dst_starts, lengths]: [&mut [u64]; 3],
+) -> Result<usize> {
     let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
     let (Some(&s0), Some(&d0)) = (src.first(), dst.first()) else {
         return Ok(0);
     };
     if capacity == 0 {
         return Err(PlanError::OutputTooSmall { have: 0, need: 1 });
+    }
+    if descending {
+        return write_either_direction(src, dst, limits, [src_starts, dst_starts, lengths]);
     }
     // First pass: each run's first indices, and (in `lengths`) the position where it starts.
     // Positions are examined 64 at a time as a bit mask of breaks (a branch-free, vectorisable
@@ -233,6 +348,46 @@ pub fn write_runs<S: PageIndex, D: PageIndex>(
         }
     }
     Ok(n)
+}
+
+/// The sequential writer of [`write_runs_by`] for requests with descending runs.
+fn write_either_direction<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+    limits: IndexLimits,
+    [src_starts, dst_starts, lengths]: [&mut [u64]; 3],
+) -> Result<usize> {
+    let capacity = src_starts.len().min(dst_starts.len()).min(lengths.len());
+    let (mut n, mut failed) = (0usize, None);
+    for_each_run(src, dst, |at, pages, descending| {
+        if failed.is_some() {
+            return;
+        }
+        if n == capacity {
+            failed = Some(PlanError::OutputTooSmall {
+                have: capacity,
+                need: n + 1,
+            });
+            return;
+        }
+        // The lowest page of each side: the last of a descending run, else the first.
+        let low = if descending { at + pages - 1 } else { at };
+        let (s, d) = (src[low].get(), dst[low].get());
+        let len = pages as u64;
+        // `as u64` turns negatives into huge values, which the limits reject too.
+        let fits = |start: i64, limit: u64| {
+            let start = start as u64;
+            start < limit && start.checked_add(len - 1).is_some_and(|last| last < limit)
+        };
+        if !fits(s, limits.src) || !fits(d, limits.dst) {
+            failed = Some(PlanError::InputChanged);
+            return;
+        }
+        let flag = if descending { DESCENDING } else { 0 };
+        (src_starts[n], dst_starts[n], lengths[n]) = (s as u64, d as u64, len | flag);
+        n += 1;
+    });
+    failed.map_or(Ok(n), Err)
 }
 
 /// Allocating convenience: validates, then returns `(src_starts, dst_starts, lengths)`.
@@ -325,6 +480,85 @@ mod tests {
         assert_eq!((s, l), (vec![3, 3], vec![1, 2]));
         let (s, _, l) = group_contiguous(&[5i64, 4, 3], &[1i64, 2, 3]).unwrap();
         assert_eq!((s, l), (vec![5, 4, 3], vec![1, 1, 1]));
+    }
+
+    /// `(lowest source page, lowest destination page, pages, descending)` of each run.
+    fn either(src: &[i64], dst: &[i64]) -> Vec<(u64, u64, u64, bool)> {
+        let found = scan_runs(src, dst, RunRule::EitherDirection).unwrap();
+        let n = found.n_runs;
+        let (mut s, mut d, mut l) = (vec![0; n], vec![0; n], vec![0; n]);
+        let descending = found.descending_runs > 0;
+        let limits = IndexLimits::NONE;
+        let written = write_runs_by(src, dst, limits, descending, [&mut s, &mut d, &mut l]);
+        assert_eq!(written, Ok(n), "{src:?} {dst:?}");
+        let runs: Vec<_> = (0..n)
+            .map(|r| (s[r], d[r], l[r] & !DESCENDING, l[r] & DESCENDING != 0))
+            .collect();
+        assert_eq!(runs.iter().filter(|r| r.3).count(), found.descending_runs);
+        runs
+    }
+
+    #[test]
+    fn runs_descending_on_both_sides_are_one_run_under_either_direction() {
+        // Offload order: one run from the lowest page of each side.
+        assert_eq!(either(&[7, 6, 5], &[3, 2, 1]), [(5, 1, 3, true)]);
+        // Under SGLang's rule the same request is three runs.
+        assert_eq!(
+            group_contiguous(&[7i64, 6, 5], &[3i64, 2, 1]).unwrap().2,
+            [1, 1, 1]
+        );
+        // Opposite directions on the two sides are a reversal: no run.
+        assert_eq!(
+            either(&[7, 6, 5], &[1, 2, 3]),
+            [(7, 1, 1, false), (6, 2, 1, false), (5, 3, 1, false)]
+        );
+        // A run never mixes directions; a one-page run continues either way.
+        assert_eq!(
+            either(&[1, 2, 1, 2], &[5, 6, 5, 6]),
+            [(1, 5, 2, false), (1, 5, 2, false)]
+        );
+        assert_eq!(
+            either(&[4, 3, 4, 5, 9, 8], &[0, 9, 10, 11, 3, 2]),
+            [(4, 0, 1, false), (3, 9, 3, false), (8, 2, 2, true)]
+        );
+        assert_eq!(either(&[0, 1, 2], &[4, 5, 6]), [(0, 4, 3, false)]);
+        assert_eq!(either(&[3], &[3]), [(3, 3, 1, false)]);
+    }
+
+    #[test]
+    fn either_direction_runs_tile_the_request_and_check_the_limits() {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..300 {
+            let len = 1 + next(40) as usize;
+            let (mut src, mut dst) = (vec![next(50) as i64 + 20], vec![next(50) as i64 + 20]);
+            for _ in 1..len {
+                // Mostly steps of +-1 on both sides, sometimes jumps.
+                let step = [1i64, -1, 1, -1, 3][next(5) as usize];
+                let other = if next(6) == 0 { -step } else { step };
+                src.push(src.last().unwrap() + step);
+                dst.push(dst.last().unwrap() + other);
+            }
+            let mut pairs: Vec<(i64, i64)> = Vec::new();
+            for (s, d, n, _) in either(&src, &dst) {
+                pairs.extend((0..n as i64).map(|k| (s as i64 + k, d as i64 + k)));
+            }
+            let mut want: Vec<(i64, i64)> = src.iter().copied().zip(dst.iter().copied()).collect();
+            pairs.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(pairs, want, "{src:?} {dst:?}");
+        }
+        // A run past the limits (e.g. written since the scan) is refused.
+        let (src, dst) = ([7i64, 6, 5], [3i64, 2, 1]);
+        let (mut s, mut d, mut l) = ([0u64; 1], [0u64; 1], [0u64; 1]);
+        let limits = IndexLimits { src: 7, dst: 10 };
+        let written = write_runs_by(&src, &dst, limits, true, [&mut s, &mut d, &mut l]);
+        assert_eq!(written, Err(PlanError::InputChanged));
     }
 
     #[test]

@@ -211,29 +211,34 @@ impl LayerSlices {
     }
 
     /// The slice that waits for layer `layer` (`None`: a layer of the model this template
-    /// holds nothing of in any slice — a draft layer, one marked for the seal, or a
-    /// layer of another PP stage; its signal completes nothing here).
+    /// holds nothing of in any slice — a layer in no caller set or marked for the seal, whose
+    /// entries go with the seal, a draft layer, or a layer of another PP stage; its signal
+    /// completes nothing here).
+    ///
+    /// A model layer is never an error, whichever stage asks: per-layer hooks fire for every
+    /// layer of the forward, and a caller streaming only some layers' groups signals them all.
     ///
     /// # Errors
-    /// [`PlanError::Geometry`] for a layer id the model does not have: negative, in no caller
-    /// set, or past the model's layers.
+    /// [`PlanError::Geometry`] for a layer id no model layer has: negative, or past the
+    /// model's layers and in no caller set.
     pub fn slice_of_layer(&self, layer: i64) -> Result<Option<usize>> {
         if let Some(&s) = self.layer_slice.get(&layer) {
             return Ok(Some(s));
         }
-        // A layer of a listed group (fixed groups: below the model's layer count).
-        let in_model = self.groups.group_of(layer).is_some_and(|g| {
+        // A layer of a listed group (a caller set may name ids past the announced count).
+        let listed = self.groups.group_of(layer).is_some_and(|g| {
             (g as usize) < self.slices.len()
                 && self.groups.layers_of(g, self.n_layers).contains(&layer)
         });
-        if in_model || self.other_layers.binary_search(&layer).is_ok() {
+        let in_model = u64::try_from(layer).is_ok_and(|l| l < self.n_layers);
+        if listed || in_model || self.other_layers.binary_search(&layer).is_ok() {
             return Ok(None);
         }
         let held: Vec<i64> = self.layer_slice.keys().copied().collect();
         Err(PlanError::Geometry {
             what: format!(
-                "layer {layer} is not a layer of this model's layer groups (model layers 0..{}, \
-                 {} groups; this template streams layers {})",
+                "layer {layer} is not a layer of this model (model layers 0..{}, {} groups; \
+                 this template streams layers {})",
                 self.n_layers,
                 self.slices.len(),
                 crate::groups::ids_text(&held)
@@ -250,9 +255,8 @@ impl LayerSlices {
             // A state plan: block k is the k-th moving state pair's, with its layer's group.
             let spans = |blocks: &[usize]| -> Vec<(usize, usize, u64)> {
                 let blocks = blocks.iter().filter(|&&k| k < summary.n_blocks);
-                blocks
-                    .map(|&k| (k, k + 1, template.state_pieces.get(k).map_or(0, |p| p.len)))
-                    .collect()
+                let bytes = |k: usize| template.group_bytes(k, summary).unwrap_or(0);
+                blocks.map(|&k| (k, k + 1, bytes(k))).collect()
             };
             (ranges, work) = self
                 .slices
@@ -263,12 +267,13 @@ impl LayerSlices {
         } else {
             let offsets = template.group_offsets(summary);
             let spans = |groups: &[usize]| -> Vec<(usize, usize, u64)> {
+                // The template's own count (what this rank pair moves: under decode context
+                // parallelism only the tokens the decode rank holds), never a re-derivation.
+                // It cannot fail here: a group moves at most the plan's bytes, which fit u64,
+                // and only a template that plans by token has a token summary.
                 let spans = groups.iter().map(|&g| {
-                    (
-                        offsets[g],
-                        offsets[g + 1],
-                        group_bytes(template, g, summary),
-                    )
+                    let bytes = template.group_bytes(g, summary).unwrap_or(0);
+                    (offsets[g], offsets[g + 1], bytes)
                 });
                 spans.collect()
             };
@@ -466,25 +471,6 @@ impl WorkManifest {
             },
         })
     }
-}
-
-/// Bytes emission group `g` moves in a page or token plan: each of its pieces moves `len`
-/// bytes per page (page plan) or per token (token plan).
-fn group_bytes(template: &Template, g: usize, summary: &PlanSummary) -> u64 {
-    let group = &template.groups()[g];
-    if let Some(tokens) = &summary.tokens {
-        let Ok(pieces) = template.token_template() else {
-            return 0;
-        };
-        let (start, end) = (
-            pieces.pair_pieces[group.first_pair].0,
-            pieces.pair_pieces[group.last_pair].1,
-        );
-        let per_token: u64 = pieces.pieces[start..end].iter().map(|p| p.len).sum();
-        return per_token * tokens.n_tokens;
-    }
-    let pieces = &template.pieces()[group.first_piece..group.first_piece + group.n_pieces];
-    pieces.iter().map(|p| p.len).sum::<u64>() * summary.n_pages as u64
 }
 
 /// The error for an emission group whose pairs `first` and `other` belong to different slices.

@@ -15,7 +15,7 @@ use crate::pieces::{
 use crate::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
 };
-use crate::runs::{IndexLimits, PageIndex, check_unique, scan, write_runs};
+use crate::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
 use crate::tokens::{TokenTemplate, count_blocks, emit_tokens};
 
 /// How a template turns pairs into blocks (independent of how entries are paired).
@@ -519,7 +519,8 @@ impl Template {
                 unit: PlanUnit::Tokens(shape),
             });
         }
-        let found = scan(src, dst)?;
+        // Runs that descend on both sides are one run too (see the `runs` module).
+        let found = scan_runs(src, dst, RunRule::EitherDirection)?;
         if found.n_pages > 0 {
             // One comparison per side covers every pair: the limits are the smallest capacities.
             if found.max_src >= self.src_limit {
@@ -610,13 +611,16 @@ impl Template {
             src: self.src_limit,
             dst: self.dst_limit,
         };
-        let runs = write_runs(
+        let runs = write_runs_by(
             src,
             dst,
             limits,
-            &mut out.src_addrs[..expected],
-            &mut out.dst_addrs[..expected],
-            &mut out.lengths[..expected],
+            found.descending_runs > 0,
+            [
+                &mut out.src_addrs[..expected],
+                &mut out.dst_addrs[..expected],
+                &mut out.lengths[..expected],
+            ],
         )
         .map_err(|err| match err {
             PlanError::OutputTooSmall { .. } => PlanError::InputChanged,
@@ -626,6 +630,12 @@ impl Template {
             return Err(PlanError::InputChanged);
         }
         if self.per_page_pieces == 0 {
+            if found.descending_runs > 0 {
+                // Per-run pieces only: a descending run is its pages in ascending order.
+                out.lengths[..runs]
+                    .iter_mut()
+                    .for_each(|n| *n &= !crate::runs::DESCENDING);
+            }
             crate::emit::expand_runs(pieces, runs, out);
         } else {
             crate::emit::expand_pieces(pieces, runs, found.n_pages, out);
@@ -940,8 +950,7 @@ impl Template {
                 fragmented,
             } => {
                 let tokens = self.token_template()?;
-                let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
-                Ok(count_blocks(tokens, &src, &dst, n_tokens)?.2)
+                Ok(crate::tokens::model_counts(tokens, n_tokens, !fragmented)?.2)
             }
         }
     }
@@ -958,9 +967,10 @@ impl Template {
     /// `(blocks, segments)` of a token request over consecutive (or, `fragmented`, never
     /// consecutive) pages.
     fn token_count(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
+        // Counted over model pages that are never allocated, in time independent of the
+        // token count past a few periods of the token placement.
         let tokens = self.token_template()?;
-        let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
-        let (_, segments, blocks, _) = count_blocks(tokens, &src, &dst, n_tokens)?;
+        let (_, segments, blocks, _) = crate::tokens::model_counts(tokens, n_tokens, !fragmented)?;
         Ok((blocks, segments))
     }
 

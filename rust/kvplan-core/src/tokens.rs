@@ -393,17 +393,47 @@ fn paged_segments(n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segm
     })
 }
 
+/// A side's page list as far as block counting reads it: whether the page at position `pos`
+/// (at least 1) is the one at `pos - 1` plus one.
+pub(crate) trait PageSteps {
+    fn steps(&self, pos: usize) -> bool;
+}
+
+impl<T: PageIndex> PageSteps for [T] {
+    #[inline]
+    fn steps(&self, pos: usize) -> bool {
+        self[pos - 1].steps_to(self[pos])
+    }
+}
+
+/// The page lists a count without the caller's pages assumes, without holding them: `0, 1,
+/// 2, …` (`consecutive`) or `0, 2, 4, …` (no two pages consecutive).
+pub(crate) struct ModelPages {
+    pub(crate) consecutive: bool,
+}
+
+impl PageSteps for ModelPages {
+    #[inline]
+    fn steps(&self, _pos: usize) -> bool {
+        self.consecutive
+    }
+}
+
 /// Why a segment (not the first) cannot join the block before it, per side: `(edge, stepped)`
 /// where `edge` says it starts a new page on that side and `stepped` that the page index is the
 /// previous one plus one.
-fn edges<S: PageIndex, D: PageIndex>(seg: &Segment, src: &[S], dst: &[D]) -> [(bool, bool); 2] {
+fn edges<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    seg: &Segment,
+    src: &S,
+    dst: &D,
+) -> [(bool, bool); 2] {
     let side = |slot: u64, pos: usize, step: &dyn Fn(usize) -> bool| {
         let edge = slot == 0 && pos > 0;
         (edge, edge && step(pos))
     };
     [
-        side(seg.src_slot, seg.src_pos, &|p| src[p - 1].steps_to(src[p])),
-        side(seg.dst_slot, seg.dst_pos, &|p| dst[p - 1].steps_to(dst[p])),
+        side(seg.src_slot, seg.src_pos, &|p| src.steps(p)),
+        side(seg.dst_slot, seg.dst_pos, &|p| dst.steps(p)),
     ]
 }
 
@@ -424,35 +454,124 @@ fn breaks(
 /// Blocks per piece class, segments, blocks and bytes of a request of `n` global tokens over
 /// `src`/`dst` (pages in token order, at least [`TokenTemplate::pages_needed`] of each; values
 /// are not checked). Each lane walks its own tokens.
-pub(crate) fn count_blocks<S: PageIndex, D: PageIndex>(
+pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
-    src: &[S],
-    dst: &[D],
+    src: &S,
+    dst: &D,
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
-    let mut class_blocks = [0usize; TOKEN_CLASSES];
-    let mut n_segments = 0usize;
-    let mut total_bytes = 0u64;
+    finish_counts(tokens, walk_counts(tokens, src, dst, n))
+}
+
+/// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
+/// `n` global tokens, walking every segment.
+fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    tokens: &TokenTemplate,
+    src: &S,
+    dst: &D,
+    n: u64,
+) -> ([u64; TOKEN_CLASSES], u64) {
+    let mut class_blocks = [0u64; TOKEN_CLASSES];
+    let mut n_segments = 0u64;
     for (lane, maps) in tokens.lanes() {
         let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
-        let mut moved = 0u64;
         for (k, seg) in segments(n, maps).enumerate() {
             n_segments += 1;
-            moved += seg.n;
+            classes[0] += seg.n;
             let edges = edges(&seg, src, dst);
             for (class, count) in classes.iter_mut().enumerate().skip(1) {
-                *count += usize::from(k == 0 || breaks(class, &seg, edges));
+                *count += u64::from(k == 0 || breaks(class, &seg, edges));
             }
         }
-        classes[0] = usize::try_from(moved).map_err(|_| PlanError::Overflow {
-            what: "block count",
-        })?;
-        total_bytes = moved
+    }
+    (class_blocks, n_segments)
+}
+
+/// The same counts over [`ModelPages`] on both sides, without walking every segment of a long
+/// request: token placement and page edges repeat every `period` global tokens (a multiple of
+/// every side's page, and of its deal cycle `ranks × lcm(interleave, page)`), and over model
+/// pages whether a segment starts a block depends only on where it sits in that cycle. So past
+/// the first period every period adds the same counts: `f(q·P + r) = f(P + r) + (q − 1)·(f(2P) −
+/// f(P))`, three walks of at most two periods each.
+pub(crate) fn model_counts(
+    tokens: &TokenTemplate,
+    n: u64,
+    consecutive: bool,
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    let pages = ModelPages { consecutive };
+    let period = tokens.lanes().try_fold(1u64, |acc, (_, (a, b))| {
+        let acc = lcm(acc, map_period(a)?)?;
+        lcm(acc, map_period(b)?)
+    });
+    let raw = match period {
+        Some(p) if n / 3 >= p => {
+            let (q, r) = (n / p, n % p);
+            let (first, second) = (
+                walk_counts(tokens, &pages, &pages, p),
+                walk_counts(tokens, &pages, &pages, 2 * p),
+            );
+            let (head, head_segments) = walk_counts(tokens, &pages, &pages, p + r);
+            let overflow = || PlanError::Overflow {
+                what: "block count",
+            };
+            let grow = |base: u64, once: u64, twice: u64| -> Result<u64> {
+                (twice - once)
+                    .checked_mul(q - 1)
+                    .and_then(|more| more.checked_add(base))
+                    .ok_or_else(overflow)
+            };
+            let mut classes = [0u64; TOKEN_CLASSES];
+            for c in 0..TOKEN_CLASSES {
+                classes[c] = grow(head[c], first.0[c], second.0[c])?;
+            }
+            (classes, grow(head_segments, first.1, second.1)?)
+        }
+        _ => walk_counts(tokens, &pages, &pages, n),
+    };
+    finish_counts(tokens, raw)
+}
+
+/// Global tokens after which a side's placement and page edges repeat (`None`: past u64).
+fn map_period(map: TokenMap) -> Option<u64> {
+    match map {
+        TokenMap::Paged { page_size } => Some(page_size),
+        TokenMap::Dealt {
+            page_size,
+            ranks,
+            interleave,
+            ..
+        } => lcm(interleave, page_size)?.checked_mul(ranks),
+    }
+}
+
+fn lcm(a: u64, b: u64) -> Option<u64> {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    (a / gcd(a, b).max(1)).checked_mul(b)
+}
+
+/// The counts of [`walk_counts`] as a token shape's fields: blocks per class, segments, blocks
+/// and bytes.
+fn finish_counts(
+    tokens: &TokenTemplate,
+    (raw, segments): ([u64; TOKEN_CLASSES], u64),
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    let overflow = |what| PlanError::Overflow { what };
+    let mut class_blocks = [0usize; TOKEN_CLASSES];
+    for (out, &count) in class_blocks.iter_mut().zip(&raw) {
+        *out = usize::try_from(count).map_err(|_| overflow("block count"))?;
+    }
+    let n_segments = usize::try_from(segments).map_err(|_| overflow("segments"))?;
+    let mut total_bytes = 0u64;
+    for (lane, _) in tokens.lanes() {
+        total_bytes = raw[lane * PIECE_CLASSES]
             .checked_mul(tokens.lane_bytes[lane])
             .and_then(|b| b.checked_add(total_bytes))
-            .ok_or(PlanError::Overflow {
-                what: "total bytes",
-            })?;
+            .ok_or(overflow("total bytes"))?;
     }
     let n_blocks = tokens
         .class_pieces
@@ -461,9 +580,7 @@ pub(crate) fn count_blocks<S: PageIndex, D: PageIndex>(
         .try_fold(0usize, |acc, (&pieces, blocks)| {
             acc.checked_add(pieces.checked_mul(blocks)?)
         })
-        .ok_or(PlanError::Overflow {
-            what: "block count",
-        })?;
+        .ok_or(overflow("block count"))?;
     Ok((class_blocks, n_segments, n_blocks, total_bytes))
 }
 

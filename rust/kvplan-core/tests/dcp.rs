@@ -11,8 +11,9 @@
 //! sizes × MLA/MHA/hybrid × draft.
 
 use kvplan_core::{
-    AsColumns, AttentionGeometry, DcpContext, FlatBuffer, Layout, LayoutContext, MemoryOrder,
-    PlanError, Template, TemplateOptions,
+    AsColumns, AttentionGeometry, DcpContext, FlatBuffer, GeometryOptions, LayerGroups,
+    LayerSlices, Layout, LayoutContext, MemoryOrder, PlanError, PlanSlices, Template,
+    TemplateOptions,
 };
 
 const HEAD_BYTES: u64 = 4;
@@ -421,6 +422,7 @@ fn run(case: &Case) {
                     .unwrap();
                 let (s, d, l) = buf.into_columns(summary.n_blocks).unwrap();
                 apply(src, &mut dst, &mut written, (&s, &d, &l), &what);
+                check_slice_work(case, src, &dst, &what);
             }
             let mut want = vec![0u8; dst.bytes.len()];
             for (at, v) in expected(case, &dst)
@@ -437,6 +439,49 @@ fn run(case: &Case) {
                 );
             }
         }
+    }
+}
+
+/// The work each layer slice reports (blocks, bytes) is what its block ranges of the plan hold,
+/// for page plans and state plans alike: a decode that counts received bytes against the
+/// manifest must see exactly the plan's bytes, whatever share of the tokens this rank holds.
+fn check_slice_work(case: &Case, src: &Peer, dst: &Peer, what: &str) {
+    let sum = |ranges: &[(usize, usize)], lengths: &[u64]| -> (u64, u64) {
+        let blocks = ranges.iter().map(|(a, b)| (b - a) as u64).sum();
+        let bytes = ranges.iter().flat_map(|&(a, b)| &lengths[a..b]).sum();
+        (blocks, bytes)
+    };
+    let compare = |cut: &PlanSlices, lengths: &[u64], total: u64, kind: &str| {
+        for (k, (ranges, work)) in cut.ranges.iter().zip(&cut.work).enumerate() {
+            let got = (work.blocks, work.bytes);
+            assert_eq!(got, sum(ranges, lengths), "{what}: {kind} slice {k}");
+        }
+        let seal = (cut.seal.blocks, cut.seal.bytes);
+        assert_eq!(seal, sum(&cut.seal_ranges, lengths), "{what}: {kind} seal");
+        let reported = cut.work.iter().map(|w| w.bytes).sum::<u64>() + cut.seal.bytes;
+        assert_eq!(reported, total, "{what}: {kind} bytes over all slices");
+    };
+    for groups in [LayerGroups::every_layer(), LayerGroups::fixed(2).unwrap()] {
+        let t = Template::with_layer_groups(
+            &src.layout,
+            &dst.layout,
+            TemplateOptions::default(),
+            &GeometryOptions::default(),
+            &groups,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let slices = LayerSlices::new(&t, &groups).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let tokens = Some(case.tokens);
+        let plan = t.plan(&src.pages, &dst.pages, tokens).unwrap();
+        let summary = t.prepare(&src.pages, &dst.pages, tokens).unwrap().summary();
+        let cut = slices.of(&t, &summary);
+        compare(&cut, &plan.lengths, plan.total_bytes, "page");
+        let mut buf = FlatBuffer::zeroed(t.state_pairs().len());
+        let state = t
+            .plan_state_into(SRC_STATE_SLOT, DST_STATE_SLOT, buf.columns())
+            .unwrap();
+        let (_, _, lengths) = buf.into_columns(state.n_blocks).unwrap();
+        compare(&slices.of(&t, &state), &lengths, state.total_bytes, "state");
     }
 }
 

@@ -34,10 +34,15 @@ fn case() -> impl Strategy<Value = Case> {
                 );
                 pages.prop_map(move |(mut src_pages, mut dst_pages, contiguous)| {
                     if contiguous {
-                        // Mostly-contiguous requests exercise long runs, not only single pages.
+                        // Mostly-contiguous requests exercise long runs, not only single pages;
+                        // odd page counts hand them over descending (offload order).
                         let n = src_pages.len() as i64;
                         src_pages = (0..n).map(|i| i % src_cap as i64).collect();
                         dst_pages = (0..n).map(|i| (i + 1) % dst_cap as i64).collect();
+                        if n % 2 == 1 {
+                            src_pages.reverse();
+                            dst_pages.reverse();
+                        }
                     }
                     let total = stage_layers + extra_layers;
                     let stage_ids: Vec<i64> =
@@ -85,31 +90,48 @@ fn case() -> impl Strategy<Value = Case> {
         )
 }
 
-/// The obvious planner: one block per (pair, page), then merge blocks adjacent on both sides.
-fn page_by_page_then_merge(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
+/// The obvious planner: one block per (pair, page), in request order.
+fn page_by_page(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
     let mut blocks: Vec<[u64; 3]> = Vec::new();
     for pair in t.emitting_pairs() {
-        let start = blocks.len();
         for (&s, &d) in src.iter().zip(dst) {
-            let block = [
+            blocks.push([
                 pair.src_base + s as u64 * pair.item_len,
                 pair.dst_base + d as u64 * pair.item_len,
                 pair.item_len,
-            ];
-            let merging_allowed = blocks.len() > start;
-            match blocks.last_mut() {
-                Some(last)
-                    if merging_allowed
-                        && last[0] + last[2] == block[0]
-                        && last[1] + last[2] == block[1] =>
-                {
-                    last[2] += block[2];
-                }
-                _ => blocks.push(block),
-            }
+            ]);
         }
     }
     blocks
+}
+
+/// A plan as what it does: the multiset of `(source byte, destination byte)` copies.
+fn byte_map(blocks: &[[u64; 3]]) -> Vec<(u64, u64)> {
+    let mut bytes: Vec<(u64, u64)> = blocks
+        .iter()
+        .flat_map(|&[s, d, n]| (0..n).map(move |k| (s + k, d + k)))
+        .collect();
+    bytes.sort_unstable();
+    bytes
+}
+
+/// Runs taken greedily, each ascending on both sides or descending on both sides, written out
+/// step by step: a plan's unit of merging.
+fn either_direction_runs(src: &[i64], dst: &[i64]) -> usize {
+    let mut runs = 0;
+    let mut direction: Option<i64> = None; // the step of the current run once it has two pages
+    for i in 0..src.len() {
+        let step = (i > 0).then(|| (src[i] - src[i - 1], dst[i] - dst[i - 1]));
+        match (step, direction) {
+            (Some((a, b)), None) if a == b && a.abs() == 1 => direction = Some(a),
+            (Some((a, b)), Some(d)) if a == b && a == d => {}
+            _ => {
+                runs += 1;
+                direction = None;
+            }
+        }
+    }
+    runs
 }
 
 proptest! {
@@ -137,11 +159,13 @@ proptest! {
         let t = Template::new(&c.src, &c.dst, TemplateOptions::default()).unwrap();
         let plan = t.plan(&c.src_pages, &c.dst_pages, None).unwrap();
         let got: Vec<[u64; 3]> = (0..plan.src_addrs.len()).map(|i| [plan.src_addrs[i], plan.dst_addrs[i], plan.lengths[i]]).collect();
-        let runs = group_contiguous(&c.src_pages, &c.dst_pages).unwrap().0.len();
+        // One block per pair per run (ascending or descending on both sides), never more
+        // than SGLang's ascending runs give, and the same copies as page-by-page planning.
+        let runs = either_direction_runs(&c.src_pages, &c.dst_pages);
         prop_assert_eq!(got.len(), runs * t.emitting_pairs().len());
-        // Blocks of one pair never merge with another pair's, so merging per pair must agree
-        // whenever runs are the unit of merging.
-        prop_assert_eq!(&got, &page_by_page_then_merge(&t, &c.src_pages, &c.dst_pages));
+        prop_assert_eq!(plan.n_runs, runs);
+        prop_assert!(runs <= group_contiguous(&c.src_pages, &c.dst_pages).unwrap().0.len());
+        prop_assert_eq!(byte_map(&got), byte_map(&page_by_page(&t, &c.src_pages, &c.dst_pages)));
         let pages = c.src_pages.len() as u64;
         prop_assert_eq!(plan.lengths.iter().sum::<u64>(), pages * t.bytes_per_page());
         prop_assert_eq!(plan.total_bytes, pages * t.bytes_per_page());

@@ -367,7 +367,12 @@ fn ready_layers_are_keyed_by_global_id_and_unknown_layers_are_refused() {
     let sets = LayerSlices::new(&t, &LayerGroups::sets(vec![vec![4, 5]]).unwrap()).unwrap();
     // 6 is in no caller set but is an entry of this template (sent with the seal).
     assert_eq!(sets.slice_of_layer(6).unwrap(), None);
+    // So is a layer of another stage in no caller set: the answer for a model layer does not
+    // depend on which stage is asked.
+    assert_eq!(sets.slice_of_layer(2).unwrap(), None);
+    assert_eq!(sets.slice_of_layer(7).unwrap(), None);
     assert!(sets.slice_of_layer(9).is_err());
+    assert!(sets.slice_of_layer(-1).is_err());
     assert!(LayerGroups::sets(vec![vec![1], vec![1, 2]]).is_err());
     assert!(LayerGroups::fixed(0).is_err());
 }

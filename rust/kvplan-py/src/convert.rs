@@ -220,3 +220,59 @@ pub(crate) fn pairs_array(
         .expect("two columns by construction")
         .into_pyarray(py))
 }
+
+/// An `(addr, size)` memory region argument (`pack=`, `src_staging=`, `dst_staging=`) as two
+/// u64 values. Shape problems are a `TypeError` naming the argument, the expected shape and
+/// what was given (PyO3's own tuple conversion raises a bare `ValueError` naming neither); an
+/// int outside `0..2**64` is an `OverflowError` naming the argument and the value.
+fn region_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(u64, u64)> {
+    use pyo3::exceptions::PyOverflowError;
+    use pyo3::types::{PyInt, PyTuple};
+    let expected = "a tuple (addr, size) of two ints";
+    let Ok(tuple) = obj.cast::<PyTuple>() else {
+        let kind = obj.get_type().name()?;
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be {expected}, got {kind}"
+        )));
+    };
+    let items: Vec<Bound<'_, PyAny>> = tuple.iter().collect();
+    if items.len() != 2 {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be {expected}, got a tuple of {} item{}",
+            items.len(),
+            if items.len() == 1 { "" } else { "s" }
+        )));
+    }
+    let value = |k: usize, field: &str| -> PyResult<u64> {
+        let item = &items[k];
+        if !item.is_instance_of::<PyInt>() {
+            let kind = item.get_type().name()?;
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be {expected}: its {field} is a {kind}"
+            )));
+        }
+        item.extract::<u64>().map_err(|_| {
+            PyOverflowError::new_err(format!(
+                "{name}'s {field} must be an int in 0..2**64, got {}",
+                item.repr()
+                    .map_or_else(|_| "?".to_string(), |r| r.to_string())
+            ))
+        })
+    };
+    Ok((value(0, "addr")?, value(1, "size")?))
+}
+
+/// `pack=(addr, size)` (see [`region_arg`]).
+pub(crate) fn pack_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "pack")
+}
+
+/// `src_staging=(addr, size)` (see [`region_arg`]).
+pub(crate) fn src_staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "src_staging")
+}
+
+/// `dst_staging=(addr, size)` (see [`region_arg`]).
+pub(crate) fn dst_staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "dst_staging")
+}

@@ -1,7 +1,7 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
 //! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
-//! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), with `convert`, `errors` and `options` (keyword parsing) shared.
+//! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), `nixl_ids` (vLLM's NIXL descriptor ids), with `convert`, `errors` and `options` (keyword parsing) shared.
 
 mod advice;
 mod convert;
@@ -9,8 +9,11 @@ mod descriptors;
 mod digest;
 mod errors;
 mod heads;
+mod ids;
 mod layout;
 mod local;
+mod mooncake;
+mod nixl_ids;
 mod options;
 mod pairing;
 mod plan;
@@ -33,9 +36,15 @@ mod _core {
     #[pymodule_export]
     use crate::heads::{PyTpPeers, tp_peers};
     #[pymodule_export]
+    use crate::ids::index_array;
+    #[pymodule_export]
     use crate::layout::{PyLayout, PyLayoutEntry};
     #[pymodule_export]
     use crate::local::copy_local;
+    #[pymodule_export]
+    use crate::mooncake::{PyMooncakeBatch, PyMooncakeNative};
+    #[pymodule_export]
+    use crate::nixl_ids::nixl_desc_ids;
     #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]

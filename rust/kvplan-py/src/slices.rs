@@ -131,7 +131,7 @@ impl PyLayerSlices {
     }
 
     /// The slice waiting for `layer` (`None`: a layer of the model with nothing to wait for
-    /// here); a `KvPlanError` for a layer the model's groups do not have.
+    /// here, a layer in no caller set included); a `KvPlanError` for an id no model layer has.
     fn slice_of_layer(&self, layer: i64) -> PyResult<Option<usize>> {
         self.inner.slice_of_layer(layer).map_err(to_py_err)
     }

@@ -490,7 +490,7 @@ impl PyTemplate {
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
-        pack: (u64, u64),
+        #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
@@ -533,7 +533,7 @@ impl PyTemplate {
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
-        pack: (u64, u64),
+        #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyRowGather, PyTransferPlan)> {
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
@@ -600,8 +600,8 @@ impl PyTemplate {
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
         dst_pages: &Bound<'_, PyAny>,
-        src_staging: (u64, u64),
-        dst_staging: (u64, u64),
+        #[pyo3(from_py_with = crate::convert::src_staging_arg)] src_staging: (u64, u64),
+        #[pyo3(from_py_with = crate::convert::dst_staging_arg)] dst_staging: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<crate::staged::PyStagedPlan> {
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;

@@ -6,9 +6,11 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
 
 * ``_send_kvcache_generic`` for the KV pool (``state_type`` None): a ``kvplan.Template`` per
   decode peer (cached by ``mooncake_session_id``, rebuilt when the peer's registration changes)
-  plans the request in one call; blocks go to ``self.engine.batch_transfer_sync`` in batches of
-  at most ``max_blocks_per_batch`` (default 1,024), or one executor task per entry pair on the
-  custom-memory-pool path. The first non-zero engine status is returned, as SGLang returns its
+  plans the request in one call; blocks go to the engine in batches of at most
+  ``max_blocks_per_batch`` (default 1,024), or one executor task per entry pair on the
+  custom-memory-pool path. With SGLang's own ``MooncakeTransferEngine`` around a supported
+  Mooncake engine each batch goes to Mooncake natively (the plan's columns, no Python lists;
+  ``KVPLAN_MOONCAKE_NATIVE=0`` turns that off), else to ``self.engine.batch_transfer_sync``. The first non-zero engine status is returned, as SGLang returns its
   one call's status. Page-indexed state components (``state_type`` SWA, DSA, ...), HiSparse
   device destinations (``dst_device_data_indices``), calls with ``dst_item_lens`` (SGLang's
   stride check and ``conclude_failure``) and compressed-MLA pools (``mla_compression_ratios``)
@@ -145,7 +147,7 @@ from __future__ import annotations
 
 from kvplan.compat.sglang.cache import TemplateCache, template_cache
 from kvplan.compat.sglang.helpers import build_transfer_entry_pairs, group_concurrent_contiguous
-from kvplan.compat.sglang.install import install, installed, uninstall
+from kvplan.compat.sglang.install import REFUSED_STATUS, install, installed, uninstall
 from kvplan.compat.sglang.layouts import layout_from_kv_args, layout_from_register_info
 from kvplan.compat.sglang.registry import REPLACED_METHODS
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
@@ -153,6 +155,7 @@ from kvplan.compat.sglang.staged import staged_template
 
 __all__ = [
     "DEFAULT_MAX_BLOCKS_PER_BATCH",
+    "REFUSED_STATUS",
     "REPLACED_METHODS",
     "TemplateCache",
     "build_transfer_entry_pairs",

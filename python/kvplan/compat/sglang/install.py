@@ -3,8 +3,12 @@ what was there."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
+from typing import Any, Literal
 
+from kvplan._core import KvPlanError
 from kvplan.compat._methods import MethodPatches
 from kvplan.compat.sglang.dcp import send_kvcache_dcp
 from kvplan.compat.sglang.dropins import (
@@ -25,17 +29,44 @@ from kvplan.compat.sglang.registry import (
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
 from kvplan.compat.sglang.staged import send_kvcache_staged
 
+_log = logging.getLogger("kvplan.compat.sglang")
+
+#: What a drop-in returns for a refused request under ``on_error="status"``: a non-zero status,
+#: which SGLang's transfer worker treats as a failed send of that request.
+REFUSED_STATUS = -1
+
+
+def _reporting(fn: Callable[..., int]) -> Callable[..., int]:
+    """``fn`` as installed: under ``on_error="status"`` a kvplan error is logged with its
+    reason and becomes :data:`REFUSED_STATUS`; otherwise it propagates."""
+
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> int:
+        try:
+            return fn(self, *args, **kwargs)
+        except KvPlanError as exc:
+            if getattr(self, "_kvplan_on_error", "raise") != "status":
+                raise
+            session = args[0] if args else kwargs.get("mooncake_session_id")
+            _log.error("kvplan refused %s for session %s: %s: %s (status %d: SGLang fails "
+                       "this request)", fn.__name__, session, type(exc).__name__, exc,
+                       REFUSED_STATUS)
+            return REFUSED_STATUS
+
+    return method
+
+
 _DROPINS: dict[str, Callable[..., int]] = {
-    "_send_kvcache_generic": _dropin(_send_kvcache_generic),
-    "send_kvcache": _dropin(send_kvcache),
-    "_send_mamba_state": _dropin(_send_mamba_state),
-    "send_kvcache_slice": _dropin(send_kvcache_slice),
-    "send_kvcache_dcp": _dropin(send_kvcache_dcp),
-    "send_kvcache_staged": _dropin(send_kvcache_staged),
+    "_send_kvcache_generic": _dropin(_reporting(_send_kvcache_generic)),
+    "send_kvcache": _dropin(_reporting(send_kvcache)),
+    "_send_mamba_state": _dropin(_reporting(_send_mamba_state)),
+    "send_kvcache_slice": _dropin(_reporting(send_kvcache_slice)),
+    "send_kvcache_dcp": _dropin(_reporting(send_kvcache_dcp)),
+    "send_kvcache_staged": _dropin(_reporting(send_kvcache_staged)),
 }
 
 
-_ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(ascend_send_kvcache))
+_ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(_reporting(ascend_send_kvcache)))
 
 # What each manager kind's classes get, and what each patched class held before.
 _PATCHES = {
@@ -45,7 +76,8 @@ _PATCHES = {
 
 
 def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
-            decode_kv_layers: int | None = None) -> tuple[str, ...]:
+            decode_kv_layers: int | None = None,
+            on_error: Literal["raise", "status"] = "raise") -> tuple[str, ...]:
     """Replace ``manager_class``'s planning methods with kvplan's (see the module docstring).
 
     Args:
@@ -56,12 +88,20 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
             needed only by MHA peers that publish no layer ids when the prefill's entry count
             differs from the decode's (PP > 1); SGLang guesses it from the counts, kvplan does
             not. An instance attribute ``kvplan_decode_kv_layers`` overrides it.
+        on_error: What a request kvplan refuses (a ``KvPlanError``: pairing, sizes, bounds)
+            does. ``"raise"``: the typed error propagates to the caller. ``"status"`` (for
+            live servers): the reason is logged (logger ``kvplan.compat.sglang``) and the
+            method returns -1, which SGLang's transfer worker handles as a failed send of that
+            request; an exception would instead end the prefill's transfer thread. Errors that
+            are not kvplan's propagate either way.
 
     Returns:
         The names of the methods replaced.
     """
     if max_blocks_per_batch <= 0:
         raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
+    if on_error not in ("raise", "status"):
+        raise ValueError(f"on_error must be 'raise' or 'status', got {on_error!r}")
     kind = _manager_kind(manager_class)
     _register_sglang_classes(manager_class)
     patches = _PATCHES[kind]
@@ -73,6 +113,7 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     _ORIGINALS.update(originals)
     setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
     setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
+    setattr(manager_class, "_kvplan_on_error", on_error)
     return replaced
 
 
@@ -82,7 +123,7 @@ def uninstall(manager_class: type) -> tuple[str, ...]:
                      for name in patches.uninstall(manager_class))
     for name in restored:
         _ORIGINALS.pop((manager_class, name), None)
-    for attr in ("_kvplan_max_blocks_per_batch", "_kvplan_decode_kv_layers"):
+    for attr in ("_kvplan_max_blocks_per_batch", "_kvplan_decode_kv_layers", "_kvplan_on_error"):
         if attr in manager_class.__dict__:
             delattr(manager_class, attr)
     return restored

@@ -1,11 +1,18 @@
 """Submission of a plan: through the engine base's batching loop
 (:func:`kvplan.engines._base.write_batches`) to ``manager.engine`` when ``_transfer_data`` is
 SGLang's own, else through SGLang's seams (``_transfer_data``, executor tasks per entry pair,
-``_await_transfer_futures``) exactly as SGLang calls them."""
+``_await_transfer_futures``) exactly as SGLang calls them.
+
+When ``manager.engine`` is SGLang's own ``MooncakeTransferEngine`` (its ``batch_transfer_sync``
+not replaced) over a Mooncake engine the native hand-off supports, each batch goes to that
+engine as the plan's uint64 columns (:func:`kvplan.engines.mooncake.native_write`: one request
+array filled in Rust, GIL released) instead of three Python lists; the status is what SGLang's
+``batch_transfer_sync`` would return (0, or -1 on any failure)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, cast
 
 import numpy.typing as npt
@@ -27,6 +34,46 @@ def _blocks(plan: TransferPlan, which: slice = slice(None)) -> list[tuple[int, i
                     plan.lengths[which].tolist()))
 
 
+#: SGLang's Mooncake engine wrapper, whose ``batch_transfer_sync`` is one
+#: ``self.engine.batch_transfer_sync_write`` call returning -1 on any exception.
+_SGLANG_ENGINE = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
+                  "MooncakeTransferEngine.batch_transfer_sync")
+#: Where the native hand-off of an SGLang engine wrapper is kept (False: not available).
+_NATIVE_ATTR = "_kvplan_mooncake_native"
+_native_lock = threading.Lock()
+
+
+def _sglang_mooncake_engine(engine: Any) -> bool:
+    """``engine`` is SGLang's ``MooncakeTransferEngine`` with its own ``batch_transfer_sync``."""
+    attrs = getattr(engine, "__dict__", None)
+    if attrs is None or "batch_transfer_sync" in attrs:
+        return False
+    fn = getattr(type(engine), "batch_transfer_sync", None)
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _SGLANG_ENGINE
+
+
+def _native(engine: Any) -> Any:
+    """The native hand-off for SGLang's engine wrapper ``engine`` (bound and self-tested once,
+    then kept on the wrapper), or None: the lists then go through ``batch_transfer_sync``."""
+    attrs = getattr(engine, "__dict__", None)
+    if attrs is None:
+        return None
+    cached = attrs.get(_NATIVE_ATTR)
+    if cached is not None:
+        return cached or None
+    if not _sglang_mooncake_engine(engine):
+        return None
+    with _native_lock:
+        cached = attrs.get(_NATIVE_ATTR)
+        if cached is None:
+            from kvplan.engines.mooncake import native_handoff
+
+            native, _ = native_handoff(engine.engine, engine.get_session_id())
+            cached = native if native is not None else False
+            attrs[_NATIVE_ATTR] = cached
+    return cached or None
+
+
 def _engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
     """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
     own ``_transfer_data`` does with its one list), through the engine base's batching loop;
@@ -34,9 +81,18 @@ def _engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
     if plan.n_blocks == 0:
         return 0
     engine = manager.engine
+    native = _native(engine)
+    if native is not None:
+        from kvplan.engines.mooncake import _transfer_timeout_s, native_write
 
-    def write(index: int, src: U64, dst: U64, lengths: U64) -> Any:
-        return engine.batch_transfer_sync(session, src.tolist(), dst.tolist(), lengths.tolist())
+        timeout_s = _transfer_timeout_s()
+
+        def write(index: int, src: U64, dst: U64, lengths: U64) -> Any:
+            return native_write(native, session, src, dst, lengths, timeout_s)
+    else:
+        def write(index: int, src: U64, dst: U64, lengths: U64) -> Any:
+            return engine.batch_transfer_sync(session, src.tolist(), dst.tolist(),
+                                              lengths.tolist())
 
     _, status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, _max_blocks(manager),
                               write)
@@ -74,11 +130,23 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
     to the engine. Awaited with the manager's ``_await_transfer_futures`` where SGLang does,
     else SGLang's Ascend loop (first non-zero status, the rest cancelled)."""
     seam = through_transfer_data and not _own_transfer_data(manager)
+    native = None if seam else _native(manager.engine)
+    timeout_s = 0.0
+    if native is not None:
+        from kvplan.engines.mooncake import _transfer_timeout_s, native_write
+
+        timeout_s = _transfer_timeout_s()
 
     def one(pair: int) -> int:
         which = plan.pair_blocks(pair)
         if seam:
             return _status(manager._transfer_data(session, _blocks(plan, which)))
+        if native is not None:
+            src_addrs = plan.src_addrs[which]
+            if len(src_addrs) == 0:
+                return 0
+            return native_write(native, session, src_addrs, plan.dst_addrs[which],
+                                plan.lengths[which], timeout_s)
         src = plan.src_addrs[which].tolist()
         if not src:
             return 0

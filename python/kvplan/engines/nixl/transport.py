@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,22 @@ __all__ = ["DEFAULT_TIMEOUT", "NixlTransport"]
 DEFAULT_TIMEOUT = 60.0
 
 _names = itertools.count()
+#: Transports whose agent is still alive. NIXL's agent and its UCX worker threads must be torn
+#: down while the interpreter is whole: left to module teardown at exit, the agent's C++
+#: destructor can run after the objects its threads still use are gone (a crash at exit).
+_OPEN: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_transports() -> None:
+    """Close, in creation order reversed, every transport the program left open, and drop
+    their agents before the interpreter starts tearing modules down."""
+    for transport in sorted(_OPEN, key=lambda t: t._created, reverse=True):
+        transport.timeout = min(transport.timeout, 5.0)  # exit must not wait for a minute
+        try:
+            transport.close()
+        except Exception:  # noqa: BLE001  (exit goes on; the agent is dropped below anyway)
+            transport._agent = None
 
 
 def _integrity_message(notification: bytes) -> bytes | None:
@@ -105,6 +123,8 @@ class NixlTransport(Transport):
                 raise self._error(f"creating agent {self.name!r} raised {exc!r}", peer=None,
                                   status=None) from exc
         self._agent: Any = agent
+        self._created = next(_names)
+        _OPEN.add(self)
         missing = [b for b in backends if b not in getattr(agent, "backends", {})]
         if missing:
             raise self._error(f"agent {self.name!r} has no {missing} backend (plugins: "
@@ -477,3 +497,4 @@ class NixlTransport(Transport):
         self._peers.clear()
         super().close()
         self._agent = None
+        _OPEN.discard(self)

@@ -1,0 +1,237 @@
+"""Metrics of kvplan's vLLM connector: vLLM's Mooncake series under vLLM's names, plus kvplan's.
+
+vLLM collects a connector's metrics in two steps. Each worker records into a
+``KVConnectorStats`` object (the Mooncake worker's ``xfer_stats``); the scheduler ships its
+``data`` dict (one list per key) to the front end, which rebuilds a stats object with the
+connector class's ``build_kv_connector_stats(data)`` for the periodic log line (``reduce()``)
+and hands the dict to the ``KVConnectorPromMetrics`` that the connector class's
+``build_prom_metrics`` returned, for ``/metrics``.
+
+kvplan's connector keeps vLLM's Mooncake series unchanged and adds two per-request columns,
+filled by kvplan's ``_build_transfer_params`` around each request's plan:
+
+* ``kvplan_plan_time``: seconds spent planning the request (Prometheus
+  ``kvplan:plan_time_seconds``, a histogram);
+* ``kvplan_blocks_per_request``: the blocks of the request's plan, one transfer entry each
+  (``kvplan:blocks_per_request``).
+
+:func:`stats_class` derives the stats class from the ``MooncakeKVConnectorStats`` of the vLLM
+module in use; :func:`prom_metrics_class` derives the Prometheus class from vLLM's
+``MooncakePromMetrics`` where that module has one (vLLM 0.33), and otherwise (vLLM 0.32) from
+the generic ``KVConnectorPromMetrics``, registering vLLM's six Mooncake series itself under
+0.33's names and bucket edges. Nothing here imports vLLM: the classes are derived from the
+modules the connector class hands in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+__all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "PLAN_TIME_KEY", "PLAN_TIME_METRIC",
+           "PlanStats", "prom_metrics_class", "stats_class"]
+
+#: The stats columns kvplan adds (one entry per planned request, aligned).
+PLAN_TIME_KEY = "kvplan_plan_time"
+BLOCKS_KEY = "kvplan_blocks_per_request"
+KVPLAN_KEYS = (PLAN_TIME_KEY, BLOCKS_KEY)
+
+#: kvplan's Prometheus histograms.
+PLAN_TIME_METRIC = "kvplan:plan_time_seconds"
+BLOCKS_METRIC = "kvplan:blocks_per_request"
+
+# A plan takes microseconds (a few contiguous runs) to a few hundred milliseconds (hundreds of
+# thousands of fragmented blocks).
+_PLAN_TIME_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                      0.05, 0.1, 0.25, 0.5, 1.0)
+# One block (one contiguous run per region) to about a million (every block of every region
+# on its own).
+_BLOCKS_BUCKETS = tuple(float(4**i) for i in range(11))
+
+# vLLM's Mooncake series, for a vLLM module that does not register them (0.32): the names and
+# bucket edges of vLLM 0.33's, so that dashboards read both releases alike.
+_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_BYTES_BUCKETS = tuple(float(2 ** (11 + 2 * i)) for i in range(12))  # 2 KiB .. 8 GiB
+_DESCRIPTOR_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
+_VLLM_HISTOGRAMS = (
+    ("transfer_duration", "vllm:mooncake_xfer_time_seconds",
+     "Histogram of transfer duration for Mooncake KV Cache transfers.", _XFER_TIME_BUCKETS),
+    ("bytes_transferred", "vllm:mooncake_bytes_transferred",
+     "Histogram of bytes transferred per Mooncake KV Cache transfer.", _BYTES_BUCKETS),
+    ("num_descriptors", "vllm:mooncake_num_descriptors",
+     "Histogram of number of descriptors per Mooncake KV Cache transfer.",
+     _DESCRIPTOR_BUCKETS),
+)
+_VLLM_COUNTERS = (
+    ("num_failed_transfers", "vllm:mooncake_num_failed_transfers",
+     "Number of failed Mooncake KV Cache transfers."),
+    ("num_failed_recvs", "vllm:mooncake_num_failed_recvs",
+     "Number of failed Mooncake KV Cache receives."),
+    ("num_kv_expired_reqs", "vllm:mooncake_num_kv_expired_reqs",
+     "Number of requests that had their KV expire (tracked on the prefill instance)."),
+)
+_KVPLAN_HISTOGRAMS = (
+    (PLAN_TIME_KEY, PLAN_TIME_METRIC,
+     "Seconds kvplan spent planning one request's KV-cache transfer.", _PLAN_TIME_BUCKETS),
+    (BLOCKS_KEY, BLOCKS_METRIC,
+     "Blocks (transfer entries) in kvplan's plan of one request.", _BLOCKS_BUCKETS),
+)
+
+
+class PlanStats:
+    """What kvplan adds to vLLM's ``MooncakeKVConnectorStats`` (mixed in by
+    :func:`stats_class`); kvplan's planner records only into a stats object of this type."""
+
+    data: dict[str, list[Any]]
+    _lock: Any
+
+    def record_plan(self, seconds: float, blocks: int) -> None:
+        """One planned request: its planning time and the blocks of its plan."""
+        with self._lock:
+            data = self.data
+            data[PLAN_TIME_KEY].append(seconds)
+            data[BLOCKS_KEY].append(blocks)
+
+
+_STATS: dict[type, type] = {}
+
+
+def stats_class(base: type) -> type:
+    """The stats class of kvplan's connector: ``base`` (a vLLM module's
+    ``MooncakeKVConnectorStats``) with kvplan's two columns, one class per base.
+
+    Every stats object has all keys, whatever dict it was built from; ``clone_and_reset``
+    returns this class; ``is_empty`` is false while a plan is recorded; ``aggregate`` extends
+    every column of the other object; ``reduce`` adds ``Avg kvplan plan time (ms)`` and
+    ``Avg kvplan blocks per request`` (0 when nothing was planned). Instances pickle by the
+    base class's module and name, so a worker's object unpickles in another process."""
+    cls = _STATS.get(base)
+    if cls is not None:
+        return cls
+
+    class KvplanMooncakeKVConnectorStats(PlanStats, base):  # type: ignore[misc]
+        def __post_init__(self) -> None:
+            super().__post_init__()  # vLLM's: the lock, and reset() when data is empty
+            data = self.data
+            for key in KVPLAN_KEYS:
+                data.setdefault(key, [])
+
+        def reset(self) -> None:
+            super().reset()
+            for key in KVPLAN_KEYS:
+                self.data[key] = []
+
+        def clone_and_reset(self) -> Any:
+            with self._lock:
+                snapshot = {key: list(values) for key, values in self.data.items()}
+                self.reset()
+            return type(self)(data=snapshot)
+
+        def is_empty(self) -> bool:
+            return bool(super().is_empty()) and not self.data[PLAN_TIME_KEY]
+
+        def aggregate(self, other: Any) -> Any:
+            if not other.is_empty():
+                for key, values in other.data.items():
+                    self.data.setdefault(key, []).extend(values)
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            out: dict[str, int | float] = super().reduce()
+            times = self.data[PLAN_TIME_KEY]
+            n = len(times)
+            out["Avg kvplan plan time (ms)"] = round(sum(times) / n * 1e3, 3) if n else 0
+            out["Avg kvplan blocks per request"] = (
+                round(sum(self.data[BLOCKS_KEY]) / n, 1) if n else 0)
+            return out
+
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (_rebuild_stats, (base.__module__, base.__qualname__, self.data))
+
+    KvplanMooncakeKVConnectorStats.__module__ = __name__
+    KvplanMooncakeKVConnectorStats.__qualname__ = "KvplanMooncakeKVConnectorStats"
+    _STATS[base] = KvplanMooncakeKVConnectorStats
+    return KvplanMooncakeKVConnectorStats
+
+
+def _rebuild_stats(module: str, qualname: str, data: dict[str, list[Any]]) -> Any:
+    """Unpickles a stats object: the class derived from vLLM's stats class of that name."""
+    base: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return stats_class(base)(data=data)
+
+
+def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, Any]:
+    return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+
+def _drop_kvplan_collectors() -> None:
+    """Unregister kvplan's collectors from prometheus_client's default registry, as vLLM does
+    for its own ``vllm:`` ones before it builds its metrics again (the same names would be
+    refused as duplicates)."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    for collector in list(getattr(REGISTRY, "_collector_to_names", {})):
+        if str(getattr(collector, "_name", "")).startswith("kvplan:"):
+            REGISTRY.unregister(collector)
+
+
+_PROM: dict[tuple[type, bool], type] = {}
+
+
+def prom_metrics_class(connector_module: Any) -> type:
+    """The Prometheus class of kvplan's connector for vLLM's Mooncake connector module
+    ``connector_module``: vLLM's ``MooncakePromMetrics`` plus kvplan's two histograms where
+    the module has it; where it has not, the generic ``KVConnectorPromMetrics`` with vLLM's
+    six Mooncake series (0.33's names and buckets) and kvplan's two histograms."""
+    vllm_prom = getattr(connector_module, "MooncakePromMetrics", None)
+    if vllm_prom is not None:
+        base, vllm_observes = vllm_prom, True
+    else:
+        metrics = sys.modules[connector_module.KVConnectorStats.__module__]
+        base, vllm_observes = metrics.KVConnectorPromMetrics, False
+    cls = _PROM.get((base, vllm_observes))
+    if cls is not None:
+        return cls
+
+    class KvplanMooncakePromMetrics(base):  # type: ignore[misc,valid-type]
+        """Prometheus series of kvplan's Mooncake connector (observes the stats dict)."""
+
+        def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                     labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            _drop_kvplan_collectors()
+            histograms = _KVPLAN_HISTOGRAMS if vllm_observes else (
+                _VLLM_HISTOGRAMS + _KVPLAN_HISTOGRAMS)
+            self._kvplan_histograms = [
+                (key, _per_engine(self._histogram_cls(
+                    name=name, documentation=doc, buckets=buckets, labelnames=labelnames),
+                    per_engine_labelvalues))
+                for key, name, doc, buckets in histograms]
+            self._kvplan_counters = [] if vllm_observes else [
+                (key, _per_engine(self._counter_cls(
+                    name=name, documentation=doc, labelnames=labelnames),
+                    per_engine_labelvalues))
+                for key, name, doc in _VLLM_COUNTERS]
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            if vllm_observes:
+                super().observe(transfer_stats_data, engine_idx)
+            for key, per_engine in self._kvplan_histograms:
+                child = per_engine[engine_idx]
+                for value in transfer_stats_data.get(key, ()):
+                    child.observe(value)
+            for key, per_engine in self._kvplan_counters:
+                events = sum(transfer_stats_data.get(key, ()))  # each failure is one 1
+                if events:
+                    per_engine[engine_idx].inc(events)
+
+    KvplanMooncakePromMetrics.__module__ = __name__
+    KvplanMooncakePromMetrics.__qualname__ = "KvplanMooncakePromMetrics"
+    _PROM[(base, vllm_observes)] = KvplanMooncakePromMetrics
+    return KvplanMooncakePromMetrics

