@@ -126,6 +126,7 @@ class SGLangServer(Server):
     """A server; a prefill also has the port of its bootstrap server."""
 
     bootstrap_port: int | None = None
+    kvplan: bool = False  # started with kvplan installed in its schedulers
 
 
 @dataclass
@@ -166,12 +167,13 @@ class Engine:
             # Pipeline stages as processes on the CPU (gloo); each holds its own layers.
             argv += ["--pp-size", str(pp_size)]
         server = SGLangServer(name=name, argv=argv, port=port, env=self.env(kvplan=kvplan),
-                              log_dir=self.log_dir, ready_path="/health")
+                              log_dir=self.log_dir, ready_path="/health", kvplan=kvplan)
         if mode is not None:
             argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend",
                      "mooncake"]
         if mode == "prefill":
-            # /metrics: SGLang's own per-request KV transfer latency (sglang:kv_transfer_*).
+            # /metrics: SGLang's own per-request KV transfer latency (sglang:kv_transfer_*),
+            # and kvplan's planned blocks per transfer call (kvplan:blocks_per_request).
             argv.append("--enable-metrics")
             server.bootstrap_port = self.ports.take()
             argv += ["--disaggregation-bootstrap-port", str(server.bootstrap_port)]
@@ -245,10 +247,15 @@ def pd_generate(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[int],
 
 def transfer_metrics(prefill: SGLangServer) -> dict[str, float]:
     """The prefill's cumulative ``sglang:kv_transfer_latency_ms`` and ``..._total_mb`` sums and
-    the request count, from its Prometheus ``/metrics``."""
+    the request count, and kvplan's series (absent, so 0, with SGLang's own manager): the
+    transfer calls kvplan planned, their blocks and planning seconds, from its Prometheus
+    ``/metrics``."""
     wanted = {"sglang:kv_transfer_latency_ms_sum": "latency_ms",
               "sglang:kv_transfer_latency_ms_count": "requests",
-              "sglang:kv_transfer_total_mb_sum": "total_mb"}
+              "sglang:kv_transfer_total_mb_sum": "total_mb",
+              "kvplan:blocks_per_request_count": "kvplan_calls",
+              "kvplan:blocks_per_request_sum": "kvplan_blocks",
+              "kvplan:plan_time_seconds_sum": "kvplan_plan_s"}
     got = {v: 0.0 for v in wanted.values()}
     for line in harness.http_text(prefill.url + "/metrics").splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -286,6 +293,15 @@ def compare_all(name: str, results: Results, reference: list[list[int]],
                 mb = (after["total_mb"] - before["total_mb"]) / n
                 TRANSFERS.append((name, int(n), latency, mb))
                 detail += f"; prefill's kv_transfer_latency_ms mean {latency:.1f} over {int(n)}"
+            calls = after["kvplan_calls"] - before["kvplan_calls"]
+            if calls > 0:
+                blocks = (after["kvplan_blocks"] - before["kvplan_blocks"]) / calls
+                plan_us = (after["kvplan_plan_s"] - before["kvplan_plan_s"]) / calls * 1e6
+                detail += (f"; kvplan planned {int(calls)} transfer calls, mean {blocks:.1f} "
+                           f"blocks and {plan_us:.0f} us each")
+            elif prefill.kvplan:
+                raise AssertionError(detail + "; but the prefill's /metrics counts no transfer "
+                                     "call planned by kvplan")
         return detail
 
     results.check(name, body)

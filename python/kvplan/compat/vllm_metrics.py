@@ -29,6 +29,15 @@ import importlib
 import sys
 from typing import Any
 
+from kvplan.compat.plan_series import (
+    BLOCKS_BUCKETS,
+    BLOCKS_HELP,
+    BLOCKS_METRIC,
+    PLAN_TIME_BUCKETS,
+    PLAN_TIME_HELP,
+    PLAN_TIME_METRIC,
+)
+
 __all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "PLAN_TIME_KEY", "PLAN_TIME_METRIC",
            "PlanStats", "prom_metrics_class", "stats_class"]
 
@@ -36,18 +45,6 @@ __all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "PLAN_TIME_KEY", "PLAN_
 PLAN_TIME_KEY = "kvplan_plan_time"
 BLOCKS_KEY = "kvplan_blocks_per_request"
 KVPLAN_KEYS = (PLAN_TIME_KEY, BLOCKS_KEY)
-
-#: kvplan's Prometheus histograms.
-PLAN_TIME_METRIC = "kvplan:plan_time_seconds"
-BLOCKS_METRIC = "kvplan:blocks_per_request"
-
-# A plan takes microseconds (a few contiguous runs) to a few hundred milliseconds (hundreds of
-# thousands of fragmented blocks).
-_PLAN_TIME_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
-                      0.05, 0.1, 0.25, 0.5, 1.0)
-# One block (one contiguous run per region) to about a million (every block of every region
-# on its own).
-_BLOCKS_BUCKETS = tuple(float(4**i) for i in range(11))
 
 # vLLM's Mooncake series, for a vLLM module that does not register them (0.32): the names and
 # bucket edges of vLLM 0.33's, so that dashboards read both releases alike.
@@ -72,10 +69,8 @@ _VLLM_COUNTERS = (
      "Number of requests that had their KV expire (tracked on the prefill instance)."),
 )
 _KVPLAN_HISTOGRAMS = (
-    (PLAN_TIME_KEY, PLAN_TIME_METRIC,
-     "Seconds kvplan spent planning one request's KV-cache transfer.", _PLAN_TIME_BUCKETS),
-    (BLOCKS_KEY, BLOCKS_METRIC,
-     "Blocks (transfer entries) in kvplan's plan of one request.", _BLOCKS_BUCKETS),
+    (PLAN_TIME_KEY, PLAN_TIME_METRIC, PLAN_TIME_HELP, PLAN_TIME_BUCKETS),
+    (BLOCKS_KEY, BLOCKS_METRIC, BLOCKS_HELP, BLOCKS_BUCKETS),
 )
 
 

@@ -13,6 +13,7 @@ from kvplan import _core
 from kvplan._core import Layout, SizeMismatchError, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import _ids, _unbounded
+from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
 from kvplan.compat.sglang.seams import _mla_slicer, _own_transfer_data
 from kvplan.compat.sglang.submit import _send_all, _status
@@ -71,9 +72,9 @@ def _pack_with_sglangs_kernel(template: Template, src: Any, dst: Any, n_tokens: 
     copies' pack addresses are where the kernel puts each entry; the packed pointers SGLang
     returns are checked against kvplan's before kvplan's network plan is used."""
     try:
-        rows, network = template.plan_row_gather(
+        rows, network = planned(lambda: template.plan_row_gather(
             src, dst, pack=(int(pack_buffer.get_ptr()), int(pack_buffer.get_size())),
-            n_tokens=n_tokens)
+            n_tokens=n_tokens), network=lambda answer: answer[1])
     except SizeMismatchError:
         return None
     copies = rows.copies.astype(np.int64)
@@ -196,7 +197,7 @@ def send_kvcache_dcp(
             return sglangs()  # too small a buffer, or a layout the kernel cannot gather
         plan = packed
     else:
-        plan = template.plan(src, dst, n_tokens=int(num_kv_tokens))
+        plan = planned(lambda: template.plan(src, dst, n_tokens=int(num_kv_tokens)))
     if plan.n_blocks == 0 and _own_transfer_data(self):
         return 0  # SGLang's own _transfer_data would hand the engine nothing
     return _send_all(self, mooncake_session_id, plan)  # an override sees even an empty list

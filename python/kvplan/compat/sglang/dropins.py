@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvplan.compat.sglang.layouts import _ids
+from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import (
     _ASCEND,
     _MOONCAKE,
@@ -85,10 +86,10 @@ def _send_kvcache_generic(
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
     if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
                                                None) != "INTRA_NODE_NVLINK":
-        return _send_per_pair(self, session, template.plan(src, dst), executor,
-                              through_transfer_data=True, await_with_manager=True)
+        return _send_per_pair(self, session, planned(lambda: template.plan(src, dst)),
+                              executor, through_transfer_data=True, await_with_manager=True)
     if _own_transfer_data(self):
-        return _engine_batches(self, session, template.plan(src, dst))
+        return _engine_batches(self, session, planned(lambda: template.plan(src, dst)))
     return _send_index_windows(self, session, template, src, dst)
 
 
@@ -150,7 +151,7 @@ def send_kvcache_slice(
         return -1
     template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),
                                int(dst_kv_item_len), dst_ids, g)
-    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
+    plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
     # SGLang's slice hands each layer pair to the engine itself (no ``_transfer_data``) and
     # awaits the executor's tasks with ``_await_transfer_futures``.
     if _sglang_impl(self, "_await_transfer_futures") is None:
@@ -250,7 +251,7 @@ def ascend_send_kvcache(
                                 dst_kv_item_len, dst_attn_tp_size))
     template = _positional_template(self, mooncake_session_id, f"ascend-{slicer}", src_ptrs,
                                     dst_ptrs, items, slicer)
-    plan = template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices))
+    plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
     if self.enable_custom_mem_pool:
         return _send_per_pair(self, mooncake_session_id, plan, executor,
                               through_transfer_data=True, await_with_manager=False)
@@ -274,5 +275,6 @@ def _send_mamba_state(
     session, template = _mamba_template(self, req, src_state_data_ptrs, src_state_item_lens,
                                         dst_state_data_ptrs, src_layer_ids, dst_layer_ids,
                                         dst_state_item_lens)
-    plan = template.plan_state(int(prefill_mamba_index[0]), int(dst_mamba_index[0]))
+    plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
+                                               int(dst_mamba_index[0])))
     return _send_all(self, session, plan)

@@ -15,6 +15,7 @@ from kvplan import _core
 from kvplan._core import Layout, Template
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import _ids, _unbounded
+from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_global, _sglang_method
 from kvplan.compat.sglang.submit import _blocks, _engine_batches, _status
 from kvplan.compat.sglang.seams import _own_transfer_data
@@ -231,9 +232,10 @@ def send_kvcache_staged(
     src = _as_index(prefill_kv_indices)
     try:
         # the decode's pages do not shape the network plan: the prefill's list stands in
-        staged = template.plan_staged(
+        staged = planned(lambda: template.plan_staged(
             src, src, src_staging=(int(staging_buffer.get_ptr()), int(staging_buffer.get_size())),
-            dst_staging=(int(dst_staging_ptr), int(dst_staging_size)))
+            dst_staging=(int(dst_staging_ptr), int(dst_staging_size))),
+            network=lambda plan: plan.network)
     except _core.SizeMismatchError as exc:
         if exc.kind != "staging_too_small":
             raise

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Any, cast
 
 import numpy.typing as npt
 
 from kvplan._core import Template, TransferPlan
+from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.seams import _own_transfer_data
 from kvplan.compat.sglang.settings import _max_blocks
 from kvplan.engines._base import U64, write_batches
@@ -114,13 +116,21 @@ def _send_index_windows(manager: Any, session: str, template: Template,
     each window planned on its own (SGLang's runs break at window edges too)."""
     window = manager.max_transfer_batch_indices
     if window <= 0 or src.size <= window:
-        return _status(manager._transfer_data(session, _blocks(template.plan(src, dst))))
-    for start in range(0, src.size, window):
-        part = template.plan(src[start:start + window], dst[start:start + window])
-        status = manager._transfer_data(session, _blocks(part))
-        if status != 0:
-            return _status(status)
-    return 0
+        return _status(manager._transfer_data(session,
+                                              _blocks(planned(lambda: template.plan(src, dst)))))
+    plan_s, n_blocks = 0.0, 0
+    try:
+        for start in range(0, src.size, window):
+            started = time.perf_counter()
+            part = template.plan(src[start:start + window], dst[start:start + window])
+            plan_s += time.perf_counter() - started
+            n_blocks += part.n_blocks
+            status = manager._transfer_data(session, _blocks(part))
+            if status != 0:
+                return _status(status)
+        return 0
+    finally:
+        observe(plan_s, n_blocks)  # the call's windows as one call
 
 
 def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any, *,

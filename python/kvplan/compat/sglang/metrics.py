@@ -1,0 +1,79 @@
+"""kvplan's per-call series in a SGLang server's ``/metrics``.
+
+With ``--enable-metrics`` SGLang exports Prometheus metrics in multi-process mode: its
+launcher sets ``PROMETHEUS_MULTIPROC_DIR`` before it spawns the schedulers, every process's
+``prometheus_client`` writes its samples into that directory, and the HTTP server's
+``/metrics`` merges them. kvplan's drop-ins run in the scheduler processes, so two histograms
+created there (the names, help texts and buckets of ``compat.plan_series``, as kvplan's vLLM
+connector exports them) appear in the server's ``/metrics`` next to SGLang's own:
+
+* ``kvplan:plan_time_seconds``: kvplan's planning time for one transfer call of SGLang's
+  transfer worker (a request's KV pages, a chunk of them under chunked prefill, or its state
+  slot), the hand-off to the engine not included;
+* ``kvplan:blocks_per_request``: the blocks of that call's plan, one engine descriptor each.
+
+Without SGLang's metrics (no ``PROMETHEUS_MULTIPROC_DIR``) or without ``prometheus_client``
+nothing is recorded and nothing is registered.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from kvplan.compat.plan_series import (
+    BLOCKS_BUCKETS,
+    BLOCKS_HELP,
+    BLOCKS_METRIC,
+    PLAN_TIME_BUCKETS,
+    PLAN_TIME_HELP,
+    PLAN_TIME_METRIC,
+)
+
+__all__ = ["observe", "planned"]
+
+P = TypeVar("P")
+
+_lock = threading.Lock()
+# None: not looked at yet; False: SGLang's metrics are off here; else the two histograms.
+_series: Any = None
+
+
+def _histograms() -> Any:
+    global _series
+    if _series is None:
+        with _lock:
+            if _series is None:
+                _series = _create() or False
+    return _series or None
+
+
+def _create() -> tuple[Any, Any] | None:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None  # SGLang runs without --enable-metrics: nobody reads a series
+    try:
+        from prometheus_client import Histogram
+    except ImportError:
+        return None
+    return (Histogram(PLAN_TIME_METRIC, PLAN_TIME_HELP, buckets=PLAN_TIME_BUCKETS),
+            Histogram(BLOCKS_METRIC, BLOCKS_HELP, buckets=BLOCKS_BUCKETS))
+
+
+def observe(plan_seconds: float, n_blocks: int) -> None:
+    """One transfer call's planning time and block count, when SGLang exports metrics."""
+    series = _histograms()
+    if series is not None:
+        series[0].observe(plan_seconds)
+        series[1].observe(n_blocks)
+
+
+def planned(make_plan: Callable[[], P], network: Callable[[P], Any] = lambda plan: plan) -> P:
+    """``make_plan()``'s answer, its time and its network plan's ``n_blocks`` (the plan
+    itself, or what ``network`` picks out of a staged plan or a row gather) observed as one
+    transfer call."""
+    started = time.perf_counter()
+    answer = make_plan()
+    observe(time.perf_counter() - started, int(network(answer).n_blocks))
+    return answer
