@@ -4,17 +4,24 @@
 //! per peer pair: entries paired by global layer id and validated) → per-request plans
 //! (`(src_addr, dst_addr, length)` columns) → a transfer engine.
 //!
-//! Modules form layers, each using only the ones above it: `error`, `layout`, `runs`,
-//! `pairing` → `pieces` (the address model), `groups` (layer groups) → `heads` (TP head slicing) → `check` (every rule)
-//! → `plan` (output types), `local` (local plans executed on CPU byte slices, which buffer
-//! holds a block) → `emit` and `tokens` (kernels over pieces) → `template` (build
-//! once, pick the strategy, one request path) → `pack` (a plan split into gather + network) →
-//! `staged` (a plan split into gather + network between staging regions + scatter) →
-//! `descriptors`, `digest`, `wire`, `slices` (layer-wise views of a plan, the manifest).
-//! `nixl_ids` (descriptor ids in vLLM's NIXL layout) uses only `error` and `check`.
+//! Modules form layers: a module uses only modules of the layers above its own, so none
+//! imports another in a circle. This list is the one statement of the order;
+//! `tests/module_layers.rs` reads it and fails on any `crate::` use that breaks it.
 //!
-//! `advice` (direct or staged from a request's counts and measured costs) comes after `staged`:
-//! its rule is a pure function of counts, and `Template::transfer_advice` asks `staged` for them.
+//! <!-- module layers -->
+//! 1. `error`: the one error type.
+//! 2. `layout` (a peer's buffers), `runs` (the request scan), `pairing` (entries by layer id),
+//!    `pieces` (the address model), `local` (plans on CPU byte slices).
+//! 3. `dcp` (the dealt token map), `groups` (layer groups), `heads` (TP head slicing), `plan`
+//!    (output types).
+//! 4. `check` (every rule), `emit` (the page kernels), `wire` (the binary layout encoding).
+//! 5. `tokens` (the token kernels), `nixl_ids` (descriptor ids in vLLM's NIXL layout),
+//!    `digest` (fingerprints and digests).
+//! 6. `template` (build once, pick the strategy, one request path).
+//! 7. `pack` (gather + network), `descriptors` (NIXL prepped tables), `advice` (direct or
+//!    staged), `slices` (layer-wise views, the manifest).
+//! 8. `staged` (gather + network between staging regions + scatter).
+//! <!-- end module layers -->
 #![forbid(unsafe_code)]
 
 pub mod advice;
