@@ -59,19 +59,28 @@ pub struct EntryCheck {
 /// each in layout order. [`Template::new`] fails with the first problem of this list, so a
 /// compatibility report built from it never disagrees with the template.
 pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
+    check_pairs_sliced(
+        src,
+        dst,
+        options,
+        &HeadSlicing::between(src, dst, options.replicas_send),
+    )
+}
+
+/// [`check_pairs`] with the layouts' head slicing already derived (`Template::new` derives it
+/// once and keeps it).
+pub(crate) fn check_pairs_sliced(
+    src: &Layout,
+    dst: &Layout,
+    options: TemplateOptions,
+    heads: &Result<Option<HeadSlicing>>,
+) -> Vec<EntryCheck> {
     let state_options = TemplateOptions {
         pairing: options.pairing.for_state(),
         ..options
     };
-    let heads = HeadSlicing::between(src, dst, options.replicas_send);
-    let mut checks = check_kind(src, dst, EntryKind::Page, options, &heads);
-    checks.extend(check_kind(
-        src,
-        dst,
-        EntryKind::State,
-        state_options,
-        &heads,
-    ));
+    let mut checks = check_kind(src, dst, EntryKind::Page, options, heads);
+    checks.extend(check_kind(src, dst, EntryKind::State, state_options, heads));
     checks
 }
 

@@ -3,7 +3,8 @@
 //! `emit`) or a token plan (module `tokens`). Every request goes through [`Template::prepare`].
 
 use crate::check::{
-    TemplateOptions, check_pairs, compose, entry_labels, needs_tokens, pair_fragments, pair_spec,
+    TemplateOptions, check_pairs_sliced, compose, entry_labels, needs_tokens, pair_fragments,
+    pair_spec,
 };
 use crate::error::{PlanError, Result, Side};
 use crate::groups::{LayerGroups, SliceKey, StreamFacts};
@@ -154,10 +155,14 @@ impl Template {
         geometry: &GeometryOptions,
         layer_groups: Option<&LayerGroups>,
     ) -> Result<Self> {
-        let checks = check_pairs(src, dst, options);
+        // The one head-slicing rule for page and token plans alike, derived once: the checks
+        // read it, and once they pass it is the template's.
+        let heads = HeadSlicing::between(src, dst, options.replicas_send);
+        let checks = check_pairs_sliced(src, dst, options, &heads);
         if let Some(problem) = checks.iter().find_map(|c| c.problem.clone()) {
             return Err(problem);
         }
+        let heads = heads?;
         let spec_of = |kind: EntryKind| -> Vec<PairSpec> {
             checks
                 .iter()
@@ -170,9 +175,6 @@ impl Template {
         let coalesce_keys: Vec<SliceKey> = layer_groups
             .map(|groups| stream.page_tags.iter().map(|t| groups.key(t)).collect())
             .unwrap_or_default();
-        // The one head-slicing rule for page and token plans alike; checked by `check_pairs`
-        // above, so it succeeds here.
-        let heads = HeadSlicing::between(src, dst, options.replicas_send)?;
         let by_token = needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
         let emitting: Vec<PairSpec> = page_pairs
@@ -1135,6 +1137,7 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::check::check_pairs;
     use crate::layout::LayoutContext;
     use crate::pairing::Pairing;
 

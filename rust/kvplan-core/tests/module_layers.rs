@@ -20,10 +20,10 @@ fn written_layers(lib: &str) -> BTreeMap<String, usize> {
     let mut layer = 0;
     for line in block.lines() {
         let text = line.trim_start_matches("//!").trim();
-        if let Some((number, _)) = text.split_once(". ") {
-            if let Ok(n) = number.parse::<usize>() {
-                layer = n;
-            }
+        if let Some((number, _)) = text.split_once(". ")
+            && let Ok(n) = number.parse::<usize>()
+        {
+            layer = n;
         }
         // A module is a name in backticks right at the start of an item or after "), ".
         let mut rest = text;
@@ -83,7 +83,10 @@ fn every_module_uses_only_layers_above_its_own() {
     let mut sorted_declared = declared.clone();
     sorted_declared.sort();
     listed.sort();
-    assert_eq!(listed, sorted_declared, "the layer list and the `pub mod` lines differ");
+    assert_eq!(
+        listed, sorted_declared,
+        "the layer list and the `pub mod` lines differ"
+    );
 
     let mut breaks = Vec::new();
     for module in &declared {
@@ -104,7 +107,11 @@ fn every_module_uses_only_layers_above_its_own() {
     }
     breaks.sort();
     breaks.dedup();
-    assert!(breaks.is_empty(), "module layers broken:\n{}", breaks.join("\n"));
+    assert!(
+        breaks.is_empty(),
+        "module layers broken:\n{}",
+        breaks.join("\n")
+    );
 }
 
 #[test]
@@ -117,6 +124,8 @@ fn the_layer_reader_sees_a_break() {
     assert_eq!(layers["error"], 1);
     assert_eq!(layers["layout"], 2);
     assert_eq!(layers["runs"], 2);
-    assert_eq!(crate_uses("use crate::runs::scan;\n//! [`crate::pack`]\nlet x = crate::error::E;"),
-               vec!["runs".to_string(), "error".to_string()]);
+    assert_eq!(
+        crate_uses("use crate::runs::scan;\n//! [`crate::pack`]\nlet x = crate::error::E;"),
+        vec!["runs".to_string(), "error".to_string()]
+    );
 }
