@@ -21,6 +21,7 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
+from support.sglang_loader import InlineExecutor
 from support.sglang_models import (SESSION, Deployment, engine_blocks, last_rank, load_loader,
                                    load_sglang_or_fail)
 
@@ -237,17 +238,6 @@ def test_an_object_without_instance_dict_is_accepted_as_sglang_accepts_it(sg: An
 # ---------------------------------------------------------------------------------------------
 # Real manager classes: a subclass overriding _transfer_data sees every block
 # ---------------------------------------------------------------------------------------------
-
-
-class InlineExecutor:
-    """Runs each task at once, so per-pair submissions keep a deterministic order."""
-
-    def submit(self, fn: Any, *args: Any) -> Any:
-        import concurrent.futures
-
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(fn(*args))
-        return future
 
 
 _TRACING: dict[type, type] = {}

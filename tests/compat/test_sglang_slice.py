@@ -17,6 +17,7 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
+from support.sglang_loader import InlineExecutor
 from support.sglang_models import canonical, engine_blocks, load_loader, load_sglang_or_fail
 
 SESSION = "decode-peer:1"
@@ -28,15 +29,6 @@ def sg() -> Any:
     sg = load_sglang_or_fail()
     load_loader().load_head_slicing(sg)  # compute_head_slice_params, from the wheel
     return sg
-
-
-class InlineExecutor:
-    def submit(self, fn: Any, *args: Any) -> Any:
-        import concurrent.futures
-
-        f: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        f.set_result(fn(*args))
-        return f
 
 
 def items(heads: int, tp: int, page: int, head_bytes: int) -> int:
