@@ -445,7 +445,7 @@ impl Template {
         let PlanUnit::Pages(found) = direct.unit else {
             return (n_tokens, direct);
         };
-        if found.n_pages == 0 || self.tokens.is_err() {
+        if found.n_pages == 0 || self.strategy.tokens().is_err() {
             return (None, direct);
         }
         let Some(tokens) = (src.len() as u64).checked_mul(self.page_sizes.0) else {

@@ -96,16 +96,39 @@ pub struct Template {
     /// Per page pair, its group's token pieces of each class (empty when the template cannot
     /// plan by token): what block offsets of a token plan are made of.
     pub(crate) token_groups: Vec<[usize; TOKEN_CLASSES]>,
-    /// Whole pages cannot be copied as they are (page sizes or memory orders differ).
-    pub(crate) by_token: bool,
-    /// Token pieces (module `tokens`), or why the pairs cannot be planned token by token.
-    pub(crate) tokens: Result<TokenTemplate>,
+    /// How requests are planned, chosen once at build.
+    pub(crate) strategy: Strategy,
     /// What layer-wise slicing needs (module `slices`): each page pair's layer id, role and
     /// kind, and both peers' ranks.
     pub(crate) stream: StreamFacts,
     /// Per page pair, the position of its decode entry among the decode layout's page
     /// entries, and their number: the decode staging slots of a staged plan (module `staged`).
     pub(crate) dst_slots: (Vec<usize>, usize),
+}
+
+/// How a template plans requests, chosen once when it is built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Strategy {
+    /// Whole pages are copied as they are; a request with `n_tokens` is planned by token when
+    /// the pairs can be cut into tokens (else the reason they cannot).
+    Pages { tokens: Result<TokenTemplate> },
+    /// Every request is planned by token: the layouts' tokens per page or memory orders differ.
+    Tokens(TokenTemplate),
+}
+
+impl Strategy {
+    /// Token pieces, or why the pairs cannot be planned token by token.
+    pub(crate) fn tokens(&self) -> Result<&TokenTemplate> {
+        match self {
+            Self::Pages { tokens } => tokens.as_ref().map_err(Clone::clone),
+            Self::Tokens(tokens) => Ok(tokens),
+        }
+    }
+
+    /// Whether every request is a token request.
+    pub(crate) fn by_token(&self) -> bool {
+        matches!(self, Self::Tokens(_))
+    }
 }
 
 impl Template {
@@ -222,12 +245,14 @@ impl Template {
             heads.as_ref(),
             (&labels.0, &labels.1),
         );
-        if by_token && let Err(problem) = &tokens {
-            return Err(problem.clone());
-        }
+        let strategy = match tokens {
+            Ok(tokens) if by_token => Strategy::Tokens(tokens),
+            Err(problem) if by_token => return Err(problem),
+            tokens => Strategy::Pages { tokens },
+        };
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
         let per_run_pieces = pieces.iter().filter(|p| p.per_run()).count();
-        let token_groups = match &tokens {
+        let token_groups = match strategy.tokens() {
             Ok(tokens) => token_groups(tokens, &groups),
             Err(_) => Vec::new(),
         };
@@ -268,8 +293,7 @@ impl Template {
             heads,
             page_sizes,
             token_groups,
-            by_token,
-            tokens,
+            strategy,
             stream,
         })
     }
@@ -292,7 +316,7 @@ impl Template {
             .as_ref()
             .and_then(HeadSlicing::empty_reason)
             .or_else(|| {
-                let tokens = self.tokens.as_ref().ok()?;
+                let tokens = self.strategy.tokens().ok()?;
                 tokens.empty_reason.clone()
             })
     }
@@ -513,7 +537,7 @@ impl Template {
         dst: &[D],
         n_tokens: Option<u64>,
     ) -> Result<PlanShape> {
-        if self.by_token || n_tokens.is_some() {
+        if self.strategy.by_token() || n_tokens.is_some() {
             let shape = self.prepare_tokens(src, dst, n_tokens)?;
             return Ok(PlanShape {
                 n_blocks: shape.n_blocks,
@@ -789,13 +813,13 @@ impl Template {
     /// # Errors
     /// The reason the pairs' items cannot be cut into tokens.
     pub fn token_template(&self) -> Result<&TokenTemplate> {
-        self.tokens.as_ref().map_err(Clone::clone)
+        self.strategy.tokens()
     }
 
     /// Whether every page plan of this template is a token plan: the two layouts have
     /// different tokens per page, or different memory orders ([`needs_tokens`]).
     pub fn by_token(&self) -> bool {
-        self.by_token
+        self.strategy.by_token()
     }
 
     /// Tokens per page of the source and destination layouts.
@@ -925,7 +949,7 @@ impl Template {
     pub fn count_blocks(&self, request: BlockRequest) -> Result<usize> {
         match request {
             BlockRequest::Pages { pages, runs } => {
-                if self.by_token {
+                if self.strategy.by_token() {
                     let (src, dst) = self.page_sizes;
                     return Err(PlanError::Geometry {
                         what: format!(
