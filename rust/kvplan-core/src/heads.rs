@@ -30,7 +30,7 @@
 //! ranges as one block.
 
 use crate::error::{HeadProblem, PlanError, Result, Side};
-use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
+use crate::layout::{AttentionGeometry, Layout, MemoryOrder, heads_per_rank_at};
 use crate::pieces::{Fragment, Fragments};
 
 /// How a model's KV heads are split over the prefill and the decode TP groups.
@@ -119,7 +119,7 @@ impl TpSplit {
 
     /// Heads each rank of `side` holds: `max(1, kv_heads / tp)`.
     pub fn heads_per_rank(&self, side: Side) -> u32 {
-        (self.kv_heads / self.tp(side)).max(1)
+        heads_per_rank_at(self.kv_heads, self.tp(side))
     }
 
     /// Ranks of `side` holding each head: `max(1, tp / kv_heads)` (1 = not replicated).
