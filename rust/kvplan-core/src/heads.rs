@@ -606,6 +606,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn heads_per_rank_is_the_split_and_the_layout_default() {
+        for h in [1u32, 2, 4, 8, 16] {
+            for tp in [1u32, 2, 4, 8] {
+                let per = heads_per_rank_at(h, tp);
+                assert_eq!(per, (h / tp).max(1));
+                let split = TpSplit::new(h, tp, 1).unwrap();
+                assert_eq!(split.heads_per_rank(Side::Src), per);
+                let g = AttentionGeometry::for_rank(h, 1, 1, tp, None, None);
+                assert_eq!(g.heads_per_rank, per);
+            }
+        }
+        assert_eq!(heads_per_rank_at(8, 0), 8, "an unset TP size counts as 1");
+    }
+
+    #[test]
     fn every_decode_head_has_exactly_one_sender() {
         for h in [1u32, 2, 4, 8, 16] {
             for tp_p in [1u32, 2, 4, 8] {

@@ -231,10 +231,12 @@ def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
     if heads <= 0:
         heads = int(kv_args.kv_head_num) * int(manager.attn_tp_size)
     tp_d = int(dst_attn_tp_size)
-    dst_hpr = max(1, heads // tp_d)
+    # SGLang's split of heads over ranks is kvplan's core's (``max(1, heads // tp)``).
+    dst_hpr = _core.heads_per_rank(heads, tp_d)
     tp_p = int(manager.attn_tp_size)
     return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
-                r_d=int(dst_tp_rank) % tp_d, page=page, src_hpr=max(1, heads // tp_p),
+                r_d=int(dst_tp_rank) % tp_d, page=page,
+                src_hpr=_core.heads_per_rank(heads, tp_p),
                 dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
 
 
