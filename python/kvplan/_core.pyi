@@ -38,6 +38,7 @@ __all__ = [
     "combine_pair_digests",
     "copy_local",
     "group_contiguous",
+    "heads_per_rank",
     "index_array",
     "index_digest",
     "legacy_pp_pairs",
@@ -703,6 +704,11 @@ class TpPeers:
     def is_sender(self) -> bool: ...
     def heads_with(self, peer: int) -> tuple[int, int] | None: ...
     def reason(self, peer: int) -> str | None: ...
+
+def heads_per_rank(kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank holds with ``kv_heads`` model heads over ``tp_size`` ranks:
+    ``max(1, kv_heads // tp_size)`` (a TP size of 0 counts as 1); what layouts default
+    ``heads_per_rank`` to and what :func:`tp_peers` splits by."""
 
 def tp_peers(
     kv_heads: int,

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvplan._core import KvPlanError, Layout
+from kvplan._core import KvPlanError, Layout, heads_per_rank
 
 __all__ = ["PRESETS", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset", "split_layers"]
 
@@ -108,8 +108,9 @@ class ModelPreset:
                            self.description, self.kv_heads, self.head_dim, self.dtype_size)
 
     def heads_per_rank(self, tp_size: int) -> int:
-        """KV heads each rank holds at TP size ``tp_size``: ``max(1, kv_heads // tp_size)``."""
-        return max(1, self.kv_heads // tp_size)
+        """KV heads each rank holds at TP size ``tp_size`` (the core's split,
+        :func:`kvplan._core.heads_per_rank`: ``max(1, kv_heads // tp_size)``)."""
+        return heads_per_rank(self.kv_heads, tp_size)
 
     def geometry(self, tp_size: int = 1, memory_order: str = "NHD") -> dict[str, Any]:
         """The attention-geometry keywords of a layout at TP size ``tp_size`` (``kv_heads``,

@@ -64,6 +64,20 @@ def test_explain_refuses_a_request_that_cannot_fit_before_allocating(
                           "lower --pages")
 
 
+def test_explain_refuses_blocks_that_cannot_fit_by_the_cores_count(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index arrays of 100,000 pages fit in 128 MiB, the core's 6,100,000 blocks of the
+    fully fragmented DeepSeek-V3 request (61 layers x 100,000 runs) do not: refused before
+    planning, naming the core's count."""
+    from kvplan import _cli_args
+
+    monkeypatch.setattr(_cli_args, "available_memory", lambda: 256 << 20)
+    rc, out, err = _run(capsys, "explain", "--preset", "deepseek-v3", "--pages", "100000",
+                        "--fragmentation", "1")
+    _one_line_usage_error(rc, out, err, "kvplan explain: ", "--pages 100,000",
+                          "6,100,000 blocks", "lower --pages")
+
+
 def test_explain_refuses_an_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "explain", "--preset", "deepseek-v3", "--backend", "acsend")
     _one_line_usage_error(rc, out, err, "kvplan explain: ", "--backend", "'acsend'", "ascend")

@@ -252,7 +252,8 @@ def test_bad_layout_field_is_one_line_exit_2(capsys, tmp_path, side, data, needl
     (b"{not json", "not a valid JSON file"),
     (b"[" * 100_000 + b"]" * 100_000, "not a valid JSON file"),  # RecursionError
     (b"\xff\xfe\x00garbage", "not a valid JSON file"),
-    (b'{"version": 1, "page_size": NaN}', "page_size"),
+    (b'{"version": NaN}', "version must be an int in 0..2**16, got nan"),
+    (b'{"version": 1, "page_size": NaN}', 'no "data_ptrs" key'),  # the first field missing
 ])
 def test_unreadable_layout_file_is_one_line_exit_2(capsys, tmp_path, content, needle) -> None:
     bad = tmp_path / "bad.json"

@@ -202,3 +202,28 @@ def test_slice_refuses_where_sglang_writes_wrong_bytes(sg: Any) -> None:
     # A prefill page past the prefill buffer.
     orig, new = both(sg, heads=8, tp_p=4, r_p=1, tp_d=2, r_d=0, src=[CAP], dst=[2])
     assert new[0] == "raise" and isinstance(new[1], kvplan.IndexBoundsError)
+
+
+def test_a_replica_plans_as_the_cores_elected_holder_of_its_heads() -> None:
+    """A prefill rank holding replicated heads plans as the rank the core elects to send the
+    decode rank those heads (``tp_peers``): the holder in the same group of replicas whose rank
+    matches the decode rank modulo the replica count, and itself for heads the decode rank does
+    not hold (the template is empty and says so)."""
+    from kvplan.compat.sglang.templates import _as_elected_replica
+
+    checked = 0
+    for heads in (1, 2, 4, 8):
+        for tp_p in (1, 2, 4, 8, 16):
+            for tp_d in (1, 2, 4, 8, 16):
+                replicas = max(1, tp_p // heads)
+                for r_p in range(tp_p):
+                    mine = kvplan.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p).heads
+                    for r_d in range(tp_d):
+                        start, stop = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d).heads
+                        got = _as_elected_replica(r_p, r_d, heads, tp_p, tp_d)
+                        if start <= mine[0] and mine[1] <= stop:
+                            assert got == r_p // replicas * replicas + r_d % replicas
+                            checked += 1
+                        else:
+                            assert got == r_p
+    assert checked > 500

@@ -172,6 +172,78 @@ def test_send_blocks_batches_arrays_and_records_stats(v, patched):
     assert path == "lists" and "RecordingEngine" in why
 
 
+class _RecordingNative:
+    """Stands in for the native Mooncake hand-off: records each batch written (as the array
+    views it was given) and fails the batches listed in ``fail`` as the binding does."""
+
+    def __init__(self, fail=()):
+        self.calls: list[tuple] = []
+        self.fail = set(fail)
+
+    def write(self, session, src, dst, lengths, timeout_s):
+        self.calls.append((session, src, dst, lengths))
+        if len(self.calls) - 1 in self.fail:
+            raise RuntimeError("batch refused")
+
+
+def _one_block_worker(v, patched, engine):
+    return make_worker(v, patched, tp_rank=0, tp_size=1, use_mla=True, total_kv_heads=1,
+                       group_specs=[v.kvi.MLAAttentionSpec(block_size=16, num_kv_heads=1,
+                                                           head_size=8, dtype=None)],
+                       layer_groups={"model.layers.0.attn": 0},
+                       regions=[(0x1000, 64, 64, "model.layers.0.attn", 0, 0)],
+                       buffers=[(0x1000, 64 * 4096)], engine=engine)
+
+
+def test_send_blocks_native_batches_stop_at_the_first_failure(v, patched, monkeypatch):
+    """The native path: batches of at most the cap, as views of the plan's columns, in order;
+    the first failed batch's status (-1) is returned and nothing after it is written."""
+    from kvplan.compat import vllm as compat
+
+    w = _one_block_worker(v, patched, RecordingEngine())
+    w.kvplan_max_blocks_per_batch = 3
+    src = np.arange(8, dtype=np.uint64) * 128 + 0x1000
+    lengths = np.full(8, 64, np.uint64)
+    native = _RecordingNative()
+    monkeypatch.setattr(compat, "_native", lambda worker: native)
+    assert patched._send_blocks(w, "peer:1", src, src + 0x100000, lengths) == 0
+    assert [len(c[1]) for c in native.calls] == [3, 3, 2]
+    assert all(np.shares_memory(c[1], src) for c in native.calls)  # views, not copies
+    assert np.concatenate([c[2] for c in native.calls]).tolist() == (src + 0x100000).tolist()
+    assert compat.handoff(w)[0] == "native" and w.xfer_stats.ok[-1]["num_descs"] == 8
+    native = _RecordingNative(fail={1})
+    assert patched._send_blocks(w, "peer:1", src, src, lengths) == -1
+    assert [len(c[1]) for c in native.calls] == [3, 3] and w.xfer_stats.failed == 1
+    native = _RecordingNative()
+    assert patched._send_blocks(w, "peer:1", src[:3], src[:3], lengths[:3]) == 0
+    assert [len(c[1]) for c in native.calls] == [3]  # one batch: the columns as they are
+    native = _RecordingNative()
+    empty = np.zeros(0, np.uint64)
+    assert patched._send_blocks(w, "peer:1", empty, empty, empty) == 0
+    assert native.calls == []  # an empty plan is no native call
+
+
+def test_send_blocks_list_path_statuses_and_empty_call(v, patched):
+    """The list path: vLLM's own lists pass through unsliced when they fit; a failed batch's
+    status is returned as the engine gave it and later batches are not sent; empty columns
+    are still one engine call, as vLLM's ``_send_blocks`` makes it."""
+    engine = RecordingEngine()
+    w = _one_block_worker(v, patched, engine)
+    w.kvplan_max_blocks_per_batch = 2
+    src, dst, lens = [0x1000, 0x1080], [0x2000, 0x2080], [64, 64]
+    assert patched._send_blocks(w, "peer:1", src, dst, lens) == 0
+    assert engine.calls == [("peer:1", src, dst, lens)]
+    engine.calls.clear()
+    engine.ret = 7
+    assert patched._send_blocks(w, "peer:1", src * 2 + src[:1], dst * 2 + dst[:1],
+                                lens * 2 + lens[:1]) == 7
+    assert len(engine.calls) == 1
+    engine.calls.clear()
+    engine.ret = 0
+    assert patched._send_blocks(w, "peer:1", [], [], []) == 0
+    assert engine.calls == [("peer:1", [], [], [])]
+
+
 def test_connector_through_vllms_factory(v):
     """vLLM's own KVConnectorFactory loads the class by module path and name, checks the
     three-argument constructor and HMA support, and constructs it."""

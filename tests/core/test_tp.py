@@ -41,6 +41,21 @@ def test_head_sliced_bytes(order: str, heads: int, tp_p: int, tp_d: int) -> None
             assert t.empty_reason is None and r_d in mine.send_to
 
 
+@pytest.mark.parametrize("heads", [1, 2, 8, 16])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_heads_per_rank_is_the_split_tp_peers_and_layouts_use(heads: int, tp: int) -> None:
+    """``_core.heads_per_rank`` (what Python sizes a rank's items with) is the width of the
+    heads ``tp_peers`` gives every rank and the ``heads_per_rank`` a layout defaults to."""
+    per = kvplan._core.heads_per_rank(heads, tp)
+    assert per == max(1, heads // tp)
+    for r in range(tp):
+        start, stop = kvplan.tp_peers(heads, tp, 1, prefill_rank=r).heads
+        assert stop - start == per
+    layout = kvplan.Layout([0x1000], [4096], 64, kv_heads=heads, head_dim=1, dtype_size=1,
+                           tp_size=tp)
+    assert layout.heads_per_rank == per
+
+
 def test_tp_peers_words_and_election() -> None:
     p = kvplan.tp_peers(8, 8, 2, decode_rank=1)
     assert (p.side, p.rank, p.heads, p.peers, p.receive_from) == ("decode", 1, (4, 8),

@@ -104,6 +104,33 @@ def test_from_dict_rejects_bad_documents() -> None:
         kvplan.Layout.from_dict({**good, "item_lens": [64]})
 
 
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("version", "2", "field version must be an int in 0..2**16, got '2'"),
+    ("data_ptrs", None, "field data_ptrs must be a list, each entry an int in 0..2**64, got None"),
+    ("data_ptrs", [1, "0x10"], "field data_ptrs[1] must be an int in 0..2**64, got '0x10'"),
+    ("data_lens", [True], "field data_lens[0] must be an int in 0..2**64, got True"),
+    ("item_lens", [2**64], f"field item_lens[0] must be an int in 0..2**64, got {2**64}"),
+    ("layer_ids", [2**63], f"field layer_ids[0] must be a 64-bit int or null, got {2**63}"),
+    ("roles", [5], "field roles[0] must be a str or null, got 5"),
+    ("kinds", "page", "field kinds must be a list, each entry a str, got 'page'"),
+    ("drafts", [1], "field drafts[0] must be a bool, got 1"),
+    ("page_size", True, "page_size must be an int in 0..2**64, got True"),
+    ("pp_rank", "a" * 1000, "pp_rank must be an int in 0..2**32, got 'aaaa"),
+])
+def test_from_dict_names_the_bad_field_entry_and_value(field: str, value: object,
+                                                       needle: str) -> None:
+    """The bindings convert a layout document field by field: a bad value is one TypeError
+    naming the field, the entry and the value (cut when long), whatever reads the document."""
+    good = sample_layouts()[0].to_dict()
+    n = len(good["data_ptrs"])
+    if isinstance(value, list) and len(value) < n and field not in ("data_ptrs",):
+        value = value + good[field][len(value):]
+    with pytest.raises(TypeError) as info:
+        kvplan.Layout.from_dict({**good, field: value})
+    assert needle in str(info.value)
+    assert len(str(info.value)) < 200
+
+
 def test_a_repeated_attention_geometry_extension_is_refused() -> None:
     """Two 0x8001 extensions in the context used to decode (the last won) and re-encode to
     different bytes; a tag appears at most once per extension list."""

@@ -60,6 +60,7 @@ import kvplan
 from kvplan._core import index_array
 from kvplan.compat import vllm_metrics, vllm_nixl
 from kvplan.compat._methods import MethodPatches
+from kvplan.engines._base import U64, write_batches
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
@@ -413,38 +414,35 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
 
 def _list_batches(engine: Any, session: str, src: list[int], dst: list[int],
                   lens: list[int], cap: int) -> int:
-    """The lists to ``engine.batch_transfer_sync_write`` in slices of at most ``cap``; the
-    first non-zero status is returned and later slices are not sent."""
-    n = len(src)
-    if n <= cap:
-        return int(engine.batch_transfer_sync_write(session, src, dst, lens))
-    ret = 0
-    for lo in range(0, n, cap):
-        hi = lo + cap
-        ret = engine.batch_transfer_sync_write(session, src[lo:hi], dst[lo:hi], lens[lo:hi])
-        if ret != 0:
-            break
+    """The lists to ``engine.batch_transfer_sync_write`` in slices of at most ``cap``
+    (:func:`~kvplan.engines._base.write_batches`); the first non-zero status is returned and
+    later slices are not sent. Empty lists are still one call, as vLLM's ``_send_blocks``
+    makes it."""
+
+    def write(index: int, s: list[int], d: list[int], n: list[int]) -> Any:
+        return engine.batch_transfer_sync_write(session, s, d, n)
+
+    _, ret = write_batches(src, dst, lens, cap, write, call_empty=True)
     return int(ret)
 
 
 def _native_batches(native: Any, session: str, src: np.ndarray, dst: np.ndarray,
                     lengths: np.ndarray, cap: int) -> int:
     """The columns through the native batch API in slices of at most ``cap`` blocks (views,
-    not copies), each written and waited on before the next; the first failure is returned
-    as Mooncake's binding reports it (-1) and later slices are not sent."""
+    not copies; :func:`~kvplan.engines._base.write_batches`), each written and waited on before
+    the next; the first failure is returned as Mooncake's binding reports it (-1) and later
+    slices are not sent. An empty plan is no call."""
     from kvplan.engines.mooncake import _transfer_timeout_s, native_write
 
-    src = np.ascontiguousarray(src, dtype=np.uint64)
-    dst = np.ascontiguousarray(dst, dtype=np.uint64)
-    lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
     timeout_s = _transfer_timeout_s()
-    n = len(src)
-    for lo in range(0, n, cap):
-        hi = lo + cap
-        ret = native_write(native, session, src[lo:hi], dst[lo:hi], lengths[lo:hi], timeout_s)
-        if ret != 0:
-            return ret
-    return 0
+
+    def write(index: int, s: U64, d: U64, n: U64) -> int:
+        return native_write(native, session, s, d, n, timeout_s)
+
+    _, ret = write_batches(np.ascontiguousarray(src, dtype=np.uint64),
+                           np.ascontiguousarray(dst, dtype=np.uint64),
+                           np.ascontiguousarray(lengths, dtype=np.uint64), cap, write)
+    return ret
 
 
 #: Worker attributes: the native hand-off bound to the worker's engine (``(engine, native or

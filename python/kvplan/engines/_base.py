@@ -715,18 +715,28 @@ class Transport:
         return err
 
 
-def write_batches(src: U64, dst: U64, lengths: U64, bound: int | None,
-                  write: Callable[[int, U64, U64, U64], S]) -> tuple[int, S | int]:
+#: What :func:`write_batches` cuts: uint64 array views, or Python lists (vLLM's list path
+#: converts each column once and slices the lists).
+C = TypeVar("C", U64, list[int])
+
+
+def write_batches(src: C, dst: C, lengths: C, bound: int | None,
+                  write: Callable[[int, C, C, C], S], *,
+                  call_empty: bool = False) -> tuple[int, S | int]:
     """The one batching loop: ``write(index, src, dst, lengths)`` for each batch of at most
-    ``bound`` blocks (array views, no copy), in order, stopping at the first non-zero status.
+    ``bound`` blocks (slices: views of arrays, no copy), in order, stopping at the first
+    non-zero status: later batches are not written.
+
+    An empty plan is no call, unless ``call_empty`` (one call with the empty columns, as
+    vLLM's ``_send_blocks`` hands its engine whatever it was given).
 
     Returns ``(batches handed to write, status)``: the status is 0 when every batch was
     written, else the failed batch's (the last one handed over), unchanged.
     """
     n = len(src)
-    if n == 0:
+    if n == 0 and not call_empty:
         return 0, 0  # empty engine calls are skipped
-    if bound is None or n <= bound:  # one batch (the common case): the arrays as they are
+    if bound is None or n <= bound:  # one batch (the common case): the columns as they are
         status = write(0, src, dst, lengths)
         return 1, (status if status != 0 else 0)
     count = 0

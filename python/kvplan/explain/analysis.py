@@ -182,7 +182,7 @@ def explain(
             f"{','.join(f'S{k}' for k in range(len(prefills)))} (one value per stage, "
             f"in stage order)")
 
-    _check_request_fits(pages, max(1, len(decode)), fragmentation)
+    _check_request_fits(pages, fragmentation)
     src_pages = np.arange(pages, dtype=np.int64)
     page_size = decode.page_size
     # Different page sizes: ``pages`` prefill pages are a number of tokens, and the decode holds
@@ -218,6 +218,7 @@ def explain(
                                       report, list(report.reasons)))
             continue
         template = choice.template(src, decode, prefill_start_layer=start)
+        _check_blocks_fit(template, pages, len(run_lengths), fragmentation)
         for side, peer, idx in (("prefill", src, src_pages), ("decode", decode, dst_pages)):
             caps = _live_capacities(peer, "page")
             if caps and int(idx.max()) >= min(caps):
@@ -270,20 +271,41 @@ _BYTES_PER_PAGE = 8 * 8
 _BYTES_PER_BLOCK = 2 * 3 * 8
 
 
-def _check_request_fits(pages: int, entries: int, fragmentation: float) -> None:
-    """Refuse up front a request whose arrays cannot fit in memory, with the estimate, instead
-    of growing until the kernel kills the process. Blocks are at most one per run per entry."""
-    runs = 1 + round(fragmentation * (pages - 1))
-    need = _BYTES_PER_PAGE * pages + _BYTES_PER_BLOCK * entries * runs
+def _check_request_fits(pages: int, fragmentation: float) -> None:
+    """Refuse up front a request whose index arrays cannot fit in memory, with the estimate,
+    instead of growing until the kernel kills the process (its blocks are checked per stage,
+    once the core can count them: :func:`_check_blocks_fit`)."""
+    _refuse_if_too_big(pages, fragmentation, _BYTES_PER_PAGE * pages, "")
+
+
+def _check_blocks_fit(template: Any, pages: int, runs: int, fragmentation: float) -> None:
+    """Refuse, before planning, a stage whose blocks cannot fit in memory; the blocks are the
+    core's count for the request's shape (a token plan: with no two pages consecutive when the
+    request is fragmented, the most it can cost)."""
+    if template.by_token:
+        blocks = int(template.n_token_blocks(_request_tokens(template, pages),
+                                             fragmented=runs > 1))
+    else:
+        blocks = int(template.n_blocks_for(pages, runs))
+    _refuse_if_too_big(pages, fragmentation, _BYTES_PER_PAGE * pages + _BYTES_PER_BLOCK * blocks,
+                       f" and {blocks:,} blocks")
+
+
+def _refuse_if_too_big(pages: int, fragmentation: float, need: int, blocks: str) -> None:
     from kvplan._cli_args import available_memory
 
     free = available_memory()
     if free is not None and need > free // 2:
         raise ValueError(
             f"--pages {pages:,} at --fragmentation {fragmentation:g} needs about "
-            f"{need / 2**30:,.1f} GiB for the request's index arrays and up to "
-            f"{entries * runs:,} blocks, more than half of the {free / 2**30:,.1f} GiB this "
-            f"process can still use: lower --pages or --fragmentation")
+            f"{need / 2**30:,.1f} GiB for the request's index arrays{blocks}, more than half of "
+            f"the {free / 2**30:,.1f} GiB this process can still use: lower --pages or "
+            f"--fragmentation")
+
+
+def _request_tokens(template: Any, pages: int) -> int:
+    """Tokens of a request of ``pages`` full prefill pages (what a token plan is counted in)."""
+    return pages * int(template.page_sizes[0])
 
 
 def _pair_bytes(plan: Any) -> list[int]:
@@ -377,7 +399,7 @@ def _layers_text(layout: Any, start: int | None = None) -> str:
 def _contiguous_blocks(template: Any, pages: int) -> int:
     """Page blocks of the same request in one run (pages consecutive on both sides)."""
     if template.by_token:  # different page sizes: count by the request's tokens
-        return int(template.n_token_blocks(pages * template.page_sizes[0]))
+        return int(template.n_token_blocks(_request_tokens(template, pages)))
     return int(template.n_blocks_for(pages, 1))
 
 
@@ -393,6 +415,8 @@ def _plan_warnings(e: Explanation) -> list[str]:
                    f"consecutive on both sides")
     elif runs > 1 and page_blocks > contiguous:
         what = "fully fragmented" if runs == e.pages else "fragmented"
+        # Both counts are the core's; their ratio only picks the wording (every block a whole
+        # run, or some pieces per page).
         if page_blocks == runs * contiguous:
             out.append(f"destination {what}: {runs}× more blocks than contiguous "
                        f"({runs:,} runs for {e.pages:,} pages; one block per run per "

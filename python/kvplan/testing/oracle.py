@@ -72,7 +72,8 @@ class Memory:
 
 
 def rank_heads(kv_heads: int, tp_size: int, tp_rank: int) -> range:
-    """The model KV heads rank ``tp_rank`` of ``tp_size`` holds."""
+    """The model KV heads rank ``tp_rank`` of ``tp_size`` holds (written out here, not asked
+    of the core: the oracle is the independent reference the core is checked against)."""
     if kv_heads >= tp_size:
         per = kv_heads // tp_size
         return range(tp_rank * per, (tp_rank + 1) * per)
@@ -121,6 +122,8 @@ class _Side:
         if geometry:
             kv_heads, tp = int(layout.kv_heads or 0), layout.tp_size
             self.first = rank_heads(kv_heads, tp, layout.tp_rank).start
+            # The oracle derives the head split on its own, from the published geometry: it is
+            # the independent reference the core's plans are checked against.
             self.heads = int(layout.heads_per_rank or max(1, kv_heads // tp))
             self.head_bytes = int(layout.head_dim or 0) * int(layout.dtype_size or 0)
             self.head_major = layout.memory_order == "HND"

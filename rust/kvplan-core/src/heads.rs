@@ -30,7 +30,7 @@
 //! ranges as one block.
 
 use crate::error::{HeadProblem, PlanError, Result, Side};
-use crate::layout::{AttentionGeometry, Layout, MemoryOrder};
+use crate::layout::{AttentionGeometry, Layout, MemoryOrder, heads_per_rank_at};
 use crate::pieces::{Fragment, Fragments};
 
 /// How a model's KV heads are split over the prefill and the decode TP groups.
@@ -119,7 +119,7 @@ impl TpSplit {
 
     /// Heads each rank of `side` holds: `max(1, kv_heads / tp)`.
     pub fn heads_per_rank(&self, side: Side) -> u32 {
-        (self.kv_heads / self.tp(side)).max(1)
+        heads_per_rank_at(self.kv_heads, self.tp(side))
     }
 
     /// Ranks of `side` holding each head: `max(1, tp / kv_heads)` (1 = not replicated).
@@ -604,6 +604,21 @@ fn geometry(what: String) -> PlanError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heads_per_rank_is_the_split_and_the_layout_default() {
+        for h in [1u32, 2, 4, 8, 16] {
+            for tp in [1u32, 2, 4, 8] {
+                let per = heads_per_rank_at(h, tp);
+                assert_eq!(per, (h / tp).max(1));
+                let split = TpSplit::new(h, tp, 1).unwrap();
+                assert_eq!(split.heads_per_rank(Side::Src), per);
+                let g = AttentionGeometry::for_rank(h, 1, 1, tp, None, None);
+                assert_eq!(g.heads_per_rank, per);
+            }
+        }
+        assert_eq!(heads_per_rank_at(8, 0), 8, "an unset TP size counts as 1");
+    }
 
     #[test]
     fn every_decode_head_has_exactly_one_sender() {

@@ -77,6 +77,15 @@ impl MemoryOrder {
     }
 }
 
+/// KV heads one rank holds when a model's `total_kv_heads` are split over `tp_size` ranks:
+/// `max(1, total_kv_heads / tp_size)` (heads divided over the ranks, one head replicated over
+/// several ranks when there are fewer heads than ranks). The one place of the rule: layouts
+/// default to it, [`TpSplit`](crate::TpSplit) splits by it, and Python reads it through the
+/// bindings. A TP size of 0 (unset) counts as 1.
+pub fn heads_per_rank_at(total_kv_heads: u32, tp_size: u32) -> u32 {
+    (total_kv_heads / tp_size.max(1)).max(1)
+}
+
 /// The attention geometry of a peer's KV items: what a receiver must know to slice heads when
 /// the two sides use different tensor-parallel sizes (tokens per page is the context's
 /// `page_size`). For MLA the latent is one "head" of `head_dim` elements, replicated on every
@@ -109,7 +118,7 @@ impl AttentionGeometry {
     ) -> Self {
         Self {
             total_kv_heads,
-            heads_per_rank: heads_per_rank.unwrap_or((total_kv_heads / tp_size.max(1)).max(1)),
+            heads_per_rank: heads_per_rank.unwrap_or(heads_per_rank_at(total_kv_heads, tp_size)),
             head_dim,
             dtype_size,
             memory_order: memory_order.unwrap_or(MemoryOrder::Nhd),

@@ -60,6 +60,7 @@ pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};
 pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_writer};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
+    heads_per_rank_at,
 };
 pub use local::{RegionMut, check_local_buffers, copy_local};
 pub use nixl_ids::{BlockScale, DescIdRequest, SHARED_REGION_GROUP, desc_ids};

@@ -66,6 +66,14 @@ pub fn tp_peers(
     })
 }
 
+/// KV heads one rank holds with `kv_heads` model heads over `tp_size` ranks (the core's
+/// `heads_per_rank_at`: `max(1, kv_heads // tp_size)`), for Python code that sizes a rank's
+/// items before it has a layout.
+#[pyfunction]
+pub fn heads_per_rank(kv_heads: u32, tp_size: u32) -> u32 {
+    kvplan_core::heads_per_rank_at(kv_heads, tp_size)
+}
+
 #[pymethods]
 impl PyTpPeers {
     /// `"prefill"` or `"decode"`: the side `rank` belongs to.

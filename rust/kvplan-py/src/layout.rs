@@ -4,10 +4,10 @@
 use kvplan_core::{EntryKind, Layout, LayoutParts};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
 
 use crate::errors::{KvPlanError, to_py_err};
-use crate::options::{context_from, strides_arg};
+use crate::options::{context_from, short_repr, strides_arg};
 
 /// Bytes per item: one value for every entry, or one per entry.
 pub(crate) enum ItemLens {
@@ -31,6 +31,78 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ItemLens {
             obj.repr()?
         )))
     }
+}
+
+/// What an entry of an unsigned 64-bit list field must be.
+const U64: &str = "an int in 0..2**64";
+
+/// An int that is not a bool (JSON `true` is not a pointer).
+fn plain_int(obj: &Bound<'_, PyAny>) -> bool {
+    obj.cast::<PyInt>().is_ok() && obj.cast::<PyBool>().is_err()
+}
+
+fn u64_value(obj: &Bound<'_, PyAny>) -> Option<u64> {
+    plain_int(obj).then(|| obj.extract().ok()).flatten()
+}
+
+/// Layout dict field `key` holding one value, or a `TypeError` naming the field and the value.
+fn field_value<T>(
+    key: &str,
+    obj: &Bound<'_, PyAny>,
+    must: &str,
+    convert: &dyn Fn(&Bound<'_, PyAny>) -> Option<T>,
+) -> PyResult<T> {
+    convert(obj).ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "layout dict field {key} {must}, got {}",
+            short_repr(obj)
+        ))
+    })
+}
+
+/// Layout dict field `key` as a list of `what`, converted entry by entry: a `TypeError` names
+/// the field, and the entry and its value when one entry is bad.
+fn field_list<T>(
+    key: &str,
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    convert: &dyn Fn(&Bound<'_, PyAny>) -> Option<T>,
+) -> PyResult<Vec<T>> {
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = obj.cast::<PyList>() {
+        list.iter().collect()
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        tuple.iter().collect()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "layout dict field {key} must be a list, each entry {what}, got {}",
+            short_repr(obj)
+        )));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(k, item)| {
+            convert(item).ok_or_else(|| {
+                PyTypeError::new_err(format!(
+                    "layout dict field {key}[{k}] must be {what}, got {}",
+                    short_repr(item)
+                ))
+            })
+        })
+        .collect()
+}
+
+/// [`field_list`] for a field that may also be null (not published).
+fn nullable_list<T>(
+    key: &str,
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    convert: &dyn Fn(&Bound<'_, PyAny>) -> Option<T>,
+) -> PyResult<Option<Vec<T>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    field_list(key, obj, what, convert).map(Some)
 }
 
 impl ItemLens {
@@ -405,7 +477,9 @@ impl PyLayout {
     fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Self> {
         let data = data.copy()?;
         let version: u16 = match data.get_item("version")? {
-            Some(v) => v.extract()?,
+            Some(v) => field_value("version", &v, "must be an int in 0..2**16", &|o| {
+                plain_int(o).then(|| o.extract().ok()).flatten()
+            })?,
             None => return Err(KvPlanError::new_err("layout dict has no \"version\" key")),
         };
         if version != kvplan_core::wire::WIRE_VERSION
@@ -436,15 +510,41 @@ impl PyLayout {
             }
             Ok(value)
         };
-        let drafts: Option<Vec<bool>> = optional("drafts")?.map(|v| v.extract()).transpose()?;
+        let drafts = match optional("drafts")? {
+            Some(v) if !v.is_none() => Some(field_list("drafts", &v, "a bool", &|o| {
+                o.cast::<PyBool>().ok().map(PyBoolMethods::is_true)
+            })?),
+            _ => None,
+        };
         let strides = optional("strides")?;
+        // Each field is converted here, element by element, so that a bad document is refused
+        // naming the field, the entry and the value (PyO3's own conversion errors name none).
+        let item_lens = if items.cast::<PyList>().is_ok() || items.cast::<PyTuple>().is_ok() {
+            ItemLens::Many(field_list("item_lens", &items, U64, &u64_value)?)
+        } else {
+            items.extract()?
+        };
         Self::new(
-            ptrs.extract()?,
-            lens.extract()?,
-            items.extract()?,
-            ids.extract()?,
-            roles.extract()?,
-            kinds.extract()?,
+            field_list("data_ptrs", &ptrs, U64, &u64_value)?,
+            field_list("data_lens", &lens, U64, &u64_value)?,
+            item_lens,
+            nullable_list("layer_ids", &ids, "a 64-bit int or null", &|o| {
+                if o.is_none() {
+                    Some(None)
+                } else {
+                    plain_int(o)
+                        .then(|| o.extract::<i64>().ok().map(Some))
+                        .flatten()
+                }
+            })?,
+            nullable_list("roles", &roles, "a str or null", &|o| {
+                if o.is_none() {
+                    Some(None)
+                } else {
+                    o.extract::<String>().ok().map(Some)
+                }
+            })?,
+            nullable_list("kinds", &kinds, "a str", &|o| o.extract::<String>().ok())?,
             drafts,
             strides.as_ref(),
             Some(&data),

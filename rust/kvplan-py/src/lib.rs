@@ -34,7 +34,7 @@ mod _core {
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
     };
     #[pymodule_export]
-    use crate::heads::{PyTpPeers, tp_peers};
+    use crate::heads::{PyTpPeers, heads_per_rank, tp_peers};
     #[pymodule_export]
     use crate::ids::index_array;
     #[pymodule_export]

@@ -8,7 +8,7 @@ use kvplan_core::{
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict};
 
 use crate::errors::to_py_err;
 use crate::pairing::{PyPairing, parse_legacy_kind};
@@ -137,6 +137,19 @@ pub(crate) fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyRes
 }
 
 /// Reads the peer context from keyword arguments, rejecting unknown keys.
+/// `repr(obj)`, cut to a readable length for an error message.
+pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
+    const MAX: usize = 60;
+    let text = obj
+        .repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string());
+    if text.chars().count() <= MAX {
+        return text;
+    }
+    let cut: String = text.chars().take(MAX).collect();
+    format!("{cut}…")
+}
+
 pub(crate) fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let mut context = LayoutContext::default();
     let Some(kwargs) = kwargs else {
@@ -147,20 +160,23 @@ pub(crate) fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Layou
         let key: String = key.extract()?;
         // Name the keyword and its range in the message (PyO3's OverflowError names neither).
         let field = |range: &str| {
-            PyTypeError::new_err(format!(
-                "{key} must be {range}, got {}",
-                value.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
+            PyTypeError::new_err(format!("{key} must be {range}, got {}", short_repr(&value)))
         };
+        // A bool is an int to Python, never a count or a rank (a JSON `true` is a mistake).
+        let is_bool = value.cast::<PyBool>().is_ok();
         let u64_field = || {
             value
                 .extract::<u64>()
-                .map_err(|_| field("an int in 0..2**64"))
+                .ok()
+                .filter(|_| !is_bool)
+                .ok_or_else(|| field("an int in 0..2**64"))
         };
         let u32_field = || {
             value
                 .extract::<u32>()
-                .map_err(|_| field("an int in 0..2**32"))
+                .ok()
+                .filter(|_| !is_bool)
+                .ok_or_else(|| field("an int in 0..2**32"))
         };
         // The attention keywords accept None ("not published"), as from_dict writes them.
         let optional_u32 = || -> PyResult<Option<u32>> {

@@ -99,8 +99,9 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     if not every_writer:
         # A replica plans as the elected holder of its heads: same bytes, and (one writer per
         # region here) the same share.
-        r_p = _as_elected_replica(r_p, int(decode_rank) % tp_d, heads, tp_p)
-    src_hpr, dst_hpr = max(1, heads // tp_p), max(1, heads // tp_d)
+        r_p = _as_elected_replica(r_p, int(decode_rank) % tp_d, heads, tp_p, tp_d)
+    # SGLang splits heads as kvplan's core does (``max(1, heads // tp)``): the core's answer.
+    src_hpr, dst_hpr = _core.heads_per_rank(heads, tp_p), _core.heads_per_rank(heads, tp_d)
     head_bytes = int(head_dim) * int(dtype_size)
     n_src = 2 * int(num_layers)
     by_id = int(prefill_pp_size) > 1

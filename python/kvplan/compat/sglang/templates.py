@@ -231,21 +231,29 @@ def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
     if heads <= 0:
         heads = int(kv_args.kv_head_num) * int(manager.attn_tp_size)
     tp_d = int(dst_attn_tp_size)
-    dst_hpr = max(1, heads // tp_d)
+    # SGLang's split of heads over ranks is kvplan's core's (``max(1, heads // tp)``).
+    dst_hpr = _core.heads_per_rank(heads, tp_d)
     tp_p = int(manager.attn_tp_size)
     return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
-                r_d=int(dst_tp_rank) % tp_d, page=page, src_hpr=max(1, heads // tp_p),
+                r_d=int(dst_tp_rank) % tp_d, page=page,
+                src_hpr=_core.heads_per_rank(heads, tp_p),
                 dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
 
 
-def _as_elected_replica(r_p: int, r_d: int, heads: int, tp_p: int) -> int:
+def _as_elected_replica(r_p: int, r_d: int, heads: int, tp_p: int, tp_d: int) -> int:
     """The prefill rank kvplan's head model elects to send decode rank ``r_d`` the heads that
-    prefill rank ``r_p`` holds (``r_p`` itself unless its heads are replicated over ``R = tp_p /
-    heads`` ranks: the holder with ``rank % R == r_d % R`` in its group of ``R``). A replica
-    holds the same heads at the same offsets, so planning as the elected one moves ``r_p``'s
-    own bytes: SGLang's decode asks one holder, whichever it is, and every asked rank sends."""
-    replicas = max(1, tp_p // heads)
-    return r_p // replicas * replicas + r_d % replicas if replicas > 1 else r_p
+    prefill rank ``r_p`` holds (``r_p`` itself unless its heads are replicated): the core's
+    election (``tp_peers``), of the decode rank's senders the one holding ``r_p``'s heads. A
+    replica holds the same heads at the same offsets, so planning as the elected one moves
+    ``r_p``'s own bytes: SGLang's decode asks one holder, whichever it is, and every asked rank
+    sends."""
+    if tp_p <= heads:
+        return r_p  # one holder per head: nothing to elect
+    mine = _core.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p).heads
+    for sender in _core.tp_peers(heads, tp_p, tp_d, decode_rank=r_d).receive_from:
+        if _core.tp_peers(heads, tp_p, tp_d, prefill_rank=sender).heads == mine:
+            return sender
+    return r_p  # the decode rank holds none of these heads: the template says so
 
 
 def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: int,
@@ -274,7 +282,7 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
 
     def build() -> Template:
         heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
-        r_p = _as_elected_replica(g["r_p"], r_d, heads, tp_p)
+        r_p = _as_elected_replica(g["r_p"], r_d, heads, tp_p, tp_d)
         geometry: dict[str, Any] = dict(page_size=g["page"], kv_heads=heads,
                                         head_dim=g["head_bytes"], dtype_size=1,
                                         memory_order="NHD")
