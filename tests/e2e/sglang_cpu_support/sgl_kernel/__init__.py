@@ -2,9 +2,11 @@
 
 SGLang 0.5.23's CPU path imports CPU ops from ``sgl_kernel`` at module import time; the
 package index has no ``sgl_kernel`` build for CPUs. The two ops a dense model's prefill and
-decode call are given here in plain PyTorch/NumPy with the kernels' semantics; every other
-name imports (so SGLang's modules load) but raises when called, so a code path that needs a
-real kernel fails loudly instead of computing something else.
+decode call are given here in plain PyTorch/NumPy with the kernels' semantics, and the
+``mamba`` submodule registers the gated-delta-net ops a Qwen3-Next model's linear-attention
+layers call (``torch.ops.sgl_kernel.*``, see its docstring); every other name imports (so
+SGLang's modules load) but raises when called, so a code path that needs a real kernel fails
+loudly instead of computing something else.
 
 Only the end-to-end test puts this directory on ``PYTHONPATH``.
 """
@@ -15,6 +17,8 @@ import ctypes
 
 import numpy as np
 import torch
+
+from . import mamba  # noqa: F401  registers the torch.ops.sgl_kernel GDN ops SGLang looks up
 
 STANDIN = True
 
@@ -55,7 +59,8 @@ def __getattr__(name: str) -> object:
     def missing(*args: object, **kwargs: object) -> object:
         raise NotImplementedError(
             f"sgl_kernel.{name}: not available in the end-to-end test's CPU stand-in "
-            "(only assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu are)")
+            "(only assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu and the GDN ops "
+            "of sgl_kernel.mamba are)")
 
     missing.__name__ = name
     return missing
