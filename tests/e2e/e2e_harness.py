@@ -270,7 +270,9 @@ class TinyQwen3Next:
     num_experts: int = 4
     experts_per_token: int = 2
     moe_intermediate: int = 64
-    shared_expert_intermediate: int = 64
+    # 0: no shared expert. With one, SGLang's MoE block (qwen2_moe.py) gates its output with a
+    # Triton kernel (fused_gate_sigmoid_mul_add) on a CPU without AMX.
+    shared_expert_intermediate: int = 0
     vocab: int = 512
     max_positions: int = 1024
     init_range: float = 0.2
@@ -317,7 +319,8 @@ def save_qwen3_next(spec, out):
     for name, t in model.state_dict().items():
         fused = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
         if fused is None:
-            tensors[name] = t.contiguous()
+            if t.numel() > 0:  # a shared expert of size 0 has empty weights; SGLang has none
+                tensors[name] = t.contiguous()
             continue
         prefix, which = fused.groups()
         # transformers 5: gate_up_proj [experts, 2 * I, H] (gate rows first), down_proj
