@@ -544,8 +544,10 @@ LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp
 CASE_KEYS = (*LLAMA_CASES, "hybrid-sglang", "hybrid")
 #: Run unless --cases names others. "pp" is left out: SGLang 0.5.23 cannot start a prefill with
 #: two pipeline stages on a CPU (its PP group builds a NCCL communicator on the CPU device and
-#: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it.
-DEFAULT_CASES = tuple(key for key in CASE_KEYS if key not in ("pp", "hybrid-sglang", "hybrid"))
+#: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it. "hybrid-sglang" (SGLang's
+#: own manager on the Qwen3-Next model) is left out for time: one more pair start, about 1.5
+#: minutes here; the Llama reference proves the harness, and `--cases hybrid-sglang` runs it.
+DEFAULT_CASES = tuple(key for key in CASE_KEYS if key not in ("pp", "hybrid-sglang"))
 
 
 def main() -> int:
