@@ -38,7 +38,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .+")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -224,6 +224,10 @@ def install_checkout(venv: Venv, checkout: Path = REPO_ROOT) -> str:
 class TinyModel:
     """A random-weight Llama of a few MB; ``seed`` picks the weights, the rest the shapes."""
 
+    #: What the builder makes (a class constant: not part of the digest, so cached models keep
+    #: their folders).
+    ARCH: ClassVar[str] = "llama"
+
     name: str
     seed: int
     num_layers: int = 4
@@ -240,24 +244,118 @@ class TinyModel:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class TinyQwen3Next:
+    """A random-weight Qwen3-Next (``Qwen3NextForCausalLM``) of a few MB: a linear-attention
+    hybrid whose layers ``i`` with ``(i + 1) % full_attention_interval == 0`` are full (gated)
+    attention and the others gated delta net (causal conv1d + gated delta rule, with
+    per-request conv and recurrent state), every layer's MLP a small MoE with a shared expert.
+    Same tokenizer as :class:`TinyModel`."""
+
+    ARCH: ClassVar[str] = "qwen3_next"
+
+    name: str
+    seed: int
+    num_layers: int = 4
+    full_attention_interval: int = 4
+    hidden: int = 64
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 32
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    conv_kernel: int = 4
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate: int = 64
+    # 0: no shared expert. With one, SGLang's MoE block (qwen2_moe.py) gates its output with a
+    # Triton kernel (fused_gate_sigmoid_mul_add) on a CPU without AMX.
+    shared_expert_intermediate: int = 0
+    vocab: int = 512
+    max_positions: int = 1024
+    init_range: float = 0.2
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
+
+
 _MODEL_BUILDER = r'''
-import json, sys
+import json, re, sys
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 corpus = ["the quick brown fox jumps over the lazy dog", "prefill and decode share a cache",
           "blocks of tokens move between servers", "kvplan plans every byte of the transfer",
           "hello world 0123456789", "a long prompt repeats itself many many times"] * 20
+
+
+def save_qwen3_next(spec, out):
+    # Saved as Qwen3-Next checkpoints are published (one tensor per expert and projection),
+    # which is what SGLang's loader maps; transformers may hold the experts fused.
+    from safetensors.torch import save_file
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(
+        vocab_size=spec["vocab"], hidden_size=spec["hidden"],
+        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+        linear_num_key_heads=spec["linear_key_heads"],
+        linear_num_value_heads=spec["linear_value_heads"],
+        linear_key_head_dim=spec["linear_key_head_dim"],
+        linear_value_head_dim=spec["linear_value_head_dim"],
+        linear_conv_kernel_dim=spec["conv_kernel"], num_experts=spec["num_experts"],
+        num_experts_per_tok=spec["experts_per_token"],
+        moe_intermediate_size=spec["moe_intermediate"],
+        shared_expert_intermediate_size=spec["shared_expert_intermediate"],
+        intermediate_size=spec["moe_intermediate"], decoder_sparse_step=1,
+        full_attention_interval=spec["full_attention_interval"],
+        layer_types=["full_attention" if (i + 1) % spec["full_attention_interval"] == 0
+                     else "linear_attention" for i in range(spec["num_layers"])],
+        max_position_embeddings=spec["max_positions"], initializer_range=spec["init_range"],
+        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = Qwen3NextForCausalLM(cfg).to(torch.float32)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        fused = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
+        if fused is None:
+            if t.numel() > 0:  # a shared expert of size 0 has empty weights; SGLang has none
+                tensors[name] = t.contiguous()
+            continue
+        prefix, which = fused.groups()
+        # transformers 5: gate_up_proj [experts, 2 * I, H] (gate rows first), down_proj
+        # [experts, H, I]; each expert's slice is the [out, in] Linear weight.
+        for e in range(t.shape[0]):
+            if which == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                tensors[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                  full_attention_interval=spec["full_attention_interval"], torch_dtype="float32")
+    with open(f"{out}/config.json", "w") as fh:
+        json.dump(config, fh, indent=1, default=str)
+
+
 for spec, out in json.loads(sys.argv[1]):
     torch.manual_seed(spec["seed"])
-    cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"],
-                      intermediate_size=spec["intermediate"],
-                      num_hidden_layers=spec["num_layers"], num_attention_heads=spec["heads"],
-                      num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
-                      max_position_embeddings=spec["max_positions"],
-                      initializer_range=spec["init_range"], torch_dtype="float32",
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    if spec["arch"] == "qwen3_next":
+        import os
+        os.makedirs(out, exist_ok=True)
+        save_qwen3_next(spec, out)
+    else:
+        cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"],
+                          intermediate_size=spec["intermediate"],
+                          num_hidden_layers=spec["num_layers"],
+                          num_attention_heads=spec["heads"],
+                          num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+                          max_position_embeddings=spec["max_positions"],
+                          initializer_range=spec["init_range"], torch_dtype="float32",
+                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -271,7 +369,9 @@ for spec, out in json.loads(sys.argv[1]):
 '''
 
 
-def build_tiny_models(venv: Venv, specs: dict[str, TinyModel]) -> dict[str, Path]:
+def build_tiny_models(venv: Venv,
+                      specs: dict[str, TinyModel] | dict[str, TinyQwen3Next]
+                      | dict[str, TinyModel | TinyQwen3Next]) -> dict[str, Path]:
     """Build (once each, cached by spec) tiny models and tokenizers with the venv's
     transformers, all missing ones in one process (importing torch dominates)."""
     paths = {key: cache_root() / "models" / f"{m.name}-{m.digest()}" for key, m in specs.items()}
@@ -281,7 +381,8 @@ def build_tiny_models(venv: Venv, specs: dict[str, TinyModel]) -> dict[str, Path
         for key, _ in missing:
             if paths[key].exists():
                 shutil.rmtree(paths[key])
-        jobs = [({k: getattr(m, k) for k in m.__dataclass_fields__ if k != "name"},
+        jobs = [({"arch": m.ARCH,
+                  **{k: getattr(m, k) for k in m.__dataclass_fields__ if k != "name"}},
                  str(paths[key])) for key, m in missing]
         log(f"building tiny models {[m.name for _, m in missing]}")
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -27,7 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_harness as harness  # noqa: E402
-from e2e_harness import HttpError, Results, Server, SetupError, TinyModel, Venv, log  # noqa: E402
+from e2e_harness import (  # noqa: E402
+    HttpError, Results, Server, SetupError, TinyModel, TinyQwen3Next, Venv, log)
 
 SGLANG = "sglang==0.5.23"
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -46,6 +47,9 @@ CPU_SUPPORT = Path(__file__).resolve().parent / "sglang_cpu_support"
 MODEL_A = TinyModel("llama-a", seed=0)
 MODEL_B = TinyModel("llama-b", seed=1)
 MODEL_A_2_LAYERS = TinyModel("llama-a-2layers", seed=0, num_layers=2)
+# A linear-attention hybrid: layers 0-2 gated delta net (per-request conv and recurrent state,
+# which PD transfers as Mamba state), layer 3 full attention (KV pages).
+MODEL_HYBRID = TinyQwen3Next("qwen3-next-a", seed=0)
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 64, 250)
 MAX_NEW_TOKENS = 12
@@ -102,7 +106,12 @@ def prepare() -> Prepared:
                  " sys.exit(0 if p.is_file() else f'{p} missing from the installed wheel')"],
                 quiet=True)
     built = harness.build_tiny_models(venv, {m.name: m for m in (MODEL_A, MODEL_B,
-                                                                  MODEL_A_2_LAYERS)})
+                                                                  MODEL_A_2_LAYERS,
+                                                                  MODEL_HYBRID)})
+    # The hybrid model's linear-attention layers run on the CPU stand-in's gated-delta-net ops;
+    # their state semantics are what a decode continues from, so check them before any server.
+    log(harness.run([venv.py, "-c", "import sgl_kernel.mamba as m; print(m.self_check())"],
+                    env=dict(os.environ, PYTHONPATH=str(CPU_SUPPORT)), quiet=True).strip())
     return Prepared(venv=str(venv.path), models={k: str(v) for k, v in built.items()})
 
 
@@ -154,7 +163,8 @@ class Engine:
             env["KVPLAN_SGLANG_INSTALL"] = "1"
         return env
 
-    def server(self, name: str, model: TinyModel, *, page_size: int, mode: str | None = None,
+    def server(self, name: str, model: TinyModel | TinyQwen3Next, *, page_size: int,
+               mode: str | None = None,
                kvplan: bool = False, pp_size: int = 1) -> SGLangServer:
         port = self.ports.take()
         argv = [str(self.venv / "bin" / "python"), "-m", "sglang.launch_server",
@@ -163,6 +173,11 @@ class Engine:
                 "--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024",
                 "--disable-cuda-graph", "--random-seed", "0", "--disable-radix-cache",
                 "--page-size", str(page_size), "--log-level", "info"]
+        if isinstance(model, TinyQwen3Next):
+            # State slots (one conv + one recurrent state per request and GDN layer): SGLang's
+            # default sizes them from free memory (about 4 GB here), which costs RAM and
+            # start-up time; a few requests at a time need a few slots.
+            argv += ["--max-mamba-cache-size", "64", "--max-running-requests", "32"]
         if pp_size > 1:
             # Pipeline stages as processes on the CPU (gloo); each holds its own layers.
             argv += ["--pp-size", str(pp_size)]
@@ -355,9 +370,10 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
         decode = engine.server("sglang-decode-p1", MODEL_A, page_size=1, mode="decode")
         sets = [plain, prefill, decode] if wanted("sglang") else [plain]
         try:
-            start(sets)
-            reference = [plain_generate(plain, ids) for ids in prompts()]
-            log(f"plain server's tokens: {reference}")
+            if any(wanted(key) for key in LLAMA_CASES):
+                start(sets)
+                reference = [plain_generate(plain, ids) for ids in prompts()]
+                log(f"plain server's tokens: {reference}")
             if wanted("sglang"):
                 compare_all("SGLang's MooncakeKVManager, page size 1 (the reference)", results,
                             reference, lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
@@ -434,6 +450,9 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
             finally:
                 for s in group:
                     s.stop()
+        # -- a linear-attention hybrid (Qwen3-Next): GDN state slots and KV pages ----------
+        if wanted("hybrid-sglang") or wanted("hybrid"):
+            hybrid_cases(engine, results, wanted, start)
     except Exception as exc:  # a server that never came up fails the run, loudly
         results.record("servers", False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         print(str(exc), flush=True)
@@ -441,6 +460,46 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
         plain.stop()
     log(f"server logs kept in {log_dir}")
     return results
+
+
+def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
+                 start: Callable[[Sequence[Server]], None]) -> None:
+    """The Qwen3-Next model through a PD pair: its pool is SGLang's hybrid pool (KV pages for
+    the full-attention layer, one conv and one recurrent state slot per request for each GDN
+    layer), so a transfer moves KV pages and state; the decode's first step already reads the
+    transferred state. SGLang's manager first (the reference on this model), then kvplan. The
+    plain server starts with the first pair (each start costs about a minute here)."""
+    plain = engine.server("plain-qwen3-next", MODEL_HYBRID, page_size=1)
+    reference: list[list[int]] = []
+    try:
+        for key, kvplan, label in (
+                ("hybrid-sglang", False,
+                 "SGLang's MooncakeKVManager, Qwen3-Next hybrid (GDN state + KV), page size 1"),
+                ("hybrid", True,
+                 "kvplan in both schedulers, Qwen3-Next hybrid (GDN state + KV), page size 1")):
+            if not wanted(key):
+                continue
+            tag = "kvplan" if kvplan else "sglang"
+            prefill = engine.server(f"{tag}-prefill-qwen3-next", MODEL_HYBRID, page_size=1,
+                                    mode="prefill", kvplan=kvplan)
+            decode = engine.server(f"{tag}-decode-qwen3-next", MODEL_HYBRID, page_size=1,
+                                   mode="decode", kvplan=kvplan)
+            group = [prefill, decode]
+            try:
+                start(group if reference else [plain, *group])
+                if not reference:
+                    reference = [plain_generate(plain, ids) for ids in prompts()]
+                    log(f"plain Qwen3-Next server's tokens: {reference}")
+                if kvplan:
+                    results.check("kvplan installed in both Qwen3-Next schedulers",
+                                  lambda: installed_check(prefill, decode))
+                compare_all(label, results, reference,
+                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
+            finally:
+                for s in group:
+                    s.stop()
+    finally:
+        plain.stop()
 
 
 def installed_check(*servers: Server) -> str:
@@ -497,11 +556,14 @@ def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -
 # --------------------------------------------------------------------------------------------
 
 
-CASE_KEYS = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp")
+LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp")
+CASE_KEYS = (*LLAMA_CASES, "hybrid-sglang", "hybrid")
 #: Run unless --cases names others. "pp" is left out: SGLang 0.5.23 cannot start a prefill with
 #: two pipeline stages on a CPU (its PP group builds a NCCL communicator on the CPU device and
-#: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it.
-DEFAULT_CASES = tuple(key for key in CASE_KEYS if key != "pp")
+#: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it. "hybrid-sglang" (SGLang's
+#: own manager on the Qwen3-Next model) is left out for time: one more pair start, about 1.5
+#: minutes here; the Llama reference proves the harness, and `--cases hybrid-sglang` runs it.
+DEFAULT_CASES = tuple(key for key in CASE_KEYS if key not in ("pp", "hybrid-sglang"))
 
 
 def main() -> int:

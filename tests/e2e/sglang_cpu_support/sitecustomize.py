@@ -1,32 +1,75 @@
-"""TEST SUPPORT FOR THE HOST ENGINE, not kvplan: runs SGLang 0.5.23's prefill on a CPU.
+"""TEST SUPPORT FOR THE HOST ENGINE, not kvplan: runs SGLang 0.5.23 on a CPU without a GPU.
 
-SGLang's prefill takes a pinned-memory and CUDA-event branch (``_send_kv_chunk``) whenever the
-KV sender class sets ``supports_host_tensor_indices``, as Mooncake's does; on a machine without
-an NVIDIA driver that branch dies. With the attribute False, SGLang's own CPU-side branch
-computes the page indices. SGLang spawns its schedulers, so the change is made in every process
-that imports SGLang's Mooncake module: this ``sitecustomize`` (on ``PYTHONPATH`` only in the
-end-to-end test) adds an import hook that sets the attribute right after the module has run.
-It imports nothing of SGLang itself.
+SGLang spawns its schedulers, so each change is made in every process that imports the SGLang
+module concerned: this ``sitecustomize`` (on ``PYTHONPATH`` only in the end-to-end test) adds an
+import hook that adjusts a module right after it has run. It imports nothing of SGLang itself.
+Three GPU assumptions on SGLang's CPU path are steered to code SGLang already has:
+
+* ``sglang.srt.disaggregation.mooncake.conn``: SGLang's prefill takes a pinned-memory and
+  CUDA-event branch (``_send_kv_chunk``) whenever the KV sender class sets
+  ``supports_host_tensor_indices``, as Mooncake's does; without an NVIDIA driver that branch
+  dies. With the attribute False, SGLang's own CPU-side branch computes the page indices.
+* ``sglang.kernels.ops.attention.fla.fused_norm_gate`` (Qwen3-Next's gated RMSNorm after the
+  linear attention): ``FusedRMSNormGated.forward`` calls a Triton kernel unless the module flag
+  ``_use_cpu`` is set, which SGLang sets only on CPUs with AMX; set here, the CPU branch calls
+  ``torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu`` (the ``sgl_kernel`` stand-in has it).
+* ``torch.get_device_module()`` with no device: the package index's torch 2.14.1 is a CUDA
+  build, whose answer is ``torch.cuda`` even without a GPU, and Qwen3-Next's
+  ``Qwen3GatedDeltaNet.__init__`` asks it for ``current_device()``, which then initialises
+  CUDA and raises. A CPU build of torch answers ``torch.cpu``; so does this, when CUDA is not
+  available (installed when SGLang's Qwen3-Next model module is imported).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
-_TARGET = "sglang.srt.disaggregation.mooncake.conn"
+
+def _host_tensor_indices_off(module: ModuleType) -> None:
+    module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+def _gated_rmsnorm_cpu_branch(module: ModuleType) -> None:
+    module._use_cpu = True
+
+
+def _cpu_device_module(module: ModuleType) -> None:
+    import torch
+
+    original = torch.get_device_module
+    if getattr(original, "_kvplan_e2e_cpu", False):
+        return
+
+    def get_device_module(device=None):
+        if device is None and not torch.cuda.is_available():
+            return torch.cpu
+        return original(device)
+
+    get_device_module._kvplan_e2e_cpu = True  # type: ignore[attr-defined]
+    torch.get_device_module = get_device_module
+
+
+_AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.disaggregation.mooncake.conn": _host_tensor_indices_off,
+    "sglang.kernels.ops.attention.fla.fused_norm_gate": _gated_rmsnorm_cpu_branch,
+    "sglang.srt.models.qwen3_next": _cpu_device_module,
+}
 
 
 class _AfterExec(importlib.abc.Loader):
-    def __init__(self, loader):
+    def __init__(self, loader, fix: Callable[[ModuleType], None]):
         self._loader = loader
+        self._fix = fix
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        module.MooncakeKVSender.supports_host_tensor_indices = False
+        self._fix(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -34,7 +77,8 @@ class _AfterExec(importlib.abc.Loader):
 
 class _HostEngineCpuFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _TARGET:
+        fix = _AFTER_IMPORT.get(fullname)
+        if fix is None:
             return None
         # Only the finders after this one (kvplan's hook asks only those after it too).
         for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
@@ -43,7 +87,7 @@ class _HostEngineCpuFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _AfterExec(spec.loader)
+                    spec.loader = _AfterExec(spec.loader, fix)
                 return spec
         return None
 

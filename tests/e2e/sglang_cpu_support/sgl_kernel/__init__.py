@@ -2,9 +2,12 @@
 
 SGLang 0.5.23's CPU path imports CPU ops from ``sgl_kernel`` at module import time; the
 package index has no ``sgl_kernel`` build for CPUs. The two ops a dense model's prefill and
-decode call are given here in plain PyTorch/NumPy with the kernels' semantics; every other
-name imports (so SGLang's modules load) but raises when called, so a code path that needs a
-real kernel fails loudly instead of computing something else.
+decode call are given here in plain PyTorch/NumPy with the kernels' semantics, and the ops a
+Qwen3-Next model adds: ``torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu`` (its gated RMSNorm,
+reached through the ``sitecustomize`` route) here, and the gated-delta-net ops of its
+linear-attention layers in the ``mamba`` submodule (see its docstring); every other name imports (so
+SGLang's modules load) but raises when called, so a code path that needs a real kernel fails
+loudly instead of computing something else.
 
 Only the end-to-end test puts this directory on ``PYTHONPATH``.
 """
@@ -15,6 +18,8 @@ import ctypes
 
 import numpy as np
 import torch
+
+from . import mamba  # noqa: F401  registers the torch.ops.sgl_kernel GDN ops SGLang looks up
 
 STANDIN = True
 
@@ -48,6 +53,24 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor,
         slots[tgt] = slots[src]
 
 
+_NORM_LIB = torch.library.Library("sgl_kernel", "FRAGMENT")
+_NORM_LIB.define("fused_rmsnorm_gated_cpu(Tensor input, Tensor weight, Tensor gate, float eps) "
+                 "-> Tensor")
+
+
+def _fused_rmsnorm_gated_cpu(input: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated RMSNorm over the last dimension of ``[rows, hidden]``:
+    ``rmsnorm(input) * weight * silu(gate)``, in float32, returned in ``input``'s dtype (what
+    SGLang's CPU branch of ``FusedRMSNormGated`` expects from the kernel)."""
+    x = input.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (weight.float() * x * torch.nn.functional.silu(gate.float())).to(input.dtype)
+
+
+_NORM_LIB.impl("fused_rmsnorm_gated_cpu", _fused_rmsnorm_gated_cpu, "CPU")
+
+
 def __getattr__(name: str) -> object:
     if name.startswith("__"):
         raise AttributeError(name)
@@ -55,7 +78,8 @@ def __getattr__(name: str) -> object:
     def missing(*args: object, **kwargs: object) -> object:
         raise NotImplementedError(
             f"sgl_kernel.{name}: not available in the end-to-end test's CPU stand-in "
-            "(only assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu are)")
+            "(only assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu, "
+            "fused_rmsnorm_gated_cpu and the GDN ops of sgl_kernel.mamba are)")
 
     missing.__name__ = name
     return missing
