@@ -364,8 +364,6 @@ def run_connector(servers: VllmServers, connector: Connector,
         group = [prefill_a, decode]
     plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
     case_names = [f"{label}: connector loaded"]
-    if not connector.one_prefill:
-        case_names.append(f"{label}: bad input")
     case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
     # What shows kvplan in the data path of a kvplan connector's servers.
     evidence = {"KvplanMooncakeConnector": ("metrics", kvplan_metrics_served),
@@ -374,7 +372,7 @@ def run_connector(servers: VllmServers, connector: Connector,
     if evidence is not None:
         case_names.append(f"{label}: {evidence[0]}")
     if not connector.one_prefill:
-        case_names.append(f"{label}: negative control")
+        case_names += [f"{label}: negative control", f"{label}: bad input"]
     started = time.monotonic()
     try:
         with harness.running(group + ([plain] if plain else []), READY_TIMEOUT_S):
@@ -391,14 +389,6 @@ def run_connector(servers: VllmServers, connector: Connector,
             cases = iter(case_names)
             results.check(next(cases), lambda: connector_in_use(connector, group))
             same = PdPair(connector.transport, prefill_a, decode)
-            if not connector.one_prefill:
-                # Before the prompts: they then show the decode serving after the refusal.
-                wrong_layout = PdPair(connector.transport, prefill_c, decode)
-                results.check(next(cases), lambda: bad_input(wrong_layout, reference))
-                # The refused request stays on its prefill until vLLM's abort timeout, and
-                # meanwhile that prefill's engine steps without pause (its worker spins a
-                # core): on two cores it starves the servers the next cases use.
-                prefill_c.stop()
             for (name, length), case in zip(PROMPTS.items(), cases):
                 results.check(case, lambda n=name, k=length: compare_equal(same, n, k,
                                                                            reference))
@@ -407,6 +397,9 @@ def run_connector(servers: VllmServers, connector: Connector,
             if not connector.one_prefill:
                 other = PdPair(connector.transport, prefill_b, other_decode)
                 results.check(next(cases), lambda: negative_control(other, reference))
+                wrong_layout = PdPair(connector.transport, prefill_c, decode)
+                results.check(next(cases), lambda: bad_input(wrong_layout, same, prefill_c,
+                                                             reference))
     except ServerError as exc:
         print(str(exc), flush=True)
         reason = str(exc).split(";", 1)[0]
@@ -495,10 +488,11 @@ def negative_control(pair: PdPair, reference: dict[str, list[int]]) -> str:
     return f"prefill on other weights: all {len(PROMPTS)} prompts differ from the plain server"
 
 
-def bad_input(pair: PdPair, reference: dict[str, list[int]]) -> str:
+def bad_input(pair: PdPair, good: PdPair, refused: Server,
+              reference: dict[str, list[int]]) -> str:
     """A prefill with another KV layout: the decode fails that request through vLLM's
-    failure path, neither hanging nor answering. The prompt cases that follow go through the
-    same decode and show it serving on."""
+    failure path, neither hanging nor answering, and then serves the next request of the pair
+    it already serves."""
     name, length = "several blocks", PROMPTS["several blocks"]
     started = time.monotonic()
     logged = pair.decode.log_size()
@@ -508,14 +502,34 @@ def bad_input(pair: PdPair, reference: dict[str, list[int]]) -> str:
         elapsed = time.monotonic() - started
         reasons = [ln.split("] ", 1)[-1] for ln in pair.decode.log_since(logged).splitlines()
                    if " ERROR " in ln]
-        return f"HTTP {exc.status} after {elapsed:.1f} s; decode: " + (
+        detail = f"HTTP {exc.status} after {elapsed:.1f} s; decode: " + (
             reasons[0][:240] if reasons else exc.body.replace("\n", " ")[:160])
     except TimeoutError:
         raise AssertionError(f"no answer within {REQUEST_TIMEOUT_S:.0f} s: the request hangs"
                              ) from None
-    verdict = "equal to" if got == reference[name] else "different from"
-    raise AssertionError(f"prefill with another KV layout answered 200 with tokens "
-                         f"{verdict} the plain server's: silent recompute or garbage")
+    else:
+        verdict = "equal to" if got == reference[name] else "different from"
+        raise AssertionError(f"prefill with another KV layout answered 200 with tokens "
+                             f"{verdict} the plain server's: silent recompute or garbage")
+    # vLLM keeps the refused request on its prefill until the abort timeout (the decode tells
+    # it nothing), and meanwhile that prefill's engine steps without pause: its worker spins a
+    # core, which on two cores starves the servers of the next request. Its case is over.
+    refused.stop()
+    watched = [good.prefill, good.decode]
+    offsets = [server.log_size() for server in watched]
+    try:
+        after = good.generate(prompt_ids(length))
+    except TimeoutError:
+        stuck = [server.name for server, offset in zip(watched, offsets)
+                 if "No available shared memory broadcast block" in server.log_since(offset)]
+        raise AssertionError(
+            f"{detail}; but the next PD request ({good.prefill.name} to the decode) got no "
+            f"answer within {REQUEST_TIMEOUT_S:.0f} s" + (
+                f": the worker of {stuck} stopped taking steps (its engine core logs no "
+                "broadcast block read for 60 s)" if stuck else "")) from None
+    if after != reference[name]:
+        raise AssertionError(f"after the failed request the decode answers {after}")
+    return detail + "; the decode serves the next request correctly"
 
 
 # --------------------------------------------------------------------------------------------
