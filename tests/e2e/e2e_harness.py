@@ -220,8 +220,15 @@ def install_checkout(venv: Venv, checkout: Path = REPO_ROOT) -> str:
 # Tiny models
 
 
+class _SpecDigest:
+    """A model spec's cache key: its class and fields, so a changed spec builds anew."""
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
-class TinyModel:
+class TinyModel(_SpecDigest):
     """A random-weight Llama of a few MB; ``seed`` picks the weights, the rest the shapes."""
 
     #: What the builder makes (a class constant: not part of the digest, so cached models keep
@@ -240,17 +247,14 @@ class TinyModel:
     max_positions: int = 1024
     init_range: float = 0.2
 
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
-
 
 @dataclass(frozen=True)
-class TinyQwen3Next:
+class TinyQwen3Next(_SpecDigest):
     """A random-weight Qwen3-Next (``Qwen3NextForCausalLM``) of a few MB: a linear-attention
     hybrid whose layers ``i`` with ``(i + 1) % full_attention_interval == 0`` are full (gated)
     attention and the others gated delta net (causal conv1d + gated delta rule, with
-    per-request conv and recurrent state), every layer's MLP a small MoE with a shared expert.
-    Same tokenizer as :class:`TinyModel`."""
+    per-request conv and recurrent state), every layer's MLP a small MoE (no shared expert by
+    default, see below). Same tokenizer as :class:`TinyModel`."""
 
     ARCH: ClassVar[str] = "qwen3_next"
 
@@ -276,9 +280,6 @@ class TinyQwen3Next:
     vocab: int = 512
     max_positions: int = 1024
     init_range: float = 0.2
-
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
 
 
 _MODEL_BUILDER = r'''

@@ -261,13 +261,12 @@ def pd_generate(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[int],
 
 
 def transfer_metrics(prefill: SGLangServer) -> dict[str, float]:
-    """The prefill's cumulative ``sglang:kv_transfer_latency_ms`` and ``..._total_mb`` sums and
-    the request count, and kvplan's series (absent, so 0, with SGLang's own manager): the
+    """The prefill's cumulative ``sglang:kv_transfer_latency_ms`` sum and request count, and
+    kvplan's series (absent, so 0, with SGLang's own manager): the
     transfer calls kvplan planned, their blocks and planning seconds, from its Prometheus
     ``/metrics``."""
     wanted = {"sglang:kv_transfer_latency_ms_sum": "latency_ms",
               "sglang:kv_transfer_latency_ms_count": "requests",
-              "sglang:kv_transfer_total_mb_sum": "total_mb",
               "kvplan:blocks_per_request_count": "kvplan_calls",
               "kvplan:blocks_per_request_sum": "kvplan_blocks",
               "kvplan:plan_time_seconds_sum": "kvplan_plan_s"}
@@ -277,10 +276,6 @@ def transfer_metrics(prefill: SGLangServer) -> dict[str, float]:
         if name in wanted:
             got[wanted[name]] += float(line.rsplit(" ", 1)[1])
     return got
-
-
-#: Per case: (case name, requests, mean KV transfer latency ms, MB per request), for the report.
-TRANSFERS: list[tuple[str, int, float, float]] = []
 
 
 def compare_all(name: str, results: Results, reference: list[list[int]],
@@ -305,8 +300,6 @@ def compare_all(name: str, results: Results, reference: list[list[int]],
             n = after["requests"] - before["requests"]
             if n > 0:
                 latency = (after["latency_ms"] - before["latency_ms"]) / n
-                mb = (after["total_mb"] - before["total_mb"]) / n
-                TRANSFERS.append((name, int(n), latency, mb))
                 detail += f"; prefill's kv_transfer_latency_ms mean {latency:.1f} over {int(n)}"
             calls = after["kvplan_calls"] - before["kvplan_calls"]
             if calls > 0:
