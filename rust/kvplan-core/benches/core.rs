@@ -4,6 +4,7 @@
 //! the argument for ns/block) and, through `AllocProfiler`, allocations per call.
 
 use divan::{AllocProfiler, Bencher, black_box};
+use kvplan_core::Request;
 use kvplan_core::{
     Columns, EntryMetadata, Layout, LayoutContext, Template, TemplateOptions, group_contiguous,
     pair_entries,
@@ -71,7 +72,7 @@ fn emit_fragmented_warm(bencher: Bencher<'_, '_>, pages: usize) {
         .counter(divan::counter::ItemsCount::new(blocks))
         .bench_local(|| {
             template
-                .plan_into(black_box(&src), black_box(&dst), None, |_| {
+                .plan_into(&Request::pages(black_box(&src), black_box(&dst)), |_| {
                     Ok(Columns::from_flat(&mut storage, blocks))
                 })
                 .unwrap()
@@ -88,7 +89,7 @@ fn emit_fragmented_fresh(bencher: Bencher<'_, '_>, pages: usize) {
         .counter(divan::counter::ItemsCount::new(pages * LAYERS))
         .bench_local(|| {
             template
-                .plan(black_box(&src), black_box(&dst), None)
+                .plan(&Request::pages(black_box(&src), black_box(&dst)))
                 .unwrap()
         });
 }
@@ -103,7 +104,7 @@ fn emit_contiguous_warm(bencher: Bencher<'_, '_>, pages: usize) {
         .counter(divan::counter::ItemsCount::new(LAYERS))
         .bench_local(|| {
             template
-                .plan_into(black_box(&src), black_box(&src), None, |_| {
+                .plan_into(&Request::pages(black_box(&src), black_box(&src)), |_| {
                     Ok(Columns::from_flat(&mut storage, LAYERS))
                 })
                 .unwrap()

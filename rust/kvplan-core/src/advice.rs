@@ -19,6 +19,7 @@
 //! copies, nothing to gain).
 
 use crate::error::{PlanError, Result};
+use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::Template;
 
@@ -161,12 +162,10 @@ impl Template {
     /// As [`Template::staged_counts`].
     pub fn transfer_advice<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         cost: &TransferCost,
     ) -> Result<Advice> {
-        let counts = self.staged_counts(src, dst, n_tokens)?;
+        let counts = self.staged_counts(request)?;
         Ok(advise(
             counts.direct_blocks,
             counts.network_blocks,

@@ -21,7 +21,8 @@
 
 use crate::error::{PlanError, Result, Side, try_vec};
 use crate::pieces::PairSpec;
-use crate::plan::{Columns, PlanUnit};
+use crate::plan::PlanUnit;
+use crate::request::{Indices, Request};
 use crate::runs::PageIndex;
 use crate::template::Template;
 
@@ -178,8 +179,8 @@ impl Template {
     }
 
     /// A page request as indices into the prepped tables: piece major, page minor (for
-    /// per-page pieces the order of [`Template::plan`]'s blocks). Validated exactly as a
-    /// plan of the same request.
+    /// per-page pieces the order of [`Template::plan`]'s blocks); a slot request as one index
+    /// per state pair that moves bytes. Validated exactly as a plan of the same request.
     ///
     /// # Errors
     /// As [`Template::prepped_shape`] and [`Template::prepare`] (unequal lengths, a negative
@@ -188,14 +189,19 @@ impl Template {
     /// indices changed during the call.
     pub fn prepped_indices<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
+        request: &Request<'_, S, D>,
     ) -> Result<PreppedIndices> {
         let shape = self.prepped_shape()?;
+        let (src, dst) = match request.indices {
+            Indices::Slot { src, dst } => {
+                return self.prepped_slot_indices(&shape, request, src, dst);
+            }
+            Indices::Pages { src, dst } => (src, dst),
+        };
         // A page request: `prepped_shape` has refused templates that plan by token.
-        let n_pages = match self.prepare(src, dst, None)?.unit {
+        let n_pages = match self.prepare(request)?.unit {
             PlanUnit::Pages(scan) => scan.n_pages,
-            PlanUnit::Tokens(_) => return Err(self.token_refusal()),
+            _ => return Err(self.token_refusal()),
         };
         let n = shape
             .pieces
@@ -212,18 +218,17 @@ impl Template {
         Ok(out)
     }
 
-    /// State slot `src_slot` → `dst_slot` as indices into the prepped tables, one per state pair
-    /// that moves bytes (the blocks of `plan_state_into`, in its order). Validated exactly as
-    /// that plan.
-    ///
-    /// # Errors
-    /// As [`Template::prepped_shape`] and [`Template::plan_state_into`] (a negative slot or one
-    /// outside a paired state buffer); [`PlanError::OutOfMemory`].
-    pub fn prepped_state_indices(&self, src_slot: i64, dst_slot: i64) -> Result<PreppedIndices> {
-        let shape = self.prepped_shape()?;
+    /// A slot request as indices into the prepped tables, one per state pair that moves bytes
+    /// (the blocks of its plan, in order), validated exactly as that plan.
+    fn prepped_slot_indices<S: PageIndex, D: PageIndex>(
+        &self,
+        shape: &PreppedShape,
+        request: &Request<'_, S, D>,
+        src_slot: i64,
+        dst_slot: i64,
+    ) -> Result<PreppedIndices> {
         let n = shape.state_pairs;
-        let mut scratch = try_vec(n.saturating_mul(3), 0, "the state slot check")?;
-        self.plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut scratch, n))?;
+        self.prepare(request)?;
         let mut out = PreppedIndices {
             src: try_vec(n, 0, "prepped source indices")?,
             dst: try_vec(n, 0, "prepped destination indices")?,

@@ -13,19 +13,22 @@
 //! 2. `layout` (a peer's buffers), `runs` (the request scan), `pairing` (entries by layer id),
 //!    `pieces` (the address model), `local` (plans on CPU byte slices).
 //! 3. `dcp` (the dealt token map), `groups` (layer groups), `heads` (TP head slicing), `plan`
-//!    (output types).
+//!    (output types), `request` (the one request value).
 //! 4. `check` (every rule), `emit` (the page kernels), `wire` (the binary layout encoding).
 //! 5. `tokens` (the token kernels), `nixl_ids` (descriptor ids in vLLM's NIXL layout),
-//!    `digest` (fingerprints and digests).
-//! 6. `template` (build once, pick the strategy, one request path).
-//! 7. `pack` (gather + network), `descriptors` (NIXL prepped tables), `advice` (direct or
+//!    `digest` (fingerprints and digests), `coalesce` (which pairs emit together).
+//! 6. `accounting` (blocks and bytes per group and pair).
+//! 7. `template` (build once, pick the strategy, one request path).
+//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `advice` (direct or
 //!    staged), `slices` (layer-wise views, the manifest).
-//! 8. `staged` (gather + network between staging regions + scatter).
+//! 9. `staged` (gather + network between staging regions + scatter).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 
+pub mod accounting;
 pub mod advice;
 pub mod check;
+pub mod coalesce;
 pub mod dcp;
 pub mod descriptors;
 pub mod digest;
@@ -40,6 +43,7 @@ pub mod pack;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
+pub mod request;
 pub mod runs;
 pub mod slices;
 pub mod staged;
@@ -47,8 +51,10 @@ pub mod template;
 pub mod tokens;
 pub mod wire;
 
+pub use accounting::BlockAccounting;
 pub use advice::{Advice, Choice, TransferCost, advise};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
+pub use coalesce::Group;
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
 pub use digest::{
@@ -75,11 +81,10 @@ pub use pieces::{
     Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
     TokenMap,
 };
-pub use plan::{
-    AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
-};
+pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+pub use request::{Indices, Request};
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
 pub use staged::{StagedCounts, StagedPlan, StagedSummary, StagingRegion};
-pub use template::{BlockRequest, GeometryOptions, Group, Template};
+pub use template::{BlockRequest, GeometryOptions, Template};
 pub use tokens::TokenTemplate;

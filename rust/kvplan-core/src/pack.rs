@@ -26,11 +26,12 @@
 //! gather is the direct plan's columns rewritten in place (no second large allocation); the
 //! network plan is small and allocated. State slots
 //! are not packed (one block per state pair already): plan them with
-//! [`Template::plan_state_into`].
+//! a slot request of [`Template::plan`].
 
 use crate::error::{PlanError, Result};
 use crate::pieces::PIECE_CLASSES;
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, TokenShape};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::{Template, model_pages};
 use crate::tokens::{count_blocks, dst_chunks, emit_tokens, lane_rows};
@@ -79,11 +80,9 @@ impl Template {
     /// the pack buffer's end overflows u64.
     pub fn plan_packed_into<'o, S: PageIndex, D: PageIndex, O>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         pack: PackBuffer,
-        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+        make_output: impl FnOnce(&PlanSummary) -> Result<O>,
     ) -> Result<(O, PackedSummary)>
     where
         O: AsColumns<'o>,
@@ -93,7 +92,7 @@ impl Template {
             .ok_or(PlanError::Overflow {
                 what: "pack buffer end",
             })?;
-        let (mut output, summary) = self.plan_into(src, dst, n_tokens, |shape| {
+        let (mut output, summary) = self.plan_into(request, |shape| {
             if shape.total_bytes > pack.size {
                 return Err(PlanError::PackTooSmall {
                     need: shape.total_bytes,
@@ -103,7 +102,7 @@ impl Template {
             }
             make_output(shape)
         })?;
-        let offsets = self.pair_offsets(&summary);
+        let offsets = self.blocks.pair_offsets(&summary);
         let packed = pack_columns(output.columns(), summary.n_blocks, &offsets, pack)?;
         Ok((output, packed))
     }
@@ -114,12 +113,10 @@ impl Template {
     /// As [`Template::plan_packed_into`].
     pub fn plan_packed<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         pack: PackBuffer,
     ) -> Result<PackedPlan> {
-        let (buffer, packed) = self.plan_packed_into(src, dst, n_tokens, pack, |shape| {
+        let (buffer, packed) = self.plan_packed_into(request, pack, |shape| {
             FlatBuffer::try_zeroed(shape.n_blocks)
         })?;
         let (src_addrs, dst_addrs, lengths) = buffer.into_columns(packed.gather_blocks)?;
@@ -197,14 +194,11 @@ impl Template {
         let mut scratch = FlatBuffer::try_zeroed(n_blocks)?;
         emit_tokens(tokens, &src, &dst, limits, &shape, scratch.columns())?;
         let summary = PlanSummary {
-            n_runs: n_segments,
             n_blocks,
             total_bytes,
-            n_pages: 0,
-            tokens: Some(shape),
-            state: false,
+            unit: PlanUnit::Tokens(shape),
         };
-        let offsets = self.pair_offsets(&summary);
+        let offsets = self.blocks.pair_offsets(&summary);
         let pack = PackBuffer {
             addr: 0,
             size: total_bytes,
@@ -275,11 +269,10 @@ impl Template {
     /// (no `n_tokens` on a template that plans by page).
     pub fn plan_row_gather<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         pack: PackBuffer,
     ) -> Result<(RowGather, Plan)> {
+        let ((src, dst), n_tokens) = (request.page_lists("a row gather")?, request.n_tokens);
         if !self.by_token() && n_tokens.is_none() {
             return Err(PlanError::Geometry {
                 what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \
@@ -296,7 +289,7 @@ impl Template {
         let tokens = self.token_template()?;
         let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        let limits = (self.src_limit, self.dst_limit);
+        let limits = (self.limits.src, self.limits.dst);
         let mut rows = vec![Vec::new(); crate::pieces::TOKEN_LANES];
         let mut places = vec![Vec::new(); crate::pieces::TOKEN_LANES];
         if !tokens.pieces.is_empty() {
@@ -335,9 +328,9 @@ impl Template {
         // Network: the decode chunks of each piece in pack order, merged within a group (a
         // group's blocks are one range of the plan's pair offsets, as plan_packed merges).
         let mut network = PlanBuilder::default();
-        let mut per_pair = vec![0usize; self.pair_groups.len()];
+        let mut per_pair = vec![0usize; self.blocks.pair_groups().len()];
         let mut previous: Option<(usize, Vec<Chunk>)> = None;
-        for group in &self.groups {
+        for group in self.blocks.groups() {
             let before = network.plan.lengths.len();
             let first = tokens.pair_pieces[group.first_pair].0;
             let last = tokens.pair_pieces[group.last_pair].1;

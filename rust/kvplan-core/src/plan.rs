@@ -35,43 +35,8 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// The size of a request's plan, known after one validating pass and before any output exists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanShape {
-    /// Blocks the plan holds.
-    pub n_blocks: usize,
-    /// Bytes the plan moves.
-    pub total_bytes: u64,
-    /// How the request is planned, and what its validating pass found.
-    pub unit: PlanUnit,
-}
-
-impl PlanShape {
-    /// The summary a plan of this shape has once emitted (its counts are known before any
-    /// output exists), so block offsets and bytes per pair can be read without planning.
-    pub fn summary(&self) -> PlanSummary {
-        match self.unit {
-            PlanUnit::Pages(found) => PlanSummary {
-                n_runs: found.n_runs,
-                n_blocks: self.n_blocks, // 0 without pieces or pages
-                total_bytes: self.total_bytes,
-                n_pages: found.n_pages,
-                tokens: None,
-                state: false,
-            },
-            PlanUnit::Tokens(tokens) => PlanSummary {
-                n_runs: tokens.n_segments,
-                n_blocks: tokens.n_blocks,
-                total_bytes: tokens.total_bytes,
-                n_pages: 0,
-                tokens: Some(tokens),
-                state: false,
-            },
-        }
-    }
-}
-
-/// Whether a request is planned by page (index pairs copied item by item) or by token.
+/// Whether a request is planned by page (index pairs copied item by item), by token, or as one
+/// state slot per side, with what its validating pass found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlanUnit {
     /// Page plan: what the run scan found (blocks = runs × per-run pieces + pages × per-page
@@ -79,6 +44,8 @@ pub enum PlanUnit {
     Pages(RunScan),
     /// Token plan (the template plans by token, or `n_tokens` was given).
     Tokens(TokenShape),
+    /// State plan: one block per state pair that moves bytes.
+    State,
 }
 
 /// The size of a token request's plan, known before any output exists.
@@ -100,21 +67,36 @@ pub struct TokenShape {
     pub total_bytes: u64,
 }
 
-/// A finished plan's size (the columns hold `n_blocks` valid values).
+/// A request's plan size: known after one validating pass, before any output exists, and the
+/// same once the plan is emitted (the columns then hold `n_blocks` valid values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanSummary {
-    /// Runs contiguous on both sides.
-    pub n_runs: usize,
-    /// Blocks written.
+    /// Blocks the plan holds.
     pub n_blocks: usize,
-    /// Bytes moved.
+    /// Bytes the plan moves.
     pub total_bytes: u64,
-    /// Index pairs planned (0 for a state plan and a token plan).
-    pub n_pages: usize,
-    /// A token plan's shape (`None` for a page or state plan); `n_runs` then counts segments.
-    pub tokens: Option<TokenShape>,
-    /// A state plan (one block per state pair that moves bytes).
-    pub state: bool,
+    /// How the request is planned, and what its validating pass found.
+    pub unit: PlanUnit,
+}
+
+impl PlanSummary {
+    /// Runs contiguous on both sides (a token plan's segments; a state plan counts its slot as
+    /// one run when it moves anything).
+    pub fn n_runs(&self) -> usize {
+        match self.unit {
+            PlanUnit::Pages(found) => found.n_runs,
+            PlanUnit::Tokens(tokens) => tokens.n_segments,
+            PlanUnit::State => usize::from(self.n_blocks > 0),
+        }
+    }
+
+    /// Index pairs of a page plan (0 for token and state plans).
+    pub fn n_pages(&self) -> usize {
+        match self.unit {
+            PlanUnit::Pages(found) => found.n_pages,
+            _ => 0,
+        }
+    }
 }
 
 /// An owned plan (allocating convenience over [`Template::plan_into`]).

@@ -14,8 +14,8 @@
 use std::collections::BTreeMap;
 
 use crate::error::{PlanError, Result};
-use crate::groups::{LayerGroups, PeerRanks, SliceKey};
-use crate::plan::PlanSummary;
+use crate::groups::{LayerGroups, PeerRanks, SliceKey, StreamFacts};
+use crate::plan::{PlanSummary, PlanUnit};
 use crate::template::Template;
 
 /// One layer group of a template: the layers whose ready signals it waits for, the template's
@@ -88,7 +88,8 @@ impl LayerSlices {
     /// [`PlanError::Geometry`] when one emission group holds pairs of two layer groups (or of a
     /// group and the seal), naming the pairs, their layers and their groups.
     pub fn new(template: &Template, groups: &LayerGroups) -> Result<Self> {
-        let facts = &template.stream;
+        let (src, dst) = template.layouts();
+        let facts = &StreamFacts::new(src, dst, template.page_pairs(), template.state_pairs());
         let keys: Vec<SliceKey> = facts.page_tags.iter().map(|t| groups.key(t)).collect();
         // Moving state pairs (one block each in a state plan, in order) and their keys;
         // elided ones move nothing and wait for nothing.
@@ -138,7 +139,7 @@ impl LayerSlices {
             .filter_map(|t| t.layer)
             .filter(|&l| l >= 0)
             .collect();
-        for (g, group) in template.groups().iter().enumerate() {
+        for (g, group) in template.blocks().groups().iter().enumerate() {
             let key = keys[group.first_pair];
             if let Some(p) = (group.first_pair..=group.last_pair).find(|&p| keys[p] != key) {
                 return Err(straddle(template, &keys, group.first_pair, p));
@@ -152,7 +153,7 @@ impl LayerSlices {
         for (p, (tag, key)) in facts.page_tags.iter().zip(&keys).enumerate() {
             let Some(layer) = tag.layer else { continue };
             match key {
-                SliceKey::Group(id) if template.pair_groups()[p].is_some() => {
+                SliceKey::Group(id) if template.blocks().pair_groups()[p].is_some() => {
                     slices[*id as usize].layers.push(layer);
                     layer_slice.insert(layer, *id as usize);
                 }
@@ -251,11 +252,11 @@ impl LayerSlices {
     pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
         let (ranges, work): (Vec<_>, Vec<_>);
         let (seal_ranges, seal);
-        if summary.state {
+        if summary.unit == PlanUnit::State {
             // A state plan: block k is the k-th moving state pair's, with its layer's group.
             let spans = |blocks: &[usize]| -> Vec<(usize, usize, u64)> {
                 let blocks = blocks.iter().filter(|&&k| k < summary.n_blocks);
-                let bytes = |k: usize| template.group_bytes(k, summary).unwrap_or(0);
+                let bytes = |k: usize| template.blocks().group_bytes(k, summary).unwrap_or(0);
                 blocks.map(|&k| (k, k + 1, bytes(k))).collect()
             };
             (ranges, work) = self
@@ -265,14 +266,14 @@ impl LayerSlices {
                 .unzip();
             (seal_ranges, seal) = merged_work(spans(&self.seal_state_blocks), WorkManifest::SEAL);
         } else {
-            let offsets = template.group_offsets(summary);
+            let offsets = template.blocks().group_offsets(summary);
             let spans = |groups: &[usize]| -> Vec<(usize, usize, u64)> {
                 // The template's own count (what this rank pair moves: under decode context
                 // parallelism only the tokens the decode rank holds), never a re-derivation.
                 // It cannot fail here: a group moves at most the plan's bytes, which fit u64,
                 // and only a template that plans by token has a token summary.
                 let spans = groups.iter().map(|&g| {
-                    let bytes = template.group_bytes(g, summary).unwrap_or(0);
+                    let bytes = template.blocks().group_bytes(g, summary).unwrap_or(0);
                     (offsets[g], offsets[g + 1], bytes)
                 });
                 spans.collect()
@@ -475,9 +476,9 @@ impl WorkManifest {
 
 /// The error for an emission group whose pairs `first` and `other` belong to different slices.
 fn straddle(template: &Template, keys: &[SliceKey], first: usize, other: usize) -> PlanError {
-    let tags = &template.stream.page_tags;
+    let (src, _) = template.layouts();
     let name = |p: usize| {
-        let layer = tags[p]
+        let layer = crate::groups::EntryTag::of(src, template.page_pairs()[p].src_entry)
             .layer
             .map_or_else(|| "no layer id".to_string(), |l| format!("layer {l}"));
         let key = match keys[p] {

@@ -41,9 +41,12 @@
 //! [`Template::plan_state_into`].
 
 use crate::error::{PlanError, Result};
+use crate::groups::PeerRanks;
 use crate::heads::staging_writer;
+use crate::layout::EntryKind;
 use crate::pack::{PackBuffer, PairBounds, PlanBuilder, gather_in_place, plan_bytes};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanUnit};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit};
+use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::Template;
 
@@ -113,11 +116,11 @@ pub struct StagedCounts {
 /// Everything of a staged plan that is known before its gather and scatter are emitted: the
 /// one derivation [`Template::plan_staged_into`] emits from and [`Template::staged_counts`]
 /// counts from.
-struct StagedLayout {
-    /// The `n_tokens` the gather and scatter are derived with.
-    tokens: Option<u64>,
+struct StagedLayout<'a, S, D> {
+    /// The request the gather and scatter are derived from (the caller's, or its token form).
+    request: Request<'a, S, D>,
     /// The shape of that plan.
-    shape: PlanShape,
+    shape: PlanSummary,
     /// Its pair offsets, and the block ranges they make.
     pair_offsets: Vec<usize>,
     bounds: PairBounds,
@@ -221,20 +224,18 @@ impl Template {
     #[allow(clippy::too_many_arguments)] // the request, two regions and the output source
     pub fn plan_staged_into<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
-        make_outputs: impl FnOnce(&PlanShape) -> Result<(O, P)>,
+        make_outputs: impl FnOnce(&PlanSummary) -> Result<(O, P)>,
     ) -> Result<(O, P, StagedSummary)>
     where
         O: AsColumns<'o>,
         P: AsColumns<'p>,
     {
-        let layout = self.staged_layout(src, dst, n_tokens, src_staging, dst_staging)?;
+        let layout = self.staged_layout(request, src_staging, dst_staging)?;
         let mut second = None;
-        let (mut output, summary) = self.plan_into(src, dst, layout.tokens, |shape| {
+        let (mut output, summary) = self.plan_into(&layout.request, |shape| {
             if *shape != layout.shape {
                 return Err(PlanError::InputChanged);
             }
@@ -291,14 +292,12 @@ impl Template {
     /// As [`Template::plan_staged_into`].
     pub fn plan_staged<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
     ) -> Result<StagedPlan> {
         let (gather, scatter, staged) =
-            self.plan_staged_into(src, dst, n_tokens, src_staging, dst_staging, |shape| {
+            self.plan_staged_into(request, src_staging, dst_staging, |shape| {
                 let output = || FlatBuffer::try_zeroed(shape.n_blocks);
                 Ok((output()?, output()?))
             })?;
@@ -339,15 +338,13 @@ impl Template {
     /// counts of any real regions).
     pub fn staged_counts<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'_, S, D>,
     ) -> Result<StagedCounts> {
         let whole = StagingRegion {
             addr: 0,
             size: u64::MAX,
         };
-        let layout = self.staged_layout(src, dst, n_tokens, whole, whole)?;
+        let layout = self.staged_layout(request, whole, whole)?;
         Ok(StagedCounts {
             direct_blocks: layout.direct_blocks,
             network_blocks: layout.network.lengths.len(),
@@ -357,14 +354,14 @@ impl Template {
 
     /// Validates a staged request and derives everything but its gather and scatter columns
     /// (see [`StagedLayout`]), checking both regions before any output exists.
-    fn staged_layout<S: PageIndex, D: PageIndex>(
+    fn staged_layout<'a, S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
+        request: &Request<'a, S, D>,
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
-    ) -> Result<StagedLayout> {
+    ) -> Result<StagedLayout<'a, S, D>> {
+        // Staging slots are laid out per page pair; a state slot is one block per pair already.
+        request.page_lists("a staged plan")?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),
@@ -374,8 +371,8 @@ impl Template {
                 .checked_add(region.size)
                 .ok_or(PlanError::Overflow { what })?;
         }
-        let direct = self.prepare(src, dst, n_tokens)?;
-        let (tokens, shape) = self.staging_tokens(src, dst, n_tokens, direct);
+        let direct = self.prepare(request)?;
+        let (staged_request, shape) = self.staging_tokens(request, direct);
         if shape.total_bytes > src_staging.size {
             return Err(PlanError::StagingTooSmall {
                 region: "prefill",
@@ -384,20 +381,20 @@ impl Template {
                 layout: format!("the gather of {} blocks", shape.n_blocks),
             });
         }
-        let summary = shape.summary();
-        let pair_offsets = self.pair_offsets(&summary);
+        let summary = shape;
+        let pair_offsets = self.blocks.pair_offsets(&summary);
         let bounds = PairBounds::of(&pair_offsets, shape.n_blocks);
         let range_bytes = if bounds.by_pair {
-            self.pair_bytes(&summary)?
+            self.blocks.pair_bytes(&summary)?
         } else {
             vec![shape.total_bytes]
         };
-        let writer = staging_writer(
-            self.stream.prefill.tp_size,
-            self.stream.prefill.tp_rank,
-            self.stream.decode.tp_size,
-        )?;
-        let placement = self.place_decode(&bounds, &range_bytes, writer)?;
+        let (prefill, decode) = (
+            PeerRanks::of(&self.layouts.0),
+            PeerRanks::of(&self.layouts.1),
+        );
+        let writer = staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size)?;
+        let placement = self.place_decode(&bounds, &range_bytes, writer, prefill.pp_size)?;
         if placement.need > dst_staging.size {
             return Err(PlanError::StagingTooSmall {
                 region: "decode",
@@ -420,7 +417,7 @@ impl Template {
         network.end_pair();
         let network = network.finish(shape.total_bytes);
         Ok(StagedLayout {
-            tokens,
+            request: staged_request,
             shape,
             pair_offsets,
             bounds,
@@ -435,29 +432,31 @@ impl Template {
     /// The `n_tokens` the staged plan is derived with, and that plan's shape: a page request
     /// is staged from its token plan when that moves the same bytes in no more blocks
     /// (token-major order within each pair), else from its page plan; a token request as given.
-    fn staging_tokens<S: PageIndex, D: PageIndex>(
+    fn staging_tokens<'a, S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-        direct: PlanShape,
-    ) -> (Option<u64>, PlanShape) {
+        request: &Request<'a, S, D>,
+        direct: PlanSummary,
+    ) -> (Request<'a, S, D>, PlanSummary) {
         let PlanUnit::Pages(found) = direct.unit else {
-            return (n_tokens, direct);
+            return (*request, direct);
+        };
+        let Ok((src, dst)) = request.page_lists("a staged plan") else {
+            return (*request, direct);
         };
         if found.n_pages == 0 || self.strategy.tokens().is_err() {
-            return (None, direct);
+            return (*request, direct);
         }
-        let Some(tokens) = (src.len() as u64).checked_mul(self.page_sizes.0) else {
-            return (None, direct);
+        let Some(tokens) = (src.len() as u64).checked_mul(self.page_sizes().0) else {
+            return (*request, direct);
         };
-        match self.prepare(src, dst, Some(tokens)) {
+        let by_token = Request::tokens(src, dst, tokens);
+        match self.prepare(&by_token) {
             Ok(shape)
                 if shape.total_bytes == direct.total_bytes && shape.n_blocks <= direct.n_blocks =>
             {
-                (Some(tokens), shape)
+                (by_token, shape)
             }
-            _ => (None, direct),
+            _ => (*request, direct),
         }
     }
 
@@ -467,9 +466,10 @@ impl Template {
         bounds: &PairBounds,
         range_bytes: &[u64],
         (writer, writers): (u32, u32),
+        prefill_pp_size: u32,
     ) -> Result<DecodePlacement> {
         let total = plan_bytes(range_bytes)?;
-        if (writers == 1 && self.stream.prefill.pp_size <= 1) || !bounds.by_pair {
+        if (writers == 1 && prefill_pp_size <= 1) || !bounds.by_pair {
             let mut offsets = Vec::with_capacity(range_bytes.len());
             let mut at = 0;
             for &bytes in range_bytes {
@@ -483,7 +483,7 @@ impl Template {
                 layout: format!("the plan's {total} bytes"),
             });
         }
-        let (dst_slots, n_slots) = (&self.dst_slots.0, self.dst_slots.1 as u64);
+        let (dst_slots, n_slots) = self.decode_slots();
         // Per moving range its first slot, and the bytes of one slot.
         let mut placed: Vec<Option<u64>> = vec![None; range_bytes.len()];
         let mut slot_bytes: Option<(usize, u64)> = None;
@@ -492,9 +492,10 @@ impl Template {
                 continue;
             }
             // The pairs whose blocks this range holds: its group's (one, unless coalesced).
-            let members: Vec<usize> = match self.pair_groups.get(pair).copied().flatten() {
-                Some(g) => (self.groups[g].first_pair..=pair)
-                    .filter(|&q| self.pair_groups[q] == Some(g))
+            let pair_groups = self.blocks.pair_groups();
+            let members: Vec<usize> = match pair_groups.get(pair).copied().flatten() {
+                Some(g) => (self.blocks.groups()[g].first_pair..=pair)
+                    .filter(|&q| pair_groups[q] == Some(g))
                     .collect(),
                 None => vec![pair],
             };
@@ -554,5 +555,22 @@ impl Template {
                 "{writers} writer(s) × {n_slots} decode page entries × {slot} bytes per entry"
             ),
         })
+    }
+
+    /// Per page pair, the position of its decode entry among the decode layout's page entries,
+    /// and their number: the decode staging slots.
+    fn decode_slots(&self) -> (Vec<usize>, u64) {
+        let dst = &self.layouts.1;
+        let page_entries = dst.entries_of_kind(EntryKind::Page);
+        let mut slot_of = vec![0; dst.n_entries()];
+        for (slot, &entry) in page_entries.iter().enumerate() {
+            slot_of[entry] = slot;
+        }
+        let slots = self
+            .page_pairs
+            .iter()
+            .map(|p| slot_of[p.dst_entry])
+            .collect();
+        (slots, page_entries.len() as u64)
     }
 }

@@ -1,21 +1,20 @@
 //! A compiled peer pair: entries paired and validated once (module `check`), turned into
-//! pieces once (module `pieces`), with the strategy chosen once: a page plan (kernels in
-//! `emit`) or a token plan (module `tokens`). Every request goes through [`Template::prepare`].
+//! pieces once (module `pieces`), grouped once (module `coalesce`), with the strategy chosen
+//! once: a page plan (kernels in `emit`) or a token plan (module `tokens`). Every request goes
+//! through [`Template::prepare`]; what a plan's groups and pairs hold is the template's
+//! [`BlockAccounting`]. Pack, staged, descriptor, advice and layer-wise planners borrow a
+//! template; it keeps the two layouts so they derive what they need themselves.
 
-use crate::check::{
-    TemplateOptions, check_pairs_sliced, compose, entry_labels, needs_tokens, pair_fragments,
-    pair_spec,
-};
+use crate::accounting::BlockAccounting;
+use crate::check::{TemplateOptions, check_pairs_sliced, needs_tokens, pair_fragments, pair_spec};
+use crate::coalesce::build_groups;
 use crate::error::{PlanError, Result, Side};
-use crate::groups::{LayerGroups, SliceKey, StreamFacts};
+use crate::groups::{EntryTag, LayerGroups, SliceKey};
 use crate::heads::HeadSlicing;
 use crate::layout::{EntryKind, Layout};
-use crate::pieces::{
-    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, TOKEN_CLASSES, total_len,
-};
-use crate::plan::{
-    AsColumns, Columns, FlatBuffer, Plan, PlanShape, PlanSummary, PlanUnit, TokenShape,
-};
+use crate::pieces::{Fragments, PairSpec, Piece, total_len};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+use crate::request::{Indices, Request};
 use crate::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
 use crate::tokens::{TokenTemplate, count_blocks, emit_tokens};
 
@@ -38,31 +37,6 @@ impl Default for GeometryOptions {
     }
 }
 
-/// Consecutive emitting page pairs whose blocks are emitted together (one pair unless
-/// coalesced), with the pieces they emit.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    /// First page pair of the group (index into [`Template::page_pairs`]).
-    pub first_pair: usize,
-    /// Last page pair of the group; it owns the group's blocks in per-pair offsets.
-    pub last_pair: usize,
-    /// The group's pieces: `pieces()[first_piece .. first_piece + n_pieces]`.
-    pub first_piece: usize,
-    /// Number of pieces.
-    pub n_pieces: usize,
-    /// Pieces emitting one block per run.
-    pub per_run: usize,
-    /// Pieces emitting one block per page.
-    pub per_page: usize,
-}
-
-impl Group {
-    /// Blocks the group emits for a request of `pages` index pairs in `runs` runs.
-    pub fn n_blocks(&self, runs: usize, pages: usize) -> usize {
-        self.per_run * runs + self.per_page * pages
-    }
-}
-
 /// Validated entry pairs for one (prefill layout, decode layout) pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Template {
@@ -75,35 +49,20 @@ pub struct Template {
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
     pub(crate) bytes_per_page: u64,
     /// Smallest capacity over emitting pairs, per side: every index must lie below it.
-    pub(crate) src_limit: u64,
-    pub(crate) dst_limit: u64,
+    pub(crate) limits: IndexLimits,
     pub(crate) check_dst_overlap: bool,
     /// Emission units in block order (group-major, then fragment).
     pub(crate) pieces: Vec<Piece>,
-    /// Pieces emitting one block per run, and one block per page.
-    pub(crate) per_run_pieces: usize,
-    pub(crate) per_page_pieces: usize,
-    pub(crate) groups: Vec<Group>,
-    /// The group of each page pair (`None` for elided pairs).
-    pub(crate) pair_groups: Vec<Option<usize>>,
-    /// "layer L, role R" per entry of each side, for error messages.
-    src_labels: Vec<String>,
-    dst_labels: Vec<String>,
+    /// Groups, and what every group and pair of a plan holds.
+    pub(crate) blocks: BlockAccounting,
     /// Head slicing between different TP sizes, when both layouts publish their geometry.
     heads: Option<HeadSlicing>,
-    /// Tokens per page on each side.
-    pub(crate) page_sizes: (u64, u64),
-    /// Per page pair, its group's token pieces of each class (empty when the template cannot
-    /// plan by token): what block offsets of a token plan are made of.
-    pub(crate) token_groups: Vec<[usize; TOKEN_CLASSES]>,
     /// How requests are planned, chosen once at build.
     pub(crate) strategy: Strategy,
-    /// What layer-wise slicing needs (module `slices`): each page pair's layer id, role and
-    /// kind, and both peers' ranks.
-    pub(crate) stream: StreamFacts,
-    /// Per page pair, the position of its decode entry among the decode layout's page
-    /// entries, and their number: the decode staging slots of a staged plan (module `staged`).
-    pub(crate) dst_slots: (Vec<usize>, usize),
+    /// The two layouts (prefill, decode): labels for messages, and what the planners that
+    /// borrow a template read (layer tags and ranks for layer-wise slices, decode page entries
+    /// for staging slots).
+    pub(crate) layouts: (Layout, Layout),
 }
 
 /// How a template plans requests, chosen once when it is built.
@@ -194,9 +153,11 @@ impl Template {
                 .collect()
         };
         let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
-        let stream = StreamFacts::new(src, dst, &page_pairs, &state_pairs);
         let coalesce_keys: Vec<SliceKey> = layer_groups
-            .map(|groups| stream.page_tags.iter().map(|t| groups.key(t)).collect())
+            .map(|groups| {
+                let tag = |p: &PairSpec| EntryTag::of(src, p.src_entry);
+                page_pairs.iter().map(|p| groups.key(&tag(p))).collect()
+            })
             .unwrap_or_default();
         let by_token = needs_tokens(src, dst);
         let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
@@ -205,7 +166,7 @@ impl Template {
             .copied()
             .filter(|p| p.item_len > 0 && moves_pages)
             .collect();
-        let labels = (entry_labels(src), entry_labels(dst));
+        let src_labels = crate::check::entry_labels(src);
         if let Some(slicing) = &heads {
             slice_state_pairs(slicing, &mut state_pairs);
         }
@@ -223,7 +184,7 @@ impl Template {
             Some(slicing) if !by_token => slicing.page_fragments(),
             _ => Fragments::Whole,
         };
-        let given = pair_fragments(&geometry.fragments, &page_pairs, &labels.0)?;
+        let given = pair_fragments(&geometry.fragments, &page_pairs, &src_labels)?;
         let (pieces, groups, pair_groups) = if moves_pages {
             build_groups(
                 &page_pairs,
@@ -231,19 +192,18 @@ impl Template {
                 &head_fragments,
                 geometry.coalesce,
                 &coalesce_keys,
-                &labels.0,
+                &src_labels,
             )?
         } else {
             (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
         };
-        let page_sizes = (src.context().page_size, dst.context().page_size);
         let tokens = TokenTemplate::build(
             src,
             dst,
             &page_pairs,
             &given,
             heads.as_ref(),
-            (&labels.0, &labels.1),
+            (&src_labels, &crate::check::entry_labels(dst)),
         );
         let strategy = match tokens {
             Ok(tokens) if by_token => Strategy::Tokens(tokens),
@@ -251,11 +211,14 @@ impl Template {
             tokens => Strategy::Pages { tokens },
         };
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
-        let per_run_pieces = pieces.iter().filter(|p| p.per_run()).count();
-        let token_groups = match strategy.tokens() {
-            Ok(tokens) => token_groups(tokens, &groups),
-            Err(_) => Vec::new(),
-        };
+        let state_lens = state_pairs.iter().map(|p| p.item_len).collect();
+        let blocks = BlockAccounting::new(
+            groups,
+            pair_groups,
+            &pieces,
+            strategy.tokens().ok(),
+            state_lens,
+        )?;
         let state_pieces = state_pairs
             .iter()
             .filter(|p| p.item_len > 0)
@@ -264,37 +227,22 @@ impl Template {
         let (src_limit, dst_limit) = emitting.iter().fold((u64::MAX, u64::MAX), |(s, d), p| {
             (s.min(p.src_capacity), d.min(p.dst_capacity))
         });
-        let dst_page_entries = dst.entries_of_kind(EntryKind::Page);
-        let mut slot_of = vec![0; dst.n_entries()];
-        for (slot, &entry) in dst_page_entries.iter().enumerate() {
-            slot_of[entry] = slot;
-        }
-        let dst_slots = (
-            page_pairs.iter().map(|p| slot_of[p.dst_entry]).collect(),
-            dst_page_entries.len(),
-        );
         Ok(Self {
-            dst_slots,
             page_pairs,
             emitting,
             state_pairs,
             state_pieces,
             bytes_per_page,
-            src_limit,
-            dst_limit,
+            limits: IndexLimits {
+                src: src_limit,
+                dst: dst_limit,
+            },
             check_dst_overlap: options.check_dst_overlap,
-            per_run_pieces,
-            per_page_pieces: pieces.len() - per_run_pieces,
             pieces,
-            groups,
-            pair_groups,
-            src_labels: labels.0,
-            dst_labels: labels.1,
+            blocks,
             heads,
-            page_sizes,
-            token_groups,
             strategy,
-            stream,
+            layouts: (src.clone(), dst.clone()),
         })
     }
 
@@ -326,29 +274,28 @@ impl Template {
         &self.pieces
     }
 
-    /// Emission groups in block order (one per emitting pair unless pairs were coalesced).
-    pub fn groups(&self) -> &[Group] {
-        &self.groups
+    /// What every group and pair of this template's plans holds: groups, per-pair and
+    /// per-group block offsets and bytes.
+    pub fn blocks(&self) -> &BlockAccounting {
+        &self.blocks
     }
 
-    /// The group of each page pair (`None` for an elided pair).
-    pub fn pair_groups(&self) -> &[Option<usize>] {
-        &self.pair_groups
-    }
-
-    /// Blocks of a request of `pages` index pairs in `runs` runs (`None` on overflow).
-    pub fn n_blocks(&self, runs: usize, pages: usize) -> Option<usize> {
-        self.per_run_pieces
-            .checked_mul(runs)?
-            .checked_add(self.per_page_pieces.checked_mul(pages)?)
+    /// The prefill (source) and decode (destination) layouts.
+    pub fn layouts(&self) -> (&Layout, &Layout) {
+        (&self.layouts.0, &self.layouts.1)
     }
 
     /// "layer L, role R" of an entry on one side, for messages.
     pub(crate) fn entry_label(&self, side: Side, entry: usize) -> String {
-        side.pick(&self.src_labels, &self.dst_labels)
-            .get(entry)
-            .cloned()
-            .unwrap_or_default()
+        let layout = side.pick(&self.layouts.0, &self.layouts.1);
+        if entry >= layout.n_entries() {
+            return String::new();
+        }
+        format!(
+            "layer {}, role {}",
+            layout.layer_label(entry),
+            layout.role_label(entry)
+        )
     }
 
     /// Page-entry pairs in planning order (including elided pairs with `item_len == 0`).
@@ -374,127 +321,8 @@ impl Template {
     /// Per side, the bound every page index must lie below: the smallest capacity over the
     /// emitting pairs (`u64::MAX` when no pair emits).
     pub fn index_limits(&self) -> IndexLimits {
-        IndexLimits {
-            src: self.src_limit,
-            dst: self.dst_limit,
-        }
+        self.limits
     }
-}
-
-/// Pieces, groups and each page pair's group. Without fragments, a pair continues the group of
-/// the emitting pair before it when both are whole-item transfers whose items touch on both
-/// sides (`base = previous base + previous item`, equal strides) and the group still fits in
-/// one stride on each side; a pair with fragments is a group of its own, one piece per fragment.
-/// With `coalesce_keys` (one per page pair), only pairs of equal keys join (layer-group edges).
-#[allow(clippy::type_complexity)]
-fn build_groups(
-    page_pairs: &[PairSpec],
-    given: &[Option<Vec<Fragment>>],
-    head_fragments: &Fragments,
-    coalesce: bool,
-    coalesce_keys: &[SliceKey],
-    src_labels: &[String],
-) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
-    let mut pieces: Vec<Piece> = Vec::new();
-    let mut groups: Vec<Group> = Vec::new();
-    let mut pair_groups = vec![None; page_pairs.len()];
-    // Whether the last group is whole items (fragment-free), so a touching pair may join it.
-    let mut open = false;
-    for (index, (pair, given)) in page_pairs.iter().zip(given).enumerate() {
-        let label = || src_labels.get(pair.src_entry).cloned().unwrap_or_default();
-        // Head slicing's fragments, restricted to the caller's where both are given.
-        let fragments = match (given, head_fragments.of_pair(index)) {
-            (None, None) => None,
-            (Some(user), None) => Some(user.clone()),
-            (None, Some(heads)) => Some(heads.to_vec()),
-            (Some(user), Some(heads)) => {
-                let pair_label = || format!("page pair {index} ({})", label());
-                Some(compose(user, heads, &pair_label)?)
-            }
-        };
-        if pair.item_len == 0 {
-            continue;
-        }
-        let Some(fragments) = fragments else {
-            let whole = pair.piece(pair.whole());
-            // Coalesce with the previous group when it is a whole-item group this pair touches.
-            if coalesce
-                && open
-                && let Some(group) = groups.last_mut()
-                && let Some(last) = pieces.last_mut()
-                && touches(last, &whole)
-                && coalesce_keys.get(group.last_pair) == coalesce_keys.get(index)
-            {
-                last.len += whole.len; // <= the strides (checked by `touches`)
-                group.last_pair = index;
-                let per_run = usize::from(last.per_run());
-                (group.per_run, group.per_page) = (per_run, 1 - per_run);
-                pair_groups[index] = Some(groups.len() - 1);
-                continue;
-            }
-            pair_groups[index] = Some(groups.len());
-            let per_run = usize::from(whole.per_run());
-            groups.push(Group {
-                first_pair: index,
-                last_pair: index,
-                first_piece: pieces.len(),
-                n_pieces: 1,
-                per_run,
-                per_page: 1 - per_run,
-            });
-            pieces.push(whole);
-            open = true;
-            continue;
-        };
-        open = false;
-        pair_groups[index] = Some(groups.len());
-        let first_piece = pieces.len();
-        // Inside the item (checked), so inside the buffer.
-        pieces.extend(fragments.iter().map(|&f| pair.piece(f)));
-        let per_run = pieces[first_piece..].iter().filter(|p| p.per_run()).count();
-        groups.push(Group {
-            first_pair: index,
-            last_pair: index,
-            first_piece,
-            n_pieces: fragments.len(),
-            per_run,
-            per_page: fragments.len() - per_run,
-        });
-    }
-    Ok((pieces, groups, pair_groups))
-}
-
-/// Whether `next` (a whole item) starts where `group` (whole items) ends on both sides, with
-/// the same strides, and the widened group still fits in one stride on each side (so it never
-/// reaches into the next page: packed per-layer buffers, stride = item, never coalesce).
-fn touches(group: &Piece, next: &Piece) -> bool {
-    let (gs, gd) = (&group.src, &group.dst);
-    gs.page_stride == next.src.page_stride
-        && gd.page_stride == next.dst.page_stride
-        && gs.base.checked_add(group.len) == Some(next.src.base)
-        && gd.base.checked_add(group.len) == Some(next.dst.base)
-        && group
-            .len
-            .checked_add(next.len)
-            .is_some_and(|w| w <= gs.page_stride && w <= gd.page_stride)
-}
-
-/// Per group, its pairs' token pieces of each class.
-fn token_groups(tokens: &TokenTemplate, groups: &[Group]) -> Vec<[usize; TOKEN_CLASSES]> {
-    groups
-        .iter()
-        .map(|g| {
-            let (start, end) = (
-                tokens.pair_pieces[g.first_pair].0,
-                tokens.pair_pieces[g.last_pair].1,
-            );
-            let mut classes = [0; TOKEN_CLASSES];
-            for piece in &tokens.pieces[start..end] {
-                classes[tokens.class_of(piece)] += 1;
-            }
-            classes
-        })
-        .collect()
 }
 
 /// Narrows each state pair to the one fragment this rank pair moves (replicated state: the
@@ -525,21 +353,24 @@ impl Template {
     /// equally long index lists, page `src[i]` to page `dst[i]`. A token request (`n_tokens`
     /// given, or [`Template::by_token`]: page sizes or memory orders differ) takes each side's
     /// pages in token order, of any lengths, and moves the first `n_tokens` tokens (default: the
-    /// full pages of the shorter side); see [`Template::prepare_tokens`].
+    /// full pages of the shorter side). A slot request moves one state slot per state pair.
     ///
     /// # Errors
     /// Unequal lengths (page request), too few pages for `n_tokens` (token request), a
     /// negative index, an index outside any paired buffer, a repeated destination index (when
-    /// the template checks overlap), the template's token error, or overflow of the totals.
+    /// the template checks overlap), the template's token error, `n_tokens` on a slot request,
+    /// or overflow of the totals.
     pub fn prepare<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-    ) -> Result<PlanShape> {
-        if self.strategy.by_token() || n_tokens.is_some() {
-            let shape = self.prepare_tokens(src, dst, n_tokens)?;
-            return Ok(PlanShape {
+        request: &Request<'_, S, D>,
+    ) -> Result<PlanSummary> {
+        let (src, dst) = match request.indices {
+            Indices::Slot { src, dst } => return self.prepare_slot(src, dst, request.n_tokens),
+            Indices::Pages { src, dst } => (src, dst),
+        };
+        if self.strategy.by_token() || request.n_tokens.is_some() {
+            let shape = self.prepare_tokens(src, dst, request.n_tokens)?;
+            return Ok(PlanSummary {
                 n_blocks: shape.n_blocks,
                 total_bytes: shape.total_bytes,
                 unit: PlanUnit::Tokens(shape),
@@ -549,71 +380,110 @@ impl Template {
         let found = scan_runs(src, dst, RunRule::EitherDirection)?;
         if found.n_pages > 0 {
             // One comparison per side covers every pair: the limits are the smallest capacities.
-            if found.max_src >= self.src_limit {
+            if found.max_src >= self.limits.src {
                 return Err(self.out_of_range(Side::Src, src));
             }
-            if found.max_dst >= self.dst_limit {
+            if found.max_dst >= self.limits.dst {
                 return Err(self.out_of_range(Side::Dst, dst));
             }
             if self.check_dst_overlap {
                 check_unique(dst)?;
             }
         }
-        let n_blocks = self
-            .n_blocks(found.n_runs, found.n_pages)
-            .ok_or(PlanError::Overflow {
-                what: "block count",
-            })?;
+        let n_blocks =
+            self.blocks
+                .page_blocks(found.n_runs, found.n_pages)
+                .ok_or(PlanError::Overflow {
+                    what: "block count",
+                })?;
         let total_bytes = (found.n_pages as u64)
             .checked_mul(self.bytes_per_page)
             .ok_or(PlanError::Overflow {
                 what: "total bytes",
             })?;
-        Ok(PlanShape {
+        Ok(PlanSummary {
             n_blocks,
             total_bytes,
             unit: PlanUnit::Pages(found),
         })
     }
 
+    /// Validates a slot request: both slots non-negative and inside every moving state pair's
+    /// buffer.
+    fn prepare_slot(&self, src: i64, dst: i64, n_tokens: Option<u64>) -> Result<PlanSummary> {
+        if let Some(n_tokens) = n_tokens {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "a state slot request moves whole slots and takes no n_tokens (got {n_tokens})"
+                ),
+            });
+        }
+        for (side, slot) in [(Side::Src, src), (Side::Dst, dst)] {
+            if slot < 0 {
+                return Err(PlanError::NegativeIndex {
+                    side,
+                    index: slot,
+                    position: 0,
+                });
+            }
+        }
+        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
+        for pair in self.state_pairs.iter().filter(|p| p.item_len > 0) {
+            if src as u64 >= pair.src_capacity {
+                return Err(self.index_error(Side::Src, pair, src, 0));
+            }
+            if dst as u64 >= pair.dst_capacity {
+                return Err(self.index_error(Side::Dst, pair, dst, 0));
+            }
+        }
+        // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
+        Ok(PlanSummary {
+            n_blocks: self.state_pieces.len(),
+            total_bytes: self.state_pieces.iter().map(|p| p.len).sum(),
+            unit: PlanUnit::State,
+        })
+    }
+
     /// Plans one request (see [`Template::prepare`]) into columns obtained from `make_output`
     /// once the plan size is known.
     ///
-    /// Allocates nothing itself. `make_output` receives the validated shape and returns columns
-    /// of at least `shape.n_blocks` values each (a pooled buffer, a caller's `out=` array…).
+    /// Allocates nothing itself. `make_output` receives the validated summary and returns
+    /// columns of at least `summary.n_blocks` values each (a pooled buffer, a caller's `out=`
+    /// array…).
     ///
     /// # Errors
     /// As [`Template::prepare`], whatever `make_output` returns, [`PlanError::OutputTooSmall`],
     /// or an index that changed between validation and emission (inputs mutated concurrently).
     pub fn plan_into<'o, S: PageIndex, D: PageIndex, O>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-        make_output: impl FnOnce(&PlanShape) -> Result<O>,
+        request: &Request<'_, S, D>,
+        make_output: impl FnOnce(&PlanSummary) -> Result<O>,
     ) -> Result<(O, PlanSummary)>
     where
         O: AsColumns<'o>,
     {
-        let shape = self.prepare(src, dst, n_tokens)?;
-        let mut output = make_output(&shape)?;
+        let summary = self.prepare(request)?;
+        let mut output = make_output(&summary)?;
         let out = output.columns();
-        if out.capacity() < shape.n_blocks {
+        if out.capacity() < summary.n_blocks {
             return Err(PlanError::OutputTooSmall {
                 have: out.capacity(),
-                need: shape.n_blocks,
+                need: summary.n_blocks,
             });
         }
-        let summary = match shape.unit {
-            PlanUnit::Pages(found) => self.emit_request(src, dst, &shape, &found, out)?,
-            PlanUnit::Tokens(tokens) => {
-                let limits = (self.src_limit, self.dst_limit);
+        match (request.indices, summary.unit) {
+            (Indices::Pages { src, dst }, PlanUnit::Pages(found)) => {
+                self.emit_request(src, dst, &found, out)?;
+            }
+            (Indices::Pages { src, dst }, PlanUnit::Tokens(tokens)) => {
+                let limits = (self.limits.src, self.limits.dst);
                 let token_pieces = self.token_template()?;
                 let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
                 emit_tokens(token_pieces, src, dst, limits, &tokens, out)?;
-                shape.summary()
             }
-        };
+            (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
+            (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
+        }
         Ok((output, summary))
     }
 
@@ -621,26 +491,20 @@ impl Template {
         &self,
         src: &[S],
         dst: &[D],
-        shape: &PlanShape,
         found: &crate::runs::RunScan,
         out: Columns<'_>,
-    ) -> Result<PlanSummary> {
+    ) -> Result<()> {
         let pieces = &self.pieces;
-        let summary = shape.summary();
         if pieces.is_empty() || found.n_pages == 0 {
-            return Ok(summary);
+            return Ok(());
         }
         // Runs go into the first slots as page indices; limits are re-checked per run, and a
         // run count that differs from the validating scan means the inputs changed meanwhile.
         let expected = found.n_runs;
-        let limits = IndexLimits {
-            src: self.src_limit,
-            dst: self.dst_limit,
-        };
         let runs = write_runs_by(
             src,
             dst,
-            limits,
+            self.limits,
             found.descending_runs > 0,
             [
                 &mut out.src_addrs[..expected],
@@ -655,7 +519,7 @@ impl Template {
         if runs != expected {
             return Err(PlanError::InputChanged);
         }
-        if self.per_page_pieces == 0 {
+        if self.blocks.per_page_pieces() == 0 {
             if found.descending_runs > 0 {
                 // Per-run pieces only: a descending run is its pages in ascending order.
                 out.lengths[..runs]
@@ -666,7 +530,19 @@ impl Template {
         } else {
             crate::emit::expand_pieces(pieces, runs, found.n_pages, out);
         }
-        Ok(summary)
+        Ok(())
+    }
+
+    /// One block per moving state pair, `(src_base + item_len*src, dst_base + item_len*dst,
+    /// item_len)`: a slot is a one-page request of each pair's piece (slots validated).
+    fn emit_slot(&self, src: i64, dst: i64, out: Columns<'_>) {
+        let (s, d) = (src as u64, dst as u64);
+        for (k, piece) in self.state_pieces.iter().enumerate() {
+            // In bounds, so the layout's base + len check rules out overflow.
+            out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
+            out.dst_addrs[k] = piece.dst.base + d * piece.dst.page_stride;
+            out.lengths[k] = piece.len;
+        }
     }
 
     /// Allocating convenience: plans one request (see [`Template::prepare`]) into freshly
@@ -674,80 +550,17 @@ impl Template {
     ///
     /// # Errors
     /// As [`Template::plan_into`].
-    pub fn plan<S: PageIndex, D: PageIndex>(
-        &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-    ) -> Result<Plan> {
-        let (buffer, summary) = self.plan_into(src, dst, n_tokens, |shape| {
-            FlatBuffer::try_zeroed(shape.n_blocks)
-        })?;
+    pub fn plan<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Result<Plan> {
+        let (buffer, summary) =
+            self.plan_into(request, |summary| FlatBuffer::try_zeroed(summary.n_blocks))?;
         let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
         Ok(Plan {
             src_addrs,
             dst_addrs,
             lengths,
-            n_runs: summary.n_runs,
+            n_runs: summary.n_runs(),
             total_bytes: summary.total_bytes,
-            pair_offsets: self.pair_offsets(&summary),
-        })
-    }
-
-    /// Plans one per-request state slot: one block per state pair with a non-zero item length,
-    /// `(src_base + item_len*src_slot, dst_base + item_len*dst_slot, item_len)`.
-    ///
-    /// The summary counts the slot as one run (of one index) when any block is written.
-    ///
-    /// # Errors
-    /// A negative slot or one outside a paired buffer's capacity; [`PlanError::OutputTooSmall`].
-    pub fn plan_state_into(
-        &self,
-        src_slot: i64,
-        dst_slot: i64,
-        out: Columns<'_>,
-    ) -> Result<PlanSummary> {
-        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries;
-        // each moving pair has one piece (a slot is a one-page request of it).
-        let pairs = self.state_pairs.iter().filter(|p| p.item_len > 0);
-        let n = self.state_pieces.len();
-        if out.capacity() < n {
-            return Err(PlanError::OutputTooSmall {
-                have: out.capacity(),
-                need: n,
-            });
-        }
-        for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
-            if slot < 0 {
-                return Err(PlanError::NegativeIndex {
-                    side,
-                    index: slot,
-                    position: 0,
-                });
-            }
-        }
-        let (s, d) = (src_slot as u64, dst_slot as u64);
-        for (k, (pair, piece)) in pairs.zip(&self.state_pieces).enumerate() {
-            if s >= pair.src_capacity {
-                return Err(self.index_error(Side::Src, pair, src_slot, 0));
-            }
-            if d >= pair.dst_capacity {
-                return Err(self.index_error(Side::Dst, pair, dst_slot, 0));
-            }
-            // In bounds, so the layout's base + len check rules out overflow.
-            out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
-            out.dst_addrs[k] = piece.dst.base + d * piece.dst.page_stride;
-            out.lengths[k] = piece.len;
-        }
-        // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
-        let total_bytes = self.state_pieces.iter().map(|p| p.len).sum();
-        Ok(PlanSummary {
-            n_runs: usize::from(n > 0),
-            n_blocks: n,
-            total_bytes,
-            n_pages: 0,
-            tokens: None,
-            state: true,
+            pair_offsets: self.blocks.pair_offsets(&summary),
         })
     }
 
@@ -824,7 +637,8 @@ impl Template {
 
     /// Tokens per page of the source and destination layouts.
     pub fn page_sizes(&self) -> (u64, u64) {
-        self.page_sizes
+        let (src, dst) = self.layouts();
+        (src.context().page_size, dst.context().page_size)
     }
 
     /// Validates a token request (through [`Template::prepare`]) and returns the size of its
@@ -910,8 +724,8 @@ impl Template {
         let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
         if !tokens.pieces.is_empty() && n > 0 {
-            self.check_pages(Side::Src, src, self.src_limit)?;
-            self.check_pages(Side::Dst, dst, self.dst_limit)?;
+            self.check_pages(Side::Src, src, self.limits.src)?;
+            self.check_pages(Side::Dst, dst, self.limits.dst)?;
             if self.check_dst_overlap {
                 check_unique(dst)?;
             }
@@ -950,7 +764,7 @@ impl Template {
         match request {
             BlockRequest::Pages { pages, runs } => {
                 if self.strategy.by_token() {
-                    let (src, dst) = self.page_sizes;
+                    let (src, dst) = self.page_sizes();
                     return Err(PlanError::Geometry {
                         what: format!(
                             "this template plans by token (prefill {src}, decode {dst} tokens \
@@ -967,9 +781,11 @@ impl Template {
                         ),
                     });
                 }
-                self.n_blocks(runs, pages).ok_or(PlanError::Overflow {
-                    what: "block count",
-                })
+                self.blocks
+                    .page_blocks(runs, pages)
+                    .ok_or(PlanError::Overflow {
+                        what: "block count",
+                    })
             }
             BlockRequest::Tokens {
                 n_tokens,
@@ -979,147 +795,6 @@ impl Template {
                 Ok(crate::tokens::model_counts(tokens, n_tokens, !fragmented)?.2)
             }
         }
-    }
-
-    /// Blocks of a token request of `n_tokens` tokens without planning it (see
-    /// [`BlockRequest::Tokens`]). Returns `(blocks, segments)`.
-    ///
-    /// # Errors
-    /// As [`Template::count_blocks`].
-    pub fn token_blocks(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
-        self.token_count(n_tokens, fragmented)
-    }
-
-    /// `(blocks, segments)` of a token request over consecutive (or, `fragmented`, never
-    /// consecutive) pages.
-    fn token_count(&self, n_tokens: u64, fragmented: bool) -> Result<(usize, usize)> {
-        // Counted over model pages that are never allocated, in time independent of the
-        // token count past a few periods of the token placement.
-        let tokens = self.token_template()?;
-        let (_, segments, blocks, _) = crate::tokens::model_counts(tokens, n_tokens, !fragmented)?;
-        Ok((blocks, segments))
-    }
-
-    /// Blocks group `group` holds in a plan of this shape: one function for page, token and
-    /// state plans (a state plan's groups are its moving state pairs, one block each).
-    pub fn group_blocks(&self, group: usize, summary: &PlanSummary) -> usize {
-        if summary.state {
-            return usize::from(group < self.state_pieces.len());
-        }
-        if let Some(tokens) = &summary.tokens {
-            let classes = self
-                .token_groups
-                .get(group)
-                .map_or(&[0; TOKEN_CLASSES], |c| c);
-            return classes
-                .iter()
-                .zip(tokens.class_blocks)
-                .map(|(pieces, blocks)| pieces * blocks)
-                .sum();
-        }
-        self.groups
-            .get(group)
-            .map_or(0, |g| g.n_blocks(summary.n_runs, summary.n_pages))
-    }
-
-    /// Bytes group `group` moves in a plan of this shape: the twin of
-    /// [`Template::group_blocks`], so a request's bytes per block range are known before it is
-    /// planned (a staged plan's layout and its counts for the advice).
-    ///
-    /// # Errors
-    /// [`PlanError::Overflow`]; the template's token error for a token summary (which only a
-    /// template that plans by token has).
-    pub fn group_bytes(&self, group: usize, summary: &PlanSummary) -> Result<u64> {
-        let overflow = || PlanError::Overflow {
-            what: "group bytes",
-        };
-        if summary.state {
-            return Ok(self.state_pieces.get(group).map_or(0, |p| p.len));
-        }
-        let Some(g) = self.groups.get(group) else {
-            return Ok(0);
-        };
-        if let Some(shape) = &summary.tokens {
-            let tokens = self.token_template()?;
-            let pieces = &tokens.pieces
-                [tokens.pair_pieces[g.first_pair].0..tokens.pair_pieces[g.last_pair].1];
-            // A lane's class-0 count is its moved tokens: every piece of the lane moves its
-            // length for each of them.
-            return pieces.iter().try_fold(0u64, |sum, piece| {
-                let lane = tokens.class_of(piece) / PIECE_CLASSES;
-                let moved = shape.class_blocks[lane * PIECE_CLASSES] as u64;
-                piece
-                    .len
-                    .checked_mul(moved)
-                    .and_then(|b| b.checked_add(sum))
-                    .ok_or_else(overflow)
-            });
-        }
-        let pieces = &self.pieces[g.first_piece..g.first_piece + g.n_pieces];
-        total_len(pieces, "group bytes")?
-            .checked_mul(summary.n_pages as u64)
-            .ok_or_else(overflow)
-    }
-
-    /// Groups of a plan of this kind (the page groups, or a state plan's moving state pairs).
-    pub fn n_groups(&self, summary: &PlanSummary) -> usize {
-        if summary.state {
-            self.state_pieces.len()
-        } else {
-            self.groups.len()
-        }
-    }
-
-    /// `n_groups + 1` block offsets of a plan: group `g`'s blocks are `offsets[g]..offsets[g+1]`.
-    pub fn group_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
-        offsets((0..self.n_groups(summary)).map(|g| self.group_blocks(g, summary)))
-    }
-
-    /// The group of each pair of a plan of this kind (`None`: an elided pair, which owns no
-    /// blocks): page pairs for page and token plans, state pairs for state plans.
-    pub fn plan_pair_groups(&self, summary: &PlanSummary) -> Vec<Option<usize>> {
-        if !summary.state {
-            return self.pair_groups.clone();
-        }
-        let mut next = 0;
-        let moving = self.state_pairs.iter().map(|p| {
-            (p.item_len > 0).then(|| {
-                next += 1;
-                next - 1
-            })
-        });
-        moving.collect()
-    }
-
-    /// `n_pairs + 1` block offsets of a plan: pair `p`'s blocks are `offsets[p]..offsets[p+1]`.
-    /// A group's blocks belong to its last pair (the others, and elided pairs, own none), so
-    /// the ranges partition the plan and submitting pair by pair in order sends a coalesced
-    /// group when its last layer is done.
-    pub fn pair_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
-        let groups = self.plan_pair_groups(summary);
-        let owns = |p: usize, g: usize| summary.state || self.groups[g].last_pair == p;
-        offsets(groups.iter().enumerate().map(|(p, group)| match *group {
-            Some(g) if owns(p, g) => self.group_blocks(g, summary),
-            _ => 0,
-        }))
-    }
-
-    /// Bytes of every pair's block range (see [`Template::pair_offsets`]) in a plan of this
-    /// shape: a group's bytes belong to its last pair, other pairs own none.
-    ///
-    /// # Errors
-    /// As [`Template::group_bytes`].
-    pub fn pair_bytes(&self, summary: &PlanSummary) -> Result<Vec<u64>> {
-        let groups = self.plan_pair_groups(summary);
-        let owns = |p: usize, g: usize| summary.state || self.groups[g].last_pair == p;
-        groups
-            .iter()
-            .enumerate()
-            .map(|(p, group)| match *group {
-                Some(g) if owns(p, g) => self.group_bytes(g, summary),
-                _ => Ok(0),
-            })
-            .collect()
     }
 }
 
@@ -1146,16 +821,6 @@ pub(crate) fn model_pages(
     };
     let (src_pages, dst_pages) = tokens.pages_needed(n_tokens);
     Ok((pages(src_pages)?, pages(dst_pages)?))
-}
-
-fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
-    let mut out = vec![0];
-    let mut at = 0;
-    for len in lens {
-        at += len;
-        out.push(at);
-    }
-    out
 }
 
 #[cfg(test)]
@@ -1319,7 +984,7 @@ mod request_tests {
         let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
         let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
         let plan = template(&src, &dst)
-            .plan(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3], None)
+            .plan(&Request::pages(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3]))
             .unwrap();
         assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
         assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
@@ -1333,7 +998,7 @@ mod request_tests {
         let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
         let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
         let err = template(&src, &dst)
-            .plan(&[0i64, 4], &[0i64, 1], None)
+            .plan(&Request::pages(&[0i64, 4], &[0i64, 1]))
             .unwrap_err();
         assert!(
             matches!(
@@ -1376,14 +1041,19 @@ mod request_tests {
             .unwrap();
         let t = template(&src, &dst);
         let mut buf = FlatBuffer::zeroed(2);
-        let n = t.plan_state_into(3, 4, buf.columns()).unwrap().n_blocks;
+        let n = t
+            .plan_into(&Request::slot(3, 4), |_| Ok(buf.columns()))
+            .map(|(_, summary)| summary)
+            .unwrap()
+            .n_blocks;
         assert_eq!(
             buf.into_columns(n).unwrap(),
             (vec![2048], vec![6064], vec![16])
         );
         let mut buf = FlatBuffer::zeroed(2);
         assert!(matches!(
-            t.plan_state_into(-1, 0, buf.columns()),
+            t.plan_into(&Request::slot(-1, 0), |_| Ok(buf.columns()))
+                .map(|(_, summary)| summary),
             Err(PlanError::NegativeIndex { .. })
         ));
     }
@@ -1424,7 +1094,11 @@ mod request_tests {
             .unwrap();
         let t = template(&src, &dst);
         let mut buf = FlatBuffer::zeroed(1);
-        let n = t.plan_state_into(2, 3, buf.columns()).unwrap().n_blocks;
+        let n = t
+            .plan_into(&Request::slot(2, 3), |_| Ok(buf.columns()))
+            .map(|(_, summary)| summary)
+            .unwrap()
+            .n_blocks;
         assert_eq!((n, buf.data), (1, vec![1032, 3048, 16]));
     }
 }

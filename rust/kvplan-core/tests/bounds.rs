@@ -6,6 +6,7 @@
 //! `n_tokens`. Buffers of one side are 1 MiB apart, so a block running past its buffer lands in
 //! no registered buffer at all.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AsColumns, AttentionGeometry, Columns, EntryKind, Fragment, Fragments, GeometryOptions, Layout,
     LayoutContext, MemoryOrder, Plan, PlanError, PlanUnit, Template, TemplateOptions,
@@ -221,7 +222,7 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
         ];
         for (sp, dp, n_tokens) in requests {
             let label = format!("{what}: {sp:?} -> {dp:?}, n_tokens {n_tokens:?}");
-            let planned = t.plan(&sp, &dp, n_tokens);
+            let planned = t.plan(&Request::new(&sp, &dp, n_tokens));
             let plan = match planned {
                 Ok(plan) => plan,
                 // Refusals are errors, never blocks: unequal lengths of a page request, user
@@ -238,17 +239,21 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
             };
             check_blocks(&label, src, dst, &plan);
             // plan_into and prepare agree with plan, and pick the same path.
-            let shape = t.prepare(&sp, &dp, n_tokens).unwrap();
+            let shape = t.prepare(&Request::new(&sp, &dp, n_tokens)).unwrap();
             assert_eq!(shape.n_blocks, plan.lengths.len(), "{label}");
             let by_token = matches!(shape.unit, PlanUnit::Tokens(_));
             assert_eq!(by_token, t.by_token() || n_tokens.is_some(), "{label}");
             let mut storage = vec![0u64; 3 * shape.n_blocks];
             let (_, summary) = t
-                .plan_into(&sp, &dp, n_tokens, |s| {
+                .plan_into(&Request::new(&sp, &dp, n_tokens), |s| {
                     Ok(Columns::from_flat(&mut storage, s.n_blocks))
                 })
                 .unwrap();
-            assert_eq!(summary.tokens.is_some(), by_token, "{label}");
+            assert_eq!(
+                matches!(summary.unit, kvplan_core::PlanUnit::Tokens(_)),
+                by_token,
+                "{label}"
+            );
             let n = summary.n_blocks;
             assert_eq!(storage[..n], plan.src_addrs[..], "{label}");
             assert_eq!(storage[2 * n..], plan.lengths[..], "{label}");
@@ -257,7 +262,11 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
         // State slots, the last one included.
         for (s, d) in [(0, 2), (2, 0), (salt as i64, 1)] {
             let mut out = kvplan_core::FlatBuffer::zeroed(t.state_pairs().len());
-            let n = t.plan_state_into(s, d, out.columns()).unwrap().n_blocks;
+            let n = t
+                .plan_into(&Request::slot(s, d), |_| Ok(out.columns()))
+                .map(|(_, summary)| summary)
+                .unwrap()
+                .n_blocks;
             let (src_addrs, dst_addrs, lengths) = out.into_columns(n).unwrap();
             let total_bytes = lengths.iter().sum();
             let plan = Plan {
@@ -285,10 +294,10 @@ fn a_token_template_planned_through_the_core_stays_in_bounds() {
     }
     .layout(0x8000_0000);
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let plan = t.plan(&[0i64], &[15i64], None).unwrap();
+    let plan = t.plan(&Request::pages(&[0i64], &[15i64])).unwrap();
     check_blocks("64 -> 16, page 0 -> 15", &src, &dst, &plan);
     assert_eq!(plan.total_bytes, 16 * 2 * HEAD * 4);
-    let shape = t.prepare(&[0i64], &[15i64], None).unwrap();
+    let shape = t.prepare(&Request::pages(&[0i64], &[15i64])).unwrap();
     assert!(matches!(shape.unit, PlanUnit::Tokens(_)));
 }
 

@@ -5,11 +5,12 @@
 
 mod support;
 
+use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, Fragment, Fragments, GeometryOptions, Layout, LayoutContext, MemoryOrder,
     PlanError, Template, TemplateOptions,
 };
-use support::reference::{Request, check_plan};
+use support::reference::check_plan;
 
 const SRC: u64 = 0x10_0000;
 const DST: u64 = 0x80_0000;
@@ -52,11 +53,7 @@ fn check(
     n: Option<u64>,
     list: &[Fragment],
 ) -> kvplan_core::Plan {
-    let request = Request {
-        src_pages: pages.0,
-        dst_pages: pages.1,
-        n_tokens: n,
-    };
+    let request = Request::new(pages.0, pages.1, n);
     check_plan(t, src, dst, &request, Some(list))
 }
 
@@ -114,7 +111,7 @@ fn caller_fragments_are_restricted_to_the_heads_a_sliced_pair_moves() {
     let plan = check(&t, &src, &dst, pages, None, &list);
     assert_eq!(plan.total_bytes, 2 * 2 * 4);
     // The same fragments with n_tokens do not move every token alike: refused, saying why.
-    let err = t.plan(pages.0, pages.1, Some(6)).unwrap_err();
+    let err = t.plan(&Request::tokens(pages.0, pages.1, 6)).unwrap_err();
     assert!(
         matches!(err, PlanError::FragmentCombination { .. }),
         "{err}"

@@ -10,6 +10,7 @@
 //! deterministically from DCP {1,2,4,8}² × interleave {1, page size, other} × PP {1,2} × page
 //! sizes × MLA/MHA/hybrid × draft.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AsColumns, AttentionGeometry, DcpContext, FlatBuffer, GeometryOptions, LayerGroups,
     LayerSlices, Layout, LayoutContext, MemoryOrder, PlanError, PlanSlices, Template,
@@ -390,7 +391,7 @@ fn run(case: &Case) {
                 let t = Template::new(&src.layout, &dst.layout, TemplateOptions::default())
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let plan = t
-                    .plan(&src.pages, &dst.pages, Some(case.tokens))
+                    .plan(&Request::tokens(&src.pages, &dst.pages, case.tokens))
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let moved: u64 = plan.lengths.iter().sum();
                 assert_eq!(moved, plan.total_bytes, "{what}");
@@ -418,7 +419,10 @@ fn run(case: &Case) {
                 );
                 let mut buf = FlatBuffer::zeroed(t.state_pairs().len());
                 let summary = t
-                    .plan_state_into(SRC_STATE_SLOT, DST_STATE_SLOT, buf.columns())
+                    .plan_into(&Request::slot(SRC_STATE_SLOT, DST_STATE_SLOT), |_| {
+                        Ok(buf.columns())
+                    })
+                    .map(|(_, summary)| summary)
                     .unwrap();
                 let (s, d, l) = buf.into_columns(summary.n_blocks).unwrap();
                 apply(src, &mut dst, &mut written, (&s, &d, &l), &what);
@@ -472,13 +476,20 @@ fn check_slice_work(case: &Case, src: &Peer, dst: &Peer, what: &str) {
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let slices = LayerSlices::new(&t, &groups).unwrap_or_else(|e| panic!("{what}: {e}"));
         let tokens = Some(case.tokens);
-        let plan = t.plan(&src.pages, &dst.pages, tokens).unwrap();
-        let summary = t.prepare(&src.pages, &dst.pages, tokens).unwrap().summary();
+        let plan = t
+            .plan(&Request::new(&src.pages, &dst.pages, tokens))
+            .unwrap();
+        let summary = t
+            .prepare(&Request::new(&src.pages, &dst.pages, tokens))
+            .unwrap();
         let cut = slices.of(&t, &summary);
         compare(&cut, &plan.lengths, plan.total_bytes, "page");
         let mut buf = FlatBuffer::zeroed(t.state_pairs().len());
         let state = t
-            .plan_state_into(SRC_STATE_SLOT, DST_STATE_SLOT, buf.columns())
+            .plan_into(&Request::slot(SRC_STATE_SLOT, DST_STATE_SLOT), |_| {
+                Ok(buf.columns())
+            })
+            .map(|(_, summary)| summary)
             .unwrap();
         let (_, _, lengths) = buf.into_columns(state.n_blocks).unwrap();
         compare(&slices.of(&t, &state), &lengths, state.total_bytes, "state");
@@ -588,7 +599,7 @@ fn sglang_worked_example_of_token_round_robin() {
     .with_draft(vec![1 << 28], vec![1 << 16], vec![4 * row], &[0], 1, None)
     .unwrap();
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let plan = t.plan(&[5i64, 9], &[2i64], Some(4)).unwrap();
+    let plan = t.plan(&Request::tokens(&[5i64, 9], &[2i64], 4)).unwrap();
     let rows = |addrs: &[u64], base: u64| -> Vec<u64> {
         addrs.iter().map(|a| (a - base) / row).collect::<Vec<_>>()
     };
@@ -628,7 +639,9 @@ fn rank_pairs_that_share_no_token_plan_nothing_and_say_why() {
         TemplateOptions::default(),
     )
     .unwrap();
-    let plan = t.plan(&[0i64, 1], &[0i64, 1], Some(16)).unwrap();
+    let plan = t
+        .plan(&Request::tokens(&[0i64, 1], &[0i64, 1], 16))
+        .unwrap();
     assert!(plan.lengths.is_empty());
     let reason = t.empty_reason().unwrap();
     assert!(
@@ -643,13 +656,17 @@ fn rank_pairs_that_share_no_token_plan_nothing_and_say_why() {
     )
     .unwrap();
     assert!(t.empty_reason().is_none());
-    let plan = t.plan(&[0i64, 1], &[0i64, 1], Some(16)).unwrap();
+    let plan = t
+        .plan(&Request::tokens(&[0i64, 1], &[0i64, 1], 16))
+        .unwrap();
     assert_eq!(plan.lengths, vec![8 * 16]);
     // A dealt template needs the request's global token count.
-    let err = t.plan(&[0i64, 1], &[0i64, 1], None).unwrap_err();
+    let err = t.plan(&Request::pages(&[0i64, 1], &[0i64, 1])).unwrap_err();
     assert!(matches!(err, PlanError::Geometry { what } if what.contains("needs n_tokens")));
     // Too few pages for the rank's share of the tokens.
-    let err = t.plan(&[0i64], &[0i64, 1], Some(16)).unwrap_err();
+    let err = t
+        .plan(&Request::tokens(&[0i64], &[0i64, 1], 16))
+        .unwrap_err();
     assert!(
         matches!(
             err,

@@ -3,6 +3,7 @@
 //! piece is per page, are its blocks one for one), requests are validated as plans are, and
 //! what a table cannot express (token plans) or hold (sizes) is an error.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, ErrorClass, GeometryOptions, Layout, LayoutContext, LayoutParts,
     MemoryOrder, PlanError, Side, Template, TemplateOptions,
@@ -164,7 +165,7 @@ fn prepped_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
         t.descriptor_table(Side::Src).unwrap(),
         t.descriptor_table(Side::Dst).unwrap(),
     );
-    let idx = t.prepped_indices(src, dst).unwrap();
+    let idx = t.prepped_indices(&Request::pages(src, dst)).unwrap();
     assert_eq!(idx.src.len(), idx.dst.len());
     idx.src
         .iter()
@@ -191,7 +192,7 @@ fn byte_map(blocks: impl IntoIterator<Item = [u64; 3]>) -> Vec<(u64, u64)> {
 }
 
 fn plan_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
-    let plan = t.plan(src, dst, None).unwrap();
+    let plan = t.plan(&Request::pages(src, dst)).unwrap();
     (0..plan.lengths.len())
         .map(|k| [plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]])
         .collect()
@@ -223,7 +224,7 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
     let shape = t.prepped_shape().unwrap();
     assert_eq!(shape.pieces, t.pieces().len(), "{name}");
     if shape.state_pairs > 0 {
-        let idx = t.prepped_state_indices(1, 2).unwrap();
+        let idx = t.prepped_indices(&Request::slot(1, 2)).unwrap();
         let (s_table, d_table) = (
             t.descriptor_table(Side::Src).unwrap(),
             t.descriptor_table(Side::Dst).unwrap(),
@@ -242,8 +243,11 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
             .collect();
         let mut flat = vec![0u64; 3 * shape.state_pairs];
         let n = shape.state_pairs;
-        t.plan_state_into(1, 2, kvplan_core::Columns::from_flat(&mut flat, n))
-            .unwrap();
+        t.plan_into(&Request::slot(1, 2), |_| {
+            Ok(kvplan_core::Columns::from_flat(&mut flat, n))
+        })
+        .map(|(_, summary)| summary)
+        .unwrap();
         let want: Vec<[u64; 3]> = (0..n)
             .map(|k| [flat[k], flat[n + k], flat[2 * n + k]])
             .collect();
@@ -330,7 +334,9 @@ fn a_pair_without_shared_heads_has_no_page_descriptors() {
         (shape.pieces, shape.pages, shape.state_start),
         (0, (0, 0), (0, 0))
     );
-    let idx = t.prepped_indices(&SRC_PAGES, &DST_PAGES).unwrap();
+    let idx = t
+        .prepped_indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
+        .unwrap();
     assert!(idx.src.is_empty() && idx.dst.is_empty());
     // Replicated state still has its one writer: rank 0 writes decode rank 1's copy.
     check("empty pages, state", &src, &dst, true);
@@ -347,10 +353,12 @@ fn requests_are_validated_exactly_as_plans() {
         (&[0, 1], &[2]),
     ];
     for (src, dst) in cases {
-        let err = t.prepped_indices(src, dst).unwrap_err();
-        assert_eq!(err, t.plan(src, dst, None).unwrap_err());
+        let err = t.prepped_indices(&Request::pages(src, dst)).unwrap_err();
+        assert_eq!(err, t.plan(&Request::pages(src, dst)).unwrap_err());
     }
-    let err = t.prepped_indices(&[0, 1], &[2, PAGES as i64]).unwrap_err();
+    let err = t
+        .prepped_indices(&Request::pages(&[0, 1], &[2, PAGES as i64]))
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -374,8 +382,11 @@ fn requests_are_validated_exactly_as_plans() {
     let mut scratch = vec![0u64; 3 * LAYERS];
     for (s, d) in [(-1, 0), (0, 4), (9, 0)] {
         let columns = kvplan_core::Columns::from_flat(&mut scratch, LAYERS);
-        let want = st.plan_state_into(s, d, columns).unwrap_err();
-        assert_eq!(st.prepped_state_indices(s, d).unwrap_err(), want);
+        let want = st
+            .plan_into(&Request::slot(s, d), |_| Ok(columns))
+            .map(|(_, summary)| summary)
+            .unwrap_err();
+        assert_eq!(st.prepped_indices(&Request::slot(s, d)).unwrap_err(), want);
     }
 }
 
@@ -404,8 +415,9 @@ fn token_templates_are_refused_naming_the_plan_path() {
         assert!(t.by_token());
         let errors = [
             t.descriptor_table(Side::Src).unwrap_err(),
-            t.prepped_indices(&SRC_PAGES, &DST_PAGES).unwrap_err(),
-            t.prepped_state_indices(0, 0).unwrap_err(),
+            t.prepped_indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
+                .unwrap_err(),
+            t.prepped_indices(&Request::slot(0, 0)).unwrap_err(),
         ];
         for err in errors {
             assert!(matches!(err, PlanError::NotPreppable { .. }), "{err}");

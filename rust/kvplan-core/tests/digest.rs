@@ -1,6 +1,7 @@
 //! Plan and content digests: the documented byte encodings (re-implemented here from the
 //! module documentation), pinned test vectors, and the bounds every block must respect.
 
+use kvplan_core::Request;
 use kvplan_core::digest::{
     CHUNK_BYTES, CONTENT_DIGEST_TAG, PLAN_DIGEST_TAG, pair_content_digests_on,
 };
@@ -45,7 +46,7 @@ impl Fixture {
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         // Three runs: [0, 1] -> [3, 4], 2 -> 7, 5 -> 8.
         let plan = template
-            .plan(&[0i64, 1, 2, 5], &[3i64, 4, 7, 8], None)
+            .plan(&Request::pages(&[0i64, 1, 2, 5], &[3i64, 4, 7, 8]))
             .unwrap();
         assert_eq!((plan.n_runs, plan.lengths.len()), (3, 6));
         // Uncoalesced packed buffers: pair p owns blocks p * runs .. (p + 1) * runs.

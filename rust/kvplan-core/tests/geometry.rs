@@ -1,6 +1,7 @@
 //! Strided entries, fragments and coalescing: a plan's bytes equal a page-by-page,
 //! fragment-by-fragment reference, coalesced or not, and every block lies inside its buffers.
 
+use kvplan_core::Request;
 use kvplan_core::{
     Fragment, Fragments, GeometryOptions, Layout, LayoutContext, LayoutParts, Plan, Template,
     TemplateOptions,
@@ -100,7 +101,7 @@ proptest! {
         for coalesce in [true, false] {
             let geometry = GeometryOptions { fragments: fragments.clone(), coalesce };
             let t = Template::with_geometry(&src, &dst, options, &geometry).unwrap();
-            let plan = t.plan(&sp, &dp, None).unwrap();
+            let plan = t.plan(&Request::pages(&sp, &dp)).unwrap();
             // Every block inside the buffers of its group (for one-pair groups: its pair's).
             for k in 0..plan.lengths.len() {
                 let (a, b, l) = (plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]);
@@ -149,8 +150,10 @@ fn a_pool_to_a_pool_is_one_block_per_run() {
     let src = Layout::cross_layer(0x1000, 96 * 10, None, items.clone(), None, ctx()).unwrap();
     let dst = Layout::cross_layer(0x9000, 96 * 10, None, items, None, ctx()).unwrap();
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    assert_eq!(t.groups().len(), 1);
-    let plan = t.plan(&[1i32, 2, 3, 7], &[0i32, 1, 2, 9], None).unwrap();
+    assert_eq!(t.blocks().groups().len(), 1);
+    let plan = t
+        .plan(&Request::pages(&[1i32, 2, 3, 7], &[0i32, 1, 2, 9]))
+        .unwrap();
     assert_eq!(plan.src_addrs, vec![0x1000 + 96, 0x1000 + 7 * 96]);
     assert_eq!(plan.dst_addrs, vec![0x9000, 0x9000 + 9 * 96]);
     assert_eq!(plan.lengths, vec![3 * 96, 96]);

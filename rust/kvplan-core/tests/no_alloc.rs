@@ -2,6 +2,7 @@
 //! by this test's own thread while the flag is up are counted (the harness allocates from its
 //! own threads, e.g. for output capture).
 
+use kvplan_core::Request;
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -54,7 +55,7 @@ fn plan_into_never_allocates() {
     let mut storage = vec![0u64; 3 * capacity];
 
     COUNTING.with(|c| c.set(true));
-    let result = template.plan_into(&src, &dst, None, |_| {
+    let result = template.plan_into(&Request::pages(&src, &dst), |_| {
         Ok(Columns::from_flat(&mut storage, capacity))
     });
     COUNTING.with(|c| c.set(false));
@@ -95,7 +96,7 @@ fn token_plan_into_never_allocates() {
     let mut storage = vec![0u64; 3 * capacity];
 
     COUNTING.with(|c| c.set(true));
-    let result = template.plan_into(&src, &dst, Some(32_000), |_| {
+    let result = template.plan_into(&Request::tokens(&src, &dst, 32_000), |_| {
         Ok(Columns::from_flat(&mut storage, capacity))
     });
     COUNTING.with(|c| c.set(false));

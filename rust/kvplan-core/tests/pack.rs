@@ -6,6 +6,7 @@
 //! block per entry per destination page run. A staged plan of the same request (gather into a
 //! staging region, one network block, scatter) must write the same bytes.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, DcpContext, Layout, LayoutContext, MemoryOrder, PackBuffer, Plan, PlanError,
     Template, TemplateOptions,
@@ -125,7 +126,9 @@ fn run(case: &Case) {
         .map(|k| (k.wrapping_mul(0x9E37_79B9) >> 7) as u8 | 1)
         .collect();
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let direct = t.plan(&src_pages, &dst_pages, Some(case.tokens)).unwrap();
+    let direct = t
+        .plan(&Request::tokens(&src_pages, &dst_pages, case.tokens))
+        .unwrap();
     let mut want = vec![0u8; dst_size as usize];
     apply(&direct, (&source, SRC_BASE), (&mut want, DST_BASE));
 
@@ -135,16 +138,14 @@ fn run(case: &Case) {
         size,
     };
     let packed = t
-        .plan_packed(&src_pages, &dst_pages, Some(case.tokens), pack)
+        .plan_packed(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(packed.pack_bytes, direct.total_bytes, "{what}");
     // The same request staged (gather → one network block → scatter) writes the same bytes.
     let region = |addr| kvplan_core::StagingRegion { addr, size };
     let staged = t
         .plan_staged(
-            &src_pages,
-            &dst_pages,
-            Some(case.tokens),
+            &Request::tokens(&src_pages, &dst_pages, case.tokens),
             region(PACK_BASE),
             region(STAGE_BASE),
         )
@@ -219,7 +220,7 @@ fn run(case: &Case) {
     // The row gather: the same network plan, block for block, and a gather that fills the
     // pack buffer byte for byte as the block gather does.
     let (rows, network) = t
-        .plan_row_gather(&src_pages, &dst_pages, Some(case.tokens), pack)
+        .plan_row_gather(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(network, packed.network, "{what}");
     assert_eq!(rows.pack_bytes, packed.pack_bytes, "{what}");
@@ -319,7 +320,10 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         size,
     };
     let err = t
-        .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need - 1))
+        .plan_packed(
+            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
+            pack(need - 1),
+        )
         .unwrap_err();
     assert!(
         matches!(err, PlanError::PackTooSmall { need: n, have, .. } if n == need && have == need - 1),
@@ -330,26 +334,33 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         "{err}"
     );
     let err = t
-        .plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need - 1))
+        .plan_row_gather(
+            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
+            pack(need - 1),
+        )
         .unwrap_err();
     assert!(
         matches!(err, PlanError::PackTooSmall { need: n, .. } if n == need),
         "{err}"
     );
     assert!(
-        t.plan_row_gather(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
-            .is_ok()
+        t.plan_row_gather(
+            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
+            pack(need)
+        )
+        .is_ok()
     );
     let ok = t
-        .plan_packed(&[0i64, 1, 2, 3], &[0i64, 1], Some(16), pack(need))
+        .plan_packed(
+            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
+            pack(need),
+        )
         .unwrap();
     assert_eq!(ok.network.lengths.len(), LAYERS as usize);
     // A pack buffer whose end overflows the address space is refused, not wrapped.
     let err = t
         .plan_packed(
-            &[0i64, 1, 2, 3],
-            &[0i64, 1],
-            Some(16),
+            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
             PackBuffer {
                 addr: u64::MAX - 8,
                 size: need,
@@ -391,12 +402,14 @@ fn packed_block_counts_are_the_blocks_of_plan_packed_on_the_model_pages() {
                                 (0..count as i64).map(|k| k * step).collect()
                             };
                             let (sp, dp) = (model(ms), model(md));
-                            let direct = t.plan(&sp, &dp, Some(tokens)).unwrap();
+                            let direct = t.plan(&Request::tokens(&sp, &dp, tokens)).unwrap();
                             let pack = PackBuffer {
                                 addr: PACK_BASE,
                                 size: direct.total_bytes,
                             };
-                            let packed = t.plan_packed(&sp, &dp, Some(tokens), pack).unwrap();
+                            let packed = t
+                                .plan_packed(&Request::tokens(&sp, &dp, tokens), pack)
+                                .unwrap();
                             let counts = t.packed_block_counts(tokens, fragmented).unwrap();
                             let what = format!("{case:?} fragmented={fragmented}");
                             assert_eq!(counts.direct, direct.lengths.len(), "{what}");

@@ -1,5 +1,6 @@
 //! Properties of run grouping, pairing and emission on random layouts and requests.
 
+use kvplan_core::Request;
 use kvplan_core::{
     FlatBuffer, Layout, LayoutContext, PlanError, Template, TemplateOptions, group_contiguous,
 };
@@ -157,7 +158,7 @@ proptest! {
     #[test]
     fn plan_matches_page_by_page_and_stays_in_bounds(c in case()) {
         let t = Template::new(&c.src, &c.dst, TemplateOptions::default()).unwrap();
-        let plan = t.plan(&c.src_pages, &c.dst_pages, None).unwrap();
+        let plan = t.plan(&Request::pages(&c.src_pages, &c.dst_pages)).unwrap();
         let got: Vec<[u64; 3]> = (0..plan.src_addrs.len()).map(|i| [plan.src_addrs[i], plan.dst_addrs[i], plan.lengths[i]]).collect();
         // One block per pair per run (ascending or descending on both sides), never more
         // than SGLang's ascending runs give, and the same copies as page-by-page planning.
@@ -198,11 +199,11 @@ proptest! {
         let mut dst = c.dst_pages.clone();
         let last = dst.len() - 1;
         dst[last] = (c.dst.capacity(0) + bump) as i64;
-        let rejected = matches!(t.plan(&c.src_pages, &dst, None), Err(PlanError::IndexOutOfRange { .. }));
+        let rejected = matches!(t.plan(&Request::pages(&c.src_pages, &dst)), Err(PlanError::IndexOutOfRange { .. }));
         prop_assert!(rejected);
         let mut out = FlatBuffer::zeroed(0);
-        let too_small = t.plan_into(&c.src_pages, &c.dst_pages, None, |_| Ok(kvplan_core::AsColumns::columns(&mut out)));
-        let needed = t.prepare(&c.src_pages, &c.dst_pages, None).unwrap().n_blocks;
+        let too_small = t.plan_into(&Request::pages(&c.src_pages, &c.dst_pages), |_| Ok(kvplan_core::AsColumns::columns(&mut out)));
+        let needed = t.prepare(&Request::pages(&c.src_pages, &c.dst_pages)).unwrap().n_blocks;
         prop_assert_eq!(too_small.is_err(), needed > 0);
     }
 }

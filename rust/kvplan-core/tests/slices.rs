@@ -4,6 +4,7 @@
 //! its blocks move. Page plans, token plans, TP head slicing, PP stages, cross-layer pools,
 //! state and draft entries.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AsColumns, AttentionGeometry, EntryTag, FlatBuffer, GeometryOptions, LayerGroups, LayerSlices,
     Layout, LayoutContext, MemoryOrder, PlanSlices, PlanSummary, SliceKey, Template,
@@ -25,7 +26,7 @@ fn plan(
     n_tokens: Option<u64>,
 ) -> (Vec<[u64; 3]>, PlanSummary) {
     let (buffer, summary) = t
-        .plan_into(src, dst, n_tokens, |shape| {
+        .plan_into(&Request::new(src, dst, n_tokens), |shape| {
             FlatBuffer::try_zeroed(shape.n_blocks)
         })
         .unwrap();
@@ -40,7 +41,10 @@ fn columns(buffer: FlatBuffer, n: usize) -> Vec<[u64; 3]> {
 fn state_plan(t: &Template, src: i64, dst: i64) -> (Vec<[u64; 3]>, PlanSummary) {
     let n = t.state_pairs().len();
     let mut buffer = FlatBuffer::zeroed(n);
-    let summary = t.plan_state_into(src, dst, buffer.columns()).unwrap();
+    let summary = t
+        .plan_into(&Request::slot(src, dst), |_| Ok(buffer.columns()))
+        .map(|(_, summary)| summary)
+        .unwrap();
     (columns(buffer, summary.n_blocks), summary)
 }
 
@@ -196,7 +200,7 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
             let m = cut.manifest(42, peers, Some(&state));
             assert_eq!(
                 m.total_blocks() as usize,
-                t.plan(&FRAGMENTED.0, &FRAGMENTED.1, None)
+                t.plan(&Request::pages(&FRAGMENTED.0, &FRAGMENTED.1))
                     .unwrap()
                     .lengths
                     .len()
@@ -237,9 +241,9 @@ fn a_group_of_a_cross_layer_pool_is_one_strided_piece_per_run() {
         &groups,
     )
     .unwrap();
-    assert_eq!(t.groups().len(), 2);
+    assert_eq!(t.blocks().groups().len(), 2);
     let (blocks, summary) = plan(&t, &FRAGMENTED.0, &FRAGMENTED.1, None);
-    assert_eq!(summary.n_runs, 4);
+    assert_eq!(summary.n_runs(), 4);
     let cut = check(&t, &src, &groups, &blocks, &summary);
     assert_eq!(
         cut.work.iter().map(|w| w.blocks).collect::<Vec<_>>(),
@@ -335,11 +339,11 @@ fn token_plans_and_head_slicing_tile_the_plan() {
             let dst_pages: Vec<i64> = vec![2, 3, 5, 6, 10, 11, 14, 15];
             let n_tokens = Some(13);
             let (blocks, summary) = plan(&t, &src_pages, &dst_pages, n_tokens);
-            assert!(summary.tokens.is_some());
+            assert!(matches!(summary.unit, kvplan_core::PlanUnit::Tokens(_)));
             check(&t, &src, &groups, &blocks, &summary);
             if ps_src == ps_dst {
                 let (blocks, summary) = plan(&t, &src_pages, &dst_pages, None);
-                assert!(summary.tokens.is_none());
+                assert!(!matches!(summary.unit, kvplan_core::PlanUnit::Tokens(_)));
                 check(&t, &src, &groups, &blocks, &summary);
             }
         }

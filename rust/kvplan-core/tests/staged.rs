@@ -14,7 +14,8 @@ use kvplan_core::{
 };
 use std::collections::HashSet;
 
-use support::reference::{Arena, Request, apply, reference, reference_every_holder};
+use kvplan_core::Request;
+use support::reference::{Arena, apply, reference, reference_every_holder};
 
 const HEAD_BYTES: u64 = 4; // head_dim 2 × 2-byte elements
 const SRC_BASE: u64 = 0x1000_0000;
@@ -186,12 +187,10 @@ fn check_pair_with(
     let dst = layout(case, Side::Dst, r_d, 0);
     let template = Template::new(&src, &dst, options).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let request = Request {
-        src_pages: &sp,
-        dst_pages: &dp,
-        n_tokens: case.n_tokens(),
-    };
-    let direct = template.plan(&sp, &dp, case.n_tokens()).unwrap();
+    let request = Request::new(&sp, &dp, case.n_tokens());
+    let direct = template
+        .plan(&Request::new(&sp, &dp, case.n_tokens()))
+        .unwrap();
     let mut source = Arena::numbered(&src);
     for byte in &mut source.bytes {
         *byte = ((u32::from(*byte) + 37 * r_p) % 255 + 1) as u8; // never 0
@@ -210,9 +209,7 @@ fn check_pair_with(
 
     let staged = template
         .plan_staged(
-            &sp,
-            &dp,
-            case.n_tokens(),
+            &Request::new(&sp, &dp, case.n_tokens()),
             region(SRC_STAGING, 1 << 24),
             region(DST_STAGING, 1 << 24),
         )
@@ -259,7 +256,9 @@ fn check_pair_with(
     );
     // The counts the advice takes without planning are the materialised plan's, and the
     // bytes per pair range it derives them from are the direct plan's.
-    let counts = template.staged_counts(&sp, &dp, case.n_tokens()).unwrap();
+    let counts = template
+        .staged_counts(&Request::new(&sp, &dp, case.n_tokens()))
+        .unwrap();
     assert_eq!(
         counts,
         StagedCounts {
@@ -270,15 +269,18 @@ fn check_pair_with(
         "{case:?} r_p={r_p} stage={stage} r_d={r_d}"
     );
     let summary = template
-        .prepare(&sp, &dp, case.n_tokens())
-        .unwrap()
-        .summary();
+        .prepare(&Request::new(&sp, &dp, case.n_tokens()))
+        .unwrap();
     let planned: Vec<u64> = direct
         .pair_offsets
         .windows(2)
         .map(|r| direct.lengths[r[0]..r[1]].iter().sum())
         .collect();
-    assert_eq!(template.pair_bytes(&summary).unwrap(), planned, "{case:?}");
+    assert_eq!(
+        template.blocks().pair_bytes(&summary).unwrap(),
+        planned,
+        "{case:?}"
+    );
     // The network stays inside this writer's share of the decode region.
     let (start, end) = staged.dst_staging_range;
     for k in 0..staged.network.lengths.len() {
@@ -289,7 +291,10 @@ fn check_pair_with(
     if case.state {
         let mut out = kvplan_core::FlatBuffer::zeroed(template.state_pairs().len());
         let summary = template
-            .plan_state_into(1, 2, kvplan_core::AsColumns::columns(&mut out))
+            .plan_into(&Request::slot(1, 2), |_| {
+                Ok(kvplan_core::AsColumns::columns(&mut out))
+            })
+            .map(|(_, summary)| summary)
             .unwrap();
         assert!(summary.n_blocks <= template.state_pairs().len());
     }
@@ -484,7 +489,10 @@ fn replica_writers_fill_their_own_shares() {
                                 let elected =
                                     Template::new(&src, &dst, TemplateOptions::default()).unwrap();
                                 let plan = elected
-                                    .plan(&case.pages(Side::Src), &case.pages(Side::Dst), None)
+                                    .plan(&Request::pages(
+                                        &case.pages(Side::Src),
+                                        &case.pages(Side::Dst),
+                                    ))
                                     .unwrap();
                                 let is_replica = matches!(
                                     split.link(r_p, r_d).unwrap(),
@@ -537,7 +545,7 @@ fn staging_regions_of_edge_sizes() {
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let big = region(DST_STAGING, 1 << 24);
     let staged = template
-        .plan_staged(&sp, &dp, None, region(SRC_STAGING, 1 << 24), big)
+        .plan_staged(&Request::pages(&sp, &dp), region(SRC_STAGING, 1 << 24), big)
         .unwrap();
     let (src_need, dst_need) = (staged.src_staging_bytes, staged.dst_staging_bytes);
     // 2 layers × K, V × 32 tokens × 1 head × 4 bytes, and 4 writers of that.
@@ -546,16 +554,18 @@ fn staging_regions_of_edge_sizes() {
     assert_eq!(staged.dst_staging_range, (src_need, 2 * src_need));
     let exact = template
         .plan_staged(
-            &sp,
-            &dp,
-            None,
+            &Request::pages(&sp, &dp),
             region(SRC_STAGING, src_need),
             region(DST_STAGING, dst_need),
         )
         .unwrap();
     assert_eq!(exact, staged);
     let short_src = template
-        .plan_staged(&sp, &dp, None, region(SRC_STAGING, src_need - 1), big)
+        .plan_staged(
+            &Request::pages(&sp, &dp),
+            region(SRC_STAGING, src_need - 1),
+            big,
+        )
         .unwrap_err();
     assert!(
         matches!(short_src, PlanError::StagingTooSmall { region: "prefill", need, have, .. }
@@ -564,9 +574,7 @@ fn staging_regions_of_edge_sizes() {
     );
     let short_dst = template
         .plan_staged(
-            &sp,
-            &dp,
-            None,
+            &Request::pages(&sp, &dp),
             region(SRC_STAGING, src_need),
             region(DST_STAGING, dst_need - 1),
         )
@@ -578,7 +586,7 @@ fn staging_regions_of_edge_sizes() {
     );
     assert!(short_dst.to_string().contains(&dst_need.to_string()));
     // A region whose end overflows u64 is an error, not a wrapped address.
-    let wraps = template.plan_staged(&sp, &dp, None, region(u64::MAX - 4, 16), big);
+    let wraps = template.plan_staged(&Request::pages(&sp, &dp), region(u64::MAX - 4, 16), big);
     assert!(
         matches!(wraps, Err(PlanError::Overflow { .. })),
         "{wraps:?}"
@@ -608,9 +616,7 @@ fn sliced_nhd_staging_is_token_major() {
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let staged = template
         .plan_staged(
-            &sp,
-            &dp,
-            None,
+            &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
         )
@@ -653,19 +659,13 @@ fn copy_local_runs_local_plans_and_checks_blocks() {
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let staged = template
         .plan_staged(
-            &sp,
-            &dp,
-            None,
+            &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
         )
         .unwrap();
     let source = Arena::numbered(&src);
-    let request = Request {
-        src_pages: &sp,
-        dst_pages: &dp,
-        n_tokens: None,
-    };
+    let request = Request::new(&sp, &dp, None);
     let want = reference(&template, &src, &dst, &request, None, &source);
     let mut staging = vec![0u8; staged.src_staging_bytes as usize];
     let g = &staged.gather;
@@ -807,16 +807,16 @@ fn coalesced_pool_stages_take_consecutive_slots() {
         let src = pool(layers, SRC_BASE, 8, stage, 2);
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         assert_eq!(
-            template.groups().len(),
+            template.blocks().groups().len(),
             1,
             "the stage's pairs coalesce into one group"
         );
-        let direct = template.plan(&src_pages, &dst_pages, None).unwrap();
+        let direct = template
+            .plan(&Request::pages(&src_pages, &dst_pages))
+            .unwrap();
         let staged = template
             .plan_staged(
-                &src_pages,
-                &dst_pages,
-                None,
+                &Request::pages(&src_pages, &dst_pages),
                 region(SRC_STAGING, 1 << 20),
                 region(DST_STAGING, 1 << 20),
             )
@@ -890,9 +890,7 @@ fn unequal_pairs_have_no_decode_slots() {
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let err = template
         .plan_staged(
-            &[0i64, 1],
-            &[3i64, 4],
-            None,
+            &Request::pages(&[0i64, 1], &[3i64, 4]),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
         )
@@ -915,9 +913,7 @@ fn unequal_pairs_have_no_decode_slots() {
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let staged = template
         .plan_staged(
-            &[0i64, 1],
-            &[3i64, 4],
-            None,
+            &Request::pages(&[0i64, 1], &[3i64, 4]),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
         )
@@ -948,12 +944,16 @@ fn tp_sizes_that_do_not_divide_are_refused() {
     let dst = layout(&case, Side::Dst, 0, 0);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    assert!(template.plan(&sp, &dp, None).unwrap().total_bytes > 0);
+    assert!(
+        template
+            .plan(&Request::pages(&sp, &dp))
+            .unwrap()
+            .total_bytes
+            > 0
+    );
     let err = template
         .plan_staged(
-            &sp,
-            &dp,
-            None,
+            &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
         )
@@ -986,10 +986,10 @@ fn staged_into_caller_outputs() {
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let regions = (region(SRC_STAGING, 1 << 20), region(DST_STAGING, 1 << 20));
     let want = template
-        .plan_staged(&sp, &dp, None, regions.0, regions.1)
+        .plan_staged(&Request::pages(&sp, &dp), regions.0, regions.1)
         .unwrap();
     let (gather, scatter, summary) = template
-        .plan_staged_into(&sp, &dp, None, regions.0, regions.1, |shape| {
+        .plan_staged_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
             Ok((
                 FlatBuffer::zeroed(shape.n_blocks),
                 FlatBuffer::zeroed(shape.n_blocks),
@@ -1019,7 +1019,7 @@ fn staged_into_caller_outputs() {
     assert_eq!(want.network.lengths.len(), 1);
 
     let err = template
-        .plan_staged_into(&sp, &dp, None, regions.0, regions.1, |shape| {
+        .plan_staged_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
             Ok((
                 FlatBuffer::zeroed(shape.n_blocks),
                 FlatBuffer::zeroed(shape.n_blocks - 1),

@@ -4,12 +4,13 @@
 
 mod support;
 
+use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, Layout, LayoutContext, MemoryOrder, PlanError, Side, Template,
     TemplateOptions,
 };
 use proptest::prelude::*;
-use support::reference::{Request, check_plan};
+use support::reference::check_plan;
 
 const HEADS: u32 = 2;
 const HEAD_DIM: u32 = 2;
@@ -63,11 +64,7 @@ fn check(
     let src = layout(0x1000, sizes.0, 16, orders.0, pads.0);
     let dst = layout(0x10_0000, sizes.1, 16, orders.1, pads.1);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let request = Request {
-        src_pages,
-        dst_pages,
-        n_tokens,
-    };
+    let request = Request::new(src_pages, dst_pages, n_tokens);
     let plan = check_plan(&template, &src, &dst, &request, None);
     let n = n_tokens.unwrap_or_else(|| {
         (src_pages.len() as u64 * sizes.0).min(dst_pages.len() as u64 * sizes.1)
@@ -93,7 +90,7 @@ fn sixteen_to_sixty_four_nhd_contiguous_is_one_block_per_entry() {
     let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Nhd), 0);
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let plan = t
-        .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], None)
+        .plan(&Request::pages(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2]))
         .unwrap();
     assert_eq!(plan.lengths, vec![128 * TOKEN; 4]);
     // HND: one block per head per segment: 100 tokens over source pages of 16 are 7.
@@ -101,7 +98,11 @@ fn sixteen_to_sixty_four_nhd_contiguous_is_one_block_per_entry() {
     let dst = layout(0x10_0000, 64, 4, Some(MemoryOrder::Hnd), 0);
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let plan = t
-        .plan(&(0..8i64).collect::<Vec<_>>(), &[1i64, 2], Some(100))
+        .plan(&Request::tokens(
+            &(0..8i64).collect::<Vec<_>>(),
+            &[1i64, 2],
+            100,
+        ))
         .unwrap();
     assert_eq!(plan.lengths.len(), 4 * 2 * 7);
     check(
@@ -119,7 +120,9 @@ fn errors_carry_values() {
     let src = layout(0x1000, 16, 16, None, 0);
     let dst = layout(0x10_0000, 64, 4, None, 0);
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let err = t.plan(&[0i64, 1], &[0i64], Some(40)).unwrap_err();
+    let err = t
+        .plan(&Request::tokens(&[0i64, 1], &[0i64], 40))
+        .unwrap_err();
     assert_eq!(
         err,
         PlanError::TokenCount {
@@ -130,7 +133,7 @@ fn errors_carry_values() {
             given: 2
         }
     );
-    let err = t.plan(&[0i64, 1], &[4i64], None).unwrap_err();
+    let err = t.plan(&Request::pages(&[0i64, 1], &[4i64])).unwrap_err();
     assert!(
         matches!(
             err,
@@ -142,7 +145,7 @@ fn errors_carry_values() {
         ),
         "{err}"
     );
-    let err = t.plan(&[0i64, -1], &[0i64], None).unwrap_err();
+    let err = t.plan(&Request::pages(&[0i64, -1], &[0i64])).unwrap_err();
     assert!(
         matches!(
             err,

@@ -10,6 +10,7 @@
 //! exactly one sender. This covers page plans (equal page sizes and orders) and token plans
 //! (different page sizes or memory orders, or `n_tokens` given) alike.
 
+use kvplan_core::Request;
 use kvplan_core::{
     AsColumns, AttentionGeometry, Layout, LayoutContext, MemoryOrder, Plan, Side, Template,
     TemplateOptions, TpSplit,
@@ -331,7 +332,7 @@ fn apply(case: &Case, src: &Rank, dst: &mut Rank, blocks: (&[u64], &[u64], &[u64
 /// The request's KV plan: page indices on both sides, with `n_tokens` when the case gives it.
 fn plan(case: &Case, t: &Template) -> Plan {
     let (src, dst) = (case.pages(Side::Src), case.pages(Side::Dst));
-    t.plan(&src, &dst, case.given.then_some(case.tokens))
+    t.plan(&Request::new(&src, &dst, case.given.then_some(case.tokens)))
         .unwrap()
 }
 
@@ -363,7 +364,8 @@ fn run_ranks(case: Case, decode: &[u32]) -> usize {
                     let plan = plan(&case, &t);
                     let mut state = kvplan_core::FlatBuffer::zeroed(t.state_pairs().len());
                     let n_state = t
-                        .plan_state_into(SRC_SLOT, DST_SLOT, state.columns())
+                        .plan_into(&Request::slot(SRC_SLOT, DST_SLOT), |_| Ok(state.columns()))
+                        .map(|(_, summary)| summary)
                         .unwrap()
                         .n_blocks;
                     if !peers.contains(&r_p) {

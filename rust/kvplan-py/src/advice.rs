@@ -1,11 +1,13 @@
 //! `TransferCost`, `Advice` and `advise`: the core's direct-or-staged choice, converted and
 //! forwarded (`Template.transfer_advice` asks the same rule with the core's counts).
 
-use kvplan_core::{Advice, TransferCost};
+use kvplan_core::{Advice, PageIndex, Request, Template, TransferCost};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::to_py_err;
+use crate::template::PyTemplate;
 
 /// What moving bytes costs on one engine (seconds per block, network and copy bandwidths).
 #[pyclass(frozen, eq, name = "TransferCost", module = "kvplan._core")]
@@ -149,4 +151,30 @@ pub fn advise(
         &cost.inner,
     )
     .into()
+}
+
+/// One request's direct-or-staged advice.
+struct PlanAdvice<'t>(&'t Template, TransferCost);
+
+impl RequestPlanner for PlanAdvice<'_> {
+    type Output = kvplan_core::Result<Advice>;
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        self.0.transfer_advice(request, &self.1)
+    }
+}
+
+/// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
+/// core's rule over the request's direct and staged network block counts.
+pub(crate) fn transfer_advice(
+    template: &PyTemplate,
+    py: Python<'_>,
+    src_pages: &Bound<'_, PyAny>,
+    dst_pages: &Bound<'_, PyAny>,
+    cost: PyRef<'_, PyTransferCost>,
+    n_tokens: Option<u64>,
+) -> PyResult<PyAdvice> {
+    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let planner = PlanAdvice(&template.inner, cost.inner);
+    let advice = plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    Ok(advice.into())
 }

@@ -1,7 +1,7 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices, and entry pair
 //! lists handed back as `(n, 2)` int64 arrays.
 
-use kvplan_core::{PageIndex, PlanError};
+use kvplan_core::{PageIndex, PlanError, Request};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
@@ -179,7 +179,7 @@ impl IndexSlice<'_> {
 /// handful of pages, releasing and re-acquiring it costs more than the planning itself.
 const DETACH_MIN_PAGES: usize = 1024;
 
-/// Runs `visitor` over the request, with the GIL released unless the request is tiny.
+/// Runs `visitor` over two index arrays, with the GIL released unless they are tiny.
 pub(crate) fn visit_request<V>(
     py: Python<'_>,
     src: IndexSlice<'_>,
@@ -195,6 +195,37 @@ where
     } else {
         py.detach(|| dispatch(src, dst, visitor))
     }
+}
+
+/// One core planner call on a request, generic over the request's index dtypes.
+pub(crate) trait RequestPlanner {
+    type Output;
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output;
+}
+
+/// The core's request from two index arrays and `n_tokens`, for a planner.
+struct WithRequest<P>(P, Option<u64>);
+
+impl<P: RequestPlanner> IndexVisitor for WithRequest<P> {
+    type Output = P::Output;
+    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+        self.0.plan(&Request::new(src, dst, self.1))
+    }
+}
+
+/// The one path from a Python request to a core planner: the index arrays (borrowed without
+/// copying) and `n_tokens` become one `Request`, planned with the GIL released unless tiny.
+pub(crate) fn plan_request<P>(
+    py: Python<'_>,
+    (src, dst): (IndexSlice<'_>, IndexSlice<'_>),
+    n_tokens: Option<u64>,
+    planner: P,
+) -> P::Output
+where
+    P: RequestPlanner + Send,
+    P::Output: Send,
+{
+    visit_request(py, src, dst, WithRequest(planner, n_tokens))
 }
 
 /// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts

@@ -2,11 +2,11 @@
 //! `Template.prepped_state_indices`): arguments converted, the core's `descriptors` module
 //! called, its vectors handed to NumPy without copying.
 
-use kvplan_core::{PageIndex, PreppedIndices, Side, Template};
+use kvplan_core::{PageIndex, PreppedIndices, Request, Side, Template};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{IndexVisitor, RequestArrays, visit_request};
+use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
 
 /// `(addrs, lens)` of one side's table, both uint64.
@@ -44,10 +44,10 @@ pub(crate) fn descriptor_table<'py>(
 
 struct Indices<'t>(&'t Template);
 
-impl IndexVisitor for Indices<'_> {
+impl RequestPlanner for Indices<'_> {
     type Output = kvplan_core::Result<PreppedIndices>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.prepped_indices(src, dst)
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        self.0.prepped_indices(request)
     }
 }
 
@@ -60,8 +60,7 @@ pub(crate) fn prepped_indices<'py>(
     dst_pages: &Bound<'py, PyAny>,
 ) -> PyResult<IndexArrays<'py>> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-    let (src, dst) = arrays.slices()?;
-    let indices = visit_request(py, src, dst, Indices(template)).map_err(to_py_err)?;
+    let indices = plan_request(py, arrays.slices()?, None, Indices(template)).map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }
 
@@ -73,7 +72,7 @@ pub(crate) fn prepped_state_indices<'py>(
     dst_slot: i64,
 ) -> PyResult<IndexArrays<'py>> {
     let indices = template
-        .prepped_state_indices(src_slot, dst_slot)
+        .prepped_indices(&Request::slot(src_slot, dst_slot))
         .map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }

@@ -15,6 +15,7 @@ mod local;
 mod mooncake;
 mod nixl_ids;
 mod options;
+mod pack;
 mod pairing;
 mod plan;
 mod pool;
@@ -46,6 +47,8 @@ mod _core {
     #[pymodule_export]
     use crate::nixl_ids::nixl_desc_ids;
     #[pymodule_export]
+    use crate::pack::PyRowGather;
+    #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
     use crate::plan::{PyPlanBatch, PyPlanBuffer, PyTransferPlan};
@@ -58,7 +61,7 @@ mod _core {
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
     #[pymodule_export]
-    use crate::template::{PyRowGather, PyTemplate, check_pairs, needs_tokens};
+    use crate::template::{PyTemplate, check_pairs, needs_tokens};
 
     /// Module attributes the core owns: its role classification, and the default `kind` of a
     /// `KvPlanError` raised by Python code.

@@ -218,7 +218,7 @@ impl PyTransferPlan {
                 lengths,
             },
             n_blocks: summary.n_blocks,
-            n_runs: summary.n_runs,
+            n_runs: summary.n_runs(),
             total_bytes: summary.total_bytes,
             template,
             summary,
@@ -235,13 +235,16 @@ impl PyTransferPlan {
         plan: &kvplan_core::Plan,
         fingerprints: Option<(u64, u64)>,
     ) -> Self {
-        let summary = PlanSummary {
+        // Counted as runs of a page plan with no pages: the template's group and slice views
+        // are refused for a pack half (it has its own pair offsets).
+        let scan = kvplan_core::RunScan {
             n_runs: plan.n_runs,
+            ..kvplan_core::RunScan::default()
+        };
+        let summary = PlanSummary {
             n_blocks: plan.n_runs,
             total_bytes: plan.total_bytes,
-            n_pages: 0,
-            tokens: None,
-            state: false,
+            unit: kvplan_core::PlanUnit::Pages(scan),
         };
         let mut out = Self::new(columns, template, summary, fingerprints);
         out.packed_offsets = Some(plan.pair_offsets.clone());
@@ -252,7 +255,7 @@ impl PyTransferPlan {
     fn offsets(&self) -> Vec<usize> {
         match &self.packed_offsets {
             Some(offsets) => offsets.clone(),
-            None => self.template.pair_offsets(&self.summary),
+            None => self.template.blocks().pair_offsets(&self.summary),
         }
     }
 
@@ -276,7 +279,7 @@ impl PyTransferPlan {
     fn n_pair_slots(&self) -> usize {
         match &self.packed_offsets {
             Some(offsets) => offsets.len().saturating_sub(1),
-            None => self.template.plan_pair_groups(&self.summary).len(),
+            None => self.template.blocks().plan_pair_groups(&self.summary).len(),
         }
     }
 }
@@ -431,7 +434,7 @@ impl PyTransferPlan {
     #[getter]
     fn n_groups(&self) -> PyResult<usize> {
         self.check_grouped()?;
-        Ok(self.template.n_groups(&self.summary))
+        Ok(self.template.blocks().n_groups(&self.summary))
     }
 
     /// `n_groups + 1` block offsets (int64): group g's blocks are
@@ -441,7 +444,7 @@ impl PyTransferPlan {
         self.check_grouped()?;
         Ok(offsets_array(
             py,
-            self.template.group_offsets(&self.summary),
+            self.template.blocks().group_offsets(&self.summary),
         ))
     }
 
@@ -449,7 +452,7 @@ impl PyTransferPlan {
     #[getter]
     fn pair_groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
         self.check_grouped()?;
-        let groups = self.template.plan_pair_groups(&self.summary);
+        let groups = self.template.blocks().plan_pair_groups(&self.summary);
         Ok(groups
             .iter()
             .map(|g| g.map_or(-1, |g| g as i64))
@@ -460,7 +463,7 @@ impl PyTransferPlan {
     /// The block range of group `group` (all blocks carrying its pairs' bytes).
     fn group_blocks<'py>(&self, py: Python<'py>, group: isize) -> PyResult<Bound<'py, PySlice>> {
         self.check_grouped()?;
-        let offsets = self.template.group_offsets(&self.summary);
+        let offsets = self.template.blocks().group_offsets(&self.summary);
         range_of(py, &offsets, group, "group", "groups")
     }
 

@@ -1,8 +1,16 @@
-//! `StagedPlan`: a staged plan's three `TransferPlan`s and the core's summary of it.
+//! Staged plans (`Template.plan_staged`): arguments converted, the core's `staged` module
+//! called, and `StagedPlan`, its three `TransferPlan`s with the core's summary of it.
 
+use std::sync::Arc;
+
+use kvplan_core::{FlatBuffer, PageIndex, Request, Template};
 use pyo3::prelude::*;
 
-use crate::plan::PyTransferPlan;
+use crate::convert::{RequestArrays, RequestPlanner, plan_request};
+use crate::errors::to_py_err;
+use crate::plan::{PyTransferPlan, pooled_columns};
+use crate::pool;
+use crate::template::{PyTemplate, owned_columns, pooled};
 
 /// A request planned as a gather into a prefill staging region, a network plan between the
 /// staging regions and a scatter into the decode's pages (`Template.plan_staged`).
@@ -50,4 +58,85 @@ impl PyStagedPlan {
             self.writer
         )
     }
+}
+
+/// One request planned as a staged plan between two staging regions.
+struct PlanStaged<'t>(
+    &'t Template,
+    kvplan_core::StagingRegion,
+    kvplan_core::StagingRegion,
+);
+
+impl RequestPlanner for PlanStaged<'_> {
+    type Output = kvplan_core::Result<(FlatBuffer, FlatBuffer, kvplan_core::StagedSummary)>;
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        self.0.plan_staged_into(request, self.1, self.2, |shape| {
+            Ok((pooled(shape)?, pooled(shape)?))
+        })
+    }
+}
+
+/// Plans one request (as `plan`) as a staged plan: `gather` from prefill memory into
+/// `src_staging = (addr, size)` (prefill memory), `network` from there into `dst_staging =
+/// (addr, size)` (the decode's staging region, at this writer's offsets) and `scatter` from
+/// there into the decode's pages. A `SizeMismatchError` names the bytes needed when a region
+/// is too small.
+pub(crate) fn plan_staged(
+    template: &PyTemplate,
+    py: Python<'_>,
+    src_pages: &Bound<'_, PyAny>,
+    dst_pages: &Bound<'_, PyAny>,
+    src_staging: (u64, u64),
+    dst_staging: (u64, u64),
+    n_tokens: Option<u64>,
+) -> PyResult<PyStagedPlan> {
+    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
+    let planner = PlanStaged(&template.inner, region(src_staging), region(dst_staging));
+    let (gather, scatter, staged) =
+        plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
+        let plan = kvplan_core::Plan {
+            n_runs: n_blocks,
+            total_bytes: staged.total_bytes,
+            pair_offsets,
+            ..kvplan_core::Plan::default()
+        };
+        let half = PyTransferPlan::packed(
+            columns,
+            Arc::clone(&template.inner),
+            &plan,
+            template.fingerprints,
+        );
+        Py::new(py, half)
+    };
+    // A part far smaller than its buffer (the gather of a head-sliced NHD request: 160 of
+    // 5.2M blocks) is copied out and its buffer goes straight back to the pool, so a live
+    // small plan never holds the memory of the large one.
+    let pooled_part = |buffer: FlatBuffer, n_blocks: usize, pair_offsets| {
+        let columns = if n_blocks.saturating_mul(4) < buffer.capacity {
+            let FlatBuffer { data, capacity } = buffer;
+            let columns = [0, 1, 2].map(|k| {
+                let column = &data[k * capacity..k * capacity + n_blocks];
+                numpy::PyArray1::from_slice(py, column).unbind()
+            });
+            pool::give_back(data);
+            columns
+        } else {
+            pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?
+        };
+        part(columns, n_blocks, pair_offsets)
+    };
+    let mut network = staged.network;
+    let network_columns = owned_columns(py, &mut network);
+    Ok(PyStagedPlan {
+        gather: pooled_part(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
+        network: part(network_columns, network.n_runs, network.pair_offsets)?,
+        scatter: pooled_part(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
+        src_staging_bytes: staged.total_bytes,
+        dst_staging_range: staged.dst_staging_range,
+        dst_staging_bytes: staged.dst_staging_bytes,
+        direct_blocks: staged.direct_blocks,
+        writer: staged.writer,
+    })
 }

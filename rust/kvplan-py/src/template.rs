@@ -5,14 +5,14 @@
 use std::sync::Arc;
 
 use kvplan_core::{
-    BlockRequest, Columns, FlatBuffer, GeometryOptions, PageIndex, PlanSummary, Template,
+    BlockRequest, Columns, FlatBuffer, GeometryOptions, PageIndex, PlanSummary, Request, Template,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{IndexVisitor, RequestArrays, pairs_array, visit_request};
+use crate::convert::{RequestArrays, RequestPlanner, pairs_array, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
@@ -65,7 +65,7 @@ pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLay
 
 /// A small core plan's three columns moved into NumPy arrays (the plan keeps its counts and
 /// offsets; its columns are left empty).
-fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Column; 3] {
+pub(crate) fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Column; 3] {
     [
         std::mem::take(&mut plan.src_addrs),
         std::mem::take(&mut plan.dst_addrs),
@@ -121,133 +121,41 @@ fn writable_out<'py>(
 #[pyclass(frozen, name = "Template", module = "kvplan._core")]
 pub struct PyTemplate {
     /// Shared with every plan, which asks it for its block offsets.
-    inner: Arc<Template>,
+    pub(crate) inner: Arc<Template>,
     /// The core's fingerprints of the (prefill, decode) layouts, for plan digests (`None` when
     /// a layout has no wire encoding).
-    fingerprints: Option<(u64, u64)>,
+    pub(crate) fingerprints: Option<(u64, u64)>,
 }
 
 /// Output columns for a plan of this shape, from the pool (warm memory when a plan of similar
 /// size has died since).
-fn pooled(shape: &kvplan_core::PlanShape) -> kvplan_core::Result<FlatBuffer> {
+pub(crate) fn pooled(shape: &PlanSummary) -> kvplan_core::Result<FlatBuffer> {
     Ok(FlatBuffer {
         data: pool::take(shape.n_blocks.saturating_mul(3))?,
         capacity: shape.n_blocks,
     })
 }
 
-/// One request (`n_tokens` as given) planned into a pooled buffer; the core decides between a
-/// page and a token plan.
-struct PlanPooled<'t>(&'t Template, Option<u64>);
+/// One request planned into a pooled buffer; the core decides between a page and a token plan.
+struct PlanPooled<'t>(&'t Template);
 
-impl IndexVisitor for PlanPooled<'_> {
+impl RequestPlanner for PlanPooled<'_> {
     type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_into(src, dst, self.1, pooled)
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        self.0.plan_into(request, pooled)
     }
 }
 
 /// The same into the caller's `out=` columns.
-struct PlanInto<'t, 'o>(&'t Template, Option<u64>, Columns<'o>);
+struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
 
-impl IndexVisitor for PlanInto<'_, '_> {
+impl RequestPlanner for PlanInto<'_, '_> {
     type Output = kvplan_core::Result<PlanSummary>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        let columns = self.2;
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        let columns = self.1;
         self.0
-            .plan_into(src, dst, self.1, move |_| Ok(columns))
+            .plan_into(request, move |_| Ok(columns))
             .map(|(_, summary)| summary)
-    }
-}
-
-/// One request planned and split around a pack buffer.
-struct PlanPacked<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
-
-impl IndexVisitor for PlanPacked<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, kvplan_core::PackedSummary)>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_packed_into(src, dst, self.1, self.2, pooled)
-    }
-}
-
-/// One request planned as a row gather and a network plan.
-struct PlanRowGather<'t>(&'t Template, Option<u64>, kvplan_core::PackBuffer);
-
-impl IndexVisitor for PlanRowGather<'_> {
-    type Output = kvplan_core::Result<(kvplan_core::RowGather, kvplan_core::Plan)>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan_row_gather(src, dst, self.1, self.2)
-    }
-}
-
-/// The gather of a pack plan as source rows (`Template.plan_row_gather`): what a gather kernel
-/// takes instead of one block per row.
-#[pyclass(name = "RowGather", module = "kvplan._core", frozen)]
-pub struct PyRowGather {
-    rows: Vec<Py<numpy::PyArray1<u64>>>,
-    copies: Py<PyArray2<u64>>,
-    pack_bytes: u64,
-}
-
-#[pymethods]
-impl PyRowGather {
-    /// Per token lane (0: target tokens, 1: draft tokens sent whole), the source row of every
-    /// token moved, in token order (`row = source page index * rows_per_page + slot`), uint64.
-    #[getter]
-    fn rows(&self, py: Python<'_>) -> Vec<Py<numpy::PyArray1<u64>>> {
-        self.rows.iter().map(|r| r.clone_ref(py)).collect()
-    }
-
-    /// One row per copy (piece), uint64 columns `lane, src_base, page_stride, row_stride,
-    /// rows_per_page, len, pack_addr`: row `r = rows[lane][k]` copies `len` bytes from
-    /// `src_base + (r // rows_per_page) * page_stride + (r % rows_per_page) * row_stride` to
-    /// `pack_addr + k * len`.
-    #[getter]
-    fn copies(&self, py: Python<'_>) -> Py<PyArray2<u64>> {
-        self.copies.clone_ref(py)
-    }
-
-    /// Bytes of the pack buffer used, from its start.
-    #[getter]
-    fn pack_bytes(&self) -> u64 {
-        self.pack_bytes
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let rows: usize = self.rows.iter().map(|r| r.bind(py).len()).sum();
-        format!(
-            "RowGather(copies={}, rows={rows}, pack_bytes={})",
-            self.copies.bind(py).shape()[0],
-            self.pack_bytes
-        )
-    }
-}
-
-/// One request planned as a staged plan between two staging regions.
-struct PlanStaged<'t>(
-    &'t Template,
-    Option<u64>,
-    kvplan_core::StagingRegion,
-    kvplan_core::StagingRegion,
-);
-
-impl IndexVisitor for PlanStaged<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, FlatBuffer, kvplan_core::StagedSummary)>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0
-            .plan_staged_into(src, dst, self.1, self.2, self.3, |shape| {
-                Ok((pooled(shape)?, pooled(shape)?))
-            })
-    }
-}
-
-/// One request's direct-or-staged advice.
-struct TransferAdvice<'t>(&'t Template, Option<u64>, kvplan_core::TransferCost);
-
-impl IndexVisitor for TransferAdvice<'_> {
-    type Output = kvplan_core::Result<kvplan_core::Advice>;
-    fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.transfer_advice(src, dst, self.1, &self.2)
     }
 }
 
@@ -325,7 +233,14 @@ impl PyTemplate {
     /// move).
     #[getter]
     fn emitting<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.inner.pair_groups().iter().map(Option::is_some))
+        PyTuple::new(
+            py,
+            self.inner
+                .blocks()
+                .pair_groups()
+                .iter()
+                .map(Option::is_some),
+        )
     }
 
     /// Page-entry pairs (including elided pairs with item length 0).
@@ -403,13 +318,13 @@ impl PyTemplate {
     /// Emission groups: one per emitting pair, fewer when pairs were coalesced.
     #[getter]
     fn n_groups(&self) -> usize {
-        self.inner.groups().len()
+        self.inner.blocks().groups().len()
     }
 
     /// The group of each page pair (int64; -1 for an elided pair).
     #[getter]
     fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArray1<i64>> {
-        let groups = self.inner.pair_groups().iter();
+        let groups = self.inner.blocks().pair_groups().iter();
         numpy::IntoPyArray::into_pyarray(
             groups
                 .map(|g| g.map_or(-1, |g| g as i64))
@@ -455,19 +370,14 @@ impl PyTemplate {
             let mut writable = writable_out(out, &arrays)?;
             let capacity = writable.shape()[1];
             let flat = writable.as_slice_mut()?;
-            let summary = visit_request(
-                py,
-                src,
-                dst,
-                PlanInto(template, n_tokens, Columns::from_flat(flat, capacity)),
-            )
-            .map_err(to_py_err)?;
+            let planner = PlanInto(template, Columns::from_flat(flat, capacity));
+            let summary = plan_request(py, (src, dst), n_tokens, planner).map_err(to_py_err)?;
             drop(writable);
             let out = out.cast::<PyArray2<u64>>()?;
             (out_columns(out, summary.n_blocks), summary)
         } else {
             let (buffer, summary) =
-                visit_request(py, src, dst, PlanPooled(template, n_tokens)).map_err(to_py_err)?;
+                plan_request(py, (src, dst), n_tokens, PlanPooled(template)).map_err(to_py_err)?;
             let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
             (columns, summary)
         };
@@ -493,32 +403,7 @@ impl PyTemplate {
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
-        let buffer = kvplan_core::PackBuffer {
-            addr: pack.0,
-            size: pack.1,
-        };
-        let (columns, packed) =
-            visit_request(py, src, dst, PlanPacked(&self.inner, n_tokens, buffer))
-                .map_err(to_py_err)?;
-        let gather_columns =
-            pooled_columns(py, columns.data, columns.capacity, packed.gather_blocks)?;
-        let gather = kvplan_core::Plan {
-            n_runs: packed.gather_blocks,
-            total_bytes: packed.pack_bytes,
-            pair_offsets: packed.gather_pair_offsets,
-            ..kvplan_core::Plan::default()
-        };
-        let mut network = packed.network;
-        let network_columns = owned_columns(py, &mut network);
-        let half = |columns, plan: &kvplan_core::Plan| {
-            PyTransferPlan::packed(columns, Arc::clone(&self.inner), plan, self.fingerprints)
-        };
-        Ok((
-            half(gather_columns, &gather),
-            half(network_columns, &network),
-        ))
+        crate::pack::plan_packed(self, py, src_pages, dst_pages, pack, n_tokens)
     }
 
     /// Plans one token request as a gather of source rows into the pack buffer at
@@ -535,58 +420,8 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
-    ) -> PyResult<(PyRowGather, PyTransferPlan)> {
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
-        let buffer = kvplan_core::PackBuffer {
-            addr: pack.0,
-            size: pack.1,
-        };
-        let (gather, mut network) =
-            visit_request(py, src, dst, PlanRowGather(&self.inner, n_tokens, buffer))
-                .map_err(to_py_err)?;
-        let rows = gather
-            .rows
-            .into_iter()
-            .map(|r| numpy::PyArray1::from_vec(py, r).unbind())
-            .collect();
-        let table: Vec<Vec<u64>> = gather
-            .copies
-            .iter()
-            .map(|c| {
-                vec![
-                    c.lane as u64,
-                    c.src_base,
-                    c.page_stride,
-                    c.row_stride,
-                    c.rows_per_page,
-                    c.len,
-                    c.pack_addr,
-                ]
-            })
-            .collect();
-        let copies = if table.is_empty() {
-            numpy::PyArray2::<u64>::zeros(py, [0, 7], false).unbind()
-        } else {
-            PyArray2::from_vec2(py, &table)
-                .map_err(|e| KvPlanError::new_err(e.to_string()))?
-                .unbind()
-        };
-        let network_columns = owned_columns(py, &mut network);
-        let network = PyTransferPlan::packed(
-            network_columns,
-            Arc::clone(&self.inner),
-            &network,
-            self.fingerprints,
-        );
-        Ok((
-            PyRowGather {
-                rows,
-                copies,
-                pack_bytes: gather.pack_bytes,
-            },
-            network,
-        ))
+    ) -> PyResult<(crate::pack::PyRowGather, PyTransferPlan)> {
+        crate::pack::plan_row_gather(self, py, src_pages, dst_pages, pack, n_tokens)
     }
 
     /// Plans one request (as `plan`) as a staged plan: `gather` from prefill memory into
@@ -604,56 +439,15 @@ impl PyTemplate {
         #[pyo3(from_py_with = crate::convert::dst_staging_arg)] dst_staging: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<crate::staged::PyStagedPlan> {
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
-        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
-        let visitor = PlanStaged(
-            &self.inner,
+        crate::staged::plan_staged(
+            self,
+            py,
+            src_pages,
+            dst_pages,
+            src_staging,
+            dst_staging,
             n_tokens,
-            region(src_staging),
-            region(dst_staging),
-        );
-        let (gather, scatter, staged) = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
-        let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
-            let plan = kvplan_core::Plan {
-                n_runs: n_blocks,
-                total_bytes: staged.total_bytes,
-                pair_offsets,
-                ..kvplan_core::Plan::default()
-            };
-            let half =
-                PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints);
-            Py::new(py, half)
-        };
-        // A part far smaller than its buffer (the gather of a head-sliced NHD request: 160 of
-        // 5.2M blocks) is copied out and its buffer goes straight back to the pool, so a live
-        // small plan never holds the memory of the large one.
-        let pooled_part = |buffer: FlatBuffer, n_blocks: usize, pair_offsets| {
-            let columns = if n_blocks.saturating_mul(4) < buffer.capacity {
-                let FlatBuffer { data, capacity } = buffer;
-                let columns = [0, 1, 2].map(|k| {
-                    let column = &data[k * capacity..k * capacity + n_blocks];
-                    numpy::PyArray1::from_slice(py, column).unbind()
-                });
-                pool::give_back(data);
-                columns
-            } else {
-                pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?
-            };
-            part(columns, n_blocks, pair_offsets)
-        };
-        let mut network = staged.network;
-        let network_columns = owned_columns(py, &mut network);
-        Ok(crate::staged::PyStagedPlan {
-            gather: pooled_part(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
-            network: part(network_columns, network.n_runs, network.pair_offsets)?,
-            scatter: pooled_part(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
-            src_staging_bytes: staged.total_bytes,
-            dst_staging_range: staged.dst_staging_range,
-            dst_staging_bytes: staged.dst_staging_bytes,
-            direct_blocks: staged.direct_blocks,
-            writer: staged.writer,
-        })
+        )
     }
 
     /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
@@ -667,11 +461,7 @@ impl PyTemplate {
         cost: PyRef<'_, crate::advice::PyTransferCost>,
         n_tokens: Option<u64>,
     ) -> PyResult<crate::advice::PyAdvice> {
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
-        let visitor = TransferAdvice(&self.inner, n_tokens, cost.inner);
-        let advice = visit_request(py, src, dst, visitor).map_err(to_py_err)?;
-        Ok(advice.into())
+        crate::advice::transfer_advice(self, py, src_pages, dst_pages, cost, n_tokens)
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
@@ -721,13 +511,11 @@ impl PyTemplate {
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
     /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
     fn plan_state(&self, py: Python<'_>, src_slot: i64, dst_slot: i64) -> PyResult<PyTransferPlan> {
-        let n = self.inner.state_pairs().len();
-        let mut buffer = FlatBuffer::try_zeroed(n).map_err(to_py_err)?;
-        let summary = self
+        let (buffer, summary) = self
             .inner
-            .plan_state_into(src_slot, dst_slot, Columns::from_flat(&mut buffer.data, n))
+            .plan_into(&Request::slot(src_slot, dst_slot), pooled)
             .map_err(to_py_err)?;
-        let columns = pooled_columns(py, buffer.data, n, summary.n_blocks)?;
+        let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
         Ok(PyTransferPlan::new(
             columns,
             Arc::clone(&self.inner),

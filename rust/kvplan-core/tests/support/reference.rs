@@ -19,6 +19,7 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
+use kvplan_core::Request;
 use kvplan_core::{Fragment, Layout, MemoryOrder, Plan, Template};
 
 /// The bytes of every buffer of one layout, as one range of addresses.
@@ -161,14 +162,6 @@ impl Side {
     }
 }
 
-/// One request: each side's pages in token order, and the tokens to move (default: the full
-/// pages of the shorter side).
-pub struct Request<'a> {
-    pub src_pages: &'a [i64],
-    pub dst_pages: &'a [i64],
-    pub n_tokens: Option<u64>,
-}
-
 /// The destination bytes after the request moves `source` for every page pair of `template`
 /// (which entries pair is the pairing's business, tested on its own), with `fragments` given
 /// for every pair (`None`: the whole item).
@@ -206,9 +199,10 @@ fn copy_reference(
 ) -> Arena {
     let mut out = Arena::zeroed(dst);
     let (ps, pd) = (src.context().page_size, dst.context().page_size);
-    let n = request.n_tokens.unwrap_or_else(|| {
-        (request.src_pages.len() as u64 * ps).min(request.dst_pages.len() as u64 * pd)
-    });
+    let (src_pages, dst_pages) = request.page_lists("the reference").unwrap();
+    let n = request
+        .n_tokens
+        .unwrap_or_else(|| (src_pages.len() as u64 * ps).min(dst_pages.len() as u64 * pd));
     for pair in template.page_pairs() {
         let (e_s, e_d) = (pair.src_entry, pair.dst_entry);
         let items = (src.parts().item_lens[e_s], dst.parts().item_lens[e_d]);
@@ -222,8 +216,8 @@ fn copy_reference(
             || s_side.rank % s_side.holders == d_side.rank % s_side.holders;
         for t in 0..n {
             let (s_slot, d_slot) = (t % ps, t % pd);
-            let s_page = request.src_pages[(t / ps) as usize] as u64;
-            let d_page = request.dst_pages[(t / pd) as usize] as u64;
+            let s_page = src_pages[(t / ps) as usize] as u64;
+            let d_page = dst_pages[(t / pd) as usize] as u64;
             let s_item = src.parts().data_ptrs[e_s] + s_page * src.strides()[e_s];
             let d_item = dst.parts().data_ptrs[e_d] + d_page * dst.strides()[e_d];
             for h in s_side.first_head..s_side.first_head + s_side.heads {
@@ -259,9 +253,7 @@ pub fn check_plan(
     request: &Request<'_>,
     fragments: Option<&[Fragment]>,
 ) -> Plan {
-    let plan = template
-        .plan(request.src_pages, request.dst_pages, request.n_tokens)
-        .unwrap();
+    let plan = template.plan(request).unwrap();
     let source = Arena::numbered(src);
     let mut got = Arena::zeroed(dst);
     apply(src, dst, &plan, &source, &mut got);

@@ -1,0 +1,88 @@
+//! One transfer request, the value every planner takes: the pages (or the state slot) of each
+//! side and how many tokens move. Planners read it; none takes loose index arguments, so a new
+//! request field reaches every planner through this one type.
+
+use crate::error::{PlanError, Result};
+use crate::runs::PageIndex;
+
+/// What a request indexes on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Indices<'a, S, D> {
+    /// Page indices: page `src[i]` to page `dst[i]` for a page plan, or each side's pages in
+    /// token order (of any lengths) for a token plan.
+    Pages {
+        /// Prefill (source) page indices.
+        src: &'a [S],
+        /// Decode (destination) page indices.
+        dst: &'a [D],
+    },
+    /// One state slot per side (hybrid models' per-request state).
+    Slot {
+        /// Prefill (source) slot.
+        src: i64,
+        /// Decode (destination) slot.
+        dst: i64,
+    },
+}
+
+/// One request to plan.
+///
+/// A page request (`n_tokens` is `None` on a template that does not plan by token) copies whole
+/// pages; a token request (`n_tokens` given, or a template that plans by token) moves the first
+/// `n_tokens` tokens of the two page lists (default: the full pages of the shorter side); a slot
+/// request moves one state slot per state pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request<'a, S = i64, D = i64> {
+    /// The pages or slots of each side.
+    pub indices: Indices<'a, S, D>,
+    /// Tokens to move (page lists only).
+    pub n_tokens: Option<u64>,
+}
+
+impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
+    /// Page lists with an optional token count (the form callers that forward one use).
+    pub fn new(src: &'a [S], dst: &'a [D], n_tokens: Option<u64>) -> Self {
+        Self {
+            indices: Indices::Pages { src, dst },
+            n_tokens,
+        }
+    }
+
+    /// Whole pages: page `src[i]` to page `dst[i]`.
+    pub fn pages(src: &'a [S], dst: &'a [D]) -> Self {
+        Self::new(src, dst, None)
+    }
+
+    /// The first `n_tokens` tokens of each side's pages in token order.
+    pub fn tokens(src: &'a [S], dst: &'a [D], n_tokens: u64) -> Self {
+        Self::new(src, dst, Some(n_tokens))
+    }
+
+    /// The two page lists.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a slot request (a planner that needs pages names itself).
+    pub fn page_lists(&self, planner: &str) -> Result<(&'a [S], &'a [D])> {
+        match self.indices {
+            Indices::Pages { src, dst } => Ok((src, dst)),
+            Indices::Slot { .. } => Err(PlanError::Geometry {
+                what: format!("{planner} plans page lists, not a state slot"),
+            }),
+        }
+    }
+
+    /// Whether this is a slot request.
+    pub fn is_slot(&self) -> bool {
+        matches!(self.indices, Indices::Slot { .. })
+    }
+}
+
+impl Request<'static> {
+    /// One state slot per side.
+    pub fn slot(src: i64, dst: i64) -> Self {
+        Self {
+            indices: Indices::Slot { src, dst },
+            n_tokens: None,
+        }
+    }
+}
