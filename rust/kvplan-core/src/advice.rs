@@ -21,6 +21,7 @@
 use crate::error::{PlanError, Result};
 use crate::request::Request;
 use crate::runs::PageIndex;
+use crate::staged::StagedPlanner;
 use crate::template::Template;
 
 /// What moving bytes costs on one engine, measured once (see `kvplan.engines.measure_cost`).
@@ -152,29 +153,27 @@ pub fn advise(
     }
 }
 
-impl Template {
-    /// Direct or staged for one request on an engine of this cost: [`advise`] over the
-    /// request's own counts, the blocks of its direct plan and of its staged network plan
-    /// (this template's writer position included), and its bytes (which the gather and the
-    /// scatter each copy), from [`Template::staged_counts`]: nothing is planned.
-    ///
-    /// # Errors
-    /// As [`Template::staged_counts`].
-    pub fn transfer_advice<S: PageIndex, D: PageIndex>(
-        &self,
-        request: &Request<'_, S, D>,
-        cost: &TransferCost,
-    ) -> Result<Advice> {
-        let counts = self.staged_counts(request)?;
-        Ok(advise(
-            counts.direct_blocks,
-            counts.network_blocks,
-            counts.bytes,
-            counts.bytes,
-            counts.bytes,
-            cost,
-        ))
-    }
+/// Direct or staged for one request on an engine of this cost: [`advise`] over the request's
+/// own counts, the blocks of its direct plan and of its staged network plan (the template's
+/// writer position included), and its bytes (which the gather and the scatter each copy), from
+/// [`StagedPlanner::counts`]: nothing is planned.
+///
+/// # Errors
+/// As [`StagedPlanner::counts`].
+pub fn transfer_advice<S: PageIndex, D: PageIndex>(
+    template: &Template,
+    request: &Request<'_, S, D>,
+    cost: &TransferCost,
+) -> Result<Advice> {
+    let counts = StagedPlanner::new(template).counts(request)?;
+    Ok(advise(
+        counts.direct_blocks,
+        counts.network_blocks,
+        counts.bytes,
+        counts.bytes,
+        counts.bytes,
+        cost,
+    ))
 }
 
 /// A count as a float for the estimates: exact below 2^53, and an estimate of seconds needs

@@ -63,16 +63,32 @@ pub struct PreppedIndices {
     pub dst: Vec<i64>,
 }
 
+/// A template's prepped tables and its requests as indices into them; borrows the template.
+#[derive(Debug, Clone)]
+pub struct DescriptorTables<'t> {
+    template: &'t Template,
+}
+
+impl<'t> DescriptorTables<'t> {
+    /// The prepped tables of `template`.
+    pub fn new(template: &'t Template) -> Self {
+        Self { template }
+    }
+}
+
 fn overflow() -> PlanError {
     PlanError::Overflow {
         what: "prepped descriptor table size",
     }
 }
 
-impl Template {
-    /// State pairs that move bytes, in planning order (the pairs `plan_state_into` emits).
-    fn moving_state_pairs(&self) -> impl Iterator<Item = &PairSpec> {
-        self.state_pairs().iter().filter(|p| p.item_len > 0)
+impl DescriptorTables<'_> {
+    /// State pairs that move bytes, in planning order (the pairs a slot plan emits).
+    fn moving_state_pairs(&self) -> impl Iterator<Item = &'_ PairSpec> {
+        self.template
+            .state_pairs()
+            .iter()
+            .filter(|p| p.item_len > 0)
     }
 
     /// The layout of this template's prepped tables.
@@ -80,12 +96,12 @@ impl Template {
     /// # Errors
     /// [`PlanError::NotPreppable`] for a token template ([`Template::by_token`]);
     /// [`PlanError::Overflow`] when a table would hold more than `i64::MAX` descriptors.
-    pub fn prepped_shape(&self) -> Result<PreppedShape> {
-        if self.by_token() {
+    pub fn shape(&self) -> Result<PreppedShape> {
+        if self.template.by_token() {
             return Err(self.token_refusal());
         }
-        let pieces = self.pieces().len();
-        let limits = self.index_limits();
+        let pieces = self.template.pieces().len();
+        let limits = self.template.index_limits();
         let pages = if pieces == 0 {
             (0, 0)
         } else {
@@ -121,10 +137,10 @@ impl Template {
     /// lies inside its entry's buffer (a coalesced piece's: inside its group's buffers).
     ///
     /// # Errors
-    /// As [`Template::prepped_shape`]; [`PlanError::OutOfMemory`] when the table cannot be
+    /// As [`DescriptorTables::shape`]; [`PlanError::OutOfMemory`] when the table cannot be
     /// allocated.
-    pub fn descriptor_table(&self, side: Side) -> Result<DescriptorTable> {
-        let shape = self.prepped_shape()?;
+    pub fn table(&self, side: Side) -> Result<DescriptorTable> {
+        let shape = self.shape()?;
         let rows =
             usize::try_from(side.pick(shape.rows.0, shape.rows.1)).map_err(|_| overflow())?;
         let mut table = DescriptorTable {
@@ -140,8 +156,8 @@ impl Template {
             let at = side.pick(&p.src, &p.dst);
             (at.base, at.page_stride, p.len, count)
         };
-        let pieces = self.pieces().iter().map(|p| place(p, pages));
-        let states = self.state_pieces.iter().map(|p| place(p, slots));
+        let pieces = self.template.pieces().iter().map(|p| place(p, pages));
+        let states = self.template.state_pieces.iter().map(|p| place(p, slots));
         for (base, stride, len, count) in pieces.chain(states) {
             for k in 0..count {
                 // In range of every paired buffer, so inside a buffer whose end fits in u64;
@@ -161,7 +177,7 @@ impl Template {
 
     /// Why a template that plans by token has no prepped tables.
     fn token_refusal(&self) -> PlanError {
-        let (src, dst) = self.page_sizes();
+        let (src, dst) = self.template.page_sizes();
         let what = if src == dst {
             "the prefill and decode layouts store a page's tokens in different memory orders \
              (NHD and HND)"
@@ -183,23 +199,23 @@ impl Template {
     /// per state pair that moves bytes. Validated exactly as a plan of the same request.
     ///
     /// # Errors
-    /// As [`Template::prepped_shape`] and [`Template::prepare`] (unequal lengths, a negative
+    /// As [`DescriptorTables::shape`] and [`Template::prepare`] (unequal lengths, a negative
     /// index, an index outside a paired buffer, a repeated destination when the template
     /// checks overlap); [`PlanError::OutOfMemory`]; [`PlanError::InputChanged`] when the
     /// indices changed during the call.
-    pub fn prepped_indices<S: PageIndex, D: PageIndex>(
+    pub fn indices<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
     ) -> Result<PreppedIndices> {
-        let shape = self.prepped_shape()?;
+        let shape = self.shape()?;
         let (src, dst) = match request.indices {
             Indices::Slot { src, dst } => {
-                return self.prepped_slot_indices(&shape, request, src, dst);
+                return self.slot_indices(&shape, request, src, dst);
             }
             Indices::Pages { src, dst } => (src, dst),
         };
         // A page request: `prepped_shape` has refused templates that plan by token.
-        let n_pages = match self.prepare(request)?.unit {
+        let n_pages = match self.template.prepare(request)?.unit {
             PlanUnit::Pages(scan) => scan.n_pages,
             _ => return Err(self.token_refusal()),
         };
@@ -220,7 +236,7 @@ impl Template {
 
     /// A slot request as indices into the prepped tables, one per state pair that moves bytes
     /// (the blocks of its plan, in order), validated exactly as that plan.
-    fn prepped_slot_indices<S: PageIndex, D: PageIndex>(
+    fn slot_indices<S: PageIndex, D: PageIndex>(
         &self,
         shape: &PreppedShape,
         request: &Request<'_, S, D>,
@@ -228,7 +244,7 @@ impl Template {
         dst_slot: i64,
     ) -> Result<PreppedIndices> {
         let n = shape.state_pairs;
-        self.prepare(request)?;
+        self.template.prepare(request)?;
         let mut out = PreppedIndices {
             src: try_vec(n, 0, "prepped source indices")?,
             dst: try_vec(n, 0, "prepped destination indices")?,

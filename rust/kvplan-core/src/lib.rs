@@ -19,9 +19,10 @@
 //!    `digest` (fingerprints and digests), `coalesce` (which pairs emit together).
 //! 6. `accounting` (blocks and bytes per group and pair).
 //! 7. `template` (build once, pick the strategy, one request path).
-//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `advice` (direct or
-//!    staged), `slices` (layer-wise views, the manifest).
+//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `slices` (layer-wise
+//!    views, the manifest).
 //! 9. `staged` (gather + network between staging regions + scatter).
+//! 10. `advice` (direct or staged).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 
@@ -52,11 +53,11 @@ pub mod tokens;
 pub mod wire;
 
 pub use accounting::BlockAccounting;
-pub use advice::{Advice, Choice, TransferCost, advise};
+pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use coalesce::Group;
 pub use dcp::DcpContext;
-pub use descriptors::{DescriptorTable, PreppedIndices, PreppedShape};
+pub use descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use digest::{
     PlanBlocks, Region, content_digest, index_digest, layout_fingerprint, pair_content_digests,
     plan_digest,
@@ -71,7 +72,7 @@ pub use layout::{
 pub use local::{RegionMut, check_local_buffers, copy_local};
 pub use nixl_ids::{BlockScale, DescIdRequest, SHARED_REGION_GROUP, desc_ids};
 pub use pack::{
-    PackBuffer, PackedCounts, PackedPlan, PackedSummary, RowCopy, RowGather, pack_columns,
+    PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather, pack_columns,
 };
 pub use pairing::{
     EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
@@ -81,10 +82,10 @@ pub use pieces::{
     Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
     TokenMap,
 };
-pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
 pub use request::{Indices, Request};
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
 pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
-pub use staged::{StagedCounts, StagedPlan, StagedSummary, StagingRegion};
+pub use staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Template};
 pub use tokens::TokenTemplate;

@@ -15,7 +15,7 @@
 //! - `network`: consecutive direct blocks contiguous on the decode side (hence in the pack
 //!   buffer) become one block `pack + offset → dst`.
 //!
-//! A token request's gather can also be planned as rows ([`Template::plan_row_gather`]): per
+//! A token request's gather can also be planned as rows ([`PackPlanner::row_gather`]): per
 //! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
 //! takes, with the same pack layout and the same network plan (both built by one merging
 //! [`PlanBuilder`]),
@@ -30,7 +30,9 @@
 
 use crate::error::{PlanError, Result};
 use crate::pieces::PIECE_CLASSES;
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+use crate::plan::{
+    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,
+};
 use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::{Template, model_pages};
@@ -45,31 +47,34 @@ pub struct PackBuffer {
     pub size: u64,
 }
 
-/// A request's plan as a local gather into the pack buffer and a network plan out of it.
+/// A request's plan as a local gather into the pack buffer and a network plan out of it. The
+/// gather is an owned [`Plan`], or (`G` = [`PlanPart`], from [`PackPlanner::plan_into`]) the
+/// size and offsets of the gather written into the caller's output.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct PackedPlan {
+pub struct PackedPlan<G = Plan> {
     /// Prefill memory → pack buffer (executed locally by the caller before the transfer).
-    pub gather: Plan,
-    /// Pack buffer → decode memory, one block per destination-contiguous run.
-    pub network: Plan,
-    /// Bytes of the pack buffer the plans use (from its start).
-    pub pack_bytes: u64,
-}
-
-/// What [`Template::plan_packed_into`] leaves besides the gather columns.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct PackedSummary {
-    /// Blocks of the gather plan (the first values of the output columns).
-    pub gather_blocks: usize,
-    /// `n_pairs + 1` block offsets of the gather plan.
-    pub gather_pair_offsets: Vec<usize>,
-    /// The network plan (small: one block per destination-contiguous run).
+    pub gather: G,
+    /// Pack buffer → decode memory, one block per destination-contiguous run (small: it is
+    /// always owned).
     pub network: Plan,
     /// Bytes of the pack buffer the plans use (from its start): the plan's bytes.
     pub pack_bytes: u64,
 }
 
-impl Template {
+/// Pack plans of one template (see the [`crate::pack`] module); borrows the template.
+#[derive(Debug, Clone)]
+pub struct PackPlanner<'t> {
+    template: &'t Template,
+}
+
+impl<'t> PackPlanner<'t> {
+    /// The pack planner of `template`.
+    pub fn new(template: &'t Template) -> Self {
+        Self { template }
+    }
+}
+
+impl PackPlanner<'_> {
     /// Plans one request (as [`Template::plan_into`]) into columns from `make_output`, then
     /// rewrites them in place into the gather plan and returns the network plan (see the
     /// [`crate::pack`] module). The pack buffer is checked against the plan's bytes before
@@ -78,12 +83,12 @@ impl Template {
     /// # Errors
     /// As [`Template::plan_into`]; [`PlanError::PackTooSmall`]; [`PlanError::Overflow`] when
     /// the pack buffer's end overflows u64.
-    pub fn plan_packed_into<'o, S: PageIndex, D: PageIndex, O>(
+    pub fn plan_into<'o, S: PageIndex, D: PageIndex, O>(
         &self,
         request: &Request<'_, S, D>,
         pack: PackBuffer,
         make_output: impl FnOnce(&PlanSummary) -> Result<O>,
-    ) -> Result<(O, PackedSummary)>
+    ) -> Result<(O, PackedPlan<PlanPart>)>
     where
         O: AsColumns<'o>,
     {
@@ -92,7 +97,7 @@ impl Template {
             .ok_or(PlanError::Overflow {
                 what: "pack buffer end",
             })?;
-        let (mut output, summary) = self.plan_into(request, |shape| {
+        let (mut output, summary) = self.template.plan_into(request, |shape| {
             if shape.total_bytes > pack.size {
                 return Err(PlanError::PackTooSmall {
                     need: shape.total_bytes,
@@ -102,34 +107,25 @@ impl Template {
             }
             make_output(shape)
         })?;
-        let offsets = self.blocks.pair_offsets(&summary);
+        let offsets = self.template.blocks.pair_offsets(&summary);
         let packed = pack_columns(output.columns(), summary.n_blocks, &offsets, pack)?;
         Ok((output, packed))
     }
 
-    /// Allocating convenience over [`Template::plan_packed_into`].
+    /// Allocating convenience over [`PackPlanner::plan_into`].
     ///
     /// # Errors
-    /// As [`Template::plan_packed_into`].
-    pub fn plan_packed<S: PageIndex, D: PageIndex>(
+    /// As [`PackPlanner::plan_into`].
+    pub fn plan<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
         pack: PackBuffer,
     ) -> Result<PackedPlan> {
-        let (buffer, packed) = self.plan_packed_into(request, pack, |shape| {
+        let (buffer, packed) = self.plan_into(request, pack, |shape| {
             FlatBuffer::try_zeroed(shape.n_blocks)
         })?;
-        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(packed.gather_blocks)?;
-        let gather = Plan {
-            src_addrs,
-            dst_addrs,
-            lengths,
-            n_runs: packed.gather_blocks,
-            total_bytes: packed.pack_bytes,
-            pair_offsets: packed.gather_pair_offsets,
-        };
         Ok(PackedPlan {
-            gather,
+            gather: packed.gather.into_plan(buffer)?,
             network: packed.network,
             pack_bytes: packed.pack_bytes,
         })
@@ -137,7 +133,7 @@ impl Template {
 }
 
 /// Blocks of a token request planned directly and through a pack buffer, counted without the
-/// caller's page lists (see [`Template::packed_block_counts`]).
+/// caller's page lists (see [`PackPlanner::counts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PackedCounts {
     /// Blocks of the direct plan (every one a network descriptor).
@@ -148,9 +144,9 @@ pub struct PackedCounts {
     pub network: usize,
 }
 
-impl Template {
+impl PackPlanner<'_> {
     /// What a token request of `n_tokens` tokens costs planned directly and through a pack
-    /// buffer (as [`Template::plan_packed`] plans it), with pages consecutive on both sides or
+    /// buffer (as [`PackPlanner::plan`] plans it), with pages consecutive on both sides or
     /// (`fragmented`) no two pages consecutive on either side, as
     /// [`crate::BlockRequest::Tokens`] counts direct blocks. The request is planned on those
     /// model page lists into scratch memory (only the counts leave: the model pages need not lie
@@ -159,8 +155,8 @@ impl Template {
     /// # Errors
     /// The template's token error; [`PlanError::Overflow`] when a model page's address would
     /// not fit u64; [`PlanError::OutOfMemory`].
-    pub fn packed_block_counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
-        let tokens = self.token_template()?;
+    pub fn counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
+        let tokens = self.template.token_template()?;
         let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
         let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
         let limits = (limit(&src), limit(&dst));
@@ -198,7 +194,7 @@ impl Template {
             total_bytes,
             unit: PlanUnit::Tokens(shape),
         };
-        let offsets = self.blocks.pair_offsets(&summary);
+        let offsets = self.template.blocks.pair_offsets(&summary);
         let pack = PackBuffer {
             addr: 0,
             size: total_bytes,
@@ -206,7 +202,7 @@ impl Template {
         let packed = pack_columns(scratch.columns(), n_blocks, &offsets, pack)?;
         Ok(PackedCounts {
             direct: n_blocks,
-            gather: packed.gather_blocks,
+            gather: packed.gather.n_blocks,
             network: packed.network.lengths.len(),
         })
     }
@@ -215,7 +211,7 @@ impl Template {
 /// The gather of a token request's pack plan in the form a gather kernel takes: per token lane,
 /// the source rows of the tokens it moves, and per piece one row copy. Row copy `c` copies
 /// `c.len` bytes of each row `r = rows[c.lane][k]` from [`RowCopy::src_addr`] to
-/// `c.pack_addr + k × c.len`: exactly what the block gather of [`Template::plan_packed`] copies
+/// `c.pack_addr + k × c.len`: exactly what the block gather of [`PackPlanner::plan`] copies
 /// (same pack layout), without one block per row.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RowGather {
@@ -258,22 +254,22 @@ impl RowCopy {
     }
 }
 
-impl Template {
-    /// Plans one token request (as [`Template::plan_packed`]) as a [`RowGather`] and the
+impl PackPlanner<'_> {
+    /// Plans one token request (as [`PackPlanner::plan`]) as a [`RowGather`] and the
     /// network plan out of the pack buffer; the network plan is the one `plan_packed` returns,
     /// block for block, and the row gather copies what its gather copies. No direct plan is
     /// built: one walk of each lane's tokens gives the rows and the decode places.
     ///
     /// # Errors
-    /// As [`Template::plan_packed`]; [`PlanError::Geometry`] when the request is a page plan
+    /// As [`PackPlanner::plan`]; [`PlanError::Geometry`] when the request is a page plan
     /// (no `n_tokens` on a template that plans by page).
-    pub fn plan_row_gather<S: PageIndex, D: PageIndex>(
+    pub fn row_gather<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
         pack: PackBuffer,
     ) -> Result<(RowGather, Plan)> {
         let ((src, dst), n_tokens) = (request.page_lists("a row gather")?, request.n_tokens);
-        if !self.by_token() && n_tokens.is_none() {
+        if !self.template.by_token() && n_tokens.is_none() {
             return Err(PlanError::Geometry {
                 what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \
                        page plan)"
@@ -286,10 +282,10 @@ impl Template {
             .ok_or(PlanError::Overflow {
                 what: "pack buffer end",
             })?;
-        let tokens = self.token_template()?;
-        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let tokens = self.template.token_template()?;
+        let (n, src_pages, dst_pages) = self.template.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        let limits = (self.limits.src, self.limits.dst);
+        let limits = (self.template.limits.src, self.template.limits.dst);
         let mut rows = vec![Vec::new(); crate::pieces::TOKEN_LANES];
         let mut places = vec![Vec::new(); crate::pieces::TOKEN_LANES];
         if !tokens.pieces.is_empty() {
@@ -328,9 +324,9 @@ impl Template {
         // Network: the decode chunks of each piece in pack order, merged within a group (a
         // group's blocks are one range of the plan's pair offsets, as plan_packed merges).
         let mut network = PlanBuilder::default();
-        let mut per_pair = vec![0usize; self.blocks.pair_groups().len()];
+        let mut per_pair = vec![0usize; self.template.blocks.pair_groups().len()];
         let mut previous: Option<(usize, Vec<Chunk>)> = None;
-        for group in self.blocks.groups() {
+        for group in self.template.blocks.groups() {
             let before = network.plan.lengths.len();
             let first = tokens.pair_pieces[group.first_pair].0;
             let last = tokens.pair_pieces[group.last_pair].1;
@@ -406,7 +402,7 @@ pub fn pack_columns(
     n: usize,
     offsets: &[usize],
     pack: PackBuffer,
-) -> Result<PackedSummary> {
+) -> Result<PackedPlan<PlanPart>> {
     let n = n.min(out.capacity());
     let need = plan_bytes(&out.lengths[..n])?;
     if need > pack.size {
@@ -443,9 +439,12 @@ pub fn pack_columns(
         network.pair_offsets = offsets.to_vec();
         offsets.to_vec()
     };
-    Ok(PackedSummary {
-        gather_blocks: written,
-        gather_pair_offsets,
+    Ok(PackedPlan {
+        gather: PlanPart {
+            n_blocks: written,
+            total_bytes: need,
+            pair_offsets: gather_pair_offsets,
+        },
         network,
         pack_bytes: need,
     })

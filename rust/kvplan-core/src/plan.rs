@@ -117,6 +117,39 @@ pub struct Plan {
     pub pair_offsets: Vec<usize>,
 }
 
+/// A plan's size and pair offsets without its columns: what a planner that writes into a
+/// caller's output returns beside it (the columns hold its first `n_blocks` values).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PlanPart {
+    /// Blocks written.
+    pub n_blocks: usize,
+    /// Bytes the blocks move.
+    pub total_bytes: u64,
+    /// `n_pairs + 1` block offsets: pair `p`'s blocks are `pair_offsets[p]..pair_offsets[p+1]`.
+    pub pair_offsets: Vec<usize>,
+}
+
+impl PlanPart {
+    /// The owned plan of this part over `buffer`, the output it was written into. A rewritten
+    /// plan (gather, scatter) counts every block as its own run.
+    ///
+    /// # Errors
+    /// [`PlanError::OutOfMemory`].
+    pub fn into_plan(self, buffer: FlatBuffer) -> Result<Plan> {
+        let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(self.n_blocks)?;
+        // The source column keeps the allocation of the whole output; give the rest back.
+        src_addrs.shrink_to_fit();
+        Ok(Plan {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            n_runs: self.n_blocks,
+            total_bytes: self.total_bytes,
+            pair_offsets: self.pair_offsets,
+        })
+    }
+}
+
 /// Something that lends three output columns (a pooled flat buffer, borrowed numpy rows…).
 pub trait AsColumns<'o> {
     /// The columns.

@@ -37,15 +37,15 @@
 //! Regions are checked before any output exists: the prefill region must hold the plan's
 //! bytes, the decode region every writer's share (`writers × writer_bytes`), else
 //! [`PlanError::StagingTooSmall`] naming both sizes; no block ever reaches past a region's end.
-//! State slots are not staged (one block per state pair already): plan them with
-//! [`Template::plan_state_into`].
+//! State slots are not staged (one block per state pair already): plan them as a slot request
+//! of [`Template::plan`].
 
 use crate::error::{PlanError, Result};
 use crate::groups::PeerRanks;
 use crate::heads::staging_writer;
 use crate::layout::EntryKind;
 use crate::pack::{PackBuffer, PairBounds, PlanBuilder, gather_in_place, plan_bytes};
-use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit};
+use crate::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit};
 use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::Template;
@@ -54,16 +54,20 @@ use crate::template::Template;
 pub type StagingRegion = PackBuffer;
 
 /// A request's plan as a local gather, a network plan between staging regions and a local
-/// scatter (see the [`crate::staged`] module).
+/// scatter (see the [`crate::staged`] module). The gather and scatter are owned [`Plan`]s, or
+/// (`P` = [`PlanPart`], from [`StagedPlanner::plan_into`]) the sizes and offsets of what was
+/// written into the caller's two outputs.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StagedPlan {
+pub struct StagedPlan<P = Plan> {
     /// Prefill memory → prefill staging region (run locally by the prefill before the network).
-    pub gather: Plan,
-    /// Prefill staging region → decode staging region (moved by the engine).
+    pub gather: P,
+    /// Prefill staging region → decode staging region (moved by the engine; small, always
+    /// owned).
     pub network: Plan,
     /// Decode staging region → decode memory (run locally by the decode after the network).
-    pub scatter: Plan,
-    /// Bytes of the prefill staging region the plan uses, from its start.
+    pub scatter: P,
+    /// Bytes of the prefill staging region the plan uses, from its start: the plan's bytes,
+    /// which the gather, the network and the scatter each move.
     pub src_staging_bytes: u64,
     /// Offsets `[start, end)` of the decode staging region this writer's share covers (its
     /// bytes are written at slots inside it).
@@ -76,29 +80,17 @@ pub struct StagedPlan {
     pub writer: (u32, u32),
 }
 
-/// What [`Template::plan_staged_into`] leaves besides the gather and scatter columns.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StagedSummary {
-    /// Blocks of the gather plan (the first values of the first output's columns).
-    pub gather_blocks: usize,
-    /// Block offsets of the gather plan's pair ranges.
-    pub gather_pair_offsets: Vec<usize>,
-    /// Blocks of the scatter plan (the first values of the second output's columns).
-    pub scatter_blocks: usize,
-    /// Block offsets of the scatter plan's pair ranges.
-    pub scatter_pair_offsets: Vec<usize>,
-    /// The network plan (small: at most one block per pair range).
-    pub network: Plan,
-    /// Bytes of the plan (gather, network and scatter each move them).
-    pub total_bytes: u64,
-    /// As [`StagedPlan::dst_staging_range`].
-    pub dst_staging_range: (u64, u64),
-    /// As [`StagedPlan::dst_staging_bytes`].
-    pub dst_staging_bytes: u64,
-    /// As [`StagedPlan::direct_blocks`].
-    pub direct_blocks: usize,
-    /// As [`StagedPlan::writer`].
-    pub writer: (u32, u32),
+/// Staged plans of one template; borrows the template.
+#[derive(Debug, Clone)]
+pub struct StagedPlanner<'t> {
+    template: &'t Template,
+}
+
+impl<'t> StagedPlanner<'t> {
+    /// The staged planner of `template`.
+    pub fn new(template: &'t Template) -> Self {
+        Self { template }
+    }
 }
 
 /// A staged plan's counts, known without planning it (what the direct-or-staged advice needs).
@@ -114,7 +106,7 @@ pub struct StagedCounts {
 }
 
 /// Everything of a staged plan that is known before its gather and scatter are emitted: the
-/// one derivation [`Template::plan_staged_into`] emits from and [`Template::staged_counts`]
+/// one derivation [`StagedPlanner::plan_into`] emits from and [`StagedPlanner::counts`]
 /// counts from.
 struct StagedLayout<'a, S, D> {
     /// The request the gather and scatter are derived from (the caller's, or its token form).
@@ -204,7 +196,7 @@ fn scatter_into(
     Ok((written, pair_offsets))
 }
 
-impl Template {
+impl StagedPlanner<'_> {
     /// Plans one request (as [`Template::plan_into`]) as a staged plan through `src_staging`
     /// (prefill memory) and `dst_staging` (decode memory); see the [`crate::staged`] module.
     ///
@@ -222,20 +214,20 @@ impl Template {
     /// divides the other ([`crate::heads::staging_writer`]); [`PlanError::OutputTooSmall`];
     /// [`PlanError::Overflow`].
     #[allow(clippy::too_many_arguments)] // the request, two regions and the output source
-    pub fn plan_staged_into<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
+    pub fn plan_into<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
         &self,
         request: &Request<'_, S, D>,
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
         make_outputs: impl FnOnce(&PlanSummary) -> Result<(O, P)>,
-    ) -> Result<(O, P, StagedSummary)>
+    ) -> Result<(O, P, StagedPlan<PlanPart>)>
     where
         O: AsColumns<'o>,
         P: AsColumns<'p>,
     {
         let layout = self.staged_layout(request, src_staging, dst_staging)?;
         let mut second = None;
-        let (mut output, summary) = self.plan_into(&layout.request, |shape| {
+        let (mut output, summary) = self.template.plan_into(&layout.request, |shape| {
             if *shape != layout.shape {
                 return Err(PlanError::InputChanged);
             }
@@ -271,13 +263,17 @@ impl Template {
             gather_pair_offsets.clone_from(&layout.pair_offsets);
             scatter_pair_offsets.clone_from(&layout.pair_offsets);
         }
-        let staged = StagedSummary {
-            gather_blocks,
-            gather_pair_offsets,
-            scatter_blocks,
-            scatter_pair_offsets,
+        let total_bytes = layout.shape.total_bytes;
+        let part = |n_blocks, pair_offsets| PlanPart {
+            n_blocks,
+            total_bytes,
+            pair_offsets,
+        };
+        let staged = StagedPlan {
+            gather: part(gather_blocks, gather_pair_offsets),
+            scatter: part(scatter_blocks, scatter_pair_offsets),
             network: layout.network,
-            total_bytes: layout.shape.total_bytes,
+            src_staging_bytes: total_bytes,
             dst_staging_range: layout.placement.range,
             dst_staging_bytes: layout.placement.need,
             direct_blocks: layout.direct_blocks,
@@ -286,39 +282,26 @@ impl Template {
         Ok((output, scatter_output, staged))
     }
 
-    /// Allocating convenience over [`Template::plan_staged_into`].
+    /// Allocating convenience over [`StagedPlanner::plan_into`].
     ///
     /// # Errors
-    /// As [`Template::plan_staged_into`].
-    pub fn plan_staged<S: PageIndex, D: PageIndex>(
+    /// As [`StagedPlanner::plan_into`].
+    pub fn plan<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
         src_staging: StagingRegion,
         dst_staging: StagingRegion,
     ) -> Result<StagedPlan> {
         let (gather, scatter, staged) =
-            self.plan_staged_into(request, src_staging, dst_staging, |shape| {
+            self.plan_into(request, src_staging, dst_staging, |shape| {
                 let output = || FlatBuffer::try_zeroed(shape.n_blocks);
                 Ok((output()?, output()?))
             })?;
-        let owned = |buffer: FlatBuffer, n: usize, pair_offsets: Vec<usize>| -> Result<Plan> {
-            let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(n)?;
-            // The source column keeps the allocation of every direct block; give the rest back.
-            src_addrs.shrink_to_fit();
-            Ok(Plan {
-                src_addrs,
-                dst_addrs,
-                lengths,
-                n_runs: n,
-                total_bytes: staged.total_bytes,
-                pair_offsets,
-            })
-        };
         Ok(StagedPlan {
-            gather: owned(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
-            scatter: owned(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
+            gather: staged.gather.into_plan(gather)?,
+            scatter: staged.scatter.into_plan(scatter)?,
             network: staged.network,
-            src_staging_bytes: staged.total_bytes,
+            src_staging_bytes: staged.src_staging_bytes,
             dst_staging_range: staged.dst_staging_range,
             dst_staging_bytes: staged.dst_staging_bytes,
             direct_blocks: staged.direct_blocks,
@@ -326,17 +309,17 @@ impl Template {
         })
     }
 
-    /// The counts of the staged plan of one request ([`Template::plan_staged`]) without
+    /// The counts of the staged plan of one request ([`StagedPlanner::plan`]) without
     /// planning it: the direct plan's blocks from its shape, the network plan from the pairs'
     /// bytes and their decode placement (the same derivation the staged plan is built from),
     /// the bytes from the plan's shape.
     ///
     /// # Errors
-    /// As [`Template::plan_staged`] for the same request, except that no staging region can be
+    /// As [`StagedPlanner::plan`] for the same request, except that no staging region can be
     /// too small: the counts are taken with regions spanning the whole address space (blocks
     /// merge by offsets inside the regions, never by where the regions start, so these are the
     /// counts of any real regions).
-    pub fn staged_counts<S: PageIndex, D: PageIndex>(
+    pub fn counts<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
     ) -> Result<StagedCounts> {
@@ -371,7 +354,7 @@ impl Template {
                 .checked_add(region.size)
                 .ok_or(PlanError::Overflow { what })?;
         }
-        let direct = self.prepare(request)?;
+        let direct = self.template.prepare(request)?;
         let (staged_request, shape) = self.staging_tokens(request, direct);
         if shape.total_bytes > src_staging.size {
             return Err(PlanError::StagingTooSmall {
@@ -382,16 +365,16 @@ impl Template {
             });
         }
         let summary = shape;
-        let pair_offsets = self.blocks.pair_offsets(&summary);
+        let pair_offsets = self.template.blocks.pair_offsets(&summary);
         let bounds = PairBounds::of(&pair_offsets, shape.n_blocks);
         let range_bytes = if bounds.by_pair {
-            self.blocks.pair_bytes(&summary)?
+            self.template.blocks.pair_bytes(&summary)?
         } else {
             vec![shape.total_bytes]
         };
         let (prefill, decode) = (
-            PeerRanks::of(&self.layouts.0),
-            PeerRanks::of(&self.layouts.1),
+            PeerRanks::of(&self.template.layouts.0),
+            PeerRanks::of(&self.template.layouts.1),
         );
         let writer = staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size)?;
         let placement = self.place_decode(&bounds, &range_bytes, writer, prefill.pp_size)?;
@@ -443,14 +426,14 @@ impl Template {
         let Ok((src, dst)) = request.page_lists("a staged plan") else {
             return (*request, direct);
         };
-        if found.n_pages == 0 || self.strategy.tokens().is_err() {
+        if found.n_pages == 0 || self.template.strategy.tokens().is_err() {
             return (*request, direct);
         }
-        let Some(tokens) = (src.len() as u64).checked_mul(self.page_sizes().0) else {
+        let Some(tokens) = (src.len() as u64).checked_mul(self.template.page_sizes().0) else {
             return (*request, direct);
         };
         let by_token = Request::tokens(src, dst, tokens);
-        match self.prepare(&by_token) {
+        match self.template.prepare(&by_token) {
             Ok(shape)
                 if shape.total_bytes == direct.total_bytes && shape.n_blocks <= direct.n_blocks =>
             {
@@ -492,9 +475,9 @@ impl Template {
                 continue;
             }
             // The pairs whose blocks this range holds: its group's (one, unless coalesced).
-            let pair_groups = self.blocks.pair_groups();
+            let pair_groups = self.template.blocks.pair_groups();
             let members: Vec<usize> = match pair_groups.get(pair).copied().flatten() {
-                Some(g) => (self.blocks.groups()[g].first_pair..=pair)
+                Some(g) => (self.template.blocks.groups()[g].first_pair..=pair)
                     .filter(|&q| pair_groups[q] == Some(g))
                     .collect(),
                 None => vec![pair],
@@ -560,13 +543,14 @@ impl Template {
     /// Per page pair, the position of its decode entry among the decode layout's page entries,
     /// and their number: the decode staging slots.
     fn decode_slots(&self) -> (Vec<usize>, u64) {
-        let dst = &self.layouts.1;
+        let dst = &self.template.layouts.1;
         let page_entries = dst.entries_of_kind(EntryKind::Page);
         let mut slot_of = vec![0; dst.n_entries()];
         for (slot, &entry) in page_entries.iter().enumerate() {
             slot_of[entry] = slot;
         }
         let slots = self
+            .template
             .page_pairs
             .iter()
             .map(|p| slot_of[p.dst_entry])

@@ -3,11 +3,11 @@
 //! any real staging regions (they do not depend on where the regions are), and the choice
 //! follows the cost.
 
-use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, Choice, Layout, LayoutContext, MemoryOrder, StagingRegion, Template,
     TemplateOptions, TransferCost, advise,
 };
+use kvplan_core::{Request, StagedPlanner, transfer_advice};
 
 const HEADS: u32 = 8;
 const HEAD_DIM: u32 = 64;
@@ -68,15 +68,15 @@ fn counts_are_the_plans_counts_wherever_the_regions_are() {
     for (tp_p, r_p, tp_d) in [(8, 3, 2), (2, 1, 2), (1, 0, 4), (4, 2, 1), (8, 0, 1)] {
         let t = template(tp_p, r_p, tp_d);
         let c = cost(30e-6, 2e9, 10e9);
-        let advice = t.transfer_advice(&Request::pages(&SRC, &DST), &c).unwrap();
+        let advice = transfer_advice(&t, &Request::pages(&SRC, &DST), &c).unwrap();
         let direct = t.plan(&Request::pages(&SRC, &DST)).unwrap();
         for (src_at, dst_at) in [(1 << 40, 1 << 41), (0x1234_5000, 0x7777_0000)] {
             let region = |addr| StagingRegion {
                 addr,
                 size: 1 << 30,
             };
-            let staged = t
-                .plan_staged(&Request::pages(&SRC, &DST), region(src_at), region(dst_at))
+            let staged = StagedPlanner::new(&t)
+                .plan(&Request::pages(&SRC, &DST), region(src_at), region(dst_at))
                 .unwrap();
             let want = advise(
                 direct.src_addrs.len(),
@@ -96,14 +96,11 @@ fn the_choice_follows_the_cost() {
     // TP 8 -> 2 NHD: one direct block per token per entry, one staged network block.
     let t = template(8, 0, 2);
     let (src, dst): (Vec<i64>, Vec<i64>) = (0..8).map(|p| (p, 2 * p)).unzip();
-    let tcp = t
-        .transfer_advice(&Request::pages(&src, &dst), &cost(30e-6, 2e9, 10e9))
-        .unwrap();
+    let tcp = transfer_advice(&t, &Request::pages(&src, &dst), &cost(30e-6, 2e9, 10e9)).unwrap();
     assert_eq!(tcp.direct_blocks, 8 * PAGE as usize * 2 * LAYERS);
     assert_eq!((tcp.choice, tcp.staged_blocks), (Choice::Staged, 1));
-    let free_blocks = t
-        .transfer_advice(&Request::pages(&src, &dst), &cost(1e-12, 2e9, 1e6))
-        .unwrap();
+    let free_blocks =
+        transfer_advice(&t, &Request::pages(&src, &dst), &cost(1e-12, 2e9, 1e6)).unwrap();
     assert_eq!(free_blocks.choice, Choice::Direct);
 }
 
@@ -112,8 +109,7 @@ fn a_bad_request_is_the_plans_error() {
     let t = template(8, 0, 2);
     let bad = [0i64, CAPACITY as i64];
     let planned = t.plan(&Request::pages(&[0i64, 1], &bad)).unwrap_err();
-    let advised = t
-        .transfer_advice(&Request::pages(&[0i64, 1], &bad), &cost(1e-6, 1e9, 1e9))
-        .unwrap_err();
+    let advised =
+        transfer_advice(&t, &Request::pages(&[0i64, 1], &bad), &cost(1e-6, 1e9, 1e9)).unwrap_err();
     assert_eq!(advised, planned);
 }

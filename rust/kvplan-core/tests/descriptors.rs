@@ -3,11 +3,11 @@
 //! piece is per page, are its blocks one for one), requests are validated as plans are, and
 //! what a table cannot express (token plans) or hold (sizes) is an error.
 
-use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, ErrorClass, GeometryOptions, Layout, LayoutContext, LayoutParts,
     MemoryOrder, PlanError, Side, Template, TemplateOptions,
 };
+use kvplan_core::{DescriptorTables, Request};
 
 const SRC: u64 = 0x10_0000;
 const DST: u64 = 0x80_0000;
@@ -148,7 +148,7 @@ fn buffers(layout: &Layout) -> Vec<(u64, u64)> {
 /// Every descriptor of `side`'s table lies inside the side's buffers (a coalesced piece may
 /// span touching buffers of one pool), and none is empty.
 fn assert_inside(t: &Template, side: Side, layout: &Layout) {
-    let table = t.descriptor_table(side).unwrap();
+    let table = DescriptorTables::new(t).table(side).unwrap();
     let spans = buffers(layout);
     for (k, (&a, &n)) in table.addrs.iter().zip(&table.lens).enumerate() {
         assert!(n > 0, "{side} descriptor {k} is empty");
@@ -162,10 +162,12 @@ fn assert_inside(t: &Template, side: Side, layout: &Layout) {
 /// `(src, dst, len)` of each descriptor pair of a request.
 fn prepped_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
     let (s_table, d_table) = (
-        t.descriptor_table(Side::Src).unwrap(),
-        t.descriptor_table(Side::Dst).unwrap(),
+        DescriptorTables::new(t).table(Side::Src).unwrap(),
+        DescriptorTables::new(t).table(Side::Dst).unwrap(),
     );
-    let idx = t.prepped_indices(&Request::pages(src, dst)).unwrap();
+    let idx = DescriptorTables::new(t)
+        .indices(&Request::pages(src, dst))
+        .unwrap();
     assert_eq!(idx.src.len(), idx.dst.len());
     idx.src
         .iter()
@@ -221,13 +223,15 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
         byte_map(want),
         "{name}: different bytes than the plan"
     );
-    let shape = t.prepped_shape().unwrap();
+    let shape = DescriptorTables::new(&t).shape().unwrap();
     assert_eq!(shape.pieces, t.pieces().len(), "{name}");
     if shape.state_pairs > 0 {
-        let idx = t.prepped_indices(&Request::slot(1, 2)).unwrap();
+        let idx = DescriptorTables::new(&t)
+            .indices(&Request::slot(1, 2))
+            .unwrap();
         let (s_table, d_table) = (
-            t.descriptor_table(Side::Src).unwrap(),
-            t.descriptor_table(Side::Dst).unwrap(),
+            DescriptorTables::new(&t).table(Side::Src).unwrap(),
+            DescriptorTables::new(&t).table(Side::Dst).unwrap(),
         );
         let got: Vec<[u64; 3]> = idx
             .src
@@ -268,7 +272,10 @@ fn strided_per_layer_buffers() {
         &per_layer(DST, &items, 8),
         true,
     );
-    assert_eq!(t.prepped_shape().unwrap().rows, (3 * PAGES, 3 * PAGES));
+    assert_eq!(
+        DescriptorTables::new(&t).shape().unwrap().rows,
+        (3 * PAGES, 3 * PAGES)
+    );
     // Packed buffers: per-run pieces, still one descriptor per page.
     check(
         "packed",
@@ -295,7 +302,10 @@ fn cross_layer_pools() {
     );
     // Pool to pool coalesces every layer into one piece: one descriptor per page.
     let t = check("pool to pool", &pool(SRC, &items), &pool(DST, &items), true);
-    assert_eq!(t.prepped_shape().unwrap().rows, (PAGES, PAGES));
+    assert_eq!(
+        DescriptorTables::new(&t).shape().unwrap().rows,
+        (PAGES, PAGES)
+    );
     check(
         "pool to pool, not coalesced",
         &pool(SRC, &items),
@@ -329,13 +339,13 @@ fn a_pair_without_shared_heads_has_no_page_descriptors() {
     let dst = mha_rank(DST, 8, 2, 1, MemoryOrder::Hnd, TOKENS);
     let t = Template::new(&src, &dst, opts()).unwrap();
     assert!(t.empty_reason().is_some());
-    let shape = t.prepped_shape().unwrap();
+    let shape = DescriptorTables::new(&t).shape().unwrap();
     assert_eq!(
         (shape.pieces, shape.pages, shape.state_start),
         (0, (0, 0), (0, 0))
     );
-    let idx = t
-        .prepped_indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
+    let idx = DescriptorTables::new(&t)
+        .indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
         .unwrap();
     assert!(idx.src.is_empty() && idx.dst.is_empty());
     // Replicated state still has its one writer: rank 0 writes decode rank 1's copy.
@@ -353,11 +363,13 @@ fn requests_are_validated_exactly_as_plans() {
         (&[0, 1], &[2]),
     ];
     for (src, dst) in cases {
-        let err = t.prepped_indices(&Request::pages(src, dst)).unwrap_err();
+        let err = DescriptorTables::new(&t)
+            .indices(&Request::pages(src, dst))
+            .unwrap_err();
         assert_eq!(err, t.plan(&Request::pages(src, dst)).unwrap_err());
     }
-    let err = t
-        .prepped_indices(&Request::pages(&[0, 1], &[2, PAGES as i64]))
+    let err = DescriptorTables::new(&t)
+        .indices(&Request::pages(&[0, 1], &[2, PAGES as i64]))
         .unwrap_err();
     assert!(
         matches!(
@@ -386,7 +398,12 @@ fn requests_are_validated_exactly_as_plans() {
             .plan_into(&Request::slot(s, d), |_| Ok(columns))
             .map(|(_, summary)| summary)
             .unwrap_err();
-        assert_eq!(st.prepped_indices(&Request::slot(s, d)).unwrap_err(), want);
+        assert_eq!(
+            DescriptorTables::new(&st)
+                .indices(&Request::slot(s, d))
+                .unwrap_err(),
+            want
+        );
     }
 }
 
@@ -414,10 +431,13 @@ fn token_templates_are_refused_naming_the_plan_path() {
         let t = Template::new(&src, &dst, opts()).unwrap();
         assert!(t.by_token());
         let errors = [
-            t.descriptor_table(Side::Src).unwrap_err(),
-            t.prepped_indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
+            DescriptorTables::new(&t).table(Side::Src).unwrap_err(),
+            DescriptorTables::new(&t)
+                .indices(&Request::pages(&SRC_PAGES, &DST_PAGES))
                 .unwrap_err(),
-            t.prepped_indices(&Request::slot(0, 0)).unwrap_err(),
+            DescriptorTables::new(&t)
+                .indices(&Request::slot(0, 0))
+                .unwrap_err(),
         ];
         for err in errors {
             assert!(matches!(err, PlanError::NotPreppable { .. }), "{err}");
@@ -448,15 +468,15 @@ fn tables_too_large_are_errors_not_aborts() {
         .unwrap()
     };
     let t = Template::new(&huge(0, 1), &huge(1 << 62, 1), opts()).unwrap();
-    let err = t.descriptor_table(Side::Src).unwrap_err();
+    let err = DescriptorTables::new(&t).table(Side::Src).unwrap_err();
     assert_eq!(err.class(), ErrorClass::Memory, "{err}");
     // Nine such entries: 9 * 2**60 descriptors, more than an int64 index reaches.
     let t = Template::new(&huge(0, 9), &huge(1 << 62, 9), opts()).unwrap();
     assert_eq!(t.pieces().len(), 9);
-    let err = t.prepped_shape().unwrap_err();
+    let err = DescriptorTables::new(&t).shape().unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
     assert!(matches!(
-        t.descriptor_table(Side::Dst).unwrap_err(),
+        DescriptorTables::new(&t).table(Side::Dst).unwrap_err(),
         PlanError::Overflow { .. }
     ));
 }

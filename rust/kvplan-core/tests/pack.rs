@@ -6,11 +6,11 @@
 //! block per entry per destination page run. A staged plan of the same request (gather into a
 //! staging region, one network block, scatter) must write the same bytes.
 
-use kvplan_core::Request;
 use kvplan_core::{
     AttentionGeometry, DcpContext, Layout, LayoutContext, MemoryOrder, PackBuffer, Plan, PlanError,
     Template, TemplateOptions,
 };
+use kvplan_core::{PackPlanner, Request, StagedPlanner};
 
 const LAYERS: u64 = 3;
 const HEADS: u32 = 2;
@@ -137,14 +137,14 @@ fn run(case: &Case) {
         addr: PACK_BASE,
         size,
     };
-    let packed = t
-        .plan_packed(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
+    let packed = PackPlanner::new(&t)
+        .plan(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(packed.pack_bytes, direct.total_bytes, "{what}");
     // The same request staged (gather → one network block → scatter) writes the same bytes.
     let region = |addr| kvplan_core::StagingRegion { addr, size };
-    let staged = t
-        .plan_staged(
+    let staged = StagedPlanner::new(&t)
+        .plan(
             &Request::tokens(&src_pages, &dst_pages, case.tokens),
             region(PACK_BASE),
             region(STAGE_BASE),
@@ -219,8 +219,8 @@ fn run(case: &Case) {
     }
     // The row gather: the same network plan, block for block, and a gather that fills the
     // pack buffer byte for byte as the block gather does.
-    let (rows, network) = t
-        .plan_row_gather(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
+    let (rows, network) = PackPlanner::new(&t)
+        .row_gather(&Request::tokens(&src_pages, &dst_pages, case.tokens), pack)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(network, packed.network, "{what}");
     assert_eq!(rows.pack_bytes, packed.pack_bytes, "{what}");
@@ -319,8 +319,8 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         addr: PACK_BASE,
         size,
     };
-    let err = t
-        .plan_packed(
+    let err = PackPlanner::new(&t)
+        .plan(
             &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
             pack(need - 1),
         )
@@ -333,8 +333,8 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         err.to_string().contains(&format!("at least {need} bytes")),
         "{err}"
     );
-    let err = t
-        .plan_row_gather(
+    let err = PackPlanner::new(&t)
+        .row_gather(
             &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
             pack(need - 1),
         )
@@ -344,22 +344,23 @@ fn a_pack_buffer_too_small_names_the_size_needed() {
         "{err}"
     );
     assert!(
-        t.plan_row_gather(
-            &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
-            pack(need)
-        )
-        .is_ok()
+        PackPlanner::new(&t)
+            .row_gather(
+                &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
+                pack(need)
+            )
+            .is_ok()
     );
-    let ok = t
-        .plan_packed(
+    let ok = PackPlanner::new(&t)
+        .plan(
             &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
             pack(need),
         )
         .unwrap();
     assert_eq!(ok.network.lengths.len(), LAYERS as usize);
     // A pack buffer whose end overflows the address space is refused, not wrapped.
-    let err = t
-        .plan_packed(
+    let err = PackPlanner::new(&t)
+        .plan(
             &Request::tokens(&[0i64, 1, 2, 3], &[0i64, 1], 16),
             PackBuffer {
                 addr: u64::MAX - 8,
@@ -407,10 +408,10 @@ fn packed_block_counts_are_the_blocks_of_plan_packed_on_the_model_pages() {
                                 addr: PACK_BASE,
                                 size: direct.total_bytes,
                             };
-                            let packed = t
-                                .plan_packed(&Request::tokens(&sp, &dp, tokens), pack)
+                            let packed = PackPlanner::new(&t)
+                                .plan(&Request::tokens(&sp, &dp, tokens), pack)
                                 .unwrap();
-                            let counts = t.packed_block_counts(tokens, fragmented).unwrap();
+                            let counts = PackPlanner::new(&t).counts(tokens, fragmented).unwrap();
                             let what = format!("{case:?} fragmented={fragmented}");
                             assert_eq!(counts.direct, direct.lengths.len(), "{what}");
                             assert_eq!(counts.gather, packed.gather.lengths.len(), "{what}");

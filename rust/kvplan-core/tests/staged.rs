@@ -14,7 +14,7 @@ use kvplan_core::{
 };
 use std::collections::HashSet;
 
-use kvplan_core::Request;
+use kvplan_core::{Request, StagedPlanner};
 use support::reference::{Arena, apply, reference, reference_every_holder};
 
 const HEAD_BYTES: u64 = 4; // head_dim 2 × 2-byte elements
@@ -207,8 +207,8 @@ fn check_pair_with(
         "direct plan differs from the reference: {case:?}"
     );
 
-    let staged = template
-        .plan_staged(
+    let staged = StagedPlanner::new(&template)
+        .plan(
             &Request::new(&sp, &dp, case.n_tokens()),
             region(SRC_STAGING, 1 << 24),
             region(DST_STAGING, 1 << 24),
@@ -256,8 +256,8 @@ fn check_pair_with(
     );
     // The counts the advice takes without planning are the materialised plan's, and the
     // bytes per pair range it derives them from are the direct plan's.
-    let counts = template
-        .staged_counts(&Request::new(&sp, &dp, case.n_tokens()))
+    let counts = StagedPlanner::new(&template)
+        .counts(&Request::new(&sp, &dp, case.n_tokens()))
         .unwrap();
     assert_eq!(
         counts,
@@ -544,24 +544,24 @@ fn staging_regions_of_edge_sizes() {
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let big = region(DST_STAGING, 1 << 24);
-    let staged = template
-        .plan_staged(&Request::pages(&sp, &dp), region(SRC_STAGING, 1 << 24), big)
+    let staged = StagedPlanner::new(&template)
+        .plan(&Request::pages(&sp, &dp), region(SRC_STAGING, 1 << 24), big)
         .unwrap();
     let (src_need, dst_need) = (staged.src_staging_bytes, staged.dst_staging_bytes);
     // 2 layers × K, V × 32 tokens × 1 head × 4 bytes, and 4 writers of that.
     assert_eq!(src_need, 2 * 2 * 32 * 4);
     assert_eq!(dst_need, 4 * src_need);
     assert_eq!(staged.dst_staging_range, (src_need, 2 * src_need));
-    let exact = template
-        .plan_staged(
+    let exact = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, src_need),
             region(DST_STAGING, dst_need),
         )
         .unwrap();
     assert_eq!(exact, staged);
-    let short_src = template
-        .plan_staged(
+    let short_src = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, src_need - 1),
             big,
@@ -572,8 +572,8 @@ fn staging_regions_of_edge_sizes() {
             if need == src_need && have == src_need - 1),
         "{short_src:?}"
     );
-    let short_dst = template
-        .plan_staged(
+    let short_dst = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, src_need),
             region(DST_STAGING, dst_need - 1),
@@ -586,7 +586,11 @@ fn staging_regions_of_edge_sizes() {
     );
     assert!(short_dst.to_string().contains(&dst_need.to_string()));
     // A region whose end overflows u64 is an error, not a wrapped address.
-    let wraps = template.plan_staged(&Request::pages(&sp, &dp), region(u64::MAX - 4, 16), big);
+    let wraps = StagedPlanner::new(&template).plan(
+        &Request::pages(&sp, &dp),
+        region(u64::MAX - 4, 16),
+        big,
+    );
     assert!(
         matches!(wraps, Err(PlanError::Overflow { .. })),
         "{wraps:?}"
@@ -614,8 +618,8 @@ fn sliced_nhd_staging_is_token_major() {
     let dst = layout(&case, Side::Dst, 1, 0);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let staged = template
-        .plan_staged(
+    let staged = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
@@ -657,8 +661,8 @@ fn copy_local_runs_local_plans_and_checks_blocks() {
     let dst = layout(&case, Side::Dst, 0, 0);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let staged = template
-        .plan_staged(
+    let staged = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
@@ -814,8 +818,8 @@ fn coalesced_pool_stages_take_consecutive_slots() {
         let direct = template
             .plan(&Request::pages(&src_pages, &dst_pages))
             .unwrap();
-        let staged = template
-            .plan_staged(
+        let staged = StagedPlanner::new(&template)
+            .plan(
                 &Request::pages(&src_pages, &dst_pages),
                 region(SRC_STAGING, 1 << 20),
                 region(DST_STAGING, 1 << 20),
@@ -888,8 +892,8 @@ fn unequal_pairs_have_no_decode_slots() {
     let src = mha(SRC_BASE, 1, 2, 2..4);
     let dst = mha(DST_BASE, 0, 1, 0..4);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let err = template
-        .plan_staged(
+    let err = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&[0i64, 1], &[3i64, 4]),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
@@ -911,8 +915,8 @@ fn unequal_pairs_have_no_decode_slots() {
     // At PP 1 the same items are packed back to back: no slots, no error.
     let src = mha(SRC_BASE, 0, 1, 0..4);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let staged = template
-        .plan_staged(
+    let staged = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&[0i64, 1], &[3i64, 4]),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
@@ -951,8 +955,8 @@ fn tp_sizes_that_do_not_divide_are_refused() {
             .total_bytes
             > 0
     );
-    let err = template
-        .plan_staged(
+    let err = StagedPlanner::new(&template)
+        .plan(
             &Request::pages(&sp, &dp),
             region(SRC_STAGING, 1 << 20),
             region(DST_STAGING, 1 << 20),
@@ -985,11 +989,11 @@ fn staged_into_caller_outputs() {
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
     let regions = (region(SRC_STAGING, 1 << 20), region(DST_STAGING, 1 << 20));
-    let want = template
-        .plan_staged(&Request::pages(&sp, &dp), regions.0, regions.1)
+    let want = StagedPlanner::new(&template)
+        .plan(&Request::pages(&sp, &dp), regions.0, regions.1)
         .unwrap();
-    let (gather, scatter, summary) = template
-        .plan_staged_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
+    let (gather, scatter, summary) = StagedPlanner::new(&template)
+        .plan_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
             Ok((
                 FlatBuffer::zeroed(shape.n_blocks),
                 FlatBuffer::zeroed(shape.n_blocks),
@@ -1005,21 +1009,28 @@ fn staged_into_caller_outputs() {
         )
     };
     let of = |p: &Plan| (p.src_addrs.clone(), p.dst_addrs.clone(), p.lengths.clone());
-    assert_eq!(columns(&gather, summary.gather_blocks), of(&want.gather));
-    assert_eq!(columns(&scatter, summary.scatter_blocks), of(&want.scatter));
-    assert_eq!(summary.gather_pair_offsets, want.gather.pair_offsets);
-    assert_eq!(summary.scatter_pair_offsets, want.scatter.pair_offsets);
+    assert_eq!(columns(&gather, summary.gather.n_blocks), of(&want.gather));
+    assert_eq!(
+        columns(&scatter, summary.scatter.n_blocks),
+        of(&want.scatter)
+    );
+    assert_eq!(summary.gather.pair_offsets, want.gather.pair_offsets);
+    assert_eq!(summary.scatter.pair_offsets, want.scatter.pair_offsets);
     assert_eq!(summary.network, want.network);
     assert_eq!(
-        (summary.total_bytes, summary.direct_blocks, summary.writer),
+        (
+            summary.src_staging_bytes,
+            summary.direct_blocks,
+            summary.writer
+        ),
         (want.src_staging_bytes, want.direct_blocks, want.writer)
     );
     // Many blocks (one per token per entry), one network block.
     assert_eq!(want.scatter.lengths.len(), want.direct_blocks);
     assert_eq!(want.network.lengths.len(), 1);
 
-    let err = template
-        .plan_staged_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
+    let err = StagedPlanner::new(&template)
+        .plan_into(&Request::pages(&sp, &dp), regions.0, regions.1, |shape| {
             Ok((
                 FlatBuffer::zeroed(shape.n_blocks),
                 FlatBuffer::zeroed(shape.n_blocks - 1),

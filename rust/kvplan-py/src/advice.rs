@@ -159,7 +159,7 @@ struct PlanAdvice<'t>(&'t Template, TransferCost);
 impl RequestPlanner for PlanAdvice<'_> {
     type Output = kvplan_core::Result<Advice>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.transfer_advice(request, &self.1)
+        kvplan_core::transfer_advice(self.0, request, &self.1)
     }
 }
 

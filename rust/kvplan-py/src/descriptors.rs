@@ -2,7 +2,7 @@
 //! `Template.prepped_state_indices`): arguments converted, the core's `descriptors` module
 //! called, its vectors handed to NumPy without copying.
 
-use kvplan_core::{PageIndex, PreppedIndices, Request, Side, Template};
+use kvplan_core::{DescriptorTables, PageIndex, PreppedIndices, Request, Side, Template};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
@@ -37,7 +37,7 @@ pub(crate) fn descriptor_table<'py>(
 ) -> PyResult<TableArrays<'py>> {
     let side = side_arg(side)?;
     let table = py
-        .detach(|| template.descriptor_table(side))
+        .detach(|| DescriptorTables::new(template).table(side))
         .map_err(to_py_err)?;
     Ok((table.addrs.into_pyarray(py), table.lens.into_pyarray(py)))
 }
@@ -47,7 +47,7 @@ struct Indices<'t>(&'t Template);
 impl RequestPlanner for Indices<'_> {
     type Output = kvplan_core::Result<PreppedIndices>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.prepped_indices(request)
+        DescriptorTables::new(self.0).indices(request)
     }
 }
 
@@ -71,8 +71,8 @@ pub(crate) fn prepped_state_indices<'py>(
     src_slot: i64,
     dst_slot: i64,
 ) -> PyResult<IndexArrays<'py>> {
-    let indices = template
-        .prepped_indices(&Request::slot(src_slot, dst_slot))
+    let indices = DescriptorTables::new(template)
+        .indices(&Request::slot(src_slot, dst_slot))
         .map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{FlatBuffer, PageIndex, Request, Template};
+use kvplan_core::{FlatBuffer, PackPlanner, PackedPlan, PageIndex, PlanPart, Request, Template};
 use numpy::{PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -17,9 +17,9 @@ use crate::template::{PyTemplate, owned_columns, pooled};
 struct PlanPacked<'t>(&'t Template, kvplan_core::PackBuffer);
 
 impl RequestPlanner for PlanPacked<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, kvplan_core::PackedSummary)>;
+    type Output = kvplan_core::Result<(FlatBuffer, PackedPlan<PlanPart>)>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.plan_packed_into(request, self.1, pooled)
+        PackPlanner::new(self.0).plan_into(request, self.1, pooled)
     }
 }
 
@@ -29,7 +29,7 @@ struct PlanRowGather<'t>(&'t Template, kvplan_core::PackBuffer);
 impl RequestPlanner for PlanRowGather<'_> {
     type Output = kvplan_core::Result<(kvplan_core::RowGather, kvplan_core::Plan)>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.plan_row_gather(request, self.1)
+        PackPlanner::new(self.0).row_gather(request, self.1)
     }
 }
 
@@ -97,11 +97,12 @@ pub(crate) fn plan_packed<'py>(
     let planner = PlanPacked(&template.inner, buffer);
     let (columns, packed) =
         plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
-    let gather_columns = pooled_columns(py, columns.data, columns.capacity, packed.gather_blocks)?;
+    let gather_columns =
+        pooled_columns(py, columns.data, columns.capacity, packed.gather.n_blocks)?;
     let gather = kvplan_core::Plan {
-        n_runs: packed.gather_blocks,
+        n_runs: packed.gather.n_blocks,
         total_bytes: packed.pack_bytes,
-        pair_offsets: packed.gather_pair_offsets,
+        pair_offsets: packed.gather.pair_offsets,
         ..kvplan_core::Plan::default()
     };
     let mut network = packed.network;

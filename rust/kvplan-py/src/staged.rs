@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{FlatBuffer, PageIndex, Request, Template};
+use kvplan_core::{FlatBuffer, PageIndex, PlanPart, Request, StagedPlan, StagedPlanner, Template};
 use pyo3::prelude::*;
 
 use crate::convert::{RequestArrays, RequestPlanner, plan_request};
@@ -68,9 +68,9 @@ struct PlanStaged<'t>(
 );
 
 impl RequestPlanner for PlanStaged<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, FlatBuffer, kvplan_core::StagedSummary)>;
+    type Output = kvplan_core::Result<(FlatBuffer, FlatBuffer, StagedPlan<PlanPart>)>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.plan_staged_into(request, self.1, self.2, |shape| {
+        StagedPlanner::new(self.0).plan_into(request, self.1, self.2, |shape| {
             Ok((pooled(shape)?, pooled(shape)?))
         })
     }
@@ -98,7 +98,7 @@ pub(crate) fn plan_staged(
     let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
         let plan = kvplan_core::Plan {
             n_runs: n_blocks,
-            total_bytes: staged.total_bytes,
+            total_bytes: staged.src_staging_bytes,
             pair_offsets,
             ..kvplan_core::Plan::default()
         };
@@ -130,10 +130,14 @@ pub(crate) fn plan_staged(
     let mut network = staged.network;
     let network_columns = owned_columns(py, &mut network);
     Ok(PyStagedPlan {
-        gather: pooled_part(gather, staged.gather_blocks, staged.gather_pair_offsets)?,
+        gather: pooled_part(gather, staged.gather.n_blocks, staged.gather.pair_offsets)?,
         network: part(network_columns, network.n_runs, network.pair_offsets)?,
-        scatter: pooled_part(scatter, staged.scatter_blocks, staged.scatter_pair_offsets)?,
-        src_staging_bytes: staged.total_bytes,
+        scatter: pooled_part(
+            scatter,
+            staged.scatter.n_blocks,
+            staged.scatter.pair_offsets,
+        )?,
+        src_staging_bytes: staged.src_staging_bytes,
         dst_staging_range: staged.dst_staging_range,
         dst_staging_bytes: staged.dst_staging_bytes,
         direct_blocks: staged.direct_blocks,

@@ -283,9 +283,8 @@ impl PyTemplate {
         n_tokens: u64,
         fragmented: bool,
     ) -> PyResult<(usize, usize, usize)> {
-        let c = self
-            .inner
-            .packed_block_counts(n_tokens, fragmented)
+        let c = kvplan_core::PackPlanner::new(&self.inner)
+            .counts(n_tokens, fragmented)
             .map_err(to_py_err)?;
         Ok((c.direct, c.gather, c.network))
     }
