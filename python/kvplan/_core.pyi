@@ -2,7 +2,7 @@
 from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar, Literal, final
 
-from typing_extensions import Buffer
+from typing_extensions import Buffer, disjoint_base
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ __all__ = [
     "MooncakeNative",
     "Pairing",
     "PairingError",
+    "Blocks",
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
@@ -343,12 +344,11 @@ class PlanBuffer:
     @property
     def nbytes(self) -> int: ...
 
-@final
-class PlanBatch:
-    """A slice of a plan's blocks (views, no copy), sized for one engine submission; unpacks as
-    ``src_addrs, dst_addrs, lengths = batch``."""
+@disjoint_base
+class Blocks:
+    """Three equally long uint64 columns (source addresses, destination addresses, lengths):
+    the base of every plan-like result (``TransferPlan``, ``PlanBatch``)."""
 
-    def __new__(cls, src_addrs: _U64Array, dst_addrs: _U64Array, lengths: _U64Array) -> PlanBatch: ...
     @property
     def src_addrs(self) -> _U64Array: ...
     @property
@@ -358,6 +358,14 @@ class PlanBatch:
     @property
     def n_blocks(self) -> int: ...
     def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
+    def __len__(self) -> int: ...
+
+@final
+class PlanBatch(Blocks):
+    """A slice of a plan's blocks (views, no copy), sized for one engine submission; unpacks as
+    ``src_addrs, dst_addrs, lengths = batch``."""
+
+    def __new__(cls, src_addrs: _U64Array, dst_addrs: _U64Array, lengths: _U64Array) -> PlanBatch: ...
     def __iter__(self) -> Iterator[_U64Array]: ...
 
 @final
@@ -379,21 +387,13 @@ class RowGather:
     def pack_bytes(self) -> int: ...
 
 @final
-class TransferPlan:
+class TransferPlan(Blocks):
     """The ``(src_addr, dst_addr, length)`` blocks of one request, entry-pair major, run minor.
 
     The three uint64 arrays view one pooled Rust buffer (or the caller's ``out=`` array) without
     a copy; a pooled buffer returns to kvplan's pool when the last of them dies.
     """
 
-    @property
-    def src_addrs(self) -> _U64Array: ...
-    @property
-    def dst_addrs(self) -> _U64Array: ...
-    @property
-    def lengths(self) -> _U64Array: ...
-    @property
-    def n_blocks(self) -> int: ...
     @property
     def n_runs(self) -> int: ...
     @property
@@ -411,7 +411,6 @@ class TransferPlan:
     def pair_groups(self) -> _I64Array: ...
     def group_blocks(self, group: int) -> slice: ...
     def batches(self, max_blocks: int) -> list[PlanBatch]: ...
-    def as_lists(self) -> tuple[list[int], list[int], list[int]]: ...
     @property
     def layout_fingerprints(self) -> tuple[int, int]:
         """Fingerprints of the prefill and decode layouts the plan was planned between."""
@@ -428,7 +427,6 @@ class TransferPlan:
         """
     def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]) -> int:
         """The content digest (64-bit int) over ``pair_content_digests(side, buffers)``."""
-    def __len__(self) -> int: ...
 
 @final
 class Template:

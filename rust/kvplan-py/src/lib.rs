@@ -51,7 +51,7 @@ mod _core {
     #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
-    use crate::plan::{PyPlanBatch, PyPlanBuffer, PyTransferPlan};
+    use crate::plan::{PyBlocks, PyPlanBatch, PyPlanBuffer, PyTransferPlan};
     #[pymodule_export]
     use crate::pool::pool_stats;
     #[pymodule_export]

@@ -48,15 +48,14 @@ pub(crate) fn copy_local(
     let as_u64 = |spans: &[(usize, usize)]| -> Vec<(u64, u64)> {
         spans.iter().map(|&(a, n)| (a as u64, n as u64)).collect()
     };
-    let columns: Vec<(u64, u64)> = plan
-        .column_arrays(py)
+    let columns: Vec<(u64, u64)> = PyTransferPlan::column_arrays(&plan, py)
         .iter()
         .map(|c| (c.data() as u64, c.len() as u64 * 8))
         .collect();
     kvplan_core::check_local_buffers(&as_u64(sources.spans()), &as_u64(targets.spans()), &columns)
         .map_err(to_py_err)?;
     let (src_spans, dst_spans) = (sources.spans(), targets.spans());
-    plan.with_blocks(py, |blocks| {
+    PyTransferPlan::with_blocks(&plan, py, |blocks| {
         let run = || {
             let src: Vec<Region<'_>> = regions(src_spans);
             let mut dst = regions_mut(dst_spans);

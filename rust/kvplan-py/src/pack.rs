@@ -88,7 +88,7 @@ pub(crate) fn plan_packed<'py>(
     dst_pages: &Bound<'py, PyAny>,
     pack: (u64, u64),
     n_tokens: Option<u64>,
-) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
+) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
     let buffer = kvplan_core::PackBuffer {
         addr: pack.0,
@@ -108,16 +108,17 @@ pub(crate) fn plan_packed<'py>(
     let mut network = packed.network;
     let network_columns = owned_columns(py, &mut network);
     let half = |columns, plan: &kvplan_core::Plan| {
-        PyTransferPlan::packed(
+        let half = PyTransferPlan::packed(
             columns,
             Arc::clone(&template.inner),
             plan,
             template.fingerprints,
-        )
+        );
+        Py::new(py, half)
     };
     Ok((
-        half(gather_columns, &gather),
-        half(network_columns, &network),
+        half(gather_columns, &gather)?,
+        half(network_columns, &network)?,
     ))
 }
 
@@ -134,7 +135,7 @@ pub(crate) fn plan_row_gather<'py>(
     dst_pages: &Bound<'py, PyAny>,
     pack: (u64, u64),
     n_tokens: Option<u64>,
-) -> PyResult<(PyRowGather, PyTransferPlan)> {
+) -> PyResult<(PyRowGather, Py<PyTransferPlan>)> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
     let buffer = kvplan_core::PackBuffer {
         addr: pack.0,
@@ -177,6 +178,7 @@ pub(crate) fn plan_row_gather<'py>(
         &network,
         template.fingerprints,
     );
+    let network = Py::new(py, network)?;
     Ok((
         PyRowGather {
             rows,

@@ -75,18 +75,83 @@ pub(crate) fn out_columns(out: &Bound<'_, numpy::PyArray2<u64>>, n: usize) -> [C
     [column(0), column(1), column(2)]
 }
 
-/// Three equally long uint64 columns: source addresses, destination addresses, lengths.
-struct Blocks {
+/// Three equally long uint64 columns (source addresses, destination addresses, lengths): the
+/// base of every plan-like result (`TransferPlan`, `PlanBatch`), which owns the columns and
+/// the views of them every engine adapter reads.
+#[pyclass(frozen, subclass, name = "Blocks", module = "kvplan._core")]
+pub struct PyBlocks {
     src_addrs: Column,
     dst_addrs: Column,
     lengths: Column,
 }
 
-impl Blocks {
-    fn n_blocks(&self, py: Python<'_>) -> usize {
+impl PyBlocks {
+    fn new([src_addrs, dst_addrs, lengths]: [Column; 3]) -> Self {
+        Self {
+            src_addrs,
+            dst_addrs,
+            lengths,
+        }
+    }
+
+    fn len(&self, py: Python<'_>) -> usize {
         self.lengths.bind(py).len()
     }
 
+    /// Views of blocks `start..stop` (no copy).
+    fn slice(&self, py: Python<'_>, start: usize, stop: usize) -> PyResult<Self> {
+        let slice = PySlice::new(py, start as isize, stop as isize, 1);
+        let cut = |c: &Column| -> PyResult<Column> {
+            Ok(c.bind(py)
+                .get_item(&slice)?
+                .cast_into::<PyArray1<u64>>()?
+                .unbind())
+        };
+        Ok(Self::new([
+            cut(&self.src_addrs)?,
+            cut(&self.dst_addrs)?,
+            cut(&self.lengths)?,
+        ]))
+    }
+
+    /// The three column arrays.
+    fn arrays<'py>(&self, py: Python<'py>) -> [&Bound<'py, PyArray1<u64>>; 3] {
+        [
+            self.src_addrs.bind(py),
+            self.dst_addrs.bind(py),
+            self.lengths.bind(py),
+        ]
+    }
+}
+
+#[pymethods]
+impl PyBlocks {
+    /// Source addresses (uint64, viewed, not copied).
+    #[getter]
+    fn src_addrs(&self, py: Python<'_>) -> Column {
+        self.src_addrs.clone_ref(py)
+    }
+
+    /// Destination addresses (uint64).
+    #[getter]
+    fn dst_addrs(&self, py: Python<'_>) -> Column {
+        self.dst_addrs.clone_ref(py)
+    }
+
+    /// Lengths in bytes (uint64).
+    #[getter]
+    fn lengths(&self, py: Python<'_>) -> Column {
+        self.lengths.clone_ref(py)
+    }
+
+    /// Blocks held.
+    #[getter]
+    fn n_blocks(&self, py: Python<'_>) -> usize {
+        self.len(py)
+    }
+
+    /// The three columns as Python lists (one `.tolist()` each, no Python loop per block), the
+    /// argument type engines convert fastest.
     fn as_lists(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
         let list = |c: &Column| c.bind(py).call_method0("tolist").map(Bound::unbind);
         Ok((
@@ -96,28 +161,15 @@ impl Blocks {
         ))
     }
 
-    fn slice(&self, py: Python<'_>, start: usize, stop: usize) -> PyResult<Blocks> {
-        let slice = PySlice::new(py, start as isize, stop as isize, 1);
-        let cut = |c: &Column| -> PyResult<Column> {
-            Ok(c.bind(py)
-                .get_item(&slice)?
-                .cast_into::<PyArray1<u64>>()?
-                .unbind())
-        };
-        Ok(Blocks {
-            src_addrs: cut(&self.src_addrs)?,
-            dst_addrs: cut(&self.dst_addrs)?,
-            lengths: cut(&self.lengths)?,
-        })
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.len(py)
     }
 }
 
 /// A slice of a plan's blocks (views, no copy), sized for one engine submission. It unpacks
 /// as `src_addrs, dst_addrs, lengths = batch`.
-#[pyclass(frozen, name = "PlanBatch", module = "kvplan._core")]
-pub struct PyPlanBatch {
-    blocks: Blocks,
-}
+#[pyclass(frozen, extends = PyBlocks, name = "PlanBatch", module = "kvplan._core")]
+pub struct PyPlanBatch;
 
 #[pymethods]
 impl PyPlanBatch {
@@ -127,7 +179,7 @@ impl PyPlanBatch {
         src_addrs: Bound<'_, PyArray1<u64>>,
         dst_addrs: Bound<'_, PyArray1<u64>>,
         lengths: Bound<'_, PyArray1<u64>>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let lens = [src_addrs.len(), dst_addrs.len(), lengths.len()];
         if lens[0] != lens[1] || lens[1] != lens[2] {
             return Err(KvPlanError::new_err(format!(
@@ -135,42 +187,17 @@ impl PyPlanBatch {
                 lens[0], lens[1], lens[2]
             )));
         }
-        Ok(Self {
-            blocks: Blocks {
-                src_addrs: src_addrs.unbind(),
-                dst_addrs: dst_addrs.unbind(),
-                lengths: lengths.unbind(),
-            },
-        })
+        let blocks = PyBlocks::new([src_addrs.unbind(), dst_addrs.unbind(), lengths.unbind()]);
+        Ok(PyClassInitializer::from(blocks).add_subclass(Self))
     }
 
-    #[getter]
-    fn src_addrs(&self, py: Python<'_>) -> Column {
-        self.blocks.src_addrs.clone_ref(py)
-    }
-
-    #[getter]
-    fn dst_addrs(&self, py: Python<'_>) -> Column {
-        self.blocks.dst_addrs.clone_ref(py)
-    }
-
-    #[getter]
-    fn lengths(&self, py: Python<'_>) -> Column {
-        self.blocks.lengths.clone_ref(py)
-    }
-
-    #[getter]
-    fn n_blocks(&self, py: Python<'_>) -> usize {
-        self.blocks.n_blocks(py)
-    }
-
-    /// The three columns as Python lists, the argument type engines convert fastest.
-    fn as_lists(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
-        self.blocks.as_lists(py)
-    }
-
-    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let columns = (self.src_addrs(py), self.dst_addrs(py), self.lengths(py));
+    fn __iter__<'py>(slf: PyRef<'py, Self>, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let blocks = slf.as_super();
+        let columns = (
+            blocks.src_addrs(py),
+            blocks.dst_addrs(py),
+            blocks.lengths(py),
+        );
         columns
             .into_pyobject(py)?
             .into_any()
@@ -178,8 +205,8 @@ impl PyPlanBatch {
             .map(Bound::into_any)
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!("PlanBatch(n_blocks={})", self.blocks.n_blocks(py))
+    fn __repr__(slf: PyRef<'_, Self>, py: Python<'_>) -> String {
+        format!("PlanBatch(n_blocks={})", slf.as_super().len(py))
     }
 }
 
@@ -188,9 +215,8 @@ impl PyPlanBatch {
 /// The three uint64 arrays view one pooled Rust buffer (or the caller's `out=` array) without
 /// a copy; a pooled buffer returns to kvplan's pool when the last of them dies, so they stay
 /// valid after the plan object is gone.
-#[pyclass(frozen, name = "TransferPlan", module = "kvplan._core")]
+#[pyclass(frozen, extends = PyBlocks, name = "TransferPlan", module = "kvplan._core")]
 pub struct PyTransferPlan {
-    blocks: Blocks,
     n_blocks: usize,
     n_runs: usize,
     total_bytes: u64,
@@ -205,18 +231,26 @@ pub struct PyTransferPlan {
 }
 
 impl PyTransferPlan {
+    /// A plan of `template` over `columns` (its first `summary.n_blocks` blocks).
     pub(crate) fn new(
-        [src_addrs, dst_addrs, lengths]: [Column; 3],
+        columns: [Column; 3],
+        template: Arc<Template>,
+        summary: PlanSummary,
+        fingerprints: Option<(u64, u64)>,
+    ) -> PyClassInitializer<Self> {
+        PyClassInitializer::from(PyBlocks::new(columns)).add_subclass(Self::described(
+            template,
+            summary,
+            fingerprints,
+        ))
+    }
+
+    fn described(
         template: Arc<Template>,
         summary: PlanSummary,
         fingerprints: Option<(u64, u64)>,
     ) -> Self {
         Self {
-            blocks: Blocks {
-                src_addrs,
-                dst_addrs,
-                lengths,
-            },
             n_blocks: summary.n_blocks,
             n_runs: summary.n_runs(),
             total_bytes: summary.total_bytes,
@@ -234,7 +268,7 @@ impl PyTransferPlan {
         template: Arc<Template>,
         plan: &kvplan_core::Plan,
         fingerprints: Option<(u64, u64)>,
-    ) -> Self {
+    ) -> PyClassInitializer<Self> {
         // Counted as runs of a page plan with no pages: the template's group and slice views
         // are refused for a pack half (it has its own pair offsets).
         let scan = kvplan_core::RunScan {
@@ -246,9 +280,9 @@ impl PyTransferPlan {
             total_bytes: plan.total_bytes,
             unit: kvplan_core::PlanUnit::Pages(scan),
         };
-        let mut out = Self::new(columns, template, summary, fingerprints);
+        let mut out = Self::described(template, summary, fingerprints);
         out.packed_offsets = Some(plan.pair_offsets.clone());
-        out
+        PyClassInitializer::from(PyBlocks::new(columns)).add_subclass(out)
     }
 
     /// Block offsets of each entry pair.
@@ -315,7 +349,7 @@ fn range_of<'py>(
 impl PyTransferPlan {
     /// Runs `f` on the plan's columns and pair offsets as slices (borrowed, not copied).
     pub(crate) fn with_blocks<R>(
-        &self,
+        slf: &PyRef<'_, Self>,
         py: Python<'_>,
         f: impl FnOnce(&kvplan_core::PlanBlocks<'_>) -> PyResult<R>,
     ) -> PyResult<R> {
@@ -326,12 +360,13 @@ impl PyTransferPlan {
                 ))
             })
         };
+        let blocks = slf.as_super();
         let (src, dst, lengths) = (
-            borrow(&self.blocks.src_addrs)?,
-            borrow(&self.blocks.dst_addrs)?,
-            borrow(&self.blocks.lengths)?,
+            borrow(&blocks.src_addrs)?,
+            borrow(&blocks.dst_addrs)?,
+            borrow(&blocks.lengths)?,
         );
-        let offsets = self.offsets();
+        let offsets = slf.offsets();
         f(&kvplan_core::PlanBlocks {
             src_addrs: src.as_slice()?,
             dst_addrs: dst.as_slice()?,
@@ -341,12 +376,11 @@ impl PyTransferPlan {
     }
 
     /// The three column arrays (source addresses, destination addresses, lengths).
-    pub(crate) fn column_arrays<'py>(&self, py: Python<'py>) -> [&Bound<'py, PyArray1<u64>>; 3] {
-        [
-            self.blocks.src_addrs.bind(py),
-            self.blocks.dst_addrs.bind(py),
-            self.blocks.lengths.bind(py),
-        ]
+    pub(crate) fn column_arrays<'a, 'py>(
+        slf: &'a PyRef<'_, Self>,
+        py: Python<'py>,
+    ) -> [&'a Bound<'py, PyArray1<u64>>; 3] {
+        slf.as_super().arrays(py)
     }
 
     /// Blocks of the plan.
@@ -364,14 +398,14 @@ impl PyTransferPlan {
     }
 
     fn pair_digest_values(
-        &self,
+        slf: &PyRef<'_, Self>,
         py: Python<'_>,
         side: &str,
         buffers: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u64>> {
         let side = crate::digest::parse_side(side)?;
         let buffers = crate::digest::Buffers::extract(py, buffers)?;
-        self.with_blocks(py, |blocks| {
+        Self::with_blocks(slf, py, |blocks| {
             crate::digest::pair_digests(py, blocks, side, &buffers)
         })
     }
@@ -379,26 +413,6 @@ impl PyTransferPlan {
 
 #[pymethods]
 impl PyTransferPlan {
-    #[getter]
-    fn src_addrs(&self, py: Python<'_>) -> Column {
-        self.blocks.src_addrs.clone_ref(py)
-    }
-
-    #[getter]
-    fn dst_addrs(&self, py: Python<'_>) -> Column {
-        self.blocks.dst_addrs.clone_ref(py)
-    }
-
-    #[getter]
-    fn lengths(&self, py: Python<'_>) -> Column {
-        self.blocks.lengths.clone_ref(py)
-    }
-
-    #[getter]
-    fn n_blocks(&self) -> usize {
-        self.n_blocks
-    }
-
     /// Runs of index pairs contiguous on both sides (a state plan's slot counts as one run).
     #[getter]
     fn n_runs(&self) -> usize {
@@ -468,27 +482,26 @@ impl PyTransferPlan {
     }
 
     /// Consecutive views of at most `max_blocks` blocks each (none for an empty plan).
-    fn batches(&self, py: Python<'_>, max_blocks: i64) -> PyResult<Vec<PyPlanBatch>> {
+    fn batches(
+        slf: PyRef<'_, Self>,
+        py: Python<'_>,
+        max_blocks: i64,
+    ) -> PyResult<Vec<Py<PyPlanBatch>>> {
         if max_blocks <= 0 {
             return Err(KvPlanError::new_err(format!(
                 "max_blocks must be positive, got {max_blocks}"
             )));
         }
         let step = usize::try_from(max_blocks).unwrap_or(usize::MAX);
-        (0..self.n_blocks)
+        let n = slf.n_blocks;
+        (0..n)
             .step_by(step)
             .map(|start| {
-                let stop = start.saturating_add(step).min(self.n_blocks);
-                Ok(PyPlanBatch {
-                    blocks: self.blocks.slice(py, start, stop)?,
-                })
+                let stop = start.saturating_add(step).min(n);
+                let blocks = slf.as_super().slice(py, start, stop)?;
+                Py::new(py, PyClassInitializer::from(blocks).add_subclass(PyPlanBatch))
             })
             .collect()
-    }
-
-    /// All blocks as three Python lists (one `.tolist()` each, no Python loop per block).
-    fn as_lists(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
-        self.blocks.as_lists(py)
     }
 
     /// Fingerprints (XXH3-64 of the wire encoding) of the prefill and decode layouts the plan
@@ -501,9 +514,9 @@ impl PyTransferPlan {
     /// The plan digest: a 64-bit integer hashing both layout fingerprints, the pair offsets and
     /// every block in plan order (encoding in docs/integrity.md). Equal on two peers exactly
     /// when they planned the same blocks between the same layouts.
-    fn digest(&self, py: Python<'_>) -> PyResult<u64> {
-        let fingerprints = self.fingerprints()?;
-        self.with_blocks(py, |blocks| {
+    fn digest(slf: PyRef<'_, Self>, py: Python<'_>) -> PyResult<u64> {
+        let fingerprints = slf.fingerprints()?;
+        Self::with_blocks(&slf, py, |blocks| {
             let run = || kvplan_core::plan_digest(fingerprints, blocks);
             let digest = if blocks.lengths.len() >= 4096 {
                 py.detach(run)
@@ -519,29 +532,25 @@ impl PyTransferPlan {
     /// C-contiguous buffer-protocol objects, borrowed without a copy; the GIL is released
     /// while hashing). Every block must lie inside one buffer, else `IndexBoundsError`.
     fn pair_content_digests<'py>(
-        &self,
+        slf: PyRef<'_, Self>,
         py: Python<'py>,
         side: &str,
         buffers: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        Ok(self.pair_digest_values(py, side, buffers)?.into_pyarray(py))
+        Ok(Self::pair_digest_values(&slf, py, side, buffers)?.into_pyarray(py))
     }
 
     /// The content digest: a 64-bit integer over the pair digests of `side` (see
     /// `pair_content_digests`). The prefill's over `"src"` equals the decode's over `"dst"`
     /// exactly when every planned byte arrived at its planned place.
     fn content_digest(
-        &self,
+        slf: PyRef<'_, Self>,
         py: Python<'_>,
         side: &str,
         buffers: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let pairs = self.pair_digest_values(py, side, buffers)?;
+        let pairs = Self::pair_digest_values(&slf, py, side, buffers)?;
         Ok(kvplan_core::content_digest(&pairs))
-    }
-
-    fn __len__(&self) -> usize {
-        self.n_blocks
     }
 
     fn __repr__(&self) -> String {

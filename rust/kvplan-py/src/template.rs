@@ -361,7 +361,7 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         n_tokens: Option<u64>,
         out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<PyTransferPlan> {
+    ) -> PyResult<Py<PyTransferPlan>> {
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
         let (src, dst) = arrays.slices()?;
         let template: &Template = &self.inner;
@@ -380,12 +380,15 @@ impl PyTemplate {
             let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
             (columns, summary)
         };
-        Ok(PyTransferPlan::new(
-            columns,
-            Arc::clone(&self.inner),
-            summary,
-            self.fingerprints,
-        ))
+        Py::new(
+            py,
+            PyTransferPlan::new(
+                columns,
+                Arc::clone(&self.inner),
+                summary,
+                self.fingerprints,
+            ),
+        )
     }
 
     /// Plans one request (as `plan`) split in two around a pack buffer `pack = (addr, size)` of
@@ -401,7 +404,7 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
-    ) -> PyResult<(PyTransferPlan, PyTransferPlan)> {
+    ) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
         crate::pack::plan_packed(self, py, src_pages, dst_pages, pack, n_tokens)
     }
 
@@ -419,7 +422,7 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
-    ) -> PyResult<(crate::pack::PyRowGather, PyTransferPlan)> {
+    ) -> PyResult<(crate::pack::PyRowGather, Py<PyTransferPlan>)> {
         crate::pack::plan_row_gather(self, py, src_pages, dst_pages, pack, n_tokens)
     }
 
@@ -509,17 +512,25 @@ impl PyTemplate {
 
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
     /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
-    fn plan_state(&self, py: Python<'_>, src_slot: i64, dst_slot: i64) -> PyResult<PyTransferPlan> {
+    fn plan_state(
+        &self,
+        py: Python<'_>,
+        src_slot: i64,
+        dst_slot: i64,
+    ) -> PyResult<Py<PyTransferPlan>> {
         let (buffer, summary) = self
             .inner
             .plan_into(&Request::slot(src_slot, dst_slot), pooled)
             .map_err(to_py_err)?;
         let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
-        Ok(PyTransferPlan::new(
-            columns,
-            Arc::clone(&self.inner),
-            summary,
-            self.fingerprints,
-        ))
+        Py::new(
+            py,
+            PyTransferPlan::new(
+                columns,
+                Arc::clone(&self.inner),
+                summary,
+                self.fingerprints,
+            ),
+        )
     }
 }
