@@ -1,7 +1,7 @@
 """Layer-wise streaming over real engines: a prefill process streams layer-group slices of its
 requests to a decode process (Mooncake over TCP loopback, NIXL over UCX) while a "forward"
 thread signals layers in random order; the decode's whole arena is then checked byte for byte
-against an independent numpy oracle.
+against the byte oracle (``support.engine_peers.expected_decode``).
 
 Covers: random ready order and device-event signals (synchronised on the submitter's thread),
 a request whose slices fail (only it fails, naming the slice), a ready signal for an unknown
