@@ -1,9 +1,10 @@
-"""Prefill and decode with different tokens per page: token plans against a token-level reference.
+"""Prefill and decode with different tokens per page: token plans against the byte oracle.
 
-Every layout lives in a numpy byte arena (addresses are arena offsets plus a base). The reference
-copies each token of each entry pair (head by head) from where its source page and slot hold it
-to where its destination page and slot hold it, computed from the layout alone; kvplan's plan is
-applied as memmoves to a copy of the same destination arena. The two arenas must be equal byte for
+Every layout lives in a numpy byte arena (addresses are arena offsets plus a base).
+:func:`kvplan.testing.oracle.reference_copy` copies each token of each entry pair (head by head)
+from where its source page and slot hold it to where its destination page and slot hold it,
+computed from the layouts alone; kvplan's plan is applied as memmoves to a copy of the same
+destination arena. The two arenas must be equal byte for
 byte, including every byte the request does not reach (past ``n_tokens`` in the last page, other
 pages, other entries), and no destination byte may be written twice.
 """
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 import kvplan
 from kvplan import KvPlanError, Layout, SizeMismatchError
+from kvplan.testing.oracle import Memory, apply_plan, reference_copy
 
 PAGE_SIZES = [1, 2, 4, 16, 32, 64, 128]
 HEAD_DIM, DTYPE = 2, 2
@@ -70,37 +72,6 @@ def build(shape: str, base: int, page_size: int, pages: int, order: str | None, 
     return Side(layout, arena, page_size, order or "NHD", heads)
 
 
-def token_addr(side: Side, entry: kvplan.LayoutEntry, page: int, slot: int, head: int) -> int:
-    at = entry.data_ptr + page * entry.stride
-    if side.order == "HND":
-        return at + head * side.page_size * HEAD + slot * HEAD
-    return at + slot * side.heads * HEAD + head * HEAD
-
-
-def reference(src: Side, dst: Side, src_pages, dst_pages, n_tokens: int, source: np.ndarray,
-              target: np.ndarray) -> None:
-    """One copy per token, per head, per entry pair (paired by layer id and role)."""
-    dst_entries = {(e.layer_id, e.role): e for e in dst.layout.entries("page")}
-    for e in src.layout.entries("page"):
-        d = dst_entries[(e.layer_id, e.role)]
-        for t in range(n_tokens):
-            sp, dp = int(src_pages[t // src.page_size]), int(dst_pages[t // dst.page_size])
-            for h in range(src.heads):
-                s = token_addr(src, e, sp, t % src.page_size, h) - SRC_BASE
-                o = token_addr(dst, d, dp, t % dst.page_size, h) - DST_BASE
-                target[o:o + HEAD] = source[s:s + HEAD]
-
-
-def apply(plan: kvplan.TransferPlan, source: np.ndarray, target: np.ndarray) -> None:
-    written = np.zeros(len(target), dtype=bool)
-    for s, d, n in zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist()):
-        s, d = s - SRC_BASE, d - DST_BASE
-        assert n > 0 and 0 <= s and s + n <= len(source) and 0 <= d and d + n <= len(target)
-        assert not written[d:d + n].any(), "a destination byte is written twice"
-        written[d:d + n] = True
-        target[d:d + n] = source[s:s + n]
-
-
 @st.composite
 def requests(draw):
     ps, pd = draw(st.sampled_from(PAGE_SIZES)), draw(st.sampled_from(PAGE_SIZES))
@@ -146,9 +117,12 @@ def run(r: dict, **plan_kwargs) -> None:
     rng = np.random.default_rng(len(src_pages) * 131 + r["n_tokens"])
     source = rng.integers(0, 256, src.arena, dtype=np.uint8)
     before = rng.integers(0, 256, dst.arena, dtype=np.uint8)
-    want, got = before.copy(), before.copy()
-    reference(src, dst, src_pages, dst_pages, r["n_tokens"], source, want)
-    apply(plan, source, got)
+    source_mem = Memory(source, SRC_BASE)
+    want, got = Memory(before.copy(), DST_BASE), Memory(before.copy(), DST_BASE)
+    reference_copy(src.layout, source_mem, dst.layout, want, src_pages, dst_pages,
+                   n_tokens=r["n_tokens"])
+    apply_plan(plan, source_mem, got, np.zeros(dst.arena, bool))
+    got, want = got.data, want.data
     per_layer = 1 if shape == "mla" else 2
     assert plan.total_bytes == r["n_tokens"] * per_layer * len(src_layers) * r["heads"] * HEAD
     if not np.array_equal(got, want):
@@ -165,7 +139,7 @@ def run(r: dict, **plan_kwargs) -> None:
 @example(dict(ps=16, pd=64, shape="mha", heads=2, orders=("HND", "HND"), caps=(10, 3),
               pages=(np.arange(7, dtype=np.int32), np.array([2, 0], dtype=np.int32)),
               n_tokens=100, given=True, pads=(0, 0)))
-def test_token_plans_equal_a_per_token_reference(r):
+def test_token_plans_equal_the_oracle(r):
     run(r)
 
 

@@ -1,11 +1,11 @@
 """Cross-layer pools moving real bytes: kvplan.testing's strided entries, then two-process
-transfers over Mooncake (TCP on 127.0.0.1) and NIXL (UCX) with the decode pool checked byte by
+transfers on every real engine (the ``engine`` fixture) with the decode pool checked byte by
 byte.
 
 A cross-layer pool holds every KV layer of a page side by side (``Layout.cross_layer``); the
-peers' state entries stay per layer. The byte oracle is ``peers.expected_decode`` (plain
-loops over offsets and strides, no kvplan code); :func:`kvplan.testing.first_wrong_byte` is
-checked against it too. The engine tests fail, never skip, when an engine is missing.
+peers' state entries stay per layer. The expected decode is the byte oracle's
+(``support.engine_peers.expected_decode``); :func:`kvplan.testing.first_wrong_byte` is checked
+against it too. The engine tests fail, never skip, when an engine is missing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvplan.testing import (
     model_peers,
     preset_peer,
 )
+from support.engine_peers import Engine
 
 #: A small Kimi-Linear-style hybrid: MLA on layers 3, 7, 11, 15; two state components
 #: elsewhere. PP=2 puts two KV layers in each prefill stage's pool, four in the decode's.
@@ -140,14 +141,14 @@ def test_arena_view_is_strided_and_first_wrong_byte_reads_at_strides(tmp_path: A
 # ---------------------------------------------------------------------------------------------
 
 
-def _run(decode: PeerSpec, stages: list[PeerSpec], engine: str) -> list[dict[str, Any]]:
+def _run(decode: PeerSpec, stages: list[PeerSpec], engine: Engine) -> list[dict[str, Any]]:
     """Every stage writes one request (pages and one state slot) to the decode peer at once;
-    the whole decode arena is then checked against the independent oracle and against
+    the whole decode arena is then checked against the oracle and against
     ``first_wrong_byte``."""
-    from support.engine_peers import assert_stages_landed, cluster, wait_stage_notifications
+    from support.engine_peers import assert_stages_landed
 
     src_pages, dst_pages = _request()
-    with cluster(decode, stages, engine=engine) as c:
+    with engine.cluster(decode, stages) as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
         for spec in stages:  # both stages in flight at once, as real PP stages are
@@ -155,8 +156,7 @@ def _run(decode: PeerSpec, stages: list[PeerSpec], engine: str) -> list[dict[str
                                     src_pages, dst_pages, SRC_SLOT, DST_SLOT, None,
                                     spec.name.encode())
         results = [c.peers[spec.name].result(60, "transfer") for spec in stages]
-        if engine == "nixl":  # the decode sees each stage's completion notification
-            wait_stage_notifications(c, stages)
+        engine.wait_stages(c, stages)
         assert_stages_landed(c, decode, stages, before, src_pages, dst_pages, SRC_SLOT, DST_SLOT)
         assert first_wrong_byte(c.arenas["decode"], decode,
                                 [(c.arenas[s.name], s, src_pages, dst_pages, SRC_SLOT,
@@ -168,23 +168,13 @@ def _state_bytes(stage: PeerSpec) -> int:
     return sum(e.item_len for e in stage.entries if e.kind == "state")
 
 
-@pytest.fixture
-def mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from support.engine_peers import require_mooncake
-
-    require_mooncake()
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
-    monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
-
-
-@pytest.mark.mooncake
-def test_mooncake_cross_layer_hybrid_prefill_pp2_to_decode_pp1(mooncake_env: None) -> None:
+def test_cross_layer_hybrid_prefill_pp2_to_decode_pp1(engine: Engine) -> None:
     peers = model_peers(HYBRID_MLA, pages=PAGES, pp_size=2, state_slots=4, cross_layer=True)
     decode, stages = peers.decode, peers.prefill
     assert decode.style == "cross_layer" and all(s.style == "cross_layer" for s in stages)
     assert [[e.layer_id for e in s.entries if e.kind == "page"] for s in stages] == \
         [[3, 7], [11, 15]]
-    results = _run(decode, stages, "mooncake")
+    results = _run(decode, stages, engine)
     item = HYBRID_MLA.kv_bytes_per_token
     for r, stage in zip(results, stages):
         # Two KV layers per stage; six linear layers x two state components.
@@ -197,15 +187,14 @@ def test_mooncake_cross_layer_hybrid_prefill_pp2_to_decode_pp1(mooncake_env: Non
         assert r["bytes"] == N_REQ * 2 * item + _state_bytes(stage)
 
 
-@pytest.mark.mooncake
-def test_mooncake_cross_layer_prefill_to_per_layer_decode(mooncake_env: None) -> None:
+def test_cross_layer_prefill_to_per_layer_decode(engine: Engine) -> None:
     """Mixed layouts: strides differ per pair (pool page vs one item), so nothing coalesces
     and every page pair is one block per page; pairing by (layer id, role) is unchanged."""
     peers = model_peers(HYBRID_MLA, pages=PAGES, pp_size=2, state_slots=4, cross_layer=True,
                         decode_cross_layer=False)
     decode, stages = peers.decode, peers.prefill
     assert decode.style == "hybrid_mla"
-    results = _run(decode, stages, "mooncake")
+    results = _run(decode, stages, engine)
     item = HYBRID_MLA.kv_bytes_per_token
     for r, stage in zip(results, stages):
         assert r["pairs"] == 2 and r["groups"] == 2
@@ -213,40 +202,30 @@ def test_mooncake_cross_layer_prefill_to_per_layer_decode(mooncake_env: None) ->
         assert r["bytes"] == N_REQ * 2 * item + _state_bytes(stage)
 
 
-@pytest.mark.mooncake
-def test_mooncake_cross_layer_mha_pp1_whole_page_is_one_block_per_run(
-        mooncake_env: None) -> None:
+def test_cross_layer_mha_pp1_whole_page_is_one_block_per_run(engine: Engine) -> None:
     """PP=1 with the same pool on both sides: the group (every K and V of a page) is the whole
     page on both sides, so a run of contiguous pages is one block."""
     peers = model_peers(HYBRID_MHA, pages=PAGES, pp_size=1, state_slots=4, cross_layer=True)
     decode, (stage,) = peers.decode, peers.prefill
     assert [e.role for e in decode.entries if e.kind == "page"] == ["k", "v", "k", "v"]
-    (r,) = _run(decode, [stage], "mooncake")
+    (r,) = _run(decode, [stage], engine)
     # Layers 3 and 7 hold KV (k and v each); six linear layers x one state component.
     assert r["pairs"] == 4 and r["groups"] == 1 and r["state_pairs"] == 6
     assert r["blocks"] == r["runs"] + 6 < N_REQ
     assert r["bytes"] == N_REQ * 4 * HYBRID_MHA.kv_bytes_per_token + _state_bytes(stage)
 
 
-@pytest.mark.nixl
-def test_nixl_cross_layer_hybrid_prefill_pp2_to_decode_pp1() -> None:
-    from support.engine_peers import require_nixl
-
-    require_nixl()
-    peers = model_peers(HYBRID_MLA, pages=PAGES, pp_size=2, state_slots=4, cross_layer=True)
-    results = _run(peers.decode, peers.prefill, "nixl")
-    for r in results:
-        assert r["groups"] == 1 and r["blocks"] == N_REQ + 12
-
-
 @pytest.mark.slow
 @pytest.mark.mooncake
-def test_kvplan_demo_cross_layer_verifies_every_byte(mooncake_env: None) -> None:
+def test_kvplan_demo_cross_layer_verifies_every_byte() -> None:
     """``kvplan demo --layout cross-layer`` end to end over Mooncake (smaller than default)."""
     import re
     import subprocess
     import sys
 
+    from support.engine_peers import require_mooncake
+
+    require_mooncake()
     res = subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--layout", "cross-layer",
                           "--layers", "16", "--pages", "1024"], capture_output=True, text=True,
                          timeout=180)

@@ -11,15 +11,15 @@ import pytest
 
 import kvplan
 from kvplan.integrity import IntegrityError, unpack_notification
+from support.engine_peers import Engine
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
-def test_manifest_travels_between_processes_and_catches_a_corrupted_block(engine: str) -> None:
-    from support.engine_peers import cluster, mha_k_v_case, require_mooncake, require_nixl
+def test_manifest_travels_between_processes_and_catches_a_corrupted_block(
+        engine: Engine) -> None:
+    from support.engine_peers import mha_k_v_case
 
-    (require_nixl if engine == "nixl" else require_mooncake)()
     decode, prefill, src_pages, dst_pages = mha_k_v_case()
-    with cluster(decode, [prefill], engine=engine) as c:
+    with engine.cluster(decode, [prefill]) as c:
         dpeer, ppeer = c.peers["decode"], c.peers["prefill"]
         res = ppeer.call("transfer", dpeer.layout_wire, c.sessions["prefill"], src_pages,
                          dst_pages, None, None, 7, b"", None, True, timeout=60)
@@ -27,7 +27,7 @@ def test_manifest_travels_between_processes_and_catches_a_corrupted_block(engine
         (sent,) = unpack_notification(manifest)
         assert sent.n_blocks == res["blocks"] and sent.total_bytes == res["bytes"]
         # NIXL: the decode takes the manifest from the completion notification itself.
-        payload = None if engine == "nixl" else manifest
+        payload = None if engine.notifies else manifest
         assert dpeer.call("check_digest", ppeer.layout_wire, payload, src_pages, dst_pages,
                           None, None, ppeer.session, 30.0, timeout=60) == 1
 
@@ -66,9 +66,8 @@ def _tiny_hybrid() -> object:
                        (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_engine_hooks_carry_both_pp_stages_manifests_and_name_a_corrupted_state_slot(
-        engine: str) -> None:
+        engine: Engine) -> None:
     """Two prefill PP stages write a hybrid request (pages and state slots) through the
     transports' own hooks: each digests over its registered memory (``Transport.manifest``)
     and hands the page and state manifests to its last ``submit(..., manifest=...)``. NIXL
@@ -78,18 +77,15 @@ def test_engine_hooks_carry_both_pp_stages_manifests_and_name_a_corrupted_state_
     ``check_landed`` over its registered memory passes, then names the template, layer and
     role of a state slot overwritten through the engine, and a page list that is not the one
     the prefill planned."""
-    from support.engine_peers import cluster, require_mooncake, require_nixl
-
     from kvplan.integrity import read_notification
     from kvplan.presets import fragmented_pages
     from kvplan.testing import model_peers
 
-    (require_nixl if engine == "nixl" else require_mooncake)()
     peers = model_peers(_tiny_hybrid(), pages=64, pp_size=2, state_slots=4)  # type: ignore[arg-type]
     src_pages = np.arange(5, 45, dtype=np.int64)
     dst_pages = fragmented_pages(40, 1 / 3, seed=7, shuffle_runs=True, capacity=64)
     src_slot, dst_slot = 1, 3
-    with cluster(peers.decode, peers.prefill, engine=engine) as c:
+    with engine.cluster(peers.decode, peers.prefill) as c:
         dpeer = c.peers["decode"]
         stages = [c.peers[s.name] for s in peers.prefill]
         for p in stages:  # both stages write concurrently, as PP stages do
@@ -99,14 +95,14 @@ def test_engine_hooks_carry_both_pp_stages_manifests_and_name_a_corrupted_state_
         for p in stages:
             # The stage's own completion message rides along where the engine has one (NIXL).
             message, sent = read_notification(manifests[p.spec.name])
-            assert message == (p.spec.name.encode() if engine == "nixl" else b"")
+            assert message == (p.spec.name.encode() if engine.notifies else b"")
             assert len(sent) == 2  # page plan, state plan
             # NIXL: the decode takes the manifests from the notification carrying the message.
-            payload = None if engine == "nixl" else manifests[p.spec.name]
+            payload = None if engine.notifies else manifests[p.spec.name]
             assert dpeer.call("check_digest", p.layout_wire, payload, src_pages, dst_pages,
                               src_slot, dst_slot, p.session, 30.0, None, p.spec.name.encode(),
                               timeout=60) == 2
-        if engine == "nixl":  # a decode that does not verify still sees the completion
+        if engine.notifies:  # a decode that does not verify still sees the completion
             stage = stages[0]
             stage.call("transfer", dpeer.layout_wire, c.sessions[stage.spec.name], src_pages,
                        dst_pages, src_slot, dst_slot, None, b"plain", None, True, timeout=60)

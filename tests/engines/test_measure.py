@@ -18,6 +18,7 @@ from kvplan.engines.measure import (
     measure_loopback,
     solve_block_model,
 )
+from support.engine_peers import Engine
 
 SMALL = {"small_blocks": 256, "small_block": 512, "large_blocks": 2, "large_block": 1 << 20}
 
@@ -56,13 +57,8 @@ def test_copy_bandwidth_is_measured() -> None:
         measure_copy_bandwidth(1000, block=64)
 
 
-@pytest.mark.parametrize("engine", [pytest.param("mooncake", marks=pytest.mark.mooncake),
-                                    pytest.param("nixl", marks=pytest.mark.nixl)])
-def test_loopback_measurement_on_a_real_engine(engine: str) -> None:
-    from support.engine_peers import require_mooncake, require_nixl
-
-    (require_mooncake if engine == "mooncake" else require_nixl)()
-    _sane(measure_loopback(engine, repeats=2, **SMALL))
+def test_loopback_measurement_on_a_real_engine(engine: Engine) -> None:
+    _sane(measure_loopback(engine.name, repeats=2, **SMALL))
 
 
 @pytest.mark.nixl

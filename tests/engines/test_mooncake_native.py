@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvplan import PlanBatch
 from kvplan.engines import MooncakeTransport
+from kvplan.testing.oracle import Memory, apply_plan
 
 from support.engine_peers import raw_pair
 
@@ -71,14 +73,6 @@ def _blocks(n: int, size: int, capacity: int, seed: int) -> tuple[np.ndarray, np
     return src_slots * np.uint64(size), dst_slots * np.uint64(size), lengths
 
 
-def _expected(before: np.ndarray, source: np.ndarray, src: np.ndarray, dst: np.ndarray,
-              lengths: np.ndarray) -> np.ndarray:
-    want = before.copy()
-    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):  # plain loop: the oracle
-        want[d:d + n] = source[s:s + n]
-    return want
-
-
 @mooncake
 @pytest.mark.parametrize("path", ["native", "lists"])
 @pytest.mark.parametrize("mode", ["submit_raw", "submit_async_raw"])
@@ -99,8 +93,10 @@ def test_blocks_land_byte_exact_through_each_handoff(mooncake_env: None, path: s
         stats = c.peers["prefill"].call(mode, d.session, src, np.uint64(d.base) + dst, lengths,
                                         timeout=120)
         handoff, reason = c.peers["prefill"].call("handoff", timeout=10)
-        want = _expected(before, c.arenas["prefill"].array, src, dst, lengths)
-        np.testing.assert_array_equal(c.arenas["decode"].array, want)
+        # The blocks as memmoves between the arenas (offsets as addresses).
+        want = Memory(before, 0)
+        apply_plan(PlanBatch(src, dst, lengths), Memory(c.arenas["prefill"].array, 0), want)
+        np.testing.assert_array_equal(c.arenas["decode"].array, want.data)
     assert (handoff, reason if path == "native" else "") == (path, "")
     if path == "lists":
         assert "disabled" in reason

@@ -518,8 +518,9 @@ def _hybrid() -> Any:
     return peers, src_pages, dst_pages
 
 
-@pytest.mark.parametrize("path", ["plan", "prepped"])
-def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
+def test_prepped_hybrid_prefill_pp2_to_decode_pp1() -> None:
+    """The prepped path (one descriptor per page per entry pair) of the hybrid request that
+    test_transfers_engines.py plans on every engine."""
     from support.engine_peers import assert_stages_landed, cluster, wait_stage_notifications
 
     peers, src_pages, dst_pages = _hybrid()
@@ -528,63 +529,18 @@ def test_hybrid_prefill_pp2_to_decode_pp1(path: str) -> None:
     with cluster(decode, stages, engine="nixl") as c:
         dpeer = c.peers["decode"]
         before = c.arenas["decode"].array.copy()
-        results = []
         for spec in stages:  # both stages in flight at once, as real PP stages are
-            if path == "plan":
-                c.peers[spec.name].send("transfer", dpeer.layout_wire, c.sessions[spec.name],
-                                        src_pages, dst_pages, src_slot, dst_slot, None,
-                                        spec.name.encode())
-            else:
-                c.peers[spec.name].send("transfer_prepped", dpeer.layout_wire,
-                                        c.sessions[spec.name], src_pages, dst_pages, src_slot,
-                                        dst_slot, spec.name.encode())
-        for spec in stages:
-            results.append(c.peers[spec.name].result(60, "transfer"))
+            c.peers[spec.name].send("transfer_prepped", dpeer.layout_wire,
+                                    c.sessions[spec.name], src_pages, dst_pages, src_slot,
+                                    dst_slot, spec.name.encode())
+        results = [c.peers[spec.name].result(60, "transfer") for spec in stages]
         wait_stage_notifications(c, stages)  # the decode sees each stage's completion
         assert_stages_landed(c, decode, stages, before, src_pages, dst_pages, src_slot, dst_slot)
         assert all(c.peers[s.name].call("live_handles") == 0 for s in stages)
     kv_bytes = 40 * TINY_HYBRID.kv_bytes_per_token
     state_bytes = 3 * sum(s.bytes_per_slot for s in TINY_HYBRID.state)
     assert [r["bytes"] for r in results] == [kv_bytes + state_bytes] * 2
-    if path == "plan":
-        assert all(r["blocks"] == r["runs"] + 6 for r in results)  # one block per run + states
-    else:
-        assert all(r["blocks"] == 40 + 6 for r in results)  # one descriptor per page
-
-
-def test_mha_k_then_v_with_different_item_lengths() -> None:
-    from support.engine_peers import assert_decode_bytes, cluster, expected_decode, mha_k_v_case
-
-    decode, prefill, src_pages, dst_pages = mha_k_v_case()
-    with cluster(decode, [prefill], engine="nixl") as c:
-        dpeer = c.peers["decode"]
-        before = c.arenas["decode"].array.copy()
-        res = c.peers["prefill"].call("transfer", dpeer.layout_wire, c.sessions["prefill"],
-                                      src_pages, dst_pages, None, None, 7, b"mha", timeout=60)
-        assert dpeer.call("wait_notification", c.peers["prefill"].session, b"mha", 30.0)
-        expected = expected_decode(decode, before, [(prefill, c.arenas["prefill"].array,
-                                                     src_pages, dst_pages, None, None)])
-        assert_decode_bytes(c.arenas["decode"].array, expected, decode)
-    assert res["pairs"] == 8 and res["bytes"] == 30 * 4 * (768 + 512)
-    assert res["batches"] == -(-res["blocks"] // 7)
-
-
-def test_async_submit_moves_bytes() -> None:
-    from support.engine_peers import cluster
-
-    decode, prefill = raw_pair()
-    with cluster(decode, [prefill], engine="nixl") as c:
-        d = c.peers["decode"]
-        n = 64
-        src = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(4096)
-        dst = np.uint64(d.base) + np.arange(n, dtype=np.uint64) * np.uint64(4096)
-        stats = c.peers["prefill"].call("submit_async_raw", c.sessions["prefill"], src, dst,
-                                        np.full(n, 4096, np.uint64), 10, b"async", timeout=60)
-        assert d.call("wait_notification", c.peers["prefill"].session, b"async", 30.0)
-        got = c.arenas["decode"].array.reshape(n, 4096)
-        np.testing.assert_array_equal(got, c.arenas["prefill"].array.reshape(n, 4096)[::-1])
-        assert c.peers["prefill"].call("live_handles") == 0
-    assert stats["batches"] == 7
+    assert all(r["blocks"] == 40 + 6 for r in results)  # one descriptor per page
 
 
 @pytest.mark.slow

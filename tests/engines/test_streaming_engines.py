@@ -1,7 +1,7 @@
 """Layer-wise streaming over real engines: a prefill process streams layer-group slices of its
 requests to a decode process (Mooncake over TCP loopback, NIXL over UCX) while a "forward"
 thread signals layers in random order; the decode's whole arena is then checked byte for byte
-against an independent numpy oracle.
+against the byte oracle (``support.engine_peers.expected_decode``).
 
 Covers: random ready order and device-event signals (synchronised on the submitter's thread),
 a request whose slices fail (only it fails, naming the slice), a ready signal for an unknown
@@ -20,25 +20,18 @@ import pytest
 from kvplan import WorkManifest
 from kvplan.presets import ModelPreset, StateSpec
 from kvplan.testing import model_peers
+from support.engine_peers import Engine
 
 DENSE = ModelPreset("tiny-dense-8", "tiny dense MLA", 8, "mla", 1152)
 HYBRID = ModelPreset("tiny-hybrid-16", "tiny hybrid MLA", 16, "mla", 1152, 4,
                      (StateSpec("mamba_conv", 3072), StateSpec("mamba_temporal", 8192)))
 PAGES = 64
-ENGINES = [pytest.param("mooncake", marks=pytest.mark.mooncake),
-           pytest.param("nixl", marks=pytest.mark.nixl)]
 
 
 @pytest.fixture(autouse=True)
 def _engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
-
-
-def _require(engine: str) -> None:
-    from support.engine_peers import require_mooncake, require_nixl
-
-    (require_mooncake if engine == "mooncake" else require_nixl)()
 
 
 def _requests(n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
@@ -65,25 +58,21 @@ def _check_bytes(c: Any, decode: Any, stage: Any, before: np.ndarray, reqs: list
     assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes), decode)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("preset,group_size", [(DENSE, 3), (HYBRID, 8)])
-def test_random_ready_order_streams_every_byte(engine: str, preset: ModelPreset,
+def test_random_ready_order_streams_every_byte(engine: Engine, preset: ModelPreset,
                                                group_size: int) -> None:
-    from support.engine_peers import cluster
-
-    _require(engine)
     peers = model_peers(preset, pages=PAGES, state_slots=4)
     decode, stage = peers.decode, peers.prefill[0]
     reqs = _requests(2, seed=5)
     order = np.random.default_rng(11).permutation(preset.num_layers).tolist()
-    with cluster(decode, [stage], engine=engine) as c:
+    with engine.cluster(decode, [stage]) as c:
         before = c.arenas["decode"].array.copy()
         session = c.sessions[stage.name]
         out = c.peers[stage.name].call(
             "stream", c.peers["decode"].layout_wire,
             [_spec(f"r{k}", session, r) for k, r in enumerate(reqs)], group_size, order, 1.0,
             timeout=90)
-        if engine == "nixl":  # each request's notification comes with its last submission
+        if engine.notifies:  # each request's notification comes with its last submission
             for k in range(len(reqs)):
                 assert c.peers["decode"].call("wait_notification", c.peers[stage.name].session,
                                               f"r{k}".encode(), 30.0, timeout=60)
@@ -103,16 +92,13 @@ def test_random_ready_order_streams_every_byte(engine: str, preset: ModelPreset,
     assert out["live_handles"] == 0
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_failing_slice_fails_only_its_request_and_signals_are_checked(engine: str) -> None:
-    from support.engine_peers import cluster
-
-    _require(engine)
+def test_a_failing_slice_fails_only_its_request_and_signals_are_checked(
+        engine: Engine) -> None:
     peers = model_peers(DENSE, pages=PAGES)
     decode, stage = peers.decode, peers.prefill[0]
     good, bad = _requests(2, seed=7)
-    bogus = "127.0.0.1:9" if engine == "mooncake" else "no-such-agent"
-    with cluster(decode, [stage], engine=engine) as c:
+    bogus = engine.unreachable_session
+    with engine.cluster(decode, [stage]) as c:
         before = c.arenas["decode"].array.copy()
         out = c.peers[stage.name].call(
             "stream", c.peers["decode"].layout_wire,
@@ -129,15 +115,11 @@ def test_a_failing_slice_fails_only_its_request_and_signals_are_checked(engine: 
     assert out["live_handles"] == 0
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_decode_killed_mid_stream_fails_in_bounded_time(engine: str) -> None:
-    from support.engine_peers import cluster
-
-    _require(engine)
+def test_decode_killed_mid_stream_fails_in_bounded_time(engine: Engine) -> None:
     peers = model_peers(DENSE, pages=PAGES)
     decode, stage = peers.decode, peers.prefill[0]
     (req,) = _requests(1, seed=9)
-    with cluster(decode, [stage], engine=engine) as c:
+    with engine.cluster(decode, [stage]) as c:
         prefill = c.peers[stage.name]
         prefill.send("stream", c.peers["decode"].layout_wire,
                      [_spec("r", c.sessions[stage.name], req)], 1, list(range(8)), 250.0, 0,
@@ -157,9 +139,9 @@ def test_decode_killed_mid_stream_fails_in_bounded_time(engine: str) -> None:
 
 @pytest.mark.nixl
 def test_the_decode_tells_a_withheld_slice_from_a_complete_or_slow_request() -> None:
-    from support.engine_peers import cluster
+    from support.engine_peers import cluster, require_nixl
 
-    _require("nixl")
+    require_nixl()
     peers = model_peers(HYBRID, pages=PAGES, state_slots=4)
     decode, stage = peers.decode, peers.prefill[0]
     lost, whole, slow = _requests(3, seed=13)
@@ -194,9 +176,9 @@ def test_the_decode_tells_a_withheld_slice_from_a_complete_or_slow_request() -> 
 
 @pytest.mark.mooncake
 def test_mooncake_final_notification_goes_through_the_side_channel() -> None:
-    from support.engine_peers import cluster
+    from support.engine_peers import cluster, require_mooncake
 
-    _require("mooncake")
+    require_mooncake()
     peers = model_peers(HYBRID, pages=PAGES, state_slots=4)
     decode, stage = peers.decode, peers.prefill[0]
     (req,) = _requests(1, seed=17)

@@ -6,7 +6,8 @@
 - ``sglang_models``: synthetic SGLang deployments and the ground truth of their bytes.
 - ``sglang_staging``: host-memory pools and staging buffers for SGLang's staged path, and the
   bytes its GPU gather and scatter kernels write.
-- ``engine_peers``: arenas, spawned peers and an independent byte oracle for real transfers.
+- ``engine_peers``: arenas, spawned peers, the ``Engine`` handle of the ``engine`` fixture, and
+  the expected decode arena of real transfers, computed by ``kvplan.testing.oracle``.
 - ``leak_workload``: the mixed plan-call workload whose RSS must stay flat.
 - ``vllm_loader`` / ``vllm_cases``: vLLM's real connector code from its wheel, and the cases
   the drop-in tests and benchmark share.

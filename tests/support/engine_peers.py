@@ -1,10 +1,12 @@
 """Helpers for tests that move real bytes between spawned processes.
 
 The processes themselves are :class:`kvplan.testing.PeerProcess` (the demo uses the same ones).
-What lives here is test-only: a context manager that owns arenas and peers and always cleans
-up, and an *independent* byte oracle: it builds the whole expected decode arena with plain numpy
-and compares it with the real one in one go, so the check shares no code with kvplan's
-pairing or with :func:`kvplan.testing.first_wrong_byte`.
+What lives here is test-only: context managers that own arenas and peers and always clean up,
+:class:`Engine`, the handle the ``engine`` fixture (tests/engines/conftest.py) gives a test for
+each real engine, and :func:`expected_decode`, the whole expected decode arena computed by
+:mod:`kvplan.testing.oracle` from the layouts the peers publish, compared with the real one in
+one go (:func:`assert_decode_bytes`), so the check shares no code with kvplan's planning or
+with :func:`kvplan.testing.first_wrong_byte`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvplan.testing import SENTINEL, Arena, PeerProcess, PeerSpec, arena_dir, fill_source
+from kvplan.testing import (
+    SENTINEL,
+    Arena,
+    PeerProcess,
+    PeerSpec,
+    arena_dir,
+    build_layout,
+    fill_source,
+)
+from kvplan.testing.oracle import Memory, reference_copy
 
-__all__ = ["Cluster", "cluster", "expected_decode", "assert_decode_bytes", "peer_group",
-           "require_mooncake", "require_nixl"]
+__all__ = ["ENGINE_HANDLES", "Cluster", "Engine", "assert_decode_bytes", "cluster",
+           "expected_decode", "peer_group", "require_mooncake", "require_nixl"]
 
 
 def require_mooncake() -> None:
@@ -89,11 +100,12 @@ def cluster(decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1,
 
 
 @contextlib.contextmanager
-def peer_group(specs: Sequence[PeerSpec], sources: set[str]
+def peer_group(specs: Sequence[PeerSpec], sources: set[str], *, engine: str = "mooncake"
                ) -> Iterator[tuple[dict[str, Arena], dict[str, PeerProcess]]]:
-    """Any number of Mooncake peers (several decode ranks, say): random arenas for the peers
-    named in ``sources``, sentinel-filled arenas for the others, one process per spec (all
-    started at once); every process stopped and every file deleted on exit."""
+    """Any number of peers running ``engine`` (several decode ranks, say): random arenas for
+    the peers named in ``sources``, sentinel-filled arenas for the others, one process per spec
+    (all started at once), every source connected to every other peer (its ``session`` is
+    what a source submits to); every process stopped and every file deleted on exit."""
     workdir = arena_dir(sum(s.size for s in specs))
     arenas: dict[str, Arena] = {}
     procs: dict[str, PeerProcess] = {}
@@ -105,9 +117,13 @@ def peer_group(specs: Sequence[PeerSpec], sources: set[str]
             else:
                 arenas[s.name].array[:] = SENTINEL
         for s in specs:
-            procs[s.name] = PeerProcess(s, arenas[s.name], wait=False)
+            procs[s.name] = PeerProcess(s, arenas[s.name], wait=False, engine=engine)
         for p in procs.values():
             p.ready(60.0)
+        for name in sources:
+            for s in specs:
+                if s.name not in sources:
+                    procs[name].connect(procs[s.name])
         yield arenas, procs
     finally:
         for p in procs.values():
@@ -117,35 +133,28 @@ def peer_group(specs: Sequence[PeerSpec], sources: set[str]
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+#: Where :func:`expected_decode` places every peer's layout: the oracle reads and writes
+#: :class:`~kvplan.testing.oracle.Memory` objects, one per arena, so one address serves all.
+_ORACLE_BASE = 1 << 40
+
+
 def expected_decode(decode: PeerSpec, decode_before: np.ndarray,
                     writes: Sequence[tuple[PeerSpec, np.ndarray, np.ndarray, np.ndarray,
-                                           int | None, int | None]]) -> np.ndarray:
-    """The whole decode arena as it must be after the writes.
+                                           int | None, int | None]], *,
+                    n_tokens: int | None = None) -> np.ndarray:
+    """The whole decode arena as it must be after the writes, by :mod:`kvplan.testing.oracle`.
 
     ``writes``: per source peer ``(spec, source_arena_bytes, src_pages, dst_pages, src_slot,
-    dst_slot)``. Ground truth: a source buffer lands in the decode buffer with the same global
-    layer id and role; page buffers move ``src_pages[i] -> dst_pages[i]``, state buffers move
-    slot ``src_slot -> dst_slot``. Item ``i`` of an entry is the ``item_len`` bytes at
-    ``offset + i * stride`` (strides differ from item lengths in cross-layer pools).
+    dst_slot)``, each planned with ``n_tokens`` (a token plan) or page for page; the oracle
+    reads only the layouts the specs describe (``build_layout``), never a plan.
     """
-    expected = decode_before.copy()
-    dst_of = {(e.layer_id, e.role): e for e in decode.entries}
+    want = Memory(decode_before.copy(), _ORACLE_BASE)
+    dst_layout = build_layout(decode, _ORACLE_BASE)
     for spec, src_bytes, src_pages, dst_pages, src_slot, dst_slot in writes:
-        for s in spec.entries:
-            d = dst_of[(s.layer_id, s.role)]
-            assert s.item_len == d.item_len
-            pairs: list[tuple[int, int]]
-            if s.kind == "page":
-                pairs = list(zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()))
-            elif src_slot is not None and dst_slot is not None:
-                pairs = [(src_slot, dst_slot)]
-            else:
-                continue
-            for si, di in pairs:  # plain loops: slow but obviously right
-                a = s.offset + si * s.stride  # stride: bytes between items (cross-layer pools)
-                b = d.offset + di * d.stride
-                expected[b:b + d.item_len] = src_bytes[a:a + s.item_len]
-    return expected
+        reference_copy(build_layout(spec, _ORACLE_BASE), Memory(src_bytes, _ORACLE_BASE),
+                       dst_layout, want, src_pages, dst_pages, n_tokens=n_tokens,
+                       src_slot=src_slot, dst_slot=dst_slot)
+    return want.data
 
 
 def assert_decode_bytes(got: np.ndarray, expected: np.ndarray, decode: PeerSpec) -> None:
@@ -175,13 +184,14 @@ def wait_stage_notifications(c: Cluster, stages: Sequence[PeerSpec]) -> None:
 
 def assert_stages_landed(c: Cluster, decode: PeerSpec, stages: Sequence[PeerSpec],
                          before: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray,
-                         src_slot: int | None, dst_slot: int | None) -> None:
+                         src_slot: int | None, dst_slot: int | None, *,
+                         n_tokens: int | None = None) -> None:
     """The whole decode arena is ``before`` plus every stage's request (the same pages and
     state slots on each stage), checked byte for byte against :func:`expected_decode`."""
     writes = [(s, c.arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
               for s in stages]
-    assert_decode_bytes(c.arenas["decode"].array, expected_decode(decode, before, writes),
-                        decode)
+    assert_decode_bytes(c.arenas[decode.name].array,
+                        expected_decode(decode, before, writes, n_tokens=n_tokens), decode)
 
 
 def raw_pair(pages: int = 64, item: int = 4096) -> tuple[PeerSpec, PeerSpec]:
@@ -207,3 +217,43 @@ def mha_k_v_case() -> tuple[PeerSpec, PeerSpec, np.ndarray, np.ndarray]:
     src_pages = rng.permutation(48)[:30].astype(np.int64)
     dst_pages = fragmented_pages(30, 0.25, seed=3, shuffle_runs=True, capacity=48)
     return decode, prefill, src_pages, dst_pages
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One real transfer engine as an engine test sees it (the ``engine`` fixture's value):
+    its name for :class:`kvplan.testing.PeerProcess`, and what differs between engines."""
+
+    name: str
+    #: A session no peer answers to (a request to it fails).
+    unreachable_session: str
+
+    def require(self) -> None:
+        """Fail (never skip) when the engine is missing."""
+        (require_nixl if self.name == "nixl" else require_mooncake)()
+
+    @property
+    def notifies(self) -> bool:
+        """Whether the engine delivers a completion notification to the decode (NIXL); with
+        Mooncake a finished write is the submitter's word alone."""
+        return self.name == "nixl"
+
+    def cluster(self, decode: PeerSpec, sources: Sequence[PeerSpec], *, seed: int = 1
+                ) -> contextlib.AbstractContextManager[Cluster]:
+        return cluster(decode, sources, seed=seed, engine=self.name)
+
+    def peer_group(self, specs: Sequence[PeerSpec], sources: set[str]
+                   ) -> contextlib.AbstractContextManager[
+                       tuple[dict[str, Arena], dict[str, PeerProcess]]]:
+        return peer_group(specs, sources, engine=self.name)
+
+    def wait_stages(self, c: Cluster, stages: Sequence[PeerSpec]) -> None:
+        """Where the engine notifies: the decode receives each stage's completion (sent with
+        the stage's name as the tag)."""
+        if self.notifies:
+            wait_stage_notifications(c, stages)
+
+
+#: Every real engine the tests run on: Mooncake over TCP on 127.0.0.1, NIXL over UCX.
+ENGINE_HANDLES = {"mooncake": Engine("mooncake", "127.0.0.1:9"),
+                  "nixl": Engine("nixl", "no-such-agent")}

@@ -16,8 +16,10 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
   its arena, publishes session id and wire layout, and plans and submits on command.
 - :func:`first_wrong_byte`: checks a whole destination arena against the expected moves.
 - :mod:`kvplan.testing.oracle`: the byte-level oracle (:func:`reference_copy`: what a correct
-  transfer writes, token by token and head by head, from the layout definitions alone) and
-  :func:`apply_plan` (a plan's blocks as memmoves between :class:`Memory` objects).
+  transfer writes, token by token and head by head, from the layout definitions alone, with
+  TP head slicing, page sizes, memory orders, DCP deals and caller-given fragments),
+  :func:`apply_plan` (a plan's blocks as memmoves between :class:`Memory` objects) and
+  ``apply_staged`` (a staged plan's gather, network and scatter).
 - :mod:`kvplan.testing.ranks`: one TP rank's KV cache in a numpy arena and its layout, and
   :func:`~kvplan.testing.ranks.check_request` (every prefill rank into one decode rank, checked
   against the oracle).

@@ -2,46 +2,68 @@
 
 :func:`reference_copy` moves, token by token and head by head, the bytes a correct transfer
 from one source rank moves into a destination's memory. It reads only what the two
-:class:`kvplan.Layout` objects publish (entries, strides, page size, TP rank and size, attention
-geometry) and the rules of docs/api.md, never a plan: compare its result with the memory a
-plan's blocks produced (:func:`apply_plan`) and every byte is checked, whatever blocks the
-planner chose. It is slow on purpose (one numpy slice per token and head), so it is easy to
-check by reading.
+:class:`kvplan.Layout` objects publish (entries, strides, page size, TP rank and size, DCP deal,
+attention geometry), the caller's ``fragments=`` and the rules of docs/api.md, never a plan:
+compare its result with the memory a plan's blocks produced (:func:`apply_plan`, or
+:func:`apply_staged` for a staged plan's gather, network and scatter) and every byte is checked,
+whatever blocks the planner chose. It is slow on purpose (one numpy slice per token and head),
+so it is easy to check by reading.
 
 The rules it implements:
 
 - entries pair by ``(layer_id, role)`` among entries of the same kind (page or state) when both
   layouts publish layer ids, else by position among entries of the same role; elided entries
   (``item_len`` 0) move nothing;
-- item ``i`` of an entry is at ``data_ptr + i * stride``; token ``t`` of the request is slot
-  ``t % P`` of page ``pages[t // P]`` on each side with its own page size ``P``; ``n_tokens``
-  defaults to the full pages of the shorter list;
+- item ``i`` of an entry is at ``data_ptr + i * stride``; local token ``l`` of a side is slot
+  ``l % P`` of page ``pages[l // P]`` with that side's page size ``P``; ``n_tokens`` defaults to
+  the full pages of the shorter list (and is required when either side deals tokens);
+- decode context parallelism: a side with ``dcp_size N > 1``, ``dcp_rank r`` and
+  ``dcp_interleave I`` holds global token ``t`` iff ``(t // I) % N == r``, as local token
+  ``(t // (I·N))·I + t % I``; a pair moves the tokens both sides hold. Draft entries are not
+  dealt: their items hold virtual pages of ``P·N`` tokens (every token of the request), and a
+  draft pair moves every token iff the source's DCP rank is ``decode DCP rank % source
+  dcp_size``, the same prefill DCP rank that alone writes the decode's state slots;
 - a token-major (NHD) item holds ``[slot][head][head bytes]``, a head-major (HND) item
   ``[head][slot][head bytes]``; a layout without attention geometry holds whole tokens of
-  ``item_len / page_size`` bytes;
+  ``item_len / page_size`` bytes (paired with one that publishes it: that side's heads,
+  token-major); a page request (no ``n_tokens``, equal page sizes and memory
+  orders, no DCP) between items that hold the same heads moves whole items;
 - heads of rank ``r`` of ``tp`` with ``H`` KV heads: ``r*H/tp .. (r+1)*H/tp`` when ``H >= tp``,
   else the one head ``r // (tp/H)``; a prefill rank writes a decode rank the heads both hold if
   it is their elected holder (``r_p % R == r_d % R`` with ``R = max(1, tp_p // H)``);
+- ``fragments`` (as ``Template(fragments=)``: one list of ``(src_off, dst_off, len)`` for every
+  page pair, or one list or ``None`` per page pair in source entry order) copy item bytes
+  ``src_off + k`` to ``dst_off + k``; a byte moves iff the rules above move it and a fragment
+  reads it, and it lands at each such fragment's destination offset in the token's destination
+  page (a combination the planner refuses, such as a fragment that sends a token to another
+  slot in a token plan, has no defined result here either);
 - state items (one slot per request) of equal length are replicated and written by prefill rank
   ``r_d * tp_p // tp_d`` only; items whose lengths are in the TP ratio are sharded along their
   leading bytes and each pair moves the overlap of the two ranks' byte ranges.
 
-Not modelled: caller-given ``fragments=``, legacy positional PP slicing and NPU buffer groups.
+A staged plan (``Template.plan_staged``) writes the same decode bytes as the direct plan: the
+oracle's answer for it is :func:`reference_copy`'s, and :func:`apply_staged` runs its three
+plans. Not modelled: legacy positional PP slicing, NPU buffer groups and ``replicas_send=True``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplan import Layout, LayoutEntry
 
-__all__ = ["Memory", "apply_plan", "expected_memory", "rank_heads", "reference_copy",
-           "sent_heads"]
+__all__ = ["Fragments", "Memory", "apply_plan", "apply_staged", "dcp_local_token",
+           "expected_memory", "rank_heads", "reference_copy", "sent_heads"]
+
+Fragment = tuple[int, int, int]
+#: What ``Template(fragments=)`` takes: one list for every page pair, or one list (or None)
+#: per page pair.
+Fragments = Union[Sequence[Fragment], Sequence[Union[Sequence[Fragment], None]]]
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,14 @@ def sent_heads(kv_heads: int, prefill: tuple[int, int], decode: tuple[int, int])
     return range(max(a.start, b.start), max(max(a.start, b.start), min(a.stop, b.stop)))
 
 
+def dcp_local_token(t: int, size: int, rank: int, interleave: int) -> int | None:
+    """Where DCP rank ``rank`` of ``size`` holds global token ``t`` (its local token), or None
+    when another rank holds it."""
+    if (t // interleave) % size != rank:
+        return None
+    return (t // (interleave * size)) * interleave + t % interleave
+
+
 def _has_geometry(layout: Layout) -> bool:
     return layout.kv_heads is not None and layout.head_dim is not None and \
         layout.dtype_size is not None
@@ -114,11 +144,53 @@ def _pairs(src: Layout, dst: Layout, kind: str) -> list[tuple[LayoutEntry, Layou
     return pairs
 
 
+def _is_fragment(x: object) -> bool:
+    return (isinstance(x, (tuple, list)) and len(x) == 3
+            and all(isinstance(v, (int, np.integer)) for v in x))
+
+
+#: One pair's fragments as byte pairs: ``(source item offsets, destination item offsets)``
+#: (two fragments may read the same source byte).
+_ByteMap = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+
+def _fragment_maps(fragments: Fragments | None, pairs: list[tuple[LayoutEntry, LayoutEntry]]
+                   ) -> list[_ByteMap | None]:
+    """Per page pair: the item bytes its fragments move, or None for the whole item."""
+    if fragments is None:
+        return [None] * len(pairs)
+    if all(_is_fragment(f) for f in fragments):
+        lists: list[Sequence[Fragment] | None] = [
+            fragments if s.item_len and d.item_len else None  # type: ignore[misc]
+            for s, d in pairs]
+    else:
+        lists = list(fragments)  # type: ignore[arg-type]
+        if len(lists) != len(pairs):
+            raise ValueError(f"{len(lists)} per-pair fragment lists for {len(pairs)} page pairs")
+    maps: list[_ByteMap | None] = []
+    for (s, d), frags in zip(pairs, lists):
+        if frags is None:
+            maps.append(None)
+            continue
+        src_offs, dst_offs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for src_off, dst_off, n in frags:
+            if n <= 0 or src_off + n > s.item_len or dst_off + n > d.item_len:
+                raise ValueError(f"fragment {(src_off, dst_off, n)} is not inside items of "
+                                 f"{s.item_len} and {d.item_len} bytes")
+            src_offs.append(np.arange(src_off, src_off + n))
+            dst_offs.append(np.arange(dst_off, dst_off + n))
+        maps.append((np.concatenate(src_offs), np.concatenate(dst_offs)))
+    return maps
+
+
 class _Side:
-    """Where one side keeps a head of a token slot inside one of its items."""
+    """Where one side keeps a head of a token inside one of its items."""
 
     def __init__(self, layout: Layout, entry: LayoutEntry, geometry: bool) -> None:
-        self.page_size = layout.page_size
+        dealt = layout.dcp_size > 1 and not entry.is_draft
+        self.dcp = (layout.dcp_size, layout.dcp_rank, layout.dcp_interleave) if dealt else None
+        # A draft item on a dealing side holds a virtual page of every token of the request.
+        self.page_size = layout.page_size * (layout.dcp_size if entry.is_draft else 1)
         if geometry:
             kv_heads, tp = int(layout.kv_heads or 0), layout.tp_size
             self.first = rank_heads(kv_heads, tp, layout.tp_rank).start
@@ -131,6 +203,10 @@ class _Side:
             self.first, self.heads, self.head_major = 0, 1, False
             self.head_bytes = entry.item_len // self.page_size
 
+    def local(self, t: int) -> int | None:
+        """This side's local token for global token ``t`` (None: another DCP rank holds it)."""
+        return t if self.dcp is None else dcp_local_token(t, *self.dcp)
+
     def offset(self, slot: int, head: int) -> int:
         h = head - self.first
         if self.head_major:
@@ -138,40 +214,85 @@ class _Side:
         return (slot * self.heads + h) * self.head_bytes
 
 
+def _copy(src_mem: Memory, s_at: int, dst_mem: Memory, d_at: int, n: int,
+          fragment_map: _ByteMap | None, s_item: int, d_item: int, d_item_len: int) -> int:
+    """Copies ``n`` bytes at ``s_at`` to ``d_at``, or with a fragment map the ones its
+    fragments read to where they send them (item offsets of items at ``s_item``, ``d_item``)."""
+    if fragment_map is None:
+        dst_mem.at(d_at, n)[:] = src_mem.at(s_at, n)
+        return n
+    src_offs, dst_offs = fragment_map
+    lo = s_at - s_item
+    keep = (src_offs >= lo) & (src_offs < lo + n)
+    dst_mem.at(d_item, d_item_len)[dst_offs[keep]] = src_mem.at(s_at, n)[src_offs[keep] - lo]
+    return int(keep.sum())
+
+
 def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                    src_pages: Sequence[int] | npt.NDArray[Any],
                    dst_pages: Sequence[int] | npt.NDArray[Any], *, n_tokens: int | None = None,
-                   src_slot: int | None = None, dst_slot: int | None = None) -> int:
+                   src_slot: int | None = None, dst_slot: int | None = None,
+                   fragments: Fragments | None = None) -> int:
     """Writes into ``dst_mem`` what a correct transfer of one request from ``src`` (prefill
     rank or stage) to ``dst`` writes: its pages, and with both slots given its state slot.
-    Returns the number of bytes written. Call it once per source to build the expected
-    destination of a whole request."""
+    ``fragments`` is what the template was built with. Returns the number of bytes written.
+    Call it once per source to build the expected destination of a whole request (for DCP:
+    once per (source, decode rank) pair, each decode rank's page list its local tokens')."""
     s_pages, d_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
     ps, pd = src.page_size, dst.page_size
+    dealt = src.dcp_size > 1 or dst.dcp_size > 1
+    page_request = n_tokens is None and ps == pd and not dealt and \
+        (src.memory_order or "NHD") == (dst.memory_order or "NHD")
     if n_tokens is None:
+        if dealt:
+            raise ValueError("a transfer between DCP layouts needs n_tokens (global tokens)")
         n_tokens = min(len(s_pages) * ps, len(d_pages) * pd)
-    geometry = _has_geometry(src) and _has_geometry(dst)
-    if geometry:
+    src_geometry, dst_geometry = _has_geometry(src), _has_geometry(dst)
+    if src_geometry and dst_geometry:
         heads = sent_heads(int(src.kv_heads or 0), (src.tp_rank, src.tp_size),
                            (dst.tp_rank, dst.tp_size))
     else:
         heads = range(1)
+    # Draft tokens and state slots reach a decode DCP rank from one prefill DCP rank.
+    from_draft_writer = src.dcp_rank == dst.dcp_rank % src.dcp_size
     moved = 0
-    for s, d in _pairs(src, dst, "page"):
+    pairs = _pairs(src, dst, "page")
+    for (s, d), fragment_map in zip(pairs, _fragment_maps(fragments, pairs)):
         if s.item_len == 0 or d.item_len == 0:
             continue
-        a, b = _Side(src, s, geometry), _Side(dst, d, geometry)
+        if (s.is_draft or d.is_draft) and not from_draft_writer:
+            continue
+        a, b = _Side(src, s, src_geometry), _Side(dst, d, dst_geometry)
+        pair_heads = heads
+        if src_geometry != dst_geometry:
+            # Only one side publishes heads (no head slicing): the other holds the same heads
+            # token-major, a token's bytes head after head.
+            known, other = (a, b) if src_geometry else (b, a)
+            other.first, other.heads, other.head_bytes = known.first, known.heads, \
+                known.head_bytes
+            pair_heads = range(known.first, known.first + known.heads)
         if a.head_bytes != b.head_bytes:
             raise ValueError(f"layer {s.layer_id} {s.role}: {a.head_bytes} bytes per head or "
                              f"token on the source, {b.head_bytes} on the destination")
+        whole = range(a.first, a.first + a.heads)
+        if page_request and s.item_len == d.item_len and \
+                whole == range(b.first, b.first + b.heads) == pair_heads:
+            for sp, dp in zip(s_pages, d_pages):  # whole items, page by page
+                s_item, d_item = s.data_ptr + sp * s.stride, d.data_ptr + dp * d.stride
+                moved += _copy(src_mem, s_item, dst_mem, d_item, s.item_len, fragment_map,
+                               s_item, d_item, d.item_len)
+            continue
         for t in range(n_tokens):
-            s_item = s.data_ptr + s_pages[t // ps] * s.stride
-            d_item = d.data_ptr + d_pages[t // pd] * d.stride
-            for h in heads:
-                dst_mem.at(d_item + b.offset(t % pd, h), b.head_bytes)[:] = \
-                    src_mem.at(s_item + a.offset(t % ps, h), a.head_bytes)
-                moved += a.head_bytes
-    if src_slot is None or dst_slot is None:
+            ls, ld = a.local(t), b.local(t)
+            if ls is None or ld is None:
+                continue
+            s_item = s.data_ptr + s_pages[ls // a.page_size] * s.stride
+            d_item = d.data_ptr + d_pages[ld // b.page_size] * d.stride
+            for h in pair_heads:
+                moved += _copy(src_mem, s_item + a.offset(ls % a.page_size, h), dst_mem,
+                               d_item + b.offset(ld % b.page_size, h), a.head_bytes,
+                               fragment_map, s_item, d_item, d.item_len)
+    if src_slot is None or dst_slot is None or not from_draft_writer:
         return moved
     (r_p, tp_p), (r_d, tp_d) = (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size)
     for s, d in _pairs(src, dst, "state"):
@@ -199,12 +320,13 @@ def expected_memory(dst: Layout, dst_mem: Memory,
                     sources: Sequence[tuple[Layout, Memory]],
                     src_pages: Sequence[int] | npt.NDArray[Any],
                     dst_pages: Sequence[int] | npt.NDArray[Any], *, n_tokens: int | None = None,
-                    src_slot: int | None = None, dst_slot: int | None = None) -> Memory:
+                    src_slot: int | None = None, dst_slot: int | None = None,
+                    fragments: Fragments | None = None) -> Memory:
     """A copy of ``dst_mem`` after every source wrote the request (:func:`reference_copy`)."""
     want = dst_mem.copy()
     for layout, mem in sources:
         reference_copy(layout, mem, dst, want, src_pages, dst_pages, n_tokens=n_tokens,
-                       src_slot=src_slot, dst_slot=dst_slot)
+                       src_slot=src_slot, dst_slot=dst_slot, fragments=fragments)
     return want
 
 
@@ -220,3 +342,16 @@ def apply_plan(plan: Any, src_mem: Memory, dst_mem: Memory,
             assert not written[off:off + n].any(), f"destination byte written twice in {d:#x}+{n}"
             written[off:off + n] = True
         target[:] = source
+
+
+def apply_staged(staged: Any, src_mem: Memory, src_staging: Memory, dst_staging: Memory,
+                 dst_mem: Memory, written: npt.NDArray[np.bool_] | None = None) -> None:
+    """Runs one writer's staged plan (``Template.plan_staged``) as memmoves: ``gather`` from
+    the prefill's memory into its staging region, ``network`` into the decode's staging region,
+    ``scatter`` into the decode's memory (``written`` as for :func:`apply_plan`, on the decode
+    memory). A writer's scatter reads only its own share of the decode region, so writers
+    sharing one region can each be applied in turn; the decode memory must then equal the
+    oracle's for the direct transfer."""
+    apply_plan(staged.gather, src_mem, src_staging)
+    apply_plan(staged.network, src_staging, dst_staging)
+    apply_plan(staged.scatter, dst_staging, dst_mem, written)

@@ -1,7 +1,8 @@
-"""Prefill TP != decode TP with real bytes: Mooncake over TCP on 127.0.0.1, one process per
-rank. Prefill TP=2 (two processes, one KV head each) -> decode TP=1 (both heads), and prefill
-TP=1 -> decode TP=2 (two decode processes), in NHD and HND; every decode byte is checked
-against the split of the prefill's global KV, and bytes outside the request stay untouched."""
+"""Prefill TP != decode TP with real bytes on every real engine, one process per rank. Prefill
+TP=2 (two processes, one KV head each) -> decode TP=1 (both heads), and prefill TP=1 -> decode
+TP=2 (two decode processes), in NHD and HND; every decode byte is checked against the byte
+oracle (:mod:`kvplan.testing.oracle`: each rank's heads from the published geometry), and bytes
+outside the request stay untouched."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import kvplan
 from kvplan.presets import fragmented_pages
 from kvplan.testing import SENTINEL, PeerSpec, build_layout, pack_entries
+from support.engine_peers import Engine
 
 HEADS, HEAD_DIM, DTYPE, TOKENS, LAYERS, PAGES = 2, 64, 2, 4, 3, 24
 HEAD_BYTES = HEAD_DIM * DTYPE
@@ -26,34 +28,17 @@ def spec(name: str, tp_rank: int, tp_size: int, order: str) -> PeerSpec:
     return PeerSpec(name, "mha", pack_entries(rows), LAYERS, context=ctx)
 
 
-def heads_view(buf: np.ndarray, spec: PeerSpec, order: str) -> dict[tuple[int, str], np.ndarray]:
-    """Per (layer, role): ``[page][token][head][byte]`` view of an arena (HND transposed)."""
-    per = max(1, HEADS // dict(spec.context)["tp_size"])
-    out = {}
-    for e in spec.entries:
-        raw = buf[e.offset:e.offset + e.nbytes]
-        if order == "NHD":
-            out[(e.layer_id, e.role)] = raw.reshape(PAGES, TOKENS, per, HEAD_BYTES)
-        else:
-            out[(e.layer_id, e.role)] = raw.reshape(PAGES, per, TOKENS, HEAD_BYTES).transpose(
-                0, 2, 1, 3)
-    return out
-
-
-@pytest.mark.mooncake
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
-def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from support.engine_peers import peer_group, require_mooncake
+def test_tp_mismatch_moves_exact_bytes(engine: Engine, order: str, tp_p: int,
+                                       tp_d: int) -> None:
+    from support.engine_peers import assert_decode_bytes, expected_decode
 
-    require_mooncake()
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     prefill = [spec(f"prefill{r}", r, tp_p, order) for r in range(tp_p)]
     decode = [spec(f"decode{r}", r, tp_d, order) for r in range(tp_d)]
     src_pages = np.array([3, 4, 5, 9, 0, 17, 18], dtype=np.int64)
     dst_pages = fragmented_pages(len(src_pages), 0.5, seed=5, shuffle_runs=True, capacity=PAGES)
-    with peer_group(prefill + decode, {s.name for s in prefill}) as (arenas, procs):
+    with engine.peer_group(prefill + decode, {s.name for s in prefill}) as (arenas, procs):
         before = {d.name: arenas[d.name].array.copy() for d in decode}
         for d in decode:
             r_d = dict(d.context)["tp_rank"]
@@ -66,26 +51,14 @@ def test_tp_mismatch_moves_exact_bytes(order: str, tp_p: int, tp_d: int,
                 assert res["bytes"] == len(src_pages) * 2 * LAYERS * TOKENS * HEAD_BYTES
                 per_page = 1 if order == "HND" else TOKENS
                 assert res["blocks"] == len(src_pages) * 2 * LAYERS * per_page
-        # Ground truth: the global KV of the request, gathered from the prefill arenas.
-        glob = {}
-        for p in prefill:
-            r_p = dict(p.context)["tp_rank"]
-            first = kvplan.tp_peers(HEADS, tp_p, tp_d, prefill_rank=r_p).heads[0]
-            for key, v in heads_view(arenas[p.name].array, p, order).items():
-                g = glob.setdefault(key, np.zeros((len(src_pages), TOKENS, HEADS, HEAD_BYTES),
-                                                  np.uint8))
-                g[:, :, first:first + v.shape[2], :] = v[src_pages]
         for d in decode:
-            r_d = dict(d.context)["tp_rank"]
-            start, stop = kvplan.tp_peers(HEADS, tp_p, tp_d, decode_rank=r_d).heads
-            want_arena = before[d.name].copy()
-            want = heads_view(want_arena, d, order)
-            for key, v in want.items():
-                v[dst_pages] = glob[key][:, :, start:stop, :]
+            writes = [(p, arenas[p.name].array, src_pages, dst_pages, None, None)
+                      for p in prefill]
             got = arenas[d.name].array
-            bad = np.flatnonzero(got != want_arena)
-            assert bad.size == 0, f"{d.name}: {bad.size} wrong bytes, first at {bad[0]}"
+            assert_decode_bytes(got, expected_decode(d, before[d.name], writes), d)
             # Every page of the request landed, nothing else was touched.
+            start, stop = kvplan.tp_peers(HEADS, tp_p, tp_d,
+                                          decode_rank=dict(d.context)["tp_rank"]).heads
             touched = np.flatnonzero(got != SENTINEL).size
             assert touched == len(src_pages) * 2 * LAYERS * TOKENS * (stop - start) * HEAD_BYTES
 
