@@ -12,7 +12,7 @@ records its lists). Then, per ``send_kvcache`` request, four variants are sample
   sglang plan      SGLang's ``send_kvcache`` up to its list of ``(src, dst, length)`` tuples
                    (``_transfer_data`` replaced by a recorder)
   kvplan plan      kvplan's ``send_kvcache`` up to its plan (the engine submission,
-                   ``_engine_batches``, replaced by a stub that takes the plan)
+                   ``send_engine_batches``, replaced by a stub that takes the plan)
   sglang request   SGLang's ``send_kvcache`` with its own ``_transfer_data`` (the tuples unzipped
                    into three lists) into an engine whose ``batch_transfer_sync`` takes the lists
                    and returns 0
@@ -65,17 +65,17 @@ def classes(sg: Any) -> tuple[type, type]:
     return base, ours
 
 
-_SUBMIT = dropins._engine_batches
+_SUBMIT = dropins.send_engine_batches
 
 
 def plan_only_on() -> None:
     """kvplan's ``send_kvcache`` stops at its plan: the engine submission takes the plan and
     returns 0 (undone by :func:`plan_only_off`)."""
-    dropins._engine_batches = lambda manager, session, plan: 0 if plan.n_blocks >= 0 else -1
+    dropins.send_engine_batches = lambda manager, session, plan: 0 if plan.n_blocks >= 0 else -1
 
 
 def plan_only_off() -> None:
-    dropins._engine_batches = _SUBMIT
+    dropins.send_engine_batches = _SUBMIT
 
 
 def kv_manager(sg: Any, cls: type, dep: Deployment, engine: Any, *,

@@ -477,7 +477,7 @@ def test_real_instances_take_the_bounded_batch_fast_path(sg: Any) -> None:
         raise AssertionError("the seam path ran on a manager with SGLang's _transfer_data")
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(impl, "_blocks", no_tuples)
+    mp.setattr(impl, "block_tuples", no_tuples)
     try:
         dep = Deployment("mla", 6, list(range(6)), 1, 0)
         dptrs, _, dids = dep.dst_lists()

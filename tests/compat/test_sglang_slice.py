@@ -209,7 +209,7 @@ def test_a_replica_plans_as_the_cores_elected_holder_of_its_heads() -> None:
     decode rank those heads (``tp_peers``): the holder in the same group of replicas whose rank
     matches the decode rank modulo the replica count, and itself for heads the decode rank does
     not hold (the template is empty and says so)."""
-    from kvplan.compat.sglang.templates import _as_elected_replica
+    from kvplan.compat.sglang.templates import elected_replica
 
     checked = 0
     for heads in (1, 2, 4, 8):
@@ -220,7 +220,7 @@ def test_a_replica_plans_as_the_cores_elected_holder_of_its_heads() -> None:
                     mine = kvplan.tp_peers(heads, tp_p, tp_d, prefill_rank=r_p).heads
                     for r_d in range(tp_d):
                         start, stop = kvplan.tp_peers(heads, tp_p, tp_d, decode_rank=r_d).heads
-                        got = _as_elected_replica(r_p, r_d, heads, tp_p, tp_d)
+                        got = elected_replica(r_p, r_d, heads, tp_p, tp_d)
                         if start <= mine[0] and mine[1] <= stop:
                             assert got == r_p // replicas * replicas + r_d % replicas
                             checked += 1

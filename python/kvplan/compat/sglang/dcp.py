@@ -12,12 +12,12 @@ import numpy as np
 from kvplan import _core
 from kvplan._core import Layout, SizeMismatchError, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
-from kvplan.compat.sglang.layouts import _ids, _unbounded
+from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import planned
-from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_method
-from kvplan.compat.sglang.seams import _mla_slicer, _own_transfer_data
-from kvplan.compat.sglang.submit import _send_all, _status
-from kvplan.compat.sglang.templates import _as_index, _kv_args_lens
+from kvplan.compat.sglang.registry import MOONCAKE_MANAGER, sglang_method
+from kvplan.compat.sglang.seams import mla_slicer, owns_transfer_data
+from kvplan.compat.sglang.submit import send_all, engine_status
+from kvplan.compat.sglang.templates import as_index, kv_args_lens
 
 #: SGLang's module holding ``try_pack_dcp_src`` and its gather kernel.
 DCP_PACK_MODULE = "sglang.srt.disaggregation.common.dcp_pack"
@@ -30,7 +30,7 @@ def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: l
     (not dealt) ``page_size * dcp_size`` rows, as SGLang addresses them."""
     kv_args = manager.kv_args
     src_ptrs = list(kv_args.kv_data_ptrs)
-    src_ids = _ids(kv_args.kv_layer_ids)
+    src_ids = published_ids(kv_args.kv_layer_ids)
     page = int(kv_args.page_size)
     num_draft = int(kv_args.num_draft_entries)
     inputs = ("dcp", src_ptrs, src_ids, page, num_draft, token_lens, dst_ptrs, dst_ids,
@@ -48,10 +48,10 @@ def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: l
         for j in range(n_dst):  # unpaired decode entries: never written, sized as a target
             if dst_items[j] == 0:
                 dst_items[j] = token_lens[0] * page
-        src = Layout(src_ptrs, _kv_args_lens(kv_args, src_ptrs),
+        src = Layout(src_ptrs, kv_args_lens(kv_args, src_ptrs),
                      [w * page for w in token_lens[:n_src]], src_ids, drafts=src_drafts,
                      page_size=page)
-        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, dst_ids, drafts=dst_drafts,
+        dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), dst_items, dst_ids, drafts=dst_drafts,
                      page_size=page, dcp_size=dcp_size, dcp_rank=dcp_rank)
         return Template(src, dst, allow_positional_fallback=False)
 
@@ -158,8 +158,8 @@ def send_kvcache_dcp(
                   dst_attn_tp_size=dst_attn_tp_size)
 
     def sglangs() -> int:
-        original = _sglang_method(self, "send_kvcache_dcp", _MOONCAKE)
-        return _status(original(*args, **kwargs))
+        original = sglang_method(self, "send_kvcache_dcp", MOONCAKE_MANAGER)
+        return engine_status(original(*args, **kwargs))
 
     kv_args = self.kv_args
     page = int(kv_args.page_size)
@@ -169,9 +169,9 @@ def send_kvcache_dcp(
             or (dst_kv_item_lens and len(dst_kv_item_lens) != len(dst_kv_ptrs))
             or decode_prefix_len % (page * size) or src_page_offset % size):
         return sglangs()
-    src_ids, dst_ids = _ids(kv_args.kv_layer_ids), _ids(dst_layer_ids)
+    src_ids, dst_ids = published_ids(kv_args.kv_layer_ids), published_ids(dst_layer_ids)
     n_src, num_draft = len(kv_args.kv_data_ptrs), int(kv_args.num_draft_entries)
-    if not (src_ids or dst_ids) and (len(dst_kv_ptrs) != n_src or _mla_slicer(self) is None):
+    if not (src_ids or dst_ids) and (len(dst_kv_ptrs) != n_src or mla_slicer(self) is None):
         return sglangs()
     token_lens = [int(w) for w in dcp_token_item_lens]
     if num_draft and dst_kv_item_lens:
@@ -188,7 +188,7 @@ def send_kvcache_dcp(
     template = _dcp_template(self, mooncake_session_id, list(dst_kv_ptrs), token_lens, dst_ids,
                              size, rank)
     # each side's pages in token order: the lists differ in length (tokens are dealt)
-    src, dst = _as_index(prefill_kv_indices), _as_index(dst_kv_indices)
+    src, dst = as_index(prefill_kv_indices), as_index(dst_kv_indices)
     # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
     dst = np.ascontiguousarray(dst[src_page_offset // size:])
     if pack_buffer is not None:
@@ -198,6 +198,6 @@ def send_kvcache_dcp(
         plan = packed
     else:
         plan = planned(lambda: template.plan(src, dst, n_tokens=int(num_kv_tokens)))
-    if plan.n_blocks == 0 and _own_transfer_data(self):
+    if plan.n_blocks == 0 and owns_transfer_data(self):
         return 0  # SGLang's own _transfer_data would hand the engine nothing
-    return _send_all(self, mooncake_session_id, plan)  # an override sees even an empty list
+    return send_all(self, mooncake_session_id, plan)  # an override sees even an empty list

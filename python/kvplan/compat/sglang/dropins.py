@@ -7,22 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplan.compat.sglang.layouts import _ids
+from kvplan.compat.sglang.layouts import published_ids
 from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import (
-    _ASCEND,
-    _MOONCAKE,
-    _sglang_global,
-    _sglang_impl,
-    _sglang_method,
+    ASCEND_MANAGER,
+    MOONCAKE_MANAGER,
+    sglang_global,
+    sglang_impl,
+    sglang_method,
 )
-from kvplan.compat.sglang.seams import _mla_slicer, _own_mha_slicer, _own_transfer_data
+from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer, owns_transfer_data
 from kvplan.compat.sglang.submit import (
-    _engine_batches,
-    _send_all,
+    send_engine_batches,
+    send_all,
     _send_index_windows,
     _send_per_pair,
-    _status,
+    engine_status,
 )
 from kvplan.compat.sglang.templates import (
     _ids_template,
@@ -55,8 +55,8 @@ def _send_kvcache_generic(
     """kvplan's ``MooncakeKVManager._send_kvcache_generic`` (SGLang 0.5.23 signature)."""
 
     def sglangs() -> int:
-        original = _sglang_method(self, "_send_kvcache_generic", _MOONCAKE)
-        return _status(original(
+        original = sglang_method(self, "_send_kvcache_generic", MOONCAKE_MANAGER)
+        return engine_status(original(
             self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
             prefill_data_indices, dst_data_indices, executor, state_type, force_flat,
             src_layer_ids, dst_layer_ids, dst_device_data_indices, dst_device_data_ptrs,
@@ -65,7 +65,7 @@ def _send_kvcache_generic(
     if state_type is not None or dst_device_data_indices is not None or dst_item_lens is not None:
         return sglangs()
     src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
-    src_ids, dst_ids = _ids(src_layer_ids), _ids(dst_layer_ids)
+    src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
     session = mooncake_session_id
     # SGLang's branch, reading what it reads in its order.
     if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
@@ -73,14 +73,14 @@ def _send_kvcache_generic(
             template = _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
                                      dst_ids, self.pp_size == 1)
         else:
-            slicer = _mla_slicer(self)
+            slicer = mla_slicer(self)
             if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
                     self.kv_args, "mla_compression_ratios", None)):
                 return sglangs()  # a replaced slicer, or compressed MLA: SGLang's own path
             template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items,
                                             slicer)
     else:
-        if not _own_mha_slicer(self):
+        if not owns_mha_slicer(self):
             return sglangs()
         template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
@@ -88,8 +88,8 @@ def _send_kvcache_generic(
                                                None) != "INTRA_NODE_NVLINK":
         return _send_per_pair(self, session, planned(lambda: template.plan(src, dst)),
                               executor, through_transfer_data=True, await_with_manager=True)
-    if _own_transfer_data(self):
-        return _engine_batches(self, session, planned(lambda: template.plan(src, dst)))
+    if owns_transfer_data(self):
+        return send_engine_batches(self, session, planned(lambda: template.plan(src, dst)))
     return _send_index_windows(self, session, template, src, dst)
 
 
@@ -129,15 +129,15 @@ def send_kvcache_slice(
       ``kv_data_lens``: ``IndexBoundsError`` (SGLang reads outside the buffer).
     """
     g = _slice_geometry(self, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len)
-    dst_ids = _ids(dst_layer_ids)
-    if not (_ids(self.kv_args.kv_layer_ids) or dst_ids) and not _own_mha_slicer(self):
-        original = _sglang_method(self, "send_kvcache_slice", _MOONCAKE)
-        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+    dst_ids = published_ids(dst_layer_ids)
+    if not (published_ids(self.kv_args.kv_layer_ids) or dst_ids) and not owns_mha_slicer(self):
+        original = sglang_method(self, "send_kvcache_slice", MOONCAKE_MANAGER)
+        return engine_status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
                                 dst_kv_indices, dst_tp_rank, dst_attn_tp_size,
                                 dst_kv_item_len, executor, dst_layer_ids))
-    logger = _sglang_global("logger")
+    logger = sglang_global("logger")
     items = list(self.kv_args.kv_item_lens)
-    if (_ids(self.kv_args.kv_layer_ids) or dst_ids) and any(n != items[0] for n in items):
+    if (published_ids(self.kv_args.kv_layer_ids) or dst_ids) and any(n != items[0] for n in items):
         logger.error(
             f"[{mooncake_session_id}] head-sliced transfer assumes one item "
             f"length for every KV entry, got {set(items)}")
@@ -154,10 +154,10 @@ def send_kvcache_slice(
     plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
     # SGLang's slice hands each layer pair to the engine itself (no ``_transfer_data``) and
     # awaits the executor's tasks with ``_await_transfer_futures``.
-    if _sglang_impl(self, "_await_transfer_futures") is None:
+    if sglang_impl(self, "_await_transfer_futures") is None:
         return _send_per_pair(self, mooncake_session_id, plan, executor,
                               through_transfer_data=False, await_with_manager=True)
-    return _engine_batches(self, mooncake_session_id, plan)
+    return send_engine_batches(self, mooncake_session_id, plan)
 
 
 def send_kvcache(
@@ -175,12 +175,12 @@ def send_kvcache(
     """kvplan's ``MooncakeKVManager.send_kvcache`` (SGLang 0.5.23 signature): SGLang's envelope
     check, then ``self._send_kvcache_generic`` with SGLang's keyword arguments."""
     if dst_device_kv_indices is not None:  # HiSparse device destinations: SGLang's own path
-        original = _sglang_method(self, "send_kvcache", _MOONCAKE)
-        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+        original = sglang_method(self, "send_kvcache", MOONCAKE_MANAGER)
+        return engine_status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
                                 dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
                                 dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
-    get_memory = _sglang_global("get_memory")
+    get_memory = sglang_global("get_memory")
     return _generic_over_kv_buffers(
         self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor,
         dst_layer_ids, force_flat=get_memory().enable_unified_memory,
@@ -199,7 +199,7 @@ def _generic_over_kv_buffers(
 ) -> int:
     """``self._send_kvcache_generic`` over this manager's KV buffers, with the keyword arguments
     SGLang's ``send_kvcache`` passes; ``manager_kwargs`` are those only one manager passes."""
-    return _status(self._send_kvcache_generic(
+    return engine_status(self._send_kvcache_generic(
         mooncake_session_id=mooncake_session_id,
         src_data_ptrs=self.kv_args.kv_data_ptrs,
         dst_data_ptrs=dst_kv_ptrs,
@@ -239,14 +239,14 @@ def ascend_send_kvcache(
     slicer: str | None = "flat"
     if self.pp_size > 1:
         if self.is_mla_backend:
-            slicer = _mla_slicer(self)
+            slicer = mla_slicer(self)
             if getattr(kv_args, "mla_compression_ratios", None):
                 slicer = None  # compressed MLA: SGLang's own slicing
         else:
-            slicer = "mha" if _own_mha_slicer(self) else None
+            slicer = "mha" if owns_mha_slicer(self) else None
     if slicer is None:
-        original = _sglang_method(self, "send_kvcache", _ASCEND)
-        return _status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+        original = sglang_method(self, "send_kvcache", ASCEND_MANAGER)
+        return engine_status(original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
                                 dst_kv_indices, executor, dst_layer_ids, dst_device_kv_indices,
                                 dst_kv_item_len, dst_attn_tp_size))
     template = _positional_template(self, mooncake_session_id, f"ascend-{slicer}", src_ptrs,
@@ -255,7 +255,7 @@ def ascend_send_kvcache(
     if self.enable_custom_mem_pool:
         return _send_per_pair(self, mooncake_session_id, plan, executor,
                               through_transfer_data=True, await_with_manager=False)
-    return _send_all(self, mooncake_session_id, plan)
+    return send_all(self, mooncake_session_id, plan)
 
 
 def _send_mamba_state(
@@ -277,4 +277,4 @@ def _send_mamba_state(
                                         dst_state_item_lens)
     plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
                                                int(dst_mamba_index[0])))
-    return _send_all(self, session, plan)
+    return send_all(self, session, plan)

@@ -12,18 +12,18 @@ from kvplan._core import Layout
 _U64_MAX = (1 << 64) - 1
 
 
-def _unbounded(ptrs: Sequence[int]) -> list[int]:
+def unbounded_lens(ptrs: Sequence[int]) -> list[int]:
     """Buffer lengths for a peer whose lengths SGLang does not publish (the decode): as large as
     the address space allows, so only u64 overflow bounds an index there."""
     return [_U64_MAX - int(p) for p in ptrs]
 
 
-def _ids(ids: Sequence[int] | None) -> list[int] | None:
+def published_ids(ids: Sequence[int] | None) -> list[int] | None:
     """SGLang's truthiness: ``None`` and ``[]`` both mean "not published"."""
     return list(ids) if ids else None
 
 
-def _kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
+def kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
               num_layers: int | None = None) -> list[str] | None:
     """Roles of SGLang's KV entry list, or None when they cannot be derived exactly."""
     if groups > 1:
@@ -93,12 +93,12 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
     if groups > 1:
         num_draft = groups * int(getattr(kv_args, "draft_kv_layers", 0) or 0)
-    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
+    roles = kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
     tp_rank, tp_size = (0, 1) if attn_tp_size is None else _tp_context(
         getattr(kv_args, "engine_rank", 0), attn_tp_size, "attn_tp_size")
     layout = Layout(
         ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
-        _ids(getattr(kv_args, "kv_layer_ids", None)), roles,
+        published_ids(getattr(kv_args, "kv_layer_ids", None)), roles,
         page_size=int(getattr(kv_args, "page_size", 1) or 1),
         pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
         tp_rank=tp_rank, tp_size=tp_size,
@@ -173,11 +173,11 @@ def layout_from_register_info(info: Any, *, is_mla_backend: bool, kv_buf_groups:
     items = list(getattr(info, "dst_kv_item_lens", None) or [])
     if not items:
         items = [int(info.dst_kv_item_len)] * len(ptrs)
-    roles = _kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
+    roles = kv_roles(len(ptrs), mla=is_mla_backend, groups=kv_buf_groups,
                       num_draft=num_draft_entries, num_layers=num_layers)
     tp_rank, tp_size = _tp_context(getattr(info, "dst_tp_rank", 0),
                                    getattr(info, "dst_attn_tp_size", 1), "dst_attn_tp_size")
-    layout = Layout(ptrs, _unbounded(ptrs), items, _ids(info.dst_kv_layer_ids), roles,
+    layout = Layout(ptrs, unbounded_lens(ptrs), items, published_ids(info.dst_kv_layer_ids), roles,
                     num_model_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
     if state_types:
         state = _RegisterState(info, state_types)
@@ -191,6 +191,6 @@ class _RegisterState:
     def __init__(self, info: Any, state_types: Sequence[Any]) -> None:
         self.state_types = list(state_types)
         self.state_data_ptrs = list(info.dst_state_data_ptrs or [])
-        self.state_data_lens = [_unbounded(p) for p in self.state_data_ptrs]
+        self.state_data_lens = [unbounded_lens(p) for p in self.state_data_ptrs]
         self.state_item_lens = list(info.dst_state_item_lens or [])
         self.state_layer_ids = list(info.dst_state_layer_ids or [])

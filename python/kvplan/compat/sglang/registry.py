@@ -9,7 +9,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-_MOONCAKE, _ASCEND = "MooncakeKVManager", "AscendKVManager"
+MOONCAKE_MANAGER, ASCEND_MANAGER = "MooncakeKVManager", "AscendKVManager"
 
 
 #: Methods :func:`install` replaces, per manager class name (a class inheriting from one of these
@@ -64,7 +64,7 @@ def _class_attr(cls: type, name: str) -> tuple[type, Any] | None:
 def _register_sglang_classes(cls: type) -> None:
     """Remember SGLang's manager classes in ``cls``'s MRO and their seam functions."""
     for klass in cls.__mro__:
-        if klass.__name__ not in (_MOONCAKE, _ASCEND) or klass.__name__ in _SGLANG_CLASSES:
+        if klass.__name__ not in (MOONCAKE_MANAGER, ASCEND_MANAGER) or klass.__name__ in _SGLANG_CLASSES:
             continue
         _SGLANG_CLASSES[klass.__name__] = klass
         _SGLANG_GLOBALS[klass.__name__] = _function(
@@ -75,7 +75,7 @@ def _register_sglang_classes(cls: type) -> None:
                 _SGLANG_IMPLS[name][_function(found[1])] = found[0].__name__
 
 
-def _sglang_impl(manager: Any, name: str) -> str | None:
+def sglang_impl(manager: Any, name: str) -> str | None:
     """The SGLang class whose own ``name`` ``manager`` resolves to (instance attribute first,
     as Python looks it up), or None when it resolves to anything else or nothing."""
     attrs = getattr(manager, "__dict__", None)
@@ -89,7 +89,7 @@ def _sglang_impl(manager: Any, name: str) -> str | None:
         return None
 
 
-def _sglang_method(manager: Any, name: str, kind: str) -> Any:
+def sglang_method(manager: Any, name: str, kind: str) -> Any:
     """SGLang's own ``name`` for ``manager``: the original kvplan replaced on the nearest
     installed class in its MRO, else (an object of another class, called unbound, e.g. a test's
     recorder) the one of SGLang's ``kind`` class."""
@@ -103,7 +103,7 @@ def _sglang_method(manager: Any, name: str, kind: str) -> Any:
     return _resolve_original(base, name)
 
 
-def _sglang_global(name: str, kind: str = _MOONCAKE) -> Any:
+def sglang_global(name: str, kind: str = MOONCAKE_MANAGER) -> Any:
     """A global of the SGLang module that defines the ``kind`` class (e.g. ``get_memory``,
     ``logger``), read when needed, as SGLang's methods read it."""
     return _SGLANG_GLOBALS[kind][name]
@@ -135,7 +135,7 @@ def _original_for(cls: type, name: str) -> Any:
 
 def _manager_kind(cls: type) -> str:
     names = [k.__name__ for k in cls.__mro__]
-    for kind in (_ASCEND, _MOONCAKE):
+    for kind in (ASCEND_MANAGER, MOONCAKE_MANAGER):
         if kind in names:
             return kind
     raise TypeError(

@@ -5,24 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplan.compat.sglang.registry import _ASCEND, _sglang_impl
+from kvplan.compat.sglang.registry import ASCEND_MANAGER, sglang_impl
 
 
-def _own_transfer_data(manager: Any) -> bool:
-    return _sglang_impl(manager, "_transfer_data") is not None
+def owns_transfer_data(manager: Any) -> bool:
+    return sglang_impl(manager, "_transfer_data") is not None
 
 
-def _mla_slicer(manager: Any) -> str | None:
+def mla_slicer(manager: Any) -> str | None:
     """Which of SGLang's ``get_mla_kv_ptrs_with_pp`` the manager uses: ``"common"`` (with the
     common ``_mla_kv_entry_span_with_pp``), ``"ascend"`` (NPU buffer groups), or None for
     anything else (kvplan then hands the call to SGLang's own method)."""
-    impl = _sglang_impl(manager, "get_mla_kv_ptrs_with_pp")
-    if impl == _ASCEND:
+    impl = sglang_impl(manager, "get_mla_kv_ptrs_with_pp")
+    if impl == ASCEND_MANAGER:
         return "ascend"
-    if impl is not None and _sglang_impl(manager, "_mla_kv_entry_span_with_pp") is not None:
+    if impl is not None and sglang_impl(manager, "_mla_kv_entry_span_with_pp") is not None:
         return "common"
     return None
 
 
-def _own_mha_slicer(manager: Any) -> bool:
-    return _sglang_impl(manager, "get_mha_kv_ptrs_with_pp") is not None
+def owns_mha_slicer(manager: Any) -> bool:
+    return sglang_impl(manager, "get_mha_kv_ptrs_with_pp") is not None

@@ -17,7 +17,7 @@ def _instance_setting(manager: Any, name: str) -> Any:
     return None if attrs is None else attrs.get(name)
 
 
-def _max_blocks(manager: Any) -> int:
+def setting_max_blocks(manager: Any) -> int:
     value = _instance_setting(manager, "kvplan_max_blocks_per_batch")
     if value is None:
         value = getattr(type(manager), "_kvplan_max_blocks_per_batch",
@@ -25,7 +25,7 @@ def _max_blocks(manager: Any) -> int:
     return int(value)
 
 
-def _decode_kv_layers(manager: Any) -> int | None:
+def setting_decode_kv_layers(manager: Any) -> int | None:
     value = _instance_setting(manager, "kvplan_decode_kv_layers")
     if value is None:
         value = getattr(type(manager), "_kvplan_decode_kv_layers", None)

@@ -14,12 +14,12 @@ from typing import Any, cast
 from kvplan import _core
 from kvplan._core import Layout, Template
 from kvplan.compat.sglang.cache import template_cache
-from kvplan.compat.sglang.layouts import _ids, _unbounded
+from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import planned
-from kvplan.compat.sglang.registry import _MOONCAKE, _sglang_global, _sglang_method
-from kvplan.compat.sglang.submit import _blocks, _engine_batches, _status
-from kvplan.compat.sglang.seams import _own_transfer_data
-from kvplan.compat.sglang.templates import _as_elected_replica, _as_index
+from kvplan.compat.sglang.registry import MOONCAKE_MANAGER, sglang_global, sglang_method
+from kvplan.compat.sglang.submit import block_tuples, send_engine_batches, engine_status
+from kvplan.compat.sglang.seams import owns_transfer_data
+from kvplan.compat.sglang.templates import elected_replica, as_index
 
 #: SGLang's module holding the staging layout and the gather / scatter kernels; imported when
 #: a call needs it, as SGLang's method imports it.
@@ -47,7 +47,7 @@ def _pool_lens(tensors: Sequence[Any]) -> list[int]:
 def _placeholders(n: int) -> tuple[list[int], list[int]]:
     """Pool pointers and lengths for the side whose pools a peer does not know."""
     ptrs = [_PLACEHOLDER_BASE + (j << 40) for j in range(n)]
-    return ptrs, _unbounded(ptrs)
+    return ptrs, unbounded_lens(ptrs)
 
 
 def replicated_writers(kv_heads: int, prefill_tp: int, decode_tp: int) -> bool:
@@ -99,7 +99,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     if not every_writer:
         # A replica plans as the elected holder of its heads: same bytes, and (one writer per
         # region here) the same share.
-        r_p = _as_elected_replica(r_p, int(decode_rank) % tp_d, heads, tp_p, tp_d)
+        r_p = elected_replica(r_p, int(decode_rank) % tp_d, heads, tp_p, tp_d)
     # SGLang splits heads as kvplan's core does (``max(1, heads // tp)``): the core's answer.
     src_hpr, dst_hpr = _core.heads_per_rank(heads, tp_p), _core.heads_per_rank(heads, tp_d)
     head_bytes = int(head_dim) * int(dtype_size)
@@ -209,8 +209,8 @@ def send_kvcache_staged(
             dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, dst_layer_ids)
 
     def sglangs() -> int:
-        original = _sglang_method(self, "send_kvcache_staged", _MOONCAKE)
-        return _status(original(*args, staging_buffer=staging_buffer,
+        original = sglang_method(self, "send_kvcache_staged", MOONCAKE_MANAGER)
+        return engine_status(original(*args, staging_buffer=staging_buffer,
                                 dst_slot_layer_ids=dst_slot_layer_ids))
 
     if self.kv_buffer_tensors is None or staging_buffer is None:
@@ -223,14 +223,14 @@ def send_kvcache_staged(
     tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
     slot_ids = None
     if self.pp_size > 1:
-        src_ids = _ids(tensors.get("slot_layer_ids") or self.kv_args.kv_layer_ids)
-        dst_ids = _ids(dst_slot_layer_ids or dst_layer_ids)
+        src_ids = published_ids(tensors.get("slot_layer_ids") or self.kv_args.kv_layer_ids)
+        dst_ids = published_ids(dst_slot_layer_ids or dst_layer_ids)
         if src_ids is None or dst_ids is None or len(src_ids) != 2 * len(k_buffers):
             return sglangs()  # SGLang's pairing error
         slot_ids = (src_ids, dst_ids)
     template = _manager_template(self, mooncake_session_id, k_buffers, v_buffers, page, heads,
                                  dst_tp_rank, tp_d, dst_kv_item_len, slot_ids)
-    src = _as_index(prefill_kv_indices)
+    src = as_index(prefill_kv_indices)
     try:
         # the decode's pages do not shape the network plan: the prefill's list stands in
         staged = planned(lambda: template.plan_staged(
@@ -240,7 +240,7 @@ def send_kvcache_staged(
     except _core.SizeMismatchError as exc:
         if exc.kind != "staging_too_small":
             raise
-        _sglang_global("logger").warning(f"Staging too small, falling back: {exc}")
+        sglang_global("logger").warning(f"Staging too small, falling back: {exc}")
         return -1
     src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
         tp_p, tp_d, int(self.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
@@ -251,10 +251,10 @@ def send_kvcache_staged(
         raise _core.SizeMismatchError(
             f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
             f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
-    if _own_transfer_data(self):
-        ret = _engine_batches(self, mooncake_session_id, staged.network)
+    if owns_transfer_data(self):
+        ret = send_engine_batches(self, mooncake_session_id, staged.network)
     else:
-        ret = _status(self._transfer_data(mooncake_session_id, _blocks(staged.network)))
+        ret = engine_status(self._transfer_data(mooncake_session_id, block_tuples(staged.network)))
     if ret != 0:
         raise RuntimeError(
             f"[Staging] Bulk RDMA transfer failed with ret={ret}. "

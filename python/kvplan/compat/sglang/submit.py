@@ -20,17 +20,17 @@ import numpy.typing as npt
 
 from kvplan._core import Template, TransferPlan
 from kvplan.compat.sglang.metrics import observe, planned
-from kvplan.compat.sglang.seams import _own_transfer_data
-from kvplan.compat.sglang.settings import _max_blocks
+from kvplan.compat.sglang.seams import owns_transfer_data
+from kvplan.compat.sglang.settings import setting_max_blocks
 from kvplan.engines._base import U64, write_batches
 
 
-def _status(value: Any) -> int:
+def engine_status(value: Any) -> int:
     """An engine or seam status, returned unchanged as SGLang returns it."""
     return cast(int, value)
 
 
-def _blocks(plan: TransferPlan, which: slice = slice(None)) -> list[tuple[int, int, int]]:
+def block_tuples(plan: TransferPlan, which: slice = slice(None)) -> list[tuple[int, int, int]]:
     """Blocks as SGLang hands them to ``_transfer_data``: ``(src, dst, length)`` tuples."""
     return list(zip(plan.src_addrs[which].tolist(), plan.dst_addrs[which].tolist(),
                     plan.lengths[which].tolist()))
@@ -76,7 +76,7 @@ def _native(engine: Any) -> Any:
     return cached or None
 
 
-def _engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
+def send_engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
     """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
     own ``_transfer_data`` does with its one list), through the engine base's batching loop;
     the first non-zero status is returned and later batches are not submitted."""
@@ -96,17 +96,17 @@ def _engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
             return engine.batch_transfer_sync(session, src.tolist(), dst.tolist(),
                                               lengths.tolist())
 
-    _, status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, _max_blocks(manager),
+    _, status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, setting_max_blocks(manager),
                               write)
-    return _status(status)
+    return engine_status(status)
 
 
-def _send_all(manager: Any, session: str, plan: TransferPlan) -> int:
+def send_all(manager: Any, session: str, plan: TransferPlan) -> int:
     """All blocks of one call: the fast path when ``_transfer_data`` is SGLang's own, else one
     ``_transfer_data(session, blocks)`` call, as SGLang makes it."""
-    if _own_transfer_data(manager):
-        return _engine_batches(manager, session, plan)
-    return _status(manager._transfer_data(session, _blocks(plan)))
+    if owns_transfer_data(manager):
+        return send_engine_batches(manager, session, plan)
+    return engine_status(manager._transfer_data(session, block_tuples(plan)))
 
 
 def _send_index_windows(manager: Any, session: str, template: Template,
@@ -116,8 +116,8 @@ def _send_index_windows(manager: Any, session: str, template: Template,
     each window planned on its own (SGLang's runs break at window edges too)."""
     window = manager.max_transfer_batch_indices
     if window <= 0 or src.size <= window:
-        return _status(manager._transfer_data(session,
-                                              _blocks(planned(lambda: template.plan(src, dst)))))
+        return engine_status(manager._transfer_data(session,
+                                              block_tuples(planned(lambda: template.plan(src, dst)))))
     plan_s, n_blocks = 0.0, 0
     try:
         for start in range(0, src.size, window):
@@ -125,9 +125,9 @@ def _send_index_windows(manager: Any, session: str, template: Template,
             part = template.plan(src[start:start + window], dst[start:start + window])
             plan_s += time.perf_counter() - started
             n_blocks += part.n_blocks
-            status = manager._transfer_data(session, _blocks(part))
+            status = manager._transfer_data(session, block_tuples(part))
             if status != 0:
-                return _status(status)
+                return engine_status(status)
         return 0
     finally:
         observe(plan_s, n_blocks)  # the call's windows as one call
@@ -139,7 +139,7 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
     ``_transfer_data`` when that is the call's seam and it is not SGLang's own, else straight
     to the engine. Awaited with the manager's ``_await_transfer_futures`` where SGLang does,
     else SGLang's Ascend loop (first non-zero status, the rest cancelled)."""
-    seam = through_transfer_data and not _own_transfer_data(manager)
+    seam = through_transfer_data and not owns_transfer_data(manager)
     native = None if seam else _native(manager.engine)
     timeout_s = 0.0
     if native is not None:
@@ -150,7 +150,7 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
     def one(pair: int) -> int:
         which = plan.pair_blocks(pair)
         if seam:
-            return _status(manager._transfer_data(session, _blocks(plan, which)))
+            return engine_status(manager._transfer_data(session, block_tuples(plan, which)))
         if native is not None:
             src_addrs = plan.src_addrs[which]
             if len(src_addrs) == 0:
@@ -160,16 +160,16 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
         src = plan.src_addrs[which].tolist()
         if not src:
             return 0
-        return _status(manager.engine.batch_transfer_sync(
+        return engine_status(manager.engine.batch_transfer_sync(
             session, src, plan.dst_addrs[which].tolist(), plan.lengths[which].tolist()))
 
     futures = [executor.submit(one, p) for p in range(plan.n_pairs)]
     if await_with_manager:
-        return _status(manager._await_transfer_futures(futures))
+        return engine_status(manager._await_transfer_futures(futures))
     for future in concurrent.futures.as_completed(futures):
         status = future.result()
         if status != 0:
             for f in futures:
                 f.cancel()
-            return _status(status)
+            return engine_status(status)
     return 0

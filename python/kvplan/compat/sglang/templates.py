@@ -13,18 +13,18 @@ import numpy.typing as npt
 from kvplan import _core
 from kvplan._core import Layout, Template
 from kvplan.compat.sglang.cache import template_cache
-from kvplan.compat.sglang.layouts import _ids, _kv_roles, _unbounded
-from kvplan.compat.sglang.registry import _ASCEND, _sglang_global
-from kvplan.compat.sglang.settings import _decode_kv_layers
+from kvplan.compat.sglang.layouts import published_ids, kv_roles, unbounded_lens
+from kvplan.compat.sglang.registry import ASCEND_MANAGER, sglang_global
+from kvplan.compat.sglang.settings import setting_decode_kv_layers
 
 
-def _kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
+def kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
     """Source buffer lengths when ``ptrs`` are the manager's own KV buffers, else unbounded."""
     own = getattr(kv_args, "kv_data_ptrs", None)
     lens = getattr(kv_args, "kv_data_lens", None)
     if own is not None and lens is not None and list(own) == list(ptrs):
         return list(lens)
-    return _unbounded(ptrs)
+    return unbounded_lens(ptrs)
 
 
 def _registered_item_lens(manager: Any, session: str, dst_ptrs: Sequence[int]) -> list[int] | None:
@@ -57,12 +57,12 @@ def _legacy_mha(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
     """SGLang's ``get_mha_kv_ptrs_with_pp`` (K block then V block), strict."""
     start = int(manager.kv_args.prefill_start_layer)
     n_src, n_dst = len(src_ptrs), len(dst_ptrs)
-    decode_layers = _decode_kv_layers(manager)
+    decode_layers = setting_decode_kv_layers(manager)
     if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
         decode_layers = n_dst // 2  # equal halves: K with K, V with V, whatever the count says
     pairs = _core.legacy_pp_pairs("mha", n_src, n_dst, start, decode_num_layers=decode_layers)
     src = Layout(src_ptrs, src_lens, items)
-    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+    dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                  num_model_layers=decode_layers)
     return Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
 
@@ -105,7 +105,7 @@ def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_
         if len(how) == 2:  # as many layers per group on both sides: entry i to entry i
             src = Layout(src_ptrs, src_lens, items)
             pairs = _core.pair_entries(None, None, n_src, n_dst, True)
-            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+            dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                          _dst_item_lens(pairs, items, n_dst, known))
             return Template(src, dst, allow_positional_fallback=True)
         _, _, hidden, draft_layers, start, sends_draft = how
@@ -115,29 +115,29 @@ def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_
                 f"decode registered {n_dst} KV buffers; {groups} groups of hidden_kv_layers="
                 f"{hidden} plus draft_kv_layers={draft_layers} make "
                 f"{groups * (hidden + draft_layers)}: SGLang would slice the wrong buffers")
-        src_roles = _kv_roles(n_src, mla=True, groups=groups, num_draft=groups * src_draft)
-        dst_roles = _kv_roles(n_dst, mla=True, groups=groups, num_draft=groups * draft_layers)
+        src_roles = kv_roles(n_src, mla=True, groups=groups, num_draft=groups * src_draft)
+        dst_roles = kv_roles(n_dst, mla=True, groups=groups, num_draft=groups * draft_layers)
         if src_roles is None or dst_roles is None:
             raise _core.LayoutError(
                 f"prefill has {n_src} KV buffers in {groups} groups with {src_draft} draft "
                 "layers per group: the buffers do not split into those groups")
         src = Layout(src_ptrs, src_lens, items, roles=src_roles)
-        pairs = _partners(src, Layout(dst_ptrs, _unbounded(dst_ptrs), 0, roles=dst_roles), start)
-        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
+        pairs = _partners(src, Layout(dst_ptrs, unbounded_lens(dst_ptrs), 0, roles=dst_roles), start)
+        dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                      roles=dst_roles)
         return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
     num_draft, start = (how[1], how[2]) if len(how) == 3 else (0, 0)
     pairs = _core.legacy_pp_pairs("mla", n_src, n_dst, start, num_draft_entries=num_draft)
-    roles = _kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
+    roles = kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
     src = Layout(src_ptrs, src_lens, items, roles=roles)
-    dst = Layout(dst_ptrs, _unbounded(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known))
+    dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known))
     return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
 
 
 def _is_last_rank(manager: Any) -> bool:
     """SGLang's ``get_parallel().pp_group.is_last_rank``, from the module of the Ascend
     ``get_mla_kv_ptrs_with_pp`` that reads it."""
-    return bool(_sglang_global("get_parallel", _ASCEND)().pp_group.is_last_rank)
+    return bool(sglang_global("get_parallel", ASCEND_MANAGER)().pp_group.is_last_rank)
 
 
 def _partners(src: Layout, dst_probe: Layout, start: int) -> npt.NDArray[np.int64]:
@@ -160,8 +160,8 @@ def _ids_template(manager: Any, session: str, path: str, src_ptrs: list[int],
 
     def build() -> Template:
         pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs), fallback)
-        src = Layout(src_ptrs, _kv_args_lens(kv_args, src_ptrs), items, src_ids)
-        dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+        src = Layout(src_ptrs, kv_args_lens(kv_args, src_ptrs), items, src_ids)
+        dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                      _dst_item_lens(pairs, items, len(dst_ptrs), known), dst_ids)
         return Template(src, dst, allow_positional_fallback=fallback)
 
@@ -176,7 +176,7 @@ def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[i
     known = _registered_item_lens(manager, session, dst_ptrs)
     how: tuple[Any, ...]
     if slicer == "mha":
-        how = (slicer, int(kv_args.prefill_start_layer), _decode_kv_layers(manager))
+        how = (slicer, int(kv_args.prefill_start_layer), setting_decode_kv_layers(manager))
     elif slicer == "flat":
         how = (slicer,)
     else:
@@ -184,12 +184,12 @@ def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[i
     inputs = (how, src_ptrs, dst_ptrs, items, known)
 
     def build() -> Template:
-        src_lens = _kv_args_lens(kv_args, src_ptrs)
+        src_lens = kv_args_lens(kv_args, src_ptrs)
         if slicer == "mha":
             return _legacy_mha(manager, src_ptrs, dst_ptrs, items, src_lens, known)
         if slicer == "flat":
             pairs = _core.pair_entries(None, None, len(src_ptrs), len(dst_ptrs), True)
-            dst = Layout(dst_ptrs, _unbounded(dst_ptrs),
+            dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                          _dst_item_lens(pairs, items, len(dst_ptrs), known))
             return Template(Layout(src_ptrs, src_lens, items), dst,
                             allow_positional_fallback=True)
@@ -198,7 +198,7 @@ def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[i
     return cast(Template, template_cache(manager).get(session, path, inputs, build))
 
 
-def _as_index(arr: Any) -> npt.NDArray[Any]:
+def as_index(arr: Any) -> npt.NDArray[Any]:
     a = np.asarray(arr)
     if a.dtype in (np.int32, np.int64) and a.dtype.isnative and a.flags.c_contiguous \
             and a.flags.aligned:
@@ -209,7 +209,7 @@ def _as_index(arr: Any) -> npt.NDArray[Any]:
 
 
 def _page_arrays(src_pages: Any, dst_pages: Any) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    src, dst = _as_index(src_pages), _as_index(dst_pages)
+    src, dst = as_index(src_pages), as_index(dst_pages)
     if src.shape != dst.shape:
         # SGLang: ValueError for different non-zero sizes, and no runs at all (nothing sent,
         # status 0) when exactly one side is empty.
@@ -240,7 +240,7 @@ def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
                 dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
 
 
-def _as_elected_replica(r_p: int, r_d: int, heads: int, tp_p: int, tp_d: int) -> int:
+def elected_replica(r_p: int, r_d: int, heads: int, tp_p: int, tp_d: int) -> int:
     """The prefill rank kvplan's head model elects to send decode rank ``r_d`` the heads that
     prefill rank ``r_p`` holds (``r_p`` itself unless its heads are replicated): the core's
     election (``tp_peers``), of the decode rank's senders the one holding ``r_p``'s heads. A
@@ -270,19 +270,19 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
     """
     kv_args = manager.kv_args
     src_ptrs, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)
-    src_ids = _ids(kv_args.kv_layer_ids)
+    src_ids = published_ids(kv_args.kv_layer_ids)
     by_id = bool(src_ids or dst_ids)
     # SGLang reads the PP size only to pair by id, the start layer only to slice positionally.
     pp_fallback = manager.pp_size == 1 if by_id else None
     start = None if by_id else int(kv_args.prefill_start_layer)
-    src_lens = _kv_args_lens(kv_args, src_ptrs)
+    src_lens = kv_args_lens(kv_args, src_ptrs)
     inputs: tuple[Any, ...] = (
         src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_fallback, start,
-        tuple(sorted(g.items())), _decode_kv_layers(manager), src_lens)
+        tuple(sorted(g.items())), setting_decode_kv_layers(manager), src_lens)
 
     def build() -> Template:
         heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
-        r_p = _as_elected_replica(g["r_p"], r_d, heads, tp_p, tp_d)
+        r_p = elected_replica(g["r_p"], r_d, heads, tp_p, tp_d)
         geometry: dict[str, Any] = dict(page_size=g["page"], kv_heads=heads,
                                         head_dim=g["head_bytes"], dtype_size=1,
                                         memory_order="NHD")
@@ -290,16 +290,16 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
         if by_id:
             src = Layout(src_ptrs, src_lens, items, src_ids, tp_rank=r_p, tp_size=tp_p,
                          heads_per_rank=g["src_hpr"], **geometry)
-            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst, dst_ids,
+            dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst, dst_ids,
                          tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
             template = Template(src, dst, allow_positional_fallback=bool(pp_fallback))
         else:
-            decode_layers = _decode_kv_layers(manager)
+            decode_layers = setting_decode_kv_layers(manager)
             if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
                 decode_layers = n_dst // 2
             src = Layout(src_ptrs, src_lens, items, tp_rank=r_p, tp_size=tp_p,
                          heads_per_rank=g["src_hpr"], **geometry)
-            dst = Layout(dst_ptrs, _unbounded(dst_ptrs), [dst_item] * n_dst,
+            dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst,
                          num_model_layers=decode_layers, tp_rank=r_d, tp_size=tp_d,
                          heads_per_rank=g["dst_hpr"], **geometry)
             template = Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
@@ -319,7 +319,7 @@ def _state_lens(kv_args: Any, ptrs: list[int]) -> list[int]:
                                     getattr(kv_args, "state_data_lens", None) or []):
         if list(comp_ptrs) == ptrs:
             return list(comp_lens)
-    return _unbounded(ptrs)
+    return unbounded_lens(ptrs)
 
 
 def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
@@ -334,11 +334,11 @@ def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
     known = list(dst_state_item_lens) if dst_state_item_lens else None
     fallback = manager.pp_size == 1
     src_lens = _state_lens(getattr(manager, "kv_args", None), src_ptrs)
-    inputs = (src_ptrs, dst_ptrs, items, _ids(src_layer_ids), _ids(dst_layer_ids), known,
+    inputs = (src_ptrs, dst_ptrs, items, published_ids(src_layer_ids), published_ids(dst_layer_ids), known,
               fallback, src_lens)
 
     def build() -> Template:
-        pairs = _core.pair_entries(_ids(src_layer_ids), _ids(dst_layer_ids), len(src_ptrs),
+        pairs = _core.pair_entries(published_ids(src_layer_ids), published_ids(dst_layer_ids), len(src_ptrs),
                                    len(dst_ptrs), fallback)
         if known is not None:
             for i, j in pairs.tolist():
@@ -348,9 +348,9 @@ def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
                         f"(src={items[i]}, dst={known[j]}). "
                         "Configure matching persistent state layouts on both peers.")
         dst_items = _dst_item_lens(pairs, items, len(dst_ptrs), known)
-        src = Layout(src_ptrs, src_lens, items, _ids(src_layer_ids),
+        src = Layout(src_ptrs, src_lens, items, published_ids(src_layer_ids),
                      kinds=["state"] * len(src_ptrs))
-        dst = Layout(dst_ptrs, _unbounded(dst_ptrs), dst_items, _ids(dst_layer_ids),
+        dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), dst_items, published_ids(dst_layer_ids),
                      kinds=["state"] * len(dst_ptrs))
         return Template(src, dst, allow_positional_fallback=fallback)
 
