@@ -3,11 +3,14 @@
 //! any real staging regions (they do not depend on where the regions are), and the choice
 //! follows the cost.
 
+mod support;
+
 use kvplan_core::{
-    AttentionGeometry, Choice, Layout, LayoutContext, MemoryOrder, StagingRegion, Template,
-    TemplateOptions, TransferCost, advise,
+    AttentionGeometry, Choice, Layout, MemoryOrder, StagingRegion, Template, TemplateOptions,
+    TransferCost, advise,
 };
 use kvplan_core::{Request, StagedPlanner, transfer_advice};
+use support::layouts::{ContextBuilder, KvLayout, paged, tp_heads};
 
 const HEADS: u32 = 8;
 const HEAD_DIM: u32 = 64;
@@ -15,36 +18,17 @@ const PAGE: u64 = 4;
 const LAYERS: usize = 3;
 const CAPACITY: u64 = 32;
 
-/// One TP rank's MHA NHD layout at `base`: every layer's K entry, then every V entry.
+/// One TP rank's MHA NHD layout at `base`: every layer's K entry, then every V entry, back to
+/// back, with heads of `HEAD_DIM` 2-byte elements.
 fn layout(base: u64, tp_size: u32, tp_rank: u32) -> Layout {
-    let per_rank = (HEADS / tp_size).max(1);
-    let item = PAGE * u64::from(per_rank) * u64::from(HEAD_DIM) * 2;
-    let len = item * CAPACITY;
-    let ptrs: Vec<u64> = (0..2 * LAYERS as u64).map(|e| base + e * len).collect();
-    let context = LayoutContext {
-        page_size: PAGE,
-        tp_rank,
-        tp_size,
-        attention: Some(AttentionGeometry {
-            total_kv_heads: HEADS,
-            heads_per_rank: per_rank,
-            head_dim: HEAD_DIM,
-            dtype_size: 2,
-            memory_order: MemoryOrder::Nhd,
-        }),
-        ..LayoutContext::default()
+    let geometry = AttentionGeometry {
+        head_dim: HEAD_DIM,
+        ..tp_heads(HEADS, tp_size, MemoryOrder::Nhd)
     };
-    Layout::mha(
-        ptrs[..LAYERS].to_vec(),
-        ptrs[LAYERS..].to_vec(),
-        vec![len; LAYERS],
-        vec![len; LAYERS],
-        vec![item; LAYERS],
-        vec![item; LAYERS],
-        Some((0..LAYERS as i64).collect()),
-        context,
-    )
-    .unwrap()
+    let item = PAGE * u64::from(geometry.heads_per_rank) * u64::from(HEAD_DIM) * 2;
+    KvLayout::mha(base, 0..LAYERS as i64, item, item * CAPACITY)
+        .context(paged(PAGE).tp(tp_rank, tp_size).attention(geometry))
+        .build()
 }
 
 fn template(tp_p: u32, r_p: u32, tp_d: u32) -> Template {

@@ -6,14 +6,19 @@
 //! `n_tokens`. Buffers of one side are 1 MiB apart, so a block running past its buffer lands in
 //! no registered buffer at all.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::{
-    AsColumns, AttentionGeometry, Columns, EntryKind, Fragment, Fragments, GeometryOptions, Layout,
-    LayoutContext, MemoryOrder, Plan, PlanError, PlanUnit, Template, TemplateOptions,
+    Columns, EntryKind, Fragment, Fragments, GeometryOptions, Layout, MemoryOrder, Plan, PlanError,
+    PlanUnit, Template, TemplateOptions,
+};
+use support::blocks::{buffers, state_plan};
+use support::layouts::{
+    ContextBuilder, HEAD_BYTES, KvLayout, heads_per_rank, kv_pool, paged, tp_heads, with_slots,
 };
 
 const GAP: u64 = 1 << 20;
-const HEAD: u64 = 4; // head_dim 2 × 2-byte elements
 const LAYERS: i64 = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,93 +61,37 @@ impl Spec {
 
     fn heads_per_rank(&self) -> u64 {
         self.geometry
-            .map_or(2, |(_, heads, _, tp)| u64::from((heads / tp).max(1)))
+            .map_or(2, |(_, heads, _, tp)| u64::from(heads_per_rank(heads, tp)))
     }
 
     fn layout(&self, base: u64) -> Layout {
-        let item = self.page_size * self.heads_per_rank() * HEAD;
-        let ctx = LayoutContext {
-            page_size: self.page_size,
-            tp_rank: self.geometry.map_or(0, |g| g.2),
-            tp_size: self.geometry.map_or(1, |g| g.3),
-            attention: self
-                .geometry
-                .map(|(memory_order, heads, _, tp)| AttentionGeometry {
-                    total_kv_heads: heads,
-                    heads_per_rank: (heads / tp).max(1),
-                    head_dim: 2,
-                    dtype_size: 2,
-                    memory_order,
-                }),
-            ..LayoutContext::default()
-        };
-        let n = 2 * LAYERS as usize;
+        let item = self.page_size * self.heads_per_rank() * HEAD_BYTES;
+        let (rank, tp) = self.geometry.map_or((0, 1), |g| (g.2, g.3));
+        let geometry = self
+            .geometry
+            .map(|(order, heads, _, tp)| tp_heads(heads, tp, order));
+        let ctx = paged(self.page_size).tp(rank, tp).attention(geometry);
         let layout = match self.memory {
-            Memory::Pool => Layout::cross_layer(
-                base,
-                self.capacity * item * n as u64,
-                Some((0..LAYERS).flat_map(|l| [l, l]).collect()),
-                vec![item; n],
-                Some((0..n).map(|e| ["k", "v"][e % 2].to_string()).collect()),
-                ctx,
-            )
-            .unwrap(),
+            Memory::Pool => kv_pool(base, self.capacity, 0..LAYERS, item, ctx),
             Memory::Packed | Memory::Strided => {
                 let stride = item + if self.memory == Memory::Strided { 8 } else { 0 };
-                let len = self.capacity * stride;
-                let ptrs: Vec<u64> = (0..n as u64).map(|e| base + e * GAP).collect();
-                let h = n / 2;
-                Layout::mha(
-                    ptrs[..h].to_vec(),
-                    ptrs[h..].to_vec(),
-                    vec![len; h],
-                    vec![len; h],
-                    vec![item; h],
-                    vec![item; h],
-                    Some((0..LAYERS).collect()),
-                    ctx,
-                )
-                .unwrap()
-                .with_strides(vec![stride; n])
-                .unwrap()
+                KvLayout::mha(base, 0..LAYERS, item, self.capacity * stride)
+                    .spaced(GAP)
+                    .stride(stride)
+                    .context(ctx)
+                    .build()
             }
         };
         if !self.state {
             return layout;
         }
         // A replicated and a TP-sharded state entry per layer, 3 slots each.
-        let tp = u64::from(self.geometry.map_or(1, |g| g.3));
         let at = |k: u64| base + (8 + k) * GAP;
         let ids: Vec<i64> = (0..LAYERS).collect();
-        let k = LAYERS as usize;
-        layout
-            .with_state(
-                "conv",
-                (0..2).map(at).collect(),
-                vec![24; k],
-                vec![8; k],
-                ids.clone(),
-            )
-            .unwrap()
-            .with_state(
-                "temporal",
-                (2..4).map(at).collect(),
-                vec![3 * 64 / tp; k],
-                vec![64 / tp; k],
-                ids,
-            )
-            .unwrap()
+        let layout = with_slots(layout, "conv", (0..2).map(at).collect(), 3, 8, ids.clone());
+        let shard = 64 / u64::from(tp);
+        with_slots(layout, "temporal", (2..4).map(at).collect(), 3, shard, ids)
     }
-}
-
-/// Registered buffers `(start, end)` of a layout.
-fn buffers(layout: &Layout) -> Vec<(u64, u64)> {
-    let p = layout.parts();
-    p.data_ptrs
-        .iter()
-        .zip(&p.data_lens)
-        .map(|(&a, &n)| (a, a + n))
-        .collect()
 }
 
 /// Every block inside one registered buffer on each side; no destination byte twice.
@@ -261,22 +210,7 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
         }
         // State slots, the last one included.
         for (s, d) in [(0, 2), (2, 0), (salt as i64, 1)] {
-            let mut out = kvplan_core::FlatBuffer::zeroed(t.state_pairs().len());
-            let n = t
-                .plan_into(&Request::slot(s, d), |_| Ok(out.columns()))
-                .map(|(_, summary)| summary)
-                .unwrap()
-                .n_blocks;
-            let (src_addrs, dst_addrs, lengths) = out.into_columns(n).unwrap();
-            let total_bytes = lengths.iter().sum();
-            let plan = Plan {
-                src_addrs,
-                dst_addrs,
-                lengths,
-                n_runs: 1,
-                total_bytes,
-                ..Plan::default()
-            };
+            let (plan, _) = state_plan(&t, s, d);
             check_blocks(&format!("{what}: state {s} -> {d}"), src, dst, &plan);
         }
     }
@@ -296,7 +230,7 @@ fn a_token_template_planned_through_the_core_stays_in_bounds() {
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let plan = t.plan(&Request::pages(&[0i64], &[15i64])).unwrap();
     check_blocks("64 -> 16, page 0 -> 15", &src, &dst, &plan);
-    assert_eq!(plan.total_bytes, 16 * 2 * HEAD * 4);
+    assert_eq!(plan.total_bytes, 16 * 2 * HEAD_BYTES * 4);
     let shape = t.prepare(&Request::pages(&[0i64], &[15i64])).unwrap();
     assert!(matches!(shape.unit, PlanUnit::Tokens(_)));
 }

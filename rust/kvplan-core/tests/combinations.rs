@@ -7,41 +7,24 @@ mod support;
 
 use kvplan_core::Request;
 use kvplan_core::{
-    AttentionGeometry, Fragment, Fragments, GeometryOptions, Layout, LayoutContext, MemoryOrder,
-    PlanError, Template, TemplateOptions,
+    Fragment, Fragments, GeometryOptions, Layout, MemoryOrder, PlanError, Template, TemplateOptions,
 };
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged};
 use support::reference::check_plan;
 
 const SRC: u64 = 0x10_0000;
 const DST: u64 = 0x80_0000;
 const PAGES: u64 = 4;
-const HEAD: u64 = 4; // head_dim 2 × 2-byte elements
 
 /// One layer's K entry at `base`: `PAGES` pages of `page_size` tokens, `heads` heads per rank.
 fn layout(base: u64, page_size: u64, order: Option<(MemoryOrder, u32, u32)>) -> Layout {
-    let heads = order.map_or(2, |(_, tp, _)| u64::from(2 / tp));
-    let item = page_size * heads * HEAD;
-    let ctx = LayoutContext {
-        page_size,
-        tp_size: order.map_or(1, |o| o.1),
-        tp_rank: order.map_or(0, |o| o.2),
-        attention: order.map(|(memory_order, tp, _)| AttentionGeometry {
-            total_kv_heads: 2,
-            heads_per_rank: 2 / tp,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order,
-        }),
-        ..LayoutContext::default()
-    };
-    Layout::mla(
-        vec![base],
-        vec![PAGES * item],
-        vec![item],
-        Some(vec![0]),
-        ctx,
-    )
-    .unwrap()
+    let per_rank = order.map_or(2, |(_, tp, _)| u64::from(2 / tp));
+    let item = page_size * per_rank * HEAD_BYTES;
+    let (tp, rank) = order.map_or((1, 0), |o| (o.1, o.2));
+    let geometry = order.map(|(memory_order, tp, _)| heads(2, 2 / tp, memory_order));
+    KvLayout::mla(base, [0], item, PAGES * item)
+        .context(paged(page_size).tp(rank, tp).attention(geometry))
+        .build()
 }
 
 /// Plans pages `pages` (`n` tokens) and compares the copied bytes with the reference.

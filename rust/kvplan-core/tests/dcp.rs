@@ -10,14 +10,18 @@
 //! deterministically from DCP {1,2,4,8}² × interleave {1, page size, other} × PP {1,2} × page
 //! sizes × MLA/MHA/hybrid × draft.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::{
-    AsColumns, AttentionGeometry, DcpContext, FlatBuffer, GeometryOptions, LayerGroups,
-    LayerSlices, Layout, LayoutContext, MemoryOrder, PlanError, PlanSlices, Template,
-    TemplateOptions,
+    DcpContext, GeometryOptions, LayerGroups, LayerSlices, Layout, MemoryOrder, PlanError,
+    PlanSlices, Template, TemplateOptions,
+};
+use support::blocks::{scrambled_pages, state_plan};
+use support::layouts::{
+    ContextBuilder, HEAD_BYTES, KvLayout, dcp, heads, heads_per_rank, paged, with_slots,
 };
 
-const HEAD_BYTES: u64 = 4;
 const DRAFT_TOKEN: u64 = 6;
 const STATE_ITEM: u64 = 12;
 const STATE_SLOTS: u64 = 3;
@@ -100,23 +104,6 @@ fn value(layer: i64, plane: u64, token: u64, head: u64, byte: u64) -> u8 {
 const DRAFT_PLANE: u64 = 2;
 const STATE_PLANE: u64 = 3;
 
-/// The page list of a rank: `count` distinct pages below `capacity`, fragmented
-/// deterministically (some consecutive runs, some jumps).
-fn page_list(count: usize, capacity: u64, seed: u64) -> Vec<i64> {
-    let mut pages: Vec<i64> = (0..capacity as i64).collect();
-    let mut x = seed | 1;
-    for k in (1..pages.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        if x.is_multiple_of(3) {
-            pages.swap(k, (x % (k as u64 + 1)) as usize);
-        }
-    }
-    pages.truncate(count);
-    pages
-}
-
 #[allow(clippy::too_many_arguments)]
 fn peer(
     case: &Case,
@@ -132,81 +119,55 @@ fn peer(
     } else {
         case.page_sizes.0
     };
-    let heads_per_rank = (case.heads() / tp.1).max(1);
-    let token = u64::from(heads_per_rank) * HEAD_BYTES;
+    let per_rank = heads_per_rank(case.heads(), tp.1);
+    let token = u64::from(per_rank) * HEAD_BYTES;
     let item = token * page_size;
     let ranks = u64::from(dcp.size);
     let draft_item = DRAFT_TOKEN * page_size * ranks;
     // Capacity: enough pages for every local token and every virtual page, plus spares.
-    let map = kvplan_core::dcp::token_map(&dummy(page_size, dcp));
+    let map = kvplan_core::dcp::token_map(
+        &KvLayout::mla(0, [], 0, 0)
+            .context(paged(page_size).dcp(dcp))
+            .build(),
+    );
     let virtual_pages = case.tokens.div_ceil(page_size * ranks);
     let needed = map
         .pages_for(case.tokens)
         .max(if case.draft { virtual_pages } else { 0 });
     let capacity = needed + 3;
-    let count = usize::try_from(needed).unwrap();
     let seed = base ^ (u64::from(dcp.rank) * 77) ^ u64::from(decode);
-    let pages = page_list(count, capacity, seed);
-    let context = LayoutContext {
-        page_size,
-        num_model_layers: Some(LAYERS as u64),
-        pp_rank: stage,
-        pp_size: pp,
-        tp_rank: tp.0,
-        tp_size: tp.1,
-        attention: Some(AttentionGeometry {
-            total_kv_heads: case.heads(),
-            heads_per_rank,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order: MemoryOrder::Nhd,
-        }),
-        dcp,
-        ..LayoutContext::default()
-    };
+    let pages = scrambled_pages(needed, capacity, seed);
+    let context = paged(page_size)
+        .model_layers(LAYERS as u64)
+        .pp(stage, pp)
+        .tp(tp.0, tp.1)
+        .attention(heads(case.heads(), per_rank, MemoryOrder::Nhd))
+        .dcp(dcp);
     let ids = case.attention_layers(stage, pp);
-    let n = ids.len() as u64;
     let span = capacity * item;
-    let mut at = base;
+    let kind = if case.model == Model::Mha {
+        KvLayout::mha
+    } else {
+        KvLayout::mla
+    };
+    // Each buffer 64 bytes past the one before, the state and draft buffers after them.
+    let entries = kind(base, ids, item, span)
+        .spaced(span + 64)
+        .context(context);
+    let mut at = entries.end();
+    let mut layout = entries.build();
     let mut next = |len: u64| {
         let ptr = at;
         at += len + 64;
         ptr
     };
-    let mut layout = if case.model == Model::Mha {
-        let k: Vec<u64> = (0..n).map(|_| next(span)).collect();
-        let v: Vec<u64> = (0..n).map(|_| next(span)).collect();
-        let lens = vec![span; n as usize];
-        let items = vec![item; n as usize];
-        Layout::mha(
-            k,
-            v,
-            lens.clone(),
-            lens,
-            items.clone(),
-            items,
-            Some(ids),
-            context,
-        )
-    } else {
-        let ptrs: Vec<u64> = (0..n).map(|_| next(span)).collect();
-        Layout::mla(
-            ptrs,
-            vec![span; n as usize],
-            vec![item; n as usize],
-            Some(ids),
-            context,
-        )
-    }
-    .unwrap();
     let states = case.state_layers(stage, pp);
     if !states.is_empty() {
-        let len = STATE_ITEM * STATE_SLOTS;
-        let ptrs = states.iter().map(|_| next(len)).collect();
-        let k = states.len();
-        layout = layout
-            .with_state("mamba", ptrs, vec![len; k], vec![STATE_ITEM; k], states)
-            .unwrap();
+        let ptrs = states
+            .iter()
+            .map(|_| next(STATE_ITEM * STATE_SLOTS))
+            .collect();
+        layout = with_slots(layout, "mamba", ptrs, STATE_SLOTS, STATE_ITEM, states);
     }
     // Drafts: one MLA-style draft layer, on the last prefill stage only.
     if case.draft && (decode || stage + 1 == pp) {
@@ -227,21 +188,6 @@ fn peer(
         fill(case, &mut peer);
     }
     peer
-}
-
-fn dummy(page_size: u64, dcp: DcpContext) -> Layout {
-    Layout::mla(
-        vec![],
-        vec![],
-        vec![],
-        None,
-        LayoutContext {
-            page_size,
-            dcp,
-            ..LayoutContext::default()
-        },
-    )
-    .unwrap()
 }
 
 /// The head range a TP rank holds.
@@ -359,18 +305,13 @@ fn run(case: &Case) {
     for stage in 0..case.pp {
         for rank in 0..sn {
             for tp in 0..case.tp.0 {
-                let dcp = DcpContext {
-                    size: sn,
-                    rank,
-                    interleave: si,
-                };
                 let base = 0x1000_0000 * (1 + u64::from(stage * 16 + rank * 4 + tp));
                 sources.push(peer(
                     case,
                     false,
                     stage,
                     case.pp,
-                    dcp,
+                    dcp(sn, rank, si),
                     (tp, case.tp.0),
                     base,
                 ));
@@ -379,13 +320,8 @@ fn run(case: &Case) {
     }
     for rank in 0..dn {
         for tp in 0..case.tp.1 {
-            let dcp = DcpContext {
-                size: dn,
-                rank,
-                interleave: di,
-            };
             let base = 0x4_0000_0000 + 0x1000_0000 * u64::from(rank * 4 + tp);
-            let mut dst = peer(case, true, 0, 1, dcp, (tp, case.tp.1), base);
+            let mut dst = peer(case, true, 0, 1, dcp(dn, rank, di), (tp, case.tp.1), base);
             let mut written = vec![false; dst.bytes.len()];
             for src in &sources {
                 let t = Template::new(&src.layout, &dst.layout, TemplateOptions::default())
@@ -417,15 +353,13 @@ fn run(case: &Case) {
                     (&plan.src_addrs, &plan.dst_addrs, &plan.lengths),
                     &what,
                 );
-                let mut buf = FlatBuffer::zeroed(t.state_pairs().len());
-                let summary = t
-                    .plan_into(&Request::slot(SRC_STATE_SLOT, DST_STATE_SLOT), |_| {
-                        Ok(buf.columns())
-                    })
-                    .map(|(_, summary)| summary)
-                    .unwrap();
-                let (s, d, l) = buf.into_columns(summary.n_blocks).unwrap();
-                apply(src, &mut dst, &mut written, (&s, &d, &l), &what);
+                let (state, _) = state_plan(&t, SRC_STATE_SLOT, DST_STATE_SLOT);
+                let blocks = (
+                    &state.src_addrs[..],
+                    &state.dst_addrs[..],
+                    &state.lengths[..],
+                );
+                apply(src, &mut dst, &mut written, blocks, &what);
                 check_slice_work(case, src, &dst, &what);
             }
             let mut want = vec![0u8; dst.bytes.len()];
@@ -484,15 +418,13 @@ fn check_slice_work(case: &Case, src: &Peer, dst: &Peer, what: &str) {
             .unwrap();
         let cut = slices.of(&t, &summary);
         compare(&cut, &plan.lengths, plan.total_bytes, "page");
-        let mut buf = FlatBuffer::zeroed(t.state_pairs().len());
-        let state = t
-            .plan_into(&Request::slot(SRC_STATE_SLOT, DST_STATE_SLOT), |_| {
-                Ok(buf.columns())
-            })
-            .map(|(_, summary)| summary)
-            .unwrap();
-        let (_, _, lengths) = buf.into_columns(state.n_blocks).unwrap();
-        compare(&slices.of(&t, &state), &lengths, state.total_bytes, "state");
+        let (plan, state) = state_plan(&t, SRC_STATE_SLOT, DST_STATE_SLOT);
+        compare(
+            &slices.of(&t, &state),
+            &plan.lengths,
+            state.total_bytes,
+            "state",
+        );
     }
 }
 
@@ -567,37 +499,17 @@ fn every_decode_dcp_rank_gets_exactly_its_tokens() {
 fn sglang_worked_example_of_token_round_robin() {
     // Prefill pages [5, 9] of 2 tokens, decode DCP 2 rank 1 page [2], 4 tokens: target rows
     // 11, 19 -> 4, 5; draft rows 10, 11, 18, 19 -> 8, 9, 10, 11 (virtual page of 4 rows).
-    let ctx = |dcp: DcpContext| LayoutContext {
-        page_size: 2,
-        dcp,
-        ..LayoutContext::default()
-    };
     let row = 8u64;
-    let src = Layout::mla(
-        vec![0],
-        vec![1 << 16],
-        vec![2 * row],
-        Some(vec![0]),
-        ctx(DcpContext::default()),
-    )
-    .unwrap()
-    .with_draft(vec![1 << 20], vec![1 << 16], vec![2 * row], &[0], 1, None)
-    .unwrap();
-    let rank1 = DcpContext {
-        size: 2,
-        rank: 1,
-        interleave: 1,
-    };
-    let dst = Layout::mla(
-        vec![1 << 24],
-        vec![1 << 16],
-        vec![2 * row],
-        Some(vec![0]),
-        ctx(rank1),
-    )
-    .unwrap()
-    .with_draft(vec![1 << 28], vec![1 << 16], vec![4 * row], &[0], 1, None)
-    .unwrap();
+    let src = KvLayout::mla(0, [0], 2 * row, 1 << 16)
+        .context(paged(2))
+        .build()
+        .with_draft(vec![1 << 20], vec![1 << 16], vec![2 * row], &[0], 1, None)
+        .unwrap();
+    let dst = KvLayout::mla(1 << 24, [0], 2 * row, 1 << 16)
+        .context(paged(2).dcp(dcp(2, 1, 1)))
+        .build()
+        .with_draft(vec![1 << 28], vec![1 << 16], vec![4 * row], &[0], 1, None)
+        .unwrap();
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let plan = t.plan(&Request::tokens(&[5i64, 9], &[2i64], 4)).unwrap();
     let rows = |addrs: &[u64], base: u64| -> Vec<u64> {
@@ -614,24 +526,10 @@ fn sglang_worked_example_of_token_round_robin() {
 
 #[test]
 fn rank_pairs_that_share_no_token_plan_nothing_and_say_why() {
-    let ctx = |rank: u32| LayoutContext {
-        page_size: 4,
-        dcp: DcpContext {
-            size: 2,
-            rank,
-            interleave: 1,
-        },
-        ..LayoutContext::default()
-    };
     let layout = |rank: u32, base: u64| {
-        Layout::mla(
-            vec![base],
-            vec![1 << 12],
-            vec![64],
-            Some(vec![0]),
-            ctx(rank),
-        )
-        .unwrap()
+        KvLayout::mla(base, [0], 64, 1 << 12)
+            .context(paged(4).dcp(dcp(2, rank, 1)))
+            .build()
     };
     let t = Template::new(
         &layout(0, 0),

@@ -1,28 +1,21 @@
 //! Decode-context-parallel layout context: validation, the wire extension and its rules.
 
-use kvplan_core::wire::{EXT_DCP, decode, encode};
-use kvplan_core::{DcpContext, Layout, LayoutContext, PlanError};
+mod support;
 
+use kvplan_core::wire::{EXT_DCP, decode, encode};
+use kvplan_core::{DcpContext, Layout, PlanError};
+use support::layouts::{ContextBuilder, dcp, paged};
+
+/// Two MLA layers at fixed addresses with `dcp`; a `Result`, as these tests are about the
+/// contexts a layout refuses.
 fn mla(page_size: u64, dcp: DcpContext) -> Result<Layout, PlanError> {
     Layout::mla(
         vec![0x1000, 0x9000],
         vec![0x4000; 2],
         vec![64 * page_size; 2],
         Some(vec![0, 1]),
-        LayoutContext {
-            page_size,
-            dcp,
-            ..LayoutContext::default()
-        },
+        paged(page_size).dcp(dcp),
     )
-}
-
-fn dcp(size: u32, rank: u32, interleave: u64) -> DcpContext {
-    DcpContext {
-        size,
-        rank,
-        interleave,
-    }
 }
 
 fn invalid(result: Result<Layout, PlanError>) -> String {

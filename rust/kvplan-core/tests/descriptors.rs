@@ -3,11 +3,17 @@
 //! piece is per page, are its blocks one for one), requests are validated as plans are, and
 //! what a table cannot express (token plans) or hold (sizes) is an error.
 
-use kvplan_core::{
-    AttentionGeometry, ErrorClass, GeometryOptions, Layout, LayoutContext, LayoutParts,
-    MemoryOrder, PlanError, Side, Template, TemplateOptions,
-};
+mod support;
+
 use kvplan_core::{DescriptorTables, Request};
+use kvplan_core::{
+    ErrorClass, GeometryOptions, Layout, LayoutContext, MemoryOrder, PlanError, Side, Template,
+    TemplateOptions,
+};
+use support::blocks::{buffers, byte_map, state_plan, triples};
+use support::layouts::{
+    ContextBuilder, HEAD_BYTES, KvLayout, bare_entries, heads_per_rank, layer_pool, paged, tp_heads,
+};
 
 const SRC: u64 = 0x10_0000;
 const DST: u64 = 0x80_0000;
@@ -15,57 +21,31 @@ const PAGES: u64 = 8;
 const SRC_PAGES: [i64; 5] = [0, 1, 2, 6, 3];
 const DST_PAGES: [i64; 5] = [7, 2, 3, 4, 0];
 
-fn opts() -> TemplateOptions {
-    TemplateOptions::default()
-}
-
-/// Per-layer buffers, `pad` bytes between items (a stride larger than the item).
+/// Per-layer buffers, `pad` bytes between items (a stride larger than the item), 64 bytes
+/// between buffers.
 fn per_layer(base: u64, items: &[u64], pad: u64) -> Layout {
-    let (mut ptrs, mut lens, mut strides, mut at) = (vec![], vec![], vec![], base);
+    let (mut offsets, mut lens, mut strides, mut at) = (vec![], vec![], vec![], 0);
     for &item in items {
         let stride = item + pad;
-        ptrs.push(at);
+        offsets.push(at);
         lens.push(PAGES * stride - pad);
         strides.push(stride);
         at += PAGES * stride + 64;
     }
-    let n = items.len() as i64;
-    Layout::new(
-        LayoutParts {
-            data_ptrs: ptrs,
-            data_lens: lens,
-            item_lens: items.to_vec(),
-            layer_ids: (0..n).map(Some).collect(),
-            ..Default::default()
-        },
-        LayoutContext::default(),
-    )
-    .unwrap()
-    .with_strides(strides)
-    .unwrap()
+    bare_entries(base, items, &offsets, lens, strides)
 }
 
 /// One cross-layer pool: every layer's item of a page side by side.
 fn pool(base: u64, items: &[u64]) -> Layout {
-    let n = items.len() as i64;
-    let stride: u64 = items.iter().sum();
-    Layout::cross_layer(
-        base,
-        PAGES * stride,
-        Some((0..n).collect()),
-        items.to_vec(),
-        None,
-        LayoutContext::default(),
-    )
-    .unwrap()
+    let ids = (0..items.len() as i64).collect();
+    layer_pool(base, PAGES, ids, items.to_vec(), LayoutContext::default())
 }
 
 const TOKENS: u64 = 4;
-const HEAD_BYTES: u64 = 4;
 const LAYERS: usize = 2;
 
-/// An MHA rank (K block then V block, per-layer buffers) holding `H / tp` heads (at least 1),
-/// with a replicated state entry per layer whose slots are strided.
+/// An MHA rank (K block then V block, per-layer buffers 128 bytes apart) holding `H / tp` heads
+/// (at least 1), with a replicated state entry per layer whose slots are strided.
 fn mha_rank(
     base: u64,
     heads: u32,
@@ -74,46 +54,25 @@ fn mha_rank(
     order: MemoryOrder,
     page_size: u64,
 ) -> Layout {
-    let per_rank = (heads / tp).max(1);
-    let item = page_size * u64::from(per_rank) * HEAD_BYTES;
+    let item = page_size * u64::from(heads_per_rank(heads, tp)) * HEAD_BYTES;
     let entry = PAGES * item;
-    let ptrs: Vec<u64> = (0..2 * LAYERS as u64)
-        .map(|e| base + e * (entry + 128))
-        .collect();
-    let ctx = LayoutContext {
-        page_size,
-        tp_rank: rank,
-        tp_size: tp,
-        attention: Some(AttentionGeometry {
-            total_kv_heads: heads,
-            heads_per_rank: per_rank,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order: order,
-        }),
-        ..LayoutContext::default()
-    };
-    let ids: Vec<i64> = (0..LAYERS as i64).collect();
-    let layout = Layout::mha(
-        ptrs[..LAYERS].to_vec(),
-        ptrs[LAYERS..].to_vec(),
-        vec![entry; LAYERS],
-        vec![entry; LAYERS],
-        vec![item; LAYERS],
-        vec![item; LAYERS],
-        Some(ids.clone()),
-        ctx,
-    )
-    .unwrap();
-    let state_at = base + 2 * LAYERS as u64 * (entry + 128);
+    let pages = KvLayout::mha(base, 0..LAYERS as i64, item, entry)
+        .spaced(entry + 128)
+        .context(
+            paged(page_size)
+                .tp(rank, tp)
+                .attention(tp_heads(heads, tp, order)),
+        );
+    let state_at = pages.end();
     let state_ptrs = (0..LAYERS as u64).map(|l| state_at + l * 4096).collect();
-    layout
+    pages
+        .build()
         .with_state(
             "conv",
             state_ptrs,
             vec![3 * 24 + 16; LAYERS],
             vec![16; LAYERS],
-            ids,
+            (0..LAYERS as i64).collect(),
         )
         .unwrap()
         .with_strides(
@@ -125,15 +84,10 @@ fn mha_rank(
         .unwrap()
 }
 
-/// Buffers `[ptr, ptr + len)` of a layout, merged where they touch or overlap.
-fn buffers(layout: &Layout) -> Vec<(u64, u64)> {
-    let parts = layout.parts();
-    let mut spans: Vec<(u64, u64)> = parts
-        .data_ptrs
-        .iter()
-        .zip(&parts.data_lens)
-        .map(|(&p, &n)| (p, p + n))
-        .collect();
+/// Buffers `[ptr, ptr + len)` of a layout, merged where they touch or overlap: a coalesced
+/// descriptor of a pool may span the touching buffers of its entries.
+fn merged_buffers(layout: &Layout) -> Vec<(u64, u64)> {
+    let mut spans = buffers(layout);
     spans.sort_unstable();
     let mut merged: Vec<(u64, u64)> = vec![];
     for (s, e) in spans {
@@ -149,7 +103,7 @@ fn buffers(layout: &Layout) -> Vec<(u64, u64)> {
 /// span touching buffers of one pool), and none is empty.
 fn assert_inside(t: &Template, side: Side, layout: &Layout) {
     let table = DescriptorTables::new(t).table(side).unwrap();
-    let spans = buffers(layout);
+    let spans = merged_buffers(layout);
     for (k, (&a, &n)) in table.addrs.iter().zip(&table.lens).enumerate() {
         assert!(n > 0, "{side} descriptor {k} is empty");
         assert!(
@@ -160,14 +114,12 @@ fn assert_inside(t: &Template, side: Side, layout: &Layout) {
 }
 
 /// `(src, dst, len)` of each descriptor pair of a request.
-fn prepped_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
+fn prepped_blocks(t: &Template, request: &Request<'_>) -> Vec<[u64; 3]> {
     let (s_table, d_table) = (
         DescriptorTables::new(t).table(Side::Src).unwrap(),
         DescriptorTables::new(t).table(Side::Dst).unwrap(),
     );
-    let idx = DescriptorTables::new(t)
-        .indices(&Request::pages(src, dst))
-        .unwrap();
+    let idx = DescriptorTables::new(t).indices(request).unwrap();
     assert_eq!(idx.src.len(), idx.dst.len());
     idx.src
         .iter()
@@ -183,23 +135,6 @@ fn prepped_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
         .collect()
 }
 
-/// Destination byte -> source byte, sorted.
-fn byte_map(blocks: impl IntoIterator<Item = [u64; 3]>) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = blocks
-        .into_iter()
-        .flat_map(|[s, d, n]| (0..n).map(move |b| (d + b, s + b)))
-        .collect();
-    out.sort_unstable();
-    out
-}
-
-fn plan_blocks(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
-    let plan = t.plan(&Request::pages(src, dst)).unwrap();
-    (0..plan.lengths.len())
-        .map(|k| [plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]])
-        .collect()
-}
-
 /// The whole contract for one template: tables inside the buffers, the same bytes as the plan
 /// (the same blocks when every piece is per page), state slots as `plan_state_into`.
 fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
@@ -207,11 +142,11 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
         coalesce,
         ..GeometryOptions::default()
     };
-    let t = Template::with_geometry(src, dst, opts(), &geometry).unwrap();
+    let t = Template::with_geometry(src, dst, TemplateOptions::default(), &geometry).unwrap();
     assert_inside(&t, Side::Src, src);
     assert_inside(&t, Side::Dst, dst);
-    let got = prepped_blocks(&t, &SRC_PAGES, &DST_PAGES);
-    let want = plan_blocks(&t, &SRC_PAGES, &DST_PAGES);
+    let got = prepped_blocks(&t, &Request::pages(&SRC_PAGES, &DST_PAGES));
+    let want = triples(&t.plan(&Request::pages(&SRC_PAGES, &DST_PAGES)).unwrap());
     if t.pieces().iter().all(|p| !p.per_run()) {
         assert_eq!(
             got, want,
@@ -219,42 +154,15 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
         );
     }
     assert_eq!(
-        byte_map(got),
-        byte_map(want),
+        byte_map(&got),
+        byte_map(&want),
         "{name}: different bytes than the plan"
     );
     let shape = DescriptorTables::new(&t).shape().unwrap();
     assert_eq!(shape.pieces, t.pieces().len(), "{name}");
     if shape.state_pairs > 0 {
-        let idx = DescriptorTables::new(&t)
-            .indices(&Request::slot(1, 2))
-            .unwrap();
-        let (s_table, d_table) = (
-            DescriptorTables::new(&t).table(Side::Src).unwrap(),
-            DescriptorTables::new(&t).table(Side::Dst).unwrap(),
-        );
-        let got: Vec<[u64; 3]> = idx
-            .src
-            .iter()
-            .zip(&idx.dst)
-            .map(|(&s, &d)| {
-                [
-                    s_table.addrs[s as usize],
-                    d_table.addrs[d as usize],
-                    s_table.lens[s as usize],
-                ]
-            })
-            .collect();
-        let mut flat = vec![0u64; 3 * shape.state_pairs];
-        let n = shape.state_pairs;
-        t.plan_into(&Request::slot(1, 2), |_| {
-            Ok(kvplan_core::Columns::from_flat(&mut flat, n))
-        })
-        .map(|(_, summary)| summary)
-        .unwrap();
-        let want: Vec<[u64; 3]> = (0..n)
-            .map(|k| [flat[k], flat[n + k], flat[2 * n + k]])
-            .collect();
+        let got = prepped_blocks(&t, &Request::slot(1, 2));
+        let want = triples(&state_plan(&t, 1, 2).0);
         assert_eq!(
             got, want,
             "{name}: state descriptors are not plan_state's blocks"
@@ -337,7 +245,7 @@ fn head_sliced_hnd_and_nhd() {
 fn a_pair_without_shared_heads_has_no_page_descriptors() {
     let src = mha_rank(SRC, 8, 2, 0, MemoryOrder::Hnd, TOKENS);
     let dst = mha_rank(DST, 8, 2, 1, MemoryOrder::Hnd, TOKENS);
-    let t = Template::new(&src, &dst, opts()).unwrap();
+    let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     assert!(t.empty_reason().is_some());
     let shape = DescriptorTables::new(&t).shape().unwrap();
     assert_eq!(
@@ -355,7 +263,12 @@ fn a_pair_without_shared_heads_has_no_page_descriptors() {
 #[test]
 fn requests_are_validated_exactly_as_plans() {
     let items = [48, 32];
-    let t = Template::new(&pool(SRC, &items), &per_layer(DST, &items, 8), opts()).unwrap();
+    let t = Template::new(
+        &pool(SRC, &items),
+        &per_layer(DST, &items, 8),
+        TemplateOptions::default(),
+    )
+    .unwrap();
     let cases: [(&[i64], &[i64]); 4] = [
         (&[0, -3], &[1, 2]),
         (&[0, 1], &[2, PAGES as i64]),
@@ -388,7 +301,7 @@ fn requests_are_validated_exactly_as_plans() {
     let st = Template::new(
         &src,
         &mha_rank(DST, 2, 1, 0, MemoryOrder::Hnd, TOKENS),
-        opts(),
+        TemplateOptions::default(),
     )
     .unwrap();
     let mut scratch = vec![0u64; 3 * LAYERS];
@@ -428,7 +341,7 @@ fn token_templates_are_refused_naming_the_plan_path() {
     for (so, sp, d_order, dp, says) in cases {
         let src = mha_rank(SRC, 2, 1, 0, so, sp);
         let dst = mha_rank(DST, 2, 1, 0, d_order, dp);
-        let t = Template::new(&src, &dst, opts()).unwrap();
+        let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
         assert!(t.by_token());
         let errors = [
             DescriptorTables::new(&t).table(Side::Src).unwrap_err(),
@@ -458,20 +371,15 @@ fn tables_too_large_are_errors_not_aborts() {
     // One byte per page: 2**60 pages per entry fit a buffer but not a table in memory; `n`
     // entries viewing the same buffer (as K and V views of one allocation may).
     let huge = |base: u64, n: usize| {
-        Layout::mla(
-            vec![base; n],
-            vec![1 << 60; n],
-            vec![1; n],
-            Some((0..n as i64).collect()),
-            LayoutContext::default(),
-        )
-        .unwrap()
+        KvLayout::mla(base, 0..n as i64, 1, 1 << 60)
+            .spaced(0)
+            .build()
     };
-    let t = Template::new(&huge(0, 1), &huge(1 << 62, 1), opts()).unwrap();
+    let t = Template::new(&huge(0, 1), &huge(1 << 62, 1), TemplateOptions::default()).unwrap();
     let err = DescriptorTables::new(&t).table(Side::Src).unwrap_err();
     assert_eq!(err.class(), ErrorClass::Memory, "{err}");
     // Nine such entries: 9 * 2**60 descriptors, more than an int64 index reaches.
-    let t = Template::new(&huge(0, 9), &huge(1 << 62, 9), opts()).unwrap();
+    let t = Template::new(&huge(0, 9), &huge(1 << 62, 9), TemplateOptions::default()).unwrap();
     assert_eq!(t.pieces().len(), 9);
     let err = DescriptorTables::new(&t).shape().unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");

@@ -1,6 +1,8 @@
 //! Plan and content digests: the documented byte encodings (re-implemented here from the
 //! module documentation), pinned test vectors, and the bounds every block must respect.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::digest::{
     CHUNK_BYTES, CONTENT_DIGEST_TAG, PLAN_DIGEST_TAG, pair_content_digests_on,
@@ -9,6 +11,7 @@ use kvplan_core::{
     Layout, LayoutContext, PlanBlocks, PlanError, Region, Side, Template, TemplateOptions,
     content_digest, index_digest, layout_fingerprint, pair_content_digests, plan_digest,
 };
+use support::layouts::{ContextBuilder, KvLayout};
 use xxhash_rust::xxh3::xxh3_64;
 
 const SRC_BASE: u64 = 0x1000_0000;
@@ -19,18 +22,9 @@ const LAYERS: u64 = 2;
 
 /// Two MLA layers, buffers back to back from `base`, 16 pages of 64 bytes each.
 fn layout(base: u64, pp_size: u32) -> Layout {
-    let n = LAYERS as usize;
-    Layout::mla(
-        (0..LAYERS).map(|l| base + l * ITEM * PAGES).collect(),
-        vec![ITEM * PAGES; n],
-        vec![ITEM; n],
-        Some((0..LAYERS as i64).collect()),
-        LayoutContext {
-            pp_size,
-            ..LayoutContext::default()
-        },
-    )
-    .unwrap()
+    KvLayout::mla(base, 0..LAYERS as i64, ITEM, ITEM * PAGES)
+        .context(LayoutContext::default().pp(0, pp_size))
+        .build()
 }
 
 struct Fixture {

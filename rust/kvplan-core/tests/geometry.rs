@@ -1,12 +1,16 @@
 //! Strided entries, fragments and coalescing: a plan's bytes equal a page-by-page,
 //! fragment-by-fragment reference, coalesced or not, and every block lies inside its buffers.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::{
-    Fragment, Fragments, GeometryOptions, Layout, LayoutContext, LayoutParts, Plan, Template,
+    Fragment, Fragments, GeometryOptions, Layout, LayoutContext, LayoutParts, Template,
     TemplateOptions,
 };
 use proptest::prelude::*;
+use support::blocks::{byte_map, triples};
+use support::layouts::bare_entries;
 
 const SRC: u64 = 0x1000;
 const DST: u64 = 0x10_0000;
@@ -38,39 +42,6 @@ fn side(items: Vec<u64>, pool: bool, pad: u64, cap: u64) -> (Vec<u64>, Vec<u64>,
     (ptrs, lens, strides)
 }
 
-fn layout(
-    items: &[u64],
-    base: u64,
-    (ptrs, lens, strides): (Vec<u64>, Vec<u64>, Vec<u64>),
-) -> Layout {
-    let n = items.len();
-    Layout::new(
-        LayoutParts {
-            data_ptrs: ptrs.iter().map(|p| p + base).collect(),
-            data_lens: lens,
-            item_lens: items.to_vec(),
-            layer_ids: (0..n as i64).map(Some).collect(),
-            ..Default::default()
-        },
-        LayoutContext::default(),
-    )
-    .unwrap()
-    .with_strides(strides)
-    .unwrap()
-}
-
-/// Destination byte -> source byte, from blocks.
-fn bytes_of(plan: &Plan) -> Vec<(u64, u64)> {
-    let mut out = vec![];
-    for k in 0..plan.lengths.len() {
-        for b in 0..plan.lengths[k] {
-            out.push((plan.dst_addrs[k] + b, plan.src_addrs[k] + b));
-        }
-    }
-    out.sort_unstable();
-    out
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -83,8 +54,10 @@ proptest! {
         pages in prop::collection::vec((0i64..4, 0i64..4), 0..6),
     ) {
         let cap = 4;
-        let src = layout(&items, SRC, side(items.clone(), src_pool, src_pad, cap));
-        let dst = layout(&items, DST, side(items.clone(), dst_pool, dst_pad, cap));
+        let (ptrs, lens, strides) = side(items.clone(), src_pool, src_pad, cap);
+        let src = bare_entries(SRC, &items, &ptrs, lens, strides);
+        let (ptrs, lens, strides) = side(items.clone(), dst_pool, dst_pad, cap);
+        let dst = bare_entries(DST, &items, &ptrs, lens, strides);
         // Unique destinations (check_dst_overlap).
         let mut seen = std::collections::HashSet::new();
         let pages: Vec<(i64, i64)> = pages.into_iter().filter(|p| seen.insert(p.1)).collect();
@@ -113,7 +86,7 @@ proptest! {
                 prop_assert!(inside(&src, a) && inside(&src, a + l - 1));
                 prop_assert!(inside(&dst, b) && inside(&dst, b + l - 1));
             }
-            let got = bytes_of(&plan);
+            let got = byte_map(&triples(&plan));
             // No destination byte written twice.
             prop_assert!(got.windows(2).all(|w| w[0].0 != w[1].0));
             prop_assert_eq!(got.len() as u64, plan.total_bytes);

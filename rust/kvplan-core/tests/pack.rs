@@ -6,15 +6,17 @@
 //! block per entry per destination page run. A staged plan of the same request (gather into a
 //! staging region, one network block, scatter) must write the same bytes.
 
+mod support;
+
 use kvplan_core::{
-    AttentionGeometry, DcpContext, Layout, LayoutContext, MemoryOrder, PackBuffer, Plan, PlanError,
-    Template, TemplateOptions,
+    DcpContext, Layout, MemoryOrder, PackBuffer, Plan, PlanError, Template, TemplateOptions,
 };
 use kvplan_core::{PackPlanner, Request, StagedPlanner};
+use support::blocks::scrambled_pages;
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, dcp, heads, paged};
 
 const LAYERS: u64 = 3;
 const HEADS: u32 = 2;
-const HEAD_BYTES: u64 = 4;
 const SRC_BASE: u64 = 0x1000_0000;
 const DST_BASE: u64 = 0x2000_0000;
 const PACK_BASE: u64 = 0x3000_0000;
@@ -38,67 +40,33 @@ fn layout(case: &Case, decode: bool, capacity: u64, base: u64) -> (Layout, u64) 
     } else {
         case.page_sizes.0
     };
-    let heads = if case.mha { HEADS } else { 1 };
-    let item = u64::from(heads) * HEAD_BYTES * page_size;
+    let kv_heads = if case.mha { HEADS } else { 1 };
+    let item = u64::from(kv_heads) * HEAD_BYTES * page_size;
     let span = capacity * item;
-    let dcp = if decode {
-        DcpContext {
-            size: case.ranks,
-            rank: case.rank,
-            interleave: case.interleave,
-        }
+    let dealt = if decode {
+        dcp(case.ranks, case.rank, case.interleave)
     } else {
         DcpContext::default()
     };
-    let context = LayoutContext {
-        page_size,
-        num_model_layers: Some(LAYERS),
-        attention: Some(AttentionGeometry {
-            total_kv_heads: heads,
-            heads_per_rank: heads,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order: MemoryOrder::Nhd,
-        }),
-        dcp,
-        ..LayoutContext::default()
-    };
-    let entries = if case.mha { 2 * LAYERS } else { LAYERS };
-    let ptrs: Vec<u64> = (0..entries).map(|e| base + e * (span + 64)).collect();
-    let ids = Some((0..LAYERS as i64).collect());
-    let n = LAYERS as usize;
-    let layout = if case.mha {
-        Layout::mha(
-            ptrs[..n].to_vec(),
-            ptrs[n..].to_vec(),
-            vec![span; n],
-            vec![span; n],
-            vec![item; n],
-            vec![item; n],
-            ids,
-            context,
-        )
+    let context = paged(page_size)
+        .model_layers(LAYERS)
+        .attention(heads(kv_heads, kv_heads, MemoryOrder::Nhd))
+        .dcp(dealt);
+    let kind = if case.mha {
+        KvLayout::mha
     } else {
-        Layout::mla(ptrs, vec![span; n], vec![item; n], ids, context)
-    }
-    .unwrap();
-    (layout, entries * (span + 64))
+        KvLayout::mla
+    };
+    let pages = kind(base, 0..LAYERS as i64, item, span)
+        .spaced(span + 64)
+        .context(context);
+    let size = pages.end() - base;
+    (pages.build(), size)
 }
 
 /// `count` distinct pages below `count + 3`, some consecutive, some not (deterministic).
 fn pages(count: u64, seed: u64) -> Vec<i64> {
-    let mut v: Vec<i64> = (0..(count + 3) as i64).collect();
-    let mut x = seed | 1;
-    for k in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        if x.is_multiple_of(3) {
-            v.swap(k, (x % (k as u64 + 1)) as usize);
-        }
-    }
-    v.truncate(count as usize);
-    v
+    scrambled_pages(count, count + 3, seed)
 }
 
 /// Runs of consecutive indices in a page list.

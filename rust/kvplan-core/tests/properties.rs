@@ -1,10 +1,12 @@
 //! Properties of run grouping, pairing and emission on random layouts and requests.
 
+mod support;
+
 use kvplan_core::Request;
-use kvplan_core::{
-    FlatBuffer, Layout, LayoutContext, PlanError, Template, TemplateOptions, group_contiguous,
-};
+use kvplan_core::{FlatBuffer, Layout, PlanError, Template, TemplateOptions, group_contiguous};
 use proptest::prelude::*;
+use support::blocks::{byte_map, triples};
+use support::layouts::KvLayout;
 
 /// A random MLA-or-MHA layout pair: src holds a subset of dst's layers (a PP stage).
 #[derive(Debug, Clone)]
@@ -49,36 +51,17 @@ fn case() -> impl Strategy<Value = Case> {
                     let stage_ids: Vec<i64> =
                         (extra_layers..total).map(|l| l as i64 * 4 + 3).collect();
                     let all_ids: Vec<i64> = (0..total).map(|l| l as i64 * 4 + 3).collect();
-                    let ctx = LayoutContext::default();
                     let (item_k, item_v) = (k_item * 8, v_item * 8);
                     let build = |ids: &[i64], base: u64, cap: u64| {
-                        let n = ids.len();
-                        let ptrs = |off: u64| {
-                            (0..n as u64)
-                                .map(|i| base + off + i * 0x10_0000)
-                                .collect::<Vec<_>>()
-                        };
                         if mha {
-                            Layout::mha(
-                                ptrs(0),
-                                ptrs(0x100_0000),
-                                vec![cap * item_k; n],
-                                vec![cap * item_v; n],
-                                vec![item_k; n],
-                                vec![item_v; n],
-                                Some(ids.to_vec()),
-                                ctx.clone(),
-                            )
+                            KvLayout::mha(base, ids.to_vec(), item_k, cap * item_k)
+                                .v_at(base + 0x100_0000)
+                                .v_items(item_v, cap * item_v)
                         } else {
-                            Layout::mla(
-                                ptrs(0),
-                                vec![cap * item_k; n],
-                                vec![item_k; n],
-                                Some(ids.to_vec()),
-                                ctx.clone(),
-                            )
+                            KvLayout::mla(base, ids.to_vec(), item_k, cap * item_k)
                         }
-                        .unwrap()
+                        .spaced(0x10_0000)
+                        .build()
                     };
                     Case {
                         src: build(&stage_ids, 0x1000_0000, src_cap),
@@ -104,16 +87,6 @@ fn page_by_page(t: &Template, src: &[i64], dst: &[i64]) -> Vec<[u64; 3]> {
         }
     }
     blocks
-}
-
-/// A plan as what it does: the multiset of `(source byte, destination byte)` copies.
-fn byte_map(blocks: &[[u64; 3]]) -> Vec<(u64, u64)> {
-    let mut bytes: Vec<(u64, u64)> = blocks
-        .iter()
-        .flat_map(|&[s, d, n]| (0..n).map(move |k| (s + k, d + k)))
-        .collect();
-    bytes.sort_unstable();
-    bytes
 }
 
 /// Runs taken greedily, each ascending on both sides or descending on both sides, written out
@@ -159,7 +132,7 @@ proptest! {
     fn plan_matches_page_by_page_and_stays_in_bounds(c in case()) {
         let t = Template::new(&c.src, &c.dst, TemplateOptions::default()).unwrap();
         let plan = t.plan(&Request::pages(&c.src_pages, &c.dst_pages)).unwrap();
-        let got: Vec<[u64; 3]> = (0..plan.src_addrs.len()).map(|i| [plan.src_addrs[i], plan.dst_addrs[i], plan.lengths[i]]).collect();
+        let got = triples(&plan);
         // One block per pair per run (ascending or descending on both sides), never more
         // than SGLang's ascending runs give, and the same copies as page-by-page planning.
         let runs = either_direction_runs(&c.src_pages, &c.dst_pages);

@@ -4,19 +4,17 @@
 //! its blocks move. Page plans, token plans, TP head slicing, PP stages, cross-layer pools,
 //! state and draft entries.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::{
-    AsColumns, AttentionGeometry, EntryTag, FlatBuffer, GeometryOptions, LayerGroups, LayerSlices,
-    Layout, LayoutContext, MemoryOrder, PlanSlices, PlanSummary, SliceKey, Template,
-    TemplateOptions, WorkManifest,
+    EntryTag, FlatBuffer, GeometryOptions, LayerGroups, LayerSlices, Layout, MemoryOrder,
+    PlanSlices, PlanSummary, SliceKey, Template, TemplateOptions, WorkManifest,
 };
-
-fn ctx(page_size: u64) -> LayoutContext {
-    LayoutContext {
-        page_size,
-        ..LayoutContext::default()
-    }
-}
+use support::blocks::{of_columns, state_plan, triples};
+use support::layouts::{
+    ContextBuilder, HEAD_BYTES, KvLayout, heads, layer_pool, paged, with_slots,
+};
 
 /// Plans a request and returns its columns and summary.
 fn plan(
@@ -30,22 +28,14 @@ fn plan(
             FlatBuffer::try_zeroed(shape.n_blocks)
         })
         .unwrap();
-    (columns(buffer, summary.n_blocks), summary)
+    let (s, d, l) = buffer.into_columns(summary.n_blocks).unwrap();
+    (of_columns(&s, &d, &l), summary)
 }
 
-fn columns(buffer: FlatBuffer, n: usize) -> Vec<[u64; 3]> {
-    let (s, d, l) = buffer.into_columns(n).unwrap();
-    (0..n).map(|k| [s[k], d[k], l[k]]).collect()
-}
-
-fn state_plan(t: &Template, src: i64, dst: i64) -> (Vec<[u64; 3]>, PlanSummary) {
-    let n = t.state_pairs().len();
-    let mut buffer = FlatBuffer::zeroed(n);
-    let summary = t
-        .plan_into(&Request::slot(src, dst), |_| Ok(buffer.columns()))
-        .map(|(_, summary)| summary)
-        .unwrap();
-    (columns(buffer, summary.n_blocks), summary)
+/// The state plan of slot `src` to slot `dst` as blocks, with its summary.
+fn state_blocks(t: &Template, src: i64, dst: i64) -> (Vec<[u64; 3]>, PlanSummary) {
+    let (plan, summary) = state_plan(t, src, dst);
+    (triples(&plan), summary)
 }
 
 /// The entry of `layout` whose item holds byte `addr` (items of entries never overlap, even in
@@ -126,16 +116,13 @@ fn groupings() -> Vec<LayerGroups> {
     ]
 }
 
+/// MLA layers `ids` from `base`, `pages` pages of `item` bytes each, every buffer followed by
+/// as many unused bytes.
 fn mla(base: u64, ids: &[i64], item: u64, pages: u64, page_size: u64) -> Layout {
-    let n = ids.len() as u64;
-    Layout::mla(
-        (0..n).map(|i| base + i * item * pages * 2).collect(),
-        vec![item * pages; ids.len()],
-        vec![item; ids.len()],
-        Some(ids.to_vec()),
-        ctx(page_size),
-    )
-    .unwrap()
+    KvLayout::mla(base, ids.to_vec(), item, item * pages)
+        .spaced(item * pages * 2)
+        .context(paged(page_size))
+        .build()
 }
 
 const FRAGMENTED: ([i64; 6], [i64; 6]) = ([0, 1, 2, 5, 6, 9], [3, 4, 8, 1, 2, 0]);
@@ -144,7 +131,7 @@ const FRAGMENTED: ([i64; 6], [i64; 6]) = ([0, 1, 2, 5, 6, 9], [3, 4, 8, 1, 2, 0]
 fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
     let ids: Vec<i64> = (0..6).collect();
     let with_extras = |base: u64| {
-        mla(base, &ids, 16, 12, 1)
+        let layout = mla(base, &ids, 16, 12, 1)
             .with_draft(
                 vec![base + 0x10_0000],
                 vec![16 * 12],
@@ -153,15 +140,9 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
                 6,
                 None,
             )
-            .unwrap()
-            .with_state(
-                "mamba",
-                vec![base + 0x20_0000, base + 0x30_0000],
-                vec![64, 64],
-                vec![16, 16],
-                vec![1, 4],
-            )
-            .unwrap()
+            .unwrap();
+        let state = vec![base + 0x20_0000, base + 0x30_0000];
+        with_slots(layout, "mamba", state, 4, 16, vec![1, 4])
     };
     let (src, dst) = (with_extras(0x1_000_000), with_extras(0x8_000_000));
     for groups in groupings() {
@@ -182,7 +163,7 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
             let cut = check(&t, &src, &groups, &blocks, &summary);
             // The draft entry (id 6 in the band above the model) is always seal.
             assert!(cut.seal.blocks >= 3, "{:?}", cut.seal);
-            let (blocks, summary) = state_plan(&t, 2, 3);
+            let (blocks, summary) = state_blocks(&t, 2, 3);
             let state = check(&t, &src, &groups, &blocks, &summary);
             // The state of layers 1 and 4 travels with their groups; only a layer no group
             // covers (or one marked for the seal) leaves its state to the seal.
@@ -220,17 +201,7 @@ fn per_layer_page_plans_with_draft_and_state_tile_the_plan() {
 fn a_group_of_a_cross_layer_pool_is_one_strided_piece_per_run() {
     // Pool to pool, 8 layers of 16 bytes per page: with groups of 4 the template has two
     // pieces, each a group's 64 touching bytes of every page (strided: one block per page).
-    let pool = |base| {
-        Layout::cross_layer(
-            base,
-            8 * 16 * 16,
-            Some((0..8).collect()),
-            vec![16; 8],
-            None,
-            ctx(1),
-        )
-        .unwrap()
-    };
+    let pool = |base| layer_pool(base, 16, (0..8).collect(), vec![16; 8], paged(1));
     let (src, dst) = (pool(0x10_0000), pool(0x90_0000));
     let groups = LayerGroups::fixed(4).unwrap();
     let t = Template::with_layer_groups(
@@ -262,15 +233,7 @@ fn a_group_of_a_cross_layer_pool_is_one_strided_piece_per_run() {
     );
     LayerSlices::new(&plain, &LayerGroups::fixed(8).unwrap()).unwrap();
     // PP: a stage holding layers 4..8 of the pool; fixed groups by global id.
-    let stage = Layout::cross_layer(
-        0x10_0000,
-        4 * 16 * 16,
-        Some((4..8).collect()),
-        vec![16; 4],
-        None,
-        ctx(1),
-    )
-    .unwrap();
+    let stage = layer_pool(0x10_0000, 16, (4..8).collect(), vec![16; 4], paged(1));
     for groups in groupings() {
         let t = Template::with_layer_groups(
             &stage,
@@ -290,38 +253,17 @@ fn token_plans_and_head_slicing_tile_the_plan() {
     // MHA, 2 KV heads per prefill rank of 4, head 4 bytes; prefill TP 2 (rank 1) → decode TP 1;
     // page sizes 2 → 4 (a token plan) and 4 → 4 (a page plan with head fragments).
     let layout = |base: u64, tp_size: u32, tp_rank: u32, page_size: u64| {
-        let heads = 4 / tp_size;
-        let item = page_size * u64::from(heads) * 4;
-        let context = LayoutContext {
-            page_size,
-            tp_size,
-            tp_rank,
-            attention: Some(AttentionGeometry {
-                total_kv_heads: 4,
-                heads_per_rank: heads,
-                head_dim: 2,
-                dtype_size: 2,
-                memory_order: MemoryOrder::Nhd,
-            }),
-            ..LayoutContext::default()
-        };
-        let n = 5u64;
-        let ptrs = |off: u64| {
-            (0..n)
-                .map(|i| base + off + i * item * 32)
-                .collect::<Vec<_>>()
-        };
-        Layout::mha(
-            ptrs(0),
-            ptrs(0x8000),
-            vec![item * 16; 5],
-            vec![item * 16; 5],
-            vec![item; 5],
-            vec![item; 5],
-            Some((0..5).collect()),
-            context,
-        )
-        .unwrap()
+        let per_rank = 4 / tp_size;
+        let item = page_size * u64::from(per_rank) * HEAD_BYTES;
+        let context =
+            paged(page_size)
+                .tp(tp_rank, tp_size)
+                .attention(heads(4, per_rank, MemoryOrder::Nhd));
+        KvLayout::mha(base, 0..5, item, item * 16)
+            .spaced(item * 32)
+            .v_at(base + 0x8000)
+            .context(context)
+            .build()
     };
     for (ps_src, ps_dst) in [(2, 4), (4, 4), (4, 2)] {
         let src = layout(0x100_0000, 2, 1, ps_src);
@@ -447,7 +389,7 @@ fn a_linear_attention_layer_streams_its_state_with_its_group() {
     assert_eq!(layers, [vec![0, 1], vec![2, 3]]);
     assert_eq!(slices.slice_of_layer(3).unwrap(), Some(1));
     assert_eq!(slices.slice_of_layer(9).unwrap(), None);
-    let (blocks, summary) = state_plan(&t, 1, 2);
+    let (blocks, summary) = state_blocks(&t, 1, 2);
     let state = check(&t, &src, &groups, &blocks, &summary);
     assert_eq!(state.ranges, [vec![(0, 1)], vec![(1, 2)]]);
     assert_eq!(

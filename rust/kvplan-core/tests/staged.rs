@@ -9,15 +9,16 @@
 mod support;
 
 use kvplan_core::{
-    AttentionGeometry, FlatBuffer, Layout, LayoutContext, MemoryOrder, Plan, PlanError, Side,
-    StagedCounts, StagedPlan, StagingRegion, Template, TemplateOptions, TpSplit, copy_local,
+    FlatBuffer, Layout, MemoryOrder, Plan, PlanError, Side, StagedCounts, StagedPlan,
+    StagingRegion, Template, TemplateOptions, TpSplit, copy_local,
 };
 use std::collections::HashSet;
 
 use kvplan_core::{Request, StagedPlanner};
+use support::blocks::state_plan;
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, kv_pool, paged, with_slots};
 use support::reference::{Arena, apply, reference, reference_every_holder};
 
-const HEAD_BYTES: u64 = 4; // head_dim 2 × 2-byte elements
 const SRC_BASE: u64 = 0x1000_0000;
 const DST_BASE: u64 = 0x8000_0000;
 const SRC_STAGING: u64 = 0x4000_0000;
@@ -82,54 +83,28 @@ fn layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
     let layers: Vec<i64> = (stage * per_stage..(stage + 1) * per_stage)
         .map(i64::from)
         .collect();
-    let n = layers.len();
-    let base = side.pick(SRC_BASE, DST_BASE);
-    let ptrs: Vec<u64> = (0..2 * n as u64)
-        .map(|e| base + e * (entry_len + 64))
-        .collect();
-    let context = LayoutContext {
-        page_size,
-        num_model_layers: Some(u64::from(case.layers)),
-        pp_rank: stage,
-        pp_size: pp,
-        tp_rank,
-        tp_size: tp,
-        attention: Some(AttentionGeometry {
-            total_kv_heads: case.heads,
-            heads_per_rank: per_rank,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order: case.order,
-        }),
-        ..LayoutContext::default()
-    };
-    let layout = Layout::mha(
-        ptrs[..n].to_vec(),
-        ptrs[n..].to_vec(),
-        vec![entry_len; n],
-        vec![entry_len; n],
-        vec![item; n],
-        vec![item; n],
-        Some(layers.clone()),
-        context,
+    let context = paged(page_size)
+        .model_layers(u64::from(case.layers))
+        .pp(stage, pp)
+        .tp(tp_rank, tp)
+        .attention(heads(case.heads, per_rank, case.order));
+    let pages = KvLayout::mha(
+        side.pick(SRC_BASE, DST_BASE),
+        layers.clone(),
+        item,
+        entry_len,
     )
-    .unwrap();
+    .spaced(entry_len + 64)
+    .context(context);
+    let state_base = pages.end();
+    let layout = pages.build();
     if !case.state {
         return layout;
     }
-    let state_base = base + 2 * n as u64 * (entry_len + 64);
-    let state_ptrs = (0..n as u64)
+    let state_ptrs = (0..layers.len() as u64)
         .map(|i| state_base + i * STATE_ITEM * 4)
         .collect();
-    layout
-        .with_state(
-            "conv",
-            state_ptrs,
-            vec![STATE_ITEM * 4; n],
-            vec![STATE_ITEM; n],
-            layers,
-        )
-        .unwrap()
+    with_slots(layout, "conv", state_ptrs, 4, STATE_ITEM, layers)
 }
 
 /// Memory of several regions by address, for executing plans between them.
@@ -289,13 +264,7 @@ fn check_pair_with(
     }
     // State is planned directly and moves its slot whole.
     if case.state {
-        let mut out = kvplan_core::FlatBuffer::zeroed(template.state_pairs().len());
-        let summary = template
-            .plan_into(&Request::slot(1, 2), |_| {
-                Ok(kvplan_core::AsColumns::columns(&mut out))
-            })
-            .map(|(_, summary)| summary)
-            .unwrap();
+        let (_, summary) = state_plan(&template, 1, 2);
         assert!(summary.n_blocks <= template.state_pairs().len());
     }
     (staged, gathered)
@@ -778,29 +747,8 @@ fn coalesced_pool_stages_take_consecutive_slots() {
     const ITEM: u64 = 32; // one K or V item of a page
     const LAYERS: u64 = 4;
     let pool = |layers: std::ops::Range<i64>, base: u64, pages: u64, stage: u32, pp: u32| {
-        let ids: Vec<i64> = layers.flat_map(|l| [l, l]).collect();
-        let roles = ids
-            .iter()
-            .enumerate()
-            .map(|(i, _)| if i % 2 == 0 { "k" } else { "v" }.to_string())
-            .collect();
-        let stride = ITEM * ids.len() as u64;
-        let context = LayoutContext {
-            page_size: 4,
-            num_model_layers: Some(LAYERS),
-            pp_rank: stage,
-            pp_size: pp,
-            ..LayoutContext::default()
-        };
-        Layout::cross_layer(
-            base,
-            pages * stride,
-            Some(ids.clone()),
-            vec![ITEM; ids.len()],
-            Some(roles),
-            context,
-        )
-        .unwrap()
+        let context = paged(4).model_layers(LAYERS).pp(stage, pp);
+        kv_pool(base, pages, layers, ITEM, context)
     };
     let dst = pool(0..LAYERS as i64, DST_BASE, 8, 0, 1);
     let (src_pages, dst_pages) = (vec![0i64, 1, 2, 5], vec![6i64, 7, 1, 2]);
@@ -867,27 +815,11 @@ fn coalesced_pool_stages_take_consecutive_slots() {
 #[test]
 fn unequal_pairs_have_no_decode_slots() {
     let mha = |base: u64, stage: u32, pp: u32, layers: std::ops::Range<i64>| {
-        let ids: Vec<i64> = layers.collect();
-        let n = ids.len();
-        let ptrs: Vec<u64> = (0..2 * n as u64).map(|e| base + e * 4096).collect();
-        let context = LayoutContext {
-            page_size: 4,
-            num_model_layers: Some(4),
-            pp_rank: stage,
-            pp_size: pp,
-            ..LayoutContext::default()
-        };
-        Layout::mha(
-            ptrs[..n].to_vec(),
-            ptrs[n..].to_vec(),
-            vec![4096; n],
-            vec![4096; n],
-            vec![64; n],
-            vec![32; n],
-            Some(ids),
-            context,
-        )
-        .unwrap()
+        KvLayout::mha(base, layers, 64, 4096)
+            .spaced(4096)
+            .v_items(32, 4096)
+            .context(paged(4).model_layers(4).pp(stage, pp))
+            .build()
     };
     let src = mha(SRC_BASE, 1, 2, 2..4);
     let dst = mha(DST_BASE, 0, 1, 0..4);

@@ -5,17 +5,12 @@
 mod support;
 
 use kvplan_core::Request;
-use kvplan_core::{
-    AttentionGeometry, Layout, LayoutContext, MemoryOrder, PlanError, Side, Template,
-    TemplateOptions,
-};
+use kvplan_core::{Layout, LayoutContext, MemoryOrder, PlanError, Side, Template, TemplateOptions};
 use proptest::prelude::*;
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged};
 use support::reference::check_plan;
 
 const HEADS: u32 = 2;
-const HEAD_DIM: u32 = 2;
-const DTYPE: u32 = 2;
-const HEAD_BYTES: u64 = (HEAD_DIM * DTYPE) as u64;
 const TOKEN: u64 = HEADS as u64 * HEAD_BYTES;
 
 /// K and V of two layers at `page_size`, `pages` pages each, packed or with a padded
@@ -23,32 +18,11 @@ const TOKEN: u64 = HEADS as u64 * HEAD_BYTES;
 fn layout(base: u64, page_size: u64, pages: u64, order: Option<MemoryOrder>, pad: u64) -> Layout {
     let item = page_size * TOKEN;
     let stride = item + pad;
-    let len = pages * stride;
-    let ptrs: Vec<u64> = (0..4).map(|i| base + i * len).collect();
-    let context = LayoutContext {
-        page_size,
-        attention: order.map(|memory_order| AttentionGeometry {
-            total_kv_heads: HEADS,
-            heads_per_rank: HEADS,
-            head_dim: HEAD_DIM,
-            dtype_size: DTYPE,
-            memory_order,
-        }),
-        ..LayoutContext::default()
-    };
-    Layout::mha(
-        ptrs[..2].to_vec(),
-        ptrs[2..].to_vec(),
-        vec![len; 2],
-        vec![len; 2],
-        vec![item; 2],
-        vec![item; 2],
-        Some(vec![0, 1]),
-        context,
-    )
-    .unwrap()
-    .with_strides(vec![stride; 4])
-    .unwrap()
+    let geometry = order.map(|memory_order| heads(HEADS, HEADS, memory_order));
+    KvLayout::mha(base, [0, 1], item, pages * stride)
+        .stride(stride)
+        .context(paged(page_size).attention(geometry))
+        .build()
 }
 
 /// Plans the request and compares its bytes with the reference copier (which also checks that

@@ -10,13 +10,15 @@
 //! exactly one sender. This covers page plans (equal page sizes and orders) and token plans
 //! (different page sizes or memory orders, or `n_tokens` given) alike.
 
+mod support;
+
 use kvplan_core::Request;
 use kvplan_core::{
-    AsColumns, AttentionGeometry, Layout, LayoutContext, MemoryOrder, Plan, Side, Template,
-    TemplateOptions, TpSplit,
+    AsColumns, AttentionGeometry, Layout, MemoryOrder, Plan, Side, Template, TemplateOptions,
+    TpSplit,
 };
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged, with_slots};
 
-const HEAD_BYTES: u64 = 4; // head_dim 2 × 2-byte elements
 const SLOTS: u64 = 3;
 const SRC_SLOT: i64 = 1;
 const DST_SLOT: i64 = 2;
@@ -181,49 +183,23 @@ fn rank(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Rank {
     let layers = layers_of(case, stage, pp);
     let planes = planes_of(&layers, case.mla);
     let n = planes.len() as u64;
-    let ptrs: Vec<u64> = (0..n).map(|e| base + e * g.entry_len).collect();
-    let ctx = LayoutContext {
-        page_size: g.page_size,
-        num_model_layers: Some(u64::from(case.layers)),
-        pp_rank: stage,
-        pp_size: pp,
-        tp_rank,
-        tp_size: tp,
-        attention: Some(AttentionGeometry {
-            total_kv_heads: case.heads,
-            heads_per_rank: g.per_rank,
-            head_dim: 2,
-            dtype_size: 2,
-            memory_order: g.order,
-        }),
-        ..LayoutContext::default()
-    };
+    let context = paged(g.page_size)
+        .model_layers(u64::from(case.layers))
+        .pp(stage, pp)
+        .tp(tp_rank, tp)
+        .attention(heads(case.heads, g.per_rank, g.order));
     let ids: Vec<i64> = layers.iter().map(|&l| i64::from(l)).collect();
-    let (entry_len, item) = (g.entry_len, g.item);
-    let layout = if case.mla {
-        Layout::mla(
-            ptrs,
-            vec![entry_len; n as usize],
-            vec![item; n as usize],
-            Some(ids.clone()),
-            ctx,
-        )
+    // Entries back to back: the arena offsets `Geometry::at` computes.
+    let kind = if case.mla {
+        KvLayout::mla
     } else {
-        let h = (n / 2) as usize;
-        Layout::mha(
-            ptrs[..h].to_vec(),
-            ptrs[h..].to_vec(),
-            vec![entry_len; h],
-            vec![entry_len; h],
-            vec![item; h],
-            vec![item; h],
-            Some(ids.clone()),
-            ctx,
-        )
-    }
-    .unwrap();
+        KvLayout::mha
+    };
+    let layout = kind(base, ids.clone(), g.item, g.entry_len)
+        .context(context)
+        .build();
     // State entries: a replicated and a sharded item per layer.
-    let mut size = n * entry_len;
+    let mut size = n * g.entry_len;
     let shard = SHARDED / u64::from(tp);
     let k = layers.len() as u64;
     let rep_ptrs: Vec<u64> = (0..k)
@@ -232,24 +208,8 @@ fn rank(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Rank {
     size += k * REPLICATED * SLOTS;
     let shard_ptrs: Vec<u64> = (0..k).map(|i| base + size + i * shard * SLOTS).collect();
     size += k * shard * SLOTS;
-    let k = k as usize;
-    let layout = layout
-        .with_state(
-            "conv",
-            rep_ptrs,
-            vec![REPLICATED * SLOTS; k],
-            vec![REPLICATED; k],
-            ids.clone(),
-        )
-        .unwrap()
-        .with_state(
-            "temporal",
-            shard_ptrs,
-            vec![shard * SLOTS; k],
-            vec![shard; k],
-            ids,
-        )
-        .unwrap();
+    let layout = with_slots(layout, "conv", rep_ptrs, SLOTS, REPLICATED, ids.clone());
+    let layout = with_slots(layout, "temporal", shard_ptrs, SLOTS, shard, ids);
     let mut arena = vec![SENTINEL; size as usize];
     if side == Side::Src {
         arena
@@ -264,7 +224,7 @@ fn rank(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Rank {
         fill_state(
             &mut arena,
             &layers,
-            n * entry_len,
+            n * g.entry_len,
             SRC_SLOT as u64,
             tp_rank,
             shard,
