@@ -499,7 +499,10 @@ impl PyTransferPlan {
             .map(|start| {
                 let stop = start.saturating_add(step).min(n);
                 let blocks = slf.as_super().slice(py, start, stop)?;
-                Py::new(py, PyClassInitializer::from(blocks).add_subclass(PyPlanBatch))
+                Py::new(
+                    py,
+                    PyClassInitializer::from(blocks).add_subclass(PyPlanBatch),
+                )
             })
             .collect()
     }

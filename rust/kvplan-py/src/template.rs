@@ -382,12 +382,7 @@ impl PyTemplate {
         };
         Py::new(
             py,
-            PyTransferPlan::new(
-                columns,
-                Arc::clone(&self.inner),
-                summary,
-                self.fingerprints,
-            ),
+            PyTransferPlan::new(columns, Arc::clone(&self.inner), summary, self.fingerprints),
         )
     }
 
@@ -525,12 +520,7 @@ impl PyTemplate {
         let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
         Py::new(
             py,
-            PyTransferPlan::new(
-                columns,
-                Arc::clone(&self.inner),
-                summary,
-                self.fingerprints,
-            ),
+            PyTransferPlan::new(columns, Arc::clone(&self.inner), summary, self.fingerprints),
         )
     }
 }
