@@ -1,7 +1,7 @@
 //! Keyword parsing of the Python API: what `Layout`'s constructors, `Template` and
 //! `check_pairs` accept, turned into the core's option values. Only conversion and the
 //! messages for arguments of the wrong type live here; the rules and defaults are the core's
-//! (e.g. `AttentionGeometry::for_rank`, `Layout::with_tail_strides`).
+//! (e.g. `AttentionGeometry::for_rank`, `Pairing::by_layer_id`).
 
 use std::ffi::CString;
 
@@ -177,24 +177,6 @@ fn warn_deprecated_pairing(
     let message = CString::new(message).map_err(|e| PyValueError::new_err(e.to_string()))?;
     let category = py.get_type::<PyDeprecationWarning>();
     PyErr::warn(py, category.as_any(), &message, stacklevel)
-}
-
-/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
-/// per entry.
-pub(crate) fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
-    let Some(obj) = strides.filter(|o| !o.is_none()) else {
-        return Ok(Vec::new());
-    };
-    if let Ok(one) = obj.extract::<u64>() {
-        return Ok(vec![one; n]);
-    }
-    if let Ok(many) = obj.extract::<Vec<u64>>() {
-        return Ok(many);
-    }
-    Err(PyTypeError::new_err(format!(
-        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
-        obj.repr()?
-    )))
 }
 
 /// Reads the peer context from keyword arguments, rejecting unknown keys.
