@@ -179,7 +179,6 @@ fn warn_deprecated_pairing(
     PyErr::warn(py, category.as_any(), &message, stacklevel)
 }
 
-/// Reads the peer context from keyword arguments, rejecting unknown keys.
 /// `repr(obj)`, cut to a readable length for an error message.
 pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
     const MAX: usize = 60;
@@ -193,6 +192,7 @@ pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
     format!("{cut}…")
 }
 
+/// Reads the peer context from keyword arguments, rejecting unknown keys.
 pub(crate) fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let mut context = LayoutContext::default();
     let Some(kwargs) = kwargs else {
