@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-RESULTS_TEXT = "\n".join(p.read_text() for p in sorted((ROOT / "bench" / "results").glob("*.md")))
+RESULTS_TEXT = "\n".join(p.read_text() for p in sorted((ROOT / "bench/results").glob("*.md")))
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 # A measured number: a value with a unit, or the first value of a range ("302–1,860×").
