@@ -97,7 +97,7 @@ def mem_child(n_blocks_target: int) -> None:
     b = build(sc)
     src = kvplan.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens)
     dst = kvplan.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens)
-    t = kvplan.Template(src, dst, True)
+    t = kvplan.Template(src, dst, kvplan.Pairing.by_layer_id(allow_positional_fallback=True))
     small = t.plan(b.src_pages[:64], b.dst_pages[:64])  # load everything lazily touched
     del small
     gc.collect()

@@ -69,7 +69,8 @@ class KvplanSide:
             dst = kvplan.Layout.hybrid_linear(sc.dst_ids, b.dst_ptrs, b.dst_lens,
                                               b.dst_item_lens, mla=False, **ctx)
             fallback = False
-        self.template = kvplan.Template(src, dst, fallback)
+        self.template = kvplan.Template(
+            src, dst, kvplan.Pairing.by_layer_id(allow_positional_fallback=fallback))
         self.s, self.d = b.src_pages, b.dst_pages
         first = self.template.plan(self.s, self.d)
         self.n_blocks = int(first.n_blocks)

@@ -117,7 +117,12 @@ def check_pairs(
     prefill_start_layer: int | None = None,
     legacy_kind: str | None = None,
     replicas_send: bool = False,
-) -> list[tuple[str, int, int | None, KvPlanError | None]]: ...
+) -> list[tuple[str, int, int | None, KvPlanError | None]]:
+    """One row per source entry: ``(kind, src_entry, dst_entry or None, exception or None)``.
+
+    ``pairing`` is a :class:`Pairing`; a bool there and the keywords ``allow_positional_fallback``,
+    ``prefill_start_layer`` and ``legacy_kind`` are deprecated shorthands for
+    ``pairing=Pairing.by_layer_id(...)`` (a ``DeprecationWarning`` names the value to pass)."""
 
 @final
 class Pairing:
@@ -134,6 +139,18 @@ class Pairing:
     def positional() -> Pairing: ...
     @staticmethod
     def legacy(kind: str | None = None, *, prefill_start_layer: int) -> Pairing: ...
+    @staticmethod
+    def _from_template_arguments(
+        pairing: Pairing | bool | None = None,
+        *,
+        allow_positional_fallback: bool | None = None,
+        prefill_start_layer: int | None = None,
+        legacy_kind: str | None = None,
+        stacklevel: int = 2,
+    ) -> Pairing:
+        """The ``Pairing`` that ``Template`` resolves from these arguments, for Python functions
+        that take and forward them (``kvplan.compare``); deprecated forms warn ``stacklevel``
+        frames up."""
     @property
     def mode(self) -> str: ...
     @property
@@ -439,6 +456,11 @@ class Template:
     tp_p // tp_d`` prefill ranks ``r_d*w .. (r_d+1)*w`` moves its own copy (a decode side that
     expects one share per writer, as SGLang's staged transfer; ``plan_staged`` then fills this
     rank's share). Default off; no effect with one writer per decode rank, nor on state.
+
+    ``pairing`` is a :class:`Pairing` (default ``Pairing.by_layer_id()``). A bool there and the
+    keywords ``allow_positional_fallback``, ``prefill_start_layer`` and ``legacy_kind`` are
+    deprecated shorthands for ``pairing=Pairing.by_layer_id(...)``: they still build the same
+    template and raise a ``DeprecationWarning`` naming the ``Pairing`` to pass instead.
 
     Raises (on construction):
         PairingError: A source entry has no partner, ids are one-sided, counts do not fit.

@@ -102,7 +102,8 @@ class PairingChoice:
 
     def template_kwargs(self, prefill_start_layer: int | None = None) -> dict[str, Any]:
         """The shorthand keywords of :meth:`pairing` (``allow_positional_fallback``,
-        ``prefill_start_layer``, ``legacy_kind``).
+        ``prefill_start_layer``, ``legacy_kind``), which ``Template`` and ``compare`` still take
+        but deprecate (each use warns).
 
         They do not say that positional and legacy modes ignore the page entries' layer ids:
         pass ``pairing=self.pairing(...)`` to ``Template`` / ``compare`` instead.

@@ -189,11 +189,12 @@ def compare(
     Args:
         prefill_layout: The source (prefill PP stage) layout.
         decode_layout: The destination (decode) layout.
-        pairing: A :class:`kvplan.Pairing` (default ``Pairing.by_layer_id()``); a bool is the
-            ``allow_positional_fallback`` shorthand. When it ignores the page entries' layer
-            ids (positional and legacy modes), so does the report.
-        allow_positional_fallback, prefill_start_layer, legacy_kind: Shorthands for
-            ``Pairing.by_layer_id(...)``, as for ``Template``.
+        pairing: A :class:`kvplan.Pairing` (default ``Pairing.by_layer_id()``). When it
+            ignores the page entries' layer ids (positional and legacy modes), so does the
+            report. A bool here is deprecated, as for ``Template``.
+        allow_positional_fallback, prefill_start_layer, legacy_kind: Deprecated shorthands for
+            ``pairing=Pairing.by_layer_id(...)``, as for ``Template``: they still work and
+            raise a ``DeprecationWarning`` naming the ``Pairing`` to pass instead.
         replicas_send: As for ``Template``: every writer of a decode rank sends replicated
             heads, not only the elected holder.
         request_pages: The request size :attr:`CompatReport.blocks` counts blocks for. When
@@ -208,16 +209,17 @@ def compare(
         KvPlanError: An option itself is invalid (e.g. an unknown ``legacy_kind``), exactly
             as ``Template`` would raise it.
     """
-    rows = _core.check_pairs(
-        prefill_layout,
-        decode_layout,
+    # Resolved once, here: the deprecation warning (if any) blames compare's caller, and the
+    # templates built below get the Pairing itself.
+    resolved = Pairing._from_template_arguments(
         pairing,
         allow_positional_fallback=allow_positional_fallback,
         prefill_start_layer=prefill_start_layer,
         legacy_kind=legacy_kind,
-        replicas_send=replicas_send,
+        stacklevel=2,
     )
-    hide = isinstance(pairing, Pairing) and pairing.mode != "layer_id"
+    rows = _core.check_pairs(prefill_layout, decode_layout, resolved, replicas_send=replicas_send)
+    hide = resolved.mode != "layer_id"
     src_entries = _visible(prefill_layout, hide)
     dst_items = decode_layout.item_lens
     entries = tuple(
@@ -235,9 +237,7 @@ def compare(
     )
     reasons = _reasons(entries)
     blocks: list[str] = []
-    options = {"pairing": pairing, "allow_positional_fallback": allow_positional_fallback,
-               "prefill_start_layer": prefill_start_layer, "legacy_kind": legacy_kind,
-               "replicas_send": replicas_send}
+    options = {"pairing": resolved, "replicas_send": replicas_send}
     dealt = prefill_layout.dcp_size > 1 or decode_layout.dcp_size > 1
     dcp = _dcp_lines(prefill_layout, decode_layout) if dealt else []
     if not reasons:

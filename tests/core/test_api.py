@@ -17,6 +17,7 @@ from kvplan import (
     KvPlanError,
     Layout,
     LayoutError,
+    Pairing,
     PairingError,
     SizeMismatchError,
     Template,
@@ -417,7 +418,7 @@ def test_one_sided_ids_is_pairing_error_unless_fallback():
         Template(src, dst)
     with pytest.raises(PairingError):
         Template(dst, src)
-    t = Template(src, dst, allow_positional_fallback=True)
+    t = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
     assert t.pairs.tolist() == [[0, 0], [1, 1]]
 
 
@@ -434,14 +435,15 @@ def test_positional_count_mismatch_without_fallback():
     dst = Layout.mla([100, 200, 300], [640] * 3, 64)
     with pytest.raises(PairingError):
         Template(src, dst)
-    assert Template(src, dst, allow_positional_fallback=True).pairs.tolist() == [[0, 0], [1, 1]]
+    t = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
+    assert t.pairs.tolist() == [[0, 0], [1, 1]]
 
 
 def test_template_legacy_mha_pp_even_split():
     # W-mha-pp-slice, even split, through a Template: stage start 2, 2 layers; decode 4 layers K then V.
     src = Layout.mha([102, 103], [202, 203], [64] * 2, [64] * 2, 8, 8)
     dst = Layout.mha([100, 101, 102, 103], [200, 201, 202, 203], [64] * 4, [64] * 4, 8, 8)
-    t = Template(src, dst, prefill_start_layer=2, legacy_kind="mha")
+    t = Template(src, dst, Pairing.by_layer_id(prefill_start_layer=2, legacy_kind="mha"))
     assert t.pairs.tolist() == [[0, 2], [1, 3], [2, 6], [3, 7]]
 
 

@@ -1,9 +1,11 @@
-"""kvplan.Pairing: construction, repr/equality, each mode against the keyword form it replaces,
-and Layout.entries() / draft-ness as entry fields."""
+"""kvplan.Pairing: construction, repr/equality, each mode against the pairing it must equal,
+the deprecated spellings (a bool, the shorthand keywords) still working and warning, and
+Layout.entries() / draft-ness as entry fields."""
 
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 
 import pytest
@@ -69,24 +71,120 @@ def _pp_stage():
     return src, dst
 
 
-def test_by_layer_id_matches_the_keyword_form():
+def test_by_layer_id_pairs_by_layer_id_and_falls_back_when_asked():
     src, dst = _pp_stage()
-    for kw, pairing in [({}, Pairing.by_layer_id()),
-                        ({"allow_positional_fallback": True}, Pairing.by_layer_id(True))]:
-        assert (Template(src, dst, pairing).pairs.tolist()
-                == Template(src, dst, **kw).pairs.tolist() == [[0, 2], [1, 3], [2, 6]])
-    # peers without ids: the keyword forms of positional fallback and legacy slicing
+    for pairing in [None, Pairing.by_layer_id(), Pairing.by_layer_id(True)]:
+        assert Template(src, dst, pairing).pairs.tolist() == [[0, 2], [1, 3], [2, 6]]
+    # peers without ids: positional fallback and legacy slicing
     a = Layout([1, 2], [640] * 2, 64, roles=["kv", "kv"])
     b = Layout([5, 6, 7], [640] * 3, 64, roles=["kv", "kv", "kv"])
-    assert (Template(a, b, Pairing.by_layer_id(True)).pairs.tolist()
-            == Template(a, b, True).pairs.tolist()
-            == Template(a, b, allow_positional_fallback=True).pairs.tolist())
+    assert Template(a, b, Pairing.by_layer_id(True)).pairs.tolist() == [[0, 0], [1, 1]]
     sliced = Pairing.by_layer_id(prefill_start_layer=1, legacy_kind="mla")
-    assert (Template(a, b, pairing=sliced).pairs.tolist()
-            == Template(a, b, prefill_start_layer=1, legacy_kind="mla").pairs.tolist()
-            == [[0, 1], [1, 2]])
-    assert check_pairs(a, b, sliced) == check_pairs(a, b, prefill_start_layer=1,
-                                                     legacy_kind="mla")
+    assert Template(a, b, pairing=sliced).pairs.tolist() == [[0, 1], [1, 2]]
+
+
+def _no_ids():
+    """A pair without layer ids, where every shorthand changes the outcome."""
+    return (Layout([1, 2], [640] * 2, 64, roles=["kv", "kv"]),
+            Layout([5, 6, 7], [640] * 3, 64, roles=["kv", "kv", "kv"]))
+
+
+# Each deprecated spelling (positional bool or shorthand keywords), the Pairing it stands for,
+# and the warning that says so.
+DEPRECATED_SPELLINGS = [
+    ((True,), {}, Pairing.by_layer_id(allow_positional_fallback=True),
+     "pairing=True is deprecated: pass "
+     "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True)"),
+    ((False,), {}, Pairing.by_layer_id(),
+     "pairing=False is deprecated: pass pairing=kvplan.Pairing.by_layer_id()"),
+    ((), {"allow_positional_fallback": True}, Pairing.by_layer_id(allow_positional_fallback=True),
+     "allow_positional_fallback=True is deprecated: pass "
+     "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True)"),
+    ((), {"allow_positional_fallback": False}, Pairing.by_layer_id(),
+     "allow_positional_fallback=False is deprecated: pass pairing=kvplan.Pairing.by_layer_id()"),
+    ((), {"prefill_start_layer": 1, "legacy_kind": "mla"},
+     Pairing.by_layer_id(prefill_start_layer=1, legacy_kind="mla"),
+     "prefill_start_layer=1, legacy_kind='mla' are deprecated: pass "
+     "pairing=kvplan.Pairing.by_layer_id(prefill_start_layer=1, legacy_kind='mla')"),
+    ((True,), {"prefill_start_layer": 0},
+     Pairing.by_layer_id(True, prefill_start_layer=0),
+     "pairing=True, prefill_start_layer=0 are deprecated: pass "
+     "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True, prefill_start_layer=0)"),
+    ((), {"legacy_kind": "mha"}, Pairing.by_layer_id(legacy_kind="mha"),
+     "legacy_kind='mha' is deprecated: pass "
+     "pairing=kvplan.Pairing.by_layer_id(legacy_kind='mha')"),
+]
+
+
+def _outcome(build):
+    """What a template build gives: its pairs, or the exception type and message."""
+    try:
+        return build().pairs.tolist()
+    except KvPlanError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("args, kwargs, pairing, message", DEPRECATED_SPELLINGS)
+def test_deprecated_spellings_build_the_same_template_and_warn_once(args, kwargs, pairing,
+                                                                    message):
+    a, b = _no_ids()
+    with pytest.warns(DeprecationWarning) as caught:
+        old = _outcome(lambda: Template(a, b, *args, **kwargs))
+    assert [str(w.message) for w in caught] == [message]
+    assert caught[0].filename == __file__  # blames the caller's line, not kvplan
+    assert old == _outcome(lambda: Template(a, b, pairing))
+    with pytest.warns(DeprecationWarning) as caught:
+        old_rows = check_pairs(a, b, *args, **kwargs)
+    assert [str(w.message) for w in caught] == [message]
+    assert [r[:3] for r in old_rows] == [r[:3] for r in check_pairs(a, b, pairing)]
+    with pytest.warns(DeprecationWarning) as caught:
+        old_report = compare(a, b, *args, **kwargs)
+    assert [str(w.message) for w in caught] == [message]
+    assert caught[0].filename == __file__
+    report = compare(a, b, pairing)
+    assert (old_report.compatible, old_report.pairs, old_report.reasons) == (
+        report.compatible, report.pairs, report.reasons)
+
+
+def test_the_pairing_value_does_not_warn():
+    src, dst = _pp_stage()
+    a, b = _no_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for pairing in [Pairing.by_layer_id(), Pairing.by_layer_id(True), Pairing.positional(),
+                        Pairing.legacy("mla", prefill_start_layer=2)]:
+            Template(src, dst, pairing)
+            Template(src, dst, pairing=pairing)
+            check_pairs(src, dst, pairing)
+            compare(src, dst, pairing=pairing)
+        Template(src, dst)
+        compare(src, dst)
+        check_pairs(a, b, Pairing.by_layer_id(prefill_start_layer=1, legacy_kind="mla"))
+        choice = select_pairing("ascend", "mla", 2)
+        choice.template(a, b, prefill_start_layer=1)
+        choice.compare(a, b, prefill_start_layer=1)
+
+
+def test_deprecated_spellings_are_errors_under_error_filters():
+    a, b = _no_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises(DeprecationWarning, match="allow_positional_fallback=True is"):
+            Template(a, b, allow_positional_fallback=True)
+        with pytest.raises(DeprecationWarning, match="pairing=True is"):
+            compare(a, b, True)
+
+
+def test_a_bad_shorthand_value_raises_before_any_warning():
+    a, b = _no_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises(KvPlanError, match='legacy kind must be "mla" or "mha", got "gqa"'):
+            Template(a, b, prefill_start_layer=1, legacy_kind="gqa")
+        with pytest.raises(KvPlanError, match="legacy kind"):
+            compare(a, b, prefill_start_layer=1, legacy_kind="gqa")
+        with pytest.raises(TypeError, match=r"pairing must be a kvplan.Pairing, got 1 of type int"):
+            Template(a, b, 1)  # type: ignore[arg-type]
 
 
 def _strip_page_ids(layout: Layout) -> Layout:
@@ -104,15 +202,15 @@ def test_positional_and_legacy_ignore_page_ids_but_not_state_ids():
     src, dst = _pp_stage()
     src = src.with_state("mamba", [5000], [160], 16, [3])
     dst = dst.with_state("mamba", [6000, 7000], [160, 160], 16, [1, 3])
-    # positional: the keyword form on layouts without page ids gives the same pairs
+    # positional: fallback on layouts without page ids gives the same pairs
     t = Template(src, dst, Pairing.positional())
-    old = Template(_strip_page_ids(src), _strip_page_ids(dst), True)
+    old = Template(_strip_page_ids(src), _strip_page_ids(dst), Pairing.by_layer_id(True))
     assert t.pairs.tolist() == old.pairs.tolist() == [[0, 0], [1, 1], [2, 6]]
     assert t.state_pairs.tolist() == old.state_pairs.tolist() == [[3, 8]]
     # legacy: the same, from the stage's first layer
     t = Template(src, dst, Pairing.legacy("mla", prefill_start_layer=2))
-    old = Template(_strip_page_ids(src), _strip_page_ids(dst), prefill_start_layer=2,
-                   legacy_kind="mla")
+    old = Template(_strip_page_ids(src), _strip_page_ids(dst),
+                   Pairing.by_layer_id(prefill_start_layer=2, legacy_kind="mla"))
     assert t.pairs.tolist() == old.pairs.tolist() == [[0, 2], [1, 3], [2, 6]]
     assert t.state_pairs.tolist() == old.state_pairs.tolist() == [[3, 8]]
     # the report follows the pairing

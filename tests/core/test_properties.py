@@ -9,7 +9,15 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import kvplan
-from kvplan import IndexBoundsError, KvPlanError, Layout, PairingError, SizeMismatchError, Template
+from kvplan import (
+    IndexBoundsError,
+    KvPlanError,
+    Layout,
+    Pairing,
+    PairingError,
+    SizeMismatchError,
+    Template,
+)
 
 from support import reference as ref
 
@@ -378,7 +386,7 @@ def test_plan_matches_reference(layout_kind, data):
     lp = data.draw(layout_pair(layout_kind))
     kind, src, dst, rs, rd, cap_src, cap_dst, fallback = lp
     pairs = ref.template_pairs(rs, rd, allow_positional_fallback=fallback)
-    t = Template(src, dst, allow_positional_fallback=fallback)
+    t = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
     assert t.pairs.dtype == np.int64
     assert [tuple(r) for r in t.pairs.tolist()] == pairs
     assert t.n_pairs == len(pairs)
@@ -443,7 +451,7 @@ def test_byte_map_is_the_copy_not_the_cut():
 @given(layout_pair(), st.data())
 def test_plan_out_of_range_index_raises(lp, data):
     kind, src, dst, rs, rd, cap_src, cap_dst, fallback = lp
-    t = Template(src, dst, allow_positional_fallback=fallback)
+    t = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
     assume(t.n_pairs > 0)
     sp, dp, sa, da = data.draw(page_pair(cap_src, cap_dst, max_n=40))
     assume(len(sp) > 0)

@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvplan
-from kvplan import CompatReport, KvPlanError, Layout, PairingError, SizeMismatchError, Template
+from kvplan import (
+    CompatReport,
+    KvPlanError,
+    Layout,
+    Pairing,
+    PairingError,
+    SizeMismatchError,
+    Template,
+)
 from kvplan.report import format_ids
 
 FULL60 = list(range(3, 60, 4))
@@ -140,7 +148,7 @@ def test_one_sided_ids_said_once():
                                         "be provided by both PD peers or neither")
     assert report.coverage[1] == "decode publishes no layer ids (3 page entries)"
     # The same pair with positional fallback (SGLang at PP 1) is fine.
-    ok = kvplan.compare(src, dst, allow_positional_fallback=True)
+    ok = kvplan.compare(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
     assert ok.compatible and ok.pairs == ((0, 0), (1, 1), (2, 2))
 
 
@@ -151,20 +159,21 @@ def test_positional_counts():
     dst = Layout.mla([4, 5, 6, 7, 8], [640] * 5, 64)
     bad = kvplan.compare(src, dst)
     assert not bad.compatible and "got src=3 dst=5 entries" in bad.reasons[0]
-    good = kvplan.compare(src, dst, True)
+    good = kvplan.compare(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
     assert good.pairs == ((0, 0), (1, 1), (2, 2))
     assert ("entries pair by position: prefill entries 0–2 -> decode entries 0–2"
             in good.coverage)
 
 
-def test_legacy_slicing_options_pass_through():
+def test_legacy_slicing_pairing_passes_through():
     # W-mla-pp-slice: legacy MLA, start 2: src [1,2] -> dst entries 2, 3.
     src = Layout.mla([1, 2], [640, 640], 64, pp_rank=1, pp_size=2)
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64)
-    report = kvplan.compare(src, dst, prefill_start_layer=2, legacy_kind="mla")
+    sliced = Pairing.by_layer_id(prefill_start_layer=2, legacy_kind="mla")
+    report = kvplan.compare(src, dst, sliced)
     assert report.compatible and report.pairs == ((0, 2), (1, 3))
     with pytest.raises(KvPlanError):
-        kvplan.compare(src, dst, prefill_start_layer=2, legacy_kind="gqa")
+        Pairing.by_layer_id(prefill_start_layer=2, legacy_kind="gqa")
 
 
 # ------------------------------------------------------------------------ context warnings
@@ -250,8 +259,9 @@ def layout_pairs(draw):
 @given(layout_pairs())
 def test_report_and_template_never_disagree(case):
     src, dst, fallback = case
-    pairs, error = template_outcome(src, dst, fallback)
-    report = kvplan.compare(src, dst, fallback)
+    pairing = Pairing.by_layer_id(allow_positional_fallback=fallback)
+    pairs, error = template_outcome(src, dst, pairing)
+    report = kvplan.compare(src, dst, pairing)
     assert report.compatible == (error is None)
     assert report.first_problem == error
     assert len(report.entries) == src.n_entries  # one row per source entry

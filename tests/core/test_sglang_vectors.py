@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan import KvPlanError, Layout, LayoutError, PairingError, SizeMismatchError, Template
+from kvplan import (
+    KvPlanError,
+    Layout,
+    LayoutError,
+    Pairing,
+    PairingError,
+    SizeMismatchError,
+    Template,
+)
 
 
 def a(*xs: int) -> np.ndarray:
@@ -445,7 +453,7 @@ def test_w_mamba_slot_mismatch_with_ids():
 def test_w_mamba_slot_mismatch_positional():
     src, dst = _mamba_layouts(16, [32], None, None)
     with pytest.raises(SizeMismatchError) as ei:
-        Template(src, dst, allow_positional_fallback=True)
+        Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
     msg = str(ei.value)
     assert has_num(msg, 16) and has_num(msg, 32), msg
 
@@ -521,7 +529,7 @@ def test_w_mha_pp_slice_uneven_split_through_template():
     dst = Layout.mha(K, V, [64] * 15, [64] * 15, 8, 8, num_model_layers=15)
     src = Layout.mha(list(range(8)), list(range(8, 16)), [64] * 8, [64] * 8, 8, 8,
                      pp_rank=1, pp_size=2)
-    t = Template(src, dst, prefill_start_layer=7, legacy_kind="mha")
+    t = Template(src, dst, Pairing.by_layer_id(prefill_start_layer=7, legacy_kind="mha"))
     got = [dst.data_ptrs[j] for _, j in t.pairs.tolist()]
     assert got == K[7:] + V[7:]
 
@@ -553,7 +561,7 @@ def test_w_mla_pp_slice_with_draft_through_template():
     # Legacy MLA peers (no ids): stage start 2 owns layers 2, 3 plus one draft entry.
     src = Layout([1, 2, 9], [640] * 3, 64, roles=["kv", "kv", "draft"])
     dst = Layout([10, 11, 12, 13, 14, 19], [640] * 6, 64, roles=["kv"] * 5 + ["draft"])
-    t = Template(src, dst, prefill_start_layer=2, legacy_kind="mla")
+    t = Template(src, dst, Pairing.by_layer_id(prefill_start_layer=2, legacy_kind="mla"))
     assert [dst.data_ptrs[j] for _, j in t.pairs.tolist()] == [12, 13, 19]
     plan = t.plan(a(0, 1), a(4, 5))
     assert blocks(plan) == ([1, 2, 9], [12 + 256, 13 + 256, 19 + 256], [128, 128, 128])

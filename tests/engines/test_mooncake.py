@@ -440,7 +440,7 @@ def test_hybrid_layouts_positional_pairing_targets_the_wrong_decode_layer() -> N
 
     positional = kvplan.Template(build_layout(kv_only(stage1), s_base, with_ids=False),
                                  build_layout(kv_only(decode), d_base, with_ids=False),
-                                 allow_positional_fallback=True)
+                                 kvplan.Pairing.by_layer_id(allow_positional_fallback=True))
     wrong = positional.plan(src_pages, dst_pages)
     assert {layer_of(int(a)) for a in wrong.dst_addrs} == {3}
     # Same sources, same byte count, different destination layer: nothing would have failed.

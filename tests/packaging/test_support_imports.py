@@ -3,7 +3,9 @@
 Read statically with ``ast`` from every Python file under ``tests/``: a test (or support module)
 must not import a benchmark module by name, nor reach into ``bench/`` by path (a ``"bench"``
 component handed to ``os.path.join``, ``Path(...)``, ``spec_from_file_location`` or a ``/``
-between paths). Docstrings and other free text may still name the benchmark scripts.
+between paths). Docstrings and other free text may still name the benchmark scripts, and
+``bench/results/`` (the recorded numbers, no code) may be read: the README test checks its
+numbers against them.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ def bench_module_names() -> set[str]:
     return names
 
 
+RESULTS = "bench/results"  # benchmark records, not benchmark code
+
+
 def _names_bench(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and (node.value == "bench" or node.value.startswith("bench/")
-                 or "/bench/" in node.value))
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    path = node.value
+    if path == RESULTS or path.startswith(RESULTS + "/"):
+        return False
+    return path == "bench" or path.startswith("bench/") or "/bench/" in path
 
 
 def bench_references(path: Path, bench_modules: set[str]) -> list[str]:
@@ -71,6 +79,15 @@ def test_reference_check_sees_path_loading(tmp_path: Path) -> None:
         "importlib.util.spec_from_file_location('x', os.path.join(HERE, '..', 'bench', 'x.py'))\n"
         "spec = Path(ROOT) / 'bench' / 'sglang_loader.py'\n", encoding="utf-8")
     assert len(bench_references(sample, bench_module_names())) == 4
+
+
+def test_reading_the_benchmark_records_is_not_reaching_into_bench(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from pathlib import Path\n"
+        "records = (Path(ROOT) / 'bench/results').glob('*.md')\n"
+        "script = Path(ROOT) / 'bench/compare_sglang.py'\n", encoding="utf-8")
+    assert bench_references(sample, set()) == ["line 3: Path(ROOT) / 'bench/compare_sglang.py'"]
 
 
 def test_support_modules_do_not_shadow_kvplan_testing() -> None:

@@ -23,6 +23,7 @@ from kvplan import (
     KvPlanError,
     Layout,
     LayoutError,
+    Pairing,
     PairingError,
     Template,
 )
@@ -477,8 +478,9 @@ def test_legacy_slicing_with_huge_decode_layer_count_is_a_pairing_error():
     for layers in (2**63, 2**63 + 1, 2**64 - 1):
         dst = Layout([1, 2, 3, 4], [640] * 4, 64, num_model_layers=layers)
         with pytest.raises(PairingError, match="does not fit"):
-            Template(src, dst, prefill_start_layer=0, legacy_kind="mha")
-        rows = kvplan._core.check_pairs(src, dst, prefill_start_layer=0, legacy_kind="mha")
+            Template(src, dst, Pairing.by_layer_id(prefill_start_layer=0, legacy_kind="mha"))
+        rows = kvplan._core.check_pairs(
+            src, dst, Pairing.by_layer_id(prefill_start_layer=0, legacy_kind="mha"))
         assert rows and all(isinstance(r[3], PairingError) for r in rows)
 
 

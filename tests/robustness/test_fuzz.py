@@ -36,6 +36,7 @@ from kvplan import (
     IndexBoundsError,
     KvPlanError,
     Layout,
+    Pairing,
     PairingError,
     SizeMismatchError,
     Template,
@@ -251,7 +252,8 @@ def test_fuzz_layouts_templates_and_plans():
         overlap = data.draw(st.booleans())
         rs, rd, pairs, state_pairs, ref_error = expected_template(src, dst, fallback)
         try:
-            t = Template(src, dst, fallback, check_dst_overlap=overlap)
+            t = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback),
+                         check_dst_overlap=overlap)
         except (SizeMismatchError, PairingError) as exc:
             assert ref_error is not None and isinstance(exc, ref_error), (ref_error, exc)
             return

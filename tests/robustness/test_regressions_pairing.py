@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvplan
 from support import reference as ref
-from kvplan import Layout, PairingError
+from kvplan import Layout, Pairing, PairingError
 
 
 def _layout(roles, ids=None, items=None, base=1):
@@ -66,16 +66,17 @@ def test_fallback_with_extra_decode_entries_pairs_draft_with_draft():
     # finds the decode's draft entry instead of the decode's third model entry.
     prefill = _layout(["kv", "kv", "draft"])
     decode = _layout(["kv", "kv", "kv", "draft"], base=100)
-    t = kvplan.Template(prefill, decode, allow_positional_fallback=True)
+    t = kvplan.Template(prefill, decode, Pairing.by_layer_id(allow_positional_fallback=True))
     assert _pairs(t) == [(0, 0), (1, 1), (2, 3)]
-    assert kvplan.compare(prefill, decode, True).compatible
+    assert kvplan.compare(prefill, decode, Pairing.by_layer_id(allow_positional_fallback=True)
+                          ).compatible
 
 
 def test_one_sided_ids_with_fallback_still_respect_roles():
     # Fallback with ids on one side only treats both as id-less (SGLang); roles still hold.
     prefill = _layout(["k", "k", "v", "v"], ids=[0, 1, 0, 1])
     decode = _layout(["k", "v", "k", "v"], base=100)
-    t = kvplan.Template(prefill, decode, allow_positional_fallback=True)
+    t = kvplan.Template(prefill, decode, Pairing.by_layer_id(allow_positional_fallback=True))
     assert _pairs(t) == [(0, 0), (1, 2), (2, 1), (3, 3)]
 
 
@@ -130,17 +131,17 @@ def test_id_less_pairing_matches_reference_and_report(case):
         expected_error = None
     except ref.RefError as e:
         expected, expected_error = None, e.kind
-    report = kvplan.compare(src, dst, fallback)
+    report = kvplan.compare(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
     if expected is None:
         # Template raises the first problem in source-entry order; the reference finds all
         # pairing problems before size problems, so an earlier size mismatch may come first.
         error = ((PairingError, kvplan.SizeMismatchError) if expected_error == "pairing"
                  else kvplan.SizeMismatchError)
         with pytest.raises(error) as raised:
-            kvplan.Template(src, dst, allow_positional_fallback=fallback)
+            kvplan.Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
         assert report.first_problem == (type(raised.value).__name__, str(raised.value))
     else:
-        t = kvplan.Template(src, dst, allow_positional_fallback=fallback)
+        t = kvplan.Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
         assert _pairs(t) == expected
         assert report.compatible and list(report.pairs) == expected
     # Whatever the verdict, no reported pair crosses roles.

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
 
 use crate::errors::{KvPlanError, to_py_err};
-use crate::options::{context_from, short_repr, strides_arg};
+use crate::options::{context_from, short_repr};
 
 /// Bytes per item: one value for every entry, or one per entry.
 pub(crate) enum ItemLens {
@@ -112,6 +112,24 @@ impl ItemLens {
             ItemLens::Many(lens) => lens,
         }
     }
+}
+
+/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
+/// per entry.
+fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
+    let Some(obj) = strides.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    if let Ok(one) = obj.extract::<u64>() {
+        return Ok(vec![one; n]);
+    }
+    if let Ok(many) = obj.extract::<Vec<u64>>() {
+        return Ok(many);
+    }
+    Err(PyTypeError::new_err(format!(
+        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
+        obj.repr()?
+    )))
 }
 
 /// Applies `strides=` to a freshly built layout (all its entries).

@@ -1,12 +1,14 @@
 //! Keyword parsing of the Python API: what `Layout`'s constructors, `Template` and
 //! `check_pairs` accept, turned into the core's option values. Only conversion and the
 //! messages for arguments of the wrong type live here; the rules and defaults are the core's
-//! (e.g. `AttentionGeometry::for_rank`, `Layout::with_tail_strides`).
+//! (e.g. `AttentionGeometry::for_rank`, `Pairing::by_layer_id`).
+
+use std::ffi::CString;
 
 use kvplan_core::{
     AttentionGeometry, Fragment, Fragments, LayoutContext, MemoryOrder, Pairing, TemplateOptions,
 };
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyDeprecationWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
@@ -45,8 +47,8 @@ pub(crate) fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fr
     )))
 }
 
-/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the shorthand
-/// keywords that build one.
+/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the deprecated
+/// shorthands that build one (warned about at the Python line that called in).
 pub(crate) fn template_options(
     pairing: Option<&Bound<'_, PyAny>>,
     allow_positional_fallback: Option<bool>,
@@ -55,88 +57,128 @@ pub(crate) fn template_options(
     check_dst_overlap: bool,
     replicas_send: bool,
 ) -> PyResult<TemplateOptions> {
+    let shorthand = PairingShorthand {
+        allow_positional_fallback,
+        prefill_start_layer,
+        legacy_kind,
+    };
     Ok(TemplateOptions {
-        pairing: resolve_pairing(
-            pairing,
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
-        )?,
+        pairing: Python::attach(|py| resolve_pairing(py, pairing, shorthand, 1))?,
         check_dst_overlap,
         replicas_send,
     })
 }
 
+/// The keywords that build a `Pairing.by_layer_id(...)` in place of `pairing=` (deprecated).
+#[derive(Clone, Copy)]
+pub(crate) struct PairingShorthand<'a> {
+    pub(crate) allow_positional_fallback: Option<bool>,
+    pub(crate) prefill_start_layer: Option<usize>,
+    pub(crate) legacy_kind: Option<&'a str>,
+}
+
+impl PairingShorthand<'_> {
+    fn is_given(&self) -> bool {
+        self.allow_positional_fallback.is_some()
+            || self.prefill_start_layer.is_some()
+            || self.legacy_kind.is_some()
+    }
+}
+
 /// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
 /// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
-/// that build one (`allow_positional_fallback`, `prefill_start_layer`, `legacy_kind`). A
-/// `Pairing` together with a shorthand is a `TypeError`.
+/// that build one. A `Pairing` together with a shorthand is a `TypeError`.
+///
+/// The bool and the shorthands still work, but each call that uses them gets one
+/// `DeprecationWarning` naming the `Pairing` to pass instead. `stacklevel` is `warnings.warn`'s:
+/// 1 blames the Python line that called into Rust, 2 the line above it (for Python functions
+/// that forward their own pairing arguments, such as `kvplan.compare`).
 pub(crate) fn resolve_pairing(
+    py: Python<'_>,
     pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
+    shorthand: PairingShorthand<'_>,
+    stacklevel: i32,
 ) -> PyResult<Pairing> {
     let pairing = pairing.filter(|p| !p.is_none());
     if let Some(p) = pairing
         && let Ok(p) = p.cast::<PyPairing>()
     {
-        if allow_positional_fallback.is_some()
-            || prefill_start_layer.is_some()
-            || legacy_kind.is_some()
-        {
+        if shorthand.is_given() {
             return Err(PyTypeError::new_err(
                 "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
             ));
         }
         return Ok(p.get().inner);
     }
-    let fallback = match pairing {
-        None => allow_positional_fallback.unwrap_or(false),
+    let bool_pairing = match pairing {
+        None => None,
         Some(p) => {
+            // A bool is the only non-`Pairing` value accepted (`extract::<bool>` takes no int).
             let Ok(flag) = p.extract::<bool>() else {
                 return Err(PyTypeError::new_err(format!(
-                    "pairing must be a kvplan.Pairing (or a bool, the allow_positional_fallback shorthand), got {}",
+                    "pairing must be a kvplan.Pairing, got {} of type {}",
+                    short_repr(p),
                     p.get_type()
                         .name()
                         .map(|n| n.to_string())
                         .unwrap_or_default()
                 )));
             };
-            if allow_positional_fallback.is_some() {
+            if shorthand.allow_positional_fallback.is_some() {
                 return Err(PyTypeError::new_err(
                     "allow_positional_fallback given twice (positionally and as a keyword)",
                 ));
             }
-            flag
+            Some(flag)
         }
     };
-    Ok(Pairing::by_layer_id(
-        fallback,
-        prefill_start_layer,
-        legacy_kind.map(parse_legacy_kind).transpose()?,
-    ))
+    let resolved = Pairing::by_layer_id(
+        bool_pairing
+            .or(shorthand.allow_positional_fallback)
+            .unwrap_or(false),
+        shorthand.prefill_start_layer,
+        shorthand.legacy_kind.map(parse_legacy_kind).transpose()?,
+    );
+    if bool_pairing.is_some() || shorthand.is_given() {
+        warn_deprecated_pairing(py, bool_pairing, shorthand, resolved, stacklevel)?;
+    }
+    Ok(resolved)
 }
 
-/// `strides=`: `None` (every stride equals its item length), one int for every entry, or one
-/// per entry.
-pub(crate) fn strides_arg(strides: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
-    let Some(obj) = strides.filter(|o| !o.is_none()) else {
-        return Ok(Vec::new());
-    };
-    if let Ok(one) = obj.extract::<u64>() {
-        return Ok(vec![one; n]);
+/// The `DeprecationWarning` for a bool `pairing` or shorthand keywords: what the call wrote, and
+/// the `pairing=` that means the same. An error when warnings are errors.
+fn warn_deprecated_pairing(
+    py: Python<'_>,
+    bool_pairing: Option<bool>,
+    shorthand: PairingShorthand<'_>,
+    resolved: Pairing,
+    stacklevel: i32,
+) -> PyResult<()> {
+    let python_bool = |b: bool| if b { "True" } else { "False" };
+    let mut written = Vec::new();
+    if let Some(flag) = bool_pairing {
+        written.push(format!("pairing={}", python_bool(flag)));
     }
-    if let Ok(many) = obj.extract::<Vec<u64>>() {
-        return Ok(many);
+    if let Some(flag) = shorthand.allow_positional_fallback {
+        written.push(format!("allow_positional_fallback={}", python_bool(flag)));
     }
-    Err(PyTypeError::new_err(format!(
-        "strides must be None, a non-negative int below 2**64 or a sequence of them, got {}",
-        obj.repr()?
-    )))
+    if let Some(start) = shorthand.prefill_start_layer {
+        written.push(format!("prefill_start_layer={start}"));
+    }
+    if let Some(kind) = shorthand.legacy_kind {
+        written.push(format!("legacy_kind='{kind}'"));
+    }
+    let verb = if written.len() == 1 { "is" } else { "are" };
+    let message = format!(
+        "{} {verb} deprecated: pass pairing=kvplan.{}",
+        written.join(", "),
+        PyPairing::expression(resolved)
+    );
+    let message = CString::new(message).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let category = py.get_type::<PyDeprecationWarning>();
+    PyErr::warn(py, category.as_any(), &message, stacklevel)
 }
 
-/// Reads the peer context from keyword arguments, rejecting unknown keys.
 /// `repr(obj)`, cut to a readable length for an error message.
 pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
     const MAX: usize = 60;
@@ -150,6 +192,7 @@ pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
     format!("{cut}…")
 }
 
+/// Reads the peer context from keyword arguments, rejecting unknown keys.
 pub(crate) fn context_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutContext> {
     let mut context = LayoutContext::default();
     let Some(kwargs) = kwargs else {

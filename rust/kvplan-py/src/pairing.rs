@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use crate::convert::pairs_array;
 use crate::errors::{KvPlanError, to_py_err};
+use crate::options::{PairingShorthand, resolve_pairing};
 
 /// SGLang's `build_transfer_entry_pairs`; when both sides give roles, entries pair only with
 /// entries of the same role (keyed by (layer id, role), or by position within each role).
@@ -128,6 +129,30 @@ impl PyPairing {
         })
     }
 
+    /// The `Pairing` that `Template(src, dst, pairing, **shorthands)` uses, for Python functions
+    /// that take `Template`'s pairing arguments and forward them (`kvplan.compare`). A bool
+    /// `pairing` or a shorthand warns as `Template` does; `stacklevel` 2 blames the caller of
+    /// the forwarding function.
+    #[staticmethod]
+    #[pyo3(name = "_from_template_arguments", signature = (pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, stacklevel=2))]
+    fn from_template_arguments(
+        py: Python<'_>,
+        pairing: Option<&Bound<'_, PyAny>>,
+        allow_positional_fallback: Option<bool>,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<&str>,
+        stacklevel: i32,
+    ) -> PyResult<Self> {
+        let shorthand = PairingShorthand {
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+        };
+        Ok(Self {
+            inner: resolve_pairing(py, pairing, shorthand, stacklevel)?,
+        })
+    }
+
     /// `"layer_id"`, `"positional"` or `"legacy"`.
     #[getter]
     fn mode(&self) -> &'static str {
@@ -150,7 +175,14 @@ impl PyPairing {
     }
 
     fn __repr__(&self) -> String {
-        let p = self.inner;
+        Self::expression(self.inner)
+    }
+}
+
+impl PyPairing {
+    /// The Python expression that builds `p` (`Pairing.by_layer_id(...)`, ...): its
+    /// repr, and what the deprecation warnings tell callers to write.
+    pub(crate) fn expression(p: Pairing) -> String {
         let kind = |k: Option<LegacyKind>| k.map(|k| format!("'{}'", k.as_str()));
         match p.mode() {
             PairingMode::Positional => "Pairing.positional()".into(),

@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvplan import _core
-from kvplan._core import Layout, SizeMismatchError, Template, TransferPlan
+from kvplan._core import Layout, Pairing, SizeMismatchError, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import planned
@@ -53,7 +53,7 @@ def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: l
                      page_size=page)
         dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), dst_items, dst_ids, drafts=dst_drafts,
                      page_size=page, dcp_size=dcp_size, dcp_rank=dcp_rank)
-        return Template(src, dst, allow_positional_fallback=False)
+        return Template(src, dst, Pairing.by_layer_id())
 
     return cast(Template, template_cache(manager).get(session, "dcp", inputs, build))
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvplan import _core
-from kvplan._core import Layout, Template
+from kvplan._core import Layout, Pairing, Template
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import planned
@@ -125,7 +125,8 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
         int(page_size) * dst_hpr * head_bytes)
     dst = Layout(dst_ptrs, dst_lens, dst_item, dst_ids, tp_rank=int(decode_rank) % tp_d,
                  tp_size=tp_d, heads_per_rank=dst_hpr, **geometry)
-    template = Template(src, dst, allow_positional_fallback=not by_id, replicas_send=every_writer)
+    template = Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=not by_id),
+                        replicas_send=every_writer)
     if template.empty_reason is not None:
         raise _core.PairingError(
             f"send_kvcache_staged: prefill rank {prefill_rank} of TP {tp_p} has no KV heads for "

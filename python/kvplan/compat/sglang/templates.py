@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplan import _core
-from kvplan._core import Layout, Template
+from kvplan._core import Layout, Pairing, Template
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, kv_roles, unbounded_lens
 from kvplan.compat.sglang.registry import ASCEND_MANAGER, sglang_global
@@ -64,7 +64,7 @@ def _legacy_mha(manager: Any, src_ptrs: list[int], dst_ptrs: list[int], items: l
     src = Layout(src_ptrs, src_lens, items)
     dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                  num_model_layers=decode_layers)
-    return Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+    return Template(src, dst, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mha"))
 
 
 def _ascend_groups(kv_args: Any) -> tuple[int, int, int]:
@@ -107,7 +107,7 @@ def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_
             pairs = _core.pair_entries(None, None, n_src, n_dst, True)
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                          _dst_item_lens(pairs, items, n_dst, known))
-            return Template(src, dst, allow_positional_fallback=True)
+            return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
         _, _, hidden, draft_layers, start, sends_draft = how
         src_draft = draft_layers if sends_draft else 0
         if n_dst != groups * (hidden + draft_layers):
@@ -125,13 +125,13 @@ def _legacy_mla(src_ptrs: list[int], dst_ptrs: list[int], items: list[int], src_
         pairs = _partners(src, Layout(dst_ptrs, unbounded_lens(dst_ptrs), 0, roles=dst_roles), start)
         dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known),
                      roles=dst_roles)
-        return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+        return Template(src, dst, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mla"))
     num_draft, start = (how[1], how[2]) if len(how) == 3 else (0, 0)
     pairs = _core.legacy_pp_pairs("mla", n_src, n_dst, start, num_draft_entries=num_draft)
     roles = kv_roles(n_src, mla=True, groups=1, num_draft=num_draft)
     src = Layout(src_ptrs, src_lens, items, roles=roles)
     dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), _dst_item_lens(pairs, items, n_dst, known))
-    return Template(src, dst, prefill_start_layer=start, legacy_kind="mla")
+    return Template(src, dst, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mla"))
 
 
 def _is_last_rank(manager: Any) -> bool:
@@ -145,7 +145,8 @@ def _partners(src: Layout, dst_probe: Layout, start: int) -> npt.NDArray[np.int6
     them (the core's per-role legacy slicing), from a decode layout whose item lengths are not
     known yet: used only to derive those lengths. Entries without a partner are left out; the
     template reports them."""
-    rows = _core.check_pairs(src, dst_probe, prefill_start_layer=start, legacy_kind="mla")
+    rows = _core.check_pairs(
+        src, dst_probe, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mla"))
     out = [(i, j) for _, i, j, _ in rows if j is not None]
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
@@ -163,7 +164,7 @@ def _ids_template(manager: Any, session: str, path: str, src_ptrs: list[int],
         src = Layout(src_ptrs, kv_args_lens(kv_args, src_ptrs), items, src_ids)
         dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                      _dst_item_lens(pairs, items, len(dst_ptrs), known), dst_ids)
-        return Template(src, dst, allow_positional_fallback=fallback)
+        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
 
     return cast(Template, template_cache(manager).get(session, path, inputs, build))
 
@@ -192,7 +193,7 @@ def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[i
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs),
                          _dst_item_lens(pairs, items, len(dst_ptrs), known))
             return Template(Layout(src_ptrs, src_lens, items), dst,
-                            allow_positional_fallback=True)
+                            Pairing.by_layer_id(allow_positional_fallback=True))
         return _legacy_mla(src_ptrs, dst_ptrs, items, src_lens, known, how)
 
     return cast(Template, template_cache(manager).get(session, path, inputs, build))
@@ -292,7 +293,8 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
                          heads_per_rank=g["src_hpr"], **geometry)
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst, dst_ids,
                          tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
-            template = Template(src, dst, allow_positional_fallback=bool(pp_fallback))
+            template = Template(
+                src, dst, Pairing.by_layer_id(allow_positional_fallback=bool(pp_fallback)))
         else:
             decode_layers = setting_decode_kv_layers(manager)
             if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
@@ -302,7 +304,8 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst,
                          num_model_layers=decode_layers, tp_rank=r_d, tp_size=tp_d,
                          heads_per_rank=g["dst_hpr"], **geometry)
-            template = Template(src, dst, prefill_start_layer=start, legacy_kind="mha")
+            template = Template(
+                src, dst, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mha"))
         if template.empty_reason is not None:
             raise _core.PairingError(
                 f"send_kvcache_slice: prefill rank {g['r_p']} of TP {tp_p} has no KV heads for "
@@ -352,7 +355,7 @@ def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
                      kinds=["state"] * len(src_ptrs))
         dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), dst_items, published_ids(dst_layer_ids),
                      kinds=["state"] * len(dst_ptrs))
-        return Template(src, dst, allow_positional_fallback=fallback)
+        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
 
     session = req.mooncake_session_id
     return session, cast(Template, template_cache(manager).get(session, "mamba", inputs, build))
