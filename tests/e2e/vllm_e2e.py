@@ -350,13 +350,16 @@ def run_connector(servers: VllmServers, connector: Connector,
                        "kv_consumer"),
     ]
     prefill_a, prefill_b, prefill_c, decode = group
-    # Over Mooncake the negative control has a decode of its own. With vLLM's Mooncake
-    # connector (its own as kvplan's, 0.32 and 0.33) a decode that a first prefill has pushed
-    # to sometimes hangs its worker when a second prefill pushes to it (no engine step for
-    # 60 s, the new peer's Mooncake handshake times out). The bad input's prefill never
-    # pushes (the decode refuses its layout first), so it shares the decode.
+    # The negative control has a decode of its own. A decode that a first prefill has served
+    # sometimes hangs when a second prefill serves it: with vLLM's Mooncake connector (its own
+    # as kvplan's, 0.32 and 0.33) its worker takes no engine step for 60 s and the new peer's
+    # handshake times out; with vLLM's own NIXL connector the first pull from the second
+    # prefill stalls past that prefill's 30 s KV lease, and once the lease has released the
+    # blocks the pull never completes. The bad input's prefill never sends (the decode refuses
+    # its layout first), so it shares the decode. The second decode runs its OpenMP threads on
+    # the other core than the second prefill.
     other_decode = decode
-    if connector.transport == "mooncake" and not connector.one_prefill:
+    if not connector.one_prefill:
         other_decode = servers.server(f"{label.replace(' ', '_')}-decode-b", "a",
                                       OTHER_DECODE_PORT, connector, "kv_consumer")
         group.append(other_decode)
