@@ -22,6 +22,7 @@ __all__ = [
     "Pairing",
     "PairingError",
     "Blocks",
+    "BatchPlan",
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
@@ -378,6 +379,55 @@ class Blocks:
     def __len__(self) -> int: ...
 
 @final
+class BatchPlan(Blocks):
+    """Many requests to one peer in one plan (``Template.plan_batch``): every request's blocks
+    in one set of columns, in segments that follow the request order. A segment is one request,
+    or consecutive requests whose pages touch on both sides, their boundary blocks merged. An
+    engine call that fails holds exactly the requests of the segments its blocks belong to."""
+
+    @property
+    def n_requests(self) -> int: ...
+    @property
+    def n_segments(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def segment_offsets(self) -> _I64Array:
+        """``n_segments + 1`` block offsets: segment ``s`` is blocks ``segment_offsets[s] ..
+        segment_offsets[s + 1]``."""
+    @property
+    def segment_requests(self) -> _I64Array:
+        """``n_segments + 1`` request offsets: segment ``s`` holds requests
+        ``segment_requests[s] .. segment_requests[s + 1]``."""
+    @property
+    def request_segments(self) -> _I64Array:
+        """Per request, the segment it was planned in."""
+    @property
+    def request_bytes(self) -> _U64Array:
+        """Per request, the bytes it moves."""
+    @property
+    def request_n_blocks(self) -> _I64Array:
+        """Per request, its blocks if planned alone (``Template.plan``)."""
+    def request_blocks(self, request: int) -> slice:
+        """The blocks holding ``request``'s bytes (its segment's blocks)."""
+    def requests_in(self, start: int, stop: int) -> _I64Array:
+        """The requests whose bytes blocks ``start .. stop`` hold, in order."""
+    def call_ranges(self, max_blocks: int) -> npt.NDArray[np.int64]:
+        """``(n_calls, 2)`` ``[start, stop)`` block ranges of at most ``max_blocks`` blocks, one
+        per engine call: whole segments packed while they fit, a larger one split alone."""
+    def batches(self, max_blocks: int) -> list[PlanBatch]:
+        """The blocks of each of ``call_ranges(max_blocks)`` as views (no copy)."""
+    @property
+    def request_digests(self) -> _U64Array:
+        """Per request, the plan digest of the request planned alone (``digests=True`` only).
+
+        Raises:
+            KvPlanError: The batch was planned without digests.
+        """
+    @property
+    def layout_fingerprints(self) -> tuple[int, int]: ...
+
+@final
 class PlanBatch(Blocks):
     """A slice of a plan's blocks (views, no copy), sized for one engine submission; unpacks as
     ``src_addrs, dst_addrs, lengths = batch``."""
@@ -521,6 +571,24 @@ class Template:
     def n_token_blocks(self, n_tokens: int, *, fragmented: bool = False) -> int: ...
     def packed_block_counts(self, n_tokens: int, *, fragmented: bool = False
                             ) -> tuple[int, int, int]: ...
+    def plan_batch(
+        self,
+        requests: Sequence[tuple[_IndexArray, _IndexArray] | tuple[_IndexArray, _IndexArray, int | None]],
+        *,
+        digests: bool = False,
+    ) -> BatchPlan:
+        """Plan many requests to this peer as one plan: each ``(src_pages, dst_pages[,
+        n_tokens])`` planned as ``plan`` would; requests whose pages touch on both sides share
+        merged blocks. ``digests=True`` also computes each request's plan digest alone.
+
+        Raises:
+            IndexBoundsError: A request's index is out of range (the message names the
+                request), or two requests write one destination page (kind
+                ``requests_overlap``, naming both).
+            KvPlanError: A request's own error, naming the request.
+            TypeError: A request is not a tuple of 1-D int32/int64 arrays, or its dtypes differ
+                from the first request's.
+        """
     def plan(
         self,
         src_pages: _IndexArray,

@@ -80,6 +80,20 @@ pub enum PlanError {
         second: usize,
     },
     #[error(
+        "requests {first} and {second} of the batch both write dst {what} {index}: a destination would be written twice"
+    )]
+    RequestsOverlap {
+        what: &'static str,
+        index: i64,
+        first: usize,
+        second: usize,
+    },
+    #[error("request {request} of the batch: {source}")]
+    InRequest {
+        request: usize,
+        source: Box<PlanError>,
+    },
+    #[error(
         "Layer metadata must be provided by both PD peers or neither (src has {src_ids} ids, dst has {dst_ids})"
     )]
     OneSidedMetadata { src_ids: usize, dst_ids: usize },
@@ -367,6 +381,8 @@ impl PlanError {
             PlanError::StagingTooSmall { .. } => "staging_too_small",
             PlanError::StagingSlotSizes { .. } => "staging_slots",
             PlanError::BuffersOverlap { .. } => "buffer_overlap",
+            PlanError::RequestsOverlap { .. } => "requests_overlap",
+            PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
                 ErrorClass::IndexBounds => "index_bounds",
@@ -404,6 +420,7 @@ impl PlanError {
     /// is listed: a new variant does not compile until it is classified.
     pub fn class(&self) -> ErrorClass {
         match self {
+            PlanError::InRequest { source, .. } => source.class(),
             PlanError::OneSidedMetadata { .. }
             | PlanError::MetadataLength { .. }
             | PlanError::RoleLength { .. }
@@ -414,6 +431,7 @@ impl PlanError {
             PlanError::NegativeIndex { .. }
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }
+            | PlanError::RequestsOverlap { .. }
             | PlanError::InputChanged
             | PlanError::BlockOutsideBuffers { .. }
             | PlanError::DescIdOutOfRegion { .. } => ErrorClass::IndexBounds,

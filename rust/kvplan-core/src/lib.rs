@@ -20,7 +20,7 @@
 //! 6. `accounting` (blocks and bytes per group and pair).
 //! 7. `template` (build once, pick the strategy, one request path).
 //! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `slices` (layer-wise
-//!    views, the manifest).
+//!    views, the manifest), `batch` (many requests in one plan).
 //! 9. `staged` (gather + network between staging regions + scatter).
 //! 10. `advice` (direct or staged).
 //! <!-- end module layers -->
@@ -28,6 +28,7 @@
 
 pub mod accounting;
 pub mod advice;
+pub mod batch;
 pub mod check;
 pub mod coalesce;
 pub mod dcp;
@@ -54,6 +55,7 @@ pub mod wire;
 
 pub use accounting::BlockAccounting;
 pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
+pub use batch::{BatchPlan, BatchPlanner, BatchSummary};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use coalesce::Group;
 pub use dcp::DcpContext;

@@ -27,6 +27,24 @@ impl<'a> Columns<'a> {
         }
     }
 
+    /// The same columns, borrowed again (for a callee that writes part of them first).
+    pub fn reborrow(&mut self) -> Columns<'_> {
+        Columns {
+            src_addrs: self.src_addrs,
+            dst_addrs: self.dst_addrs,
+            lengths: self.lengths,
+        }
+    }
+
+    /// Values `range` of each column.
+    pub fn range(&mut self, range: std::ops::Range<usize>) -> Columns<'_> {
+        Columns {
+            src_addrs: &mut self.src_addrs[range.clone()],
+            dst_addrs: &mut self.dst_addrs[range.clone()],
+            lengths: &mut self.lengths[range],
+        }
+    }
+
     pub(crate) fn capacity(&self) -> usize {
         self.src_addrs
             .len()

@@ -464,7 +464,18 @@ impl Template {
     {
         let summary = self.prepare(request)?;
         let mut output = make_output(&summary)?;
-        let out = output.columns();
+        self.emit_prepared(request, &summary, output.columns())?;
+        Ok((output, summary))
+    }
+
+    /// Emits a request that [`Template::prepare`] validated into `out` (at least
+    /// `summary.n_blocks` values per column).
+    pub(crate) fn emit_prepared<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        summary: &PlanSummary,
+        mut out: Columns<'_>,
+    ) -> Result<()> {
         if out.capacity() < summary.n_blocks {
             return Err(PlanError::OutputTooSmall {
                 have: out.capacity(),
@@ -473,7 +484,10 @@ impl Template {
         }
         match (request.indices, summary.unit) {
             (Indices::Pages { src, dst }, PlanUnit::Pages(found)) => {
-                self.emit_request(src, dst, &found, out)?;
+                if !self.pieces.is_empty() && found.n_pages > 0 {
+                    let runs = self.write_request_runs(src, dst, &found, out.reborrow())?;
+                    self.expand_runs(runs, found.n_pages, found.descending_runs > 0, out);
+                }
             }
             (Indices::Pages { src, dst }, PlanUnit::Tokens(tokens)) => {
                 let limits = (self.limits.src, self.limits.dst);
@@ -484,23 +498,27 @@ impl Template {
             (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
             (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
         }
-        Ok((output, summary))
+        Ok(())
     }
 
-    fn emit_request<S: PageIndex, D: PageIndex>(
+    /// Writes a validated page request's runs into the first `found.n_runs` slots of `out`
+    /// as `(src page, dst page, pages | DESCENDING)`; returns the run count. Limits are
+    /// re-checked per run, and a run count that differs from the validating scan means the
+    /// inputs changed meanwhile.
+    pub(crate) fn write_request_runs<S: PageIndex, D: PageIndex>(
         &self,
         src: &[S],
         dst: &[D],
         found: &crate::runs::RunScan,
         out: Columns<'_>,
-    ) -> Result<()> {
-        let pieces = &self.pieces;
-        if pieces.is_empty() || found.n_pages == 0 {
-            return Ok(());
-        }
-        // Runs go into the first slots as page indices; limits are re-checked per run, and a
-        // run count that differs from the validating scan means the inputs changed meanwhile.
+    ) -> Result<usize> {
         let expected = found.n_runs;
+        if out.capacity() < expected {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: expected,
+            });
+        }
         let runs = write_runs_by(
             src,
             dst,
@@ -519,18 +537,29 @@ impl Template {
         if runs != expected {
             return Err(PlanError::InputChanged);
         }
+        Ok(runs)
+    }
+
+    /// Expands `runs` runs (of `pages` pages in all) held in the first slots of `out` into the
+    /// template's blocks, in place.
+    pub(crate) fn expand_runs(
+        &self,
+        runs: usize,
+        pages: usize,
+        descending: bool,
+        out: Columns<'_>,
+    ) {
         if self.blocks.per_page_pieces() == 0 {
-            if found.descending_runs > 0 {
+            if descending {
                 // Per-run pieces only: a descending run is its pages in ascending order.
                 out.lengths[..runs]
                     .iter_mut()
                     .for_each(|n| *n &= !crate::runs::DESCENDING);
             }
-            crate::emit::expand_runs(pieces, runs, out);
+            crate::emit::expand_runs(&self.pieces, runs, out);
         } else {
-            crate::emit::expand_pieces(pieces, runs, found.n_pages, out);
+            crate::emit::expand_pieces(&self.pieces, runs, pages, out);
         }
-        Ok(())
     }
 
     /// One block per moving state pair, `(src_base + item_len*src, dst_base + item_len*dst,

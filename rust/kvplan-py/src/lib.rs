@@ -1,9 +1,10 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `plan` (+
+//! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `batch` (`BatchPlan`), `plan` (+
 //! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), `nixl_ids` (vLLM's NIXL descriptor ids), with `convert`, `errors` and `options` (keyword parsing) shared.
 
 mod advice;
+mod batch;
 mod convert;
 mod descriptors;
 mod digest;
@@ -28,6 +29,8 @@ mod template;
 mod _core {
     #[pymodule_export]
     use crate::advice::{PyAdvice, PyTransferCost, advise};
+    #[pymodule_export]
+    use crate::batch::PyBatchPlan;
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest};
     #[pymodule_export]

@@ -86,7 +86,7 @@ pub struct PyBlocks {
 }
 
 impl PyBlocks {
-    fn new([src_addrs, dst_addrs, lengths]: [Column; 3]) -> Self {
+    pub(crate) fn new([src_addrs, dst_addrs, lengths]: [Column; 3]) -> Self {
         Self {
             src_addrs,
             dst_addrs,
@@ -94,12 +94,12 @@ impl PyBlocks {
         }
     }
 
-    fn len(&self, py: Python<'_>) -> usize {
+    pub(crate) fn len(&self, py: Python<'_>) -> usize {
         self.lengths.bind(py).len()
     }
 
     /// Views of blocks `start..stop` (no copy).
-    fn slice(&self, py: Python<'_>, start: usize, stop: usize) -> PyResult<Self> {
+    pub(crate) fn slice(&self, py: Python<'_>, start: usize, stop: usize) -> PyResult<Self> {
         let slice = PySlice::new(py, start as isize, stop as isize, 1);
         let cut = |c: &Column| -> PyResult<Column> {
             Ok(c.bind(py)

@@ -386,6 +386,20 @@ impl PyTemplate {
         )
     }
 
+    /// Plans many requests to this peer as one plan (`BatchPlan`): `requests` is a sequence of
+    /// `(src_pages, dst_pages)` or `(src_pages, dst_pages, n_tokens)` tuples, each planned as
+    /// `plan` would plan it; requests whose pages touch on both sides share merged blocks.
+    /// `digests=True` also computes each request's plan digest as planned alone.
+    #[pyo3(signature = (requests, *, digests=false))]
+    fn plan_batch(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        digests: bool,
+    ) -> PyResult<Py<crate::batch::PyBatchPlan>> {
+        crate::batch::plan_batch(py, &self.inner, self.fingerprints, requests, digests)
+    }
+
     /// Plans one request (as `plan`) split in two around a pack buffer `pack = (addr, size)` of
     /// prefill memory: `(gather, network)`, the gather from prefill memory into the buffer
     /// (executed by the caller) and the network plan from the buffer to the decode, one block

@@ -1,0 +1,402 @@
+//! `Template.plan_batch`: many requests to one peer planned by the core's `BatchPlanner` into
+//! one pooled buffer, and `BatchPlan`, its blocks with each request's place in them. The
+//! requests' index arrays are borrowed without copying; nothing is built per block, and per
+//! request only the arrays the caller passed.
+
+use std::sync::Arc;
+
+use kvplan_core::{BatchSummary, FlatBuffer, PageIndex, Request, Template};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use pyo3::exceptions::{PyIndexError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PySequence, PyTuple};
+
+use crate::convert::{IndexArray, IndexSlice};
+use crate::errors::{KvPlanError, to_py_err};
+use crate::plan::{PyBlocks, PyPlanBatch, pooled_columns};
+use crate::pool;
+
+/// A request's borrowed arrays and token count, as the caller passed them.
+struct BorrowedRequest<'py> {
+    src: IndexArray<'py>,
+    dst: IndexArray<'py>,
+    n_tokens: Option<u64>,
+}
+
+/// Reads `requests`: each a `(src_pages, dst_pages)` or `(src_pages, dst_pages, n_tokens)`
+/// tuple of 1-D int32 or int64 arrays.
+fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRequest<'py>>> {
+    let sequence = requests.cast::<PySequence>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "requests must be a sequence of (src_pages, dst_pages[, n_tokens]) tuples, got {}",
+            requests
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    let n = sequence.len()?;
+    let mut out = Vec::with_capacity(n);
+    for r in 0..n {
+        let item = sequence.get_item(r)?;
+        let tuple = item
+            .cast::<PyTuple>()
+            .ok()
+            .filter(|t| matches!(t.len(), 2 | 3));
+        let Some(tuple) = tuple else {
+            return Err(PyTypeError::new_err(format!(
+                "request {r} must be a (src_pages, dst_pages) or (src_pages, dst_pages, \
+                 n_tokens) tuple, got {}",
+                item.get_type().name()?
+            )));
+        };
+        let n_tokens = if tuple.len() == 3 {
+            let value = tuple.get_item(2)?;
+            if value.is_none() {
+                None
+            } else {
+                Some(value.extract::<u64>().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "request {r}: n_tokens must be a non-negative int or None, got {value}"
+                    ))
+                })?)
+            }
+        } else {
+            None
+        };
+        let (src_name, dst_name) = (
+            format!("request {r} src_pages"),
+            format!("request {r} dst_pages"),
+        );
+        out.push(BorrowedRequest {
+            src: IndexArray::extract(&tuple.get_item(0)?, &src_name)?,
+            dst: IndexArray::extract(&tuple.get_item(1)?, &dst_name)?,
+            n_tokens,
+        });
+    }
+    Ok(out)
+}
+
+/// Index element types a batch's slices can be read as.
+trait SliceOf: PageIndex {
+    const DTYPE: &'static str;
+    fn of(slice: IndexSlice<'_>) -> Option<&[Self]>;
+}
+
+impl SliceOf for i32 {
+    const DTYPE: &'static str = "int32";
+    fn of(slice: IndexSlice<'_>) -> Option<&[i32]> {
+        match slice {
+            IndexSlice::I32(s) => Some(s),
+            IndexSlice::I64(_) => None,
+        }
+    }
+}
+
+impl SliceOf for i64 {
+    const DTYPE: &'static str = "int64";
+    fn of(slice: IndexSlice<'_>) -> Option<&[i64]> {
+        match slice {
+            IndexSlice::I64(s) => Some(s),
+            IndexSlice::I32(_) => None,
+        }
+    }
+}
+
+/// The planned batch: the pooled output and the summary (and digests when asked for).
+type Planned = kvplan_core::Result<(FlatBuffer, BatchSummary, Option<Vec<u64>>)>;
+
+/// Requests with this many index pairs in all are planned with the GIL released.
+const DETACH_MIN_PAGES: usize = 1024;
+
+/// The core's requests over the slices (all of one dtype per side), planned.
+fn plan_typed<S: SliceOf, D: SliceOf>(
+    py: Python<'_>,
+    template: &Template,
+    slices: &[(IndexSlice<'_>, IndexSlice<'_>, Option<u64>)],
+    digests: Option<(u64, u64)>,
+) -> PyResult<Planned> {
+    let mut requests: Vec<Request<'_, S, D>> = Vec::with_capacity(slices.len());
+    let mut pages = 0usize;
+    for (r, &(src, dst, n_tokens)) in slices.iter().enumerate() {
+        let (Some(src), Some(dst)) = (S::of(src), D::of(dst)) else {
+            return Err(PyTypeError::new_err(format!(
+                "request {r}: every request of a batch takes the dtypes of the first \
+                 (src_pages {}, dst_pages {}); convert with .astype",
+                S::DTYPE,
+                D::DTYPE
+            )));
+        };
+        pages = pages.saturating_add(src.len().max(dst.len()));
+        requests.push(Request::new(src, dst, n_tokens));
+    }
+    let plan = || -> Planned {
+        let planner = template.batch();
+        let (buffer, summary) = planner.plan_into(&requests, |summary| {
+            Ok(FlatBuffer {
+                data: pool::take(summary.n_blocks.saturating_mul(3))?,
+                capacity: summary.n_blocks,
+            })
+        })?;
+        let digests = match digests {
+            Some(prints) => Some(planner.request_digests(&requests, prints)?),
+            None => None,
+        };
+        Ok((buffer, summary, digests))
+    };
+    Ok(if pages < DETACH_MIN_PAGES {
+        plan()
+    } else {
+        py.detach(plan)
+    })
+}
+
+/// Plans `requests` with `template` (see `Template.plan_batch`).
+pub(crate) fn plan_batch(
+    py: Python<'_>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
+    requests: &Bound<'_, PyAny>,
+    digests: bool,
+) -> PyResult<Py<PyBatchPlan>> {
+    let borrowed = borrow_requests(requests)?;
+    let mut slices = Vec::with_capacity(borrowed.len());
+    for (r, request) in borrowed.iter().enumerate() {
+        slices.push((
+            request.src.as_slice(&format!("request {r} src_pages"))?,
+            request.dst.as_slice(&format!("request {r} dst_pages"))?,
+            request.n_tokens,
+        ));
+    }
+    let prints = if digests {
+        Some(fingerprints.ok_or_else(|| {
+            KvPlanError::new_err("request digests need both layouts' wire fingerprints")
+        })?)
+    } else {
+        None
+    };
+    let first = slices.first().map(|&(s, d, _)| (s, d));
+    let planned = match first {
+        Some((IndexSlice::I32(_), IndexSlice::I32(_))) => {
+            plan_typed::<i32, i32>(py, template, &slices, prints)?
+        }
+        Some((IndexSlice::I32(_), IndexSlice::I64(_))) => {
+            plan_typed::<i32, i64>(py, template, &slices, prints)?
+        }
+        Some((IndexSlice::I64(_), IndexSlice::I32(_))) => {
+            plan_typed::<i64, i32>(py, template, &slices, prints)?
+        }
+        Some((IndexSlice::I64(_), IndexSlice::I64(_))) | None => {
+            plan_typed::<i64, i64>(py, template, &slices, prints)?
+        }
+    };
+    let (buffer, summary, digests) = planned.map_err(to_py_err)?;
+    let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
+    let plan = PyBatchPlan {
+        summary,
+        fingerprints,
+        digests,
+    };
+    Py::new(
+        py,
+        PyClassInitializer::from(PyBlocks::new(columns)).add_subclass(plan),
+    )
+}
+
+/// Many requests to one peer in one plan: the blocks of every request in one set of columns
+/// (views of one pooled buffer), in segments. A segment is one request, or consecutive
+/// requests whose pages touch on both sides, whose boundary blocks are merged; segments follow
+/// the request order. An engine call that fails holds exactly the requests of the segments
+/// its blocks belong to (`requests_in`).
+#[pyclass(frozen, extends = PyBlocks, name = "BatchPlan", module = "kvplan._core")]
+pub struct PyBatchPlan {
+    summary: BatchSummary,
+    fingerprints: Option<(u64, u64)>,
+    digests: Option<Vec<u64>>,
+}
+
+fn int64_array(py: Python<'_>, values: impl Iterator<Item = usize>) -> Bound<'_, PyArray1<i64>> {
+    values
+        .map(|v| v as i64)
+        .collect::<Vec<_>>()
+        .into_pyarray(py)
+}
+
+impl PyBatchPlan {
+    fn request_index(&self, request: i64) -> PyResult<usize> {
+        let n = self.summary.n_requests();
+        let at = if request < 0 {
+            request + n as i64
+        } else {
+            request
+        };
+        usize::try_from(at).ok().filter(|&r| r < n).ok_or_else(|| {
+            PyIndexError::new_err(format!("request {request} out of range for {n} requests"))
+        })
+    }
+
+    fn calls(&self, max_blocks: i64) -> PyResult<Vec<std::ops::Range<usize>>> {
+        let max = usize::try_from(max_blocks).unwrap_or(0);
+        if max_blocks <= 0 {
+            return Err(KvPlanError::new_err(format!(
+                "max_blocks must be positive, got {max_blocks}"
+            )));
+        }
+        self.summary.call_ranges(max).map_err(to_py_err)
+    }
+}
+
+#[pymethods]
+impl PyBatchPlan {
+    /// Requests planned.
+    #[getter]
+    fn n_requests(&self) -> usize {
+        self.summary.n_requests()
+    }
+
+    /// Segments (a request alone, or touching requests merged).
+    #[getter]
+    fn n_segments(&self) -> usize {
+        self.summary.n_segments()
+    }
+
+    /// Bytes the batch moves.
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.summary.total_bytes
+    }
+
+    /// `n_segments + 1` block offsets: segment `s` is blocks `segment_offsets[s] ..
+    /// segment_offsets[s + 1]`.
+    #[getter]
+    fn segment_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        int64_array(py, self.summary.segment_offsets.iter().copied())
+    }
+
+    /// `n_segments + 1` request offsets: segment `s` holds requests `segment_requests[s] ..
+    /// segment_requests[s + 1]`.
+    #[getter]
+    fn segment_requests<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        int64_array(py, self.summary.segment_requests.iter().copied())
+    }
+
+    /// Per request, the segment it was planned in.
+    #[getter]
+    fn request_segments<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let s = &self.summary;
+        let per = (0..s.n_segments()).flat_map(|seg| {
+            std::iter::repeat_n(seg, s.segment_requests[seg + 1] - s.segment_requests[seg])
+        });
+        int64_array(py, per)
+    }
+
+    /// Per request, the bytes it moves.
+    #[getter]
+    fn request_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        let bytes: Vec<u64> = self
+            .summary
+            .requests
+            .iter()
+            .map(|r| r.total_bytes)
+            .collect();
+        bytes.into_pyarray(py)
+    }
+
+    /// Per request, its blocks if it were planned alone (`template.plan(...).n_blocks`).
+    #[getter]
+    fn request_n_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        int64_array(py, self.summary.requests.iter().map(|r| r.n_blocks))
+    }
+
+    /// The blocks holding request `request`'s bytes (its segment's blocks), as a slice.
+    fn request_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request: i64,
+    ) -> PyResult<Bound<'py, pyo3::types::PySlice>> {
+        let r = self.request_index(request)?;
+        let range = self.summary.request_blocks(r).unwrap_or(0..0);
+        Ok(pyo3::types::PySlice::new(
+            py,
+            range.start as isize,
+            range.end as isize,
+            1,
+        ))
+    }
+
+    /// The requests whose bytes blocks `start .. stop` hold, in order (int64).
+    fn requests_in<'py>(
+        &self,
+        py: Python<'py>,
+        start: usize,
+        stop: usize,
+    ) -> Bound<'py, PyArray1<i64>> {
+        int64_array(py, self.summary.requests_in(start..stop).into_iter())
+    }
+
+    /// `(n_calls, 2)` int64 `[start, stop)` block ranges of at most `max_blocks` blocks, one
+    /// per engine call: whole segments packed while they fit, a larger segment split alone.
+    fn call_ranges<'py>(
+        &self,
+        py: Python<'py>,
+        max_blocks: i64,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let calls = self.calls(max_blocks)?;
+        let flat: Vec<i64> = calls
+            .iter()
+            .flat_map(|c| [c.start as i64, c.end as i64])
+            .collect();
+        let array = Array2::from_shape_vec((calls.len(), 2), flat)
+            .map_err(|e| KvPlanError::new_err(e.to_string()))?;
+        Ok(array.into_pyarray(py))
+    }
+
+    /// The blocks of each of `call_ranges(max_blocks)`, as views (no copy).
+    fn batches(
+        slf: PyRef<'_, Self>,
+        py: Python<'_>,
+        max_blocks: i64,
+    ) -> PyResult<Vec<Py<PyPlanBatch>>> {
+        let calls = slf.calls(max_blocks)?;
+        calls
+            .into_iter()
+            .map(|call| {
+                let blocks = slf.as_super().slice(py, call.start, call.end)?;
+                Py::new(
+                    py,
+                    PyClassInitializer::from(blocks).add_subclass(PyPlanBatch),
+                )
+            })
+            .collect()
+    }
+
+    /// Per request, the plan digest of the request planned alone (what a decode verifying
+    /// requests one by one recomputes); planned with `plan_batch(..., digests=True)` only.
+    #[getter]
+    fn request_digests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        match &self.digests {
+            Some(d) => Ok(d.clone().into_pyarray(py)),
+            None => Err(KvPlanError::new_err(
+                "this batch was planned without request digests: plan_batch(..., digests=True)",
+            )),
+        }
+    }
+
+    /// Fingerprints of the prefill and decode layouts the batch was planned between.
+    #[getter]
+    fn layout_fingerprints(&self) -> PyResult<(u64, u64)> {
+        self.fingerprints
+            .ok_or_else(|| KvPlanError::new_err("a layout of this template has no wire encoding"))
+    }
+
+    fn __repr__(slf: PyRef<'_, Self>, py: Python<'_>) -> String {
+        format!(
+            "BatchPlan(n_requests={}, n_segments={}, n_blocks={}, total_bytes={})",
+            slf.summary.n_requests(),
+            slf.summary.n_segments(),
+            slf.as_super().len(py),
+            slf.summary.total_bytes
+        )
+    }
+}
