@@ -17,7 +17,8 @@ class TransferError(RuntimeError):
 
     The streaming submitter (:mod:`kvplan.engines.streaming`) also sets ``request``, ``slice``
     (the slice index, or ``"seal"``), ``group`` and ``layers`` of the slice that failed, and
-    ``layer`` when a layer's ready event failed.
+    ``layer`` when a layer's ready event failed. ``Transport.submit_batch`` sets ``requests``,
+    the indices of the batch's requests whose blocks the failed call held.
     """
 
     engine: str | None = None
@@ -33,3 +34,4 @@ class TransferError(RuntimeError):
     group: int | None = None
     layers: list[int] | None = None
     layer: int | None = None
+    requests: list[int] | None = None

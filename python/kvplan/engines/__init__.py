@@ -55,6 +55,7 @@ from kvplan.engines.streaming import (
 
 __all__ = [
     "AscendTransport",
+    "BatchOutcome",
     "MooncakeTransport",
     "NixlPending",
     "NixlTransport",

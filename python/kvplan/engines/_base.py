@@ -46,9 +46,10 @@ from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-
 from kvplan.integrity import Manifest, build_manifest, check_notification, pack_notification
 
 if TYPE_CHECKING:
-    from kvplan._core import Layout, Template, TransferPlan
+    from kvplan._core import BatchPlan, Layout, Template, TransferPlan
 
 __all__ = [
+    "BatchOutcome",
     "PendingBase",
     "PlanLike",
     "Transport",
@@ -177,6 +178,36 @@ class TransferStats:
         """Mean bytes per block (descriptor) of this submission (0.0 when it moved no block):
         what an engine's per-descriptor cost is spread over."""
         return self.bytes / self.blocks if self.blocks > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What one ``submit_batch`` did, request by request.
+
+    ``failed[r]`` is True exactly when an engine call that held blocks of request ``r``
+    failed (a request's blocks all landed when it is False). ``errors`` holds one
+    :class:`TransferError` per failed call, each with ``requests`` (the request indices that
+    call held, :meth:`kvplan.BatchPlan.requests_in`) and ``batch`` (the call's index in
+    ``BatchPlan.call_ranges``). The other calls were submitted and waited on all the same.
+    """
+
+    session: str
+    blocks: int
+    bytes: int
+    calls: int
+    seconds: float
+    failed: npt.NDArray[np.bool_]
+    errors: tuple[TransferError, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every request landed."""
+        return not self.errors
+
+    @property
+    def failed_requests(self) -> list[int]:
+        """Indices of the requests a failed call held, in order."""
+        return [int(r) for r in np.flatnonzero(self.failed)]
 
 
 def _as_u64(name: str, values: npt.ArrayLike) -> U64:
@@ -515,6 +546,62 @@ class Transport:
         seconds = time.perf_counter() - t0
         return TransferStats(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
                              n_batches, seconds, integrity_notification(manifest))
+
+    def submit_batch(self, batch: BatchPlan, peer_session: str,
+                     max_blocks_per_batch: int | None = None, *, check_sources: bool = True,
+                     timeout: float | None = None) -> BatchOutcome:
+        """Write a batch plan (:meth:`kvplan.Template.plan_batch`) to ``peer_session`` in
+        bounded engine calls and report which requests failed.
+
+        The calls are ``batch.call_ranges(bound)`` (whole segments packed, so a failed call
+        holds as few requests as the sizes allow); every call is posted, then waited on, and a
+        failed call marks exactly the requests it held as failed: the others are not affected.
+        Engines with ``submit_async`` have every call in flight at once (within the per-peer
+        budget); the others write them one after the other. ``timeout``: seconds each call is
+        waited on, for engines whose handle takes one (NIXL); default the adapter's.
+
+        Raises:
+            TransferError: only for what no call owns (the transport is closed, a source is
+                not registered with ``check_sources``); engine failures are in the outcome.
+        """
+        self._check_open()
+        src, dst, lengths = plan_arrays(batch)
+        if check_sources:
+            self.check_sources(batch)
+        bound = self._batch_bound(max_blocks_per_batch)
+        calls = batch.call_ranges(bound if bound is not None else max(len(src), 1)).tolist()
+        t0 = time.perf_counter()
+        failed = np.zeros(batch.n_requests, dtype=bool)
+        errors: list[TransferError] = []
+
+        def fail(index: int, lo: int, hi: int, err: TransferError) -> None:
+            held = batch.requests_in(lo, hi)
+            failed[held] = True
+            err.requests = held.tolist()
+            err.batch = index
+            errors.append(err)
+
+        post = getattr(self, "submit_async", None)
+        pending: list[tuple[int, int, int, Any]] = []
+        for index, (lo, hi) in enumerate(calls):
+            view = PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])
+            try:
+                if post is not None:
+                    pending.append((index, lo, hi, post(view, peer_session, hi - lo,
+                                                        check_sources=False)))
+                else:
+                    self.submit(view, peer_session, hi - lo, check_sources=False)
+            except TransferError as err:
+                fail(index, lo, hi, err)
+        for index, lo, hi, handle in pending:
+            try:
+                # Mooncake's handle takes no timeout (its status call blocks until the end).
+                handle.wait() if timeout is None else handle.wait(timeout)
+            except TransferError as err:
+                fail(index, lo, hi, err)
+        errors.sort(key=lambda e: e.batch or 0)
+        return BatchOutcome(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
+                            len(calls), time.perf_counter() - t0, failed, tuple(errors))
 
     def _submit_async(self, plan: PlanLike, peer_session: str,
                       max_blocks_per_batch: int | None, check_sources: bool,
