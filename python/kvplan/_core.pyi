@@ -365,7 +365,7 @@ class PlanBuffer:
 @disjoint_base
 class Blocks:
     """Three equally long uint64 columns (source addresses, destination addresses, lengths):
-    the base of every plan-like result (``TransferPlan``, ``PlanBatch``)."""
+    the base of every plan-like result (``TransferPlan``, ``BatchPlan``, ``PlanBatch``)."""
 
     @property
     def src_addrs(self) -> _U64Array: ...

@@ -76,7 +76,7 @@ pub(crate) fn out_columns(out: &Bound<'_, numpy::PyArray2<u64>>, n: usize) -> [C
 }
 
 /// Three equally long uint64 columns (source addresses, destination addresses, lengths): the
-/// base of every plan-like result (`TransferPlan`, `PlanBatch`), which owns the columns and
+/// base of every plan-like result (`TransferPlan`, `BatchPlan`, `PlanBatch`), which owns the columns and
 /// the views of them every engine adapter reads.
 #[pyclass(frozen, subclass, name = "Blocks", module = "kvplan._core")]
 pub struct PyBlocks {
