@@ -65,17 +65,20 @@ fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRe
         } else {
             None
         };
-        let (src_name, dst_name) = (
-            format!("request {r} src_pages"),
-            format!("request {r} dst_pages"),
-        );
         out.push(BorrowedRequest {
-            src: IndexArray::extract(&tuple.get_item(0)?, &src_name)?,
-            dst: IndexArray::extract(&tuple.get_item(1)?, &dst_name)?,
+            src: borrow_index(&tuple.get_item(0)?, r, "src_pages")?,
+            dst: borrow_index(&tuple.get_item(1)?, r, "dst_pages")?,
             n_tokens,
         });
     }
     Ok(out)
+}
+
+/// One index array of request `r`; the error names the request (built only on failure: a
+/// batch of many small requests would otherwise format two names per request).
+fn borrow_index<'py>(obj: &Bound<'py, PyAny>, r: usize, arg: &str) -> PyResult<IndexArray<'py>> {
+    IndexArray::extract(obj, arg)
+        .or_else(|_| IndexArray::extract(obj, &format!("request {r} {arg}")))
 }
 
 /// Index element types a batch's slices can be read as.
@@ -152,6 +155,13 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
     })
 }
 
+/// The slice view of request `r`'s array; the error names the request (built on failure only).
+fn slice_of<'a>(array: &'a IndexArray<'_>, r: usize, arg: &str) -> PyResult<IndexSlice<'a>> {
+    array
+        .as_slice(arg)
+        .or_else(|_| array.as_slice(&format!("request {r} {arg}")))
+}
+
 /// Plans `requests` with `template` (see `Template.plan_batch`).
 pub(crate) fn plan_batch(
     py: Python<'_>,
@@ -164,8 +174,8 @@ pub(crate) fn plan_batch(
     let mut slices = Vec::with_capacity(borrowed.len());
     for (r, request) in borrowed.iter().enumerate() {
         slices.push((
-            request.src.as_slice(&format!("request {r} src_pages"))?,
-            request.dst.as_slice(&format!("request {r} dst_pages"))?,
+            slice_of(&request.src, r, "src_pages")?,
+            slice_of(&request.dst, r, "dst_pages")?,
             request.n_tokens,
         ));
     }
