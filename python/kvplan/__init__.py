@@ -40,6 +40,7 @@ from kvplan._core import (
 )
 from kvplan._errors import TransferError
 from kvplan.integrity import IntegrityError
+from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError
 from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 
@@ -55,6 +56,9 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "Lease",
+    "LeaseError",
+    "LeaseTable",
     "Pairing",
     "PairingChoice",
     "PairingError",
@@ -65,6 +69,7 @@ __all__ = [
     "RowGather",
     "SizeMismatchError",
     "StagedPlan",
+    "StaleLeaseError",
     "Template",
     "TpPeers",
     "TransferCost",

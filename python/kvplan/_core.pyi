@@ -1,6 +1,6 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
 from collections.abc import Iterable, Iterator, Sequence
-from typing import ClassVar, Literal, final
+from typing import ClassVar, Literal, Protocol, final
 
 from typing_extensions import Buffer, disjoint_base
 
@@ -43,6 +43,7 @@ __all__ = [
     "heads_per_rank",
     "index_array",
     "index_digest",
+    "leased_plan_digest",
     "legacy_pp_pairs",
     "needs_tokens",
     "nixl_desc_ids",
@@ -68,6 +69,13 @@ _IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _I64Array = npt.NDArray[np.int64]
 _Buffer = Buffer | npt.NDArray[np.generic]
 _U64Array = npt.NDArray[np.uint64]
+
+class _LeaseLike(Protocol):
+    # What a lease argument reads: kvplan.leases.Lease, or anything with these two attributes.
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def request(self) -> str | bytes: ...
 
 def index_array(ids: Sequence[int] | npt.NDArray[np.int64], /) -> npt.NDArray[np.int64]:
     """``ids`` (a list or tuple of ints, or an int64 array, returned as is) as an int64 array,
@@ -108,6 +116,8 @@ def combine_pair_digests(pair_digests: Sequence[int] | npt.NDArray[np.uint64]) -
     """The content digest of a plan from its pair digests (no byte is hashed again)."""
 def index_digest(pages: _IndexArray) -> int:
     """XXH3-64 of a page list (widened to int64), as integrity manifests carry it."""
+def leased_plan_digest(plan_digest: int, epoch: int, request: str | bytes) -> int:
+    """A plan digest bound to the destination's lease (request id and epoch)."""
 def needs_tokens(src_layout: Layout, dst_layout: Layout) -> bool: ...
 def check_pairs(
     src_layout: Layout,
@@ -481,8 +491,9 @@ class TransferPlan(Blocks):
     @property
     def layout_fingerprints(self) -> tuple[int, int]:
         """Fingerprints of the prefill and decode layouts the plan was planned between."""
-    def digest(self) -> int:
-        """The plan digest (64-bit int): both layout fingerprints, pair offsets, every block."""
+    def digest(self, *, lease: _LeaseLike | None = None) -> int:
+        """The plan digest (64-bit int): both layout fingerprints, pair offsets, every block;
+        with ``lease``, bound to that allocation of the destination pages."""
     def pair_content_digests(
         self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]
     ) -> npt.NDArray[np.uint64]:

@@ -27,6 +27,7 @@ from kvplan._core import (
     combine_pair_digests,
     index_digest,
 )
+from kvplan.leases import Lease, LeaseTable
 
 __all__ = [
     "IntegrityError",
@@ -44,6 +45,9 @@ __all__ = [
 
 _MAGIC = b"KVPM"
 _VERSION = 1
+#: Version 2 carries the destination's lease after the pair digests (flag bit 0).
+_VERSION_LEASE = 2
+_FLAG_LEASE = 1
 _HEAD = struct.Struct("<4sHH9QI")
 _Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | int
 if TYPE_CHECKING:  # typing_extensions is a type checker's dependency, not the wheel's
@@ -55,8 +59,8 @@ if TYPE_CHECKING:  # typing_extensions is a type checker's dependency, not the w
 class IntegrityError(KvPlanError):
     """The decode's digests disagree with the prefill's.
 
-    ``what`` is one of ``"layout"``, ``"pages"``, ``"pairs"``, ``"blocks"``, ``"plan"`` or
-    ``"content"``; ``template`` names the (prefill, decode) rank pair; for ``"content"``,
+    ``what`` is one of ``"lease"``, ``"layout"``, ``"pages"``, ``"pairs"``, ``"blocks"``,
+    ``"plan"`` or ``"content"``; ``template`` names the (prefill, decode) rank pair; for ``"content"``,
     ``pair``, ``layer`` and ``role`` name the first entry pair whose bytes differ and
     ``bad_pairs`` counts the pairs that differ.
     """
@@ -71,7 +75,10 @@ class IntegrityError(KvPlanError):
 
 @dataclass(frozen=True)
 class Manifest:
-    """What one side planned and the digest of the bytes it read through that plan."""
+    """What one side planned and the digest of the bytes it read through that plan.
+
+    ``lease``: the destination's lease the plan was made for (:mod:`kvplan.leases`); the
+    ``plan_digest`` is then the leased digest, bound to that allocation."""
 
     src_fingerprint: int
     dst_fingerprint: int
@@ -83,14 +90,18 @@ class Manifest:
     plan_digest: int
     content_digest: int
     pair_digests: tuple[int, ...]
+    lease: Lease | None = None
 
     def to_bytes(self) -> bytes:
         """Little-endian: magic ``KVPM``, version u16, flags u16, nine u64 fields in
-        declaration order, the pair count u32, then one u64 per pair digest."""
+        declaration order, the pair count u32, then one u64 per pair digest; with a lease,
+        version 2, flag bit 0, and :meth:`kvplan.leases.Lease.to_bytes` after the digests
+        (version 1, without a lease, is what older builds write and read)."""
+        leased = self.lease is not None
         head = _HEAD.pack(
             _MAGIC,
-            _VERSION,
-            0,
+            _VERSION_LEASE if leased else _VERSION,
+            _FLAG_LEASE if leased else 0,
             self.src_fingerprint,
             self.dst_fingerprint,
             self.src_pages_digest,
@@ -102,7 +113,8 @@ class Manifest:
             self.content_digest,
             len(self.pair_digests),
         )
-        return head + struct.pack(f"<{len(self.pair_digests)}Q", *self.pair_digests)
+        tail = self.lease.to_bytes() if self.lease is not None else b""
+        return head + struct.pack(f"<{len(self.pair_digests)}Q", *self.pair_digests) + tail
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -113,19 +125,28 @@ class Manifest:
                 f"not a kvplan integrity manifest ({len(data)} bytes, starting {data[:4]!r})"
             )
         _, version, flags, *fields, count = _HEAD.unpack_from(data)
-        if version != _VERSION or flags != 0:
+        if (version, flags) not in ((_VERSION, 0), (_VERSION_LEASE, _FLAG_LEASE)):
             raise KvPlanError(
                 f"integrity manifest version {version} flags {flags:#x}; this build reads "
-                f"version {_VERSION} with flags 0"
+                f"version {_VERSION} with flags 0 and version {_VERSION_LEASE} with flags "
+                f"{_FLAG_LEASE:#x}"
             )
-        if len(data) != _HEAD.size + 8 * count:
+        end = _HEAD.size + 8 * count
+        lease = None
+        if flags & _FLAG_LEASE and end <= len(data):
+            lease, lease_end = Lease.read(data, end)
+        else:
+            lease_end = end
+        if len(data) != lease_end:
             raise KvPlanError(
-                f"integrity manifest announces {count} pair digests but carries "
-                f"{len(data) - _HEAD.size} bytes after its header ({8 * count} expected)"
+                f"integrity manifest announces {count} pair digests"
+                f"{' and a lease' if lease else ''} but carries {len(data) - _HEAD.size} bytes "
+                f"after its header ({lease_end - _HEAD.size} expected)"
             )
         pairs = struct.unpack_from(f"<{count}Q", data, _HEAD.size)
-        names = [f for f in cls.__dataclass_fields__ if f != "pair_digests"]
-        return cls(**dict(zip(names, fields, strict=True)), pair_digests=tuple(pairs))
+        names = [f for f in cls.__dataclass_fields__ if f not in ("pair_digests", "lease")]
+        return cls(**dict(zip(names, fields, strict=True)), pair_digests=tuple(pairs),
+                   lease=lease)
 
 
 def _pages_digest(pages: _Pages) -> int:
@@ -141,9 +162,11 @@ def build_manifest(
     *,
     src_pages: _Pages,
     dst_pages: _Pages,
+    lease: Lease | None = None,
 ) -> Manifest:
     """The manifest of ``plan`` (planned from ``src_pages`` to ``dst_pages``, page arrays or,
-    for a state plan, the two slots) with the content read on ``side`` from ``buffers``."""
+    for a state plan, the two slots) with the content read on ``side`` from ``buffers``;
+    ``lease``: the destination's lease the plan was made for, carried and digested."""
     src_fp, dst_fp = plan.layout_fingerprints
     pairs = plan.pair_content_digests(side, buffers)
     return Manifest(
@@ -154,9 +177,10 @@ def build_manifest(
         n_pairs=plan.n_pairs,
         n_blocks=plan.n_blocks,
         total_bytes=plan.total_bytes,
-        plan_digest=plan.digest(),
+        plan_digest=plan.digest(lease=lease),
         content_digest=combine_pair_digests(pairs),
         pair_digests=tuple(int(d) for d in pairs),
+        lease=lease,
     )
 
 
@@ -178,6 +202,10 @@ def _fail(message: str, what: str, template: str, **attrs: object) -> IntegrityE
     return error
 
 
+def _lease_text(lease: Lease | None) -> str:
+    return "none" if lease is None else f"request {lease.request!r} epoch {lease.epoch}"
+
+
 def verify(
     received: Manifest | bytes,
     expected: Manifest,
@@ -191,9 +219,18 @@ def verify(
     from :func:`build_manifest` over ``side="dst"``) for the plan ``template`` built between
     ``src_layout`` and ``dst_layout`` (``state=True`` for a state plan). Raises
     :class:`IntegrityError` naming the first difference, checked in the order an operator
-    needs them: the layouts, the page lists, the pair and block counts, the plan, the bytes."""
+    needs them: the lease, the layouts, the page lists, the pair and block counts, the plan,
+    the bytes."""
     sent = received if isinstance(received, Manifest) else Manifest.from_bytes(received)
     label = template_label(src_layout, dst_layout)
+    if sent.lease != expected.lease:
+        raise _fail(
+            f"the prefill planned for lease {_lease_text(sent.lease)}, the decode's pages are "
+            f"held by {_lease_text(expected.lease)} (a writer for another allocation of "
+            f"these pages: an aborted request's late writer, or pages reallocated)",
+            "lease",
+            label,
+        )
     for side, a, b in (
         ("prefill", sent.src_fingerprint, expected.src_fingerprint),
         ("decode", sent.dst_fingerprint, expected.dst_fingerprint),
@@ -369,12 +406,19 @@ def check_notification(
     dst_slot: int | None = None,
     n_tokens: int | None = None,
     template: Template | None = None,
+    lease: Lease | None = None,
+    leases: LeaseTable | None = None,
 ) -> list[Manifest]:
     """The decode-side check: re-plans the request from the prefill's layout (as the handshake
     carried it) and its own, digests what landed in ``buffers`` and verifies every manifest of
     ``payload`` (:func:`pack_notification`'s bytes, or the manifests themselves: page plan,
     then state plan when slots are given); raises :class:`IntegrityError` naming what
-    differs. Returns the decode's own manifests."""
+    differs. Returns the decode's own manifests.
+
+    ``lease``: the decode's lease on ``dst_pages`` for this request; every manifest must carry
+    it. ``leases``: the decode's :class:`~kvplan.leases.LeaseTable`; a manifest whose lease it
+    does not hold live raises :class:`~kvplan.leases.StaleLeaseError` first, naming the
+    requests the stale writer may have overwritten."""
     template = template or Template(src_layout, dst_layout)
     buffers = list(buffers)
     plans: list[tuple[TransferPlan, bool, _Pages, _Pages]] = [
@@ -392,9 +436,15 @@ def check_notification(
             "plans",
             label,
         )
+    if leases is not None:
+        for sent in received:
+            if sent.lease is None:
+                raise _fail("the prefill's manifest carries no lease, and this decode grants "
+                            "its pages under leases", "lease", label)
+            leases.check(sent.lease)
     mine = []
     for (plan, state, sp, dp), sent in zip(plans, received, strict=True):
-        own = build_manifest(plan, "dst", buffers, src_pages=sp, dst_pages=dp)
+        own = build_manifest(plan, "dst", buffers, src_pages=sp, dst_pages=dp, lease=lease)
         verify(
             sent, own, template=template, src_layout=src_layout, dst_layout=dst_layout, state=state
         )

@@ -44,6 +44,7 @@ import numpy.typing as npt
 from kvplan._core import PlanBatch
 from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 from kvplan.integrity import Manifest, build_manifest, check_notification, pack_notification
+from kvplan.leases import Lease, LeaseTable
 
 if TYPE_CHECKING:
     from kvplan._core import BatchPlan, Layout, Template, TransferPlan
@@ -657,30 +658,34 @@ class Transport:
         return views
 
     def manifest(self, plan: TransferPlan, *, src_pages: Any, dst_pages: Any,
-                 buffers: Sequence[Any] | None = None) -> Manifest:
+                 buffers: Sequence[Any] | None = None, lease: Lease | None = None) -> Manifest:
         """The prefill's integrity manifest of ``plan``: its plan digest and the digests of the
         bytes it sends, read from this adapter's registered memory (or ``buffers``).
 
         ``src_pages`` and ``dst_pages`` are the page arrays the plan was made from (for a
         state plan, the two slots). Pass every plan's manifest of a request to the last
-        :meth:`submit` as ``manifest=[...]`` (the page plan's first).
+        :meth:`submit` as ``manifest=[...]`` (the page plan's first). ``lease``: the decode's
+        lease on the destination pages (:mod:`kvplan.leases`), carried and digested.
 
         Raises:
             IndexBoundsError: a block lies outside every registered region.
             TransferError: see :meth:`registered_buffers`.
         """
         held = self.registered_buffers() if buffers is None else buffers
-        return build_manifest(plan, "src", held, src_pages=src_pages, dst_pages=dst_pages)
+        return build_manifest(plan, "src", held, src_pages=src_pages, dst_pages=dst_pages,
+                              lease=lease)
 
     def check_landed(self, received: bytes | Sequence[Manifest], *, src_layout: Layout,
                      dst_layout: Layout, src_pages: Any, dst_pages: Any,
                      src_slot: int | None = None, dst_slot: int | None = None,
                      n_tokens: int | None = None, template: Template | None = None,
-                     buffers: Sequence[Any] | None = None) -> list[Manifest]:
+                     buffers: Sequence[Any] | None = None, lease: Lease | None = None,
+                     leases: LeaseTable | None = None) -> list[Manifest]:
         """The decode-side check of one prefill's request: re-plans it between ``src_layout``
         (as the handshake carried it) and ``dst_layout`` (this side's), digests what landed in
         this adapter's registered memory (or ``buffers``) and compares with ``received`` (the
         prefill's integrity notification, or its manifests). Returns the decode's manifests.
+        ``lease`` and ``leases``: as :func:`kvplan.integrity.check_notification`.
 
         Raises:
             kvplan.IntegrityError: the two sides disagree; ``what``, ``template`` and, for
@@ -691,7 +696,7 @@ class Transport:
         return check_notification(received, src_layout=src_layout, dst_layout=dst_layout,
                                   buffers=held, src_pages=src_pages, dst_pages=dst_pages,
                                   src_slot=src_slot, dst_slot=dst_slot, n_tokens=n_tokens,
-                                  template=template)
+                                  template=template, lease=lease, leases=leases)
 
     def close(self) -> None:
         """Unregister memory and release the engine. Further calls raise."""

@@ -23,6 +23,9 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
 - :mod:`kvplan.testing.ranks`: one TP rank's KV cache in a numpy arena and its layout, and
   :func:`~kvplan.testing.ranks.check_request` (every prefill rank into one decode rank, checked
   against the oracle).
+- :mod:`kvplan.testing.faults`: lifecycle faults replayed in host memory
+  (:func:`~kvplan.testing.faults.replay_late_writers`: abort, reuse and an aborted request's
+  late writer, against :mod:`kvplan.leases`).
 - :mod:`kvplan.testing.strategies`: hypothesis strategies for those deployments and requests;
   the only module here that needs hypothesis, and not imported by this package.
 """

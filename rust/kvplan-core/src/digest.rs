@@ -31,7 +31,16 @@
 //!     n_pairs u64 | the n_pairs pair digests, u64 each)
 //!
 //! index digest = XXH3_64("KVPLIX" 0x01 0x00 | n u64 | the n indices, i64 each)
+//!
+//! leased plan digest = XXH3_64(
+//!     "KVPLLD" 0x01 0x00                 8 bytes: magic and leased-digest version 1
+//!     plan digest u64 | epoch u64 | request id length u64 | the request id's bytes)
 //! ```
+//!
+//! A lease is what the decode granted when it allocated the pages a plan writes: the request
+//! they were allocated for and the epoch of that allocation (a number the decode never hands
+//! out twice). The leased plan digest binds a plan to that one allocation, so the decode can
+//! tell a writer planned for pages it has since aborted and reused from the current one.
 //!
 //! A pair's blocks are `pair_offsets[p]..pair_offsets[p + 1]` (a coalesced group's blocks
 //! belong to its last pair). Chunks make the content digest parallel: every chunk hash is
@@ -55,6 +64,8 @@ pub const PLAN_DIGEST_TAG: [u8; 8] = *b"KVPLPD\x01\x00";
 pub const CONTENT_DIGEST_TAG: [u8; 8] = *b"KVPLCD\x01\x00";
 /// Leading bytes of an index list digest's input: magic and version.
 pub const INDEX_DIGEST_TAG: [u8; 8] = *b"KVPLIX\x01\x00";
+/// Leading bytes of a leased plan digest's input: magic and version.
+pub const LEASE_DIGEST_TAG: [u8; 8] = *b"KVPLLD\x01\x00";
 
 /// The fingerprint of a layout: XXH3-64 of its wire encoding, so two peers agree on it exactly
 /// when they agree on every field the handshake carries.
@@ -274,6 +285,18 @@ fn hash_chunks(slices: &[&[u8]], chunk_start: &[usize], first: usize, out: &mut 
         let bytes = slices[block];
         *hash = chunk_hash(&bytes[at..bytes.len().min(at + CHUNK_BYTES)]);
     }
+}
+
+/// The plan digest bound to the destination's lease: the request id the decode allocated the
+/// pages for and the epoch of that allocation (see the module documentation for the encoding).
+pub fn leased_plan_digest(plan_digest: u64, epoch: u64, request: &[u8]) -> u64 {
+    let mut hasher = Xxh3Default::new();
+    hasher.update(&LEASE_DIGEST_TAG);
+    hasher.update(&plan_digest.to_le_bytes());
+    hasher.update(&epoch.to_le_bytes());
+    hasher.update(&(request.len() as u64).to_le_bytes());
+    hasher.update(request);
+    hasher.digest()
 }
 
 /// The content digest of a plan from its pair digests (see the module documentation).

@@ -5,7 +5,8 @@ mod support;
 
 use kvplan_core::Request;
 use kvplan_core::digest::{
-    CHUNK_BYTES, CONTENT_DIGEST_TAG, PLAN_DIGEST_TAG, pair_content_digests_on,
+    CHUNK_BYTES, CONTENT_DIGEST_TAG, LEASE_DIGEST_TAG, PLAN_DIGEST_TAG, leased_plan_digest,
+    pair_content_digests_on,
 };
 use kvplan_core::{
     Layout, LayoutContext, PlanBlocks, PlanError, Region, Side, Template, TemplateOptions,
@@ -132,6 +133,35 @@ fn plan_digest_follows_the_documented_encoding() {
 }
 
 #[test]
+fn leased_digest_follows_the_documented_encoding_and_binds_both_lease_fields() {
+    let mut input = LEASE_DIGEST_TAG.to_vec();
+    input.extend(le(&[0xe8f6_aeb4_20e5_d22f, 7, 5]));
+    input.extend(b"req-A");
+    let leased = leased_plan_digest(0xe8f6_aeb4_20e5_d22f, 7, b"req-A");
+    assert_eq!(leased, xxh3_64(&input));
+    assert_ne!(
+        leased,
+        leased_plan_digest(0xe8f6_aeb4_20e5_d22f, 8, b"req-A"),
+        "epoch"
+    );
+    assert_ne!(
+        leased,
+        leased_plan_digest(0xe8f6_aeb4_20e5_d22f, 7, b"req-B"),
+        "request"
+    );
+    assert_ne!(
+        leased,
+        leased_plan_digest(0xe8f6_aeb4_20e5_d22e, 7, b"req-A"),
+        "plan"
+    );
+    // The length prefix keeps (epoch, id) pairs apart whose concatenations would collide.
+    assert_ne!(
+        leased_plan_digest(1, 7, b""),
+        leased_plan_digest(1, 7, b"\0")
+    );
+}
+
+#[test]
 fn content_digest_follows_the_documented_encoding() {
     let f = Fixture::new();
     let src = memory(7);
@@ -218,6 +248,11 @@ fn test_vectors() {
     assert_eq!(
         index_digest(&[0i32, 1, 2, 5]),
         index_digest(&[0i64, 1, 2, 5])
+    );
+    assert_eq!(
+        leased_plan_digest(0xe8f6_aeb4_20e5_d22f, 7, b"req-A"),
+        0xcc7e_f59d_dae6_b14a,
+        "leased plan digest"
     );
 }
 

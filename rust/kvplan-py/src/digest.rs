@@ -163,3 +163,49 @@ pub(crate) fn index_digest(pages: &Bound<'_, PyAny>) -> PyResult<u64> {
 pub(crate) fn combine_pair_digests(pair_digests: Vec<u64>) -> u64 {
     kvplan_core::content_digest(&pair_digests)
 }
+
+/// A lease's request id as bytes: a `str` (UTF-8) or `bytes`.
+fn request_id_bytes(request: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(text) = request.cast::<pyo3::types::PyString>() {
+        return Ok(text.to_str()?.as_bytes().to_vec());
+    }
+    if let Ok(bytes) = request.cast::<pyo3::types::PyBytes>() {
+        return Ok(bytes.as_bytes().to_vec());
+    }
+    Err(KvPlanError::new_err(format!(
+        "a lease's request id must be str or bytes, got {}",
+        request.get_type().name()?
+    )))
+}
+
+/// The core's leased digest of `plan_digest` for `lease` (an object with `epoch` and
+/// `request`, such as `kvplan.leases.Lease`).
+pub(crate) fn lease_bound(plan_digest: u64, lease: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let epoch = lease.getattr("epoch")?;
+    let epoch: u64 = epoch.extract().map_err(|_| {
+        KvPlanError::new_err(format!(
+            "a lease's epoch must be an int in [0, 2**64), got {epoch}"
+        ))
+    })?;
+    let request = request_id_bytes(&lease.getattr("request")?)?;
+    Ok(kvplan_core::leased_plan_digest(
+        plan_digest,
+        epoch,
+        &request,
+    ))
+}
+
+/// `leased_plan_digest(plan_digest, epoch, request)`: a plan digest bound to the destination's
+/// lease (the request id, `str` or `bytes`, and the epoch the decode allocated its pages in).
+#[pyfunction]
+pub(crate) fn leased_plan_digest(
+    plan_digest: u64,
+    epoch: u64,
+    request: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    Ok(kvplan_core::leased_plan_digest(
+        plan_digest,
+        epoch,
+        &request_id_bytes(request)?,
+    ))
+}

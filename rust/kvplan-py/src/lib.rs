@@ -32,7 +32,7 @@ mod _core {
     #[pymodule_export]
     use crate::batch::PyBatchPlan;
     #[pymodule_export]
-    use crate::digest::{combine_pair_digests, index_digest};
+    use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
     use crate::errors::{
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,

@@ -516,8 +516,15 @@ impl PyTransferPlan {
 
     /// The plan digest: a 64-bit integer hashing both layout fingerprints, the pair offsets and
     /// every block in plan order (encoding in docs/integrity.md). Equal on two peers exactly
-    /// when they planned the same blocks between the same layouts.
-    fn digest(slf: PyRef<'_, Self>, py: Python<'_>) -> PyResult<u64> {
+    /// when they planned the same blocks between the same layouts. With `lease` (an object
+    /// with `epoch` and `request`, such as `kvplan.leases.Lease`), the digest is bound to that
+    /// allocation of the destination pages as well.
+    #[pyo3(signature = (*, lease=None))]
+    fn digest(
+        slf: PyRef<'_, Self>,
+        py: Python<'_>,
+        lease: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
         let fingerprints = slf.fingerprints()?;
         Self::with_blocks(&slf, py, |blocks| {
             let run = || kvplan_core::plan_digest(fingerprints, blocks);
@@ -527,6 +534,10 @@ impl PyTransferPlan {
                 run()
             };
             digest.map_err(crate::errors::to_py_err)
+        })
+        .and_then(|digest| match lease {
+            Some(lease) => crate::digest::lease_bound(digest, lease),
+            None => Ok(digest),
         })
     }
 

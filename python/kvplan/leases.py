@@ -1,0 +1,264 @@
+"""Leases: which allocation of the decode's pages a writer was planned for.
+
+A decode that aborts a request and gives its pages to the next one can be overwritten by the
+aborted request's writer if that writer is still in flight: the late bytes land in the new
+request's pages and nothing notices. A lease makes that visible. When the decode allocates
+pages for a request it grants a :class:`Lease`: the request id and an **epoch**, a number its
+:class:`LeaseTable` hands out once and only ever increases. The prefill plans with the lease
+(``plan.digest(lease=...)`` and the manifest carry it), so every manifest and completion names
+the allocation it was planned for, and the decode's table answers three questions:
+
+- :meth:`LeaseTable.check`: is this manifest or completion for the allocation that holds the
+  pages now? If not, :class:`StaleLeaseError` says why (aborted, released, superseded) and
+  which current leases hold pages the stale writer was planned to write (``overwritten``:
+  those requests' bytes can no longer be trusted).
+- :meth:`LeaseTable.fence`: may a write for an older epoch of these pages still land? An
+  aborted lease stays *unsettled* until its writer is known to have finished (its completion or
+  failure arrived, or the transport confirmed nothing is in flight); :meth:`LeaseTable.grant`
+  refuses pages an unsettled lease covers unless the caller forces the reuse, which is then
+  remembered, so the late writer's completion names the request it overwrote.
+- :meth:`LeaseTable.grant` with an explicit ``epoch`` refuses one that does not increase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplan._core import KvPlanError
+
+__all__ = ["Lease", "LeaseError", "LeaseTable", "StaleLeaseError"]
+
+_Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.ArrayLike
+
+
+@dataclass(frozen=True, order=True)
+class Lease:
+    """The decode's grant of pages to a request: ``request`` (the engine's request id, ``str``
+    or ``bytes``) and ``epoch`` (unique per grant, increasing)."""
+
+    epoch: int
+    request: str | bytes
+
+    def to_bytes(self) -> bytes:
+        """Little-endian: epoch u64, request id length u16, a kind byte (0 ``str`` as UTF-8,
+        1 ``bytes``), the request id's bytes."""
+        raw = self.request.encode() if isinstance(self.request, str) else bytes(self.request)
+        if len(raw) > 0xFFFF:
+            raise LeaseError(f"a lease's request id is at most 65,535 bytes, got {len(raw)}")
+        kind = 0 if isinstance(self.request, str) else 1
+        return (self.epoch.to_bytes(8, "little") + len(raw).to_bytes(2, "little")
+                + bytes([kind]) + raw)
+
+    @classmethod
+    def read(cls, data: bytes, at: int = 0) -> tuple[Lease, int]:
+        """Decodes :meth:`to_bytes` at ``at``: ``(lease, offset after it)``."""
+        if at + 11 > len(data):
+            raise KvPlanError(f"lease truncated: {len(data) - at} bytes, at least 11 expected")
+        epoch = int.from_bytes(data[at:at + 8], "little")
+        n = int.from_bytes(data[at + 8:at + 10], "little")
+        kind = data[at + 10]
+        raw = data[at + 11:at + 11 + n]
+        if len(raw) != n or kind not in (0, 1):
+            raise KvPlanError(f"lease malformed: request id of {n} bytes (kind {kind}), "
+                              f"{len(raw)} present")
+        request: str | bytes = raw.decode() if kind == 0 else bytes(raw)
+        return cls(epoch=epoch, request=request), at + 11 + n
+
+
+class LeaseError(KvPlanError):
+    """A lease operation the table refuses: pages held by another lease, an epoch that does
+    not increase, an epoch this table never granted, a request id that holds a lease already."""
+
+    kind = "lease"
+
+
+class StaleLeaseError(LeaseError):
+    """A manifest or completion for an allocation that no longer holds its pages.
+
+    ``lease`` is the stale one; ``reason`` is ``"aborted"``, ``"released"`` or ``"unknown"``
+    (a request id that does not match the epoch's grant); ``overwritten`` lists the current
+    leases holding pages the stale lease covered, granted while its writer was unsettled: the
+    bytes of those requests may have been overwritten."""
+
+    kind = "stale_lease"
+    lease: Lease | None = None
+    reason: str = ""
+    overwritten: tuple[Lease, ...] = ()
+
+
+_State = Literal["live", "aborted", "settled", "released"]
+
+
+@dataclass
+class _Grant:
+    lease: Lease
+    pages: npt.NDArray[np.int64]
+    state: _State = "live"
+    # Leases granted over these pages while this one was aborted and unsettled.
+    reused_by: list[Lease] = field(default_factory=list)
+
+
+class LeaseTable:
+    """The decode's record of which lease holds each of its ``n_pages`` pages.
+
+    Finished grants (released or settled) are remembered for the last ``history`` of them, so a
+    duplicate or late completion says why it is stale; an older one is still refused, as an
+    epoch with no record."""
+
+    def __init__(self, n_pages: int, *, history: int = 1 << 16) -> None:
+        if n_pages <= 0:
+            raise LeaseError(f"n_pages must be positive, got {n_pages}")
+        if history < 0:
+            raise LeaseError(f"history must be non-negative, got {history}")
+        self._history: deque[int] = deque()
+        self._history_cap = history
+        self.n_pages = n_pages
+        self._holder = np.zeros(n_pages, dtype=np.int64)  # epoch of the live lease, 0 = free
+        self._grants: dict[int, _Grant] = {}
+        self._live: dict[str | bytes, int] = {}  # request id -> epoch of its live lease
+        self._unsettled: dict[int, _Grant] = {}  # aborted leases whose writer may still land
+        self.last_epoch = 0
+
+    def _pages(self, pages: _Pages) -> npt.NDArray[np.int64]:
+        array = np.asarray(pages)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise LeaseError(f"pages must be a 1-D integer array, got {array.ndim}-D "
+                             f"{array.dtype}")
+        array = array.astype(np.int64, copy=False)
+        bad = (array < 0) | (array >= self.n_pages)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise LeaseError(f"page {int(array[i])} (index {i}) outside this table's "
+                             f"{self.n_pages} pages")
+        if len(np.unique(array)) != len(array):
+            raise LeaseError("pages repeat within one grant")
+        return array
+
+    def fence(self, pages: _Pages) -> tuple[Lease, ...]:
+        """The aborted, unsettled leases whose writes may still land on any of ``pages``
+        (oldest first). Empty: no write planned for an older epoch of these pages is in
+        flight as far as this table knows, and they may be reused."""
+        array = self._pages(pages)
+        return tuple(g.lease for e, g in sorted(self._unsettled.items())
+                     if np.isin(g.pages, array).any())
+
+    def grant(self, request: str | bytes, pages: _Pages, *, epoch: int | None = None,
+              force: bool = False) -> Lease:
+        """Allocates ``pages`` to ``request`` and returns its lease (epoch: the next one, or
+        ``epoch`` when given, which must exceed every epoch granted so far).
+
+        Raises :class:`LeaseError` when a page is held by a live lease, when an unsettled
+        aborted lease covers a page (unless ``force``: the reuse is then remembered and the
+        late writer's completion names this lease as overwritten), when ``request`` holds a
+        live lease already, or when ``epoch`` does not increase."""
+        array = self._pages(pages)
+        if request in self._live:
+            raise LeaseError(f"request {request!r} holds lease epoch {self._live[request]} "
+                             f"already: release or abort it first")
+        held = self._holder[array] != 0
+        if held.any():
+            i = int(np.argmax(held))
+            owner = self._grants[int(self._holder[array[i]])].lease
+            raise LeaseError(f"page {int(array[i])} is held by request {owner.request!r} "
+                             f"(epoch {owner.epoch}); release or abort that lease first")
+        pending = self.fence(array)
+        if pending and not force:
+            names = ", ".join(f"{p.request!r} (epoch {p.epoch})" for p in pending)
+            raise LeaseError(f"writes for aborted leases may still land on these pages: "
+                             f"{names}; settle them once their writers finished, or pass "
+                             f"force=True to reuse the pages anyway")
+        if epoch is None:
+            epoch = self.last_epoch + 1
+        elif epoch <= self.last_epoch:
+            raise LeaseError(f"epoch {epoch} does not increase: this table granted epoch "
+                             f"{self.last_epoch} already (an epoch that goes backwards)")
+        lease = Lease(epoch=epoch, request=request)
+        self.last_epoch = epoch
+        self._grants[epoch] = _Grant(lease, array.copy())
+        self._holder[array] = epoch
+        self._live[request] = epoch
+        for old in pending:
+            self._grants[old.epoch].reused_by.append(lease)
+        return lease
+
+    def _grant_of(self, lease: Lease) -> _Grant:
+        if lease.epoch > self.last_epoch or lease.epoch <= 0:
+            raise LeaseError(f"epoch {lease.epoch} (request {lease.request!r}) was never "
+                             f"granted: this table's last epoch is {self.last_epoch}")
+        grant = self._grants.get(lease.epoch)
+        if grant is None or grant.lease.request != lease.request:
+            owner = ("a request whose grant finished and is no longer remembered"
+                     if grant is None else repr(grant.lease.request))
+            error = StaleLeaseError(f"lease epoch {lease.epoch} names request "
+                                    f"{lease.request!r}, but that epoch was granted to {owner}")
+            error.lease, error.reason = lease, "unknown"
+            raise error
+        return grant
+
+    def check(self, lease: Lease) -> None:
+        """Checks that a manifest or completion planned for ``lease`` is for the allocation that
+        holds its pages now; raises :class:`StaleLeaseError` (naming the leases it may have
+        overwritten) when it is not, :class:`LeaseError` for an epoch never granted."""
+        grant = self._grant_of(lease)
+        if grant.state == "live":
+            return
+        overwritten = tuple(grant.reused_by)
+        named = ("; pages it was planned to write are held now by "
+                 + ", ".join(f"{o.request!r} (epoch {o.epoch})" for o in overwritten)
+                 + ", whose bytes may be overwritten") if overwritten else ""
+        error = StaleLeaseError(f"stale lease: request {lease.request!r} epoch {lease.epoch} "
+                                f"was {grant.state if grant.state != 'settled' else 'aborted'}"
+                                f"{named}")
+        error.lease = lease
+        error.reason = "released" if grant.state == "released" else "aborted"
+        error.overwritten = overwritten
+        raise error
+
+    def release(self, lease: Lease) -> None:
+        """The request completed (its manifests verified): frees its pages. Raises as
+        :meth:`check` for a lease that is not live."""
+        self.check(lease)
+        grant = self._grants[lease.epoch]
+        grant.state = "released"
+        self._holder[grant.pages] = 0
+        del self._live[lease.request]
+        self._finished(lease.epoch)
+
+    def _finished(self, epoch: int) -> None:
+        self._history.append(epoch)
+        while len(self._history) > self._history_cap:
+            self._grants.pop(self._history.popleft(), None)
+
+    def abort(self, lease: Lease) -> None:
+        """The request was aborted: its pages are free to allocate once the lease is settled
+        (:meth:`settle`); until then :meth:`fence` names it for them."""
+        self.check(lease)
+        grant = self._grants[lease.epoch]
+        grant.state = "aborted"
+        self._holder[grant.pages] = 0
+        del self._live[lease.request]
+        self._unsettled[lease.epoch] = grant
+
+    def settle(self, lease: Lease) -> tuple[Lease, ...]:
+        """The writer of aborted ``lease`` has finished: no write for it can land any more.
+        Returns the leases granted over its pages while it was unsettled (their bytes may have
+        been overwritten: verify or recompute them)."""
+        grant = self._grant_of(lease)
+        if grant.state not in ("aborted", "settled"):
+            raise LeaseError(f"lease {lease.request!r} epoch {lease.epoch} is {grant.state}, "
+                             f"not aborted: only an aborted lease is settled")
+        if grant.state == "aborted":
+            grant.state = "settled"
+            self._unsettled.pop(lease.epoch, None)
+            self._finished(lease.epoch)
+        return tuple(grant.reused_by)
+
+    def holder(self, page: int) -> Lease | None:
+        """The live lease holding ``page``, or None."""
+        epoch = int(self._holder[int(self._pages([page])[0])])
+        return self._grants[epoch].lease if epoch else None

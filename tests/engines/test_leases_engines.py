@@ -1,0 +1,86 @@
+"""Abort, reuse, late write over the real engines (Mooncake TCP, NIXL UCX; two transports in
+this process on loopback): the decode aborts request A, reuses its pages for B, and A's writer
+moves its bytes after B's; the decode's lease table refuses A's completion naming B, and B's
+own check then fails on the bytes the engine really wrote. A clean abort flags nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan import LeaseTable, StaleLeaseError
+from kvplan.engines.measure import loopback_transports
+from support.engine_peers import Engine
+
+PAGES = 16
+LAYERS = 3
+ITEM = 128
+
+
+def pool(array: np.ndarray) -> kvplan.Layout:
+    return kvplan.Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(LAYERS)),
+                                     ITEM)
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late-writer", "clean-abort"])
+def test_a_late_writer_is_refused_naming_the_request_it_overwrote(engine: Engine,
+                                                                   late: bool) -> None:
+    rng = np.random.default_rng(3)
+    src_a = rng.integers(0, 256, PAGES * LAYERS * ITEM, dtype=np.uint8)
+    src_b = rng.integers(0, 256, PAGES * LAYERS * ITEM, dtype=np.uint8)
+    dst = np.zeros_like(src_a)
+    layout_a, layout_b, layout_d = pool(src_a), pool(src_b), pool(dst)
+    t_a, t_b = kvplan.Template(layout_a, layout_d), kvplan.Template(layout_b, layout_d)
+    table = LeaseTable(PAGES)
+    a_src, a_dst = np.array([2, 3, 4], dtype=np.int64), np.array([5, 6, 7], dtype=np.int64)
+    b_src, b_dst = np.array([9, 1], dtype=np.int64), np.array([6, 7], dtype=np.int64)
+    lease_a = table.grant("req-A", a_dst)
+    plan_a = t_a.plan(a_src, a_dst)
+    sender, receiver = loopback_transports(engine.name)
+    try:
+        sender.register_buffers([src_a.ctypes.data, src_b.ctypes.data],
+                                [src_a.nbytes, src_b.nbytes])
+        receiver.register_buffers([dst.ctypes.data], [dst.nbytes])
+        peer = receiver.local_session_id()
+        if engine.name == "nixl":
+            peer = sender.add_peer(receiver.metadata())  # type: ignore[attr-defined]
+        manifest_a = sender.manifest(plan_a, src_pages=a_src, dst_pages=a_dst, lease=lease_a)
+        table.abort(lease_a)
+        assert table.fence(b_dst) == (lease_a,)
+        if not late:
+            # A's writer stopped before the reuse: its completion is stale and harms nobody.
+            with pytest.raises(StaleLeaseError) as stopped:
+                table.check(lease_a)
+            assert stopped.value.overwritten == ()
+            assert table.settle(lease_a) == ()
+        else:
+            with pytest.raises(kvplan.LeaseError, match="may still land"):
+                table.grant("req-B", b_dst)
+        lease_b = table.grant("req-B", b_dst, force=late)
+        plan_b = t_b.plan(b_src, b_dst)
+        stats_b = sender.submit(plan_b, peer, manifest=[
+            sender.manifest(plan_b, src_pages=b_src, dst_pages=b_dst, lease=lease_b)])
+        check_b = dict(src_layout=layout_b, dst_layout=layout_d, src_pages=b_src,
+                       dst_pages=b_dst, template=t_b, lease=lease_b, leases=table)
+        receiver.check_landed(stats_b.integrity, **check_b)  # type: ignore[arg-type]
+        if late:
+            # The aborted writer's bytes reach the engine after B's, over B's pages.
+            stats_a = sender.submit(plan_a, peer, manifest=[manifest_a])
+            with pytest.raises(StaleLeaseError, match=r"'req-A' epoch 1 was aborted.*held now "
+                                                      r"by 'req-B' \(epoch 2\)") as refused:
+                receiver.check_landed(stats_a.integrity, src_layout=layout_a,
+                                      dst_layout=layout_d, src_pages=a_src, dst_pages=a_dst,
+                                      template=t_a, lease=lease_b, leases=table)
+            assert refused.value.overwritten == (lease_b,)
+            assert table.settle(lease_a) == (lease_b,)
+            # B's bytes really were overwritten, and B's check says so now.
+            with pytest.raises(kvplan.IntegrityError) as broken:
+                receiver.check_landed(stats_b.integrity, **check_b)  # type: ignore[arg-type]
+            assert broken.value.what == "content"
+        else:
+            receiver.check_landed(stats_b.integrity, **check_b)  # type: ignore[arg-type]
+        table.release(lease_b)
+    finally:
+        sender.close()
+        receiver.close()
