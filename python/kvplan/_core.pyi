@@ -60,6 +60,9 @@ class KvPlanError(ValueError):
     #: The core's stable name of the error's family (``"head_slicing"``, ``"size_mismatch"``,
     #: ``"fragments"``, ...; ``"other"`` for errors raised by Python code).
     kind: str
+    #: For a batch plan's error, the indices of the batch's requests it is about (the request
+    #: whose own error it is, or the two that write one page); empty otherwise.
+    requests: tuple[int, ...]
 class PairingError(KvPlanError): ...
 class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...

@@ -109,10 +109,6 @@ def test_differential_against_vllm(v, patched):
         counts["blocks"] += len(got_src)
         assert len(got_src) <= len(ref_src)
         assert not oob or "IndexBoundsError" in got_msg, seed
-        assert canonical(got_src, got_dst, got_len) == canonical(ref_src, ref_dst, ref_len), seed
-        assert _in_buffers(ref_src, ref_len, case.buffers), seed
-        counts["blocks"] += len(got_src)
-        assert len(got_src) <= len(ref_src)
         counts["same"] += 1
     assert counts["same"] == N_CASES and counts["refused"] > 50, counts
     assert len(kinds) >= 12, kinds
@@ -342,6 +338,51 @@ def test_template_cache_is_bounded(v, patched):
     # the most recently used layouts are the ones kept
     lr, rr = kept[-1]
     assert compat._templates(w, meta, lr, rr) is compat._templates(w, meta, lr, rr)
+
+
+def _ready(meta, requests):
+    """``ready_reqs`` and ``meta.req_blocks`` for ``(name, local blocks, remote blocks)``."""
+    meta.req_blocks = {name: (f"t-{name}", [list(remote)]) for name, _, remote in requests}
+    return [(name, types.SimpleNamespace(local_block_ids=[list(local)]))
+            for name, local, _ in requests]
+
+
+def test_ready_requests_that_run_on_share_blocks(v, patched):
+    """Requests allocated back to back on both sides are planned as one batch: the block at
+    each boundary runs on into the next request, so the batch is one block where vLLM sends one
+    per request; the bytes are vLLM's."""
+    w = _one_region_worker(v, patched, buffers=[(0x10000, 64 * 64)])
+    _, meta, lr, rr = _one_request(v, w)
+    ready = _ready(meta, [("a", (3, 4), (7, 8)), ("b", (5, 6, 7), (9, 10, 11)),
+                          ("c", (8,), (12,))])
+    ref = run_coroutine(v.MooncakeConnectorWorker._build_transfer_params(w, ready, meta, lr, rr))
+    got = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert (len(ref[0]), len(got[0])) == (3, 1)
+    assert (got[0] == [0x10000 + 3 * 64], got[1] == [0x90000 + 7 * 64], got[2] == [6 * 64]) == \
+        (True, True, True)
+    assert canonical(*got[:3]) == canonical(*ref[:3]) and got[3:] == ([], None)
+    # Apart on the decode: three blocks, as vLLM.
+    ready = _ready(meta, [("a", (3, 4), (7, 8)), ("b", (5, 6, 7), (20, 21, 22)),
+                          ("c", (8,), (12,))])
+    got = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    ref = run_coroutine(v.MooncakeConnectorWorker._build_transfer_params(w, ready, meta, lr, rr))
+    assert len(got[0]) == 3 and canonical(*got[:3]) == canonical(*ref[:3])
+
+
+def test_two_requests_writing_one_decode_block_are_both_refused(v, patched):
+    """vLLM would send both and let the later one win; kvplan refuses both before anything
+    moves, names them, and plans the others exactly as vLLM does."""
+    w = _one_region_worker(v, patched, buffers=[(0x10000, 64 * 64)])
+    _, meta, lr, rr = _one_request(v, w)
+    ready = _ready(meta, [("a", (3,), (7,)), ("b", (5, 6), (9, 10)), ("c", (8, 9), (10, 11)),
+                          ("d", (20,), (30,))])
+    src, dst, n, err, msg = run_coroutine(patched._build_transfer_params(w, ready, meta, lr, rr))
+    assert sorted(err) == ["b", "c"]
+    assert "IndexBoundsError" in msg and "requests 1 and 2 of the batch both write dst page 10" \
+        in msg
+    kept = [r for r in ready if r[0] in ("a", "d")]
+    ref = run_coroutine(v.MooncakeConnectorWorker._build_transfer_params(w, kept, meta, lr, rr))
+    assert canonical(src, dst, n) == canonical(*ref[:3])
 
 
 def test_columns_compare_with_lists_as_lists(v, patched):

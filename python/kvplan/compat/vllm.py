@@ -12,9 +12,13 @@ exactly what was there); docs/vllm.md has the full account:
   each region's base address, block stride, block length and group, with the head-slice offsets
   and lengths vLLM's own ``_get_sender_transfer_plan`` gives for the TP ranks. Per request,
   vLLM's rules run as vLLM runs them (KV group count check, Mamba null blocks dropped, partial
-  prefix trimmed to the remote's count, ``_logical_to_kernel_block_ids``); then one
-  ``Template.plan`` per group instead of a run split and a Python list entry per block for
-  every region. It returns the three columns as uint64 arrays.
+  prefix trimmed to the remote's count, ``_logical_to_kernel_block_ids``); then the ready
+  requests are planned together, one ``Template.plan_batch`` per group, instead of a run
+  split and a Python list entry per block for every region of every request: a block that
+  runs on from one request's blocks into the next request's on both sides is one block. It
+  returns the three columns as uint64 arrays. vLLM's verdict stays per call (one status for
+  all the ready requests it sends); a request kvplan refuses, or two requests writing one
+  decode block, go to ``err_reqs`` and move nothing, and the others are planned without them.
 * ``_send_blocks``: hands those arrays to the engine in batches of at most
   ``max_blocks_per_batch`` entries, with vLLM's stats and logging; the first non-zero status
   is returned. When ``self.engine`` is vLLM's real ``mooncake.engine.TransferEngine`` of the
@@ -64,7 +68,7 @@ from kvplan.engines._base import U64, write_batches
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
-__all__ = ["install", "uninstall", "installed", "plan_request",  # noqa: F822
+__all__ = ["install", "uninstall", "installed", "plan_request", "plan_ready",  # noqa: F822
            "DEFAULT_MAX_BLOCKS_PER_BATCH", "KvplanMooncakeConnector", "BlockColumn",
            "CONNECTOR_NAME", "MAX_PEER_LAYOUTS", "handoff", "register_plugin"]
 
@@ -256,28 +260,71 @@ def _templates(self: Any, agent_meta: Any, local_regions: list[Any],
     return peer
 
 
+def _group_ids(peer: _PeerTemplates, local_by_group: list[Any], remote_by_group: list[Any],
+               vllm: Any) -> list[tuple[Any, Any] | None]:
+    """Per template of ``peer``, the (local, remote) block ids one request moves through it,
+    or None when it moves none there; vLLM's rules for groups and shared regions."""
+    out: list[tuple[Any, Any] | None] = []
+    n_groups = len(local_by_group)
+    for group, shared, _ in peer.groups:
+        if 0 <= group < n_groups and group < len(remote_by_group):
+            # vLLM's _block_ids_for_region returns a copy of this group's list: the list
+            # itself is the same ids, and it is read once, right here
+            local = local_by_group[group]
+            remote = remote_by_group[group]
+        else:  # packed regions shared by several groups, or vLLM's missing-group assert
+            local = vllm._block_ids_for_region(local_by_group, group, shared)
+            remote = vllm._block_ids_for_region(remote_by_group, group, shared) if local else []
+        out.append((local, remote) if len(local) else None)
+    return out
+
+
 def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[Any],
                  remote_by_group: list[Any], vllm: Any) -> list[kvplan.TransferPlan]:
     """Plans of one request's (filtered, kernel-expanded) block ids; raises KvPlanError."""
     if peer.error is not None:
         raise peer.error
-    plans = []
-    n_groups = len(local_by_group)
-    for group, shared, template in peer.groups:
-        if 0 <= group < n_groups and group < len(remote_by_group):
-            # vLLM's _block_ids_for_region returns a copy of this group's list: the list
-            # itself is the same ids, and it is read once, right here
-            local = local_by_group[group]
-            if not len(local):
-                continue
-            remote = remote_by_group[group]
-        else:  # packed regions shared by several groups, or vLLM's missing-group assert
-            local = vllm._block_ids_for_region(local_by_group, group, shared)
-            if not local:
-                continue
-            remote = vllm._block_ids_for_region(remote_by_group, group, shared)
-        plans.append(template.plan(index_array(local), index_array(remote)))
-    return plans
+    return [template.plan(index_array(ids[0]), index_array(ids[1]))
+            for (_, _, template), ids in zip(peer.groups,
+                                             _group_ids(peer, local_by_group, remote_by_group,
+                                                        vllm))
+            if ids is not None]
+
+
+def plan_ready(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]]
+               ) -> tuple[list[kvplan.BatchPlan], dict[int, kvplan.KvPlanError]]:
+    """One batch plan per template of ``peer`` for the ready requests (each request's ids per
+    template, from :func:`_group_ids`), and the requests kvplan refused, by index, with the
+    error. A refused request moves nothing, in any group: the batches are planned again
+    without it (the core names the request, or the two requests writing one block)."""
+    refused: dict[int, kvplan.KvPlanError] = {}
+    if peer.error is not None:
+        return [], {r: peer.error for r in range(len(requests))}
+    while True:
+        batches: list[kvplan.BatchPlan] = []
+        try:
+            for g, (_, _, template) in enumerate(peer.groups):
+                members = [r for r, ids in enumerate(requests)
+                           if ids[g] is not None and r not in refused]
+                if not members:
+                    continue
+                try:
+                    batches.append(template.plan_batch(
+                        [(index_array(requests[r][g][0]), index_array(requests[r][g][1]))
+                         for r in members]))
+                except kvplan.KvPlanError as exc:
+                    named = [members[i] for i in exc.requests] or members
+                    raise _Refused(named, exc) from None
+        except _Refused as refusal:
+            for r in refusal.requests:
+                refused[r] = refusal.error
+            continue
+        return batches, refused
+
+
+class _Refused(Exception):
+    def __init__(self, requests: list[int], error: kvplan.KvPlanError) -> None:
+        self.requests, self.error = requests, error
 
 
 def _ids(block_ids: Any) -> np.ndarray:
@@ -319,6 +366,8 @@ async def _build_transfer_params(
     len_parts: list[np.ndarray] = []
     err_reqs: list[str] = []
     err_msg: str | None = None
+    ready_ids: list[str] = []
+    ready_groups: list[list[tuple[Any, Any] | None]] = []
     req_blocks = agent_meta.req_blocks
     for d_req_id, send_meta in ready_reqs:
         _, remote_per_group = req_blocks[d_req_id]
@@ -359,21 +408,37 @@ async def _build_transfer_params(
         remote_by_group = self._logical_to_kernel_block_ids(remote_by_group)
         if peer is None:
             peer = _templates(self, agent_meta, local_regions, remote_regions)
-        started = time.perf_counter()
-        try:
-            plans = plan_request(self, peer, local_by_group, remote_by_group, vllm)
-        except kvplan.KvPlanError as exc:
-            logger.error("req %s: kvplan refused the transfer: %s: %s", d_req_id,
-                         type(exc).__name__, exc)
-            err_reqs.append(d_req_id)
-            err_msg = err_msg or f"{type(exc).__name__}: {exc}"
-            continue
-        if record_plan is not None:
-            record_plan(time.perf_counter() - started, sum(p.n_blocks for p in plans))
-        for p in plans:
-            src_parts.append(p.src_addrs)
-            dst_parts.append(p.dst_addrs)
-            len_parts.append(p.lengths)
+        ready_ids.append(d_req_id)
+        ready_groups.append([] if peer.error is not None else
+                            _group_ids(peer, local_by_group, remote_by_group, vllm))
+    if peer is None or not ready_ids:
+        return _column([]), _column([]), _column([]), err_reqs, err_msg
+    # The ready requests to this peer as one batch plan per KV group: blocks that run on
+    # from one request into the next on both sides become one block.
+    started = time.perf_counter()
+    batches, refused = plan_ready(peer, ready_groups)
+    seconds = time.perf_counter() - started
+    for r, exc in refused.items():
+        logger.error("req %s: kvplan refused the transfer: %s: %s", ready_ids[r],
+                     type(exc).__name__, exc)
+        err_reqs.append(ready_ids[r])
+        err_msg = err_msg or f"{type(exc).__name__}: {exc}"
+    if record_plan is not None:
+        # Per request: its share of the batch's planning time, and its blocks as planned
+        # alone (the batch may merge blocks across requests).
+        blocks = [0] * len(ready_ids)
+        for g, batch in enumerate(batches):
+            members = [r for r, ids in enumerate(ready_groups)
+                       if ids[g] is not None and r not in refused]
+            for r, n in zip(members, batch.request_n_blocks.tolist()):
+                blocks[r] += n
+        planned = [r for r in range(len(ready_ids)) if r not in refused]
+        for r in planned:
+            record_plan(seconds / len(planned), blocks[r])
+    for batch in batches:
+        src_parts.append(batch.src_addrs)
+        dst_parts.append(batch.dst_addrs)
+        len_parts.append(batch.lengths)
     return _column(src_parts), _column(dst_parts), _column(len_parts), err_reqs, err_msg
 
 

@@ -33,13 +33,27 @@ create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
 
 /// Maps a core error to its Python exception, with the core's stable name of the error's
 /// family as its `kind` attribute (so Python tells errors apart without reading messages).
+/// A batch's errors also carry `requests`: the indices of the batch's requests they are about
+/// (the one whose own error it is, or the two that write one page), so a caller that keeps
+/// per-request verdicts can fail exactly those.
 /// (Not a `From` impl: both types are foreign here.)
 pub(crate) fn to_py_err(err: PlanError) -> PyErr {
     let kind = err.kind();
     let exception = exception_of(&err);
+    let requests = match &err {
+        PlanError::InRequest { request, .. } => Some(vec![*request]),
+        PlanError::RequestsOverlap { first, second, .. } => Some(vec![*first, *second]),
+        _ => None,
+    };
     Python::attach(|py| {
         // An exception instance always takes attributes; failing here would hide the error.
-        let _ = exception.value(py).setattr("kind", kind);
+        let value = exception.value(py);
+        let _ = value.setattr("kind", kind);
+        if let Some(requests) = requests {
+            if let Ok(tuple) = pyo3::types::PyTuple::new(py, requests) {
+                let _ = value.setattr("requests", tuple);
+            }
+        }
     });
     exception
 }

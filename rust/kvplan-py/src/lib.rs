@@ -66,8 +66,8 @@ mod _core {
     #[pymodule_export]
     use crate::template::{PyTemplate, check_pairs, needs_tokens};
 
-    /// Module attributes the core owns: its role classification, and the default `kind` of a
-    /// `KvPlanError` raised by Python code.
+    /// Module attributes the core owns: its role classification, and the default `kind` and
+    /// `requests` of a `KvPlanError` raised by Python code.
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
         use pyo3::prelude::*;
@@ -75,6 +75,9 @@ mod _core {
         m.py()
             .get_type::<crate::errors::KvPlanError>()
             .setattr("kind", "other")?;
+        m.py()
+            .get_type::<crate::errors::KvPlanError>()
+            .setattr("requests", pyo3::types::PyTuple::empty(m.py()))?;
         Ok(())
     }
 
