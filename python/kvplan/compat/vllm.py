@@ -301,30 +301,29 @@ def plan_ready(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]
     if peer.error is not None:
         return [], {r: peer.error for r in range(len(requests))}
     while True:
-        batches: list[kvplan.BatchPlan] = []
-        try:
-            for g, (_, _, template) in enumerate(peer.groups):
-                members = [r for r, ids in enumerate(requests)
-                           if ids[g] is not None and r not in refused]
-                if not members:
-                    continue
-                try:
-                    batches.append(template.plan_batch(
-                        [(index_array(requests[r][g][0]), index_array(requests[r][g][1]))
-                         for r in members]))
-                except kvplan.KvPlanError as exc:
-                    named = [members[i] for i in exc.requests] or members
-                    raise _Refused(named, exc) from None
-        except _Refused as refusal:
-            for r in refusal.requests:
-                refused[r] = refusal.error
+        batches = _plan_groups(peer, requests, refused)
+        if isinstance(batches, list):
+            return batches, refused
+
+
+def _plan_groups(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]],
+                 refused: dict[int, kvplan.KvPlanError]) -> list[kvplan.BatchPlan] | None:
+    """The batches of the requests not in ``refused``; on a refusal, records the requests it
+    names in ``refused`` and returns None."""
+    batches = []
+    for g, (_, _, template) in enumerate(peer.groups):
+        members = [(r, ids) for r, per_group in enumerate(requests)
+                   if (ids := per_group[g]) is not None and r not in refused]
+        if not members:
             continue
-        return batches, refused
-
-
-class _Refused(Exception):
-    def __init__(self, requests: list[int], error: kvplan.KvPlanError) -> None:
-        self.requests, self.error = requests, error
+        try:
+            batches.append(template.plan_batch(
+                [(index_array(local), index_array(remote)) for _, (local, remote) in members]))
+        except kvplan.KvPlanError as exc:
+            for i in exc.requests or range(len(members)):
+                refused[members[i][0]] = exc
+            return None
+    return batches
 
 
 def _ids(block_ids: Any) -> np.ndarray:
