@@ -1,7 +1,8 @@
 """Abort, reuse, late write over the real engines (Mooncake TCP, NIXL UCX; two transports in
 this process on loopback): the decode aborts request A, reuses its pages for B, and A's writer
 moves its bytes after B's; the decode's lease table refuses A's completion naming B, and B's
-own check then fails on the bytes the engine really wrote. A clean abort flags nothing."""
+own check then fails on the bytes the engine really wrote. A clean abort flags nothing. And a
+dropped completion status (NIXL) leaves the request unloaded and its late status refused."""
 
 from __future__ import annotations
 
@@ -81,6 +82,47 @@ def test_a_late_writer_is_refused_naming_the_request_it_overwrote(engine: Engine
         else:
             receiver.check_landed(stats_b.integrity, **check_b)  # type: ignore[arg-type]
         table.release(lease_b)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.nixl
+def test_a_dropped_status_is_never_counted_as_loaded() -> None:
+    """NIXL: the prefill's bytes land but its completion notification is lost. The decode's
+    wait for the request's manifests times out, so the request is aborted, never counted as
+    loaded; when the status turns up after all, its lease is refused as aborted."""
+    from support.engine_peers import require_nixl
+
+    require_nixl()
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, PAGES * LAYERS * ITEM, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s_layout, d_layout = pool(src), pool(dst)
+    t = kvplan.Template(s_layout, d_layout)
+    table = LeaseTable(PAGES)
+    s_pages, d_pages = np.array([1, 2], dtype=np.int64), np.array([8, 9], dtype=np.int64)
+    lease = table.grant("req-7", d_pages)
+    plan = t.plan(s_pages, d_pages)
+    sender, receiver = loopback_transports("nixl")
+    try:
+        sender.register_buffers([src.ctypes.data], [src.nbytes])
+        receiver.register_buffers([dst.ctypes.data], [dst.nbytes])
+        peer = sender.add_peer(receiver.metadata())  # type: ignore[attr-defined]
+        manifest = sender.manifest(plan, src_pages=s_pages, dst_pages=d_pages, lease=lease)
+        sender.submit(plan, peer)  # the bytes, and no status: it was dropped
+        prefill = sender.local_session_id()
+        with pytest.raises(kvplan.TransferError, match="req-7"):
+            receiver.wait_manifests(prefill, b"req-7", timeout=1.0)  # type: ignore[attr-defined]
+        table.abort(lease)  # not loaded: the decode gives up on the request
+        # The status arrives late: a stale lease, refused before any byte is read.
+        sender.submit(plan, peer, notif=b"req-7", manifest=[manifest])  # type: ignore[call-arg]
+        received = receiver.wait_manifests(prefill, b"req-7")  # type: ignore[attr-defined]
+        with pytest.raises(StaleLeaseError, match="'req-7' epoch 1 was aborted"):
+            receiver.check_landed(received, src_layout=s_layout, dst_layout=d_layout,
+                                  src_pages=s_pages, dst_pages=d_pages, template=t,
+                                  lease=lease, leases=table)
+        assert table.settle(lease) == ()
     finally:
         sender.close()
         receiver.close()
