@@ -479,6 +479,8 @@ class TransferPlan(Blocks):
     @property
     def total_bytes(self) -> int: ...
     @property
+    def skip_tokens(self) -> int: ...
+    @property
     def n_pairs(self) -> int: ...
     @property
     def pair_offsets(self) -> _I64Array: ...
@@ -609,9 +611,13 @@ class Template:
         dst_pages: _IndexArray,
         *,
         n_tokens: int | None = None,
+        skip_tokens: int = 0,
         out: _U64Array | None = None,
     ) -> TransferPlan:
         """Plan the blocks that copy page ``src_pages[i]`` to ``dst_pages[i]`` for every pair.
+
+        ``skip_tokens``: the decode holds the request's first K tokens already (a delta plan:
+        tokens K.. only, planned by token; the digest covers K).
 
         When the layouts' page sizes differ, or ``n_tokens`` is given, both arrays are each
         side's pages in token order and the plan copies the first ``n_tokens`` tokens (default:

@@ -58,15 +58,19 @@ class Rank:
         self.memory = Memory.of(self.arena)
 
 
-def _check_decode_rank(sources: list[Rank], dst: Rank, slots: tuple[int, int] | None = None
-                       ) -> int:
+def _check_decode_rank(sources: list[Rank], dst: Rank, slots: tuple[int, int] | None = None,
+                       skip: int = 0) -> int:
     """Plans and applies every source into ``dst``; asserts the oracle's bytes and no byte
-    written twice. Returns the bytes written."""
+    written twice. Returns the bytes written. With ``skip`` K, ``dst`` holds the oracle's first
+    K tokens before a delta plan moves the rest."""
     want = dst.memory.copy()
     written = np.zeros(dst.arena.size, bool)
     for src in sources:
         template = kvplan.Template(src.layout, dst.layout)
-        plan = template.plan(src.pages, dst.pages, n_tokens=N_TOKENS)
+        if skip:
+            reference_copy(src.layout, src.memory, dst.layout, dst.memory, src.pages,
+                           dst.pages, n_tokens=skip)
+        plan = template.plan(src.pages, dst.pages, n_tokens=N_TOKENS, skip_tokens=skip)
         if template.empty_reason is not None:
             assert plan.n_blocks == 0
         apply_plan(plan, src.memory, dst.memory, written)
@@ -116,3 +120,14 @@ def test_a_rank_pair_without_common_tokens_says_why_and_n_tokens_is_required() -
     assert template.plan(a.pages, b.pages, n_tokens=N_TOKENS).n_blocks == 0
     with pytest.raises(kvplan.KvPlanError, match="needs n_tokens"):
         template.plan(a.pages, b.pages)
+
+
+@pytest.mark.parametrize("skip", [1, 5, 8, 13, 36, 37])
+@pytest.mark.parametrize(("m", "n", "j"), [(1, 8, 1), (2, 8, 2), (8, 4, 1), (1, 4, 4)])
+def test_delta_plans_between_dcp_ranks(skip: int, m: int, n: int, j: int) -> None:
+    """A decode holding the first ``skip`` tokens gets exactly the rest, on every rank."""
+    sources = [Rank(4, m, r, 1, seed=r, fill=True) for r in range(m)]
+    total = 0
+    for rank in range(n):
+        total += _check_decode_rank(sources, Rank(4, n, rank, j, seed=100 + rank), skip=skip)
+    assert total == (N_TOKENS - skip) * len(LAYERS) * TOKEN

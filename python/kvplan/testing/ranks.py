@@ -101,11 +101,17 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
 
 def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarray,
                   dst_pages: np.ndarray, *, n_tokens: int | None = None,
-                  slots: tuple[int, int] | None = (0, 1)) -> dict[int, kvplan.Template]:
+                  slots: tuple[int, int] | None = (0, 1),
+                  skip_tokens: int = 0) -> dict[int, kvplan.Template]:
     """Plans the request from every prefill rank (``prefill`` with each ``tp_rank``) into
     ``decode``, applies the blocks (and the state slots ``slots``) and asserts: the decode
     memory equals the oracle's, no destination byte is written twice, and a template that
-    plans nothing says why (``empty_reason``). Returns the templates by prefill rank."""
+    plans nothing says why (``empty_reason``). Returns the templates by prefill rank.
+
+    ``skip_tokens`` K: a delta request. The decode starts out holding the oracle's first K
+    tokens (as a prefix cache would), the plan moves tokens K.. only (its bytes are the
+    oracle's for tokens K..), and what the decode holds after it must equal the oracle's whole
+    request."""
     dst = rank_memory(model, decode)
     want = dst.memory.copy()
     written = np.zeros(dst.memory.data.size, dtype=bool)
@@ -116,11 +122,19 @@ def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarr
                                       prefill.cross_layer, prefill.state_slots), seed=r_p + 1)
         t = kvplan.Template(src.layout, dst.layout)
         templates[r_p] = t
-        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens)
+        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
         kv = reference_copy(src.layout, src.memory, dst.layout, want, src_pages, dst_pages,
                             n_tokens=n_tokens)
+        if skip_tokens:
+            # The prefix the decode holds already, and what the delta itself must move.
+            reference_copy(src.layout, src.memory, dst.layout, dst.memory, src_pages,
+                           dst_pages, n_tokens=skip_tokens)
+            kv = reference_copy(src.layout, src.memory, dst.layout, want.copy(), src_pages,
+                                dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
         assert plan.total_bytes == kv, (r_p, plan.total_bytes, kv)
-        assert (len(plan) == 0) == (t.empty_reason is not None), (r_p, t.empty_reason)
+        assert plan.skip_tokens == skip_tokens
+        # An empty plan says why, unless the delta left nothing to move.
+        assert (len(plan) == 0) == (t.empty_reason is not None or kv == 0), (r_p, t.empty_reason)
         apply_plan(plan, src.memory, dst.memory, written)
         if slots is not None and model.state_bytes:
             apply_plan(t.plan_state(*slots), src.memory, dst.memory, written)

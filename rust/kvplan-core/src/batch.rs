@@ -410,11 +410,12 @@ fn check_disjoint<S: PageIndex, D: PageIndex>(
     requests: &[Request<'_, S, D>],
     summaries: &[PlanSummary],
 ) -> Result<()> {
-    // The destination pages each request writes (a token request only its leading pages).
+    // The destination pages each request writes (a token request only the pages holding the
+    // tokens it moves: a delta request's cached prefix pages may be shared by several).
     let written = |r: usize| -> &[D] {
         match (requests[r].indices, summaries[r].unit) {
             (Indices::Pages { dst, .. }, PlanUnit::Pages(_)) => dst,
-            (Indices::Pages { dst, .. }, PlanUnit::Tokens(t)) => &dst[..t.dst_pages],
+            (Indices::Pages { dst, .. }, PlanUnit::Tokens(t)) => &dst[t.first_pages.1..t.dst_pages],
             _ => &[],
         }
     };

@@ -32,6 +32,10 @@
 //!
 //! index digest = XXH3_64("KVPLIX" 0x01 0x00 | n u64 | the n indices, i64 each)
 //!
+//! delta plan digest = XXH3_64("KVPLDD" 0x01 0x00 | plan digest u64 | skip_tokens u64)
+//!                      (a plan of a delta request, whose first skip_tokens tokens do not move;
+//!                      a whole request's plan digest is the plan digest itself)
+//!
 //! leased plan digest = XXH3_64(
 //!     "KVPLLD" 0x01 0x00                 8 bytes: magic and leased-digest version 1
 //!     plan digest u64 | epoch u64 | request id length u64 | the request id's bytes)
@@ -64,6 +68,8 @@ pub const PLAN_DIGEST_TAG: [u8; 8] = *b"KVPLPD\x01\x00";
 pub const CONTENT_DIGEST_TAG: [u8; 8] = *b"KVPLCD\x01\x00";
 /// Leading bytes of an index list digest's input: magic and version.
 pub const INDEX_DIGEST_TAG: [u8; 8] = *b"KVPLIX\x01\x00";
+/// Leading bytes of a delta plan digest's input: magic and version.
+pub const DELTA_DIGEST_TAG: [u8; 8] = *b"KVPLDD\x01\x00";
 /// Leading bytes of a leased plan digest's input: magic and version.
 pub const LEASE_DIGEST_TAG: [u8; 8] = *b"KVPLLD\x01\x00";
 
@@ -285,6 +291,20 @@ fn hash_chunks(slices: &[&[u8]], chunk_start: &[usize], first: usize, out: &mut 
         let bytes = slices[block];
         *hash = chunk_hash(&bytes[at..bytes.len().min(at + CHUNK_BYTES)]);
     }
+}
+
+/// The digest of a plan that moves a request's tokens from `skip_tokens` on: the plan digest
+/// itself for a whole request (`skip_tokens` 0), else the plan digest and the skip count hashed
+/// together, so a decode that re-plans with another skip count disagrees.
+pub fn delta_plan_digest(plan_digest: u64, skip_tokens: u64) -> u64 {
+    if skip_tokens == 0 {
+        return plan_digest;
+    }
+    let mut input = [0u8; 24];
+    input[..8].copy_from_slice(&DELTA_DIGEST_TAG);
+    input[8..16].copy_from_slice(&plan_digest.to_le_bytes());
+    input[16..].copy_from_slice(&skip_tokens.to_le_bytes());
+    xxh3_64(&input)
 }
 
 /// The plan digest bound to the destination's lease: the request id the decode allocated the

@@ -253,6 +253,11 @@ pub enum PlanError {
         needed: u64,
         given: usize,
     },
+    /// A delta request that skips more tokens than it has.
+    #[error(
+        "skip_tokens {skip_tokens} is past the request's {n_tokens} tokens (the decode cannot hold more tokens than the request has)"
+    )]
+    SkipTokens { skip_tokens: u64, n_tokens: u64 },
     /// A template's geometry option (fragments) that does not fit its pairs.
     #[error("{what}")]
     Geometry { what: String },
@@ -382,6 +387,7 @@ impl PlanError {
             PlanError::StagingSlotSizes { .. } => "staging_slots",
             PlanError::BuffersOverlap { .. } => "buffer_overlap",
             PlanError::RequestsOverlap { .. } => "requests_overlap",
+            PlanError::SkipTokens { .. } => "skip_tokens",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -454,6 +460,7 @@ impl PlanError {
             | PlanError::Geometry { .. }
             | PlanError::FragmentCombination { .. }
             | PlanError::TokenCount { .. }
+            | PlanError::SkipTokens { .. }
             | PlanError::NotPreppable { .. }
             | PlanError::DigestInput { .. }
             | PlanError::InvalidCost { .. }

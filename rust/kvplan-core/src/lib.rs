@@ -61,8 +61,8 @@ pub use coalesce::Group;
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use digest::{
-    PlanBlocks, Region, content_digest, index_digest, layout_fingerprint, leased_plan_digest,
-    pair_content_digests, plan_digest,
+    PlanBlocks, Region, content_digest, delta_plan_digest, index_digest, layout_fingerprint,
+    leased_plan_digest, pair_content_digests, plan_digest,
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side, try_vec};
 pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};

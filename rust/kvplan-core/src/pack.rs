@@ -177,9 +177,11 @@ impl PackPlanner<'_> {
             }
         }
         let (class_blocks, n_segments, n_blocks, total_bytes) =
-            count_blocks(tokens, &src[..], &dst[..], n_tokens)?;
+            count_blocks(tokens, &src[..], &dst[..], 0, n_tokens)?;
         let shape = TokenShape {
             n_tokens,
+            first_token: 0,
+            first_pages: (0, 0),
             src_pages: src.len(),
             dst_pages: dst.len(),
             n_segments,
@@ -269,6 +271,7 @@ impl PackPlanner<'_> {
         pack: PackBuffer,
     ) -> Result<(RowGather, Plan)> {
         let ((src, dst), n_tokens) = (request.page_lists("a row gather")?, request.n_tokens);
+        request.whole("a row gather")?;
         if !self.template.by_token() && n_tokens.is_none() {
             return Err(PlanError::Geometry {
                 what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \

@@ -69,8 +69,12 @@ pub enum PlanUnit {
 /// The size of a token request's plan, known before any output exists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenShape {
-    /// Tokens planned.
+    /// The request's tokens: the plan moves `first_token..n_tokens`.
     pub n_tokens: u64,
+    /// Leading tokens not moved (a delta request's `skip_tokens`; 0 for a whole request).
+    pub first_token: u64,
+    /// Leading pages of each side's list the plan does not touch (none of their tokens move).
+    pub first_pages: (usize, usize),
     /// Leading source pages holding them (`ceil(n_tokens / P_s)`).
     pub src_pages: usize,
     /// Leading destination pages holding them.
@@ -112,6 +116,14 @@ impl PlanSummary {
     pub fn n_pages(&self) -> usize {
         match self.unit {
             PlanUnit::Pages(found) => found.n_pages,
+            _ => 0,
+        }
+    }
+
+    /// Leading tokens the plan does not move (a delta request's skip count; 0 otherwise).
+    pub fn skip_tokens(&self) -> u64 {
+        match self.unit {
+            PlanUnit::Tokens(tokens) => tokens.first_token,
             _ => 0,
         }
     }

@@ -1,5 +1,5 @@
 //! One transfer request, the value every planner takes: the pages (or the state slot) of each
-//! side and how many tokens move. Planners read it; none takes loose index arguments, so a new
+//! side, how many tokens move, and how many leading tokens the decode holds already. Planners read it; none takes loose index arguments, so a new
 //! request field reaches every planner through this one type.
 
 use crate::error::{PlanError, Result};
@@ -31,12 +31,18 @@ pub enum Indices<'a, S, D> {
 /// pages; a token request (`n_tokens` given, or a template that plans by token) moves the first
 /// `n_tokens` tokens of the two page lists (default: the full pages of the shorter side); a slot
 /// request moves one state slot per state pair.
+///
+/// A *delta* request (`skip_tokens` K > 0) is a token request whose first K tokens the decode
+/// holds already (a prefix it cached): it moves tokens `K..n_tokens` only, K any count (not
+/// only a page multiple), the page lists still the request's whole lists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request<'a, S = i64, D = i64> {
     /// The pages or slots of each side.
     pub indices: Indices<'a, S, D>,
     /// Tokens to move (page lists only).
     pub n_tokens: Option<u64>,
+    /// Leading tokens the decode holds already, not moved (page lists only; 0: none).
+    pub skip_tokens: u64,
 }
 
 impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
@@ -45,6 +51,16 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
         Self {
             indices: Indices::Pages { src, dst },
             n_tokens,
+            skip_tokens: 0,
+        }
+    }
+
+    /// The same request without its first `skip_tokens` tokens (the decode holds them).
+    #[must_use]
+    pub fn skipping(self, skip_tokens: u64) -> Self {
+        Self {
+            skip_tokens,
+            ..self
         }
     }
 
@@ -75,6 +91,23 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
     pub fn is_slot(&self) -> bool {
         matches!(self.indices, Indices::Slot { .. })
     }
+
+    /// Refuses a delta request in a planner that plans whole requests only.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] naming the planner and the skip count.
+    pub fn whole(&self, planner: &str) -> Result<()> {
+        if self.skip_tokens > 0 {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "{planner} plans whole requests; this one skips its first {} tokens (a \
+                     delta request): plan it with Template::plan",
+                    self.skip_tokens
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Request<'static> {
@@ -83,6 +116,7 @@ impl Request<'static> {
         Self {
             indices: Indices::Slot { src, dst },
             n_tokens: None,
+            skip_tokens: 0,
         }
     }
 }

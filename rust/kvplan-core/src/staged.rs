@@ -345,6 +345,7 @@ impl StagedPlanner<'_> {
     ) -> Result<StagedLayout<'a, S, D>> {
         // Staging slots are laid out per page pair; a state slot is one block per pair already.
         request.page_lists("a staged plan")?;
+        request.whole("a staged plan")?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),

@@ -365,11 +365,15 @@ impl Template {
         request: &Request<'_, S, D>,
     ) -> Result<PlanSummary> {
         let (src, dst) = match request.indices {
-            Indices::Slot { src, dst } => return self.prepare_slot(src, dst, request.n_tokens),
+            Indices::Slot { src, dst } => {
+                request.whole("a state slot request")?;
+                return self.prepare_slot(src, dst, request.n_tokens);
+            }
             Indices::Pages { src, dst } => (src, dst),
         };
-        if self.strategy.by_token() || request.n_tokens.is_some() {
-            let shape = self.prepare_tokens(src, dst, request.n_tokens)?;
+        // A delta request is planned by token: its first token may fall inside a page.
+        if self.strategy.by_token() || request.n_tokens.is_some() || request.skip_tokens > 0 {
+            let shape = self.prepare_tokens(src, dst, request.n_tokens, request.skip_tokens)?;
             return Ok(PlanSummary {
                 n_blocks: shape.n_blocks,
                 total_bytes: shape.total_bytes,
@@ -684,13 +688,18 @@ impl Template {
         src: &[S],
         dst: &[D],
         n_tokens: Option<u64>,
+        skip_tokens: u64,
     ) -> Result<TokenShape> {
         let tokens = self.token_template()?;
-        let (n, src_pages, dst_pages) = self.validate_tokens(src, dst, n_tokens)?;
+        let (n, src_pages, dst_pages) = self.validate_delta(src, dst, n_tokens, skip_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        let (class_blocks, n_segments, n_blocks, total_bytes) = count_blocks(tokens, src, dst, n)?;
+        let (class_blocks, n_segments, n_blocks, total_bytes) =
+            count_blocks(tokens, src, dst, skip_tokens, n)?;
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens);
         Ok(TokenShape {
             n_tokens: n,
+            first_token: skip_tokens,
+            first_pages: (src_first.min(src_pages), dst_first.min(dst_pages)),
             src_pages,
             dst_pages,
             n_segments,
@@ -711,6 +720,22 @@ impl Template {
         src: &[S],
         dst: &[D],
         n_tokens: Option<u64>,
+    ) -> Result<(u64, usize, usize)> {
+        self.validate_delta(src, dst, n_tokens, 0)
+    }
+
+    /// [`Template::validate_tokens`] for a request whose first `skip_tokens` tokens are not
+    /// moved: only the pages holding tokens `skip_tokens..` are read and validated.
+    ///
+    /// # Errors
+    /// As [`Template::validate_tokens`]; [`PlanError::SkipTokens`] when `skip_tokens` exceeds
+    /// the request's tokens.
+    fn validate_delta<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+        skip_tokens: u64,
     ) -> Result<(u64, usize, usize)> {
         let tokens = self.token_template()?;
         let maps = tokens.maps;
@@ -749,10 +774,21 @@ impl Template {
                 });
             }
         }
+        if skip_tokens > n {
+            return Err(PlanError::SkipTokens {
+                skip_tokens,
+                n_tokens: n,
+            });
+        }
         // At most the given lengths (checked above), so they fit usize.
         let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
-        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        if !tokens.pieces.is_empty() && n > 0 {
+        // The pages before the one holding the first moved token are not read.
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens);
+        let (src, dst) = (
+            &src[src_first.min(src_pages)..src_pages],
+            &dst[dst_first.min(dst_pages)..dst_pages],
+        );
+        if !tokens.pieces.is_empty() && n > skip_tokens {
             self.check_pages(Side::Src, src, self.limits.src)?;
             self.check_pages(Side::Dst, dst, self.limits.dst)?;
             if self.check_dst_overlap {

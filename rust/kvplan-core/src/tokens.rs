@@ -226,6 +226,18 @@ impl TokenTemplate {
         self.draft_maps.is_some()
     }
 
+    /// Leading pages of each side's list that hold no token from global token `first` on, in
+    /// any lane: the pages a delta request moving tokens `first..` never reads.
+    pub fn first_pages(&self, first: u64) -> (usize, usize) {
+        let first_page = |map: TokenMap| {
+            usize::try_from(map.local_count(first) / map.page_size()).unwrap_or(usize::MAX)
+        };
+        self.lanes()
+            .fold((usize::MAX, usize::MAX), |(s, d), (_, (ms, md))| {
+                (s.min(first_page(ms)), d.min(first_page(md)))
+            })
+    }
+
     /// Leading pages of each side's list that hold the first `n` global tokens of every lane.
     pub fn pages_needed(&self, n: u64) -> (u64, u64) {
         self.lanes().fold((0, 0), |(s, d), (_, (ms, md))| {
@@ -309,14 +321,40 @@ struct Segment {
     dst_gap: bool,
 }
 
-/// Segments of the first `n_tokens` global tokens both maps hold, in token order.
-fn segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<Item = Segment> {
+/// Segments of global tokens `first..n_tokens` both maps hold, in token order.
+fn segments(
+    first: u64,
+    n_tokens: u64,
+    maps: (TokenMap, TokenMap),
+) -> impl Iterator<Item = Segment> {
     match maps {
         (TokenMap::Paged { page_size: ps }, TokenMap::Paged { page_size: pd }) => {
-            Walk::Paged(paged_segments(n_tokens, (ps, pd)))
+            Walk::Paged(paged_segments(first, n_tokens, (ps, pd)))
         }
-        _ => Walk::Dealt(dealt_segments(n_tokens, maps)),
+        _ => Walk::Dealt(dealt_segments(n_tokens, maps).filter_map(move |seg| clip(seg, first))),
     }
+}
+
+/// The part of `seg` from global token `first` on (None when it ends before): a segment's tokens
+/// are consecutive on both sides, so its slots move with its first token. The clipped segment
+/// opens the walk, so it has no gap before it.
+fn clip(seg: Segment, first: u64) -> Option<Segment> {
+    if seg.t + seg.n <= first {
+        return None;
+    }
+    if seg.t >= first {
+        return Some(seg);
+    }
+    let cut = first - seg.t;
+    Some(Segment {
+        t: first,
+        n: seg.n - cut,
+        src_slot: seg.src_slot + cut,
+        dst_slot: seg.dst_slot + cut,
+        src_gap: false,
+        dst_gap: false,
+        ..seg
+    })
 }
 
 /// One of the two token walks (paged sides keep their incremental walk).
@@ -357,16 +395,18 @@ fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<It
     })
 }
 
-/// Segments of `n_tokens` tokens over pages of `sizes` tokens, in token order.
-fn paged_segments(n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
+/// Segments of tokens `first..n_tokens` over pages of `sizes` tokens, in token order (the walk
+/// starts at `first` directly: a delta request costs its own tokens, not the skipped ones).
+fn paged_segments(first: u64, n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
     let (ps, pd) = sizes;
+    // Positions below the validated page counts, so they fit usize.
     let mut seg = Segment {
-        t: 0,
+        t: first,
         n: 0,
-        src_pos: 0,
-        dst_pos: 0,
-        src_slot: 0,
-        dst_slot: 0,
+        src_pos: (first / ps) as usize,
+        dst_pos: (first / pd) as usize,
+        src_slot: first % ps,
+        dst_slot: first % pd,
         src_gap: false,
         dst_gap: false,
     };
@@ -458,9 +498,10 @@ pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
     src: &S,
     dst: &D,
+    first: u64,
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
-    finish_counts(tokens, walk_counts(tokens, src, dst, n))
+    finish_counts(tokens, walk_counts(tokens, src, dst, first, n))
 }
 
 /// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
@@ -469,13 +510,14 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
     src: &S,
     dst: &D,
+    first: u64,
     n: u64,
 ) -> ([u64; TOKEN_CLASSES], u64) {
     let mut class_blocks = [0u64; TOKEN_CLASSES];
     let mut n_segments = 0u64;
     for (lane, maps) in tokens.lanes() {
         let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
-        for (k, seg) in segments(n, maps).enumerate() {
+        for (k, seg) in segments(first, n, maps).enumerate() {
             n_segments += 1;
             classes[0] += seg.n;
             let edges = edges(&seg, src, dst);
@@ -507,10 +549,10 @@ pub(crate) fn model_counts(
         Some(p) if n / 3 >= p => {
             let (q, r) = (n / p, n % p);
             let (first, second) = (
-                walk_counts(tokens, &pages, &pages, p),
-                walk_counts(tokens, &pages, &pages, 2 * p),
+                walk_counts(tokens, &pages, &pages, 0, p),
+                walk_counts(tokens, &pages, &pages, 0, 2 * p),
             );
-            let (head, head_segments) = walk_counts(tokens, &pages, &pages, p + r);
+            let (head, head_segments) = walk_counts(tokens, &pages, &pages, 0, p + r);
             let overflow = || PlanError::Overflow {
                 what: "block count",
             };
@@ -526,7 +568,7 @@ pub(crate) fn model_counts(
             }
             (classes, grow(head_segments, first.1, second.1)?)
         }
-        _ => walk_counts(tokens, &pages, &pages, n),
+        _ => walk_counts(tokens, &pages, &pages, 0, n),
     };
     finish_counts(tokens, raw)
 }
@@ -627,7 +669,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                     src,
                     dst,
                     limits,
-                    shape.n_tokens,
+                    (shape.first_token, shape.n_tokens),
                     at,
                     &mut out,
                 )?;
@@ -649,7 +691,7 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
     src: &[S],
     dst: &[D],
     limits: (u64, u64),
-    n_tokens: u64,
+    (first, n_tokens): (u64, u64),
     mut at: usize,
     out: &mut Columns<'_>,
 ) -> Result<usize> {
@@ -674,7 +716,7 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
     };
     let (ps, pd, len) = (piece.src, piece.dst, piece.len); // in registers for the loop
     let mut open = false; // whether the last block written may be extended
-    for seg in segments(n_tokens, (ps.map, pd.map)) {
+    for seg in segments(first, n_tokens, (ps.map, pd.map)) {
         let sp = page(src[seg.src_pos].get(), limits.0)?;
         let dp = page(dst[seg.dst_pos].get(), limits.1)?;
         // In bounds (checked just above), so inside the buffer: no overflow.
@@ -729,7 +771,7 @@ pub(crate) fn lane_rows<S: PageIndex, D: PageIndex>(
     rows.try_reserve_exact(usize::try_from(local).unwrap_or(usize::MAX))
         .map_err(|_| PlanError::out_of_memory::<u64>("gather rows", local as usize))?;
     let mut places = Vec::new();
-    for seg in segments(n_tokens, maps) {
+    for seg in segments(0, n_tokens, maps) {
         let (Some(s), Some(d)) = (src.get(seg.src_pos), dst.get(seg.dst_pos)) else {
             return Err(PlanError::InputChanged);
         };

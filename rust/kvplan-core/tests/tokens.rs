@@ -183,6 +183,43 @@ fn order() -> impl Strategy<Value = Option<MemoryOrder>> {
     ]
 }
 
+/// Cases of the delta property: 1,000, or `PROPTEST_CASES` when set (a long run: 100,000).
+fn delta_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(delta_cases()))]
+    /// Delta requests: tokens `skip..n` only, `skip` anywhere (inside a page too), against the
+    /// same reference; with the reference's first `skip` tokens the decode then holds the whole
+    /// request, by the reference's construction.
+    #[test]
+    fn delta_plans_match_the_reference_from_their_first_token(
+        ps in prop::sample::select(vec![1u64, 2, 4, 16, 64]),
+        pd in prop::sample::select(vec![1u64, 2, 4, 16, 64]),
+        orders in (order(), order()),
+        pads in (prop::sample::select(vec![0u64, 8]), prop::sample::select(vec![0u64, 8])),
+        src_gaps in prop::collection::vec(any::<bool>(), 16),
+        dst_gaps in prop::collection::vec(any::<bool>(), 16),
+        per_mille in 0u64..=1000,
+        skip_per_mille in 0u64..=1000,
+    ) {
+        let n = (16 * ps).min(16 * pd).min(200) * per_mille / 1000;
+        let skip = n * skip_per_mille / 1000;
+        let src_pages = pages(n.div_ceil(ps) as usize, &src_gaps);
+        let dst_pages = pages(n.div_ceil(pd) as usize, &dst_gaps);
+        let src = layout(0x1000, ps, 16, orders.0, pads.0);
+        let dst = layout(0x10_0000, pd, 16, orders.1, pads.1);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let request = Request::new(&src_pages[..], &dst_pages[..], Some(n)).skipping(skip);
+        let plan = check_plan(&template, &src, &dst, &request, None);
+        prop_assert_eq!(plan.total_bytes, (n - skip) * TOKEN * 4);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     #[test]

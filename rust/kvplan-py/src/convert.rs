@@ -203,29 +203,48 @@ pub(crate) trait RequestPlanner {
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output;
 }
 
-/// The core's request from two index arrays and `n_tokens`, for a planner.
-struct WithRequest<P>(P, Option<u64>);
+/// A request's token arguments as Python passes them: `n_tokens` and `skip_tokens` (the
+/// leading tokens a delta request does not move).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TokenArgs {
+    pub(crate) n_tokens: Option<u64>,
+    pub(crate) skip_tokens: u64,
+}
+
+impl From<Option<u64>> for TokenArgs {
+    fn from(n_tokens: Option<u64>) -> Self {
+        Self {
+            n_tokens,
+            skip_tokens: 0,
+        }
+    }
+}
+
+/// The core's request from two index arrays and its token arguments, for a planner.
+struct WithRequest<P>(P, TokenArgs);
 
 impl<P: RequestPlanner> IndexVisitor for WithRequest<P> {
     type Output = P::Output;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.0.plan(&Request::new(src, dst, self.1))
+        let request = Request::new(src, dst, self.1.n_tokens).skipping(self.1.skip_tokens);
+        self.0.plan(&request)
     }
 }
 
 /// The one path from a Python request to a core planner: the index arrays (borrowed without
-/// copying) and `n_tokens` become one `Request`, planned with the GIL released unless tiny.
+/// copying) and the token arguments become one `Request`, planned with the GIL released unless
+/// tiny.
 pub(crate) fn plan_request<P>(
     py: Python<'_>,
     (src, dst): (IndexSlice<'_>, IndexSlice<'_>),
-    n_tokens: Option<u64>,
+    tokens: impl Into<TokenArgs>,
     planner: P,
 ) -> P::Output
 where
     P: RequestPlanner + Send,
     P::Output: Send,
 {
-    visit_request(py, src, dst, WithRequest(planner, n_tokens))
+    visit_request(py, src, dst, WithRequest(planner, tokens.into()))
 }
 
 /// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts

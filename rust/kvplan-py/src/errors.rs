@@ -49,10 +49,10 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         // An exception instance always takes attributes; failing here would hide the error.
         let value = exception.value(py);
         let _ = value.setattr("kind", kind);
-        if let Some(requests) = requests {
-            if let Ok(tuple) = pyo3::types::PyTuple::new(py, requests) {
-                let _ = value.setattr("requests", tuple);
-            }
+        if let Some(requests) = requests
+            && let Ok(tuple) = pyo3::types::PyTuple::new(py, requests)
+        {
+            let _ = value.setattr("requests", tuple);
         }
     });
     exception

@@ -425,6 +425,13 @@ impl PyTransferPlan {
         self.total_bytes
     }
 
+    /// Leading tokens of the request the plan does not move (`plan(..., skip_tokens=K)`; 0
+    /// for a whole request).
+    #[getter]
+    fn skip_tokens(&self) -> u64 {
+        self.summary.skip_tokens()
+    }
+
     /// Entry pairs of the template (including elided pairs that emit nothing).
     #[getter]
     fn n_pairs(&self) -> usize {
@@ -535,6 +542,7 @@ impl PyTransferPlan {
             };
             digest.map_err(crate::errors::to_py_err)
         })
+        .map(|digest| kvplan_core::delta_plan_digest(digest, slf.summary.skip_tokens()))
         .and_then(|digest| match lease {
             Some(lease) => crate::digest::lease_bound(digest, lease),
             None => Ok(digest),

@@ -353,15 +353,25 @@ impl PyTemplate {
     /// Token plans: when the two layouts have different page sizes, or `n_tokens` is given, the
     /// arrays are each side's pages in token order (lengths may differ) and the plan moves the
     /// first `n_tokens` tokens (default: the full pages of the shorter side) token-exactly.
-    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, out=None))]
+    ///
+    /// Delta plans: with `skip_tokens` K > 0 the decode holds the request's first K tokens
+    /// already (K any count, not only a page multiple) and the plan moves tokens K.. only, by
+    /// token, from the same whole page lists; the pages before the one holding token K are not
+    /// read. The plan digest covers K.
+    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, skip_tokens=0, out=None))]
     fn plan<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
         n_tokens: Option<u64>,
+        skip_tokens: u64,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyTransferPlan>> {
+        let tokens = crate::convert::TokenArgs {
+            n_tokens,
+            skip_tokens,
+        };
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
         let (src, dst) = arrays.slices()?;
         let template: &Template = &self.inner;
@@ -370,13 +380,13 @@ impl PyTemplate {
             let capacity = writable.shape()[1];
             let flat = writable.as_slice_mut()?;
             let planner = PlanInto(template, Columns::from_flat(flat, capacity));
-            let summary = plan_request(py, (src, dst), n_tokens, planner).map_err(to_py_err)?;
+            let summary = plan_request(py, (src, dst), tokens, planner).map_err(to_py_err)?;
             drop(writable);
             let out = out.cast::<PyArray2<u64>>()?;
             (out_columns(out, summary.n_blocks), summary)
         } else {
             let (buffer, summary) =
-                plan_request(py, (src, dst), n_tokens, PlanPooled(template)).map_err(to_py_err)?;
+                plan_request(py, (src, dst), tokens, PlanPooled(template)).map_err(to_py_err)?;
             let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
             (columns, summary)
         };

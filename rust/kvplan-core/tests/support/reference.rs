@@ -9,7 +9,8 @@
 //! head `h` of slot `s` at `s × token + h × head + b` (token-major, `NHD`) or `h × page_size ×
 //! head + s × head + b` (head-major, `HND`). A side without geometry is token-major with one
 //! "head" of `item_len / page_size` bytes. Token `t` of a request sits in page `pages[t /
-//! page_size]`, slot `t % page_size`, on each side. A prefill rank sends a head its decode rank
+//! page_size]`, slot `t % page_size`, on each side (a delta request's tokens from its
+//! `skip_tokens` on). A prefill rank sends a head its decode rank
 //! also holds, and of replicated heads only the holder with `r_p mod R == r_d mod R` (every
 //! holder, for a template built with `replicas_send`: [`reference_every_holder`]).
 //!
@@ -214,7 +215,8 @@ fn copy_reference(
         let sends = every_holder_sends
             || s_side.holders == 1
             || s_side.rank % s_side.holders == d_side.rank % s_side.holders;
-        for t in 0..n {
+        // A delta request moves its tokens from `skip_tokens` on; the decode holds the rest.
+        for t in request.skip_tokens..n {
             let (s_slot, d_slot) = (t % ps, t % pd);
             let s_page = src_pages[(t / ps) as usize] as u64;
             let d_page = dst_pages[(t / pd) as usize] as u64;
