@@ -67,6 +67,8 @@ class ModelPreset:
         head_dim: Elements per head (the latent width for MLA); ``kv_bytes_per_token`` is
             ``kv_heads * head_dim * dtype_size``.
         dtype_size: Bytes per element.
+        indexer_bytes_per_token: Bytes per token of each KV layer's sparse-attention indexer
+            cache (its own page entry per layer, role ``indexer``, beside the latent; 0: none).
     """
 
     key: str
@@ -80,6 +82,7 @@ class ModelPreset:
     kv_heads: int = 1
     head_dim: int = 0
     dtype_size: int = 2
+    indexer_bytes_per_token: int = 0
 
     @property
     def hybrid(self) -> bool:
@@ -105,7 +108,8 @@ class ModelPreset:
             raise KvPlanError(f"num_layers must be at least 1, got {num_layers}")
         return ModelPreset(self.key, self.name, num_layers, self.attention,
                            self.kv_bytes_per_token, self.full_attention_every, self.state,
-                           self.description, self.kv_heads, self.head_dim, self.dtype_size)
+                           self.description, self.kv_heads, self.head_dim, self.dtype_size,
+                           self.indexer_bytes_per_token)
 
     def heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank holds at TP size ``tp_size`` (the core's split,
@@ -178,6 +182,9 @@ class ModelPreset:
             tp.update(self.geometry(tp_size, memory_order or "NHD"))
         kv = self.kv_layers(layers)
         n_buf = len(kv) * (2 if self.attention == "mha" else 1)
+        if self.indexer_bytes_per_token:
+            return self._indexed_layout(kv, item, page_size, capacity, base, device, pp_rank,
+                                        pp_size, tp, cross_layer)
         if cross_layer:
             return self._add_state(
                 self._cross_layer_pool(kv, item, capacity, base, page_size, device, pp_rank,
@@ -197,6 +204,27 @@ class ModelPreset:
             layout = Layout.mha(ptrs[:half], ptrs[half:], lens[:half], lens[half:], item, item,
                                 layer_ids=kv, **ctx)
         return self._add_state(layout, layers, state_slots, base + n_buf * span, tp_size)
+
+    def _indexed_layout(self, kv: list[int], item: int, page_size: int, capacity: int,
+                        base: int, device: str, pp_rank: int, pp_size: int,
+                        tp: dict[str, Any], cross_layer: bool) -> Layout:
+        """Per KV layer a latent entry (role ``kv``) and its indexer entry (role ``indexer``),
+        each its own buffer, the indexer's pages ``indexer_bytes_per_token × page_size``."""
+        if self.attention != "mla" or self.hybrid or cross_layer:
+            raise KvPlanError(f"preset {self.key!r}: indexer entries are laid out for dense MLA "
+                              f"models with per-layer buffers only")
+        if "kv_heads" in tp:
+            raise KvPlanError(f"preset {self.key!r}: a layout publishing attention geometry "
+                              f"(tp_size > 1 or memory_order) describes one item shape per "
+                              f"side, and the indexer's differs from the latent's")
+        indexer = self.indexer_bytes_per_token * page_size
+        items = [size for _ in kv for size in (item, indexer)]
+        spans = [_align(capacity * size) for size in items]
+        ptrs = [base + sum(spans[:k]) for k in range(len(items))]
+        return Layout(ptrs, [capacity * size for size in items], items,
+                      [layer for layer in kv for _ in range(2)], ["kv", "indexer"] * len(kv),
+                      page_size=page_size, device=device, num_model_layers=self.num_layers,
+                      pp_rank=pp_rank, pp_size=pp_size, **tp)
 
     def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
                           page_size: int, device: str, pp_rank: int, pp_size: int,
@@ -269,6 +297,11 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("deepseek-v3", "DeepSeek-V3", 61, "mla", 1152,
                     description="61 layers, MLA latent 576 × bf16 = 1152 B per token per layer",
                     kv_heads=1, head_dim=576),
+        ModelPreset("deepseek-v3.2", "DeepSeek-V3.2", 61, "mla", 1152,
+                    description="61 layers, MLA latent 576 × bf16 = 1152 B per token per layer, "
+                                "and the sparse-attention indexer's key cache beside it (128 × "
+                                "fp8 plus one fp32 scale = 132 B per token per layer)",
+                    kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
         ModelPreset("qwen3-235b", "Qwen3-235B-A22B", 94, "mha", 1024,
                     description="94 layers, GQA 4 KV heads × 128 × bf16 = 1024 B per token for "
                                 "K and for V", kv_heads=4, head_dim=128),

@@ -37,7 +37,8 @@ def stage_row(out: str, label: str) -> list[str]:
 
 
 def test_presets_match_design_table():
-    assert set(PRESETS) == {"deepseek-v3", "qwen3-235b", "qwen3-next", "kimi-linear"}
+    assert set(PRESETS) == {"deepseek-v3", "deepseek-v3.2", "qwen3-235b", "qwen3-next",
+                            "kimi-linear"}
     ds = get_preset("DeepSeek-V3")
     assert (ds.num_layers, ds.attention, ds.kv_bytes_per_token) == (61, "mla", 1152)
     qw = get_preset("qwen3-235b")

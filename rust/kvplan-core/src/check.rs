@@ -8,7 +8,9 @@ use std::collections::HashMap;
 
 use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::heads::HeadSlicing;
-use crate::layout::{AttentionGeometry, EntryKind, Layout, MemoryOrder, is_mha_role};
+use crate::layout::{
+    AttentionGeometry, EntryKind, Layout, MemoryOrder, is_mha_role, is_sidecar_role,
+};
 use crate::pairing::{EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each};
 use crate::pieces::{Fragment, Fragments, PairSpec};
 
@@ -80,8 +82,92 @@ pub(crate) fn check_pairs_sliced(
         ..options
     };
     let mut checks = check_kind(src, dst, EntryKind::Page, options, heads);
+    if let Some((at, problem)) = sidecar_problem(src, dst, &checks) {
+        checks[at].problem.get_or_insert(problem);
+    }
     checks.extend(check_kind(src, dst, EntryKind::State, state_options, heads));
     checks
+}
+
+/// The page entries of `layout`.
+fn pages(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+    (0..layout.n_entries()).filter(move |&i| layout.parts().kinds[i] == EntryKind::Page)
+}
+
+/// The first indexer or scale page entry ([`is_sidecar_role`]) without its partner, as the
+/// check to carry the problem and the problem: a sidecar whose layer has no KV entry on the
+/// same side, or a decode sidecar of a layer the prefill sends but with no sidecar of its own
+/// for it (the decode would hold its KV without its indexer or scales: an incomplete transfer).
+fn sidecar_problem(
+    src: &Layout,
+    dst: &Layout,
+    checks: &[EntryCheck],
+) -> Option<(usize, PlanError)> {
+    let layer_of = |layout: &Layout, i: usize| layout.parts().layer_ids[i];
+    let sidecar = |layout: &Layout, i: usize| layout.role(i).is_some_and(is_sidecar_role);
+    // The check that speaks for a layer: its first page entry's, else the first check.
+    let check_of = |layer: i64| {
+        checks
+            .iter()
+            .position(|c| {
+                layer_of(src, c.src_entry) == Some(layer)
+                    || c.dst_entry.and_then(|d| layer_of(dst, d)) == Some(layer)
+            })
+            .unwrap_or(0)
+    };
+    if checks.is_empty() {
+        return None;
+    }
+    for (side, layout) in [(Side::Src, src), (Side::Dst, dst)] {
+        for i in pages(layout).filter(|&i| sidecar(layout, i)) {
+            let Some(layer) = layer_of(layout, i) else {
+                continue;
+            };
+            let has_kv = pages(layout).any(|j| {
+                layer_of(layout, j) == Some(layer)
+                    && !sidecar(layout, j)
+                    && layout.is_draft(j) == layout.is_draft(i)
+            });
+            if !has_kv {
+                return Some((
+                    check_of(layer),
+                    PlanError::MissingPartner {
+                        side,
+                        entry: i,
+                        layer,
+                        role: layout.role_label(i),
+                        why: format!("the {side} side has no KV entry of layer {layer}"),
+                    },
+                ));
+            }
+        }
+    }
+    let paired_dst: Vec<usize> = checks.iter().filter_map(|c| c.dst_entry).collect();
+    for d in pages(dst).filter(|&d| sidecar(dst, d) && !paired_dst.contains(&d)) {
+        let Some(layer) = layer_of(dst, d) else {
+            continue;
+        };
+        let sent = paired_dst
+            .iter()
+            .any(|&j| layer_of(dst, j) == Some(layer) && dst.is_draft(j) == dst.is_draft(d));
+        if sent {
+            return Some((
+                check_of(layer),
+                PlanError::MissingPartner {
+                    side: Side::Dst,
+                    entry: d,
+                    layer,
+                    role: dst.role_label(d),
+                    why: format!(
+                        "the prefill sends layer {layer} without a {} entry: the decode would \
+                         hold its KV without it",
+                        dst.role_label(d)
+                    ),
+                },
+            ));
+        }
+    }
+    None
 }
 
 fn check_kind(

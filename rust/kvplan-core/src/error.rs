@@ -132,6 +132,18 @@ pub enum PlanError {
         occurrence: usize,
         dst_count: usize,
     },
+    /// An indexer or scale entry whose KV entry is missing (on its own side, or on the other
+    /// side while its layer is transferred).
+    #[error(
+        "{side} entry {entry} (layer {layer}, role {role}) belongs to its layer's KV entry, but {why}"
+    )]
+    MissingPartner {
+        side: Side,
+        entry: usize,
+        layer: i64,
+        role: String,
+        why: String,
+    },
     #[error(
         "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries"
     )]
@@ -388,6 +400,7 @@ impl PlanError {
             PlanError::BuffersOverlap { .. } => "buffer_overlap",
             PlanError::RequestsOverlap { .. } => "requests_overlap",
             PlanError::SkipTokens { .. } => "skip_tokens",
+            PlanError::MissingPartner { .. } => "missing_partner",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -432,6 +445,7 @@ impl PlanError {
             | PlanError::RoleLength { .. }
             | PlanError::MissingLayer { .. }
             | PlanError::MissingRole { .. }
+            | PlanError::MissingPartner { .. }
             | PlanError::PositionalCount { .. }
             | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
             PlanError::NegativeIndex { .. }

@@ -203,6 +203,13 @@ pub const K_ROLE: &str = "k";
 /// Role of the V entries of an MHA layout.
 pub const V_ROLE: &str = "v";
 
+/// Whether `role` names an entry that belongs to its layer's KV entry rather than standing
+/// alone: a sparse-attention indexer cache (`indexer`) or quantization scales (a role ending in
+/// `scale` or `scales`, such as `k_scale`). Such an entry is only transferred with its partner.
+pub fn is_sidecar_role(role: &str) -> bool {
+    role == "indexer" || role.ends_with("scale") || role.ends_with("scales")
+}
+
 /// Whether `role` names the K or V half of a layer (an MHA layout).
 pub fn is_mha_role(role: &str) -> bool {
     role == K_ROLE || role == V_ROLE
