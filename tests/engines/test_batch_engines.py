@@ -111,3 +111,62 @@ def test_a_batch_lands_every_request(engine: Engine) -> None:
     for s_pages, d_pages in batch_requests:
         reference_copy(pool(src), Memory.of(src), pool(dst), want, s_pages, d_pages)
     assert np.array_equal(dst, want.data)
+
+
+@pytest.mark.nixl
+def test_failed_calls_in_batches_of_256_are_attributed_exactly_in_every_trial() -> None:
+    """NIXL (its failed calls return at once): 256 requests per batch, a random hole of
+    unregistered decode pages per trial; in every trial the failed requests are exactly those
+    sharing a call with a request that writes into the hole, and every other request lands."""
+    from support.engine_peers import require_nixl
+
+    require_nixl()
+    pages, item, n_requests = 640, 64, 256
+    rng = np.random.default_rng(256)
+    src = rng.integers(0, 256, pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    def flat(array: np.ndarray) -> kvplan.Layout:
+        return kvplan.Layout([int(array.ctypes.data)], [array.nbytes], item, [0], ["kv"])
+
+    t = kvplan.Template(flat(src), flat(dst))
+    for trial in range(12):
+        dst[:] = 0
+        order = rng.permutation(pages)
+        batch_requests, at = [], 0
+        for _ in range(n_requests):
+            k = int(rng.integers(1, 3))
+            d_pages = np.sort(order[at:at + k]).astype(np.int64)
+            at += k
+            batch_requests.append((rng.choice(pages, size=k, replace=False).astype(np.int64),
+                                   d_pages))
+        batch = t.plan_batch(batch_requests)
+        lo = int(rng.integers(0, pages - 8))
+        hole = set(range(lo, lo + int(rng.integers(1, 8))))
+        regions = [(a, b) for a, b in ((0, lo), (max(hole) + 1, pages)) if b > a]
+        cap = int(rng.integers(8, 64))
+        # Fresh agents per trial: a peer's registrations are what its metadata said when added.
+        sender, receiver = loopback_transports("nixl")
+        try:
+            sender.register_buffers([src.ctypes.data], [src.nbytes])
+            receiver.register_buffers([dst.ctypes.data + a * item for a, _ in regions],
+                                      [(b - a) * item for a, b in regions])
+            peer = sender.add_peer(receiver.metadata())  # type: ignore[attr-defined]
+            outcome = sender.submit_batch(batch, peer, max_blocks_per_batch=cap)
+        finally:
+            sender.close()
+            receiver.close()
+        bad = {r for r, (_, d) in enumerate(batch_requests) if hole & set(d.tolist())}
+        want_failed: set[int] = set()
+        for c_lo, c_hi in batch.call_ranges(cap).tolist():
+            held = set(batch.requests_in(c_lo, c_hi).tolist())
+            if held & bad:
+                want_failed |= held
+        assert bad and set(outcome.failed_requests) == want_failed, trial
+        assert len(want_failed) < n_requests, trial
+        for r, (s_pages, d_pages) in enumerate(batch_requests):
+            if r in want_failed:
+                continue
+            for s, d in zip(s_pages.tolist(), d_pages.tolist()):
+                assert np.array_equal(dst[d * item:(d + 1) * item],
+                                      src[s * item:(s + 1) * item]), (trial, r)
