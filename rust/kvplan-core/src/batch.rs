@@ -321,23 +321,28 @@ impl<'t> BatchPlanner<'t> {
             {
                 end += 1;
             }
+            // `let … else` rather than `ok_or`: no error built and dropped per request.
             let blocks = if end - r == 1 {
                 summaries[r].n_blocks
             } else {
-                let (runs, pages) = segment_runs(&summaries[r..end]).ok_or(overflow("runs"))?;
-                self.template
-                    .blocks
-                    .page_blocks(runs, pages)
-                    .ok_or(overflow("block count"))?
+                let Some((runs, pages)) = segment_runs(&summaries[r..end]) else {
+                    return Err(overflow("runs"));
+                };
+                let Some(blocks) = self.template.blocks.page_blocks(runs, pages) else {
+                    return Err(overflow("block count"));
+                };
+                blocks
             };
             for summary in &summaries[r..end] {
-                total_bytes = total_bytes
-                    .checked_add(summary.total_bytes)
-                    .ok_or(overflow("total bytes"))?;
+                let Some(sum) = total_bytes.checked_add(summary.total_bytes) else {
+                    return Err(overflow("total bytes"));
+                };
+                total_bytes = sum;
             }
-            n_blocks = n_blocks
-                .checked_add(blocks)
-                .ok_or(overflow("block count"))?;
+            let Some(sum) = n_blocks.checked_add(blocks) else {
+                return Err(overflow("block count"));
+            };
+            n_blocks = sum;
             segment_offsets.push(n_blocks);
             segment_requests.push(end);
             r = end;
@@ -457,7 +462,9 @@ impl<'t> BatchPlanner<'t> {
         summaries: &[PlanSummary],
         mut out: Columns<'_>,
     ) -> Result<()> {
-        let (expected, pages) = segment_runs(summaries).ok_or(PlanError::InputChanged)?;
+        let Some((expected, pages)) = segment_runs(summaries) else {
+            return Err(PlanError::InputChanged);
+        };
         let mut runs = 0usize;
         let mut descending = false;
         for (k, (request, summary)) in requests.iter().zip(summaries).enumerate() {

@@ -60,6 +60,21 @@ pub(crate) fn expand_runs(pairs: &[Piece], runs: usize, out: Columns<'_>) {
 const SMALL_RUNS: usize = 8;
 
 fn expand_small(pairs: &[Piece], runs: usize, out: Columns<'_>) {
+    if runs == 1 {
+        // One run (a request whose pages are contiguous on both sides, the common case): one
+        // block per pair, written in pair order with no per-pair chunk bookkeeping.
+        let (s, d, n) = (out.src_addrs[0], out.dst_addrs[0], out.lengths[0]);
+        let m = pairs.len();
+        let blocks = out.src_addrs[..m]
+            .iter_mut()
+            .zip(&mut out.dst_addrs[..m])
+            .zip(&mut out.lengths[..m]);
+        for (pair, ((src, dst), len)) in pairs.iter().zip(blocks) {
+            let item = pair.len;
+            (*src, *dst, *len) = (pair.src.base + s * item, pair.dst.base + d * item, n * item);
+        }
+        return;
+    }
     let mut starts = [[0u64; SMALL_RUNS]; 3];
     starts[0][..runs].copy_from_slice(&out.src_addrs[..runs]);
     starts[1][..runs].copy_from_slice(&out.dst_addrs[..runs]);

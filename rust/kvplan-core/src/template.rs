@@ -390,17 +390,18 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let n_blocks =
-            self.blocks
-                .page_blocks(found.n_runs, found.n_pages)
-                .ok_or(PlanError::Overflow {
-                    what: "block count",
-                })?;
-        let total_bytes = (found.n_pages as u64)
-            .checked_mul(self.bytes_per_page)
-            .ok_or(PlanError::Overflow {
+        // `let … else` rather than `ok_or`: an error built eagerly would be built and dropped
+        // once per request (measurable in a batch of many small requests).
+        let Some(n_blocks) = self.blocks.page_blocks(found.n_runs, found.n_pages) else {
+            return Err(PlanError::Overflow {
+                what: "block count",
+            });
+        };
+        let Some(total_bytes) = (found.n_pages as u64).checked_mul(self.bytes_per_page) else {
+            return Err(PlanError::Overflow {
                 what: "total bytes",
-            })?;
+            });
+        };
         Ok(PlanSummary {
             n_blocks,
             total_bytes,
