@@ -303,12 +303,23 @@ impl<'t> BatchPlanner<'t> {
             .try_reserve_exact(requests.len())
             .map_err(|_| PlanError::out_of_memory::<PlanSummary>("batch", requests.len()))?;
         for (r, request) in requests.iter().enumerate() {
-            summaries.push(self.template.prepare(request).map_err(in_request(r))?);
+            // A `match` rather than `map_err(..)?`: the summary is moved once, not re-wrapped.
+            match self.template.prepare(request) {
+                Ok(summary) => summaries.push(summary),
+                Err(err) => return Err(in_request(r)(err)),
+            }
         }
         check_disjoint(requests, &summaries)?;
         let overflow = |what| PlanError::Overflow { what };
-        let mut segment_offsets = vec![0];
-        let mut segment_requests = vec![0];
+        // At most one segment per request.
+        let mut segment_offsets = Vec::new();
+        let mut segment_requests = Vec::new();
+        for offsets in [&mut segment_offsets, &mut segment_requests] {
+            offsets
+                .try_reserve_exact(requests.len() + 1)
+                .map_err(|_| PlanError::out_of_memory::<usize>("batch", requests.len() + 1))?;
+            offsets.push(0);
+        }
         let (mut n_blocks, mut total_bytes) = (0usize, 0u64);
         let mut r = 0;
         while r < requests.len() {
