@@ -601,9 +601,9 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
             f"costs ≈{c * 1e6:.1f} µs per block and moves ≈{bw / 1e9:.2f} GB/s "
             "(`kvplan.engines.measure.solve_block_model` on the two medians).",
         ]
-    if p2:
-        L += ["", "## What the numbers say", ""]
-        L += why(info, med, low, p2, prof, per_req_real, one_layer, per_block)
+    # The planning paragraph needs part 1 only; one paragraph per part 2 size follows it.
+    L += ["", "## What the numbers say", ""]
+    L += why(info, med, low, p2, prof, per_req_real, one_layer, per_block)
     return L
 
 
