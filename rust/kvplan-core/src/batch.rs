@@ -572,7 +572,7 @@ fn check_disjoint<S: PageIndex, D: PageIndex>(
 ) -> Result<()> {
     // The destination pages each request writes (a token request only its leading pages).
     let written = |r: usize| -> &[D] {
-        match (requests[r].indices, summaries[r].unit) {
+        match (requests[r].indices, &summaries[r].unit) {
             (Indices::Pages { dst, .. }, PlanUnit::Pages(_)) => dst,
             (Indices::Pages { dst, .. }, PlanUnit::Tokens(t)) => &dst[..t.dst_pages],
             _ => &[],

@@ -483,10 +483,11 @@ impl Template {
                 need: summary.n_blocks,
             });
         }
-        match (request.indices, summary.unit) {
+        // The unit by reference: a token shape is large, and this runs once per request.
+        match (request.indices, &summary.unit) {
             (Indices::Pages { src, dst }, PlanUnit::Pages(found)) => {
                 if !self.pieces.is_empty() && found.n_pages > 0 {
-                    let runs = self.write_request_runs(src, dst, &found, out.reborrow())?;
+                    let runs = self.write_request_runs(src, dst, found, out.reborrow())?;
                     self.expand_runs(runs, found.n_pages, found.descending_runs > 0, out);
                 }
             }
@@ -494,7 +495,7 @@ impl Template {
                 let limits = (self.limits.src, self.limits.dst);
                 let token_pieces = self.token_template()?;
                 let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
-                emit_tokens(token_pieces, src, dst, limits, &tokens, out)?;
+                emit_tokens(token_pieces, src, dst, limits, tokens, out)?;
             }
             (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
             (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
