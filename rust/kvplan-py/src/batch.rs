@@ -240,11 +240,16 @@ pub(crate) fn plan_batch(
 /// A borrowed 1-D int64 array argument of a flat batch (offsets, token counts), or a
 /// `TypeError` naming the argument and what it was.
 fn int64_arg<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<IndexArray<'py>> {
-    let array = IndexArray::extract(obj, name).map_err(|_| int64_error(obj, name))?;
-    match array {
-        IndexArray::I64(_) => Ok(array),
-        IndexArray::I32(_) => Err(int64_error(obj, name)),
-    }
+    use numpy::PyArrayMethods;
+    let array = obj
+        .cast::<PyArray1<i64>>()
+        .map_err(|_| int64_error(obj, name))?;
+    let borrowed = array.try_readonly().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{name} is being written elsewhere (mutably borrowed)"
+        ))
+    })?;
+    Ok(IndexArray::I64(borrowed))
 }
 
 #[cold]
