@@ -1,8 +1,9 @@
 """256 concurrent requests to one peer: one batch plan and one batch submission, against one
 plan and one submission per request.
 
-    .venv/bin/python bench/batch_bench.py              # full run, writes bench/results/
-    .venv/bin/python bench/batch_bench.py --quick      # smoke run (fewer samples), to /tmp
+    .venv/bin/python bench/batch_bench.py                  # full run, writes bench/results/
+    .venv/bin/python bench/batch_bench.py --quick          # smoke run (fewer samples), to /tmp
+    .venv/bin/python bench/batch_bench.py --planning-only  # part 1 only (no Mooncake)
 
 Requests: DeepSeek-V3 shape (``kvplan.presets`` 'deepseek-v3': 61 MLA layers, one buffer per
 layer), page size 64, 256 requests of 1,024 tokens (16 pages each) in pools of 8,192 pages per
@@ -16,13 +17,18 @@ layer on each side. Two allocations:
 
 Part 1, planning (synthetic addresses, real 1,152 B per token per layer), interleaved in one
 process (``harness.timing.interleaved``: rotating order, collector off):
-``template.plan_batch(requests)`` against ``[template.plan(s, d) for s, d in requests]`` (the 256
-plans kept until the end, as an engine holding them until sent), with int32 and int64 pages.
+``template.plan_batch(requests)`` and ``template.plan_batch_flat(src, dst, offsets)`` (the same
+requests given flat: every request's pages concatenated per side, ``offsets`` the 257 int64
+CSR offsets, built once before timing) against ``[template.plan(s, d) for s, d in requests]``
+(the 256 plans kept until the end, as an engine holding them until sent), with int32 and int64
+pages; "flat, concatenated per call" also times building the flat arrays from the 256 tuples
+(``np.concatenate``) in every call, what a caller holding per-request arrays pays.
 Extra rows split the batch call's cost: the same 256 requests on a one-layer template (one block
 per request: the cost per request that does not depend on the layers) and a batch of one
 request (the cost per call). Before timing, the batch's blocks are checked against the
 one-by-one plans: identical block for block when no request merges; for back to back, the
-one-by-one blocks coalesced (touching neighbours joined) equal the batch's.
+one-by-one blocks coalesced (touching neighbours joined) equal the batch's. The flat batch's
+columns and per-request arrays are checked byte for byte against ``plan_batch``'s.
 
 Part 2, Mooncake over TCP on 127.0.0.1 (two real engines in this process,
 ``kvplan.engines.measure.loopback_transports``), on real host memory. The 256 × 1,024 tokens ×
@@ -124,6 +130,24 @@ def coalesced(blocks: np.ndarray) -> np.ndarray:
     return np.stack([s[starts], d[starts], total])
 
 
+def flat(reqs: Requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_pages, dst_pages, offsets)`` of ``reqs`` for ``plan_batch_flat``: every
+    request's pages concatenated per side and the ``n + 1`` int64 offsets (equal page counts
+    per side, so one set of offsets serves both)."""
+    lengths = [len(s) for s, _ in reqs]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return (np.concatenate([s for s, _ in reqs]), np.concatenate([d for _, d in reqs]),
+            offsets)
+
+
+def check_same_flat(t: kvplan.Template, reqs: Requests) -> None:
+    """``plan_batch_flat`` of ``reqs`` given flat is ``plan_batch``'s plan, byte for byte."""
+    a, b = t.plan_batch(reqs), t.plan_batch_flat(*flat(reqs))
+    for name in ("src_addrs", "dst_addrs", "lengths", "segment_offsets", "segment_requests",
+                 "request_bytes", "request_n_blocks"):
+        assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), name
+
+
 def check_same_blocks(t: kvplan.Template, reqs: Requests) -> tuple[kvplan.BatchPlan, int]:
     """The batch plan of ``reqs`` after checking it moves exactly the one-by-one plans' bytes;
     (the batch plan, blocks of the one-by-one plans)."""
@@ -154,6 +178,9 @@ def part1(budget_s: float, min_sample_ns: float) -> dict[str, Any]:
         batch, one_blocks = check_same_blocks(t, reqs)
         r64 = allocs64[name]
         check_same_blocks(t, r64)
+        check_same_flat(t, reqs)
+        check_same_flat(t, r64)
+        f32, f64 = flat(reqs), flat(r64)
         info[name] = {"blocks": batch.n_blocks, "segments": batch.n_segments,
                       "one_blocks": one_blocks, "calls": len(batch.call_ranges(TCP_CALL)),
                       "bytes": batch.total_bytes}
@@ -170,20 +197,38 @@ def part1(budget_s: float, min_sample_ns: float) -> dict[str, Any]:
         def one64_fn(reqs: Requests = r64) -> Any:
             return [t.plan(s, d) for s, d in reqs]
 
+        def flat_fn(f: Any = f32) -> Any:
+            return t.plan_batch_flat(*f)
+
+        def flat64_fn(f: Any = f64) -> Any:
+            return t.plan_batch_flat(*f)
+
+        def concat_fn(reqs: Requests = reqs) -> Any:
+            return t.plan_batch_flat(*flat(reqs))
+
         variants[f"{name}|plan_batch"] = (batch_fn, nothing, nothing)
         variants[f"{name}|one by one"] = (one_fn, nothing, nothing)
         variants[f"{name}|plan_batch, int64"] = (batch64_fn, nothing, nothing)
         variants[f"{name}|one by one, int64"] = (one64_fn, nothing, nothing)
+        variants[f"{name}|plan_batch_flat"] = (flat_fn, nothing, nothing)
+        variants[f"{name}|plan_batch_flat, int64"] = (flat64_fn, nothing, nothing)
+        variants[f"{name}|flat, concatenated per call"] = (concat_fn, nothing, nothing)
     scattered = allocs["scattered"]
     assert t1.plan_batch(scattered).n_blocks == N_REQUESTS
     variants["split|plan_batch, 1-layer template"] = (lambda: t1.plan_batch(scattered), nothing,
                                                       nothing)
+    flat1 = flat(scattered)
+    variants["split|plan_batch_flat, 1-layer template"] = (lambda: t1.plan_batch_flat(*flat1),
+                                                           nothing, nothing)
     variants["split|one by one, 1-layer template"] = (
         lambda: [t1.plan(s, d) for s, d in scattered], nothing, nothing)
     first = scattered[:1]
     variants["split|plan_batch of 1 request"] = (lambda: t.plan_batch(first), nothing, nothing)
     s0, d0 = first[0]
     variants["split|template.plan of 1 request"] = (lambda: t.plan(s0, d0), nothing, nothing)
+    flat_first = flat(first)
+    variants["split|plan_batch_flat of 1 request"] = (lambda: t.plan_batch_flat(*flat_first),
+                                                      nothing, nothing)
     samples = interleaved(variants, budget_s=budget_s, min_reps=5, max_reps=400,
                           min_sample_ns=min_sample_ns)
     return {"info": info, "samples": samples}
@@ -379,12 +424,14 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
         "| target | measured | status |",
         "| --- | --- | --- |",
     ]
-    for name in info:
-        b = med[f"{name}|plan_batch"]
-        L.append(f"| planning, {name}: one `plan_batch` of {N_REQUESTS} requests ≤ 50 µs "
-                 f"(≈0.2 µs per request) | {fmt(b)} median, {fmt(low[f'{name}|plan_batch'])} "
-                 f"min ({b / N_REQUESTS / 1e3:.2f} µs per request) | "
-                 f"{met(b <= PLAN_TARGET_NS)} ({b / PLAN_TARGET_NS:.1f}× the limit) |")
+    for call in ("plan_batch", "plan_batch_flat"):
+        for name in info:
+            key = f"{name}|{call}"
+            b = med[key]
+            L.append(f"| planning, {name}: one `{call}` of {N_REQUESTS} requests ≤ 50 µs "
+                     f"(≈0.2 µs per request) | {fmt(b)} median, {fmt(low[key])} "
+                     f"min ({b / N_REQUESTS / 1e3:.2f} µs per request) | "
+                     f"{met(b <= PLAN_TARGET_NS)} ({b / PLAN_TARGET_NS:.2f}× the limit) |")
     for bpt, r in p2.items():
         for name, sc in r["scenarios"].items():
             m = {k: statistics.median(v) for k, v in sc["samples"].items()}
@@ -417,6 +464,24 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
                  f"{fmt(med[o])} ({fmt(low[o])}) | {med[o] / med[b]:.2f}× | "
                  f"{low[o] / low[b]:.2f}× | {fmt(med[b64])} ({fmt(low[b64])}) | "
                  f"{fmt(med[o64])} ({fmt(low[o64])}) | {med[o64] / med[b64]:.2f}× |")
+    L += [
+        "",
+        "The same requests given flat (`plan_batch_flat(src, dst, offsets)`, the arrays built "
+        "once before timing; its plan checked byte for byte against `plan_batch`'s), and built "
+        "from the tuples in every call:",
+        "",
+        "| allocation | `plan_batch_flat` | vs `plan_batch` | vs one by one | "
+        "`plan_batch_flat`, int64 pages | vs `plan_batch`, int64 | flat, concatenated per "
+        "call (int32) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in info:
+        f, f64, c = (f"{name}|plan_batch_flat", f"{name}|plan_batch_flat, int64",
+                     f"{name}|flat, concatenated per call")
+        b, o, b64 = f"{name}|plan_batch", f"{name}|one by one", f"{name}|plan_batch, int64"
+        L.append(f"| {name} | {fmt(med[f])} ({fmt(low[f])}) | {med[b] / med[f]:.2f}× "
+                 f"faster | {med[o] / med[f]:.2f}× faster | {fmt(med[f64])} ({fmt(low[f64])}) "
+                 f"| {med[b64] / med[f64]:.2f}× faster | {fmt(med[c])} ({fmt(low[c])}) |")
     n_samples = {k: len(v) for k, v in s.items()}
     L += [
         "",
@@ -434,7 +499,13 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
              "split|plan_batch, 1-layer template", N_REQUESTS),
             ("one by one, same on the 1-layer template", "split|one by one, 1-layer template",
              N_REQUESTS),
+            ("`plan_batch_flat`, 256 requests, 61 layers (15,616 blocks)",
+             "scattered|plan_batch_flat", N_REQUESTS),
+            ("`plan_batch_flat`, same on the 1-layer template (256 blocks)",
+             "split|plan_batch_flat, 1-layer template", N_REQUESTS),
             ("`plan_batch` of 1 request (61 blocks)", "split|plan_batch of 1 request", 1),
+            ("`plan_batch_flat` of 1 request (61 blocks)", "split|plan_batch_flat of 1 request",
+             1),
             ("`template.plan` of 1 request (61 blocks)", "split|template.plan of 1 request", 1)]
     for label, key, n in rows:
         L.append(f"| {label} | {fmt(med[key])} | {fmt(low[key])} | {fmt(med[key] / n)} |")
@@ -444,6 +515,8 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
     extra_blocks = info["scattered"]["blocks"] - N_REQUESTS
     per_block = (low["scattered|plan_batch"] - one_layer) / extra_blocks
     bb_b = med["back to back|plan_batch"]
+    flat_1l = low["split|plan_batch_flat, 1-layer template"]
+    flat_per_block = (low["scattered|plan_batch_flat"] - flat_1l) / extra_blocks
     L += [
         "",
         f"- Split (from the mins, which other work on the machine disturbs least): per "
@@ -453,6 +526,11 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
         "blocks of 61 layers). "
         f"Back to back (one segment, {info['back to back']['blocks']} blocks) costs "
         f"{fmt(bb_b)}, {bb_b / N_REQUESTS / 1e3:.2f} µs per request.",
+        f"- Flat (`plan_batch_flat`, from the mins): per request, independent of the layers, "
+        f"{flat_1l / N_REQUESTS / 1e3:.2f} µs (1-layer template); per block on top "
+        f"{flat_per_block:.1f} ns. A batch of one request costs "
+        f"{fmt(low['split|plan_batch_flat of 1 request'])} flat and "
+        f"{fmt(low['split|plan_batch of 1 request'])} as a tuple (min).",
         f"- Against one by one: {med['scattered|one by one'] / sc_b:.2f}× (scattered) and "
         f"{med['back to back|one by one'] / bb_b:.2f}× (back to back) in medians; a "
         f"`template.plan` call costs {fmt(med['split|template.plan of 1 request'])} on its own "
@@ -523,9 +601,9 @@ def report(args: argparse.Namespace, load0: float, seconds: float, p1: dict[str,
             f"costs ≈{c * 1e6:.1f} µs per block and moves ≈{bw / 1e9:.2f} GB/s "
             "(`kvplan.engines.measure.solve_block_model` on the two medians).",
         ]
-    if p2:
-        L += ["", "## What the numbers say", ""]
-        L += why(info, med, low, p2, prof, per_req_real, one_layer, per_block)
+    # The planning paragraph needs part 1 only; one paragraph per part 2 size follows it.
+    L += ["", "## What the numbers say", ""]
+    L += why(info, med, low, p2, prof, per_req_real, one_layer, per_block)
     return L
 
 
@@ -546,30 +624,29 @@ def why(info: dict[str, Any], med: dict[str, float], low: dict[str, float],
     profiled = (f" In the profile {core:.0f} % of the samples are in the extension and "
                 f"{libc:.0f} % in libc (`malloc`/`free` at the top of its symbols)."
                 if core is not None and libc is not None else "")
-    room = PLAN_TARGET_NS - emission
-    after = (f"Even then the 61 layers' blocks alone take {fmt(emission)} "
-             f"({per_block:.1f} ns × {info['scattered']['blocks']:,}), which leaves "
-             f"{fmt(room)} under the limit for everything per request "
-             f"({room / N_REQUESTS:.0f} ns each)." if room > 0 else
-             f"The 61 layers' blocks alone take {fmt(emission)}, more than the limit.")
+    sc_f, bb_f = med["scattered|plan_batch_flat"], med["back to back|plan_batch_flat"]
+    flat_1l = low["split|plan_batch_flat, 1-layer template"]
     lines = [
-        f"**Planning ≤ 50 µs.** The scattered batch takes {fmt(sc_b)} "
-        f"({sc_b / PLAN_TARGET_NS:.1f}× the limit), back to back "
-        f"{fmt(med['back to back|plan_batch'])} (mins {fmt(low['scattered|plan_batch'])} and "
-        f"{fmt(low['back to back|plan_batch'])}). Most of it is per request, not per block: "
-        f"{one_layer / N_REQUESTS / 1e3:.2f} µs per request on a 1-layer template (one block "
-        f"per request), and the 61 layers add {per_block:.1f} ns per block (both from the "
-        "mins). Per request the "
-        "call reads a Python tuple, extracts two numpy arrays (type, dtype and contiguity "
-        "checks and a rust-numpy borrow each) and formats two name strings for its error "
-        "messages (`borrow_requests` in `rust/kvplan-py/src/batch.rs`); then "
-        "`Template::prepare` validates the request and scans its runs into a `PlanSummary`."
-        f"{profiled} What would close the gap, in the binding and core (not changed here): "
-        "format the names only on error, take the arrays without a tracked borrow each, and "
-        f"keep the per-request summaries in one preallocated array. {after} Against 256 "
-        f"`template.plan` calls the batch saves {(one_1l - one_layer) / N_REQUESTS / 1e3:.2f} "
-        "µs per request on the 1-layer template (mins) (the Python loop, a call and a plan object "
-        "each); what stays per request is inside the call.",
+        f"**Planning ≤ 50 µs.** `plan_batch` (a tuple of two arrays per request): scattered "
+        f"{fmt(sc_b)} ({sc_b / PLAN_TARGET_NS:.1f}× the limit, {met(sc_b <= PLAN_TARGET_NS)}), "
+        f"back to back {fmt(med['back to back|plan_batch'])} "
+        f"({met(med['back to back|plan_batch'] <= PLAN_TARGET_NS)}). `plan_batch_flat` (the "
+        f"same requests as two page arrays and one offsets array): scattered {fmt(sc_f)} "
+        f"({sc_f / PLAN_TARGET_NS:.2f}× the limit, {met(sc_f <= PLAN_TARGET_NS)}), back to "
+        f"back {fmt(bb_f)} ({bb_f / PLAN_TARGET_NS:.2f}× the limit, "
+        f"{met(bb_f <= PLAN_TARGET_NS)}). Per request `plan_batch` reads a Python tuple and "
+        "extracts two numpy arrays (type, dtype and contiguity checks and a rust-numpy borrow "
+        "each; `borrow_requests` in `rust/kvplan-py/src/batch.rs`); `plan_batch_flat` reads "
+        "three arrays per call whatever the number of requests and cuts the requests from "
+        "them in Rust, so what it spends per request is the core's: `Template::prepare` "
+        "(validation and the run scan into a `PlanSummary`), the batch's overlap and "
+        "touching checks, and emitting the request's runs. On the 1-layer template (one block "
+        f"per request) that is {flat_1l / N_REQUESTS / 1e3:.2f} µs per request flat against "
+        f"{one_layer / N_REQUESTS / 1e3:.2f} µs as tuples (mins); the 61 layers add "
+        f"{per_block:.1f} ns per block ({fmt(emission)} for the scattered batch's "
+        f"{info['scattered']['blocks']:,} blocks).{profiled} Against 256 `template.plan` calls "
+        f"`plan_batch` saves {(one_1l - one_layer) / N_REQUESTS / 1e3:.2f} µs per request on "
+        "the 1-layer template (mins) (the Python loop, a call and a plan object each).",
         "",
     ]
     for bpt, r in p2.items():
@@ -623,7 +700,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="timed runs per Mooncake variant")
     ap.add_argument("--bytes-per-token", default="4,36",
                     help="comma-separated bytes per token per layer for part 2 (real: 1152)")
-    ap.add_argument("--no-transfer", action="store_true", help="part 1 only")
+    ap.add_argument("--planning-only", "--no-transfer", dest="no_transfer", action="store_true",
+                    help="part 1 only (planning; no Mooncake)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--prof-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

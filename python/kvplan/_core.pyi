@@ -393,10 +393,11 @@ class Blocks:
 
 @final
 class BatchPlan(Blocks):
-    """Many requests to one peer in one plan (``Template.plan_batch``): every request's blocks
-    in one set of columns, in segments that follow the request order. A segment is one request,
-    or consecutive requests whose pages touch on both sides, their boundary blocks merged. An
-    engine call that fails holds exactly the requests of the segments its blocks belong to."""
+    """Many requests to one peer in one plan (``Template.plan_batch``, ``plan_batch_flat``):
+    every request's blocks in one set of columns, in segments that follow the request order. A
+    segment is one request, or consecutive requests whose pages touch on both sides, their
+    boundary blocks merged. An engine call that fails holds exactly the requests of the
+    segments its blocks belong to."""
 
     @property
     def n_requests(self) -> int: ...
@@ -604,6 +605,34 @@ class Template:
             KvPlanError: A request's own error, naming the request.
             TypeError: A request is not a tuple of 1-D int32/int64 arrays, or its dtypes differ
                 from the first request's.
+        """
+    def plan_batch_flat(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        offsets: npt.NDArray[np.int64],
+        *,
+        dst_offsets: npt.NDArray[np.int64] | None = None,
+        n_tokens: npt.NDArray[np.int64] | None = None,
+        digests: bool = False,
+    ) -> BatchPlan:
+        """Plan a batch given flat, the same ``BatchPlan`` as ``plan_batch`` of the same
+        requests: every request's pages concatenated in ``src_pages`` and ``dst_pages`` (1-D
+        int32 or int64, each array of one dtype), and ``offsets``, ``n_requests + 1`` int64
+        values starting at 0 and ending at ``len(src_pages)``. Request ``r`` moves
+        ``src_pages[offsets[r]:offsets[r + 1]]`` to the same slice of ``dst_pages``, or to
+        ``dst_pages[dst_offsets[r]:dst_offsets[r + 1]]`` when ``dst_offsets`` is given (token
+        requests between different page sizes). ``n_tokens``, one int64 count per request,
+        makes every request a token request. No Python object per request is read.
+
+        Raises:
+            KvPlanError: Offsets that are empty, do not start at 0, are negative or decrease,
+                or do not end at their array's length; ``dst_offsets`` or ``n_tokens`` of the
+                wrong length, or a negative token count (kind ``flat_batch``, naming the
+                values); a request's own error, naming the request.
+            IndexBoundsError: As ``plan_batch``.
+            TypeError: A page array that is not 1-D int32/int64, or offsets or token counts
+                that are not 1-D int64.
         """
     def plan(
         self,

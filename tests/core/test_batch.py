@@ -157,3 +157,180 @@ def test_bad_batches_name_the_requests() -> None:
         _ = t.plan_batch([a]).request_digests
     empty = t.plan_batch([])
     assert (empty.n_blocks, empty.n_segments, empty.call_ranges(4).shape) == (0, 0, (0, 2))
+
+
+def flatten(requests: list[tuple[np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_pages, dst_pages, src offsets, dst offsets)`` of ``requests`` concatenated."""
+    def side(i: int) -> tuple[np.ndarray, np.ndarray]:
+        arrays = [r[i] for r in requests]
+        lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        dtype = arrays[0].dtype if arrays else np.int64
+        return (np.concatenate(arrays) if arrays else np.zeros(0, dtype)), offsets
+    (src, src_offsets), (dst, dst_offsets) = side(0), side(1)
+    return src, dst, src_offsets, dst_offsets
+
+
+def same_batch(a: kvplan.BatchPlan, b: kvplan.BatchPlan, digests: bool = False) -> None:
+    """Two batch plans byte for byte: columns, segments and every per-request value."""
+    assert (a.n_blocks, a.n_requests, a.n_segments, a.total_bytes) == (
+        b.n_blocks, b.n_requests, b.n_segments, b.total_bytes)
+    for name in ("src_addrs", "dst_addrs", "lengths", "segment_offsets", "segment_requests",
+                 "request_segments", "request_bytes", "request_n_blocks"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+    if digests:
+        assert a.request_digests.tobytes() == b.request_digests.tobytes()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("dtypes", [(np.int32, np.int32), (np.int64, np.int64),
+                                    (np.int32, np.int64), (np.int64, np.int32)])
+def test_a_flat_batch_is_the_batch_of_its_requests(model: Model, ranks: tuple[Rank, Rank],
+                                                   dtypes: tuple[type, type]) -> None:
+    prefill, decode = ranks
+    rng = np.random.default_rng(11)
+    src = rank_memory(model, prefill, seed=1)
+    dst = rank_memory(model, decode)
+    t = kvplan.Template(src.layout, dst.layout)
+    for case in range(8):
+        n = int(rng.integers(1, 12))
+        if t.by_token:
+            # Two prefill pages per decode page: each side has its own page counts.
+            pairs = draw_requests(rng, n, (decode.capacity, decode.capacity))
+            requests = [(np.stack([2 * d, 2 * d + 1], axis=1).reshape(-1), d) for _, d in pairs]
+        else:
+            requests = draw_requests(rng, n, (prefill.capacity, decode.capacity))
+        requests = [(s.astype(dtypes[0]), d.astype(dtypes[1])) for s, d in requests]
+        s_pages, d_pages, s_offsets, d_offsets = flatten(requests)
+        digests = case % 2 == 0
+        want = t.plan_batch(requests, digests=digests)
+        if np.array_equal(s_offsets, d_offsets):
+            got = t.plan_batch_flat(s_pages, d_pages, s_offsets, digests=digests)
+            same_batch(want, got, digests)
+        got = t.plan_batch_flat(s_pages, d_pages, s_offsets, dst_offsets=d_offsets,
+                                digests=digests)
+        same_batch(want, got, digests)
+        assert got.src_addrs.dtype == np.uint64
+
+
+def test_a_flat_batch_of_token_requests_takes_their_token_counts() -> None:
+    model = Model(layers=2, kv_heads=2)
+    src = rank_memory(model, Rank(capacity=64, page_size=2), seed=1)
+    dst = rank_memory(model, Rank(capacity=32, page_size=4))
+    t = kvplan.Template(src.layout, dst.layout)
+    requests = [(np.arange(0, 6), np.arange(10, 13), 11), (np.arange(20, 24), np.arange(3, 5), 7),
+                (np.arange(40, 42), np.arange(20, 21), 3)]
+    s_pages, d_pages, s_offsets, d_offsets = flatten([(s, d) for s, d, _ in requests])
+    tokens = np.array([n for _, _, n in requests], dtype=np.int64)
+    got = t.plan_batch_flat(s_pages, d_pages, s_offsets, dst_offsets=d_offsets,
+                            n_tokens=tokens, digests=True)
+    same_batch(t.plan_batch(requests, digests=True), got, digests=True)
+    assert got.request_bytes.tolist() == [t.plan(s, d, n_tokens=n).total_bytes
+                                          for s, d, n in requests]
+    # The counts matter: without them every request moves the full pages of its shorter side.
+    assert t.plan_batch_flat(s_pages, d_pages, s_offsets, dst_offsets=d_offsets).total_bytes \
+        > got.total_bytes
+
+
+def test_an_empty_flat_batch_is_an_empty_batch() -> None:
+    model, rank = Model(layers=2, mla=True), Rank(capacity=16)
+    t = kvplan.Template(rank_memory(model, rank, seed=1).layout, rank_memory(model, rank).layout)
+    none = np.zeros(0, dtype=np.int32)
+    empty = t.plan_batch_flat(none, none, np.zeros(1, dtype=np.int64))
+    same_batch(t.plan_batch([]), empty)
+    # Requests without pages are requests too.
+    pages = np.array([1, 2], dtype=np.int32), np.array([5, 6], dtype=np.int32)
+    offsets = np.array([0, 0, 2, 2], dtype=np.int64)
+    got = t.plan_batch_flat(*pages, offsets)
+    same_batch(t.plan_batch([(none, none), pages, (none, none)]), got)
+    assert got.n_requests == 3
+
+
+def test_bad_flat_batches_name_the_values() -> None:
+    model, rank = Model(layers=2, mla=True), Rank(capacity=16)
+    t = kvplan.Template(rank_memory(model, rank, seed=1).layout, rank_memory(model, rank).layout)
+    src = np.array([0, 1, 5, 7, 8], dtype=np.int64)
+    dst = np.array([3, 4, 9, 12, 13], dtype=np.int64)
+    offsets = np.array([0, 2, 3, 5], dtype=np.int64)
+    assert t.plan_batch_flat(src, dst, offsets).n_requests == 3
+
+    def refused(match: str, *args: object, **kwargs: object) -> kvplan.KvPlanError:
+        with pytest.raises(kvplan.KvPlanError, match=match) as e:
+            t.plan_batch_flat(*args, **kwargs)
+        return e.value
+
+    bad = [
+        (np.array([1, 2, 3, 5]), r"flat batch: offsets\[0\] is 1; offsets start at 0"),
+        (np.array([0, 3, 2, 5]), r"offsets\[2\] = 2 is less than offsets\[1\] = 3; offsets must "
+                                 "not decrease"),
+        (np.array([0, -1, 3, 5]), r"offsets\[1\] = -1 is negative"),
+        (np.array([0, 2, 3, 4]), r"offsets\[3\] = 4 but src_pages has 5 values"),
+        (np.array([0, 2, 3, 6]), r"offsets\[3\] = 6 but src_pages has 5 values"),
+        (np.zeros(0, dtype=np.int64), r"offsets is empty"),
+    ]
+    for values, match in bad:
+        assert refused(match, src, dst, values.astype(np.int64)).kind == "flat_batch"
+    e = refused(r"offsets\[3\] = 5 but dst_pages has 4 values; .*offsets serve both sides when "
+                "dst_offsets is not given", src, dst[:4], offsets)
+    assert e.kind == "flat_batch"
+    refused(r"dst_offsets\[3\] = 4 but dst_pages has 5 values", src, dst, offsets,
+            dst_offsets=np.array([0, 2, 3, 4]))
+    refused(r"dst_offsets\[2\] = 1 is less than dst_offsets\[1\] = 2", src, dst, offsets,
+            dst_offsets=np.array([0, 2, 1, 5]))
+    refused(r"offsets has 4 values but dst_offsets has 3", src, dst, offsets,
+            dst_offsets=np.array([0, 2, 5]))
+    refused(r"n_tokens has 2 values for 3 requests", src, dst, offsets,
+            n_tokens=np.array([1, 2]))
+    refused(r"n_tokens\[1\] = -2 is negative", src, dst, offsets, n_tokens=np.array([1, -2, 1]))
+
+    # The requests' own errors name the request, as plan_batch's do.
+    with pytest.raises(kvplan.IndexBoundsError,
+                       match=r"request 1 of the batch: src index -5 at position 0 is negative"):
+        t.plan_batch_flat(np.array([0, 1, -5, 7, 8]), dst, offsets)
+    with pytest.raises(kvplan.IndexBoundsError,
+                       match=r"request 2 of the batch: dst index 16 at position 1"):
+        t.plan_batch_flat(src, np.array([3, 4, 9, 12, 16]), offsets)
+    with pytest.raises(kvplan.IndexBoundsError, match="requests 0 and 2 .* dst page 4") as ov:
+        t.plan_batch_flat(src, np.array([3, 4, 9, 12, 4]), offsets)
+    assert ov.value.kind == "requests_overlap"
+    with pytest.raises(kvplan.KvPlanError, match="request 0 of the batch: src has 2 indices"):
+        t.plan_batch_flat(src, dst, offsets, dst_offsets=np.array([0, 1, 3, 5]))
+
+    # Arrays of the wrong type, dtype or shape.
+    with pytest.raises(TypeError, match="offsets must be a 1-D numpy array of dtype int64, got "
+                                        "a 1-D numpy array of dtype int32; convert with"):
+        t.plan_batch_flat(src, dst, offsets.astype(np.int32))
+    with pytest.raises(TypeError, match="offsets must be a 1-D numpy array of dtype int64, got "
+                                        "a 2-D numpy array of dtype int64$"):
+        t.plan_batch_flat(src, dst, offsets.reshape(2, 2))
+    with pytest.raises(TypeError, match="offsets must be a 1-D numpy array of dtype int64, got "
+                                        "list"):
+        t.plan_batch_flat(src, dst, [0, 2, 3, 5])
+    with pytest.raises(TypeError, match="dst_offsets must be a 1-D numpy array of dtype int64"):
+        t.plan_batch_flat(src, dst, offsets, dst_offsets=offsets.astype(np.uint64))
+    with pytest.raises(TypeError, match="n_tokens must be a 1-D numpy array of dtype int64"):
+        t.plan_batch_flat(src, dst, offsets, n_tokens=np.array([1.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match="src_pages must be a 1-D numpy array of dtype int32 or "
+                                        "int64"):
+        t.plan_batch_flat(src.astype(np.float64), dst, offsets)
+    with pytest.raises(TypeError, match="dst_pages must be a 1-D numpy array"):
+        t.plan_batch_flat(src, dst.reshape(1, 5), offsets)
+    with pytest.raises(TypeError, match="offsets must be C-contiguous"):
+        t.plan_batch_flat(src, dst, np.array([0, 9, 2, 9, 3, 9, 5, 9])[::2])
+    with pytest.raises(TypeError, match="src_pages must be C-contiguous"):
+        t.plan_batch_flat(np.repeat(src, 2)[::2], dst, offsets)
+
+
+def test_a_flat_batch_takes_read_only_arrays() -> None:
+    """Read-only arrays (a frozen page table) are read in place, as plan_batch reads them."""
+    model, rank = Model(layers=2, mla=True), Rank(capacity=16)
+    t = kvplan.Template(rank_memory(model, rank, seed=1).layout, rank_memory(model, rank).layout)
+    src = np.array([0, 1], dtype=np.int32)
+    dst = np.array([3, 4], dtype=np.int32)
+    offsets = np.array([0, 2], dtype=np.int64)
+    src.flags.writeable = False
+    offsets.flags.writeable = False
+    same_batch(t.plan_batch([(src, dst)]), t.plan_batch_flat(src, dst, offsets))

@@ -1,14 +1,15 @@
-//! Core microbenchmarks: run grouping, pairing and block emission from 61 to 10M blocks.
+//! Core microbenchmarks: run grouping, pairing and block emission from 61 to 10M blocks, and a
+//! batch of 256 small requests.
 //!
 //! `cargo bench -p kvplan-core --bench core` prints time per call (divide by the block count in
 //! the argument for ns/block) and, through `AllocProfiler`, allocations per call.
 
 use divan::{AllocProfiler, Bencher, black_box};
-use kvplan_core::Request;
 use kvplan_core::{
     Columns, EntryMetadata, Layout, LayoutContext, Template, TemplateOptions, group_contiguous,
     pair_entries,
 };
+use kvplan_core::{FlatRequests, Request};
 
 #[global_allocator]
 static ALLOC: AllocProfiler = AllocProfiler::system();
@@ -135,4 +136,47 @@ fn pair_layer_ids(bencher: Bencher<'_, '_>, layers: usize) {
         )
         .unwrap()
     });
+}
+
+/// A batch of 256 requests of 16 pages each, given flat (`FlatRequests`), each request at its
+/// own 16-page slot of a 8,192-page pool on each side (slots shuffled independently): every
+/// request is a segment of its own, 61 blocks each. Planned into a warm caller buffer.
+#[divan::bench]
+fn batch_flat_scattered(bencher: Bencher<'_, '_>) {
+    const REQUESTS: usize = 256;
+    const PAGES: usize = 16;
+    let template = mla_template(8192);
+    let slots = |seed: u64| -> Vec<i32> {
+        let mut slots: Vec<i32> = (0..(8192 / PAGES) as i32).collect();
+        let mut state = seed;
+        for i in (1..slots.len()).rev() {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            slots.swap(i, (state % (i as u64 + 1)) as usize);
+        }
+        slots.truncate(REQUESTS);
+        slots
+    };
+    let pages = |slots: Vec<i32>| -> Vec<i32> {
+        let first = slots.into_iter().map(|s| s * PAGES as i32);
+        first.flat_map(|p| p..p + PAGES as i32).collect()
+    };
+    let src = pages(slots(0x9E37_79B9_7F4A_7C15));
+    let dst = pages(slots(0x2545_F491_4F6C_DD1D));
+    let offsets: Vec<i64> = (0..=REQUESTS as i64).map(|r| r * PAGES as i64).collect();
+    let blocks = REQUESTS * LAYERS;
+    let mut storage = vec![0u64; 3 * blocks];
+    bencher
+        .counter(divan::counter::ItemsCount::new(blocks))
+        .bench_local(|| {
+            let flat = FlatRequests::new(black_box(&src), black_box(&dst), &offsets);
+            let requests = flat.requests().unwrap();
+            template
+                .batch()
+                .plan_into(&requests, |_| Ok(Columns::from_flat(&mut storage, blocks)))
+                .unwrap()
+                .1
+                .n_blocks
+        });
 }

@@ -18,6 +18,148 @@ use crate::request::{Indices, Request};
 use crate::runs::{DESCENDING, PageIndex};
 use crate::template::Template;
 
+/// A batch given flat: every request's pages concatenated in one slice per side, and offsets
+/// as CSR row pointers. Request `r` moves pages `src[offsets[r]..offsets[r + 1]]` to
+/// `dst[d[r]..d[r + 1]]`, where `d` is `dst_offsets` when given and `offsets` otherwise (a page
+/// request has as many pages on each side; a token request between different page sizes does
+/// not). [`FlatRequests::requests`] borrows the slices as the requests every planner takes, so a
+/// flat batch is planned by the same path as any other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlatRequests<'a, S = i64, D = i64> {
+    /// Every request's source pages, request after request.
+    pub src: &'a [S],
+    /// Every request's destination pages, request after request.
+    pub dst: &'a [D],
+    /// `n_requests + 1` offsets into `src`, and into `dst` when `dst_offsets` is `None`: the
+    /// first 0, none decreasing, the last the slice's length.
+    pub offsets: &'a [i64],
+    /// `n_requests + 1` offsets into `dst`, when they differ from `offsets`.
+    pub dst_offsets: Option<&'a [i64]>,
+    /// Tokens to move, one count per request (each request then a token request), or `None`
+    /// (the template's default: whole pages, or every full page of a token template).
+    pub n_tokens: Option<&'a [i64]>,
+}
+
+impl<'a, S: PageIndex, D: PageIndex> FlatRequests<'a, S, D> {
+    /// Page requests sharing one set of offsets.
+    pub fn new(src: &'a [S], dst: &'a [D], offsets: &'a [i64]) -> Self {
+        Self {
+            src,
+            dst,
+            offsets,
+            dst_offsets: None,
+            n_tokens: None,
+        }
+    }
+
+    /// Requests in the batch (0 for offsets that are not even one value).
+    pub fn n_requests(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// The requests, each borrowing its pages from the flat slices (nothing is copied).
+    ///
+    /// # Errors
+    /// [`PlanError::FlatBatch`] naming the values: offsets that are empty, do not start at 0,
+    /// are negative or decrease, or whose last value is not its slice's length; `dst_offsets`
+    /// of another length than `offsets`; `n_tokens` of another length than the requests, or
+    /// negative. [`PlanError::OutOfMemory`] if the requests cannot be allocated.
+    pub fn requests(&self) -> Result<Vec<Request<'a, S, D>>> {
+        let n = self.n_requests();
+        check_offsets(self.offsets, "offsets", "src_pages", self.src.len(), "")?;
+        match self.dst_offsets {
+            Some(dst_offsets) => {
+                if dst_offsets.len() != self.offsets.len() {
+                    return Err(flat_error(format!(
+                        "offsets has {} values but dst_offsets has {}; both need n_requests + 1 \
+                         values",
+                        self.offsets.len(),
+                        dst_offsets.len()
+                    )));
+                }
+                check_offsets(dst_offsets, "dst_offsets", "dst_pages", self.dst.len(), "")?;
+            }
+            None => check_offsets(
+                self.offsets,
+                "offsets",
+                "dst_pages",
+                self.dst.len(),
+                " (offsets serve both sides when dst_offsets is not given)",
+            )?,
+        }
+        if let Some(n_tokens) = self.n_tokens {
+            if n_tokens.len() != n {
+                return Err(flat_error(format!(
+                    "n_tokens has {} values for {n} requests; give one token count per request",
+                    n_tokens.len()
+                )));
+            }
+            if let Some(r) = n_tokens.iter().position(|&t| t < 0) {
+                return Err(flat_error(format!(
+                    "n_tokens[{r}] = {} is negative",
+                    n_tokens[r]
+                )));
+            }
+        }
+        let dst_offsets = self.dst_offsets.unwrap_or(self.offsets);
+        let mut requests = Vec::new();
+        requests
+            .try_reserve_exact(n)
+            .map_err(|_| PlanError::out_of_memory::<Request<'a, S, D>>("batch", n))?;
+        // Checked above: every offset lies in 0..=len and none decreases.
+        let range = |o: &[i64], r: usize| o[r] as usize..o[r + 1] as usize;
+        for r in 0..n {
+            let n_tokens = self.n_tokens.map(|t| t[r] as u64);
+            requests.push(Request::new(
+                &self.src[range(self.offsets, r)],
+                &self.dst[range(dst_offsets, r)],
+                n_tokens,
+            ));
+        }
+        Ok(requests)
+    }
+}
+
+/// Checks CSR offsets `name` into a slice `pages` of `len` values: at least one value, the
+/// first 0, none negative or below the one before, the last `len` (`note` ends that message).
+fn check_offsets(offsets: &[i64], name: &str, pages: &str, len: usize, note: &str) -> Result<()> {
+    let Some((&first, &last)) = offsets.first().zip(offsets.last()) else {
+        return Err(flat_error(format!(
+            "{name} is empty; it needs n_requests + 1 values, the first 0 and the last \
+             len({pages})"
+        )));
+    };
+    if first != 0 {
+        return Err(flat_error(format!(
+            "{name}[0] is {first}; offsets start at 0"
+        )));
+    }
+    if let Some(i) = (1..offsets.len()).find(|&i| offsets[i] < offsets[i - 1]) {
+        let (value, before) = (offsets[i], offsets[i - 1]);
+        return Err(flat_error(if value < 0 {
+            format!("{name}[{i}] = {value} is negative")
+        } else {
+            format!(
+                "{name}[{i}] = {value} is less than {name}[{}] = {before}; offsets must not \
+                 decrease",
+                i - 1
+            )
+        }));
+    }
+    if u64::try_from(last).ok() != Some(len as u64) {
+        return Err(flat_error(format!(
+            "{name}[{}] = {last} but {pages} has {len} values; the last offset must be its \
+             length{note}",
+            offsets.len() - 1
+        )));
+    }
+    Ok(())
+}
+
+fn flat_error(what: String) -> PlanError {
+    PlanError::FlatBatch { what }
+}
+
 /// Plans batches of requests with a borrowed template.
 #[derive(Debug, Clone)]
 pub struct BatchPlanner<'t> {
@@ -161,12 +303,23 @@ impl<'t> BatchPlanner<'t> {
             .try_reserve_exact(requests.len())
             .map_err(|_| PlanError::out_of_memory::<PlanSummary>("batch", requests.len()))?;
         for (r, request) in requests.iter().enumerate() {
-            summaries.push(self.template.prepare(request).map_err(in_request(r))?);
+            // A `match` rather than `map_err(..)?`: the summary is moved once, not re-wrapped.
+            match self.template.prepare(request) {
+                Ok(summary) => summaries.push(summary),
+                Err(err) => return Err(in_request(r)(err)),
+            }
         }
         check_disjoint(requests, &summaries)?;
         let overflow = |what| PlanError::Overflow { what };
-        let mut segment_offsets = vec![0];
-        let mut segment_requests = vec![0];
+        // At most one segment per request.
+        let mut segment_offsets = Vec::new();
+        let mut segment_requests = Vec::new();
+        for offsets in [&mut segment_offsets, &mut segment_requests] {
+            offsets
+                .try_reserve_exact(requests.len() + 1)
+                .map_err(|_| PlanError::out_of_memory::<usize>("batch", requests.len() + 1))?;
+            offsets.push(0);
+        }
         let (mut n_blocks, mut total_bytes) = (0usize, 0u64);
         let mut r = 0;
         while r < requests.len() {
@@ -179,23 +332,28 @@ impl<'t> BatchPlanner<'t> {
             {
                 end += 1;
             }
+            // `let … else` rather than `ok_or`: no error built and dropped per request.
             let blocks = if end - r == 1 {
                 summaries[r].n_blocks
             } else {
-                let (runs, pages) = segment_runs(&summaries[r..end]).ok_or(overflow("runs"))?;
-                self.template
-                    .blocks
-                    .page_blocks(runs, pages)
-                    .ok_or(overflow("block count"))?
+                let Some((runs, pages)) = segment_runs(&summaries[r..end]) else {
+                    return Err(overflow("runs"));
+                };
+                let Some(blocks) = self.template.blocks.page_blocks(runs, pages) else {
+                    return Err(overflow("block count"));
+                };
+                blocks
             };
             for summary in &summaries[r..end] {
-                total_bytes = total_bytes
-                    .checked_add(summary.total_bytes)
-                    .ok_or(overflow("total bytes"))?;
+                let Some(sum) = total_bytes.checked_add(summary.total_bytes) else {
+                    return Err(overflow("total bytes"));
+                };
+                total_bytes = sum;
             }
-            n_blocks = n_blocks
-                .checked_add(blocks)
-                .ok_or(overflow("block count"))?;
+            let Some(sum) = n_blocks.checked_add(blocks) else {
+                return Err(overflow("block count"));
+            };
+            n_blocks = sum;
             segment_offsets.push(n_blocks);
             segment_requests.push(end);
             r = end;
@@ -315,7 +473,9 @@ impl<'t> BatchPlanner<'t> {
         summaries: &[PlanSummary],
         mut out: Columns<'_>,
     ) -> Result<()> {
-        let (expected, pages) = segment_runs(summaries).ok_or(PlanError::InputChanged)?;
+        let Some((expected, pages)) = segment_runs(summaries) else {
+            return Err(PlanError::InputChanged);
+        };
         let mut runs = 0usize;
         let mut descending = false;
         for (k, (request, summary)) in requests.iter().zip(summaries).enumerate() {
@@ -413,7 +573,7 @@ fn check_disjoint<S: PageIndex, D: PageIndex>(
     // The destination pages each request writes (a token request only the pages holding the
     // tokens it moves: a delta request's cached prefix pages may be shared by several).
     let written = |r: usize| -> &[D] {
-        match (requests[r].indices, summaries[r].unit) {
+        match (requests[r].indices, &summaries[r].unit) {
             (Indices::Pages { dst, .. }, PlanUnit::Pages(_)) => dst,
             (Indices::Pages { dst, .. }, PlanUnit::Tokens(t)) => &dst[t.first_pages.1..t.dst_pages],
             _ => &[],

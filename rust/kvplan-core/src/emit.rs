@@ -60,6 +60,28 @@ pub(crate) fn expand_runs(pairs: &[Piece], runs: usize, out: Columns<'_>) {
 const SMALL_RUNS: usize = 8;
 
 fn expand_small(pairs: &[Piece], runs: usize, out: Columns<'_>) {
+    if runs == 1 {
+        // One run (a request whose pages are contiguous on both sides, the common case): one
+        // block per pair, written in pair order with no per-pair chunk bookkeeping. Pairs of
+        // one item length (every MLA layer, every K and every V entry) share the run's
+        // offsets, so a block is two adds instead of three multiplies.
+        let (s, d, n) = (out.src_addrs[0], out.dst_addrs[0], out.lengths[0]);
+        let m = pairs.len();
+        let blocks = out.src_addrs[..m]
+            .iter_mut()
+            .zip(&mut out.dst_addrs[..m])
+            .zip(&mut out.lengths[..m]);
+        let mut item = None::<u64>;
+        let (mut src_off, mut dst_off, mut bytes) = (0u64, 0u64, 0u64);
+        for (pair, ((src, dst), len)) in pairs.iter().zip(blocks) {
+            if item != Some(pair.len) {
+                item = Some(pair.len);
+                (src_off, dst_off, bytes) = (s * pair.len, d * pair.len, n * pair.len);
+            }
+            (*src, *dst, *len) = (pair.src.base + src_off, pair.dst.base + dst_off, bytes);
+        }
+        return;
+    }
     let mut starts = [[0u64; SMALL_RUNS]; 3];
     starts[0][..runs].copy_from_slice(&out.src_addrs[..runs]);
     starts[1][..runs].copy_from_slice(&out.dst_addrs[..runs]);

@@ -88,6 +88,10 @@ pub enum PlanError {
         first: usize,
         second: usize,
     },
+    /// A batch given flat (all requests' pages concatenated, with offsets) whose offsets or
+    /// per-request values do not describe the arrays; `what` names the values.
+    #[error("flat batch: {what}")]
+    FlatBatch { what: String },
     #[error("request {request} of the batch: {source}")]
     InRequest {
         request: usize,
@@ -401,6 +405,7 @@ impl PlanError {
             PlanError::RequestsOverlap { .. } => "requests_overlap",
             PlanError::SkipTokens { .. } => "skip_tokens",
             PlanError::MissingPartner { .. } => "missing_partner",
+            PlanError::FlatBatch { .. } => "flat_batch",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -469,6 +474,7 @@ impl PlanError {
             | PlanError::InvalidLayout { .. } => ErrorClass::Layout,
             PlanError::OutOfMemory { .. } => ErrorClass::Memory,
             PlanError::LengthMismatch { .. }
+            | PlanError::FlatBatch { .. }
             | PlanError::Overflow { .. }
             | PlanError::OutputTooSmall { .. }
             | PlanError::Geometry { .. }

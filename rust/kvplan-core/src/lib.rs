@@ -55,7 +55,7 @@ pub mod wire;
 
 pub use accounting::BlockAccounting;
 pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
-pub use batch::{BatchPlan, BatchPlanner, BatchSummary};
+pub use batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use coalesce::Group;
 pub use dcp::DcpContext;

@@ -394,17 +394,18 @@ impl Template {
                 check_unique(dst)?;
             }
         }
-        let n_blocks =
-            self.blocks
-                .page_blocks(found.n_runs, found.n_pages)
-                .ok_or(PlanError::Overflow {
-                    what: "block count",
-                })?;
-        let total_bytes = (found.n_pages as u64)
-            .checked_mul(self.bytes_per_page)
-            .ok_or(PlanError::Overflow {
+        // `let … else` rather than `ok_or`: an error built eagerly would be built and dropped
+        // once per request (measurable in a batch of many small requests).
+        let Some(n_blocks) = self.blocks.page_blocks(found.n_runs, found.n_pages) else {
+            return Err(PlanError::Overflow {
+                what: "block count",
+            });
+        };
+        let Some(total_bytes) = (found.n_pages as u64).checked_mul(self.bytes_per_page) else {
+            return Err(PlanError::Overflow {
                 what: "total bytes",
-            })?;
+            });
+        };
         Ok(PlanSummary {
             n_blocks,
             total_bytes,
@@ -486,10 +487,11 @@ impl Template {
                 need: summary.n_blocks,
             });
         }
-        match (request.indices, summary.unit) {
+        // The unit by reference: a token shape is large, and this runs once per request.
+        match (request.indices, &summary.unit) {
             (Indices::Pages { src, dst }, PlanUnit::Pages(found)) => {
                 if !self.pieces.is_empty() && found.n_pages > 0 {
-                    let runs = self.write_request_runs(src, dst, &found, out.reborrow())?;
+                    let runs = self.write_request_runs(src, dst, found, out.reborrow())?;
                     self.expand_runs(runs, found.n_pages, found.descending_runs > 0, out);
                 }
             }
@@ -497,7 +499,7 @@ impl Template {
                 let limits = (self.limits.src, self.limits.dst);
                 let token_pieces = self.token_template()?;
                 let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
-                emit_tokens(token_pieces, src, dst, limits, &tokens, out)?;
+                emit_tokens(token_pieces, src, dst, limits, tokens, out)?;
             }
             (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
             (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),

@@ -5,8 +5,8 @@
 mod support;
 
 use kvplan_core::{
-    BatchSummary, Layout, Plan, PlanBlocks, PlanError, Request, Template, TemplateOptions,
-    layout_fingerprint, plan_digest,
+    BatchSummary, FlatRequests, Layout, Plan, PlanBlocks, PlanError, Request, Template,
+    TemplateOptions, layout_fingerprint, plan_digest,
 };
 use support::layouts::{KvLayout, kv_pool, paged};
 use support::reference::{Arena, apply, reference};
@@ -356,4 +356,136 @@ fn request_digests_are_the_digests_of_the_requests_planned_alone() {
             "request {r}"
         );
     }
+}
+
+/// `(src pages, dst pages, src offsets, dst offsets)` of `lists` concatenated.
+fn flat(lists: &[(Vec<i64>, Vec<i64>)]) -> (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>) {
+    let (mut src, mut dst) = (Vec::new(), Vec::new());
+    let (mut src_offsets, mut dst_offsets) = (vec![0i64], vec![0i64]);
+    for (s, d) in lists {
+        src.extend_from_slice(s);
+        dst.extend_from_slice(d);
+        src_offsets.push(src.len() as i64);
+        dst_offsets.push(dst.len() as i64);
+    }
+    (src, dst, src_offsets, dst_offsets)
+}
+
+#[test]
+fn a_flat_batch_is_its_requests_planned_as_a_batch() {
+    let mut rng = Rng(19);
+    for (name, src, dst) in peers() {
+        let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        for case in 0..40 {
+            let n = rng.below(10) as usize;
+            let lists = requests(&mut rng, n, (PAGES, PAGES / 2));
+            let lists: Vec<_> = if t.by_token() {
+                lists
+                    .into_iter()
+                    .map(|(_, d)| (d.iter().flat_map(|&p| [2 * p, 2 * p + 1]).collect(), d))
+                    .collect()
+            } else {
+                lists
+            };
+            let (s, d, so, dof) = flat(&lists);
+            let mut given = FlatRequests::new(&s, &d, &so);
+            given.dst_offsets = Some(&dof);
+            let reqs = given.requests().unwrap();
+            assert_eq!(reqs, as_requests(&lists), "{name} case {case}");
+            assert_eq!(
+                t.batch().plan(&reqs).unwrap(),
+                t.batch().plan(&as_requests(&lists)).unwrap(),
+                "{name} case {case}"
+            );
+            if so == dof {
+                assert_eq!(FlatRequests::new(&s, &d, &so).requests().unwrap(), reqs);
+            }
+        }
+    }
+    // Token counts, one per request.
+    let tokens = [3i64, 0];
+    let (s, d) = ([1i64, 2, 3], [4i64, 5, 6]);
+    let mut given = FlatRequests::new(&s, &d, &[0, 2, 3]);
+    given.n_tokens = Some(&tokens);
+    let reqs = given.requests().unwrap();
+    assert_eq!(
+        reqs,
+        vec![
+            Request::tokens(&s[..2], &d[..2], 3),
+            Request::tokens(&s[2..], &d[2..], 0)
+        ]
+    );
+}
+
+#[test]
+fn flat_offsets_that_do_not_describe_the_pages_are_refused_naming_the_values() {
+    let (s, d) = ([0i32, 1, 2, 3], [5i64, 6, 7, 8]);
+    let refused = |offsets: &[i64], dst_offsets: Option<&[i64]>, n_tokens: Option<&[i64]>| {
+        let given = FlatRequests {
+            src: &s,
+            dst: &d,
+            offsets,
+            dst_offsets,
+            n_tokens,
+        };
+        let err = given.requests().unwrap_err();
+        assert_eq!(err.kind(), "flat_batch", "{err}");
+        assert_eq!(err.class(), kvplan_core::ErrorClass::Other);
+        err.to_string()
+    };
+    let cases: &[(&[i64], &str)] = &[
+        (&[], "flat batch: offsets is empty"),
+        (&[1, 2, 4], "offsets[0] is 1; offsets start at 0"),
+        (&[-1, 2, 4], "offsets[0] is -1; offsets start at 0"),
+        (&[0, -2, 4], "offsets[1] = -2 is negative"),
+        (
+            &[0, 3, 2, 4],
+            "offsets[2] = 2 is less than offsets[1] = 3; offsets must not decrease",
+        ),
+        (&[0, 2, 3], "offsets[2] = 3 but src_pages has 4 values"),
+        (&[0, 2, 5], "offsets[2] = 5 but src_pages has 4 values"),
+    ];
+    for &(offsets, want) in cases {
+        let got = refused(offsets, None, None);
+        assert!(
+            got.starts_with("flat batch: ") && got.contains(want),
+            "{got}"
+        );
+    }
+    let got = refused(&[0, 2, 4], Some(&[0, 2]), None);
+    assert!(
+        got.contains("offsets has 3 values but dst_offsets has 2"),
+        "{got}"
+    );
+    let got = refused(&[0, 2, 4], Some(&[0, 3, 2]), None);
+    assert!(got.contains("dst_offsets[2] = 2 is less than"), "{got}");
+    let got = refused(&[0, 2, 4], Some(&[0, 2, 3]), None);
+    assert!(
+        got.contains("dst_offsets[2] = 3 but dst_pages has 4"),
+        "{got}"
+    );
+    let got = refused(&[0, 2, 4], None, Some(&[1]));
+    assert!(
+        got.contains("n_tokens has 1 values for 2 requests"),
+        "{got}"
+    );
+    let got = refused(&[0, 2, 4], None, Some(&[1, -1]));
+    assert!(got.contains("n_tokens[1] = -1 is negative"), "{got}");
+    // Shared offsets name the side whose length they miss.
+    let short = [5i64, 6, 7];
+    let given = FlatRequests::new(&s, &short, &[0, 2, 4]);
+    let got = given.requests().unwrap_err().to_string();
+    assert!(
+        got.contains("offsets[2] = 4 but dst_pages has 3 values")
+            && got.contains("offsets serve both sides"),
+        "{got}"
+    );
+    // No requests: one offset, 0, over empty slices.
+    let none: [i64; 0] = [];
+    assert!(
+        FlatRequests::new(&none, &none, &[0])
+            .requests()
+            .unwrap()
+            .is_empty()
+    );
 }

@@ -1,18 +1,20 @@
-//! `Template.plan_batch`: many requests to one peer planned by the core's `BatchPlanner` into
-//! one pooled buffer, and `BatchPlan`, its blocks with each request's place in them. The
-//! requests' index arrays are borrowed without copying; nothing is built per block, and per
-//! request only the arrays the caller passed.
+//! `Template.plan_batch` and `Template.plan_batch_flat`: many requests to one peer planned by
+//! the core's `BatchPlanner` into one pooled buffer, and `BatchPlan`, its blocks with each
+//! request's place in them. The requests' index arrays are borrowed without copying; nothing
+//! is built per block. `plan_batch` reads the arrays the caller passed per request;
+//! `plan_batch_flat` takes every request's pages concatenated with offsets (the core's
+//! `FlatRequests`), a handful of arrays whatever the number of requests.
 
 use std::sync::Arc;
 
-use kvplan_core::{BatchSummary, FlatBuffer, PageIndex, Request, Template};
+use kvplan_core::{BatchSummary, FlatBuffer, FlatRequests, PageIndex, Request, Template};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PySequence, PyTuple};
 
-use crate::convert::{IndexArray, IndexSlice};
+use crate::convert::{IndexArray, IndexSlice, RequestArrays};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::plan::{PyBlocks, PyPlanBatch, pooled_columns};
 use crate::pool;
@@ -134,20 +136,7 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
         pages = pages.saturating_add(src.len().max(dst.len()));
         requests.push(Request::new(src, dst, n_tokens));
     }
-    let plan = || -> Planned {
-        let planner = template.batch();
-        let (buffer, summary) = planner.plan_into(&requests, |summary| {
-            Ok(FlatBuffer {
-                data: pool::take(summary.n_blocks.saturating_mul(3))?,
-                capacity: summary.n_blocks,
-            })
-        })?;
-        let digests = match digests {
-            Some(prints) => Some(planner.request_digests(&requests, prints)?),
-            None => None,
-        };
-        Ok((buffer, summary, digests))
-    };
+    let plan = || plan_requests(template, &requests, digests);
     Ok(if pages < DETACH_MIN_PAGES {
         plan()
     } else {
@@ -155,11 +144,61 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
     })
 }
 
+/// The one planning path of both batch forms: the core's batch planner over `requests`, into
+/// a pooled buffer, and each request's digest when asked for.
+fn plan_requests<S: PageIndex, D: PageIndex>(
+    template: &Template,
+    requests: &[Request<'_, S, D>],
+    digests: Option<(u64, u64)>,
+) -> Planned {
+    let planner = template.batch();
+    let (buffer, summary) = planner.plan_into(requests, |summary| {
+        Ok(FlatBuffer {
+            data: pool::take(summary.n_blocks.saturating_mul(3))?,
+            capacity: summary.n_blocks,
+        })
+    })?;
+    let digests = match digests {
+        Some(prints) => Some(planner.request_digests(requests, prints)?),
+        None => None,
+    };
+    Ok((buffer, summary, digests))
+}
+
 /// The slice view of request `r`'s array; the error names the request (built on failure only).
 fn slice_of<'a>(array: &'a IndexArray<'_>, r: usize, arg: &str) -> PyResult<IndexSlice<'a>> {
     array
         .as_slice(arg)
         .or_else(|_| array.as_slice(&format!("request {r} {arg}")))
+}
+
+/// The wire fingerprints request digests are computed between, when asked for.
+fn digest_prints(fingerprints: Option<(u64, u64)>, digests: bool) -> PyResult<Option<(u64, u64)>> {
+    if !digests {
+        return Ok(None);
+    }
+    fingerprints
+        .map(Some)
+        .ok_or_else(|| KvPlanError::new_err("request digests need both layouts' wire fingerprints"))
+}
+
+/// The `BatchPlan` of a planned batch (or the planning error, raised).
+fn batch_plan(
+    py: Python<'_>,
+    planned: Planned,
+    fingerprints: Option<(u64, u64)>,
+) -> PyResult<Py<PyBatchPlan>> {
+    let (buffer, summary, digests) = planned.map_err(to_py_err)?;
+    let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
+    let plan = PyBatchPlan {
+        summary,
+        fingerprints,
+        digests,
+    };
+    Py::new(
+        py,
+        PyClassInitializer::from(PyBlocks::new(columns)).add_subclass(plan),
+    )
 }
 
 /// Plans `requests` with `template` (see `Template.plan_batch`).
@@ -179,13 +218,7 @@ pub(crate) fn plan_batch(
             request.n_tokens,
         ));
     }
-    let prints = if digests {
-        Some(fingerprints.ok_or_else(|| {
-            KvPlanError::new_err("request digests need both layouts' wire fingerprints")
-        })?)
-    } else {
-        None
-    };
+    let prints = digest_prints(fingerprints, digests)?;
     let first = slices.first().map(|&(s, d, _)| (s, d));
     let planned = match first {
         Some((IndexSlice::I32(_), IndexSlice::I32(_))) => {
@@ -201,17 +234,139 @@ pub(crate) fn plan_batch(
             plan_typed::<i64, i64>(py, template, &slices, prints)?
         }
     };
-    let (buffer, summary, digests) = planned.map_err(to_py_err)?;
-    let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
-    let plan = PyBatchPlan {
-        summary,
-        fingerprints,
-        digests,
+    batch_plan(py, planned, fingerprints)
+}
+
+/// A borrowed 1-D int64 array argument of a flat batch (offsets, token counts), or a
+/// `TypeError` naming the argument and what it was.
+fn int64_arg<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<IndexArray<'py>> {
+    use numpy::PyArrayMethods;
+    let array = obj
+        .cast::<PyArray1<i64>>()
+        .map_err(|_| int64_error(obj, name))?;
+    let borrowed = array.try_readonly().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{name} is being written elsewhere (mutably borrowed)"
+        ))
+    })?;
+    Ok(IndexArray::I64(borrowed))
+}
+
+#[cold]
+fn int64_error(obj: &Bound<'_, PyAny>, name: &str) -> PyErr {
+    use numpy::PyUntypedArrayMethods;
+    let (what, advice) = match obj.cast::<numpy::PyUntypedArray>() {
+        Ok(array) => {
+            let dtype = array
+                .dtype()
+                .str()
+                .map_or_else(|_| "?".into(), |s| s.to_string());
+            let advice = if array.ndim() == 1 {
+                "; convert with .astype(np.int64)"
+            } else {
+                ""
+            };
+            (
+                format!("a {}-D numpy array of dtype {dtype}", array.ndim()),
+                advice,
+            )
+        }
+        Err(_) => (
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string()),
+            "",
+        ),
     };
-    Py::new(
-        py,
-        PyClassInitializer::from(PyBlocks::new(columns)).add_subclass(plan),
-    )
+    PyTypeError::new_err(format!(
+        "{name} must be a 1-D numpy array of dtype int64, got {what}{advice}"
+    ))
+}
+
+/// The int64 slice of an array `int64_arg` accepted.
+fn int64_slice<'a>(array: &'a IndexArray<'_>, name: &str) -> PyResult<&'a [i64]> {
+    match array.as_slice(name)? {
+        IndexSlice::I64(s) => Ok(s),
+        IndexSlice::I32(_) => Err(PyTypeError::new_err(format!(
+            "{name} must be of dtype int64"
+        ))),
+    }
+}
+
+/// A flat batch's slices, planned by the core's batch planner: the requests are cut from the
+/// slices and planned with the GIL released (unless the batch is tiny).
+#[allow(clippy::too_many_arguments)]
+fn plan_flat_typed<S: PageIndex, D: PageIndex>(
+    py: Python<'_>,
+    template: &Template,
+    src: &[S],
+    dst: &[D],
+    offsets: &[i64],
+    dst_offsets: Option<&[i64]>,
+    n_tokens: Option<&[i64]>,
+    digests: Option<(u64, u64)>,
+) -> Planned {
+    let flat = FlatRequests {
+        src,
+        dst,
+        offsets,
+        dst_offsets,
+        n_tokens,
+    };
+    let plan = || plan_requests(template, &flat.requests()?, digests);
+    if src.len().max(dst.len()) < DETACH_MIN_PAGES {
+        plan()
+    } else {
+        py.detach(plan)
+    }
+}
+
+/// Plans a flat batch with `template` (see `Template.plan_batch_flat`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plan_batch_flat(
+    py: Python<'_>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
+    src_pages: &Bound<'_, PyAny>,
+    dst_pages: &Bound<'_, PyAny>,
+    offsets: &Bound<'_, PyAny>,
+    dst_offsets: Option<&Bound<'_, PyAny>>,
+    n_tokens: Option<&Bound<'_, PyAny>>,
+    digests: bool,
+) -> PyResult<Py<PyBatchPlan>> {
+    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let (src, dst) = arrays.slices()?;
+    let offsets = int64_arg(offsets, "offsets")?;
+    let dst_offsets = dst_offsets
+        .map(|o| int64_arg(o, "dst_offsets"))
+        .transpose()?;
+    let n_tokens = n_tokens.map(|t| int64_arg(t, "n_tokens")).transpose()?;
+    let offsets = int64_slice(&offsets, "offsets")?;
+    let dst_offsets = dst_offsets
+        .as_ref()
+        .map(|o| int64_slice(o, "dst_offsets"))
+        .transpose()?;
+    let n_tokens = n_tokens
+        .as_ref()
+        .map(|t| int64_slice(t, "n_tokens"))
+        .transpose()?;
+    let prints = digest_prints(fingerprints, digests)?;
+    let t = template.as_ref();
+    let planned = match (src, dst) {
+        (IndexSlice::I32(s), IndexSlice::I32(d)) => {
+            plan_flat_typed(py, t, s, d, offsets, dst_offsets, n_tokens, prints)
+        }
+        (IndexSlice::I32(s), IndexSlice::I64(d)) => {
+            plan_flat_typed(py, t, s, d, offsets, dst_offsets, n_tokens, prints)
+        }
+        (IndexSlice::I64(s), IndexSlice::I32(d)) => {
+            plan_flat_typed(py, t, s, d, offsets, dst_offsets, n_tokens, prints)
+        }
+        (IndexSlice::I64(s), IndexSlice::I64(d)) => {
+            plan_flat_typed(py, t, s, d, offsets, dst_offsets, n_tokens, prints)
+        }
+    };
+    batch_plan(py, planned, fingerprints)
 }
 
 /// Many requests to one peer in one plan: the blocks of every request in one set of columns

@@ -410,6 +410,38 @@ impl PyTemplate {
         crate::batch::plan_batch(py, &self.inner, self.fingerprints, requests, digests)
     }
 
+    /// Plans a batch given flat (`BatchPlan`, the same as `plan_batch` of the same requests):
+    /// every request's pages concatenated in `src_pages` and in `dst_pages` (1-D int32 or
+    /// int64), and `offsets`, `n_requests + 1` int64 values: request `r` moves
+    /// `src_pages[offsets[r]:offsets[r + 1]]` to the same slice of `dst_pages`, or to
+    /// `dst_pages[dst_offsets[r]:dst_offsets[r + 1]]` when `dst_offsets` is given (token
+    /// requests between different page sizes). `n_tokens`, an int64 array of one count per
+    /// request, makes each a token request. No Python object per request is read.
+    #[pyo3(signature = (src_pages, dst_pages, offsets, *, dst_offsets=None, n_tokens=None, digests=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn plan_batch_flat(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        offsets: &Bound<'_, PyAny>,
+        dst_offsets: Option<&Bound<'_, PyAny>>,
+        n_tokens: Option<&Bound<'_, PyAny>>,
+        digests: bool,
+    ) -> PyResult<Py<crate::batch::PyBatchPlan>> {
+        crate::batch::plan_batch_flat(
+            py,
+            &self.inner,
+            self.fingerprints,
+            src_pages,
+            dst_pages,
+            offsets,
+            dst_offsets,
+            n_tokens,
+            digests,
+        )
+    }
+
     /// Plans one request (as `plan`) split in two around a pack buffer `pack = (addr, size)` of
     /// prefill memory: `(gather, network)`, the gather from prefill memory into the buffer
     /// (executed by the caller) and the network plan from the buffer to the decode, one block
