@@ -4,6 +4,31 @@
 //! per peer pair: entries paired by global layer id and validated) → per-request plans
 //! (`(src_addr, dst_addr, length)` columns) → a transfer engine.
 //!
+//! ```
+//! use kvplan_core::{Columns, Layout, LayoutContext, PlanError, Request, Template, TemplateOptions};
+//!
+//! // Two layers of MLA latents, 1,152-byte pages, 64 pages per buffer, on each peer.
+//! let layout = |base: u64| {
+//!     Layout::mla(vec![base, base + (1 << 20)], vec![1152 * 64; 2], vec![1152; 2],
+//!                 Some(vec![0, 1]), LayoutContext::default())
+//! };
+//! let template = Template::new(&layout(1 << 32)?, &layout(1 << 40)?, TemplateOptions::default())?;
+//! let request = Request::pages(&[3i64, 4, 9], &[10i64, 11, 2]);
+//!
+//! // Allocating: 2 runs (pages 3-4 → 10-11, 9 → 2) × 2 layers = 4 blocks.
+//! let plan = template.plan(&request)?;
+//! assert_eq!(plan.lengths, [2 * 1152, 1152, 2 * 1152, 1152]);
+//! assert_eq!(plan.src_addrs[0], (1 << 32) + 3 * 1152);
+//! assert_eq!(plan.dst_addrs[0], (1 << 40) + 10 * 1152);
+//!
+//! // Into the caller's buffer: the block count first, then a plan that allocates nothing.
+//! let n = template.prepare(&request)?.n_blocks;
+//! let mut buffer = vec![0u64; 3 * n];
+//! template.plan_into(&request, |_| Ok(Columns::from_flat(&mut buffer, n)))?;
+//! assert_eq!(buffer[..n], plan.src_addrs[..]);
+//! # Ok::<(), PlanError>(())
+//! ```
+//!
 //! Modules form layers: a module uses only modules of the layers above its own, so none
 //! imports another in a circle. This list is the one statement of the order;
 //! `tests/module_layers.rs` reads it and fails on any `crate::` use that breaks it.
