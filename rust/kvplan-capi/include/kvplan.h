@@ -152,6 +152,14 @@ typedef enum KvplanStatus {
    * A skip count the request cannot have (kind `skip_tokens`).
    */
   KVPLAN_STATUS_SKIP_TOKENS = 27,
+  /**
+   * An indexer or scale entry without its layer's KV entry (kind `missing_partner`).
+   */
+  KVPLAN_STATUS_MISSING_PARTNER = 28,
+  /**
+   * Malformed offsets of a flat batch (kind `flat_batch`).
+   */
+  KVPLAN_STATUS_FLAT_BATCH = 29,
 } KvplanStatus;
 
 /**

@@ -109,10 +109,14 @@ pub enum KvplanStatus {
     RequestsOverlap = 26,
     /// A skip count the request cannot have (kind `skip_tokens`).
     SkipTokens = 27,
+    /// An indexer or scale entry without its layer's KV entry (kind `missing_partner`).
+    MissingPartner = 28,
+    /// Malformed offsets of a flat batch (kind `flat_batch`).
+    FlatBatch = 29,
 }
 
 impl KvplanStatus {
-    const ALL: [KvplanStatus; 24] = [
+    const ALL: [KvplanStatus; 26] = [
         Self::Ok,
         Self::NullPointer,
         Self::InvalidArgument,
@@ -137,6 +141,8 @@ impl KvplanStatus {
         Self::BufferOverlap,
         Self::RequestsOverlap,
         Self::SkipTokens,
+        Self::MissingPartner,
+        Self::FlatBatch,
     ];
 
     /// The status's name: the core's kind for codes from 10 on, else the boundary's own.
@@ -166,6 +172,8 @@ impl KvplanStatus {
             Self::BufferOverlap => "buffer_overlap",
             Self::RequestsOverlap => "requests_overlap",
             Self::SkipTokens => "skip_tokens",
+            Self::MissingPartner => "missing_partner",
+            Self::FlatBatch => "flat_batch",
         }
     }
 
@@ -888,7 +896,8 @@ pub extern "C" fn kvplan_status_name(status: i32) -> *const c_char {
         Geometry => "geometry", NotPreppable => "not_preppable", Cost => "cost",
         StagingTooSmall => "staging_too_small", StagingSlots => "staging_slots",
         BufferOverlap => "buffer_overlap", RequestsOverlap => "requests_overlap",
-        SkipTokens => "skip_tokens",
+        SkipTokens => "skip_tokens", MissingPartner => "missing_partner",
+        FlatBatch => "flat_batch",
     );
     name.as_ptr().cast()
 }
