@@ -561,18 +561,13 @@ def wait_all_ready(servers: Sequence[Server], timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running(servers: Sequence[Server], ready_timeout_s: float,
-            wave: int | None = None) -> Iterator[Sequence[Server]]:
+def running(servers: Sequence[Server], ready_timeout_s: float) -> Iterator[Sequence[Server]]:
     """Start every server, wait for all to be ready, and stop all of them however the block
-    ends. With ``wave``, at most that many start at once, each wave ready (within
-    ``ready_timeout_s``) before the next starts: five vLLM servers warming up at once on two
-    cores took over 12 minutes for some of them, two at a time about two minutes a wave."""
+    ends."""
     try:
-        step = wave or len(servers) or 1
-        for at in range(0, len(servers), step):
-            for server in servers[at:at + step]:
-                server.start()
-            wait_all_ready(servers[at:at + step], ready_timeout_s)
+        for server in servers:
+            server.start()
+        wait_all_ready(servers, ready_timeout_s)
         yield servers
     finally:
         for server in servers:  # all at once: each takes seconds to shut down

@@ -67,8 +67,6 @@ PROMPTS = {  # name -> prompt length in tokens
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 512
 READY_TIMEOUT_S = 900.0  # four servers starting at once on two busy cores took 7.5 min
-#: Servers started at once: one per core (more at once starved some of them in their warm-up).
-START_WAVE = 2
 REQUEST_TIMEOUT_S = 120.0
 SERVED_NAME = "tiny"
 
@@ -380,8 +378,7 @@ def run_connector(servers: VllmServers, connector: Connector,
         case_names += [f"{label}: negative control", f"{label}: bad input"]
     started = time.monotonic()
     try:
-        with harness.running(group + ([plain] if plain else []), READY_TIMEOUT_S,
-                             wave=START_WAVE):
+        with harness.running(group + ([plain] if plain else []), READY_TIMEOUT_S):
             log(f"{label}: servers ready in {time.monotonic() - started:.0f} s")
             if plain is not None:
                 try:
