@@ -10,6 +10,7 @@ import kvplan
 from kvplan import Lease, LeaseError, LeaseTable, StaleLeaseError
 from kvplan.integrity import IntegrityError, Manifest, build_manifest, check_notification
 from kvplan.testing.faults import replay_late_writers
+from kvplan.testing.oracle import array_pool
 
 PAGES = 16
 LAYERS = 2
@@ -17,8 +18,8 @@ ITEM = 32
 
 
 def pool(array: np.ndarray) -> kvplan.Layout:
-    return kvplan.Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(LAYERS)),
-                                     ITEM)
+    """A cross-layer pool: page ``p`` holds every layer's item."""
+    return array_pool(array, LAYERS, ITEM)
 
 
 def pages(*values: int) -> np.ndarray:

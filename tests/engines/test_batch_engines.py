@@ -12,7 +12,7 @@ import pytest
 
 import kvplan
 from kvplan.engines.measure import loopback_transports
-from kvplan.testing.oracle import Memory, reference_copy
+from kvplan.testing.oracle import Memory, array_pool, reference_copy
 from support.engine_peers import Engine
 
 PAGES = 64
@@ -21,9 +21,8 @@ ITEM = 256
 
 
 def pool(array: np.ndarray) -> kvplan.Layout:
-    """A cross-layer pool: page ``p`` holds every layer's item, bytes ``p × stride ..``."""
-    return kvplan.Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(LAYERS)),
-                                     ITEM)
+    """A cross-layer pool: page ``p`` holds every layer's item."""
+    return array_pool(array, LAYERS, ITEM)
 
 
 def requests(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -12,6 +12,7 @@ import pytest
 import kvplan
 from kvplan import LeaseTable, StaleLeaseError
 from kvplan.engines.measure import loopback_transports
+from kvplan.testing.oracle import array_pool
 from support.engine_peers import Engine
 
 PAGES = 16
@@ -20,8 +21,8 @@ ITEM = 128
 
 
 def pool(array: np.ndarray) -> kvplan.Layout:
-    return kvplan.Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(LAYERS)),
-                                     ITEM)
+    """A cross-layer pool: page ``p`` holds every layer's item."""
+    return array_pool(array, LAYERS, ITEM)
 
 
 @pytest.mark.parametrize("late", [True, False], ids=["late-writer", "clean-abort"])

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvplan._core import Layout, Template, TransferPlan
+from kvplan._core import Layout, PlanBatch, Template, TransferPlan
 from kvplan.integrity import IntegrityError, Manifest, build_manifest, check_notification
 from kvplan.leases import Lease, LeaseTable, StaleLeaseError
+from kvplan.testing.oracle import Memory, apply_plan, array_pool
 
 __all__ = ["LateWriterCounts", "replay_late_writers"]
 
@@ -48,20 +49,12 @@ class LateWriterCounts:
     false_alarms: int = 0
 
 
-def _pool(array: npt.NDArray[np.uint8], layers: int, item: int) -> Layout:
-    return Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(layers)), item)
-
-
 def _write(plan: TransferPlan, blocks: npt.NDArray[np.int64], src: npt.NDArray[np.uint8],
            dst: npt.NDArray[np.uint8]) -> None:
-    """Blocks ``blocks`` of ``plan`` as memmoves from ``src`` to ``dst`` (the pools' bases
-    are the arrays' addresses)."""
-    s_base, d_base = int(src.ctypes.data), int(dst.ctypes.data)
-    s_addr, d_addr, length = (np.asarray(c) for c in (plan.src_addrs, plan.dst_addrs,
-                                                      plan.lengths))
-    for b in blocks:
-        s, d, n = int(s_addr[b]) - s_base, int(d_addr[b]) - d_base, int(length[b])
-        dst[d:d + n] = src[s:s + n]
+    """Blocks ``blocks`` of ``plan`` (in that order) as memmoves from ``src`` to ``dst``."""
+    part = PlanBatch(*(np.ascontiguousarray(np.asarray(c)[blocks])
+                       for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
+    apply_plan(part, Memory.of(src), Memory.of(dst))
 
 
 def replay_late_writers(trials: int, *, seed: int, pages: int = 32, layers: int = 2,
@@ -74,8 +67,8 @@ def replay_late_writers(trials: int, *, seed: int, pages: int = 32, layers: int 
     src_a = rng.integers(0, 256, size, dtype=np.uint8)
     src_b = rng.integers(0, 256, size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
-    src_layout_a, src_layout_b = _pool(src_a, layers, item), _pool(src_b, layers, item)
-    dst_layout = _pool(dst, layers, item)
+    src_layout_a, src_layout_b = array_pool(src_a, layers, item), array_pool(src_b, layers, item)
+    dst_layout = array_pool(dst, layers, item)
     template_a, template_b = Template(src_layout_a, dst_layout), Template(src_layout_b, dst_layout)
     table = LeaseTable(pages)
     counts = LateWriterCounts()

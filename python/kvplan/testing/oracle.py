@@ -57,7 +57,7 @@ import numpy.typing as npt
 
 from kvplan import Layout, LayoutEntry
 
-__all__ = ["Fragments", "Memory", "apply_plan", "apply_staged", "dcp_local_token",
+__all__ = ["Fragments", "Memory", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
            "expected_memory", "rank_heads", "reference_copy", "sent_heads"]
 
 Fragment = tuple[int, int, int]
@@ -330,6 +330,13 @@ def expected_memory(dst: Layout, dst_mem: Memory,
         reference_copy(layout, mem, dst, want, src_pages, dst_pages, n_tokens=n_tokens,
                        src_slot=src_slot, dst_slot=dst_slot, fragments=fragments)
     return want
+
+
+def array_pool(array: npt.NDArray[Any], layers: int, item_len: int) -> Layout:
+    """A cross-layer pool over a C-contiguous array at its real address: page ``p`` holds the
+    ``item_len``-byte items of layers ``0 .. layers - 1`` side by side (``Layout.cross_layer``)."""
+    return Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(layers)),
+                              item_len)
 
 
 def apply_plan(plan: Any, src_mem: Memory, dst_mem: Memory,

@@ -21,7 +21,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::{CString, c_char};
+use std::ffi::{CStr, CString, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
@@ -145,36 +145,42 @@ impl KvplanStatus {
         Self::FlatBatch,
     ];
 
-    /// The status's name: the core's kind for codes from 10 on, else the boundary's own.
-    fn name(self) -> &'static str {
+    /// The status's name: the core's kind for codes from 10 on, else the boundary's own (the
+    /// one table of names, NUL-terminated for `kvplan_status_name`).
+    fn c_name(self) -> &'static CStr {
         match self {
-            Self::Ok => "ok",
-            Self::NullPointer => "null_pointer",
-            Self::InvalidArgument => "invalid_argument",
-            Self::InvalidHandle => "invalid_handle",
-            Self::BufferTooSmall => "buffer_too_small",
-            Self::Panic => "panic",
-            Self::Pairing => "pairing",
-            Self::IndexBounds => "index_bounds",
-            Self::SizeMismatch => "size_mismatch",
-            Self::Layout => "layout",
-            Self::Memory => "memory",
-            Self::Other => "other",
-            Self::HeadSlicing => "head_slicing",
-            Self::TokenSize => "token_size",
-            Self::HeadLayout => "head_layout",
-            Self::Fragments => "fragments",
-            Self::Geometry => "geometry",
-            Self::NotPreppable => "not_preppable",
-            Self::Cost => "cost",
-            Self::StagingTooSmall => "staging_too_small",
-            Self::StagingSlots => "staging_slots",
-            Self::BufferOverlap => "buffer_overlap",
-            Self::RequestsOverlap => "requests_overlap",
-            Self::SkipTokens => "skip_tokens",
-            Self::MissingPartner => "missing_partner",
-            Self::FlatBatch => "flat_batch",
+            Self::Ok => c"ok",
+            Self::NullPointer => c"null_pointer",
+            Self::InvalidArgument => c"invalid_argument",
+            Self::InvalidHandle => c"invalid_handle",
+            Self::BufferTooSmall => c"buffer_too_small",
+            Self::Panic => c"panic",
+            Self::Pairing => c"pairing",
+            Self::IndexBounds => c"index_bounds",
+            Self::SizeMismatch => c"size_mismatch",
+            Self::Layout => c"layout",
+            Self::Memory => c"memory",
+            Self::Other => c"other",
+            Self::HeadSlicing => c"head_slicing",
+            Self::TokenSize => c"token_size",
+            Self::HeadLayout => c"head_layout",
+            Self::Fragments => c"fragments",
+            Self::Geometry => c"geometry",
+            Self::NotPreppable => c"not_preppable",
+            Self::Cost => c"cost",
+            Self::StagingTooSmall => c"staging_too_small",
+            Self::StagingSlots => c"staging_slots",
+            Self::BufferOverlap => c"buffer_overlap",
+            Self::RequestsOverlap => c"requests_overlap",
+            Self::SkipTokens => c"skip_tokens",
+            Self::MissingPartner => c"missing_partner",
+            Self::FlatBatch => c"flat_batch",
         }
+    }
+
+    /// [`KvplanStatus::c_name`] as text.
+    fn name(self) -> &'static str {
+        self.c_name().to_str().unwrap_or("unknown")
     }
 
     /// The status for a core error: its kind, except an output too small for the plan.
@@ -879,27 +885,11 @@ pub extern "C" fn kvplan_last_error_kind() -> *const c_char {
 /// Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn kvplan_status_name(status: i32) -> *const c_char {
-    macro_rules! names {
-        ($($variant:ident => $name:literal),* $(,)?) => {
-            match status {
-                $(s if s == KvplanStatus::$variant as i32 => concat!($name, "\0"),)*
-                _ => "unknown\0",
-            }
-        };
-    }
-    let name = names!(
-        Ok => "ok", NullPointer => "null_pointer", InvalidArgument => "invalid_argument",
-        InvalidHandle => "invalid_handle", BufferTooSmall => "buffer_too_small", Panic => "panic",
-        Pairing => "pairing", IndexBounds => "index_bounds", SizeMismatch => "size_mismatch",
-        Layout => "layout", Memory => "memory", Other => "other", HeadSlicing => "head_slicing",
-        TokenSize => "token_size", HeadLayout => "head_layout", Fragments => "fragments",
-        Geometry => "geometry", NotPreppable => "not_preppable", Cost => "cost",
-        StagingTooSmall => "staging_too_small", StagingSlots => "staging_slots",
-        BufferOverlap => "buffer_overlap", RequestsOverlap => "requests_overlap",
-        SkipTokens => "skip_tokens", MissingPartner => "missing_partner",
-        FlatBatch => "flat_batch",
-    );
-    name.as_ptr().cast()
+    KvplanStatus::ALL
+        .iter()
+        .find(|known| **known as i32 == status)
+        .map_or(c"unknown", |known| known.c_name())
+        .as_ptr()
 }
 
 #[cfg(test)]
