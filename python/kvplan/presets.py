@@ -26,6 +26,8 @@ items divided by the TP size (state sharded over TP along its leading axis).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,6 +71,10 @@ class ModelPreset:
         dtype_size: Bytes per element.
         indexer_bytes_per_token: Bytes per token of each KV layer's sparse-attention indexer
             cache (its own page entry per layer, role ``indexer``, beside the latent; 0: none).
+        sliding_window: Tokens of the sliding window of the even layers (0, 2, 4, …), which
+            alternate with full-attention odd layers as in gpt-oss (0: every layer full). Their
+            entries are window entries (``Layout.with_windows``): only a request's last
+            ``sliding_window`` tokens move.
     """
 
     key: str
@@ -83,6 +89,11 @@ class ModelPreset:
     head_dim: int = 0
     dtype_size: int = 2
     indexer_bytes_per_token: int = 0
+    sliding_window: int = 0
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` in tokens (``None``: full attention)."""
+        return self.sliding_window if self.sliding_window and layer % 2 == 0 else None
 
     @property
     def hybrid(self) -> bool:
@@ -106,10 +117,7 @@ class ModelPreset:
         """The same geometry with another layer count (e.g. the 27-layer Kimi-Linear)."""
         if num_layers < 1:
             raise KvPlanError(f"num_layers must be at least 1, got {num_layers}")
-        return ModelPreset(self.key, self.name, num_layers, self.attention,
-                           self.kv_bytes_per_token, self.full_attention_every, self.state,
-                           self.description, self.kv_heads, self.head_dim, self.dtype_size,
-                           self.indexer_bytes_per_token)
+        return dataclasses.replace(self, num_layers=num_layers)
 
     def heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank holds at TP size ``tp_size`` (the core's split,
@@ -187,8 +195,8 @@ class ModelPreset:
                                         pp_size, tp, cross_layer)
         if cross_layer:
             return self._add_state(
-                self._cross_layer_pool(kv, item, capacity, base, page_size, device, pp_rank,
-                                       pp_size, tp),
+                self._windowed(self._cross_layer_pool(kv, item, capacity, base, page_size,
+                                                      device, pp_rank, pp_size, tp)),
                 layers, state_slots, base + _align(capacity * item * n_buf), tp_size)
         span = _align(capacity * item)
         ptrs = [base + i * span for i in range(n_buf)]
@@ -203,7 +211,15 @@ class ModelPreset:
             half = len(kv)
             layout = Layout.mha(ptrs[:half], ptrs[half:], lens[:half], lens[half:], item, item,
                                 layer_ids=kv, **ctx)
-        return self._add_state(layout, layers, state_slots, base + n_buf * span, tp_size)
+        return self._add_state(self._windowed(layout), layers, state_slots,
+                               base + n_buf * span, tp_size)
+
+    def _windowed(self, layout: Layout) -> Layout:
+        """``layout`` with the sliding-window layers' entries marked (unchanged without)."""
+        if not self.sliding_window:
+            return layout
+        ids = layout.layer_ids or [None] * len(layout)
+        return layout.with_windows([None if i is None else self.window_of(i) for i in ids])
 
     def _indexed_layout(self, kv: list[int], item: int, page_size: int, capacity: int,
                         base: int, device: str, pp_rank: int, pp_size: int,
@@ -302,6 +318,11 @@ PRESETS: dict[str, ModelPreset] = {
                                 "and the sparse-attention indexer's key cache beside it (128 × "
                                 "fp8 plus one fp32 scale = 132 B per token per layer)",
                     kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
+        ModelPreset("gpt-oss-120b", "gpt-oss-120b", 36, "mha", 1024,
+                    description="36 layers alternating sliding-window (128 tokens, even layers) "
+                                "and full attention, GQA 8 KV heads × 64 × bf16 = 1024 B per "
+                                "token for K and for V", kv_heads=8, head_dim=64,
+                    sliding_window=128),
         ModelPreset("qwen3-235b", "Qwen3-235B-A22B", 94, "mha", 1024,
                     description="94 layers, GQA 4 KV heads × 128 × bf16 = 1024 B per token for "
                                 "K and for V", kv_heads=4, head_dim=128),

@@ -237,14 +237,16 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
     rank or stage) to ``dst`` writes: its pages, and with both slots given its state slot.
     ``fragments`` is what the template was built with; ``skip_tokens``: the decode holds the
     request's first K tokens already and only tokens K.. are written (state slots still
-    whole). Returns the number of bytes written.
+    whole). A sliding-window entry (``LayoutEntry.window`` W) holds only the request's last W
+    tokens live, so only those are written (from K on). Returns the number of bytes written.
     Call it once per source to build the expected destination of a whole request (for DCP:
     once per (source, decode rank) pair, each decode rank's page list its local tokens')."""
     s_pages, d_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
     ps, pd = src.page_size, dst.page_size
     dealt = src.dcp_size > 1 or dst.dcp_size > 1
+    windowed = any(w is not None for w in (*src.windows, *dst.windows))
     page_request = n_tokens is None and not skip_tokens and ps == pd and not dealt and \
-        (src.memory_order or "NHD") == (dst.memory_order or "NHD")
+        not windowed and (src.memory_order or "NHD") == (dst.memory_order or "NHD")
     if n_tokens is None:
         if dealt:
             raise ValueError("a transfer between DCP layouts needs n_tokens (global tokens)")
@@ -284,7 +286,8 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                 moved += _copy(src_mem, s_item, dst_mem, d_item, s.item_len, fragment_map,
                                s_item, d_item, d.item_len)
             continue
-        for t in range(skip_tokens, n_tokens):
+        first = skip_tokens if s.window is None else max(skip_tokens, n_tokens - s.window)
+        for t in range(first, n_tokens):
             ls, ld = a.local(t), b.local(t)
             if ls is None or ld is None:
                 continue

@@ -35,6 +35,9 @@ class Model:
     state_bytes: int = 0
     #: state items split over TP ranks (``state_bytes / tp_size`` each) or replicated whole
     sharded_state: bool = True
+    #: sliding window in tokens of the odd layers (full and window layers alternate, as in
+    #: gpt-oss); None: every layer full attention
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
             layout = kvplan.Layout.mha([p[0] for p in ptr], [p[1] for p in ptr],
                                        [entry] * model.layers, [entry] * model.layers, item,
                                        item, layer_ids=ids, **ctx)
+    if model.window is not None:
+        layout = layout.with_windows([
+            model.window if kind == "page" and layer is not None and layer % 2 else None
+            for kind, layer in zip(layout.kinds, layout.layer_ids or [None] * len(layout))])
     if state_item:
         at = base + kv_bytes
         size = rank.state_slots * state_item
@@ -113,22 +120,26 @@ def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarr
     oracle's for tokens K..), and what the decode holds after it must equal the oracle's whole
     request."""
     dst = rank_memory(model, decode)
-    want = dst.memory.copy()
     written = np.zeros(dst.memory.data.size, dtype=bool)
+    sources = [rank_memory(model, Rank(r_p, prefill.tp_size, prefill.page_size,
+                                       prefill.memory_order, prefill.capacity,
+                                       prefill.cross_layer, prefill.state_slots), seed=r_p + 1)
+               for r_p in range(prefill.tp_size)]
+    if skip_tokens:
+        # The prefix the decode holds already (of a window entry: the window as it was then).
+        for src in sources:
+            reference_copy(src.layout, src.memory, dst.layout, dst.memory, src_pages,
+                           dst_pages, n_tokens=skip_tokens)
+    want = dst.memory.copy()
     templates = {}
-    for r_p in range(prefill.tp_size):
-        src = rank_memory(model, Rank(r_p, prefill.tp_size, prefill.page_size,
-                                      prefill.memory_order, prefill.capacity,
-                                      prefill.cross_layer, prefill.state_slots), seed=r_p + 1)
+    for r_p, src in enumerate(sources):
         t = kvplan.Template(src.layout, dst.layout)
         templates[r_p] = t
         plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
         kv = reference_copy(src.layout, src.memory, dst.layout, want, src_pages, dst_pages,
                             n_tokens=n_tokens)
         if skip_tokens:
-            # The prefix the decode holds already, and what the delta itself must move.
-            reference_copy(src.layout, src.memory, dst.layout, dst.memory, src_pages,
-                           dst_pages, n_tokens=skip_tokens)
+            # What the delta itself must move.
             kv = reference_copy(src.layout, src.memory, dst.layout, want.copy(), src_pages,
                                 dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
         assert plan.total_bytes == kv, (r_p, plan.total_bytes, kv)

@@ -160,6 +160,10 @@ typedef enum KvplanStatus {
    * Malformed offsets of a flat batch (kind `flat_batch`).
    */
   KVPLAN_STATUS_FLAT_BATCH = 29,
+  /**
+   * Paired entries whose sliding windows differ (kind `window`).
+   */
+  KVPLAN_STATUS_WINDOW = 30,
 } KvplanStatus;
 
 /**

@@ -113,10 +113,12 @@ pub enum KvplanStatus {
     MissingPartner = 28,
     /// Malformed offsets of a flat batch (kind `flat_batch`).
     FlatBatch = 29,
+    /// Paired entries whose sliding windows differ (kind `window`).
+    Window = 30,
 }
 
 impl KvplanStatus {
-    const ALL: [KvplanStatus; 26] = [
+    const ALL: [KvplanStatus; 27] = [
         Self::Ok,
         Self::NullPointer,
         Self::InvalidArgument,
@@ -143,6 +145,7 @@ impl KvplanStatus {
         Self::SkipTokens,
         Self::MissingPartner,
         Self::FlatBatch,
+        Self::Window,
     ];
 
     /// The status's name: the core's kind for codes from 10 on, else the boundary's own (the
@@ -175,6 +178,7 @@ impl KvplanStatus {
             Self::SkipTokens => c"skip_tokens",
             Self::MissingPartner => c"missing_partner",
             Self::FlatBatch => c"flat_batch",
+            Self::Window => c"window",
         }
     }
 

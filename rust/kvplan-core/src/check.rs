@@ -85,8 +85,49 @@ pub(crate) fn check_pairs_sliced(
     if let Some((at, problem)) = sidecar_problem(src, dst, &checks) {
         checks[at].problem.get_or_insert(problem);
     }
+    if let Some((at, problem)) = window_problem(src, dst, &checks) {
+        checks[at].problem.get_or_insert(problem);
+    }
     checks.extend(check_kind(src, dst, EntryKind::State, state_options, heads));
     checks
+}
+
+/// The first page pair whose sliding windows disagree ([`PlanError::WindowMismatch`]), or
+/// the first window entry whose window differs from the first one's: a template walks one
+/// window (module `tokens`), so every window pair must keep the same number of tokens.
+fn window_problem(src: &Layout, dst: &Layout, checks: &[EntryCheck]) -> Option<(usize, PlanError)> {
+    let mut first: Option<(usize, u64)> = None;
+    for (at, check) in checks.iter().enumerate() {
+        let Some(d) = check.dst_entry else { continue };
+        let s = check.src_entry;
+        let (src_window, dst_window) = (src.windows()[s], dst.windows()[d]);
+        if src_window != dst_window {
+            let problem = PlanError::WindowMismatch {
+                src_entry: s,
+                dst_entry: d,
+                label: format!("layer {}, role {}", src.layer_label(s), src.role_label(s)),
+                src_window,
+                dst_window,
+            };
+            return Some((at, problem));
+        }
+        let Some(w) = src_window else { continue };
+        match first {
+            None => first = Some((s, w)),
+            Some((entry, other)) if other != w => {
+                let problem = PlanError::Geometry {
+                    what: format!(
+                        "window entries {entry} and {s} have sliding windows of {other} and {w} \
+                         tokens; a template plans one window size (build one template per \
+                         window size)"
+                    ),
+                };
+                return Some((at, problem));
+            }
+            Some(_) => {}
+        }
+    }
+    None
 }
 
 /// The page entries of `layout`.
@@ -500,12 +541,15 @@ fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Resul
 }
 
 /// Whether whole pages cannot be copied as they are: the page sizes differ, one side is
-/// token-major and the other head-major, or either side deals tokens over decode
-/// context-parallel ranks (module `dcp`). Every page plan between such layouts is a token plan.
+/// token-major and the other head-major, either side deals tokens over decode
+/// context-parallel ranks (module `dcp`), or either side has sliding-window entries (which move
+/// only a request's last tokens). Every page plan between such layouts is a token plan.
 pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
     src.context().page_size != dst.context().page_size
         || memory_order(src) != memory_order(dst)
         || crate::dcp::dealt_pair(src, dst)
+        || src.has_windows()
+        || dst.has_windows()
 }
 
 pub(crate) fn memory_order(layout: &Layout) -> MemoryOrder {

@@ -325,6 +325,25 @@ pub enum PlanError {
         region: usize,
         count: i64,
     },
+    /// Paired page entries that disagree on their sliding window (one a window entry and the
+    /// other full, or two window sizes): the decode would hold other tokens than it attends to.
+    #[error(
+        "prefill entry {src_entry} ({label}) has {} but its decode partner, entry {dst_entry}, has {}; paired entries must keep the same tokens",
+        window_text(*src_window),
+        window_text(*dst_window)
+    )]
+    WindowMismatch {
+        /// Source entry index.
+        src_entry: usize,
+        /// Destination entry index.
+        dst_entry: usize,
+        /// The source entry's layer and role.
+        label: String,
+        /// The source entry's window in tokens (`None`: full attention).
+        src_window: Option<u64>,
+        /// The destination entry's window in tokens.
+        dst_window: Option<u64>,
+    },
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -386,6 +405,14 @@ pub enum HeadProblem {
     },
 }
 
+/// "a sliding window of W tokens" or "no window (full attention)".
+fn window_text(window: Option<u64>) -> String {
+    window.map_or_else(
+        || "no window (full attention)".to_owned(),
+        |w| format!("a sliding window of {w} tokens"),
+    )
+}
+
 impl PlanError {
     /// A stable name of the error's variant family, for callers that must tell errors of one
     /// class apart without reading messages (Python's `KvPlanError.kind`).
@@ -406,6 +433,7 @@ impl PlanError {
             PlanError::SkipTokens { .. } => "skip_tokens",
             PlanError::MissingPartner { .. } => "missing_partner",
             PlanError::FlatBatch { .. } => "flat_batch",
+            PlanError::WindowMismatch { .. } => "window",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -451,6 +479,7 @@ impl PlanError {
             | PlanError::MissingLayer { .. }
             | PlanError::MissingRole { .. }
             | PlanError::MissingPartner { .. }
+            | PlanError::WindowMismatch { .. }
             | PlanError::PositionalCount { .. }
             | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
             PlanError::NegativeIndex { .. }

@@ -235,6 +235,8 @@ pub struct Layout {
     context: LayoutContext,
     /// Bytes between consecutive items of each entry (`item_len` unless given).
     strides: Vec<u64>,
+    /// Sliding-window size in tokens of each entry (`None`: the entry keeps every token).
+    windows: Vec<Option<u64>>,
 }
 
 impl Layout {
@@ -320,6 +322,7 @@ impl Layout {
         }
         let strides = parts.item_lens.clone();
         Ok(Self {
+            windows: vec![None; n],
             parts,
             context,
             strides,
@@ -368,6 +371,50 @@ impl Layout {
     /// Bytes between consecutive items of each entry (equal to `item_len` unless set).
     pub fn strides(&self) -> &[u64] {
         &self.strides
+    }
+
+    /// The same layout with sliding-window entries: entry `e` with `Some(w)` holds only the
+    /// last `w` tokens of a request live (a sliding-window attention layer), so a transfer moves
+    /// only those (and, for a delta request, only those the decode lacks). Its pages are the
+    /// request's pages (the same index space as the full-attention entries); the pages before
+    /// the window are not read. An empty list keeps every entry full.
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
+    /// for a window of 0 tokens or a window on a state entry.
+    pub fn with_windows(mut self, windows: Vec<Option<u64>>) -> Result<Self> {
+        if windows.is_empty() {
+            return Ok(self);
+        }
+        check_len("windows", windows.len(), self.n_entries())?;
+        for (entry, &window) in windows.iter().enumerate() {
+            let Some(w) = window else { continue };
+            if w == 0 {
+                return Err(invalid(format!(
+                    "entry {entry} ({}): a sliding window must hold at least 1 token, got 0",
+                    self.role_label(entry)
+                )));
+            }
+            if self.parts.kinds[entry] != EntryKind::Page {
+                return Err(invalid(format!(
+                    "entry {entry} ({}): a sliding window applies to page entries; a state entry \
+                     holds one slot per request, sent whole",
+                    self.role_label(entry)
+                )));
+            }
+        }
+        self.windows = windows;
+        Ok(self)
+    }
+
+    /// Sliding-window size in tokens of each entry (`None`: a full entry).
+    pub fn windows(&self) -> &[Option<u64>] {
+        &self.windows
+    }
+
+    /// Whether any entry is a sliding-window entry.
+    pub fn has_windows(&self) -> bool {
+        self.windows.iter().any(Option::is_some)
     }
 
     /// One allocation holding every layer of a page side by side,
@@ -772,7 +819,15 @@ impl Layout {
         parts.roles.extend(extra.roles);
         parts.kinds.extend(extra.kinds);
         parts.drafts.extend(extra.drafts);
-        Self::new(parts, self.context.clone())?.with_strides(strides)
+        let windows = self
+            .windows
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(None, n))
+            .collect();
+        Self::new(parts, self.context.clone())?
+            .with_strides(strides)?
+            .with_windows(windows)
     }
 }
 

@@ -272,6 +272,7 @@ impl PackPlanner<'_> {
     ) -> Result<(RowGather, Plan)> {
         let ((src, dst), n_tokens) = (request.page_lists("a row gather")?, request.n_tokens);
         request.whole("a row gather")?;
+        self.template.every_token("a row gather")?;
         if !self.template.by_token() && n_tokens.is_none() {
             return Err(PlanError::Geometry {
                 what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \
@@ -289,8 +290,9 @@ impl PackPlanner<'_> {
         let (n, src_pages, dst_pages) = self.template.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
         let limits = (self.template.limits.src, self.template.limits.dst);
-        let mut rows = vec![Vec::new(); crate::pieces::TOKEN_LANES];
-        let mut places = vec![Vec::new(); crate::pieces::TOKEN_LANES];
+        // The target and draft lanes: a window template (the window lane) is refused above.
+        let mut rows = vec![Vec::new(); crate::pieces::WINDOW_LANE];
+        let mut places = vec![Vec::new(); crate::pieces::WINDOW_LANE];
         if !tokens.pieces.is_empty() {
             for (lane, maps) in tokens.lanes() {
                 (rows[lane], places[lane]) = lane_rows(maps, src, dst, limits, n)?;

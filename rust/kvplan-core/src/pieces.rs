@@ -109,6 +109,8 @@ pub struct Piece {
     pub dst: PieceSide,
     /// Bytes per token (per page for a page piece).
     pub len: u64,
+    /// The token walk it follows in a token template (see [`TOKEN_LANES`]; 0 for a page piece).
+    pub lane: usize,
 }
 
 impl Piece {
@@ -119,6 +121,7 @@ impl Piece {
             src: PieceSide::of_pages(src.0, src.1),
             dst: PieceSide::of_pages(dst.0, dst.1),
             len,
+            lane: 0,
         }
     }
 
@@ -145,6 +148,7 @@ impl Piece {
                 (p.src.page_stride, p.src.slot_stride, p.src.map),
                 (p.dst.page_stride, p.dst.slot_stride, p.dst.map),
                 p.len,
+                p.lane,
             )
         };
         shape(self) == shape(other)
@@ -158,8 +162,15 @@ pub const PIECE_CLASSES: usize = 5;
 
 /// Token walks of a token template: lane 0 moves the tokens of its token maps (all of them, or
 /// those two dealt decode-context-parallel ranks share), lane 1 the draft tokens a DCP template
-/// sends whole (module `dcp`). Each lane's walk counts its own blocks.
-pub const TOKEN_LANES: usize = 2;
+/// sends whole (module `dcp`), lane 2 ([`WINDOW_LANE`]) the tokens of sliding-window entries:
+/// lane 0's walk from the window's first live token on. Each lane's walk counts its own blocks.
+pub const TOKEN_LANES: usize = 3;
+
+/// The lane of sliding-window entries' pieces.
+pub const WINDOW_LANE: usize = 2;
+
+/// The lane of the draft pieces a decode-context-parallel template sends whole.
+pub const DRAFT_LANE: usize = 1;
 
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
 pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;

@@ -346,6 +346,7 @@ impl StagedPlanner<'_> {
         // Staging slots are laid out per page pair; a state slot is one block per pair already.
         request.page_lists("a staged plan")?;
         request.whole("a staged plan")?;
+        self.template.every_token("a staged plan")?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),

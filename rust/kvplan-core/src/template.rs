@@ -664,6 +664,24 @@ impl Template {
         self.strategy.tokens()
     }
 
+    /// Refuses a template with sliding-window entries in a planner that moves every token of a
+    /// request (staged plans lay out staging slots per page pair; row gathers walk every token).
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] naming the planner and the window.
+    pub(crate) fn every_token(&self, planner: &str) -> Result<()> {
+        match self.strategy.tokens().ok().and_then(|t| t.window) {
+            Some(window) => Err(PlanError::Geometry {
+                what: format!(
+                    "{planner} moves every token of a request; this template has sliding-window \
+                     entries ({window} tokens), which move only the window: plan it with \
+                     Template::plan"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Whether every page plan of this template is a token plan: the two layouts have
     /// different tokens per page, or different memory orders ([`needs_tokens`]).
     pub fn by_token(&self) -> bool {
@@ -697,7 +715,7 @@ impl Template {
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
         let (class_blocks, n_segments, n_blocks, total_bytes) =
             count_blocks(tokens, src, dst, skip_tokens, n)?;
-        let (src_first, dst_first) = tokens.first_pages(skip_tokens);
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n);
         Ok(TokenShape {
             n_tokens: n,
             first_token: skip_tokens,
@@ -785,7 +803,7 @@ impl Template {
         // At most the given lengths (checked above), so they fit usize.
         let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
         // The pages before the one holding the first moved token are not read.
-        let (src_first, dst_first) = tokens.first_pages(skip_tokens);
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n);
         let (src, dst) = (
             &src[src_first.min(src_pages)..src_pages],
             &dst[dst_first.min(dst_pages)..dst_pages],

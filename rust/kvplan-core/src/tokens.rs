@@ -34,7 +34,8 @@ use crate::error::{PlanError, Result, Side};
 use crate::heads::HeadSlicing;
 use crate::layout::{Layout, MemoryOrder};
 use crate::pieces::{
-    Fragment, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES, TokenMap,
+    DRAFT_LANE, Fragment, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
+    TokenMap, WINDOW_LANE,
 };
 use crate::plan::{Columns, TokenShape};
 use crate::runs::PageIndex;
@@ -59,6 +60,8 @@ pub struct TokenTemplate {
     pub bytes_per_token: u64,
     /// Bytes moved per token of each lane.
     pub lane_bytes: [u64; TOKEN_LANES],
+    /// The sliding window of the window entries' pieces ([`WINDOW_LANE`]), in tokens.
+    pub window: Option<u64>,
 }
 
 impl TokenTemplate {
@@ -114,9 +117,21 @@ impl TokenTemplate {
                     ),
                 });
             }
-            let maps = match draft_maps {
-                Some(lane) if draft => lane,
-                _ => target_maps,
+            let window = src.windows()[pair.src_entry];
+            if window.is_some() && draft {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "{}: a draft entry with a sliding window under decode context \
+                         parallelism (draft tokens are sent whole to every rank; a window of \
+                         them is not supported)",
+                        pair_label()
+                    ),
+                });
+            }
+            let (maps, lane) = match draft_maps {
+                Some(lane) if draft => (lane, DRAFT_LANE),
+                _ if window.is_some() => (target_maps, WINDOW_LANE),
+                _ => (target_maps, 0),
             };
             let sizes = (maps.0.page_size(), maps.1.page_size());
             // Elided pairs (source item 0, as page plans elide them), pairs of a rank pair
@@ -172,7 +187,15 @@ impl TokenTemplate {
                     }
                 }
             };
-            push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, maps);
+            push_pieces(
+                &mut pieces,
+                pair,
+                &ranges,
+                head,
+                tokens,
+                orders,
+                (maps, lane),
+            );
             pair_pieces.push((start, pieces.len()));
         }
         let mut template = Self {
@@ -184,6 +207,10 @@ impl TokenTemplate {
             class_pieces: [0; TOKEN_CLASSES],
             bytes_per_token: 0,
             lane_bytes: [0; TOKEN_LANES],
+            // One window per template (check.rs refuses two sizes).
+            window: page_pairs
+                .iter()
+                .find_map(|pair| src.windows()[pair.src_entry]),
         };
         let overflow = PlanError::Overflow {
             what: "bytes per token",
@@ -195,8 +222,10 @@ impl TokenTemplate {
             let lane = &mut template.lane_bytes[class / PIECE_CLASSES];
             *lane = lane.checked_add(piece.len).ok_or(overflow.clone())?;
         }
-        template.bytes_per_token = template.lane_bytes[0]
-            .checked_add(template.lane_bytes[1])
+        template.bytes_per_token = template
+            .lane_bytes
+            .iter()
+            .try_fold(0u64, |sum, &bytes| sum.checked_add(bytes))
             .ok_or(overflow)?;
         if dealt && template.pieces.is_empty() {
             template.empty_reason = crate::dcp::no_shared_tokens(src, dst);
@@ -207,18 +236,36 @@ impl TokenTemplate {
     /// The piece's class among [`TOKEN_CLASSES`]: its lane (which token walk it follows) times
     /// [`PIECE_CLASSES`] plus its class within the lane.
     pub fn class_of(&self, piece: &Piece) -> usize {
-        let draft = self
-            .draft_maps
-            .is_some_and(|lane| (piece.src.map, piece.dst.map) == lane);
-        usize::from(draft) * PIECE_CLASSES + piece.token_class()
+        piece.lane * PIECE_CLASSES + piece.token_class()
     }
 
     /// The token maps of each lane that has pieces (or lane 0 alone when none has).
     pub fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
-        let draft = self
-            .draft_maps
-            .filter(|_| self.class_pieces[PIECE_CLASSES..].iter().any(|&n| n > 0));
-        std::iter::once((0, self.maps)).chain(draft.map(|maps| (1, maps)))
+        let has = |lane: usize| {
+            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
+                .iter()
+                .any(|&n| n > 0)
+        };
+        let draft = self.draft_maps.filter(|_| has(DRAFT_LANE));
+        let window = has(WINDOW_LANE).then_some(self.maps);
+        std::iter::once((0, self.maps))
+            .chain(draft.map(|maps| (DRAFT_LANE, maps)))
+            .chain(window.map(|maps| (WINDOW_LANE, maps)))
+    }
+
+    /// The first global token `lane` moves of a request moving tokens `first..n`: a window
+    /// lane starts at the window's first live token (the last `window` tokens are live), or at
+    /// `first` when the decode holds more than the part before the window.
+    pub fn lane_start(&self, lane: usize, first: u64, n: u64) -> u64 {
+        match self.window {
+            Some(window) if lane == WINDOW_LANE => first.max(n.saturating_sub(window)),
+            _ => first,
+        }
+    }
+
+    /// Whether some entry pair moves only a window of a request's tokens.
+    pub fn windowed(&self) -> bool {
+        self.window.is_some()
     }
 
     /// Whether either side deals tokens over decode context-parallel ranks.
@@ -226,16 +273,31 @@ impl TokenTemplate {
         self.draft_maps.is_some()
     }
 
-    /// Leading pages of each side's list that hold no token from global token `first` on, in
-    /// any lane: the pages a delta request moving tokens `first..` never reads.
-    pub fn first_pages(&self, first: u64) -> (usize, usize) {
-        let first_page = |map: TokenMap| {
-            usize::try_from(map.local_count(first) / map.page_size()).unwrap_or(usize::MAX)
+    /// Leading pages of each side's list that hold no token a lane with pieces moves of a
+    /// request moving tokens `first..n` (a window lane from its window on): the pages such a
+    /// request never reads.
+    pub fn first_pages(&self, first: u64, n: u64) -> (usize, usize) {
+        let first_page = |map: TokenMap, token: u64| {
+            usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
         };
-        self.lanes()
-            .fold((usize::MAX, usize::MAX), |(s, d), (_, (ms, md))| {
-                (s.min(first_page(ms)), d.min(first_page(md)))
-            })
+        let moving = |lane: usize| {
+            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
+                .iter()
+                .any(|&k| k > 0)
+        };
+        let pages = self.lanes().filter(|&(lane, _)| moving(lane)).fold(
+            (usize::MAX, usize::MAX),
+            |(s, d), (lane, (ms, md))| {
+                let token = self.lane_start(lane, first, n);
+                (s.min(first_page(ms, token)), d.min(first_page(md, token)))
+            },
+        );
+        // No piece at all: nothing is read past the first moved token either.
+        if pages == (usize::MAX, usize::MAX) {
+            let (ms, md) = self.maps;
+            return (first_page(ms, first), first_page(md, first));
+        }
+        pages
     }
 
     /// Leading pages of each side's list that hold the first `n` global tokens of every lane.
@@ -256,7 +318,7 @@ fn push_pieces(
     head: u64,
     tokens: (u64, u64),
     orders: (MemoryOrder, MemoryOrder),
-    maps: (TokenMap, TokenMap),
+    (maps, lane): ((TokenMap, TokenMap), usize),
 ) {
     let sizes = (maps.0.page_size(), maps.1.page_size());
     // Byte `w` of a token (counted head by head) on a side: a head-major item holds head
@@ -279,6 +341,7 @@ fn push_pieces(
             src: side(pair.src_base + src_off, pair.src_stride, src_slot, maps.0),
             dst: side(pair.dst_base + dst_off, pair.dst_stride, dst_slot, maps.1),
             len: f.len,
+            lane,
         }
     };
     for &range in ranges {
@@ -501,7 +564,7 @@ pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     first: u64,
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
-    finish_counts(tokens, walk_counts(tokens, src, dst, first, n))
+    finish_counts(tokens, walk_counts(tokens, src, dst, (first, n), &|_| true))
 }
 
 /// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
@@ -510,14 +573,15 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
     src: &S,
     dst: &D,
-    first: u64,
-    n: u64,
+    (first, n): (u64, u64),
+    walks: &dyn Fn(usize) -> bool,
 ) -> ([u64; TOKEN_CLASSES], u64) {
     let mut class_blocks = [0u64; TOKEN_CLASSES];
     let mut n_segments = 0u64;
-    for (lane, maps) in tokens.lanes() {
+    for (lane, maps) in tokens.lanes().filter(|&(lane, _)| walks(lane)) {
         let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
-        for (k, seg) in segments(first, n, maps).enumerate() {
+        let start = tokens.lane_start(lane, first, n);
+        for (k, seg) in segments(start, n, maps).enumerate() {
             n_segments += 1;
             classes[0] += seg.n;
             let edges = edges(&seg, src, dst);
@@ -541,18 +605,22 @@ pub(crate) fn model_counts(
     consecutive: bool,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
     let pages = ModelPages { consecutive };
-    let period = tokens.lanes().try_fold(1u64, |acc, (_, (a, b))| {
-        let acc = lcm(acc, map_period(a)?)?;
-        lcm(acc, map_period(b)?)
-    });
-    let raw = match period {
+    // The window lane walks at most one window's tokens, at the request's end: walked directly.
+    let periodic = |lane: usize| lane != WINDOW_LANE;
+    let period =
+        tokens
+            .lanes()
+            .filter(|&(lane, _)| periodic(lane))
+            .try_fold(1u64, |acc, (_, (a, b))| {
+                let acc = lcm(acc, map_period(a)?)?;
+                lcm(acc, map_period(b)?)
+            });
+    let walk = |len: u64| walk_counts(tokens, &pages, &pages, (0, len), &periodic);
+    let (mut classes, mut segments) = match period {
         Some(p) if n / 3 >= p => {
             let (q, r) = (n / p, n % p);
-            let (first, second) = (
-                walk_counts(tokens, &pages, &pages, 0, p),
-                walk_counts(tokens, &pages, &pages, 0, 2 * p),
-            );
-            let (head, head_segments) = walk_counts(tokens, &pages, &pages, 0, p + r);
+            let (first, second) = (walk(p), walk(2 * p));
+            let (head, head_segments) = walk(p + r);
             let overflow = || PlanError::Overflow {
                 what: "block count",
             };
@@ -568,9 +636,15 @@ pub(crate) fn model_counts(
             }
             (classes, grow(head_segments, first.1, second.1)?)
         }
-        _ => walk_counts(tokens, &pages, &pages, 0, n),
+        _ => walk(n),
     };
-    finish_counts(tokens, raw)
+    let (window_classes, window_segments) =
+        walk_counts(tokens, &pages, &pages, (0, n), &|lane| lane == WINDOW_LANE);
+    for (count, more) in classes.iter_mut().zip(window_classes) {
+        *count += more; // only the window lane's classes, which the periodic walks left at 0
+    }
+    segments += window_segments;
+    finish_counts(tokens, (classes, segments))
 }
 
 /// Global tokens after which a side's placement and page edges repeat (`None`: past u64).
@@ -669,7 +743,10 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                     src,
                     dst,
                     limits,
-                    (shape.first_token, shape.n_tokens),
+                    (
+                        tokens.lane_start(piece.lane, shape.first_token, shape.n_tokens),
+                        shape.n_tokens,
+                    ),
                     at,
                     &mut out,
                 )?;

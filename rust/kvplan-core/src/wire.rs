@@ -51,6 +51,9 @@ pub const EXT_ATTENTION: u16 = 0x8001;
 /// Context extension: decode context parallelism (how tokens are dealt over the peer's ranks).
 /// Must be understood: ignoring it would address tokens the peer does not hold.
 pub const EXT_DCP: u16 = 0x8002;
+/// Entry extension: the entry's sliding window in tokens (u64). Must be understood: a reader
+/// that ignored it would plan a window entry as a full one, reading pages the peer freed.
+pub const EXT_WINDOW: u16 = 0x8003;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
 const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
@@ -122,7 +125,15 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.push(u8::from(parts.layer_ids[i].is_some()));
         out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
         put_str(&mut out, &parts.roles[i])?;
-        out.extend_from_slice(&0u16.to_le_bytes()); // no entry extensions
+        match layout.windows()[i] {
+            Some(window) => {
+                out.extend_from_slice(&1u16.to_le_bytes());
+                out.extend_from_slice(&EXT_WINDOW.to_le_bytes());
+                out.extend_from_slice(&8u16.to_le_bytes());
+                out.extend_from_slice(&window.to_le_bytes());
+            }
+            None => out.extend_from_slice(&0u16.to_le_bytes()),
+        }
     }
     let crc = crc32(&out);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -221,6 +232,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         })?;
     }
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
+    let mut windows: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
         data_lens: Vec::with_capacity(n),
@@ -264,7 +276,21 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         });
         parts.roles.push(reader.string()?);
         if v2 {
-            reader.extensions("an entry", |_, _| Ok(false))?;
+            let mut window = None;
+            reader.extensions("an entry", |tag, payload| match tag {
+                EXT_WINDOW => {
+                    let bytes: [u8; 8] = payload.try_into().map_err(|_| {
+                        wire_error(format!(
+                            "a window extension holds {} bytes; it must hold 8",
+                            payload.len()
+                        ))
+                    })?;
+                    window = Some(u64::from_le_bytes(bytes));
+                    Ok(true)
+                }
+                _ => Ok(false),
+            })?;
+            windows.push(window);
         }
     }
     if reader.remaining() != 0 {
@@ -273,7 +299,9 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    Layout::new(parts, context)?.with_strides(strides)
+    Layout::new(parts, context)?
+        .with_strides(strides)?
+        .with_windows(windows)
 }
 
 fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {
@@ -485,6 +513,24 @@ mod tests {
         .unwrap()
         .with_state("mamba_conv", vec![99], vec![160], vec![16], vec![1])
         .unwrap()
+    }
+
+    #[test]
+    fn windows_round_trip_as_entry_extensions() {
+        let layout = sample();
+        let windows: Vec<Option<u64>> = (0..layout.n_entries())
+            .map(|i| (layout.parts().kinds[i] == EntryKind::Page && i % 2 == 1).then_some(128))
+            .collect();
+        let windowed = layout.clone().with_windows(windows.clone()).unwrap();
+        let bytes = encode(&windowed).unwrap();
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.windows(), &windows[..]);
+        assert_eq!(back, windowed);
+        assert_ne!(bytes, encode(&layout).unwrap());
+        assert_eq!(
+            decode(&encode(&layout).unwrap()).unwrap().windows(),
+            layout.windows()
+        );
     }
 
     #[test]

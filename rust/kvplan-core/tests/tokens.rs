@@ -5,7 +5,9 @@
 mod support;
 
 use kvplan_core::Request;
-use kvplan_core::{Layout, LayoutContext, MemoryOrder, PlanError, Side, Template, TemplateOptions};
+use kvplan_core::{
+    BlockRequest, Layout, LayoutContext, MemoryOrder, PlanError, Side, Template, TemplateOptions,
+};
 use proptest::prelude::*;
 use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged};
 use support::reference::check_plan;
@@ -217,6 +219,57 @@ proptest! {
         let request = Request::new(&src_pages[..], &dst_pages[..], Some(n)).skipping(skip);
         let plan = check_plan(&template, &src, &dst, &request, None);
         prop_assert_eq!(plan.total_bytes, (n - skip) * TOKEN * 4);
+    }
+}
+
+/// `layout` with layer 1 a sliding-window layer of `window` tokens.
+fn windowed(layout: Layout, window: u64) -> Layout {
+    let windows = layout
+        .parts()
+        .layer_ids
+        .iter()
+        .map(|&id| (id == Some(1)).then_some(window))
+        .collect();
+    layout.with_windows(windows).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(delta_cases()))]
+    /// Sliding-window layers: layer 1 moves only the request's last `window` tokens (from the
+    /// delta's first token on), layer 0 every token from it; against the same reference.
+    #[test]
+    fn window_plans_match_the_reference(
+        ps in prop::sample::select(vec![1u64, 2, 4, 16, 64]),
+        pd in prop::sample::select(vec![1u64, 2, 4, 16, 64]),
+        orders in (order(), order()),
+        pads in (prop::sample::select(vec![0u64, 8]), prop::sample::select(vec![0u64, 8])),
+        src_gaps in prop::collection::vec(any::<bool>(), 16),
+        dst_gaps in prop::collection::vec(any::<bool>(), 16),
+        per_mille in 0u64..=1000,
+        skip_per_mille in 0u64..=1000,
+        window in 1u64..=300,
+    ) {
+        let n = (16 * ps).min(16 * pd).min(200) * per_mille / 1000;
+        let skip = n * skip_per_mille / 1000;
+        let src_pages = pages(n.div_ceil(ps) as usize, &src_gaps);
+        let dst_pages = pages(n.div_ceil(pd) as usize, &dst_gaps);
+        let src = windowed(layout(0x1000, ps, 16, orders.0, pads.0), window);
+        let dst = windowed(layout(0x10_0000, pd, 16, orders.1, pads.1), window);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let request = Request::new(&src_pages[..], &dst_pages[..], Some(n)).skipping(skip);
+        let plan = check_plan(&template, &src, &dst, &request, None);
+        let live = n - skip.max(n.saturating_sub(window));
+        prop_assert_eq!(plan.total_bytes, ((n - skip) + live) * TOKEN * 2);
+        // Counted without the pages, the same blocks.
+        let counted = template
+            .count_blocks(BlockRequest::Tokens { n_tokens: n, fragmented: false })
+            .unwrap();
+        let (model_src, model_dst): (Vec<i64>, Vec<i64>) = (
+            (0..src_pages.len() as i64).collect(),
+            (0..dst_pages.len() as i64).collect(),
+        );
+        let contiguous = Request::new(&model_src[..], &model_dst[..], Some(n));
+        prop_assert_eq!(counted, template.plan(&contiguous).unwrap().lengths.len());
     }
 }
 

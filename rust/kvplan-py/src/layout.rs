@@ -142,6 +142,29 @@ fn strided(
     wrap(layout.with_strides(strides))
 }
 
+/// `windows=`: `None` (every entry full) or one window in tokens (or `None`) per entry.
+fn windows_arg(windows: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u64>>> {
+    let Some(obj) = windows.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    obj.extract::<Vec<Option<u64>>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "windows must be None or a sequence of one window per entry (a positive int of \
+             tokens, or None for a full entry), got {}",
+            obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })
+}
+
+/// Applies `windows=` to a built layout.
+fn windowed(layout: PyLayout, windows: Option<&Bound<'_, PyAny>>) -> PyResult<PyLayout> {
+    let windows = windows_arg(windows)?;
+    if windows.is_empty() {
+        return Ok(layout);
+    }
+    wrap(layout.inner.with_windows(windows))
+}
+
 /// Applies `strides=` to the entries `appended` added after the `before` entries of `base`.
 fn strided_tail(
     base: &Layout,
@@ -175,6 +198,8 @@ pub struct PyLayoutEntry {
     stride: u64,
     /// Whole items (pages or slots) the entry holds (0 when item_len is 0).
     capacity: u64,
+    /// Sliding window in tokens (`None`: a full entry).
+    window: Option<u64>,
 }
 
 #[pymethods]
@@ -184,7 +209,7 @@ impl PyLayoutEntry {
         // Python's quoting, so the repr reads like Python.
         let quoted = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"));
         format!(
-            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={})",
+            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={}, window={})",
             self.index,
             quoted(self.kind),
             opt(self.layer_id.map(|i| i.to_string())),
@@ -194,7 +219,8 @@ impl PyLayoutEntry {
             self.data_len,
             self.item_len,
             self.stride,
-            self.capacity
+            self.capacity,
+            opt(self.window.map(|w| w.to_string()))
         )
     }
 }
@@ -222,7 +248,7 @@ fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, windows=None, **context))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_ptrs: Vec<u64>,
@@ -233,6 +259,7 @@ impl PyLayout {
         kinds: Option<Vec<String>>,
         drafts: Option<Vec<bool>>,
         strides: Option<&Bound<'_, PyAny>>,
+        windows: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
@@ -256,7 +283,24 @@ impl PyLayout {
             kinds,
             drafts: drafts.unwrap_or_default(),
         };
-        strided(Layout::new(parts, context_from(context)?), strides)
+        windowed(
+            strided(Layout::new(parts, context_from(context)?), strides)?,
+            windows,
+        )
+    }
+
+    /// The same layout with sliding-window entries: one window in tokens per entry (`None`
+    /// for a full entry). A window entry moves only the last `window` tokens of a request (and
+    /// of a delta request only those the decode lacks); its pages are the request's pages.
+    fn with_windows(&self, windows: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let list = windows_arg(Some(windows))?;
+        wrap(self.inner.clone().with_windows(list))
+    }
+
+    /// Sliding window in tokens per entry (`None`: a full entry).
+    #[getter]
+    fn windows(&self) -> Vec<Option<u64>> {
+        self.inner.windows().to_vec()
     }
 
     /// One `kv` entry per layer (MLA latent buffers).
@@ -471,6 +515,9 @@ impl PyLayout {
         dict.set_item("kinds", self.kinds())?;
         dict.set_item("drafts", &parts.drafts)?;
         dict.set_item("strides", self.inner.strides())?;
+        if self.inner.has_windows() {
+            dict.set_item("windows", self.inner.windows())?;
+        }
         dict.set_item("page_size", ctx.page_size)?;
         dict.set_item("device", &ctx.device)?;
         dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -535,6 +582,7 @@ impl PyLayout {
             _ => None,
         };
         let strides = optional("strides")?;
+        let windows = optional("windows")?;
         // Each field is converted here, element by element, so that a bad document is refused
         // naming the field, the entry and the value (PyO3's own conversion errors name none).
         let item_lens = if items.cast::<PyList>().is_ok() || items.cast::<PyTuple>().is_ok() {
@@ -565,6 +613,7 @@ impl PyLayout {
             nullable_list("kinds", &kinds, "a str", &|o| o.extract::<String>().ok())?,
             drafts,
             strides.as_ref(),
+            windows.as_ref(),
             Some(&data),
         )
     }
@@ -635,6 +684,7 @@ impl PyLayout {
                 item_len: parts.item_lens[i],
                 stride: layout.strides()[i],
                 capacity: layout.capacity(i),
+                window: layout.windows()[i],
             })
             .collect())
     }

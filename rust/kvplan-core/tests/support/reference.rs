@@ -216,7 +216,12 @@ fn copy_reference(
             || s_side.holders == 1
             || s_side.rank % s_side.holders == d_side.rank % s_side.holders;
         // A delta request moves its tokens from `skip_tokens` on; the decode holds the rest.
-        for t in request.skip_tokens..n {
+        // A sliding-window entry holds only the request's last `w` tokens live.
+        let first = match src.windows()[e_s] {
+            Some(w) => request.skip_tokens.max(n.saturating_sub(w)),
+            None => request.skip_tokens,
+        };
+        for t in first..n {
             let (s_slot, d_slot) = (t % ps, t % pd);
             let s_page = src_pages[(t / ps) as usize] as u64;
             let d_page = dst_pages[(t / pd) as usize] as u64;
