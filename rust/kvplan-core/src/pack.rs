@@ -18,7 +18,7 @@
 //! A token request's gather can also be planned as rows ([`PackPlanner::row_gather`]): per
 //! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
 //! takes, with the same pack layout and the same network plan (both built by one merging
-//! [`PlanBuilder`]),
+//! `PlanBuilder`),
 //! without building the direct plan or one block per row.
 //!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
@@ -400,7 +400,7 @@ impl PackPlanner<'_> {
 ///
 /// # Errors
 /// [`PlanError::PackTooSmall`], [`PlanError::Overflow`], [`PlanError::OutOfMemory`].
-pub fn pack_columns(
+pub(crate) fn pack_columns(
     out: Columns<'_>,
     n: usize,
     offsets: &[usize],

@@ -83,7 +83,7 @@ pub struct PieceSide {
 
 impl PieceSide {
     /// A side of a page piece: one slot per page, so the slot stride is the page stride.
-    pub fn of_pages(base: u64, stride: u64) -> Self {
+    pub(crate) fn of_pages(base: u64, stride: u64) -> Self {
         Self {
             base,
             page_stride: stride,
@@ -114,7 +114,7 @@ pub struct Piece {
 impl Piece {
     /// A page piece: page `k` is `len` bytes at `src_base + k × src_stride` and `dst_base + k ×
     /// dst_stride`.
-    pub fn of_pages(src: (u64, u64), dst: (u64, u64), len: u64) -> Self {
+    pub(crate) fn of_pages(src: (u64, u64), dst: (u64, u64), len: u64) -> Self {
         Self {
             src: PieceSide::of_pages(src.0, src.1),
             dst: PieceSide::of_pages(dst.0, dst.1),
@@ -130,7 +130,7 @@ impl Piece {
     }
 
     /// The piece's token class within its lane (see [`PIECE_CLASSES`]).
-    pub fn token_class(&self) -> usize {
+    pub(crate) fn token_class(&self) -> usize {
         if self.per_run() {
             1 + 2 * usize::from(self.src.packed()) + usize::from(self.dst.packed())
         } else {
@@ -139,7 +139,7 @@ impl Piece {
     }
 
     /// Same strides, maps and length: the blocks of the two pieces differ only by their bases.
-    pub fn same_shape(&self, other: &Self) -> bool {
+    pub(crate) fn same_shape(&self, other: &Self) -> bool {
         let shape = |p: &Self| {
             (
                 (p.src.page_stride, p.src.slot_stride, p.src.map),
@@ -159,7 +159,7 @@ pub const PIECE_CLASSES: usize = 5;
 /// Token walks of a token template: lane 0 moves the tokens of its token maps (all of them, or
 /// those two dealt decode-context-parallel ranks share), lane 1 the draft tokens a DCP template
 /// sends whole (module `dcp`). Each lane's walk counts its own blocks.
-pub const TOKEN_LANES: usize = 2;
+pub(crate) const TOKEN_LANES: usize = 2;
 
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
 pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;
@@ -263,7 +263,7 @@ pub enum Fragments {
 
 impl Fragments {
     /// The fragments given for page pair `index` (`None`: the whole item).
-    pub fn of_pair(&self, index: usize) -> Option<&[Fragment]> {
+    pub(crate) fn of_pair(&self, index: usize) -> Option<&[Fragment]> {
         match self {
             Fragments::Whole => None,
             Fragments::Every(list) => Some(list),

@@ -206,7 +206,7 @@ impl TokenTemplate {
 
     /// The piece's class among [`TOKEN_CLASSES`]: its lane (which token walk it follows) times
     /// [`PIECE_CLASSES`] plus its class within the lane.
-    pub fn class_of(&self, piece: &Piece) -> usize {
+    pub(crate) fn class_of(&self, piece: &Piece) -> usize {
         let draft = self
             .draft_maps
             .is_some_and(|lane| (piece.src.map, piece.dst.map) == lane);
@@ -214,7 +214,7 @@ impl TokenTemplate {
     }
 
     /// The token maps of each lane that has pieces (or lane 0 alone when none has).
-    pub fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
+    pub(crate) fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
         let draft = self
             .draft_maps
             .filter(|_| self.class_pieces[PIECE_CLASSES..].iter().any(|&n| n > 0));
@@ -228,7 +228,7 @@ impl TokenTemplate {
 
     /// Leading pages of each side's list that hold no token from global token `first` on, in
     /// any lane: the pages a delta request moving tokens `first..` never reads.
-    pub fn first_pages(&self, first: u64) -> (usize, usize) {
+    pub(crate) fn first_pages(&self, first: u64) -> (usize, usize) {
         let first_page = |map: TokenMap| {
             usize::try_from(map.local_count(first) / map.page_size()).unwrap_or(usize::MAX)
         };
