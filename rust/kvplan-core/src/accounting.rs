@@ -61,7 +61,7 @@ impl BlockAccounting {
                 );
                 let (mut classes, mut lanes) = ([0; TOKEN_CLASSES], [0u64; TOKEN_LANES]);
                 for piece in &tokens.pieces[start..end] {
-                    let class = tokens.class_of(piece);
+                    let class = piece.class();
                     classes[class] += 1;
                     let lane = &mut lanes[class / PIECE_CLASSES];
                     *lane = lane.checked_add(piece.len).ok_or(PlanError::Overflow {

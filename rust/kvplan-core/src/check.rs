@@ -58,7 +58,7 @@ pub struct EntryCheck {
 }
 
 /// Checks every source entry of `src` against `dst`: page entries first, then state entries,
-/// each in layout order. [`Template::new`] fails with the first problem of this list, so a
+/// each in layout order. [`crate::Template::new`] fails with the first problem of this list, so a
 /// compatibility report built from it never disagrees with the template.
 pub fn check_pairs(src: &Layout, dst: &Layout, options: TemplateOptions) -> Vec<EntryCheck> {
     check_pairs_sliced(

@@ -43,7 +43,7 @@ pub fn token_map(layout: &Layout) -> TokenMap {
 }
 
 /// The token map of a layout's draft entries: every token, pages of `page_size × dcp_size`.
-pub fn draft_map(layout: &Layout) -> TokenMap {
+pub(crate) fn draft_map(layout: &Layout) -> TokenMap {
     TokenMap::Paged {
         page_size: tokens_per_draft_item(layout),
     }
@@ -56,7 +56,7 @@ fn tokens_per_draft_item(layout: &Layout) -> u64 {
 
 /// Tokens one item of entry `entry` holds: the page size, times `dcp_size` for a draft entry
 /// (the virtual page).
-pub fn tokens_per_item(layout: &Layout, entry: usize) -> u64 {
+pub(crate) fn tokens_per_item(layout: &Layout, entry: usize) -> u64 {
     if layout.is_draft(entry) {
         tokens_per_draft_item(layout)
     } else {
@@ -65,20 +65,20 @@ pub fn tokens_per_item(layout: &Layout, entry: usize) -> u64 {
 }
 
 /// Whether either side deals tokens: every plan between them is a token plan.
-pub fn dealt_pair(src: &Layout, dst: &Layout) -> bool {
+pub(crate) fn dealt_pair(src: &Layout, dst: &Layout) -> bool {
     src.context().dcp.dealt() || dst.context().dcp.dealt()
 }
 
 /// Whether this source rank is the one that sends what is not dealt (draft tokens, state) to
 /// this decode rank: source DCP rank `decode rank mod source size`, so the decode ranks are
 /// spread over the source ranks and each receives once.
-pub fn sends_undealt(src: &Layout, dst: &Layout) -> bool {
+pub(crate) fn sends_undealt(src: &Layout, dst: &Layout) -> bool {
     let (s, d) = (src.context().dcp, dst.context().dcp);
     d.rank % s.size == s.rank
 }
 
 /// Why the two sides' dealt tokens never meet, when they do not (`None`: they share tokens).
-pub fn no_shared_tokens(src: &Layout, dst: &Layout) -> Option<String> {
+pub(crate) fn no_shared_tokens(src: &Layout, dst: &Layout) -> Option<String> {
     let maps = (token_map(src), token_map(dst));
     if shares_tokens(maps) {
         return None;
@@ -93,7 +93,7 @@ pub fn no_shared_tokens(src: &Layout, dst: &Layout) -> Option<String> {
 
 /// Whether some token lives on both maps' ranks: checked over one period of both deal patterns
 /// (their tokens repeat with period `lcm(I_s·N_s, I_d·N_d)`), segment by segment.
-pub fn shares_tokens(maps: (TokenMap, TokenMap)) -> bool {
+pub(crate) fn shares_tokens(maps: (TokenMap, TokenMap)) -> bool {
     let period = |m: TokenMap| match m {
         TokenMap::Paged { .. } => 1,
         TokenMap::Dealt {
@@ -136,7 +136,7 @@ impl TokenMap {
     }
 
     /// The first token at or after `t` that lives on this map's rank (`u64::MAX` past the end).
-    pub fn next_owned(self, t: u64) -> u64 {
+    pub(crate) fn next_owned(self, t: u64) -> u64 {
         match self {
             TokenMap::Paged { .. } => t,
             TokenMap::Dealt {

@@ -67,9 +67,9 @@ pub const PLAN_DIGEST_TAG: [u8; 8] = *b"KVPLPD\x01\x00";
 /// Leading bytes of the content digest's input: magic and version.
 pub const CONTENT_DIGEST_TAG: [u8; 8] = *b"KVPLCD\x01\x00";
 /// Leading bytes of an index list digest's input: magic and version.
-pub const INDEX_DIGEST_TAG: [u8; 8] = *b"KVPLIX\x01\x00";
+pub(crate) const INDEX_DIGEST_TAG: [u8; 8] = *b"KVPLIX\x01\x00";
 /// Leading bytes of a delta plan digest's input: magic and version.
-pub const DELTA_DIGEST_TAG: [u8; 8] = *b"KVPLDD\x01\x00";
+pub(crate) const DELTA_DIGEST_TAG: [u8; 8] = *b"KVPLDD\x01\x00";
 /// Leading bytes of a leased plan digest's input: magic and version.
 pub const LEASE_DIGEST_TAG: [u8; 8] = *b"KVPLLD\x01\x00";
 

@@ -51,89 +51,149 @@ pub enum ErrorClass {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PlanError {
+    /// The source and destination index arrays of a request differ in length.
     #[error("src has {src} indices but dst has {dst}; index arrays must have equal length")]
-    LengthMismatch { src: usize, dst: usize },
+    LengthMismatch {
+        /// How many source indices were given.
+        src: usize,
+        /// How many destination indices were given.
+        dst: usize,
+    },
+    /// A page (or token) index below zero.
     #[error("{side} index {index} at position {position} is negative")]
     NegativeIndex {
+        /// The side whose index array holds it.
         side: Side,
+        /// The negative index as given.
         index: i64,
+        /// Where it stands in its index array (0-based).
         position: usize,
     },
+    /// An index past the last item of the entry it addresses.
     #[error(
         "{side} index {index} at position {position} is outside 0..{capacity} of {side} entry {entry} ({label}, item_len {item_len})"
     )]
     IndexOutOfRange {
+        /// The side whose index array holds it.
         side: Side,
+        /// The index as given.
         index: i64,
+        /// Where it stands in its index array (0-based).
         position: usize,
+        /// How many items the entry holds (valid indices are 0..capacity).
         capacity: u64,
+        /// The position of the entry in its side's layout.
         entry: usize,
+        /// The entry's name for messages (layer id and role).
         label: String,
+        /// The entry's item (page) size in bytes.
         item_len: u64,
     },
+    /// A destination index that appears twice in one request, so one destination item would be
+    /// written by two transfers.
     #[error(
         "dst index {index} appears at positions {first} and {second}: a destination item would be written twice"
     )]
     DuplicateDestination {
+        /// The repeated destination index.
         index: i64,
+        /// Its first position in the destination index array.
         first: usize,
+        /// Its second position in the destination index array.
         second: usize,
     },
+    /// Two requests of one batch that write the same destination page or state slot.
     #[error(
         "requests {first} and {second} of the batch both write dst {what} {index}: a destination would be written twice"
     )]
     RequestsOverlap {
+        /// What is written twice: `"page"` or `"state slot"`.
         what: &'static str,
+        /// The destination page index or slot written twice.
         index: i64,
+        /// The position of the first request in the batch.
         first: usize,
+        /// The position of the second request in the batch.
         second: usize,
     },
     /// A batch given flat (all requests' pages concatenated, with offsets) whose offsets or
     /// per-request values do not describe the arrays; `what` names the values.
     #[error("flat batch: {what}")]
-    FlatBatch { what: String },
+    FlatBatch {
+        /// What is wrong, naming the offsets or values.
+        what: String,
+    },
+    /// An error found in one request of a batch; the inner error says what.
     #[error("request {request} of the batch: {source}")]
     InRequest {
+        /// The position of the request in the batch (0-based).
         request: usize,
+        /// The error of that request.
         source: Box<PlanError>,
     },
+    /// Layer ids given for one peer's entries but not for the other's.
     #[error(
         "Layer metadata must be provided by both PD peers or neither (src has {src_ids} ids, dst has {dst_ids})"
     )]
-    OneSidedMetadata { src_ids: usize, dst_ids: usize },
+    OneSidedMetadata {
+        /// How many layer ids the prefill peer gave.
+        src_ids: usize,
+        /// How many layer ids the decode peer gave.
+        dst_ids: usize,
+    },
+    /// Layer ids whose count differs from the entry count on either peer.
     #[error(
         "Layer metadata length must match transfer entries: src metadata={src_ids} entries={n_src}, dst metadata={dst_ids} entries={n_dst}"
     )]
     MetadataLength {
+        /// How many layer ids the prefill peer gave.
         src_ids: usize,
+        /// How many entries the prefill layout has.
         n_src: usize,
+        /// How many layer ids the decode peer gave.
         dst_ids: usize,
+        /// How many entries the decode layout has.
         n_dst: usize,
     },
+    /// Entry roles whose count differs from the entry count of that side.
     #[error(
         "role metadata length must match transfer entries: {side} roles={roles} entries={entries}"
     )]
     RoleLength {
+        /// The side whose roles are wrong.
         side: Side,
+        /// How many roles were given.
         roles: usize,
+        /// How many entries that side's layout has.
         entries: usize,
     },
+    /// A prefill entry whose layer (and role) the decode peer has no entry for.
     #[error(
         "Decode peer is missing a transfer entry for model layer {layer}{role} (src entry {src_entry}, occurrence {occurrence})"
     )]
     MissingLayer {
+        /// The global layer id that has no decode entry.
         layer: i64,
+        /// `" role <name>"` when entries pair by role as well, else empty (it is printed right
+        /// after the layer id).
         role: String,
+        /// The position of the prefill entry in its layout.
         src_entry: usize,
+        /// Which entry of that layer and role it is on the prefill side (1 for the first).
         occurrence: usize,
     },
+    /// Without layer ids, a prefill entry of a role the decode peer has fewer entries of.
     #[error(
         "Decode peer has no entry of role {role:?} for src entry {src_entry} (occurrence {occurrence} of that role; the decode has {dst_count}): without layer ids, entries pair by position within their role"
     )]
     MissingRole {
+        /// The entry role (for example `"k"`).
         role: String,
+        /// The position of the prefill entry in its layout.
         src_entry: usize,
+        /// Which entry of that role it is on the prefill side.
         occurrence: usize,
+        /// How many entries of that role the decode peer has.
         dst_count: usize,
     },
     /// An indexer or scale entry whose KV entry is missing (on its own side, or on the other
@@ -142,60 +202,126 @@ pub enum PlanError {
         "{side} entry {entry} (layer {layer}, role {role}) belongs to its layer's KV entry, but {why}"
     )]
     MissingPartner {
+        /// The side of the entry whose partner is missing.
         side: Side,
+        /// The position of that entry in its layout.
         entry: usize,
+        /// Its global layer id.
         layer: i64,
+        /// Its role (indexer or scale).
         role: String,
+        /// Where the KV entry was looked for and not found.
         why: String,
     },
+    /// Peers without layer ids whose entry counts differ, so entries cannot pair by position.
     #[error(
         "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} dst={n_dst} entries"
     )]
-    PositionalCount { n_src: usize, n_dst: usize },
+    PositionalCount {
+        /// How many entries the prefill layout has.
+        n_src: usize,
+        /// How many entries the decode layout has.
+        n_dst: usize,
+    },
+    /// Peers without layer ids whose entries cannot be paired by the legacy positional rules.
     #[error("legacy positional slicing: {reason}")]
-    LegacySlice { reason: String },
+    LegacySlice {
+        /// Which rule failed, with the counts.
+        reason: String,
+    },
+    /// Two paired entries whose items (pages) differ in size.
     #[error(
         "item size mismatch for layer {layer} role {role}: src entry {src_entry} has item_len {src_item_len} bytes, dst entry {dst_entry} has {dst_item_len} bytes"
     )]
     SizeMismatch {
+        /// The layer of the pair, as printed.
         layer: String,
+        /// The role of the pair.
         role: String,
+        /// The position of the prefill entry in its layout.
         src_entry: usize,
+        /// The position of the decode entry in its layout.
         dst_entry: usize,
+        /// The prefill entry's item size in bytes.
         src_item_len: u64,
+        /// The decode entry's item size in bytes.
         dst_item_len: u64,
     },
+    /// A per-entry list of a layout whose length differs from the number of buffers (`data_ptrs`).
     #[error("layout list {field} has {len} values but data_ptrs has {expected}")]
     ListLength {
+        /// The name of the list (for example `"data_lens"`).
         field: &'static str,
+        /// How many values the list has.
         len: usize,
+        /// How many buffers `data_ptrs` names.
         expected: usize,
     },
+    /// A buffer whose end (base address plus length) does not fit in 64 bits.
     #[error("entry {entry}: base address {base:#x} + {len} bytes overflows u64")]
-    BufferOverflow { entry: usize, base: u64, len: u64 },
+    BufferOverflow {
+        /// The position of the entry in its layout.
+        entry: usize,
+        /// The buffer's base address.
+        base: u64,
+        /// The buffer's length in bytes.
+        len: u64,
+    },
+    /// A buffer count that is not a whole multiple of the layer count, so buffers cannot be split
+    /// evenly into per-layer groups.
     #[error(
         "{entries} buffers are not a whole multiple of {layers} layers (groups per layer would be {entries}/{layers}); refusing to truncate"
     )]
-    GroupsNotWhole { entries: usize, layers: usize },
+    GroupsNotWhole {
+        /// How many buffers were given.
+        entries: usize,
+        /// How many layers the layout has.
+        layers: usize,
+    },
+    /// A malformed layout not covered by a more specific variant.
     #[error("{what}")]
-    InvalidLayout { what: String },
+    InvalidLayout {
+        /// What is wrong, with the values.
+        what: String,
+    },
+    /// Address or size arithmetic that would overflow 64 bits.
     #[error("address arithmetic overflowed u64 while computing {what}")]
-    Overflow { what: &'static str },
+    Overflow {
+        /// The quantity being computed.
+        what: &'static str,
+    },
+    /// An output buffer given by the caller that holds fewer blocks than the plan writes.
     #[error("output buffer holds {have} blocks but the plan needs {need}")]
-    OutputTooSmall { have: usize, need: usize },
+    OutputTooSmall {
+        /// How many blocks the buffer holds.
+        have: usize,
+        /// How many blocks the plan writes.
+        need: usize,
+    },
     /// A pack buffer smaller than the bytes a packed plan gathers into it.
     #[error(
         "pack buffer of {have} bytes is too small: the plan gathers {need} bytes ({blocks} blocks) into it; give a pack buffer of at least {need} bytes"
     )]
-    PackTooSmall { need: u64, have: u64, blocks: usize },
+    PackTooSmall {
+        /// How many bytes the plan gathers.
+        need: u64,
+        /// The pack buffer's size in bytes.
+        have: u64,
+        /// How many blocks the gather has.
+        blocks: usize,
+    },
     /// A staging region of a staged plan smaller than the bytes the plan places in it.
     #[error(
         "{region} staging region of {have} bytes is too small: {layout} needs {need} bytes; give a region of at least {need} bytes"
     )]
     StagingTooSmall {
+        /// Which region: `"prefill"` or `"decode"`.
         region: &'static str,
+        /// How many bytes the plan places in it.
         need: u64,
+        /// The region's size in bytes.
         have: u64,
+        /// What the plan places there (for example the gather of so many blocks).
         layout: String,
     },
     /// Decode staging slots (one per decode attention entry) need every pair of a request to
@@ -204,33 +330,58 @@ pub enum PlanError {
         "staged decode slots need equal bytes per attention entry pair: page pair {first_pair} moves {first_bytes} bytes per entry, page pair {pair} moves {bytes}; plan such a request directly"
     )]
     StagingSlotSizes {
+        /// The first page pair of the request.
         first_pair: usize,
+        /// The bytes per entry that pair moves.
         first_bytes: u64,
+        /// The first page pair that moves a different amount.
         pair: usize,
+        /// The bytes per entry that pair moves.
         bytes: u64,
     },
     /// Two buffers given to a local copy share memory.
     #[error(
         "{first} overlaps {second}: a local copy needs destination buffers that share no byte with any other buffer given"
     )]
-    BuffersOverlap { first: String, second: String },
+    BuffersOverlap {
+        /// The first buffer, named with its address range.
+        first: String,
+        /// The buffer it overlaps, named the same way.
+        second: String,
+    },
+    /// Index arrays whose contents changed between the check and the plan, as when another thread
+    /// writes them during the call.
     #[error("index arrays changed while planning (written by another thread during the call?)")]
     InputChanged,
+    /// Binary layout data (module `wire`) that cannot be decoded.
     #[error("wire data: {what}")]
-    Wire { what: String },
+    Wire {
+        /// What is wrong with the data.
+        what: String,
+    },
     /// Sizes come from requests (runs × pairs, bare counts), so an allocation can fail without
     /// anything being wrong with the process: it is reported, never an abort.
     #[error("cannot allocate {bytes} bytes for {what}")]
-    OutOfMemory { what: &'static str, bytes: u128 },
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// How many bytes were asked for.
+        bytes: u128,
+    },
     /// Different tokens per page: an item that is not a whole number of tokens.
     #[error(
         "{side} entry {entry} ({label}): item_len {item_len} bytes is not a whole number of tokens of page_size {page_size}; token-exact planning needs item_len = page_size x bytes per token"
     )]
     TokenSize {
+        /// The side of the entry.
         side: Side,
+        /// The position of the entry in its layout.
         entry: usize,
+        /// The entry's name for messages.
         label: String,
+        /// The entry's item size in bytes.
         item_len: u64,
+        /// Tokens per page on that side.
         page_size: u64,
     },
     /// Different tokens per page: paired items that disagree on bytes per token.
@@ -238,12 +389,19 @@ pub enum PlanError {
         "bytes per token differ for {label}: src entry {src_entry} has item_len {src_item_len} for page_size {src_page_size}, dst entry {dst_entry} has item_len {dst_item_len} for page_size {dst_page_size}; paired items must hold the same bytes per token"
     )]
     TokenBytes {
+        /// The pair's name for messages.
         label: String,
+        /// The position of the prefill entry in its layout.
         src_entry: usize,
+        /// The position of the decode entry in its layout.
         dst_entry: usize,
+        /// The prefill item size in bytes.
         src_item_len: u64,
+        /// Tokens per page on the prefill side.
         src_page_size: u64,
+        /// The decode item size in bytes.
         dst_item_len: u64,
+        /// Tokens per page on the decode side.
         dst_page_size: u64,
     },
     /// A head-major (HND) item whose size disagrees with the published attention geometry.
@@ -251,11 +409,17 @@ pub enum PlanError {
         "{side} entry {entry} ({label}): {token_bytes} bytes per token do not match the attention geometry ({heads} heads per rank x {head_bytes} bytes per head); head-major items must hold exactly heads_per_rank x head_dim x dtype_size bytes per token, with the same head size on both sides"
     )]
     HeadLayout {
+        /// The side of the entry.
         side: Side,
+        /// The position of the entry in its layout.
         entry: usize,
+        /// The entry's name for messages.
         label: String,
+        /// Bytes per token of the item (item size over tokens per page).
         token_bytes: u64,
+        /// KV heads per rank that side's geometry publishes.
         heads: u64,
+        /// Bytes per head per token (head_dim times dtype size).
         head_bytes: u64,
     },
     /// A token request with fewer pages than its tokens need on one side.
@@ -263,35 +427,57 @@ pub enum PlanError {
         "n_tokens {n_tokens} needs {needed} {side} pages of {page_size} tokens, but {given} were given"
     )]
     TokenCount {
+        /// The side that has too few pages.
         side: Side,
+        /// The request's token count.
         n_tokens: u64,
+        /// Tokens per page on that side.
         page_size: u64,
+        /// How many pages the tokens need.
         needed: u64,
+        /// How many pages were given.
         given: usize,
     },
     /// A delta request that skips more tokens than it has.
     #[error(
         "skip_tokens {skip_tokens} is past the request's {n_tokens} tokens (the decode cannot hold more tokens than the request has)"
     )]
-    SkipTokens { skip_tokens: u64, n_tokens: u64 },
+    SkipTokens {
+        /// How many tokens the request says the decode already holds.
+        skip_tokens: u64,
+        /// The request's token count.
+        n_tokens: u64,
+    },
     /// A template's geometry option (fragments) that does not fit its pairs.
     #[error("{what}")]
-    Geometry { what: String },
+    Geometry {
+        /// What does not fit, with the values.
+        what: String,
+    },
     /// The two sides' attention geometries cannot be bridged by head slicing (or an entry's
     /// item does not match its side's geometry); `entry` names the pair when one is at fault.
     #[error("head slicing: {}{problem}", entry.as_deref().map(|e| format!("{e}: ")).unwrap_or_default())]
     HeadMismatch {
+        /// The pair at fault, named for messages, when the problem is one pair's and not the whole
+        /// geometry's.
         entry: Option<String>,
+        /// What cannot be bridged.
         problem: HeadProblem,
     },
     /// Caller fragments that cannot be combined with how the template moves bytes (a token
     /// plan, head slicing); `why` says exactly which bytes have no defined destination.
     #[error("fragments: {why}")]
-    FragmentCombination { why: String },
+    FragmentCombination {
+        /// Which bytes have no defined destination, and why.
+        why: String,
+    },
     /// A template whose transfers prepped descriptor tables (one descriptor per whole page)
     /// cannot express; `why` names the template's property and the path that works.
     #[error("prepped descriptor tables: {why}")]
-    NotPreppable { why: String },
+    NotPreppable {
+        /// The template's property that rules prepped tables out, and the path to use instead.
+        why: String,
+    },
     /// A block to digest that does not lie inside one of the buffers given for its side.
     #[error(
         "{side} block {block} at [{addr:#x}, +{len} bytes) does not lie inside one of the \
@@ -299,30 +485,49 @@ pub enum PlanError {
          buffer"
     )]
     BlockOutsideBuffers {
+        /// The side of the block's address.
         side: Side,
+        /// The position of the block in the plan.
         block: usize,
+        /// The block's start address.
         addr: u64,
+        /// The block's length in bytes.
         len: u64,
+        /// How many buffers were given for that side.
         n_buffers: usize,
+        /// The buffer closest to the address, for the message.
         nearest: String,
     },
     /// Digest inputs that do not describe a plan (columns of unequal lengths, bad offsets).
     #[error("digest input: {what}")]
-    DigestInput { what: String },
+    DigestInput {
+        /// What is wrong, with the lengths or offsets.
+        what: String,
+    },
     /// A transfer cost value that is not a finite number greater than zero (`value` as given,
     /// formatted: a float is not `Eq`).
     #[error("transfer cost {field} must be a finite number greater than 0, got {value}")]
-    InvalidCost { field: &'static str, value: String },
+    InvalidCost {
+        /// The name of the cost value.
+        field: &'static str,
+        /// The value as given, formatted.
+        value: String,
+    },
     /// A block id of a descriptor-id request (module `nixl_ids`) outside the descriptors one
     /// region holds: the id would name another region's descriptor.
     #[error(
         "KV group {group}: block id {block} at position {position} is outside 0..{count}, the blocks of descriptor region {region}"
     )]
     DescIdOutOfRegion {
+        /// The KV group of the request.
         group: usize,
+        /// Where the block id stands in its array.
         position: usize,
+        /// The block id as given.
         block: i64,
+        /// The descriptor region the group uses.
         region: usize,
+        /// How many blocks that region holds (valid ids are 0..count).
         count: i64,
     },
     /// Paired page entries that disagree on their sliding window (one a window entry and the
@@ -355,42 +560,65 @@ pub enum HeadProblem {
         "{what} differ (prefill {src}, decode {dst}); heads can only be re-sliced between items of the same shape"
     )]
     Differ {
+        /// Which value differs (for example head_dim).
         what: &'static str,
+        /// The prefill value.
         src: String,
+        /// The decode value.
         dst: String,
     },
     /// Heads cannot be split evenly over a side's ranks, or a rank is outside its TP size.
     #[error("{what}")]
-    Split { what: String },
+    Split {
+        /// Which heads, ranks and TP size do not fit.
+        what: String,
+    },
     /// A side publishes heads per rank that do not follow from kv_heads and its TP size.
     #[error(
         "{} publishes heads_per_rank {published} but kv_heads {kv_heads} over TP size {tp} gives {want} per rank",
         side.pick("prefill", "decode")
     )]
     HeadsPerRank {
+        /// The side that publishes the value.
         side: Side,
+        /// The heads per rank it publishes.
         published: u32,
+        /// The model's KV heads.
         kv_heads: u32,
+        /// That side's TP size.
         tp: u32,
+        /// The heads per rank kv_heads and the TP size give.
         want: u32,
     },
     /// Whole items move but their lengths differ.
     #[error(
         "item lengths differ (prefill {src_item}, decode {dst_item} bytes) although both ranks hold the same heads"
     )]
-    ItemsDiffer { src_item: u64, dst_item: u64 },
+    ItemsDiffer {
+        /// The prefill item size in bytes.
+        src_item: u64,
+        /// The decode item size in bytes.
+        dst_item: u64,
+    },
     /// Part of an item moves, and one side's item is not what its geometry implies.
     #[error(
         "a head-sliced transfer needs {} items of page_size {page_size} × {heads} heads × head_dim {head_dim} × {dtype_size} bytes = {want} bytes, this entry has {have}",
         side.pick("prefill", "decode")
     )]
     SlicedItem {
+        /// The side whose item is wrong.
         side: Side,
+        /// Tokens per page on that side.
         page_size: u64,
+        /// KV heads per rank on that side.
         heads: u32,
+        /// The head dimension.
         head_dim: u32,
+        /// Bytes per element.
         dtype_size: u32,
+        /// The item size these give, in bytes.
         want: u64,
+        /// The entry's item size in bytes.
         have: u64,
     },
     /// State items neither equal (replicated) nor in the TP ratio (sharded).
@@ -398,9 +626,13 @@ pub enum HeadProblem {
         "state item lengths prefill {src_item} bytes at TP {tp_p}, decode {dst_item} bytes at TP {tp_d}: neither equal (a replicated state) nor in the TP ratio ({src_item} × {tp_p} = {dst_item} × {tp_d} for a state sharded over TP)"
     )]
     StateRatio {
+        /// The prefill state item size in bytes.
         src_item: u64,
+        /// The prefill TP size.
         tp_p: u64,
+        /// The decode state item size in bytes.
         dst_item: u64,
+        /// The decode TP size.
         tp_d: u64,
     },
 }
@@ -459,7 +691,7 @@ impl PlanError {
 ///
 /// # Errors
 /// [`PlanError::OutOfMemory`].
-pub fn try_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+pub(crate) fn try_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
     let mut out = Vec::new();
     out.try_reserve_exact(n)
         .map_err(|_| PlanError::out_of_memory::<T>(what, n))?;

@@ -249,7 +249,7 @@ impl PeerRanks {
 /// What a template keeps for layer-wise slicing: each page pair's and each state pair's source
 /// tag, both peers' ranks and how many model layers fixed groups cover.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StreamFacts {
+pub(crate) struct StreamFacts {
     /// Per page pair (planning order), its source entry's tag.
     pub page_tags: Vec<EntryTag>,
     /// Per state pair (template order), its source entry's tag.

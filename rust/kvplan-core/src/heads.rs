@@ -232,7 +232,7 @@ impl TpSplit {
 
     /// Whether prefill rank `r_p` writes decode rank `r_d`'s copy of a replicated state item:
     /// `r_p == floor(r_d · tp_p / tp_d)`.
-    pub fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
+    pub(crate) fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
         u64::from(r_p) == u64::from(r_d) * u64::from(self.prefill_tp) / u64::from(self.decode_tp)
     }
 }
@@ -450,7 +450,7 @@ impl HeadSlicing {
 
     /// Whether the pair moves every head each rank holds (whole items, or whole tokens of a
     /// token plan).
-    pub fn moves_whole_heads(&self) -> bool {
+    pub(crate) fn moves_whole_heads(&self) -> bool {
         self.moves_pages() && self.sliced().is_none()
     }
 
@@ -479,7 +479,7 @@ impl HeadSlicing {
     /// Whether a page pair of these item lengths can be planned: equal lengths when whole items
     /// move (or nothing moves), else each the item the geometry implies on its own side (page
     /// size × heads per rank × head bytes), for page plans and token plans alike.
-    pub fn check_page_items(
+    pub(crate) fn check_page_items(
         &self,
         src_item: u64,
         dst_item: u64,
@@ -511,14 +511,14 @@ impl HeadSlicing {
     }
 
     /// Whether any page bytes move.
-    pub fn moves_pages(&self) -> bool {
+    pub(crate) fn moves_pages(&self) -> bool {
         matches!(self.link, Link::Send { .. })
     }
 
     /// The fragments of every page pair of a page plan (both sides with the same page size and
     /// memory order): whole items, or the moved heads (HND: one fragment per page; NHD: one per
     /// token slot). Token plans place the heads themselves from [`HeadSlicing::sliced_heads`].
-    pub fn page_fragments(&self) -> Fragments {
+    pub(crate) fn page_fragments(&self) -> Fragments {
         let Some(sliced) = self.sliced_heads() else {
             return Fragments::Whole;
         };
@@ -557,7 +557,7 @@ impl HeadSlicing {
     /// # Errors
     /// [`PlanError::HeadMismatch`] when the lengths are neither equal (replicated state) nor in
     /// the TP ratio (state sharded along its leading axis).
-    pub fn state_fragment(
+    pub(crate) fn state_fragment(
         &self,
         src_item: u64,
         dst_item: u64,

@@ -131,7 +131,7 @@ impl AttentionGeometry {
     }
 
     /// Bytes of one token of this rank's heads: `heads_per_rank * head_dim * dtype_size`.
-    pub fn token_bytes(&self) -> u64 {
+    pub(crate) fn token_bytes(&self) -> u64 {
         u64::from(self.heads_per_rank) * self.head_bytes()
     }
 }
@@ -199,9 +199,9 @@ pub struct LayoutParts {
 }
 
 /// Role of the K entries of an MHA layout.
-pub const K_ROLE: &str = "k";
+pub(crate) const K_ROLE: &str = "k";
 /// Role of the V entries of an MHA layout.
-pub const V_ROLE: &str = "v";
+pub(crate) const V_ROLE: &str = "v";
 
 /// Whether `role` names an entry that belongs to its layer's KV entry rather than standing
 /// alone: a sparse-attention indexer cache (`indexer`) or quantization scales (a role ending in
@@ -211,7 +211,7 @@ pub fn is_sidecar_role(role: &str) -> bool {
 }
 
 /// Whether `role` names the K or V half of a layer (an MHA layout).
-pub fn is_mha_role(role: &str) -> bool {
+pub(crate) fn is_mha_role(role: &str) -> bool {
     role == K_ROLE || role == V_ROLE
 }
 
@@ -502,7 +502,7 @@ impl Layout {
     }
 
     /// The entry's layer id as text (`None` when unpublished, as Python shows it), for messages.
-    pub fn layer_label(&self, i: usize) -> String {
+    pub(crate) fn layer_label(&self, i: usize) -> String {
         self.parts.layer_ids[i].map_or_else(|| "None".into(), |id| id.to_string())
     }
 
@@ -512,7 +512,7 @@ impl Layout {
     }
 
     /// The entry's role as text (`None` when unpublished, as Python shows it), for messages.
-    pub fn role_label(&self, i: usize) -> String {
+    pub(crate) fn role_label(&self, i: usize) -> String {
         self.role(i).unwrap_or("None").to_string()
     }
 

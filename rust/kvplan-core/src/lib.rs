@@ -50,6 +50,7 @@
 //! 10. `advice` (direct or staged).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
 
 pub mod accounting;
 pub mod advice;
@@ -89,25 +90,21 @@ pub use digest::{
     PlanBlocks, Region, content_digest, delta_plan_digest, index_digest, layout_fingerprint,
     leased_plan_digest, pair_content_digests, plan_digest,
 };
-pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side, try_vec};
-pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey, StreamFacts};
+pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
+pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
 pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_writer};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
     heads_per_rank_at,
 };
 pub use local::{RegionMut, check_local_buffers, copy_local};
-pub use nixl_ids::{BlockScale, DescIdRequest, SHARED_REGION_GROUP, desc_ids};
-pub use pack::{
-    PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather, pack_columns,
-};
+pub use nixl_ids::{BlockScale, DescIdRequest, desc_ids};
+pub use pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
 pub use pairing::{
-    EntryMetadata, EntryPair, LegacyKind, Pairing, PairingMode, Partner, legacy_pp_pairs,
-    pair_each, pair_entries,
+    EntryMetadata, LegacyKind, Pairing, PairingMode, legacy_pp_pairs, pair_each, pair_entries,
 };
 pub use pieces::{
-    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
-    TokenMap,
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
 pub use request::{Indices, Request};

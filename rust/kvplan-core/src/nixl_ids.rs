@@ -103,7 +103,7 @@ pub struct DescIdRequest<'a> {
 }
 
 /// The region group id of regions every KV group reads (vLLM's `_SHARED_REGION_GROUP_ID`).
-pub const SHARED_REGION_GROUP: i64 = -1;
+pub(crate) const SHARED_REGION_GROUP: i64 = -1;
 
 /// The descriptor ids of `groups` (one slice of block ids per KV group), as vLLM's
 /// `_compute_desc_ids` returns them for a model without Mamba state (see the module

@@ -18,7 +18,7 @@
 //! A token request's gather can also be planned as rows ([`PackPlanner::row_gather`]): per
 //! token lane the source rows moved and per piece one [`RowCopy`], the form a gather kernel
 //! takes, with the same pack layout and the same network plan (both built by one merging
-//! [`PlanBuilder`]),
+//! `PlanBuilder`),
 //! without building the direct plan or one block per row.
 //!
 //! Merges never cross a page pair (a pair's blocks stay a range of `pair_offsets`), and the
@@ -298,7 +298,7 @@ impl PackPlanner<'_> {
                 (rows[lane], places[lane]) = lane_rows(maps, src, dst, limits, n)?;
             }
         }
-        let lane_of = |piece: &crate::pieces::Piece| tokens.class_of(piece) / PIECE_CLASSES;
+        let lane_of = |piece: &crate::pieces::Piece| piece.class() / PIECE_CLASSES;
         // Pack layout: piece after piece, each piece's rows back to back.
         let mut need = 0u64;
         let mut copies = Vec::with_capacity(tokens.pieces.len());
@@ -402,7 +402,7 @@ impl PackPlanner<'_> {
 ///
 /// # Errors
 /// [`PlanError::PackTooSmall`], [`PlanError::Overflow`], [`PlanError::OutOfMemory`].
-pub fn pack_columns(
+pub(crate) fn pack_columns(
     out: Columns<'_>,
     n: usize,
     offsets: &[usize],

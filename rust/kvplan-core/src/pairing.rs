@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use crate::error::{PlanError, Result, Side};
 
 /// One pair: `[src_entry_index, dst_entry_index]`.
-pub type EntryPair = [usize; 2];
+pub(crate) type EntryPair = [usize; 2];
 
 /// Layer ids and (optionally) roles published by one peer for its entries.
 #[derive(Debug, Clone, Copy)]
@@ -65,7 +65,7 @@ pub fn pair_entries(
 }
 
 /// The partner of one source entry, or why it has none.
-pub type Partner = Result<usize>;
+pub(crate) type Partner = Result<usize>;
 
 /// Like [`pair_entries`], but reports every source entry: its partner or why it has none, so a
 /// compatibility report can list all problems while templates raise the first.
@@ -358,13 +358,13 @@ impl Pairing {
     }
 
     /// Whether the page entries' layer ids are ignored (positional and legacy modes).
-    pub fn ignores_page_ids(self) -> bool {
+    pub(crate) fn ignores_page_ids(self) -> bool {
         self.mode != PairingMode::LayerId
     }
 
     /// The pairing of the state entries: by layer id, with the same fallback, never sliced.
     #[must_use]
-    pub fn for_state(self) -> Self {
+    pub(crate) fn for_state(self) -> Self {
         Self::by_layer_id(self.allow_positional_fallback, None, None)
     }
 }

@@ -83,7 +83,7 @@ pub struct PieceSide {
 
 impl PieceSide {
     /// A side of a page piece: one slot per page, so the slot stride is the page stride.
-    pub fn of_pages(base: u64, stride: u64) -> Self {
+    pub(crate) fn of_pages(base: u64, stride: u64) -> Self {
         Self {
             base,
             page_stride: stride,
@@ -109,14 +109,15 @@ pub struct Piece {
     pub dst: PieceSide,
     /// Bytes per token (per page for a page piece).
     pub len: u64,
-    /// The token walk it follows in a token template (see [`TOKEN_LANES`]; 0 for a page piece).
+    /// The token walk it follows in a token template (0: the request's tokens, 1: draft tokens
+    /// a decode-context-parallel template sends whole, 2: a sliding window; 0 for a page piece).
     pub lane: usize,
 }
 
 impl Piece {
     /// A page piece: page `k` is `len` bytes at `src_base + k × src_stride` and `dst_base + k ×
     /// dst_stride`.
-    pub fn of_pages(src: (u64, u64), dst: (u64, u64), len: u64) -> Self {
+    pub(crate) fn of_pages(src: (u64, u64), dst: (u64, u64), len: u64) -> Self {
         Self {
             src: PieceSide::of_pages(src.0, src.1),
             dst: PieceSide::of_pages(dst.0, dst.1),
@@ -132,8 +133,14 @@ impl Piece {
         self.len == self.src.slot_stride && self.len == self.dst.slot_stride
     }
 
+    /// The piece's class among [`TOKEN_CLASSES`]: its lane (which token walk it follows) times
+    /// [`PIECE_CLASSES`] plus its class within the lane.
+    pub fn class(&self) -> usize {
+        self.lane * PIECE_CLASSES + self.token_class()
+    }
+
     /// The piece's token class within its lane (see [`PIECE_CLASSES`]).
-    pub fn token_class(&self) -> usize {
+    pub(crate) fn token_class(&self) -> usize {
         if self.per_run() {
             1 + 2 * usize::from(self.src.packed()) + usize::from(self.dst.packed())
         } else {
@@ -142,7 +149,7 @@ impl Piece {
     }
 
     /// Same strides, maps and length: the blocks of the two pieces differ only by their bases.
-    pub fn same_shape(&self, other: &Self) -> bool {
+    pub(crate) fn same_shape(&self, other: &Self) -> bool {
         let shape = |p: &Self| {
             (
                 (p.src.page_stride, p.src.slot_stride, p.src.map),
@@ -164,13 +171,13 @@ pub const PIECE_CLASSES: usize = 5;
 /// those two dealt decode-context-parallel ranks share), lane 1 the draft tokens a DCP template
 /// sends whole (module `dcp`), lane 2 ([`WINDOW_LANE`]) the tokens of sliding-window entries:
 /// lane 0's walk from the window's first live token on. Each lane's walk counts its own blocks.
-pub const TOKEN_LANES: usize = 3;
+pub(crate) const TOKEN_LANES: usize = 3;
 
 /// The lane of sliding-window entries' pieces.
-pub const WINDOW_LANE: usize = 2;
+pub(crate) const WINDOW_LANE: usize = 2;
 
 /// The lane of the draft pieces a decode-context-parallel template sends whole.
-pub const DRAFT_LANE: usize = 1;
+pub(crate) const DRAFT_LANE: usize = 1;
 
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
 pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;
@@ -274,7 +281,7 @@ pub enum Fragments {
 
 impl Fragments {
     /// The fragments given for page pair `index` (`None`: the whole item).
-    pub fn of_pair(&self, index: usize) -> Option<&[Fragment]> {
+    pub(crate) fn of_pair(&self, index: usize) -> Option<&[Fragment]> {
         match self {
             Fragments::Whole => None,
             Fragments::Every(list) => Some(list),

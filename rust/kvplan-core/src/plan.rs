@@ -28,7 +28,7 @@ impl<'a> Columns<'a> {
     }
 
     /// The same columns, borrowed again (for a callee that writes part of them first).
-    pub fn reborrow(&mut self) -> Columns<'_> {
+    pub(crate) fn reborrow(&mut self) -> Columns<'_> {
         Columns {
             src_addrs: self.src_addrs,
             dst_addrs: self.dst_addrs,
@@ -129,7 +129,7 @@ impl PlanSummary {
     }
 }
 
-/// An owned plan (allocating convenience over [`Template::plan_into`]).
+/// An owned plan (allocating convenience over [`Template::plan_into`](crate::Template::plan_into)).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Plan {
     /// Source addresses.
@@ -143,7 +143,7 @@ pub struct Plan {
     /// Bytes moved.
     pub total_bytes: u64,
     /// `n_pairs + 1` block offsets: page pair `p`'s blocks are `pair_offsets[p]..
-    /// pair_offsets[p + 1]` (see [`Template::pair_offsets`]).
+    /// pair_offsets[p + 1]` (see [`crate::BlockAccounting::pair_offsets`]).
     pub pair_offsets: Vec<usize>,
 }
 
@@ -165,7 +165,7 @@ impl PlanPart {
     ///
     /// # Errors
     /// [`PlanError::OutOfMemory`].
-    pub fn into_plan(self, buffer: FlatBuffer) -> Result<Plan> {
+    pub(crate) fn into_plan(self, buffer: FlatBuffer) -> Result<Plan> {
         let (mut src_addrs, dst_addrs, lengths) = buffer.into_columns(self.n_blocks)?;
         // The source column keeps the allocation of the whole output; give the rest back.
         src_addrs.shrink_to_fit();

@@ -306,7 +306,7 @@ impl IndexLimits {
 /// Writes the runs of `(src, dst)` as `(src_start, dst_start, length)` into three slices and
 /// returns how many it wrote. Under [`RunRule::EitherDirection`], when the scan found
 /// descending runs (`found.descending_runs > 0`), a descending run is written with its lowest
-/// page on each side as its start and [`DESCENDING`] set in its length.
+/// page on each side as its start and its top bit (`1 << 63`) set in its length.
 ///
 /// Every run is checked against `limits` again (its lowest and highest index: inside a run the
 /// values step by one), so inputs mutated after [`scan_runs`] validated them (another thread

@@ -60,7 +60,7 @@ pub struct TokenTemplate {
     pub bytes_per_token: u64,
     /// Bytes moved per token of each lane.
     pub lane_bytes: [u64; TOKEN_LANES],
-    /// The sliding window of the window entries' pieces ([`WINDOW_LANE`]), in tokens.
+    /// The sliding window of the window entries' pieces (lane 2), in tokens.
     pub window: Option<u64>,
 }
 
@@ -217,7 +217,7 @@ impl TokenTemplate {
         };
         for k in 0..template.pieces.len() {
             let piece = template.pieces[k];
-            let class = template.class_of(&piece);
+            let class = piece.class();
             template.class_pieces[class] += 1;
             let lane = &mut template.lane_bytes[class / PIECE_CLASSES];
             *lane = lane.checked_add(piece.len).ok_or(overflow.clone())?;
@@ -233,14 +233,8 @@ impl TokenTemplate {
         Ok(template)
     }
 
-    /// The piece's class among [`TOKEN_CLASSES`]: its lane (which token walk it follows) times
-    /// [`PIECE_CLASSES`] plus its class within the lane.
-    pub fn class_of(&self, piece: &Piece) -> usize {
-        piece.lane * PIECE_CLASSES + piece.token_class()
-    }
-
     /// The token maps of each lane that has pieces (or lane 0 alone when none has).
-    pub fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
+    pub(crate) fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
         let has = |lane: usize| {
             self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
                 .iter()
@@ -256,16 +250,11 @@ impl TokenTemplate {
     /// The first global token `lane` moves of a request moving tokens `first..n`: a window
     /// lane starts at the window's first live token (the last `window` tokens are live), or at
     /// `first` when the decode holds more than the part before the window.
-    pub fn lane_start(&self, lane: usize, first: u64, n: u64) -> u64 {
+    pub(crate) fn lane_start(&self, lane: usize, first: u64, n: u64) -> u64 {
         match self.window {
             Some(window) if lane == WINDOW_LANE => first.max(n.saturating_sub(window)),
             _ => first,
         }
-    }
-
-    /// Whether some entry pair moves only a window of a request's tokens.
-    pub fn windowed(&self) -> bool {
-        self.window.is_some()
     }
 
     /// Whether either side deals tokens over decode context-parallel ranks.
@@ -276,7 +265,7 @@ impl TokenTemplate {
     /// Leading pages of each side's list that hold no token a lane with pieces moves of a
     /// request moving tokens `first..n` (a window lane from its window on): the pages such a
     /// request never reads.
-    pub fn first_pages(&self, first: u64, n: u64) -> (usize, usize) {
+    pub(crate) fn first_pages(&self, first: u64, n: u64) -> (usize, usize) {
         let first_page = |map: TokenMap, token: u64| {
             usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
         };
@@ -717,7 +706,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     let mut at = 0usize;
     let mut previous: Option<(usize, &Piece)> = None;
     for piece in &tokens.pieces {
-        let class = tokens.class_of(piece);
+        let class = piece.class();
         let expected = shape.class_blocks[class];
         let start = at;
         if at + expected > out.capacity() {

@@ -44,7 +44,7 @@ pub const WIRE_VERSION: u16 = 2;
 /// The first version, still read: entries without strides, flags or extensions.
 pub const WIRE_VERSION_1: u16 = 1;
 /// Extension tags at or above this must be understood by the reader.
-pub const EXT_MUST_UNDERSTAND: u16 = 0x8000;
+pub(crate) const EXT_MUST_UNDERSTAND: u16 = 0x8000;
 /// Context extension: the attention geometry (heads, head size, memory order). A reader that
 /// ignored it could slice heads wrongly, so it is a must-understand tag.
 pub const EXT_ATTENTION: u16 = 0x8001;
@@ -61,7 +61,7 @@ const ATTENTION_LEN: usize = 4 * 4 + 1;
 /// Entry flag bit 0: a draft-model entry.
 const DRAFT_FLAG: u8 = 1;
 /// Largest entry count accepted (a 61-layer model with every extra buffer has a few hundred).
-pub const MAX_ENTRIES: u32 = 1 << 20;
+pub(crate) const MAX_ENTRIES: u32 = 1 << 20;
 /// Bytes of the fixed part of one v1 entry (without its role's bytes).
 const ENTRY_FIXED: usize = 8 + 8 + 8 + 1 + 1 + 8 + 2;
 /// The same in v2: a stride, the entry flags and an (empty) extension list more.
