@@ -542,10 +542,8 @@ impl PyTransferPlan {
             };
             digest.map_err(crate::errors::to_py_err)
         })
-        .map(|digest| kvplan_core::delta_plan_digest(digest, slf.summary.skip_tokens()))
-        .and_then(|digest| match lease {
-            Some(lease) => crate::digest::lease_bound(digest, lease),
-            None => Ok(digest),
+        .and_then(|digest| {
+            crate::digest::request_digest(digest, slf.summary.skip_tokens(), lease)
         })
     }
 
