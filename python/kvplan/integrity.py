@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -456,16 +456,15 @@ def check_notification(
     return mine
 
 
+_IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 #: One request of a batch as :meth:`kvplan.Template.plan_batch` takes it.
-BatchRequest = (tuple[npt.NDArray[np.int32] | npt.NDArray[np.int64],
-                      npt.NDArray[np.int32] | npt.NDArray[np.int64]]
-                | tuple[npt.NDArray[np.int32] | npt.NDArray[np.int64],
-                        npt.NDArray[np.int32] | npt.NDArray[np.int64], int | None])
+BatchRequest = tuple[_IndexArray, _IndexArray] | tuple[_IndexArray, _IndexArray, int | None]
 
 
-def _split(request: BatchRequest) -> tuple[_Pages, _Pages, int | None]:
-    src, dst, *rest = request
-    return src, dst, (rest[0] if rest else None)
+def _split(request: BatchRequest) -> tuple[_IndexArray, _IndexArray, int | None]:
+    if len(request) == 3:
+        return request[0], request[1], request[2]
+    return request[0], request[1], None
 
 
 def build_batch_manifests(
@@ -493,7 +492,8 @@ def build_batch_manifests(
     out = []
     for r, request in enumerate(requests):
         src, dst, n_tokens = _split(request)
-        lease = leases[r] if leases is not None else None
+        # The leases the batch was planned with are the caller's kvplan.Lease objects.
+        lease = cast("Lease | None", leases[r] if leases is not None else None)
         plan = template.plan(src, dst, n_tokens=n_tokens)
         manifest = build_manifest(plan, side, held, src_pages=src, dst_pages=dst, lease=lease)
         if digests is not None and manifest.plan_digest != int(digests[r]):
@@ -585,7 +585,7 @@ def check_batch(
                 lease=expected if expected is not None else sent.lease, leases=table)
             mine.append(own[0])
         except (IntegrityError, LeaseError) as error:
-            error.requests = [r]
+            error.requests = (r,)
             errors[r] = error
             mine.append(None)
     return BatchVerdict(len(requests), errors, tuple(mine))

@@ -89,7 +89,7 @@ def test_a_stale_lease_is_refused_for_exactly_its_request(setup) -> None:  # typ
     assert verdict.failed_requests == [2]
     assert verdict.verified_requests == [0, 1, 3, 4, 5]
     error = verdict.errors[2]
-    assert isinstance(error, StaleLeaseError) and error.requests == [2]
+    assert isinstance(error, StaleLeaseError) and error.requests == (2,)
     assert error.reason == "superseded"
     assert (error.lease, error.current) == (granted[2], regranted)
     assert f"request 'req-2' was planned for epoch {granted[2].epoch}" in str(error)
