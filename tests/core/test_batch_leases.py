@@ -29,8 +29,14 @@ def pool(array: np.ndarray) -> kvplan.Layout:
 def batch_requests() -> list[tuple[np.ndarray, np.ndarray]]:
     """Six requests on disjoint decode pages; requests 1 and 5 continue the request before them
     on both sides, so the batch fuses them into segments with their neighbours."""
-    pairs = [([3, 4], [10, 11]), ([5], [12]), ([20, 7], [2, 5]), ([0], [30]),
-             ([8, 9, 10], [20, 21, 22]), ([11], [23])]
+    pairs = [
+        ([3, 4], [10, 11]),
+        ([5], [12]),
+        ([20, 7], [2, 5]),
+        ([0], [30]),
+        ([8, 9, 10], [20, 21, 22]),
+        ([11], [23]),
+    ]
     return [(np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)) for s, d in pairs]
 
 
@@ -56,8 +62,12 @@ def test_each_request_digest_is_bound_to_its_own_lease_as_a_plan_alone(setup) ->
         assert int(unleased.request_digests[r]) == alone.digest()
     # The flat form binds the same digests.
     offsets = np.concatenate([[0], np.cumsum([len(s) for s, _ in reqs])]).astype(np.int64)
-    flat = t.plan_batch_flat(np.concatenate([s for s, _ in reqs]),
-                             np.concatenate([d for _, d in reqs]), offsets, leases=leases)
+    flat = t.plan_batch_flat(
+        np.concatenate([s for s, _ in reqs]),
+        np.concatenate([d for _, d in reqs]),
+        offsets,
+        leases=leases,
+    )
     assert flat.request_digests.tolist() == batch.request_digests.tolist()
     with pytest.raises(kvplan.KvPlanError, match="leases has 2 values for 6 requests"):
         t.plan_batch(reqs, leases=leases[:2])
@@ -82,8 +92,7 @@ def test_a_stale_lease_is_refused_for_exactly_its_request(setup) -> None:  # typ
     apply_plan(batch, Memory.of(src), Memory.of(dst))
     sent = build_batch_manifests(batch, t, reqs, "src", [src])
     payload = pack_notification(sent, b"batch-1")
-    kw = dict(src_layout=pool(src), dst_layout=pool(dst), buffers=[dst], requests=reqs,
-              template=t)
+    kw = dict(src_layout=pool(src), dst_layout=pool(dst), buffers=[dst], requests=reqs, template=t)
     current = [table.live(i) for i in ids]
     verdict = check_batch(payload, leases=current, table=table, **kw)  # type: ignore[arg-type]
     assert verdict.failed_requests == [2]
@@ -95,7 +104,8 @@ def test_a_stale_lease_is_refused_for_exactly_its_request(setup) -> None:  # typ
     assert f"request 'req-2' was planned for epoch {granted[2].epoch}" in str(error)
     assert f"held under epoch {regranted.epoch} now" in str(error)
     assert verdict.manifests[2] is None and all(
-        verdict.manifests[r] is not None for r in verdict.verified_requests)
+        verdict.manifests[r] is not None for r in verdict.verified_requests
+    )
     # The table alone (no expected leases) refuses it too, naming both epochs.
     by_table = check_batch(sent, table=table, **kw)  # type: ignore[arg-type]
     assert by_table.failed_requests == [2]
@@ -113,20 +123,35 @@ def test_an_epoch_going_backwards_and_other_faults_fail_only_their_request(setup
     expected[3] = Lease(leases[3].epoch - 2, "req-3")  # the decode's record went backwards
     expected[1] = Lease(leases[1].epoch, "req-other")  # another request's pages
     dst[reqs[5][1][0] * LAYERS * ITEM] ^= 0xFF  # one byte of request 5 never landed right
-    verdict = check_batch(sent, src_layout=pool(src), dst_layout=pool(dst), buffers=[dst],
-                          requests=reqs, leases=expected, template=t)
+    verdict = check_batch(
+        sent,
+        src_layout=pool(src),
+        dst_layout=pool(dst),
+        buffers=[dst],
+        requests=reqs,
+        leases=expected,
+        template=t,
+    )
     assert verdict.failed_requests == [1, 3, 5]
     backwards = verdict.errors[3]
     assert type(backwards) is LeaseError
     assert "epoch goes backwards for request 'req-3'" in str(backwards)
-    assert f"epoch {leases[3].epoch}, newer than the decode's lease epoch " \
-           f"{leases[3].epoch - 2}" in str(backwards)
+    assert (
+        f"epoch {leases[3].epoch}, newer than the decode's lease epoch "
+        f"{leases[3].epoch - 2}" in str(backwards)
+    )
     assert "leased to request 'req-other'" in str(verdict.errors[1])
     content = verdict.errors[5]
     assert isinstance(content, IntegrityError) and content.what == "content"
     # A manifest count that is not the batch's cannot be attributed: the whole batch is refused.
     with pytest.raises(IntegrityError, match="5 manifests for a batch of 6 requests"):
-        check_batch(sent[:5], src_layout=pool(src), dst_layout=pool(dst), buffers=[dst],
-                    requests=reqs, template=t)
+        check_batch(
+            sent[:5],
+            src_layout=pool(src),
+            dst_layout=pool(dst),
+            buffers=[dst],
+            requests=reqs,
+            template=t,
+        )
     with pytest.raises(kvplan.KvPlanError, match="pass the requests the batch was planned from"):
         build_batch_manifests(batch, t, [reqs[1], reqs[0], *reqs[2:]], "src", [src])

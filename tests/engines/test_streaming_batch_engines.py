@@ -42,13 +42,16 @@ def batch_requests(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, n
             if s0 + k <= PAGES and all(p in free for p in want):
                 for p in want:
                     free.remove(p)
-                out.append((np.arange(s0, s0 + k, dtype=np.int64),
-                            np.array(want, dtype=np.int64)))
+                out.append((np.arange(s0, s0 + k, dtype=np.int64), np.array(want, dtype=np.int64)))
                 continue
         dst = sorted(free[:k])
         del free[:k]
-        out.append((rng.choice(PAGES, size=k, replace=False).astype(np.int64),
-                    np.array(dst, dtype=np.int64)))
+        out.append(
+            (
+                rng.choice(PAGES, size=k, replace=False).astype(np.int64),
+                np.array(dst, dtype=np.int64),
+            )
+        )
     return out
 
 
@@ -70,13 +73,16 @@ def test_a_streamed_batch_reports_each_request(engine: Engine, hole: bool) -> No
     sender, receiver = loopback_transports(engine.name)
     try:
         sender.register_buffers([src.ctypes.data], [src.nbytes])
-        receiver.register_buffers([dst.ctypes.data + a * LAYERS * ITEM for a, _ in regions],
-                                  [(b - a) * LAYERS * ITEM for a, b in regions])
+        receiver.register_buffers(
+            [dst.ctypes.data + a * LAYERS * ITEM for a, _ in regions],
+            [(b - a) * LAYERS * ITEM for a, b in regions],
+        )
         peer = receiver.local_session_id()
         if engine.name == "nixl":
             peer = sender.add_peer(receiver.metadata())  # type: ignore[attr-defined]
-        with StreamingSubmitter(sender, slices, min_stream_bytes=0,
-                                max_blocks_per_batch=MAX_BLOCKS, timeout=10.0) as streamer:
+        with StreamingSubmitter(
+            sender, slices, min_stream_bytes=0, max_blocks_per_batch=MAX_BLOCKS, timeout=10.0
+        ) as streamer:
             streamed = streamer.open_batch("batch-7", batch, peer)
             for layer in rng.permutation(LAYERS).tolist():
                 streamed.ready(layer)
@@ -111,11 +117,9 @@ def test_a_streamed_batch_reports_each_request(engine: Engine, hole: bool) -> No
     assert outcome.calls >= slices.n_slices
     assert outcome.done.tolist() == [r not in failed for r in range(batch.n_requests)]
     assert np.isnan(outcome.done_seconds[list(failed)]).all()
-    assert (outcome.done_seconds[[r for r in range(batch.n_requests) if r not in failed]]
-            > 0).all()
+    assert (outcome.done_seconds[[r for r in range(batch.n_requests) if r not in failed]] > 0).all()
     if not hole:
-        assert outcome.ok and (outcome.blocks, outcome.bytes) == (batch.n_blocks,
-                                                                   batch.total_bytes)
+        assert outcome.ok and (outcome.blocks, outcome.bytes) == (batch.n_blocks, batch.total_bytes)
     # Every request not failed landed byte for byte, and the decode verifies exactly those.
     want = Memory.of(dst).copy()
     for r, (s_pages, d_pages) in enumerate(reqs):
@@ -124,8 +128,9 @@ def test_a_streamed_batch_reports_each_request(engine: Engine, hole: bool) -> No
             for p in d_pages.tolist():
                 span = slice(p * LAYERS * ITEM, (p + 1) * LAYERS * ITEM)
                 assert np.array_equal(dst[span], want.data[span]), (r, p)
-    verdict = check_batch(sent, src_layout=pool(src), dst_layout=pool(dst), buffers=[dst],
-                          requests=reqs, template=t)
+    verdict = check_batch(
+        sent, src_layout=pool(src), dst_layout=pool(dst), buffers=[dst], requests=reqs, template=t
+    )
     verified = set(verdict.verified_requests)
     assert set(range(batch.n_requests)) - failed <= verified
     assert not bad & verified, "a request whose pages are in the hole never verifies"

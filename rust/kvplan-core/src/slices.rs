@@ -399,7 +399,11 @@ impl BatchCall {
             _ => self.ranges.push((start, stop)),
         }
         self.blocks += stop - start;
-        if self.requests.last().is_none_or(|&r| r < segment_requests.start) {
+        if self
+            .requests
+            .last()
+            .is_none_or(|&r| r < segment_requests.start)
+        {
             self.requests.extend(segment_requests);
         }
     }

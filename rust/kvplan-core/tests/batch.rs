@@ -5,8 +5,8 @@
 mod support;
 
 use kvplan_core::{
-    BatchPart, BatchSummary, FlatRequests, GeometryOptions, LayerGroups, LayerSlices, LeaseRef,
-    Layout, Plan, PlanBlocks, PlanError, Request, Template, TemplateOptions, layout_fingerprint,
+    BatchPart, BatchSummary, FlatRequests, GeometryOptions, LayerGroups, LayerSlices, Layout,
+    LeaseRef, Plan, PlanBlocks, PlanError, Request, Template, TemplateOptions, layout_fingerprint,
     plan_digest, request_plan_digest,
 };
 use support::layouts::{KvLayout, kv_pool, paged};
@@ -545,8 +545,10 @@ fn batch_slices_send_every_block_once_in_bounded_calls_naming_their_requests() {
         for max in [None, Some(1), Some(3), Some(7)] {
             let mut sent = vec![0u32; summary.n_blocks];
             let all: Vec<usize> = (0..slices.slices().len()).collect();
-            let mut parts: Vec<BatchPart<'_>> =
-                all.iter().map(|k| BatchPart::Slices(std::slice::from_ref(k))).collect();
+            let mut parts: Vec<BatchPart<'_>> = all
+                .iter()
+                .map(|k| BatchPart::Slices(std::slice::from_ref(k)))
+                .collect();
             parts.push(BatchPart::Seal);
             for part in parts {
                 for call in cut.calls(part, max, &[]).unwrap() {
@@ -572,11 +574,18 @@ fn batch_slices_send_every_block_once_in_bounded_calls_naming_their_requests() {
             assert!(!seal);
         }
         let err = cut.calls(BatchPart::Slices(&[3]), None, &[]).unwrap_err();
-        assert!(err.to_string().contains("slice 3 out of range for 3 slices"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("slice 3 out of range for 3 slices"),
+            "{err}"
+        );
         assert!(cut.calls(BatchPart::Seal, Some(0), &[]).is_err());
         // Skipped segments are in no call; the others are sent as before.
         let skip: Vec<bool> = (0..cut.n_segments()).map(|s| s % 2 == 0).collect();
-        for call in cut.calls(BatchPart::Slices(&[0, 1, 2]), Some(3), &skip).unwrap() {
+        for call in cut
+            .calls(BatchPart::Slices(&[0, 1, 2]), Some(3), &skip)
+            .unwrap()
+        {
             for &r in &call.requests {
                 let s = summary.segment_of(r).unwrap();
                 assert!(!skip[s], "seed {seed}: segment {s} skipped");

@@ -286,8 +286,8 @@ pub(crate) fn plan_batch(
             request.n_tokens,
         ));
     }
-    let prints = digest_prints(fingerprints, digests || leases.is_some())?
-        .map(|p| (p, refs.as_slice()));
+    let prints =
+        digest_prints(fingerprints, digests || leases.is_some())?.map(|p| (p, refs.as_slice()));
     let first = slices.first().map(|&(s, d, _)| (s, d));
     let planned = match first {
         Some((IndexSlice::I32(_), IndexSlice::I32(_))) => {
@@ -424,8 +424,8 @@ pub(crate) fn plan_batch_flat(
         .map(|l| BatchLeases::extract(l, offsets.len().saturating_sub(1)))
         .transpose()?;
     let refs = leases.as_ref().map(BatchLeases::refs).unwrap_or_default();
-    let prints = digest_prints(fingerprints, digests || leases.is_some())?
-        .map(|p| (p, refs.as_slice()));
+    let prints =
+        digest_prints(fingerprints, digests || leases.is_some())?.map(|p| (p, refs.as_slice()));
     let t = template.as_ref();
     let planned = match (src, dst) {
         (IndexSlice::I32(s), IndexSlice::I32(d)) => {

@@ -198,10 +198,12 @@ pub(crate) fn request_digest(
     lease: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let parts = lease.map(lease_parts).transpose()?;
-    let lease = parts.as_ref().map(|(epoch, request)| kvplan_core::LeaseRef {
-        epoch: *epoch,
-        request,
-    });
+    let lease = parts
+        .as_ref()
+        .map(|(epoch, request)| kvplan_core::LeaseRef {
+            epoch: *epoch,
+            request,
+        });
     Ok(kvplan_core::request_plan_digest(
         plan_digest,
         skip_tokens,

@@ -542,9 +542,7 @@ impl PyTransferPlan {
             };
             digest.map_err(crate::errors::to_py_err)
         })
-        .and_then(|digest| {
-            crate::digest::request_digest(digest, slf.summary.skip_tokens(), lease)
-        })
+        .and_then(|digest| crate::digest::request_digest(digest, slf.summary.skip_tokens(), lease))
     }
 
     /// The digest of each entry pair's bytes (uint64, `n_pairs` values), read in plan order

@@ -410,7 +410,14 @@ impl PyTemplate {
         digests: bool,
         leases: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<crate::batch::PyBatchPlan>> {
-        crate::batch::plan_batch(py, &self.inner, self.fingerprints, requests, digests, leases)
+        crate::batch::plan_batch(
+            py,
+            &self.inner,
+            self.fingerprints,
+            requests,
+            digests,
+            leases,
+        )
     }
 
     /// Plans a batch given flat (`BatchPlan`, the same as `plan_batch` of the same requests):
