@@ -23,6 +23,7 @@ __all__ = [
     "PairingError",
     "Blocks",
     "BatchPlan",
+    "BatchSlices",
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
