@@ -23,6 +23,7 @@ __all__ = [
     "PairingError",
     "Blocks",
     "BatchPlan",
+    "BatchSlices",
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
@@ -445,6 +446,10 @@ class BatchPlan(Blocks):
             KvPlanError: The batch was planned without digests.
         """
     @property
+    def request_leases(self) -> list[_LeaseLike | None] | None:
+        """Per request, the lease it was planned with (``None`` for a request without one), as
+        passed to ``leases=``; ``None`` for a batch planned without leases."""
+    @property
     def layout_fingerprints(self) -> tuple[int, int]: ...
 
 @final
@@ -599,10 +604,13 @@ class Template:
         requests: Sequence[tuple[_IndexArray, _IndexArray] | tuple[_IndexArray, _IndexArray, int | None]],
         *,
         digests: bool = False,
+        leases: Sequence[_LeaseLike | None] | None = None,
     ) -> BatchPlan:
         """Plan many requests to this peer as one plan: each ``(src_pages, dst_pages[,
         n_tokens])`` planned as ``plan`` would; requests whose pages touch on both sides share
         merged blocks. ``digests=True`` also computes each request's plan digest alone.
+        ``leases`` (one per request, ``None`` for a request without one) binds each request's
+        digest to its lease as ``TransferPlan.digest(lease=)`` does, and implies ``digests``.
 
         Raises:
             IndexBoundsError: A request's index is out of range (the message names the
@@ -621,6 +629,7 @@ class Template:
         dst_offsets: npt.NDArray[np.int64] | None = None,
         n_tokens: npt.NDArray[np.int64] | None = None,
         digests: bool = False,
+        leases: Sequence[_LeaseLike | None] | None = None,
     ) -> BatchPlan:
         """Plan a batch given flat, the same ``BatchPlan`` as ``plan_batch`` of the same
         requests: every request's pages concatenated in ``src_pages`` and ``dst_pages`` (1-D
@@ -985,6 +994,40 @@ class LayerSlices:
         Raises:
             KvPlanError: The plan comes from another template.
         """
+    def of_batch(self, batch: BatchPlan) -> BatchSlices:
+        """Cut a batch plan of this template into slices, segment by segment.
+
+        Raises:
+            KvPlanError: The batch comes from another template.
+        """
+
+@final
+class BatchSlices:
+    """A batch plan cut into slices: the engine calls that send some slices (or the seal) of
+    every segment, each naming the requests whose blocks it holds."""
+
+    @property
+    def n_segments(self) -> int: ...
+    @property
+    def n_slices(self) -> int: ...
+    def calls(self, slices: Sequence[int], *, max_blocks: int | None = None,
+              skip_segments: Sequence[bool] | None = None
+              ) -> list[tuple[npt.NDArray[np.int64], _I64Array]]:
+        """Per call ``(ranges, requests)``: its ``(n, 2)`` ``[start, stop)`` block ranges in the
+        batch and the requests they hold; at most ``max_blocks`` blocks per call, whole
+        segments packed while they fit; segments flagged in ``skip_segments`` left out.
+
+        Raises:
+            KvPlanError: A slice index out of range, ``max_blocks`` not positive, or
+                ``skip_segments`` of another length than the segments.
+        """
+    def seal_calls(self, *, max_blocks: int | None = None,
+                   skip_segments: Sequence[bool] | None = None
+                   ) -> list[tuple[npt.NDArray[np.int64], _I64Array]]:
+        """The calls sending every segment's seal, as ``calls``."""
+    def segment_parts(self, segment: int) -> tuple[list[int], bool]:
+        """``(slices, seal)``: the slices segment ``segment`` has blocks in, and whether its
+        seal has any."""
 
 @final
 class PlanSlices:

@@ -18,7 +18,9 @@ class TransferError(RuntimeError):
     The streaming submitter (:mod:`kvplan.engines.streaming`) also sets ``request``, ``slice``
     (the slice index, or ``"seal"``), ``group`` and ``layers`` of the slice that failed, and
     ``layer`` when a layer's ready event failed. ``Transport.submit_batch`` sets ``requests``,
-    the indices of the batch's requests whose blocks the failed call held.
+    the indices of the batch's requests whose blocks the failed call held; so does a streamed
+    batch's failed call, with ``slices`` (every slice index the call sent, ``None`` for the
+    seal).
     """
 
     engine: str | None = None
@@ -35,3 +37,4 @@ class TransferError(RuntimeError):
     layers: list[int] | None = None
     layer: int | None = None
     requests: list[int] | None = None
+    slices: list[int] | None = None

@@ -12,14 +12,15 @@ pair whose bytes differ). Every digest is computed by the native core (docs/inte
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplan._core import (
+    BatchPlan,
     KvPlanError,
     Layout,
     Template,
@@ -27,10 +28,13 @@ from kvplan._core import (
     combine_pair_digests,
     index_digest,
 )
-from kvplan.leases import Lease, LeaseTable
+from kvplan.leases import Lease, LeaseError, LeaseTable, check_epoch
 
 __all__ = [
+    "BatchVerdict",
     "IntegrityError",
+    "build_batch_manifests",
+    "check_batch",
     "Manifest",
     "build_manifest",
     "check_notification",
@@ -450,3 +454,138 @@ def check_notification(
         )
         mine.append(own)
     return mine
+
+
+_IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
+#: One request of a batch as :meth:`kvplan.Template.plan_batch` takes it.
+BatchRequest = tuple[_IndexArray, _IndexArray] | tuple[_IndexArray, _IndexArray, int | None]
+
+
+def _split(request: BatchRequest) -> tuple[_IndexArray, _IndexArray, int | None]:
+    if len(request) == 3:
+        return request[0], request[1], request[2]
+    return request[0], request[1], None
+
+
+def build_batch_manifests(
+    batch: BatchPlan,
+    template: Template,
+    requests: Sequence[BatchRequest],
+    side: Literal["src", "dst"],
+    buffers: Iterable[_Buffer],
+) -> list[Manifest]:
+    """One manifest per request of ``batch`` (planned by ``template`` from ``requests``), each
+    of the request planned alone (what a decode verifying requests one by one recomputes),
+    read on ``side`` from ``buffers`` and carrying the request's lease when the batch was
+    planned with ``leases=``. Pack them with :func:`pack_notification` for the decode's
+    :func:`check_batch`.
+
+    Raises:
+        KvPlanError: ``requests`` are not the batch's, or a request's plan digest differs from
+            the one the batch computed for it (the batch was planned from other requests).
+    """
+    if len(requests) != batch.n_requests:
+        raise KvPlanError(f"{len(requests)} requests for a batch of {batch.n_requests}")
+    leases = batch.request_leases
+    digests = batch.request_digests if leases is not None else None
+    held = list(buffers)
+    out = []
+    for r, request in enumerate(requests):
+        src, dst, n_tokens = _split(request)
+        # The leases the batch was planned with are the caller's kvplan.Lease objects.
+        lease = cast("Lease | None", leases[r] if leases is not None else None)
+        plan = template.plan(src, dst, n_tokens=n_tokens)
+        manifest = build_manifest(plan, side, held, src_pages=src, dst_pages=dst, lease=lease)
+        if digests is not None and manifest.plan_digest != int(digests[r]):
+            raise KvPlanError(f"request {r}: its plan digest {manifest.plan_digest:016x} differs "
+                              f"from the batch's {int(digests[r]):016x}; pass the requests "
+                              f"the batch was planned from")
+        out.append(manifest)
+    return out
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """The decode's check of a batch, request by request: ``errors[r]`` is why request ``r``
+    was refused (:class:`IntegrityError`, :class:`kvplan.StaleLeaseError` or
+    :class:`kvplan.LeaseError`), every other request verified; ``manifests[r]`` is the
+    decode's own manifest of a verified request (``None`` for a refused one)."""
+
+    n_requests: int
+    errors: Mapping[int, KvPlanError]
+    manifests: tuple[Manifest | None, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every request verified."""
+        return not self.errors
+
+    @property
+    def failed_requests(self) -> list[int]:
+        """Indices of the refused requests, ascending."""
+        return sorted(self.errors)
+
+    @property
+    def verified_requests(self) -> list[int]:
+        """Indices of the verified requests, ascending."""
+        return [r for r in range(self.n_requests) if r not in self.errors]
+
+
+def check_batch(
+    payload: bytes | Sequence[Manifest],
+    *,
+    src_layout: Layout,
+    dst_layout: Layout,
+    buffers: Iterable[_Buffer],
+    requests: Sequence[BatchRequest],
+    leases: Sequence[Lease | None] | None = None,
+    table: LeaseTable | None = None,
+    template: Template | None = None,
+) -> BatchVerdict:
+    """The decode-side check of a batch: ``payload`` holds one manifest per request
+    (:func:`build_batch_manifests`, packed or not); each request is checked on its own and
+    never fails another.
+
+    Per request, in this order: ``leases[r]`` (the decode's lease on the request's pages, when
+    given) against the manifest's lease by :func:`kvplan.leases.check_epoch` (an older epoch of
+    the request: :class:`~kvplan.StaleLeaseError` naming the request and both epochs; a newer
+    one, an epoch going backwards: :class:`~kvplan.LeaseError`); ``table`` (the decode's
+    :class:`~kvplan.LeaseTable`) refuses a lease that is not live there; then the request's
+    plan and bytes, as :func:`check_notification`.
+
+    Raises:
+        IntegrityError: the payload does not hold one manifest per request (``what="plans"``):
+            nothing can be attributed then.
+    """
+    template = template or Template(src_layout, dst_layout)
+    received = (unpack_notification(bytes(payload))
+                if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload))
+    label = template_label(src_layout, dst_layout)
+    if len(received) != len(requests):
+        raise _fail(f"the prefill sent {len(received)} manifests for a batch of "
+                    f"{len(requests)} requests", "plans", label)
+    if leases is not None and len(leases) != len(requests):
+        raise KvPlanError(f"{len(leases)} leases for a batch of {len(requests)} requests")
+    held = list(buffers)
+    errors: dict[int, KvPlanError] = {}
+    mine: list[Manifest | None] = []
+    for r, (sent, request) in enumerate(zip(received, requests, strict=True)):
+        src, dst, n_tokens = _split(request)
+        expected = leases[r] if leases is not None else None
+        try:
+            if expected is not None:
+                if sent.lease is None:
+                    raise _fail(f"request {r}: the prefill's manifest carries no lease, and "
+                                f"the decode leased its pages to {_lease_text(expected)}",
+                                "lease", label)
+                check_epoch(sent.lease, expected)
+            own = check_notification(
+                [sent], src_layout=src_layout, dst_layout=dst_layout, buffers=held,
+                src_pages=src, dst_pages=dst, n_tokens=n_tokens, template=template,
+                lease=expected if expected is not None else sent.lease, leases=table)
+            mine.append(own[0])
+        except (IntegrityError, LeaseError) as error:
+            error.requests = (r,)
+            errors[r] = error
+            mine.append(None)
+    return BatchVerdict(len(requests), errors, tuple(mine))

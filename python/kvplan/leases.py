@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from kvplan._core import KvPlanError
 
-__all__ = ["Lease", "LeaseError", "LeaseTable", "StaleLeaseError"]
+__all__ = ["Lease", "LeaseError", "LeaseTable", "StaleLeaseError", "check_epoch"]
 
 _Pages = npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.ArrayLike
 
@@ -80,13 +80,16 @@ class LeaseError(KvPlanError):
 class StaleLeaseError(LeaseError):
     """A manifest or completion for an allocation that no longer holds its pages.
 
-    ``lease`` is the stale one; ``reason`` is ``"aborted"``, ``"released"`` or ``"unknown"``
-    (a request id that does not match the epoch's grant); ``overwritten`` lists the current
-    leases holding pages the stale lease covered, granted while its writer was unsettled: the
-    bytes of those requests may have been overwritten."""
+    ``lease`` is the stale one; ``reason`` is ``"aborted"``, ``"released"``, ``"unknown"`` (a
+    request id that does not match the epoch's grant) or ``"superseded"`` (the request holds a
+    newer lease: its pages were granted again); ``current`` is the request's lease now, when it
+    holds one (its epoch is the newer of the two the message names); ``overwritten`` lists the
+    current leases holding pages the stale lease covered, granted while its writer was
+    unsettled: the bytes of those requests may have been overwritten."""
 
     kind = "stale_lease"
     lease: Lease | None = None
+    current: Lease | None = None
     reason: str = ""
     overwritten: tuple[Lease, ...] = ()
 
@@ -211,10 +214,14 @@ class LeaseTable:
         named = ("; pages it was planned to write are held now by "
                  + ", ".join(f"{o.request!r} (epoch {o.epoch})" for o in overwritten)
                  + ", whose bytes may be overwritten") if overwritten else ""
+        current = self.live(lease.request)
+        now = (f"; the request holds epoch {current.epoch} now"
+               if current is not None and current.epoch != lease.epoch else "")
         error = StaleLeaseError(f"stale lease: request {lease.request!r} epoch {lease.epoch} "
                                 f"was {grant.state if grant.state != 'settled' else 'aborted'}"
-                                f"{named}")
+                                f"{now}{named}")
         error.lease = lease
+        error.current = current
         error.reason = "released" if grant.state == "released" else "aborted"
         error.overwritten = overwritten
         raise error
@@ -258,7 +265,39 @@ class LeaseTable:
             self._finished(lease.epoch)
         return tuple(grant.reused_by)
 
+    def live(self, request: str | bytes) -> Lease | None:
+        """The live lease of ``request`` (its pages' current allocation), or None."""
+        epoch = self._live.get(request)
+        return self._grants[epoch].lease if epoch is not None else None
+
     def holder(self, page: int) -> Lease | None:
         """The live lease holding ``page``, or None."""
         epoch = int(self._holder[int(self._pages([page])[0])])
         return self._grants[epoch].lease if epoch else None
+
+
+def check_epoch(sent: Lease, expected: Lease) -> None:
+    """Checks that a manifest planned for lease ``sent`` is for ``expected``, the decode's lease
+    on the same request's pages (the batch verification path runs this per request).
+
+    Raises :class:`StaleLeaseError` (``reason="superseded"``, ``lease`` the sent one,
+    ``current`` the expected one) naming the request and both epochs when ``sent`` is an
+    older epoch of the request, and :class:`LeaseError` when it names another request or a
+    newer epoch than the decode's own lease: an epoch that goes backwards for a request (a
+    decode record older than an epoch it already granted)."""
+    if sent.request != expected.request:
+        raise LeaseError(f"the manifest's lease names request {sent.request!r} (epoch "
+                         f"{sent.epoch}), but these pages are leased to request "
+                         f"{expected.request!r} (epoch {expected.epoch})")
+    if sent.epoch < expected.epoch:
+        error = StaleLeaseError(f"stale lease: request {sent.request!r} was planned for "
+                                f"epoch {sent.epoch}, but its pages are held under epoch "
+                                f"{expected.epoch} now (the request's pages were granted "
+                                f"again since)")
+        error.lease, error.current, error.reason = sent, expected, "superseded"
+        raise error
+    if sent.epoch > expected.epoch:
+        raise LeaseError(f"epoch goes backwards for request {sent.request!r}: the prefill "
+                         f"planned for epoch {sent.epoch}, newer than the decode's lease "
+                         f"epoch {expected.epoch} for its pages (the decode's record is "
+                         f"older than an epoch it granted)")

@@ -250,8 +250,8 @@ def test_module_exports():
     assert sg.__all__ == [
         "DEFAULT_MAX_BLOCKS_PER_BATCH", "REFUSED_STATUS", "REPLACED_METHODS", "TemplateCache",
         "build_transfer_entry_pairs", "group_concurrent_contiguous", "install", "installed",
-        "layout_from_kv_args", "layout_from_register_info", "staged_template", "template_cache",
-        "uninstall",
+        "layout_from_kv_args", "layout_from_register_info", "send_kvcache_batch",
+        "staged_template", "template_cache", "uninstall",
     ]
 
 

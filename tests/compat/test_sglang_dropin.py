@@ -567,3 +567,66 @@ def test_layout_from_real_register_info_uses_the_rank_modulo_the_attention_tp_si
     dst = compat.layout_from_register_info(info, is_mla_backend=False, num_layers=2)
     assert (dst.tp_rank, dst.tp_size) == (1, 2)
     assert dst.layer_ids == [3, 7, 3, 7] and dst.roles == ["k", "k", "v", "v"]
+
+
+class _HoleEngine:
+    """Records every call; fails (-1) a call writing any decode page in ``hole`` of entry 0's
+    pages (items of ``item`` bytes from ``base``)."""
+
+    def __init__(self, base: int, item: int, hole: range) -> None:
+        self.lo, self.hi = base + hole.start * item, base + hole.stop * item
+        self.calls: list[tuple[Any, ...]] = []
+
+    def batch_transfer_sync(self, session: str, src: list[int], dst: list[int],
+                            lengths: list[int]) -> int:
+        self.calls.append((session, src, dst, lengths))
+        return -1 if any(self.lo <= d < self.hi for d in dst) else 0
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_several_requests_to_one_session_as_one_batch_keep_each_requests_status(
+        sg: Any, kind: str) -> None:
+    """``send_kvcache_batch``: the requests of one decode session planned as one batch plan move
+    the bytes SGLang's own ``send_kvcache`` moves for each of them, and a failing call fails
+    only the requests whose blocks it held (each request's own status)."""
+    dep = Deployment(kind, 8, list(range(8)), 1, 0)
+    dptrs, items, dids = dep.dst_lists()
+    rng = np.random.default_rng(77)
+    order = rng.permutation(32)
+    reqs, at = [], 0
+    for k in (3, 1, 4, 2, 2, 5, 1):
+        reqs.append((rng.choice(32, size=k, replace=False).astype(np.int32),
+                     np.sort(order[at:at + k]).astype(np.int32)))
+        at += k
+    # SGLang's own method, request by request.
+    mgr = manager(sg, sg.MooncakeKVManager, dep)
+    assert [mgr.send_kvcache(SESSION, s, dptrs, d, None, dst_layer_ids=dids)
+            for s, d in reqs] == [0] * len(reqs)
+    theirs = canonical(engine_blocks(mgr.engine.calls))
+    with installed(sg.MooncakeKVManager, max_blocks_per_batch=16):
+        mgr = manager(sg, sg.MooncakeKVManager, dep)
+        statuses = compat.send_kvcache_batch(mgr, SESSION, reqs, dptrs, None, dids)
+        assert statuses == [0] * len(reqs)
+        assert canonical(engine_blocks(mgr.engine.calls)) == theirs
+        assert all(len(c[1]) <= 16 for c in mgr.engine.calls)
+        # A hole of decode pages: the calls writing it fail, and only their requests.
+        hole = range(int(reqs[2][1][0]), int(reqs[2][1][0]) + 1)
+        engine = _HoleEngine(dptrs[0], items[0], hole)
+        mgr = manager(sg, sg.MooncakeKVManager, dep, engine=engine)
+        statuses = compat.send_kvcache_batch(mgr, SESSION, reqs, dptrs, None, dids)
+        from kvplan.compat.sglang.dropins import _generic_template
+
+        template = _generic_template(mgr, SESSION, mgr.kv_args.kv_data_ptrs, dptrs,
+                                     mgr.kv_args.kv_item_lens, mgr.kv_args.kv_layer_ids, dids,
+                                     False)
+        assert template is not None
+        batch = template.plan_batch(reqs)
+        want = [0] * len(reqs)
+        for lo, hi in batch.call_ranges(16).tolist():
+            if any(engine.lo <= d < engine.hi for d in batch.dst_addrs[lo:hi].tolist()):
+                for r in batch.requests_in(lo, hi).tolist():
+                    want[r] = -1
+        assert statuses == want and want[2] == -1 and 0 in want
+        # Every call was made, the failed ones included.
+        assert len(engine.calls) == len(batch.call_ranges(16))
+

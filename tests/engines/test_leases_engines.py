@@ -2,15 +2,19 @@
 this process on loopback): the decode aborts request A, reuses its pages for B, and A's writer
 moves its bytes after B's; the decode's lease table refuses A's completion naming B, and B's
 own check then fails on the bytes the engine really wrote. A clean abort flags nothing. And a
-dropped completion status (NIXL) leaves the request unloaded and its late status refused."""
+dropped completion status (NIXL's notification; Mooncake's side-channel message, with a writer
+that stopped half-way) leaves the request unloaded, its late status refused, and the verifier
+names the bytes that never landed."""
 
 from __future__ import annotations
+
+import queue
 
 import numpy as np
 import pytest
 
 import kvplan
-from kvplan import LeaseTable, StaleLeaseError
+from kvplan import LeaseTable, PlanBatch, StaleLeaseError
 from kvplan.engines.measure import loopback_transports
 from kvplan.testing.oracle import array_pool
 from support.engine_peers import Engine
@@ -123,6 +127,67 @@ def test_a_dropped_status_is_never_counted_as_loaded() -> None:
             receiver.check_landed(received, src_layout=s_layout, dst_layout=d_layout,
                                   src_pages=s_pages, dst_pages=d_pages, template=t,
                                   lease=lease, leases=table)
+        assert table.settle(lease) == ()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.mooncake
+def test_a_dropped_mooncake_status_is_never_counted_as_landed() -> None:
+    """Mooncake: the target gets no notification, so a request's completion status is the
+    prefill's side-channel message (``TransferStats.integrity``). The prefill's writer stops
+    half-way (only the first half of its blocks reach the engine) and its status is lost: the
+    decode's wait times out, so the request is aborted, never counted as landed; when the
+    status turns up after all, its lease is refused as aborted, and the verifier over the bytes
+    (the decode's own lease) names what never landed."""
+    from support.engine_peers import require_mooncake
+
+    require_mooncake()
+    rng = np.random.default_rng(5)
+    src = rng.integers(1, 256, PAGES * LAYERS * ITEM, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s_layout, d_layout = pool(src), pool(dst)
+    t = kvplan.Template(s_layout, d_layout, coalesce=False)
+    table = LeaseTable(PAGES)
+    s_pages = np.array([1, 2, 5, 9], dtype=np.int64)
+    d_pages = np.array([8, 10, 11, 3], dtype=np.int64)
+    lease = table.grant("req-9", d_pages)
+    plan = t.plan(s_pages, d_pages)
+    assert plan.n_blocks >= 4
+    side_channel: queue.Queue[bytes] = queue.Queue()
+    sender, receiver = loopback_transports("mooncake")
+    try:
+        sender.register_buffers([src.ctypes.data], [src.nbytes])
+        receiver.register_buffers([dst.ctypes.data], [dst.nbytes])
+        peer = receiver.local_session_id()
+        manifest = sender.manifest(plan, src_pages=s_pages, dst_pages=d_pages, lease=lease)
+        half = plan.n_blocks // 2
+        part = PlanBatch(plan.src_addrs[:half], plan.dst_addrs[:half], plan.lengths[:half])
+        stats = sender.submit(part, peer, manifest=[manifest])
+        assert stats.blocks == half and stats.integrity
+        # The writer stopped here, and its status never reached the side channel.
+        with pytest.raises(queue.Empty):
+            side_channel.get(timeout=0.5)
+        table.abort(lease)  # not landed: the decode gives up on the request
+        assert table.fence(d_pages) == (lease,)
+        # The lost status turns up late: its lease is refused before any byte is read.
+        side_channel.put(stats.integrity)
+        late = side_channel.get(timeout=1.0)
+        check = dict(src_layout=s_layout, dst_layout=d_layout, src_pages=s_pages,
+                     dst_pages=d_pages, template=t, lease=lease)
+        with pytest.raises(StaleLeaseError, match="'req-9' epoch 1 was aborted"):
+            receiver.check_landed(late, leases=table, **check)  # type: ignore[arg-type]
+        # Read against the bytes, the status is incomplete: the verifier names the pairs
+        # whose blocks never landed.
+        with pytest.raises(kvplan.IntegrityError) as missing:
+            receiver.check_landed(late, **check)  # type: ignore[arg-type]
+        assert missing.value.what == "content"
+        landed = np.zeros(plan.n_pairs, dtype=bool)
+        offsets = plan.pair_offsets
+        for p in range(plan.n_pairs):
+            landed[p] = offsets[p + 1] <= half
+        assert missing.value.bad_pairs == int((~landed).sum()) > 0
         assert table.settle(lease) == ()
     finally:
         sender.close()

@@ -46,6 +46,8 @@ from kvplan.engines.measure import measure_copy_bandwidth, measure_cost, measure
 from kvplan.engines.mooncake import MooncakeTransport, PendingTransfer
 from kvplan.engines.nixl import NixlPending, NixlTransport, PreppedPair
 from kvplan.engines.streaming import (
+    BatchStreamOutcome,
+    StreamBatch,
     StreamCompleteness,
     StreamingSubmitter,
     StreamRequest,
@@ -56,12 +58,14 @@ from kvplan.engines.streaming import (
 __all__ = [
     "AscendTransport",
     "BatchOutcome",
+    "BatchStreamOutcome",
     "MooncakeTransport",
     "NixlPending",
     "NixlTransport",
     "PendingTransfer",
     "PlanLike",
     "PreppedPair",
+    "StreamBatch",
     "StreamCompleteness",
     "StreamRequest",
     "StreamStats",

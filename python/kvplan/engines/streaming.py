@@ -48,12 +48,27 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvplan._core import KvPlanError, LayerSlices, PlanBatch, PlanSlices, TransferPlan, WorkManifest
+from kvplan._core import (
+    BatchPlan,
+    BatchSlices,
+    KvPlanError,
+    LayerSlices,
+    PlanBatch,
+    PlanSlices,
+    TransferPlan,
+    WorkManifest,
+)
 from kvplan._errors import TransferError
-from kvplan.integrity import is_notification, pack_notification, read_notification, read_work
+from kvplan.integrity import (
+    Manifest,
+    is_notification,
+    pack_notification,
+    read_notification,
+    read_work,
+)
 
-__all__ = ["ReadyEvent", "StreamCompleteness", "StreamRequest", "StreamStats",
-           "StreamingSubmitter", "check_stream", "slice_receipt"]
+__all__ = ["BatchStreamOutcome", "ReadyEvent", "StreamBatch", "StreamCompleteness",
+           "StreamRequest", "StreamStats", "StreamingSubmitter", "check_stream", "slice_receipt"]
 
 _RECEIPT_MAGIC = b"KVSR"
 _RECEIPT = struct.Struct("<4sI")
@@ -193,6 +208,190 @@ class StreamRequest:
             self._done.set()
 
 
+@dataclass(frozen=True)
+class BatchStreamOutcome:
+    """What one streamed batch did, request by request.
+
+    ``failed[r]`` is True exactly when an engine call holding blocks of request ``r`` failed;
+    ``done[r]`` when every block of request ``r`` landed (every call holding its blocks, slices
+    and seal, succeeded). ``errors``: one :class:`TransferError` per failed call, with
+    ``requests`` (the batch's request indices the call held), ``slice`` (the slice indices it
+    sent, or ``"seal"``) and ``layers``. A request whose call failed is left out of every later
+    call, so it never takes other requests down with it."""
+
+    name: str
+    session: str
+    blocks: int
+    bytes: int
+    #: Engine calls made (slices and seal).
+    calls: int
+    #: Slices sent before the seal.
+    slices: int
+    streamed: bool
+    seconds: float
+    failed: np.ndarray
+    done: np.ndarray
+    errors: tuple[TransferError, ...]
+    #: Per request, seconds from open to the moment its last block landed (NaN if it failed).
+    done_seconds: np.ndarray
+    unsignalled_layers: tuple[int, ...] = ()
+    unsignalled_slices: tuple[int, ...] = ()
+    #: The final notification (the caller's message and the seal's manifests); NIXL delivered
+    #: it once every call had completed, other engines leave it to the caller's side channel.
+    notification: builtins.bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        """True when every request landed."""
+        return not self.errors
+
+    @property
+    def failed_requests(self) -> list[int]:
+        """Indices of the requests a failed call held, ascending."""
+        return [int(r) for r in np.flatnonzero(self.failed)]
+
+
+class StreamBatch:
+    """A batch plan being streamed: every request of the batch opened at once; each ready
+    slice goes out in bounded engine calls covering all of them, and each request gets its
+    own verdict (:class:`BatchStreamOutcome`)."""
+
+    def __init__(self, owner: StreamingSubmitter, name: str, batch: BatchPlan,
+                 cut: BatchSlices, slices: LayerSlices, peer: str | None, notif: bytes,
+                 streamed: bool) -> None:
+        self.request = name  # what the submitter's messages name
+        self._owner = owner
+        self._batch = batch
+        self._cut = cut
+        self._slices = slices
+        self._peer = peer
+        self._notif = notif
+        self.streamed = streamed
+        self._columns = (batch.src_addrs, batch.dst_addrs, batch.lengths)
+        self._request_segments = batch.request_segments
+        segment_requests = batch.segment_requests.tolist()
+        # Per segment, what must land before its requests are done (slice indices, -1 the seal).
+        self._pending: list[set[int]] = []
+        with_blocks: set[int] = set()
+        for s in range(cut.n_segments):
+            ks, seal = cut.segment_parts(s)
+            with_blocks.update(ks)
+            self._pending.append(set(ks) | ({-1} if seal else set()))
+        self._segment_requests = segment_requests
+        layers = slices.layers
+        self._waiting: dict[int, set[int]] = {k: set(layers[k]) for k in sorted(with_blocks)}
+        self._ready_slices: list[int] = []
+        self._sent: set[int] = set()
+        self._sealed = False
+        self._manifests: list[Manifest] = []
+        self._unsignalled: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self._t_open = time.perf_counter()
+        self._t_last_signal = self._t_open
+        n = batch.n_requests
+        self._failed_segments = [False] * cut.n_segments
+        self._failed = np.zeros(n, dtype=bool)
+        self._done_mask = np.zeros(n, dtype=bool)
+        self._done_seconds = np.full(n, np.nan)
+        self._errors: list[TransferError] = []
+        self._blocks = self._bytes = self._calls = 0
+        self._done = threading.Event()
+        self._error: TransferError | None = None
+        self._outcome: BatchStreamOutcome | None = None
+        for s, pending in enumerate(self._pending):
+            if not pending:  # a segment that moves nothing is done at once
+                self._segment_done(s)
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def done(self) -> bool:
+        """True once the verdict is in (every call made, or cancel / close); never blocks."""
+        return self._done.is_set()
+
+    def request_done(self, request: int) -> bool:
+        """Whether every block of batch request ``request`` has landed (never blocks)."""
+        return bool(self._done_mask[request])
+
+    def ready(self, layer: int, event: ReadyEvent | None = None) -> None:
+        """Layer ``layer`` is written for every request of this batch."""
+        self._owner._signal(layer, event, self)
+
+    def set_peer(self, peer_session: str) -> None:
+        """The destination is known now."""
+        self._owner._post(("peer", self, peer_session))
+
+    def seal(self, manifests: Sequence[Manifest] = ()) -> None:
+        """The forward is done: send every slice not sent yet, then the seal. ``manifests``
+        (:func:`kvplan.integrity.build_batch_manifests` over the sources, now written) go
+        with the final notification."""
+        self._manifests = list(manifests)
+        self._owner._post(("seal", self, time.perf_counter()))
+
+    def cancel(self) -> None:
+        """Send nothing more; the verdict becomes a cancel (``state="cancelled"``)."""
+        self._owner._post(("cancel", self))
+
+    def wait(self, timeout: float | None = None) -> BatchStreamOutcome:
+        """Block until every call was made; return the per-request outcome (failed calls are
+        in it, not raised).
+
+        Raises:
+            TransferError: the batch was cancelled, its seal came before layers were signalled
+                with ``require_signals``, the submitter closed first, or ``timeout`` passed.
+        """
+        if not self._done.wait(timeout):
+            err = TransferError(f"streaming: batch {self.request!r} not complete after "
+                                f"{timeout} s")
+            err.state = "timeout"
+            raise err
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None
+        return self._outcome
+
+    # ------------------------------------------------------------------ submitter side
+    def _fail(self, err: TransferError) -> None:
+        if not self._done.is_set():
+            self._error = err
+            self._done.set()
+
+    def _segment_done(self, s: int) -> None:
+        first, end = self._segment_requests[s], self._segment_requests[s + 1]
+        self._done_mask[first:end] = True
+        self._done_seconds[first:end] = time.perf_counter() - self._t_open
+
+    def _fail_call(self, index: int, part: list[int] | None, requests: np.ndarray,
+                   cause: TransferError) -> None:
+        held = [int(r) for r in requests]
+        name = "the seal" if part is None else "; ".join(_slice_name(self, k) for k in part)
+        err = TransferError(f"streaming: batch {self.request!r}: call {index} of {name} "
+                            f"(requests {_ids(held)}) failed: {cause}")
+        for field in ("engine", "session", "blocks", "bytes", "status", "agent", "state"):
+            setattr(err, field, getattr(cause, field, None))
+        err.batch = index
+        err.requests = held
+        err.request = self.request
+        err.slice = "seal" if part is None else part[0]
+        err.slices = None if part is None else list(part)
+        err.layers = [] if part is None else [layer for k in part
+                                              for layer in self._slices.layers[k]]
+        self._errors.append(err)
+        self._failed[held] = True
+        for s in set(self._request_segments[held].tolist()):
+            self._failed_segments[s] = True
+            first, end = self._segment_requests[s], self._segment_requests[s + 1]
+            self._failed[first:end] = True
+
+    def _landed(self, part: list[int] | None) -> None:
+        """Every call of ``part`` was waited on: segments not failed have it."""
+        keys = [-1] if part is None else part
+        for s, pending in enumerate(self._pending):
+            if self._failed_segments[s] or not pending:
+                continue
+            pending.difference_update(keys)
+            if not pending:
+                self._segment_done(s)
+
+
 class StreamingSubmitter:
     """Streams requests' layer-group slices through ``transport`` from one thread of its own.
 
@@ -223,7 +422,7 @@ class StreamingSubmitter:
         self._timeout = timeout
         self._nixl = getattr(transport, "engine_name", "") == "nixl"
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._open: list[StreamRequest] = []
+        self._open: list[StreamRequest | StreamBatch] = []
         self._numbers: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -252,6 +451,26 @@ class StreamingSubmitter:
                             streamed=total >= self.min_stream_bytes)
         with self._lock:
             self._numbers.setdefault(request, len(self._numbers))
+        self._post(("open", req))
+        return req
+
+    def open_batch(self, name: str, batch: BatchPlan, peer_session: str | None, *,
+                   notif: bytes = b"", slices: LayerSlices | None = None) -> StreamBatch:
+        """Start streaming a batch plan (``Template.plan_batch``): every request of it at
+        once. Each ready slice goes out in engine calls of at most ``max_blocks_per_batch``
+        blocks covering every request (whole segments packed while they fit: the core's
+        ``BatchSlices.calls``), and a failed call fails exactly the requests it held. State
+        plans are not part of a batch: stream them with :meth:`open`.
+
+        Raises:
+            KvPlanError: the batch is not of the slices' template.
+            TransferError: the submitter is closed.
+        """
+        self._check_open("open_batch")
+        slices = self._slices if slices is None else slices
+        cut = slices.of_batch(batch)
+        req = StreamBatch(self, name, batch, cut, slices, peer_session, notif or name.encode(),
+                          streamed=batch.total_bytes >= self.min_stream_bytes)
         self._post(("open", req))
         return req
 
@@ -292,7 +511,8 @@ class StreamingSubmitter:
             err.state = "closed"
             raise err
 
-    def _signal(self, layer: int, event: ReadyEvent | None, req: StreamRequest | None) -> None:
+    def _signal(self, layer: int, event: ReadyEvent | None,
+                req: StreamRequest | StreamBatch | None) -> None:
         self._check_open(f"ready({layer})")
         slices = self._slices if req is None else req._slices
         slices.slice_of_layer(layer)  # raises KvPlanError for a layer the model has not
@@ -314,7 +534,7 @@ class StreamingSubmitter:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._dirty: list[StreamRequest] = []
+            self._dirty: list[StreamRequest | StreamBatch] = []
             kind = ""
             try:
                 for item in items:
@@ -404,14 +624,17 @@ class StreamingSubmitter:
                                      and k not in req._ready_slices)
             self._mark(req)
 
-    def _mark(self, req: StreamRequest) -> None:
+    def _mark(self, req: StreamRequest | StreamBatch) -> None:
         """``req`` may have something to send once the queued items are handled."""
         if req not in self._dirty:
             self._dirty.append(req)
 
-    def _pump(self, req: StreamRequest) -> None:
+    def _pump(self, req: StreamRequest | StreamBatch) -> None:
         """Send what is ready; finish the request after its seal."""
         if req._peer is None or req.done:
+            return
+        if isinstance(req, StreamBatch):
+            self._pump_batch(req)
             return
         try:
             if req.streamed:
@@ -459,6 +682,81 @@ class StreamingSubmitter:
                                  *req._unsignalled, final)
         self._finish(req, None)
 
+    def _pump_batch(self, b: StreamBatch) -> None:
+        """Send a batch's ready slices, then (after its seal) the seal and its verdict."""
+        if b._ready_slices:
+            ks = sorted(b._ready_slices)
+            b._ready_slices.clear()
+            b._sent.update(ks)
+            self._send_batch_part(b, ks)
+        if not b._sealed:
+            return
+        self._send_batch_part(b, None)
+        final = pack_notification(b._manifests, b._notif)
+        if self._nixl:
+            # A bare notification once every call completed, so it never overtakes data.
+            assert b._peer is not None
+            src, dst, lengths = b._columns
+            try:
+                self._transport.submit(PlanBatch(src[:0], dst[:0], lengths[:0]), b._peer,
+                                       notif=final, timeout=self._timeout)
+            except TransferError as exc:
+                err = TransferError(f"streaming: batch {b.request!r}: its final notification "
+                                    f"failed: {exc}")
+                err.state, err.request = getattr(exc, "state", None), b.request
+                self._finish(b, err)
+                return
+        now = time.perf_counter()
+        b._outcome = BatchStreamOutcome(
+            b.request, b._peer or "", b._blocks, b._bytes, b._calls, len(b._sent), b.streamed,
+            now - b._t_open, b._failed.copy(), b._done_mask.copy(), tuple(b._errors),
+            b._done_seconds.copy(), *b._unsignalled, final)
+        self._finish(b, None)
+
+    def _send_batch_part(self, b: StreamBatch, part: list[int] | None) -> None:
+        """Slices ``part`` (or the seal) of every segment not failed yet: every call posted
+        (asynchronously where the engine can), then each waited on; a failed call fails the
+        requests it held."""
+        assert b._peer is not None
+        skip = b._failed_segments
+        calls = (b._cut.seal_calls(max_blocks=self._max_blocks, skip_segments=skip)
+                 if part is None else
+                 b._cut.calls(part, max_blocks=self._max_blocks, skip_segments=skip))
+        src, dst, lengths = b._columns
+        post = getattr(self._transport, "submit_async", None)
+        waiting: list[tuple[int, np.ndarray, Any]] = []
+        for index, (ranges, requests) in enumerate(calls):
+            pieces = ranges.tolist()
+            if len(pieces) == 1:
+                ((lo, hi),) = pieces
+                view = PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])
+            else:
+                view = PlanBatch(*(np.concatenate([c[lo:hi] for lo, hi in pieces])
+                                   for c in (src, dst, lengths)))
+            b._calls += 1
+            try:
+                if post is not None:
+                    waiting.append((index, requests, post(view, b._peer, len(view))))
+                else:
+                    self._count(b, self._transport.submit(view, b._peer, len(view)))
+            except TransferError as exc:
+                b._fail_call(index, part, requests, exc)
+        for index, requests, handle in waiting:
+            try:
+                # Mooncake's handle takes no timeout (its status call blocks until the end).
+                stats = (handle.wait() if self._timeout is None or not self._nixl
+                         else handle.wait(self._timeout))
+            except TransferError as exc:
+                b._fail_call(index, part, requests, exc)
+            else:
+                self._count(b, stats)
+        b._landed(part)
+
+    @staticmethod
+    def _count(b: StreamBatch, stats: Any) -> None:
+        b._blocks += stats.blocks
+        b._bytes += stats.bytes
+
     def _send(self, req: StreamRequest, ranges: Sequence[tuple[int, int]], plan: TransferPlan,
               *, what: tuple[str, list[int] | None], notif: bytes) -> None:
         """Submit ``ranges`` of ``plan`` in one submission (a view for one range, the ranges'
@@ -486,7 +784,7 @@ class StreamingSubmitter:
             req._bytes += stats.bytes
             req._submissions += 1
 
-    def _finish(self, req: StreamRequest, err: TransferError | None) -> None:
+    def _finish(self, req: StreamRequest | StreamBatch, err: TransferError | None) -> None:
         if err is not None:
             req._fail(err)
         else:
@@ -515,7 +813,7 @@ def _slice_error(req: StreamRequest, what: tuple[str, list[int] | None],
     return err
 
 
-def _slice_name(req: StreamRequest, k: int) -> str:
+def _slice_name(req: StreamRequest | StreamBatch, k: int) -> str:
     return (f"slice {k} (layer group {req._slices.group_ids[k]}, layers "
             f"{_ids(req._slices.layers[k])})")
 

@@ -207,6 +207,44 @@ impl BatchSummary {
         )
     }
 
+    /// The summary segment `segment`'s blocks are laid out by: its request's own for a request
+    /// alone, and for fused page requests one page plan of all their pages in their merged
+    /// runs (a segment's blocks are entry-pair major as a single request's plan), so the
+    /// template's block accounting reads a segment as it reads a plan. `None` past the last.
+    pub fn segment_summary(&self, segment: usize) -> Option<PlanSummary> {
+        if segment >= self.n_segments() {
+            return None;
+        }
+        let (first, end) = (
+            self.segment_requests[segment],
+            self.segment_requests[segment + 1],
+        );
+        let members = &self.requests[first..end];
+        if members.len() == 1 {
+            return Some(members[0]);
+        }
+        let (runs, pages) = segment_runs(members)?;
+        let mut scan = crate::runs::RunScan {
+            n_pages: pages,
+            n_runs: runs,
+            max_src: 0,
+            max_dst: 0,
+            descending_runs: 0,
+        };
+        for member in members {
+            if let PlanUnit::Pages(found) = member.unit {
+                scan.max_src = scan.max_src.max(found.max_src);
+                scan.max_dst = scan.max_dst.max(found.max_dst);
+                scan.descending_runs += found.descending_runs;
+            }
+        }
+        Some(PlanSummary {
+            n_blocks: self.segment_offsets[segment + 1] - self.segment_offsets[segment],
+            total_bytes: members.iter().map(|m| m.total_bytes).sum(),
+            unit: PlanUnit::Pages(scan),
+        })
+    }
+
     /// The blocks holding request `request`'s bytes: its segment's blocks.
     pub fn request_blocks(&self, request: usize) -> Option<std::ops::Range<usize>> {
         let s = self.segment_of(request)?;
@@ -433,13 +471,28 @@ impl<'t> BatchPlanner<'t> {
     /// requests one by one recomputes), between layouts of fingerprints `fingerprints`. Plans
     /// every request again into one scratch buffer.
     ///
+    /// `leases`: empty, or one per request (`None` for a request planned without one); a
+    /// request's digest is then bound to its lease by [`crate::digest::request_plan_digest`],
+    /// the rule `TransferPlan.digest(lease=)` applies to a plan alone.
+    ///
     /// # Errors
-    /// As [`Template::plan_into`] for each request.
+    /// [`PlanError::DigestInput`] for `leases` of another length than the requests; as
+    /// [`Template::plan_into`] for each request.
     pub fn request_digests<S: PageIndex, D: PageIndex>(
         &self,
         requests: &[Request<'_, S, D>],
         fingerprints: (u64, u64),
+        leases: &[Option<crate::digest::LeaseRef<'_>>],
     ) -> Result<Vec<u64>> {
+        if !leases.is_empty() && leases.len() != requests.len() {
+            return Err(PlanError::DigestInput {
+                what: format!(
+                    "{} leases for {} requests; give one lease (or none) per request",
+                    leases.len(),
+                    requests.len()
+                ),
+            });
+        }
         let mut digests = try_vec(requests.len(), 0u64, "request digests")?;
         let mut scratch = FlatBuffer::zeroed(0);
         for (r, request) in requests.iter().enumerate() {
@@ -460,7 +513,9 @@ impl<'t> BatchPlanner<'t> {
                 lengths: &columns.lengths[..n],
                 pair_offsets: &offsets,
             };
-            digests[r] = crate::digest::plan_digest(fingerprints, &blocks)?;
+            let digest = crate::digest::plan_digest(fingerprints, &blocks)?;
+            let lease = leases.get(r).copied().flatten();
+            digests[r] = crate::digest::request_plan_digest(digest, summary.skip_tokens(), lease);
         }
         Ok(digests)
     }

@@ -319,6 +319,28 @@ pub fn leased_plan_digest(plan_digest: u64, epoch: u64, request: &[u8]) -> u64 {
     hasher.digest()
 }
 
+/// A destination lease as the digests read it: the epoch of the decode's allocation and the
+/// request id's bytes (UTF-8 for a text id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseRef<'a> {
+    /// The epoch the decode allocated the pages in.
+    pub epoch: u64,
+    /// The request id the pages were allocated for.
+    pub request: &'a [u8],
+}
+
+/// The digest a request's plan is verified by: its plan digest bound to its skip count
+/// ([`delta_plan_digest`]), then to its lease when it has one ([`leased_plan_digest`]). The one
+/// rule for a plan planned alone and for every request of a batch plan, so a decode that
+/// verifies a batch's requests one by one recomputes exactly what the prefill's batch carried.
+pub fn request_plan_digest(plan_digest: u64, skip_tokens: u64, lease: Option<LeaseRef<'_>>) -> u64 {
+    let digest = delta_plan_digest(plan_digest, skip_tokens);
+    match lease {
+        Some(lease) => leased_plan_digest(digest, lease.epoch, lease.request),
+        None => digest,
+    }
+}
+
 /// The content digest of a plan from its pair digests (see the module documentation).
 pub fn content_digest(pair_digests: &[u64]) -> u64 {
     let mut hasher = Xxh3Default::new();

@@ -87,8 +87,8 @@ pub use coalesce::Group;
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use digest::{
-    PlanBlocks, Region, content_digest, delta_plan_digest, index_digest, layout_fingerprint,
-    leased_plan_digest, pair_content_digests, plan_digest,
+    LeaseRef, PlanBlocks, Region, content_digest, delta_plan_digest, index_digest,
+    layout_fingerprint, leased_plan_digest, pair_content_digests, plan_digest, request_plan_digest,
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
 pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
@@ -109,7 +109,9 @@ pub use pieces::{
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
 pub use request::{Indices, Request};
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
-pub use slices::{LayerSlices, PlanSlices, SliceWork, WorkManifest};
+pub use slices::{
+    BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
+};
 pub use staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegion};
 pub use template::{BlockRequest, GeometryOptions, Template};
 pub use tokens::TokenTemplate;

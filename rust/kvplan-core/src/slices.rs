@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::batch::BatchSummary;
 use crate::error::{PlanError, Result};
 use crate::groups::{LayerGroups, PeerRanks, SliceKey, StreamFacts};
 use crate::plan::{PlanSummary, PlanUnit};
@@ -293,6 +294,34 @@ impl LayerSlices {
         }
     }
 
+    /// Cuts a batch plan of this template into slices: each segment as [`LayerSlices::of`]
+    /// cuts a plan laid out by its summary ([`BatchSummary::segment_summary`]), with its block
+    /// ranges offset to where the segment lies in the batch.
+    pub fn of_batch(&self, template: &Template, batch: &BatchSummary) -> BatchSlices {
+        let segments = (0..batch.n_segments())
+            .map(|s| {
+                let Some(summary) = batch.segment_summary(s) else {
+                    return PlanSlices::default();
+                };
+                let mut cut = self.of(template, &summary);
+                let at = batch.segment_offsets[s];
+                let shift = |ranges: &mut Vec<(usize, usize)>| {
+                    for r in ranges.iter_mut() {
+                        *r = (r.0 + at, r.1 + at);
+                    }
+                };
+                cut.ranges.iter_mut().for_each(shift);
+                shift(&mut cut.seal_ranges);
+                cut
+            })
+            .collect();
+        BatchSlices {
+            segments,
+            segment_requests: batch.segment_requests.clone(),
+            n_slices: self.slices.len(),
+        }
+    }
+
     /// Page pairs of the template these slices were cut for (a cheap identity check).
     pub fn n_pairs(&self) -> usize {
         self.n_pairs
@@ -326,6 +355,171 @@ impl PlanSlices {
             slices,
             seal,
         }
+    }
+}
+
+/// A batch plan cut into slices ([`LayerSlices::of_batch`]): per segment its slices, with block
+/// ranges in the batch. One engine call per ready slice (or a few, bounded) then covers every
+/// request of the batch, and each call names the requests whose blocks it holds.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BatchSlices {
+    /// Per segment, its slices (block ranges in the batch, in batch order).
+    pub segments: Vec<PlanSlices>,
+    /// `n_segments + 1` request offsets, as [`BatchSummary::segment_requests`].
+    pub segment_requests: Vec<usize>,
+    /// Slices per segment (the template's layer groups).
+    pub n_slices: usize,
+}
+
+/// What part of a batch's slices a call sends: some slices, or the seal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchPart<'a> {
+    /// These slices (indices into [`LayerSlices::slices`]) of every segment.
+    Slices(&'a [usize]),
+    /// Every segment's seal.
+    Seal,
+}
+
+/// One engine call over a batch's slices: its block ranges in the batch (ascending, touching
+/// ones merged), their block count, and the requests whose bytes they hold.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BatchCall {
+    /// `(start, stop)` block ranges in the batch.
+    pub ranges: Vec<(usize, usize)>,
+    /// Blocks over the ranges.
+    pub blocks: usize,
+    /// Requests the ranges hold blocks of, ascending.
+    pub requests: Vec<usize>,
+}
+
+impl BatchCall {
+    fn push(&mut self, (start, stop): (usize, usize), segment_requests: std::ops::Range<usize>) {
+        match self.ranges.last_mut() {
+            Some(last) if last.1 == start => last.1 = stop,
+            _ => self.ranges.push((start, stop)),
+        }
+        self.blocks += stop - start;
+        if self
+            .requests
+            .last()
+            .is_none_or(|&r| r < segment_requests.start)
+        {
+            self.requests.extend(segment_requests);
+        }
+    }
+}
+
+impl BatchSlices {
+    /// Segments of the batch.
+    pub fn n_segments(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// Segment `segment`'s block ranges of `part` in the batch, ascending, touching ones merged.
+    fn part_ranges(&self, segment: usize, part: BatchPart<'_>) -> Vec<(usize, usize)> {
+        let cut = &self.segments[segment];
+        let mut ranges: Vec<(usize, usize)> = match part {
+            BatchPart::Slices(ks) => ks
+                .iter()
+                .filter_map(|&k| cut.ranges.get(k))
+                .flatten()
+                .copied()
+                .collect(),
+            BatchPart::Seal => cut.seal_ranges.clone(),
+        };
+        ranges.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.1 == a => last.1 = b,
+                _ if a == b => {}
+                _ => merged.push((a, b)),
+            }
+        }
+        merged
+    }
+
+    /// The engine calls that send `part` of every segment, each of at most `max_blocks` blocks
+    /// (`None`: one call): whole segments packed in batch order while they fit, a segment
+    /// larger than the bound split alone (its last piece packed with what follows), as
+    /// [`BatchSummary::call_ranges`] packs a whole batch. A failed call then holds as few
+    /// requests as the sizes allow. Segments with no blocks in `part` are in no call, and so
+    /// are those `skip` flags (empty: none; a streamer leaves out the segments of requests
+    /// already failed, so a failed request never takes its neighbours down in a later call).
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for `max_blocks` 0, a slice index past the slices, or `skip`
+    /// of another length than the segments.
+    pub fn calls(
+        &self,
+        part: BatchPart<'_>,
+        max_blocks: Option<usize>,
+        skip: &[bool],
+    ) -> Result<Vec<BatchCall>> {
+        if !skip.is_empty() && skip.len() != self.n_segments() {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "skip flags {} segments of a batch of {}",
+                    skip.len(),
+                    self.n_segments()
+                ),
+            });
+        }
+        if max_blocks == Some(0) {
+            return Err(PlanError::Geometry {
+                what: "max_blocks must be at least 1, got 0".into(),
+            });
+        }
+        if let BatchPart::Slices(ks) = part
+            && let Some(&k) = ks.iter().find(|&&k| k >= self.n_slices)
+        {
+            return Err(PlanError::Geometry {
+                what: format!("slice {k} out of range for {} slices", self.n_slices),
+            });
+        }
+        let max = max_blocks.unwrap_or(usize::MAX);
+        let mut calls = Vec::new();
+        let mut call = BatchCall::default();
+        for s in 0..self.n_segments() {
+            if skip.get(s).copied().unwrap_or(false) {
+                continue;
+            }
+            let ranges = self.part_ranges(s, part);
+            let blocks: usize = ranges.iter().map(|(a, b)| b - a).sum();
+            if blocks == 0 {
+                continue;
+            }
+            let requests = self.segment_requests[s]..self.segment_requests[s + 1];
+            if call.blocks + blocks > max && call.blocks > 0 {
+                calls.push(std::mem::take(&mut call));
+            }
+            for (mut a, b) in ranges {
+                while a < b {
+                    let take = (b - a).min(max - call.blocks);
+                    call.push((a, a + take), requests.clone());
+                    a += take;
+                    if call.blocks == max {
+                        calls.push(std::mem::take(&mut call));
+                    }
+                }
+            }
+        }
+        if call.blocks > 0 {
+            calls.push(call);
+        }
+        Ok(calls)
+    }
+
+    /// The slices segment `segment` has blocks in, ascending, and whether its seal has any:
+    /// what must land before its requests are complete.
+    pub fn segment_parts(&self, segment: usize) -> (Vec<usize>, bool) {
+        let Some(cut) = self.segments.get(segment) else {
+            return (Vec::new(), false);
+        };
+        let slices = (0..cut.ranges.len())
+            .filter(|&k| cut.ranges[k].iter().any(|(a, b)| b > a))
+            .collect();
+        (slices, cut.seal_ranges.iter().any(|(a, b)| b > a))
     }
 }
 

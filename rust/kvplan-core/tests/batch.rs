@@ -5,8 +5,9 @@
 mod support;
 
 use kvplan_core::{
-    BatchSummary, FlatRequests, Layout, Plan, PlanBlocks, PlanError, Request, Template,
-    TemplateOptions, layout_fingerprint, plan_digest,
+    BatchPart, BatchSummary, FlatRequests, GeometryOptions, LayerGroups, LayerSlices, Layout,
+    LeaseRef, Plan, PlanBlocks, PlanError, Request, Template, TemplateOptions, layout_fingerprint,
+    plan_digest, request_plan_digest,
 };
 use support::layouts::{KvLayout, kv_pool, paged};
 use support::reference::{Arena, apply, reference};
@@ -341,7 +342,33 @@ fn request_digests_are_the_digests_of_the_requests_planned_alone() {
     );
     let lists = requests(&mut Rng(3), 12, (PAGES, PAGES));
     let reqs = as_requests(&lists);
-    let digests = t.batch().request_digests(&reqs, prints).unwrap();
+    let digests = t.batch().request_digests(&reqs, prints, &[]).unwrap();
+    // With a lease per request (some without), each digest is the one rule of a plan alone.
+    let ids: Vec<String> = (0..reqs.len()).map(|r| format!("req-{r}")).collect();
+    let leases: Vec<Option<LeaseRef<'_>>> = ids
+        .iter()
+        .enumerate()
+        .map(|(r, id)| {
+            (r % 3 != 0).then_some(LeaseRef {
+                epoch: 10 + r as u64,
+                request: id.as_bytes(),
+            })
+        })
+        .collect();
+    let leased = t.batch().request_digests(&reqs, prints, &leases).unwrap();
+    for r in 0..reqs.len() {
+        assert_eq!(leased[r], request_plan_digest(digests[r], 0, leases[r]));
+        assert_eq!(leased[r] == digests[r], leases[r].is_none(), "request {r}");
+    }
+    let err = t
+        .batch()
+        .request_digests(&reqs, prints, &leases[..2])
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("2 leases for {} requests", reqs.len())),
+        "{err}"
+    );
     for (r, request) in reqs.iter().enumerate() {
         let alone = t.plan(request).unwrap();
         let blocks = PlanBlocks {
@@ -488,4 +515,82 @@ fn flat_offsets_that_do_not_describe_the_pages_are_refused_naming_the_values() {
             .unwrap()
             .is_empty()
     );
+}
+
+/// A batch cut into layer slices: every call of every slice and of the seal together send each
+/// block of the batch exactly once, no call exceeds its bound, and each call names exactly the
+/// requests whose blocks it holds (`requests_in` of its ranges), fused segments included.
+#[test]
+fn batch_slices_send_every_block_once_in_bounded_calls_naming_their_requests() {
+    let layers = 0..6i64;
+    let src = KvLayout::mha(0x1000, layers.clone(), 32, 32 * PAGES).build();
+    let dst = KvLayout::mha(0x100_0000, layers, 32, 32 * PAGES).build();
+    let groups = LayerGroups::fixed(2).unwrap();
+    let t = Template::with_layer_groups(
+        &src,
+        &dst,
+        TemplateOptions::default(),
+        &GeometryOptions::default(),
+        &groups,
+    )
+    .unwrap();
+    let slices = LayerSlices::new(&t, &groups).unwrap();
+    for seed in 0..8 {
+        let lists = requests(&mut Rng(seed), 10, (PAGES, PAGES));
+        let reqs = as_requests(&lists);
+        let batch = t.batch().plan(&reqs).unwrap();
+        let summary = &batch.summary;
+        assert!(summary.n_segments() <= summary.n_requests());
+        let cut = slices.of_batch(&t, summary);
+        for max in [None, Some(1), Some(3), Some(7)] {
+            let mut sent = vec![0u32; summary.n_blocks];
+            let all: Vec<usize> = (0..slices.slices().len()).collect();
+            let mut parts: Vec<BatchPart<'_>> = all
+                .iter()
+                .map(|k| BatchPart::Slices(std::slice::from_ref(k)))
+                .collect();
+            parts.push(BatchPart::Seal);
+            for part in parts {
+                for call in cut.calls(part, max, &[]).unwrap() {
+                    assert!(call.blocks <= max.unwrap_or(usize::MAX), "seed {seed}");
+                    let mut held: Vec<usize> = Vec::new();
+                    for &(a, b) in &call.ranges {
+                        sent[a..b].iter_mut().for_each(|n| *n += 1);
+                        held.extend(summary.requests_in(a..b));
+                    }
+                    held.sort_unstable();
+                    held.dedup();
+                    assert_eq!(call.requests, held, "seed {seed} max {max:?}");
+                    let blocks: usize = call.ranges.iter().map(|(a, b)| b - a).sum();
+                    assert_eq!(call.blocks, blocks);
+                }
+            }
+            assert!(sent.iter().all(|&n| n == 1), "seed {seed} max {max:?}");
+        }
+        // A segment's parts are the slices it has blocks in: all of them for this MHA model.
+        for s in 0..cut.n_segments() {
+            let (ks, seal) = cut.segment_parts(s);
+            assert_eq!(ks, (0..3).collect::<Vec<_>>());
+            assert!(!seal);
+        }
+        let err = cut.calls(BatchPart::Slices(&[3]), None, &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("slice 3 out of range for 3 slices"),
+            "{err}"
+        );
+        assert!(cut.calls(BatchPart::Seal, Some(0), &[]).is_err());
+        // Skipped segments are in no call; the others are sent as before.
+        let skip: Vec<bool> = (0..cut.n_segments()).map(|s| s % 2 == 0).collect();
+        for call in cut
+            .calls(BatchPart::Slices(&[0, 1, 2]), Some(3), &skip)
+            .unwrap()
+        {
+            for &r in &call.requests {
+                let s = summary.segment_of(r).unwrap();
+                assert!(!skip[s], "seed {seed}: segment {s} skipped");
+            }
+        }
+        assert!(cut.calls(BatchPart::Seal, None, &skip[1..]).is_err());
+    }
 }

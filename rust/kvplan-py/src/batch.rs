@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{BatchSummary, FlatBuffer, FlatRequests, PageIndex, Request, Template};
+use kvplan_core::{BatchSummary, FlatBuffer, FlatRequests, LeaseRef, PageIndex, Request, Template};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::{PyIndexError, PyTypeError};
@@ -112,6 +112,65 @@ impl SliceOf for i64 {
 /// The planned batch: the pooled output and the summary (and digests when asked for).
 type Planned = kvplan_core::Result<(FlatBuffer, BatchSummary, Option<Vec<u64>>)>;
 
+/// What request digests are computed with: both layouts' fingerprints and, per request, its
+/// lease (empty: none given).
+type DigestArgs<'a> = Option<((u64, u64), &'a [Option<LeaseRef<'a>>])>;
+
+/// The leases a batch was planned with: the caller's objects (returned by `request_leases`)
+/// and, per request, the epoch and request id bytes the core's digests read.
+pub(crate) struct BatchLeases {
+    objects: Vec<Py<PyAny>>,
+    parts: Vec<Option<(u64, Vec<u8>)>>,
+}
+
+impl BatchLeases {
+    /// Reads `leases`: a sequence of one lease (an object with `epoch` and `request`, such as
+    /// `kvplan.Lease`) or `None` per request.
+    fn extract(leases: &Bound<'_, PyAny>, n_requests: usize) -> PyResult<Self> {
+        let sequence = leases.cast::<PySequence>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "leases must be a sequence of one kvplan.Lease (or None) per request, got {}",
+                leases
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        let n = sequence.len()?;
+        if n != n_requests {
+            return Err(KvPlanError::new_err(format!(
+                "leases has {n} values for {n_requests} requests; give one lease (or None) per \
+                 request"
+            )));
+        }
+        let (mut objects, mut parts) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for r in 0..n {
+            let item = sequence.get_item(r)?;
+            parts.push(if item.is_none() {
+                None
+            } else {
+                Some(crate::digest::lease_parts(&item).map_err(|e| {
+                    KvPlanError::new_err(format!("request {r}: {}", e.value(leases.py())))
+                })?)
+            });
+            objects.push(item.unbind());
+        }
+        Ok(Self { objects, parts })
+    }
+
+    fn refs(&self) -> Vec<Option<LeaseRef<'_>>> {
+        self.parts
+            .iter()
+            .map(|p| {
+                p.as_ref().map(|(epoch, request)| LeaseRef {
+                    epoch: *epoch,
+                    request,
+                })
+            })
+            .collect()
+    }
+}
+
 /// Requests with this many index pairs in all are planned with the GIL released.
 const DETACH_MIN_PAGES: usize = 1024;
 
@@ -120,7 +179,7 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
     py: Python<'_>,
     template: &Template,
     slices: &[(IndexSlice<'_>, IndexSlice<'_>, Option<u64>)],
-    digests: Option<(u64, u64)>,
+    digests: DigestArgs<'_>,
 ) -> PyResult<Planned> {
     let mut requests: Vec<Request<'_, S, D>> = Vec::with_capacity(slices.len());
     let mut pages = 0usize;
@@ -149,7 +208,7 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
 fn plan_requests<S: PageIndex, D: PageIndex>(
     template: &Template,
     requests: &[Request<'_, S, D>],
-    digests: Option<(u64, u64)>,
+    digests: DigestArgs<'_>,
 ) -> Planned {
     let planner = template.batch();
     let (buffer, summary) = planner.plan_into(requests, |summary| {
@@ -159,7 +218,7 @@ fn plan_requests<S: PageIndex, D: PageIndex>(
         })
     })?;
     let digests = match digests {
-        Some(prints) => Some(planner.request_digests(requests, prints)?),
+        Some((prints, leases)) => Some(planner.request_digests(requests, prints, leases)?),
         None => None,
     };
     Ok((buffer, summary, digests))
@@ -185,15 +244,19 @@ fn digest_prints(fingerprints: Option<(u64, u64)>, digests: bool) -> PyResult<Op
 /// The `BatchPlan` of a planned batch (or the planning error, raised).
 fn batch_plan(
     py: Python<'_>,
+    template: &Arc<Template>,
     planned: Planned,
     fingerprints: Option<(u64, u64)>,
+    leases: Option<BatchLeases>,
 ) -> PyResult<Py<PyBatchPlan>> {
     let (buffer, summary, digests) = planned.map_err(to_py_err)?;
     let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
     let plan = PyBatchPlan {
+        template: Arc::clone(template),
         summary,
         fingerprints,
         digests,
+        leases: leases.map(|l| l.objects),
     };
     Py::new(
         py,
@@ -208,8 +271,13 @@ pub(crate) fn plan_batch(
     fingerprints: Option<(u64, u64)>,
     requests: &Bound<'_, PyAny>,
     digests: bool,
+    leases: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyBatchPlan>> {
     let borrowed = borrow_requests(requests)?;
+    let leases = leases
+        .map(|l| BatchLeases::extract(l, borrowed.len()))
+        .transpose()?;
+    let refs = leases.as_ref().map(BatchLeases::refs).unwrap_or_default();
     let mut slices = Vec::with_capacity(borrowed.len());
     for (r, request) in borrowed.iter().enumerate() {
         slices.push((
@@ -218,7 +286,8 @@ pub(crate) fn plan_batch(
             request.n_tokens,
         ));
     }
-    let prints = digest_prints(fingerprints, digests)?;
+    let prints =
+        digest_prints(fingerprints, digests || leases.is_some())?.map(|p| (p, refs.as_slice()));
     let first = slices.first().map(|&(s, d, _)| (s, d));
     let planned = match first {
         Some((IndexSlice::I32(_), IndexSlice::I32(_))) => {
@@ -234,7 +303,7 @@ pub(crate) fn plan_batch(
             plan_typed::<i64, i64>(py, template, &slices, prints)?
         }
     };
-    batch_plan(py, planned, fingerprints)
+    batch_plan(py, template, planned, fingerprints, leases)
 }
 
 /// A borrowed 1-D int64 array argument of a flat batch (offsets, token counts), or a
@@ -304,7 +373,7 @@ fn plan_flat_typed<S: PageIndex, D: PageIndex>(
     offsets: &[i64],
     dst_offsets: Option<&[i64]>,
     n_tokens: Option<&[i64]>,
-    digests: Option<(u64, u64)>,
+    digests: DigestArgs<'_>,
 ) -> Planned {
     let flat = FlatRequests {
         src,
@@ -333,6 +402,7 @@ pub(crate) fn plan_batch_flat(
     dst_offsets: Option<&Bound<'_, PyAny>>,
     n_tokens: Option<&Bound<'_, PyAny>>,
     digests: bool,
+    leases: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyBatchPlan>> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
     let (src, dst) = arrays.slices()?;
@@ -350,7 +420,12 @@ pub(crate) fn plan_batch_flat(
         .as_ref()
         .map(|t| int64_slice(t, "n_tokens"))
         .transpose()?;
-    let prints = digest_prints(fingerprints, digests)?;
+    let leases = leases
+        .map(|l| BatchLeases::extract(l, offsets.len().saturating_sub(1)))
+        .transpose()?;
+    let refs = leases.as_ref().map(BatchLeases::refs).unwrap_or_default();
+    let prints =
+        digest_prints(fingerprints, digests || leases.is_some())?.map(|p| (p, refs.as_slice()));
     let t = template.as_ref();
     let planned = match (src, dst) {
         (IndexSlice::I32(s), IndexSlice::I32(d)) => {
@@ -366,7 +441,7 @@ pub(crate) fn plan_batch_flat(
             plan_flat_typed(py, t, s, d, offsets, dst_offsets, n_tokens, prints)
         }
     };
-    batch_plan(py, planned, fingerprints)
+    batch_plan(py, template, planned, fingerprints, leases)
 }
 
 /// Many requests to one peer in one plan: the blocks of every request in one set of columns
@@ -376,9 +451,11 @@ pub(crate) fn plan_batch_flat(
 /// its blocks belong to (`requests_in`).
 #[pyclass(frozen, extends = PyBlocks, name = "BatchPlan", module = "kvplan._core")]
 pub struct PyBatchPlan {
+    template: Arc<Template>,
     summary: BatchSummary,
     fingerprints: Option<(u64, u64)>,
     digests: Option<Vec<u64>>,
+    leases: Option<Vec<Py<PyAny>>>,
 }
 
 fn int64_array(py: Python<'_>, values: impl Iterator<Item = usize>) -> Bound<'_, PyArray1<i64>> {
@@ -389,6 +466,11 @@ fn int64_array(py: Python<'_>, values: impl Iterator<Item = usize>) -> Bound<'_,
 }
 
 impl PyBatchPlan {
+    /// The template the batch was planned by, and its summary (for cutting it into slices).
+    pub(crate) fn template_and_summary(&self) -> (&Arc<Template>, &BatchSummary) {
+        (&self.template, &self.summary)
+    }
+
     fn request_index(&self, request: i64) -> PyResult<usize> {
         let n = self.summary.n_requests();
         let at = if request < 0 {
@@ -546,6 +628,15 @@ impl PyBatchPlan {
                 "this batch was planned without request digests: plan_batch(..., digests=True)",
             )),
         }
+    }
+
+    /// Per request, the lease it was planned with (`None` for a request without one), as the
+    /// caller passed them; `None` for a batch planned without `leases`.
+    #[getter]
+    fn request_leases(&self, py: Python<'_>) -> Option<Vec<Py<PyAny>>> {
+        self.leases
+            .as_ref()
+            .map(|l| l.iter().map(|o| o.clone_ref(py)).collect())
     }
 
     /// Fingerprints of the prefill and decode layouts the batch was planned between.

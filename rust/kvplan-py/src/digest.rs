@@ -178,20 +178,36 @@ fn request_id_bytes(request: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     )))
 }
 
-/// The core's leased digest of `plan_digest` for `lease` (an object with `epoch` and
-/// `request`, such as `kvplan.leases.Lease`).
-pub(crate) fn lease_bound(plan_digest: u64, lease: &Bound<'_, PyAny>) -> PyResult<u64> {
+/// A lease object's epoch and request id bytes (an object with `epoch` and `request`, such as
+/// `kvplan.leases.Lease`), as the core's digests read them.
+pub(crate) fn lease_parts(lease: &Bound<'_, PyAny>) -> PyResult<(u64, Vec<u8>)> {
     let epoch = lease.getattr("epoch")?;
     let epoch: u64 = epoch.extract().map_err(|_| {
         KvPlanError::new_err(format!(
             "a lease's epoch must be an int in [0, 2**64), got {epoch}"
         ))
     })?;
-    let request = request_id_bytes(&lease.getattr("request")?)?;
-    Ok(kvplan_core::leased_plan_digest(
+    Ok((epoch, request_id_bytes(&lease.getattr("request")?)?))
+}
+
+/// The core's request digest of a plan (its skip count and, when given, its lease bound in):
+/// the one rule `TransferPlan.digest` and a batch's `request_digests` share.
+pub(crate) fn request_digest(
+    plan_digest: u64,
+    skip_tokens: u64,
+    lease: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let parts = lease.map(lease_parts).transpose()?;
+    let lease = parts
+        .as_ref()
+        .map(|(epoch, request)| kvplan_core::LeaseRef {
+            epoch: *epoch,
+            request,
+        });
+    Ok(kvplan_core::request_plan_digest(
         plan_digest,
-        epoch,
-        &request,
+        skip_tokens,
+        lease,
     ))
 }
 

@@ -60,7 +60,9 @@ mod _core {
     #[pymodule_export]
     use crate::runs::group_contiguous;
     #[pymodule_export]
-    use crate::slices::{PyLayerGroups, PyLayerSlices, PyPlanSlices, PyWorkManifest};
+    use crate::slices::{
+        PyBatchSlices, PyLayerGroups, PyLayerSlices, PyPlanSlices, PyWorkManifest,
+    };
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
     #[pymodule_export]

@@ -542,11 +542,7 @@ impl PyTransferPlan {
             };
             digest.map_err(crate::errors::to_py_err)
         })
-        .map(|digest| kvplan_core::delta_plan_digest(digest, slf.summary.skip_tokens()))
-        .and_then(|digest| match lease {
-            Some(lease) => crate::digest::lease_bound(digest, lease),
-            None => Ok(digest),
-        })
+        .and_then(|digest| crate::digest::request_digest(digest, slf.summary.skip_tokens(), lease))
     }
 
     /// The digest of each entry pair's bytes (uint64, `n_pairs` values), read in plan order

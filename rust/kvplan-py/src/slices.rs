@@ -4,7 +4,12 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{LayerGroups, LayerSlices, PeerRanks, PlanSlices, Template, WorkManifest};
+use kvplan_core::{
+    BatchCall, BatchPart, BatchSlices, LayerGroups, LayerSlices, PeerRanks, PlanSlices, Template,
+    WorkManifest,
+};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -150,6 +155,129 @@ impl PyLayerSlices {
             inner: self.inner.of(&self.template, summary),
             peers: self.inner.peers(),
         })
+    }
+
+    /// Cuts a batch plan of this template into slices: each segment cut as a plan laid out by
+    /// its summary, its block ranges in the batch.
+    fn of_batch(&self, batch: PyRef<'_, crate::batch::PyBatchPlan>) -> PyResult<PyBatchSlices> {
+        let (template, summary) = batch.template_and_summary();
+        self.check_template(template, "batch")?;
+        Ok(PyBatchSlices {
+            inner: self.inner.of_batch(&self.template, summary),
+        })
+    }
+}
+
+impl PyLayerSlices {
+    fn check_template(&self, template: &Arc<Template>, what: &str) -> PyResult<()> {
+        if Arc::ptr_eq(template, &self.template) {
+            return Ok(());
+        }
+        Err(KvPlanError::new_err(format!(
+            "this {what} was planned by another template than these slices were cut for; use \
+             template.layer_slices(groups) of the {what}'s own template"
+        )))
+    }
+}
+
+/// A batch plan cut into slices: per segment its block ranges per slice and the seal, and the
+/// engine calls that send a part of every segment, each naming the requests it holds.
+#[pyclass(frozen, name = "BatchSlices", module = "kvplan._core")]
+pub struct PyBatchSlices {
+    inner: BatchSlices,
+}
+
+/// A call's ranges as an `(n, 2)` int64 array and its requests as int64.
+type CallArrays<'py> = (Bound<'py, PyArray2<i64>>, Bound<'py, PyArray1<i64>>);
+
+fn call_arrays<'py>(py: Python<'py>, call: &BatchCall) -> PyResult<CallArrays<'py>> {
+    let flat: Vec<i64> = call
+        .ranges
+        .iter()
+        .flat_map(|&(a, b)| [a as i64, b as i64])
+        .collect();
+    let ranges = Array2::from_shape_vec((call.ranges.len(), 2), flat)
+        .map_err(|e| KvPlanError::new_err(e.to_string()))?;
+    let requests: Vec<i64> = call.requests.iter().map(|&r| r as i64).collect();
+    Ok((ranges.into_pyarray(py), requests.into_pyarray(py)))
+}
+
+fn max_blocks_arg(max_blocks: Option<i64>) -> PyResult<Option<usize>> {
+    match max_blocks {
+        None => Ok(None),
+        Some(m) if m > 0 => Ok(Some(m as usize)),
+        Some(m) => Err(KvPlanError::new_err(format!(
+            "max_blocks must be positive, got {m}"
+        ))),
+    }
+}
+
+impl PyBatchSlices {
+    fn calls_of<'py>(
+        &self,
+        py: Python<'py>,
+        part: BatchPart<'_>,
+        max_blocks: Option<i64>,
+        skip: Option<Vec<bool>>,
+    ) -> PyResult<Vec<CallArrays<'py>>> {
+        let calls = self
+            .inner
+            .calls(part, max_blocks_arg(max_blocks)?, &skip.unwrap_or_default())
+            .map_err(to_py_err)?;
+        calls.iter().map(|c| call_arrays(py, c)).collect()
+    }
+}
+
+#[pymethods]
+impl PyBatchSlices {
+    /// Segments of the batch.
+    #[getter]
+    fn n_segments(&self) -> usize {
+        self.inner.n_segments()
+    }
+
+    /// Slices per segment (the template's layer groups).
+    #[getter]
+    fn n_slices(&self) -> usize {
+        self.inner.n_slices
+    }
+
+    /// The engine calls sending slices `slices` of every segment: per call `(ranges, requests)`,
+    /// its `(n, 2)` `[start, stop)` block ranges in the batch and the requests they hold, at
+    /// most `max_blocks` blocks each (whole segments packed while they fit).
+    /// Segments flagged in `skip_segments` (one bool per segment) are left out.
+    #[pyo3(signature = (slices, *, max_blocks=None, skip_segments=None))]
+    fn calls<'py>(
+        &self,
+        py: Python<'py>,
+        slices: Vec<usize>,
+        max_blocks: Option<i64>,
+        skip_segments: Option<Vec<bool>>,
+    ) -> PyResult<Vec<CallArrays<'py>>> {
+        self.calls_of(py, BatchPart::Slices(&slices), max_blocks, skip_segments)
+    }
+
+    /// The engine calls sending every segment's seal, as `calls`.
+    #[pyo3(signature = (*, max_blocks=None, skip_segments=None))]
+    fn seal_calls<'py>(
+        &self,
+        py: Python<'py>,
+        max_blocks: Option<i64>,
+        skip_segments: Option<Vec<bool>>,
+    ) -> PyResult<Vec<CallArrays<'py>>> {
+        self.calls_of(py, BatchPart::Seal, max_blocks, skip_segments)
+    }
+
+    /// `(slices, seal)`: the slices segment `segment` has blocks in, and whether its seal has
+    /// any (what must land before its requests are complete).
+    fn segment_parts(&self, segment: usize) -> PyResult<(Vec<usize>, bool)> {
+        if segment >= self.inner.n_segments() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "segment {segment} out of range for {} segments",
+                self.inner.n_segments()
+            )));
+        }
+        Ok(self.inner.segment_parts(segment))
     }
 }
 

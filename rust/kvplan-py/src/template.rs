@@ -399,15 +399,25 @@ impl PyTemplate {
     /// Plans many requests to this peer as one plan (`BatchPlan`): `requests` is a sequence of
     /// `(src_pages, dst_pages)` or `(src_pages, dst_pages, n_tokens)` tuples, each planned as
     /// `plan` would plan it; requests whose pages touch on both sides share merged blocks.
-    /// `digests=True` also computes each request's plan digest as planned alone.
-    #[pyo3(signature = (requests, *, digests=false))]
+    /// `digests=True` also computes each request's plan digest as planned alone; `leases` (one
+    /// `kvplan.Lease` or `None` per request) binds each request's digest to its lease, as
+    /// `TransferPlan.digest(lease=)` binds a plan's (and implies `digests=True`).
+    #[pyo3(signature = (requests, *, digests=false, leases=None))]
     fn plan_batch(
         &self,
         py: Python<'_>,
         requests: &Bound<'_, PyAny>,
         digests: bool,
+        leases: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<crate::batch::PyBatchPlan>> {
-        crate::batch::plan_batch(py, &self.inner, self.fingerprints, requests, digests)
+        crate::batch::plan_batch(
+            py,
+            &self.inner,
+            self.fingerprints,
+            requests,
+            digests,
+            leases,
+        )
     }
 
     /// Plans a batch given flat (`BatchPlan`, the same as `plan_batch` of the same requests):
@@ -417,7 +427,7 @@ impl PyTemplate {
     /// `dst_pages[dst_offsets[r]:dst_offsets[r + 1]]` when `dst_offsets` is given (token
     /// requests between different page sizes). `n_tokens`, an int64 array of one count per
     /// request, makes each a token request. No Python object per request is read.
-    #[pyo3(signature = (src_pages, dst_pages, offsets, *, dst_offsets=None, n_tokens=None, digests=false))]
+    #[pyo3(signature = (src_pages, dst_pages, offsets, *, dst_offsets=None, n_tokens=None, digests=false, leases=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan_batch_flat(
         &self,
@@ -428,6 +438,7 @@ impl PyTemplate {
         dst_offsets: Option<&Bound<'_, PyAny>>,
         n_tokens: Option<&Bound<'_, PyAny>>,
         digests: bool,
+        leases: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<crate::batch::PyBatchPlan>> {
         crate::batch::plan_batch_flat(
             py,
@@ -439,6 +450,7 @@ impl PyTemplate {
             dst_offsets,
             n_tokens,
             digests,
+            leases,
         )
     }
 

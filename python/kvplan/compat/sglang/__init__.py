@@ -96,6 +96,13 @@ without naming the cause (the typed errors derive from ``kvplan.KvPlanError``, a
   or per ``max_transfer_batch_indices`` pages); runs are maximal, so the block list may differ
   from SGLang's by merging, never in the bytes moved.
 
+**Several requests per peer session.** SGLang 0.5.23's transfer worker takes one request (one
+room) at a time from its queue and sends it to each of the room's decode sessions in turn, so
+SGLang itself never hands kvplan several requests for one session. Where a caller holds several
+(a worker that drains its queue), :func:`send_kvcache_batch` ``(manager, session, [(prefill
+indices, decode indices), ...], dst_kv_ptrs, executor, dst_layer_ids)`` plans them as one
+batch plan and returns one status per request, each request's own success or failure.
+
 **Helpers.** Switch an engine by changing one import::
 
     # from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
@@ -146,6 +153,7 @@ bottom :mod:`.registry` (SGLang's originals); :mod:`.helpers` holds the two help
 from __future__ import annotations
 
 from kvplan.compat.sglang.cache import TemplateCache, template_cache
+from kvplan.compat.sglang.dropins import send_kvcache_batch
 from kvplan.compat.sglang.helpers import build_transfer_entry_pairs, group_concurrent_contiguous
 from kvplan.compat.sglang.install import REFUSED_STATUS, install, installed, uninstall
 from kvplan.compat.sglang.layouts import layout_from_kv_args, layout_from_register_info
@@ -164,6 +172,7 @@ __all__ = [
     "installed",
     "layout_from_kv_args",
     "layout_from_register_info",
+    "send_kvcache_batch",
     "staged_template",
     "template_cache",
     "uninstall",

@@ -5,7 +5,10 @@ anything kvplan does not plan goes to SGLang's own method."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from kvplan._core import Template
 
 from kvplan.compat.sglang.layouts import published_ids
 from kvplan.compat.sglang.metrics import planned
@@ -18,6 +21,7 @@ from kvplan.compat.sglang.registry import (
 )
 from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer, owns_transfer_data
 from kvplan.compat.sglang.submit import (
+    send_batch_calls,
     send_engine_batches,
     send_all,
     _send_index_windows,
@@ -64,25 +68,11 @@ def _send_kvcache_generic(
 
     if state_type is not None or dst_device_data_indices is not None or dst_item_lens is not None:
         return sglangs()
-    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
-    src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
     session = mooncake_session_id
-    # SGLang's branch, reading what it reads in its order.
-    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
-        if src_ids or dst_ids:
-            template = _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
-                                     dst_ids, self.pp_size == 1)
-        else:
-            slicer = mla_slicer(self)
-            if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
-                    self.kv_args, "mla_compression_ratios", None)):
-                return sglangs()  # a replaced slicer, or compressed MLA: SGLang's own path
-            template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items,
-                                            slicer)
-    else:
-        if not owns_mha_slicer(self):
-            return sglangs()
-        template = _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
+    template = _generic_template(self, session, src_data_ptrs, dst_data_ptrs, item_lens,
+                                 src_layer_ids, dst_layer_ids, force_flat)
+    if template is None:
+        return sglangs()
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
     if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
                                                None) != "INTRA_NODE_NVLINK":
@@ -91,6 +81,68 @@ def _send_kvcache_generic(
     if owns_transfer_data(self):
         return send_engine_batches(self, session, planned(lambda: template.plan(src, dst)))
     return _send_index_windows(self, session, template, src, dst)
+
+
+def _generic_template(self: Any, session: str, src_data_ptrs: list[int],
+                      dst_data_ptrs: list[int], item_lens: list[int],
+                      src_layer_ids: list[int] | None, dst_layer_ids: list[int] | None,
+                      force_flat: bool) -> Template | None:
+    """The cached template ``_send_kvcache_generic`` plans a KV request with, following
+    SGLang's branch (reading what it reads in its order); ``None`` where SGLang's own method
+    runs (a replaced slicer, compressed MLA)."""
+    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
+    src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
+    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
+        if src_ids or dst_ids:
+            return _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
+                                 dst_ids, self.pp_size == 1)
+        slicer = mla_slicer(self)
+        if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
+                self.kv_args, "mla_compression_ratios", None)):
+            return None
+        return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, slicer)
+    if not owns_mha_slicer(self):
+        return None
+    return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
+
+
+def send_kvcache_batch(
+    self: Any,
+    mooncake_session_id: str,
+    requests: Sequence[tuple[Any, Any]],
+    dst_kv_ptrs: list[int],
+    executor: Any,
+    dst_layer_ids: list[int] | None = None,
+) -> list[int]:
+    """Several KV requests to one decode peer session at once: ``requests`` holds each one's
+    ``(prefill_kv_indices, dst_kv_indices)``, as ``send_kvcache`` takes them one by one. One
+    :meth:`kvplan.Template.plan_batch` (the template ``send_kvcache`` plans each with) is
+    submitted to ``self.engine`` in bounded calls (``BatchPlan.call_ranges``: whole requests
+    packed, at most the ``max_blocks`` setting per call); returns one status per request, as
+    ``send_kvcache`` would for it: 0, or the status of a failed call holding its blocks. A
+    failed call fails only the requests it held; the other calls are still made.
+
+    SGLang 0.5.23's transfer worker takes one request (one room) at a time from its queue,
+    so nothing in SGLang calls this: it is the seam for a caller holding several requests for
+    one peer (a worker that drains its queue). Where kvplan would not plan the request itself
+    (SGLang's own method, a replaced ``_transfer_data``, a custom memory pool, unified memory,
+    HiSparse, state), each request goes through ``self.send_kvcache`` one by one instead."""
+    get_memory = sglang_global("get_memory")
+    force_flat = get_memory().enable_unified_memory
+    template = (None if force_flat or not owns_transfer_data(self) or (
+        self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type", None)
+        != "INTRA_NODE_NVLINK")
+        else _generic_template(self, mooncake_session_id, self.kv_args.kv_data_ptrs,
+                               dst_kv_ptrs, self.kv_args.kv_item_lens,
+                               self.kv_args.kv_layer_ids, dst_layer_ids, False))
+    if template is None:
+        return [engine_status(self.send_kvcache(mooncake_session_id, p, dst_kv_ptrs, d,
+                                                executor, dst_layer_ids))
+                for p, d in requests]
+    self._validate_envelope_kv_layout(dst_kv_ptrs, None, None)
+    pairs = [_page_arrays(p, d) for p, d in requests]
+    batch = planned(lambda: template.plan_batch(pairs))
+    return send_batch_calls(self, mooncake_session_id, batch)
 
 
 def send_kvcache_slice(

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import numpy.typing as npt
 
-from kvplan._core import Template, TransferPlan
+from kvplan._core import BatchPlan, PlanBatch, Template, TransferPlan
 from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.seams import owns_transfer_data
 from kvplan.compat.sglang.settings import setting_max_blocks
@@ -76,7 +76,7 @@ def _native(engine: Any) -> Any:
     return cached or None
 
 
-def send_engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
+def send_engine_batches(manager: Any, session: str, plan: TransferPlan | PlanBatch) -> int:
     """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
     own ``_transfer_data`` does with its one list), through the engine base's batching loop;
     the first non-zero status is returned and later batches are not submitted."""
@@ -99,6 +99,25 @@ def send_engine_batches(manager: Any, session: str, plan: TransferPlan) -> int:
     _, status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, setting_max_blocks(manager),
                               write)
     return engine_status(status)
+
+
+def send_batch_calls(manager: Any, session: str, batch: BatchPlan) -> list[int]:
+    """A batch plan to ``manager.engine`` in bounded calls (``batch.call_ranges`` over the
+    ``max_blocks`` setting: whole requests packed while they fit), each call as
+    :func:`send_engine_batches` makes one; returns per request 0, or the first non-zero status
+    of a call holding its blocks. Every call is made, whatever the others returned."""
+    statuses = [0] * batch.n_requests
+    if batch.n_blocks == 0:
+        return statuses
+    bound = setting_max_blocks(manager)
+    calls = batch.call_ranges(bound if bound is not None else batch.n_blocks).tolist()
+    for lo, hi in calls:
+        view = PlanBatch(batch.src_addrs[lo:hi], batch.dst_addrs[lo:hi], batch.lengths[lo:hi])
+        status = send_engine_batches(manager, session, view)
+        if status != 0:
+            for r in batch.requests_in(lo, hi).tolist():
+                statuses[r] = statuses[r] or status
+    return statuses
 
 
 def send_all(manager: Any, session: str, plan: TransferPlan) -> int:
