@@ -196,7 +196,7 @@ impl BatchSummary {
     }
 
     /// The segment request `request` was planned in (`None` past the last request).
-    pub(crate) fn segment_of(&self, request: usize) -> Option<usize> {
+    pub fn segment_of(&self, request: usize) -> Option<usize> {
         if request >= self.n_requests() {
             return None;
         }

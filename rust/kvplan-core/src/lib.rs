@@ -44,9 +44,10 @@
 //!    `digest` (fingerprints and digests), `coalesce` (which pairs emit together).
 //! 6. `accounting` (blocks and bytes per group and pair).
 //! 7. `template` (build once, pick the strategy, one request path).
-//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `slices` (layer-wise
-//!    views, the manifest), `batch` (many requests in one plan).
-//! 9. `staged` (gather + network between staging regions + scatter).
+//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
+//!    in one plan).
+//! 9. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
+//!    views of a plan or a batch, the manifest).
 //! 10. `advice` (direct or staged).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
