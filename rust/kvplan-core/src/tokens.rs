@@ -26,7 +26,7 @@
 //!
 //! Nothing here allocates per request: a counting pass over the segment edges gives the block
 //! count of every piece class, and emission writes each piece's blocks straight into the output
-//! (a piece with the same strides as the one before it is that piece's blocks shifted by the
+//! (a piece with the same strides as the last one of its lane is that piece's blocks shifted by the
 //! difference of their bases).
 
 use crate::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
@@ -691,7 +691,7 @@ fn finish_counts(
 
 /// Emits a validated token request (`src`, `dst`: the pages holding its tokens; every index
 /// below `limits`) into `out`, at least `shape.n_blocks` long. A piece with the same shape as
-/// the one before it is that piece's blocks shifted by the difference of their bases.
+/// the last piece of its lane is that piece's blocks shifted by the difference of their bases.
 ///
 /// # Errors
 /// [`PlanError::InputChanged`] when an index changed since validation.
@@ -704,7 +704,9 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     mut out: Columns<'_>,
 ) -> Result<()> {
     let mut at = 0usize;
-    let mut previous: Option<(usize, &Piece)> = None;
+    // The last piece emitted of each lane: window and full layers alternate in a hybrid-window
+    // model, so the piece before is often of the other lane while the one before it matches.
+    let mut previous: [Option<(usize, &Piece)>; TOKEN_LANES] = [None; TOKEN_LANES];
     for piece in &tokens.pieces {
         let class = piece.class();
         let expected = shape.class_blocks[class];
@@ -712,7 +714,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
         if at + expected > out.capacity() {
             return Err(PlanError::InputChanged);
         }
-        match previous {
+        match previous[piece.lane] {
             Some((from, prev)) if prev.same_shape(piece) => {
                 let (ds, dd) = (
                     piece.src.base.wrapping_sub(prev.src.base),
@@ -744,7 +746,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                 }
             }
         }
-        previous = Some((start, piece));
+        previous[piece.lane] = Some((start, piece));
     }
     Ok(())
 }
