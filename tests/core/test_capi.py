@@ -5,11 +5,6 @@ token plans between page sizes, delta plans, and the same refusal for an index o
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,85 +13,28 @@ from hypothesis import strategies as st
 
 import kvplan
 
-ROOT = Path(__file__).resolve().parents[2]
-NO_TOKENS = -1
-OK, INDEX_BOUNDS, BUFFER_TOO_SMALL = 0, 11, 4
+from support.capi import (
+    BUFFER_TOO_SMALL,
+    INDEX_BOUNDS,
+    NO_TOKENS,
+    OK,
+    LayoutDesc,
+    PlanInfo,
+    RequestDesc,
+    load,
+)
+from support.capi import error as _error
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
-i64p = ctypes.POINTER(ctypes.c_int64)
-
-
-class LayoutDesc(ctypes.Structure):
-    _fields_ = [
-        ("n_entries", ctypes.c_size_t),
-        ("data_ptrs", u64p),
-        ("data_lens", u64p),
-        ("item_lens", u64p),
-        ("strides", u64p),
-        ("layer_ids", i64p),
-        ("roles", ctypes.POINTER(ctypes.c_char_p)),
-        ("kinds", ctypes.POINTER(ctypes.c_uint8)),
-        ("page_size", ctypes.c_uint64),
-        ("tp_rank", ctypes.c_uint32),
-        ("tp_size", ctypes.c_uint32),
-        ("pp_rank", ctypes.c_uint32),
-        ("pp_size", ctypes.c_uint32),
-        ("attention", ctypes.c_void_p),
-    ]
-
-
-class RequestDesc(ctypes.Structure):
-    _fields_ = [
-        ("src_pages", i64p),
-        ("n_src", ctypes.c_size_t),
-        ("dst_pages", i64p),
-        ("n_dst", ctypes.c_size_t),
-        ("n_tokens", ctypes.c_int64),
-        ("skip_tokens", ctypes.c_uint64),
-    ]
-
-
-class PlanInfo(ctypes.Structure):
-    _fields_ = [
-        ("n_blocks", ctypes.c_size_t),
-        ("total_bytes", ctypes.c_uint64),
-        ("n_runs", ctypes.c_size_t),
-        ("n_pages", ctypes.c_size_t),
-        ("skip_tokens", ctypes.c_uint64),
-    ]
-
-
-def _cdylib() -> Path:
-    """Builds kvplan-capi with cargo (a no-op when up to date) and returns its cdylib's path."""
-    cargo = shutil.which("cargo")
-    assert cargo, "cargo is needed to build the C ABI library"
-    out = subprocess.run(
-        [cargo, "build", "-p", "kvplan-capi", "--locked", "--message-format=json"],
-        cwd=ROOT, check=True, capture_output=True, text=True, env=os.environ.copy(),
-    ).stdout
-    for line in out.splitlines():
-        message = json.loads(line)
-        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "kvplan_capi":
-            for name in message["filenames"]:
-                if name.endswith((".so", ".dylib")):
-                    return Path(name)
-    raise AssertionError("cargo built no kvplan_capi cdylib")
 
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(_cdylib()))
-    lib.kvplan_last_error_message.restype = ctypes.c_char_p
-    lib.kvplan_last_error_kind.restype = ctypes.c_char_p
-    return lib
+    return load()
 
 
 def _arr(values: list[int] | np.ndarray, ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
     return (ctype * max(len(values), 1))(*[int(v) for v in values])
-
-
-def _error(lib: ctypes.CDLL) -> str:
-    return lib.kvplan_last_error_message().decode()
 
 
 class Peer:
@@ -123,7 +61,8 @@ class Peer:
         keep = [_arr(self.ptrs, ctypes.c_uint64), _arr(self.lens, ctypes.c_uint64),
                 _arr(self.items, ctypes.c_uint64), _arr(self.ids, ctypes.c_int64),
                 (ctypes.c_char_p * n)(*[r.encode() for r in self.roles])]
-        desc = LayoutDesc(n, keep[0], keep[1], keep[2], None, keep[3], keep[4], None,
+        addrs = [ctypes.addressof(a) for a in keep]
+        desc = LayoutDesc(n, addrs[0], addrs[1], addrs[2], None, addrs[3], addrs[4], None,
                           self.page_size, 0, 1, 0, 1, None)
         handle = ctypes.c_void_p()
         status = lib.kvplan_layout_new(ctypes.byref(desc), ctypes.byref(handle))
@@ -143,8 +82,8 @@ def _templates(lib: ctypes.CDLL, src: Peer, dst: Peer) -> tuple[kvplan.Template,
 def _c_plan(lib: ctypes.CDLL, template: ctypes.c_void_p, src: list[int], dst: list[int],
             n_tokens: int | None, skip: int) -> tuple[int, str, np.ndarray | None]:
     s, d = _arr(src, ctypes.c_int64), _arr(dst, ctypes.c_int64)
-    request = RequestDesc(s, len(src), d, len(dst), NO_TOKENS if n_tokens is None else n_tokens,
-                          skip)
+    request = RequestDesc(ctypes.addressof(s), len(src), ctypes.addressof(d), len(dst),
+                          NO_TOKENS if n_tokens is None else n_tokens, skip)
     info = PlanInfo()
     status = lib.kvplan_prepare(template, ctypes.byref(request), ctypes.byref(info))
     if status != OK:

@@ -368,7 +368,8 @@ uint32_t kvplan_abi_version(void);
  *
  * # Safety
  * `desc` points to a valid `KvplanLayoutDesc` whose non-null arrays hold `n_entries` values
- * each (each role a NUL-terminated string); `out` points to writable storage for a handle.
+ * each (each role a NUL-terminated string); `out` points to writable storage for a handle
+ * (one that overlaps `*desc` is refused).
  */
 enum KvplanStatus kvplan_layout_new(const struct KvplanLayoutDesc *desc, struct KvplanLayout **out);
 
@@ -398,7 +399,8 @@ enum KvplanStatus kvplan_layout_n_entries(const struct KvplanLayout *layout, siz
  * Thread-safe. The template keeps what it needs: the layouts may be freed afterwards.
  *
  * # Safety
- * `options`, when non-null, points to a valid `KvplanTemplateOptions`; `out` points to
+ * `options`, when non-null, points to a valid `KvplanTemplateOptions` (not overlapping `*out`,
+ * refused otherwise); `out` points to
  * writable storage for a handle.
  */
 enum KvplanStatus kvplan_template_new(const struct KvplanLayout *src,
@@ -429,6 +431,8 @@ enum KvplanStatus kvplan_template_bytes_per_page(const struct KvplanTemplate *te
 /**
  * Validates `request` against `template` and stores its plan size in `*info` (the block
  * count sizes the columns of `kvplan_plan_into`). Allocates nothing for a page request.
+ * `info` must not overlap the request struct nor its page arrays (refused with
+ * `KVPLAN_STATUS_INVALID_ARGUMENT`).
  *
  * Thread-safe: any number of threads may prepare and plan on one template at once.
  *
@@ -447,8 +451,8 @@ enum KvplanStatus kvplan_prepare(const struct KvplanTemplate *template_,
  * `KVPLAN_STATUS_BUFFER_TOO_SMALL` (the message names both counts; `kvplan_prepare` gives the
  * count beforehand). `info` may be null. Allocates nothing for a page request.
  *
- * The columns must not overlap each other nor the request's page arrays (refused with
- * `KVPLAN_STATUS_INVALID_ARGUMENT`), and must be 8-byte aligned. Nothing is written outside
+ * The columns and `info` must not overlap each other, the request struct nor the request's
+ * page arrays (refused with `KVPLAN_STATUS_INVALID_ARGUMENT`), and must be 8-byte aligned. Nothing is written outside
  * the first `n_blocks` values of each column; on failure their contents are unspecified.
  *
  * Thread-safe: any number of threads may plan on one template at once, each into its own

@@ -597,6 +597,28 @@ unsafe fn request_from<'a>(req: &KvplanRequest) -> Result<Request<'a>, Fail> {
     Ok(Request::new(src, dst, n_tokens).skipping(req.skip_tokens))
 }
 
+/// A byte range `[start, end)` a call reads or writes (`None`: empty), with the argument's name.
+type NamedRange = (Option<(usize, usize)>, &'static str);
+
+/// The byte ranges a request occupies: the struct itself and its two page arrays (after the
+/// null, alignment and size checks), each with its name, for the overlap checks of the outputs.
+fn request_ranges(
+    request: *const KvplanRequest,
+    raw: &KvplanRequest,
+) -> Result<[NamedRange; 3], Fail> {
+    Ok([
+        (ptr::byte_range(request, 1, "request")?, "request"),
+        (
+            ptr::byte_range(raw.src_pages, raw.n_src, "src_pages")?,
+            "src_pages",
+        ),
+        (
+            ptr::byte_range(raw.dst_pages, raw.n_dst, "dst_pages")?,
+            "dst_pages",
+        ),
+    ])
+}
+
 // ----------------------------------------------------------------------------- the ABI
 
 /// The ABI version this library implements (`KVPLAN_ABI_VERSION` of its header).
@@ -614,13 +636,23 @@ pub extern "C" fn kvplan_abi_version() -> u32 {
 ///
 /// # Safety
 /// `desc` points to a valid `KvplanLayoutDesc` whose non-null arrays hold `n_entries` values
-/// each (each role a NUL-terminated string); `out` points to writable storage for a handle.
+/// each (each role a NUL-terminated string); `out` points to writable storage for a handle
+/// (one that overlaps `*desc` is refused).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvplan_layout_new(
     desc: *const KvplanLayoutDesc,
     out: *mut *mut KvplanLayout,
 ) -> KvplanStatus {
     guard(|| {
+        // `*out` is written before and after `*desc` is read: they must share no byte.
+        if !desc.is_null() {
+            ptr::disjoint(
+                ptr::byte_range(out.cast_const(), 1, "out")?,
+                "out",
+                Some(ptr::span(desc)),
+                "desc",
+            )?;
+        }
         // SAFETY: `out` is writable for one pointer (this function's contract).
         unsafe { ptr::write(out, std::ptr::null_mut(), "out")? };
         // SAFETY: `desc` points to a valid descriptor (this function's contract).
@@ -672,7 +704,8 @@ pub unsafe extern "C" fn kvplan_layout_n_entries(
 /// Thread-safe. The template keeps what it needs: the layouts may be freed afterwards.
 ///
 /// # Safety
-/// `options`, when non-null, points to a valid `KvplanTemplateOptions`; `out` points to
+/// `options`, when non-null, points to a valid `KvplanTemplateOptions` (not overlapping `*out`,
+/// refused otherwise); `out` points to
 /// writable storage for a handle.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvplan_template_new(
@@ -682,6 +715,15 @@ pub unsafe extern "C" fn kvplan_template_new(
     out: *mut *mut KvplanTemplate,
 ) -> KvplanStatus {
     guard(|| {
+        // `*out` is written before and after `*options` is read: they must share no byte.
+        if !options.is_null() {
+            ptr::disjoint(
+                ptr::byte_range(out.cast_const(), 1, "out")?,
+                "out",
+                Some(ptr::span(options)),
+                "options",
+            )?;
+        }
         // SAFETY: `out` is writable for one pointer (this function's contract).
         unsafe { ptr::write(out, std::ptr::null_mut(), "out")? };
         let (src, dst) = (LAYOUTS.get(src.addr())?, LAYOUTS.get(dst.addr())?);
@@ -747,6 +789,8 @@ pub unsafe extern "C" fn kvplan_template_bytes_per_page(
 
 /// Validates `request` against `template` and stores its plan size in `*info` (the block
 /// count sizes the columns of `kvplan_plan_into`). Allocates nothing for a page request.
+/// `info` must not overlap the request struct nor its page arrays (refused with
+/// `KVPLAN_STATUS_INVALID_ARGUMENT`).
 ///
 /// Thread-safe: any number of threads may prepare and plan on one template at once.
 ///
@@ -763,9 +807,13 @@ pub unsafe extern "C" fn kvplan_prepare(
         let template = TEMPLATES.get(template.addr())?;
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { ptr::reference(request, "request")? };
+        let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
+        // The info is written while the request is borrowed: it must share no byte with it.
+        for (input, name) in request_ranges(request, raw)? {
+            ptr::disjoint(info_range, "info", input, name)?;
+        }
         // SAFETY: its arrays are as long as it says (this function's contract).
         let request = unsafe { request_from(raw)? };
-        ptr::byte_range(info.cast_const(), 1, "info")?;
         let summary = template.prepare(&request)?;
         // SAFETY: `info` is writable (this function's contract).
         unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info") }
@@ -778,8 +826,8 @@ pub unsafe extern "C" fn kvplan_prepare(
 /// `KVPLAN_STATUS_BUFFER_TOO_SMALL` (the message names both counts; `kvplan_prepare` gives the
 /// count beforehand). `info` may be null. Allocates nothing for a page request.
 ///
-/// The columns must not overlap each other nor the request's page arrays (refused with
-/// `KVPLAN_STATUS_INVALID_ARGUMENT`), and must be 8-byte aligned. Nothing is written outside
+/// The columns and `info` must not overlap each other, the request struct nor the request's
+/// page arrays (refused with `KVPLAN_STATUS_INVALID_ARGUMENT`), and must be 8-byte aligned. Nothing is written outside
 /// the first `n_blocks` values of each column; on failure their contents are unspecified.
 ///
 /// Thread-safe: any number of threads may plan on one template at once, each into its own
@@ -817,23 +865,19 @@ pub unsafe extern "C" fn kvplan_plan_into(
                 "lengths",
             ),
         ];
-        let inputs = [
-            (
-                ptr::byte_range(raw.src_pages, raw.n_src, "src_pages")?,
-                "src_pages",
-            ),
-            (
-                ptr::byte_range(raw.dst_pages, raw.n_dst, "dst_pages")?,
-                "dst_pages",
-            ),
-        ];
-        for (i, &(a, a_name)) in columns.iter().enumerate() {
-            for &(b, b_name) in columns[i + 1..].iter().chain(&inputs) {
+        let inputs = request_ranges(request, raw)?;
+        let info_range = if info.is_null() {
+            None
+        } else {
+            ptr::byte_range(info.cast_const(), 1, "info")?
+        };
+        // Every output (the columns, the info) is written while the request is borrowed: no
+        // two outputs may share a byte, nor an output and an input.
+        let outputs = [columns[0], columns[1], columns[2], (info_range, "info")];
+        for (i, &(a, a_name)) in outputs.iter().enumerate() {
+            for &(b, b_name) in outputs[i + 1..].iter().chain(&inputs) {
                 ptr::disjoint(a, a_name, b, b_name)?;
             }
-        }
-        if !info.is_null() {
-            ptr::byte_range(info.cast_const(), 1, "info")?;
         }
         // SAFETY: its arrays are as long as it says (this function's contract).
         let request = unsafe { request_from(raw)? };

@@ -51,6 +51,13 @@ pub(crate) fn byte_range<T>(
     }
 }
 
+/// The bytes `[start, end)` one `T` at a non-null `ptr` would occupy, without the alignment
+/// check (for an overlap check that must come before a misaligned `ptr` is refused).
+pub(crate) fn span<T>(ptr: *const T) -> (usize, usize) {
+    let start = ptr.addr();
+    (start, start.saturating_add(size_of::<T>()))
+}
+
 /// `len` values at `ptr` as a shared slice (an empty slice when `len` is 0, whatever `ptr`).
 ///
 /// # Safety

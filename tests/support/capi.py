@@ -1,0 +1,145 @@
+"""The C ABI (rust/kvplan-capi) through ctypes: its structs, the cdylib cargo builds, and the
+library loaded with every entry point's argument and return types declared.
+
+Pointer arguments are declared ``c_void_p`` so that a test can pass ``None`` (null), a
+``ctypes.byref``, a ctypes array or pointer, or a bare integer address (a misaligned pointer, a
+handle that was never created) exactly as a C caller could. Shared by ``tests/core/test_capi.py``
+(the same blocks as ``kvplan.Template.plan``) and ``tests/robustness/test_capi_fuzz.py`` (no
+input crashes the library or makes it write outside the caller's buffers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NO_TOKENS = -1
+ENTRY_PAGE, ENTRY_STATE = 0, 1
+ORDER_NHD, ORDER_HND = 0, 1
+PAIR_BY_LAYER_ID, PAIR_POSITIONAL = 0, 1
+
+# KvplanStatus (include/kvplan.h).
+OK = 0
+NULL_POINTER = 1
+INVALID_ARGUMENT = 2
+INVALID_HANDLE = 3
+BUFFER_TOO_SMALL = 4
+PANIC = 5
+INDEX_BOUNDS = 11
+OTHER = 15
+# The boundary's own codes and the core's (10 up to the last one the header names).
+STATUSES = frozenset([*range(0, 6), *range(10, 30)])
+
+u64p = ctypes.POINTER(ctypes.c_uint64)
+i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class Attention(ctypes.Structure):
+    _fields_ = [
+        ("total_kv_heads", ctypes.c_uint32),
+        ("heads_per_rank", ctypes.c_uint32),
+        ("head_dim", ctypes.c_uint32),
+        ("dtype_size", ctypes.c_uint32),
+        ("memory_order", ctypes.c_uint32),
+    ]
+
+
+class LayoutDesc(ctypes.Structure):
+    _fields_ = [
+        ("n_entries", ctypes.c_size_t),
+        ("data_ptrs", ctypes.c_void_p),
+        ("data_lens", ctypes.c_void_p),
+        ("item_lens", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("layer_ids", ctypes.c_void_p),
+        ("roles", ctypes.c_void_p),
+        ("kinds", ctypes.c_void_p),
+        ("page_size", ctypes.c_uint64),
+        ("tp_rank", ctypes.c_uint32),
+        ("tp_size", ctypes.c_uint32),
+        ("pp_rank", ctypes.c_uint32),
+        ("pp_size", ctypes.c_uint32),
+        ("attention", ctypes.c_void_p),
+    ]
+
+
+class TemplateOptions(ctypes.Structure):
+    _fields_ = [
+        ("pairing", ctypes.c_uint32),
+        ("check_dst_overlap", ctypes.c_uint8),
+        ("replicas_send", ctypes.c_uint8),
+    ]
+
+
+class RequestDesc(ctypes.Structure):
+    _fields_ = [
+        ("src_pages", ctypes.c_void_p),
+        ("n_src", ctypes.c_size_t),
+        ("dst_pages", ctypes.c_void_p),
+        ("n_dst", ctypes.c_size_t),
+        ("n_tokens", ctypes.c_int64),
+        ("skip_tokens", ctypes.c_uint64),
+    ]
+
+
+class PlanInfo(ctypes.Structure):
+    _fields_ = [
+        ("n_blocks", ctypes.c_size_t),
+        ("total_bytes", ctypes.c_uint64),
+        ("n_runs", ctypes.c_size_t),
+        ("n_pages", ctypes.c_size_t),
+        ("skip_tokens", ctypes.c_uint64),
+    ]
+
+
+def cdylib() -> Path:
+    """Builds kvplan-capi with cargo (a no-op when up to date) and returns its cdylib's path."""
+    cargo = shutil.which("cargo")
+    assert cargo, "cargo is needed to build the C ABI library"
+    out = subprocess.run(
+        [cargo, "build", "-p", "kvplan-capi", "--locked", "--message-format=json"],
+        cwd=ROOT, check=True, capture_output=True, text=True, env=os.environ.copy(),
+    ).stdout
+    for line in out.splitlines():
+        message = json.loads(line)
+        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "kvplan_capi":
+            for name in message["filenames"]:
+                if name.endswith((".so", ".dylib")):
+                    return Path(name)
+    raise AssertionError("cargo built no kvplan_capi cdylib")
+
+
+def load() -> ctypes.CDLL:
+    """The C ABI library with every entry point's signature declared (as in kvplan.h)."""
+    lib = ctypes.CDLL(str(cdylib()))
+    vp, size, status = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32
+    signatures: dict[str, tuple[list[type], type]] = {
+        "kvplan_abi_version": ([], ctypes.c_uint32),
+        "kvplan_layout_new": ([vp, vp], status),
+        "kvplan_layout_free": ([vp], status),
+        "kvplan_layout_n_entries": ([vp, vp], status),
+        "kvplan_template_new": ([vp, vp, vp, vp], status),
+        "kvplan_template_free": ([vp], status),
+        "kvplan_template_bytes_per_page": ([vp, vp], status),
+        "kvplan_prepare": ([vp, vp, vp], status),
+        "kvplan_plan_into": ([vp, vp, vp, vp, vp, size, vp], status),
+        "kvplan_last_error_message": ([], ctypes.c_char_p),
+        "kvplan_last_error_kind": ([], ctypes.c_char_p),
+        "kvplan_status_name": ([ctypes.c_int32], ctypes.c_char_p),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+    return lib
+
+
+def error(lib: ctypes.CDLL) -> str:
+    """The message of the calling thread's last failed call."""
+    return lib.kvplan_last_error_message().decode()
