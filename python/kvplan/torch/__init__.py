@@ -33,7 +33,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError(
         "kvplan.torch needs PyTorch, which is not installed: pip install 'kvplan[torch]' "
-        "(or any torch >= 2.1)") from exc
+        "(or any torch >= 2.1)"
+    ) from exc
 
 from kvplan.torch._executor import BlockColumns, TorchExecutor
 from kvplan.torch._layout import layout_from_tensors

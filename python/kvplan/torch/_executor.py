@@ -53,14 +53,16 @@ class _Region:
         return self.base + self.nbytes
 
     def describe(self) -> str:
-        return (f"{self.name} at [{self.base:#x}, {self.end:#x}) ({self.nbytes} bytes, "
-                f"{self.flat.device})")
+        return (
+            f"{self.name} at [{self.base:#x}, {self.end:#x}) ({self.nbytes} bytes, "
+            f"{self.flat.device})"
+        )
 
     def rows(self, granule: int, element: int) -> torch.Tensor:
         """The region as ``[nbytes // granule, granule // element]`` rows of ``element``-byte
         integers (the bytes past the last whole row hold no block)."""
         n_rows = self.nbytes // granule
-        view = self.flat[:n_rows * granule]
+        view = self.flat[: n_rows * granule]
         if element > 1:
             view = view.view(_ELEMENT_DTYPES[element])
         return view.view(n_rows, granule // element)
@@ -75,8 +77,9 @@ def _error(cls: type[KvPlanError], kind: str, message: str) -> KvPlanError:
 def _column(plan: BlockColumns, name: str) -> _U64:
     column = np.asarray(getattr(plan, name))
     if column.dtype != np.uint64 or column.ndim != 1:
-        raise TypeError(f"plan.{name} must be a 1-D uint64 array, got {column.dtype} of shape "
-                        f"{column.shape}")
+        raise TypeError(
+            f"plan.{name} must be a 1-D uint64 array, got {column.dtype} of shape {column.shape}"
+        )
     return column
 
 
@@ -98,7 +101,8 @@ def _row_index(starts: _I64, counts: _I64, total: int, device: torch.device) -> 
     shift = torch.from_numpy(starts - (np.cumsum(counts) - counts)).to(device)
     repeats = torch.from_numpy(counts).to(device)
     return torch.repeat_interleave(shift, repeats, output_size=total) + torch.arange(
-        total, device=device)
+        total, device=device
+    )
 
 
 class TorchExecutor:
@@ -123,8 +127,12 @@ class TorchExecutor:
     of a plan that overlaps is then undefined.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
-                 check_overlap: bool = True) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        check_overlap: bool = True,
+    ) -> None:
         if isinstance(tensors, Mapping):
             named = [(str(name), t) for name, t in tensors.items()]
         else:
@@ -134,26 +142,34 @@ class TorchExecutor:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
             if t.layout != torch.strided:
-                raise TypeError(f"{name} is a {t.layout} tensor; only strided tensors have "
-                                "addressable memory")
+                raise TypeError(
+                    f"{name} is a {t.layout} tensor; only strided tensors have addressable memory"
+                )
             if not t.is_contiguous():
-                raise _error(LayoutError, "tensor_layout",
-                             f"{name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is "
-                             "not contiguous, so its bytes are not one address range: register "
-                             "the contiguous tensor it is a view of")
+                raise _error(
+                    LayoutError,
+                    "tensor_layout",
+                    f"{name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is "
+                    "not contiguous, so its bytes are not one address range: register "
+                    "the contiguous tensor it is a view of",
+                )
             nbytes = t.numel() * t.element_size()
             if nbytes == 0:
                 continue  # backs no address
             flat = t.detach().reshape(-1).view(torch.uint8)
             base = int(t.data_ptr())
-            regions.append(_Region(name, base, nbytes, flat,
-                                   math.gcd(int(flat.storage_offset()), base, 8)))
+            regions.append(
+                _Region(name, base, nbytes, flat, math.gcd(int(flat.storage_offset()), base, 8))
+            )
         regions.sort(key=lambda r: r.base)
         for before, after in zip(regions, regions[1:]):
             if after.base < before.end:
-                raise _error(KvPlanError, "buffer_overlap",
-                             f"{before.describe()} overlaps {after.describe()}: every address "
-                             "must belong to one registered tensor")
+                raise _error(
+                    KvPlanError,
+                    "buffer_overlap",
+                    f"{before.describe()} overlaps {after.describe()}: every address "
+                    "must belong to one registered tensor",
+                )
         self._regions = regions
         self._bases = np.array([r.base for r in regions], dtype=np.uint64)
         self._ends = np.array([r.end for r in regions], dtype=np.uint64)
@@ -179,11 +195,12 @@ class TorchExecutor:
             KvPlanError: Blocks overlap (``kind == "block_overlap"``, with ``check_overlap``).
             TypeError: The plan's columns are not 1-D uint64 arrays of one length.
         """
-        src, dst, lengths = (_column(plan, name) for name in ("src_addrs", "dst_addrs",
-                                                               "lengths"))
+        src, dst, lengths = (_column(plan, name) for name in ("src_addrs", "dst_addrs", "lengths"))
         if not src.size == dst.size == lengths.size:
-            raise TypeError(f"plan columns differ in length: {src.size} src_addrs, {dst.size} "
-                            f"dst_addrs, {lengths.size} lengths")
+            raise TypeError(
+                f"plan columns differ in length: {src.size} src_addrs, {dst.size} "
+                f"dst_addrs, {lengths.size} lengths"
+            )
         return self._run(src, dst, lengths)
 
     def run_row_gather(self, rows: RowGather) -> int:
@@ -195,18 +212,31 @@ class TorchExecutor:
         plan; returns the bytes copied (``rows.pack_bytes``). Raises what :meth:`run` raises."""
         src_parts, dst_parts, len_parts = [], [], []
         lanes = rows.rows
-        for lane, src_base, page_stride, row_stride, per_page, length, pack_addr in (
-                rows.copies.tolist()):
+        for (
+            lane,
+            src_base,
+            page_stride,
+            row_stride,
+            per_page,
+            length,
+            pack_addr,
+        ) in rows.copies.tolist():
             lane_rows = lanes[lane]
-            src_parts.append(np.uint64(src_base) + lane_rows // np.uint64(per_page) * np.uint64(
-                page_stride) + lane_rows % np.uint64(per_page) * np.uint64(row_stride))
-            dst_parts.append(np.uint64(pack_addr) + np.arange(
-                lane_rows.size, dtype=np.uint64) * np.uint64(length))
+            src_parts.append(
+                np.uint64(src_base)
+                + lane_rows // np.uint64(per_page) * np.uint64(page_stride)
+                + lane_rows % np.uint64(per_page) * np.uint64(row_stride)
+            )
+            dst_parts.append(
+                np.uint64(pack_addr)
+                + np.arange(lane_rows.size, dtype=np.uint64) * np.uint64(length)
+            )
             len_parts.append(np.full(lane_rows.size, length, dtype=np.uint64))
         if not src_parts:
             return 0
-        return self._run(np.concatenate(src_parts), np.concatenate(dst_parts),
-                         np.concatenate(len_parts))
+        return self._run(
+            np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
+        )
 
     def _run(self, src: _U64, dst: _U64, lengths: _U64) -> int:
         total_bytes = int(lengths.sum(dtype=np.uint64))
@@ -230,9 +260,13 @@ class TorchExecutor:
             groups = list(np.split(order, cuts))
         for group in groups:
             first = 0 if isinstance(group, slice) else int(group[0])
-            self._copy_pair(self._regions[int(src_region[first])],
-                            self._regions[int(dst_region[first])],
-                            src_offset[group], dst_offset[group], lengths[group])
+            self._copy_pair(
+                self._regions[int(src_region[first])],
+                self._regions[int(dst_region[first])],
+                src_offset[group],
+                dst_offset[group],
+                lengths[group],
+            )
         return total_bytes
 
     def _locate(self, addrs: _U64, lengths: _U64, side: str) -> tuple[_I64, _U64]:
@@ -264,9 +298,12 @@ class TorchExecutor:
             why = f"lies outside every registered tensor; nearest is {nearest.describe()}"
         else:
             why = "lies outside every registered tensor; none is registered"
-        return _error(IndexBoundsError, "index_bounds",
-                      f"{side} of block {block}, {length} bytes at [{addr:#x}, {end:#x}), "
-                      f"{why}; every block must lie inside one registered tensor")
+        return _error(
+            IndexBoundsError,
+            "index_bounds",
+            f"{side} of block {block}, {length} bytes at [{addr:#x}, {end:#x}), "
+            f"{why}; every block must lie inside one registered tensor",
+        )
 
     @staticmethod
     def _check_disjoint(src: _U64, dst: _U64, lengths: _U64) -> None:
@@ -276,11 +313,14 @@ class TorchExecutor:
         clash = np.flatnonzero(starts[1:] < ends[:-1])
         if clash.size:
             a, b = sorted((int(order[clash[0]]), int(order[clash[0] + 1])))
-            raise _error(KvPlanError, "block_overlap",
-                         f"blocks {a} and {b} both write bytes from {int(dst[b]):#x} "
-                         f"(block {a}: {int(lengths[a])} bytes at {int(dst[a]):#x}, block {b}: "
-                         f"{int(lengths[b])} bytes at {int(dst[b]):#x}); the executor copies "
-                         "blocks in no set order, so their result would be undefined")
+            raise _error(
+                KvPlanError,
+                "block_overlap",
+                f"blocks {a} and {b} both write bytes from {int(dst[b]):#x} "
+                f"(block {a}: {int(lengths[a])} bytes at {int(dst[a]):#x}, block {b}: "
+                f"{int(lengths[b])} bytes at {int(dst[b]):#x}); the executor copies "
+                "blocks in no set order, so their result would be undefined",
+            )
         # The destinations are disjoint and sorted, so their ends ascend too: a read meets a
         # write iff the last write starting before the read's end ends after its start.
         last = np.searchsorted(starts, src[moving] + lengths[moving], side="left") - 1
@@ -288,14 +328,18 @@ class TorchExecutor:
         if meets.any():
             k = int(np.argmax(meets))
             reader, writer = int(moving[k]), int(order[last[k]])
-            raise _error(KvPlanError, "block_overlap",
-                         f"block {reader} reads {int(lengths[reader])} bytes at "
-                         f"{int(src[reader]):#x} that block {writer} writes "
-                         f"({int(lengths[writer])} bytes at {int(dst[writer]):#x}); the executor "
-                         "copies blocks in no set order, so the bytes read would be undefined")
+            raise _error(
+                KvPlanError,
+                "block_overlap",
+                f"block {reader} reads {int(lengths[reader])} bytes at "
+                f"{int(src[reader]):#x} that block {writer} writes "
+                f"({int(lengths[writer])} bytes at {int(dst[writer]):#x}); the executor "
+                "copies blocks in no set order, so the bytes read would be undefined",
+            )
 
-    def _copy_pair(self, src: _Region, dst: _Region, src_offset: _U64, dst_offset: _U64,
-                   lengths: _U64) -> None:
+    def _copy_pair(
+        self, src: _Region, dst: _Region, src_offset: _U64, dst_offset: _U64, lengths: _U64
+    ) -> None:
         """Copies blocks from one registered tensor to another with at most two batched ops."""
         # The blocks are moved as rows of one width so that one index_select / index_copy_
         # pair moves them all. The granule is the largest width that divides every offset and
@@ -304,8 +348,11 @@ class TorchExecutor:
         # arrays and the per-row work of the two operations grow with the row count, so a
         # plan of whole pages moves page-sized rows and a per-token plan token-sized ones,
         # never single bytes unless some block starts or ends at an odd byte.
-        granule = math.gcd(int(np.gcd.reduce(src_offset)), int(np.gcd.reduce(dst_offset)),
-                           int(np.gcd.reduce(lengths)))
+        granule = math.gcd(
+            int(np.gcd.reduce(src_offset)),
+            int(np.gcd.reduce(dst_offset)),
+            int(np.gcd.reduce(lengths)),
+        )
         element = math.gcd(granule, src.align, dst.align)
         src_rows, dst_rows = src.rows(granule, element), dst.rows(granule, element)
         g = np.uint64(granule)
@@ -313,22 +360,24 @@ class TorchExecutor:
         dst_start = (dst_offset // g).astype(np.int64)
         counts = (lengths // g).astype(np.int64)
         total = int(counts.sum())
-        src_run, dst_run = _is_run(src_start, counts), _is_run(dst_start, counts)
+        single = counts.size == 1
+        src_run = single or _is_run(src_start, counts)
+        dst_run = single or _is_run(dst_start, counts)
         s0, d0 = int(src_start[0]), int(dst_start[0])
         if src_run and dst_run:
-            dst_rows[d0:d0 + total].copy_(src_rows[s0:s0 + total])
+            dst_rows[d0 : d0 + total].copy_(src_rows[s0 : s0 + total])
             return
         same_device = src_rows.device == dst_rows.device
         if dst_run:  # a gather: select straight into the destination's rows
             src_index = _row_index(src_start, counts, total, src_rows.device)
             if same_device:
-                torch.index_select(src_rows, 0, src_index, out=dst_rows[d0:d0 + total])
+                torch.index_select(src_rows, 0, src_index, out=dst_rows[d0 : d0 + total])
             else:
-                dst_rows[d0:d0 + total].copy_(src_rows.index_select(0, src_index))
+                dst_rows[d0 : d0 + total].copy_(src_rows.index_select(0, src_index))
             return
         dst_index = _row_index(dst_start, counts, total, dst_rows.device)
         if src_run:  # a scatter: copy straight from the source's rows
-            dst_rows.index_copy_(0, dst_index, src_rows[s0:s0 + total].to(dst_rows.device))
+            dst_rows.index_copy_(0, dst_index, src_rows[s0 : s0 + total].to(dst_rows.device))
             return
         src_index = _row_index(src_start, counts, total, src_rows.device)
         if src_rows.device.type == "cpu":

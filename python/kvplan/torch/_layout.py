@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,23 +51,27 @@ def _dims(dims: str | Sequence[str]) -> list[str]:
     if repeated:
         raise _fail(f"dims {names}: {', '.join(repeated)} named more than once")
     if "page" not in names and "token" not in names:
-        raise _fail(f"dims {names} name neither a 'page' nor a 'token' dimension: the pages "
-                    "of a tensor cannot be told from its shape")
+        raise _fail(
+            f"dims {names} name neither a 'page' nor a 'token' dimension: the pages "
+            "of a tensor cannot be told from its shape"
+        )
     return names
 
 
 class _Tensor:
     """One tensor of the call, read with its dimension names."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, dims: list[str],
-                 page_size: int | None) -> None:
+    def __init__(
+        self, name: str, tensor: torch.Tensor, dims: list[str], page_size: int | None
+    ) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
         self.name, self.tensor = name, tensor
         self.shape, self.strides = tuple(tensor.shape), tuple(tensor.stride())
         if len(dims) != tensor.dim():
-            raise _fail(f"{self.what()} has {tensor.dim()} dimensions, dims names {len(dims)}: "
-                        f"{dims}")
+            raise _fail(
+                f"{self.what()} has {tensor.dim()} dimensions, dims names {len(dims)}: {dims}"
+            )
         self.element = tensor.element_size()
         size = dict(zip(dims, self.shape))
         stride = dict(zip(dims, self.strides))
@@ -76,15 +81,18 @@ class _Tensor:
         flat_pool = "page" not in size
         item_dims = [d for d in dims if d not in _OUTER]
         if flat_pool and item_dims[0] != "token":
-            raise _fail(f"{self.what()}: without a 'page' dimension a page is page_size "
-                        f"consecutive tokens, so 'token' must be the outermost of the item's "
-                        f"dimensions {item_dims}")
+            raise _fail(
+                f"{self.what()}: without a 'page' dimension a page is page_size "
+                f"consecutive tokens, so 'token' must be the outermost of the item's "
+                f"dimensions {item_dims}"
+            )
         self._check_dense(item_dims)
         row = math.prod(size[d] for d in item_dims if d != "token" or not flat_pool)
         if flat_pool:
             if page_size is None:
-                raise _fail(f"{self.what()} has no 'page' dimension: give page_size (tokens "
-                            "per page)")
+                raise _fail(
+                    f"{self.what()} has no 'page' dimension: give page_size (tokens per page)"
+                )
             self.page_size = page_size
             self.item_len = page_size * row * self.element
             self.page_stride = self.item_len
@@ -95,11 +103,14 @@ class _Tensor:
         else:
             tokens = size.get("token")
             if tokens is None and page_size is None:
-                raise _fail(f"{self.what()} has no 'token' dimension: give page_size (tokens "
-                            "per page)")
+                raise _fail(
+                    f"{self.what()} has no 'token' dimension: give page_size (tokens per page)"
+                )
             if tokens is not None and page_size is not None and tokens != page_size:
-                raise _fail(f"{self.what()}: page_size={page_size} was given, but its 'token' "
-                            f"dimension holds {tokens} tokens per page")
+                raise _fail(
+                    f"{self.what()}: page_size={page_size} was given, but its 'token' "
+                    f"dimension holds {tokens} tokens per page"
+                )
             self.page_size = tokens if tokens is not None else int(page_size or 0)
             self.item_len = row * self.element
             self.page_stride = stride["page"] * self.element
@@ -109,8 +120,13 @@ class _Tensor:
         order = [d for d in item_dims if d in ("token", "head")]
         heads = size.get("head", 1)
         head_bytes = math.prod(size[d] for d in item_dims if d not in ("token", "head"))
-        self.geometry = _Geometry(self.page_size, heads, head_bytes, self.element,
-                                  "HND" if order[:1] == ["head"] and "token" in order else "NHD")
+        self.geometry = _Geometry(
+            self.page_size,
+            heads,
+            head_bytes,
+            self.element,
+            "HND" if order[:1] == ["head"] and "token" in order else "NHD",
+        )
 
     def what(self) -> str:
         return f"{self.name} (shape {self.shape}, strides {self.strides})"
@@ -120,10 +136,12 @@ class _Tensor:
         expected = 1
         for d in reversed(item_dims):
             if self.size[d] != 1 and self.stride[d] != expected:
-                raise _fail(f"{self.what()} is not contiguous the way a layout needs: "
-                            f"dimension {d!r} has stride {self.stride[d]}, {expected} expected "
-                            f"for items of dimensions {item_dims} stored row-major without "
-                            "gaps (strides in elements)")
+                raise _fail(
+                    f"{self.what()} is not contiguous the way a layout needs: "
+                    f"dimension {d!r} has stride {self.stride[d]}, {expected} expected "
+                    f"for items of dimensions {item_dims} stored row-major without "
+                    "gaps (strides in elements)"
+                )
             expected *= self.size[d]
 
     def _check_nested(self, outer: list[str]) -> None:
@@ -134,9 +152,11 @@ class _Tensor:
         for d in sorted((d for d in outer if self.size[d] > 1), key=lambda d: self.stride[d]):
             step = self.stride[d] * self.element
             if step < extent:
-                raise _fail(f"{self.what()}: dimension {d!r} steps {step} bytes, less than the "
-                            f"{extent} bytes of the items inside one step, so items would "
-                            "overlap")
+                raise _fail(
+                    f"{self.what()}: dimension {d!r} steps {step} bytes, less than the "
+                    f"{extent} bytes of the items inside one step, so items would "
+                    "overlap"
+                )
             extent += (self.size[d] - 1) * step
 
     def entries(self, role: str | None, first_layer: int) -> list[list[_Entry]]:
@@ -151,9 +171,17 @@ class _Tensor:
         for plane, plane_role in enumerate(planes):
             row = []
             for layer in range(layers):
-                offset = (layer * self.stride.get("layer", 0) + plane * self.stride.get("kv", 0))
-                row.append(_Entry(plane_role, first_layer + layer, base + offset * self.element,
-                                  data_len, self.item_len, self.page_stride))
+                offset = layer * self.stride.get("layer", 0) + plane * self.stride.get("kv", 0)
+                row.append(
+                    _Entry(
+                        plane_role,
+                        first_layer + layer,
+                        base + offset * self.element,
+                        data_len,
+                        self.item_len,
+                        self.page_stride,
+                    )
+                )
             out.append(row)
         return out
 
@@ -213,8 +241,9 @@ def layout_from_tensors(
     """
     derived = sorted(k for k in context if k in _DERIVED)
     if derived:
-        raise TypeError(f"layout_from_tensors reads {', '.join(derived)} from the tensors; "
-                        "do not pass them")
+        raise TypeError(
+            f"layout_from_tensors reads {', '.join(derived)} from the tensors; do not pass them"
+        )
     names_of = _dims(dims)
     k_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     v_list = None if v_tensors is None else list(v_tensors)
@@ -222,11 +251,15 @@ def layout_from_tensors(
         raise _fail("layout_from_tensors needs at least one tensor")
     if v_list is not None:
         if "kv" in names_of:
-            raise _fail("v_tensors given with a 'kv' dimension: K and V are either one tensor's "
-                        "'kv' dimension or two lists")
+            raise _fail(
+                "v_tensors given with a 'kv' dimension: K and V are either one tensor's "
+                "'kv' dimension or two lists"
+            )
         if "layer" in names_of:
-            raise _fail("v_tensors given with a 'layer' dimension: a cross-layer pool holds K "
-                        "and V in one tensor (name its 'kv' dimension)")
+            raise _fail(
+                "v_tensors given with a 'layer' dimension: a cross-layer pool holds K "
+                "and V in one tensor (name its 'kv' dimension)"
+            )
         if len(v_list) != len(k_list):
             raise _fail(f"{len(k_list)} K tensors and {len(v_list)} V tensors")
     given = list(names) if names is not None else None
@@ -240,31 +273,40 @@ def layout_from_tensors(
         return f"{'v_tensors' if v else 'tensors'}[{i}]"
 
     k_read = [_Tensor(label(i, False), t, names_of, page_size) for i, t in enumerate(k_list)]
-    v_read = [] if v_list is None else [
-        _Tensor(label(i, True), t, names_of, page_size) for i, t in enumerate(v_list)]
+    v_read = (
+        []
+        if v_list is None
+        else [_Tensor(label(i, True), t, names_of, page_size) for i, t in enumerate(v_list)]
+    )
     every = k_read + v_read
     first = every[0]
     for t in every[1:]:
         if t.tensor.device != first.tensor.device:
-            raise _fail(f"{t.what()} is on {t.tensor.device}, {first.what()} on "
-                        f"{first.tensor.device}: a layout describes one device's memory")
+            raise _fail(
+                f"{t.what()} is on {t.tensor.device}, {first.what()} on "
+                f"{first.tensor.device}: a layout describes one device's memory"
+            )
         if t.page_size != first.page_size:
-            raise _fail(f"{t.what()} holds {t.page_size} tokens per page, {first.what()} "
-                        f"{first.page_size}")
+            raise _fail(
+                f"{t.what()} holds {t.page_size} tokens per page, {first.what()} {first.page_size}"
+            )
     # Layer positions: one per tensor, or one per position of each tensor's layer dimension.
     starts, n_layers = [], 0
     for t in k_read:
         starts.append(n_layers)
         n_layers += t.size.get("layer", 1)
     if layer_ids is not None and len(layer_ids) != n_layers:
-        raise _fail(f"{len(layer_ids)} layer ids for {n_layers} layers (one per "
-                    f"{'position of the layer dimension' if 'layer' in names_of else 'tensor'})")
+        raise _fail(
+            f"{len(layer_ids)} layer ids for {n_layers} layers (one per "
+            f"{'position of the layer dimension' if 'layer' in names_of else 'tensor'})"
+        )
     entries: list[_Entry] = []
     if "layer" in names_of:  # Layout.cross_layer's order: layer by layer, K then V
         for t, start in zip(k_read, starts):
             planes = t.entries(None, start)
-            entries += [planes[p][layer] for layer in range(len(planes[0]))
-                        for p in range(len(planes))]
+            entries += [
+                planes[p][layer] for layer in range(len(planes[0])) for p in range(len(planes))
+            ]
     else:  # Layout.mha's order: every K entry, then every V entry
         k_role = None if v_list is None else "k"
         k_planes = [t.entries(k_role, start) for t, start in zip(k_read, starts)]
@@ -275,17 +317,33 @@ def layout_from_tensors(
         geometry = first.geometry
         for t in every[1:]:
             if t.geometry != geometry:
-                raise _fail(f"{t.what()} has attention geometry {t.geometry}, {first.what()} "
-                            f"{geometry}")
-        read = {"heads_per_rank": geometry.heads, "head_dim": geometry.head_dim,
-                "dtype_size": geometry.dtype_size, "memory_order": geometry.memory_order}
+                raise _fail(
+                    f"{t.what()} has attention geometry {t.geometry}, {first.what()} {geometry}"
+                )
+        read = {
+            "heads_per_rank": geometry.heads,
+            "head_dim": geometry.head_dim,
+            "dtype_size": geometry.dtype_size,
+            "memory_order": geometry.memory_order,
+        }
         for key, value in read.items():
             if key in context and context[key] is not None and context[key] != value:
-                raise _fail(f"{key}={context[key]!r} was given, but the tensors hold "
-                            f"{value!r} ({first.what()})")
+                raise _fail(
+                    f"{key}={context[key]!r} was given, but the tensors hold "
+                    f"{value!r} ({first.what()})"
+                )
             context[key] = value
     ids = None if layer_ids is None else [int(layer_ids[e.layer]) for e in entries]
-    return Layout([e.data_ptr for e in entries], [e.data_len for e in entries],
-                  [e.item_len for e in entries], ids, [e.role for e in entries],
-                  strides=[e.stride for e in entries], page_size=first.page_size,
-                  device=str(first.tensor.device), **context)  # type: ignore[arg-type]
+    # Layout's keywords are typed one by one; the caller's are checked by Layout itself.
+    keywords: dict[str, Any] = dict(context)
+    return Layout(
+        [e.data_ptr for e in entries],
+        [e.data_len for e in entries],
+        [e.item_len for e in entries],
+        ids,
+        [e.role for e in entries],
+        strides=[e.stride for e in entries],
+        page_size=first.page_size,
+        device=str(first.tensor.device),
+        **keywords,
+    )
