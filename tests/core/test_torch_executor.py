@@ -695,3 +695,16 @@ def test_plan_columns_must_be_uint64() -> None:
     with pytest.raises(TypeError, match="plan.src_addrs must be a 1-D uint64 array, got int64"):
         TorchExecutor([torch.zeros(4)]).run(Columns())
     assert TorchExecutor([torch.zeros(4)]).run(blocks([], [], [])) == 0
+
+
+def test_empty_registries_and_zero_length_blocks() -> None:
+    arena, parts = arena_and_plan()
+    base = int(arena.data_ptr())
+    with pytest.raises(kvplan.IndexBoundsError, match="none is registered"):
+        TorchExecutor([]).run(blocks([base], [base + 768], [8]))
+    before = arena.clone()
+    # Zero-length blocks move nothing, alone or beside a real one.
+    assert TorchExecutor(parts).run(blocks([base], [base + 768], [0])) == 0
+    assert TorchExecutor(parts).run(blocks([base, base + 8], [base + 768, base + 780], [0, 4])) == 4
+    assert torch.equal(arena[780:784], before[8:12])
+    assert torch.equal(arena[:780], before[:780]) and torch.equal(arena[784:], before[784:])

@@ -125,6 +125,8 @@ class TorchExecutor:
     another, which is what lets them run batched. ``check_overlap=False`` skips that check (it
     sorts the blocks: most of the executor's host time for large unordered plans); the result
     of a plan that overlaps is then undefined.
+
+    One executor serves one thread at a time: it keeps host scratch rows between calls.
     """
 
     def __init__(
@@ -271,6 +273,8 @@ class TorchExecutor:
 
     def _locate(self, addrs: _U64, lengths: _U64, side: str) -> tuple[_I64, _U64]:
         """For every block, the registered tensor holding it and its byte offset there."""
+        if not self._regions:
+            raise self._outside(side, 0, int(addrs[0]), int(lengths[0]))
         at = np.searchsorted(self._bases, addrs, side="right").astype(np.int64) - 1
         region = np.maximum(at, 0)
         ends = addrs + lengths
@@ -341,6 +345,8 @@ class TorchExecutor:
         self, src: _Region, dst: _Region, src_offset: _U64, dst_offset: _U64, lengths: _U64
     ) -> None:
         """Copies blocks from one registered tensor to another with at most two batched ops."""
+        if not lengths.any():
+            return  # zero-length blocks only: no granule, nothing to copy
         # The blocks are moved as rows of one width so that one index_select / index_copy_
         # pair moves them all. The granule is the largest width that divides every offset and
         # every length on both sides: each block is then a whole number of rows starting on a
