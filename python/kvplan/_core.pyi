@@ -203,6 +203,8 @@ class LayoutEntry:
     def capacity(self) -> int: ...
     @property
     def window(self) -> int | None: ...
+    @property
+    def ring(self) -> int | None: ...
     def __eq__(self, value: object, /) -> bool: ...
 
 @final
@@ -219,6 +221,7 @@ class Layout:
         drafts: Sequence[bool] | None = None,
         strides: int | Sequence[int] | None = None,
         windows: Sequence[int | None] | None = None,
+        rings: Sequence[int | None] | None = None,
         page_size: int = ...,
         device: str = ...,
         num_model_layers: int | None = ...,
@@ -344,6 +347,9 @@ class Layout:
     @property
     def windows(self) -> list[int | None]: ...
     def with_windows(self, windows: Sequence[int | None]) -> Layout: ...
+    @property
+    def rings(self) -> list[int | None]: ...
+    def with_rings(self, rings: Sequence[int | None]) -> Layout: ...
     @property
     def capacities(self) -> list[int]: ...
     @property
@@ -756,6 +762,16 @@ class Template:
 
         Raises:
             IndexBoundsError: A slot is negative or outside a paired state buffer.
+        """
+    def plan_ring(self, src_slot: int, dst_slot: int, n_positions: int) -> TransferPlan:
+        """The live rows of every ring-state pair (``Layout.with_rings``) for one request: the
+        positions both rings hold after ``n_positions`` positions, ``n - min(R_p, R_d, n) ..
+        n``, each from row ``src_slot * R_p + p % R_p`` to row ``dst_slot * R_d + p % R_d``;
+        consecutive positions are one block until either ring wraps.
+
+        Raises:
+            IndexBoundsError: A slot is negative or its ring lies outside a paired buffer.
+            KvPlanError: The template has no ring-state pairs (kind ``geometry``).
         """
     def descriptor_table(self, side: str) -> tuple[_U64Array, _U64Array]:
         """``(addrs, lens)`` of one side's (``"src"`` or ``"dst"``) prepped descriptor table:

@@ -58,7 +58,8 @@ import numpy.typing as npt
 from kvplan import Layout, LayoutEntry
 
 __all__ = ["Fragments", "Memory", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
-           "expected_memory", "rank_heads", "reference_copy", "sent_heads"]
+           "expected_memory", "rank_heads", "reference_copy", "reference_ring_copy",
+           "sent_heads"]
 
 Fragment = tuple[int, int, int]
 #: What ``Template(fragments=)`` takes: one list for every page pair, or one list (or None)
@@ -299,25 +300,56 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                                fragment_map, s_item, d_item, d.item_len)
     if src_slot is None or dst_slot is None or not from_draft_writer:
         return moved
-    (r_p, tp_p), (r_d, tp_d) = (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size)
     for s, d in _pairs(src, dst, "state"):
-        ls, ld = s.item_len, d.item_len
-        if ls == 0 or ld == 0:
+        if s.ring is None:  # ring-state entries move by position (reference_ring_copy)
+            moved += _copy_state_item(src, src_mem, dst, dst_mem, s, d, src_slot, dst_slot)
+    return moved
+
+
+def _copy_state_item(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
+                     s: LayoutEntry, d: LayoutEntry, src_item: int, dst_item: int) -> int:
+    """Copies item ``src_item`` of state entry ``s`` to item ``dst_item`` of ``d`` as the TP
+    rule for state says: replicated items by one writer per decode rank, sharded items along
+    their leading bytes. Returns the bytes written."""
+    (r_p, tp_p), (r_d, tp_d) = (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size)
+    ls, ld = s.item_len, d.item_len
+    if ls == 0 or ld == 0:
+        return 0
+    s_item, d_item = s.data_ptr + src_item * s.stride, d.data_ptr + dst_item * d.stride
+    if ls == ld:  # replicated: one writer per decode rank
+        if r_p == r_d * tp_p // tp_d:
+            dst_mem.at(d_item, ld)[:] = src_mem.at(s_item, ls)
+            return ls
+        return 0
+    if ls * tp_p == ld * tp_d:  # sharded along the leading bytes
+        lo, hi = max(r_p * ls, r_d * ld), min((r_p + 1) * ls, (r_d + 1) * ld)
+        if lo < hi:
+            dst_mem.at(d_item + lo - r_d * ld, hi - lo)[:] = \
+                src_mem.at(s_item + lo - r_p * ls, hi - lo)
+            return hi - lo
+        return 0
+    raise ValueError(f"state layer {s.layer_id} {s.role}: item lengths {ls} and {ld} "
+                     f"are neither equal nor in the TP ratio {tp_p}:{tp_d}")
+
+
+def reference_ring_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
+                        src_slot: int, dst_slot: int, n_positions: int) -> int:
+    """Writes into ``dst_mem`` what a correct transfer of a request's ring state writes: for
+    every paired ring-state entry (``LayoutEntry.ring``: R rows per request slot, position
+    ``p`` in row ``slot * R + p % R``), the positions both rings hold after ``n_positions``
+    positions, ``n - min(R_p, R_d, n) .. n``, each from its prefill row to its decode row.
+    Returns the bytes written."""
+    moved = 0
+    if src.dcp_rank != dst.dcp_rank % src.dcp_size:
+        return 0  # state reaches a decode DCP rank from one prefill DCP rank
+    for s, d in _pairs(src, dst, "state"):
+        if s.ring is None or d.ring is None:
             continue
-        s_item, d_item = s.data_ptr + src_slot * s.stride, d.data_ptr + dst_slot * d.stride
-        if ls == ld:  # replicated: one writer per decode rank
-            if r_p == r_d * tp_p // tp_d:
-                dst_mem.at(d_item, ld)[:] = src_mem.at(s_item, ls)
-                moved += ls
-        elif ls * tp_p == ld * tp_d:  # sharded along the leading bytes
-            lo, hi = max(r_p * ls, r_d * ld), min((r_p + 1) * ls, (r_d + 1) * ld)
-            if lo < hi:
-                dst_mem.at(d_item + lo - r_d * ld, hi - lo)[:] = \
-                    src_mem.at(s_item + lo - r_p * ls, hi - lo)
-                moved += hi - lo
-        else:
-            raise ValueError(f"state layer {s.layer_id} {s.role}: item lengths {ls} and {ld} "
-                             f"are neither equal nor in the TP ratio {tp_p}:{tp_d}")
+        live = min(s.ring, d.ring, n_positions)
+        for p in range(n_positions - live, n_positions):
+            moved += _copy_state_item(src, src_mem, dst, dst_mem, s, d,
+                                      src_slot * s.ring + p % s.ring,
+                                      dst_slot * d.ring + p % d.ring)
     return moved
 
 

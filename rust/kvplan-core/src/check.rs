@@ -88,7 +88,13 @@ pub(crate) fn check_pairs_sliced(
     if let Some((at, problem)) = window_problem(src, dst, &checks) {
         checks[at].problem.get_or_insert(problem);
     }
+    let state_start = checks.len();
     checks.extend(check_kind(src, dst, EntryKind::State, state_options, heads));
+    for check in &mut checks[state_start..] {
+        if let Some(problem) = ring_problem(src, dst, check) {
+            check.problem.get_or_insert(problem);
+        }
+    }
     checks
 }
 
@@ -128,6 +134,34 @@ fn window_problem(src: &Layout, dst: &Layout, checks: &[EntryCheck]) -> Option<(
         }
     }
     None
+}
+
+/// Why a state pair cannot be planned as paired: one side keeps a ring of rows per request
+/// and the other one slot (module `ring` relays rows between rings of any sizes, not between a
+/// ring and a slot).
+fn ring_problem(src: &Layout, dst: &Layout, check: &EntryCheck) -> Option<PlanError> {
+    let d = check.dst_entry?;
+    let s = check.src_entry;
+    let (src_ring, dst_ring) = (src.rings()[s], dst.rings()[d]);
+    if src_ring.is_some() == dst_ring.is_some() {
+        return None;
+    }
+    let text = |ring: Option<u64>| {
+        ring.map_or_else(
+            || "one slot per request".to_owned(),
+            |r| format!("a ring of {r} rows per request"),
+        )
+    };
+    Some(PlanError::Geometry {
+        what: format!(
+            "prefill state entry {s} (layer {}, role {}) keeps {} but its decode partner, entry \
+             {d}, keeps {}; a ring pairs only with a ring",
+            src.layer_label(s),
+            src.role_label(s),
+            text(src_ring),
+            text(dst_ring)
+        ),
+    })
 }
 
 /// The page entries of `layout`.

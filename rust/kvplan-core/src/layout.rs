@@ -237,6 +237,8 @@ pub struct Layout {
     strides: Vec<u64>,
     /// Sliding-window size in tokens of each entry (`None`: the entry keeps every token).
     windows: Vec<Option<u64>>,
+    /// Rows per request of each ring-state entry (`None`: not a ring).
+    rings: Vec<Option<u64>>,
 }
 
 impl Layout {
@@ -323,6 +325,7 @@ impl Layout {
         let strides = parts.item_lens.clone();
         Ok(Self {
             windows: vec![None; n],
+            rings: vec![None; n],
             parts,
             context,
             strides,
@@ -405,6 +408,45 @@ impl Layout {
         }
         self.windows = windows;
         Ok(self)
+    }
+
+    /// The same layout with ring-state entries: state entry `e` with `Some(r)` keeps, per
+    /// request slot, a ring of `r` rows (its items): position `p` of the request is row
+    /// `slot × r + p mod r` (a ring buffer of the last `r` positions, e.g. a compressor's or
+    /// a speculative decoder's state). Rings are planned by [`crate::ring`], which relays the
+    /// live rows between rings of different sizes. An empty list marks no ring.
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
+    /// for a ring of 0 rows or a ring on a page entry.
+    pub fn with_rings(mut self, rings: Vec<Option<u64>>) -> Result<Self> {
+        if rings.is_empty() {
+            return Ok(self);
+        }
+        check_len("rings", rings.len(), self.n_entries())?;
+        for (entry, &ring) in rings.iter().enumerate() {
+            let Some(rows) = ring else { continue };
+            if rows == 0 {
+                return Err(invalid(format!(
+                    "entry {entry} ({}): a ring must hold at least 1 row per request, got 0",
+                    self.role_label(entry)
+                )));
+            }
+            if self.parts.kinds[entry] != EntryKind::State {
+                return Err(invalid(format!(
+                    "entry {entry} ({}): a ring applies to state entries (one ring per request \
+                     slot); a page entry is indexed by the request's pages",
+                    self.role_label(entry)
+                )));
+            }
+        }
+        self.rings = rings;
+        Ok(self)
+    }
+
+    /// Rows per request slot of each ring-state entry (`None`: not a ring).
+    pub fn rings(&self) -> &[Option<u64>] {
+        &self.rings
     }
 
     /// Sliding-window size in tokens of each entry (`None`: a full entry).

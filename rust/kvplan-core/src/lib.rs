@@ -45,7 +45,7 @@
 //! 6. `accounting` (blocks and bytes per group and pair).
 //! 7. `template` (build once, pick the strategy, one request path).
 //! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
-//!    in one plan).
+//!    in one plan), `ring` (ring state between rings of different sizes).
 //! 9. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
 //!    views of a plan or a batch, the manifest).
 //! 10. `advice` (direct or staged).
@@ -73,6 +73,7 @@ pub mod pairing;
 pub mod pieces;
 pub mod plan;
 pub mod request;
+pub mod ring;
 pub mod runs;
 pub mod slices;
 pub mod staged;
@@ -109,6 +110,7 @@ pub use pieces::{
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
 pub use request::{Indices, Request};
+pub use ring::RingPlanner;
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
 pub use slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,

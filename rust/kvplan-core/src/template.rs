@@ -44,6 +44,9 @@ pub struct Template {
     /// Page pairs with a non-zero item length, in order: the ones that emit blocks.
     pub(crate) emitting: Vec<PairSpec>,
     pub(crate) state_pairs: Vec<PairSpec>,
+    /// Ring-state pairs (module `ring`) with each side's rows per request slot: not slot
+    /// pairs, so a slot request does not move them.
+    pub(crate) ring_pairs: Vec<(PairSpec, (u64, u64))>,
     /// One piece per state pair that moves bytes (a slot is a one-page request), in order.
     pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
@@ -211,6 +214,18 @@ impl Template {
             tokens => Strategy::Pages { tokens },
         };
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
+        // Ring pairs (both sides rings: `check_pairs` refuses a ring against a slot) leave the
+        // slot pairs; their rows are planned by module `ring`.
+        let (ring_specs, state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
+            .into_iter()
+            .partition(|p| src.rings()[p.src_entry].is_some());
+        let ring_pairs = ring_specs
+            .into_iter()
+            .filter_map(|p| {
+                let rows = src.rings()[p.src_entry].zip(dst.rings()[p.dst_entry])?;
+                Some((p, rows))
+            })
+            .collect();
         let state_lens = state_pairs.iter().map(|p| p.item_len).collect();
         let blocks = BlockAccounting::new(
             groups,
@@ -231,6 +246,7 @@ impl Template {
             page_pairs,
             emitting,
             state_pairs,
+            ring_pairs,
             state_pieces,
             bytes_per_page,
             limits: IndexLimits {
@@ -303,9 +319,14 @@ impl Template {
         &self.page_pairs
     }
 
-    /// State-entry pairs in planning order.
+    /// State-entry pairs in planning order (ring-state pairs apart: [`Template::ring_pairs`]).
     pub fn state_pairs(&self) -> &[PairSpec] {
         &self.state_pairs
+    }
+
+    /// Ring-state pairs in planning order, with each side's rows per request slot.
+    pub fn ring_pairs(&self) -> &[(PairSpec, (u64, u64))] {
+        &self.ring_pairs
     }
 
     /// Page pairs that emit blocks (non-zero item length).

@@ -54,6 +54,9 @@ pub const EXT_DCP: u16 = 0x8002;
 /// Entry extension: the entry's sliding window in tokens (u64). Must be understood: a reader
 /// that ignored it would plan a window entry as a full one, reading pages the peer freed.
 pub const EXT_WINDOW: u16 = 0x8003;
+/// Entry extension: the entry's ring rows per request slot (u64). Must be understood: a
+/// reader that ignored it would address one slot where the entry keeps a ring of rows.
+pub const EXT_RING: u16 = 0x8004;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
 const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
@@ -125,14 +128,18 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.push(u8::from(parts.layer_ids[i].is_some()));
         out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
         put_str(&mut out, &parts.roles[i])?;
-        match layout.windows()[i] {
-            Some(window) => {
-                out.extend_from_slice(&1u16.to_le_bytes());
-                out.extend_from_slice(&EXT_WINDOW.to_le_bytes());
+        let extensions = [
+            (EXT_WINDOW, layout.windows()[i]),
+            (EXT_RING, layout.rings()[i]),
+        ];
+        let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16;
+        out.extend_from_slice(&count.to_le_bytes());
+        for (tag, value) in extensions {
+            if let Some(value) = value {
+                out.extend_from_slice(&tag.to_le_bytes());
                 out.extend_from_slice(&8u16.to_le_bytes());
-                out.extend_from_slice(&window.to_le_bytes());
+                out.extend_from_slice(&value.to_le_bytes());
             }
-            None => out.extend_from_slice(&0u16.to_le_bytes()),
         }
     }
     let crc = crc32(&out);
@@ -233,6 +240,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut windows: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
+    let mut rings: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
         data_lens: Vec::with_capacity(n),
@@ -276,21 +284,24 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         });
         parts.roles.push(reader.string()?);
         if v2 {
-            let mut window = None;
-            reader.extensions("an entry", |tag, payload| match tag {
-                EXT_WINDOW => {
-                    let bytes: [u8; 8] = payload.try_into().map_err(|_| {
-                        wire_error(format!(
-                            "a window extension holds {} bytes; it must hold 8",
-                            payload.len()
-                        ))
-                    })?;
-                    window = Some(u64::from_le_bytes(bytes));
-                    Ok(true)
-                }
-                _ => Ok(false),
+            let (mut window, mut ring) = (None, None);
+            reader.extensions("an entry", |tag, payload| {
+                let (slot, what) = match tag {
+                    EXT_WINDOW => (&mut window, "window"),
+                    EXT_RING => (&mut ring, "ring"),
+                    _ => return Ok(false),
+                };
+                let bytes: [u8; 8] = payload.try_into().map_err(|_| {
+                    wire_error(format!(
+                        "a {what} extension holds {} bytes; it must hold 8",
+                        payload.len()
+                    ))
+                })?;
+                *slot = Some(u64::from_le_bytes(bytes));
+                Ok(true)
             })?;
             windows.push(window);
+            rings.push(ring);
         }
     }
     if reader.remaining() != 0 {
@@ -301,7 +312,8 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     Layout::new(parts, context)?
         .with_strides(strides)?
-        .with_windows(windows)
+        .with_windows(windows)?
+        .with_rings(rings)
 }
 
 fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {

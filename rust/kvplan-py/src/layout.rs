@@ -142,27 +142,55 @@ fn strided(
     wrap(layout.with_strides(strides))
 }
 
-/// `windows=`: `None` (every entry full) or one window in tokens (or `None`) per entry.
-fn windows_arg(windows: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u64>>> {
-    let Some(obj) = windows.filter(|o| !o.is_none()) else {
+/// `windows=` / `rings=`: `None`, or one positive int (or `None`) per entry.
+fn per_entry_arg(
+    name: &str,
+    what: &str,
+    list: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<Option<u64>>> {
+    let Some(obj) = list.filter(|o| !o.is_none()) else {
         return Ok(Vec::new());
     };
     obj.extract::<Vec<Option<u64>>>().map_err(|_| {
         PyTypeError::new_err(format!(
-            "windows must be None or a sequence of one window per entry (a positive int of \
-             tokens, or None for a full entry), got {}",
+            "{name} must be None or a sequence of one value per entry ({what}), got {}",
             obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
         ))
     })
 }
 
-/// Applies `windows=` to a built layout.
-fn windowed(layout: PyLayout, windows: Option<&Bound<'_, PyAny>>) -> PyResult<PyLayout> {
-    let windows = windows_arg(windows)?;
-    if windows.is_empty() {
+fn windows_arg(windows: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u64>>> {
+    per_entry_arg(
+        "windows",
+        "a positive int of tokens, or None for a full entry",
+        windows,
+    )
+}
+
+fn rings_arg(rings: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u64>>> {
+    per_entry_arg(
+        "rings",
+        "a positive int of rows per request slot, or None for an entry that is no ring",
+        rings,
+    )
+}
+
+/// Applies `windows=` and `rings=` to a built layout.
+fn windowed(
+    layout: PyLayout,
+    windows: Option<&Bound<'_, PyAny>>,
+    rings: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyLayout> {
+    let (windows, rings) = (windows_arg(windows)?, rings_arg(rings)?);
+    if windows.is_empty() && rings.is_empty() {
         return Ok(layout);
     }
-    wrap(layout.inner.with_windows(windows))
+    wrap(
+        layout
+            .inner
+            .with_windows(windows)
+            .and_then(|l| l.with_rings(rings)),
+    )
 }
 
 /// Applies `strides=` to the entries `appended` added after the `before` entries of `base`.
@@ -200,6 +228,8 @@ pub struct PyLayoutEntry {
     capacity: u64,
     /// Sliding window in tokens (`None`: a full entry).
     window: Option<u64>,
+    /// Ring rows per request slot (`None`: not a ring-state entry).
+    ring: Option<u64>,
 }
 
 #[pymethods]
@@ -209,7 +239,7 @@ impl PyLayoutEntry {
         // Python's quoting, so the repr reads like Python.
         let quoted = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"));
         format!(
-            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={}, window={})",
+            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={}, window={}, ring={})",
             self.index,
             quoted(self.kind),
             opt(self.layer_id.map(|i| i.to_string())),
@@ -220,7 +250,8 @@ impl PyLayoutEntry {
             self.item_len,
             self.stride,
             self.capacity,
-            opt(self.window.map(|w| w.to_string()))
+            opt(self.window.map(|w| w.to_string())),
+            opt(self.ring.map(|r| r.to_string()))
         )
     }
 }
@@ -248,7 +279,7 @@ fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, windows=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, windows=None, rings=None, **context))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_ptrs: Vec<u64>,
@@ -260,6 +291,7 @@ impl PyLayout {
         drafts: Option<Vec<bool>>,
         strides: Option<&Bound<'_, PyAny>>,
         windows: Option<&Bound<'_, PyAny>>,
+        rings: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
@@ -286,6 +318,7 @@ impl PyLayout {
         windowed(
             strided(Layout::new(parts, context_from(context)?), strides)?,
             windows,
+            rings,
         )
     }
 
@@ -301,6 +334,20 @@ impl PyLayout {
     #[getter]
     fn windows(&self) -> Vec<Option<u64>> {
         self.inner.windows().to_vec()
+    }
+
+    /// The same layout with ring-state entries: one ring size in rows per request slot per
+    /// entry (`None` for an entry that is no ring; state entries only). Position `p` of a
+    /// request lives in row `slot * rows + p % rows`; `Template.plan_ring` moves the live rows.
+    fn with_rings(&self, rings: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let list = rings_arg(Some(rings))?;
+        wrap(self.inner.clone().with_rings(list))
+    }
+
+    /// Ring rows per request slot per entry (`None`: not a ring-state entry).
+    #[getter]
+    fn rings(&self) -> Vec<Option<u64>> {
+        self.inner.rings().to_vec()
     }
 
     /// One `kv` entry per layer (MLA latent buffers).
@@ -518,6 +565,9 @@ impl PyLayout {
         if self.inner.has_windows() {
             dict.set_item("windows", self.inner.windows())?;
         }
+        if self.inner.rings().iter().any(Option::is_some) {
+            dict.set_item("rings", self.inner.rings())?;
+        }
         dict.set_item("page_size", ctx.page_size)?;
         dict.set_item("device", &ctx.device)?;
         dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -583,6 +633,7 @@ impl PyLayout {
         };
         let strides = optional("strides")?;
         let windows = optional("windows")?;
+        let rings = optional("rings")?;
         // Each field is converted here, element by element, so that a bad document is refused
         // naming the field, the entry and the value (PyO3's own conversion errors name none).
         let item_lens = if items.cast::<PyList>().is_ok() || items.cast::<PyTuple>().is_ok() {
@@ -614,6 +665,7 @@ impl PyLayout {
             drafts,
             strides.as_ref(),
             windows.as_ref(),
+            rings.as_ref(),
             Some(&data),
         )
     }
@@ -685,6 +737,7 @@ impl PyLayout {
                 stride: layout.strides()[i],
                 capacity: layout.capacity(i),
                 window: layout.windows()[i],
+                ring: layout.rings()[i],
             })
             .collect())
     }

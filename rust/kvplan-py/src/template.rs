@@ -573,6 +573,28 @@ impl PyTemplate {
         crate::descriptors::prepped_state_indices(py, &self.inner, src_slot, dst_slot)
     }
 
+    /// The live rows of every ring-state pair for one request: slot `src_slot` (prefill)
+    /// and `dst_slot` (decode) after `n_positions` positions, each position from its prefill
+    /// row to its decode row (rings of different sizes relaid out), one block range per ring
+    /// pair.
+    #[pyo3(signature = (src_slot, dst_slot, n_positions))]
+    fn plan_ring(
+        &self,
+        py: Python<'_>,
+        src_slot: i64,
+        dst_slot: i64,
+        n_positions: u64,
+    ) -> PyResult<Py<PyTransferPlan>> {
+        let mut plan = kvplan_core::RingPlanner::new(&self.inner)
+            .plan(src_slot, dst_slot, n_positions)
+            .map_err(to_py_err)?;
+        let columns = owned_columns(py, &mut plan);
+        Py::new(
+            py,
+            PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints),
+        )
+    }
+
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
     /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
     fn plan_state(
