@@ -389,23 +389,14 @@ impl Layout {
         if windows.is_empty() {
             return Ok(self);
         }
-        check_len("windows", windows.len(), self.n_entries())?;
-        for (entry, &window) in windows.iter().enumerate() {
-            let Some(w) = window else { continue };
-            if w == 0 {
-                return Err(invalid(format!(
-                    "entry {entry} ({}): a sliding window must hold at least 1 token, got 0",
-                    self.role_label(entry)
-                )));
-            }
-            if self.parts.kinds[entry] != EntryKind::Page {
-                return Err(invalid(format!(
-                    "entry {entry} ({}): a sliding window applies to page entries; a state entry \
-                     holds one slot per request, sent whole",
-                    self.role_label(entry)
-                )));
-            }
-        }
+        self.check_per_entry(
+            "windows",
+            &windows,
+            EntryKind::Page,
+            "a sliding window must hold at least 1 token, got 0",
+            "a sliding window applies to page entries; a state entry holds one slot per \
+             request, sent whole",
+        )?;
         self.windows = windows;
         Ok(self)
     }
@@ -423,25 +414,44 @@ impl Layout {
         if rings.is_empty() {
             return Ok(self);
         }
-        check_len("rings", rings.len(), self.n_entries())?;
-        for (entry, &ring) in rings.iter().enumerate() {
-            let Some(rows) = ring else { continue };
-            if rows == 0 {
-                return Err(invalid(format!(
-                    "entry {entry} ({}): a ring must hold at least 1 row per request, got 0",
-                    self.role_label(entry)
-                )));
-            }
-            if self.parts.kinds[entry] != EntryKind::State {
-                return Err(invalid(format!(
-                    "entry {entry} ({}): a ring applies to state entries (one ring per request \
-                     slot); a page entry is indexed by the request's pages",
-                    self.role_label(entry)
-                )));
-            }
-        }
+        self.check_per_entry(
+            "rings",
+            &rings,
+            EntryKind::State,
+            "a ring must hold at least 1 row per request, got 0",
+            "a ring applies to state entries (one ring per request slot); a page entry is \
+             indexed by the request's pages",
+        )?;
         self.rings = rings;
         Ok(self)
+    }
+
+    /// One optional positive count per entry, set only on entries of `kind` (windows, rings):
+    /// `zero` and `wrong_kind` say what is wrong with a 0 or with a count on another kind.
+    fn check_per_entry(
+        &self,
+        field: &'static str,
+        list: &[Option<u64>],
+        kind: EntryKind,
+        zero: &str,
+        wrong_kind: &str,
+    ) -> Result<()> {
+        check_len(field, list.len(), self.n_entries())?;
+        for (entry, &value) in list.iter().enumerate() {
+            let Some(count) = value else { continue };
+            let problem = if count == 0 {
+                zero
+            } else if self.parts.kinds[entry] != kind {
+                wrong_kind
+            } else {
+                continue;
+            };
+            return Err(invalid(format!(
+                "entry {entry} ({}): {problem}",
+                self.role_label(entry)
+            )));
+        }
+        Ok(())
     }
 
     /// Rows per request slot of each ring-state entry (`None`: not a ring).

@@ -2,7 +2,7 @@
 //! side, how many tokens move, and how many leading tokens the decode holds already. Planners read it; none takes loose index arguments, so a new
 //! request field reaches every planner through this one type.
 
-use crate::error::{PlanError, Result};
+use crate::error::{PlanError, Result, Side};
 use crate::runs::PageIndex;
 
 /// What a request indexes on each side.
@@ -119,4 +119,19 @@ impl Request<'static> {
             skip_tokens: 0,
         }
     }
+}
+
+/// Both slots of a slot request as indices: a negative slot is [`PlanError::NegativeIndex`]
+/// naming its side.
+pub(crate) fn slot_indices(src: i64, dst: i64) -> Result<(u64, u64)> {
+    for (side, slot) in [(Side::Src, src), (Side::Dst, dst)] {
+        if slot < 0 {
+            return Err(PlanError::NegativeIndex {
+                side,
+                index: slot,
+                position: 0,
+            });
+        }
+    }
+    Ok((src as u64, dst as u64))
 }

@@ -49,16 +49,7 @@ impl<'t> RingPlanner<'t> {
                 what: "this template has no ring-state pairs (Layout.with_rings marks them)".into(),
             });
         }
-        for (side, slot) in [(Side::Src, src_slot), (Side::Dst, dst_slot)] {
-            if slot < 0 {
-                return Err(PlanError::NegativeIndex {
-                    side,
-                    index: slot,
-                    position: 0,
-                });
-            }
-        }
-        let slots = (src_slot as u64, dst_slot as u64);
+        let slots = crate::request::slot_indices(src_slot, dst_slot)?;
         for (pair, rows) in pairs {
             self.check_slot(pair, Side::Src, slots.0, rows.0)?;
             self.check_slot(pair, Side::Dst, slots.1, rows.1)?;

@@ -444,15 +444,7 @@ impl Template {
                 ),
             });
         }
-        for (side, slot) in [(Side::Src, src), (Side::Dst, dst)] {
-            if slot < 0 {
-                return Err(PlanError::NegativeIndex {
-                    side,
-                    index: slot,
-                    position: 0,
-                });
-            }
-        }
+        crate::request::slot_indices(src, dst)?;
         // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
         for pair in self.state_pairs.iter().filter(|p| p.item_len > 0) {
             if src as u64 >= pair.src_capacity {
