@@ -289,3 +289,19 @@ def test_layout_is_for_presets_only(capsys, tmp_path):
     assert "--layout only apply to --preset" in err
     rc, _, err = run_cli(capsys, "--preset", "deepseek-v3", "--layout", "pooled")
     assert rc == 2 and "--layout" in err
+
+
+def test_explain_names_window_ring_and_sidecar_entries() -> None:
+    from kvplan.explain.analysis import entry_kinds
+
+    oss = get_preset("gpt-oss-120b").layout(range(36), page_size=16, capacity=8)
+    assert entry_kinds(oss) == [("window 128", list(range(0, 36, 2)),
+                                 "a request's last 128 tokens")]
+    ds = get_preset("deepseek-v3.2").layout(range(4), page_size=1, capacity=8)
+    assert entry_kinds(ds) == [("sidecar indexer", [0, 1, 2, 3],
+                                "with its layer's KV entry, every token")]
+    assert entry_kinds(get_preset("deepseek-v3").layout(range(4), page_size=1, capacity=8)) == []
+    ringed = get_preset("qwen3-next").layout(range(8), page_size=1, capacity=8, state_slots=4)
+    ringed = ringed.with_rings([2 if k == "state" else None for k in ringed.kinds])
+    (name, layers, what), = [k for k in entry_kinds(ringed) if k[0].startswith("ring")]
+    assert (name, layers) == ("ring 2", [0, 1, 2, 4, 5, 6]) and "plan_ring" in what

@@ -65,6 +65,9 @@ class Explanation:
     layout: str = "per-layer"
     #: With ``--layout cross-layer``: the per-layer explanation of the same scenario.
     per_layer: Explanation | None = None
+    #: The decode's entries that do not move every token of every page: per kind (sliding
+    #: window, ring state, sidecar), its layers and what moves of it.
+    entry_kinds: list[tuple[str, list[int], str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +115,26 @@ def _stage_start(decode: Any, stage: Any) -> int | None:
         return None
     first = min(stage_ids)
     return len({i for i in decode_ids if i < first})
+
+
+def entry_kinds(layout: Any) -> list[tuple[str, list[int], str]]:
+    """The entries of ``layout`` that do not move like a full KV page, grouped by kind: sliding
+    windows (per window size), ring state (per ring size) and sidecars (indexer, scales), each
+    with its layers and what a plan moves of it."""
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for entry in layout.entries():
+        layer = -1 if entry.layer_id is None else entry.layer_id
+        if entry.window is not None:
+            key = (f"window {entry.window}", f"a request's last {entry.window} tokens")
+        elif entry.ring is not None:
+            key = (f"ring {entry.ring}", f"the positions both rings hold, row by row "
+                                         f"(plan_ring; {entry.ring} rows per slot here)")
+        elif entry.sidecar:
+            key = (f"sidecar {entry.role}", "with its layer's KV entry, every token")
+        else:
+            continue
+        kinds.setdefault(key, []).append(layer)
+    return [(name, sorted(set(layers)), what) for (name, what), layers in kinds.items()]
 
 
 def explain(
@@ -259,6 +282,7 @@ def explain(
     expl = Explanation(title, description, pages, page_size, fragmentation, breaks, stages,
                        [int(x) for x in run_lengths], kv_per_layer, state_per_layer, warnings,
                        max_blocks, layout)
+    expl.entry_kinds = entry_kinds(decode)
     expl.warnings = warnings + _plan_warnings(expl)
     return expl
 

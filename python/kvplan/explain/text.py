@@ -69,6 +69,11 @@ def render(e: Explanation) -> str:
     lines += _per_layer_lines("state", e.state_bytes_per_layer, format_ids)
     if not e.kv_bytes_per_layer and not e.state_bytes_per_layer:
         lines.append("  nothing planned")
+    if e.entry_kinds:
+        lines.append("")
+        lines.append("entries that are not plain KV pages (decode layout):")
+        for name, layers, what in e.entry_kinds:
+            lines.append(f"  {name:<16} layers {format_ids(layers)} ({len(layers)}): {what}")
 
     if e.per_layer is not None:
         lines.append("")

@@ -230,6 +230,9 @@ pub struct PyLayoutEntry {
     window: Option<u64>,
     /// Ring rows per request slot (`None`: not a ring-state entry).
     ring: Option<u64>,
+    /// Whether the entry belongs to its layer's KV entry (an indexer or scales: the core's
+    /// sidecar roles), moving only with it.
+    sidecar: bool,
 }
 
 #[pymethods]
@@ -738,6 +741,7 @@ impl PyLayout {
                 capacity: layout.capacity(i),
                 window: layout.windows()[i],
                 ring: layout.rings()[i],
+                sidecar: layout.role(i).is_some_and(kvplan_core::layout::is_sidecar_role),
             })
             .collect())
     }
