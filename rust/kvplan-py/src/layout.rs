@@ -741,7 +741,9 @@ impl PyLayout {
                 capacity: layout.capacity(i),
                 window: layout.windows()[i],
                 ring: layout.rings()[i],
-                sidecar: layout.role(i).is_some_and(kvplan_core::layout::is_sidecar_role),
+                sidecar: layout
+                    .role(i)
+                    .is_some_and(kvplan_core::layout::is_sidecar_role),
             })
             .collect())
     }
