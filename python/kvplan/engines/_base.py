@@ -181,8 +181,26 @@ class TransferStats:
         return self.bytes / self.blocks if self.blocks > 0 else 0.0
 
 
+class RequestVerdicts:
+    """Per-request verdicts of a batch outcome: ``failed[r]`` (a call holding blocks of request
+    ``r`` failed) and one error per failed call."""
+
+    failed: npt.NDArray[np.bool_]
+    errors: tuple[TransferError, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every request landed."""
+        return not self.errors
+
+    @property
+    def failed_requests(self) -> list[int]:
+        """Indices of the requests a failed call held, ascending."""
+        return [int(r) for r in np.flatnonzero(self.failed)]
+
+
 @dataclass(frozen=True)
-class BatchOutcome:
+class BatchOutcome(RequestVerdicts):
     """What one ``submit_batch`` did, request by request.
 
     ``failed[r]`` is True exactly when an engine call that held blocks of request ``r``
@@ -199,16 +217,6 @@ class BatchOutcome:
     seconds: float
     failed: npt.NDArray[np.bool_]
     errors: tuple[TransferError, ...]
-
-    @property
-    def ok(self) -> bool:
-        """True when every request landed."""
-        return not self.errors
-
-    @property
-    def failed_requests(self) -> list[int]:
-        """Indices of the requests a failed call held, in order."""
-        return [int(r) for r in np.flatnonzero(self.failed)]
 
 
 def _as_u64(name: str, values: npt.ArrayLike) -> U64:

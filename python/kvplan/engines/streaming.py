@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from kvplan._core import (
     WorkManifest,
 )
 from kvplan._errors import TransferError
+from kvplan.engines._base import RequestVerdicts
 from kvplan.integrity import (
     Manifest,
     is_notification,
@@ -114,13 +115,52 @@ class StreamStats:
     notification: builtins.bytes = b""  # `bytes` here would name the field above
 
 
-class StreamRequest:
+_Result = TypeVar("_Result")
+
+
+class _Verdict(Generic[_Result]):
+    """The verdict of what a submitter streams (a request, a batch): set once by the
+    submitter's thread (a result, or the failure), awaited by the caller."""
+
+    request: str
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: TransferError | None = None
+        self._result: _Result | None = None
+
+    @property
+    def done(self) -> bool:
+        """True once the verdict is in (success, failure or cancel); never blocks."""
+        return self._done.is_set()
+
+    def _await(self, timeout: float | None, what: str) -> _Result:
+        """The result, or the failure raised; ``what`` names the streamed thing."""
+        if not self._done.wait(timeout):
+            err = TransferError(f"streaming: {what} {self.request!r} not complete after "
+                                f"{timeout} s")
+            err.state = "timeout"
+            raise err
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    # ------------------------------------------------------------------ submitter side
+    def _fail(self, err: TransferError) -> None:
+        if not self._done.is_set():
+            self._error = err
+            self._done.set()
+
+
+class StreamRequest(_Verdict[StreamStats]):
     """One request being streamed: its slices, their state, and its verdict."""
 
     def __init__(self, owner: StreamingSubmitter, request: str, plan: TransferPlan,
                  cut: PlanSlices, slices: LayerSlices, peer: str | None,
                  state: tuple[TransferPlan, PlanSlices] | None, notif: bytes,
                  streamed: bool) -> None:
+        super().__init__()
         self.request = request
         self._owner = owner
         self._plan = plan
@@ -149,17 +189,9 @@ class StreamRequest:
         self._t_open = time.perf_counter()
         self._t_last_signal = self._t_open
         self._blocks = self._bytes = self._submissions = 0
-        self._done = threading.Event()
-        self._error: TransferError | None = None
-        self._stats: StreamStats | None = None
         self._cancelled = False
 
     # ------------------------------------------------------------------ caller side
-    @property
-    def done(self) -> bool:
-        """True once the verdict is in (success, failure or cancel); never blocks."""
-        return self._done.is_set()
-
     @property
     def manifest(self) -> WorkManifest:
         """The expected work of this request (slices, blocks, bytes, seal with state)."""
@@ -191,25 +223,11 @@ class StreamRequest:
             TransferError: a slice failed (``slice``, ``group`` and ``layers`` name it), the
                 request was cancelled, the submitter closed first, or ``timeout`` passed.
         """
-        if not self._done.wait(timeout):
-            err = TransferError(f"streaming: request {self.request!r} not complete after "
-                                f"{timeout} s")
-            err.state = "timeout"
-            raise err
-        if self._error is not None:
-            raise self._error
-        assert self._stats is not None
-        return self._stats
-
-    # ------------------------------------------------------------------ submitter side
-    def _fail(self, err: TransferError) -> None:
-        if not self._done.is_set():
-            self._error = err
-            self._done.set()
+        return self._await(timeout, "request")
 
 
 @dataclass(frozen=True)
-class BatchStreamOutcome:
+class BatchStreamOutcome(RequestVerdicts):
     """What one streamed batch did, request by request.
 
     ``failed[r]`` is True exactly when an engine call holding blocks of request ``r`` failed;
@@ -240,18 +258,8 @@ class BatchStreamOutcome:
     #: it once every call had completed, other engines leave it to the caller's side channel.
     notification: builtins.bytes = b""
 
-    @property
-    def ok(self) -> bool:
-        """True when every request landed."""
-        return not self.errors
 
-    @property
-    def failed_requests(self) -> list[int]:
-        """Indices of the requests a failed call held, ascending."""
-        return [int(r) for r in np.flatnonzero(self.failed)]
-
-
-class StreamBatch:
+class StreamBatch(_Verdict[BatchStreamOutcome]):
     """A batch plan being streamed: every request of the batch opened at once; each ready
     slice goes out in bounded engine calls covering all of them, and each request gets its
     own verdict (:class:`BatchStreamOutcome`)."""
@@ -259,6 +267,7 @@ class StreamBatch:
     def __init__(self, owner: StreamingSubmitter, name: str, batch: BatchPlan,
                  cut: BatchSlices, slices: LayerSlices, peer: str | None, notif: bytes,
                  streamed: bool) -> None:
+        super().__init__()
         self.request = name  # what the submitter's messages name
         self._owner = owner
         self._batch = batch
@@ -294,19 +303,11 @@ class StreamBatch:
         self._done_seconds = np.full(n, np.nan)
         self._errors: list[TransferError] = []
         self._blocks = self._bytes = self._calls = 0
-        self._done = threading.Event()
-        self._error: TransferError | None = None
-        self._outcome: BatchStreamOutcome | None = None
         for s, pending in enumerate(self._pending):
             if not pending:  # a segment that moves nothing is done at once
                 self._segment_done(s)
 
     # ------------------------------------------------------------------ caller side
-    @property
-    def done(self) -> bool:
-        """True once the verdict is in (every call made, or cancel / close); never blocks."""
-        return self._done.is_set()
-
     def request_done(self, request: int) -> bool:
         """Whether every block of batch request ``request`` has landed (never blocks)."""
         return bool(self._done_mask[request])
@@ -338,22 +339,9 @@ class StreamBatch:
             TransferError: the batch was cancelled, its seal came before layers were signalled
                 with ``require_signals``, the submitter closed first, or ``timeout`` passed.
         """
-        if not self._done.wait(timeout):
-            err = TransferError(f"streaming: batch {self.request!r} not complete after "
-                                f"{timeout} s")
-            err.state = "timeout"
-            raise err
-        if self._error is not None:
-            raise self._error
-        assert self._outcome is not None
-        return self._outcome
+        return self._await(timeout, "batch")
 
     # ------------------------------------------------------------------ submitter side
-    def _fail(self, err: TransferError) -> None:
-        if not self._done.is_set():
-            self._error = err
-            self._done.set()
-
     def _segment_done(self, s: int) -> None:
         first, end = self._segment_requests[s], self._segment_requests[s + 1]
         self._done_mask[first:end] = True
@@ -676,7 +664,7 @@ class StreamingSubmitter:
             self._finish(req, err)
             return
         now = time.perf_counter()
-        req._stats = StreamStats(req.request, req._peer, req._blocks, req._bytes,
+        req._result = StreamStats(req.request, req._peer, req._blocks, req._bytes,
                                  req._submissions, len(req._sent), req.streamed,
                                  now - req._t_open, now - req._t_last_signal,
                                  *req._unsignalled, final)
@@ -707,7 +695,7 @@ class StreamingSubmitter:
                 self._finish(b, err)
                 return
         now = time.perf_counter()
-        b._outcome = BatchStreamOutcome(
+        b._result = BatchStreamOutcome(
             b.request, b._peer or "", b._blocks, b._bytes, b._calls, len(b._sent), b.streamed,
             now - b._t_open, b._failed.copy(), b._done_mask.copy(), tuple(b._errors),
             b._done_seconds.copy(), *b._unsignalled, final)
