@@ -204,6 +204,10 @@ class LayoutEntry:
     @property
     def window(self) -> int | None: ...
     @property
+    def page_size(self) -> int: ...
+    @property
+    def in_window_pool(self) -> bool: ...
+    @property
     def ring(self) -> int | None: ...
     @property
     def sidecar(self) -> bool: ...
@@ -223,6 +227,7 @@ class Layout:
         drafts: Sequence[bool] | None = None,
         strides: int | Sequence[int] | None = None,
         windows: Sequence[int | None] | None = None,
+        window_page_size: int | None = None,
         rings: Sequence[int | None] | None = None,
         page_size: int = ...,
         device: str = ...,
@@ -348,7 +353,14 @@ class Layout:
     def strides(self) -> list[int]: ...
     @property
     def windows(self) -> list[int | None]: ...
-    def with_windows(self, windows: Sequence[int | None]) -> Layout: ...
+    def with_windows(self, windows: Sequence[int | None], *,
+                     window_page_size: int | None = None) -> Layout:
+        """Sliding-window entries (one window in tokens per entry, ``None`` for a full one);
+        with ``window_page_size`` they keep a pool of their own, indexed by a request's window
+        pages (``Template.plan(..., window_pages=)``) of that many tokens each."""
+    @property
+    def window_page_size(self) -> int | None:
+        """Tokens per page of the window entries' own pool (``None``: none)."""
     @property
     def rings(self) -> list[int | None]: ...
     def with_rings(self, rings: Sequence[int | None]) -> Layout: ...
@@ -664,12 +676,18 @@ class Template:
         *,
         n_tokens: int | None = None,
         skip_tokens: int = 0,
+        window_pages: tuple[_IndexArray | None, _IndexArray | None] | None = None,
         out: _U64Array | None = None,
     ) -> TransferPlan:
         """Plan the blocks that copy page ``src_pages[i]`` to ``dst_pages[i]`` for every pair.
 
         ``skip_tokens``: the decode holds the request's first K tokens already (a delta plan:
         tokens K.. only, planned by token; the digest covers K).
+
+        ``window_pages``: ``(src, dst)``, each side's window pages when its window entries keep
+        a pool of their own (``Layout.with_windows(..., window_page_size=)``), in token order
+        from the request's first token, with the dtype of that side's pages; ``None`` for a
+        side without a window pool.
 
         When the layouts' page sizes differ, or ``n_tokens`` is given, both arrays are each
         side's pages in token order and the plan copies the first ``n_tokens`` tokens (default:

@@ -190,8 +190,9 @@ class _Side:
     def __init__(self, layout: Layout, entry: LayoutEntry, geometry: bool) -> None:
         dealt = layout.dcp_size > 1 and not entry.is_draft
         self.dcp = (layout.dcp_size, layout.dcp_rank, layout.dcp_interleave) if dealt else None
-        # A draft item on a dealing side holds a virtual page of every token of the request.
-        self.page_size = layout.page_size * (layout.dcp_size if entry.is_draft else 1)
+        # A draft item on a dealing side holds a virtual page of every token of the request; a
+        # window pool's entry has its pool's page size.
+        self.page_size = entry.page_size * (layout.dcp_size if entry.is_draft else 1)
         if geometry:
             kv_heads, tp = int(layout.kv_heads or 0), layout.tp_size
             self.first = rank_heads(kv_heads, tp, layout.tp_rank).start
@@ -233,16 +234,21 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                    src_pages: Sequence[int] | npt.NDArray[Any],
                    dst_pages: Sequence[int] | npt.NDArray[Any], *, n_tokens: int | None = None,
                    src_slot: int | None = None, dst_slot: int | None = None,
-                   fragments: Fragments | None = None, skip_tokens: int = 0) -> int:
+                   fragments: Fragments | None = None, skip_tokens: int = 0,
+                   window_pages: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
+                   ) -> int:
     """Writes into ``dst_mem`` what a correct transfer of one request from ``src`` (prefill
     rank or stage) to ``dst`` writes: its pages, and with both slots given its state slot.
     ``fragments`` is what the template was built with; ``skip_tokens``: the decode holds the
     request's first K tokens already and only tokens K.. are written (state slots still
     whole). A sliding-window entry (``LayoutEntry.window`` W) holds only the request's last W
-    tokens live, so only those are written (from K on). Returns the number of bytes written.
+    tokens live, so only those are written (from K on); an entry in its side's window pool
+    (``LayoutEntry.in_window_pool``) is addressed through that side's ``window_pages`` at its
+    pool's page size. Returns the number of bytes written.
     Call it once per source to build the expected destination of a whole request (for DCP:
     once per (source, decode rank) pair, each decode rank's page list its local tokens')."""
     s_pages, d_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
+    s_window, d_window = ([int(p) for p in w] if w is not None else [] for w in window_pages)
     ps, pd = src.page_size, dst.page_size
     dealt = src.dcp_size > 1 or dst.dcp_size > 1
     windowed = any(w is not None for w in (*src.windows, *dst.windows))
@@ -292,8 +298,10 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
             ls, ld = a.local(t), b.local(t)
             if ls is None or ld is None:
                 continue
-            s_item = s.data_ptr + s_pages[ls // a.page_size] * s.stride
-            d_item = d.data_ptr + d_pages[ld // b.page_size] * d.stride
+            s_list = s_window if s.in_window_pool else s_pages
+            d_list = d_window if d.in_window_pool else d_pages
+            s_item = s.data_ptr + s_list[ls // a.page_size] * s.stride
+            d_item = d.data_ptr + d_list[ld // b.page_size] * d.stride
             for h in pair_heads:
                 moved += _copy(src_mem, s_item + a.offset(ls % a.page_size, h), dst_mem,
                                d_item + b.offset(ld % b.page_size, h), a.head_bytes,

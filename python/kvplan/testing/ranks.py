@@ -10,6 +10,7 @@ deployments (hypothesis); without hypothesis, build :class:`Model` and :class:`R
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ class Rank:
     capacity: int = 8
     cross_layer: bool = False
     state_slots: int = 2
+    #: tokens per page of the window layers' own pool (None: they index the request's pages)
+    window_page_size: int | None = None
+    #: pages of each window-pool entry
+    window_capacity: int = 8
 
 
 @dataclass
@@ -67,7 +72,22 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
     ids = list(range(model.layers))
     state_item = (model.state_bytes // rank.tp_size if model.sharded_state
                   else model.state_bytes)
-    kv_bytes = model.layers * planes * rank.capacity * item
+    pooled = rank.window_page_size is not None
+    if pooled and (model.window is None or rank.cross_layer or model.mla):
+        raise ValueError("a window pool is laid out for windowed MHA models with per-layer "
+                         "buffers")
+    windowed = [layer % 2 == 1 and model.window is not None for layer in ids]
+    pool_item = (rank.window_page_size or 0) * heads * model.head_dim * model.dtype_size
+    # Per (layer, plane): (offset in the arena, bytes, item bytes).
+    buffers: list[tuple[int, int, int]] = []
+    at = 0
+    for plane in range(planes):
+        for layer in ids:
+            size, entry_item = ((rank.window_capacity * pool_item, pool_item)
+                                if pooled and windowed[layer] else (rank.capacity * item, item))
+            buffers.append((at, size, entry_item))
+            at += size
+    kv_bytes = at
     state_bytes = model.layers * rank.state_slots * state_item
     arena = np.full(kv_bytes + state_bytes + 64, SENTINEL, dtype=np.uint8)
     if seed is not None:
@@ -79,7 +99,13 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
                                   tp_size=rank.tp_size, kv_heads=model.kv_heads,
                                   head_dim=model.head_dim, dtype_size=model.dtype_size,
                                   memory_order=rank.memory_order)
-    if rank.cross_layer:
+    if pooled:
+        layout = kvplan.Layout([base + off for off, _, _ in buffers], [n for _, n, _ in buffers],
+                               [i for _, _, i in buffers], ids * planes,
+                               [r for r in ("k", "v") for _ in ids], **ctx)
+        layout = layout.with_windows([model.window if w else None for w in windowed] * planes,
+                                     window_page_size=rank.window_page_size)
+    elif rank.cross_layer:
         roles = ["kv"] * model.layers if model.mla else ["k", "v"] * model.layers
         pool_ids = ids if model.mla else [i for i in ids for _ in range(2)]
         layout = kvplan.Layout.cross_layer(base, kv_bytes, pool_ids, item, roles=roles, **ctx)
@@ -94,7 +120,7 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
             layout = kvplan.Layout.mha([p[0] for p in ptr], [p[1] for p in ptr],
                                        [entry] * model.layers, [entry] * model.layers, item,
                                        item, layer_ids=ids, **ctx)
-    if model.window is not None:
+    if model.window is not None and not pooled:
         layout = layout.with_windows([
             model.window if kind == "page" and layer is not None and layer % 2 else None
             for kind, layer in zip(layout.kinds, layout.layer_ids or [None] * len(layout))])
@@ -109,7 +135,9 @@ def rank_memory(model: Model, rank: Rank, *, seed: int | None = None) -> RankMem
 def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarray,
                   dst_pages: np.ndarray, *, n_tokens: int | None = None,
                   slots: tuple[int, int] | None = (0, 1),
-                  skip_tokens: int = 0) -> dict[int, kvplan.Template]:
+                  skip_tokens: int = 0,
+                  window_pages: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+                  ) -> dict[int, kvplan.Template]:
     """Plans the request from every prefill rank (``prefill`` with each ``tp_rank``) into
     ``decode``, applies the blocks (and the state slots ``slots``) and asserts: the decode
     memory equals the oracle's, no destination byte is written twice, and a template that
@@ -118,30 +146,31 @@ def check_request(model: Model, prefill: Rank, decode: Rank, src_pages: np.ndarr
     ``skip_tokens`` K: a delta request. The decode starts out holding the oracle's first K
     tokens (as a prefix cache would), the plan moves tokens K.. only (its bytes are the
     oracle's for tokens K..), and what the decode holds after it must equal the oracle's whole
-    request."""
+    request. ``window_pages``: each side's window pages, for a side whose window layers keep a
+    pool of their own (``Rank.window_page_size``)."""
     dst = rank_memory(model, decode)
     written = np.zeros(dst.memory.data.size, dtype=bool)
-    sources = [rank_memory(model, Rank(r_p, prefill.tp_size, prefill.page_size,
-                                       prefill.memory_order, prefill.capacity,
-                                       prefill.cross_layer, prefill.state_slots), seed=r_p + 1)
+    sources = [rank_memory(model, dataclasses.replace(prefill, tp_rank=r_p), seed=r_p + 1)
                for r_p in range(prefill.tp_size)]
     if skip_tokens:
         # The prefix the decode holds already (of a window entry: the window as it was then).
         for src in sources:
             reference_copy(src.layout, src.memory, dst.layout, dst.memory, src_pages,
-                           dst_pages, n_tokens=skip_tokens)
+                           dst_pages, n_tokens=skip_tokens, window_pages=window_pages)
     want = dst.memory.copy()
     templates = {}
     for r_p, src in enumerate(sources):
         t = kvplan.Template(src.layout, dst.layout)
         templates[r_p] = t
-        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
+        plan = t.plan(src_pages, dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens,
+                      window_pages=window_pages)
         kv = reference_copy(src.layout, src.memory, dst.layout, want, src_pages, dst_pages,
-                            n_tokens=n_tokens)
+                            n_tokens=n_tokens, window_pages=window_pages)
         if skip_tokens:
             # What the delta itself must move.
             kv = reference_copy(src.layout, src.memory, dst.layout, want.copy(), src_pages,
-                                dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens)
+                                dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens,
+                                window_pages=window_pages)
         assert plan.total_bytes == kv, (r_p, plan.total_bytes, kv)
         assert plan.skip_tokens == skip_tokens
         # An empty plan says why, unless the delta left nothing to move.

@@ -302,8 +302,9 @@ fn check_kind(
                         (Ok(Some(slicing)), EntryKind::Page)
                             if !(by_token && slicing.moves_whole_heads()) =>
                         {
+                            let sizes = (src.entry_page_size(s), dst.entry_page_size(d));
                             slicing
-                                .check_page_items(src_item_len, dst_item_len)
+                                .check_page_items(src_item_len, dst_item_len, sizes)
                                 .err()
                                 .map(head_problem)
                         }

@@ -424,11 +424,14 @@ pub enum PlanError {
     },
     /// A token request with fewer pages than its tokens need on one side.
     #[error(
-        "n_tokens {n_tokens} needs {needed} {side} pages of {page_size} tokens, but {given} were given"
+        "n_tokens {n_tokens} needs {needed} {side} {list} of {page_size} tokens, but {given} were given"
     )]
     TokenCount {
         /// The side that has too few pages.
         side: Side,
+        /// Which of that side's lists: `pages` (the request's) or `window pages` (its window
+        /// pool's).
+        list: &'static str,
         /// The request's token count.
         n_tokens: u64,
         /// Tokens per page on that side.

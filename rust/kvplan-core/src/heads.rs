@@ -470,19 +470,15 @@ impl HeadSlicing {
         })
     }
 
-    /// Bytes of one side's page item implied by the geometry (its own page size).
-    fn item_bytes(&self, side: Side) -> u64 {
-        let g = side.pick(&self.src, &self.dst);
-        side.pick(self.page_sizes.0, self.page_sizes.1) * g.token_bytes()
-    }
-
     /// Whether a page pair of these item lengths can be planned: equal lengths when whole items
-    /// move (or nothing moves), else each the item the geometry implies on its own side (page
-    /// size × heads per rank × head bytes), for page plans and token plans alike.
+    /// move (or nothing moves), else each the item the geometry implies on its own side (the
+    /// pair's page size on that side, `page_sizes`, × heads per rank × head bytes), for page
+    /// plans and token plans alike.
     pub(crate) fn check_page_items(
         &self,
         src_item: u64,
         dst_item: u64,
+        page_sizes: (u64, u64),
     ) -> std::result::Result<(), HeadProblem> {
         if self.sliced().is_none() {
             let nothing_moves = !self.moves_pages();
@@ -493,12 +489,13 @@ impl HeadSlicing {
             };
         }
         for (side, have) in [(Side::Src, src_item), (Side::Dst, dst_item)] {
-            let want = self.item_bytes(side);
+            let g = side.pick(&self.src, &self.dst);
+            let page_size = side.pick(page_sizes.0, page_sizes.1);
+            let want = page_size * g.token_bytes();
             if have != want {
-                let g = side.pick(&self.src, &self.dst);
                 return Err(HeadProblem::SlicedItem {
                     side,
-                    page_size: side.pick(self.page_sizes.0, self.page_sizes.1),
+                    page_size,
                     heads: g.heads_per_rank,
                     head_dim: g.head_dim,
                     dtype_size: g.dtype_size,

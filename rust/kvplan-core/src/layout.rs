@@ -239,6 +239,8 @@ pub struct Layout {
     windows: Vec<Option<u64>>,
     /// Rows per request of each ring-state entry (`None`: not a ring).
     rings: Vec<Option<u64>>,
+    /// Tokens per page of the window entries' own pool (`None`: they index the request's pages).
+    window_page_size: Option<u64>,
 }
 
 impl Layout {
@@ -326,6 +328,7 @@ impl Layout {
         Ok(Self {
             windows: vec![None; n],
             rings: vec![None; n],
+            window_page_size: None,
             parts,
             context,
             strides,
@@ -452,6 +455,51 @@ impl Layout {
             )));
         }
         Ok(())
+    }
+
+    /// The same layout with its window entries in a pool of their own (as an engine keeps
+    /// sliding-window layers in a separate, smaller pool): they are indexed by a request's
+    /// *window pages* (its own page list, in token order from the request's first token, the
+    /// pages before the window never read), each page holding `page_size` tokens, which may
+    /// differ from the full-attention pages' size.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for a page size of 0, a layout without window entries, or a
+    /// layout that deals its tokens over decode context-parallel ranks.
+    pub fn with_window_pool(mut self, page_size: u64) -> Result<Self> {
+        let problem = if page_size == 0 {
+            "a window pool's page_size must be at least 1, got 0"
+        } else if !self.has_windows() {
+            "a window pool needs window entries (with_windows first)"
+        } else if self.context.dcp.dealt() {
+            "a window pool is not supported on a layout that deals its tokens over decode \
+             context-parallel ranks"
+        } else {
+            self.window_page_size = Some(page_size);
+            return Ok(self);
+        };
+        Err(invalid(problem.into()))
+    }
+
+    /// Tokens per page of the window entries' own pool, when they have one
+    /// ([`Layout::with_window_pool`]).
+    pub fn window_page_size(&self) -> Option<u64> {
+        self.window_page_size
+    }
+
+    /// Whether entry `i` is indexed by a request's window pages (a window entry of a layout
+    /// with a window pool).
+    pub fn in_window_pool(&self, i: usize) -> bool {
+        self.window_page_size.is_some() && self.windows[i].is_some()
+    }
+
+    /// Tokens one page of entry `i` holds: the window pool's page size for an entry in it, else
+    /// the layout's.
+    pub fn entry_page_size(&self, i: usize) -> u64 {
+        match self.window_page_size {
+            Some(size) if self.windows[i].is_some() => size,
+            _ => self.context.page_size,
+        }
     }
 
     /// Rows per request slot of each ring-state entry (`None`: not a ring).
@@ -871,15 +919,18 @@ impl Layout {
         parts.roles.extend(extra.roles);
         parts.kinds.extend(extra.kinds);
         parts.drafts.extend(extra.drafts);
-        let windows = self
-            .windows
-            .iter()
-            .copied()
-            .chain(std::iter::repeat_n(None, n))
-            .collect();
-        Self::new(parts, self.context.clone())?
+        let extend = |list: &[Option<u64>]| -> Vec<Option<u64>> {
+            list.iter()
+                .copied()
+                .chain(std::iter::repeat_n(None, n))
+                .collect()
+        };
+        let mut layout = Self::new(parts, self.context.clone())?
             .with_strides(strides)?
-            .with_windows(windows)
+            .with_windows(extend(&self.windows))?
+            .with_rings(extend(&self.rings))?;
+        layout.window_page_size = self.window_page_size;
+        Ok(layout)
     }
 }
 

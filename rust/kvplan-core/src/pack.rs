@@ -29,7 +29,7 @@
 //! a slot request of [`Template::plan`].
 
 use crate::error::{PlanError, Result};
-use crate::pieces::PIECE_CLASSES;
+use crate::pieces::{PIECE_CLASSES, WINDOW_LANE};
 use crate::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,
 };
@@ -157,11 +157,19 @@ impl PackPlanner<'_> {
     /// not fit u64; [`PlanError::OutOfMemory`].
     pub fn counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
         let tokens = self.template.token_template()?;
-        let (src, dst) = model_pages(tokens, n_tokens, fragmented)?;
+        let model = model_pages(tokens, n_tokens, fragmented)?;
+        let lists = tokens.lane_lists(
+            (&model.pages.0[..], &model.pages.1[..]),
+            (&model.window.0[..], &model.window.1[..]),
+        );
         let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
-        let limits = (limit(&src), limit(&dst));
+        let limits = [
+            (limit(lists.pages.0), limit(lists.pages.1)),
+            (limit(lists.window.0), limit(lists.window.1)),
+        ];
         for piece in &tokens.pieces {
-            for (side, pages) in [(piece.src, limits.0), (piece.dst, limits.1)] {
+            let (src_limit, dst_limit) = limits[usize::from(piece.lane == WINDOW_LANE)];
+            for (side, pages) in [(piece.src, src_limit), (piece.dst, dst_limit)] {
                 // The last byte of the last model page stays addressable.
                 pages
                     .saturating_sub(1)
@@ -177,20 +185,21 @@ impl PackPlanner<'_> {
             }
         }
         let (class_blocks, n_segments, n_blocks, total_bytes) =
-            count_blocks(tokens, &src[..], &dst[..], 0, n_tokens)?;
+            count_blocks(tokens, &lists, 0, n_tokens)?;
         let shape = TokenShape {
             n_tokens,
             first_token: 0,
             first_pages: (0, 0),
-            src_pages: src.len(),
-            dst_pages: dst.len(),
+            src_pages: model.pages.0.len(),
+            dst_pages: model.pages.1.len(),
+            window_pages: ((model.window.0.len(), model.window.1.len()), (0, 0)),
             n_segments,
             class_blocks,
             n_blocks,
             total_bytes,
         };
         let mut scratch = FlatBuffer::try_zeroed(n_blocks)?;
-        emit_tokens(tokens, &src, &dst, limits, &shape, scratch.columns())?;
+        emit_tokens(tokens, &lists, limits, &shape, scratch.columns())?;
         let summary = PlanSummary {
             n_blocks,
             total_bytes,

@@ -79,6 +79,10 @@ pub struct TokenShape {
     pub src_pages: usize,
     /// Leading destination pages holding them.
     pub dst_pages: usize,
+    /// Leading pages of each side's window pages (its window pool's list) holding the window
+    /// entries' tokens, and the leading ones of those the plan does not touch: `(0, 0)` each
+    /// for a side without a window pool.
+    pub window_pages: ((usize, usize), (usize, usize)),
     /// Segments (token ranges inside one page on each side).
     pub n_segments: usize,
     /// Blocks one piece of each class emits.

@@ -43,6 +43,11 @@ pub struct Request<'a, S = i64, D = i64> {
     pub n_tokens: Option<u64>,
     /// Leading tokens the decode holds already, not moved (page lists only; 0: none).
     pub skip_tokens: u64,
+    /// Each side's window pages, for a side whose window entries keep a pool of their own
+    /// ([`crate::Layout::with_window_pool`]): that pool's pages of the request in token order
+    /// from its first token (pages before the window are not read). `None` for a side whose
+    /// window entries index the request's pages.
+    pub window_pages: (Option<&'a [S]>, Option<&'a [D]>),
 }
 
 impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
@@ -52,6 +57,17 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             indices: Indices::Pages { src, dst },
             n_tokens,
             skip_tokens: 0,
+            window_pages: (None, None),
+        }
+    }
+
+    /// The same request with each side's window pages (for the sides whose window entries
+    /// keep a pool of their own).
+    #[must_use]
+    pub fn with_window_pages(self, src: Option<&'a [S]>, dst: Option<&'a [D]>) -> Self {
+        Self {
+            window_pages: (src, dst),
+            ..self
         }
     }
 
@@ -117,6 +133,7 @@ impl Request<'static> {
             indices: Indices::Slot { src, dst },
             n_tokens: None,
             skip_tokens: 0,
+            window_pages: (None, None),
         }
     }
 }

@@ -51,8 +51,12 @@ pub struct Template {
     pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
     pub(crate) bytes_per_page: u64,
-    /// Smallest capacity over emitting pairs, per side: every index must lie below it.
+    /// Smallest capacity over emitting pairs, per side: every index must lie below it (a
+    /// side's window-pool entries excepted).
     pub(crate) limits: IndexLimits,
+    /// The same over the emitting pairs a side's window pages index (its window pool's
+    /// entries); a side without a window pool has its `limits` here.
+    pub(crate) window_limits: IndexLimits,
     pub(crate) check_dst_overlap: bool,
     /// Emission units in block order (group-major, then fragment).
     pub(crate) pieces: Vec<Piece>,
@@ -239,9 +243,27 @@ impl Template {
             .filter(|p| p.item_len > 0)
             .map(|p| p.piece(p.whole()))
             .collect();
-        let (src_limit, dst_limit) = emitting.iter().fold((u64::MAX, u64::MAX), |(s, d), p| {
-            (s.min(p.src_capacity), d.min(p.dst_capacity))
-        });
+        // Per side, the pairs the request's pages index and the ones its window pages index.
+        let limit = |layout: &Layout, pool: bool, capacity: fn(&PairSpec) -> (usize, u64)| {
+            emitting
+                .iter()
+                .map(capacity)
+                .filter(|&(entry, _)| layout.in_window_pool(entry) == pool)
+                .fold(u64::MAX, |limit, (_, c)| limit.min(c))
+        };
+        let src_side = |p: &PairSpec| (p.src_entry, p.src_capacity);
+        let dst_side = |p: &PairSpec| (p.dst_entry, p.dst_capacity);
+        let (src_limit, dst_limit) = (limit(src, false, src_side), limit(dst, false, dst_side));
+        let window_limits = IndexLimits {
+            src: match src.window_page_size() {
+                Some(_) => limit(src, true, src_side),
+                None => src_limit,
+            },
+            dst: match dst.window_page_size() {
+                Some(_) => limit(dst, true, dst_side),
+                None => dst_limit,
+            },
+        };
         Ok(Self {
             page_pairs,
             emitting,
@@ -253,6 +275,7 @@ impl Template {
                 src: src_limit,
                 dst: dst_limit,
             },
+            window_limits,
             check_dst_overlap: options.check_dst_overlap,
             pieces,
             blocks,
@@ -394,7 +417,7 @@ impl Template {
         };
         // A delta request is planned by token: its first token may fall inside a page.
         if self.strategy.by_token() || request.n_tokens.is_some() || request.skip_tokens > 0 {
-            let shape = self.prepare_tokens(src, dst, request.n_tokens, request.skip_tokens)?;
+            let shape = self.prepare_tokens(request, (src, dst))?;
             return Ok(PlanSummary {
                 n_blocks: shape.n_blocks,
                 total_bytes: shape.total_bytes,
@@ -508,11 +531,22 @@ impl Template {
                     self.expand_runs(runs, found.n_pages, found.descending_runs > 0, out);
                 }
             }
-            (Indices::Pages { src, dst }, PlanUnit::Tokens(tokens)) => {
-                let limits = (self.limits.src, self.limits.dst);
-                let token_pieces = self.token_template()?;
-                let (src, dst) = (&src[..tokens.src_pages], &dst[..tokens.dst_pages]);
-                emit_tokens(token_pieces, src, dst, limits, tokens, out)?;
+            (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) => {
+                let limits = [
+                    (self.limits.src, self.limits.dst),
+                    (self.window_limits.src, self.window_limits.dst),
+                ];
+                let tokens = self.token_template()?;
+                let ((ws, wd), _) = shape.window_pages;
+                let window = request.window_pages;
+                let lists = tokens.lane_lists(
+                    (&src[..shape.src_pages], &dst[..shape.dst_pages]),
+                    (
+                        window.0.map_or(&[][..], |w| &w[..ws]),
+                        window.1.map_or(&[][..], |w| &w[..wd]),
+                    ),
+                );
+                emit_tokens(tokens, &lists, limits, shape, out)?;
             }
             (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
             (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
@@ -718,23 +752,34 @@ impl Template {
     /// template's token error; overflow.
     fn prepare_tokens<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
-        n_tokens: Option<u64>,
-        skip_tokens: u64,
+        request: &Request<'_, S, D>,
+        (src, dst): (&[S], &[D]),
     ) -> Result<TokenShape> {
         let tokens = self.token_template()?;
-        let (n, src_pages, dst_pages) = self.validate_delta(src, dst, n_tokens, skip_tokens)?;
-        let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
+        let skip_tokens = request.skip_tokens;
+        let (n, (src_pages, dst_pages), (ws, wd)) = self.validate_delta(
+            (src, dst),
+            request.window_pages,
+            request.n_tokens,
+            skip_tokens,
+        )?;
+        let window = request.window_pages;
+        let window = (
+            window.0.map_or(&[][..], |w| &w[..ws]),
+            window.1.map_or(&[][..], |w| &w[..wd]),
+        );
+        let lists = tokens.lane_lists((&src[..src_pages], &dst[..dst_pages]), window);
         let (class_blocks, n_segments, n_blocks, total_bytes) =
-            count_blocks(tokens, src, dst, skip_tokens, n)?;
-        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n);
+            count_blocks(tokens, &lists, skip_tokens, n)?;
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
+        let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
         Ok(TokenShape {
             n_tokens: n,
             first_token: skip_tokens,
             first_pages: (src_first.min(src_pages), dst_first.min(dst_pages)),
             src_pages,
             dst_pages,
+            window_pages: ((ws, wd), (ws_first.min(ws), wd_first.min(wd))),
             n_segments,
             class_blocks,
             n_blocks,
@@ -754,24 +799,51 @@ impl Template {
         dst: &[D],
         n_tokens: Option<u64>,
     ) -> Result<(u64, usize, usize)> {
-        self.validate_delta(src, dst, n_tokens, 0)
+        let (n, (src_pages, dst_pages), _) =
+            self.validate_delta((src, dst), (None, None), n_tokens, 0)?;
+        Ok((n, src_pages, dst_pages))
     }
 
     /// [`Template::validate_tokens`] for a request whose first `skip_tokens` tokens are not
-    /// moved: only the pages holding tokens `skip_tokens..` are read and validated.
+    /// moved and whose window entries may read window pages: only the pages holding tokens
+    /// `skip_tokens..` of the lanes reading a list are read and validated. Returns the token
+    /// count and the leading pages of each side's pages and window pages the request reads.
     ///
     /// # Errors
     /// As [`Template::validate_tokens`]; [`PlanError::SkipTokens`] when `skip_tokens` exceeds
-    /// the request's tokens.
+    /// the request's tokens; [`PlanError::Geometry`] when window pages are missing for a side
+    /// that keeps a window pool or given for one that does not.
+    #[allow(clippy::type_complexity)]
     fn validate_delta<S: PageIndex, D: PageIndex>(
         &self,
-        src: &[S],
-        dst: &[D],
+        (src, dst): (&[S], &[D]),
+        window: (Option<&[S]>, Option<&[D]>),
         n_tokens: Option<u64>,
         skip_tokens: u64,
-    ) -> Result<(u64, usize, usize)> {
+    ) -> Result<(u64, (usize, usize), (usize, usize))> {
         let tokens = self.token_template()?;
         let maps = tokens.maps;
+        for (side, pool, given) in [
+            (Side::Src, tokens.window_pools.0, window.0.is_some()),
+            (Side::Dst, tokens.window_pools.1, window.1.is_some()),
+        ] {
+            let page_size = side
+                .pick(tokens.window_maps.0, tokens.window_maps.1)
+                .page_size();
+            let what = match (pool, given) {
+                (true, false) => format!(
+                    "the window entries of the {side} side keep a pool of their own \
+                     ({page_size} tokens per page): the request must give that side's window \
+                     pages"
+                ),
+                (false, true) => format!(
+                    "window pages were given for the {side} side, whose layout has no window \
+                     pool (its window entries, if any, are indexed by the request's pages)"
+                ),
+                _ => continue,
+            };
+            return Err(PlanError::Geometry { what });
+        }
         let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
         let (src_full, dst_full) = (
             full(src.len(), maps.0.page_size()),
@@ -792,14 +864,31 @@ impl Template {
                 .map(|(a, b)| a.min(b))
                 .ok_or(PlanError::Overflow { what: "tokens" })?,
         };
-        let (src_pages, dst_pages) = tokens.pages_needed(n);
-        for (side, pages, needed, map) in [
-            (Side::Src, src.len(), src_pages, maps.0),
-            (Side::Dst, dst.len(), dst_pages, maps.1),
-        ] {
+        let (src_pages, dst_pages) = tokens.list_pages_needed(n, false);
+        let (src_window, dst_window) = tokens.list_pages_needed(n, true);
+        let lists = [
+            (Side::Src, "pages", src.len(), src_pages, maps.0),
+            (Side::Dst, "pages", dst.len(), dst_pages, maps.1),
+            (
+                Side::Src,
+                "window pages",
+                window.0.map_or(0, <[S]>::len),
+                src_window,
+                tokens.window_maps.0,
+            ),
+            (
+                Side::Dst,
+                "window pages",
+                window.1.map_or(0, <[D]>::len),
+                dst_window,
+                tokens.window_maps.1,
+            ),
+        ];
+        for (side, list, pages, needed, map) in lists {
             if needed > pages as u64 {
                 return Err(PlanError::TokenCount {
                     side,
+                    list,
                     n_tokens: n,
                     page_size: map.page_size(),
                     needed,
@@ -814,21 +903,32 @@ impl Template {
             });
         }
         // At most the given lengths (checked above), so they fit usize.
-        let (src_pages, dst_pages) = (src_pages as usize, dst_pages as usize);
-        // The pages before the one holding the first moved token are not read.
-        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n);
-        let (src, dst) = (
-            &src[src_first.min(src_pages)..src_pages],
-            &dst[dst_first.min(dst_pages)..dst_pages],
-        );
+        let needed = |pages: u64| pages as usize;
+        let (src_pages, dst_pages) = (needed(src_pages), needed(dst_pages));
+        let (src_window, dst_window) = (needed(src_window), needed(dst_window));
         if !tokens.pieces.is_empty() && n > skip_tokens {
-            self.check_pages(Side::Src, src, self.limits.src)?;
-            self.check_pages(Side::Dst, dst, self.limits.dst)?;
+            // The pages before the one holding the first moved token are not read.
+            let read = |pages: usize, first: usize| first.min(pages)..pages;
+            let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
+            let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
+            self.check_pages(Side::Src, &src[read(src_pages, src_first)], self.limits.src)?;
+            self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], self.limits.dst)?;
+            if let Some(window) = window.0 {
+                let read = read(src_window, ws_first);
+                self.check_pages(Side::Src, &window[read], self.window_limits.src)?;
+            }
+            if let Some(window) = window.1 {
+                let read = read(dst_window, wd_first);
+                self.check_pages(Side::Dst, &window[read], self.window_limits.dst)?;
+            }
             if self.check_dst_overlap {
-                check_unique(dst)?;
+                check_unique(&dst[read(dst_pages, dst_first)])?;
+                if let Some(window) = window.1 {
+                    check_unique(&window[read(dst_window, wd_first)])?;
+                }
             }
         }
-        Ok((n, src_pages, dst_pages))
+        Ok((n, (src_pages, dst_pages), (src_window, dst_window)))
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.
@@ -896,6 +996,12 @@ impl Template {
     }
 }
 
+/// Model page lists of each side: its pages and its window pages (empty without a window pool).
+pub(crate) struct ModelLists {
+    pub(crate) pages: (Vec<i64>, Vec<i64>),
+    pub(crate) window: (Vec<i64>, Vec<i64>),
+}
+
 /// The page lists a block count without the caller's pages assumes for a token request of
 /// `n_tokens` tokens: `0, 1, 2, …` on each side (pages consecutive on both sides), or
 /// (`fragmented`) `0, 2, 4, …` (no two pages consecutive), as many as every lane needs.
@@ -906,7 +1012,7 @@ pub(crate) fn model_pages(
     tokens: &TokenTemplate,
     n_tokens: u64,
     fragmented: bool,
-) -> Result<(Vec<i64>, Vec<i64>)> {
+) -> Result<ModelLists> {
     let step = if fragmented { 2 } else { 1 };
     let pages = |count: u64| -> Result<Vec<i64>> {
         let n = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "pages" })?;
@@ -917,8 +1023,12 @@ pub(crate) fn model_pages(
         v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
         Ok(v)
     };
-    let (src_pages, dst_pages) = tokens.pages_needed(n_tokens);
-    Ok((pages(src_pages)?, pages(dst_pages)?))
+    let (src_pages, dst_pages) = tokens.list_pages_needed(n_tokens, false);
+    let (src_window, dst_window) = tokens.list_pages_needed(n_tokens, true);
+    Ok(ModelLists {
+        pages: (pages(src_pages)?, pages(dst_pages)?),
+        window: (pages(src_window)?, pages(dst_window)?),
+    })
 }
 
 #[cfg(test)]

@@ -62,6 +62,11 @@ pub struct TokenTemplate {
     pub lane_bytes: [u64; TOKEN_LANES],
     /// The sliding window of the window entries' pieces (lane 2), in tokens.
     pub window: Option<u64>,
+    /// How each side places the window entries' tokens: in its window pool's pages when it
+    /// keeps one (`Layout::with_window_pool`), else as the request's other tokens.
+    pub window_maps: (TokenMap, TokenMap),
+    /// Whether each side's window entries read the request's window pages (their own pool).
+    pub window_pools: (bool, bool),
 }
 
 impl TokenTemplate {
@@ -90,6 +95,23 @@ impl TokenTemplate {
         let target_maps = (crate::dcp::token_map(src), crate::dcp::token_map(dst));
         let draft_maps = dealt.then(|| (crate::dcp::draft_map(src), crate::dcp::draft_map(dst)));
         let sends_undealt = crate::dcp::sends_undealt(src, dst);
+        let pool_map = |layout: &Layout, target: TokenMap| {
+            layout
+                .window_page_size()
+                .map_or(target, |page_size| TokenMap::Paged { page_size })
+        };
+        let window_maps = (pool_map(src, target_maps.0), pool_map(dst, target_maps.1));
+        let window_pools = (
+            src.window_page_size().is_some(),
+            dst.window_page_size().is_some(),
+        );
+        if dealt && (window_pools.0 || window_pools.1) {
+            return Err(PlanError::Geometry {
+                what: "window entries in a pool of their own on one side and tokens dealt over \
+                       decode context-parallel ranks on the other are not supported together"
+                    .into(),
+            });
+        }
         let shares = !dealt || crate::dcp::shares_tokens(target_maps);
         let orders = (memory_order(src), memory_order(dst));
         let attention = (src.context().attention, dst.context().attention);
@@ -130,7 +152,7 @@ impl TokenTemplate {
             }
             let (maps, lane) = match draft_maps {
                 Some(lane) if draft => (lane, DRAFT_LANE),
-                _ if window.is_some() => (target_maps, WINDOW_LANE),
+                _ if window.is_some() => (window_maps, WINDOW_LANE),
                 _ => (target_maps, 0),
             };
             let sizes = (maps.0.page_size(), maps.1.page_size());
@@ -147,7 +169,14 @@ impl TokenTemplate {
                 // Each side's item is what its own geometry implies (checked by
                 // `check_pairs` too; re-checked here because every offset below relies on it).
                 slicing
-                    .check_page_items(pair.item_len, pair.dst_item_len)
+                    .check_page_items(
+                        pair.item_len,
+                        pair.dst_item_len,
+                        (
+                            src.entry_page_size(pair.src_entry),
+                            dst.entry_page_size(pair.dst_entry),
+                        ),
+                    )
                     .map_err(|problem| PlanError::HeadMismatch {
                         entry: None,
                         problem,
@@ -211,6 +240,8 @@ impl TokenTemplate {
             window: page_pairs
                 .iter()
                 .find_map(|pair| src.windows()[pair.src_entry]),
+            window_maps,
+            window_pools,
         };
         let overflow = PlanError::Overflow {
             what: "bytes per token",
@@ -241,7 +272,7 @@ impl TokenTemplate {
                 .any(|&n| n > 0)
         };
         let draft = self.draft_maps.filter(|_| has(DRAFT_LANE));
-        let window = has(WINDOW_LANE).then_some(self.maps);
+        let window = has(WINDOW_LANE).then_some(self.window_maps);
         std::iter::once((0, self.maps))
             .chain(draft.map(|maps| (DRAFT_LANE, maps)))
             .chain(window.map(|maps| (WINDOW_LANE, maps)))
@@ -262,10 +293,16 @@ impl TokenTemplate {
         self.draft_maps.is_some()
     }
 
-    /// Leading pages of each side's list that hold no token a lane with pieces moves of a
-    /// request moving tokens `first..n` (a window lane from its window on): the pages such a
-    /// request never reads.
-    pub(crate) fn first_pages(&self, first: u64, n: u64) -> (usize, usize) {
+    /// Whether `lane` reads `side`'s window pages (its window pool) rather than its pages.
+    fn reads_pool(&self, side: Side, lane: usize) -> bool {
+        lane == WINDOW_LANE && side.pick(self.window_pools.0, self.window_pools.1)
+    }
+
+    /// Leading pages of each side's list (the request's pages, or with `pool` its window
+    /// pages) that hold no token a lane with pieces reading that list moves of a request
+    /// moving tokens `first..n` (a window lane from its window on): the pages such a request
+    /// never reads.
+    pub(crate) fn first_pages(&self, first: u64, n: u64, pool: bool) -> (usize, usize) {
         let first_page = |map: TokenMap, token: u64| {
             usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
         };
@@ -274,26 +311,103 @@ impl TokenTemplate {
                 .iter()
                 .any(|&k| k > 0)
         };
-        let pages = self.lanes().filter(|&(lane, _)| moving(lane)).fold(
-            (usize::MAX, usize::MAX),
-            |(s, d), (lane, (ms, md))| {
-                let token = self.lane_start(lane, first, n);
-                (s.min(first_page(ms, token)), d.min(first_page(md, token)))
-            },
-        );
-        // No piece at all: nothing is read past the first moved token either.
-        if pages == (usize::MAX, usize::MAX) {
-            let (ms, md) = self.maps;
-            return (first_page(ms, first), first_page(md, first));
+        let mut pages = (usize::MAX, usize::MAX);
+        for (lane, (ms, md)) in self.lanes().filter(|&(lane, _)| moving(lane)) {
+            let token = self.lane_start(lane, first, n);
+            if self.reads_pool(Side::Src, lane) == pool {
+                pages.0 = pages.0.min(first_page(ms, token));
+            }
+            if self.reads_pool(Side::Dst, lane) == pool {
+                pages.1 = pages.1.min(first_page(md, token));
+            }
+        }
+        // No lane reads the list: nothing is read past the first moved token either (a window
+        // pool's list, read by no piece, is not read at all).
+        let unread = |map: TokenMap| if pool { 0 } else { first_page(map, first) };
+        if pages.0 == usize::MAX {
+            pages.0 = unread(self.maps.0);
+        }
+        if pages.1 == usize::MAX {
+            pages.1 = unread(self.maps.1);
         }
         pages
     }
 
-    /// Leading pages of each side's list that hold the first `n` global tokens of every lane.
+    /// The lists each lane reads of a request with `pages` and `window` pages: a side's window
+    /// pages for the window lane when that side keeps a window pool, else its pages.
+    pub(crate) fn lane_lists<'x, S: ?Sized, D: ?Sized>(
+        &self,
+        pages: (&'x S, &'x D),
+        window: (&'x S, &'x D),
+    ) -> LaneLists<'x, S, D> {
+        LaneLists {
+            pages,
+            window: (
+                if self.window_pools.0 {
+                    window.0
+                } else {
+                    pages.0
+                },
+                if self.window_pools.1 {
+                    window.1
+                } else {
+                    pages.1
+                },
+            ),
+        }
+    }
+
+    /// Leading pages of each side's list (its pages, not its window pages) that hold the first
+    /// `n` global tokens of every lane reading it.
     pub fn pages_needed(&self, n: u64) -> (u64, u64) {
-        self.lanes().fold((0, 0), |(s, d), (_, (ms, md))| {
-            (s.max(ms.pages_for(n)), d.max(md.pages_for(n)))
+        self.list_pages_needed(n, false)
+    }
+
+    /// Leading pages of each side's list (the request's pages, or with `pool` its window
+    /// pages) that hold the first `n` global tokens of every lane reading it.
+    pub(crate) fn list_pages_needed(&self, n: u64, pool: bool) -> (u64, u64) {
+        self.lanes().fold((0, 0), |(s, d), (lane, (ms, md))| {
+            (
+                if self.reads_pool(Side::Src, lane) == pool {
+                    s.max(ms.pages_for(n))
+                } else {
+                    s
+                },
+                if self.reads_pool(Side::Dst, lane) == pool {
+                    d.max(md.pages_for(n))
+                } else {
+                    d
+                },
+            )
         })
+    }
+}
+
+/// A request's page lists as each lane reads them: the window lane reads a side's window
+/// pages when that side keeps a window pool, every other lane the request's pages.
+pub(crate) struct LaneLists<'x, S: ?Sized, D: ?Sized> {
+    /// The request's pages of each side.
+    pub(crate) pages: (&'x S, &'x D),
+    /// The lists the window lane reads (a side's window pages, or its pages).
+    pub(crate) window: (&'x S, &'x D),
+}
+
+impl<'x, S: ?Sized, D: ?Sized> LaneLists<'x, S, D> {
+    /// Every lane reading the same lists.
+    pub(crate) fn same(src: &'x S, dst: &'x D) -> Self {
+        Self {
+            pages: (src, dst),
+            window: (src, dst),
+        }
+    }
+
+    /// The lists `lane` reads.
+    fn of(&self, lane: usize) -> (&'x S, &'x D) {
+        if lane == WINDOW_LANE {
+            self.window
+        } else {
+            self.pages
+        }
     }
 }
 
@@ -544,24 +658,22 @@ fn breaks(
 }
 
 /// Blocks per piece class, segments, blocks and bytes of a request of `n` global tokens over
-/// `src`/`dst` (pages in token order, at least [`TokenTemplate::pages_needed`] of each; values
-/// are not checked). Each lane walks its own tokens.
+/// `lists` (pages in token order, at least [`TokenTemplate::pages_needed`] of each; values
+/// are not checked). Each lane walks its own tokens over its own lists.
 pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
-    src: &S,
-    dst: &D,
+    lists: &LaneLists<'_, S, D>,
     first: u64,
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
-    finish_counts(tokens, walk_counts(tokens, src, dst, (first, n), &|_| true))
+    finish_counts(tokens, walk_counts(tokens, lists, (first, n), &|_| true))
 }
 
 /// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
 /// `n` global tokens, walking every segment.
 fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
-    src: &S,
-    dst: &D,
+    lists: &LaneLists<'_, S, D>,
     (first, n): (u64, u64),
     walks: &dyn Fn(usize) -> bool,
 ) -> ([u64; TOKEN_CLASSES], u64) {
@@ -570,6 +682,7 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     for (lane, maps) in tokens.lanes().filter(|&(lane, _)| walks(lane)) {
         let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
         let start = tokens.lane_start(lane, first, n);
+        let (src, dst) = lists.of(lane);
         for (k, seg) in segments(start, n, maps).enumerate() {
             n_segments += 1;
             classes[0] += seg.n;
@@ -594,6 +707,7 @@ pub(crate) fn model_counts(
     consecutive: bool,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
     let pages = ModelPages { consecutive };
+    let lists = LaneLists::same(&pages, &pages);
     // The window lane walks at most one window's tokens, at the request's end: walked directly.
     let periodic = |lane: usize| lane != WINDOW_LANE;
     let period =
@@ -604,7 +718,7 @@ pub(crate) fn model_counts(
                 let acc = lcm(acc, map_period(a)?)?;
                 lcm(acc, map_period(b)?)
             });
-    let walk = |len: u64| walk_counts(tokens, &pages, &pages, (0, len), &periodic);
+    let walk = |len: u64| walk_counts(tokens, &lists, (0, len), &periodic);
     let (mut classes, mut segments) = match period {
         Some(p) if n / 3 >= p => {
             let (q, r) = (n / p, n % p);
@@ -628,7 +742,7 @@ pub(crate) fn model_counts(
         _ => walk(n),
     };
     let (window_classes, window_segments) =
-        walk_counts(tokens, &pages, &pages, (0, n), &|lane| lane == WINDOW_LANE);
+        walk_counts(tokens, &lists, (0, n), &|lane| lane == WINDOW_LANE);
     for (count, more) in classes.iter_mut().zip(window_classes) {
         *count += more; // only the window lane's classes, which the periodic walks left at 0
     }
@@ -689,17 +803,17 @@ fn finish_counts(
     Ok((class_blocks, n_segments, n_blocks, total_bytes))
 }
 
-/// Emits a validated token request (`src`, `dst`: the pages holding its tokens; every index
-/// below `limits`) into `out`, at least `shape.n_blocks` long. A piece with the same shape as
-/// the last piece of its lane is that piece's blocks shifted by the difference of their bases.
+/// Emits a validated token request (`lists`: the pages holding its tokens, as each lane reads
+/// them; every index below the `limits` of its list: the request's pages, then the window
+/// pages) into `out`, at least `shape.n_blocks` long. A piece with the same shape as the last
+/// piece of its lane is that piece's blocks shifted by the difference of their bases.
 ///
 /// # Errors
 /// [`PlanError::InputChanged`] when an index changed since validation.
 pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     tokens: &TokenTemplate,
-    src: &[S],
-    dst: &[D],
-    limits: (u64, u64),
+    lists: &LaneLists<'_, [S], [D]>,
+    limits: [(u64, u64); 2],
     shape: &TokenShape,
     mut out: Columns<'_>,
 ) -> Result<()> {
@@ -728,12 +842,12 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                 at += expected;
             }
             _ => {
+                let window = usize::from(piece.lane == WINDOW_LANE);
                 at = emit_piece(
                     piece,
                     class % PIECE_CLASSES,
-                    src,
-                    dst,
-                    limits,
+                    lists.of(piece.lane),
+                    limits[window],
                     (
                         tokens.lane_start(piece.lane, shape.first_token, shape.n_tokens),
                         shape.n_tokens,
@@ -756,8 +870,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
 fn emit_piece<S: PageIndex, D: PageIndex>(
     piece: &Piece,
     class: usize,
-    src: &[S],
-    dst: &[D],
+    (src, dst): (&[S], &[D]),
     limits: (u64, u64),
     (first, n_tokens): (u64, u64),
     mut at: usize,

@@ -23,7 +23,10 @@
 //! order 0 = NHD, 1 = HND), written when the peer publishes it. Context tag `0x8002`: decode
 //! context parallelism (`dcp_size u32 | dcp_rank u32 | dcp_interleave u64`), written when it
 //! differs from the default (size 1, rank 0, interleave 1), so a layout without DCP encodes as
-//! before; a reader that ignored it would plan tokens the peer does not hold.
+//! before; a reader that ignored it would plan tokens the peer does not hold. Context tag
+//! `0x8005`: the window entries' own pool (`page_size u64`), written when the window entries
+//! have one; a reader that ignored it would index the window pool with the full pages. Entry tags
+//! `0x8003` (sliding window, u64 tokens) and `0x8004` (ring rows per slot, u64).
 //!
 //! Format v1 (still read): no `stride` (it equals `item_len`), no entry flags (draft entries are
 //! the ones whose role starts with `draft`, the only way v1 told them apart) and no `ext`.
@@ -57,6 +60,9 @@ pub const EXT_WINDOW: u16 = 0x8003;
 /// Entry extension: the entry's ring rows per request slot (u64). Must be understood: a
 /// reader that ignored it would address one slot where the entry keeps a ring of rows.
 pub const EXT_RING: u16 = 0x8004;
+/// Context extension: the page size of the window entries' own pool (u64). Must be
+/// understood: ignoring it would address window pages with the request's full-attention pages.
+pub const EXT_WINDOW_POOL: u16 = 0x8005;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
 const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
@@ -101,7 +107,9 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
     }
     put_str(&mut out, &ctx.device)?;
     let dcp = (ctx.dcp != DcpContext::default()).then_some(ctx.dcp);
-    let count = u16::from(ctx.attention.is_some()) + u16::from(dcp.is_some());
+    let pool = layout.window_page_size();
+    let count =
+        u16::from(ctx.attention.is_some()) + u16::from(dcp.is_some()) + u16::from(pool.is_some());
     out.extend_from_slice(&count.to_le_bytes());
     if let Some(geometry) = &ctx.attention {
         out.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
@@ -114,6 +122,11 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&dcp.size.to_le_bytes());
         out.extend_from_slice(&dcp.rank.to_le_bytes());
         out.extend_from_slice(&dcp.interleave.to_le_bytes());
+    }
+    if let Some(page_size) = pool {
+        out.extend_from_slice(&EXT_WINDOW_POOL.to_le_bytes());
+        out.extend_from_slice(&8u16.to_le_bytes());
+        out.extend_from_slice(&page_size.to_le_bytes());
     }
     for i in 0..n {
         out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
@@ -225,6 +238,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         attention: None,
         dcp: DcpContext::default(),
     };
+    let mut window_pool = None;
     if v2 {
         reader.extensions("the context", |tag, payload| match tag {
             EXT_ATTENTION => {
@@ -233,6 +247,16 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             }
             EXT_DCP => {
                 context.dcp = decode_dcp(payload)?;
+                Ok(true)
+            }
+            EXT_WINDOW_POOL => {
+                let bytes: [u8; 8] = payload.try_into().map_err(|_| {
+                    wire_error(format!(
+                        "a window pool extension holds {} bytes; it must hold 8",
+                        payload.len()
+                    ))
+                })?;
+                window_pool = Some(u64::from_le_bytes(bytes));
                 Ok(true)
             }
             _ => Ok(false),
@@ -310,10 +334,14 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    Layout::new(parts, context)?
+    let layout = Layout::new(parts, context)?
         .with_strides(strides)?
         .with_windows(windows)?
-        .with_rings(rings)
+        .with_rings(rings)?;
+    match window_pool {
+        Some(page_size) => layout.with_window_pool(page_size),
+        None => Ok(layout),
+    }
 }
 
 fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {

@@ -103,6 +103,7 @@ fn errors_carry_values() {
         err,
         PlanError::TokenCount {
             side: Side::Src,
+            list: "pages",
             n_tokens: 40,
             page_size: 16,
             needed: 3,

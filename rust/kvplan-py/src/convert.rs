@@ -150,6 +150,20 @@ impl<'py> IndexArray<'py> {
 pub(crate) trait IndexVisitor {
     type Output;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output;
+
+    /// With each side's window pages, in the element type of that side's pages (only a
+    /// request visitor reads them).
+    fn visit_windowed<S: PageIndex, D: PageIndex>(
+        self,
+        src: &[S],
+        dst: &[D],
+        _window: (Option<&[S]>, Option<&[D]>),
+    ) -> Self::Output
+    where
+        Self: Sized,
+    {
+        self.visit(src, dst)
+    }
 }
 
 /// Calls `visitor` with the concrete slice types (four monomorphised variants).
@@ -166,7 +180,85 @@ pub(crate) fn dispatch<V: IndexVisitor>(
     }
 }
 
+/// Calls `visitor` with the concrete slice types and each side's window pages, which
+/// [`WindowSlices::new`] checked to have the element type of that side's pages.
+fn dispatch_windowed<V: IndexVisitor>(
+    src: IndexSlice<'_>,
+    dst: IndexSlice<'_>,
+    window: WindowSlices<'_>,
+    visitor: V,
+) -> V::Output {
+    // A window slice of the other element type cannot reach here (checked at construction);
+    // were it to, it would read as no pages: a typed error about missing pages, never a copy.
+    fn i32s(w: IndexSlice<'_>) -> &[i32] {
+        match w {
+            IndexSlice::I32(s) => s,
+            IndexSlice::I64(_) => &[],
+        }
+    }
+    fn i64s(w: IndexSlice<'_>) -> &[i64] {
+        match w {
+            IndexSlice::I64(s) => s,
+            IndexSlice::I32(_) => &[],
+        }
+    }
+    let (ws, wd) = (window.src, window.dst);
+    match (src, dst) {
+        (IndexSlice::I32(s), IndexSlice::I32(d)) => {
+            visitor.visit_windowed(s, d, (ws.map(i32s), wd.map(i32s)))
+        }
+        (IndexSlice::I32(s), IndexSlice::I64(d)) => {
+            visitor.visit_windowed(s, d, (ws.map(i32s), wd.map(i64s)))
+        }
+        (IndexSlice::I64(s), IndexSlice::I32(d)) => {
+            visitor.visit_windowed(s, d, (ws.map(i64s), wd.map(i32s)))
+        }
+        (IndexSlice::I64(s), IndexSlice::I64(d)) => {
+            visitor.visit_windowed(s, d, (ws.map(i64s), wd.map(i64s)))
+        }
+    }
+}
+
+/// A request's window pages: each side's, for a side whose window entries keep a pool of
+/// their own, in the element type of that side's pages.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct WindowSlices<'a> {
+    src: Option<IndexSlice<'a>>,
+    dst: Option<IndexSlice<'a>>,
+}
+
+impl<'a> WindowSlices<'a> {
+    /// Each side's window pages, checked to have the dtype of that side's pages (`pages`):
+    /// one request, one index type per side, so nothing is converted.
+    pub(crate) fn new(
+        pages: (IndexSlice<'_>, IndexSlice<'_>),
+        window: (Option<IndexSlice<'a>>, Option<IndexSlice<'a>>),
+    ) -> PyResult<Self> {
+        let check = |name: &str, main: IndexSlice<'_>, w: Option<IndexSlice<'a>>| match (main, w) {
+            (IndexSlice::I32(_), Some(IndexSlice::I64(_)))
+            | (IndexSlice::I64(_), Some(IndexSlice::I32(_))) => Err(PyTypeError::new_err(format!(
+                "window_pages[{name}] must have the dtype of the {} pages ({}), got {}",
+                if name == "0" { "source" } else { "destination" },
+                main.dtype_name(),
+                w.map_or("none", IndexSlice::dtype_name)
+            ))),
+            _ => Ok(w),
+        };
+        Ok(Self {
+            src: check("0", pages.0, window.0)?,
+            dst: check("1", pages.1, window.1)?,
+        })
+    }
+}
+
 impl IndexSlice<'_> {
+    fn dtype_name(self) -> &'static str {
+        match self {
+            IndexSlice::I32(_) => "int32",
+            IndexSlice::I64(_) => "int64",
+        }
+    }
+
     fn len(self) -> usize {
         match self {
             IndexSlice::I32(s) => s.len(),
@@ -203,30 +295,43 @@ pub(crate) trait RequestPlanner {
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output;
 }
 
-/// A request's token arguments as Python passes them: `n_tokens` and `skip_tokens` (the
-/// leading tokens a delta request does not move).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct TokenArgs {
+/// A request's token arguments as Python passes them: `n_tokens`, `skip_tokens` (the
+/// leading tokens a delta request does not move) and the window pages of each side whose
+/// window entries keep a pool of their own.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct TokenArgs<'a> {
     pub(crate) n_tokens: Option<u64>,
     pub(crate) skip_tokens: u64,
+    pub(crate) window: WindowSlices<'a>,
 }
 
-impl From<Option<u64>> for TokenArgs {
+impl From<Option<u64>> for TokenArgs<'static> {
     fn from(n_tokens: Option<u64>) -> Self {
         Self {
             n_tokens,
-            skip_tokens: 0,
+            ..Self::default()
         }
     }
 }
 
 /// The core's request from two index arrays and its token arguments, for a planner.
-struct WithRequest<P>(P, TokenArgs);
+struct WithRequest<'a, P>(P, TokenArgs<'a>);
 
-impl<P: RequestPlanner> IndexVisitor for WithRequest<P> {
+impl<P: RequestPlanner> IndexVisitor for WithRequest<'_, P> {
     type Output = P::Output;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        let request = Request::new(src, dst, self.1.n_tokens).skipping(self.1.skip_tokens);
+        self.visit_windowed(src, dst, (None, None))
+    }
+
+    fn visit_windowed<S: PageIndex, D: PageIndex>(
+        self,
+        src: &[S],
+        dst: &[D],
+        window: (Option<&[S]>, Option<&[D]>),
+    ) -> Self::Output {
+        let request = Request::new(src, dst, self.1.n_tokens)
+            .skipping(self.1.skip_tokens)
+            .with_window_pages(window.0, window.1);
         self.0.plan(&request)
     }
 }
@@ -234,17 +339,23 @@ impl<P: RequestPlanner> IndexVisitor for WithRequest<P> {
 /// The one path from a Python request to a core planner: the index arrays (borrowed without
 /// copying) and the token arguments become one `Request`, planned with the GIL released unless
 /// tiny.
-pub(crate) fn plan_request<P>(
+pub(crate) fn plan_request<'a, P>(
     py: Python<'_>,
     (src, dst): (IndexSlice<'_>, IndexSlice<'_>),
-    tokens: impl Into<TokenArgs>,
+    tokens: impl Into<TokenArgs<'a>>,
     planner: P,
 ) -> P::Output
 where
     P: RequestPlanner + Send,
     P::Output: Send,
 {
-    visit_request(py, src, dst, WithRequest(planner, tokens.into()))
+    let tokens = tokens.into();
+    let visitor = WithRequest(planner, tokens);
+    if src.len().max(dst.len()) < DETACH_MIN_PAGES {
+        dispatch_windowed(src, dst, tokens.window, visitor)
+    } else {
+        py.detach(|| dispatch_windowed(src, dst, tokens.window, visitor))
+    }
 }
 
 /// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts

@@ -175,20 +175,25 @@ fn rings_arg(rings: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u64>>> {
     )
 }
 
-/// Applies `windows=` and `rings=` to a built layout.
+/// Applies `windows=`, `window_page_size=` and `rings=` to a built layout.
 fn windowed(
     layout: PyLayout,
     windows: Option<&Bound<'_, PyAny>>,
+    window_page_size: Option<u64>,
     rings: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyLayout> {
     let (windows, rings) = (windows_arg(windows)?, rings_arg(rings)?);
-    if windows.is_empty() && rings.is_empty() {
+    if windows.is_empty() && rings.is_empty() && window_page_size.is_none() {
         return Ok(layout);
     }
     wrap(
         layout
             .inner
             .with_windows(windows)
+            .and_then(|l| match window_page_size {
+                Some(page_size) => l.with_window_pool(page_size),
+                None => Ok(l),
+            })
             .and_then(|l| l.with_rings(rings)),
     )
 }
@@ -228,6 +233,10 @@ pub struct PyLayoutEntry {
     capacity: u64,
     /// Sliding window in tokens (`None`: a full entry).
     window: Option<u64>,
+    /// Tokens per page of this entry: the window pool's for an entry in it, else the layout's.
+    page_size: u64,
+    /// Whether the entry is indexed by a request's window pages (a window pool's entry).
+    in_window_pool: bool,
     /// Ring rows per request slot (`None`: not a ring-state entry).
     ring: Option<u64>,
     /// Whether the entry belongs to its layer's KV entry (an indexer or scales: the core's
@@ -242,7 +251,7 @@ impl PyLayoutEntry {
         // Python's quoting, so the repr reads like Python.
         let quoted = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"));
         format!(
-            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={}, window={}, ring={})",
+            "LayoutEntry(index={}, kind={}, layer_id={}, role={}, is_draft={}, data_ptr={:#x}, data_len={}, item_len={}, stride={}, capacity={}, window={}, page_size={}, in_window_pool={}, ring={})",
             self.index,
             quoted(self.kind),
             opt(self.layer_id.map(|i| i.to_string())),
@@ -254,6 +263,8 @@ impl PyLayoutEntry {
             self.stride,
             self.capacity,
             opt(self.window.map(|w| w.to_string())),
+            self.page_size,
+            if self.in_window_pool { "True" } else { "False" },
             opt(self.ring.map(|r| r.to_string()))
         )
     }
@@ -282,7 +293,7 @@ fn wrap(layout: kvplan_core::Result<Layout>) -> PyResult<PyLayout> {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, windows=None, rings=None, **context))]
+    #[pyo3(signature = (data_ptrs, data_lens, item_lens, layer_ids=None, roles=None, *, kinds=None, drafts=None, strides=None, windows=None, window_page_size=None, rings=None, **context))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_ptrs: Vec<u64>,
@@ -294,6 +305,7 @@ impl PyLayout {
         drafts: Option<Vec<bool>>,
         strides: Option<&Bound<'_, PyAny>>,
         windows: Option<&Bound<'_, PyAny>>,
+        window_page_size: Option<u64>,
         rings: Option<&Bound<'_, PyAny>>,
         context: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
@@ -321,16 +333,35 @@ impl PyLayout {
         windowed(
             strided(Layout::new(parts, context_from(context)?), strides)?,
             windows,
+            window_page_size,
             rings,
         )
     }
 
     /// The same layout with sliding-window entries: one window in tokens per entry (`None`
     /// for a full entry). A window entry moves only the last `window` tokens of a request (and
-    /// of a delta request only those the decode lacks); its pages are the request's pages.
-    fn with_windows(&self, windows: &Bound<'_, PyAny>) -> PyResult<Self> {
+    /// of a delta request only those the decode lacks). Its pages are the request's pages, or,
+    /// with `window_page_size`, a pool of its own: the request's window pages
+    /// (`Template.plan(..., window_pages=)`), `window_page_size` tokens each.
+    #[pyo3(signature = (windows, *, window_page_size=None))]
+    fn with_windows(
+        &self,
+        windows: &Bound<'_, PyAny>,
+        window_page_size: Option<u64>,
+    ) -> PyResult<Self> {
         let list = windows_arg(Some(windows))?;
-        wrap(self.inner.clone().with_windows(list))
+        let layout = self.inner.clone().with_windows(list);
+        wrap(layout.and_then(|l| match window_page_size {
+            Some(page_size) => l.with_window_pool(page_size),
+            None => Ok(l),
+        }))
+    }
+
+    /// Tokens per page of the window entries' own pool (`None`: they index the request's
+    /// pages).
+    #[getter]
+    fn window_page_size(&self) -> Option<u64> {
+        self.inner.window_page_size()
     }
 
     /// Sliding window in tokens per entry (`None`: a full entry).
@@ -568,6 +599,9 @@ impl PyLayout {
         if self.inner.has_windows() {
             dict.set_item("windows", self.inner.windows())?;
         }
+        if let Some(page_size) = self.inner.window_page_size() {
+            dict.set_item("window_page_size", page_size)?;
+        }
         if self.inner.rings().iter().any(Option::is_some) {
             dict.set_item("rings", self.inner.rings())?;
         }
@@ -636,6 +670,15 @@ impl PyLayout {
         };
         let strides = optional("strides")?;
         let windows = optional("windows")?;
+        let window_page_size = match optional("window_page_size")? {
+            Some(v) if !v.is_none() => Some(u64_value(&v).ok_or_else(|| {
+                PyTypeError::new_err(format!(
+                    "window_page_size must be a positive int, got {}",
+                    v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                ))
+            })?),
+            _ => None,
+        };
         let rings = optional("rings")?;
         // Each field is converted here, element by element, so that a bad document is refused
         // naming the field, the entry and the value (PyO3's own conversion errors name none).
@@ -668,6 +711,7 @@ impl PyLayout {
             drafts,
             strides.as_ref(),
             windows.as_ref(),
+            window_page_size,
             rings.as_ref(),
             Some(&data),
         )
@@ -740,6 +784,8 @@ impl PyLayout {
                 stride: layout.strides()[i],
                 capacity: layout.capacity(i),
                 window: layout.windows()[i],
+                page_size: layout.entry_page_size(i),
+                in_window_pool: layout.in_window_pool(i),
                 ring: layout.rings()[i],
                 sidecar: layout
                     .role(i)

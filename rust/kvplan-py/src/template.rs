@@ -12,7 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{RequestArrays, RequestPlanner, pairs_array, plan_request};
+use crate::convert::{IndexArray, RequestArrays, RequestPlanner, pairs_array, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
@@ -77,9 +77,9 @@ pub(crate) fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Co
 /// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
 /// (input shape), a `KvPlanError` for a read-only array or one whose memory overlaps an input
 /// (never a panic).
-fn writable_out<'py>(
+fn writable_out<'py, 'i>(
     out: &Bound<'py, PyAny>,
-    inputs: &RequestArrays<'_>,
+    inputs: impl IntoIterator<Item = (&'i IndexArray<'i>, &'i str)>,
 ) -> PyResult<PyReadwriteArray2<'py, u64>> {
     let array = out.cast::<PyArray2<u64>>().map_err(|_| {
         PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
@@ -96,7 +96,7 @@ fn writable_out<'py>(
     // address ranges themselves.
     let start = array.data() as usize;
     let out_range = (start, start + array.len() * 8);
-    for (input, name) in inputs.named() {
+    for (input, name) in inputs {
         let range = input.byte_range();
         let overlaps = range.0 < range.1
             && out_range.0 < out_range.1
@@ -115,6 +115,37 @@ fn writable_out<'py>(
             "out cannot be written: {err} (read-only, or it shares memory with an input)"
         ))
     })
+}
+
+/// The argument names of the two window page lists, for errors.
+const WINDOW_NAMES: (&str, &str) = ("window_pages[0]", "window_pages[1]");
+
+/// `window_pages=`: `None`, or a `(src, dst)` tuple of index arrays or `None`s, borrowed.
+fn window_pages_arg<'py>(
+    window_pages: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Option<IndexArray<'py>>, Option<IndexArray<'py>>)> {
+    let Some(obj) = window_pages.filter(|o| !o.is_none()) else {
+        return Ok((None, None));
+    };
+    let shape_error = || {
+        PyTypeError::new_err(format!(
+            "window_pages must be None or a tuple (src, dst) of two index arrays (or None for a \
+             side without a window pool), got {}",
+            obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    };
+    let tuple = obj.cast::<PyTuple>().map_err(|_| shape_error())?;
+    if tuple.len() != 2 {
+        return Err(shape_error());
+    }
+    let side = |k: usize, name: &str| -> PyResult<Option<IndexArray<'py>>> {
+        let item = tuple.get_item(k)?;
+        if item.is_none() {
+            return Ok(None);
+        }
+        IndexArray::extract(&item, name).map(Some)
+    };
+    Ok((side(0, WINDOW_NAMES.0)?, side(1, WINDOW_NAMES.1)?))
 }
 
 /// A validated peer pair (prefill layout → decode layout), built once, planned per request.
@@ -358,7 +389,14 @@ impl PyTemplate {
     /// already (K any count, not only a page multiple) and the plan moves tokens K.. only, by
     /// token, from the same whole page lists; the pages before the one holding token K are not
     /// read. The plan digest covers K.
-    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, skip_tokens=0, out=None))]
+    ///
+    /// Window pools: when a side's window entries keep a pool of their own
+    /// (`Layout.with_windows(..., window_page_size=)`), `window_pages` is `(src, dst)`, each
+    /// side's window pages (that pool's pages of the request in token order from its first
+    /// token, the dtype of that side's pages; the pages before the window are not read) or
+    /// `None` for a side without a window pool.
+    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, skip_tokens=0, window_pages=None, out=None))]
+    #[allow(clippy::too_many_arguments)]
     fn plan<'py>(
         &self,
         py: Python<'py>,
@@ -366,17 +404,40 @@ impl PyTemplate {
         dst_pages: &Bound<'py, PyAny>,
         n_tokens: Option<u64>,
         skip_tokens: u64,
+        window_pages: Option<&Bound<'py, PyAny>>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyTransferPlan>> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let (src, dst) = arrays.slices()?;
+        let window_arrays = window_pages_arg(window_pages)?;
+        let window_slices = (
+            window_arrays
+                .0
+                .as_ref()
+                .map(|a| a.as_slice(WINDOW_NAMES.0))
+                .transpose()?,
+            window_arrays
+                .1
+                .as_ref()
+                .map(|a| a.as_slice(WINDOW_NAMES.1))
+                .transpose()?,
+        );
         let tokens = crate::convert::TokenArgs {
             n_tokens,
             skip_tokens,
+            window: crate::convert::WindowSlices::new((src, dst), window_slices)?,
         };
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
         let template: &Template = &self.inner;
         let (columns, summary) = if let Some(out) = out {
-            let mut writable = writable_out(out, &arrays)?;
+            let window_inputs = [
+                window_arrays.0.as_ref().map(|a| (a, WINDOW_NAMES.0)),
+                window_arrays.1.as_ref().map(|a| (a, WINDOW_NAMES.1)),
+            ];
+            let inputs = arrays
+                .named()
+                .into_iter()
+                .chain(window_inputs.into_iter().flatten());
+            let mut writable = writable_out(out, inputs)?;
             let capacity = writable.shape()[1];
             let flat = writable.as_slice_mut()?;
             let planner = PlanInto(template, Columns::from_flat(flat, capacity));
