@@ -197,3 +197,15 @@ def test_the_pool_travels_on_the_wire_and_in_the_dict() -> None:
     assert same_lists != pooled and same_lists.to_bytes() != pooled.to_bytes()
     with pytest.raises(TypeError, match="window_page_size must be a positive int"):
         kvplan.Layout.from_dict({**as_dict, "window_page_size": "2"})
+
+
+def test_planners_without_window_pages_refuse_a_pooled_request_naming_the_side() -> None:
+    t = kvplan.Template(gpt_oss_like(2), gpt_oss_like(None))
+    pages = np.arange(5, dtype=np.int64)
+    with pytest.raises(kvplan.KvPlanError, match="window entries of the src side keep a pool") \
+            as e:
+        t.plan_batch([(pages, pages, 18)])
+    assert e.value.requests == (0,)
+    with pytest.raises(kvplan.KvPlanError, match="sliding-window entries"):
+        t.plan_staged(pages, pages, src_staging=(1 << 40, 1 << 20),
+                      dst_staging=(1 << 41, 1 << 20))
