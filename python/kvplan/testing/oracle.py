@@ -230,12 +230,15 @@ def _copy(src_mem: Memory, s_at: int, dst_mem: Memory, d_at: int, n: int,
     return int(keep.sum())
 
 
+_Pages = Sequence[int] | npt.NDArray[Any]
+
+
 def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                    src_pages: Sequence[int] | npt.NDArray[Any],
                    dst_pages: Sequence[int] | npt.NDArray[Any], *, n_tokens: int | None = None,
                    src_slot: int | None = None, dst_slot: int | None = None,
                    fragments: Fragments | None = None, skip_tokens: int = 0,
-                   window_pages: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
+                   window_pages: tuple[_Pages | None, _Pages | None] = (None, None),
                    ) -> int:
     """Writes into ``dst_mem`` what a correct transfer of one request from ``src`` (prefill
     rank or stage) to ``dst`` writes: its pages, and with both slots given its state slot.

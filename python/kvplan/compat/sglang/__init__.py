@@ -11,10 +11,12 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   custom-memory-pool path. With SGLang's own ``MooncakeTransferEngine`` around a supported
   Mooncake engine each batch goes to Mooncake natively (the plan's columns, no Python lists;
   ``KVPLAN_MOONCAKE_NATIVE=0`` turns that off), else to ``self.engine.batch_transfer_sync``. The first non-zero engine status is returned, as SGLang returns its
-  one call's status. Page-indexed state components (``state_type`` SWA, DSA, ...), HiSparse
-  device destinations (``dst_device_data_indices``), calls with ``dst_item_lens`` (SGLang's
-  stride check and ``conclude_failure``) and compressed-MLA pools (``mla_compression_ratios``)
-  are handed to SGLang's own method unchanged.
+  one call's status. Page-indexed state components (``state_type`` SWA KV, DSA index-K, QSA,
+  ...) that publish layer ids are planned the same way, paired by layer id, after SGLang's own
+  stride check and with its failure path (``conclude_failure``, -1); elided entries move
+  nothing. State components without layer ids, HiSparse device destinations
+  (``dst_device_data_indices``), KV-pool calls with ``dst_item_lens`` and compressed-MLA pools
+  (``mla_compression_ratios``) are handed to SGLang's own method unchanged.
 * ``send_kvcache``: SGLang's envelope check (``_validate_envelope_kv_layout``), then the above;
   HiSparse device destinations go to SGLang's own method.
 * ``AscendKVManager.send_kvcache``: SGLang's dispatch kept: hybrid-linear MLA with PP > 1 pairs

@@ -35,6 +35,7 @@ from kvplan.compat.sglang.templates import (
     _positional_template,
     _slice_geometry,
     _slice_template,
+    _state_template,
 )
 
 
@@ -66,11 +67,26 @@ def _send_kvcache_generic(
             src_layer_ids, dst_layer_ids, dst_device_data_indices, dst_device_data_ptrs,
             dst_item_lens, bootstrap_room))
 
-    if state_type is not None or dst_device_data_indices is not None or dst_item_lens is not None:
+    if dst_device_data_indices is not None or (state_type is None and dst_item_lens is not None):
         return sglangs()
     session = mooncake_session_id
-    template = _generic_template(self, session, src_data_ptrs, dst_data_ptrs, item_lens,
-                                 src_layer_ids, dst_layer_ids, force_flat)
+    if state_type is not None:
+        src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
+        if not (src_ids or dst_ids):
+            return sglangs()  # SGLang's positional slicing of a state component
+        failure = _state_stride_failure(self, session, src_data_ptrs, dst_data_ptrs,
+                                        item_lens, dst_item_lens, state_type, force_flat,
+                                        src_layer_ids, dst_layer_ids, bootstrap_room)
+        if failure is not None:
+            return failure
+        dsa = state_type == sglang_global("StateType").DSA
+        template: Template | None = _state_template(
+            self, session, state_type, dsa, list(src_data_ptrs), list(dst_data_ptrs),
+            list(item_lens), src_ids, dst_ids, None if dst_item_lens is None
+            else list(dst_item_lens))
+    else:
+        template = _generic_template(self, session, src_data_ptrs, dst_data_ptrs, item_lens,
+                                     src_layer_ids, dst_layer_ids, force_flat)
     if template is None:
         return sglangs()
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
@@ -81,6 +97,30 @@ def _send_kvcache_generic(
     if owns_transfer_data(self):
         return send_engine_batches(self, session, planned(lambda: template.plan(src, dst)))
     return _send_index_windows(self, session, template, src, dst)
+
+
+def _state_stride_failure(self: Any, session: str, src_data_ptrs: list[int],
+                          dst_data_ptrs: list[int], item_lens: list[int],
+                          dst_item_lens: list[int] | None, state_type: Any, force_flat: bool,
+                          src_layer_ids: list[int] | None, dst_layer_ids: list[int] | None,
+                          bootstrap_room: int | None) -> int | None:
+    """SGLang's own stride check of a state component, with its failure path: a decode entry
+    whose item length differs from its prefill partner's (SGLang addresses the decode with the
+    prefill's item length) fails the request (``conclude_failure``, status -1). Checked once
+    per decode session, as SGLang checks it; ``None`` when the transfer may go on."""
+    if dst_item_lens is None or session in self.state_strides_validated:
+        return None
+    mismatch = self._state_stride_mismatch(
+        src_data_ptrs=src_data_ptrs, dst_data_ptrs=dst_data_ptrs, item_lens=item_lens,
+        dst_item_lens=dst_item_lens, state_type=state_type, force_flat=force_flat,
+        src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids)
+    if mismatch is None:
+        return None
+    if bootstrap_room is None:
+        raise ValueError(f"{mismatch} (and no bootstrap_room to fail the request with)")
+    sglang_global("logger").error(mismatch)
+    self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=mismatch)
+    return -1
 
 
 def _generic_template(self: Any, session: str, src_data_ptrs: list[int],

@@ -19,11 +19,17 @@ from kvplan.compat.sglang.settings import setting_decode_kv_layers
 
 
 def kv_args_lens(kv_args: Any, ptrs: Sequence[int]) -> list[int]:
-    """Source buffer lengths when ``ptrs`` are the manager's own KV buffers, else unbounded."""
+    """Source buffer lengths when ``ptrs`` are the manager's own KV buffers or one of its state
+    components' buffers, else unbounded."""
     own = getattr(kv_args, "kv_data_ptrs", None)
     lens = getattr(kv_args, "kv_data_lens", None)
     if own is not None and lens is not None and list(own) == list(ptrs):
         return list(lens)
+    components = getattr(kv_args, "state_data_ptrs", None) or []
+    component_lens = getattr(kv_args, "state_data_lens", None) or []
+    for own, lens in zip(components, component_lens):
+        if list(own) == list(ptrs) and len(lens) == len(ptrs):
+            return list(lens)
     return unbounded_lens(ptrs)
 
 
@@ -167,6 +173,25 @@ def _ids_template(manager: Any, session: str, path: str, src_ptrs: list[int],
         return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
 
     return cast(Template, template_cache(manager).get(session, path, inputs, build))
+
+
+def _state_template(manager: Any, session: str, state_type: Any, dst_elision: bool,
+                    src_ptrs: list[int], dst_ptrs: list[int], items: list[int],
+                    src_ids: list[int] | None, dst_ids: list[int] | None,
+                    dst_items: list[int] | None) -> Template:
+    """A page-indexed state component's template (SWA KV, DSA index-K, ...), pairing by layer
+    id as SGLang's flat layout does. An entry elided on either side moves nothing: a source
+    item of 0, and with ``dst_elision`` (SGLang allows it for DSA) a decode item of 0, whose
+    pair kvplan then plans as elided (its source item 0) rather than as a size mismatch."""
+    fallback = manager.pp_size == 1
+    moving = list(items)
+    if dst_elision and dst_items is not None:
+        pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs), fallback)
+        for i, j in pairs.tolist():
+            if j < len(dst_items) and dst_items[j] == 0:
+                moving[i] = 0
+    return _ids_template(manager, session, f"state:{state_type}", src_ptrs, dst_ptrs, moving,
+                         src_ids, dst_ids, fallback)
 
 
 def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[int],
