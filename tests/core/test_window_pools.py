@@ -77,10 +77,12 @@ def test_pooled_window_layers_move_byte_exact(case: dict[str, object]) -> None:
                       dst_pages, n_tokens=n, skip_tokens=skip, window_pages=lists)  # type: ignore[arg-type]
 
 
-def gpt_oss_like(window_page_size: int | None, page_size: int = 4) -> kvplan.Layout:
+def gpt_oss_like(window_page_size: int | None, page_size: int = 4, capacity: int = 16,
+                 window_capacity: int = 6) -> kvplan.Layout:
     model = Model(layers=2, kv_heads=2, head_dim=4, dtype_size=2, window=8)
-    return rank_memory(model, Rank(0, 1, page_size, "NHD", 16, window_page_size=window_page_size,
-                                   window_capacity=6)).layout
+    return rank_memory(model, Rank(0, 1, page_size, "NHD", capacity,
+                                   window_page_size=window_page_size,
+                                   window_capacity=window_capacity)).layout
 
 
 def test_a_pool_has_its_own_page_size_and_entries_say_which_list_they_read() -> None:
@@ -209,3 +211,44 @@ def test_planners_without_window_pages_refuse_a_pooled_request_naming_the_side()
     with pytest.raises(kvplan.KvPlanError, match="sliding-window entries"):
         t.plan_staged(pages, pages, src_staging=(1 << 40, 1 << 20),
                       dst_staging=(1 << 41, 1 << 20))
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 8), (8, 2), (3, None), (None, 5)])
+def test_blocks_counted_without_pages_are_the_blocks_of_contiguous_and_fragmented_lists(
+        sizes: tuple[int | None, int | None]) -> None:
+    src = gpt_oss_like(sizes[0], page_size=4, capacity=64, window_capacity=64)
+    dst = gpt_oss_like(sizes[1], page_size=2, capacity=64, window_capacity=64)
+    t = kvplan.Template(src, dst)
+    for n in (0, 1, 7, 8, 9, 17, 23):
+        for fragmented in (False, True):
+            step = 2 if fragmented else 1
+            def lists(page_size: int, count: int) -> np.ndarray:
+                return np.arange(0, step * -(-count // page_size), step, dtype=np.int64)
+            window = tuple(None if size is None else lists(size, n) for size in sizes)
+            plan = t.plan(lists(4, n), lists(2, n), n_tokens=n, window_pages=window)
+            assert t.n_token_blocks(n, fragmented=fragmented) == len(plan), (n, fragmented)
+
+
+def test_layer_slices_of_a_pooled_plan_hold_each_layers_blocks() -> None:
+    model = Model(layers=6, kv_heads=2, head_dim=4, dtype_size=2, window=8)
+    rank = Rank(0, 1, 4, "NHD", 16, window_page_size=2, window_capacity=16)
+    src, dst = rank_memory(model, rank).layout, rank_memory(model, rank).layout
+    groups = kvplan.LayerGroups.fixed(2)
+    t = kvplan.Template(src, dst, layer_groups=groups)
+    window = np.arange(10, dtype=np.int64)
+    plan = t.plan(np.arange(5, dtype=np.int64), np.arange(5, dtype=np.int64), n_tokens=20,
+                  window_pages=(window, window))
+    layer_slices = t.layer_slices(groups)
+    slices = layer_slices.of(plan)
+    blocks = list(zip(*plan.as_lists()))
+    entry_of = {e.data_ptr: e for e in src.entries()}
+    seen = 0
+    assert layer_slices.layers == [[0, 1], [2, 3], [4, 5]]
+    for k, ranges in enumerate(slices.ranges):
+        layers = set(layer_slices.layers[k])
+        for start, stop in ranges:
+            for s, _, _ in blocks[start:stop]:
+                owner = max((p for p in entry_of if p <= s), key=int)
+                assert entry_of[owner].layer_id in layers, (k, hex(s))
+            seen += stop - start
+    assert seen == len(blocks)
