@@ -103,7 +103,8 @@ def run(sg: Any, comp: dict[str, Any], state_type: Any, src: np.ndarray, dst: np
     return ("ok", rc, canonical(engine_blocks(mgr.engine.calls)), failures)
 
 
-@pytest.mark.parametrize("name", ["SWA", "DSA", "QSA_PENDING"])
+@pytest.mark.parametrize("name", ["SWA", "DSA", "QSA_PENDING", "SWA_RING", "DSV4_REQUEST_STATE",
+                                  "BLOCK_SCALE", "BLOCK_SCALE_SWA"])
 def test_state_components_move_the_same_bytes_as_sglang(sg: Any, name: str) -> None:
     state_type = getattr(sg.StateType, name)
     rng = np.random.default_rng(sum(map(ord, name)))
