@@ -172,7 +172,9 @@ fn pages(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
 /// The first indexer or scale page entry ([`is_sidecar_role`]) without its partner, as the
 /// check to carry the problem and the problem: a sidecar whose layer has no KV entry on the
 /// same side, or a decode sidecar of a layer the prefill sends but with no sidecar of its own
-/// for it (the decode would hold its KV without its indexer or scales: an incomplete transfer).
+/// for it (the decode would hold its KV without its indexer or scales: an incomplete transfer),
+/// and likewise any decode page entry of a layer the prefill sends that nothing pairs with (a
+/// component the prefill does not have).
 fn sidecar_problem(
     src: &Layout,
     dst: &Layout,
@@ -217,8 +219,11 @@ fn sidecar_problem(
             }
         }
     }
+    // Every decode page entry of a layer the prefill sends needs its partner, a sidecar or a
+    // component of a multi-component layer (e.g. a NoPE and a RoPE buffer per layer) alike:
+    // planning the others alone would leave that entry unwritten.
     let paired_dst: Vec<usize> = checks.iter().filter_map(|c| c.dst_entry).collect();
-    for d in pages(dst).filter(|&d| sidecar(dst, d) && !paired_dst.contains(&d)) {
+    for d in pages(dst).filter(|&d| !paired_dst.contains(&d)) {
         let Some(layer) = layer_of(dst, d) else {
             continue;
         };
