@@ -2,9 +2,10 @@
 lengths, dtypes and strides (DeepSeek-V4's fp8 NoPE part and bf16 RoPE part of the latent, each
 its own buffer), paired by (layer id, role). Checked byte for byte against the oracle for
 scattered pages, padded strides, different page sizes, delta requests and TP ranks that hold
-the latent whole; and the rules: a component one side lacks is a PairingError naming the layer
-and the role, components of different item lengths are a SizeMismatchError, and only
-components side by side in one page stride coalesce into one block."""
+the latent whole (with and without published geometry); and the rules: a component one side
+lacks is a PairingError naming the layer and the role, components of different item lengths
+are a SizeMismatchError, so is head slicing a component whose item is not what the geometry
+implies, and only components side by side in one page stride coalesce into one block."""
 
 from __future__ import annotations
 
@@ -183,3 +184,29 @@ def test_deepseek_v4_preset_pairs_every_component_by_layer_and_role() -> None:
     with pytest.raises(kvplan.PairingError, match=r"layer 0, role rope_v2\) .* without a "
                        r"rope_v2 entry"):
         kvplan.Template(src, no_rope)
+
+
+def test_published_geometry_moves_replicated_latent_components_whole() -> None:
+    """An MLA latent (one KV head) is replicated over TP: with the geometry published, the
+    components go whole, byte-exact, from the TP-1 prefill to every decode rank of TP 2."""
+    geometry = {"kv_heads": 1, "head_dim": NOPE // 2, "dtype_size": 2, "memory_order": "NHD"}
+    pages = np.array([1, 0, 2], np.int64)
+    for d in range(2):
+        dst = Peer(2, 4, tp_size=2, tp_rank=d, **geometry)
+        src = Peer(2, 4, seed=5, tp_size=1, tp_rank=0, **geometry)
+        assert check(src, dst, pages, pages).total_bytes == 3 * 2 * (NOPE + ROPE) * LAYERS
+
+
+def test_head_slicing_a_component_of_another_shape_is_a_size_mismatch() -> None:
+    """Heads sliced between TP sizes: every component's item must be what the geometry
+    implies, so a second component of another shape is refused, not cut at wrong offsets."""
+    def layout(base: int, tp: int) -> kvplan.Layout:
+        heads = 4 // tp
+        return kvplan.Layout([base, base + (1 << 20)], [4096, 4096], [heads * 2 * 2 * 2, 16],
+                             [0, 0], ["k", "k_rope"], page_size=2, tp_size=tp, tp_rank=0,
+                             kv_heads=4, head_dim=2, dtype_size=2, memory_order="NHD")
+    with pytest.raises(kvplan.SizeMismatchError, match=r"layer 0, role k_rope .* needs prefill "
+                                                       r"items of .* = 32 bytes, this entry "
+                                                       r"has 16") as e:
+        kvplan.Template(layout(1 << 32, 1), layout(1 << 40, 2))
+    assert e.value.kind == "head_slicing"

@@ -219,11 +219,22 @@ fn sidecar_problem(
             }
         }
     }
-    // Every decode page entry of a layer the prefill sends needs its partner, a sidecar or a
-    // component of a multi-component layer (e.g. a NoPE and a RoPE buffer per layer) alike:
-    // planning the others alone would leave that entry unwritten.
+    // A decode sidecar, or a decode component of a multi-component layer (e.g. a NoPE and a
+    // RoPE buffer per layer) whose role the prefill has no entry of for that layer, needs its
+    // partner when the prefill sends the layer: planning the others alone would leave that
+    // entry unwritten. (A further decode entry of a role the prefill sends, a second
+    // occurrence, pairs by occurrence and is not this rule's.)
     let paired_dst: Vec<usize> = checks.iter().filter_map(|c| c.dst_entry).collect();
-    for d in pages(dst).filter(|&d| !paired_dst.contains(&d)) {
+    let src_has_role = |d: usize| {
+        pages(src).any(|i| {
+            layer_of(src, i) == layer_of(dst, d)
+                && src.role(i) == dst.role(d)
+                && src.is_draft(i) == dst.is_draft(d)
+        })
+    };
+    for d in
+        pages(dst).filter(|&d| !paired_dst.contains(&d) && (sidecar(dst, d) || !src_has_role(d)))
+    {
         let Some(layer) = layer_of(dst, d) else {
             continue;
         };
