@@ -594,6 +594,12 @@ class Template:
     @property
     def emitting(self) -> tuple[bool, ...]: ...
     @property
+    def coalescing(self) -> list[tuple[str, str | None, bool]]:
+        """Per page pair ``(kind, side, per_page)``: whether it emits with the pair before it
+        (``joined``) or what keeps it apart (``first``, ``elided``, ``by_token``,
+        ``fragments``, ``strides``/``apart``/``beyond_stride`` on ``side``, ``options``), and
+        whether its blocks end at every page."""
+    @property
     def n_pairs(self) -> int: ...
     @property
     def empty_reason(self) -> str | None:

@@ -13,6 +13,19 @@ Sizes per token per layer (bf16 unless said otherwise):
   From the model config (16 key heads, 32 value heads, head dim 128, conv kernel 4): conv
   state (2·16·128 + 32·128) channels × 3 steps × 2 bytes = 49,152 bytes; recurrent state
   32 × 128 × 128 × fp32 = 2,097,152 bytes.
+* DeepSeek-V3.2: the DeepSeek-V3 latent plus, per layer, the sparse-attention indexer's key
+  cache (128 × fp8 plus one fp32 scale = 132 bytes), its own buffer (role ``indexer``).
+* GLM-5: 78 layers (``num_hidden_layers``), MLA with ``kv_lora_rank`` 512 and
+  ``qk_rope_head_dim`` 64, so a 576 × bf16 = 1152-byte latent, and a DSA indexer of
+  ``index_head_dim`` 128. Assumed: the indexer cache has DeepSeek-V3.2's format (132 bytes);
+  the next-token-prediction layer (``num_nextn_predict_layers`` 1) is not modelled.
+* DeepSeek-V4 (assumed; no public config was available when this was written): 61 layers
+  laid out as DeepSeek-V3, each layer's latent split into two components with their own
+  buffers and dtypes: an fp8 NoPE part (512 × fp8 plus four fp32 tile scales = 528 bytes,
+  role ``nope``) and a bf16 RoPE part (64 × bf16 = 128 bytes, role ``rope``). Even layers are
+  sliding-window layers (128 tokens) holding only those two components; odd layers attend to
+  everything and also hold a compressed-attention cache (one 656-byte row per 4 tokens, 164
+  bytes per token, role ``compressed``) and the indexer (132 bytes, role ``indexer``).
 * Kimi-Linear-style hybrid MLA: full attention (MLA, 1152 bytes) on every 4th layer, linear
   (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
@@ -36,7 +49,7 @@ import numpy as np
 
 from kvplan._core import KvPlanError, Layout, heads_per_rank
 
-__all__ = ["PRESETS", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset", "split_layers"]
+__all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset", "split_layers"]
 
 PREFILL_BASE = 0x1000_0000_0000
 DECODE_BASE = 0x9000_0000_0000
@@ -49,6 +62,18 @@ class StateSpec:
 
     name: str
     bytes_per_slot: int
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One page entry of every KV layer when a layer keeps its cache in several buffers (e.g. an
+    fp8 NoPE part and a bf16 RoPE part of an MLA latent, an indexer), each its own buffer with
+    its own item length; the entries pair by (layer id, role)."""
+
+    role: str
+    bytes_per_token: int
+    #: Whether the sliding-window layers hold this component too (else only full layers do).
+    on_window_layers: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,10 @@ class ModelPreset:
             alternate with full-attention odd layers as in gpt-oss (0: every layer full). Their
             entries are window entries (``Layout.with_windows``): only a request's last
             ``sliding_window`` tokens move.
+        components: Per KV layer, one page entry per component, each its own buffer (MLA
+            only; empty: one latent entry, plus an ``indexer`` entry when
+            ``indexer_bytes_per_token`` is set). ``kv_bytes_per_token`` is then the sum over
+            the components a full-attention layer holds.
     """
 
     key: str
@@ -90,6 +119,7 @@ class ModelPreset:
     dtype_size: int = 2
     indexer_bytes_per_token: int = 0
     sliding_window: int = 0
+    components: tuple[ComponentSpec, ...] = field(default_factory=tuple)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens (``None``: full attention)."""
@@ -190,9 +220,9 @@ class ModelPreset:
             tp.update(self.geometry(tp_size, memory_order or "NHD"))
         kv = self.kv_layers(layers)
         n_buf = len(kv) * (2 if self.attention == "mha" else 1)
-        if self.indexer_bytes_per_token:
-            return self._indexed_layout(kv, item, page_size, capacity, base, device, pp_rank,
-                                        pp_size, tp, cross_layer)
+        if self.layer_components():
+            return self._component_layout(kv, page_size, capacity, base, device, pp_rank,
+                                          pp_size, tp, cross_layer)
         if cross_layer:
             return self._add_state(
                 self._windowed(self._cross_layer_pool(kv, item, capacity, base, page_size,
@@ -221,26 +251,39 @@ class ModelPreset:
         ids = layout.layer_ids or [None] * len(layout)
         return layout.with_windows([None if i is None else self.window_of(i) for i in ids])
 
-    def _indexed_layout(self, kv: list[int], item: int, page_size: int, capacity: int,
-                        base: int, device: str, pp_rank: int, pp_size: int,
-                        tp: dict[str, Any], cross_layer: bool) -> Layout:
-        """Per KV layer a latent entry (role ``kv``) and its indexer entry (role ``indexer``),
-        each its own buffer, the indexer's pages ``indexer_bytes_per_token × page_size``."""
+    def layer_components(self) -> tuple[ComponentSpec, ...]:
+        """The page entries of each KV layer when a layer has more than one (``components``,
+        or the latent and its ``indexer``); empty for one entry per layer (or K and V)."""
+        if self.components:
+            return self.components
+        if self.indexer_bytes_per_token:
+            return (ComponentSpec("kv", self.kv_bytes_per_token),
+                    ComponentSpec("indexer", self.indexer_bytes_per_token, False))
+        return ()
+
+    def _component_layout(self, kv: list[int], page_size: int, capacity: int, base: int,
+                          device: str, pp_rank: int, pp_size: int, tp: dict[str, Any],
+                          cross_layer: bool) -> Layout:
+        """Per KV layer one entry per component (a window layer only those held on window
+        layers), each its own buffer, a component's pages ``bytes_per_token × page_size``."""
         if self.attention != "mla" or self.hybrid or cross_layer:
-            raise KvPlanError(f"preset {self.key!r}: indexer entries are laid out for dense MLA "
-                              f"models with per-layer buffers only")
+            raise KvPlanError(f"preset {self.key!r}: multi-component layers (indexer, NoPE/RoPE "
+                              f"parts) are laid out for dense MLA models with per-layer "
+                              f"buffers only")
         if "kv_heads" in tp:
             raise KvPlanError(f"preset {self.key!r}: a layout publishing attention geometry "
                               f"(tp_size > 1 or memory_order) describes one item shape per "
-                              f"side, and the indexer's differs from the latent's")
-        indexer = self.indexer_bytes_per_token * page_size
-        items = [size for _ in kv for size in (item, indexer)]
+                              f"side, and the components' items differ")
+        entries = [(layer, c) for layer in kv for c in self.layer_components()
+                   if c.on_window_layers or self.window_of(layer) is None]
+        items = [c.bytes_per_token * page_size for _, c in entries]
         spans = [_align(capacity * size) for size in items]
         ptrs = [base + sum(spans[:k]) for k in range(len(items))]
-        return Layout(ptrs, [capacity * size for size in items], items,
-                      [layer for layer in kv for _ in range(2)], ["kv", "indexer"] * len(kv),
-                      page_size=page_size, device=device, num_model_layers=self.num_layers,
-                      pp_rank=pp_rank, pp_size=pp_size, **tp)
+        layout = Layout(ptrs, [capacity * size for size in items], items,
+                        [layer for layer, _ in entries], [c.role for _, c in entries],
+                        page_size=page_size, device=device, num_model_layers=self.num_layers,
+                        pp_rank=pp_rank, pp_size=pp_size, **tp)
+        return self._windowed(layout)
 
     def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
                           page_size: int, device: str, pp_rank: int, pp_size: int,
@@ -307,6 +350,11 @@ def split_layers(num_layers: int, pp_size: int, counts: Sequence[int] | None = N
 _GDN = (StateSpec("mamba_conv", 49_152), StateSpec("mamba_temporal", 2_097_152))
 _KDA = (StateSpec("mamba_conv", 73_728), StateSpec("mamba_temporal", 2_097_152))
 
+#: DeepSeek-V4's per-layer components (assumed; see the module docstring).
+_V4 = (ComponentSpec("nope", 528), ComponentSpec("rope", 128),
+       ComponentSpec("compressed", 164, on_window_layers=False),
+       ComponentSpec("indexer", 132, on_window_layers=False))
+
 PRESETS: dict[str, ModelPreset] = {
     p.key: p
     for p in (
@@ -318,6 +366,21 @@ PRESETS: dict[str, ModelPreset] = {
                                 "and the sparse-attention indexer's key cache beside it (128 × "
                                 "fp8 plus one fp32 scale = 132 B per token per layer)",
                     kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
+        ModelPreset("glm-5", "GLM-5", 78, "mla", 1152,
+                    description="78 layers, MLA latent (512 + 64 rope) × bf16 = 1152 B per "
+                                "token per layer, and the DSA indexer's key cache beside it "
+                                "(assumed DeepSeek-V3.2's format: 128 × fp8 plus one fp32 scale "
+                                "= 132 B per token per layer); the MTP layer is not modelled",
+                    kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
+        ModelPreset("deepseek-v4", "DeepSeek-V4 (assumed geometry)", 61, "mla", 528 + 128 + 164 + 132,
+                    description="assumed, no public config: 61 layers; per layer an fp8 NoPE "
+                                "latent (512 × fp8 + 4 fp32 scales = 528 B per token) and a "
+                                "bf16 RoPE part (64 × bf16 = 128 B), each its own buffer; even "
+                                "layers sliding-window (128 tokens, NoPE + RoPE only), odd "
+                                "layers also a compressed-attention cache (a 656 B row per 4 "
+                                "tokens = 164 B per token) and the indexer (132 B per token)",
+                    kv_heads=1, head_dim=576, dtype_size=1, sliding_window=128,
+                    components=_V4),
         ModelPreset("gpt-oss-120b", "gpt-oss-120b", 36, "mha", 1024,
                     description="36 layers alternating sliding-window (128 tokens, even layers) "
                                 "and full attention, GQA 8 KV heads × 64 × bf16 = 1024 B per "

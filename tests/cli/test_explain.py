@@ -37,8 +37,8 @@ def stage_row(out: str, label: str) -> list[str]:
 
 
 def test_presets_match_design_table():
-    assert set(PRESETS) == {"deepseek-v3", "deepseek-v3.2", "gpt-oss-120b", "qwen3-235b",
-                            "qwen3-next", "kimi-linear"}
+    assert set(PRESETS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v4", "glm-5",
+                            "gpt-oss-120b", "qwen3-235b", "qwen3-next", "kimi-linear"}
     oss = get_preset("gpt-oss-120b")
     assert (oss.num_layers, oss.attention, oss.kv_bytes_per_token, oss.sliding_window) == \
         (36, "mha", 1024, 128)
@@ -305,3 +305,94 @@ def test_explain_names_window_ring_and_sidecar_entries() -> None:
     ringed = ringed.with_rings([2 if k == "state" else None for k in ringed.kinds])
     (name, layers, what), = [k for k in entry_kinds(ringed) if k[0].startswith("ring")]
     assert (name, layers) == ("ring 2", [0, 1, 2, 4, 5, 6]) and "plan_ring" in what
+
+
+# ------------------------------------------------------------------------ coalescing blockers
+
+_OWN_BUFFER = "its own buffer: its item does not follow the previous entry's on the prefill side"
+_STRIDE = "its page stride differs from the previous entry's on the prefill side"
+
+
+def _coalescing_section(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = lines.index("coalescing (what keeps page pairs from emitting their blocks together):")
+    end = next((k for k in range(start + 1, len(lines)) if not lines[k].strip()), len(lines))
+    return [" ".join(line.split()) for line in lines[start + 1:end]]
+
+
+@pytest.mark.parametrize(("preset", "want"), [
+    # 36 layers: the 18 even ones are 128-token windows (K and V each), every entry its own
+    # buffer; the first pair (layer 0's K, a window entry) has nothing before it.
+    ("gpt-oss-120b", ["window 128 36 pairs, 0 joined with the pair before",
+                      f"35 apart: {_OWN_BUFFER}",
+                      "KV k 18 pairs, 0 joined with the pair before", f"18 apart: {_OWN_BUFFER}",
+                      "KV v 18 pairs, 0 joined with the pair before", f"18 apart: {_OWN_BUFFER}"]),
+    # 61 layers, latent (1152 B per token) and indexer (132 B) alternate: each stride differs
+    # from its neighbour's.
+    ("deepseek-v3.2", ["KV kv 61 pairs, 0 joined with the pair before", f"60 apart: {_STRIDE}",
+                       "sidecar indexer 61 pairs, 0 joined with the pair before",
+                       f"61 apart: {_STRIDE}"]),
+    # MHA: 94 K buffers then 94 V buffers, all of one stride, none following another.
+    ("qwen3-235b", ["KV k 94 pairs, 0 joined with the pair before", f"93 apart: {_OWN_BUFFER}",
+                    "KV v 94 pairs, 0 joined with the pair before", f"94 apart: {_OWN_BUFFER}"]),
+])
+def test_explain_names_what_keeps_entries_from_coalescing(capsys, preset: str,
+                                                          want: list[str]) -> None:
+    rc, out, _ = run_cli(capsys, "--preset", preset, "--page-size", "16", "--pages", "64")
+    assert rc == 0
+    assert _coalescing_section(out) == want
+
+
+def test_explain_coalescing_of_pools_and_window_pools(capsys) -> None:
+    rc, out, _ = run_cli(capsys, "--preset", "deepseek-v3", "--pages", "8", "--layout",
+                         "cross-layer")
+    assert rc == 0
+    assert _coalescing_section(out) == ["KV kv 61 pairs, 60 joined with the pair before"]
+    rc, out, _ = run_cli(capsys, "--preset", "gpt-oss-120b", "--layers", "4", "--page-size",
+                         "16", "--pages", "8", "--layout", "cross-layer")
+    assert rc == 0
+    section = _coalescing_section(out)
+    assert section[0] == "window 128 4 pairs, 0 joined with the pair before"
+    assert section[1].startswith("3 apart: its items follow the previous entry's, but the "
+                                 "template plans by token")
+    assert section[2] == ("4 emit a block per page, not per run: a page stride longer than the "
+                          "item")
+
+
+def test_explain_rows_come_from_the_core() -> None:
+    from kvplan.explain.analysis import coalescing_rows
+
+    p = get_preset("deepseek-v3.2", 2)
+    src = p.layout(range(2), page_size=4, capacity=8)
+    dst = p.layout(range(2), page_size=4, capacity=8, base=kvplan.presets.DECODE_BASE)
+    t = kvplan.Template(src, dst)
+    assert [k for k, _, _ in t.coalescing] == ["first", "strides", "strides", "strides"]
+    rows = coalescing_rows(t, dst)
+    assert [(r.kind, r.pairs, r.joined, r.per_page) for r in rows] == \
+        [("KV kv", 2, 0, 0), ("sidecar indexer", 2, 0, 0)]
+    assert rows[0].blockers == [(_STRIDE, 1)] and rows[1].blockers == [(_STRIDE, 2)]
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v4", "glm-5"])
+def test_explain_runs_the_new_presets(capsys, preset: str) -> None:
+    rc, out, err = run_cli(capsys, "--preset", preset, "--page-size", "64", "--pages", "16")
+    assert rc == 0, err
+    p = get_preset(preset)
+    assert f"kvplan explain: {p.name}" in out and p.description in out
+    entries = p.layout(range(p.num_layers), page_size=64, capacity=16)
+    kinds = dict((name, layers) for name, layers, _ in explain.analysis.entry_kinds(entries))
+    assert kinds["sidecar indexer"] == (list(range(1, 61, 2)) if preset == "deepseek-v4"
+                                        else list(range(78)))
+    if preset == "deepseek-v4":
+        assert kinds["window 128"] == list(range(0, 61, 2))
+    # Bytes: every token of the full layers' components, the window layers' last 128 tokens.
+    tokens = 16 * 64
+    if preset == "glm-5":
+        want = 78 * tokens * (1152 + 132)
+    else:
+        want = 30 * tokens * (528 + 128 + 164 + 132) + 31 * 128 * (528 + 128)
+    e = explain.explain([("prefill", entries)],
+                        p.layout(range(p.num_layers), page_size=64, capacity=16,
+                                 base=kvplan.presets.DECODE_BASE),
+                        title=p.name, pages=16)
+    assert e.bytes == want and e.ok

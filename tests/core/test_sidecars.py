@@ -100,3 +100,32 @@ def test_the_preset_refuses_layouts_it_cannot_describe() -> None:
         v32().layout(range(2), page_size=PAGE, capacity=8, cross_layer=True)
     with pytest.raises(kvplan.KvPlanError, match="attention geometry"):
         v32().layout(range(2), page_size=PAGE, capacity=8, tp_size=2)
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_v32_contiguous_plan_has_the_block_count_its_layout_defines(runs: int) -> None:
+    """Pages consecutive on both sides within each of ``runs`` runs: exactly one block per
+    entry and run, so at most 2 per (layer, run): the latent and its indexer."""
+    preset = get_preset("deepseek-v3.2")
+    n = 512
+    src = preset.layout(range(61), page_size=PAGE, capacity=n + 4 * runs)
+    dst = preset.layout(range(61), page_size=PAGE, capacity=n + 4 * runs, base=DECODE_BASE)
+    per_layer: dict[int, int] = {}
+    for layer, role in zip(src.layer_ids, src.roles):
+        assert role in ("kv", "indexer")
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    assert set(per_layer.values()) == {2} and len(per_layer) == 61
+    # Decode pages: ``runs`` runs, each one page after a free page.
+    dst_pages = np.concatenate([np.arange(n // runs) + r * (n // runs + 1)
+                                for r in range(runs)]).astype(np.int64)
+    plan = kvplan.Template(src, dst).plan(np.arange(n, dtype=np.int64), dst_pages)
+    assert plan.n_runs == runs
+    assert len(plan) == runs * sum(per_layer.values()) == runs * 122
+    # Blocks per (layer, run), from the plan's own per-pair block ranges.
+    offsets = plan.pair_offsets.tolist()
+    blocks_of_layer: dict[int, int] = {}
+    for k, (i, _) in enumerate(kvplan.Template(src, dst).pairs.tolist()):
+        layer = src.layer_ids[i]
+        blocks_of_layer[layer] = blocks_of_layer.get(layer, 0) + offsets[k + 1] - offsets[k]
+    assert set(blocks_of_layer.values()) == {2 * runs}
+    assert plan.total_bytes == n * PAGE * (1152 + 132) * 61

@@ -294,6 +294,16 @@ def template_pairs(
         sub(dst.roles, di),
     )
     pairs = [(si[a], di[b]) for a, b in local]
+    if kind == "page" and src.ids is not None and dst.ids is not None and \
+            src.roles is not None and dst.roles is not None:
+        # A decode entry of a layer the prefill sends, of a role the prefill has no entry of
+        # for that layer: the decode would hold the layer without it (kvplan refuses it).
+        sent = {src.ids[i] for i in si}
+        keys = {(src.ids[i], src.roles[i]) for i in si}
+        for j in di:
+            if dst.ids[j] in sent and (dst.ids[j], dst.roles[j]) not in keys:
+                raise RefError("pairing", f"the prefill sends layer {dst.ids[j]} without a "
+                                          f"{dst.roles[j]} entry")
     for i, j in pairs:
         if src.items[i] != dst.items[j]:
             raise RefError(

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvplan.explain.words import format_bytes, short
 
-__all__ = ["DEFAULT_MAX_BLOCKS", "LIST_NS_PER_ELEMENT", "MAX_START_LAYER", "SMALL_BLOCK_BYTES",
+__all__ = ["DEFAULT_MAX_BLOCKS", "CoalescingRow", "LIST_NS_PER_ELEMENT", "MAX_START_LAYER", "SMALL_BLOCK_BYTES",
            "Explanation", "StageResult", "decode_pages", "explain", "histogram"]
 
 #: Blocks per engine call assumed for the "engine calls" figure (the engines' default bound).
@@ -23,6 +23,21 @@ SMALL_BLOCK_BYTES = 16 << 10
 LIST_NS_PER_ELEMENT = (20, 100)
 #: ``--prefill-start-layer`` bound: far above any model, and within every integer the core takes.
 MAX_START_LAYER = (1 << 31) - 1
+
+
+@dataclass
+class CoalescingRow:
+    """The page pairs of one decode entry kind in one template, and what keeps their blocks
+    from coalescing with the pair before each (the core's ``Template.coalescing``)."""
+
+    kind: str
+    pairs: int
+    #: Pairs that emit together with the pair before them.
+    joined: int
+    #: ``(why, pairs)``: each reason a pair emits apart, with how many pairs it holds back.
+    blockers: list[tuple[str, int]]
+    #: Pairs whose blocks end at every page (a page stride longer than the item).
+    per_page: int
 
 
 @dataclass
@@ -44,6 +59,8 @@ class StageResult:
     problems: list[str] = field(default_factory=list)
     groups: int = 0  # emission groups of the template (= emitting page pairs unless coalesced)
     contiguous_blocks: int = 0  # page blocks of the same request with one run
+    #: Per decode entry kind, what keeps its pairs' blocks apart (:func:`coalescing_rows`).
+    coalescing: list[CoalescingRow] = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +152,56 @@ def entry_kinds(layout: Any) -> list[tuple[str, list[int], str]]:
             continue
         kinds.setdefault(key, []).append(layer)
     return [(name, sorted(set(layers)), what) for (name, what), layers in kinds.items()]
+
+
+#: What keeps a pair apart, in words, by the core's coalescing kind (``first`` and ``joined``
+#: keep nothing apart; the side is filled in for the last three).
+_BLOCKER_WORDS = {
+    "elided": "moves nothing (item length 0 or no heads to move)",
+    "by_token": "its items follow the previous entry's, but the template plans by token "
+                "(window entries, page sizes, memory orders or DCP differ) and a token plan "
+                "emits every entry's blocks apart",
+    "fragments": "moves parts of its items (TP head slicing of head-major items, or given "
+                 "fragments)",
+    "options": "kept apart by the template's options (coalescing off or a layer-group edge)",
+    "apart": "its own buffer: its item does not follow the previous entry's on the {side} side",
+    "strides": "its page stride differs from the previous entry's on the {side} side",
+    "beyond_stride": "joined, the items would outgrow one page stride on the {side} side",
+}
+
+
+def entry_kind_label(layout: Any, entry: int) -> str:
+    """The kind of page entry ``entry`` of ``layout`` in explain's words: ``window W``,
+    ``sidecar ROLE`` or ``KV ROLE``."""
+    e = layout.entries()[entry]
+    if e.window is not None:
+        return f"window {e.window}"
+    if e.sidecar:
+        return f"sidecar {e.role}"
+    return "KV" if e.role is None else f"KV {e.role}"
+
+
+def coalescing_rows(template: Any, decode: Any) -> list[CoalescingRow]:
+    """Per decode entry kind, the template's page pairs and what keeps their blocks apart, from
+    the core's per-pair coalescing (``Template.coalescing``); nothing here re-derives the rule."""
+    rows: dict[str, CoalescingRow] = {}
+    for (_, j), (kind, side, per_page) in zip(template.pairs.tolist(), template.coalescing,
+                                              strict=True):
+        label = entry_kind_label(decode, j)
+        row = rows.setdefault(label, CoalescingRow(label, 0, 0, [], 0))
+        row.pairs += 1
+        row.per_page += per_page
+        if kind == "joined":
+            row.joined += 1
+        elif kind != "first":
+            why = _BLOCKER_WORDS[kind].format(side="prefill" if side == "src" else "decode")
+            for k, (text, n) in enumerate(row.blockers):
+                if text == why:
+                    row.blockers[k] = (text, n + 1)
+                    break
+            else:
+                row.blockers.append((why, 1))
+    return list(rows.values())
 
 
 def explain(
@@ -277,7 +344,8 @@ def explain(
         stages.append(StageResult(
             label, layer_text, choice.mode, len(template.pairs), len(template.state_pairs),
             plan.n_runs, plan.n_blocks, plan.total_bytes, state_blocks, state_bytes, plan_us,
-            report, groups=template.n_groups, contiguous_blocks=_contiguous_blocks(template, pages)))
+            report, groups=template.n_groups, contiguous_blocks=_contiguous_blocks(template, pages),
+            coalescing=coalescing_rows(template, decode)))
 
     expl = Explanation(title, description, pages, page_size, fragmentation, breaks, stages,
                        [int(x) for x in run_lengths], kv_per_layer, state_per_layer, warnings,

@@ -18,6 +18,27 @@ def _bar(value: int, top: int, width: int = 32) -> str:
     return "█" * max(1, round(width * value / top))
 
 
+def _coalescing_lines(e: Explanation) -> list[str]:
+    """Per stage and decode entry kind: its page pairs, how many emit with the pair before
+    them, and what keeps the others apart (the core's per-pair coalescing)."""
+    stages = [s for s in e.stages if s.coalescing]
+    if not stages:
+        return []
+    lines = ["", "coalescing (what keeps page pairs from emitting their blocks together):"]
+    for s in stages:
+        if len(stages) > 1:
+            lines.append(f"  {s.label}:")
+        for row in s.coalescing:
+            lines.append(f"  {row.kind:<18} {row.pairs:>5} pairs, {row.joined:>5} joined with "
+                         f"the pair before")
+            for why, n in row.blockers:
+                lines.append(f"    {n:>5} apart: {why}")
+            if row.per_page:
+                lines.append(f"    {row.per_page:>5} emit a block per page, not per run: a page "
+                             f"stride longer than the item")
+    return lines
+
+
 def render(e: Explanation) -> str:
     """The text ``kvplan explain`` prints."""
     from kvplan.report import format_ids
@@ -74,6 +95,8 @@ def render(e: Explanation) -> str:
         lines.append("entries that are not plain KV pages (decode layout):")
         for name, layers, what in e.entry_kinds:
             lines.append(f"  {name:<16} layers {format_ids(layers)} ({len(layers)}): {what}")
+
+    lines += _coalescing_lines(e)
 
     if e.per_layer is not None:
         lines.append("")

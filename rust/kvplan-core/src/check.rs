@@ -172,7 +172,9 @@ fn pages(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
 /// The first indexer or scale page entry ([`is_sidecar_role`]) without its partner, as the
 /// check to carry the problem and the problem: a sidecar whose layer has no KV entry on the
 /// same side, or a decode sidecar of a layer the prefill sends but with no sidecar of its own
-/// for it (the decode would hold its KV without its indexer or scales: an incomplete transfer).
+/// for it (the decode would hold its KV without its indexer or scales: an incomplete transfer),
+/// and likewise any decode page entry of a layer the prefill sends that nothing pairs with (a
+/// component the prefill does not have).
 fn sidecar_problem(
     src: &Layout,
     dst: &Layout,
@@ -217,8 +219,22 @@ fn sidecar_problem(
             }
         }
     }
+    // A decode sidecar, or a decode component of a multi-component layer (e.g. a NoPE and a
+    // RoPE buffer per layer) whose role the prefill has no entry of for that layer, needs its
+    // partner when the prefill sends the layer: planning the others alone would leave that
+    // entry unwritten. (A further decode entry of a role the prefill sends, a second
+    // occurrence, pairs by occurrence and is not this rule's.)
     let paired_dst: Vec<usize> = checks.iter().filter_map(|c| c.dst_entry).collect();
-    for d in pages(dst).filter(|&d| sidecar(dst, d) && !paired_dst.contains(&d)) {
+    let src_has_role = |d: usize| {
+        pages(src).any(|i| {
+            layer_of(src, i) == layer_of(dst, d)
+                && src.role(i) == dst.role(d)
+                && src.is_draft(i) == dst.is_draft(d)
+        })
+    };
+    for d in
+        pages(dst).filter(|&d| !paired_dst.contains(&d) && (sidecar(dst, d) || !src_has_role(d)))
+    {
         let Some(layer) = layer_of(dst, d) else {
             continue;
         };

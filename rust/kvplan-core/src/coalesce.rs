@@ -3,7 +3,7 @@
 //! this module alone owns that rule and the [`Group`]s it makes.
 
 use crate::check::compose;
-use crate::error::Result;
+use crate::error::{Result, Side};
 use crate::groups::SliceKey;
 use crate::pieces::{Fragment, Fragments, PairSpec, Piece};
 
@@ -115,17 +115,52 @@ pub(crate) fn build_groups(
     Ok((pieces, groups, pair_groups))
 }
 
+/// Why a whole item does not widen the whole-item group before it (the rule [`build_groups`]
+/// applies), on the first side that refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinBlocker {
+    /// The two sides' page strides differ on this side.
+    Strides(Side),
+    /// The item does not start where the group ends on this side (its own buffer).
+    Apart(Side),
+    /// The widened group would be longer than one page stride on this side (it would reach
+    /// into the next page: e.g. per-layer buffers packed back to back, stride = item).
+    BeyondStride(Side),
+}
+
+/// Why `next` (a whole item) cannot join `group` (whole items): `None` when it starts where
+/// `group` ends on both sides, with the same strides, and the widened group still fits in one
+/// stride on each side.
+pub(crate) fn join_blocker(group: &Piece, next: &Piece) -> Option<JoinBlocker> {
+    let sides = [
+        (Side::Src, &group.src, &next.src),
+        (Side::Dst, &group.dst, &next.dst),
+    ];
+    for (side, g, n) in sides {
+        if g.page_stride != n.page_stride {
+            return Some(JoinBlocker::Strides(side));
+        }
+    }
+    for (side, g, n) in sides {
+        if g.base.checked_add(group.len) != Some(n.base) {
+            return Some(JoinBlocker::Apart(side));
+        }
+    }
+    for (side, g, _) in sides {
+        if group
+            .len
+            .checked_add(next.len)
+            .is_none_or(|w| w > g.page_stride)
+        {
+            return Some(JoinBlocker::BeyondStride(side));
+        }
+    }
+    None
+}
+
 /// Whether `next` (a whole item) starts where `group` (whole items) ends on both sides, with
 /// the same strides, and the widened group still fits in one stride on each side (so it never
 /// reaches into the next page: packed per-layer buffers, stride = item, never coalesce).
 fn touches(group: &Piece, next: &Piece) -> bool {
-    let (gs, gd) = (&group.src, &group.dst);
-    gs.page_stride == next.src.page_stride
-        && gd.page_stride == next.dst.page_stride
-        && gs.base.checked_add(group.len) == Some(next.src.base)
-        && gd.base.checked_add(group.len) == Some(next.dst.base)
-        && group
-            .len
-            .checked_add(next.len)
-            .is_some_and(|w| w <= gs.page_stride && w <= gd.page_stride)
+    join_blocker(group, next).is_none()
 }

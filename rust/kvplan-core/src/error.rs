@@ -208,7 +208,7 @@ pub enum PlanError {
         entry: usize,
         /// Its global layer id.
         layer: i64,
-        /// Its role (indexer or scale).
+        /// Its role (an indexer, a scale or another component of its layer).
         role: String,
         /// Where the KV entry was looked for and not found.
         why: String,

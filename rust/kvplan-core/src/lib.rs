@@ -45,7 +45,8 @@
 //! 6. `accounting` (blocks and bytes per group and pair).
 //! 7. `template` (build once, pick the strategy, one request path).
 //! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
-//!    in one plan), `ring` (ring state between rings of different sizes).
+//!    in one plan), `ring` (ring state between rings of different sizes), `blockers` (why page
+//!    pairs emit their blocks apart).
 //! 9. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
 //!    views of a plan or a batch, the manifest).
 //! 10. `advice` (direct or staged).
@@ -56,6 +57,7 @@
 pub mod accounting;
 pub mod advice;
 pub mod batch;
+pub mod blockers;
 pub mod check;
 pub mod coalesce;
 pub mod dcp;
@@ -84,8 +86,9 @@ pub mod wire;
 pub use accounting::BlockAccounting;
 pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
 pub use batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
+pub use blockers::{Coalescing, PairCoalescing, coalescing};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
-pub use coalesce::Group;
+pub use coalesce::{Group, JoinBlocker};
 pub use dcp::DcpContext;
 pub use descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use digest::{

@@ -260,6 +260,33 @@ impl PyTemplate {
         )
     }
 
+    /// Per page pair, the core's coalescing (`kvplan_core::coalescing`): `(kind, side,
+    /// per_page)` with kind `joined`, `first`, `elided`, `by_token`, `fragments`, `strides`,
+    /// `apart`, `beyond_stride` or `options`, the side (`src`/`dst`) for the last three, and
+    /// whether the pair's blocks end at every page.
+    #[getter]
+    fn coalescing(&self) -> Vec<(&'static str, Option<&'static str>, bool)> {
+        use kvplan_core::{Coalescing, JoinBlocker, Side};
+        let side = |s: Side| Some(s.pick("src", "dst"));
+        kvplan_core::coalescing(&self.inner)
+            .into_iter()
+            .map(|pair| {
+                let (kind, on) = match pair.coalescing {
+                    Coalescing::Joined => ("joined", None),
+                    Coalescing::First => ("first", None),
+                    Coalescing::Elided => ("elided", None),
+                    Coalescing::ByToken => ("by_token", None),
+                    Coalescing::Fragments => ("fragments", None),
+                    Coalescing::Options => ("options", None),
+                    Coalescing::Join(JoinBlocker::Strides(s)) => ("strides", side(s)),
+                    Coalescing::Join(JoinBlocker::Apart(s)) => ("apart", side(s)),
+                    Coalescing::Join(JoinBlocker::BeyondStride(s)) => ("beyond_stride", side(s)),
+                };
+                (kind, on, pair.per_page)
+            })
+            .collect()
+    }
+
     /// Per page pair: whether it emits blocks (item length > 0 and, between TP sizes, heads to
     /// move).
     #[getter]
