@@ -125,8 +125,12 @@ def test_per_token_across_prefill_ranks_is_refused() -> None:
 def _pair(src_repr: str, dst_repr: str, dst_dtype_size: int = 1,
           scale_groups: int = 1) -> tuple[kvplan.Layout, kvplan.Layout]:
     ctx = dict(page_size=2, kv_heads=2, head_dim=4)
-    src = kvplan.Layout([1 << 20], [2 * 2 * 8 * 2], [2 * 8 * 2], [0], ["k"], dtype_size=2,
-                        **ctx).with_representations([src_repr])
+    if src_repr.startswith("fp8"):
+        src = kvplan.Layout([1 << 20, 1 << 21], [64, 32], [16, 8], [0, 0], ["k", "k_scale"],
+                            dtype_size=1, **ctx).with_representations([src_repr, None])
+    else:
+        src = kvplan.Layout([1 << 20], [2 * 2 * 8 * 2], [2 * 8 * 2], [0], ["k"], dtype_size=2,
+                            **ctx).with_representations([src_repr])
     item = 2 * 8 * dst_dtype_size
     dst = kvplan.Layout([1 << 30, 1 << 31], [2 * item, 2 * 2 * scale_groups * 4],
                         [item, 2 * scale_groups * 4], [0, 0], ["k", "k_scale"],
@@ -144,10 +148,6 @@ def _pair(src_repr: str, dst_repr: str, dst_dtype_size: int = 1,
 def test_unconvertible_pairs_are_refused_naming_both(src_repr: str, dst_repr: str,
                                                      dst_size: int, why: str) -> None:
     src, dst = _pair(src_repr, dst_repr, dst_size)
-    if src_repr.startswith("fp8"):
-        src = kvplan.Layout([1 << 20, 1 << 21], [64, 32], [16, 8], [0, 0], ["k", "k_scale"],
-                            page_size=2, kv_heads=2, head_dim=4, dtype_size=1
-                            ).with_representations([src_repr, None])
     with pytest.raises(kvplan.PairingError, match=why) as err:
         kvplan.ConversionTemplate(src, dst)
     assert err.value.kind == "conversion"

@@ -244,10 +244,26 @@ impl ConversionTemplate {
             factors[d] = u64::from(rs.dtype.size() / rd.dtype.size());
             converted[d] = Some((rs, rd));
         }
-        // The scale entries the conversion fills: those of converted entries.
+        // Entries of the same representation that this prefill does not send (other PP
+        // stages' layers) are widened alike, so the widened layout has one shape per
+        // representation (its attention geometry describes all its K and V entries).
+        let by_repr: Vec<(Representation, u64)> = converted
+            .iter()
+            .zip(&factors)
+            .filter_map(|(c, &f)| c.map(|(_, rd)| (rd, f)))
+            .collect();
+        for d in 0..dst.n_entries() {
+            if let Some(rd) = dst.representations()[d]
+                && let Some(&(_, f)) = by_repr.iter().find(|(r, _)| *r == rd)
+            {
+                factors[d] = f;
+            }
+        }
+        // The scale entries the conversion fills: those of converted entries (and of their
+        // kind on layers this prefill does not send).
         let mut filled = vec![false; dst.n_entries()];
-        for (d, c) in converted.iter().enumerate() {
-            if c.is_some()
+        for d in 0..dst.n_entries() {
+            if factors[d] > 1
                 && let Some(scale) = dst.scale_entry(d)
             {
                 filled[scale] = true;
