@@ -39,8 +39,9 @@ _FP8 = {"fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}
 def to_float32(raw: npt.NDArray[np.uint8], dtype: str) -> npt.NDArray[np.float32]:
     """Little-endian ``bf16`` or ``fp16`` bytes as float32 values (exact)."""
     if dtype == "bf16":
-        bits = raw.view(np.uint16).astype(np.uint32) << np.uint32(16)
-        return bits.view(np.float32)
+        bits: npt.NDArray[np.uint32] = raw.view(np.uint16).astype(np.uint32) << np.uint32(16)
+        values: npt.NDArray[np.float32] = bits.view(np.float32)
+        return values
     if dtype == "fp16":
         return raw.view(np.float16).astype(np.float32)
     raise ValueError(f"{dtype!r} is not an input dtype of conversion plans (bf16, fp16)")
@@ -72,7 +73,8 @@ def encode_fp8(x: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.uint8]:
     nan_code = (1 << (exp_bits + man_bits)) - 1  # 0x7F: e4m3fn's NaN, one of e5m2's NaNs
     code = np.where(nan, nan_code, code)
     sign = np.signbit(x).astype(np.int64) << 7
-    return (code | sign).astype(np.uint8)
+    out: npt.NDArray[np.uint8] = (code | sign).astype(np.uint8)
+    return out
 
 
 def decode_fp8(codes: npt.NDArray[np.uint8], dtype: str) -> npt.NDArray[np.float32]:

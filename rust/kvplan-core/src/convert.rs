@@ -252,18 +252,18 @@ impl ConversionTemplate {
             .zip(&factors)
             .filter_map(|(c, &f)| c.map(|(_, rd)| (rd, f)))
             .collect();
-        for d in 0..dst.n_entries() {
-            if let Some(rd) = dst.representations()[d]
-                && let Some(&(_, f)) = by_repr.iter().find(|(r, _)| *r == rd)
+        for (factor, repr) in factors.iter_mut().zip(dst.representations()) {
+            if let Some(rd) = repr
+                && let Some(&(_, f)) = by_repr.iter().find(|(r, _)| r == rd)
             {
-                factors[d] = f;
+                *factor = f;
             }
         }
         // The scale entries the conversion fills: those of converted entries (and of their
         // kind on layers this prefill does not send).
         let mut filled = vec![false; dst.n_entries()];
-        for d in 0..dst.n_entries() {
-            if factors[d] > 1
+        for (d, &factor) in factors.iter().enumerate() {
+            if factor > 1
                 && let Some(scale) = dst.scale_entry(d)
             {
                 filled[scale] = true;

@@ -487,7 +487,7 @@ impl Layout {
         }
         check_len("representations", representations.len(), self.n_entries())?;
         for (entry, repr) in representations.iter().enumerate() {
-            let Some(repr) = repr else { continue };
+            let Some(repr) = *repr else { continue };
             self.check_representation(entry, repr)?;
         }
         self.representations = representations;
@@ -495,7 +495,7 @@ impl Layout {
     }
 
     /// One entry's representation against the rules of [`Layout::with_representations`].
-    fn check_representation(&self, entry: usize, repr: &Representation) -> Result<()> {
+    fn check_representation(&self, entry: usize, repr: Representation) -> Result<()> {
         let label = self.role_label(entry);
         let fail = |why: String| Err(invalid(format!("entry {entry} ({label}): {why}")));
         let role = self.parts.roles[entry].as_str();
