@@ -4,8 +4,11 @@ decode pool is bit-identical to the decode quantizing the same bf16 KV itself.""
 from __future__ import annotations
 
 import itertools
+import json
 import os
+from importlib import resources
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -20,6 +23,8 @@ TPS = (1, 2, 4, 8)
 RATIOS = ((1, 1), (2, 1), (1, 2), (4, 2))
 #: requests per deployment in the default run (scripts/fuzz raises it through the env)
 REQUESTS = int(os.environ.get("KVPLAN_CONVERT_REQUESTS", "0")) or None
+#: added to every seed (scripts/fuzz draws a fresh one; the default run is fixed)
+SEED = int(os.environ.get("KVPLAN_CONVERT_SEED", "0"))
 
 
 def _staging(sources: list[Peer]) -> Memory:
@@ -76,7 +81,7 @@ def _mla_deployments() -> list[Deployment]:
 
 
 def _cases(deployments: list[Deployment], requests: int, seed: int) -> int:
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed + SEED)
     for dep in deployments:
         for _ in range(requests):
             run_case(dep, rng)
@@ -199,6 +204,11 @@ def test_representations_round_trip_wire_and_dict_and_are_absent_by_default() ->
     # No representation: the wire bytes of a layout that never heard of them.
     assert plain.with_representations([None, None]).to_bytes() == plain.to_bytes()
     assert len(repr_layout.to_bytes()) == len(plain.to_bytes()) + 12
+    schema = json.loads(resources.files("kvplan").joinpath("schemas/layout.schema.json")
+                        .read_text())
+    jsonschema.validate(repr_layout.to_dict(), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**repr_layout.to_dict(), "representations": ["fp9", None]}, schema)
 
 
 def test_codec_matches_the_lookup_table_encoder() -> None:
