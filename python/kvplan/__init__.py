@@ -8,7 +8,10 @@ adapters live in :mod:`kvplan.engines` and are imported only on demand.
 from __future__ import annotations
 
 from kvplan._core import (
+    DTYPES,
     Advice,
+    ConversionPlan,
+    ConversionTemplate,
     IndexBoundsError,
     KvPlanError,
     LayerGroups,
@@ -71,6 +74,9 @@ __all__ = [
     "StagedPlan",
     "StaleLeaseError",
     "Template",
+    "ConversionPlan",
+    "DTYPES",
+    "ConversionTemplate",
     "TpPeers",
     "TransferCost",
     "TransferError",

@@ -17,6 +17,9 @@ __all__ = [
     "LayoutEntry",
     "LayoutError",
     "MHA_ROLES",
+    "DTYPES",
+    "ConversionPlan",
+    "ConversionTemplate",
     "MooncakeBatch",
     "MooncakeNative",
     "Pairing",
@@ -56,6 +59,8 @@ __all__ = [
 __version__: str
 #: Roles of the separate K and V entries of an MHA layout (head-sharded between TP ranks).
 MHA_ROLES: list[str]
+#: KV dtype names by code (``ConversionPlan.in_dtypes`` / ``out_dtypes`` index it).
+DTYPES: list[str]
 
 class KvPlanError(ValueError):
     #: The core's stable name of the error's family (``"head_slicing"``, ``"size_mismatch"``,
@@ -361,6 +366,12 @@ class Layout:
     @property
     def window_page_size(self) -> int | None:
         """Tokens per page of the window entries' own pool (``None``: none)."""
+    @property
+    def representations(self) -> list[str | None]:
+        """KV representation per entry (``None``: none published), e.g. ``"fp8_e4m3:per_token"``."""
+    def with_representations(self, representations: Sequence[str | None]) -> Layout:
+        """The same layout with one KV representation per entry (``"dtype"`` or
+        ``"dtype:scales"``, ``None`` for none); see docs/api.md, "KV representations"."""
     @property
     def rings(self) -> list[int | None]: ...
     def with_rings(self, rings: Sequence[int | None]) -> Layout: ...
@@ -855,6 +866,73 @@ class StagedPlan:
     @property
     def writer(self) -> tuple[int, int]:
         """``(writer index, number of writers)`` of this prefill rank in the decode region."""
+
+@final
+class ConversionTemplate:
+    """Pairs a prefill and a decode layout as ``Template`` does and plans every pair whose
+    representations differ as a conversion on the prefill (docs/api.md, "Conversion plans")."""
+
+    def __new__(
+        cls,
+        src_layout: Layout,
+        dst_layout: Layout,
+        pairing: Pairing | bool | None = None,
+        *,
+        allow_positional_fallback: bool | None = None,
+        prefill_start_layer: int | None = None,
+        legacy_kind: str | None = None,
+        check_dst_overlap: bool = False,
+        replicas_send: bool = False,
+    ) -> ConversionTemplate: ...
+    @property
+    def converts(self) -> bool:
+        """Whether any pair converts."""
+    def plan(self, src_pages: _IndexArray, dst_pages: _IndexArray, staging: tuple[int, int], *,
+             n_tokens: int | None = None) -> ConversionPlan:
+        """One request through the prefill staging region ``staging = (addr, size)``."""
+
+@final
+class ConversionPlan:
+    """A request as gather, convert rows, network and scatter (docs/api.md, "Conversion plans")."""
+
+    @property
+    def gather(self) -> tuple[_U64Array, _U64Array, _U64Array]: ...
+    @property
+    def network(self) -> tuple[_U64Array, _U64Array, _U64Array]: ...
+    @property
+    def scatter(self) -> tuple[_U64Array, _U64Array, _U64Array]: ...
+    @property
+    def in_addrs(self) -> _U64Array: ...
+    @property
+    def out_addrs(self) -> _U64Array: ...
+    @property
+    def n_elems(self) -> _U64Array: ...
+    @property
+    def in_dtypes(self) -> npt.NDArray[np.uint8]: ...
+    @property
+    def out_dtypes(self) -> npt.NDArray[np.uint8]: ...
+    @property
+    def group_elems(self) -> _U64Array: ...
+    @property
+    def scale_addrs(self) -> _U64Array: ...
+    @property
+    def scale_dst_addrs(self) -> _U64Array: ...
+    @property
+    def gathered_bytes(self) -> int: ...
+    @property
+    def converted_bytes(self) -> int: ...
+    @property
+    def scale_bytes(self) -> int: ...
+    @property
+    def staging_bytes(self) -> int: ...
+    @property
+    def network_bytes(self) -> int: ...
+    @property
+    def direct_blocks(self) -> int: ...
+    @property
+    def n_rows(self) -> int: ...
+    @property
+    def n_blocks(self) -> tuple[int, int, int]: ...
 
 def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
     """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.

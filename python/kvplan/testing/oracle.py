@@ -57,7 +57,7 @@ import numpy.typing as npt
 
 from kvplan import Layout, LayoutEntry
 
-__all__ = ["Fragments", "Memory", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
+__all__ = ["Fragments", "Memory", "apply_conversion", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
            "expected_memory", "rank_heads", "reference_copy", "reference_ring_copy",
            "sent_heads"]
 
@@ -410,3 +410,40 @@ def apply_staged(staged: Any, src_mem: Memory, src_staging: Memory, dst_staging:
     apply_plan(staged.gather, src_mem, src_staging)
     apply_plan(staged.network, src_staging, dst_staging)
     apply_plan(staged.scatter, dst_staging, dst_mem, written)
+
+
+def _apply_blocks(blocks: tuple[Any, Any, Any], src_mem: Memory, dst_mem: Memory,
+                  written: npt.NDArray[np.bool_] | None = None) -> None:
+    """Applies ``(src_addrs, dst_addrs, lengths)`` columns as memmoves (as :func:`apply_plan`)."""
+    for s, d, n in zip(*(column.tolist() for column in blocks)):
+        target = dst_mem.at(d, n)
+        if written is not None:
+            off = d - dst_mem.base
+            assert not written[off:off + n].any(), f"destination byte written twice in {d:#x}+{n}"
+            written[off:off + n] = True
+        target[:] = src_mem.at(s, n)
+
+
+def apply_conversion(plan: Any, src_mem: Memory, staging: Memory, dst_mem: Memory,
+                     written: npt.NDArray[np.bool_] | None = None) -> None:
+    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory: ``gather`` from the
+    prefill's memory into ``staging`` (the prefill staging region), every convert row by the
+    rule of :mod:`kvplan.quant` (values into the converted area, float32 scales into the scale
+    area), ``network`` from the staging region into the decode's memory (``written`` as for
+    :func:`apply_plan`), ``scatter`` within the decode's memory."""
+    from kvplan import DTYPES
+    from kvplan.quant import quantize_groups, to_float32
+
+    _apply_blocks(plan.gather, src_mem, staging)
+    rows = zip(plan.in_addrs.tolist(), plan.out_addrs.tolist(), plan.n_elems.tolist(),
+               plan.in_dtypes.tolist(), plan.out_dtypes.tolist(), plan.group_elems.tolist(),
+               plan.scale_addrs.tolist())
+    for in_addr, out_addr, n, in_code, out_code, group, scale_addr in rows:
+        in_dtype = DTYPES[in_code]
+        size = 2  # bf16 and fp16, the input dtypes
+        x = to_float32(staging.at(in_addr, n * size), in_dtype)
+        values, scales = quantize_groups(x, group, DTYPES[out_code])
+        staging.at(out_addr, n)[:] = values
+        staging.at(scale_addr, scales.size * 4)[:] = scales.astype("<f4").view(np.uint8)
+    _apply_blocks(plan.network, staging, dst_mem, written)
+    _apply_blocks(plan.scatter, dst_mem, dst_mem)

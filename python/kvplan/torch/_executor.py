@@ -11,7 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvplan import IndexBoundsError, KvPlanError, LayoutError, RowGather
+from kvplan import DTYPES, ConversionPlan, IndexBoundsError, KvPlanError, LayoutError, RowGather
+from kvplan.quant import QMAX
 
 __all__ = ["BlockColumns", "TorchExecutor"]
 
@@ -239,6 +240,74 @@ class TorchExecutor:
         return self._run(
             np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
         )
+
+    def run_conversion(self, plan: ConversionPlan) -> int:
+        """Runs a conversion plan (``ConversionTemplate.plan``): its gather, its convert rows
+        by the rule of :mod:`kvplan.quant` (bit-identical to
+        :func:`kvplan.testing.oracle.apply_conversion`), its network and its scatter, every
+        address looked up in the registered tensors (prefill KV, staging region, decode KV
+        and scale entries, when this process holds them all: a single-process test or
+        benchmark; a real deployment runs the gather and rows here and hands the network to
+        a transfer engine, see :meth:`run_conversion_rows`). Returns the bytes the network
+        moved. Raises what :meth:`run` raises."""
+        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.gather))
+        self.run_conversion_rows(plan)
+        moved = self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.network))
+        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.scatter))
+        return moved
+
+    def run_conversion_rows(self, plan: ConversionPlan) -> int:
+        """Runs only the convert rows of a conversion plan (after its gather, before its
+        network): one batched quantization per (input dtype, output dtype, group size) of the
+        rows, on the staging tensor. Returns the number of rows."""
+        n_rows = int(plan.n_elems.size)
+        if n_rows == 0:
+            return 0
+        n = plan.n_elems.astype(np.int64)
+        group = plan.group_elems.astype(np.int64)
+        key = plan.in_dtypes.astype(np.int64) * 1_000_003 * 256 + \
+            plan.out_dtypes.astype(np.int64) * 1_000_003 + group
+        for k in np.unique(key).tolist():
+            rows = np.flatnonzero(key == k)
+            self._convert_rows(plan, rows, n[rows], int(group[rows[0]]))
+        return n_rows
+
+    def _convert_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int) -> None:
+        in_dtype = DTYPES[int(plan.in_dtypes[rows[0]])]
+        out_dtype = DTYPES[int(plan.out_dtypes[rows[0]])]
+        in_size = 2  # bf16 and fp16, the input dtypes
+        n_groups = n // group
+        located = []
+        for addrs, lengths in ((plan.in_addrs[rows], n * in_size), (plan.out_addrs[rows], n),
+                               (plan.scale_addrs[rows], n_groups * 4)):
+            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
+                                          lengths.astype(np.uint64), "src")
+            if region.min() != region.max():
+                raise _error(KvPlanError, "conversion_rows",
+                             "the convert rows of one dtype pair lie in several tensors; "
+                             "register the staging region as one tensor")
+            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
+        (src_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
+        device = src_r.flat.device
+        total = int(n.sum())
+        raw = src_r.flat[_row_index(in_off, n * in_size, total * in_size, device)]
+        torch_in = torch.bfloat16 if in_dtype == "bf16" else torch.float16
+        x = raw.view(torch_in).to(torch.float32).reshape(-1, group)
+        qmax = QMAX[out_dtype]
+        amax = x.abs().amax(dim=1)
+        # A tensor divisor: a true IEEE division, as NumPy does (never x * (1 / qmax)).
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
+        q = (x / scale[:, None]).clamp(-qmax, qmax)
+        if out_dtype == "int8":
+            codes = torch.round(q).to(torch.int8).view(torch.uint8)
+        else:
+            fp8 = torch.float8_e4m3fn if out_dtype == "fp8_e4m3" else torch.float8_e5m2
+            codes = q.to(fp8).view(torch.uint8)
+        out_r.flat.index_copy_(0, _row_index(out_off, n, total, device), codes.reshape(-1))
+        scale_bytes = scale.contiguous().view(torch.uint8)
+        scale_r.flat.index_copy_(
+            0, _row_index(scale_off, n_groups * 4, int(n_groups.sum()) * 4, device),
+            scale_bytes.to(scale_r.flat.device))
 
     def _run(self, src: _U64, dst: _U64, lengths: _U64) -> int:
         total_bytes = int(lengths.sum(dtype=np.uint64))

@@ -964,3 +964,38 @@ pub(crate) fn desc_id_blocks(
         }),
     }
 }
+
+/// A byte-copy template refuses a page pair whose two entries publish different KV
+/// representations: copying fp8 bytes into a bf16 pool (or int8 into fp8, of equal sizes)
+/// would reinterpret every value. Such pairs are planned by a conversion template
+/// ([`crate::convert::ConversionTemplate`]). A pair where either side publishes none is
+/// checked by its sizes alone, as before representations existed.
+///
+/// # Errors
+/// [`PlanError::Conversion`] naming both representations.
+pub(crate) fn same_representations(
+    src: &Layout,
+    dst: &Layout,
+    checks: &[EntryCheck],
+) -> Result<()> {
+    for check in checks.iter().filter(|c| c.kind == EntryKind::Page) {
+        let (s, Some(d)) = (check.src_entry, check.dst_entry) else {
+            continue;
+        };
+        if let (Some(rs), Some(rd)) = (src.representations()[s], dst.representations()[d])
+            && rs != rd
+        {
+            return Err(PlanError::Conversion {
+                src_entry: s,
+                dst_entry: d,
+                label: format!("layer {}, role {}", dst.layer_label(d), dst.role_label(d)),
+                src: rs.text(),
+                dst: rd.text(),
+                why: "a byte copy would reinterpret every value; plan the pair with a \
+                      conversion template (kvplan.ConversionTemplate)"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
+}

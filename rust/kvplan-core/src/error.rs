@@ -552,6 +552,24 @@ pub enum PlanError {
         /// The destination entry's window in tokens.
         dst_window: Option<u64>,
     },
+    /// Two paired entries publish representations kvplan cannot convert between exactly.
+    #[error(
+        "prefill entry {src_entry} ({label}) holds {src} and its decode entry {dst_entry} holds {dst}: {why}"
+    )]
+    Conversion {
+        /// The prefill entry.
+        src_entry: usize,
+        /// The decode entry.
+        dst_entry: usize,
+        /// Layer and role of the pair.
+        label: String,
+        /// The prefill representation (`bf16`, `fp8_e4m3:per_token`, ...).
+        src: String,
+        /// The decode representation.
+        dst: String,
+        /// Why the pair cannot be converted.
+        why: String,
+    },
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -669,6 +687,7 @@ impl PlanError {
             PlanError::MissingPartner { .. } => "missing_partner",
             PlanError::FlatBatch { .. } => "flat_batch",
             PlanError::WindowMismatch { .. } => "window",
+            PlanError::Conversion { .. } => "conversion",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -716,7 +735,8 @@ impl PlanError {
             | PlanError::MissingPartner { .. }
             | PlanError::WindowMismatch { .. }
             | PlanError::PositionalCount { .. }
-            | PlanError::LegacySlice { .. } => ErrorClass::Pairing,
+            | PlanError::LegacySlice { .. }
+            | PlanError::Conversion { .. } => ErrorClass::Pairing,
             PlanError::NegativeIndex { .. }
             | PlanError::IndexOutOfRange { .. }
             | PlanError::DuplicateDestination { .. }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
+use crate::repr::{Representation, SCALE_BYTES, ScaleLayout, scale_role};
 
 /// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are
 /// sharded between TP ranks (an MLA latent, role `kv`, and NPU buffer groups are not).
@@ -241,6 +242,8 @@ pub struct Layout {
     rings: Vec<Option<u64>>,
     /// Tokens per page of the window entries' own pool (`None`: they index the request's pages).
     window_page_size: Option<u64>,
+    /// KV representation of each entry (`None`: none published).
+    representations: Vec<Option<Representation>>,
 }
 
 impl Layout {
@@ -329,6 +332,7 @@ impl Layout {
             windows: vec![None; n],
             rings: vec![None; n],
             window_page_size: None,
+            representations: vec![None; n],
             parts,
             context,
             strides,
@@ -500,6 +504,159 @@ impl Layout {
             Some(size) if self.windows[i].is_some() => size,
             _ => self.context.page_size,
         }
+    }
+
+    /// The same layout with KV representations: one per entry (`None` for an entry that
+    /// publishes none, and for every scale and state entry). An empty list publishes none.
+    ///
+    /// Rules, checked here: a representation is set on page entries that are not sidecars
+    /// ([`is_sidecar_role`]); its dtype's size equals the attention geometry's `dtype_size`
+    /// (when the layout has one) and divides the entry's item length; only a quantized dtype
+    /// (`fp8_e4m3`, `fp8_e5m2`, `int8`) has scales (the geometry describes the `k`/`v`
+    /// entries, so its `dtype_size` is checked against theirs); per-token scales (`per_token`,
+    /// `per_token_head`) live in the entry's *scale entry*: the page entry of the same layer id
+    /// and draft-ness whose role is the entry's role + `_scale` (`k` → `k_scale`, `kv` →
+    /// `kv_scale`), holding per page `page_size` tokens × groups float32 scales, token-major
+    /// (groups: 1 for `per_token`, the rank's KV heads for `per_token_head`), so its item
+    /// length is `page_size × groups × 4`. `per_token_head` needs the attention geometry
+    /// (its heads per rank); `per_token` needs the entry's item length to be a whole number of
+    /// tokens.
+    ///
+    /// # Errors
+    /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
+    /// naming the entry and the values for any broken rule.
+    pub fn with_representations(
+        mut self,
+        representations: Vec<Option<Representation>>,
+    ) -> Result<Self> {
+        if representations.is_empty() {
+            self.representations = vec![None; self.n_entries()];
+            return Ok(self);
+        }
+        check_len("representations", representations.len(), self.n_entries())?;
+        for (entry, repr) in representations.iter().enumerate() {
+            let Some(repr) = *repr else { continue };
+            self.check_representation(entry, repr)?;
+        }
+        self.representations = representations;
+        Ok(self)
+    }
+
+    /// One entry's representation against the rules of [`Layout::with_representations`].
+    fn check_representation(&self, entry: usize, repr: Representation) -> Result<()> {
+        let label = self.role_label(entry);
+        let fail = |why: String| Err(invalid(format!("entry {entry} ({label}): {why}")));
+        let role = self.parts.roles[entry].as_str();
+        if self.parts.kinds[entry] != EntryKind::Page || is_sidecar_role(role) {
+            return fail(format!(
+                "representation {} is set on a {} entry; representations describe KV page \
+                 entries (scale entries hold float32 scales, state entries are sent whole)",
+                repr.text(),
+                if is_sidecar_role(role) {
+                    "sidecar"
+                } else {
+                    "state"
+                }
+            ));
+        }
+        let size = u64::from(repr.dtype.size());
+        let item_len = self.parts.item_lens[entry];
+        if let Some(g) = &self.context.attention
+            && is_mha_role(role)
+            && g.dtype_size != repr.dtype.size()
+        {
+            return fail(format!(
+                "dtype {} has {size} byte(s) per element but the layout's dtype_size is {}",
+                repr.dtype.as_str(),
+                g.dtype_size
+            ));
+        }
+        if !item_len.is_multiple_of(size) {
+            return fail(format!(
+                "item_len {item_len} is not a whole number of {} elements ({size} bytes each)",
+                repr.dtype.as_str()
+            ));
+        }
+        if repr.scales != ScaleLayout::None && !repr.dtype.quantized() {
+            return fail(format!(
+                "{} values carry no scales, got scale layout {}",
+                repr.dtype.as_str(),
+                repr.scales.as_str()
+            ));
+        }
+        if !repr.scales.per_token() {
+            return Ok(());
+        }
+        let page_size = self.context.page_size;
+        if !item_len.is_multiple_of(page_size) {
+            return fail(format!(
+                "item_len {item_len} is not a whole number of tokens of page_size {page_size}, \
+                 so it has no per-token scales"
+            ));
+        }
+        let groups = match repr.scales {
+            ScaleLayout::PerTokenHead => match &self.context.attention {
+                Some(g) => u64::from(g.heads_per_rank),
+                None => {
+                    return fail(
+                        "per_token_head scales need the attention geometry (kv_heads, \
+                         head_dim, dtype_size) to know the heads per token"
+                            .into(),
+                    );
+                }
+            },
+            _ => 1,
+        };
+        let want_role = scale_role(role);
+        let layer = self.parts.layer_ids[entry];
+        let Some(scale) = (0..self.n_entries()).find(|&j| {
+            self.parts.kinds[j] == EntryKind::Page
+                && self.parts.roles[j] == want_role
+                && self.parts.layer_ids[j] == layer
+                && self.parts.drafts[j] == self.parts.drafts[entry]
+        }) else {
+            return fail(format!(
+                "{} scales live in a page entry of role {want_role:?} and the same layer id; \
+                 the layout has none",
+                repr.scales.as_str()
+            ));
+        };
+        let want = page_size * groups * SCALE_BYTES;
+        if self.parts.item_lens[scale] != want {
+            return fail(format!(
+                "its scale entry {scale} ({want_role}) has item_len {}, {} scales need \
+                 page_size {page_size} × {groups} scale(s) per token × {SCALE_BYTES} bytes = {want}",
+                self.parts.item_lens[scale],
+                repr.scales.as_str()
+            ));
+        }
+        Ok(())
+    }
+
+    /// KV representation of each entry (`None`: none published).
+    pub fn representations(&self) -> &[Option<Representation>] {
+        &self.representations
+    }
+
+    /// Whether any entry publishes a representation.
+    pub fn has_representations(&self) -> bool {
+        self.representations.iter().any(Option::is_some)
+    }
+
+    /// The scale entry of entry `entry` (see [`Layout::with_representations`]), if it has
+    /// per-token scales.
+    pub fn scale_entry(&self, entry: usize) -> Option<usize> {
+        let repr = self.representations.get(entry).copied().flatten()?;
+        if !repr.scales.per_token() {
+            return None;
+        }
+        let want_role = scale_role(&self.parts.roles[entry]);
+        (0..self.n_entries()).find(|&j| {
+            self.parts.kinds[j] == EntryKind::Page
+                && self.parts.roles[j] == want_role
+                && self.parts.layer_ids[j] == self.parts.layer_ids[entry]
+                && self.parts.drafts[j] == self.parts.drafts[entry]
+        })
     }
 
     /// Rows per request slot of each ring-state entry (`None`: not a ring).
@@ -925,10 +1082,18 @@ impl Layout {
                 .chain(std::iter::repeat_n(None, n))
                 .collect()
         };
+        let representations = if self.has_representations() {
+            let mut all = self.representations.clone();
+            all.extend(std::iter::repeat_n(None, n));
+            all
+        } else {
+            Vec::new()
+        };
         let mut layout = Self::new(parts, self.context.clone())?
             .with_strides(strides)?
             .with_windows(extend(&self.windows))?
-            .with_rings(extend(&self.rings))?;
+            .with_rings(extend(&self.rings))?
+            .with_representations(representations)?;
         layout.window_page_size = self.window_page_size;
         Ok(layout)
     }

@@ -34,7 +34,7 @@
 //! `tests/module_layers.rs` reads it and fails on any `crate::` use that breaks it.
 //!
 //! <!-- module layers -->
-//! 1. `error`: the one error type.
+//! 1. `error` (the one error type), `repr` (KV dtypes and scale layouts: names only).
 //! 2. `layout` (a peer's buffers), `runs` (the request scan), `pairing` (entries by layer id),
 //!    `pieces` (the address model), `local` (plans on CPU byte slices).
 //! 3. `dcp` (the dealt token map), `groups` (layer groups), `heads` (TP head slicing), `plan`
@@ -49,7 +49,7 @@
 //!    pairs emit their blocks apart).
 //! 9. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
 //!    views of a plan or a batch, the manifest).
-//! 10. `advice` (direct or staged).
+//! 10. `advice` (direct or staged), `convert` (conversion plans between representations).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -60,6 +60,7 @@ pub mod batch;
 pub mod blockers;
 pub mod check;
 pub mod coalesce;
+pub mod convert;
 pub mod dcp;
 pub mod descriptors;
 pub mod digest;
@@ -74,6 +75,7 @@ pub mod pack;
 pub mod pairing;
 pub mod pieces;
 pub mod plan;
+pub mod repr;
 pub mod request;
 pub mod ring;
 pub mod runs;
@@ -112,6 +114,7 @@ pub use pieces::{
     Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
+pub use repr::{KvDtype, Representation, ScaleLayout};
 pub use request::{Indices, Request};
 pub use ring::RingPlanner;
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};

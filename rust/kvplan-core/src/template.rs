@@ -152,6 +152,7 @@ impl Template {
             return Err(problem);
         }
         let heads = heads?;
+        crate::check::same_representations(src, dst, &checks)?;
         let spec_of = |kind: EntryKind| -> Vec<PairSpec> {
             checks
                 .iter()

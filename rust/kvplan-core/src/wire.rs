@@ -63,6 +63,10 @@ pub const EXT_RING: u16 = 0x8004;
 /// Context extension: the page size of the window entries' own pool (u64). Must be
 /// understood: ignoring it would address window pages with the request's full-attention pages.
 pub const EXT_WINDOW_POOL: u16 = 0x8005;
+/// Entry extension: the entry's KV representation (u64: dtype code in the low byte, scale
+/// layout code in the next, [`crate::repr::Representation::to_code`]). Must be understood: a
+/// reader that ignored it would copy fp8 bytes into a bf16 pool.
+pub const EXT_REPRESENTATION: u16 = 0x8006;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
 const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
@@ -144,6 +148,10 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         let extensions = [
             (EXT_WINDOW, layout.windows()[i]),
             (EXT_RING, layout.rings()[i]),
+            (
+                EXT_REPRESENTATION,
+                layout.representations()[i].map(|r| r.to_code()),
+            ),
         ];
         let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16;
         out.extend_from_slice(&count.to_le_bytes());
@@ -264,6 +272,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     }
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut windows: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
+    let mut representations: Vec<Option<crate::repr::Representation>> = Vec::new();
     let mut rings: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
@@ -308,11 +317,12 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         });
         parts.roles.push(reader.string()?);
         if v2 {
-            let (mut window, mut ring) = (None, None);
+            let (mut window, mut ring, mut repr) = (None, None, None);
             reader.extensions("an entry", |tag, payload| {
                 let (slot, what) = match tag {
                     EXT_WINDOW => (&mut window, "window"),
                     EXT_RING => (&mut ring, "ring"),
+                    EXT_REPRESENTATION => (&mut repr, "representation"),
                     _ => return Ok(false),
                 };
                 let bytes: [u8; 8] = payload.try_into().map_err(|_| {
@@ -326,6 +336,17 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             })?;
             windows.push(window);
             rings.push(ring);
+            let entry = representations.len();
+            representations.push(
+                repr.map(|code| {
+                    crate::repr::Representation::from_code(code).ok_or_else(|| {
+                        wire_error(format!(
+                            "entry {entry}: unknown representation code {code:#x}"
+                        ))
+                    })
+                })
+                .transpose()?,
+            );
         }
     }
     if reader.remaining() != 0 {
@@ -337,7 +358,12 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     let layout = Layout::new(parts, context)?
         .with_strides(strides)?
         .with_windows(windows)?
-        .with_rings(rings)?;
+        .with_rings(rings)?
+        .with_representations(if representations.iter().any(Option::is_some) {
+            representations
+        } else {
+            Vec::new()
+        })?;
     match window_pool {
         Some(page_size) => layout.with_window_pool(page_size),
         None => Ok(layout),

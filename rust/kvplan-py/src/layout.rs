@@ -364,6 +364,48 @@ impl PyLayout {
         self.inner.window_page_size()
     }
 
+    /// The same layout with KV representations: one per entry, `None` for an entry that
+    /// publishes none (and for scale and state entries), else `"dtype"` or `"dtype:scales"`
+    /// (`"bf16"`, `"fp8_e4m3:per_token"`; dtypes `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`,
+    /// `int8`; scales `none`, `per_tensor`, `per_token`, `per_token_head`). Per-token scales
+    /// live in the page entry of the same layer whose role is the entry's role + `_scale`
+    /// (see docs/api.md, "KV representations"). A `LayoutError` names the entry and the values
+    /// for a representation its sizes contradict.
+    fn with_representations(&self, representations: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let texts: Vec<Option<String>> = representations.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "representations must be a sequence of one str or None per entry, got {}",
+                representations
+                    .repr()
+                    .map_or_else(|_| "?".into(), |r| r.to_string())
+            ))
+        })?;
+        let mut list = Vec::with_capacity(texts.len());
+        for (entry, text) in texts.iter().enumerate() {
+            list.push(match text {
+                None => None,
+                Some(t) => Some(kvplan_core::Representation::parse(t).ok_or_else(|| {
+                    crate::errors::LayoutError::new_err(format!(
+                        "entry {entry}: unknown representation {t:?}; give \"dtype\" or \
+                         \"dtype:scales\" with a dtype of bf16, fp16, fp8_e4m3, fp8_e5m2, int8 \
+                         and scales of none, per_tensor, per_token, per_token_head"
+                    ))
+                })?),
+            });
+        }
+        wrap(self.inner.clone().with_representations(list))
+    }
+
+    /// KV representation per entry (`None`: none published), as `with_representations` takes.
+    #[getter]
+    fn representations(&self) -> Vec<Option<String>> {
+        self.inner
+            .representations()
+            .iter()
+            .map(|r| r.map(|r| r.text()))
+            .collect()
+    }
+
     /// Sliding window in tokens per entry (`None`: a full entry).
     #[getter]
     fn windows(&self) -> Vec<Option<u64>> {
@@ -605,6 +647,9 @@ impl PyLayout {
         if self.inner.rings().iter().any(Option::is_some) {
             dict.set_item("rings", self.inner.rings())?;
         }
+        if self.inner.has_representations() {
+            dict.set_item("representations", self.representations())?;
+        }
         dict.set_item("page_size", ctx.page_size)?;
         dict.set_item("device", &ctx.device)?;
         dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -680,6 +725,7 @@ impl PyLayout {
             _ => None,
         };
         let rings = optional("rings")?;
+        let representations = optional("representations")?;
         // Each field is converted here, element by element, so that a bad document is refused
         // naming the field, the entry and the value (PyO3's own conversion errors name none).
         let item_lens = if items.cast::<PyList>().is_ok() || items.cast::<PyTuple>().is_ok() {
@@ -715,6 +761,10 @@ impl PyLayout {
             rings.as_ref(),
             Some(&data),
         )
+        .and_then(|layout| match representations {
+            Some(list) if !list.is_none() => layout.with_representations(&list),
+            _ => Ok(layout),
+        })
     }
 
     #[getter]

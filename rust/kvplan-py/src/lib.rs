@@ -5,6 +5,7 @@
 
 mod advice;
 mod batch;
+mod conversion;
 mod convert;
 mod descriptors;
 mod digest;
@@ -31,6 +32,8 @@ mod _core {
     use crate::advice::{PyAdvice, PyTransferCost, advise};
     #[pymodule_export]
     use crate::batch::PyBatchPlan;
+    #[pymodule_export]
+    use crate::conversion::{PyConversionPlan, PyConversionTemplate};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
@@ -74,6 +77,7 @@ mod _core {
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
         use pyo3::prelude::*;
         m.add("MHA_ROLES", kvplan_core::MHA_ROLES.to_vec())?;
+        m.add("DTYPES", crate::conversion::dtype_names())?;
         m.py()
             .get_type::<crate::errors::KvPlanError>()
             .setattr("kind", "other")?;

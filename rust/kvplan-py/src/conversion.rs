@@ -1,0 +1,217 @@
+//! Conversion plans (`ConversionTemplate`): arguments converted, the core's `convert` module
+//! called, its plan handed out as NumPy columns.
+
+use kvplan_core::convert::{ConversionPlan, ConversionTemplate};
+use kvplan_core::{KvDtype, PageIndex, Request};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+
+use crate::convert::{RequestArrays, RequestPlanner, plan_request};
+use crate::errors::to_py_err;
+use crate::layout::PyLayout;
+use crate::options::template_options;
+
+type U64s = Py<PyArray1<u64>>;
+type U8s = Py<PyArray1<u8>>;
+
+/// A template for transfers between layouts whose paired entries hold different KV
+/// representations: pairs as `Template` does and converts on the prefill.
+#[pyclass(frozen, name = "ConversionTemplate", module = "kvplan._core")]
+pub struct PyConversionTemplate {
+    inner: ConversionTemplate,
+}
+
+/// One request's conversion plan: gather, convert rows, network, scatter (see docs/api.md,
+/// "Conversion plans").
+#[pyclass(frozen, name = "ConversionPlan", module = "kvplan._core")]
+pub struct PyConversionPlan {
+    /// `(src_addrs, dst_addrs, lengths)`: prefill memory → gathered area.
+    #[pyo3(get)]
+    gather: (U64s, U64s, U64s),
+    /// `(src_addrs, dst_addrs, lengths)`: staging region → decode pages and scale entries.
+    #[pyo3(get)]
+    network: (U64s, U64s, U64s),
+    /// `(src_addrs, dst_addrs, lengths)`: decode-side copies (empty: the prefill converts).
+    #[pyo3(get)]
+    scatter: (U64s, U64s, U64s),
+    /// Per convert row: input address (gathered area).
+    #[pyo3(get)]
+    in_addrs: U64s,
+    /// Per convert row: output address (converted area).
+    #[pyo3(get)]
+    out_addrs: U64s,
+    /// Per convert row: elements.
+    #[pyo3(get)]
+    n_elems: U64s,
+    /// Per convert row: input dtype code (an index into `DTYPES`).
+    #[pyo3(get)]
+    in_dtypes: U8s,
+    /// Per convert row: output dtype code.
+    #[pyo3(get)]
+    out_dtypes: U8s,
+    /// Per convert row: consecutive elements sharing one scale.
+    #[pyo3(get)]
+    group_elems: U64s,
+    /// Per convert row: address of its first float32 scale (scale area).
+    #[pyo3(get)]
+    scale_addrs: U64s,
+    /// Per convert row: decode address its scales go to (its scale entry).
+    #[pyo3(get)]
+    scale_dst_addrs: U64s,
+    /// Bytes of the gathered area.
+    #[pyo3(get)]
+    gathered_bytes: u64,
+    /// Bytes of the converted area.
+    #[pyo3(get)]
+    converted_bytes: u64,
+    /// Bytes of the scale area.
+    #[pyo3(get)]
+    scale_bytes: u64,
+    /// Bytes of the staging region used from its start.
+    #[pyo3(get)]
+    staging_bytes: u64,
+    /// Bytes the network moves (converted values, scales, kept pairs).
+    #[pyo3(get)]
+    network_bytes: u64,
+    /// Blocks of the direct plan in the prefill representation.
+    #[pyo3(get)]
+    direct_blocks: usize,
+    /// Number of convert rows.
+    #[pyo3(get)]
+    n_rows: usize,
+    /// Blocks of the gather, the network and the scatter.
+    #[pyo3(get)]
+    n_blocks: (usize, usize, usize),
+}
+
+#[pymethods]
+impl PyConversionPlan {
+    fn __repr__(&self) -> String {
+        format!(
+            "ConversionPlan(gather={}, rows={}, network={}, scatter={} blocks, \
+             gathered_bytes={}, converted_bytes={}, scale_bytes={}, network_bytes={})",
+            self.n_blocks.0,
+            self.n_rows,
+            self.n_blocks.1,
+            self.n_blocks.2,
+            self.gathered_bytes,
+            self.converted_bytes,
+            self.scale_bytes,
+            self.network_bytes
+        )
+    }
+}
+
+struct PlanConversion<'t>(&'t ConversionTemplate, kvplan_core::StagingRegion);
+
+impl RequestPlanner for PlanConversion<'_> {
+    type Output = kvplan_core::Result<ConversionPlan>;
+    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
+        self.0.plan(request, self.1)
+    }
+}
+
+fn columns(py: Python<'_>, plan: kvplan_core::Plan) -> (U64s, U64s, U64s) {
+    let column = |v: Vec<u64>| PyArray1::from_vec(py, v).unbind();
+    (
+        column(plan.src_addrs),
+        column(plan.dst_addrs),
+        column(plan.lengths),
+    )
+}
+
+#[pymethods]
+impl PyConversionTemplate {
+    #[new]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, replicas_send=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        src_layout: PyRef<'_, PyLayout>,
+        dst_layout: PyRef<'_, PyLayout>,
+        pairing: Option<&Bound<'_, PyAny>>,
+        allow_positional_fallback: Option<bool>,
+        prefill_start_layer: Option<usize>,
+        legacy_kind: Option<&str>,
+        check_dst_overlap: bool,
+        replicas_send: bool,
+    ) -> PyResult<Self> {
+        let options = template_options(
+            pairing,
+            allow_positional_fallback,
+            prefill_start_layer,
+            legacy_kind,
+            check_dst_overlap,
+            replicas_send,
+        )?;
+        let inner = ConversionTemplate::new(&src_layout.inner, &dst_layout.inner, options)
+            .map_err(to_py_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Whether any pair converts (else the plan moves the bytes as they are).
+    #[getter]
+    fn converts(&self) -> bool {
+        self.inner.converts()
+    }
+
+    /// Plans one request (page lists, or token lists with `n_tokens`, as `Template.plan`)
+    /// through the prefill staging region `staging = (addr, size)`.
+    #[pyo3(signature = (src_pages, dst_pages, staging, *, n_tokens=None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        staging: (u64, u64),
+        n_tokens: Option<u64>,
+    ) -> PyResult<PyConversionPlan> {
+        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+        let region = kvplan_core::StagingRegion {
+            addr: staging.0,
+            size: staging.1,
+        };
+        let plan = plan_request(
+            py,
+            arrays.slices()?,
+            n_tokens,
+            PlanConversion(&self.inner, region),
+        )
+        .map_err(to_py_err)?;
+        let n_blocks = (
+            plan.gather.lengths.len(),
+            plan.network.lengths.len(),
+            plan.scatter.lengths.len(),
+        );
+        let rows = plan.rows;
+        let n_rows = rows.len();
+        let u64s = |v: Vec<u64>| PyArray1::from_vec(py, v).unbind();
+        let u8s = |v: Vec<u8>| PyArray1::from_vec(py, v).unbind();
+        Ok(PyConversionPlan {
+            network_bytes: plan.network.total_bytes,
+            gather: columns(py, plan.gather),
+            network: columns(py, plan.network),
+            scatter: columns(py, plan.scatter),
+            in_addrs: u64s(rows.in_addrs),
+            out_addrs: u64s(rows.out_addrs),
+            n_elems: u64s(rows.n_elems),
+            in_dtypes: u8s(rows.in_dtypes),
+            out_dtypes: u8s(rows.out_dtypes),
+            group_elems: u64s(rows.group_elems),
+            scale_addrs: u64s(rows.scale_addrs),
+            scale_dst_addrs: u64s(rows.scale_dst_addrs),
+            gathered_bytes: plan.gathered_bytes,
+            converted_bytes: plan.converted_bytes,
+            scale_bytes: plan.scale_bytes,
+            staging_bytes: plan.staging_bytes,
+            direct_blocks: plan.direct_blocks,
+            n_rows,
+            n_blocks,
+        })
+    }
+}
+
+/// The dtype names by code: `DTYPES[code]` (the codes of `ConversionPlan.in_dtypes` and
+/// `out_dtypes`).
+pub(crate) fn dtype_names() -> Vec<&'static str> {
+    KvDtype::ALL.iter().map(|d| d.as_str()).collect()
+}

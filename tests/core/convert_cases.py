@@ -1,0 +1,216 @@
+"""Deployments for the conversion tests: a bf16 prefill rank, an fp8/int8 decode rank with
+scale entries, and the "decode quantizes itself" reference.
+
+The reference is written from the rule's definition (docs/api.md, "Conversion plans") and
+shares no code with the executors: the bf16 KV the decode should hold is placed by the
+byte-level oracle (:func:`kvplan.testing.oracle.reference_copy`) into a bf16 twin of the
+decode's pool, then every token the request writes is quantized with a lookup-table encoder
+(nearest of the format's 256 codes, ties to the even code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import kvplan
+from kvplan.testing.oracle import Memory, rank_heads, reference_copy
+
+SENTINEL = 0xA5
+QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+
+
+def _fp8_table(dtype: str) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The non-negative finite values of an FP8 format, ascending, and their codes."""
+    exp_bits, man_bits, bias = (4, 3, 7) if dtype == "fp8_e4m3" else (5, 2, 15)
+    values, codes = [], []
+    for code in range(128):
+        e, m = code >> man_bits, code & ((1 << man_bits) - 1)
+        if e == (1 << exp_bits) - 1 and (dtype == "fp8_e5m2" or m == (1 << man_bits) - 1):
+            continue  # NaN / infinity codes
+        if e == 0:
+            value = m * 2.0 ** (1 - bias - man_bits)
+        else:
+            value = (1.0 + m / 2**man_bits) * 2.0 ** (e - bias)
+        values.append(value)
+        codes.append(code)
+    order = np.argsort(values)
+    return np.array(values)[order], np.array(codes)[order]
+
+
+_TABLES = {d: _fp8_table(d) for d in ("fp8_e4m3", "fp8_e5m2")}
+
+
+def reference_encode(q: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.uint8]:
+    """Nearest code of the format, ties to the even code (``q`` inside ``[-QMAX, QMAX]``)."""
+    if dtype == "int8":
+        return np.rint(q.astype(np.float64)).astype(np.int8).view(np.uint8)
+    values, codes = _TABLES[dtype]
+    a = np.abs(q.astype(np.float64))
+    hi = np.clip(np.searchsorted(values, a), 0, len(values) - 1)
+    lo = np.clip(hi - 1, 0, len(values) - 1)
+    d_lo, d_hi = a - values[lo], values[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    code = np.where(pick_hi, codes[hi], codes[lo])
+    return (code | (np.signbit(q).astype(np.int64) << 7)).astype(np.uint8)
+
+
+def reference_quantize(x: npt.NDArray[np.float32], dtype: str
+                       ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+    """Groups (rows of ``x``): the decode's own quantizer, scale = amax / QMAX per row (1.0 for
+    an all-zero row), values x / scale clamped and encoded."""
+    amax = np.max(np.abs(x), axis=1)
+    scale = np.where(amax == 0, np.float32(1.0),
+                     amax / np.float32(QMAX[dtype])).astype(np.float32)
+    q = np.clip(x / scale[:, None], -QMAX[dtype], QMAX[dtype]).astype(np.float32)
+    return reference_encode(q, dtype), scale
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One prefill deployment and one decode rank."""
+
+    layers: int = 2
+    kv_heads: int = 8
+    head_dim: int = 4
+    mla: bool = False
+    latent: int = 16
+    rope: int = 4
+    tp_p: int = 1
+    tp_d: int = 1
+    pp: int = 1
+    ps_p: int = 1
+    ps_d: int = 1
+    capacity_p: int = 12
+    capacity_d: int = 12
+    out_dtype: str = "fp8_e4m3"
+    scales: str = "per_token"
+
+
+@dataclass
+class Peer:
+    layout: kvplan.Layout
+    memory: Memory
+    arena: npt.NDArray[np.uint8]
+
+
+def _heads(dep: Deployment, tp_rank: int, tp_size: int) -> int:
+    return 1 if dep.mla else len(rank_heads(dep.kv_heads, tp_size, tp_rank))
+
+
+def _entries(dep: Deployment, heads: int, page_size: int) -> list[tuple[str, int]]:
+    """(role, elements per token) of one layer's KV entries."""
+    if dep.mla:
+        return [("kv", dep.latent), ("rope", dep.rope)]
+    return [("k", heads * dep.head_dim), ("v", heads * dep.head_dim)]
+
+
+def _context(dep: Deployment, page_size: int, tp_rank: int, tp_size: int, dtype_size: int,
+             pp_rank: int = 0, pp_size: int = 1) -> dict[str, Any]:
+    ctx: dict[str, Any] = dict(page_size=page_size, tp_rank=tp_rank, tp_size=tp_size,
+                               pp_rank=pp_rank, pp_size=pp_size)
+    if not dep.mla:
+        ctx.update(kv_heads=dep.kv_heads, head_dim=dep.head_dim, dtype_size=dtype_size)
+    return ctx
+
+
+def _build(entries: list[tuple[str, int, int, str | None]], capacity: int,
+           ctx: dict[str, Any], fill: npt.NDArray[np.uint8] | None) -> Peer:
+    """(role, layer, item bytes, representation) per entry, one buffer each in one arena."""
+    sizes = [capacity * item for _, _, item, _ in entries]
+    arena = np.full(sum(sizes) + 64, SENTINEL, dtype=np.uint8)
+    if fill is not None:
+        arena[:fill.size] = fill
+    base = int(arena.ctypes.data)
+    ptrs = list(np.cumsum([0, *sizes[:-1]]) + base)
+    layout = kvplan.Layout([int(p) for p in ptrs], sizes, [e[2] for e in entries],
+                           [e[1] for e in entries], [e[0] for e in entries], **ctx)
+    if any(e[3] is not None for e in entries):
+        layout = layout.with_representations([e[3] for e in entries])
+    return Peer(layout, Memory(arena, base), arena)
+
+
+def bf16_values(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint8]:
+    """``n`` bf16 values as bytes: finite, spread over magnitudes, some all-zero stretches."""
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-12, 12, n))).astype(np.float32)
+    x[rng.random(n) < 0.02] = 0.0
+    if n >= 64 and rng.random() < 0.5:
+        start = int(rng.integers(0, n - 32))
+        x[start:start + 32] = 0.0
+    bits = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return bits.view(np.uint8)
+
+
+def prefill(dep: Deployment, tp_rank: int, pp_rank: int, seed: int) -> Peer:
+    heads = _heads(dep, tp_rank, dep.tp_p)
+    per_stage = dep.layers // dep.pp
+    layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    entries = [(role, layer, dep.ps_p * elems * 2, "bf16")
+               for layer in layers for role, elems in _entries(dep, heads, dep.ps_p)]
+    rng = np.random.default_rng(seed)
+    total = sum(dep.capacity_p * e[2] for e in entries)
+    ctx = _context(dep, dep.ps_p, tp_rank, dep.tp_p, 2, pp_rank, dep.pp)
+    return _build(entries, dep.capacity_p, ctx, bf16_values(rng, total // 2))
+
+
+def decode(dep: Deployment, tp_rank: int) -> tuple[Peer, Peer]:
+    """The decode rank (converted KV + scale entries) and its bf16 twin (the same pool in
+    bf16, no scale entries): what the decode would hold before quantizing."""
+    heads = _heads(dep, tp_rank, dep.tp_d)
+    groups = heads if dep.scales == "per_token_head" else 1
+    real: list[tuple[str, int, int, str | None]] = []
+    twin: list[tuple[str, int, int, str | None]] = []
+    for layer in range(dep.layers):
+        for role, elems in _entries(dep, heads, dep.ps_d):
+            if role == "rope":
+                real.append((role, layer, dep.ps_d * elems * 2, "bf16"))
+            else:
+                real.append((role, layer, dep.ps_d * elems, f"{dep.out_dtype}:{dep.scales}"))
+            twin.append((role, layer, dep.ps_d * elems * 2, None))
+        for role, _ in _entries(dep, heads, dep.ps_d):
+            if role != "rope":
+                real.append((f"{role}_scale", layer, dep.ps_d * groups * 4, None))
+    return (_build(real, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 1), None),
+            _build(twin, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 2), None))
+
+
+def expected_decode(dep: Deployment, tp_rank: int, real: Peer, twin: Peer,
+                    dst_pages: npt.NDArray[np.int64], n_tokens: int) -> npt.NDArray[np.uint8]:
+    """What the decode's arena holds after quantizing the twin's tokens 0..n_tokens itself."""
+    want = real.arena.copy()
+    heads = _heads(dep, tp_rank, dep.tp_d)
+    by_key = {(e.layer_id, e.role): e for e in real.layout.entries()}
+    tokens = np.arange(n_tokens)
+    pages, slots = dst_pages[tokens // dep.ps_d].astype(np.int64), tokens % dep.ps_d
+    for t_entry in twin.layout.entries():
+        entry = by_key[(t_entry.layer_id, t_entry.role)]
+        token_elems = t_entry.item_len // dep.ps_d // 2
+        t_at = (t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len
+                + slots * token_elems * 2)
+        raw = twin.arena[t_at[:, None] + np.arange(token_elems * 2)]
+        if entry.role == "rope":
+            r_at = entry.data_ptr - real.memory.base + pages * entry.item_len + \
+                slots * token_elems * 2
+            want[r_at[:, None] + np.arange(token_elems * 2)] = raw
+            continue
+        x = (raw.reshape(-1).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
+        q, s = reference_quantize(x.reshape(n_tokens * groups, -1), dep.out_dtype)
+        r_at = entry.data_ptr - real.memory.base + pages * entry.item_len + slots * token_elems
+        want[r_at[:, None] + np.arange(token_elems)] = q.reshape(n_tokens, token_elems)
+        scale = by_key[(t_entry.layer_id, f"{entry.role}_scale")]
+        s_at = scale.data_ptr - real.memory.base + pages * scale.item_len + slots * groups * 4
+        want[s_at[:, None] + np.arange(groups * 4)] = \
+            s.astype("<f4").view(np.uint8).reshape(n_tokens, groups * 4)
+    return want
+
+
+def fill_twin(dep: Deployment, sources: list[Peer], twin: Peer,
+              src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64],
+              n_tokens: int) -> None:
+    for src in sources:
+        reference_copy(src.layout, src.memory, twin.layout, twin.memory, src_pages, dst_pages,
+                       n_tokens=n_tokens)

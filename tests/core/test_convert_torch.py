@@ -1,0 +1,90 @@
+"""Conversion plans run by ``kvplan.torch.TorchExecutor`` give the NumPy reference's bits.
+
+Needs torch (the ``kvplan[torch]`` extra: ``bash scripts/test-torch`` installs it and runs this
+file); without torch it is skipped. With ``KVPLAN_REQUIRE_TORCH=1`` a missing torch fails it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("KVPLAN_REQUIRE_TORCH") == "1":
+    import torch
+else:
+    torch = pytest.importorskip(
+        "torch", reason="torch is not installed (the kvplan[torch] extra; scripts/test-torch)"
+    )
+
+import kvplan  # noqa: E402
+from kvplan.quant import QMAX, encode_fp8  # noqa: E402
+from kvplan.testing.oracle import Memory, apply_conversion  # noqa: E402
+from kvplan.torch import TorchExecutor  # noqa: E402
+
+from convert_cases import Deployment, decode, prefill  # noqa: E402
+
+TPS = (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_torch_fp8_casts_equal_the_numpy_encoder(dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    qmax = QMAX[dtype]
+    x = (rng.standard_normal(200_000) * np.exp2(rng.integers(-24, 12, 200_000))).astype(
+        np.float32)
+    x = np.clip(x, -qmax, qmax)
+    # Every representable value and every midpoint between neighbours (the ties).
+    fp8 = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
+    every = torch.arange(256, dtype=torch.uint8).view(fp8).to(torch.float32).numpy()
+    finite = np.sort(every[np.isfinite(every)])
+    mids = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    x = np.concatenate([x, finite, mids, [0.0, -0.0]]).astype(np.float32)
+    ours = encode_fp8(x, dtype)
+    theirs = torch.from_numpy(x).to(fp8).view(torch.uint8).numpy()
+    assert np.array_equal(ours, theirs), np.flatnonzero(ours != theirs)[:5]
+
+
+def _run_both(dep: Deployment, rng: np.random.Generator) -> None:
+    d_rank = int(rng.integers(0, dep.tp_d))
+    n_tokens = int(rng.integers(1, min(dep.capacity_p * dep.ps_p, dep.capacity_d * dep.ps_d, 16) + 1))
+    src_pages = rng.choice(dep.capacity_p, -(-n_tokens // dep.ps_p), replace=False)
+    dst_pages = rng.choice(dep.capacity_d, -(-n_tokens // dep.ps_d), replace=False)
+    ranks = range(1) if dep.mla else range(dep.tp_p)
+    sources = [prefill(dep, r, s, seed=int(rng.integers(1 << 30)))
+               for r in ranks for s in range(dep.pp)]
+    real, _ = decode(dep, d_rank)
+    by_numpy = real.arena.copy()
+    numpy_mem = Memory(by_numpy, real.memory.base)
+    for src in sources:
+        template = kvplan.ConversionTemplate(src.layout, real.layout)
+        size = int(sum(e.data_len for e in src.layout.entries())) * 2 + 64
+        staging = torch.zeros(size, dtype=torch.uint8)
+        plan = template.plan(src_pages, dst_pages, (staging.data_ptr(), size), n_tokens=n_tokens)
+        np_staging = np.zeros(size, dtype=np.uint8)
+        # The NumPy run on copies at the same addresses: the staging tensor's bytes and the
+        # decode arena's copy, both seen at their real addresses through Memory.
+        apply_conversion(plan, src.memory, Memory(np_staging, staging.data_ptr()),
+                         numpy_mem)
+        executor = TorchExecutor({"prefill": torch.from_numpy(src.arena),
+                                  "staging": staging,
+                                  "decode": torch.from_numpy(real.arena)})
+        assert executor.run_conversion(plan) == plan.network_bytes
+        assert np.array_equal(staging.numpy(), np_staging)
+    bad = np.flatnonzero(real.arena != by_numpy)
+    assert bad.size == 0, f"{dep}: {bad.size} bytes differ, the first at {bad[0]}"
+
+
+def test_torch_and_numpy_executors_give_the_same_decode_pool() -> None:
+    rng = np.random.default_rng(8)
+    deps = []
+    for tp_p, tp_d, pp in itertools.product(TPS, TPS, (1, 2)):
+        for out_dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
+            deps.append(Deployment(tp_p=tp_p, tp_d=tp_d, pp=pp, ps_p=2, ps_d=1,
+                                   out_dtype=out_dtype, scales="per_token_head"))
+        deps.append(Deployment(mla=True, tp_p=tp_p, tp_d=tp_d, pp=pp, ps_p=1, ps_d=2))
+    for dep in deps:
+        for _ in range(3):
+            _run_both(dep, rng)
