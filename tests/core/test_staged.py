@@ -23,8 +23,8 @@ from kvplan.testing.ranks import Model, Rank, rank_memory
 LAYERS, HEAD_DIM = 2, 4
 
 
-def model(heads: int) -> Model:
-    return Model(layers=LAYERS, kv_heads=heads, head_dim=HEAD_DIM, dtype_size=2)
+def model(heads: int, window: int | None = None) -> Model:
+    return Model(layers=LAYERS, kv_heads=heads, head_dim=HEAD_DIM, dtype_size=2, window=window)
 
 
 def pages(n_tokens: int, page_size: int, *, reverse: bool) -> np.ndarray:
@@ -35,17 +35,17 @@ def pages(n_tokens: int, page_size: int, *, reverse: bool) -> np.ndarray:
 
 
 def staged_request(heads: int, tp_p: int, tp_d: int, r_d: int, *, order: str,
-                   page_sizes: tuple[int, int], n_tokens: int) -> int:
+                   page_sizes: tuple[int, int], n_tokens: int, window: int | None = None) -> int:
     """Plans every writer of decode rank ``r_d`` directly and staged through one shared decode
     staging region, runs both on real memory and compares them and the oracle. Returns the
     number of writers that sent bytes."""
     ps, pd = page_sizes
     src_pages, dst_pages = pages(n_tokens, ps, reverse=False), pages(n_tokens, pd, reverse=True)
     tokens = n_tokens if ps != pd else None
-    dst = rank_memory(model(heads), Rank(r_d, tp_d, pd, order, len(dst_pages) + 2))
+    dst = rank_memory(model(heads, window), Rank(r_d, tp_d, pd, order, len(dst_pages) + 2))
     want = dst.memory.copy()
     direct_out = dst.memory.copy()
-    sources = [rank_memory(model(heads), Rank(r_p, tp_p, ps, order, len(src_pages) + 2),
+    sources = [rank_memory(model(heads, window), Rank(r_p, tp_p, ps, order, len(src_pages) + 2),
                            seed=r_p + 1) for r_p in range(tp_p)]
     staged = []
     for src in sources:
@@ -237,3 +237,31 @@ def test_a_small_staged_part_does_not_hold_a_large_buffer() -> None:
         assert column.base is None and column.flags.owndata
     for column in (plan.scatter.src_addrs, plan.scatter.dst_addrs, plan.scatter.lengths):
         assert column.base is not None
+
+
+@pytest.mark.parametrize(("heads", "tp_p", "tp_d"), [(2, 1, 1), (8, 2, 8), (1, 2, 4), (8, 8, 2),
+                                                      (2, 4, 1)])
+@pytest.mark.parametrize(("page_sizes", "n_tokens"), [((4, 4), 12), ((16, 4), 21), ((1, 8), 13)])
+@pytest.mark.parametrize("window", [1, 5, 100])
+def test_staged_window_plans_stage_only_the_window(heads: int, tp_p: int, tp_d: int,
+                                                   page_sizes: tuple[int, int], n_tokens: int,
+                                                   window: int) -> None:
+    """A window layer's staged bytes are its direct plan's (the window only), where the decode
+    region is packed back to back (one writer per decode rank, prefill PP 1); with several
+    writers SGLang's staging layout gives every entry one slot size, so a full and a window
+    entry moving different bytes are refused naming both pairs."""
+    for r_d in range(tp_d):
+        try:
+            staged_request(heads, tp_p, tp_d, r_d, order="NHD", page_sizes=page_sizes,
+                           n_tokens=n_tokens, window=window)
+        except kvplan.KvPlanError as e:
+            assert e.kind == "staging_slots", e
+            assert tp_p > tp_d and window < n_tokens, (tp_p, tp_d, window)
+
+
+def test_several_writers_refuse_window_and_full_entries_of_different_slot_sizes() -> None:
+    with pytest.raises(kvplan.KvPlanError, match="staged decode slots need equal bytes per "
+                       "attention entry pair: page pair 0 moves 96 bytes per entry, page pair 1 "
+                       "moves 40") as e:
+        staged_request(8, 8, 2, 0, order="NHD", page_sizes=(4, 4), n_tokens=12, window=5)
+    assert e.value.kind == "staging_slots"

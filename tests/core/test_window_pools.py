@@ -208,7 +208,7 @@ def test_planners_without_window_pages_refuse_a_pooled_request_naming_the_side()
             as e:
         t.plan_batch([(pages, pages, 18)])
     assert e.value.requests == (0,)
-    with pytest.raises(kvplan.KvPlanError, match="sliding-window entries"):
+    with pytest.raises(kvplan.KvPlanError, match="window entries of the src side keep a pool"):
         t.plan_staged(pages, pages, src_staging=(1 << 40, 1 << 20),
                       dst_staging=(1 << 41, 1 << 20))
 

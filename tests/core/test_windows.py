@@ -151,13 +151,12 @@ def test_the_window_travels_on_the_wire_and_in_the_dict() -> None:
     assert full != layout and full.to_bytes() != layout.to_bytes()
 
 
-def test_planners_that_move_every_token_refuse_a_window_template() -> None:
+def test_row_gathers_that_move_every_token_refuse_a_window_template() -> None:
     t, _ = pair(window=8)
     pages = np.arange(4, dtype=np.int64)
-    with pytest.raises(kvplan.KvPlanError, match="a staged plan moves every token of a request; "
+    with pytest.raises(kvplan.KvPlanError, match="a row gather moves every token of a request; "
                        "this template has sliding-window entries"):
-        t.plan_staged(pages, pages, src_staging=(1 << 40, 1 << 20),
-                      dst_staging=(1 << 41, 1 << 20))
+        t.plan_row_gather(pages, pages, pack=(1 << 40, 1 << 20))
 
 
 def test_a_batch_of_window_requests_moves_what_each_moves_alone() -> None:

@@ -346,7 +346,6 @@ impl StagedPlanner<'_> {
         // Staging slots are laid out per page pair; a state slot is one block per pair already.
         request.page_lists("a staged plan")?;
         request.whole("a staged plan")?;
-        self.template.every_token("a staged plan")?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),
@@ -425,7 +424,7 @@ impl StagedPlanner<'_> {
         let PlanUnit::Pages(found) = direct.unit else {
             return (*request, direct);
         };
-        let Ok((src, dst)) = request.page_lists("a staged plan") else {
+        let Ok((src, _)) = request.page_lists("a staged plan") else {
             return (*request, direct);
         };
         if found.n_pages == 0 || self.template.strategy.tokens().is_err() {
@@ -434,7 +433,10 @@ impl StagedPlanner<'_> {
         let Some(tokens) = (src.len() as u64).checked_mul(self.template.page_sizes().0) else {
             return (*request, direct);
         };
-        let by_token = Request::tokens(src, dst, tokens);
+        let by_token = Request {
+            n_tokens: Some(tokens),
+            ..*request
+        };
         match self.template.prepare(&by_token) {
             Ok(shape)
                 if shape.total_bytes == direct.total_bytes && shape.n_blocks <= direct.n_blocks =>

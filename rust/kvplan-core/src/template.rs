@@ -713,7 +713,7 @@ impl Template {
     }
 
     /// Refuses a template with sliding-window entries in a planner that moves every token of a
-    /// request (staged plans lay out staging slots per page pair; row gathers walk every token).
+    /// request (row gathers walk every token of each lane).
     ///
     /// # Errors
     /// [`PlanError::Geometry`] naming the planner and the window.
