@@ -126,8 +126,9 @@ def main() -> None:
         f"Samples per variant: {min(len(s) for s in times.values())}–"
         f"{max(len(s) for s in times.values())}.",
         "",
-        "The indexer is its own buffer, so it never coalesces with its latent: each adds one "
-        "block per run (the `kvplan explain` coalescing table names it as the blocker). The "
+        "The indexer is its own buffer with its own page stride, so it never coalesces with "
+        "its latent: each adds one block per run (`kvplan explain` names the blocker: a page "
+        "stride that differs from the previous entry's). The "
         "bytes grow by 132 / 1152 = 11.5 %; the blocks double, and planning cost follows the "
         "blocks.",
     ]

@@ -49,7 +49,8 @@ import numpy as np
 
 from kvplan._core import KvPlanError, Layout, heads_per_rank
 
-__all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset", "split_layers"]
+__all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
+           "split_layers"]
 
 PREFILL_BASE = 0x1000_0000_0000
 DECODE_BASE = 0x9000_0000_0000
@@ -372,15 +373,15 @@ PRESETS: dict[str, ModelPreset] = {
                                 "(assumed DeepSeek-V3.2's format: 128 × fp8 plus one fp32 scale "
                                 "= 132 B per token per layer); the MTP layer is not modelled",
                     kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
-        ModelPreset("deepseek-v4", "DeepSeek-V4 (assumed geometry)", 61, "mla", 528 + 128 + 164 + 132,
+        ModelPreset("deepseek-v4", "DeepSeek-V4 (assumed geometry)", 61, "mla",
+                    528 + 128 + 164 + 132,
                     description="assumed, no public config: 61 layers; per layer an fp8 NoPE "
                                 "latent (512 × fp8 + 4 fp32 scales = 528 B per token) and a "
                                 "bf16 RoPE part (64 × bf16 = 128 B), each its own buffer; even "
                                 "layers sliding-window (128 tokens, NoPE + RoPE only), odd "
                                 "layers also a compressed-attention cache (a 656 B row per 4 "
                                 "tokens = 164 B per token) and the indexer (132 B per token)",
-                    kv_heads=1, head_dim=576, dtype_size=1, sliding_window=128,
-                    components=_V4),
+                    kv_heads=1, sliding_window=128, components=_V4),
         ModelPreset("gpt-oss-120b", "gpt-oss-120b", 36, "mha", 1024,
                     description="36 layers alternating sliding-window (128 tokens, even layers) "
                                 "and full attention, GQA 8 KV heads × 64 × bf16 = 1024 B per "

@@ -396,3 +396,11 @@ def test_explain_runs_the_new_presets(capsys, preset: str) -> None:
                                  base=kvplan.presets.DECODE_BASE),
                         title=p.name, pages=16)
     assert e.bytes == want and e.ok
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3.2", "deepseek-v4", "glm-5"])
+def test_explain_refuses_a_pool_for_multi_component_presets(capsys, preset: str) -> None:
+    rc, out, err = run_cli(capsys, "--preset", preset, "--layout", "cross-layer", "--pages", "8")
+    assert rc == 2 and out == ""
+    assert f"--layout cross-layer: preset {preset!r} keeps each layer in" in err
+    assert "per-layer only" in err and "address space" not in err

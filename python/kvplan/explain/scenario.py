@@ -22,6 +22,14 @@ def check_options(args: argparse.Namespace) -> None:
         if args.pp is not None and args.pp_split is not None and args.pp != len(args.pp_split):
             raise ValueError(f"--pp {args.pp} disagrees with --pp-split {_pp_text(args)} "
                              f"({len(args.pp_split)} stages)")
+        from kvplan.presets import get_preset
+
+        components = get_preset(args.preset).layer_components()
+        if getattr(args, "layout", None) == "cross-layer" and components:
+            raise ValueError(f"--layout cross-layer: preset {args.preset!r} keeps each layer in "
+                             f"{len(components)} buffers of their own "
+                             f"({', '.join(c.role for c in components)}); it is laid out "
+                             f"per-layer only")
         return
     given = [opt for opt, value in (("--page-size", args.page_size),
                                     ("--decode-dcp", getattr(args, "decode_dcp", None)),

@@ -10,7 +10,7 @@ fn layout(base: u64, ids: &[i64], roles: &[&str]) -> Layout {
         data_lens: vec![64 * 8; n],
         item_lens: vec![64; n],
         layer_ids: ids.iter().map(|&i| Some(i)).collect(),
-        roles: roles.iter().map(|r| r.to_string()).collect(),
+        roles: roles.iter().map(ToString::to_string).collect(),
         ..LayoutParts::default()
     };
     Layout::new(parts, LayoutContext::default()).unwrap()
