@@ -488,6 +488,7 @@ struct Segment {
 }
 
 /// Segments of global tokens `first..n_tokens` both maps hold, in token order.
+#[inline]
 fn segments(
     first: u64,
     n_tokens: u64,
@@ -532,6 +533,9 @@ enum Walk<P, D> {
 impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk<P, D> {
     type Item = Segment;
 
+    // Inlined into every walk: called once per segment, and an out-of-line call returning
+    // the segment through memory costs more than the segment's own work.
+    #[inline(always)]
     fn next(&mut self) -> Option<Segment> {
         match self {
             Walk::Paged(walk) => walk.next(),
@@ -563,6 +567,7 @@ fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<It
 
 /// Segments of tokens `first..n_tokens` over pages of `sizes` tokens, in token order (the walk
 /// starts at `first` directly: a delta request costs its own tokens, not the skipped ones).
+#[inline]
 fn paged_segments(first: u64, n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
     let (ps, pd) = sizes;
     // Positions below the validated page counts, so they fit usize.
@@ -628,6 +633,7 @@ impl PageSteps for ModelPages {
 /// Why a segment (not the first) cannot join the block before it, per side: `(edge, stepped)`
 /// where `edge` says it starts a new page on that side and `stepped` that the page index is the
 /// previous one plus one.
+#[inline]
 fn edges<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     seg: &Segment,
     src: &S,
@@ -645,6 +651,7 @@ fn edges<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
 
 /// Whether a segment starts a new block for a contiguous piece of class `class` (1..=4 within
 /// its lane).
+#[inline]
 fn breaks(
     class: usize,
     seg: &Segment,
