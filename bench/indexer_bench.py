@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from harness import machine  # noqa: E402
 from harness.results import RESULTS_DIR, write_lines  # noqa: E402
-from harness.timing import interleaved  # noqa: E402
+from harness.timing import interleaved, median_min_us  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset  # noqa: E402
@@ -51,10 +51,6 @@ def decode_pages(runs: int) -> np.ndarray:
     n = N_TOKENS // PAGE
     per = n // runs
     return np.concatenate([np.arange(per) + r * (per + 1) for r in range(runs)]).astype(np.int64)
-
-
-def fmt_us(samples: list[float]) -> str:
-    return f"{statistics.median(samples) / 1e3:,.1f} µs ({min(samples) / 1e3:,.1f} µs)"
 
 
 def main() -> None:
@@ -119,7 +115,7 @@ def main() -> None:
     ]
     for name, samples in times.items():
         base = times[name.replace("latent + indexer", "latent only")]
-        lines.append(f"| {name} | {fmt_us(samples)} | "
+        lines.append(f"| {name} | {median_min_us(samples)} | "
                      f"{statistics.median(samples) / statistics.median(base):.2f}× |")
     lines += [
         "",

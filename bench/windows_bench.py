@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from harness import machine  # noqa: E402
 from harness.results import RESULTS_DIR, write_lines  # noqa: E402
-from harness.timing import interleaved  # noqa: E402
+from harness.timing import interleaved, median_min_us  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset  # noqa: E402
@@ -72,10 +72,6 @@ def pooled(layout: kvplan.Layout, pool_page: int, base: int) -> kvplan.Layout:
     return kvplan.Layout(ptrs, lens, items, layout.layer_ids, layout.roles,
                          page_size=layout.page_size, windows=layout.windows,
                          window_page_size=pool_page, num_model_layers=layout.num_model_layers)
-
-
-def fmt_us(samples: list[float]) -> str:
-    return f"{statistics.median(samples) / 1e3:,.1f} µs ({min(samples) / 1e3:,.1f} µs)"
 
 
 def main() -> None:
@@ -163,7 +159,7 @@ def main() -> None:
     ]
     base = times["whole layers"]
     for name, samples in times.items():
-        lines.append(f"| {name} | {fmt_us(samples)} | "
+        lines.append(f"| {name} | {median_min_us(samples)} | "
                      f"{statistics.median(samples) / statistics.median(base):.2f}× | "
                      f"{min(samples) / min(base):.2f}× |")
     lines += [

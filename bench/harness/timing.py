@@ -126,3 +126,10 @@ def alternating(variants: dict[str, Variant], reps: int) -> dict[str, list[float
                 samples[k].append(float(time.perf_counter_ns() - t0))
                 after()
     return samples
+
+
+def median_min_us(samples: list[float]) -> str:
+    """Per-call nanosecond samples as ``median µs (min µs)``, the form the result tables use."""
+    import statistics
+
+    return f"{statistics.median(samples) / 1e3:,.1f} µs ({min(samples) / 1e3:,.1f} µs)"
