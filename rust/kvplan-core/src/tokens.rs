@@ -535,7 +535,7 @@ impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk
 
     // Inlined into every walk: called once per segment, and an out-of-line call returning
     // the segment through memory costs more than the segment's own work.
-    #[inline(always)]
+    #[inline]
     fn next(&mut self) -> Option<Segment> {
         match self {
             Walk::Paged(walk) => walk.next(),
