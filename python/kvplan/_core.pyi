@@ -909,6 +909,9 @@ class ConversionPlan:
     def n_rows(self) -> int: ...
     @property
     def n_blocks(self) -> tuple[int, int, int]: ...
+    def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]) -> int:
+        """The network's content digest on ``side``: the converted staging (``"src"``) or the
+        decode's memory (``"dst"``); equal exactly when every converted byte and scale landed."""
 
 def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
     """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.

@@ -227,3 +227,40 @@ def test_codec_matches_the_lookup_table_encoder() -> None:
         assert np.array_equal(decode_fp8(encode_fp8(finite, dtype), dtype), finite)
     q, scales = quantize_groups(np.zeros(8, dtype=np.float32), 4, "fp8_e4m3")
     assert q.tolist() == [0] * 8 and scales.tolist() == [1.0, 1.0]
+
+
+def test_content_digests_verify_a_converting_transfer_end_to_end() -> None:
+    dep = Deployment(tp_p=2, tp_d=4, ps_p=2, ps_d=1, scales="per_token")
+    rng = np.random.default_rng(9)
+    real, twin = decode(dep, 1)
+    n_tokens = 10
+    src_pages = rng.choice(dep.capacity_p, 5, replace=False)
+    dst_pages = rng.choice(dep.capacity_d, 10, replace=False)
+    sources = [prefill(dep, r, 0, seed=r + 1) for r in range(dep.tp_p)]
+    plans = []
+    for src in sources:
+        staging = _staging([src])
+        plan = kvplan.ConversionTemplate(src.layout, real.layout).plan(
+            src_pages, dst_pages, (staging.base, staging.data.size), n_tokens=n_tokens)
+        apply_conversion(plan, src.memory, staging, real.memory)
+        plans.append((plan, staging))
+    fill_twin(dep, sources, twin, src_pages, dst_pages, n_tokens)
+    want = expected_decode(dep, 1, real, twin, dst_pages, n_tokens)
+    landed = real.arena.copy()
+    for plan, staging in plans:
+        if plan.network_bytes == 0:
+            continue
+        sent = plan.content_digest("src", [staging.data])
+        # What the prefill digests is what the decode's own quantizer would hold (the
+        # reference's bytes, put at the decode's addresses)...
+        real.arena[:] = want
+        assert plan.content_digest("dst", [real.arena]) == sent
+        # ... and what landed.
+        real.arena[:] = landed
+        assert plan.content_digest("dst", [real.arena]) == sent
+    # One flipped scale bit in the decode is caught.
+    plan = next(p for p, _ in plans if p.n_rows)
+    at = int(plan.scale_dst_addrs[0]) - real.memory.base
+    before = plan.content_digest("dst", [real.arena])
+    real.arena[at] ^= 1
+    assert plan.content_digest("dst", [real.arena]) != before

@@ -82,10 +82,37 @@ pub struct PyConversionPlan {
     /// Blocks of the gather, the network and the scatter.
     #[pyo3(get)]
     n_blocks: (usize, usize, usize),
+    /// The network's columns, for its content digests.
+    network_blocks: [Vec<u64>; 3],
 }
 
 #[pymethods]
 impl PyConversionPlan {
+    /// The content digest of the network plan read on `side` from `buffers` (numpy arrays or
+    /// other C-contiguous buffers, as `TransferPlan.content_digest`): on `"src"` the staging
+    /// region after the convert rows (the decode's representation: values and scales, what
+    /// the decode should hold), on `"dst"` the decode's memory (what landed). The two are
+    /// equal exactly when every converted byte and scale arrived at its place.
+    fn content_digest(
+        &self,
+        py: Python<'_>,
+        side: &str,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let side = crate::digest::parse_side(side)?;
+        let buffers = crate::digest::Buffers::extract(py, buffers)?;
+        let [src_addrs, dst_addrs, lengths] = &self.network_blocks;
+        let offsets = [0, lengths.len()];
+        let blocks = kvplan_core::PlanBlocks {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            pair_offsets: &offsets,
+        };
+        let pairs = crate::digest::pair_digests(py, &blocks, side, &buffers)?;
+        Ok(kvplan_core::content_digest(&pairs))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ConversionPlan(gather={}, rows={}, network={}, scatter={} blocks, \
@@ -184,6 +211,11 @@ impl PyConversionTemplate {
         );
         let rows = plan.rows;
         let n_rows = rows.len();
+        let network_blocks = [
+            plan.network.src_addrs.clone(),
+            plan.network.dst_addrs.clone(),
+            plan.network.lengths.clone(),
+        ];
         let u64s = |v: Vec<u64>| PyArray1::from_vec(py, v).unbind();
         let u8s = |v: Vec<u8>| PyArray1::from_vec(py, v).unbind();
         Ok(PyConversionPlan {
@@ -206,6 +238,7 @@ impl PyConversionTemplate {
             direct_blocks: plan.direct_blocks,
             n_rows,
             n_blocks,
+            network_blocks,
         })
     }
 }
