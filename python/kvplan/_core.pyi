@@ -863,9 +863,14 @@ class ConversionTemplate:
     @property
     def converts(self) -> bool:
         """Whether any pair converts."""
+    @property
+    def convert_on(self) -> str:
+        """``"prefill"`` (quantizing before the network) or ``"decode"`` (dequantizing after)."""
     def plan(self, src_pages: _IndexArray, dst_pages: _IndexArray, staging: tuple[int, int], *,
+             dst_staging: tuple[int, int] | None = None,
              n_tokens: int | None = None) -> ConversionPlan:
-        """One request through the prefill staging region ``staging = (addr, size)``."""
+        """One request through the prefill staging region ``staging = (addr, size)`` (and the
+        decode's ``dst_staging`` when the decode converts)."""
 
 @final
 class ConversionPlan:
@@ -901,6 +906,10 @@ class ConversionPlan:
     def scale_bytes(self) -> int: ...
     @property
     def staging_bytes(self) -> int: ...
+    @property
+    def dst_staging_bytes(self) -> int: ...
+    @property
+    def convert_on(self) -> str: ...
     @property
     def network_bytes(self) -> int: ...
     @property

@@ -279,10 +279,17 @@ class TorchExecutor:
         benchmark; a real deployment runs the gather and rows here and hands the network to
         a transfer engine, see :meth:`run_conversion_rows`). Returns the bytes the network
         moved. Raises what :meth:`run` raises."""
-        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.gather))
-        self.run_conversion_rows(plan)
-        moved = self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.network))
-        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.scatter))
+        def blocks(columns: tuple[_U64, _U64, _U64]) -> int:
+            return self._run(*(np.asarray(c, dtype=np.uint64) for c in columns))
+
+        blocks(plan.gather)
+        if plan.convert_on == "decode":
+            moved = blocks(plan.network)
+            self.run_conversion_rows(plan)
+        else:
+            self.run_conversion_rows(plan)
+            moved = blocks(plan.network)
+        blocks(plan.scatter)
         return moved
 
     def run_conversion_rows(self, plan: ConversionPlan) -> int:
@@ -304,6 +311,9 @@ class TorchExecutor:
     def _convert_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int) -> None:
         in_dtype = DTYPES[int(plan.in_dtypes[rows[0]])]
         out_dtype = DTYPES[int(plan.out_dtypes[rows[0]])]
+        if in_dtype in QMAX:
+            self._dequantize_rows(plan, rows, n, group, in_dtype, out_dtype)
+            return
         in_size = 2  # bf16 and fp16, the input dtypes
         n_groups = n // group
         located = []
@@ -333,6 +343,32 @@ class TorchExecutor:
         _write_rows(out_r.flat, out_off, n, codes.reshape(-1))
         _write_rows(scale_r.flat, scale_off, n_groups * 4,
                     scale.contiguous().view(torch.uint8).to(scale_r.flat.device))
+
+    def _dequantize_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int,
+                         in_dtype: str, out_dtype: str) -> None:
+        """Decode-side rows: quantized values times their scales, rounded to bf16/fp16."""
+        n_groups = n // group
+        located = []
+        for addrs, lengths in ((plan.in_addrs[rows], n), (plan.out_addrs[rows], n * 2),
+                               (plan.scale_addrs[rows], n_groups * 4)):
+            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
+                                          lengths.astype(np.uint64), "src")
+            if region.min() != region.max():
+                raise _error(KvPlanError, "conversion_rows",
+                             "the convert rows of one dtype pair lie in several tensors; "
+                             "register each staging region as one tensor")
+            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
+        (in_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
+        codes = _read_rows(in_r.flat, in_off, n)
+        if in_dtype == "int8":
+            values = codes.view(torch.int8).to(torch.float32)
+        else:
+            fp8 = torch.float8_e4m3fn if in_dtype == "fp8_e4m3" else torch.float8_e5m2
+            values = codes.view(fp8).to(torch.float32)
+        scales = _read_rows(scale_r.flat, scale_off, n_groups * 4).view(torch.float32)
+        y = (values.reshape(-1, group) * scales.to(values.device)[:, None]).reshape(-1)
+        out = y.to(torch.bfloat16 if out_dtype == "bf16" else torch.float16)
+        _write_rows(out_r.flat, out_off, n * 2, out.view(torch.uint8).to(out_r.flat.device))
 
     def _run(self, src: _U64, dst: _U64, lengths: _U64) -> int:
         total_bytes = int(lengths.sum(dtype=np.uint64))
