@@ -145,8 +145,8 @@ def _pair(src_repr: str, dst_repr: str, dst_dtype_size: int = 1,
 
 
 @pytest.mark.parametrize("src_repr,dst_repr,dst_size,why", [
-    ("fp8_e4m3:per_token", "int8:per_token", 1, "re-quantized"),
-    ("fp8_e4m3:per_token", "fp8_e5m2:per_token", 1, "re-quantized"),
+    ("fp8_e4m3:per_token", "int8:per_token", 1, "re-quantizing"),
+    ("fp8_e4m3:per_token", "fp8_e5m2:per_token", 1, "re-quantizing"),
     ("bf16", "fp16", 2, "rounds or clips"),
     ("bf16", "fp8_e4m3", 1, "without scales"),
     ("bf16", "fp8_e4m3:per_tensor", 1, "calibrated"),

@@ -32,6 +32,12 @@
 //! each decode scale group is held whole by one prefill rank (`per_token` with fewer heads per
 //! prefill rank than per decode rank is refused: no prefill rank sees a decode token's heads).
 //! The quantization rule is stated in docs/api.md ("Conversion plans").
+//!
+//! The reverse, quantized values with per-token scales into `bf16` or `fp16`, is converted on
+//! the decode ([`ConversionTemplate::side`] is [`Side::Dst`]): the *prefill* is widened
+//! instead, the gather collects the quantized values and then each row's scales from the
+//! prefill's scale entries, one network block moves both into the decode staging region, and
+//! the decode's convert rows write its pages (kept pairs are scattered).
 
 use crate::check::{TemplateOptions, check_pairs};
 use crate::error::{PlanError, Result, Side};
@@ -441,12 +447,15 @@ impl ConversionTemplate {
     }
 
     /// Plans one request (page or token lists, as [`Template::plan`]) as a conversion plan
-    /// through `staging` (registered prefill memory; see the [`crate::convert`] module).
+    /// through `staging` (registered prefill memory) and, when the decode converts,
+    /// `dst_staging` (registered decode memory; ignored otherwise); see the
+    /// [`crate::convert`] module.
     ///
     /// # Errors
-    /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than the
-    /// plan's three areas; [`PlanError::Geometry`] for a block that is not whole scale groups
-    /// (a head split the scale layout does not allow); [`PlanError::Overflow`].
+    /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than what
+    /// the plan places in it; [`PlanError::Geometry`] for a block that is not whole scale
+    /// groups (a head split the scale layout does not allow) or a decode-side conversion
+    /// without `dst_staging`; [`PlanError::Overflow`].
     pub fn plan<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
