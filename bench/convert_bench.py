@@ -202,8 +202,15 @@ and so cannot reach 0.51 either: 0.56 is the floor for fp8 latent + bf16 rope.
 
 Executors: the NumPy reference runs one Python iteration per convert row (one row per page and
 entry, or per token and entry when heads are re-sliced); the torch executor runs one batched
-quantization per (dtype pair, group size) for all rows, so it is well within the "torch within
-2x of NumPy" target wherever there are many rows.
+quantization per (dtype pair, group size) for all rows (rows read and written as slices, or one
+indexed copy beyond 4,096 rows), so the "torch within 2x of NumPy" target is met in every row
+(torch / NumPy below 1 is torch faster).
+
+Planning: a conversion plan costs 40-60x the bf16 `Template.plan` of the same request (about
+55 ns per direct block against 2 ns): it plans the direct plan into an owned `Plan`, then
+looks up every block's widened entry (a binary search), splits rows at pages and builds four
+more column sets. It is still 0.02-0.2 % of the NumPy conversion it describes. Not measured
+here: the decode-side (dequantizing) plans, whose executors run the same batched operations.
 """
     OUT.write_text(text)
     print(f"wrote {OUT}", file=sys.stderr)
