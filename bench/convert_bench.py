@@ -207,7 +207,7 @@ indexed copy beyond 4,096 rows), so the "torch within 2x of NumPy" target is met
 (torch / NumPy below 1 is torch faster).
 
 Planning: a conversion plan costs 40-60x the bf16 `Template.plan` of the same request (about
-55 ns per direct block against 2 ns): it plans the direct plan into an owned `Plan`, then
+60 ns per direct block against 1-2 ns): it plans the direct plan into an owned `Plan`, then
 looks up every block's widened entry (a binary search), splits rows at pages and builds four
 more column sets. It is still 0.02-0.2 % of the NumPy conversion it describes. Not measured
 here: the decode-side (dequantizing) plans, whose executors run the same batched operations.
