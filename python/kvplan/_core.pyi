@@ -887,9 +887,14 @@ class ConversionTemplate:
     @property
     def converts(self) -> bool:
         """Whether any pair converts."""
+    @property
+    def convert_on(self) -> str:
+        """``"prefill"`` (quantizing before the network) or ``"decode"`` (dequantizing after)."""
     def plan(self, src_pages: _IndexArray, dst_pages: _IndexArray, staging: tuple[int, int], *,
+             dst_staging: tuple[int, int] | None = None,
              n_tokens: int | None = None) -> ConversionPlan:
-        """One request through the prefill staging region ``staging = (addr, size)``."""
+        """One request through the prefill staging region ``staging = (addr, size)`` (and the
+        decode's ``dst_staging`` when the decode converts)."""
 
 @final
 class ConversionPlan:
@@ -926,6 +931,10 @@ class ConversionPlan:
     @property
     def staging_bytes(self) -> int: ...
     @property
+    def dst_staging_bytes(self) -> int: ...
+    @property
+    def convert_on(self) -> str: ...
+    @property
     def network_bytes(self) -> int: ...
     @property
     def direct_blocks(self) -> int: ...
@@ -933,6 +942,9 @@ class ConversionPlan:
     def n_rows(self) -> int: ...
     @property
     def n_blocks(self) -> tuple[int, int, int]: ...
+    def content_digest(self, side: Literal["src", "dst"], buffers: Iterable[_Buffer]) -> int:
+        """The network's content digest on ``side``: the converted staging (``"src"``) or the
+        decode's memory (``"dst"``); equal exactly when every converted byte and scale landed."""
 
 def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
     """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.

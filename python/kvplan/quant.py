@@ -15,6 +15,11 @@ token for ``per_token_head``):
   nearest integer, ties to even);
 - the scale is stored as float32, little-endian, in the decode's scale entry.
 
+Dequantizing (quantized values with per-token scales into ``bf16``/``fp16``, run by the decode):
+each value is decoded exactly to float32, multiplied by its group's float32 scale (one IEEE
+multiplication) and rounded to the output format, nearest with ties to even (NaN as the
+format's quiet NaN, ``0x7FC0`` for bf16, sign kept).
+
 NaN values stay NaN (e4m3 code ``0x7F``, e5m2 ``0x7F``, sign kept; a group holding a NaN has a
 NaN ``amax``, so all its values and its scale are NaN); an infinite value makes its group's
 scale infinite. int8 has no NaN: NaN is not defined for int8 groups (keep KV finite).
@@ -27,7 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["QMAX", "decode_fp8", "encode_fp8", "quantize_groups", "to_float32"]
+__all__ = ["QMAX", "decode_fp8", "dequantize_groups", "encode_fp8", "from_float32",
+           "quantize_groups", "to_float32"]
 
 #: Largest finite magnitude of each quantized dtype: the ``QMAX`` of the rule.
 QMAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
@@ -109,3 +115,30 @@ def quantize_groups(x: npt.NDArray[np.float32], group: int,
     else:
         out = encode_fp8(q, dtype)
     return out.reshape(-1), scale
+
+
+def from_float32(x: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.uint8]:
+    """float32 values as little-endian ``bf16`` or ``fp16`` bytes, nearest, ties to even."""
+    if dtype == "fp16":
+        out16: npt.NDArray[np.uint8] = x.astype(np.float16).view(np.uint8)
+        return out16
+    if dtype != "bf16":
+        raise ValueError(f"{dtype!r} is not an output dtype of dequantization (bf16, fp16)")
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> \
+        np.uint32(16)
+    nan = np.isnan(x)
+    quiet = (bits >> np.uint32(16)) & np.uint32(0x8000) | np.uint32(0x7FC0)
+    out: npt.NDArray[np.uint8] = np.where(nan, quiet, rounded).astype(np.uint16).view(np.uint8)
+    return out
+
+
+def dequantize_groups(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32], group: int,
+                      in_dtype: str, out_dtype: str) -> npt.NDArray[np.uint8]:
+    """Quantized bytes (one per element, ``group`` elements per scale) as ``out_dtype`` bytes."""
+    if in_dtype == "int8":
+        values = raw.view(np.int8).astype(np.float32)
+    else:
+        values = decode_fp8(raw, in_dtype)
+    y = (values.reshape(-1, group) * scales[:, None]).astype(np.float32).reshape(-1)
+    return from_float32(y, out_dtype)

@@ -214,3 +214,144 @@ def fill_twin(dep: Deployment, sources: list[Peer], twin: Peer,
     for src in sources:
         reference_copy(src.layout, src.memory, twin.layout, twin.memory, src_pages, dst_pages,
                        n_tokens=n_tokens)
+
+
+def _quantized_entries(dep: Deployment, heads: int, page_size: int, layers: range,
+                       ) -> list[tuple[str, int, int, str | None]]:
+    """An fp8/int8 rank's entries: KV (rope kept bf16) and their scale entries."""
+    groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
+    out: list[tuple[str, int, int, str | None]] = []
+    for layer in layers:
+        for role, elems in _entries(dep, heads, page_size):
+            if role == "rope":
+                out.append((role, layer, page_size * elems * 2, "bf16"))
+            else:
+                out.append((role, layer, page_size * elems, f"{dep.out_dtype}:{dep.scales}"))
+        for role, _ in _entries(dep, heads, page_size):
+            if role != "rope":
+                out.append((f"{role}_scale", layer, page_size * groups * 4, None))
+    return out
+
+
+def _quantized_fill(dep: Deployment, entries: list[tuple[str, int, int, str | None]],
+                    capacity: int, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
+    parts = []
+    for role, _, item, _ in entries:
+        n = capacity * item
+        if role.endswith("_scale"):
+            scales = np.exp2(rng.uniform(-12, 6, n // 4)).astype(np.float32)
+            parts.append(scales.view(np.uint8))
+        elif role == "rope":
+            parts.append(bf16_values(rng, n // 2))
+        else:
+            codes = rng.integers(0, 256, n, dtype=np.uint8)
+            if dep.out_dtype == "fp8_e4m3":
+                codes[(codes & 0x7F) == 0x7F] = 0
+            elif dep.out_dtype == "fp8_e5m2":
+                codes[(codes & 0x7C) == 0x7C] = 0
+            parts.append(codes)
+    return np.concatenate(parts)
+
+
+def quantized_prefill(dep: Deployment, tp_rank: int, pp_rank: int, seed: int) -> Peer:
+    heads = _heads(dep, tp_rank, dep.tp_p)
+    per_stage = dep.layers // dep.pp
+    entries = _quantized_entries(dep, heads, dep.ps_p,
+                                 range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
+    fill = _quantized_fill(dep, entries, dep.capacity_p, np.random.default_rng(seed))
+    ctx = _context(dep, dep.ps_p, tp_rank, dep.tp_p, 1, pp_rank, dep.pp)
+    return _build(entries, dep.capacity_p, ctx, fill)
+
+
+def plain_decode(dep: Deployment, tp_rank: int) -> tuple[Peer, Peer]:
+    """A bf16 decode rank and its quantized twin (what it would hold before dequantizing)."""
+    heads = _heads(dep, tp_rank, dep.tp_d)
+    real = [(role, layer, dep.ps_d * elems * 2, "bf16") for layer in range(dep.layers)
+            for role, elems in _entries(dep, heads, dep.ps_d)]
+    twin = _quantized_entries(dep, heads, dep.ps_d, range(dep.layers))
+    return (_build(real, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 2), None),
+            _build(twin, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 1), None))
+
+
+def _reference_values(codes: npt.NDArray[np.uint8], dtype: str) -> npt.NDArray[np.float64]:
+    if dtype == "int8":
+        return codes.view(np.int8).astype(np.float64)
+    values, table_codes = _TABLES[dtype]
+    lookup = np.zeros(256)
+    lookup[table_codes] = values
+    lookup[table_codes | 0x80] = -values
+    return lookup[codes]
+
+
+def _reference_bf16(y: npt.NDArray[np.float64]) -> npt.NDArray[np.uint8]:
+    """Nearest bf16 (8 significant bits), ties to even, through frexp: not the bit trick."""
+    m, e = np.frexp(y)
+    rounded = np.ldexp(np.rint(m * 256.0) / 256.0, e)
+    return (rounded.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(
+        np.uint16).view(np.uint8)
+
+
+def expected_dequantized(dep: Deployment, tp_rank: int, real: Peer, twin: Peer,
+                         dst_pages: npt.NDArray[np.int64], n_tokens: int
+                         ) -> npt.NDArray[np.uint8]:
+    """What the bf16 decode holds after dequantizing the twin's tokens itself."""
+    want = real.arena.copy()
+    heads = _heads(dep, tp_rank, dep.tp_d)
+    by_key = {(e.layer_id, e.role): e for e in twin.layout.entries()}
+    tokens = np.arange(n_tokens)
+    pages, slots = dst_pages[tokens // dep.ps_d].astype(np.int64), tokens % dep.ps_d
+    for entry in real.layout.entries():
+        t_entry = by_key[(entry.layer_id, entry.role)]
+        token_elems = entry.item_len // dep.ps_d // 2
+        r_at = entry.data_ptr - real.memory.base + pages * entry.item_len + \
+            slots * token_elems * 2
+        if entry.role == "rope":
+            t_at = t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len + \
+                slots * token_elems * 2
+            want[r_at[:, None] + np.arange(token_elems * 2)] = \
+                twin.arena[t_at[:, None] + np.arange(token_elems * 2)]
+            continue
+        t_at = t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len + \
+            slots * token_elems
+        codes = twin.arena[t_at[:, None] + np.arange(token_elems)]
+        groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
+        scale = by_key[(entry.layer_id, f"{entry.role}_scale")]
+        s_at = scale.data_ptr - twin.memory.base + pages * scale.item_len + slots * groups * 4
+        scales = twin.arena[s_at[:, None] + np.arange(groups * 4)].reshape(-1).view("<f4")
+        values = _reference_values(codes.reshape(-1), dep.out_dtype).reshape(
+            n_tokens * groups, -1)
+        y = (values.astype(np.float32) * scales.astype(np.float32)[:, None]).astype(np.float64)
+        want[r_at[:, None] + np.arange(token_elems * 2)] = \
+            _reference_bf16(y.reshape(-1)).reshape(n_tokens, token_elems * 2)
+    return want
+
+
+def kv_only(layout: kvplan.Layout) -> kvplan.Layout:
+    """The layout without its scale entries and representations (the byte oracle places KV by
+    the attention geometry, which scale entries do not follow)."""
+    d = layout.to_dict()
+    keep = [i for i, role in enumerate(d["roles"]) if not str(role).endswith("_scale")]
+    for key in ("data_ptrs", "data_lens", "item_lens", "layer_ids", "roles", "kinds", "drafts",
+                "strides"):
+        d[key] = [d[key][i] for i in keep]
+    d.pop("representations", None)
+    return kvplan.Layout.from_dict(d)
+
+
+def copy_scales(dep: Deployment, src: Peer, twin: Peer, src_pages: npt.NDArray[np.int64],
+                dst_pages: npt.NDArray[np.int64], n_tokens: int) -> None:
+    """Places the prefill's per-token scales of tokens 0..n_tokens in the twin's scale entries
+    (same TP on both sides: the same groups per token)."""
+    by_key = {(e.layer_id, e.role): e for e in twin.layout.entries()}
+    tokens = np.arange(n_tokens)
+    s_pages, s_slots = src_pages[tokens // dep.ps_p].astype(np.int64), tokens % dep.ps_p
+    d_pages, d_slots = dst_pages[tokens // dep.ps_d].astype(np.int64), tokens % dep.ps_d
+    for e in src.layout.entries():
+        if not str(e.role).endswith("_scale"):
+            continue
+        t = by_key[(e.layer_id, e.role)]
+        per_token = e.item_len // dep.ps_p
+        s_at = e.data_ptr - src.memory.base + s_pages * e.item_len + s_slots * per_token
+        d_at = t.data_ptr - twin.memory.base + d_pages * t.item_len + d_slots * per_token
+        twin.arena[d_at[:, None] + np.arange(per_token)] = \
+            src.arena[s_at[:, None] + np.arange(per_token)]

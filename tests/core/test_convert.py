@@ -14,10 +14,11 @@ import pytest
 
 import kvplan
 from kvplan.quant import decode_fp8, encode_fp8, quantize_groups
-from kvplan.testing.oracle import Memory, apply_conversion
+from kvplan.testing.oracle import Memory, apply_conversion, reference_copy
 
-from convert_cases import (Deployment, Peer, decode, expected_decode, fill_twin, prefill,
-                           reference_encode)
+from convert_cases import (Deployment, Peer, decode, expected_decode, expected_dequantized,
+                           copy_scales, fill_twin, kv_only, plain_decode, prefill,
+                           quantized_prefill, reference_encode)
 
 TPS = (1, 2, 4, 8)
 RATIOS = ((1, 1), (2, 1), (1, 2), (4, 2))
@@ -144,8 +145,8 @@ def _pair(src_repr: str, dst_repr: str, dst_dtype_size: int = 1,
 
 
 @pytest.mark.parametrize("src_repr,dst_repr,dst_size,why", [
-    ("fp8_e4m3:per_token", "int8:per_token", 1, "re-quantized"),
-    ("fp8_e4m3:per_token", "fp8_e5m2:per_token", 1, "re-quantized"),
+    ("fp8_e4m3:per_token", "int8:per_token", 1, "re-quantizing"),
+    ("fp8_e4m3:per_token", "fp8_e5m2:per_token", 1, "re-quantizing"),
     ("bf16", "fp16", 2, "rounds or clips"),
     ("bf16", "fp8_e4m3", 1, "without scales"),
     ("bf16", "fp8_e4m3:per_tensor", 1, "calibrated"),
@@ -227,3 +228,85 @@ def test_codec_matches_the_lookup_table_encoder() -> None:
         assert np.array_equal(decode_fp8(encode_fp8(finite, dtype), dtype), finite)
     q, scales = quantize_groups(np.zeros(8, dtype=np.float32), 4, "fp8_e4m3")
     assert q.tolist() == [0] * 8 and scales.tolist() == [1.0, 1.0]
+
+
+def test_content_digests_verify_a_converting_transfer_end_to_end() -> None:
+    dep = Deployment(tp_p=2, tp_d=4, ps_p=2, ps_d=1, scales="per_token")
+    rng = np.random.default_rng(9)
+    real, twin = decode(dep, 1)
+    n_tokens = 10
+    src_pages = rng.choice(dep.capacity_p, 5, replace=False)
+    dst_pages = rng.choice(dep.capacity_d, 10, replace=False)
+    sources = [prefill(dep, r, 0, seed=r + 1) for r in range(dep.tp_p)]
+    plans = []
+    for src in sources:
+        staging = _staging([src])
+        plan = kvplan.ConversionTemplate(src.layout, real.layout).plan(
+            src_pages, dst_pages, (staging.base, staging.data.size), n_tokens=n_tokens)
+        apply_conversion(plan, src.memory, staging, real.memory)
+        plans.append((plan, staging))
+    fill_twin(dep, sources, twin, src_pages, dst_pages, n_tokens)
+    want = expected_decode(dep, 1, real, twin, dst_pages, n_tokens)
+    landed = real.arena.copy()
+    for plan, staging in plans:
+        if plan.network_bytes == 0:
+            continue
+        sent = plan.content_digest("src", [staging.data])
+        # What the prefill digests is what the decode's own quantizer would hold (the
+        # reference's bytes, put at the decode's addresses)...
+        real.arena[:] = want
+        assert plan.content_digest("dst", [real.arena]) == sent
+        # ... and what landed.
+        real.arena[:] = landed
+        assert plan.content_digest("dst", [real.arena]) == sent
+    # One flipped scale bit in the decode is caught.
+    plan = next(p for p, _ in plans if p.n_rows)
+    at = int(plan.scale_dst_addrs[0]) - real.memory.base
+    before = plan.content_digest("dst", [real.arena])
+    real.arena[at] ^= 1
+    assert plan.content_digest("dst", [real.arena]) != before
+
+
+def run_dequantizing_case(dep: Deployment, rng: np.random.Generator) -> None:
+    """fp8/int8 prefill with scales -> bf16 decode, dequantized on the decode."""
+    d_rank = int(rng.integers(0, dep.tp_d))
+    real, twin = plain_decode(dep, d_rank)
+    max_tokens = min(dep.capacity_p * dep.ps_p, dep.capacity_d * dep.ps_d, 16)
+    n_tokens = int(rng.integers(1, max_tokens + 1))
+    src_pages = rng.choice(dep.capacity_p, -(-n_tokens // dep.ps_p), replace=False)
+    dst_pages = rng.choice(dep.capacity_d, -(-n_tokens // dep.ps_d), replace=False)
+    ranks = range(1) if dep.mla else range(dep.tp_p)
+    sources = [quantized_prefill(dep, r, s, seed=int(rng.integers(1 << 30)))
+               for r in ranks for s in range(dep.pp)]
+    written = np.zeros(real.arena.size, dtype=bool)
+    for src in sources:
+        template = kvplan.ConversionTemplate(src.layout, real.layout)
+        assert template.convert_on == "decode"
+        staging, dst_staging = _staging([src]), _staging([src])
+        plan = template.plan(src_pages, dst_pages, (staging.base, staging.data.size),
+                             dst_staging=(dst_staging.base, dst_staging.data.size),
+                             n_tokens=n_tokens)
+        assert plan.convert_on == "decode" and plan.n_blocks[1] <= 1
+        apply_conversion(plan, src.memory, staging, real.memory, written, dst_staging)
+        # The decode's twin receives the quantized KV and its scales as they are.
+        reference_copy(kv_only(src.layout), src.memory, kv_only(twin.layout), twin.memory,
+                       src_pages, dst_pages, n_tokens=n_tokens)
+        if dep.mla or src.layout.tp_rank == d_rank:  # the rank whose heads the decode holds
+            copy_scales(dep, src, twin, src_pages, dst_pages, n_tokens)
+    want = expected_dequantized(dep, d_rank, real, twin, dst_pages, n_tokens)
+    bad = np.flatnonzero(real.arena != want)
+    assert bad.size == 0, f"{dep}: {bad.size} wrong decode bytes, the first at {bad[0]}"
+
+
+def test_fp8_and_int8_to_bf16_equal_the_decode_dequantizing_itself() -> None:
+    deps = [Deployment(tp_p=tp, tp_d=tp, pp=pp, ps_p=ps_p, ps_d=ps_d, out_dtype=dtype,
+                       scales=scales)
+            for tp, pp, (ps_p, ps_d) in itertools.product(TPS, (1, 2), RATIOS)
+            for dtype in ("fp8_e4m3", "fp8_e5m2", "int8")
+            for scales in ("per_token", "per_token_head")]
+    deps += [Deployment(mla=True, tp_p=tp_p, tp_d=tp_d, pp=pp, ps_p=ps_p, ps_d=ps_d)
+             for tp_p, tp_d, pp, (ps_p, ps_d) in itertools.product(TPS, TPS, (1, 2), RATIOS)]
+    rng = np.random.default_rng(10 + SEED)
+    for dep in deps:
+        for _ in range(REQUESTS or 10):
+            run_dequantizing_case(dep, rng)

@@ -24,7 +24,8 @@ from kvplan.quant import QMAX, encode_fp8  # noqa: E402
 from kvplan.testing.oracle import Memory, apply_conversion  # noqa: E402
 from kvplan.torch import TorchExecutor  # noqa: E402
 
-from convert_cases import Deployment, decode, prefill  # noqa: E402
+from convert_cases import (Deployment, decode, plain_decode, prefill,  # noqa: E402
+                           quantized_prefill)
 
 TPS = (1, 2, 4, 8)
 
@@ -88,3 +89,40 @@ def test_torch_and_numpy_executors_give_the_same_decode_pool() -> None:
     for dep in deps:
         for _ in range(3):
             _run_both(dep, rng)
+
+
+def test_torch_dequantizes_as_the_numpy_reference() -> None:
+    rng = np.random.default_rng(11)
+    deps = [Deployment(tp_p=tp, tp_d=tp, pp=pp, ps_p=2, ps_d=1, out_dtype=dtype,
+                       scales="per_token_head")
+            for tp, pp, dtype in itertools.product(TPS, (1, 2),
+                                                   ("fp8_e4m3", "fp8_e5m2", "int8"))]
+    deps += [Deployment(mla=True, tp_p=tp_p, tp_d=tp_d, ps_p=1, ps_d=2)
+             for tp_p, tp_d in itertools.product(TPS, TPS)]
+    for dep in deps:
+        for _ in range(3):
+            d_rank = int(rng.integers(0, dep.tp_d))
+            n_tokens = int(rng.integers(1, 13))
+            src_pages = rng.choice(dep.capacity_p, -(-n_tokens // dep.ps_p), replace=False)
+            dst_pages = rng.choice(dep.capacity_d, -(-n_tokens // dep.ps_d), replace=False)
+            real, _ = plain_decode(dep, d_rank)
+            by_numpy = real.arena.copy()
+            ranks = range(1) if dep.mla else range(dep.tp_p)
+            for r, s in itertools.product(ranks, range(dep.pp)):
+                src = quantized_prefill(dep, r, s, seed=int(rng.integers(1 << 30)))
+                size = int(sum(e.data_len for e in src.layout.entries())) * 2 + 64
+                staging = torch.zeros(size, dtype=torch.uint8)
+                dst_staging = torch.zeros(size, dtype=torch.uint8)
+                plan = kvplan.ConversionTemplate(src.layout, real.layout).plan(
+                    src_pages, dst_pages, (staging.data_ptr(), size),
+                    dst_staging=(dst_staging.data_ptr(), size), n_tokens=n_tokens)
+                np_staging, np_dst_staging = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+                apply_conversion(plan, src.memory, Memory(np_staging, staging.data_ptr()),
+                                 Memory(by_numpy, real.memory.base), None,
+                                 Memory(np_dst_staging, dst_staging.data_ptr()))
+                executor = TorchExecutor({"prefill": torch.from_numpy(src.arena),
+                                          "staging": staging, "dst_staging": dst_staging,
+                                          "decode": torch.from_numpy(real.arena)})
+                assert executor.run_conversion(plan) == plan.network_bytes
+            bad = np.flatnonzero(real.arena != by_numpy)
+            assert bad.size == 0, f"{dep}: {bad.size} bytes differ, the first at {bad[0]}"

@@ -425,23 +425,41 @@ def _apply_blocks(blocks: tuple[Any, Any, Any], src_mem: Memory, dst_mem: Memory
 
 
 def apply_conversion(plan: Any, src_mem: Memory, staging: Memory, dst_mem: Memory,
-                     written: npt.NDArray[np.bool_] | None = None) -> None:
-    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory: ``gather`` from the
-    prefill's memory into ``staging`` (the prefill staging region), every convert row by the
-    rule of :mod:`kvplan.quant` (values into the converted area, float32 scales into the scale
-    area), ``network`` from the staging region into the decode's memory (``written`` as for
-    :func:`apply_plan`), ``scatter`` within the decode's memory."""
+                     written: npt.NDArray[np.bool_] | None = None,
+                     dst_staging: Memory | None = None) -> None:
+    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory by the rule of
+    :mod:`kvplan.quant`. Converting on the prefill (``plan.convert_on == "prefill"``):
+    ``gather`` from the prefill's memory into ``staging``, every convert row (values into the
+    converted area, float32 scales into the scale area), ``network`` from the staging region
+    into the decode's memory (``written`` as for :func:`apply_plan`). Converting on the decode:
+    ``gather`` into ``staging``, ``network`` into ``dst_staging`` (the decode's staging region),
+    every convert row from there into the decode's memory, ``scatter`` (the pairs kept as they
+    are) from there too."""
     from kvplan import DTYPES
-    from kvplan.quant import quantize_groups, to_float32
+    from kvplan.quant import dequantize_groups, quantize_groups, to_float32
 
+    rows = list(zip(plan.in_addrs.tolist(), plan.out_addrs.tolist(), plan.n_elems.tolist(),
+                    plan.in_dtypes.tolist(), plan.out_dtypes.tolist(),
+                    plan.group_elems.tolist(), plan.scale_addrs.tolist()))
     _apply_blocks(plan.gather, src_mem, staging)
-    rows = zip(plan.in_addrs.tolist(), plan.out_addrs.tolist(), plan.n_elems.tolist(),
-               plan.in_dtypes.tolist(), plan.out_dtypes.tolist(), plan.group_elems.tolist(),
-               plan.scale_addrs.tolist())
+    if plan.convert_on == "decode":
+        if dst_staging is None:
+            raise ValueError("this plan converts on the decode: give dst_staging")
+        _apply_blocks(plan.network, staging, dst_staging)
+        for in_addr, out_addr, n, in_code, out_code, group, scale_addr in rows:
+            scales = dst_staging.at(scale_addr, n // group * 4).view("<f4")
+            out = dequantize_groups(dst_staging.at(in_addr, n), scales, group, DTYPES[in_code],
+                                    DTYPES[out_code])
+            if written is not None:
+                off = out_addr - dst_mem.base
+                assert not written[off:off + out.size].any(), f"written twice at {out_addr:#x}"
+                written[off:off + out.size] = True
+            dst_mem.at(out_addr, out.size)[:] = out
+        _apply_blocks(plan.scatter, dst_staging, dst_mem, written)
+        return
     for in_addr, out_addr, n, in_code, out_code, group, scale_addr in rows:
-        in_dtype = DTYPES[in_code]
         size = 2  # bf16 and fp16, the input dtypes
-        x = to_float32(staging.at(in_addr, n * size), in_dtype)
+        x = to_float32(staging.at(in_addr, n * size), DTYPES[in_code])
         values, scales = quantize_groups(x, group, DTYPES[out_code])
         staging.at(out_addr, n)[:] = values
         staging.at(scale_addr, scales.size * 4)[:] = scales.astype("<f4").view(np.uint8)

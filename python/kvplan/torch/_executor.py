@@ -106,6 +106,35 @@ def _row_index(starts: _I64, counts: _I64, total: int, device: torch.device) -> 
     )
 
 
+#: Up to this many rows, rows that do not follow one another are read and written as slices;
+#: beyond it, as one indexed copy over their bytes.
+_SLICED_ROWS = 4096
+
+
+def _read_rows(flat: torch.Tensor, starts: _I64, counts: _I64) -> torch.Tensor:
+    """The bytes of rows ``starts[k] .. starts[k] + counts[k]`` of ``flat``, row after row."""
+    total = int(counts.sum())
+    if _is_run(starts, counts):
+        return flat[int(starts[0]):int(starts[0]) + total]
+    if starts.size <= _SLICED_ROWS:
+        return torch.cat([flat[a:a + c] for a, c in zip(starts.tolist(), counts.tolist())])
+    return flat[_row_index(starts, counts, total, flat.device)]
+
+
+def _write_rows(flat: torch.Tensor, starts: _I64, counts: _I64, values: torch.Tensor) -> None:
+    """Writes ``values`` into rows ``starts[k] .. starts[k] + counts[k]`` of ``flat``."""
+    total = int(counts.sum())
+    if _is_run(starts, counts):
+        flat[int(starts[0]):int(starts[0]) + total].copy_(values)
+    elif starts.size <= _SLICED_ROWS:
+        at = 0
+        for a, c in zip(starts.tolist(), counts.tolist()):
+            flat[a:a + c].copy_(values[at:at + c])
+            at += c
+    else:
+        flat.index_copy_(0, _row_index(starts, counts, total, flat.device), values)
+
+
 class TorchExecutor:
     """Runs block plans on the torch tensors that back their addresses.
 
@@ -250,10 +279,17 @@ class TorchExecutor:
         benchmark; a real deployment runs the gather and rows here and hands the network to
         a transfer engine, see :meth:`run_conversion_rows`). Returns the bytes the network
         moved. Raises what :meth:`run` raises."""
-        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.gather))
-        self.run_conversion_rows(plan)
-        moved = self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.network))
-        self._run(*(np.asarray(c, dtype=np.uint64) for c in plan.scatter))
+        def blocks(columns: tuple[_U64, _U64, _U64]) -> int:
+            return self._run(*(np.asarray(c, dtype=np.uint64) for c in columns))
+
+        blocks(plan.gather)
+        if plan.convert_on == "decode":
+            moved = blocks(plan.network)
+            self.run_conversion_rows(plan)
+        else:
+            self.run_conversion_rows(plan)
+            moved = blocks(plan.network)
+        blocks(plan.scatter)
         return moved
 
     def run_conversion_rows(self, plan: ConversionPlan) -> int:
@@ -275,6 +311,9 @@ class TorchExecutor:
     def _convert_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int) -> None:
         in_dtype = DTYPES[int(plan.in_dtypes[rows[0]])]
         out_dtype = DTYPES[int(plan.out_dtypes[rows[0]])]
+        if in_dtype in QMAX:
+            self._dequantize_rows(plan, rows, n, group, in_dtype, out_dtype)
+            return
         in_size = 2  # bf16 and fp16, the input dtypes
         n_groups = n // group
         located = []
@@ -288,9 +327,7 @@ class TorchExecutor:
                              "register the staging region as one tensor")
             located.append((self._regions[int(region[0])], offset.astype(np.int64)))
         (src_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
-        device = src_r.flat.device
-        total = int(n.sum())
-        raw = src_r.flat[_row_index(in_off, n * in_size, total * in_size, device)]
+        raw = _read_rows(src_r.flat, in_off, n * in_size)
         torch_in = torch.bfloat16 if in_dtype == "bf16" else torch.float16
         x = raw.view(torch_in).to(torch.float32).reshape(-1, group)
         qmax = QMAX[out_dtype]
@@ -303,11 +340,35 @@ class TorchExecutor:
         else:
             fp8 = torch.float8_e4m3fn if out_dtype == "fp8_e4m3" else torch.float8_e5m2
             codes = q.to(fp8).view(torch.uint8)
-        out_r.flat.index_copy_(0, _row_index(out_off, n, total, device), codes.reshape(-1))
-        scale_bytes = scale.contiguous().view(torch.uint8)
-        scale_r.flat.index_copy_(
-            0, _row_index(scale_off, n_groups * 4, int(n_groups.sum()) * 4, device),
-            scale_bytes.to(scale_r.flat.device))
+        _write_rows(out_r.flat, out_off, n, codes.reshape(-1))
+        _write_rows(scale_r.flat, scale_off, n_groups * 4,
+                    scale.contiguous().view(torch.uint8).to(scale_r.flat.device))
+
+    def _dequantize_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int,
+                         in_dtype: str, out_dtype: str) -> None:
+        """Decode-side rows: quantized values times their scales, rounded to bf16/fp16."""
+        n_groups = n // group
+        located = []
+        for addrs, lengths in ((plan.in_addrs[rows], n), (plan.out_addrs[rows], n * 2),
+                               (plan.scale_addrs[rows], n_groups * 4)):
+            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
+                                          lengths.astype(np.uint64), "src")
+            if region.min() != region.max():
+                raise _error(KvPlanError, "conversion_rows",
+                             "the convert rows of one dtype pair lie in several tensors; "
+                             "register each staging region as one tensor")
+            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
+        (in_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
+        codes = _read_rows(in_r.flat, in_off, n)
+        if in_dtype == "int8":
+            values = codes.view(torch.int8).to(torch.float32)
+        else:
+            fp8 = torch.float8_e4m3fn if in_dtype == "fp8_e4m3" else torch.float8_e5m2
+            values = codes.view(fp8).to(torch.float32)
+        scales = _read_rows(scale_r.flat, scale_off, n_groups * 4).view(torch.float32)
+        y = (values.reshape(-1, group) * scales.to(values.device)[:, None]).reshape(-1)
+        out = y.to(torch.bfloat16 if out_dtype == "bf16" else torch.float16)
+        _write_rows(out_r.flat, out_off, n * 2, out.view(torch.uint8).to(out_r.flat.device))
 
     def _run(self, src: _U64, dst: _U64, lengths: _U64) -> int:
         total_bytes = int(lengths.sum(dtype=np.uint64))

@@ -32,9 +32,15 @@
 //! each decode scale group is held whole by one prefill rank (`per_token` with fewer heads per
 //! prefill rank than per decode rank is refused: no prefill rank sees a decode token's heads).
 //! The quantization rule is stated in docs/api.md ("Conversion plans").
+//!
+//! The reverse, quantized values with per-token scales into `bf16` or `fp16`, is converted on
+//! the decode ([`ConversionTemplate::side`] is [`Side::Dst`]): the *prefill* is widened
+//! instead, the gather collects the quantized values and then each row's scales from the
+//! prefill's scale entries, one network block moves both into the decode staging region, and
+//! the decode's convert rows write its pages (kept pairs are scattered).
 
 use crate::check::{TemplateOptions, check_pairs};
-use crate::error::{PlanError, Result};
+use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout, LayoutParts, MemoryOrder, is_mha_role};
 use crate::pack::{PackBuffer, PlanBuilder};
 use crate::plan::Plan;
@@ -79,7 +85,7 @@ impl ConvertRows {
 }
 
 /// A request's conversion plan (see the [`crate::convert`] module).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConversionPlan {
     /// Prefill memory → gathered area (run by the prefill).
     pub gather: Plan,
@@ -95,8 +101,13 @@ pub struct ConversionPlan {
     pub converted_bytes: u64,
     /// Bytes of the scale area.
     pub scale_bytes: u64,
-    /// Bytes of the staging region the plan uses from its start (the three areas).
+    /// Bytes of the (prefill) staging region the plan uses from its start.
     pub staging_bytes: u64,
+    /// Bytes of the decode staging region the plan uses from its start (0 when the prefill
+    /// converts: the network writes the decode's pages).
+    pub dst_staging_bytes: u64,
+    /// Which side runs the convert rows.
+    pub convert_on: Side,
     /// Blocks of the request's direct plan in the prefill representation.
     pub direct_blocks: usize,
 }
@@ -141,6 +152,9 @@ pub struct ConversionTemplate {
     by_vbase: Vec<(u64, u64, usize)>,
     /// Whether any pair converts (else every plan is the direct plan, moved through staging).
     converts: bool,
+    /// Which side runs the convert rows: the prefill (quantizing: `targets` are widened
+    /// decode entries) or the decode (dequantizing: `targets` are widened prefill entries).
+    side: Side,
 }
 
 /// The representation of an entry as text for messages (`unpublished` when it has none).
@@ -148,12 +162,34 @@ fn repr_text(layout: &Layout, entry: usize) -> String {
     layout.representations()[entry].map_or_else(|| "no representation".into(), |r| r.text())
 }
 
+/// Whether `src → dst` is a dequantization the decode runs: quantized values with per-token
+/// scales into plain bf16 or fp16.
+fn dequantizes(src: Representation, dst: Representation) -> bool {
+    src.dtype.quantized()
+        && src.scales.per_token()
+        && !dst.dtype.quantized()
+        && dst.scales == ScaleLayout::None
+}
+
+/// The widened entries of `layout` by virtual start: `(vstart, vend, widened entry)`, sorted.
+fn vbase_index(widened: &Layout) -> Vec<(u64, u64, usize)> {
+    let mut by_vbase: Vec<(u64, u64, usize)> = (0..widened.n_entries())
+        .map(|w| {
+            let start = widened.parts().data_ptrs[w];
+            (start, start + widened.parts().data_lens[w], w)
+        })
+        .collect();
+    by_vbase.sort_unstable();
+    by_vbase
+}
+
 /// Why `src → dst` cannot be converted exactly, or `None` when it can.
 fn refusal(src: Representation, dst: Representation) -> Option<String> {
     if src.dtype.quantized() {
         return Some(format!(
-            "kvplan converts only bf16 or fp16 values into a quantized dtype; {} values would \
-             have to be re-quantized or dequantized, which no plan of this version does",
+            "{} values convert only into bf16 or fp16 (dequantized on the decode, from \
+             per_token or per_token_head scales); re-quantizing into another quantized dtype \
+             or dropping scales loses information no plan accounts for",
             src.dtype.as_str()
         ));
     }
@@ -192,6 +228,8 @@ impl ConversionTemplate {
         let mut factors = vec![1u64; dst.n_entries()];
         let mut converted: Vec<Option<(Representation, Representation)>> =
             vec![None; dst.n_entries()];
+        let mut dequantized: Vec<Option<(Representation, Representation)>> =
+            vec![None; src.n_entries()];
         for check in &checks {
             let Some(d) = check.dst_entry else { continue };
             let s = check.src_entry;
@@ -202,6 +240,10 @@ impl ConversionTemplate {
                 continue;
             };
             if rs == rd {
+                continue;
+            }
+            if dequantizes(rs, rd) {
+                dequantized[s] = Some((rs, rd));
                 continue;
             }
             let label = format!("layer {}, role {}", dst.layer_label(d), dst.role_label(d));
@@ -244,6 +286,21 @@ impl ConversionTemplate {
             factors[d] = u64::from(rs.dtype.size() / rd.dtype.size());
             converted[d] = Some((rs, rd));
         }
+        if let Some(s) = dequantized.iter().position(Option::is_some) {
+            if let Some(d) = converted.iter().position(Option::is_some) {
+                return Err(PlanError::Conversion {
+                    src_entry: s,
+                    dst_entry: d,
+                    label: dst.role_label(d),
+                    src: repr_text(src, s),
+                    dst: repr_text(dst, d),
+                    why: "one template converts on one side: these layouts would quantize some \
+                          pairs on the prefill and dequantize others on the decode"
+                        .into(),
+                });
+            }
+            return Self::dequantizing(src, dst, options, &dequantized);
+        }
         // Entries of the same representation that this prefill does not send (other PP
         // stages' layers) are widened alike, so the widened layout has one shape per
         // representation (its attention geometry describes all its K and V entries).
@@ -285,19 +342,85 @@ impl ConversionTemplate {
                 conv,
             });
         }
-        let mut by_vbase: Vec<(u64, u64, usize)> = (0..widened.n_entries())
-            .map(|w| {
-                let start = widened.parts().data_ptrs[w];
-                (start, start + widened.parts().data_lens[w], w)
-            })
-            .collect();
-        by_vbase.sort_unstable();
         Ok(Self {
             inner,
             targets,
-            by_vbase,
+            by_vbase: vbase_index(&widened),
             converts: converted.iter().any(Option::is_some),
+            side: Side::Src,
         })
+    }
+
+    /// The dequantizing template: the prefill widened into the decode's representation.
+    fn dequantizing(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        dequantized: &[Option<(Representation, Representation)>],
+    ) -> Result<Self> {
+        let mut factors = vec![1u64; src.n_entries()];
+        for (s, pair) in dequantized.iter().enumerate() {
+            if let Some((rs, rd)) = pair {
+                factors[s] = u64::from(rd.dtype.size() / rs.dtype.size());
+            }
+        }
+        let by_repr: Vec<(Representation, (Representation, u64))> = dequantized
+            .iter()
+            .zip(&factors)
+            .filter_map(|(pair, &f)| pair.map(|(rs, rd)| (rs, (rd, f))))
+            .collect();
+        let mut pair_of: Vec<Option<(Representation, Representation)>> = dequantized.to_vec();
+        for (s, repr) in src.representations().iter().enumerate() {
+            if let Some(rs) = repr
+                && let Some(&(_, (rd, f))) = by_repr.iter().find(|(r, _)| r == rs)
+            {
+                factors[s] = f;
+                pair_of[s] = Some((*rs, rd));
+            }
+        }
+        let mut filled = vec![false; src.n_entries()];
+        for (s, &factor) in factors.iter().enumerate() {
+            if factor > 1
+                && let Some(scale) = src.scale_entry(s)
+            {
+                filled[scale] = true;
+            }
+        }
+        let (widened, kept) = widen(src, &factors, &filled)?;
+        let inner = Template::new(&widened, dst, options)?;
+        let mut targets = Vec::with_capacity(kept.len());
+        for (w, &s) in kept.iter().enumerate() {
+            let conv = match pair_of[s] {
+                None => None,
+                Some((rs, rd)) => {
+                    let mut conv = conversion(src, &widened, s, w, factors[s], (rs, rs))?;
+                    // Widened bytes are in the decode's (output) dtype here.
+                    let out_size = u64::from(rd.dtype.size());
+                    (conv.in_dtype, conv.out_dtype) = (rs.dtype, rd.dtype);
+                    conv.group_elems = conv.group_bytes / out_size;
+                    Some(conv)
+                }
+            };
+            targets.push(Target {
+                base: src.parts().data_ptrs[s],
+                vbase: widened.parts().data_ptrs[w],
+                factor: factors[s],
+                conv,
+            });
+        }
+        Ok(Self {
+            inner,
+            targets,
+            by_vbase: vbase_index(&widened),
+            converts: pair_of.iter().any(Option::is_some),
+            side: Side::Dst,
+        })
+    }
+
+    /// Which side runs the convert rows: [`Side::Src`] (the prefill quantizes before the
+    /// network) or [`Side::Dst`] (the decode dequantizes after it).
+    pub fn side(&self) -> Side {
+        self.side
     }
 
     /// The template between the prefill and the widened decode layout (its direct plans move
@@ -324,17 +447,30 @@ impl ConversionTemplate {
     }
 
     /// Plans one request (page or token lists, as [`Template::plan`]) as a conversion plan
-    /// through `staging` (registered prefill memory; see the [`crate::convert`] module).
+    /// through `staging` (registered prefill memory) and, when the decode converts,
+    /// `dst_staging` (registered decode memory; ignored otherwise); see the
+    /// [`crate::convert`] module.
     ///
     /// # Errors
-    /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than the
-    /// plan's three areas; [`PlanError::Geometry`] for a block that is not whole scale groups
-    /// (a head split the scale layout does not allow); [`PlanError::Overflow`].
+    /// As [`Template::plan`]; [`PlanError::StagingTooSmall`] for a region smaller than what
+    /// the plan places in it; [`PlanError::Geometry`] for a block that is not whole scale
+    /// groups (a head split the scale layout does not allow) or a decode-side conversion
+    /// without `dst_staging`; [`PlanError::Overflow`].
     pub fn plan<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
         staging: PackBuffer,
+        dst_staging: Option<PackBuffer>,
     ) -> Result<ConversionPlan> {
+        if self.side == Side::Dst {
+            let dst_staging = dst_staging.ok_or_else(|| PlanError::Geometry {
+                what: "this conversion dequantizes on the decode, so its plan needs a decode \
+                       staging region (dst_staging) the network fills and the decode's convert \
+                       rows read"
+                    .into(),
+            })?;
+            return self.plan_dequantizing(request, staging, dst_staging);
+        }
         let direct = self.inner.plan(request)?;
         let n = direct.lengths.len();
         // First pass: the areas' sizes, so the region is checked before any output is built.
@@ -453,6 +589,125 @@ impl ConversionTemplate {
             converted_bytes,
             scale_bytes,
             staging_bytes,
+            dst_staging_bytes: 0,
+            convert_on: Side::Src,
+            direct_blocks: n,
+        })
+    }
+
+    /// The plan of a dequantizing template: gather quantized values and their scales on the
+    /// prefill, one network block between the staging regions, convert rows on the decode
+    /// from its staging region into its pages, kept pairs scattered.
+    fn plan_dequantizing<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        staging: PackBuffer,
+        dst_staging: PackBuffer,
+    ) -> Result<ConversionPlan> {
+        let direct = self.inner.plan(request)?;
+        let n = direct.lengths.len();
+        let mut gather = PlanBuilder::default();
+        let mut scatter = PlanBuilder::default();
+        let mut scale_gathers: Vec<(u64, u64, u64)> = Vec::new();
+        let mut rows = ConvertRows::default();
+        let mut scale_offsets: Vec<u64> = Vec::new();
+        let mut in_offsets: Vec<u64> = Vec::new();
+        let (mut at_values, mut at_scales, mut converted) = (0u64, 0u64, 0u64);
+        for k in 0..n {
+            let (v, dst, len) = (direct.src_addrs[k], direct.dst_addrs[k], direct.lengths[k]);
+            let target = *self.target_of(v)?;
+            let off = v - target.vbase;
+            let real_len = len / target.factor;
+            let real_src = target.base + off / target.factor;
+            gather.push_merged((real_src, staging.addr + at_values, real_len))?;
+            match target.conv {
+                None => scatter.push_merged((dst_staging.addr + at_values, dst, real_len))?,
+                Some(conv) => {
+                    let out_size = u64::from(conv.out_dtype.size());
+                    let mut row_at = 0u64;
+                    while row_at < len {
+                        let row_off = off + row_at;
+                        let (item, within) = (row_off / conv.stride, row_off % conv.stride);
+                        let chunk = (len - row_at).min(conv.item_len - within);
+                        let gb = conv.group_bytes;
+                        let (group_elems, n_scales) =
+                            if within.is_multiple_of(gb) && chunk.is_multiple_of(gb) {
+                                (conv.group_elems, chunk / gb)
+                            } else if within / gb == (within + chunk - 1) / gb {
+                                (chunk / out_size, 1)
+                            } else {
+                                return Err(PlanError::Geometry {
+                                    what: format!(
+                                        "a block of {chunk} bytes at byte {within} of a prefill \
+                                         item spans parts of several scale groups of {gb} bytes"
+                                    ),
+                                });
+                            };
+                        let scale_src =
+                            conv.scale_base + item * conv.scale_stride + within / gb * SCALE_BYTES;
+                        scale_gathers.push((scale_src, at_scales, n_scales * SCALE_BYTES));
+                        in_offsets.push(at_values + row_at / target.factor);
+                        rows.out_addrs.push(dst + row_at);
+                        rows.n_elems.push(chunk / out_size);
+                        rows.in_dtypes.push(conv.in_dtype.code());
+                        rows.out_dtypes.push(conv.out_dtype.code());
+                        rows.group_elems.push(group_elems);
+                        scale_offsets.push(at_scales);
+                        rows.scale_dst_addrs.push(scale_src);
+                        at_scales += n_scales * SCALE_BYTES;
+                        converted += chunk;
+                        row_at += chunk;
+                    }
+                }
+            }
+            at_values += real_len;
+        }
+        let need = at_values + at_scales;
+        for (region, what, have) in [
+            (staging, "prefill", staging.size),
+            (dst_staging, "decode", dst_staging.size),
+        ] {
+            region
+                .addr
+                .checked_add(region.size)
+                .ok_or(PlanError::Overflow {
+                    what: "staging region end",
+                })?;
+            if need > have {
+                return Err(PlanError::StagingTooSmall {
+                    region: what,
+                    need,
+                    have,
+                    layout: format!("{at_values} bytes of values and {at_scales} bytes of scales"),
+                });
+            }
+        }
+        for (src, off, len) in scale_gathers {
+            gather.push_merged((src, staging.addr + at_values + off, len))?;
+        }
+        gather.end_pair();
+        scatter.end_pair();
+        rows.in_addrs = in_offsets.iter().map(|o| dst_staging.addr + o).collect();
+        rows.scale_addrs = scale_offsets
+            .iter()
+            .map(|o| dst_staging.addr + at_values + o)
+            .collect();
+        let mut network = PlanBuilder::default();
+        if need > 0 {
+            network.push_merged((staging.addr, dst_staging.addr, need))?;
+        }
+        network.end_pair();
+        Ok(ConversionPlan {
+            gather: gather.finish(need),
+            rows,
+            network: network.finish(need),
+            scatter: scatter.finish(0),
+            gathered_bytes: at_values,
+            converted_bytes: converted,
+            scale_bytes: at_scales,
+            staging_bytes: need,
+            dst_staging_bytes: need,
+            convert_on: Side::Dst,
             direct_blocks: n,
         })
     }

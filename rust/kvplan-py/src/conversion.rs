@@ -70,6 +70,12 @@ pub struct PyConversionPlan {
     /// Bytes of the staging region used from its start.
     #[pyo3(get)]
     staging_bytes: u64,
+    /// Bytes of the decode staging region used from its start (0 when the prefill converts).
+    #[pyo3(get)]
+    dst_staging_bytes: u64,
+    /// `"prefill"` or `"decode"`: where the convert rows run.
+    #[pyo3(get)]
+    convert_on: &'static str,
     /// Bytes the network moves (converted values, scales, kept pairs).
     #[pyo3(get)]
     network_bytes: u64,
@@ -82,10 +88,37 @@ pub struct PyConversionPlan {
     /// Blocks of the gather, the network and the scatter.
     #[pyo3(get)]
     n_blocks: (usize, usize, usize),
+    /// The network's columns, for its content digests.
+    network_blocks: [Vec<u64>; 3],
 }
 
 #[pymethods]
 impl PyConversionPlan {
+    /// The content digest of the network plan read on `side` from `buffers` (numpy arrays or
+    /// other C-contiguous buffers, as `TransferPlan.content_digest`): on `"src"` the staging
+    /// region after the convert rows (the decode's representation: values and scales, what
+    /// the decode should hold), on `"dst"` the decode's memory (what landed). The two are
+    /// equal exactly when every converted byte and scale arrived at its place.
+    fn content_digest(
+        &self,
+        py: Python<'_>,
+        side: &str,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let side = crate::digest::parse_side(side)?;
+        let buffers = crate::digest::Buffers::extract(py, buffers)?;
+        let [src_addrs, dst_addrs, lengths] = &self.network_blocks;
+        let offsets = [0, lengths.len()];
+        let blocks = kvplan_core::PlanBlocks {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            pair_offsets: &offsets,
+        };
+        let pairs = crate::digest::pair_digests(py, &blocks, side, &buffers)?;
+        Ok(kvplan_core::content_digest(&pairs))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ConversionPlan(gather={}, rows={}, network={}, scatter={} blocks, \
@@ -102,12 +135,16 @@ impl PyConversionPlan {
     }
 }
 
-struct PlanConversion<'t>(&'t ConversionTemplate, kvplan_core::StagingRegion);
+struct PlanConversion<'t>(
+    &'t ConversionTemplate,
+    kvplan_core::StagingRegion,
+    Option<kvplan_core::StagingRegion>,
+);
 
 impl RequestPlanner for PlanConversion<'_> {
     type Output = kvplan_core::Result<ConversionPlan>;
     fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.plan(request, self.1)
+        self.0.plan(request, self.1, self.2)
     }
 }
 
@@ -154,27 +191,32 @@ impl PyConversionTemplate {
         self.inner.converts()
     }
 
+    /// `"prefill"` (quantizing before the network) or `"decode"` (dequantizing after it).
+    #[getter]
+    fn convert_on(&self) -> &'static str {
+        side_name(self.inner.side())
+    }
+
     /// Plans one request (page lists, or token lists with `n_tokens`, as `Template.plan`)
-    /// through the prefill staging region `staging = (addr, size)`.
-    #[pyo3(signature = (src_pages, dst_pages, staging, *, n_tokens=None))]
+    /// through the prefill staging region `staging = (addr, size)` and, when the decode
+    /// converts, the decode staging region `dst_staging = (addr, size)`.
+    #[pyo3(signature = (src_pages, dst_pages, staging, *, dst_staging=None, n_tokens=None))]
     fn plan(
         &self,
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
         dst_pages: &Bound<'_, PyAny>,
         staging: (u64, u64),
+        dst_staging: Option<(u64, u64)>,
         n_tokens: Option<u64>,
     ) -> PyResult<PyConversionPlan> {
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let region = kvplan_core::StagingRegion {
-            addr: staging.0,
-            size: staging.1,
-        };
+        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
         let plan = plan_request(
             py,
             arrays.slices()?,
             n_tokens,
-            PlanConversion(&self.inner, region),
+            PlanConversion(&self.inner, region(staging), dst_staging.map(region)),
         )
         .map_err(to_py_err)?;
         let n_blocks = (
@@ -184,6 +226,11 @@ impl PyConversionTemplate {
         );
         let rows = plan.rows;
         let n_rows = rows.len();
+        let network_blocks = [
+            plan.network.src_addrs.clone(),
+            plan.network.dst_addrs.clone(),
+            plan.network.lengths.clone(),
+        ];
         let u64s = |v: Vec<u64>| PyArray1::from_vec(py, v).unbind();
         let u8s = |v: Vec<u8>| PyArray1::from_vec(py, v).unbind();
         Ok(PyConversionPlan {
@@ -203,10 +250,20 @@ impl PyConversionTemplate {
             converted_bytes: plan.converted_bytes,
             scale_bytes: plan.scale_bytes,
             staging_bytes: plan.staging_bytes,
+            dst_staging_bytes: plan.dst_staging_bytes,
+            convert_on: side_name(plan.convert_on),
             direct_blocks: plan.direct_blocks,
             n_rows,
             n_blocks,
+            network_blocks,
         })
+    }
+}
+
+fn side_name(side: kvplan_core::Side) -> &'static str {
+    match side {
+        kvplan_core::Side::Src => "prefill",
+        kvplan_core::Side::Dst => "decode",
     }
 }
 
