@@ -210,8 +210,38 @@ def ref_kind_pairs(rs: ref.RefLayout, rd: ref.RefLayout, kind: str, fallback: bo
     local = ref.pair_entries(sub(rs.ids, si), sub(rd.ids, di), len(si), len(di), fallback,
                              sub(rs.roles, si), sub(rd.roles, di))
     pairs = [(si[a], di[b]) for a, b in local]
+    if kind == "page" and sub(rd.ids, di) is not None:
+        _check_no_component_left_out(rs, rd, si, di, pairs)
     mismatch = any(rs.items[i] != rd.items[j] for i, j in pairs)
     return pairs, mismatch
+
+
+def _check_no_component_left_out(rs: ref.RefLayout, rd: ref.RefLayout, si: list[int],
+                                 di: list[int], pairs: list[tuple[int, int]]) -> None:
+    """A decode page entry nothing pairs with, of a layer (and draft-ness) the prefill sends,
+    whose role the prefill has no entry of for that layer (or a sidecar role): the decode would
+    hold the layer without it, so the template is refused."""
+    def role(layout: ref.RefLayout, i: int) -> str | None:
+        return layout.roles[i] if layout.roles is not None and layout.roles[i] else None
+
+    def draft(layout: ref.RefLayout, i: int) -> bool:
+        return (role(layout, i) or "").startswith("draft")
+
+    def sidecar(r: str | None) -> bool:
+        return r is not None and (r == "indexer" or r.endswith(("scale", "scales")))
+
+    paired = {j for _, j in pairs}
+    for j in di:
+        if j in paired:
+            continue
+        layer = rd.ids[j]  # type: ignore[index]
+        has_role = any(rs.ids is not None and rs.ids[i] == layer and role(rs, i) == role(rd, j)
+                       and draft(rs, i) == draft(rd, j) for i in si)
+        sent = any(rd.ids[k] == layer and draft(rd, k) == draft(rd, j)  # type: ignore[index]
+                   for k in paired)
+        if (sidecar(role(rd, j)) or not has_role) and sent:
+            raise ref.RefError("pairing", f"the prefill sends layer {layer} without a "
+                                          f"{role(rd, j)} entry")
 
 
 def expected_template(src: Layout, dst: Layout, fallback: bool):
