@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -308,6 +308,22 @@ class TorchExecutor:
             self._convert_rows(plan, rows, n[rows], int(group[rows[0]]))
         return n_rows
 
+    def _locate_rows(self, plan: ConversionPlan, rows: _I64,
+                     lengths: tuple[_I64, _I64, _I64]) -> list[tuple[Any, _I64]]:
+        """The tensor and offsets of the rows' inputs, outputs and scales (``lengths``: the
+        bytes of each per row), each kind in one registered tensor."""
+        located = []
+        for addrs, length in zip((plan.in_addrs[rows], plan.out_addrs[rows],
+                                  plan.scale_addrs[rows]), lengths):
+            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
+                                          length.astype(np.uint64), "src")
+            if region.min() != region.max():
+                raise _error(KvPlanError, "conversion_rows",
+                             "the convert rows of one dtype pair lie in several tensors; "
+                             "register each staging region as one tensor")
+            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
+        return located
+
     def _convert_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int) -> None:
         in_dtype = DTYPES[int(plan.in_dtypes[rows[0]])]
         out_dtype = DTYPES[int(plan.out_dtypes[rows[0]])]
@@ -316,17 +332,8 @@ class TorchExecutor:
             return
         in_size = 2  # bf16 and fp16, the input dtypes
         n_groups = n // group
-        located = []
-        for addrs, lengths in ((plan.in_addrs[rows], n * in_size), (plan.out_addrs[rows], n),
-                               (plan.scale_addrs[rows], n_groups * 4)):
-            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
-                                          lengths.astype(np.uint64), "src")
-            if region.min() != region.max():
-                raise _error(KvPlanError, "conversion_rows",
-                             "the convert rows of one dtype pair lie in several tensors; "
-                             "register the staging region as one tensor")
-            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
-        (src_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
+        (src_r, in_off), (out_r, out_off), (scale_r, scale_off) = self._locate_rows(
+            plan, rows, (n * in_size, n, n_groups * 4))
         raw = _read_rows(src_r.flat, in_off, n * in_size)
         torch_in = torch.bfloat16 if in_dtype == "bf16" else torch.float16
         x = raw.view(torch_in).to(torch.float32).reshape(-1, group)
@@ -348,17 +355,8 @@ class TorchExecutor:
                          in_dtype: str, out_dtype: str) -> None:
         """Decode-side rows: quantized values times their scales, rounded to bf16/fp16."""
         n_groups = n // group
-        located = []
-        for addrs, lengths in ((plan.in_addrs[rows], n), (plan.out_addrs[rows], n * 2),
-                               (plan.scale_addrs[rows], n_groups * 4)):
-            region, offset = self._locate(np.asarray(addrs, dtype=np.uint64),
-                                          lengths.astype(np.uint64), "src")
-            if region.min() != region.max():
-                raise _error(KvPlanError, "conversion_rows",
-                             "the convert rows of one dtype pair lie in several tensors; "
-                             "register each staging region as one tensor")
-            located.append((self._regions[int(region[0])], offset.astype(np.int64)))
-        (in_r, in_off), (out_r, out_off), (scale_r, scale_off) = located
+        (in_r, in_off), (out_r, out_off), (scale_r, scale_off) = self._locate_rows(
+            plan, rows, (n, n * 2, n_groups * 4))
         codes = _read_rows(in_r.flat, in_off, n)
         if in_dtype == "int8":
             values = codes.view(torch.int8).to(torch.float32)
