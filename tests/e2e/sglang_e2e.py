@@ -521,12 +521,34 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
     if not refused:
         raise AssertionError("the prefill's log has no 'kvplan refused' line")
     # The prefill's transfer thread is still alive: the good decode still gets its tokens.
-    again = output_ids(pd_generate(prefill, good, ids)[0])
+    marks = {s.name: s.log_size() for s in (prefill, good)}
+    try:
+        again = output_ids(pd_generate(prefill, good, ids)[0])
+    except HttpError as exc:
+        # The logs first: the case's report line keeps the first 300 characters.
+        raise AssertionError(f"after the refused request the good decode failed: "
+                             f"{transfer_lines(marks, prefill, good)}; {exc}") from exc
     if again != reference[4]:
         raise AssertionError(f"after the refused request the good decode got {again}")
     reason = refused[0].split("kvplan refused", 1)[1].strip()
     return f"{outcome} in {took:.1f} s; prefill log: kvplan refused {reason[:160]}; " \
         "the same prefill then serves the good decode"
+
+
+_TRANSFER_WORDS = ("kvplan", "fail", "Fail", "Session", "session", "timeout", "Timeout",
+                   "Error", "dead")
+
+
+def transfer_lines(marks: dict[str, int], *servers: Server, limit: int = 12) -> str:
+    """What each server logged about transfers since ``marks`` (log sizes taken before the
+    request): the server logs stay on the machine that ran the case, this goes into the
+    report."""
+    parts = []
+    for s in servers:
+        lines = [line.strip()[:300] for line in s.log_since(marks[s.name]).splitlines()
+                 if any(word in line for word in _TRANSFER_WORDS)]
+        parts.append(f"{s.name} logged: " + (" | ".join(lines[:limit]) or "nothing about it"))
+    return "; ".join(parts)
 
 
 def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -> str:
