@@ -49,15 +49,16 @@ def test_per_layer_buffers_are_apart_and_the_indexer_has_its_own_stride() -> Non
 
 def test_window_entries_in_a_pool_are_kept_apart_by_the_token_plan() -> None:
     p = get_preset("gpt-oss-120b", 2)
-    src = p.layout(range(2), page_size=4, capacity=8, cross_layer=True)
-    t = kvplan.Template(src, p.layout(range(2), page_size=4, capacity=8, cross_layer=True,
+    # 32 pages of 4 tokens: the buffers hold one 128-token window
+    src = p.layout(range(2), page_size=4, capacity=32, cross_layer=True)
+    t = kvplan.Template(src, p.layout(range(2), page_size=4, capacity=32, cross_layer=True,
                                       base=DECODE_BASE))
     assert t.by_token and t.n_groups == 1  # the page rule would join them
     assert kinds(t) == [("first", None, True)] + [("by_token", None, True)] * 3
     assert len(t.plan(PAGES, PAGES, n_tokens=16)) == 4 * 4  # per entry and page
     full = [None] * len(src)
     whole = kvplan.Template(src.with_windows(full),
-                            p.layout(range(2), page_size=4, capacity=8, cross_layer=True,
+                            p.layout(range(2), page_size=4, capacity=32, cross_layer=True,
                                      base=DECODE_BASE).with_windows(full))
     assert [k for k, _, _ in kinds(whole)] == ["first"] + ["joined"] * 3
     assert len(whole.plan(PAGES, PAGES)) == 1

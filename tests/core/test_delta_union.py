@@ -47,7 +47,8 @@ class Peer:
         dcp = {} if dcp_rank is None else {"dcp_size": DCP, "dcp_rank": dcp_rank,
                                            "dcp_interleave": case.interleave}
         count = -(-tokens // page)
-        self.capacity = count + 3
+        # Room for the request and for one window (a window wider than its buffer is refused).
+        self.capacity = max(count, -(-case.window // page)) + 3
         rng = np.random.default_rng(seed)
         self.pages = rng.permutation(self.capacity)[:count].astype(np.int64)
         item = page * TOKEN

@@ -42,10 +42,15 @@ def staged_request(heads: int, tp_p: int, tp_d: int, r_d: int, *, order: str,
     ps, pd = page_sizes
     src_pages, dst_pages = pages(n_tokens, ps, reverse=False), pages(n_tokens, pd, reverse=True)
     tokens = n_tokens if ps != pd else None
-    dst = rank_memory(model(heads, window), Rank(r_d, tp_d, pd, order, len(dst_pages) + 2))
+
+    def room(page_list: np.ndarray, size: int) -> int:
+        # the request's pages and two more, and at least one window (a wider one is refused)
+        return max(len(page_list) + 2, -(-(window or 0) // size))
+
+    dst = rank_memory(model(heads, window), Rank(r_d, tp_d, pd, order, room(dst_pages, pd)))
     want = dst.memory.copy()
     direct_out = dst.memory.copy()
-    sources = [rank_memory(model(heads, window), Rank(r_p, tp_p, ps, order, len(src_pages) + 2),
+    sources = [rank_memory(model(heads, window), Rank(r_p, tp_p, ps, order, room(src_pages, ps)),
                            seed=r_p + 1) for r_p in range(tp_p)]
     staged = []
     for src in sources:

@@ -171,6 +171,12 @@ def test_window_pool_values_are_validated_where_the_layout_is_built() -> None:
                           dcp_rank=0)
     with pytest.raises(kvplan.LayoutError, match="decode context-parallel"):
         dealt.with_windows([8], window_page_size=4)
+    # A pool of 3 pages of 2 tokens cannot hold an 8-token window; of 4 pages it can.
+    with pytest.raises(kvplan.LayoutError, match=r"entry 1 \(layer 1, role k\): a sliding "
+                       r"window of 8 tokens is wider than the 6 tokens its buffer holds \(3 "
+                       r"pages of 2 tokens of the window pool\)"):
+        gpt_oss_like(2, window_capacity=3)
+    assert gpt_oss_like(2, window_capacity=4).window_page_size == 2
 
 
 def test_a_pool_beside_decode_context_parallelism_is_refused_at_template_build() -> None:

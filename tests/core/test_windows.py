@@ -28,7 +28,11 @@ def window_requests(draw: st.DrawFn) -> tuple[Request, int, int]:
         n = min(len(case.src_pages) * case.prefill.page_size,
                 len(case.dst_pages) * case.decode.page_size)
     model = dataclasses.replace(case.model, layers=max(2, case.model.layers))
-    return dataclasses.replace(case, model=model), draw(st.integers(1, 30)), \
+    # At most the tokens each side's buffers hold (a wider window is a layout error), still
+    # often wider than the request.
+    held = min(case.prefill.capacity * case.prefill.page_size,
+               case.decode.capacity * case.decode.page_size)
+    return dataclasses.replace(case, model=model), draw(st.integers(1, min(30, held))), \
         draw(st.integers(0, n))
 
 
@@ -87,7 +91,7 @@ def test_pages_before_the_window_are_not_read_on_a_window_layer() -> None:
 
 
 def test_a_request_shorter_than_the_window_moves_whole() -> None:
-    t, _ = pair(window=100)
+    t, _ = pair(window=50)
     full, _ = pair(window=None)
     pages = np.arange(4, dtype=np.int64)
     assert t.plan(pages, pages, n_tokens=13).total_bytes == \
@@ -132,6 +136,21 @@ def test_window_values_are_validated_where_the_layout_is_built() -> None:
         layout.with_windows(["8"] * n)  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"got \[-1,"):
         layout.with_windows([-1] * n)
+
+
+def test_a_window_wider_than_its_buffer_is_a_layout_error_naming_the_values() -> None:
+    # 16 pages of 4 tokens: a 64-token window fits, 65 tokens (say, a window in other units
+    # than tokens) never slides within the buffer's context.
+    model = Model(layers=2, kv_heads=2, head_dim=4, dtype_size=2)
+    layout = rank_memory(model, Rank(0, 1, 4, "NHD", 16)).layout
+    n = len(layout)
+    assert layout.with_windows([64] * n).windows == [64] * n
+    with pytest.raises(kvplan.LayoutError, match=r"entry 0 \(layer 0, role k\): a sliding "
+                       r"window of 65 tokens is wider than the 64 tokens its buffer holds "
+                       r"\(16 pages of 4 tokens\)"):
+        layout.with_windows([65] + [None] * (n - 1))
+    with pytest.raises(kvplan.LayoutError, match="wider than the 64 tokens"):
+        kvplan.Layout([1 << 20], [16 * 64], [64], [0], ["kv"], page_size=4, windows=[65])
 
 
 def test_the_window_travels_on_the_wire_and_in_the_dict() -> None:

@@ -391,7 +391,8 @@ impl Layout {
     ///
     /// # Errors
     /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
-    /// for a window of 0 tokens or a window on a state entry.
+    /// for a window of 0 tokens, a window on a state entry, or a window wider than the tokens
+    /// its entry's buffer holds.
     pub fn with_windows(mut self, windows: Vec<Option<u64>>) -> Result<Self> {
         if windows.is_empty() {
             return Ok(self);
@@ -405,7 +406,43 @@ impl Layout {
              request, sent whole",
         )?;
         self.windows = windows;
+        self.check_windows_fit()?;
         Ok(self)
+    }
+
+    /// Every window entry's buffer holds at least one window: a window wider than the tokens
+    /// its buffer can ever hold never slides (the layer is full attention over that context),
+    /// and is most often a window given in other units than tokens.
+    fn check_windows_fit(&self) -> Result<()> {
+        // A dealt layout holds one in `size` of a request's tokens per rank.
+        let dealt = u64::from(self.context.dcp.size.max(1));
+        for (entry, window) in self.windows.iter().enumerate() {
+            let Some(window) = *window else { continue };
+            let (pages, page_size) = (self.capacity(entry), self.entry_page_size(entry));
+            let tokens = pages.saturating_mul(page_size).saturating_mul(dealt);
+            if window > tokens {
+                let pool = if self.in_window_pool(entry) {
+                    " of the window pool"
+                } else {
+                    ""
+                };
+                return Err(invalid(format!(
+                    "entry {entry} (layer {}, role {}): a sliding window of {window} tokens is \
+                     wider than the {tokens} tokens its buffer holds ({pages} pages of \
+                     {page_size} tokens{pool}{}); give the window in tokens, or describe the \
+                     entry without one (full attention) when the context is shorter than the \
+                     window",
+                    self.layer_label(entry),
+                    self.role_label(entry),
+                    if dealt > 1 {
+                        format!(", dealt over {dealt} context-parallel ranks")
+                    } else {
+                        String::new()
+                    },
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The same layout with ring-state entries: state entry `e` with `Some(r)` keeps, per
@@ -468,8 +505,9 @@ impl Layout {
     /// differ from the full-attention pages' size.
     ///
     /// # Errors
-    /// [`PlanError::InvalidLayout`] for a page size of 0, a layout without window entries, or a
-    /// layout that deals its tokens over decode context-parallel ranks.
+    /// [`PlanError::InvalidLayout`] for a page size of 0, a layout without window entries, a
+    /// layout that deals its tokens over decode context-parallel ranks, or a window wider than
+    /// the tokens its pool buffer holds at that page size.
     pub fn with_window_pool(mut self, page_size: u64) -> Result<Self> {
         let problem = if page_size == 0 {
             "a window pool's page_size must be at least 1, got 0"
@@ -480,6 +518,7 @@ impl Layout {
              context-parallel ranks"
         } else {
             self.window_page_size = Some(page_size);
+            self.check_windows_fit()?;
             return Ok(self);
         };
         Err(invalid(problem.into()))

@@ -252,6 +252,9 @@ proptest! {
     ) {
         let n = (16 * ps).min(16 * pd).min(200) * per_mille / 1000;
         let skip = n * skip_per_mille / 1000;
+        // At most the 16 pages each buffer holds (a wider window is a layout error), still
+        // often wider than the request.
+        let window = window.min(16 * ps.min(pd));
         let src_pages = pages(n.div_ceil(ps) as usize, &src_gaps);
         let dst_pages = pages(n.div_ceil(pd) as usize, &dst_gaps);
         let src = windowed(layout(0x1000, ps, 16, orders.0, pads.0), window);
