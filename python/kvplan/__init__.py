@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvplan._core import (
     DTYPES,
+    SCALE_FORMATS,
     Advice,
     ConversionPlan,
     ConversionTemplate,
@@ -76,6 +77,7 @@ __all__ = [
     "Template",
     "ConversionPlan",
     "DTYPES",
+    "SCALE_FORMATS",
     "ConversionTemplate",
     "TpPeers",
     "TransferCost",

@@ -18,6 +18,7 @@ __all__ = [
     "LayoutError",
     "MHA_ROLES",
     "DTYPES",
+    "SCALE_FORMATS",
     "ConversionPlan",
     "ConversionTemplate",
     "MooncakeBatch",
@@ -61,6 +62,9 @@ __version__: str
 MHA_ROLES: list[str]
 #: KV dtype names by code (``ConversionPlan.in_dtypes`` / ``out_dtypes`` index it).
 DTYPES: list[str]
+#: Scale format names by code (``ConversionPlan.scale_formats`` indexes it): ``"float32"`` (the
+#: per_token / per_token_head scales), ``"e8m0"`` (the mx block scales, one byte each).
+SCALE_FORMATS: list[str]
 
 class KvPlanError(ValueError):
     #: The core's stable name of the error's family (``"head_slicing"``, ``"size_mismatch"``,
@@ -918,6 +922,8 @@ class ConversionPlan:
     def out_dtypes(self) -> npt.NDArray[np.uint8]: ...
     @property
     def group_elems(self) -> _U64Array: ...
+    @property
+    def scale_formats(self) -> npt.NDArray[np.uint8]: ...
     @property
     def scale_addrs(self) -> _U64Array: ...
     @property

@@ -3,13 +3,15 @@
 //!
 //! A conversion plan has the stages of a staged plan with a convert stage between the gather
 //! and the network; the conversion runs on the prefill, so the network carries the decode's
-//! representation (fp8 values and their float32 scales) and the decode runs nothing:
+//! representation (fp8 values and their scales) and the decode runs nothing:
 //! - `gather`: the request's direct blocks from prefill memory into the *gathered* area of the
 //!   prefill staging region, back to back in plan order;
 //! - `rows`: one convert row per converted piece of the gathered area (a kernel's work list):
 //!   its input address and element count and dtype, its output address (in the *converted*
-//!   area) and dtype, and its scales: elements per scale, the address its first scale is written
-//!   to (in the *scale* area), and the decode address those scales go to;
+//!   area) and dtype, and its scales: elements per scale, their format ([`ScaleFormat`] code:
+//!   0 float32 for `per_token` / `per_token_head`, 1 E8M0 for `mx`, one byte per block of
+//!   [`MX_BLOCK`] elements), the address its first scale is written to (in the *scale* area),
+//!   and the decode address those scales go to;
 //! - `network`: converted rows to their decode pages, scales to the decode's scale entries,
 //!   pairs kept as they are (same representation on both sides) straight from the gathered
 //!   area; blocks merged when they continue on both sides;
@@ -28,13 +30,16 @@
 //!
 //! What converts (anything else is refused at build with [`PlanError::Conversion`] naming both
 //! representations): a `bf16` or `fp16` prefill entry into an `fp8_e4m3`, `fp8_e5m2` or
-//! `int8` decode entry with `per_token` or `per_token_head` scales, token-major items, where
-//! each decode scale group is held whole by one prefill rank (`per_token` with fewer heads per
-//! prefill rank than per decode rank is refused: no prefill rank sees a decode token's heads).
-//! The quantization rule is stated in docs/api.md ("Conversion plans").
+//! `int8` decode entry with `per_token` or `per_token_head` scales, or into an `fp8_e4m3`
+//! entry with `mx` block scales (MXFP8), token-major items, where each decode scale group is
+//! held whole by one prefill rank (`per_token` with fewer heads per prefill rank than per
+//! decode rank is refused: no prefill rank sees a decode token's heads; `mx` between sides
+//! holding different heads per rank is refused unless each rank's slice of a token is whole
+//! blocks of [`MX_BLOCK`] elements, in both directions). The quantization rules are stated in
+//! docs/api.md ("Conversion plans").
 //!
-//! The reverse, quantized values with per-token scales into `bf16` or `fp16`, is converted on
-//! the decode ([`ConversionTemplate::side`] is [`Side::Dst`]): the *prefill* is widened
+//! The reverse, quantized values with per-token or `mx` scales into `bf16` or `fp16`, is
+//! converted on the decode ([`ConversionTemplate::side`] is [`Side::Dst`]): the *prefill* is widened
 //! instead, the gather collects the quantized values and then each row's scales from the
 //! prefill's scale entries, one network block moves both into the decode staging region, and
 //! the decode's convert rows write its pages (kept pairs are scattered).
@@ -44,7 +49,7 @@ use crate::error::{PlanError, Result, Side};
 use crate::layout::{EntryKind, Layout, LayoutParts, MemoryOrder, is_mha_role};
 use crate::pack::{PackBuffer, PlanBuilder};
 use crate::plan::Plan;
-use crate::repr::{KvDtype, Representation, SCALE_BYTES, ScaleLayout};
+use crate::repr::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
 use crate::request::Request;
 use crate::runs::PageIndex;
 use crate::template::Template;
@@ -62,10 +67,14 @@ pub struct ConvertRows {
     pub in_dtypes: Vec<u8>,
     /// Output dtype code.
     pub out_dtypes: Vec<u8>,
-    /// Consecutive elements sharing one scale (a token's heads, or one head of a token).
+    /// Consecutive elements sharing one scale (a token's heads, one head of a token, or an
+    /// `mx` block of [`MX_BLOCK`] elements).
     pub group_elems: Vec<u64>,
-    /// Address the row's first float32 scale is written to (in the scale area); the row has
-    /// `n_elems / group_elems` scales there, back to back.
+    /// How the row's scales are stored ([`ScaleFormat::code`]: 0 float32, 1 E8M0), which
+    /// also selects the rule that computes them (docs/api.md, "Conversion plans").
+    pub scale_formats: Vec<u8>,
+    /// Address the row's first scale is written to (in the scale area); the row has
+    /// `n_elems / group_elems` scales there, back to back, each of its format's size.
     pub scale_addrs: Vec<u64>,
     /// Decode address of the row's first scale (its scale entry): where the network moves
     /// those scales.
@@ -132,6 +141,8 @@ struct Conv {
     /// Widened bytes of one scale group, and its elements.
     group_bytes: u64,
     group_elems: u64,
+    /// How its scales are stored (and so their size).
+    scale_format: ScaleFormat,
     /// Widened item length and stride of the entry.
     item_len: u64,
     stride: u64,
@@ -163,7 +174,7 @@ fn repr_text(layout: &Layout, entry: usize) -> String {
 }
 
 /// Whether `src → dst` is a dequantization the decode runs: quantized values with per-token
-/// scales into plain bf16 or fp16.
+/// (or `mx` block) scales into plain bf16 or fp16.
 fn dequantizes(src: Representation, dst: Representation) -> bool {
     src.dtype.quantized()
         && src.scales.per_token()
@@ -188,8 +199,9 @@ fn refusal(src: Representation, dst: Representation) -> Option<String> {
     if src.dtype.quantized() {
         return Some(format!(
             "{} values convert only into bf16 or fp16 (dequantized on the decode, from \
-             per_token or per_token_head scales); re-quantizing into another quantized dtype \
-             or dropping scales loses information no plan accounts for",
+             per_token, per_token_head or mx scales); re-quantizing into another quantized \
+             dtype or scale layout (such as mx ↔ per_token) or dropping scales loses \
+             information no plan accounts for",
             src.dtype.as_str()
         ));
     }
@@ -211,8 +223,32 @@ fn refusal(src: Representation, dst: Representation) -> Option<String> {
              reproduce what its quantizer would store"
                 .into(),
         ),
-        ScaleLayout::PerToken | ScaleLayout::PerTokenHead => None,
+        ScaleLayout::PerToken | ScaleLayout::PerTokenHead | ScaleLayout::Mx => None,
     }
+}
+
+/// Why an `mx` pair cannot be split between TP ranks, or `None` when it can: when the two
+/// sides hold different KV heads per rank, each rank's slice of a token (the smaller side's
+/// heads × `head_dim` elements) must be whole blocks of [`MX_BLOCK`] elements, else a block
+/// (one shared scale) would be split between ranks, and no prefill rank sees all of a block it
+/// would have to quantize.
+fn mx_split_refusal(src: &Layout, dst: &Layout, role: &str) -> Option<String> {
+    let (Some(gs), Some(gd)) = (src.context().attention, dst.context().attention) else {
+        return None;
+    };
+    if !is_mha_role(role) || gs.heads_per_rank == gd.heads_per_rank {
+        return None;
+    }
+    let slice = u64::from(gs.heads_per_rank.min(gd.heads_per_rank)) * u64::from(gs.head_dim);
+    if slice.is_multiple_of(MX_BLOCK) {
+        return None;
+    }
+    Some(format!(
+        "a prefill rank holds {} KV heads per token and a decode rank {} (head_dim {}), so \
+         each rank's slice of a token is {slice} elements, not whole mx blocks of {MX_BLOCK}: \
+         a block and its shared scale would be split between ranks",
+        gs.heads_per_rank, gd.heads_per_rank, gs.head_dim
+    ))
 }
 
 impl ConversionTemplate {
@@ -242,10 +278,6 @@ impl ConversionTemplate {
             if rs == rd {
                 continue;
             }
-            if dequantizes(rs, rd) {
-                dequantized[s] = Some((rs, rd));
-                continue;
-            }
             let label = format!("layer {}, role {}", dst.layer_label(d), dst.role_label(d));
             let refuse = |why: String| PlanError::Conversion {
                 src_entry: s,
@@ -255,6 +287,16 @@ impl ConversionTemplate {
                 dst: repr_text(dst, d),
                 why,
             };
+            let role = dst.parts().roles[d].as_str();
+            if (rs.scales == ScaleLayout::Mx || rd.scales == ScaleLayout::Mx)
+                && let Some(why) = mx_split_refusal(src, dst, role)
+            {
+                return Err(refuse(why));
+            }
+            if dequantizes(rs, rd) {
+                dequantized[s] = Some((rs, rd));
+                continue;
+            }
             if let Some(why) = refusal(rs, rd) {
                 return Err(refuse(why));
             }
@@ -270,7 +312,6 @@ impl ConversionTemplate {
                     )));
                 }
             }
-            let role = dst.parts().roles[d].as_str();
             if rd.scales == ScaleLayout::PerToken
                 && is_mha_role(role)
                 && let (Some(gs), Some(gd)) = (src.context().attention, dst.context().attention)
@@ -481,7 +522,7 @@ impl ConversionTemplate {
             gathered += len;
             if let Some(conv) = &target.conv {
                 converted_bytes += len / target.factor;
-                scale_bytes += len / conv.group_bytes * SCALE_BYTES;
+                scale_bytes += len / conv.group_bytes * conv.scale_format.size();
             }
         }
         let staging_bytes = gathered + converted_bytes + scale_bytes;
@@ -541,9 +582,10 @@ impl ConversionTemplate {
                             });
                         }
                         let groups = chunk / conv.group_bytes;
+                        let one_scale = conv.scale_format.size();
                         let scale_dst = conv.scale_base
                             + item * conv.scale_stride
-                            + within / conv.group_bytes * SCALE_BYTES;
+                            + within / conv.group_bytes * one_scale;
                         let in_size = u64::from(conv.in_dtype.size());
                         rows.in_addrs.push(area_gathered + at_in + row_at);
                         rows.out_addrs
@@ -552,14 +594,15 @@ impl ConversionTemplate {
                         rows.in_dtypes.push(conv.in_dtype.code());
                         rows.out_dtypes.push(conv.out_dtype.code());
                         rows.group_elems.push(conv.group_elems);
+                        rows.scale_formats.push(conv.scale_format.code());
                         rows.scale_addrs.push(area_scales + at_scale);
                         rows.scale_dst_addrs.push(scale_dst);
                         scale_network.push_merged((
                             area_scales + at_scale,
                             scale_dst,
-                            groups * SCALE_BYTES,
+                            groups * one_scale,
                         ))?;
-                        at_scale += groups * SCALE_BYTES;
+                        at_scale += groups * one_scale;
                         row_at += chunk;
                     }
                     at_out += out_len;
@@ -643,18 +686,20 @@ impl ConversionTemplate {
                                     ),
                                 });
                             };
+                        let one_scale = conv.scale_format.size();
                         let scale_src =
-                            conv.scale_base + item * conv.scale_stride + within / gb * SCALE_BYTES;
-                        scale_gathers.push((scale_src, at_scales, n_scales * SCALE_BYTES));
+                            conv.scale_base + item * conv.scale_stride + within / gb * one_scale;
+                        scale_gathers.push((scale_src, at_scales, n_scales * one_scale));
                         in_offsets.push(at_values + row_at / target.factor);
                         rows.out_addrs.push(dst + row_at);
                         rows.n_elems.push(chunk / out_size);
                         rows.in_dtypes.push(conv.in_dtype.code());
                         rows.out_dtypes.push(conv.out_dtype.code());
                         rows.group_elems.push(group_elems);
+                        rows.scale_formats.push(conv.scale_format.code());
                         scale_offsets.push(at_scales);
                         rows.scale_dst_addrs.push(scale_src);
-                        at_scales += n_scales * SCALE_BYTES;
+                        at_scales += n_scales * one_scale;
                         converted += chunk;
                         row_at += chunk;
                     }
@@ -723,27 +768,41 @@ fn conversion(
     (rs, rd): (Representation, Representation),
 ) -> Result<Conv> {
     let scale = dst.scale_entry(d).ok_or(PlanError::InputChanged)?;
+    let scale_format = rd.scales.scale_format().ok_or(PlanError::InputChanged)?;
     let item_len = widened.parts().item_lens[w];
     let token_bytes = item_len / dst.context().page_size;
-    let heads = match rd.scales {
-        ScaleLayout::PerTokenHead => dst.context().attention.map_or(1, |g| g.heads_per_rank),
+    // Widened bytes of one element of the entry.
+    let elem_bytes = u64::from(rd.dtype.size()) * factor;
+    let groups = match rd.scales {
+        ScaleLayout::PerTokenHead => {
+            u64::from(dst.context().attention.map_or(1, |g| g.heads_per_rank))
+        }
+        ScaleLayout::Mx => token_bytes / (MX_BLOCK * elem_bytes).max(1),
         _ => 1,
     };
-    let group_bytes = token_bytes / u64::from(heads);
+    let group_bytes = token_bytes / groups.max(1);
     let in_size = u64::from(rs.dtype.size());
-    if group_bytes == 0 || !group_bytes.is_multiple_of(in_size) || factor == 0 {
+    if groups == 0
+        || group_bytes == 0
+        || group_bytes * groups != token_bytes
+        || !group_bytes.is_multiple_of(in_size)
+        || factor == 0
+    {
         return Err(PlanError::Conversion {
             src_entry: 0,
             dst_entry: d,
             label: dst.role_label(d),
             src: rs.text(),
             dst: rd.text(),
-            why: format!("a token of {token_bytes} bytes does not split into {heads} head(s)"),
+            why: format!(
+                "a token of {token_bytes} bytes does not split into {groups} scale group(s)"
+            ),
         });
     }
     Ok(Conv {
         in_dtype: rs.dtype,
         out_dtype: rd.dtype,
+        scale_format,
         group_bytes,
         group_elems: group_bytes / in_size,
         item_len,

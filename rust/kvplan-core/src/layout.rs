@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
-use crate::repr::{Representation, SCALE_BYTES, ScaleLayout, scale_role};
+use crate::repr::{MX_BLOCK, Representation, ScaleLayout, scale_role};
 
 /// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are
 /// sharded between TP ranks (an MLA latent, role `kv`, and NPU buffer groups are not).
@@ -553,13 +553,16 @@ impl Layout {
     /// (when the layout has one) and divides the entry's item length; only a quantized dtype
     /// (`fp8_e4m3`, `fp8_e5m2`, `int8`) has scales (the geometry describes the `k`/`v`
     /// entries, so its `dtype_size` is checked against theirs); per-token scales (`per_token`,
-    /// `per_token_head`) live in the entry's *scale entry*: the page entry of the same layer id
+    /// `per_token_head`, `mx`) live in the entry's *scale entry*: the page entry of the same layer id
     /// and draft-ness whose role is the entry's role + `_scale` (`k` → `k_scale`, `kv` →
-    /// `kv_scale`), holding per page `page_size` tokens × groups float32 scales, token-major
-    /// (groups: 1 for `per_token`, the rank's KV heads for `per_token_head`), so its item
-    /// length is `page_size × groups × 4`. `per_token_head` needs the attention geometry
-    /// (its heads per rank); `per_token` needs the entry's item length to be a whole number of
-    /// tokens.
+    /// `kv_scale`), holding per page `page_size` tokens × groups scales, token-major (groups: 1
+    /// for `per_token`, the rank's KV heads for `per_token_head`, the token's elements / 32 for
+    /// `mx`), so its item length is `page_size × groups × scale bytes` (4 for the float32
+    /// scales of `per_token` and `per_token_head`, 1 for the E8M0 scales of `mx`:
+    /// [`ScaleLayout::scale_bytes`]). `per_token_head` needs the attention geometry (its heads
+    /// per rank); every per-token layout needs the entry's item length to be a whole number of
+    /// tokens; `mx` is for `fp8_e4m3` only and needs a token's elements to be a multiple of
+    /// [`MX_BLOCK`].
     ///
     /// # Errors
     /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
@@ -589,7 +592,7 @@ impl Layout {
         if self.parts.kinds[entry] != EntryKind::Page || is_sidecar_role(role) {
             return fail(format!(
                 "representation {} is set on a {} entry; representations describe KV page \
-                 entries (scale entries hold float32 scales, state entries are sent whole)",
+                 entries (scale entries hold scales, state entries are sent whole)",
                 repr.text(),
                 if is_sidecar_role(role) {
                     "sidecar"
@@ -623,6 +626,13 @@ impl Layout {
                 repr.scales.as_str()
             ));
         }
+        if !repr.consistent() {
+            return fail(format!(
+                "scale layout {} is defined for fp8_e4m3 only (MXFP8), got dtype {}",
+                repr.scales.as_str(),
+                repr.dtype.as_str()
+            ));
+        }
         if !repr.scales.per_token() {
             return Ok(());
         }
@@ -634,6 +644,17 @@ impl Layout {
             ));
         }
         let groups = match repr.scales {
+            ScaleLayout::Mx => {
+                let token_elems = item_len / page_size / size;
+                if !token_elems.is_multiple_of(MX_BLOCK) {
+                    return fail(format!(
+                        "mx scales cover blocks of {MX_BLOCK} elements of a token, but a token \
+                         holds {token_elems} elements (item_len {item_len} / page_size \
+                         {page_size} / {size} byte(s)), not a multiple of {MX_BLOCK}"
+                    ));
+                }
+                token_elems / MX_BLOCK
+            }
             ScaleLayout::PerTokenHead => match &self.context.attention {
                 Some(g) => u64::from(g.heads_per_rank),
                 None => {
@@ -660,11 +681,12 @@ impl Layout {
                 repr.scales.as_str()
             ));
         };
-        let want = page_size * groups * SCALE_BYTES;
+        let scale_bytes = repr.scales.scale_bytes();
+        let want = page_size * groups * scale_bytes;
         if self.parts.item_lens[scale] != want {
             return fail(format!(
                 "its scale entry {scale} ({want_role}) has item_len {}, {} scales need \
-                 page_size {page_size} × {groups} scale(s) per token × {SCALE_BYTES} bytes = {want}",
+                 page_size {page_size} × {groups} scale(s) per token × {scale_bytes} byte(s) = {want}",
                 self.parts.item_lens[scale],
                 repr.scales.as_str()
             ));

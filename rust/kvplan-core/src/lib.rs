@@ -114,7 +114,7 @@ pub use pieces::{
     Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
 };
 pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
-pub use repr::{KvDtype, Representation, ScaleLayout};
+pub use repr::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
 pub use request::{Indices, Request};
 pub use ring::RingPlanner;
 pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};

@@ -83,24 +83,30 @@ pub enum ScaleLayout {
     PerToken,
     /// One float32 scale per token and KV head of the entry.
     PerTokenHead,
+    /// OCP Microscaling (MX v1.0) block scales: one E8M0 scale (a power of two) per block of
+    /// [`MX_BLOCK`] consecutive elements of a token. `fp8_e4m3` only (MXFP8).
+    Mx,
 }
 
 impl ScaleLayout {
     /// Every scale layout, in code order.
-    pub const ALL: [ScaleLayout; 4] = [
+    /// (Appended layouts keep the codes of the earlier ones.)
+    pub const ALL: [ScaleLayout; 5] = [
         ScaleLayout::None,
         ScaleLayout::PerTensor,
         ScaleLayout::PerToken,
         ScaleLayout::PerTokenHead,
+        ScaleLayout::Mx,
     ];
 
-    /// The layout's name (`none`, `per_tensor`, `per_token`, `per_token_head`).
+    /// The layout's name (`none`, `per_tensor`, `per_token`, `per_token_head`, `mx`).
     pub fn as_str(self) -> &'static str {
         match self {
             ScaleLayout::None => "none",
             ScaleLayout::PerTensor => "per_tensor",
             ScaleLayout::PerToken => "per_token",
             ScaleLayout::PerTokenHead => "per_token_head",
+            ScaleLayout::Mx => "mx",
         }
     }
 
@@ -120,9 +126,66 @@ impl ScaleLayout {
     }
 
     /// Whether the scales live in a page entry of their own, one or more per token (the
-    /// entry's scale entry: see [`crate::layout::Layout::with_representations`]).
+    /// entry's scale entry: see [`crate::layout::Layout::with_representations`]):
+    /// `per_token`, `per_token_head` and `mx`.
     pub fn per_token(self) -> bool {
-        matches!(self, ScaleLayout::PerToken | ScaleLayout::PerTokenHead)
+        self.scale_format().is_some()
+    }
+
+    /// How one scale of the layout's scale entry is stored: float32 for `per_token` and
+    /// `per_token_head`, E8M0 for `mx`; `None` for layouts without a scale entry. Every size
+    /// of a scale entry, a scale area or a scale block derives from this.
+    pub fn scale_format(self) -> Option<ScaleFormat> {
+        match self {
+            ScaleLayout::None | ScaleLayout::PerTensor => None,
+            ScaleLayout::PerToken | ScaleLayout::PerTokenHead => Some(ScaleFormat::Float32),
+            ScaleLayout::Mx => Some(ScaleFormat::E8m0),
+        }
+    }
+
+    /// Bytes of one scale in the scale entry (0 for layouts without one).
+    pub fn scale_bytes(self) -> u64 {
+        self.scale_format().map_or(0, ScaleFormat::size)
+    }
+}
+
+/// Elements per block of the `mx` scale layout: one E8M0 scale per 32 consecutive elements of
+/// a token (OCP MX v1.0).
+pub const MX_BLOCK: u64 = 32;
+
+/// How a scale is stored in a scale entry and in a conversion plan's scale area (the code in
+/// `ConvertRows::scale_formats`, so a kernel knows how to read and write it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScaleFormat {
+    /// IEEE binary32, little-endian: the scale the values are divided by.
+    Float32,
+    /// E8M0 (OCP MX): one unsigned byte `e`, the scale `2^(e - 127)`; `0xFF` is NaN.
+    E8m0,
+}
+
+impl ScaleFormat {
+    /// Every scale format, in code order.
+    pub const ALL: [ScaleFormat; 2] = [ScaleFormat::Float32, ScaleFormat::E8m0];
+
+    /// The format's name (`float32`, `e8m0`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScaleFormat::Float32 => "float32",
+            ScaleFormat::E8m0 => "e8m0",
+        }
+    }
+
+    /// Bytes of one scale.
+    pub fn size(self) -> u64 {
+        match self {
+            ScaleFormat::Float32 => 4,
+            ScaleFormat::E8m0 => 1,
+        }
+    }
+
+    /// The code of the format in kernel-facing arrays (its position in [`ScaleFormat::ALL`]).
+    pub fn code(self) -> u8 {
+        self as u8
     }
 }
 
@@ -134,9 +197,6 @@ pub struct Representation {
     /// Where the scales are.
     pub scales: ScaleLayout,
 }
-
-/// Bytes of one scale value (float32).
-pub const SCALE_BYTES: u64 = 4;
 
 impl Representation {
     /// A representation without scales.
@@ -153,6 +213,16 @@ impl Representation {
         match self.scales {
             ScaleLayout::None => self.dtype.as_str().to_owned(),
             scales => format!("{}:{}", self.dtype.as_str(), scales.as_str()),
+        }
+    }
+
+    /// Whether the scale layout suits the dtype: scales only on quantized dtypes, and `mx`
+    /// only on `fp8_e4m3` (MXFP8).
+    pub fn consistent(&self) -> bool {
+        match self.scales {
+            ScaleLayout::None => true,
+            ScaleLayout::Mx => self.dtype == KvDtype::Fp8E4m3,
+            _ => self.dtype.quantized(),
         }
     }
 
@@ -205,6 +275,16 @@ mod tests {
         assert_eq!(Representation::parse("fp9"), None);
         assert_eq!(Representation::parse("bf16:per_block"), None);
         assert_eq!(Representation::from_code(0x0500), None);
+        assert_eq!(
+            Representation::parse("fp8_e4m3:mx").unwrap().to_code(),
+            0x0402
+        );
+        assert!(Representation::parse("fp8_e4m3:mx").unwrap().consistent());
+        assert!(!Representation::parse("fp8_e5m2:mx").unwrap().consistent());
+        assert!(!Representation::parse("int8:mx").unwrap().consistent());
+        assert_eq!(ScaleLayout::Mx.scale_bytes(), 1);
+        assert_eq!(ScaleLayout::PerToken.scale_bytes(), 4);
+        assert_eq!(ScaleLayout::PerTensor.scale_bytes(), 0);
         assert_eq!(Representation::from_code(1 << 16), None);
     }
 }

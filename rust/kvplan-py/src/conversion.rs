@@ -2,7 +2,7 @@
 //! called, its plan handed out as NumPy columns.
 
 use kvplan_core::convert::{ConversionPlan, ConversionTemplate};
-use kvplan_core::{KvDtype, PageIndex, Request};
+use kvplan_core::{KvDtype, PageIndex, Request, ScaleFormat};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -52,7 +52,10 @@ pub struct PyConversionPlan {
     /// Per convert row: consecutive elements sharing one scale.
     #[pyo3(get)]
     group_elems: U64s,
-    /// Per convert row: address of its first float32 scale (scale area).
+    /// Per convert row: scale format code (an index into `SCALE_FORMATS`: float32, e8m0).
+    #[pyo3(get)]
+    scale_formats: U8s,
+    /// Per convert row: address of its first scale (scale area).
     #[pyo3(get)]
     scale_addrs: U64s,
     /// Per convert row: decode address its scales go to (its scale entry).
@@ -244,6 +247,7 @@ impl PyConversionTemplate {
             in_dtypes: u8s(rows.in_dtypes),
             out_dtypes: u8s(rows.out_dtypes),
             group_elems: u64s(rows.group_elems),
+            scale_formats: u8s(rows.scale_formats),
             scale_addrs: u64s(rows.scale_addrs),
             scale_dst_addrs: u64s(rows.scale_dst_addrs),
             gathered_bytes: plan.gathered_bytes,
@@ -271,4 +275,10 @@ fn side_name(side: kvplan_core::Side) -> &'static str {
 /// `out_dtypes`).
 pub(crate) fn dtype_names() -> Vec<&'static str> {
     KvDtype::ALL.iter().map(|d| d.as_str()).collect()
+}
+
+/// The scale format names by code: `SCALE_FORMATS[code]` (the codes of
+/// `ConversionPlan.scale_formats`).
+pub(crate) fn scale_format_names() -> Vec<&'static str> {
+    ScaleFormat::ALL.iter().map(|f| f.as_str()).collect()
 }

@@ -367,9 +367,9 @@ impl PyLayout {
     /// The same layout with KV representations: one per entry, `None` for an entry that
     /// publishes none (and for scale and state entries), else `"dtype"` or `"dtype:scales"`
     /// (`"bf16"`, `"fp8_e4m3:per_token"`; dtypes `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`,
-    /// `int8`; scales `none`, `per_tensor`, `per_token`, `per_token_head`). Per-token scales
-    /// live in the page entry of the same layer whose role is the entry's role + `_scale`
-    /// (see docs/api.md, "KV representations"). A `LayoutError` names the entry and the values
+    /// `int8`; scales `none`, `per_tensor`, `per_token`, `per_token_head`, `mx`). Per-token
+    /// and `mx` scales live in the page entry of the same layer whose role is the entry's
+    /// role + `_scale` (see docs/api.md, "KV representations"). A `LayoutError` names the entry and the values
     /// for a representation its sizes contradict.
     fn with_representations(&self, representations: &Bound<'_, PyAny>) -> PyResult<Self> {
         let texts: Vec<Option<String>> = representations.extract().map_err(|_| {
@@ -385,10 +385,14 @@ impl PyLayout {
             list.push(match text {
                 None => None,
                 Some(t) => Some(kvplan_core::Representation::parse(t).ok_or_else(|| {
+                    let names = |all: &mut dyn Iterator<Item = &'static str>| {
+                        all.collect::<Vec<_>>().join(", ")
+                    };
                     crate::errors::LayoutError::new_err(format!(
                         "entry {entry}: unknown representation {t:?}; give \"dtype\" or \
-                         \"dtype:scales\" with a dtype of bf16, fp16, fp8_e4m3, fp8_e5m2, int8 \
-                         and scales of none, per_tensor, per_token, per_token_head"
+                         \"dtype:scales\" with a dtype of {} and scales of {}",
+                        names(&mut kvplan_core::KvDtype::ALL.iter().map(|d| d.as_str())),
+                        names(&mut kvplan_core::ScaleLayout::ALL.iter().map(|s| s.as_str())),
                     ))
                 })?),
             });

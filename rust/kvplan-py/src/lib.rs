@@ -78,6 +78,7 @@ mod _core {
         use pyo3::prelude::*;
         m.add("MHA_ROLES", kvplan_core::MHA_ROLES.to_vec())?;
         m.add("DTYPES", crate::conversion::dtype_names())?;
+        m.add("SCALE_FORMATS", crate::conversion::scale_format_names())?;
         m.py()
             .get_type::<crate::errors::KvPlanError>()
             .setattr("kind", "other")?;
