@@ -23,6 +23,29 @@ format's quiet NaN, ``0x7FC0`` for bf16, sign kept).
 NaN values stay NaN (e4m3 code ``0x7F``, e5m2 ``0x7F``, sign kept; a group holding a NaN has a
 NaN ``amax``, so all its values and its scale are NaN); an infinite value makes its group's
 scale infinite. int8 has no NaN: NaN is not defined for int8 groups (keep KV finite).
+
+The ``mx`` rule (``fp8_e4m3:mx``, MXFP8 of OCP Microscaling v1.0; rows whose
+``scale_formats`` code is 1, ``"e8m0"``): per block of :data:`MX_BLOCK` (32) consecutive
+elements of a token,
+
+- the values are widened exactly to float32 and ``amax = max(|x|)`` over the block;
+- the shared exponent is ``floor(log2(amax)) - 8`` (8: the largest exponent of E4M3), clamped to
+  ``[-127, 127]``; a block whose ``amax`` is 0 gets ``-127``;
+- the scale is ``X = 2**shared_exp``, stored as one E8M0 byte ``shared_exp + 127`` (so an
+  all-zero block has scale byte ``0x00``);
+- each value is ``q = x / X``, an exact power-of-two scaling (``x * 2**-shared_exp`` in float32:
+  nothing that matters to the rounding below is rounded), clamped to ``[-448, 448]`` and rounded
+  to the nearest E4M3 value, ties to even;
+- a block holding a NaN or an infinity gets the NaN scale byte ``0xFF`` and every one of its
+  values becomes NaN (code ``0x7F``, each value's sign kept): E4M3 has no infinity, and MX
+  decodes every value of a NaN-scaled block as NaN anyway.
+
+Dequantizing ``mx`` (into ``bf16``/``fp16``, on the decode): each value is decoded exactly to
+float32 and multiplied by ``2**(e - 127)`` of its block's scale byte ``e`` (a float32
+multiplication by a power of two, exact unless the product leaves float32's range, where it is
+infinite as in the output format), then rounded to the output format, nearest with ties to
+even (beyond the format's largest finite value: infinity, IEEE); a scale byte ``0xFF`` gives NaN
+for the whole block.
 """
 
 from __future__ import annotations
@@ -32,11 +55,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["QMAX", "decode_fp8", "dequantize_groups", "encode_fp8", "from_float32",
-           "quantize_groups", "to_float32"]
+__all__ = ["E8M0_NAN", "MX_BLOCK", "QMAX", "decode_e8m0", "decode_fp8", "dequantize_groups",
+           "dequantize_mx", "encode_fp8", "from_float32", "quantize_groups", "quantize_mx",
+           "to_float32"]
 
 #: Largest finite magnitude of each quantized dtype: the ``QMAX`` of the rule.
 QMAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+
+#: Elements per ``mx`` block (one E8M0 scale each).
+MX_BLOCK = 32
+
+#: The E8M0 scale byte that stands for NaN.
+E8M0_NAN = 0xFF
+
+#: The largest exponent of a finite E4M3 value (448 = 1.75 * 2**8): the ``8`` of the ``mx`` rule.
+_E4M3_EMAX = 8
 
 #: (exponent bits, mantissa bits, bias) of the FP8 formats (OCP FP8: E4M3 as float8_e4m3fn).
 _FP8 = {"fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}
@@ -142,3 +175,42 @@ def dequantize_groups(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32
         values = decode_fp8(raw, in_dtype)
     y = (values.reshape(-1, group) * scales[:, None]).astype(np.float32).reshape(-1)
     return from_float32(y, out_dtype)
+
+
+def decode_e8m0(scales: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
+    """E8M0 scale bytes as float32 values ``2**(e - 127)`` (exact: ``2**-127`` is a float32
+    subnormal); ``0xFF`` as NaN."""
+    e = scales.astype(np.int32)
+    bits = np.where(e == 0, np.uint32(0x00400000), e.astype(np.uint32) << np.uint32(23))
+    values: npt.NDArray[np.float32] = bits.astype(np.uint32).view(np.float32)
+    return np.where(e == E8M0_NAN, np.float32(np.nan), values).astype(np.float32)
+
+
+def quantize_mx(x: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """The ``mx`` rule on ``x`` (float32, a whole number of blocks of :data:`MX_BLOCK`): the
+    E4M3 codes (one per element) and one E8M0 scale byte per block."""
+    blocks = x.reshape(-1, MX_BLOCK)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(blocks).max(axis=1)
+    special = ~np.isfinite(amax)
+    # floor(log2(amax)) exactly: amax = m * 2**k with m in [0.5, 1).
+    _, k = np.frexp(np.where(special | (amax == 0), np.float32(1.0), amax))
+    shared = np.where(amax == 0, -127, np.clip(k.astype(np.int64) - 1 - _E4M3_EMAX, -127, 127))
+    q = np.ldexp(np.where(special[:, None], np.float32(0.0), blocks),
+                 (-shared[:, None]).astype(np.int32)).astype(np.float32)
+    q = np.clip(q, -QMAX["fp8_e4m3"], QMAX["fp8_e4m3"]).astype(np.float32)
+    codes = encode_fp8(q, "fp8_e4m3")
+    nan_codes = (np.signbit(blocks).astype(np.uint8) << np.uint8(7)) | np.uint8(0x7F)
+    codes = np.where(special[:, None], nan_codes, codes.reshape(blocks.shape)).astype(np.uint8)
+    scale_bytes = np.where(special, E8M0_NAN, shared + 127).astype(np.uint8)
+    return codes.reshape(-1), scale_bytes
+
+
+def dequantize_mx(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.uint8], group: int,
+                  out_dtype: str) -> npt.NDArray[np.uint8]:
+    """E4M3 codes with one E8M0 scale byte per ``group`` elements (:data:`MX_BLOCK`, or fewer
+    for a row inside one block) as ``out_dtype`` bytes."""
+    values = decode_fp8(raw, "fp8_e4m3").reshape(-1, group)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = (values * decode_e8m0(scales)[:, None]).astype(np.float32).reshape(-1)
+        return from_float32(y, out_dtype)

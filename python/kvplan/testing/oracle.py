@@ -427,29 +427,36 @@ def _apply_blocks(blocks: tuple[Any, Any, Any], src_mem: Memory, dst_mem: Memory
 def apply_conversion(plan: Any, src_mem: Memory, staging: Memory, dst_mem: Memory,
                      written: npt.NDArray[np.bool_] | None = None,
                      dst_staging: Memory | None = None) -> None:
-    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory by the rule of
-    :mod:`kvplan.quant`. Converting on the prefill (``plan.convert_on == "prefill"``):
-    ``gather`` from the prefill's memory into ``staging``, every convert row (values into the
-    converted area, float32 scales into the scale area), ``network`` from the staging region
-    into the decode's memory (``written`` as for :func:`apply_plan`). Converting on the decode:
-    ``gather`` into ``staging``, ``network`` into ``dst_staging`` (the decode's staging region),
-    every convert row from there into the decode's memory, ``scatter`` (the pairs kept as they
-    are) from there too."""
-    from kvplan import DTYPES
-    from kvplan.quant import dequantize_groups, quantize_groups, to_float32
+    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory by the rules of
+    :mod:`kvplan.quant` (a row's ``scale_formats`` code picks the rule: float32 scales for
+    ``per_token`` / ``per_token_head``, E8M0 block scales for ``mx``). Converting on the
+    prefill (``plan.convert_on == "prefill"``): ``gather`` from the prefill's memory into
+    ``staging``, every convert row (values into the converted area, scales into the scale
+    area), ``network`` from the staging region into the decode's memory (``written`` as for
+    :func:`apply_plan`). Converting on the decode: ``gather`` into ``staging``, ``network`` into
+    ``dst_staging`` (the decode's staging region), every convert row from there into the
+    decode's memory, ``scatter`` (the pairs kept as they are) from there too."""
+    from kvplan import DTYPES, SCALE_FORMATS
+    from kvplan.quant import (dequantize_groups, dequantize_mx, quantize_groups, quantize_mx,
+                              to_float32)
 
     rows = list(zip(plan.in_addrs.tolist(), plan.out_addrs.tolist(), plan.n_elems.tolist(),
                     plan.in_dtypes.tolist(), plan.out_dtypes.tolist(),
-                    plan.group_elems.tolist(), plan.scale_addrs.tolist()))
+                    plan.group_elems.tolist(), plan.scale_addrs.tolist(),
+                    [SCALE_FORMATS[code] == "e8m0" for code in plan.scale_formats.tolist()]))
     _apply_blocks(plan.gather, src_mem, staging)
     if plan.convert_on == "decode":
         if dst_staging is None:
             raise ValueError("this plan converts on the decode: give dst_staging")
         _apply_blocks(plan.network, staging, dst_staging)
-        for in_addr, out_addr, n, in_code, out_code, group, scale_addr in rows:
-            scales = dst_staging.at(scale_addr, n // group * 4).view("<f4")
-            out = dequantize_groups(dst_staging.at(in_addr, n), scales, group, DTYPES[in_code],
+        for in_addr, out_addr, n, in_code, out_code, group, scale_addr, mx in rows:
+            codes = dst_staging.at(in_addr, n)
+            if mx:
+                out = dequantize_mx(codes, dst_staging.at(scale_addr, n // group), group,
                                     DTYPES[out_code])
+            else:
+                scales = dst_staging.at(scale_addr, n // group * 4).view("<f4")
+                out = dequantize_groups(codes, scales, group, DTYPES[in_code], DTYPES[out_code])
             if written is not None:
                 off = out_addr - dst_mem.base
                 assert not written[off:off + out.size].any(), f"written twice at {out_addr:#x}"
@@ -457,11 +464,15 @@ def apply_conversion(plan: Any, src_mem: Memory, staging: Memory, dst_mem: Memor
             dst_mem.at(out_addr, out.size)[:] = out
         _apply_blocks(plan.scatter, dst_staging, dst_mem, written)
         return
-    for in_addr, out_addr, n, in_code, out_code, group, scale_addr in rows:
+    for in_addr, out_addr, n, in_code, out_code, group, scale_addr, mx in rows:
         size = 2  # bf16 and fp16, the input dtypes
         x = to_float32(staging.at(in_addr, n * size), DTYPES[in_code])
-        values, scales = quantize_groups(x, group, DTYPES[out_code])
+        if mx:
+            values, scale_bytes = quantize_mx(x)
+        else:
+            values, scales = quantize_groups(x, group, DTYPES[out_code])
+            scale_bytes = scales.astype("<f4").view(np.uint8)
         staging.at(out_addr, n)[:] = values
-        staging.at(scale_addr, scales.size * 4)[:] = scales.astype("<f4").view(np.uint8)
+        staging.at(scale_addr, scale_bytes.size)[:] = scale_bytes
     _apply_blocks(plan.network, staging, dst_mem, written)
     _apply_blocks(plan.scatter, dst_mem, dst_mem)
