@@ -58,6 +58,31 @@ def reference_encode(q: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.u
     return (code | (np.signbit(q).astype(np.int64) << 7)).astype(np.uint8)
 
 
+MX_BLOCK = 32
+
+
+def reference_quantize_mx(x: npt.NDArray[np.float32]
+                          ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """Blocks (rows of 32 of ``x``): the decode's own MXFP8 quantizer in float64, from the
+    rule's statement: shared exponent floor(log2(amax)) - 8 clamped to [-127, 127] (-127 for an
+    all-zero block), values x / 2**shared clamped to +-448 and encoded by the lookup table; a
+    block holding NaN or an infinity gets scale byte 0xFF and NaN codes (0x7F, sign kept)."""
+    blocks = x.reshape(-1, MX_BLOCK).astype(np.float64)
+    codes = np.zeros(blocks.shape, dtype=np.uint8)
+    scales = np.zeros(blocks.shape[0], dtype=np.uint8)
+    for i, block in enumerate(blocks):
+        if not np.isfinite(block).all():
+            scales[i] = 0xFF
+            codes[i] = 0x7F | (np.signbit(block).astype(np.uint8) << 7)
+            continue
+        amax = float(np.abs(block).max())
+        shared = -127 if amax == 0 else min(127, max(-127, int(np.floor(np.log2(amax))) - 8))
+        q = np.clip(block / 2.0 ** shared, -448.0, 448.0)
+        codes[i] = reference_encode(q, "fp8_e4m3")
+        scales[i] = shared + 127
+    return codes.reshape(-1), scales
+
+
 def reference_quantize(x: npt.NDArray[np.float32], dtype: str
                        ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Groups (rows of ``x``): the decode's own quantizer, scale = amax / QMAX per row (1.0 for
@@ -99,6 +124,18 @@ class Peer:
 
 def _heads(dep: Deployment, tp_rank: int, tp_size: int) -> int:
     return 1 if dep.mla else len(rank_heads(dep.kv_heads, tp_size, tp_rank))
+
+
+def scale_groups(dep: Deployment, heads: int, elems: int) -> int:
+    """Scales per token of an entry of ``elems`` elements per token."""
+    if dep.scales == "mx":
+        return elems // MX_BLOCK
+    return heads if dep.scales == "per_token_head" and not dep.mla else 1
+
+
+def scale_size(dep: Deployment) -> int:
+    """Bytes of one scale: E8M0 for mx, float32 otherwise."""
+    return 1 if dep.scales == "mx" else 4
 
 
 def _entries(dep: Deployment, heads: int, page_size: int) -> list[tuple[str, int]]:
@@ -160,7 +197,6 @@ def decode(dep: Deployment, tp_rank: int) -> tuple[Peer, Peer]:
     """The decode rank (converted KV + scale entries) and its bf16 twin (the same pool in
     bf16, no scale entries): what the decode would hold before quantizing."""
     heads = _heads(dep, tp_rank, dep.tp_d)
-    groups = heads if dep.scales == "per_token_head" else 1
     real: list[tuple[str, int, int, str | None]] = []
     twin: list[tuple[str, int, int, str | None]] = []
     for layer in range(dep.layers):
@@ -170,9 +206,10 @@ def decode(dep: Deployment, tp_rank: int) -> tuple[Peer, Peer]:
             else:
                 real.append((role, layer, dep.ps_d * elems, f"{dep.out_dtype}:{dep.scales}"))
             twin.append((role, layer, dep.ps_d * elems * 2, None))
-        for role, _ in _entries(dep, heads, dep.ps_d):
+        for role, elems in _entries(dep, heads, dep.ps_d):
             if role != "rope":
-                real.append((f"{role}_scale", layer, dep.ps_d * groups * 4, None))
+                real.append((f"{role}_scale", layer,
+                             dep.ps_d * scale_groups(dep, heads, elems) * scale_size(dep), None))
     return (_build(real, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 1), None),
             _build(twin, dep.capacity_d, _context(dep, dep.ps_d, tp_rank, dep.tp_d, 2), None))
 
@@ -197,14 +234,18 @@ def expected_decode(dep: Deployment, tp_rank: int, real: Peer, twin: Peer,
             want[r_at[:, None] + np.arange(token_elems * 2)] = raw
             continue
         x = (raw.reshape(-1).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-        groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
-        q, s = reference_quantize(x.reshape(n_tokens * groups, -1), dep.out_dtype)
+        groups = scale_groups(dep, heads, token_elems)
+        per_token = groups * scale_size(dep)
+        if dep.scales == "mx":
+            q, s_bytes = reference_quantize_mx(x)
+        else:
+            q, s = reference_quantize(x.reshape(n_tokens * groups, -1), dep.out_dtype)
+            s_bytes = s.astype("<f4").view(np.uint8)
         r_at = entry.data_ptr - real.memory.base + pages * entry.item_len + slots * token_elems
         want[r_at[:, None] + np.arange(token_elems)] = q.reshape(n_tokens, token_elems)
         scale = by_key[(t_entry.layer_id, f"{entry.role}_scale")]
-        s_at = scale.data_ptr - real.memory.base + pages * scale.item_len + slots * groups * 4
-        want[s_at[:, None] + np.arange(groups * 4)] = \
-            s.astype("<f4").view(np.uint8).reshape(n_tokens, groups * 4)
+        s_at = scale.data_ptr - real.memory.base + pages * scale.item_len + slots * per_token
+        want[s_at[:, None] + np.arange(per_token)] = s_bytes.reshape(n_tokens, per_token)
     return want
 
 
@@ -219,7 +260,6 @@ def fill_twin(dep: Deployment, sources: list[Peer], twin: Peer,
 def _quantized_entries(dep: Deployment, heads: int, page_size: int, layers: range,
                        ) -> list[tuple[str, int, int, str | None]]:
     """An fp8/int8 rank's entries: KV (rope kept bf16) and their scale entries."""
-    groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
     out: list[tuple[str, int, int, str | None]] = []
     for layer in layers:
         for role, elems in _entries(dep, heads, page_size):
@@ -227,9 +267,10 @@ def _quantized_entries(dep: Deployment, heads: int, page_size: int, layers: rang
                 out.append((role, layer, page_size * elems * 2, "bf16"))
             else:
                 out.append((role, layer, page_size * elems, f"{dep.out_dtype}:{dep.scales}"))
-        for role, _ in _entries(dep, heads, page_size):
+        for role, elems in _entries(dep, heads, page_size):
             if role != "rope":
-                out.append((f"{role}_scale", layer, page_size * groups * 4, None))
+                out.append((f"{role}_scale", layer,
+                            page_size * scale_groups(dep, heads, elems) * scale_size(dep), None))
     return out
 
 
@@ -238,7 +279,9 @@ def _quantized_fill(dep: Deployment, entries: list[tuple[str, int, int, str | No
     parts = []
     for role, _, item, _ in entries:
         n = capacity * item
-        if role.endswith("_scale"):
+        if role.endswith("_scale") and dep.scales == "mx":
+            parts.append(rng.integers(127 - 12, 127 + 6, n, dtype=np.uint8))
+        elif role.endswith("_scale"):
             scales = np.exp2(rng.uniform(-12, 6, n // 4)).astype(np.float32)
             parts.append(scales.view(np.uint8))
         elif role == "rope":
@@ -314,13 +357,20 @@ def expected_dequantized(dep: Deployment, tp_rank: int, real: Peer, twin: Peer,
         t_at = t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len + \
             slots * token_elems
         codes = twin.arena[t_at[:, None] + np.arange(token_elems)]
-        groups = heads if dep.scales == "per_token_head" and not dep.mla else 1
+        groups = scale_groups(dep, heads, token_elems)
+        per_token = groups * scale_size(dep)
         scale = by_key[(entry.layer_id, f"{entry.role}_scale")]
-        s_at = scale.data_ptr - twin.memory.base + pages * scale.item_len + slots * groups * 4
-        scales = twin.arena[s_at[:, None] + np.arange(groups * 4)].reshape(-1).view("<f4")
+        s_at = scale.data_ptr - twin.memory.base + pages * scale.item_len + slots * per_token
+        raw_scales = twin.arena[s_at[:, None] + np.arange(per_token)].reshape(-1)
         values = _reference_values(codes.reshape(-1), dep.out_dtype).reshape(
             n_tokens * groups, -1)
-        y = (values.astype(np.float32) * scales.astype(np.float32)[:, None]).astype(np.float64)
+        if dep.scales == "mx":
+            # 2**(e - 127), exact in float64; the fill has no NaN scale byte.
+            y = values * np.exp2(raw_scales.astype(np.float64) - 127)[:, None]
+        else:
+            scales = raw_scales.view("<f4")
+            y = (values.astype(np.float32) * scales.astype(np.float32)[:, None]).astype(
+                np.float64)
         want[r_at[:, None] + np.arange(token_elems * 2)] = \
             _reference_bf16(y.reshape(-1)).reshape(n_tokens, token_elems * 2)
     return want
