@@ -45,7 +45,8 @@ float32 and multiplied by ``2**(e - 127)`` of its block's scale byte ``e`` (a fl
 multiplication by a power of two, exact unless the product leaves float32's range, where it is
 infinite as in the output format), then rounded to the output format, nearest with ties to
 even (beyond the format's largest finite value: infinity, IEEE); a scale byte ``0xFF`` gives NaN
-for the whole block.
+for the whole block. Every NaN output is the format's quiet NaN (``0x7FC0`` for bf16, ``0x7E00``
+for fp16) with the sign bit of the value's E4M3 code.
 """
 
 from __future__ import annotations
@@ -206,11 +207,22 @@ def quantize_mx(x: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.
     return codes.reshape(-1), scale_bytes
 
 
+#: The quiet NaN of each output format (sign bit clear).
+_QUIET_NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
+
+
 def dequantize_mx(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.uint8], group: int,
                   out_dtype: str) -> npt.NDArray[np.uint8]:
     """E4M3 codes with one E8M0 scale byte per ``group`` elements (:data:`MX_BLOCK`, or fewer
-    for a row inside one block) as ``out_dtype`` bytes."""
+    for a row inside one block) as ``out_dtype`` bytes. A NaN (a NaN code, or a NaN scale) is
+    the format's quiet NaN with the sign of the value's code, so every executor writes the same
+    bits whatever sign its NaN arithmetic produces."""
     values = decode_fp8(raw, "fp8_e4m3").reshape(-1, group)
     with np.errstate(over="ignore", invalid="ignore"):
         y = (values * decode_e8m0(scales)[:, None]).astype(np.float32).reshape(-1)
-        return from_float32(y, out_dtype)
+        out = from_float32(y, out_dtype).view(np.uint16)
+    nan = np.isnan(y)
+    sign = (raw.astype(np.uint16) & np.uint16(0x80)) << np.uint16(8)
+    bits = np.where(nan, sign | np.uint16(_QUIET_NAN[out_dtype]), out).astype(np.uint16)
+    result: npt.NDArray[np.uint8] = bits.view(np.uint8)
+    return result

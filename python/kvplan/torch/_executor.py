@@ -11,8 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvplan import DTYPES, ConversionPlan, IndexBoundsError, KvPlanError, LayoutError, RowGather
-from kvplan.quant import QMAX
+from kvplan import (DTYPES, SCALE_FORMATS, ConversionPlan, IndexBoundsError, KvPlanError,
+                    LayoutError, RowGather)
+from kvplan.quant import E8M0_NAN, MX_BLOCK, QMAX
 
 __all__ = ["BlockColumns", "TorchExecutor"]
 
@@ -67,6 +68,17 @@ class _Region:
         if element > 1:
             view = view.view(_ELEMENT_DTYPES[element])
         return view.view(n_rows, granule // element)
+
+
+#: The largest exponent of a finite E4M3 value: the ``8`` of the ``mx`` rule.
+_E4M3_EMAX = 8
+
+
+def _pow2_bits(p: torch.Tensor) -> torch.Tensor:
+    """The float32 bits (int32) of ``2**p`` for integers ``p`` in ``[-127, 127]``: the biased
+    exponent in place, or the subnormal ``2**-127`` (bit 22). View as float32 to use."""
+    p = p.to(torch.int32)
+    return torch.where(p == -127, torch.full_like(p, 0x00400000), (p + 127) << 23)
 
 
 def _error(cls: type[KvPlanError], kind: str, message: str) -> KvPlanError:
@@ -294,18 +306,21 @@ class TorchExecutor:
 
     def run_conversion_rows(self, plan: ConversionPlan) -> int:
         """Runs only the convert rows of a conversion plan (after its gather, before its
-        network): one batched quantization per (input dtype, output dtype, group size) of the
-        rows, on the staging tensor. Returns the number of rows."""
+        network): one batched quantization per (input dtype, output dtype, scale format, group
+        size) of the rows, on the staging tensor. Returns the number of rows."""
         n_rows = int(plan.n_elems.size)
         if n_rows == 0:
             return 0
         n = plan.n_elems.astype(np.int64)
         group = plan.group_elems.astype(np.int64)
-        key = plan.in_dtypes.astype(np.int64) * 1_000_003 * 256 + \
-            plan.out_dtypes.astype(np.int64) * 1_000_003 + group
+        key = ((plan.in_dtypes.astype(np.int64) * 256 + plan.out_dtypes.astype(np.int64)) * 256
+               + plan.scale_formats.astype(np.int64)) * 1_000_003 + group
         for k in np.unique(key).tolist():
             rows = np.flatnonzero(key == k)
-            self._convert_rows(plan, rows, n[rows], int(group[rows[0]]))
+            if SCALE_FORMATS[int(plan.scale_formats[rows[0]])] == "e8m0":
+                self._convert_mx_rows(plan, rows, n[rows], int(group[rows[0]]))
+            else:
+                self._convert_rows(plan, rows, n[rows], int(group[rows[0]]))
         return n_rows
 
     def _locate_rows(self, plan: ConversionPlan, rows: _I64,
@@ -350,6 +365,54 @@ class TorchExecutor:
         _write_rows(out_r.flat, out_off, n, codes.reshape(-1))
         _write_rows(scale_r.flat, scale_off, n_groups * 4,
                     scale.contiguous().view(torch.uint8).to(scale_r.flat.device))
+
+    def _convert_mx_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int) -> None:
+        """Rows with E8M0 block scales (``mx``), by the rule of :mod:`kvplan.quant`: power-of-two
+        scales built from their exponent bits (never ``pow``), so every product is one exact
+        float32 multiplication, as in NumPy."""
+        in_dtype = DTYPES[int(plan.in_dtypes[rows[0]])]
+        out_dtype = DTYPES[int(plan.out_dtypes[rows[0]])]
+        n_groups = n // group
+        if in_dtype in QMAX:
+            (in_r, in_off), (out_r, out_off), (scale_r, scale_off) = self._locate_rows(
+                plan, rows, (n, n * 2, n_groups))
+            codes = _read_rows(in_r.flat, in_off, n)
+            values = codes.view(torch.float8_e4m3fn).to(torch.float32).reshape(-1, group)
+            e = _read_rows(scale_r.flat, scale_off, n_groups).to(values.device).to(torch.int32)
+            scale = torch.where(e == E8M0_NAN, torch.full_like(e, 0x7FC00000),
+                                _pow2_bits(e - 127)).view(torch.float32)
+            y = (values * scale[:, None]).reshape(-1)
+            out = y.to(torch.bfloat16 if out_dtype == "bf16" else torch.float16).view(torch.int16)
+            # NaN: the format's quiet NaN with the sign of the code (whatever sign or payload
+            # this build's conversion gives a NaN).
+            quiet = 0x7FC0 if out_dtype == "bf16" else 0x7E00
+            sign = (codes.to(torch.int32) & 0x80) << 8
+            nan_bits = (sign | quiet).to(torch.int32)
+            nan_bits = torch.where(nan_bits >= 0x8000, nan_bits - 0x10000, nan_bits)
+            out = torch.where(torch.isnan(y), nan_bits.to(torch.int16).to(out.device), out)
+            _write_rows(out_r.flat, out_off, n * 2,
+                        out.contiguous().view(torch.uint8).to(out_r.flat.device))
+            return
+        (src_r, in_off), (out_r, out_off), (scale_r, scale_off) = self._locate_rows(
+            plan, rows, (n * 2, n, n_groups))
+        raw = _read_rows(src_r.flat, in_off, n * 2)
+        torch_in = torch.bfloat16 if in_dtype == "bf16" else torch.float16
+        x = raw.view(torch_in).to(torch.float32).reshape(-1, MX_BLOCK)
+        amax = x.abs().amax(dim=1)
+        special = ~torch.isfinite(amax)
+        one = torch.ones_like(amax)
+        _, k = torch.frexp(torch.where(special | (amax == 0), one, amax))
+        shared = (k.to(torch.int32) - 1 - _E4M3_EMAX).clamp(-127, 127)
+        shared = torch.where(amax == 0, torch.full_like(shared, -127), shared)
+        safe = torch.where(special[:, None], torch.zeros_like(x), x)
+        q = (safe * _pow2_bits(-shared).view(torch.float32)[:, None]).clamp(-448.0, 448.0)
+        codes = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        nan_codes = (torch.signbit(x).to(torch.uint8) << 7) | 0x7F
+        codes = torch.where(special[:, None], nan_codes, codes)
+        scale_bytes = torch.where(special, torch.full_like(shared, E8M0_NAN), shared + 127)
+        _write_rows(out_r.flat, out_off, n, codes.reshape(-1).to(out_r.flat.device))
+        _write_rows(scale_r.flat, scale_off, n_groups,
+                    scale_bytes.to(torch.uint8).to(scale_r.flat.device))
 
     def _dequantize_rows(self, plan: ConversionPlan, rows: _I64, n: _I64, group: int,
                          in_dtype: str, out_dtype: str) -> None:
