@@ -124,3 +124,268 @@ fn unconvertible_pairs_name_both_representations() {
     let err = Template::new(&src, &dst, TemplateOptions::default()).unwrap_err();
     assert_eq!(err.kind(), "conversion");
 }
+
+/// Elements per token of the `mx` layouts below: two blocks of 32.
+const MX_TOKEN: u64 = 64;
+
+/// One layer: `k` at `base` with `bytes` per element and [`MX_TOKEN`] elements per token, plus
+/// a `k_scale` entry of `scale_item` bytes per page when given.
+fn mx_layout(
+    base: u64,
+    bytes: u64,
+    repr: Option<&str>,
+    scale_item: Option<u64>,
+) -> kvplan_core::Result<Layout> {
+    let item = PAGE * MX_TOKEN * bytes;
+    let mut parts = LayoutParts {
+        data_ptrs: vec![base],
+        data_lens: vec![8 * item],
+        item_lens: vec![item],
+        layer_ids: vec![Some(0)],
+        roles: vec!["k".into()],
+        kinds: vec![],
+        drafts: vec![],
+    };
+    if let Some(scale_item) = scale_item {
+        parts.data_ptrs.push(base + (1 << 20));
+        parts.data_lens.push(8 * scale_item);
+        parts.item_lens.push(scale_item);
+        parts.layer_ids.push(Some(0));
+        parts.roles.push("k_scale".into());
+    }
+    let context = LayoutContext {
+        page_size: PAGE,
+        ..LayoutContext::default()
+    };
+    let n = parts.data_ptrs.len();
+    let layout = Layout::new(parts, context)?;
+    let mut reprs = vec![None; n];
+    reprs[0] = repr.map(|text| Representation::parse(text).unwrap());
+    layout.with_representations(reprs)
+}
+
+#[test]
+fn mx_scale_entries_hold_one_byte_per_block_of_32() {
+    use kvplan_core::{MX_BLOCK, ScaleFormat, ScaleLayout};
+    assert_eq!(ScaleLayout::Mx.code(), 4);
+    assert_eq!(ScaleLayout::Mx.scale_format(), Some(ScaleFormat::E8m0));
+    assert_eq!(ScaleLayout::PerTokenHead.scale_bytes(), 4);
+    let blocks = MX_TOKEN / MX_BLOCK;
+    let layout = mx_layout(1 << 30, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+    assert_eq!(layout.scale_entry(0), Some(1));
+    // A float32-sized scale entry is the wrong size for E8M0 scales.
+    let err = mx_layout(1 << 30, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks * 4)).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("entry 0") && text.contains("item_len 16") && text.contains("= 4"),
+        "{text}"
+    );
+    for (repr, bytes, want) in [
+        ("fp8_e5m2:mx", 1, "fp8_e4m3 only"),
+        ("int8:mx", 1, "fp8_e4m3 only"),
+        ("bf16:mx", 2, "carry no scales"),
+    ] {
+        let err = mx_layout(1 << 30, bytes, Some(repr), Some(PAGE * blocks)).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("entry 0") && text.contains(want),
+            "{repr}: {text}"
+        );
+    }
+    // 48 elements per token: not whole blocks.
+    let parts = LayoutParts {
+        data_ptrs: vec![1 << 30, (1 << 30) + (1 << 20)],
+        data_lens: vec![8 * PAGE * 48, 8 * PAGE * 2],
+        item_lens: vec![PAGE * 48, PAGE * 2],
+        layer_ids: vec![Some(0), Some(0)],
+        roles: vec!["k".into(), "k_scale".into()],
+        kinds: vec![],
+        drafts: vec![],
+    };
+    let context = LayoutContext {
+        page_size: PAGE,
+        ..LayoutContext::default()
+    };
+    let err = Layout::new(parts, context)
+        .unwrap()
+        .with_representations(vec![Representation::parse("fp8_e4m3:mx"), None])
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("entry 0") && text.contains("48 elements") && text.contains("of 32"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bf16_to_mx_rows_say_e8m0_and_their_scales_land_in_the_scale_entry() {
+    let blocks = MX_TOKEN / 32;
+    let src = mx_layout(1 << 30, 2, Some("bf16"), None).unwrap();
+    let dst = mx_layout(1 << 34, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+    let conversion = ConversionTemplate::new(&src, &dst, TemplateOptions::default()).unwrap();
+    assert_eq!(conversion.side(), Side::Src);
+    let plan = conversion
+        .plan(&Request::pages(&[1i64, 2], &[3i64, 4]), staging(), None)
+        .unwrap();
+    assert_eq!(plan.rows.n_elems, [PAGE * MX_TOKEN, PAGE * MX_TOKEN]);
+    assert_eq!(plan.rows.group_elems, [32, 32]);
+    assert_eq!(plan.rows.scale_formats, [1, 1]);
+    let scales = (1u64 << 34) + (1 << 20);
+    assert_eq!(
+        plan.rows.scale_dst_addrs,
+        [scales + 3 * PAGE * blocks, scales + 4 * PAGE * blocks]
+    );
+    // One byte per block: the scale area is 1/32 of the converted bytes.
+    assert_eq!(plan.scale_bytes * 32, plan.converted_bytes);
+    assert_eq!(
+        plan.rows.scale_addrs[1] - plan.rows.scale_addrs[0],
+        PAGE * blocks
+    );
+    assert_eq!(
+        plan.network.dst_addrs,
+        [(1 << 34) + 3 * PAGE * MX_TOKEN, scales + 3 * PAGE * blocks]
+    );
+    assert_eq!(
+        plan.network.lengths,
+        [2 * PAGE * MX_TOKEN, 2 * PAGE * blocks]
+    );
+    // Network bytes: 33/64 of the bf16 bytes.
+    assert_eq!(plan.network.total_bytes * 64, plan.gathered_bytes * 33);
+}
+
+#[test]
+fn mx_to_bf16_is_dequantized_on_the_decode_from_the_prefill_scale_entry() {
+    let blocks = MX_TOKEN / 32;
+    let src = mx_layout(1 << 30, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+    let dst = mx_layout(1 << 34, 2, Some("bf16"), None).unwrap();
+    let conversion = ConversionTemplate::new(&src, &dst, TemplateOptions::default()).unwrap();
+    assert_eq!(conversion.side(), Side::Dst);
+    let dst_staging = PackBuffer {
+        addr: 1 << 41,
+        size: 1 << 20,
+    };
+    let plan = conversion
+        .plan(
+            &Request::pages(&[1i64, 2], &[3i64, 5]),
+            staging(),
+            Some(dst_staging),
+        )
+        .unwrap();
+    assert_eq!(plan.rows.group_elems, [32, 32]);
+    assert_eq!(plan.rows.scale_formats, [1, 1]);
+    assert_eq!(plan.scale_bytes, 2 * PAGE * blocks);
+    let scales = (1u64 << 30) + (1 << 20);
+    assert_eq!(
+        plan.rows.scale_dst_addrs,
+        [scales + PAGE * blocks, scales + 2 * PAGE * blocks]
+    );
+    assert_eq!(plan.rows.out_addrs[1], (1 << 34) + 5 * PAGE * MX_TOKEN * 2);
+}
+
+#[test]
+fn mx_and_per_token_do_not_requantize_into_each_other() {
+    let blocks = MX_TOKEN / 32;
+    let mx = mx_layout(1 << 30, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+    let per_token = mx_layout(1 << 34, 1, Some("fp8_e4m3:per_token"), Some(PAGE * 4)).unwrap();
+    for (src, dst) in [(&mx, &per_token), (&per_token, &mx)] {
+        let err = ConversionTemplate::new(src, dst, TemplateOptions::default()).unwrap_err();
+        let text = err.to_string();
+        assert_eq!(err.kind(), "conversion", "{text}");
+        assert!(
+            text.contains("fp8_e4m3:mx") && text.contains("fp8_e4m3:per_token"),
+            "{text}"
+        );
+    }
+    // The same representation on both sides: a byte copy, scale entries included.
+    let other = mx_layout(1 << 34, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+    let conversion = ConversionTemplate::new(&mx, &other, TemplateOptions::default()).unwrap();
+    assert!(!conversion.converts());
+    let request = Request::pages(&[1i64], &[6i64]);
+    let plan = conversion.plan(&request, staging(), None).unwrap();
+    assert!(plan.rows.is_empty());
+    let direct = Template::new(&mx, &other, TemplateOptions::default())
+        .unwrap()
+        .plan(&request)
+        .unwrap();
+    assert_eq!(plan.network.dst_addrs, direct.dst_addrs);
+    assert!(
+        direct
+            .dst_addrs
+            .contains(&((1 << 34) + (1 << 20) + 6 * PAGE * blocks))
+    );
+}
+
+/// One MHA layer of 8 KV heads of 16 elements at TP rank 0 of `tp`: `k` in `dtype` (an mx
+/// layout gets its E8M0 `k_scale` entry).
+fn tp_layout(base: u64, tp: u32, repr: &str) -> Layout {
+    let rep = Representation::parse(repr).unwrap();
+    let size = u64::from(rep.dtype.size());
+    let heads = 8 / u64::from(tp);
+    let item = PAGE * heads * 16 * size;
+    let mut parts = LayoutParts {
+        data_ptrs: vec![base],
+        data_lens: vec![8 * item],
+        item_lens: vec![item],
+        layer_ids: vec![Some(0)],
+        roles: vec!["k".into()],
+        kinds: vec![],
+        drafts: vec![],
+    };
+    let mut reprs = vec![Some(rep)];
+    if rep.scales.per_token() {
+        let scale_item = PAGE * heads * 16 / 32;
+        parts.data_ptrs.push(base + (1 << 20));
+        parts.data_lens.push(8 * scale_item);
+        parts.item_lens.push(scale_item);
+        parts.layer_ids.push(Some(0));
+        parts.roles.push("k_scale".into());
+        reprs.push(None);
+    }
+    let context = LayoutContext {
+        page_size: PAGE,
+        tp_size: tp,
+        attention: Some(kvplan_core::AttentionGeometry::for_rank(
+            8,
+            16,
+            rep.dtype.size(),
+            tp,
+            None,
+            None,
+        )),
+        ..LayoutContext::default()
+    };
+    Layout::new(parts, context)
+        .unwrap()
+        .with_representations(reprs)
+        .unwrap()
+}
+
+#[test]
+fn mx_across_a_head_split_needs_whole_blocks_per_rank() {
+    // Prefill TP 8 (one 16-element head per rank) into decode TP 2: half a block per prefill
+    // rank, refused at build naming both representations.
+    let err = ConversionTemplate::new(
+        &tp_layout(1 << 30, 8, "bf16"),
+        &tp_layout(1 << 34, 2, "fp8_e4m3:mx"),
+        TemplateOptions::default(),
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    assert_eq!(err.kind(), "conversion", "{text}");
+    assert!(
+        text.contains("bf16") && text.contains("fp8_e4m3:mx") && text.contains("16 elements"),
+        "{text}"
+    );
+    // TP 4 (two heads: one block per rank) into TP 2 (two blocks per token) plans.
+    let conversion = ConversionTemplate::new(
+        &tp_layout(1 << 30, 4, "bf16"),
+        &tp_layout(1 << 34, 2, "fp8_e4m3:mx"),
+        TemplateOptions::default(),
+    )
+    .unwrap();
+    let plan = conversion
+        .plan(&Request::pages(&[0i64], &[1i64]), staging(), None)
+        .unwrap();
+    assert!(plan.rows.group_elems.iter().all(|&g| g == 32));
+    assert_eq!(plan.scale_bytes * 32, plan.converted_bytes);
+}
