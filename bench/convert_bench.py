@@ -1,4 +1,5 @@
-"""Conversion plans (bf16 prefill -> fp8 decode): planning cost, network bytes, executors.
+"""Conversion plans (bf16 prefill -> fp8 decode, float32 or MX E8M0 scales): planning cost,
+network bytes, executors.
 
 Writes bench/results/convert-results.md. For each deployment: the time of
 ``ConversionTemplate.plan`` against ``Template.plan`` of the same request into a bf16 decode
@@ -7,7 +8,7 @@ the NumPy reference (``kvplan.testing.oracle.apply_conversion``) against
 ``kvplan.torch.TorchExecutor.run_conversion`` on the same plan and the same memory (min/min and
 median/median), after checking that both give the same decode bytes.
 
-    .venv/bin/python bench/convert_bench.py            # torch from scripts/test-torch
+    .venv-torch/bin/python bench/convert_bench.py   # after KVPLAN_TORCH_VENV=.venv-torch scripts/test-torch
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ except ImportError:  # pragma: no cover - the table then says so
     torch = None
 
 OUT = Path(__file__).resolve().parent / "results" / "convert-results.md"
-COMMAND = ".venv/bin/python bench/convert_bench.py"
+# Run from the venv that has torch (scripts/test-torch installs it, into .venv by default or into
+# KVPLAN_TORCH_VENV); without torch the executor columns say so.
+COMMAND = ("KVPLAN_TORCH_VENV=.venv-torch bash scripts/test-torch\n"
+           ".venv-torch/bin/python bench/convert_bench.py")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ CASES = [
          scales="per_token_head"),
     Case("DeepSeek-like MLA (fp8 latent 512 + bf16 rope 64), TP 1 -> 1", 8, 1, 512, 1, 1, 64,
          2048, mla=True),
+    Case("Llama-3-8B-like MHA, TP 1 -> 1, mx (E8M0 per 32)", 8, 8, 128, 1, 1, 16, 2048,
+         scales="mx"),
+    Case("Llama-3-8B-like MHA, TP 2 -> 4 (heads re-sliced), mx", 8, 8, 128, 2, 4, 16, 2048,
+         scales="mx"),
 ]
 
 
@@ -98,9 +106,12 @@ def _deployment(case: Case) -> dict[str, Any]:
             dst_e.append((r, layer, case.page * e * (2 if kept else 1),
                           "bf16" if kept else f"fp8_e4m3:{case.scales}"))
             twin_e.append((r, layer, case.page * e * 2, None))
-        for r, _ in droles:
+        for r, e in droles:
             if r != "rope":
-                dst_e.append((f"{r}_scale", layer, case.page * groups * 4, None))
+                # mx: one E8M0 byte per 32 elements of a token; otherwise float32 per group.
+                scale_item = case.page * e // 32 if case.scales == "mx" else \
+                    case.page * groups * 4
+                dst_e.append((f"{r}_scale", layer, scale_item, None))
     ctx = dict(page_size=case.page)
     size = (lambda n: {}) if case.mla else (lambda n: dict(dtype_size=n))
     src, src_arena = _layout(src_e, pages, dict(ctx, tp_size=case.tp_p, **size(2), **geo), True)
@@ -194,10 +205,11 @@ same memory and their decode bytes are checked equal before the times are writte
 | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 """ + "\n".join(rows) + """
 
-Network bytes: fp8 values plus float32 scales. With `per_token` scales over a rank's 8 or 4
+Network bytes: fp8 values plus their scales. With `per_token` scales over a rank's 8 or 4
 heads of 128 the ratio is 0.502-0.504, inside the 0.51 target. `per_token_head` scales cost 4
 bytes per 128-element head, so 0.5156: over the 0.51 target by construction of that scale
-layout, not by the plan. The MLA row keeps its 64-element rope in bf16 (1/9 of the bf16 bytes)
+layout, not by the plan. `mx` (OCP MXFP8: one E8M0 byte per 32 elements) costs 1/32 byte per
+element, so exactly 33/64 = 0.5156 whatever the heads. The MLA row keeps its 64-element rope in bf16 (1/9 of the bf16 bytes)
 and so cannot reach 0.51 either: 0.56 is the floor for fp8 latent + bf16 rope.
 
 Executors: the NumPy reference runs one Python iteration per convert row (one row per page and
@@ -206,8 +218,8 @@ quantization per (dtype pair, group size) for all rows (rows read and written as
 indexed copy beyond 4,096 rows), so the "torch within 2x of NumPy" target is met in every row
 (torch / NumPy below 1 is torch faster).
 
-Planning: a conversion plan costs 40-60x the bf16 `Template.plan` of the same request (about
-60 ns per direct block against 1-2 ns): it plans the direct plan into an owned `Plan`, then
+Planning: a conversion plan costs 20-45x the bf16 `Template.plan` of the same request (about
+40 ns per direct block against 1-2 ns): it plans the direct plan into an owned `Plan`, then
 looks up every block's widened entry (a binary search), splits rows at pages and builds four
 more column sets. It is still 0.02-0.2 % of the NumPy conversion it describes. Not measured
 here: the decode-side (dequantizing) plans, whose executors run the same batched operations.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import itertools
 import os
 import socket
@@ -114,9 +115,10 @@ class NixlTransport(Transport):
         self._mem: Memory | None = None  # local (mem type, dev id)
         if agent is None:
             try:
-                from nixl_cu12._api import nixl_agent, nixl_agent_config
+                nixl_api = importlib.import_module("nixl_cu12._api")
             except ImportError:  # the CUDA-13 wheel names its package plainly
-                from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+                nixl_api = importlib.import_module("nixl._api")
+            nixl_agent, nixl_agent_config = nixl_api.nixl_agent, nixl_api.nixl_agent_config
             try:
                 agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
             except Exception as exc:
