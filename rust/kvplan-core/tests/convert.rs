@@ -11,9 +11,22 @@ use kvplan_core::{
 const PAGE: u64 = 2;
 const TOKEN: u64 = 8; // elements per token of one entry
 
-/// One layer: `k` at `base` with `bytes` per element, plus a `k_scale` entry when `scale`.
+/// One layer: `k` at `base` with `bytes` per element, plus a `k_scale` entry when `scale`
+/// (float32 per token).
 fn layout(base: u64, bytes: u64, repr: Option<&str>, scale: bool) -> Layout {
-    let item = PAGE * TOKEN * bytes;
+    one_layer(base, TOKEN, bytes, repr, scale.then_some(PAGE * 4)).unwrap()
+}
+
+/// One layer: `k` at `base` with `token` elements per token of `bytes` each, plus a `k_scale`
+/// entry of `scale_item` bytes per page when given; `repr` is the `k` entry's representation.
+fn one_layer(
+    base: u64,
+    token: u64,
+    bytes: u64,
+    repr: Option<&str>,
+    scale_item: Option<u64>,
+) -> kvplan_core::Result<Layout> {
+    let item = PAGE * token * bytes;
     let mut parts = LayoutParts {
         data_ptrs: vec![base],
         data_lens: vec![8 * item],
@@ -23,10 +36,10 @@ fn layout(base: u64, bytes: u64, repr: Option<&str>, scale: bool) -> Layout {
         kinds: vec![],
         drafts: vec![],
     };
-    if scale {
+    if let Some(scale_item) = scale_item {
         parts.data_ptrs.push(base + (1 << 20));
-        parts.data_lens.push(8 * PAGE * 4);
-        parts.item_lens.push(PAGE * 4);
+        parts.data_lens.push(8 * scale_item);
+        parts.item_lens.push(scale_item);
         parts.layer_ids.push(Some(0));
         parts.roles.push("k_scale".into());
     }
@@ -35,15 +48,10 @@ fn layout(base: u64, bytes: u64, repr: Option<&str>, scale: bool) -> Layout {
         ..LayoutContext::default()
     };
     let n = parts.data_ptrs.len();
-    let layout = Layout::new(parts, context).unwrap();
-    match repr {
-        None => layout,
-        Some(text) => {
-            let mut reprs = vec![None; n];
-            reprs[0] = Representation::parse(text);
-            layout.with_representations(reprs).unwrap()
-        }
-    }
+    let layout = Layout::new(parts, context)?;
+    let mut reprs = vec![None; n];
+    reprs[0] = repr.map(|text| Representation::parse(text).unwrap());
+    layout.with_representations(reprs)
 }
 
 fn staging() -> PackBuffer {
@@ -128,40 +136,14 @@ fn unconvertible_pairs_name_both_representations() {
 /// Elements per token of the `mx` layouts below: two blocks of 32.
 const MX_TOKEN: u64 = 64;
 
-/// One layer: `k` at `base` with `bytes` per element and [`MX_TOKEN`] elements per token, plus
-/// a `k_scale` entry of `scale_item` bytes per page when given.
+/// One layer of [`MX_TOKEN`] elements per token (see [`one_layer`]).
 fn mx_layout(
     base: u64,
     bytes: u64,
     repr: Option<&str>,
     scale_item: Option<u64>,
 ) -> kvplan_core::Result<Layout> {
-    let item = PAGE * MX_TOKEN * bytes;
-    let mut parts = LayoutParts {
-        data_ptrs: vec![base],
-        data_lens: vec![8 * item],
-        item_lens: vec![item],
-        layer_ids: vec![Some(0)],
-        roles: vec!["k".into()],
-        kinds: vec![],
-        drafts: vec![],
-    };
-    if let Some(scale_item) = scale_item {
-        parts.data_ptrs.push(base + (1 << 20));
-        parts.data_lens.push(8 * scale_item);
-        parts.item_lens.push(scale_item);
-        parts.layer_ids.push(Some(0));
-        parts.roles.push("k_scale".into());
-    }
-    let context = LayoutContext {
-        page_size: PAGE,
-        ..LayoutContext::default()
-    };
-    let n = parts.data_ptrs.len();
-    let layout = Layout::new(parts, context)?;
-    let mut reprs = vec![None; n];
-    reprs[0] = repr.map(|text| Representation::parse(text).unwrap());
-    layout.with_representations(reprs)
+    one_layer(base, MX_TOKEN, bytes, repr, scale_item)
 }
 
 #[test]
