@@ -334,74 +334,41 @@ def _reference_bf16(y: npt.NDArray[np.float64]) -> npt.NDArray[np.uint8]:
         np.uint16).view(np.uint8)
 
 
-def expected_dequantized(dep: Deployment, tp_rank: int, real: Peer, twin: Peer,
-                         dst_pages: npt.NDArray[np.int64], n_tokens: int
-                         ) -> npt.NDArray[np.uint8]:
-    """What the bf16 decode holds after dequantizing the twin's tokens itself."""
-    want = real.arena.copy()
-    heads = _heads(dep, tp_rank, dep.tp_d)
-    by_key = {(e.layer_id, e.role): e for e in twin.layout.entries()}
-    tokens = np.arange(n_tokens)
-    pages, slots = dst_pages[tokens // dep.ps_d].astype(np.int64), tokens % dep.ps_d
-    for entry in real.layout.entries():
-        t_entry = by_key[(entry.layer_id, entry.role)]
-        token_elems = entry.item_len // dep.ps_d // 2
-        r_at = entry.data_ptr - real.memory.base + pages * entry.item_len + \
-            slots * token_elems * 2
-        if entry.role == "rope":
-            t_at = t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len + \
-                slots * token_elems * 2
-            want[r_at[:, None] + np.arange(token_elems * 2)] = \
-                twin.arena[t_at[:, None] + np.arange(token_elems * 2)]
-            continue
-        t_at = t_entry.data_ptr - twin.memory.base + pages * t_entry.item_len + \
-            slots * token_elems
-        codes = twin.arena[t_at[:, None] + np.arange(token_elems)]
-        groups = scale_groups(dep, heads, token_elems)
-        per_token = groups * scale_size(dep)
-        scale = by_key[(entry.layer_id, f"{entry.role}_scale")]
-        s_at = scale.data_ptr - twin.memory.base + pages * scale.item_len + slots * per_token
-        raw_scales = twin.arena[s_at[:, None] + np.arange(per_token)].reshape(-1)
-        values = _reference_values(codes.reshape(-1), dep.out_dtype).reshape(
-            n_tokens * groups, -1)
-        if dep.scales == "mx":
-            # 2**(e - 127), exact in float64; the fill has no NaN scale byte.
-            y = values * np.exp2(raw_scales.astype(np.float64) - 127)[:, None]
-        else:
-            scales = raw_scales.view("<f4")
-            y = (values.astype(np.float32) * scales.astype(np.float32)[:, None]).astype(
-                np.float64)
-        want[r_at[:, None] + np.arange(token_elems * 2)] = \
-            _reference_bf16(y.reshape(-1)).reshape(n_tokens, token_elems * 2)
-    return want
+def dequantized_prefill(dep: Deployment, src: Peer) -> Peer:
+    """The quantized prefill rank ``src`` as the bf16 rank it stands for: each value decoded
+    exactly and multiplied by its own scale (float32 scales: one float32 multiplication; E8M0:
+    ``2**(e - 127)``, exact in float64), rounded to bf16 nearest-even; kept bf16 entries as
+    they are; no scale entries. Copying it to the decode byte for byte (the oracle's
+    ``reference_copy``) is what a decode dequantizing the prefill's KV itself holds, whatever
+    the two sides' head slices."""
+    by_key = {(e.layer_id, e.role): e for e in src.layout.entries()}
+    heads = _heads(dep, src.layout.tp_rank, dep.tp_p)
+    n_tokens = dep.capacity_p * dep.ps_p
+    entries: list[tuple[str, int, int, str | None]] = []
+    fills = []
+    for layer in sorted({e.layer_id for e in src.layout.entries()}):
+        for role, elems in _entries(dep, heads, dep.ps_p):
+            e = by_key[(layer, role)]
+            start = e.data_ptr - src.memory.base
+            raw = src.arena[start:start + e.item_len * dep.capacity_p]
+            entries.append((role, layer, dep.ps_p * elems * 2, None))
+            if role == "rope":
+                fills.append(raw.copy())
+                continue
+            scale = by_key[(layer, f"{role}_scale")]
+            s_start = scale.data_ptr - src.memory.base
+            raw_scales = src.arena[s_start:s_start + scale.item_len * dep.capacity_p]
+            groups = scale_groups(dep, heads, elems)
+            values = _reference_values(raw, dep.out_dtype).reshape(n_tokens, groups, -1)
+            if dep.scales == "mx":
+                # The fill has no NaN scale byte.
+                y = values * np.exp2(raw_scales.astype(np.float64) - 127).reshape(
+                    n_tokens, groups, 1)
+            else:
+                scales = raw_scales.view("<f4").reshape(n_tokens, groups, 1)
+                y = (values.astype(np.float32) * scales).astype(np.float64)
+            fills.append(_reference_bf16(y.reshape(-1)))
+    ctx = _context(dep, dep.ps_p, src.layout.tp_rank, dep.tp_p, 2, src.layout.pp_rank, dep.pp)
+    return _build(entries, dep.capacity_p, ctx, np.concatenate(fills))
 
 
-def kv_only(layout: kvplan.Layout) -> kvplan.Layout:
-    """The layout without its scale entries and representations (the byte oracle places KV by
-    the attention geometry, which scale entries do not follow)."""
-    d = layout.to_dict()
-    keep = [i for i, role in enumerate(d["roles"]) if not str(role).endswith("_scale")]
-    for key in ("data_ptrs", "data_lens", "item_lens", "layer_ids", "roles", "kinds", "drafts",
-                "strides"):
-        d[key] = [d[key][i] for i in keep]
-    d.pop("representations", None)
-    return kvplan.Layout.from_dict(d)
-
-
-def copy_scales(dep: Deployment, src: Peer, twin: Peer, src_pages: npt.NDArray[np.int64],
-                dst_pages: npt.NDArray[np.int64], n_tokens: int) -> None:
-    """Places the prefill's per-token scales of tokens 0..n_tokens in the twin's scale entries
-    (same TP on both sides: the same groups per token)."""
-    by_key = {(e.layer_id, e.role): e for e in twin.layout.entries()}
-    tokens = np.arange(n_tokens)
-    s_pages, s_slots = src_pages[tokens // dep.ps_p].astype(np.int64), tokens % dep.ps_p
-    d_pages, d_slots = dst_pages[tokens // dep.ps_d].astype(np.int64), tokens % dep.ps_d
-    for e in src.layout.entries():
-        if not str(e.role).endswith("_scale"):
-            continue
-        t = by_key[(e.layer_id, e.role)]
-        per_token = e.item_len // dep.ps_p
-        s_at = e.data_ptr - src.memory.base + s_pages * e.item_len + s_slots * per_token
-        d_at = t.data_ptr - twin.memory.base + d_pages * t.item_len + d_slots * per_token
-        twin.arena[d_at[:, None] + np.arange(per_token)] = \
-            src.arena[s_at[:, None] + np.arange(per_token)]

@@ -76,8 +76,10 @@ def test_mla_576_latent_to_mx_and_bf16_rope_equal_the_decode_quantizing_itself()
 
 
 def test_mx_to_bf16_equals_the_decode_dequantizing_itself() -> None:
-    deps = [_mha(tp_p=tp, tp_d=tp, pp=pp, ps_p=ps_p, ps_d=ps_d)
-            for tp, pp, (ps_p, ps_d) in itertools.product(TPS, (1, 2), RATIOS)]
+    # Heads re-sliced both ways: each decode rank gathers its heads' values and E8M0 blocks
+    # from every prefill rank that holds some of them.
+    deps = [_mha(tp_p=tp_p, tp_d=tp_d, pp=pp, ps_p=ps_p, ps_d=ps_d)
+            for tp_p, tp_d, pp, (ps_p, ps_d) in itertools.product(TPS, TPS, (1, 2), RATIOS)]
     deps += [_mla(tp_p=tp_p, tp_d=tp_d, pp=pp, ps_p=ps_p, ps_d=ps_d)
              for tp_p, tp_d, pp, (ps_p, ps_d) in itertools.product((1, 4), (1, 2), (1, 2),
                                                                    RATIOS)]
