@@ -36,6 +36,9 @@ try:
 except ImportError:  # pragma: no cover - the table then says so
     torch = None
 
+#: Timed runs per executor and case: torch's times on a CPU vary from run to run by up to 2x
+#: (allocations of its batched intermediates), so the median needs more than a handful.
+EXECUTOR_RUNS = 9
 OUT = Path(__file__).resolve().parent / "results" / "convert-results.md"
 # Run from the venv that has torch (scripts/test-torch installs it, into .venv by default or into
 # KVPLAN_TORCH_VENV); without torch the executor columns say so.
@@ -183,7 +186,7 @@ def run(device: str) -> tuple[list[str], list[float]]:
         src_mem = Memory(d["src_arena"], int(d["src_arena"].ctypes.data))
         dst_mem = Memory(d["dst_arena"], int(d["dst_arena"].ctypes.data))
         st_mem = Memory(staging_arena, staging[0])
-        t_np = _times(lambda: apply_conversion(plan, src_mem, st_mem, dst_mem), 5)
+        t_np = _times(lambda: apply_conversion(plan, src_mem, st_mem, dst_mem), EXECUTOR_RUNS)
         numpy_result = d["dst_arena"].copy()
         torch_cell = "torch not installed"
         ratio_cell = "—"
@@ -201,7 +204,7 @@ def run(device: str) -> tuple[list[str], list[float]]:
                 ex.run_conversion(t_plan)
                 _synchronize(device)
 
-            t_torch = _times(run_torch, 5)
+            t_torch = _times(run_torch, EXECUTOR_RUNS)
             same = np.array_equal(dst_t.cpu().numpy(), numpy_result)
             assert same, f"{case.name}: torch and NumPy differ"
             torch_cell = f"{_fmt(statistics.median(t_torch))} ({_fmt(min(t_torch))})"
@@ -255,7 +258,8 @@ work (load average {load0:.1f} -> {load1:.1f}); torch {torch_version}, its tenso
 (the NumPy reference always runs on the CPU). Each
 request moves {CASES[0].tokens} tokens of {CASES[0].layers} layers (pages of each deployment's
 page size, random page lists on both sides). Times are medians, min in brackets: planning over
-30 runs, executors over 5 (after one warm-up run each; a device's queued work is waited for).
+30 runs, executors over {EXECUTOR_RUNS} (after one warm-up run each; a device's queued work is
+waited for).
 Both executors run the same plan (the torch one built at its tensors' addresses) on the same
 bytes, and their decode bytes are checked equal before the times are written.
 
