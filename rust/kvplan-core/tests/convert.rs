@@ -14,7 +14,15 @@ const TOKEN: u64 = 8; // elements per token of one entry
 /// One layer: `k` at `base` with `bytes` per element, plus a `k_scale` entry when `scale`
 /// (float32 per token).
 fn layout(base: u64, bytes: u64, repr: Option<&str>, scale: bool) -> Layout {
-    one_layer(base, TOKEN, bytes, repr, scale.then_some(PAGE * 4)).unwrap()
+    one_layer(base, TOKEN, bytes, repr, scale.then_some(PAGE * 4), paged()).unwrap()
+}
+
+/// The context of the layouts below: pages of [`PAGE`] tokens, nothing else.
+fn paged() -> LayoutContext {
+    LayoutContext {
+        page_size: PAGE,
+        ..LayoutContext::default()
+    }
 }
 
 /// One layer: `k` at `base` with `token` elements per token of `bytes` each, plus a `k_scale`
@@ -25,6 +33,7 @@ fn one_layer(
     bytes: u64,
     repr: Option<&str>,
     scale_item: Option<u64>,
+    context: LayoutContext,
 ) -> kvplan_core::Result<Layout> {
     let item = PAGE * token * bytes;
     let mut parts = LayoutParts {
@@ -43,10 +52,6 @@ fn one_layer(
         parts.layer_ids.push(Some(0));
         parts.roles.push("k_scale".into());
     }
-    let context = LayoutContext {
-        page_size: PAGE,
-        ..LayoutContext::default()
-    };
     let n = parts.data_ptrs.len();
     let layout = Layout::new(parts, context)?;
     let mut reprs = vec![None; n];
@@ -143,7 +148,7 @@ fn mx_layout(
     repr: Option<&str>,
     scale_item: Option<u64>,
 ) -> kvplan_core::Result<Layout> {
-    one_layer(base, MX_TOKEN, bytes, repr, scale_item)
+    one_layer(base, MX_TOKEN, bytes, repr, scale_item, paged())
 }
 
 #[test]
@@ -301,30 +306,9 @@ fn mx_and_per_token_do_not_requantize_into_each_other() {
 /// layout gets its E8M0 `k_scale` entry).
 fn tp_layout(base: u64, tp: u32, repr: &str) -> Layout {
     let rep = Representation::parse(repr).unwrap();
-    let size = u64::from(rep.dtype.size());
     let heads = 8 / u64::from(tp);
-    let item = PAGE * heads * 16 * size;
-    let mut parts = LayoutParts {
-        data_ptrs: vec![base],
-        data_lens: vec![8 * item],
-        item_lens: vec![item],
-        layer_ids: vec![Some(0)],
-        roles: vec!["k".into()],
-        kinds: vec![],
-        drafts: vec![],
-    };
-    let mut reprs = vec![Some(rep)];
-    if rep.scales.per_token() {
-        let scale_item = PAGE * heads * 16 / 32;
-        parts.data_ptrs.push(base + (1 << 20));
-        parts.data_lens.push(8 * scale_item);
-        parts.item_lens.push(scale_item);
-        parts.layer_ids.push(Some(0));
-        parts.roles.push("k_scale".into());
-        reprs.push(None);
-    }
+    let scale_item = rep.scales.per_token().then_some(PAGE * heads * 16 / 32);
     let context = LayoutContext {
-        page_size: PAGE,
         tp_size: tp,
         attention: Some(kvplan_core::AttentionGeometry::for_rank(
             8,
@@ -334,12 +318,10 @@ fn tp_layout(base: u64, tp: u32, repr: &str) -> Layout {
             None,
             None,
         )),
-        ..LayoutContext::default()
+        ..paged()
     };
-    Layout::new(parts, context)
-        .unwrap()
-        .with_representations(reprs)
-        .unwrap()
+    let size = u64::from(rep.dtype.size());
+    one_layer(base, heads * 16, size, Some(repr), scale_item, context).unwrap()
 }
 
 #[test]
