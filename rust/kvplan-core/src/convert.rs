@@ -771,15 +771,9 @@ fn conversion(
     let scale_format = rd.scales.scale_format().ok_or(PlanError::InputChanged)?;
     let item_len = widened.parts().item_lens[w];
     let token_bytes = item_len / dst.context().page_size;
-    // Widened bytes of one element of the entry.
-    let elem_bytes = u64::from(rd.dtype.size()) * factor;
-    let groups = match rd.scales {
-        ScaleLayout::PerTokenHead => {
-            u64::from(dst.context().attention.map_or(1, |g| g.heads_per_rank))
-        }
-        ScaleLayout::Mx => token_bytes / (MX_BLOCK * elem_bytes).max(1),
-        _ => 1,
-    };
+    // Scale groups per token, read from the scale entry the layout validated against this
+    // representation (its item length is page_size × groups × one scale's bytes).
+    let groups = dst.parts().item_lens[scale] / dst.context().page_size / scale_format.size();
     let group_bytes = token_bytes / groups.max(1);
     let in_size = u64::from(rs.dtype.size());
     if groups == 0
