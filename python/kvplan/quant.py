@@ -56,9 +56,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["E8M0_NAN", "MX_BLOCK", "QMAX", "decode_e8m0", "decode_fp8", "dequantize_groups",
-           "dequantize_mx", "encode_fp8", "from_float32", "quantize_groups", "quantize_mx",
-           "to_float32"]
+__all__ = ["E4M3_EMAX", "E8M0_NAN", "MX_BLOCK", "QMAX", "QUIET_NAN", "decode_e8m0",
+           "decode_fp8", "dequantize_groups", "dequantize_mx", "encode_fp8", "from_float32",
+           "quantize_groups", "quantize_mx", "to_float32"]
 
 #: Largest finite magnitude of each quantized dtype: the ``QMAX`` of the rule.
 QMAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
@@ -70,7 +70,10 @@ MX_BLOCK = 32
 E8M0_NAN = 0xFF
 
 #: The largest exponent of a finite E4M3 value (448 = 1.75 * 2**8): the ``8`` of the ``mx`` rule.
-_E4M3_EMAX = 8
+E4M3_EMAX = 8
+
+#: The quiet NaN of each output format (sign bit clear).
+QUIET_NAN: dict[str, int] = {"bf16": 0x7FC0, "fp16": 0x7E00}
 
 #: (exponent bits, mantissa bits, bias) of the FP8 formats (OCP FP8: E4M3 as float8_e4m3fn).
 _FP8 = {"fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}
@@ -162,7 +165,7 @@ def from_float32(x: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.uint8
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> \
         np.uint32(16)
     nan = np.isnan(x)
-    quiet = (bits >> np.uint32(16)) & np.uint32(0x8000) | np.uint32(0x7FC0)
+    quiet = (bits >> np.uint32(16)) & np.uint32(0x8000) | np.uint32(QUIET_NAN["bf16"])
     out: npt.NDArray[np.uint8] = np.where(nan, quiet, rounded).astype(np.uint16).view(np.uint8)
     return out
 
@@ -196,7 +199,7 @@ def quantize_mx(x: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.
     special = ~np.isfinite(amax)
     # floor(log2(amax)) exactly: amax = m * 2**k with m in [0.5, 1).
     _, k = np.frexp(np.where(special | (amax == 0), np.float32(1.0), amax))
-    shared = np.where(amax == 0, -127, np.clip(k.astype(np.int64) - 1 - _E4M3_EMAX, -127, 127))
+    shared = np.where(amax == 0, -127, np.clip(k.astype(np.int64) - 1 - E4M3_EMAX, -127, 127))
     q = np.ldexp(np.where(special[:, None], np.float32(0.0), blocks),
                  (-shared[:, None]).astype(np.int32)).astype(np.float32)
     q = np.clip(q, -QMAX["fp8_e4m3"], QMAX["fp8_e4m3"]).astype(np.float32)
@@ -205,10 +208,6 @@ def quantize_mx(x: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.
     codes = np.where(special[:, None], nan_codes, codes.reshape(blocks.shape)).astype(np.uint8)
     scale_bytes = np.where(special, E8M0_NAN, shared + 127).astype(np.uint8)
     return codes.reshape(-1), scale_bytes
-
-
-#: The quiet NaN of each output format (sign bit clear).
-_QUIET_NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
 
 
 def dequantize_mx(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.uint8], group: int,
@@ -223,6 +222,6 @@ def dequantize_mx(raw: npt.NDArray[np.uint8], scales: npt.NDArray[np.uint8], gro
         out = from_float32(y, out_dtype).view(np.uint16)
     nan = np.isnan(y)
     sign = (raw.astype(np.uint16) & np.uint16(0x80)) << np.uint16(8)
-    bits = np.where(nan, sign | np.uint16(_QUIET_NAN[out_dtype]), out).astype(np.uint16)
+    bits = np.where(nan, sign | np.uint16(QUIET_NAN[out_dtype]), out).astype(np.uint16)
     result: npt.NDArray[np.uint8] = bits.view(np.uint8)
     return result

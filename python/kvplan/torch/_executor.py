@@ -13,7 +13,7 @@ import torch
 
 from kvplan import (DTYPES, SCALE_FORMATS, ConversionPlan, IndexBoundsError, KvPlanError,
                     LayoutError, RowGather)
-from kvplan.quant import E8M0_NAN, MX_BLOCK, QMAX
+from kvplan.quant import E4M3_EMAX, E8M0_NAN, MX_BLOCK, QMAX, QUIET_NAN
 
 __all__ = ["BlockColumns", "TorchExecutor"]
 
@@ -68,10 +68,6 @@ class _Region:
         if element > 1:
             view = view.view(_ELEMENT_DTYPES[element])
         return view.view(n_rows, granule // element)
-
-
-#: The largest exponent of a finite E4M3 value: the ``8`` of the ``mx`` rule.
-_E4M3_EMAX = 8
 
 
 def _pow2_bits(p: torch.Tensor) -> torch.Tensor:
@@ -385,9 +381,8 @@ class TorchExecutor:
             out = y.to(torch.bfloat16 if out_dtype == "bf16" else torch.float16).view(torch.int16)
             # NaN: the format's quiet NaN with the sign of the code (whatever sign or payload
             # this build's conversion gives a NaN).
-            quiet = 0x7FC0 if out_dtype == "bf16" else 0x7E00
             sign = (codes.to(torch.int32) & 0x80) << 8
-            nan_bits = (sign | quiet).to(torch.int32)
+            nan_bits = (sign | QUIET_NAN[out_dtype]).to(torch.int32)
             nan_bits = torch.where(nan_bits >= 0x8000, nan_bits - 0x10000, nan_bits)
             out = torch.where(torch.isnan(y), nan_bits.to(torch.int16).to(out.device), out)
             _write_rows(out_r.flat, out_off, n * 2,
@@ -402,7 +397,7 @@ class TorchExecutor:
         special = ~torch.isfinite(amax)
         one = torch.ones_like(amax)
         _, k = torch.frexp(torch.where(special | (amax == 0), one, amax))
-        shared = (k.to(torch.int32) - 1 - _E4M3_EMAX).clamp(-127, 127)
+        shared = (k.to(torch.int32) - 1 - E4M3_EMAX).clamp(-127, 127)
         shared = torch.where(amax == 0, torch.full_like(shared, -127), shared)
         safe = torch.where(special[:, None], torch.zeros_like(x), x)
         q = (safe * _pow2_bits(-shared).view(torch.float32)[:, None]).clamp(-448.0, 448.0)
