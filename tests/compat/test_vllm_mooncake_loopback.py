@@ -36,8 +36,10 @@ def _reply(conn, proc, timeout=120.0):
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "lists"])
-@pytest.mark.parametrize("deployment,batch", [("mla", 64), ("mha_tp2_to_tp1", 100)])
-def test_patched_send_path_moves_vllms_bytes(deployment, batch, native):
+@pytest.mark.parametrize("deployment,batch,mix", [("mla", 64, "default"),
+                                                  ("mha_tp2_to_tp1", 100, "default"),
+                                                  ("mla", 64, "mixed")])
+def test_patched_send_path_moves_vllms_bytes(deployment, batch, mix, native):
     require_mooncake()
     size = arena_bytes(deployment)
     workdir = arena_dir(2 * size)
@@ -52,7 +54,7 @@ def test_patched_send_path_moves_vllms_bytes(deployment, batch, native):
     proc = ctx.Process(target=prefill_main, daemon=True,
                        args=(child, prefill_arena.path, size,
                              {**ENGINE_ENV, "KVPLAN_MOONCAKE_NATIVE": native}, deployment,
-                             batch))
+                             batch, mix))
     try:
         proc.start()
         child.close()
@@ -68,6 +70,11 @@ def test_patched_send_path_moves_vllms_bytes(deployment, batch, native):
         else:
             assert tuple(out["handoff"]) == ("lists", "disabled (KVPLAN_MOONCAKE_NATIVE=0)")
         src, dst, lengths = (np.array(c, dtype=np.int64) for c in out["ref"])
+        if mix == "mixed":
+            # the shape that a hand-off deciding "all lengths equal" from the first and last
+            # length alone would send with one length for every block
+            sent = out["lengths"]
+            assert len(sent) >= 64 and sent[0] == sent[-1] and len(set(sent)) > 1, sent
         assert out["descriptors"] <= len(src) and len(src) > 0
         # several engine calls of at most `batch` entries, one stats record of the whole send
         assert out["failed"] == 0 and len(out["stats"]) == 1

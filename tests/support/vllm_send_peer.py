@@ -49,16 +49,27 @@ def arena_bytes(name: str) -> int:
     return max(p, d)
 
 
-def requests(blocks: int) -> tuple[dict, list]:
+def requests(blocks: int, mix: str = "default") -> tuple[dict, list]:
     """A batch: a contiguous request, a fragmented one, and a partial prefix hit; their decode
     blocks are disjoint, as a decode allocates them (two requests writing one decode block are
-    refused by kvplan's batch plan)."""
+    refused by kvplan's batch plan).
+
+    ``mix="mixed"``: two fragmented requests around a contiguous one, so that the planned
+    lengths column starts and ends with one-block runs and holds longer runs between (a
+    column whose first and last lengths are equal but not all are)."""
     import random
 
     rng = random.Random(5)
-    shapes = [("contig", list(range(3, 3 + 24)), list(range(40, 64))),
-              ("frag", rng.sample(range(1, blocks), 20), rng.sample(range(9, 40), 20)),
-              ("prefix", list(range(blocks - 14, blocks - 2)), list(range(1, 9)))]  # local longer: tail sent
+    if mix == "mixed":
+        local = rng.sample(range(1, blocks), 44)
+        remote = rng.sample(range(1, 40), 32)
+        shapes = [("frag_a", local[:16], remote[:16]),
+                  ("contig", list(range(blocks - 30, blocks - 6)), list(range(40, 64))),
+                  ("frag_b", local[16:32], remote[16:])]
+    else:
+        shapes = [("contig", list(range(3, 3 + 24)), list(range(40, 64))),
+                  ("frag", rng.sample(range(1, blocks), 20), rng.sample(range(9, 40), 20)),
+                  ("prefix", list(range(blocks - 14, blocks - 2)), list(range(1, 9)))]  # local longer: tail sent
     req_blocks, ready = {}, []
     for name, local, remote in shapes:
         req_blocks[name] = (f"t-{name}", [remote])
@@ -67,7 +78,7 @@ def requests(blocks: int) -> tuple[dict, list]:
 
 
 def prefill_main(conn: Any, arena_path: str, size: int, env: dict[str, str],
-                 deployment: str, max_blocks_per_batch: int) -> None:
+                 deployment: str, max_blocks_per_batch: int, mix: str = "default") -> None:
     os.environ.update(env)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     try:
@@ -106,7 +117,7 @@ def prefill_main(conn: Any, arena_path: str, size: int, env: dict[str, str],
         prefill.rpc_port = transport._engine.get_rpc_port()
         d_rank = prefill.transfer_topo.handshake_target_ranks(d_tp)[0]
         decode = worker(v.MooncakeConnectorWorker, d_tp, d_rank, decode_base)
-        req_blocks, ready = requests(blocks)
+        req_blocks, ready = requests(blocks, mix)
         meta = xfer_meta(decode, tp_rank=d_rank, tp_size=d_tp, pp_size=1, req_blocks=req_blocks)
         local, remote, err = prefill._prepare_transfer_regions(meta)
         assert err is None, err
@@ -117,6 +128,7 @@ def prefill_main(conn: Any, arena_path: str, size: int, env: dict[str, str],
         assert not err_reqs and not ref[3], (err_reqs, ref[3])
         status = prefill._send_blocks(decode_session, src, dst, lengths)
         conn.send(("ok", {"status": status, "descriptors": len(src),
+                          "lengths": [int(n) for n in lengths],
                           "ref": [[int(x) for x in col] for col in ref[:3]],
                           "stats": prefill.xfer_stats.ok, "failed": prefill.xfer_stats.failed,
                           "handoff": compat.handoff(prefill)}))

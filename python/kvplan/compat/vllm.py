@@ -88,22 +88,55 @@ class BlockColumn(np.ndarray):
     or tuple is one plain bool with list semantics (a numpy array would compare elementwise
     and be truthy whenever it is non-empty, so ``assert src_ptrs == [...]`` would pass on a
     wrong answer); with anything else it is numpy's comparison. Iterating, ``len`` and
-    ``sum()`` work as on a list."""
+    ``sum()`` work as on a list.
+
+    Only a one-dimensional column has the list truth value. Every numpy operation on a column
+    (comparisons, reductions such as ``.all()``, arithmetic, ``np.concatenate``) answers with
+    plain numpy values, never another ``BlockColumn``: a derived array or 0-d result keeps
+    numpy's own truth value (a 0-d ``False`` is false; a many-element mask refuses ``bool``),
+    so ``bool((column == x).all())`` means what it says."""
 
     __hash__ = None
 
     def __bool__(self) -> bool:
+        if self.ndim != 1:
+            raise TypeError(f"the truth value of a {self.ndim}-d BlockColumn is not defined "
+                            "(only a 1-d column is a list)")
         return self.size > 0
 
     def __eq__(self, other: object) -> Any:
         if isinstance(other, (list, tuple)):
             return self.tolist() == other
-        return super().__eq__(other)
+        return self.view(np.ndarray) == _plain(other)
 
     def __ne__(self, other: object) -> Any:
         if isinstance(other, (list, tuple)):
             return self.tolist() != other
-        return super().__ne__(other)
+        return self.view(np.ndarray) != _plain(other)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any,
+                        **kwargs: Any) -> Any:
+        # Computed on plain arrays, so no result (elementwise, reduced or 0-d) is a column.
+        outs = kwargs.get("out")
+        if outs is not None:
+            kwargs["out"] = tuple(_plain(o) for o in outs)
+        return getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        return func(*_plain_args(args), **{k: _plain_args(v) if isinstance(v, (list, tuple))
+                                           else _plain(v) for k, v in kwargs.items()})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with a :class:`BlockColumn` seen as the plain ndarray it views."""
+    return value.view(np.ndarray) if isinstance(value, BlockColumn) else value
+
+
+def _plain_args(values: Any) -> Any:
+    """Positional numpy-function arguments with every column, also inside a list or tuple of
+    arrays (``np.concatenate([a, b])``), seen as plain arrays."""
+    return type(values)(_plain_args(v) if isinstance(v, (list, tuple)) else _plain(v)
+                        for v in values)
 
 
 _EMPTY = np.empty(0, dtype=np.uint64)
@@ -584,9 +617,10 @@ def _lengths_list(lengths: Any) -> tuple[list[int], int]:
     fragmented request: every block is one page) becomes one int referenced ``n`` times
     instead of ``n`` ints built one by one."""
     if isinstance(lengths, np.ndarray) and len(lengths) >= _REPEAT_CHECK_MIN:
-        first = int(lengths[0])
-        if int(lengths[-1]) == first and bool((lengths == first).all()):
-            return [first] * len(lengths), first * len(lengths)
+        plain = lengths.view(np.ndarray)
+        first = int(plain[0])
+        if int(plain[-1]) == first and int(np.count_nonzero(plain != first)) == 0:
+            return [first] * len(plain), first * len(plain)
     out = _as_list(lengths)
     return out, sum(out)
 
