@@ -14,9 +14,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "INTERNAL_ERROR_STATUS"]
 
 Runner = Callable[[argparse.Namespace], int]
+
+#: Exit status of a command that failed on a defect of kvplan's own (an unexpected exception):
+#: distinct from 1 (a wrong byte, a refused stage) and 2 (bad arguments, a failed peer).
+INTERNAL_ERROR_STATUS = 3
 
 
 def _add_demo(parser: argparse.ArgumentParser) -> Runner:
@@ -82,6 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Point stdout at /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as exc:
+        # A defect in kvplan, not in the input: keep the traceback for the report, but never
+        # exit 1, which `kvplan demo` keeps for a wrong byte and `explain` for a refused stage.
+        import traceback
+
+        traceback.print_exc()
+        print(f"kvplan {args.command}: internal error ({type(exc).__name__}: {exc}); "
+              f"exit {INTERNAL_ERROR_STATUS}", file=sys.stderr)
+        return INTERNAL_ERROR_STATUS
 
 
 if __name__ == "__main__":

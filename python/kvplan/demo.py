@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplan.presets import ModelPreset, fragmented_pages, get_preset
+from kvplan.presets import ModelPreset, fragmented_pages, get_preset, split_layers
 from kvplan.testing import (
     SENTINEL,
     Arena,
@@ -285,7 +285,9 @@ def run_demo(model: ModelPreset, *, pages: int, prefill_pp: int = 2,
 
     report = DemoReport(model.name, model.num_layers, len(model.kv_layers()), prefill_pp,
                         pages, n_req, engine=engine, layout=layout, verify=verify)
-    report.pool_strides = [next(e.stride for e in spec.entries if e.kind == "page")
+    # A stage may hold no full-attention layer (4 layers at PP=2: the first stage is all
+    # state), so it has no page pool: stride 0.
+    report.pool_strides = [next((e.stride for e in spec.entries if e.kind == "page"), 0)
                            for spec in (decode_spec, *prefill_specs)]
     with _demo_peers(decode_spec, prefill_specs, seed=seed, quiet=quiet, engine=engine,
                      engine_log_in_failure=True) as run:
@@ -504,6 +506,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
     return run_cli
 
 
+def _stages_without_kv(model: ModelPreset, pp: int) -> list[int]:
+    """The prefill stages (as ``kvplan.presets.split_layers`` splits) that hold no paged-KV
+    layer: a cross-layer pool needs at least one."""
+    return [r for r, layers in enumerate(split_layers(model.num_layers, pp))
+            if not model.kv_layers(layers)]
+
+
 def _arena_problem(model: ModelPreset, args: argparse.Namespace) -> str | None:
     """Why the arenas of this run cannot be had, or ``None``: every process's arena is mapped
     by it and by the parent, which also builds the expected decode pool to compare."""
@@ -555,6 +564,12 @@ def run_cli(args: argparse.Namespace) -> int:
          "--layer-ms and --stream-group apply only with --stream"),
     ] if bad]
     model = demo_model(args.layers)
+    if not problems and args.layout == "cross-layer":
+        bare = _stages_without_kv(model, args.pp)
+        problems += [f"--layout cross-layer needs a full-attention layer (every "
+                     f"{model.full_attention_every}th) on every prefill stage; with --layers "
+                     f"{args.layers} --pp {args.pp} stage(s) {bare} hold none: lower --pp, "
+                     f"raise --layers or use --layout per-layer"] if bare else []
     if not problems:
         arena = _arena_problem(model, args)
         problems += [arena] if arena else []
