@@ -4,7 +4,7 @@
 //! built only from pairs this module accepts, and `check_pairs` reports exactly what
 //! `Template::new` would refuse, so a compatibility report never disagrees with a template.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::heads::HeadSlicing;
@@ -166,7 +166,18 @@ fn ring_problem(src: &Layout, dst: &Layout, check: &EntryCheck) -> Option<PlanEr
 
 /// The page entries of `layout`.
 fn pages(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
-    (0..layout.n_entries()).filter(move |&i| layout.parts().kinds[i] == EntryKind::Page)
+    (0..layout.n_entries()).filter(move |&i| {
+        #[cfg(test)]
+        ENTRIES_VISITED.with(|n| n.set(n.get() + 1));
+        layout.parts().kinds[i] == EntryKind::Page
+    })
+}
+
+// Counts the entries the pairing-completeness rules visit, so a test can check that they do a
+// bounded amount of work per entry (a deterministic complexity check, not a timing).
+#[cfg(test)]
+thread_local! {
+    static ENTRIES_VISITED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The first indexer or scale page entry ([`is_sidecar_role`]) without its partner, as the
@@ -195,17 +206,19 @@ fn sidecar_problem(
     if checks.is_empty() {
         return None;
     }
+    // Every lookup below goes through a set built in one pass over the entries: a scan of
+    // all entries per entry made reporting incompatible layouts quadratic (minutes at 100k
+    // entries).
     for (side, layout) in [(Side::Src, src), (Side::Dst, dst)] {
+        let kv_layers: HashSet<(i64, bool)> = pages(layout)
+            .filter(|&j| !sidecar(layout, j))
+            .filter_map(|j| Some((layer_of(layout, j)?, layout.is_draft(j))))
+            .collect();
         for i in pages(layout).filter(|&i| sidecar(layout, i)) {
             let Some(layer) = layer_of(layout, i) else {
                 continue;
             };
-            let has_kv = pages(layout).any(|j| {
-                layer_of(layout, j) == Some(layer)
-                    && !sidecar(layout, j)
-                    && layout.is_draft(j) == layout.is_draft(i)
-            });
-            if !has_kv {
+            if !kv_layers.contains(&(layer, layout.is_draft(i))) {
                 return Some((
                     check_of(layer),
                     PlanError::MissingPartner {
@@ -224,24 +237,24 @@ fn sidecar_problem(
     // partner when the prefill sends the layer: planning the others alone would leave that
     // entry unwritten. (A further decode entry of a role the prefill sends, a second
     // occurrence, pairs by occurrence and is not this rule's.)
-    let paired_dst: Vec<usize> = checks.iter().filter_map(|c| c.dst_entry).collect();
-    let src_has_role = |d: usize| {
-        pages(src).any(|i| {
-            layer_of(src, i) == layer_of(dst, d)
-                && src.role(i) == dst.role(d)
-                && src.is_draft(i) == dst.is_draft(d)
-        })
-    };
-    for d in
-        pages(dst).filter(|&d| !paired_dst.contains(&d) && (sidecar(dst, d) || !src_has_role(d)))
-    {
+    let mut paired = vec![false; dst.n_entries()];
+    for d in checks.iter().filter_map(|c| c.dst_entry) {
+        paired[d] = true;
+    }
+    let src_components: HashSet<(Option<i64>, Option<&str>, bool)> = pages(src)
+        .map(|i| (layer_of(src, i), src.role(i), src.is_draft(i)))
+        .collect();
+    let src_has_role =
+        |d: usize| src_components.contains(&(layer_of(dst, d), dst.role(d), dst.is_draft(d)));
+    let sent_layers: HashSet<(i64, bool)> = (0..dst.n_entries())
+        .filter(|&j| paired[j])
+        .filter_map(|j| Some((layer_of(dst, j)?, dst.is_draft(j))))
+        .collect();
+    for d in pages(dst).filter(|&d| !paired[d] && (sidecar(dst, d) || !src_has_role(d))) {
         let Some(layer) = layer_of(dst, d) else {
             continue;
         };
-        let sent = paired_dst
-            .iter()
-            .any(|&j| layer_of(dst, j) == Some(layer) && dst.is_draft(j) == dst.is_draft(d));
-        if sent {
+        if sent_layers.contains(&(layer, dst.is_draft(d))) {
             return Some((
                 check_of(layer),
                 PlanError::MissingPartner {
@@ -998,4 +1011,108 @@ pub(crate) fn same_representations(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{LayoutContext, LayoutParts};
+
+    fn layout(ids: Vec<i64>, roles: Vec<&str>, base: u64) -> Layout {
+        let n = ids.len();
+        Layout::new(
+            LayoutParts {
+                data_ptrs: (0..n as u64).map(|i| base + 1000 * i).collect(),
+                data_lens: vec![64; n],
+                item_lens: vec![8; n],
+                layer_ids: ids.into_iter().map(Some).collect(),
+                roles: roles.into_iter().map(ToString::to_string).collect(),
+                kinds: vec![],
+                drafts: vec![],
+            },
+            LayoutContext::default(),
+        )
+        .unwrap()
+    }
+
+    /// `layers` layers of a KV entry and an indexer entry each, ids from `first`.
+    fn with_indexers(layers: i64, first: i64, base: u64) -> Layout {
+        let ids = (first..first + layers).flat_map(|l| [l, l]).collect();
+        let roles = (0..layers).flat_map(|_| ["kv", "indexer"]).collect();
+        layout(ids, roles, base)
+    }
+
+    #[test]
+    fn completeness_rules_visit_each_entry_a_bounded_number_of_times() {
+        // Every sidecar has its layer's KV entry on its own side (each looked up), and no decode
+        // entry is paired (each looked up against the prefill's components): a scan of all
+        // entries per entry made this quadratic, minutes at 100k entries.
+        let layers = 4_000;
+        let src = with_indexers(layers, 0, 1 << 20);
+        let dst = with_indexers(layers, 1_000_000, 1 << 40);
+        let n = 2 * layers as usize;
+        ENTRIES_VISITED.with(|v| v.set(0));
+        let checks = check_pairs(&src, &dst, TemplateOptions::default());
+        let visited = ENTRIES_VISITED.with(std::cell::Cell::get);
+        assert!(
+            visited <= 8 * n,
+            "{visited} entry visits for {n} entries a side"
+        );
+        assert_eq!(checks.len(), n);
+        assert!(
+            checks
+                .iter()
+                .all(|c| matches!(c.problem, Some(PlanError::MissingLayer { .. })))
+        );
+    }
+
+    #[test]
+    fn completeness_rules_still_find_each_missing_partner() {
+        // The set lookups keep the rules: a prefill sidecar without its layer's KV entry, and a
+        // decode component of a layer the prefill sends that the prefill lacks.
+        let src = layout(vec![0, 0, 1], vec!["kv", "indexer", "indexer"], 1 << 20);
+        let dst = layout(
+            vec![0, 0, 1, 1],
+            vec!["kv", "indexer", "kv", "indexer"],
+            1 << 40,
+        );
+        let (at, problem) = sidecar_problem(
+            &src,
+            &dst,
+            &check_pairs(&src, &dst, TemplateOptions::default()),
+        )
+        .unwrap();
+        assert_eq!(at, 2);
+        assert!(matches!(
+            problem,
+            PlanError::MissingPartner {
+                side: Side::Src,
+                entry: 2,
+                layer: 1,
+                ..
+            }
+        ));
+        let src = layout(vec![0, 1], vec!["kv", "kv"], 1 << 20);
+        let dst = layout(vec![0, 0, 1], vec!["kv", "rope", "kv"], 1 << 40);
+        let (at, problem) = sidecar_problem(
+            &src,
+            &dst,
+            &check_pairs(&src, &dst, TemplateOptions::default()),
+        )
+        .unwrap();
+        assert_eq!(at, 0);
+        assert!(matches!(
+            problem,
+            PlanError::MissingPartner {
+                side: Side::Dst,
+                entry: 1,
+                layer: 0,
+                ..
+            }
+        ));
+        // A decode draft component is needed only when the prefill sends that layer's draft.
+        let dst = layout(vec![0, 1, 1], vec!["kv", "kv", "draft_rope"], 1 << 40);
+        let checks = check_pairs(&src, &dst, TemplateOptions::default());
+        assert!(sidecar_problem(&src, &dst, &checks).is_none());
+    }
 }
