@@ -4,6 +4,8 @@ a stale epoch, or an epoch that goes backwards, for exactly the request it conce
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -72,7 +74,7 @@ def test_each_request_digest_is_bound_to_its_own_lease_as_a_plan_alone(setup) ->
     with pytest.raises(kvplan.KvPlanError, match="leases has 2 values for 6 requests"):
         t.plan_batch(reqs, leases=leases[:2])
     with pytest.raises(kvplan.KvPlanError, match="request 1: .*request id must be str or bytes"):
-        t.plan_batch(reqs, leases=[None, Lease(1, 5), *leases[2:]])  # type: ignore[arg-type]
+        t.plan_batch(reqs, leases=[None, SimpleNamespace(epoch=1, request=5), *leases[2:]])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="leases must be a sequence"):
         t.plan_batch(reqs, leases=7)  # type: ignore[arg-type]
 
