@@ -64,7 +64,8 @@ class IntegrityError(KvPlanError):
     """The decode's digests disagree with the prefill's.
 
     ``what`` is one of ``"lease"``, ``"layout"``, ``"pages"``, ``"pairs"``, ``"blocks"``,
-    ``"plan"`` or ``"content"``; ``template`` names the (prefill, decode) rank pair; for ``"content"``,
+    ``"plan"``, ``"content"``, ``"plans"`` (a payload with another number of manifests) or
+    ``"request"`` (a batch request the decode cannot plan, :func:`check_batch`); ``template`` names the (prefill, decode) rank pair; for ``"content"``,
     ``pair``, ``layer`` and ``role`` name the first entry pair whose bytes differ and
     ``bad_pairs`` counts the pairs that differ.
     """
@@ -412,6 +413,7 @@ def check_notification(
     template: Template | None = None,
     lease: Lease | None = None,
     leases: LeaseTable | None = None,
+    skip_tokens: int = 0,
 ) -> list[Manifest]:
     """The decode-side check: re-plans the request from the prefill's layout (as the handshake
     carried it) and its own, digests what landed in ``buffers`` and verifies every manifest of
@@ -422,11 +424,17 @@ def check_notification(
     ``lease``: the decode's lease on ``dst_pages`` for this request; every manifest must carry
     it. ``leases``: the decode's :class:`~kvplan.leases.LeaseTable`; a manifest whose lease it
     does not hold live raises :class:`~kvplan.leases.StaleLeaseError` first, naming the
-    requests the stale writer may have overwritten."""
+    requests the stale writer may have overwritten.
+
+    ``skip_tokens``: K for a delta request (the prefill planned ``plan(..., skip_tokens=K)``:
+    the decode held the first K tokens already), re-planned the same way; the plan digest
+    covers K, so a manifest planned with another K fails as ``what="plan"`` (or on the block
+    count)."""
     template = template or Template(src_layout, dst_layout)
     buffers = list(buffers)
     plans: list[tuple[TransferPlan, bool, _Pages, _Pages]] = [
-        (template.plan(src_pages, dst_pages, n_tokens=n_tokens), False, src_pages, dst_pages)
+        (template.plan(src_pages, dst_pages, n_tokens=n_tokens, skip_tokens=skip_tokens),
+         False, src_pages, dst_pages)
     ]
     if src_slot is not None and dst_slot is not None and len(template.state_pairs):
         plans.append((template.plan_state(src_slot, dst_slot), True, src_slot, dst_slot))
@@ -531,6 +539,14 @@ class BatchVerdict:
         return [r for r in range(self.n_requests) if r not in self.errors]
 
 
+def _request_parts(request: object) -> tuple[_IndexArray, _IndexArray, int | None]:
+    if not isinstance(request, tuple) or len(request) not in (2, 3):
+        shape = f" of {len(request)}" if isinstance(request, tuple) else ""
+        raise TypeError(f"a request is a (src_pages, dst_pages[, n_tokens]) tuple, got "
+                        f"{type(request).__name__}{shape}")
+    return _split(cast("BatchRequest", request))
+
+
 def check_batch(
     payload: bytes | Sequence[Manifest],
     *,
@@ -553,6 +569,11 @@ def check_batch(
     :class:`~kvplan.LeaseTable`) refuses a lease that is not live there; then the request's
     plan and bytes, as :func:`check_notification`.
 
+    A request the decode cannot re-plan (a page out of range, a negative page, page lists of
+    unequal lengths, arrays of the wrong type or shape, not a 2- or 3-tuple) is refused on its
+    own: its verdict is an :class:`IntegrityError` with ``what="request"`` naming the request
+    and the planner's reason (chained as ``__cause__``); the other requests are checked.
+
     Raises:
         IntegrityError: the payload does not hold one manifest per request (``what="plans"``):
             nothing can be attributed then.
@@ -570,9 +591,9 @@ def check_batch(
     errors: dict[int, KvPlanError] = {}
     mine: list[Manifest | None] = []
     for r, (sent, request) in enumerate(zip(received, requests, strict=True)):
-        src, dst, n_tokens = _split(request)
         expected = leases[r] if leases is not None else None
         try:
+            src, dst, n_tokens = _request_parts(request)
             if expected is not None:
                 if sent.lease is None:
                     raise _fail(f"request {r}: the prefill's manifest carries no lease, and "
@@ -587,5 +608,13 @@ def check_batch(
         except (IntegrityError, LeaseError) as error:
             error.requests = (r,)
             errors[r] = error
+            mine.append(None)
+        except (KvPlanError, TypeError, OverflowError) as error:
+            # What the planner refuses (pages out of range, unequal lengths, a wrong array)
+            # concerns this request alone: its verdict, never the batch's.
+            refused = _fail(f"request {r}: the decode cannot plan it: {error}", "request", label)
+            refused.__cause__ = error
+            refused.requests = (r,)
+            errors[r] = refused
             mine.append(None)
     return BatchVerdict(len(requests), errors, tuple(mine))

@@ -74,7 +74,7 @@ def test_each_request_digest_is_bound_to_its_own_lease_as_a_plan_alone(setup) ->
     with pytest.raises(kvplan.KvPlanError, match="leases has 2 values for 6 requests"):
         t.plan_batch(reqs, leases=leases[:2])
     with pytest.raises(kvplan.KvPlanError, match="request 1: .*request id must be str or bytes"):
-        t.plan_batch(reqs, leases=[None, SimpleNamespace(epoch=1, request=5), *leases[2:]])  # type: ignore[list-item]
+        t.plan_batch(reqs, leases=[None, SimpleNamespace(epoch=1, request=5), *leases[2:]])
     with pytest.raises(TypeError, match="leases must be a sequence"):
         t.plan_batch(reqs, leases=7)  # type: ignore[arg-type]
 

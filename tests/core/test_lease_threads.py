@@ -68,8 +68,8 @@ def test_concurrent_grants_never_lease_one_page_to_two_live_leases() -> None:
                 assert not pa & pb, f"page(s) {sorted(pa & pb)} leased to {a} and {b}"
         # The holder table agrees with the winners, and epochs are distinct.
         assert len({lease.epoch for lease, _ in won}) == len(won)
-        for lease, p in won:
-            assert all(table.holder(x) == lease for x in p)
+        for lease, held in won:
+            assert all(table.holder(x) == lease for x in held)
 
 
 def test_a_grant_racing_an_abort_is_refused_or_fenced_never_a_key_error() -> None:

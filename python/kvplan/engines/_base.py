@@ -688,12 +688,13 @@ class Transport:
                      src_slot: int | None = None, dst_slot: int | None = None,
                      n_tokens: int | None = None, template: Template | None = None,
                      buffers: Sequence[Any] | None = None, lease: Lease | None = None,
-                     leases: LeaseTable | None = None) -> list[Manifest]:
+                     leases: LeaseTable | None = None, skip_tokens: int = 0) -> list[Manifest]:
         """The decode-side check of one prefill's request: re-plans it between ``src_layout``
         (as the handshake carried it) and ``dst_layout`` (this side's), digests what landed in
         this adapter's registered memory (or ``buffers``) and compares with ``received`` (the
         prefill's integrity notification, or its manifests). Returns the decode's manifests.
-        ``lease`` and ``leases``: as :func:`kvplan.integrity.check_notification`.
+        ``lease``, ``leases`` and ``skip_tokens`` (K of a delta plan, ``plan(...,
+        skip_tokens=K)``): as :func:`kvplan.integrity.check_notification`.
 
         Raises:
             kvplan.IntegrityError: the two sides disagree; ``what``, ``template`` and, for
@@ -704,7 +705,8 @@ class Transport:
         return check_notification(received, src_layout=src_layout, dst_layout=dst_layout,
                                   buffers=held, src_pages=src_pages, dst_pages=dst_pages,
                                   src_slot=src_slot, dst_slot=dst_slot, n_tokens=n_tokens,
-                                  template=template, lease=lease, leases=leases)
+                                  template=template, lease=lease, leases=leases,
+                                  skip_tokens=skip_tokens)
 
     def close(self) -> None:
         """Unregister memory and release the engine. Further calls raise."""
