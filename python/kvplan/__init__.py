@@ -42,7 +42,7 @@ from kvplan._core import (
     pair_entries,
     tp_peers,
 )
-from kvplan._errors import TransferError
+from kvplan._errors import IncompatibleHostError, TransferError
 from kvplan.integrity import IntegrityError
 from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError
 from kvplan.policy import PairingChoice, select_pairing
@@ -52,6 +52,7 @@ __all__ = [
     "Advice",
     "CompatReport",
     "EntryCheck",
+    "IncompatibleHostError",
     "IndexBoundsError",
     "IntegrityError",
     "KvPlanError",

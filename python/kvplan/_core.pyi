@@ -100,10 +100,13 @@ def nixl_desc_ids(
     layer_groups: Sequence[int], num_regions: int, num_layers: int,
     region_groups: Sequence[int] | None, worker_region_groups: Sequence[int],
     grouped: object | None, worker_grouped: object,
+    pairs: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> npt.NDArray[np.int64] | None:
     """vLLM's NIXL ``_compute_desc_ids`` for a model without Mamba state (the worker's
     attributes passed by keyword); ``None`` when an argument is of a kind the core does not
-    model. A block id outside its region is an ``IndexBoundsError``."""
+    model. A block id outside its region is an ``IndexBoundsError``. ``pairs``: vLLM 0.34's
+    ``(regions, keys)`` (key major, pair order within a key); the layer routing and region
+    group arguments are then not read."""
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
 def pair_entries(
     src_layer_ids: Sequence[int] | None,

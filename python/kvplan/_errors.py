@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
-__all__ = ["TransferError"]
+from kvplan._core import KvPlanError
+
+__all__ = ["IncompatibleHostError", "TransferError"]
+
+
+class IncompatibleHostError(KvPlanError):
+    """An engine integration refused to install: the host engine's class does not have a
+    method (or a helper kvplan's replacement calls) in a form kvplan was built for.
+
+    ``cls`` names the class, ``method`` the method, ``host_version`` the engine's version
+    (``"unknown"`` when it publishes none), ``seen`` what the host has (its signature, or
+    ``"missing"``) and ``supported`` the forms kvplan knows, each with the releases it was
+    checked against. Nothing was replaced: the engine runs exactly as without kvplan, and the
+    message says so.
+    """
+
+    kind = "incompatible_host"
+    cls: str = ""
+    method: str = ""
+    host_version: str = ""
+    seen: str = ""
+    supported: tuple[str, ...] = ()
 
 
 class TransferError(RuntimeError):

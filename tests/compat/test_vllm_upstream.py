@@ -8,7 +8,8 @@ with a handful of attributes and no ``register_kv_caches``, or vLLM's real ``Moo
 constructor with the dependencies vLLM's ``patch_worker_dependencies`` patches. Their
 assertions are vLLM's (``src_ptrs == [...]`` against lists included).
 
-Each runs three ways and must pass all three: vLLM alone, after
+They run against vLLM 0.33.0 here and against 0.34.0 and 0.32.0's CPU build in child
+processes (``test_other_release``). Each runs three ways and must pass all three: vLLM alone, after
 ``kvplan.compat.vllm.install(MooncakeConnectorWorker)`` (vLLM's own class patched, then
 restored exactly), and with kvplan's ``KvplanMooncakeConnector`` / its worker class.
 
@@ -29,7 +30,7 @@ import pytest
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_cases import (  # noqa: E402
     Recorded, build_connector, worker_dependencies, xfer_metadata)
-from support.vllm_loader import load_vllm  # noqa: E402
+from support.vllm_loader import OTHER_RELEASES, load_vllm, rerun_under_release  # noqa: E402
 
 from kvplan.compat import vllm as compat  # noqa: E402
 
@@ -442,3 +443,12 @@ def test_hybrid_gdn_transfer_params_preserve_group_identity(v, mode):
         assert dst_ptrs == [0x6000 + 7 * block_len, 0x2000 + 30 * block_len]
         assert lengths == [block_len, 2 * block_len]
         worker.shutdown()
+
+
+@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
+                    reason="this process already runs the release it was given")
+@pytest.mark.parametrize("release", OTHER_RELEASES)
+def test_other_release(release):
+    """This file against vLLM 0.34.0's and 0.32.0's (CPU build) connector, in a fresh
+    process each."""
+    rerun_under_release([os.path.abspath(__file__)], release)

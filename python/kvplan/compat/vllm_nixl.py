@@ -2,14 +2,23 @@
 
 ``kvplan.compat.vllm.install(NixlConnectorWorker)`` (or any subclass of vLLM's
 ``NixlBaseConnectorWorker``: the pull and push workers) lands here. It replaces one method,
-``_compute_desc_ids(block_ids, dst_num_blocks, block_size_ratio, physical_blocks_per_logical,
-region_num_blocks=None, region_group_ids=None, uses_region_group_mapping=None)``, which vLLM
-calls twice per transfer (remote and local side) before ``make_prepped_xfer``. The replacement
-hands vLLM's arguments and the worker attributes vLLM's method reads to
-``kvplan._core.nixl_desc_ids`` unchanged; the core resolves the defaults, checks every block id
-against its region and returns the same int64 ids vLLM's method returns (layer routing, flat
-and region-group-mapped layouts, block-size ratios). ``uninstall`` restores exactly what was
-there. docs/vllm.md has the account.
+``_compute_desc_ids``, which vLLM calls twice per transfer (remote and local side) before
+``make_prepped_xfer``, in one of the two forms kvplan knows (:data:`SUPPORTED_FORMS`):
+
+* vLLM 0.32 / 0.33: ``(block_ids, dst_num_blocks, block_size_ratio,
+  physical_blocks_per_logical, region_num_blocks=None, region_group_ids=None,
+  uses_region_group_mapping=None)``;
+* vLLM 0.34: ``(block_ids, dst_num_blocks, block_size_ratio, physical_blocks_per_logical,
+  pairs, region_num_blocks=None, ssm_regions=None)``, ``pairs`` being the handshake's
+  ``(regions, keys)``.
+
+The replacement for the host's form hands vLLM's arguments and the worker attributes vLLM's
+method reads to ``kvplan._core.nixl_desc_ids`` unchanged; the core resolves the defaults,
+checks every block id against its region and returns the same int64 ids vLLM's method returns
+(layer routing, flat, region-group-mapped and paired layouts, block-size ratios).
+``uninstall`` restores exactly what was there. A host whose method has any other signature, or
+no longer reads the worker attributes the replacement reads, is refused at install time with
+:class:`kvplan.IncompatibleHostError` and nothing is replaced. docs/vllm.md has the account.
 
 It declines, running vLLM's own method, when the model has Mamba state (another descriptor
 layout, not in the core) or an argument is of a kind the core does not model (block ids that
@@ -27,10 +36,10 @@ import logging
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
-from kvplan.compat._methods import MethodPatches
+from kvplan.compat._methods import MethodPatches, require_method
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
-           "connector_class", "CONNECTOR_NAME"]
+           "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -50,6 +59,7 @@ def _compute_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int,
                       region_num_blocks: list[int] | None = None,
                       region_group_ids: list[int] | None = None,
                       uses_region_group_mapping: bool | None = None) -> Any:
+    """vLLM 0.32 / 0.33's form: layer routing, flat or region-group-mapped ids."""
     try:
         attention_only = not self._has_mamba
         if attention_only:
@@ -75,6 +85,34 @@ def _compute_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int,
         region_num_blocks, region_group_ids, uses_region_group_mapping)
 
 
+def _compute_paired_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int,
+                             block_size_ratio: float | None, physical_blocks_per_logical: int,
+                             pairs: Any, region_num_blocks: list[int] | None = None,
+                             ssm_regions: Any = None) -> Any:
+    """vLLM 0.34's form: the handshake's region pairs ``(regions, keys)`` name which region
+    reads which block list."""
+    try:
+        attention_only = not self._has_mamba
+        if attention_only:
+            worker = (self.num_regions, len(self.block_len_per_layer))
+    except AttributeError:  # a partly built worker: vLLM's method fails (or not) its own way
+        attention_only = False
+    if attention_only:
+        num_regions, num_layers = worker
+        ids = nixl_desc_ids(
+            block_ids, num_blocks=dst_num_blocks, block_size_ratio=block_size_ratio,
+            region_num_blocks=region_num_blocks, layer_groups=(), num_regions=num_regions,
+            num_layers=num_layers, region_groups=None, worker_region_groups=(),
+            grouped=None, worker_grouped=False, pairs=pairs)
+        if ids is not None:
+            if not _first_call_logged:
+                _log_first_call(len(ids))
+            return ids
+    return _vllm_method(self.__class__)(
+        self, block_ids, dst_num_blocks, block_size_ratio, physical_blocks_per_logical,
+        pairs, region_num_blocks, ssm_regions)
+
+
 _first_call_logged = False
 
 
@@ -85,49 +123,88 @@ def _log_first_call(n_ids: int) -> None:
     logger.info("kvplan computes vLLM's NIXL descriptor ids (first request: %d ids)", n_ids)
 
 
+#: vLLM's ``_compute_desc_ids`` signatures kvplan replaces, with the releases each was
+#: checked against (byte for byte, tests/compat/test_vllm_nixl.py), and kvplan's replacement.
+FORM_BY_REGION_GROUP = ("(self, block_ids, dst_num_blocks, block_size_ratio, "
+                        "physical_blocks_per_logical, region_num_blocks=None, "
+                        "region_group_ids=None, uses_region_group_mapping=None)")
+FORM_BY_PAIRS = ("(self, block_ids, dst_num_blocks, block_size_ratio, "
+                 "physical_blocks_per_logical, pairs, region_num_blocks=None, ssm_regions=None)")
+SUPPORTED_FORMS = {FORM_BY_REGION_GROUP: "vLLM 0.32.0, 0.33.0", FORM_BY_PAIRS: "vLLM 0.34.0"}
+# The worker attributes each replacement reads: vLLM's method of that form must read them too,
+# or the release keeps the signature but not the attributes (and every call would decline).
+_READS = {
+    FORM_BY_REGION_GROUP: ("_has_mamba", "_transfer_layer_group_ids", "num_regions",
+                           "block_len_per_layer", "region_group_ids",
+                           "_uses_region_group_mapping"),
+    FORM_BY_PAIRS: ("_has_mamba", "num_regions", "block_len_per_layer"),
+}
+_PATCHES_BY_FORM = {FORM_BY_REGION_GROUP: MethodPatches({_NAME: _compute_desc_ids}),
+                    FORM_BY_PAIRS: MethodPatches({_NAME: _compute_paired_desc_ids})}
+_REPLACEMENTS = {id(patches.replacements[_NAME]): patches
+                 for patches in _PATCHES_BY_FORM.values()}
+REPLACED_METHODS = (_NAME,)
+
 _VLLM: dict[type, Any] = {}
 
 
-def _vllm_method(cls: type) -> Any:
+def _host_method(cls: type) -> Any:
     """The ``_compute_desc_ids`` that ``cls`` resolves to without kvplan's: down its MRO, a
     class's own method, or, for a class kvplan patched, the one it held before (vLLM's, or a
-    subclass's override)."""
+    subclass's override); ``None`` when there is none."""
+    for klass in cls.__mro__:
+        candidate = klass.__dict__.get(_NAME)
+        patches = _REPLACEMENTS.get(id(candidate))
+        if patches is not None:
+            candidate = patches.replaced(klass, _NAME)
+        if candidate is not None:
+            return candidate
+    return None
+
+
+def _vllm_method(cls: type) -> Any:
     method = _VLLM.get(cls)
     if method is None:
-        for klass in cls.__mro__:
-            candidate = klass.__dict__.get(_NAME)
-            if candidate is _compute_desc_ids:
-                candidate = _PATCHES.replaced(klass, _NAME)
-            if candidate is not None:
-                method = _VLLM[cls] = candidate
-                break
-        else:
+        method = _host_method(cls)
+        if method is None:
             raise TypeError(f"{cls.__name__} has no {_NAME} of vLLM's")
+        _VLLM[cls] = method
     return method
 
 
-_PATCHES = MethodPatches({_NAME: _compute_desc_ids})
-REPLACED_METHODS = tuple(_PATCHES.replacements)
+def host_form(worker_class: type) -> str:
+    """The form of ``worker_class``'s ``_compute_desc_ids`` among :data:`SUPPORTED_FORMS`;
+    :class:`kvplan.IncompatibleHostError` (naming the class, the method, the host's vLLM
+    version, the signature seen and the supported ones) for any other."""
+    if not is_nixl_worker(worker_class):
+        raise TypeError(f"{worker_class.__name__} is not vLLM's {_BASE} (or a subclass)")
+    return require_method(worker_class, _NAME, SUPPORTED_FORMS, "vLLM", reads=_READS,
+                          resolved=_host_method(worker_class))
 
 
 def install(worker_class: type) -> tuple[str, ...]:
-    """Replace ``worker_class``'s ``_compute_desc_ids``; returns the names replaced (none when
-    already installed)."""
-    if not is_nixl_worker(worker_class):
-        raise TypeError(f"{worker_class.__name__} is not vLLM's {_BASE} (or a subclass)")
-    _vllm_method(worker_class)  # fails now, not per request, on a class without vLLM's method
+    """Replace ``worker_class``'s ``_compute_desc_ids`` with kvplan's for the host's form;
+    returns the names replaced (none when already installed). A host method of another form
+    is refused (:func:`host_form`) and nothing is replaced."""
+    form = host_form(worker_class)
     _VLLM.clear()  # every class resolves afresh after a change
-    return _PATCHES.install(worker_class)
+    return _PATCHES_BY_FORM[form].install(worker_class)
 
 
 def uninstall(worker_class: type) -> tuple[str, ...]:
     """Restore exactly what :func:`install` replaced on ``worker_class``."""
     _VLLM.clear()
-    return _PATCHES.uninstall(worker_class)
+    restored: tuple[str, ...] = ()
+    for patches in _PATCHES_BY_FORM.values():
+        restored += patches.uninstall(worker_class)
+    return restored
 
 
 def installed(worker_class: type) -> tuple[str, ...]:
-    return _PATCHES.installed(worker_class)
+    names: tuple[str, ...] = ()
+    for patches in _PATCHES_BY_FORM.values():
+        names += patches.installed(worker_class)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------

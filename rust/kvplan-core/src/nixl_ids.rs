@@ -11,7 +11,11 @@
 //! * **flat** (no region-to-group mapping): region major, every group's blocks concatenated
 //!   (with the hybrid memory manager every group's layers share each region);
 //! * **grouped**: group major; within a group, region major over the regions of that group
-//!   or of the shared group `-1`; a group without blocks contributes nothing.
+//!   or of the shared group `-1`; a group without blocks contributes nothing;
+//! * **paired** (`pairs = (regions, keys)`, the handshake's region pairs of vLLM 0.34 and
+//!   later): key major over the distinct keys in ascending order; within a key, the regions
+//!   paired with it in pair order, each with the blocks `groups[key]` (a cache group's, or a
+//!   region's for region-mapped reads). Regions and keys no pair names are not read.
 //!
 //! [`DescIdRequest`] carries vLLM's arguments and the worker attributes its method reads,
 //! unresolved: the defaults are resolved here exactly as vLLM resolves them. What is refused
@@ -100,6 +104,9 @@ pub struct DescIdRequest<'a> {
     /// The worker's `_uses_region_group_mapping` (used when both `region_groups` and
     /// `grouped` are `None`).
     pub worker_grouped: bool,
+    /// vLLM 0.34's `pairs = (regions, keys)`: when given, the paired order, and the layer
+    /// routing and region group fields are not read.
+    pub pairs: Option<(&'a [i64], &'a [i64])>,
 }
 
 /// The region group id of regions every KV group reads (vLLM's `_SHARED_REGION_GROUP_ID`).
@@ -118,7 +125,7 @@ pub fn desc_ids(request: &DescIdRequest<'_>, groups: &[&[i64]]) -> Result<Vec<i6
         Some(scale) => scale.apply(request.num_blocks)?,
         None => request.num_blocks,
     };
-    let routing = !request.layer_groups.is_empty();
+    let routing = request.pairs.is_none() && !request.layer_groups.is_empty();
     let mut n_regions = if routing {
         request.layer_groups.len()
     } else if request.num_regions != 0 {
@@ -141,6 +148,9 @@ pub fn desc_ids(request: &DescIdRequest<'_>, groups: &[&[i64]]) -> Result<Vec<i6
     }
     check::desc_id_regions(&counts, n_regions)?;
     let offsets = region_offsets(&counts)?;
+    if let Some((regions, keys)) = request.pairs {
+        return paired(regions, keys, &offsets, &counts, groups);
+    }
     if routing {
         return routed(request.layer_groups, &offsets, &counts, groups);
     }
@@ -215,6 +225,58 @@ fn routed(
         // checked above: a valid index
         let blocks = groups[usize::try_from(group).unwrap_or_default()];
         push_region(&mut out, offsets[region], blocks);
+    }
+    Ok(out)
+}
+
+fn paired(
+    regions: &[i64],
+    keys: &[i64],
+    offsets: &[i64],
+    counts: &[i64],
+    groups: &[&[i64]],
+) -> Result<Vec<i64>> {
+    if regions.len() != keys.len() {
+        return Err(PlanError::InvalidLayout {
+            what: format!(
+                "descriptor ids: {} paired regions for {} pair keys",
+                regions.len(),
+                keys.len()
+            ),
+        });
+    }
+    let mut order: Vec<(usize, usize)> = Vec::with_capacity(regions.len());
+    for (pair, (&region, &key)) in regions.iter().zip(keys).enumerate() {
+        let r = usize::try_from(region)
+            .ok()
+            .filter(|&r| r < counts.len())
+            .ok_or_else(|| PlanError::InvalidLayout {
+                what: format!(
+                    "descriptor ids: pair {pair} reads region {region} but there are {} descriptor regions",
+                    counts.len()
+                ),
+            })?;
+        let k = usize::try_from(key)
+            .ok()
+            .filter(|&k| k < groups.len())
+            .ok_or_else(|| PlanError::InvalidLayout {
+                what: format!(
+                    "descriptor ids: pair {pair} reads block list {key} but the request has {} block lists",
+                    groups.len()
+                ),
+            })?;
+        order.push((k, r));
+    }
+    // key major in ascending key order, pair order within a key (a stable sort)
+    order.sort_by_key(|&(k, _)| k);
+    let mut total: Option<usize> = Some(0);
+    for &(k, r) in &order {
+        check::desc_id_blocks(k, groups[k], r, counts[r])?;
+        total = total.and_then(|t| t.checked_add(groups[k].len()));
+    }
+    let mut out = output(total)?;
+    for &(k, r) in &order {
+        push_region(&mut out, offsets[r], groups[k]);
     }
     Ok(out)
 }
@@ -298,7 +360,42 @@ mod tests {
             worker_region_groups: &[0, 0, 0],
             grouped: None,
             worker_grouped: false,
+            pairs: None,
         }
+    }
+
+    #[test]
+    fn pairs_are_key_major_in_pair_order() {
+        let r = DescIdRequest {
+            region_num_blocks: Some(&[4, 5, 6]),
+            pairs: Some((&[2, 0, 1, 0], &[1, 0, 1, 1])),
+            ..request()
+        };
+        // key 0: region 0; key 1: regions 2, 1, 0 (pair order)
+        assert_eq!(
+            desc_ids(&r, &[&[3], &[1, 2]]).unwrap(),
+            vec![3, 10, 11, 5, 6, 1, 2]
+        );
+        let err = desc_ids(&r, &[&[3], &[4]]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "KV group 1: block id 4 at position 0 is outside 0..4, the blocks of descriptor region 0"
+        );
+        let r = DescIdRequest {
+            pairs: Some((&[0, 3], &[0, 0])),
+            ..r
+        };
+        let err = desc_ids(&r, &[&[1]]).unwrap_err();
+        assert!(err.to_string().contains("pair 1 reads region 3"), "{err}");
+        let r = DescIdRequest {
+            pairs: Some((&[0], &[-1])),
+            ..r
+        };
+        let err = desc_ids(&r, &[&[1]]).unwrap_err();
+        assert!(
+            err.to_string().contains("pair 0 reads block list -1"),
+            "{err}"
+        );
     }
 
     #[test]

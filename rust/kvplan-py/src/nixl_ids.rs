@@ -78,11 +78,13 @@ fn optional_truth(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<bool>> {
 /// physical_blocks_per_logical, region_num_blocks, region_group_ids,
 /// uses_region_group_mapping)` for a model without Mamba state, with the worker attributes it
 /// reads passed by keyword: an int64 array, or `None` when an argument is of a kind the core
-/// does not model.
+/// does not model. vLLM 0.34's form passes `pairs = (regions, keys)` instead of the layer
+/// routing and region group arguments (which are then not read).
 #[pyfunction]
 #[pyo3(signature = (
     block_ids, /, *, num_blocks, block_size_ratio, region_num_blocks, layer_groups,
     num_regions, num_layers, region_groups, worker_region_groups, grouped, worker_grouped,
+    pairs=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn nixl_desc_ids<'py>(
@@ -98,6 +100,7 @@ pub(crate) fn nixl_desc_ids<'py>(
     worker_region_groups: &Bound<'py, PyAny>,
     grouped: Option<&Bound<'py, PyAny>>,
     worker_grouped: &Bound<'py, PyAny>,
+    pairs: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
     macro_rules! or_decline {
         ($e:expr) => {
@@ -122,6 +125,20 @@ pub(crate) fn nixl_desc_ids<'py>(
     let worker_region_groups = or_decline!(exact_ints(worker_region_groups));
     let grouped = optional_truth(grouped)?;
     let worker_grouped = worker_grouped.is_truthy()?;
+    // vLLM 0.34's (regions, keys): two lists of Python ints
+    let pairs = match pairs {
+        Some(p) if !p.is_none() => {
+            let both = or_decline!(items(p));
+            if both.len() != 2 {
+                return Ok(None);
+            }
+            Some((
+                or_decline!(exact_ints(&both[0])),
+                or_decline!(exact_ints(&both[1])),
+            ))
+        }
+        _ => None,
+    };
     let mut groups: Vec<Vec<i64>> = Vec::new();
     for group in or_decline!(items(block_ids)) {
         groups.push(or_decline!(index_vec(&group)?));
@@ -137,6 +154,9 @@ pub(crate) fn nixl_desc_ids<'py>(
         worker_region_groups: &worker_region_groups,
         grouped,
         worker_grouped,
+        pairs: pairs
+            .as_ref()
+            .map(|(regions, keys)| (regions.as_slice(), keys.as_slice())),
     };
     let slices: Vec<&[i64]> = groups.iter().map(Vec::as_slice).collect();
     let ids = py

@@ -1,0 +1,87 @@
+"""What kvplan's vLLM Mooncake drop-in requires of the host's connector, and the check.
+
+``kvplan.compat.vllm.install`` (and so ``KvplanMooncakeConnector`` and the plugin's
+registered name, which build their worker class through it) replaces
+``MooncakeConnectorWorker._build_transfer_params`` and ``_send_blocks``, and its replacement
+calls back into vLLM's ``_get_sender_transfer_plan``, ``_logical_to_kernel_block_ids`` and the
+module's ``_block_ids_for_region``, ``MambaSpec`` and ``NULL_BLOCK_ID``, and relies on
+``send_kv_to_decode`` calling the two replaced methods. :func:`check_mooncake` compares each
+with the forms kvplan was built and tested for (:data:`MOONCAKE_METHODS`, with the releases);
+anything else raises :class:`kvplan.IncompatibleHostError` before a method is replaced.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kvplan.compat._methods import names_read, refuse, require_method, signature_text
+
+__all__ = ["MOONCAKE_METHODS", "MOONCAKE_MODULE_FUNCTIONS", "MOONCAKE_MODULE_NAMES",
+           "check_mooncake"]
+
+_RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
+#: The worker methods, by name: the one signature each has in every release kvplan supports.
+MOONCAKE_METHODS = {
+    "_build_transfer_params":
+        "async (self, ready_reqs, agent_meta, local_regions, remote_regions)",
+    "_send_blocks": "(self, remote_session, src_ptrs, dst_ptrs, lengths)",
+    "_get_sender_transfer_plan":
+        "(self, local_kv_block_len, remote_kv_block_len, remote_tp_rank, remote_tp_size)",
+    "_logical_to_kernel_block_ids": "(self, block_ids)",
+}
+#: The connector module's functions kvplan's replacement calls.
+MOONCAKE_MODULE_FUNCTIONS = {
+    "_block_ids_for_region": "(block_ids_by_group, group_index, shared_group_ids=())",
+}
+#: The connector module's names kvplan's replacement reads.
+MOONCAKE_MODULE_NAMES = ("MambaSpec", "NULL_BLOCK_ID")
+# vLLM's caller of the replaced methods: it must still call both (else nothing kvplan installs
+# would run, silently).
+_CALLER = "send_kv_to_decode"
+_REPLACED = ("_build_transfer_params", "_send_blocks")
+
+
+def check_mooncake(worker_class: type, original: Callable[[type, str], Any]) -> None:
+    """Raise :class:`kvplan.IncompatibleHostError` unless ``worker_class``'s host methods and
+    module are the ones kvplan was built for. ``original(cls, name)`` is the method ``cls``
+    resolves to without kvplan's replacements."""
+    for name, form in MOONCAKE_METHODS.items():
+        require_method(worker_class, name, {form: _RELEASES}, "vLLM",
+                       resolved=original(worker_class, name) or _missing(worker_class, name))
+    caller = original(worker_class, _CALLER) or _missing(worker_class, _CALLER)
+    lacking = [name for name in _REPLACED if name not in names_read(caller)]
+    if lacking:
+        raise refuse(worker_class, _owner(caller, worker_class), _CALLER,
+                     signature_text(caller),
+                     {f"a {_CALLER} that calls {' and '.join(_REPLACED)}": _RELEASES}, "vLLM",
+                     why=f"it no longer calls {', '.join(lacking)}")
+    module = _connector_module(worker_class)
+    for name, form in MOONCAKE_MODULE_FUNCTIONS.items():
+        function = getattr(module, name, None)
+        seen = "missing" if function is None else signature_text(function)
+        if seen != form:
+            raise refuse(worker_class, module.__name__, name, seen, {form: _RELEASES}, "vLLM")
+    for name in MOONCAKE_MODULE_NAMES:
+        if not hasattr(module, name):
+            raise refuse(worker_class, module.__name__, name, "missing",
+                         {"a module attribute": _RELEASES}, "vLLM")
+
+
+def _owner(function: Any, worker_class: type) -> str:
+    parts = getattr(function, "__qualname__", "").split(".")
+    return parts[-2] if len(parts) >= 2 else worker_class.__name__
+
+
+def _missing(worker_class: type, name: str) -> Any:
+    raise refuse(worker_class, worker_class.__name__, name, "missing",
+                 {MOONCAKE_METHODS.get(name, "a method"): _RELEASES}, "vLLM")
+
+
+def _connector_module(worker_class: type) -> Any:
+    for klass in worker_class.__mro__:
+        if klass.__name__ == "MooncakeConnectorWorker":
+            return sys.modules[klass.__module__]
+    raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
+                    "(or a subclass)")
