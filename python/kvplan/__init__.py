@@ -42,7 +42,7 @@ from kvplan._core import (
     pair_entries,
     tp_peers,
 )
-from kvplan._errors import IncompatibleHostError, TransferError
+from kvplan._errors import ConfigError, IncompatibleHostError, TransferError
 from kvplan.integrity import IntegrityError
 from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError
 from kvplan.policy import PairingChoice, select_pairing
@@ -51,6 +51,7 @@ from kvplan.report import CompatReport, EntryCheck, compare
 __all__ = [
     "Advice",
     "CompatReport",
+    "ConfigError",
     "EntryCheck",
     "IncompatibleHostError",
     "IndexBoundsError",

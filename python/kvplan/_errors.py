@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvplan._core import KvPlanError
 
-__all__ = ["IncompatibleHostError", "TransferError"]
+__all__ = ["ConfigError", "IncompatibleHostError", "TransferError"]
 
 
 class IncompatibleHostError(KvPlanError):
@@ -59,3 +59,15 @@ class TransferError(RuntimeError):
     layer: int | None = None
     requests: list[int] | None = None
     slices: list[int] | None = None
+
+
+class ConfigError(KvPlanError):
+    """A kvplan option the host engine's configuration passes is unknown or has a bad value
+    (for vLLM: a ``kv_connector_extra_config`` key beginning with ``kvplan``). ``option``
+    names it, ``value`` is what was given and ``known`` lists the options this connector
+    takes. Raised before the connector starts anything."""
+
+    kind = "config"
+    option: str = ""
+    value: object = None
+    known: tuple[str, ...] = ()

@@ -191,3 +191,60 @@ def test_nixl_worker_without_the_method_is_refused(nixl, monkeypatch):
 @pytest.mark.parametrize("release", OTHER_RELEASES)
 def test_other_release(release):
     rerun_under_release([os.path.abspath(__file__)], release)
+
+
+# --------------------------------------------------------------------------------------------
+# kvplan's options in kv_connector_extra_config
+# --------------------------------------------------------------------------------------------
+def mooncake_connector(v, extra):
+    from support.vllm_cases import vllm_config, worker_dependencies
+    from test_vllm_upstream import test_kv_cache_config
+
+    config = vllm_config("kv_producer")
+    config.kv_transfer_config.kv_connector_extra_config.update(extra)
+    with worker_dependencies(v):
+        return compat.KvplanMooncakeConnector(config, v.KVConnectorRole.WORKER,
+                                              test_kv_cache_config(v))
+
+
+@pytest.mark.parametrize("extra, option", [
+    ({"kvplan_max_blocks": 64}, "kvplan_max_blocks"),
+    ({"kvplan_max_blocks_per_batch": 0}, "kvplan_max_blocks_per_batch"),
+    ({"kvplan_max_blocks_per_batch": "64"}, "kvplan_max_blocks_per_batch"),
+    ({"kvplan_max_blocks_per_batch": True}, "kvplan_max_blocks_per_batch"),
+])
+def test_unknown_or_bad_kvplan_option_is_refused(v, extra, option):
+    with pytest.raises(kvplan.ConfigError) as err:
+        mooncake_connector(v, extra)
+    assert err.value.option == option
+    assert err.value.value == extra[option]
+    assert err.value.kind == "config"
+    assert isinstance(err.value, kvplan.KvPlanError)
+    if option == "kvplan_max_blocks":
+        assert str(err.value) == (
+            "kv_connector_extra_config: 'kvplan_max_blocks' is not an option of "
+            "KvplanMooncakeConnector (its kvplan options: kvplan_max_blocks_per_batch); keys "
+            "beginning with 'kvplan' are kvplan's, and an unknown one is refused rather than "
+            "ignored")
+        assert err.value.known == ("kvplan_max_blocks_per_batch",)
+
+
+def test_known_kvplan_option_is_applied_and_vllm_keys_pass(v):
+    connector = mooncake_connector(v, {"kvplan_max_blocks_per_batch": 64,
+                                       "enforce_handshake_compat": False})
+    worker = connector.connector_worker
+    assert worker.kvplan_max_blocks_per_batch == 64
+    assert type(worker).kvplan_max_blocks_per_batch == compat.DEFAULT_MAX_BLOCKS_PER_BATCH
+    worker.shutdown()
+
+
+def test_nixl_connector_takes_no_kvplan_option():
+    from kvplan.compat import vllm_forms
+
+    config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
+        kv_connector_extra_config={"kvplan_max_blocks_per_batch": 64}))
+    with pytest.raises(kvplan.ConfigError, match="not an option of KvplanNixlConnector "
+                       r"\(its kvplan options: none\)"):
+        vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME)
+    config.kv_transfer_config.kv_connector_extra_config = {"transfer_mode": "pull"}
+    assert vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME) == {}

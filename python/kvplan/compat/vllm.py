@@ -774,12 +774,16 @@ def _connector_class() -> type:
             it also starts on a host without an accelerator (vLLM's own worker does not)."""
 
             def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+                # kvplan's options first: an unknown one refuses before anything starts
+                options = vllm_forms.kvplan_options(vllm_config, CONNECTOR_NAME)
                 with _worker_device_on_cpu(mc):
                     super().__init__(vllm_config, role, kv_cache_config)
                 if self.connector_worker is not None:
                     # vLLM's constructor names its worker class directly; the subclass adds
                     # no state, so the built worker takes the planning subclass as is.
                     self.connector_worker.__class__ = KvplanMooncakeConnectorWorker
+                    if _CAP in options:
+                        setattr(self.connector_worker, _CAP, options[_CAP])
                     # vLLM's series plus kvplan's per-request plan columns
                     self.connector_worker.xfer_stats = stats_cls()
 

@@ -19,7 +19,7 @@ from typing import Any
 from kvplan.compat._methods import names_read, refuse, require_method, signature_text
 
 __all__ = ["MOONCAKE_METHODS", "MOONCAKE_MODULE_FUNCTIONS", "MOONCAKE_MODULE_NAMES",
-           "check_mooncake"]
+           "OPTION_PREFIX", "check_mooncake", "kvplan_options"]
 
 _RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
 #: The worker methods, by name: the one signature each has in every release kvplan supports.
@@ -85,3 +85,54 @@ def _connector_module(worker_class: type) -> Any:
             return sys.modules[klass.__module__]
     raise TypeError(f"{worker_class.__name__} is not vLLM's MooncakeConnectorWorker "
                     "(or a subclass)")
+
+
+#: ``kv_connector_extra_config`` keys beginning with this are kvplan's (every other key is
+#: vLLM's connector's own, passed through untouched).
+OPTION_PREFIX = "kvplan"
+
+
+def _positive_int(option: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _config_error(option, value, (),
+                            f"{option}={value!r}: a positive integer is required")
+    return value
+
+
+#: Each kvplan option a connector takes, with its parser.
+OPTIONS: dict[str, dict[str, Callable[[str, Any], Any]]] = {
+    "KvplanMooncakeConnector": {"kvplan_max_blocks_per_batch": _positive_int},
+    "KvplanNixlConnector": {},
+}
+
+
+def _config_error(option: str, value: Any, known: tuple[str, ...], message: str) -> Exception:
+    from kvplan._errors import ConfigError
+
+    err = ConfigError(message)
+    err.option, err.value, err.known = option, value, known
+    return err
+
+
+def kvplan_options(vllm_config: Any, connector: str) -> dict[str, Any]:
+    """The kvplan options of ``vllm_config.kv_transfer_config.kv_connector_extra_config``
+    for ``connector`` (parsed); :class:`kvplan.ConfigError` for a key beginning with
+    ``kvplan`` that the connector does not take, or a bad value."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    parsers = OPTIONS[connector]
+    known = tuple(sorted(parsers))
+    parsed = {}
+    for key, value in extra.items():
+        if not str(key).startswith(OPTION_PREFIX):
+            continue
+        parser = parsers.get(key)
+        if parser is None:
+            raise _config_error(
+                key, value, known,
+                f"kv_connector_extra_config: {key!r} is not an option of {connector} (its "
+                f"kvplan options: {', '.join(known) or 'none'}); keys beginning with "
+                f"{OPTION_PREFIX!r} are kvplan's, and an unknown one is refused rather than "
+                "ignored")
+        parsed[key] = parser(key, value)
+    return parsed
