@@ -393,21 +393,41 @@ impl Layout {
     /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
     /// for a window of 0 tokens, a window on a state entry, or a window wider than the tokens
     /// its entry's buffer holds.
-    pub fn with_windows(mut self, windows: Vec<Option<u64>>) -> Result<Self> {
-        if windows.is_empty() {
-            return Ok(self);
+    pub fn with_windows(self, windows: Vec<Option<u64>>) -> Result<Self> {
+        self.with_windows_in_pool(windows, None)
+    }
+
+    /// [`Layout::with_windows`], then, with `pool_page_size`, [`Layout::with_window_pool`]:
+    /// each window is checked against its buffer once, at the page size its entry ends up with
+    /// (a pool of small pages can hold a window its buffer could not at the layout's page size).
+    ///
+    /// # Errors
+    /// As [`Layout::with_windows`] and [`Layout::with_window_pool`].
+    pub fn with_windows_in_pool(
+        mut self,
+        windows: Vec<Option<u64>>,
+        pool_page_size: Option<u64>,
+    ) -> Result<Self> {
+        let fresh = !windows.is_empty();
+        if fresh {
+            self.check_per_entry(
+                "windows",
+                &windows,
+                EntryKind::Page,
+                "a sliding window must hold at least 1 token, got 0",
+                "a sliding window applies to page entries; a state entry holds one slot per \
+                 request, sent whole",
+            )?;
+            self.windows = windows;
         }
-        self.check_per_entry(
-            "windows",
-            &windows,
-            EntryKind::Page,
-            "a sliding window must hold at least 1 token, got 0",
-            "a sliding window applies to page entries; a state entry holds one slot per \
-             request, sent whole",
-        )?;
-        self.windows = windows;
-        self.check_windows_fit()?;
-        Ok(self)
+        match pool_page_size {
+            Some(page_size) => self.with_window_pool(page_size),
+            None if fresh => {
+                self.check_windows_fit()?;
+                Ok(self)
+            }
+            None => Ok(self),
+        }
     }
 
     /// Every window entry's buffer holds at least one window: a window wider than the tokens
@@ -1150,13 +1170,11 @@ impl Layout {
         } else {
             Vec::new()
         };
-        let mut layout = Self::new(parts, self.context.clone())?
+        Self::new(parts, self.context.clone())?
             .with_strides(strides)?
-            .with_windows(extend(&self.windows))?
+            .with_windows_in_pool(extend(&self.windows), self.window_page_size)?
             .with_rings(extend(&self.rings))?
-            .with_representations(representations)?;
-        layout.window_page_size = self.window_page_size;
-        Ok(layout)
+            .with_representations(representations)
     }
 }
 
@@ -1285,6 +1303,61 @@ mod tests {
 
     fn ctx() -> LayoutContext {
         LayoutContext::default()
+    }
+
+    /// Two MLA entries at page size 1; entry 1's buffer holds 4 items.
+    fn two_layers() -> Layout {
+        Layout::mla(
+            vec![1 << 30, 1 << 31],
+            vec![32, 64],
+            vec![8, 16],
+            Some(vec![0, 1]),
+            LayoutContext {
+                page_size: 1,
+                ..ctx()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_window_is_checked_at_its_pools_page_size() {
+        // 4 pool pages of 2 tokens hold a 5-token window, though 4 pages of the layout's 1 token
+        // do not: the check runs once, at the page size the entry ends up with.
+        let windows = vec![None, Some(5)];
+        let pooled = two_layers()
+            .with_windows_in_pool(windows.clone(), Some(2))
+            .unwrap();
+        assert_eq!(pooled.window_page_size(), Some(2));
+        assert_eq!(pooled.entry_page_size(1), 2);
+        // A layout decoded from the wire, and one with entries appended, keep the pool.
+        assert_eq!(
+            crate::wire::decode(&crate::wire::encode(&pooled).unwrap()).unwrap(),
+            pooled
+        );
+        let appended = pooled
+            .with_state("mamba", vec![1 << 40], vec![64], vec![64], vec![9])
+            .unwrap();
+        assert_eq!(appended.window_page_size(), Some(2));
+        // Without the pool, or with one too narrow, the window is refused.
+        for pool in [None, Some(1)] {
+            let err = two_layers()
+                .with_windows_in_pool(windows.clone(), pool)
+                .unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("a sliding window of 5 tokens is wider than the 4 tokens"),
+                "{err}"
+            );
+        }
+        // The pool's own rules still come first for a pool of page size 0.
+        let err = two_layers()
+            .with_windows_in_pool(windows, Some(0))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("page_size must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -355,19 +355,15 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    let layout = Layout::new(parts, context)?
+    Layout::new(parts, context)?
         .with_strides(strides)?
-        .with_windows(windows)?
+        .with_windows_in_pool(windows, window_pool)?
         .with_rings(rings)?
         .with_representations(if representations.iter().any(Option::is_some) {
             representations
         } else {
             Vec::new()
-        })?;
-    match window_pool {
-        Some(page_size) => layout.with_window_pool(page_size),
-        None => Ok(layout),
-    }
+        })
 }
 
 fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {

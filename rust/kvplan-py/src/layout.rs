@@ -189,11 +189,7 @@ fn windowed(
     wrap(
         layout
             .inner
-            .with_windows(windows)
-            .and_then(|l| match window_page_size {
-                Some(page_size) => l.with_window_pool(page_size),
-                None => Ok(l),
-            })
+            .with_windows_in_pool(windows, window_page_size)
             .and_then(|l| l.with_rings(rings)),
     )
 }
@@ -350,11 +346,11 @@ impl PyLayout {
         window_page_size: Option<u64>,
     ) -> PyResult<Self> {
         let list = windows_arg(Some(windows))?;
-        let layout = self.inner.clone().with_windows(list);
-        wrap(layout.and_then(|l| match window_page_size {
-            Some(page_size) => l.with_window_pool(page_size),
-            None => Ok(l),
-        }))
+        wrap(
+            self.inner
+                .clone()
+                .with_windows_in_pool(list, window_page_size),
+        )
     }
 
     /// Tokens per page of the window entries' own pool (`None`: they index the request's
