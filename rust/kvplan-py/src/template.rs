@@ -673,8 +673,11 @@ impl PyTemplate {
         dst_slot: i64,
         n_positions: u64,
     ) -> PyResult<Py<PyTransferPlan>> {
-        let mut plan = kvplan_core::RingPlanner::new(&self.inner)
-            .plan(src_slot, dst_slot, n_positions)
+        let template = &self.inner;
+        let mut plan = py
+            .detach(|| {
+                kvplan_core::RingPlanner::new(template).plan(src_slot, dst_slot, n_positions)
+            })
             .map_err(to_py_err)?;
         let columns = owned_columns(py, &mut plan);
         Py::new(
