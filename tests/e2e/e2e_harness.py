@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-_EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .+")
+EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .+")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_LOCK = Path("/tmp/kvplan-servers.lock")
 NETNS_ENV = "KVPLAN_E2E_IN_NETNS"
@@ -195,13 +195,31 @@ def wheel_requirements(wheel: Path, *, drop: Callable[[str], bool],
     return out
 
 
+BUILD_LOCK = Path("/tmp/kvplan-build.lock")
+
+
+@contextlib.contextmanager
+def build_lock() -> Iterator[None]:
+    """The lock scripts/dev-build takes (``flock(1)`` on the same file) around a build in the
+    checkout's target folder."""
+    with open(BUILD_LOCK, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def install_checkout(venv: Venv, checkout: Path = REPO_ROOT) -> str:
     """Build kvplan's wheel from ``checkout`` and install it into ``venv`` (no dependencies:
     numpy is already there). Returns the installed kvplan's path."""
     maturin = checkout / ".venv" / "bin" / "maturin"
     with tempfile.TemporaryDirectory(prefix="kvplan-e2e-wheel-") as out:
         if maturin.exists():
-            run([maturin, "build", "--release", "--quiet", "--out", out], cwd=checkout)
+            # scripts/dev-build's lock: a build beside it in the same target folder can remove
+            # the library maturin is packing ("failed to open .../libkvplan_py.so").
+            with build_lock():
+                run([maturin, "build", "--release", "--quiet", "--out", out], cwd=checkout)
         else:
             run([venv.py, "-m", "pip", "wheel", "--no-deps", "-w", out, checkout])
         wheels = list(Path(out).glob("kvplan-*.whl"))
@@ -497,7 +515,7 @@ class Server:
         for line in self.log_since(0).splitlines():
             if " WARNING " in line or " INFO " in line:
                 continue
-            found = _EXCEPTION_LINE.search(line)
+            found = EXCEPTION_LINE.search(line)
             if found:
                 return found.group(0)[:300]
         return ""
@@ -608,16 +626,38 @@ def http_text(url: str, timeout_s: float = 30.0) -> str:
 
 @dataclass
 class Results:
+    """Case outcomes, one printed line each.
+
+    Cases of the engine's own connector or manager (the reference that proves the harness)
+    are ``environment`` cases: when one fails, the machine or the harness failed, not kvplan.
+    Their failed lines read ``ENV-FAIL`` and are counted apart from kvplan's (``FAIL``); a
+    driver runs such a set once more (:meth:`note_retry`) and counts the second run. ``SKIP``
+    lines name a case that could not run here and why; they neither pass nor fail."""
+
     passed: int = 0
     failed: int = 0
     lines: list[str] = field(default_factory=list)
+    environment: bool = False
+    skipped: int = 0
+    env_passed: int = 0
+    env_failed: int = 0
+    retried: list[str] = field(default_factory=list)
 
     def record(self, name: str, ok: bool, detail: str = "") -> None:
         if ok:
             self.passed += 1
+            self.env_passed += int(self.environment)
         else:
             self.failed += 1
-        line = f"{'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else "")
+            self.env_failed += int(self.environment)
+        word = "PASS" if ok else "ENV-FAIL" if self.environment else "FAIL"
+        line = f"{word}  {name}" + (f"  ({detail})" if detail else "")
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def skip(self, name: str, reason: str) -> None:
+        self.skipped += 1
+        line = f"SKIP  {name}  ({reason})"
         self.lines.append(line)
         print(line, flush=True)
 
@@ -634,8 +674,43 @@ class Results:
         self.record(name, True, detail or "")
         return True
 
+    def part(self, *, environment: bool) -> Results:
+        """An empty Results for one set's cases, to :meth:`absorb` (or retry) afterwards."""
+        return Results(environment=environment)
+
+    def absorb(self, part: Results) -> None:
+        self.passed += part.passed
+        self.failed += part.failed
+        self.skipped += part.skipped
+        self.env_passed += part.env_passed
+        self.env_failed += part.env_failed
+        self.lines += part.lines
+
+    def note_retry(self, label: str, part: Results) -> None:
+        """``part`` (a reference set's first run) failed: say so, keep its lines out of the
+        counts, and let the driver run the set again."""
+        note = (f"{label}: {part.failed} of {part.passed + part.failed} cases of the engine's "
+                f"own connector failed: an environment failure, not kvplan's; the set runs "
+                f"once more and that run counts")
+        self.retried.append(f"{label} ({part.failed} of {part.passed + part.failed} failed "
+                            f"on the first run)")
+        line = f"RETRY {note}"
+        self.lines.append(line)
+        print(line, flush=True)
+
     def summary(self) -> str:
-        return f"{self.passed} passed, {self.failed} failed"
+        return f"{self.passed} passed, {self.failed} failed" + (
+            f", {self.skipped} skipped" if self.skipped else "")
+
+    def summary_lines(self, tag: str) -> list[str]:
+        """The closing lines: the totals, then kvplan's cases and the environment's apart."""
+        kv_passed, kv_failed = self.passed - self.env_passed, self.failed - self.env_failed
+        lines = [f"{tag}: {self.summary()}",
+                 f"{tag} kvplan cases: {kv_passed} passed, {kv_failed} failed",
+                 f"{tag} reference (environment) cases: {self.env_passed} passed, "
+                 f"{self.env_failed} failed; sets run again after an environment failure: "
+                 + ("; ".join(self.retried) if self.retried else "none")]
+        return lines
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -688,5 +763,6 @@ def serve_prepared(tag: str, state_path: str, run_cases: Callable[[str], Results
     held = os.environ.get(LOCK_HELD_ENV) == "1"
     with contextlib.nullcontext() if held else server_lock():
         results = run_cases(Path(state_path).read_text())
-    print(f"{tag}: {results.summary()}", flush=True)
+    for line in results.summary_lines(tag):
+        print(line, flush=True)
     return 0 if results.failed == 0 and results.passed > 0 else 1

@@ -154,7 +154,15 @@ class Engine:
             "SGLANG_HOST_IP": "127.0.0.1",
             "MOONCAKE_PROTOCOL": "tcp",
             "MC_FORCE_TCP": "1",
+            # Every library thread pool at one thread: three servers share two cores.
             "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": "1",
+            "RAYON_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "KMP_BLOCKTIME": "0",
+            "OMP_WAIT_POLICY": "PASSIVE",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
@@ -368,9 +376,27 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
                 reference = [plain_generate(plain, ids) for ids in prompts()]
                 log(f"plain server's tokens: {reference}")
             if wanted("sglang"):
-                compare_all("SGLang's MooncakeKVManager, page size 1 (the reference)", results,
-                            reference, lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
+                # SGLang's own manager failing is the environment's failure, not kvplan's: it
+                # is reported as such and its pair runs once more (new servers); that counts.
+                label = "SGLang's MooncakeKVManager, page size 1 (the reference)"
+                attempt = results.part(environment=True)
+                compare_all(label, attempt, reference,
+                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
                             prefill)
+                if attempt.failed:
+                    results.note_retry(label, attempt)
+                    for s in (prefill, decode):
+                        s.stop()
+                    prefill = engine.server("sglang-prefill-p1-retry", MODEL_A, page_size=1,
+                                            mode="prefill")
+                    decode = engine.server("sglang-decode-p1-retry", MODEL_A, page_size=1,
+                                           mode="decode")
+                    start([prefill, decode])
+                    attempt = results.part(environment=True)
+                    compare_all(label + " [retry]", attempt, reference,
+                                lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
+                                prefill)
+                results.absorb(attempt)
         finally:
             for s in (prefill, decode):
                 s.stop()

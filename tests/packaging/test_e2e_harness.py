@@ -1,0 +1,254 @@
+"""The live end-to-end drivers' own logic, without servers: which failures are kvplan's and which
+the environment's, the one retry of a reference set, the server phases, the warm-up, the
+thread and NIXL settings, and the build lock around the wheel build."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+sys.path.insert(0, str(E2E))
+
+import e2e_harness as harness  # noqa: E402
+import vllm_e2e  # noqa: E402
+
+
+def fake_setup(tmp_path: Path) -> vllm_e2e.Setup:
+    venv = harness.Venv(tmp_path / "venv", steps=[])
+    models = {k: tmp_path / k for k in "abc"}
+    return vllm_e2e.Setup(venv, models, tmp_path / "033", True, tmp_path / "034")
+
+
+def test_reference_failure_is_environment_and_kvplan_failure_is_kvplan(capsys: Any) -> None:
+    results = harness.Results()
+    ref = results.part(environment=True)
+    ref.record("nixl vllm-reference: partial block", False, "HTTP 500")
+    results.note_retry("nixl vllm-reference", ref)
+    again = results.part(environment=True)
+    again.record("nixl vllm-reference: partial block [retry]", True)
+    results.absorb(again)
+    mine = results.part(environment=False)
+    mine.record("nixl kvplan vllm-0.32: partial block", False, "HTTP 500")
+    results.absorb(mine)
+    results.skip("nixl kvplan vllm-0.34-module: all cases", "why")
+    out = capsys.readouterr().out
+    assert "ENV-FAIL  nixl vllm-reference: partial block  (HTTP 500)" in out
+    assert "FAIL  nixl kvplan vllm-0.32: partial block" in out
+    assert "RETRY nixl vllm-reference: 1 of 1 cases of the engine's own connector failed" in out
+    assert (results.passed, results.failed, results.skipped) == (1, 1, 1)
+    assert results.summary_lines("e2e-vllm") == [
+        "e2e-vllm: 1 passed, 1 failed, 1 skipped",
+        "e2e-vllm kvplan cases: 0 passed, 1 failed",
+        "e2e-vllm reference (environment) cases: 1 passed, 0 failed; sets run again after an "
+        "environment failure: nixl vllm-reference (1 of 1 failed on the first run)"]
+
+
+def test_serve_prepared_exit_code_counts_failures_not_skips(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.write_text("{}")
+
+    def only_skips_and_passes(_: str) -> harness.Results:
+        r = harness.Results()
+        r.record("a", True)
+        r.skip("b", "not here")
+        return r
+
+    def env_failure(_: str) -> harness.Results:
+        r = harness.Results(environment=True)
+        r.record("a", False)
+        return r
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(harness.LOCK_HELD_ENV, "1")
+        assert harness.serve_prepared("t", str(state), only_skips_and_passes) == 0
+        assert harness.serve_prepared("t", str(state), env_failure) == 1
+
+
+def run_with_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: set[str],
+                      only: list[str], gate: str | None = None) -> tuple[list[str],
+                                                                      harness.Results]:
+    """run_servers with run_connector replaced: each set records one case, failing when its
+    label is in ``fail`` (every run of it)."""
+    calls: list[str] = []
+
+    def fake_run_connector(servers: Any, connector: vllm_e2e.Connector, reference: Any,
+                           results: harness.Results, suffix: str = "") -> None:
+        calls.append(connector.label + suffix)
+        results.record(f"{connector.label}: case{suffix}", connector.label not in fail)
+
+    monkeypatch.setenv("KVPLAN_E2E_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(vllm_e2e, "run_connector", fake_run_connector)
+    monkeypatch.setattr(vllm_e2e, "vllm034_gate", lambda setup: gate)
+    results = vllm_e2e.run_servers(fake_setup(tmp_path), only)
+    return calls, results
+
+
+def test_a_failed_reference_set_runs_once_more_and_a_kvplan_set_never(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, results = run_with_outcomes(tmp_path, monkeypatch,
+                                       {"nixl vllm-reference", "nixl kvplan vllm-0.32"},
+                                       ["nixl vllm-reference", "nixl kvplan vllm-0.32"])
+    # (--only matches by substring: the 0.34 reference set runs too, and passes.)
+    assert calls == ["nixl vllm-reference", "nixl vllm-reference [retry]",
+                     "nixl kvplan vllm-0.32", "nixl vllm-reference vllm-0.34-module"]
+    # The reference failed twice: an environment failure, counted; kvplan's failure counted
+    # as kvplan's.
+    assert (results.failed, results.env_failed) == (2, 1)
+    assert results.retried == ["nixl vllm-reference (1 of 1 failed on the first run)"]
+
+
+def test_a_reference_that_passes_on_the_retry_counts_the_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def flaky(servers: Any, connector: vllm_e2e.Connector, reference: Any,
+              results: harness.Results, suffix: str = "") -> None:
+        calls.append(connector.label + suffix)
+        results.record(f"{connector.label}: case{suffix}", calls.count(connector.label) > 1
+                       or connector.label != "mooncake vllm-reference" or bool(suffix))
+
+    monkeypatch.setenv("KVPLAN_E2E_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(vllm_e2e, "run_connector", flaky)
+    monkeypatch.setattr(vllm_e2e, "vllm034_gate", lambda setup: None)
+    results = vllm_e2e.run_servers(fake_setup(tmp_path), ["mooncake vllm-reference"])
+    # "mooncake vllm-reference" names the 0.32 set and the by-name-only 0.33/0.34 ones; the
+    # first one's retry passes.
+    assert calls[:2] == ["mooncake vllm-reference", "mooncake vllm-reference [retry]"]
+    assert calls.count("mooncake vllm-reference [retry]") == 1
+    assert results.failed == 0 and results.env_passed == results.passed == len(calls) - 1
+
+
+def test_0_34_sets_are_skipped_with_the_gate_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, results = run_with_outcomes(tmp_path, monkeypatch, set(), ["vllm-0.34-module"],
+                                       gate="IncompatibleHostError: no")
+    assert calls == []
+    assert results.skipped == 4 and results.failed == 0
+    assert all("IncompatibleHostError: no" in line for line in results.lines)
+
+
+def test_the_default_run_includes_kvplan_over_0_34_modules(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, _ = run_with_outcomes(tmp_path, monkeypatch, set(), [])
+    assert "mooncake kvplan vllm-0.34-module" in calls
+    assert "nixl kvplan vllm-0.34-module" in calls
+    assert not any("vllm-reference vllm-0.3" in c for c in calls)
+
+
+def test_at_most_three_servers_serve_at_once_and_each_pair_warms_up_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    alive: list[int] = []
+
+    @contextlib.contextmanager
+    def running(servers: Sequence[harness.Server], timeout: float
+                ) -> Iterator[Sequence[harness.Server]]:
+        alive.append(len(servers))
+        events.append("start " + ",".join(s.name.rsplit("-", 1)[-1] for s in servers))
+        yield servers
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(harness.Server, "stop", lambda self, grace_s=30.0: None)
+    monkeypatch.setattr(vllm_e2e, "collect_reference",
+                        lambda plain, results: {n: [1] for n in vllm_e2e.PROMPTS})
+    monkeypatch.setattr(vllm_e2e, "connector_in_use", lambda c, g: "ok")
+    monkeypatch.setattr(vllm_e2e.PdPair, "warm_up",
+                        lambda self: events.append(f"warm {self.prefill.name}") or "w")
+    monkeypatch.setattr(vllm_e2e, "compare_equal",
+                        lambda pair, n, k, ref: events.append(f"case {n}") or "ok")
+    monkeypatch.setattr(vllm_e2e, "bad_input", lambda *a: events.append("bad") or "ok")
+    monkeypatch.setattr(vllm_e2e, "negative_control",
+                        lambda pair, *a: events.append(f"negative {pair.prefill.name}") or "ok")
+    monkeypatch.setattr(vllm_e2e, "kvplan_nixl_ids_logged", lambda pair: "ok")
+    servers = vllm_e2e.VllmServers(fake_setup(tmp_path), tmp_path / "logs")
+    connector = next(c for c in vllm_e2e.connectors(fake_setup(tmp_path))
+                     if c.label == "nixl kvplan vllm-0.32")
+    results = harness.Results()
+    reference: dict[str, list[int]] = {}
+    vllm_e2e.run_connector(servers, connector, reference, results)
+    assert results.failed == 0 and results.passed == 1 + len(vllm_e2e.PROMPTS) + 3
+    # Four with the plain server (stopped before the first PD request), then three, then two.
+    assert alive == [4, 2]
+    vllm_e2e.run_connector(servers, connector, reference, harness.Results())
+    assert alive[2:] == [3, 2]
+    first = events.index("case partial block")
+    assert events[first - 1] == "warm nixl_kvplan_vllm-0.32-prefill-a"
+    negative = [i for i, e in enumerate(events) if e.startswith("negative")][0]
+    assert events[negative - 1] == "warm nixl_kvplan_vllm-0.32-prefill-b"
+
+
+def test_warm_up_retries_a_failed_handshake_and_never_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_e2e.time, "sleep", lambda s: None)
+    prefill = harness.Server("p", [], 1, {}, tmp_path)
+    decode = harness.Server("d", [], 2, {}, tmp_path)
+    pair = vllm_e2e.PdPair("nixl", prefill, decode)
+    tries: list[int] = []
+
+    def generate(ids: list[int], max_tokens: int = 16) -> list[int]:
+        tries.append(len(ids))
+        if len(tries) < 3:
+            raise harness.HttpError(500, "handshake_setup_failed")
+        return [1]
+
+    monkeypatch.setattr(pair, "generate", generate)
+    said = pair.warm_up()
+    assert "answered on try 3" in said and "handshake_setup_failed" in said
+    tries.clear()
+
+    def never(ids: list[int], max_tokens: int = 16) -> list[int]:
+        tries.append(1)
+        raise harness.HttpError(500, "x")
+
+    monkeypatch.setattr(pair, "generate", never)
+    assert "no answer in 3 tries" in pair.warm_up()
+    assert len(tries) == vllm_e2e.WARM_UP_ATTEMPTS
+
+
+def test_servers_bound_their_threads_and_nixl_is_sized_to_this_machine(tmp_path: Path) -> None:
+    servers = vllm_e2e.VllmServers(fake_setup(tmp_path), tmp_path)
+    nixl = next(c for c in vllm_e2e.connectors(fake_setup(tmp_path))
+                if c.label == "nixl vllm-reference")
+    server = servers.server("x", "a", vllm_e2e.DECODE_PORT, nixl, "kv_consumer")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        assert server.env[name] == "1"
+    assert server.env["TOKENIZERS_PARALLELISM"] == "false"
+    config = nixl.transfer_config("kv_consumer", vllm_e2e.DECODE_PORT)
+    assert config["kv_connector_extra_config"]["num_threads"] == 1
+    assert config["kv_connector_extra_config"]["kv_lease_duration"] >= 60
+
+
+def test_the_wheel_build_holds_dev_builds_lock(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    lock = tmp_path / "build.lock"
+    monkeypatch.setattr(harness, "BUILD_LOCK", lock)
+    held: list[bool] = []
+
+    def fake_run(cmd: Sequence[Any], **kw: Any) -> str:
+        if "build" in [str(c) for c in cmd]:
+            with open(lock, "a+") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    held.append(True)
+                else:
+                    held.append(False)
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+            out = Path(str(cmd[cmd.index("--out") + 1]))
+            (out / "kvplan-0-py3-none-any.whl").write_bytes(b"")
+            return ""
+        return str(tmp_path / "venv" / "site-packages" / "kvplan" / "__init__.py")
+
+    checkout = tmp_path / "checkout"
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / ".venv" / "bin" / "maturin").write_text("")
+    monkeypatch.setattr(harness, "run", fake_run)
+    harness.install_checkout(harness.Venv(tmp_path / "venv", steps=[]), checkout)
+    assert held == [True]
