@@ -662,24 +662,48 @@ def bad_input(pair: PdPair, good: PdPair, refused: Server,
 # --------------------------------------------------------------------------------------------
 
 
-def vllm034_gate(setup_info: Setup) -> str | None:
-    """Whether the 0.34 sets can run: the overlay loads vLLM 0.34.0's connector modules into
-    this 0.32 engine and kvplan's drop-ins build their classes over them (kvplan refuses a host
-    method it was not built for). None when they do; otherwise why not, for the skip line."""
+VLLM034_PROBE = r"""
+import importlib, traceback
+try:
+    import e2e_vllm034  # noqa: F401  (0.34's modules under vLLM's names, then kvplan's classes)
+except Exception as exc:
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    print(f"mooncake: {line}"); print(f"nixl: {line}")
+    raise SystemExit(0)
+for transport, probe in (
+        ("mooncake", "import kvplan.compat.vllm as m; m.KvplanMooncakeConnector.Worker"),
+        ("nixl", "import kvplan.compat.vllm as m, kvplan.compat.vllm_nixl as n; "
+                 "print('nixl form', n.host_form(m.KvplanNixlConnector.Worker))")):
+    try:
+        exec(probe)
+        print(f"{transport}: ok")
+    except Exception as exc:
+        print(f"{transport}: " + f"{type(exc).__name__}: {exc}".splitlines()[0])
+"""
+
+
+def vllm034_gate(setup_info: Setup) -> dict[str, str | None]:
+    """Per transport, whether its 0.34 sets can run: the overlay loads vLLM 0.34.0's
+    connector modules into this 0.32 engine and kvplan's drop-in builds its class over them
+    (kvplan refuses a host method it was not built for). None where it does; otherwise why
+    not, for the skip line."""
     env = dict(os.environ, PYTHONPATH=str(E2E_DIR / "vllm_support"),
                KVPLAN_E2E_VLLM034=str(setup_info.vllm034_modules), HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", **THREAD_ENV)
-    probe = ("import e2e_vllm034 as o; import kvplan.compat.vllm_nixl as n; "
-             "print('0.34 NIXL form:', n.host_form(o.KvplanNixlConnector.Worker))")
-    proc = subprocess.run([str(setup_info.venv.py), "-c", probe], env=env, text=True,
+    proc = subprocess.run([str(setup_info.venv.py), "-c", VLLM034_PROBE], env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
                           timeout=600)
-    if proc.returncode == 0:
-        log("vLLM 0.34.0 overlay: " + (proc.stdout.strip().splitlines() or ["loaded"])[-1])
-        return None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if harness.EXCEPTION_LINE.search(ln)]
-    return (errors or lines or [f"exit {proc.returncode}"])[-1].strip()[:300]
+    verdicts: dict[str, str | None] = {}
+    for transport in ("mooncake", "nixl"):
+        said = [ln.split(": ", 1)[1] for ln in proc.stdout.splitlines()
+                if ln.startswith(transport + ": ")]
+        if said == ["ok"]:
+            verdicts[transport] = None
+        else:
+            tail = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1:]
+            verdicts[transport] = (said or tail or [f"probe exit {proc.returncode}"])[0][:300]
+        log(f"vLLM 0.34.0 overlay, {transport}: {verdicts[transport] or 'loads'}")
+    return verdicts
 
 
 def run_servers(setup_info: Setup, only: list[str]) -> Results:
@@ -691,20 +715,20 @@ def run_servers(setup_info: Setup, only: list[str]) -> Results:
     log_dir = harness.cache_root() / "logs" / time.strftime("vllm-%Y%m%d-%H%M%S")
     servers = VllmServers(setup_info, log_dir)
     reference: dict[str, list[int]] = {}
-    gate: str | None = None
-    gated = False
+    gate: dict[str, str | None] | None = None
     for connector in connectors(setup_info):
         if only and not any(o in connector.label for o in only):
             continue
         if connector.by_name_only and not only:
             continue
         if connector.vllm034:
-            if not gated:
-                gate, gated = vllm034_gate(setup_info), True
-            if gate is not None:
+            if gate is None:
+                gate = vllm034_gate(setup_info)
+            reason = gate[connector.transport]
+            if reason is not None:
                 results.skip(f"{connector.label}: all cases",
-                             f"vLLM 0.34.0's connector modules do not load in the 0.32 CPU "
-                             f"engine with kvplan's drop-in: {gate}")
+                             f"vLLM 0.34.0's {connector.transport} connector module does not "
+                             f"load in the 0.32 CPU engine with kvplan's drop-in: {reason}")
                 continue
         attempt = results.part(environment=connector.reference)
         run_connector(servers, connector, reference, attempt)

@@ -85,7 +85,8 @@ def run_with_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: set
 
     monkeypatch.setenv("KVPLAN_E2E_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(vllm_e2e, "run_connector", fake_run_connector)
-    monkeypatch.setattr(vllm_e2e, "vllm034_gate", lambda setup: gate)
+    monkeypatch.setattr(vllm_e2e, "vllm034_gate",
+                        lambda setup: {"mooncake": gate, "nixl": gate})
     results = vllm_e2e.run_servers(fake_setup(tmp_path), only)
     return calls, results
 
@@ -116,7 +117,8 @@ def test_a_reference_that_passes_on_the_retry_counts_the_retry(
 
     monkeypatch.setenv("KVPLAN_E2E_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(vllm_e2e, "run_connector", flaky)
-    monkeypatch.setattr(vllm_e2e, "vllm034_gate", lambda setup: None)
+    monkeypatch.setattr(vllm_e2e, "vllm034_gate",
+                        lambda setup: {"mooncake": None, "nixl": None})
     results = vllm_e2e.run_servers(fake_setup(tmp_path), ["mooncake vllm-reference"])
     # "mooncake vllm-reference" names the 0.32 set and the by-name-only 0.33/0.34 ones; the
     # first one's retry passes.
