@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvplan._core import PlanBatch
+from kvplan._core import KvPlanError, PlanBatch
 from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 from kvplan.integrity import Manifest, build_manifest, check_notification, pack_notification
 from kvplan.leases import Lease, LeaseTable
@@ -356,11 +357,14 @@ class Transport:
         default_max_blocks_per_batch: batch bound used when ``submit`` is not given one
             (``None`` = whole plan in one call).
         status_names: engine status code -> symbolic name, for error messages.
+        wait_takes_timeout: whether the handles of ``submit_async`` honour ``wait(timeout)``
+            (``submit_batch`` refuses a ``timeout`` up front where they do not).
     """
 
     engine_name = "engine"
     default_max_blocks_per_batch: int | None = None
     status_names: dict[int, str] = {}
+    wait_takes_timeout = True
 
     def __init__(self, *, max_blocks_per_batch: int | None = None,
                  max_blocks_in_flight: int | None = None) -> None:
@@ -570,9 +574,15 @@ class Transport:
         waited on, for engines whose handle takes one (NIXL); default the adapter's.
 
         Raises:
+            KvPlanError: ``timeout`` is not a positive finite number of seconds, or this engine
+                cannot bound a wait (Mooncake, whose status call blocks until the batch ends;
+                an engine without ``submit_async``): refused before any call is posted.
             TransferError: only for what no call owns (the transport is closed, a source is
                 not registered with ``check_sources``); engine failures are in the outcome.
         """
+        post = getattr(self, "submit_async", None)
+        if timeout is not None:
+            self._check_batch_timeout(timeout, asynchronous=post is not None)
         self._check_open()
         src, dst, lengths = plan_arrays(batch)
         if check_sources:
@@ -590,7 +600,6 @@ class Transport:
             err.batch = index
             errors.append(err)
 
-        post = getattr(self, "submit_async", None)
         pending: list[tuple[int, int, int, Any]] = []
         for index, (lo, hi) in enumerate(calls):
             view = PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])
@@ -611,6 +620,18 @@ class Transport:
         errors.sort(key=lambda e: e.batch or 0)
         return BatchOutcome(peer_session, len(src), int(lengths.sum(dtype=np.uint64)),
                             len(calls), time.perf_counter() - t0, failed, tuple(errors))
+
+    def _check_batch_timeout(self, timeout: object, *, asynchronous: bool) -> None:
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise KvPlanError(f"timeout must be a positive finite number of seconds, got "
+                              f"{type(timeout).__name__} {timeout!r}")
+        if not asynchronous or not self.wait_takes_timeout:
+            how = ("its batch status call blocks until the batch ends"
+                   if asynchronous else "it writes each call synchronously")
+            raise KvPlanError(f"{self.engine_name}: submit_batch cannot honour timeout="
+                              f"{timeout!r}: {how}; nothing was posted. Pass timeout=None "
+                              f"(this engine's own transfer timeout applies)")
 
     def _submit_async(self, plan: PlanLike, peer_session: str,
                       max_blocks_per_batch: int | None, check_sources: bool,

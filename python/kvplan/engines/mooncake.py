@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplan._core import KvPlanError
 from kvplan.engines._base import (
     U64,
     Manifests,
@@ -192,6 +193,8 @@ class MooncakeTransport(Transport):
     """
 
     engine_name = "mooncake"
+    # Mooncake's batch status call blocks until the batch ends: a wait cannot be bounded.
+    wait_takes_timeout = False
     default_max_blocks_per_batch = TCP_BLOCKS_PER_PEER
     status_names = MOONCAKE_STATUS_NAMES
 
@@ -463,11 +466,11 @@ class PendingTransfer(PendingBase):
 
         Raises:
             TransferError: the first failed batch (all batches were still waited on, each once).
-            ValueError: a ``timeout`` was given.
+            KvPlanError: a ``timeout`` was given.
         """
         if timeout is not None:
-            raise ValueError("Mooncake's batch status call blocks until the batch ends; "
-                             "wait() takes no timeout")
+            raise KvPlanError(f"mooncake: wait() takes no timeout (got {timeout!r}): Mooncake's "
+                              f"batch status call blocks until the batch ends")
         t = self._transport
         while True:
             with self._cond:
