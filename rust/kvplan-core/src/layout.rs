@@ -1330,11 +1330,7 @@ mod tests {
             .unwrap();
         assert_eq!(pooled.window_page_size(), Some(2));
         assert_eq!(pooled.entry_page_size(1), 2);
-        // A layout decoded from the wire, and one with entries appended, keep the pool.
-        assert_eq!(
-            crate::wire::decode(&crate::wire::encode(&pooled).unwrap()).unwrap(),
-            pooled
-        );
+        // A layout with entries appended keeps the pool.
         let appended = pooled
             .with_state("mamba", vec![1 << 40], vec![64], vec![64], vec![9])
             .unwrap();

@@ -524,6 +524,26 @@ pub fn crc32(data: &[u8]) -> u32 {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_window_pool_wider_in_tokens_than_at_the_layouts_page_size_decodes() {
+        // Entry 1 holds 4 items: a 5-token window fits 4 pool pages of 2 tokens, not 4 pages
+        // of the layout's 1 token; decoding checks it at the pool's page size, as building did.
+        let pooled = Layout::mla(
+            vec![1 << 30, 1 << 31],
+            vec![32, 64],
+            vec![8, 16],
+            Some(vec![0, 1]),
+            LayoutContext {
+                page_size: 1,
+                ..LayoutContext::default()
+            },
+        )
+        .unwrap()
+        .with_windows_in_pool(vec![None, Some(5)], Some(2))
+        .unwrap();
+        assert_eq!(decode(&encode(&pooled).unwrap()).unwrap(), pooled);
+    }
+
     /// The version 1 encoding (no strides, no entry flags, no extensions), as earlier builds
     /// wrote it.
     fn encode_v1(layout: &Layout) -> Vec<u8> {
