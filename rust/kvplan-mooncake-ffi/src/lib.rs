@@ -3,7 +3,8 @@
 //! Mooncake's Python binding takes three `list[int]` per batch and turns every element into a
 //! C++ integer; for a plan of millions of blocks that hand-off costs far more than planning. The
 //! same extension module (`mooncake/engine.so`) exports the C++ engine's own batch API
-//! (`allocateBatchID`, `submitTransfer`, `getBatchTransferStatus`, `freeBatchID`, `openSegment`),
+//! (`allocateBatchID`, `submitTransfer`, `getBatchTransferStatus`, `getTransferStatus`,
+//! `freeBatchID`, `openSegment`),
 //! and `TransferEngine.get_engine_ptr()` hands out the native engine behind a Python engine. This
 //! crate opens the already-loaded module with `libloading`, looks those symbols up and fills
 //! Mooncake's `TransferRequest` array straight from kvplan's address columns.
@@ -154,6 +155,13 @@ type BatchStatusFn = unsafe extern "C-unwind" fn(
     batch: u64,
     status: *mut TransferStatus,
 ) -> *mut Status;
+type TaskStatusFn = unsafe extern "C-unwind" fn(
+    ret: *mut Status,
+    this: *mut c_void,
+    batch: u64,
+    task: usize,
+    status: *mut TransferStatus,
+) -> *mut Status;
 type FreeFn =
     unsafe extern "C-unwind" fn(ret: *mut Status, this: *mut c_void, batch: u64) -> *mut Status;
 type OpenSegmentFn = unsafe extern "C-unwind" fn(this: *mut c_void, name: *const CxxString) -> u64;
@@ -164,6 +172,8 @@ const SYM_SUBMIT: &[u8] =
     b"_ZN8mooncake14TransferEngine14submitTransferEmRKSt6vectorINS_9Transport15TransferRequestESaIS3_EE\0";
 const SYM_BATCH_STATUS: &[u8] =
     b"_ZN8mooncake14TransferEngine22getBatchTransferStatusEmRNS_9Transport14TransferStatusE\0";
+const SYM_TASK_STATUS: &[u8] =
+    b"_ZN8mooncake14TransferEngine17getTransferStatusEmmRNS_9Transport14TransferStatusE\0";
 const SYM_FREE: &[u8] = b"_ZN8mooncake14TransferEngine11freeBatchIDEm\0";
 const SYM_OPEN_SEGMENT: &[u8] =
     b"_ZN8mooncake14TransferEngine11openSegmentERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE\0";
@@ -177,6 +187,7 @@ struct Symbols {
     allocate: AllocateFn,
     submit: SubmitFn,
     batch_status: BatchStatusFn,
+    task_status: TaskStatusFn,
     free: FreeFn,
     open_segment: OpenSegmentFn,
     delete_array: Option<DeleteArrayFn>,
@@ -237,6 +248,7 @@ impl Engine {
                 allocate: *lookup::<AllocateFn>(&library, SYM_ALLOCATE)?,
                 submit: *lookup::<SubmitFn>(&library, SYM_SUBMIT)?,
                 batch_status: *lookup::<BatchStatusFn>(&library, SYM_BATCH_STATUS)?,
+                task_status: *lookup::<TaskStatusFn>(&library, SYM_TASK_STATUS)?,
                 free: *lookup::<FreeFn>(&library, SYM_FREE)?,
                 open_segment: *lookup::<OpenSegmentFn>(&library, SYM_OPEN_SEGMENT)?,
                 delete_array: lookup::<DeleteArrayFn>(&library, SYM_DELETE_ARRAY)
@@ -476,14 +488,50 @@ impl Batch {
         outcome
     }
 
+    /// Whether task `task` of this batch is over (every slice landed or failed), polling it
+    /// with `getTransferStatus`, which is also what marks the task finished for `freeBatchID`.
+    /// An error from the engine counts as not over (the caller retries until its deadline).
+    fn task_over(&self, task: usize) -> bool {
+        let mut state = TransferStatus {
+            state: 0,
+            transferred_bytes: 0,
+        };
+        let mut status = Status {
+            code: 0,
+            message: std::ptr::null_mut(),
+        };
+        // SAFETY: `id` is a live batch of this engine (not yet freed) holding `requests.len()`
+        // tasks, one per request, and `task` is below that; `state` and `status` are writable
+        // storage of the callee's layouts.
+        unsafe {
+            (self.shared.symbols.task_status)(
+                &raw mut status,
+                self.shared.this,
+                self.id,
+                task,
+                &raw mut state,
+            )
+        };
+        self.shared.take_status("getTransferStatus", status).is_ok()
+            && matches!(state.state, STATUS_COMPLETED | STATUS_FAILED)
+    }
+
     /// Free the batch once Mooncake no longer uses it. If it still refuses after `grace`, the
     /// batch and its requests are leaked: freeing memory the engine may still read is worse.
+    ///
+    /// `freeBatchID` refuses while any task is not marked finished, and only the per-task
+    /// `getTransferStatus` marks one: `getBatchTransferStatus` stops at the first failed task,
+    /// so after a peer refused a batch the tasks behind it are never marked and the batch
+    /// could not be freed until `grace` ran out (30 s, keeping the process from exiting). So
+    /// each refused free polls the tasks not yet seen over, then tries again.
     fn release(&mut self, grace: Duration) {
         if self.finished {
             return;
         }
         self.finished = true;
         let give_up = Instant::now() + grace;
+        // Tasks [0, over) were seen over, so the engine marked them finished.
+        let mut over = 0;
         loop {
             let mut status = Status {
                 code: 0,
@@ -498,7 +546,20 @@ impl Batch {
                 std::mem::forget(std::mem::take(&mut self.requests));
                 return;
             }
-            std::thread::sleep(Duration::from_millis(1));
+            // Every task after `over` is polled (each one is marked once it is over), but
+            // `over` only advances over a prefix of tasks seen over.
+            let mut all_over = true;
+            let first = over;
+            for task in first..self.requests.len() {
+                let done = self.task_over(task);
+                if done && all_over {
+                    over = task + 1;
+                }
+                all_over &= done;
+            }
+            if !all_over {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     }
 }

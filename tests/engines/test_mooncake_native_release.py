@@ -1,0 +1,70 @@
+"""A batch the peer refused on the native Mooncake hand-off is freed at once.
+
+Mooncake frees a batch only when every task in it is marked finished, and only the per-task
+status call marks one; the batch status call stops at the first failed task. The native
+hand-off used to poll the batch status alone, so after a refusal it kept the batch for the whole
+transfer timeout (30 s by default) before leaking it: the write, and the process, took that
+long to finish. The child below runs with that 30 s timeout; a refused batch must come back as
+a failure and the child must exit long before the timeout would have run out.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.mooncake
+
+CHILD = textwrap.dedent("""
+    import numpy as np
+    import mooncake.engine
+    from mooncake.engine import TransferEngine
+
+    from kvplan._core import MooncakeNative
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.zeros(1 << 16, np.uint8)
+    buf[:8192] = np.arange(8192, dtype=np.uint64).astype(np.uint8)
+    base = buf.ctypes.data
+    assert engine.register_memory(base, buf.nbytes) == 0
+    native = MooncakeNative(engine, mooncake.engine.__file__, MooncakeNative.VERIFIED_VERSION)
+    session = f"127.0.0.1:{engine.get_rpc_port()}"
+    outside = base + (1 << 30)  # not registered by the peer: it refuses every block
+    for blocks in (1, 2, 5):
+        src = np.uint64(base) + np.arange(blocks, dtype=np.uint64) * np.uint64(1024)
+        dst = np.uint64(outside) + np.arange(blocks, dtype=np.uint64) * np.uint64(1024)
+        try:
+            native.write(session, src, dst, np.full(blocks, 1024, np.uint64), 30.0)
+        except RuntimeError as exc:
+            assert "failed" in str(exc), exc
+        else:
+            raise AssertionError("a refused batch was reported as written")
+    # The engine is still usable: a good write lands.
+    native.write(session, np.array([base], np.uint64), np.array([base + 32768], np.uint64),
+                 np.array([8192], np.uint64), 30.0)
+    assert (buf[32768:40960] == buf[:8192]).all()
+    engine.unregister_memory(base)
+    print("refused 3 batches, then wrote one")
+""")
+
+
+def test_a_refused_native_batch_is_freed_without_waiting_out_the_timeout() -> None:
+    from support.engine_peers import require_mooncake
+
+    require_mooncake()
+    env = dict(os.environ, MC_TRANSFER_TIMEOUT="30", MC_LOG_LEVEL="ERROR")
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                         text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "refused 3 batches, then wrote one" in res.stdout
+    # Three refused batches kept 30 s each before; now the child needs about a second. 15 s
+    # is far from both, so a slow machine cannot flip the verdict.
+    assert elapsed < 15.0, f"the child took {elapsed:.1f} s to finish and exit"
