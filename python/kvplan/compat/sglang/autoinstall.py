@@ -11,11 +11,19 @@ The hook imports nothing of SGLang: when SGLang itself imports
 then :func:`~kvplan.compat.sglang.install` is applied to its ``MooncakeKVManager`` (or
 ``AscendKVManager``) before any manager is built, with ``on_error="status"``: a request kvplan
 refuses (a decode whose layout does not match) is logged with kvplan's reason and takes SGLang's
-failure path for that request, instead of ending the prefill's transfer thread. Off by default:
-unset, empty or ``0`` does nothing (and the ``.pth`` line does not even import kvplan).
+failure path for that request, instead of ending the prefill's transfer thread.
 
-A failure to install (a class missing, a method SGLang renamed) raises from SGLang's import, so
-a server started with the opt-in never runs without kvplan by accident.
+The variable is read strictly: ``1``, ``true``, ``yes`` or ``on`` turn the hook on; unset,
+empty, ``0``, ``false``, ``no`` or ``off`` leave it off (and the ``.pth`` line then does not
+even import kvplan); case and surrounding spaces are ignored. Any other value is an error.
+
+A server started with the opt-in never runs without kvplan by accident: a failure to install (a
+class missing, a method SGLang renamed) raises from SGLang's import; and when the hook cannot be
+armed at start-up (kvplan itself fails to import, or the variable holds an unknown value) the
+``.pth`` line says why on stderr and puts a finder first on ``sys.meta_path`` that tries again
+when SGLang imports a module of :data:`TARGETS` and, failing again, makes that import raise
+``ImportError`` with the reason. Processes that never import SGLang's transfer modules (pip,
+tools) keep working.
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ import sys
 import types
 from collections.abc import Mapping, Sequence
 
-#: The environment variable that turns the hook on (any value but unset, empty or ``0``).
+from kvplan._core import KvPlanError
+
+#: The environment variable that turns the hook on.
 ENV_VAR = "KVPLAN_SGLANG_INSTALL"
+#: Its values, compared after ``strip().lower()``; anything else is refused.
+ON_VALUES = ("1", "true", "yes", "on")
+OFF_VALUES = ("", "0", "false", "no", "off")
 
 #: SGLang's modules the hook waits for, and the manager class each defines.
 TARGETS: dict[str, str] = {
@@ -41,10 +54,30 @@ TARGETS: dict[str, str] = {
 _log = logging.getLogger("kvplan.compat.sglang")
 
 
+class HookSettingError(KvPlanError):
+    """``KVPLAN_SGLANG_INSTALL`` holds a value that is neither on nor off; ``value`` is it."""
+
+    kind = "sglang_hook_setting"
+    value: str = ""
+
+
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``KVPLAN_SGLANG_INSTALL`` asks for the hook (in ``environ``, default the process's)."""
+    """Whether ``KVPLAN_SGLANG_INSTALL`` asks for the hook (in ``environ``, default the
+    process's): True for :data:`ON_VALUES`, False for :data:`OFF_VALUES` or unset.
+
+    Raises:
+        HookSettingError: any other value (a typo must not silently turn the hook on or off).
+    """
     value = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    return value.strip() not in ("", "0")
+    word = value.strip().lower()
+    if word in ON_VALUES:
+        return True
+    if word in OFF_VALUES:
+        return False
+    error = HookSettingError(f"{ENV_VAR}={value!r} is neither on ({', '.join(ON_VALUES)}) nor "
+                             f"off (unset, empty, {', '.join(v for v in OFF_VALUES if v)})")
+    error.value = value
+    raise error
 
 
 def install_into(module: types.ModuleType) -> tuple[str, ...]:
@@ -134,5 +167,77 @@ def disarm() -> None:
 
 
 def arm_from_environment() -> SGLangInstallFinder | None:
-    """:func:`arm` when :func:`enabled`; what the ``.pth`` file calls."""
+    """:func:`arm` when :func:`enabled`; what the ``.pth`` file calls.
+
+    Raises:
+        HookSettingError: as :func:`enabled`.
+    """
     return arm() if enabled() else None
+
+
+# What the ``.pth`` line runs when the variable is not an off value. It must work when kvplan
+# itself cannot be imported, so it uses the standard library only and names the targets itself.
+# At start-up kvplan may not be importable yet although it is installed: site-packages' .pth
+# files run in name order, and an editable install's path line (kvplan.pth) sorts after this
+# one. So a failed start-up arming leaves a finder that arms the hook when SGLang imports one of
+# its transfer modules, and makes that import raise ImportError, naming why, if it still fails.
+_BOOT = f"""\
+import os, sys
+value = os.environ.get({ENV_VAR!r}, "")
+targets = {tuple(TARGETS)!r}
+
+
+def arm():
+    from kvplan.compat.sglang.autoinstall import arm_from_environment
+    return arm_from_environment()
+
+
+class KvplanSGLangHookPending:
+    warned = False
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in targets:
+            return None
+        me = (sys.meta_path.index(KvplanSGLangHookPending)
+              if KvplanSGLangHookPending in sys.meta_path else len(sys.meta_path))
+        if any(type(f).__name__ == "SGLangInstallFinder" for f in sys.meta_path[:me]):
+            return None  # armed since: the hook before this finder handles the module
+        try:
+            hook = arm()
+        except Exception as error:
+            raise ImportError(
+                f"{ENV_VAR}={{value!r}} asks for kvplan in SGLang's transfer managers, but "
+                f"kvplan's hook could not be armed ({{type(error).__name__}}: {{error}}); fix "
+                f"kvplan's installation or the value, or unset {ENV_VAR} to run SGLang "
+                f"without kvplan") from error
+        return None if hook is None else hook.find_spec(name, path, target)
+
+
+try:
+    arm()
+except Exception as error:
+    # site-packages may be processed twice (a venv's lib64 link): one pending finder, one warning.
+    pending = next((f for f in sys.meta_path
+                    if getattr(f, "__name__", "") == "KvplanSGLangHookPending"), None)
+    if pending is None:
+        pending = KvplanSGLangHookPending
+        sys.meta_path.insert(0, pending)
+    if not (isinstance(error, ImportError) and error.name == "kvplan") and not pending.warned:
+        pending.warned = True
+        sys.stderr.write(f"kvplan: {ENV_VAR}={{value!r}} is set but kvplan's SGLang hook "
+                         f"could not be armed at start-up ({{type(error).__name__}}: "
+                         f"{{error}}); importing SGLang's transfer modules will raise "
+                         f"ImportError unless it can be armed then\\n")
+"""
+
+
+def pth_text() -> str:
+    """The text of ``kvplan-sglang-install.pth`` (python/kvplan.data/purelib holds it; a test
+    checks the two agree). Its one code line costs a dictionary lookup while the variable is
+    unset or off; otherwise it runs :data:`_BOOT` (arm the hook, or make SGLang's transfer
+    modules refuse to import, naming why it could not be armed)."""
+    return (f"# kvplan's opt-in SGLang hook ({ENV_VAR}); written by "
+            f"kvplan.compat.sglang.autoinstall.pth_text()\n"
+            f"import os; os.environ.get({ENV_VAR!r}, '').strip().lower() not in "
+            f"{OFF_VALUES!r} and exec({_BOOT!r}, {{'__name__': 'kvplan_sglang_install'}})\n")
