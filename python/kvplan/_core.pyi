@@ -54,6 +54,7 @@ __all__ = [
     "nixl_desc_ids",
     "pair_entries",
     "pool_stats",
+    "reverse_descending_runs",
     "tp_peers",
 ]
 
@@ -108,6 +109,10 @@ def nixl_desc_ids(
     ``(regions, keys)`` (key major, pair order within a key); the layer routing and region
     group arguments are then not read."""
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
+def reverse_descending_runs(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array] | None:
+    """``(src, dst)`` with each stretch that steps by -1 on both sides reversed in place (the
+    same pairs, as new int64 arrays), or ``None`` when nothing descends or the reordering would
+    leave more runs under the ascending rule; unequal lengths are a ``KvPlanError``."""
 def pair_entries(
     src_layer_ids: Sequence[int] | None,
     dst_layer_ids: Sequence[int] | None,

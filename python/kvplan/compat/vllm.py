@@ -12,7 +12,8 @@ exactly what was there); docs/vllm.md has the full account:
   each region's base address, block stride, block length and group, with the head-slice offsets
   and lengths vLLM's own ``_get_sender_transfer_plan`` gives for the TP ranks. Per request,
   vLLM's rules run as vLLM runs them (KV group count check, Mamba null blocks dropped, partial
-  prefix trimmed to the remote's count, ``_logical_to_kernel_block_ids``); then the ready
+  prefix trimmed to the remote's count, descending stretches read ascending as vLLM 0.34
+  reads them, ``_logical_to_kernel_block_ids``); then the ready
   requests are planned together, one ``Template.plan_batch`` per group, instead of a run
   split and a Python list entry per block for every region of every request: a block that
   runs on from one request's blocks into the next request's on both sides is one block. It
@@ -61,7 +62,7 @@ from typing import Any
 import numpy as np
 
 import kvplan
-from kvplan._core import index_array
+from kvplan._core import index_array, reverse_descending_runs
 from kvplan.compat import vllm_forms, vllm_metrics, vllm_nixl
 from kvplan.compat._methods import MethodPatches
 from kvplan.engines._base import U64, write_batches
@@ -324,12 +325,23 @@ def plan_request(self: Any, peer: _PeerTemplates, local_by_group: list[Any],
             if ids is not None]
 
 
+#: One template's batch plan and the ready requests it holds, by index, in the batch's order.
+_GroupBatch = tuple[kvplan.BatchPlan, list[int]]
+
+
 def plan_ready(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]]
-               ) -> tuple[list[kvplan.BatchPlan], dict[int, kvplan.KvPlanError]]:
+               ) -> tuple[list[_GroupBatch], dict[int, kvplan.KvPlanError]]:
     """One batch plan per template of ``peer`` for the ready requests (each request's ids per
-    template, from :func:`_group_ids`), and the requests kvplan refused, by index, with the
-    error. A refused request moves nothing, in any group: the batches are planned again
-    without it (the core names the request, or the two requests writing one block)."""
+    template, from :func:`_group_ids`) with the requests it holds, and the requests kvplan
+    refused, by index, with the error. A refused request moves nothing, in any group: the
+    batches are planned again without it (the core names the request, or the two requests
+    writing one block).
+
+    A batch holds its requests by their first destination block, then their first source
+    block, whatever order they came in: vLLM hands over the requests that became ready
+    together in the order of a set of tasks, which changes from run to run, and a request
+    joins the one before it only when its blocks continue that one's. The same requests are
+    then always the same blocks."""
     refused: dict[int, kvplan.KvPlanError] = {}
     if peer.error is not None:
         return [], {r: peer.error for r in range(len(requests))}
@@ -340,23 +352,55 @@ def plan_ready(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]
 
 
 def _plan_groups(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]],
-                 refused: dict[int, kvplan.KvPlanError]) -> list[kvplan.BatchPlan] | None:
-    """The batches of the requests not in ``refused``; on a refusal, records the requests it
-    names in ``refused`` and returns None."""
+                 refused: dict[int, kvplan.KvPlanError]) -> list[_GroupBatch] | None:
+    """The batches of the requests not in ``refused`` (see :func:`plan_ready`); on a refusal,
+    records the requests it names in ``refused`` and returns None."""
     batches = []
     for g, (_, _, template) in enumerate(peer.groups):
         members = [(r, ids) for r, per_group in enumerate(requests)
                    if (ids := per_group[g]) is not None and r not in refused]
         if not members:
             continue
+        order = list(range(len(members)))
         try:
-            batches.append(template.plan_batch(
-                [(index_array(local), index_array(remote)) for _, (local, remote) in members]))
+            arrays = [(index_array(local), index_array(remote)) for _, (local, remote) in members]
+            order.sort(key=lambda i: _first_blocks(arrays[i]))
+            batches.append((template.plan_batch([arrays[i] for i in order]),
+                            [members[i][0] for i in order]))
         except kvplan.KvPlanError as exc:
             for i in exc.requests or range(len(members)):
-                refused[members[i][0]] = exc
+                refused[members[order[i]][0]] = exc
             return None
     return batches
+
+
+def _first_blocks(ids: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
+    """A request's place in its batch: its first destination block, then its first source
+    block (requests that write one destination block are refused, so two requests kept are
+    never tied on the first)."""
+    local, remote = ids
+    return (int(remote[0]) if len(remote) else -1, int(local[0]) if len(local) else -1)
+
+
+def _ascending_blocks(local_by_group: list[Any], remote_by_group: list[Any]) -> None:
+    """Each group's block pairs, in place, with every stretch that descends on both sides
+    read ascending (:func:`kvplan._core.reverse_descending_runs`: the same pairs, so the same
+    bytes), before vLLM expands each block into its kernel blocks. A descending stretch would
+    expand into kernel runs that step down from block to block, one descriptor per block per
+    region; reordered it is one run. vLLM 0.34 reorders its own requests at this point; the
+    core's rule keeps an order only where it leaves no more runs than either order, so the
+    plan is never more blocks than vLLM's, of 0.34 or of earlier releases. A group kvplan
+    cannot read as block ids is left as it is: planning it refuses the request."""
+    for g, (local, remote) in enumerate(zip(local_by_group, remote_by_group)):
+        if len(local) < 2 or len(local) != len(remote):
+            continue
+        try:
+            reordered = reverse_descending_runs(index_array(local), index_array(remote))
+        except kvplan.KvPlanError:
+            continue
+        if reordered is not None:
+            # vLLM's expansion (and an override of it) takes lists, as vLLM hands them over.
+            local_by_group[g], remote_by_group[g] = reordered[0].tolist(), reordered[1].tolist()
 
 
 def _ids(block_ids: Any) -> np.ndarray:
@@ -436,6 +480,7 @@ async def _build_transfer_params(
             continue
         if not any(map(len, local_by_group)):
             continue
+        _ascending_blocks(local_by_group, remote_by_group)
         local_by_group = self._logical_to_kernel_block_ids(local_by_group)
         remote_by_group = self._logical_to_kernel_block_ids(remote_by_group)
         if peer is None:
@@ -459,15 +504,13 @@ async def _build_transfer_params(
         # Per request: its share of the batch's planning time, and its blocks as planned
         # alone (the batch may merge blocks across requests).
         blocks = [0] * len(ready_ids)
-        for g, batch in enumerate(batches):
-            members = [r for r, ids in enumerate(ready_groups)
-                       if ids[g] is not None and r not in refused]
+        for batch, members in batches:
             for r, n in zip(members, batch.request_n_blocks.tolist()):
                 blocks[r] += n
         planned = [r for r in range(len(ready_ids)) if r not in refused]
         for r in planned:
             record_plan(seconds / len(planned), blocks[r])
-    for batch in batches:
+    for batch, _ in batches:
         src_parts.append(batch.src_addrs)
         dst_parts.append(batch.dst_addrs)
         len_parts.append(batch.lengths)

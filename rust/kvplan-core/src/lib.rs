@@ -117,7 +117,9 @@ pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, Plan
 pub use repr::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
 pub use request::{Indices, Request};
 pub use ring::RingPlanner;
-pub use runs::{IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, scan_runs};
+pub use runs::{
+    IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
+};
 pub use slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
 };

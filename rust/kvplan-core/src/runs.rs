@@ -12,7 +12,9 @@
 //!
 //! A plan is a set of copies, so a descending run is emitted as the ascending run over the same
 //! pages (its lowest page first on each side); pieces with one block per page keep the
-//! request's page order.
+//! request's page order. A caller that expands each index into several consecutive ones before
+//! planning (vLLM's kernel blocks) reorders the pairs first ([`reverse_descending_runs`]): the
+//! rule above sees only steps of one, and an expanded descending stretch steps down by pieces.
 //!
 //! Runs are computed in two passes so nothing is allocated: [`scan`] / [`scan_runs`] validate
 //! and count, [`write_runs`] fills caller-provided slices.
@@ -435,6 +437,69 @@ fn write_either_direction<S: PageIndex, D: PageIndex>(
     failed.map_or(Ok(n), Err)
 }
 
+/// A request's index pairs reordered so that each stretch stepping by `-1` on both sides reads
+/// ascending: the same pairs, so the same copies. For a caller that expands every index into
+/// several consecutive sub-indices before planning (vLLM's kernel blocks): a descending
+/// stretch expands into ascending pieces that step down from piece to piece, which no run
+/// joins, while the reordered stretch expands into one ascending run.
+///
+/// Each maximal stretch of positions joined by descending steps is reversed in place (the
+/// order vLLM's Mooncake connector plans from 0.34 on). The reordering is kept only when the
+/// request then has no more runs under [`RunRule::Ascending`] than it had: reversing a stretch
+/// can break a run that ran into its top when pages repeat, and a run count under the
+/// ascending rule is what the expansion keeps (an index expanded into `k` sub-indices steps by
+/// `+1` into the next one's exactly when the two indices do). `None` when no step descends or
+/// the reordering would not help: the request is then best planned as it is.
+///
+/// # Errors
+/// [`PlanError::LengthMismatch`]; [`PlanError::OutOfMemory`] when the reordered copy cannot be
+/// allocated.
+#[allow(clippy::type_complexity)]
+pub fn reverse_descending_runs<S: PageIndex, D: PageIndex>(
+    src: &[S],
+    dst: &[D],
+) -> Result<Option<(Vec<S>, Vec<D>)>> {
+    if src.len() != dst.len() {
+        return Err(PlanError::LengthMismatch {
+            src: src.len(),
+            dst: dst.len(),
+        });
+    }
+    if src.len() < 2 || count_descents(src, dst) == 0 {
+        return Ok(None);
+    }
+    let (mut s, mut d) = (copy_of(src)?, copy_of(dst)?);
+    let mut i = 1;
+    while i < src.len() {
+        if !descends(src, dst, i) {
+            i += 1;
+            continue;
+        }
+        // Steps i..end descend: positions i - 1..end are one stretch.
+        let start = i - 1;
+        while i < src.len() && descends(src, dst, i) {
+            i += 1;
+        }
+        s[start..i].reverse();
+        d[start..i].reverse();
+    }
+    Ok((count_breaks(&s, &d) <= count_breaks(src, dst)).then_some((s, d)))
+}
+
+/// Whether the step into position `i >= 1` is `-1` on both sides.
+#[inline]
+fn descends<S: PageIndex, D: PageIndex>(src: &[S], dst: &[D], i: usize) -> bool {
+    src[i].steps_to(src[i - 1]) & dst[i].steps_to(dst[i - 1])
+}
+
+fn copy_of<T: PageIndex>(values: &[T]) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(values.len())
+        .map_err(|_| PlanError::out_of_memory::<T>("the reordered request", values.len()))?;
+    out.extend_from_slice(values);
+    Ok(out)
+}
+
 /// Allocating convenience: validates, then returns `(src_starts, dst_starts, lengths)`.
 ///
 /// # Errors
@@ -642,6 +707,124 @@ mod tests {
         let limits = IndexLimits { src: 7, dst: 10 };
         let written = write_runs_by(&src, &dst, limits, true, [&mut s, &mut d, &mut l]);
         assert_eq!(written, Err(PlanError::InputChanged));
+    }
+
+    /// Ascending-rule runs of `(src, dst)` with every index expanded into `k` consecutive ones.
+    fn ascending_runs_expanded(src: &[i64], dst: &[i64], k: i64) -> usize {
+        let expand = |v: &[i64]| -> Vec<i64> {
+            v.iter()
+                .flat_map(|&x| (0..k).map(move |j| x * k + j))
+                .collect()
+        };
+        scan(&expand(src), &expand(dst)).unwrap().n_runs
+    }
+
+    /// vLLM 0.34's `_normalize_paired_block_order`, transcribed: each maximal stretch of steps
+    /// that are `-1` on both sides, with the position before it, reversed.
+    fn reversed_like_vllm(src: &[i64], dst: &[i64]) -> (Vec<i64>, Vec<i64>) {
+        let (mut s, mut d) = (src.to_vec(), dst.to_vec());
+        let edge = |i: usize| src[i + 1] - src[i] == -1 && dst[i + 1] - dst[i] == -1;
+        let edges: Vec<bool> = (0..src.len().saturating_sub(1)).map(edge).collect();
+        let mut e = 0;
+        while e < edges.len() {
+            if edges[e] {
+                let start = e;
+                while e < edges.len() && edges[e] {
+                    e += 1;
+                }
+                s[start..=e].reverse();
+                d[start..=e].reverse();
+            } else {
+                e += 1;
+            }
+        }
+        (s, d)
+    }
+
+    #[test]
+    fn descending_stretches_read_ascending_and_expand_into_one_run() {
+        // Four sub-indices per index: [1, 0] -> [3, 2] is two pieces stepping down, one run
+        // once reordered.
+        let (s, d) = reverse_descending_runs(&[1i64, 0], &[3i64, 2])
+            .unwrap()
+            .unwrap();
+        assert_eq!((s.as_slice(), d.as_slice()), (&[0, 1][..], &[2, 3][..]));
+        assert_eq!(ascending_runs_expanded(&[1, 0], &[3, 2], 4), 2);
+        assert_eq!(ascending_runs_expanded(&s, &d, 4), 1);
+        // A stretch reversed in place joins the runs around it.
+        let (s, d) = reverse_descending_runs(&[3i64, 2, 1, 4, 5], &[13i64, 12, 11, 14, 15])
+            .unwrap()
+            .unwrap();
+        assert_eq!((s, d), (vec![1, 2, 3, 4, 5], vec![11, 12, 13, 14, 15]));
+        let (s, _) = reverse_descending_runs(&[1i64, 2, 5, 4, 3, 9, 8], &[1i64, 2, 5, 4, 3, 9, 8])
+            .unwrap()
+            .unwrap();
+        assert_eq!(s, [1, 2, 3, 4, 5, 8, 9]);
+        // Nothing descends on both sides: nothing to reorder.
+        assert_eq!(
+            reverse_descending_runs(&[5i64, 4, 3], &[1i64, 2, 3]),
+            Ok(None)
+        );
+        assert_eq!(
+            reverse_descending_runs(&[0i32, 1, 2], &[4i32, 5, 6]),
+            Ok(None)
+        );
+        assert_eq!(reverse_descending_runs::<i64, i64>(&[], &[]), Ok(None));
+        assert_eq!(reverse_descending_runs(&[7i64], &[7i64]), Ok(None));
+        // Repeated pages: reversing [2, 1] in [1, 2, 1, 2] gives [1, 1, 2, 2], three runs
+        // where the request has two, so the request is kept as it is.
+        assert_eq!(
+            reverse_descending_runs(&[1i64, 2, 1, 2], &[1i64, 2, 1, 2]),
+            Ok(None)
+        );
+        assert_eq!(
+            reverse_descending_runs(&[1i64, 2], &[1i64]),
+            Err(PlanError::LengthMismatch { src: 2, dst: 1 })
+        );
+    }
+
+    #[test]
+    fn reordered_requests_never_have_more_runs_than_either_order() {
+        // Against the request as it is and as vLLM 0.34 reorders it, expanded by 1, 2 and 4:
+        // never more runs, and the same pairs.
+        let mut x: u64 = 0xD1B5_4A32_D192_ED03;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for case in 0..3000 {
+            let len = 1 + next(24) as usize;
+            let span = if case % 3 == 0 { 6 } else { 60 }; // small spans repeat pages
+            let (mut src, mut dst) = (vec![next(span) as i64], vec![next(span) as i64]);
+            for _ in 1..len {
+                let step = [1i64, -1, -1, 1, 4, -3][next(6) as usize];
+                let other = if next(8) == 0 { -step } else { step };
+                src.push((src.last().unwrap() + step).rem_euclid(span as i64));
+                dst.push((dst.last().unwrap() + other).rem_euclid(span as i64));
+            }
+            let (vs, vd) = reversed_like_vllm(&src, &dst);
+            let (s, d) = reverse_descending_runs(&src, &dst)
+                .unwrap()
+                .unwrap_or_else(|| (src.clone(), dst.clone()));
+            for k in [1, 2, 4] {
+                let ours = ascending_runs_expanded(&s, &d, k);
+                assert!(
+                    ours <= ascending_runs_expanded(&src, &dst, k),
+                    "{src:?} {dst:?}"
+                );
+                assert!(
+                    ours <= ascending_runs_expanded(&vs, &vd, k),
+                    "{src:?} {dst:?}"
+                );
+            }
+            let mut pairs: Vec<(i64, i64)> = s.iter().copied().zip(d).collect();
+            let mut want: Vec<(i64, i64)> = src.iter().copied().zip(dst).collect();
+            pairs.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(pairs, want);
+        }
     }
 
     #[test]

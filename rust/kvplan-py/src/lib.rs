@@ -61,7 +61,7 @@ mod _core {
     #[pymodule_export]
     use crate::pool::pool_stats;
     #[pymodule_export]
-    use crate::runs::group_contiguous;
+    use crate::runs::{group_contiguous, reverse_descending_runs};
     #[pymodule_export]
     use crate::slices::{
         PyBatchSlices, PyLayerGroups, PyLayerSlices, PyPlanSlices, PyWorkManifest,

@@ -1,4 +1,5 @@
-//! `group_contiguous`: runs of index pairs contiguous on both sides.
+//! `group_contiguous`: runs of index pairs contiguous on both sides; `reverse_descending_runs`:
+//! a request reordered so that its stretches descending on both sides read ascending.
 
 use kvplan_core::PageIndex;
 use numpy::{IntoPyArray, PyArray1};
@@ -36,6 +37,42 @@ pub fn group_contiguous<'py>(
     let (s, d, l) = visit_request(py, src_slice, dst_slice, Group).map_err(to_py_err)?;
     let signed = |v: Vec<u64>| signed_in_place(v).into_pyarray(py);
     Ok((signed(s), signed(d), signed(l)))
+}
+
+/// A reordered request's `(src, dst)`.
+type Reordered<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+
+/// `(src, dst)` reordered so that each stretch stepping by -1 on both sides reads ascending
+/// (the same pairs), or `None` when nothing descends or the reordering would not leave fewer
+/// or as many runs: [`kvplan_core::reverse_descending_runs`].
+///
+/// Contract: 1-D C-contiguous int32/int64 arrays, borrowed without copying; GIL released for
+/// large requests. Returns new int64 arrays.
+#[pyfunction]
+#[pyo3(signature = (src, dst, /))]
+pub fn reverse_descending_runs<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    dst: &Bound<'py, PyAny>,
+) -> PyResult<Option<Reordered<'py>>> {
+    struct Reverse;
+    impl IndexVisitor for Reverse {
+        type Output = kvplan_core::Result<Option<(Vec<i64>, Vec<i64>)>>;
+        fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
+            Ok(
+                kvplan_core::reverse_descending_runs(src, dst)?.map(|(s, d)| {
+                    (
+                        s.iter().map(|x| x.get()).collect(),
+                        d.iter().map(|x| x.get()).collect(),
+                    )
+                }),
+            )
+        }
+    }
+    let arrays = RequestArrays::extract(src, dst, ("src", "dst"))?;
+    let (src_slice, dst_slice) = arrays.slices()?;
+    let reordered = visit_request(py, src_slice, dst_slice, Reverse).map_err(to_py_err)?;
+    Ok(reordered.map(|(s, d)| (s.into_pyarray(py), d.into_pyarray(py))))
 }
 
 /// The same allocation reinterpreted as int64 (no copy, no second allocation).
