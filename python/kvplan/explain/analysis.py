@@ -9,6 +9,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplan.explain.diagnose import (
+    DecodeWrites,
+    StageDiagnosis,
+    aliased_decode_writes,
+    diagnose_stage,
+)
 from kvplan.explain.words import format_bytes, short
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "CoalescingRow", "LIST_NS_PER_ELEMENT", "MAX_START_LAYER", "SMALL_BLOCK_BYTES",
@@ -61,6 +67,9 @@ class StageResult:
     contiguous_blocks: int = 0  # page blocks of the same request with one run
     #: Per decode entry kind, what keeps its pairs' blocks apart (:func:`coalescing_rows`).
     coalescing: list[CoalescingRow] = field(default_factory=list)
+    #: explain's reading of a refused stage, beside its compatibility report
+    #: (:func:`kvplan.explain.diagnose.diagnose_stage`).
+    diagnosis: StageDiagnosis = field(default_factory=StageDiagnosis)
 
 
 @dataclass
@@ -286,6 +295,7 @@ def explain(
     state_per_layer: dict[int, int] = {}
     stages: list[StageResult] = []
     warnings: list[str] = []
+    writes: list[DecodeWrites] = []  # every stage's decode blocks, checked for aliasing
     if unused_starts:
         modes = sorted({c.mode.replace("_", " ") for c in choices if c.mode != "legacy"})
         warnings.append(f"--prefill-start-layer has no effect on {', '.join(unused_starts)}: "
@@ -304,8 +314,10 @@ def explain(
             if w not in warnings:
                 warnings.append(w)
         if not report.compatible:
+            diagnosis = diagnose_stage(src, decode, report)
+            problems = diagnosis.lines + [diagnosis.reworded.get(r, r) for r in report.reasons]
             stages.append(StageResult(label, layer_text, choice.mode, 0, 0, 0, 0, 0, 0, 0, 0.0,
-                                      report, list(report.reasons)))
+                                      report, problems, diagnosis=diagnosis))
             continue
         template = choice.template(src, decode, prefill_start_layer=start)
         _check_blocks_fit(template, pages, len(run_lengths), fragmentation)
@@ -330,11 +342,14 @@ def explain(
                                   strict=True):
             lid = layer_of(i, j)
             kv_per_layer[lid] = kv_per_layer.get(lid, 0) + nbytes
+        writes.append(DecodeWrites(label, per_pair_plan, [j for _, j in template.pairs.tolist()]))
         state_blocks = state_bytes = 0
         if template.state_pairs.size:
             # One request slot per side: slot 0 on prefill to slot 1 on decode.
             state_plan = template.plan_state(0, 1 if _min_state_cap(decode) > 1 else 0)
             state_blocks, state_bytes = state_plan.n_blocks, state_plan.total_bytes
+            writes.append(DecodeWrites(label, state_plan,
+                                       [j for _, j in template.state_pairs.tolist()]))
             # Elided state pairs (item_len 0) emit no block: the plan's pair offsets say which
             # blocks are whose.
             for (i, j), nbytes in zip(template.state_pairs.tolist(), _pair_bytes(state_plan),
@@ -352,6 +367,9 @@ def explain(
                        max_blocks, layout)
     expl.entry_kinds = entry_kinds(decode)
     expl.warnings = warnings + _plan_warnings(expl)
+    aliased = aliased_decode_writes(writes, decode)
+    if aliased is not None:
+        expl.warnings.insert(0, aliased)
     return expl
 
 

@@ -4,11 +4,13 @@ an exit status."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Callable
 
 from kvplan.explain.analysis import DEFAULT_MAX_BLOCKS, MAX_START_LAYER, explain, explain_dcp
+from kvplan.explain.as_json import dcp_json, explanation_json
 from kvplan.explain.figure import plot
 from kvplan.explain.layout_files import write_layouts
 from kvplan.explain.scenario import dcp_decodes, scenario, starts_for
@@ -110,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> Runner:
                              "(needs matplotlib: the 'plot' extra)")
     parser.add_argument("--write-layouts", metavar="DIR",
                         help="also write the layouts as JSON (prefill-stageK.json, decode.json)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the explanation as one JSON object instead of text (the "
+                             "same figures, verdicts and warnings; exit status unchanged)")
     return run
 
 
@@ -168,10 +173,19 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(str(err)) from None
         except (OSError, ValueError) as err:  # unwritable path, unknown image format
             raise ValueError(f"--plot {args.plot}: {one_line(err)}") from None
-    print(render(e))
-    if args.plot:
-        print(f"plot written to {args.plot}")
+    if getattr(args, "json", False):
+        _print_json(explanation_json(e))
+        if args.plot:  # stdout holds the JSON object alone
+            print(f"plot written to {args.plot}", file=sys.stderr)
+    else:
+        print(render(e))
+        if args.plot:
+            print(f"plot written to {args.plot}")
     return EXIT_OK if e.ok else EXIT_INCOMPATIBLE
+
+
+def _print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False))
 
 
 def _run_dcp(args: argparse.Namespace) -> int:
@@ -183,5 +197,8 @@ def _run_dcp(args: argparse.Namespace) -> int:
         stages = [stages[args.stage]]
     e = explain_dcp(stages, decodes, title=title, description=desc, pages=args.pages,
                     backend=args.backend, max_blocks=args.max_blocks)
-    print(render_dcp(e))
+    if getattr(args, "json", False):
+        _print_json(dcp_json(e))
+    else:
+        print(render_dcp(e))
     return EXIT_OK if e.ok else EXIT_INCOMPATIBLE

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 from kvplan.explain.analysis import DcpExplanation, Explanation, histogram
+from kvplan.explain.diagnose import StageDiagnosis
 from kvplan.explain.words import format_bytes
 from kvplan.report import CompatReport
 
@@ -101,19 +102,29 @@ def render(e: Explanation) -> str:
     if e.per_layer is not None:
         lines.append("")
         lines += _layout_comparison(e.per_layer, e)
-    lines += _reports_and_warnings([(s.label, s.report) for s in e.stages], e.warnings)
+    lines += _reports_and_warnings([(s.label, s.report) for s in e.stages], e.warnings,
+                                   [s.diagnosis for s in e.stages])
     return "\n".join(lines)
 
 
 def _reports_and_warnings(reports: list[tuple[str, CompatReport | None]],
-                          warnings: list[str]) -> list[str]:
-    """The compatibility report of every incompatible (label, report), then the warnings."""
+                          warnings: list[str],
+                          diagnoses: list[StageDiagnosis] | None = None) -> list[str]:
+    """The compatibility report of every incompatible (label, report), after explain's own
+    reading of it (``diagnoses``, one per report: its lines first, and the report's misleading
+    lines reworded), then the warnings."""
     lines: list[str] = []
-    for label, report in reports:
+    for k, (label, report) in enumerate(reports):
         if report is not None and not report.compatible:
+            diagnosis = diagnoses[k] if diagnoses is not None else StageDiagnosis()
             lines.append("")
             lines.append(f"{label}: compatibility report")
-            lines += [f"  {x}" for x in str(report).splitlines()]
+            lines += [f"  explain: {x}" for x in diagnosis.lines]
+            for x in str(report).splitlines():
+                body = x.lstrip(" ")
+                if body.startswith("- ") and body[2:] in diagnosis.reworded:
+                    x = x[:len(x) - len(body)] + "- " + diagnosis.reworded[body[2:]]
+                lines.append(f"  {x}")
     lines.append("")
     if warnings:
         lines.append("warnings:")
