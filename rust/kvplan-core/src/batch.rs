@@ -272,6 +272,117 @@ impl BatchSummary {
         held
     }
 
+    /// The requests with bytes in blocks `blocks`, exactly, for a batch planned by a template of
+    /// page pieces `pieces` ([`Template::pieces`]): as [`BatchSummary::requests_in`], except
+    /// that inside a segment of fused requests only the members whose runs (per-run pieces) or
+    /// pages (per-page pieces) the range's blocks cover are named. A fused segment's blocks are
+    /// piece major: a per-run piece has one block per merged run (member `i`'s runs follow the
+    /// runs of those before it, its first merged with the previous member's last), a per-page
+    /// piece one block per page in request order. A segment whose block count does not match
+    /// that shape names all its members (never fewer requests than hold bytes).
+    pub fn requests_with_bytes_in(
+        &self,
+        blocks: std::ops::Range<usize>,
+        pieces: &[crate::pieces::Piece],
+    ) -> Vec<usize> {
+        let mut held = Vec::new();
+        if blocks.start >= blocks.end {
+            return held;
+        }
+        let first = self.segment_offsets[1..].partition_point(|&end| end <= blocks.start);
+        for s in first..self.n_segments() {
+            let (start, end) = (self.segment_offsets[s], self.segment_offsets[s + 1]);
+            if start >= blocks.end {
+                break;
+            }
+            let members = self.segment_requests[s]..self.segment_requests[s + 1];
+            if end == start {
+                continue;
+            }
+            let covered = blocks.start.max(start) - start..blocks.end.min(end) - start;
+            if members.len() == 1 || covered == (0..end - start) {
+                held.extend(members);
+                continue;
+            }
+            match self.fused_members_in(members.clone(), end - start, covered, pieces) {
+                Some(named) => held.extend(named),
+                None => held.extend(members),
+            }
+        }
+        held
+    }
+
+    /// The members of a fused segment (`members`, `n_blocks` blocks) with bytes in its blocks
+    /// `covered` (segment-relative); `None` when the segment's shape is not the one `pieces`
+    /// give (the caller then names every member).
+    fn fused_members_in(
+        &self,
+        members: std::ops::Range<usize>,
+        n_blocks: usize,
+        covered: std::ops::Range<usize>,
+        pieces: &[crate::pieces::Piece],
+    ) -> Option<Vec<usize>> {
+        let summaries = &self.requests[members.clone()];
+        let (runs, pages) = segment_runs(summaries)?;
+        let per_run = pieces.iter().filter(|p| p.per_run()).count();
+        let shape = per_run
+            .checked_mul(runs)?
+            .checked_add((pieces.len() - per_run).checked_mul(pages)?)?;
+        if shape != n_blocks || runs == 0 {
+            return None;
+        }
+        // Member k's first run and first page in the segment's merged order.
+        let (mut run_starts, mut page_starts) = (Vec::new(), Vec::new());
+        let (mut run_at, mut page_at) = (0usize, 0usize);
+        for (k, summary) in summaries.iter().enumerate() {
+            if k > 0 {
+                run_at -= 1; // the boundary run is shared with the previous member
+            }
+            run_starts.push(run_at);
+            page_starts.push(page_at);
+            run_at += summary.n_runs();
+            page_at += summary.n_pages();
+        }
+        let mut hit = vec![false; summaries.len()];
+        // Members whose `[starts[k], starts[k] + len(k))` meets `[a, b)`.
+        let mark = |hit: &mut [bool], starts: &[usize], len: &dyn Fn(usize) -> usize, a, b| {
+            let from = starts.partition_point(|&s| s < a).saturating_sub(1);
+            for k in from..starts.len() {
+                if starts[k] >= b {
+                    break;
+                }
+                if starts[k] + len(k) > a {
+                    hit[k] = true;
+                }
+            }
+        };
+        let n_runs = |k: usize| summaries[k].n_runs();
+        let n_pages = |k: usize| summaries[k].n_pages();
+        let mut at = 0usize;
+        for piece in pieces {
+            let n = if piece.per_run() { runs } else { pages };
+            let (a, b) = (covered.start.max(at), covered.end.min(at + n));
+            if a < b {
+                if piece.per_run() {
+                    mark(&mut hit, &run_starts, &n_runs, a - at, b - at);
+                } else {
+                    mark(&mut hit, &page_starts, &n_pages, a - at, b - at);
+                }
+            }
+            at += n;
+            if at >= covered.end || hit.iter().all(|&h| h) {
+                break;
+            }
+        }
+        Some(
+            hit.iter()
+                .enumerate()
+                .filter(|&(_, &h)| h)
+                .map(|(k, _)| members.start + k)
+                .collect(),
+        )
+    }
+
     /// Block ranges of at most `max_blocks` blocks each, covering the batch in order, for one
     /// engine call each: whole segments packed while they fit, and a segment larger than
     /// `max_blocks` split alone. A failed call then holds as few requests as the sizes allow.
@@ -578,6 +689,16 @@ impl Template {
     /// A batch planner over this template.
     pub fn batch(&self) -> BatchPlanner<'_> {
         BatchPlanner::new(self)
+    }
+
+    /// The requests of a batch this template planned (`summary`) with bytes in blocks
+    /// `blocks`: [`BatchSummary::requests_with_bytes_in`] over this template's pieces.
+    pub fn batch_requests_in(
+        &self,
+        summary: &BatchSummary,
+        blocks: std::ops::Range<usize>,
+    ) -> Vec<usize> {
+        summary.requests_with_bytes_in(blocks, &self.pieces)
     }
 }
 

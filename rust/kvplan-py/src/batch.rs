@@ -447,8 +447,8 @@ pub(crate) fn plan_batch_flat(
 /// Many requests to one peer in one plan: the blocks of every request in one set of columns
 /// (views of one pooled buffer), in segments. A segment is one request, or consecutive
 /// requests whose pages touch on both sides, whose boundary blocks are merged; segments follow
-/// the request order. An engine call that fails holds exactly the requests of the segments
-/// its blocks belong to (`requests_in`).
+/// the request order. An engine call that fails holds exactly the requests with bytes in its
+/// blocks (`requests_in`): inside a segment, those whose runs or pages the call covers.
 #[pyclass(frozen, extends = PyBlocks, name = "BatchPlan", module = "kvplan._core")]
 pub struct PyBatchPlan {
     template: Arc<Template>,
@@ -572,14 +572,16 @@ impl PyBatchPlan {
         ))
     }
 
-    /// The requests whose bytes blocks `start .. stop` hold, in order (int64).
+    /// The requests with bytes in blocks `start .. stop`, in order (int64): inside a segment of
+    /// fused requests, only those whose runs or pages the blocks cover.
     fn requests_in<'py>(
         &self,
         py: Python<'py>,
         start: usize,
         stop: usize,
     ) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, self.summary.requests_in(start..stop).into_iter())
+        let held = self.template.batch_requests_in(&self.summary, start..stop);
+        int64_array(py, held.into_iter())
     }
 
     /// `(n_calls, 2)` int64 `[start, stop)` block ranges of at most `max_blocks` blocks, one
