@@ -6,6 +6,8 @@ outcome against the same definition when one call fails."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -61,8 +63,11 @@ def chained_requests(rng: np.random.Generator, n: int) -> list[tuple[npt.NDArray
     return out
 
 
-def owners_oracle(t: kvplan.Template, requests: list[tuple[npt.NDArray[np.int64],
-                                                           npt.NDArray[np.int64]]]):  # type: ignore[no-untyped-def]
+Held = Callable[[npt.NDArray[np.uint64], npt.NDArray[np.uint64]], set[int]]
+
+
+def owners_oracle(t: kvplan.Template,
+                  requests: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> Held:
     """A function of ``(dst, lengths)`` block arrays giving the set of requests with a
     destination byte in them, from each request's own plan."""
     spans = []
