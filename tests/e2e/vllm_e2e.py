@@ -82,6 +82,9 @@ NIXL_LEASE_S = 120
 # fails every scored prompt after the warm-up).
 WARM_UP_ATTEMPTS = 3
 WARM_UP_TOKENS = 8
+# A decode's first PD request waited 79 s here once (its worker took no step for 60 s: "No
+# available shared memory broadcast block found in 60 seconds"), then answered correctly.
+WARM_UP_TIMEOUT_S = 300.0
 # Every library thread pool of a server at one thread: up to four servers (three processes
 # each) share two cores, and idle pools that spin (OpenMP's 200 ms block time) or size
 # themselves to the machine only add runnable threads. vLLM's CPU worker still sizes its
@@ -351,26 +354,28 @@ class PdPair:
             self._engine_id = ids.pop()
         return self._engine_id
 
-    def generate(self, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    def generate(self, ids: list[int], max_tokens: int = MAX_TOKENS,
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> list[int]:
         """The decode's token ids for ``ids`` through PD; ``last_seconds`` keeps the prefill's
         and the decode's wall time (printed, never asserted)."""
         started = time.perf_counter()
         if self.transport == "mooncake":
             transfer_id = f"e2e-{uuid.uuid4().hex}"
             prefill = complete(self.prefill, ids, 1,
-                               {"do_remote_decode": True, "transfer_id": transfer_id})
+                               {"do_remote_decode": True, "transfer_id": transfer_id},
+                               timeout_s)
             params = {"do_remote_prefill": True, "transfer_id": transfer_id,
                       "remote_engine_id": self.engine_id(),
                       "remote_bootstrap_addr": self.bootstrap_addr()}
         else:
-            prefill = complete(self.prefill, ids, 1, {"do_remote_decode": True})
+            prefill = complete(self.prefill, ids, 1, {"do_remote_decode": True}, timeout_s)
             params = prefill.get("kv_transfer_params") or {}
             if not params.get("remote_block_ids"):
                 raise AssertionError(f"prefill returned kv_transfer_params {params}")
         if len(output_ids(prefill)) != 1:
             raise AssertionError("the prefill generated more than its one token")
         prefilled = time.perf_counter()
-        out = output_ids(complete(self.decode, ids, max_tokens, params))
+        out = output_ids(complete(self.decode, ids, max_tokens, params, timeout_s))
         self.sent += 1
         self.last_seconds = (prefilled - started, time.perf_counter() - prefilled)
         return out
@@ -384,7 +389,8 @@ class PdPair:
         for attempt in range(1, WARM_UP_ATTEMPTS + 1):
             offset = self.decode.log_size()
             try:
-                self.generate(prompt_ids(WARM_UP_TOKENS), max_tokens=2)
+                self.generate(prompt_ids(WARM_UP_TOKENS), max_tokens=2,
+                              timeout_s=WARM_UP_TIMEOUT_S)
             except (HttpError, OSError, AssertionError, KeyError) as exc:
                 errors = [ln.split("] ", 1)[-1][:200] for ln in
                           self.decode.log_since(offset).splitlines() if " ERROR " in ln]

@@ -194,7 +194,8 @@ def test_warm_up_retries_a_failed_handshake_and_never_raises(
     pair = vllm_e2e.PdPair("nixl", prefill, decode)
     tries: list[int] = []
 
-    def generate(ids: list[int], max_tokens: int = 16) -> list[int]:
+    def generate(ids: list[int], max_tokens: int = 16, timeout_s: float = 0) -> list[int]:
+        assert timeout_s >= vllm_e2e.WARM_UP_TIMEOUT_S > vllm_e2e.REQUEST_TIMEOUT_S
         tries.append(len(ids))
         if len(tries) < 3:
             raise harness.HttpError(500, "handshake_setup_failed")
@@ -205,7 +206,7 @@ def test_warm_up_retries_a_failed_handshake_and_never_raises(
     assert "answered on try 3" in said and "handshake_setup_failed" in said
     tries.clear()
 
-    def never(ids: list[int], max_tokens: int = 16) -> list[int]:
+    def never(ids: list[int], max_tokens: int = 16, timeout_s: float = 0) -> list[int]:
         tries.append(1)
         raise harness.HttpError(500, "x")
 
