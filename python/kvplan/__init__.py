@@ -44,7 +44,7 @@ from kvplan._core import (
 )
 from kvplan._errors import ConfigError, IncompatibleHostError, TransferError
 from kvplan.integrity import IntegrityError
-from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError
+from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError, UnknownLeaseError
 from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
 
@@ -76,6 +76,7 @@ __all__ = [
     "SizeMismatchError",
     "StagedPlan",
     "StaleLeaseError",
+    "UnknownLeaseError",
     "Template",
     "ConversionPlan",
     "DTYPES",
