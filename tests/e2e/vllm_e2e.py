@@ -432,8 +432,10 @@ def connectors(setup: Setup) -> list[Connector]:
         # vLLM 0.32 resolves NixlConnector to its pull-mode class.
         Connector("nixl vllm-reference", "nixl", "NixlConnector", logged_as="NixlPullConnector"),
         Connector("nixl kvplan vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module),
+        # 0.34's NixlConnector is an alias of its NixlPullConnector class.
         Connector("nixl vllm-reference vllm-0.34-module", "nixl", "NixlConnector",
-                  "e2e_vllm034", one_prefill=True, by_name_only=True, vllm034=True),
+                  "e2e_vllm034", logged_as="NixlPullConnector", one_prefill=True,
+                  by_name_only=True, vllm034=True),
         Connector("nixl kvplan vllm-0.34-module", "nixl", "KvplanNixlConnector", "e2e_vllm034",
                   one_prefill=True, vllm034=True),
     ]
@@ -463,7 +465,8 @@ def run_connector(servers: VllmServers, connector: Connector,
     stalled past that prefill's KV lease. The bad input's prefill never sends (the decode
     refuses its layout first), so it shares the decode."""
     label = connector.label
-    tag = label.replace(" ", "_")
+    # A retried set's servers log to files of their own (the first run's stay to be read).
+    tag = label.replace(" ", "_") + ("-retry" if suffix else "")
     prefill_a = servers.server(f"{tag}-prefill-a", "a", PREFILL_PORT, connector, "kv_producer")
     decode = servers.server(f"{tag}-decode", "a", DECODE_PORT, connector, "kv_consumer")
     first = [prefill_a, decode]
@@ -547,6 +550,13 @@ def connector_in_use(connector: Connector, group: list[Server]) -> str:
     missing = [s.name for s in group if line not in s.log_since(0)]
     if missing:
         raise AssertionError(f"no {line.strip()!r} in the logs of {missing}")
+    if connector.vllm034:
+        # The overlay says where each process took 0.34's connector modules from.
+        missing = [s.name for s in group if OVERLAY_034_LINE not in s.log_since(0)]
+        if missing:
+            raise AssertionError(f"no {OVERLAY_034_LINE!r} in the logs of {missing}")
+        return (f"{connector.logged_as or connector.name} created over vLLM 0.34.0's "
+                f"connector modules in all {len(group)} servers")
     return f"{connector.logged_as or connector.name} created in all {len(group)} servers"
 
 
@@ -686,6 +696,9 @@ for transport, probe in (
     except Exception as exc:
         print(f"{transport}: " + f"{type(exc).__name__}: {exc}".splitlines()[0])
 """
+
+
+OVERLAY_034_LINE = "kvplan e2e: vLLM 0.34.0 connector modules from"
 
 
 def vllm034_gate(setup_info: Setup) -> dict[str, str | None]:

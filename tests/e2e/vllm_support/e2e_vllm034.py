@@ -104,6 +104,9 @@ def install() -> None:
     if not hasattr(utils, "iter_layer_specs"):
         utils.iter_layer_specs = importlib.import_module(  # type: ignore[attr-defined]
             "vllm.v1.kv_cache_interface").iter_layer_specs
+    # Read by the e2e's "connector loaded" case (vllm_e2e.OVERLAY_034_LINE).
+    print(f"kvplan e2e: vLLM 0.34.0 connector modules from {_SOURCE} (pid {os.getpid()})",
+          flush=True)
 
 
 install()
