@@ -21,11 +21,11 @@
 //! (`gathered_bytes`), converted (`converted_bytes`), scales (`scale_bytes`).
 //!
 //! How it is derived: the decode layout is *widened* into the prefill's representation (every
-//! converted entry's sizes × `in size / out size`, every address × 2 so the widened buffers
-//! stay disjoint, the scale entries the conversion fills left out), the ordinary [`Template`]
-//! pairs the prefill with it and checks every rule of a same-representation transfer, and each
-//! block of its direct plan maps back to its real decode address (`base + (v − 2 base) /
-//! factor`). So every converted byte lands where a decode in the prefill's representation
+//! converted entry's sizes × `in size / out size`, every address's distance from the lowest
+//! buffer × 2 so the widened buffers stay disjoint, the scale entries the conversion fills left
+//! out), the ordinary [`Template`] pairs the prefill with it and checks every rule of a
+//! same-representation transfer, and each block of its direct plan maps back to its real
+//! decode address (`base + (v − vbase) / factor`, `vbase` the entry's virtual address). So every converted byte lands where a decode in the prefill's representation
 //! would have held it, rescaled.
 //!
 //! What converts (anything else is refused at build with [`PlanError::Conversion`] naming both
@@ -257,7 +257,8 @@ impl ConversionTemplate {
     ///
     /// # Errors
     /// [`PlanError::Conversion`] naming both representations for a pair that cannot be
-    /// converted exactly; [`PlanError::Overflow`] for a decode address of 2^63 or more; then
+    /// converted exactly; [`PlanError::Overflow`] for converted buffers that span 2^63 bytes or
+    /// more; then
     /// as [`Template::new`] between the prefill and the widened decode layout.
     pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
         let checks = check_pairs(src, dst, options);
@@ -807,13 +808,20 @@ fn conversion(
 }
 
 /// The decode layout in the prefill's representation: entry `d`'s sizes × `factors[d]`, every
-/// address × 2 (so the widened buffers stay disjoint and map back exactly), the `filled`
+/// address's distance from the lowest buffer × 2 (so the widened buffers stay disjoint and map
+/// back exactly), the `filled`
 /// scale entries left out. Returns it and, per widened entry, its decode entry.
 fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<usize>)> {
     let parts = dst.parts();
     let kept: Vec<usize> = (0..dst.n_entries()).filter(|&d| !filled[d]).collect();
+    // Virtual addresses are twice the distance from `low`, the lowest buffer's address rounded
+    // down to a multiple of 2^32 (so a virtual address keeps the low 33 bits of twice its real
+    // one): buffers anywhere in the address space fit, as long as they span less than 2^63
+    // bytes.
+    let low = kept.iter().map(|&d| parts.data_ptrs[d]).min().unwrap_or(0) & !0xFFFF_FFFF;
     let overflow = PlanError::Overflow {
-        what: "a decode address of 2^63 or more (conversion plans double addresses)",
+        what: "a widened layout: its buffers span 2^63 bytes or more (conversion plans double \
+               the distance between buffers)",
     };
     let mut out = LayoutParts {
         data_ptrs: Vec::with_capacity(kept.len()),
@@ -827,11 +835,12 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
     let (mut strides, mut windows) = (Vec::new(), Vec::new());
     for &d in &kept {
         let f = factors[d];
-        parts.data_ptrs[d]
+        let offset = parts.data_ptrs[d] - low;
+        offset
             .checked_add(parts.data_lens[d])
             .and_then(|e| e.checked_mul(2))
             .ok_or_else(|| overflow.clone())?;
-        out.data_ptrs.push(parts.data_ptrs[d] * 2);
+        out.data_ptrs.push(offset * 2);
         out.data_lens.push(parts.data_lens[d] * f);
         out.item_lens.push(parts.item_lens[d] * f);
         out.layer_ids.push(parts.layer_ids[d]);

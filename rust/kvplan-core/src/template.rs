@@ -425,6 +425,19 @@ impl Template {
                 unit: PlanUnit::Tokens(shape),
             });
         }
+        // A page plan's layouts keep no windows (windows make a token template), so no side
+        // has a window pool for window pages to index: refused, not ignored.
+        let window = request.window_pages;
+        for (side, given) in [
+            (Side::Src, window.0.is_some()),
+            (Side::Dst, window.1.is_some()),
+        ] {
+            if given {
+                return Err(PlanError::Geometry {
+                    what: window_pages_without_pool(side),
+                });
+            }
+        }
         // Runs that descend on both sides are one run too (see the `runs` module).
         let found = scan_runs(src, dst, RunRule::EitherDirection)?;
         if found.n_pages > 0 {
@@ -837,10 +850,7 @@ impl Template {
                      ({page_size} tokens per page): the request must give that side's window \
                      pages"
                 ),
-                (false, true) => format!(
-                    "window pages were given for the {side} side, whose layout has no window \
-                     pool (its window entries, if any, are indexed by the request's pages)"
-                ),
+                (false, true) => window_pages_without_pool(side),
                 _ => continue,
             };
             return Err(PlanError::Geometry { what });
@@ -995,6 +1005,14 @@ impl Template {
             }
         }
     }
+}
+
+/// Why window pages given for `side` cannot be used.
+fn window_pages_without_pool(side: Side) -> String {
+    format!(
+        "window pages were given for the {side} side, whose layout has no window pool (its \
+         window entries, if any, are indexed by the request's pages)"
+    )
 }
 
 /// Model page lists of each side: its pages and its window pages (empty without a window pool).

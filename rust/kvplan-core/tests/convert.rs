@@ -353,3 +353,132 @@ fn mx_across_a_head_split_needs_whole_blocks_per_rank() {
     assert!(plan.rows.group_elems.iter().all(|&g| g == 32));
     assert_eq!(plan.scale_bytes * 32, plan.converted_bytes);
 }
+
+#[test]
+fn buffers_at_2_pow_63_and_above_convert_as_they_do_below() {
+    // Conversion plans place the converted side in a virtual space at twice its addresses'
+    // distance from its lowest buffer: buffers at 2^63 and above plan exactly as the same
+    // buffers lower down, every address on that side moved by the same amount.
+    let high = (1u64 << 63) + (1 << 34);
+    let request = Request::pages(&[1i64, 2, 5], &[3i64, 4, 0]);
+    // Quantizing on the prefill: the decode is the converted (widened) side.
+    let src = layout(1 << 30, 2, Some("bf16"), false);
+    let plans: Vec<_> = [1u64 << 34, high]
+        .into_iter()
+        .map(|base| {
+            let dst = layout(base, 1, Some("fp8_e4m3:per_token"), true);
+            ConversionTemplate::new(&src, &dst, TemplateOptions::default())
+                .unwrap()
+                .plan(&request, staging(), None)
+                .unwrap()
+        })
+        .collect();
+    let moved = high - (1 << 34);
+    let (low, up) = (&plans[0], &plans[1]);
+    assert!(!low.network.dst_addrs.is_empty());
+    assert_eq!(
+        up.network.dst_addrs,
+        low.network
+            .dst_addrs
+            .iter()
+            .map(|a| a + moved)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        up.rows.scale_dst_addrs,
+        low.rows
+            .scale_dst_addrs
+            .iter()
+            .map(|a| a + moved)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (&up.gather, &up.network.src_addrs, &up.network.lengths),
+        (&low.gather, &low.network.src_addrs, &low.network.lengths)
+    );
+    assert_eq!(up.rows.in_addrs, low.rows.in_addrs);
+    assert_eq!(up.rows.out_addrs, low.rows.out_addrs);
+    // Dequantizing on the decode: the prefill is the converted side.
+    let blocks = MX_TOKEN / 32;
+    let dst = mx_layout(1 << 34, 2, Some("bf16"), None).unwrap();
+    let dst_staging = PackBuffer {
+        addr: 1 << 41,
+        size: 1 << 20,
+    };
+    let plans: Vec<_> = [1u64 << 30, (1 << 63) + (1 << 30)]
+        .into_iter()
+        .map(|base| {
+            let src = mx_layout(base, 1, Some("fp8_e4m3:mx"), Some(PAGE * blocks)).unwrap();
+            ConversionTemplate::new(&src, &dst, TemplateOptions::default())
+                .unwrap()
+                .plan(&request, staging(), Some(dst_staging))
+                .unwrap()
+        })
+        .collect();
+    let (low, up) = (&plans[0], &plans[1]);
+    assert!(!low.gather.src_addrs.is_empty());
+    assert_eq!(
+        up.gather.src_addrs,
+        low.gather
+            .src_addrs
+            .iter()
+            .map(|a| a + (1 << 63))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        up.rows.scale_dst_addrs,
+        low.rows
+            .scale_dst_addrs
+            .iter()
+            .map(|a| a + (1 << 63))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (&up.network, &up.rows.out_addrs, &up.scatter),
+        (&low.network, &low.rows.out_addrs, &low.scatter)
+    );
+}
+
+#[test]
+fn converted_buffers_spanning_2_pow_63_bytes_are_a_typed_refusal() {
+    // Two layers, one near the bottom of the address space and one above 2^63: twice their
+    // distance does not fit in 64 bits. Refused as an overflow naming why, never wrapped.
+    let src = Layout::new(
+        LayoutParts {
+            data_ptrs: vec![1 << 30, 1 << 31],
+            data_lens: vec![1 << 10; 2],
+            item_lens: vec![PAGE * TOKEN * 2; 2],
+            layer_ids: vec![Some(0), Some(1)],
+            roles: vec!["k".into(); 2],
+            kinds: vec![],
+            drafts: vec![],
+        },
+        paged(),
+    )
+    .unwrap()
+    .with_representations(vec![Representation::parse("bf16"); 2])
+    .unwrap();
+    let dst = Layout::new(
+        LayoutParts {
+            data_ptrs: vec![1 << 20, (1 << 63) + (1 << 20), 1 << 25, 1 << 26],
+            data_lens: vec![1 << 10; 4],
+            item_lens: vec![PAGE * TOKEN, PAGE * TOKEN, PAGE * 4, PAGE * 4],
+            layer_ids: vec![Some(0), Some(1), Some(0), Some(1)],
+            roles: vec!["k".into(), "k".into(), "k_scale".into(), "k_scale".into()],
+            kinds: vec![],
+            drafts: vec![],
+        },
+        paged(),
+    )
+    .unwrap()
+    .with_representations(vec![
+        Representation::parse("fp8_e4m3:per_token"),
+        Representation::parse("fp8_e4m3:per_token"),
+        None,
+        None,
+    ])
+    .unwrap();
+    let err = ConversionTemplate::new(&src, &dst, TemplateOptions::default()).unwrap_err();
+    assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
+    assert!(err.to_string().contains("span 2^63 bytes or more"), "{err}");
+}

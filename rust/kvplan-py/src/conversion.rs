@@ -209,10 +209,14 @@ impl PyConversionTemplate {
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
         dst_pages: &Bound<'_, PyAny>,
-        staging: (u64, u64),
-        dst_staging: Option<(u64, u64)>,
+        #[pyo3(from_py_with = crate::convert::staging_arg)] staging: (u64, u64),
+        dst_staging: Option<&Bound<'_, PyAny>>,
         n_tokens: Option<u64>,
     ) -> PyResult<PyConversionPlan> {
+        let dst_staging = dst_staging
+            .filter(|obj| !obj.is_none())
+            .map(crate::convert::dst_staging_arg)
+            .transpose()?;
         let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
         let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
         let plan = plan_request(

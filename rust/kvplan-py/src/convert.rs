@@ -428,6 +428,11 @@ pub(crate) fn pack_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
     region_arg(obj, "pack")
 }
 
+/// `staging=(addr, size)` of a conversion plan (see [`region_arg`]).
+pub(crate) fn staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "staging")
+}
+
 /// `src_staging=(addr, size)` (see [`region_arg`]).
 pub(crate) fn src_staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
     region_arg(obj, "src_staging")
