@@ -389,18 +389,21 @@ def _ascending_blocks(local_by_group: list[Any], remote_by_group: list[Any]) -> 
     expand into kernel runs that step down from block to block, one descriptor per block per
     region; reordered it is one run. vLLM 0.34 reorders its own requests at this point; the
     core's rule keeps an order only where it leaves no more runs than either order, so the
-    plan is never more blocks than vLLM's, of 0.34 or of earlier releases. A group kvplan
-    cannot read as block ids is left as it is: planning it refuses the request."""
+    plan is never more blocks than vLLM's, of 0.34 or of earlier releases.
+
+    The groups it reads become the int64 arrays it read (vLLM's expansion takes arrays as it
+    takes lists, and returns them as they are when a block is one kernel block), so the ids are
+    unboxed once per request. A group kvplan cannot read as block ids is left as it is:
+    planning it refuses the request."""
     for g, (local, remote) in enumerate(zip(local_by_group, remote_by_group)):
         if len(local) < 2 or len(local) != len(remote):
             continue
         try:
-            reordered = reverse_descending_runs(index_array(local), index_array(remote))
+            arrays = (index_array(local), index_array(remote))
+            reordered = reverse_descending_runs(*arrays)
         except kvplan.KvPlanError:
             continue
-        if reordered is not None:
-            # vLLM's expansion (and an override of it) takes lists, as vLLM hands them over.
-            local_by_group[g], remote_by_group[g] = reordered[0].tolist(), reordered[1].tolist()
+        local_by_group[g], remote_by_group[g] = reordered or arrays
 
 
 def _ids(block_ids: Any) -> np.ndarray:
