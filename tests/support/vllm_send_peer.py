@@ -61,11 +61,12 @@ def requests(blocks: int, mix: str = "default") -> tuple[dict, list]:
 
     rng = random.Random(5)
     if mix == "mixed":
-        local = rng.sample(range(1, blocks), 44)
-        remote = rng.sample(range(1, 40), 32)
-        shapes = [("frag_a", local[:16], remote[:16]),
-                  ("contig", list(range(blocks - 30, blocks - 6)), list(range(40, 64))),
-                  ("frag_b", local[16:32], remote[16:])]
+        # the batch is ordered by first decode block: fragmented requests below and above
+        # the contiguous one
+        local = rng.sample(range(1, blocks - 30), 32)
+        shapes = [("frag_a", local[:16], rng.sample(range(1, 20), 16)),
+                  ("contig", list(range(blocks - 30, blocks - 6)), list(range(20, 44))),
+                  ("frag_b", local[16:], rng.sample(range(44, 64), 16))]
     else:
         shapes = [("contig", list(range(3, 3 + 24)), list(range(40, 64))),
                   ("frag", rng.sample(range(1, blocks), 20), rng.sample(range(9, 40), 20)),
