@@ -58,6 +58,7 @@ def test_window_fits_at_the_pools_page_size_not_the_layouts() -> None:
     assert pooled.entries()[1].page_size == 2 and pooled.entries()[1].in_window_pool
     assert _two_layers().with_windows([None, 5], window_page_size=2) == pooled
     assert Layout.from_bytes(pooled.to_bytes()) == pooled
+    assert Layout.from_dict(pooled.to_dict()) == pooled
     assert pooled.with_state("mamba", [1 << 40], [64], 64, [9]).window_page_size == 2
     # A pool too narrow for the window, or no pool, is still refused.
     for pool in ({"window_page_size": 1}, {}):
