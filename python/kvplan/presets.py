@@ -19,13 +19,20 @@ Sizes per token per layer (bf16 unless said otherwise):
   ``qk_rope_head_dim`` 64, so a 576 × bf16 = 1152-byte latent, and a DSA indexer of
   ``index_head_dim`` 128. Assumed: the indexer cache has DeepSeek-V3.2's format (132 bytes);
   the next-token-prediction layer (``num_nextn_predict_layers`` 1) is not modelled.
-* DeepSeek-V4 (assumed; no public config was available when this was written): 61 layers
-  laid out as DeepSeek-V3, each layer's latent split into two components with their own
-  buffers and dtypes: an fp8 NoPE part (512 × fp8 plus four fp32 tile scales = 528 bytes,
-  role ``nope``) and a bf16 RoPE part (64 × bf16 = 128 bytes, role ``rope``). Even layers are
-  sliding-window layers (128 tokens) holding only those two components; odd layers attend to
-  everything and also hold a compressed-attention cache (one 656-byte row per 4 tokens, 164
-  bytes per token, role ``compressed``) and the indexer (132 bytes, role ``indexer``).
+* DeepSeek-V4: vLLM's KV-cache spec for the model, as the public InferenceX kv-transfer suite
+  transcribes it. 61 layers. Every cache row is vLLM's ``fp8_ds_mla`` record, 584 bytes: 448
+  NoPE values in fp8, 64 RoPE values in bf16 (128 bytes) and 8 bytes of scales; a page is padded
+  to a multiple of 576 bytes. Every layer keeps a sliding window of 128 tokens (role ``swa``,
+  one row per token; vLLM pages it in 64-token blocks) and a compressed cache (role
+  ``compressed``): 30 layers compress 4 tokens into a row and keep a 132-byte indexer entry per
+  row beside it (role ``indexer``), the other 31 compress 128 tokens into a row. Each role is its
+  own buffer. Which layers compress by 4 is assumed (the odd ones, 30 of 61; the even ones,
+  31, by 128). Two things the preset cannot carry: a peer pages every buffer by its one page
+  size (vLLM pages the window in 64-token blocks), and the 31 caches of one row per 128 tokens
+  are left out, because 584 bytes per 128 tokens is no whole number of bytes per token, which
+  token-exact plans need (every layer has a window entry, so plans are by token); they would
+  add 4.6 bytes per token per layer, under 1 % of the request. The page padding is the entries'
+  stride (a page of ``page_size`` tokens starts every padded size), not bytes moved.
 * Kimi-Linear-style hybrid MLA: full attention (MLA, 1152 bytes) on every 4th layer, linear
   (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
@@ -72,9 +79,38 @@ class ComponentSpec:
     its own item length; the entries pair by (layer id, role)."""
 
     role: str
+    #: Bytes of one row: one token's, or ``tokens_per_row`` tokens' for a compressed cache.
     bytes_per_token: int
     #: Whether the sliding-window layers hold this component too (else only full layers do).
     on_window_layers: bool = True
+    #: Tokens one row holds (a compressed cache: several tokens per row); a page holds
+    #: ``page_size / tokens_per_row`` rows, so the page size must be a multiple of it.
+    tokens_per_row: int = 1
+    #: A page's stride: its bytes rounded up to a multiple of this (vLLM pads ``fp8_ds_mla``
+    #: pages to multiples of 576 bytes); the padding is not moved.
+    page_align: int = 1
+    #: The component's own sliding window in tokens on every layer that holds it (``None``:
+    #: the model's rule, :meth:`ModelPreset.window_of`).
+    window: int | None = None
+    #: Which layers hold it: ``"all"``, ``"odd"`` or ``"even"`` layer ids.
+    layers: Literal["all", "odd", "even"] = "all"
+
+    def item_len(self, page_size: int, preset: str) -> int:
+        """Bytes of one page of this component at ``page_size`` tokens per page (its rows)."""
+        if page_size % self.tokens_per_row:
+            raise KvPlanError(
+                f"preset {preset!r}: its {self.role!r} buffers hold one row per "
+                f"{self.tokens_per_row} tokens, so the page size must be a multiple of "
+                f"{self.tokens_per_row}, got {page_size}")
+        return page_size // self.tokens_per_row * self.bytes_per_token
+
+    def stride(self, page_size: int, preset: str) -> int:
+        """Bytes from one page to the next: :meth:`item_len` padded to :attr:`page_align`."""
+        return -(-self.item_len(page_size, preset) // self.page_align) * self.page_align
+
+    def held_by(self, layer: int) -> bool:
+        """Whether layer ``layer`` holds this component (by :attr:`layers`)."""
+        return self.layers == "all" or (layer % 2 == 1) == (self.layers == "odd")
 
 
 @dataclass(frozen=True)
@@ -276,15 +312,19 @@ class ModelPreset:
                               f"(tp_size > 1 or memory_order) describes one item shape per "
                               f"side, and the components' items differ")
         entries = [(layer, c) for layer in kv for c in self.layer_components()
-                   if c.on_window_layers or self.window_of(layer) is None]
-        items = [c.bytes_per_token * page_size for _, c in entries]
-        spans = [_align(capacity * size) for size in items]
+                   if c.held_by(layer) and (c.on_window_layers or self.window_of(layer) is None)]
+        items = [c.item_len(page_size, self.key) for _, c in entries]
+        strides = [c.stride(page_size, self.key) for _, c in entries]
+        spans = [_align(capacity * size) for size in strides]
         ptrs = [base + sum(spans[:k]) for k in range(len(items))]
-        layout = Layout(ptrs, [capacity * size for size in items], items,
+        layout = Layout(ptrs, [capacity * size for size in strides], items,
                         [layer for layer, _ in entries], [c.role for _, c in entries],
+                        strides=strides if strides != items else None,
                         page_size=page_size, device=device, num_model_layers=self.num_layers,
                         pp_rank=pp_rank, pp_size=pp_size, **tp)
-        return self._windowed(layout)
+        windows = [c.window if c.window is not None else self.window_of(layer)
+                   for layer, c in entries]
+        return layout.with_windows(windows) if any(w is not None for w in windows) else layout
 
     def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
                           page_size: int, device: str, pp_rank: int, pp_size: int,
@@ -351,10 +391,13 @@ def split_layers(num_layers: int, pp_size: int, counts: Sequence[int] | None = N
 _GDN = (StateSpec("mamba_conv", 49_152), StateSpec("mamba_temporal", 2_097_152))
 _KDA = (StateSpec("mamba_conv", 73_728), StateSpec("mamba_temporal", 2_097_152))
 
-#: DeepSeek-V4's per-layer components (assumed; see the module docstring).
-_V4 = (ComponentSpec("nope", 528), ComponentSpec("rope", 128),
-       ComponentSpec("compressed", 164, on_window_layers=False),
-       ComponentSpec("indexer", 132, on_window_layers=False))
+#: DeepSeek-V4's per-layer components (see the module docstring): vLLM's ``fp8_ds_mla`` row
+#: (448 fp8 NoPE + 64 bf16 RoPE + 8 scale bytes), pages padded to multiples of 576 bytes.
+_V4_ROW, _V4_PAGE_ALIGN, _V4_WINDOW = 448 + 64 * 2 + 8, 576, 128
+_V4 = (ComponentSpec("swa", _V4_ROW, page_align=_V4_PAGE_ALIGN, window=_V4_WINDOW),
+       ComponentSpec("compressed", _V4_ROW, tokens_per_row=4, page_align=_V4_PAGE_ALIGN,
+                     layers="odd"),
+       ComponentSpec("indexer", 132, tokens_per_row=4, layers="odd"))
 
 PRESETS: dict[str, ModelPreset] = {
     p.key: p
@@ -373,15 +416,17 @@ PRESETS: dict[str, ModelPreset] = {
                                 "(assumed DeepSeek-V3.2's format: 128 × fp8 plus one fp32 scale "
                                 "= 132 B per token per layer); the MTP layer is not modelled",
                     kv_heads=1, head_dim=576, indexer_bytes_per_token=132),
-        ModelPreset("deepseek-v4", "DeepSeek-V4 (assumed geometry)", 61, "mla",
-                    528 + 128 + 164 + 132,
-                    description="assumed, no public config: 61 layers; per layer an fp8 NoPE "
-                                "latent (512 × fp8 + 4 fp32 scales = 528 B per token) and a "
-                                "bf16 RoPE part (64 × bf16 = 128 B), each its own buffer; even "
-                                "layers sliding-window (128 tokens, NoPE + RoPE only), odd "
-                                "layers also a compressed-attention cache (a 656 B row per 4 "
-                                "tokens = 164 B per token) and the indexer (132 B per token)",
-                    kv_heads=1, sliding_window=128, components=_V4),
+        ModelPreset("deepseek-v4", "DeepSeek-V4", 61, "mla",
+                    _V4_ROW + _V4_ROW // 4 + 132 // 4,
+                    description="vLLM's KV-cache spec (as the InferenceX kv-transfer suite "
+                                "transcribes it): 61 layers of fp8_ds_mla rows (448 fp8 NoPE + "
+                                "64 bf16 RoPE + 8 scale bytes = 584 B), pages padded to "
+                                "multiples of 576 B; every layer a 128-token sliding window "
+                                "(swa) and a compressed cache: 30 layers (odd, assumed) a row "
+                                "per 4 tokens plus a 132 B indexer entry per row (page size a "
+                                "multiple of 4); the other 31 layers' row per 128 tokens is "
+                                "left out (no whole bytes per token)",
+                    kv_heads=1, components=_V4),
         ModelPreset("gpt-oss-120b", "gpt-oss-120b", 36, "mha", 1024,
                     description="36 layers alternating sliding-window (128 tokens, even layers) "
                                 "and full attention, GQA 8 KV heads × 64 × bf16 = 1024 B per "

@@ -384,13 +384,15 @@ def test_explain_runs_the_new_presets(capsys, preset: str) -> None:
     assert kinds["sidecar indexer"] == (list(range(1, 61, 2)) if preset == "deepseek-v4"
                                         else list(range(78)))
     if preset == "deepseek-v4":
-        assert kinds["window 128"] == list(range(0, 61, 2))
+        assert kinds["window 128"] == list(range(61))
     # Bytes: every token of the full layers' components, the window layers' last 128 tokens.
     tokens = 16 * 64
     if preset == "glm-5":
         want = 78 * tokens * (1152 + 132)
     else:
-        want = 30 * tokens * (528 + 128 + 164 + 132) + 31 * 128 * (528 + 128)
+        # vLLM's geometry: every layer's window (128 tokens of 584 B fp8_ds_mla rows), and on
+        # 30 layers a 584 B row per 4 tokens plus a 132 B indexer entry per row.
+        want = 61 * 128 * 584 + 30 * tokens // 4 * (584 + 132)
     e = explain.explain([("prefill", entries)],
                         p.layout(range(p.num_layers), page_size=64, capacity=16,
                                  base=kvplan.presets.DECODE_BASE),

@@ -166,24 +166,30 @@ def test_deepseek_v4_preset_pairs_every_component_by_layer_and_role() -> None:
     preset = get_preset("deepseek-v4", 4)
     src = preset.layout(range(4), page_size=64, capacity=16)
     dst = preset.layout(range(4), page_size=64, capacity=16, base=DECODE_BASE)
-    # Even layers slide (NoPE + RoPE, window 128), odd layers hold all four components.
-    assert src.roles == ["nope", "rope", "nope", "rope", "compressed", "indexer"] * 2
-    assert src.windows == [128, 128, None, None, None, None] * 2
-    assert src.item_lens[:6] == [64 * b for b in (528, 128, 528, 128, 164, 132)]
+    # vLLM's geometry: every layer a 128-token window of fp8_ds_mla rows (448 fp8 NoPE + 64
+    # bf16 RoPE + 8 scale bytes = 584 B per token); odd layers also a compressed cache (a
+    # 584 B row per 4 tokens) and a 132 B indexer entry per row. Pages padded to 576 B.
+    assert src.roles == ["swa", "swa", "compressed", "indexer"] * 2
+    assert src.windows == [128, 128, None, None] * 2
+    assert src.item_lens[:4] == [64 * 584, 64 * 584, 16 * 584, 16 * 132]
+    assert src.strides[:4] == [65 * 576, 65 * 576, 17 * 576, 16 * 132]
     t = kvplan.Template(src, dst)
     pages = np.arange(8, dtype=np.int64)
     plan = t.plan(pages, pages, n_tokens=8 * 64)
-    full = 2 * 8 * 64 * (528 + 128 + 164 + 132)  # two full layers, every token
-    window = 2 * 128 * (528 + 128)  # two window layers, their last 128 tokens
-    assert plan.total_bytes == full + window
-    assert len(plan) == len(src)  # contiguous: one block per entry
-    # A decode without the RoPE buffers cannot take the prefill's components.
-    no_rope = kvplan.Layout(*(getattr(dst, f) for f in ("data_ptrs", "data_lens", "item_lens")),
-                            dst.layer_ids, [r if r != "rope" else "rope_v2" for r in dst.roles],
-                            windows=dst.windows, page_size=64)
-    with pytest.raises(kvplan.PairingError, match=r"layer 0, role rope_v2\) .* without a "
-                       r"rope_v2 entry"):
-        kvplan.Template(src, no_rope)
+    window = 4 * 128 * 584  # every layer's last 128 tokens
+    compressed = 2 * 8 * 16 * (584 + 132)  # the two odd layers, every row of the request
+    assert plan.total_bytes == window + compressed
+    # A decode without the indexer buffers cannot take the prefill's components.
+    no_indexer = kvplan.Layout(*(getattr(dst, f) for f in ("data_ptrs", "data_lens",
+                                                          "item_lens")),
+                               dst.layer_ids,
+                               [r if r != "indexer" else "indexer_v2" for r in dst.roles],
+                               strides=dst.strides, windows=dst.windows, page_size=64)
+    with pytest.raises(kvplan.PairingError, match=r"indexer"):
+        kvplan.Template(src, no_indexer)
+    with pytest.raises(kvplan.KvPlanError, match=r"one row per 4 tokens, so the page size "
+                       r"must be a multiple of 4, got 2"):
+        preset.layout(range(4), page_size=2, capacity=16)
 
 
 def test_published_geometry_moves_replicated_latent_components_whole() -> None:

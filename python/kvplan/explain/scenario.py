@@ -87,7 +87,12 @@ def scenario(args: argparse.Namespace, cross_layer: bool = False
             decode = preset.layout(list(range(preset.num_layers)), page_size=decode_size,
                                    capacity=decode_capacity, base=DECODE_BASE,
                                    cross_layer=cross_layer)
-        except (KvPlanError, OverflowError) as err:
+        except KvPlanError as err:
+            # The preset's own rule refuses the page size (a row of several tokens, a window
+            # wider than the pool): say that, not a size problem.
+            raise ValueError(f"--preset {preset.key} with --page-size {page_size} and --pages "
+                             f"{args.pages}: {one_line(err)}") from None
+        except OverflowError as err:
             # Page size x pages sizes the synthetic pools; past 2**64 bytes of address space
             # the layout cannot be built.
             raise ValueError(
