@@ -191,3 +191,21 @@ def test_python_dash_m_kvplan_runs_the_console_script() -> None:
     res = subprocess.run([sys.executable, "-m", "kvplan", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.startswith("usage: kvplan "), res.stdout
+
+
+def test_equal_items_refused_for_a_token_plan_get_the_refusals_words(capsys, tmp_path) -> None:
+    # A window entry makes the plan token-exact; an 18,440-byte item of 16 tokens is no whole
+    # number of bytes per token, on both sides alike.
+    layout = mla(16)
+    items = [18440] * 4
+    prefill = write(tmp_path / "p.json", layout, item_lens=items, strides=items)
+    decode = write(tmp_path / "d.json", layout, item_lens=items, strides=items)
+    for path in (prefill, decode):
+        data = json.loads(Path(path).read_text())
+        data["windows"] = [32, None, None, None]
+        Path(path).write_text(json.dumps(data))
+    rc, out, err = explain_cli(capsys, "--prefill", prefill, "--decode", decode, "--pages", "4")
+    assert rc == 1, err
+    assert "18440 vs 18440" not in out, out
+    assert "paired entries of equal item size on both sides are refused: " in out, out
+    assert "not a whole number of tokens" in out

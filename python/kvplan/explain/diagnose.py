@@ -4,7 +4,8 @@ blocks of the request write.
 
 * Page sizes differ and the items hold different bytes per token: the report lists the items
   as differing "in item size" even when both items have the same length; explain says bytes
-  per token, with each side's page size.
+  per token, with each side's page size. Equal items refused for another reason (an item that
+  is no whole number of bytes per token in a token plan) get the refusal's own words.
 * Element sizes differ (a 1-byte fp8 or int8 decode cache of 2-byte bf16 KV): the core refuses
   the pair as a head-slicing problem; explain says a byte copy cannot convert and points to
   conversion plans (:class:`kvplan.ConversionTemplate`).
@@ -79,6 +80,18 @@ def diagnose_stage(src: Any, decode: Any, report: Any) -> StageDiagnosis:
                 f"{'differs' if len(sizes) == 1 else 'differ'} in bytes per token (prefill "
                 f"page_size {src_ps}, decode page_size {dst_ps}; paired items must hold the "
                 f"same bytes per token): {labels}{more}")
+        for reason in report.reasons:
+            if " in item size (prefill vs decode): " in reason:
+                out.reworded[reason] = line
+                break
+        else:
+            out.lines.append(line)
+    elif sizes and all(e.src_item_len == e.dst_item_len for e in sizes):
+        # Equal items refused for another reason (e.g. not a whole number of bytes per token
+        # for a token plan): the exception says which; "differ in item size" would not.
+        first = next(str(e.exception) for e in sizes)
+        line = (f"{_plural(len(sizes), 'paired entry')} of equal item size on both sides "
+                f"{'is' if len(sizes) == 1 else 'are'} refused: {first}")
         for reason in report.reasons:
             if " in item size (prefill vs decode): " in reason:
                 out.reworded[reason] = line
