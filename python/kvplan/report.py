@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvplan import _core
-from kvplan._core import Layout, LayoutEntry, Pairing
+from kvplan._core import Layout, Pairing
 from kvplan._roles import MHA_ROLES
 
 __all__ = ["CompatReport", "EntryCheck", "compare", "describe_deal", "format_ids"]
@@ -220,16 +220,16 @@ def compare(
     )
     rows = _core.check_pairs(prefill_layout, decode_layout, resolved, replicas_send=replicas_send)
     hide = resolved.mode != "layer_id"
-    src_entries = _visible(prefill_layout, hide)
-    dst_items = decode_layout.item_lens
+    src_seen, dst_seen = _visible(prefill_layout, hide), _visible(decode_layout, hide)
+    dst_items = dst_seen.item_lens
     entries = tuple(
         EntryCheck(
             kind=kind,
             src_index=i,
             dst_index=j,
-            layer_id=src_entries[i].layer_id,
-            role=src_entries[i].role,
-            src_item_len=src_entries[i].item_len,
+            layer_id=src_seen.layer_ids[i],
+            role=src_seen.roles[i],
+            src_item_len=src_seen.item_lens[i],
             dst_item_len=None if j is None else dst_items[j],
             exception=exception,
         )
@@ -249,33 +249,45 @@ def compare(
         entries=entries,
         compatible=not reasons,
         reasons=tuple(reasons),
-        coverage=tuple(_coverage(prefill_layout, decode_layout, entries, hide)),
+        coverage=tuple(_coverage(prefill_layout, decode_layout, entries, src_seen, dst_seen)),
         warnings=tuple(_warnings(prefill_layout, decode_layout, entries)
                        + _stride_warnings(prefill_layout, decode_layout, entries)),
-        prefill=describe_layout(prefill_layout, hide_page_ids=hide),
-        decode=describe_layout(decode_layout, hide_page_ids=hide),
+        prefill=_describe(prefill_layout, src_seen),
+        decode=_describe(decode_layout, dst_seen),
         blocks=tuple(blocks),
         dcp=tuple(dcp),
     )
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """What the report says about one entry: a layout entry as the pairing sees it."""
+class _Seen:
+    """A layout's entries as the pairing sees them, one list per field (no object per entry:
+    a report on layouts of a few hundred thousand entries reads each side several times)."""
 
-    kind: str
-    layer_id: int | None
-    role: str | None
-    item_len: int
+    kinds: list[str]
+    layer_ids: list[int | None]
+    roles: list[str | None]
+    item_lens: list[int]
+
+    @property
+    def n_page(self) -> int:
+        return self.kinds.count("page")
+
+    def page_ids(self) -> list[int]:
+        return [i for k, i in zip(self.kinds, self.layer_ids) if k == "page" and i is not None]
+
+    def publishes_ids(self) -> bool:
+        return any(i is not None for i in self.layer_ids)
 
 
-def _visible(layout: Layout, hide_page_ids: bool) -> list[_Entry]:
+def _visible(layout: Layout, hide_page_ids: bool) -> _Seen:
     """The layout's entries, without the page entries' layer ids when the pairing ignores them."""
-    def seen(e: LayoutEntry) -> _Entry:
-        layer_id = None if hide_page_ids and e.kind == "page" else e.layer_id
-        return _Entry(e.kind, layer_id, e.role, e.item_len)
-
-    return [seen(e) for e in layout.entries()]
+    kinds = layout.kinds
+    n = len(kinds)
+    layer_ids: list[int | None] = list(layout.layer_ids or [None] * n)
+    if hide_page_ids:
+        layer_ids = [None if k == "page" else i for k, i in zip(kinds, layer_ids)]
+    return _Seen(kinds, layer_ids, list(layout.roles or [None] * n), layout.item_lens)
 
 
 def _stride_warnings(src: Layout, dst: Layout, entries: Sequence[EntryCheck]) -> list[str]:
@@ -440,16 +452,18 @@ def describe_layout(layout: Layout, *, hide_page_ids: bool = False) -> str:
 
     ``hide_page_ids``: describe the layout as a pairing that ignores page ids sees it.
     """
-    entries = _visible(layout, hide_page_ids)
-    n_page = sum(1 for e in entries if e.kind == "page")
-    n_state = len(entries) - n_page
+    return _describe(layout, _visible(layout, hide_page_ids))
+
+
+def _describe(layout: Layout, seen: _Seen) -> str:
+    n_page = seen.n_page
+    n_state = len(seen.kinds) - n_page
     counts = _plural(n_page, "page entry")
     if n_state:
         counts += f" + {_plural(n_state, 'state entry')}"
-    roles = [str(e.role) for e in entries] if layout.roles is not None else []
-    role_text = f" ({', '.join(dict.fromkeys(roles))})" if roles else ""
-    publishes = any(e.layer_id is not None for e in entries)
-    ids = "layer ids" if publishes else "no layer ids"
+    roles = [str(r) for r in dict.fromkeys(seen.roles)] if layout.roles is not None else []
+    role_text = f" ({', '.join(roles)})" if roles else ""
+    ids = "layer ids" if seen.publishes_ids() else "no layer ids"
     model = "" if layout.num_model_layers is None else f", {layout.num_model_layers}-layer model"
     dcp = (f", DCP rank {layout.dcp_rank} of {layout.dcp_size} (interleave "
            f"{layout.dcp_interleave})" if layout.dcp_size > 1 else "")
@@ -503,19 +517,14 @@ def _split_model_draft(ids: Iterable[int], n_model: int | None) -> tuple[list[in
     return [i for i in ids if i < n_model], [i for i in ids if i >= n_model]
 
 
-def _page_ids(entries: Sequence[_Entry]) -> list[int]:
-    return [e.layer_id for e in entries if e.kind == "page" and e.layer_id is not None]
-
-
 def _page_roles(layout: Layout) -> bool:
     """Whether the layout publishes a role for its page entries (all or none of them do)."""
     return any(e.role is not None for e in layout.entries("page"))
 
 
-def _side(name: str, layout: Layout, verb: str, n_model: int | None, hide: bool) -> str:
-    entries = _visible(layout, hide)
-    ids = _page_ids(entries)
-    n_page = sum(1 for e in entries if e.kind == "page")
+def _side(name: str, layout: Layout, verb: str, n_model: int | None, seen: _Seen) -> str:
+    ids = seen.page_ids()
+    n_page = seen.n_page
     model, draft = _split_model_draft(ids, n_model)
     who = (name if layout.pp_size == 1
            else f"{name} stage (PP rank {layout.pp_rank} of {layout.pp_size})")
@@ -528,19 +537,19 @@ def _side(name: str, layout: Layout, verb: str, n_model: int | None, hide: bool)
     return text
 
 
-def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck], hide: bool) -> list[str]:
-    """``hide``: the pairing ignores the page entries' layer ids, so the report does too."""
+def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck], src_seen: _Seen,
+              dst_seen: _Seen) -> list[str]:
+    """``src_seen`` / ``dst_seen``: the entries as the pairing sees them (without the page
+    entries' layer ids when it ignores them, and so does the report)."""
     n_model = src.num_model_layers if src.num_model_layers is not None else dst.num_model_layers
-    out = [_side("prefill", src, "covers", n_model, hide),
-           _side("decode", dst, "has", n_model, hide)]
-    src_seen, dst_seen = _visible(src, hide), _visible(dst, hide)
+    out = [_side("prefill", src, "covers", n_model, src_seen),
+           _side("decode", dst, "has", n_model, dst_seen)]
     page = [e for e in entries if e.kind == "page"]
     missing = [e.layer_id for e in page if e.unpaired and e.layer_id is not None]
     if missing:
         out.append(f"decode has no entry for layer{'s' if len(set(missing)) > 1 else ''} "
                    f"{format_ids(missing)}")
-    if not any(e.layer_id is not None for e in src_seen) or not any(
-            e.layer_id is not None for e in dst_seen):
+    if not src_seen.publishes_ids() or not dst_seen.publishes_ids():
         paired = [e for e in page if e.dst_index is not None]
         if paired:
             out.append(f"entries pair by position: prefill entries "
@@ -552,8 +561,8 @@ def _coverage(src: Layout, dst: Layout, entries: Sequence[EntryCheck], hide: boo
     else:
         # Decode layers this stage does not write: normal for a PP stage, a gap at PP=1.
         sent = {e.dst_index for e in page if e.dst_index is not None}
-        unsent = [e.layer_id for j, e in enumerate(dst_seen)
-                  if e.kind == "page" and j not in sent and e.layer_id is not None]
+        unsent = [i for j, (k, i) in enumerate(zip(dst_seen.kinds, dst_seen.layer_ids))
+                  if k == "page" and j not in sent and i is not None]
         unsent_model, unsent_draft = _split_model_draft(set(unsent), n_model)
         if unsent_model:
             tail = ("another PP stage sends them" if src.pp_size > 1
