@@ -10,7 +10,9 @@ afterwards, subclass 0.34's classes; everything else is the 0.32 engine.
 0.34's own source (the same text, executed in the 0.32 module's namespace), never rewritten:
 ``KVCacheAccess`` (``vllm.config.kv_transfer``; only 0.34's engine asks for it),
 ``iter_layer_specs`` (``vllm.v1.kv_cache_interface``) and ``check_compressed_kernel_split``
-(``...kv_connector.utils``), ``check_nixl_version`` (``vllm.distributed.nixl_utils``).
+(``...kv_connector.utils``), ``check_nixl_version`` (``vllm.distributed.nixl_utils``). And its
+Mooncake worker reads ``cache_config.enable_extensible_kv_cache``, a setting 0.34's engine adds
+and settles to False on a CPU: the 0.32 ``CacheConfig`` class answers False.
 
 Exports ``KvplanMooncakeConnector`` and ``KvplanNixlConnector`` (kvplan's classes, unmodified)
 and, as the references for this overlay, vLLM 0.34.0's own ``NixlConnector`` and its
@@ -99,6 +101,12 @@ def install() -> None:
         sys.meta_path.insert(0, _Vllm034Finder())
     for module_name, rel, names in GRAFTS:
         _graft(module_name, rel, names)
+    # 0.34's Mooncake worker reads a cache setting 0.34 added (enable_extensible_kv_cache:
+    # device virtual memory for the KV cache, which 0.34's engine turns on for CUDA and ROCm
+    # only); the 0.32 engine's CacheConfig answers what 0.34's settles on a CPU.
+    cache_config = importlib.import_module("vllm.config.cache").CacheConfig
+    if not hasattr(cache_config, "enable_extensible_kv_cache"):
+        cache_config.enable_extensible_kv_cache = False
     # 0.34's kv_connector.utils imports iter_layer_specs from kv_cache_interface.
     utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
     if not hasattr(utils, "iter_layer_specs"):
