@@ -69,7 +69,6 @@ def explanation_json(e: Explanation) -> dict[str, Any]:
         "ok": e.ok,
         "pages": e.pages,
         "page_size": e.page_size,
-        "tokens": e.pages * e.page_size,
         "fragmentation": e.fragmentation,
         "breaks": e.breaks,
         "layout": e.layout,

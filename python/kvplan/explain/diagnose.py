@@ -99,9 +99,10 @@ def diagnose_stage(src: Any, decode: Any, report: Any) -> StageDiagnosis:
         else:
             out.lines.append(line)
     elif sizes and not out.lines and all(e.dst_item_len for e in sizes):
-        ratios = {e.src_item_len / e.dst_item_len for e in sizes if e.dst_item_len}
-        if ratios in ({2.0}, {0.5}):
-            half = "the decode's items are half the prefill's" if ratios == {2.0} \
+        decode_half = all(e.src_item_len == (e.dst_item_len or 0) << 1 for e in sizes)
+        prefill_half = all(e.src_item_len << 1 == e.dst_item_len for e in sizes)
+        if decode_half or prefill_half:
+            half = "the decode's items are half the prefill's" if decode_half \
                 else "the prefill's items are half the decode's"
             out.lines.append(
                 f"{half}, as a 1-byte (fp8, int8) cache of 2-byte (bf16) KV would be: if so, a "
