@@ -561,6 +561,50 @@ class Server:
         log(f"stopped {self.name}")
 
 
+def py_spy() -> str | None:
+    """A py-spy binary: on PATH, or one a cached venv installed (SGLang's requirements have it;
+    it reads any CPython process)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    cached = sorted(cache_root().glob("venv-*/bin/py-spy"))
+    return str(cached[0]) if cached else None
+
+
+def dump_stacks(server: Server, why: str) -> str:
+    """Every thread's Python stack in every process of ``server``'s group (``py-spy dump``),
+    written next to its log as ``<name>.stacks.txt``: a request that hangs leaves the frames it
+    hung in. Returns a short note for the case's line (the file, and each process's frames
+    that are not a thread pool's idle wait)."""
+    spy = py_spy()
+    if server.proc is None or spy is None:
+        return "no stacks: " + ("no py-spy here" if spy is None else "server not started")
+    listing = subprocess.run(["ps", "-eo", "pid=,pgid="], stdout=subprocess.PIPE, text=True,
+                             check=False).stdout.split()
+    pids = [int(pid) for pid, group in zip(listing[::2], listing[1::2])
+            if int(group) == server.proc.pid]
+    out_path = server.log_dir / f"{server.name}.stacks.txt"
+    busy: list[str] = []
+    with open(out_path, "a") as out:
+        out.write(f"=== {time.strftime('%H:%M:%S')} {why}\n")
+        for pid in pids:
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, timeout=60,
+                                      check=False).stdout
+            except subprocess.TimeoutExpired:
+                dump = "py-spy dump timed out\n"
+            out.write(f"--- pid {pid}\n{dump}\n")
+            frames = [ln.strip() for ln in dump.splitlines()
+                      if re.match(r"^    \S.*\(.*:\d+\)$", ln)]
+            idle = ("wait (threading.py", "_worker (concurrent", "select (selectors.py",
+                    "poll (", "recv_multipart", "dequeue (")
+            active = [f for f in frames if not any(word in f for word in idle)]
+            if active:
+                busy.append(f"pid {pid}: {active[0][:120]}")
+    return f"stacks in {out_path}" + (f" ({'; '.join(busy[:3])})" if busy else "")
+
+
 def wait_all_ready(servers: Sequence[Server], timeout_s: float) -> None:
     """Wait until every server is ready; the first one to exit (or the timeout) raises at once,
     so a server that cannot start costs no more than its own start."""

@@ -562,7 +562,12 @@ def connector_in_use(connector: Connector, group: list[Server]) -> str:
 
 def compare_equal(pair: PdPair, name: str, length: int,
                   reference: dict[str, list[int]]) -> str:
-    got = pair.generate(prompt_ids(length))
+    try:
+        got = pair.generate(prompt_ids(length))
+    except TimeoutError:
+        raise AssertionError(f"no answer within {REQUEST_TIMEOUT_S:.0f} s; decode's "
+                             f"{harness.dump_stacks(pair.decode, name)}; prefill's "
+                             f"{harness.dump_stacks(pair.prefill, name)}") from None
     want = reference[name]
     diff = harness.first_difference(got, want)
     if diff is not None:
@@ -648,8 +653,9 @@ def bad_input(pair: PdPair, good: PdPair, refused: Server,
         detail = f"HTTP {exc.status} after {elapsed:.1f} s; decode: " + (
             reasons[0][:240] if reasons else exc.body.replace("\n", " ")[:160])
     except TimeoutError:
-        raise AssertionError(f"no answer within {REQUEST_TIMEOUT_S:.0f} s: the request hangs"
-                             ) from None
+        stacks = harness.dump_stacks(pair.decode, "bad input: no answer")
+        raise AssertionError(f"no answer within {REQUEST_TIMEOUT_S:.0f} s: the request hangs; "
+                             f"decode's {stacks}") from None
     else:
         verdict = "equal to" if got == reference[name] else "different from"
         raise AssertionError(f"prefill with another KV layout answered 200 with tokens "
@@ -665,11 +671,13 @@ def bad_input(pair: PdPair, good: PdPair, refused: Server,
     except TimeoutError:
         stuck = [server.name for server, offset in zip(watched, offsets)
                  if "No available shared memory broadcast block" in server.log_since(offset)]
+        stacks = "; ".join(f"{s.name}'s {harness.dump_stacks(s, 'after the bad input')}"
+                           for s in watched)
         raise AssertionError(
             f"{detail}; but the next PD request ({good.prefill.name} to the decode) got no "
             f"answer within {REQUEST_TIMEOUT_S:.0f} s" + (
                 f": the worker of {stuck} stopped taking steps (its engine core logs no "
-                "broadcast block read for 60 s)" if stuck else "")) from None
+                "broadcast block read for 60 s)" if stuck else "") + f"; {stacks}") from None
     if after != reference[name]:
         raise AssertionError(f"after the failed request the decode answers {after}")
     return detail + "; the decode serves the next request correctly"

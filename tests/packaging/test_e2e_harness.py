@@ -255,3 +255,24 @@ def test_the_wheel_build_holds_dev_builds_lock(tmp_path: Path,
     monkeypatch.setattr(harness, "run", fake_run)
     harness.install_checkout(harness.Venv(tmp_path / "venv", steps=[]), checkout)
     assert held == [True]
+
+
+def test_a_hung_server_leaves_its_stacks(tmp_path: Path) -> None:
+    if harness.py_spy() is None:
+        pytest.skip("no py-spy on PATH or in a cached e2e venv")
+    server = harness.Server("sleeper", [sys.executable, "-c",
+                                        "import time\ndef hang_here():\n    time.sleep(60)\n"
+                                        "print('up', flush=True)\nhang_here()"],
+                            0, {}, tmp_path).start()
+    try:
+        deadline = 50
+        while "up" not in server.log_since(0) and deadline:
+            import time
+            time.sleep(0.1)
+            deadline -= 1
+        note = harness.dump_stacks(server, "test")
+    finally:
+        server.stop(grace_s=5)
+    stacks = (tmp_path / "sleeper.stacks.txt").read_text()
+    assert "hang_here" in stacks and "=== " in stacks
+    assert "sleeper.stacks.txt" in note and "hang_here" in note
