@@ -235,7 +235,7 @@ def compare(
         )
         for kind, i, j, exception in rows
     )
-    reasons = _reasons(entries)
+    reasons = _reasons(entries, prefill_layout.page_size, decode_layout.page_size)
     blocks: list[str] = []
     options = {"pairing": resolved, "replicas_send": replicas_send}
     dealt = prefill_layout.dcp_size > 1 or decode_layout.dcp_size > 1
@@ -481,7 +481,7 @@ def _label(e: EntryCheck) -> str:
     return text or f"entry {e.src_index}"
 
 
-def _reasons(entries: Sequence[EntryCheck]) -> list[str]:
+def _reasons(entries: Sequence[EntryCheck], src_page_size: int, dst_page_size: int) -> list[str]:
     """One line per kind of problem, in the order ``Template`` meets them."""
     missing = [e for e in entries if e.problem is not None and e.unpaired]
     sizes = [e for e in entries if e.problem is not None and e.size_mismatch]
@@ -500,14 +500,31 @@ def _reasons(entries: Sequence[EntryCheck]) -> list[str]:
                        + f"{'has' if len(missing) == 1 else 'have'} no decode partner: "
                        + labels + more)
     if sizes:
-        labels = "; ".join(f"{_label(e)} {e.src_item_len} vs {e.dst_item_len} bytes"
-                           for e in sizes[:8])
-        more = f"; … ({len(sizes) - 8} more)" if len(sizes) > 8 else ""
-        out.append(f"{_plural(len(sizes), 'paired entry')} "
-                   + f"{'differs' if len(sizes) == 1 else 'differ'} in item size "
-                   "(prefill vs decode): " + labels + more)
+        out.append(_size_reason(sizes, src_page_size, dst_page_size))
     out += list(dict.fromkeys(e.problem for e in other if e.problem is not None))
     return out
+
+
+def _size_reason(sizes: Sequence[EntryCheck], src_ps: int, dst_ps: int) -> str:
+    """The paired entries whose items do not match, in the terms of what differs: bytes per
+    token when the page sizes differ, the refusal's own words when the items are of equal
+    length (a token plan of an item that is no whole number of bytes per token), else the
+    item sizes."""
+    more = f"; … ({len(sizes) - 8} more)" if len(sizes) > 8 else ""
+    some = f"{_plural(len(sizes), 'paired entry')} {'differs' if len(sizes) == 1 else 'differ'}"
+    if src_ps != dst_ps and all(e.kind == "page" for e in sizes):
+        labels = "; ".join(
+            f"{_label(e)} {e.src_item_len:,} B / {src_ps} tokens = "
+            f"{e.src_item_len / src_ps:,.6g} B vs {e.dst_item_len or 0:,} B / {dst_ps} tokens "
+            f"= {(e.dst_item_len or 0) / dst_ps:,.6g} B" for e in sizes[:8])
+        return (f"{some} in bytes per token (prefill page_size {src_ps}, decode page_size "
+                f"{dst_ps}; paired items must hold the same bytes per token): {labels}{more}")
+    if all(e.src_item_len == e.dst_item_len for e in sizes):
+        return (f"{_plural(len(sizes), 'paired entry')} of equal item size on both sides "
+                f"{'is' if len(sizes) == 1 else 'are'} refused: {sizes[0].problem}")
+    labels = "; ".join(f"{_label(e)} {e.src_item_len} vs {e.dst_item_len} bytes"
+                       for e in sizes[:8])
+    return f"{some} in item size (prefill vs decode): {labels}{more}"
 
 
 def _split_model_draft(ids: Iterable[int], n_model: int | None) -> tuple[list[int], list[int]]:

@@ -291,3 +291,16 @@ def test_report_and_template_never_disagree(case):
 ])
 def test_format_ids(ids, text):
     assert format_ids(ids) == text
+
+
+def test_equal_items_refused_for_their_page_sizes_are_said_in_the_refusals_words():
+    # Same bytes per item, different page sizes: the refusal is about bytes per token, and
+    # "differ in item size: 32768 vs 32768" would say nothing.
+    src = Layout([1 << 20], [1 << 16], [32768], [0], ["kv"], page_size=16)
+    dst = Layout([1 << 24], [1 << 16], [32768], [0], ["kv"], page_size=32)
+    report = kvplan.compare(src, dst)
+    assert not report.compatible
+    assert len(report.reasons) == 1
+    reason = report.reasons[0]
+    assert "item size" not in reason
+    assert "bytes per token" in reason and "page_size 16" in reason and "page_size 32" in reason

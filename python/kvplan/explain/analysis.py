@@ -315,7 +315,7 @@ def explain(
                 warnings.append(w)
         if not report.compatible:
             diagnosis = diagnose_stage(src, decode, report)
-            problems = diagnosis.lines + [diagnosis.reworded.get(r, r) for r in report.reasons]
+            problems = diagnosis.lines + list(report.reasons)
             stages.append(StageResult(label, layer_text, choice.mode, 0, 0, 0, 0, 0, 0, 0, 0.0,
                                       report, problems, diagnosis=diagnosis))
             continue

@@ -15,13 +15,13 @@ from kvplan.explain.analysis import DcpExplanation, Explanation, StageResult, hi
 __all__ = ["dcp_json", "explanation_json"]
 
 
-def _report_json(report: Any, reworded: dict[str, str]) -> dict[str, Any] | None:
+def _report_json(report: Any) -> dict[str, Any] | None:
     if report is None:
         return None
     first = report.first_problem
     return {
         "compatible": bool(report.compatible),
-        "reasons": [reworded.get(r, r) for r in report.reasons],
+        "reasons": list(report.reasons),
         "coverage": list(report.coverage),
         "warnings": list(report.warnings),
         "prefill": report.prefill,
@@ -53,7 +53,7 @@ def _stage_json(s: StageResult) -> dict[str, Any]:
              "blockers": [{"why": why, "pairs": n} for why, n in row.blockers],
              "per_page": row.per_page}
             for row in s.coalescing],
-        "report": _report_json(s.report, s.diagnosis.reworded),
+        "report": _report_json(s.report),
     }
 
 
@@ -95,7 +95,7 @@ def dcp_json(e: DcpExplanation) -> dict[str, Any]:
     for r in e.rows:
         row = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "report"}
         row["compatible"] = r.report is not None and bool(r.report.compatible)
-        row["report"] = _report_json(r.report, {})
+        row["report"] = _report_json(r.report)
         rows.append(row)
     return {
         "title": e.title,

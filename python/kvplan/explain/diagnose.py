@@ -2,10 +2,6 @@
 would mislead a person: what is really wrong with a refused pair, and decode memory that two
 blocks of the request write.
 
-* Page sizes differ and the items hold different bytes per token: the report lists the items
-  as differing "in item size" even when both items have the same length; explain says bytes
-  per token, with each side's page size. Equal items refused for another reason (an item that
-  is no whole number of bytes per token in a token plan) get the refusal's own words.
 * Element sizes differ (a 1-byte fp8 or int8 decode cache of 2-byte bf16 KV): the core refuses
   the pair as a head-slicing problem; explain says a byte copy cannot convert and points to
   conversion plans (:class:`kvplan.ConversionTemplate`).
@@ -33,8 +29,6 @@ class StageDiagnosis:
 
     #: explain's own lines, printed before the report's.
     lines: list[str] = field(default_factory=list)
-    #: A report line that misleads -> the line explain prints instead.
-    reworded: dict[str, str] = field(default_factory=dict)
 
 
 def _plural(n: int, word: str) -> str:
@@ -67,38 +61,12 @@ def diagnose_stage(src: Any, decode: Any, report: Any) -> StageDiagnosis:
     src_dtype, dst_dtype = src.dtype_size, decode.dtype_size
     if src_dtype is not None and dst_dtype is not None and src_dtype != dst_dtype:
         out.lines.append(_conversion_line(src_dtype, dst_dtype))
-    sizes = [e for e in report.entries if e.exception is not None and e.size_mismatch]
-    src_ps, dst_ps = src.page_size, decode.page_size
-    if sizes and src_ps != dst_ps and all(e.kind == "page" for e in sizes):
-        labels = "; ".join(
-            f"{_label(e.layer_id, e.role, e.src_index)} {e.src_item_len:,} B / {src_ps} "
-            f"tokens = {e.src_item_len / src_ps:,.6g} B vs {e.dst_item_len:,} B / {dst_ps} "
-            f"tokens = {(e.dst_item_len or 0) / dst_ps:,.6g} B"
-            for e in sizes[:8])
-        more = f"; … ({len(sizes) - 8} more)" if len(sizes) > 8 else ""
-        line = (f"{_plural(len(sizes), 'paired entry')} "
-                f"{'differs' if len(sizes) == 1 else 'differ'} in bytes per token (prefill "
-                f"page_size {src_ps}, decode page_size {dst_ps}; paired items must hold the "
-                f"same bytes per token): {labels}{more}")
-        for reason in report.reasons:
-            if " in item size (prefill vs decode): " in reason:
-                out.reworded[reason] = line
-                break
-        else:
-            out.lines.append(line)
-    elif sizes and all(e.src_item_len == e.dst_item_len for e in sizes):
-        # Equal items refused for another reason (e.g. not a whole number of bytes per token
-        # for a token plan): the exception says which; "differ in item size" would not.
-        first = next(str(e.exception) for e in sizes)
-        line = (f"{_plural(len(sizes), 'paired entry')} of equal item size on both sides "
-                f"{'is' if len(sizes) == 1 else 'are'} refused: {first}")
-        for reason in report.reasons:
-            if " in item size (prefill vs decode): " in reason:
-                out.reworded[reason] = line
-                break
-        else:
-            out.lines.append(line)
-    elif sizes and not out.lines and all(e.dst_item_len for e in sizes):
+    # (What differs between paired items of other sizes, bytes per token across page sizes
+    # or the refusal's own words for equal items, is the report's own reason line.)
+    sizes = [e for e in report.entries if e.exception is not None and e.size_mismatch
+             and e.src_item_len != e.dst_item_len]
+    if sizes and decode.page_size == src.page_size and not out.lines \
+            and all(e.dst_item_len for e in sizes):
         decode_half = all(e.src_item_len == (e.dst_item_len or 0) << 1 for e in sizes)
         prefill_half = all(e.src_item_len << 1 == e.dst_item_len for e in sizes)
         if decode_half or prefill_half:

@@ -111,8 +111,7 @@ def _reports_and_warnings(reports: list[tuple[str, CompatReport | None]],
                           warnings: list[str],
                           diagnoses: list[StageDiagnosis] | None = None) -> list[str]:
     """The compatibility report of every incompatible (label, report), after explain's own
-    reading of it (``diagnoses``, one per report: its lines first, and the report's misleading
-    lines reworded), then the warnings."""
+    reading of it (``diagnoses``, one per report: its lines first), then the warnings."""
     lines: list[str] = []
     for k, (label, report) in enumerate(reports):
         if report is not None and not report.compatible:
@@ -120,11 +119,7 @@ def _reports_and_warnings(reports: list[tuple[str, CompatReport | None]],
             lines.append("")
             lines.append(f"{label}: compatibility report")
             lines += [f"  explain: {x}" for x in diagnosis.lines]
-            for x in str(report).splitlines():
-                body = x.lstrip(" ")
-                if body.startswith("- ") and body[2:] in diagnosis.reworded:
-                    x = x[:len(x) - len(body)] + "- " + diagnosis.reworded[body[2:]]
-                lines.append(f"  {x}")
+            lines += [f"  {x}" for x in str(report).splitlines()]
     lines.append("")
     if warnings:
         lines.append("warnings:")
