@@ -70,7 +70,10 @@ PROMPTS = {  # name -> prompt length in tokens
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 512
 READY_TIMEOUT_S = 900.0  # four servers starting at once on two busy cores took 7.5 min
-REQUEST_TIMEOUT_S = 120.0
+# A PD request's decode stalled here, reference and kvplan alike, for 13 s (vLLM's NIXL
+# connector) and 110 s (kvplan's NIXL connector, then correct tokens) with the engine logging
+# nothing meanwhile; a request that gets no answer in this time hangs (its stacks are dumped).
+REQUEST_TIMEOUT_S = 300.0
 # How long a NIXL prefill keeps a request's blocks for the decode's pull (vLLM's
 # kv_lease_duration, default 30 s; the decode renews it every sixth of it). On two cores shared
 # with other servers a decode's first pull can wait behind a slow step for longer than 30 s.
@@ -84,7 +87,7 @@ WARM_UP_ATTEMPTS = 3
 WARM_UP_TOKENS = 8
 # A decode's first PD request waited 79 s here once (its worker took no step for 60 s: "No
 # available shared memory broadcast block found in 60 seconds"), then answered correctly.
-WARM_UP_TIMEOUT_S = 300.0
+WARM_UP_TIMEOUT_S = 360.0
 # Every library thread pool of a server at one thread: up to four servers (three processes
 # each) share two cores, and idle pools that spin (OpenMP's 200 ms block time) or size
 # themselves to the machine only add runnable threads. vLLM's CPU worker still sizes its
