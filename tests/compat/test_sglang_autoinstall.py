@@ -70,7 +70,9 @@ def test_the_pth_file_is_in_site_packages() -> None:
     assert shipped.read_text() == autoinstall.pth_text()
 
 
-@pytest.mark.parametrize("value", ["1", "yes", "TRUE", " on "])
+# Two spellings through a real SGLang import (each starts SGLang in a child); every spelling
+# is read by the same parser (test_enabled_reads_the_variable_strictly).
+@pytest.mark.parametrize("value", ["1", " On "])
 def test_opted_in_every_manager_class_sglang_imports_gets_kvplan(value: str) -> None:
     got = _probe(value)
     # Armed at start-up by the .pth file, without importing anything of SGLang.
