@@ -255,21 +255,28 @@ impl BatchSummary {
     /// the range, in order; none for an empty range or past the end.
     pub fn requests_in(&self, blocks: std::ops::Range<usize>) -> Vec<usize> {
         let mut held = Vec::new();
-        if blocks.start >= blocks.end {
-            return held;
-        }
-        // The first segment ending after the range starts; segments without blocks hold none.
-        let first = self.segment_offsets[1..].partition_point(|&end| end <= blocks.start);
-        for s in first..self.n_segments() {
-            let (start, end) = (self.segment_offsets[s], self.segment_offsets[s + 1]);
-            if start >= blocks.end {
-                break;
-            }
-            if end > start {
-                held.extend(self.segment_requests[s]..self.segment_requests[s + 1]);
-            }
+        for (s, _) in self.segments_in(blocks) {
+            held.extend(self.segment_requests[s]..self.segment_requests[s + 1]);
         }
         held
+    }
+
+    /// The segments with a block in `blocks`, in order, each with its own block range; none
+    /// for an empty range or past the end (segments without blocks hold none).
+    fn segments_in(
+        &self,
+        blocks: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        // The first segment ending after the range starts (none for an empty range).
+        let first = if blocks.is_empty() {
+            self.n_segments()
+        } else {
+            self.segment_offsets[1..].partition_point(|&end| end <= blocks.start)
+        };
+        (first..self.n_segments())
+            .map(|s| (s, self.segment_offsets[s]..self.segment_offsets[s + 1]))
+            .take_while(move |(_, segment)| segment.start < blocks.end)
+            .filter(|(_, segment)| !segment.is_empty())
     }
 
     /// The requests with bytes in blocks `blocks`, exactly, for a batch planned by a template of
@@ -286,19 +293,8 @@ impl BatchSummary {
         pieces: &[crate::pieces::Piece],
     ) -> Vec<usize> {
         let mut held = Vec::new();
-        if blocks.start >= blocks.end {
-            return held;
-        }
-        let first = self.segment_offsets[1..].partition_point(|&end| end <= blocks.start);
-        for s in first..self.n_segments() {
-            let (start, end) = (self.segment_offsets[s], self.segment_offsets[s + 1]);
-            if start >= blocks.end {
-                break;
-            }
+        for (s, std::ops::Range { start, end }) in self.segments_in(blocks.clone()) {
             let members = self.segment_requests[s]..self.segment_requests[s + 1];
-            if end == start {
-                continue;
-            }
             let covered = blocks.start.max(start) - start..blocks.end.min(end) - start;
             if members.len() == 1 || covered == (0..end - start) {
                 held.extend(members);
