@@ -12,9 +12,10 @@ times SGLang once and kvplan several times, alternating which goes first; the re
 median and min/min ratios and the spread over rounds, with the CPU and the load average.
 
 Peak memory: each side plans the request once in a fresh child process, and the child reports
-how far its peak resident set (``ru_maxrss``) grew over the request (what the machine pays,
-Rust allocations included) and the peak of Python allocations (``tracemalloc``: SGLang's
-tuples and lists; kvplan's columns are allocated in Rust and show in ``ru_maxrss`` only).
+how far its peak resident set (``VmHWM``, reset just before the call) grew over the request
+(what the machine pays, Rust allocations included) and the peak of Python allocations
+(``tracemalloc``: SGLang's tuples and lists; kvplan's columns are allocated in Rust and show in
+the resident set only).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -109,9 +109,19 @@ def mem_child(side: str, traced: bool) -> None:
         run()
         print(f"MEM {tracemalloc.get_traced_memory()[1]}")
         return
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Building the inputs peaks above what is resident at the call, so the lifetime peak
+    # (ru_maxrss) can hide the request's growth: reset the peak (Linux clear_refs 5) first.
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    base = _status_kib("VmRSS")
     run()
-    print(f"MEM {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}")
+    print(f"MEM {(_status_kib('VmHWM') - base) * 1024}")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith(field + ":"))
+    return int(line.split()[1])
 
 
 def memory(side: str) -> tuple[int, int]:
