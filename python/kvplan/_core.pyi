@@ -16,6 +16,7 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "UnsupportedError",
     "MHA_ROLES",
     "DTYPES",
     "SCALE_FORMATS",
@@ -44,6 +45,7 @@ __all__ = [
     "check_pairs",
     "combine_pair_digests",
     "copy_local",
+    "feature_descriptions",
     "group_contiguous",
     "heads_per_rank",
     "index_array",
@@ -53,6 +55,7 @@ __all__ = [
     "needs_tokens",
     "nixl_desc_ids",
     "pair_entries",
+    "planner_support",
     "pool_stats",
     "reverse_descending_runs",
     "tp_peers",
@@ -78,6 +81,17 @@ class PairingError(KvPlanError): ...
 class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...
 class LayoutError(KvPlanError): ...
+class UnsupportedError(KvPlanError):
+    #: The planner asked (``"plan_staged"``, ``"plan_row_gather"``, ``"descriptor_table"``, ...).
+    planner: str
+    #: The feature it does not support (``"delta"``, ``"state_slot"``, ``"window"``,
+    #: ``"token_plan"``).
+    feature: str
+
+def planner_support() -> list[tuple[str, list[tuple[str, bool]]]]:
+    """Per planner, in the core's order, every request feature and whether it plans it."""
+def feature_descriptions() -> list[tuple[str, str]]:
+    """Every request feature with one line saying what it is, in the core's order."""
 
 _IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _I64Array = npt.NDArray[np.int64]

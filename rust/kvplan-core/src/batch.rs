@@ -12,6 +12,7 @@
 //! Segments follow the request order, so a segment's blocks and a segment's requests are both
 //! contiguous ranges.
 
+use crate::capabilities::Planner;
 use crate::error::{PlanError, Result, try_vec};
 use crate::plan::{AsColumns, Columns, FlatBuffer, PlanSummary, PlanUnit};
 use crate::request::{Indices, Request};
@@ -448,6 +449,9 @@ impl<'t> BatchPlanner<'t> {
             .try_reserve_exact(requests.len())
             .map_err(|_| PlanError::out_of_memory::<PlanSummary>("batch", requests.len()))?;
         for (r, request) in requests.iter().enumerate() {
+            if let Err(err) = self.template.admit(Planner::Batch, request) {
+                return Err(in_request(r)(err));
+            }
             // A `match` rather than `map_err(..)?`: the summary is moved once, not re-wrapped.
             match self.template.prepare(request) {
                 Ok(summary) => summaries.push(summary),

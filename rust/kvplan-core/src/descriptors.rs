@@ -19,6 +19,7 @@
 //! or several places of the other side's page, which no table of whole-page descriptors can
 //! express: they are refused, naming the plan path.
 
+use crate::capabilities::Planner;
 use crate::error::{PlanError, Result, Side, try_vec};
 use crate::pieces::PairSpec;
 use crate::plan::PlanUnit;
@@ -94,12 +95,11 @@ impl DescriptorTables<'_> {
     /// The layout of this template's prepped tables.
     ///
     /// # Errors
-    /// [`PlanError::NotPreppable`] for a token template ([`Template::by_token`]);
+    /// [`PlanError::Unsupported`] for a token template ([`Template::by_token`]: the
+    /// `window` or `token_plan` feature);
     /// [`PlanError::Overflow`] when a table would hold more than `i64::MAX` descriptors.
     pub fn shape(&self) -> Result<PreppedShape> {
-        if self.template.by_token() {
-            return Err(self.token_refusal());
-        }
+        crate::capabilities::check(Planner::Descriptors, &self.template.asked())?;
         let pieces = self.template.pieces().len();
         let limits = self.template.index_limits();
         let pages = if pieces == 0 {
@@ -175,25 +175,6 @@ impl DescriptorTables<'_> {
         Ok(table)
     }
 
-    /// Why a template that plans by token has no prepped tables.
-    fn token_refusal(&self) -> PlanError {
-        let (src, dst) = self.template.page_sizes();
-        let what = if src == dst {
-            "the prefill and decode layouts store a page's tokens in different memory orders \
-             (NHD and HND)"
-                .to_string()
-        } else {
-            format!("prefill pages hold {src} tokens and decode pages {dst}")
-        };
-        PlanError::NotPreppable {
-            why: format!(
-                "{what}, so a page's bytes do not land in one page of the other side and tables \
-                 of whole-page descriptors cannot express the transfer; plan it token by token \
-                 with Template.plan(src_pages, dst_pages) and send the plan with submit(plan)"
-            ),
-        }
-    }
-
     /// A page request as indices into the prepped tables: piece major, page minor (for
     /// per-page pieces the order of [`Template::plan`]'s blocks); a slot request as one index
     /// per state pair that moves bytes. Validated exactly as a plan of the same request.
@@ -208,6 +189,7 @@ impl DescriptorTables<'_> {
         request: &Request<'_, S, D>,
     ) -> Result<PreppedIndices> {
         let shape = self.shape()?;
+        self.template.admit(Planner::Descriptors, request)?;
         let (src, dst) = match request.indices {
             Indices::Slot { src, dst } => {
                 return self.slot_indices(&shape, request, src, dst);
@@ -217,7 +199,7 @@ impl DescriptorTables<'_> {
         // A page request: `prepped_shape` has refused templates that plan by token.
         let n_pages = match self.template.prepare(request)?.unit {
             PlanUnit::Pages(scan) => scan.n_pages,
-            _ => return Err(self.token_refusal()),
+            _ => return Err(PlanError::InputChanged),
         };
         let n = shape
             .pieces

@@ -474,11 +474,15 @@ pub enum PlanError {
         /// Which bytes have no defined destination, and why.
         why: String,
     },
-    /// A template whose transfers prepped descriptor tables (one descriptor per whole page)
-    /// cannot express; `why` names the template's property and the path that works.
-    #[error("prepped descriptor tables: {why}")]
-    NotPreppable {
-        /// The template's property that rules prepped tables out, and the path to use instead.
+    /// A request feature (or a template property) the planner does not plan, as declared in
+    /// `capabilities::SUPPORT`: `planner` and `feature` are their stable names.
+    #[error("{planner} does not support {feature}: {why}")]
+    Unsupported {
+        /// The planner's stable name (`plan_staged`, `plan_row_gather`…).
+        planner: &'static str,
+        /// The feature's stable name (`delta`, `state_slot`, `window`, `token_plan`).
+        feature: &'static str,
+        /// Why, with the request's values, and the path that plans it.
         why: String,
     },
     /// A block to digest that does not lie inside one of the buffers given for its side.
@@ -677,7 +681,7 @@ impl PlanError {
             PlanError::HeadLayout { .. } => "head_layout",
             PlanError::FragmentCombination { .. } => "fragments",
             PlanError::Geometry { .. } => "geometry",
-            PlanError::NotPreppable { .. } => "not_preppable",
+            PlanError::Unsupported { .. } => "unsupported",
             PlanError::InvalidCost { .. } => "cost",
             PlanError::StagingTooSmall { .. } => "staging_too_small",
             PlanError::StagingSlotSizes { .. } => "staging_slots",
@@ -765,7 +769,7 @@ impl PlanError {
             | PlanError::FragmentCombination { .. }
             | PlanError::TokenCount { .. }
             | PlanError::SkipTokens { .. }
-            | PlanError::NotPreppable { .. }
+            | PlanError::Unsupported { .. }
             | PlanError::DigestInput { .. }
             | PlanError::InvalidCost { .. }
             | PlanError::BuffersOverlap { .. }

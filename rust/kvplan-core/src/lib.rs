@@ -36,7 +36,8 @@
 //! <!-- module layers -->
 //! 1. `error` (the one error type), `repr` (KV dtypes and scale layouts: names only).
 //! 2. `layout` (a peer's buffers), `runs` (the request scan), `pairing` (entries by layer id),
-//!    `pieces` (the address model), `local` (plans on CPU byte slices).
+//!    `pieces` (the address model), `local` (plans on CPU byte slices), `capabilities` (what
+//!    each planner supports).
 //! 3. `dcp` (the dealt token map), `groups` (layer groups), `heads` (TP head slicing), `plan`
 //!    (output types), `request` (the one request value).
 //! 4. `check` (every rule), `emit` (the page kernels), `wire` (the binary layout encoding).
@@ -58,6 +59,7 @@ pub mod accounting;
 pub mod advice;
 pub mod batch;
 pub mod blockers;
+pub mod capabilities;
 pub mod check;
 pub mod coalesce;
 pub mod convert;
@@ -89,6 +91,7 @@ pub use accounting::BlockAccounting;
 pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
 pub use batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
 pub use blockers::{Coalescing, PairCoalescing, coalescing};
+pub use capabilities::{Asked, Feature, Planner, SUPPORT};
 pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use coalesce::{Group, JoinBlocker};
 pub use dcp::DcpContext;

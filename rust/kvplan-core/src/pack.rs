@@ -28,6 +28,7 @@
 //! are not packed (one block per state pair already): plan them with
 //! a slot request of [`Template::plan`].
 
+use crate::capabilities::Planner;
 use crate::error::{PlanError, Result};
 use crate::pieces::{PIECE_CLASSES, WINDOW_LANE};
 use crate::plan::{
@@ -92,6 +93,7 @@ impl PackPlanner<'_> {
     where
         O: AsColumns<'o>,
     {
+        self.template.admit(Planner::Packed, request)?;
         pack.addr
             .checked_add(pack.size)
             .ok_or(PlanError::Overflow {
@@ -279,9 +281,8 @@ impl PackPlanner<'_> {
         request: &Request<'_, S, D>,
         pack: PackBuffer,
     ) -> Result<(RowGather, Plan)> {
+        self.template.admit(Planner::RowGather, request)?;
         let ((src, dst), n_tokens) = (request.page_lists("a row gather")?, request.n_tokens);
-        request.whole("a row gather")?;
-        self.template.every_token("a row gather")?;
         if !self.template.by_token() && n_tokens.is_none() {
             return Err(PlanError::Geometry {
                 what: "a row gather is a token plan's: give n_tokens (or use plan_packed for a \

@@ -40,6 +40,7 @@
 //! State slots are not staged (one block per state pair already): plan them as a slot request
 //! of [`Template::plan`].
 
+use crate::capabilities::Planner;
 use crate::error::{PlanError, Result};
 use crate::groups::PeerRanks;
 use crate::heads::staging_writer;
@@ -344,8 +345,7 @@ impl StagedPlanner<'_> {
         dst_staging: StagingRegion,
     ) -> Result<StagedLayout<'a, S, D>> {
         // Staging slots are laid out per page pair; a state slot is one block per pair already.
-        request.page_lists("a staged plan")?;
-        request.whole("a staged plan")?;
+        self.template.admit(Planner::Staged, request)?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
             (dst_staging, "decode staging region end"),

@@ -6,6 +6,7 @@
 //! template; it keeps the two layouts so they derive what they need themselves.
 
 use crate::accounting::BlockAccounting;
+use crate::capabilities::{Asked, Feature, Planner};
 use crate::check::{TemplateOptions, check_pairs_sliced, needs_tokens, pair_fragments, pair_spec};
 use crate::coalesce::build_groups;
 use crate::error::{PlanError, Result, Side};
@@ -409,8 +410,10 @@ impl Template {
         &self,
         request: &Request<'_, S, D>,
     ) -> Result<PlanSummary> {
+        self.admit(Planner::Plan, request)?;
         let (src, dst) = match request.indices {
             Indices::Slot { src, dst } => {
+                // Not a planner's limit: a slot holds no tokens to skip.
                 request.whole("a state slot request")?;
                 return self.prepare_slot(src, dst, request.n_tokens);
             }
@@ -725,22 +728,47 @@ impl Template {
         self.strategy.tokens()
     }
 
-    /// Refuses a template with sliding-window entries in a planner that moves every token of a
-    /// request (row gathers walk every token of each lane).
+    /// What planning on this template asks of any planner, before a request: its sliding
+    /// window and whether it plans by token.
+    pub fn asked(&self) -> Asked {
+        let window = self.strategy.tokens().ok().and_then(|t| t.window);
+        Asked {
+            window: window.unwrap_or(0),
+            page_sizes: self.page_sizes(),
+            ..Asked::default()
+        }
+        .with(Feature::Window, window.is_some())
+        .with(Feature::TokenPlan, self.by_token())
+    }
+
+    /// What planning `request` on this template asks of a planner (see [`Template::asked`]).
+    pub fn asked_by<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Asked {
+        let pages = !request.is_slot();
+        let given = pages && request.n_tokens.is_some();
+        Asked {
+            skip_tokens: request.skip_tokens,
+            n_tokens_given: given && !self.by_token(),
+            ..self.asked()
+        }
+        .with(Feature::Delta, request.skip_tokens > 0)
+        .with(Feature::StateSlot, !pages)
+        .with(
+            Feature::TokenPlan,
+            given || pages && request.skip_tokens > 0,
+        )
+    }
+
+    /// The check every planner's entry runs: refuses a request feature `planner` does not
+    /// declare in [`crate::capabilities::SUPPORT`].
     ///
     /// # Errors
-    /// [`PlanError::Geometry`] naming the planner and the window.
-    pub(crate) fn every_token(&self, planner: &str) -> Result<()> {
-        match self.strategy.tokens().ok().and_then(|t| t.window) {
-            Some(window) => Err(PlanError::Geometry {
-                what: format!(
-                    "{planner} moves every token of a request; this template has sliding-window \
-                     entries ({window} tokens), which move only the window: plan it with \
-                     Template::plan"
-                ),
-            }),
-            None => Ok(()),
-        }
+    /// [`PlanError::Unsupported`] naming the planner and the feature.
+    pub fn admit<S: PageIndex, D: PageIndex>(
+        &self,
+        planner: Planner,
+        request: &Request<'_, S, D>,
+    ) -> Result<()> {
+        crate::capabilities::check(planner, &self.asked_by(request))
     }
 
     /// Whether every page plan of this template is a token plan: the two layouts have

@@ -30,6 +30,13 @@ create_exception!(
     "Paired entries disagree on item size."
 );
 create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
+create_exception!(
+    kvplan,
+    UnsupportedError,
+    KvPlanError,
+    "A planner was asked for a request feature it does not support; `planner` and `feature` \
+     name both (`kvplan.planner_support()` lists what each planner supports)."
+);
 
 /// Maps a core error to its Python exception, with the core's stable name of the error's
 /// family as its `kind` attribute (so Python tells errors apart without reading messages).
@@ -40,6 +47,12 @@ create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
 pub(crate) fn to_py_err(err: PlanError) -> PyErr {
     let kind = err.kind();
     let exception = exception_of(&err);
+    let unsupported = match innermost(&err) {
+        PlanError::Unsupported {
+            planner, feature, ..
+        } => Some((*planner, *feature)),
+        _ => None,
+    };
     let requests = match &err {
         PlanError::InRequest { request, .. } => Some(vec![*request]),
         PlanError::RequestsOverlap { first, second, .. } => Some(vec![*first, *second]),
@@ -49,6 +62,10 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         // An exception instance always takes attributes; failing here would hide the error.
         let value = exception.value(py);
         let _ = value.setattr("kind", kind);
+        if let Some((planner, feature)) = unsupported {
+            let _ = value.setattr("planner", planner);
+            let _ = value.setattr("feature", feature);
+        }
         if let Some(requests) = requests
             && let Ok(tuple) = pyo3::types::PyTuple::new(py, requests)
         {
@@ -58,8 +75,19 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
     exception
 }
 
+/// The error a batch's `InRequest` wraps (itself for any other error).
+fn innermost(err: &PlanError) -> &PlanError {
+    match err {
+        PlanError::InRequest { source, .. } => innermost(source),
+        other => other,
+    }
+}
+
 fn exception_of(err: &PlanError) -> PyErr {
     let message = err.to_string();
+    if matches!(innermost(err), PlanError::Unsupported { .. }) {
+        return UnsupportedError::new_err(message);
+    }
     match err.class() {
         ErrorClass::Pairing => PairingError::new_err(message),
         ErrorClass::IndexBounds => IndexBoundsError::new_err(message),

@@ -1,10 +1,11 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `advice`, `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `batch` (`BatchPlan`), `plan` (+
+//! Modules mirror the core's: `advice`, `capabilities` (what each planner supports), `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `batch` (`BatchPlan`), `plan` (+
 //! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), `nixl_ids` (vLLM's NIXL descriptor ids), with `convert`, `errors` and `options` (keyword parsing) shared.
 
 mod advice;
 mod batch;
+mod capabilities;
 mod conversion;
 mod convert;
 mod descriptors;
@@ -33,12 +34,15 @@ mod _core {
     #[pymodule_export]
     use crate::batch::PyBatchPlan;
     #[pymodule_export]
+    use crate::capabilities::{feature_descriptions, planner_support};
+    #[pymodule_export]
     use crate::conversion::{PyConversionPlan, PyConversionTemplate};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
     use crate::errors::{
         IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
+        UnsupportedError,
     };
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, tp_peers};

@@ -1,0 +1,279 @@
+//! What each planner supports: the request features ([`Feature`]) every planner ([`Planner`])
+//! declares in one table ([`SUPPORT`]), and the one check ([`check`]) each planner's entry
+//! runs, which refuses an unsupported feature as [`PlanError::Unsupported`] naming both.
+//!
+//! The table is data so that the documentation ("what works with what") and the bindings
+//! read it instead of restating it: a planner that learns a feature changes one row here.
+
+use crate::error::{PlanError, Result};
+
+/// A part of a request (or of the template it is planned on) that not every planner plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Feature {
+    /// A delta request: `skip_tokens` K > 0, the decode holds the first K tokens already.
+    Delta,
+    /// A state slot request (one slot per side), not page lists.
+    StateSlot,
+    /// A template with sliding-window entries, which move only their window's tokens.
+    Window,
+    /// A plan walked token by token: `n_tokens` given, or a template whose sides differ in
+    /// tokens per page or memory order.
+    TokenPlan,
+}
+
+impl Feature {
+    /// Every feature, in the order [`check`] reports the first unsupported one.
+    pub const ALL: [Feature; 4] = [
+        Feature::Delta,
+        Feature::StateSlot,
+        Feature::Window,
+        Feature::TokenPlan,
+    ];
+
+    /// The stable name (Python's `UnsupportedError.feature`, the docs' column heading).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Feature::Delta => "delta",
+            Feature::StateSlot => "state_slot",
+            Feature::Window => "window",
+            Feature::TokenPlan => "token_plan",
+        }
+    }
+
+    /// One line saying what the feature is, for the generated docs.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Feature::Delta => "`skip_tokens` K > 0: the decode holds the first K tokens",
+            Feature::StateSlot => "a state slot request (`plan_state`), not page lists",
+            Feature::Window => "a template with sliding-window entries",
+            Feature::TokenPlan => {
+                "a plan walked token by token: `n_tokens` given, or sides that differ in page \
+                 size or memory order"
+            }
+        }
+    }
+
+    const fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A planner: one way of planning a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Planner {
+    /// `Template::plan` / `Template::prepare`: the direct plan.
+    Plan,
+    /// `BatchPlanner`: many requests to one peer in one plan.
+    Batch,
+    /// `PackPlanner::plan`: a gather into a pack buffer and a network plan.
+    Packed,
+    /// `PackPlanner::row_gather`: the pack gather as source rows.
+    RowGather,
+    /// `StagedPlanner`: gather, network between staging regions, scatter.
+    Staged,
+    /// `DescriptorTables`: prepped tables of whole-page descriptors and indices into them.
+    Descriptors,
+}
+
+impl Planner {
+    /// Every planner, in the table's order.
+    pub const ALL: [Planner; 6] = [
+        Planner::Plan,
+        Planner::Batch,
+        Planner::Packed,
+        Planner::RowGather,
+        Planner::Staged,
+        Planner::Descriptors,
+    ];
+
+    /// The stable name: the Python method that reaches the planner (Python's
+    /// `UnsupportedError.planner`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Planner::Plan => "plan",
+            Planner::Batch => "plan_batch",
+            Planner::Packed => "plan_packed",
+            Planner::RowGather => "plan_row_gather",
+            Planner::Staged => "plan_staged",
+            Planner::Descriptors => "descriptor_table",
+        }
+    }
+
+    /// How the planner's refusals name it in a sentence ("a staged plan plans whole requests").
+    const fn phrase(self) -> &'static str {
+        match self {
+            Planner::Plan => "a direct plan",
+            Planner::Batch => "a batch plan",
+            Planner::Packed => "a packed plan",
+            Planner::RowGather => "a row gather",
+            Planner::Staged => "a staged plan",
+            Planner::Descriptors => "prepped descriptor tables",
+        }
+    }
+
+    /// Whether the planner plans requests with `feature` (its row of [`SUPPORT`]).
+    pub const fn supports(self, feature: Feature) -> bool {
+        SUPPORT[self as usize].1 & feature.bit() != 0
+    }
+}
+
+const fn bits(features: &[Feature]) -> u8 {
+    let mut out = 0;
+    let mut i = 0;
+    while i < features.len() {
+        out |= features[i].bit();
+        i += 1;
+    }
+    out
+}
+
+/// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
+pub const SUPPORT: [(Planner, u8); 6] = {
+    use Feature::{Delta, StateSlot, TokenPlan, Window};
+    [
+        (Planner::Plan, bits(&[Delta, StateSlot, Window, TokenPlan])),
+        (Planner::Batch, bits(&[Delta, StateSlot, Window, TokenPlan])),
+        (
+            Planner::Packed,
+            bits(&[Delta, StateSlot, Window, TokenPlan]),
+        ),
+        (Planner::RowGather, bits(&[TokenPlan])),
+        (Planner::Staged, bits(&[Window, TokenPlan])),
+        (Planner::Descriptors, bits(&[StateSlot])),
+    ]
+};
+
+/// What one request asks of a planner: its features and the values the refusal names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Asked {
+    pub(crate) features: u8,
+    /// The request's `skip_tokens` (a delta request's).
+    pub skip_tokens: u64,
+    /// The template's window in tokens (a window template's).
+    pub window: u64,
+    /// Tokens per page on each side (a token plan's).
+    pub page_sizes: (u64, u64),
+    /// Whether the request itself gave `n_tokens` (a token plan of a page template).
+    pub n_tokens_given: bool,
+}
+
+impl Asked {
+    /// The same request also asking for `feature` when `present`.
+    #[must_use]
+    pub const fn with(mut self, feature: Feature, present: bool) -> Self {
+        if present {
+            self.features |= feature.bit();
+        }
+        self
+    }
+
+    /// Whether the request asks for `feature`.
+    pub const fn has(&self, feature: Feature) -> bool {
+        self.features & feature.bit() != 0
+    }
+
+    fn why(&self, planner: Planner, feature: Feature) -> String {
+        let phrase = planner.phrase();
+        match feature {
+            Feature::Delta => format!(
+                "{phrase} plans whole requests; this one skips its first {} tokens (a delta \
+                 request): plan it with Template::plan",
+                self.skip_tokens
+            ),
+            Feature::StateSlot => format!("{phrase} plans page lists, not a state slot"),
+            Feature::Window => format!(
+                "{phrase} moves every token of a request; this template has sliding-window \
+                 entries ({} tokens), which move only the window: plan it with Template::plan",
+                self.window
+            ),
+            Feature::TokenPlan => {
+                let (src, dst) = self.page_sizes;
+                let what = if self.n_tokens_given {
+                    "the request gives n_tokens, so it is planned token by token".to_string()
+                } else if src == dst {
+                    "the prefill and decode layouts store a page's tokens in different memory \
+                     orders (NHD and HND)"
+                        .to_string()
+                } else {
+                    format!("prefill pages hold {src} tokens and decode pages {dst}")
+                };
+                format!(
+                    "{what}, so a page's bytes do not land in one page of the other side and \
+                     {phrase} cannot express the transfer; plan it token by token with \
+                     Template.plan(src_pages, dst_pages) and send the plan with submit(plan)"
+                )
+            }
+        }
+    }
+}
+
+/// Refuses the first feature (in [`Feature::ALL`]'s order) that `asked` has and `planner` does
+/// not support.
+///
+/// # Errors
+/// [`PlanError::Unsupported`] naming the planner, the feature and the values.
+pub fn check(planner: Planner, asked: &Asked) -> Result<()> {
+    let refused = asked.features & !SUPPORT[planner as usize].1;
+    if refused == 0 {
+        return Ok(());
+    }
+    let Some(feature) = Feature::ALL.into_iter().find(|f| refused & f.bit() != 0) else {
+        return Ok(());
+    };
+    Err(PlanError::Unsupported {
+        planner: planner.name(),
+        feature: feature.name(),
+        why: asked.why(planner, feature),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_lists_every_planner_in_order() {
+        for (i, planner) in Planner::ALL.into_iter().enumerate() {
+            assert_eq!(SUPPORT[i].0, planner);
+            assert_eq!(planner as usize, i);
+        }
+        for (i, feature) in Feature::ALL.into_iter().enumerate() {
+            assert_eq!(feature as usize, i);
+        }
+    }
+
+    #[test]
+    fn the_direct_plan_supports_every_feature() {
+        for feature in Feature::ALL {
+            assert!(Planner::Plan.supports(feature), "{feature:?}");
+            let asked = Asked::default().with(feature, true);
+            assert_eq!(check(Planner::Plan, &asked), Ok(()));
+        }
+    }
+
+    #[test]
+    fn an_unsupported_feature_is_named_with_its_planner() {
+        let asked = Asked {
+            skip_tokens: 5,
+            ..Asked::default()
+        }
+        .with(Feature::Delta, true)
+        .with(Feature::TokenPlan, true);
+        let err = check(Planner::Staged, &asked).unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::Unsupported {
+                planner: "plan_staged",
+                feature: "delta",
+                why: "a staged plan plans whole requests; this one skips its first 5 tokens (a \
+                      delta request): plan it with Template::plan"
+                    .into(),
+            }
+        );
+        assert_eq!(err.kind(), "unsupported");
+        assert!(
+            err.to_string()
+                .starts_with("plan_staged does not support delta: ")
+        );
+    }
+}
