@@ -114,7 +114,7 @@ fn every_planner_plans_what_it_declares_and_refuses_the_rest_by_name() {
                     assert!(
                         matches!(**source, PlanError::Unsupported { .. }),
                         "{what}: {err}"
-                    )
+                    );
                 }
                 PlanError::Unsupported {
                     planner: p,
