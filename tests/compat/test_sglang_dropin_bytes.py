@@ -100,10 +100,12 @@ def _prefill_main(conn: Any, spec_dict: dict[str, Any], arena_path: str, size: i
                 [decode["base"] + e[3] for e in d_state], [dst_slot],
                 [e.layer_id for e in states[r]], [e[0] for e in d_state],
                 [e[4] for e in d_state])
-        native = getattr(engine, "__dict__", {}).get("_kvplan_mooncake_native")
-        native_type = type(native).__name__ if native else ""
+        from kvplan.engines.mooncake import Handoff
+
+        kept = Handoff.kept(engine)
+        path = (kept.path, kept.reason) if kept is not None else ("", "")
         transport.close()
-        conn.send(("ok", rc, Engine.calls, native_type))
+        conn.send(("ok", rc, Engine.calls, path))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
 
@@ -154,8 +156,11 @@ def test_patched_manager_moves_real_bytes_over_mooncake_loopback(wrapper: str) -
             if wrapper == "recording":
                 assert res[2] >= 3  # KV batches plus one call per state component
             # SGLang's own wrapper: kvplan hands Mooncake the plan's columns natively, unless
-            # disabled; a wrapper whose batch_transfer_sync is not SGLang's always gets lists.
-            assert res[3] == ("MooncakeNative" if wrapper == "sglang" else "")
+            # disabled; a wrapper whose batch_transfer_sync is not SGLang's always gets lists
+            # (and keeps no hand-off).
+            assert res[3] == {"sglang": ("native", ""), "recording": ("", ""),
+                              "sglang-lists": ("lists", "disabled (KVPLAN_MOONCAKE_NATIVE=0)"),
+                              }[wrapper]
         writes = [(s, arenas[s.name].array, src_pages, dst_pages, src_slot, dst_slot)
                   for s in peers.prefill]
         expected = expected_decode(peers.decode, before, writes)

@@ -195,25 +195,30 @@ def test_send_blocks_native_batches_stop_at_the_first_failure(v, patched, monkey
     """The native path: batches of at most the cap, as views of the plan's columns, in order;
     the first failed batch's status (-1) is returned and nothing after it is written."""
     from kvplan.compat import vllm as compat
+    from kvplan.engines import mooncake
 
+    native = _RecordingNative()
+    # The worker's hand-off binds this stand-in and passes its self-test.
+    monkeypatch.setattr(mooncake, "_bind_native", lambda engine, session: (native, ""))
+    monkeypatch.setattr(mooncake, "_self_test", lambda *args: "")
     w = _one_block_worker(v, patched, RecordingEngine())
     w.kvplan_max_blocks_per_batch = 3
     src = np.arange(8, dtype=np.uint64) * 128 + 0x1000
     lengths = np.full(8, 64, np.uint64)
-    native = _RecordingNative()
-    monkeypatch.setattr(compat, "_native", lambda worker: native)
     assert patched._send_blocks(w, "peer:1", src, src + 0x100000, lengths) == 0
     assert [len(c[1]) for c in native.calls] == [3, 3, 2]
     assert all(np.shares_memory(c[1], src) for c in native.calls)  # views, not copies
     assert np.concatenate([c[2] for c in native.calls]).tolist() == (src + 0x100000).tolist()
-    assert compat.handoff(w)[0] == "native" and w.xfer_stats.ok[-1]["num_descs"] == 8
-    native = _RecordingNative(fail={1})
+    assert compat.handoff(w) == ("native", "") and w.xfer_stats.ok[-1]["num_descs"] == 8
+    native.calls.clear()
+    native.fail = {1}
     assert patched._send_blocks(w, "peer:1", src, src, lengths) == -1
     assert [len(c[1]) for c in native.calls] == [3, 3] and w.xfer_stats.failed == 1
-    native = _RecordingNative()
+    native.calls.clear()
+    native.fail = set()
     assert patched._send_blocks(w, "peer:1", src[:3], src[:3], lengths[:3]) == 0
     assert [len(c[1]) for c in native.calls] == [3]  # one batch: the columns as they are
-    native = _RecordingNative()
+    native.calls.clear()
     empty = np.zeros(0, np.uint64)
     assert patched._send_blocks(w, "peer:1", empty, empty, empty) == 0
     assert native.calls == []  # an empty plan is no native call

@@ -24,11 +24,11 @@ exactly what was there); docs/vllm.md has the full account:
   ``max_blocks_per_batch`` entries, with vLLM's stats and logging; the first non-zero status
   is returned. When ``self.engine`` is vLLM's real ``mooncake.engine.TransferEngine`` of the
   wheel kvplan's native hand-off was verified against, the columns go to Mooncake's native
-  batch API as they are (``kvplan.engines.mooncake.native_write``: no Python int per block,
-  the GIL released), after a self-test transfer to the worker's own session at first use;
-  otherwise (any other engine object, a failed self-test, ``KVPLAN_MOONCAKE_NATIVE=0``) each
-  column becomes one list, sliced per batch, for ``batch_transfer_sync_write``.
-  :func:`handoff` says which path a worker took and why.
+  batch API as they are (through the worker's :class:`kvplan.engines.mooncake.Handoff`: no
+  Python int per block, the GIL released), after a self-test transfer to the worker's own
+  session at first use; otherwise (any other engine object, a failed self-test,
+  ``KVPLAN_MOONCAKE_NATIVE=0``) each column becomes one list, sliced per batch, for
+  ``batch_transfer_sync_write``. :func:`handoff` says which path a worker took and why.
 
 What stays vLLM's: region preparation and alignment by layer name, the TP pairing of ranks
 (which prefill rank sends to which decode rank), handshakes, the engine and every error path.
@@ -65,7 +65,7 @@ import kvplan
 from kvplan._core import index_array, reverse_descending_runs
 from kvplan.compat import vllm_forms, vllm_metrics, vllm_nixl
 from kvplan.compat._methods import MethodPatches
-from kvplan.engines._base import U64, write_batches
+from kvplan.engines.mooncake import Handoff
 
 # KvplanMooncakeConnector is built on first access by the module's __getattr__ (it subclasses
 # vLLM's connector, which is imported only then), so it has no module-level definition.
@@ -524,25 +524,30 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
                  lengths: Any) -> int:
     cap = getattr(self, "kvplan_max_blocks_per_batch", DEFAULT_MAX_BLOCKS_PER_BATCH)
     arrays = all(isinstance(c, np.ndarray) for c in (src_ptrs, dst_ptrs, lengths))
-    native = _native(self) if arrays else None
+    handoff = _handoff(self)
+    native = arrays and handoff.native() is not None  # bound and self-tested at first use
     start = time.perf_counter()
-    if native is not None:
+    if native:
         # The plan's uint64 columns go to the native engine as they are (one request array
-        # per batch filled in Rust, GIL released for the submit and the wait): no Python int
-        # per block.
+        # per batch filled in Rust, GIL released for the submit and the wait; batches are
+        # views, not copies): no Python int per block. An empty plan is no call.
         n = len(src_ptrs)
         total = int(lengths.sum())
-        ret = _native_batches(native, remote_session, src_ptrs, dst_ptrs, lengths, cap)
+        ret = handoff.write_batches(remote_session,
+                                    np.ascontiguousarray(src_ptrs, dtype=np.uint64),
+                                    np.ascontiguousarray(dst_ptrs, dtype=np.uint64),
+                                    np.ascontiguousarray(lengths, dtype=np.uint64), cap)
         self.__dict__[_HANDOFF_ATTR] = "native"
     else:
         # Mooncake's binding takes Python lists of ints (a numpy array would be read element
         # by element as numpy scalars, slower still): each column is converted once, in C,
-        # and a batch is a slice of those lists.
+        # and a batch is a slice of those lists. Empty lists are still one call, as vLLM's
+        # ``_send_blocks`` makes it.
         src = _as_list(src_ptrs)
         dst = _as_list(dst_ptrs)
         lens, total = _lengths_list(lengths)
         n = len(src)
-        ret = _list_batches(self.engine, remote_session, src, dst, lens, cap)
+        ret = int(handoff.write_batches(remote_session, src, dst, lens, cap, call_empty=True))
         self.__dict__[_HANDOFF_ATTR] = "lists"
     duration = time.perf_counter() - start
     if ret == 0:
@@ -555,94 +560,37 @@ def _send_blocks(self: Any, remote_session: str, src_ptrs: Any, dst_ptrs: Any,
     return ret
 
 
-def _list_batches(engine: Any, session: str, src: list[int], dst: list[int],
-                  lens: list[int], cap: int) -> int:
-    """The lists to ``engine.batch_transfer_sync_write`` in slices of at most ``cap``
-    (:func:`~kvplan.engines._base.write_batches`); the first non-zero status is returned and
-    later slices are not sent. Empty lists are still one call, as vLLM's ``_send_blocks``
-    makes it."""
-
-    def write(index: int, s: list[int], d: list[int], n: list[int]) -> Any:
-        return engine.batch_transfer_sync_write(session, s, d, n)
-
-    _, ret = write_batches(src, dst, lens, cap, write, call_empty=True)
-    return int(ret)
-
-
-def _native_batches(native: Any, session: str, src: np.ndarray, dst: np.ndarray,
-                    lengths: np.ndarray, cap: int) -> int:
-    """The columns through the native batch API in slices of at most ``cap`` blocks (views,
-    not copies; :func:`~kvplan.engines._base.write_batches`), each written and waited on before
-    the next; the first failure is returned as Mooncake's binding reports it (-1) and later
-    slices are not sent. An empty plan is no call."""
-    from kvplan.engines.mooncake import _transfer_timeout_s, native_write
-
-    timeout_s = _transfer_timeout_s()
-
-    def write(index: int, s: U64, d: U64, n: U64) -> int:
-        return native_write(native, session, s, d, n, timeout_s)
-
-    _, ret = write_batches(np.ascontiguousarray(src, dtype=np.uint64),
-                           np.ascontiguousarray(dst, dtype=np.uint64),
-                           np.ascontiguousarray(lengths, dtype=np.uint64), cap, write)
-    return ret
-
-
-#: Worker attributes: the native hand-off bound to the worker's engine (``(engine, native or
-#: None, why not)``), and the path the last ``_send_blocks`` took (``"native"`` / ``"lists"``).
-_NATIVE_ATTR = "_kvplan_mooncake_native"
+#: Worker attribute: the path the last ``_send_blocks`` took (``"native"`` / ``"lists"``).
 _HANDOFF_ATTR = "kvplan_handoff"
-_native_lock = threading.Lock()
 # A child of vLLM's "vllm" logger: in a vLLM process the once-per-engine hand-off line goes
 # through vLLM's own handler (the live e2e reads it); elsewhere it is a plain logger.
 _handoff_log = logging.getLogger("vllm.kvplan.mooncake")
 
 
-def _native(worker: Any) -> Any:
-    """The native Mooncake hand-off for ``worker.engine``, bound and self-tested once per engine
-    object (kept on the worker), or None: the list path is then used. Only vLLM's real engine
-    (``mooncake.engine.TransferEngine`` of the verified wheel) qualifies, and only when the
-    worker knows its own session (``hostname`` and ``rpc_port``, as vLLM's ``__init__`` sets
-    them) for the self-test; ``KVPLAN_MOONCAKE_NATIVE=0`` turns it off."""
-    attrs = worker.__dict__
-    engine = attrs.get("engine")
-    cached = attrs.get(_NATIVE_ATTR)
-    if cached is not None and cached[0] is engine:
-        return cached[1]
-    with _native_lock:
-        cached = attrs.get(_NATIVE_ATTR)
-        if cached is None or cached[0] is not engine:
-            native, reason = None, "the worker has no engine"
-            if engine is not None:
-                native, reason = _bind(worker, engine)
-            if native is None:
-                _handoff_log.info("kvplan: Mooncake blocks go through the binding's lists: %s",
-                                  reason)
-            else:
-                _handoff_log.info("kvplan: Mooncake blocks go to the native batch API")
-            cached = attrs[_NATIVE_ATTR] = (engine, native, reason)
-    return cached[1]
-
-
-def _bind(worker: Any, engine: Any) -> tuple[Any, str]:
-    from kvplan.engines.mooncake import native_handoff
-
-    if type(engine).__module__ != "mooncake.engine":
-        return None, f"engine is a {type(engine).__module__}.{type(engine).__name__}"
+def _handoff(worker: Any) -> Handoff:
+    """The Mooncake hand-off the worker keeps for ``worker.engine`` (one per engine object):
+    native once bound and self-tested, else ``batch_transfer_sync_write``'s lists. Only vLLM's
+    real engine (``mooncake.engine.TransferEngine`` of the verified wheel) qualifies, and only
+    when the worker knows its own session (``hostname`` and ``rpc_port``, as vLLM's
+    ``__init__`` sets them) for the self-test; ``KVPLAN_MOONCAKE_NATIVE=0`` turns it off."""
     attrs = worker.__dict__
     host, port = attrs.get("hostname"), attrs.get("rpc_port")
-    if not host or not port:
-        return None, "the worker has no hostname and rpc_port for the self-test"
-    return native_handoff(engine, f"{host}:{port}")
+    return Handoff.kept_on(worker, getattr(worker, "engine", None),
+                           f"{host}:{port}" if host and port else None, log=_handoff_log)
+
+
+def _native(worker: Any) -> Any:
+    """The worker's native Mooncake API once self-tested, or None (the benchmarks time it
+    directly)."""
+    return _handoff(worker).native()
 
 
 def handoff(worker: Any) -> tuple[str, str]:
     """``(path, why)`` of ``worker``'s Mooncake hand-off: the path its last ``_send_blocks``
     took (``"native"``, ``"lists"``, or ``""`` before the first), and why the native path is not
     in use (``""`` when it is or was not tried yet)."""
-    cached = worker.__dict__.get(_NATIVE_ATTR)
-    why = "" if cached is None or cached[1] is not None else cached[2]
-    return worker.__dict__.get(_HANDOFF_ATTR, ""), why
+    kept = Handoff.kept(worker)
+    return worker.__dict__.get(_HANDOFF_ATTR, ""), kept.reason if kept is not None else ""
 
 
 def _as_list(column: Any) -> list[int]:

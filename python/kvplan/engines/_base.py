@@ -57,6 +57,7 @@ __all__ = [
     "Transport",
     "TransferError",
     "TransferStats",
+    "batch_calls",
     "integrity_notification",
     "plan_arrays",
     "merge_regions",
@@ -587,8 +588,7 @@ class Transport:
         src, dst, lengths = plan_arrays(batch)
         if check_sources:
             self.check_sources(batch)
-        bound = self._batch_bound(max_blocks_per_batch)
-        calls = batch.call_ranges(bound if bound is not None else max(len(src), 1)).tolist()
+        calls = batch_calls(batch, self._batch_bound(max_blocks_per_batch))
         t0 = time.perf_counter()
         failed = np.zeros(batch.n_requests, dtype=bool)
         errors: list[TransferError] = []
@@ -601,8 +601,7 @@ class Transport:
             errors.append(err)
 
         pending: list[tuple[int, int, int, Any]] = []
-        for index, (lo, hi) in enumerate(calls):
-            view = PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])
+        for index, (lo, hi, view) in enumerate(calls):
             try:
                 if post is not None:
                     pending.append((index, lo, hi, post(view, peer_session, hi - lo,
@@ -869,6 +868,18 @@ def write_batches(src: C, dst: C, lengths: C, bound: int | None,
         if status != 0:
             return count, status
     return count, 0
+
+
+def batch_calls(batch: BatchPlan, bound: int | None) -> list[tuple[int, int, PlanBatch]]:
+    """The bounded engine calls of a batch plan, ``(lo, hi, blocks)`` each:
+    ``batch.call_ranges(bound)`` (whole requests packed while they fit, so a failed call holds
+    as few requests as the sizes allow; one call for everything when ``bound`` is None), the
+    blocks as views of the batch's uint64 columns. ``batch.requests_in(lo, hi)`` names the
+    requests a call holds."""
+    src, dst, lengths = plan_arrays(batch)
+    n = len(src)
+    ranges = batch.call_ranges(bound if bound is not None else max(n, 1)).tolist()
+    return [(lo, hi, PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])) for lo, hi in ranges]
 
 
 def _batch_bounds(n: int, bound: int | None) -> Iterator[tuple[int, int]]:

@@ -9,10 +9,11 @@ Every call that can crash the process inside Mooncake is made impossible here:
 * Async batch ids never leave this module: each is wrapped in an object that is waited on
   exactly once, and ``0`` (a failed submit) is never passed to ``get_batch_transfer_status``.
 
-Hand-off: with the verified Mooncake wheel the plan's uint64 columns go straight into the native
-engine's batch API (``kvplan._core.MooncakeNative``: one request array filled in Rust, the GIL
-released for the whole submit and wait) instead of three Python lists per batch. It is used only
-after a self-test transfer at first use moved known bytes exactly; otherwise (another version, a
+Hand-off (:class:`Handoff`, also used by the vLLM and SGLang drop-ins): with the verified
+Mooncake wheel the plan's uint64 columns go straight into the native engine's batch API
+(``kvplan._core.MooncakeNative``: one request array filled in Rust, the GIL released for the
+whole submit and wait) instead of three Python lists per batch. It is used only after a
+self-test transfer at first use moved known bytes exactly; otherwise (another version, a
 stand-in engine, ``KVPLAN_MOONCAKE_NATIVE=0`` or ``native=False``) batches go through the Python
 binding's lists. :attr:`MooncakeTransport.handoff` says which path is in use.
 
@@ -23,16 +24,19 @@ in flight fail with only part of the data landed, so batches default to 1,024 bl
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvplan._core import KvPlanError
 from kvplan.engines._base import (
+    C,
     U64,
     Manifests,
     PendingBase,
@@ -41,10 +45,11 @@ from kvplan.engines._base import (
     TransferStats,
     Transport,
     integrity_notification,
+    write_batches,
 )
 
-__all__ = ["MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES", "NATIVE_DISTRIBUTION",
-           "bind_native", "native_handoff", "native_write", "self_test"]
+__all__ = ["Handoff", "MooncakeTransport", "PendingTransfer", "MOONCAKE_STATUS_NAMES",
+           "NATIVE_DISTRIBUTION"]
 
 #: The wheel whose native batch API kvplan's request layout was verified against (only its
 #: CPU build; the version is checked by ``kvplan._core.MooncakeNative``).
@@ -93,13 +98,17 @@ def _tcp_cap() -> int:
         return TCP_BLOCKS_PER_PEER
 
 
-def bind_native(engine: Any) -> tuple[Any, str]:
+def _bind_native(engine: Any, self_test_session: str | None) -> tuple[Any, str]:
     """``(kvplan._core.MooncakeNative, "")`` for an initialised ``mooncake.engine.TransferEngine``
     of the verified wheel, else ``(None, why not)``. Nothing is transferred (see
-    :func:`self_test`)."""
+    :func:`_self_test`)."""
+    if engine is None:
+        return None, "no engine"
     module = type(engine).__module__
     if module != "mooncake.engine":
         return None, f"engine is a {module}.{type(engine).__name__}, not Mooncake's"
+    if not self_test_session:
+        return None, "no session of the engine's own to run the self-test through"
     try:
         version = metadata.version(NATIVE_DISTRIBUTION)
     except metadata.PackageNotFoundError:
@@ -114,7 +123,7 @@ def bind_native(engine: Any) -> tuple[Any, str]:
         return None, str(exc)
 
 
-def self_test(engine: Any, native: Any, session: str, timeout_s: float = 10.0) -> str:
+def _self_test(engine: Any, native: Any, session: str, timeout_s: float) -> str:
     """Write three blocks of distinct sources, offsets and lengths through ``native`` into a
     fresh buffer registered on ``engine`` and addressed through its own ``session``; ``""`` when
     exactly the expected bytes landed, else what went wrong. A request layout that did not
@@ -143,28 +152,198 @@ def self_test(engine: Any, native: Any, session: str, timeout_s: float = 10.0) -
         engine.unregister_memory(base)
 
 
-def native_handoff(engine: Any, session: str) -> tuple[Any, str]:
-    """:func:`bind_native` then :func:`self_test` (honouring ``KVPLAN_MOONCAKE_NATIVE=0``):
-    ``(native, "")`` ready for use on ``engine``, else ``(None, why not)``. For callers that own
-    a Mooncake engine outside :class:`MooncakeTransport` (the SGLang drop-in)."""
-    if not _native_wanted(None):
-        return None, "disabled (KVPLAN_MOONCAKE_NATIVE=0)"
-    native, reason = bind_native(engine)
-    if native is None:
-        return None, reason
-    reason = self_test(engine, native, session, _transfer_timeout_s())
-    return (None, f"self-test failed: {reason}") if reason else (native, "")
+def _as_list(column: U64 | list[int]) -> list[int]:
+    return column if isinstance(column, list) else column.tolist()
 
 
-def native_write(native: Any, session: str, src: U64, dst: U64, lengths: U64,
-                 timeout_s: float) -> int:
-    """One batch through the native API as Mooncake's binding reports it: 0, or -1 when the
-    batch failed, was refused or timed out (the reason is in the engine log)."""
-    try:
-        native.write(session, src, dst, lengths, timeout_s)
-    except (RuntimeError, TimeoutError):
-        return -1
-    return 0
+#: ``write_lists(session, src, dst, lengths) -> status``: one batch through a list-taking API.
+ListWrite = Callable[[str, list[int], list[int], list[int]], Any]
+
+
+class Handoff:
+    """How block columns reach one Mooncake engine: the native batch API
+    (``kvplan._core.MooncakeNative``: one request array filled in Rust, the GIL released for the
+    submit and the wait) once it is bound and its self-test moved known bytes exactly, else a
+    list-taking call (the binding's ``batch_transfer_sync_write`` unless ``write_lists`` says
+    otherwise), with the reason kept in :attr:`reason`.
+
+    The same object serves :class:`MooncakeTransport`, the vLLM drop-in (kept on the worker,
+    one per engine object) and the SGLang drop-in (kept on SGLang's engine wrapper), so the
+    three decide, self-test, time out and report failures alike.
+
+    Args:
+        engine: an initialised ``mooncake.engine.TransferEngine``; any other object (or
+            ``None``) gets the list path.
+        self_test_session: the engine's own session (``"host:rpc_port"``), through which the
+            self-test writes; ``None``: no self-test can run, so the list path.
+        native: ``None`` (default): native unless ``KVPLAN_MOONCAKE_NATIVE=0``; ``False``: always
+            the list path; ``True``: bind now and raise ``ImportError`` when that fails.
+        write_lists: the list path's call, ``write_lists(session, src, dst, lengths)``
+            returning the engine's status (returned unchanged); default the engine's
+            ``batch_transfer_sync_write``.
+        log: a logger told once, at the first write of columns, which path is in use and why.
+
+    Raises:
+        ImportError: ``native=True`` and the native API cannot be bound to ``engine``.
+    """
+
+    def __init__(self, engine: Any, self_test_session: str | None, *,
+                 native: bool | None = None, write_lists: ListWrite | None = None,
+                 log: logging.Logger | None = None) -> None:
+        self.engine: Any = engine
+        self.self_test_session = self_test_session
+        #: Seconds a native batch is waited on: what Mooncake's binding allows its own
+        #: (``MC_TRANSFER_TIMEOUT``, at least 5, default 30).
+        self.timeout_s = _transfer_timeout_s()
+        #: ``"native"`` or ``"lists"``: how columns reach the engine (``"native"`` is provisional
+        #: until the self-test ran at the first write).
+        self.path = "lists"
+        #: Why the native path is not in use (``""`` when it is, or before it was tried).
+        self.reason = ""
+        self._write_lists = write_lists if write_lists is not None else self._engine_lists
+        self._log = log
+        self._lock = threading.Lock()
+        self._native: Any = None
+        self._bound = False  # binding was tried
+        self._settled = False  # the self-test ran (or there is nothing to test)
+        if not _native_wanted(native):
+            self.reason = ("disabled (native=False)" if native is False
+                           else "disabled (KVPLAN_MOONCAKE_NATIVE=0)")
+            self._bound = True
+        elif native and not self.bind():
+            raise ImportError(f"native Mooncake hand-off unavailable: {self.reason}")
+
+    # ------------------------------------------------------------------ keeping one per owner
+    #: The attribute an owner (a vLLM worker, SGLang's engine wrapper) keeps its hand-off in.
+    KEPT_ATTR = "_kvplan_mooncake_handoff"
+    _kept_lock = threading.Lock()
+
+    @classmethod
+    def kept_on(cls, owner: Any, engine: Any, self_test_session: str | None, *,
+                write_lists: ListWrite | None = None,
+                log: logging.Logger | None = None) -> Handoff:
+        """The hand-off ``owner`` keeps for ``engine``, made on first use (and again when the
+        owner's engine object changed), so the native API is bound and self-tested once per
+        engine. An owner without a ``__dict__`` gets a fresh one each time."""
+        attrs = getattr(owner, "__dict__", None)
+        if attrs is None:
+            return cls(engine, self_test_session, write_lists=write_lists, log=log)
+        kept = attrs.get(cls.KEPT_ATTR)
+        if kept is not None and kept.engine is engine:
+            return kept  # type: ignore[no-any-return]
+        with cls._kept_lock:
+            kept = attrs.get(cls.KEPT_ATTR)
+            if kept is None or kept.engine is not engine:
+                kept = attrs[cls.KEPT_ATTR] = cls(engine, self_test_session,
+                                                  write_lists=write_lists, log=log)
+        return kept  # type: ignore[no-any-return]
+
+    @classmethod
+    def kept(cls, owner: Any) -> Handoff | None:
+        """The hand-off ``owner`` keeps (:meth:`kept_on`), or None before its first use."""
+        kept: Handoff | None = getattr(owner, "__dict__", {}).get(cls.KEPT_ATTR)
+        return kept
+
+    # ------------------------------------------------------------------ choosing the path
+    def bind(self) -> bool:
+        """Bind the native batch API now (nothing is transferred; the self-test still runs at
+        the first write); False, with :attr:`reason` set, when the list path is taken."""
+        with self._lock:
+            self._bind_once()
+        return self._native is not None
+
+    def _bind_once(self) -> None:
+        if self._bound:
+            return
+        self._bound = True
+        native, reason = _bind_native(self.engine, self.self_test_session)
+        if native is None:
+            self.reason = reason
+        else:
+            self._native, self.path = native, "native"
+
+    def native(self) -> Any:
+        """The native batch API once bound and self-tested (both at the first call), or None:
+        the list path is in use and :attr:`reason` says why."""
+        if self._settled:
+            return self._native
+        with self._lock:
+            if not self._settled:
+                self._bind_once()
+                if self._native is not None:
+                    failed = _self_test(self.engine, self._native, cast(str,
+                                        self.self_test_session), self.timeout_s)
+                    if failed:
+                        self._native, self.path = None, "lists"
+                        self.reason = f"self-test failed: {failed}"
+                self._settled = True
+                if self._log is not None:
+                    if self._native is None:
+                        self._log.info("kvplan: Mooncake blocks go through the binding's "
+                                       "lists: %s", self.reason)
+                    else:
+                        self._log.info("kvplan: Mooncake blocks go to the native batch API")
+        return self._native
+
+    # ------------------------------------------------------------------ writing
+    def _engine_lists(self, session: str, src: list[int], dst: list[int],
+                      lengths: list[int]) -> Any:
+        return self.engine.batch_transfer_sync_write(session, src, dst, lengths)
+
+    def write(self, session: str, src: U64 | list[int], dst: U64 | list[int],
+              lengths: U64 | list[int]) -> int:
+        """One engine call for one batch, as Mooncake's binding reports it: through the native
+        API (uint64 arrays only) 0, or -1 when the batch failed, was refused or timed out (the
+        reason is in the engine log); through the lists, the list call's status unchanged.
+        Python lists always take the list path."""
+        native = self.native() if isinstance(src, np.ndarray) else None
+        if native is None:
+            return cast(int, self._write_lists(session, _as_list(src), _as_list(dst),
+                                               _as_list(lengths)))
+        try:
+            native.write(session, src, dst, lengths, self.timeout_s)
+        except (RuntimeError, TimeoutError):
+            return -1
+        return 0
+
+    def write_batches(self, session: str, src: C, dst: C, lengths: C, bound: int | None, *,
+                      call_empty: bool = False) -> int:
+        """:meth:`write` per batch of at most ``bound`` blocks
+        (:func:`kvplan.engines._base.write_batches`: views, in order, stopping at the first
+        non-zero status, which is returned unchanged; 0 when all were written)."""
+        def write(index: int, s: C, d: C, n: C) -> int:
+            return self.write(session, s, d, n)
+
+        return write_batches(src, dst, lengths, bound, write, call_empty=call_empty)[1]
+
+    def submit(self, session: str, src: U64, dst: U64, lengths: U64) -> Any:
+        """One batch submitted without waiting: a native batch, or the binding's batch id; ``0``
+        when the submit failed (never to be waited on)."""
+        native = self.native()
+        if native is not None:
+            try:
+                return native.submit(session, src, dst, lengths)
+            except RuntimeError:  # refused, as the binding's 0
+                return 0
+        return int(self.engine.batch_transfer_async_write(session, src.tolist(), dst.tolist(),
+                                                          lengths.tolist()))
+
+    def wait(self, batch: Any) -> int:
+        """Wait on what :meth:`submit` returned (exactly once): 0, or the failed batch's status
+        (-1 for a native batch that failed or timed out)."""
+        if not isinstance(batch, int):  # a native batch
+            try:
+                batch.wait(self.timeout_s)
+            except (RuntimeError, TimeoutError):
+                return -1
+            return 0
+        return int(self.engine.get_batch_transfer_status([batch]))
+
+    def close(self) -> None:
+        """Drop the native API (before the engine it points into goes) and the engine."""
+        with self._lock:
+            self._native, self._bound, self._settled = None, True, True
+            self.engine = None
 
 
 class MooncakeTransport(Transport):
@@ -222,50 +401,32 @@ class MooncakeTransport(Transport):
                 f"initialize({hostname!r}, {metadata_server!r}, {protocol!r}, {device_name!r}) "
                 f"failed", peer=None, status=status,
             )
-        self._closed = False
         self._session = f"{hostname}:{self._engine.get_rpc_port()}"
-        self._timeout_s = _transfer_timeout_s()
-        self._native: Any = None
-        self._native_lock = threading.Lock()
-        self._native_checked = False
-        #: ``"native"`` or ``"lists"``: how batches reach the engine (``"native"`` is settled by
-        #: the self-test at the first write).
-        self.handoff = "lists"
-        #: Why the native path is not in use (empty when it is, or before the first write).
-        self.handoff_reason = ""
-        if not _native_wanted(native):
-            self.handoff_reason = "disabled (native=False or KVPLAN_MOONCAKE_NATIVE=0)"
-            self._native_checked = True
-        else:
-            self._native = self._bind_native()
-            if self._native is None:
-                self._native_checked = True
-                if native:
-                    self.close()
-                    raise ImportError(f"native Mooncake hand-off unavailable: "
-                                      f"{self.handoff_reason}")
-            else:
-                self.handoff = "native"
+        try:
+            self._handoff = Handoff(self._engine, self._session, native=native,
+                                    write_lists=self._engine_write)
+        except ImportError:
+            self._engine = None  # nothing was registered: the adapter stays closed
+            raise
+        self._handoff.bind()  # the self-test runs at the first write
+        self._closed = False
 
     # ------------------------------------------------------------------ native hand-off
-    def _bind_native(self) -> Any:
-        """The native batch API for this engine, or None (with ``handoff_reason`` set)."""
-        native, self.handoff_reason = bind_native(self._engine)
-        return native
+    @property
+    def handoff(self) -> str:
+        """``"native"`` or ``"lists"``: how batches reach the engine (``"native"`` is settled by
+        the self-test at the first write)."""
+        return self._handoff.path
+
+    @property
+    def handoff_reason(self) -> str:
+        """Why the native path is not in use (empty when it is, or before the first write)."""
+        return self._handoff.reason
 
     def _native_ready(self) -> Any:
-        """The native API once its self-test passed (run at the first write), else None."""
-        if self._native_checked:
-            return self._native
-        with self._native_lock:
-            if not self._native_checked:
-                reason = self_test(self._engine, self._native, self._session, self._timeout_s)
-                if reason:
-                    self._native = None
-                    self.handoff = "lists"
-                    self.handoff_reason = f"self-test failed: {reason}"
-                self._native_checked = True
-        return self._native
+        """The native API once its self-test passed (run at the first call), else None (the
+        benchmarks time it directly)."""
+        return self._handoff.native()
 
     # ------------------------------------------------------------------ engine hooks
     def _engine_session_id(self) -> str:
@@ -282,10 +443,7 @@ class MooncakeTransport(Transport):
         return int(self._engine.batch_unregister_memory(ptrs))
 
     def _engine_write_arrays(self, peer: str, src: U64, dst: U64, lengths: U64) -> int:
-        native = self._native_ready()
-        if native is None:
-            return self._engine_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
-        return native_write(native, peer, src, dst, lengths, self._timeout_s)
+        return self._handoff.write(peer, src, dst, lengths)
 
     def _engine_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
@@ -293,14 +451,7 @@ class MooncakeTransport(Transport):
     def _engine_write_async(self, peer: str, src: U64, dst: U64, lengths: U64) -> Any:
         """Submit one batch asynchronously: a native batch, or the binding's batch id (0: the
         submit failed)."""
-        native = self._native_ready()
-        if native is not None:
-            try:
-                return native.submit(peer, src, dst, lengths)
-            except RuntimeError:  # refused, as the binding's 0
-                return 0
-        return int(self._engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(),
-                                                           lengths.tolist()))
+        return self._handoff.submit(peer, src, dst, lengths)
 
     def _describe_failure(self, peer: str, status: int) -> str:
         # Deliberately no automatic send_probe here: against a hung (stopped) peer the probe
@@ -346,7 +497,7 @@ class MooncakeTransport(Transport):
                 while self._retire_oldest(peer):
                     pass
             super().close()
-            self._native = None  # before the engine it points into
+            self._handoff.close()  # the native API before the engine it points into
             self._engine = None
 
     # ------------------------------------------------------------------ async bookkeeping
@@ -368,7 +519,7 @@ class MooncakeTransport(Transport):
             if not queue:
                 del self._async_fifo[peer]
         try:
-            status = bid.wait(self._engine)
+            status = bid.wait(self._handoff)
         except Exception as exc:  # the binding raised: report it as that batch's failure
             status = None
             bid.owner._done(bid, status, exc)
@@ -388,29 +539,21 @@ class _BatchId:
     """One Mooncake async batch (the binding's id, or a native batch), waited on at most once
     (a second wait on a binding id is a SIGSEGV)."""
 
-    __slots__ = ("value", "index", "lo", "hi", "owner", "timeout_s", "_lock")
+    __slots__ = ("value", "index", "lo", "hi", "owner", "_lock")
 
-    def __init__(self, value: Any, index: int, lo: int, hi: int, owner: PendingTransfer,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(self, value: Any, index: int, lo: int, hi: int, owner: PendingTransfer) -> None:
         if isinstance(value, int) and value == 0:  # "submit failed"; waiting on it crashes
             raise ValueError("batch id 0 is a failed submit, not a batch")
         self.value: Any = value
         self.index, self.lo, self.hi, self.owner = index, lo, hi, owner
-        self.timeout_s = timeout_s
         self._lock = threading.Lock()
 
-    def wait(self, engine: Any) -> int:
+    def wait(self, handoff: Handoff) -> int:
         with self._lock:
             value, self.value = self.value, None
         if value is None:
             raise RuntimeError("batch id already waited on")
-        if not isinstance(value, int):  # a native batch: raises on failure or timeout
-            try:
-                value.wait(self.timeout_s)
-            except (RuntimeError, TimeoutError):
-                return -1
-            return 0
-        return int(engine.get_batch_transfer_status([value]))
+        return handoff.wait(value)
 
 
 class PendingTransfer(PendingBase):
@@ -437,7 +580,7 @@ class PendingTransfer(PendingBase):
             t._in_flight.release(peer, hi - lo)
             raise t._batch_error(peer, index, lengths, status=-1, cause=None)
         self._outstanding += 1
-        t._enqueue(peer, _BatchId(value, index, lo, hi, self, t._timeout_s))
+        t._enqueue(peer, _BatchId(value, index, lo, hi, self))
 
     def _done(self, bid: _BatchId, status: int | None, exc: BaseException | None) -> None:
         with self._cond:

@@ -3,16 +3,16 @@
 SGLang's own, else through SGLang's seams (``_transfer_data``, executor tasks per entry pair,
 ``_await_transfer_futures``) exactly as SGLang calls them.
 
-When ``manager.engine`` is SGLang's own ``MooncakeTransferEngine`` (its ``batch_transfer_sync``
-not replaced) over a Mooncake engine the native hand-off supports, each batch goes to that
-engine as the plan's uint64 columns (:func:`kvplan.engines.mooncake.native_write`: one request
-array filled in Rust, GIL released) instead of three Python lists; the status is what SGLang's
-``batch_transfer_sync`` would return (0, or -1 on any failure)."""
+Engine calls go through a :class:`kvplan.engines.mooncake.Handoff`. When ``manager.engine`` is
+SGLang's own ``MooncakeTransferEngine`` (its ``batch_transfer_sync`` not replaced) over a
+Mooncake engine the native hand-off supports, the wrapper keeps one, and each batch goes to that
+engine as the plan's uint64 columns (one request array filled in Rust, GIL released) instead of
+three Python lists; the status is what SGLang's ``batch_transfer_sync`` would return (0, or -1
+on any failure). Otherwise the lists go to ``manager.engine.batch_transfer_sync``."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from typing import Any, cast
 
@@ -22,7 +22,8 @@ from kvplan._core import BatchPlan, PlanBatch, Template, TransferPlan
 from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.seams import owns_transfer_data
 from kvplan.compat.sglang.settings import setting_max_blocks
-from kvplan.engines._base import U64, write_batches
+from kvplan.engines._base import batch_calls
+from kvplan.engines.mooncake import Handoff
 
 
 def engine_status(value: Any) -> int:
@@ -40,9 +41,6 @@ def block_tuples(plan: TransferPlan, which: slice = slice(None)) -> list[tuple[i
 #: ``self.engine.batch_transfer_sync_write`` call returning -1 on any exception.
 _SGLANG_ENGINE = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
                   "MooncakeTransferEngine.batch_transfer_sync")
-#: Where the native hand-off of an SGLang engine wrapper is kept (False: not available).
-_NATIVE_ATTR = "_kvplan_mooncake_native"
-_native_lock = threading.Lock()
 
 
 def _sglang_mooncake_engine(engine: Any) -> bool:
@@ -54,26 +52,17 @@ def _sglang_mooncake_engine(engine: Any) -> bool:
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _SGLANG_ENGINE
 
 
-def _native(engine: Any) -> Any:
-    """The native hand-off for SGLang's engine wrapper ``engine`` (bound and self-tested once,
-    then kept on the wrapper), or None: the lists then go through ``batch_transfer_sync``."""
-    attrs = getattr(engine, "__dict__", None)
-    if attrs is None:
-        return None
-    cached = attrs.get(_NATIVE_ATTR)
-    if cached is not None:
-        return cached or None
-    if not _sglang_mooncake_engine(engine):
-        return None
-    with _native_lock:
-        cached = attrs.get(_NATIVE_ATTR)
-        if cached is None:
-            from kvplan.engines.mooncake import native_handoff
+def _handoff(engine: Any) -> Handoff:
+    """How blocks reach SGLang's engine wrapper ``engine``: its own wrapper keeps one hand-off
+    (native once bound and self-tested through the wrapper's session, else its
+    ``batch_transfer_sync`` lists); any other wrapper gets its ``batch_transfer_sync`` lists."""
+    def write_lists(session: str, src: list[int], dst: list[int], lengths: list[int]) -> Any:
+        return engine.batch_transfer_sync(session, src, dst, lengths)
 
-            native, _ = native_handoff(engine.engine, engine.get_session_id())
-            cached = native if native is not None else False
-            attrs[_NATIVE_ATTR] = cached
-    return cached or None
+    if _sglang_mooncake_engine(engine):
+        return Handoff.kept_on(engine, engine.engine, engine.get_session_id(),
+                               write_lists=write_lists)
+    return Handoff(engine, None, native=False, write_lists=write_lists)
 
 
 def send_engine_batches(manager: Any, session: str, plan: TransferPlan | PlanBatch) -> int:
@@ -82,23 +71,8 @@ def send_engine_batches(manager: Any, session: str, plan: TransferPlan | PlanBat
     the first non-zero status is returned and later batches are not submitted."""
     if plan.n_blocks == 0:
         return 0
-    engine = manager.engine
-    native = _native(engine)
-    if native is not None:
-        from kvplan.engines.mooncake import _transfer_timeout_s, native_write
-
-        timeout_s = _transfer_timeout_s()
-
-        def write(index: int, src: U64, dst: U64, lengths: U64) -> Any:
-            return native_write(native, session, src, dst, lengths, timeout_s)
-    else:
-        def write(index: int, src: U64, dst: U64, lengths: U64) -> Any:
-            return engine.batch_transfer_sync(session, src.tolist(), dst.tolist(),
-                                              lengths.tolist())
-
-    _, status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, setting_max_blocks(manager),
-                              write)
-    return engine_status(status)
+    return engine_status(_handoff(manager.engine).write_batches(
+        session, plan.src_addrs, plan.dst_addrs, plan.lengths, setting_max_blocks(manager)))
 
 
 def send_batch_calls(manager: Any, session: str, batch: BatchPlan) -> list[int]:
@@ -109,10 +83,7 @@ def send_batch_calls(manager: Any, session: str, batch: BatchPlan) -> list[int]:
     statuses = [0] * batch.n_requests
     if batch.n_blocks == 0:
         return statuses
-    bound = setting_max_blocks(manager)
-    calls = batch.call_ranges(bound if bound is not None else batch.n_blocks).tolist()
-    for lo, hi in calls:
-        view = PlanBatch(batch.src_addrs[lo:hi], batch.dst_addrs[lo:hi], batch.lengths[lo:hi])
+    for lo, hi, view in batch_calls(batch, setting_max_blocks(manager)):
         status = send_engine_batches(manager, session, view)
         if status != 0:
             for r in batch.requests_in(lo, hi).tolist():
@@ -159,28 +130,19 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
     to the engine. Awaited with the manager's ``_await_transfer_futures`` where SGLang does,
     else SGLang's Ascend loop (first non-zero status, the rest cancelled)."""
     seam = through_transfer_data and not owns_transfer_data(manager)
-    native = None if seam else _native(manager.engine)
-    timeout_s = 0.0
-    if native is not None:
-        from kvplan.engines.mooncake import _transfer_timeout_s, native_write
-
-        timeout_s = _transfer_timeout_s()
+    handoff = None if seam else _handoff(manager.engine)
+    if handoff is not None:
+        handoff.native()  # bound and self-tested here, not in the first task
 
     def one(pair: int) -> int:
         which = plan.pair_blocks(pair)
-        if seam:
+        if handoff is None:
             return engine_status(manager._transfer_data(session, block_tuples(plan, which)))
-        if native is not None:
-            src_addrs = plan.src_addrs[which]
-            if len(src_addrs) == 0:
-                return 0
-            return native_write(native, session, src_addrs, plan.dst_addrs[which],
-                                plan.lengths[which], timeout_s)
-        src = plan.src_addrs[which].tolist()
-        if not src:
+        src = plan.src_addrs[which]
+        if len(src) == 0:
             return 0
-        return engine_status(manager.engine.batch_transfer_sync(
-            session, src, plan.dst_addrs[which].tolist(), plan.lengths[which].tolist()))
+        return engine_status(handoff.write(session, src, plan.dst_addrs[which],
+                                           plan.lengths[which]))
 
     futures = [executor.submit(one, p) for p in range(plan.n_pairs)]
     if await_with_manager:
