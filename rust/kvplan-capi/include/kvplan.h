@@ -125,9 +125,10 @@ typedef enum KvplanStatus {
    */
   KVPLAN_STATUS_GEOMETRY = 20,
   /**
-   * Not preppable as NIXL descriptor tables (kind `not_preppable`).
+   * A request feature the planner called does not support, e.g. descriptor tables of a
+   * template with token plans (kind `unsupported`).
    */
-  KVPLAN_STATUS_NOT_PREPPABLE = 21,
+  KVPLAN_STATUS_UNSUPPORTED = 21,
   /**
    * An invalid transfer cost model (kind `cost`).
    */

@@ -95,8 +95,9 @@ pub enum KvplanStatus {
     Fragments = 19,
     /// A request that does not fit the template's geometry (kind `geometry`).
     Geometry = 20,
-    /// Not preppable as NIXL descriptor tables (kind `not_preppable`).
-    NotPreppable = 21,
+    /// A request feature the planner called does not support, e.g. descriptor tables of a
+    /// template with token plans (kind `unsupported`).
+    Unsupported = 21,
     /// An invalid transfer cost model (kind `cost`).
     Cost = 22,
     /// A staging region too small (kind `staging_too_small`).
@@ -136,7 +137,7 @@ impl KvplanStatus {
         Self::HeadLayout,
         Self::Fragments,
         Self::Geometry,
-        Self::NotPreppable,
+        Self::Unsupported,
         Self::Cost,
         Self::StagingTooSmall,
         Self::StagingSlots,
@@ -169,7 +170,7 @@ impl KvplanStatus {
             Self::HeadLayout => c"head_layout",
             Self::Fragments => c"fragments",
             Self::Geometry => c"geometry",
-            Self::NotPreppable => c"not_preppable",
+            Self::Unsupported => c"unsupported",
             Self::Cost => c"cost",
             Self::StagingTooSmall => c"staging_too_small",
             Self::StagingSlots => c"staging_slots",
@@ -973,5 +974,14 @@ mod tests {
         assert_eq!(KvplanStatus::of_error(&small), KvplanStatus::BufferTooSmall);
         let layout = PlanError::InvalidLayout { what: "x".into() };
         assert_eq!(KvplanStatus::of_error(&layout), KvplanStatus::Layout);
+        let unsupported = PlanError::Unsupported {
+            planner: "descriptor_table",
+            feature: "token_plan",
+            why: String::new(),
+        };
+        assert_eq!(
+            KvplanStatus::of_error(&unsupported),
+            KvplanStatus::Unsupported
+        );
     }
 }
