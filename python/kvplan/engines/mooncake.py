@@ -192,9 +192,7 @@ class Handoff:
                  log: logging.Logger | None = None) -> None:
         self.engine: Any = engine
         self.self_test_session = self_test_session
-        #: Seconds a native batch is waited on: what Mooncake's binding allows its own
-        #: (``MC_TRANSFER_TIMEOUT``, at least 5, default 30).
-        self.timeout_s = _transfer_timeout_s()
+        self._timeout_s: float | None = None
         #: ``"native"`` or ``"lists"``: how columns reach the engine (``"native"`` is provisional
         #: until the self-test ran at the first write).
         self.path = "lists"
@@ -212,6 +210,14 @@ class Handoff:
             self._bound = True
         elif native and not self.bind():
             raise ImportError(f"native Mooncake hand-off unavailable: {self.reason}")
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a native batch is waited on: what Mooncake's binding allows its own
+        (``MC_TRANSFER_TIMEOUT``, at least 5, default 30), read at first use."""
+        if self._timeout_s is None:
+            self._timeout_s = _transfer_timeout_s()
+        return self._timeout_s
 
     # ------------------------------------------------------------------ keeping one per owner
     #: The attribute an owner (a vLLM worker, SGLang's engine wrapper) keeps its hand-off in.
