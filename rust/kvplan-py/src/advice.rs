@@ -7,7 +7,6 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::to_py_err;
-use crate::template::PyTemplate;
 
 /// What moving bytes costs on one engine (seconds per block, network and copy bandwidths).
 #[pyclass(frozen, eq, name = "TransferCost", module = "kvplan._core")]
@@ -166,15 +165,15 @@ impl RequestPlanner for PlanAdvice<'_> {
 /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
 /// core's rule over the request's direct and staged network block counts.
 pub(crate) fn transfer_advice(
-    template: &PyTemplate,
     py: Python<'_>,
+    template: &Template,
     src_pages: &Bound<'_, PyAny>,
     dst_pages: &Bound<'_, PyAny>,
     cost: PyRef<'_, PyTransferCost>,
     n_tokens: Option<u64>,
 ) -> PyResult<PyAdvice> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-    let planner = PlanAdvice(&template.inner, cost.inner);
+    let planner = PlanAdvice(template, cost.inner);
     let advice = plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
     Ok(advice.into())
 }

@@ -97,3 +97,16 @@ fn exception_of(err: &PlanError) -> PyErr {
         ErrorClass::Other => KvPlanError::new_err(message),
     }
 }
+
+/// `repr(obj)`, cut to a readable length for an error message.
+pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
+    const MAX: usize = 60;
+    let text = obj
+        .repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string());
+    if text.chars().count() <= MAX {
+        return text;
+    }
+    let cut: String = text.chars().take(MAX).collect();
+    format!("{cut}…")
+}

@@ -6,8 +6,8 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
 
-use crate::errors::{KvPlanError, to_py_err};
-use crate::options::{context_from, short_repr};
+use crate::errors::{KvPlanError, short_repr, to_py_err};
+use crate::options::context_from;
 
 /// Bytes per item: one value for every entry, or one per entry.
 pub(crate) enum ItemLens {

@@ -1,19 +1,17 @@
 //! Keyword parsing of the Python API: what `Layout`'s constructors, `Template` and
-//! `check_pairs` accept, turned into the core's option values. Only conversion and the
-//! messages for arguments of the wrong type live here; the rules and defaults are the core's
-//! (e.g. `AttentionGeometry::for_rank`, `Pairing::by_layer_id`).
-
-use std::ffi::CString;
+//! `check_pairs` accept, turned into the core's option values (the pairing keywords are read
+//! by `pairing`). Only conversion and the messages for arguments of the wrong type live here;
+//! the rules and defaults are the core's (e.g. `AttentionGeometry::for_rank`).
 
 use kvplan_core::{
-    AttentionGeometry, Fragment, Fragments, LayoutContext, MemoryOrder, Pairing, TemplateOptions,
+    AttentionGeometry, Fragment, Fragments, LayoutContext, MemoryOrder, TemplateOptions,
 };
-use pyo3::exceptions::{PyDeprecationWarning, PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
-use crate::errors::to_py_err;
-use crate::pairing::{PyPairing, parse_legacy_kind};
+use crate::errors::{short_repr, to_py_err};
+use crate::pairing::{PairingShorthand, resolve_pairing};
 
 /// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
 /// page pair, or one such list (or `None`) per page pair.
@@ -67,129 +65,6 @@ pub(crate) fn template_options(
         check_dst_overlap,
         replicas_send,
     })
-}
-
-/// The keywords that build a `Pairing.by_layer_id(...)` in place of `pairing=` (deprecated).
-#[derive(Clone, Copy)]
-pub(crate) struct PairingShorthand<'a> {
-    pub(crate) allow_positional_fallback: Option<bool>,
-    pub(crate) prefill_start_layer: Option<usize>,
-    pub(crate) legacy_kind: Option<&'a str>,
-}
-
-impl PairingShorthand<'_> {
-    fn is_given(&self) -> bool {
-        self.allow_positional_fallback.is_some()
-            || self.prefill_start_layer.is_some()
-            || self.legacy_kind.is_some()
-    }
-}
-
-/// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
-/// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
-/// that build one. A `Pairing` together with a shorthand is a `TypeError`.
-///
-/// The bool and the shorthands still work, but each call that uses them gets one
-/// `DeprecationWarning` naming the `Pairing` to pass instead. `stacklevel` is `warnings.warn`'s:
-/// 1 blames the Python line that called into Rust, 2 the line above it (for Python functions
-/// that forward their own pairing arguments, such as `kvplan.compare`).
-pub(crate) fn resolve_pairing(
-    py: Python<'_>,
-    pairing: Option<&Bound<'_, PyAny>>,
-    shorthand: PairingShorthand<'_>,
-    stacklevel: i32,
-) -> PyResult<Pairing> {
-    let pairing = pairing.filter(|p| !p.is_none());
-    if let Some(p) = pairing
-        && let Ok(p) = p.cast::<PyPairing>()
-    {
-        if shorthand.is_given() {
-            return Err(PyTypeError::new_err(
-                "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
-            ));
-        }
-        return Ok(p.get().inner);
-    }
-    let bool_pairing = match pairing {
-        None => None,
-        Some(p) => {
-            // A bool is the only non-`Pairing` value accepted (`extract::<bool>` takes no int).
-            let Ok(flag) = p.extract::<bool>() else {
-                return Err(PyTypeError::new_err(format!(
-                    "pairing must be a kvplan.Pairing, got {} of type {}",
-                    short_repr(p),
-                    p.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                )));
-            };
-            if shorthand.allow_positional_fallback.is_some() {
-                return Err(PyTypeError::new_err(
-                    "allow_positional_fallback given twice (positionally and as a keyword)",
-                ));
-            }
-            Some(flag)
-        }
-    };
-    let resolved = Pairing::by_layer_id(
-        bool_pairing
-            .or(shorthand.allow_positional_fallback)
-            .unwrap_or(false),
-        shorthand.prefill_start_layer,
-        shorthand.legacy_kind.map(parse_legacy_kind).transpose()?,
-    );
-    if bool_pairing.is_some() || shorthand.is_given() {
-        warn_deprecated_pairing(py, bool_pairing, shorthand, resolved, stacklevel)?;
-    }
-    Ok(resolved)
-}
-
-/// The `DeprecationWarning` for a bool `pairing` or shorthand keywords: what the call wrote, and
-/// the `pairing=` that means the same. An error when warnings are errors.
-fn warn_deprecated_pairing(
-    py: Python<'_>,
-    bool_pairing: Option<bool>,
-    shorthand: PairingShorthand<'_>,
-    resolved: Pairing,
-    stacklevel: i32,
-) -> PyResult<()> {
-    let python_bool = |b: bool| if b { "True" } else { "False" };
-    let mut written = Vec::new();
-    if let Some(flag) = bool_pairing {
-        written.push(format!("pairing={}", python_bool(flag)));
-    }
-    if let Some(flag) = shorthand.allow_positional_fallback {
-        written.push(format!("allow_positional_fallback={}", python_bool(flag)));
-    }
-    if let Some(start) = shorthand.prefill_start_layer {
-        written.push(format!("prefill_start_layer={start}"));
-    }
-    if let Some(kind) = shorthand.legacy_kind {
-        written.push(format!("legacy_kind='{kind}'"));
-    }
-    let verb = if written.len() == 1 { "is" } else { "are" };
-    let message = format!(
-        "{} {verb} deprecated: pass pairing=kvplan.{}",
-        written.join(", "),
-        PyPairing::expression(resolved)
-    );
-    let message = CString::new(message).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let category = py.get_type::<PyDeprecationWarning>();
-    PyErr::warn(py, category.as_any(), &message, stacklevel)
-}
-
-/// `repr(obj)`, cut to a readable length for an error message.
-pub(crate) fn short_repr(obj: &Bound<'_, PyAny>) -> String {
-    const MAX: usize = 60;
-    let text = obj
-        .repr()
-        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string());
-    if text.chars().count() <= MAX {
-        return text;
-    }
-    let cut: String = text.chars().take(MAX).collect();
-    format!("{cut}…")
 }
 
 /// Reads the peer context from keyword arguments, rejecting unknown keys.

@@ -10,8 +10,7 @@ use pyo3::prelude::*;
 
 use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
-use crate::plan::{PyTransferPlan, pooled_columns};
-use crate::template::{PyTemplate, owned_columns, pooled};
+use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
 
 /// One request planned and split around a pack buffer.
 struct PlanPacked<'t>(&'t Template, kvplan_core::PackBuffer);
@@ -82,8 +81,9 @@ impl PyRowGather {
 /// per destination-contiguous run. A `SizeMismatchError` names the bytes needed when the
 /// buffer is too small.
 pub(crate) fn plan_packed<'py>(
-    template: &PyTemplate,
     py: Python<'py>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'py, PyAny>,
     dst_pages: &Bound<'py, PyAny>,
     pack: (u64, u64),
@@ -94,7 +94,7 @@ pub(crate) fn plan_packed<'py>(
         addr: pack.0,
         size: pack.1,
     };
-    let planner = PlanPacked(&template.inner, buffer);
+    let planner = PlanPacked(template, buffer);
     let (columns, packed) =
         plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
     let gather_columns =
@@ -108,12 +108,7 @@ pub(crate) fn plan_packed<'py>(
     let mut network = packed.network;
     let network_columns = owned_columns(py, &mut network);
     let half = |columns, plan: &kvplan_core::Plan| {
-        let half = PyTransferPlan::packed(
-            columns,
-            Arc::clone(&template.inner),
-            plan,
-            template.fingerprints,
-        );
+        let half = PyTransferPlan::packed(columns, Arc::clone(template), plan, fingerprints);
         Py::new(py, half)
     };
     Ok((
@@ -129,8 +124,9 @@ pub(crate) fn plan_packed<'py>(
 /// small; a page request (no `n_tokens` on a template that plans by page) is a
 /// `KvPlanError`.
 pub(crate) fn plan_row_gather<'py>(
-    template: &PyTemplate,
     py: Python<'py>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'py, PyAny>,
     dst_pages: &Bound<'py, PyAny>,
     pack: (u64, u64),
@@ -141,7 +137,7 @@ pub(crate) fn plan_row_gather<'py>(
         addr: pack.0,
         size: pack.1,
     };
-    let planner = PlanRowGather(&template.inner, buffer);
+    let planner = PlanRowGather(template, buffer);
     let (gather, mut network) =
         plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
     let rows = gather
@@ -174,9 +170,9 @@ pub(crate) fn plan_row_gather<'py>(
     let network_columns = owned_columns(py, &mut network);
     let network = PyTransferPlan::packed(
         network_columns,
-        Arc::clone(&template.inner),
+        Arc::clone(template),
         &network,
-        template.fingerprints,
+        fingerprints,
     );
     let network = Py::new(py, network)?;
     Ok((

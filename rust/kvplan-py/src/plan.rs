@@ -10,7 +10,7 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PySlice;
 
-use kvplan_core::{PlanSummary, Template};
+use kvplan_core::{FlatBuffer, PlanSummary, Template};
 
 use crate::errors::KvPlanError;
 use crate::pool;
@@ -55,6 +55,26 @@ pub(crate) fn pooled_columns(
         unsafe { PyArray1::borrow_from_array(&view, owner.clone().into_any()) }.unbind()
     };
     Ok([column(0), column(1), column(2)])
+}
+
+/// Output columns for a plan of this shape, from the pool (warm memory when a plan of similar
+/// size has died since).
+pub(crate) fn pooled(shape: &PlanSummary) -> kvplan_core::Result<FlatBuffer> {
+    Ok(FlatBuffer {
+        data: pool::take(shape.n_blocks.saturating_mul(3))?,
+        capacity: shape.n_blocks,
+    })
+}
+
+/// A small core plan's three columns moved into NumPy arrays (the plan keeps its counts and
+/// offsets; its columns are left empty).
+pub(crate) fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Column; 3] {
+    [
+        std::mem::take(&mut plan.src_addrs),
+        std::mem::take(&mut plan.dst_addrs),
+        std::mem::take(&mut plan.lengths),
+    ]
+    .map(|column| PyArray1::from_vec(py, column).unbind())
 }
 
 /// The first `n` values of each row of a caller's `(3, M)` array, as plain 1-D `ndarray` views

@@ -8,9 +8,8 @@ use pyo3::prelude::*;
 
 use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::to_py_err;
-use crate::plan::{PyTransferPlan, pooled_columns};
+use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
 use crate::pool;
-use crate::template::{PyTemplate, owned_columns, pooled};
 
 /// A request planned as a gather into a prefill staging region, a network plan between the
 /// staging regions and a scatter into the decode's pages (`Template.plan_staged`).
@@ -81,9 +80,11 @@ impl RequestPlanner for PlanStaged<'_> {
 /// (addr, size)` (the decode's staging region, at this writer's offsets) and `scatter` from
 /// there into the decode's pages. A `SizeMismatchError` names the bytes needed when a region
 /// is too small.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_staged(
-    template: &PyTemplate,
     py: Python<'_>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'_, PyAny>,
     dst_pages: &Bound<'_, PyAny>,
     src_staging: (u64, u64),
@@ -92,7 +93,7 @@ pub(crate) fn plan_staged(
 ) -> PyResult<PyStagedPlan> {
     let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
     let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
-    let planner = PlanStaged(&template.inner, region(src_staging), region(dst_staging));
+    let planner = PlanStaged(template, region(src_staging), region(dst_staging));
     let (gather, scatter, staged) =
         plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
     let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
@@ -102,12 +103,7 @@ pub(crate) fn plan_staged(
             pair_offsets,
             ..kvplan_core::Plan::default()
         };
-        let half = PyTransferPlan::packed(
-            columns,
-            Arc::clone(&template.inner),
-            &plan,
-            template.fingerprints,
-        );
+        let half = PyTransferPlan::packed(columns, Arc::clone(template), &plan, fingerprints);
         Py::new(py, half)
     };
     // A part far smaller than its buffer (the gather of a head-sliced NHD request: 160 of

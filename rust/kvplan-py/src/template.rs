@@ -16,8 +16,7 @@ use crate::convert::{IndexArray, RequestArrays, RequestPlanner, pairs_array, pla
 use crate::errors::{KvPlanError, to_py_err};
 use crate::layout::PyLayout;
 use crate::options::{fragments_arg, template_options};
-use crate::plan::{Column, PyTransferPlan, out_columns, pooled_columns};
-use crate::pool;
+use crate::plan::{PyTransferPlan, out_columns, owned_columns, pooled, pooled_columns};
 
 /// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
 /// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
@@ -61,17 +60,6 @@ pub fn check_pairs(
 #[pyfunction]
 pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLayout>) -> bool {
     kvplan_core::needs_tokens(&src_layout.inner, &dst_layout.inner)
-}
-
-/// A small core plan's three columns moved into NumPy arrays (the plan keeps its counts and
-/// offsets; its columns are left empty).
-pub(crate) fn owned_columns(py: Python<'_>, plan: &mut kvplan_core::Plan) -> [Column; 3] {
-    [
-        std::mem::take(&mut plan.src_addrs),
-        std::mem::take(&mut plan.dst_addrs),
-        std::mem::take(&mut plan.lengths),
-    ]
-    .map(|column| numpy::PyArray1::from_vec(py, column).unbind())
 }
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
@@ -156,15 +144,6 @@ pub struct PyTemplate {
     /// The core's fingerprints of the (prefill, decode) layouts, for plan digests (`None` when
     /// a layout has no wire encoding).
     pub(crate) fingerprints: Option<(u64, u64)>,
-}
-
-/// Output columns for a plan of this shape, from the pool (warm memory when a plan of similar
-/// size has died since).
-pub(crate) fn pooled(shape: &PlanSummary) -> kvplan_core::Result<FlatBuffer> {
-    Ok(FlatBuffer {
-        data: pool::take(shape.n_blocks.saturating_mul(3))?,
-        capacity: shape.n_blocks,
-    })
 }
 
 /// One request planned into a pooled buffer; the core decides between a page and a token plan.
@@ -556,7 +535,15 @@ impl PyTemplate {
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
-        crate::pack::plan_packed(self, py, src_pages, dst_pages, pack, n_tokens)
+        crate::pack::plan_packed(
+            py,
+            &self.inner,
+            self.fingerprints,
+            src_pages,
+            dst_pages,
+            pack,
+            n_tokens,
+        )
     }
 
     /// Plans one token request as a gather of source rows into the pack buffer at
@@ -574,7 +561,15 @@ impl PyTemplate {
         #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(crate::pack::PyRowGather, Py<PyTransferPlan>)> {
-        crate::pack::plan_row_gather(self, py, src_pages, dst_pages, pack, n_tokens)
+        crate::pack::plan_row_gather(
+            py,
+            &self.inner,
+            self.fingerprints,
+            src_pages,
+            dst_pages,
+            pack,
+            n_tokens,
+        )
     }
 
     /// Plans one request (as `plan`) as a staged plan: `gather` from prefill memory into
@@ -593,8 +588,9 @@ impl PyTemplate {
         n_tokens: Option<u64>,
     ) -> PyResult<crate::staged::PyStagedPlan> {
         crate::staged::plan_staged(
-            self,
             py,
+            &self.inner,
+            self.fingerprints,
             src_pages,
             dst_pages,
             src_staging,
@@ -614,7 +610,7 @@ impl PyTemplate {
         cost: PyRef<'_, crate::advice::PyTransferCost>,
         n_tokens: Option<u64>,
     ) -> PyResult<crate::advice::PyAdvice> {
-        crate::advice::transfer_advice(self, py, src_pages, dst_pages, cost, n_tokens)
+        crate::advice::transfer_advice(py, &self.inner, src_pages, dst_pages, cost, n_tokens)
     }
 
     /// This template's layer slices for `groups` (built once; cut plans with `.of(plan)`).
