@@ -58,6 +58,7 @@ __all__ = [
     "planner_support",
     "pool_stats",
     "reverse_descending_runs",
+    "staging_replicas_write",
     "tp_peers",
 ]
 
@@ -1021,6 +1022,11 @@ def heads_per_rank(kv_heads: int, tp_size: int) -> int:
     """KV heads one rank holds with ``kv_heads`` model heads over ``tp_size`` ranks:
     ``max(1, kv_heads // tp_size)`` (a TP size of 0 counts as 1); what layouts default
     ``heads_per_rank`` to and what :func:`tp_peers` splits by."""
+
+def staging_replicas_write(kv_heads: int, prefill_tp: int, decode_tp: int) -> bool:
+    """Whether the prefill ranks writing one decode rank's staging region hold replicas of
+    the same heads (prefill TP above the decode TP and the KV head count), so each writer fills
+    its own share and a staged template plans every writer (``replicas_send=True``)."""
 
 def tp_peers(
     kv_heads: int,

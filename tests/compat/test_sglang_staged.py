@@ -20,7 +20,8 @@ import pytest
 
 import kvplan
 from kvplan.compat import sglang as compat
-from kvplan.compat.sglang.staged import replicated_writers, staged_template
+from kvplan._core import staging_replicas_write
+from kvplan.compat.sglang.staged import staged_template
 from support.sglang_models import engine_blocks, load_loader, load_sglang_or_fail
 from support.sglang_staging import (
     SESSION,
@@ -244,7 +245,7 @@ def scatter(world: StagedWorld, stage: int, r_p: int) -> None:
                       [t.array for t in (*world.decode["k"], *world.decode["v"])])
 
 
-REPLICATED = [(h, p, d, pp) for h, p, d, pp in CASES if replicated_writers(h, p, d)]
+REPLICATED = [(h, p, d, pp) for h, p, d, pp in CASES if staging_replicas_write(h, p, d)]
 
 
 @pytest.mark.parametrize("heads,tp_p,tp_d,pp", REPLICATED)

@@ -262,6 +262,14 @@ pub fn staging_writer(prefill_tp: u32, prefill_rank: u32, decode_tp: u32) -> Res
     })
 }
 
+/// Whether several prefill ranks writing one decode rank's staging region (see
+/// [`staging_writer`]) hold replicas of the same heads: prefill TP above the decode TP and above
+/// the KV head count. Then each writer fills its own share of the region, so a staged template
+/// plans every writer (`TemplateOptions::replicas_send`), not only the elected holder.
+pub fn staging_replicas_write(kv_heads: u32, prefill_tp: u32, decode_tp: u32) -> bool {
+    prefill_tp > decode_tp && prefill_tp > kv_heads
+}
+
 /// Heads `start..stop` in words: `head 3`, `heads 4–7`.
 pub fn heads_text(start: u32, stop: u32) -> String {
     if stop == start + 1 {
@@ -639,6 +647,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn replicas_write_only_with_several_writers_of_replicated_heads() {
+        // (kv heads, prefill TP, decode TP) -> several writers holding the same heads
+        for (heads, tp_p, tp_d, want) in [
+            (2, 8, 2, true),  // 4 writers per region, each head held by 4 prefill ranks
+            (8, 8, 2, false), // 4 writers, every head held once
+            (2, 2, 8, false), // one writer per region
+            (4, 8, 8, false), // equal TP: one writer
+            (1, 4, 1, true),
+        ] {
+            assert_eq!(
+                staging_replicas_write(heads, tp_p, tp_d),
+                want,
+                "{heads} heads, TP {tp_p} -> {tp_d}"
+            );
         }
     }
 

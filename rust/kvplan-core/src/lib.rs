@@ -102,7 +102,9 @@ pub use digest::{
 };
 pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
 pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
-pub use heads::{HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_writer};
+pub use heads::{
+    HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
+};
 pub use layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
     heads_per_rank_at,

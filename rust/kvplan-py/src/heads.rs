@@ -74,6 +74,13 @@ pub fn heads_per_rank(kv_heads: u32, tp_size: u32) -> u32 {
     kvplan_core::heads_per_rank_at(kv_heads, tp_size)
 }
 
+/// Whether the prefill ranks writing one decode rank's staging region hold replicas of the
+/// same heads, so each fills its own share (the core's `staging_replicas_write`).
+#[pyfunction]
+pub fn staging_replicas_write(kv_heads: u32, prefill_tp: u32, decode_tp: u32) -> bool {
+    kvplan_core::staging_replicas_write(kv_heads, prefill_tp, decode_tp)
+}
+
 #[pymethods]
 impl PyTpPeers {
     /// `"prefill"` or `"decode"`: the side `rank` belongs to.

@@ -45,7 +45,7 @@ mod _core {
         UnsupportedError,
     };
     #[pymodule_export]
-    use crate::heads::{PyTpPeers, heads_per_rank, tp_peers};
+    use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};
     #[pymodule_export]
     use crate::ids::index_array;
     #[pymodule_export]

@@ -50,14 +50,6 @@ def _placeholders(n: int) -> tuple[list[int], list[int]]:
     return ptrs, unbounded_lens(ptrs)
 
 
-def replicated_writers(kv_heads: int, prefill_tp: int, decode_tp: int) -> bool:
-    """Whether SGLang's staged layout has several writers per decode region holding replicas
-    of the same heads (prefill TP larger than the decode's and than the KV head count): each
-    writer fills its own share, so the template is built with ``replicas_send=True`` for the
-    writer's own rank."""
-    return prefill_tp > decode_tp and prefill_tp > kv_heads
-
-
 def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int,
                     decode_rank: int, page_size: int, head_dim: int, dtype_size: int,
                     num_layers: int, decode_slots: int | None = None,
@@ -83,7 +75,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     (per slot) and ``decode_item_len`` are the bytes of one page of a slot's pool; by default
     this geometry on each side's heads (SGLang's assumption); the template refuses item lengths
     that do not match it. When several writers of one decode region hold replicas of the same
-    heads (:func:`replicated_writers`), every writer fills its own share: the template is the
+    heads (the core's ``staging_replicas_write``), every writer fills its own share: the template is the
     writer's own rank's, built with ``replicas_send=True``. Otherwise a prefill rank holding
     replicated heads is the region's only writer and is planned as the replica kvplan elects
     for the decode rank (same heads at the same offsets).
@@ -94,7 +86,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
         SizeMismatchError: Item lengths that do not match the geometry.
     """
     heads, tp_p, tp_d = int(kv_heads), int(prefill_tp), int(decode_tp)
-    every_writer = replicated_writers(heads, tp_p, tp_d)
+    every_writer = _core.staging_replicas_write(heads, tp_p, tp_d)
     r_p = int(prefill_rank) % tp_p
     if not every_writer:
         # A replica plans as the elected holder of its heads: same bytes, and (one writer per
