@@ -5,7 +5,10 @@
 
 mod advice;
 mod batch;
+mod block_counts;
 mod capabilities;
+mod coalescing;
+mod compile;
 mod conversion;
 mod convert;
 mod descriptors;
@@ -17,15 +20,20 @@ mod layout;
 mod local;
 mod mooncake;
 mod nixl_ids;
+mod one_request;
 mod options;
+mod out_arg;
 mod pack;
+mod pair_tables;
 mod pairing;
 mod plan;
 mod pool;
 mod runs;
 mod slices;
+mod slots;
 mod staged;
 mod template;
+mod window_pages;
 
 #[pyo3::pymodule]
 mod _core {
@@ -59,6 +67,8 @@ mod _core {
     #[pymodule_export]
     use crate::pack::PyRowGather;
     #[pymodule_export]
+    use crate::pair_tables::{check_pairs, needs_tokens};
+    #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
     use crate::plan::{PyBlocks, PyPlanBatch, PyPlanBuffer, PyTransferPlan};
@@ -73,7 +83,7 @@ mod _core {
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
     #[pymodule_export]
-    use crate::template::{PyTemplate, check_pairs, needs_tokens};
+    use crate::template::PyTemplate;
 
     /// Module attributes the core owns: its role classification, and the default `kind` and
     /// `requests` of a `KvPlanError` raised by Python code.

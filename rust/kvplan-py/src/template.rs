@@ -1,140 +1,18 @@
-//! `Template`: a compiled peer pair, planned per request. The GIL is released around every
-//! pass over index arrays; plans come back as NumPy columns viewing a pooled Rust buffer or the
-//! caller's `out=` array.
+//! `Template`: a compiled peer pair, planned per request. Its methods are the Python surface;
+//! each hands its work to the module of that job (`compile`, `one_request`, `batch`, `pack`,
+//! `staged`, `advice`, `slots`, `coalescing`, `block_counts`, `descriptors`, `slices`).
 
 use std::sync::Arc;
 
-use kvplan_core::{
-    BlockRequest, Columns, FlatBuffer, GeometryOptions, PageIndex, PlanSummary, Request, Template,
-};
-use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
+use kvplan_core::Template;
+use numpy::PyArray2;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{IndexArray, RequestArrays, RequestPlanner, pairs_array, plan_request};
-use crate::errors::{KvPlanError, to_py_err};
+use crate::compile::compile;
 use crate::layout::PyLayout;
-use crate::options::{fragments_arg, template_options};
-use crate::plan::{PyTransferPlan, out_columns, owned_columns, pooled, pooled_columns};
-
-/// `(kind, src_entry, dst_entry or None, exception or None)`: the exception is the one
-/// `Template(...)` would raise for this entry, built by the one mapping in `errors.rs`.
-type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
-
-/// One row per source entry, page entries first: its partner or why it has none.
-/// `Template(...)` raises exactly the first problem listed here.
-#[pyfunction]
-#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, replicas_send=false))]
-#[allow(clippy::too_many_arguments)]
-pub fn check_pairs(
-    py: Python<'_>,
-    src_layout: PyRef<'_, PyLayout>,
-    dst_layout: PyRef<'_, PyLayout>,
-    pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
-    replicas_send: bool,
-) -> PyResult<Vec<EntryCheckRow>> {
-    let options = template_options(
-        pairing,
-        allow_positional_fallback,
-        prefill_start_layer,
-        legacy_kind,
-        false,
-        replicas_send,
-    )?;
-    let checks = kvplan_core::check_pairs(&src_layout.inner, &dst_layout.inner, options);
-    Ok(checks
-        .into_iter()
-        .map(|c| {
-            let exception = c.problem.map(|p| to_py_err(p).into_value(py).into_any());
-            (c.kind.as_str(), c.src_entry, c.dst_entry, exception)
-        })
-        .collect())
-}
-
-/// Whether every plan between these layouts is a token plan (different page sizes or memory
-/// orders): the core's rule, for callers that describe a pair before building its template.
-#[pyfunction]
-pub fn needs_tokens(src_layout: PyRef<'_, PyLayout>, dst_layout: PyRef<'_, PyLayout>) -> bool {
-    kvplan_core::needs_tokens(&src_layout.inner, &dst_layout.inner)
-}
-
-/// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
-/// (input shape), a `KvPlanError` for a read-only array or one whose memory overlaps an input
-/// (never a panic).
-fn writable_out<'py, 'i>(
-    out: &Bound<'py, PyAny>,
-    inputs: impl IntoIterator<Item = (&'i IndexArray<'i>, &'i str)>,
-) -> PyResult<PyReadwriteArray2<'py, u64>> {
-    let array = out.cast::<PyArray2<u64>>().map_err(|_| {
-        PyTypeError::new_err("out must be a 2-D numpy array of dtype uint64 with shape (3, M)")
-    })?;
-    // A Fortran-ordered array would have a slice view too, with the rows scrambled.
-    if !array.is_c_contiguous() || array.shape()[0] != 3 {
-        return Err(PyTypeError::new_err(format!(
-            "out must be a C-contiguous (3, M) uint64 array, got shape {:?}",
-            array.shape()
-        )));
-    }
-    // NumPy's borrow tracking only sees aliasing through a shared base object; two views of
-    // one buffer made separately (np.frombuffer twice) have different bases. Compare the
-    // address ranges themselves.
-    let start = array.data() as usize;
-    let out_range = (start, start + array.len() * 8);
-    for (input, name) in inputs {
-        let range = input.byte_range();
-        let overlaps = range.0 < range.1
-            && out_range.0 < out_range.1
-            && range.0 < out_range.1
-            && out_range.0 < range.1;
-        if overlaps {
-            return Err(KvPlanError::new_err(format!(
-                "out overlaps {name} in memory (out is bytes {:#x}..{:#x}, {name} is bytes \
-                 {:#x}..{:#x}): planning would overwrite its own input; pass a separate out array",
-                out_range.0, out_range.1, range.0, range.1
-            )));
-        }
-    }
-    array.try_readwrite().map_err(|err| {
-        KvPlanError::new_err(format!(
-            "out cannot be written: {err} (read-only, or it shares memory with an input)"
-        ))
-    })
-}
-
-/// The argument names of the two window page lists, for errors.
-const WINDOW_NAMES: (&str, &str) = ("window_pages[0]", "window_pages[1]");
-
-/// `window_pages=`: `None`, or a `(src, dst)` tuple of index arrays or `None`s, borrowed.
-fn window_pages_arg<'py>(
-    window_pages: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Option<IndexArray<'py>>, Option<IndexArray<'py>>)> {
-    let Some(obj) = window_pages.filter(|o| !o.is_none()) else {
-        return Ok((None, None));
-    };
-    let shape_error = || {
-        PyTypeError::new_err(format!(
-            "window_pages must be None or a tuple (src, dst) of two index arrays (or None for a \
-             side without a window pool), got {}",
-            obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-        ))
-    };
-    let tuple = obj.cast::<PyTuple>().map_err(|_| shape_error())?;
-    if tuple.len() != 2 {
-        return Err(shape_error());
-    }
-    let side = |k: usize, name: &str| -> PyResult<Option<IndexArray<'py>>> {
-        let item = tuple.get_item(k)?;
-        if item.is_none() {
-            return Ok(None);
-        }
-        IndexArray::extract(&item, name).map(Some)
-    };
-    Ok((side(0, WINDOW_NAMES.0)?, side(1, WINDOW_NAMES.1)?))
-}
+use crate::options::template_options;
+use crate::plan::PyTransferPlan;
 
 /// A validated peer pair (prefill layout → decode layout), built once, planned per request.
 #[pyclass(frozen, name = "Template", module = "kvplan._core")]
@@ -144,29 +22,6 @@ pub struct PyTemplate {
     /// The core's fingerprints of the (prefill, decode) layouts, for plan digests (`None` when
     /// a layout has no wire encoding).
     pub(crate) fingerprints: Option<(u64, u64)>,
-}
-
-/// One request planned into a pooled buffer; the core decides between a page and a token plan.
-struct PlanPooled<'t>(&'t Template);
-
-impl RequestPlanner for PlanPooled<'_> {
-    type Output = kvplan_core::Result<(FlatBuffer, PlanSummary)>;
-    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        self.0.plan_into(request, pooled)
-    }
-}
-
-/// The same into the caller's `out=` columns.
-struct PlanInto<'t, 'o>(&'t Template, Columns<'o>);
-
-impl RequestPlanner for PlanInto<'_, '_> {
-    type Output = kvplan_core::Result<PlanSummary>;
-    fn plan<S: PageIndex, D: PageIndex>(self, request: &Request<'_, S, D>) -> Self::Output {
-        let columns = self.1;
-        self.0
-            .plan_into(request, move |_| Ok(columns))
-            .map(|(_, summary)| summary)
-    }
 }
 
 #[pymethods]
@@ -195,22 +50,17 @@ impl PyTemplate {
             check_dst_overlap,
             replicas_send,
         )?;
-        let geometry = GeometryOptions {
-            fragments: fragments_arg(fragments)?,
+        let groups = layer_groups.as_ref().map(|g| &g.inner);
+        let (inner, fingerprints) = compile(
+            &src_layout,
+            &dst_layout,
+            options,
+            fragments,
             coalesce,
-        };
-        let (src, dst) = (&src_layout.inner, &dst_layout.inner);
-        let inner = match &layer_groups {
-            Some(groups) => {
-                Template::with_layer_groups(src, dst, options, &geometry, &groups.inner)
-            }
-            None => Template::with_geometry(src, dst, options, &geometry),
-        }
-        .map_err(to_py_err)?;
-        let fingerprint = |layout: &PyLayout| kvplan_core::layout_fingerprint(&layout.inner).ok();
-        let fingerprints = fingerprint(&src_layout).zip(fingerprint(&dst_layout));
+            groups,
+        )?;
         Ok(Self {
-            inner: Arc::new(inner),
+            inner,
             fingerprints,
         })
     }
@@ -218,25 +68,13 @@ impl PyTemplate {
     /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
     #[getter]
     fn pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
-        pairs_array(
-            py,
-            self.inner
-                .page_pairs()
-                .iter()
-                .map(|p| [p.src_entry, p.dst_entry]),
-        )
+        crate::pair_tables::entry_pairs(py, self.inner.page_pairs())
     }
 
     /// `(n_state_pairs, 2)` int64: (src entry, dst entry) of every state-entry pair.
     #[getter]
     fn state_pairs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
-        pairs_array(
-            py,
-            self.inner
-                .state_pairs()
-                .iter()
-                .map(|p| [p.src_entry, p.dst_entry]),
-        )
+        crate::pair_tables::entry_pairs(py, self.inner.state_pairs())
     }
 
     /// Per page pair, the core's coalescing (`kvplan_core::coalescing`): `(kind, side,
@@ -244,40 +82,15 @@ impl PyTemplate {
     /// `apart`, `beyond_stride` or `options`, the side (`src`/`dst`) for the last three, and
     /// whether the pair's blocks end at every page.
     #[getter]
-    fn coalescing(&self) -> Vec<(&'static str, Option<&'static str>, bool)> {
-        use kvplan_core::{Coalescing, JoinBlocker, Side};
-        let side = |s: Side| Some(s.pick("src", "dst"));
-        kvplan_core::coalescing(&self.inner)
-            .into_iter()
-            .map(|pair| {
-                let (kind, on) = match pair.coalescing {
-                    Coalescing::Joined => ("joined", None),
-                    Coalescing::First => ("first", None),
-                    Coalescing::Elided => ("elided", None),
-                    Coalescing::ByToken => ("by_token", None),
-                    Coalescing::Fragments => ("fragments", None),
-                    Coalescing::Options => ("options", None),
-                    Coalescing::Join(JoinBlocker::Strides(s)) => ("strides", side(s)),
-                    Coalescing::Join(JoinBlocker::Apart(s)) => ("apart", side(s)),
-                    Coalescing::Join(JoinBlocker::BeyondStride(s)) => ("beyond_stride", side(s)),
-                };
-                (kind, on, pair.per_page)
-            })
-            .collect()
+    fn coalescing(&self) -> Vec<crate::coalescing::CoalescingRow> {
+        crate::coalescing::coalescing_rows(&self.inner)
     }
 
     /// Per page pair: whether it emits blocks (item length > 0 and, between TP sizes, heads to
     /// move).
     #[getter]
     fn emitting<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(
-            py,
-            self.inner
-                .blocks()
-                .pair_groups()
-                .iter()
-                .map(Option::is_some),
-        )
+        crate::coalescing::emitting(py, &self.inner)
     }
 
     /// Page-entry pairs (including elided pairs with item length 0).
@@ -304,11 +117,7 @@ impl PyTemplate {
     /// both sides, or (`fragmented=True`) no two pages consecutive on either side.
     #[pyo3(signature = (n_tokens, *, fragmented=false))]
     fn n_token_blocks(&self, n_tokens: u64, fragmented: bool) -> PyResult<usize> {
-        let request = BlockRequest::Tokens {
-            n_tokens,
-            fragmented,
-        };
-        self.inner.count_blocks(request).map_err(to_py_err)
+        crate::block_counts::token_blocks(&self.inner, n_tokens, fragmented)
     }
 
     /// `(direct, gather, network)` blocks of a token plan of `n_tokens` tokens planned directly
@@ -320,10 +129,7 @@ impl PyTemplate {
         n_tokens: u64,
         fragmented: bool,
     ) -> PyResult<(usize, usize, usize)> {
-        let c = kvplan_core::PackPlanner::new(&self.inner)
-            .counts(n_tokens, fragmented)
-            .map_err(to_py_err)?;
-        Ok((c.direct, c.gather, c.network))
+        crate::block_counts::packed_counts(&self.inner, n_tokens, fragmented)
     }
 
     /// Whether every page plan is a token plan (page sizes or memory orders differ).
@@ -360,24 +166,14 @@ impl PyTemplate {
     /// The group of each page pair (int64; -1 for an elided pair).
     #[getter]
     fn pair_groups<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArray1<i64>> {
-        let groups = self.inner.blocks().pair_groups().iter();
-        numpy::IntoPyArray::into_pyarray(
-            groups
-                .map(|g| g.map_or(-1, |g| g as i64))
-                .collect::<Vec<_>>(),
-            py,
-        )
+        crate::coalescing::pair_groups(py, &self.inner)
     }
 
     /// Blocks of a request of `n_pages` index pairs in `n_runs` runs (runs contiguous on both
     /// sides), without planning it.
     #[pyo3(signature = (n_pages, n_runs=1))]
     fn n_blocks_for(&self, n_pages: usize, n_runs: usize) -> PyResult<usize> {
-        let request = BlockRequest::Pages {
-            pages: n_pages,
-            runs: n_runs,
-        };
-        self.inner.count_blocks(request).map_err(to_py_err)
+        crate::block_counts::page_blocks(&self.inner, n_pages, n_runs)
     }
 
     /// Plans the blocks that copy page `src_pages[i]` to `dst_pages[i]` for every entry pair.
@@ -413,53 +209,16 @@ impl PyTemplate {
         window_pages: Option<&Bound<'py, PyAny>>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyTransferPlan>> {
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let (src, dst) = arrays.slices()?;
-        let window_arrays = window_pages_arg(window_pages)?;
-        let window_slices = (
-            window_arrays
-                .0
-                .as_ref()
-                .map(|a| a.as_slice(WINDOW_NAMES.0))
-                .transpose()?,
-            window_arrays
-                .1
-                .as_ref()
-                .map(|a| a.as_slice(WINDOW_NAMES.1))
-                .transpose()?,
-        );
-        let tokens = crate::convert::TokenArgs {
+        crate::one_request::plan_one(
+            py,
+            &self.inner,
+            self.fingerprints,
+            src_pages,
+            dst_pages,
             n_tokens,
             skip_tokens,
-            window: crate::convert::WindowSlices::new((src, dst), window_slices)?,
-        };
-        let template: &Template = &self.inner;
-        let (columns, summary) = if let Some(out) = out {
-            let window_inputs = [
-                window_arrays.0.as_ref().map(|a| (a, WINDOW_NAMES.0)),
-                window_arrays.1.as_ref().map(|a| (a, WINDOW_NAMES.1)),
-            ];
-            let inputs = arrays
-                .named()
-                .into_iter()
-                .chain(window_inputs.into_iter().flatten());
-            let mut writable = writable_out(out, inputs)?;
-            let capacity = writable.shape()[1];
-            let flat = writable.as_slice_mut()?;
-            let planner = PlanInto(template, Columns::from_flat(flat, capacity));
-            let summary = plan_request(py, (src, dst), tokens, planner).map_err(to_py_err)?;
-            drop(writable);
-            let out = out.cast::<PyArray2<u64>>()?;
-            (out_columns(out, summary.n_blocks), summary)
-        } else {
-            let (buffer, summary) =
-                plan_request(py, (src, dst), tokens, PlanPooled(template)).map_err(to_py_err)?;
-            let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
-            (columns, summary)
-        };
-        Py::new(
-            py,
-            PyTransferPlan::new(columns, Arc::clone(&self.inner), summary, self.fingerprints),
+            window_pages,
+            out,
         )
     }
 
@@ -669,16 +428,12 @@ impl PyTemplate {
         dst_slot: i64,
         n_positions: u64,
     ) -> PyResult<Py<PyTransferPlan>> {
-        let template = &self.inner;
-        let mut plan = py
-            .detach(|| {
-                kvplan_core::RingPlanner::new(template).plan(src_slot, dst_slot, n_positions)
-            })
-            .map_err(to_py_err)?;
-        let columns = owned_columns(py, &mut plan);
-        Py::new(
+        crate::slots::plan_ring(
             py,
-            PyTransferPlan::packed(columns, Arc::clone(&self.inner), &plan, self.fingerprints),
+            &self.inner,
+            self.fingerprints,
+            (src_slot, dst_slot),
+            n_positions,
         )
     }
 
@@ -690,14 +445,6 @@ impl PyTemplate {
         src_slot: i64,
         dst_slot: i64,
     ) -> PyResult<Py<PyTransferPlan>> {
-        let (buffer, summary) = self
-            .inner
-            .plan_into(&Request::slot(src_slot, dst_slot), pooled)
-            .map_err(to_py_err)?;
-        let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
-        Py::new(
-            py,
-            PyTransferPlan::new(columns, Arc::clone(&self.inner), summary, self.fingerprints),
-        )
+        crate::slots::plan_state(py, &self.inner, self.fingerprints, (src_slot, dst_slot))
     }
 }
