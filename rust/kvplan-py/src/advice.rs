@@ -5,8 +5,8 @@ use kvplan_core::{Advice, PageIndex, Request, Template, TransferCost};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::to_py_err;
+use crate::input::{RequestArrays, RequestPlanner, plan_request};
 
 /// What moving bytes costs on one engine (seconds per block, network and copy bandwidths).
 #[pyclass(frozen, eq, name = "TransferCost", module = "kvplan._core")]

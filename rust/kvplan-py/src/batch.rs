@@ -14,8 +14,8 @@ use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PySequence, PyTuple};
 
-use crate::convert::{IndexArray, IndexSlice, RequestArrays};
 use crate::errors::{KvPlanError, to_py_err};
+use crate::input::{IndexArray, IndexSlice, RequestArrays};
 use crate::plan::{PyBlocks, PyPlanBatch, pooled_columns};
 use crate::pool;
 

@@ -6,8 +6,8 @@ use kvplan_core::{DescriptorTables, PageIndex, PreppedIndices, Request, Side, Te
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
+use crate::input::{RequestArrays, RequestPlanner, plan_request};
 
 /// `(addrs, lens)` of one side's table, both uint64.
 pub(crate) type TableArrays<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>);

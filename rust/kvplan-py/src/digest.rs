@@ -6,8 +6,8 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::convert::IndexArray;
 use crate::errors::{KvPlanError, to_py_err};
+use crate::input::IndexArray;
 
 /// Plans of at least this many blocks, or moving at least `DETACH_BYTES`, are digested with
 /// the GIL released (a few long blocks take as long to hash as many short ones).
@@ -152,8 +152,8 @@ pub(crate) fn pair_digests(
 pub(crate) fn index_digest(pages: &Bound<'_, PyAny>) -> PyResult<u64> {
     let array = IndexArray::extract(pages, "pages")?;
     Ok(match array.as_slice("pages")? {
-        crate::convert::IndexSlice::I32(s) => kvplan_core::index_digest(s),
-        crate::convert::IndexSlice::I64(s) => kvplan_core::index_digest(s),
+        crate::input::IndexSlice::I32(s) => kvplan_core::index_digest(s),
+        crate::input::IndexSlice::I64(s) => kvplan_core::index_digest(s),
     })
 }
 

@@ -1,7 +1,14 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's: `advice`, `capabilities` (what each planner supports), `runs`, `pairing`, `layout`, `template` (+ its prepped `descriptors`), `batch` (`BatchPlan`), `plan` (+
-//! the output `pool`), `staged` (`StagedPlan`), `local` (`copy_local`), `nixl_ids` (vLLM's NIXL descriptor ids), with `convert`, `errors` and `options` (keyword parsing) shared.
+//! Modules mirror the core's, one file per job: `layout`, `pairing` (+ `pair_tables`:
+//! `check_pairs`, `needs_tokens`), `template` (the `Template` class; its methods hand their work
+//! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
+//! planner (`batch`, `pack`, `staged`, `advice`, `convert` for `ConversionTemplate`,
+//! `descriptors`, `slices`, `runs`, `nixl_ids`, `heads`), `plan` (+ the output `pool`), `digest`,
+//! `local` (`copy_local`), `mooncake`, `capabilities`, with `input` (Python arguments as index
+//! slices; `out_arg` and `window_pages` for `out=` and `window_pages=`), `ids`, `errors` and
+//! `options` (keyword parsing) shared. No module imports one that imports it back
+//! (`tests/module_graph.rs`).
 
 mod advice;
 mod batch;
@@ -9,13 +16,13 @@ mod block_counts;
 mod capabilities;
 mod coalescing;
 mod compile;
-mod conversion;
 mod convert;
 mod descriptors;
 mod digest;
 mod errors;
 mod heads;
 mod ids;
+mod input;
 mod layout;
 mod local;
 mod mooncake;
@@ -44,7 +51,7 @@ mod _core {
     #[pymodule_export]
     use crate::capabilities::{feature_descriptions, planner_support};
     #[pymodule_export]
-    use crate::conversion::{PyConversionPlan, PyConversionTemplate};
+    use crate::convert::{PyConversionPlan, PyConversionTemplate};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
@@ -91,8 +98,8 @@ mod _core {
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
         use pyo3::prelude::*;
         m.add("MHA_ROLES", kvplan_core::MHA_ROLES.to_vec())?;
-        m.add("DTYPES", crate::conversion::dtype_names())?;
-        m.add("SCALE_FORMATS", crate::conversion::scale_format_names())?;
+        m.add("DTYPES", crate::convert::dtype_names())?;
+        m.add("SCALE_FORMATS", crate::convert::scale_format_names())?;
         m.py()
             .get_type::<crate::errors::KvPlanError>()
             .setattr("kind", "other")?;

@@ -7,8 +7,8 @@ use kvplan_core::{Columns, FlatBuffer, PageIndex, PlanSummary, Request, Template
 use numpy::{PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::convert::{RequestArrays, RequestPlanner, TokenArgs, plan_request};
 use crate::errors::to_py_err;
+use crate::input::{RequestArrays, RequestPlanner, TokenArgs, plan_request};
 use crate::out_arg::writable_out;
 use crate::plan::{PyTransferPlan, out_columns, pooled, pooled_columns};
 use crate::window_pages::WindowPages;

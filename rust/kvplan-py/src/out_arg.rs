@@ -5,8 +5,8 @@ use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::convert::IndexArray;
 use crate::errors::KvPlanError;
+use crate::input::IndexArray;
 
 /// Borrows `out` for writing: a `TypeError` for a wrong type, dtype, shape or memory order
 /// (input shape), a `KvPlanError` for a read-only array or one whose memory overlaps an input

@@ -8,8 +8,8 @@ use kvplan_core::{FlatBuffer, PackPlanner, PackedPlan, PageIndex, PlanPart, Requ
 use numpy::{PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::{KvPlanError, to_py_err};
+use crate::input::{RequestArrays, RequestPlanner, plan_request};
 use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
 
 /// One request planned and split around a pack buffer.

@@ -6,8 +6,8 @@ use kvplan_core::PairSpec;
 use numpy::PyArray2;
 use pyo3::prelude::*;
 
-use crate::convert::pairs_array;
 use crate::errors::to_py_err;
+use crate::input::pairs_array;
 use crate::layout::PyLayout;
 use crate::options::template_options;
 

@@ -8,8 +8,8 @@ use numpy::PyArray2;
 use pyo3::exceptions::{PyDeprecationWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::convert::pairs_array;
 use crate::errors::{KvPlanError, short_repr, to_py_err};
+use crate::input::pairs_array;
 
 /// SGLang's `build_transfer_entry_pairs`; when both sides give roles, entries pair only with
 /// entries of the same role (keyed by (layer id, role), or by position within each role).

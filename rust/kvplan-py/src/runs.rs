@@ -5,8 +5,8 @@ use kvplan_core::PageIndex;
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{IndexVisitor, RequestArrays, visit_request};
 use crate::errors::to_py_err;
+use crate::input::{IndexVisitor, RequestArrays, visit_request};
 
 /// `(src_starts, dst_starts, lengths)`.
 type Runs<'py> = (

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use kvplan_core::{FlatBuffer, PageIndex, PlanPart, Request, StagedPlan, StagedPlanner, Template};
 use pyo3::prelude::*;
 
-use crate::convert::{RequestArrays, RequestPlanner, plan_request};
 use crate::errors::to_py_err;
+use crate::input::{RequestArrays, RequestPlanner, plan_request};
 use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
 use crate::pool;
 

@@ -291,7 +291,7 @@ impl PyTemplate {
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
-        #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
+        #[pyo3(from_py_with = crate::input::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
         crate::pack::plan_packed(
@@ -317,7 +317,7 @@ impl PyTemplate {
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
         dst_pages: &Bound<'py, PyAny>,
-        #[pyo3(from_py_with = crate::convert::pack_arg)] pack: (u64, u64),
+        #[pyo3(from_py_with = crate::input::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(crate::pack::PyRowGather, Py<PyTransferPlan>)> {
         crate::pack::plan_row_gather(
@@ -342,8 +342,8 @@ impl PyTemplate {
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
         dst_pages: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::convert::src_staging_arg)] src_staging: (u64, u64),
-        #[pyo3(from_py_with = crate::convert::dst_staging_arg)] dst_staging: (u64, u64),
+        #[pyo3(from_py_with = crate::input::src_staging_arg)] src_staging: (u64, u64),
+        #[pyo3(from_py_with = crate::input::dst_staging_arg)] dst_staging: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<crate::staged::PyStagedPlan> {
         crate::staged::plan_staged(

@@ -5,7 +5,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::{IndexArray, IndexSlice, WindowSlices};
+use crate::input::{IndexArray, IndexSlice, WindowSlices};
 
 /// The argument names of the two window page lists, for errors.
 const WINDOW_NAMES: (&str, &str) = ("window_pages[0]", "window_pages[1]");
