@@ -4,9 +4,10 @@
 from one source rank moves into a destination's memory. It reads only what the two
 :class:`kvplan.Layout` objects publish (entries, strides, page size, TP rank and size, DCP deal,
 attention geometry), the caller's ``fragments=`` and the rules of docs/api.md, never a plan:
-compare its result with the memory a plan's blocks produced (:func:`apply_plan`, or
-:func:`apply_staged` for a staged plan's gather, network and scatter) and every byte is checked,
-whatever blocks the planner chose. It is slow on purpose (one numpy slice per token and head),
+compare its result with the memory a plan's blocks produced (an executor of
+:mod:`kvplan.exec`: :func:`~kvplan.exec.numpy.apply_plan`, or
+:func:`~kvplan.exec.numpy.apply_staged` for a staged plan's gather, network and scatter, both
+named here too) and every byte is checked, whatever blocks the planner chose. It is slow on purpose (one numpy slice per token and head),
 so it is easy to check by reading.
 
 The rules it implements:
@@ -42,20 +43,23 @@ The rules it implements:
   leading bytes and each pair moves the overlap of the two ranks' byte ranges.
 
 A staged plan (``Template.plan_staged``) writes the same decode bytes as the direct plan: the
-oracle's answer for it is :func:`reference_copy`'s, and :func:`apply_staged` runs its three
-plans. Not modelled: legacy positional PP slicing, NPU buffer groups and ``replicas_send=True``.
+oracle's answer for it is :func:`reference_copy`'s, and
+:func:`~kvplan.exec.numpy.apply_staged` runs its three plans. Not modelled: legacy positional PP slicing, NPU buffer groups and ``replicas_send=True``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplan import Layout, LayoutEntry
+
+# The executors live in kvplan.exec.numpy; they are named here too, beside the oracle their
+# results are compared with. The oracle itself shares no code with them but the memory model.
+from kvplan.exec.numpy import Memory, apply_conversion, apply_plan, apply_staged
 
 __all__ = ["Fragments", "Memory", "apply_conversion", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
            "expected_memory", "rank_heads", "reference_copy", "reference_ring_copy",
@@ -65,33 +69,6 @@ Fragment = tuple[int, int, int]
 #: What ``Template(fragments=)`` takes: one list for every page pair, or one list (or None)
 #: per page pair.
 Fragments = Union[Sequence[Fragment], Sequence[Union[Sequence[Fragment], None]]]
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes at addresses: ``data[i]`` is the byte at address ``base + i``."""
-
-    data: npt.NDArray[np.uint8]
-    base: int
-
-    @classmethod
-    def of(cls, array: npt.NDArray[Any]) -> Memory:
-        """The memory of a C-contiguous numpy array, at the address it really has (for layouts
-        built on ``array.ctypes.data``)."""
-        if not array.flags.c_contiguous:
-            raise ValueError("Memory.of needs a C-contiguous array")
-        return cls(array.reshape(-1).view(np.uint8), int(array.ctypes.data))
-
-    def at(self, addr: int, n: int) -> npt.NDArray[np.uint8]:
-        """The ``n`` bytes at ``addr`` (a view); outside this memory is an ``IndexError``."""
-        off = addr - self.base
-        if off < 0 or n < 0 or off + n > self.data.size:
-            raise IndexError(f"bytes {addr:#x}..{addr + n:#x} are outside memory "
-                             f"{self.base:#x}..{self.base + self.data.size:#x}")
-        return self.data[off:off + n]
-
-    def copy(self) -> Memory:
-        return Memory(self.data.copy(), self.base)
 
 
 def rank_heads(kv_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -383,96 +360,3 @@ def array_pool(array: npt.NDArray[Any], layers: int, item_len: int) -> Layout:
     ``item_len``-byte items of layers ``0 .. layers - 1`` side by side (``Layout.cross_layer``)."""
     return Layout.cross_layer(int(array.ctypes.data), array.nbytes, list(range(layers)),
                               item_len)
-
-
-def apply_plan(plan: Any, src_mem: Memory, dst_mem: Memory,
-               written: npt.NDArray[np.bool_] | None = None) -> None:
-    """Applies a plan's blocks (anything with ``as_lists()``: ``TransferPlan``, ``PlanBatch``)
-    as memmoves. A block outside either memory is an ``IndexError``; with ``written`` (one
-    flag per destination byte) a destination byte written twice is an ``AssertionError``."""
-    for s, d, n in zip(*plan.as_lists()):
-        source, target = src_mem.at(s, n), dst_mem.at(d, n)
-        if written is not None:
-            off = d - dst_mem.base
-            assert not written[off:off + n].any(), f"destination byte written twice in {d:#x}+{n}"
-            written[off:off + n] = True
-        target[:] = source
-
-
-def apply_staged(staged: Any, src_mem: Memory, src_staging: Memory, dst_staging: Memory,
-                 dst_mem: Memory, written: npt.NDArray[np.bool_] | None = None) -> None:
-    """Runs one writer's staged plan (``Template.plan_staged``) as memmoves: ``gather`` from
-    the prefill's memory into its staging region, ``network`` into the decode's staging region,
-    ``scatter`` into the decode's memory (``written`` as for :func:`apply_plan`, on the decode
-    memory). A writer's scatter reads only its own share of the decode region, so writers
-    sharing one region can each be applied in turn; the decode memory must then equal the
-    oracle's for the direct transfer."""
-    apply_plan(staged.gather, src_mem, src_staging)
-    apply_plan(staged.network, src_staging, dst_staging)
-    apply_plan(staged.scatter, dst_staging, dst_mem, written)
-
-
-def _apply_blocks(blocks: tuple[Any, Any, Any], src_mem: Memory, dst_mem: Memory,
-                  written: npt.NDArray[np.bool_] | None = None) -> None:
-    """Applies ``(src_addrs, dst_addrs, lengths)`` columns as memmoves (as :func:`apply_plan`)."""
-    for s, d, n in zip(*(column.tolist() for column in blocks)):
-        target = dst_mem.at(d, n)
-        if written is not None:
-            off = d - dst_mem.base
-            assert not written[off:off + n].any(), f"destination byte written twice in {d:#x}+{n}"
-            written[off:off + n] = True
-        target[:] = src_mem.at(s, n)
-
-
-def apply_conversion(plan: Any, src_mem: Memory, staging: Memory, dst_mem: Memory,
-                     written: npt.NDArray[np.bool_] | None = None,
-                     dst_staging: Memory | None = None) -> None:
-    """Runs a conversion plan (``ConversionTemplate.plan``) on CPU memory by the rules of
-    :mod:`kvplan.quant` (a row's ``scale_formats`` code picks the rule: float32 scales for
-    ``per_token`` / ``per_token_head``, E8M0 block scales for ``mx``). Converting on the
-    prefill (``plan.convert_on == "prefill"``): ``gather`` from the prefill's memory into
-    ``staging``, every convert row (values into the converted area, scales into the scale
-    area), ``network`` from the staging region into the decode's memory (``written`` as for
-    :func:`apply_plan`). Converting on the decode: ``gather`` into ``staging``, ``network`` into
-    ``dst_staging`` (the decode's staging region), every convert row from there into the
-    decode's memory, ``scatter`` (the pairs kept as they are) from there too."""
-    from kvplan import DTYPES, SCALE_FORMATS
-    from kvplan.quant import (dequantize_groups, dequantize_mx, quantize_groups, quantize_mx,
-                              to_float32)
-
-    rows = list(zip(plan.in_addrs.tolist(), plan.out_addrs.tolist(), plan.n_elems.tolist(),
-                    plan.in_dtypes.tolist(), plan.out_dtypes.tolist(),
-                    plan.group_elems.tolist(), plan.scale_addrs.tolist(),
-                    [SCALE_FORMATS[code] == "e8m0" for code in plan.scale_formats.tolist()]))
-    _apply_blocks(plan.gather, src_mem, staging)
-    if plan.convert_on == "decode":
-        if dst_staging is None:
-            raise ValueError("this plan converts on the decode: give dst_staging")
-        _apply_blocks(plan.network, staging, dst_staging)
-        for in_addr, out_addr, n, in_code, out_code, group, scale_addr, mx in rows:
-            codes = dst_staging.at(in_addr, n)
-            if mx:
-                out = dequantize_mx(codes, dst_staging.at(scale_addr, n // group), group,
-                                    DTYPES[out_code])
-            else:
-                scales = dst_staging.at(scale_addr, n // group * 4).view("<f4")
-                out = dequantize_groups(codes, scales, group, DTYPES[in_code], DTYPES[out_code])
-            if written is not None:
-                off = out_addr - dst_mem.base
-                assert not written[off:off + out.size].any(), f"written twice at {out_addr:#x}"
-                written[off:off + out.size] = True
-            dst_mem.at(out_addr, out.size)[:] = out
-        _apply_blocks(plan.scatter, dst_staging, dst_mem, written)
-        return
-    for in_addr, out_addr, n, in_code, out_code, group, scale_addr, mx in rows:
-        size = 2  # bf16 and fp16, the input dtypes
-        x = to_float32(staging.at(in_addr, n * size), DTYPES[in_code])
-        if mx:
-            values, scale_bytes = quantize_mx(x)
-        else:
-            values, scales = quantize_groups(x, group, DTYPES[out_code])
-            scale_bytes = scales.astype("<f4").view(np.uint8)
-        staging.at(out_addr, n)[:] = values
-        staging.at(scale_addr, scale_bytes.size)[:] = scale_bytes
-    _apply_blocks(plan.network, staging, dst_mem, written)
-    _apply_blocks(plan.scatter, dst_mem, dst_mem)
