@@ -1,7 +1,7 @@
 """The quantization rule of conversion plans, and a NumPy codec written from the formats.
 
 A conversion plan's convert rows (``ConversionTemplate.plan``) are executed by this rule, on CPU
-by :func:`kvplan.testing.oracle.apply_conversion` and on tensors by
+by :func:`kvplan.exec.numpy.apply_conversion` and on tensors by
 ``kvplan.torch.TorchExecutor.run_conversion``; both give the same bits. Per scale group (the
 ``group_elems`` consecutive elements of a row: a token's heads for ``per_token``, one head of a
 token for ``per_token_head``):

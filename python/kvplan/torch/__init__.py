@@ -6,7 +6,9 @@
 - :class:`TorchExecutor` runs a block plan (a ``TransferPlan``, ``PlanBatch`` or ``BatchPlan``:
   the gather or scatter of ``Template.plan_staged``, the gather of ``Template.plan_packed``, or
   any plan whose both sides are memory of this process) and the row gather of
-  ``Template.plan_row_gather`` on the tensors that back the plan's addresses. The engine hands
+  ``Template.plan_row_gather`` on the tensors that back the plan's addresses; given a
+  multi-stage plan, every stage in the order :func:`kvplan.exec.stages` gives (it is a
+  :class:`kvplan.exec.Executor`, as the NumPy executor of :mod:`kvplan.exec.numpy` is). The engine hands
   it those tensors (its KV cache tensors, its staging or pack buffers); each block is
   translated to (tensor, byte offset) and the copies run as a few batched tensor operations
   (``index_select`` / ``index_copy_`` over byte rows), no custom kernel and no Python loop per

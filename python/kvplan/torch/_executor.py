@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -13,9 +13,10 @@ import torch
 
 from kvplan import (DTYPES, SCALE_FORMATS, ConversionPlan, IndexBoundsError, KvPlanError,
                     LayoutError, RowGather)
+from kvplan.exec import BlockColumns, Plan, Stage, row_gather_blocks, steps
 from kvplan.quant import E4M3_EMAX, E8M0_NAN, MX_BLOCK, QMAX, QUIET_NAN
 
-__all__ = ["BlockColumns", "TorchExecutor"]
+__all__ = ["BlockColumns", "TorchExecutor"]  # BlockColumns: kvplan.exec's, named here too
 
 _U64 = npt.NDArray[np.uint64]
 _I64 = npt.NDArray[np.int64]
@@ -23,19 +24,6 @@ _I64 = npt.NDArray[np.int64]
 #: Integer dtypes by element size: rows are moved as the widest integer elements their width and
 #: alignment allow (fewer elements per row for the same bytes), never as floats (bit-exact).
 _ELEMENT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-class BlockColumns(Protocol):
-    """What :meth:`TorchExecutor.run` executes: three equally long 1-D uint64 columns, block
-    ``k`` copying ``lengths[k]`` bytes from ``src_addrs[k]`` to ``dst_addrs[k]``
-    (``kvplan.TransferPlan``, ``PlanBatch``, ``BatchPlan``)."""
-
-    @property
-    def src_addrs(self) -> _U64: ...
-    @property
-    def dst_addrs(self) -> _U64: ...
-    @property
-    def lengths(self) -> _U64: ...
 
 
 @dataclass(frozen=True)
@@ -226,15 +214,39 @@ class TorchExecutor:
         back no address and are left out)."""
         return [(r.name, r.base, r.nbytes) for r in self._regions]
 
-    def run(self, plan: BlockColumns) -> int:
-        """Copies every block of ``plan`` (a staged or pack plan's gather or scatter, a batch,
-        any plan whose both sides are registered here) and returns the bytes copied.
+    def run(self, plan: Plan) -> int:
+        """Runs every stage of ``plan`` (:func:`kvplan.exec.stages`), each memory it touches
+        looked up in the registered tensors, and returns the bytes its ``network`` stage moved.
+        A one-stage plan (a staged or pack plan's gather or scatter, a batch, any plan whose
+        both sides are registered here) is its blocks: the bytes copied. A multi-stage plan
+        (``StagedPlan``, ``plan_packed``'s or ``plan_row_gather``'s pair, ``ConversionPlan``)
+        runs whole here only when this process holds both sides' memory (a single-process test
+        or benchmark); a deployment runs its own side's stages and hands the network stage to a
+        transfer engine. Each stage is checked whole before it copies.
 
         Raises:
             IndexBoundsError: A block does not lie inside one registered tensor on a side.
             KvPlanError: Blocks overlap (``kind == "block_overlap"``, with ``check_overlap``).
-            TypeError: The plan's columns are not 1-D uint64 arrays of one length.
+            TypeError: The plan's columns are not 1-D uint64 arrays of one length; ``plan`` is
+                not a plan.
         """
+        moved = 0
+        for stage, work in steps(plan):
+            done = self._run_stage(stage, work)
+            if stage.kind == "network":
+                moved += done
+        return moved
+
+    def _run_stage(self, stage: Stage, work: Any) -> int:
+        if stage.kind == "convert":
+            return self.run_conversion_rows(work)
+        if stage.kind == "rows":
+            return self.run_row_gather(work)
+        if isinstance(work, tuple):  # a conversion plan's columns
+            return self._run(*(np.asarray(c, dtype=np.uint64) for c in work))
+        return self._run_blocks(work)
+
+    def _run_blocks(self, plan: BlockColumns) -> int:
         src, dst, lengths = (_column(plan, name) for name in ("src_addrs", "dst_addrs", "lengths"))
         if not src.size == dst.size == lengths.size:
             raise TypeError(
@@ -248,57 +260,24 @@ class TorchExecutor:
         kernel does with ``rows.rows`` and ``rows.copies``): copy ``c``'s ``k``-th row ``r`` of
         its lane moves ``len`` bytes from ``src_base + (r // rows_per_page) * page_stride +
         (r % rows_per_page) * row_stride`` to ``pack_addr + k * len``. Vectorised over the rows
-        of each copy (one copy per entry: a loop over layers, not over rows), then run as one
-        plan; returns the bytes copied (``rows.pack_bytes``). Raises what :meth:`run` raises."""
-        src_parts, dst_parts, len_parts = [], [], []
-        lanes = rows.rows
-        for (
-            lane,
-            src_base,
-            page_stride,
-            row_stride,
-            per_page,
-            length,
-            pack_addr,
-        ) in rows.copies.tolist():
-            lane_rows = lanes[lane]
-            src_parts.append(
-                np.uint64(src_base)
-                + lane_rows // np.uint64(per_page) * np.uint64(page_stride)
-                + lane_rows % np.uint64(per_page) * np.uint64(row_stride)
-            )
-            dst_parts.append(
-                np.uint64(pack_addr)
-                + np.arange(lane_rows.size, dtype=np.uint64) * np.uint64(length)
-            )
-            len_parts.append(np.full(lane_rows.size, length, dtype=np.uint64))
-        if not src_parts:
-            return 0
-        return self._run(
-            np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
-        )
+        of each copy (one copy per entry: a loop over layers, not over rows,
+        :func:`kvplan.exec.row_gather_blocks`), then run as one plan; returns the bytes copied
+        (``rows.pack_bytes``). Raises what :meth:`run` raises."""
+        return self._run(*row_gather_blocks(rows))
 
     def run_conversion(self, plan: ConversionPlan) -> int:
-        """Runs a conversion plan (``ConversionTemplate.plan``): its gather, its convert rows
-        by the rule of :mod:`kvplan.quant` (bit-identical to
-        :func:`kvplan.testing.oracle.apply_conversion`), its network and its scatter, every
+        """Runs a conversion plan (``ConversionTemplate.plan``) as :meth:`run` does: its stages
+        in the order :func:`kvplan.exec.stages` gives (gather, convert rows by the rule of
+        :mod:`kvplan.quant`, bit-identical to :func:`kvplan.exec.numpy.apply_conversion`,
+        network and scatter; the network before the rows when the decode converts), every
         address looked up in the registered tensors (prefill KV, staging region, decode KV
         and scale entries, when this process holds them all: a single-process test or
         benchmark; a real deployment runs the gather and rows here and hands the network to
         a transfer engine, see :meth:`run_conversion_rows`). Returns the bytes the network
         moved. Raises what :meth:`run` raises."""
-        def blocks(columns: tuple[_U64, _U64, _U64]) -> int:
-            return self._run(*(np.asarray(c, dtype=np.uint64) for c in columns))
-
-        blocks(plan.gather)
-        if plan.convert_on == "decode":
-            moved = blocks(plan.network)
-            self.run_conversion_rows(plan)
-        else:
-            self.run_conversion_rows(plan)
-            moved = blocks(plan.network)
-        blocks(plan.scatter)
-        return moved
+        if not isinstance(plan, ConversionPlan):
+            raise TypeError(f"run_conversion runs a ConversionPlan, not a {type(plan).__name__}")
+        return self.run(plan)
 
     def run_conversion_rows(self, plan: ConversionPlan) -> int:
         """Runs only the convert rows of a conversion plan (after its gather, before its
