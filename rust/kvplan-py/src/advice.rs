@@ -6,7 +6,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::to_py_err;
-use crate::input::{RequestArrays, RequestPlanner, plan_request};
+use crate::input::RequestPlanner;
+use crate::request::{Loose, RequestInput, shift_after};
 
 /// What moving bytes costs on one engine (seconds per block, network and copy bandwidths).
 #[pyclass(frozen, eq, name = "TransferCost", module = "kvplan._core")]
@@ -168,12 +169,23 @@ pub(crate) fn transfer_advice(
     py: Python<'_>,
     template: &Template,
     src_pages: &Bound<'_, PyAny>,
-    dst_pages: &Bound<'_, PyAny>,
-    cost: PyRef<'_, PyTransferCost>,
+    dst_pages: Option<&Bound<'_, PyAny>>,
+    cost: Option<&Bound<'_, PyAny>>,
     n_tokens: Option<u64>,
 ) -> PyResult<PyAdvice> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let (dst_pages, cost) = shift_after(src_pages, dst_pages, cost);
+    let Some(cost) = cost else {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "transfer_advice() needs cost (a kvplan.TransferCost) after the request",
+        ));
+    };
+    let cost = cost.extract::<PyRef<'_, PyTransferCost>>()?;
+    let loose = Loose {
+        n_tokens,
+        ..Loose::default()
+    };
+    let request = RequestInput::of_args("transfer_advice", src_pages, dst_pages, loose)?;
     let planner = PlanAdvice(template, cost.inner);
-    let advice = plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    let advice = request.plan(py, planner)?.map_err(to_py_err)?;
     Ok(advice.into())
 }

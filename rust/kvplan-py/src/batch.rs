@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{BatchSummary, FlatBuffer, FlatRequests, LeaseRef, PageIndex, Request, Template};
+use kvplan_core::{
+    BatchSummary, FlatBuffer, FlatRequests, Indices, LeaseRef, PageIndex, Request, Template,
+};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::{PyIndexError, PyTypeError};
@@ -15,19 +17,34 @@ use pyo3::prelude::*;
 use pyo3::types::{PySequence, PyTuple};
 
 use crate::errors::{KvPlanError, to_py_err};
-use crate::input::{IndexArray, IndexSlice, RequestArrays};
+use crate::input::{IndexArray, IndexSlice, RequestArrays, WindowSlices, core_request};
 use crate::plan::{PyBlocks, PyPlanBatch, pooled_columns};
 use crate::pool;
+use crate::request::{PyRequest, RequestInput};
 
-/// A request's borrowed arrays and token count, as the caller passed them.
-struct BorrowedRequest<'py> {
-    src: IndexArray<'py>,
-    dst: IndexArray<'py>,
-    n_tokens: Option<u64>,
+/// A request as the caller passed it, borrowed: a tuple's arrays and token count, or a
+/// `kvplan.Request`.
+enum BorrowedRequest<'py> {
+    Tuple {
+        src: IndexArray<'py>,
+        dst: IndexArray<'py>,
+        n_tokens: Option<u64>,
+    },
+    Value(RequestInput<'py>),
 }
 
-/// Reads `requests`: each a `(src_pages, dst_pages)` or `(src_pages, dst_pages, n_tokens)`
-/// tuple of 1-D int32 or int64 arrays.
+/// One request's slices, as the core's request is built from them.
+struct BatchItem<'a> {
+    /// Each side's pages; `None` for a state slot request.
+    pages: Option<(IndexSlice<'a>, IndexSlice<'a>)>,
+    slot: (i64, i64),
+    window: WindowSlices<'a>,
+    n_tokens: Option<u64>,
+    skip_tokens: u64,
+}
+
+/// Reads `requests`: each a `kvplan.Request`, or a `(src_pages, dst_pages)` or
+/// `(src_pages, dst_pages, n_tokens)` tuple of 1-D int32 or int64 arrays.
 fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRequest<'py>>> {
     let sequence = requests.cast::<PySequence>().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -42,14 +59,18 @@ fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRe
     let mut out = Vec::with_capacity(n);
     for r in 0..n {
         let item = sequence.get_item(r)?;
+        if let Ok(request) = item.cast::<PyRequest>() {
+            out.push(BorrowedRequest::Value(RequestInput::of_request(request)?));
+            continue;
+        }
         let tuple = item
             .cast::<PyTuple>()
             .ok()
             .filter(|t| matches!(t.len(), 2 | 3));
         let Some(tuple) = tuple else {
             return Err(PyTypeError::new_err(format!(
-                "request {r} must be a (src_pages, dst_pages) or (src_pages, dst_pages, \
-                 n_tokens) tuple, got {}",
+                "request {r} must be a kvplan.Request or a (src_pages, dst_pages) or \
+                 (src_pages, dst_pages, n_tokens) tuple, got {}",
                 item.get_type().name()?
             )));
         };
@@ -67,7 +88,7 @@ fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRe
         } else {
             None
         };
-        out.push(BorrowedRequest {
+        out.push(BorrowedRequest::Tuple {
             src: borrow_index(&tuple.get_item(0)?, r, "src_pages")?,
             dst: borrow_index(&tuple.get_item(1)?, r, "dst_pages")?,
             n_tokens,
@@ -178,12 +199,19 @@ const DETACH_MIN_PAGES: usize = 1024;
 fn plan_typed<S: SliceOf, D: SliceOf>(
     py: Python<'_>,
     template: &Template,
-    slices: &[(IndexSlice<'_>, IndexSlice<'_>, Option<u64>)],
+    slices: &[BatchItem<'_>],
     digests: DigestArgs<'_>,
 ) -> PyResult<Planned> {
     let mut requests: Vec<Request<'_, S, D>> = Vec::with_capacity(slices.len());
     let mut pages = 0usize;
-    for (r, &(src, dst, n_tokens)) in slices.iter().enumerate() {
+    for (r, item) in slices.iter().enumerate() {
+        let Some((src, dst)) = item.pages else {
+            let (src, dst) = item.slot;
+            let slot = Indices::Slot { src, dst };
+            let (n, k) = (item.n_tokens, item.skip_tokens);
+            requests.push(core_request(slot, n, k, (None, None)));
+            continue;
+        };
         let (Some(src), Some(dst)) = (S::of(src), D::of(dst)) else {
             return Err(PyTypeError::new_err(format!(
                 "request {r}: every request of a batch takes the dtypes of the first \
@@ -193,7 +221,12 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
             )));
         };
         pages = pages.saturating_add(src.len().max(dst.len()));
-        requests.push(Request::new(src, dst, n_tokens));
+        // A side's window pages have that side's dtype (checked when borrowed).
+        let (ws, wd) = item.window.sides();
+        let window = (ws.and_then(S::of), wd.and_then(D::of));
+        let pages_of = Indices::Pages { src, dst };
+        let (n, k) = (item.n_tokens, item.skip_tokens);
+        requests.push(core_request(pages_of, n, k, window));
     }
     let plan = || plan_requests(template, &requests, digests);
     Ok(if pages < DETACH_MIN_PAGES {
@@ -280,15 +313,41 @@ pub(crate) fn plan_batch(
     let refs = leases.as_ref().map(BatchLeases::refs).unwrap_or_default();
     let mut slices = Vec::with_capacity(borrowed.len());
     for (r, request) in borrowed.iter().enumerate() {
-        slices.push((
-            slice_of(&request.src, r, "src_pages")?,
-            slice_of(&request.dst, r, "dst_pages")?,
-            request.n_tokens,
-        ));
+        slices.push(match request {
+            BorrowedRequest::Tuple { src, dst, n_tokens } => BatchItem {
+                pages: Some((
+                    slice_of(src, r, "src_pages")?,
+                    slice_of(dst, r, "dst_pages")?,
+                )),
+                slot: (0, 0),
+                window: WindowSlices::default(),
+                n_tokens: *n_tokens,
+                skip_tokens: 0,
+            },
+            BorrowedRequest::Value(input) => {
+                let pages = input
+                    .pages
+                    .as_ref()
+                    .map(RequestArrays::slices)
+                    .transpose()?;
+                let window = match pages {
+                    Some(pages) => input.window.slices(pages)?,
+                    None => WindowSlices::default(),
+                };
+                BatchItem {
+                    pages,
+                    slot: input.slot,
+                    window,
+                    n_tokens: input.n_tokens,
+                    skip_tokens: input.skip_tokens,
+                }
+            }
+        });
     }
     let prints =
         digest_prints(fingerprints, digests || leases.is_some())?.map(|p| (p, refs.as_slice()));
-    let first = slices.first().map(|&(s, d, _)| (s, d));
+    // The first request with pages sets the batch's dtypes (slots have none).
+    let first = slices.iter().find_map(|item| item.pages);
     let planned = match first {
         Some((IndexSlice::I32(_), IndexSlice::I32(_))) => {
             plan_typed::<i32, i32>(py, template, &slices, prints)?

@@ -7,9 +7,10 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use crate::errors::to_py_err;
-use crate::input::{RequestArrays, RequestPlanner, plan_request};
+use crate::input::RequestPlanner;
 use crate::layout::PyLayout;
 use crate::options::template_options;
+use crate::request::{Loose, RequestInput, shift_after};
 
 type U64s = Py<PyArray1<u64>>;
 type U8s = Py<PyArray1<u8>>;
@@ -202,30 +203,37 @@ impl PyConversionTemplate {
 
     /// Plans one request (page lists, or token lists with `n_tokens`, as `Template.plan`)
     /// through the prefill staging region `staging = (addr, size)` and, when the decode
-    /// converts, the decode staging region `dst_staging = (addr, size)`.
-    #[pyo3(signature = (src_pages, dst_pages, staging, *, dst_staging=None, n_tokens=None))]
+    /// converts, the decode staging region `dst_staging = (addr, size)`. A `kvplan.Request`
+    /// in `src_pages` stands for the pages and token range (`plan(request, staging)`).
+    #[pyo3(signature = (src_pages, dst_pages=None, staging=None, *, dst_staging=None, n_tokens=None))]
     fn plan(
         &self,
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
-        dst_pages: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::input::staging_arg)] staging: (u64, u64),
+        dst_pages: Option<&Bound<'_, PyAny>>,
+        staging: Option<&Bound<'_, PyAny>>,
         dst_staging: Option<&Bound<'_, PyAny>>,
         n_tokens: Option<u64>,
     ) -> PyResult<PyConversionPlan> {
+        let (dst_pages, staging) = shift_after(src_pages, dst_pages, staging);
+        let Some(staging) = staging else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "ConversionTemplate.plan() needs staging=(addr, size) after the request",
+            ));
+        };
+        let staging = crate::input::staging_arg(staging)?;
         let dst_staging = dst_staging
             .filter(|obj| !obj.is_none())
             .map(crate::input::dst_staging_arg)
             .transpose()?;
-        let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
-        let plan = plan_request(
-            py,
-            arrays.slices()?,
+        let loose = Loose {
             n_tokens,
-            PlanConversion(&self.inner, region(staging), dst_staging.map(region)),
-        )
-        .map_err(to_py_err)?;
+            ..Loose::default()
+        };
+        let request = RequestInput::of_args("plan", src_pages, dst_pages, loose)?;
+        let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
+        let planner = PlanConversion(&self.inner, region(staging), dst_staging.map(region));
+        let plan = request.plan(py, planner)?.map_err(to_py_err)?;
         let n_blocks = (
             plan.gather.lengths.len(),
             plan.network.lengths.len(),

@@ -7,7 +7,8 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
 use crate::errors::{KvPlanError, to_py_err};
-use crate::input::{RequestArrays, RequestPlanner, plan_request};
+use crate::input::RequestPlanner;
+use crate::request::{Loose, RequestInput};
 
 /// `(addrs, lens)` of one side's table, both uint64.
 pub(crate) type TableArrays<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>);
@@ -57,10 +58,10 @@ pub(crate) fn prepped_indices<'py>(
     py: Python<'py>,
     template: &Template,
     src_pages: &Bound<'py, PyAny>,
-    dst_pages: &Bound<'py, PyAny>,
+    dst_pages: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<IndexArrays<'py>> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-    let indices = plan_request(py, arrays.slices()?, None, Indices(template)).map_err(to_py_err)?;
+    let request = RequestInput::of_args("prepped_indices", src_pages, dst_pages, Loose::default())?;
+    let indices = request.plan(py, Indices(template))?.map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }
 
@@ -68,11 +69,10 @@ pub(crate) fn prepped_indices<'py>(
 pub(crate) fn prepped_state_indices<'py>(
     py: Python<'py>,
     template: &Template,
-    src_slot: i64,
-    dst_slot: i64,
+    src_slot: &Bound<'py, PyAny>,
+    dst_slot: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<IndexArrays<'py>> {
-    let indices = DescriptorTables::new(template)
-        .indices(&Request::slot(src_slot, dst_slot))
-        .map_err(to_py_err)?;
+    let request = RequestInput::of_slots("prepped_state_indices", src_slot, dst_slot)?;
+    let indices = request.plan(py, Indices(template))?.map_err(to_py_err)?;
     Ok(index_arrays(py, indices))
 }

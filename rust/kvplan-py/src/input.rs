@@ -1,7 +1,7 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices, and entry pair
 //! lists handed back as `(n, 2)` int64 arrays.
 
-use kvplan_core::{PageIndex, PlanError, Request};
+use kvplan_core::{Indices, PageIndex, PlanError, Request};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
@@ -251,6 +251,13 @@ impl<'a> WindowSlices<'a> {
     }
 }
 
+impl<'a> WindowSlices<'a> {
+    /// Each side's window pages (`None` for a side without a window pool).
+    pub(crate) fn sides(self) -> (Option<IndexSlice<'a>>, Option<IndexSlice<'a>>) {
+        (self.src, self.dst)
+    }
+}
+
 impl IndexSlice<'_> {
     fn dtype_name(self) -> &'static str {
         match self {
@@ -329,10 +336,14 @@ impl<P: RequestPlanner> IndexVisitor for WithRequest<'_, P> {
         dst: &[D],
         window: (Option<&[S]>, Option<&[D]>),
     ) -> Self::Output {
-        let request = Request::new(src, dst, self.1.n_tokens)
-            .skipping(self.1.skip_tokens)
-            .with_window_pages(window.0, window.1);
-        self.0.plan(&request)
+        let tokens = self.1;
+        let pages = Indices::Pages { src, dst };
+        self.0.plan(&core_request(
+            pages,
+            tokens.n_tokens,
+            tokens.skip_tokens,
+            window,
+        ))
     }
 }
 
@@ -356,6 +367,34 @@ where
     } else {
         py.detach(|| dispatch_windowed(src, dst, tokens.window, visitor))
     }
+}
+
+/// The core's request from its Python parts: the one conversion every planner method (one
+/// request's or a batch's, `kvplan.Request` or loose arguments) goes through.
+pub(crate) fn core_request<'a, S: PageIndex, D: PageIndex>(
+    indices: Indices<'a, S, D>,
+    n_tokens: Option<u64>,
+    skip_tokens: u64,
+    window_pages: (Option<&'a [S]>, Option<&'a [D]>),
+) -> Request<'a, S, D> {
+    Request {
+        indices,
+        n_tokens,
+        skip_tokens,
+        window_pages,
+    }
+}
+
+/// A state slot request (`src`, `dst` slots) planned by `planner`: slots index no arrays, so
+/// nothing is borrowed and the GIL is kept (the work is one block per state pair).
+pub(crate) fn plan_slot_request<P: RequestPlanner>(
+    (src, dst): (i64, i64),
+    n_tokens: Option<u64>,
+    skip_tokens: u64,
+    planner: P,
+) -> P::Output {
+    let slot: Indices<'_, i64, i64> = Indices::Slot { src, dst };
+    planner.plan(&core_request(slot, n_tokens, skip_tokens, (None, None)))
 }
 
 /// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts

@@ -35,6 +35,7 @@ mod pair_tables;
 mod pairing;
 mod plan;
 mod pool;
+mod request;
 mod runs;
 mod slices;
 mod slots;
@@ -81,6 +82,8 @@ mod _core {
     use crate::plan::{PyBlocks, PyPlanBatch, PyPlanBuffer, PyTransferPlan};
     #[pymodule_export]
     use crate::pool::pool_stats;
+    #[pymodule_export]
+    use crate::request::PyRequest;
     #[pymodule_export]
     use crate::runs::{group_contiguous, reverse_descending_runs};
     #[pymodule_export]

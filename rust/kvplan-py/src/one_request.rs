@@ -8,10 +8,10 @@ use numpy::{PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::to_py_err;
-use crate::input::{RequestArrays, RequestPlanner, TokenArgs, plan_request};
+use crate::input::RequestPlanner;
 use crate::out_arg::writable_out;
 use crate::plan::{PyTransferPlan, out_columns, pooled, pooled_columns};
-use crate::window_pages::WindowPages;
+use crate::request::{Loose, RequestInput};
 
 /// One request planned into a pooled buffer; the core decides between a page and a token plan.
 struct PlanPooled<'t>(&'t Template);
@@ -36,40 +36,48 @@ impl RequestPlanner for PlanInto<'_, '_> {
     }
 }
 
-/// Plans one request (`Template.plan`, whose docstring says what each argument means).
+/// Plans one request (`Template.plan`, whose docstring says what each argument means): a
+/// `kvplan.Request` in `src_pages`, or the old form's arguments.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_one<'py>(
     py: Python<'py>,
     template: &Arc<Template>,
     fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'py, PyAny>,
-    dst_pages: &Bound<'py, PyAny>,
+    dst_pages: Option<&Bound<'py, PyAny>>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
     window_pages: Option<&Bound<'py, PyAny>>,
     out: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Py<PyTransferPlan>> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
-    let (src, dst) = arrays.slices()?;
-    let window_arrays = WindowPages::extract(window_pages)?;
-    let tokens = TokenArgs {
+    let loose = Loose {
         n_tokens,
         skip_tokens,
-        window: window_arrays.slices((src, dst))?,
+        window_pages,
     };
+    let request = RequestInput::of_args("plan", src_pages, dst_pages, loose)?;
+    plan_input(py, template, fingerprints, &request, out)
+}
+
+/// Plans one borrowed request (see [`plan_one`]); `plan_state` plans its slot here too.
+pub(crate) fn plan_input<'py>(
+    py: Python<'py>,
+    template: &Arc<Template>,
+    fingerprints: Option<(u64, u64)>,
+    request: &RequestInput<'py>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Py<PyTransferPlan>> {
     let (columns, summary) = if let Some(out) = out {
-        let inputs = arrays.named().into_iter().chain(window_arrays.named());
-        let mut writable = writable_out(out, inputs)?;
+        let mut writable = writable_out(out, request.named())?;
         let capacity = writable.shape()[1];
         let flat = writable.as_slice_mut()?;
         let planner = PlanInto(template, Columns::from_flat(flat, capacity));
-        let summary = plan_request(py, (src, dst), tokens, planner).map_err(to_py_err)?;
+        let summary = request.plan(py, planner)?.map_err(to_py_err)?;
         drop(writable);
         let out = out.cast::<PyArray2<u64>>()?;
         (out_columns(out, summary.n_blocks), summary)
     } else {
-        let (buffer, summary) =
-            plan_request(py, (src, dst), tokens, PlanPooled(template)).map_err(to_py_err)?;
+        let (buffer, summary) = request.plan(py, PlanPooled(template))?.map_err(to_py_err)?;
         let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
         (columns, summary)
     };

@@ -9,8 +9,9 @@ use numpy::{PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::{KvPlanError, to_py_err};
-use crate::input::{RequestArrays, RequestPlanner, plan_request};
+use crate::input::RequestPlanner;
 use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
+use crate::request::{Loose, RequestInput};
 
 /// One request planned and split around a pack buffer.
 struct PlanPacked<'t>(&'t Template, kvplan_core::PackBuffer);
@@ -85,18 +86,21 @@ pub(crate) fn plan_packed<'py>(
     template: &Arc<Template>,
     fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'py, PyAny>,
-    dst_pages: &Bound<'py, PyAny>,
+    dst_pages: Option<&Bound<'py, PyAny>>,
     pack: (u64, u64),
     n_tokens: Option<u64>,
 ) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let loose = Loose {
+        n_tokens,
+        ..Loose::default()
+    };
+    let request = RequestInput::of_args("plan_packed", src_pages, dst_pages, loose)?;
     let buffer = kvplan_core::PackBuffer {
         addr: pack.0,
         size: pack.1,
     };
     let planner = PlanPacked(template, buffer);
-    let (columns, packed) =
-        plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    let (columns, packed) = request.plan(py, planner)?.map_err(to_py_err)?;
     let gather_columns =
         pooled_columns(py, columns.data, columns.capacity, packed.gather.n_blocks)?;
     let gather = kvplan_core::Plan {
@@ -128,18 +132,21 @@ pub(crate) fn plan_row_gather<'py>(
     template: &Arc<Template>,
     fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'py, PyAny>,
-    dst_pages: &Bound<'py, PyAny>,
+    dst_pages: Option<&Bound<'py, PyAny>>,
     pack: (u64, u64),
     n_tokens: Option<u64>,
 ) -> PyResult<(PyRowGather, Py<PyTransferPlan>)> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let loose = Loose {
+        n_tokens,
+        ..Loose::default()
+    };
+    let request = RequestInput::of_args("plan_row_gather", src_pages, dst_pages, loose)?;
     let buffer = kvplan_core::PackBuffer {
         addr: pack.0,
         size: pack.1,
     };
     let planner = PlanRowGather(template, buffer);
-    let (gather, mut network) =
-        plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    let (gather, mut network) = request.plan(py, planner)?.map_err(to_py_err)?;
     let rows = gather
         .rows
         .into_iter()

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{Request, Template};
+use kvplan_core::Template;
 use pyo3::prelude::*;
 
 use crate::errors::to_py_err;
-use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
+use crate::plan::{PyTransferPlan, owned_columns};
+use crate::request::RequestInput;
 
 /// The live rows of every ring-state pair of slots `(src, dst)` after `n_positions`
 /// positions, relaid out between ring sizes by the core's `RingPlanner`.
@@ -28,19 +29,15 @@ pub(crate) fn plan_ring(
     )
 }
 
-/// One block per state pair for slots `(src, dst)` (elided pairs emit nothing).
-pub(crate) fn plan_state(
-    py: Python<'_>,
+/// One block per state pair for slots `(src, dst)` (elided pairs emit nothing), or for a slot
+/// `kvplan.Request` in `src_slot`: the direct plan of a slot request.
+pub(crate) fn plan_state<'py>(
+    py: Python<'py>,
     template: &Arc<Template>,
     fingerprints: Option<(u64, u64)>,
-    (src_slot, dst_slot): (i64, i64),
+    src_slot: &Bound<'py, PyAny>,
+    dst_slot: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Py<PyTransferPlan>> {
-    let (buffer, summary) = template
-        .plan_into(&Request::slot(src_slot, dst_slot), pooled)
-        .map_err(to_py_err)?;
-    let columns = pooled_columns(py, buffer.data, buffer.capacity, summary.n_blocks)?;
-    Py::new(
-        py,
-        PyTransferPlan::new(columns, Arc::clone(template), summary, fingerprints),
-    )
+    let request = RequestInput::of_slots("plan_state", src_slot, dst_slot)?;
+    crate::one_request::plan_input(py, template, fingerprints, &request, None)
 }

@@ -7,9 +7,10 @@ use kvplan_core::{FlatBuffer, PageIndex, PlanPart, Request, StagedPlan, StagedPl
 use pyo3::prelude::*;
 
 use crate::errors::to_py_err;
-use crate::input::{RequestArrays, RequestPlanner, plan_request};
+use crate::input::RequestPlanner;
 use crate::plan::{PyTransferPlan, owned_columns, pooled, pooled_columns};
 use crate::pool;
+use crate::request::{Loose, RequestInput};
 
 /// A request planned as a gather into a prefill staging region, a network plan between the
 /// staging regions and a scatter into the decode's pages (`Template.plan_staged`).
@@ -86,16 +87,19 @@ pub(crate) fn plan_staged(
     template: &Arc<Template>,
     fingerprints: Option<(u64, u64)>,
     src_pages: &Bound<'_, PyAny>,
-    dst_pages: &Bound<'_, PyAny>,
+    dst_pages: Option<&Bound<'_, PyAny>>,
     src_staging: (u64, u64),
     dst_staging: (u64, u64),
     n_tokens: Option<u64>,
 ) -> PyResult<PyStagedPlan> {
-    let arrays = RequestArrays::extract(src_pages, dst_pages, ("src_pages", "dst_pages"))?;
+    let loose = Loose {
+        n_tokens,
+        ..Loose::default()
+    };
+    let request = RequestInput::of_args("plan_staged", src_pages, dst_pages, loose)?;
     let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
     let planner = PlanStaged(template, region(src_staging), region(dst_staging));
-    let (gather, scatter, staged) =
-        plan_request(py, arrays.slices()?, n_tokens, planner).map_err(to_py_err)?;
+    let (gather, scatter, staged) = request.plan(py, planner)?.map_err(to_py_err)?;
     let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
         let plan = kvplan_core::Plan {
             n_runs: n_blocks,

@@ -187,23 +187,22 @@ impl PyTemplate {
     /// arrays are each side's pages in token order (lengths may differ) and the plan moves the
     /// first `n_tokens` tokens (default: the full pages of the shorter side) token-exactly.
     ///
-    /// Delta plans: with `skip_tokens` K > 0 the decode holds the request's first K tokens
-    /// already (K any count, not only a page multiple) and the plan moves tokens K.. only, by
-    /// token, from the same whole page lists; the pages before the one holding token K are not
-    /// read. The plan digest covers K.
+    /// Delta plans: with `skip_tokens` K > 0 (any count) the decode holds the first K tokens;
+    /// the plan moves tokens K.. only, by token, from the same whole page lists (pages before
+    /// the one holding token K are not read). The plan digest covers K.
     ///
-    /// Window pools: when a side's window entries keep a pool of their own
-    /// (`Layout.with_windows(..., window_page_size=)`), `window_pages` is `(src, dst)`, each
-    /// side's window pages (that pool's pages of the request in token order from its first
-    /// token, the dtype of that side's pages; the pages before the window are not read) or
-    /// `None` for a side without a window pool.
-    #[pyo3(signature = (src_pages, dst_pages, *, n_tokens=None, skip_tokens=0, window_pages=None, out=None))]
+    /// Window pools (`Layout.with_windows(..., window_page_size=)`): `window_pages` is `(src,
+    /// dst)`, each side's pages of its window pool in token order from the request's first
+    /// token (that side's dtype; pages before the window are not read), `None` for a side
+    /// without one. `plan(request)` takes all of it as one `kvplan.Request`, as every
+    /// planner method below does in place of its page arrays.
+    #[pyo3(signature = (src_pages, dst_pages=None, *, n_tokens=None, skip_tokens=0, window_pages=None, out=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
-        dst_pages: &Bound<'py, PyAny>,
+        dst_pages: Option<&Bound<'py, PyAny>>,
         n_tokens: Option<u64>,
         skip_tokens: u64,
         window_pages: Option<&Bound<'py, PyAny>>,
@@ -285,12 +284,12 @@ impl PyTemplate {
     /// (executed by the caller) and the network plan from the buffer to the decode, one block
     /// per destination-contiguous run. A `SizeMismatchError` names the bytes needed when the
     /// buffer is too small.
-    #[pyo3(signature = (src_pages, dst_pages, *, pack, n_tokens=None))]
+    #[pyo3(signature = (src_pages, dst_pages=None, *, pack, n_tokens=None))]
     fn plan_packed<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
-        dst_pages: &Bound<'py, PyAny>,
+        dst_pages: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = crate::input::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(Py<PyTransferPlan>, Py<PyTransferPlan>)> {
@@ -305,18 +304,16 @@ impl PyTemplate {
         )
     }
 
-    /// Plans one token request as a gather of source rows into the pack buffer at
-    /// `pack=(addr, size)` and the network plan out of it: the network plan `plan_packed`
-    /// returns, and a gather that copies what its gather copies, described by rows instead of
-    /// one block per row. A `SizeMismatchError` names the bytes needed when the buffer is too
-    /// small; a page request (no `n_tokens` on a template that plans by page) is a
-    /// `KvPlanError`.
-    #[pyo3(signature = (src_pages, dst_pages, *, pack, n_tokens=None))]
+    /// Plans one token request as `plan_packed`'s network plan and a gather of source rows
+    /// into the pack buffer at `pack=(addr, size)` (what its gather copies, as rows). A
+    /// `SizeMismatchError` names the bytes needed when the buffer is too small; a page request
+    /// (no `n_tokens` on a template that plans by page) is a `KvPlanError`.
+    #[pyo3(signature = (src_pages, dst_pages=None, *, pack, n_tokens=None))]
     fn plan_row_gather<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
-        dst_pages: &Bound<'py, PyAny>,
+        dst_pages: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = crate::input::pack_arg)] pack: (u64, u64),
         n_tokens: Option<u64>,
     ) -> PyResult<(crate::pack::PyRowGather, Py<PyTransferPlan>)> {
@@ -336,12 +333,12 @@ impl PyTemplate {
     /// (addr, size)` (the decode's staging region, at this writer's offsets) and `scatter` from
     /// there into the decode's pages. A `SizeMismatchError` names the bytes needed when a region
     /// is too small.
-    #[pyo3(signature = (src_pages, dst_pages, *, src_staging, dst_staging, n_tokens=None))]
+    #[pyo3(signature = (src_pages, dst_pages=None, *, src_staging, dst_staging, n_tokens=None))]
     fn plan_staged(
         &self,
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
-        dst_pages: &Bound<'_, PyAny>,
+        dst_pages: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = crate::input::src_staging_arg)] src_staging: (u64, u64),
         #[pyo3(from_py_with = crate::input::dst_staging_arg)] dst_staging: (u64, u64),
         n_tokens: Option<u64>,
@@ -360,13 +357,13 @@ impl PyTemplate {
 
     /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
     /// core's rule over the request's direct and staged network block counts.
-    #[pyo3(signature = (src_pages, dst_pages, cost, *, n_tokens=None))]
+    #[pyo3(signature = (src_pages, dst_pages=None, cost=None, *, n_tokens=None))]
     fn transfer_advice(
         &self,
         py: Python<'_>,
         src_pages: &Bound<'_, PyAny>,
-        dst_pages: &Bound<'_, PyAny>,
-        cost: PyRef<'_, crate::advice::PyTransferCost>,
+        dst_pages: Option<&Bound<'_, PyAny>>,
+        cost: Option<&Bound<'_, PyAny>>,
         n_tokens: Option<u64>,
     ) -> PyResult<crate::advice::PyAdvice> {
         crate::advice::transfer_advice(py, &self.inner, src_pages, dst_pages, cost, n_tokens)
@@ -396,22 +393,24 @@ impl PyTemplate {
 
     /// A page request as `(src_idx, dst_idx)` int64 indices into the two prepped tables, piece
     /// major, page minor; validated exactly as `plan` validates the same request.
+    #[pyo3(signature = (src_pages, dst_pages=None))]
     fn prepped_indices<'py>(
         &self,
         py: Python<'py>,
         src_pages: &Bound<'py, PyAny>,
-        dst_pages: &Bound<'py, PyAny>,
+        dst_pages: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<crate::descriptors::IndexArrays<'py>> {
         crate::descriptors::prepped_indices(py, &self.inner, src_pages, dst_pages)
     }
 
     /// State slot `src_slot` -> `dst_slot` as `(src_idx, dst_idx)` int64 indices into the two
     /// prepped tables, one per state pair that moves bytes; validated as `plan_state`.
+    #[pyo3(signature = (src_slot, dst_slot=None))]
     fn prepped_state_indices<'py>(
         &self,
         py: Python<'py>,
-        src_slot: i64,
-        dst_slot: i64,
+        src_slot: &Bound<'py, PyAny>,
+        dst_slot: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<crate::descriptors::IndexArrays<'py>> {
         crate::descriptors::prepped_state_indices(py, &self.inner, src_slot, dst_slot)
     }
@@ -439,12 +438,13 @@ impl PyTemplate {
 
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
     /// `(src_base + L*src_slot, dst_base + L*dst_slot, L)`.
-    fn plan_state(
+    #[pyo3(signature = (src_slot, dst_slot=None))]
+    fn plan_state<'py>(
         &self,
-        py: Python<'_>,
-        src_slot: i64,
-        dst_slot: i64,
+        py: Python<'py>,
+        src_slot: &Bound<'py, PyAny>,
+        dst_slot: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyTransferPlan>> {
-        crate::slots::plan_state(py, &self.inner, self.fingerprints, (src_slot, dst_slot))
+        crate::slots::plan_state(py, &self.inner, self.fingerprints, src_slot, dst_slot)
     }
 }
