@@ -1,6 +1,6 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
 from collections.abc import Iterable, Iterator, Sequence
-from typing import ClassVar, Literal, Protocol, final
+from typing import ClassVar, Literal, Protocol, final, overload
 
 from typing_extensions import Buffer, disjoint_base
 
@@ -32,6 +32,7 @@ __all__ = [
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
+    "Request",
     "RowGather",
     "SizeMismatchError",
     "StagedPlan",
@@ -582,6 +583,49 @@ class TransferPlan(Blocks):
         """The content digest (64-bit int) over ``pair_content_digests(side, buffers)``."""
 
 @final
+class Request:
+    """One transfer request as a value: each side's pages (``src``, ``dst``: 1-D int32/int64
+    arrays, held as given, never copied) or one state slot per side (``slot=(src_slot,
+    dst_slot)``), each side's window-pool pages (``window_pages=(src, dst)``, ``None`` for a side
+    without a pool) and the token range (``n_tokens``, ``skip_tokens``). Every planner method
+    takes one in place of its page arrays; a feature the planner does not plan is an
+    ``UnsupportedError`` naming both.
+
+    Raises:
+        TypeError: A page array that is not 1-D C-contiguous aligned int32/int64; only one
+            side's pages; pages and a slot together, or neither; window pages of another dtype
+            than that side's pages, or for a slot; a non-int count or a malformed slot.
+        KvPlanError: A negative ``n_tokens`` or ``skip_tokens``, or ``skip_tokens`` past
+            ``n_tokens``.
+        IndexBoundsError: A negative slot.
+    """
+
+    def __new__(
+        cls,
+        src: _IndexArray | None = None,
+        dst: _IndexArray | None = None,
+        *,
+        window_pages: tuple[_IndexArray | None, _IndexArray | None] | None = None,
+        slot: tuple[int, int] | None = None,
+        n_tokens: int | None = None,
+        skip_tokens: int | None = None,
+    ) -> Request: ...
+    @property
+    def src(self) -> _IndexArray | None:
+        """The caller's prefill page array (``None`` for a slot request)."""
+    @property
+    def dst(self) -> _IndexArray | None:
+        """The caller's decode page array (``None`` for a slot request)."""
+    @property
+    def window_pages(self) -> tuple[_IndexArray | None, _IndexArray | None] | None: ...
+    @property
+    def slot(self) -> tuple[int, int] | None: ...
+    @property
+    def n_tokens(self) -> int | None: ...
+    @property
+    def skip_tokens(self) -> int: ...
+
+@final
 class Template:
     """A validated peer pair (prefill layout → decode layout), built once, planned per request.
 
@@ -665,7 +709,8 @@ class Template:
                             ) -> tuple[int, int, int]: ...
     def plan_batch(
         self,
-        requests: Sequence[tuple[_IndexArray, _IndexArray] | tuple[_IndexArray, _IndexArray, int | None]],
+        requests: Sequence[Request | tuple[_IndexArray, _IndexArray]
+                           | tuple[_IndexArray, _IndexArray, int | None]],
         *,
         digests: bool = False,
         leases: Sequence[_LeaseLike | None] | None = None,
@@ -713,6 +758,10 @@ class Template:
             TypeError: A page array that is not 1-D int32/int64, or offsets or token counts
                 that are not 1-D int64.
         """
+    @overload
+    def plan(self, src_pages: Request, dst_pages: None = None, *,
+             out: _U64Array | None = None) -> TransferPlan: ...
+    @overload
     def plan(
         self,
         src_pages: _IndexArray,
@@ -745,6 +794,10 @@ class Template:
                 C-contiguous ``(3, M)`` uint64 array.
             MemoryError: The plan's output cannot be allocated.
         """
+    @overload
+    def plan_row_gather(self, src_pages: Request, dst_pages: None = None, *, pack: tuple[int, int]
+                 ) -> tuple[RowGather, TransferPlan]: ...
+    @overload
     def plan_row_gather(
         self,
         src_pages: _IndexArray,
@@ -759,6 +812,10 @@ class Template:
         ``rows`` copies into the pack buffer exactly what its gather copies (same pack layout).
         A too-small buffer is a ``SizeMismatchError``; a page request is a ``KvPlanError``.
         """
+    @overload
+    def plan_packed(self, src_pages: Request, dst_pages: None = None, *, pack: tuple[int, int]
+                 ) -> tuple[TransferPlan, TransferPlan]: ...
+    @overload
     def plan_packed(
         self,
         src_pages: _IndexArray,
@@ -781,6 +838,10 @@ class Template:
                 names the bytes needed).
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
+    @overload
+    def plan_staged(self, src_pages: Request, dst_pages: None = None, *, src_staging: tuple[int, int],
+                    dst_staging: tuple[int, int]) -> StagedPlan: ...
+    @overload
     def plan_staged(
         self,
         src_pages: _IndexArray,
@@ -805,6 +866,13 @@ class Template:
                 pairs move different bytes.
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
+    @overload
+    def transfer_advice(self, src_pages: Request, dst_pages: TransferCost, cost: None = None
+                        ) -> Advice: ...
+    @overload
+    def transfer_advice(self, src_pages: Request, dst_pages: None = None, *,
+                        cost: TransferCost) -> Advice: ...
+    @overload
     def transfer_advice(
         self,
         src_pages: _IndexArray,
@@ -821,6 +889,9 @@ class Template:
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan_staged`` for the
                 same request (no staging region is involved, so none is too small).
         """
+    @overload
+    def plan_state(self, src_slot: Request, dst_slot: None = None) -> TransferPlan: ...
+    @overload
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
 
@@ -848,6 +919,10 @@ class Template:
                 a bad ``side``; a table too large to index with int64.
             MemoryError: The table cannot be allocated.
         """
+    @overload
+    def prepped_indices(self, src_pages: Request, dst_pages: None = None
+                        ) -> tuple[_I64Array, _I64Array]: ...
+    @overload
     def prepped_indices(self, src_pages: _IndexArray, dst_pages: _IndexArray
                         ) -> tuple[_I64Array, _I64Array]:
         """A page request as ``(src_idx, dst_idx)`` into the two prepped tables, piece major,
@@ -857,6 +932,10 @@ class Template:
             IndexBoundsError, KvPlanError, TypeError: As ``plan`` for the same request; a
                 token template (KvPlanError).
         """
+    @overload
+    def prepped_state_indices(self, src_slot: Request, dst_slot: None = None
+                              ) -> tuple[_I64Array, _I64Array]: ...
+    @overload
     def prepped_state_indices(self, src_slot: int, dst_slot: int
                               ) -> tuple[_I64Array, _I64Array]:
         """State slot ``src_slot`` -> ``dst_slot`` as indices into the two prepped tables.
@@ -917,6 +996,13 @@ class ConversionTemplate:
     @property
     def convert_on(self) -> str:
         """``"prefill"`` (quantizing before the network) or ``"decode"`` (dequantizing after)."""
+    @overload
+    def plan(self, src_pages: Request, dst_pages: tuple[int, int], staging: None = None, *,
+             dst_staging: tuple[int, int] | None = None) -> ConversionPlan: ...
+    @overload
+    def plan(self, src_pages: Request, dst_pages: None = None, *, staging: tuple[int, int],
+             dst_staging: tuple[int, int] | None = None) -> ConversionPlan: ...
+    @overload
     def plan(self, src_pages: _IndexArray, dst_pages: _IndexArray, staging: tuple[int, int], *,
              dst_staging: tuple[int, int] | None = None,
              n_tokens: int | None = None) -> ConversionPlan:

@@ -7,6 +7,8 @@ the Request holds the caller's arrays, not copies."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,9 +165,10 @@ def test_packed_row_gather_staged_advice_and_prepped_take_a_request() -> None:
     assert _cols(network) == _cols(old_network)
     assert [r.tolist() for r in rows.rows] == [r.tolist() for r in old_rows.rows]
     assert rows.copies.tolist() == old_rows.copies.tolist()
-    staging = dict(src_staging=(1 << 40, 1 << 20), dst_staging=(1 << 41, 1 << 20))
-    staged, old_staged = t.plan_staged(tokens, **staging), t.plan_staged(src, dst, n_tokens=13,
-                                                                         **staging)
+    regions = (1 << 40, 1 << 20), (1 << 41, 1 << 20)
+    staged = t.plan_staged(tokens, src_staging=regions[0], dst_staging=regions[1])
+    old_staged = t.plan_staged(src, dst, n_tokens=13, src_staging=regions[0],
+                               dst_staging=regions[1])
     for part in ("gather", "network", "scatter"):
         assert _cols(getattr(staged, part)) == _cols(getattr(old_staged, part))
     cost = kvplan.TransferCost(per_block_s=1e-6, network_bytes_per_s=1e10, copy_bytes_per_s=1e11)
@@ -208,7 +211,8 @@ def test_out_buffer_with_a_request() -> None:
     (lambda t, r: t.plan_row_gather(r, pack=(1 << 40, 1 << 20)), "plan_row_gather", "delta"),
     (lambda t, r: t.prepped_indices(r), "descriptor_table", "delta"),
 ])
-def test_a_delta_request_to_a_planner_without_deltas_is_unsupported(call, planner, feature):
+def test_a_delta_request_to_a_planner_without_deltas_is_unsupported(
+        call: Callable[[kvplan.Template, Request], object], planner: str, feature: str) -> None:
     t = _template()
     req = Request(np.arange(3), np.arange(3), n_tokens=10, skip_tokens=4)
     with pytest.raises(kvplan.UnsupportedError) as e:
@@ -223,7 +227,8 @@ def test_a_delta_request_to_a_planner_without_deltas_is_unsupported(call, planne
                                 dst_staging=(1 << 41, 1 << 20)), "plan_staged"),
     (lambda t, r: t.plan_row_gather(r, pack=(1 << 40, 1 << 20)), "plan_row_gather"),
 ])
-def test_a_slot_request_to_a_page_only_planner_is_unsupported(call, planner):
+def test_a_slot_request_to_a_page_only_planner_is_unsupported(
+        call: Callable[[kvplan.Template, Request], object], planner: str) -> None:
     with pytest.raises(kvplan.UnsupportedError) as e:
         call(_state_template(), Request(slot=(1, 2)))
     assert (e.value.planner, e.value.feature) == (planner, "state_slot")
@@ -233,14 +238,15 @@ def test_the_request_carries_the_token_range_alone() -> None:
     t = _template()
     src = dst = np.arange(3, dtype=np.int64)
     req = Request(src, dst)
-    for kwargs, name in [({"n_tokens": 3}, "n_tokens"), ({"skip_tokens": 1}, "skip_tokens"),
-                         ({"window_pages": (src, None)}, "window_pages")]:
+    cases: list[tuple[dict[str, Any], str]] = [({"n_tokens": 3}, "n_tokens"), ({"skip_tokens": 1}, "skip_tokens"),
+                         ({"window_pages": (src, None)}, "window_pages")]
+    for kwargs, name in cases:
         with pytest.raises(TypeError, match=f"plan\\(request\\) takes {name} from the Request"):
             t.plan(req, **kwargs)
     with pytest.raises(TypeError, match="takes dst_pages from the Request"):
-        t.plan(req, dst)
+        t.plan(req, dst)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="needs dst_pages with src_pages"):
-        t.plan(src)
+        t.plan(src)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="plan_state plans a state slot; this Request holds page"):
         _state_template().plan_state(req)
 
@@ -257,10 +263,10 @@ def test_constructor_refuses_bad_values_naming_them() -> None:
     with pytest.raises(kvplan.KvPlanError, match="skip_tokens 9 is past the request's 4 tokens"):
         Request(a, a, n_tokens=4, skip_tokens=9)
     with pytest.raises(TypeError, match="skip_tokens must be a non-negative int, got float"):
-        Request(a, a, skip_tokens=1.5)
+        Request(a, a, skip_tokens=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Request.src must be a 1-D numpy array of dtype int32 "
                        "or int64.*float64"):
-        Request(a.astype(np.float64), a)
+        Request(a.astype(np.float64), a)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Request.dst must be C-contiguous"):
         Request(a, np.arange(6, dtype=np.int64)[::2])
     with pytest.raises(TypeError, match="got src pages but no dst pages"):
@@ -277,7 +283,7 @@ def test_constructor_refuses_bad_values_naming_them() -> None:
     with pytest.raises(kvplan.IndexBoundsError, match=r"slot\[1\] must be non-negative, got -3"):
         Request(slot=(1, -3))
     with pytest.raises(TypeError, match="slot must be a tuple \\(src_slot, dst_slot\\)"):
-        Request(slot=(1, 2, 3))
+        Request(slot=(1, 2, 3))  # type: ignore[arg-type]
     # Unequal lengths are a template's question (token requests differ in length legitimately).
     assert Request(a, a[:2]).dst is not None
 
