@@ -29,105 +29,98 @@
 //! # Ok::<(), PlanError>(())
 //! ```
 //!
-//! Modules form layers: a module uses only modules of the layers above its own, so none
-//! imports another in a circle. This list is the one statement of the order;
-//! `tests/module_layers.rs` reads it and fails on any `crate::` use that breaks it.
+//! The modules sit in folders by job, and the folders and the modules in each form layers: a
+//! module uses only modules of the folders above its own and, in its own folder, of the layers
+//! above its own, so none imports another in a circle and no import runs back up. This list is
+//! the one statement of the order; `tests/module_layers.rs` reads it and fails on any `crate::`
+//! use that breaks it, and on a module missing from it. Data flows down the folders: a peer's
+//! layout, the model of a plan, the rules, the kernels, the compiled peer pair, the planners.
 //!
 //! <!-- module layers -->
-//! 1. `error` (the one error type), `repr` (KV dtypes and scale layouts: names only).
-//! 2. `layout` (a peer's buffers), `runs` (the request scan), `pairing` (entries by layer id),
-//!    `pieces` (the address model), `local` (plans on CPU byte slices), `capabilities` (what
-//!    each planner supports).
-//! 3. `dcp` (the dealt token map), `groups` (layer groups), `heads` (TP head slicing), `plan`
-//!    (output types), `request` (the one request value).
-//! 4. `check` (every rule), `emit` (the page kernels), `wire` (the binary layout encoding).
-//! 5. `tokens` (the token kernels), `nixl_ids` (descriptor ids in vLLM's NIXL layout),
-//!    `digest` (fingerprints and digests), `coalesce` (which pairs emit together).
-//! 6. `accounting` (blocks and bytes per group and pair).
-//! 7. `template` (build once, pick the strategy, one request path).
-//! 8. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
-//!    in one plan), `ring` (ring state between rings of different sizes), `blockers` (why page
-//!    pairs emit their blocks apart).
-//! 9. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
-//!    views of a plan or a batch, the manifest).
-//! 10. `advice` (direct or staged), `convert` (conversion plans between representations).
+//! 1. `error` (the one error type).
+//! 2. `peer/` (one peer's side):
+//!    1. `kv_format` (KV dtypes and scale layouts: names only).
+//!    2. `layout` (a peer's buffers, their constructors and contexts).
+//! 3. `model/` (the data model of a plan):
+//!    1. `pieces` (the address model), `runs` (the request scan).
+//!    2. `plan` (output types), `request` (the one request value), `layer_groups` (the caller's
+//!       layer groups).
+//! 4. `rules/` (what may be planned):
+//!    1. `pairing` (entries by layer id), `capabilities` (what each planner supports).
+//!    2. `dcp` (the dealt token map), `heads` (TP head slicing).
+//!    3. `check` (every rule).
+//! 5. `exchange/` (what leaves the planner):
+//!    1. `local` (plans on CPU byte slices), `wire` (the binary layout encoding).
+//!    2. `digest` (fingerprints and digests).
+//! 6. `kernels/` (the emission kernels):
+//!    1. `emit` (the page kernels), `tokens` (the token kernels).
+//! 7. `peer_pair/` (a compiled peer pair):
+//!    1. `coalesce` (which pairs emit together).
+//!    2. `accounting` (blocks and bytes per group and pair).
+//!    3. `template` (build once, pick the strategy, one request path).
+//! 8. `planners/` (the planners that borrow a template):
+//!    1. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
+//!       in one plan), `ring` (ring state between rings of different sizes), `coalescing` (why
+//!       page pairs emit their blocks apart), `nixl_ids` (descriptor ids in vLLM's NIXL layout).
+//!    2. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
+//!       views of a plan or a batch, the manifest).
+//!    3. `advice` (direct or staged), `convert` (conversion plans between representations).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod accounting;
-pub mod advice;
-pub mod batch;
-pub mod blockers;
-pub mod capabilities;
-pub mod check;
-pub mod coalesce;
-pub mod convert;
-pub mod dcp;
-pub mod descriptors;
-pub mod digest;
-pub mod emit;
 pub mod error;
-pub mod groups;
-pub mod heads;
-pub mod layout;
-pub mod local;
-pub mod nixl_ids;
-pub mod pack;
-pub mod pairing;
-pub mod pieces;
-pub mod plan;
-pub mod repr;
-pub mod request;
-pub mod ring;
-pub mod runs;
-pub mod slices;
-pub mod staged;
-pub mod template;
-pub mod tokens;
-pub mod wire;
+pub mod exchange;
+pub mod kernels;
+pub mod model;
+pub mod peer;
+pub mod peer_pair;
+pub mod planners;
+pub mod rules;
 
-pub use accounting::BlockAccounting;
-pub use advice::{Advice, Choice, TransferCost, advise, transfer_advice};
-pub use batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
-pub use blockers::{Coalescing, PairCoalescing, coalescing};
-pub use capabilities::{Asked, Feature, Planner, SUPPORT};
-pub use check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
-pub use coalesce::{Group, JoinBlocker};
-pub use dcp::DcpContext;
-pub use descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
-pub use digest::{
+pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
+pub use exchange::digest::{
     LeaseRef, PlanBlocks, Region, content_digest, delta_plan_digest, index_digest,
     layout_fingerprint, leased_plan_digest, pair_content_digests, plan_digest, request_plan_digest,
 };
-pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
-pub use groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
-pub use heads::{
-    HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
+pub use exchange::local::{RegionMut, check_local_buffers, copy_local};
+pub use kernels::tokens::TokenTemplate;
+pub use model::layer_groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
+pub use model::pieces::{
+    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
 };
-pub use layout::{
+pub use model::plan::{
+    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,
+};
+pub use model::request::{Indices, Request};
+pub use model::runs::{
+    IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
+};
+pub use peer::kv_format::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
+pub use peer::layout::{
     AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
     heads_per_rank_at,
 };
-pub use local::{RegionMut, check_local_buffers, copy_local};
-pub use nixl_ids::{BlockScale, DescIdRequest, desc_ids};
-pub use pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
-pub use pairing::{
-    EntryMetadata, LegacyKind, Pairing, PairingMode, legacy_pp_pairs, pair_each, pair_entries,
-};
-pub use pieces::{
-    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
-};
-pub use plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape};
-pub use repr::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
-pub use request::{Indices, Request};
-pub use ring::RingPlanner;
-pub use runs::{
-    IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
-};
-pub use slices::{
+pub use peer_pair::accounting::BlockAccounting;
+pub use peer_pair::coalesce::{Group, JoinBlocker};
+pub use peer_pair::template::{BlockRequest, GeometryOptions, Template};
+pub use planners::advice::{Advice, Choice, TransferCost, advise, transfer_advice};
+pub use planners::batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
+pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
+pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
+pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
+pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
+pub use planners::ring::RingPlanner;
+pub use planners::slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
 };
-pub use staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegion};
-pub use template::{BlockRequest, GeometryOptions, Template};
-pub use tokens::TokenTemplate;
+pub use planners::staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegion};
+pub use rules::capabilities::{Asked, Feature, Planner, SUPPORT};
+pub use rules::check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
+pub use rules::dcp::DcpContext;
+pub use rules::heads::{
+    HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
+};
+pub use rules::pairing::{
+    EntryMetadata, LegacyKind, Pairing, PairingMode, legacy_pp_pairs, pair_each, pair_entries,
+};

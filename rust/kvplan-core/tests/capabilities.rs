@@ -5,7 +5,7 @@
 
 mod support;
 
-use kvplan_core::capabilities::check;
+use kvplan_core::rules::capabilities::check;
 use kvplan_core::{
     BatchPlanner, DescriptorTables, Feature, Layout, PackBuffer, PackPlanner, PlanError, Planner,
     Request, StagedPlanner, StagingRegion, Template, TemplateOptions,

@@ -2,7 +2,7 @@
 //! plans, a bf16 → fp8 plan's rows and network land where the decode's pages and scales are,
 //! and unconvertible pairs are refused naming both representations.
 
-use kvplan_core::convert::ConversionTemplate;
+use kvplan_core::planners::convert::ConversionTemplate;
 use kvplan_core::{
     Layout, LayoutContext, LayoutParts, PackBuffer, PlanError, Representation, Request, Side,
     Template, TemplateOptions,

@@ -125,7 +125,7 @@ fn peer(
     let ranks = u64::from(dcp.size);
     let draft_item = DRAFT_TOKEN * page_size * ranks;
     // Capacity: enough pages for every local token and every virtual page, plus spares.
-    let map = kvplan_core::dcp::token_map(
+    let map = kvplan_core::rules::dcp::token_map(
         &KvLayout::mla(0, [], 0, 0)
             .context(paged(page_size).dcp(dcp))
             .build(),

@@ -2,7 +2,7 @@
 
 mod support;
 
-use kvplan_core::wire::{EXT_DCP, decode, encode};
+use kvplan_core::exchange::wire::{EXT_DCP, decode, encode};
 use kvplan_core::{DcpContext, Layout, PlanError};
 use support::layouts::{ContextBuilder, dcp, paged};
 
@@ -93,7 +93,7 @@ fn a_decoded_dcp_context_is_validated() {
     let at = bytes.windows(2).position(|w| w == tag).unwrap() + 4 + 4;
     bytes[at] = 4;
     let n = bytes.len() - 4;
-    let crc = kvplan_core::wire::crc32(&bytes[..n]);
+    let crc = kvplan_core::exchange::wire::crc32(&bytes[..n]);
     bytes[n..].copy_from_slice(&crc.to_le_bytes());
     assert!(matches!(
         decode(&bytes),

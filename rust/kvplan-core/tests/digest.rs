@@ -4,7 +4,7 @@
 mod support;
 
 use kvplan_core::Request;
-use kvplan_core::digest::{
+use kvplan_core::exchange::digest::{
     CHUNK_BYTES, CONTENT_DIGEST_TAG, LEASE_DIGEST_TAG, PLAN_DIGEST_TAG, leased_plan_digest,
     pair_content_digests_on,
 };
@@ -109,7 +109,7 @@ fn xxh3_is_the_reference_function() {
 #[test]
 fn fingerprint_is_xxh3_of_the_wire_bytes() {
     let f = Fixture::new();
-    let wire = kvplan_core::wire::encode(&f.src).unwrap();
+    let wire = kvplan_core::exchange::wire::encode(&f.src).unwrap();
     assert_eq!(layout_fingerprint(&f.src).unwrap(), xxh3_64(&wire));
     // Any field the handshake carries changes it: here the PP size.
     assert_ne!(

@@ -87,7 +87,7 @@ fn run(case: &Case) {
     let what = format!("{case:?}");
     let src_pages = pages(case.tokens.div_ceil(case.page_sizes.0), 7);
     let (src, src_size) = layout(case, false, src_pages.len() as u64 + 3, SRC_BASE);
-    let dst_map = kvplan_core::dcp::token_map(&layout(case, true, 1, DST_BASE).0);
+    let dst_map = kvplan_core::rules::dcp::token_map(&layout(case, true, 1, DST_BASE).0);
     let dst_pages = pages(dst_map.pages_for(case.tokens), 11 + u64::from(case.rank));
     let (dst, dst_size) = layout(case, true, dst_pages.len() as u64 + 3, DST_BASE);
     let source: Vec<u8> = (0..src_size)

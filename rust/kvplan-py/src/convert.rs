@@ -1,7 +1,7 @@
 //! Conversion plans (`ConversionTemplate`): arguments converted, the core's `convert` module
 //! called, its plan handed out as NumPy columns.
 
-use kvplan_core::convert::{ConversionPlan, ConversionTemplate};
+use kvplan_core::planners::convert::{ConversionPlan, ConversionTemplate};
 use kvplan_core::{KvDtype, PageIndex, Request, ScaleFormat};
 use numpy::PyArray1;
 use pyo3::prelude::*;

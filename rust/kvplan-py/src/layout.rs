@@ -603,7 +603,7 @@ impl PyLayout {
 
     /// The versioned binary encoding exchanged in the handshake (exact round trip).
     fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = kvplan_core::wire::encode(&self.inner).map_err(to_py_err)?;
+        let bytes = kvplan_core::exchange::wire::encode(&self.inner).map_err(to_py_err)?;
         Ok(PyBytes::new(py, &bytes))
     }
 
@@ -621,7 +621,7 @@ impl PyLayout {
         })?;
         owned.extend_from_slice(data);
         let data = owned;
-        wrap(py.detach(move || kvplan_core::wire::decode(&data)))
+        wrap(py.detach(move || kvplan_core::exchange::wire::decode(&data)))
     }
 
     /// A JSON-able dict: exactly `Layout(**d)`'s arguments plus `"version"`.
@@ -629,7 +629,7 @@ impl PyLayout {
         let parts = self.inner.parts();
         let ctx = self.inner.context();
         let dict = PyDict::new(py);
-        dict.set_item("version", kvplan_core::wire::WIRE_VERSION)?;
+        dict.set_item("version", kvplan_core::exchange::wire::WIRE_VERSION)?;
         dict.set_item("data_ptrs", &parts.data_ptrs)?;
         dict.set_item("data_lens", &parts.data_lens)?;
         dict.set_item("item_lens", &parts.item_lens)?;
@@ -679,13 +679,13 @@ impl PyLayout {
             })?,
             None => return Err(KvPlanError::new_err("layout dict has no \"version\" key")),
         };
-        if version != kvplan_core::wire::WIRE_VERSION
-            && version != kvplan_core::wire::WIRE_VERSION_1
+        if version != kvplan_core::exchange::wire::WIRE_VERSION
+            && version != kvplan_core::exchange::wire::WIRE_VERSION_1
         {
             return Err(KvPlanError::new_err(format!(
                 "unknown layout dict version {version} (this build reads versions {} and {})",
-                kvplan_core::wire::WIRE_VERSION_1,
-                kvplan_core::wire::WIRE_VERSION
+                kvplan_core::exchange::wire::WIRE_VERSION_1,
+                kvplan_core::exchange::wire::WIRE_VERSION
             )));
         }
         data.del_item("version")?;
@@ -839,7 +839,7 @@ impl PyLayout {
                 ring: layout.rings()[i],
                 sidecar: layout
                     .role(i)
-                    .is_some_and(kvplan_core::layout::is_sidecar_role),
+                    .is_some_and(kvplan_core::peer::layout::is_sidecar_role),
             })
             .collect())
     }

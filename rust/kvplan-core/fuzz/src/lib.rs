@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use arbitrary::{Arbitrary, Unstructured};
 use kvplan_core::{
     Columns, EntryKind, FlatBuffer, Layout, LayoutContext, LayoutParts, LegacyKind, PlanError,
-    Pairing, Template, TemplateOptions, check_pairs, pair_entries, runs::group_contiguous,
+    Pairing, Template, TemplateOptions, check_pairs, pair_entries, model::runs::group_contiguous,
 };
 
 // ------------------------------------------------------------------------------------ runs
@@ -817,10 +817,10 @@ pub enum WireInput {
 
 /// Decodes, and when accepted checks that the decoded layout re-encodes to an equal layout.
 fn decode_checked(bytes: &[u8]) {
-    if let Ok(layout) = kvplan_core::wire::decode(bytes) {
+    if let Ok(layout) = kvplan_core::exchange::wire::decode(bytes) {
         check_layout(&layout);
-        let again = kvplan_core::wire::encode(&layout).expect("accepted layout must re-encode");
-        let back = kvplan_core::wire::decode(&again).expect("re-encoded layout must decode");
+        let again = kvplan_core::exchange::wire::encode(&layout).expect("accepted layout must re-encode");
+        let back = kvplan_core::exchange::wire::decode(&again).expect("re-encoded layout must decode");
         assert_eq!(back, layout, "decode(encode(x)) != x");
     }
 }
@@ -847,8 +847,8 @@ pub fn check_wire(input: &WireInput) {
             let Ok(layout) = Layout::new(layout.parts().clone(), ctx) else {
                 return;
             };
-            let bytes = kvplan_core::wire::encode(&layout).expect("encode");
-            let decoded = kvplan_core::wire::decode(&bytes).expect("decode of fresh encoding");
+            let bytes = kvplan_core::exchange::wire::encode(&layout).expect("encode");
+            let decoded = kvplan_core::exchange::wire::decode(&bytes).expect("decode of fresh encoding");
             assert_eq!(decoded, layout, "round trip");
             let mut mutated = bytes.clone();
             for &(at, value) in edits.iter().take(8) {
@@ -862,7 +862,7 @@ pub fn check_wire(input: &WireInput) {
             }
             if *fix_crc && mutated.len() >= 4 {
                 let body = mutated.len() - 4;
-                let crc = kvplan_core::wire::crc32(&mutated[..body]);
+                let crc = kvplan_core::exchange::wire::crc32(&mutated[..body]);
                 mutated[body..].copy_from_slice(&crc.to_le_bytes());
             }
             decode_checked(&mutated);

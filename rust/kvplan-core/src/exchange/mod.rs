@@ -1,0 +1,6 @@
+//! What leaves the planner: the wire encoding of a layout, integrity digests, and plans carried
+//! out on local CPU memory.
+
+pub mod digest;
+pub mod local;
+pub mod wire;

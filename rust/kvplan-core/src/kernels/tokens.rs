@@ -1,0 +1,1022 @@
+//! Token-exact planning: prefill and decode with different tokens per page (or a partial last
+//! page at the same page size).
+//!
+//! Token `t` of a request lives at source page `src_pages[t / P_s]`, slot `t % P_s`, and at
+//! destination page `dst_pages[t / P_d]`, slot `t % P_d`. The request is cut into *segments*:
+//! maximal token ranges inside one source page and one destination page (their edges are the
+//! multiples of `P_s` and of `P_d`, so every segment is a whole number of `gcd(P_s, P_d)`-token
+//! units, except a partial last one). Each entry pair becomes one or more [`Piece`]s, fixed
+//! at template time, each side with its own tokens per page in its [`TokenMap`]:
+//!
+//! - token-major items (`NHD`, also every layout that publishes no attention geometry, and MLA
+//!   latents): one piece per pair, the whole token (`token bytes = item_len / page_size`);
+//! - head-major items (`HND`: `[heads][tokens][head bytes]`, on either side): one piece per
+//!   head, `head_dim * dtype_size` bytes per token;
+//! - a head slicing (TP sizes differ) moves only its heads, each side at its own offsets, and
+//!   caller fragments are read as the bytes of every token they select (`check::per_token`).
+//!
+//! A piece moves `len` bytes per token, from `src_base + page * src_page_stride + slot *
+//! src_slot` (likewise on the destination). When `len` equals both slot strides, the tokens of a
+//! segment are contiguous on both sides and the segment is one block; consecutive segments merge
+//! into one block when they are also contiguous across the edge between them (a page edge on a
+//! side is contiguous only when the next page index is the previous plus one and that side's
+//! pages are packed, `page_stride == page_size * slot`). Otherwise (a token-major side against a
+//! head-major side) each token is its own block. Blocks are piece major (pairs in planning
+//! order, heads in order), token minor.
+//!
+//! Nothing here allocates per request: a counting pass over the segment edges gives the block
+//! count of every piece class, and emission writes each piece's blocks straight into the output
+//! (a piece with the same strides as the last one of its lane is that piece's blocks shifted by the
+//! difference of their bases).
+
+use crate::error::{PlanError, Result, Side};
+use crate::model::pieces::{
+    DRAFT_LANE, Fragment, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
+    TokenMap, WINDOW_LANE,
+};
+use crate::model::plan::{Columns, TokenShape};
+use crate::model::runs::PageIndex;
+use crate::peer::layout::{Layout, MemoryOrder};
+use crate::rules::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
+use crate::rules::heads::HeadSlicing;
+
+/// A template's token pieces, built once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenTemplate {
+    /// How each side places a request's tokens (lane 0: target entries).
+    pub maps: (TokenMap, TokenMap),
+    /// How each side places the draft tokens a decode-context-parallel template sends whole
+    /// (lane 1, module `dcp`); `None` when no side deals tokens.
+    pub draft_maps: Option<(TokenMap, TokenMap)>,
+    /// Why a decode-context-parallel template moves no token (its ranks share none).
+    pub empty_reason: Option<String>,
+    /// Pieces in block order (page pairs in planning order, heads next).
+    pub pieces: Vec<Piece>,
+    /// Per page pair: its pieces, `pieces[start..end]` (empty for an elided pair).
+    pub pair_pieces: Vec<(usize, usize)>,
+    /// Pieces per class.
+    pub class_pieces: [usize; TOKEN_CLASSES],
+    /// Bytes moved per token (sum of piece lengths).
+    pub bytes_per_token: u64,
+    /// Bytes moved per token of each lane.
+    pub lane_bytes: [u64; TOKEN_LANES],
+    /// The sliding window of the window entries' pieces (lane 2), in tokens.
+    pub window: Option<u64>,
+    /// How each side places the window entries' tokens: in its window pool's pages when it
+    /// keeps one (`Layout::with_window_pool`), else as the request's other tokens.
+    pub window_maps: (TokenMap, TokenMap),
+    /// Whether each side's window entries read the request's window pages (their own pool).
+    pub window_pools: (bool, bool),
+}
+
+impl TokenTemplate {
+    /// Token pieces for `page_pairs`; an error says why tokens cannot be mapped (items that
+    /// are not whole tokens, different token sizes, a head-major item whose size disagrees with
+    /// its geometry, caller fragments that do not select the same bytes of every token). With a
+    /// head slicing, only the heads it sends move, at each side's own offsets (restricted to
+    /// the caller's fragments, if any); a pair that is not the elected sender, or holds no head
+    /// of the decode rank, has no pieces.
+    ///
+    /// # Errors
+    /// [`PlanError::TokenSize`], [`PlanError::TokenBytes`], [`PlanError::HeadLayout`],
+    /// [`PlanError::HeadMismatch`], [`PlanError::FragmentCombination`], [`PlanError::Geometry`].
+    pub(crate) fn build(
+        src: &Layout,
+        dst: &Layout,
+        page_pairs: &[PairSpec],
+        given: &[Option<Vec<Fragment>>],
+        heads: Option<&HeadSlicing>,
+        labels: (&[String], &[String]),
+    ) -> Result<Self> {
+        // Decode context parallelism (module `dcp`): target entries use each side's dealt
+        // token map; draft entries are not dealt (lane 1, virtual pages, sent by one source
+        // rank to each decode rank); a rank pair that shares no token moves no target bytes.
+        let dealt = crate::rules::dcp::dealt_pair(src, dst);
+        let target_maps = (
+            crate::rules::dcp::token_map(src),
+            crate::rules::dcp::token_map(dst),
+        );
+        let draft_maps = dealt.then(|| {
+            (
+                crate::rules::dcp::draft_map(src),
+                crate::rules::dcp::draft_map(dst),
+            )
+        });
+        let sends_undealt = crate::rules::dcp::sends_undealt(src, dst);
+        let pool_map = |layout: &Layout, target: TokenMap| {
+            layout
+                .window_page_size()
+                .map_or(target, |page_size| TokenMap::Paged { page_size })
+        };
+        let window_maps = (pool_map(src, target_maps.0), pool_map(dst, target_maps.1));
+        let window_pools = (
+            src.window_page_size().is_some(),
+            dst.window_page_size().is_some(),
+        );
+        if dealt && (window_pools.0 || window_pools.1) {
+            return Err(PlanError::Geometry {
+                what: "window entries in a pool of their own on one side and tokens dealt over \
+                       decode context-parallel ranks on the other are not supported together"
+                    .into(),
+            });
+        }
+        let shares = !dealt || crate::rules::dcp::shares_tokens(target_maps);
+        let orders = (memory_order(src), memory_order(dst));
+        let attention = (src.context().attention, dst.context().attention);
+        let label = |side: Side, entry: usize| {
+            side.pick(labels.0, labels.1)
+                .get(entry)
+                .cloned()
+                .unwrap_or_default()
+        };
+        let moves = heads.is_none_or(HeadSlicing::moves_pages);
+        let sliced = heads.and_then(HeadSlicing::sliced_heads);
+        let mut pieces = Vec::new();
+        let mut pair_pieces = Vec::with_capacity(page_pairs.len());
+        for (index, (pair, given)) in page_pairs.iter().zip(given).enumerate() {
+            let start = pieces.len();
+            let pair_label = || format!("page pair {index} ({})", label(Side::Src, pair.src_entry));
+            let draft = dealt && src.is_draft(pair.src_entry);
+            if dealt && draft != dst.is_draft(pair.dst_entry) {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "{}: a draft entry paired with a target entry; under decode context \
+                         parallelism draft tokens are not dealt and target tokens are, so both \
+                         sides must mark the pair alike",
+                        pair_label()
+                    ),
+                });
+            }
+            let window = src.windows()[pair.src_entry];
+            if window.is_some() && draft {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "{}: a draft entry with a sliding window under decode context \
+                         parallelism (draft tokens are sent whole to every rank; a window of \
+                         them is not supported)",
+                        pair_label()
+                    ),
+                });
+            }
+            let (maps, lane) = match draft_maps {
+                Some(lane) if draft => (lane, DRAFT_LANE),
+                _ if window.is_some() => (window_maps, WINDOW_LANE),
+                _ => (target_maps, 0),
+            };
+            let sizes = (maps.0.page_size(), maps.1.page_size());
+            // Elided pairs (source item 0, as page plans elide them), pairs of a rank pair
+            // that moves no heads, and (DCP) tokens this rank pair does not exchange have no
+            // pieces.
+            let exchanged = if draft { sends_undealt } else { shares };
+            if pair.item_len == 0 || !moves || !exchanged {
+                pair_pieces.push((start, start));
+                continue;
+            }
+            // Bytes of one token per side, bytes per head, and the bytes of a token that move.
+            let (tokens, head, moved) = if let (Some(sliced), Some(slicing)) = (sliced, heads) {
+                // Each side's item is what its own geometry implies (checked by
+                // `check_pairs` too; re-checked here because every offset below relies on it).
+                slicing
+                    .check_page_items(
+                        pair.item_len,
+                        pair.dst_item_len,
+                        (
+                            src.entry_page_size(pair.src_entry),
+                            dst.entry_page_size(pair.dst_entry),
+                        ),
+                    )
+                    .map_err(|problem| PlanError::HeadMismatch {
+                        entry: None,
+                        problem,
+                    })?;
+                let head = sliced.head_bytes;
+                let tokens = (sliced.src_heads * head, sliced.dst_heads * head);
+                let moved = Fragment {
+                    src_off: sliced.src_skip * head,
+                    dst_off: sliced.dst_skip * head,
+                    len: sliced.count * head,
+                };
+                (tokens, head, moved)
+            } else {
+                let (token, head) = whole_tokens(pair, sizes, orders, attention, &label)?;
+                let whole = Fragment {
+                    src_off: 0,
+                    dst_off: 0,
+                    len: token,
+                };
+                ((token, token), head, whole)
+            };
+            let ranges = match given {
+                None => vec![moved],
+                Some(list) => {
+                    let frame = |side: Side| TokenFrame {
+                        page_size: side.pick(sizes.0, sizes.1),
+                        token: side.pick(tokens.0, tokens.1),
+                        head,
+                        order: side.pick(orders.0, orders.1),
+                    };
+                    let wanted =
+                        per_token(list, (frame(Side::Src), frame(Side::Dst)), &pair_label)?;
+                    if sliced.is_some() {
+                        compose(&wanted, &[moved], &pair_label)?
+                    } else {
+                        wanted
+                    }
+                }
+            };
+            push_pieces(
+                &mut pieces,
+                pair,
+                &ranges,
+                head,
+                tokens,
+                orders,
+                (maps, lane),
+            );
+            pair_pieces.push((start, pieces.len()));
+        }
+        let mut template = Self {
+            maps: target_maps,
+            draft_maps,
+            empty_reason: None,
+            pieces,
+            pair_pieces,
+            class_pieces: [0; TOKEN_CLASSES],
+            bytes_per_token: 0,
+            lane_bytes: [0; TOKEN_LANES],
+            // One window per template (check.rs refuses two sizes).
+            window: page_pairs
+                .iter()
+                .find_map(|pair| src.windows()[pair.src_entry]),
+            window_maps,
+            window_pools,
+        };
+        let overflow = PlanError::Overflow {
+            what: "bytes per token",
+        };
+        for k in 0..template.pieces.len() {
+            let piece = template.pieces[k];
+            let class = piece.class();
+            template.class_pieces[class] += 1;
+            let lane = &mut template.lane_bytes[class / PIECE_CLASSES];
+            *lane = lane.checked_add(piece.len).ok_or(overflow.clone())?;
+        }
+        template.bytes_per_token = template
+            .lane_bytes
+            .iter()
+            .try_fold(0u64, |sum, &bytes| sum.checked_add(bytes))
+            .ok_or(overflow)?;
+        if dealt && template.pieces.is_empty() {
+            template.empty_reason = crate::rules::dcp::no_shared_tokens(src, dst);
+        }
+        Ok(template)
+    }
+
+    /// The token maps of each lane that has pieces (or lane 0 alone when none has).
+    pub(crate) fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
+        let has = |lane: usize| {
+            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
+                .iter()
+                .any(|&n| n > 0)
+        };
+        let draft = self.draft_maps.filter(|_| has(DRAFT_LANE));
+        let window = has(WINDOW_LANE).then_some(self.window_maps);
+        std::iter::once((0, self.maps))
+            .chain(draft.map(|maps| (DRAFT_LANE, maps)))
+            .chain(window.map(|maps| (WINDOW_LANE, maps)))
+    }
+
+    /// The first global token `lane` moves of a request moving tokens `first..n`: a window
+    /// lane starts at the window's first live token (the last `window` tokens are live), or at
+    /// `first` when the decode holds more than the part before the window.
+    pub(crate) fn lane_start(&self, lane: usize, first: u64, n: u64) -> u64 {
+        match self.window {
+            Some(window) if lane == WINDOW_LANE => first.max(n.saturating_sub(window)),
+            _ => first,
+        }
+    }
+
+    /// Whether either side deals tokens over decode context-parallel ranks.
+    pub fn dealt(&self) -> bool {
+        self.draft_maps.is_some()
+    }
+
+    /// Whether `lane` reads `side`'s window pages (its window pool) rather than its pages.
+    fn reads_pool(&self, side: Side, lane: usize) -> bool {
+        lane == WINDOW_LANE && side.pick(self.window_pools.0, self.window_pools.1)
+    }
+
+    /// Leading pages of each side's list (the request's pages, or with `pool` its window
+    /// pages) that hold no token a lane with pieces reading that list moves of a request
+    /// moving tokens `first..n` (a window lane from its window on): the pages such a request
+    /// never reads.
+    pub(crate) fn first_pages(&self, first: u64, n: u64, pool: bool) -> (usize, usize) {
+        let first_page = |map: TokenMap, token: u64| {
+            usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
+        };
+        let moving = |lane: usize| {
+            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
+                .iter()
+                .any(|&k| k > 0)
+        };
+        let mut pages = (usize::MAX, usize::MAX);
+        for (lane, (ms, md)) in self.lanes().filter(|&(lane, _)| moving(lane)) {
+            let token = self.lane_start(lane, first, n);
+            if self.reads_pool(Side::Src, lane) == pool {
+                pages.0 = pages.0.min(first_page(ms, token));
+            }
+            if self.reads_pool(Side::Dst, lane) == pool {
+                pages.1 = pages.1.min(first_page(md, token));
+            }
+        }
+        // No lane reads the list: nothing is read past the first moved token either (a window
+        // pool's list, read by no piece, is not read at all).
+        let unread = |map: TokenMap| if pool { 0 } else { first_page(map, first) };
+        if pages.0 == usize::MAX {
+            pages.0 = unread(self.maps.0);
+        }
+        if pages.1 == usize::MAX {
+            pages.1 = unread(self.maps.1);
+        }
+        pages
+    }
+
+    /// The lists each lane reads of a request with `pages` and `window` pages: a side's window
+    /// pages for the window lane when that side keeps a window pool, else its pages.
+    pub(crate) fn lane_lists<'x, S: ?Sized, D: ?Sized>(
+        &self,
+        pages: (&'x S, &'x D),
+        window: (&'x S, &'x D),
+    ) -> LaneLists<'x, S, D> {
+        LaneLists {
+            pages,
+            window: (
+                if self.window_pools.0 {
+                    window.0
+                } else {
+                    pages.0
+                },
+                if self.window_pools.1 {
+                    window.1
+                } else {
+                    pages.1
+                },
+            ),
+        }
+    }
+
+    /// Leading pages of each side's list (its pages, not its window pages) that hold the first
+    /// `n` global tokens of every lane reading it.
+    pub fn pages_needed(&self, n: u64) -> (u64, u64) {
+        self.list_pages_needed(n, false)
+    }
+
+    /// Leading pages of each side's list (the request's pages, or with `pool` its window
+    /// pages) that hold the first `n` global tokens of every lane reading it.
+    pub(crate) fn list_pages_needed(&self, n: u64, pool: bool) -> (u64, u64) {
+        self.lanes().fold((0, 0), |(s, d), (lane, (ms, md))| {
+            (
+                if self.reads_pool(Side::Src, lane) == pool {
+                    s.max(ms.pages_for(n))
+                } else {
+                    s
+                },
+                if self.reads_pool(Side::Dst, lane) == pool {
+                    d.max(md.pages_for(n))
+                } else {
+                    d
+                },
+            )
+        })
+    }
+}
+
+/// A request's page lists as each lane reads them: the window lane reads a side's window
+/// pages when that side keeps a window pool, every other lane the request's pages.
+pub(crate) struct LaneLists<'x, S: ?Sized, D: ?Sized> {
+    /// The request's pages of each side.
+    pub(crate) pages: (&'x S, &'x D),
+    /// The lists the window lane reads (a side's window pages, or its pages).
+    pub(crate) window: (&'x S, &'x D),
+}
+
+impl<'x, S: ?Sized, D: ?Sized> LaneLists<'x, S, D> {
+    /// Every lane reading the same lists.
+    pub(crate) fn same(src: &'x S, dst: &'x D) -> Self {
+        Self {
+            pages: (src, dst),
+            window: (src, dst),
+        }
+    }
+
+    /// The lists `lane` reads.
+    fn of(&self, lane: usize) -> (&'x S, &'x D) {
+        if lane == WINDOW_LANE {
+            self.window
+        } else {
+            self.pages
+        }
+    }
+}
+
+/// The pieces of one pair moving `ranges` of every token (offsets inside a token, head by
+/// head): one piece per range when both sides are token-major (contiguous within a token on
+/// each side), else one piece per head of each range.
+fn push_pieces(
+    pieces: &mut Vec<Piece>,
+    pair: &PairSpec,
+    ranges: &[Fragment],
+    head: u64,
+    tokens: (u64, u64),
+    orders: (MemoryOrder, MemoryOrder),
+    (maps, lane): ((TokenMap, TokenMap), usize),
+) {
+    let sizes = (maps.0.page_size(), maps.1.page_size());
+    // Byte `w` of a token (counted head by head) on a side: a head-major item holds head
+    // `w / head` at `(w / head) * page_size * head`, one token every head bytes; a token-major
+    // item at `w`, one token every token bytes of that side. All inside the item (checked).
+    let place = |order: MemoryOrder, size: u64, token: u64, w: u64| match order {
+        MemoryOrder::Hnd => ((w / head) * size * head + w % head, head),
+        MemoryOrder::Nhd => (w, token),
+    };
+    let piece = |f: Fragment| {
+        let (src_off, src_slot) = place(orders.0, sizes.0, tokens.0, f.src_off);
+        let (dst_off, dst_slot) = place(orders.1, sizes.1, tokens.1, f.dst_off);
+        let side = |base: u64, stride: u64, slot: u64, map: TokenMap| PieceSide {
+            base,
+            page_stride: stride,
+            slot_stride: slot,
+            map,
+        };
+        Piece {
+            src: side(pair.src_base + src_off, pair.src_stride, src_slot, maps.0),
+            dst: side(pair.dst_base + dst_off, pair.dst_stride, dst_slot, maps.1),
+            len: f.len,
+            lane,
+        }
+    };
+    for &range in ranges {
+        if orders == (MemoryOrder::Nhd, MemoryOrder::Nhd) {
+            pieces.push(piece(range));
+            continue;
+        }
+        // Cut at every head edge of either side.
+        let mut at = 0;
+        while at < range.len {
+            let left = |off: u64| head - (off + at) % head;
+            let n = left(range.src_off)
+                .min(left(range.dst_off))
+                .min(range.len - at);
+            pieces.push(piece(Fragment {
+                src_off: range.src_off + at,
+                dst_off: range.dst_off + at,
+                len: n,
+            }));
+            at += n;
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    /// First token.
+    t: u64,
+    /// Tokens.
+    n: u64,
+    /// Position of its page in each side's page list.
+    src_pos: usize,
+    dst_pos: usize,
+    /// Slot of its first token in each page.
+    src_slot: u64,
+    dst_slot: u64,
+    /// Whether its first local token on each side does not follow the previous segment's last
+    /// (a dealt side skips the tokens the other side's rank does not hold).
+    src_gap: bool,
+    dst_gap: bool,
+}
+
+/// Segments of global tokens `first..n_tokens` both maps hold, in token order.
+#[inline]
+fn segments(
+    first: u64,
+    n_tokens: u64,
+    maps: (TokenMap, TokenMap),
+) -> impl Iterator<Item = Segment> {
+    match maps {
+        (TokenMap::Paged { page_size: ps }, TokenMap::Paged { page_size: pd }) => {
+            Walk::Paged(paged_segments(first, n_tokens, (ps, pd)))
+        }
+        _ => Walk::Dealt(dealt_segments(n_tokens, maps).filter_map(move |seg| clip(seg, first))),
+    }
+}
+
+/// The part of `seg` from global token `first` on (None when it ends before): a segment's tokens
+/// are consecutive on both sides, so its slots move with its first token. The clipped segment
+/// opens the walk, so it has no gap before it.
+fn clip(seg: Segment, first: u64) -> Option<Segment> {
+    if seg.t + seg.n <= first {
+        return None;
+    }
+    if seg.t >= first {
+        return Some(seg);
+    }
+    let cut = first - seg.t;
+    Some(Segment {
+        t: first,
+        n: seg.n - cut,
+        src_slot: seg.src_slot + cut,
+        dst_slot: seg.dst_slot + cut,
+        src_gap: false,
+        dst_gap: false,
+        ..seg
+    })
+}
+
+/// One of the two token walks (paged sides keep their incremental walk).
+enum Walk<P, D> {
+    Paged(P),
+    Dealt(D),
+}
+
+impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk<P, D> {
+    type Item = Segment;
+
+    // Inlined into every walk: called once per segment, and an out-of-line call returning
+    // the segment through memory costs more than the segment's own work.
+    #[inline]
+    fn next(&mut self) -> Option<Segment> {
+        match self {
+            Walk::Paged(walk) => walk.next(),
+            Walk::Dealt(walk) => walk.next(),
+        }
+    }
+}
+
+/// The dealt walk (module `dcp`) as segments: page, slot and gap of each side's local tokens.
+fn dealt_segments(n_tokens: u64, maps: (TokenMap, TokenMap)) -> impl Iterator<Item = Segment> {
+    let mut ends: Option<(u64, u64)> = None;
+    crate::rules::dcp::dealt_segments(n_tokens, maps).map(move |d| {
+        let (ls, ld) = d.local;
+        let (src_gap, dst_gap) = ends.map_or((false, false), |(es, ed)| (es != ls, ed != ld));
+        ends = Some((ls + d.n, ld + d.n));
+        Segment {
+            t: d.t,
+            n: d.n,
+            // Below the page counts the request was validated against, so they fit usize.
+            src_pos: d.page.0 as usize,
+            dst_pos: d.page.1 as usize,
+            src_slot: d.slot.0,
+            dst_slot: d.slot.1,
+            src_gap,
+            dst_gap,
+        }
+    })
+}
+
+/// Segments of tokens `first..n_tokens` over pages of `sizes` tokens, in token order (the walk
+/// starts at `first` directly: a delta request costs its own tokens, not the skipped ones).
+#[inline]
+fn paged_segments(first: u64, n_tokens: u64, sizes: (u64, u64)) -> impl Iterator<Item = Segment> {
+    let (ps, pd) = sizes;
+    // Positions below the validated page counts, so they fit usize.
+    let mut seg = Segment {
+        t: first,
+        n: 0,
+        src_pos: (first / ps) as usize,
+        dst_pos: (first / pd) as usize,
+        src_slot: first % ps,
+        dst_slot: first % pd,
+        src_gap: false,
+        dst_gap: false,
+    };
+    std::iter::from_fn(move || {
+        // Advance past the previous segment.
+        if seg.n > 0 {
+            seg.t += seg.n;
+            seg.src_slot += seg.n;
+            seg.dst_slot += seg.n;
+            if seg.src_slot == ps {
+                (seg.src_slot, seg.src_pos) = (0, seg.src_pos + 1);
+            }
+            if seg.dst_slot == pd {
+                (seg.dst_slot, seg.dst_pos) = (0, seg.dst_pos + 1);
+            }
+        }
+        if seg.t >= n_tokens {
+            return None;
+        }
+        seg.n = (ps - seg.src_slot)
+            .min(pd - seg.dst_slot)
+            .min(n_tokens - seg.t);
+        Some(seg)
+    })
+}
+
+/// A side's page list as far as block counting reads it: whether the page at position `pos`
+/// (at least 1) is the one at `pos - 1` plus one.
+pub(crate) trait PageSteps {
+    fn steps(&self, pos: usize) -> bool;
+}
+
+impl<T: PageIndex> PageSteps for [T] {
+    #[inline]
+    fn steps(&self, pos: usize) -> bool {
+        self[pos - 1].steps_to(self[pos])
+    }
+}
+
+/// The page lists a count without the caller's pages assumes, without holding them: `0, 1,
+/// 2, …` (`consecutive`) or `0, 2, 4, …` (no two pages consecutive).
+pub(crate) struct ModelPages {
+    pub(crate) consecutive: bool,
+}
+
+impl PageSteps for ModelPages {
+    #[inline]
+    fn steps(&self, _pos: usize) -> bool {
+        self.consecutive
+    }
+}
+
+/// Why a segment (not the first) cannot join the block before it, per side: `(edge, stepped)`
+/// where `edge` says it starts a new page on that side and `stepped` that the page index is the
+/// previous one plus one.
+#[inline]
+fn edges<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    seg: &Segment,
+    src: &S,
+    dst: &D,
+) -> [(bool, bool); 2] {
+    let side = |slot: u64, pos: usize, step: &dyn Fn(usize) -> bool| {
+        let edge = slot == 0 && pos > 0;
+        (edge, edge && step(pos))
+    };
+    [
+        side(seg.src_slot, seg.src_pos, &|p| src.steps(p)),
+        side(seg.dst_slot, seg.dst_pos, &|p| dst.steps(p)),
+    ]
+}
+
+/// Whether a segment starts a new block for a contiguous piece of class `class` (1..=4 within
+/// its lane).
+#[inline]
+fn breaks(
+    class: usize,
+    seg: &Segment,
+    [(src_edge, src_step), (dst_edge, dst_step)]: [(bool, bool); 2],
+) -> bool {
+    let (src_packed, dst_packed) = ((class - 1) & 2 != 0, (class - 1) & 1 != 0);
+    seg.src_gap
+        || seg.dst_gap
+        || (src_edge && !(src_packed && src_step))
+        || (dst_edge && !(dst_packed && dst_step))
+}
+
+/// Blocks per piece class, segments, blocks and bytes of a request of `n` global tokens over
+/// `lists` (pages in token order, at least [`TokenTemplate::pages_needed`] of each; values
+/// are not checked). Each lane walks its own tokens over its own lists.
+pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    tokens: &TokenTemplate,
+    lists: &LaneLists<'_, S, D>,
+    first: u64,
+    n: u64,
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    finish_counts(tokens, walk_counts(tokens, lists, (first, n), &|_| true))
+}
+
+/// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
+/// `n` global tokens, walking every segment.
+fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    tokens: &TokenTemplate,
+    lists: &LaneLists<'_, S, D>,
+    (first, n): (u64, u64),
+    walks: &dyn Fn(usize) -> bool,
+) -> ([u64; TOKEN_CLASSES], u64) {
+    let mut class_blocks = [0u64; TOKEN_CLASSES];
+    let mut n_segments = 0u64;
+    for (lane, maps) in tokens.lanes().filter(|&(lane, _)| walks(lane)) {
+        let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
+        let start = tokens.lane_start(lane, first, n);
+        let (src, dst) = lists.of(lane);
+        for (k, seg) in segments(start, n, maps).enumerate() {
+            n_segments += 1;
+            classes[0] += seg.n;
+            let edges = edges(&seg, src, dst);
+            for (class, count) in classes.iter_mut().enumerate().skip(1) {
+                *count += u64::from(k == 0 || breaks(class, &seg, edges));
+            }
+        }
+    }
+    (class_blocks, n_segments)
+}
+
+/// The same counts over [`ModelPages`] on both sides, without walking every segment of a long
+/// request: token placement and page edges repeat every `period` global tokens (a multiple of
+/// every side's page, and of its deal cycle `ranks × lcm(interleave, page)`), and over model
+/// pages whether a segment starts a block depends only on where it sits in that cycle. So past
+/// the first period every period adds the same counts: `f(q·P + r) = f(P + r) + (q − 1)·(f(2P) −
+/// f(P))`, three walks of at most two periods each.
+pub(crate) fn model_counts(
+    tokens: &TokenTemplate,
+    n: u64,
+    consecutive: bool,
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    let pages = ModelPages { consecutive };
+    let lists = LaneLists::same(&pages, &pages);
+    // The window lane walks at most one window's tokens, at the request's end: walked directly.
+    let periodic = |lane: usize| lane != WINDOW_LANE;
+    let period =
+        tokens
+            .lanes()
+            .filter(|&(lane, _)| periodic(lane))
+            .try_fold(1u64, |acc, (_, (a, b))| {
+                let acc = lcm(acc, map_period(a)?)?;
+                lcm(acc, map_period(b)?)
+            });
+    let walk = |len: u64| walk_counts(tokens, &lists, (0, len), &periodic);
+    let (mut classes, mut segments) = match period {
+        Some(p) if n / 3 >= p => {
+            let (q, r) = (n / p, n % p);
+            let (first, second) = (walk(p), walk(2 * p));
+            let (head, head_segments) = walk(p + r);
+            let overflow = || PlanError::Overflow {
+                what: "block count",
+            };
+            let grow = |base: u64, once: u64, twice: u64| -> Result<u64> {
+                (twice - once)
+                    .checked_mul(q - 1)
+                    .and_then(|more| more.checked_add(base))
+                    .ok_or_else(overflow)
+            };
+            let mut classes = [0u64; TOKEN_CLASSES];
+            for c in 0..TOKEN_CLASSES {
+                classes[c] = grow(head[c], first.0[c], second.0[c])?;
+            }
+            (classes, grow(head_segments, first.1, second.1)?)
+        }
+        _ => walk(n),
+    };
+    let (window_classes, window_segments) =
+        walk_counts(tokens, &lists, (0, n), &|lane| lane == WINDOW_LANE);
+    for (count, more) in classes.iter_mut().zip(window_classes) {
+        *count += more; // only the window lane's classes, which the periodic walks left at 0
+    }
+    segments += window_segments;
+    finish_counts(tokens, (classes, segments))
+}
+
+/// Global tokens after which a side's placement and page edges repeat (`None`: past u64).
+fn map_period(map: TokenMap) -> Option<u64> {
+    match map {
+        TokenMap::Paged { page_size } => Some(page_size),
+        TokenMap::Dealt {
+            page_size,
+            ranks,
+            interleave,
+            ..
+        } => lcm(interleave, page_size)?.checked_mul(ranks),
+    }
+}
+
+fn lcm(a: u64, b: u64) -> Option<u64> {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    (a / gcd(a, b).max(1)).checked_mul(b)
+}
+
+/// The counts of [`walk_counts`] as a token shape's fields: blocks per class, segments, blocks
+/// and bytes.
+fn finish_counts(
+    tokens: &TokenTemplate,
+    (raw, segments): ([u64; TOKEN_CLASSES], u64),
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    let overflow = |what| PlanError::Overflow { what };
+    let mut class_blocks = [0usize; TOKEN_CLASSES];
+    for (out, &count) in class_blocks.iter_mut().zip(&raw) {
+        *out = usize::try_from(count).map_err(|_| overflow("block count"))?;
+    }
+    let n_segments = usize::try_from(segments).map_err(|_| overflow("segments"))?;
+    let mut total_bytes = 0u64;
+    for (lane, _) in tokens.lanes() {
+        total_bytes = raw[lane * PIECE_CLASSES]
+            .checked_mul(tokens.lane_bytes[lane])
+            .and_then(|b| b.checked_add(total_bytes))
+            .ok_or(overflow("total bytes"))?;
+    }
+    let n_blocks = tokens
+        .class_pieces
+        .iter()
+        .zip(class_blocks)
+        .try_fold(0usize, |acc, (&pieces, blocks)| {
+            acc.checked_add(pieces.checked_mul(blocks)?)
+        })
+        .ok_or(overflow("block count"))?;
+    Ok((class_blocks, n_segments, n_blocks, total_bytes))
+}
+
+/// Emits a validated token request (`lists`: the pages holding its tokens, as each lane reads
+/// them; every index below the `limits` of its list: the request's pages, then the window
+/// pages) into `out`, at least `shape.n_blocks` long. A piece with the same shape as the last
+/// piece of its lane is that piece's blocks shifted by the difference of their bases.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
+    tokens: &TokenTemplate,
+    lists: &LaneLists<'_, [S], [D]>,
+    limits: [(u64, u64); 2],
+    shape: &TokenShape,
+    mut out: Columns<'_>,
+) -> Result<()> {
+    let mut at = 0usize;
+    // The last piece emitted of each lane: window and full layers alternate in a hybrid-window
+    // model, so the piece before is often of the other lane while the one before it matches.
+    let mut previous: [Option<(usize, &Piece)>; TOKEN_LANES] = [None; TOKEN_LANES];
+    for piece in &tokens.pieces {
+        let class = piece.class();
+        let expected = shape.class_blocks[class];
+        let start = at;
+        if at + expected > out.capacity() {
+            return Err(PlanError::InputChanged);
+        }
+        match previous[piece.lane] {
+            Some((from, prev)) if prev.same_shape(piece) => {
+                let (ds, dd) = (
+                    piece.src.base.wrapping_sub(prev.src.base),
+                    piece.dst.base.wrapping_sub(prev.dst.base),
+                );
+                for k in 0..expected {
+                    out.src_addrs[at + k] = out.src_addrs[from + k].wrapping_add(ds);
+                    out.dst_addrs[at + k] = out.dst_addrs[from + k].wrapping_add(dd);
+                    out.lengths[at + k] = out.lengths[from + k];
+                }
+                at += expected;
+            }
+            _ => {
+                let window = usize::from(piece.lane == WINDOW_LANE);
+                at = emit_piece(
+                    piece,
+                    class % PIECE_CLASSES,
+                    lists.of(piece.lane),
+                    limits[window],
+                    (
+                        tokens.lane_start(piece.lane, shape.first_token, shape.n_tokens),
+                        shape.n_tokens,
+                    ),
+                    at,
+                    &mut out,
+                )?;
+                if at - start != expected {
+                    return Err(PlanError::InputChanged);
+                }
+            }
+        }
+        previous[piece.lane] = Some((start, piece));
+    }
+    Ok(())
+}
+
+/// Writes one piece's blocks from position `at`; returns the position after them.
+#[allow(clippy::too_many_arguments)]
+fn emit_piece<S: PageIndex, D: PageIndex>(
+    piece: &Piece,
+    class: usize,
+    (src, dst): (&[S], &[D]),
+    limits: (u64, u64),
+    (first, n_tokens): (u64, u64),
+    mut at: usize,
+    out: &mut Columns<'_>,
+) -> Result<usize> {
+    // Re-checked while writing: an index changed since validation must not make an address.
+    // The error is built only on failure: an eagerly built `PlanError` is dropped on every
+    // segment (a call, since the enum owns strings), a fifth of a token-major plan's time.
+    let page = |value: i64, limit: u64| -> Result<u64> {
+        match u64::try_from(value) {
+            Ok(v) if v < limit => Ok(v),
+            _ => Err(PlanError::InputChanged),
+        }
+    };
+    let capacity = out.capacity();
+    let push = |out: &mut Columns<'_>, at: usize, s: u64, d: u64, len: u64| -> Result<usize> {
+        if at >= capacity {
+            return Err(PlanError::InputChanged);
+        }
+        out.src_addrs[at] = s;
+        out.dst_addrs[at] = d;
+        out.lengths[at] = len;
+        Ok(at + 1)
+    };
+    let (ps, pd, len) = (piece.src, piece.dst, piece.len); // in registers for the loop
+    let mut open = false; // whether the last block written may be extended
+    for seg in segments(first, n_tokens, (ps.map, pd.map)) {
+        let sp = page(src[seg.src_pos].get(), limits.0)?;
+        let dp = page(dst[seg.dst_pos].get(), limits.1)?;
+        // In bounds (checked just above), so inside the buffer: no overflow.
+        let s = ps.base + sp * ps.page_stride + seg.src_slot * ps.slot_stride;
+        let d = pd.base + dp * pd.page_stride + seg.dst_slot * pd.slot_stride;
+        if class == 0 {
+            for k in 0..seg.n {
+                let (s, d) = (s + k * ps.slot_stride, d + k * pd.slot_stride);
+                at = push(out, at, s, d, len)?;
+            }
+            continue;
+        }
+        let bytes = seg.n * len;
+        if open && !breaks(class, &seg, edges(&seg, src, dst)) {
+            out.lengths[at - 1] += bytes;
+        } else {
+            at = push(out, at, s, d, bytes)?;
+            open = true;
+        }
+    }
+    Ok(at)
+}
+
+/// Where one segment of a lane's walk sits on the destination side: position in the page list,
+/// first slot, tokens.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DstSegment {
+    pos: usize,
+    slot: u64,
+    n: u64,
+}
+
+/// One lane's walk over a validated token request (module `pack`, row gathers): the source row
+/// of every token it moves, in token order (`row = source page index × tokens per page + slot`),
+/// and its segments' destination places. Every index read is re-checked against `limits`.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn lane_rows<S: PageIndex, D: PageIndex>(
+    maps: (TokenMap, TokenMap),
+    src: &[S],
+    dst: &[D],
+    limits: (u64, u64),
+    n_tokens: u64,
+) -> Result<(Vec<u64>, Vec<DstSegment>)> {
+    let rows_per_page = maps.0.page_size();
+    let local = maps
+        .0
+        .local_count(n_tokens)
+        .min(maps.1.local_count(n_tokens));
+    let mut rows = Vec::new();
+    rows.try_reserve_exact(usize::try_from(local).unwrap_or(usize::MAX))
+        .map_err(|_| PlanError::out_of_memory::<u64>("gather rows", local as usize))?;
+    let mut places = Vec::new();
+    for seg in segments(0, n_tokens, maps) {
+        let (Some(s), Some(d)) = (src.get(seg.src_pos), dst.get(seg.dst_pos)) else {
+            return Err(PlanError::InputChanged);
+        };
+        match (u64::try_from(s.get()), u64::try_from(d.get())) {
+            (Ok(s), Ok(d)) if s < limits.0 && d < limits.1 => {
+                // In bounds, so row × item stays inside the buffer: no overflow.
+                let first = s * rows_per_page + seg.src_slot;
+                rows.extend(first..first + seg.n);
+            }
+            _ => return Err(PlanError::InputChanged),
+        }
+        places.push(DstSegment {
+            pos: seg.dst_pos,
+            slot: seg.dst_slot,
+            n: seg.n,
+        });
+    }
+    Ok((rows, places))
+}
+
+/// The destination bytes of `piece` over a lane's segments, in token order, as `(address,
+/// bytes)` chunks contiguous on the destination side (a segment whole when the piece's bytes
+/// fill its slots, else one chunk per token). Every index read is re-checked against `limit`.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation.
+pub(crate) fn dst_chunks<D: PageIndex>(
+    piece: &Piece,
+    places: &[DstSegment],
+    dst: &[D],
+    limit: u64,
+    mut chunk: impl FnMut(u64, u64) -> Result<()>,
+) -> Result<()> {
+    let (side, len) = (piece.dst, piece.len);
+    let whole = len == side.slot_stride;
+    for seg in places {
+        let page = match dst.get(seg.pos).map(|v| u64::try_from(v.get())) {
+            Some(Ok(v)) if v < limit => v,
+            _ => return Err(PlanError::InputChanged),
+        };
+        // In bounds (checked just above), so inside the buffer: no overflow.
+        let d = side.base + page * side.page_stride + seg.slot * side.slot_stride;
+        if whole {
+            chunk(d, seg.n * len)?;
+        } else {
+            for k in 0..seg.n {
+                chunk(d + k * side.slot_stride, len)?;
+            }
+        }
+    }
+    Ok(())
+}

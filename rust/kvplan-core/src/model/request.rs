@@ -1,0 +1,154 @@
+//! One transfer request, the value every planner takes: the pages (or the state slot) of each
+//! side, how many tokens move, and how many leading tokens the decode holds already. Planners read it; none takes loose index arguments, so a new
+//! request field reaches every planner through this one type.
+
+use crate::error::{PlanError, Result, Side};
+use crate::model::runs::PageIndex;
+
+/// What a request indexes on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Indices<'a, S, D> {
+    /// Page indices: page `src[i]` to page `dst[i]` for a page plan, or each side's pages in
+    /// token order (of any lengths) for a token plan.
+    Pages {
+        /// Prefill (source) page indices.
+        src: &'a [S],
+        /// Decode (destination) page indices.
+        dst: &'a [D],
+    },
+    /// One state slot per side (hybrid models' per-request state).
+    Slot {
+        /// Prefill (source) slot.
+        src: i64,
+        /// Decode (destination) slot.
+        dst: i64,
+    },
+}
+
+/// One request to plan.
+///
+/// A page request (`n_tokens` is `None` on a template that does not plan by token) copies whole
+/// pages; a token request (`n_tokens` given, or a template that plans by token) moves the first
+/// `n_tokens` tokens of the two page lists (default: the full pages of the shorter side); a slot
+/// request moves one state slot per state pair.
+///
+/// A *delta* request (`skip_tokens` K > 0) is a token request whose first K tokens the decode
+/// holds already (a prefix it cached): it moves tokens `K..n_tokens` only, K any count (not
+/// only a page multiple), the page lists still the request's whole lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request<'a, S = i64, D = i64> {
+    /// The pages or slots of each side.
+    pub indices: Indices<'a, S, D>,
+    /// Tokens to move (page lists only).
+    pub n_tokens: Option<u64>,
+    /// Leading tokens the decode holds already, not moved (page lists only; 0: none).
+    pub skip_tokens: u64,
+    /// Each side's window pages, for a side whose window entries keep a pool of their own
+    /// ([`crate::Layout::with_window_pool`]): that pool's pages of the request in token order
+    /// from its first token (pages before the window are not read). `None` for a side whose
+    /// window entries index the request's pages.
+    pub window_pages: (Option<&'a [S]>, Option<&'a [D]>),
+}
+
+impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
+    /// Page lists with an optional token count (the form callers that forward one use).
+    pub fn new(src: &'a [S], dst: &'a [D], n_tokens: Option<u64>) -> Self {
+        Self {
+            indices: Indices::Pages { src, dst },
+            n_tokens,
+            skip_tokens: 0,
+            window_pages: (None, None),
+        }
+    }
+
+    /// The same request with each side's window pages (for the sides whose window entries
+    /// keep a pool of their own).
+    #[must_use]
+    pub fn with_window_pages(self, src: Option<&'a [S]>, dst: Option<&'a [D]>) -> Self {
+        Self {
+            window_pages: (src, dst),
+            ..self
+        }
+    }
+
+    /// The same request without its first `skip_tokens` tokens (the decode holds them).
+    #[must_use]
+    pub fn skipping(self, skip_tokens: u64) -> Self {
+        Self {
+            skip_tokens,
+            ..self
+        }
+    }
+
+    /// Whole pages: page `src[i]` to page `dst[i]`.
+    pub fn pages(src: &'a [S], dst: &'a [D]) -> Self {
+        Self::new(src, dst, None)
+    }
+
+    /// The first `n_tokens` tokens of each side's pages in token order.
+    pub fn tokens(src: &'a [S], dst: &'a [D], n_tokens: u64) -> Self {
+        Self::new(src, dst, Some(n_tokens))
+    }
+
+    /// The two page lists.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a slot request (a planner that needs pages names itself).
+    pub fn page_lists(&self, planner: &str) -> Result<(&'a [S], &'a [D])> {
+        match self.indices {
+            Indices::Pages { src, dst } => Ok((src, dst)),
+            Indices::Slot { .. } => Err(PlanError::Geometry {
+                what: format!("{planner} plans page lists, not a state slot"),
+            }),
+        }
+    }
+
+    /// Whether this is a slot request.
+    pub fn is_slot(&self) -> bool {
+        matches!(self.indices, Indices::Slot { .. })
+    }
+
+    /// Refuses a delta request in a planner that plans whole requests only.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] naming the planner and the skip count.
+    pub fn whole(&self, planner: &str) -> Result<()> {
+        if self.skip_tokens > 0 {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "{planner} plans whole requests; this one skips its first {} tokens (a \
+                     delta request): plan it with Template::plan",
+                    self.skip_tokens
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Request<'static> {
+    /// One state slot per side.
+    pub fn slot(src: i64, dst: i64) -> Self {
+        Self {
+            indices: Indices::Slot { src, dst },
+            n_tokens: None,
+            skip_tokens: 0,
+            window_pages: (None, None),
+        }
+    }
+}
+
+/// Both slots of a slot request as indices: a negative slot is [`PlanError::NegativeIndex`]
+/// naming its side.
+pub(crate) fn slot_indices(src: i64, dst: i64) -> Result<(u64, u64)> {
+    for (side, slot) in [(Side::Src, src), (Side::Dst, dst)] {
+        if slot < 0 {
+            return Err(PlanError::NegativeIndex {
+                side,
+                index: slot,
+                position: 0,
+            });
+        }
+    }
+    Ok((src as u64, dst as u64))
+}

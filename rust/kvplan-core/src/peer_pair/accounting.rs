@@ -1,0 +1,241 @@
+//! Block accounting: the blocks and bytes every group and pair of a plan holds, read from the
+//! plan's summary alone (before the plan is emitted, or without its columns). This module owns
+//! the per-group counts a template derives once; every offset table (per group, per pair) and
+//! every byte count per block range comes from here.
+
+use crate::error::{PlanError, Result};
+use crate::kernels::tokens::TokenTemplate;
+use crate::model::pieces::{PIECE_CLASSES, Piece, TOKEN_CLASSES, TOKEN_LANES, total_len};
+use crate::model::plan::{PlanSummary, PlanUnit};
+use crate::peer_pair::coalesce::Group;
+
+/// What a template's plans hold per group and per pair, derived once at build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockAccounting {
+    groups: Vec<Group>,
+    /// The group of each page pair (`None` for elided pairs).
+    pair_groups: Vec<Option<usize>>,
+    /// Pieces emitting one block per run, and one block per page.
+    per_run: usize,
+    per_page: usize,
+    /// Per group, the bytes its pieces move per page of a page plan.
+    page_bytes: Vec<u64>,
+    /// Per group, its token pieces of each class (empty when the template cannot plan by
+    /// token): what block counts of a token plan are made of.
+    token_classes: Vec<[usize; TOKEN_CLASSES]>,
+    /// Per group, the bytes its token pieces of each lane move per token.
+    token_lane_bytes: Vec<[u64; TOKEN_LANES]>,
+    /// Per state pair, the bytes it moves per slot (0: elided, it owns no block).
+    state_lens: Vec<u64>,
+}
+
+impl BlockAccounting {
+    /// The accounting of `groups` over `pieces` (page plans), `tokens` (token plans, when the
+    /// template can plan by token) and the state pairs' item lengths.
+    ///
+    /// # Errors
+    /// [`PlanError::Overflow`] when a group's bytes per page or per token overflow u64.
+    pub(crate) fn new(
+        groups: Vec<Group>,
+        pair_groups: Vec<Option<usize>>,
+        pieces: &[Piece],
+        tokens: Option<&TokenTemplate>,
+        state_lens: Vec<u64>,
+    ) -> Result<Self> {
+        let per_run = pieces.iter().filter(|p| p.per_run()).count();
+        let page_bytes = groups
+            .iter()
+            .map(|g| {
+                total_len(
+                    &pieces[g.first_piece..g.first_piece + g.n_pieces],
+                    "group bytes",
+                )
+            })
+            .collect::<Result<_>>()?;
+        let (mut token_classes, mut token_lane_bytes) = (Vec::new(), Vec::new());
+        if let Some(tokens) = tokens {
+            for g in &groups {
+                let (start, end) = (
+                    tokens.pair_pieces[g.first_pair].0,
+                    tokens.pair_pieces[g.last_pair].1,
+                );
+                let (mut classes, mut lanes) = ([0; TOKEN_CLASSES], [0u64; TOKEN_LANES]);
+                for piece in &tokens.pieces[start..end] {
+                    let class = piece.class();
+                    classes[class] += 1;
+                    let lane = &mut lanes[class / PIECE_CLASSES];
+                    *lane = lane.checked_add(piece.len).ok_or(PlanError::Overflow {
+                        what: "group bytes",
+                    })?;
+                }
+                token_classes.push(classes);
+                token_lane_bytes.push(lanes);
+            }
+        }
+        Ok(Self {
+            per_run,
+            per_page: pieces.len() - per_run,
+            groups,
+            pair_groups,
+            page_bytes,
+            token_classes,
+            token_lane_bytes,
+            state_lens,
+        })
+    }
+
+    /// Emission groups in block order (one per emitting pair unless pairs were coalesced).
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// The group of each page pair (`None` for an elided pair).
+    pub fn pair_groups(&self) -> &[Option<usize>] {
+        &self.pair_groups
+    }
+
+    /// Pieces of a page plan emitting one block per page (0: only per-run pieces).
+    pub(crate) fn per_page_pieces(&self) -> usize {
+        self.per_page
+    }
+
+    /// Blocks of a page request of `pages` index pairs in `runs` runs (`None` on overflow).
+    pub(crate) fn page_blocks(&self, runs: usize, pages: usize) -> Option<usize> {
+        self.per_run
+            .checked_mul(runs)?
+            .checked_add(self.per_page.checked_mul(pages)?)
+    }
+
+    /// State pairs that move bytes: the blocks of a slot request.
+    pub(crate) fn moving_state_pairs(&self) -> usize {
+        self.state_lens.iter().filter(|&&len| len > 0).count()
+    }
+
+    /// Blocks group `group` holds in a plan of this shape: one function for page, token and
+    /// state plans (a state plan's groups are its moving state pairs, one block each).
+    pub fn group_blocks(&self, group: usize, summary: &PlanSummary) -> usize {
+        match &summary.unit {
+            PlanUnit::State => usize::from(group < self.moving_state_pairs()),
+            PlanUnit::Tokens(tokens) => self.token_classes.get(group).map_or(0, |classes| {
+                classes
+                    .iter()
+                    .zip(tokens.class_blocks)
+                    .map(|(pieces, blocks)| pieces * blocks)
+                    .sum()
+            }),
+            PlanUnit::Pages(found) => self
+                .groups
+                .get(group)
+                .map_or(0, |g| g.n_blocks(found.n_runs, found.n_pages)),
+        }
+    }
+
+    /// Bytes group `group` moves in a plan of this shape: the twin of
+    /// [`BlockAccounting::group_blocks`], so a request's bytes per block range are known before
+    /// it is planned (a staged plan's layout and its counts for the advice).
+    ///
+    /// # Errors
+    /// [`PlanError::Overflow`].
+    pub fn group_bytes(&self, group: usize, summary: &PlanSummary) -> Result<u64> {
+        let overflow = || PlanError::Overflow {
+            what: "group bytes",
+        };
+        match &summary.unit {
+            PlanUnit::State => {
+                let mut moving = self.state_lens.iter().filter(|&&len| len > 0);
+                Ok(moving.nth(group).copied().unwrap_or(0))
+            }
+            // A lane's class-0 count is its moved tokens: every piece of the lane moves its
+            // length for each of them.
+            PlanUnit::Tokens(shape) => self.token_lane_bytes.get(group).map_or(Ok(0), |lanes| {
+                lanes
+                    .iter()
+                    .enumerate()
+                    .try_fold(0u64, |sum, (lane, &bytes)| {
+                        let moved = shape.class_blocks[lane * PIECE_CLASSES] as u64;
+                        bytes
+                            .checked_mul(moved)
+                            .and_then(|b| b.checked_add(sum))
+                            .ok_or_else(overflow)
+                    })
+            }),
+            PlanUnit::Pages(found) => self.page_bytes.get(group).map_or(Ok(0), |&bytes| {
+                bytes.checked_mul(found.n_pages as u64).ok_or_else(overflow)
+            }),
+        }
+    }
+
+    /// Groups of a plan of this kind (the page groups, or a state plan's moving state pairs).
+    pub fn n_groups(&self, summary: &PlanSummary) -> usize {
+        match summary.unit {
+            PlanUnit::State => self.moving_state_pairs(),
+            _ => self.groups.len(),
+        }
+    }
+
+    /// `n_groups + 1` block offsets of a plan: group `g`'s blocks are `offsets[g]..offsets[g+1]`.
+    pub fn group_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
+        offsets((0..self.n_groups(summary)).map(|g| self.group_blocks(g, summary)))
+    }
+
+    /// The group of each pair of a plan of this kind (`None`: an elided pair, which owns no
+    /// blocks): page pairs for page and token plans, state pairs for state plans.
+    pub fn plan_pair_groups(&self, summary: &PlanSummary) -> Vec<Option<usize>> {
+        if summary.unit != PlanUnit::State {
+            return self.pair_groups.clone();
+        }
+        let mut next = 0;
+        let moving = self.state_lens.iter().map(|&len| {
+            (len > 0).then(|| {
+                next += 1;
+                next - 1
+            })
+        });
+        moving.collect()
+    }
+
+    /// Whether pair `pair` of group `group` owns the group's blocks: a group's blocks belong to
+    /// its last pair (a state pair is a group of its own).
+    fn owns(&self, summary: &PlanSummary, pair: usize, group: usize) -> bool {
+        summary.unit == PlanUnit::State || self.groups[group].last_pair == pair
+    }
+
+    /// `n_pairs + 1` block offsets of a plan: pair `p`'s blocks are `offsets[p]..offsets[p+1]`.
+    /// A group's blocks belong to its last pair (the others, and elided pairs, own none), so
+    /// the ranges partition the plan and submitting pair by pair in order sends a coalesced
+    /// group when its last layer is done.
+    pub fn pair_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
+        let groups = self.plan_pair_groups(summary);
+        offsets(groups.iter().enumerate().map(|(p, group)| match *group {
+            Some(g) if self.owns(summary, p, g) => self.group_blocks(g, summary),
+            _ => 0,
+        }))
+    }
+
+    /// Bytes of every pair's block range (see [`BlockAccounting::pair_offsets`]) in a plan of
+    /// this shape: a group's bytes belong to its last pair, other pairs own none.
+    ///
+    /// # Errors
+    /// As [`BlockAccounting::group_bytes`].
+    pub fn pair_bytes(&self, summary: &PlanSummary) -> Result<Vec<u64>> {
+        let groups = self.plan_pair_groups(summary);
+        groups
+            .iter()
+            .enumerate()
+            .map(|(p, group)| match *group {
+                Some(g) if self.owns(summary, p, g) => self.group_bytes(g, summary),
+                _ => Ok(0),
+            })
+            .collect()
+    }
+}
+
+fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut out = vec![0];
+    let mut at = 0;
+    for len in lens {
+        at += len;
+        out.push(at);
+    }
+    out
+}

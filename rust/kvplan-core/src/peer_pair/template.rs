@@ -1,0 +1,1364 @@
+//! A compiled peer pair: entries paired and validated once (module `check`), turned into
+//! pieces once (module `pieces`), grouped once (module `coalesce`), with the strategy chosen
+//! once: a page plan (kernels in `emit`) or a token plan (module `tokens`). Every request goes
+//! through [`Template::prepare`]; what a plan's groups and pairs hold is the template's
+//! [`BlockAccounting`]. Pack, staged, descriptor, advice and layer-wise planners borrow a
+//! template; it keeps the two layouts so they derive what they need themselves.
+
+use crate::error::{PlanError, Result, Side};
+use crate::kernels::tokens::{TokenTemplate, count_blocks, emit_tokens};
+use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
+use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
+use crate::model::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+use crate::model::request::{Indices, Request};
+use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
+use crate::peer::layout::{EntryKind, Layout};
+use crate::peer_pair::accounting::BlockAccounting;
+use crate::peer_pair::coalesce::build_groups;
+use crate::rules::capabilities::{Asked, Feature, Planner};
+use crate::rules::check::{
+    TemplateOptions, check_pairs_sliced, needs_tokens, pair_fragments, pair_spec,
+};
+use crate::rules::heads::HeadSlicing;
+
+/// How a template turns pairs into blocks (independent of how entries are paired).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GeometryOptions {
+    /// Bytes of each item to move.
+    pub fragments: Fragments,
+    /// Merge consecutive pairs whose items touch on both sides into one block per page (or per
+    /// run); off: every pair keeps its own blocks (per-layer submission).
+    pub coalesce: bool,
+}
+
+impl Default for GeometryOptions {
+    fn default() -> Self {
+        Self {
+            fragments: Fragments::Whole,
+            coalesce: true,
+        }
+    }
+}
+
+/// Validated entry pairs for one (prefill layout, decode layout) pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    pub(crate) page_pairs: Vec<PairSpec>,
+    /// Page pairs with a non-zero item length, in order: the ones that emit blocks.
+    pub(crate) emitting: Vec<PairSpec>,
+    pub(crate) state_pairs: Vec<PairSpec>,
+    /// Ring-state pairs (module `ring`) with each side's rows per request slot: not slot
+    /// pairs, so a slot request does not move them.
+    pub(crate) ring_pairs: Vec<(PairSpec, (u64, u64))>,
+    /// One piece per state pair that moves bytes (a slot is a one-page request), in order.
+    pub(crate) state_pieces: Vec<Piece>,
+    /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
+    pub(crate) bytes_per_page: u64,
+    /// Smallest capacity over emitting pairs, per side: every index must lie below it (a
+    /// side's window-pool entries excepted).
+    pub(crate) limits: IndexLimits,
+    /// The same over the emitting pairs a side's window pages index (its window pool's
+    /// entries); a side without a window pool has its `limits` here.
+    pub(crate) window_limits: IndexLimits,
+    pub(crate) check_dst_overlap: bool,
+    /// Emission units in block order (group-major, then fragment).
+    pub(crate) pieces: Vec<Piece>,
+    /// Groups, and what every group and pair of a plan holds.
+    pub(crate) blocks: BlockAccounting,
+    /// Head slicing between different TP sizes, when both layouts publish their geometry.
+    heads: Option<HeadSlicing>,
+    /// How requests are planned, chosen once at build.
+    pub(crate) strategy: Strategy,
+    /// The two layouts (prefill, decode): labels for messages, and what the planners that
+    /// borrow a template read (layer tags and ranks for layer-wise slices, decode page entries
+    /// for staging slots).
+    pub(crate) layouts: (Layout, Layout),
+}
+
+/// How a template plans requests, chosen once when it is built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Strategy {
+    /// Whole pages are copied as they are; a request with `n_tokens` is planned by token when
+    /// the pairs can be cut into tokens (else the reason they cannot).
+    Pages { tokens: Result<TokenTemplate> },
+    /// Every request is planned by token: the layouts' tokens per page or memory orders differ.
+    Tokens(TokenTemplate),
+}
+
+impl Strategy {
+    /// Token pieces, or why the pairs cannot be planned token by token.
+    pub(crate) fn tokens(&self) -> Result<&TokenTemplate> {
+        match self {
+            Self::Pages { tokens } => tokens.as_ref().map_err(Clone::clone),
+            Self::Tokens(tokens) => Ok(tokens),
+        }
+    }
+
+    /// Whether every request is a token request.
+    pub(crate) fn by_token(&self) -> bool {
+        matches!(self, Self::Tokens(_))
+    }
+}
+
+impl Template {
+    /// Pairs `src` (prefill) entries with `dst` (decode) entries, page entries with page entries
+    /// and state entries with state entries, and checks that every pair agrees on item length.
+    ///
+    /// # Errors
+    /// Pairing errors, [`PlanError::SizeMismatch`] naming layer, role and both sizes, or
+    /// [`PlanError::Overflow`].
+    pub fn new(src: &Layout, dst: &Layout, options: TemplateOptions) -> Result<Self> {
+        Self::with_geometry(src, dst, options, &GeometryOptions::default())
+    }
+
+    /// As [`Template::new`], with explicit fragments and coalescing.
+    ///
+    /// # Errors
+    /// As [`Template::new`]; [`PlanError::Geometry`] for fragments that do not fit their items.
+    pub fn with_geometry(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+    ) -> Result<Self> {
+        Self::build(src, dst, options, geometry, None)
+    }
+
+    /// As [`Template::with_geometry`], coalescing only pairs whose entries belong to the same
+    /// layer group (or both to the seal): every group's blocks stay its own, so a layer group
+    /// of a cross-layer pool is one strided piece per run and can be sent alone.
+    ///
+    /// # Errors
+    /// As [`Template::with_geometry`].
+    pub fn with_layer_groups(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+        groups: &LayerGroups,
+    ) -> Result<Self> {
+        Self::build(src, dst, options, geometry, Some(groups))
+    }
+
+    fn build(
+        src: &Layout,
+        dst: &Layout,
+        options: TemplateOptions,
+        geometry: &GeometryOptions,
+        layer_groups: Option<&LayerGroups>,
+    ) -> Result<Self> {
+        // The one head-slicing rule for page and token plans alike, derived once: the checks
+        // read it, and once they pass it is the template's.
+        let heads = HeadSlicing::between(src, dst, options.replicas_send);
+        let checks = check_pairs_sliced(src, dst, options, &heads);
+        if let Some(problem) = checks.iter().find_map(|c| c.problem.clone()) {
+            return Err(problem);
+        }
+        let heads = heads?;
+        crate::rules::check::same_representations(src, dst, &checks)?;
+        let spec_of = |kind: EntryKind| -> Vec<PairSpec> {
+            checks
+                .iter()
+                .filter(|c| c.kind == kind)
+                .filter_map(|c| c.dst_entry.map(|d| pair_spec(src, dst, c.src_entry, d)))
+                .collect()
+        };
+        let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
+        let coalesce_keys: Vec<SliceKey> = layer_groups
+            .map(|groups| {
+                let tag = |p: &PairSpec| EntryTag::of(src, p.src_entry);
+                page_pairs.iter().map(|p| groups.key(&tag(p))).collect()
+            })
+            .unwrap_or_default();
+        let by_token = needs_tokens(src, dst);
+        let moves_pages = heads.as_ref().is_none_or(HeadSlicing::moves_pages);
+        let emitting: Vec<PairSpec> = page_pairs
+            .iter()
+            .copied()
+            .filter(|p| p.item_len > 0 && moves_pages)
+            .collect();
+        let src_labels = crate::rules::check::entry_labels(src);
+        if let Some(slicing) = &heads {
+            slice_state_pairs(slicing, &mut state_pairs);
+        }
+        // State is not dealt over decode context-parallel ranks: every decode rank receives
+        // it, from one source rank (module `dcp`).
+        if crate::rules::dcp::dealt_pair(src, dst) && !crate::rules::dcp::sends_undealt(src, dst) {
+            for pair in &mut state_pairs {
+                (pair.item_len, pair.dst_item_len) = (0, 0);
+            }
+        }
+        // A page plan moves the head slicing's fragments (restricted to the caller's, if any);
+        // a token template places heads per token (module `tokens`), its page groups only say
+        // which pairs' blocks go together.
+        let head_fragments = match &heads {
+            Some(slicing) if !by_token => slicing.page_fragments(),
+            _ => Fragments::Whole,
+        };
+        let given = pair_fragments(&geometry.fragments, &page_pairs, &src_labels)?;
+        let (pieces, groups, pair_groups) = if moves_pages {
+            build_groups(
+                &page_pairs,
+                &given,
+                &head_fragments,
+                geometry.coalesce,
+                &coalesce_keys,
+                &src_labels,
+            )?
+        } else {
+            (Vec::new(), Vec::new(), vec![None; page_pairs.len()])
+        };
+        let tokens = TokenTemplate::build(
+            src,
+            dst,
+            &page_pairs,
+            &given,
+            heads.as_ref(),
+            (&src_labels, &crate::rules::check::entry_labels(dst)),
+        );
+        let strategy = match tokens {
+            Ok(tokens) if by_token => Strategy::Tokens(tokens),
+            Err(problem) if by_token => return Err(problem),
+            tokens => Strategy::Pages { tokens },
+        };
+        let bytes_per_page = total_len(&pieces, "bytes per page")?;
+        // Ring pairs (both sides rings: `check_pairs` refuses a ring against a slot) leave the
+        // slot pairs; their rows are planned by module `ring`.
+        let (ring_specs, state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
+            .into_iter()
+            .partition(|p| src.rings()[p.src_entry].is_some());
+        let ring_pairs = ring_specs
+            .into_iter()
+            .filter_map(|p| {
+                let rows = src.rings()[p.src_entry].zip(dst.rings()[p.dst_entry])?;
+                Some((p, rows))
+            })
+            .collect();
+        let state_lens = state_pairs.iter().map(|p| p.item_len).collect();
+        let blocks = BlockAccounting::new(
+            groups,
+            pair_groups,
+            &pieces,
+            strategy.tokens().ok(),
+            state_lens,
+        )?;
+        let state_pieces = state_pairs
+            .iter()
+            .filter(|p| p.item_len > 0)
+            .map(|p| p.piece(p.whole()))
+            .collect();
+        // Per side, the pairs the request's pages index and the ones its window pages index.
+        let limit = |layout: &Layout, pool: bool, capacity: fn(&PairSpec) -> (usize, u64)| {
+            emitting
+                .iter()
+                .map(capacity)
+                .filter(|&(entry, _)| layout.in_window_pool(entry) == pool)
+                .fold(u64::MAX, |limit, (_, c)| limit.min(c))
+        };
+        let src_side = |p: &PairSpec| (p.src_entry, p.src_capacity);
+        let dst_side = |p: &PairSpec| (p.dst_entry, p.dst_capacity);
+        let (src_limit, dst_limit) = (limit(src, false, src_side), limit(dst, false, dst_side));
+        let window_limits = IndexLimits {
+            src: match src.window_page_size() {
+                Some(_) => limit(src, true, src_side),
+                None => src_limit,
+            },
+            dst: match dst.window_page_size() {
+                Some(_) => limit(dst, true, dst_side),
+                None => dst_limit,
+            },
+        };
+        Ok(Self {
+            page_pairs,
+            emitting,
+            state_pairs,
+            ring_pairs,
+            state_pieces,
+            bytes_per_page,
+            limits: IndexLimits {
+                src: src_limit,
+                dst: dst_limit,
+            },
+            window_limits,
+            check_dst_overlap: options.check_dst_overlap,
+            pieces,
+            blocks,
+            heads,
+            strategy,
+            layouts: (src.clone(), dst.clone()),
+        })
+    }
+
+    /// The head slicing between the two layouts' TP sizes (`None` when either does not publish
+    /// its attention geometry).
+    pub fn head_slicing(&self) -> Option<&HeadSlicing> {
+        self.heads.as_ref()
+    }
+
+    /// Why this template moves no page bytes although it pairs entries (a prefill rank that
+    /// holds none of the decode rank's heads, or is not the elected sender of replicated
+    /// heads, or with `replicas_send` not one of the decode rank's writers); `None` when it
+    /// moves pages or has no page pairs.
+    pub fn empty_reason(&self) -> Option<String> {
+        if self.page_pairs.is_empty() {
+            return None;
+        }
+        self.heads
+            .as_ref()
+            .and_then(HeadSlicing::empty_reason)
+            .or_else(|| {
+                let tokens = self.strategy.tokens().ok()?;
+                tokens.empty_reason.clone()
+            })
+    }
+
+    /// Emission units in block order: group-major, then fragment.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
+    }
+
+    /// What every group and pair of this template's plans holds: groups, per-pair and
+    /// per-group block offsets and bytes.
+    pub fn blocks(&self) -> &BlockAccounting {
+        &self.blocks
+    }
+
+    /// The prefill (source) and decode (destination) layouts.
+    pub fn layouts(&self) -> (&Layout, &Layout) {
+        (&self.layouts.0, &self.layouts.1)
+    }
+
+    /// "layer L, role R" of an entry on one side, for messages.
+    pub(crate) fn entry_label(&self, side: Side, entry: usize) -> String {
+        let layout = side.pick(&self.layouts.0, &self.layouts.1);
+        if entry >= layout.n_entries() {
+            return String::new();
+        }
+        format!(
+            "layer {}, role {}",
+            layout.layer_label(entry),
+            layout.role_label(entry)
+        )
+    }
+
+    /// Page-entry pairs in planning order (including elided pairs with `item_len == 0`).
+    pub fn page_pairs(&self) -> &[PairSpec] {
+        &self.page_pairs
+    }
+
+    /// State-entry pairs in planning order (ring-state pairs apart: [`Template::ring_pairs`]).
+    pub fn state_pairs(&self) -> &[PairSpec] {
+        &self.state_pairs
+    }
+
+    /// Ring-state pairs in planning order, with each side's rows per request slot.
+    pub fn ring_pairs(&self) -> &[(PairSpec, (u64, u64))] {
+        &self.ring_pairs
+    }
+
+    /// Page pairs that emit blocks (non-zero item length).
+    pub fn emitting_pairs(&self) -> &[PairSpec] {
+        &self.emitting
+    }
+
+    /// Bytes moved per page index pair (sum of item lengths over emitting pairs).
+    pub fn bytes_per_page(&self) -> u64 {
+        self.bytes_per_page
+    }
+
+    /// Per side, the bound every page index must lie below: the smallest capacity over the
+    /// emitting pairs (`u64::MAX` when no pair emits).
+    pub fn index_limits(&self) -> IndexLimits {
+        self.limits
+    }
+}
+
+/// Narrows each state pair to the one fragment this rank pair moves (replicated state: the
+/// whole item from the elected prefill rank; sharded state: the overlap of the two ranks'
+/// shares); a pair that moves nothing gets item length 0, as an elided entry. Addresses stay
+/// `base + slot * stride`, with the fragment's offsets folded into the bases.
+fn slice_state_pairs(slicing: &HeadSlicing, pairs: &mut [PairSpec]) {
+    for pair in pairs.iter_mut().filter(|p| p.item_len > 0) {
+        // Checked by `check_pairs`: the lengths are equal or in the TP ratio.
+        if let Ok(Some(f)) = slicing.state_fragment(pair.item_len, pair.dst_item_len) {
+            pair.src_base += f.src_off; // inside the first item, so inside the buffer
+            pair.dst_base += f.dst_off;
+            (pair.item_len, pair.dst_item_len) = (f.len, f.len);
+        } else {
+            (pair.item_len, pair.dst_item_len) = (0, 0);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- per request
+
+impl Template {
+    /// Validates a request and returns the size of its plan: the one entry point every plan
+    /// goes through, so every block lies inside its entry's registered buffer whatever the
+    /// template.
+    ///
+    /// A page request (`n_tokens` is `None` and the template does not plan by token) takes
+    /// equally long index lists, page `src[i]` to page `dst[i]`. A token request (`n_tokens`
+    /// given, or [`Template::by_token`]: page sizes or memory orders differ) takes each side's
+    /// pages in token order, of any lengths, and moves the first `n_tokens` tokens (default: the
+    /// full pages of the shorter side). A slot request moves one state slot per state pair.
+    ///
+    /// # Errors
+    /// Unequal lengths (page request), too few pages for `n_tokens` (token request), a
+    /// negative index, an index outside any paired buffer, a repeated destination index (when
+    /// the template checks overlap), the template's token error, `n_tokens` on a slot request,
+    /// or overflow of the totals.
+    pub fn prepare<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+    ) -> Result<PlanSummary> {
+        self.admit(Planner::Plan, request)?;
+        let (src, dst) = match request.indices {
+            Indices::Slot { src, dst } => {
+                // Not a planner's limit: a slot holds no tokens to skip.
+                request.whole("a state slot request")?;
+                return self.prepare_slot(src, dst, request.n_tokens);
+            }
+            Indices::Pages { src, dst } => (src, dst),
+        };
+        // A delta request is planned by token: its first token may fall inside a page.
+        if self.strategy.by_token() || request.n_tokens.is_some() || request.skip_tokens > 0 {
+            let shape = self.prepare_tokens(request, (src, dst))?;
+            return Ok(PlanSummary {
+                n_blocks: shape.n_blocks,
+                total_bytes: shape.total_bytes,
+                unit: PlanUnit::Tokens(shape),
+            });
+        }
+        // A page plan's layouts keep no windows (windows make a token template), so no side
+        // has a window pool for window pages to index: refused, not ignored.
+        let window = request.window_pages;
+        for (side, given) in [
+            (Side::Src, window.0.is_some()),
+            (Side::Dst, window.1.is_some()),
+        ] {
+            if given {
+                return Err(PlanError::Geometry {
+                    what: window_pages_without_pool(side),
+                });
+            }
+        }
+        // Runs that descend on both sides are one run too (see the `runs` module).
+        let found = scan_runs(src, dst, RunRule::EitherDirection)?;
+        if found.n_pages > 0 {
+            // One comparison per side covers every pair: the limits are the smallest capacities.
+            if found.max_src >= self.limits.src {
+                return Err(self.out_of_range(Side::Src, src));
+            }
+            if found.max_dst >= self.limits.dst {
+                return Err(self.out_of_range(Side::Dst, dst));
+            }
+            if self.check_dst_overlap {
+                check_unique(dst)?;
+            }
+        }
+        // `let … else` rather than `ok_or`: an error built eagerly would be built and dropped
+        // once per request (measurable in a batch of many small requests).
+        let Some(n_blocks) = self.blocks.page_blocks(found.n_runs, found.n_pages) else {
+            return Err(PlanError::Overflow {
+                what: "block count",
+            });
+        };
+        let Some(total_bytes) = (found.n_pages as u64).checked_mul(self.bytes_per_page) else {
+            return Err(PlanError::Overflow {
+                what: "total bytes",
+            });
+        };
+        Ok(PlanSummary {
+            n_blocks,
+            total_bytes,
+            unit: PlanUnit::Pages(found),
+        })
+    }
+
+    /// Validates a slot request: both slots non-negative and inside every moving state pair's
+    /// buffer.
+    fn prepare_slot(&self, src: i64, dst: i64, n_tokens: Option<u64>) -> Result<PlanSummary> {
+        if let Some(n_tokens) = n_tokens {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "a state slot request moves whole slots and takes no n_tokens (got {n_tokens})"
+                ),
+            });
+        }
+        crate::model::request::slot_indices(src, dst)?;
+        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
+        for pair in self.state_pairs.iter().filter(|p| p.item_len > 0) {
+            if src as u64 >= pair.src_capacity {
+                return Err(self.index_error(Side::Src, pair, src, 0));
+            }
+            if dst as u64 >= pair.dst_capacity {
+                return Err(self.index_error(Side::Dst, pair, dst, 0));
+            }
+        }
+        // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
+        Ok(PlanSummary {
+            n_blocks: self.state_pieces.len(),
+            total_bytes: self.state_pieces.iter().map(|p| p.len).sum(),
+            unit: PlanUnit::State,
+        })
+    }
+
+    /// Plans one request (see [`Template::prepare`]) into columns obtained from `make_output`
+    /// once the plan size is known.
+    ///
+    /// Allocates nothing itself. `make_output` receives the validated summary and returns
+    /// columns of at least `summary.n_blocks` values each (a pooled buffer, a caller's `out=`
+    /// array…).
+    ///
+    /// # Errors
+    /// As [`Template::prepare`], whatever `make_output` returns, [`PlanError::OutputTooSmall`],
+    /// or an index that changed between validation and emission (inputs mutated concurrently).
+    pub fn plan_into<'o, S: PageIndex, D: PageIndex, O>(
+        &self,
+        request: &Request<'_, S, D>,
+        make_output: impl FnOnce(&PlanSummary) -> Result<O>,
+    ) -> Result<(O, PlanSummary)>
+    where
+        O: AsColumns<'o>,
+    {
+        let summary = self.prepare(request)?;
+        let mut output = make_output(&summary)?;
+        self.emit_prepared(request, &summary, output.columns())?;
+        Ok((output, summary))
+    }
+
+    /// Emits a request that [`Template::prepare`] validated into `out` (at least
+    /// `summary.n_blocks` values per column).
+    pub(crate) fn emit_prepared<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        summary: &PlanSummary,
+        mut out: Columns<'_>,
+    ) -> Result<()> {
+        if out.capacity() < summary.n_blocks {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: summary.n_blocks,
+            });
+        }
+        // The unit by reference: a token shape is large, and this runs once per request.
+        match (request.indices, &summary.unit) {
+            (Indices::Pages { src, dst }, PlanUnit::Pages(found)) => {
+                if !self.pieces.is_empty() && found.n_pages > 0 {
+                    let runs = self.write_request_runs(src, dst, found, out.reborrow())?;
+                    self.expand_runs(runs, found.n_pages, found.descending_runs > 0, out);
+                }
+            }
+            (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) => {
+                let limits = [
+                    (self.limits.src, self.limits.dst),
+                    (self.window_limits.src, self.window_limits.dst),
+                ];
+                let tokens = self.token_template()?;
+                let ((ws, wd), _) = shape.window_pages;
+                let window = request.window_pages;
+                let lists = tokens.lane_lists(
+                    (&src[..shape.src_pages], &dst[..shape.dst_pages]),
+                    (
+                        window.0.map_or(&[][..], |w| &w[..ws]),
+                        window.1.map_or(&[][..], |w| &w[..wd]),
+                    ),
+                );
+                emit_tokens(tokens, &lists, limits, shape, out)?;
+            }
+            (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
+            (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
+        }
+        Ok(())
+    }
+
+    /// Writes a validated page request's runs into the first `found.n_runs` slots of `out`
+    /// as `(src page, dst page, pages | DESCENDING)`; returns the run count. Limits are
+    /// re-checked per run, and a run count that differs from the validating scan means the
+    /// inputs changed meanwhile.
+    pub(crate) fn write_request_runs<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        found: &crate::model::runs::RunScan,
+        out: Columns<'_>,
+    ) -> Result<usize> {
+        let expected = found.n_runs;
+        if out.capacity() < expected {
+            return Err(PlanError::OutputTooSmall {
+                have: out.capacity(),
+                need: expected,
+            });
+        }
+        let runs = write_runs_by(
+            src,
+            dst,
+            self.limits,
+            found.descending_runs > 0,
+            [
+                &mut out.src_addrs[..expected],
+                &mut out.dst_addrs[..expected],
+                &mut out.lengths[..expected],
+            ],
+        )
+        .map_err(|err| match err {
+            PlanError::OutputTooSmall { .. } => PlanError::InputChanged,
+            other => other,
+        })?;
+        if runs != expected {
+            return Err(PlanError::InputChanged);
+        }
+        Ok(runs)
+    }
+
+    /// Expands `runs` runs (of `pages` pages in all) held in the first slots of `out` into the
+    /// template's blocks, in place.
+    pub(crate) fn expand_runs(
+        &self,
+        runs: usize,
+        pages: usize,
+        descending: bool,
+        out: Columns<'_>,
+    ) {
+        if self.blocks.per_page_pieces() == 0 {
+            if descending {
+                // Per-run pieces only: a descending run is its pages in ascending order.
+                out.lengths[..runs]
+                    .iter_mut()
+                    .for_each(|n| *n &= !crate::model::runs::DESCENDING);
+            }
+            crate::kernels::emit::expand_runs(&self.pieces, runs, out);
+        } else {
+            crate::kernels::emit::expand_pieces(&self.pieces, runs, pages, out);
+        }
+    }
+
+    /// One block per moving state pair, `(src_base + item_len*src, dst_base + item_len*dst,
+    /// item_len)`: a slot is a one-page request of each pair's piece (slots validated).
+    fn emit_slot(&self, src: i64, dst: i64, out: Columns<'_>) {
+        let (s, d) = (src as u64, dst as u64);
+        for (k, piece) in self.state_pieces.iter().enumerate() {
+            // In bounds, so the layout's base + len check rules out overflow.
+            out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
+            out.dst_addrs[k] = piece.dst.base + d * piece.dst.page_stride;
+            out.lengths[k] = piece.len;
+        }
+    }
+
+    /// Allocating convenience: plans one request (see [`Template::prepare`]) into freshly
+    /// allocated columns.
+    ///
+    /// # Errors
+    /// As [`Template::plan_into`].
+    pub fn plan<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Result<Plan> {
+        let (buffer, summary) =
+            self.plan_into(request, |summary| FlatBuffer::try_zeroed(summary.n_blocks))?;
+        let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
+        Ok(Plan {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            n_runs: summary.n_runs(),
+            total_bytes: summary.total_bytes,
+            pair_offsets: self.blocks.pair_offsets(&summary),
+        })
+    }
+
+    pub(crate) fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+        // Report the first position that breaks the first pair it does not fit.
+        for pair in &self.emitting {
+            let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
+            if let Some((position, index)) = values
+                .iter()
+                .map(|v| v.get())
+                .enumerate()
+                .find(|&(_, v)| v as u64 >= capacity)
+            {
+                return self.index_error(side, pair, index, position);
+            }
+        }
+        PlanError::InputChanged
+    }
+
+    /// `index` (at `position` of its list) lies outside `pair`'s buffer on `side`.
+    fn index_error(&self, side: Side, pair: &PairSpec, index: i64, position: usize) -> PlanError {
+        let (capacity, entry) = side.pick(
+            (pair.src_capacity, pair.src_entry),
+            (pair.dst_capacity, pair.dst_entry),
+        );
+        PlanError::IndexOutOfRange {
+            side,
+            index,
+            position,
+            capacity,
+            entry,
+            label: self.entry_label(side, entry),
+            item_len: pair.item_len,
+        }
+    }
+}
+
+// ------------------------------------------------------------------- token requests, blocks
+
+/// A request shape whose blocks [`Template::count_blocks`] counts without planning it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockRequest {
+    /// A page request of `pages` index pairs in `runs` runs contiguous on both sides.
+    Pages {
+        /// Index pairs.
+        pages: usize,
+        /// Runs (between 1 and `pages`, 0 for no pages).
+        runs: usize,
+    },
+    /// A token request of `n_tokens` tokens: pages consecutive on both sides, or
+    /// (`fragmented`) no two pages consecutive on either side.
+    Tokens {
+        /// Tokens.
+        n_tokens: u64,
+        /// No two pages consecutive.
+        fragmented: bool,
+    },
+}
+
+impl Template {
+    /// Token pieces, or why this template cannot plan by token.
+    ///
+    /// # Errors
+    /// The reason the pairs' items cannot be cut into tokens.
+    pub fn token_template(&self) -> Result<&TokenTemplate> {
+        self.strategy.tokens()
+    }
+
+    /// What planning on this template asks of any planner, before a request: its sliding
+    /// window and whether it plans by token.
+    pub fn asked(&self) -> Asked {
+        let window = self.strategy.tokens().ok().and_then(|t| t.window);
+        Asked {
+            window: window.unwrap_or(0),
+            page_sizes: self.page_sizes(),
+            ..Asked::default()
+        }
+        .with(Feature::Window, window.is_some())
+        .with(Feature::TokenPlan, self.by_token())
+    }
+
+    /// What planning `request` on this template asks of a planner (see [`Template::asked`]).
+    pub fn asked_by<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Asked {
+        let pages = !request.is_slot();
+        let given = pages && request.n_tokens.is_some();
+        Asked {
+            skip_tokens: request.skip_tokens,
+            n_tokens_given: given && !self.by_token(),
+            ..self.asked()
+        }
+        .with(Feature::Delta, request.skip_tokens > 0)
+        .with(Feature::StateSlot, !pages)
+        .with(
+            Feature::TokenPlan,
+            given || pages && request.skip_tokens > 0,
+        )
+    }
+
+    /// The check every planner's entry runs: refuses a request feature `planner` does not
+    /// declare in [`crate::rules::capabilities::SUPPORT`].
+    ///
+    /// # Errors
+    /// [`PlanError::Unsupported`] naming the planner and the feature.
+    pub fn admit<S: PageIndex, D: PageIndex>(
+        &self,
+        planner: Planner,
+        request: &Request<'_, S, D>,
+    ) -> Result<()> {
+        crate::rules::capabilities::check(planner, &self.asked_by(request))
+    }
+
+    /// Whether every page plan of this template is a token plan: the two layouts have
+    /// different tokens per page, or different memory orders ([`needs_tokens`]).
+    pub fn by_token(&self) -> bool {
+        self.strategy.by_token()
+    }
+
+    /// Tokens per page of the source and destination layouts.
+    pub fn page_sizes(&self) -> (u64, u64) {
+        let (src, dst) = self.layouts();
+        (src.context().page_size, dst.context().page_size)
+    }
+
+    /// Validates a token request (through [`Template::prepare`]) and returns the size of its
+    /// plan. `src` and `dst` are the request's pages in token order on each side (their lengths
+    /// may differ); `n_tokens` defaults to the full pages of the shorter side. Only the pages
+    /// holding the first `n_tokens` tokens are read (and validated); later ones are ignored.
+    ///
+    /// # Errors
+    /// [`PlanError::TokenCount`] when a side has too few pages; a negative index or one outside
+    /// a paired buffer; a repeated destination page (when the template checks overlap); the
+    /// template's token error; overflow.
+    fn prepare_tokens<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        (src, dst): (&[S], &[D]),
+    ) -> Result<TokenShape> {
+        let tokens = self.token_template()?;
+        let skip_tokens = request.skip_tokens;
+        let (n, (src_pages, dst_pages), (ws, wd)) = self.validate_delta(
+            (src, dst),
+            request.window_pages,
+            request.n_tokens,
+            skip_tokens,
+        )?;
+        let window = request.window_pages;
+        let window = (
+            window.0.map_or(&[][..], |w| &w[..ws]),
+            window.1.map_or(&[][..], |w| &w[..wd]),
+        );
+        let lists = tokens.lane_lists((&src[..src_pages], &dst[..dst_pages]), window);
+        let (class_blocks, n_segments, n_blocks, total_bytes) =
+            count_blocks(tokens, &lists, skip_tokens, n)?;
+        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
+        let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
+        Ok(TokenShape {
+            n_tokens: n,
+            first_token: skip_tokens,
+            first_pages: (src_first.min(src_pages), dst_first.min(dst_pages)),
+            src_pages,
+            dst_pages,
+            window_pages: ((ws, wd), (ws_first.min(ws), wd_first.min(wd))),
+            n_segments,
+            class_blocks,
+            n_blocks,
+            total_bytes,
+        })
+    }
+
+    /// Validates a token request (as [`Template::prepare`] does) without counting its blocks:
+    /// returns the request's global token count and the leading pages of each side that hold
+    /// them.
+    ///
+    /// # Errors
+    /// As [`Template::prepare`] for a token request.
+    pub(crate) fn validate_tokens<S: PageIndex, D: PageIndex>(
+        &self,
+        src: &[S],
+        dst: &[D],
+        n_tokens: Option<u64>,
+    ) -> Result<(u64, usize, usize)> {
+        let (n, (src_pages, dst_pages), _) =
+            self.validate_delta((src, dst), (None, None), n_tokens, 0)?;
+        Ok((n, src_pages, dst_pages))
+    }
+
+    /// [`Template::validate_tokens`] for a request whose first `skip_tokens` tokens are not
+    /// moved and whose window entries may read window pages: only the pages holding tokens
+    /// `skip_tokens..` of the lanes reading a list are read and validated. Returns the token
+    /// count and the leading pages of each side's pages and window pages the request reads.
+    ///
+    /// # Errors
+    /// As [`Template::validate_tokens`]; [`PlanError::SkipTokens`] when `skip_tokens` exceeds
+    /// the request's tokens; [`PlanError::Geometry`] when window pages are missing for a side
+    /// that keeps a window pool or given for one that does not.
+    #[allow(clippy::type_complexity)]
+    fn validate_delta<S: PageIndex, D: PageIndex>(
+        &self,
+        (src, dst): (&[S], &[D]),
+        window: (Option<&[S]>, Option<&[D]>),
+        n_tokens: Option<u64>,
+        skip_tokens: u64,
+    ) -> Result<(u64, (usize, usize), (usize, usize))> {
+        let tokens = self.token_template()?;
+        let maps = tokens.maps;
+        for (side, pool, given) in [
+            (Side::Src, tokens.window_pools.0, window.0.is_some()),
+            (Side::Dst, tokens.window_pools.1, window.1.is_some()),
+        ] {
+            let page_size = side
+                .pick(tokens.window_maps.0, tokens.window_maps.1)
+                .page_size();
+            let what = match (pool, given) {
+                (true, false) => format!(
+                    "the window entries of the {side} side keep a pool of their own \
+                     ({page_size} tokens per page): the request must give that side's window \
+                     pages"
+                ),
+                (false, true) => window_pages_without_pool(side),
+                _ => continue,
+            };
+            return Err(PlanError::Geometry { what });
+        }
+        let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
+        let (src_full, dst_full) = (
+            full(src.len(), maps.0.page_size()),
+            full(dst.len(), maps.1.page_size()),
+        );
+        let n = match n_tokens {
+            Some(n) => n,
+            // A dealt side's pages hold only its share: the request's length is not in them.
+            None if tokens.dealt() => {
+                return Err(PlanError::Geometry {
+                    what: "a decode-context-parallel template needs n_tokens, the request's \
+                           global token count (each rank's pages hold only its share)"
+                        .into(),
+                });
+            }
+            None => src_full
+                .zip(dst_full)
+                .map(|(a, b)| a.min(b))
+                .ok_or(PlanError::Overflow { what: "tokens" })?,
+        };
+        let (src_pages, dst_pages) = tokens.list_pages_needed(n, false);
+        let (src_window, dst_window) = tokens.list_pages_needed(n, true);
+        let lists = [
+            (Side::Src, "pages", src.len(), src_pages, maps.0),
+            (Side::Dst, "pages", dst.len(), dst_pages, maps.1),
+            (
+                Side::Src,
+                "window pages",
+                window.0.map_or(0, <[S]>::len),
+                src_window,
+                tokens.window_maps.0,
+            ),
+            (
+                Side::Dst,
+                "window pages",
+                window.1.map_or(0, <[D]>::len),
+                dst_window,
+                tokens.window_maps.1,
+            ),
+        ];
+        for (side, list, pages, needed, map) in lists {
+            if needed > pages as u64 {
+                return Err(PlanError::TokenCount {
+                    side,
+                    list,
+                    n_tokens: n,
+                    page_size: map.page_size(),
+                    needed,
+                    given: pages,
+                });
+            }
+        }
+        if skip_tokens > n {
+            return Err(PlanError::SkipTokens {
+                skip_tokens,
+                n_tokens: n,
+            });
+        }
+        // At most the given lengths (checked above), so they fit usize.
+        let needed = |pages: u64| pages as usize;
+        let (src_pages, dst_pages) = (needed(src_pages), needed(dst_pages));
+        let (src_window, dst_window) = (needed(src_window), needed(dst_window));
+        if !tokens.pieces.is_empty() && n > skip_tokens {
+            // The pages before the one holding the first moved token are not read.
+            let read = |pages: usize, first: usize| first.min(pages)..pages;
+            let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
+            let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
+            self.check_pages(Side::Src, &src[read(src_pages, src_first)], self.limits.src)?;
+            self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], self.limits.dst)?;
+            if let Some(window) = window.0 {
+                let read = read(src_window, ws_first);
+                self.check_pages(Side::Src, &window[read], self.window_limits.src)?;
+            }
+            if let Some(window) = window.1 {
+                let read = read(dst_window, wd_first);
+                self.check_pages(Side::Dst, &window[read], self.window_limits.dst)?;
+            }
+            if self.check_dst_overlap {
+                check_unique(&dst[read(dst_pages, dst_first)])?;
+                if let Some(window) = window.1 {
+                    check_unique(&window[read(dst_window, wd_first)])?;
+                }
+            }
+        }
+        Ok((n, (src_pages, dst_pages), (src_window, dst_window)))
+    }
+
+    /// The first position of `values` below 0 or at/above `limit`, as the error to report.
+    fn check_pages<T: PageIndex>(&self, side: Side, values: &[T], limit: u64) -> Result<()> {
+        if let Some((position, index)) = values
+            .iter()
+            .map(|v| v.get())
+            .enumerate()
+            .find(|&(_, v)| v < 0 || v as u64 >= limit)
+        {
+            if index < 0 {
+                return Err(PlanError::NegativeIndex {
+                    side,
+                    index,
+                    position,
+                });
+            }
+            return Err(self.out_of_range(side, values));
+        }
+        Ok(())
+    }
+
+    /// Blocks of a request of the given shape without planning it: the one block count for
+    /// every request shape.
+    ///
+    /// # Errors
+    /// A page shape on a template that plans by token (its blocks depend on how the pages line
+    /// up), a run count impossible for the page count, the template's token error, or
+    /// overflow / memory for absurd counts.
+    pub fn count_blocks(&self, request: BlockRequest) -> Result<usize> {
+        match request {
+            BlockRequest::Pages { pages, runs } => {
+                if self.strategy.by_token() {
+                    let (src, dst) = self.page_sizes();
+                    return Err(PlanError::Geometry {
+                        what: format!(
+                            "this template plans by token (prefill {src}, decode {dst} tokens \
+                             per page, or different memory orders): blocks depend on how the \
+                             request's pages line up; plan the request and read plan.n_blocks"
+                        ),
+                    });
+                }
+                if runs > pages || (runs == 0 && pages > 0) {
+                    return Err(PlanError::Geometry {
+                        what: format!(
+                            "a request of {pages} pages has between {} and {pages} runs, got {runs}",
+                            usize::from(pages > 0)
+                        ),
+                    });
+                }
+                self.blocks
+                    .page_blocks(runs, pages)
+                    .ok_or(PlanError::Overflow {
+                        what: "block count",
+                    })
+            }
+            BlockRequest::Tokens {
+                n_tokens,
+                fragmented,
+            } => {
+                let tokens = self.token_template()?;
+                Ok(crate::kernels::tokens::model_counts(tokens, n_tokens, !fragmented)?.2)
+            }
+        }
+    }
+}
+
+/// Why window pages given for `side` cannot be used.
+fn window_pages_without_pool(side: Side) -> String {
+    format!(
+        "window pages were given for the {side} side, whose layout has no window pool (its \
+         window entries, if any, are indexed by the request's pages)"
+    )
+}
+
+/// Model page lists of each side: its pages and its window pages (empty without a window pool).
+pub(crate) struct ModelLists {
+    pub(crate) pages: (Vec<i64>, Vec<i64>),
+    pub(crate) window: (Vec<i64>, Vec<i64>),
+}
+
+/// The page lists a block count without the caller's pages assumes for a token request of
+/// `n_tokens` tokens: `0, 1, 2, …` on each side (pages consecutive on both sides), or
+/// (`fragmented`) `0, 2, 4, …` (no two pages consecutive), as many as every lane needs.
+///
+/// # Errors
+/// [`PlanError::Overflow`] or [`PlanError::OutOfMemory`] for absurd token counts.
+pub(crate) fn model_pages(
+    tokens: &TokenTemplate,
+    n_tokens: u64,
+    fragmented: bool,
+) -> Result<ModelLists> {
+    let step = if fragmented { 2 } else { 1 };
+    let pages = |count: u64| -> Result<Vec<i64>> {
+        let n = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "pages" })?;
+        if i64::try_from(count.saturating_mul(step as u64)).is_err() {
+            return Err(PlanError::Overflow { what: "pages" });
+        }
+        let mut v = crate::error::try_vec(n, 0i64, "page list")?;
+        v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
+        Ok(v)
+    };
+    let (src_pages, dst_pages) = tokens.list_pages_needed(n_tokens, false);
+    let (src_window, dst_window) = tokens.list_pages_needed(n_tokens, true);
+    Ok(ModelLists {
+        pages: (pages(src_pages)?, pages(dst_pages)?),
+        window: (pages(src_window)?, pages(dst_window)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::layout::LayoutContext;
+    use crate::rules::check::check_pairs;
+    use crate::rules::pairing::Pairing;
+
+    #[test]
+    fn legacy_slicing_is_per_buffer_group() {
+        // W-ascend-groups (docs/semantics.md): NPU groups, decode [g0 x4, g1 x4, draft g0, draft g1], prefill stage from layer 2.
+        let ctx = LayoutContext::default;
+        let roles = |r: &[&str]| r.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let parts = |ptrs: Vec<u64>, r: Vec<String>| crate::peer::layout::LayoutParts {
+            data_lens: vec![64; ptrs.len()],
+            item_lens: vec![8; ptrs.len()],
+            data_ptrs: ptrs,
+            roles: r,
+            ..Default::default()
+        };
+        let src = Layout::new(
+            parts(
+                vec![102, 103, 202, 203, 300, 400],
+                roles(&["g0", "g0", "g1", "g1", "draft_g0", "draft_g1"]),
+            ),
+            ctx(),
+        )
+        .unwrap();
+        let dst_roles = roles(&[
+            "g0", "g0", "g0", "g0", "g1", "g1", "g1", "g1", "draft_g0", "draft_g1",
+        ]);
+        let dst = Layout::new(
+            parts(
+                vec![100, 101, 102, 103, 200, 201, 202, 203, 300, 400],
+                dst_roles,
+            ),
+            ctx(),
+        )
+        .unwrap();
+        let options = TemplateOptions {
+            pairing: Pairing::by_layer_id(false, Some(2), None),
+            ..TemplateOptions::default()
+        };
+        let t = Template::new(&src, &dst, options).unwrap();
+        let bases: Vec<u64> = t.page_pairs().iter().map(|p| p.dst_base).collect();
+        assert_eq!(bases, vec![102, 103, 202, 203, 300, 400]);
+        let too_far = TemplateOptions {
+            pairing: Pairing::by_layer_id(false, Some(3), None),
+            ..TemplateOptions::default()
+        };
+        assert!(matches!(
+            Template::new(&src, &dst, too_far),
+            Err(PlanError::LegacySlice { .. })
+        ));
+    }
+
+    fn role_layout(roles: &[&str], ids: Option<Vec<i64>>) -> Layout {
+        let n = roles.len();
+        Layout::new(
+            crate::peer::layout::LayoutParts {
+                data_ptrs: (0..n as u64).map(|i| 1000 * (i + 1)).collect(),
+                data_lens: vec![64; n],
+                item_lens: vec![8; n],
+                layer_ids: ids.map_or_else(Vec::new, |v| v.into_iter().map(Some).collect()),
+                roles: roles.iter().map(ToString::to_string).collect(),
+                kinds: vec![],
+                drafts: vec![],
+            },
+            LayoutContext::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn id_less_pairing_never_pairs_different_roles() {
+        // Same counts, no ids, roles on both sides: a decode listed K, V per layer against a
+        // prefill listed K block then V block pairs K with K and V with V.
+        let prefill = role_layout(&["k", "k", "v", "v"], None);
+        let decode = role_layout(&["k", "v", "k", "v"], None);
+        let t = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap();
+        let pairs: Vec<[usize; 2]> = t
+            .page_pairs()
+            .iter()
+            .map(|p| [p.src_entry, p.dst_entry])
+            .collect();
+        assert_eq!(pairs, vec![[0, 0], [1, 2], [2, 1], [3, 3]]);
+        // A draft entry never pairs with a model entry: refused, and check_pairs (what the
+        // compatibility report lists) names the same first problem Template raises.
+        let prefill = role_layout(&["kv", "kv", "draft"], None);
+        let decode = role_layout(&["kv", "kv", "kv"], None);
+        let err = Template::new(&prefill, &decode, TemplateOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, PlanError::MissingRole { role, src_entry: 2, .. } if role == "draft")
+        );
+        let checks = check_pairs(&prefill, &decode, TemplateOptions::default());
+        assert_eq!(
+            checks[..2].iter().map(|c| c.dst_entry).collect::<Vec<_>>(),
+            [Some(0), Some(1)]
+        );
+        assert_eq!(checks[2].problem, Some(err));
+    }
+
+    #[test]
+    fn incompatible_template_does_linear_pairing_work() {
+        // Every source id lacks a partner: check_pairs reports each entry, building each key
+        // once (the missing-entry message used to rescan all earlier entries).
+        let n = 20_000;
+        let roles = vec!["kv"; n];
+        let src = role_layout(&roles, Some((0..n as i64).collect()));
+        let dst = role_layout(&roles, Some((0..n as i64).map(|i| i + 1_000_000).collect()));
+        crate::rules::pairing::KEYS_BUILT.with(|k| k.set(0));
+        let checks = check_pairs(&src, &dst, TemplateOptions::default());
+        assert_eq!(
+            crate::rules::pairing::KEYS_BUILT.with(std::cell::Cell::get),
+            2 * n
+        );
+        assert!(
+            checks
+                .iter()
+                .all(|c| matches!(c.problem, Some(PlanError::MissingLayer { .. })))
+        );
+    }
+
+    #[test]
+    fn size_mismatch_names_layer_role_and_sizes() {
+        let src = Layout::mla(
+            vec![1000],
+            vec![160],
+            vec![16],
+            Some(vec![7]),
+            LayoutContext::default(),
+        )
+        .unwrap();
+        let dst = Layout::mla(
+            vec![2000, 3000],
+            vec![80, 320],
+            vec![8, 32],
+            Some(vec![3, 7]),
+            LayoutContext::default(),
+        )
+        .unwrap();
+        let err = Template::new(&src, &dst, TemplateOptions::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "item size mismatch for layer 7 role kv: src entry 0 has item_len 16 bytes, dst entry 1 has 32 bytes"
+        );
+    }
+}
+
+#[cfg(test)]
+mod request_tests {
+    use super::*;
+    use crate::peer::layout::{Layout, LayoutContext};
+    use crate::peer_pair::template::TemplateOptions;
+
+    fn template(src: &Layout, dst: &Layout) -> Template {
+        Template::new(src, dst, TemplateOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn worked_example_mla_flat_plan() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![1000, 2000], vec![640; 2], vec![64; 2], None, ctx()).unwrap();
+        let dst = Layout::mla(vec![5000, 6000], vec![1024; 2], vec![64; 2], None, ctx()).unwrap();
+        let plan = template(&src, &dst)
+            .plan(&Request::pages(&[0i32, 1, 2, 7], &[10i32, 11, 12, 3]))
+            .unwrap();
+        assert_eq!(plan.src_addrs, vec![1000, 1448, 2000, 2448]);
+        assert_eq!(plan.dst_addrs, vec![5640, 5192, 6640, 6192]);
+        assert_eq!(plan.lengths, vec![192, 64, 192, 64]);
+        assert_eq!((plan.n_runs, plan.total_bytes), (2, 512));
+    }
+
+    #[test]
+    fn index_past_capacity_is_rejected_with_values() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let dst = Layout::mla(vec![0], vec![64], vec![16], Some(vec![0]), ctx()).unwrap();
+        let err = template(&src, &dst)
+            .plan(&Request::pages(&[0i64, 4], &[0i64, 1]))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PlanError::IndexOutOfRange {
+                    side: Side::Src,
+                    index: 4,
+                    position: 1,
+                    capacity: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn elided_state_entries_emit_nothing_and_hold_no_slots() {
+        // Found by the Python fuzz run: an item_len-0 state entry (capacity 0) made every
+        // slot out of range, while page entries with item_len 0 are simply skipped.
+        let ctx = LayoutContext::default;
+        let empty = || Layout::mla(vec![], vec![], vec![], None, ctx()).unwrap();
+        let src = empty()
+            .with_state(
+                "conv",
+                vec![1000, 2000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let dst = empty()
+            .with_state(
+                "conv",
+                vec![5000, 6000],
+                vec![0, 160],
+                vec![0, 16],
+                vec![0, 1],
+            )
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(2);
+        let n = t
+            .plan_into(&Request::slot(3, 4), |_| Ok(buf.columns()))
+            .map(|(_, summary)| summary)
+            .unwrap()
+            .n_blocks;
+        assert_eq!(
+            buf.into_columns(n).unwrap(),
+            (vec![2048], vec![6064], vec![16])
+        );
+        let mut buf = FlatBuffer::zeroed(2);
+        assert!(matches!(
+            t.plan_into(&Request::slot(-1, 0), |_| Ok(buf.columns()))
+                .map(|(_, summary)| summary),
+            Err(PlanError::NegativeIndex { .. })
+        ));
+    }
+
+    #[test]
+    fn an_output_too_large_to_allocate_is_an_error_not_an_abort() {
+        for capacity in [usize::MAX, usize::MAX / 3, (isize::MAX as usize) / 8] {
+            let err = FlatBuffer::try_zeroed(capacity).unwrap_err();
+            assert_eq!(err.class(), crate::error::ErrorClass::Memory, "{err}");
+            assert!(err.to_string().starts_with("cannot allocate "), "{err}");
+        }
+        assert_eq!(
+            PlanError::out_of_memory::<u64>("plan output", usize::MAX).to_string(),
+            format!(
+                "cannot allocate {} bytes for plan output",
+                u128::from(u64::MAX) * 8
+            )
+        );
+        assert_eq!(FlatBuffer::try_zeroed(2).unwrap(), FlatBuffer::zeroed(2));
+    }
+
+    #[test]
+    fn worked_example_mamba_slot_stage1() {
+        let ctx = LayoutContext::default;
+        let src = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state("mamba", vec![1000], vec![160], vec![16], vec![7])
+            .unwrap();
+        let dst = Layout::mla(vec![], vec![], vec![], None, ctx())
+            .unwrap()
+            .with_state(
+                "mamba",
+                vec![2000, 3000],
+                vec![80, 160],
+                vec![8, 16],
+                vec![3, 7],
+            )
+            .unwrap();
+        let t = template(&src, &dst);
+        let mut buf = FlatBuffer::zeroed(1);
+        let n = t
+            .plan_into(&Request::slot(2, 3), |_| Ok(buf.columns()))
+            .map(|(_, summary)| summary)
+            .unwrap()
+            .n_blocks;
+        assert_eq!((n, buf.data), (1, vec![1032, 3048, 16]));
+    }
+}

@@ -1,0 +1,13 @@
+//! The planners that borrow a template: batches, packed, staged and ring plans, descriptor tables,
+//! layer slices, conversions, the direct-or-staged advice and the coalescing report.
+
+pub mod advice;
+pub mod batch;
+pub mod coalescing;
+pub mod convert;
+pub mod descriptors;
+pub mod nixl_ids;
+pub mod pack;
+pub mod ring;
+pub mod slices;
+pub mod staged;
