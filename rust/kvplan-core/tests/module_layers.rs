@@ -4,6 +4,7 @@
 //! folder), and docs/design.md's table of the core's modules is the one these files generate.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -316,7 +317,7 @@ fn first_sentence(source: &str) -> String {
             '.' if !code && depth == 0 => {
                 let next = chars.get(k + 1).map(|&(_, c)| c);
                 let after = chars.get(k + 2).map(|&(_, c)| c);
-                if next == Some(' ') && after.is_some_and(|c| c.is_uppercase()) {
+                if next == Some(' ') && after.is_some_and(char::is_uppercase) {
                     return paragraph[..=at].to_string();
                 }
             }
@@ -343,13 +344,12 @@ fn module_table() -> String {
             None => (format!("`{item}`"), files[item].clone()),
         };
         let summary = first_sentence(&fs::read_to_string(file).unwrap());
-        table.push_str(&format!(
-            "| {name} | {} |\n",
-            summary
-                .replace("[`", "`")
-                .replace("`]", "`")
-                .replace('|', "\\|")
-        ));
+        // Intra-doc links read as plain code in markdown.
+        let summary = summary
+            .replace("[`", "`")
+            .replace("`]", "`")
+            .replace('|', "\\|");
+        writeln!(table, "| {name} | {summary} |").unwrap();
     }
     table
 }
