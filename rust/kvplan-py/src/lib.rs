@@ -5,8 +5,10 @@
 //! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
 //! planner (`batch`, `pack`, `staged`, `advice`, `convert` for `ConversionTemplate`,
 //! `descriptors`, `slices`, `runs`, `nixl_ids`, `heads`), `plan` (+ the output `pool`), `digest`,
-//! `local` (`copy_local`), `mooncake`, `capabilities`, with `input` (Python arguments as index
-//! slices; `out_arg` and `window_pages` for `out=` and `window_pages=`), `ids`, `errors` and
+//! `local` (`copy_local`), `mooncake`, `capabilities`, with `request` (`kvplan.Request`, and the
+//! request every planner method reads from one or from its loose arguments), `input` (Python
+//! arguments as index slices and the one conversion into the core's request; `out_arg` and
+//! `window_pages` for `out=` and `window_pages=`), `ids`, `errors` and
 //! `options` (keyword parsing) shared. No module imports one that imports it back
 //! (`tests/module_graph.rs`).
 
