@@ -1,8 +1,10 @@
 """The test suite's root: where the support package is found, and the hypothesis profiles.
 
-The tests live in folders by architecture (``core/``, ``engines/``, ``compat/``, ``cli/``,
-``robustness/``, ``packaging/``), none of them a package; what they share is the one support
-package ``tests/support``, imported as ``support``. This file puts ``tests/`` at the front of
+The tests live in folders that follow the code (``core/`` for the planner's contract,
+``features/<feature>/``, ``python/``, ``exec/``, ``capi/``, ``engines/``, ``compat/``, ``cli/``,
+``robustness/``, ``packaging/``; docs/development.md's feature index maps each feature to its
+folder), none of them a package; what they share is the one support package ``tests/support``,
+imported as ``support``. This file puts ``tests/`` at the front of
 ``sys.path`` before any test module is collected, so ``from support import ...`` works from
 every folder and under any pytest import mode; processes started with multiprocessing's
 ``spawn`` method get the same ``sys.path`` from their parent. A test module's basename must be

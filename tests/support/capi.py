@@ -3,7 +3,7 @@ library loaded with every entry point's argument and return types declared.
 
 Pointer arguments are declared ``c_void_p`` so that a test can pass ``None`` (null), a
 ``ctypes.byref``, a ctypes array or pointer, or a bare integer address (a misaligned pointer, a
-handle that was never created) exactly as a C caller could. Shared by ``tests/core/test_capi.py``
+handle that was never created) exactly as a C caller could. Shared by ``tests/capi/test_capi.py``
 (the same blocks as ``kvplan.Template.plan``) and ``tests/robustness/test_capi_fuzz.py`` (no
 input crashes the library or makes it write outside the caller's buffers).
 """

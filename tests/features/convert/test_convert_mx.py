@@ -19,8 +19,9 @@ import kvplan
 from kvplan.quant import E8M0_NAN, MX_BLOCK, decode_e8m0, dequantize_mx, quantize_mx
 from kvplan.testing.oracle import Memory, apply_conversion, apply_plan
 
-from convert_cases import (Deployment, _reference_values, decode, expected_decode, fill_twin,
-                           plain_decode, prefill, quantized_prefill, reference_quantize_mx)
+from support.convert_cases import (Deployment, _reference_values, decode, expected_decode,
+                                   fill_twin, plain_decode, prefill, quantized_prefill,
+                                   reference_quantize_mx)
 from test_convert import REQUESTS, SEED, _staging, run_case, run_dequantizing_case
 
 TPS = (1, 2, 4, 8)

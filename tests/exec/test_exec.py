@@ -26,8 +26,8 @@ from kvplan.exec.numpy import Memory, NumpyExecutor, apply_conversion
 from kvplan.testing.oracle import reference_copy
 from kvplan.testing.ranks import Model, Rank, rank_memory
 
-from convert_cases import (Deployment, decode, dequantized_prefill, expected_decode, fill_twin,
-                           plain_decode, prefill, quantized_prefill)
+from support.convert_cases import (Deployment, decode, dequantized_prefill, expected_decode,
+                                   fill_twin, plain_decode, prefill, quantized_prefill)
 
 EXECUTORS = ["numpy", "torch"]
 N_TOKENS = 11

@@ -125,7 +125,7 @@ def test_leased_digest_binds_the_plan_to_one_allocation() -> None:
     assert len(digests) == 4  # str and bytes ids with the same bytes are one id to the digest
     assert plan.digest(lease=a1) == kvplan._core.leased_plan_digest(plan.digest(), 1, "a")
     # The native digest reads any object with the two attributes; Lease itself refuses these
-    # at construction (tests/core/test_lease_validation.py).
+    # at construction (tests/python/test_lease_validation.py).
     with pytest.raises(kvplan.KvPlanError, match="request id must be str or bytes, got int"):
         plan.digest(lease=SimpleNamespace(epoch=1, request=7))
     with pytest.raises(kvplan.KvPlanError, match=r"epoch must be an int in \[0, 2\*\*64\), got -1"):

@@ -16,8 +16,9 @@ import kvplan
 from kvplan.quant import decode_fp8, encode_fp8, quantize_groups
 from kvplan.testing.oracle import Memory, apply_conversion, reference_copy
 
-from convert_cases import (Deployment, Peer, decode, dequantized_prefill, expected_decode,
-                           fill_twin, plain_decode, prefill, quantized_prefill, reference_encode)
+from support.convert_cases import (Deployment, Peer, decode, dequantized_prefill, expected_decode,
+                                   fill_twin, plain_decode, prefill, quantized_prefill,
+                                   reference_encode)
 
 TPS = (1, 2, 4, 8)
 RATIOS = ((1, 1), (2, 1), (1, 2), (4, 2))

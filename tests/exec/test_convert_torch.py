@@ -24,8 +24,8 @@ from kvplan.quant import QMAX, encode_fp8  # noqa: E402
 from kvplan.testing.oracle import Memory, apply_conversion  # noqa: E402
 from kvplan.torch import TorchExecutor  # noqa: E402
 
-from convert_cases import (Deployment, decode, plain_decode, prefill,  # noqa: E402
-                           quantized_prefill)
+from support.convert_cases import (Deployment, decode, plain_decode, prefill,  # noqa: E402
+                                   quantized_prefill)
 
 TPS = (1, 2, 4, 8)
 
