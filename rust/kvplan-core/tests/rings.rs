@@ -1,0 +1,206 @@
+//! Ring-state plans through the public API ([`RingPlanner`] over a [`Template`] built from two
+//! layouts with [`Layout::with_rings`]), between rings of different sizes.
+//!
+//! The reference is written here from the definition alone: a ring of `R` rows keeps position
+//! `p` of the request in slot `s` at row `s × R + p mod R`, so after `n` positions the rows both
+//! rings hold are positions `n − min(R_p, R_d, n) .. n`, each copied from its prefill row to its
+//! decode row. Every plan is expanded into the rows it copies and compared with that list, row
+//! for row; the run cutting itself is unit-tested in `planners::ring`.
+
+use kvplan_core::{Layout, LayoutContext, PlanError, RingPlanner, Side, Template, TemplateOptions};
+
+/// Bytes of one ring row (one item of a ring-state entry).
+const ROW: u64 = 24;
+/// Bytes of one page of the full-attention layer beside the rings.
+const PAGE: u64 = 64;
+/// Request slots every ring buffer holds.
+const SLOTS: u64 = 4;
+
+/// One peer: a full-attention MLA layer 0 (16 pages at `base`), then ring-state entries for
+/// layers 0 and 1 (`rings` rows per slot, `SLOTS` slots), each row `stride` bytes apart.
+fn peer(base: u64, rings: u64, stride: u64) -> Layout {
+    let kv = Layout::mla(
+        vec![base],
+        vec![16 * PAGE],
+        vec![PAGE],
+        Some(vec![0]),
+        LayoutContext::default(),
+    )
+    .unwrap();
+    let ring_bytes = SLOTS * rings * stride;
+    let ptrs = vec![base + 0x1_0000, base + 0x2_0000];
+    kv.with_state(
+        "compressor",
+        ptrs,
+        vec![ring_bytes; 2],
+        vec![ROW; 2],
+        vec![0, 1],
+    )
+    .unwrap()
+    .with_strides(vec![PAGE, stride, stride])
+    .unwrap()
+    .with_rings(vec![None, Some(rings), Some(rings)])
+    .unwrap()
+}
+
+/// `(src_addr, dst_addr)` of every row the definition copies, per ring pair in pair order.
+fn reference_rows(
+    (src, dst): (&Layout, &Layout),
+    (rs, rd): (u64, u64),
+    (src_slot, dst_slot): (u64, u64),
+    n: u64,
+) -> Vec<(u64, u64)> {
+    let live = rs.min(rd).min(n);
+    let mut rows = Vec::new();
+    for entry in 1..3 {
+        let (src_base, dst_base) = (src.parts().data_ptrs[entry], dst.parts().data_ptrs[entry]);
+        let (src_stride, dst_stride) = (src.strides()[entry], dst.strides()[entry]);
+        for p in n - live..n {
+            rows.push((
+                src_base + (src_slot * rs + p % rs) * src_stride,
+                dst_base + (dst_slot * rd + p % rd) * dst_stride,
+            ));
+        }
+    }
+    rows
+}
+
+/// The rows a plan copies: each block cut into `ROW`-byte rows, consecutive rows of a block
+/// being consecutive in memory (a block of several rows is only sound on packed rows).
+fn planned_rows(src_addrs: &[u64], dst_addrs: &[u64], lengths: &[u64]) -> Vec<(u64, u64)> {
+    let mut rows = Vec::new();
+    for ((&s, &d), &len) in src_addrs.iter().zip(dst_addrs).zip(lengths) {
+        assert_eq!(len % ROW, 0, "a block of {len} bytes is not whole rows");
+        rows.extend((0..len / ROW).map(|i| (s + i * ROW, d + i * ROW)));
+    }
+    rows
+}
+
+#[test]
+fn rings_of_different_sizes_move_exactly_the_rows_both_hold() {
+    for (rs, rd) in [(3, 5), (5, 3), (4, 4), (1, 6), (7, 2)] {
+        for (stride_s, stride_d) in [(ROW, ROW), (ROW + 8, ROW), (ROW, 2 * ROW)] {
+            let src = peer(0x1000_0000, rs, stride_s);
+            let dst = peer(0x9000_0000, rd, stride_d);
+            let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+            assert_eq!(template.ring_pairs().len(), 2);
+            let planner = RingPlanner::new(&template);
+            for slots in [(0u64, 0u64), (1, 3), (3, 2)] {
+                for n in 0..3 * rs.max(rd) + 2 {
+                    let plan = planner.plan(slots.0 as i64, slots.1 as i64, n).unwrap();
+                    let want = reference_rows((&src, &dst), (rs, rd), slots, n);
+                    let got = planned_rows(&plan.src_addrs, &plan.dst_addrs, &plan.lengths);
+                    let case = format!(
+                        "R {rs}->{rd}, strides {stride_s}/{stride_d}, slots {slots:?}, n {n}"
+                    );
+                    assert_eq!(got, want, "{case}");
+                    assert_eq!(plan.total_bytes, want.len() as u64 * ROW, "{case}");
+                    // One block range per ring pair, each pair's rows in its own range.
+                    assert_eq!(plan.pair_offsets.len(), 3, "{case}");
+                    let first = plan.pair_offsets[0]..plan.pair_offsets[1];
+                    let rows_of_first = planned_rows(
+                        &plan.src_addrs[first.clone()],
+                        &plan.dst_addrs[first.clone()],
+                        &plan.lengths[first],
+                    );
+                    assert_eq!(rows_of_first, want[..want.len() / 2], "{case}");
+                    // Padded rows on either side: one block per row; packed rows: at most one
+                    // block per stretch between the two rings' wraps.
+                    let live = rs.min(rd).min(n) as usize;
+                    let per_pair = plan.lengths.len() / 2;
+                    if stride_s == ROW && stride_d == ROW {
+                        assert!(per_pair <= 3.min(live), "{case}: {per_pair} blocks");
+                    } else {
+                        assert_eq!(per_pair, live, "{case}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_ring_plan_never_writes_a_decode_row_twice_nor_outside_its_slot() {
+    let (rs, rd) = (6, 4);
+    let src = peer(0x1000_0000, rs, ROW);
+    let dst = peer(0x9000_0000, rd, ROW);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let dst_slot = 2;
+    for n in 0..40 {
+        let plan = RingPlanner::new(&template).plan(1, dst_slot, n).unwrap();
+        let rows = planned_rows(&plan.src_addrs, &plan.dst_addrs, &plan.lengths);
+        let mut written: Vec<u64> = rows.iter().map(|&(_, d)| d).collect();
+        written.sort_unstable();
+        written.dedup();
+        assert_eq!(
+            written.len(),
+            rows.len(),
+            "n {n}: a decode row written twice"
+        );
+        for entry in 1..3 {
+            let slot_start = dst.parts().data_ptrs[entry] + dst_slot as u64 * rd * ROW;
+            let in_entry = rows
+                .iter()
+                .filter(|&&(_, d)| d >= dst.parts().data_ptrs[entry])
+                .filter(|&&(_, d)| d < dst.parts().data_ptrs[entry] + dst.parts().data_lens[entry]);
+            for &(_, d) in in_entry {
+                assert!(
+                    (slot_start..slot_start + rd * ROW).contains(&d),
+                    "n {n}: row {d:#x}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_slots_are_checked_against_each_sides_ring_buffer() {
+    let src = peer(0x1000_0000, 3, ROW);
+    let dst = peer(0x9000_0000, 5, ROW);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let planner = RingPlanner::new(&template);
+    // Slot SLOTS - 1 is the last whole ring on each side; SLOTS is past the buffer.
+    planner.plan(SLOTS as i64 - 1, SLOTS as i64 - 1, 9).unwrap();
+    match planner.plan(0, SLOTS as i64, 9) {
+        Err(PlanError::IndexOutOfRange {
+            side: Side::Dst,
+            index,
+            capacity,
+            ..
+        }) => assert_eq!((index, capacity), (SLOTS as i64, SLOTS)),
+        other => panic!("expected IndexOutOfRange on the decode side, got {other:?}"),
+    }
+    match planner.plan(-1, 0, 9) {
+        Err(PlanError::NegativeIndex {
+            side: Side::Src,
+            index: -1,
+            ..
+        }) => {}
+        other => panic!("expected NegativeIndex on the prefill side, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_template_without_rings_is_refused_by_the_ring_planner() {
+    let plain = |base: u64| {
+        Layout::mla(
+            vec![base],
+            vec![16 * PAGE],
+            vec![PAGE],
+            Some(vec![0]),
+            LayoutContext::default(),
+        )
+        .unwrap()
+    };
+    let template = Template::new(
+        &plain(0x1000),
+        &plain(0x10_0000),
+        TemplateOptions::default(),
+    )
+    .unwrap();
+    assert!(template.ring_pairs().is_empty());
+    assert!(matches!(
+        RingPlanner::new(&template).plan(0, 0, 4),
+        Err(PlanError::Geometry { .. })
+    ));
+}
