@@ -1,5 +1,5 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar, Literal, Protocol, final, overload
 
 from typing_extensions import Buffer, disjoint_base
@@ -159,18 +159,14 @@ def needs_tokens(src_layout: Layout, dst_layout: Layout) -> bool: ...
 def check_pairs(
     src_layout: Layout,
     dst_layout: Layout,
-    pairing: Pairing | bool | None = None,
+    pairing: Pairing | None = None,
     *,
-    allow_positional_fallback: bool | None = None,
-    prefill_start_layer: int | None = None,
-    legacy_kind: str | None = None,
     replicas_send: bool = False,
 ) -> list[tuple[str, int, int | None, KvPlanError | None]]:
     """One row per source entry: ``(kind, src_entry, dst_entry or None, exception or None)``.
 
-    ``pairing`` is a :class:`Pairing`; a bool there and the keywords ``allow_positional_fallback``,
-    ``prefill_start_layer`` and ``legacy_kind`` are deprecated shorthands for
-    ``pairing=Pairing.by_layer_id(...)`` (a ``DeprecationWarning`` names the value to pass)."""
+    ``pairing`` is a :class:`Pairing`, as for ``Template`` (which refuses the same removed
+    keywords and bool)."""
 
 @final
 class Pairing:
@@ -188,17 +184,13 @@ class Pairing:
     @staticmethod
     def legacy(kind: str | None = None, *, prefill_start_layer: int) -> Pairing: ...
     @staticmethod
-    def _from_template_arguments(
-        pairing: Pairing | bool | None = None,
-        *,
-        allow_positional_fallback: bool | None = None,
-        prefill_start_layer: int | None = None,
-        legacy_kind: str | None = None,
-        stacklevel: int = 2,
+    def _from_arguments(
+        function: str, pairing: object, keywords: Mapping[str, object] | None
     ) -> Pairing:
-        """The ``Pairing`` that ``Template`` resolves from these arguments, for Python functions
-        that take and forward them (``kvplan.compare``); deprecated forms warn ``stacklevel``
-        frames up."""
+        """The ``Pairing`` a call of ``function`` asked for, for Python functions that take
+        ``Template``'s ``pairing`` and forward it (``kvplan.compare``): ``keywords`` (the call's
+        keywords outside its signature) and a non-``Pairing`` ``pairing`` are refused as
+        ``Template`` refuses them."""
     @property
     def mode(self) -> str: ...
     @property
@@ -637,10 +629,9 @@ class Template:
     expects one share per writer, as SGLang's staged transfer; ``plan_staged`` then fills this
     rank's share). Default off; no effect with one writer per decode rank, nor on state.
 
-    ``pairing`` is a :class:`Pairing` (default ``Pairing.by_layer_id()``). A bool there and the
-    keywords ``allow_positional_fallback``, ``prefill_start_layer`` and ``legacy_kind`` are
-    deprecated shorthands for ``pairing=Pairing.by_layer_id(...)``: they still build the same
-    template and raise a ``DeprecationWarning`` naming the ``Pairing`` to pass instead.
+    ``pairing`` is a :class:`Pairing` (default ``Pairing.by_layer_id()``). The removed keywords
+    ``allow_positional_fallback``, ``prefill_start_layer`` and ``legacy_kind``, and a bool as
+    ``pairing``, raise a ``TypeError`` naming the ``pairing=kvplan.Pairing...`` to write instead.
 
     Raises (on construction):
         PairingError: A source entry has no partner, ids are one-sided, counts do not fit.
@@ -651,11 +642,8 @@ class Template:
         cls,
         src_layout: Layout,
         dst_layout: Layout,
-        pairing: Pairing | bool | None = None,
+        pairing: Pairing | None = None,
         *,
-        allow_positional_fallback: bool | None = None,
-        prefill_start_layer: int | None = None,
-        legacy_kind: str | None = None,
         check_dst_overlap: bool = False,
         fragments: Sequence[tuple[int, int, int]] | Sequence[Sequence[tuple[int, int, int]] | None] | None = None,
         coalesce: bool = True,
@@ -982,11 +970,8 @@ class ConversionTemplate:
         cls,
         src_layout: Layout,
         dst_layout: Layout,
-        pairing: Pairing | bool | None = None,
+        pairing: Pairing | None = None,
         *,
-        allow_positional_fallback: bool | None = None,
-        prefill_start_layer: int | None = None,
-        legacy_kind: str | None = None,
         check_dst_overlap: bool = False,
         replicas_send: bool = False,
     ) -> ConversionTemplate: ...

@@ -25,7 +25,7 @@ other      no layer ids                   > 1          ``legacy`` slicing (stric
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from kvplan import _core
 from kvplan._core import Layout, Pairing
@@ -99,26 +99,6 @@ class PairingChoice:
                 "prefill_start_layer (the first layer this prefill stage owns)"
             )
         return Pairing.legacy(self.legacy_kind, prefill_start_layer=prefill_start_layer)
-
-    def template_kwargs(self, prefill_start_layer: int | None = None) -> dict[str, Any]:
-        """The shorthand keywords of :meth:`pairing` (``allow_positional_fallback``,
-        ``prefill_start_layer``, ``legacy_kind``), which ``Template`` and ``compare`` still take
-        but deprecate (each use warns).
-
-        They do not say that positional and legacy modes ignore the page entries' layer ids:
-        pass ``pairing=self.pairing(...)`` to ``Template`` / ``compare`` instead.
-
-        Raises:
-            KvPlanError: ``legacy`` mode without ``prefill_start_layer``.
-        """
-        pairing = self.pairing(prefill_start_layer)
-        if self.mode != "legacy":
-            return {"allow_positional_fallback": pairing.allow_positional_fallback}
-        return {
-            "allow_positional_fallback": False,
-            "prefill_start_layer": pairing.prefill_start_layer,
-            "legacy_kind": pairing.legacy_kind,
-        }
 
     def template(
         self,

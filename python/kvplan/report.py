@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from kvplan import _core
 from kvplan._core import Layout, Pairing
@@ -172,17 +173,17 @@ class CompatReport:
 def compare(
     prefill_layout: Layout,
     decode_layout: Layout,
-    pairing: Pairing | bool | None = None,
+    pairing: Pairing | None = None,
     *,
-    allow_positional_fallback: bool | None = None,
-    prefill_start_layer: int | None = None,
-    legacy_kind: str | None = None,
     request_pages: int = 1024,
     replicas_send: bool = False,
+    # Only so that a removed pairing keyword gets Template's TypeError saying what to write
+    # instead; NoReturn keeps type checkers refusing every keyword that lands here.
+    **removed_keywords: NoReturn,
 ) -> CompatReport:
     """Check a prefill layout against a decode layout before anything is transferred.
 
-    Takes the same pairing arguments as :class:`kvplan.Template` and runs the same per-entry
+    Takes the same ``pairing`` argument as :class:`kvplan.Template` and runs the same per-entry
     checks, so ``report.compatible`` is true exactly when ``Template`` with these arguments
     builds, and ``report.raise_if_incompatible()`` raises what it would raise.
 
@@ -191,10 +192,7 @@ def compare(
         decode_layout: The destination (decode) layout.
         pairing: A :class:`kvplan.Pairing` (default ``Pairing.by_layer_id()``). When it
             ignores the page entries' layer ids (positional and legacy modes), so does the
-            report. A bool here is deprecated, as for ``Template``.
-        allow_positional_fallback, prefill_start_layer, legacy_kind: Deprecated shorthands for
-            ``pairing=Pairing.by_layer_id(...)``, as for ``Template``: they still work and
-            raise a ``DeprecationWarning`` naming the ``Pairing`` to pass instead.
+            report.
         replicas_send: As for ``Template``: every writer of a decode rank sends replicated
             heads, not only the elected holder.
         request_pages: The request size :attr:`CompatReport.blocks` counts blocks for. When
@@ -205,19 +203,13 @@ def compare(
         A :class:`CompatReport`; ``str()`` of it is a readable report.
 
     Raises:
-        TypeError: ``pairing`` given together with a shorthand keyword.
-        KvPlanError: An option itself is invalid (e.g. an unknown ``legacy_kind``), exactly
-            as ``Template`` would raise it.
+        TypeError: ``pairing`` is not a :class:`kvplan.Pairing`, or a removed pairing keyword
+            (``allow_positional_fallback``, ``prefill_start_layer``, ``legacy_kind``) was
+            given; the message names the ``pairing=kvplan.Pairing...`` to write instead.
     """
-    # Resolved once, here: the deprecation warning (if any) blames compare's caller, and the
-    # templates built below get the Pairing itself.
-    resolved = Pairing._from_template_arguments(
-        pairing,
-        allow_positional_fallback=allow_positional_fallback,
-        prefill_start_layer=prefill_start_layer,
-        legacy_kind=legacy_kind,
-        stacklevel=2,
-    )
+    # Resolved once, here, so that the errors name compare and the templates built below get
+    # the Pairing itself.
+    resolved = Pairing._from_arguments("compare", pairing, removed_keywords)
     rows = _core.check_pairs(prefill_layout, decode_layout, resolved, replicas_send=replicas_send)
     hide = resolved.mode != "layer_id"
     src_seen, dst_seen = _visible(prefill_layout, hide), _visible(decode_layout, hide)

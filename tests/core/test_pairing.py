@@ -1,9 +1,10 @@
 """kvplan.Pairing: construction, repr/equality, each mode against the pairing it must equal,
-the deprecated spellings (a bool, the shorthand keywords) still working and warning, and
+the removed spellings (a bool, the pairing keywords) refused with the Pairing to write, and
 Layout.entries() / draft-ness as entry fields."""
 
 from __future__ import annotations
 
+import re
 import struct
 import warnings
 import zlib
@@ -84,66 +85,61 @@ def test_by_layer_id_pairs_by_layer_id_and_falls_back_when_asked():
 
 
 def _no_ids():
-    """A pair without layer ids, where every shorthand changes the outcome."""
+    """A pair without layer ids, where each removed spelling meant a different pairing."""
     return (Layout([1, 2], [640] * 2, 64, roles=["kv", "kv"]),
             Layout([5, 6, 7], [640] * 3, 64, roles=["kv", "kv", "kv"]))
 
 
-# Each deprecated spelling (positional bool or shorthand keywords), the Pairing it stands for,
-# and the warning that says so.
-DEPRECATED_SPELLINGS = [
+# Each removed spelling (positional bool or pairing keywords), the Pairing it stood for, and
+# the TypeError (after "<function>(): ") that says what to write instead.
+REMOVED_SPELLINGS = [
     ((True,), {}, Pairing.by_layer_id(allow_positional_fallback=True),
-     "pairing=True is deprecated: pass "
+     "a bool pairing (True) was removed: pass "
      "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True)"),
     ((False,), {}, Pairing.by_layer_id(),
-     "pairing=False is deprecated: pass pairing=kvplan.Pairing.by_layer_id()"),
+     "a bool pairing (False) was removed: pass pairing=kvplan.Pairing.by_layer_id() "
+     "(the default: leave it out)"),
     ((), {"allow_positional_fallback": True}, Pairing.by_layer_id(allow_positional_fallback=True),
-     "allow_positional_fallback=True is deprecated: pass "
+     "allow_positional_fallback= was removed: pass "
      "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True)"),
     ((), {"allow_positional_fallback": False}, Pairing.by_layer_id(),
-     "allow_positional_fallback=False is deprecated: pass pairing=kvplan.Pairing.by_layer_id()"),
+     "allow_positional_fallback= was removed: pass pairing=kvplan.Pairing.by_layer_id() "
+     "(the default: leave it out)"),
     ((), {"prefill_start_layer": 1, "legacy_kind": "mla"},
      Pairing.by_layer_id(prefill_start_layer=1, legacy_kind="mla"),
-     "prefill_start_layer=1, legacy_kind='mla' are deprecated: pass "
+     "prefill_start_layer=, legacy_kind= were removed: pass "
      "pairing=kvplan.Pairing.by_layer_id(prefill_start_layer=1, legacy_kind='mla')"),
     ((True,), {"prefill_start_layer": 0},
      Pairing.by_layer_id(True, prefill_start_layer=0),
-     "pairing=True, prefill_start_layer=0 are deprecated: pass "
+     "a bool pairing (True), prefill_start_layer= were removed: pass "
      "pairing=kvplan.Pairing.by_layer_id(allow_positional_fallback=True, prefill_start_layer=0)"),
     ((), {"legacy_kind": "mha"}, Pairing.by_layer_id(legacy_kind="mha"),
-     "legacy_kind='mha' is deprecated: pass "
+     "legacy_kind= was removed: pass "
      "pairing=kvplan.Pairing.by_layer_id(legacy_kind='mha')"),
 ]
 
-
-def _outcome(build):
-    """What a template build gives: its pairs, or the exception type and message."""
-    try:
-        return build().pairs.tolist()
-    except KvPlanError as e:
-        return type(e).__name__, str(e)
+# Every call that takes Template's pairing argument, by the name its errors give.
+PAIRING_CALLS = {"Template": Template, "ConversionTemplate": kvplan.ConversionTemplate,
+                 "check_pairs": check_pairs, "compare": compare}
 
 
-@pytest.mark.parametrize("args, kwargs, pairing, message", DEPRECATED_SPELLINGS)
-def test_deprecated_spellings_build_the_same_template_and_warn_once(args, kwargs, pairing,
-                                                                    message):
+def _hint(message: str) -> str:
+    """The ``kvplan.Pairing...`` expression a removed-spelling TypeError says to pass."""
+    found = re.search(r"pass pairing=(kvplan\.Pairing\.\w+\([^)]*\))", message)
+    assert found, message
+    return found.group(1)
+
+
+@pytest.mark.parametrize("args, kwargs, pairing, message", REMOVED_SPELLINGS)
+def test_removed_spellings_are_type_errors_naming_the_pairing_to_pass(args, kwargs, pairing,
+                                                                      message):
     a, b = _no_ids()
-    with pytest.warns(DeprecationWarning) as caught:
-        old = _outcome(lambda: Template(a, b, *args, **kwargs))
-    assert [str(w.message) for w in caught] == [message]
-    assert caught[0].filename == __file__  # blames the caller's line, not kvplan
-    assert old == _outcome(lambda: Template(a, b, pairing))
-    with pytest.warns(DeprecationWarning) as caught:
-        old_rows = check_pairs(a, b, *args, **kwargs)
-    assert [str(w.message) for w in caught] == [message]
-    assert [r[:3] for r in old_rows] == [r[:3] for r in check_pairs(a, b, pairing)]
-    with pytest.warns(DeprecationWarning) as caught:
-        old_report = compare(a, b, *args, **kwargs)
-    assert [str(w.message) for w in caught] == [message]
-    assert caught[0].filename == __file__
-    report = compare(a, b, pairing)
-    assert (old_report.compatible, old_report.pairs, old_report.reasons) == (
-        report.compatible, report.pairs, report.reasons)
+    for name, call in PAIRING_CALLS.items():
+        with pytest.raises(TypeError) as raised:
+            call(a, b, *args, **kwargs)
+        assert str(raised.value) == f"{name}(): {message}"
+        # The hint is a working spelling of what the removed one meant.
+        assert eval(_hint(message), {"kvplan": kvplan}) == pairing
 
 
 def test_the_pairing_value_does_not_warn():
@@ -165,26 +161,30 @@ def test_the_pairing_value_does_not_warn():
         choice.compare(a, b, prefill_start_layer=1)
 
 
-def test_deprecated_spellings_are_errors_under_error_filters():
+def test_removed_spellings_raise_even_when_warnings_are_ignored():
     a, b = _no_ids()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        with pytest.raises(DeprecationWarning, match="allow_positional_fallback=True is"):
-            Template(a, b, allow_positional_fallback=True)
-        with pytest.raises(DeprecationWarning, match="pairing=True is"):
-            compare(a, b, True)
+        warnings.simplefilter("ignore")
+        with pytest.raises(TypeError, match="allow_positional_fallback= was removed"):
+            Template(a, b, allow_positional_fallback=True)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match=r"a bool pairing \(True\) was removed"):
+            compare(a, b, True)  # type: ignore[arg-type]
 
 
-def test_a_bad_shorthand_value_raises_before_any_warning():
+def test_a_bad_value_in_a_removed_keyword_is_refused_as_removed():
     a, b = _no_ids()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        with pytest.raises(KvPlanError, match='legacy kind must be "mla" or "mha", got "gqa"'):
-            Template(a, b, prefill_start_layer=1, legacy_kind="gqa")
-        with pytest.raises(KvPlanError, match="legacy kind"):
-            compare(a, b, prefill_start_layer=1, legacy_kind="gqa")
-        with pytest.raises(TypeError, match=r"pairing must be a kvplan.Pairing, got 1 of type int"):
-            Template(a, b, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError) as raised:
+        Template(a, b, prefill_start_layer=1, legacy_kind="gqa")  # type: ignore[call-arg]
+    assert str(raised.value) == (
+        "Template(): prefill_start_layer=, legacy_kind= were removed: pass "
+        "pairing=kvplan.Pairing.by_layer_id(prefill_start_layer=1, legacy_kind='gqa')")
+    # The value written as given, so the hint itself says what is wrong with it.
+    with pytest.raises(KvPlanError, match='legacy kind must be "mla" or "mha", got "gqa"'):
+        eval(_hint(str(raised.value)), {"kvplan": kvplan})
+    with pytest.raises(TypeError, match=r"legacy_kind='gqa'\)"):
+        compare(a, b, prefill_start_layer=1, legacy_kind="gqa")
+    with pytest.raises(TypeError, match=r"pairing must be a kvplan.Pairing, got 1 of type int"):
+        Template(a, b, 1)  # type: ignore[arg-type]
 
 
 def _strip_page_ids(layout: Layout) -> Layout:
@@ -231,21 +231,32 @@ def test_select_pairing_returns_the_pairing():
             == Template(src, dst, choice.pairing(2)).pairs.tolist())
 
 
-def test_pairing_and_a_shorthand_together_are_a_type_error():
+def test_pairing_and_a_removed_keyword_together_are_a_type_error():
     src, dst = _pp_stage()
     p = Pairing.by_layer_id()
     for kw in ({"allow_positional_fallback": False}, {"prefill_start_layer": 0},
                {"legacy_kind": "mla"}):
-        with pytest.raises(TypeError, match="not both"):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"Template\\(\\): {name}= was removed"):
             Template(src, dst, p, **kw)
-        with pytest.raises(TypeError, match="not both"):
+        with pytest.raises(TypeError, match=f"compare\\(\\): {name}= was removed"):
             compare(src, dst, pairing=p, **kw)
-        with pytest.raises(TypeError, match="not both"):
+        with pytest.raises(TypeError, match=f"check_pairs\\(\\): {name}= was removed"):
             check_pairs(src, dst, p, **kw)
-    with pytest.raises(TypeError, match="given twice"):
-        Template(src, dst, True, allow_positional_fallback=True)
+    with pytest.raises(TypeError, match=r"a bool pairing \(True\), allow_positional_fallback= "
+                       r"were removed: pass pairing=kvplan.Pairing.by_layer_id\("
+                       r"allow_positional_fallback=True\)"):
+        Template(src, dst, True, allow_positional_fallback=True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="kvplan.Pairing"):
         Template(src, dst, "positional")  # type: ignore[arg-type]
+
+
+def test_other_unknown_keywords_are_type_errors_as_python_words_them():
+    src, dst = _pp_stage()
+    for name, call in PAIRING_CALLS.items():
+        with pytest.raises(TypeError, match=f"^{name}\\(\\) got an unexpected keyword "
+                           "argument 'allow_fallback'$"):
+            call(src, dst, allow_fallback=True)
 
 
 def test_entries_are_read_only_records():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import kvplan
-from kvplan import KvPlanError, Layout, select_pairing
+from kvplan import KvPlanError, Layout, Pairing, select_pairing
 from kvplan.policy import layout_kind
 
 FULL60 = list(range(3, 60, 4))  # 60-layer hybrid, full attention every 4th layer
@@ -64,7 +64,7 @@ def test_row_ascend_hybrid_mla_pp_uses_layer_ids():
     choice = select_pairing("ascend", src, 2)
     assert (choice.mode, choice.rule, choice.layout_kind) == (
         "layer_id", "ascend-hybrid-mla-pp", "hybrid_mla")
-    assert choice.template_kwargs() == {"allow_positional_fallback": False}
+    assert choice.pairing() == Pairing.by_layer_id()
     t = choice.template(src, dst)
     # FIFO by id: 31 -> decode 2, 35 -> 3, 31 (group 1) -> 6, 35 (group 1) -> 7.
     assert t.pairs.tolist() == [[0, 2], [1, 3], [2, 6], [3, 7]]
@@ -79,7 +79,7 @@ def test_row_ascend_hybrid_mla_pp_default_pp_from_layout():
 def test_row_ascend_hybrid_mla_pp1_is_legacy_flat():
     choice = select_pairing("ascend", "hybrid_mla", 1)
     assert (choice.mode, choice.rule) == ("positional", "ascend-pp1")
-    assert choice.template_kwargs() == {"allow_positional_fallback": True}
+    assert choice.pairing() == Pairing.positional()
 
 
 def test_row_ascend_pp1_flat():
@@ -115,8 +115,7 @@ def test_row_ascend_mla_pp_legacy_slice():
     dst = Layout.mla([10, 11, 12, 13, 14], [640] * 5, 64, device="npu")
     choice = select_pairing("ascend", src, 2)
     assert (choice.mode, choice.rule, choice.legacy_kind) == ("legacy", "ascend-mla-pp", "mla")
-    assert choice.template_kwargs(2) == {
-        "allow_positional_fallback": False, "prefill_start_layer": 2, "legacy_kind": "mla"}
+    assert choice.pairing(2) == Pairing.legacy("mla", prefill_start_layer=2)
     t = choice.template(src, dst, prefill_start_layer=2)
     assert [dst.data_ptrs[j] for _, j in t.pairs.tolist()] == [12, 13]
 
@@ -124,7 +123,15 @@ def test_row_ascend_mla_pp_legacy_slice():
 def test_row_ascend_mla_pp_needs_start_layer():
     choice = select_pairing("ascend", "mla", 2)
     with pytest.raises(KvPlanError, match="prefill_start_layer"):
-        choice.template_kwargs()
+        choice.pairing()
+    with pytest.raises(KvPlanError, match="prefill_start_layer"):
+        choice.template(Layout.mla([1], [64], 64), Layout.mla([2], [64], 64))
+
+
+def test_the_choice_has_no_shorthand_keywords():
+    # The pairing keywords it returned were removed from Template and compare; pairing() is
+    # the one spelling of a choice.
+    assert not hasattr(select_pairing("ascend", "mla", 2), "template_kwargs")
 
 
 def test_row_ascend_npu_groups_pp_slices_per_group():

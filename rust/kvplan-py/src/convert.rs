@@ -5,6 +5,7 @@ use kvplan_core::planners::convert::{ConversionPlan, ConversionTemplate};
 use kvplan_core::{KvDtype, PageIndex, Request, ScaleFormat};
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::errors::to_py_err;
 use crate::input::RequestPlanner;
@@ -164,23 +165,19 @@ fn columns(py: Python<'_>, plan: kvplan_core::Plan) -> (U64s, U64s, U64s) {
 #[pymethods]
 impl PyConversionTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, replicas_send=false))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, check_dst_overlap=false, replicas_send=false, **removed_keywords))]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
         dst_layout: PyRef<'_, PyLayout>,
         pairing: Option<&Bound<'_, PyAny>>,
-        allow_positional_fallback: Option<bool>,
-        prefill_start_layer: Option<usize>,
-        legacy_kind: Option<&str>,
         check_dst_overlap: bool,
         replicas_send: bool,
+        removed_keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let options = template_options(
+            "ConversionTemplate",
             pairing,
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
+            removed_keywords,
             check_dst_overlap,
             replicas_send,
         )?;

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
 use crate::errors::{short_repr, to_py_err};
-use crate::pairing::{PairingShorthand, resolve_pairing};
+use crate::pairing::pairing_argument;
 
 /// `fragments=`: `None` (whole items), a list of `(src_off, dst_off, len)` tuples for every
 /// page pair, or one such list (or `None`) per page pair.
@@ -45,23 +45,18 @@ pub(crate) fn fragments_arg(fragments: Option<&Bound<'_, PyAny>>) -> PyResult<Fr
     )))
 }
 
-/// The core's options from `Template` / `check_pairs` arguments: a `Pairing`, or the deprecated
-/// shorthands that build one (warned about at the Python line that called in).
+/// The core's options from the arguments of `function` (`Template`, `ConversionTemplate`,
+/// `check_pairs`): `pairing` and the keywords outside the signature are read by
+/// `pairing::pairing_argument`, which refuses the removed pairing keywords.
 pub(crate) fn template_options(
+    function: &str,
     pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
+    other_keywords: Option<&Bound<'_, PyDict>>,
     check_dst_overlap: bool,
     replicas_send: bool,
 ) -> PyResult<TemplateOptions> {
-    let shorthand = PairingShorthand {
-        allow_positional_fallback,
-        prefill_start_layer,
-        legacy_kind,
-    };
     Ok(TemplateOptions {
-        pairing: Python::attach(|py| resolve_pairing(py, pairing, shorthand, 1))?,
+        pairing: pairing_argument(function, pairing, other_keywords)?,
         check_dst_overlap,
         replicas_send,
     })

@@ -5,6 +5,7 @@
 use kvplan_core::PairSpec;
 use numpy::PyArray2;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::errors::to_py_err;
 use crate::input::pairs_array;
@@ -18,23 +19,19 @@ type EntryCheckRow = (&'static str, usize, Option<usize>, Option<Py<PyAny>>);
 /// One row per source entry, page entries first: its partner or why it has none.
 /// `Template(...)` raises exactly the first problem listed here.
 #[pyfunction]
-#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, replicas_send=false))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (src_layout, dst_layout, pairing=None, *, replicas_send=false, **removed_keywords))]
 pub fn check_pairs(
     py: Python<'_>,
     src_layout: PyRef<'_, PyLayout>,
     dst_layout: PyRef<'_, PyLayout>,
     pairing: Option<&Bound<'_, PyAny>>,
-    allow_positional_fallback: Option<bool>,
-    prefill_start_layer: Option<usize>,
-    legacy_kind: Option<&str>,
     replicas_send: bool,
+    removed_keywords: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Vec<EntryCheckRow>> {
     let options = template_options(
+        "check_pairs",
         pairing,
-        allow_positional_fallback,
-        prefill_start_layer,
-        legacy_kind,
+        removed_keywords,
         false,
         replicas_send,
     )?;

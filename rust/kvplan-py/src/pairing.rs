@@ -1,12 +1,11 @@
 //! Entry pairing: the `Pairing` value templates take, and, on their own, SGLang's
 //! `build_transfer_entry_pairs` and strict legacy PP slicing.
 
-use std::ffi::CString;
-
 use kvplan_core::{EntryMetadata, LegacyKind, Pairing, PairingMode};
 use numpy::PyArray2;
-use pyo3::exceptions::{PyDeprecationWarning, PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict};
 
 use crate::errors::{KvPlanError, short_repr, to_py_err};
 use crate::input::pairs_array;
@@ -131,27 +130,18 @@ impl PyPairing {
         })
     }
 
-    /// The `Pairing` that `Template(src, dst, pairing, **shorthands)` uses, for Python functions
-    /// that take `Template`'s pairing arguments and forward them (`kvplan.compare`). A bool
-    /// `pairing` or a shorthand warns as `Template` does; `stacklevel` 2 blames the caller of
-    /// the forwarding function.
+    /// The `Pairing` a call of `function` asked for, for Python functions that take
+    /// `Template`'s `pairing` argument and forward it (`kvplan.compare`): `keywords` are the
+    /// call's keywords outside its signature, refused as `Template` refuses them.
     #[staticmethod]
-    #[pyo3(name = "_from_template_arguments", signature = (pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, stacklevel=2))]
-    fn from_template_arguments(
-        py: Python<'_>,
+    #[pyo3(name = "_from_arguments")]
+    fn from_arguments(
+        function: &str,
         pairing: Option<&Bound<'_, PyAny>>,
-        allow_positional_fallback: Option<bool>,
-        prefill_start_layer: Option<usize>,
-        legacy_kind: Option<&str>,
-        stacklevel: i32,
+        keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let shorthand = PairingShorthand {
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
-        };
         Ok(Self {
-            inner: resolve_pairing(py, pairing, shorthand, stacklevel)?,
+            inner: pairing_argument(function, pairing, keywords)?,
         })
     }
 
@@ -183,7 +173,7 @@ impl PyPairing {
 
 impl PyPairing {
     /// The Python expression that builds `p` (`Pairing.by_layer_id(...)`, ...): its
-    /// repr, and what the deprecation warnings tell callers to write.
+    /// repr, and what the errors for a removed pairing keyword tell callers to write.
     pub(crate) fn expression(p: Pairing) -> String {
         let kind = |k: Option<LegacyKind>| k.map(|k| format!("'{}'", k.as_str()));
         match p.mode() {
@@ -212,112 +202,123 @@ impl PyPairing {
     }
 }
 
-/// The keywords that build a `Pairing.by_layer_id(...)` in place of `pairing=` (deprecated).
-#[derive(Clone, Copy)]
-pub(crate) struct PairingShorthand<'a> {
-    pub(crate) allow_positional_fallback: Option<bool>,
-    pub(crate) prefill_start_layer: Option<usize>,
-    pub(crate) legacy_kind: Option<&'a str>,
-}
+/// The keywords that once built a `Pairing.by_layer_id(...)` in place of `pairing=`, in that
+/// method's argument order (the order the hint writes them in).
+const REMOVED_KEYWORDS: [&str; 3] = [
+    "allow_positional_fallback",
+    "prefill_start_layer",
+    "legacy_kind",
+];
 
-impl PairingShorthand<'_> {
-    fn is_given(&self) -> bool {
-        self.allow_positional_fallback.is_some()
-            || self.prefill_start_layer.is_some()
-            || self.legacy_kind.is_some()
-    }
-}
-
-/// The pairing a call asked for: `pairing` (a `Pairing`, or a bool standing for
-/// `allow_positional_fallback`, which positional callers pass there), or the shorthand keywords
-/// that build one. A `Pairing` together with a shorthand is a `TypeError`.
-///
-/// The bool and the shorthands still work, but each call that uses them gets one
-/// `DeprecationWarning` naming the `Pairing` to pass instead. `stacklevel` is `warnings.warn`'s:
-/// 1 blames the Python line that called into Rust, 2 the line above it (for Python functions
-/// that forward their own pairing arguments, such as `kvplan.compare`).
-pub(crate) fn resolve_pairing(
-    py: Python<'_>,
+/// The pairing a call of `function` asked for: `pairing` (a `Pairing`; `None` is
+/// `Pairing.by_layer_id()`). `other_keywords` holds the keywords the signature does not name:
+/// the removed pairing keywords, and a bool `pairing`, are a `TypeError` that says what to
+/// write instead; any other keyword is a `TypeError` as Python words it.
+pub(crate) fn pairing_argument(
+    function: &str,
     pairing: Option<&Bound<'_, PyAny>>,
-    shorthand: PairingShorthand<'_>,
-    stacklevel: i32,
+    other_keywords: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Pairing> {
     let pairing = pairing.filter(|p| !p.is_none());
-    if let Some(p) = pairing
-        && let Ok(p) = p.cast::<PyPairing>()
-    {
-        if shorthand.is_given() {
-            return Err(PyTypeError::new_err(
-                "pass either pairing= or its shorthand keywords (allow_positional_fallback, prefill_start_layer, legacy_kind), not both",
-            ));
+    let keywords = other_keywords.filter(|k| !k.is_empty());
+    if let Some(keywords) = keywords {
+        for key in keywords.keys() {
+            if !REMOVED_KEYWORDS.contains(&key.str()?.to_str()?) {
+                return Err(PyTypeError::new_err(format!(
+                    "{function}() got an unexpected keyword argument {}",
+                    key.repr()?
+                )));
+            }
         }
+    }
+    let bool_pairing = pairing.and_then(|p| p.cast::<PyBool>().ok());
+    if keywords.is_some() || bool_pairing.is_some() {
+        return Err(removed_spelling(function, bool_pairing, keywords)?);
+    }
+    let Some(p) = pairing else {
+        return Ok(Pairing::default());
+    };
+    if let Ok(p) = p.cast::<PyPairing>() {
         return Ok(p.get().inner);
     }
-    let bool_pairing = match pairing {
-        None => None,
-        Some(p) => {
-            // A bool is the only non-`Pairing` value accepted (`extract::<bool>` takes no int).
-            let Ok(flag) = p.extract::<bool>() else {
-                return Err(PyTypeError::new_err(format!(
-                    "pairing must be a kvplan.Pairing, got {} of type {}",
-                    short_repr(p),
-                    p.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                )));
-            };
-            if shorthand.allow_positional_fallback.is_some() {
-                return Err(PyTypeError::new_err(
-                    "allow_positional_fallback given twice (positionally and as a keyword)",
-                ));
-            }
-            Some(flag)
-        }
-    };
-    let resolved = Pairing::by_layer_id(
-        bool_pairing
-            .or(shorthand.allow_positional_fallback)
-            .unwrap_or(false),
-        shorthand.prefill_start_layer,
-        shorthand.legacy_kind.map(parse_legacy_kind).transpose()?,
-    );
-    if bool_pairing.is_some() || shorthand.is_given() {
-        warn_deprecated_pairing(py, bool_pairing, shorthand, resolved, stacklevel)?;
-    }
-    Ok(resolved)
+    Err(PyTypeError::new_err(format!(
+        "{function}(): pairing must be a kvplan.Pairing, got {} of type {}",
+        short_repr(p),
+        p.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    )))
 }
 
-/// The `DeprecationWarning` for a bool `pairing` or shorthand keywords: what the call wrote, and
-/// the `pairing=` that means the same. An error when warnings are errors.
-fn warn_deprecated_pairing(
-    py: Python<'_>,
-    bool_pairing: Option<bool>,
-    shorthand: PairingShorthand<'_>,
-    resolved: Pairing,
-    stacklevel: i32,
-) -> PyResult<()> {
-    let python_bool = |b: bool| if b { "True" } else { "False" };
+/// The `TypeError` for a removed spelling (a bool `pairing`, standing for
+/// `allow_positional_fallback`, and the removed keywords): what the call wrote and the
+/// `pairing=kvplan.Pairing.by_layer_id(...)` that means what it meant. When a value is not one
+/// `Pairing.by_layer_id` takes, the hint writes it as given (and that call then says why).
+fn removed_spelling(
+    function: &str,
+    bool_pairing: Option<&Bound<'_, PyBool>>,
+    keywords: Option<&Bound<'_, PyDict>>,
+) -> PyResult<PyErr> {
     let mut written = Vec::new();
+    let mut values: Vec<(&str, Bound<'_, PyAny>)> = Vec::new();
     if let Some(flag) = bool_pairing {
-        written.push(format!("pairing={}", python_bool(flag)));
+        written.push(format!("a bool pairing ({})", short_repr(flag.as_any())));
+        values.push((REMOVED_KEYWORDS[0], flag.as_any().clone()));
     }
-    if let Some(flag) = shorthand.allow_positional_fallback {
-        written.push(format!("allow_positional_fallback={}", python_bool(flag)));
+    for name in REMOVED_KEYWORDS {
+        if let Some(value) = keywords.map(|k| k.get_item(name)).transpose()?.flatten() {
+            written.push(format!("{name}="));
+            // A keyword says it more plainly than a bool standing in the pairing's place.
+            values.retain(|(n, _)| *n != name);
+            values.push((name, value));
+        }
     }
-    if let Some(start) = shorthand.prefill_start_layer {
-        written.push(format!("prefill_start_layer={start}"));
-    }
-    if let Some(kind) = shorthand.legacy_kind {
-        written.push(format!("legacy_kind='{kind}'"));
-    }
-    let verb = if written.len() == 1 { "is" } else { "are" };
-    let message = format!(
-        "{} {verb} deprecated: pass pairing=kvplan.{}",
-        written.join(", "),
-        PyPairing::expression(resolved)
+    let value = |name: &str| values.iter().find(|(n, _)| *n == name).map(|(_, v)| v);
+    let resolved = by_layer_id_from(
+        value(REMOVED_KEYWORDS[0]),
+        value(REMOVED_KEYWORDS[1]),
+        value(REMOVED_KEYWORDS[2]),
     );
-    let message = CString::new(message).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let category = py.get_type::<PyDeprecationWarning>();
-    PyErr::warn(py, category.as_any(), &message, stacklevel)
+    let instead = match resolved {
+        Some(p) if p == Pairing::default() => {
+            format!("{} (the default: leave it out)", PyPairing::expression(p))
+        }
+        Some(p) => PyPairing::expression(p),
+        None => {
+            let args: Vec<String> = REMOVED_KEYWORDS
+                .iter()
+                .filter_map(|name| value(name).map(|v| format!("{name}={}", short_repr(v))))
+                .collect();
+            format!("Pairing.by_layer_id({})", args.join(", "))
+        }
+    };
+    let verb = if written.len() == 1 { "was" } else { "were" };
+    Ok(PyTypeError::new_err(format!(
+        "{function}(): {} {verb} removed: pass pairing=kvplan.{instead}",
+        written.join(", ")
+    )))
+}
+
+/// `Pairing.by_layer_id(...)` of the removed keywords' values, or `None` when one is not a
+/// value that method takes (a bool is never a layer).
+fn by_layer_id_from(
+    fallback: Option<&Bound<'_, PyAny>>,
+    start: Option<&Bound<'_, PyAny>>,
+    kind: Option<&Bound<'_, PyAny>>,
+) -> Option<Pairing> {
+    let fallback = match fallback {
+        None => false,
+        Some(v) => v.cast::<PyBool>().ok()?.is_true(),
+    };
+    let start = match start {
+        None => None,
+        Some(v) if v.cast::<PyBool>().is_ok() => return None,
+        Some(v) => Some(v.extract::<usize>().ok()?),
+    };
+    let kind = match kind {
+        None => None,
+        Some(v) => Some(parse_legacy_kind(v.extract::<&str>().ok()?).ok()?),
+    };
+    Some(Pairing::by_layer_id(fallback, start, kind))
 }

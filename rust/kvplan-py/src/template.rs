@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvplan_core::Template;
 use numpy::PyArray2;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::compile::compile;
 use crate::layout::PyLayout;
@@ -27,26 +27,23 @@ pub struct PyTemplate {
 #[pymethods]
 impl PyTemplate {
     #[new]
-    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, allow_positional_fallback=None, prefill_start_layer=None, legacy_kind=None, check_dst_overlap=false, fragments=None, coalesce=true, layer_groups=None, replicas_send=false))]
+    #[pyo3(signature = (src_layout, dst_layout, pairing=None, *, check_dst_overlap=false, fragments=None, coalesce=true, layer_groups=None, replicas_send=false, **removed_keywords))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         src_layout: PyRef<'_, PyLayout>,
         dst_layout: PyRef<'_, PyLayout>,
         pairing: Option<&Bound<'_, PyAny>>,
-        allow_positional_fallback: Option<bool>,
-        prefill_start_layer: Option<usize>,
-        legacy_kind: Option<&str>,
         check_dst_overlap: bool,
         fragments: Option<&Bound<'_, PyAny>>,
         coalesce: bool,
         layer_groups: Option<PyRef<'_, crate::slices::PyLayerGroups>>,
         replicas_send: bool,
+        removed_keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let options = template_options(
+            "Template",
             pairing,
-            allow_positional_fallback,
-            prefill_start_layer,
-            legacy_kind,
+            removed_keywords,
             check_dst_overlap,
             replicas_send,
         )?;
