@@ -63,7 +63,9 @@ import numpy as np
 
 import kvplan
 from kvplan._core import index_array, reverse_descending_runs
-from kvplan.compat import vllm_forms, vllm_metrics, vllm_nixl
+from kvplan.compat import vllm_nixl
+from kvplan.compat.vllm import forms as vllm_forms
+from kvplan.compat.vllm import metrics as vllm_metrics
 from kvplan.compat._methods import MethodPatches
 from kvplan.engines.mooncake import Handoff
 
