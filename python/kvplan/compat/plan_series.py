@@ -3,7 +3,7 @@
 * ``kvplan:plan_time_seconds``: seconds kvplan spent planning one request's transfer;
 * ``kvplan:blocks_per_request``: the blocks (transfer entries) of that plan.
 
-vLLM's connector exports them through vLLM's connector stats (``compat.vllm_metrics``);
+vLLM's connector exports them through vLLM's connector stats (``compat.vllm.metrics``);
 SGLang's drop-ins through SGLang's multi-process Prometheus directory
 (``compat.sglang.metrics``). Both use these names, help texts and bucket edges, so one
 dashboard reads either engine.
