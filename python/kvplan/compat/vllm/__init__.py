@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplan.compat import vllm_nixl as nixl
+from kvplan.compat.vllm import nixl
 from kvplan.compat.vllm.columns import BlockColumn
 from kvplan.compat.vllm.connector import CONNECTOR_NAME, _connector_class, register_plugin
 from kvplan.compat.vllm.install import REPLACED_METHODS as REPLACED_METHODS

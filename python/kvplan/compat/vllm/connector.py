@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplan.compat.vllm import forms, metrics
-from kvplan.compat import vllm_nixl as nixl
+from kvplan.compat.vllm import forms, metrics, nixl
 from kvplan.compat.vllm.cpu_host import _worker_device_on_cpu
 from kvplan.compat.vllm.install import _CAP, install
 

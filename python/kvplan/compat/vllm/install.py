@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvplan.compat._methods import MethodPatches
-from kvplan.compat.vllm import forms
-from kvplan.compat import vllm_nixl as nixl
+from kvplan.compat.vllm import forms, nixl
 from kvplan.compat.vllm.plan import _build_transfer_params
 from kvplan.compat.vllm.submit import DEFAULT_MAX_BLOCKS_PER_BATCH, _send_blocks
 

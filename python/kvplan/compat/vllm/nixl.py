@@ -36,7 +36,7 @@ import logging
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
-from kvplan.compat import vllm_forms
+from kvplan.compat.vllm import forms
 from kvplan.compat._methods import MethodPatches, require_method
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
@@ -236,7 +236,7 @@ def connector_class() -> type:
 
             def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
                 # kvplan's options first: an unknown one refuses before anything starts
-                vllm_forms.kvplan_options(vllm_config, CONNECTOR_NAME)
+                forms.kvplan_options(vllm_config, CONNECTOR_NAME)
                 super().__init__(vllm_config, role, kv_cache_config)
                 if self.connector_worker is not None:
                     # vLLM's constructor names its worker class; the subclass adds no state.
