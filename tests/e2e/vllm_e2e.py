@@ -699,7 +699,7 @@ except Exception as exc:
     raise SystemExit(0)
 for transport, probe in (
         ("mooncake", "import kvplan.compat.vllm as m; m.KvplanMooncakeConnector.Worker"),
-        ("nixl", "import kvplan.compat.vllm as m, kvplan.compat.vllm_nixl as n; "
+        ("nixl", "import kvplan.compat.vllm as m, kvplan.compat.vllm.nixl as n; "
                  "print('nixl form', n.host_form(m.KvplanNixlConnector.Worker))")):
     try:
         exec(probe)

@@ -40,10 +40,10 @@ PATTERNS: dict[str, re.Pattern[str]] = {
 
 #: (file, the line's code stripped) -> why that line is not the core's rule written again.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("python/kvplan/compat/vllm.py", "src_ptr = lr.base_addr + src_off"):
+    ("python/kvplan/compat/vllm/templates.py", "src_ptr = lr.base_addr + src_off"):
         "an entry's base for the core: vLLM's region base plus the head-slice offset vLLM's "
         "own _get_sender_transfer_plan gives (vLLM's rule for its own TP ranks)",
-    ("python/kvplan/compat/vllm.py", "dst_ptr = rr.base_addr + dst_off"):
+    ("python/kvplan/compat/vllm/templates.py", "dst_ptr = rr.base_addr + dst_off"):
         "as src_ptr: the remote region base plus vLLM's own head-slice offset",
     ("python/kvplan/compat/sglang/layouts.py", "layout.data_ptrs + list(ptrs[i]),"):
         "list concatenation (the layout's pointers and the extra entries'), no arithmetic",
