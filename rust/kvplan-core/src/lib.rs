@@ -87,7 +87,8 @@ pub use exchange::local::{RegionMut, check_local_buffers, copy_local};
 pub use kernels::tokens::TokenTemplate;
 pub use model::layer_groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
 pub use model::pieces::{
-    Fragment, Fragments, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
+    Fragment, Fragments, Lane, MAX_LANES, PIECE_CLASSES, POOLS, PairSpec, Piece, PieceSide, Pool,
+    TOKEN_CLASSES, TokenMap, Walk,
 };
 pub use model::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,

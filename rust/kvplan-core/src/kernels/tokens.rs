@@ -31,8 +31,8 @@
 
 use crate::error::{PlanError, Result, Side};
 use crate::model::pieces::{
-    DRAFT_LANE, Fragment, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TOKEN_LANES,
-    TokenMap, WINDOW_LANE,
+    Fragment, Lane, MAX_LANES, PIECE_CLASSES, POOLS, PairSpec, Piece, PieceSide, Pool,
+    TOKEN_CLASSES, TokenMap, Walk,
 };
 use crate::model::plan::{Columns, TokenShape};
 use crate::model::runs::PageIndex;
@@ -43,11 +43,13 @@ use crate::rules::heads::HeadSlicing;
 /// A template's token pieces, built once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenTemplate {
-    /// How each side places a request's tokens (lane 0: target entries).
-    pub maps: (TokenMap, TokenMap),
-    /// How each side places the draft tokens a decode-context-parallel template sends whole
-    /// (lane 1, module `dcp`); `None` when no side deals tokens.
-    pub draft_maps: Option<(TokenMap, TokenMap)>,
+    /// The token walks its pieces follow ([`Piece::lane`] indexes this list). Lane 0 walks
+    /// every token of the request over each side's token map and the request's pages, and is
+    /// there even without pieces (it gives a request its length and its pages); every other
+    /// lane has pieces, in the order its first piece appears.
+    pub lanes: Vec<Lane>,
+    /// Whether either side deals tokens over decode context-parallel ranks.
+    pub dealt: bool,
     /// Why a decode-context-parallel template moves no token (its ranks share none).
     pub empty_reason: Option<String>,
     /// Pieces in block order (page pairs in planning order, heads next).
@@ -59,14 +61,10 @@ pub struct TokenTemplate {
     /// Bytes moved per token (sum of piece lengths).
     pub bytes_per_token: u64,
     /// Bytes moved per token of each lane.
-    pub lane_bytes: [u64; TOKEN_LANES],
-    /// The sliding window of the window entries' pieces (lane 2), in tokens.
+    pub lane_bytes: [u64; MAX_LANES],
+    /// The sliding window of the template's window entries, in tokens, whether or not this
+    /// rank pair moves bytes of them (one window per template: `check` refuses two sizes).
     pub window: Option<u64>,
-    /// How each side places the window entries' tokens: in its window pool's pages when it
-    /// keeps one (`Layout::with_window_pool`), else as the request's other tokens.
-    pub window_maps: (TokenMap, TokenMap),
-    /// Whether each side's window entries read the request's window pages (their own pool).
-    pub window_pools: (bool, bool),
 }
 
 impl TokenTemplate {
@@ -89,38 +87,50 @@ impl TokenTemplate {
         labels: (&[String], &[String]),
     ) -> Result<Self> {
         // Decode context parallelism (module `dcp`): target entries use each side's dealt
-        // token map; draft entries are not dealt (lane 1, virtual pages, sent by one source
-        // rank to each decode rank); a rank pair that shares no token moves no target bytes.
+        // token map; draft entries are not dealt (their own lane, virtual pages, sent by one
+        // source rank to each decode rank); a rank pair that shares no token moves no target
+        // bytes.
         let dealt = crate::rules::dcp::dealt_pair(src, dst);
-        let target_maps = (
-            crate::rules::dcp::token_map(src),
-            crate::rules::dcp::token_map(dst),
-        );
-        let draft_maps = dealt.then(|| {
-            (
+        let target = Lane {
+            walk: Walk::All,
+            maps: (
+                crate::rules::dcp::token_map(src),
+                crate::rules::dcp::token_map(dst),
+            ),
+            pools: (Pool::Pages, Pool::Pages),
+        };
+        let draft_lane = Lane {
+            walk: Walk::DraftWhole,
+            maps: (
                 crate::rules::dcp::draft_map(src),
                 crate::rules::dcp::draft_map(dst),
-            )
-        });
-        let sends_undealt = crate::rules::dcp::sends_undealt(src, dst);
-        let pool_map = |layout: &Layout, target: TokenMap| {
-            layout
-                .window_page_size()
-                .map_or(target, |page_size| TokenMap::Paged { page_size })
+            ),
+            ..target
         };
-        let window_maps = (pool_map(src, target_maps.0), pool_map(dst, target_maps.1));
-        let window_pools = (
-            src.window_page_size().is_some(),
-            dst.window_page_size().is_some(),
+        // A side that keeps a window pool places its window entries' tokens in that pool's
+        // pages; a side without one, as the request's other tokens.
+        let window_side = |layout: &Layout, map: TokenMap| match layout.window_page_size() {
+            Some(page_size) => (TokenMap::Paged { page_size }, Pool::Window),
+            None => (map, Pool::Pages),
+        };
+        let ((src_map, src_pool), (dst_map, dst_pool)) = (
+            window_side(src, target.maps.0),
+            window_side(dst, target.maps.1),
         );
-        if dealt && (window_pools.0 || window_pools.1) {
+        let window_lane = |window: u64| Lane {
+            walk: Walk::Window(window),
+            maps: (src_map, dst_map),
+            pools: (src_pool, dst_pool),
+        };
+        if dealt && (src_pool, dst_pool) != (Pool::Pages, Pool::Pages) {
             return Err(PlanError::Geometry {
                 what: "window entries in a pool of their own on one side and tokens dealt over \
                        decode context-parallel ranks on the other are not supported together"
                     .into(),
             });
         }
-        let shares = !dealt || crate::rules::dcp::shares_tokens(target_maps);
+        let sends_undealt = crate::rules::dcp::sends_undealt(src, dst);
+        let shares = !dealt || crate::rules::dcp::shares_tokens(target.maps);
         let orders = (memory_order(src), memory_order(dst));
         let attention = (src.context().attention, dst.context().attention);
         let label = |side: Side, entry: usize| {
@@ -131,6 +141,7 @@ impl TokenTemplate {
         };
         let moves = heads.is_none_or(HeadSlicing::moves_pages);
         let sliced = heads.and_then(HeadSlicing::sliced_heads);
+        let mut lanes = vec![target];
         let mut pieces = Vec::new();
         let mut pair_pieces = Vec::with_capacity(page_pairs.len());
         for (index, (pair, given)) in page_pairs.iter().zip(given).enumerate() {
@@ -158,11 +169,12 @@ impl TokenTemplate {
                     ),
                 });
             }
-            let (maps, lane) = match draft_maps {
-                Some(lane) if draft => (lane, DRAFT_LANE),
-                _ if window.is_some() => (window_maps, WINDOW_LANE),
-                _ => (target_maps, 0),
+            let lane = match window {
+                _ if draft => draft_lane,
+                Some(window) => window_lane(window),
+                None => target,
             };
+            let maps = lane.maps;
             let sizes = (maps.0.page_size(), maps.1.page_size());
             // Elided pairs (source item 0, as page plans elide them), pairs of a rank pair
             // that moves no heads, and (DCP) tokens this rank pair does not exchange have no
@@ -224,32 +236,38 @@ impl TokenTemplate {
                     }
                 }
             };
-            push_pieces(
-                &mut pieces,
-                pair,
-                &ranges,
-                head,
-                tokens,
-                orders,
-                (maps, lane),
-            );
+            // A lane other than the target one is listed once a piece follows it.
+            let position = lanes.iter().position(|l| *l == lane);
+            let at = position.unwrap_or(lanes.len());
+            if at >= MAX_LANES {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "{}: its tokens would be a token walk beyond the {MAX_LANES} one \
+                         template holds ({:?})",
+                        pair_label(),
+                        lanes.iter().map(|l| l.walk).collect::<Vec<_>>()
+                    ),
+                });
+            }
+            push_pieces(&mut pieces, pair, &ranges, head, tokens, orders, (maps, at));
+            if position.is_none() && pieces.len() > start {
+                lanes.push(lane);
+            }
             pair_pieces.push((start, pieces.len()));
         }
         let mut template = Self {
-            maps: target_maps,
-            draft_maps,
+            lanes,
+            dealt,
             empty_reason: None,
             pieces,
             pair_pieces,
             class_pieces: [0; TOKEN_CLASSES],
             bytes_per_token: 0,
-            lane_bytes: [0; TOKEN_LANES],
+            lane_bytes: [0; MAX_LANES],
             // One window per template (check.rs refuses two sizes).
             window: page_pairs
                 .iter()
                 .find_map(|pair| src.windows()[pair.src_entry]),
-            window_maps,
-            window_pools,
         };
         let overflow = PlanError::Overflow {
             what: "bytes per token",
@@ -272,150 +290,107 @@ impl TokenTemplate {
         Ok(template)
     }
 
-    /// The token maps of each lane that has pieces (or lane 0 alone when none has).
-    pub(crate) fn lanes(&self) -> impl Iterator<Item = (usize, (TokenMap, TokenMap))> + '_ {
-        let has = |lane: usize| {
-            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
-                .iter()
-                .any(|&n| n > 0)
-        };
-        let draft = self.draft_maps.filter(|_| has(DRAFT_LANE));
-        let window = has(WINDOW_LANE).then_some(self.window_maps);
-        std::iter::once((0, self.maps))
-            .chain(draft.map(|maps| (DRAFT_LANE, maps)))
-            .chain(window.map(|maps| (WINDOW_LANE, maps)))
+    /// The lanes with their positions (lane 0 first).
+    pub(crate) fn lanes(&self) -> impl Iterator<Item = (usize, &Lane)> + '_ {
+        self.lanes.iter().enumerate()
     }
 
-    /// The first global token `lane` moves of a request moving tokens `first..n`: a window
-    /// lane starts at the window's first live token (the last `window` tokens are live), or at
-    /// `first` when the decode holds more than the part before the window.
-    pub(crate) fn lane_start(&self, lane: usize, first: u64, n: u64) -> u64 {
-        match self.window {
-            Some(window) if lane == WINDOW_LANE => first.max(n.saturating_sub(window)),
-            _ => first,
-        }
+    /// How each side places the request's tokens (lane 0's maps).
+    pub fn maps(&self) -> (TokenMap, TokenMap) {
+        self.lanes[0].maps
     }
 
     /// Whether either side deals tokens over decode context-parallel ranks.
     pub fn dealt(&self) -> bool {
-        self.draft_maps.is_some()
+        self.dealt
     }
 
-    /// Whether `lane` reads `side`'s window pages (its window pool) rather than its pages.
-    fn reads_pool(&self, side: Side, lane: usize) -> bool {
-        lane == WINDOW_LANE && side.pick(self.window_pools.0, self.window_pools.1)
+    /// Whether lane `lane` has pieces.
+    fn moving(&self, lane: usize) -> bool {
+        self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
+            .iter()
+            .any(|&k| k > 0)
     }
 
-    /// Leading pages of each side's list (the request's pages, or with `pool` its window
-    /// pages) that hold no token a lane with pieces reading that list moves of a request
-    /// moving tokens `first..n` (a window lane from its window on): the pages such a request
-    /// never reads.
-    pub(crate) fn first_pages(&self, first: u64, n: u64, pool: bool) -> (usize, usize) {
+    /// Per pool, the leading pages of each side's list that hold no token a lane with pieces
+    /// reading that list moves of a request moving tokens `first..n` (each lane from its own
+    /// walk's start): the pages such a request never reads.
+    pub(crate) fn first_pages(&self, first: u64, n: u64) -> [(usize, usize); POOLS] {
         let first_page = |map: TokenMap, token: u64| {
             usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
         };
-        let moving = |lane: usize| {
-            self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
-                .iter()
-                .any(|&k| k > 0)
-        };
-        let mut pages = (usize::MAX, usize::MAX);
-        for (lane, (ms, md)) in self.lanes().filter(|&(lane, _)| moving(lane)) {
-            let token = self.lane_start(lane, first, n);
-            if self.reads_pool(Side::Src, lane) == pool {
-                pages.0 = pages.0.min(first_page(ms, token));
-            }
-            if self.reads_pool(Side::Dst, lane) == pool {
-                pages.1 = pages.1.min(first_page(md, token));
-            }
+        let mut pages = [(usize::MAX, usize::MAX); POOLS];
+        for (_, lane) in self.lanes().filter(|&(at, _)| self.moving(at)) {
+            let token = lane.walk.start(first, n);
+            let (src, dst) = (&mut pages[lane.pools.0.index()].0, lane.pools.1.index());
+            *src = (*src).min(first_page(lane.maps.0, token));
+            pages[dst].1 = pages[dst].1.min(first_page(lane.maps.1, token));
         }
-        // No lane reads the list: nothing is read past the first moved token either (a window
+        // No lane reads a list: nothing is read past the first moved token either (a window
         // pool's list, read by no piece, is not read at all).
-        let unread = |map: TokenMap| if pool { 0 } else { first_page(map, first) };
-        if pages.0 == usize::MAX {
-            pages.0 = unread(self.maps.0);
-        }
-        if pages.1 == usize::MAX {
-            pages.1 = unread(self.maps.1);
+        let maps = self.maps();
+        for pool in Pool::ALL {
+            let unread = |map: TokenMap| match pool {
+                Pool::Pages => first_page(map, first),
+                Pool::Window => 0,
+            };
+            let (src, dst) = &mut pages[pool.index()];
+            if *src == usize::MAX {
+                *src = unread(maps.0);
+            }
+            if *dst == usize::MAX {
+                *dst = unread(maps.1);
+            }
         }
         pages
-    }
-
-    /// The lists each lane reads of a request with `pages` and `window` pages: a side's window
-    /// pages for the window lane when that side keeps a window pool, else its pages.
-    pub(crate) fn lane_lists<'x, S: ?Sized, D: ?Sized>(
-        &self,
-        pages: (&'x S, &'x D),
-        window: (&'x S, &'x D),
-    ) -> LaneLists<'x, S, D> {
-        LaneLists {
-            pages,
-            window: (
-                if self.window_pools.0 {
-                    window.0
-                } else {
-                    pages.0
-                },
-                if self.window_pools.1 {
-                    window.1
-                } else {
-                    pages.1
-                },
-            ),
-        }
     }
 
     /// Leading pages of each side's list (its pages, not its window pages) that hold the first
     /// `n` global tokens of every lane reading it.
     pub fn pages_needed(&self, n: u64) -> (u64, u64) {
-        self.list_pages_needed(n, false)
+        self.list_pages_needed(n)[Pool::Pages.index()]
     }
 
-    /// Leading pages of each side's list (the request's pages, or with `pool` its window
-    /// pages) that hold the first `n` global tokens of every lane reading it.
-    pub(crate) fn list_pages_needed(&self, n: u64, pool: bool) -> (u64, u64) {
-        self.lanes().fold((0, 0), |(s, d), (lane, (ms, md))| {
-            (
-                if self.reads_pool(Side::Src, lane) == pool {
-                    s.max(ms.pages_for(n))
-                } else {
-                    s
-                },
-                if self.reads_pool(Side::Dst, lane) == pool {
-                    d.max(md.pages_for(n))
-                } else {
-                    d
-                },
-            )
-        })
+    /// Per pool, the leading pages of each side's list that hold the first `n` global tokens of
+    /// every lane reading it (0 for a list no lane reads).
+    pub(crate) fn list_pages_needed(&self, n: u64) -> [(u64, u64); POOLS] {
+        let mut needed = [(0, 0); POOLS];
+        for (_, lane) in self.lanes() {
+            let src = &mut needed[lane.pools.0.index()].0;
+            *src = (*src).max(lane.maps.0.pages_for(n));
+            let dst = &mut needed[lane.pools.1.index()].1;
+            *dst = (*dst).max(lane.maps.1.pages_for(n));
+        }
+        needed
     }
 }
 
-/// A request's page lists as each lane reads them: the window lane reads a side's window
-/// pages when that side keeps a window pool, every other lane the request's pages.
+/// A request's page lists per pool (its pages, then its window pages), each lane reading the
+/// lists of its own pools.
 pub(crate) struct LaneLists<'x, S: ?Sized, D: ?Sized> {
-    /// The request's pages of each side.
-    pub(crate) pages: (&'x S, &'x D),
-    /// The lists the window lane reads (a side's window pages, or its pages).
-    pub(crate) window: (&'x S, &'x D),
+    /// Each pool's list of each side (a side without a window pool: any list, no lane reads it).
+    pub(crate) pools: [(&'x S, &'x D); POOLS],
 }
 
 impl<'x, S: ?Sized, D: ?Sized> LaneLists<'x, S, D> {
-    /// Every lane reading the same lists.
-    pub(crate) fn same(src: &'x S, dst: &'x D) -> Self {
+    /// The request's pages and window pages.
+    pub(crate) fn new(pages: (&'x S, &'x D), window: (&'x S, &'x D)) -> Self {
         Self {
-            pages: (src, dst),
-            window: (src, dst),
+            pools: [pages, window],
         }
     }
 
+    /// Every pool reading the same lists.
+    pub(crate) fn same(src: &'x S, dst: &'x D) -> Self {
+        Self::new((src, dst), (src, dst))
+    }
+
     /// The lists `lane` reads.
-    fn of(&self, lane: usize) -> (&'x S, &'x D) {
-        if lane == WINDOW_LANE {
-            self.window
-        } else {
-            self.pages
-        }
+    fn of(&self, lane: &Lane) -> (&'x S, &'x D) {
+        (
+            self.pools[lane.pools.0.index()].0,
+            self.pools[lane.pools.1.index()].1,
+        )
     }
 }
 
@@ -504,9 +479,11 @@ fn segments(
 ) -> impl Iterator<Item = Segment> {
     match maps {
         (TokenMap::Paged { page_size: ps }, TokenMap::Paged { page_size: pd }) => {
-            Walk::Paged(paged_segments(first, n_tokens, (ps, pd)))
+            Segments::Paged(paged_segments(first, n_tokens, (ps, pd)))
         }
-        _ => Walk::Dealt(dealt_segments(n_tokens, maps).filter_map(move |seg| clip(seg, first))),
+        _ => {
+            Segments::Dealt(dealt_segments(n_tokens, maps).filter_map(move |seg| clip(seg, first)))
+        }
     }
 }
 
@@ -532,13 +509,13 @@ fn clip(seg: Segment, first: u64) -> Option<Segment> {
     })
 }
 
-/// One of the two token walks (paged sides keep their incremental walk).
-enum Walk<P, D> {
+/// One of the two segment walks (paged sides keep their incremental walk).
+enum Segments<P, D> {
     Paged(P),
     Dealt(D),
 }
 
-impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk<P, D> {
+impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Segments<P, D> {
     type Item = Segment;
 
     // Inlined into every walk: called once per segment, and an out-of-line call returning
@@ -546,8 +523,8 @@ impl<P: Iterator<Item = Segment>, D: Iterator<Item = Segment>> Iterator for Walk
     #[inline]
     fn next(&mut self) -> Option<Segment> {
         match self {
-            Walk::Paged(walk) => walk.next(),
-            Walk::Dealt(walk) => walk.next(),
+            Segments::Paged(walk) => walk.next(),
+            Segments::Dealt(walk) => walk.next(),
         }
     }
 }
@@ -690,15 +667,15 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
     lists: &LaneLists<'_, S, D>,
     (first, n): (u64, u64),
-    walks: &dyn Fn(usize) -> bool,
+    walks: &dyn Fn(Walk) -> bool,
 ) -> ([u64; TOKEN_CLASSES], u64) {
     let mut class_blocks = [0u64; TOKEN_CLASSES];
     let mut n_segments = 0u64;
-    for (lane, maps) in tokens.lanes().filter(|&(lane, _)| walks(lane)) {
-        let classes = &mut class_blocks[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES];
-        let start = tokens.lane_start(lane, first, n);
+    for (at, lane) in tokens.lanes().filter(|&(_, lane)| walks(lane.walk)) {
+        let classes = &mut class_blocks[at * PIECE_CLASSES..(at + 1) * PIECE_CLASSES];
+        let start = lane.walk.start(first, n);
         let (src, dst) = lists.of(lane);
-        for (k, seg) in segments(start, n, maps).enumerate() {
+        for (k, seg) in segments(start, n, lane.maps).enumerate() {
             n_segments += 1;
             classes[0] += seg.n;
             let edges = edges(&seg, src, dst);
@@ -723,16 +700,15 @@ pub(crate) fn model_counts(
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
     let pages = ModelPages { consecutive };
     let lists = LaneLists::same(&pages, &pages);
-    // The window lane walks at most one window's tokens, at the request's end: walked directly.
-    let periodic = |lane: usize| lane != WINDOW_LANE;
-    let period =
-        tokens
-            .lanes()
-            .filter(|&(lane, _)| periodic(lane))
-            .try_fold(1u64, |acc, (_, (a, b))| {
-                let acc = lcm(acc, map_period(a)?)?;
-                lcm(acc, map_period(b)?)
-            });
+    // A window lane walks at most one window's tokens, at the request's end: walked directly.
+    let periodic = |walk: Walk| walk.periodic();
+    let period = tokens
+        .lanes()
+        .filter(|&(_, lane)| periodic(lane.walk))
+        .try_fold(1u64, |acc, (_, lane)| {
+            let acc = lcm(acc, map_period(lane.maps.0)?)?;
+            lcm(acc, map_period(lane.maps.1)?)
+        });
     let walk = |len: u64| walk_counts(tokens, &lists, (0, len), &periodic);
     let (mut classes, mut segments) = match period {
         Some(p) if n / 3 >= p => {
@@ -756,12 +732,12 @@ pub(crate) fn model_counts(
         }
         _ => walk(n),
     };
-    let (window_classes, window_segments) =
-        walk_counts(tokens, &lists, (0, n), &|lane| lane == WINDOW_LANE);
-    for (count, more) in classes.iter_mut().zip(window_classes) {
-        *count += more; // only the window lane's classes, which the periodic walks left at 0
+    let (direct_classes, direct_segments) =
+        walk_counts(tokens, &lists, (0, n), &|walk| !periodic(walk));
+    for (count, more) in classes.iter_mut().zip(direct_classes) {
+        *count += more; // only the direct lanes' classes, which the periodic walks left at 0
     }
-    segments += window_segments;
+    segments += direct_segments;
     finish_counts(tokens, (classes, segments))
 }
 
@@ -818,9 +794,8 @@ fn finish_counts(
     Ok((class_blocks, n_segments, n_blocks, total_bytes))
 }
 
-/// Emits a validated token request (`lists`: the pages holding its tokens, as each lane reads
-/// them; every index below the `limits` of its list: the request's pages, then the window
-/// pages) into `out`, at least `shape.n_blocks` long. A piece with the same shape as the last
+/// Emits a validated token request (`lists`: the pages holding its tokens, per pool; every
+/// index below the `limits` of its pool's list, per pool and side) into `out`, at least `shape.n_blocks` long. A piece with the same shape as the last
 /// piece of its lane is that piece's blocks shifted by the difference of their bases.
 ///
 /// # Errors
@@ -828,14 +803,14 @@ fn finish_counts(
 pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     tokens: &TokenTemplate,
     lists: &LaneLists<'_, [S], [D]>,
-    limits: [(u64, u64); 2],
+    limits: [(u64, u64); POOLS],
     shape: &TokenShape,
     mut out: Columns<'_>,
 ) -> Result<()> {
     let mut at = 0usize;
     // The last piece emitted of each lane: window and full layers alternate in a hybrid-window
     // model, so the piece before is often of the other lane while the one before it matches.
-    let mut previous: [Option<(usize, &Piece)>; TOKEN_LANES] = [None; TOKEN_LANES];
+    let mut previous: [Option<(usize, &Piece)>; MAX_LANES] = [None; MAX_LANES];
     for piece in &tokens.pieces {
         let class = piece.class();
         let expected = shape.class_blocks[class];
@@ -857,14 +832,17 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                 at += expected;
             }
             _ => {
-                let window = usize::from(piece.lane == WINDOW_LANE);
+                let lane = &tokens.lanes[piece.lane];
                 at = emit_piece(
                     piece,
                     class % PIECE_CLASSES,
-                    lists.of(piece.lane),
-                    limits[window],
+                    lists.of(lane),
                     (
-                        tokens.lane_start(piece.lane, shape.first_token, shape.n_tokens),
+                        limits[lane.pools.0.index()].0,
+                        limits[lane.pools.1.index()].1,
+                    ),
+                    (
+                        lane.walk.start(shape.first_token, shape.n_tokens),
                         shape.n_tokens,
                     ),
                     at,

@@ -109,8 +109,8 @@ pub struct Piece {
     pub dst: PieceSide,
     /// Bytes per token (per page for a page piece).
     pub len: u64,
-    /// The token walk it follows in a token template (0: the request's tokens, 1: draft tokens
-    /// a decode-context-parallel template sends whole, 2: a sliding window; 0 for a page piece).
+    /// The position of the [`Lane`] it follows in its token template's list (0, the request's
+    /// tokens, for a page piece).
     pub lane: usize,
 }
 
@@ -167,20 +167,80 @@ impl Piece {
 /// side's pages are packed and its next page index is the previous plus one).
 pub const PIECE_CLASSES: usize = 5;
 
-/// Token walks of a token template: lane 0 moves the tokens of its token maps (all of them, or
-/// those two dealt decode-context-parallel ranks share), lane 1 the draft tokens a DCP template
-/// sends whole (module `dcp`), lane 2 ([`WINDOW_LANE`]) the tokens of sliding-window entries:
-/// lane 0's walk from the window's first live token on. Each lane's walk counts its own blocks.
-pub(crate) const TOKEN_LANES: usize = 3;
+/// Which tokens of a request a lane walks. The token maps a lane walks them over (dealt over
+/// decode context-parallel ranks, or paged) are the lane's own data, so dealing is not a walk:
+/// a new kind of walk (a ring's last positions, a chunked-local span) is one arm here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Walk {
+    /// Every moved token of the request (`first..n`).
+    All,
+    /// The draft tokens a decode-context-parallel template sends whole (module `dcp`): every
+    /// moved token, over each side's undealt virtual pages.
+    DraftWhole,
+    /// A sliding window of this many tokens: the request's last ones (from its first moved
+    /// token when that is later).
+    Window(u64),
+}
 
-/// The lane of sliding-window entries' pieces.
-pub(crate) const WINDOW_LANE: usize = 2;
+impl Walk {
+    /// The first global token the walk moves of a request moving tokens `first..n`.
+    pub(crate) fn start(self, first: u64, n: u64) -> u64 {
+        match self {
+            Walk::Window(window) => first.max(n.saturating_sub(window)),
+            Walk::All | Walk::DraftWhole => first,
+        }
+    }
 
-/// The lane of the draft pieces a decode-context-parallel template sends whole.
-pub(crate) const DRAFT_LANE: usize = 1;
+    /// Whether the walk's block counts repeat with its token maps' period (a window walks at
+    /// most one window at the request's end, so it is counted directly).
+    pub(crate) fn periodic(self) -> bool {
+        !matches!(self, Walk::Window(_))
+    }
+}
+
+/// A side's page index space: one list of pages a request gives for that side, with its own
+/// page size and index limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// The request's pages (its KV pages).
+    Pages,
+    /// The side's window pool (`Layout::with_window_pool`): the request's window pages.
+    Window,
+}
+
+impl Pool {
+    /// Every pool, in the order of [`Pool::index`].
+    pub const ALL: [Pool; POOLS] = [Pool::Pages, Pool::Window];
+
+    /// Its position in per-pool arrays.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Pools a side can have.
+pub const POOLS: usize = 2;
+
+/// One token walk of a token template: which tokens it moves, how each side places them, and
+/// which of each side's page lists holds them. Every token piece follows one lane (its
+/// [`Piece::lane`] is the lane's position in the template's list), and each lane's walk counts
+/// its own blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lane {
+    /// Which tokens it moves.
+    pub walk: Walk,
+    /// How each side places them.
+    pub maps: (TokenMap, TokenMap),
+    /// Which page list of each side holds them.
+    pub pools: (Pool, Pool),
+}
+
+/// The most lanes one token template holds (the target tokens, a DCP template's draft tokens,
+/// one sliding window): the bound of the per-request class counts, which stay on the stack.
+pub const MAX_LANES: usize = 3;
 
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
-pub const TOKEN_CLASSES: usize = PIECE_CLASSES * TOKEN_LANES;
+pub const TOKEN_CLASSES: usize = PIECE_CLASSES * MAX_LANES;
 
 /// Bytes the pieces move per page (per token), or overflow of `what`.
 pub(crate) fn total_len(pieces: &[Piece], what: &'static str) -> crate::error::Result<u64> {

@@ -5,7 +5,7 @@
 
 use crate::error::{PlanError, Result};
 use crate::kernels::tokens::TokenTemplate;
-use crate::model::pieces::{PIECE_CLASSES, Piece, TOKEN_CLASSES, TOKEN_LANES, total_len};
+use crate::model::pieces::{MAX_LANES, PIECE_CLASSES, Piece, TOKEN_CLASSES, total_len};
 use crate::model::plan::{PlanSummary, PlanUnit};
 use crate::peer_pair::coalesce::Group;
 
@@ -24,7 +24,7 @@ pub struct BlockAccounting {
     /// token): what block counts of a token plan are made of.
     token_classes: Vec<[usize; TOKEN_CLASSES]>,
     /// Per group, the bytes its token pieces of each lane move per token.
-    token_lane_bytes: Vec<[u64; TOKEN_LANES]>,
+    token_lane_bytes: Vec<[u64; MAX_LANES]>,
     /// Per state pair, the bytes it moves per slot (0: elided, it owns no block).
     state_lens: Vec<u64>,
 }
@@ -59,7 +59,7 @@ impl BlockAccounting {
                     tokens.pair_pieces[g.first_pair].0,
                     tokens.pair_pieces[g.last_pair].1,
                 );
-                let (mut classes, mut lanes) = ([0; TOKEN_CLASSES], [0u64; TOKEN_LANES]);
+                let (mut classes, mut lanes) = ([0; TOKEN_CLASSES], [0u64; MAX_LANES]);
                 for piece in &tokens.pieces[start..end] {
                     let class = piece.class();
                     classes[class] += 1;

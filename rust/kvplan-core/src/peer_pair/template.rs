@@ -6,9 +6,9 @@
 //! template; it keeps the two layouts so they derive what they need themselves.
 
 use crate::error::{PlanError, Result, Side};
-use crate::kernels::tokens::{TokenTemplate, count_blocks, emit_tokens};
+use crate::kernels::tokens::{LaneLists, TokenTemplate, count_blocks, emit_tokens};
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
-use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
+use crate::model::pieces::{Fragments, PairSpec, Piece, TokenMap, total_len};
 use crate::model::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
@@ -558,7 +558,7 @@ impl Template {
                 let tokens = self.token_template()?;
                 let ((ws, wd), _) = shape.window_pages;
                 let window = request.window_pages;
-                let lists = tokens.lane_lists(
+                let lists = LaneLists::new(
                     (&src[..shape.src_pages], &dst[..shape.dst_pages]),
                     (
                         window.0.map_or(&[][..], |w| &w[..ws]),
@@ -812,11 +812,10 @@ impl Template {
             window.0.map_or(&[][..], |w| &w[..ws]),
             window.1.map_or(&[][..], |w| &w[..wd]),
         );
-        let lists = tokens.lane_lists((&src[..src_pages], &dst[..dst_pages]), window);
+        let lists = LaneLists::new((&src[..src_pages], &dst[..dst_pages]), window);
         let (class_blocks, n_segments, n_blocks, total_bytes) =
             count_blocks(tokens, &lists, skip_tokens, n)?;
-        let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
-        let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
+        let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
         Ok(TokenShape {
             n_tokens: n,
             first_token: skip_tokens,
@@ -866,21 +865,21 @@ impl Template {
         skip_tokens: u64,
     ) -> Result<(u64, (usize, usize), (usize, usize))> {
         let tokens = self.token_template()?;
-        let maps = tokens.maps;
+        let maps = tokens.maps();
+        // Each side's window pool's page size (`None`: the side keeps no window pool).
+        let (src_layout, dst_layout) = self.layouts();
+        let pools = (src_layout.window_page_size(), dst_layout.window_page_size());
         for (side, pool, given) in [
-            (Side::Src, tokens.window_pools.0, window.0.is_some()),
-            (Side::Dst, tokens.window_pools.1, window.1.is_some()),
+            (Side::Src, pools.0, window.0.is_some()),
+            (Side::Dst, pools.1, window.1.is_some()),
         ] {
-            let page_size = side
-                .pick(tokens.window_maps.0, tokens.window_maps.1)
-                .page_size();
             let what = match (pool, given) {
-                (true, false) => format!(
+                (Some(page_size), false) => format!(
                     "the window entries of the {side} side keep a pool of their own \
                      ({page_size} tokens per page): the request must give that side's window \
                      pages"
                 ),
-                (false, true) => window_pages_without_pool(side),
+                (None, true) => window_pages_without_pool(side),
                 _ => continue,
             };
             return Err(PlanError::Geometry { what });
@@ -905,8 +904,11 @@ impl Template {
                 .map(|(a, b)| a.min(b))
                 .ok_or(PlanError::Overflow { what: "tokens" })?,
         };
-        let (src_pages, dst_pages) = tokens.list_pages_needed(n, false);
-        let (src_window, dst_window) = tokens.list_pages_needed(n, true);
+        let [(src_pages, dst_pages), (src_window, dst_window)] = tokens.list_pages_needed(n);
+        // A side without a window pool has no window pages to count (none needed, none given).
+        let window_map = |pool: Option<u64>, map: TokenMap| {
+            pool.map_or(map, |page_size| TokenMap::Paged { page_size })
+        };
         let lists = [
             (Side::Src, "pages", src.len(), src_pages, maps.0),
             (Side::Dst, "pages", dst.len(), dst_pages, maps.1),
@@ -915,14 +917,14 @@ impl Template {
                 "window pages",
                 window.0.map_or(0, <[S]>::len),
                 src_window,
-                tokens.window_maps.0,
+                window_map(pools.0, maps.0),
             ),
             (
                 Side::Dst,
                 "window pages",
                 window.1.map_or(0, <[D]>::len),
                 dst_window,
-                tokens.window_maps.1,
+                window_map(pools.1, maps.1),
             ),
         ];
         for (side, list, pages, needed, map) in lists {
@@ -950,8 +952,7 @@ impl Template {
         if !tokens.pieces.is_empty() && n > skip_tokens {
             // The pages before the one holding the first moved token are not read.
             let read = |pages: usize, first: usize| first.min(pages)..pages;
-            let (src_first, dst_first) = tokens.first_pages(skip_tokens, n, false);
-            let (ws_first, wd_first) = tokens.first_pages(skip_tokens, n, true);
+            let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
             self.check_pages(Side::Src, &src[read(src_pages, src_first)], self.limits.src)?;
             self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], self.limits.dst)?;
             if let Some(window) = window.0 {
@@ -1072,8 +1073,7 @@ pub(crate) fn model_pages(
         v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
         Ok(v)
     };
-    let (src_pages, dst_pages) = tokens.list_pages_needed(n_tokens, false);
-    let (src_window, dst_window) = tokens.list_pages_needed(n_tokens, true);
+    let [(src_pages, dst_pages), (src_window, dst_window)] = tokens.list_pages_needed(n_tokens);
     Ok(ModelLists {
         pages: (pages(src_pages)?, pages(dst_pages)?),
         window: (pages(src_window)?, pages(dst_window)?),

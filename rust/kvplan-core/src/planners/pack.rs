@@ -29,15 +29,15 @@
 //! a slot request of [`Template::plan`].
 
 use crate::error::{PlanError, Result};
-use crate::kernels::tokens::{count_blocks, dst_chunks, emit_tokens, lane_rows};
-use crate::model::pieces::{PIECE_CLASSES, WINDOW_LANE};
+use crate::kernels::tokens::{LaneLists, count_blocks, dst_chunks, emit_tokens, lane_rows};
+use crate::model::pieces::{MAX_LANES, Walk};
 use crate::model::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,
 };
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
 use crate::peer_pair::template::{Template, model_pages};
-use crate::rules::capabilities::Planner;
+use crate::rules::capabilities::{Feature, Planner};
 
 /// Caller-owned memory on the prefill side that receives the gathered rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,17 +160,15 @@ impl PackPlanner<'_> {
     pub fn counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
         let tokens = self.template.token_template()?;
         let model = model_pages(tokens, n_tokens, fragmented)?;
-        let lists = tokens.lane_lists(
+        let lists = LaneLists::new(
             (&model.pages.0[..], &model.pages.1[..]),
             (&model.window.0[..], &model.window.1[..]),
         );
         let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
-        let limits = [
-            (limit(lists.pages.0), limit(lists.pages.1)),
-            (limit(lists.window.0), limit(lists.window.1)),
-        ];
+        let limits = lists.pools.map(|(src, dst)| (limit(src), limit(dst)));
         for piece in &tokens.pieces {
-            let (src_limit, dst_limit) = limits[usize::from(piece.lane == WINDOW_LANE)];
+            let pools = tokens.lanes[piece.lane].pools;
+            let (src_limit, dst_limit) = (limits[pools.0.index()].0, limits[pools.1.index()].1);
             for (side, pages) in [(piece.src, src_limit), (piece.dst, dst_limit)] {
                 // The last byte of the last model page stays addressable.
                 pages
@@ -238,6 +236,27 @@ pub struct RowGather {
     pub pack_bytes: u64,
 }
 
+impl RowGather {
+    /// Lanes of a row gather: the target tokens and the draft tokens.
+    pub const LANES: usize = 2;
+
+    /// The row gather's lane of a token walk.
+    ///
+    /// # Errors
+    /// [`PlanError::Unsupported`] for a walk a row gather does not move (a sliding window).
+    fn lane(walk: Walk) -> Result<usize> {
+        match walk {
+            Walk::All => Ok(0),
+            Walk::DraftWhole => Ok(1),
+            Walk::Window(window) => Err(PlanError::Unsupported {
+                planner: Planner::RowGather.name(),
+                feature: Feature::Window.name(),
+                why: format!("a row gather moves every token; window lane of {window} tokens"),
+            }),
+        }
+    }
+}
+
 /// One piece of a [`RowGather`]: where its rows are on the source side and in the pack buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowCopy {
@@ -300,15 +319,21 @@ impl PackPlanner<'_> {
         let (n, src_pages, dst_pages) = self.template.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
         let limits = (self.template.limits.src, self.template.limits.dst);
-        // The target and draft lanes: a window template (the window lane) is refused above.
-        let mut rows = vec![Vec::new(); crate::model::pieces::WINDOW_LANE];
-        let mut places = vec![Vec::new(); crate::model::pieces::WINDOW_LANE];
+        // The gather's lanes are the target and draft tokens: a window template is refused
+        // above.
+        let mut rows = vec![Vec::new(); RowGather::LANES];
+        let mut places = vec![Vec::new(); RowGather::LANES];
+        let mut gather_lanes = [0usize; MAX_LANES];
+        for (at, lane) in tokens.lanes() {
+            gather_lanes[at] = RowGather::lane(lane.walk)?;
+        }
         if !tokens.pieces.is_empty() {
-            for (lane, maps) in tokens.lanes() {
-                (rows[lane], places[lane]) = lane_rows(maps, src, dst, limits, n)?;
+            for (at, lane) in tokens.lanes() {
+                let gather = gather_lanes[at];
+                (rows[gather], places[gather]) = lane_rows(lane.maps, src, dst, limits, n)?;
             }
         }
-        let lane_of = |piece: &crate::model::pieces::Piece| piece.class() / PIECE_CLASSES;
+        let lane_of = |piece: &crate::model::pieces::Piece| gather_lanes[piece.lane];
         // Pack layout: piece after piece, each piece's rows back to back.
         let mut need = 0u64;
         let mut copies = Vec::with_capacity(tokens.pieces.len());
