@@ -35,7 +35,7 @@ def a():
 
 @pytest.fixture(scope="module")
 def patched(a):
-    from kvplan.compat import vllm_ascend as compat
+    from kvplan.compat.vllm import ascend as compat
 
     cls = type("PatchedRecvingThread", (a.KVCacheRecvingThread,), {})
     assert compat.install(cls) == ("_transfer_kv_cache_all_groups", "_get_remote_metadata")
@@ -193,7 +193,7 @@ def make_thread(a, cls, case: Case):
                                      kv_caches_base_addr=stage.addrs, block_lens=stage.block_lens,
                                      num_blocks=case.num_blocks)
         # what vllm-ascend's handshake keeps (the patched one also keeps the block lengths)
-        from kvplan.compat.vllm_ascend import remember_remote_metadata
+        from kvplan.compat.vllm.ascend import remember_remote_metadata
 
         remember_remote_metadata(t, port, meta)
         remotes[f"127.0.0.1:{50000 + s}"] = stage.arena
@@ -254,7 +254,7 @@ def test_ascend_loader_runs_the_sdists_pull_and_reaches_no_stand_in(a):
 
 
 def test_install_uninstall_restores_exactly(a):
-    from kvplan.compat import vllm_ascend as compat
+    from kvplan.compat.vllm import ascend as compat
 
     cls = type("T", (a.KVCacheRecvingThread,), {})
     before = dict(cls.__dict__)
@@ -361,7 +361,7 @@ def test_refusals_are_typed_and_read_nothing(a, patched):
                                  kv_caches_base_addr=case.stages[1].addrs,
                                  block_lens=[n * 2 for n in case.stages[1].block_lens],
                                  num_blocks=case.num_blocks)
-    from kvplan.compat.vllm_ascend import remember_remote_metadata
+    from kvplan.compat.vllm.ascend import remember_remote_metadata
 
     remember_remote_metadata(t, BASE_PORT + 1, meta)
     case.local_ids[0], case.remote_ids[0] = [0, 1], [2, 3]

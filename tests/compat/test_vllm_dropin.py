@@ -45,7 +45,9 @@ def test_loader_runs_the_wheels_code_and_reaches_no_stand_in(v):
 
 
 def test_import_kvplan_and_compat_import_no_vllm():
-    code = ("import sys, kvplan, kvplan.compat.vllm, kvplan.compat.vllm_ascend;"
+    code = ("import sys, kvplan, kvplan.compat.vllm, kvplan.compat.vllm.ascend,"
+            " kvplan.compat.vllm_ascend, kvplan.compat.vllm_nixl, kvplan.compat.vllm_metrics,"
+            " kvplan.compat.vllm_forms;"
             "print([m for m in sys.modules if m.split('.')[0] in ('vllm', 'vllm_ascend')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

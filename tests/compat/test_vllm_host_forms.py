@@ -22,7 +22,8 @@ from support.vllm_loader import (  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
-from kvplan.compat import vllm_nixl  # noqa: E402
+from kvplan.compat.vllm import connector as vllm_connector  # noqa: E402
+from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,13 @@ def test_real_release_installs(v, nixl, name):
 
 def test_connector_and_plugin_build_on_a_real_release(v, monkeypatch):
     """The plugin's registered name resolved through vLLM's factory builds kvplan's class."""
-    monkeypatch.setattr(compat, "_CONNECTOR", None)
+    monkeypatch.setattr(vllm_connector, "_CONNECTOR", None)
     factory = v.KVConnectorFactory
     monkeypatch.setattr(factory, "_registry", dict(factory._registry))
     compat.register_plugin()
     cls = factory._registry[compat.CONNECTOR_NAME]()
     assert cls.__name__ == "KvplanMooncakeConnector"
+    assert cls.__module__ == cls.Worker.__module__ == "kvplan.compat.vllm"
     assert compat.installed(cls.Worker) == compat.REPLACED_METHODS
 
 
@@ -138,7 +140,7 @@ def test_connector_and_plugin_refuse_a_changed_host(v, monkeypatch):
         return [], [], [], [], None
 
     monkeypatch.setattr(v.MooncakeConnectorWorker, "_build_transfer_params", changed)
-    monkeypatch.setattr(compat, "_CONNECTOR", None)
+    monkeypatch.setattr(vllm_connector, "_CONNECTOR", None)
     err = refusal(getattr, compat, "KvplanMooncakeConnector")
     assert err.method == "_build_transfer_params"
     factory = v.KVConnectorFactory
@@ -146,7 +148,7 @@ def test_connector_and_plugin_refuse_a_changed_host(v, monkeypatch):
     compat.register_plugin()
     err = refusal(factory._registry[compat.CONNECTOR_NAME])
     assert err.cls == "KvplanMooncakeConnectorWorker"
-    assert compat._CONNECTOR is None
+    assert vllm_connector._CONNECTOR is None
 
 
 def test_nixl_worker_with_another_signature_is_refused(nixl):
@@ -239,7 +241,7 @@ def test_known_kvplan_option_is_applied_and_vllm_keys_pass(v):
 
 
 def test_nixl_connector_takes_no_kvplan_option():
-    from kvplan.compat import vllm_forms
+    from kvplan.compat.vllm import forms as vllm_forms
 
     config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
         kv_connector_extra_config={"kvplan_max_blocks_per_batch": 64}))

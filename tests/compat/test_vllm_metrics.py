@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-from kvplan.compat import vllm_metrics  # noqa: E402
+from kvplan.compat.vllm import metrics as vllm_metrics  # noqa: E402
 from support.vllm_cases import (  # noqa: E402
     RecordingEngine, build_connector, generate, run_coroutine, worker_dependencies)
 from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402

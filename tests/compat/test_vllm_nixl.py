@@ -23,7 +23,7 @@ from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E40
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
-from kvplan.compat import vllm_nixl  # noqa: E402
+from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
 
 SEED = 20261202
 SAMPLES = 1500

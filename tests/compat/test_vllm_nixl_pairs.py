@@ -25,7 +25,7 @@ from support.vllm_loader import (  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
-from kvplan.compat import vllm_nixl  # noqa: E402
+from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
 
 SEED = 20261205
 SAMPLES = 1500
