@@ -119,7 +119,7 @@ def _per_request(t: Any, peer: str, template: Any, prepped: Any, src_pages: Any,
 
 def _prefill(conn: Any, spec_d: dict[str, Any], path: str, size: int) -> None:
     import kvplan
-    from kvplan import PlanBatch
+    from kvplan import BlockSlice
     from kvplan.engines.nixl import NixlTransport, descriptor_rows
     from kvplan.testing import PeerSpec, build_layout
 
@@ -136,7 +136,7 @@ def _prefill(conn: Any, spec_d: dict[str, Any], path: str, size: int) -> None:
     prepped = t.prep(layout, dst_layout, peer, template)
     prep_s = time.perf_counter() - t0
     # Warm-up: the first request to a peer sets up the UCX endpoint; keep that out of the timings.
-    t.submit(PlanBatch(np.array([arena.base], np.uint64), np.array([dbase], np.uint64),
+    t.submit(BlockSlice(np.array([arena.base], np.uint64), np.array([dbase], np.uint64),
                        np.array([4096], np.uint64)), peer)
     conn.send({"prep_s": prep_s, "rows": prepped.n_local + prepped.n_remote})
     while True:
@@ -169,7 +169,7 @@ def _prefill(conn: Any, spec_d: dict[str, Any], path: str, size: int) -> None:
             out = _per_request(t, peer, template, prepped, src_pages, dst_pages, msg[3])
         elif kind == "large":
             n_bytes = int(src_pages)
-            plan1 = PlanBatch(np.array([arena.base], np.uint64), np.array([dbase], np.uint64),
+            plan1 = BlockSlice(np.array([arena.base], np.uint64), np.array([dbase], np.uint64),
                               np.array([n_bytes], np.uint64))
             stats = t.submit(plan1, peer)
             out = {"build_s": 0.0, "transfer_s": stats.seconds, "blocks": 1, "bytes": n_bytes}

@@ -24,7 +24,8 @@ from kvplan._core import (
     PairingError,
     Blocks,
     BatchPlan,
-    PlanBatch,
+    BlockSlice,
+    PlanBatch,  # BlockSlice's old name, an alias for this release
     PlanSlices,
     Request,
     RowGather,
@@ -72,6 +73,7 @@ __all__ = [
     "PairingError",
     "Blocks",
     "BatchPlan",
+    "BlockSlice",
     "PlanBatch",
     "PlanSlices",
     "Request",

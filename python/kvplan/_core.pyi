@@ -29,6 +29,7 @@ __all__ = [
     "Blocks",
     "BatchPlan",
     "BatchSlices",
+    "BlockSlice",
     "PlanBatch",
     "PlanBuffer",
     "PlanSlices",
@@ -436,7 +437,7 @@ class PlanBuffer:
 @disjoint_base
 class Blocks:
     """Three equally long uint64 columns (source addresses, destination addresses, lengths):
-    the base of every plan-like result (``TransferPlan``, ``BatchPlan``, ``PlanBatch``)."""
+    the base of every plan-like result (``TransferPlan``, ``BatchPlan``, ``BlockSlice``)."""
 
     @property
     def src_addrs(self) -> _U64Array: ...
@@ -487,7 +488,7 @@ class BatchPlan(Blocks):
     def call_ranges(self, max_blocks: int) -> npt.NDArray[np.int64]:
         """``(n_calls, 2)`` ``[start, stop)`` block ranges of at most ``max_blocks`` blocks, one
         per engine call: whole segments packed while they fit, a larger one split alone."""
-    def batches(self, max_blocks: int) -> list[PlanBatch]:
+    def batches(self, max_blocks: int) -> list[BlockSlice]:
         """The blocks of each of ``call_ranges(max_blocks)`` as views (no copy)."""
     @property
     def request_digests(self) -> _U64Array:
@@ -504,12 +505,16 @@ class BatchPlan(Blocks):
     def layout_fingerprints(self) -> tuple[int, int]: ...
 
 @final
-class PlanBatch(Blocks):
-    """A slice of a plan's blocks (views, no copy), sized for one engine submission; unpacks as
-    ``src_addrs, dst_addrs, lengths = batch``."""
+class BlockSlice(Blocks):
+    """A run of blocks (views, no copy): a slice of a plan's blocks (``batches(max_blocks)``
+    sizes them for one engine submission) or three columns built by hand; unpacks as
+    ``src_addrs, dst_addrs, lengths = blocks``."""
 
-    def __new__(cls, src_addrs: _U64Array, dst_addrs: _U64Array, lengths: _U64Array) -> PlanBatch: ...
+    def __new__(cls, src_addrs: _U64Array, dst_addrs: _U64Array, lengths: _U64Array) -> BlockSlice: ...
     def __iter__(self) -> Iterator[_U64Array]: ...
+
+#: ``BlockSlice``'s old name, kept as an alias for this release.
+PlanBatch = BlockSlice
 
 @final
 class RowGather:
@@ -555,7 +560,7 @@ class TransferPlan(Blocks):
     @property
     def pair_groups(self) -> _I64Array: ...
     def group_blocks(self, group: int) -> slice: ...
-    def batches(self, max_blocks: int) -> list[PlanBatch]: ...
+    def batches(self, max_blocks: int) -> list[BlockSlice]: ...
     @property
     def layout_fingerprints(self) -> tuple[int, int]:
         """Fingerprints of the prefill and decode layouts the plan was planned between."""

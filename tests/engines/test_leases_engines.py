@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan import LeaseTable, PlanBatch, StaleLeaseError
+from kvplan import LeaseTable, BlockSlice, StaleLeaseError
 from kvplan.engines.measure import loopback_transports
 from kvplan.testing.oracle import array_pool
 from support.engine_peers import Engine
@@ -163,7 +163,7 @@ def test_a_dropped_mooncake_status_is_never_counted_as_landed() -> None:
         peer = receiver.local_session_id()
         manifest = sender.manifest(plan, src_pages=s_pages, dst_pages=d_pages, lease=lease)
         half = plan.n_blocks // 2
-        part = PlanBatch(plan.src_addrs[:half], plan.dst_addrs[:half], plan.lengths[:half])
+        part = BlockSlice(plan.src_addrs[:half], plan.dst_addrs[:half], plan.lengths[:half])
         stats = sender.submit(part, peer, manifest=[manifest])
         assert stats.blocks == half and stats.integrity
         # The writer stopped here, and its status never reached the side channel.

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvplan import PlanBatch
+from kvplan import BlockSlice
 from kvplan.engines import MooncakeTransport, TransferError, TransferStats, merge_regions
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 from kvplan.testing.oracle import Memory, apply_plan
@@ -488,7 +488,7 @@ def test_many_small_blocks_are_batched_under_the_tcp_limit(mooncake_env: None) -
         stats = c.peers["prefill"].call("submit_raw", d.session, src, np.uint64(d.base) + dst,
                                         lengths, timeout=60)
         # The blocks as memmoves between the arenas (offsets as addresses).
-        apply_plan(PlanBatch(src, dst, lengths), Memory(c.arenas["prefill"].array, 0), expected)
+        apply_plan(BlockSlice(src, dst, lengths), Memory(c.arenas["prefill"].array, 0), expected)
         assert_decode_bytes(c.arenas["decode"].array, expected.data, decode)
     assert stats["blocks"] == n and stats["batches"] == 3
 

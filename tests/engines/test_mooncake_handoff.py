@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvplan import PlanBatch
+from kvplan import BlockSlice
 from kvplan.engines import MooncakeTransport
 from kvplan.engines.mooncake import Handoff
 
@@ -144,7 +144,7 @@ def test_the_transport_shows_a_failed_self_test_and_still_moves_the_bytes(
         receiver.register_buffers([dst_buf.ctypes.data], [dst_buf.nbytes])
         offsets = np.arange(0, 1 << 15, 512, dtype=np.uint64)
         lengths = np.full(len(offsets), 512, np.uint64)
-        plan = PlanBatch(np.uint64(src_buf.ctypes.data) + offsets,
+        plan = BlockSlice(np.uint64(src_buf.ctypes.data) + offsets,
                          np.uint64(dst_buf.ctypes.data) + offsets[::-1].copy(), lengths)
         stats = sender.submit(plan, receiver.local_session_id(), 20)
         assert (stats.blocks, stats.batches) == (64, 4)

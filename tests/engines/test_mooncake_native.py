@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvplan import PlanBatch
+from kvplan import BlockSlice
 from kvplan.engines import MooncakeTransport
 from kvplan.testing.oracle import Memory, apply_plan
 
@@ -95,7 +95,7 @@ def test_blocks_land_byte_exact_through_each_handoff(mooncake_env: None, path: s
         handoff, reason = c.peers["prefill"].call("handoff", timeout=10)
         # The blocks as memmoves between the arenas (offsets as addresses).
         want = Memory(before, 0)
-        apply_plan(PlanBatch(src, dst, lengths), Memory(c.arenas["prefill"].array, 0), want)
+        apply_plan(BlockSlice(src, dst, lengths), Memory(c.arenas["prefill"].array, 0), want)
         np.testing.assert_array_equal(c.arenas["decode"].array, want.data)
     assert (handoff, reason if path == "native" else "") == (path, "")
     if path == "lists":

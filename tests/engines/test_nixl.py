@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan import PlanBatch, TransferError
+from kvplan import BlockSlice, TransferError
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 from kvplan.testing.oracle import reference_copy
 from kvplan.testing.ranks import Model, Rank, rank_memory
@@ -116,9 +116,9 @@ class Pair:
         self.b.register_buffers([self.dst.ctypes.data], [size])
         self.peer = self.a.add_peer(self.b.metadata())
 
-    def plan(self, src_off: np.ndarray, dst_off: np.ndarray, length: int) -> PlanBatch:
+    def plan(self, src_off: np.ndarray, dst_off: np.ndarray, length: int) -> BlockSlice:
         n = len(src_off)
-        return PlanBatch(np.uint64(self.src.ctypes.data) + src_off.astype(np.uint64),
+        return BlockSlice(np.uint64(self.src.ctypes.data) + src_off.astype(np.uint64),
                          np.uint64(self.dst.ctypes.data) + dst_off.astype(np.uint64),
                          np.full(n, length, np.uint64))
 
@@ -333,7 +333,7 @@ def test_prepped_path_refuses_nhd_to_hnd_and_names_the_plan_path() -> None:
 def test_an_empty_plan_still_delivers_its_notification(pair: Pair) -> None:
     """A plan of no blocks (e.g. a decode rank sharing no head with this prefill rank) still
     tells the receiver the request is complete, synchronously and asynchronously."""
-    empty = PlanBatch(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+    empty = BlockSlice(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
     stats = pair.a.submit(empty, pair.peer, notif=b"req-7")
     assert (stats.blocks, stats.bytes) == (0, 0)
     pair.b.wait_notification("unit-a", b"req-7", timeout=10)
@@ -480,7 +480,7 @@ def test_timeout_raises_and_releases_the_handle() -> None:
     peer = t.add_peer(b"md")
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="timed out") as info:
-        t.submit(PlanBatch(np.array([0x10000], np.uint64), np.array([0], np.uint64),
+        t.submit(BlockSlice(np.array([0x10000], np.uint64), np.array([0], np.uint64),
                            np.array([64], np.uint64)), peer)
     assert time.monotonic() - t0 < 10
     assert info.value.state == "PROC (timed out)" and info.value.agent == "stuck"
@@ -493,7 +493,7 @@ def test_a_handle_nixl_refuses_to_release_is_released_at_close() -> None:
     t = NixlTransport("stuck", agent=agent, timeout=0.2)
     t.register_buffers([0x10000], [1 << 20])
     with pytest.raises(TransferError):
-        t.submit(PlanBatch(np.array([0x10000], np.uint64), np.array([0], np.uint64),
+        t.submit(BlockSlice(np.array([0x10000], np.uint64), np.array([0], np.uint64),
                            np.array([64], np.uint64)), t.add_peer(b"md"))
     assert t.live_handles == 1 and len(agent.live) == 1
     t.close()
@@ -644,7 +644,7 @@ dst = np.zeros(1 << 16, np.uint8)
 a.register_buffers([src.ctypes.data], [src.nbytes], device="cpu")
 b.register_buffers([dst.ctypes.data], [dst.nbytes], device="cpu")
 peer = a.add_peer(b.metadata())
-plan = kvplan.PlanBatch(np.array([src.ctypes.data], np.uint64),
+plan = kvplan.BlockSlice(np.array([src.ctypes.data], np.uint64),
                         np.array([dst.ctypes.data], np.uint64), np.array([4096], np.uint64))
 a.submit(plan, peer, notif=b"done", timeout=30.0)
 b.wait_notification("exit-a", b"done", timeout=30.0)
@@ -682,5 +682,5 @@ def test_the_exit_hook_closes_every_open_transport() -> None:
     nixl_transport._close_open_transports()
     assert t not in nixl_transport._OPEN and t._agent is None
     with pytest.raises(TransferError):
-        t.submit(PlanBatch(np.zeros(1, np.uint64), np.zeros(1, np.uint64),
+        t.submit(BlockSlice(np.zeros(1, np.uint64), np.zeros(1, np.uint64),
                            np.ones(1, np.uint64)), "nobody")

@@ -353,7 +353,7 @@ def test_the_withholding_test_transport_drops_one_slice_from_a_grouped_submissio
     withholding = _Withholding(recorder, 1, dropped)
     a = cut.ranges[1][0][0]
     b = cut.ranges[2][-1][1]
-    grouped = kvplan.PlanBatch(plan.src_addrs[a:b], plan.dst_addrs[a:b], plan.lengths[a:b])
+    grouped = kvplan.BlockSlice(plan.src_addrs[a:b], plan.dst_addrs[a:b], plan.lengths[a:b])
     stats = withholding.submit(grouped, "peer", None, notif=slice_receipt([1, 2], b"r"),
                                timeout=1.0)
     assert stats.blocks == b - a  # the verdict counts the dropped blocks as sent
@@ -362,7 +362,7 @@ def test_the_withholding_test_transport_drops_one_slice_from_a_grouped_submissio
                                            - set(dropped.tolist()))
     assert read_receipt(notif) == ([2], b"r")
     # A submission holding only the withheld slice goes nowhere.
-    only = kvplan.PlanBatch(*(c[cut.ranges[1][0][0]:cut.ranges[1][-1][1]]
+    only = kvplan.BlockSlice(*(c[cut.ranges[1][0][0]:cut.ranges[1][-1][1]]
                               for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
     withholding.submit(only, "peer", None, notif=slice_receipt([1], b"r"), timeout=1.0)
     assert len(seen) == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvplan import PlanBatch
+from kvplan import BlockSlice
 from kvplan.presets import ModelPreset, StateSpec, fragmented_pages
 from kvplan.testing import model_peers
 from kvplan.testing.oracle import Memory, apply_plan
@@ -85,7 +85,7 @@ def test_async_submit_moves_bytes(engine: Engine) -> None:
                                         10, prefill.name.encode(), timeout=60)
         engine.wait_stages(c, [prefill])
         want = Memory(before, 0)
-        apply_plan(PlanBatch(src, dst, np.full(n, item, np.uint64)),
+        apply_plan(BlockSlice(src, dst, np.full(n, item, np.uint64)),
                    Memory(c.arenas["prefill"].array, 0), want)
         np.testing.assert_array_equal(c.arenas["decode"].array, want.data)
         assert c.peers["prefill"].call("live_handles") == 0

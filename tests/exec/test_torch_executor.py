@@ -79,7 +79,7 @@ def random_blocks(
     n_blocks: int,
     src_tensors: list[int],
     dst_tensors: list[int],
-) -> kvplan.PlanBatch:
+) -> kvplan.BlockSlice:
     """``n_blocks`` blocks of whole ``unit``s: destinations disjoint (cut from the destination
     tensors and shuffled), sources anywhere in the source tensors (they may overlap)."""
     cuts = []
@@ -96,7 +96,7 @@ def random_blocks(
         src.append(base + int(rng.integers(0, (size - length) // unit + 1)) * unit)
         dst.append(addr)
         lengths.append(length)
-    return kvplan.PlanBatch(
+    return kvplan.BlockSlice(
         np.array(src, np.uint64), np.array(dst, np.uint64), np.array(lengths, np.uint64)
     )
 
@@ -127,7 +127,7 @@ def test_blocks_inside_one_tensor_and_a_named_registry() -> None:
     for lengths in ([64] * 20, list(rng.integers(1, 5, 20) * 32)):
         src = base + np.arange(20, dtype=np.uint64) * 128
         dst = base + 4096 + rng.permutation(20).astype(np.uint64) * 128
-        plan = kvplan.PlanBatch(
+        plan = kvplan.BlockSlice(
             src.astype(np.uint64), dst.astype(np.uint64), np.array(lengths, np.uint64)
         )
         want = memory_of(t).copy()
@@ -617,8 +617,8 @@ def arena_and_plan(n: int = 2) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return arena, parts
 
 
-def blocks(src: list[int], dst: list[int], lengths: list[int]) -> kvplan.PlanBatch:
-    return kvplan.PlanBatch(
+def blocks(src: list[int], dst: list[int], lengths: list[int]) -> kvplan.BlockSlice:
+    return kvplan.BlockSlice(
         np.array(src, np.uint64), np.array(dst, np.uint64), np.array(lengths, np.uint64)
     )
 

@@ -8,7 +8,7 @@
 - :class:`StandInMemfabric`: the same signatures, validating a batch like memfabric and then
   copying the bytes in-process, so a transfer through the Ascend adapter can be checked byte
   for byte.
-- :func:`plan_batch`: a :class:`kvplan.PlanBatch` from plain lists of addresses and lengths.
+- :func:`plan_batch`: a :class:`kvplan.BlockSlice` from plain lists of addresses and lengths.
 """
 
 from __future__ import annotations
@@ -162,6 +162,6 @@ class StandInMemfabric:
 
 
 def plan_batch(src: list[int], dst: list[int], lengths: list[int]) -> Any:
-    from kvplan import PlanBatch
+    from kvplan import BlockSlice
 
-    return PlanBatch(*(np.array(x, dtype=np.uint64) for x in (src, dst, lengths)))
+    return BlockSlice(*(np.array(x, dtype=np.uint64) for x in (src, dst, lengths)))

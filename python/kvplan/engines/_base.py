@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvplan._core import KvPlanError, PlanBatch
+from kvplan._core import KvPlanError, BlockSlice
 from kvplan._errors import TransferError  # the class `kvplan.TransferError` re-exports
 from kvplan.integrity import Manifest, build_manifest, check_notification, pack_notification
 from kvplan.leases import Lease, LeaseTable
@@ -70,7 +70,7 @@ U64 = npt.NDArray[np.uint64]
 
 class PlanLike(Protocol):
     """Anything with three equally long 1-D uint64 arrays: a :class:`kvplan.TransferPlan`,
-    a ``PlanBatch``, or a hand-built object in tests."""
+    a ``BlockSlice``, or a hand-built object in tests."""
 
     @property
     def src_addrs(self) -> npt.ArrayLike: ...
@@ -761,7 +761,7 @@ class Transport:
             keep = lengths != 0
             src, dst, lengths = src[keep], dst[keep], lengths[keep]
         if check_sources:
-            self.check_sources(PlanBatch(src, dst, lengths))
+            self.check_sources(BlockSlice(src, dst, lengths))
         return src, dst, lengths
 
     def _batch_bound(self, max_blocks_per_batch: int | None) -> int | None:
@@ -870,7 +870,7 @@ def write_batches(src: C, dst: C, lengths: C, bound: int | None,
     return count, 0
 
 
-def batch_calls(batch: BatchPlan, bound: int | None) -> list[tuple[int, int, PlanBatch]]:
+def batch_calls(batch: BatchPlan, bound: int | None) -> list[tuple[int, int, BlockSlice]]:
     """The bounded engine calls of a batch plan, ``(lo, hi, blocks)`` each:
     ``batch.call_ranges(bound)`` (whole requests packed while they fit, so a failed call holds
     as few requests as the sizes allow; one call for everything when ``bound`` is None), the
@@ -879,7 +879,7 @@ def batch_calls(batch: BatchPlan, bound: int | None) -> list[tuple[int, int, Pla
     src, dst, lengths = plan_arrays(batch)
     n = len(src)
     ranges = batch.call_ranges(bound if bound is not None else max(n, 1)).tolist()
-    return [(lo, hi, PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])) for lo, hi in ranges]
+    return [(lo, hi, BlockSlice(src[lo:hi], dst[lo:hi], lengths[lo:hi])) for lo, hi in ranges]
 
 
 def _batch_bounds(n: int, bound: int | None) -> Iterator[tuple[int, int]]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplan._core import Layout, PlanBatch, Template, TransferCost, copy_local
+from kvplan._core import Layout, BlockSlice, Template, TransferCost, copy_local
 from kvplan.engines._base import Transport
 
 __all__ = ["loopback_bytes", "loopback_transports", "measure_copy_bandwidth", "measure_cost",
@@ -124,9 +124,9 @@ def measure_cost(transport: Transport, peer_session: str, *, src_region: tuple[i
     dst_addr, _ = _check_region("dst_region", dst_region, need)
     kwargs = submit_kwargs or {}
 
-    def blocks(n: int, length: int, step: int) -> PlanBatch:
+    def blocks(n: int, length: int, step: int) -> BlockSlice:
         offsets = np.arange(n, dtype=np.uint64) * np.uint64(step)
-        return PlanBatch(offsets + np.uint64(src_addr), offsets + np.uint64(dst_addr),
+        return BlockSlice(offsets + np.uint64(src_addr), offsets + np.uint64(dst_addr),
                          np.full(n, length, np.uint64))
 
     small = blocks(small_blocks, small_block, 2 * small_block)

@@ -53,7 +53,7 @@ from kvplan._core import (
     BatchSlices,
     KvPlanError,
     LayerSlices,
-    PlanBatch,
+    BlockSlice,
     PlanSlices,
     TransferPlan,
     WorkManifest,
@@ -686,7 +686,7 @@ class StreamingSubmitter:
             assert b._peer is not None
             src, dst, lengths = b._columns
             try:
-                self._transport.submit(PlanBatch(src[:0], dst[:0], lengths[:0]), b._peer,
+                self._transport.submit(BlockSlice(src[:0], dst[:0], lengths[:0]), b._peer,
                                        notif=final, timeout=self._timeout)
             except TransferError as exc:
                 err = TransferError(f"streaming: batch {b.request!r}: its final notification "
@@ -717,9 +717,9 @@ class StreamingSubmitter:
             pieces = ranges.tolist()
             if len(pieces) == 1:
                 ((lo, hi),) = pieces
-                view = PlanBatch(src[lo:hi], dst[lo:hi], lengths[lo:hi])
+                view = BlockSlice(src[lo:hi], dst[lo:hi], lengths[lo:hi])
             else:
-                view = PlanBatch(*(np.concatenate([c[lo:hi] for lo, hi in pieces])
+                view = BlockSlice(*(np.concatenate([c[lo:hi] for lo, hi in pieces])
                                    for c in (src, dst, lengths)))
             b._calls += 1
             try:
@@ -753,12 +753,12 @@ class StreamingSubmitter:
         src, dst, lengths = req._columns[id(plan)]
         if len(ranges) == 1:
             ((a, b),) = ranges
-            views = [PlanBatch(src[a:b], dst[a:b], lengths[a:b])]
+            views = [BlockSlice(src[a:b], dst[a:b], lengths[a:b])]
         elif ranges:
-            views = [PlanBatch(*(np.concatenate([c[a:b] for a, b in ranges])
+            views = [BlockSlice(*(np.concatenate([c[a:b] for a, b in ranges])
                                  for c in (src, dst, lengths)))]
         else:  # a bare notification (NIXL) for a request that moves nothing
-            views = [PlanBatch(src[:0], dst[:0], lengths[:0])]
+            views = [BlockSlice(src[:0], dst[:0], lengths[:0])]
         for i, view in enumerate(views):
             kw: dict[str, Any] = {}
             if self._nixl:

@@ -1,6 +1,6 @@
 """Executors: one description of a plan's stages, and one interface that runs them.
 
-A plan is one stage (``TransferPlan``, ``BatchPlan``, ``PlanBatch``: blocks from one memory
+A plan is one stage (``TransferPlan``, ``BatchPlan``, ``BlockSlice``: blocks from one memory
 into another) or several, run in a fixed order between up to four memories, named by role the
 same way in every executor:
 
@@ -43,7 +43,7 @@ Role = Literal["src", "src_staging", "dst_staging", "dst"]
 class BlockColumns(Protocol):
     """A one-stage plan: three equally long 1-D uint64 columns, block ``k`` copying
     ``lengths[k]`` bytes from ``src_addrs[k]`` to ``dst_addrs[k]`` (``kvplan.TransferPlan``,
-    ``PlanBatch``, ``BatchPlan``)."""
+    ``BlockSlice``, ``BatchPlan``)."""
 
     @property
     def src_addrs(self) -> _U64: ...
@@ -118,7 +118,7 @@ def stages(plan: Plan) -> tuple[Stage, ...]:
         return _DIRECT
     raise TypeError(
         f"a {type(plan).__name__} is not a plan an executor runs: expected a TransferPlan, "
-        "BatchPlan or PlanBatch, a StagedPlan, plan_packed's (gather, network), "
+        "BatchPlan or BlockSlice, a StagedPlan, plan_packed's (gather, network), "
         "plan_row_gather's (rows, network) or a ConversionPlan"
     )
 

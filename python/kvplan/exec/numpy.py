@@ -67,7 +67,7 @@ def _mark(written: _Written | None, mem: Memory, addr: int, n: int) -> None:
 
 def apply_plan(plan: Any, src_mem: Memory, dst_mem: Memory,
                written: _Written | None = None) -> None:
-    """Applies a plan's blocks (anything with ``as_lists()``: ``TransferPlan``, ``PlanBatch``)
+    """Applies a plan's blocks (anything with ``as_lists()``: ``TransferPlan``, ``BlockSlice``)
     as memmoves. A block outside either memory is an ``IndexError``; with ``written`` (one
     flag per destination byte) a destination byte written twice is an ``AssertionError``."""
     for s, d, n in zip(*plan.as_lists()):

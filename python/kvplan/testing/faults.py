@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvplan._core import Layout, PlanBatch, Template, TransferPlan
+from kvplan._core import Layout, BlockSlice, Template, TransferPlan
 from kvplan.integrity import IntegrityError, Manifest, build_manifest, check_notification
 from kvplan.leases import Lease, LeaseTable, StaleLeaseError
 from kvplan.testing.oracle import Memory, apply_plan, array_pool
@@ -52,7 +52,7 @@ class LateWriterCounts:
 def _write(plan: TransferPlan, blocks: npt.NDArray[np.int64], src: npt.NDArray[np.uint8],
            dst: npt.NDArray[np.uint8]) -> None:
     """Blocks ``blocks`` of ``plan`` (in that order) as memmoves from ``src`` to ``dst``."""
-    part = PlanBatch(*(np.ascontiguousarray(np.asarray(c)[blocks])
+    part = BlockSlice(*(np.ascontiguousarray(np.asarray(c)[blocks])
                        for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
     apply_plan(part, Memory.of(src), Memory.of(dst))
 

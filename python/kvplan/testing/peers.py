@@ -313,9 +313,9 @@ def _cmd_scatter_staged(state: _PeerState, src_layout_wire: bytes, src_staging: 
 
 def _raw_plan(state: _PeerState, src: Sequence[int], dst: Sequence[int],
               lengths: Sequence[int]) -> Any:
-    from kvplan import PlanBatch
+    from kvplan import BlockSlice
 
-    return PlanBatch(np.asarray(src, np.uint64) + np.uint64(state.arena.base),
+    return BlockSlice(np.asarray(src, np.uint64) + np.uint64(state.arena.base),
                    np.asarray(dst, np.uint64), np.asarray(lengths, np.uint64))
 
 
@@ -409,7 +409,7 @@ class _Withholding:
         return getattr(self._inner, name)
 
     def submit(self, plan: Any, peer: str, max_blocks: int | None = None, **kw: Any) -> Any:
-        from kvplan import PlanBatch
+        from kvplan import BlockSlice
         from kvplan.engines import TransferStats
         from kvplan.engines.streaming import read_receipt, slice_receipt
 
@@ -423,7 +423,7 @@ class _Withholding:
         if not keep.any() and not kw.get("notif"):
             return lost  # nothing of this submission left to send
         if not keep.all():
-            plan = PlanBatch(*(np.ascontiguousarray(np.asarray(c)[keep])
+            plan = BlockSlice(*(np.ascontiguousarray(np.asarray(c)[keep])
                                for c in (plan.src_addrs, plan.dst_addrs, plan.lengths)))
         self._inner.submit(plan, peer, max_blocks, **kw)
         return lost  # the verdict counts the dropped blocks as sent

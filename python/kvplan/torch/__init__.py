@@ -3,7 +3,7 @@
 ``import kvplan`` never imports this package; ``import kvplan.torch`` imports torch (the
 ``kvplan[torch]`` extra) and raises ``ImportError`` saying so when it is missing.
 
-- :class:`TorchExecutor` runs a block plan (a ``TransferPlan``, ``PlanBatch`` or ``BatchPlan``:
+- :class:`TorchExecutor` runs a block plan (a ``TransferPlan``, ``BlockSlice`` or ``BatchPlan``:
   the gather or scatter of ``Template.plan_staged``, the gather of ``Template.plan_packed``, or
   any plan whose both sides are memory of this process) and the row gather of
   ``Template.plan_row_gather`` on the tensors that back the plan's addresses; given a

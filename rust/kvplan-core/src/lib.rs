@@ -103,7 +103,7 @@ pub use peer::layout::{
     heads_per_rank_at,
 };
 pub use peer_pair::accounting::BlockAccounting;
-pub use peer_pair::coalesce::{Group, JoinBlocker};
+pub use peer_pair::coalesce::{EmissionGroup, JoinBlocker};
 pub use peer_pair::template::{BlockRequest, GeometryOptions, Template};
 pub use planners::advice::{Advice, Choice, TransferCost, advise, transfer_advice};
 pub use planners::batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};

@@ -89,8 +89,8 @@ fn check(
         assert_eq!((work.blocks, work.bytes), (n, bytes));
     };
     for ((spec, ranges), work) in slices.slices().iter().zip(&cut.ranges).zip(&cut.work) {
-        assert_eq!(work.group, spec.group);
-        visit(ranges, SliceKey::Group(spec.group), work);
+        assert_eq!(work.layer_group, spec.layer_group);
+        visit(ranges, SliceKey::LayerGroup(spec.layer_group), work);
     }
     visit(&cut.seal_ranges, SliceKey::Seal, &cut.seal);
     assert!(

@@ -18,7 +18,7 @@ use pyo3::types::{PySequence, PyTuple};
 
 use crate::errors::{KvPlanError, to_py_err};
 use crate::input::{IndexArray, IndexSlice, RequestArrays, WindowSlices, core_request};
-use crate::plan::{PyBlocks, PyPlanBatch, pooled_columns};
+use crate::plan::{PyBlocks, PyBlockSlice, pooled_columns};
 use crate::pool;
 use crate::request::{PyRequest, RequestInput};
 
@@ -665,7 +665,7 @@ impl PyBatchPlan {
         slf: PyRef<'_, Self>,
         py: Python<'_>,
         max_blocks: i64,
-    ) -> PyResult<Vec<Py<PyPlanBatch>>> {
+    ) -> PyResult<Vec<Py<PyBlockSlice>>> {
         let calls = slf.calls(max_blocks)?;
         calls
             .into_iter()
@@ -673,7 +673,7 @@ impl PyBatchPlan {
                 let blocks = slf.as_super().slice(py, call.start, call.end)?;
                 Py::new(
                     py,
-                    PyClassInitializer::from(blocks).add_subclass(PyPlanBatch),
+                    PyClassInitializer::from(blocks).add_subclass(PyBlockSlice),
                 )
             })
             .collect()

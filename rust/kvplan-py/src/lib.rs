@@ -81,7 +81,7 @@ mod _core {
     #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
-    use crate::plan::{PyBlocks, PyPlanBatch, PyPlanBuffer, PyTransferPlan};
+    use crate::plan::{PyBlocks, PyBlockSlice, PyPlanBuffer, PyTransferPlan};
     #[pymodule_export]
     use crate::pool::pool_stats;
     #[pymodule_export]
@@ -105,6 +105,8 @@ mod _core {
         m.add("MHA_ROLES", kvplan_core::MHA_ROLES.to_vec())?;
         m.add("DTYPES", crate::convert::dtype_names())?;
         m.add("SCALE_FORMATS", crate::convert::scale_format_names())?;
+        // `BlockSlice`'s old name, kept for this release so existing imports keep working.
+        m.add("PlanBatch", m.py().get_type::<crate::plan::PyBlockSlice>())?;
         m.py()
             .get_type::<crate::errors::KvPlanError>()
             .setattr("kind", "other")?;

@@ -1,5 +1,5 @@
 //! Plans as Python objects: `TransferPlan` (a request's blocks plus what they are made of) and
-//! `PlanBatch` (a slice of blocks for one engine submission). Both hold three uint64 NumPy
+//! `BlockSlice` (a slice of blocks, e.g. for one engine submission). Both hold three uint64 NumPy
 //! columns that view Rust- or caller-owned memory without a copy; nothing is built per block.
 
 use std::sync::Arc;
@@ -96,7 +96,7 @@ pub(crate) fn out_columns(out: &Bound<'_, numpy::PyArray2<u64>>, n: usize) -> [C
 }
 
 /// Three equally long uint64 columns (source addresses, destination addresses, lengths): the
-/// base of every plan-like result (`TransferPlan`, `BatchPlan`, `PlanBatch`), which owns the columns and
+/// base of every plan-like result (`TransferPlan`, `BatchPlan`, `BlockSlice`), which owns the columns and
 /// the views of them every engine adapter reads.
 #[pyclass(frozen, subclass, name = "Blocks", module = "kvplan._core")]
 pub struct PyBlocks {
@@ -186,13 +186,15 @@ impl PyBlocks {
     }
 }
 
-/// A slice of a plan's blocks (views, no copy), sized for one engine submission. It unpacks
-/// as `src_addrs, dst_addrs, lengths = batch`.
-#[pyclass(frozen, extends = PyBlocks, name = "PlanBatch", module = "kvplan._core")]
-pub struct PyPlanBatch;
+/// A run of blocks (views, no copy): a slice of a plan's blocks (`batches(max_blocks)` sizes
+/// them for one engine submission) or three columns built by hand. It unpacks as
+/// `src_addrs, dst_addrs, lengths = blocks`. Its old name, `PlanBatch`, is an alias in
+/// `kvplan._core` for this release.
+#[pyclass(frozen, extends = PyBlocks, name = "BlockSlice", module = "kvplan._core")]
+pub struct PyBlockSlice;
 
 #[pymethods]
-impl PyPlanBatch {
+impl PyBlockSlice {
     /// Three equally long 1-D uint64 arrays (kept, not copied).
     #[new]
     fn new(
@@ -226,7 +228,7 @@ impl PyPlanBatch {
     }
 
     fn __repr__(slf: PyRef<'_, Self>, py: Python<'_>) -> String {
-        format!("PlanBatch(n_blocks={})", slf.as_super().len(py))
+        format!("BlockSlice(n_blocks={})", slf.as_super().len(py))
     }
 }
 
@@ -513,7 +515,7 @@ impl PyTransferPlan {
         slf: PyRef<'_, Self>,
         py: Python<'_>,
         max_blocks: i64,
-    ) -> PyResult<Vec<Py<PyPlanBatch>>> {
+    ) -> PyResult<Vec<Py<PyBlockSlice>>> {
         if max_blocks <= 0 {
             return Err(KvPlanError::new_err(format!(
                 "max_blocks must be positive, got {max_blocks}"
@@ -528,7 +530,7 @@ impl PyTransferPlan {
                 let blocks = slf.as_super().slice(py, start, stop)?;
                 Py::new(
                     py,
-                    PyClassInitializer::from(blocks).add_subclass(PyPlanBatch),
+                    PyClassInitializer::from(blocks).add_subclass(PyBlockSlice),
                 )
             })
             .collect()

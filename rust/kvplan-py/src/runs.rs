@@ -25,8 +25,8 @@ pub fn group_contiguous<'py>(
     src: &Bound<'py, PyAny>,
     dst: &Bound<'py, PyAny>,
 ) -> PyResult<Runs<'py>> {
-    struct Group;
-    impl IndexVisitor for Group {
+    struct Contiguous;
+    impl IndexVisitor for Contiguous {
         type Output = kvplan_core::Result<(Vec<u64>, Vec<u64>, Vec<u64>)>;
         fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
             kvplan_core::group_contiguous(src, dst)
@@ -34,7 +34,7 @@ pub fn group_contiguous<'py>(
     }
     let arrays = RequestArrays::extract(src, dst, ("src", "dst"))?;
     let (src_slice, dst_slice) = arrays.slices()?;
-    let (s, d, l) = visit_request(py, src_slice, dst_slice, Group).map_err(to_py_err)?;
+    let (s, d, l) = visit_request(py, src_slice, dst_slice, Contiguous).map_err(to_py_err)?;
     let signed = |v: Vec<u64>| signed_in_place(v).into_pyarray(py);
     Ok((signed(s), signed(d), signed(l)))
 }

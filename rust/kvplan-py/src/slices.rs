@@ -109,7 +109,7 @@ impl PyLayerSlices {
     /// Each slice's layer-group id.
     #[getter]
     fn group_ids(&self) -> Vec<u64> {
-        self.inner.slices().iter().map(|s| s.group).collect()
+        self.inner.slices().iter().map(|s| s.layer_group).collect()
     }
 
     /// Per slice, the layer ids it waits for (this template's layers in the group).
@@ -125,7 +125,7 @@ impl PyLayerSlices {
     /// Emission groups sent with the seal.
     #[getter]
     fn seal_groups(&self) -> Vec<usize> {
-        self.inner.seal_groups().to_vec()
+        self.inner.seal_emission_groups().to_vec()
     }
 
     /// `((pp_rank, pp_size, tp_rank, tp_size) of the prefill, the same of the decode)`.
@@ -308,7 +308,7 @@ impl PyPlanSlices {
         self.inner
             .work
             .iter()
-            .map(|w| (w.group, w.blocks, w.bytes))
+            .map(|w| (w.layer_group, w.blocks, w.bytes))
             .collect()
     }
 
@@ -370,7 +370,7 @@ impl PyWorkManifest {
         self.inner
             .slices
             .iter()
-            .map(|w| (w.group, w.blocks, w.bytes))
+            .map(|w| (w.layer_group, w.blocks, w.bytes))
             .collect()
     }
 

@@ -149,16 +149,19 @@ The package is split by job, each module depending only on those below it: :mod:
 the DCP and staged ones), :mod:`.submit` (engine batches or
 SGLang's seams), :mod:`.templates` (SGLang's call -> template), :mod:`.cache` (templates per
 decode peer), :mod:`.layouts` (layout builders), :mod:`.settings`, :mod:`.seams`, and at the
-bottom :mod:`.registry` (SGLang's originals); :mod:`.helpers` holds the two helpers.
+bottom :mod:`.registry` (SGLang's originals); :mod:`.planning_helpers` holds the two helpers.
 """
 
 from __future__ import annotations
 
 from kvplan.compat.sglang.cache import TemplateCache, template_cache
 from kvplan.compat.sglang.dropins import send_kvcache_batch
-from kvplan.compat.sglang.helpers import build_transfer_entry_pairs, group_concurrent_contiguous
 from kvplan.compat.sglang.install import REFUSED_STATUS, install, installed, uninstall
 from kvplan.compat.sglang.layouts import layout_from_kv_args, layout_from_register_info
+from kvplan.compat.sglang.planning_helpers import (
+    build_transfer_entry_pairs,
+    group_concurrent_contiguous,
+)
 from kvplan.compat.sglang.registry import REPLACED_METHODS
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
 from kvplan.compat.sglang.staged import staged_template

@@ -234,11 +234,11 @@ def send_kvcache_slice(
             f"[{mooncake_session_id}] head-sliced transfer assumes one item "
             f"length for every KV entry, got {set(items)}")
         return -1
-    num_heads = g["src_hpr"] if g["tp_p"] > g["tp_d"] else g["dst_hpr"]
-    slot = int(dst_kv_item_len) // g["page"]
-    if num_heads * g["head_bytes"] > slot:
+    num_heads = g.src_hpr if g.tp_p > g.tp_d else g.dst_hpr
+    slot = int(dst_kv_item_len) // g.page
+    if num_heads * g.head_bytes > slot:
         logger.error(
-            f"[{mooncake_session_id}] slice size ({num_heads * g['head_bytes']}) exceeds "
+            f"[{mooncake_session_id}] slice size ({num_heads * g.head_bytes}) exceeds "
             f"target token slot size ({slot})")
         return -1
     template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),

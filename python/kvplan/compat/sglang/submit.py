@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import numpy.typing as npt
 
-from kvplan._core import BatchPlan, PlanBatch, Template, TransferPlan
+from kvplan._core import BatchPlan, BlockSlice, Template, TransferPlan
 from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.seams import owns_transfer_data
 from kvplan.compat.sglang.settings import setting_max_blocks
@@ -65,7 +65,7 @@ def _handoff(engine: Any) -> Handoff:
     return Handoff(engine, None, native=False, write_lists=write_lists)
 
 
-def send_engine_batches(manager: Any, session: str, plan: TransferPlan | PlanBatch) -> int:
+def send_engine_batches(manager: Any, session: str, plan: TransferPlan | BlockSlice) -> int:
     """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
     own ``_transfer_data`` does with its one list), through the engine base's batching loop;
     the first non-zero status is returned and later batches are not submitted."""

@@ -5,6 +5,7 @@ what SGLang's method reads; and the page index arrays of a request."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -245,8 +246,24 @@ def _page_arrays(src_pages: Any, dst_pages: Any) -> tuple[npt.NDArray[Any], npt.
     return src, dst
 
 
+@dataclass(frozen=True)
+class SliceGeometry:
+    """The attention geometry of one ``send_kvcache_slice`` call (hashable: part of the
+    template cache key)."""
+
+    heads: int  # total KV heads
+    tp_p: int  # prefill attention TP size
+    r_p: int  # prefill TP rank (modulo ``tp_p``)
+    tp_d: int  # decode attention TP size
+    r_d: int  # decode TP rank (modulo ``tp_d``)
+    page: int  # page size in tokens
+    src_hpr: int  # KV heads per prefill rank
+    dst_hpr: int  # KV heads per decode rank
+    head_bytes: int  # bytes of one head of one token
+
+
 def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
-                    dst_kv_item_len: int) -> dict[str, int]:
+                    dst_kv_item_len: int) -> SliceGeometry:
     """The attention geometry SGLang's ``send_kvcache_slice`` derives from the manager: total KV
     heads (``total_kv_head_num``, else ``kv_head_num * attn_tp_size``), both TP sizes and ranks
     (modulo their sizes), the page size, and the bytes of one head of one token, which SGLang
@@ -260,10 +277,10 @@ def _slice_geometry(manager: Any, dst_tp_rank: int, dst_attn_tp_size: int,
     # SGLang's split of heads over ranks is kvplan's core's (``max(1, heads // tp)``).
     dst_hpr = _core.heads_per_rank(heads, tp_d)
     tp_p = int(manager.attn_tp_size)
-    return dict(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
-                r_d=int(dst_tp_rank) % tp_d, page=page,
-                src_hpr=_core.heads_per_rank(heads, tp_p),
-                dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
+    return SliceGeometry(heads=heads, tp_p=tp_p, r_p=int(kv_args.engine_rank) % tp_p, tp_d=tp_d,
+                         r_d=int(dst_tp_rank) % tp_d, page=page,
+                         src_hpr=_core.heads_per_rank(heads, tp_p),
+                         dst_hpr=dst_hpr, head_bytes=int(dst_kv_item_len) // page // dst_hpr)
 
 
 def elected_replica(r_p: int, r_d: int, heads: int, tp_p: int, tp_d: int) -> int:
@@ -283,7 +300,7 @@ def elected_replica(r_p: int, r_d: int, heads: int, tp_p: int, tp_d: int) -> int
 
 
 def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: int,
-                    dst_ids: list[int] | None, g: dict[str, int]) -> Template:
+                    dst_ids: list[int] | None, g: SliceGeometry) -> Template:
     """The head-sliced template of one ``send_kvcache_slice`` call (cached per decode peer).
 
     Both layouts are NHD (token-major items, SGLang's MHA pools) with ``kv_heads``,
@@ -304,20 +321,20 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
     src_lens = kv_args_lens(kv_args, src_ptrs)
     inputs: tuple[Any, ...] = (
         src_ptrs, dst_ptrs, items, dst_item, src_ids, dst_ids, pp_fallback, start,
-        tuple(sorted(g.items())), setting_decode_kv_layers(manager), src_lens)
+        g, setting_decode_kv_layers(manager), src_lens)
 
     def build() -> Template:
-        heads, tp_p, tp_d, r_d = g["heads"], g["tp_p"], g["tp_d"], g["r_d"]
-        r_p = elected_replica(g["r_p"], r_d, heads, tp_p, tp_d)
-        geometry: dict[str, Any] = dict(page_size=g["page"], kv_heads=heads,
-                                        head_dim=g["head_bytes"], dtype_size=1,
+        heads, tp_p, tp_d, r_d = g.heads, g.tp_p, g.tp_d, g.r_d
+        r_p = elected_replica(g.r_p, r_d, heads, tp_p, tp_d)
+        geometry: dict[str, Any] = dict(page_size=g.page, kv_heads=heads,
+                                        head_dim=g.head_bytes, dtype_size=1,
                                         memory_order="NHD")
         n_src, n_dst = len(src_ptrs), len(dst_ptrs)
         if by_id:
             src = Layout(src_ptrs, src_lens, items, src_ids, tp_rank=r_p, tp_size=tp_p,
-                         heads_per_rank=g["src_hpr"], **geometry)
+                         heads_per_rank=g.src_hpr, **geometry)
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst, dst_ids,
-                         tp_rank=r_d, tp_size=tp_d, heads_per_rank=g["dst_hpr"], **geometry)
+                         tp_rank=r_d, tp_size=tp_d, heads_per_rank=g.dst_hpr, **geometry)
             template = Template(
                 src, dst, Pairing.by_layer_id(allow_positional_fallback=bool(pp_fallback)))
         else:
@@ -325,15 +342,15 @@ def _slice_template(manager: Any, session: str, dst_ptrs: list[int], dst_item: i
             if n_src % 2 == 0 and n_dst % 2 == 0 and n_src == n_dst:
                 decode_layers = n_dst // 2
             src = Layout(src_ptrs, src_lens, items, tp_rank=r_p, tp_size=tp_p,
-                         heads_per_rank=g["src_hpr"], **geometry)
+                         heads_per_rank=g.src_hpr, **geometry)
             dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), [dst_item] * n_dst,
                          num_model_layers=decode_layers, tp_rank=r_d, tp_size=tp_d,
-                         heads_per_rank=g["dst_hpr"], **geometry)
+                         heads_per_rank=g.dst_hpr, **geometry)
             template = Template(
                 src, dst, Pairing.by_layer_id(prefill_start_layer=start, legacy_kind="mha"))
         if template.empty_reason is not None:
             raise _core.PairingError(
-                f"send_kvcache_slice: prefill rank {g['r_p']} of TP {tp_p} has no KV heads for "
+                f"send_kvcache_slice: prefill rank {g.r_p} of TP {tp_p} has no KV heads for "
                 f"decode rank {r_d} of TP {tp_d}: {template.empty_reason} (SGLang would write "
                 "this rank's heads into the decode's slots of other heads)")
         return template

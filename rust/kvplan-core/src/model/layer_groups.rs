@@ -43,7 +43,7 @@ pub struct LayerGroups {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SliceKey {
     /// The layer group with this id.
-    Group(u64),
+    LayerGroup(u64),
     /// The seal: sent once the forward is done.
     Seal,
 }
@@ -185,9 +185,9 @@ impl LayerGroups {
             return SliceKey::Seal;
         }
         match tag.layer {
-            Some(layer) if !self.seal_layers.contains(&layer) => {
-                self.group_of(layer).map_or(SliceKey::Seal, SliceKey::Group)
-            }
+            Some(layer) if !self.seal_layers.contains(&layer) => self
+                .group_of(layer)
+                .map_or(SliceKey::Seal, SliceKey::LayerGroup),
             _ => SliceKey::Seal,
         }
     }

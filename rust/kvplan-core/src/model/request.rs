@@ -112,7 +112,7 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
     ///
     /// # Errors
     /// [`PlanError::Geometry`] naming the planner and the skip count.
-    pub fn whole(&self, planner: &str) -> Result<()> {
+    pub fn refuse_delta(&self, planner: &str) -> Result<()> {
         if self.skip_tokens > 0 {
             return Err(PlanError::Geometry {
                 what: format!(

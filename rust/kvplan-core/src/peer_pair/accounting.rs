@@ -7,12 +7,12 @@ use crate::error::{PlanError, Result};
 use crate::kernels::tokens::TokenTemplate;
 use crate::model::pieces::{MAX_LANES, PIECE_CLASSES, Piece, TOKEN_CLASSES, total_len};
 use crate::model::plan::{PlanSummary, PlanUnit};
-use crate::peer_pair::coalesce::Group;
+use crate::peer_pair::coalesce::EmissionGroup;
 
 /// What a template's plans hold per group and per pair, derived once at build.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockAccounting {
-    groups: Vec<Group>,
+    groups: Vec<EmissionGroup>,
     /// The group of each page pair (`None` for elided pairs).
     pair_groups: Vec<Option<usize>>,
     /// Pieces emitting one block per run, and one block per page.
@@ -36,7 +36,7 @@ impl BlockAccounting {
     /// # Errors
     /// [`PlanError::Overflow`] when a group's bytes per page or per token overflow u64.
     pub(crate) fn new(
-        groups: Vec<Group>,
+        groups: Vec<EmissionGroup>,
         pair_groups: Vec<Option<usize>>,
         pieces: &[Piece],
         tokens: Option<&TokenTemplate>,
@@ -85,7 +85,7 @@ impl BlockAccounting {
     }
 
     /// Emission groups in block order (one per emitting pair unless pairs were coalesced).
-    pub fn groups(&self) -> &[Group] {
+    pub fn groups(&self) -> &[EmissionGroup] {
         &self.groups
     }
 

@@ -1,6 +1,6 @@
 //! Coalescing: which consecutive page pairs emit their blocks together. A pair joins the group
 //! of the pair before it when both are whole-item transfers whose items touch on both sides;
-//! this module alone owns that rule and the [`Group`]s it makes.
+//! this module alone owns that rule and the [`EmissionGroup`]s it makes.
 
 use crate::error::{Result, Side};
 use crate::model::layer_groups::SliceKey;
@@ -10,7 +10,7 @@ use crate::rules::check::compose;
 /// Consecutive emitting page pairs whose blocks are emitted together (one pair unless
 /// coalesced), with the pieces they emit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
+pub struct EmissionGroup {
     /// First page pair of the group (index into [`crate::Template::page_pairs`]).
     pub first_pair: usize,
     /// Last page pair of the group; it owns the group's blocks in per-pair offsets.
@@ -25,7 +25,7 @@ pub struct Group {
     pub per_page: usize,
 }
 
-impl Group {
+impl EmissionGroup {
     /// Blocks the group emits for a request of `pages` index pairs in `runs` runs.
     pub fn n_blocks(&self, runs: usize, pages: usize) -> usize {
         self.per_run * runs + self.per_page * pages
@@ -38,16 +38,16 @@ impl Group {
 /// one stride on each side; a pair with fragments is a group of its own, one piece per fragment.
 /// With `coalesce_keys` (one per page pair), only pairs of equal keys join (layer-group edges).
 #[allow(clippy::type_complexity)]
-pub(crate) fn build_groups(
+pub(crate) fn build_emission_groups(
     page_pairs: &[PairSpec],
     given: &[Option<Vec<Fragment>>],
     head_fragments: &Fragments,
     coalesce: bool,
     coalesce_keys: &[SliceKey],
     src_labels: &[String],
-) -> Result<(Vec<Piece>, Vec<Group>, Vec<Option<usize>>)> {
+) -> Result<(Vec<Piece>, Vec<EmissionGroup>, Vec<Option<usize>>)> {
     let mut pieces: Vec<Piece> = Vec::new();
-    let mut groups: Vec<Group> = Vec::new();
+    let mut groups: Vec<EmissionGroup> = Vec::new();
     let mut pair_groups = vec![None; page_pairs.len()];
     // Whether the last group is whole items (fragment-free), so a touching pair may join it.
     let mut open = false;
@@ -85,7 +85,7 @@ pub(crate) fn build_groups(
             }
             pair_groups[index] = Some(groups.len());
             let per_run = usize::from(whole.per_run());
-            groups.push(Group {
+            groups.push(EmissionGroup {
                 first_pair: index,
                 last_pair: index,
                 first_piece: pieces.len(),
@@ -103,7 +103,7 @@ pub(crate) fn build_groups(
         // Inside the item (checked), so inside the buffer.
         pieces.extend(fragments.iter().map(|&f| pair.piece(f)));
         let per_run = pieces[first_piece..].iter().filter(|p| p.per_run()).count();
-        groups.push(Group {
+        groups.push(EmissionGroup {
             first_pair: index,
             last_pair: index,
             first_piece,
@@ -115,7 +115,7 @@ pub(crate) fn build_groups(
     Ok((pieces, groups, pair_groups))
 }
 
-/// Why a whole item does not widen the whole-item group before it (the rule [`build_groups`]
+/// Why a whole item does not widen the whole-item group before it (the rule [`build_emission_groups`]
 /// applies), on the first side that refuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JoinBlocker {

@@ -14,7 +14,7 @@ use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
 use crate::peer::layout::{EntryKind, Layout};
 use crate::peer_pair::accounting::BlockAccounting;
-use crate::peer_pair::coalesce::build_groups;
+use crate::peer_pair::coalesce::build_emission_groups;
 use crate::rules::capabilities::{Asked, Feature, Planner};
 use crate::rules::check::{
     TemplateOptions, check_pairs_sliced, needs_tokens, pair_fragments, pair_spec,
@@ -197,7 +197,7 @@ impl Template {
         };
         let given = pair_fragments(&geometry.fragments, &page_pairs, &src_labels)?;
         let (pieces, groups, pair_groups) = if moves_pages {
-            build_groups(
+            build_emission_groups(
                 &page_pairs,
                 &given,
                 &head_fragments,
@@ -416,7 +416,7 @@ impl Template {
         let (src, dst) = match request.indices {
             Indices::Slot { src, dst } => {
                 // Not a planner's limit: a slot holds no tokens to skip.
-                request.whole("a state slot request")?;
+                request.refuse_delta("a state slot request")?;
                 return self.prepare_slot(src, dst, request.n_tokens);
             }
             Indices::Pages { src, dst } => (src, dst),

@@ -25,7 +25,7 @@ use crate::planners::batch::BatchSummary;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceSpec {
     /// The layer group's id ([`LayerGroups::group_of`]).
-    pub group: u64,
+    pub layer_group: u64,
     /// Layer ids of this template's page and state pairs in the group, ascending (empty: the
     /// group covers no entry of this stage, and its slice of every plan is empty).
     pub layers: Vec<i64>,
@@ -41,7 +41,7 @@ pub struct LayerSlices {
     groups: LayerGroups,
     slices: Vec<SliceSpec>,
     /// Emission groups sent with the seal, in block order.
-    seal_groups: Vec<usize>,
+    seal_emission_groups: Vec<usize>,
     /// Blocks of a state plan sent with the seal (state of layers no group covers or the
     /// caller marked), ascending.
     seal_state_blocks: Vec<usize>,
@@ -59,7 +59,7 @@ pub struct LayerSlices {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SliceWork {
     /// The layer group's id ([`WorkManifest::SEAL`] for the seal).
-    pub group: u64,
+    pub layer_group: u64,
     /// Blocks.
     pub blocks: u64,
     /// Bytes.
@@ -108,7 +108,7 @@ impl LayerSlices {
             .iter()
             .chain(moving_state.iter().map(|(_, k)| k))
             .filter_map(|k| match k {
-                SliceKey::Group(g) => Some(*g + 1),
+                SliceKey::LayerGroup(g) => Some(*g + 1),
                 SliceKey::Seal => None,
             })
             .max()
@@ -126,14 +126,14 @@ impl LayerSlices {
             });
         }
         let mut slices: Vec<SliceSpec> = (0..listed as u64)
-            .map(|group| SliceSpec {
-                group,
+            .map(|layer_group| SliceSpec {
+                layer_group,
                 layers: Vec::new(),
                 emission_groups: Vec::new(),
                 state_blocks: Vec::new(),
             })
             .collect();
-        let mut seal_groups = Vec::new();
+        let mut seal_emission_groups = Vec::new();
         let mut other_layers: Vec<i64> = facts
             .state_tags
             .iter()
@@ -146,15 +146,15 @@ impl LayerSlices {
                 return Err(straddle(template, &keys, group.first_pair, p));
             }
             match key {
-                SliceKey::Group(id) => slices[id as usize].emission_groups.push(g),
-                SliceKey::Seal => seal_groups.push(g),
+                SliceKey::LayerGroup(id) => slices[id as usize].emission_groups.push(g),
+                SliceKey::Seal => seal_emission_groups.push(g),
             }
         }
         let mut layer_slice = BTreeMap::new();
         for (p, (tag, key)) in facts.page_tags.iter().zip(&keys).enumerate() {
             let Some(layer) = tag.layer else { continue };
             match key {
-                SliceKey::Group(id) if template.blocks().pair_groups()[p].is_some() => {
+                SliceKey::LayerGroup(id) if template.blocks().pair_groups()[p].is_some() => {
                     slices[*id as usize].layers.push(layer);
                     layer_slice.insert(layer, *id as usize);
                 }
@@ -164,7 +164,7 @@ impl LayerSlices {
         let mut seal_state_blocks = Vec::new();
         for (block, &(layer, key)) in moving_state.iter().enumerate() {
             match key {
-                SliceKey::Group(id) => {
+                SliceKey::LayerGroup(id) => {
                     slices[id as usize].state_blocks.push(block);
                     slices[id as usize].layers.push(layer);
                     layer_slice.insert(layer, id as usize);
@@ -181,7 +181,7 @@ impl LayerSlices {
         Ok(Self {
             groups: groups.clone(),
             slices,
-            seal_groups,
+            seal_emission_groups,
             seal_state_blocks,
             layer_slice,
             other_layers,
@@ -198,8 +198,8 @@ impl LayerSlices {
     }
 
     /// Emission groups sent with the seal.
-    pub fn seal_groups(&self) -> &[usize] {
-        &self.seal_groups
+    pub fn seal_emission_groups(&self) -> &[usize] {
+        &self.seal_emission_groups
     }
 
     /// Blocks of a state plan sent with the seal.
@@ -263,7 +263,7 @@ impl LayerSlices {
             (ranges, work) = self
                 .slices
                 .iter()
-                .map(|s| merged_work(spans(&s.state_blocks), s.group))
+                .map(|s| merged_work(spans(&s.state_blocks), s.layer_group))
                 .unzip();
             (seal_ranges, seal) = merged_work(spans(&self.seal_state_blocks), WorkManifest::SEAL);
         } else {
@@ -282,9 +282,10 @@ impl LayerSlices {
             (ranges, work) = self
                 .slices
                 .iter()
-                .map(|s| merged_work(spans(&s.emission_groups), s.group))
+                .map(|s| merged_work(spans(&s.emission_groups), s.layer_group))
                 .unzip();
-            (seal_ranges, seal) = merged_work(spans(&self.seal_groups), WorkManifest::SEAL);
+            (seal_ranges, seal) =
+                merged_work(spans(&self.seal_emission_groups), WorkManifest::SEAL);
         }
         PlanSlices {
             ranges,
@@ -577,7 +578,7 @@ impl WorkManifest {
         }
         out.extend_from_slice(&(self.slices.len() as u32).to_le_bytes());
         for s in &self.slices {
-            for v in [s.group, s.blocks, s.bytes] {
+            for v in [s.layer_group, s.blocks, s.bytes] {
                 out.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -647,7 +648,7 @@ impl WorkManifest {
             .map(|k| {
                 let at = MANIFEST_HEADER + 24 * k;
                 SliceWork {
-                    group: u64_at(at),
+                    layer_group: u64_at(at),
                     blocks: u64_at(at + 8),
                     bytes: u64_at(at + 16),
                 }
@@ -660,7 +661,7 @@ impl WorkManifest {
             decode: ranks(32),
             slices,
             seal: SliceWork {
-                group: Self::SEAL,
+                layer_group: Self::SEAL,
                 blocks: u64_at(seal_at),
                 bytes: u64_at(seal_at + 8),
             },
@@ -677,7 +678,7 @@ fn straddle(template: &Template, keys: &[SliceKey], first: usize, other: usize) 
                 .layer
                 .map_or_else(|| "no layer id".to_string(), |l| format!("layer {l}"));
         let key = match keys[p] {
-            SliceKey::Group(g) => format!("layer group {g}"),
+            SliceKey::LayerGroup(g) => format!("layer group {g}"),
             SliceKey::Seal => "the seal".to_string(),
         };
         format!("page pair {p} ({layer}, {key})")
@@ -695,7 +696,10 @@ fn straddle(template: &Template, keys: &[SliceKey], first: usize, other: usize) 
 
 /// One slice's block ranges (adjacent spans merged, empty ones dropped) and its work, from its
 /// `(start, stop, bytes)` spans in plan order.
-fn merged_work(spans: Vec<(usize, usize, u64)>, group: u64) -> (Vec<(usize, usize)>, SliceWork) {
+fn merged_work(
+    spans: Vec<(usize, usize, u64)>,
+    layer_group: u64,
+) -> (Vec<(usize, usize)>, SliceWork) {
     let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(spans.len().min(4));
     let mut bytes = 0u64;
     for (start, stop, span_bytes) in spans {
@@ -712,7 +716,7 @@ fn merged_work(spans: Vec<(usize, usize, u64)>, group: u64) -> (Vec<(usize, usiz
     (
         ranges,
         SliceWork {
-            group,
+            layer_group,
             blocks,
             bytes,
         },
