@@ -18,7 +18,7 @@ use pyo3::types::{PySequence, PyTuple};
 
 use crate::errors::{KvPlanError, to_py_err};
 use crate::input::{IndexArray, IndexSlice, RequestArrays, WindowSlices, core_request};
-use crate::plan::{PyBlocks, PyBlockSlice, pooled_columns};
+use crate::plan::{PyBlockSlice, PyBlocks, pooled_columns};
 use crate::pool;
 use crate::request::{PyRequest, RequestInput};
 

@@ -81,7 +81,7 @@ mod _core {
     #[pymodule_export]
     use crate::pairing::{PyPairing, legacy_pp_pairs, pair_entries};
     #[pymodule_export]
-    use crate::plan::{PyBlocks, PyBlockSlice, PyPlanBuffer, PyTransferPlan};
+    use crate::plan::{PyBlockSlice, PyBlocks, PyPlanBuffer, PyTransferPlan};
     #[pymodule_export]
     use crate::pool::pool_stats;
     #[pymodule_export]
