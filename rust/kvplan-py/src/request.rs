@@ -9,7 +9,7 @@
 //! which request feature is the core's answer (`Template::admit`), not this module's.
 
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyTuple};
 
@@ -371,12 +371,19 @@ impl<'py> RequestInput<'py> {
                 short_repr(src_slot)
             )));
         };
+        // An int beyond int64 overflows (as Python's own conversions say); anything else is
+        // the wrong type.
         let slot = |obj: &Bound<'py, PyAny>, name: &str| {
             obj.extract::<i64>().map_err(|_| {
-                PyTypeError::new_err(format!(
+                let message = format!(
                     "{name} must be an int in -2**63..2**63, got {}",
                     short_repr(obj)
-                ))
+                );
+                if obj.is_instance_of::<PyInt>() {
+                    PyOverflowError::new_err(message)
+                } else {
+                    PyTypeError::new_err(message)
+                }
             })
         };
         Ok(Self {
