@@ -38,6 +38,7 @@ _HEADINGS = {
     "state_slot": "state slot",
     "window": "sliding window",
     "token_plan": "token plan",
+    "ring": "ring rows",
 }
 # How the README line names a feature a planner refuses.
 _SHORT = {
@@ -45,6 +46,7 @@ _SHORT = {
     "state_slot": "state slots",
     "window": "sliding windows",
     "token_plan": "token plans",
+    "ring": "ring rows",
 }
 
 

@@ -53,15 +53,16 @@
 //!    1. `local` (plans on CPU byte slices), `wire` (the binary layout encoding).
 //!    2. `digest` (fingerprints and digests).
 //! 6. `kernels/` (the emission kernels):
-//!    1. `emit` (the page kernels), `tokens` (the token kernels).
+//!    1. `emit` (the page kernels), `tokens` (the token kernels), `rings` (the ring lane's
+//!       rows).
 //! 7. `peer_pair/` (a compiled peer pair):
 //!    1. `coalesce` (which pairs emit together).
 //!    2. `accounting` (blocks and bytes per group and pair).
 //!    3. `template` (build once, pick the strategy, one request path).
 //! 8. `planners/` (the planners that borrow a template):
 //!    1. `pack` (gather + network), `descriptors` (NIXL prepped tables), `batch` (many requests
-//!       in one plan), `ring` (ring state between rings of different sizes), `coalescing` (why
-//!       page pairs emit their blocks apart), `nixl_ids` (descriptor ids in vLLM's NIXL layout).
+//!       in one plan), `coalescing` (why page pairs emit their blocks apart), `nixl_ids`
+//!       (descriptor ids in vLLM's NIXL layout).
 //!    2. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
 //!       views of a plan or a batch, the manifest).
 //!    3. `advice` (direct or staged), `convert` (conversion plans between representations).
@@ -91,7 +92,7 @@ pub use model::pieces::{
     TOKEN_CLASSES, TokenMap, Walk,
 };
 pub use model::plan::{
-    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, TokenShape,
+    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, StateShape, TokenShape,
 };
 pub use model::request::{Indices, Request};
 pub use model::runs::{
@@ -111,7 +112,6 @@ pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
 pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
 pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
-pub use planners::ring::RingPlanner;
 pub use planners::slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
 };

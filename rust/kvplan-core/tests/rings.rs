@@ -1,13 +1,14 @@
-//! Ring-state plans through the public API ([`RingPlanner`] over a [`Template`] built from two
-//! layouts with [`Layout::with_rings`]), between rings of different sizes.
+//! Ring-state plans through the public API ([`Template::plan_ring`], the ring lane of a slot
+//! request, over a [`Template`] built from two layouts with [`Layout::with_rings`]), between
+//! rings of different sizes.
 //!
 //! The reference is written here from the definition alone: a ring of `R` rows keeps position
 //! `p` of the request in slot `s` at row `s × R + p mod R`, so after `n` positions the rows both
 //! rings hold are positions `n − min(R_p, R_d, n) .. n`, each copied from its prefill row to its
 //! decode row. Every plan is expanded into the rows it copies and compared with that list, row
-//! for row; the run cutting itself is unit-tested in `planners::ring`.
+//! for row; the run cutting itself is unit-tested in `kernels::rings`.
 
-use kvplan_core::{Layout, LayoutContext, PlanError, RingPlanner, Side, Template, TemplateOptions};
+use kvplan_core::{Layout, LayoutContext, PlanError, Side, Template, TemplateOptions};
 
 /// Bytes of one ring row (one item of a ring-state entry).
 const ROW: u64 = 24;
@@ -84,10 +85,11 @@ fn rings_of_different_sizes_move_exactly_the_rows_both_hold() {
             let dst = peer(0x9000_0000, rd, stride_d);
             let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
             assert_eq!(template.ring_pairs().len(), 2);
-            let planner = RingPlanner::new(&template);
             for slots in [(0u64, 0u64), (1, 3), (3, 2)] {
                 for n in 0..3 * rs.max(rd) + 2 {
-                    let plan = planner.plan(slots.0 as i64, slots.1 as i64, n).unwrap();
+                    let plan = template
+                        .plan_ring(slots.0 as i64, slots.1 as i64, n)
+                        .unwrap();
                     let want = reference_rows((&src, &dst), (rs, rd), slots, n);
                     let got = planned_rows(&plan.src_addrs, &plan.dst_addrs, &plan.lengths);
                     let case = format!(
@@ -127,7 +129,7 @@ fn a_ring_plan_never_writes_a_decode_row_twice_nor_outside_its_slot() {
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let dst_slot = 2;
     for n in 0..40 {
-        let plan = RingPlanner::new(&template).plan(1, dst_slot, n).unwrap();
+        let plan = template.plan_ring(1, dst_slot, n).unwrap();
         let rows = planned_rows(&plan.src_addrs, &plan.dst_addrs, &plan.lengths);
         let mut written: Vec<u64> = rows.iter().map(|&(_, d)| d).collect();
         written.sort_unstable();
@@ -158,10 +160,11 @@ fn ring_slots_are_checked_against_each_sides_ring_buffer() {
     let src = peer(0x1000_0000, 3, ROW);
     let dst = peer(0x9000_0000, 5, ROW);
     let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let planner = RingPlanner::new(&template);
     // Slot SLOTS - 1 is the last whole ring on each side; SLOTS is past the buffer.
-    planner.plan(SLOTS as i64 - 1, SLOTS as i64 - 1, 9).unwrap();
-    match planner.plan(0, SLOTS as i64, 9) {
+    template
+        .plan_ring(SLOTS as i64 - 1, SLOTS as i64 - 1, 9)
+        .unwrap();
+    match template.plan_ring(0, SLOTS as i64, 9) {
         Err(PlanError::IndexOutOfRange {
             side: Side::Dst,
             index,
@@ -170,7 +173,7 @@ fn ring_slots_are_checked_against_each_sides_ring_buffer() {
         }) => assert_eq!((index, capacity), (SLOTS as i64, SLOTS)),
         other => panic!("expected IndexOutOfRange on the decode side, got {other:?}"),
     }
-    match planner.plan(-1, 0, 9) {
+    match template.plan_ring(-1, 0, 9) {
         Err(PlanError::NegativeIndex {
             side: Side::Src,
             index: -1,
@@ -181,7 +184,7 @@ fn ring_slots_are_checked_against_each_sides_ring_buffer() {
 }
 
 #[test]
-fn a_template_without_rings_is_refused_by_the_ring_planner() {
+fn a_template_without_rings_is_refused_a_ring_plan() {
     let plain = |base: u64| {
         Layout::mla(
             vec![base],
@@ -200,7 +203,226 @@ fn a_template_without_rings_is_refused_by_the_ring_planner() {
     .unwrap();
     assert!(template.ring_pairs().is_empty());
     assert!(matches!(
-        RingPlanner::new(&template).plan(0, 0, 4),
+        template.plan_ring(0, 0, 4),
         Err(PlanError::Geometry { .. })
     ));
+}
+
+/// A hybrid peer: the MLA layer, a plain state entry (one slot of `2 × ROW` bytes per request)
+/// and the two ring-state entries of [`peer`].
+fn hybrid_peer(base: u64, rings: u64, stride: u64) -> Layout {
+    let kv = Layout::mla(
+        vec![base],
+        vec![16 * PAGE],
+        vec![PAGE],
+        Some(vec![0]),
+        LayoutContext::default(),
+    )
+    .unwrap();
+    let ring_bytes = SLOTS * rings * stride;
+    kv.with_state(
+        "mamba",
+        vec![base + 0x3_0000],
+        vec![SLOTS * 2 * ROW],
+        vec![2 * ROW],
+        vec![0],
+    )
+    .unwrap()
+    .with_state(
+        "compressor",
+        vec![base + 0x1_0000, base + 0x2_0000],
+        vec![ring_bytes; 2],
+        vec![ROW; 2],
+        vec![0, 1],
+    )
+    .unwrap()
+    .with_strides(vec![PAGE, 2 * ROW, stride, stride])
+    .unwrap()
+    .with_rings(vec![None, None, Some(rings), Some(rings)])
+    .unwrap()
+}
+
+#[test]
+fn a_slot_request_with_positions_plans_its_slots_then_its_ring_rows_in_one_plan() {
+    use kvplan_core::Request;
+    for (rs, rd) in [(3, 5), (4, 4), (7, 2)] {
+        for (stride_s, stride_d) in [(ROW, ROW), (ROW + 8, ROW)] {
+            let src = hybrid_peer(0x1000_0000, rs, stride_s);
+            let dst = hybrid_peer(0x9000_0000, rd, stride_d);
+            let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+            assert_eq!(
+                (template.state_pairs().len(), template.ring_pairs().len()),
+                (1, 2)
+            );
+            for slots in [(0i64, 0i64), (1, 3), (3, 2)] {
+                let state = template.plan(&Request::slot(slots.0, slots.1)).unwrap();
+                assert_eq!(state.pair_offsets, vec![0, 1], "a slot without positions");
+                for n in 0..2 * rs.max(rd) + 2 {
+                    let case =
+                        format!("R {rs}->{rd}, strides {stride_s}/{stride_d}, {slots:?}, n {n}");
+                    let request = Request {
+                        n_tokens: Some(n),
+                        ..Request::slot(slots.0, slots.1)
+                    };
+                    let whole = template.plan(&request).unwrap();
+                    let ring = template.plan_ring(slots.0, slots.1, n).unwrap();
+                    // The slot's block, then exactly the ring plan's blocks.
+                    let cat = |a: &[u64], b: &[u64]| [a, b].concat();
+                    assert_eq!(
+                        whole.src_addrs,
+                        cat(&state.src_addrs, &ring.src_addrs),
+                        "{case}"
+                    );
+                    assert_eq!(
+                        whole.dst_addrs,
+                        cat(&state.dst_addrs, &ring.dst_addrs),
+                        "{case}"
+                    );
+                    assert_eq!(whole.lengths, cat(&state.lengths, &ring.lengths), "{case}");
+                    assert_eq!(
+                        whole.total_bytes,
+                        state.total_bytes + ring.total_bytes,
+                        "{case}"
+                    );
+                    assert_eq!(whole.n_runs, 1 + ring.n_runs, "{case}");
+                    // One block range per pair: the state pair, then each ring pair.
+                    let shifted: Vec<usize> = ring.pair_offsets.iter().map(|o| o + 1).collect();
+                    assert_eq!(whole.pair_offsets, cat_offsets(&[0], &shifted), "{case}");
+                    // The ring part is the definition's rows.
+                    let want: Vec<(u64, u64)> = {
+                        let live = rs.min(rd).min(n);
+                        let (s, d) = (slots.0 as u64, slots.1 as u64);
+                        (2..4)
+                            .flat_map(|e| {
+                                let (sb, db) = (src.parts().data_ptrs[e], dst.parts().data_ptrs[e]);
+                                (n - live..n).map(move |p| {
+                                    (
+                                        sb + (s * rs + p % rs) * stride_s,
+                                        db + (d * rd + p % rd) * stride_d,
+                                    )
+                                })
+                            })
+                            .collect()
+                    };
+                    let got = planned_rows(
+                        &whole.src_addrs[1..],
+                        &whole.dst_addrs[1..],
+                        &whole.lengths[1..],
+                    );
+                    assert_eq!(got, want, "{case}");
+                    // Its summary answers the same size before anything is emitted.
+                    let summary = template.prepare(&request).unwrap();
+                    assert_eq!(
+                        (summary.n_blocks, summary.total_bytes, summary.n_runs()),
+                        (whole.lengths.len(), whole.total_bytes, whole.n_runs),
+                        "{case}"
+                    );
+                    assert_eq!(template.blocks().pair_offsets(&summary), whole.pair_offsets);
+                }
+            }
+        }
+    }
+}
+
+fn cat_offsets(a: &[usize], b: &[usize]) -> Vec<usize> {
+    [a, b].concat()
+}
+
+#[test]
+fn a_slot_request_checks_its_slot_against_the_rings_too() {
+    use kvplan_core::Request;
+    let src = hybrid_peer(0x1000_0000, 3, ROW);
+    let dst = hybrid_peer(0x9000_0000, 5, ROW);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let request = |s: i64, d: i64| Request {
+        n_tokens: Some(9),
+        ..Request::slot(s, d)
+    };
+    template
+        .plan(&request(SLOTS as i64 - 1, SLOTS as i64 - 1))
+        .unwrap();
+    assert!(matches!(
+        template.plan(&request(0, SLOTS as i64)),
+        Err(PlanError::IndexOutOfRange {
+            side: Side::Dst,
+            ..
+        })
+    ));
+    assert!(matches!(
+        template.plan(&request(-1, 0)),
+        Err(PlanError::NegativeIndex {
+            side: Side::Src,
+            index: -1,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn positions_on_a_template_without_rings_are_refused_naming_the_count() {
+    use kvplan_core::Request;
+    // Rings removed on both sides: the compressor entries are plain state slots now.
+    let src = hybrid_peer(0x1000_0000, 3, ROW)
+        .with_rings(vec![None; 4])
+        .unwrap();
+    let template = Template::new(&src, &src, TemplateOptions::default()).unwrap();
+    let err = template
+        .plan(&Request {
+            n_tokens: Some(7),
+            ..Request::slot(0, 0)
+        })
+        .unwrap_err();
+    match &err {
+        PlanError::Geometry { what } => {
+            assert!(
+                what.contains("no ring-state pairs") && what.contains("n_tokens 7"),
+                "{what}"
+            );
+        }
+        other => panic!("expected a geometry error, got {other:?}"),
+    }
+}
+
+#[test]
+fn only_the_direct_plan_plans_ring_rows_every_other_planner_refuses_them() {
+    use kvplan_core::{
+        BatchPlanner, DescriptorTables, PackBuffer, PackPlanner, Request, StagedPlanner,
+    };
+    let src = hybrid_peer(0x1000_0000, 3, ROW);
+    let dst = hybrid_peer(0x9000_0000, 5, ROW);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let request = Request {
+        n_tokens: Some(9),
+        ..Request::slot(1, 2)
+    };
+    let feature = |err: PlanError| match err {
+        PlanError::Unsupported {
+            planner, feature, ..
+        } => (planner, feature),
+        PlanError::InRequest { source, .. } => match *source {
+            PlanError::Unsupported {
+                planner, feature, ..
+            } => (planner, feature),
+            other => panic!("expected Unsupported, got {other:?}"),
+        },
+        other => panic!("expected Unsupported, got {other:?}"),
+    };
+    template.plan(&request).unwrap();
+    let batch = BatchPlanner::new(&template).plan(&[request]);
+    assert_eq!(feature(batch.unwrap_err()), ("plan_batch", "ring"));
+    let pack = PackBuffer {
+        addr: 0x5000_0000,
+        size: 1 << 20,
+    };
+    let packed = PackPlanner::new(&template).plan(&request, pack);
+    assert_eq!(feature(packed.unwrap_err()), ("plan_packed", "ring"));
+    let rows = PackPlanner::new(&template).row_gather(&request, pack);
+    assert_eq!(
+        feature(rows.unwrap_err()),
+        ("plan_row_gather", "state_slot")
+    );
+    let staged = StagedPlanner::new(&template).counts(&request);
+    assert_eq!(feature(staged.unwrap_err()), ("plan_staged", "state_slot"));
+    let prepped = DescriptorTables::new(&template).indices(&request);
+    assert_eq!(feature(prepped.unwrap_err()), ("descriptor_table", "ring"));
 }

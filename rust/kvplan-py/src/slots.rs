@@ -11,7 +11,8 @@ use crate::plan::{PyTransferPlan, owned_columns};
 use crate::request::RequestInput;
 
 /// The live rows of every ring-state pair of slots `(src, dst)` after `n_positions`
-/// positions, relaid out between ring sizes by the core's `RingPlanner`.
+/// positions, relaid out between ring sizes: the ring lane of the slot request
+/// `Request(slot=(src, dst), n_tokens=n_positions)` alone (the core's `Template::plan_ring`).
 pub(crate) fn plan_ring(
     py: Python<'_>,
     template: &Arc<Template>,
@@ -20,7 +21,7 @@ pub(crate) fn plan_ring(
     n_positions: u64,
 ) -> PyResult<Py<PyTransferPlan>> {
     let mut plan = py
-        .detach(|| kvplan_core::RingPlanner::new(template).plan(src_slot, dst_slot, n_positions))
+        .detach(|| template.plan_ring(src_slot, dst_slot, n_positions))
         .map_err(to_py_err)?;
     let columns = owned_columns(py, &mut plan);
     Py::new(
@@ -30,7 +31,8 @@ pub(crate) fn plan_ring(
 }
 
 /// One block per state pair for slots `(src, dst)` (elided pairs emit nothing), or for a slot
-/// `kvplan.Request` in `src_slot`: the direct plan of a slot request.
+/// `kvplan.Request` in `src_slot`: the direct plan of a slot request (with its ring rows when
+/// the request gives `n_tokens`).
 pub(crate) fn plan_state<'py>(
     py: Python<'py>,
     template: &Arc<Template>,

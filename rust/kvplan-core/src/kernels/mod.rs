@@ -1,4 +1,5 @@
-//! The emission kernels: a request's page runs × page pieces, and the token walks.
+//! The emission kernels: a request's page runs × page pieces, the token walks, and the ring rows.
 
 pub mod emit;
+pub mod rings;
 pub mod tokens;

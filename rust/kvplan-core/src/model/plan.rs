@@ -62,8 +62,30 @@ pub enum PlanUnit {
     Pages(RunScan),
     /// Token plan (the template plans by token, or `n_tokens` was given).
     Tokens(TokenShape),
-    /// State plan: one block per state pair that moves bytes.
-    State,
+    /// State plan: one block per state pair that moves bytes, then the ring rows of each
+    /// ring-state pair when the slot request gives the positions it has processed.
+    State(StateShape),
+}
+
+/// The size of a slot request's plan: its state slots and its ring rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateShape {
+    /// Whether the plain state pairs' slots move (a ring-only plan moves none of them).
+    pub slots: bool,
+    /// Positions the request has processed: each ring pair moves the rows of the last
+    /// `min(R_p, R_d, n)` of them (`None`: no ring rows move).
+    pub ring_positions: Option<u64>,
+    /// Blocks of the ring rows (after the slots' blocks).
+    pub ring_blocks: usize,
+}
+
+impl StateShape {
+    /// A slot request without ring rows.
+    pub const SLOTS: StateShape = StateShape {
+        slots: true,
+        ring_positions: None,
+        ring_blocks: 0,
+    };
 }
 
 /// The size of a token request's plan, known before any output exists.
@@ -106,13 +128,16 @@ pub struct PlanSummary {
 }
 
 impl PlanSummary {
-    /// Runs contiguous on both sides (a token plan's segments; a state plan counts its slot as
-    /// one run when it moves anything).
+    /// Runs contiguous on both sides (a token plan's segments; a state plan counts its slots as
+    /// one run when they move anything, and each ring block as one).
     pub fn n_runs(&self) -> usize {
         match self.unit {
             PlanUnit::Pages(found) => found.n_runs,
             PlanUnit::Tokens(tokens) => tokens.n_segments,
-            PlanUnit::State => usize::from(self.n_blocks > 0),
+            // The slots' blocks are one run; each ring block is a run of its own.
+            PlanUnit::State(shape) => {
+                usize::from(self.n_blocks > shape.ring_blocks) + shape.ring_blocks
+            }
         }
     }
 

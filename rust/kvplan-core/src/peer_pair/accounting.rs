@@ -4,9 +4,10 @@
 //! every byte count per block range comes from here.
 
 use crate::error::{PlanError, Result};
+use crate::kernels::rings::{self, RingPair};
 use crate::kernels::tokens::TokenTemplate;
 use crate::model::pieces::{MAX_LANES, PIECE_CLASSES, Piece, TOKEN_CLASSES, total_len};
-use crate::model::plan::{PlanSummary, PlanUnit};
+use crate::model::plan::{PlanSummary, PlanUnit, StateShape};
 use crate::peer_pair::coalesce::EmissionGroup;
 
 /// What a template's plans hold per group and per pair, derived once at build.
@@ -27,11 +28,13 @@ pub struct BlockAccounting {
     token_lane_bytes: Vec<[u64; MAX_LANES]>,
     /// Per state pair, the bytes it moves per slot (0: elided, it owns no block).
     state_lens: Vec<u64>,
+    /// The ring-state pairs, whose rows a slot request moves after its slots.
+    rings: Vec<RingPair>,
 }
 
 impl BlockAccounting {
     /// The accounting of `groups` over `pieces` (page plans), `tokens` (token plans, when the
-    /// template can plan by token) and the state pairs' item lengths.
+    /// template can plan by token), the state pairs' item lengths and the ring-state pairs.
     ///
     /// # Errors
     /// [`PlanError::Overflow`] when a group's bytes per page or per token overflow u64.
@@ -40,7 +43,7 @@ impl BlockAccounting {
         pair_groups: Vec<Option<usize>>,
         pieces: &[Piece],
         tokens: Option<&TokenTemplate>,
-        state_lens: Vec<u64>,
+        (state_lens, rings): (Vec<u64>, Vec<RingPair>),
     ) -> Result<Self> {
         let per_run = pieces.iter().filter(|p| p.per_run()).count();
         let page_bytes = groups
@@ -81,6 +84,7 @@ impl BlockAccounting {
             token_classes,
             token_lane_bytes,
             state_lens,
+            rings,
         })
     }
 
@@ -111,11 +115,51 @@ impl BlockAccounting {
         self.state_lens.iter().filter(|&&len| len > 0).count()
     }
 
+    /// The slot groups of a state plan (its moving state pairs, when its slots move), and the
+    /// ring pair of each of its later groups (its moving ring pairs, when its rows move).
+    fn state_groups(&self, shape: &StateShape) -> (usize, Vec<&RingPair>) {
+        let slots = if shape.slots {
+            self.moving_state_pairs()
+        } else {
+            0
+        };
+        let rings = match shape.ring_positions {
+            Some(_) => self.rings.iter().filter(|(p, _)| p.item_len > 0).collect(),
+            None => Vec::new(),
+        };
+        (slots, rings)
+    }
+
+    /// The block span of a state plan's ring rows and the bytes they move (`None`: no ring
+    /// rows): they follow the slots' blocks.
+    pub(crate) fn ring_span(&self, summary: &PlanSummary) -> Option<(usize, usize, u64)> {
+        let PlanUnit::State(shape) = summary.unit else {
+            return None;
+        };
+        let n = shape.ring_positions?;
+        let (slots, rings) = self.state_groups(&shape);
+        let bytes = rings
+            .iter()
+            .map(|ring| rings::pair_bytes(ring, n).unwrap_or(0))
+            .sum();
+        Some((slots, slots + shape.ring_blocks, bytes))
+    }
+
     /// Blocks group `group` holds in a plan of this shape: one function for page, token and
-    /// state plans (a state plan's groups are its moving state pairs, one block each).
+    /// state plans (a state plan's groups are its moving state pairs, one block each, then
+    /// its moving ring pairs).
     pub fn group_blocks(&self, group: usize, summary: &PlanSummary) -> usize {
         match &summary.unit {
-            PlanUnit::State => usize::from(group < self.moving_state_pairs()),
+            PlanUnit::State(shape) => {
+                let (slots, rings) = self.state_groups(shape);
+                match (group.checked_sub(slots), shape.ring_positions) {
+                    (None, _) => 1,
+                    (Some(r), Some(n)) => rings
+                        .get(r)
+                        .map_or(0, |ring| rings::pair_blocks(ring, n) as usize),
+                    (Some(_), None) => 0,
+                }
+            }
             PlanUnit::Tokens(tokens) => self.token_classes.get(group).map_or(0, |classes| {
                 classes
                     .iter()
@@ -141,9 +185,18 @@ impl BlockAccounting {
             what: "group bytes",
         };
         match &summary.unit {
-            PlanUnit::State => {
-                let mut moving = self.state_lens.iter().filter(|&&len| len > 0);
-                Ok(moving.nth(group).copied().unwrap_or(0))
+            PlanUnit::State(shape) => {
+                let (slots, rings) = self.state_groups(shape);
+                match (group.checked_sub(slots), shape.ring_positions) {
+                    (None, _) => {
+                        let mut moving = self.state_lens.iter().filter(|&&len| len > 0);
+                        Ok(moving.nth(group).copied().unwrap_or(0))
+                    }
+                    (Some(r), Some(n)) => rings
+                        .get(r)
+                        .map_or(Ok(0), |ring| rings::pair_bytes(ring, n)),
+                    (Some(_), None) => Ok(0),
+                }
             }
             // A lane's class-0 count is its moved tokens: every piece of the lane moves its
             // length for each of them.
@@ -167,8 +220,11 @@ impl BlockAccounting {
 
     /// Groups of a plan of this kind (the page groups, or a state plan's moving state pairs).
     pub fn n_groups(&self, summary: &PlanSummary) -> usize {
-        match summary.unit {
-            PlanUnit::State => self.moving_state_pairs(),
+        match &summary.unit {
+            PlanUnit::State(shape) => {
+                let (slots, rings) = self.state_groups(shape);
+                slots + rings.len()
+            }
             _ => self.groups.len(),
         }
     }
@@ -179,25 +235,31 @@ impl BlockAccounting {
     }
 
     /// The group of each pair of a plan of this kind (`None`: an elided pair, which owns no
-    /// blocks): page pairs for page and token plans, state pairs for state plans.
+    /// blocks): page pairs for page and token plans; for state plans the state pairs (when
+    /// its slots move), then the ring-state pairs (when its ring rows move).
     pub fn plan_pair_groups(&self, summary: &PlanSummary) -> Vec<Option<usize>> {
-        if summary.unit != PlanUnit::State {
+        let PlanUnit::State(shape) = summary.unit else {
             return self.pair_groups.clone();
-        }
+        };
         let mut next = 0;
-        let moving = self.state_lens.iter().map(|&len| {
+        let mut group = |len: u64| {
             (len > 0).then(|| {
                 next += 1;
                 next - 1
             })
-        });
-        moving.collect()
+        };
+        let slots = self.state_lens.iter().filter(|_| shape.slots);
+        let mut out: Vec<Option<usize>> = slots.map(|&len| group(len)).collect();
+        if shape.ring_positions.is_some() {
+            out.extend(self.rings.iter().map(|(p, _)| group(p.item_len)));
+        }
+        out
     }
 
     /// Whether pair `pair` of group `group` owns the group's blocks: a group's blocks belong to
     /// its last pair (a state pair is a group of its own).
     fn owns(&self, summary: &PlanSummary, pair: usize, group: usize) -> bool {
-        summary.unit == PlanUnit::State || self.groups[group].last_pair == pair
+        matches!(summary.unit, PlanUnit::State(_)) || self.groups[group].last_pair == pair
     }
 
     /// `n_pairs + 1` block offsets of a plan: pair `p`'s blocks are `offsets[p]..offsets[p+1]`.

@@ -6,10 +6,13 @@
 //! template; it keeps the two layouts so they derive what they need themselves.
 
 use crate::error::{PlanError, Result, Side};
+use crate::kernels::rings::{self, RingPair};
 use crate::kernels::tokens::{LaneLists, TokenTemplate, count_blocks, emit_tokens};
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
 use crate::model::pieces::{Fragments, PairSpec, Piece, TokenMap, total_len};
-use crate::model::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, TokenShape};
+use crate::model::plan::{
+    AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, StateShape, TokenShape,
+};
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
 use crate::peer::layout::{EntryKind, Layout};
@@ -49,7 +52,7 @@ pub struct Template {
     pub(crate) state_pairs: Vec<PairSpec>,
     /// Ring-state pairs (module `ring`) with each side's rows per request slot: not slot
     /// pairs, so a slot request does not move them.
-    pub(crate) ring_pairs: Vec<(PairSpec, (u64, u64))>,
+    pub(crate) ring_pairs: Vec<RingPair>,
     /// One piece per state pair that moves bytes (a slot is a one-page request), in order.
     pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
@@ -223,11 +226,11 @@ impl Template {
         };
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
         // Ring pairs (both sides rings: `check_pairs` refuses a ring against a slot) leave the
-        // slot pairs; their rows are planned by module `ring`.
+        // slot pairs; a slot request moves their rows by the ring lane (module `rings`).
         let (ring_specs, state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
             .into_iter()
             .partition(|p| src.rings()[p.src_entry].is_some());
-        let ring_pairs = ring_specs
+        let ring_pairs: Vec<RingPair> = ring_specs
             .into_iter()
             .filter_map(|p| {
                 let rows = src.rings()[p.src_entry].zip(dst.rings()[p.dst_entry])?;
@@ -240,7 +243,7 @@ impl Template {
             pair_groups,
             &pieces,
             strategy.tokens().ok(),
-            state_lens,
+            (state_lens, ring_pairs.clone()),
         )?;
         let state_pieces = state_pairs
             .iter()
@@ -401,13 +404,17 @@ impl Template {
     /// equally long index lists, page `src[i]` to page `dst[i]`. A token request (`n_tokens`
     /// given, or [`Template::by_token`]: page sizes or memory orders differ) takes each side's
     /// pages in token order, of any lengths, and moves the first `n_tokens` tokens (default: the
-    /// full pages of the shorter side). A slot request moves one state slot per state pair.
+    /// full pages of the shorter side). A slot request moves one state slot per state pair
+    /// and, given `n_tokens` (the positions the request has processed), the rows of each
+    /// ring-state pair that both sides' rings hold: the last `min(R_p, R_d, n_tokens)`
+    /// positions (module `rings`), after the slots' blocks.
     ///
     /// # Errors
     /// Unequal lengths (page request), too few pages for `n_tokens` (token request), a
     /// negative index, an index outside any paired buffer, a repeated destination index (when
-    /// the template checks overlap), the template's token error, `n_tokens` on a slot request,
-    /// or overflow of the totals.
+    /// the template checks overlap), the template's token error, `n_tokens` on a slot request
+    /// of a template without ring-state pairs, a slot whose ring lies past its buffer, or
+    /// overflow of the totals.
     pub fn prepare<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
@@ -417,7 +424,7 @@ impl Template {
             Indices::Slot { src, dst } => {
                 // Not a planner's limit: a slot holds no tokens to skip.
                 request.refuse_delta("a state slot request")?;
-                return self.prepare_slot(src, dst, request.n_tokens);
+                return self.prepare_slot(src, dst, request.n_tokens, true);
             }
             Indices::Pages { src, dst } => (src, dst),
         };
@@ -477,31 +484,110 @@ impl Template {
     }
 
     /// Validates a slot request: both slots non-negative and inside every moving state pair's
-    /// buffer.
-    fn prepare_slot(&self, src: i64, dst: i64, n_tokens: Option<u64>) -> Result<PlanSummary> {
-        if let Some(n_tokens) = n_tokens {
+    /// buffer (when `slots`: the plain state pairs' slots move), and, given `n_tokens`
+    /// positions, inside every ring pair's buffer (its ring rows move).
+    fn prepare_slot(
+        &self,
+        src: i64,
+        dst: i64,
+        n_tokens: Option<u64>,
+        slots: bool,
+    ) -> Result<PlanSummary> {
+        if n_tokens.is_some() && self.ring_pairs.is_empty() {
+            let rule = "this template has no ring-state pairs (Layout.with_rings marks them)";
             return Err(PlanError::Geometry {
-                what: format!(
-                    "a state slot request moves whole slots and takes no n_tokens (got {n_tokens})"
-                ),
+                what: match n_tokens.filter(|_| slots) {
+                    Some(n) => format!(
+                        "a state slot request takes n_tokens (the positions it has processed) \
+                         only for ring-state entries, and {rule}; got n_tokens {n}"
+                    ),
+                    None => rule.to_string(),
+                },
             });
         }
-        crate::model::request::slot_indices(src, dst)?;
-        // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
-        for pair in self.state_pairs.iter().filter(|p| p.item_len > 0) {
-            if src as u64 >= pair.src_capacity {
-                return Err(self.index_error(Side::Src, pair, src, 0));
+        let (s, d) = crate::model::request::slot_indices(src, dst)?;
+        let (mut n_blocks, mut total_bytes) = (0, 0);
+        if slots {
+            // Elided state entries (item_len 0) move nothing and hold no slots, as page entries.
+            for pair in self.state_pairs.iter().filter(|p| p.item_len > 0) {
+                if s >= pair.src_capacity {
+                    return Err(self.index_error(Side::Src, pair, src, 0));
+                }
+                if d >= pair.dst_capacity {
+                    return Err(self.index_error(Side::Dst, pair, dst, 0));
+                }
             }
-            if dst as u64 >= pair.dst_capacity {
-                return Err(self.index_error(Side::Dst, pair, dst, 0));
-            }
+            // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
+            n_blocks = self.state_pieces.len();
+            total_bytes = self.state_pieces.iter().map(|p| p.len).sum();
         }
-        // Bounded by the layouts: each item lies inside a buffer whose end fits in u64.
+        let mut shape = StateShape {
+            slots,
+            ..StateShape::SLOTS
+        };
+        if let Some(n) = n_tokens {
+            for ring in &self.ring_pairs {
+                self.check_ring_slot(ring, Side::Src, s)?;
+                self.check_ring_slot(ring, Side::Dst, d)?;
+            }
+            // Counted by arithmetic: a pair's blocks are a few runs or one per live position.
+            let (ring_blocks, ring_bytes) = rings::count(&self.ring_pairs, n)?;
+            let too_many = || PlanError::OutOfMemory {
+                what: "ring plan columns",
+                bytes: u128::from(ring_blocks) * 8,
+            };
+            shape.ring_positions = Some(n);
+            shape.ring_blocks = usize::try_from(ring_blocks).map_err(|_| too_many())?;
+            n_blocks = n_blocks
+                .checked_add(shape.ring_blocks)
+                .ok_or_else(too_many)?;
+            total_bytes = ring_bytes
+                .checked_add(total_bytes)
+                .ok_or(PlanError::Overflow { what: "ring bytes" })?;
+        }
         Ok(PlanSummary {
-            n_blocks: self.state_pieces.len(),
-            total_bytes: self.state_pieces.iter().map(|p| p.len).sum(),
-            unit: PlanUnit::State,
+            n_blocks,
+            total_bytes,
+            unit: PlanUnit::State(shape),
         })
+    }
+
+    /// The slot's ring (`rows` items from `slot × rows`) lies inside the ring pair's buffer on
+    /// `side` (an elided pair holds nothing).
+    fn check_ring_slot(&self, (pair, rows): &RingPair, side: Side, slot: u64) -> Result<()> {
+        let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
+        let rows = side.pick(rows.0, rows.1);
+        if pair.item_len == 0 || rings::slot_fits(slot, rows, capacity) {
+            return Ok(());
+        }
+        let entry = side.pick(pair.src_entry, pair.dst_entry);
+        Err(PlanError::IndexOutOfRange {
+            side,
+            index: i64::try_from(slot).unwrap_or(i64::MAX),
+            position: 0,
+            capacity: capacity / rows,
+            entry,
+            label: self.entry_label(side, entry),
+            item_len: pair.item_len,
+        })
+    }
+
+    /// The ring rows alone of slots `(src_slot, dst_slot)` after `n_positions` positions: the
+    /// ring lane of the slot request `Request::slot(src_slot, dst_slot)` with `n_tokens =
+    /// n_positions`, without the plain state pairs' slots, one block range per ring pair.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a template without ring-state pairs,
+    /// [`PlanError::NegativeIndex`] for a negative slot, [`PlanError::IndexOutOfRange`] for a
+    /// slot whose ring lies past its buffer, [`PlanError::Overflow`],
+    /// [`PlanError::OutOfMemory`].
+    pub fn plan_ring(&self, src_slot: i64, dst_slot: i64, n_positions: u64) -> Result<Plan> {
+        let request = Request {
+            n_tokens: Some(n_positions),
+            ..Request::slot(src_slot, dst_slot)
+        };
+        let summary = self.prepare_slot(src_slot, dst_slot, Some(n_positions), false)?;
+        self.plan_prepared(&request, summary)
     }
 
     /// Plans one request (see [`Template::prepare`]) into columns obtained from `make_output`
@@ -567,8 +653,20 @@ impl Template {
                 );
                 emit_tokens(tokens, &lists, limits, shape, out)?;
             }
-            (Indices::Slot { src, dst }, _) => self.emit_slot(src, dst, out),
-            (Indices::Pages { .. }, PlanUnit::State) => return Err(PlanError::InputChanged),
+            (Indices::Slot { src, dst }, PlanUnit::State(shape)) => {
+                let slots = (src as u64, dst as u64);
+                let at = if shape.slots {
+                    self.emit_slot(slots, out.reborrow())
+                } else {
+                    0
+                };
+                if let Some(n) = shape.ring_positions {
+                    rings::emit(&self.ring_pairs, slots, n, &mut out, at);
+                }
+            }
+            (Indices::Slot { .. }, _) | (Indices::Pages { .. }, PlanUnit::State(_)) => {
+                return Err(PlanError::InputChanged);
+            }
         }
         Ok(())
     }
@@ -636,14 +734,15 @@ impl Template {
 
     /// One block per moving state pair, `(src_base + item_len*src, dst_base + item_len*dst,
     /// item_len)`: a slot is a one-page request of each pair's piece (slots validated).
-    fn emit_slot(&self, src: i64, dst: i64, out: Columns<'_>) {
-        let (s, d) = (src as u64, dst as u64);
+    /// Returns the blocks written.
+    fn emit_slot(&self, (s, d): (u64, u64), out: Columns<'_>) -> usize {
         for (k, piece) in self.state_pieces.iter().enumerate() {
             // In bounds, so the layout's base + len check rules out overflow.
             out.src_addrs[k] = piece.src.base + s * piece.src.page_stride;
             out.dst_addrs[k] = piece.dst.base + d * piece.dst.page_stride;
             out.lengths[k] = piece.len;
         }
+        self.state_pieces.len()
     }
 
     /// Allocating convenience: plans one request (see [`Template::prepare`]) into freshly
@@ -652,8 +751,18 @@ impl Template {
     /// # Errors
     /// As [`Template::plan_into`].
     pub fn plan<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Result<Plan> {
-        let (buffer, summary) =
-            self.plan_into(request, |summary| FlatBuffer::try_zeroed(summary.n_blocks))?;
+        let summary = self.prepare(request)?;
+        self.plan_prepared(request, summary)
+    }
+
+    /// Emits a request `summary` validated into freshly allocated columns.
+    fn plan_prepared<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        summary: PlanSummary,
+    ) -> Result<Plan> {
+        let mut buffer = FlatBuffer::try_zeroed(summary.n_blocks)?;
+        self.emit_prepared(request, &summary, buffer.columns())?;
         let (src_addrs, dst_addrs, lengths) = buffer.into_columns(summary.n_blocks)?;
         Ok(Plan {
             src_addrs,
@@ -750,10 +859,12 @@ impl Template {
         Asked {
             skip_tokens: request.skip_tokens,
             n_tokens_given: given && !self.by_token(),
+            ring_positions: request.n_tokens.unwrap_or(0),
             ..self.asked()
         }
         .with(Feature::Delta, request.skip_tokens > 0)
         .with(Feature::StateSlot, !pages)
+        .with(Feature::Ring, !pages && request.n_tokens.is_some())
         .with(
             Feature::TokenPlan,
             given || pages && request.skip_tokens > 0,

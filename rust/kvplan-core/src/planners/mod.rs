@@ -1,4 +1,4 @@
-//! The planners that borrow a template: batches, packed, staged and ring plans, descriptor tables,
+//! The planners that borrow a template: batches, packed and staged plans, descriptor tables,
 //! layer slices, conversions, the direct-or-staged advice and the coalescing report.
 
 pub mod advice;
@@ -8,6 +8,5 @@ pub mod convert;
 pub mod descriptors;
 pub mod nixl_ids;
 pub mod pack;
-pub mod ring;
 pub mod slices;
 pub mod staged;

@@ -253,7 +253,7 @@ impl LayerSlices {
     pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
         let (ranges, work): (Vec<_>, Vec<_>);
         let (seal_ranges, seal);
-        if summary.unit == PlanUnit::State {
+        if matches!(summary.unit, PlanUnit::State(_)) {
             // A state plan: block k is the k-th moving state pair's, with its layer's group.
             let spans = |blocks: &[usize]| -> Vec<(usize, usize, u64)> {
                 let blocks = blocks.iter().filter(|&&k| k < summary.n_blocks);
@@ -265,7 +265,11 @@ impl LayerSlices {
                 .iter()
                 .map(|s| merged_work(spans(&s.state_blocks), s.layer_group))
                 .unzip();
-            (seal_ranges, seal) = merged_work(spans(&self.seal_state_blocks), WorkManifest::SEAL);
+            // Ring rows follow the slots' blocks and go with the seal: a position's rows are
+            // final only once every layer has processed it.
+            let mut seal_spans = spans(&self.seal_state_blocks);
+            seal_spans.extend(template.blocks().ring_span(summary));
+            (seal_ranges, seal) = merged_work(seal_spans, WorkManifest::SEAL);
         } else {
             let offsets = template.blocks().group_offsets(summary);
             let spans = |groups: &[usize]| -> Vec<(usize, usize, u64)> {

@@ -19,15 +19,19 @@ pub enum Feature {
     /// A plan walked token by token: `n_tokens` given, or a template whose sides differ in
     /// tokens per page or memory order.
     TokenPlan,
+    /// A state slot request that gives the positions it has processed (`n_tokens`), so its
+    /// ring-state pairs move their live rows.
+    Ring,
 }
 
 impl Feature {
     /// Every feature, in the order [`check`] reports the first unsupported one.
-    pub const ALL: [Feature; 4] = [
+    pub const ALL: [Feature; 5] = [
         Feature::Delta,
         Feature::StateSlot,
         Feature::Window,
         Feature::TokenPlan,
+        Feature::Ring,
     ];
 
     /// The stable name (Python's `UnsupportedError.feature`, the docs' column heading).
@@ -37,6 +41,7 @@ impl Feature {
             Feature::StateSlot => "state_slot",
             Feature::Window => "window",
             Feature::TokenPlan => "token_plan",
+            Feature::Ring => "ring",
         }
     }
 
@@ -49,6 +54,10 @@ impl Feature {
             Feature::TokenPlan => {
                 "a plan walked token by token: `n_tokens` given, or sides that differ in page \
                  size or memory order"
+            }
+            Feature::Ring => {
+                "a state slot request with `n_tokens`: its ring-state rows (the last \
+                 `min(R_p, R_d, n_tokens)` positions)"
             }
         }
     }
@@ -129,9 +138,12 @@ const fn bits(features: &[Feature]) -> u8 {
 
 /// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
 pub const SUPPORT: [(Planner, u8); 6] = {
-    use Feature::{Delta, StateSlot, TokenPlan, Window};
+    use Feature::{Delta, Ring, StateSlot, TokenPlan, Window};
     [
-        (Planner::Plan, bits(&[Delta, StateSlot, Window, TokenPlan])),
+        (
+            Planner::Plan,
+            bits(&[Delta, StateSlot, Window, TokenPlan, Ring]),
+        ),
         (Planner::Batch, bits(&[Delta, StateSlot, Window, TokenPlan])),
         (
             Planner::Packed,
@@ -155,6 +167,8 @@ pub struct Asked {
     pub page_sizes: (u64, u64),
     /// Whether the request itself gave `n_tokens` (a token plan of a page template).
     pub n_tokens_given: bool,
+    /// The positions a slot request has processed (a ring request's `n_tokens`).
+    pub ring_positions: u64,
 }
 
 impl Asked {
@@ -203,6 +217,12 @@ impl Asked {
                      Template.plan(src_pages, dst_pages) and send the plan with submit(plan)"
                 )
             }
+            Feature::Ring => format!(
+                "{phrase} moves a state slot's slots only; this slot request gives n_tokens {} \
+                 (positions processed), which moves its ring-state rows: plan it with \
+                 Template::plan",
+                self.ring_positions
+            ),
         }
     }
 }

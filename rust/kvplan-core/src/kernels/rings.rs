@@ -1,26 +1,24 @@
-//! Ring state between rings of different sizes.
+//! The ring lane: the live rows of ring-state pairs between rings of different sizes.
 //!
 //! A ring-state entry keeps, per request slot, `R` rows (its items): position `p` of a request
 //! lives in row `slot × R + p mod R`, so the ring holds the last `R` positions (a compressor's
 //! state rows, a speculative decoder's ring). Prefill and decode may keep rings of different
-//! sizes (`R_p ≠ R_d`): whole-ring copies would put positions in the wrong rows, so a ring plan
-//! moves, for a request that has processed `n` positions, the live positions both rings hold,
-//! `n − min(R_p, R_d, n) .. n`, each from its prefill row to its decode row. Consecutive
-//! positions are one block while both rows step by one (neither ring wraps) and each side's
-//! rows are packed (`stride == item_len`); otherwise a block per position.
+//! sizes (`R_p ≠ R_d`): whole-ring copies would put positions in the wrong rows, so a slot
+//! request that has processed `n` positions moves the live positions both rings hold,
+//! `n − min(R_p, R_d, n) .. n` (the same "last W tokens" rule as a sliding window, over a
+//! modular token map), each from its prefill row to its decode row. Consecutive positions are
+//! one block while both rows step by one (neither ring wraps) and each side's rows are packed
+//! (`stride == item_len`); otherwise a block per position.
 //!
-//! The plan is counted first and written once into exactly sized columns.
+//! `Template::prepare` counts these blocks (by arithmetic, never by walking the positions) and
+//! emits them after the request's state slots, into the plan's exactly sized columns.
 
-use crate::error::{PlanError, Result, Side};
+use crate::error::{PlanError, Result};
 use crate::model::pieces::PairSpec;
-use crate::model::plan::Plan;
-use crate::peer_pair::template::Template;
+use crate::model::plan::Columns;
 
-/// Plans the live rows of every ring-state pair of a template for one request.
-#[derive(Debug, Clone, Copy)]
-pub struct RingPlanner<'t> {
-    template: &'t Template,
-}
+/// One ring-state pair with each side's rows per request slot.
+pub type RingPair = (PairSpec, (u64, u64));
 
 /// One block run of a ring pair: its first position and positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,101 +27,69 @@ struct RowRun {
     len: u64,
 }
 
-impl<'t> RingPlanner<'t> {
-    /// A planner over `template`'s ring pairs.
-    pub fn new(template: &'t Template) -> Self {
-        Self { template }
+/// Blocks one ring pair emits after `n` positions (none for an elided pair).
+pub(crate) fn pair_blocks((pair, rows): &RingPair, n: u64) -> u64 {
+    if pair.item_len == 0 {
+        return 0;
     }
+    block_count(pair, *rows, n)
+}
 
-    /// The live rows of request slot `src_slot` (prefill) and `dst_slot` (decode) after
-    /// `n_positions` positions, one block range per ring pair in pair order (`pair_offsets`).
-    ///
-    /// # Errors
-    /// [`PlanError::NegativeIndex`] for a negative slot, [`PlanError::IndexOutOfRange`] for a
-    /// slot whose ring lies past its buffer, [`PlanError::Geometry`] for a template without
-    /// ring pairs, [`PlanError::Overflow`], [`PlanError::OutOfMemory`].
-    pub fn plan(&self, src_slot: i64, dst_slot: i64, n_positions: u64) -> Result<Plan> {
-        let pairs = &self.template.ring_pairs;
-        if pairs.is_empty() {
-            return Err(PlanError::Geometry {
-                what: "this template has no ring-state pairs (Layout.with_rings marks them)".into(),
-            });
-        }
-        let slots = crate::model::request::slot_indices(src_slot, dst_slot)?;
-        for (pair, rows) in pairs {
-            self.check_slot(pair, Side::Src, slots.0, rows.0)?;
-            self.check_slot(pair, Side::Dst, slots.1, rows.1)?;
-        }
-        // Count (by arithmetic: a pair's blocks are a few runs or one per live position, never
-        // walked to be counted), then write once into exactly sized columns.
-        let mut n_blocks = 0u64;
-        let mut total_bytes = 0u64;
-        for (pair, rows) in pairs.iter().filter(|(p, _)| p.item_len > 0) {
-            let live = live_positions(*rows, n_positions);
-            n_blocks = n_blocks.saturating_add(block_count(pair, *rows, n_positions));
-            total_bytes = live
-                .checked_mul(pair.item_len)
-                .and_then(|b| b.checked_add(total_bytes))
-                .ok_or(PlanError::Overflow { what: "ring bytes" })?;
-        }
-        let column = || -> Result<Vec<u64>> {
-            let too_many = || PlanError::OutOfMemory {
-                what: "ring plan columns",
-                bytes: u128::from(n_blocks) * 8,
-            };
-            let n = usize::try_from(n_blocks).map_err(|_| too_many())?;
-            let mut out = Vec::new();
-            out.try_reserve_exact(n).map_err(|_| too_many())?;
-            Ok(out)
-        };
-        let (mut src_addrs, mut dst_addrs, mut lengths) = (column()?, column()?, column()?);
-        let mut pair_offsets = Vec::with_capacity(pairs.len() + 1);
-        pair_offsets.push(0);
-        let mut n_runs = 0;
-        for (pair, rows) in pairs {
-            if pair.item_len > 0 {
-                for run in runs(pair, *rows, n_positions) {
-                    // Inside the slot's ring (checked above), so inside the buffer.
-                    let row = |slot: u64, r: u64| slot * r + run.first % r;
-                    src_addrs.push(pair.src_base + row(slots.0, rows.0) * pair.src_stride);
-                    dst_addrs.push(pair.dst_base + row(slots.1, rows.1) * pair.dst_stride);
-                    lengths.push(run.len * pair.item_len);
-                    n_runs += 1;
-                }
-            }
-            pair_offsets.push(src_addrs.len());
-        }
-        Ok(Plan {
-            src_addrs,
-            dst_addrs,
-            lengths,
-            n_runs,
-            total_bytes,
-            pair_offsets,
-        })
-    }
+/// Bytes one ring pair moves after `n` positions.
+///
+/// # Errors
+/// [`PlanError::Overflow`].
+pub(crate) fn pair_bytes((pair, rows): &RingPair, n: u64) -> Result<u64> {
+    live_positions(*rows, n)
+        .checked_mul(pair.item_len)
+        .ok_or(PlanError::Overflow { what: "ring bytes" })
+}
 
-    /// The slot's ring (`rows` items from `slot × rows`) lies inside the pair's buffer.
-    fn check_slot(self, pair: &PairSpec, side: Side, slot: u64, rows: u64) -> Result<()> {
-        if pair.item_len == 0 {
-            return Ok(()); // an elided entry holds nothing and moves nothing
-        }
-        let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
-        let end = slot.checked_add(1).and_then(|s| s.checked_mul(rows));
-        if end.is_some_and(|end| end <= capacity) {
-            return Ok(());
-        }
-        let entry = side.pick(pair.src_entry, pair.dst_entry);
-        Err(PlanError::IndexOutOfRange {
-            side,
-            index: i64::try_from(slot).unwrap_or(i64::MAX),
-            position: 0,
-            capacity: capacity / rows,
-            entry,
-            label: self.template.entry_label(side, entry),
-            item_len: pair.item_len,
-        })
+/// Blocks and bytes of every ring pair after `n` positions.
+///
+/// # Errors
+/// [`PlanError::Overflow`].
+pub(crate) fn count(pairs: &[RingPair], n: u64) -> Result<(u64, u64)> {
+    let mut n_blocks = 0u64;
+    let mut total_bytes = 0u64;
+    for ring in pairs {
+        n_blocks = n_blocks.saturating_add(pair_blocks(ring, n));
+        total_bytes = pair_bytes(ring, n)?
+            .checked_add(total_bytes)
+            .ok_or(PlanError::Overflow { what: "ring bytes" })?;
     }
+    Ok((n_blocks, total_bytes))
+}
+
+/// Writes the ring rows of slots `slots` after `n` positions into `out` from block `at`, pair
+/// by pair (slots checked against every pair's buffer, columns sized by [`count`]); returns
+/// the block after the last written.
+pub(crate) fn emit(
+    pairs: &[RingPair],
+    slots: (u64, u64),
+    n: u64,
+    out: &mut Columns<'_>,
+    at: usize,
+) -> usize {
+    let mut k = at;
+    for (pair, rows) in pairs.iter().filter(|(p, _)| p.item_len > 0) {
+        for run in runs(pair, *rows, n) {
+            // Inside the slot's ring (checked), so inside the buffer.
+            let row = |slot: u64, r: u64| slot * r + run.first % r;
+            out.src_addrs[k] = pair.src_base + row(slots.0, rows.0) * pair.src_stride;
+            out.dst_addrs[k] = pair.dst_base + row(slots.1, rows.1) * pair.dst_stride;
+            out.lengths[k] = run.len * pair.item_len;
+            k += 1;
+        }
+    }
+    k
+}
+
+/// Whether the slot's ring (`rows` items from `slot × rows`) lies inside a buffer of
+/// `capacity` items.
+pub(crate) fn slot_fits(slot: u64, rows: u64, capacity: u64) -> bool {
+    let end = slot.checked_add(1).and_then(|s| s.checked_mul(rows));
+    end.is_some_and(|end| end <= capacity)
 }
 
 /// Positions both rings hold after `n` positions: `min(R_p, R_d, n)`.
