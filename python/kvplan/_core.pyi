@@ -883,7 +883,10 @@ class Template:
                 same request (no staging region is involved, so none is too small).
         """
     @overload
-    def plan_state(self, src_slot: Request, dst_slot: None = None) -> TransferPlan: ...
+    def plan_state(self, src_slot: Request, dst_slot: None = None) -> TransferPlan:
+        """A slot ``Request``'s plan (as ``plan(request)``): its state slots and, when it gives
+        ``n_tokens`` (the positions it has processed), then its ring rows as ``plan_ring``
+        plans them."""
     @overload
     def plan_state(self, src_slot: int, dst_slot: int) -> TransferPlan:
         """One block per paired state entry: ``(src_base + L*src_slot, dst_base + L*dst_slot, L)``.
@@ -895,7 +898,9 @@ class Template:
         """The live rows of every ring-state pair (``Layout.with_rings``) for one request: the
         positions both rings hold after ``n_positions`` positions, ``n - min(R_p, R_d, n) ..
         n``, each from row ``src_slot * R_p + p % R_p`` to row ``dst_slot * R_d + p % R_d``;
-        consecutive positions are one block until either ring wraps.
+        consecutive positions are one block until either ring wraps. These are the ring rows of
+        ``plan(Request(slot=(src_slot, dst_slot), n_tokens=n_positions))`` alone, without the
+        plain state slots that plan moves first.
 
         Raises:
             IndexBoundsError: A slot is negative or its ring lies outside a paired buffer.

@@ -39,8 +39,9 @@ fn template(src: Layout, dst: Layout) -> Template {
     Template::new(&src, &dst, TemplateOptions::default()).unwrap()
 }
 
-/// The template a feature's request is planned on: a page template, or for `Window` one whose
-/// first layer keeps a sliding window (without state entries: windows are page entries').
+/// The template a feature's request is planned on: a page template, for `Window` one whose
+/// first layer keeps a sliding window (without state entries: windows are page entries'), for
+/// `Ring` one whose state entries are rings of 2 rows per request.
 fn template_for(feature: Feature) -> Template {
     match feature {
         Feature::Window => {
@@ -53,6 +54,14 @@ fn template_for(feature: Feature) -> Template {
             };
             template(windowed(SRC), windowed(DST))
         }
+        Feature::Ring => {
+            let rings = |base| {
+                layout(base, PAGE)
+                    .with_rings(vec![None, None, Some(2), Some(2)])
+                    .unwrap()
+            };
+            template(rings(SRC), rings(DST))
+        }
         _ => template(layout(SRC, PAGE), layout(DST, PAGE)),
     }
 }
@@ -61,12 +70,17 @@ const SRC_PAGES: [i64; 4] = [3, 4, 9, 1];
 const DST_PAGES: [i64; 4] = [10, 11, 2, 5];
 
 /// A request asking for `feature` (and, for a delta or window request, also a token plan,
-/// which comes after it in the order refusals are reported).
+/// which comes after it in the order refusals are reported; a ring request is a state slot
+/// request, which comes before it).
 fn request_for(feature: Feature) -> Request<'static> {
     match feature {
         Feature::Delta => Request::tokens(&SRC_PAGES, &DST_PAGES, 14).skipping(5),
         Feature::StateSlot => Request::slot(1, 2),
         Feature::Window | Feature::TokenPlan => Request::tokens(&SRC_PAGES, &DST_PAGES, 14),
+        Feature::Ring => Request {
+            n_tokens: Some(5),
+            ..Request::slot(1, 2)
+        },
     }
 }
 
@@ -108,6 +122,13 @@ fn every_planner_plans_what_it_declares_and_refuses_the_rest_by_name() {
                 continue;
             }
             let err = result.expect_err(&what);
+            // The refusal names the first feature (in the reporting order) the request asks
+            // and the planner refuses: the feature itself, but for a ring request to a planner
+            // that takes no state slot at all.
+            let refused = Feature::ALL
+                .into_iter()
+                .find(|f| asked.has(*f) && !planner.supports(*f))
+                .expect(&what);
             match &err {
                 // A batch names the request whose error it is.
                 PlanError::InRequest { request: 0, source } if planner == Planner::Batch => {
@@ -121,17 +142,22 @@ fn every_planner_plans_what_it_declares_and_refuses_the_rest_by_name() {
                     feature: f,
                     why,
                 } => {
-                    assert_eq!((*p, *f), (planner.name(), feature.name()), "{what}");
+                    assert_eq!((*p, *f), (planner.name(), refused.name()), "{what}");
                     assert!(!why.is_empty(), "{what}");
                 }
                 other => panic!("{what}: expected Unsupported, got {other:?}"),
             }
             assert_eq!(err.kind(), "unsupported", "{what}");
+            // A batch's message leads with the request it names, then the refusal.
+            let refusal = match &err {
+                PlanError::InRequest { source, .. } => source.to_string(),
+                other => other.to_string(),
+            };
             assert!(
-                err.to_string().starts_with(&format!(
+                refusal.starts_with(&format!(
                     "{} does not support {}: ",
                     planner.name(),
-                    feature.name()
+                    refused.name()
                 )),
                 "{what}: {err}"
             );
