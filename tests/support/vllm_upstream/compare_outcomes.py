@@ -1,6 +1,7 @@
 """Compare two pytest JUnit XML reports test id by test id (scripts/test-vllm-upstream).
 
-    python compare_outcomes.py ALONE.xml KVPLAN.xml
+    python compare_outcomes.py ALONE.xml KVPLAN.xml [EXPECTED_DIFFERENCES]
+    python compare_outcomes.py --passing-ids ALONE.xml > passing-alone-VERSION.txt
 
 Prints each run's counts (passed / failed / skipped / error). Exits 1, listing every differing
 test id with both outcomes, when a test id's outcome differs between the runs or a test id is in
@@ -8,6 +9,10 @@ one report only. An outcome is ``passed``, ``skipped``, or ``failed`` / ``error`
 exception's type (``failed AssertionError``): a test that fails on vLLM alone must fail the same
 way with kvplan installed. The messages themselves are not compared (they carry addresses, ports
 and timings that differ between any two runs).
+
+EXPECTED_DIFFERENCES lists test ids (a tab, then the reason) that pass on vLLM alone and fail
+with kvplan for a stated reason; each must still do exactly that (an entry whose outcomes no
+longer differ, or differ otherwise, fails the comparison as stale).
 """
 
 from __future__ import annotations
@@ -59,25 +64,72 @@ def counts(result: dict[str, str]) -> str:
     return ", ".join(f"{n} {k}" for k, n in tally.items())
 
 
+def expected_differences(path: str) -> dict[str, str]:
+    """Test id -> reason, from a file of ``id<TAB>reason`` lines (``#`` comments)."""
+    expected: dict[str, str] = {}
+    with open(path) as lines:
+        for line in lines:
+            if line.strip() and not line.startswith("#"):
+                test_id, _, reason = line.rstrip("\n").partition("\t")
+                expected[test_id] = reason
+    return expected
+
+
+def passing_node_ids(path: str) -> list[str]:
+    """The pytest node ids (``tests/.../test_x.py::Class::test[param]``) that passed in one
+    JUnit report, sorted: what ``--passing`` runs, one per line (pytest's ``@file``)."""
+    ids = set()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        if any(child.tag in ("failure", "error", "skipped") for child in case):
+            continue
+        parts = (case.get("classname") or "").split(".")
+        module = next(i for i, part in enumerate(parts) if part.startswith("test_"))
+        ids.add("/".join(parts[:module + 1]) + ".py::"
+                + "::".join([*parts[module + 1:], case.get("name") or ""]))
+    return sorted(ids)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
+    if len(argv) == 3 and argv[1] == "--passing-ids":
+        ids = passing_node_ids(argv[2])
+        if not ids:
+            print(f"no passed test in {argv[2]}", file=sys.stderr)
+            return 1
+        print("\n".join(ids))
+        return 0
+    if len(argv) not in (3, 4):
         print(__doc__, file=sys.stderr)
         return 2
     alone, kvplan = outcomes(argv[1]), outcomes(argv[2])
+    expected = expected_differences(argv[3]) if len(argv) == 4 else {}
     print(f"vLLM alone:          {len(alone)} tests: {counts(alone)}")
     print(f"kvplan installed:    {len(kvplan)} tests: {counts(kvplan)}")
-    differ = [(test_id, alone.get(test_id, "absent"), kvplan.get(test_id, "absent"))
-              for test_id in sorted(alone.keys() | kvplan.keys())
-              if alone.get(test_id) != kvplan.get(test_id)]
     if not alone:
         print("no test ran on vLLM alone", file=sys.stderr)
         return 1
+    differ, stale, explained = [], [], []
+    for test_id in sorted(alone.keys() | kvplan.keys()):
+        a, b = alone.get(test_id, "absent"), kvplan.get(test_id, "absent")
+        if test_id in expected:
+            if a == "absent" and b == "absent":
+                continue  # not selected in this run
+            if a == "passed" and b.startswith("failed"):
+                explained.append((test_id, expected[test_id]))
+            else:
+                stale.append((test_id, a, b))
+        elif a != b:
+            differ.append((test_id, a, b))
+    for test_id, reason in explained:
+        print(f"  expected difference: {test_id}: {reason}")
+    if stale:
+        print(f"{len(stale)} expected difference(s) no longer as listed (stale entries):")
+        for test_id, a, b in stale:
+            print(f"  {test_id}: {a} -> {b}")
     if differ:
         print(f"{len(differ)} test id(s) whose outcome differs (vLLM alone -> kvplan installed):")
         for test_id, a, b in differ:
             print(f"  {test_id}: {a} -> {b}")
-        return 1
-    return 0
+    return 1 if differ or stale else 0
 
 
 if __name__ == "__main__":
