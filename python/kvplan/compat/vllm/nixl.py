@@ -55,32 +55,48 @@ def is_nixl_worker(cls: type) -> bool:
     return any(k.__name__ == _BASE for k in cls.__mro__)
 
 
+def _worker_ids(self: Any, block_ids: Any, read_worker: Any, **arguments: Any) -> Any:
+    """The core's ids for an attention-only worker, or None when vLLM's own method must run.
+
+    ``read_worker`` reads the worker attributes the host's form needs; a partly built worker
+    (an attribute missing) declines, so vLLM's method fails (or not) its own way.
+    """
+    try:
+        if self._has_mamba:
+            return None
+        worker = read_worker(self)
+    except AttributeError:
+        return None
+    ids = nixl_desc_ids(block_ids, **worker, **arguments)
+    if ids is not None and not _first_call_logged:
+        _log_first_call(len(ids))
+    return ids
+
+
+def _region_group_worker(self: Any) -> dict[str, Any]:
+    return {"layer_groups": self._transfer_layer_group_ids, "num_regions": self.num_regions,
+            "num_layers": len(self.block_len_per_layer),
+            "worker_region_groups": self.region_group_ids,
+            "worker_grouped": self._uses_region_group_mapping}
+
+
+def _paired_worker(self: Any) -> dict[str, Any]:
+    return {"layer_groups": (), "num_regions": self.num_regions,
+            "num_layers": len(self.block_len_per_layer), "worker_region_groups": (),
+            "worker_grouped": False}
+
+
 def _compute_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int,
                       block_size_ratio: float | None, physical_blocks_per_logical: int,
                       region_num_blocks: list[int] | None = None,
                       region_group_ids: list[int] | None = None,
                       uses_region_group_mapping: bool | None = None) -> Any:
     """vLLM 0.32 / 0.33's form: layer routing, flat or region-group-mapped ids."""
-    try:
-        attention_only = not self._has_mamba
-        if attention_only:
-            worker = (self._transfer_layer_group_ids, self.num_regions,
-                      len(self.block_len_per_layer), self.region_group_ids,
-                      self._uses_region_group_mapping)
-    except AttributeError:  # a partly built worker: vLLM's method fails (or not) its own way
-        attention_only = False
-    if attention_only:
-        layer_groups, num_regions, num_layers, worker_groups, worker_grouped = worker
-        ids = nixl_desc_ids(
-            block_ids, num_blocks=dst_num_blocks, block_size_ratio=block_size_ratio,
-            region_num_blocks=region_num_blocks, layer_groups=layer_groups,
-            num_regions=num_regions, num_layers=num_layers, region_groups=region_group_ids,
-            worker_region_groups=worker_groups, grouped=uses_region_group_mapping,
-            worker_grouped=worker_grouped)
-        if ids is not None:
-            if not _first_call_logged:
-                _log_first_call(len(ids))
-            return ids
+    ids = _worker_ids(self, block_ids, _region_group_worker, num_blocks=dst_num_blocks,
+                      block_size_ratio=block_size_ratio, region_num_blocks=region_num_blocks,
+                      region_groups=region_group_ids, grouped=uses_region_group_mapping)
+    if ids is not None:
+        return ids
     return _vllm_method(self.__class__)(
         self, block_ids, dst_num_blocks, block_size_ratio, physical_blocks_per_logical,
         region_num_blocks, region_group_ids, uses_region_group_mapping)
@@ -92,23 +108,11 @@ def _compute_paired_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int,
                              ssm_regions: Any = None) -> Any:
     """vLLM 0.34's form: the handshake's region pairs ``(regions, keys)`` name which region
     reads which block list."""
-    try:
-        attention_only = not self._has_mamba
-        if attention_only:
-            worker = (self.num_regions, len(self.block_len_per_layer))
-    except AttributeError:  # a partly built worker: vLLM's method fails (or not) its own way
-        attention_only = False
-    if attention_only:
-        num_regions, num_layers = worker
-        ids = nixl_desc_ids(
-            block_ids, num_blocks=dst_num_blocks, block_size_ratio=block_size_ratio,
-            region_num_blocks=region_num_blocks, layer_groups=(), num_regions=num_regions,
-            num_layers=num_layers, region_groups=None, worker_region_groups=(),
-            grouped=None, worker_grouped=False, pairs=pairs)
-        if ids is not None:
-            if not _first_call_logged:
-                _log_first_call(len(ids))
-            return ids
+    ids = _worker_ids(self, block_ids, _paired_worker, num_blocks=dst_num_blocks,
+                      block_size_ratio=block_size_ratio, region_num_blocks=region_num_blocks,
+                      region_groups=None, grouped=None, pairs=pairs)
+    if ids is not None:
+        return ids
     return _vllm_method(self.__class__)(
         self, block_ids, dst_num_blocks, block_size_ratio, physical_blocks_per_logical,
         pairs, region_num_blocks, ssm_regions)
