@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan.engines._base import Transport
 from kvplan.engines.measure import loopback_transports
 from kvplan.testing.oracle import array_pool
 from support.engine_peers import require_mooncake
+from support.recording_transport import RecordingTransport
 
 PAGES, LAYERS, ITEM = 16, 2, 64
 
@@ -56,36 +56,12 @@ def test_mooncake_refuses_a_batch_timeout_before_posting_anything(timeout: float
     assert dst.any()
 
 
-class Synchronous(Transport):
-    """An engine without ``submit_async`` whose writes are recorded, never executed."""
-
-    engine_name = "sync"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes = 0
-
-    def _engine_session_id(self) -> str:
-        return "sync"
-
-    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
-        return 0
-
-    def _engine_unregister(self, ptrs: list[int]) -> int:
-        return 0
-
-    def _engine_write(self, peer: str, src: list[int], dst: list[int],
-                      lengths: list[int]) -> int:
-        self.writes += 1
-        return 0
-
-
 @pytest.mark.parametrize("timeout", [5, 1e-3])
 def test_an_engine_without_async_handles_refuses_a_timeout_before_writing(timeout: float) -> None:
     src = np.zeros(PAGES * LAYERS * ITEM, dtype=np.uint8)
     dst = np.zeros_like(src)
-    t = Synchronous()
-    with pytest.raises(kvplan.KvPlanError, match="sync: submit_batch cannot honour timeout=.*"
+    t = RecordingTransport()
+    with pytest.raises(kvplan.KvPlanError, match="recording: submit_batch cannot honour timeout=.*"
                                                  "writes each call synchronously"):
         t.submit_batch(batch_of(src, dst), "peer", check_sources=False, timeout=timeout)
     assert t.writes == 0
@@ -94,7 +70,7 @@ def test_an_engine_without_async_handles_refuses_a_timeout_before_writing(timeou
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "5"])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout: object) -> None:
     src = np.zeros(PAGES * LAYERS * ITEM, dtype=np.uint8)
-    t = Synchronous()
+    t = RecordingTransport()
     with pytest.raises(kvplan.KvPlanError, match="timeout must be a positive finite number"):
         t.submit_batch(batch_of(src, src.copy()), "peer", check_sources=False,
                        timeout=timeout)  # type: ignore[arg-type]

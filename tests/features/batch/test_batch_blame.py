@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 
 import kvplan
-from kvplan.engines._base import Transport
+from support.recording_transport import RecordingTransport
 
 PAGES = 512
 ITEM = 64
@@ -120,33 +120,6 @@ def test_requests_in_names_exactly_the_requests_with_bytes_in_the_blocks(kind: s
     assert checked > 100 and fused_calls > 20
 
 
-class FailOneCall(Transport):
-    """Writes nothing; the call whose first block is ``fail_at`` returns an engine error."""
-
-    engine_name = "recording"
-
-    def __init__(self, fail_at: int) -> None:
-        super().__init__()
-        self.fail_at = fail_at
-        self.first_blocks: list[int] = []
-        self.seen = 0
-
-    def _engine_session_id(self) -> str:
-        return "self"
-
-    def _engine_register(self, ptrs: list[int], lens: list[int], device: str) -> int:
-        return 0
-
-    def _engine_unregister(self, ptrs: list[int]) -> int:
-        return 0
-
-    def _engine_write(self, peer: str, src: list[int], dst: list[int],
-                      lengths: list[int]) -> int:
-        start = self.seen
-        self.seen += len(src)
-        return -1 if start == self.fail_at else 0
-
-
 def test_submit_batch_fails_exactly_the_requests_with_bytes_in_the_failed_call() -> None:
     rng = np.random.default_rng(17)
     t = template("mixed")
@@ -157,6 +130,6 @@ def test_submit_batch_fails_exactly_the_requests_with_bytes_in_the_failed_call()
         dst, lengths = batch.dst_addrs, batch.lengths
         calls = batch.call_ranges(3).tolist()
         lo, hi = calls[int(rng.integers(0, len(calls)))]
-        outcome = FailOneCall(lo).submit_batch(batch, "peer", max_blocks_per_batch=3,
+        outcome = RecordingTransport(fail_at=lo).submit_batch(batch, "peer", max_blocks_per_batch=3,
                                                check_sources=False)
         assert outcome.failed_requests == sorted(held(dst[lo:hi], lengths[lo:hi]))
