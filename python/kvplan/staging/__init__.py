@@ -1,0 +1,43 @@
+"""Staged transfers between kvplan peers, engine-neutral: what the vLLM Mooncake and NIXL
+connectors and the SGLang Mooncake drop-in call to move a request in bounded rounds through
+two registered arenas (docs/staging.md).
+
+* :class:`StagingConfig`: the settings (``kv_connector_extra_config`` keys, SGLang's
+  environment).
+* :class:`StagingArena`: the page-aligned host memory each side registers at start-up.
+* :class:`Capabilities`, :func:`negotiate`: the handshake's staging message and the pure
+  decision (:class:`StagingAgreement` or :class:`DirectFallback`), :class:`FallbackLog` to say a
+  fallback once per peer.
+* :func:`choose_path`: staged or direct for one request (``Template.transfer_advice`` with the
+  engine's measured costs).
+* :func:`send_staged` (prefill), :class:`ReceiveStaged` (decode): the round protocol, its
+  messages carried by the engine's side channel through a callable and a :class:`Router`.
+* :class:`StagingError`: how a staged request fails, once.
+"""
+
+from __future__ import annotations
+
+from kvplan.staging.arena import PAGE, StagingArena
+from kvplan.staging.choice import PathChoice, choose_path
+from kvplan.staging.config import ENV_VARS, STAGING_OPTIONS, StagingConfig
+from kvplan.staging.errors import REASONS, StagingError
+from kvplan.staging.negotiation import (
+    PROTOCOL_VERSION,
+    ArenaInfo,
+    Capabilities,
+    DirectFallback,
+    FallbackLog,
+    Negotiated,
+    StagingAgreement,
+    negotiate,
+)
+from kvplan.staging.network import NetworkHandle, RoundEngine, round_engine
+from kvplan.staging.receiver import ReceiveStaged
+from kvplan.staging.router import Router
+from kvplan.staging.sender import AckQueue, SendReport, send_staged
+
+__all__ = ["ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS", "STAGING_OPTIONS", "AckQueue",
+           "ArenaInfo", "Capabilities", "DirectFallback", "FallbackLog", "NetworkHandle",
+           "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
+           "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",
+           "negotiate", "round_engine", "send_staged"]

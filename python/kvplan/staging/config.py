@@ -1,0 +1,129 @@
+"""Staging settings as the engines pass them: vLLM's ``kv_connector_extra_config`` keys
+(``kvplan_staging``, ``kvplan_staging_arena_mib``, ``kvplan_staging_buffers``,
+``kvplan_staging_timeout_s``) and SGLang's environment (``KVPLAN_STAGING``,
+``KVPLAN_STAGING_ARENA_MIB``, ``KVPLAN_STAGING_BUFFERS``, ``KVPLAN_STAGING_TIMEOUT_S``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvplan._errors import ConfigError
+
+__all__ = ["DEFAULT_ARENA_MIB", "DEFAULT_BUFFERS", "DEFAULT_TIMEOUT_S", "ENV_VARS",
+           "MAX_ARENA_MIB", "MAX_BUFFERS", "MODES", "STAGING_OPTIONS", "StagingConfig"]
+
+DEFAULT_ARENA_MIB = 64
+DEFAULT_BUFFERS = 2
+#: Seconds without progress (a round written, acknowledged or scattered) before a staged
+#: request fails with reason ``timeout``.
+DEFAULT_TIMEOUT_S = 30.0
+#: An arena is host memory pinned by the engine's registration: a bound that catches a
+#: value given in bytes where MiB were meant.
+MAX_ARENA_MIB = 1 << 16
+MAX_BUFFERS = 64
+#: ``auto``: staged where both peers agreed and ``transfer_advice`` prefers it; ``always``:
+#: staged wherever both peers agreed; ``off``: no arena, nothing advertised, the direct path.
+MODES = ("auto", "always", "off")
+
+Mode = Literal["auto", "always", "off"]
+
+
+def _error(option: str, value: Any, message: str) -> ConfigError:
+    err = ConfigError(message)
+    err.option, err.value, err.known = option, value, tuple(STAGING_OPTIONS)
+    return err
+
+
+def _mode(option: str, value: Any) -> str:
+    text = str(value).strip().lower() if isinstance(value, (str, bool)) else None
+    aliases = {"true": "auto", "1": "auto", "on": "auto", "false": "off", "0": "off",
+               "no": "off"}
+    if isinstance(value, bool):
+        text = "auto" if value else "off"
+    text = aliases.get(text, text) if text is not None else None
+    if text not in MODES:
+        raise _error(option, value, f"{option}={value!r}: one of {', '.join(MODES)} is required")
+    return text
+
+
+def _int_in(low: int, high: int) -> Callable[[str, Any], int]:
+    def parse(option: str, value: Any) -> int:
+        if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise _error(option, value, f"{option}={value!r}: an integer from {low} to {high} "
+                         "is required")
+        return value
+    return parse
+
+
+def _seconds(option: str, value: Any) -> float:
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise _error(option, value, f"{option}={value!r}: a finite number of seconds greater "
+                     "than 0 is required")
+    return seconds
+
+
+#: Each ``kv_connector_extra_config`` key with its parser (a connector's own option table
+#: takes these in as they are).
+STAGING_OPTIONS: dict[str, Callable[[str, Any], Any]] = {
+    "kvplan_staging": _mode,
+    "kvplan_staging_arena_mib": _int_in(1, MAX_ARENA_MIB),
+    "kvplan_staging_buffers": _int_in(1, MAX_BUFFERS),
+    "kvplan_staging_timeout_s": _seconds,
+}
+
+#: The environment variable read for each option (SGLang has no per-connector config).
+ENV_VARS: dict[str, str] = {key: key.upper() for key in STAGING_OPTIONS}
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How a kvplan peer stages: ``mode`` (:data:`MODES`), the arena (``arena_mib`` MiB split
+    into ``buffers`` round buffers) and ``timeout_s`` without progress before a staged request
+    fails."""
+
+    mode: Mode = "auto"
+    arena_mib: int = DEFAULT_ARENA_MIB
+    buffers: int = DEFAULT_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena_mib << 20
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> StagingConfig:
+        """From ``kv_connector_extra_config`` (vLLM): the ``kvplan_staging*`` keys are read,
+        every other key ignored; a bad value is a :class:`kvplan.ConfigError`."""
+        parsed = {key[len("kvplan_staging_"):] if key != "kvplan_staging" else "mode":
+                  STAGING_OPTIONS[key](key, value)
+                  for key, value in options.items() if key in STAGING_OPTIONS}
+        return cls(**parsed)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StagingConfig:
+        """From the environment (SGLang): ``KVPLAN_STAGING``, ``KVPLAN_STAGING_ARENA_MIB``,
+        ``KVPLAN_STAGING_BUFFERS``, ``KVPLAN_STAGING_TIMEOUT_S``; unset ones keep their
+        defaults, an empty one counts as unset."""
+        env = os.environ if environ is None else environ
+        options = {key: env[var] for key, var in ENV_VARS.items() if env.get(var, "") != ""}
+        try:
+            return cls.from_options(options)
+        except ConfigError as exc:
+            var = ENV_VARS.get(exc.option, exc.option)
+            err = ConfigError(f"environment: {var}: {exc}")
+            err.option, err.value, err.known = var, exc.value, tuple(ENV_VARS.values())
+            raise err from None

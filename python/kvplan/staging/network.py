@@ -1,0 +1,123 @@
+"""One round's network plan handed to a transfer engine without waiting, and waited on later:
+the only engine calls the round protocol makes. :func:`round_engine` adapts the engines
+kvplan's drop-ins hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvplan._errors import TransferError
+from kvplan.engines.mooncake import MOONCAKE_STATUS_NAMES, TCP_BLOCKS_PER_PEER
+
+__all__ = ["NetworkHandle", "RoundEngine", "round_engine"]
+
+
+class NetworkHandle(Protocol):
+    def wait(self) -> Any:
+        """Block until every block landed; raise (``TransferError``) when one failed."""
+
+
+class RoundEngine(Protocol):
+    def submit_round(self, plan: Any, peer: str) -> NetworkHandle:
+        """Start writing ``plan`` (uint64 ``src_addrs``/``dst_addrs``/``lengths``) to
+        ``peer``; raise when the submit itself failed."""
+
+
+def _columns(plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.ascontiguousarray(plan.src_addrs, np.uint64),
+            np.ascontiguousarray(plan.dst_addrs, np.uint64),
+            np.ascontiguousarray(plan.lengths, np.uint64))
+
+
+def _error(peer: str, batch: int, lengths: np.ndarray, status: Any, what: str) -> TransferError:
+    name = MOONCAKE_STATUS_NAMES.get(status, "") if isinstance(status, int) else ""
+    err = TransferError(f"mooncake: {what} of batch {batch} ({lengths.size} blocks, "
+                        f"{int(lengths.sum())} bytes) to {peer} returned {status!r}"
+                        + (f" ({name})" if name else ""))
+    err.engine, err.session, err.batch = "mooncake", peer, batch
+    err.blocks, err.bytes = int(lengths.size), int(lengths.sum())
+    err.status = status if isinstance(status, int) else None
+    return err
+
+
+class _HandoffBatches:
+    """A round's batches submitted through a ``Handoff``; each waited on exactly once."""
+
+    def __init__(self, handoff: Any, peer: str, plan: Any, bound: int) -> None:
+        self._handoff, self._peer = handoff, peer
+        self._ids: list[tuple[int, Any, np.ndarray]] = []
+        self._waited = False
+        src, dst, lengths = _columns(plan)
+        try:
+            for index, lo in enumerate(range(0, lengths.size, bound)):
+                hi = lo + bound
+                batch = handoff.submit(peer, src[lo:hi], dst[lo:hi], lengths[lo:hi])
+                if isinstance(batch, int) and batch == 0:
+                    raise _error(peer, index, lengths[lo:hi], -1, "submit")
+                self._ids.append((index, batch, lengths[lo:hi]))
+        except BaseException:
+            self._wait_all()  # what was submitted is waited on before the error leaves
+            raise
+
+    def _wait_all(self) -> TransferError | None:
+        first = None
+        ids, self._ids = self._ids, []
+        for index, batch, lengths in ids:
+            cause: Exception | None = None
+            try:
+                status = self._handoff.wait(batch)
+            except Exception as exc:  # the binding raised: that batch failed
+                status, cause = None, exc
+            if status != 0 and first is None:
+                first = _error(self._peer, index, lengths, status, "write")
+                first.__cause__ = cause
+        return first
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
+        failed = self._wait_all()
+        if failed is not None:
+            raise failed
+
+
+class _Adapter:
+    def __init__(self, submit: Callable[[Any, str], NetworkHandle], name: str) -> None:
+        self._submit, self.name = submit, name
+
+    def submit_round(self, plan: Any, peer: str) -> NetworkHandle:
+        return self._submit(plan, peer)
+
+    def __repr__(self) -> str:
+        return f"<round engine over {self.name}>"
+
+
+def round_engine(engine: Any, *, max_blocks_per_batch: int | None = None) -> RoundEngine:
+    """A :class:`RoundEngine` over what a drop-in holds: a kvplan transport
+    (``submit_async``), a ``kvplan.engines.mooncake.Handoff`` (the vLLM and SGLang Mooncake
+    drop-ins keep one per engine), Mooncake's ``TransferEngine`` (through a list-path
+    ``Handoff``), or anything with ``submit_round`` already. ``max_blocks_per_batch``: blocks per
+    Mooncake call (default 1,024, Mooncake TCP's per-peer queue).
+
+    Raises:
+        TypeError: ``engine`` is none of these.
+    """
+    if hasattr(engine, "submit_round"):
+        return engine  # type: ignore[no-any-return]
+    bound = max_blocks_per_batch or TCP_BLOCKS_PER_PEER
+    if hasattr(engine, "submit_async"):
+        return _Adapter(lambda plan, peer: engine.submit_async(plan, peer), type(engine).__name__)
+    from kvplan.engines.mooncake import Handoff
+
+    if not isinstance(engine, Handoff) and hasattr(engine, "batch_transfer_async_write"):
+        engine = Handoff(engine, None)
+    if isinstance(engine, Handoff):
+        handoff = engine
+        return _Adapter(lambda plan, peer: _HandoffBatches(handoff, peer, plan, bound),
+                        "Handoff")
+    raise TypeError(f"round_engine: {type(engine).__name__} is not a kvplan transport, a "
+                    "Mooncake Handoff or TransferEngine, nor has submit_round")

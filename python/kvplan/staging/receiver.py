@@ -1,0 +1,245 @@
+"""The decode's half of the round protocol: :class:`ReceiveStaged`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from kvplan.staging.errors import StagingError
+from kvplan.staging.wire import ACK, FAIL, ROUND, Message, WireError, decode, encode
+
+__all__ = ["ReceiveStaged", "manifest_difference"]
+
+_log = logging.getLogger("kvplan.staging")
+
+#: RoundManifest fields compared (and named) when two manifests differ, those present.
+_MANIFEST_FIELDS = ("index", "n_rounds", "bytes", "n_network_blocks", "dst_bytes_range",
+                    "dst_range", "buffer")
+
+State = Literal["receiving", "loaded", "failed"]
+
+
+def manifest_difference(expected: Any, got: bytes) -> str:
+    """What differs between the manifest the decode planned and the bytes the prefill sent:
+    the named fields that differ when the bytes parse, else their lengths."""
+    try:
+        theirs = type(expected).from_bytes(got)
+    except Exception as exc:
+        return (f"the prefill's manifest ({len(got)} bytes) does not parse ({exc}); the "
+                f"decode's is {len(expected.to_bytes())} bytes")
+    diffs = []
+    for name in _MANIFEST_FIELDS:
+        if hasattr(expected, name):
+            mine, other = getattr(expected, name), getattr(theirs, name, None)
+            if mine != other:
+                diffs.append(f"{name} {other!r} from the prefill, {mine!r} planned here")
+    return "; ".join(diffs) or "the manifests' bytes differ"
+
+
+class ReceiveStaged:
+    """One staged request stream arriving at the decode.
+
+    Feed every message of the stream to :meth:`on_message` (the :class:`Router` does). Round
+    ``k``'s message must come next, name the round count and buffer the decode planned and
+    carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
+    copies the round from the decode arena into the KV memory, and ``ack`` tells the prefill
+    the buffer is free. After the last round's scatter the stream is loaded: ``on_loaded`` is
+    called once. Any failure (a mismatch, an unexpected message, the scatter raising, the
+    prefill's failure message, :meth:`cancel`, no progress for ``timeout_s`` seen by
+    :meth:`poll` or :meth:`wait`) fails the stream once: ``on_failed(StagingError)`` is called,
+    the prefill is told (unless it failed first), later messages are ignored and the request
+    is never loaded.
+
+    Args:
+        request: the request id the stream is named by.
+        rounds: the decode's own plan of the request's rounds (``Template.plan_rounds`` with
+            the agreement's arenas; its scatter halves point into this process's memory).
+        scatter: runs one round's scatter plan (e.g. ``kvplan.copy_local`` from the arena into
+            the KV memory).
+        ack: sends one message to the prefill's stream (the side channel).
+        writer: the prefill writer this stream comes from.
+        timeout_s: seconds without progress before :meth:`poll` / :meth:`wait` fail it.
+        clock: monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(self, request: str, rounds: Sequence[Any], scatter: Callable[[Any], Any],
+                 ack: Callable[[bytes], None], *, writer: int = 0, timeout_s: float = 30.0,
+                 on_loaded: Callable[[ReceiveStaged], None] | None = None,
+                 on_failed: Callable[[StagingError], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.request, self.rounds, self.writer = request, rounds, writer
+        self._scatter, self._ack = scatter, ack
+        self._on_loaded, self._on_failed = on_loaded, on_failed
+        self.timeout_s, self._clock = timeout_s, clock
+        self.n_rounds = len(rounds)
+        #: Rounds scattered so far (all of them once loaded).
+        self.scattered = 0
+        self.state: State = "receiving"
+        self.error: StagingError | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._last_progress = clock()
+        self._tail: list[Callable[[], None]] = []
+        if self.n_rounds == 0:
+            self.state = "loaded"
+
+    @property
+    def loaded(self) -> bool:
+        return self.state == "loaded"
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+    # ------------------------------------------------------------------ messages
+    def on_message(self, data: bytes | Message) -> None:
+        """Handle one message of this stream (in the caller's thread; the scatter runs here)."""
+        with self._lock:
+            if self.state != "receiving":
+                return  # a straggler after the end: nothing more happens to this request
+            try:
+                m = data if isinstance(data, Message) else decode(data)
+            except WireError as exc:
+                self._fail(self.scattered, "bad_message", str(exc))
+            else:
+                self._handle(m)
+            tail, self._tail = self._tail, []
+        for call in tail:  # callbacks and the failure message, outside the lock
+            call()
+
+    def _handle(self, m: Message) -> None:
+        k = self.scattered
+        if m.request != self.request or m.writer != self.writer:
+            self._fail(k, "bad_message", f"a message for {m.request!r} writer {m.writer} reached "
+                       f"the stream of {self.request!r} writer {self.writer}")
+            return
+        if m.kind == FAIL:
+            self._fail(m.round, "peer_failed",
+                       m.payload.decode(errors="replace") or "the prefill failed",
+                       tell_peer=False)
+            return
+        if m.kind != ROUND:
+            self._fail(k, "bad_message", f"a {m.kind_name} message reached the decode")
+            return
+        if m.round != k:
+            self._fail(k, "out_of_order", f"round {m.round} arrived, round {k} was next")
+            return
+        if m.n_rounds != self.n_rounds:
+            self._fail(k, "manifest_mismatch", f"the prefill sends {m.n_rounds} rounds, "
+                       f"{self.n_rounds} planned here")
+            return
+        r = self.rounds[k]
+        if m.buffer != int(r.buffer):
+            self._fail(k, "out_of_order", f"round {k} was written into buffer {m.buffer}, "
+                       f"planned into buffer {r.buffer}")
+            return
+        manifest = r.manifest
+        if bytes(m.payload) != manifest.to_bytes():
+            self._fail(k, "manifest_mismatch", manifest_difference(manifest, m.payload))
+            return
+        try:
+            self._scatter(r.scatter)
+        except Exception as exc:
+            self._fail(k, "scatter_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.scattered = k + 1
+        self._last_progress = self._clock()
+        ack = encode(ACK, self.request, writer=self.writer, round_index=k,
+                     n_rounds=self.n_rounds, buffer=m.buffer)
+        if self.scattered == self.n_rounds:
+            self.state = "loaded"
+            self._done.notify_all()
+            if self._on_loaded is not None:
+                on_loaded = self._on_loaded
+                self._tail.append(lambda: on_loaded(self))
+        self._tail.insert(0, lambda: self._send_ack(k, ack))
+
+    def _send_ack(self, k: int, ack: bytes) -> None:
+        try:
+            self._ack(ack)
+        except Exception as exc:
+            if self.state == "loaded":
+                # every byte is in place; the prefill's own timeout ends its side
+                _log.warning("kvplan: request %r is loaded but its last ack did not reach the "
+                             "prefill: %s", self.request, exc)
+                return
+            with self._lock:
+                if self.state == "receiving":
+                    self._fail(k, "peer_gone", f"acknowledging round {k} failed: "
+                               f"{type(exc).__name__}: {exc}", tell_peer=False)
+                tail, self._tail = self._tail, []
+            for call in tail:
+                call()
+
+    def _fail(self, round_index: int | None, reason: str, detail: str, *,
+              tell_peer: bool = True) -> None:
+        """Fail the stream (the lock is held); the callback and the message to the prefill
+        run after the lock is released."""
+        if self.state != "receiving":
+            return
+        self.state = "failed"
+        err = StagingError.make(self.request, round_index, reason, detail, writer=self.writer)
+        self.error = err
+        self._done.notify_all()
+        if tell_peer:
+            msg = encode(FAIL, self.request, writer=self.writer, round_index=round_index,
+                         n_rounds=self.n_rounds, payload=f"{reason}: {detail}".encode()[:4096])
+
+            def tell() -> None:
+                try:
+                    self._ack(msg)
+                except Exception as exc:
+                    _log.debug("kvplan: could not tell the prefill that %r failed: %s",
+                               self.request, exc)
+            self._tail.append(tell)
+        if self._on_failed is not None:
+            on_failed = self._on_failed
+            self._tail.append(lambda: on_failed(err))
+
+    # ------------------------------------------------------------------ ending it otherwise
+    def cancel(self, detail: str = "the engine aborted the request") -> None:
+        """Fail the stream with reason ``cancelled`` (the engine's abort)."""
+        self._fail_now(self.scattered, "cancelled", detail)
+
+    def poll(self) -> State:
+        """The stream's state, failing it with reason ``timeout`` when no round arrived for
+        ``timeout_s`` (an engine's periodic ``get_finished`` calls this)."""
+        with self._lock:
+            late = self.state == "receiving" and \
+                self._clock() - self._last_progress > self.timeout_s
+        if late:
+            self._fail_now(self.scattered, "timeout", f"no round for {self.timeout_s:g} s "
+                           f"after round {self.scattered - 1} of {self.n_rounds}")
+        return self.state
+
+    def _fail_now(self, round_index: int, reason: str, detail: str) -> None:
+        with self._lock:
+            self._fail(round_index, reason, detail)
+            tail, self._tail = self._tail, []
+        for call in tail:
+            call()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until loaded (return) or failed (raise its :class:`StagingError`); fail it
+        with reason ``timeout`` when no round arrives for ``timeout_s`` (or ``timeout``, when
+        given)."""
+        limit = self.timeout_s if timeout is None else timeout
+        while True:
+            with self._lock:
+                if self.state == "receiving":
+                    self._done.wait(timeout=max(0.0, self._last_progress + limit
+                                                - self._clock()))
+                state = self.state
+                late = state == "receiving" and self._clock() - self._last_progress >= limit
+            if late:
+                self._fail_now(self.scattered, "timeout", f"no round for {limit:g} s after "
+                               f"round {self.scattered - 1} of {self.n_rounds}")
+                continue
+            if state == "loaded":
+                return
+            if state == "failed":
+                assert self.error is not None
+                raise self.error
