@@ -65,7 +65,8 @@
 //!       (descriptor ids in vLLM's NIXL layout).
 //!    2. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
 //!       views of a plan or a batch, the manifest).
-//!    3. `advice` (direct or staged), `convert` (conversion plans between representations).
+//!    3. `advice` (direct or staged), `convert` (conversion plans between representations),
+//!       `rounds` (a staged plan in rounds through bounded arenas).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -112,6 +113,9 @@ pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
 pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
 pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
+pub use planners::rounds::{
+    Arena, DEFAULT_BUFFERS, RoundBlocks, RoundManifest, RoundsPlanner, StagedRounds,
+};
 pub use planners::slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
 };

@@ -8,7 +8,7 @@ mod support;
 use kvplan_core::rules::capabilities::check;
 use kvplan_core::{
     BatchPlanner, DescriptorTables, Feature, Layout, PackBuffer, PackPlanner, PlanError, Planner,
-    Request, StagedPlanner, StagingRegion, Template, TemplateOptions,
+    Request, RoundsPlanner, StagedPlanner, StagingRegion, Template, TemplateOptions,
 };
 use support::layouts::{KvLayout, paged, with_slots};
 
@@ -101,6 +101,9 @@ fn plan_with(planner: Planner, t: &Template, request: &Request<'_>) -> Result<()
         Planner::RowGather => PackPlanner::new(t).row_gather(request, pack).map(drop),
         Planner::Staged => StagedPlanner::new(t)
             .plan(request, region(1 << 50), region(1 << 52))
+            .map(drop),
+        Planner::Rounds => RoundsPlanner::new(t)
+            .plan(request, region(1 << 50), region(1 << 52), 2)
             .map(drop),
         Planner::Descriptors => DescriptorTables::new(t).indices(request).map(drop),
     }

@@ -1,5 +1,6 @@
 //! The planners that borrow a template: batches, packed and staged plans, descriptor tables,
-//! layer slices, conversions, the direct-or-staged advice and the coalescing report.
+//! staged rounds through bounded arenas, layer slices, conversions, the direct-or-staged advice
+//! and the coalescing report.
 
 pub mod advice;
 pub mod batch;
@@ -8,5 +9,6 @@ pub mod convert;
 pub mod descriptors;
 pub mod nixl_ids;
 pub mod pack;
+pub mod rounds;
 pub mod slices;
 pub mod staged;

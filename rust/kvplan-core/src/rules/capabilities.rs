@@ -80,18 +80,21 @@ pub enum Planner {
     RowGather,
     /// `StagedPlanner`: gather, network between staging regions, scatter.
     Staged,
+    /// `RoundsPlanner`: a staged plan in rounds through bounded arenas.
+    Rounds,
     /// `DescriptorTables`: prepped tables of whole-page descriptors and indices into them.
     Descriptors,
 }
 
 impl Planner {
     /// Every planner, in the table's order.
-    pub const ALL: [Planner; 6] = [
+    pub const ALL: [Planner; 7] = [
         Planner::Plan,
         Planner::Batch,
         Planner::Packed,
         Planner::RowGather,
         Planner::Staged,
+        Planner::Rounds,
         Planner::Descriptors,
     ];
 
@@ -104,6 +107,7 @@ impl Planner {
             Planner::Packed => "plan_packed",
             Planner::RowGather => "plan_row_gather",
             Planner::Staged => "plan_staged",
+            Planner::Rounds => "plan_rounds",
             Planner::Descriptors => "descriptor_table",
         }
     }
@@ -116,6 +120,7 @@ impl Planner {
             Planner::Packed => "a packed plan",
             Planner::RowGather => "a row gather",
             Planner::Staged => "a staged plan",
+            Planner::Rounds => "a staged plan in rounds",
             Planner::Descriptors => "prepped descriptor tables",
         }
     }
@@ -137,7 +142,7 @@ const fn bits(features: &[Feature]) -> u8 {
 }
 
 /// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
-pub const SUPPORT: [(Planner, u8); 6] = {
+pub const SUPPORT: [(Planner, u8); 7] = {
     use Feature::{Delta, Ring, StateSlot, TokenPlan, Window};
     [
         (
@@ -151,6 +156,8 @@ pub const SUPPORT: [(Planner, u8); 6] = {
         ),
         (Planner::RowGather, bits(&[TokenPlan])),
         (Planner::Staged, bits(&[Window, TokenPlan])),
+        // Rounds are cut from the staged plan, so they plan exactly what it plans.
+        (Planner::Rounds, bits(&[Window, TokenPlan])),
         (Planner::Descriptors, bits(&[StateSlot])),
     ]
 };

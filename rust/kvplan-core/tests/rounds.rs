@@ -1,0 +1,732 @@
+//! Staged rounds: a request's staged plan cut into rounds through bounded arenas. Running every
+//! round (gather into its prefill round buffer, network into the same-numbered decode round
+//! buffer, scatter out of it) on byte arenas must leave the decode pool byte for byte as the
+//! direct plan leaves it, over TP sizes {1,2,4,8}², head counts, memory orders, PP, page-size
+//! ratios and hybrid state, with arenas from one byte per round buffer up to more than the
+//! request (one round); no round ever touches a byte outside its own round buffer. Several
+//! senders (prefill TP writers, PP stages) share one decode arena, each in its own share. Bad
+//! arenas are typed errors naming the values; manifests survive their wire form.
+//!
+//! A fixed-seed sample of a few hundred cases runs by default; `KVPLAN_ROUNDS_EXAMPLES` sets
+//! the count (10⁴ or more for an open-ended search).
+
+mod support;
+
+use kvplan_core::{
+    Arena, Layout, MemoryOrder, Plan, PlanError, Request, RoundManifest, RoundsPlanner, Side,
+    StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions, TpSplit,
+};
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged, with_slots};
+use support::reference::{Arena as Bytes, apply};
+
+const SRC_BASE: u64 = 0x1000_0000;
+const DST_BASE: u64 = 0x8000_0000;
+const SRC_ARENA: u64 = 0x4000_0000;
+const DST_ARENA: u64 = 0xC000_0000;
+const STATE_ITEM: u64 = 24;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    heads: u32,
+    tp_p: u32,
+    tp_d: u32,
+    order: MemoryOrder,
+    pp_p: u32,
+    page_sizes: (u64, u64),
+    tokens: u64,
+    state: bool,
+    layers: u32,
+}
+
+impl Case {
+    fn page_size(&self, side: Side) -> u64 {
+        side.pick(self.page_sizes.0, self.page_sizes.1)
+    }
+
+    fn capacity(&self, side: Side) -> u64 {
+        self.tokens.div_ceil(self.page_size(side)) + 3
+    }
+
+    /// The request's pages on one side, in token order: a run, a gap, swapped pairs.
+    fn pages(&self, side: Side) -> Vec<i64> {
+        let needed = self.tokens.div_ceil(self.page_size(side)) as i64;
+        let capacity = self.capacity(side) as i64;
+        match side {
+            Side::Src => (0..capacity)
+                .filter(|&p| p != 1)
+                .take(needed as usize)
+                .collect(),
+            Side::Dst => (0..needed)
+                .map(|i| (capacity - 1 - (i ^ 1)).max(0))
+                .collect(),
+        }
+    }
+
+    fn n_tokens(&self) -> Option<u64> {
+        (self.page_sizes.0 != self.page_sizes.1).then_some(self.tokens)
+    }
+}
+
+/// One rank's MHA layout (every layer's K entry, then every V entry, 64 bytes apart) with a
+/// state entry per layer when the case has state.
+fn layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
+    let split = TpSplit::new(case.heads, case.tp_p, case.tp_d).unwrap();
+    let (tp, pp) = side.pick((case.tp_p, case.pp_p), (case.tp_d, 1));
+    let per_rank = split.heads_per_rank(side);
+    let page_size = case.page_size(side);
+    let item = page_size * u64::from(per_rank) * HEAD_BYTES;
+    let entry_len = item * case.capacity(side);
+    let per_stage = case.layers / pp;
+    let layers: Vec<i64> = (stage * per_stage..(stage + 1) * per_stage)
+        .map(i64::from)
+        .collect();
+    let context = paged(page_size)
+        .model_layers(u64::from(case.layers))
+        .pp(stage, pp)
+        .tp(tp_rank, tp)
+        .attention(heads(case.heads, per_rank, case.order));
+    let pages = KvLayout::mha(
+        side.pick(SRC_BASE, DST_BASE),
+        layers.clone(),
+        item,
+        entry_len,
+    )
+    .spaced(entry_len + 64)
+    .context(context);
+    let state_base = pages.end();
+    let layout = pages.build();
+    if !case.state {
+        return layout;
+    }
+    let state_ptrs = (0..layers.len() as u64)
+        .map(|i| state_base + i * STATE_ITEM * 4)
+        .collect();
+    with_slots(layout, "conv", state_ptrs, 4, STATE_ITEM, layers)
+}
+
+/// Byte memory at an address.
+struct Region {
+    base: u64,
+    bytes: Vec<u8>,
+}
+
+impl Region {
+    fn at(&self, addr: u64, len: u64) -> Option<std::ops::Range<usize>> {
+        let start = addr.checked_sub(self.base)? as usize;
+        let end = start.checked_add(len as usize)?;
+        (end <= self.bytes.len()).then_some(start..end)
+    }
+}
+
+/// Copies every block of `plan` from `from` into `to`, asserting each block lies inside the
+/// allowed window `[lo, hi)` of its destination and inside both regions.
+fn copy(plan: &Plan, from: &Region, to: &mut Region, window: (u64, u64), what: &str) {
+    for k in 0..plan.lengths.len() {
+        let (s, d, l) = (plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]);
+        assert!(l > 0, "{what}: empty block {k}");
+        assert!(
+            d >= window.0 && d + l <= window.1,
+            "{what}: block {k} [{d:#x}, +{l}) leaves its window [{:#x}, {:#x})",
+            window.0,
+            window.1
+        );
+        let src = from
+            .at(s, l)
+            .unwrap_or_else(|| panic!("{what}: source {s:#x}+{l}"));
+        let dst = to
+            .at(d, l)
+            .unwrap_or_else(|| panic!("{what}: dest {d:#x}+{l}"));
+        let bytes = from.bytes[src].to_vec();
+        to.bytes[dst].copy_from_slice(&bytes);
+    }
+}
+
+fn arena(addr: u64, size: u64) -> Arena {
+    Arena { addr, size }
+}
+
+/// Runs every round of `rounds` from `source` into `out`, through arenas of `src_size` and
+/// `dst_size` bytes, checking each round against its manifest and its buffers.
+fn run_rounds(
+    rounds: &StagedRounds,
+    (src_size, dst_size): (u64, u64),
+    source: &Bytes,
+    out: &mut Bytes,
+    dst_arena: &mut Region,
+) {
+    let src_mem = Region {
+        base: source.base,
+        bytes: source.bytes.clone(),
+    };
+    let mut src_arena = Region {
+        base: SRC_ARENA,
+        bytes: vec![0; src_size as usize],
+    };
+    let mut dst_mem = Region {
+        base: out.base,
+        bytes: std::mem::take(&mut out.bytes),
+    };
+    let buffers = u64::from(rounds.buffers);
+    let (sender, senders) = rounds.sender;
+    let share = dst_size / u64::from(senders);
+    assert_eq!(
+        rounds.dst_share,
+        (u64::from(sender) * share, u64::from(sender + 1) * share)
+    );
+    let mut offset = 0;
+    for (k, manifest) in rounds.manifests.iter().enumerate() {
+        let back = RoundManifest::from_bytes(&manifest.to_bytes()).unwrap();
+        assert_eq!(&back, manifest);
+        assert_eq!(manifest.index as usize, k);
+        assert_eq!(manifest.n_rounds as usize, rounds.len());
+        assert_eq!(u64::from(manifest.buffer), k as u64 % buffers);
+        assert_eq!(manifest.offset, offset);
+        assert!(manifest.bytes > 0 && manifest.bytes <= rounds.buffer_bytes);
+        offset += manifest.bytes;
+        let b = u64::from(manifest.buffer);
+        let src_window = (
+            SRC_ARENA + b * (src_size / buffers),
+            SRC_ARENA + b * (src_size / buffers) + rounds.buffer_bytes,
+        );
+        let (lo, hi) = manifest.dst_bytes_range();
+        assert_eq!(lo, rounds.dst_share.0 + b * (share / buffers));
+        assert!(hi <= rounds.dst_share.1 && hi - lo <= share / buffers);
+        let dst_window = (DST_ARENA + lo, DST_ARENA + hi);
+        let (gather, network, scatter) = (
+            rounds.gather.round(k),
+            rounds.network.round(k),
+            rounds.scatter.round(k),
+        );
+        assert_eq!(gather.total_bytes, manifest.bytes);
+        assert_eq!(scatter.total_bytes, manifest.bytes);
+        assert_eq!(network.lengths, [manifest.bytes]);
+        assert_eq!(network.src_addrs[0], src_window.0);
+        assert_eq!(network.dst_addrs[0], dst_window.0);
+        copy(&gather, &src_mem, &mut src_arena, src_window, "gather");
+        copy(&network, &src_arena, dst_arena, dst_window, "network");
+        // The scatter reads only this round's decode bytes.
+        for k in 0..scatter.lengths.len() {
+            let (s, l) = (scatter.src_addrs[k], scatter.lengths[k]);
+            assert!(
+                s >= dst_window.0 && s + l <= dst_window.1,
+                "scatter reads outside"
+            );
+        }
+        copy(&scatter, dst_arena, &mut dst_mem, (0, u64::MAX), "scatter");
+    }
+    assert_eq!(offset, rounds.bytes);
+    out.bytes = dst_mem.bytes;
+}
+
+/// Plans one (prefill rank, decode rank) pair directly and in rounds through arenas whose
+/// round buffers hold `buffer_bytes` (a multiple of the senders on the decode), runs both and
+/// asserts they leave the same bytes. Returns the rounds.
+fn check_rounds(
+    case: &Case,
+    (r_p, stage, r_d): (u32, u32, u32),
+    buffer_bytes: u64,
+    buffers: u32,
+) -> StagedRounds {
+    let src = layout(case, Side::Src, r_p, stage);
+    let dst = layout(case, Side::Dst, r_d, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    let request = Request::new(&sp, &dp, case.n_tokens());
+    let direct = template.plan(&request).unwrap();
+    let mut source = Bytes::numbered(&src);
+    for byte in &mut source.bytes {
+        *byte = ((u32::from(*byte) + 37 * r_p) % 255 + 1) as u8;
+    }
+    let mut want = Bytes::zeroed(&dst);
+    apply(&src, &dst, &direct, &source, &mut want);
+    let senders = if case.tp_p > case.tp_d {
+        case.tp_p / case.tp_d
+    } else {
+        1
+    } * case.pp_p;
+    let sizes = (
+        buffer_bytes * u64::from(buffers),
+        buffer_bytes * u64::from(buffers) * u64::from(senders),
+    );
+    let rounds = RoundsPlanner::new(&template)
+        .plan(
+            &request,
+            arena(SRC_ARENA, sizes.0),
+            arena(DST_ARENA, sizes.1),
+            buffers,
+        )
+        .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    assert_eq!(rounds.sender.1, senders, "{case:?}");
+    assert_eq!(rounds.buffer_bytes, buffer_bytes);
+    assert_eq!(rounds.bytes, direct.total_bytes);
+    assert_eq!(rounds.direct_blocks, direct.lengths.len());
+    assert!(rounds.len() as u64 >= direct.total_bytes.div_ceil(buffer_bytes));
+    let mut got = Bytes::zeroed(&dst);
+    let mut dst_arena = Region {
+        base: DST_ARENA,
+        bytes: vec![0; sizes.1 as usize],
+    };
+    run_rounds(&rounds, sizes, &source, &mut got, &mut dst_arena);
+    assert!(
+        got.bytes == want.bytes,
+        "rounds differ from the direct plan: {case:?} r_p={r_p} stage={stage} r_d={r_d} \
+         buffer={buffer_bytes} buffers={buffers}"
+    );
+    rounds
+}
+
+/// A small deterministic generator.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        from[(self.next() % from.len() as u64) as usize]
+    }
+}
+
+fn examples() -> usize {
+    std::env::var("KVPLAN_ROUNDS_EXAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300)
+}
+
+/// Random cases over TP {1,2,4,8}², heads, orders, PP, page ratios and state, each planned for
+/// one decode rank and one of its prefill ranks (and stage), with round buffers from one byte
+/// to more than the request.
+#[test]
+fn rounds_equal_the_direct_plan() {
+    let page_sizes = [
+        (1, 1),
+        (16, 16),
+        (4, 4),
+        (16, 64),
+        (64, 16),
+        (1, 16),
+        (4, 1),
+    ];
+    let mut rng = Lcg(0x9E37_79B9_7F4A_7C15);
+    let (mut done, mut one_round, mut split_blocks) = (0, 0, 0);
+    while done < examples() {
+        let heads = rng.pick(&[1, 2, 8, 16]);
+        let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
+        let Ok(split) = TpSplit::new(heads, tp_p, tp_d) else {
+            continue;
+        };
+        let page_sizes = rng.pick(&page_sizes);
+        let tokens = if page_sizes.0 == page_sizes.1 {
+            page_sizes.0.max(3) * (1 + rng.next() % 3) + rng.next() % 2 * page_sizes.0
+        } else {
+            page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
+        };
+        let case = Case {
+            heads,
+            tp_p,
+            tp_d,
+            order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
+            pp_p: rng.pick(&[1, 2]),
+            page_sizes,
+            tokens,
+            state: rng.next().is_multiple_of(3),
+            layers: 2,
+        };
+        let r_d = (rng.next() % u64::from(tp_d)) as u32;
+        let peers: Vec<u32> = split.peers(Side::Dst, r_d).unwrap().into_iter().collect();
+        let r_p = rng.pick(&peers);
+        let stage = (rng.next() % u64::from(case.pp_p)) as u32;
+        // The request's bytes, from the staged plan's counts, to pick a round buffer.
+        let src = layout(&case, Side::Src, r_p, stage);
+        let dst = layout(&case, Side::Dst, r_d, 0);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+        let bytes = StagedPlanner::new(&template)
+            .counts(&Request::new(&sp, &dp, case.n_tokens()))
+            .unwrap()
+            .bytes;
+        let buffer_bytes = match rng.next() % 6 {
+            0 if bytes <= 4096 => 1,
+            0 | 1 => 1 + rng.next() % 64,
+            2 => (bytes / 3).max(1),
+            3 => (bytes / 2 + 1).max(1),
+            4 => bytes.max(1),
+            _ => bytes + 1 + rng.next() % 1000,
+        };
+        let buffers = rng.pick(&[1, 2, 2, 3]);
+        let rounds = check_rounds(&case, (r_p, stage, r_d), buffer_bytes, buffers);
+        one_round += usize::from(rounds.len() == 1);
+        let staged_blocks = rounds.gather.round_offsets.len();
+        split_blocks += usize::from(staged_blocks > 2 && buffer_bytes < 64);
+        done += 1;
+    }
+    assert!(
+        one_round > 0 && split_blocks > 0,
+        "{one_round} {split_blocks}"
+    );
+}
+
+/// TP 8 → 2 (PP 1 and 2): the senders of decode rank 1 (four prefill ranks, each stage) write
+/// their rounds into their own shares of one decode arena; run round-robin (every sender's
+/// round k before any round k+1) they never overwrite each other, and the decode pool equals
+/// every sender's direct plan applied.
+#[test]
+fn senders_share_one_decode_arena() {
+    for pp_p in [1, 2] {
+        let case = Case {
+            heads: 8,
+            tp_p: 8,
+            tp_d: 2,
+            order: MemoryOrder::Nhd,
+            pp_p,
+            page_sizes: (16, 16),
+            tokens: 48,
+            state: false,
+            layers: 4,
+        };
+        let r_d = 1;
+        let buffer_bytes = 200;
+        let buffers = 2u32;
+        let senders = 4 * pp_p;
+        let dst_size = buffer_bytes * u64::from(buffers * senders);
+        let dst = layout(&case, Side::Dst, r_d, 0);
+        let mut want = Bytes::zeroed(&dst);
+        let mut got = Bytes::zeroed(&dst);
+        let mut dst_arena = Region {
+            base: DST_ARENA,
+            bytes: vec![0; dst_size as usize],
+        };
+        let mut all = Vec::new();
+        for r_p in 4..8 {
+            for stage in 0..pp_p {
+                let src = layout(&case, Side::Src, r_p, stage);
+                let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+                let request = Request::pages(&sp, &dp);
+                let mut source = Bytes::numbered(&src);
+                for byte in &mut source.bytes {
+                    *byte = ((u32::from(*byte) + 37 * r_p) % 255 + 1) as u8;
+                }
+                apply(
+                    &src,
+                    &dst,
+                    &template.plan(&request).unwrap(),
+                    &source,
+                    &mut want,
+                );
+                let rounds = RoundsPlanner::new(&template)
+                    .plan(
+                        &request,
+                        arena(SRC_ARENA, buffer_bytes * u64::from(buffers)),
+                        arena(DST_ARENA, dst_size),
+                        buffers,
+                    )
+                    .unwrap();
+                assert_eq!(rounds.sender, ((r_p % 4) * pp_p + stage, senders));
+                all.push((rounds, source));
+            }
+        }
+        // Shares tile the arena.
+        let mut shares: Vec<(u64, u64)> = all.iter().map(|(r, _)| r.dst_share).collect();
+        shares.sort_unstable();
+        assert_eq!(shares[0].0, 0);
+        assert_eq!(shares.last().unwrap().1, dst_size);
+        assert!(shares.windows(2).all(|w| w[0].1 == w[1].0));
+        // Round-robin: every sender's network of round k lands before any scatter of round k.
+        let most = all.iter().map(|(r, _)| r.len()).max().unwrap();
+        let mut src_arenas: Vec<Region> = all
+            .iter()
+            .map(|_| Region {
+                base: SRC_ARENA,
+                bytes: vec![0; (buffer_bytes * u64::from(buffers)) as usize],
+            })
+            .collect();
+        let mut out = Region {
+            base: got.base,
+            bytes: std::mem::take(&mut got.bytes),
+        };
+        for k in 0..most {
+            for ((rounds, source), src_arena) in all.iter().zip(&mut src_arenas) {
+                if k < rounds.len() {
+                    let mem = Region {
+                        base: source.base,
+                        bytes: source.bytes.clone(),
+                    };
+                    let full = (0, u64::MAX);
+                    copy(&rounds.gather.round(k), &mem, src_arena, full, "gather");
+                    let (lo, hi) = rounds.manifests[k].dst_bytes_range();
+                    let window = (DST_ARENA + lo, DST_ARENA + hi);
+                    copy(
+                        &rounds.network.round(k),
+                        src_arena,
+                        &mut dst_arena,
+                        window,
+                        "net",
+                    );
+                }
+            }
+            for (rounds, _) in &all {
+                if k < rounds.len() {
+                    let full = (0, u64::MAX);
+                    copy(
+                        &rounds.scatter.round(k),
+                        &dst_arena,
+                        &mut out,
+                        full,
+                        "scatter",
+                    );
+                }
+            }
+        }
+        assert!(
+            out.bytes == want.bytes,
+            "PP {pp_p}: senders overwrote each other"
+        );
+    }
+}
+
+fn small_case() -> Case {
+    Case {
+        heads: 8,
+        tp_p: 8,
+        tp_d: 2,
+        order: MemoryOrder::Nhd,
+        pp_p: 1,
+        page_sizes: (16, 16),
+        tokens: 32,
+        state: true,
+        layers: 2,
+    }
+}
+
+/// Bad arenas and buffer counts are typed errors naming the values, before any planning.
+#[test]
+fn bad_arenas_are_typed_errors() {
+    let case = small_case();
+    let src = layout(&case, Side::Src, 5, 0);
+    let dst = layout(&case, Side::Dst, 1, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    let request = Request::pages(&sp, &dp);
+    let plan =
+        |s: Arena, d: Arena, buffers| RoundsPlanner::new(&template).plan(&request, s, d, buffers);
+    // Four writers: the decode arena splits into 4 shares × 2 buffers.
+    let ok = plan(arena(SRC_ARENA, 64), arena(DST_ARENA, 256), 2).unwrap();
+    assert_eq!(ok.buffer_bytes, 32);
+    assert_eq!(ok.sender, (1, 4));
+    let zero = plan(arena(SRC_ARENA, 64), arena(DST_ARENA, 256), 0).unwrap_err();
+    assert!(
+        matches!(&zero, PlanError::Geometry { what } if what.contains("buffers=0")),
+        "{zero}"
+    );
+    let odd = plan(arena(SRC_ARENA, 65), arena(DST_ARENA, 256), 2).unwrap_err();
+    assert!(
+        matches!(&odd, PlanError::Geometry { what } if what.contains("65 bytes")
+            && what.contains("multiple of 2")),
+        "{odd}"
+    );
+    let odd = plan(arena(SRC_ARENA, 64), arena(DST_ARENA, 252), 2).unwrap_err();
+    assert!(
+        matches!(&odd, PlanError::Geometry { what } if what.contains("252 bytes")
+            && what.contains("4 sender share(s)") && what.contains("multiple of 8")),
+        "{odd}"
+    );
+    let empty = plan(arena(SRC_ARENA, 0), arena(DST_ARENA, 256), 2).unwrap_err();
+    assert!(
+        matches!(
+            empty,
+            PlanError::StagingTooSmall {
+                region: "prefill round buffer",
+                need: 2,
+                have: 0,
+                ..
+            }
+        ),
+        "{empty:?}"
+    );
+    let empty = plan(arena(SRC_ARENA, 64), arena(DST_ARENA, 0), 2).unwrap_err();
+    assert!(
+        matches!(
+            empty,
+            PlanError::StagingTooSmall {
+                region: "decode round buffer",
+                need: 8,
+                have: 0,
+                ..
+            }
+        ),
+        "{empty:?}"
+    );
+    let wraps = plan(arena(u64::MAX - 4, 16), arena(DST_ARENA, 256), 2).unwrap_err();
+    assert!(matches!(wraps, PlanError::Overflow { .. }), "{wraps:?}");
+    // What the staged plan refuses, the rounds refuse naming plan_rounds.
+    let delta = Request::new(&sp, &dp, Some(case.tokens)).skipping(5);
+    let refused = RoundsPlanner::new(&template)
+        .plan(&delta, arena(SRC_ARENA, 64), arena(DST_ARENA, 256), 2)
+        .unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            PlanError::Unsupported {
+                planner: "plan_rounds",
+                feature: "delta",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    let slot = Request::slot(1, 2);
+    let refused = RoundsPlanner::new(&template)
+        .plan(&slot, arena(SRC_ARENA, 64), arena(DST_ARENA, 256), 2)
+        .unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            PlanError::Unsupported {
+                planner: "plan_rounds",
+                feature: "state_slot",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+}
+
+/// The wire form is 64 bytes and refuses what no round is.
+#[test]
+fn manifests_survive_their_wire_form_and_refuse_garbage() {
+    let m = RoundManifest {
+        index: 2,
+        n_rounds: 5,
+        buffer: 0,
+        n_network_blocks: 1,
+        sender: (1, 4),
+        offset: 1000,
+        bytes: 500,
+        total_bytes: 2300,
+        dst_offset: 4096,
+    };
+    let wire = m.to_bytes();
+    assert_eq!(wire.len(), 64);
+    assert_eq!(&wire[..4], b"KVRM");
+    assert_eq!(RoundManifest::from_bytes(&wire).unwrap(), m);
+    assert_eq!(m.dst_bytes_range(), (4096, 4596));
+    let refuse = |bytes: &[u8], says: &str| {
+        let e = RoundManifest::from_bytes(bytes).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Wire { what } if what.contains(says)),
+            "{e} should say {says}"
+        );
+    };
+    refuse(&wire[..63], "64 bytes, got 63");
+    let mut bad = wire;
+    bad[0] = b'X';
+    refuse(&bad, "KVRM");
+    let mut bad = wire;
+    bad[4] = 9;
+    refuse(&bad, "version 9");
+    let mut bad = wire;
+    bad[8..12].copy_from_slice(&5u32.to_le_bytes());
+    refuse(&bad, "round index 5 is not below the request's 5 rounds");
+    let mut bad = wire;
+    bad[28..32].copy_from_slice(&1u32.to_le_bytes());
+    refuse(&bad, "sender 1 is not below the 1 senders");
+    let mut bad = wire;
+    bad[40..48].copy_from_slice(&1301u64.to_le_bytes());
+    refuse(&bad, "reach past the request's 2300 bytes");
+    let mut bad = wire;
+    bad[56..64].copy_from_slice(&u64::MAX.to_le_bytes());
+    refuse(&bad, "overflows");
+}
+
+/// An empty request plans no round; a block larger than the round buffer is split at byte
+/// boundaries and no more (the rounds of a one-run MLA-like request: one block per entry).
+#[test]
+fn large_blocks_split_only_where_the_buffer_ends() {
+    let case = Case {
+        heads: 1,
+        tp_p: 1,
+        tp_d: 1,
+        order: MemoryOrder::Nhd,
+        pp_p: 1,
+        page_sizes: (16, 16),
+        tokens: 64,
+        state: false,
+        layers: 2,
+    };
+    let rounds = check_rounds(&case, (0, 0, 0), 100, 2);
+    // 2 layers × K, V of 64 tokens × 4 bytes, in rounds of at most 100 bytes.
+    assert_eq!(rounds.bytes, 4 * 64 * 4);
+    let src = layout(&case, Side::Src, 0, 0);
+    let dst = layout(&case, Side::Dst, 0, 0);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let none: [i64; 0] = [];
+    let empty = RoundsPlanner::new(&template)
+        .plan(
+            &Request::pages(&none, &none),
+            arena(SRC_ARENA, 200),
+            arena(DST_ARENA, 200),
+            2,
+        )
+        .unwrap();
+    assert!(empty.is_empty() && empty.bytes == 0, "{empty:?}");
+    // A buffer of the whole request is one round with the staged plan's blocks.
+    let whole = check_rounds(&case, (0, 0, 0), rounds.bytes, 1);
+    assert_eq!(whole.len(), 1);
+    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+    let staged = StagedPlanner::new(&template)
+        .plan(
+            &Request::pages(&sp, &dp),
+            StagingRegion {
+                addr: SRC_ARENA,
+                size: 1 << 20,
+            },
+            StagingRegion {
+                addr: DST_ARENA,
+                size: 1 << 20,
+            },
+        )
+        .unwrap();
+    // Every round ends where a staged gather or scatter block ends, or fills its buffer.
+    let ends = |p: &Plan| -> Vec<u64> {
+        p.lengths
+            .iter()
+            .scan(0, |at, l| {
+                *at += l;
+                Some(*at)
+            })
+            .collect()
+    };
+    let (g, s) = (ends(&staged.gather), ends(&staged.scatter));
+    for m in &rounds.manifests {
+        let end = m.offset + m.bytes;
+        assert!(
+            m.bytes == 100 || g.contains(&end) || s.contains(&end),
+            "{m:?} ends inside blocks {g:?} {s:?}"
+        );
+    }
+    // A round splits a staged block only at its own ends: each stage of a round has at most
+    // the staged blocks it overlaps.
+    for k in 0..rounds.len() {
+        let m = rounds.manifests[k];
+        let overlapping = |e: &[u64]| {
+            let starts = std::iter::once(0).chain(e.iter().copied());
+            starts
+                .zip(e.iter())
+                .filter(|&(a, &b)| a < m.offset + m.bytes && b > m.offset)
+                .count()
+        };
+        assert_eq!(rounds.gather.round(k).lengths.len(), overlapping(&g));
+        assert_eq!(rounds.scatter.round(k).lengths.len(), overlapping(&s));
+    }
+    assert!(rounds.len() as u64 >= rounds.bytes.div_ceil(100));
+    assert_eq!(whole.gather.round(0).src_addrs, staged.gather.src_addrs);
+    assert_eq!(whole.gather.round(0).dst_addrs, staged.gather.dst_addrs);
+    assert_eq!(whole.scatter.round(0).dst_addrs, staged.scatter.dst_addrs);
+}
