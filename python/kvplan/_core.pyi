@@ -1056,17 +1056,24 @@ class ConversionPlan:
         """The network's content digest on ``side``: the converted staging (``"src"``) or the
         decode's memory (``"dst"``); equal exactly when every converted byte and scale landed."""
 
-def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer]) -> int:
+def copy_local(plan: TransferPlan, src_buffers: Iterable[_Buffer], dst_buffers: Iterable[_Buffer],
+               *, threads: int | None = None) -> int:
     """Execute a local plan (a staged or pack plan's gather or scatter) on CPU memory.
 
     Copies every block from the source buffer holding it to the destination buffer holding it
     (buffers borrowed without a copy; the GIL is released). Returns the bytes copied. Nothing is
-    copied when any check fails.
+    copied when any check fails: every block is checked before the first byte moves.
+
+    ``threads``: how many threads copy (``None``: the available cores up to 4, one for a plan
+    under 1 MiB; never more than one per 256 KiB or per block). The destination buffers are cut
+    at addresses no block straddles, one range per thread, so the bytes written are the same for
+    every count, blocks sharing destination bytes included (the later block in plan order wins).
 
     Raises:
         IndexBoundsError: A block does not lie inside one of its side's buffers.
         KvPlanError: A destination buffer is read-only, or shares memory with another buffer
-            or the plan's columns (``kind == "buffer_overlap"``).
+            or the plan's columns (``kind == "buffer_overlap"``), or ``threads`` is 0.
+        OverflowError: ``threads`` is negative.
         TypeError: A buffer is not C-contiguous or has no buffer protocol.
     """
 

@@ -3,12 +3,13 @@
 //! protocol); the core checks that no destination shares memory with another buffer or the
 //! plan's columns, and that every block lies inside one buffer, before any byte moves.
 
+use kvplan_core::exchange::local::copy_local_threads;
 use kvplan_core::{Region, RegionMut};
 use numpy::{PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::digest::{Buffers, regions};
-use crate::errors::to_py_err;
+use crate::errors::{KvPlanError, to_py_err};
 use crate::plan::PyTransferPlan;
 
 /// Writable byte regions of `spans`, for as long as the [`Buffers`] they came from are held.
@@ -33,16 +34,25 @@ fn regions_mut(spans: &[(usize, usize)]) -> Vec<RegionMut<'_>> {
         .collect()
 }
 
-/// `copy_local(plan, src_buffers, dst_buffers)`: executes a local plan (a staged or pack
-/// plan's gather or scatter) on CPU memory, copying each block from the source buffer holding
-/// it to the destination buffer holding it, with the GIL released. Returns the bytes copied.
+/// `copy_local(plan, src_buffers, dst_buffers, *, threads=None)`: executes a local plan (a
+/// staged or pack plan's gather or scatter) on CPU memory, copying each block from the source
+/// buffer holding it to the destination buffer holding it, with the GIL released, on up to
+/// `threads` threads (`None`: the available cores up to four, one for a small plan). Returns
+/// the bytes copied.
 #[pyfunction]
+#[pyo3(signature = (plan, src_buffers, dst_buffers, *, threads = None))]
 pub(crate) fn copy_local(
     py: Python<'_>,
     plan: PyRef<'_, PyTransferPlan>,
     src_buffers: &Bound<'_, PyAny>,
     dst_buffers: &Bound<'_, PyAny>,
+    threads: Option<usize>,
 ) -> PyResult<u64> {
+    if threads == Some(0) {
+        return Err(KvPlanError::new_err(
+            "copy_local: threads must be at least 1 (or None for the default), got 0",
+        ));
+    }
     let sources = Buffers::extract_named(py, src_buffers, "src_buffers", false)?;
     let targets = Buffers::extract_named(py, dst_buffers, "dst_buffers", true)?;
     let as_u64 = |spans: &[(usize, usize)]| -> Vec<(u64, u64)> {
@@ -59,12 +69,13 @@ pub(crate) fn copy_local(
         let run = || {
             let src: Vec<Region<'_>> = regions(src_spans);
             let mut dst = regions_mut(dst_spans);
-            kvplan_core::copy_local(
+            copy_local_threads(
                 blocks.src_addrs,
                 blocks.dst_addrs,
                 blocks.lengths,
                 &src,
                 &mut dst,
+                threads,
             )
         };
         py.detach(run).map_err(to_py_err)

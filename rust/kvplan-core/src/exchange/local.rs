@@ -170,10 +170,40 @@ pub fn check_local_buffers(
     Ok(())
 }
 
+/// Below this many bytes a plan is copied on one thread when the caller leaves the count to
+/// [`copy_local_threads`]: starting a thread costs about as much as copying this much.
+pub const SMALL_COPY_BYTES: u64 = 1 << 20;
+
+/// The fewest bytes worth one more copying thread (a thread with less to do costs more to
+/// start than it saves).
+const BYTES_PER_THREAD: u64 = 256 << 10;
+
+/// Most threads [`copy_local_threads`] picks on its own: small-block copies are bound by
+/// memory latency, which a few threads hide; more only contend for the memory bus.
+pub const MAX_DEFAULT_COPY_THREADS: usize = 4;
+
+/// The threads a copy of `total` bytes uses: `requested`, or when `None`, the available cores
+/// up to [`MAX_DEFAULT_COPY_THREADS`], one for a plan under [`SMALL_COPY_BYTES`]; never more
+/// than one per [`BYTES_PER_THREAD`] (nor more than one per block) whatever was requested.
+#[must_use]
+pub fn copy_threads(requested: Option<usize>, total: u64, n_blocks: usize) -> usize {
+    let wanted = requested.unwrap_or_else(|| {
+        if total < SMALL_COPY_BYTES {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(1, std::num::NonZeroUsize::get)
+                .min(MAX_DEFAULT_COPY_THREADS)
+        }
+    });
+    let by_bytes = usize::try_from(total / BYTES_PER_THREAD).unwrap_or(usize::MAX);
+    wanted.min(by_bytes).min(n_blocks).max(1)
+}
+
 /// Executes a local plan: copies block `k`, `lengths[k]` bytes, from address `src_addrs[k]` in
-/// one of `src` to address `dst_addrs[k]` in one of `dst`, in plan order. Every block is
-/// located first, so nothing is copied when one lies outside the buffers. Returns the bytes
-/// copied.
+/// one of `src` to address `dst_addrs[k]` in one of `dst`, in plan order, on one thread. Every
+/// block is located first, so nothing is copied when one lies outside the buffers. Returns the
+/// bytes copied.
 ///
 /// # Errors
 /// [`PlanError::Geometry`] for columns of unequal lengths; [`PlanError::BlockOutsideBuffers`]
@@ -184,6 +214,26 @@ pub fn copy_local(
     lengths: &[u64],
     src: &[Region<'_>],
     dst: &mut [RegionMut<'_>],
+) -> Result<u64> {
+    copy_local_threads(src_addrs, dst_addrs, lengths, src, dst, Some(1))
+}
+
+/// [`copy_local`] on up to `threads` threads ([`copy_threads`] picks the count; `None` for
+/// its default). Every block is located before the first byte moves, as on one thread. The
+/// destination buffers are then cut at addresses no block straddles into one disjoint range
+/// per thread, each thread copying, in plan order, the blocks whose destination lies in its
+/// range; blocks that share destination bytes therefore land in one range and are written in
+/// plan order, so the result is the one-thread result byte for byte.
+///
+/// # Errors
+/// As [`copy_local`].
+pub fn copy_local_threads(
+    src_addrs: &[u64],
+    dst_addrs: &[u64],
+    lengths: &[u64],
+    src: &[Region<'_>],
+    dst: &mut [RegionMut<'_>],
+    threads: Option<usize>,
 ) -> Result<u64> {
     if src_addrs.len() != lengths.len() || dst_addrs.len() != lengths.len() {
         return Err(PlanError::Geometry {
@@ -198,26 +248,238 @@ pub fn copy_local(
     }
     let mut sources = RegionFinder::new(src.iter().map(|r| (r.base, r.bytes.len())));
     let mut targets = RegionFinder::new(dst.iter().map(|r| (r.base, r.bytes.len())));
+    // Where each destination buffer starts when the buffers are laid end to end in address
+    // order: the byte histogram that places the cuts counts positions on that line, so that
+    // gaps between buffers weigh nothing.
+    let line = DestinationLine::new(dst);
+    let mut histogram = [0u64; HISTOGRAM_BUCKETS];
     let blocks = src_addrs.iter().zip(dst_addrs).zip(lengths);
     let mut total = 0u64;
     for (block, ((&s, &d), &len)) in blocks.clone().enumerate() {
         if sources.find(s, len).is_none() {
             return Err(sources.outside(Side::Src, block, s, len));
         }
-        if targets.find(d, len).is_none() {
+        let Some((j, to)) = targets.find(d, len) else {
             return Err(targets.outside(Side::Dst, block, d, len));
-        }
+        };
         total = total.checked_add(len).ok_or(PlanError::Overflow {
             what: "bytes copied",
         })?;
+        histogram[line.bucket(j, to)] += len;
     }
+    let threads = copy_threads(threads, total, lengths.len());
+    let cuts = if threads > 1 {
+        line.cuts(&histogram, total, threads)
+            .and_then(|cuts| settle_cuts(cuts, dst_addrs, lengths))
+    } else {
+        None
+    };
+    match cuts {
+        Some(cuts) => copy_split(src_addrs, dst_addrs, lengths, src, dst, &cuts)?,
+        None => copy_blocks(blocks, src, &mut sources, dst, &mut targets, |_| true)?,
+    }
+    Ok(total)
+}
+
+/// Buckets of the destination-byte histogram that places the cuts between threads.
+const HISTOGRAM_BUCKETS: usize = 256;
+
+/// Cuts settle in a few passes (a cut moves to the end of a block straddling it); a plan
+/// whose cuts keep moving after this many is copied on one thread.
+const SETTLE_PASSES: usize = 4;
+
+/// The destination buffers laid end to end in address order.
+struct DestinationLine {
+    /// Per buffer (in the order given): its position on the line.
+    starts: Vec<f64>,
+    /// Histogram buckets per byte of the line.
+    scale: f64,
+    /// Buffers sorted by base address: `(base, size, position on the line)`.
+    by_base: Vec<(u64, u64, u128)>,
+    /// Sum of the buffers' sizes.
+    length: u128,
+    /// Whether the declared address ranges of the buffers are disjoint; when they are not, a
+    /// block's buffer depends on the search order and the copy stays on one thread.
+    disjoint: bool,
+}
+
+impl DestinationLine {
+    #[allow(clippy::cast_precision_loss)]
+    fn new(dst: &[RegionMut<'_>]) -> Self {
+        let mut order: Vec<usize> = (0..dst.len()).collect();
+        order.sort_by_key(|&i| dst[i].base);
+        let mut starts = vec![0f64; dst.len()];
+        let mut by_base = Vec::with_capacity(dst.len());
+        let mut at = 0u128;
+        let mut disjoint = true;
+        let mut prev_end = 0u128;
+        for (k, &i) in order.iter().enumerate() {
+            let (base, size) = (dst[i].base, dst[i].bytes.len() as u64);
+            if k > 0 && u128::from(base) < prev_end {
+                disjoint = false;
+            }
+            prev_end = prev_end.max(u128::from(base) + u128::from(size));
+            starts[i] = at as f64;
+            by_base.push((base, size, at));
+            at += u128::from(size);
+        }
+        Self {
+            starts,
+            scale: HISTOGRAM_BUCKETS as f64 / (at.max(1) as f64),
+            by_base,
+            length: at,
+            disjoint,
+        }
+    }
+
+    /// The histogram bucket of the byte at `offset` in buffer `j` (in floating point: a
+    /// bucket only weighs the cuts, and an integer division per block would cost more than
+    /// the rest of the check).
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss
+    )]
+    fn bucket(&self, j: usize, offset: usize) -> usize {
+        let position = self.starts[j] + offset as f64;
+        ((position * self.scale) as usize).min(HISTOGRAM_BUCKETS - 1)
+    }
+
+    /// The address of the byte at `position` on the line.
+    fn address(&self, position: u128) -> u64 {
+        let k = self.by_base.partition_point(|&(_, _, at)| at <= position);
+        let (base, size, at) = self.by_base[k.saturating_sub(1)];
+        // Inside that buffer or at its end, so the sum is an address the caller gave.
+        let offset = u64::try_from(position - at).map_or(size, |o| o.min(size));
+        base.saturating_add(offset)
+    }
+
+    /// `threads - 1` ascending addresses splitting the copied bytes about evenly, at bucket
+    /// boundaries; `None` when the buffers overlap or the bytes do not spread over buckets.
+    fn cuts(&self, histogram: &[u64], total: u64, threads: usize) -> Option<Vec<u64>> {
+        if !self.disjoint || self.by_base.is_empty() {
+            return None;
+        }
+        let mut cuts = Vec::with_capacity(threads - 1);
+        let mut seen = 0u64;
+        let mut next = 1u64;
+        for (b, &bytes) in histogram.iter().enumerate() {
+            seen += bytes;
+            while next < threads as u64 && seen >= total / threads as u64 * next {
+                let position = (b as u128 + 1) * self.length / HISTOGRAM_BUCKETS as u128;
+                cuts.push(self.address(position));
+                next += 1;
+            }
+        }
+        cuts.dedup();
+        (!cuts.is_empty()).then_some(cuts)
+    }
+}
+
+/// Moves each cut to the end of any block straddling it until none does; `None` when that
+/// takes more than [`SETTLE_PASSES`] passes.
+fn settle_cuts(mut cuts: Vec<u64>, dst_addrs: &[u64], lengths: &[u64]) -> Option<Vec<u64>> {
+    for _ in 0..SETTLE_PASSES {
+        let mut moved = false;
+        for (&d, &len) in dst_addrs.iter().zip(lengths) {
+            let end = d.saturating_add(len);
+            for cut in &mut cuts {
+                if d < *cut && end > *cut {
+                    *cut = end;
+                    moved = true;
+                }
+            }
+        }
+        if !moved {
+            cuts.sort_unstable();
+            cuts.dedup();
+            return Some(cuts);
+        }
+    }
+    None
+}
+
+/// Copies the blocks `owned` selects (by destination address), in plan order. Every block
+/// was located before (the buffers have not changed since).
+fn copy_blocks<'b>(
+    blocks: impl Iterator<Item = ((&'b u64, &'b u64), &'b u64)>,
+    src: &[Region<'_>],
+    sources: &mut RegionFinder,
+    dst: &mut [RegionMut<'_>],
+    targets: &mut RegionFinder,
+    owned: impl Fn(u64) -> bool,
+) -> Result<()> {
     for ((&s, &d), &len) in blocks {
-        // Found in the pass above (the buffers have not changed since).
+        // An empty block copies nothing, and one at the end of a buffer that ends at a cut
+        // belongs to no range.
+        if len == 0 || !owned(d) {
+            continue;
+        }
         let (Some((i, from)), Some((j, to))) = (sources.find(s, len), targets.find(d, len)) else {
             return Err(PlanError::InputChanged);
         };
         let len = len as usize; // inside a slice
         dst[j].bytes[to..to + len].copy_from_slice(&src[i].bytes[from..from + len]);
     }
-    Ok(total)
+    Ok(())
+}
+
+/// Splits the destination buffers at `cuts` (ascending addresses no block straddles) and
+/// copies each range's blocks on its own thread.
+fn copy_split(
+    src_addrs: &[u64],
+    dst_addrs: &[u64],
+    lengths: &[u64],
+    src: &[Region<'_>],
+    dst: &mut [RegionMut<'_>],
+    cuts: &[u64],
+) -> Result<()> {
+    // ranges[t] = [lo, hi) of addresses; the pieces of every buffer inside it.
+    let mut bounds = Vec::with_capacity(cuts.len() + 2);
+    bounds.push(0u64);
+    bounds.extend_from_slice(cuts);
+    bounds.push(u64::MAX);
+    let mut pieces: Vec<Vec<RegionMut<'_>>> = (0..bounds.len() - 1).map(|_| Vec::new()).collect();
+    for region in dst.iter_mut() {
+        let mut base = region.base;
+        let mut rest: &mut [u8] = &mut region.bytes[..];
+        for (t, window) in bounds.windows(2).enumerate() {
+            let hi = window[1];
+            if rest.is_empty() || base >= hi {
+                continue;
+            }
+            // The part of `rest` below `hi` (all of it when the buffer ends first).
+            let take = usize::try_from(hi - base).map_or(rest.len(), |n| n.min(rest.len()));
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            pieces[t].push(RegionMut { base, bytes: head });
+            base = base.saturating_add(take as u64);
+            rest = tail;
+        }
+    }
+    let blocks = || src_addrs.iter().zip(dst_addrs).zip(lengths);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = pieces
+            .into_iter()
+            .zip(bounds.windows(2))
+            .filter(|(p, _)| !p.is_empty())
+            .map(|(mut mine, window)| {
+                let (lo, hi) = (window[0], window[1]);
+                scope.spawn(move || {
+                    let mut sources =
+                        RegionFinder::new(src.iter().map(|r| (r.base, r.bytes.len())));
+                    let mut targets =
+                        RegionFinder::new(mine.iter().map(|r| (r.base, r.bytes.len())));
+                    copy_blocks(blocks(), src, &mut sources, &mut mine, &mut targets, |d| {
+                        lo <= d && d < hi
+                    })
+                })
+            })
+            .collect();
+        // Every worker is joined before the first failure (if any) is returned.
+        let outcomes: Vec<Result<()>> = workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or(Err(PlanError::InputChanged)))
+            .collect();
+        outcomes.into_iter().collect::<Result<()>>()
+    })
 }
