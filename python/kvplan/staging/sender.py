@@ -131,8 +131,8 @@ class _Send:
                                     f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
                 if pending is not None and self.buffers == 1:
                     # the only prefill buffer is still being read by round k-1's write
-                    self.finish(*pending)
-                    pending = None
+                    done, pending = pending, None  # waited once, whatever finish raises
+                    self.finish(*done)
                 try:
                     self.gather(r.gather)
                 except StagingError:
@@ -141,8 +141,8 @@ class _Send:
                     raise self.fail(k, "gather_failed", f"{type(exc).__name__}: {exc}") from exc
                 self.events.append(("gather", k))
                 if pending is not None:
-                    self.finish(*pending)
-                    pending = None
+                    done, pending = pending, None
+                    self.finish(*done)
                 if k >= self.buffers:
                     self.wait_ack(k - self.buffers)  # the decode emptied buffer k % buffers
                 nbytes, blocks = _count(r.network)
@@ -154,8 +154,8 @@ class _Send:
                                     f"{type(exc).__name__}: {exc}") from exc
                 self.events.append(("submit", k))
             if pending is not None:
-                self.finish(*pending)
-                pending = None
+                done, pending = pending, None
+                self.finish(*done)
             self.wait_ack(self.n - 1)
         finally:
             if pending is not None:  # an error left a write in flight: its buffer is in use
