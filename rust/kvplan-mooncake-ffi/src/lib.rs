@@ -30,6 +30,9 @@
 //! the `C-unwind` boundary; kvplan's bindings cannot catch a foreign exception, so the process
 //! aborts instead of continuing with undefined state.
 
+mod backoff;
+
+use backoff::Backoff;
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_void};
 use std::fmt;
@@ -429,13 +432,16 @@ impl Batch {
     }
 
     /// Wait until every block landed, failed, or `timeout` (counted from the submit, plus 1 ns
-    /// per byte as Mooncake's binding allows) passed; then free the batch.
+    /// per byte as Mooncake's binding allows) passed; then free the batch. The status is polled
+    /// a few times back to back, then between yields, then between sleeps growing from 20 us to
+    /// 1 ms: a long wait leaves the cores to other work.
     pub fn wait(mut self, timeout: Duration) -> Result<(), FfiError> {
         self.wait_inner(timeout)
     }
 
     fn wait_inner(&mut self, timeout: Duration) -> Result<(), FfiError> {
         let deadline = self.started + timeout + Duration::from_nanos(self.bytes);
+        let mut backoff = Backoff::default();
         let outcome = loop {
             let mut state = TransferStatus {
                 state: 0,
@@ -480,7 +486,7 @@ impl Batch {
                     deadline - self.started
                 )));
             }
-            std::thread::yield_now();
+            backoff.pause(deadline);
         };
         // After a failure other blocks may still be in flight: keep trying to free until the
         // engine lets go of every request (or give up and leak them) before returning.
