@@ -262,7 +262,7 @@ def test_a_decode_scatter_failure_fails_once_and_stops_the_prefill() -> None:
 
 def test_an_unreachable_decode_is_peer_gone() -> None:
     s = Setup(2)
-    sent = []
+    sent: list[bytes] = []
 
     def notify(data: bytes) -> None:
         if len(sent) == 2:

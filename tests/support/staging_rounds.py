@@ -5,6 +5,7 @@ one network block per round), and the copies that run a round's gather or scatte
 
 from __future__ import annotations
 
+import builtins
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ class RefManifest:
     def dst_bytes_range(self) -> tuple[int, int]:
         return self.dst_offset, self.dst_offset + self.bytes
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> builtins.bytes:
         return self._WIRE.pack(self.index, self.n_rounds, self.buffer, self.n_network_blocks,
                                self.bytes, self.dst_offset)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> RefManifest:
+    def from_bytes(cls, data: builtins.bytes) -> RefManifest:
         index, n, buffer, blocks, nbytes, off = cls._WIRE.unpack(bytes(data))
         return cls(index, n, buffer, nbytes, blocks, off)
 

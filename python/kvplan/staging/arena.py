@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvplan._errors import ConfigError, TransferError
 from kvplan.staging.config import MAX_BUFFERS, StagingConfig
+from kvplan.staging.negotiation import ArenaInfo
 
 __all__ = ["PAGE", "StagingArena"]
 
@@ -77,6 +78,10 @@ class StagingArena:
     @property
     def registered(self) -> bool:
         return bool(self.registered_with)
+
+    def info(self, rank: int = 0) -> ArenaInfo:
+        """This arena as the handshake's :class:`kvplan.staging.ArenaInfo` for ``rank``."""
+        return ArenaInfo(rank, self.addr, self.size, self.buffers, self.registered)
 
     def buffer(self, index: int) -> npt.NDArray[np.uint8]:
         """Round buffer ``index % buffers`` as a view."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvplan._core import Advice, Request, Template, TransferCost
+from kvplan._errors import ConfigError
+from kvplan.staging.config import MODES
 from kvplan.staging.negotiation import DirectFallback, Negotiated
 
 __all__ = ["PathChoice", "choose_path"]
@@ -37,10 +39,13 @@ def choose_path(template: Template, request: Request | tuple[Any, Any],
 
     Raises:
         As ``Template.transfer_advice`` for a request it refuses (IndexBoundsError,
-        KvPlanError, TypeError), and ValueError for a ``mode`` that is not auto, always or off.
+        KvPlanError, TypeError); :class:`kvplan.ConfigError` for a ``mode`` that is not auto,
+        always or off.
     """
-    if mode not in ("auto", "always", "off"):
-        raise ValueError(f"choose_path: mode={mode!r}: auto, always or off")
+    if mode not in MODES:
+        err = ConfigError(f"choose_path: mode={mode!r}: one of {', '.join(MODES)} is required")
+        err.option, err.value, err.known = "mode", mode, MODES
+        raise err
     if agreement is None:
         return PathChoice("direct", "no staging negotiated with the peer")
     if isinstance(agreement, DirectFallback):

@@ -66,7 +66,7 @@ class ReceiveStaged:
     """
 
     def __init__(self, request: str, rounds: Sequence[Any], scatter: Callable[[Any], Any],
-                 ack: Callable[[bytes], None], *, writer: int = 0, timeout_s: float = 30.0,
+                 ack: Callable[[bytes], object], *, writer: int = 0, timeout_s: float = 30.0,
                  on_loaded: Callable[[ReceiveStaged], None] | None = None,
                  on_failed: Callable[[StagingError], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -18,7 +18,7 @@ __all__ = ["AckQueue", "SendReport", "send_staged"]
 
 _log = logging.getLogger("kvplan.staging")
 
-Notify = Callable[[bytes], None]
+Notify = Callable[[bytes], object]
 
 
 @dataclass(frozen=True)

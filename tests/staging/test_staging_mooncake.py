@@ -1,0 +1,187 @@
+"""Staged transfers over real Mooncake TCP loopback (two engines in this process): the prefill
+gathers each round into its registered arena, the native hand-off writes it into the decode's
+registered arena, the decode scatters it into its KV memory after checking the round's
+manifest and acknowledges it. The decode's memory must equal what the direct plan writes
+through the same engines, and the byte oracle's, on a fragmented MLA page-1 request and a
+TP 8 -> 2 NHD request (four prefill ranks filling one decode arena at once)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvplan.exec.numpy import Memory, apply_plan
+from kvplan.staging import (
+    Capabilities,
+    ReceiveStaged,
+    Router,
+    StagingAgreement,
+    StagingArena,
+    StagingError,
+    negotiate,
+    send_staged,
+)
+from support.staging_rounds import copier, mla_fragmented_case, rounds_for, tp8_to_tp2_case
+
+pytestmark = pytest.mark.mooncake
+
+SENTINEL = 0xA5
+
+
+class Pair:
+    """A prefill and a decode Mooncake engine over TCP on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        from mooncake.engine import TransferEngine
+
+        from kvplan.engines.mooncake import Handoff
+
+        self.engines = []
+        for _ in range(2):
+            e = TransferEngine()
+            assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            self.engines.append(e)
+        self.prefill, self.decode = self.engines
+        self.prefill_session = f"127.0.0.1:{self.prefill.get_rpc_port()}"
+        self.decode_session = f"127.0.0.1:{self.decode.get_rpc_port()}"
+        self.handoff = Handoff(self.prefill, self.prefill_session)
+        self.registered: list[tuple[Any, int]] = []
+
+    def register(self, engine: Any, array: np.ndarray) -> None:
+        assert engine.register_memory(array.ctypes.data, array.nbytes) == 0
+        self.registered.append((engine, array.ctypes.data))
+
+    def close(self) -> None:
+        for engine, addr in self.registered:
+            engine.unregister_memory(addr)
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    from support.engine_peers import require_mooncake
+
+    require_mooncake()
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
+    monkeypatch.delenv("KVPLAN_MOONCAKE_NATIVE", raising=False)
+    p = Pair()
+    yield p
+    p.close()
+
+
+def agree(src: StagingArena, dst: StagingArena) -> StagingAgreement:
+    """What the two peers' handshake messages agree on (as each side computes it)."""
+    mine, theirs = Capabilities.local([src.info()]), Capabilities.local([dst.info()])
+    on_prefill = negotiate(mine, theirs.to_bytes(), sending=True)
+    assert on_prefill == negotiate(theirs, mine.to_bytes(), sending=False)
+    assert isinstance(on_prefill, StagingAgreement), on_prefill
+    return on_prefill
+
+
+def oracle(decode_memory: np.ndarray, writes: list[tuple[Any, np.ndarray]]) -> np.ndarray:
+    want = Memory(np.full_like(decode_memory, SENTINEL), int(decode_memory.ctypes.data))
+    for plan, src_memory in writes:
+        apply_plan(plan, Memory.of(src_memory), want)
+    return want.data
+
+
+def direct_through_engine(pair: Pair, plan: Any) -> None:
+    assert pair.handoff.write_batches(pair.decode_session, plan.src_addrs, plan.dst_addrs,
+                                      plan.lengths, 1024) == 0
+
+
+def staged_stream(pair: Pair, rounds: Any, agreement: StagingAgreement, request: str,
+                  writer: int, prefill_memory: np.ndarray, src_arena: StagingArena,
+                  dst_arena: StagingArena, decode_memory: np.ndarray,
+                  routers: tuple[Router, Router]) -> tuple[Any, ReceiveStaged]:
+    prefill_router, decode_router = routers
+    receiver = ReceiveStaged(request, rounds, copier([dst_arena.array], [decode_memory]),
+                             prefill_router.deliver, writer=writer, timeout_s=10.0)
+    decode_router.open(request, writer, receiver.on_message)
+    report = send_staged(rounds, pair.handoff, pair.decode_session, decode_router.deliver,
+                         request=request, acks=prefill_router, writer=writer,
+                         gather=copier([prefill_memory], [src_arena.array]),
+                         buffers=agreement.buffers, timeout_s=10.0)
+    return report, receiver
+
+
+def test_fragmented_mla_page1_staged_equals_direct(pair: Pair) -> None:
+    prefill, decode, template, src, dst = mla_fragmented_case(tokens=300)
+    decode.memory[:] = SENTINEL
+    src_arena, dst_arena = StagingArena(64 << 10, 2), StagingArena(64 << 10, 2)
+    for engine, array in ((pair.prefill, prefill.memory), (pair.decode, decode.memory)):
+        pair.register(engine, array)
+    src_arena.register(pair.prefill)
+    dst_arena.register(pair.decode)
+    try:
+        agreement = agree(src_arena, dst_arena)
+        direct = template.plan(src, dst)
+        want = oracle(decode.memory, [(direct, prefill.memory)])
+        direct_through_engine(pair, direct)
+        np.testing.assert_array_equal(decode.memory, want)
+        decode.memory[:] = SENTINEL
+        rounds = rounds_for(template, src, dst, agreement.src_arena, agreement.dst_arena,
+                            agreement.buffers)
+        report, receiver = staged_stream(pair, rounds, agreement, "mla-1", 0, prefill.memory,
+                                         src_arena, dst_arena, decode.memory,
+                                         (Router(), Router()))
+    finally:
+        src_arena.close()
+        dst_arena.close()
+    assert receiver.loaded and receiver.scattered == len(rounds) == report.rounds > 10
+    assert report.bytes == int(direct.lengths.sum())
+    assert len(direct.lengths) == 1200 and report.network_blocks <= 2 * report.rounds
+    np.testing.assert_array_equal(decode.memory, want)
+    assert pair.handoff.path == "native", pair.handoff.reason
+
+
+def test_tp8_to_tp2_nhd_four_writers_into_one_decode_arena(pair: Pair) -> None:
+    writers, decode, templates, src, dst = tp8_to_tp2_case(pages=10)
+    decode.memory[:] = SENTINEL
+    src_arenas = [StagingArena(32 << 10, 2) for _ in writers]
+    dst_arena = StagingArena(64 << 10, 2)  # 16 KiB per writer, two 8 KiB round buffers each
+    pair.register(pair.decode, decode.memory)
+    for w, a in zip(writers, src_arenas):
+        pair.register(pair.prefill, w.memory)
+        a.register(pair.prefill)
+    dst_arena.register(pair.decode)
+    try:
+        directs = [t.plan(src, dst) for t in templates]
+        want = oracle(decode.memory, [(d, w.memory) for d, w in zip(directs, writers)])
+        for d in directs:
+            direct_through_engine(pair, d)
+        np.testing.assert_array_equal(decode.memory, want)
+        decode.memory[:] = SENTINEL
+        routers = (Router(), Router())
+        results: dict[int, Any] = {}
+
+        def run(i: int) -> None:
+            agreement = agree(src_arenas[i], dst_arena)
+            rounds = rounds_for(templates[i], src, dst, agreement.src_arena,
+                                agreement.dst_arena, agreement.buffers, sender=(i, 4))
+            try:
+                results[i] = staged_stream(pair, rounds, agreement, "tp-1", i, writers[i].memory,
+                                           src_arenas[i], dst_arena, decode.memory, routers)
+            except StagingError as exc:  # pragma: no cover - reported below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for a in src_arenas:
+            a.close()
+        dst_arena.close()
+    for i in range(4):
+        report, receiver = results[i]
+        assert receiver.loaded and report.rounds == receiver.scattered > 1
+        assert report.bytes == int(directs[i].lengths.sum())
+        assert len(directs[i].lengths) == 10 * 16 * 2 * 4  # a block per token per entry
+    np.testing.assert_array_equal(decode.memory, want)
+    assert int(np.count_nonzero(decode.memory != SENTINEL)) > 0
