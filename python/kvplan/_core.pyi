@@ -1,4 +1,5 @@
 # Signatures of the native module (rust/kvplan-py). Users import these through `kvplan`.
+import builtins
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar, Literal, Protocol, final, overload
 
@@ -36,7 +37,10 @@ __all__ = [
     "Request",
     "RowGather",
     "SizeMismatchError",
+    "RoundManifest",
     "StagedPlan",
+    "StagedRound",
+    "StagedRounds",
     "Template",
     "TpPeers",
     "TransferCost",
@@ -860,6 +864,38 @@ class Template:
             IndexBoundsError, KvPlanError, TypeError, MemoryError: As ``plan``.
         """
     @overload
+    def plan_rounds(self, src_pages: Request, dst_pages: None = None, *,
+                    src_arena: tuple[int, int], dst_arena: tuple[int, int],
+                    buffers: int = 2) -> StagedRounds: ...
+    @overload
+    def plan_rounds(
+        self,
+        src_pages: _IndexArray,
+        dst_pages: _IndexArray,
+        *,
+        src_arena: tuple[int, int],
+        dst_arena: tuple[int, int],
+        buffers: int = 2,
+        n_tokens: int | None = None,
+    ) -> StagedRounds:
+        """Plan one request as ``plan_staged`` does, cut into rounds through bounded arenas.
+
+        ``src_arena`` (prefill memory) and ``dst_arena`` (decode memory) are ``(address,
+        size)`` of registered memory, each split into ``buffers`` round buffers (the decode
+        arena first into one share per sender: ``(tp_p // tp_d) * pp_size`` prefill ranks
+        write it when the prefill TP is larger, else ``pp_size``). Round ``k`` gathers into
+        prefill buffer ``k % buffers``, sends it as one block into this sender's decode buffer
+        ``k % buffers`` and scatters from there; together the rounds write exactly what
+        ``plan`` writes, and no round touches staging memory outside its two buffers.
+
+        Raises:
+            UnsupportedError: What ``plan_staged`` refuses (naming ``plan_rounds``).
+            SizeMismatchError: An arena too small for one byte per round buffer.
+            KvPlanError: ``buffers`` is 0, or an arena's size is not a multiple of its
+                buffers (times the senders on the decode), naming the sizes.
+            IndexBoundsError, TypeError, MemoryError: As ``plan``.
+        """
+    @overload
     def transfer_advice(self, src_pages: Request, dst_pages: TransferCost, cost: None = None
                         ) -> Advice: ...
     @overload
@@ -970,6 +1006,97 @@ class StagedPlan:
     @property
     def writer(self) -> tuple[int, int]:
         """``(writer index, number of writers)`` of this prefill rank in the decode region."""
+
+@final
+class RoundManifest:
+    """What a decode is told about one round of ``Template.plan_rounds``: which round of how
+    many, its bytes and where they land in the decode arena, with a fixed 64-byte wire form."""
+
+    def __eq__(self, value: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+    @property
+    def index(self) -> int: ...
+    @property
+    def n_rounds(self) -> int: ...
+    @property
+    def buffer(self) -> int:
+        """The round buffer it uses (``index % buffers``)."""
+    @property
+    def n_network_blocks(self) -> int: ...
+    @property
+    def sender(self) -> tuple[int, int]:
+        """``(sender index, number of senders)`` into the decode arena."""
+    @property
+    def offset(self) -> int:
+        """Bytes of the request before this round."""
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def dst_bytes_range(self) -> tuple[int, int]:
+        """Offsets ``(start, end)`` of the decode arena the round's bytes land in."""
+    @property
+    def is_last(self) -> bool: ...
+    def to_bytes(self) -> builtins.bytes:
+        """The fixed 64-byte wire form."""
+    @staticmethod
+    def from_bytes(data: builtins.bytes) -> RoundManifest:
+        """Reads ``to_bytes``'s form back.
+
+        Raises:
+            KvPlanError: Not 64 bytes, a wrong magic or version, or values no round has.
+        """
+
+@final
+class StagedRound:
+    """One round of ``Template.plan_rounds``: ``gather`` (prefill memory → prefill round
+    buffer), ``network`` (one block into the decode round buffer of the same number),
+    ``scatter`` (decode round buffer → decode pages)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def buffer(self) -> int: ...
+    @property
+    def gather(self) -> TransferPlan: ...
+    @property
+    def network(self) -> TransferPlan: ...
+    @property
+    def scatter(self) -> TransferPlan: ...
+    @property
+    def manifest(self) -> RoundManifest: ...
+
+@final
+class StagedRounds:
+    """A request's staged plan in rounds (``Template.plan_rounds``): a sequence of
+    ``StagedRound``."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> StagedRound: ...
+    def __iter__(self) -> Iterator[StagedRound]: ...
+    @property
+    def manifests(self) -> list[RoundManifest]: ...
+    @property
+    def bytes(self) -> int:
+        """Bytes of the request."""
+    @property
+    def buffer_bytes(self) -> int:
+        """The most bytes one round holds."""
+    @property
+    def buffers(self) -> int: ...
+    @property
+    def n_network_blocks(self) -> int: ...
+    @property
+    def direct_blocks(self) -> int: ...
+    @property
+    def staged_network_blocks(self) -> int:
+        """Network blocks of the unchunked staged plan (``plan_staged``)."""
+    @property
+    def sender(self) -> tuple[int, int]: ...
+    @property
+    def dst_share(self) -> tuple[int, int]:
+        """Offsets ``(start, end)`` of the decode arena this sender's share covers."""
 
 @final
 class ConversionTemplate:

@@ -5,9 +5,11 @@ into another) or several, run in a fixed order between up to four memories, name
 same way in every executor:
 
 - ``src``: the prefill's KV memory; ``dst``: the decode's KV memory;
-- ``src_staging``: a prefill staging region (``plan_staged``'s ``src_staging``, the pack buffer
-  of ``plan_packed`` and ``plan_row_gather``, a conversion plan's staging region);
-- ``dst_staging``: the decode's staging region (``plan_staged``, a decode-side conversion).
+- ``src_staging``: a prefill staging region (``plan_staged``'s ``src_staging``, ``plan_rounds``'s
+  ``src_arena``, the pack buffer of ``plan_packed`` and ``plan_row_gather``, a conversion plan's
+  staging region);
+- ``dst_staging``: the decode's staging region (``plan_staged``, ``plan_rounds``'s ``dst_arena``,
+  a decode-side conversion).
 
 :func:`stages` lists, for each kind of plan, its stages in order: what each does (``copy``
 blocks in one process, ``rows`` of a row gather, ``convert`` rows, ``network`` blocks between
@@ -29,7 +31,7 @@ from typing import Any, Literal, NamedTuple, Protocol, Union, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvplan import ConversionPlan, RowGather, StagedPlan
+from kvplan import ConversionPlan, RowGather, StagedPlan, StagedRounds
 
 __all__ = ["BlockColumns", "Executor", "Plan", "Stage", "Role", "row_gather_blocks", "stages",
            "steps"]
@@ -54,10 +56,10 @@ class BlockColumns(Protocol):
 
 
 #: What an executor runs: a one-stage plan, ``Template.plan_staged``'s ``StagedPlan``,
-#: ``plan_packed``'s ``(gather, network)``, ``plan_row_gather``'s ``(rows, network)`` or
-#: ``ConversionTemplate.plan``'s ``ConversionPlan``.
-Plan = Union[BlockColumns, StagedPlan, ConversionPlan, tuple[BlockColumns, BlockColumns],
-             tuple[RowGather, BlockColumns]]
+#: ``Template.plan_rounds``'s ``StagedRounds``, ``plan_packed``'s ``(gather, network)``,
+#: ``plan_row_gather``'s ``(rows, network)`` or ``ConversionTemplate.plan``'s ``ConversionPlan``.
+Plan = Union[BlockColumns, StagedPlan, StagedRounds, ConversionPlan,
+             tuple[BlockColumns, BlockColumns], tuple[RowGather, BlockColumns]]
 
 
 class Stage(NamedTuple):
@@ -100,12 +102,14 @@ def stages(plan: Plan) -> tuple[Stage, ...]:
     """The stages of ``plan``, in the order they run.
 
     For ``Template.plan_staged``'s plan, ``[(s.kind, s.side) for s in stages(staged)]`` is
-    ``[("copy", "src"), ("network", None), ("copy", "dst")]``.
+    ``[("copy", "src"), ("network", None), ("copy", "dst")]``. ``Template.plan_rounds``'s
+    rounds have the same three stages, which run for each round in turn (:func:`steps` lists
+    them round after round).
 
     Raises:
         TypeError: ``plan`` is none of the plans in :data:`Plan` (the message names its type).
     """
-    if isinstance(plan, StagedPlan):
+    if isinstance(plan, (StagedPlan, StagedRounds)):
         return _STAGED
     if isinstance(plan, ConversionPlan):
         return _CONVERT_ON_DECODE if plan.convert_on == "decode" else _CONVERT_ON_PREFILL
@@ -118,7 +122,7 @@ def stages(plan: Plan) -> tuple[Stage, ...]:
         return _DIRECT
     raise TypeError(
         f"a {type(plan).__name__} is not a plan an executor runs: expected a TransferPlan, "
-        "BatchPlan or BlockSlice, a StagedPlan, plan_packed's (gather, network), "
+        "BatchPlan or BlockSlice, a StagedPlan or StagedRounds, plan_packed's (gather, network), "
         "plan_row_gather's (rows, network) or a ConversionPlan"
     )
 
@@ -126,8 +130,11 @@ def stages(plan: Plan) -> tuple[Stage, ...]:
 def steps(plan: Plan) -> list[tuple[Stage, Any]]:
     """:func:`stages` with each stage's work: a plan with block columns (``copy`` and
     ``network``; a conversion plan's are ``(src_addrs, dst_addrs, lengths)`` tuples), the
-    ``RowGather`` (``rows``) or the ``ConversionPlan`` (``convert``)."""
+    ``RowGather`` (``rows``) or the ``ConversionPlan`` (``convert``); a ``StagedRounds``'
+    stages round after round, each with that round's part."""
     found = stages(plan)
+    if isinstance(plan, StagedRounds):
+        return [(stage, getattr(one, stage.part or "")) for one in plan for stage in found]
     if isinstance(plan, tuple):  # plan_packed's and plan_row_gather's pairs
         halves = {"gather": plan[0], "rows": plan[0], "network": plan[1]}
         return [(stage, halves[stage.part or ""]) for stage in found]

@@ -481,3 +481,13 @@ pub(crate) fn src_staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
 pub(crate) fn dst_staging_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
     region_arg(obj, "dst_staging")
 }
+
+/// `src_arena=(addr, size)` (see [`region_arg`]).
+pub(crate) fn src_arena_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "src_arena")
+}
+
+/// `dst_arena=(addr, size)` (see [`region_arg`]).
+pub(crate) fn dst_arena_arg(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    region_arg(obj, "dst_arena")
+}

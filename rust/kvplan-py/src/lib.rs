@@ -3,7 +3,7 @@
 //! Modules mirror the core's, one file per job: `layout`, `pairing` (+ `pair_tables`:
 //! `check_pairs`, `needs_tokens`), `template` (the `Template` class; its methods hand their work
 //! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
-//! planner (`batch`, `pack`, `staged`, `advice`, `convert` for `ConversionTemplate`,
+//! planner (`batch`, `pack`, `staged`, `rounds`, `advice`, `convert` for `ConversionTemplate`,
 //! `descriptors`, `slices`, `runs`, `nixl_ids`, `heads`), `plan` (+ the output `pool`), `digest`,
 //! `local` (`copy_local`), `mooncake`, `capabilities`, with `request` (`kvplan.Request`, and the
 //! request every planner method reads from one or from its loose arguments), `input` (Python
@@ -38,6 +38,7 @@ mod pairing;
 mod plan;
 mod pool;
 mod request;
+mod rounds;
 mod runs;
 mod slices;
 mod slots;
@@ -86,6 +87,8 @@ mod _core {
     use crate::pool::pool_stats;
     #[pymodule_export]
     use crate::request::PyRequest;
+    #[pymodule_export]
+    use crate::rounds::{PyRoundManifest, PyStagedRound, PyStagedRounds};
     #[pymodule_export]
     use crate::runs::{group_contiguous, reverse_descending_runs};
     #[pymodule_export]

@@ -352,6 +352,35 @@ impl PyTemplate {
         )
     }
 
+    /// Plans one request (as `plan`) as a staged plan in rounds through bounded arenas:
+    /// `src_arena = (addr, size)` (prefill memory) and `dst_arena = (addr, size)` (decode
+    /// memory), each split into `buffers` round buffers (the decode's per sender); round `k`
+    /// gathers into prefill buffer `k % buffers`, sends it to decode buffer `k % buffers` and
+    /// scatters from there. The staging memory used never exceeds the arenas.
+    #[pyo3(signature = (src_pages, dst_pages=None, *, src_arena, dst_arena, buffers=kvplan_core::DEFAULT_BUFFERS, n_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn plan_rounds(
+        &self,
+        py: Python<'_>,
+        src_pages: &Bound<'_, PyAny>,
+        dst_pages: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = crate::input::src_arena_arg)] src_arena: (u64, u64),
+        #[pyo3(from_py_with = crate::input::dst_arena_arg)] dst_arena: (u64, u64),
+        buffers: u32,
+        n_tokens: Option<u64>,
+    ) -> PyResult<crate::rounds::PyStagedRounds> {
+        crate::rounds::plan_rounds(
+            py,
+            &self.inner,
+            self.fingerprints,
+            src_pages,
+            dst_pages,
+            (src_arena, dst_arena),
+            buffers,
+            n_tokens,
+        )
+    }
+
     /// Direct or staged for one request (taken as `plan` takes it) on an engine of `cost`: the
     /// core's rule over the request's direct and staged network block counts.
     #[pyo3(signature = (src_pages, dst_pages=None, cost=None, *, n_tokens=None))]
