@@ -54,6 +54,13 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+#: Mooncake TCP refuses a batch whose entries overflow its per-peer lane queues (1,024 transfers
+#: per lane by default: a one-call batch of ~4K descriptors already fails). The host engines
+#: hand a request to Mooncake in one call, so the run raises the queue to the largest value
+#: this build accepts (32,768; one call of 12,566 descriptors then passes, 100,000 still fail).
+#: ``--mooncake-queue 0`` keeps the engine's default.
+MOONCAKE_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+MOONCAKE_QUEUE = 32768
 
 import numpy as np  # noqa: E402
 from harness.machine import describe  # noqa: E402  (also: tests/ on sys.path, support.*)
@@ -441,7 +448,7 @@ def plan_kwargs(built: Built) -> dict[str, Any]:
     return {} if built.n_tokens is None else {"n_tokens": built.n_tokens}
 
 
-def paths(rig: Rig, st: Setup, steps: list[dict[str, float]]
+def paths(rig: Rig, st: Setup, steps: list[dict[str, float]], reports: list[Any]
           ) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
     """The callables of every path that runs here, and a note for each that does not."""
     b = st.built
@@ -490,24 +497,30 @@ def paths(rig: Rig, st: Setup, steps: list[dict[str, float]]
     if run_rounds is None:
         notes["rounds"] = why
     else:
-        fns["rounds"] = rounds_path(rig, st, run_rounds)
+        fns["rounds"] = rounds_path(rig, st, run_rounds, reports)
     return fns, notes
 
 
-def rounds_path(rig: Rig, st: Setup, run_rounds: Callable[..., Any]) -> Callable[[], Any]:
+def rounds_path(rig: Rig, st: Setup, run_rounds: Callable[..., Any],
+                reports: list[Any]) -> Callable[[], Any]:
+    """``plan_rounds`` through the two 64 MiB arenas, run by ``run_rounds``: the network plans
+    go through the sender's ``submit_async`` (waited on by the pipeline), the gathers and
+    scatters through ``copy_local`` (the pipeline's default copies)."""
     b = st.built
     kw = plan_kwargs(b)
     s_off = st.src_arena[0] - rig.src.ctypes.data
     d_off = st.dst_arena[0] - rig.dst.ctypes.data
     src_arena_view = rig.src[s_off:s_off + ROUND_ARENA]
     dst_arena_view = rig.dst[d_off:d_off + ROUND_ARENA]
+    post = getattr(rig.sender, "submit_async")
 
     def rounds() -> None:
         plan = b.template.plan_rounds(b.src_pages, b.dst_pages, src_arena=st.src_arena,
                                       dst_arena=st.dst_arena, buffers=ROUND_BUFFERS, **kw)
-        run_rounds(plan, src_buffers=[st.src_pages_view], src_arena=src_arena_view,
-                   dst_arena=dst_arena_view, dst_buffers=[st.dst_pages_view],
-                   submit=lambda net: rig.submit(net))
+        reports.append(run_rounds(plan, submit=lambda net: post(net, rig.peer),
+                                  wait=lambda handle: handle.wait(),
+                                  src_buffers=[st.src_pages_view], src_arena=src_arena_view,
+                                  dst_arena=dst_arena_view, dst_buffers=[st.dst_pages_view]))
 
     return rounds
 
@@ -563,6 +576,7 @@ class Row:
     expected_from: str
     steps: dict[str, float]  # median seconds of the staged path's steps
     rounds: int | None = None
+    round_steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def median(self, path: str) -> float | None:
         t = self.times.get(path)
@@ -592,7 +606,8 @@ def run_case(engine: str, case: Case, sg: Any, repeats: int) -> Row:
         built = case.build(sg, rig.src.ctypes.data, rig.dst.ctypes.data)
         st = place(rig, built, request_bytes)
         steps: list[dict[str, float]] = []
-        fns, notes = paths(rig, st, steps)
+        reports: list[Any] = []
+        fns, notes = paths(rig, st, steps, reports)
         ok: dict[str, bool] = {}
         descriptors = {"ceiling": 1}
         host_calls: list[Any] = []
@@ -643,13 +658,22 @@ def run_case(engine: str, case: Case, sg: Any, repeats: int) -> Row:
             del rp
         del want
         steps.clear()
+        reports.clear()
         nothing = lambda: None  # noqa: E731
         samples = alternating({k: (f, nothing, nothing) for k, f in fns.items()}, repeats)
         times = {k: [v / 1e9 for v in vs] for k, vs in samples.items()}
         step_med = ({k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps
                     else {})
+        round_steps = {}
+        if reports:  # the rounds' steps summed per request (they overlap), medians
+            round_steps = {
+                "elapsed": statistics.median(r.elapsed_s for r in reports),
+                "serial": statistics.median(r.serial_s for r in reports),
+                **{k: statistics.median(sum(getattr(t, f"{k}_s") for t in r.rounds)
+                                        for r in reports)
+                   for k in ("gather", "network", "scatter")}}
         return Row(engine, case.name, case.label, built.host_label, request_bytes, descriptors,
-                   times, notes, ok, expected_from, step_med, n_rounds)
+                   times, notes, ok, expected_from, step_med, n_rounds, round_steps)
     finally:
         rig.close()
 
@@ -708,6 +732,23 @@ def steps_table(rows: list[Row]) -> list[str]:
     return out
 
 
+def rounds_table(rows: list[Row]) -> list[str]:
+    out = ["| engine | request | rounds | network blocks | elapsed (ms) | steps one after "
+           "another (ms) | gather (ms) | network (ms) | scatter (ms) | ceiling (ms) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        s = r.round_steps
+        if not s:
+            continue
+        c = r.median("ceiling")
+        assert c is not None
+        out.append(f"| {r.engine} | {r.case} | {r.rounds} | {r.descriptors['rounds']:,} | "
+                   f"{s['elapsed'] * 1e3:.1f} | {s['serial'] * 1e3:.1f} | "
+                   f"{s['gather'] * 1e3:.1f} | {s['network'] * 1e3:.1f} | "
+                   f"{s['scatter'] * 1e3:.1f} | {c * 1e3:.1f} |")
+    return out
+
+
 def engines_available(names: list[str]) -> tuple[list[str], list[str]]:
     have, missing = [], []
     for name in names:
@@ -743,7 +784,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results file (default: bench/results/"
                     "wire-ceiling.md for a full run, none with --quick)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
+    ap.add_argument("--mooncake-queue", type=int, default=MOONCAKE_QUEUE,
+                    help=f"{MOONCAKE_QUEUE_ENV} for the Mooncake engines (default "
+                    f"{MOONCAKE_QUEUE}; 0: the engine's default)")
     args = ap.parse_args(argv)
+    if args.mooncake_queue:
+        os.environ[MOONCAKE_QUEUE_ENV] = str(args.mooncake_queue)
     every = CASES + QUICK
     if args.list:
         for c in every:
@@ -776,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = table(rows)
     print("\n".join(lines))
     print("\n".join(steps_table(rows)))
+    print("\n".join(rounds_table(rows)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"repeats": repeats, "engines": engines, "missing_engines": missing,
@@ -805,6 +852,9 @@ def report(rows: list[Row], cmd: str, load0: float, elapsed: float, repeats: int
         lines += [sg_note, ""]
     lines += table(rows) + [""]
     lines += ["## The staged path's steps (medians)", ""] + steps_table(rows) + [""]
+    lines += ["## The rounds path's steps (medians of each step's time summed over the "
+              "request's rounds; they overlap, so elapsed is below their sum)", ""]
+    lines += rounds_table(rows) + [""]
     lines += ["## Byte checks", ""]
     for r in rows:
         bad = [p for p, v in r.bytes_ok.items() if not v]
