@@ -70,7 +70,8 @@ from harness.timing import alternating  # noqa: E402
 import kvplan  # noqa: E402
 from kvplan.presets import fragmented_pages  # noqa: E402
 
-ROUND_ARENA = 64 << 20  # bytes of each side's round arena
+ROUND_ARENA = 64 << 20  # bytes of each side's round arena (the target's bound)
+QUICK_ARENA = 1 << 20  # --quick: small enough that the tiny requests take several rounds
 ROUND_BUFFERS = 2
 ALIGN = 4096
 PATHS = ("ceiling", "host", "direct", "staged", "rounds")
@@ -427,13 +428,13 @@ class Setup:
     request_bytes: int
 
 
-def arena_sizes(built_probe: Built, request_bytes: int) -> tuple[int, int]:
-    src = up(built_probe.src_span) + up(request_bytes) + ROUND_ARENA
-    dst = up(built_probe.dst_span) + up(built_probe.writers * request_bytes) + ROUND_ARENA
+def arena_sizes(built_probe: Built, request_bytes: int, arena: int) -> tuple[int, int]:
+    src = up(built_probe.src_span) + up(request_bytes) + arena
+    dst = up(built_probe.dst_span) + up(built_probe.writers * request_bytes) + arena
     return src, dst
 
 
-def place(rig: Rig, built: Built, request_bytes: int) -> Setup:
+def place(rig: Rig, built: Built, request_bytes: int, arena: int) -> Setup:
     s0, d0 = rig.src.ctypes.data, rig.dst.ctypes.data
     s_st, d_st = up(built.src_span), up(built.dst_span)
     s_n, d_n = up(request_bytes), up(built.writers * request_bytes)
@@ -441,7 +442,7 @@ def place(rig: Rig, built: Built, request_bytes: int) -> Setup:
     return Setup(built, rig.src[:built.src_span], rig.dst[:built.dst_span],
                  (s0 + s_st, s_n), (d0 + d_st, d_n),
                  rig.src[s_st:s_st + s_n], rig.dst[d_st:d_st + d_n],
-                 (s0 + s_ar, ROUND_ARENA), (d0 + d_ar, ROUND_ARENA), request_bytes)
+                 (s0 + s_ar, arena), (d0 + d_ar, arena), request_bytes)
 
 
 def plan_kwargs(built: Built) -> dict[str, Any]:
@@ -510,8 +511,8 @@ def rounds_path(rig: Rig, st: Setup, run_rounds: Callable[..., Any],
     kw = plan_kwargs(b)
     s_off = st.src_arena[0] - rig.src.ctypes.data
     d_off = st.dst_arena[0] - rig.dst.ctypes.data
-    src_arena_view = rig.src[s_off:s_off + ROUND_ARENA]
-    dst_arena_view = rig.dst[d_off:d_off + ROUND_ARENA]
+    src_arena_view = rig.src[s_off:s_off + st.src_arena[1]]
+    dst_arena_view = rig.dst[d_off:d_off + st.dst_arena[1]]
     post = getattr(rig.sender, "submit_async")
 
     def rounds() -> None:
@@ -576,6 +577,7 @@ class Row:
     expected_from: str
     steps: dict[str, float]  # median seconds of the staged path's steps
     rounds: int | None = None
+    arena_bytes: int = ROUND_ARENA
     round_steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def median(self, path: str) -> float | None:
@@ -594,17 +596,17 @@ class Row:
         return d
 
 
-def run_case(engine: str, case: Case, sg: Any, repeats: int) -> Row:
+def run_case(engine: str, case: Case, sg: Any, repeats: int, arena: int = ROUND_ARENA) -> Row:
     probe = case.build(None, 1 << 40, 1 << 44)
     kw = plan_kwargs(probe)
     probe_plan = probe.template.plan(probe.src_pages, probe.dst_pages, **kw)
     request_bytes = int(probe_plan.total_bytes)
     del probe_plan
-    src_bytes, dst_bytes = arena_sizes(probe, request_bytes)
+    src_bytes, dst_bytes = arena_sizes(probe, request_bytes, arena)
     rig = Rig(engine, src_bytes, dst_bytes, sg)
     try:
         built = case.build(sg, rig.src.ctypes.data, rig.dst.ctypes.data)
-        st = place(rig, built, request_bytes)
+        st = place(rig, built, request_bytes, arena)
         steps: list[dict[str, float]] = []
         reports: list[Any] = []
         fns, notes = paths(rig, st, steps, reports)
@@ -673,7 +675,7 @@ def run_case(engine: str, case: Case, sg: Any, repeats: int) -> Row:
                                         for r in reports)
                    for k in ("gather", "network", "scatter")}}
         return Row(engine, case.name, case.label, built.host_label, request_bytes, descriptors,
-                   times, notes, ok, expected_from, step_med, n_rounds, round_steps)
+                   times, notes, ok, expected_from, step_med, n_rounds, arena, round_steps)
     finally:
         rig.close()
 
@@ -694,9 +696,11 @@ def cell(row: Row, path: str) -> str:
 
 
 def table(rows: list[Row]) -> list[str]:
+    arenas = sorted({r.arena_bytes for r in rows})
+    arena = " / ".join(f"{a / 2**20:g} MiB" for a in arenas)
     out = ["| engine | request | MiB | ceiling (GB/s) | host path | kvplan direct | "
-           "kvplan staged | kvplan rounds (64 MiB arena) | descriptors: host / direct / staged"
-           " network / rounds network |",
+           f"kvplan staged | kvplan rounds ({arena} arena) | descriptors: host / direct / "
+           "staged network / rounds network |",
            "| --- | --- | ---: | ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
         c = r.median("ceiling")
@@ -784,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results file (default: bench/results/"
                     "wire-ceiling.md for a full run, none with --quick)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
+    ap.add_argument("--arena-kib", type=int, default=None,
+                    help=f"each side's round arena (default {ROUND_ARENA >> 10} KiB; "
+                    f"{QUICK_ARENA >> 10} KiB with --quick)")
     ap.add_argument("--mooncake-queue", type=int, default=MOONCAKE_QUEUE,
                     help=f"{MOONCAKE_QUEUE_ENV} for the Mooncake engines (default "
                     f"{MOONCAKE_QUEUE}; 0: the engine's default)")
@@ -804,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = QUICK if args.quick else CASES
     repeats = args.repeats or (1 if args.quick else 3)
+    arena = args.arena_kib << 10 if args.arena_kib else (QUICK_ARENA if args.quick else
+                                                         ROUND_ARENA)
     engines, missing = engines_available(args.engines.split(","))
     for m in missing:
         print(f"skipped engine: {m}", flush=True)
@@ -815,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for case in cases:
         for engine in engines:
-            row = run_case(engine, case, sg, repeats)
+            row = run_case(engine, case, sg, repeats, arena)
             rows.append(row)
             print(table([row])[-1], flush=True)
     elapsed = time.time() - t_start

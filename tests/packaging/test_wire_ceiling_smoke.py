@@ -61,6 +61,11 @@ def test_quick_run_reports_every_path(tmp_path: Path) -> None:
     assert row["descriptors"]["ceiling"] == 1 and row["descriptors"]["staged"] == 1
     assert row["descriptors"]["direct"] == 4 * 256
     assert set(row["steps"]) == {"plan", "gather", "network", "scatter"}
+    if "rounds" in ran:  # 1.1 MiB through a 1 MiB arena of two round buffers
+        assert row["arena_bytes"] == 1 << 20 and row["rounds"] >= 3
+        assert set(row["round_steps"]) == {"elapsed", "serial", "gather", "network", "scatter"}
+    else:
+        assert row["notes"]["rounds"] == "n/a (not built yet)"
     report = out_md.read_text(encoding="utf-8")
     assert "| engine | request | MiB | ceiling (GB/s) | host path | kvplan direct |" in report
     assert f"| {engine} | MLA 4 layers, page 1, 256 tokens" in report
