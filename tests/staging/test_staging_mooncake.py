@@ -16,6 +16,7 @@ import pytest
 
 from kvplan.exec.numpy import Memory, apply_plan
 from kvplan.staging import (
+    ArenaShares,
     Capabilities,
     ReceiveStaged,
     Router,
@@ -102,6 +103,7 @@ def staged_stream(pair: Pair, rounds: Any, agreement: StagingAgreement, request:
     receiver = ReceiveStaged(request, rounds, copier([dst_arena.array], [decode_memory]),
                              prefill_router.deliver, writer=writer, timeout_s=10.0)
     decode_router.open(request, writer, receiver.on_message)
+    ArenaShares().admit(receiver)
     report = send_staged(rounds, pair.handoff, pair.decode_session, decode_router.deliver,
                          request=request, acks=prefill_router, writer=writer,
                          gather=copier([prefill_memory], [src_arena.array]),

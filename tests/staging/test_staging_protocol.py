@@ -19,6 +19,7 @@ from kvplan import TransferError
 from kvplan.exec.numpy import Memory, apply_plan
 from kvplan.staging import (
     AckQueue,
+    ArenaShares,
     ReceiveStaged,
     Router,
     StagingArena,
@@ -86,6 +87,8 @@ class Setup:
             self.prefill_router.deliver, on_loaded=self.loaded.append,
             on_failed=self.failures.append, timeout_s=5.0)
         self.decode_router.open("req-1", 0, self.receiver.on_message)
+        self.shares = ArenaShares()
+        assert self.shares.admit(self.receiver)  # the grant waits in the prefill's router
         self.engine = MemEngine(self.src_arena.array, self.dst_arena.array)
 
     def direct(self) -> np.ndarray:
@@ -329,3 +332,97 @@ def test_an_empty_request_is_loaded_at_once() -> None:
     r = ReceiveStaged("empty", [], lambda plan: None, lambda data: None)
     assert r.loaded
     r.wait(0.1)
+
+
+def test_the_prefill_writes_nothing_before_the_grant() -> None:
+    s = Setup(2)
+    s.shares = ArenaShares()
+    s.receiver = ReceiveStaged("req-9", s.rounds, lambda plan: None, s.prefill_router.deliver,
+                               on_failed=s.failures.append)
+    s.decode_router.open("req-9", 0, s.receiver.on_message)
+    with pytest.raises(StagingError) as exc:
+        send_staged(s.rounds, s.engine, "decode", s.decode_router.deliver, request="req-9",
+                    acks=s.prefill_router, gather=lambda plan: None, timeout_s=0.2)
+    assert exc.value.reason == "timeout" and "grant of its arena share" in str(exc.value)
+    assert s.engine.submitted == 0
+    # the decode was told, once
+    assert [f.reason for f in s.failures] == ["peer_failed"]
+    # a round before the grant is refused by the decode
+    r = ReceiveStaged("req-10", s.rounds, lambda plan: None, lambda data: None,
+                      on_failed=s.failures.append)
+    r.on_message(wire.encode(wire.ROUND, "req-10", round_index=0, n_rounds=len(s.rounds),
+                             buffer=0, payload=s.rounds[0].manifest.to_bytes()))
+    assert s.failures[-1].reason == "out_of_order" and "before" in str(s.failures[-1])
+    assert r.scattered == 0
+
+
+def test_two_streams_of_one_share_take_turns() -> None:
+    """Two prefill instances with the same writer index send to one decode arena share at
+    once: the second is granted only when the first is loaded, and both land exactly."""
+    a, b = Setup(2), Setup(2)
+    b.dst_arena = a.dst_arena  # one decode arena, one share (writer 0)
+    b.rounds = rounds_for(b.template, b.src, b.dst, b.src_arena.region, a.dst_arena.region, 2)
+    b.engine = MemEngine(b.src_arena.array, a.dst_arena.array)
+    shares = ArenaShares()
+    decode_router = Router()
+    decode_memory = [a.decode.memory, b.decode.memory]
+    order: list[str] = []
+    receivers = []
+    for name, s, mem in (("a", a, decode_memory[0]), ("b", b, decode_memory[1])):
+        r = ReceiveStaged(name, s.rounds, copier([a.dst_arena.array], [mem]),
+                          s.prefill_router.deliver,
+                          on_loaded=lambda r: order.append(f"{r.request} loaded"))
+        decode_router.open(name, 0, r.on_message)
+        receivers.append(r)
+    assert shares.admit(receivers[0]) and not shares.admit(receivers[1])
+    assert shares.holder(0) is receivers[0] and not receivers[1].granted
+    wants = [a.direct(), b.direct()]
+    errors: list[BaseException] = []
+
+    def send(name: str, s: Setup) -> None:
+        try:
+            send_staged(s.rounds, s.engine, "decode", decode_router.deliver, request=name,
+                        acks=s.prefill_router,
+                        gather=copier([s.prefill.memory], [s.src_arena.array]), timeout_s=5.0)
+            order.append(f"{name} sent")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=("b", b)),
+               threading.Thread(target=send, args=("a", a))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert order.index("a loaded") < order.index("b loaded")
+    assert b.engine.submitted == len(b.rounds) and shares.holder(0) is None
+    np.testing.assert_array_equal(decode_memory[0], wants[0])
+    np.testing.assert_array_equal(decode_memory[1], wants[1])
+
+
+def test_the_router_keeps_early_messages_and_drops_late_ones() -> None:
+    router = Router(max_early=3)
+    got: list[bytes] = []
+    early = [wire.encode(wire.ACK, "r", round_index=k) for k in range(2)]
+    for m in early:
+        assert not router.deliver(m)
+    router.open("r", 0, got.append)
+    assert got == early
+    assert router.deliver(wire.encode(wire.ACK, "r", round_index=2)) and len(got) == 3
+    router.close("r")
+    assert not router.deliver(wire.encode(wire.ACK, "r", round_index=3))
+    assert router.dropped == 1 and len(got) == 3
+    for k in range(5):  # over the bound: the oldest streams' messages go first
+        router.deliver(wire.encode(wire.ACK, f"x{k}", round_index=0))
+    assert router.dropped == 3
+    assert not router.deliver(b"not a staging message") and router.dropped == 4
+
+
+def test_stream_names_a_message_cannot_carry_are_refused_before_anything_moves() -> None:
+    s = Setup(2)
+    with pytest.raises(wire.WireError, match="writer 70000"):
+        s.send(writer=70000)
+    with pytest.raises(wire.WireError, match="request id"):
+        ReceiveStaged("x" * 70000, s.rounds, lambda plan: None, lambda data: None)
+    assert s.engine.submitted == 0

@@ -32,11 +32,12 @@ from kvplan.staging.negotiation import (
     negotiate,
 )
 from kvplan.staging.network import NetworkHandle, RoundEngine, round_engine
-from kvplan.staging.receiver import ReceiveStaged
+from kvplan.staging.receiver import ArenaShares, ReceiveStaged
 from kvplan.staging.router import Router
 from kvplan.staging.sender import AckQueue, SendReport, send_staged
 
 __all__ = ["ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS", "STAGING_OPTIONS", "AckQueue",
+           "ArenaShares",
            "ArenaInfo", "Capabilities", "DirectFallback", "FallbackLog", "NetworkHandle",
            "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
            "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",

@@ -61,6 +61,9 @@ class StagingArena:
         self.array: npt.NDArray[np.uint8] = self._raw[start:start + self.size]
         self.addr = int(self.array.ctypes.data)
         self._lock = threading.Lock()
+        #: Held by a prefill for a whole staged send (``send_staged(src_lock=...)``): one
+        #: request at a time through this arena's buffers.
+        self.lock = threading.Lock()
         self._engine: Any = None
         self._deregister: Any = None
         #: How the arena was registered (``"mooncake"``, ``"nixl"``, ``"transport"``), or ``""``.

@@ -9,9 +9,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from kvplan.staging.errors import StagingError
-from kvplan.staging.wire import ACK, FAIL, ROUND, Message, WireError, decode, encode
+from kvplan.staging.wire import (
+    ACK,
+    FAIL,
+    GRANT,
+    ROUND,
+    Message,
+    WireError,
+    check_stream,
+    decode,
+    encode,
+)
 
-__all__ = ["ReceiveStaged", "manifest_difference"]
+__all__ = ["ArenaShares", "ReceiveStaged", "manifest_difference"]
 
 _log = logging.getLogger("kvplan.staging")
 
@@ -42,7 +52,10 @@ def manifest_difference(expected: Any, got: bytes) -> str:
 class ReceiveStaged:
     """One staged request stream arriving at the decode.
 
-    Feed every message of the stream to :meth:`on_message` (the :class:`Router` does). Round
+    The prefill writes nothing before the stream is granted its share of the decode arena:
+    :meth:`ArenaShares.admit` grants it when no other stream holds that share (or
+    :meth:`grant` where the stream owns its share for good). Feed every message of the stream
+    to :meth:`on_message` (the :class:`Router` does). Round
     ``k``'s message must come next, name the round count and buffer the decode planned and
     carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
     copies the round from the decode arena into the KV memory, and ``ack`` tells the prefill
@@ -70,6 +83,7 @@ class ReceiveStaged:
                  on_loaded: Callable[[ReceiveStaged], None] | None = None,
                  on_failed: Callable[[StagingError], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        check_stream(request, writer)
         self.request, self.rounds, self.writer = request, rounds, writer
         self._scatter, self._ack = scatter, ack
         self._on_loaded, self._on_failed = on_loaded, on_failed
@@ -83,6 +97,9 @@ class ReceiveStaged:
         self._done = threading.Condition(self._lock)
         self._last_progress = clock()
         self._tail: list[Callable[[], None]] = []
+        self._finish_hooks: list[Callable[[], None]] = []
+        #: Whether the prefill was told it may write (:meth:`grant`).
+        self.granted = False
         if self.n_rounds == 0:
             self.state = "loaded"
 
@@ -110,6 +127,35 @@ class ReceiveStaged:
         for call in tail:  # callbacks and the failure message, outside the lock
             call()
 
+    def grant(self) -> None:
+        """Tell the prefill the stream's decode arena share is its own: it may write round 0.
+        A stream that already ended sends nothing."""
+        with self._lock:
+            if self.state != "receiving" or self.granted:
+                return
+            self.granted = True
+            self._last_progress = self._clock()  # the wait for the share is not the prefill's
+            msg = encode(GRANT, self.request, writer=self.writer, n_rounds=self.n_rounds)
+        try:
+            self._ack(msg)
+        except Exception as exc:
+            self._fail_now(0, "peer_gone", f"granting the arena share failed: "
+                           f"{type(exc).__name__}: {exc}", tell_peer=False)
+
+    def _on_finish(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the stream is loaded or failed (now, if it already is)."""
+        with self._lock:
+            if self.state == "receiving":
+                self._finish_hooks.append(hook)
+                return
+        hook()
+
+    def _finished(self) -> None:
+        """The stream just ended (the lock is held): its hooks run after the lock is
+        released."""
+        self._tail.extend(self._finish_hooks)
+        self._finish_hooks = []
+
     def _handle(self, m: Message) -> None:
         k = self.scattered
         if m.request != self.request or m.writer != self.writer:
@@ -123,6 +169,10 @@ class ReceiveStaged:
             return
         if m.kind != ROUND:
             self._fail(k, "bad_message", f"a {m.kind_name} message reached the decode")
+            return
+        if not self.granted:
+            self._fail(k, "out_of_order", f"round {m.round} arrived before the stream was "
+                       "granted its arena share")
             return
         if m.round != k:
             self._fail(k, "out_of_order", f"round {m.round} arrived, round {k} was next")
@@ -152,6 +202,7 @@ class ReceiveStaged:
         if self.scattered == self.n_rounds:
             self.state = "loaded"
             self._done.notify_all()
+            self._finished()
             if self._on_loaded is not None:
                 on_loaded = self._on_loaded
                 self._tail.append(lambda: on_loaded(self))
@@ -184,6 +235,7 @@ class ReceiveStaged:
         err = StagingError.make(self.request, round_index, reason, detail, writer=self.writer)
         self.error = err
         self._done.notify_all()
+        self._finished()
         if tell_peer:
             msg = encode(FAIL, self.request, writer=self.writer, round_index=round_index,
                          n_rounds=self.n_rounds, payload=f"{reason}: {detail}".encode()[:4096])
@@ -215,9 +267,10 @@ class ReceiveStaged:
                            f"after round {self.scattered - 1} of {self.n_rounds}")
         return self.state
 
-    def _fail_now(self, round_index: int, reason: str, detail: str) -> None:
+    def _fail_now(self, round_index: int, reason: str, detail: str, *,
+                  tell_peer: bool = True) -> None:
         with self._lock:
-            self._fail(round_index, reason, detail)
+            self._fail(round_index, reason, detail, tell_peer=tell_peer)
             tail, self._tail = self._tail, []
         for call in tail:
             call()
@@ -243,3 +296,52 @@ class ReceiveStaged:
             if state == "failed":
                 assert self.error is not None
                 raise self.error
+
+
+class ArenaShares:
+    """One stream at a time per share of the decode arena (a share is a prefill writer
+    index's part, :attr:`ReceiveStaged.writer`): :meth:`admit` grants a stream its share when
+    free, else queues it; when the holder is loaded or failed, the next queued stream that is
+    still receiving is granted. Two prefill instances with the same writer index (two prefill
+    servers of one TP size) so never write one share at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: dict[int, ReceiveStaged] = {}
+        self._queued: dict[int, list[ReceiveStaged]] = {}
+
+    def admit(self, receiver: ReceiveStaged) -> bool:
+        """Grant ``receiver`` its share now (True) or when the holder ends (False)."""
+        w = receiver.writer
+        with self._lock:
+            now = w not in self._holder
+            if now:
+                self._holder[w] = receiver
+            else:
+                self._queued.setdefault(w, []).append(receiver)
+        receiver._on_finish(lambda: self._release(receiver))
+        if now:
+            receiver.grant()
+        return now
+
+    def holder(self, writer: int) -> ReceiveStaged | None:
+        with self._lock:
+            return self._holder.get(writer)
+
+    def _release(self, receiver: ReceiveStaged) -> None:
+        w = receiver.writer
+        with self._lock:
+            queued = self._queued.get(w, [])
+            if receiver in queued:  # ended while waiting: never granted
+                queued.remove(receiver)
+                return
+            if self._holder.get(w) is not receiver:
+                return
+            nxt = next((r for r in queued if r.state == "receiving"), None)
+            self._queued[w] = [r for r in queued if r.state == "receiving" and r is not nxt]
+            if nxt is None:
+                del self._holder[w]
+                return
+            self._holder[w] = nxt
+        # a grant that fails ends nxt, whose own hook passes the share on
+        nxt.grant()

@@ -42,13 +42,18 @@ class Router:
         that arrived early (in arrival order, in this thread). Opening an open stream replaces
         its handler; opening a closed one opens it again."""
         key = (request, writer)
-        with self._lock:
-            self._closed.pop(key, None)
-            self._handlers[key] = handler
-            early = self._early.pop(key, [])
-            self._n_early -= len(early)
-        for data in early:
-            handler(data)
+        while True:
+            # messages that arrive while early ones are handed over are kept too, so the
+            # handler sees every message in arrival order
+            with self._lock:
+                self._closed.pop(key, None)
+                early = self._early.pop(key, [])
+                self._n_early -= len(early)
+                if not early:
+                    self._handlers[key] = handler
+                    return
+            for data in early:
+                handler(data)
 
     def close(self, request: str, writer: int | None = None) -> None:
         """Stop routing the request's stream (every writer's with ``writer=None``); later

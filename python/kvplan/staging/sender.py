@@ -12,7 +12,7 @@ from typing import Any
 from kvplan.staging.errors import StagingError
 from kvplan.staging.network import NetworkHandle, RoundEngine, round_engine
 from kvplan.staging.router import Router
-from kvplan.staging.wire import ACK, FAIL, ROUND, WireError, decode, encode
+from kvplan.staging.wire import ACK, FAIL, GRANT, ROUND, WireError, check_stream, decode, encode
 
 __all__ = ["AckQueue", "SendReport", "send_staged"]
 
@@ -55,10 +55,11 @@ def _count(plan: Any) -> tuple[int, int]:
 class _Send:
     def __init__(self, rounds: Sequence[Any], engine: RoundEngine, peer: str, notify: Notify,
                  request: str, writer: int, acks: AckQueue, gather: Callable[[Any], Any],
-                 buffers: int, timeout_s: float) -> None:
+                 buffers: int, timeout_s: float, grant: bool) -> None:
         self.rounds, self.engine, self.peer, self.notify = rounds, engine, peer, notify
         self.request, self.writer, self.acks, self.gather = request, writer, acks, gather
         self.buffers, self.timeout_s = buffers, timeout_s
+        self.granted = not grant
         self.n = len(rounds)
         self.acked = -1
         #: ``(event, round)`` in the order they happened (the flow-control tests read it).
@@ -78,14 +79,17 @@ class _Send:
         return err
 
     def wait_ack(self, index: int) -> None:
-        """Block until the decode acknowledged scattering round ``index``."""
+        """Block until the decode acknowledged scattering round ``index`` (``-1``: until it
+        granted this stream its share of the decode arena)."""
         deadline = time.monotonic() + self.timeout_s
-        while self.acked < index:
+        while self.acked < index or not self.granted:
+            what = "the grant of its arena share" if not self.granted else \
+                f"acknowledgement of round {index}"
             try:
                 data = self.acks.get(deadline - time.monotonic())
             except queue.Empty:
-                raise self.fail(index, "timeout", f"no acknowledgement of round {index} from "
-                                f"{self.peer} within {self.timeout_s:g} s") from None
+                raise self.fail(max(index, 0), "timeout", f"no {what} from {self.peer} within "
+                                f"{self.timeout_s:g} s") from None
             try:
                 m = decode(data)
             except WireError as exc:
@@ -94,8 +98,13 @@ class _Send:
                 raise self.fail(m.round, "peer_failed",
                                 m.payload.decode(errors="replace") or "the decode failed",
                                 tell_peer=False)
-            if m.kind != ACK or m.request != self.request or m.writer != self.writer \
-                    or m.round != self.acked + 1:
+            if m.kind == GRANT and not self.granted and m.request == self.request \
+                    and m.writer == self.writer:
+                self.granted = True
+                self.events.append(("grant", -1))
+                continue
+            if not self.granted or m.kind != ACK or m.request != self.request \
+                    or m.writer != self.writer or m.round != self.acked + 1:
                 raise self.fail(self.acked + 1, "out_of_order",
                                 f"expected the ack of round {self.acked + 1}, got a "
                                 f"{m.kind_name} of round {m.round} for {m.request!r} writer "
@@ -143,8 +152,9 @@ class _Send:
                 if pending is not None:
                     done, pending = pending, None
                     self.finish(*done)
-                if k >= self.buffers:
-                    self.wait_ack(k - self.buffers)  # the decode emptied buffer k % buffers
+                if k >= self.buffers or not self.granted:
+                    # the decode emptied buffer k % buffers (round 0: the share is ours)
+                    self.wait_ack(k - self.buffers)
                 nbytes, blocks = _count(r.network)
                 total_bytes, total_blocks = total_bytes + nbytes, total_blocks + blocks
                 try:
@@ -156,7 +166,8 @@ class _Send:
             if pending is not None:
                 done, pending = pending, None
                 self.finish(*done)
-            self.wait_ack(self.n - 1)
+            if self.n:
+                self.wait_ack(self.n - 1)
         finally:
             if pending is not None:  # an error left a write in flight: its buffer is in use
                 try:
@@ -169,14 +180,17 @@ class _Send:
 def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *,
                 request: str, acks: AckQueue | Router, gather: Callable[[Any], Any],
                 writer: int = 0, buffers: int | None = None, timeout_s: float = 30.0,
-                max_blocks_per_batch: int | None = None,
+                max_blocks_per_batch: int | None = None, grant: bool = True,
+                src_lock: Any = None,
                 events: list[tuple[str, int]] | None = None) -> SendReport:
     """Send one request's rounds (``Template.plan_rounds``'s ``StagedRounds``) to ``peer``.
 
     Per round ``k``: ``gather(round.gather)`` copies the request's bytes into the prefill
     arena's buffer ``k % buffers`` (while round ``k-1``'s network write is in flight); round
     ``k``'s network plan is submitted only after the decode acknowledged scattering round
-    ``k - buffers`` out of the same decode buffer (flow control); once the write landed,
+    ``k - buffers`` out of the same decode buffer (flow control), and round 0 only after the
+    decode granted this stream its share of the decode arena (one stream per share at a time,
+    :class:`kvplan.staging.ArenaShares`); once the write landed,
     ``notify`` carries a round message (``kvplan.staging.wire``) with the round's
     ``RoundManifest``. Returns after the decode acknowledged the last round: every byte is in
     the decode's KV memory.
@@ -194,16 +208,22 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
             the arena).
         writer: this prefill's writer index in the decode arena (hetero TP: one stream each).
         buffers: round buffers of the agreement (default: the rounds' own ``buffers``).
-        timeout_s: seconds to wait for any one acknowledgement.
+        timeout_s: seconds to wait for the grant or any one acknowledgement.
+        grant: wait for the decode's grant before the first write (``False`` only where this
+            stream owns its decode share for good).
+        src_lock: a lock held for the whole send (the prefill arena's
+            :attr:`kvplan.staging.StagingArena.lock`): one request at a time per prefill arena.
         events: when given, the ``(event, round)`` sequence is appended to it (``gather``,
-            ``submit``, ``landed``, ``notify``, ``ack``).
+            ``grant``, ``submit``, ``landed``, ``notify``, ``ack``).
 
     Raises:
         StagingError: the first failure, once, naming the request, round and reason
             (``engine_failed``, ``gather_failed``, ``peer_failed``, ``peer_gone``, ``timeout``,
             ``out_of_order``, ``bad_message``); the decode is told (a failure message) unless it
             is the one that failed or cannot be reached. No write is left in flight.
+        WireError: a request id or writer index a message cannot carry (nothing sent).
     """
+    check_stream(request, writer)
     n_buffers = int(buffers if buffers is not None else getattr(rounds, "buffers", 0) or
                     (max((int(r.buffer) for r in rounds), default=0) + 1))
     inbox: AckQueue
@@ -213,11 +233,15 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     else:
         inbox = acks
     send = _Send(rounds, round_engine(engine, max_blocks_per_batch=max_blocks_per_batch), peer,
-                 notify, request, writer, inbox, gather, n_buffers, timeout_s)
+                 notify, request, writer, inbox, gather, n_buffers, timeout_s, grant)
     t0 = time.perf_counter()
+    if src_lock is not None:
+        src_lock.acquire()
     try:
         nbytes, blocks = send.run()
     finally:
+        if src_lock is not None:
+            src_lock.release()
         if isinstance(acks, Router):
             acks.close(request, writer)
         if events is not None:

@@ -6,7 +6,8 @@ bytes  field   meaning
 =====  ======  =====================================================================
 0-2    magic   ``b"KVS"``
 3      proto   :data:`kvplan.staging.negotiation.PROTOCOL_VERSION`
-4      kind    1 round written, 2 round scattered (the ack), 3 failed
+4      kind    1 round written, 2 round scattered (the ack), 3 failed, 4 the decode
+               arena's share is this stream's (the grant)
 5      -       0
 6-7    writer  the prefill writer's index in the decode arena (0 when alone)
 8-11   round   round index (``0xFFFFFFFF``: none, a failure before the first round)
@@ -22,12 +23,14 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from kvplan._core import KvPlanError
 from kvplan.staging.negotiation import PROTOCOL_VERSION
 
-__all__ = ["ACK", "FAIL", "ROUND", "Message", "WireError", "decode", "encode"]
+__all__ = ["ACK", "FAIL", "GRANT", "ROUND", "Message", "WireError", "check_stream", "decode",
+           "encode"]
 
-ROUND, ACK, FAIL = 1, 2, 3
-KIND_NAMES = {ROUND: "round", ACK: "ack", FAIL: "fail"}
+ROUND, ACK, FAIL, GRANT = 1, 2, 3, 4
+KIND_NAMES = {ROUND: "round", ACK: "ack", FAIL: "fail", GRANT: "grant"}
 MAGIC = b"KVS"
 NO_ROUND = 0xFFFFFFFF
 _HEADER = struct.Struct("<3sBBBHIIHHI")
@@ -35,9 +38,26 @@ _HEADER = struct.Struct("<3sBBBHIIHHI")
 MAX_PAYLOAD = 1 << 16
 
 
-class WireError(ValueError):
+class WireError(KvPlanError):
     """Bytes that are not a message of this protocol version (the receiver fails the stream
-    with reason ``bad_message``)."""
+    with reason ``bad_message``), or a stream name the header cannot carry."""
+
+    kind = "staging"
+
+
+def check_stream(request: str, writer: int) -> None:
+    """Refuse a request id or writer index a message cannot carry (before any byte moves).
+
+    Raises:
+        WireError: a request id of more than 65,535 UTF-8 bytes, or a writer outside
+            0..65,535 (both named).
+    """
+    if not isinstance(request, str) or len(request.encode(errors="replace")) > 0xFFFF:
+        shown = request[:40] if isinstance(request, str) else request
+        raise WireError(f"request id {shown!r}... is not a string of at most 65535 UTF-8 "
+                        "bytes")
+    if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer <= 0xFFFF:
+        raise WireError(f"writer {writer!r} is not an integer from 0 to 65535")
 
 
 @dataclass(frozen=True)
@@ -57,8 +77,9 @@ class Message:
 
 def encode(kind: int, request: str, *, writer: int = 0, round_index: int | None = None,
            n_rounds: int = 0, buffer: int = 0, payload: bytes = b"") -> bytes:
+    check_stream(request, writer)
     rid = request.encode()
-    if kind not in KIND_NAMES or len(rid) > 0xFFFF or len(payload) > MAX_PAYLOAD:
+    if kind not in KIND_NAMES or len(payload) > MAX_PAYLOAD:
         raise WireError(f"cannot encode a {kind} message of a {len(rid)}-byte request id and a "
                         f"{len(payload)}-byte payload")
     head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, writer,
