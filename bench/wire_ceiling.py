@@ -373,7 +373,10 @@ class Rig:
 
         self.engine = engine
         self.src = np.empty(src_bytes, np.uint8)
-        self.src[:] = np.random.default_rng(1).integers(0, 256, src_bytes, dtype=np.uint8)
+        rng = np.random.default_rng(1)
+        for lo in range(0, src_bytes, 64 << 20):  # in pieces: no second arena-sized array
+            piece = self.src[lo:lo + (64 << 20)]
+            piece[:] = rng.integers(0, 256, piece.size, dtype=np.uint8)
         self.dst = np.zeros(dst_bytes, np.uint8)
         self.sender, self.receiver = loopback_transports(engine)
         self.sender.register_buffers([self.src.ctypes.data], [src_bytes])
