@@ -848,12 +848,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+METHOD = [
+    "- **ceiling**: the request's bytes as ONE descriptor (`Transport.submit` of one block, "
+    "from the prefill's pages region into the decode's staging region) on the same engine and "
+    "transport.",
+    "- **host path**: the host engine's own descriptor generation and hand-off, named per row: "
+    "SGLang 0.5.23's real `MooncakeKVManager` methods from the wheel (`tests/support/"
+    "sglang_loader.py`), planning included. On Mooncake their engine is SGLang's own "
+    "`MooncakeTransferEngine` wrapper around the real engine (`batch_transfer_sync_write`, one "
+    "call per `_transfer_data`); on NIXL the same lists go out as one `initialize_xfer` "
+    "transfer (SGLang's descriptors on NIXL, not SGLang's NIXL connector). `refused` = the "
+    "engine returned non-zero for that one call.",
+    "- **kvplan direct**: `Template.plan` + `Transport.submit` (kvplan's bounded batches, 1,024 "
+    "blocks per Mooncake call).",
+    "- **kvplan staged**: `Template.plan_staged` + `kvplan.copy_local` gather + `submit` of "
+    "the network plan + `kvplan.copy_local` scatter, one after another (staging regions as "
+    "large as the request).",
+    "- **kvplan rounds**: `Template.plan_rounds` through one arena per side (two round "
+    "buffers) run by `kvplan.exec.pipeline.run_rounds` (network plans through "
+    "`submit_async`, waited on by the pipeline; copies by `copy_local`).",
+    "- Planning is paid per request by every path, so it is inside each path's time; engines, "
+    "registration, templates and the host's manager objects are built once per case, outside. "
+    "Both ends in one process, host memory.",
+    f"- Mooncake TCP: `{MOONCAKE_QUEUE_ENV}` raised to {MOONCAKE_QUEUE:,} for every path (the "
+    "default 1,024 per lane refuses a one-call batch of ~4K descriptors); one call of 100,000 "
+    "or more is still refused.",
+    "- Byte checks (outside timing): every path runs once into a zeroed decode arena first; its "
+    "decode pages must equal SGLang's descriptors applied with numpy (kvplan's direct plan "
+    "where SGLang has no path), and the ceiling's destination the source bytes it moved.",
+    "- The 32K-token MLA cases keep 8 of the 61 layers (61 x 32K tokens is 2.3 GB a side "
+    "before staging and the checks' copies; the run stays under 8 GiB). The TP 8 -> 2 case is "
+    "the request of prefill rank 0 to decode rank 0 (one of its four writers).",
+]
+
+
 def report(rows: list[Row], cmd: str, load0: float, elapsed: float, repeats: int,
            missing: list[str], sg_note: str) -> list[str]:
     lines = ["# The wire ceiling: what fraction of it each transfer path reaches, per request",
              "", f"Command: `.venv/{cmd}` ({elapsed:.0f} s)", ""]
     lines += describe(load0, kvplan.__version__) + [""]
-    lines += ["<!-- prose -->", "<!-- /prose -->", ""]
+    lines += ["## What is measured", ""] + METHOD + [""]
     lines += [f"Each cell: median per request, then **median fraction of the ceiling** "
               f"(ceiling median / path median) and (min / min), over {repeats} interleaved "
               "samples after an untimed checked run. The ceiling column is the request's "
