@@ -147,3 +147,38 @@ fn the_thread_count_follows_the_plan_size() {
     assert_eq!(copy_threads(Some(8), 512 << 10, 1 << 20), 2);
     assert_eq!(copy_threads(Some(8), 0, 0), 1);
 }
+
+#[test]
+fn a_buffer_reaching_past_the_last_address_is_copied_whole() {
+    // Declared 1 MiB below the top of the address space plus 16 bytes past it: blocks up to the
+    // last address and one reaching past it, as many bytes as several threads would share.
+    let size = (1usize << 20) + 16;
+    let base = u64::MAX - (1 << 20) + 1;
+    let source: Vec<u8> = (0..size).map(|i| (i * 31 + 7) as u8).collect();
+    let mut lengths = vec![4096u64; 255];
+    let mut dst_addrs: Vec<u64> = (0..255u64).map(|k| base + k * 4096).collect();
+    dst_addrs.push(u64::MAX - 4095);
+    lengths.push(4096 + 16);
+    let src_addrs: Vec<u64> = dst_addrs.iter().map(|&d| d - base).collect();
+    let src = [Region {
+        base: 0,
+        bytes: &source,
+    }];
+    let mut outputs = Vec::new();
+    for threads in [Some(1), Some(4)] {
+        let mut out = vec![0u8; size];
+        let mut dst = [RegionMut {
+            base,
+            bytes: &mut out,
+        }];
+        let copied = copy_local_threads(&src_addrs, &dst_addrs, &lengths, &src, &mut dst, threads);
+        assert_eq!(
+            copied,
+            Ok(lengths.iter().sum::<u64>()),
+            "threads {threads:?}"
+        );
+        outputs.push(out);
+    }
+    assert!(outputs[0] == outputs[1]);
+    assert!(outputs[0] == source);
+}

@@ -298,8 +298,10 @@ struct DestinationLine {
     by_base: Vec<(u64, u64, u128)>,
     /// Sum of the buffers' sizes.
     length: u128,
-    /// Whether the declared address ranges of the buffers are disjoint; when they are not, a
-    /// block's buffer depends on the search order and the copy stays on one thread.
+    /// Whether the declared address ranges of the buffers are disjoint and end within the
+    /// 64-bit address space; when they overlap, a block's buffer depends on the search order,
+    /// and a range past the last address cannot be cut by address, so the copy stays on one
+    /// thread.
     disjoint: bool,
 }
 
@@ -315,10 +317,11 @@ impl DestinationLine {
         let mut prev_end = 0u128;
         for (k, &i) in order.iter().enumerate() {
             let (base, size) = (dst[i].base, dst[i].bytes.len() as u64);
-            if k > 0 && u128::from(base) < prev_end {
+            let end = u128::from(base) + u128::from(size);
+            if (k > 0 && u128::from(base) < prev_end) || end > u128::from(u64::MAX) {
                 disjoint = false;
             }
-            prev_end = prev_end.max(u128::from(base) + u128::from(size));
+            prev_end = prev_end.max(end);
             starts[i] = at as f64;
             by_base.push((base, size, at));
             at += u128::from(size);
