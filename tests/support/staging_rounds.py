@@ -25,6 +25,10 @@ class Columns:
     dst_addrs: np.ndarray
     lengths: np.ndarray
 
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum())
+
     def as_lists(self) -> tuple[list[int], list[int], list[int]]:
         return self.src_addrs.tolist(), self.dst_addrs.tolist(), self.lengths.tolist()
 

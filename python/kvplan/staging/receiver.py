@@ -98,6 +98,7 @@ class ReceiveStaged:
         self._last_progress = clock()
         self._tail: list[Callable[[], None]] = []
         self._finish_hooks: list[Callable[[], None]] = []
+        self._failed_at = 0.0
         #: Whether the prefill was told it may write (:meth:`grant`).
         self.granted = False
         if self.n_rounds == 0:
@@ -116,16 +117,27 @@ class ReceiveStaged:
         """Handle one message of this stream (in the caller's thread; the scatter runs here)."""
         with self._lock:
             if self.state != "receiving":
-                return  # a straggler after the end: nothing more happens to this request
-            try:
-                m = data if isinstance(data, Message) else decode(data)
-            except WireError as exc:
-                self._fail(self.scattered, "bad_message", str(exc))
+                # a straggler after the end changes nothing for the request, but the
+                # prefill's failure message says none of its writes is in flight any more
+                if self._finish_hooks and self._is_own_fail(data):
+                    self._finished()
             else:
-                self._handle(m)
+                try:
+                    m = data if isinstance(data, Message) else decode(data)
+                except WireError as exc:
+                    self._fail(self.scattered, "bad_message", str(exc))
+                else:
+                    self._handle(m)
             tail, self._tail = self._tail, []
         for call in tail:  # callbacks and the failure message, outside the lock
             call()
+
+    def _is_own_fail(self, data: bytes | Message) -> bool:
+        try:
+            m = data if isinstance(data, Message) else decode(data)
+        except WireError:
+            return False
+        return m.kind == FAIL and m.request == self.request and m.writer == self.writer
 
     def grant(self) -> None:
         """Tell the prefill the stream's decode arena share is its own: it may write round 0.
@@ -234,8 +246,14 @@ class ReceiveStaged:
         self.state = "failed"
         err = StagingError.make(self.request, round_index, reason, detail, writer=self.writer)
         self.error = err
+        self._failed_at = self._clock()
         self._done.notify_all()
-        self._finished()
+        if reason in ("peer_failed", "timeout") or not self.granted:
+            # the prefill stopped (its failure message comes after its last write ended), or
+            # never wrote, or said nothing for the whole timeout
+            self._finished()
+        # else the share stays this stream's until the prefill's failure message or the
+        # timeout (poll): a write of it may still be landing in the decode arena
         if tell_peer:
             msg = encode(FAIL, self.request, writer=self.writer, round_index=round_index,
                          n_rounds=self.n_rounds, payload=f"{reason}: {detail}".encode()[:4096])
@@ -258,10 +276,18 @@ class ReceiveStaged:
 
     def poll(self) -> State:
         """The stream's state, failing it with reason ``timeout`` when no round arrived for
-        ``timeout_s`` (an engine's periodic ``get_finished`` calls this)."""
+        ``timeout_s`` (an engine's periodic ``get_finished`` calls this); a failed stream whose
+        prefill never confirmed it stopped gives its arena share up ``timeout_s`` after it
+        failed."""
         with self._lock:
             late = self.state == "receiving" and \
                 self._clock() - self._last_progress > self.timeout_s
+            if self.state == "failed" and self._finish_hooks and \
+                    self._clock() - self._failed_at > self.timeout_s:
+                self._finished()
+            tail, self._tail = self._tail, []
+        for call in tail:
+            call()
         if late:
             self._fail_now(self.scattered, "timeout", f"no round for {self.timeout_s:g} s "
                            f"after round {self.scattered - 1} of {self.n_rounds}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,23 +61,36 @@ class _Send:
         self.request, self.writer, self.acks, self.gather = request, writer, acks, gather
         self.buffers, self.timeout_s = buffers, timeout_s
         self.granted = not grant
+        self._first: StagingError | None = None  # the failure the decode is to be told
+        self._told_lock = threading.Lock()
         self.n = len(rounds)
         self.acked = -1
         #: ``(event, round)`` in the order they happened (the flow-control tests read it).
         self.events: list[tuple[str, int]] = []
 
-    def fail(self, round_index: int | None, reason: str, detail: str, *,
-             tell_peer: bool = True) -> StagingError:
+    def fail(self, round_index: int | None, reason: str, detail: str) -> StagingError:
+        """The error for a failure; the first one is also what the decode is told by
+        :meth:`tell`, once no write of this stream is in flight any more."""
         err = StagingError.make(self.request, round_index, reason, detail, writer=self.writer)
-        if tell_peer:
-            try:
-                self.notify(encode(FAIL, self.request, writer=self.writer,
-                                   round_index=round_index, n_rounds=self.n,
-                                   payload=f"{reason}: {detail}".encode()[:4096]))
-            except Exception as exc:  # the peer may be gone: its own timeout fails it
-                _log.debug("kvplan: could not tell %s that %r failed: %s", self.peer,
-                           self.request, exc)
+        with self._told_lock:
+            if self._first is None:
+                self._first = err
         return err
+
+    def tell(self) -> None:
+        """Send the decode the first failure (once): after it, nothing of this stream lands
+        in the decode arena, so the decode may give its share to another stream."""
+        with self._told_lock:
+            err, self._first = self._first, None
+        if err is None:
+            return
+        try:
+            self.notify(encode(FAIL, self.request, writer=self.writer, round_index=err.round,
+                               n_rounds=self.n,
+                               payload=f"{err.reason}: {err.detail}".encode()[:4096]))
+        except Exception as exc:  # the peer may be gone: its own timeout ends its side
+            _log.debug("kvplan: could not tell %s that %r failed: %s", self.peer,
+                       self.request, exc)
 
     def wait_ack(self, index: int) -> None:
         """Block until the decode acknowledged scattering round ``index`` (``-1``: until it
@@ -96,8 +110,7 @@ class _Send:
                 raise self.fail(self.acked + 1, "bad_message", str(exc)) from None
             if m.kind == FAIL:
                 raise self.fail(m.round, "peer_failed",
-                                m.payload.decode(errors="replace") or "the decode failed",
-                                tell_peer=False)
+                                m.payload.decode(errors="replace") or "the decode failed")
             if m.kind == GRANT and not self.granted and m.request == self.request \
                     and m.writer == self.writer:
                 self.granted = True
@@ -126,55 +139,72 @@ class _Send:
                                payload=r.manifest.to_bytes()))
         except Exception as exc:
             raise self.fail(index, "peer_gone", f"notifying {self.peer} failed: "
-                            f"{type(exc).__name__}: {exc}", tell_peer=False) from exc
+                            f"{type(exc).__name__}: {exc}") from exc
         self.events.append(("notify", index))
 
     def run(self) -> tuple[int, int]:
-        total_bytes = total_blocks = 0
-        pending: tuple[int, NetworkHandle] | None = None
         try:
-            for k, r in enumerate(self.rounds):
-                if int(r.index) != k or not 0 <= int(r.buffer) < self.buffers \
-                        or int(r.buffer) != k % self.buffers:
-                    raise self.fail(k, "out_of_order", f"round {k} of the plan has index "
-                                    f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
-                if pending is not None and self.buffers == 1:
-                    # the only prefill buffer is still being read by round k-1's write
-                    done, pending = pending, None  # waited once, whatever finish raises
-                    self.finish(*done)
-                try:
-                    self.gather(r.gather)
-                except StagingError:
-                    raise
-                except Exception as exc:
-                    raise self.fail(k, "gather_failed", f"{type(exc).__name__}: {exc}") from exc
-                self.events.append(("gather", k))
-                if pending is not None:
-                    done, pending = pending, None
-                    self.finish(*done)
-                if k >= self.buffers or not self.granted:
-                    # the decode emptied buffer k % buffers (round 0: the share is ours)
-                    self.wait_ack(k - self.buffers)
-                nbytes, blocks = _count(r.network)
-                total_bytes, total_blocks = total_bytes + nbytes, total_blocks + blocks
-                try:
-                    pending = (k, self.engine.submit_round(r.network, self.peer))
-                except Exception as exc:
-                    raise self.fail(k, "engine_failed",
-                                    f"{type(exc).__name__}: {exc}") from exc
-                self.events.append(("submit", k))
-            if pending is not None:
-                done, pending = pending, None
-                self.finish(*done)
-            if self.n:
-                self.wait_ack(self.n - 1)
-        finally:
-            if pending is not None:  # an error left a write in flight: its buffer is in use
-                try:
-                    pending[1].wait()
-                except Exception:
-                    pass
-        return total_bytes, total_blocks
+            return self._run()
+        except StagingError:
+            self.tell()  # every write of the stream has ended: the decode may reuse its share
+            raise
+
+    def _run(self) -> tuple[int, int]:
+        """The rounds through :func:`kvplan.exec.pipeline.run_rounds`: gathers on one thread,
+        the network writes (each followed by its round message) on another, and the decode's
+        acknowledgements awaited in place of the scatters (which the decode runs), so the
+        pipeline's rule that a decode buffer is written only after the last round in it was
+        scattered is the flow control."""
+        from kvplan.exec.pipeline import RoundFailed, run_rounds
+
+        for k, r in enumerate(self.rounds):
+            if int(r.index) != k or int(r.buffer) != k % self.buffers:
+                raise self.fail(k, "out_of_order", f"round {k} of the plan has index "
+                                f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
+        # rounds through each lane (a lane runs its steps in round order, one at a time)
+        gathered, sent, acked = [0], [0], [0]
+
+        def gather(plan: Any) -> None:
+            k = gathered[0]
+            try:
+                self.gather(plan)
+            except StagingError:
+                raise
+            except Exception as exc:
+                raise self.fail(k, "gather_failed", f"{type(exc).__name__}: {exc}") from exc
+            self.events.append(("gather", k))
+            gathered[0] += 1
+
+        def submit(plan: Any) -> tuple[int, NetworkHandle]:
+            k = sent[0]
+            if not self.granted:
+                self.wait_ack(-1)  # the decode's share is this stream's before round 0
+            try:
+                handle = self.engine.submit_round(plan, self.peer)
+            except Exception as exc:
+                raise self.fail(k, "engine_failed", f"{type(exc).__name__}: {exc}") from exc
+            self.events.append(("submit", k))
+            return k, handle
+
+        def wait(pending: tuple[int, NetworkHandle]) -> None:
+            self.finish(*pending)
+            sent[0] += 1
+
+        def ack(plan: Any) -> None:
+            self.wait_ack(acked[0])
+            acked[0] += 1
+
+        try:
+            run_rounds(self.rounds, submit=submit, wait=wait, gather=gather, scatter=ack)
+        except RoundFailed as exc:
+            cause = exc.__cause__
+            if isinstance(cause, StagingError):
+                raise cause from cause.__cause__
+            reason = {"gather": "gather_failed", "network": "engine_failed"}.get(
+                exc.step, "peer_failed")
+            raise self.fail(exc.round, reason, f"{type(cause).__name__}: {cause}") from cause
+        totals = [_count(r.network) for r in self.rounds]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
 def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *,
@@ -185,8 +215,10 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
                 events: list[tuple[str, int]] | None = None) -> SendReport:
     """Send one request's rounds (``Template.plan_rounds``'s ``StagedRounds``) to ``peer``.
 
-    Per round ``k``: ``gather(round.gather)`` copies the request's bytes into the prefill
-    arena's buffer ``k % buffers`` (while round ``k-1``'s network write is in flight); round
+    The rounds run through :func:`kvplan.exec.pipeline.run_rounds` (gathers, writes and the
+    decode's acknowledgements on their own threads). Per round ``k``: ``gather(round.gather)``
+    copies the request's bytes into the prefill arena's buffer ``k % buffers`` (overlapping
+    round ``k-1``'s network write where ``buffers`` > 1); round
     ``k``'s network plan is submitted only after the decode acknowledged scattering round
     ``k - buffers`` out of the same decode buffer (flow control), and round 0 only after the
     decode granted this stream its share of the decode arena (one stream per share at a time,
@@ -219,8 +251,9 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     Raises:
         StagingError: the first failure, once, naming the request, round and reason
             (``engine_failed``, ``gather_failed``, ``peer_failed``, ``peer_gone``, ``timeout``,
-            ``out_of_order``, ``bad_message``); the decode is told (a failure message) unless it
-            is the one that failed or cannot be reached. No write is left in flight.
+            ``out_of_order``, ``bad_message``). The decode is sent one failure message after
+            every write of the stream ended (also when the decode failed first: then it says
+            the prefill stopped, and the decode may give the share to another stream).
         WireError: a request id or writer index a message cannot carry (nothing sent).
     """
     check_stream(request, writer)
