@@ -231,6 +231,25 @@ def test_a_default_copy_without_its_buffers_is_refused_by_name() -> None:
     assert engine.submits == 0
 
 
+def test_no_rounds_is_an_empty_report() -> None:
+    engine = FakeEngine(Rig())
+    report = run_rounds([], submit=engine.submit, wait=engine.wait, gather=engine.gather,
+                        scatter=engine.scatter)
+    assert (report.rounds, report.bytes, report.serial_s) == ([], 0, 0)
+    assert engine.submits == 0 and not engine.events
+
+
+def test_a_failed_scatter_waits_for_the_transfer_in_flight() -> None:
+    rig = Rig()
+    engine = FakeEngine(rig)
+    engine.fail["scatter", 1] = kvplan.KvPlanError("decode memory went away")
+    with pytest.raises(RoundFailed, match=r"round 1 .*: scatter failed: KvPlanError") as err:
+        engine.run()
+    assert (err.value.round, err.value.step, err.value.completed) == (1, "scatter", 1)
+    assert engine.submits == engine.waits
+    assert ("scatter_start", 2) not in engine.events
+
+
 @pytest.mark.mooncake
 def test_rounds_over_two_mooncake_engines_land_byte_exact(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
