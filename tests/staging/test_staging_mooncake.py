@@ -165,8 +165,12 @@ def test_tp8_to_tp2_nhd_four_writers_into_one_decode_arena(pair: Pair) -> None:
             agreement = agree(src_arenas[i], dst_arena)
             rounds = rounds_for(templates[i], src, dst, agreement.src_arena,
                                 agreement.dst_arena, agreement.buffers, sender=(i, 4))
+            # the core places prefill rank i of TP 8 as sender i of 4 into decode rank 0
+            writer = rounds.sender[0] if hasattr(rounds, "sender") else i
+            assert writer == i
             try:
-                results[i] = staged_stream(pair, rounds, agreement, "tp-1", i, writers[i].memory,
+                results[i] = staged_stream(pair, rounds, agreement, "tp-1", writer,
+                                           writers[i].memory,
                                            src_arenas[i], dst_arena, decode.memory, routers)
             except StagingError as exc:  # pragma: no cover - reported below
                 results[i] = exc
