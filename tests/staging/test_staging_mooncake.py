@@ -34,42 +34,54 @@ SENTINEL = 0xA5
 
 
 class Pair:
-    """A prefill and a decode Mooncake engine over TCP on 127.0.0.1."""
+    """A prefill and a decode Mooncake engine over TCP on 127.0.0.1. The prefill sends
+    through a ``Handoff`` (native, or the binding's lists) or a ``MooncakeTransport``."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender: str = "native") -> None:
         from mooncake.engine import TransferEngine
 
+        from kvplan.engines import MooncakeTransport
         from kvplan.engines.mooncake import Handoff
 
-        self.engines = []
-        for _ in range(2):
-            e = TransferEngine()
-            assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-            self.engines.append(e)
-        self.prefill, self.decode = self.engines
-        self.prefill_session = f"127.0.0.1:{self.prefill.get_rpc_port()}"
+        self.kind = sender
+        self.decode = TransferEngine()
+        assert self.decode.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         self.decode_session = f"127.0.0.1:{self.decode.get_rpc_port()}"
-        self.handoff = Handoff(self.prefill, self.prefill_session)
         self.registered: list[tuple[Any, int]] = []
+        self.transport: Any = None
+        if sender == "transport":
+            self.transport = MooncakeTransport("127.0.0.1")
+            self.prefill: Any = self.transport
+            self.sender: Any = self.transport
+        else:
+            self.prefill = TransferEngine()
+            assert self.prefill.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            session = f"127.0.0.1:{self.prefill.get_rpc_port()}"
+            self.sender = Handoff(self.prefill, session, native=sender == "native")
 
     def register(self, engine: Any, array: np.ndarray) -> None:
+        if engine is self.transport:
+            engine.register_buffers([array.ctypes.data], [array.nbytes])
+            return
         assert engine.register_memory(array.ctypes.data, array.nbytes) == 0
         self.registered.append((engine, array.ctypes.data))
 
     def close(self) -> None:
         for engine, addr in self.registered:
             engine.unregister_memory(addr)
+        if self.transport is not None:
+            self.transport.close()
 
 
-@pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+@pytest.fixture(params=["native"])
+def pair(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Pair]:
     from support.engine_peers import require_mooncake
 
     require_mooncake()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
     monkeypatch.delenv("KVPLAN_MOONCAKE_NATIVE", raising=False)
-    p = Pair()
+    p = Pair(request.param)
     yield p
     p.close()
 
@@ -91,8 +103,11 @@ def oracle(decode_memory: np.ndarray, writes: list[tuple[Any, np.ndarray]]) -> n
 
 
 def direct_through_engine(pair: Pair, plan: Any) -> None:
-    assert pair.handoff.write_batches(pair.decode_session, plan.src_addrs, plan.dst_addrs,
-                                      plan.lengths, 1024) == 0
+    if pair.transport is not None:
+        pair.transport.submit(plan, pair.decode_session)
+        return
+    assert pair.sender.write_batches(pair.decode_session, plan.src_addrs, plan.dst_addrs,
+                                     plan.lengths, 1024) == 0
 
 
 def staged_stream(pair: Pair, rounds: Any, agreement: StagingAgreement, request: str,
@@ -104,13 +119,14 @@ def staged_stream(pair: Pair, rounds: Any, agreement: StagingAgreement, request:
                              prefill_router.deliver, writer=writer, timeout_s=10.0)
     decode_router.open(request, writer, receiver.on_message)
     ArenaShares().admit(receiver)
-    report = send_staged(rounds, pair.handoff, pair.decode_session, decode_router.deliver,
+    report = send_staged(rounds, pair.sender, pair.decode_session, decode_router.deliver,
                          request=request, acks=prefill_router, writer=writer,
                          gather=copier([prefill_memory], [src_arena.array]),
                          buffers=agreement.buffers, timeout_s=10.0)
     return report, receiver
 
 
+@pytest.mark.parametrize("pair", ["native", "lists", "transport"], indirect=True)
 def test_fragmented_mla_page1_staged_equals_direct(pair: Pair) -> None:
     prefill, decode, template, src, dst = mla_fragmented_case(tokens=300)
     decode.memory[:] = SENTINEL
@@ -138,7 +154,8 @@ def test_fragmented_mla_page1_staged_equals_direct(pair: Pair) -> None:
     assert report.bytes == int(direct.lengths.sum())
     assert len(direct.lengths) == 1200 and report.network_blocks <= 2 * report.rounds
     np.testing.assert_array_equal(decode.memory, want)
-    assert pair.handoff.path == "native", pair.handoff.reason
+    if pair.transport is None:
+        assert pair.sender.path == pair.kind, pair.sender.reason
 
 
 def test_tp8_to_tp2_nhd_four_writers_into_one_decode_arena(pair: Pair) -> None:

@@ -460,3 +460,23 @@ def test_a_failed_stream_keeps_its_share_until_the_prefill_stopped() -> None:
         assert shares.holder(0) is second and second.granted
         assert wire.decode(told[-1]).kind == wire.GRANT and wire.decode(told[-1]).request == "two"
         assert first.error is not None and first.error.reason == "bad_message"
+
+
+def test_a_mismatch_names_the_manifest_fields_that_differ() -> None:
+    from kvplan.staging.receiver import manifest_difference
+
+    s = Setup(2)
+    shorter = rounds_for(s.template, s.src[:250], s.dst[:250], s.src_arena.region,
+                         s.dst_arena.region, 2)
+    said = manifest_difference(shorter[0].manifest, s.rounds[0].manifest.to_bytes())
+    assert "n_rounds" in said and f"{len(s.rounds)!r} from the prefill" in said
+    assert "does not parse" in manifest_difference(s.rounds[0].manifest, b"\x00" * 7)
+
+
+def test_round_engine_refuses_what_it_cannot_drive() -> None:
+    from kvplan.staging import round_engine
+
+    with pytest.raises(TypeError, match="object is not a kvplan transport"):
+        round_engine(object())
+    engine = MemEngine(np.zeros(8, np.uint8), np.zeros(8, np.uint8))
+    assert round_engine(engine) is engine

@@ -26,8 +26,8 @@ __all__ = ["ArenaShares", "ReceiveStaged", "manifest_difference"]
 _log = logging.getLogger("kvplan.staging")
 
 #: RoundManifest fields compared (and named) when two manifests differ, those present.
-_MANIFEST_FIELDS = ("index", "n_rounds", "bytes", "n_network_blocks", "dst_bytes_range",
-                    "dst_range", "buffer")
+_MANIFEST_FIELDS = ("index", "n_rounds", "buffer", "sender", "offset", "bytes", "total_bytes",
+                    "n_network_blocks", "dst_bytes_range")
 
 State = Literal["receiving", "loaded", "failed"]
 
