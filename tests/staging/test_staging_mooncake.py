@@ -208,3 +208,46 @@ def test_tp8_to_tp2_nhd_four_writers_into_one_decode_arena(pair: Pair) -> None:
         assert len(directs[i].lengths) == 10 * 16 * 2 * 4  # a block per token per entry
     np.testing.assert_array_equal(decode.memory, want)
     assert int(np.count_nonzero(decode.memory != SENTINEL)) > 0
+
+
+def test_a_real_engine_failure_mid_way_fails_the_request_once(pair: Pair) -> None:
+    """The decode's arena is unregistered after round 2 was scattered: Mooncake refuses round
+    3's write (the decode's server rejects an address outside its registered memory). Both
+    sides fail once naming round 3; the decode has rounds 0-2 and is not loaded. Nothing is
+    written through these engines afterwards."""
+    prefill, decode, template, src, dst = mla_fragmented_case(tokens=300)
+    src_arena, dst_arena = StagingArena(64 << 10, 2), StagingArena(64 << 10, 2)
+    for engine, array in ((pair.prefill, prefill.memory), (pair.decode, decode.memory)):
+        pair.register(engine, array)
+    src_arena.register(pair.prefill)
+    dst_arena.register(pair.decode)
+    agreement = agree(src_arena, dst_arena)
+    rounds = rounds_for(template, src, dst, agreement.src_arena, agreement.dst_arena, 2)
+    prefill_router, decode_router = Router(), Router()
+    inner = copier([dst_arena.array], [decode.memory])
+    scattered = []
+
+    def scatter(plan: Any) -> None:
+        inner(plan)
+        scattered.append(plan)
+        if len(scattered) == 3:
+            dst_arena.unregister()
+
+    failures: list[StagingError] = []
+    loaded: list[ReceiveStaged] = []
+    receiver = ReceiveStaged("broken", rounds, scatter, prefill_router.deliver,
+                             on_failed=failures.append, on_loaded=loaded.append)
+    decode_router.open("broken", 0, receiver.on_message)
+    ArenaShares().admit(receiver)
+    try:
+        with pytest.raises(StagingError) as exc:
+            send_staged(rounds, pair.sender, pair.decode_session, decode_router.deliver,
+                        request="broken", acks=prefill_router,
+                        gather=copier([prefill.memory], [src_arena.array]), timeout_s=10.0)
+    finally:
+        src_arena.close()
+        dst_arena.close()
+    assert exc.value.reason == "engine_failed" and exc.value.round == 3
+    assert exc.value.request == "broken" and "mooncake" in exc.value.detail
+    assert [(f.reason, f.round) for f in failures] == [("peer_failed", 3)]
+    assert loaded == [] and not receiver.loaded and receiver.scattered == 3
