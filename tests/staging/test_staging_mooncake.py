@@ -1,7 +1,9 @@
 """Staged transfers over real Mooncake TCP loopback (two engines in this process): the prefill
 gathers each round into its registered arena, the native hand-off writes it into the decode's
 registered arena, the decode scatters it into its KV memory after checking the round's
-manifest and acknowledges it. The decode's memory must equal what the direct plan writes
+manifest and acknowledges it; the decode plans its own rounds on a stand-in of the prefill's
+memory (it does not know the prefill's addresses). The decode's memory must equal what the
+direct plan writes
 through the same engines, and the byte oracle's, on a fragmented MLA page-1 request and a
 TP 8 -> 2 NHD request (four prefill ranks filling one decode arena at once)."""
 
@@ -26,7 +28,15 @@ from kvplan.staging import (
     negotiate,
     send_staged,
 )
-from support.staging_rounds import copier, mla_fragmented_case, rounds_for, tp8_to_tp2_case
+from kvplan import Template
+from support.staging_rounds import (
+    copier,
+    gqa_peer,
+    mla_fragmented_case,
+    mla_peer,
+    rounds_for,
+    tp8_to_tp2_case,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -113,9 +123,13 @@ def direct_through_engine(pair: Pair, plan: Any) -> None:
 def staged_stream(pair: Pair, rounds: Any, agreement: StagingAgreement, request: str,
                   writer: int, prefill_memory: np.ndarray, src_arena: StagingArena,
                   dst_arena: StagingArena, decode_memory: np.ndarray,
-                  routers: tuple[Router, Router]) -> tuple[Any, ReceiveStaged]:
+                  routers: tuple[Router, Router], decode_rounds: Any
+                  ) -> tuple[Any, ReceiveStaged]:
+    """One stream: the prefill sends ``rounds``; the decode checks and scatters its own
+    ``decode_rounds``, planned without the prefill's KV memory."""
     prefill_router, decode_router = routers
-    receiver = ReceiveStaged(request, rounds, copier([dst_arena.array], [decode_memory]),
+    receiver = ReceiveStaged(request, decode_rounds,
+                             copier([dst_arena.array], [decode_memory]),
                              prefill_router.deliver, writer=writer, timeout_s=10.0)
     decode_router.open(request, writer, receiver.on_message)
     ArenaShares().admit(receiver)
@@ -144,9 +158,12 @@ def test_fragmented_mla_page1_staged_equals_direct(pair: Pair) -> None:
         decode.memory[:] = SENTINEL
         rounds = rounds_for(template, src, dst, agreement.src_arena, agreement.dst_arena,
                             agreement.buffers)
+        # the decode plans with a stand-in of the prefill's memory (same geometry)
+        on_decode = rounds_for(Template(mla_peer(None).layout, decode.layout), src, dst,
+                               agreement.src_arena, agreement.dst_arena, agreement.buffers)
         report, receiver = staged_stream(pair, rounds, agreement, "mla-1", 0, prefill.memory,
                                          src_arena, dst_arena, decode.memory,
-                                         (Router(), Router()))
+                                         (Router(), Router()), on_decode)
     finally:
         src_arena.close()
         dst_arena.close()
@@ -185,10 +202,13 @@ def test_tp8_to_tp2_nhd_four_writers_into_one_decode_arena(pair: Pair) -> None:
             # the core places prefill rank i of TP 8 as sender i of 4 into decode rank 0
             writer = rounds.sender[0] if hasattr(rounds, "sender") else i
             assert writer == i
+            stand_in = Template(gqa_peer(i, 8, None).layout, decode.layout)
+            on_decode = rounds_for(stand_in, src, dst, agreement.src_arena,
+                                   agreement.dst_arena, agreement.buffers, sender=(i, 4))
             try:
                 results[i] = staged_stream(pair, rounds, agreement, "tp-1", writer,
-                                           writers[i].memory,
-                                           src_arenas[i], dst_arena, decode.memory, routers)
+                                           writers[i].memory, src_arenas[i], dst_arena,
+                                           decode.memory, routers, on_decode)
             except StagingError as exc:  # pragma: no cover - reported below
                 results[i] = exc
 
