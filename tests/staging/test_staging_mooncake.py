@@ -3,9 +3,8 @@ gathers each round into its registered arena, the native hand-off writes it into
 registered arena, the decode scatters it into its KV memory after checking the round's
 manifest and acknowledges it; the decode plans its own rounds on a stand-in of the prefill's
 memory (it does not know the prefill's addresses). The decode's memory must equal what the
-direct plan writes
-through the same engines, and the byte oracle's, on a fragmented MLA page-1 request and a
-TP 8 -> 2 NHD request (four prefill ranks filling one decode arena at once)."""
+direct plan writes through the same engines, and the byte oracle's, on a fragmented MLA page-1
+request and a TP 8 -> 2 NHD request (four prefill ranks filling one decode arena at once)."""
 
 from __future__ import annotations
 
