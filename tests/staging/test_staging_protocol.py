@@ -480,3 +480,39 @@ def test_round_engine_refuses_what_it_cannot_drive() -> None:
         round_engine(object())
     engine = MemEngine(np.zeros(8, np.uint8), np.zeros(8, np.uint8))
     assert round_engine(engine) is engine
+
+
+def test_a_grant_that_cannot_be_sent_passes_the_share_on_at_once() -> None:
+    shares = ArenaShares()
+    told: list[bytes] = []
+
+    def broken(data: bytes) -> None:
+        raise ConnectionError("prefill gone")
+
+    first = ReceiveStaged("one", [object()], lambda plan: None, broken)
+    second = ReceiveStaged("two", [object()], lambda plan: None, told.append)
+    assert shares.admit(second) and shares.holder(0) is second
+    assert not shares.admit(first)
+    # the holder's prefill stopped: the share goes to the queued stream, whose grant fails
+    second.on_message(wire.encode(wire.FAIL, "two", round_index=0, n_rounds=1,
+                                  payload=b"gather_failed: stopped"))
+    assert first.failed and first.error is not None and first.error.reason == "peer_gone"
+    assert not first.granted and shares.holder(0) is None
+
+
+def test_local_copy_runs_a_core_round() -> None:
+    from kvplan import TransferPlan
+    from kvplan.staging import local_copy
+
+    s = Setup(2)
+    r = s.rounds[0]
+    if not isinstance(r.gather, TransferPlan):
+        pytest.skip("Template.plan_rounds is not in this build")
+    copied = local_copy([s.prefill.memory], [s.src_arena.array])(r.gather)
+    assert copied == r.manifest.bytes
+    want = np.zeros(r.manifest.bytes, np.uint8)
+    for src, dst, n in zip(*r.gather.as_lists()):
+        off = src - s.prefill.memory.ctypes.data
+        at = dst - s.src_arena.addr
+        want[at:at + n] = s.prefill.memory[off:off + n]
+    np.testing.assert_array_equal(s.src_arena.array[:r.manifest.bytes], want)

@@ -13,6 +13,7 @@ two registered arenas (docs/staging.md).
 * :func:`send_staged` (prefill), :class:`ReceiveStaged` (decode): the round protocol, its
   messages carried by the engine's side channel through a callable and a :class:`Router`.
 * :class:`StagingError`: how a staged request fails, once.
+* :func:`local_copy`: a round's gather or scatter on host memory (``kvplan.copy_local``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from kvplan.staging.arena import PAGE, StagingArena
 from kvplan.staging.choice import PathChoice, choose_path
 from kvplan.staging.config import ENV_VARS, STAGING_OPTIONS, StagingConfig
+from kvplan.staging.copies import local_copy
 from kvplan.staging.errors import REASONS, StagingError
 from kvplan.staging.negotiation import (
     PROTOCOL_VERSION,
@@ -41,4 +43,4 @@ __all__ = ["ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS", "STAGING_OPTIONS",
            "ArenaInfo", "Capabilities", "DirectFallback", "FallbackLog", "NetworkHandle",
            "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
            "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",
-           "negotiate", "round_engine", "send_staged"]
+           "local_copy", "negotiate", "round_engine", "send_staged"]

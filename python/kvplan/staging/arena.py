@@ -121,9 +121,10 @@ class StagingArena:
         if hasattr(engine, "register_buffers"):  # a kvplan transport: it unregisters on close
             engine.register_buffers([addr], [size])
             return "transport", None
-        inner = getattr(engine, "engine", None)
-        if type(engine).__name__ == "Handoff" and inner is not None:
-            engine = inner
+        from kvplan.engines.mooncake import Handoff
+
+        if isinstance(engine, Handoff) and engine.engine is not None:
+            engine = engine.engine
         if hasattr(engine, "get_rpc_port") and hasattr(engine, "register_memory"):
             status = engine.register_memory(addr, size)
             if status != 0:

@@ -151,6 +151,8 @@ class ReceiveStaged:
         try:
             self._ack(msg)
         except Exception as exc:
+            with self._lock:
+                self.granted = False  # the prefill never heard it: nothing of it can land
             self._fail_now(0, "peer_gone", f"granting the arena share failed: "
                            f"{type(exc).__name__}: {exc}", tell_peer=False)
 
