@@ -9,14 +9,31 @@
 #include <stdint.h>
 
 /**
- * The version of this ABI: raised whenever a struct or a signature changes.
+ * The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
+ * `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; every version 1 struct
+ * and function is unchanged.
  */
-#define KVPLAN_ABI_VERSION 1
+#define KVPLAN_ABI_VERSION 2
 
 /**
  * `KvplanRequest::n_tokens` when the request gives no token count.
  */
 #define KVPLAN_NO_TOKENS -1
+
+/**
+ * `KvplanRequest2::src_slot` / `dst_slot` of a page request (one that moves no state slot).
+ */
+#define KVPLAN_NO_SLOT -1
+
+/**
+ * `KvplanRequest2::window_sides` bit: the request gives the prefill's window pool pages.
+ */
+#define KVPLAN_WINDOW_SRC 1
+
+/**
+ * `KvplanRequest2::window_sides` bit: the request gives the decode's window pool pages.
+ */
+#define KVPLAN_WINDOW_DST 2
 
 /**
  * `KvplanLayoutDesc::kinds` value: an entry indexed by KV page.
@@ -270,6 +287,38 @@ typedef struct KvplanLayoutDesc {
 } KvplanLayoutDesc;
 
 /**
+ * [`KvplanLayoutDesc`] with what version 2 adds: sliding windows, a window pool and rings.
+ *
+ * Every added array is optional (null: none) and, when given, holds `base.n_entries` values.
+ */
+typedef struct KvplanLayoutDesc2 {
+  /**
+   * `sizeof(KvplanLayoutDesc2)`: the library refuses any other size (a caller built against
+   * another version of this header).
+   */
+  size_t struct_size;
+  /**
+   * Everything a version 1 layout gives.
+   */
+  struct KvplanLayoutDesc base;
+  /**
+   * Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+   * A window on a state entry is refused.
+   */
+  const uint64_t *windows;
+  /**
+   * Tokens per page of the window pool the window entries keep (indexed by a request's
+   * window pages); 0: window entries index the request's pages.
+   */
+  uint64_t window_page_size;
+  /**
+   * Ring rows per request slot of each state entry (0: not a ring); null: no rings. A ring
+   * on a page entry is refused.
+   */
+  const uint64_t *rings;
+} KvplanLayoutDesc2;
+
+/**
  * How a template pairs and checks (a null options pointer means all defaults: pairing by
  * layer id, no overlap check, only elected holders send).
  */
@@ -350,6 +399,79 @@ typedef struct KvplanPlanInfo {
   uint64_t skip_tokens;
 } KvplanPlanInfo;
 
+/**
+ * One request as `kvplan.Request` gives it: each side's pages or one state slot per side,
+ * each side's window pool pages, and the token range.
+ *
+ * A page request (`src_slot == dst_slot == KVPLAN_NO_SLOT`) is a `KvplanRequest` plus window
+ * pages: for each side whose bit is set in `window_sides` (`KVPLAN_WINDOW_SRC`,
+ * `KVPLAN_WINDOW_DST`), that side's pages of its window pool in token order from the request's
+ * first token (an empty list is a list: the bit says whether one is given). A slot request
+ * (both slots `>= 0`) moves slot `src_slot` of every prefill state entry to slot `dst_slot`
+ * of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions; it gives
+ * no page arrays and no window pages.
+ */
+typedef struct KvplanRequest2 {
+  /**
+   * `sizeof(KvplanRequest2)`: the library refuses any other size (a caller built against
+   * another version of this header).
+   */
+  size_t struct_size;
+  /**
+   * Prefill (source) page indices.
+   */
+  const int64_t *src_pages;
+  /**
+   * Values in `src_pages`.
+   */
+  size_t n_src;
+  /**
+   * Decode (destination) page indices.
+   */
+  const int64_t *dst_pages;
+  /**
+   * Values in `dst_pages`.
+   */
+  size_t n_dst;
+  /**
+   * Tokens to move (for a slot request: positions processed, for its ring rows), or
+   * `KVPLAN_NO_TOKENS`.
+   */
+  int64_t n_tokens;
+  /**
+   * Leading tokens the decode holds already (0: none).
+   */
+  uint64_t skip_tokens;
+  /**
+   * Prefill state slot, or `KVPLAN_NO_SLOT`.
+   */
+  int64_t src_slot;
+  /**
+   * Decode state slot, or `KVPLAN_NO_SLOT`.
+   */
+  int64_t dst_slot;
+  /**
+   * Which sides give window pages: `KVPLAN_WINDOW_SRC | KVPLAN_WINDOW_DST`, or 0.
+   */
+  uint32_t window_sides;
+  /**
+   * Prefill window pool page indices (read when `window_sides` has `KVPLAN_WINDOW_SRC`).
+   */
+  const int64_t *src_window_pages;
+  /**
+   * Values in `src_window_pages`.
+   */
+  size_t n_src_window;
+  /**
+   * Decode window pool page indices (read when `window_sides` has `KVPLAN_WINDOW_DST`).
+   */
+  const int64_t *dst_window_pages;
+  /**
+   * Values in `dst_window_pages`.
+   */
+  size_t n_dst_window;
+} KvplanRequest2;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -373,6 +495,20 @@ uint32_t kvplan_abi_version(void);
  * (one that overlaps `*desc` is refused).
  */
 enum KvplanStatus kvplan_layout_new(const struct KvplanLayoutDesc *desc, struct KvplanLayout **out);
+
+/**
+ * [`kvplan_layout_new`] of a version 2 descriptor (`KvplanLayoutDesc2`: windows, a window
+ * pool, rings). `desc->struct_size` must be `sizeof(KvplanLayoutDesc2)`.
+ *
+ * Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+ *
+ * # Safety
+ * `desc` points to a valid `KvplanLayoutDesc2` whose non-null arrays hold `base.n_entries`
+ * values each (each role a NUL-terminated string); `out` points to writable storage for a
+ * handle (one that overlaps `*desc` is refused).
+ */
+enum KvplanStatus kvplan_layout_new2(const struct KvplanLayoutDesc2 *desc,
+                                     struct KvplanLayout **out);
 
 /**
  * Frees a layout. Null is a no-op; a handle that is not live gives
@@ -446,6 +582,21 @@ enum KvplanStatus kvplan_prepare(const struct KvplanTemplate *template_,
                                  struct KvplanPlanInfo *info);
 
 /**
+ * [`kvplan_prepare`] of a version 2 request (`KvplanRequest2`: a page or slot request, with
+ * window pages). `request->struct_size` must be `sizeof(KvplanRequest2)`.
+ *
+ * Thread-safe, as `kvplan_prepare`.
+ *
+ * # Safety
+ * `request` points to a valid `KvplanRequest2` whose arrays hold as many values as their
+ * counts say (the window arrays when their side's bit is set); `info` points to writable
+ * storage for one `KvplanPlanInfo`.
+ */
+enum KvplanStatus kvplan_prepare2(const struct KvplanTemplate *template_,
+                                  const struct KvplanRequest2 *request,
+                                  struct KvplanPlanInfo *info);
+
+/**
  * Plans `request` into the caller's columns: block `i` copies `lengths[i]` bytes from
  * `src_addrs[i]` to `dst_addrs[i]`, for `i < info->n_blocks`. Each column holds `capacity`
  * values; when the plan has more blocks, nothing is written and the call returns
@@ -471,6 +622,27 @@ enum KvplanStatus kvplan_plan_into(const struct KvplanTemplate *template_,
                                    uint64_t *lengths,
                                    size_t capacity,
                                    struct KvplanPlanInfo *info);
+
+/**
+ * [`kvplan_plan_into`] of a version 2 request (`KvplanRequest2`: a page or slot request,
+ * with window pages), with the same rules for the columns and `info`.
+ * `request->struct_size` must be `sizeof(KvplanRequest2)`.
+ *
+ * Thread-safe, as `kvplan_plan_into`.
+ *
+ * # Safety
+ * `request` points to a valid `KvplanRequest2` whose arrays hold as many values as their
+ * counts say (the window arrays when their side's bit is set); each column points to
+ * `capacity` writable `uint64_t` that nothing else accesses during the call; `info`, when
+ * non-null, to writable storage for one `KvplanPlanInfo`.
+ */
+enum KvplanStatus kvplan_plan_into2(const struct KvplanTemplate *template_,
+                                    const struct KvplanRequest2 *request,
+                                    uint64_t *src_addrs,
+                                    uint64_t *dst_addrs,
+                                    uint64_t *lengths,
+                                    size_t capacity,
+                                    struct KvplanPlanInfo *info);
 
 /**
  * The message of the last failed call on this thread (`""` before any failure). The pointer

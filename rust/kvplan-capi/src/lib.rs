@@ -11,6 +11,12 @@
 //! - [`kvplan_plan_into`]: plans a request into three caller columns; allocates nothing.
 //! - [`kvplan_last_error_message`], [`kvplan_last_error_kind`], [`kvplan_status_name`].
 //!
+//! Version 2 of the ABI adds [`kvplan_layout_new2`], [`kvplan_prepare2`] and
+//! [`kvplan_plan_into2`], which take versioned structs (`struct_size` first): layouts with
+//! windows, a window pool and rings, and requests with a state slot pair and window pages, all
+//! that `kvplan.Request` gives. The version 1 structs and functions are unchanged; a version 1
+//! request goes through the same conversion as a version 2 page request without window pages.
+//!
 //! Every function returns a [`KvplanStatus`]; none panics across the boundary (a panic is
 //! caught and returned as [`KvplanStatus::Panic`]). Handles live in a registry: a handle that
 //! is not live (never created, or freed) is refused with [`KvplanStatus::InvalidHandle`]
@@ -26,17 +32,27 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use kvplan_core::{
-    AttentionGeometry, Columns, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder,
-    Pairing, PlanError, PlanSummary, Request, Template, TemplateOptions,
+    AttentionGeometry, Columns, EntryKind, Indices, Layout, LayoutContext, LayoutParts,
+    MemoryOrder, Pairing, PlanError, PlanSummary, Request, Template, TemplateOptions,
 };
 
 mod ptr;
 
-/// The version of this ABI: raised whenever a struct or a signature changes.
-pub const KVPLAN_ABI_VERSION: u32 = 1;
+/// The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
+/// `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; every version 1 struct
+/// and function is unchanged.
+pub const KVPLAN_ABI_VERSION: u32 = 2;
 
 /// `KvplanRequest::n_tokens` when the request gives no token count.
 pub const KVPLAN_NO_TOKENS: i64 = -1;
+
+/// `KvplanRequest2::src_slot` / `dst_slot` of a page request (one that moves no state slot).
+pub const KVPLAN_NO_SLOT: i64 = -1;
+
+/// `KvplanRequest2::window_sides` bit: the request gives the prefill's window pool pages.
+pub const KVPLAN_WINDOW_SRC: u32 = 1;
+/// `KvplanRequest2::window_sides` bit: the request gives the decode's window pool pages.
+pub const KVPLAN_WINDOW_DST: u32 = 2;
 
 /// `KvplanLayoutDesc::kinds` value: an entry indexed by KV page.
 pub const KVPLAN_ENTRY_PAGE: u8 = 0;
@@ -399,6 +415,28 @@ pub struct KvplanLayoutDesc {
     pub attention: *const KvplanAttention,
 }
 
+/// [`KvplanLayoutDesc`] with what version 2 adds: sliding windows, a window pool and rings.
+///
+/// Every added array is optional (null: none) and, when given, holds `base.n_entries` values.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanLayoutDesc2 {
+    /// `sizeof(KvplanLayoutDesc2)`: the library refuses any other size (a caller built against
+    /// another version of this header).
+    pub struct_size: usize,
+    /// Everything a version 1 layout gives.
+    pub base: KvplanLayoutDesc,
+    /// Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+    /// A window on a state entry is refused.
+    pub windows: *const u64,
+    /// Tokens per page of the window pool the window entries keep (indexed by a request's
+    /// window pages); 0: window entries index the request's pages.
+    pub window_page_size: u64,
+    /// Ring rows per request slot of each state entry (0: not a ring); null: no rings. A ring
+    /// on a page entry is refused.
+    pub rings: *const u64,
+}
+
 /// How a template pairs and checks (a null options pointer means all defaults: pairing by
 /// layer id, no overlap check, only elected holders send).
 #[repr(C)]
@@ -434,6 +472,73 @@ pub struct KvplanRequest {
     pub n_tokens: i64,
     /// Leading tokens the decode holds already (0: none).
     pub skip_tokens: u64,
+}
+
+/// One request as `kvplan.Request` gives it: each side's pages or one state slot per side,
+/// each side's window pool pages, and the token range.
+///
+/// A page request (`src_slot == dst_slot == KVPLAN_NO_SLOT`) is a `KvplanRequest` plus window
+/// pages: for each side whose bit is set in `window_sides` (`KVPLAN_WINDOW_SRC`,
+/// `KVPLAN_WINDOW_DST`), that side's pages of its window pool in token order from the request's
+/// first token (an empty list is a list: the bit says whether one is given). A slot request
+/// (both slots `>= 0`) moves slot `src_slot` of every prefill state entry to slot `dst_slot`
+/// of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions; it gives
+/// no page arrays and no window pages.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanRequest2 {
+    /// `sizeof(KvplanRequest2)`: the library refuses any other size (a caller built against
+    /// another version of this header).
+    pub struct_size: usize,
+    /// Prefill (source) page indices.
+    pub src_pages: *const i64,
+    /// Values in `src_pages`.
+    pub n_src: usize,
+    /// Decode (destination) page indices.
+    pub dst_pages: *const i64,
+    /// Values in `dst_pages`.
+    pub n_dst: usize,
+    /// Tokens to move (for a slot request: positions processed, for its ring rows), or
+    /// `KVPLAN_NO_TOKENS`.
+    pub n_tokens: i64,
+    /// Leading tokens the decode holds already (0: none).
+    pub skip_tokens: u64,
+    /// Prefill state slot, or `KVPLAN_NO_SLOT`.
+    pub src_slot: i64,
+    /// Decode state slot, or `KVPLAN_NO_SLOT`.
+    pub dst_slot: i64,
+    /// Which sides give window pages: `KVPLAN_WINDOW_SRC | KVPLAN_WINDOW_DST`, or 0.
+    pub window_sides: u32,
+    /// Prefill window pool page indices (read when `window_sides` has `KVPLAN_WINDOW_SRC`).
+    pub src_window_pages: *const i64,
+    /// Values in `src_window_pages`.
+    pub n_src_window: usize,
+    /// Decode window pool page indices (read when `window_sides` has `KVPLAN_WINDOW_DST`).
+    pub dst_window_pages: *const i64,
+    /// Values in `dst_window_pages`.
+    pub n_dst_window: usize,
+}
+
+impl KvplanRequest2 {
+    /// A version 1 request as the version 2 request it means (a page request, no windows).
+    fn of_v1(v1: &KvplanRequest) -> Self {
+        Self {
+            struct_size: size_of::<Self>(),
+            src_pages: v1.src_pages,
+            n_src: v1.n_src,
+            dst_pages: v1.dst_pages,
+            n_dst: v1.n_dst,
+            n_tokens: v1.n_tokens,
+            skip_tokens: v1.skip_tokens,
+            src_slot: KVPLAN_NO_SLOT,
+            dst_slot: KVPLAN_NO_SLOT,
+            window_sides: 0,
+            src_window_pages: std::ptr::null(),
+            n_src_window: 0,
+            dst_window_pages: std::ptr::null(),
+            n_dst_window: 0,
+        }
+    }
 }
 
 /// A request's plan size, known after validation and unchanged once it is emitted.
@@ -574,18 +679,67 @@ unsafe fn layout_from(desc: &KvplanLayoutDesc) -> Result<Layout, Fail> {
     })
 }
 
-/// A request's page lists and token counts, checked.
+/// A version 2 layout: the version 1 layout of `desc.base`, then its windows (in their pool)
+/// and rings, as `kvplan.Layout(..., windows=, window_page_size=, rings=)` applies them.
 ///
 /// # Safety
-/// `src_pages` and `dst_pages` hold `n_src` and `n_dst` values, valid and unwritten for `'a`.
-unsafe fn request_from<'a>(req: &KvplanRequest) -> Result<Request<'a>, Fail> {
+/// As [`layout_from`] for `desc.base`; `windows` and `rings`, when non-null, hold
+/// `base.n_entries` values each.
+unsafe fn layout_from2(desc: &KvplanLayoutDesc2) -> Result<Layout, Fail> {
+    check_struct_size(desc.struct_size, size_of::<KvplanLayoutDesc2>(), "desc")?;
+    let n = desc.base.n_entries;
     // SAFETY: this function's contract.
-    let (src, dst) = unsafe {
-        (
-            ptr::slice(req.src_pages, req.n_src, "src_pages")?,
-            ptr::slice(req.dst_pages, req.n_dst, "dst_pages")?,
-        )
+    let layout = unsafe { layout_from(&desc.base)? };
+    let per_entry = |p: *const u64, what| -> Result<Vec<Option<u64>>, Fail> {
+        if p.is_null() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: this function's contract (`n` values when non-null).
+        let values = unsafe { ptr::slice(p, n, what)? };
+        Ok(values.iter().map(|&v| (v > 0).then_some(v)).collect())
     };
+    let windows = per_entry(desc.windows, "windows")?;
+    let rings = per_entry(desc.rings, "rings")?;
+    let pool = (desc.window_page_size > 0).then_some(desc.window_page_size);
+    if windows.is_empty() && pool.is_some() {
+        return Err(invalid(format!(
+            "window_page_size is {}, but windows is null: a window pool holds window entries; \
+             give windows, or window_page_size 0",
+            desc.window_page_size
+        )));
+    }
+    let layout = if windows.is_empty() {
+        layout
+    } else {
+        layout.with_windows_in_pool(windows, pool)?
+    };
+    Ok(if rings.is_empty() {
+        layout
+    } else {
+        layout.with_rings(rings)?
+    })
+}
+
+/// Refuses a versioned struct whose `struct_size` is not this header's.
+fn check_struct_size(given: usize, expected: usize, what: &str) -> Result<(), Fail> {
+    if given == expected {
+        return Ok(());
+    }
+    Err(invalid(format!(
+        "{what}->struct_size is {given}, but this library (ABI version {KVPLAN_ABI_VERSION}) \
+         reads {expected} bytes: set it to sizeof the struct, from the header of the library \
+         you link"
+    )))
+}
+
+/// The one conversion of a C request (version 1 through [`KvplanRequest2::of_v1`]) into the
+/// core's request, checked: the token count, the slot pair, the window sides.
+///
+/// # Safety
+/// Each page array holds as many values as its count says (the window arrays only when their
+/// side's bit is set), valid and unwritten for `'a`.
+unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
+    check_struct_size(req.struct_size, size_of::<KvplanRequest2>(), "request")?;
     let n_tokens = match req.n_tokens {
         KVPLAN_NO_TOKENS => None,
         n if n >= 0 => Some(n as u64),
@@ -595,29 +749,106 @@ unsafe fn request_from<'a>(req: &KvplanRequest) -> Result<Request<'a>, Fail> {
             )));
         }
     };
-    Ok(Request::new(src, dst, n_tokens).skipping(req.skip_tokens))
+    let unknown_sides = req.window_sides & !(KVPLAN_WINDOW_SRC | KVPLAN_WINDOW_DST);
+    if unknown_sides != 0 {
+        return Err(invalid(format!(
+            "window_sides is {:#x}; its bits are KVPLAN_WINDOW_SRC (1) and KVPLAN_WINDOW_DST (2)",
+            req.window_sides
+        )));
+    }
+    let window_side = |bit: u32, pages: *const i64, n: usize, what: &'static str| {
+        if req.window_sides & bit == 0 {
+            if n > 0 {
+                return Err(invalid(format!(
+                    "{what} holds {n} values, but window_sides ({:#x}) does not give that \
+                     side's window pages: set its bit, or give 0 values",
+                    req.window_sides
+                )));
+            }
+            return Ok(None);
+        }
+        // SAFETY: this function's contract (the side's bit is set).
+        unsafe { ptr::slice(pages, n, what) }.map(Some)
+    };
+    let window_pages = (
+        window_side(
+            KVPLAN_WINDOW_SRC,
+            req.src_window_pages,
+            req.n_src_window,
+            "src_window_pages",
+        )?,
+        window_side(
+            KVPLAN_WINDOW_DST,
+            req.dst_window_pages,
+            req.n_dst_window,
+            "dst_window_pages",
+        )?,
+    );
+    let indices = match (req.src_slot, req.dst_slot) {
+        (KVPLAN_NO_SLOT, KVPLAN_NO_SLOT) => {
+            // SAFETY: this function's contract.
+            let (src, dst) = unsafe {
+                (
+                    ptr::slice(req.src_pages, req.n_src, "src_pages")?,
+                    ptr::slice(req.dst_pages, req.n_dst, "dst_pages")?,
+                )
+            };
+            Indices::Pages { src, dst }
+        }
+        (src, dst) if src >= 0 && dst >= 0 => {
+            if req.n_src > 0 || req.n_dst > 0 || req.window_sides != 0 {
+                return Err(invalid(format!(
+                    "a request holds page arrays or a state slot, not both: src_slot {src}, \
+                     dst_slot {dst} with n_src {}, n_dst {}, window_sides {:#x}; plan the slot \
+                     as a request of its own",
+                    req.n_src, req.n_dst, req.window_sides
+                )));
+            }
+            Indices::Slot { src, dst }
+        }
+        (src, dst) => {
+            return Err(invalid(format!(
+                "src_slot is {src} and dst_slot is {dst}; give both slots >= 0 (a slot \
+                 request) or both KVPLAN_NO_SLOT (-1, a page request)"
+            )));
+        }
+    };
+    Ok(Request {
+        indices,
+        n_tokens,
+        skip_tokens: req.skip_tokens,
+        window_pages,
+    })
 }
 
 /// A byte range `[start, end)` a call reads or writes (`None`: empty), with the argument's name.
 type NamedRange = (Option<(usize, usize)>, &'static str);
 
-/// The byte ranges a request occupies: the struct itself and its two page arrays (after the
-/// null, alignment and size checks), each with its name, for the overlap checks of the outputs.
-fn request_ranges(
-    request: *const KvplanRequest,
-    raw: &KvplanRequest,
-) -> Result<[NamedRange; 3], Fail> {
-    Ok([
-        (ptr::byte_range(request, 1, "request")?, "request"),
-        (
+/// The byte ranges a request occupies: the struct itself (`request`, the caller's struct of
+/// its version) and the arrays it gives (after the null, alignment and size checks), each with
+/// its name, for the overlap checks of the outputs.
+fn request_ranges(request: NamedRange, raw: &KvplanRequest2) -> Result<Vec<NamedRange>, Fail> {
+    let mut ranges = vec![request];
+    let slot = raw.src_slot != KVPLAN_NO_SLOT || raw.dst_slot != KVPLAN_NO_SLOT;
+    if !slot {
+        ranges.push((
             ptr::byte_range(raw.src_pages, raw.n_src, "src_pages")?,
             "src_pages",
-        ),
-        (
+        ));
+        ranges.push((
             ptr::byte_range(raw.dst_pages, raw.n_dst, "dst_pages")?,
             "dst_pages",
-        ),
-    ])
+        ));
+    }
+    if raw.window_sides & KVPLAN_WINDOW_SRC != 0 {
+        let range = ptr::byte_range(raw.src_window_pages, raw.n_src_window, "src_window_pages")?;
+        ranges.push((range, "src_window_pages"));
+    }
+    if raw.window_sides & KVPLAN_WINDOW_DST != 0 {
+        let range = ptr::byte_range(raw.dst_window_pages, raw.n_dst_window, "dst_window_pages")?;
+        ranges.push((range, "dst_window_pages"));
+    }
+    Ok(ranges)
 }
 
 // ----------------------------------------------------------------------------- the ABI
@@ -660,6 +891,45 @@ pub unsafe extern "C" fn kvplan_layout_new(
         let desc = unsafe { ptr::reference(desc, "desc")? };
         // SAFETY: the descriptor's arrays are as `layout_from` needs (this function's contract).
         let layout = unsafe { layout_from(desc)? };
+        let addr = LAYOUTS.insert(layout);
+        // SAFETY: as the first write.
+        unsafe { ptr::write(out, addr as *mut KvplanLayout, "out") }
+    })
+}
+
+/// [`kvplan_layout_new`] of a version 2 descriptor (`KvplanLayoutDesc2`: windows, a window
+/// pool, rings). `desc->struct_size` must be `sizeof(KvplanLayoutDesc2)`.
+///
+/// Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+///
+/// # Safety
+/// `desc` points to a valid `KvplanLayoutDesc2` whose non-null arrays hold `base.n_entries`
+/// values each (each role a NUL-terminated string); `out` points to writable storage for a
+/// handle (one that overlaps `*desc` is refused).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_layout_new2(
+    desc: *const KvplanLayoutDesc2,
+    out: *mut *mut KvplanLayout,
+) -> KvplanStatus {
+    guard(|| {
+        // `*out` is written before and after `*desc` is read: they must share no byte.
+        if !desc.is_null() {
+            ptr::disjoint(
+                ptr::byte_range(out.cast_const(), 1, "out")?,
+                "out",
+                Some(ptr::span(desc)),
+                "desc",
+            )?;
+        }
+        // SAFETY: `out` is writable for one pointer (this function's contract).
+        unsafe { ptr::write(out, std::ptr::null_mut(), "out")? };
+        // SAFETY: the first field of a valid descriptor (this function's contract).
+        let size = unsafe { ptr::reference(desc.cast::<usize>(), "desc")? };
+        check_struct_size(*size, size_of::<KvplanLayoutDesc2>(), "desc")?;
+        // SAFETY: a whole descriptor, its size checked (this function's contract).
+        let desc = unsafe { ptr::reference(desc, "desc")? };
+        // SAFETY: the descriptor's arrays are as `layout_from2` needs (this function's contract).
+        let layout = unsafe { layout_from2(desc)? };
         let addr = LAYOUTS.insert(layout);
         // SAFETY: as the first write.
         unsafe { ptr::write(out, addr as *mut KvplanLayout, "out") }
@@ -808,17 +1078,71 @@ pub unsafe extern "C" fn kvplan_prepare(
         let template = TEMPLATES.get(template.addr())?;
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { ptr::reference(request, "request")? };
-        let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
-        // The info is written while the request is borrowed: it must share no byte with it.
-        for (input, name) in request_ranges(request, raw)? {
-            ptr::disjoint(info_range, "info", input, name)?;
-        }
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
         // SAFETY: its arrays are as long as it says (this function's contract).
-        let request = unsafe { request_from(raw)? };
-        let summary = template.prepare(&request)?;
-        // SAFETY: `info` is writable (this function's contract).
-        unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info") }
+        unsafe { prepare(&template, range, &KvplanRequest2::of_v1(raw), info) }
     })
+}
+
+/// [`kvplan_prepare`] of a version 2 request (`KvplanRequest2`: a page or slot request, with
+/// window pages). `request->struct_size` must be `sizeof(KvplanRequest2)`.
+///
+/// Thread-safe, as `kvplan_prepare`.
+///
+/// # Safety
+/// `request` points to a valid `KvplanRequest2` whose arrays hold as many values as their
+/// counts say (the window arrays when their side's bit is set); `info` points to writable
+/// storage for one `KvplanPlanInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_prepare2(
+    template: *const KvplanTemplate,
+    request: *const KvplanRequest2,
+    info: *mut KvplanPlanInfo,
+) -> KvplanStatus {
+    guard(|| {
+        let template = TEMPLATES.get(template.addr())?;
+        // SAFETY: `request` is valid (this function's contract).
+        let raw = unsafe { versioned(request)? };
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        // SAFETY: its arrays are as long as it says (this function's contract).
+        unsafe { prepare(&template, range, raw, info) }
+    })
+}
+
+/// A versioned request, its `struct_size` read and checked before the rest of it.
+///
+/// # Safety
+/// A non-null `request` points to at least its `struct_size` field, and to a whole
+/// `KvplanRequest2` when that field says so.
+unsafe fn versioned<'a>(request: *const KvplanRequest2) -> Result<&'a KvplanRequest2, Fail> {
+    // SAFETY: the first field (this function's contract); the struct's alignment is the field's.
+    let size = unsafe { ptr::reference(request.cast::<usize>(), "request")? };
+    check_struct_size(*size, size_of::<KvplanRequest2>(), "request")?;
+    // SAFETY: a whole struct, its size checked (this function's contract).
+    unsafe { ptr::reference(request, "request") }
+}
+
+/// The body of `kvplan_prepare` and `kvplan_prepare2`.
+///
+/// # Safety
+/// `raw`'s arrays are as long as it says; `info` points to writable storage for one
+/// `KvplanPlanInfo`.
+unsafe fn prepare(
+    template: &Template,
+    request: NamedRange,
+    raw: &KvplanRequest2,
+    info: *mut KvplanPlanInfo,
+) -> Result<(), Fail> {
+    let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
+    // The info is written while the request is borrowed: it must share no byte with it.
+    for (input, name) in request_ranges(request, raw)? {
+        ptr::disjoint(info_range, "info", input, name)?;
+    }
+    // SAFETY: its arrays are as long as it says (this function's contract).
+    let request = unsafe { request_from(raw)? };
+    let summary = template.prepare(&request)?;
+    // SAFETY: `info` is writable (this function's contract).
+    unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info") }
 }
 
 /// Plans `request` into the caller's columns: block `i` copies `lengths[i]` bytes from
@@ -852,61 +1176,139 @@ pub unsafe extern "C" fn kvplan_plan_into(
         let template = TEMPLATES.get(template.addr())?;
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { ptr::reference(request, "request")? };
-        let columns = [
-            (
-                ptr::byte_range(src_addrs.cast_const(), capacity, "src_addrs")?,
-                "src_addrs",
-            ),
-            (
-                ptr::byte_range(dst_addrs.cast_const(), capacity, "dst_addrs")?,
-                "dst_addrs",
-            ),
-            (
-                ptr::byte_range(lengths.cast_const(), capacity, "lengths")?,
-                "lengths",
-            ),
-        ];
-        let inputs = request_ranges(request, raw)?;
-        let info_range = if info.is_null() {
-            None
-        } else {
-            ptr::byte_range(info.cast_const(), 1, "info")?
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        let raw = KvplanRequest2::of_v1(raw);
+        let columns = Outputs {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            capacity,
+            info,
         };
-        // Every output (the columns, the info) is written while the request is borrowed: no
-        // two outputs may share a byte, nor an output and an input.
-        let outputs = [columns[0], columns[1], columns[2], (info_range, "info")];
-        for (i, &(a, a_name)) in outputs.iter().enumerate() {
-            for &(b, b_name) in outputs[i + 1..].iter().chain(&inputs) {
-                ptr::disjoint(a, a_name, b, b_name)?;
-            }
-        }
-        // SAFETY: its arrays are as long as it says (this function's contract).
-        let request = unsafe { request_from(raw)? };
-        // SAFETY: each column holds `capacity` writable values nothing else accesses (this
-        // function's contract), and the three do not overlap each other nor the inputs
-        // (checked above).
-        let out = unsafe {
-            Columns {
-                src_addrs: ptr::slice_mut(src_addrs, capacity, "src_addrs")?,
-                dst_addrs: ptr::slice_mut(dst_addrs, capacity, "dst_addrs")?,
-                lengths: ptr::slice_mut(lengths, capacity, "lengths")?,
-            }
-        };
-        let (_, summary) = template.plan_into(&request, |summary| {
-            if summary.n_blocks > capacity {
-                return Err(PlanError::OutputTooSmall {
-                    have: capacity,
-                    need: summary.n_blocks,
-                });
-            }
-            Ok(out)
-        })?;
-        if !info.is_null() {
-            // SAFETY: a non-null `info` is writable (this function's contract).
-            unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info")? };
-        }
-        Ok(())
+        // SAFETY: its arrays and columns are as it says (this function's contract).
+        unsafe { plan_into(&template, range, &raw, columns) }
     })
+}
+
+/// [`kvplan_plan_into`] of a version 2 request (`KvplanRequest2`: a page or slot request,
+/// with window pages), with the same rules for the columns and `info`.
+/// `request->struct_size` must be `sizeof(KvplanRequest2)`.
+///
+/// Thread-safe, as `kvplan_plan_into`.
+///
+/// # Safety
+/// `request` points to a valid `KvplanRequest2` whose arrays hold as many values as their
+/// counts say (the window arrays when their side's bit is set); each column points to
+/// `capacity` writable `uint64_t` that nothing else accesses during the call; `info`, when
+/// non-null, to writable storage for one `KvplanPlanInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_plan_into2(
+    template: *const KvplanTemplate,
+    request: *const KvplanRequest2,
+    src_addrs: *mut u64,
+    dst_addrs: *mut u64,
+    lengths: *mut u64,
+    capacity: usize,
+    info: *mut KvplanPlanInfo,
+) -> KvplanStatus {
+    guard(|| {
+        let template = TEMPLATES.get(template.addr())?;
+        // SAFETY: `request` is valid (this function's contract).
+        let raw = unsafe { versioned(request)? };
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        let columns = Outputs {
+            src_addrs,
+            dst_addrs,
+            lengths,
+            capacity,
+            info,
+        };
+        // SAFETY: its arrays and columns are as it says (this function's contract).
+        unsafe { plan_into(&template, range, raw, columns) }
+    })
+}
+
+/// The output arguments of a plan call.
+struct Outputs {
+    src_addrs: *mut u64,
+    dst_addrs: *mut u64,
+    lengths: *mut u64,
+    capacity: usize,
+    info: *mut KvplanPlanInfo,
+}
+
+/// The body of `kvplan_plan_into` and `kvplan_plan_into2`.
+///
+/// # Safety
+/// `raw`'s arrays are as long as it says; each column holds `capacity` writable values nothing
+/// else accesses during the call; a non-null `info` is writable.
+unsafe fn plan_into(
+    template: &Template,
+    request: NamedRange,
+    raw: &KvplanRequest2,
+    outputs: Outputs,
+) -> Result<(), Fail> {
+    let Outputs {
+        src_addrs,
+        dst_addrs,
+        lengths,
+        capacity,
+        info,
+    } = outputs;
+    let columns = [
+        (
+            ptr::byte_range(src_addrs.cast_const(), capacity, "src_addrs")?,
+            "src_addrs",
+        ),
+        (
+            ptr::byte_range(dst_addrs.cast_const(), capacity, "dst_addrs")?,
+            "dst_addrs",
+        ),
+        (
+            ptr::byte_range(lengths.cast_const(), capacity, "lengths")?,
+            "lengths",
+        ),
+    ];
+    let inputs = request_ranges(request, raw)?;
+    let info_range = if info.is_null() {
+        None
+    } else {
+        ptr::byte_range(info.cast_const(), 1, "info")?
+    };
+    // Every output (the columns, the info) is written while the request is borrowed: no
+    // two outputs may share a byte, nor an output and an input.
+    let outputs = [columns[0], columns[1], columns[2], (info_range, "info")];
+    for (i, &(a, a_name)) in outputs.iter().enumerate() {
+        for &(b, b_name) in outputs[i + 1..].iter().chain(&inputs) {
+            ptr::disjoint(a, a_name, b, b_name)?;
+        }
+    }
+    // SAFETY: its arrays are as long as it says (this function's contract).
+    let request = unsafe { request_from(raw)? };
+    // SAFETY: each column holds `capacity` writable values nothing else accesses (this
+    // function's contract), and the three do not overlap each other nor the inputs
+    // (checked above).
+    let out = unsafe {
+        Columns {
+            src_addrs: ptr::slice_mut(src_addrs, capacity, "src_addrs")?,
+            dst_addrs: ptr::slice_mut(dst_addrs, capacity, "dst_addrs")?,
+            lengths: ptr::slice_mut(lengths, capacity, "lengths")?,
+        }
+    };
+    let (_, summary) = template.plan_into(&request, |summary| {
+        if summary.n_blocks > capacity {
+            return Err(PlanError::OutputTooSmall {
+                have: capacity,
+                need: summary.n_blocks,
+            });
+        }
+        Ok(out)
+    })?;
+    if !info.is_null() {
+        // SAFETY: a non-null `info` is writable (this function's contract).
+        unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info")? };
+    }
+    Ok(())
 }
 
 /// The message of the last failed call on this thread (`""` before any failure). The pointer
