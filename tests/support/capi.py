@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 NO_TOKENS = -1
+NO_SLOT = -1
+WINDOW_SRC, WINDOW_DST = 1, 2
 ENTRY_PAGE, ENTRY_STATE = 0, 1
 ORDER_NHD, ORDER_HND = 0, 1
 PAIR_BY_LAYER_ID, PAIR_POSITIONAL = 0, 1
@@ -88,6 +90,41 @@ class RequestDesc(ctypes.Structure):
     ]
 
 
+class LayoutDesc2(ctypes.Structure):
+    """``KvplanLayoutDesc2`` (ABI version 2): a ``LayoutDesc`` with windows, a window pool and
+    rings; ``struct_size`` must be ``ctypes.sizeof(LayoutDesc2)``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("base", LayoutDesc),
+        ("windows", ctypes.c_void_p),
+        ("window_page_size", ctypes.c_uint64),
+        ("rings", ctypes.c_void_p),
+    ]
+
+
+class RequestDesc2(ctypes.Structure):
+    """``KvplanRequest2`` (ABI version 2): a page or slot request with window pages;
+    ``struct_size`` must be ``ctypes.sizeof(RequestDesc2)``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("src_pages", ctypes.c_void_p),
+        ("n_src", ctypes.c_size_t),
+        ("dst_pages", ctypes.c_void_p),
+        ("n_dst", ctypes.c_size_t),
+        ("n_tokens", ctypes.c_int64),
+        ("skip_tokens", ctypes.c_uint64),
+        ("src_slot", ctypes.c_int64),
+        ("dst_slot", ctypes.c_int64),
+        ("window_sides", ctypes.c_uint32),
+        ("src_window_pages", ctypes.c_void_p),
+        ("n_src_window", ctypes.c_size_t),
+        ("dst_window_pages", ctypes.c_void_p),
+        ("n_dst_window", ctypes.c_size_t),
+    ]
+
+
 class PlanInfo(ctypes.Structure):
     _fields_ = [
         ("n_blocks", ctypes.c_size_t),
@@ -129,6 +166,9 @@ def load() -> ctypes.CDLL:
         "kvplan_template_bytes_per_page": ([vp, vp], status),
         "kvplan_prepare": ([vp, vp, vp], status),
         "kvplan_plan_into": ([vp, vp, vp, vp, vp, size, vp], status),
+        "kvplan_layout_new2": ([vp, vp], status),
+        "kvplan_prepare2": ([vp, vp, vp], status),
+        "kvplan_plan_into2": ([vp, vp, vp, vp, vp, size, vp], status),
         "kvplan_last_error_message": ([], ctypes.c_char_p),
         "kvplan_last_error_kind": ([], ctypes.c_char_p),
         "kvplan_status_name": ([ctypes.c_int32], ctypes.c_char_p),
