@@ -19,9 +19,10 @@ byte for byte against the direct one.
 
 1. Headline cases: prefill TP 8 -> decode TP 2 on NHD pages (the four prefill writers of decode
    rank 0, one after another), and an equal-TP request whose decode pages are all apart.
-2. Planning time of ``plan``, ``plan_staged`` and ``transfer_advice`` (one writer, no engine):
-   a 32K-token request of an 80-layer model at TP 8 -> 2 NHD and two small requests
-   (``--planning-only`` prints just this table).
+2. Planning time of ``plan``, ``plan_staged``, ``plan_rounds`` (64 MiB arenas per sender, two
+   round buffers) and ``transfer_advice`` (one writer, no engine): a 32K-token request of an
+   80-layer model at TP 8 -> 2 NHD and two small requests (``--planning-only`` prints just this
+   table).
 3. Sweep: tokens x geometry (TP and heads) x fragmentation, one writer per point. The cost is
    measured once per engine with ``kvplan.engines.measure_cost`` on the same transports; at
    each point ``Template.transfer_advice`` picks a path and the two measured transfer times
@@ -236,15 +237,17 @@ PLANNING = [
          fragmentation=1.0),
 ]
 PLANNING_REPEATS = 9
+ROUND_ARENA = 64 << 20  # bytes of plan_rounds' arena per sender (two round buffers)
 
 
 def planning_rows(repeats: int) -> list[str]:
-    """Median planning time of ``plan``, ``plan_staged`` and ``transfer_advice`` for one
-    writer (prefill rank 0 -> decode rank 0) of each planning case; every plan dies before the
+    """Median planning time of ``plan``, ``plan_staged``, ``plan_rounds`` and
+    ``transfer_advice`` for one writer (prefill rank 0 -> decode rank 0) of each planning case; every plan dies before the
     next call, so pooled output memory is reused as in a serving loop."""
     rows = ["| case | direct blocks | gather / network / scatter blocks | plan (ms) | "
-            "plan_staged (ms) | staged / direct | transfer_advice (ms) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "plan_staged (ms) | staged / direct | rounds | plan_rounds (ms) | rounds / staged | "
+            "transfer_advice (ms) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     cost = kvplan.TransferCost(per_block_s=30e-6, network_bytes_per_s=1e9, copy_bytes_per_s=4e9)
     for case in PLANNING:
         span = lambda tp: 1 << max(40, span_bytes(case, tp).bit_length() + 1)  # noqa: E731
@@ -260,11 +263,18 @@ def planning_rows(repeats: int) -> list[str]:
         direct_s = median_s(lambda: template.plan(src_pages, dst_pages), repeats)
         staged_s = median_s(lambda: template.plan_staged(src_pages, dst_pages, **regions),
                             repeats)
+        senders = case.tp_p // case.tp_d if case.tp_p > case.tp_d else 1
+        arenas = {"src_arena": (1 << 54, ROUND_ARENA),
+                  "dst_arena": (1 << 56, ROUND_ARENA * senders)}
+        n_rounds = len(template.plan_rounds(src_pages, dst_pages, **arenas))
+        rounds_s = median_s(lambda: template.plan_rounds(src_pages, dst_pages, **arenas),
+                            repeats)
         advice_s = median_s(lambda: template.transfer_advice(src_pages, dst_pages, cost),
                             repeats)
         rows.append(f"| {case.name}: {case.label()} | {counts[0]:,} | {counts[1]:,} / "
                     f"{counts[2]:,} / {counts[3]:,} | {direct_s * 1e3:.3f} | {staged_s * 1e3:.3f} | "
-                    f"{staged_s / direct_s:.1f} | {advice_s * 1e3:.3f} |")
+                    f"{staged_s / direct_s:.1f} | {n_rounds:,} | {rounds_s * 1e3:.3f} | "
+                    f"{rounds_s / staged_s:.2f} | {advice_s * 1e3:.3f} |")
         print(rows[-1], flush=True)
     return rows
 

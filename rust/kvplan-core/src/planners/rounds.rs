@@ -21,13 +21,14 @@
 //! scatter block must read, through the network block holding its stream interval, what the
 //! gather wrote there); a mismatch refuses the plan ([`PlanError::InputChanged`]).
 //!
-//! Where rounds are cut: at most `buffer_bytes` per round, at the last point where a gather
-//! block and a scatter block both end when that fills at least half the buffer, else at the
-//! last point where either ends; a stream offset inside a block only when no block ends in the
-//! buffer (a block larger than the buffer, split at a byte boundary: every stage is a byte
-//! copy, so the bytes land where the direct plan puts them whatever the cut). Templates whose
-//! sides hold different representations are planned by `ConversionTemplate`, not here, so no
-//! conversion row ever reaches a round.
+//! Where rounds are cut: at most `buffer_bytes` per round, at the last point within the buffer
+//! where a block of the *major* stage ends (the gather or the scatter, whichever has more
+//! blocks); a stream offset inside a block only when no block of it ends in the buffer (a block
+//! larger than the buffer, split at a byte boundary: every stage is a byte copy, so the bytes
+//! land where the direct plan puts them whatever the cut). The major stage is then rewritten in
+//! place (only its staging column changes) and only the minor stage, with at most one block
+//! split per cut, is copied out. Templates whose sides hold different representations are
+//! planned by `ConversionTemplate`, not here, so no conversion row ever reaches a round.
 //!
 //! Several senders into one decode arena: the prefill ranks that fill one decode rank's
 //! staging region (the staged plan's writers, [`crate::rules::heads::staging_writer`]) and,
@@ -346,35 +347,6 @@ struct RoundGeometry {
     writer: (u32, u32),
 }
 
-impl RoundGeometry {
-    fn src_buffer_addr(&self, buffer: u32) -> u64 {
-        self.src_arena.addr + u64::from(buffer) * self.src_buffer
-    }
-
-    fn dst_buffer_offset(&self, buffer: u32) -> u64 {
-        self.dst_share + u64::from(buffer) * self.dst_buffer
-    }
-}
-
-/// One staged stage's blocks, in stream order.
-struct StreamBlocks<'a> {
-    src: &'a [u64],
-    dst: &'a [u64],
-    len: &'a [u64],
-}
-
-impl<'a> StreamBlocks<'a> {
-    /// The first `n` blocks of `buf`.
-    fn of(buf: &'a FlatBuffer, n: usize) -> Self {
-        let c = buf.capacity;
-        Self {
-            src: &buf.data[..n],
-            dst: &buf.data[c..c + n],
-            len: &buf.data[2 * c..2 * c + n],
-        }
-    }
-}
-
 impl<'t> RoundsPlanner<'t> {
     /// The rounds planner of `template`.
     pub fn new(template: &'t Template) -> Self {
@@ -434,25 +406,26 @@ impl<'t> RoundsPlanner<'t> {
             StagedPlanner::new(self.template).plan_into(request, whole, whole, |shape| {
                 Ok((alloc(shape.n_blocks)?, alloc(shape.n_blocks)?))
             })?;
-        let result = (|| {
-            // The staged plan places this rank as the writer the arena shares were cut for.
-            if staged.writer != geometry.writer {
-                return Err(PlanError::InputChanged);
-            }
-            let gather = StreamBlocks::of(&gather_buf, staged.gather.n_blocks);
-            let scatter = StreamBlocks::of(&scatter_buf, staged.scatter.n_blocks);
-            let total = staged.src_staging_bytes;
-            check_stream(&gather, &scatter, &staged.network, total)?;
-            let cuts = cut_rounds(gather.len, scatter.len, total, geometry.buffer_bytes);
-            let mut rounds = emit_rounds(&gather, &scatter, &cuts, &geometry, &mut alloc)?;
-            rounds.bytes = total;
-            rounds.direct_blocks = staged.direct_blocks;
-            rounds.staged_network_blocks = staged.network.lengths.len();
-            Ok(rounds)
-        })();
-        give_back(gather_buf);
-        give_back(scatter_buf);
-        result
+        // The staged plan places this rank as the writer the arena shares were cut for.
+        if staged.writer != geometry.writer {
+            give_back(gather_buf);
+            give_back(scatter_buf);
+            return Err(PlanError::InputChanged);
+        }
+        let total = staged.src_staging_bytes;
+        let mut rounds = emit_rounds(
+            (gather_buf, staged.gather.n_blocks),
+            (scatter_buf, staged.scatter.n_blocks),
+            &staged.network,
+            total,
+            &geometry,
+            &mut alloc,
+            &mut give_back,
+        )?;
+        rounds.bytes = total;
+        rounds.direct_blocks = staged.direct_blocks;
+        rounds.staged_network_blocks = staged.network.lengths.len();
+        Ok(rounds)
     }
 
     /// `(sender index, senders)` of this template's prefill rank into the decode arena.
@@ -555,136 +528,458 @@ impl<'t> RoundsPlanner<'t> {
     }
 }
 
-/// Checks what the rounds rely on: the staged gather writes stream offsets `0..total` back to
-/// back, and each staged scatter block (at the stream offset its predecessors' lengths add up
-/// to) reads the decode staging offset the network block holding that stream interval wrote.
-///
-/// # Errors
-/// [`PlanError::InputChanged`] when either does not hold.
-fn check_stream(
-    gather: &StreamBlocks<'_>,
-    scatter: &StreamBlocks<'_>,
-    network: &Plan,
-    total: u64,
-) -> Result<()> {
-    let mut at = 0u64;
-    for (&d, &l) in gather.dst.iter().zip(gather.len) {
-        if d != at {
-            return Err(PlanError::InputChanged);
-        }
-        at = at.checked_add(l).ok_or(PlanError::InputChanged)?;
-    }
-    if at != total {
-        return Err(PlanError::InputChanged);
-    }
-    let mut j = 0usize;
-    let mut at = 0u64;
-    for (&s, &l) in scatter.src.iter().zip(scatter.len) {
-        // The network block holding stream offset `at` (network sources are stream offsets).
-        while j < network.lengths.len() && network.src_addrs[j] + network.lengths[j] <= at {
-            j += 1;
-        }
-        let fits = j < network.lengths.len() && {
-            let (ns, nd, nl) = (
-                network.src_addrs[j],
-                network.dst_addrs[j],
-                network.lengths[j],
-            );
-            ns <= at && at + l <= ns + nl && s == nd + (at - ns)
-        };
-        if !fits && l > 0 {
-            return Err(PlanError::InputChanged);
-        }
-        at = at.checked_add(l).ok_or(PlanError::InputChanged)?;
-    }
-    if at != total {
-        return Err(PlanError::InputChanged);
-    }
-    Ok(())
+/// Where rounds are cut: every round's end in the stream, and how many cuts fall inside a
+/// gather block and inside a scatter block (blocks each cut splits in two).
+struct Cuts {
+    ends: Vec<u64>,
+    gather_splits: usize,
+    scatter_splits: usize,
 }
 
-/// The end of every round's stream interval (see the module documentation for where rounds
-/// are cut). Each is above the previous one and at most `buffer_bytes` after it; the last is
-/// `total`.
-fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) -> Vec<u64> {
-    let mut cuts = Vec::with_capacity(usize::try_from(total / buffer_bytes + 1).unwrap_or(0));
-    // Per stage: the index of the first block ending after the round's start, and its end.
-    let (mut gi, mut g_end) = (0usize, gather.first().copied().unwrap_or(total));
-    let (mut si, mut s_end) = (0usize, scatter.first().copied().unwrap_or(total));
+/// Cuts the stream `0..total` into rounds of at most `buffer_bytes`: each round ends at the
+/// last block end of the *major* stage (the one with more blocks) within its buffer, or, when
+/// no block of it ends there (a block larger than the buffer), where the buffer ends. So the
+/// major stage is split only at blocks larger than a round buffer and is rewritten in place;
+/// the minor stage's blocks are split where the cuts fall (at most one block per cut).
+fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) -> Cuts {
+    let gather_major = gather.len() >= scatter.len();
+    let (major, minor) = if gather_major {
+        (gather, scatter)
+    } else {
+        (scatter, gather)
+    };
+    let mut ends = Vec::with_capacity(usize::try_from(total / buffer_bytes + 1).unwrap_or(0));
+    let (mut major_splits, mut minor_splits) = (0usize, 0usize);
+    // Per stage: the next block not yet wholly before the round's start, and where it starts.
+    let (mut i, mut major_at) = (0usize, 0u64);
+    let (mut m, mut minor_at) = (0usize, 0u64);
     let mut start = 0u64;
     while start < total {
         let limit = start.saturating_add(buffer_bytes).min(total);
-        let cut = if limit == total {
-            total
-        } else {
-            let (mut gj, mut ge, mut sj, mut se) = (gi, g_end, si, s_end);
-            let (mut common, mut any) = (None, None);
-            while ge <= limit || se <= limit {
-                let end = ge.min(se);
-                if end > start {
-                    if ge == se {
-                        common = Some(end);
-                    }
-                    any = Some(end);
-                }
-                if ge == end {
-                    gj += 1;
-                    ge = gather.get(gj).map_or(total, |l| ge + l);
-                }
-                if se == end {
-                    sj += 1;
-                    se = scatter.get(sj).map_or(total, |l| se + l);
-                }
-                if end == total {
-                    break;
-                }
-            }
-            match (common, any) {
-                (Some(c), _) if c - start >= buffer_bytes.div_ceil(2) => c,
-                (_, Some(a)) if a > start => a,
-                _ => limit,
-            }
-        };
-        cuts.push(cut);
-        while g_end <= cut && gi < gather.len() {
-            gi += 1;
-            g_end = gather.get(gi).map_or(total, |l| g_end + l);
+        while i < major.len() && major_at + major[i] <= limit {
+            major_at += major[i];
+            i += 1;
         }
-        while s_end <= cut && si < scatter.len() {
-            si += 1;
-            s_end = scatter.get(si).map_or(total, |l| s_end + l);
+        let cut = if major_at > start { major_at } else { limit };
+        if cut < total {
+            major_splits += usize::from(i < major.len() && major_at < cut);
         }
+        while m < minor.len() && minor_at + minor[m] <= cut {
+            minor_at += minor[m];
+            m += 1;
+        }
+        if cut < total {
+            minor_splits += usize::from(m < minor.len() && minor_at < cut);
+        }
+        ends.push(cut);
         start = cut;
     }
-    cuts
+    let (gather_splits, scatter_splits) = if gather_major {
+        (major_splits, minor_splits)
+    } else {
+        (minor_splits, major_splits)
+    };
+    Cuts {
+        ends,
+        gather_splits,
+        scatter_splits,
+    }
 }
 
-/// Emits every round's gather, network and scatter and its manifest.
-fn emit_rounds(
-    gather: &StreamBlocks<'_>,
-    scatter: &StreamBlocks<'_>,
+/// What a staged stage's staging column must hold, checked block by block as it is rewritten:
+/// each block's staged value at its stream offset, and the bytes checked so far.
+trait StageCheck {
+    /// Checks one block at stream offset `at` whose staging value is `staged`.
+    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()>;
+    /// The staging value a block at stream offset `at` had in the staged plan (every block
+    /// before it already checked, in order).
+    fn original(&mut self, at: u64) -> u64;
+    /// The stream offset up to which blocks were checked.
+    fn done(&self) -> u64;
+}
+
+/// The staged gather writes the stream back to back: a block's destination is its offset.
+struct GatherCheck {
+    done: u64,
+}
+
+impl StageCheck for GatherCheck {
+    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()> {
+        if staged != at {
+            return Err(PlanError::InputChanged);
+        }
+        self.done = at + len;
+        Ok(())
+    }
+    fn original(&mut self, at: u64) -> u64 {
+        at
+    }
+    fn done(&self) -> u64 {
+        self.done
+    }
+}
+
+/// The staged scatter reads, for the stream interval of each block, the decode staging offset
+/// that the network block holding that interval wrote (network sources are stream offsets, its
+/// blocks in stream order).
+struct ScatterCheck<'a> {
+    network: &'a Plan,
+    next: usize,
+    /// The current network block: `(source, destination, end)`.
+    current: (u64, u64, u64),
+    done: u64,
+}
+
+impl<'a> ScatterCheck<'a> {
+    fn new(network: &'a Plan) -> Self {
+        let mut out = Self {
+            network,
+            next: 0,
+            current: (u64::MAX, 0, u64::MAX),
+            done: 0,
+        };
+        out.current = out.block(0);
+        out
+    }
+
+    fn block(&self, j: usize) -> (u64, u64, u64) {
+        let n = self.network;
+        n.src_addrs.get(j).map_or((u64::MAX, 0, u64::MAX), |&ns| {
+            (ns, n.dst_addrs[j], ns.saturating_add(n.lengths[j]))
+        })
+    }
+
+    fn seek(&mut self, at: u64) {
+        while at >= self.current.2 && self.next < self.network.lengths.len() {
+            self.next += 1;
+            self.current = self.block(self.next);
+        }
+    }
+}
+
+impl StageCheck for ScatterCheck<'_> {
+    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()> {
+        self.seek(at);
+        let (ns, nd, nend) = self.current;
+        let fits = ns <= at && at + len <= nend && staged == nd + (at - ns);
+        if !fits && len > 0 {
+            return Err(PlanError::InputChanged);
+        }
+        self.done = at + len;
+        Ok(())
+    }
+    fn original(&mut self, at: u64) -> u64 {
+        self.seek(at);
+        let (ns, nd, _) = self.current;
+        nd.wrapping_add(at.wrapping_sub(ns))
+    }
+    fn done(&self) -> u64 {
+        self.done
+    }
+}
+
+/// Where one side's round buffers start: round `k` uses buffer `k % buffers`.
+#[derive(Clone, Copy)]
+struct Bases {
+    /// The first buffer's address.
+    first: u64,
+    /// Bytes between buffers.
+    stride: u64,
+    buffers: u32,
+}
+
+impl Bases {
+    fn of(&self, round: usize) -> u64 {
+        self.first + (round as u64 % u64::from(self.buffers)) * self.stride
+    }
+}
+
+/// The staging column (column `col`: 0 sources, 1 destinations) and the lengths of a staged
+/// buffer's first `n` blocks, as slices.
+fn staging_and_lengths(buf: &mut FlatBuffer, col: usize, n: usize) -> (&mut [u64], &[u64]) {
+    let cap = buf.capacity;
+    let (head, lengths) = buf.data.split_at_mut(2 * cap);
+    (&mut head[col * cap..col * cap + n], &lengths[..n])
+}
+
+/// Cuts the major stage and rewrites it in place in one walk: each round ends before the
+/// first block that would overflow its buffer. Returns the round ends and the rounds, or
+/// `None` (the column restored as the staged plan had it) when a block is larger than a round
+/// buffer and must be split.
+fn cut_major_in_place<R: StageCheck>(
+    buf: &mut FlatBuffer,
+    (col, n): (usize, usize),
+    (buffer_bytes, total): (u64, u64),
+    bases: Bases,
+    check: &mut impl StageCheck,
+    fresh: impl FnOnce() -> R,
+) -> Result<Option<(Vec<u64>, Vec<usize>)>> {
+    let (column, lengths) = staging_and_lengths(buf, col, n);
+    let mut ends = Vec::with_capacity(usize::try_from(total / buffer_bytes + 1).unwrap_or(0));
+    let mut round_offsets = vec![0];
+    let (mut start, mut at) = (0u64, 0u64);
+    let mut limit = buffer_bytes.min(total);
+    let mut base = bases.of(0);
+    for (i, (staged, &length)) in column.iter_mut().zip(lengths).enumerate() {
+        let end = at.saturating_add(length);
+        if end > limit && at > start {
+            ends.push(at);
+            round_offsets.push(i);
+            start = at;
+            limit = start.saturating_add(buffer_bytes).min(total);
+            base = bases.of(ends.len());
+        }
+        if end > limit {
+            // A block larger than a round buffer (or past the request's end): put back what
+            // was rewritten, for the splitting path.
+            let mut original = fresh();
+            let mut from = 0u64;
+            for (rewritten, &l) in column[..i].iter_mut().zip(lengths) {
+                *rewritten = original.original(from);
+                from += l;
+            }
+            return Ok(None);
+        }
+        check.check(at, *staged, length)?;
+        *staged = base + (at - start);
+        at = end;
+    }
+    if at > start {
+        ends.push(at);
+        round_offsets.push(n);
+    }
+    Ok(Some((ends, round_offsets)))
+}
+
+/// A staged stage's blocks as rounds ending at `cuts`, written into a new buffer with every
+/// block a cut falls inside split in two (`splits` of them). Returns the rounds.
+fn split_stage(
+    buf: &FlatBuffer,
+    (col, n, splits): (usize, usize, usize),
     cuts: &[u64],
+    bases: Bases,
+    check: &mut impl StageCheck,
+    alloc: &mut impl FnMut(usize) -> Result<FlatBuffer>,
+) -> Result<RoundBlocks> {
+    let cap = buf.capacity;
+    let mut out = RoundBlocks {
+        buffer: alloc(n.saturating_add(splits))?,
+        n_blocks: 0,
+        round_offsets: Vec::with_capacity(cuts.len() + 1),
+    };
+    out.round_offsets.push(0);
+    let (src, dst, len) = (
+        &buf.data[..n],
+        &buf.data[cap..cap + n],
+        &buf.data[2 * cap..2 * cap + n],
+    );
+    let (mut next, mut at, mut start) = (0usize, 0u64, 0u64);
+    for (k, &cut) in cuts.iter().enumerate() {
+        let base = bases.of(k);
+        while next < n && at < cut {
+            let (from, to, length) = (src[next], dst[next], len[next]);
+            if at >= start {
+                check.check(at, [from, to][col], length)?;
+            }
+            let (lo, hi) = (at.max(start), (at + length).min(cut));
+            if hi > lo {
+                let staged = base + (lo - start);
+                let block = if col == 0 {
+                    (staged, to + (lo - at), hi - lo)
+                } else {
+                    (from + (lo - at), staged, hi - lo)
+                };
+                if out.n_blocks == out.buffer.capacity {
+                    return Err(PlanError::InputChanged);
+                }
+                out.push(block);
+            }
+            if at + length > cut {
+                break;
+            }
+            at += length;
+            next += 1;
+        }
+        out.end_round();
+        start = cut;
+    }
+    Ok(out)
+}
+
+/// How many of `cuts` (but the last) fall strictly inside a block of `lengths`.
+fn splits_of(lengths: &[u64], cuts: &[u64]) -> usize {
+    let (mut i, mut at, mut splits) = (0usize, 0u64, 0usize);
+    for &cut in cuts.iter().take(cuts.len().saturating_sub(1)) {
+        while i < lengths.len() && at + lengths[i] <= cut {
+            at += lengths[i];
+            i += 1;
+        }
+        splits += usize::from(i < lengths.len() && at < cut);
+    }
+    splits
+}
+
+/// Cuts the staged plan's gather and scatter into rounds (see the module documentation) and
+/// writes every round's network block and manifest. The major stage (more blocks) is cut and
+/// rewritten in place in one walk; when one of its blocks is larger than a round buffer, both
+/// stages are cut by [`cut_rounds`] and the stages with blocks split are copied out. The
+/// checks ([`GatherCheck`], [`ScatterCheck`]) run on every block, and both stages must add up
+/// to the request's bytes.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when a check fails; [`PlanError::Overflow`] for more than
+/// `u32::MAX` rounds.
+#[allow(clippy::too_many_arguments)] // the staged plan's parts and the geometry
+fn emit_rounds(
+    (mut gather_buf, n_gather): (FlatBuffer, usize),
+    (mut scatter_buf, n_scatter): (FlatBuffer, usize),
+    network: &Plan,
+    total: u64,
     geometry: &RoundGeometry,
     alloc: &mut impl FnMut(usize) -> Result<FlatBuffer>,
+    give_back: &mut impl FnMut(FlatBuffer),
 ) -> Result<StagedRounds> {
-    let n_rounds = u32::try_from(cuts.len()).map_err(|_| PlanError::Overflow {
+    let src_bases = Bases {
+        first: geometry.src_arena.addr,
+        stride: geometry.src_buffer,
+        buffers: geometry.buffers,
+    };
+    let dst_bases = Bases {
+        first: geometry.dst_arena.addr + geometry.dst_share,
+        stride: geometry.dst_buffer,
+        buffers: geometry.buffers,
+    };
+    let lengths = |buf: &FlatBuffer, n: usize| -> Vec<u64> {
+        buf.data[2 * buf.capacity..2 * buf.capacity + n].to_vec()
+    };
+    let mut gather_check = GatherCheck { done: 0 };
+    let mut scatter_check = ScatterCheck::new(network);
+    let gather_major = n_gather >= n_scatter;
+    let sizes = (geometry.buffer_bytes, total);
+    let fused = if gather_major {
+        cut_major_in_place(
+            &mut gather_buf,
+            (1, n_gather),
+            sizes,
+            src_bases,
+            &mut gather_check,
+            || GatherCheck { done: 0 },
+        )?
+    } else {
+        cut_major_in_place(
+            &mut scatter_buf,
+            (0, n_scatter),
+            sizes,
+            dst_bases,
+            &mut scatter_check,
+            || ScatterCheck::new(network),
+        )?
+    };
+    let (gather, scatter, ends) = if let Some((ends, offsets)) = fused {
+        // The minor stage is split where the cuts fall.
+        let (major_buf, minor_buf, minor_n) = if gather_major {
+            (gather_buf, scatter_buf, n_scatter)
+        } else {
+            (scatter_buf, gather_buf, n_gather)
+        };
+        let minor_lengths = &minor_buf.data[2 * minor_buf.capacity..][..minor_n];
+        let splits = splits_of(minor_lengths, &ends);
+        let minor = if gather_major {
+            split_stage(
+                &minor_buf,
+                (0, minor_n, splits),
+                &ends,
+                dst_bases,
+                &mut scatter_check,
+                alloc,
+            )?
+        } else {
+            split_stage(
+                &minor_buf,
+                (1, minor_n, splits),
+                &ends,
+                src_bases,
+                &mut gather_check,
+                alloc,
+            )?
+        };
+        give_back(minor_buf);
+        let major = RoundBlocks {
+            buffer: major_buf,
+            n_blocks: offsets.last().copied().unwrap_or(0),
+            round_offsets: offsets,
+        };
+        if gather_major {
+            (major, minor, ends)
+        } else {
+            (minor, major, ends)
+        }
+    } else {
+        let cuts = cut_rounds(
+            &lengths(&gather_buf, n_gather),
+            &lengths(&scatter_buf, n_scatter),
+            total,
+            geometry.buffer_bytes,
+        );
+        let gather = split_stage(
+            &gather_buf,
+            (1, n_gather, cuts.gather_splits),
+            &cuts.ends,
+            src_bases,
+            &mut gather_check,
+            alloc,
+        )?;
+        let scatter = split_stage(
+            &scatter_buf,
+            (0, n_scatter, cuts.scatter_splits),
+            &cuts.ends,
+            dst_bases,
+            &mut scatter_check,
+            alloc,
+        )?;
+        give_back(gather_buf);
+        give_back(scatter_buf);
+        (gather, scatter, cuts.ends)
+    };
+    let gathered_all = n_gather == 0 || gather_check.done() == total;
+    let scattered_all = n_scatter == 0 || scatter_check.done() == total;
+    if !gathered_all || !scattered_all || ends.last().is_some_and(|&end| end != total) {
+        return Err(PlanError::InputChanged);
+    }
+    let n_rounds = u32::try_from(ends.len()).map_err(|_| PlanError::Overflow {
         what: "the number of rounds",
     })?;
-    let mut blocks = |n: usize| -> Result<RoundBlocks> {
-        // Each cut splits at most one block of a stage.
-        let mut round_offsets = Vec::with_capacity(cuts.len() + 1);
-        round_offsets.push(0);
-        Ok(RoundBlocks {
-            buffer: alloc(n.saturating_add(cuts.len()))?,
-            n_blocks: 0,
-            round_offsets,
-        })
+    let mut network_rounds = RoundBlocks {
+        buffer: alloc(ends.len())?,
+        n_blocks: 0,
+        round_offsets: Vec::with_capacity(ends.len() + 1),
     };
-    let mut out = StagedRounds {
-        gather: blocks(gather.len.len())?,
-        scatter: blocks(scatter.len.len())?,
-        network: blocks(0)?,
-        manifests: Vec::with_capacity(cuts.len()),
+    network_rounds.round_offsets.push(0);
+    let mut manifests = Vec::with_capacity(ends.len());
+    let mut start = 0u64;
+    for (k, &cut) in ends.iter().enumerate() {
+        let bytes = cut - start;
+        let (src, dst) = (src_bases.of(k), dst_bases.of(k));
+        network_rounds.push((src, dst, bytes));
+        network_rounds.end_round();
+        manifests.push(RoundManifest {
+            index: k as u32,
+            n_rounds,
+            buffer: (k as u64 % u64::from(geometry.buffers)) as u32,
+            n_network_blocks: 1,
+            sender: geometry.sender,
+            offset: start,
+            bytes,
+            total_bytes: total,
+            dst_offset: dst - geometry.dst_arena.addr,
+        });
+        start = cut;
+    }
+    Ok(StagedRounds {
+        gather,
+        network: network_rounds,
+        scatter,
+        manifests,
         buffers: geometry.buffers,
         buffer_bytes: geometry.buffer_bytes,
         sender: geometry.sender,
@@ -693,62 +988,5 @@ fn emit_rounds(
             geometry.dst_share + u64::from(geometry.buffers) * geometry.dst_buffer,
         ),
         ..StagedRounds::default()
-    };
-    let total = cuts.last().copied().unwrap_or(0);
-    // Per stage: the next block and its stream offset.
-    let (mut gk, mut g_at) = (0usize, 0u64);
-    let (mut sk, mut s_at) = (0usize, 0u64);
-    let mut start = 0u64;
-    for (k, &cut) in cuts.iter().enumerate() {
-        let buffer = (k as u64 % u64::from(geometry.buffers)) as u32;
-        let src_base = geometry.src_buffer_addr(buffer);
-        let dst_offset = geometry.dst_buffer_offset(buffer);
-        let dst_base = geometry.dst_arena.addr + dst_offset;
-        // Gather: prefill address → the round's prefill buffer.
-        while gk < gather.len.len() && g_at < cut {
-            let (s, l) = (gather.src[gk], gather.len[gk]);
-            let (lo, hi) = (g_at.max(start), (g_at + l).min(cut));
-            if hi > lo {
-                out.gather
-                    .push((s + (lo - g_at), src_base + (lo - start), hi - lo));
-            }
-            if g_at + l > cut {
-                break;
-            }
-            g_at += l;
-            gk += 1;
-        }
-        // Scatter: the round's decode buffer → decode address.
-        while sk < scatter.len.len() && s_at < cut {
-            let (d, l) = (scatter.dst[sk], scatter.len[sk]);
-            let (lo, hi) = (s_at.max(start), (s_at + l).min(cut));
-            if hi > lo {
-                out.scatter
-                    .push((dst_base + (lo - start), d + (lo - s_at), hi - lo));
-            }
-            if s_at + l > cut {
-                break;
-            }
-            s_at += l;
-            sk += 1;
-        }
-        let bytes = cut - start;
-        out.network.push((src_base, dst_base, bytes));
-        out.gather.end_round();
-        out.scatter.end_round();
-        out.network.end_round();
-        out.manifests.push(RoundManifest {
-            index: k as u32,
-            n_rounds,
-            buffer,
-            n_network_blocks: 1,
-            sender: geometry.sender,
-            offset: start,
-            bytes,
-            total_bytes: total,
-            dst_offset,
-        });
-        start = cut;
-    }
-    Ok(out)
+    })
 }
