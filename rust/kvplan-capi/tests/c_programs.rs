@@ -1,5 +1,6 @@
 //! The C++ example (examples/plan_copy.cpp) and the header, compiled with `-Wall -Wextra
-//! -Werror` by every compiler found (g++ required; clang++ when installed) and the example run.
+//! -Werror` by every compiler found (g++ required; clang++ when installed) and the example run;
+//! `tests/c/request2.c` (version 2 requests from C) built and run the same way with gcc / clang.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,5 +90,23 @@ fn header_compiles_as_strict_c11() {
             .arg(crate_dir().join("tests/c/header_c11.c"))
             .arg("-o")
             .arg(out_dir.join(format!("header_c11-{compiler}.o"))));
+    }
+}
+
+#[test]
+fn version_2_requests_from_c() {
+    let lib = static_lib();
+    let out_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    for compiler in compilers("gcc", "clang") {
+        let exe = out_dir.join(format!("request2-{compiler}"));
+        run(Command::new(compiler)
+            .args(["-std=c11", "-pedantic", "-Wall", "-Wextra", "-Werror", "-I"])
+            .arg(crate_dir().join("include"))
+            .arg(crate_dir().join("tests/c/request2.c"))
+            .arg(&lib)
+            .args(["-lpthread", "-ldl", "-lm", "-o"])
+            .arg(&exe));
+        let printed = run(&mut Command::new(&exe));
+        assert!(printed.contains("request2: OK"), "{compiler}: {printed}");
     }
 }
