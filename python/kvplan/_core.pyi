@@ -696,7 +696,14 @@ class Template:
     def n_groups(self) -> int: ...
     @property
     def pair_groups(self) -> _I64Array: ...
-    def n_blocks_for(self, n_pages: int, n_runs: int = 1) -> int: ...
+    @overload
+    def n_blocks_for(self, n_pages: Request, n_runs: None = None) -> int:
+        """The blocks ``plan(request)`` plans, counted by the core's validation, nothing
+        planned (raises as ``plan`` for the same request)."""
+    @overload
+    def n_blocks_for(self, n_pages: int, n_runs: int | None = None) -> int:
+        """Blocks of a page request of ``n_pages`` index pairs in ``n_runs`` runs (runs
+        contiguous on both sides; default 1), without planning it."""
     @property
     def page_sizes(self) -> tuple[int, int]: ...
     @property
@@ -930,6 +937,18 @@ class Template:
         Raises:
             IndexBoundsError: A slot is negative or outside a paired state buffer.
         """
+    @overload
+    def plan_ring(self, src_slot: Request, dst_slot: None = None, n_positions: None = None
+                  ) -> TransferPlan:
+        """``plan_ring(slot_src, slot_dst, n)`` of a slot ``Request`` with ``n_tokens`` (the
+        positions processed): ``Request(slot=(src_slot, dst_slot), n_tokens=n_positions)``.
+
+        Raises:
+            TypeError: The Request holds pages, gives no ``n_tokens``, or ``n_positions`` is
+                given too.
+            KvPlanError: The Request skips tokens (kind ``geometry``); as below.
+        """
+    @overload
     def plan_ring(self, src_slot: int, dst_slot: int, n_positions: int) -> TransferPlan:
         """The live rows of every ring-state pair (``Layout.with_rings``) for one request: the
         positions both rings hold after ``n_positions`` positions, ``n - min(R_p, R_d, n) ..

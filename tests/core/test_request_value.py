@@ -316,3 +316,94 @@ def test_request_fields_and_repr() -> None:
     pooled = Request(a, a, window_pages=(None, a))
     assert repr(pooled) == "Request(src=int64[3], dst=int64[3], window_pages=(None, int64[3]))"
     assert kvplan.Request is kvplan._core.Request and "Request" in kvplan.__all__
+
+
+# ------------------------------------------------------------------- plan_ring and n_blocks_for
+
+
+def _ring_template() -> kvplan.Template:
+    """One MLA layer and one ring-state entry: 2 rows per slot on the prefill, 4 on the
+    decode, 3 slots each, 16-byte rows."""
+    src = kvplan.Layout.mla([500], [640], 64, layer_ids=[7]).with_state(
+        "ring", [10000], [3 * 2 * 16], [16], [7]).with_rings([None, 2])
+    dst = kvplan.Layout.mla([600], [640], 64, layer_ids=[7]).with_state(
+        "ring", [20000], [3 * 4 * 16], [16], [7]).with_rings([None, 4])
+    return kvplan.Template(src, dst)
+
+
+def test_plan_ring_of_a_request_equals_the_loose_form() -> None:
+    t = _ring_template()
+    for s, d in [(0, 0), (1, 2), (2, 1)]:
+        for n in (0, 1, 2, 3, 5, 11):
+            loose = _cols(t.plan_ring(s, d, n))
+            req = Request(slot=(s, d), n_tokens=n)
+            assert _cols(t.plan_ring(req)) == loose
+            # The only state entries are rings: plan(request) plans the same rows.
+            assert _cols(t.plan(req)) == loose
+            assert sum(loose[2]) == 16 * min(2, n)
+    # The slot's bounds are the core's, either form.
+    with pytest.raises(kvplan.IndexBoundsError):
+        t.plan_ring(Request(slot=(0, 3), n_tokens=5))
+    with pytest.raises(kvplan.IndexBoundsError):
+        t.plan_ring(0, 3, 5)
+
+
+def test_plan_ring_refuses_what_a_request_cannot_carry_to_it() -> None:
+    t = _ring_template()
+    pages = np.arange(2, dtype=np.int64)
+    with pytest.raises(TypeError, match="plan_ring plans a state slot; this Request holds page"):
+        t.plan_ring(Request(pages, pages))
+    with pytest.raises(TypeError, match=r"needs the positions processed.*n_tokens=n_positions"):
+        t.plan_ring(Request(slot=(0, 0)))
+    with pytest.raises(TypeError, match="takes the positions from the Request's n_tokens"):
+        t.plan_ring(Request(slot=(0, 0), n_tokens=3), None, 3)
+    with pytest.raises(TypeError, match="takes the slots from the Request"):
+        t.plan_ring(Request(slot=(0, 0), n_tokens=3), 1)  # type: ignore[call-overload]
+    with pytest.raises(kvplan.KvPlanError, match="plan_ring plans whole requests.*first 2 tokens") as e:
+        t.plan_ring(Request(slot=(0, 0), n_tokens=3, skip_tokens=2))
+    assert e.value.kind == "geometry"
+    with pytest.raises(TypeError, match="needs n_positions with src_slot and dst_slot"):
+        t.plan_ring(0, 0)  # type: ignore[call-overload]
+    with pytest.raises(OverflowError, match="n_positions must be an int in 0..2\\*\\*64, got -1"):
+        t.plan_ring(0, 0, -1)
+    with pytest.raises(TypeError, match="n_positions must be an int, got str"):
+        t.plan_ring(0, 0, "3")  # type: ignore[call-overload]
+
+
+def test_n_blocks_for_a_request_equals_its_plan() -> None:
+    rng = np.random.default_rng(SEED + 9)
+    t = _template()
+    for _ in range(20):
+        n = int(rng.integers(0, 9))
+        src, dst = _pages(rng, n), _pages(rng, n)
+        req = Request(src, dst)
+        plan = t.plan(req)
+        assert t.n_blocks_for(req) == plan.n_blocks
+        # The loose count of the same shape (runs contiguous on both sides).
+        assert t.n_blocks_for(n, plan.n_runs) == plan.n_blocks or n == 0
+    src, dst = _pages(rng, 6), _pages(rng, 6)
+    for req in [Request(src, dst, n_tokens=21), Request(src, dst, n_tokens=21, skip_tokens=7)]:
+        assert t.n_blocks_for(req) == t.plan(req).n_blocks
+    between = _template(page_sizes=(4, 8))
+    req = Request(_pages(rng, 6), _pages(rng, 3), n_tokens=22)
+    assert between.n_blocks_for(req) == between.plan(req).n_blocks
+    pooled = kvplan.Template(_pooled(2), _pooled(2))
+    pages, window = np.arange(4, dtype=np.int64), np.array([-1] * 3 + [0, 1, 2, 3], dtype=np.int64)
+    req = Request(pages, pages, window_pages=(window, window), n_tokens=14)
+    assert pooled.n_blocks_for(req) == pooled.plan(req).n_blocks > 0
+    for slot_template, slot_req in [(_state_template(), Request(slot=(5, 9))),
+                                    (_ring_template(), Request(slot=(1, 2), n_tokens=5))]:
+        assert slot_template.n_blocks_for(slot_req) == slot_template.plan(slot_req).n_blocks > 0
+
+
+def test_n_blocks_for_a_request_raises_as_plan() -> None:
+    t = _template()
+    bad = Request(np.array([99], dtype=np.int64), np.array([0], dtype=np.int64))
+    with pytest.raises(kvplan.IndexBoundsError) as counted:
+        t.n_blocks_for(bad)
+    with pytest.raises(kvplan.IndexBoundsError) as planned:
+        t.plan(bad)
+    assert str(counted.value) == str(planned.value)
+    with pytest.raises(TypeError, match=r"counts the Request's own runs; give no n_runs \(got 2\)"):
+        t.n_blocks_for(Request(np.arange(2), np.arange(2)), 2)  # type: ignore[call-overload]
+    assert t.n_blocks_for(4) == t.n_blocks_for(4, 1)

@@ -167,10 +167,10 @@ impl PyTemplate {
     }
 
     /// Blocks of a request of `n_pages` index pairs in `n_runs` runs (runs contiguous on both
-    /// sides), without planning it.
-    #[pyo3(signature = (n_pages, n_runs=1))]
-    fn n_blocks_for(&self, n_pages: usize, n_runs: usize) -> PyResult<usize> {
-        crate::block_counts::page_blocks(&self.inner, n_pages, n_runs)
+    /// sides), or of a `kvplan.Request` in `n_pages`, without planning it.
+    #[pyo3(signature = (n_pages, n_runs=None))]
+    fn n_blocks_for(&self, n_pages: &Bound<'_, PyAny>, n_runs: Option<usize>) -> PyResult<usize> {
+        crate::block_counts::blocks_for(&self.inner, n_pages, n_runs)
     }
 
     /// Plans the blocks that copy page `src_pages[i]` to `dst_pages[i]` for every entry pair.
@@ -444,22 +444,17 @@ impl PyTemplate {
     /// The live rows of every ring-state pair for one request: slot `src_slot` (prefill)
     /// and `dst_slot` (decode) after `n_positions` positions, each position from its prefill
     /// row to its decode row (rings of different sizes relaid out), one block range per ring
-    /// pair.
-    #[pyo3(signature = (src_slot, dst_slot, n_positions))]
-    fn plan_ring(
+    /// pair. A slot `kvplan.Request` with `n_tokens` in `src_slot` says the same.
+    #[pyo3(signature = (src_slot, dst_slot=None, n_positions=None))]
+    fn plan_ring<'py>(
         &self,
-        py: Python<'_>,
-        src_slot: i64,
-        dst_slot: i64,
-        n_positions: u64,
+        py: Python<'py>,
+        src_slot: &Bound<'py, PyAny>,
+        dst_slot: Option<&Bound<'py, PyAny>>,
+        n_positions: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyTransferPlan>> {
-        crate::slots::plan_ring(
-            py,
-            &self.inner,
-            self.fingerprints,
-            (src_slot, dst_slot),
-            n_positions,
-        )
+        let (inner, fingerprints) = (&self.inner, self.fingerprints);
+        crate::slots::plan_ring(py, inner, fingerprints, src_slot, dst_slot, n_positions)
     }
 
     /// Plans one request's state slot: one block per state pair (elided pairs emit nothing),
