@@ -12,6 +12,7 @@ from kvplan._core import Template
 
 from kvplan.compat.sglang.layouts import published_ids
 from kvplan.compat.sglang.metrics import planned
+from kvplan.compat.sglang.rounds import maybe_send, staging_of
 from kvplan.compat.sglang.registry import (
     ASCEND_MANAGER,
     MOONCAKE_MANAGER,
@@ -241,6 +242,16 @@ def send_kvcache_slice(
             f"[{mooncake_session_id}] slice size ({num_heads * g.head_bytes}) exceeds "
             f"target token slot size ({slot})")
         return -1
+    if staging_of(self) is not None and dst_ids is None \
+            and not published_ids(self.kv_args.kv_layer_ids) and len(items) % 2 == 0:
+        staged = maybe_send(
+            self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+            kind="mha_slice", dst_item=int(dst_kv_item_len), slice_geometry=dict(
+                kv_heads=g.heads, prefill_tp=g.tp_p, prefill_rank=g.r_p, decode_tp=g.tp_d,
+                decode_rank=g.r_d, page_size=g.page, head_dim=g.head_bytes, dtype_size=1,
+                num_layers=len(items) // 2, prefill_item_lens=items))
+        if staged is not None:
+            return staged
     template = _slice_template(self, mooncake_session_id, list(dst_kv_ptrs),
                                int(dst_kv_item_len), dst_ids, g)
     plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
@@ -273,6 +284,12 @@ def send_kvcache(
                                 dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
     get_memory = sglang_global("get_memory")
+    if staging_of(self) is not None and (self.is_mla_backend or self.is_hybrid_mla_backend) \
+            and not get_memory().enable_unified_memory:
+        staged = maybe_send(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                            dst_kv_indices, kind="mla", dst_layer_ids=dst_layer_ids)
+        if staged is not None:
+            return staged
     return _generic_over_kv_buffers(
         self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor,
         dst_layer_ids, force_flat=get_memory().enable_unified_memory,

@@ -32,13 +32,24 @@ from kvplan.compat.plan_series import (
     PLAN_TIME_METRIC,
 )
 
-__all__ = ["observe", "planned"]
+__all__ = ["observe", "observe_rounds", "planned", "staged_totals"]
+
+#: Staged transfers in rounds (``kvplan.compat.sglang.rounds``): per staged request, the
+#: network blocks it took and its rounds.
+STAGED_BLOCKS_METRIC = "kvplan:staged_network_blocks_per_request"
+STAGED_BLOCKS_HELP = "Network blocks (engine descriptors) of one staged request, all rounds."
+STAGED_ROUNDS_METRIC = "kvplan:staged_rounds_per_request"
+STAGED_ROUNDS_HELP = "Rounds of one staged request through the bounded staging arenas."
+STAGED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
 P = TypeVar("P")
 
 _lock = threading.Lock()
 # None: not looked at yet; False: SGLang's metrics are off here; else the two histograms.
 _series: Any = None
+_staged_series: Any = None
+# This process's staged requests, network blocks and rounds (read by ``staged_totals``).
+_staged = [0, 0, 0]
 
 
 def _histograms() -> Any:
@@ -77,3 +88,42 @@ def planned(make_plan: Callable[[], P], network: Callable[[P], Any] = lambda pla
     answer = make_plan()
     observe(time.perf_counter() - started, int(network(answer).n_blocks))
     return answer
+
+
+def _staged_histograms() -> Any:
+    global _staged_series
+    if _staged_series is None:
+        with _lock:
+            if _staged_series is None:
+                _staged_series = _create_staged() or False
+    return _staged_series or None
+
+
+def _create_staged() -> tuple[Any, Any] | None:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    try:
+        from prometheus_client import Histogram
+    except ImportError:
+        return None
+    return (Histogram(STAGED_BLOCKS_METRIC, STAGED_BLOCKS_HELP, buckets=STAGED_BUCKETS),
+            Histogram(STAGED_ROUNDS_METRIC, STAGED_ROUNDS_HELP, buckets=STAGED_BUCKETS))
+
+
+def observe_rounds(network_blocks: int, rounds: int) -> None:
+    """One staged request's network blocks and rounds: counted in this process
+    (:func:`staged_totals`) and, when SGLang exports metrics, in its two histograms."""
+    with _lock:
+        _staged[0] += 1
+        _staged[1] += int(network_blocks)
+        _staged[2] += int(rounds)
+    series = _staged_histograms()
+    if series is not None:
+        series[0].observe(network_blocks)
+        series[1].observe(rounds)
+
+
+def staged_totals() -> dict[str, int]:
+    """This process's staged requests, their network blocks and rounds, so far."""
+    with _lock:
+        return {"requests": _staged[0], "network_blocks": _staged[1], "rounds": _staged[2]}

@@ -1,0 +1,376 @@
+"""Staged transfers in rounds for the SGLang Mooncake drop-in (``kvplan.staging`` wired in).
+
+Nothing here runs unless a manager was given staging at start-up (:func:`attach`); with
+``KVPLAN_STAGING=off`` :func:`attach` returns ``None`` and sets nothing, so every drop-in takes
+its direct path exactly as before.
+
+The pieces, per manager (``manager._kvplan_staging``, a :class:`SglangStaging`):
+
+* start-up: the settings from SGLang's environment (``StagingConfig.from_env``), an arena
+  registered with the engine the manager registered its KV memory with;
+* registration: :meth:`SglangStaging.capabilities` is what the decode adds to the registration
+  it sends the prefill (under the key ``kvplan_staging``); the prefill's
+  :meth:`SglangStaging.on_registration` negotiates once per decode session and says a fallback
+  once (``FallbackLog``);
+* side channel: one callable ``send(peer, data)`` per side, and :meth:`SglangStaging.deliver`
+  as the listener's handler. The messages are kvplan's own (an *open* message, then the round
+  protocol's), carried on a kvplan-owned connection: SGLang's bootstrap socket parses its
+  messages by position, so a message it does not know would be misread by a peer without
+  kvplan;
+* prefill: :func:`maybe_send` (called by the ``send_kvcache`` and ``send_kvcache_slice``
+  drop-ins) asks ``choose_path``; when staged it sends the decode an open message (the
+  request's page ids and the prefill's geometry, no memory addresses), then
+  ``send_staged`` through the manager's engine. It returns only after the decode acknowledged
+  the last round's scatter, so SGLang's Success, sent after the drop-in returns 0, always
+  follows the last byte in the decode's pool. A ``StagingError`` is logged with its reason and
+  becomes status -1: SGLang's transfer worker fails the request (``conclude_failure``,
+  ``KVPoll.Failed`` on both sides) as it does for a failed write;
+* decode: the open message makes the decode plan the same rounds itself (its own pools, the
+  prefill's geometry with stand-in addresses), check each round's manifest and scatter it
+  into its pool (``ReceiveStaged`` admitted by ``ArenaShares``).
+
+Supported geometries: MLA-style pools (one item per page per entry, paired by layer id or
+position) and MHA NHD between TP sizes (head-sliced, SGLang's slot order), prefill PP 1. Any
+other request keeps the direct path. The KV pools are reached as host memory; device pools
+need the torch executor's gather and scatter, which this drop-in does not call yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvplan._core import Layout, Pairing, Template, TransferCost
+from kvplan._errors import KvPlanError, TransferError
+from kvplan.compat.sglang import metrics
+from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
+from kvplan.compat.sglang.templates import as_index
+from kvplan.staging import (
+    ArenaShares,
+    Capabilities,
+    FallbackLog,
+    Negotiated,
+    ReceiveStaged,
+    Router,
+    StagingAgreement,
+    StagingArena,
+    StagingConfig,
+    StagingError,
+    choose_path,
+    local_copy,
+    negotiate,
+    send_staged,
+)
+
+__all__ = ["OPEN_MAGIC", "SglangStaging", "attach", "detach", "maybe_send", "staging_of"]
+
+_log = logging.getLogger("kvplan.compat.sglang")
+
+#: First bytes of kvplan's open message (the round protocol's own messages start ``KVS``).
+OPEN_MAGIC = b"KVPLAN-OPEN\x00"
+#: Registration key the decode's capabilities travel under.
+REGISTRATION_KEY = "kvplan_staging"
+#: Stand-in addresses for the pools of the side a peer does not know: entry ``j`` at
+#: ``base + (j << 40)``; they shape no manifest and no scatter.
+_STANDIN_BASE = 1 << 44
+
+Send = Callable[[str, bytes], object]
+
+
+def _standins(n: int) -> tuple[list[int], list[int]]:
+    ptrs = [_STANDIN_BASE + (j << 40) for j in range(n)]
+    return ptrs, unbounded_lens(ptrs)
+
+
+def _host_views(ptrs: Sequence[int], lens: Sequence[int]) -> list[np.ndarray]:
+    """Host-memory views of registered pools (what ``copy_local`` borrows)."""
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * int(n)).from_address(int(p)))
+            for p, n in zip(ptrs, lens)]
+
+
+def _template(geometry: dict[str, Any], prefill: tuple[list[int], list[int]] | None,
+              decode: tuple[list[int], list[int], list[int]] | None) -> Template:
+    """The template both sides plan a staged request with: ``prefill`` / ``decode`` are the
+    side's own pools (``(ptrs, lens)``; the decode's with its item lengths), the other side's
+    stand-ins. ``geometry`` is what the open message carries."""
+    kind = geometry["kind"]
+    if kind == "mla":
+        items = [int(n) for n in geometry["items"]]
+        src_ids, dst_ids = geometry.get("src_ids"), geometry.get("dst_ids")
+        src_ptrs, src_lens = prefill if prefill is not None else _standins(len(items))
+        n_dst = int(geometry["n_dst"])
+        if decode is not None:
+            dst_ptrs, dst_lens, dst_items = decode
+        else:
+            dst_ptrs, dst_lens = _standins(n_dst)
+            dst_items = [int(n) for n in geometry["dst_items"]]
+        src = Layout(list(src_ptrs), list(src_lens), items, src_ids)
+        dst = Layout(list(dst_ptrs), list(dst_lens), list(dst_items), dst_ids)
+        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
+    if kind == "mha_slice":
+        from kvplan.compat.sglang.staged import staged_template
+
+        g = dict(geometry["template"])
+        return staged_template(
+            prefill_pools=None if prefill is None else (prefill[0], prefill[1]),
+            decode_pools=None if decode is None else (decode[0], decode[1]),
+            decode_item_len=None if decode is None else int(decode[2][0]), **g)
+    raise KvPlanError(f"kvplan staging: unknown request geometry {kind!r}")
+
+
+class SglangStaging:
+    """One manager's staging: its settings, arena, router, negotiations and streams."""
+
+    def __init__(self, manager: Any, config: StagingConfig, arena: StagingArena, rank: int,
+                 send: Send, costs: TransferCost | None) -> None:
+        self.manager, self.config, self.arena, self.rank = manager, config, arena, rank
+        self.send, self.costs = send, costs
+        self.router = Router()
+        self.shares = ArenaShares()
+        self.fallbacks = FallbackLog(_log)
+        self.peers: dict[str, Negotiated] = {}
+        #: Decode streams by ``(request, writer)`` (kept until loaded or failed).
+        self.receivers: dict[tuple[str, int], ReceiveStaged] = {}
+        #: The last outcome per prefill-side request (path, rounds, network blocks).
+        self.last: dict[str, Any] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- registration
+    def capabilities(self) -> dict[str, Any]:
+        """What the decode adds to its registration (``{"kvplan_staging": ...}``)."""
+        return {REGISTRATION_KEY: Capabilities.local([self.arena.info(self.rank)]).to_dict()}
+
+    def on_registration(self, session: str, registration: dict[str, Any] | None,
+                        peer_rank: int) -> Negotiated:
+        """The prefill received a decode's registration (``None`` or without the key: a peer
+        that does not run kvplan's staging): negotiate once, say a fallback once."""
+        remote = (registration or {}).get(REGISTRATION_KEY)
+        outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), remote,
+                            sending=True, local_rank=self.rank, remote_rank=peer_rank)
+        self.peers[session] = outcome
+        self.fallbacks.note(session, outcome)
+        return outcome
+
+    # ---------------------------------------------------------------- side channel
+    def deliver(self, data: bytes) -> None:
+        """The side channel's handler: an open message opens a decode stream, anything else
+        goes to the router."""
+        if bytes(data[:len(OPEN_MAGIC)]) == OPEN_MAGIC:
+            self._open(bytes(data[len(OPEN_MAGIC):]))
+        else:
+            self.router.deliver(bytes(data))
+
+    def _open(self, body: bytes) -> None:
+        try:
+            msg = json.loads(body)
+            request, writer, reply = str(msg["request"]), int(msg["writer"]), str(msg["reply"])
+        except (ValueError, KeyError, TypeError) as exc:
+            _log.error("kvplan: dropped a staging open message that does not parse: %s", exc)
+            return
+
+        def ack(data: bytes) -> None:
+            self.send(reply, data)
+
+        def on_failed(err: StagingError) -> None:
+            _log.error("kvplan: staged request %s failed on the decode: %s", request, err)
+            self._forget(request, writer)
+
+        try:
+            outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), msg["caps"],
+                                sending=False, local_rank=self.rank,
+                                remote_rank=int(msg["rank"]))
+            if not isinstance(outcome, StagingAgreement):
+                raise KvPlanError(f"no staging agreement with the prefill: {outcome.reason}")
+            kv = self.manager.kv_args
+            pools = [int(p) for p in kv.kv_data_ptrs]
+            lens, items = [int(n) for n in kv.kv_data_lens], [int(n) for n in kv.kv_item_lens]
+            template = _template(msg["geometry"], None, (pools, lens, items))
+            rounds = template.plan_rounds(
+                as_index(msg["src_pages"]), as_index(msg["dst_pages"]),
+                src_arena=outcome.src_arena, dst_arena=outcome.dst_arena,
+                buffers=outcome.buffers)
+            scatter = local_copy([self.arena.array], _host_views(pools, lens))
+        except Exception as exc:  # refused here: the prefill is told, its request fails
+            _log.error("kvplan: staged request %s refused by the decode: %s: %s", request,
+                       type(exc).__name__, exc)
+            from kvplan.staging.wire import FAIL, encode
+
+            ack(encode(FAIL, request, writer=writer, round_index=0, n_rounds=0,
+                       payload=f"bad_message: {type(exc).__name__}: {exc}".encode()[:4096]))
+            return
+        receiver = ReceiveStaged(request, rounds, scatter, ack, writer=writer,
+                                 timeout_s=self.config.timeout_s,
+                                 on_loaded=lambda r: self._forget(request, writer),
+                                 on_failed=on_failed)
+        with self._lock:
+            self.receivers[(request, writer)] = receiver
+        self.router.open(request, writer, receiver.on_message)
+        self.shares.admit(receiver)
+
+    def _forget(self, request: str, writer: int) -> None:
+        with self._lock:
+            self.receivers.pop((request, writer), None)
+
+    def poll(self) -> None:
+        """The decode's periodic check: streams without progress for ``timeout_s`` fail."""
+        with self._lock:
+            streams = list(self.receivers.values())
+        for r in streams:
+            r.poll()
+
+    # ---------------------------------------------------------------- prefill
+    def next_request(self, session: str) -> str:
+        return f"{self.manager.kv_args.engine_rank}:{session}:{next(self._ids)}"
+
+
+class _Written:
+    """A round already written: ``wait`` raises the engine's failure."""
+
+    def __init__(self, status: int, peer: str, blocks: int) -> None:
+        self.status, self.peer, self.blocks = status, peer, blocks
+
+    def wait(self) -> None:
+        if self.status != 0:
+            err = TransferError(f"sglang: writing a staged round ({self.blocks} blocks) to "
+                                f"{self.peer} returned status {self.status}")
+            err.status, err.session = self.status, self.peer
+            raise err
+
+
+class _ManagerRounds:
+    """Rounds written through the manager's own submission path (its engine, natively where
+    the drop-in keeps a hand-off, in the ``max_blocks`` bound), on the round pipeline's
+    network thread."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def submit_round(self, plan: Any, peer: str) -> _Written:
+        from kvplan.compat.sglang.submit import send_engine_batches
+
+        return _Written(int(send_engine_batches(self.manager, peer, plan)), peer,
+                        int(plan.n_blocks))
+
+
+def attach(manager: Any, *, engine: Any, send: Send, reply_to: str, rank: int | None = None,
+           config: StagingConfig | None = None, costs: TransferCost | None = None
+           ) -> SglangStaging | None:
+    """The start-up hook: give ``manager`` staging (``manager._kvplan_staging``).
+
+    ``config`` defaults to ``StagingConfig.from_env()`` (``KVPLAN_STAGING``, ...); with mode
+    ``off`` nothing is allocated, nothing set, and ``None`` is returned. ``engine`` is what the
+    manager registered its KV memory with (a kvplan transport, Mooncake ``TransferEngine`` or
+    ``Handoff``): the arena is registered with it. ``send(peer, data)`` carries a message to a
+    peer's listener; ``reply_to`` names this side's listener for the peer's answers. ``costs``:
+    the engine's measured :class:`kvplan.TransferCost` (``kvplan.engines.measure_cost``), which
+    ``auto`` needs to prefer staging; without it ``auto`` keeps the direct path.
+
+    Raises:
+        ConfigError: a bad ``KVPLAN_STAGING*`` value, naming the variable.
+        TransferError: the engine refused to register the arena.
+    """
+    config = StagingConfig.from_env() if config is None else config
+    if not config.enabled:
+        return None
+    arena = StagingArena.from_config(config)
+    arena.register(engine)
+    rank = int(manager.kv_args.engine_rank) if rank is None else int(rank)
+    staging = SglangStaging(manager, config, arena, rank, send, costs)
+    staging.reply_to = reply_to  # type: ignore[attr-defined]
+    manager.__dict__["_kvplan_staging"] = staging
+    return staging
+
+
+def detach(manager: Any) -> None:
+    manager.__dict__.pop("_kvplan_staging", None)
+
+
+def staging_of(manager: Any) -> SglangStaging | None:
+    attrs = getattr(manager, "__dict__", None)
+    return None if attrs is None else attrs.get("_kvplan_staging")
+
+
+def _mla_geometry(manager: Any, dst_ptrs: Sequence[int], dst_layer_ids: Any,
+                  dst_items: Sequence[int]) -> dict[str, Any]:
+    kv = manager.kv_args
+    return {"kind": "mla", "items": [int(n) for n in kv.kv_item_lens],
+            "src_ids": published_ids(kv.kv_layer_ids), "dst_ids": published_ids(dst_layer_ids),
+            "n_dst": len(dst_ptrs), "dst_items": [int(n) for n in dst_items]}
+
+
+def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs: Sequence[int],
+               dst_kv_indices: Any, *, kind: str, dst_layer_ids: Any = None,
+               slice_geometry: dict[str, Any] | None = None,
+               dst_item: int | None = None) -> int | None:
+    """The prefill's staged path for one call, or ``None`` for the direct path (no staging on
+    this manager, no agreement with ``session``, a geometry it does not stage, or
+    ``choose_path`` says direct). Returns 0 once the decode scattered every round, -1 when a
+    ``StagingError`` failed the request (logged with its reason; SGLang's transfer worker then
+    fails the request)."""
+    staging = staging_of(manager)
+    if staging is None:
+        return None
+    agreement = staging.peers.get(session)
+    if not isinstance(agreement, StagingAgreement) or int(manager.pp_size) != 1:
+        return None
+    kv = manager.kv_args
+    src_ptrs, src_lens = [int(p) for p in kv.kv_data_ptrs], [int(n) for n in kv.kv_data_lens]
+    dst_ptrs = [int(p) for p in dst_kv_ptrs]
+    if kind == "mla":
+        info = getattr(manager, "decode_kv_args_table", {}).get(session)
+        dst_items = list(getattr(info, "dst_kv_item_lens", None) or kv.kv_item_lens)
+        if len(dst_items) != len(dst_ptrs):
+            return None
+        geometry = _mla_geometry(manager, dst_ptrs, dst_layer_ids, dst_items)
+        decode_side = (dst_ptrs, unbounded_lens(dst_ptrs), [int(n) for n in dst_items])
+    elif kind == "mha_slice" and slice_geometry is not None and dst_item is not None:
+        geometry = {"kind": kind, "template": dict(slice_geometry)}
+        decode_side = (dst_ptrs, unbounded_lens(dst_ptrs), [int(dst_item)] * len(dst_ptrs))
+    else:
+        return None
+    src_pages, dst_pages = as_index(prefill_kv_indices), as_index(dst_kv_indices)
+    template = _template(geometry, (src_ptrs, src_lens), decode_side)
+    choice = choose_path(template, (src_pages, dst_pages), staging.costs, agreement,
+                         mode=staging.config.mode)
+    if not choice.staged:
+        staging.last[session] = ("direct", choice.why)
+        return None
+    request = staging.next_request(session)
+    rounds = template.plan_rounds(src_pages, dst_pages, src_arena=agreement.src_arena,
+                                  dst_arena=agreement.dst_arena, buffers=agreement.buffers)
+    writer = int(rounds.sender[0])
+    open_msg = OPEN_MAGIC + json.dumps({
+        "request": request, "writer": writer, "reply": staging.reply_to,  # type: ignore[attr-defined]
+        "rank": staging.rank, "geometry": geometry,
+        "caps": Capabilities.local([staging.arena.info(staging.rank)]).to_dict(),
+        "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
+    engine = _ManagerRounds(manager)
+    try:
+        staging.send(session, open_msg)
+        report = send_staged(
+            rounds, engine, session, lambda data: staging.send(session, data), request=request,
+            acks=staging.router, gather=local_copy(_host_views(src_ptrs, src_lens),
+                                                   [staging.arena.array]),
+            writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
+            src_lock=staging.arena.lock)
+    except StagingError as exc:
+        _log.error("kvplan: staged transfer to %s failed (%s, round %s): %s (status -1: SGLang "
+                   "fails this request)", session, exc.reason, exc.round, exc)
+        staging.last[session] = ("failed", exc)
+        return -1
+    except Exception as exc:  # the open message could not be sent: nothing was written
+        _log.error("kvplan: staged transfer to %s could not start: %s: %s (status -1)",
+                   session, type(exc).__name__, exc)
+        staging.last[session] = ("failed", exc)
+        return -1
+    metrics.observe_rounds(report.network_blocks, report.rounds)
+    staging.last[session] = ("staged", report)
+    return 0

@@ -1,0 +1,383 @@
+"""Staged transfers in rounds through kvplan's SGLang Mooncake drop-in, over real Mooncake TCP
+loopback: SGLang 0.5.23's real ``MooncakeKVManager`` class (built as the other SGLang tests
+build it, ``install`` applied), ``kvplan.compat.sglang.rounds.attach`` as the start-up hook on
+both peers, the decode's capabilities in its registration, and the side channel a queue with a
+listener thread per peer (what a socket listener does).
+
+Counts, never timing: the network descriptors the prefill's engine was handed, staged against
+the direct path of the same request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvplan.compat import sglang as compat
+from kvplan.compat.sglang import metrics, rounds
+from kvplan.engines import MooncakeTransport
+from kvplan.presets import fragmented_pages
+from kvplan.staging import DirectFallback, StagingAgreement, StagingConfig
+from support.sglang_loader import InlineExecutor
+from support.sglang_models import load_loader, load_sglang_or_fail
+
+ALWAYS = StagingConfig(mode="always", arena_mib=1, buffers=2, timeout_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def sg() -> Any:
+    from support.engine_peers import require_mooncake
+
+    require_mooncake()
+    sg = load_sglang_or_fail()
+    load_loader().load_head_slicing(sg)
+    compat.install(sg.MooncakeKVManager)
+    yield sg
+    compat.uninstall(sg.MooncakeKVManager)
+
+
+class Listener:
+    """One peer's side-channel listener: messages handled in arrival order on its thread."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[bytes | None] = queue.Queue()
+        self.handler: Callable[[bytes], None] | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (data := self.q.get()) is not None:
+            assert self.handler is not None
+            self.handler(data)
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(10)
+
+
+class Engine:
+    """What SGLang's ``MooncakeTransferEngine.batch_transfer_sync`` does, counting the
+    descriptors it was handed; ``fail_call`` makes that call (1-based) fail as Mooncake does."""
+
+    def __init__(self, transport: MooncakeTransport, fail_call: int | None = None) -> None:
+        self.transport, self.fail_call = transport, fail_call
+        self.calls = self.blocks = 0
+
+    def batch_transfer_sync(self, session: str, src: list[int], dst: list[int],
+                            lengths: list[int]) -> int:
+        self.calls += 1
+        self.blocks += len(src)
+        if self.calls == self.fail_call:
+            return -1
+        return self.transport._engine_write(session, src, dst, lengths)
+
+
+class Peer:
+    """One rank: its KV pools in one host array registered with its own Mooncake engine."""
+
+    def __init__(self, n_entries: int, entry_bytes: int, seed: int | None) -> None:
+        self.memory = (np.random.default_rng(seed).integers(0, 256, n_entries * entry_bytes,
+                                                            dtype=np.uint8)
+                       if seed is not None else np.zeros(n_entries * entry_bytes, np.uint8))
+        base = int(self.memory.ctypes.data)
+        self.ptrs = [base + e * entry_bytes for e in range(n_entries)]
+        self.lens = [entry_bytes] * n_entries
+        self.entry_bytes = entry_bytes
+        self.transport = MooncakeTransport("127.0.0.1")
+        self.transport.register_buffers([base], [self.memory.nbytes])
+        self.session = self.transport.local_session_id()
+        self.listener = Listener()
+
+    def entry(self, e: int) -> np.ndarray:
+        return self.memory[e * self.entry_bytes:(e + 1) * self.entry_bytes]
+
+    def close(self) -> None:
+        self.listener.stop()
+        self.transport.close()
+
+
+class Net:
+    """Sessions to listeners: ``send(peer, data)`` as each side's staging calls it."""
+
+    def __init__(self, peers: list[Peer]) -> None:
+        self.by_session = {p.session: p for p in peers}
+
+    def send(self, peer: str, data: bytes) -> None:
+        self.by_session[peer].listener.q.put(bytes(data))
+
+
+def _attach(mgr: Any, peer: Peer, net: Net, config: StagingConfig = ALWAYS) -> Any:
+    staging = rounds.attach(mgr, engine=peer.transport, send=net.send, reply_to=peer.session,
+                            config=config)
+    assert staging is not None
+    peer.listener.handler = staging.deliver
+    return staging
+
+
+def _register(prefill: Any, decode: Any | None, session: str, decode_rank: int = 0) -> Any:
+    """The decode's registration reaching the prefill: its capabilities (or none)."""
+    reg = decode.capabilities() if decode is not None else {}
+    return prefill.on_registration(session, reg, decode_rank)
+
+
+# ------------------------------------------------------------------------------- MLA
+LAYERS, ITEM, CAP, TOKENS = 4, 1152, 640, 300
+
+
+def _mla_pair(sg: Any, seed: int = 11, fail_call: int | None = None
+              ) -> tuple[Peer, Peer, Any, Any, Engine]:
+    loader = load_loader()
+    pre, dec = Peer(LAYERS, CAP * ITEM, seed), Peer(LAYERS, CAP * ITEM, None)
+    engine = Engine(pre.transport, fail_call)
+
+    def kv_args(p: Peer, rank: int) -> Any:
+        return types.SimpleNamespace(
+            kv_data_ptrs=p.ptrs, kv_data_lens=p.lens, kv_item_lens=[ITEM] * LAYERS,
+            kv_layer_ids=list(range(LAYERS)), prefill_start_layer=0, engine_rank=rank,
+            mla_compression_ratios=None, num_draft_entries=0)
+
+    info = types.SimpleNamespace(dst_kv_ptrs=dec.ptrs, dst_kv_item_lens=[ITEM] * LAYERS,
+                                 dst_kv_layer_ids=list(range(LAYERS)))
+    pmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv_args(pre, 0),
+                                 engine=engine, is_mla_backend=True,
+                                 decode_kv_args_table={dec.session: info})
+    dmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv_args(dec, 0),
+                                 is_mla_backend=True)
+    return pre, dec, pmgr, dmgr, engine
+
+
+def _mla_pages(seed: int = 11) -> tuple[np.ndarray, np.ndarray]:
+    src = np.random.default_rng(seed).permutation(CAP)[:TOKENS].astype(np.int32)
+    dst = fragmented_pages(TOKENS, 1.0, seed=seed, shuffle_runs=True,
+                           capacity=CAP).astype(np.int32)
+    return src, dst
+
+
+def _mla_expected(pre: Peer, dec_before: np.ndarray, src: np.ndarray, dst: np.ndarray
+                  ) -> np.ndarray:
+    want = dec_before.copy().reshape(LAYERS, CAP, ITEM)
+    have = pre.memory.reshape(LAYERS, CAP, ITEM)
+    want[:, dst.astype(np.int64)] = have[:, src.astype(np.int64)]
+    return want.reshape(-1)
+
+
+def _send_mla(mgr: Any, dec: Peer, src: np.ndarray, dst: np.ndarray) -> int:
+    return int(mgr.send_kvcache(dec.session, src, dec.ptrs, dst, InlineExecutor(),
+                                dst_layer_ids=list(range(LAYERS))))
+
+
+def test_fragmented_mla_request_lands_byte_exact_in_rounds(sg: Any) -> None:
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        p, d = _attach(pmgr, pre, net), _attach(dmgr, dec, net)
+        assert isinstance(_register(p, d, dec.session), StagingAgreement)
+        src, dst = _mla_pages()
+        before = dec.memory.copy()
+        totals = metrics.staged_totals()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        staged_blocks = engine.blocks
+        kind, report = p.last[dec.session]
+        assert kind == "staged" and report.rounds >= 2  # 1.38 MB through 256 KiB buffers
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        after = metrics.staged_totals()
+        assert after["requests"] == totals["requests"] + 1
+        assert after["network_blocks"] - totals["network_blocks"] == staged_blocks
+        assert after["rounds"] - totals["rounds"] == report.rounds
+        assert not d.receivers  # the decode stream ended loaded
+        # the same request on the direct path (staging detached), into a cleared pool
+        rounds.detach(pmgr)
+        dec.memory[:] = 0
+        engine.blocks = 0
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert engine.blocks >= 10 * staged_blocks, (engine.blocks, staged_blocks)
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_failure_mid_way_fails_the_request_and_nothing_is_loaded(sg: Any) -> None:
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg, fail_call=3)  # round 2's write fails
+    try:
+        net = Net([pre, dec])
+        config = StagingConfig(mode="always", arena_mib=1, buffers=4, timeout_s=5.0)
+        p, d = _attach(pmgr, pre, net, config), _attach(dmgr, dec, net, config)
+        _register(p, d, dec.session)
+        loaded: list[str] = []
+        opened: list[Any] = []
+        real_open = d._open
+
+        def spy(body: bytes) -> None:
+            real_open(body)
+            opened.extend(d.receivers.values())
+
+        d._open = spy
+        src, dst = _mla_pages()
+        totals = metrics.staged_totals()
+        # SGLang's transfer worker turns a non-zero status into conclude_failure: Failed
+        assert _send_mla(pmgr, dec, src, dst) == -1
+        kind, err = p.last[dec.session]
+        assert kind == "failed" and err.reason == "engine_failed" and err.round == 2
+        assert len(opened) == 1
+        r = opened[0]
+        # the prefill's failure message reaches the decode's listener after the status
+        pause = threading.Event()
+        for _ in range(200):
+            if r.failed:
+                break
+            pause.wait(0.05)
+        assert r.failed and not r.loaded and r.scattered == 2
+        assert r.error.reason == "peer_failed"
+        loaded.extend(x.request for x in opened if x.loaded)
+        assert loaded == []
+        assert metrics.staged_totals() == totals  # a failed request is not counted as staged
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_decode_refusing_the_request_fails_it_on_the_prefill(sg: Any) -> None:
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        p, d = _attach(pmgr, pre, net), _attach(dmgr, dec, net)
+        _register(p, d, dec.session)
+        # the decode's pool holds CAP // 2 pages: page CAP - 1 is outside it, which only the
+        # decode knows (the prefill plans with unbounded stand-ins for the decode's lengths)
+        dmgr.kv_args.kv_data_lens = [CAP // 2 * ITEM] * LAYERS
+        src, dst = _mla_pages()
+        dst[-1] = CAP - 1
+        before = dec.memory.copy()
+        assert _send_mla(pmgr, dec, src, dst) == -1
+        kind, err = p.last[dec.session]
+        assert kind == "failed" and err.reason == "peer_failed"
+        assert "IndexBoundsError" in err.detail
+        assert engine.blocks == 0  # nothing written
+        np.testing.assert_array_equal(dec.memory, before)
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_non_kvplan_peer_keeps_the_direct_path_said_once(sg: Any,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        p = _attach(pmgr, pre, net)
+        with caplog.at_level(logging.INFO, logger="kvplan"):
+            assert isinstance(_register(p, None, dec.session), DirectFallback)
+            assert isinstance(_register(p, None, dec.session), DirectFallback)
+        said = [r for r in caplog.records if dec.session in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        src, dst = _mla_pages()
+        before = dec.memory.copy()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert engine.blocks >= LAYERS * TOKENS // 2  # per-block writes, as without staging
+        assert dec.session not in p.last  # the staged path was never asked
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_staging_off_attaches_nothing(sg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLAN_STAGING", "off")
+    mgr = types.SimpleNamespace(kv_args=types.SimpleNamespace(engine_rank=0))
+    assert rounds.attach(mgr, engine=object(), send=lambda p, d: None, reply_to="x") is None
+    assert "_kvplan_staging" not in mgr.__dict__
+    assert rounds.maybe_send(mgr, "s", [0], [0], [0], kind="mla") is None
+
+
+def test_auto_without_measured_costs_keeps_the_direct_path(sg: Any) -> None:
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        auto = StagingConfig(mode="auto", arena_mib=1, buffers=2, timeout_s=5.0)
+        p, d = _attach(pmgr, pre, net, auto), _attach(dmgr, dec, net, auto)
+        _register(p, d, dec.session)
+        src, dst = _mla_pages()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        assert p.last[dec.session][0] == "direct"
+    finally:
+        pre.close()
+        dec.close()
+
+
+# ------------------------------------------------------------------------------- hetero TP
+HEADS, TP_P, TP_D, PAGE, HEAD_BYTES, MHA_LAYERS, MHA_CAP, PAGES = 8, 4, 2, 4, 64, 4, 96, 40
+
+
+def _mha_item(tp: int) -> int:
+    return PAGE * (HEADS // tp) * HEAD_BYTES
+
+
+def test_hetero_tp_request_lands_byte_exact_in_rounds(sg: Any) -> None:
+    """Decode rank 0 of TP 2 (heads 0-3) filled by prefill ranks 0 and 1 of TP 4, each its own
+    share of the decode arena."""
+    loader = load_loader()
+    n = 2 * MHA_LAYERS
+    si, di = _mha_item(TP_P), _mha_item(TP_D)
+    dec = Peer(n, MHA_CAP * di, None)
+    pres = [Peer(n, MHA_CAP * si, 20 + r) for r in range(2)]
+    try:
+        net = Net([dec, *pres])
+        dkv = types.SimpleNamespace(kv_data_ptrs=dec.ptrs, kv_data_lens=dec.lens,
+                                    kv_item_lens=[di] * n, kv_layer_ids=[], engine_rank=0)
+        dmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=dkv,
+                                     attn_tp_size=TP_D)
+        d = _attach(dmgr, dec, net)
+        src = np.random.default_rng(3).permutation(MHA_CAP)[:PAGES].astype(np.int32)
+        dst = fragmented_pages(PAGES, 1.0, seed=3, shuffle_runs=True,
+                               capacity=MHA_CAP).astype(np.int32)
+        staged_blocks, engines, mgrs = 0, [], []
+        for r, pre in enumerate(pres):
+            kv = types.SimpleNamespace(
+                kv_data_ptrs=pre.ptrs, kv_data_lens=pre.lens, kv_item_lens=[si] * n,
+                kv_layer_ids=[], page_size=PAGE, total_kv_head_num=HEADS,
+                kv_head_num=HEADS // TP_P, engine_rank=r, prefill_start_layer=0)
+            engine = Engine(pre.transport)
+            mgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv,
+                                        attn_tp_size=TP_P, engine=engine)
+            p = _attach(mgr, pre, net)
+            assert isinstance(_register(p, d, dec.session), StagingAgreement)
+            rc = mgr.send_kvcache_slice(dec.session, src, dec.ptrs, dst, 0, TP_D, di,
+                                        InlineExecutor(), dst_layer_ids=None)
+            assert rc == 0
+            assert p.last[dec.session][0] == "staged"
+            staged_blocks += engine.blocks
+            engines.append(engine)
+            mgrs.append(mgr)
+        # oracle: decode slot t, local head h of page dst[i] = prefill rank h // 2's head
+        # h % 2 of slot t of page src[i], every entry (NHD items)
+        got = dec.memory.reshape(n, MHA_CAP, PAGE, HEADS // TP_D, HEAD_BYTES)
+        want = np.zeros_like(got)
+        for r, pre in enumerate(pres):
+            have = pre.memory.reshape(n, MHA_CAP, PAGE, HEADS // TP_P, HEAD_BYTES)
+            lo = r * (HEADS // TP_P)
+            want[:, dst.astype(np.int64), :, lo:lo + HEADS // TP_P] = \
+                have[:, src.astype(np.int64)]
+        np.testing.assert_array_equal(got, want)
+        # the same requests directly
+        dec.memory[:] = 0
+        direct = 0
+        for mgr, engine in zip(mgrs, engines):
+            rounds.detach(mgr)
+            engine.blocks = 0
+            assert mgr.send_kvcache_slice(dec.session, src, dec.ptrs, dst, 0, TP_D, di,
+                                          InlineExecutor(), dst_layer_ids=None) == 0
+            direct += engine.blocks
+        np.testing.assert_array_equal(got, want)
+        assert direct >= 10 * staged_blocks, (direct, staged_blocks)
+    finally:
+        for p in (dec, *pres):
+            p.close()
