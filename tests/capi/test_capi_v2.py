@@ -354,3 +354,85 @@ def test_bad_layout_descriptors_are_refused_naming_the_values(lib: ctypes.CDLL) 
     with pytest.raises(kvplan.LayoutError) as err:
         peer.python()
     assert message == str(err.value)
+
+
+def test_random_version_2_requests_never_panic_nor_write_past_the_plan(lib: ctypes.CDLL) -> None:
+    """Random slot pairs, window sides, counts, null arrays and struct sizes against a template
+    with KV pages, a window pool, a plain state entry and a ring: every call returns a known
+    status with a message (never a panic), agrees with Python on what plans, and writes no
+    column value past the plan's blocks."""
+    def peer(base: int, ring: int) -> Peer:
+        p = _hybrid(base, ring)
+        p.window_page_size = 2
+        for role in ("k", "v"):
+            p.add(1, role, 2 * TOKEN, 16, window=8)
+        return p
+
+    py, c = _templates(lib, peer(1 << 40, 2), peer(1 << 50, 4))
+    rng = np.random.default_rng(20261206)
+    guard = np.uint64(0xA5A5A5A5A5A5A5A5)
+    seen: set[int] = set()
+    compared = 0
+    for _ in range(300):
+        def pages(n_max: int) -> list[int] | None:
+            if rng.random() < 0.1:
+                return None
+            values = rng.integers(0, 16, size=int(rng.integers(0, n_max)))
+            if rng.random() < 0.1 and len(values):
+                values[0] = rng.choice([-2, -1, 40])
+            return values.tolist()
+
+        slot = (int(rng.integers(-2, 4)), int(rng.integers(-2, 4))) if rng.random() < 0.4 else None
+        n_tokens = int(rng.integers(-2, 14)) if rng.random() < 0.7 else None
+        request = CRequest(pages(6) or [], pages(6) or [], n_tokens,
+                           int(rng.integers(0, 12)) if rng.random() < 0.3 else 0)
+        desc, _keep = request.desc()
+        if slot is not None:
+            desc.src_slot, desc.dst_slot = slot
+        draw = rng.random()
+        desc.window_sides = 3 if draw < 0.6 else int(rng.integers(0, 8)) if draw < 0.8 else 0
+        windows: list[list[int] | None] = []
+        for side in ("src", "dst"):
+            window = pages(8)
+            windows.append(window)
+            if window is None:
+                setattr(desc, f"{side}_window_pages", None)
+                setattr(desc, f"n_{side}_window", int(rng.integers(0, 3)))
+            else:
+                array = _arr(window, ctypes.c_int64)
+                _keep.append(array)
+                setattr(desc, f"{side}_window_pages", ctypes.addressof(array))
+                setattr(desc, f"n_{side}_window", len(window))
+        if rng.random() < 0.05:
+            desc.struct_size = int(rng.integers(0, 200))
+        info = PlanInfo()
+        status = lib.kvplan_prepare2(c, ctypes.byref(desc), ctypes.byref(info))
+        out = np.full((3, 70), guard, dtype=np.uint64)
+        cols = [out[i].ctypes.data_as(u64p) for i in range(3)]
+        status_into = lib.kvplan_plan_into2(c, ctypes.byref(desc), *cols, 64, ctypes.byref(info))
+        assert status_into in (status, 4), (status, status_into)  # 4: more than 64 blocks
+        seen.add(status_into)
+        if status_into != OK:
+            assert status_into in {1, 2, 4, *range(10, 31)}, (status_into, _error(lib))
+            assert _error(lib) and lib.kvplan_last_error_kind(), status_into
+            assert (out == guard).all(), "a refused request wrote blocks"
+            continue
+        n = info.n_blocks
+        assert (out[:, n:] == guard).all(), "the C ABI wrote past the plan's blocks"
+        # What planned here plans the same through Python.
+        if slot is not None:
+            request.slot, request.src, request.dst = slot, [], []
+        sides = (desc.window_sides & WINDOW_SRC, desc.window_sides & WINDOW_DST)
+        if any(sides):
+            # A side's bit gives its list, empty when the pointer was null with no values.
+            request.window_pages = ((windows[0] or []) if sides[0] else None,
+                                    (windows[1] or []) if sides[1] else None)
+        plan = py.plan(request.python())
+        compared += 1
+        np.testing.assert_array_equal(out[0, :n], plan.src_addrs)
+        np.testing.assert_array_equal(out[1, :n], plan.dst_addrs)
+        np.testing.assert_array_equal(out[2, :n], plan.lengths)
+    # The draws reached planned requests and the boundary's and the core's refusals.
+    assert {OK, INVALID_ARGUMENT, NULL_POINTER} <= seen and seen & set(range(10, 31)), seen
+    assert compared >= 15, compared
+    assert lib.kvplan_template_free(c) == OK
