@@ -436,3 +436,22 @@ def test_random_version_2_requests_never_panic_nor_write_past_the_plan(lib: ctyp
     assert {OK, INVALID_ARGUMENT, NULL_POINTER} <= seen and seen & set(range(10, 31)), seen
     assert compared >= 15, compared
     assert lib.kvplan_template_free(c) == OK
+
+
+def test_outputs_on_the_window_pages_are_refused(lib: ctypes.CDLL) -> None:
+    """The window page arrays are inputs like the page arrays: an info struct or a column
+    placed on them is refused before anything is written."""
+    _, c = _templates(lib, _hybrid(1 << 40, 2), _hybrid(1 << 50, 4))
+    window = (ctypes.c_int64 * 16)(*range(16))
+    desc, _keep = CRequest([0, 1], [2, 3]).desc()
+    desc.window_sides, desc.dst_window_pages, desc.n_dst_window = WINDOW_DST, \
+        ctypes.addressof(window), 16
+    before = bytes(window)
+    status = lib.kvplan_prepare2(c, ctypes.byref(desc), ctypes.addressof(window))
+    assert status == INVALID_ARGUMENT and "overlaps dst_window_pages" in _error(lib)
+    out = np.zeros((2, 16), dtype=np.uint64)
+    status = lib.kvplan_plan_into2(c, ctypes.byref(desc), out[0].ctypes.data,
+                                   ctypes.addressof(window), out[1].ctypes.data, 16, None)
+    assert status == INVALID_ARGUMENT and "dst_addrs" in _error(lib), _error(lib)
+    assert bytes(window) == before
+    assert lib.kvplan_template_free(c) == OK
