@@ -198,6 +198,7 @@ def test_fragmented_mla_request_lands_byte_exact_in_rounds(sg: Any) -> None:
         engine.blocks = 0
         assert _send_mla(pmgr, dec, src, dst) == 0
         np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        print(f"mla: direct {engine.blocks} staged {staged_blocks} rounds {report.rounds}")
         assert engine.blocks >= 10 * staged_blocks, (engine.blocks, staged_blocks)
     finally:
         pre.close()
@@ -377,6 +378,7 @@ def test_hetero_tp_request_lands_byte_exact_in_rounds(sg: Any) -> None:
                                           InlineExecutor(), dst_layer_ids=None) == 0
             direct += engine.blocks
         np.testing.assert_array_equal(got, want)
+        print(f"tp 4->2: direct {direct} staged {staged_blocks}")
         assert direct >= 10 * staged_blocks, (direct, staged_blocks)
     finally:
         for p in (dec, *pres):

@@ -42,13 +42,14 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from kvplan._core import Layout, Pairing, Template, TransferCost
-from kvplan._errors import KvPlanError, TransferError
+from kvplan._core import KvPlanError, Layout, Pairing, Template, TransferCost
+from kvplan._errors import TransferError
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.templates import as_index
@@ -129,9 +130,9 @@ class SglangStaging:
     """One manager's staging: its settings, arena, router, negotiations and streams."""
 
     def __init__(self, manager: Any, config: StagingConfig, arena: StagingArena, rank: int,
-                 send: Send, costs: TransferCost | None) -> None:
+                 send: Send, reply_to: str, costs: TransferCost | None) -> None:
         self.manager, self.config, self.arena, self.rank = manager, config, arena, rank
-        self.send, self.costs = send, costs
+        self.send, self.reply_to, self.costs = send, reply_to, costs
         self.router = Router()
         self.shares = ArenaShares()
         self.fallbacks = FallbackLog(_log)
@@ -142,6 +143,9 @@ class SglangStaging:
         self.last: dict[str, Any] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._failed_at: dict[tuple[str, int], float] = {}
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
 
     # ---------------------------------------------------------------- registration
     def capabilities(self) -> dict[str, Any]:
@@ -181,7 +185,8 @@ class SglangStaging:
 
         def on_failed(err: StagingError) -> None:
             _log.error("kvplan: staged request %s failed on the decode: %s", request, err)
-            self._forget(request, writer)
+            with self._lock:
+                self._failed_at[(request, writer)] = time.monotonic()
 
         try:
             outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), msg["caps"],
@@ -203,28 +208,59 @@ class SglangStaging:
                        type(exc).__name__, exc)
             from kvplan.staging.wire import FAIL, encode
 
-            ack(encode(FAIL, request, writer=writer, round_index=0, n_rounds=0,
-                       payload=f"bad_message: {type(exc).__name__}: {exc}".encode()[:4096]))
+            try:
+                ack(encode(FAIL, request, writer=writer, round_index=0, n_rounds=0,
+                           payload=f"bad_message: {type(exc).__name__}: {exc}"
+                           .encode()[:4096]))
+            except Exception as gone:  # the prefill's own timeout fails its side
+                _log.error("kvplan: could not tell %s that %s was refused: %s", reply,
+                           request, gone)
             return
-        receiver = ReceiveStaged(request, rounds, scatter, ack, writer=writer,
-                                 timeout_s=self.config.timeout_s,
-                                 on_loaded=lambda r: self._forget(request, writer),
+        receiver = ReceiveStaged(request, cast(Sequence[Any], rounds), scatter, ack,
+                                 writer=writer, timeout_s=self.config.timeout_s,
+                                 on_loaded=lambda r: self._ended(request, writer),
                                  on_failed=on_failed)
         with self._lock:
             self.receivers[(request, writer)] = receiver
         self.router.open(request, writer, receiver.on_message)
         self.shares.admit(receiver)
 
-    def _forget(self, request: str, writer: int) -> None:
+    def _ended(self, request: str, writer: int) -> None:
+        """A stream is done with: later messages of it are dropped."""
         with self._lock:
             self.receivers.pop((request, writer), None)
+            self._failed_at.pop((request, writer), None)
+        self.router.close(request, writer)
 
     def poll(self) -> None:
-        """The decode's periodic check: streams without progress for ``timeout_s`` fail."""
+        """The decode's periodic check (the poller thread :func:`attach` starts): a stream
+        without progress for ``timeout_s`` fails; a failed stream is dropped ``2 * timeout_s``
+        after it failed (by then its arena share was given on, and its prefill stopped)."""
+        now = time.monotonic()
         with self._lock:
-            streams = list(self.receivers.values())
-        for r in streams:
+            streams = list(self.receivers.items())
+            stale = [key for key, at in self._failed_at.items()
+                     if now - at > 2 * self.config.timeout_s]
+        for _, r in streams:
             r.poll()
+        for request, writer in stale:
+            self._ended(request, writer)
+
+    def start_poller(self) -> None:
+        interval = min(1.0, self.config.timeout_s / 4)
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.poll()
+                except Exception:  # a poll must never end the poller
+                    _log.exception("kvplan: staging poll failed")
+
+        self._poller = threading.Thread(target=run, name="kvplan-staging-poll", daemon=True)
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
     # ---------------------------------------------------------------- prefill
     def next_request(self, session: str) -> str:
@@ -283,14 +319,18 @@ def attach(manager: Any, *, engine: Any, send: Send, reply_to: str, rank: int | 
     arena = StagingArena.from_config(config)
     arena.register(engine)
     rank = int(manager.kv_args.engine_rank) if rank is None else int(rank)
-    staging = SglangStaging(manager, config, arena, rank, send, costs)
-    staging.reply_to = reply_to  # type: ignore[attr-defined]
+    staging = SglangStaging(manager, config, arena, rank, send, reply_to, costs)
+    staging.start_poller()
     manager.__dict__["_kvplan_staging"] = staging
     return staging
 
 
 def detach(manager: Any) -> None:
-    manager.__dict__.pop("_kvplan_staging", None)
+    """Take staging off ``manager`` (its poller stops; the direct path from now on). The
+    arena stays alive as long as the engine that registered it may write into it."""
+    staging = manager.__dict__.pop("_kvplan_staging", None)
+    if staging is not None:
+        staging.stop()
 
 
 def staging_of(manager: Any) -> SglangStaging | None:
@@ -348,7 +388,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
                                   dst_arena=agreement.dst_arena, buffers=agreement.buffers)
     writer = int(rounds.sender[0])
     open_msg = OPEN_MAGIC + json.dumps({
-        "request": request, "writer": writer, "reply": staging.reply_to,  # type: ignore[attr-defined]
+        "request": request, "writer": writer, "reply": staging.reply_to,
         "rank": staging.rank, "geometry": geometry,
         "caps": Capabilities.local([staging.arena.info(staging.rank)]).to_dict(),
         "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
@@ -356,7 +396,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     try:
         staging.send(session, open_msg)
         report = send_staged(
-            rounds, engine, session, lambda data: staging.send(session, data), request=request,
+            cast(Sequence[Any], rounds), engine, session, lambda data: staging.send(session, data), request=request,
             acks=staging.router, gather=local_copy(_host_views(src_ptrs, src_lens),
                                                    [staging.arena.array]),
             writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
