@@ -248,13 +248,23 @@ impl RequestPlanner for PlanRounds<'_> {
 }
 
 /// One stage's columns for every round: NumPy arrays over the core's buffer, each round a view.
+/// A stage far smaller than its buffer (a pooled buffer lent for a few blocks) is copied out and
+/// its buffer goes straight back to the pool, so live rounds never hold a large plan's memory.
 fn stage_columns(py: Python<'_>, blocks: RoundBlocks) -> PyResult<([Column; 3], Vec<usize>)> {
     let RoundBlocks {
         buffer,
         n_blocks,
         round_offsets,
     } = blocks;
-    let columns = pooled_columns(py, buffer.data, buffer.capacity, n_blocks)?;
+    let FlatBuffer { data, capacity } = buffer;
+    if n_blocks.saturating_mul(12) < data.len() {
+        let columns = [0, 1, 2].map(|k| {
+            PyArray1::from_slice(py, &data[k * capacity..k * capacity + n_blocks]).unbind()
+        });
+        pool::give_back(data);
+        return Ok((columns, round_offsets));
+    }
+    let columns = pooled_columns(py, data, capacity, n_blocks)?;
     Ok((columns, round_offsets))
 }
 

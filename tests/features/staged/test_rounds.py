@@ -13,6 +13,7 @@ draws a few hundred cases (deterministic under CI); ``KVPLAN_ROUNDS_EXAMPLES`` r
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -331,3 +332,24 @@ def test_capabilities_declare_plan_rounds_as_plan_staged() -> None:
     for feature in ("delta", "state_slot", "window", "token_plan", "ring"):
         assert capabilities.supports("plan_rounds", feature) == capabilities.supports(
             "plan_staged", feature), feature
+
+
+def test_rounds_reuse_pooled_memory() -> None:
+    """Planning rounds again once the previous ones died takes every buffer from the pool: a
+    steady state allocates no fresh output memory (the small stages go back at once)."""
+    template, sp, dp = _template()
+
+    def plan() -> kvplan.StagedRounds:
+        return template.plan_rounds(sp, dp, src_arena=(1 << 40, 128), dst_arena=(1 << 44, 512))
+
+    rounds = plan()
+    assert [(r.gather.n_blocks, r.scatter.n_blocks) for r in rounds] == [(1, 8)] * 8
+    del rounds
+    gc.collect()
+    plan()
+    gc.collect()
+    _, _, _, misses0 = kvplan._core.pool_stats()
+    for _ in range(3):
+        plan()
+        gc.collect()
+    assert kvplan._core.pool_stats()[3] == misses0, "steady state must not allocate"
