@@ -4,6 +4,7 @@ then) and :func:`register_plugin`, kvplan's ``vllm.general_plugins`` entry point
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvplan.compat.vllm import forms, metrics, nixl
@@ -50,6 +51,7 @@ def _connector_class() -> type:
                         setattr(self.connector_worker, _CAP, options[_CAP])
                     # vLLM's series plus kvplan's per-request plan columns
                     self.connector_worker.xfer_stats = stats_cls()
+                    _start_staging(self.connector_worker, options)
 
             @classmethod
             def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -69,6 +71,26 @@ def _connector_class() -> type:
         _CONNECTOR = KvplanMooncakeConnector
     return _CONNECTOR
 
+
+def _start_staging(worker: Any, options: dict[str, Any]) -> None:
+    """Staging asked for by a ``kvplan_staging`` key other than ``off``: the worker's arena,
+    registered with its Mooncake engine now (start-up), kept as the worker's staging state.
+    Without the key, or with ``off``, nothing is allocated and the worker is vLLM's path."""
+    from kvplan.compat.vllm import staging
+
+    if options.get("kvplan_staging", "off") == "off":
+        return
+    config = staging.StagingConfig.from_options(options)
+    state = staging.WorkerStaging.start(worker, config)
+    state.name = f"{worker.__dict__.get('hostname')}:{worker.__dict__.get('rpc_port')}"
+    worker.__dict__[staging.STAGING_ATTR] = state
+    _staging_log.warning(
+        "kvplan staging (%s): %d MiB arena in %d buffers registered; vLLM's pull request "
+        "does not carry kvplan's staging message yet, so requests take the direct path until "
+        "the decode advertises one", config.mode, config.arena_mib, config.buffers)
+
+
+_staging_log = logging.getLogger("vllm.kvplan.staging")
 
 #: The name vLLM's ``--kv-transfer-config`` uses for kvplan's connector once the plugin ran.
 CONNECTOR_NAME = "KvplanMooncakeConnector"

@@ -99,9 +99,17 @@ def _positive_int(option: str, value: Any) -> int:
     return value
 
 
-#: Each kvplan option a connector takes, with its parser.
+def _staging_options() -> dict[str, Callable[[str, Any], Any]]:
+    from kvplan.staging.config import STAGING_OPTIONS
+
+    return dict(STAGING_OPTIONS)
+
+
+#: Each kvplan option a connector takes, with its parser (the Mooncake connector takes the
+#: ``kvplan_staging*`` keys of :data:`kvplan.staging.STAGING_OPTIONS`).
 OPTIONS: dict[str, dict[str, Callable[[str, Any], Any]]] = {
-    "KvplanMooncakeConnector": {"kvplan_max_blocks_per_batch": _positive_int},
+    "KvplanMooncakeConnector": {"kvplan_max_blocks_per_batch": _positive_int,
+                                **_staging_options()},
     "KvplanNixlConnector": {},
 }
 

@@ -39,12 +39,18 @@ from kvplan.compat.plan_series import (
 )
 
 __all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "PLAN_TIME_KEY", "PLAN_TIME_METRIC",
+           "STAGED_BLOCKS_KEY", "STAGED_ROUNDS_KEY",
            "PlanStats", "prom_metrics_class", "stats_class"]
 
 #: The stats columns kvplan adds (one entry per planned request, aligned).
 PLAN_TIME_KEY = "kvplan_plan_time"
 BLOCKS_KEY = "kvplan_blocks_per_request"
-KVPLAN_KEYS = (PLAN_TIME_KEY, BLOCKS_KEY)
+#: Per request sent staged (docs/vllm.md, "Staged transfers"): its network blocks and rounds.
+STAGED_BLOCKS_KEY = "kvplan_staged_network_blocks"
+STAGED_ROUNDS_KEY = "kvplan_staged_rounds"
+STAGED_BLOCKS_METRIC = "kvplan:staged_network_blocks_per_request"
+STAGED_ROUNDS_METRIC = "kvplan:staged_rounds_per_request"
+KVPLAN_KEYS = (PLAN_TIME_KEY, BLOCKS_KEY, STAGED_BLOCKS_KEY, STAGED_ROUNDS_KEY)
 
 # vLLM's Mooncake series, for a vLLM module that does not register them (0.32): the names and
 # bucket edges of vLLM 0.33's, so that dashboards read both releases alike.
@@ -71,6 +77,10 @@ _VLLM_COUNTERS = (
 _KVPLAN_HISTOGRAMS = (
     (PLAN_TIME_KEY, PLAN_TIME_METRIC, PLAN_TIME_HELP, PLAN_TIME_BUCKETS),
     (BLOCKS_KEY, BLOCKS_METRIC, BLOCKS_HELP, BLOCKS_BUCKETS),
+    (STAGED_BLOCKS_KEY, STAGED_BLOCKS_METRIC,
+     "Network blocks of each request kvplan sent in staged rounds.", BLOCKS_BUCKETS),
+    (STAGED_ROUNDS_KEY, STAGED_ROUNDS_METRIC,
+     "Rounds of each request kvplan sent staged.", BLOCKS_BUCKETS),
 )
 
 
@@ -87,6 +97,13 @@ class PlanStats:
             data = self.data
             data[PLAN_TIME_KEY].append(seconds)
             data[BLOCKS_KEY].append(blocks)
+
+    def record_staged(self, network_blocks: int, rounds: int) -> None:
+        """One request sent staged: the network blocks of all its rounds, and its rounds."""
+        with self._lock:
+            data = self.data
+            data.setdefault(STAGED_BLOCKS_KEY, []).append(network_blocks)
+            data.setdefault(STAGED_ROUNDS_KEY, []).append(rounds)
 
 
 _STATS: dict[type, type] = {}
@@ -124,7 +141,8 @@ def stats_class(base: type) -> type:
             return type(self)(data=snapshot)
 
         def is_empty(self) -> bool:
-            return bool(super().is_empty()) and not self.data[PLAN_TIME_KEY]
+            return (bool(super().is_empty()) and not self.data[PLAN_TIME_KEY]
+                    and not self.data[STAGED_ROUNDS_KEY])
 
         def aggregate(self, other: Any) -> Any:
             if not other.is_empty():
@@ -139,6 +157,12 @@ def stats_class(base: type) -> type:
             out["Avg kvplan plan time (ms)"] = round(sum(times) / n * 1e3, 3) if n else 0
             out["Avg kvplan blocks per request"] = (
                 round(sum(self.data[BLOCKS_KEY]) / n, 1) if n else 0)
+            staged = self.data[STAGED_ROUNDS_KEY]
+            if staged:  # the line stays as it was where nothing went staged
+                out["Avg kvplan staged network blocks per request"] = round(
+                    sum(self.data[STAGED_BLOCKS_KEY]) / len(staged), 1)
+                out["Avg kvplan staged rounds per request"] = round(
+                    sum(staged) / len(staged), 1)
             return out
 
         def __reduce__(self) -> tuple[Any, ...]:

@@ -15,6 +15,7 @@ import numpy as np
 import kvplan
 from kvplan._core import index_array, reverse_descending_runs
 from kvplan.compat.vllm import metrics
+from kvplan.compat.vllm import staging as _staging
 from kvplan.compat.vllm.columns import BlockColumn, _column
 from kvplan.compat.vllm.templates import _PeerTemplates, _templates
 
@@ -156,6 +157,46 @@ def _vllm_module(cls: type) -> Any:
     raise TypeError(f"{cls.__name__} is not vLLM's MooncakeConnectorWorker (or a subclass)")
 
 
+async def _send_staged(self: Any, agent_meta: Any,
+                       staged: dict[str, _staging.StagedRequest]) -> dict[str, str]:
+    """Send each staged request in turn off the event loop (the send waits for the decode's
+    acknowledgements); returns the failed ones with their message."""
+    import asyncio
+
+    from kvplan.compat.vllm.submit import DEFAULT_MAX_BLOCKS_PER_BATCH, _handoff
+    from kvplan.staging import StagingError, round_engine
+
+    session = f"{agent_meta.remote_hostname}:{agent_meta.remote_port}"
+    engine = round_engine(_handoff(self), max_blocks_per_batch=getattr(
+        self, "kvplan_max_blocks_per_batch", DEFAULT_MAX_BLOCKS_PER_BATCH))
+    stats = getattr(self, "xfer_stats", None)
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # driven without a loop (vLLM's unit tests step the coroutine)
+        loop = None
+    failed: dict[str, str] = {}
+    for d_req_id, request in staged.items():
+        try:
+            if loop is None:
+                report = _staging.send_request(self, request, session, engine=engine)
+            else:
+                report = await loop.run_in_executor(
+                    None, lambda r=request: _staging.send_request(self, r, session,
+                                                                  engine=engine))
+        except StagingError as exc:
+            logger.error("req %s: kvplan's staged transfer failed: %s", d_req_id, exc)
+            if stats is not None:
+                stats.record_failed_transfer()
+            failed[d_req_id] = f"kvplan staged transfer failed: {exc}"
+            continue
+        if stats is not None:
+            stats.record_transfer(duration_s=report.seconds, total_bytes=report.bytes,
+                                  num_descs=report.network_blocks)
+        if isinstance(stats, metrics.PlanStats):
+            stats.record_staged(report.network_blocks, report.rounds)
+    return failed
+
+
 async def _build_transfer_params(
     self: Any, ready_reqs: list[Any], agent_meta: Any, local_regions: list[Any],
     remote_regions: list[Any],
@@ -219,6 +260,19 @@ async def _build_transfer_params(
         ready_ids.append(d_req_id)
         ready_groups.append([] if peer.error is not None else
                             _group_ids(peer, local_by_group, remote_by_group, vllm))
+    if peer is not None and ready_ids and _staging.STAGING_ATTR in self.__dict__:
+        # requests the decode takes staged leave the direct columns; a failed one is vLLM's
+        # failed request, as a failed write is
+        staged = _staging.staged_requests(self, agent_meta, peer,
+                                          dict(zip(ready_ids, ready_groups)))
+        if staged:
+            failed = await _send_staged(self, agent_meta, staged)
+            for d_req_id, message in failed.items():
+                err_reqs.append(d_req_id)
+                err_msg = err_msg or message
+            keep = [r for r, d_req_id in enumerate(ready_ids) if d_req_id not in staged]
+            ready_ids = [ready_ids[r] for r in keep]
+            ready_groups = [ready_groups[r] for r in keep]
     if peer is None or not ready_ids:
         return _column([]), _column([]), _column([]), err_reqs, err_msg
     # The ready requests to this peer as one batch plan per KV group: blocks that run on

