@@ -41,6 +41,9 @@ import ctypes
 import itertools
 import json
 import logging
+import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -70,7 +73,9 @@ from kvplan.staging import (
     send_staged,
 )
 
-__all__ = ["OPEN_MAGIC", "SglangStaging", "attach", "detach", "maybe_send", "staging_of"]
+__all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "SglangStaging",
+           "SocketChannel", "attach", "detach", "hook_register_info", "maybe_send",
+           "staging_of", "unhook_register_info"]
 
 _log = logging.getLogger("kvplan.compat.sglang")
 
@@ -78,6 +83,10 @@ _log = logging.getLogger("kvplan.compat.sglang")
 OPEN_MAGIC = b"KVPLAN-OPEN\x00"
 #: Registration key the decode's capabilities travel under.
 REGISTRATION_KEY = "kvplan_staging"
+#: First bytes of the frame the decode appends to SGLang's registration message.
+REGISTRATION_TAG = b"kvplan-staging\x00"
+#: SGLang 0.5.23's registration message has frames 0 to 19; kvplan's is the next one.
+REGISTRATION_FRAME = 20
 #: Stand-in addresses for the pools of the side a peer does not know: entry ``j`` at
 #: ``base + (j << 40)``; they shape no manifest and no scatter.
 _STANDIN_BASE = 1 << 44
@@ -144,10 +153,25 @@ class SglangStaging:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._failed_at: dict[tuple[str, int], float] = {}
+        #: Decode session -> its listener (from its registration frame).
+        self.endpoints: dict[str, str] = {}
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        self.channel: SocketChannel | None = None
 
     # ---------------------------------------------------------------- registration
+    def send_to(self, peer: str, data: bytes) -> None:
+        """One message to ``peer`` (a decode session: the listener it registered, else the
+        name itself)."""
+        self.send(self.endpoints.get(peer, peer), data)
+
+    def registration_frame(self) -> bytes:
+        """The frame the decode appends to SGLang's registration message: its capabilities
+        and where its listener is. SGLang 0.5.23's prefill reads frames 0 to 19 only, so a
+        prefill without kvplan ignores it."""
+        return REGISTRATION_TAG + json.dumps(
+            {**self.capabilities(), "endpoint": self.reply_to}).encode()
+
     def capabilities(self) -> dict[str, Any]:
         """What the decode adds to its registration (``{"kvplan_staging": ...}``)."""
         return {REGISTRATION_KEY: Capabilities.local([self.arena.info(self.rank)]).to_dict()}
@@ -157,6 +181,9 @@ class SglangStaging:
         """The prefill received a decode's registration (``None`` or without the key: a peer
         that does not run kvplan's staging): negotiate once, say a fallback once."""
         remote = (registration or {}).get(REGISTRATION_KEY)
+        endpoint = (registration or {}).get("endpoint")
+        if isinstance(endpoint, str) and endpoint:
+            self.endpoints[session] = endpoint
         outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), remote,
                             sending=True, local_rank=self.rank, remote_rank=peer_rank)
         self.peers[session] = outcome
@@ -261,6 +288,8 @@ class SglangStaging:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.channel is not None:
+            self.channel.close()
 
     # ---------------------------------------------------------------- prefill
     def next_request(self, session: str) -> str:
@@ -296,31 +325,198 @@ class _ManagerRounds:
                         int(plan.n_blocks))
 
 
-def attach(manager: Any, *, engine: Any, send: Send, reply_to: str, rank: int | None = None,
-           config: StagingConfig | None = None, costs: TransferCost | None = None
-           ) -> SglangStaging | None:
+class SocketChannel:
+    """kvplan's side channel: a TCP listener of length-prefixed messages (each handed to
+    ``handler`` in arrival order per connection) and cached connections to the peers'
+    listeners. Its endpoint (``host:port``) travels in the registration frame and the open
+    message."""
+
+    _HEADER = struct.Struct("<I")
+    #: The largest message accepted (an open message holds a request's page ids).
+    MAX_MESSAGE = 1 << 28
+
+    def __init__(self, handler: Callable[[bytes], None], host: str = "127.0.0.1") -> None:
+        self.handler = handler
+        self._server = socket.create_server((host, 0))
+        self.endpoint = f"{host}:{self._server.getsockname()[1]}"
+        self._out: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="kvplan-staging-listen", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                head = self._exactly(conn, self._HEADER.size)
+                if head is None:
+                    return
+                (n,) = self._HEADER.unpack(head)
+                if n > self.MAX_MESSAGE:
+                    _log.error("kvplan: staging message of %d bytes refused (at most %d): "
+                               "connection closed", n, self.MAX_MESSAGE)
+                    return
+                body = self._exactly(conn, n)
+                if body is None:
+                    return
+                try:
+                    self.handler(body)
+                except Exception:  # one bad message must not end the listener
+                    _log.exception("kvplan: a staging message failed")
+
+    @staticmethod
+    def _exactly(conn: socket.socket, n: int) -> bytes | None:
+        chunks, got = [], 0
+        while got < n:
+            try:
+                chunk = conn.recv(min(n - got, 1 << 20))
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def send(self, endpoint: str, data: bytes) -> None:
+        """One message to the listener at ``endpoint`` (``host:port``); raises ``OSError``
+        when it cannot be reached (the round protocol then fails the request ``peer_gone``)."""
+        host, _, port = endpoint.rpartition(":")
+        with self._lock:
+            conn = self._out.get(endpoint)
+            if conn is None:
+                conn = socket.create_connection((host, int(port)), timeout=10)
+                self._out[endpoint] = conn
+            try:
+                conn.sendall(self._HEADER.pack(len(data)) + data)
+            except OSError:
+                self._out.pop(endpoint, None)
+                conn.close()
+                raise
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+        with self._lock:
+            for conn in self._out.values():
+                conn.close()
+            self._out.clear()
+
+
+def _hook_registration(manager: Any, staging: SglangStaging) -> None:
+    """SGLang's registration, per manager instance: the decode appends
+    :meth:`SglangStaging.registration_frame` to ``build_receiver_registration_message``'s
+    frames; the prefill's ``_publish_peer_registration`` negotiates with what
+    ``KVArgsRegisterInfo.from_zmq`` found in that frame (nothing from a decode without
+    kvplan: the direct path)."""
+    cls = type(manager)
+    build = getattr(cls, "build_receiver_registration_message", None)
+    if build is not None:
+        def build_with_staging() -> list[bytes]:
+            frames = list(build(manager))
+            if len(frames) == REGISTRATION_FRAME:
+                frames.append(staging.registration_frame())
+            return frames
+
+        manager.__dict__["build_receiver_registration_message"] = build_with_staging
+    publish = getattr(cls, "_publish_peer_registration", None)
+    if publish is not None:
+        def publish_with_staging(session: str, info: Any) -> Any:
+            verdict = publish(manager, session, info)
+            staging.on_registration(session, getattr(info, "kvplan_staging", None),
+                                    int(getattr(info, "dst_tp_rank", 0)))
+            return verdict
+
+        manager.__dict__["_publish_peer_registration"] = publish_with_staging
+    module = sys.modules.get(cls.__module__)
+    info_cls = getattr(module, "KVArgsRegisterInfo", None)
+    if info_cls is not None:
+        hook_register_info(info_cls)
+
+
+def hook_register_info(info_cls: type) -> None:
+    """``info_cls.from_zmq`` keeps SGLang's parse and adds ``kvplan_staging`` (the decoded
+    registration frame) to what it returns when the message has kvplan's frame; installed
+    once per class."""
+    current = info_cls.__dict__.get("from_zmq")
+    if current is None or getattr(current, "_kvplan_original", None) is not None:
+        return
+    original = current.__func__ if isinstance(current, classmethod) else current
+
+    def from_zmq(cls: type, msg: list[bytes]) -> Any:
+        info = original(cls, msg)
+        frame = msg[REGISTRATION_FRAME] if len(msg) > REGISTRATION_FRAME else b""
+        if bytes(frame[:len(REGISTRATION_TAG)]) == REGISTRATION_TAG:
+            try:
+                info.kvplan_staging = json.loads(bytes(frame[len(REGISTRATION_TAG):]))
+            except ValueError as exc:
+                _log.error("kvplan: a decode's staging registration does not parse (%s): "
+                           "direct path", exc)
+        return info
+
+    wrapped: Any = classmethod(from_zmq)
+    from_zmq._kvplan_original = current  # type: ignore[attr-defined]
+    setattr(info_cls, "from_zmq", wrapped)
+
+
+def unhook_register_info(info_cls: type) -> None:
+    """Restore ``info_cls.from_zmq`` as SGLang defined it."""
+    current = info_cls.__dict__.get("from_zmq")
+    fn = current.__func__ if isinstance(current, classmethod) else current
+    original = getattr(fn, "_kvplan_original", None)
+    if original is not None:
+        setattr(info_cls, "from_zmq", original)
+
+
+def attach(manager: Any, *, engine: Any, send: Send | None = None,
+           reply_to: str | None = None, rank: int | None = None,
+           config: StagingConfig | None = None, costs: TransferCost | None = None,
+           host: str = "127.0.0.1") -> SglangStaging | None:
     """The start-up hook: give ``manager`` staging (``manager._kvplan_staging``).
 
     ``config`` defaults to ``StagingConfig.from_env()`` (``KVPLAN_STAGING``, ...); with mode
     ``off`` nothing is allocated, nothing set, and ``None`` is returned. ``engine`` is what the
     manager registered its KV memory with (a kvplan transport, Mooncake ``TransferEngine`` or
-    ``Handoff``): the arena is registered with it. ``send(peer, data)`` carries a message to a
-    peer's listener; ``reply_to`` names this side's listener for the peer's answers. ``costs``:
-    the engine's measured :class:`kvplan.TransferCost` (``kvplan.engines.measure_cost``), which
-    ``auto`` needs to prefer staging; without it ``auto`` keeps the direct path.
+    ``Handoff``): the arena is registered with it. The side channel is a
+    :class:`SocketChannel` listening on ``host`` unless ``send(peer, data)`` and ``reply_to``
+    (this side's listener, as the peer's ``send`` names it) are given. ``costs``: the engine's
+    measured :class:`kvplan.TransferCost` (``kvplan.engines.measure_cost``), which ``auto``
+    needs to prefer staging; without it ``auto`` keeps the direct path. SGLang's registration
+    carries the decode's capabilities (:func:`_hook_registration`, on this instance).
 
     Raises:
         ConfigError: a bad ``KVPLAN_STAGING*`` value, naming the variable.
         TransferError: the engine refused to register the arena.
+        KvPlanError: only one of ``send`` and ``reply_to`` given.
     """
     config = StagingConfig.from_env() if config is None else config
     if not config.enabled:
         return None
+    if (send is None) != (reply_to is None):
+        raise KvPlanError("kvplan staging: attach takes both send and reply_to, or neither "
+                          f"(send={send!r}, reply_to={reply_to!r})")
     arena = StagingArena.from_config(config)
     arena.register(engine)
     rank = int(manager.kv_args.engine_rank) if rank is None else int(rank)
+    channel: SocketChannel | None = None
+    if send is None:
+        holder: list[SglangStaging] = []
+        channel = SocketChannel(lambda data: holder[0].deliver(data), host)
+        send, reply_to = channel.send, channel.endpoint
+    assert reply_to is not None
     staging = SglangStaging(manager, config, arena, rank, send, reply_to, costs)
+    if channel is not None:
+        holder.append(staging)
+        staging.channel = channel
     staging.start_poller()
+    _hook_registration(manager, staging)
     manager.__dict__["_kvplan_staging"] = staging
     return staging
 
@@ -329,6 +525,8 @@ def detach(manager: Any) -> None:
     """Take staging off ``manager`` (its poller stops; the direct path from now on). The
     arena stays alive as long as the engine that registered it may write into it."""
     staging = manager.__dict__.pop("_kvplan_staging", None)
+    for name in ("build_receiver_registration_message", "_publish_peer_registration"):
+        manager.__dict__.pop(name, None)
     if staging is not None:
         staging.stop()
 
@@ -394,9 +592,10 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
     engine = _ManagerRounds(manager)
     try:
-        staging.send(session, open_msg)
+        staging.send_to(session, open_msg)
         report = send_staged(
-            cast(Sequence[Any], rounds), engine, session, lambda data: staging.send(session, data), request=request,
+            cast(Sequence[Any], rounds), engine, session,
+            lambda data: staging.send_to(session, data), request=request,
             acks=staging.router, gather=local_copy(_host_views(src_ptrs, src_lens),
                                                    [staging.arena.array]),
             writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
