@@ -383,3 +383,78 @@ def test_hetero_tp_request_lands_byte_exact_in_rounds(sg: Any) -> None:
     finally:
         for p in (dec, *pres):
             p.close()
+
+
+# ------------------------------------------------------------------------------- registration
+def _registration_attrs(peer: Peer) -> dict[str, Any]:
+    """What SGLang's ``build_receiver_registration_message`` reads from a decode manager."""
+    return dict(local_ip="127.0.0.1", rank_port=17000, attn_tp_size=1, dcp_size=1, dcp_rank=0,
+                enable_staging=False, _staging_ctx=None, kv_buffer_tensors=None,
+                get_session_id=lambda: peer.session)
+
+
+def _decode_kv_args(dec: Peer) -> Any:
+    return types.SimpleNamespace(
+        kv_data_ptrs=dec.ptrs, kv_data_lens=dec.lens, kv_item_lens=[ITEM] * LAYERS,
+        kv_layer_ids=list(range(LAYERS)), engine_rank=0, aux_data_ptrs=[], state_data_ptrs=[],
+        state_item_lens=[], state_layer_ids=[], state_dim_per_tensor=[])
+
+
+@pytest.mark.parametrize("decode_staging", [True, False], ids=["kvplan-decode", "plain-decode"])
+def test_sglang_registration_negotiates_and_socket_channel_carries_rounds(
+        sg: Any, decode_staging: bool) -> None:
+    """The decode's registration message is SGLang's own (20 frames) plus kvplan's frame; the
+    prefill parses it with SGLang's ``KVArgsRegisterInfo.from_zmq`` and negotiates; the rounds
+    travel over kvplan's TCP side channel. A decode without staging sends SGLang's 20 frames
+    only, and the prefill keeps the direct path."""
+    import sys
+
+    loader = load_loader()
+    conn = sys.modules["sglang.srt.disaggregation.mooncake.conn"]
+    pre, dec, pmgr, _, engine = _mla_pair(sg)
+    pre.listener.stop()
+    dec.listener.stop()
+    staged: list[Any] = []
+    try:
+        dmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=_decode_kv_args(dec),
+                                     is_mla_backend=True, **_registration_attrs(dec))
+        plain = dmgr.build_receiver_registration_message()
+        assert len(plain) == 20
+        if decode_staging:
+            staged.append(rounds.attach(dmgr, engine=dec.transport, config=ALWAYS))
+        frames = dmgr.build_receiver_registration_message()
+        assert frames[:20] == plain  # SGLang's own frames, unchanged
+        assert len(frames) == (21 if decode_staging else 20)
+        p = rounds.attach(pmgr, engine=pre.transport, config=ALWAYS)
+        assert p is not None
+        staged.append(p)
+        info = conn.KVArgsRegisterInfo.from_zmq(frames)
+        assert info.dst_kv_ptrs == dec.ptrs  # SGLang's parse, unchanged
+        # what SGLang's _publish_peer_registration reads on the prefill
+        pmgr.kv_args.aux_data_ptrs = []
+        pmgr.kv_args.state_data_ptrs = []
+        pmgr.kv_args.state_type = "none"
+        pmgr.__dict__.update(session_lock=threading.Lock(), state_layout_rejections={},
+                             failed_sessions=set(), session_failures={},
+                             failed_session_probes={})
+        # SGLang's bootstrap thread publishes the parsed registration; kvplan's instance hook
+        # negotiates right after
+        assert pmgr._publish_peer_registration(dec.session, info) is None
+        assert pmgr.decode_kv_args_table[dec.session] is info
+        outcome = p.peers[dec.session]
+        assert isinstance(outcome, StagingAgreement if decode_staging else DirectFallback)
+        src, dst = _mla_pages()
+        before = dec.memory.copy()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        if decode_staging:
+            assert p.last[dec.session][0] == "staged" and engine.blocks <= 4
+            assert p.endpoints[dec.session] == staged[0].reply_to
+        else:
+            assert dec.session not in p.last and engine.blocks >= LAYERS * TOKENS // 2
+    finally:
+        for s in staged:
+            s.stop()
+        rounds.unhook_register_info(conn.KVArgsRegisterInfo)
+        pre.transport.close()
+        dec.transport.close()

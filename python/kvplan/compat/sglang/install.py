@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from kvplan.compat.sglang.registry import (
     _register_sglang_classes,
     _resolve_original,
 )
+from kvplan.compat.sglang.rounds import unhook_register_info
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
 from kvplan.compat.sglang.staged import send_kvcache_staged
 
@@ -126,6 +128,10 @@ def uninstall(manager_class: type) -> tuple[str, ...]:
     for attr in ("_kvplan_max_blocks_per_batch", "_kvplan_decode_kv_layers", "_kvplan_on_error"):
         if attr in manager_class.__dict__:
             delattr(manager_class, attr)
+    # the registration parse a staged manager's start-up hook wrapped (rounds.attach)
+    info_cls = getattr(sys.modules.get(manager_class.__module__), "KVArgsRegisterInfo", None)
+    if isinstance(info_cls, type):
+        unhook_register_info(info_cls)
     return restored
 
 

@@ -435,10 +435,11 @@ def _hook_registration(manager: Any, staging: SglangStaging) -> None:
             return verdict
 
         manager.__dict__["_publish_peer_registration"] = publish_with_staging
-    module = sys.modules.get(cls.__module__)
-    info_cls = getattr(module, "KVArgsRegisterInfo", None)
-    if info_cls is not None:
-        hook_register_info(info_cls)
+    for klass in cls.__mro__:  # the module of SGLang's class, also under a subclass
+        info_cls = getattr(sys.modules.get(klass.__module__), "KVArgsRegisterInfo", None)
+        if isinstance(info_cls, type):
+            hook_register_info(info_cls)
+            break
 
 
 def hook_register_info(info_cls: type) -> None:
