@@ -5,8 +5,8 @@ Mooncake TCP loopback engines in this process.
 The prefill is vLLM's ``MooncakeConnectorWorker`` with kvplan installed; its staging state
 (arena registered with the prefill engine) and the decode's (arena registered with the decode
 engine, router, arena shares) are ``kvplan.compat.vllm.staging.WorkerStaging``. The decode's
-pull metadata carries its staging message; the round protocol's messages go through an
-in-process channel. The oracle is vLLM's own unpatched ``_build_transfer_params`` of the same
+pull metadata carries its staging message, with the address of its kvplan channel (TCP on
+127.0.0.1) through which the round protocol's messages go. The oracle is vLLM's own unpatched ``_build_transfer_params`` of the same
 request applied to the decode's memory: every byte of the decode KV memory must match it.
 """
 
@@ -62,15 +62,15 @@ class Engine:
         self.port = int(self.engine.get_rpc_port())
         self.session = f"127.0.0.1:{self.port}"
         self.registered: list[np.ndarray] = []
-        self.arenas: list[Any] = []
+        self.stagings: list[vstaging.WorkerStaging] = []
 
     def register(self, array: np.ndarray) -> None:
         assert self.engine.register_memory(array.ctypes.data, array.nbytes) == 0
         self.registered.append(array)  # kept alive while registered
 
     def close(self) -> None:
-        for arena in self.arenas:
-            arena.unregister()
+        for staging in self.stagings:
+            staging.close()  # its channels, its listener, its arena's registration
         for array in self.registered:
             self.engine.unregister_memory(array.ctypes.data)
 
@@ -122,8 +122,9 @@ class Side:
 
 
 class Loopback:
-    """The channel between one prefill worker's staging and the decode's, in this process;
-    ``corrupt`` rewrites a round message on the way (a manifest that is not the decode's)."""
+    """A channel between one prefill worker's staging and the decode's in this process that
+    rewrites round ``corrupt_round``'s message on the way (a manifest that is not the
+    decode's)."""
 
     def __init__(self, prefill: vstaging.WorkerStaging, decode: vstaging.WorkerStaging,
                  decode_worker: Any, corrupt_round: int | None = None) -> None:
@@ -149,7 +150,7 @@ def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1
                                          "kvplan_staging_arena_mib": arena_mib,
                                          "kvplan_staging_timeout_s": 5})
     staging = vstaging.WorkerStaging.start(side.worker, config, engine=engine.engine)
-    engine.arenas.append(staging.arena)
+    engine.stagings.append(staging)
     staging.name = engine.session
     side.worker.__dict__[vstaging.STAGING_ATTR] = staging
     return staging
@@ -211,8 +212,9 @@ def test_fragmented_mla_request_lands_staged_byte_exact(v: Any, patched: Any, en
                    head_bytes=256, seed=3)
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
-    p_staging, d_staging = start(prefill, p_engine), start(decode, d_engine)
-    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
+    start(prefill, p_engine)
+    d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)  # kvplan's channel; its address in the decode's message
     prefill.worker.xfer_stats = stats_for(v)
     requests = {"req-a": fragmented_ids(70, 1)}
     meta, ready = pull(v, prefill, decode, d_staging, requests)
@@ -238,14 +240,14 @@ def test_tp_mismatch_request_lands_staged_byte_exact(v: Any, patched: Any, engin
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=False, tp_rank=0, tp_size=1,
                   total_heads=2, head_bytes=64, seed=None)
     d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)
     requests = {"req-b": fragmented_ids(40, 2)}
     want = decode.memory.copy()
     total_direct = total_staged = 0
     for rank in (0, 1):
         prefill = Side(v, patched, p_engine, mla=False, tp_rank=rank, tp_size=2,
                        total_heads=2, head_bytes=64, seed=10 + rank)
-        p_staging = start(prefill, p_engine)
-        p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
+        start(prefill, p_engine)
         prefill.worker.xfer_stats = stats_for(v)
         meta, ready = pull(v, prefill, decode, d_staging, requests)
         # vLLM's bytes of this rank's head, on the oracle copy
@@ -316,6 +318,63 @@ def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decod
     lines = [r for r in caplog.records if r.name == "kvplan.staging"]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert np.all(decode.memory == SENTINEL)  # nothing was written by the staged path
+
+
+def staged_connector(v: Any, extra: dict[str, Any], engine_cls: Any = None) -> Any:
+    from support.vllm_cases import vllm_config, worker_dependencies
+    from test_vllm_upstream import test_kv_cache_config
+
+    from kvplan.compat import vllm as compat
+
+    config = vllm_config("kv_producer")
+    config.kv_transfer_config.kv_connector_extra_config.update(extra)
+    patches = {} if engine_cls is None else {"TransferEngine": engine_cls}
+    with worker_dependencies(v, **patches):
+        return compat.KvplanMooncakeConnector(config, v.KVConnectorRole.WORKER,
+                                              test_kv_cache_config(v))
+
+
+def test_connector_with_staging_off_or_absent_is_vllms_worker(v: Any) -> None:
+    for extra in ({}, {"kvplan_staging": "off", "kvplan_staging_arena_mib": 8}):
+        connector = staged_connector(v, extra)
+        worker = connector.connector_worker
+        assert vstaging.STAGING_ATTR not in worker.__dict__  # no arena, nothing advertised
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("extra,option", [
+    ({"kvplan_staging": "sometimes"}, "kvplan_staging"),
+    ({"kvplan_staging": "auto", "kvplan_staging_arena_mib": 0}, "kvplan_staging_arena_mib"),
+    ({"kvplan_staging_buffers": 65}, "kvplan_staging_buffers"),
+])
+def test_connector_refuses_a_bad_staging_option(v: Any, extra: dict[str, Any],
+                                                option: str) -> None:
+    import kvplan
+
+    with pytest.raises(kvplan.ConfigError) as err:
+        staged_connector(v, extra)
+    assert err.value.option == option and err.value.value == extra[option]
+
+
+def test_connector_registers_the_arena_at_start_up(v: Any, engines: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from mooncake.engine import TransferEngine
+
+    with caplog.at_level("WARNING", logger="vllm.kvplan.staging"):
+        connector = staged_connector(v, {"kvplan_staging": "always",
+                                         "kvplan_staging_arena_mib": 2,
+                                         "kvplan_staging_buffers": 4}, TransferEngine)
+    worker = connector.connector_worker
+    state = worker.__dict__[vstaging.STAGING_ATTR]
+    try:
+        assert state.arena.registered and state.arena.size == 2 << 20
+        assert state.arena.buffers == 4 and state.config.mode == "always"
+        assert state.capabilities()["arenas"][0]["registered"] is True
+        assert any("does not carry kvplan's staging message" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        state.close()
+        worker.shutdown()
 
 
 @pytest.mark.skipif(VLLM_VERSION != "0.33.0", reason="the other releases run from 0.33's run")

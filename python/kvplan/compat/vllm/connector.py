@@ -77,10 +77,11 @@ def _start_staging(worker: Any, options: dict[str, Any]) -> None:
     registered with its Mooncake engine now (start-up), kept as the worker's staging state.
     Without the key, or with ``off``, nothing is allocated and the worker is vLLM's path."""
     from kvplan.compat.vllm import staging
+    from kvplan.staging import StagingConfig
 
     if options.get("kvplan_staging", "off") == "off":
         return
-    config = staging.StagingConfig.from_options(options)
+    config = StagingConfig.from_options(options)
     state = staging.WorkerStaging.start(worker, config)
     state.name = f"{worker.__dict__.get('hostname')}:{worker.__dict__.get('rpc_port')}"
     worker.__dict__[staging.STAGING_ATTR] = state

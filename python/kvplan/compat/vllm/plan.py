@@ -162,6 +162,7 @@ async def _send_staged(self: Any, agent_meta: Any,
     """Send each staged request in turn off the event loop (the send waits for the decode's
     acknowledgements); returns the failed ones with their message."""
     import asyncio
+    import functools
 
     from kvplan.compat.vllm.submit import DEFAULT_MAX_BLOCKS_PER_BATCH, _handoff
     from kvplan.staging import StagingError, round_engine
@@ -181,8 +182,8 @@ async def _send_staged(self: Any, agent_meta: Any,
                 report = _staging.send_request(self, request, session, engine=engine)
             else:
                 report = await loop.run_in_executor(
-                    None, lambda r=request: _staging.send_request(self, r, session,
-                                                                  engine=engine))
+                    None, functools.partial(_staging.send_request, self, request, session,
+                                            engine=engine))
         except StagingError as exc:
             logger.error("req %s: kvplan's staged transfer failed: %s", d_req_id, exc)
             if stats is not None:

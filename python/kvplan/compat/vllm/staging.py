@@ -19,8 +19,11 @@ its KV cache; the prefill's send returns only after the decode acknowledged the 
 scatter, so vLLM's done message for the request comes after every byte is in place.
 
 The messages go through a :class:`Channel` the worker holds per decode peer
-(``WorkerStaging.channels``): vLLM's Mooncake side channel decodes every frame as its own
-msgspec message on both ends, so it cannot carry the round protocol's frames.
+(``WorkerStaging.channels``): kvplan's own TCP connection (:class:`ChannelServer` on the
+decode, its address in the decode's staging message; :class:`TcpChannel` on the prefill). vLLM's
+Mooncake side channel cannot carry them: both of its ends decode every frame as one of vLLM's
+msgspec messages (the prefill's listener as a pull request, the decode's pull loop as a
+response), so a round message would be an error there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import socket
+import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,7 +60,7 @@ from kvplan.staging import (
     send_staged,
 )
 
-__all__ = ["Channel", "StagedRequest", "WorkerStaging", "kv_buffers", "open_message",
+__all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
            "send_request", "staged_requests"]
 
 logger = logging.getLogger("kvplan.compat.vllm")
@@ -105,9 +111,53 @@ class WorkerStaging:
         arena.register(engine if engine is not None else worker.engine)
         return cls(config, arena, int(worker.tp_rank if rank is None else rank))
 
+    #: The decode's channel listener (:meth:`serve`), whose address its message carries.
+    server: ChannelServer | None = None
+
     def capabilities(self) -> dict[str, Any]:
-        """The message this worker adds to its handshake."""
-        return Capabilities.local([self.arena.info(self.rank)]).to_dict()
+        """The message this worker adds to its handshake (with the decode's channel address
+        once it serves one)."""
+        message = Capabilities.local([self.arena.info(self.rank)]).to_dict()
+        if self.server is not None:
+            message["channel"] = self.server.address
+        return message
+
+    def serve(self, worker: Any, host: str = "127.0.0.1") -> ChannelServer:
+        """Start the decode's channel listener (once)."""
+        if self.server is None:
+            self.server = ChannelServer(self, worker, host)
+        return self.server
+
+    def channel_to(self, session: str, remote: Any) -> Channel | None:
+        """The prefill's channel to the decode at ``session``: the one kept, else a
+        :class:`TcpChannel` to the address in the decode's message (None: it gave none, or
+        the connection failed, which is logged)."""
+        channel = self.channels.get(session)
+        if channel is not None:
+            return channel
+        address = remote.get("channel") if isinstance(remote, dict) else None
+        if not isinstance(address, str):
+            return None
+        try:
+            channel = TcpChannel(address, self.router)
+        except (OSError, ValueError) as exc:
+            logger.warning("kvplan staging: no channel to %s at %r (%s): direct path",
+                           session, address, exc)
+            return None
+        self.channels[session] = channel
+        return channel
+
+    def close(self) -> None:
+        """Close the channels and the listener, and unregister the arena."""
+        for channel in self.channels.values():
+            close = getattr(channel, "close", None)
+            if close is not None:
+                close()
+        self.channels.clear()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.arena.unregister()
 
     def agreement(self, peer: str, remote: Any, *, sending: bool,
                   remote_rank: int) -> Negotiated:
@@ -197,7 +247,8 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
     remote = getattr(agent_meta, META_KEY, None)
     outcome = staging.agreement(session, remote, sending=True,
                                 remote_rank=int(agent_meta.remote_tp_rank))
-    if not isinstance(outcome, StagingAgreement) or session not in staging.channels:
+    if not isinstance(outcome, StagingAgreement) or \
+            staging.channel_to(session, remote) is None:
         return {}
     out = {}
     for request, per_group in ids_by_request.items():
@@ -280,3 +331,147 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
                        gather=local_copy(kv_buffers(worker), [staging.arena.array]),
                        buffers=staged.agreement.buffers, src_lock=staging.arena.lock,
                        timeout_s=staging.config.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# kvplan's channel between a prefill worker and a decode worker
+# ---------------------------------------------------------------------------------------------
+
+_OPEN, _MESSAGE = b"O", b"M"
+_HEADER = struct.Struct("<cI")
+
+
+def _send_frame(sock: socket.socket, lock: threading.Lock, tag: bytes, data: bytes) -> None:
+    if len(data) > MAX_OPEN_BYTES:
+        raise ValueError(f"a staging frame of {len(data)} bytes exceeds {MAX_OPEN_BYTES}")
+    with lock:
+        sock.sendall(_HEADER.pack(tag, len(data)) + data)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
+
+
+def _frames(sock: socket.socket) -> Any:
+    """``(tag, data)`` per frame until the peer closes or sends a frame of no known tag or
+    of more than :data:`MAX_OPEN_BYTES` (then the connection is dropped)."""
+    while True:
+        header = _read_exact(sock, _HEADER.size)
+        if header is None:
+            return
+        tag, n = _HEADER.unpack(header)
+        if tag not in (_OPEN, _MESSAGE) or n > MAX_OPEN_BYTES:
+            logger.warning("kvplan staging: dropping a channel that sent a frame %r of %d "
+                           "bytes", tag, n)
+            return
+        data = _read_exact(sock, n)
+        if data is None:
+            return
+        yield tag, data
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"channel address {address!r}: host:port is required")
+    return host, int(port)
+
+
+class TcpChannel:
+    """The prefill's connection to one decode's :class:`ChannelServer`: frames out, the
+    decode's messages into ``router``."""
+
+    def __init__(self, address: str, router: Router, *, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self._sock = socket.create_connection(_parse_address(address), timeout=timeout_s)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self._router = router
+        self._reader = threading.Thread(target=self._read, name="kvplan-staging-channel",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for tag, data in _frames(self._sock):
+                if tag == _MESSAGE:
+                    self._router.deliver(data)
+        except OSError:
+            pass  # closed: a send in flight then fails with peer_gone
+
+    def send(self, data: bytes) -> None:
+        _send_frame(self._sock, self._lock, _MESSAGE, data)
+
+    def open(self, data: bytes) -> None:
+        _send_frame(self._sock, self._lock, _OPEN, data)
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class ChannelServer:
+    """The decode's listener: each prefill connection's opening messages go to
+    :meth:`WorkerStaging.on_open` (its replies back on that connection), its round protocol
+    messages to the decode's router. Opening messages are planned and rounds scattered on the
+    connection's own thread."""
+
+    def __init__(self, staging: WorkerStaging, worker: Any, host: str = "127.0.0.1") -> None:
+        self._staging, self._worker = staging, worker
+        self._listener = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, name="kvplan-staging-listener",
+                         daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvplan-staging-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lock = threading.Lock()
+
+        def reply(data: bytes) -> None:
+            _send_frame(conn, lock, _MESSAGE, data)
+
+        try:
+            for tag, data in _frames(conn):
+                if tag == _OPEN:
+                    try:
+                        self._staging.on_open(self._worker, data, reply)
+                    except (kvplan.KvPlanError, ValueError) as exc:
+                        logger.error("kvplan staging: refused an opening message: %s", exc)
+                else:
+                    self._staging.router.deliver(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
