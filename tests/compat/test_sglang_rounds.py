@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import kvplan
 import pytest
 
 from kvplan.compat import sglang as compat
@@ -457,4 +458,57 @@ def test_sglang_registration_negotiates_and_socket_channel_carries_rounds(
             s.stop()
         rounds.unhook_register_info(conn.KVArgsRegisterInfo)
         pre.transport.close()
+        dec.transport.close()
+
+
+# ------------------------------------------------------------------------------- start-up
+def test_start_up_hook_attaches_after_sglang_registers_its_kv(
+        sg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``install`` with ``KVPLAN_STAGING`` set wraps SGLang's ``register_buffer_to_engine``:
+    after SGLang registered the KV memory, the manager has an arena registered with the
+    Mooncake engine inside SGLang's wrapper and a side channel on its ``local_ip``. Unset, the
+    class is left as it was."""
+    loader = load_loader()
+    cls = sg.MooncakeKVManager
+    monkeypatch.delenv("KVPLAN_STAGING", raising=False)
+    compat.install(cls)
+    assert "register_buffer_to_engine" not in cls.__dict__ or not getattr(
+        cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
+    dec = Peer(LAYERS, CAP * ITEM, None)
+    dec.listener.stop()
+    registered: list[Any] = []
+
+    class Wrapper:  # SGLang's MooncakeTransferEngine: batch_register, the engine inside
+        engine = dec.transport
+
+        def batch_register(self, ptrs: list[int], lens: list[int]) -> int:
+            registered.append((ptrs, lens))
+            return 0
+
+    kv = _decode_kv_args(dec)
+    kv.aux_data_lens, kv.state_data_lens = [], []
+    mgr = None
+    try:
+        monkeypatch.setenv("KVPLAN_STAGING", "always")
+        monkeypatch.setenv("KVPLAN_STAGING_ARENA_MIB", "1")
+        compat.install(cls)
+        mgr = loader.manager_object(sg, cls, kv_args=kv, engine=Wrapper(),
+                                    local_ip="127.0.0.1")
+        mgr.register_buffer_to_engine()
+        assert registered == [(dec.ptrs, dec.lens)]  # SGLang's own registration first
+        staging = rounds.staging_of(mgr)
+        assert staging is not None and staging.arena.registered
+        assert staging.config.mode == "always" and staging.arena.size == 1 << 20
+        assert staging.reply_to.startswith("127.0.0.1:")
+        monkeypatch.setenv("KVPLAN_STAGING", "sometimes")
+        other = loader.manager_object(sg, cls, kv_args=kv, engine=Wrapper(),
+                                      local_ip="127.0.0.1")
+        with pytest.raises(kvplan.ConfigError, match="KVPLAN_STAGING"):
+            other.register_buffer_to_engine()
+    finally:
+        if mgr is not None:
+            rounds.detach(mgr)
+        rounds.unhook_start_up(cls)
+        assert "register_buffer_to_engine" not in cls.__dict__ or not getattr(
+            cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
         dec.transport.close()

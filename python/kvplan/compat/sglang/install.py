@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from kvplan.compat.sglang.registry import (
     _register_sglang_classes,
     _resolve_original,
 )
-from kvplan.compat.sglang.rounds import unhook_register_info
+from kvplan.compat.sglang.rounds import hook_start_up, unhook_register_info, unhook_start_up
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
 from kvplan.compat.sglang.staged import send_kvcache_staged
 
@@ -116,6 +117,11 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
     setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
     setattr(manager_class, "_kvplan_on_error", on_error)
+    if kind == "MooncakeKVManager" and os.environ.get("KVPLAN_STAGING", "").strip() \
+            not in ("", "off"):
+        # staged transfers in rounds: the manager's start-up gives it an arena and a side
+        # channel (kvplan.compat.sglang.rounds.start_up)
+        hook_start_up(manager_class)
     return replaced
 
 
@@ -132,6 +138,7 @@ def uninstall(manager_class: type) -> tuple[str, ...]:
     info_cls = getattr(sys.modules.get(manager_class.__module__), "KVArgsRegisterInfo", None)
     if isinstance(info_cls, type):
         unhook_register_info(info_cls)
+    unhook_start_up(manager_class)
     return restored
 
 

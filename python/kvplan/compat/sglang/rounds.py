@@ -41,6 +41,7 @@ import ctypes
 import itertools
 import json
 import logging
+import os
 import socket
 import struct
 import sys
@@ -74,8 +75,8 @@ from kvplan.staging import (
 )
 
 __all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "SglangStaging",
-           "SocketChannel", "attach", "detach", "hook_register_info", "maybe_send",
-           "staging_of", "unhook_register_info"]
+           "SocketChannel", "attach", "detach", "hook_register_info", "hook_start_up",
+           "maybe_send", "start_up", "staging_of", "unhook_register_info", "unhook_start_up"]
 
 _log = logging.getLogger("kvplan.compat.sglang")
 
@@ -520,6 +521,58 @@ def attach(manager: Any, *, engine: Any, send: Send | None = None,
     _hook_registration(manager, staging)
     manager.__dict__["_kvplan_staging"] = staging
     return staging
+
+
+def start_up(manager: Any) -> SglangStaging | None:
+    """The start-up hook's body, once SGLang registered the manager's KV memory: with
+    ``KVPLAN_STAGING`` set to ``auto`` or ``always``, :func:`attach` with the Mooncake engine
+    inside SGLang's wrapper (``manager.engine.engine``) and the manager's ``local_ip`` for the
+    side channel; unset, empty or ``off``: nothing.
+
+    Raises:
+        ConfigError: a bad ``KVPLAN_STAGING*`` value (the server does not start half
+            configured).
+        TransferError: the engine refused to register the arena.
+    """
+    if os.environ.get("KVPLAN_STAGING", "").strip() == "":
+        return None
+    engine = getattr(manager.engine, "engine", None) or manager.engine
+    host = str(getattr(manager, "local_ip", "") or "127.0.0.1")
+    return attach(manager, engine=engine, host=host)
+
+
+def hook_start_up(manager_class: type) -> bool:
+    """Wrap ``manager_class.register_buffer_to_engine`` (SGLang calls it once in the
+    manager's ``__init__``, after its KV memory is known) so that :func:`start_up` runs after
+    it; False when already wrapped or the class has no such method."""
+    current = manager_class.__dict__.get("register_buffer_to_engine")
+    if current is not None and getattr(current, "_kvplan_start_up", False):
+        return False
+    original = getattr(manager_class, "register_buffer_to_engine", None)
+    if original is None:
+        return False
+
+    def register_buffer_to_engine(self: Any) -> None:
+        original(self)
+        if staging_of(self) is None:
+            start_up(self)
+
+    register_buffer_to_engine._kvplan_start_up = True  # type: ignore[attr-defined]
+    register_buffer_to_engine._kvplan_had = current  # type: ignore[attr-defined]
+    setattr(manager_class, "register_buffer_to_engine", register_buffer_to_engine)
+    return True
+
+
+def unhook_start_up(manager_class: type) -> None:
+    """Restore what :func:`hook_start_up` wrapped."""
+    current = manager_class.__dict__.get("register_buffer_to_engine")
+    if current is None or not getattr(current, "_kvplan_start_up", False):
+        return
+    had = current._kvplan_had
+    if had is None:
+        delattr(manager_class, "register_buffer_to_engine")
+    else:
+        setattr(manager_class, "register_buffer_to_engine", had)
 
 
 def detach(manager: Any) -> None:
