@@ -32,7 +32,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use kvplan_core::{
-    AttentionGeometry, Columns, EntryKind, Indices, Layout, LayoutContext, LayoutParts,
+    AttentionGeometry, Columns, Indexing, Indices, Layout, LayoutContext, LayoutParts,
     MemoryOrder, Pairing, PlanError, PlanSummary, Request, Template, TemplateOptions,
 };
 
@@ -624,8 +624,8 @@ unsafe fn layout_from(desc: &KvplanLayoutDesc) -> Result<Layout, Fail> {
         list.iter()
             .enumerate()
             .map(|(i, &kind)| match kind {
-                KVPLAN_ENTRY_PAGE => Ok(EntryKind::Page),
-                KVPLAN_ENTRY_STATE => Ok(EntryKind::State),
+                KVPLAN_ENTRY_PAGE => Ok(Indexing::Page),
+                KVPLAN_ENTRY_STATE => Ok(Indexing::State),
                 other => Err(invalid(format!(
                     "kinds[{i}] is {other}; expected KVPLAN_ENTRY_PAGE (0) or KVPLAN_ENTRY_STATE (1)"
                 ))),

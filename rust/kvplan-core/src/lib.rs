@@ -40,7 +40,8 @@
 //! 1. `error` (the one error type).
 //! 2. `peer/` (one peer's side):
 //!    1. `kv_format` (KV dtypes and scale layouts: names only).
-//!    2. `layout` (a peer's buffers, their constructors and contexts).
+//!    2. `entry` (one entry as one value, its kind and its page pools).
+//!    3. `layout` (a peer's buffers, their constructors and contexts).
 //! 3. `model/` (the data model of a plan):
 //!    1. `pieces` (the address model), `runs` (the request scan).
 //!    2. `plan` (output types), `request` (the one request value), `layer_groups` (the caller's
@@ -89,8 +90,8 @@ pub use exchange::local::{RegionMut, check_local_buffers, copy_local};
 pub use kernels::tokens::TokenTemplate;
 pub use model::layer_groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
 pub use model::pieces::{
-    Fragment, Fragments, Lane, MAX_LANES, PIECE_CLASSES, POOLS, PairSpec, Piece, PieceSide, Pool,
-    TOKEN_CLASSES, TokenMap, Walk,
+    Fragment, Fragments, Lane, MAX_LANES, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES,
+    TokenMap, Walk,
 };
 pub use model::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, StateShape, TokenShape,
@@ -99,9 +100,10 @@ pub use model::request::{Indices, Request};
 pub use model::runs::{
     IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
 };
+pub use peer::entry::{Entry, EntryKind, Indexing, POOLS, Pool, PoolId};
 pub use peer::kv_format::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
 pub use peer::layout::{
-    AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
+    AttentionGeometry, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,
     heads_per_rank_at,
 };
 pub use peer_pair::accounting::BlockAccounting;

@@ -10,7 +10,7 @@ mod support;
 
 use kvplan_core::Request;
 use kvplan_core::{
-    Columns, EntryKind, Fragment, Fragments, GeometryOptions, Layout, MemoryOrder, Plan, PlanError,
+    Columns, Fragment, Fragments, GeometryOptions, Indexing, Layout, MemoryOrder, Plan, PlanError,
     PlanUnit, Template, TemplateOptions,
 };
 use support::blocks::{buffers, state_plan};
@@ -149,7 +149,7 @@ fn drive(what: &str, src: &Layout, dst: &Layout, geometry: &GeometryOptions) -> 
     let (ps, pd) = t.page_sizes();
     let page_capacity = |l: &Layout| {
         (0..l.n_entries())
-            .filter(|&e| l.parts().kinds[e] == EntryKind::Page)
+            .filter(|&e| l.parts().kinds[e] == Indexing::Page)
             .map(|e| l.capacity(e))
             .min()
             .unwrap()

@@ -214,7 +214,7 @@ fn expected(case: &Case, peer: &Peer) -> Vec<(usize, u8)> {
     for e in 0..layout.n_entries() {
         let layer = parts.layer_ids[e].unwrap();
         let ptr = parts.data_ptrs[e] - peer.base;
-        if parts.kinds[e] == kvplan_core::EntryKind::State {
+        if parts.kinds[e] == kvplan_core::Indexing::State {
             continue; // state_bytes
         }
         if layout.is_draft(e) {
@@ -253,7 +253,7 @@ fn expected(case: &Case, peer: &Peer) -> Vec<(usize, u8)> {
 fn state_bytes(peer: &Peer, slot: i64) -> Vec<(usize, u8)> {
     let parts = peer.layout.parts();
     let mut out = Vec::new();
-    for e in peer.layout.entries_of_kind(kvplan_core::EntryKind::State) {
+    for e in peer.layout.entries_of_kind(kvplan_core::Indexing::State) {
         let layer = parts.layer_ids[e].unwrap();
         let at = parts.data_ptrs[e] - peer.base + slot as u64 * STATE_ITEM;
         for b in 0..STATE_ITEM {

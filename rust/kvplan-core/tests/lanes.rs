@@ -3,7 +3,7 @@
 //! page list (pool) it reads on each side, and every token piece names its lane.
 
 use kvplan_core::{
-    Lane, Layout, LayoutContext, Pool, Request, Template, TemplateOptions, TokenMap, Walk,
+    Lane, Layout, LayoutContext, PoolId, Request, Template, TemplateOptions, TokenMap, Walk,
 };
 
 const ITEM: u64 = 64; // 16 bytes a token, 4 tokens a page
@@ -47,7 +47,7 @@ fn a_template_without_windows_walks_every_token_over_the_request_pages() {
     let all = Lane {
         walk: Walk::All,
         maps: (PAGED, PAGED),
-        pools: (Pool::Pages, Pool::Pages),
+        pools: (PoolId::Pages, PoolId::Pages),
     };
     assert_eq!(lanes, [all]);
     let tokens = t.token_template().unwrap();
@@ -64,7 +64,7 @@ fn a_window_entry_follows_a_window_lane_after_the_target_lane() {
         lanes.iter().map(|l| l.walk).collect::<Vec<_>>(),
         [Walk::All, Walk::Window(6)]
     );
-    assert_eq!(lanes[1].pools, (Pool::Pages, Pool::Pages));
+    assert_eq!(lanes[1].pools, (PoolId::Pages, PoolId::Pages));
     let tokens = t.token_template().unwrap();
     // Layer 0 (the window entry) is the first pair: its piece follows the window lane.
     let lane_of_pair = |pair: usize| tokens.pieces[tokens.pair_pieces[pair].0].lane;
@@ -88,7 +88,7 @@ fn a_window_pool_on_one_side_is_that_side_s_pool_of_the_window_lane() {
         Lane {
             walk: Walk::Window(6),
             maps: (PAGED, TokenMap::Paged { page_size: 2 }),
-            pools: (Pool::Pages, Pool::Window),
+            pools: (PoolId::Pages, PoolId::Window),
         }
     );
 }

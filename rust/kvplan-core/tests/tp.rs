@@ -453,7 +453,7 @@ fn repaged(layout: &Layout, page_size: u64, change: Change) -> Layout {
     ctx.page_size = page_size;
     let mut parts = layout.parts().clone();
     for k in 0..parts.item_lens.len() {
-        if parts.kinds[k] == kvplan_core::EntryKind::Page {
+        if parts.kinds[k] == kvplan_core::Indexing::Page {
             parts.item_lens[k] = parts.item_lens[k] / 4 * page_size;
             parts.data_lens[k] = parts.data_lens[k] / 4 * page_size;
         }

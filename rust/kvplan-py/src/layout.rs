@@ -1,7 +1,7 @@
 //! `kvplan.Layout`: a peer's transfer entries, built from SGLang-style registration lists or
 //! from the named constructors of the core.
 
-use kvplan_core::{EntryKind, Layout, LayoutParts};
+use kvplan_core::{Indexing, Layout, LayoutParts};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
@@ -309,7 +309,7 @@ impl PyLayout {
         let kinds = kinds
             .unwrap_or_default()
             .iter()
-            .map(|k| EntryKind::parse(k))
+            .map(|k| Indexing::parse(k))
             .collect::<Result<Vec<_>, _>>()
             .map_err(to_py_err)?;
         let parts = LayoutParts {
@@ -400,16 +400,16 @@ impl PyLayout {
     #[getter]
     fn representations(&self) -> Vec<Option<String>> {
         self.inner
-            .representations()
+            .entries()
             .iter()
-            .map(|r| r.map(|r| r.text()))
+            .map(|e| e.format.map(|r| r.text()))
             .collect()
     }
 
     /// Sliding window in tokens per entry (`None`: a full entry).
     #[getter]
     fn windows(&self) -> Vec<Option<u64>> {
-        self.inner.windows().to_vec()
+        self.inner.windows()
     }
 
     /// The same layout with ring-state entries: one ring size in rows per request slot per
@@ -423,7 +423,7 @@ impl PyLayout {
     /// Ring rows per request slot per entry (`None`: not a ring-state entry).
     #[getter]
     fn rings(&self) -> Vec<Option<u64>> {
-        self.inner.rings().to_vec()
+        self.inner.rings()
     }
 
     /// One `kv` entry per layer (MLA latent buffers).
@@ -644,7 +644,7 @@ impl PyLayout {
         if let Some(page_size) = self.inner.window_page_size() {
             dict.set_item("window_page_size", page_size)?;
         }
-        if self.inner.rings().iter().any(Option::is_some) {
+        if self.inner.entries().iter().any(|e| e.ring().is_some()) {
             dict.set_item("rings", self.inner.rings())?;
         }
         if self.inner.has_representations() {
@@ -778,25 +778,25 @@ impl PyLayout {
 
     #[getter]
     fn data_ptrs(&self) -> Vec<u64> {
-        self.inner.parts().data_ptrs.clone()
+        self.inner.entries().iter().map(|e| e.buffer.0).collect()
     }
 
     #[getter]
     fn data_lens(&self) -> Vec<u64> {
-        self.inner.parts().data_lens.clone()
+        self.inner.entries().iter().map(|e| e.buffer.1).collect()
     }
 
     #[getter]
     fn item_lens(&self) -> Vec<u64> {
-        self.inner.parts().item_lens.clone()
+        self.inner.entries().iter().map(|e| e.item_len).collect()
     }
 
     /// Global layer id per entry; `None` when no entry publishes one (`None` items for entries
     /// of a kind that publishes none while another kind does).
     #[getter]
     fn layer_ids(&self) -> Option<Vec<Option<i64>>> {
-        let ids = &self.inner.parts().layer_ids;
-        ids.iter().any(Option::is_some).then(|| ids.clone())
+        let ids: Vec<Option<i64>> = self.inner.entries().iter().map(|e| e.layer).collect();
+        ids.iter().any(Option::is_some).then_some(ids)
     }
 
     /// Role per entry; `None` when no entry publishes one (`None` items for entries of a
@@ -810,33 +810,35 @@ impl PyLayout {
     /// Whether each entry belongs to the draft model.
     #[getter]
     fn drafts(&self) -> Vec<bool> {
-        self.inner.parts().drafts.clone()
+        self.inner.entries().iter().map(|e| e.draft).collect()
     }
 
     /// One read-only record per entry, in layout order; only the entries of `kind`
     /// (`"page"` or `"state"`) when given.
     #[pyo3(signature = (kind=None))]
     fn entries(&self, kind: Option<&str>) -> PyResult<Vec<PyLayoutEntry>> {
-        let kind = kind.map(EntryKind::parse).transpose().map_err(to_py_err)?;
+        let kind = kind.map(Indexing::parse).transpose().map_err(to_py_err)?;
         let layout = &self.inner;
-        let parts = layout.parts();
-        Ok((0..layout.n_entries())
-            .filter(|&i| kind.is_none_or(|k| parts.kinds[i] == k))
-            .map(|i| PyLayoutEntry {
+        Ok(layout
+            .entries()
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| kind.is_none_or(|k| e.indexing() == k))
+            .map(|(i, e)| PyLayoutEntry {
                 index: i,
-                kind: parts.kinds[i].as_str(),
-                layer_id: parts.layer_ids[i],
+                kind: e.indexing().as_str(),
+                layer_id: e.layer,
                 role: layout.role(i).map(str::to_owned),
-                is_draft: layout.is_draft(i),
-                data_ptr: parts.data_ptrs[i],
-                data_len: parts.data_lens[i],
-                item_len: parts.item_lens[i],
-                stride: layout.strides()[i],
+                is_draft: e.draft,
+                data_ptr: e.buffer.0,
+                data_len: e.buffer.1,
+                item_len: e.item_len,
+                stride: e.stride,
                 capacity: layout.capacity(i),
-                window: layout.windows()[i],
+                window: e.window(),
                 page_size: layout.entry_page_size(i),
                 in_window_pool: layout.in_window_pool(i),
-                ring: layout.rings()[i],
+                ring: e.ring(),
                 sidecar: layout
                     .role(i)
                     .is_some_and(kvplan_core::peer::layout::is_sidecar_role),
@@ -847,16 +849,15 @@ impl PyLayout {
     /// Bytes between consecutive items of each entry (`item_len` unless set).
     #[getter]
     fn strides(&self) -> Vec<u64> {
-        self.inner.strides().to_vec()
+        self.inner.strides()
     }
 
     #[getter]
     fn kinds(&self) -> Vec<&'static str> {
         self.inner
-            .parts()
-            .kinds
+            .entries()
             .iter()
-            .map(|k| k.as_str())
+            .map(|e| e.indexing().as_str())
             .collect()
     }
 
@@ -956,12 +957,7 @@ impl PyLayout {
     }
 
     fn __repr__(&self) -> String {
-        let parts = self.inner.parts();
-        let pages = parts
-            .kinds
-            .iter()
-            .filter(|&&k| k == EntryKind::Page)
-            .count();
+        let pages = self.inner.entries().iter().filter(|e| e.is_page()).count();
         let ctx = self.inner.context();
         let dcp = if ctx.dcp.dealt() {
             format!(

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvplan_core::{
-    Columns, EntryKind, FlatBuffer, Layout, LayoutContext, LayoutParts, LegacyKind, PlanError,
+    Columns, Indexing, FlatBuffer, Layout, LayoutContext, LayoutParts, LegacyKind, PlanError,
     Pairing, Template, TemplateOptions, check_pairs, pair_entries, model::runs::group_contiguous,
 };
 
@@ -366,9 +366,9 @@ impl LayoutRecipe {
                     parts.data_lens.push(l);
                     parts.item_lens.push(i);
                     parts.kinds.push(if e.state {
-                        EntryKind::State
+                        Indexing::State
                     } else {
-                        EntryKind::Page
+                        Indexing::Page
                     });
                     // 0: none, 1: all, 2+: whatever each entry says (usually invalid).
                     parts.layer_ids.push(match ids % 3 {
@@ -696,8 +696,8 @@ pub fn check_plan(input: &PlanInput) {
     };
     // Pairs: kinds match, item lengths match, destination entries distinct within a kind.
     for (pairs, kind) in [
-        (template.page_pairs(), EntryKind::Page),
-        (template.state_pairs(), EntryKind::State),
+        (template.page_pairs(), Indexing::Page),
+        (template.state_pairs(), Indexing::State),
     ] {
         let mut seen = HashSet::new();
         for p in pairs {

@@ -37,7 +37,7 @@
 
 use crate::error::{PlanError, Result};
 use crate::peer::layout::{
-    AttentionGeometry, EntryKind, Layout, LayoutContext, LayoutParts, MemoryOrder,
+    AttentionGeometry, Indexing, Layout, LayoutContext, LayoutParts, MemoryOrder,
 };
 use crate::rules::dcp::DcpContext;
 
@@ -92,10 +92,10 @@ fn wire_error(what: impl Into<String>) -> PlanError {
 /// # Errors
 /// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes.
 pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
-    let parts = layout.parts();
     let ctx = layout.context();
     let n = layout.n_entries();
-    let strings: usize = parts.roles.iter().map(String::len).sum::<usize>() + ctx.device.len();
+    let strings: usize =
+        layout.entries().iter().map(|e| e.role.len()).sum::<usize>() + ctx.device.len();
     let mut out =
         Vec::with_capacity(HEADER + CONTEXT_FIXED + 2 + n * ENTRY_FIXED_V2 + strings + TRAILER);
     out.extend_from_slice(MAGIC);
@@ -132,26 +132,23 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&8u16.to_le_bytes());
         out.extend_from_slice(&page_size.to_le_bytes());
     }
-    for i in 0..n {
-        out.extend_from_slice(&parts.data_ptrs[i].to_le_bytes());
-        out.extend_from_slice(&parts.data_lens[i].to_le_bytes());
-        out.extend_from_slice(&parts.item_lens[i].to_le_bytes());
-        out.extend_from_slice(&layout.strides()[i].to_le_bytes());
-        out.push(match parts.kinds[i] {
-            EntryKind::Page => 0,
-            EntryKind::State => 1,
+    for e in layout.entries() {
+        out.extend_from_slice(&e.buffer.0.to_le_bytes());
+        out.extend_from_slice(&e.buffer.1.to_le_bytes());
+        out.extend_from_slice(&e.item_len.to_le_bytes());
+        out.extend_from_slice(&e.stride.to_le_bytes());
+        out.push(match e.indexing() {
+            Indexing::Page => 0,
+            Indexing::State => 1,
         });
-        out.push(if parts.drafts[i] { DRAFT_FLAG } else { 0 });
-        out.push(u8::from(parts.layer_ids[i].is_some()));
-        out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
-        put_str(&mut out, &parts.roles[i])?;
+        out.push(if e.draft { DRAFT_FLAG } else { 0 });
+        out.push(u8::from(e.layer.is_some()));
+        out.extend_from_slice(&e.layer.unwrap_or(0).to_le_bytes());
+        put_str(&mut out, &e.role)?;
         let extensions = [
-            (EXT_WINDOW, layout.windows()[i]),
-            (EXT_RING, layout.rings()[i]),
-            (
-                EXT_REPRESENTATION,
-                layout.representations()[i].map(|r| r.to_code()),
-            ),
+            (EXT_WINDOW, e.window()),
+            (EXT_RING, e.ring()),
+            (EXT_REPRESENTATION, e.format.map(|r| r.to_code())),
         ];
         let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16;
         out.extend_from_slice(&count.to_le_bytes());
@@ -292,8 +289,8 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             strides.push(reader.u64()?);
         }
         parts.kinds.push(match reader.u8()? {
-            0 => EntryKind::Page,
-            1 => EntryKind::State,
+            0 => Indexing::Page,
+            1 => Indexing::State,
             other => return Err(wire_error(format!("unknown entry kind code {other}"))),
         });
         if v2 {
@@ -562,7 +559,7 @@ mod tests {
             for value in [parts.data_ptrs[i], parts.data_lens[i], parts.item_lens[i]] {
                 out.extend_from_slice(&value.to_le_bytes());
             }
-            out.push(u8::from(parts.kinds[i] == EntryKind::State));
+            out.push(u8::from(parts.kinds[i] == Indexing::State));
             out.push(u8::from(parts.layer_ids[i].is_some()));
             out.extend_from_slice(&parts.layer_ids[i].unwrap_or(0).to_le_bytes());
             put_str(&mut out, &parts.roles[i]).unwrap();
@@ -601,7 +598,7 @@ mod tests {
     fn windows_round_trip_as_entry_extensions() {
         let layout = sample();
         let windows: Vec<Option<u64>> = (0..layout.n_entries())
-            .map(|i| (layout.parts().kinds[i] == EntryKind::Page && i % 2 == 1).then_some(128))
+            .map(|i| (layout.parts().kinds[i] == Indexing::Page && i % 2 == 1).then_some(128))
             .collect();
         let windowed = layout.clone().with_windows(windows.clone()).unwrap();
         let bytes = encode(&windowed).unwrap();

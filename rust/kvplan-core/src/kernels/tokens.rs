@@ -31,11 +31,12 @@
 
 use crate::error::{PlanError, Result, Side};
 use crate::model::pieces::{
-    Fragment, Lane, MAX_LANES, PIECE_CLASSES, POOLS, PairSpec, Piece, PieceSide, Pool,
-    TOKEN_CLASSES, TokenMap, Walk,
+    Fragment, Lane, MAX_LANES, PIECE_CLASSES, PairSpec, Piece, PieceSide, TOKEN_CLASSES, TokenMap,
+    Walk,
 };
 use crate::model::plan::{Columns, TokenShape};
 use crate::model::runs::PageIndex;
+use crate::peer::entry::{POOLS, PoolId};
 use crate::peer::layout::{Layout, MemoryOrder};
 use crate::rules::check::{TokenFrame, compose, memory_order, per_token, whole_tokens};
 use crate::rules::heads::HeadSlicing;
@@ -97,7 +98,7 @@ impl TokenTemplate {
                 crate::rules::dcp::token_map(src),
                 crate::rules::dcp::token_map(dst),
             ),
-            pools: (Pool::Pages, Pool::Pages),
+            pools: (PoolId::Pages, PoolId::Pages),
         };
         let draft_lane = Lane {
             walk: Walk::DraftWhole,
@@ -110,8 +111,8 @@ impl TokenTemplate {
         // A side that keeps a window pool places its window entries' tokens in that pool's
         // pages; a side without one, as the request's other tokens.
         let window_side = |layout: &Layout, map: TokenMap| match layout.window_page_size() {
-            Some(page_size) => (TokenMap::Paged { page_size }, Pool::Window),
-            None => (map, Pool::Pages),
+            Some(page_size) => (TokenMap::Paged { page_size }, PoolId::Window),
+            None => (map, PoolId::Pages),
         };
         let ((src_map, src_pool), (dst_map, dst_pool)) = (
             window_side(src, target.maps.0),
@@ -122,7 +123,7 @@ impl TokenTemplate {
             maps: (src_map, dst_map),
             pools: (src_pool, dst_pool),
         };
-        if dealt && (src_pool, dst_pool) != (Pool::Pages, Pool::Pages) {
+        if dealt && (src_pool, dst_pool) != (PoolId::Pages, PoolId::Pages) {
             return Err(PlanError::Geometry {
                 what: "window entries in a pool of their own on one side and tokens dealt over \
                        decode context-parallel ranks on the other are not supported together"
@@ -158,7 +159,7 @@ impl TokenTemplate {
                     ),
                 });
             }
-            let window = src.windows()[pair.src_entry];
+            let window = src.entry(pair.src_entry).window();
             if window.is_some() && draft {
                 return Err(PlanError::Geometry {
                     what: format!(
@@ -267,7 +268,7 @@ impl TokenTemplate {
             // One window per template (check.rs refuses two sizes).
             window: page_pairs
                 .iter()
-                .find_map(|pair| src.windows()[pair.src_entry]),
+                .find_map(|pair| src.entry(pair.src_entry).window()),
         };
         let overflow = PlanError::Overflow {
             what: "bytes per token",
@@ -329,10 +330,10 @@ impl TokenTemplate {
         // No lane reads a list: nothing is read past the first moved token either (a window
         // pool's list, read by no piece, is not read at all).
         let maps = self.maps();
-        for pool in Pool::ALL {
+        for pool in PoolId::ALL {
             let unread = |map: TokenMap| match pool {
-                Pool::Pages => first_page(map, first),
-                Pool::Window => 0,
+                PoolId::Pages => first_page(map, first),
+                PoolId::Window => 0,
             };
             let (src, dst) = &mut pages[pool.index()];
             if *src == usize::MAX {
@@ -348,7 +349,7 @@ impl TokenTemplate {
     /// Leading pages of each side's list (its pages, not its window pages) that hold the first
     /// `n` global tokens of every lane reading it.
     pub fn pages_needed(&self, n: u64) -> (u64, u64) {
-        self.list_pages_needed(n)[Pool::Pages.index()]
+        self.list_pages_needed(n)[PoolId::Pages.index()]
     }
 
     /// Per pool, the leading pages of each side's list that hold the first `n` global tokens of

@@ -17,7 +17,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::error::{PlanError, Result};
-use crate::peer::layout::{EntryKind, Layout};
+use crate::peer::layout::Layout;
 
 /// How layer ids are grouped.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,12 +64,12 @@ pub struct EntryTag {
 impl EntryTag {
     /// The tag of entry `entry` of `layout`.
     pub fn of(layout: &Layout, entry: usize) -> Self {
-        let parts = layout.parts();
+        let of = layout.entries().get(entry);
         Self {
-            layer: parts.layer_ids.get(entry).copied().flatten(),
-            role: parts.roles.get(entry).cloned().unwrap_or_default(),
+            layer: of.and_then(|e| e.layer),
+            role: of.map(|e| e.role.clone()).unwrap_or_default(),
             draft: layout.is_draft(entry),
-            state: parts.kinds.get(entry) == Some(&EntryKind::State),
+            state: of.is_some_and(|e| !e.is_page()),
         }
     }
 }
@@ -281,9 +281,10 @@ impl StreamFacts {
         let (page_tags, state_tags) = (tags(page_pairs), tags(state_pairs));
         let published = |l: &Layout| l.context().num_model_layers;
         let seen = |l: &Layout| {
-            let ids = l.parts().layer_ids.iter().enumerate();
-            ids.filter(|&(e, _)| !l.is_draft(e))
-                .filter_map(|(_, id)| *id)
+            l.entries()
+                .iter()
+                .filter(|e| !e.draft)
+                .filter_map(|e| e.layer)
                 .filter(|&id| id >= 0)
                 .map(|id| id as u64 + 1)
                 .max()

@@ -19,6 +19,8 @@
 //! run of consecutive pages (or tokens) is one block. That is a property of the piece, not a
 //! separate type.
 
+use crate::peer::entry::PoolId;
+
 /// How one side places the tokens of a request: token `t` → (index into that side's page list,
 /// slot inside the page). A decode context-parallel rank holds only the tokens dealt to it
 /// ([`TokenMap::Dealt`], module `dcp`), at consecutive local positions.
@@ -198,29 +200,6 @@ impl Walk {
     }
 }
 
-/// A side's page index space: one list of pages a request gives for that side, with its own
-/// page size and index limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pool {
-    /// The request's pages (its KV pages).
-    Pages,
-    /// The side's window pool (`Layout::with_window_pool`): the request's window pages.
-    Window,
-}
-
-impl Pool {
-    /// Every pool, in the order of [`Pool::index`].
-    pub const ALL: [Pool; POOLS] = [Pool::Pages, Pool::Window];
-
-    /// Its position in per-pool arrays.
-    pub const fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Pools a side can have.
-pub const POOLS: usize = 2;
-
 /// One token walk of a token template: which tokens it moves, how each side places them, and
 /// which of each side's page lists holds them. Every token piece follows one lane (its
 /// [`Piece::lane`] is the lane's position in the template's list), and each lane's walk counts
@@ -232,7 +211,7 @@ pub struct Lane {
     /// How each side places them.
     pub maps: (TokenMap, TokenMap),
     /// Which page list of each side holds them.
-    pub pools: (Pool, Pool),
+    pub pools: (PoolId, PoolId),
 }
 
 /// The most lanes one token template holds (the target tokens, a DCP template's draft tokens,

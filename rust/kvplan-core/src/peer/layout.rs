@@ -5,44 +5,12 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
+pub use crate::peer::entry::{Entry, EntryKind, Indexing, Pool, PoolId};
 use crate::peer::kv_format::{MX_BLOCK, Representation, ScaleLayout, scale_role};
 
 /// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are
 /// sharded between TP ranks (an MLA latent, role `kv`, and NPU buffer groups are not).
 pub const MHA_ROLES: [&str; 2] = [K_ROLE, V_ROLE];
-
-/// Whether an entry is indexed by KV page or by per-request state slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EntryKind {
-    /// Indexed by page (KV cache); planned by [`crate::Template::plan_into`].
-    Page,
-    /// Indexed by a per-request slot (Mamba conv/temporal state); planned by `plan_state`.
-    State,
-}
-
-impl EntryKind {
-    /// The name used in Python and on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EntryKind::Page => "page",
-            EntryKind::State => "state",
-        }
-    }
-
-    /// Parses [`EntryKind::as_str`] output.
-    ///
-    /// # Errors
-    /// [`PlanError::InvalidLayout`] for any other string.
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "page" => Ok(EntryKind::Page),
-            "state" => Ok(EntryKind::State),
-            other => Err(PlanError::InvalidLayout {
-                what: format!("unknown entry kind {other:?}; expected \"page\" or \"state\""),
-            }),
-        }
-    }
-}
 
 /// How the tokens and heads of one page are laid out inside a KV item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -192,7 +160,7 @@ pub struct LayoutParts {
     /// Role per entry (`""` = not published).
     pub roles: Vec<String>,
     /// Kind per entry.
-    pub kinds: Vec<EntryKind>,
+    pub kinds: Vec<Indexing>,
     /// Whether each entry belongs to the draft model (speculative decoding). Empty: derived
     /// from the roles, a role starting with `draft` marking a draft entry (the names
     /// [`Layout::with_draft`] gives).
@@ -232,18 +200,12 @@ fn check_len(field: &'static str, len: usize, expected: usize) -> Result<()> {
 /// A validated, immutable list of one peer's transfer entries plus its context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
-    parts: LayoutParts,
+    /// One value per entry, in registration order.
+    entries: Vec<Entry>,
+    /// The page pools its page entries index: the request's pages first (at the context's page
+    /// size), then a window pool when its window entries keep one.
+    pools: Vec<Pool>,
     context: LayoutContext,
-    /// Bytes between consecutive items of each entry (`item_len` unless given).
-    strides: Vec<u64>,
-    /// Sliding-window size in tokens of each entry (`None`: the entry keeps every token).
-    windows: Vec<Option<u64>>,
-    /// Rows per request of each ring-state entry (`None`: not a ring).
-    rings: Vec<Option<u64>>,
-    /// Tokens per page of the window entries' own pool (`None`: they index the request's pages).
-    window_page_size: Option<u64>,
-    /// KV representation of each entry (`None`: none published).
-    representations: Vec<Option<Representation>>,
 }
 
 impl Layout {
@@ -264,7 +226,7 @@ impl Layout {
             parts.roles = vec![String::new(); n];
         }
         if parts.kinds.is_empty() {
-            parts.kinds = vec![EntryKind::Page; n];
+            parts.kinds = vec![Indexing::Page; n];
         }
         if parts.drafts.is_empty() {
             parts.drafts = parts.roles.iter().map(|r| r.starts_with("draft")).collect();
@@ -303,7 +265,7 @@ impl Layout {
             check_attention(geometry)?;
         }
         check_dcp_context(&context, &parts)?;
-        for kind in [EntryKind::Page, EntryKind::State] {
+        for kind in [Indexing::Page, Indexing::State] {
             let of_kind: Vec<usize> = (0..n).filter(|&i| parts.kinds[i] == kind).collect();
             let with_ids = of_kind
                 .iter()
@@ -327,15 +289,44 @@ impl Layout {
                 )));
             }
         }
-        let strides = parts.item_lens.clone();
+        let LayoutParts {
+            data_ptrs,
+            data_lens,
+            item_lens,
+            layer_ids,
+            roles,
+            kinds,
+            drafts,
+        } = parts;
+        let entries = data_ptrs
+            .into_iter()
+            .zip(data_lens)
+            .zip(item_lens)
+            .zip(layer_ids)
+            .zip(roles)
+            .zip(kinds)
+            .zip(drafts)
+            .map(
+                |((((((ptr, len), item_len), layer), role), kind), draft)| Entry {
+                    buffer: (ptr, len),
+                    item_len,
+                    stride: item_len,
+                    layer,
+                    role,
+                    draft,
+                    format: None,
+                    kind: EntryKind::of(kind),
+                },
+            )
+            .collect();
+        let pools = vec![Pool {
+            id: PoolId::Pages,
+            page_size: context.page_size,
+        }];
         Ok(Self {
-            windows: vec![None; n],
-            rings: vec![None; n],
-            window_page_size: None,
-            representations: vec![None; n],
-            parts,
+            entries,
+            pools,
             context,
-            strides,
         })
     }
 
@@ -350,7 +341,8 @@ impl Layout {
             return Ok(self);
         }
         check_len("strides", strides.len(), self.n_entries())?;
-        for (entry, (&stride, &item_len)) in strides.iter().zip(&self.parts.item_lens).enumerate() {
+        for (entry, (&stride, e)) in strides.iter().zip(&self.entries).enumerate() {
+            let item_len = e.item_len;
             if stride < item_len {
                 return Err(invalid(format!(
                     "entry {entry} ({}): stride {stride} is smaller than its item_len {item_len}; consecutive items would overlap",
@@ -358,7 +350,9 @@ impl Layout {
                 )));
             }
         }
-        self.strides = strides;
+        for (entry, stride) in self.entries.iter_mut().zip(strides) {
+            entry.stride = stride;
+        }
         Ok(self)
     }
 
@@ -373,14 +367,17 @@ impl Layout {
         }
         let appended = self.n_entries().saturating_sub(before);
         check_len("strides", tail.len(), appended)?;
-        let mut all = self.strides[..before.min(self.strides.len())].to_vec();
+        let mut all: Vec<u64> = self.entries[..before.min(self.n_entries())]
+            .iter()
+            .map(|e| e.stride)
+            .collect();
         all.extend(tail);
         self.with_strides(all)
     }
 
     /// Bytes between consecutive items of each entry (equal to `item_len` unless set).
-    pub fn strides(&self) -> &[u64] {
-        &self.strides
+    pub fn strides(&self) -> Vec<u64> {
+        self.entries.iter().map(|e| e.stride).collect()
     }
 
     /// The same layout with sliding-window entries: entry `e` with `Some(w)` holds only the
@@ -413,12 +410,22 @@ impl Layout {
             self.check_per_entry(
                 "windows",
                 &windows,
-                EntryKind::Page,
+                Indexing::Page,
                 "a sliding window must hold at least 1 token, got 0",
                 "a sliding window applies to page entries; a state entry holds one slot per \
                  request, sent whole",
             )?;
-            self.windows = windows;
+            // A window entry of a layout that keeps a window pool is in that pool.
+            let window_pool = self.window_page_size().is_some();
+            for (entry, window) in self.entries.iter_mut().zip(windows) {
+                if let EntryKind::Page { .. } = entry.kind {
+                    let pool = match window {
+                        Some(_) if window_pool => PoolId::Window,
+                        _ => PoolId::Pages,
+                    };
+                    entry.kind = EntryKind::Page { pool, window };
+                }
+            }
         }
         match pool_page_size {
             Some(page_size) => self.with_window_pool(page_size),
@@ -436,8 +443,8 @@ impl Layout {
     fn check_windows_fit(&self) -> Result<()> {
         // A dealt layout holds one in `size` of a request's tokens per rank.
         let dealt = u64::from(self.context.dcp.size.max(1));
-        for (entry, window) in self.windows.iter().enumerate() {
-            let Some(window) = *window else { continue };
+        for (entry, e) in self.entries.iter().enumerate() {
+            let Some(window) = e.window() else { continue };
             let (pages, page_size) = (self.capacity(entry), self.entry_page_size(entry));
             let tokens = pages.saturating_mul(page_size).saturating_mul(dealt);
             if window > tokens {
@@ -468,8 +475,9 @@ impl Layout {
     /// The same layout with ring-state entries: state entry `e` with `Some(r)` keeps, per
     /// request slot, a ring of `r` rows (its items): position `p` of the request is row
     /// `slot × r + p mod r` (a ring buffer of the last `r` positions, e.g. a compressor's or
-    /// a speculative decoder's state). Rings are planned by [`crate::planners::ring`], which relays the
-    /// live rows between rings of different sizes. An empty list marks no ring.
+    /// a speculative decoder's state). A slot request moves the live rows of each ring pair
+    /// (module `rings`), relaying them between rings of different sizes. An empty list marks
+    /// no ring.
     ///
     /// # Errors
     /// [`PlanError::ListLength`] for a list of the wrong length, [`PlanError::InvalidLayout`]
@@ -481,12 +489,16 @@ impl Layout {
         self.check_per_entry(
             "rings",
             &rings,
-            EntryKind::State,
+            Indexing::State,
             "a ring must hold at least 1 row per request, got 0",
             "a ring applies to state entries (one ring per request slot); a page entry is \
              indexed by the request's pages",
         )?;
-        self.rings = rings;
+        for (entry, ring) in self.entries.iter_mut().zip(rings) {
+            if let EntryKind::State { .. } = entry.kind {
+                entry.kind = EntryKind::State { ring };
+            }
+        }
         Ok(self)
     }
 
@@ -496,7 +508,7 @@ impl Layout {
         &self,
         field: &'static str,
         list: &[Option<u64>],
-        kind: EntryKind,
+        kind: Indexing,
         zero: &str,
         wrong_kind: &str,
     ) -> Result<()> {
@@ -505,7 +517,7 @@ impl Layout {
             let Some(count) = value else { continue };
             let problem = if count == 0 {
                 zero
-            } else if self.parts.kinds[entry] != kind {
+            } else if self.entries[entry].indexing() != kind {
                 wrong_kind
             } else {
                 continue;
@@ -537,32 +549,58 @@ impl Layout {
             "a window pool is not supported on a layout that deals its tokens over decode \
              context-parallel ranks"
         } else {
-            self.window_page_size = Some(page_size);
+            self.pools.truncate(1);
+            self.pools.push(Pool {
+                id: PoolId::Window,
+                page_size,
+            });
+            for entry in &mut self.entries {
+                if let EntryKind::Page {
+                    window: Some(window),
+                    ..
+                } = entry.kind
+                {
+                    entry.kind = EntryKind::Page {
+                        pool: PoolId::Window,
+                        window: Some(window),
+                    };
+                }
+            }
             self.check_windows_fit()?;
             return Ok(self);
         };
         Err(invalid(problem.into()))
     }
 
+    /// The page pools its page entries index, the request's pages first.
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
+    }
+
+    /// The pool `id` (`None`: this layout keeps no such pool).
+    pub fn pool(&self, id: PoolId) -> Option<&Pool> {
+        self.pools.iter().find(|p| p.id == id)
+    }
+
     /// Tokens per page of the window entries' own pool, when they have one
     /// ([`Layout::with_window_pool`]).
     pub fn window_page_size(&self) -> Option<u64> {
-        self.window_page_size
+        self.pool(PoolId::Window).map(|p| p.page_size)
     }
 
     /// Whether entry `i` is indexed by a request's window pages (a window entry of a layout
     /// with a window pool).
     pub fn in_window_pool(&self, i: usize) -> bool {
-        self.window_page_size.is_some() && self.windows[i].is_some()
+        self.entries[i].pool() == Some(PoolId::Window)
     }
 
-    /// Tokens one page of entry `i` holds: the window pool's page size for an entry in it, else
-    /// the layout's.
+    /// Tokens one page of entry `i` holds: its pool's page size (the window pool's for an
+    /// entry in it, else the layout's).
     pub fn entry_page_size(&self, i: usize) -> u64 {
-        match self.window_page_size {
-            Some(size) if self.windows[i].is_some() => size,
-            _ => self.context.page_size,
-        }
+        self.entries[i]
+            .pool()
+            .and_then(|id| self.pool(id))
+            .map_or(self.context.page_size, |p| p.page_size)
     }
 
     /// The same layout with KV representations: one per entry (`None` for an entry that
@@ -592,7 +630,9 @@ impl Layout {
         representations: Vec<Option<Representation>>,
     ) -> Result<Self> {
         if representations.is_empty() {
-            self.representations = vec![None; self.n_entries()];
+            for entry in &mut self.entries {
+                entry.format = None;
+            }
             return Ok(self);
         }
         check_len("representations", representations.len(), self.n_entries())?;
@@ -600,7 +640,9 @@ impl Layout {
             let Some(repr) = *repr else { continue };
             self.check_representation(entry, repr)?;
         }
-        self.representations = representations;
+        for (entry, format) in self.entries.iter_mut().zip(representations) {
+            entry.format = format;
+        }
         Ok(self)
     }
 
@@ -608,8 +650,8 @@ impl Layout {
     fn check_representation(&self, entry: usize, repr: Representation) -> Result<()> {
         let label = self.role_label(entry);
         let fail = |why: String| Err(invalid(format!("entry {entry} ({label}): {why}")));
-        let role = self.parts.roles[entry].as_str();
-        if self.parts.kinds[entry] != EntryKind::Page || is_sidecar_role(role) {
+        let role = self.entries[entry].role.as_str();
+        if !self.entries[entry].is_page() || is_sidecar_role(role) {
             return fail(format!(
                 "representation {} is set on a {} entry; representations describe KV page \
                  entries (scale entries hold scales, state entries are sent whole)",
@@ -622,7 +664,7 @@ impl Layout {
             ));
         }
         let size = u64::from(repr.dtype.size());
-        let item_len = self.parts.item_lens[entry];
+        let item_len = self.entries[entry].item_len;
         if let Some(g) = &self.context.attention
             && is_mha_role(role)
             && g.dtype_size != repr.dtype.size()
@@ -688,13 +730,7 @@ impl Layout {
             _ => 1,
         };
         let want_role = scale_role(role);
-        let layer = self.parts.layer_ids[entry];
-        let Some(scale) = (0..self.n_entries()).find(|&j| {
-            self.parts.kinds[j] == EntryKind::Page
-                && self.parts.roles[j] == want_role
-                && self.parts.layer_ids[j] == layer
-                && self.parts.drafts[j] == self.parts.drafts[entry]
-        }) else {
+        let Some(scale) = self.partner(entry, &want_role) else {
             return fail(format!(
                 "{} scales live in a page entry of role {want_role:?} and the same layer id; \
                  the layout has none",
@@ -703,11 +739,11 @@ impl Layout {
         };
         let scale_bytes = repr.scales.scale_bytes();
         let want = page_size * groups * scale_bytes;
-        if self.parts.item_lens[scale] != want {
+        if self.entries[scale].item_len != want {
             return fail(format!(
                 "its scale entry {scale} ({want_role}) has item_len {}, {} scales need \
                  page_size {page_size} × {groups} scale(s) per token × {scale_bytes} byte(s) = {want}",
-                self.parts.item_lens[scale],
+                self.entries[scale].item_len,
                 repr.scales.as_str()
             ));
         }
@@ -715,44 +751,51 @@ impl Layout {
     }
 
     /// KV representation of each entry (`None`: none published).
-    pub fn representations(&self) -> &[Option<Representation>] {
-        &self.representations
+    pub fn representations(&self) -> Vec<Option<Representation>> {
+        self.entries.iter().map(|e| e.format).collect()
+    }
+
+    /// KV representation of entry `i` (`None`: none published).
+    pub fn representation(&self, i: usize) -> Option<Representation> {
+        self.entries[i].format
     }
 
     /// Whether any entry publishes a representation.
     pub fn has_representations(&self) -> bool {
-        self.representations.iter().any(Option::is_some)
+        self.entries.iter().any(|e| e.format.is_some())
+    }
+
+    /// The first page entry of entry `entry`'s layer id and draft-ness with role `role`.
+    fn partner(&self, entry: usize, role: &str) -> Option<usize> {
+        let of = &self.entries[entry];
+        self.entries.iter().position(|e| {
+            e.is_page() && e.role == role && e.layer == of.layer && e.draft == of.draft
+        })
     }
 
     /// The scale entry of entry `entry` (see [`Layout::with_representations`]), if it has
     /// per-token scales.
     pub fn scale_entry(&self, entry: usize) -> Option<usize> {
-        let repr = self.representations.get(entry).copied().flatten()?;
+        let repr = self.entries.get(entry)?.format?;
         if !repr.scales.per_token() {
             return None;
         }
-        let want_role = scale_role(&self.parts.roles[entry]);
-        (0..self.n_entries()).find(|&j| {
-            self.parts.kinds[j] == EntryKind::Page
-                && self.parts.roles[j] == want_role
-                && self.parts.layer_ids[j] == self.parts.layer_ids[entry]
-                && self.parts.drafts[j] == self.parts.drafts[entry]
-        })
+        self.partner(entry, &scale_role(&self.entries[entry].role))
     }
 
     /// Rows per request slot of each ring-state entry (`None`: not a ring).
-    pub fn rings(&self) -> &[Option<u64>] {
-        &self.rings
+    pub fn rings(&self) -> Vec<Option<u64>> {
+        self.entries.iter().map(Entry::ring).collect()
     }
 
     /// Sliding-window size in tokens of each entry (`None`: a full entry).
-    pub fn windows(&self) -> &[Option<u64>] {
-        &self.windows
+    pub fn windows(&self) -> Vec<Option<u64>> {
+        self.entries.iter().map(Entry::window).collect()
     }
 
     /// Whether any entry is a sliding-window entry.
     pub fn has_windows(&self) -> bool {
-        self.windows.iter().any(Option::is_some)
+        self.entries.iter().any(|e| e.window().is_some())
     }
 
     /// One allocation holding every layer of a page side by side,
@@ -814,12 +857,32 @@ impl Layout {
 
     /// Number of entries.
     pub fn n_entries(&self) -> usize {
-        self.parts.data_ptrs.len()
+        self.entries.len()
     }
 
-    /// The validated lists.
-    pub fn parts(&self) -> &LayoutParts {
-        &self.parts
+    /// The entries, in registration order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Entry `i`.
+    pub fn entry(&self, i: usize) -> &Entry {
+        &self.entries[i]
+    }
+
+    /// The entries as the parallel lists a layout is built from (a copy: the ingestion form,
+    /// for callers that hand lists on, such as Python and the wire).
+    pub fn parts(&self) -> LayoutParts {
+        let list = |field: fn(&Entry) -> u64| self.entries.iter().map(field).collect();
+        LayoutParts {
+            data_ptrs: list(|e| e.buffer.0),
+            data_lens: list(|e| e.buffer.1),
+            item_lens: list(|e| e.item_len),
+            layer_ids: self.entries.iter().map(|e| e.layer).collect(),
+            roles: self.entries.iter().map(|e| e.role.clone()).collect(),
+            kinds: self.entries.iter().map(Entry::indexing).collect(),
+            drafts: self.entries.iter().map(|e| e.draft).collect(),
+        }
     }
 
     /// The peer context.
@@ -831,22 +894,25 @@ impl Layout {
     /// `(data_len - item_len) / stride + 1` (`data_len / item_len` when the stride is the item
     /// length); 0 for an elided entry (`item_len == 0`) or a buffer smaller than one item.
     pub fn capacity(&self, i: usize) -> u64 {
-        let (len, item) = (self.parts.data_lens[i], self.parts.item_lens[i]);
+        let entry = &self.entries[i];
+        let (len, item) = (entry.buffer.1, entry.item_len);
         if item == 0 || len < item {
             return 0;
         }
         // stride >= item > 0 (checked when the strides were set).
-        (len - item) / self.strides[i] + 1
+        (len - item) / entry.stride + 1
     }
 
     /// The entry's layer id as text (`None` when unpublished, as Python shows it), for messages.
     pub(crate) fn layer_label(&self, i: usize) -> String {
-        self.parts.layer_ids[i].map_or_else(|| "None".into(), |id| id.to_string())
+        self.entries[i]
+            .layer
+            .map_or_else(|| "None".into(), |id| id.to_string())
     }
 
     /// The entry's role (`None` when unpublished).
     pub fn role(&self, i: usize) -> Option<&str> {
-        Some(self.parts.roles[i].as_str()).filter(|r| !r.is_empty())
+        Some(self.entries[i].role.as_str()).filter(|r| !r.is_empty())
     }
 
     /// The entry's role as text (`None` when unpublished, as Python shows it), for messages.
@@ -856,13 +922,13 @@ impl Layout {
 
     /// Whether entry `i` belongs to the draft model.
     pub fn is_draft(&self, i: usize) -> bool {
-        self.parts.drafts[i]
+        self.entries[i].draft
     }
 
     /// Indices of the entries of one kind, in layout order.
-    pub fn entries_of_kind(&self, kind: EntryKind) -> Vec<usize> {
+    pub fn entries_of_kind(&self, kind: Indexing) -> Vec<usize> {
         (0..self.n_entries())
-            .filter(|&i| self.parts.kinds[i] == kind)
+            .filter(|&i| self.entries[i].indexing() == kind)
             .collect()
     }
 
@@ -1066,8 +1132,8 @@ impl Layout {
                 draft_layer_ids.len()
             )));
         }
-        let pages = self.entries_of_kind(EntryKind::Page);
-        if !pages.is_empty() && self.parts.layer_ids[pages[0]].is_none() {
+        let pages = self.entries_of_kind(Indexing::Page);
+        if !pages.is_empty() && self.entries[pages[0]].layer.is_none() {
             return Err(invalid("draft entries are published in the id band above the model; this layout publishes no layer ids".into()));
         }
         // Number of each distinct raw id, by first appearance: a map, not a search of the ids
@@ -1086,7 +1152,7 @@ impl Layout {
         }
         let has_roles = pages
             .first()
-            .is_some_and(|&i| !self.parts.roles[i].is_empty());
+            .is_some_and(|&i| !self.entries[i].role.is_empty());
         if let Some(r) = &roles {
             check_len("roles", r.len(), n)?;
         }
@@ -1101,7 +1167,7 @@ impl Layout {
             item_lens,
             layer_ids: ids,
             roles: draft_roles,
-            kinds: vec![EntryKind::Page; n],
+            kinds: vec![Indexing::Page; n],
             drafts: vec![true; n],
         })
     }
@@ -1132,7 +1198,7 @@ impl Layout {
             item_lens,
             layer_ids: layer_ids.into_iter().map(Some).collect(),
             roles: vec![name.to_string(); n],
-            kinds: vec![EntryKind::State; n],
+            kinds: vec![Indexing::State; n],
             drafts: vec![false; n],
         };
         self.appended(extra)
@@ -1142,14 +1208,7 @@ impl Layout {
         let n = extra.data_ptrs.len();
         check_len("data_lens", extra.data_lens.len(), n)?;
         check_len("item_lens", extra.item_lens.len(), n)?;
-        // Appended entries are packed (stride = item_len); the existing ones keep theirs.
-        let strides: Vec<u64> = self
-            .strides
-            .iter()
-            .chain(&extra.item_lens)
-            .copied()
-            .collect();
-        let mut parts = self.parts.clone();
+        let mut parts = self.parts();
         parts.data_ptrs.extend(extra.data_ptrs);
         parts.data_lens.extend(extra.data_lens);
         parts.item_lens.extend(extra.item_lens);
@@ -1157,24 +1216,22 @@ impl Layout {
         parts.roles.extend(extra.roles);
         parts.kinds.extend(extra.kinds);
         parts.drafts.extend(extra.drafts);
-        let extend = |list: &[Option<u64>]| -> Vec<Option<u64>> {
-            list.iter()
-                .copied()
-                .chain(std::iter::repeat_n(None, n))
-                .collect()
-        };
-        let representations = if self.has_representations() {
-            let mut all = self.representations.clone();
-            all.extend(std::iter::repeat_n(None, n));
-            all
-        } else {
-            Vec::new()
-        };
-        Self::new(parts, self.context.clone())?
-            .with_strides(strides)?
-            .with_windows_in_pool(extend(&self.windows), self.window_page_size)?
-            .with_rings(extend(&self.rings))?
-            .with_representations(representations)
+        // Appended entries are packed (stride = item_len), full, not rings and without a
+        // representation; the existing ones keep theirs, and the layout its pools.
+        let mut layout = Self::new(parts, self.context.clone())?;
+        for (entry, before) in layout.entries.iter_mut().zip(&self.entries) {
+            entry.stride = before.stride;
+            entry.format = before.format;
+            entry.kind = before.kind;
+        }
+        layout.pools.clone_from(&self.pools);
+        layout.check_windows_fit()?;
+        for (entry, before) in self.entries.iter().enumerate() {
+            if let Some(format) = before.format {
+                layout.check_representation(entry, format)?;
+            }
+        }
+        Ok(layout)
     }
 }
 
@@ -1283,7 +1340,7 @@ pub(crate) fn check_dcp_context(context: &LayoutContext, parts: &LayoutParts) ->
             what: "DCP virtual page",
         })?;
     let draft =
-        (0..parts.data_ptrs.len()).find(|&i| parts.drafts[i] && parts.kinds[i] == EntryKind::Page);
+        (0..parts.data_ptrs.len()).find(|&i| parts.drafts[i] && parts.kinds[i] == Indexing::Page);
     if let Some(entry) = draft
         && !page.is_multiple_of(d.interleave)
     {

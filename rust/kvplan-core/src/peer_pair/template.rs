@@ -15,7 +15,7 @@ use crate::model::plan::{
 };
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
-use crate::peer::layout::{EntryKind, Layout};
+use crate::peer::layout::{Indexing, Layout};
 use crate::peer_pair::accounting::BlockAccounting;
 use crate::peer_pair::coalesce::build_emission_groups;
 use crate::rules::capabilities::{Asked, Feature, Planner};
@@ -159,14 +159,14 @@ impl Template {
         }
         let heads = heads?;
         crate::rules::check::same_representations(src, dst, &checks)?;
-        let spec_of = |kind: EntryKind| -> Vec<PairSpec> {
+        let spec_of = |kind: Indexing| -> Vec<PairSpec> {
             checks
                 .iter()
                 .filter(|c| c.kind == kind)
                 .filter_map(|c| c.dst_entry.map(|d| pair_spec(src, dst, c.src_entry, d)))
                 .collect()
         };
-        let (page_pairs, mut state_pairs) = (spec_of(EntryKind::Page), spec_of(EntryKind::State));
+        let (page_pairs, mut state_pairs) = (spec_of(Indexing::Page), spec_of(Indexing::State));
         let coalesce_keys: Vec<SliceKey> = layer_groups
             .map(|groups| {
                 let tag = |p: &PairSpec| EntryTag::of(src, p.src_entry);
@@ -229,11 +229,14 @@ impl Template {
         // slot pairs; a slot request moves their rows by the ring lane (module `rings`).
         let (ring_specs, state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
             .into_iter()
-            .partition(|p| src.rings()[p.src_entry].is_some());
+            .partition(|p| src.entry(p.src_entry).ring().is_some());
         let ring_pairs: Vec<RingPair> = ring_specs
             .into_iter()
             .filter_map(|p| {
-                let rows = src.rings()[p.src_entry].zip(dst.rings()[p.dst_entry])?;
+                let rows = src
+                    .entry(p.src_entry)
+                    .ring()
+                    .zip(dst.entry(p.dst_entry).ring())?;
                 Some((p, rows))
             })
             .collect();

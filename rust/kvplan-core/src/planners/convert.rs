@@ -49,7 +49,7 @@ use crate::model::plan::Plan;
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
 use crate::peer::kv_format::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
-use crate::peer::layout::{EntryKind, Layout, LayoutParts, MemoryOrder, is_mha_role};
+use crate::peer::layout::{Indexing, Layout, LayoutParts, MemoryOrder, is_mha_role};
 use crate::peer_pair::template::Template;
 use crate::planners::pack::{PackBuffer, PlanBuilder};
 use crate::rules::check::{TemplateOptions, check_pairs};
@@ -170,7 +170,9 @@ pub struct ConversionTemplate {
 
 /// The representation of an entry as text for messages (`unpublished` when it has none).
 fn repr_text(layout: &Layout, entry: usize) -> String {
-    layout.representations()[entry].map_or_else(|| "no representation".into(), |r| r.text())
+    layout
+        .representation(entry)
+        .map_or_else(|| "no representation".into(), |r| r.text())
 }
 
 /// Whether `src → dst` is a dequantization the decode runs: quantized values with per-token
@@ -186,8 +188,8 @@ fn dequantizes(src: Representation, dst: Representation) -> bool {
 fn vbase_index(widened: &Layout) -> Vec<(u64, u64, usize)> {
     let mut by_vbase: Vec<(u64, u64, usize)> = (0..widened.n_entries())
         .map(|w| {
-            let start = widened.parts().data_ptrs[w];
-            (start, start + widened.parts().data_lens[w], w)
+            let start = widened.entry(w).buffer.0;
+            (start, start + widened.entry(w).buffer.1, w)
         })
         .collect();
     by_vbase.sort_unstable();
@@ -270,10 +272,10 @@ impl ConversionTemplate {
         for check in &checks {
             let Some(d) = check.dst_entry else { continue };
             let s = check.src_entry;
-            if check.kind != EntryKind::Page {
+            if check.kind != Indexing::Page {
                 continue;
             }
-            let (Some(rs), Some(rd)) = (src.representations()[s], dst.representations()[d]) else {
+            let (Some(rs), Some(rd)) = (src.representation(s), dst.representation(d)) else {
                 continue;
             };
             if rs == rd {
@@ -288,7 +290,7 @@ impl ConversionTemplate {
                 dst: repr_text(dst, d),
                 why,
             };
-            let role = dst.parts().roles[d].as_str();
+            let role = dst.entry(d).role.as_str();
             if (rs.scales == ScaleLayout::Mx || rd.scales == ScaleLayout::Mx)
                 && let Some(why) = mx_split_refusal(src, dst, role)
             {
@@ -351,8 +353,8 @@ impl ConversionTemplate {
             .zip(&factors)
             .filter_map(|(c, &f)| c.map(|(_, rd)| (rd, f)))
             .collect();
-        for (factor, repr) in factors.iter_mut().zip(dst.representations()) {
-            if let Some(rd) = repr
+        for (factor, entry) in factors.iter_mut().zip(dst.entries()) {
+            if let Some(rd) = &entry.format
                 && let Some(&(_, f)) = by_repr.iter().find(|(r, _)| r == rd)
             {
                 *factor = f;
@@ -372,14 +374,14 @@ impl ConversionTemplate {
         let inner = Template::new(src, &widened, options)?;
         let mut targets = Vec::with_capacity(kept.len());
         for (w, &d) in kept.iter().enumerate() {
-            let base = dst.parts().data_ptrs[d];
+            let base = dst.entry(d).buffer.0;
             let conv = match converted[d] {
                 None => None,
                 Some((rs, rd)) => Some(conversion(dst, &widened, d, w, factors[d], (rs, rd))?),
             };
             targets.push(Target {
                 base,
-                vbase: widened.parts().data_ptrs[w],
+                vbase: widened.entry(w).buffer.0,
                 factor: factors[d],
                 conv,
             });
@@ -444,8 +446,8 @@ impl ConversionTemplate {
                 }
             };
             targets.push(Target {
-                base: src.parts().data_ptrs[s],
-                vbase: widened.parts().data_ptrs[w],
+                base: src.entry(s).buffer.0,
+                vbase: widened.entry(w).buffer.0,
                 factor: factors[s],
                 conv,
             });
@@ -770,11 +772,11 @@ fn conversion(
 ) -> Result<Conv> {
     let scale = dst.scale_entry(d).ok_or(PlanError::InputChanged)?;
     let scale_format = rd.scales.scale_format().ok_or(PlanError::InputChanged)?;
-    let item_len = widened.parts().item_lens[w];
+    let item_len = widened.entry(w).item_len;
     let token_bytes = item_len / dst.context().page_size;
     // Scale groups per token, read from the scale entry the layout validated against this
     // representation (its item length is page_size × groups × one scale's bytes).
-    let groups = dst.parts().item_lens[scale] / dst.context().page_size / scale_format.size();
+    let groups = dst.entry(scale).item_len / dst.context().page_size / scale_format.size();
     let group_bytes = token_bytes / groups.max(1);
     let in_size = u64::from(rs.dtype.size());
     if groups == 0
@@ -801,9 +803,9 @@ fn conversion(
         group_bytes,
         group_elems: group_bytes / in_size,
         item_len,
-        stride: widened.strides()[w],
-        scale_base: dst.parts().data_ptrs[scale],
-        scale_stride: dst.strides()[scale],
+        stride: widened.entry(w).stride,
+        scale_base: dst.entry(scale).buffer.0,
+        scale_stride: dst.entry(scale).stride,
     })
 }
 
@@ -812,13 +814,13 @@ fn conversion(
 /// back exactly), the `filled`
 /// scale entries left out. Returns it and, per widened entry, its decode entry.
 fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<usize>)> {
-    let parts = dst.parts();
+    let entry = |d: usize| dst.entry(d);
     let kept: Vec<usize> = (0..dst.n_entries()).filter(|&d| !filled[d]).collect();
     // Virtual addresses are twice the distance from `low`, the lowest buffer's address rounded
     // down to a multiple of 2^32 (so a virtual address keeps the low 33 bits of twice its real
     // one): buffers anywhere in the address space fit, as long as they span less than 2^63
     // bytes.
-    let low = kept.iter().map(|&d| parts.data_ptrs[d]).min().unwrap_or(0) & !0xFFFF_FFFF;
+    let low = kept.iter().map(|&d| entry(d).buffer.0).min().unwrap_or(0) & !0xFFFF_FFFF;
     let overflow = PlanError::Overflow {
         what: "a widened layout: its buffers span 2^63 bytes or more (conversion plans double \
                the distance between buffers)",
@@ -835,29 +837,30 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
     let (mut strides, mut windows) = (Vec::new(), Vec::new());
     for &d in &kept {
         let f = factors[d];
-        let offset = parts.data_ptrs[d] - low;
+        let e = entry(d);
+        let offset = e.buffer.0 - low;
         offset
-            .checked_add(parts.data_lens[d])
+            .checked_add(e.buffer.1)
             .and_then(|e| e.checked_mul(2))
             .ok_or_else(|| overflow.clone())?;
         out.data_ptrs.push(offset * 2);
-        out.data_lens.push(parts.data_lens[d] * f);
-        out.item_lens.push(parts.item_lens[d] * f);
-        out.layer_ids.push(parts.layer_ids[d]);
-        out.roles.push(parts.roles[d].clone());
-        out.kinds.push(parts.kinds[d]);
-        out.drafts.push(parts.drafts[d]);
-        strides.push(dst.strides()[d] * f);
-        windows.push(dst.windows()[d]);
+        out.data_lens.push(e.buffer.1 * f);
+        out.item_lens.push(e.item_len * f);
+        out.layer_ids.push(e.layer);
+        out.roles.push(e.role.clone());
+        out.kinds.push(e.indexing());
+        out.drafts.push(e.draft);
+        strides.push(e.stride * f);
+        windows.push(e.window());
     }
     let mut context = dst.context().clone();
     // The attention geometry describes the K and V entries: widened with them.
     if let Some(g) = context.attention.as_mut()
-        && let Some(&d) = kept.iter().find(|&&d| is_mha_role(&parts.roles[d]))
+        && let Some(&d) = kept.iter().find(|&&d| is_mha_role(&entry(d).role))
     {
         g.dtype_size *= u32::try_from(factors[d]).unwrap_or(1);
     }
-    let rings: Vec<Option<u64>> = kept.iter().map(|&d| dst.rings()[d]).collect();
+    let rings: Vec<Option<u64>> = kept.iter().map(|&d| dst.entry(d).ring()).collect();
     let layout = Layout::new(out, context)?
         .with_strides(strides)?
         .with_windows(if windows.iter().any(Option::is_some) {

@@ -45,7 +45,7 @@ use crate::model::layer_groups::PeerRanks;
 use crate::model::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit};
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
-use crate::peer::layout::EntryKind;
+use crate::peer::layout::Indexing;
 use crate::peer_pair::template::Template;
 use crate::planners::pack::{PackBuffer, PairBounds, PlanBuilder, gather_in_place, plan_bytes};
 use crate::rules::capabilities::Planner;
@@ -548,7 +548,7 @@ impl StagedPlanner<'_> {
     /// and their number: the decode staging slots.
     fn decode_slots(&self) -> (Vec<usize>, u64) {
         let dst = &self.template.layouts.1;
-        let page_entries = dst.entries_of_kind(EntryKind::Page);
+        let page_entries = dst.entries_of_kind(Indexing::Page);
         let mut slot_of = vec![0; dst.n_entries()];
         for (slot, &entry) in page_entries.iter().enumerate() {
             slot_of[entry] = slot;

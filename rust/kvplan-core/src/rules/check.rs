@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::model::pieces::{Fragment, Fragments, PairSpec};
 use crate::peer::layout::{
-    AttentionGeometry, EntryKind, Layout, MemoryOrder, is_mha_role, is_sidecar_role,
+    AttentionGeometry, Indexing, Layout, MemoryOrder, is_mha_role, is_sidecar_role,
 };
 use crate::rules::heads::HeadSlicing;
 use crate::rules::pairing::{
@@ -49,7 +49,7 @@ pub(crate) fn entry_labels(layout: &Layout) -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntryCheck {
     /// Page or state entry.
-    pub kind: EntryKind,
+    pub kind: Indexing,
     /// Source entry index.
     pub src_entry: usize,
     /// Its destination partner, when pairing found one.
@@ -83,7 +83,7 @@ pub(crate) fn check_pairs_sliced(
         pairing: options.pairing.for_state(),
         ..options
     };
-    let mut checks = check_kind(src, dst, EntryKind::Page, options, heads);
+    let mut checks = check_kind(src, dst, Indexing::Page, options, heads);
     if let Some((at, problem)) = sidecar_problem(src, dst, &checks) {
         checks[at].problem.get_or_insert(problem);
     }
@@ -91,7 +91,7 @@ pub(crate) fn check_pairs_sliced(
         checks[at].problem.get_or_insert(problem);
     }
     let state_start = checks.len();
-    checks.extend(check_kind(src, dst, EntryKind::State, state_options, heads));
+    checks.extend(check_kind(src, dst, Indexing::State, state_options, heads));
     for check in &mut checks[state_start..] {
         if let Some(problem) = ring_problem(src, dst, check) {
             check.problem.get_or_insert(problem);
@@ -108,7 +108,7 @@ fn window_problem(src: &Layout, dst: &Layout, checks: &[EntryCheck]) -> Option<(
     for (at, check) in checks.iter().enumerate() {
         let Some(d) = check.dst_entry else { continue };
         let s = check.src_entry;
-        let (src_window, dst_window) = (src.windows()[s], dst.windows()[d]);
+        let (src_window, dst_window) = (src.entry(s).window(), dst.entry(d).window());
         if src_window != dst_window {
             let problem = PlanError::WindowMismatch {
                 src_entry: s,
@@ -144,7 +144,7 @@ fn window_problem(src: &Layout, dst: &Layout, checks: &[EntryCheck]) -> Option<(
 fn ring_problem(src: &Layout, dst: &Layout, check: &EntryCheck) -> Option<PlanError> {
     let d = check.dst_entry?;
     let s = check.src_entry;
-    let (src_ring, dst_ring) = (src.rings()[s], dst.rings()[d]);
+    let (src_ring, dst_ring) = (src.entry(s).ring(), dst.entry(d).ring());
     if src_ring.is_some() == dst_ring.is_some() {
         return None;
     }
@@ -171,7 +171,7 @@ fn pages(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
     (0..layout.n_entries()).filter(move |&i| {
         #[cfg(test)]
         ENTRIES_VISITED.with(|n| n.set(n.get() + 1));
-        layout.parts().kinds[i] == EntryKind::Page
+        layout.entry(i).is_page()
     })
 }
 
@@ -193,7 +193,7 @@ fn sidecar_problem(
     dst: &Layout,
     checks: &[EntryCheck],
 ) -> Option<(usize, PlanError)> {
-    let layer_of = |layout: &Layout, i: usize| layout.parts().layer_ids[i];
+    let layer_of = |layout: &Layout, i: usize| layout.entry(i).layer;
     let sidecar = |layout: &Layout, i: usize| layout.role(i).is_some_and(is_sidecar_role);
     // The check that speaks for a layer: its first page entry's, else the first check.
     let check_of = |layer: i64| {
@@ -279,7 +279,7 @@ fn sidecar_problem(
 fn check_kind(
     src: &Layout,
     dst: &Layout,
-    kind: EntryKind,
+    kind: Indexing,
     options: TemplateOptions,
     heads: &Result<Option<HeadSlicing>>,
 ) -> Vec<EntryCheck> {
@@ -290,7 +290,7 @@ fn check_kind(
     // (item = page size x token bytes); they must agree per token instead (module `tokens`),
     // unless heads are sliced, where each side's item must be what its own geometry implies
     // (the same check as for page plans).
-    let by_token = kind == EntryKind::Page && needs_tokens(src, dst);
+    let by_token = kind == Indexing::Page && needs_tokens(src, dst);
     src_entries
         .iter()
         .enumerate()
@@ -310,7 +310,7 @@ fn check_kind(
                 Ok(j) => {
                     let d = dst_entries[j];
                     let (src_item_len, dst_item_len) =
-                        (src.parts().item_lens[s], dst.parts().item_lens[d]);
+                        (src.entry(s).item_len, dst.entry(d).item_len);
                     let size_mismatch = || PlanError::SizeMismatch {
                         layer: src.layer_label(s),
                         role: src.role_label(s),
@@ -328,9 +328,9 @@ fn check_kind(
                         problem,
                     };
                     let problem = match (heads, kind) {
-                        (Err(problem), EntryKind::Page) => Some(problem.clone()),
+                        (Err(problem), Indexing::Page) => Some(problem.clone()),
                         (Ok(Some(_)), _) if src_item_len == 0 => None,
-                        (Ok(Some(slicing)), EntryKind::Page)
+                        (Ok(Some(slicing)), Indexing::Page)
                             if !(by_token && slicing.moves_whole_heads()) =>
                         {
                             let sizes = (src.entry_page_size(s), dst.entry_page_size(d));
@@ -340,7 +340,7 @@ fn check_kind(
                                 .map(head_problem)
                         }
                         _ if by_token => pair_problem(src, dst, &pair_spec(src, dst, s, d)),
-                        (Ok(Some(slicing)), EntryKind::State) => slicing
+                        (Ok(Some(slicing)), Indexing::State) => slicing
                             .state_fragment(src_item_len, dst_item_len)
                             .err()
                             .map(head_problem),
@@ -561,14 +561,14 @@ pub(crate) fn pair_spec(src: &Layout, dst: &Layout, s: usize, d: usize) -> PairS
     PairSpec {
         src_entry: s,
         dst_entry: d,
-        src_base: src.parts().data_ptrs[s],
-        dst_base: dst.parts().data_ptrs[d],
-        item_len: src.parts().item_lens[s],
-        dst_item_len: dst.parts().item_lens[d],
+        src_base: src.entry(s).buffer.0,
+        dst_base: dst.entry(d).buffer.0,
+        item_len: src.entry(s).item_len,
+        dst_item_len: dst.entry(d).item_len,
         src_capacity: src.capacity(s),
         dst_capacity: dst.capacity(d),
-        src_stride: src.strides()[s],
-        dst_stride: dst.strides()[d],
+        src_stride: src.entry(s).stride,
+        dst_stride: dst.entry(d).stride,
     }
 }
 
@@ -579,17 +579,14 @@ fn metadata_of(
     entries: &[usize],
     pairing: Pairing,
 ) -> (Option<Vec<i64>>, Option<Vec<String>>) {
-    let parts = layout.parts();
-    let hide_ids = pairing.ignores_page_ids()
-        && entries
-            .first()
-            .is_some_and(|&i| parts.kinds[i] == EntryKind::Page);
+    let of = |i: usize| layout.entry(i);
+    let hide_ids = pairing.ignores_page_ids() && entries.first().is_some_and(|&i| of(i).is_page());
     let ids: Option<Vec<i64>> = if hide_ids {
         None
     } else {
-        entries.iter().map(|&i| parts.layer_ids[i]).collect()
+        entries.iter().map(|&i| of(i).layer).collect()
     };
-    let roles: Vec<String> = entries.iter().map(|&i| parts.roles[i].clone()).collect();
+    let roles: Vec<String> = entries.iter().map(|&i| of(i).role.clone()).collect();
     let roles = (!roles.is_empty() && roles.iter().all(|r| !r.is_empty())).then_some(roles);
     (ids.filter(|ids| !ids.is_empty()), roles)
 }
@@ -993,11 +990,11 @@ pub(crate) fn same_representations(
     dst: &Layout,
     checks: &[EntryCheck],
 ) -> Result<()> {
-    for check in checks.iter().filter(|c| c.kind == EntryKind::Page) {
+    for check in checks.iter().filter(|c| c.kind == Indexing::Page) {
         let (s, Some(d)) = (check.src_entry, check.dst_entry) else {
             continue;
         };
-        if let (Some(rs), Some(rd)) = (src.representations()[s], dst.representations()[d])
+        if let (Some(rs), Some(rd)) = (src.representation(s), dst.representation(d))
             && rs != rd
         {
             return Err(PlanError::Conversion {

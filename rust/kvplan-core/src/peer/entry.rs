@@ -1,0 +1,178 @@
+//! One registered transfer entry as one value (its buffer, item length, stride, layer, role,
+//! draft-ness, representation and kind), and the page pools entries are indexed by.
+//!
+//! What an entry may carry depends on its kind, and the kind says it by construction: a page
+//! entry has a pool and may have a sliding window, a state entry may be a ring, so "a window on
+//! a state entry" or "a ring on a page entry" cannot be written.
+
+use crate::error::{PlanError, Result};
+use crate::peer::kv_format::Representation;
+
+/// A side's page index space: one list of pages a request gives for that side, with its own
+/// page size and index limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolId {
+    /// The request's pages (its KV pages), at the layout's page size.
+    Pages,
+    /// The side's window pool ([`crate::Layout::with_window_pool`]): the request's window
+    /// pages.
+    Window,
+}
+
+impl PoolId {
+    /// Every pool, in the order of [`PoolId::index`].
+    pub const ALL: [PoolId; POOLS] = [PoolId::Pages, PoolId::Window];
+
+    /// Its position in per-pool arrays.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Pools a side can have.
+pub const POOLS: usize = 2;
+
+/// One page pool of a layout: the pages of one index space, each holding `page_size` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pool {
+    /// Which index space.
+    pub id: PoolId,
+    /// Tokens per page.
+    pub page_size: u64,
+}
+
+/// What indexes an entry, with what only that kind of entry can carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EntryKind {
+    /// Indexed by the pages of `pool` (KV cache); planned by [`crate::Template::plan_into`].
+    Page {
+        /// The pool whose pages index it.
+        pool: PoolId,
+        /// Sliding-window size in tokens (`None`: the entry keeps every token).
+        window: Option<u64>,
+    },
+    /// Indexed by a per-request slot (Mamba conv/temporal state).
+    State {
+        /// Rows per request slot of a ring-state entry (`None`: one whole slot).
+        ring: Option<u64>,
+    },
+}
+
+impl EntryKind {
+    /// A page entry of the request's pages, keeping every token.
+    pub const PAGE: EntryKind = EntryKind::Page {
+        pool: PoolId::Pages,
+        window: None,
+    };
+
+    /// A whole-slot state entry.
+    pub const STATE: EntryKind = EntryKind::State { ring: None };
+
+    /// Page or state, without the per-kind fields.
+    pub fn indexing(self) -> Indexing {
+        match self {
+            EntryKind::Page { .. } => Indexing::Page,
+            EntryKind::State { .. } => Indexing::State,
+        }
+    }
+
+    /// The fresh kind (no pool but the request's pages, no window, no ring) of `indexing`.
+    pub fn of(indexing: Indexing) -> Self {
+        match indexing {
+            Indexing::Page => Self::PAGE,
+            Indexing::State => Self::STATE,
+        }
+    }
+}
+
+/// Whether an entry is indexed by KV page or by per-request state slot: the kind as the
+/// ingestion lists ([`crate::LayoutParts`]), Python and the wire name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Indexing {
+    /// Indexed by page.
+    Page,
+    /// Indexed by a per-request slot.
+    State,
+}
+
+impl Indexing {
+    /// The name used in Python and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Indexing::Page => "page",
+            Indexing::State => "state",
+        }
+    }
+
+    /// Parses [`Indexing::as_str`] output.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for any other string.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "page" => Ok(Indexing::Page),
+            "state" => Ok(Indexing::State),
+            other => Err(PlanError::InvalidLayout {
+                what: format!("unknown entry kind {other:?}; expected \"page\" or \"state\""),
+            }),
+        }
+    }
+}
+
+/// One registered transfer entry: item `i` is the `item_len` bytes at
+/// `buffer.0 + i * stride`, inside the `buffer.1` bytes of its buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Entry {
+    /// Base address and length in bytes of the buffer.
+    pub buffer: (u64, u64),
+    /// Bytes of one page or slot.
+    pub item_len: u64,
+    /// Bytes between consecutive items (at least `item_len`).
+    pub stride: u64,
+    /// Global layer id (`None`: not published).
+    pub layer: Option<i64>,
+    /// Role (`""`: not published).
+    pub role: String,
+    /// Whether it belongs to the draft model (speculative decoding).
+    pub draft: bool,
+    /// KV representation (`None`: none published).
+    pub format: Option<Representation>,
+    /// What indexes it, with its window or ring.
+    pub kind: EntryKind,
+}
+
+impl Entry {
+    /// Page or state.
+    pub fn indexing(&self) -> Indexing {
+        self.kind.indexing()
+    }
+
+    /// Whether it is indexed by page.
+    pub fn is_page(&self) -> bool {
+        matches!(self.kind, EntryKind::Page { .. })
+    }
+
+    /// Its sliding window in tokens (`None`: a full entry, or a state entry).
+    pub fn window(&self) -> Option<u64> {
+        match self.kind {
+            EntryKind::Page { window, .. } => window,
+            EntryKind::State { .. } => None,
+        }
+    }
+
+    /// Its rows per request slot (`None`: not a ring, or a page entry).
+    pub fn ring(&self) -> Option<u64> {
+        match self.kind {
+            EntryKind::State { ring } => ring,
+            EntryKind::Page { .. } => None,
+        }
+    }
+
+    /// The pool whose pages index it (`None` for a state entry).
+    pub fn pool(&self) -> Option<PoolId> {
+        match self.kind {
+            EntryKind::Page { pool, .. } => Some(pool),
+            EntryKind::State { .. } => None,
+        }
+    }
+}
