@@ -96,7 +96,7 @@ pub use model::pieces::{
 pub use model::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, StateShape, TokenShape,
 };
-pub use model::request::{Indices, Request};
+pub use model::request::{Indices, PoolLists, Request};
 pub use model::runs::{
     IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
 };

@@ -1,7 +1,7 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices, and entry pair
 //! lists handed back as `(n, 2)` int64 arrays.
 
-use kvplan_core::{Indices, PageIndex, PlanError, Request};
+use kvplan_core::{Indices, PageIndex, PlanError, PoolId, Request};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
@@ -381,8 +381,9 @@ pub(crate) fn core_request<'a, S: PageIndex, D: PageIndex>(
         indices,
         n_tokens,
         skip_tokens,
-        window_pages,
+        pool_pages: Default::default(),
     }
+    .with_pool_pages(PoolId::Window, window_pages.0, window_pages.1)
 }
 
 /// A state slot request (`src`, `dst` slots) planned by `planner`: slots index no arrays, so

@@ -4,6 +4,10 @@
 
 use crate::error::{PlanError, Result, Side};
 use crate::model::runs::PageIndex;
+use crate::peer::entry::{POOLS, PoolId};
+
+/// Each side's page list of one pool (`None`: that side gives none).
+pub type PoolLists<'a, S, D> = (Option<&'a [S]>, Option<&'a [D]>);
 
 /// What a request indexes on each side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,11 +47,13 @@ pub struct Request<'a, S = i64, D = i64> {
     pub n_tokens: Option<u64>,
     /// Leading tokens the decode holds already, not moved (page lists only; 0: none).
     pub skip_tokens: u64,
-    /// Each side's window pages, for a side whose window entries keep a pool of their own
-    /// ([`crate::Layout::with_window_pool`]): that pool's pages of the request in token order
-    /// from its first token (pages before the window are not read). `None` for a side whose
-    /// window entries index the request's pages.
-    pub window_pages: (Option<&'a [S]>, Option<&'a [D]>),
+    /// Each side's pages of its layout's further pools, by [`PoolId::index`]: for a side whose
+    /// window entries keep a pool of their own ([`crate::Layout::with_window_pool`]), that
+    /// pool's pages of the request in token order from its first token (pages before the
+    /// window are not read); `None` for a side without that pool. The request's own pages
+    /// (pool [`PoolId::Pages`]) are `indices`, so that pool's place here stays `(None, None)`
+    /// ([`Request::pool_lists`] reads either).
+    pub pool_pages: [PoolLists<'a, S, D>; POOLS],
 }
 
 impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
@@ -57,18 +63,30 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             indices: Indices::Pages { src, dst },
             n_tokens,
             skip_tokens: 0,
-            window_pages: (None, None),
+            pool_pages: [(None, None); POOLS],
         }
     }
 
+    /// The same request with each side's pages of pool `pool` (a further pool: the request's
+    /// own pages are given to [`Request::new`] and stay as they are).
+    #[must_use]
+    pub fn with_pool_pages(
+        mut self,
+        pool: PoolId,
+        src: Option<&'a [S]>,
+        dst: Option<&'a [D]>,
+    ) -> Self {
+        if pool != PoolId::Pages {
+            self.pool_pages[pool.index()] = (src, dst);
+        }
+        self
+    }
+
     /// The same request with each side's window pages (for the sides whose window entries
-    /// keep a pool of their own).
+    /// keep a pool of their own): [`Request::with_pool_pages`] of [`PoolId::Window`].
     #[must_use]
     pub fn with_window_pages(self, src: Option<&'a [S]>, dst: Option<&'a [D]>) -> Self {
-        Self {
-            window_pages: (src, dst),
-            ..self
-        }
+        self.with_pool_pages(PoolId::Window, src, dst)
     }
 
     /// The same request without its first `skip_tokens` tokens (the decode holds them).
@@ -103,6 +121,16 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
         }
     }
 
+    /// Each side's page list of pool `pool`: the request's pages for [`PoolId::Pages`] (none
+    /// for a slot request), else the lists given for that pool.
+    pub fn pool_lists(&self, pool: PoolId) -> PoolLists<'a, S, D> {
+        match (pool, self.indices) {
+            (PoolId::Pages, Indices::Pages { src, dst }) => (Some(src), Some(dst)),
+            (PoolId::Pages, Indices::Slot { .. }) => (None, None),
+            (pool, _) => self.pool_pages[pool.index()],
+        }
+    }
+
     /// Whether this is a slot request.
     pub fn is_slot(&self) -> bool {
         matches!(self.indices, Indices::Slot { .. })
@@ -133,7 +161,7 @@ impl Request<'static> {
             indices: Indices::Slot { src, dst },
             n_tokens: None,
             skip_tokens: 0,
-            window_pages: (None, None),
+            pool_pages: [(None, None); POOLS],
         }
     }
 }

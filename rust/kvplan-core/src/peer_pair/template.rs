@@ -15,6 +15,7 @@ use crate::model::plan::{
 };
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
+use crate::peer::entry::{POOLS, PoolId};
 use crate::peer::layout::{Indexing, Layout};
 use crate::peer_pair::accounting::BlockAccounting;
 use crate::peer_pair::coalesce::build_emission_groups;
@@ -57,12 +58,11 @@ pub struct Template {
     pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
     pub(crate) bytes_per_page: u64,
-    /// Smallest capacity over emitting pairs, per side: every index must lie below it (a
-    /// side's window-pool entries excepted).
-    pub(crate) limits: IndexLimits,
-    /// The same over the emitting pairs a side's window pages index (its window pool's
-    /// entries); a side without a window pool has its `limits` here.
-    pub(crate) window_limits: IndexLimits,
+    /// Per pool ([`PoolId::index`]) and side, the smallest capacity over the emitting pairs
+    /// whose entries that pool's pages index: every index of that pool's list must lie below
+    /// it. A side without a pool has its request-pages limit there (its entries, windows
+    /// included, are indexed by the request's pages).
+    pub(crate) limits: [IndexLimits; POOLS],
     pub(crate) check_dst_overlap: bool,
     /// Emission units in block order (group-major, then fragment).
     pub(crate) pieces: Vec<Piece>,
@@ -253,27 +253,26 @@ impl Template {
             .filter(|p| p.item_len > 0)
             .map(|p| p.piece(p.whole()))
             .collect();
-        // Per side, the pairs the request's pages index and the ones its window pages index.
-        let limit = |layout: &Layout, pool: bool, capacity: fn(&PairSpec) -> (usize, u64)| {
+        // Per side and pool, the pairs whose entries that pool's pages index; a side without
+        // the pool indexes them by the request's pages.
+        let limit = |layout: &Layout, pool: PoolId, capacity: fn(&PairSpec) -> (usize, u64)| {
+            let pool = if layout.pool(pool).is_some() {
+                pool
+            } else {
+                PoolId::Pages
+            };
             emitting
                 .iter()
                 .map(capacity)
-                .filter(|&(entry, _)| layout.in_window_pool(entry) == pool)
+                .filter(|&(entry, _)| layout.entry(entry).pool() == Some(pool))
                 .fold(u64::MAX, |limit, (_, c)| limit.min(c))
         };
         let src_side = |p: &PairSpec| (p.src_entry, p.src_capacity);
         let dst_side = |p: &PairSpec| (p.dst_entry, p.dst_capacity);
-        let (src_limit, dst_limit) = (limit(src, false, src_side), limit(dst, false, dst_side));
-        let window_limits = IndexLimits {
-            src: match src.window_page_size() {
-                Some(_) => limit(src, true, src_side),
-                None => src_limit,
-            },
-            dst: match dst.window_page_size() {
-                Some(_) => limit(dst, true, dst_side),
-                None => dst_limit,
-            },
-        };
+        let limits = PoolId::ALL.map(|pool| IndexLimits {
+            src: limit(src, pool, src_side),
+            dst: limit(dst, pool, dst_side),
+        });
         Ok(Self {
             page_pairs,
             emitting,
@@ -281,11 +280,7 @@ impl Template {
             ring_pairs,
             state_pieces,
             bytes_per_page,
-            limits: IndexLimits {
-                src: src_limit,
-                dst: dst_limit,
-            },
-            window_limits,
+            limits,
             check_dst_overlap: options.check_dst_overlap,
             pieces,
             blocks,
@@ -375,7 +370,13 @@ impl Template {
     /// Per side, the bound every page index must lie below: the smallest capacity over the
     /// emitting pairs (`u64::MAX` when no pair emits).
     pub fn index_limits(&self) -> IndexLimits {
-        self.limits
+        self.limits[PoolId::Pages.index()]
+    }
+
+    /// [`Template::index_limits`] of the pages of pool `pool` (a side without that pool: its
+    /// request-pages limit).
+    pub fn pool_limits(&self, pool: PoolId) -> IndexLimits {
+        self.limits[pool.index()]
     }
 }
 
@@ -442,7 +443,7 @@ impl Template {
         }
         // A page plan's layouts keep no windows (windows make a token template), so no side
         // has a window pool for window pages to index: refused, not ignored.
-        let window = request.window_pages;
+        let window = request.pool_lists(PoolId::Window);
         for (side, given) in [
             (Side::Src, window.0.is_some()),
             (Side::Dst, window.1.is_some()),
@@ -457,10 +458,11 @@ impl Template {
         let found = scan_runs(src, dst, RunRule::EitherDirection)?;
         if found.n_pages > 0 {
             // One comparison per side covers every pair: the limits are the smallest capacities.
-            if found.max_src >= self.limits.src {
+            let limits = self.index_limits();
+            if found.max_src >= limits.src {
                 return Err(self.out_of_range(Side::Src, src));
             }
-            if found.max_dst >= self.limits.dst {
+            if found.max_dst >= limits.dst {
                 return Err(self.out_of_range(Side::Dst, dst));
             }
             if self.check_dst_overlap {
@@ -640,13 +642,10 @@ impl Template {
                 }
             }
             (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) => {
-                let limits = [
-                    (self.limits.src, self.limits.dst),
-                    (self.window_limits.src, self.window_limits.dst),
-                ];
+                let limits = self.limits.map(|l| (l.src, l.dst));
                 let tokens = self.token_template()?;
                 let ((ws, wd), _) = shape.window_pages;
-                let window = request.window_pages;
+                let window = request.pool_lists(PoolId::Window);
                 let lists = LaneLists::new(
                     (&src[..shape.src_pages], &dst[..shape.dst_pages]),
                     (
@@ -695,7 +694,7 @@ impl Template {
         let runs = write_runs_by(
             src,
             dst,
-            self.limits,
+            self.index_limits(),
             found.descending_runs > 0,
             [
                 &mut out.src_addrs[..expected],
@@ -917,11 +916,11 @@ impl Template {
         let skip_tokens = request.skip_tokens;
         let (n, (src_pages, dst_pages), (ws, wd)) = self.validate_delta(
             (src, dst),
-            request.window_pages,
+            request.pool_lists(PoolId::Window),
             request.n_tokens,
             skip_tokens,
         )?;
-        let window = request.window_pages;
+        let window = request.pool_lists(PoolId::Window);
         let window = (
             window.0.map_or(&[][..], |w| &w[..ws]),
             window.1.map_or(&[][..], |w| &w[..wd]),
@@ -1067,15 +1066,16 @@ impl Template {
             // The pages before the one holding the first moved token are not read.
             let read = |pages: usize, first: usize| first.min(pages)..pages;
             let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
-            self.check_pages(Side::Src, &src[read(src_pages, src_first)], self.limits.src)?;
-            self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], self.limits.dst)?;
+            let [pages, windows] = self.limits;
+            self.check_pages(Side::Src, &src[read(src_pages, src_first)], pages.src)?;
+            self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], pages.dst)?;
             if let Some(window) = window.0 {
                 let read = read(src_window, ws_first);
-                self.check_pages(Side::Src, &window[read], self.window_limits.src)?;
+                self.check_pages(Side::Src, &window[read], windows.src)?;
             }
             if let Some(window) = window.1 {
                 let read = read(dst_window, wd_first);
-                self.check_pages(Side::Dst, &window[read], self.window_limits.dst)?;
+                self.check_pages(Side::Dst, &window[read], windows.dst)?;
             }
             if self.check_dst_overlap {
                 check_unique(&dst[read(dst_pages, dst_first)])?;

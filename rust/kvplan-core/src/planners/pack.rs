@@ -318,7 +318,8 @@ impl PackPlanner<'_> {
         let tokens = self.template.token_template()?;
         let (n, src_pages, dst_pages) = self.template.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
-        let limits = (self.template.limits.src, self.template.limits.dst);
+        let limits = self.template.index_limits();
+        let limits = (limits.src, limits.dst);
         // The gather's lanes are the target and draft tokens: a window template is refused
         // above.
         let mut rows = vec![Vec::new(); RowGather::LANES];
