@@ -330,6 +330,55 @@ impl Layout {
         })
     }
 
+    /// A layout of whole entries, each carrying its stride, window or ring, and
+    /// representation, with its window entries in a pool of `window_page_size` tokens per page
+    /// when given: every rule of [`Layout::new`] and of the `with_*` setters holds of it.
+    ///
+    /// # Errors
+    /// As [`Layout::new`], [`Layout::with_strides`], [`Layout::with_windows_in_pool`],
+    /// [`Layout::with_rings`] and [`Layout::with_representations`]; [`PlanError::InvalidLayout`]
+    /// for an entry in the window pool of a layout without one, or a window entry outside the
+    /// window pool of a layout with one.
+    pub fn from_entries(
+        entries: Vec<Entry>,
+        context: LayoutContext,
+        window_page_size: Option<u64>,
+    ) -> Result<Self> {
+        for (i, entry) in entries.iter().enumerate() {
+            let in_pool = entry.pool() == Some(PoolId::Window);
+            let problem = match window_page_size {
+                None if in_pool => "is in the window pool, but the layout keeps none",
+                Some(_) if !in_pool && entry.window().is_some() => {
+                    "has a window but is not in the window pool; a layout with a window pool \
+                     keeps every window entry in it"
+                }
+                _ => continue,
+            };
+            return Err(invalid(format!("entry {i} ({}) {problem}", entry.role)));
+        }
+        let listed = |values: Vec<Option<u64>>| {
+            if values.iter().any(Option::is_some) {
+                values
+            } else {
+                Vec::new()
+            }
+        };
+        let windows = listed(entries.iter().map(Entry::window).collect());
+        let rings = listed(entries.iter().map(Entry::ring).collect());
+        let formats: Vec<Option<Representation>> = entries.iter().map(|e| e.format).collect();
+        let formats = if formats.iter().any(Option::is_some) {
+            formats
+        } else {
+            Vec::new()
+        };
+        let strides = entries.iter().map(|e| e.stride).collect();
+        Self::new(parts_of(&entries), context)?
+            .with_strides(strides)?
+            .with_windows_in_pool(windows, window_page_size)?
+            .with_rings(rings)?
+            .with_representations(formats)
+    }
+
     /// The same layout with explicit strides: item `i` of entry `e` is the `item_len` bytes at
     /// `data_ptr + i * stride`. An empty list keeps the default (`stride = item_len`).
     ///
@@ -873,16 +922,7 @@ impl Layout {
     /// The entries as the parallel lists a layout is built from (a copy: the ingestion form,
     /// for callers that hand lists on, such as Python and the wire).
     pub fn parts(&self) -> LayoutParts {
-        let list = |field: fn(&Entry) -> u64| self.entries.iter().map(field).collect();
-        LayoutParts {
-            data_ptrs: list(|e| e.buffer.0),
-            data_lens: list(|e| e.buffer.1),
-            item_lens: list(|e| e.item_len),
-            layer_ids: self.entries.iter().map(|e| e.layer).collect(),
-            roles: self.entries.iter().map(|e| e.role.clone()).collect(),
-            kinds: self.entries.iter().map(Entry::indexing).collect(),
-            drafts: self.entries.iter().map(|e| e.draft).collect(),
-        }
+        parts_of(&self.entries)
     }
 
     /// The peer context.
@@ -1232,6 +1272,20 @@ impl Layout {
             }
         }
         Ok(layout)
+    }
+}
+
+/// The parallel lists of `entries` (the ingestion form).
+fn parts_of(entries: &[Entry]) -> LayoutParts {
+    let list = |field: fn(&Entry) -> u64| entries.iter().map(field).collect();
+    LayoutParts {
+        data_ptrs: list(|e| e.buffer.0),
+        data_lens: list(|e| e.buffer.1),
+        item_lens: list(|e| e.item_len),
+        layer_ids: entries.iter().map(|e| e.layer).collect(),
+        roles: entries.iter().map(|e| e.role.clone()).collect(),
+        kinds: entries.iter().map(Entry::indexing).collect(),
+        drafts: entries.iter().map(|e| e.draft).collect(),
     }
 }
 

@@ -460,10 +460,10 @@ impl Template {
             // One comparison per side covers every pair: the limits are the smallest capacities.
             let limits = self.index_limits();
             if found.max_src >= limits.src {
-                return Err(self.out_of_range(Side::Src, src));
+                return Err(self.out_of_range(Side::Src, PoolId::Pages, src, 0));
             }
             if found.max_dst >= limits.dst {
-                return Err(self.out_of_range(Side::Dst, dst));
+                return Err(self.out_of_range(Side::Dst, PoolId::Pages, dst, 0));
             }
             if self.check_dst_overlap {
                 check_unique(dst)?;
@@ -776,9 +776,32 @@ impl Template {
         })
     }
 
-    pub(crate) fn out_of_range<T: PageIndex>(&self, side: Side, values: &[T]) -> PlanError {
+    ///
+    /// `values` are pages of `pool` on `side`, the first at position `offset` of its list: only
+    /// the pairs whose entries that pool indexes can refuse them, and the position reported is
+    /// the one in the caller's list.
+    pub(crate) fn out_of_range<T: PageIndex>(
+        &self,
+        side: Side,
+        pool: PoolId,
+        values: &[T],
+        offset: usize,
+    ) -> PlanError {
+        let layout = side.pick(&self.layouts.0, &self.layouts.1);
+        // A side without the pool indexes its entries by the request's pages.
+        let pool = if layout.pool(pool).is_some() {
+            pool
+        } else {
+            PoolId::Pages
+        };
+        let indexed = |pair: &&PairSpec| {
+            layout
+                .entry(side.pick(pair.src_entry, pair.dst_entry))
+                .pool()
+                == Some(pool)
+        };
         // Report the first position that breaks the first pair it does not fit.
-        for pair in &self.emitting {
+        for pair in self.emitting.iter().filter(indexed) {
             let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
             if let Some((position, index)) = values
                 .iter()
@@ -786,7 +809,7 @@ impl Template {
                 .enumerate()
                 .find(|&(_, v)| v as u64 >= capacity)
             {
-                return self.index_error(side, pair, index, position);
+                return self.index_error(side, pair, index, offset + position);
             }
         }
         PlanError::InputChanged
@@ -1067,15 +1090,16 @@ impl Template {
             let read = |pages: usize, first: usize| first.min(pages)..pages;
             let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
             let [pages, windows] = self.limits;
-            self.check_pages(Side::Src, &src[read(src_pages, src_first)], pages.src)?;
-            self.check_pages(Side::Dst, &dst[read(dst_pages, dst_first)], pages.dst)?;
+            let pool = PoolId::Pages;
+            self.check_pages(Side::Src, pool, src, read(src_pages, src_first), pages.src)?;
+            self.check_pages(Side::Dst, pool, dst, read(dst_pages, dst_first), pages.dst)?;
             if let Some(window) = window.0 {
                 let read = read(src_window, ws_first);
-                self.check_pages(Side::Src, &window[read], windows.src)?;
+                self.check_pages(Side::Src, PoolId::Window, window, read, windows.src)?;
             }
             if let Some(window) = window.1 {
                 let read = read(dst_window, wd_first);
-                self.check_pages(Side::Dst, &window[read], windows.dst)?;
+                self.check_pages(Side::Dst, PoolId::Window, window, read, windows.dst)?;
             }
             if self.check_dst_overlap {
                 check_unique(&dst[read(dst_pages, dst_first)])?;
@@ -1088,7 +1112,17 @@ impl Template {
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.
-    fn check_pages<T: PageIndex>(&self, side: Side, values: &[T], limit: u64) -> Result<()> {
+    /// (`read`: the positions of `list`, a list of pages of `pool`, the request reads.)
+    fn check_pages<T: PageIndex>(
+        &self,
+        side: Side,
+        pool: PoolId,
+        list: &[T],
+        read: std::ops::Range<usize>,
+        limit: u64,
+    ) -> Result<()> {
+        let offset = read.start;
+        let values = &list[read];
         if let Some((position, index)) = values
             .iter()
             .map(|v| v.get())
@@ -1099,10 +1133,10 @@ impl Template {
                 return Err(PlanError::NegativeIndex {
                     side,
                     index,
-                    position,
+                    position: offset + position,
                 });
             }
-            return Err(self.out_of_range(side, values));
+            return Err(self.out_of_range(side, pool, values, offset));
         }
         Ok(())
     }

@@ -48,8 +48,9 @@ use crate::error::{PlanError, Result, Side};
 use crate::model::plan::Plan;
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
+use crate::peer::entry::{Entry, EntryKind, PoolId};
 use crate::peer::kv_format::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
-use crate::peer::layout::{Indexing, Layout, LayoutParts, MemoryOrder, is_mha_role};
+use crate::peer::layout::{Indexing, Layout, MemoryOrder, is_mha_role};
 use crate::peer_pair::template::Template;
 use crate::planners::pack::{PackBuffer, PlanBuilder};
 use crate::rules::check::{TemplateOptions, check_pairs};
@@ -825,16 +826,7 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
         what: "a widened layout: its buffers span 2^63 bytes or more (conversion plans double \
                the distance between buffers)",
     };
-    let mut out = LayoutParts {
-        data_ptrs: Vec::with_capacity(kept.len()),
-        data_lens: Vec::with_capacity(kept.len()),
-        item_lens: Vec::with_capacity(kept.len()),
-        layer_ids: Vec::with_capacity(kept.len()),
-        roles: Vec::with_capacity(kept.len()),
-        kinds: Vec::with_capacity(kept.len()),
-        drafts: Vec::with_capacity(kept.len()),
-    };
-    let (mut strides, mut windows) = (Vec::new(), Vec::new());
+    let mut out = Vec::with_capacity(kept.len());
     for &d in &kept {
         let f = factors[d];
         let e = entry(d);
@@ -843,15 +835,22 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
             .checked_add(e.buffer.1)
             .and_then(|e| e.checked_mul(2))
             .ok_or_else(|| overflow.clone())?;
-        out.data_ptrs.push(offset * 2);
-        out.data_lens.push(e.buffer.1 * f);
-        out.item_lens.push(e.item_len * f);
-        out.layer_ids.push(e.layer);
-        out.roles.push(e.role.clone());
-        out.kinds.push(e.indexing());
-        out.drafts.push(e.draft);
-        strides.push(e.stride * f);
-        windows.push(e.window());
+        // Widened entries index the request's pages: a window keeps its size, not its pool.
+        let kind = match e.kind {
+            EntryKind::Page { window, .. } => EntryKind::Page {
+                pool: PoolId::Pages,
+                window,
+            },
+            state @ EntryKind::State { .. } => state,
+        };
+        out.push(Entry {
+            buffer: (offset * 2, e.buffer.1 * f),
+            item_len: e.item_len * f,
+            stride: e.stride * f,
+            format: None,
+            kind,
+            ..e.clone()
+        });
     }
     let mut context = dst.context().clone();
     // The attention geometry describes the K and V entries: widened with them.
@@ -860,18 +859,6 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
     {
         g.dtype_size *= u32::try_from(factors[d]).unwrap_or(1);
     }
-    let rings: Vec<Option<u64>> = kept.iter().map(|&d| dst.entry(d).ring()).collect();
-    let layout = Layout::new(out, context)?
-        .with_strides(strides)?
-        .with_windows(if windows.iter().any(Option::is_some) {
-            windows
-        } else {
-            Vec::new()
-        })?
-        .with_rings(if rings.iter().any(Option::is_some) {
-            rings
-        } else {
-            Vec::new()
-        })?;
+    let layout = Layout::from_entries(out, context, None)?;
     Ok((layout, kept))
 }
