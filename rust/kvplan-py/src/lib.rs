@@ -1,6 +1,7 @@
 //! Python bindings for `kvplan-core`. Only glue lives here: convert arguments, release the GIL
 //! around the work, hand buffers to NumPy without copying, and map core errors to exceptions.
-//! Modules mirror the core's, one file per job: `layout`, `pairing` (+ `pair_tables`:
+//! Modules mirror the core's, one file per job: `layout` (+ `layout_args`, `layout_dict`,
+//! `layout_entry`), `pairing` (+ `pair_tables`:
 //! `check_pairs`, `needs_tokens`), `template` (the `Template` class; its methods hand their work
 //! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
 //! planner (`batch`, `pack`, `staged`, `rounds`, `advice`, `convert` for `ConversionTemplate`,
@@ -26,6 +27,9 @@ mod heads;
 mod ids;
 mod input;
 mod layout;
+mod layout_args;
+mod layout_dict;
+mod layout_entry;
 mod local;
 mod mooncake;
 mod nixl_ids;
@@ -68,7 +72,9 @@ mod _core {
     #[pymodule_export]
     use crate::ids::index_array;
     #[pymodule_export]
-    use crate::layout::{PyLayout, PyLayoutEntry};
+    use crate::layout::PyLayout;
+    #[pymodule_export]
+    use crate::layout_entry::PyLayoutEntry;
     #[pymodule_export]
     use crate::local::copy_local;
     #[pymodule_export]
