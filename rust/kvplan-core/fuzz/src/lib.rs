@@ -702,11 +702,11 @@ pub fn check_plan(input: &PlanInput) {
         let mut seen = HashSet::new();
         for p in pairs {
             assert!(p.src_entry < src.n_entries() && p.dst_entry < dst.n_entries());
-            assert_eq!(src.parts().kinds[p.src_entry], kind);
-            assert_eq!(dst.parts().kinds[p.dst_entry], kind);
-            assert_eq!(src.parts().item_lens[p.src_entry], dst.parts().item_lens[p.dst_entry]);
+            assert_eq!(src.entry(p.src_entry).indexing(), kind);
+            assert_eq!(dst.entry(p.dst_entry).indexing(), kind);
+            assert_eq!(src.entry(p.src_entry).item_len, dst.entry(p.dst_entry).item_len);
             assert!(seen.insert(p.dst_entry), "dst entry {} paired twice", p.dst_entry);
-            if let (Some(a), Some(b)) = (src.parts().layer_ids[p.src_entry], dst.parts().layer_ids[p.dst_entry]) {
+            if let (Some(a), Some(b)) = (src.entry(p.src_entry).layer, dst.entry(p.dst_entry).layer) {
                 assert_eq!(a, b, "paired by identity but ids differ");
             }
         }
@@ -787,8 +787,8 @@ pub fn check_plan(input: &PlanInput) {
                 assert_eq!(buf.data[k], sa as u64);
                 assert_eq!(buf.data[cap + k], da as u64);
                 assert_eq!(buf.data[2 * cap + k], p.item_len);
-                assert!(sa + l <= u128::from(p.src_base) + u128::from(src.parts().data_lens[p.src_entry]));
-                assert!(da + l <= u128::from(p.dst_base) + u128::from(dst.parts().data_lens[p.dst_entry]));
+                assert!(sa + l <= u128::from(p.src_base) + u128::from(src.entry(p.src_entry).buffer.1));
+                assert!(da + l <= u128::from(p.dst_base) + u128::from(dst.entry(p.dst_entry).buffer.1));
             }
         }
         Err(PlanError::OutputTooSmall { .. }) => assert!(cap < n_state),
