@@ -36,9 +36,8 @@
 //! size. Every decoded layout goes through [`Layout::new`]'s validation.
 
 use crate::error::{PlanError, Result};
-use crate::peer::layout::{
-    AttentionGeometry, Indexing, Layout, LayoutContext, LayoutParts, MemoryOrder,
-};
+use crate::peer::entry::Indexing;
+use crate::peer::layout::{AttentionGeometry, Layout, LayoutContext, LayoutParts, MemoryOrder};
 use crate::rules::dcp::DcpContext;
 
 const MAGIC: &[u8; 4] = b"KVPL";

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
-pub use crate::peer::entry::{Entry, EntryKind, Indexing, Pool, PoolId};
+use crate::peer::entry::{Entry, EntryKind, Indexing, Pool, PoolId};
 use crate::peer::kv_format::{MX_BLOCK, Representation, ScaleLayout, scale_role};
 
 /// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are

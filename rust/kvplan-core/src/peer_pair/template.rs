@@ -15,8 +15,8 @@ use crate::model::plan::{
 };
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
-use crate::peer::entry::{POOLS, PoolId};
-use crate::peer::layout::{Indexing, Layout};
+use crate::peer::entry::{Indexing, POOLS, PoolId};
+use crate::peer::layout::Layout;
 use crate::peer_pair::accounting::BlockAccounting;
 use crate::peer_pair::coalesce::build_emission_groups;
 use crate::rules::capabilities::{Asked, Feature, Planner};

@@ -45,7 +45,7 @@ use crate::model::layer_groups::PeerRanks;
 use crate::model::plan::{AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit};
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
-use crate::peer::layout::Indexing;
+use crate::peer::entry::Indexing;
 use crate::peer_pair::template::Template;
 use crate::planners::pack::{PackBuffer, PairBounds, PlanBuilder, gather_in_place, plan_bytes};
 use crate::rules::capabilities::Planner;

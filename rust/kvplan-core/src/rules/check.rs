@@ -8,9 +8,8 @@ use std::collections::{HashMap, HashSet};
 
 use crate::error::{HeadProblem, PlanError, Result, Side};
 use crate::model::pieces::{Fragment, Fragments, PairSpec};
-use crate::peer::layout::{
-    AttentionGeometry, Indexing, Layout, MemoryOrder, is_mha_role, is_sidecar_role,
-};
+use crate::peer::entry::Indexing;
+use crate::peer::layout::{AttentionGeometry, Layout, MemoryOrder, is_mha_role, is_sidecar_role};
 use crate::rules::heads::HeadSlicing;
 use crate::rules::pairing::{
     EntryMetadata, LegacyKind, Pairing, Partner, legacy_pp_pairs, pair_each,
