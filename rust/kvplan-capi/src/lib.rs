@@ -32,8 +32,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use kvplan_core::{
-    AttentionGeometry, Columns, Indexing, Indices, Layout, LayoutContext, LayoutParts,
-    MemoryOrder, Pairing, PlanError, PlanSummary, Request, Template, TemplateOptions,
+    AttentionGeometry, Columns, Indexing, Indices, Layout, LayoutContext, LayoutParts, MemoryOrder,
+    Pairing, PlanError, PlanSummary, PoolId, Request, Template, TemplateOptions,
 };
 
 mod ptr;
@@ -817,8 +817,9 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
         indices,
         n_tokens,
         skip_tokens: req.skip_tokens,
-        window_pages,
-    })
+        pool_pages: Default::default(),
+    }
+    .with_pool_pages(PoolId::Window, window_pages.0, window_pages.1))
 }
 
 /// A byte range `[start, end)` a call reads or writes (`None`: empty), with the argument's name.
