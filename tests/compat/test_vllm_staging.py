@@ -144,11 +144,11 @@ class Loopback:
         self.decode.on_open(self.decode_worker, data, self.prefill.router.deliver)
 
 
-def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1
-          ) -> vstaging.WorkerStaging:
+def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1,
+          timeout_s: float = 5) -> vstaging.WorkerStaging:
     config = StagingConfig.from_options({"kvplan_staging": mode,
                                          "kvplan_staging_arena_mib": arena_mib,
-                                         "kvplan_staging_timeout_s": 5})
+                                         "kvplan_staging_timeout_s": timeout_s})
     staging = vstaging.WorkerStaging.start(side.worker, config, engine=engine.engine)
     engine.stagings.append(staging)
     staging.name = engine.session
@@ -222,7 +222,7 @@ def test_fragmented_mla_request_lands_staged_byte_exact(v: Any, patched: Any, en
     src, dst, lengths, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
     assert err_reqs == [] and err_msg is None
     assert len(src) == 0  # the request left the direct columns
-    receiver = d_staging.receivers["req-a@tp0"]
+    receiver = d_staging.stream("req-a@tp0")
     assert receiver.loaded and receiver.n_rounds > 1
     np.testing.assert_array_equal(decode.memory, want)
     data = prefill.worker.xfer_stats.data
@@ -257,7 +257,7 @@ def test_tp_mismatch_request_lands_staged_byte_exact(v: Any, patched: Any, engin
         decode.memory[:] = saved
         src, _, _, err_reqs, _ = kvplan_send(prefill, meta, ready)
         assert err_reqs == [] and len(src) == 0
-        assert d_staging.receivers[f"req-b@tp{rank}"].loaded
+        assert d_staging.stream(f"req-b@tp{rank}").loaded
         total_direct += direct
         total_staged += prefill.worker.xfer_stats.data[metrics.STAGED_BLOCKS_KEY][0]
     np.testing.assert_array_equal(decode.memory, want)
@@ -282,7 +282,7 @@ def test_midway_failure_goes_through_vllms_failed_request(v: Any, patched: Any, 
     src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
     assert err_reqs == ["req-c"] and len(src) == 0
     assert "manifest_mismatch" in err_msg and "round 1" in err_msg, err_msg
-    receiver = d_staging.receivers["req-c@tp0"]
+    receiver = d_staging.stream("req-c@tp0")
     assert receiver.failed and not receiver.loaded and receiver.scattered == 1
     assert receiver.error.reason == "manifest_mismatch"
     assert prefill.worker.xfer_stats.data["num_failed_transfers"] == [1]
@@ -318,6 +318,53 @@ def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decod
     lines = [r for r in caplog.records if r.name == "kvplan.staging"]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert np.all(decode.memory == SENTINEL)  # nothing was written by the staged path
+
+
+def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engines: Any
+                                                     ) -> None:
+    """A prefill whose channel closes after the opening message: the decode cancels the
+    stream (never loaded), and its periodic check then retires it and frees the share."""
+    import threading
+
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=6)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging = start(prefill, p_engine)
+    d_staging = start(decode, d_engine, timeout_s=0.2)
+    server = d_staging.serve(decode.worker)
+    meta, ready = pull(v, prefill, decode, d_staging, {"req-e": fragmented_ids(20, 6)})
+    w = prefill.worker
+    local, remote, _ = w._prepare_transfer_regions(meta)
+    from kvplan.compat.vllm.templates import _templates
+
+    peer = _templates(w, meta, local, remote)
+    local_ids, remote_ids = fragmented_ids(20, 6)
+    staged = vstaging.staged_requests(w, meta, peer, {"req-e": [(local_ids, remote_ids)]})
+    channel = p_staging.channels[d_engine.session]
+    granted = threading.Event()
+    p_staging.router.open("req-e@tp0", 0, lambda data: granted.set())
+    channel.open(vstaging.open_message(staged["req-e"], stream="req-e@tp0",
+                                       peer=p_engine.session, rank=0,
+                                       capabilities=p_staging.capabilities()))
+    assert granted.wait(5.0)  # the decode planned the stream and granted its share
+    receiver = d_staging.stream("req-e@tp0")
+    assert receiver is not None and receiver.state == "receiving"
+    channel.close()
+    with pytest.raises(Exception) as err:
+        receiver.wait(timeout=10.0)
+    assert err.value.reason == "cancelled" and not receiver.loaded
+    # the share is kept timeout_s after the failure (a write may still land), then freed by
+    # the decode's periodic check, which retires the stream
+    for _ in range(200):
+        if "req-e@tp0" not in d_staging.receivers:
+            break
+        threading.Event().wait(0.05)
+    assert "req-e@tp0" not in d_staging.receivers and d_staging.stream("req-e@tp0") is receiver
+    assert d_staging.shares.holder(0) is None
+    assert np.all(decode.memory == SENTINEL)
+    assert server.address == d_staging.capabilities()["channel"]
 
 
 def staged_connector(v: Any, extra: dict[str, Any], engine_cls: Any = None) -> Any:

@@ -34,6 +34,8 @@ import logging
 import socket
 import struct
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +71,10 @@ logger = logging.getLogger("kvplan.compat.vllm")
 STAGING_ATTR = "kvplan_staging"
 #: The key of the staging message in the decode's pull metadata.
 META_KEY = "kvplan_staging"
+#: Ended decode streams kept for inspection (:meth:`WorkerStaging.stream`).
+KEEP_FINISHED = 1024
+#: Seconds between the decode's periodic checks of its open streams.
+TICK_S = 0.5
 #: Largest opening message accepted (the template's two layouts and the request's pages).
 MAX_OPEN_BYTES = 64 << 20
 
@@ -98,8 +104,11 @@ class WorkerStaging:
     channels: dict[str, Channel] = field(default_factory=dict)
     #: The prefill's channel back, by the peer name its opening message gives (decode side).
     replies: dict[str, Callable[[bytes], object]] = field(default_factory=dict)
-    #: Streams opened on the decode, by request id.
+    #: Streams opened on the decode and not yet ended, by stream name.
     receivers: dict[str, ReceiveStaged] = field(default_factory=dict)
+    #: The most recent ended streams (at most :data:`KEEP_FINISHED`), by stream name.
+    finished: OrderedDict[str, ReceiveStaged] = field(default_factory=OrderedDict)
+    _failed_at: dict[str, float] = field(default_factory=dict)
     _agreements: dict[tuple[str, int, bool], Negotiated] = field(default_factory=dict)
 
     @classmethod
@@ -147,6 +156,31 @@ class WorkerStaging:
         self.channels[session] = channel
         return channel
 
+    def stream(self, name: str) -> ReceiveStaged | None:
+        """The decode's stream of that name, open or recently ended."""
+        return self.receivers.get(name) or self.finished.get(name)
+
+    def tick(self, now: float | None = None) -> None:
+        """The decode's periodic check (:class:`ChannelServer` runs it): each open stream's
+        ``poll`` (a stream with no round for ``timeout_s`` fails; a failed stream whose prefill
+        never confirmed it stopped gives its arena share up ``timeout_s`` later); ended
+        streams leave :attr:`receivers` and their router stream is closed."""
+        now = time.monotonic() if now is None else now
+        for name, receiver in list(self.receivers.items()):
+            state = receiver.poll()
+            if state == "failed":
+                failed_at = self._failed_at.setdefault(name, now)
+                if now - failed_at <= 2 * self.config.timeout_s:
+                    continue  # its poll may still have to give the share up
+            elif state != "loaded":
+                continue
+            self._failed_at.pop(name, None)
+            self.receivers.pop(name, None)
+            self.router.close(name)
+            self.finished[name] = receiver
+            while len(self.finished) > KEEP_FINISHED:
+                self.finished.popitem(last=False)
+
     def close(self) -> None:
         """Close the channels and the listener, and unregister the arena."""
         for channel in self.channels.values():
@@ -177,12 +211,13 @@ class WorkerStaging:
         return outcome
 
     # ------------------------------------------------------------------ decode side
-    def on_open(self, worker: Any, data: bytes, reply: Callable[[bytes], object]) -> None:
+    def on_open(self, worker: Any, data: bytes, reply: Callable[[bytes], object]) -> str:
         """The prefill's opening message for one stream: plan the decode's own rounds from
         the template it names and open the stream on the router. A message this decode
         cannot plan from fails the stream: the prefill is told through ``reply``."""
         opening = _read_open(data)
-        request, writer = opening["stream"], int(opening["writer"])
+        request: str = str(opening["stream"])
+        writer = int(opening["writer"])
         try:
             rounds = _decode_rounds(self, opening)
         except (kvplan.KvPlanError, StagingError, KeyError, TypeError, ValueError) as exc:
@@ -193,13 +228,14 @@ class WorkerStaging:
                          request, exc)
             reply(encode(FAIL, request, writer=writer, round_index=0,
                          payload=f"bad_message: {type(exc).__name__}: {exc}".encode()[:4096]))
-            return
+            return request
         receiver = ReceiveStaged(
             request, rounds, local_copy([self.arena.array], kv_buffers(worker)), reply,
             writer=writer, timeout_s=self.config.timeout_s)
         self.receivers[request] = receiver
         self.router.open(request, writer, receiver.on_message)
         self.shares.admit(receiver)
+        return request
 
 
 def _as_message(remote: Any) -> Any:
@@ -434,6 +470,15 @@ class ChannelServer:
         self._closed = False
         threading.Thread(target=self._accept, name="kvplan-staging-listener",
                          daemon=True).start()
+        self._stop = threading.Event()
+        threading.Thread(target=self._tick, name="kvplan-staging-tick", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self._staging.tick()
+            except Exception:  # the next tick tries again; the streams fail on their own
+                logger.exception("kvplan staging: the decode's periodic check failed")
 
     def _accept(self) -> None:
         while not self._closed:
@@ -448,6 +493,7 @@ class ChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         lock = threading.Lock()
+        opened: list[str] = []
 
         def reply(data: bytes) -> None:
             _send_frame(conn, lock, _MESSAGE, data)
@@ -456,7 +502,7 @@ class ChannelServer:
             for tag, data in _frames(conn):
                 if tag == _OPEN:
                     try:
-                        self._staging.on_open(self._worker, data, reply)
+                        opened.append(self._staging.on_open(self._worker, data, reply))
                     except (kvplan.KvPlanError, ValueError) as exc:
                         logger.error("kvplan staging: refused an opening message: %s", exc)
                 else:
@@ -465,9 +511,15 @@ class ChannelServer:
             pass
         finally:
             conn.close()
+            # the prefill is gone: what it had not finished will not arrive
+            for name in opened:
+                receiver = self._staging.receivers.get(name)
+                if receiver is not None and receiver.state == "receiving":
+                    receiver.cancel("the prefill's staging channel closed")
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
         self._listener.close()
         for conn in self._conns:
             try:
