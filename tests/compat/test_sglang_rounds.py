@@ -512,3 +512,12 @@ def test_start_up_hook_attaches_after_sglang_registers_its_kv(
         assert "register_buffer_to_engine" not in cls.__dict__ or not getattr(
             cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
         dec.transport.close()
+
+
+def test_pools_outside_host_memory_keep_the_direct_path() -> None:
+    """A device address (here: one no mapping of this process holds) is never copied through
+    on the host: the request keeps the direct path."""
+    memory = np.zeros(4096, np.uint8)
+    assert rounds.host_pools([int(memory.ctypes.data)], [memory.nbytes])
+    assert not rounds.host_pools([int(memory.ctypes.data)], [1 << 46])
+    assert not rounds.host_pools([(1 << 47) - 4096], [4096])

@@ -76,7 +76,7 @@ from kvplan.staging import (
 
 __all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "SglangStaging",
            "SocketChannel", "attach", "detach", "hook_register_info", "hook_start_up",
-           "maybe_send", "start_up", "staging_of", "unhook_register_info", "unhook_start_up"]
+           "host_pools", "maybe_send", "start_up", "staging_of", "unhook_register_info", "unhook_start_up"]
 
 _log = logging.getLogger("kvplan.compat.sglang")
 
@@ -98,6 +98,40 @@ Send = Callable[[str, bytes], object]
 def _standins(n: int) -> tuple[list[int], list[int]]:
     ptrs = [_STANDIN_BASE + (j << 40) for j in range(n)]
     return ptrs, unbounded_lens(ptrs)
+
+
+def _rw_ranges() -> list[tuple[int, int]]:
+    """This process's readable and writable mappings, adjacent ones merged (Linux)."""
+    merged: list[tuple[int, int]] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("rw"):
+                continue
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if merged and merged[-1][1] == lo:
+                merged[-1] = (merged[-1][0], hi)
+            else:
+                merged.append((lo, hi))
+    return merged
+
+
+def host_pools(ptrs: Sequence[int], lens: Sequence[int]) -> bool:
+    """Whether every pool lies in host memory this process may read and write (its
+    mappings); device pools (SGLang's GPU KV cache) and an unknown platform: False, and the
+    request keeps the direct path: a host copy through a device address would crash."""
+    try:
+        ranges = _rw_ranges()
+    except OSError:
+        return False
+    starts = [lo for lo, _ in ranges]
+    import bisect
+
+    for p, n in zip(ptrs, lens):
+        i = bisect.bisect_right(starts, int(p)) - 1
+        if i < 0 or int(p) + int(n) > ranges[i][1]:
+            return False
+    return True
 
 
 def _host_views(ptrs: Sequence[int], lens: Sequence[int]) -> list[np.ndarray]:
@@ -154,6 +188,7 @@ class SglangStaging:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._failed_at: dict[tuple[str, int], float] = {}
+        self._host_kv: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
         #: Decode session -> its listener (from its registration frame).
         self.endpoints: dict[str, str] = {}
         self._stop = threading.Event()
@@ -161,6 +196,17 @@ class SglangStaging:
         self.channel: SocketChannel | None = None
 
     # ---------------------------------------------------------------- registration
+    def host_kv(self, ptrs: Sequence[int], lens: Sequence[int]) -> bool:
+        """:func:`host_pools` of this manager's pools, asked once (they do not move)."""
+        key = (tuple(ptrs), tuple(lens))
+        known = self._host_kv.get(key)
+        if known is None:
+            known = self._host_kv[key] = host_pools(ptrs, lens)
+            if not known:
+                _log.info("kvplan: KV pools not in host memory: staged rounds stay off, the "
+                          "direct path is used")
+        return known
+
     def send_to(self, peer: str, data: bytes) -> None:
         """One message to ``peer`` (a decode session: the listener it registered, else the
         name itself)."""
@@ -225,6 +271,9 @@ class SglangStaging:
             kv = self.manager.kv_args
             pools = [int(p) for p in kv.kv_data_ptrs]
             lens, items = [int(n) for n in kv.kv_data_lens], [int(n) for n in kv.kv_item_lens]
+            if not self.host_kv(pools, lens):
+                raise KvPlanError("the decode's KV pools are not host memory of this process "
+                                  "(device pools need the torch executor's scatter)")
             template = _template(msg["geometry"], None, (pools, lens, items))
             rounds = template.plan_rounds(
                 as_index(msg["src_pages"]), as_index(msg["dst_pages"]),
@@ -627,6 +676,8 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         geometry = {"kind": kind, "template": dict(slice_geometry)}
         decode_side = (dst_ptrs, unbounded_lens(dst_ptrs), [int(dst_item)] * len(dst_ptrs))
     else:
+        return None
+    if not staging.host_kv(src_ptrs, src_lens):
         return None
     src_pages, dst_pages = as_index(prefill_kv_indices), as_index(dst_kv_indices)
     template = _template(geometry, (src_ptrs, src_lens), decode_side)
