@@ -337,7 +337,12 @@ pub(crate) fn plan_rounds(
                     pair_offsets: vec![0, b - a],
                     ..kvplan_core::Plan::default()
                 };
-                let view = round_columns(py, columns, (a, b))?;
+                // A round holding the whole stage takes its columns as they are.
+                let view = if (a, b) == (0, offsets.last().copied().unwrap_or(0)) {
+                    [0, 1, 2].map(|c| columns[c].clone_ref(py))
+                } else {
+                    round_columns(py, columns, (a, b))?
+                };
                 Py::new(
                     py,
                     PyTransferPlan::packed(view, Arc::clone(template), &plan, fingerprints),

@@ -589,8 +589,15 @@ fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) ->
 /// What a staged stage's staging column must hold, checked block by block as it is rewritten:
 /// each block's staged value at its stream offset, and the bytes checked so far.
 trait StageCheck {
-    /// Checks one block at stream offset `at` whose staging value is `staged`.
-    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()>;
+    /// Whether one block at stream offset `at` whose staging value is `staged` is what the
+    /// staged plan promises (branch-free, so the walk that calls it stays tight).
+    fn fits(&mut self, at: u64, staged: u64, len: u64) -> bool;
+    /// The stream interval `[from, until)` around `at` over which a staging value is the
+    /// stream offset plus one `delta` (wrapping): what [`StageCheck::fits`] checks, for a walk
+    /// that checks a run of blocks against it with no call per block.
+    fn span(&mut self, at: u64) -> (u64, u64, u64);
+    /// Records that blocks were checked up to stream offset `at`.
+    fn checked_to(&mut self, at: u64);
     /// The staging value a block at stream offset `at` had in the staged plan (every block
     /// before it already checked, in order).
     fn original(&mut self, at: u64) -> u64;
@@ -604,15 +611,18 @@ struct GatherCheck {
 }
 
 impl StageCheck for GatherCheck {
-    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()> {
-        if staged != at {
-            return Err(PlanError::InputChanged);
-        }
-        self.done = at + len;
-        Ok(())
+    fn fits(&mut self, at: u64, staged: u64, len: u64) -> bool {
+        self.done = at.wrapping_add(len);
+        staged == at
     }
     fn original(&mut self, at: u64) -> u64 {
         at
+    }
+    fn span(&mut self, _at: u64) -> (u64, u64, u64) {
+        (0, u64::MAX, 0)
+    }
+    fn checked_to(&mut self, at: u64) {
+        self.done = at;
     }
     fn done(&self) -> u64 {
         self.done
@@ -658,20 +668,28 @@ impl<'a> ScatterCheck<'a> {
 }
 
 impl StageCheck for ScatterCheck<'_> {
-    fn check(&mut self, at: u64, staged: u64, len: u64) -> Result<()> {
+    fn fits(&mut self, at: u64, staged: u64, len: u64) -> bool {
         self.seek(at);
         let (ns, nd, nend) = self.current;
-        let fits = ns <= at && at + len <= nend && staged == nd + (at - ns);
-        if !fits && len > 0 {
-            return Err(PlanError::InputChanged);
-        }
-        self.done = at + len;
-        Ok(())
+        let end = at.wrapping_add(len);
+        self.done = end;
+        // Bitwise on purpose: no branch per block in the walk.
+        #[allow(clippy::needless_bitwise_bool)]
+        let fits = (ns <= at) & (end <= nend) & (staged == nd.wrapping_add(at.wrapping_sub(ns)));
+        fits || len == 0
     }
     fn original(&mut self, at: u64) -> u64 {
         self.seek(at);
         let (ns, nd, _) = self.current;
         nd.wrapping_add(at.wrapping_sub(ns))
+    }
+    fn span(&mut self, at: u64) -> (u64, u64, u64) {
+        self.seek(at);
+        let (ns, nd, nend) = self.current;
+        (ns, nend, nd.wrapping_sub(ns))
+    }
+    fn checked_to(&mut self, at: u64) {
+        self.done = at;
     }
     fn done(&self) -> u64 {
         self.done
@@ -706,6 +724,7 @@ fn staging_and_lengths(buf: &mut FlatBuffer, col: usize, n: usize) -> (&mut [u64
 /// first block that would overflow its buffer. Returns the round ends and the rounds, or
 /// `None` (the column restored as the staged plan had it) when a block is larger than a round
 /// buffer and must be split.
+#[allow(clippy::needless_bitwise_bool)] // branch-free checks per block keep the walk tight
 fn cut_major_in_place<R: StageCheck>(
     buf: &mut FlatBuffer,
     (col, n): (usize, usize),
@@ -720,6 +739,10 @@ fn cut_major_in_place<R: StageCheck>(
     let (mut start, mut at) = (0u64, 0u64);
     let mut limit = buffer_bytes.min(total);
     let mut base = bases.of(0);
+    // Any block that is not what the staged plan promises (checked after the walk), and the
+    // interval over which staging values are the stream offset plus `delta`.
+    let mut bad = false;
+    let (mut from, mut until, mut delta) = check.span(0);
     for (i, (staged, &length)) in column.iter_mut().zip(lengths).enumerate() {
         let end = at.saturating_add(length);
         if end > limit && at > start {
@@ -740,9 +763,17 @@ fn cut_major_in_place<R: StageCheck>(
             }
             return Ok(None);
         }
-        check.check(at, *staged, length)?;
+        if at < from || end > until {
+            (from, until, delta) = check.span(at);
+            bad |= ((at < from) | (end > until)) & (length != 0);
+        }
+        bad |= (*staged != at.wrapping_add(delta)) & (length != 0);
         *staged = base + (at - start);
         at = end;
+    }
+    check.checked_to(at);
+    if bad {
+        return Err(PlanError::InputChanged);
     }
     if at > start {
         ends.push(at);
@@ -778,8 +809,8 @@ fn split_stage(
         let base = bases.of(k);
         while next < n && at < cut {
             let (from, to, length) = (src[next], dst[next], len[next]);
-            if at >= start {
-                check.check(at, [from, to][col], length)?;
+            if at >= start && !check.fits(at, [from, to][col], length) {
+                return Err(PlanError::InputChanged);
             }
             let (lo, hi) = (at.max(start), (at + length).min(cut));
             if hi > lo {
