@@ -19,7 +19,7 @@ from kvplan.testing.ranks import Model, Rank, rank_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANNERS = ["plan", "plan_batch", "plan_packed", "plan_row_gather", "plan_staged",
-            "descriptor_table"]
+            "plan_rounds", "descriptor_table"]
 FEATURES = ["delta", "state_slot", "window", "token_plan", "ring"]
 
 
@@ -43,6 +43,7 @@ def test_the_declaration_lists_every_planner_and_feature_in_order() -> None:
         "plan": [], "plan_batch": ["ring"], "plan_packed": ["ring"],
         "plan_row_gather": ["delta", "state_slot", "window", "ring"],
         "plan_staged": ["delta", "state_slot", "ring"],
+        "plan_rounds": ["delta", "state_slot", "ring"],
         "descriptor_table": ["delta", "window", "token_plan", "ring"],
     }
     assert capabilities.supports("plan_staged", "window")
