@@ -403,25 +403,71 @@ def test_connector_refuses_a_bad_staging_option(v: Any, extra: dict[str, Any],
     assert err.value.option == option and err.value.value == extra[option]
 
 
-def test_connector_registers_the_arena_at_start_up(v: Any, engines: Any,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+class FakeCodec:
+    """msgspec's Encoder / Decoder where the loader has no msgspec: records its type."""
+
+    def __init__(self, kind: Any = None) -> None:
+        self.kind = kind
+
+    def encode(self, obj: Any) -> Any:
+        return ("encoded", obj)
+
+    def decode(self, data: Any) -> Any:
+        return ("decoded", self.kind, data)
+
+
+def fake_msgspec(stub: Any) -> Any:
+    return types.SimpleNamespace(
+        Struct=stub.Struct, field=stub.field,
+        to_builtins=lambda obj: {"fields": "of " + type(obj).__name__},
+        defstruct=lambda name, fields, bases, omit_defaults: type(name, bases,
+                                                                   {"fields": fields}),
+        msgpack=types.SimpleNamespace(Encoder=FakeCodec, Decoder=FakeCodec))
+
+
+def test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up(
+        v: Any, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from mooncake.engine import TransferEngine
 
-    with caplog.at_level("WARNING", logger="vllm.kvplan.staging"):
-        connector = staged_connector(v, {"kvplan_staging": "always",
-                                         "kvplan_staging_arena_mib": 2,
-                                         "kvplan_staging_buffers": 4}, TransferEngine)
+    monkeypatch.setattr(v.mc, "msgspec", fake_msgspec(v.mc.msgspec))
+    connector = staged_connector(v, {"kvplan_staging": "always",
+                                     "kvplan_staging_arena_mib": 2,
+                                     "kvplan_staging_buffers": 4}, TransferEngine)
     worker = connector.connector_worker
     state = worker.__dict__[vstaging.STAGING_ATTR]
     try:
         assert state.arena.registered and state.arena.size == 2 << 20
         assert state.arena.buffers == 4 and state.config.mode == "always"
-        assert state.capabilities()["arenas"][0]["registered"] is True
-        assert any("does not carry kvplan's staging message" in r.getMessage()
-                   for r in caplog.records)
+        message = state.capabilities()
+        assert message["arenas"][0]["registered"] is True
+        assert message["channel"] == state.server.address
+        # the decode's pull request carries the message; other messages are vLLM's bytes
+        assert isinstance(worker._encoder, vstaging.AdvertisingEncoder)
+        kind, fields = worker._encoder.encode(object.__new__(v.mc.MooncakeXferMetadata))
+        assert fields[vstaging.META_KEY] == message and fields["fields"].endswith("Metadata")
+        assert worker._encoder.encode("response") == ("encoded", "response")
+        # the prefill reads it as vLLM's metadata with one more optional field
+        subclass = worker._xfer_meta_decoder.kind
+        assert issubclass(subclass, v.mc.MooncakeXferMetadata)
+        assert subclass.fields == [(vstaging.META_KEY, dict[str, Any] | None, None)]
     finally:
         state.close()
         worker.shutdown()
+
+
+def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,
+                                                         engines: Any) -> None:
+    import kvplan
+
+    p_engine, _ = engines
+    side = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                head_bytes=256, seed=1)
+    state = start(side, p_engine)
+    with pytest.raises(kvplan.IncompatibleHostError, match="_encoder"):
+        vstaging.hook_handshake(side.worker, state,
+                                types.SimpleNamespace(__name__="m", msgspec=fake_msgspec(
+                                    v.mc.msgspec), MooncakeXferMetadata=object))
+    assert "_encoder" not in side.worker.__dict__  # nothing replaced
 
 
 @pytest.mark.skipif(VLLM_VERSION != "0.33.0", reason="the other releases run from 0.33's run")

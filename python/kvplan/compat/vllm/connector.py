@@ -51,7 +51,7 @@ def _connector_class() -> type:
                         setattr(self.connector_worker, _CAP, options[_CAP])
                     # vLLM's series plus kvplan's per-request plan columns
                     self.connector_worker.xfer_stats = stats_cls()
-                    _start_staging(self.connector_worker, options)
+                    _start_staging(self.connector_worker, options, mc)
 
             @classmethod
             def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -72,10 +72,12 @@ def _connector_class() -> type:
     return _CONNECTOR
 
 
-def _start_staging(worker: Any, options: dict[str, Any]) -> None:
+def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
     """Staging asked for by a ``kvplan_staging`` key other than ``off``: the worker's arena,
-    registered with its Mooncake engine now (start-up), kept as the worker's staging state.
-    Without the key, or with ``off``, nothing is allocated and the worker is vLLM's path."""
+    registered with its Mooncake engine now (start-up); its channel listener; the handshake
+    hooks (the decode's pull request carries its staging message, the prefill reads it); for
+    ``auto``, the engine's costs measured once on loopback. Without the key, or with ``off``,
+    nothing is allocated or replaced and the worker is vLLM's path."""
     from kvplan.compat.vllm import staging
     from kvplan.staging import StagingConfig
 
@@ -83,12 +85,36 @@ def _start_staging(worker: Any, options: dict[str, Any]) -> None:
         return
     config = StagingConfig.from_options(options)
     state = staging.WorkerStaging.start(worker, config)
-    state.name = f"{worker.__dict__.get('hostname')}:{worker.__dict__.get('rpc_port')}"
+    try:
+        host = str(worker.__dict__.get("hostname") or "127.0.0.1")
+        state.name = f"{host}:{worker.__dict__.get('rpc_port')}"
+        staging.hook_handshake(worker, state, module)
+        state.serve(worker, host)
+        if config.mode == "auto":
+            state.costs = _loopback_costs()
+    except BaseException:
+        state.close()
+        raise
     worker.__dict__[staging.STAGING_ATTR] = state
-    _staging_log.warning(
-        "kvplan staging (%s): %d MiB arena in %d buffers registered; vLLM's pull request "
-        "does not carry kvplan's staging message yet, so requests take the direct path until "
-        "the decode advertises one", config.mode, config.arena_mib, config.buffers)
+    _staging_log.info(
+        "kvplan staging (%s): %d MiB arena in %d buffers registered, channel %s%s",
+        config.mode, config.arena_mib, config.buffers,
+        state.server.address if state.server is not None else "-",
+        "" if config.mode != "auto" or state.costs is not None else
+        "; no measured costs, so auto takes the direct path (kvplan_staging: always stages "
+        "wherever both peers agree)")
+
+
+def _loopback_costs() -> Any:
+    """The host's Mooncake TCP costs measured on loopback, or None (logged) when that fails."""
+    try:
+        from kvplan.engines.measure import measure_loopback
+
+        return measure_loopback("mooncake")
+    except Exception as exc:  # the measurement is advice only: staging stays usable
+        _staging_log.warning("kvplan staging: measuring Mooncake's costs failed (%s: %s)",
+                             type(exc).__name__, exc)
+        return None
 
 
 _staging_log = logging.getLogger("vllm.kvplan.staging")

@@ -219,7 +219,7 @@ class WorkerStaging:
         request: str = str(opening["stream"])
         writer = int(opening["writer"])
         try:
-            rounds = _decode_rounds(self, opening)
+            rounds = _decode_rounds(self, opening, worker)
         except (kvplan.KvPlanError, StagingError, KeyError, TypeError, ValueError) as exc:
             # the prefill waits for the grant: a failure message ends its send at once
             from kvplan.staging.wire import FAIL, encode
@@ -241,6 +241,20 @@ class WorkerStaging:
 def _as_message(remote: Any) -> Any:
     return remote if remote is None or isinstance(remote, (bytes, Capabilities)) else \
         json.dumps(remote).encode() if isinstance(remote, dict) else remote
+
+
+def host_kv(worker: Any) -> bool:
+    """Whether the worker's registered KV caches are host memory (the rounds' gather and
+    scatter run on host memory here; a device cache keeps vLLM's direct path). A worker
+    whose tensors are not recorded (built without ``register_kv_caches``) counts as host."""
+    caches = getattr(worker, "device_kv_caches", None)
+    if not isinstance(caches, dict):
+        return True
+    for tensor in caches.values():
+        device = getattr(tensor, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            return False
+    return True
 
 
 def kv_buffers(worker: Any) -> list[np.ndarray]:
@@ -277,7 +291,7 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
     ``peer``) that go staged to ``agent_meta``'s decode; every other request keeps vLLM's
     direct path."""
     staging: WorkerStaging | None = worker.__dict__.get(STAGING_ATTR)
-    if staging is None or peer.error is not None:
+    if staging is None or peer.error is not None or not host_kv(worker):
         return {}
     session = f"{agent_meta.remote_hostname}:{agent_meta.remote_port}"
     remote = getattr(agent_meta, META_KEY, None)
@@ -327,7 +341,10 @@ def _read_open(data: bytes) -> dict[str, Any]:
     return opening
 
 
-def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any]) -> Any:
+def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any], worker: Any) -> Any:
+    if not host_kv(worker):
+        raise kvplan.LayoutError("the decode's KV cache is not host memory: staged rounds "
+                                 "scatter only into host memory here")
     template = kvplan.Template(kvplan.Layout.from_dict(opening["src_layout"]),
                                kvplan.Layout.from_dict(opening["dst_layout"]),
                                kvplan.Pairing.positional())
@@ -527,3 +544,76 @@ class ChannelServer:
             except OSError:
                 pass
             conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode's staging message in vLLM's pull request
+# ---------------------------------------------------------------------------------------------
+
+#: The vLLM worker attributes the handshake hooks replace on a worker instance, as every
+#: supported release sets them in ``MooncakeConnectorWorker.__init__``: the decode's pull
+#: request goes out through ``_encoder.encode(metadata)``, the prefill reads it with
+#: ``_xfer_meta_decoder.decode(bytes)``.
+HANDSHAKE_ATTRS = {"_encoder": "encode", "_xfer_meta_decoder": "decode"}
+#: What the hooks read from vLLM's connector module.
+HANDSHAKE_MODULE_NAMES = ("msgspec", "MooncakeXferMetadata")
+
+
+class AdvertisingEncoder:
+    """The decode worker's encoder: vLLM's pull request (``MooncakeXferMetadata``) goes out
+    with the worker's staging message under :data:`META_KEY`; everything else, and the pull
+    request's own fields, exactly as vLLM's encoder writes them. A prefill that is not kvplan
+    decodes the request with vLLM's decoder, which skips the key it does not know."""
+
+    def __init__(self, inner: Any, metadata_cls: type, msgspec: Any,
+                 message: Callable[[], dict[str, Any]]) -> None:
+        self._inner, self._cls, self._msgspec, self._message = inner, metadata_cls, msgspec, \
+            message
+
+    def encode(self, obj: Any) -> Any:
+        if isinstance(obj, self._cls):
+            fields = self._msgspec.to_builtins(obj)
+            fields[META_KEY] = self._message()
+            return self._inner.encode(fields)
+        return self._inner.encode(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def metadata_decoder(metadata_cls: type, msgspec: Any) -> Any:
+    """The prefill worker's decoder of pull requests: vLLM's ``MooncakeXferMetadata`` with
+    one more optional field, the decode's staging message (None from a decode that sent
+    none)."""
+    subclass = msgspec.defstruct(
+        "KvplanXferMetadata", [(META_KEY, dict[str, Any] | None, None)], bases=(metadata_cls,),
+        omit_defaults=True)
+    return msgspec.msgpack.Decoder(subclass)
+
+
+def hook_handshake(worker: Any, staging: WorkerStaging, module: Any) -> None:
+    """Install the handshake hooks on ``worker`` (both: a worker of ``kv_both`` sends and
+    receives). :class:`kvplan.IncompatibleHostError` when the worker or vLLM's module is not
+    in the form the hooks were built for; nothing is replaced then."""
+    from kvplan.compat._methods import refuse
+
+    releases = "vLLM 0.32.0, 0.33.0, 0.34.0"
+    for name in HANDSHAKE_MODULE_NAMES:
+        if not hasattr(module, name):
+            raise refuse(type(worker), module.__name__, name, "missing",
+                         {"a module attribute": releases}, "vLLM")
+    msgspec = module.msgspec
+    for attr in ("to_builtins", "defstruct", "msgpack"):
+        if not hasattr(msgspec, attr):
+            raise refuse(type(worker), "msgspec", attr, "missing",
+                         {"msgspec's function": releases}, "vLLM")
+    for attr, method in HANDSHAKE_ATTRS.items():
+        if not callable(getattr(worker.__dict__.get(attr), method, None)):
+            raise refuse(type(worker), type(worker).__name__, attr,
+                         type(worker.__dict__.get(attr)).__name__,
+                         {f"an instance attribute with {method}()": releases}, "vLLM")
+    cls = module.MooncakeXferMetadata
+    decoder = metadata_decoder(cls, msgspec)
+    worker._encoder = AdvertisingEncoder(worker.__dict__["_encoder"], cls, msgspec,
+                                         staging.capabilities)
+    worker._xfer_meta_decoder = decoder
