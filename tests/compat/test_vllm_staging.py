@@ -367,6 +367,37 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
     assert server.address == d_staging.capabilities()["channel"]
 
 
+def test_device_kv_caches_keep_the_direct_path(v: Any, patched: Any, engines: Any) -> None:
+    """KV caches that are not host memory: the decode advertises nothing, and a prefill's
+    requests stay in the direct columns."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=7)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    start(prefill, p_engine)
+    d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)
+    on_device = {"layer": types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))}
+    encoder = vstaging.AdvertisingEncoder(
+        FakeCodec(), v.mc.MooncakeXferMetadata, fake_msgspec(v.mc.msgspec),
+        lambda: d_staging.capabilities() if vstaging.host_kv(decode.worker) else None)
+    request = object.__new__(v.mc.MooncakeXferMetadata)
+    assert encoder.encode(request)[1][vstaging.META_KEY]["channel"] == d_staging.server.address
+    decode.worker.__dict__["device_kv_caches"] = on_device
+    assert encoder.encode(request) == ("encoded", request)  # nothing advertised
+    meta, ready = pull(v, prefill, decode, d_staging, {"req-f": fragmented_ids(30, 7)})
+    w = prefill.worker
+    local, remote, _ = w._prepare_transfer_regions(meta)
+    from kvplan.compat.vllm.templates import _templates
+
+    peer = _templates(w, meta, local, remote)
+    ids = {"req-f": [tuple(fragmented_ids(30, 7))]}
+    assert set(vstaging.staged_requests(w, meta, peer, ids)) == {"req-f"}
+    w.__dict__["device_kv_caches"] = on_device
+    assert vstaging.staged_requests(w, meta, peer, ids) == {}
+
+
 def staged_connector(v: Any, extra: dict[str, Any], engine_cls: Any = None) -> Any:
     from support.vllm_cases import vllm_config, worker_dependencies
     from test_vllm_upstream import test_kv_cache_config

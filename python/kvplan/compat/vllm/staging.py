@@ -367,7 +367,9 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     Mooncake hand-off). Raises :class:`kvplan.staging.StagingError`."""
     staging: WorkerStaging = worker.__dict__[STAGING_ATTR]
     channel = staging.channels[session]
-    stream = f"{staged.request}@tp{worker.tp_rank}"
+    # one stream per prefill rank: hetero TP and PP stages send one request from several
+    stream = f"{staged.request}@tp{worker.tp_rank}" + (
+        f"pp{pp}" if (pp := int(getattr(worker, "pp_rank", 0) or 0)) else "")
     rounds = staged.template.plan_rounds(staged.src_pages, staged.dst_pages,
                                          src_arena=staged.agreement.src_arena,
                                          dst_arena=staged.agreement.dst_arena,
@@ -566,16 +568,17 @@ class AdvertisingEncoder:
     decodes the request with vLLM's decoder, which skips the key it does not know."""
 
     def __init__(self, inner: Any, metadata_cls: type, msgspec: Any,
-                 message: Callable[[], dict[str, Any]]) -> None:
+                 message: Callable[[], dict[str, Any] | None]) -> None:
         self._inner, self._cls, self._msgspec, self._message = inner, metadata_cls, msgspec, \
             message
 
     def encode(self, obj: Any) -> Any:
-        if isinstance(obj, self._cls):
-            fields = self._msgspec.to_builtins(obj)
-            fields[META_KEY] = self._message()
-            return self._inner.encode(fields)
-        return self._inner.encode(obj)
+        message = self._message() if isinstance(obj, self._cls) else None
+        if message is None:  # not a pull request, or nothing to advertise: vLLM's bytes
+            return self._inner.encode(obj)
+        fields = self._msgspec.to_builtins(obj)
+        fields[META_KEY] = message
+        return self._inner.encode(fields)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -614,6 +617,9 @@ def hook_handshake(worker: Any, staging: WorkerStaging, module: Any) -> None:
                          {f"an instance attribute with {method}()": releases}, "vLLM")
     cls = module.MooncakeXferMetadata
     decoder = metadata_decoder(cls, msgspec)
-    worker._encoder = AdvertisingEncoder(worker.__dict__["_encoder"], cls, msgspec,
-                                         staging.capabilities)
+    # a decode whose KV cache is not host memory cannot scatter the rounds: it advertises
+    # nothing, and its prefills keep the direct path
+    worker._encoder = AdvertisingEncoder(
+        worker.__dict__["_encoder"], cls, msgspec,
+        lambda: staging.capabilities() if host_kv(worker) else None)
     worker._xfer_meta_decoder = decoder
