@@ -326,7 +326,14 @@ pub(crate) fn plan_rounds(
         stage_columns(py, network)?,
         stage_columns(py, scatter)?,
     ];
-    let mut rounds = Vec::with_capacity(manifests.len());
+    let mut rounds = Vec::new();
+    rounds.try_reserve_exact(manifests.len()).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {} rounds (a round buffer of {buffer_bytes} bytes for a request of \
+             {bytes} bytes); give larger arenas",
+            manifests.len()
+        ))
+    })?;
     for (k, manifest) in manifests.into_iter().enumerate() {
         let part =
             |(columns, offsets): &([Column; 3], Vec<usize>)| -> PyResult<Py<PyTransferPlan>> {

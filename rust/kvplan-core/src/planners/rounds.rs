@@ -67,6 +67,26 @@ pub type Arena = PackBuffer;
 /// while the next round's gather fills the other buffer.
 pub const DEFAULT_BUFFERS: u32 = 2;
 
+/// Appends `value`, growing `list` (amortised) with an error naming `what` when memory runs
+/// out: the number of rounds grows with the request over the round buffer, so a tiny buffer
+/// on a huge request asks for much memory and must fail as an error, never abort.
+fn try_push<T>(list: &mut Vec<T>, value: T, what: &'static str) -> Result<()> {
+    if list.len() == list.capacity() {
+        list.try_reserve(1)
+            .map_err(|_| PlanError::out_of_memory::<T>(what, list.len().saturating_add(1)))?;
+    }
+    list.push(value);
+    Ok(())
+}
+
+/// An empty list with room for `n` values, or an error naming `what`.
+fn reserved<T>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    let mut list = Vec::new();
+    list.try_reserve_exact(n)
+        .map_err(|_| PlanError::out_of_memory::<T>(what, n))?;
+    Ok(list)
+}
+
 /// What a decode is told about one round: enough to check that an arrival is the round it
 /// expects and where its bytes lie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -281,8 +301,8 @@ impl RoundBlocks {
         self.n_blocks += 1;
     }
 
-    fn end_round(&mut self) {
-        self.round_offsets.push(self.n_blocks);
+    fn end_round(&mut self) -> Result<()> {
+        try_push(&mut self.round_offsets, self.n_blocks, "round offsets")
     }
 }
 
@@ -541,14 +561,14 @@ struct Cuts {
 /// no block of it ends there (a block larger than the buffer), where the buffer ends. So the
 /// major stage is split only at blocks larger than a round buffer and is rewritten in place;
 /// the minor stage's blocks are split where the cuts fall (at most one block per cut).
-fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) -> Cuts {
+fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) -> Result<Cuts> {
     let gather_major = gather.len() >= scatter.len();
     let (major, minor) = if gather_major {
         (gather, scatter)
     } else {
         (scatter, gather)
     };
-    let mut ends = Vec::with_capacity(usize::try_from(total / buffer_bytes + 1).unwrap_or(0));
+    let mut ends = Vec::new();
     let (mut major_splits, mut minor_splits) = (0usize, 0usize);
     // Per stage: the next block not yet wholly before the round's start, and where it starts.
     let (mut i, mut major_at) = (0usize, 0u64);
@@ -571,7 +591,7 @@ fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) ->
         if cut < total {
             minor_splits += usize::from(m < minor.len() && minor_at < cut);
         }
-        ends.push(cut);
+        try_push(&mut ends, cut, "round ends")?;
         start = cut;
     }
     let (gather_splits, scatter_splits) = if gather_major {
@@ -579,11 +599,11 @@ fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) ->
     } else {
         (minor_splits, major_splits)
     };
-    Cuts {
+    Ok(Cuts {
         ends,
         gather_splits,
         scatter_splits,
-    }
+    })
 }
 
 /// What a staged stage's staging column must hold, checked block by block as it is rewritten:
@@ -734,8 +754,9 @@ fn cut_major_in_place<R: StageCheck>(
     fresh: impl FnOnce() -> R,
 ) -> Result<Option<(Vec<u64>, Vec<usize>)>> {
     let (column, lengths) = staging_and_lengths(buf, col, n);
-    let mut ends = Vec::with_capacity(usize::try_from(total / buffer_bytes + 1).unwrap_or(0));
-    let mut round_offsets = vec![0];
+    let mut ends = Vec::new();
+    let mut round_offsets = reserved(1, "round offsets")?;
+    round_offsets.push(0);
     let (mut start, mut at) = (0u64, 0u64);
     let mut limit = buffer_bytes.min(total);
     let mut base = bases.of(0);
@@ -746,8 +767,8 @@ fn cut_major_in_place<R: StageCheck>(
     for (i, (staged, &length)) in column.iter_mut().zip(lengths).enumerate() {
         let end = at.saturating_add(length);
         if end > limit && at > start {
-            ends.push(at);
-            round_offsets.push(i);
+            try_push(&mut ends, at, "round ends")?;
+            try_push(&mut round_offsets, i, "round offsets")?;
             start = at;
             limit = start.saturating_add(buffer_bytes).min(total);
             base = bases.of(ends.len());
@@ -776,8 +797,8 @@ fn cut_major_in_place<R: StageCheck>(
         return Err(PlanError::InputChanged);
     }
     if at > start {
-        ends.push(at);
-        round_offsets.push(n);
+        try_push(&mut ends, at, "round ends")?;
+        try_push(&mut round_offsets, n, "round offsets")?;
     }
     Ok(Some((ends, round_offsets)))
 }
@@ -796,7 +817,7 @@ fn split_stage(
     let mut out = RoundBlocks {
         buffer: alloc(n.saturating_add(splits))?,
         n_blocks: 0,
-        round_offsets: Vec::with_capacity(cuts.len() + 1),
+        round_offsets: reserved(cuts.len().saturating_add(1), "round offsets")?,
     };
     out.round_offsets.push(0);
     let (src, dst, len) = (
@@ -831,10 +852,15 @@ fn split_stage(
             at += length;
             next += 1;
         }
-        out.end_round();
+        out.end_round()?;
         start = cut;
     }
     Ok(out)
+}
+
+/// The lengths of a staged buffer's first `n` blocks.
+fn stage_lengths(buf: &FlatBuffer, n: usize) -> &[u64] {
+    &buf.data[2 * buf.capacity..2 * buf.capacity + n]
 }
 
 /// How many of `cuts` (but the last) fall strictly inside a block of `lengths`.
@@ -879,9 +905,6 @@ fn emit_rounds(
         first: geometry.dst_arena.addr + geometry.dst_share,
         stride: geometry.dst_buffer,
         buffers: geometry.buffers,
-    };
-    let lengths = |buf: &FlatBuffer, n: usize| -> Vec<u64> {
-        buf.data[2 * buf.capacity..2 * buf.capacity + n].to_vec()
     };
     let mut gather_check = GatherCheck { done: 0 };
     let mut scatter_check = ScatterCheck::new(network);
@@ -947,11 +970,11 @@ fn emit_rounds(
         }
     } else {
         let cuts = cut_rounds(
-            &lengths(&gather_buf, n_gather),
-            &lengths(&scatter_buf, n_scatter),
+            stage_lengths(&gather_buf, n_gather),
+            stage_lengths(&scatter_buf, n_scatter),
             total,
             geometry.buffer_bytes,
-        );
+        )?;
         let gather = split_stage(
             &gather_buf,
             (1, n_gather, cuts.gather_splits),
@@ -983,16 +1006,16 @@ fn emit_rounds(
     let mut network_rounds = RoundBlocks {
         buffer: alloc(ends.len())?,
         n_blocks: 0,
-        round_offsets: Vec::with_capacity(ends.len() + 1),
+        round_offsets: reserved(ends.len().saturating_add(1), "round offsets")?,
     };
     network_rounds.round_offsets.push(0);
-    let mut manifests = Vec::with_capacity(ends.len());
+    let mut manifests = reserved(ends.len(), "round manifests")?;
     let mut start = 0u64;
     for (k, &cut) in ends.iter().enumerate() {
         let bytes = cut - start;
         let (src, dst) = (src_bases.of(k), dst_bases.of(k));
         network_rounds.push((src, dst, bytes));
-        network_rounds.end_round();
+        network_rounds.end_round()?;
         manifests.push(RoundManifest {
             index: k as u32,
             n_rounds,
