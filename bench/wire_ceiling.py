@@ -369,25 +369,36 @@ class Rig:
     """One engine's two loopback transports and two registered host arenas."""
 
     def __init__(self, engine: str, src_bytes: int, dst_bytes: int, sg: Any) -> None:
-        from kvplan.engines.measure import loopback_transports
-
         self.engine = engine
+        self.sg = sg
         self.src = np.empty(src_bytes, np.uint8)
         rng = np.random.default_rng(1)
         for lo in range(0, src_bytes, 64 << 20):  # in pieces: no second arena-sized array
             piece = self.src[lo:lo + (64 << 20)]
             piece[:] = rng.integers(0, 256, piece.size, dtype=np.uint8)
         self.dst = np.zeros(dst_bytes, np.uint8)
-        self.sender, self.receiver = loopback_transports(engine)
-        self.sender.register_buffers([self.src.ctypes.data], [src_bytes])
-        self.receiver.register_buffers([self.dst.ctypes.data], [dst_bytes])
-        if engine == "nixl":
+        self.open()
+
+    def open(self) -> None:
+        from kvplan.engines.measure import loopback_transports
+
+        self.sender, self.receiver = loopback_transports(self.engine)
+        self.sender.register_buffers([self.src.ctypes.data], [self.src.size])
+        self.receiver.register_buffers([self.dst.ctypes.data], [self.dst.size])
+        if self.engine == "nixl":
             self.peer = self.sender.add_peer(self.receiver.metadata())  # type: ignore[attr-defined]
             self.host: Any = NixlHost(self.sender, self.peer)
         else:
             self.peer = self.receiver.local_session_id()
-            self.host = (MooncakeHost(sg, self.sender._engine, self.peer)  # type: ignore[attr-defined]
-                         if sg is not None else None)
+            self.host = (MooncakeHost(self.sg, self.sender._engine, self.peer)  # type: ignore[attr-defined]
+                         if self.sg is not None else None)
+
+    def reopen(self) -> None:
+        """Fresh transports on the same arenas: Mooncake's TCP session can be left broken by a
+        refused over-full batch (the next write on it fails), so one refusal must not decide
+        the other paths' results."""
+        self.close()
+        self.open()
 
     def submit(self, plan: Any) -> None:
         self.sender.submit(plan, self.peer)
@@ -640,6 +651,11 @@ def run_case(engine: str, case: Case, sg: Any, repeats: int, arena: int = ROUND_
                 notes["host"] = (f"refused: the engine call of {n:,} descriptors returned "
                                  f"{exc.rc}")
                 del fns["host"]
+                host_calls, rig.host.calls = rig.host.calls, []
+                rig.reopen()
+                fns, _ = paths(rig, st, steps, reports)
+                fns.pop("host", None)
+                rig.host.calls = host_calls
             host_calls, rig.host.record = rig.host.calls, False
             rig.host.calls = []
             descriptors["host"] = sum(len(c[0]) for c in host_calls)
