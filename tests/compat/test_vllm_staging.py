@@ -289,6 +289,28 @@ def test_midway_failure_goes_through_vllms_failed_request(v: Any, patched: Any, 
     assert prefill.worker.xfer_stats.data[metrics.STAGED_ROUNDS_KEY] == []
 
 
+def test_a_prefill_that_cannot_gather_fails_only_that_request(v: Any, patched: Any,
+                                                               engines: Any) -> None:
+    """KV buffers the worker never recorded: the staged request fails into vLLM's err_reqs
+    (gather_failed) before anything is sent; the pull itself does not raise."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=8)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    start(prefill, p_engine)
+    d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)
+    prefill.worker.__dict__["seen_base_addresses"] = []
+    prefill.worker.xfer_stats = stats_for(v)
+    meta, ready = pull(v, prefill, decode, d_staging, {"req-g": fragmented_ids(30, 8)})
+    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == ["req-g"] and len(src) == 0
+    assert "gather_failed" in err_msg and "LayoutError" in err_msg, err_msg
+    assert d_staging.stream("req-g@tp0") is None  # the decode was never asked
+    assert np.all(decode.memory == SENTINEL)
+
+
 @pytest.mark.parametrize("decode_kvplan,mode", [(False, "always"), (True, "off")],
                          ids=["decode-not-kvplan", "prefill-staging-off"])
 def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decode_kvplan: bool,

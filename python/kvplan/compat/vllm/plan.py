@@ -184,11 +184,17 @@ async def _send_staged(self: Any, agent_meta: Any,
                 report = await loop.run_in_executor(
                     None, functools.partial(_staging.send_request, self, request, session,
                                             engine=engine))
-        except StagingError as exc:
-            logger.error("req %s: kvplan's staged transfer failed: %s", d_req_id, exc)
+        except Exception as exc:
+            # any failure is this request's, through vLLM's failed-request path: raised out of
+            # _build_transfer_params it would fail every request of the pull and skip vLLM's
+            # bookkeeping of the requests in flight
+            if isinstance(exc, StagingError):
+                logger.error("req %s: kvplan's staged transfer failed: %s", d_req_id, exc)
+            else:
+                logger.exception("req %s: kvplan's staged transfer raised", d_req_id)
             if stats is not None:
                 stats.record_failed_transfer()
-            failed[d_req_id] = f"kvplan staged transfer failed: {exc}"
+            failed[d_req_id] = f"kvplan staged transfer failed: {type(exc).__name__}: {exc}"
             continue
         if stats is not None:
             stats.record_transfer(duration_s=report.seconds, total_bytes=report.bytes,

@@ -282,6 +282,7 @@ class StagedRequest:
     dst_pages: np.ndarray
     agreement: StagingAgreement
     why: str
+    rounds: Any = None
 
 
 def staged_requests(worker: Any, agent_meta: Any, peer: Any,
@@ -311,9 +312,18 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
         dst = kvplan._core.index_array(remote_ids)
         choice = choose_path(template, (src, dst), staging.costs, outcome,
                              mode=staging.config.mode)
-        if choice.staged:
-            out[request] = StagedRequest(request, template, peer.layouts[g], src, dst,
-                                         outcome, choice.why)
+        if not choice.staged:
+            continue
+        try:  # planned here, before anything is sent: a request kvplan cannot stage stays direct
+            rounds = template.plan_rounds(src, dst, src_arena=outcome.src_arena,
+                                          dst_arena=outcome.dst_arena,
+                                          buffers=outcome.buffers)
+        except kvplan.KvPlanError as exc:
+            logger.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct path",
+                           request, type(exc).__name__, exc)
+            continue
+        out[request] = StagedRequest(request, template, peer.layouts[g], src, dst, outcome,
+                                     choice.why, rounds)
     return out
 
 
@@ -370,10 +380,14 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     # one stream per prefill rank: hetero TP and PP stages send one request from several
     stream = f"{staged.request}@tp{worker.tp_rank}" + (
         f"pp{pp}" if (pp := int(getattr(worker, "pp_rank", 0) or 0)) else "")
-    rounds = staged.template.plan_rounds(staged.src_pages, staged.dst_pages,
-                                         src_arena=staged.agreement.src_arena,
-                                         dst_arena=staged.agreement.dst_arena,
-                                         buffers=staged.agreement.buffers)
+    rounds = staged.rounds if staged.rounds is not None else staged.template.plan_rounds(
+        staged.src_pages, staged.dst_pages, src_arena=staged.agreement.src_arena,
+        dst_arena=staged.agreement.dst_arena, buffers=staged.agreement.buffers)
+    try:
+        gather = local_copy(kv_buffers(worker), [staging.arena.array])
+    except kvplan.KvPlanError as exc:
+        raise StagingError.make(stream, 0, "gather_failed", f"{type(exc).__name__}: {exc}"
+                                ) from exc
     try:
         channel.open(open_message(staged, stream=stream, peer=staging.name or session,
                                   rank=staging.rank, capabilities=staging.capabilities()))
@@ -382,8 +396,7 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
                                 f"opening the stream failed: {type(exc).__name__}: {exc}"
                                 ) from exc
     return send_staged(rounds, engine, session, channel.send, request=stream,
-                       acks=staging.router, writer=0,
-                       gather=local_copy(kv_buffers(worker), [staging.arena.array]),
+                       acks=staging.router, writer=0, gather=gather,
                        buffers=staged.agreement.buffers, src_lock=staging.arena.lock,
                        timeout_s=staging.config.timeout_s)
 
