@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import types
 from typing import Any
 
@@ -212,7 +213,7 @@ def test_fragmented_mla_request_lands_staged_byte_exact(v: Any, patched: Any, en
                    head_bytes=256, seed=3)
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
-    start(prefill, p_engine)
+    p_staging = start(prefill, p_engine)
     d_staging = start(decode, d_engine)
     d_staging.serve(decode.worker)  # kvplan's channel; its address in the decode's message
     prefill.worker.xfer_stats = stats_for(v)
@@ -230,6 +231,21 @@ def test_fragmented_mla_request_lands_staged_byte_exact(v: Any, patched: Any, en
     staged_blocks = data[metrics.STAGED_BLOCKS_KEY][0]
     assert direct_blocks == 70 * LAYERS
     assert staged_blocks * 10 <= direct_blocks, (staged_blocks, direct_blocks)
+    # the decode's listener restarts (its connections end): the next request connects again
+    first = p_staging.channels[d_engine.session]
+    d_staging.server.close()
+    d_staging.server = None
+    d_staging.serve(decode.worker)
+    for _ in range(200):
+        if first.closed:
+            break
+        threading.Event().wait(0.05)
+    decode.memory[:] = SENTINEL
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    src, _, _, err_reqs, _ = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and len(src) == 0
+    assert p_staging.channels[d_engine.session] is not first
+    np.testing.assert_array_equal(decode.memory, want)
 
 
 def test_tp_mismatch_request_lands_staged_byte_exact(v: Any, patched: Any, engines: Any
@@ -346,7 +362,6 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
                                                      ) -> None:
     """A prefill whose channel closes after the opening message: the decode cancels the
     stream (never loaded), and its periodic check then retires it and frees the share."""
-    import threading
 
     p_engine, d_engine = engines
     prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,

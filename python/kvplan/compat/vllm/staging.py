@@ -142,8 +142,10 @@ class WorkerStaging:
         :class:`TcpChannel` to the address in the decode's message (None: it gave none, or
         the connection failed, which is logged)."""
         channel = self.channels.get(session)
-        if channel is not None:
+        if channel is not None and not getattr(channel, "closed", False):
             return channel
+        if channel is not None:  # the connection ended (the decode restarted): connect again
+            self.channels.pop(session, None)
         address = remote.get("channel") if isinstance(remote, dict) else None
         if not isinstance(address, str):
             return None
@@ -462,6 +464,8 @@ class TcpChannel:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self._router = router
+        #: Set once the connection ended; the worker then connects again for the next request.
+        self.closed = False
         self._reader = threading.Thread(target=self._read, name="kvplan-staging-channel",
                                         daemon=True)
         self._reader.start()
@@ -473,6 +477,8 @@ class TcpChannel:
                     self._router.deliver(data)
         except OSError:
             pass  # closed: a send in flight then fails with peer_gone
+        finally:
+            self.closed = True
 
     def send(self, data: bytes) -> None:
         _send_frame(self._sock, self._lock, _MESSAGE, data)
@@ -481,6 +487,7 @@ class TcpChannel:
         _send_frame(self._sock, self._lock, _OPEN, data)
 
     def close(self) -> None:
+        self.closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
