@@ -935,7 +935,7 @@ METHOD = [
 def report(rows: list[Row], cmd: str, load0: float, elapsed: float, repeats: int,
            missing: list[str], sg_note: str) -> list[str]:
     lines = ["# The wire ceiling: what fraction of it each transfer path reaches, per request",
-             "", f"Command: `.venv/{cmd}` ({elapsed:.0f} s)", ""]
+             "", f"Command: `.venv/bin/{cmd}` ({elapsed:.0f} s)", ""]
     lines += describe(load0, kvplan.__version__) + [""]
     lines += ["## What is measured", ""] + METHOD + [""]
     lines += [f"Each cell: median per request, then **median fraction of the ceiling** "
