@@ -369,7 +369,9 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
     p_staging = start(prefill, p_engine)
-    d_staging = start(decode, d_engine, timeout_s=0.2)
+    # long enough that the stream cannot time out before the channel closes, short enough
+    # that its share is freed soon after
+    d_staging = start(decode, d_engine, timeout_s=1.0)
     server = d_staging.serve(decode.worker)
     meta, ready = pull(v, prefill, decode, d_staging, {"req-e": fragmented_ids(20, 6)})
     w = prefill.worker
