@@ -146,7 +146,7 @@ class Loopback:
 
 
 def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1,
-          timeout_s: float = 5) -> vstaging.WorkerStaging:
+          timeout_s: float = 30) -> vstaging.WorkerStaging:
     config = StagingConfig.from_options({"kvplan_staging": mode,
                                          "kvplan_staging_arena_mib": arena_mib,
                                          "kvplan_staging_timeout_s": timeout_s})
@@ -435,6 +435,24 @@ def test_device_kv_caches_keep_the_direct_path(v: Any, patched: Any, engines: An
     assert set(vstaging.staged_requests(w, meta, peer, ids)) == {"req-f"}
     w.__dict__["device_kv_caches"] = on_device
     assert vstaging.staged_requests(w, meta, peer, ids) == {}
+
+
+def test_a_decode_restarted_under_its_name_is_negotiated_again(v: Any, patched: Any,
+                                                               engines: Any) -> None:
+    """The same decode session with another arena (a restart): the prefill's agreement names
+    the new arena, never the old one's address."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=9)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging = start(prefill, p_engine)
+    first = start(decode, d_engine).capabilities()
+    second = start(decode, d_engine).capabilities()
+    assert first["arenas"][0]["addr"] != second["arenas"][0]["addr"]
+    for message in (first, second, first):
+        outcome = p_staging.agreement(d_engine.session, message, sending=True, remote_rank=0)
+        assert outcome.dst_arena[0] == message["arenas"][0]["addr"]
 
 
 def staged_connector(v: Any, extra: dict[str, Any], engine_cls: Any = None) -> Any:

@@ -71,6 +71,8 @@ logger = logging.getLogger("kvplan.compat.vllm")
 STAGING_ATTR = "kvplan_staging"
 #: The key of the staging message in the decode's pull metadata.
 META_KEY = "kvplan_staging"
+#: Negotiation outcomes kept (peer, rank, direction and message; the oldest dropped first).
+MAX_AGREEMENTS = 1024
 #: Ended decode streams kept for inspection (:meth:`WorkerStaging.stream`).
 KEEP_FINISHED = 1024
 #: Seconds between the decode's periodic checks of its open streams.
@@ -109,7 +111,8 @@ class WorkerStaging:
     #: The most recent ended streams (at most :data:`KEEP_FINISHED`), by stream name.
     finished: OrderedDict[str, ReceiveStaged] = field(default_factory=OrderedDict)
     _failed_at: dict[str, float] = field(default_factory=dict)
-    _agreements: dict[tuple[str, int, bool], Negotiated] = field(default_factory=dict)
+    _agreements: OrderedDict[tuple[str, int, bool, str], Negotiated] = field(
+        default_factory=OrderedDict)
 
     @classmethod
     def start(cls, worker: Any, config: StagingConfig, *, rank: int | None = None,
@@ -198,8 +201,10 @@ class WorkerStaging:
     def agreement(self, peer: str, remote: Any, *, sending: bool,
                   remote_rank: int) -> Negotiated:
         """:func:`kvplan.staging.negotiate` with ``peer``'s message (None: the peer sent
-        none), once per peer, rank and direction; each outcome logged once per peer."""
-        key = (peer, remote_rank, sending)
+        none), once per peer, rank, direction and message: a peer restarted under the same
+        name with another arena is negotiated again, never written at its old arena's
+        address; each outcome logged once per peer."""
+        key = (peer, remote_rank, sending, _message_key(remote))
         outcome = self._agreements.get(key)
         if outcome is None:
             if self.config.mode == "off":
@@ -209,6 +214,8 @@ class WorkerStaging:
                                     _as_message(remote), sending=sending,
                                     local_rank=self.rank, remote_rank=remote_rank)
             self._agreements[key] = outcome
+            while len(self._agreements) > MAX_AGREEMENTS:
+                self._agreements.popitem(last=False)
             self.fallbacks.note(peer, outcome)
         return outcome
 
@@ -238,6 +245,15 @@ class WorkerStaging:
         self.router.open(request, writer, receiver.on_message)
         self.shares.admit(receiver)
         return request
+
+
+def _message_key(remote: Any) -> str:
+    if isinstance(remote, dict):
+        try:
+            return json.dumps(remote, sort_keys=True, default=repr)
+        except (TypeError, ValueError):
+            return repr(remote)
+    return repr(remote)
 
 
 def _as_message(remote: Any) -> Any:
