@@ -455,6 +455,27 @@ def test_a_decode_restarted_under_its_name_is_negotiated_again(v: Any, patched: 
         assert outcome.dst_arena[0] == message["arenas"][0]["addr"]
 
 
+def test_a_request_pulled_again_is_sent_again(v: Any, patched: Any, engines: Any) -> None:
+    """The same request staged twice (pulled again) where the decode grants before the send
+    starts waiting (a channel that delivers at once): the grant is kept for the new stream."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=10)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging = start(prefill, p_engine, timeout_s=2)
+    d_staging = start(decode, d_engine, timeout_s=2)
+    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
+    requests = {"req-h": fragmented_ids(40, 10)}
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    want, _ = vllm_oracle(v, prefill, decode, meta, ready)
+    for _ in range(2):
+        decode.memory[:] = SENTINEL
+        src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+        assert err_reqs == [] and len(src) == 0, err_msg
+        np.testing.assert_array_equal(decode.memory, want)
+
+
 def staged_connector(v: Any, extra: dict[str, Any], engine_cls: Any = None) -> Any:
     from support.vllm_cases import vllm_config, worker_dependencies
     from test_vllm_upstream import test_kv_cache_config

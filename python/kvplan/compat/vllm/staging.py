@@ -44,6 +44,7 @@ import numpy as np
 
 import kvplan
 from kvplan.staging import (
+    AckQueue,
     ArenaShares,
     Capabilities,
     DirectFallback,
@@ -406,17 +407,24 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     except kvplan.KvPlanError as exc:
         raise StagingError.make(stream, 0, "gather_failed", f"{type(exc).__name__}: {exc}"
                                 ) from exc
+    # the stream is routed before the decode hears of it: its grant may come back at once, and
+    # a stream name used before (a request pulled again) would otherwise drop it as a
+    # straggler of the closed stream
+    acks = AckQueue()
+    staging.router.open(stream, 0, acks.put)
     try:
-        channel.open(open_message(staged, stream=stream, peer=staging.name or session,
-                                  rank=staging.rank, capabilities=staging.capabilities()))
-    except Exception as exc:
-        raise StagingError.make(stream, 0, "peer_gone",
-                                f"opening the stream failed: {type(exc).__name__}: {exc}"
-                                ) from exc
-    return send_staged(rounds, engine, session, channel.send, request=stream,
-                       acks=staging.router, writer=0, gather=gather,
-                       buffers=staged.agreement.buffers, src_lock=staging.arena.lock,
-                       timeout_s=staging.config.timeout_s)
+        try:
+            channel.open(open_message(staged, stream=stream, peer=staging.name or session,
+                                      rank=staging.rank, capabilities=staging.capabilities()))
+        except Exception as exc:
+            raise StagingError.make(stream, 0, "peer_gone",
+                                    f"opening the stream failed: {type(exc).__name__}: {exc}"
+                                    ) from exc
+        return send_staged(rounds, engine, session, channel.send, request=stream, acks=acks,
+                           writer=0, gather=gather, buffers=staged.agreement.buffers,
+                           src_lock=staging.arena.lock, timeout_s=staging.config.timeout_s)
+    finally:
+        staging.router.close(stream)
 
 
 # ---------------------------------------------------------------------------------------------
