@@ -97,7 +97,7 @@ class _Send:
         granted this stream its share of the decode arena)."""
         deadline = time.monotonic() + self.timeout_s
         while self.acked < index or not self.granted:
-            what = "the grant of its arena share" if not self.granted else \
+            what = "grant of its arena share" if not self.granted else \
                 f"acknowledgement of round {index}"
             try:
                 data = self.acks.get(deadline - time.monotonic())
