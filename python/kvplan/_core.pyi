@@ -391,6 +391,27 @@ class Layout:
     @property
     def window_page_size(self) -> int | None:
         """Tokens per page of the window entries' own pool (``None``: none)."""
+    def with_pool(self, entries: Sequence[int | str], page_size: int, *,
+                  tokens_per_row: int = 1) -> Layout:
+        """``entries`` (entry indices, or role names: every page entry of the request's pages
+        with that role) in a pool of their own, the next pool id: one page index space of
+        ``page_size`` tokens per page, as ``page_size / tokens_per_row`` rows (a compressed
+        cache: one row per ``tokens_per_row`` tokens, moved once all its tokens are in the
+        request's range). A request gives the pool's pages as ``Request(...,
+        pool_pages={pool: (src, dst)})``.
+
+        Raises:
+            LayoutError: A page size that is not a multiple of ``tokens_per_row``, a 0, an
+                entry out of range, a state entry, an entry already in a pool, no entry, a
+                role no page entry has, too many pools, or a dealt (DCP) layout.
+            TypeError: ``entries`` not a list of ints or strings.
+        """
+    @property
+    def pools(self) -> list[tuple[int, int, int]]:
+        """``(pool id, page_size, tokens_per_row)`` per pool, the request's pages (0) first."""
+    @property
+    def entry_pools(self) -> list[int | None]:
+        """Each entry's pool id (``None`` for a state entry)."""
     @property
     def representations(self) -> list[str | None]:
         """KV representation per entry (``None``: none published), e.g. ``"fp8_e4m3:per_token"``."""
@@ -587,17 +608,19 @@ class TransferPlan(Blocks):
 class Request:
     """One transfer request as a value: each side's pages (``src``, ``dst``: 1-D int32/int64
     arrays, held as given, never copied) or one state slot per side (``slot=(src_slot,
-    dst_slot)``), each side's window-pool pages (``window_pages=(src, dst)``, ``None`` for a side
-    without a pool) and the token range (``n_tokens``, ``skip_tokens``). Every planner method
+    dst_slot)``), each side's pages of each further pool (``pool_pages={pool id: (src, dst)}``,
+    ``None`` for a side without that pool; ``window_pages=(src, dst)`` is pool 1's, a window
+    pool's) and the token range (``n_tokens``, ``skip_tokens``). Every planner method
     takes one in place of its page arrays; a feature the planner does not plan is an
     ``UnsupportedError`` naming both.
 
     Raises:
         TypeError: A page array that is not 1-D C-contiguous aligned int32/int64; only one
             side's pages; pages and a slot together, or neither; window pages of another dtype
-            than that side's pages, or for a slot; a non-int count or a malformed slot.
+            than that side's pages, or for a slot; a non-int count or a malformed slot; pool 1
+            given both as ``window_pages`` and in ``pool_pages``; ``pool_pages`` not a dict.
         KvPlanError: A negative ``n_tokens`` or ``skip_tokens``, or ``skip_tokens`` past
-            ``n_tokens``.
+            ``n_tokens``; a ``pool_pages`` key that is not a further pool id (1 to 7).
         IndexBoundsError: A negative slot.
     """
 
@@ -607,6 +630,7 @@ class Request:
         dst: _IndexArray | None = None,
         *,
         window_pages: tuple[_IndexArray | None, _IndexArray | None] | None = None,
+        pool_pages: Mapping[int, tuple[_IndexArray | None, _IndexArray | None]] | None = None,
         slot: tuple[int, int] | None = None,
         n_tokens: int | None = None,
         skip_tokens: int | None = None,
@@ -619,6 +643,9 @@ class Request:
         """The caller's decode page array (``None`` for a slot request)."""
     @property
     def window_pages(self) -> tuple[_IndexArray | None, _IndexArray | None] | None: ...
+    @property
+    def pool_pages(self) -> Mapping[int, tuple[_IndexArray | None, _IndexArray | None]] | None:
+        ...
     @property
     def slot(self) -> tuple[int, int] | None: ...
     @property

@@ -49,7 +49,7 @@ oracle's answer for it is :func:`reference_copy`'s, and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -216,6 +216,7 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                    src_slot: int | None = None, dst_slot: int | None = None,
                    fragments: Fragments | None = None, skip_tokens: int = 0,
                    window_pages: tuple[_Pages | None, _Pages | None] = (None, None),
+                   pool_pages: Mapping[int, tuple[_Pages | None, _Pages | None]] | None = None,
                    ) -> int:
     """Writes into ``dst_mem`` what a correct transfer of one request from ``src`` (prefill
     rank or stage) to ``dst`` writes: its pages, and with both slots given its state slot.
@@ -224,14 +225,24 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
     whole). A sliding-window entry (``LayoutEntry.window`` W) holds only the request's last W
     tokens live, so only those are written (from K on); an entry in its side's window pool
     (``LayoutEntry.in_window_pool``) is addressed through that side's ``window_pages`` at its
-    pool's page size. Returns the number of bytes written.
+    pool's page size. An entry in a further pool (``Layout.entry_pools``, ``Layout.pools``:
+    pool id, page size P in tokens, R tokens per row) is addressed through that side's
+    ``pool_pages[pool]`` (``window_pages`` is pool 1's): its item holds P / R rows of
+    ``item_len / (P / R)`` bytes, row ``r`` holds tokens ``r·R .. r·R + R − 1`` and is written
+    once all of them are in the request (rows ``first // R .. n_tokens // R``, ``first`` the
+    entry's first moved token). Returns the number of bytes written.
     Call it once per source to build the expected destination of a whole request (for DCP:
     once per (source, decode rank) pair, each decode rank's page list its local tokens')."""
     s_pages, d_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
-    s_window, d_window = ([int(p) for p in w] if w is not None else [] for w in window_pages)
+    lists = {1: window_pages, **(pool_pages or {})}
+    side_lists: list[dict[int, list[int]]] = [{}, {}]
+    for pool, sides in lists.items():
+        for side, given in enumerate(sides):
+            side_lists[side][pool] = [] if given is None else [int(p) for p in given]
     ps, pd = src.page_size, dst.page_size
     dealt = src.dcp_size > 1 or dst.dcp_size > 1
-    windowed = any(w is not None for w in (*src.windows, *dst.windows))
+    windowed = any(w is not None for w in (*src.windows, *dst.windows)) or any(
+        p not in (0, None) for p in (*src.entry_pools, *dst.entry_pools))
     page_request = n_tokens is None and not skip_tokens and ps == pd and not dealt and \
         not windowed and (src.memory_order or "NHD") == (dst.memory_order or "NHD")
     if n_tokens is None:
@@ -274,12 +285,16 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                                s_item, d_item, d.item_len)
             continue
         first = skip_tokens if s.window is None else max(skip_tokens, n_tokens - s.window)
+        rows = _rows_of(src, s), _rows_of(dst, d)
+        if rows != (None, None):
+            moved += _copy_rows(src_mem, dst_mem, (s, d), rows, side_lists, (first, n_tokens))
+            continue
         for t in range(first, n_tokens):
             ls, ld = a.local(t), b.local(t)
             if ls is None or ld is None:
                 continue
-            s_list = s_window if s.in_window_pool else s_pages
-            d_list = d_window if d.in_window_pool else d_pages
+            s_list = side_lists[0].get(_pool_of(src, s), []) if s.in_window_pool else s_pages
+            d_list = side_lists[1].get(_pool_of(dst, d), []) if d.in_window_pool else d_pages
             s_item = s.data_ptr + s_list[ls // a.page_size] * s.stride
             d_item = d.data_ptr + d_list[ld // b.page_size] * d.stride
             for h in pair_heads:
@@ -291,6 +306,44 @@ def reference_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
     for s, d in _pairs(src, dst, "state"):
         if s.ring is None:  # ring-state entries move by position (reference_ring_copy)
             moved += _copy_state_item(src, src_mem, dst, dst_mem, s, d, src_slot, dst_slot)
+    return moved
+
+
+def _pool_of(layout: Layout, entry: LayoutEntry) -> int:
+    return int(layout.entry_pools[entry.index] or 0)
+
+
+def _rows_of(layout: Layout, entry: LayoutEntry) -> tuple[int, int, int] | None:
+    """``(pool, rows per page, tokens per row)`` of an entry in a further pool that is no
+    window pool (``None``: its tokens are addressed as the request's or window pages')."""
+    pool = _pool_of(layout, entry)
+    if pool == 0 or entry.in_window_pool:
+        return None
+    page_size, per_row = next((p[1], p[2]) for p in layout.pools if p[0] == pool)
+    return pool, page_size // per_row, per_row
+
+
+def _copy_rows(src_mem: Memory, dst_mem: Memory, pair: tuple[LayoutEntry, LayoutEntry],
+               rows: tuple[tuple[int, int, int] | None, tuple[int, int, int] | None],
+               side_lists: list[dict[int, list[int]]], span: tuple[int, int]) -> int:
+    """Writes the complete rows of a pair of entries in further pools (see reference_copy)."""
+    (s, d), (a, b) = pair, rows
+    if a is None or b is None or a[2] != b[2]:
+        raise ValueError(f"layer {s.layer_id} {s.role}: rows on one side only, or of "
+                         f"different tokens per row ({a}, {b})")
+    row_bytes = s.item_len // a[1]
+    if d.item_len // b[1] != row_bytes:
+        raise ValueError(f"layer {s.layer_id} {s.role}: {row_bytes} bytes per row on the "
+                         f"source, {d.item_len // b[1]} on the destination")
+    first, n = span
+    moved = 0
+    for r in range(first // a[2], n // a[2]):
+        s_page = side_lists[0][a[0]][r // a[1]]
+        d_page = side_lists[1][b[0]][r // b[1]]
+        s_at = s.data_ptr + s_page * s.stride + (r % a[1]) * row_bytes
+        d_at = d.data_ptr + d_page * d.stride + (r % b[1]) * row_bytes
+        dst_mem.at(d_at, row_bytes)[:] = src_mem.at(s_at, row_bytes)
+        moved += row_bytes
     return moved
 
 

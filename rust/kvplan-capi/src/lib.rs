@@ -819,7 +819,7 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
         skip_tokens: req.skip_tokens,
         pool_pages: Default::default(),
     }
-    .with_pool_pages(PoolId::Window, window_pages.0, window_pages.1))
+    .with_pool_pages(PoolId::WINDOW, window_pages.0, window_pages.1))
 }
 
 /// A byte range `[start, end)` a call reads or writes (`None`: empty), with the argument's name.

@@ -49,7 +49,7 @@ fn each_entry_carries_its_window_pool_or_ring_in_its_kind() {
         [
             EntryKind::PAGE,
             EntryKind::Page {
-                pool: PoolId::Window,
+                pool: PoolId::WINDOW,
                 window: Some(6)
             },
             EntryKind::State { ring: Some(3) },
@@ -59,12 +59,14 @@ fn each_entry_carries_its_window_pool_or_ring_in_its_kind() {
         layout.pools(),
         [
             Pool {
-                id: PoolId::Pages,
-                page_size: 4
+                id: PoolId::PAGES,
+                page_size: 4,
+                tokens_per_row: 1,
             },
             Pool {
-                id: PoolId::Window,
-                page_size: 2
+                id: PoolId::WINDOW,
+                page_size: 2,
+                tokens_per_row: 1,
             },
         ]
     );
@@ -119,7 +121,7 @@ fn from_entries_refuses_an_entry_of_a_pool_the_layout_does_not_keep() {
     // A window entry outside the pool of a layout that keeps one.
     let mut entries = layout.entries().to_vec();
     entries[1].kind = EntryKind::Page {
-        pool: PoolId::Pages,
+        pool: PoolId::PAGES,
         window: Some(6),
     };
     let err = Layout::from_entries(entries, layout.context().clone(), Some(2)).unwrap_err();
@@ -137,9 +139,9 @@ fn a_template_keeps_one_index_limit_per_pool() {
     let (src, dst) = (hybrid(1 << 32, 8, 16), hybrid(1 << 40, 5, 11));
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     assert_eq!(t.index_limits(), IndexLimits { src: 8, dst: 5 });
-    assert_eq!(t.pool_limits(PoolId::Pages), t.index_limits());
+    assert_eq!(t.pool_limits(PoolId::PAGES), t.index_limits());
     assert_eq!(
-        t.pool_limits(PoolId::Window),
+        t.pool_limits(PoolId::WINDOW),
         IndexLimits { src: 16, dst: 11 }
     );
     // A request's window page past the decode's window pool is refused by that pool's limit.
@@ -173,20 +175,20 @@ fn a_template_keeps_one_index_limit_per_pool() {
 fn a_request_gives_one_page_list_per_pool() {
     let (pages, window) = ([3i64, 4], [7i64]);
     let request =
-        Request::tokens(&pages, &pages, 8).with_pool_pages(PoolId::Window, Some(&window[..]), None);
+        Request::tokens(&pages, &pages, 8).with_pool_pages(PoolId::WINDOW, Some(&window[..]), None);
     assert_eq!(
-        request.pool_lists(PoolId::Pages),
+        request.pool_lists(PoolId::PAGES),
         (Some(&pages[..]), Some(&pages[..]))
     );
     assert_eq!(
-        request.pool_lists(PoolId::Window),
+        request.pool_lists(PoolId::WINDOW),
         (Some(&window[..]), None)
     );
     // The request's own pages are its indices: a list given for that pool changes nothing.
-    let same = request.with_pool_pages(PoolId::Pages, Some(&window[..]), None);
+    let same = request.with_pool_pages(PoolId::PAGES, Some(&window[..]), None);
     assert_eq!(same, request);
     assert_eq!(
-        Request::slot(1, 2).pool_lists(PoolId::Pages),
+        Request::slot(1, 2).pool_lists(PoolId::PAGES),
         (None::<&[i64]>, None::<&[i64]>)
     );
 }

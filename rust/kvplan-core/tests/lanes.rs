@@ -47,7 +47,8 @@ fn a_template_without_windows_walks_every_token_over_the_request_pages() {
     let all = Lane {
         walk: Walk::All,
         maps: (PAGED, PAGED),
-        pools: (PoolId::Pages, PoolId::Pages),
+        pools: (PoolId::PAGES, PoolId::PAGES),
+        tokens_per_row: 1,
     };
     assert_eq!(lanes, [all]);
     let tokens = t.token_template().unwrap();
@@ -64,7 +65,7 @@ fn a_window_entry_follows_a_window_lane_after_the_target_lane() {
         lanes.iter().map(|l| l.walk).collect::<Vec<_>>(),
         [Walk::All, Walk::Window(6)]
     );
-    assert_eq!(lanes[1].pools, (PoolId::Pages, PoolId::Pages));
+    assert_eq!(lanes[1].pools, (PoolId::PAGES, PoolId::PAGES));
     let tokens = t.token_template().unwrap();
     // Layer 0 (the window entry) is the first pair: its piece follows the window lane.
     let lane_of_pair = |pair: usize| tokens.pieces[tokens.pair_pieces[pair].0].lane;
@@ -88,7 +89,8 @@ fn a_window_pool_on_one_side_is_that_side_s_pool_of_the_window_lane() {
         Lane {
             walk: Walk::Window(6),
             maps: (PAGED, TokenMap::Paged { page_size: 2 }),
-            pools: (PoolId::Pages, PoolId::Window),
+            pools: (PoolId::PAGES, PoolId::WINDOW),
+            tokens_per_row: 1,
         }
     );
 }

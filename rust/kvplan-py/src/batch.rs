@@ -209,7 +209,7 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
             let (src, dst) = item.slot;
             let slot = Indices::Slot { src, dst };
             let (n, k) = (item.n_tokens, item.skip_tokens);
-            requests.push(core_request(slot, n, k, (None, None)));
+            requests.push(core_request(slot, n, k, [(None, None); kvplan_core::POOLS]));
             continue;
         };
         let (Some(src), Some(dst)) = (S::of(src), D::of(dst)) else {
@@ -222,8 +222,10 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
         };
         pages = pages.saturating_add(src.len().max(dst.len()));
         // A side's window pages have that side's dtype (checked when borrowed).
-        let (ws, wd) = item.window.sides();
-        let window = (ws.and_then(S::of), wd.and_then(D::of));
+        let window = item
+            .window
+            .pools()
+            .map(|(ws, wd)| (ws.and_then(S::of), wd.and_then(D::of)));
         let pages_of = Indices::Pages { src, dst };
         let (n, k) = (item.n_tokens, item.skip_tokens);
         requests.push(core_request(pages_of, n, k, window));

@@ -1,7 +1,7 @@
 //! Argument conversion: index arrays taken zero-copy as int32 or int64 slices, and entry pair
 //! lists handed back as `(n, 2)` int64 arrays.
 
-use kvplan_core::{Indices, PageIndex, PlanError, PoolId, Request};
+use kvplan_core::{Indices, POOLS, PageIndex, PlanError, PoolId, Request};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
@@ -151,13 +151,13 @@ pub(crate) trait IndexVisitor {
     type Output;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output;
 
-    /// With each side's window pages, in the element type of that side's pages (only a
-    /// request visitor reads them).
+    /// With each side's pages of each further pool, in the element type of that side's pages
+    /// (only a request visitor reads them).
     fn visit_windowed<S: PageIndex, D: PageIndex>(
         self,
         src: &[S],
         dst: &[D],
-        _window: (Option<&[S]>, Option<&[D]>),
+        _pools: PoolSides<'_, S, D>,
     ) -> Self::Output
     where
         Self: Sized,
@@ -182,6 +182,8 @@ pub(crate) fn dispatch<V: IndexVisitor>(
 
 /// Calls `visitor` with the concrete slice types and each side's window pages, which
 /// [`WindowSlices::new`] checked to have the element type of that side's pages.
+// Each pool's slices are read once, on the way to the visitor.
+#[allow(clippy::large_types_passed_by_value)]
 fn dispatch_windowed<V: IndexVisitor>(
     src: IndexSlice<'_>,
     dst: IndexSlice<'_>,
@@ -202,59 +204,65 @@ fn dispatch_windowed<V: IndexVisitor>(
             IndexSlice::I32(_) => &[],
         }
     }
-    let (ws, wd) = (window.src, window.dst);
+    let pools = window.pools;
     match (src, dst) {
         (IndexSlice::I32(s), IndexSlice::I32(d)) => {
-            visitor.visit_windowed(s, d, (ws.map(i32s), wd.map(i32s)))
+            visitor.visit_windowed(s, d, pools.map(|(ws, wd)| (ws.map(i32s), wd.map(i32s))))
         }
         (IndexSlice::I32(s), IndexSlice::I64(d)) => {
-            visitor.visit_windowed(s, d, (ws.map(i32s), wd.map(i64s)))
+            visitor.visit_windowed(s, d, pools.map(|(ws, wd)| (ws.map(i32s), wd.map(i64s))))
         }
         (IndexSlice::I64(s), IndexSlice::I32(d)) => {
-            visitor.visit_windowed(s, d, (ws.map(i64s), wd.map(i32s)))
+            visitor.visit_windowed(s, d, pools.map(|(ws, wd)| (ws.map(i64s), wd.map(i32s))))
         }
         (IndexSlice::I64(s), IndexSlice::I64(d)) => {
-            visitor.visit_windowed(s, d, (ws.map(i64s), wd.map(i64s)))
+            visitor.visit_windowed(s, d, pools.map(|(ws, wd)| (ws.map(i64s), wd.map(i64s))))
         }
     }
 }
 
-/// A request's window pages: each side's, for a side whose window entries keep a pool of
-/// their own, in the element type of that side's pages.
+/// Each side's page list of each further pool, in the element type of that side's pages
+/// (place 0, the request's own pages, stays `(None, None)`).
+pub(crate) type PoolSides<'a, S, D> = [(Option<&'a [S]>, Option<&'a [D]>); POOLS];
+
+/// A request's pages of each further pool: each side's, for a side that keeps that pool (pool
+/// 1: a window pool's window pages), in the element type of that side's pages.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct WindowSlices<'a> {
-    src: Option<IndexSlice<'a>>,
-    dst: Option<IndexSlice<'a>>,
+    pools: [(Option<IndexSlice<'a>>, Option<IndexSlice<'a>>); POOLS],
 }
 
 impl<'a> WindowSlices<'a> {
-    /// Each side's window pages, checked to have the dtype of that side's pages (`pages`):
-    /// one request, one index type per side, so nothing is converted.
-    pub(crate) fn new(
+    /// Sets pool `id`'s pages of each side, checked to have the dtype of that side's pages
+    /// (`pages`): one request, one index type per side, so nothing is converted.
+    pub(crate) fn set(
+        &mut self,
+        id: usize,
         pages: (IndexSlice<'_>, IndexSlice<'_>),
-        window: (Option<IndexSlice<'a>>, Option<IndexSlice<'a>>),
-    ) -> PyResult<Self> {
-        let check = |name: &str, main: IndexSlice<'_>, w: Option<IndexSlice<'a>>| match (main, w) {
+        lists: (Option<IndexSlice<'a>>, Option<IndexSlice<'a>>),
+        names: (&str, &str),
+    ) -> PyResult<()> {
+        let check = |name: &str, side: &str, main: IndexSlice<'_>, w: Option<IndexSlice<'a>>| match (
+            main, w,
+        ) {
             (IndexSlice::I32(_), Some(IndexSlice::I64(_)))
             | (IndexSlice::I64(_), Some(IndexSlice::I32(_))) => Err(PyTypeError::new_err(format!(
-                "window_pages[{name}] must have the dtype of the {} pages ({}), got {}",
-                if name == "0" { "source" } else { "destination" },
+                "{name} must have the dtype of the {side} pages ({}), got {}",
                 main.dtype_name(),
                 w.map_or("none", IndexSlice::dtype_name)
             ))),
             _ => Ok(w),
         };
-        Ok(Self {
-            src: check("0", pages.0, window.0)?,
-            dst: check("1", pages.1, window.1)?,
-        })
+        self.pools[id] = (
+            check(names.0, "source", pages.0, lists.0)?,
+            check(names.1, "destination", pages.1, lists.1)?,
+        );
+        Ok(())
     }
-}
 
-impl<'a> WindowSlices<'a> {
-    /// Each side's window pages (`None` for a side without a window pool).
-    pub(crate) fn sides(self) -> (Option<IndexSlice<'a>>, Option<IndexSlice<'a>>) {
-        (self.src, self.dst)
+    /// Each further pool's pages of each side (`None` for a side without that pool).
+    pub(crate) fn pools(self) -> [(Option<IndexSlice<'a>>, Option<IndexSlice<'a>>); POOLS] {
+        self.pools
     }
 }
 
@@ -327,14 +335,14 @@ struct WithRequest<'a, P>(P, TokenArgs<'a>);
 impl<P: RequestPlanner> IndexVisitor for WithRequest<'_, P> {
     type Output = P::Output;
     fn visit<S: PageIndex, D: PageIndex>(self, src: &[S], dst: &[D]) -> Self::Output {
-        self.visit_windowed(src, dst, (None, None))
+        self.visit_windowed(src, dst, [(None, None); POOLS])
     }
 
     fn visit_windowed<S: PageIndex, D: PageIndex>(
         self,
         src: &[S],
         dst: &[D],
-        window: (Option<&[S]>, Option<&[D]>),
+        window: PoolSides<'_, S, D>,
     ) -> Self::Output {
         let tokens = self.1;
         let pages = Indices::Pages { src, dst };
@@ -375,15 +383,18 @@ pub(crate) fn core_request<'a, S: PageIndex, D: PageIndex>(
     indices: Indices<'a, S, D>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
-    window_pages: (Option<&'a [S]>, Option<&'a [D]>),
+    pools: PoolSides<'a, S, D>,
 ) -> Request<'a, S, D> {
-    Request {
+    let mut request = Request {
         indices,
         n_tokens,
         skip_tokens,
         pool_pages: Default::default(),
+    };
+    for (pool, (src, dst)) in PoolId::ALL.into_iter().zip(pools).skip(1) {
+        request = request.with_pool_pages(pool, src, dst);
     }
-    .with_pool_pages(PoolId::Window, window_pages.0, window_pages.1)
+    request
 }
 
 /// A state slot request (`src`, `dst` slots) planned by `planner`: slots index no arrays, so
@@ -395,7 +406,12 @@ pub(crate) fn plan_slot_request<P: RequestPlanner>(
     planner: P,
 ) -> P::Output {
     let slot: Indices<'_, i64, i64> = Indices::Slot { src, dst };
-    planner.plan(&core_request(slot, n_tokens, skip_tokens, (None, None)))
+    planner.plan(&core_request(
+        slot,
+        n_tokens,
+        skip_tokens,
+        [(None, None); POOLS],
+    ))
 }
 
 /// `(n, 2)` int64 array of entry pairs; an index beyond int64 (only reachable with bare counts

@@ -92,6 +92,49 @@ impl PyLayout {
         self.inner.window_page_size()
     }
 
+    /// The same layout with `entries` in a pool of their own, the next pool id (1 on a layout
+    /// with no further pool): one page index space with its own page size, as an engine keeps
+    /// each KV-cache group in its own block table. `entries` are entry indices, or role names
+    /// (every page entry of the request's pages with that role). Each page holds `page_size`
+    /// tokens as `page_size / tokens_per_row` rows (a compressed cache keeps one row per
+    /// `tokens_per_row` tokens); a token plan moves a row once all its tokens are in the
+    /// request's range. A request gives each side's pages of the pool in token order as
+    /// `Request(..., pool_pages={pool: (src, dst)})`. A `LayoutError` names the values for a
+    /// page size that is not a multiple of `tokens_per_row`, an entry already in a pool, a
+    /// state entry, or no entry.
+    #[pyo3(signature = (entries, page_size, *, tokens_per_row=1))]
+    fn with_pool(
+        &self,
+        entries: &Bound<'_, PyAny>,
+        page_size: u64,
+        tokens_per_row: u64,
+    ) -> PyResult<Self> {
+        let picked = pool_entries(&self.inner, entries)?;
+        wrap(
+            self.inner
+                .clone()
+                .with_pool(&picked, page_size, tokens_per_row),
+        )
+    }
+
+    /// The page pools: `(pool id, page_size, tokens_per_row)` each, the request's pages first.
+    #[getter]
+    fn pools(&self) -> Vec<(u8, u64, u64)> {
+        self.inner
+            .pools()
+            .iter()
+            .map(|p| (p.id.0, p.page_size, p.tokens_per_row))
+            .collect()
+    }
+
+    /// The pool id of each entry (`None` for a state entry).
+    #[getter]
+    fn entry_pools(&self) -> Vec<Option<u8>> {
+        (0..self.inner.n_entries())
+            .map(|i| self.inner.entry(i).pool().map(|p| p.0))
+            .collect()
+    }
+
     /// The same layout with KV representations: one per entry, `None` for an entry that
     /// publishes none (and for scale and state entries), else `"dtype"` or `"dtype:scales"`
     /// (`"bf16"`, `"fp8_e4m3:per_token"`; dtypes `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`,
@@ -496,4 +539,43 @@ impl PyLayout {
     fn __repr__(&self) -> String {
         describe(&self.inner)
     }
+}
+
+/// `Layout.with_pool`'s entries: entry indices, or role names (the request's-pages entries of
+/// each role).
+fn pool_entries(layout: &Layout, entries: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let bad = || {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "with_pool entries must be a list of entry indices or of role names, got {}",
+            entries
+                .repr()
+                .map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    };
+    if entries.is_instance_of::<pyo3::types::PyString>() {
+        return Err(bad());
+    }
+    let mut picked = Vec::new();
+    for item in entries.try_iter().map_err(|_| bad())? {
+        let item = item?;
+        if let Ok(role) = item.extract::<String>() {
+            let before = picked.len();
+            picked.extend((0..layout.n_entries()).filter(|&i| {
+                let e = layout.entry(i);
+                e.role == role && e.pool() == Some(kvplan_core::PoolId::PAGES)
+            }));
+            if picked.len() == before {
+                return Err(to_py_err(kvplan_core::PlanError::InvalidLayout {
+                    what: format!(
+                        "with_pool: no page entry of the request's pages has role {role:?}"
+                    ),
+                }));
+            }
+        } else if let Ok(index) = item.extract::<usize>() {
+            picked.push(index);
+        } else {
+            return Err(bad());
+        }
+    }
+    Ok(picked)
 }

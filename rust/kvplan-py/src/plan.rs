@@ -254,6 +254,8 @@ pub struct PyTransferPlan {
 
 impl PyTransferPlan {
     /// A plan of `template` over `columns` (its first `summary.n_blocks` blocks).
+    // The plan keeps its summary: moved in once per plan.
+    #[allow(clippy::large_types_passed_by_value)]
     pub(crate) fn new(
         columns: [Column; 3],
         template: Arc<Template>,
@@ -267,6 +269,7 @@ impl PyTransferPlan {
         ))
     }
 
+    #[allow(clippy::large_types_passed_by_value)]
     fn described(
         template: Arc<Template>,
         summary: PlanSummary,

@@ -22,14 +22,17 @@ use crate::window_pages::WindowPages;
 /// The argument names a `Request`'s page arrays have in errors.
 const PAGE_NAMES: (&str, &str) = ("Request.src", "Request.dst");
 
-/// One transfer request: each side's pages (or one state slot per side), each side's window
-/// pages for a window pool, and the token range (`n_tokens`, `skip_tokens`).
+/// One transfer request: each side's pages (or one state slot per side), each side's pages of
+/// each further pool (a window pool's as window pages), and the token range (`n_tokens`,
+/// `skip_tokens`).
 #[pyclass(frozen, name = "Request", module = "kvplan._core")]
 pub struct PyRequest {
     /// The caller's `(src, dst)` page arrays, held as given.
     pages: Option<(Py<PyAny>, Py<PyAny>)>,
     /// The caller's `(src, dst)` window page tuple, held as given.
     window_pages: Option<Py<PyAny>>,
+    /// The caller's `{pool id: (src, dst)}` dict, held as given.
+    pool_pages: Option<Py<PyAny>>,
     slot: Option<(i64, i64)>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
@@ -101,11 +104,13 @@ fn array_summary(obj: &Bound<'_, PyAny>) -> String {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (src=None, dst=None, *, window_pages=None, slot=None, n_tokens=None, skip_tokens=None))]
+    #[pyo3(signature = (src=None, dst=None, *, window_pages=None, pool_pages=None, slot=None, n_tokens=None, skip_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new<'py>(
         src: Option<&Bound<'py, PyAny>>,
         dst: Option<&Bound<'py, PyAny>>,
         window_pages: Option<&Bound<'py, PyAny>>,
+        pool_pages: Option<&Bound<'py, PyAny>>,
         slot: Option<&Bound<'py, PyAny>>,
         n_tokens: Option<&Bound<'py, PyAny>>,
         skip_tokens: Option<&Bound<'py, PyAny>>,
@@ -113,6 +118,7 @@ impl PyRequest {
         let given = |o: Option<&Bound<'py, PyAny>>| o.filter(|o| !o.is_none()).cloned();
         let (src, dst) = (given(src), given(dst));
         let window_pages = given(window_pages);
+        let pool_pages = given(pool_pages);
         let slot = given(slot).map(|s| slot_arg(&s)).transpose()?;
         let n_tokens = given(n_tokens)
             .map(|n| count_arg(&n, "n_tokens"))
@@ -154,6 +160,11 @@ impl PyRequest {
                 "Request got window_pages for a state slot; window pages belong to a page request",
             ));
         }
+        if pages.is_none() && pool_pages.is_some() {
+            return Err(PyTypeError::new_err(
+                "Request got pool_pages for a state slot; pool pages belong to a page request",
+            ));
+        }
         if let Some(n) = n_tokens
             && skip_tokens > n
         {
@@ -166,12 +177,13 @@ impl PyRequest {
             // Borrowed once to check dtype, layout and the window pages' dtypes now, where the
             // error points at the construction; planning borrows them again.
             let arrays = RequestArrays::extract(src, dst, PAGE_NAMES)?;
-            let window = WindowPages::extract(window_pages.as_ref())?;
+            let window = WindowPages::extract_pools(window_pages.as_ref(), pool_pages.as_ref())?;
             window.slices(arrays.slices()?)?;
         }
         Ok(Self {
             pages: pages.map(|(s, d)| (s.unbind(), d.unbind())),
             window_pages: window_pages.map(Bound::unbind),
+            pool_pages: pool_pages.map(Bound::unbind),
             slot,
             n_tokens,
             skip_tokens,
@@ -194,6 +206,12 @@ impl PyRequest {
     #[getter]
     fn window_pages(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.window_pages.as_ref().map(|w| w.clone_ref(py))
+    }
+
+    /// `{pool id: (src, dst)}` pool pages as given, or `None`.
+    #[getter]
+    fn pool_pages(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.pool_pages.as_ref().map(|w| w.clone_ref(py))
     }
 
     /// `(src_slot, dst_slot)` of a state slot request, or `None`.
@@ -226,6 +244,9 @@ impl PyRequest {
                     .map_or_else(|_| "?".into(), |a| array_summary(&a))
             };
             parts.push(format!("window_pages=({}, {})", side(0), side(1)));
+        }
+        if let Some(pools) = &self.pool_pages {
+            parts.push(format!("pool_pages={}", short_repr(pools.bind(py))));
         }
         if let Some((s, d)) = self.slot {
             parts.push(format!("slot=({s}, {d})"));
@@ -288,10 +309,11 @@ impl<'py> RequestInput<'py> {
             None => None,
         };
         let window = r.window_pages.as_ref().map(|w| w.bind(py).clone());
+        let pools = r.pool_pages.as_ref().map(|w| w.bind(py).clone());
         Ok(Self {
             pages,
             slot: r.slot.unwrap_or_default(),
-            window: WindowPages::extract(window.as_ref())?,
+            window: WindowPages::extract_pools(window.as_ref(), pools.as_ref())?,
             n_tokens: r.n_tokens,
             skip_tokens: r.skip_tokens,
         })

@@ -89,8 +89,24 @@ fn wire_error(what: impl Into<String>) -> PlanError {
 /// Encodes a layout (exact round trip with [`decode`]).
 ///
 /// # Errors
-/// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes.
+/// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes, or the layout keeps
+/// a pool other than its pages and a window pool ([`Layout::with_pool`]): the format carries
+/// the window pool's page size only, and a peer decoding it without the pool would index
+/// those entries by the request's pages.
 pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
+    let window_pool = layout.window_pool().map(|p| p.id);
+    if let Some(pool) = layout
+        .pools()
+        .iter()
+        .find(|p| p.id != crate::PoolId::PAGES && Some(p.id) != window_pool)
+    {
+        return Err(wire_error(format!(
+            "the layout keeps pool {} ({} tokens per page, {} per row) beside its pages: the \
+             wire format carries a window pool only, so this layout cannot be published; \
+             exchange it in process (Layout objects) instead",
+            pool.id.0, pool.page_size, pool.tokens_per_row
+        )));
+    }
     let ctx = layout.context();
     let n = layout.n_entries();
     let strings: usize =

@@ -98,7 +98,8 @@ impl TokenTemplate {
                 crate::rules::dcp::token_map(src),
                 crate::rules::dcp::token_map(dst),
             ),
-            pools: (PoolId::Pages, PoolId::Pages),
+            pools: (PoolId::PAGES, PoolId::PAGES),
+            tokens_per_row: 1,
         };
         let draft_lane = Lane {
             walk: Walk::DraftWhole,
@@ -108,25 +109,26 @@ impl TokenTemplate {
             ),
             ..target
         };
-        // A side that keeps a window pool places its window entries' tokens in that pool's
-        // pages; a side without one, as the request's other tokens.
-        let window_side = |layout: &Layout, map: TokenMap| match layout.window_page_size() {
-            Some(page_size) => (TokenMap::Paged { page_size }, PoolId::Window),
-            None => (map, PoolId::Pages),
+        // An entry in a pool of its own (a window pool, a further pool) places its tokens (or
+        // rows) in that pool's pages; any other entry, as the request's other tokens.
+        let entry_side = |layout: &Layout, entry: usize, map: TokenMap| match layout
+            .entry(entry)
+            .pool()
+            .filter(|&p| p != PoolId::PAGES)
+        {
+            Some(id) => {
+                let pool = layout.pool(id).copied();
+                let rows = pool.map_or(1, |p| p.tokens_per_row.max(1));
+                let page_size = pool.map_or(1, |p| p.rows_per_page().max(1));
+                (TokenMap::Paged { page_size }, id, rows)
+            }
+            None => (map, PoolId::PAGES, 1),
         };
-        let ((src_map, src_pool), (dst_map, dst_pool)) = (
-            window_side(src, target.maps.0),
-            window_side(dst, target.maps.1),
-        );
-        let window_lane = |window: u64| Lane {
-            walk: Walk::Window(window),
-            maps: (src_map, dst_map),
-            pools: (src_pool, dst_pool),
-        };
-        if dealt && (src_pool, dst_pool) != (PoolId::Pages, PoolId::Pages) {
+        if dealt && (src.has_further_pools() || dst.has_further_pools()) {
             return Err(PlanError::Geometry {
-                what: "window entries in a pool of their own on one side and tokens dealt over \
-                       decode context-parallel ranks on the other are not supported together"
+                what: "window entries (or a further pool's entries) in a pool of their own on \
+                       one side and tokens dealt over decode context-parallel ranks on the other \
+                       are not supported together"
                     .into(),
             });
         }
@@ -170,10 +172,27 @@ impl TokenTemplate {
                     ),
                 });
             }
-            let lane = match window {
-                _ if draft => draft_lane,
-                Some(window) => window_lane(window),
-                None => target,
+            let lane = if draft {
+                draft_lane
+            } else {
+                let (src_map, src_pool, src_rows) = entry_side(src, pair.src_entry, target.maps.0);
+                let (dst_map, dst_pool, dst_rows) = entry_side(dst, pair.dst_entry, target.maps.1);
+                if src_rows != dst_rows {
+                    return Err(PlanError::Geometry {
+                        what: format!(
+                            "{}: a row holds {src_rows} tokens on the prefill side and \
+                             {dst_rows} on the decode side; rows of a compressed cache move \
+                             whole, so both sides' pools must keep the same tokens per row",
+                            pair_label()
+                        ),
+                    });
+                }
+                Lane {
+                    walk: window.map_or(Walk::All, Walk::Window),
+                    maps: (src_map, dst_map),
+                    pools: (src_pool, dst_pool),
+                    tokens_per_row: src_rows,
+                }
             };
             let maps = lane.maps;
             let sizes = (maps.0.page_size(), maps.1.page_size());
@@ -322,7 +341,7 @@ impl TokenTemplate {
         };
         let mut pages = [(usize::MAX, usize::MAX); POOLS];
         for (_, lane) in self.lanes().filter(|&(at, _)| self.moving(at)) {
-            let token = lane.walk.start(first, n);
+            let (token, _) = lane.slots(first, n);
             let (src, dst) = (&mut pages[lane.pools.0.index()].0, lane.pools.1.index());
             *src = (*src).min(first_page(lane.maps.0, token));
             pages[dst].1 = pages[dst].1.min(first_page(lane.maps.1, token));
@@ -331,9 +350,12 @@ impl TokenTemplate {
         // pool's list, read by no piece, is not read at all).
         let maps = self.maps();
         for pool in PoolId::ALL {
-            let unread = |map: TokenMap| match pool {
-                PoolId::Pages => first_page(map, first),
-                PoolId::Window => 0,
+            let unread = |map: TokenMap| {
+                if pool == PoolId::PAGES {
+                    first_page(map, first)
+                } else {
+                    0
+                }
             };
             let (src, dst) = &mut pages[pool.index()];
             if *src == usize::MAX {
@@ -349,7 +371,7 @@ impl TokenTemplate {
     /// Leading pages of each side's list (its pages, not its window pages) that hold the first
     /// `n` global tokens of every lane reading it.
     pub fn pages_needed(&self, n: u64) -> (u64, u64) {
-        self.list_pages_needed(n)[PoolId::Pages.index()]
+        self.list_pages_needed(n)[PoolId::PAGES.index()]
     }
 
     /// Per pool, the leading pages of each side's list that hold the first `n` global tokens of
@@ -357,33 +379,29 @@ impl TokenTemplate {
     pub(crate) fn list_pages_needed(&self, n: u64) -> [(u64, u64); POOLS] {
         let mut needed = [(0, 0); POOLS];
         for (_, lane) in self.lanes() {
+            let (_, end) = lane.slots(0, n);
             let src = &mut needed[lane.pools.0.index()].0;
-            *src = (*src).max(lane.maps.0.pages_for(n));
+            *src = (*src).max(lane.maps.0.pages_for(end));
             let dst = &mut needed[lane.pools.1.index()].1;
-            *dst = (*dst).max(lane.maps.1.pages_for(n));
+            *dst = (*dst).max(lane.maps.1.pages_for(end));
         }
         needed
     }
 }
 
-/// A request's page lists per pool (its pages, then its window pages), each lane reading the
-/// lists of its own pools.
+/// A request's page lists per pool (its pages, then each further pool's), each lane reading
+/// the lists of its own pools.
 pub(crate) struct LaneLists<'x, S: ?Sized, D: ?Sized> {
-    /// Each pool's list of each side (a side without a window pool: any list, no lane reads it).
+    /// Each pool's list of each side (a side without that pool: any list, no lane reads it).
     pub(crate) pools: [(&'x S, &'x D); POOLS],
 }
 
 impl<'x, S: ?Sized, D: ?Sized> LaneLists<'x, S, D> {
-    /// The request's pages and window pages.
-    pub(crate) fn new(pages: (&'x S, &'x D), window: (&'x S, &'x D)) -> Self {
-        Self {
-            pools: [pages, window],
-        }
-    }
-
     /// Every pool reading the same lists.
     pub(crate) fn same(src: &'x S, dst: &'x D) -> Self {
-        Self::new((src, dst), (src, dst))
+        Self {
+            pools: [(src, dst); POOLS],
+        }
     }
 
     /// The lists `lane` reads.
@@ -674,9 +692,9 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     let mut n_segments = 0u64;
     for (at, lane) in tokens.lanes().filter(|&(_, lane)| walks(lane.walk)) {
         let classes = &mut class_blocks[at * PIECE_CLASSES..(at + 1) * PIECE_CLASSES];
-        let start = lane.walk.start(first, n);
+        let (start, end) = lane.slots(first, n);
         let (src, dst) = lists.of(lane);
-        for (k, seg) in segments(start, n, lane.maps).enumerate() {
+        for (k, seg) in segments(start, end, lane.maps).enumerate() {
             n_segments += 1;
             classes[0] += seg.n;
             let edges = edges(&seg, src, dst);
@@ -707,8 +725,10 @@ pub(crate) fn model_counts(
         .lanes()
         .filter(|&(_, lane)| periodic(lane.walk))
         .try_fold(1u64, |acc, (_, lane)| {
-            let acc = lcm(acc, map_period(lane.maps.0)?)?;
-            lcm(acc, map_period(lane.maps.1)?)
+            // A lane of rows repeats every period of its maps' rows, in tokens.
+            let rows = lane.tokens_per_row.max(1);
+            let acc = lcm(acc, map_period(lane.maps.0)?.checked_mul(rows)?)?;
+            lcm(acc, map_period(lane.maps.1)?.checked_mul(rows)?)
         });
     let walk = |len: u64| walk_counts(tokens, &lists, (0, len), &periodic);
     let (mut classes, mut segments) = match period {
@@ -842,10 +862,7 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                         limits[lane.pools.0.index()].0,
                         limits[lane.pools.1.index()].1,
                     ),
-                    (
-                        lane.walk.start(shape.first_token, shape.n_tokens),
-                        shape.n_tokens,
-                    ),
+                    lane.slots(shape.first_token, shape.n_tokens),
                     at,
                     &mut out,
                 )?;

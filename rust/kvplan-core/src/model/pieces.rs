@@ -212,11 +212,27 @@ pub struct Lane {
     pub maps: (TokenMap, TokenMap),
     /// Which page list of each side holds them.
     pub pools: (PoolId, PoolId),
+    /// Tokens per slot of its maps (1: a slot per token; a pool of rows: its
+    /// [`crate::Pool::tokens_per_row`]), the same on both sides.
+    pub tokens_per_row: u64,
+}
+
+impl Lane {
+    /// The slots it moves of a request moving global tokens `first..n`: its walk's tokens,
+    /// as rows when a slot holds several tokens. A row moves once its last token is in the
+    /// range: rows `start / R .. n / R` (rounded down), so a partial last row waits for the
+    /// request that completes it, and a delta whose first token falls inside a row moves
+    /// that row whole (the request before it, ending inside the row, did not move it).
+    pub fn slots(&self, first: u64, n: u64) -> (u64, u64) {
+        let per = self.tokens_per_row.max(1);
+        (self.walk.start(first, n) / per, n / per)
+    }
 }
 
 /// The most lanes one token template holds (the target tokens, a DCP template's draft tokens,
-/// one sliding window): the bound of the per-request class counts, which stay on the stack.
-pub const MAX_LANES: usize = 3;
+/// a sliding window, and one per further pool): the bound of the per-request class counts,
+/// which stay on the stack.
+pub const MAX_LANES: usize = 3 + crate::peer::entry::POOLS;
 
 /// Classes of a token template's pieces: `lane × PIECE_CLASSES + piece class`.
 pub const TOKEN_CLASSES: usize = PIECE_CLASSES * MAX_LANES;

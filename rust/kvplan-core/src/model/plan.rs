@@ -55,6 +55,9 @@ impl<'a> Columns<'a> {
 
 /// Whether a request is planned by page (index pairs copied item by item), by token, or as one
 /// state slot per side, with what its validating pass found.
+// A token shape holds per-lane and per-pool counts on the stack (no allocation per request);
+// boxing it would allocate once per planned request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlanUnit {
     /// Page plan: what the run scan found (blocks = runs × per-run pieces + pages × per-page
@@ -101,10 +104,11 @@ pub struct TokenShape {
     pub src_pages: usize,
     /// Leading destination pages holding them.
     pub dst_pages: usize,
-    /// Leading pages of each side's window pages (its window pool's list) holding the window
+    /// Per further pool ([`crate::PoolId::index`]; place 0, the request's pages, is `src_pages`
+    /// and `dst_pages`): the leading pages of each side's list of that pool holding its
     /// entries' tokens, and the leading ones of those the plan does not touch: `(0, 0)` each
-    /// for a side without a window pool.
-    pub window_pages: ((usize, usize), (usize, usize)),
+    /// for a side without that pool.
+    pub pool_pages: [((usize, usize), (usize, usize)); crate::peer::entry::POOLS],
     /// Segments (token ranges inside one page on each side).
     pub n_segments: usize,
     /// Blocks one piece of each class emits.

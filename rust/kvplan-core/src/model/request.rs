@@ -47,12 +47,12 @@ pub struct Request<'a, S = i64, D = i64> {
     pub n_tokens: Option<u64>,
     /// Leading tokens the decode holds already, not moved (page lists only; 0: none).
     pub skip_tokens: u64,
-    /// Each side's pages of its layout's further pools, by [`PoolId::index`]: for a side whose
-    /// window entries keep a pool of their own ([`crate::Layout::with_window_pool`]), that
-    /// pool's pages of the request in token order from its first token (pages before the
-    /// window are not read); `None` for a side without that pool. The request's own pages
-    /// (pool [`PoolId::Pages`]) are `indices`, so that pool's place here stays `(None, None)`
-    /// ([`Request::pool_lists`] reads either).
+    /// Each side's pages of its layout's further pools ([`crate::Layout::with_pool`],
+    /// [`crate::Layout::with_window_pool`]), by [`PoolId::index`]: for a side that keeps the
+    /// pool, that pool's pages of the request in token order from its first token (pages
+    /// before the first token a lane moves are not read); `None` for a side without that pool.
+    /// The request's own pages (pool [`PoolId::PAGES`]) are `indices`, so that pool's place
+    /// here stays `(None, None)` ([`Request::pool_lists`] reads either).
     pub pool_pages: [PoolLists<'a, S, D>; POOLS],
 }
 
@@ -76,17 +76,17 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
         src: Option<&'a [S]>,
         dst: Option<&'a [D]>,
     ) -> Self {
-        if pool != PoolId::Pages {
+        if pool != PoolId::PAGES {
             self.pool_pages[pool.index()] = (src, dst);
         }
         self
     }
 
     /// The same request with each side's window pages (for the sides whose window entries
-    /// keep a pool of their own): [`Request::with_pool_pages`] of [`PoolId::Window`].
+    /// keep a pool of their own, pool 1): [`Request::with_pool_pages`] of [`PoolId::WINDOW`].
     #[must_use]
     pub fn with_window_pages(self, src: Option<&'a [S]>, dst: Option<&'a [D]>) -> Self {
-        self.with_pool_pages(PoolId::Window, src, dst)
+        self.with_pool_pages(PoolId::WINDOW, src, dst)
     }
 
     /// The same request without its first `skip_tokens` tokens (the decode holds them).
@@ -121,12 +121,12 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
         }
     }
 
-    /// Each side's page list of pool `pool`: the request's pages for [`PoolId::Pages`] (none
+    /// Each side's page list of pool `pool`: the request's pages for [`PoolId::PAGES`] (none
     /// for a slot request), else the lists given for that pool.
     pub fn pool_lists(&self, pool: PoolId) -> PoolLists<'a, S, D> {
         match (pool, self.indices) {
-            (PoolId::Pages, Indices::Pages { src, dst }) => (Some(src), Some(dst)),
-            (PoolId::Pages, Indices::Slot { .. }) => (None, None),
+            (PoolId::PAGES, Indices::Pages { src, dst }) => (Some(src), Some(dst)),
+            (PoolId::PAGES, Indices::Slot { .. }) => (None, None),
             (pool, _) => self.pool_pages[pool.index()],
         }
     }

@@ -9,28 +9,40 @@ use crate::error::{PlanError, Result};
 use crate::peer::kv_format::Representation;
 
 /// A side's page index space: one list of pages a request gives for that side, with its own
-/// page size and index limit.
+/// page size and index limit (as an engine keeps one block table per KV-cache group). Pool 0
+/// ([`PoolId::PAGES`]) is the request's own pages; a layout adds further pools with
+/// [`crate::Layout::with_pool`] (or [`crate::Layout::with_window_pool`]), numbered in the order
+/// they are added, below [`POOLS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PoolId {
-    /// The request's pages (its KV pages), at the layout's page size.
-    Pages,
-    /// The side's window pool ([`crate::Layout::with_window_pool`]): the request's window
-    /// pages.
-    Window,
-}
+pub struct PoolId(pub u8);
 
 impl PoolId {
-    /// Every pool, in the order of [`PoolId::index`].
-    pub const ALL: [PoolId; POOLS] = [PoolId::Pages, PoolId::Window];
+    /// The request's pages (its KV pages), at the layout's page size.
+    pub const PAGES: PoolId = PoolId(0);
+    /// The first further pool: the one [`crate::Layout::with_window_pool`] adds to a layout
+    /// with no other further pool, whose pages a request gives as its window pages.
+    pub const WINDOW: PoolId = PoolId(1);
+
+    /// Every pool a side can have, in the order of [`PoolId::index`].
+    pub const ALL: [PoolId; POOLS] = {
+        let mut all = [PoolId(0); POOLS];
+        let mut k = 0;
+        while k < POOLS {
+            all[k] = PoolId(k as u8);
+            k += 1;
+        }
+        all
+    };
 
     /// Its position in per-pool arrays.
     pub const fn index(self) -> usize {
-        self as usize
+        self.0 as usize
     }
 }
 
-/// Pools a side can have.
-pub const POOLS: usize = 2;
+/// The most pools a side can have (its pages and seven further pools): per-request page lists
+/// and limits stay on the stack.
+pub const POOLS: usize = 8;
 
 /// One page pool of a layout: the pages of one index space, each holding `page_size` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,6 +51,18 @@ pub struct Pool {
     pub id: PoolId,
     /// Tokens per page.
     pub page_size: u64,
+    /// Tokens one row of its entries holds (1: a row per token; a compressed cache keeps one
+    /// row per `tokens_per_row` tokens). `page_size` is a multiple of it, so a row never spans
+    /// pages; a token plan moves row `r` once its last token (`(r + 1) × tokens_per_row − 1`)
+    /// is in the request's range.
+    pub tokens_per_row: u64,
+}
+
+impl Pool {
+    /// Rows one page holds.
+    pub fn rows_per_page(&self) -> u64 {
+        self.page_size / self.tokens_per_row.max(1)
+    }
 }
 
 /// What indexes an entry, with what only that kind of entry can carry.
@@ -61,7 +85,7 @@ pub enum EntryKind {
 impl EntryKind {
     /// A page entry of the request's pages, keeping every token.
     pub const PAGE: EntryKind = EntryKind::Page {
-        pool: PoolId::Pages,
+        pool: PoolId::PAGES,
         window: None,
     };
 

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::error::{PlanError, Result};
-use crate::peer::entry::{Entry, EntryKind, Indexing, Pool, PoolId};
+use crate::peer::entry::{Entry, EntryKind, Indexing, POOLS, Pool, PoolId};
 use crate::peer::kv_format::{MX_BLOCK, Representation, ScaleLayout, scale_role};
 
 /// Roles of the separate K and V entries of an MHA layout ([`Layout::mha`]): K/V heads are
@@ -320,8 +320,9 @@ impl Layout {
             )
             .collect();
         let pools = vec![Pool {
-            id: PoolId::Pages,
+            id: PoolId::PAGES,
             page_size: context.page_size,
+            tokens_per_row: 1,
         }];
         Ok(Self {
             entries,
@@ -345,8 +346,12 @@ impl Layout {
         window_page_size: Option<u64>,
     ) -> Result<Self> {
         for (i, entry) in entries.iter().enumerate() {
-            let in_pool = entry.pool() == Some(PoolId::Window);
+            let in_pool = entry.pool().is_some_and(|p| p != PoolId::PAGES);
             let problem = match window_page_size {
+                _ if in_pool && entry.window().is_none() => {
+                    "is in a further pool; entries build the window pool only (add further \
+                     pools with Layout::with_pool)"
+                }
                 None if in_pool => "is in the window pool, but the layout keeps none",
                 Some(_) if !in_pool && entry.window().is_some() => {
                     "has a window but is not in the window pool; a layout with a window pool \
@@ -469,8 +474,8 @@ impl Layout {
             for (entry, window) in self.entries.iter_mut().zip(windows) {
                 if let EntryKind::Page { .. } = entry.kind {
                     let pool = match window {
-                        Some(_) if window_pool => PoolId::Window,
-                        _ => PoolId::Pages,
+                        Some(_) if window_pool => PoolId::WINDOW,
+                        _ => PoolId::PAGES,
                     };
                     entry.kind = EntryKind::Page { pool, window };
                 }
@@ -598,11 +603,25 @@ impl Layout {
             "a window pool is not supported on a layout that deals its tokens over decode \
              context-parallel ranks"
         } else {
-            self.pools.truncate(1);
-            self.pools.push(Pool {
-                id: PoolId::Window,
+            // The window pool keeps its id when set again; else it is the next pool.
+            let id = self
+                .entries
+                .iter()
+                .find(|e| e.window().is_some() && e.pool() != Some(PoolId::PAGES))
+                .and_then(Entry::pool)
+                .unwrap_or(PoolId(self.pools.len() as u8));
+            if id.index() >= POOLS {
+                return Err(too_many_pools());
+            }
+            let pool = Pool {
+                id,
                 page_size,
-            });
+                tokens_per_row: 1,
+            };
+            match self.pools.iter_mut().find(|p| p.id == id) {
+                Some(existing) => *existing = pool,
+                None => self.pools.push(pool),
+            }
             for entry in &mut self.entries {
                 if let EntryKind::Page {
                     window: Some(window),
@@ -610,7 +629,7 @@ impl Layout {
                 } = entry.kind
                 {
                     entry.kind = EntryKind::Page {
-                        pool: PoolId::Window,
+                        pool: id,
                         window: Some(window),
                     };
                 }
@@ -619,6 +638,72 @@ impl Layout {
             return Ok(self);
         };
         Err(invalid(problem.into()))
+    }
+
+    /// The same layout with `entries` (page entries of the request's pages) in a pool of their
+    /// own, the next pool id ([`Layout::pools`]): one page index space with its own page size,
+    /// as an engine keeps each KV-cache group in its own block table. Each page holds
+    /// `page_size` tokens as `page_size / tokens_per_row` rows of `tokens_per_row` tokens each
+    /// (a compressed cache keeps one row per several tokens; 1: a row per token). A request
+    /// gives each side's pages of the pool in token order from its first token
+    /// ([`crate::Request::with_pool_pages`]); a token plan moves the rows of that pool whose
+    /// tokens are all in the request's range ([`Pool::tokens_per_row`]).
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] naming the values for a page size or row of 0 tokens, a
+    /// page size that is not a multiple of `tokens_per_row`, no entries, an entry out of
+    /// range, a state entry, an entry already in a pool of its own, a layout that deals its
+    /// tokens over decode context-parallel ranks, or more than [`POOLS`] pools.
+    pub fn with_pool(
+        mut self,
+        entries: &[usize],
+        page_size: u64,
+        tokens_per_row: u64,
+    ) -> Result<Self> {
+        let id = PoolId(self.pools.len().min(POOLS) as u8);
+        let problem = if page_size == 0 || tokens_per_row == 0 {
+            format!(
+                "a pool's page_size and tokens_per_row must be at least 1, got page_size \
+                 {page_size}, tokens_per_row {tokens_per_row}"
+            )
+        } else if !page_size.is_multiple_of(tokens_per_row) {
+            format!(
+                "a pool's page_size must be a multiple of its tokens_per_row (a row never spans \
+                 pages), got page_size {page_size}, tokens_per_row {tokens_per_row}"
+            )
+        } else if entries.is_empty() {
+            "a pool needs at least one entry".into()
+        } else if self.context.dcp.dealt() {
+            "a pool of its own is not supported on a layout that deals its tokens over decode \
+             context-parallel ranks"
+                .into()
+        } else if id.index() >= POOLS {
+            return Err(too_many_pools());
+        } else if let Some((&entry, why)) = entries.iter().find_map(|e| {
+            let why = match self.entries.get(*e) {
+                None => "is out of range",
+                Some(x) if !x.is_page() => "is a state entry (a pool holds page entries)",
+                Some(x) if x.pool() != Some(PoolId::PAGES) => "is already in a pool of its own",
+                Some(_) => return None,
+            };
+            Some((e, why))
+        }) {
+            format!("entry {entry} {why} ({} entries)", self.entries.len())
+        } else {
+            self.pools.push(Pool {
+                id,
+                page_size,
+                tokens_per_row,
+            });
+            for &entry in entries {
+                if let EntryKind::Page { window, .. } = self.entries[entry].kind {
+                    self.entries[entry].kind = EntryKind::Page { pool: id, window };
+                }
+            }
+            self.check_windows_fit()?;
+            return Ok(self);
+        };
+        Err(invalid(problem))
     }
 
     /// The page pools its page entries index, the request's pages first.
@@ -634,13 +719,38 @@ impl Layout {
     /// Tokens per page of the window entries' own pool, when they have one
     /// ([`Layout::with_window_pool`]).
     pub fn window_page_size(&self) -> Option<u64> {
-        self.pool(PoolId::Window).map(|p| p.page_size)
+        self.window_pool().map(|p| p.page_size)
+    }
+
+    /// The pool its window entries keep of their own ([`Layout::with_window_pool`]), if any.
+    pub fn window_pool(&self) -> Option<&Pool> {
+        self.entries
+            .iter()
+            .find(|e| e.window().is_some() && e.pool() != Some(PoolId::PAGES))
+            .and_then(Entry::pool)
+            .and_then(|id| self.pool(id))
+    }
+
+    /// Whether some page entry is in a pool other than the request's pages.
+    pub fn has_further_pools(&self) -> bool {
+        self.entries
+            .iter()
+            .any(|e| e.pool().is_some_and(|p| p != PoolId::PAGES))
+    }
+
+    /// Rows one page of entry `i` holds: its pool's [`Pool::rows_per_page`] (the layout's
+    /// page size for an entry of the request's pages).
+    pub fn entry_rows_per_page(&self, i: usize) -> u64 {
+        self.entries[i]
+            .pool()
+            .and_then(|id| self.pool(id))
+            .map_or(self.context.page_size, Pool::rows_per_page)
     }
 
     /// Whether entry `i` is indexed by a request's window pages (a window entry of a layout
     /// with a window pool).
     pub fn in_window_pool(&self, i: usize) -> bool {
-        self.entries[i].pool() == Some(PoolId::Window)
+        self.entries[i].window().is_some() && self.entries[i].pool() != Some(PoolId::PAGES)
     }
 
     /// Tokens one page of entry `i` holds: its pool's page size (the window pool's for an
@@ -1313,6 +1423,13 @@ fn check_attention(g: &AttentionGeometry) -> Result<()> {
 
 fn invalid(what: String) -> PlanError {
     PlanError::InvalidLayout { what }
+}
+
+fn too_many_pools() -> PlanError {
+    invalid(format!(
+        "a layout keeps at most {POOLS} pools (its pages and {} further ones)",
+        POOLS - 1
+    ))
 }
 
 /// A peer's decode-context-parallel coordinates.

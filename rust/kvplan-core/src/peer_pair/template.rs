@@ -9,13 +9,13 @@ use crate::error::{PlanError, Result, Side};
 use crate::kernels::rings::{self, RingPair};
 use crate::kernels::tokens::{LaneLists, TokenTemplate, count_blocks, emit_tokens};
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
-use crate::model::pieces::{Fragments, PairSpec, Piece, TokenMap, total_len};
+use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
 use crate::model::plan::{
     AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, StateShape, TokenShape,
 };
-use crate::model::request::{Indices, Request};
+use crate::model::request::{Indices, PoolLists, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
-use crate::peer::entry::{Indexing, POOLS, PoolId};
+use crate::peer::entry::{Indexing, POOLS, Pool, PoolId};
 use crate::peer::layout::Layout;
 use crate::peer_pair::accounting::BlockAccounting;
 use crate::peer_pair::coalesce::build_emission_groups;
@@ -259,7 +259,7 @@ impl Template {
             let pool = if layout.pool(pool).is_some() {
                 pool
             } else {
-                PoolId::Pages
+                PoolId::PAGES
             };
             emitting
                 .iter()
@@ -370,7 +370,7 @@ impl Template {
     /// Per side, the bound every page index must lie below: the smallest capacity over the
     /// emitting pairs (`u64::MAX` when no pair emits).
     pub fn index_limits(&self) -> IndexLimits {
-        self.limits[PoolId::Pages.index()]
+        self.limits[PoolId::PAGES.index()]
     }
 
     /// [`Template::index_limits`] of the pages of pool `pool` (a side without that pool: its
@@ -443,15 +443,17 @@ impl Template {
         }
         // A page plan's layouts keep no windows (windows make a token template), so no side
         // has a window pool for window pages to index: refused, not ignored.
-        let window = request.pool_lists(PoolId::Window);
-        for (side, given) in [
-            (Side::Src, window.0.is_some()),
-            (Side::Dst, window.1.is_some()),
-        ] {
-            if given {
-                return Err(PlanError::Geometry {
-                    what: window_pages_without_pool(side),
-                });
+        for pool in &PoolId::ALL[1..] {
+            let lists = request.pool_lists(*pool);
+            for (side, given) in [
+                (Side::Src, lists.0.is_some()),
+                (Side::Dst, lists.1.is_some()),
+            ] {
+                if given {
+                    return Err(PlanError::Geometry {
+                        what: pages_without_pool(side, *pool),
+                    });
+                }
             }
         }
         // Runs that descend on both sides are one run too (see the `runs` module).
@@ -460,10 +462,10 @@ impl Template {
             // One comparison per side covers every pair: the limits are the smallest capacities.
             let limits = self.index_limits();
             if found.max_src >= limits.src {
-                return Err(self.out_of_range(Side::Src, PoolId::Pages, src, 0));
+                return Err(self.out_of_range(Side::Src, PoolId::PAGES, src, 0));
             }
             if found.max_dst >= limits.dst {
-                return Err(self.out_of_range(Side::Dst, PoolId::Pages, dst, 0));
+                return Err(self.out_of_range(Side::Dst, PoolId::PAGES, dst, 0));
             }
             if self.check_dst_overlap {
                 check_unique(dst)?;
@@ -644,14 +646,10 @@ impl Template {
             (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) => {
                 let limits = self.limits.map(|l| (l.src, l.dst));
                 let tokens = self.token_template()?;
-                let ((ws, wd), _) = shape.window_pages;
-                let window = request.pool_lists(PoolId::Window);
-                let lists = LaneLists::new(
+                let lists = request_lists(
+                    request,
                     (&src[..shape.src_pages], &dst[..shape.dst_pages]),
-                    (
-                        window.0.map_or(&[][..], |w| &w[..ws]),
-                        window.1.map_or(&[][..], |w| &w[..wd]),
-                    ),
+                    shape.pool_pages.map(|(read, _)| read),
                 );
                 emit_tokens(tokens, &lists, limits, shape, out)?;
             }
@@ -758,6 +756,9 @@ impl Template {
     }
 
     /// Emits a request `summary` validated into freshly allocated columns.
+    // The summary is consumed here, once per request; a copy of its counts costs less than
+    // the planning it describes.
+    #[allow(clippy::large_types_passed_by_value)]
     fn plan_prepared<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
@@ -792,7 +793,7 @@ impl Template {
         let pool = if layout.pool(pool).is_some() {
             pool
         } else {
-            PoolId::Pages
+            PoolId::PAGES
         };
         let indexed = |pair: &&PairSpec| {
             layout
@@ -937,28 +938,26 @@ impl Template {
     ) -> Result<TokenShape> {
         let tokens = self.token_template()?;
         let skip_tokens = request.skip_tokens;
-        let (n, (src_pages, dst_pages), (ws, wd)) = self.validate_delta(
-            (src, dst),
-            request.pool_lists(PoolId::Window),
-            request.n_tokens,
-            skip_tokens,
-        )?;
-        let window = request.pool_lists(PoolId::Window);
-        let window = (
-            window.0.map_or(&[][..], |w| &w[..ws]),
-            window.1.map_or(&[][..], |w| &w[..wd]),
-        );
-        let lists = LaneLists::new((&src[..src_pages], &dst[..dst_pages]), window);
+        let further = PoolId::ALL.map(|pool| request.pool_lists(pool));
+        let (n, read) = self.validate_delta((src, dst), further, request.n_tokens, skip_tokens)?;
+        let (src_pages, dst_pages) = read[0];
+        let lists = request_lists(request, (&src[..src_pages], &dst[..dst_pages]), read);
         let (class_blocks, n_segments, n_blocks, total_bytes) =
             count_blocks(tokens, &lists, skip_tokens, n)?;
-        let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
+        let first = tokens.first_pages(skip_tokens, n);
+        let (src_first, dst_first) = first[0];
+        let mut pool_pages = [((0, 0), (0, 0)); POOLS];
+        for k in 1..POOLS {
+            let ((s, d), (sf, df)) = (read[k], first[k]);
+            pool_pages[k] = ((s, d), (sf.min(s), df.min(d)));
+        }
         Ok(TokenShape {
             n_tokens: n,
             first_token: skip_tokens,
             first_pages: (src_first.min(src_pages), dst_first.min(dst_pages)),
             src_pages,
             dst_pages,
-            window_pages: ((ws, wd), (ws_first.min(ws), wd_first.min(wd))),
+            pool_pages,
             n_segments,
             class_blocks,
             n_blocks,
@@ -978,47 +977,46 @@ impl Template {
         dst: &[D],
         n_tokens: Option<u64>,
     ) -> Result<(u64, usize, usize)> {
-        let (n, (src_pages, dst_pages), _) =
-            self.validate_delta((src, dst), (None, None), n_tokens, 0)?;
-        Ok((n, src_pages, dst_pages))
+        let (n, read) = self.validate_delta((src, dst), [(None, None); POOLS], n_tokens, 0)?;
+        Ok((n, read[0].0, read[0].1))
     }
 
     /// [`Template::validate_tokens`] for a request whose first `skip_tokens` tokens are not
-    /// moved and whose window entries may read window pages: only the pages holding tokens
-    /// `skip_tokens..` of the lanes reading a list are read and validated. Returns the token
-    /// count and the leading pages of each side's pages and window pages the request reads.
+    /// moved and whose entries in further pools read that pool's pages: only the pages holding
+    /// tokens `skip_tokens..` of the lanes reading a list are read and validated. Returns the
+    /// token count and, per pool, the leading pages of each side's list the request reads
+    /// (pool 0: its pages).
     ///
     /// # Errors
     /// As [`Template::validate_tokens`]; [`PlanError::SkipTokens`] when `skip_tokens` exceeds
-    /// the request's tokens; [`PlanError::Geometry`] when window pages are missing for a side
-    /// that keeps a window pool or given for one that does not.
+    /// the request's tokens; [`PlanError::Geometry`] when a further pool's pages are missing
+    /// for a side that keeps that pool or given for one that does not.
     #[allow(clippy::type_complexity)]
     fn validate_delta<S: PageIndex, D: PageIndex>(
         &self,
         (src, dst): (&[S], &[D]),
-        window: (Option<&[S]>, Option<&[D]>),
+        further: [PoolLists<'_, S, D>; POOLS],
         n_tokens: Option<u64>,
         skip_tokens: u64,
-    ) -> Result<(u64, (usize, usize), (usize, usize))> {
+    ) -> Result<(u64, [(usize, usize); POOLS])> {
         let tokens = self.token_template()?;
         let maps = tokens.maps();
-        // Each side's window pool's page size (`None`: the side keeps no window pool).
         let (src_layout, dst_layout) = self.layouts();
-        let pools = (src_layout.window_page_size(), dst_layout.window_page_size());
-        for (side, pool, given) in [
-            (Side::Src, pools.0, window.0.is_some()),
-            (Side::Dst, pools.1, window.1.is_some()),
-        ] {
-            let what = match (pool, given) {
-                (Some(page_size), false) => format!(
-                    "the window entries of the {side} side keep a pool of their own \
-                     ({page_size} tokens per page): the request must give that side's window \
-                     pages"
-                ),
-                (None, true) => window_pages_without_pool(side),
-                _ => continue,
-            };
-            return Err(PlanError::Geometry { what });
+        // Each side's pool of each id (`None`: that side keeps no such pool).
+        let pool_of = |layout: &Layout, id: PoolId| layout.pool(id).copied();
+        for pool in &PoolId::ALL[1..] {
+            let lists = further[pool.index()];
+            for (side, layout, given) in [
+                (Side::Src, src_layout, lists.0.is_some()),
+                (Side::Dst, dst_layout, lists.1.is_some()),
+            ] {
+                let what = match (pool_of(layout, *pool), given) {
+                    (Some(kept), false) => pages_missing(side, layout, kept),
+                    (None, true) => pages_without_pool(side, *pool),
+                    _ => continue,
+                };
+                return Err(PlanError::Geometry { what });
+            }
         }
         let full = |pages: usize, size: u64| (pages as u64).checked_mul(size);
         let (src_full, dst_full) = (
@@ -1040,39 +1038,39 @@ impl Template {
                 .map(|(a, b)| a.min(b))
                 .ok_or(PlanError::Overflow { what: "tokens" })?,
         };
-        let [(src_pages, dst_pages), (src_window, dst_window)] = tokens.list_pages_needed(n);
-        // A side without a window pool has no window pages to count (none needed, none given).
-        let window_map = |pool: Option<u64>, map: TokenMap| {
-            pool.map_or(map, |page_size| TokenMap::Paged { page_size })
+        let needed = tokens.list_pages_needed(n);
+        // Each side's list of each pool, its length and the page size the count is in.
+        let given = |pool: PoolId, side: Side| -> usize {
+            match (pool.index(), side) {
+                (0, Side::Src) => src.len(),
+                (0, Side::Dst) => dst.len(),
+                (k, Side::Src) => further[k].0.map_or(0, <[S]>::len),
+                (k, Side::Dst) => further[k].1.map_or(0, <[D]>::len),
+            }
         };
-        let lists = [
-            (Side::Src, "pages", src.len(), src_pages, maps.0),
-            (Side::Dst, "pages", dst.len(), dst_pages, maps.1),
-            (
-                Side::Src,
-                "window pages",
-                window.0.map_or(0, <[S]>::len),
-                src_window,
-                window_map(pools.0, maps.0),
-            ),
-            (
-                Side::Dst,
-                "window pages",
-                window.1.map_or(0, <[D]>::len),
-                dst_window,
-                window_map(pools.1, maps.1),
-            ),
-        ];
-        for (side, list, pages, needed, map) in lists {
-            if needed > pages as u64 {
-                return Err(PlanError::TokenCount {
-                    side,
-                    list,
-                    n_tokens: n,
-                    page_size: map.page_size(),
-                    needed,
-                    given: pages,
-                });
+        for pool in PoolId::ALL {
+            for (side, layout, map, need) in [
+                (Side::Src, src_layout, maps.0, needed[pool.index()].0),
+                (Side::Dst, dst_layout, maps.1, needed[pool.index()].1),
+            ] {
+                let pages = given(pool, side);
+                if need > pages as u64 {
+                    let page_size = pool_of(layout, pool)
+                        .filter(|_| pool != PoolId::PAGES)
+                        .map_or(map.page_size(), |p| p.page_size);
+                    return Err(PlanError::TokenCount {
+                        side,
+                        list: if layout.window_pool().is_some_and(|p| p.id == pool) {
+                            "window pages"
+                        } else {
+                            pool_list_name(pool)
+                        },
+                        n_tokens: n,
+                        page_size,
+                        needed: need,
+                        given: pages,
+                    });
+                }
             }
         }
         if skip_tokens > n {
@@ -1082,33 +1080,33 @@ impl Template {
             });
         }
         // At most the given lengths (checked above), so they fit usize.
-        let needed = |pages: u64| pages as usize;
-        let (src_pages, dst_pages) = (needed(src_pages), needed(dst_pages));
-        let (src_window, dst_window) = (needed(src_window), needed(dst_window));
+        let read: [(usize, usize); POOLS] = needed.map(|(s, d)| (s as usize, d as usize));
         if !tokens.pieces.is_empty() && n > skip_tokens {
             // The pages before the one holding the first moved token are not read.
-            let read = |pages: usize, first: usize| first.min(pages)..pages;
-            let [(src_first, dst_first), (ws_first, wd_first)] = tokens.first_pages(skip_tokens, n);
-            let [pages, windows] = self.limits;
-            let pool = PoolId::Pages;
-            self.check_pages(Side::Src, pool, src, read(src_pages, src_first), pages.src)?;
-            self.check_pages(Side::Dst, pool, dst, read(dst_pages, dst_first), pages.dst)?;
-            if let Some(window) = window.0 {
-                let read = read(src_window, ws_first);
-                self.check_pages(Side::Src, PoolId::Window, window, read, windows.src)?;
-            }
-            if let Some(window) = window.1 {
-                let read = read(dst_window, wd_first);
-                self.check_pages(Side::Dst, PoolId::Window, window, read, windows.dst)?;
-            }
-            if self.check_dst_overlap {
-                check_unique(&dst[read(dst_pages, dst_first)])?;
-                if let Some(window) = window.1 {
-                    check_unique(&window[read(dst_window, wd_first)])?;
+            let range = |pages: usize, first: usize| first.min(pages)..pages;
+            let first = tokens.first_pages(skip_tokens, n);
+            for pool in PoolId::ALL {
+                let k = pool.index();
+                let limits = self.limits[k];
+                let (src_list, dst_list) = if k == 0 {
+                    (Some(src), Some(dst))
+                } else {
+                    further[k]
+                };
+                if let Some(list) = src_list {
+                    let r = range(read[k].0, first[k].0);
+                    self.check_pages(Side::Src, pool, list, r, limits.src)?;
+                }
+                if let Some(list) = dst_list {
+                    let r = range(read[k].1, first[k].1);
+                    self.check_pages(Side::Dst, pool, list, r.clone(), limits.dst)?;
+                    if self.check_dst_overlap {
+                        check_unique(&list[r])?;
+                    }
                 }
             }
         }
-        Ok((n, (src_pages, dst_pages), (src_window, dst_window)))
+        Ok((n, read))
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.
@@ -1186,18 +1184,76 @@ impl Template {
     }
 }
 
-/// Why window pages given for `side` cannot be used.
-fn window_pages_without_pool(side: Side) -> String {
+/// Why pages of pool `pool` given for `side` cannot be used.
+fn pages_without_pool(side: Side, pool: PoolId) -> String {
+    if pool == PoolId::WINDOW {
+        return format!(
+            "window pages were given for the {side} side, whose layout has no window pool (nor \
+             other pool 1; its window entries, if any, are indexed by the request's pages)"
+        );
+    }
     format!(
-        "window pages were given for the {side} side, whose layout has no window pool (its \
-         window entries, if any, are indexed by the request's pages)"
+        "pages of pool {} were given for the {side} side, whose layout keeps no pool {}",
+        pool.0, pool.0
     )
 }
 
-/// Model page lists of each side: its pages and its window pages (empty without a window pool).
+/// Why a request must give `side`'s pages of pool `kept`.
+fn pages_missing(side: Side, layout: &Layout, kept: Pool) -> String {
+    let window = layout.window_pool().is_some_and(|p| p.id == kept.id);
+    if window {
+        format!(
+            "the window entries of the {side} side keep a pool of their own ({} tokens per \
+             page): the request must give that side's window pages",
+            kept.page_size
+        )
+    } else {
+        format!(
+            "the {side} side keeps pool {} ({} tokens per page, {} per row): the request must \
+             give that side's pages of pool {}",
+            kept.id.0, kept.page_size, kept.tokens_per_row, kept.id.0
+        )
+    }
+}
+
+/// The name of pool `pool`'s page list in a token-count error.
+fn pool_list_name(pool: PoolId) -> &'static str {
+    const NAMES: [&str; POOLS] = [
+        "pages",
+        "pool 1 pages",
+        "pool 2 pages",
+        "pool 3 pages",
+        "pool 4 pages",
+        "pool 5 pages",
+        "pool 6 pages",
+        "pool 7 pages",
+    ];
+    NAMES[pool.index()]
+}
+
+/// A request's page lists per pool for its lanes: its pages (the leading ones read), then
+/// each further pool's given list cut to the `read` pages (an empty list where not given).
+fn request_lists<'x, S: PageIndex, D: PageIndex>(
+    request: &Request<'x, S, D>,
+    pages: (&'x [S], &'x [D]),
+    read: [(usize, usize); POOLS],
+) -> LaneLists<'x, [S], [D]> {
+    let mut lists = LaneLists::same(pages.0, pages.1);
+    for pool in &PoolId::ALL[1..] {
+        let k = pool.index();
+        let (s, d) = request.pool_lists(*pool);
+        lists.pools[k] = (
+            s.map_or(&[][..], |w| &w[..read[k].0.min(w.len())]),
+            d.map_or(&[][..], |w| &w[..read[k].1.min(w.len())]),
+        );
+    }
+    lists
+}
+
+/// Model page lists of each side, per pool (pool 0: its pages; empty for a pool a side does
+/// not keep).
 pub(crate) struct ModelLists {
-    pub(crate) pages: (Vec<i64>, Vec<i64>),
-    pub(crate) window: (Vec<i64>, Vec<i64>),
+    pub(crate) pools: Vec<(Vec<i64>, Vec<i64>)>,
 }
 
 /// The page lists a block count without the caller's pages assumes for a token request of
@@ -1221,11 +1277,12 @@ pub(crate) fn model_pages(
         v.iter_mut().zip(0i64..).for_each(|(x, k)| *x = k * step);
         Ok(v)
     };
-    let [(src_pages, dst_pages), (src_window, dst_window)] = tokens.list_pages_needed(n_tokens);
-    Ok(ModelLists {
-        pages: (pages(src_pages)?, pages(dst_pages)?),
-        window: (pages(src_window)?, pages(dst_window)?),
-    })
+    let pools = tokens
+        .list_pages_needed(n_tokens)
+        .iter()
+        .map(|&(src, dst)| Ok((pages(src)?, pages(dst)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ModelLists { pools })
 }
 
 #[cfg(test)]

@@ -838,7 +838,7 @@ fn widen(dst: &Layout, factors: &[u64], filled: &[bool]) -> Result<(Layout, Vec<
         // Widened entries index the request's pages: a window keeps its size, not its pool.
         let kind = match e.kind {
             EntryKind::Page { window, .. } => EntryKind::Page {
-                pool: PoolId::Pages,
+                pool: PoolId::PAGES,
                 window,
             },
             state @ EntryKind::State { .. } => state,

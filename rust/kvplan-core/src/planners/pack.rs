@@ -160,10 +160,10 @@ impl PackPlanner<'_> {
     pub fn counts(&self, n_tokens: u64, fragmented: bool) -> Result<PackedCounts> {
         let tokens = self.template.token_template()?;
         let model = model_pages(tokens, n_tokens, fragmented)?;
-        let lists = LaneLists::new(
-            (&model.pages.0[..], &model.pages.1[..]),
-            (&model.window.0[..], &model.window.1[..]),
-        );
+        let mut lists = LaneLists::same(&model.pools[0].0[..], &model.pools[0].1[..]);
+        for (k, (src, dst)) in model.pools.iter().enumerate() {
+            lists.pools[k] = (&src[..], &dst[..]);
+        }
         let limit = |pages: &[i64]| pages.last().map_or(0, |&p| p as u64 + 1);
         let limits = lists.pools.map(|(src, dst)| (limit(src), limit(dst)));
         for piece in &tokens.pieces {
@@ -190,9 +190,12 @@ impl PackPlanner<'_> {
             n_tokens,
             first_token: 0,
             first_pages: (0, 0),
-            src_pages: model.pages.0.len(),
-            dst_pages: model.pages.1.len(),
-            window_pages: ((model.window.0.len(), model.window.1.len()), (0, 0)),
+            src_pages: model.pools[0].0.len(),
+            dst_pages: model.pools[0].1.len(),
+            pool_pages: std::array::from_fn(|k| {
+                let (src, dst) = &model.pools[k];
+                ((src.len(), dst.len()), (0, 0))
+            }),
             n_segments,
             class_blocks,
             n_blocks,

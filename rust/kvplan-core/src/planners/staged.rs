@@ -416,6 +416,8 @@ impl StagedPlanner<'_> {
     /// The `n_tokens` the staged plan is derived with, and that plan's shape: a page request
     /// is staged from its token plan when that moves the same bytes in no more blocks
     /// (token-major order within each pair), else from its page plan; a token request as given.
+    // The summary is consumed (and returned rewritten), once per request.
+    #[allow(clippy::large_types_passed_by_value)]
     fn staging_tokens<'a, S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'a, S, D>,

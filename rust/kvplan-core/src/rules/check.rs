@@ -604,14 +604,17 @@ fn infer_legacy_kind(src_roles: Option<&[String]>, src_drafts: &[bool]) -> Resul
 
 /// Whether whole pages cannot be copied as they are: the page sizes differ, one side is
 /// token-major and the other head-major, either side deals tokens over decode
-/// context-parallel ranks (module `dcp`), or either side has sliding-window entries (which move
-/// only a request's last tokens). Every page plan between such layouts is a token plan.
+/// context-parallel ranks (module `dcp`), either side has sliding-window entries (which move
+/// only a request's last tokens) or entries in a pool of their own (indexed by that pool's
+/// pages, not the request's). Every page plan between such layouts is a token plan.
 pub fn needs_tokens(src: &Layout, dst: &Layout) -> bool {
     src.context().page_size != dst.context().page_size
         || memory_order(src) != memory_order(dst)
         || crate::rules::dcp::dealt_pair(src, dst)
         || src.has_windows()
         || dst.has_windows()
+        || src.has_further_pools()
+        || dst.has_further_pools()
 }
 
 pub(crate) fn memory_order(layout: &Layout) -> MemoryOrder {

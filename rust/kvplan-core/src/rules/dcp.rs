@@ -54,13 +54,13 @@ fn tokens_per_draft_item(layout: &Layout) -> u64 {
     ctx.page_size * u64::from(ctx.dcp.size) // checked not to overflow at validation
 }
 
-/// Tokens one item of entry `entry` holds: its page size (a window pool's for an entry in
-/// it), times `dcp_size` for a draft entry (the virtual page).
+/// Slots one item of entry `entry` holds: its pool's rows per page (a token per row but in a
+/// pool of rows), times `dcp_size` for a draft entry (the virtual page).
 pub(crate) fn tokens_per_item(layout: &Layout, entry: usize) -> u64 {
     if layout.is_draft(entry) {
         tokens_per_draft_item(layout)
     } else {
-        layout.entry_page_size(entry)
+        layout.entry_rows_per_page(entry)
     }
 }
 

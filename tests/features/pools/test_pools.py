@@ -1,0 +1,156 @@
+"""Pools of their own (``Layout.with_pool``): each one page index space with its own page size,
+as vLLM keeps one block table per KV-cache group, and rows of several tokens (a compressed
+cache) that move once complete. Checked byte for byte against the oracle
+(``kvplan.testing.oracle.reference_copy``), which addresses each entry from the layout
+definition alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvplan
+from kvplan.exec.numpy import Memory, apply_plan
+from kvplan.testing.oracle import reference_copy
+
+BASE = 0x10_0000
+TOKEN = 4  # bytes per token of a request's-pages entry
+ROW = 6  # bytes per row of an entry in a further pool
+
+
+def side(page_size: int, pools: list[tuple[int, int]], capacity: int, seed: int,
+         ) -> tuple[kvplan.Layout, Memory]:
+    """One side: two entries on the request's pages (``page_size`` tokens per page), then two
+    per further pool ``(page size, tokens per row)``, each pool added with ``with_pool``; the
+    memory holds random bytes."""
+    items = [page_size * TOKEN] * 2 + [p // r * ROW for p, r in pools for _ in range(2)]
+    lens = [capacity * item for item in items]
+    ptrs = [BASE + sum(lens[:k]) for k in range(len(items))]
+    layout = kvplan.Layout(ptrs, lens, items, list(range(len(items))), ["kv"] * len(items),
+                           page_size=page_size)
+    for k, (p, r) in enumerate(pools):
+        layout = layout.with_pool([2 + 2 * k, 3 + 2 * k], p, tokens_per_row=r)
+    rng = np.random.default_rng(seed)
+    return layout, Memory(rng.integers(0, 256, sum(lens), dtype=np.uint8), BASE)
+
+
+def pages(rng: np.random.Generator, n_tokens: int, page_size: int, capacity: int) -> np.ndarray:
+    return rng.permutation(capacity)[:-(-n_tokens // page_size)].astype(np.int64)
+
+
+def check(src_pools: list[tuple[int, int]], dst_pools: list[tuple[int, int]],
+          page_sizes: tuple[int, int], n: int, skip: int, seed: int) -> kvplan.TransferPlan:
+    capacity = 64
+    src, src_mem = side(page_sizes[0], src_pools, capacity, seed)
+    dst, dst_mem = side(page_sizes[1], dst_pools, capacity, seed + 1)
+    rng = np.random.default_rng(seed)
+    lists = {k + 1: (pages(rng, n, a[0], capacity), pages(rng, n, b[0], capacity))
+             for k, (a, b) in enumerate(zip(src_pools, dst_pools))}
+    sp, dp = pages(rng, n, page_sizes[0], capacity), pages(rng, n, page_sizes[1], capacity)
+    request = kvplan.Request(sp, dp, pool_pages=lists, n_tokens=n, skip_tokens=skip)
+    plan = kvplan.Template(src, dst).plan(request)
+    got, want = dst_mem.copy(), dst_mem.copy()
+    written = np.zeros(got.data.size, dtype=bool)
+    apply_plan(plan, src_mem, got, written)
+    moved = reference_copy(src, src_mem, dst, want, sp, dp, n_tokens=n, skip_tokens=skip,
+                           pool_pages=lists)
+    assert plan.total_bytes == moved
+    assert np.array_equal(got.data, want.data)
+    return plan
+
+
+@st.composite
+def pooled(draw: st.DrawFn) -> dict[str, object]:
+    n_pools = draw(st.integers(1, 3))
+    rows = [draw(st.sampled_from([1, 2, 4, 8])) for _ in range(n_pools)]
+    sizes = [tuple(r * draw(st.integers(1, 4)) for _ in range(2)) for r in rows]
+    n = draw(st.integers(0, 60))
+    return dict(src=[(s[0], r) for s, r in zip(sizes, rows)],
+                dst=[(s[1], r) for s, r in zip(sizes, rows)],
+                pages=(draw(st.integers(1, 6)), draw(st.integers(1, 6))), n=n,
+                skip=draw(st.integers(0, n)), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pooled())
+def test_n_pools_with_their_own_page_sizes_and_rows_move_byte_exact(case: dict[str, object],
+                                                                   ) -> None:
+    check(case["src"], case["dst"], case["pages"], case["n"], case["skip"],  # type: ignore[arg-type]
+          case["seed"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("n", "skip", "rows"), [
+    (3, 0, []),          # no row complete yet
+    (4, 0, [0]),
+    (9, 0, [0, 1]),      # the partial last row (token 8) waits
+    (9, 3, [0, 1]),      # a delta from inside row 0 moves row 0: the request before did not
+    (9, 4, [1]),
+    (12, 8, [2]),
+    (12, 9, [2]),
+])
+def test_a_row_moves_once_its_last_token_is_in_the_request(n: int, skip: int,
+                                                           rows: list[int]) -> None:
+    plan = check([(8, 4)], [(8, 4)], (4, 4), n, skip, seed=3)
+    # Two row entries: their bytes are the complete rows' bytes, each entry's rows once.
+    token_entries = 2 * (n - skip) * TOKEN
+    assert plan.total_bytes - token_entries == 2 * len(rows) * ROW
+
+
+def test_the_pool_pages_a_request_must_give_and_may_not_give() -> None:
+    src, _ = side(4, [(8, 4)], 16, 0)
+    dst, _ = side(4, [(8, 4)], 16, 1)
+    t = kvplan.Template(src, dst)
+    p = np.arange(3, dtype=np.int64)
+    with pytest.raises(kvplan.KvPlanError, match="keeps pool 1 .8 tokens per page, 4 per row.: "
+                       "the request must give that side's pages of pool 1"):
+        t.plan(kvplan.Request(p, p, n_tokens=8))
+    with pytest.raises(kvplan.KvPlanError, match="pool 2 were given for the src side, whose "
+                       "layout keeps no pool 2"):
+        t.plan(kvplan.Request(p, p, n_tokens=8, pool_pages={1: (p, p), 2: (p, p)}))
+    with pytest.raises(kvplan.KvPlanError, match="not a further pool id"):
+        kvplan.Request(p, p, pool_pages={0: (p, p)})
+    with pytest.raises(TypeError, match="both as window_pages and in pool_pages"):
+        kvplan.Request(p, p, window_pages=(p, p), pool_pages={1: (p, p)})
+    six = np.arange(6, dtype=np.int64)
+    with pytest.raises(kvplan.KvPlanError, match="n_tokens 24 needs 3 src pool 1 pages of 8 "
+                       "tokens, but 1 were given"):
+        t.plan(kvplan.Request(six, six, n_tokens=24, pool_pages={1: (p[:1], p)}))
+
+
+def test_pool_values_are_refused_where_the_layout_is_built() -> None:
+    layout, _ = side(4, [], 16, 0)
+    with pytest.raises(kvplan.LayoutError, match="page_size must be a multiple of its "
+                       "tokens_per_row .* got page_size 6, tokens_per_row 4"):
+        layout.with_pool([0], 6, tokens_per_row=4)
+    with pytest.raises(kvplan.LayoutError, match="at least 1"):
+        layout.with_pool([0], 0)
+    with pytest.raises(kvplan.LayoutError, match="entry 7 is out of range"):
+        layout.with_pool([7], 4)
+    pooled = layout.with_pool(["kv"], 8, tokens_per_row=2)
+    assert pooled.pools == [(0, 4, 1), (1, 8, 2)]
+    assert pooled.entry_pools == [1, 1]
+    with pytest.raises(kvplan.LayoutError, match="already in a pool of its own"):
+        pooled.with_pool([0], 8)
+    with pytest.raises(kvplan.LayoutError, match='no page entry .* has role "x"'):
+        layout.with_pool(["x"], 8)
+    with pytest.raises(TypeError, match="entry indices or of role names"):
+        layout.with_pool("kv", 8)
+
+
+def test_rows_of_different_sizes_on_the_two_sides_are_refused_naming_both() -> None:
+    src, _ = side(4, [(8, 4)], 16, 0)
+    dst, _ = side(4, [(8, 2)], 16, 1)
+    p = np.arange(3, dtype=np.int64)
+    with pytest.raises(kvplan.KvPlanError, match="a row holds 4 tokens on the prefill side "
+                       "and 2 on the decode side"):
+        kvplan.Template(src, dst).plan(kvplan.Request(p, p, n_tokens=8,
+                                                      pool_pages={1: (p, p)}))
+
+
+def test_a_layout_with_a_further_pool_is_not_published_on_the_wire() -> None:
+    layout, _ = side(4, [(8, 4)], 16, 0)
+    with pytest.raises(kvplan.KvPlanError, match="keeps pool 1 .* the wire format carries a "
+                       "window pool only"):
+        layout.to_bytes()
