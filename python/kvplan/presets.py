@@ -23,16 +23,20 @@ Sizes per token per layer (bf16 unless said otherwise):
   transcribes it. 61 layers. Every cache row is vLLM's ``fp8_ds_mla`` record, 584 bytes: 448
   NoPE values in fp8, 64 RoPE values in bf16 (128 bytes) and 8 bytes of scales; a page is padded
   to a multiple of 576 bytes. Every layer keeps a sliding window of 128 tokens (role ``swa``,
-  one row per token; vLLM pages it in 64-token blocks) and a compressed cache (role
-  ``compressed``): 30 layers compress 4 tokens into a row and keep a 132-byte indexer entry per
-  row beside it (role ``indexer``), the other 31 compress 128 tokens into a row. Each role is its
-  own buffer. Which layers compress by 4 is assumed (the odd ones, 30 of 61; the even ones,
-  31, by 128). Two things the preset cannot carry: a peer pages every buffer by its one page
-  size (vLLM pages the window in 64-token blocks), and the 31 caches of one row per 128 tokens
-  are left out, because 584 bytes per 128 tokens is no whole number of bytes per token, which
-  token-exact plans need (every layer has a window entry, so plans are by token); they would
-  add 4.6 bytes per token per layer, under 1 % of the request. The page padding is the entries'
-  stride (a page of ``page_size`` tokens starts every padded size), not bytes moved.
+  one row per token) and a compressed cache (role ``compressed``): 30 layers compress 4 tokens
+  into a row and keep a 132-byte indexer entry per row beside it (role ``indexer``), the other
+  31 compress 128 tokens into a row. Each role is its own buffer. Assumed (not in the
+  transcription): which layers compress by 4 (the odd ones, 30 of 61; the even ones, 31, by
+  128); the 128-token rows' pool page size (the layout's page size rounded up to a multiple of
+  128 tokens, so one row per page at vLLM's 64-token blocks). The 128-token rows keep a pool of
+  their own (``Layout.with_pool``, pool 1, ``tokens_per_row=128``): a request gives its pages
+  as ``Request(..., pool_pages={1: (src, dst)})``, and a token plan moves a row once all its
+  128 tokens are in the request (a partial last row waits). The 4-token rows and their indexer
+  entries stay on the request's pages as 146 and 33 bytes per token (a partial row moves the
+  bytes of its tokens, as before this preset had pools). What the preset does not carry:
+  vLLM pages the window in 64-token blocks, here the window rows share the request's page
+  size. The page padding is the entries' stride (a page of ``page_size`` tokens starts every
+  padded size), not bytes moved.
 * Kimi-Linear-style hybrid MLA: full attention (MLA, 1152 bytes) on every 4th layer, linear
   (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
@@ -57,7 +61,7 @@ import numpy as np
 from kvplan._core import KvPlanError, Layout, heads_per_rank
 
 __all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
-           "split_layers"]
+           "pool_pages_for", "split_layers"]
 
 PREFILL_BASE = 0x1000_0000_0000
 DECODE_BASE = 0x9000_0000_0000
@@ -94,9 +98,22 @@ class ComponentSpec:
     window: int | None = None
     #: Which layers hold it: ``"all"``, ``"odd"`` or ``"even"`` layer ids.
     layers: Literal["all", "odd", "even"] = "all"
+    #: Whether its buffers keep a pool of their own (``Layout.with_pool``), whose pages hold
+    #: :meth:`pool_page_size` tokens, so that a row of many tokens never spans pages and a
+    #: token plan moves whole rows only (a row once all its tokens are in the request). A
+    #: request gives that pool's pages (``Request(pool_pages={1: (src, dst)})``).
+    own_pool: bool = False
+
+    def pool_page_size(self, page_size: int) -> int:
+        """Tokens per page of its own pool: the layout's page size rounded up to a multiple of
+        ``tokens_per_row`` (assumed: the engine sizes that group's blocks so; one row per page
+        when the page size is at most a row's tokens)."""
+        return -(-page_size // self.tokens_per_row) * self.tokens_per_row
 
     def item_len(self, page_size: int, preset: str) -> int:
         """Bytes of one page of this component at ``page_size`` tokens per page (its rows)."""
+        if self.own_pool:
+            page_size = self.pool_page_size(page_size)
         if page_size % self.tokens_per_row:
             raise KvPlanError(
                 f"preset {preset!r}: its {self.role!r} buffers hold one row per "
@@ -313,6 +330,9 @@ class ModelPreset:
                               f"side, and the components' items differ")
         entries = [(layer, c) for layer in kv for c in self.layer_components()
                    if c.held_by(layer) and (c.on_window_layers or self.window_of(layer) is None)]
+        # The components that keep a pool of their own (one pool per component).
+        pooled = [c for c in self.layer_components() if c.own_pool and
+                  any(e[1] == c for e in entries)]
         items = [c.item_len(page_size, self.key) for _, c in entries]
         strides = [c.stride(page_size, self.key) for _, c in entries]
         spans = [_align(capacity * size) for size in strides]
@@ -324,7 +344,13 @@ class ModelPreset:
                         pp_rank=pp_rank, pp_size=pp_size, **tp)
         windows = [c.window if c.window is not None else self.window_of(layer)
                    for layer, c in entries]
-        return layout.with_windows(windows) if any(w is not None for w in windows) else layout
+        if any(w is not None for w in windows):
+            layout = layout.with_windows(windows)
+        for c in pooled:
+            layout = layout.with_pool([k for k, (_, e) in enumerate(entries) if e == c],
+                                      c.pool_page_size(page_size),
+                                      tokens_per_row=c.tokens_per_row)
+        return layout
 
     def _cross_layer_pool(self, kv: list[int], item: int, capacity: int, base: int,
                           page_size: int, device: str, pp_rank: int, pp_size: int,
@@ -352,6 +378,21 @@ class ModelPreset:
             )
             address += len(linear) * span
         return layout
+
+
+def pool_pages_for(src: Layout, dst: Layout, src_pages: Sequence[int],
+                   dst_pages: Sequence[int]) -> dict[int, tuple[np.ndarray | None,
+                                                              np.ndarray | None]]:
+    """Each further pool's pages of a request over ``src_pages`` and ``dst_pages`` (its tokens:
+    the full pages of the shorter side), for ``Request(pool_pages=...)``: consecutive pages
+    ``0, 1, …`` of that pool on each side that keeps it (``None`` on a side that does not);
+    empty for layouts with no further pool."""
+    n = min(len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
+    sizes = [{pool: size for pool, size, _ in layout.pools if pool} for layout in (src, dst)]
+    return {pool: tuple(  # type: ignore[misc]
+                None if pool not in side else np.arange(-(-n // side[pool]), dtype=np.int64)
+                for side in sizes)
+            for pool in sorted({*sizes[0], *sizes[1]})}
 
 
 def _align(n: int) -> int:
@@ -397,7 +438,9 @@ _V4_ROW, _V4_PAGE_ALIGN, _V4_WINDOW = 448 + 64 * 2 + 8, 576, 128
 _V4 = (ComponentSpec("swa", _V4_ROW, page_align=_V4_PAGE_ALIGN, window=_V4_WINDOW),
        ComponentSpec("compressed", _V4_ROW, tokens_per_row=4, page_align=_V4_PAGE_ALIGN,
                      layers="odd"),
-       ComponentSpec("indexer", 132, tokens_per_row=4, layers="odd"))
+       ComponentSpec("indexer", 132, tokens_per_row=4, layers="odd"),
+       ComponentSpec("compressed", _V4_ROW, tokens_per_row=128, page_align=_V4_PAGE_ALIGN,
+                     layers="even", own_pool=True))
 
 PRESETS: dict[str, ModelPreset] = {
     p.key: p
@@ -424,8 +467,9 @@ PRESETS: dict[str, ModelPreset] = {
                                 "multiples of 576 B; every layer a 128-token sliding window "
                                 "(swa) and a compressed cache: 30 layers (odd, assumed) a row "
                                 "per 4 tokens plus a 132 B indexer entry per row (page size a "
-                                "multiple of 4); the other 31 layers' row per 128 tokens is "
-                                "left out (no whole bytes per token)",
+                                "multiple of 4); the other 31 a row per 128 tokens, in a pool "
+                                "of their own (pool 1, pages a multiple of 128 tokens, "
+                                "assumed), whole rows moved",
                     kv_heads=1, components=_V4),
         ModelPreset("gpt-oss-120b", "gpt-oss-120b", 36, "mha", 1024,
                     description="36 layers alternating sliding-window (128 tokens, even layers) "

@@ -390,9 +390,10 @@ def test_explain_runs_the_new_presets(capsys, preset: str) -> None:
     if preset == "glm-5":
         want = 78 * tokens * (1152 + 132)
     else:
-        # vLLM's geometry: every layer's window (128 tokens of 584 B fp8_ds_mla rows), and on
-        # 30 layers a 584 B row per 4 tokens plus a 132 B indexer entry per row.
-        want = 61 * 128 * 584 + 30 * tokens // 4 * (584 + 132)
+        # vLLM's geometry: every layer's window (128 tokens of 584 B fp8_ds_mla rows), on 30
+        # layers a 584 B row per 4 tokens plus a 132 B indexer entry per row, and on the other
+        # 31 a 584 B row per 128 tokens.
+        want = 61 * 128 * 584 + 30 * tokens // 4 * (584 + 132) + 31 * tokens // 128 * 584
     e = explain.explain([("prefill", entries)],
                         p.layout(range(p.num_layers), page_size=64, capacity=16,
                                  base=kvplan.presets.DECODE_BASE),

@@ -168,23 +168,34 @@ def test_deepseek_v4_preset_pairs_every_component_by_layer_and_role() -> None:
     dst = preset.layout(range(4), page_size=64, capacity=16, base=DECODE_BASE)
     # vLLM's geometry: every layer a 128-token window of fp8_ds_mla rows (448 fp8 NoPE + 64
     # bf16 RoPE + 8 scale bytes = 584 B per token); odd layers also a compressed cache (a
-    # 584 B row per 4 tokens) and a 132 B indexer entry per row. Pages padded to 576 B.
-    assert src.roles == ["swa", "swa", "compressed", "indexer"] * 2
-    assert src.windows == [128, 128, None, None] * 2
-    assert src.item_lens[:4] == [64 * 584, 64 * 584, 16 * 584, 16 * 132]
-    assert src.strides[:4] == [65 * 576, 65 * 576, 17 * 576, 16 * 132]
+    # 584 B row per 4 tokens) and a 132 B indexer entry per row; even layers a compressed
+    # cache of a 584 B row per 128 tokens, in pool 1 of 128-token pages (one row each). Pages
+    # padded to 576 B.
+    assert src.roles == ["swa", "compressed", "swa", "compressed", "indexer"] * 2
+    assert src.windows == [128, None, 128, None, None] * 2
+    assert src.entry_pools == [0, 1, 0, 0, 0] * 2
+    assert src.pools == [(0, 64, 1), (1, 128, 128)]
+    assert src.item_lens[:5] == [64 * 584, 584, 64 * 584, 16 * 584, 16 * 132]
+    assert src.strides[:5] == [65 * 576, 2 * 576, 65 * 576, 17 * 576, 16 * 132]
     t = kvplan.Template(src, dst)
     pages = np.arange(8, dtype=np.int64)
-    plan = t.plan(pages, pages, n_tokens=8 * 64)
+    pool = np.arange(4, dtype=np.int64)  # 512 tokens: four 128-token rows, one per pool page
+    plan = t.plan(kvplan.Request(pages, pages, n_tokens=8 * 64, pool_pages={1: (pool, pool)}))
     window = 4 * 128 * 584  # every layer's last 128 tokens
     compressed = 2 * 8 * 16 * (584 + 132)  # the two odd layers, every row of the request
-    assert plan.total_bytes == window + compressed
+    rows = 2 * 4 * 584  # the two even layers, every complete 128-token row
+    assert plan.total_bytes == window + compressed + rows
+    # 500 tokens: the last row (tokens 384..511) is not complete, so it waits.
+    plan = t.plan(kvplan.Request(pages, pages, n_tokens=500, pool_pages={1: (pool, pool)}))
+    assert plan.total_bytes == 4 * 128 * 584 + 2 * 500 * (146 + 33) + 2 * 3 * 584
     # A decode without the indexer buffers cannot take the prefill's components.
     no_indexer = kvplan.Layout(*(getattr(dst, f) for f in ("data_ptrs", "data_lens",
                                                           "item_lens")),
                                dst.layer_ids,
                                [r if r != "indexer" else "indexer_v2" for r in dst.roles],
-                               strides=dst.strides, windows=dst.windows, page_size=64)
+                               strides=dst.strides, windows=dst.windows, page_size=64,
+                               ).with_pool([k for k, p in enumerate(dst.entry_pools) if p == 1],
+                                           128, tokens_per_row=128)
     with pytest.raises(kvplan.PairingError, match=r"indexer"):
         kvplan.Template(src, no_indexer)
     with pytest.raises(kvplan.KvPlanError, match=r"one row per 4 tokens, so the page size "

@@ -327,9 +327,15 @@ def explain(
                 raise kvplan.IndexBoundsError(
                     f"{side} pool holds {min(caps)} pages but the request needs page "
                     f"{int(idx.max())}: lower --pages or --fragmentation")
-        template.plan(src_pages, dst_pages)  # warm the buffer pool (plan dropped at once): time steady state
+        # A layout with further pools (a compressed cache's rows) indexes them by their own
+        # pages: consecutive ones, as many as the request's tokens fill.
+        from kvplan.presets import pool_pages_for
+
+        request = kvplan.Request(src_pages, dst_pages,
+                                 pool_pages=pool_pages_for(src, decode, src_pages, dst_pages))
+        template.plan(request)  # warm the buffer pool (plan dropped at once): time steady state
         t0 = time.perf_counter()
-        plan = template.plan(src_pages, dst_pages)
+        plan = template.plan(request)
         plan_us = (time.perf_counter() - t0) * 1e6
         layer_of = _layer_keys(src, decode, choice.legacy_kind, start)
         per_pair_plan = plan
@@ -337,7 +343,7 @@ def explain(
             # A coalesced group's blocks span several layers and belong to its last pair; the
             # same request planned without coalescing gives every layer its own blocks.
             per_pair_plan = choice.template(src, decode, prefill_start_layer=start,
-                                            coalesce=False).plan(src_pages, dst_pages)
+                                            coalesce=False).plan(request)
         for (i, j), nbytes in zip(template.pairs.tolist(), _pair_bytes(per_pair_plan),
                                   strict=True):
             lid = layer_of(i, j)

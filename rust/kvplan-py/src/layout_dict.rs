@@ -2,6 +2,7 @@
 //! `Layout.from_dict`) and the handshake bytes (`Layout.from_bytes`).
 
 use kvplan_core::Layout;
+use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
@@ -32,6 +33,20 @@ pub(crate) fn to_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bound<'
     }
     if let Some(page_size) = layout.window_page_size() {
         dict.set_item("window_page_size", page_size)?;
+    }
+    let further = further_pools(layout)?;
+    if !further.is_empty() {
+        // Lists, not tuples: the document is JSON.
+        let lists = PyList::empty(py);
+        for (page_size, per_row, entries) in further {
+            let item = [
+                page_size.into_py_any(py)?,
+                per_row.into_py_any(py)?,
+                entries.into_py_any(py)?,
+            ];
+            lists.append(PyList::new(py, item)?)?;
+        }
+        dict.set_item("pools", lists)?;
     }
     if layout.entries().iter().any(|e| e.ring().is_some()) {
         dict.set_item("rings", layout.rings())?;
@@ -114,6 +129,29 @@ pub(crate) fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Layout> {
     };
     let rings = optional("rings")?;
     let representations = optional("representations")?;
+    let pools = match optional("pools")? {
+        Some(v) if !v.is_none() => {
+            let bad = || {
+                PyTypeError::new_err(format!(
+                    "pools must be a list of [page_size, tokens_per_row, [entry indices]], got {}",
+                    v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                ))
+            };
+            let items: Vec<Vec<Bound<'_, PyAny>>> = v.extract().map_err(|_| bad())?;
+            items
+                .into_iter()
+                .map(|item| match item.as_slice() {
+                    [a, b, c] => Ok((
+                        a.extract::<u64>().map_err(|_| bad())?,
+                        b.extract::<u64>().map_err(|_| bad())?,
+                        c.extract::<Vec<usize>>().map_err(|_| bad())?,
+                    )),
+                    _ => Err(bad()),
+                })
+                .collect::<PyResult<Vec<_>>>()?
+        }
+        _ => Vec::new(),
+    };
     // Each field is converted here, element by element, so that a bad document is refused
     // naming the field, the entry and the value (PyO3's own conversion errors name none).
     let item_lens = if items.cast::<PyList>().is_ok() || items.cast::<PyTuple>().is_ok() {
@@ -155,6 +193,40 @@ pub(crate) fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Layout> {
             .map_err(to_py_err),
         _ => Ok(layout),
     })
+    .and_then(|layout| {
+        pools
+            .into_iter()
+            .try_fold(layout, |layout, (page_size, per_row, entries)| {
+                layout.with_pool(&entries, page_size, per_row)
+            })
+            .map_err(to_py_err)
+    })
+}
+
+/// The further pools other than the window pool, in id order, as `to_dict` writes them:
+/// `(page_size, tokens_per_row, entries)` each. `from_dict` adds the window pool first (pool
+/// 1), then these, so a window pool with another id cannot round-trip and is refused.
+fn further_pools(layout: &Layout) -> PyResult<Vec<(u64, u64, Vec<usize>)>> {
+    let window = layout.window_pool().map(|p| p.id);
+    let mut out = Vec::new();
+    for pool in layout.pools().iter().skip(1) {
+        if Some(pool.id) == window {
+            if pool.id != kvplan_core::PoolId::WINDOW {
+                return Err(KvPlanError::new_err(format!(
+                    "the layout's window pool is pool {}, after a pool of its own: the dict \
+                     form keeps the window pool as pool 1 (set with_window_pool before \
+                     with_pool)",
+                    pool.id.0
+                )));
+            }
+            continue;
+        }
+        let entries = (0..layout.n_entries())
+            .filter(|&i| layout.entry(i).pool() == Some(pool.id))
+            .collect();
+        out.push((pool.page_size, pool.tokens_per_row, entries));
+    }
+    Ok(out)
 }
 
 /// `Layout.from_bytes`: decodes the handshake encoding with the GIL released.

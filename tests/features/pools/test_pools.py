@@ -154,3 +154,40 @@ def test_a_layout_with_a_further_pool_is_not_published_on_the_wire() -> None:
     with pytest.raises(kvplan.KvPlanError, match="keeps pool 1 .* the wire format carries a "
                        "window pool only"):
         layout.to_bytes()
+
+
+def test_the_dict_form_carries_the_pools() -> None:
+    layout, _ = side(4, [(8, 4), (16, 2)], 16, 0)
+    back = kvplan.Layout.from_dict(layout.to_dict())
+    assert back == layout
+    assert back.pools == [(0, 4, 1), (1, 8, 4), (2, 16, 2)]
+    assert back.entry_pools == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_deepseek_v4_preset_plans_end_to_end_byte_exact() -> None:
+    """Every component of DeepSeek-V4 (four layers), 300 tokens then a delta to 520: windows,
+    4-token rows on the request's pages and 128-token rows in their own pool, each planned
+    once and checked against the oracle."""
+    preset = kvplan.presets.get_preset("deepseek-v4", 4)
+    src = preset.layout(range(4), page_size=64, capacity=12)
+    dst = preset.layout(range(4), page_size=64, capacity=12, base=kvplan.presets.DECODE_BASE)
+    t = kvplan.Template(src, dst)
+    rng = np.random.default_rng(7)
+    span = [(min(e.data_ptr for e in lay.entries()),
+             max(e.data_ptr + e.data_len for e in lay.entries())) for lay in (src, dst)]
+    src_mem = Memory(rng.integers(0, 256, span[0][1] - span[0][0], dtype=np.uint8), span[0][0])
+    dst_mem = Memory(np.zeros(span[1][1] - span[1][0], dtype=np.uint8), span[1][0])
+    sp, dp = rng.permutation(12)[:9].astype(np.int64), rng.permutation(12)[:9].astype(np.int64)
+    pool = {1: (rng.permutation(12)[:5].astype(np.int64), rng.permutation(12)[:5].astype(np.int64))}
+    for n, skip in ((300, 0), (520, 300)):
+        plan = t.plan(kvplan.Request(sp, dp, n_tokens=n, skip_tokens=skip, pool_pages=pool))
+        got, want = dst_mem.copy(), dst_mem.copy()
+        apply_plan(plan, src_mem, got)
+        moved = reference_copy(src, src_mem, dst, want, sp, dp, n_tokens=n, skip_tokens=skip,
+                               pool_pages=pool)
+        assert plan.total_bytes == moved
+        assert np.array_equal(got.data, want.data)
+        dst_mem = got
+    # The delta moved the 128-token rows 2 and 3 (complete at 520; row 2 waited at 300).
+    rows = [b for b in zip(*plan.as_lists()) if b[2] == 584]
+    assert len(rows) == 2 * 2
