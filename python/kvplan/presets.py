@@ -380,8 +380,8 @@ class ModelPreset:
         return layout
 
 
-def pool_pages_for(src: Layout, dst: Layout, src_pages: Sequence[int],
-                   dst_pages: Sequence[int]) -> dict[int, tuple[np.ndarray | None,
+def pool_pages_for(src: Layout, dst: Layout, src_pages: Sequence[int] | np.ndarray,
+                   dst_pages: Sequence[int] | np.ndarray) -> dict[int, tuple[np.ndarray | None,
                                                               np.ndarray | None]]:
     """Each further pool's pages of a request over ``src_pages`` and ``dst_pages`` (its tokens:
     the full pages of the shorter side), for ``Request(pool_pages=...)``: consecutive pages

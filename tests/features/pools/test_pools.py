@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import kvplan
 from kvplan.exec.numpy import Memory, apply_plan
+from kvplan.presets import DECODE_BASE, get_preset
 from kvplan.testing.oracle import reference_copy
 
 BASE = 0x10_0000
@@ -168,9 +169,9 @@ def test_the_deepseek_v4_preset_plans_end_to_end_byte_exact() -> None:
     """Every component of DeepSeek-V4 (four layers), 300 tokens then a delta to 520: windows,
     4-token rows on the request's pages and 128-token rows in their own pool, each planned
     once and checked against the oracle."""
-    preset = kvplan.presets.get_preset("deepseek-v4", 4)
+    preset = get_preset("deepseek-v4", 4)
     src = preset.layout(range(4), page_size=64, capacity=12)
-    dst = preset.layout(range(4), page_size=64, capacity=12, base=kvplan.presets.DECODE_BASE)
+    dst = preset.layout(range(4), page_size=64, capacity=12, base=DECODE_BASE)
     t = kvplan.Template(src, dst)
     rng = np.random.default_rng(7)
     span = [(min(e.data_ptr for e in lay.entries()),
