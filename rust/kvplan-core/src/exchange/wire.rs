@@ -98,7 +98,7 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
     if let Some(pool) = layout
         .pools()
         .iter()
-        .find(|p| p.id != crate::PoolId::PAGES && Some(p.id) != window_pool)
+        .find(|p| p.id != crate::peer::entry::PoolId::PAGES && Some(p.id) != window_pool)
     {
         return Err(wire_error(format!(
             "the layout keeps pool {} ({} tokens per page, {} per row) beside its pages: the \
