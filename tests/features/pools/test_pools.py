@@ -157,6 +157,17 @@ def test_a_layout_with_a_further_pool_is_not_published_on_the_wire() -> None:
         layout.to_bytes()
 
 
+def test_a_row_gather_refuses_a_template_with_a_pool_of_its_own() -> None:
+    src, _ = side(4, [(8, 4)], 16, 0)
+    dst, _ = side(4, [(8, 4)], 16, 1)
+    p, q = np.arange(4, dtype=np.int64), np.arange(2, dtype=np.int64)
+    request = kvplan.Request(p, p, n_tokens=16, pool_pages={1: (q, q)})
+    with pytest.raises(kvplan.KvPlanError, match="row gather gathers the rows of the request's "
+                       "pages; this template has entries in a pool of their own .prefill pool "
+                       "1, decode pool 1."):
+        kvplan.Template(src, dst).plan_row_gather(request, pack=(1 << 44, 1 << 20))
+
+
 def test_the_dict_form_carries_the_pools() -> None:
     layout, _ = side(4, [(8, 4), (16, 2)], 16, 0)
     back = kvplan.Layout.from_dict(layout.to_dict())

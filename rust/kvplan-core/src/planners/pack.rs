@@ -36,6 +36,7 @@ use crate::model::plan::{
 };
 use crate::model::request::Request;
 use crate::model::runs::PageIndex;
+use crate::peer::entry::PoolId;
 use crate::peer_pair::template::{Template, model_pages};
 use crate::rules::capabilities::{Feature, Planner};
 
@@ -319,6 +320,22 @@ impl PackPlanner<'_> {
                 what: "pack buffer end",
             })?;
         let tokens = self.template.token_template()?;
+        // Rows are gathered from the request's pages: a lane reading a pool of its own (window
+        // pool, further pool) has no row list here.
+        if let Some(lane) = tokens
+            .lanes
+            .iter()
+            .find(|l| l.pools != (PoolId::PAGES, PoolId::PAGES))
+        {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "a row gather gathers the rows of the request's pages; this template has \
+                     entries in a pool of their own (prefill pool {}, decode pool {}): plan it \
+                     with Template::plan",
+                    lane.pools.0.0, lane.pools.1.0
+                ),
+            });
+        }
         let (n, src_pages, dst_pages) = self.template.validate_tokens(src, dst, n_tokens)?;
         let (src, dst) = (&src[..src_pages], &dst[..dst_pages]);
         let limits = self.template.index_limits();
