@@ -293,7 +293,7 @@ def main() -> None:
     device_name = (torch.cuda.get_device_name() if args.device == "cuda" else args.device)
     print(f"# torch {torch.__version__} on {device_name}; kvplan {kvplan.__version__}",
           flush=True)
-    target_rounds, max_reps = (4, 20) if args.quick else (8, 50)
+    target_rounds, max_reps = (4, 20) if args.quick else (8, 200)
     results = []
     names = list(BUILDERS)
     for i, name in enumerate(names):
