@@ -9,103 +9,19 @@
 mod support;
 
 use kvplan_core::{
-    FlatBuffer, Layout, MemoryOrder, Plan, PlanError, Side, StagedCounts, StagedPlan,
-    StagingRegion, Template, TemplateOptions, TpSplit, copy_local,
+    FlatBuffer, MemoryOrder, Plan, PlanError, Side, StagedCounts, StagedPlan, StagingRegion,
+    Template, TemplateOptions, TpSplit, copy_local,
 };
 use std::collections::HashSet;
 
 use kvplan_core::{Request, StagedPlanner};
 use support::blocks::state_plan;
-use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, kv_pool, paged, with_slots};
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, kv_pool, paged};
 use support::reference::{Arena, apply, reference, reference_every_holder};
+use support::staged_cases::{Case, DST_BASE, SRC_BASE, layout};
 
-const SRC_BASE: u64 = 0x1000_0000;
-const DST_BASE: u64 = 0x8000_0000;
 const SRC_STAGING: u64 = 0x4000_0000;
 const DST_STAGING: u64 = 0xC000_0000;
-const STATE_ITEM: u64 = 24;
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    heads: u32,
-    tp_p: u32,
-    tp_d: u32,
-    order: MemoryOrder,
-    pp_p: u32,
-    page_sizes: (u64, u64),
-    /// Passed as `n_tokens` when the page sizes differ (the full pages of the shorter side
-    /// otherwise).
-    tokens: u64,
-    state: bool,
-    layers: u32,
-}
-
-impl Case {
-    fn page_size(&self, side: Side) -> u64 {
-        side.pick(self.page_sizes.0, self.page_sizes.1)
-    }
-
-    /// Pages per pool: the request's and three more.
-    fn capacity(&self, side: Side) -> u64 {
-        self.tokens.div_ceil(self.page_size(side)) + 3
-    }
-
-    /// The request's pages on one side, in token order: a run, a gap, swapped pairs.
-    fn pages(&self, side: Side) -> Vec<i64> {
-        let needed = self.tokens.div_ceil(self.page_size(side)) as i64;
-        let capacity = self.capacity(side) as i64;
-        match side {
-            Side::Src => (0..capacity)
-                .filter(|&p| p != 1)
-                .take(needed as usize)
-                .collect(),
-            Side::Dst => (0..needed)
-                .map(|i| (capacity - 1 - (i ^ 1)).max(0))
-                .collect(),
-        }
-    }
-
-    fn n_tokens(&self) -> Option<u64> {
-        (self.page_sizes.0 != self.page_sizes.1).then_some(self.tokens)
-    }
-}
-
-/// One rank's MHA layout (every layer's K entry, then every V entry, 64 bytes apart) with a
-/// replicated state entry per layer when the case has state.
-fn layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
-    let split = TpSplit::new(case.heads, case.tp_p, case.tp_d).unwrap();
-    let (tp, pp) = side.pick((case.tp_p, case.pp_p), (case.tp_d, 1));
-    let per_rank = split.heads_per_rank(side);
-    let page_size = case.page_size(side);
-    let item = page_size * u64::from(per_rank) * HEAD_BYTES;
-    let entry_len = item * case.capacity(side);
-    let per_stage = case.layers / pp;
-    let layers: Vec<i64> = (stage * per_stage..(stage + 1) * per_stage)
-        .map(i64::from)
-        .collect();
-    let context = paged(page_size)
-        .model_layers(u64::from(case.layers))
-        .pp(stage, pp)
-        .tp(tp_rank, tp)
-        .attention(heads(case.heads, per_rank, case.order));
-    let pages = KvLayout::mha(
-        side.pick(SRC_BASE, DST_BASE),
-        layers.clone(),
-        item,
-        entry_len,
-    )
-    .spaced(entry_len + 64)
-    .context(context);
-    let state_base = pages.end();
-    let layout = pages.build();
-    if !case.state {
-        return layout;
-    }
-    let state_ptrs = (0..layers.len() as u64)
-        .map(|i| state_base + i * STATE_ITEM * 4)
-        .collect();
-    with_slots(layout, "conv", state_ptrs, 4, STATE_ITEM, layers)
-}
 
 /// Memory of several regions by address, for executing plans between them.
 struct Memory {

@@ -7,3 +7,4 @@
 pub mod blocks;
 pub mod layouts;
 pub mod reference;
+pub mod staged_cases;

@@ -1,0 +1,96 @@
+//! The staged and round tests' cases: one MHA request between two TP ranks (with PP stages and
+//! hybrid state when the case says so), its pages on each side in token order with a gap and
+//! swapped pairs, and each rank's layout.
+
+use kvplan_core::{Layout, MemoryOrder, Side, TpSplit};
+
+use super::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged, with_slots};
+
+/// Where the prefill's pages start.
+pub const SRC_BASE: u64 = 0x1000_0000;
+/// Where the decode's pages start.
+pub const DST_BASE: u64 = 0x8000_0000;
+/// Bytes of one state slot.
+pub const STATE_ITEM: u64 = 24;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub heads: u32,
+    pub tp_p: u32,
+    pub tp_d: u32,
+    pub order: MemoryOrder,
+    pub pp_p: u32,
+    pub page_sizes: (u64, u64),
+    /// Passed as `n_tokens` when the page sizes differ (the full pages of the shorter side
+    /// otherwise).
+    pub tokens: u64,
+    pub state: bool,
+    pub layers: u32,
+}
+
+impl Case {
+    pub fn page_size(&self, side: Side) -> u64 {
+        side.pick(self.page_sizes.0, self.page_sizes.1)
+    }
+
+    /// Pages per pool: the request's and three more.
+    pub fn capacity(&self, side: Side) -> u64 {
+        self.tokens.div_ceil(self.page_size(side)) + 3
+    }
+
+    /// The request's pages on one side, in token order: a run, a gap, swapped pairs.
+    pub fn pages(&self, side: Side) -> Vec<i64> {
+        let needed = self.tokens.div_ceil(self.page_size(side)) as i64;
+        let capacity = self.capacity(side) as i64;
+        match side {
+            Side::Src => (0..capacity)
+                .filter(|&p| p != 1)
+                .take(needed as usize)
+                .collect(),
+            Side::Dst => (0..needed)
+                .map(|i| (capacity - 1 - (i ^ 1)).max(0))
+                .collect(),
+        }
+    }
+
+    pub fn n_tokens(&self) -> Option<u64> {
+        (self.page_sizes.0 != self.page_sizes.1).then_some(self.tokens)
+    }
+}
+
+/// One rank's MHA layout (every layer's K entry, then every V entry, 64 bytes apart) with a
+/// state entry per layer when the case has state.
+pub fn layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
+    let split = TpSplit::new(case.heads, case.tp_p, case.tp_d).unwrap();
+    let (tp, pp) = side.pick((case.tp_p, case.pp_p), (case.tp_d, 1));
+    let per_rank = split.heads_per_rank(side);
+    let page_size = case.page_size(side);
+    let item = page_size * u64::from(per_rank) * HEAD_BYTES;
+    let entry_len = item * case.capacity(side);
+    let per_stage = case.layers / pp;
+    let layers: Vec<i64> = (stage * per_stage..(stage + 1) * per_stage)
+        .map(i64::from)
+        .collect();
+    let context = paged(page_size)
+        .model_layers(u64::from(case.layers))
+        .pp(stage, pp)
+        .tp(tp_rank, tp)
+        .attention(heads(case.heads, per_rank, case.order));
+    let pages = KvLayout::mha(
+        side.pick(SRC_BASE, DST_BASE),
+        layers.clone(),
+        item,
+        entry_len,
+    )
+    .spaced(entry_len + 64)
+    .context(context);
+    let state_base = pages.end();
+    let layout = pages.build();
+    if !case.state {
+        return layout;
+    }
+    let state_ptrs = (0..layers.len() as u64)
+        .map(|i| state_base + i * STATE_ITEM * 4)
+        .collect();
+    with_slots(layout, "conv", state_ptrs, 4, STATE_ITEM, layers)
+}
