@@ -6,13 +6,16 @@ definition alone."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvplan
-from kvplan.exec.numpy import Memory, apply_plan
+from kvplan.exec import Plan
+from kvplan.exec.numpy import Memory, apply_plan, run
 from kvplan.presets import DECODE_BASE, get_preset
 from kvplan.testing.oracle import reference_copy
 
@@ -203,3 +206,48 @@ def test_the_deepseek_v4_preset_plans_end_to_end_byte_exact() -> None:
     # The delta moved the 128-token rows 2 and 3 (complete at 520; row 2 waited at 300).
     rows = [b for b in zip(*plan.as_lists()) if b[2] == 584]
     assert len(rows) == 2 * 2
+
+
+SRC_STAGING, DST_STAGING = 0x4000_0000, 0x8000_0000
+
+
+@settings(max_examples=60, deadline=None)
+@given(pooled())
+def test_staged_packed_and_round_plans_of_a_pooled_request_land_as_the_direct_plan(
+        case: dict[str, object]) -> None:
+    """The multi-stage planners derive from the direct plan, pools and rows included: each
+    leaves the decode memory exactly as the direct plan does (deltas are not staged)."""
+    src_pools = cast("list[tuple[int, int]]", case["src"])
+    dst_pools = cast("list[tuple[int, int]]", case["dst"])
+    page_sizes = cast("tuple[int, int]", case["pages"])
+    n, seed = cast(int, case["n"]), cast(int, case["seed"])
+    capacity = 64
+    src, src_mem = side(page_sizes[0], src_pools, capacity, seed)
+    dst, dst_mem = side(page_sizes[1], dst_pools, capacity, seed + 1)
+    rng = np.random.default_rng(seed)
+    lists = {k + 1: (pages(rng, n, a[0], capacity), pages(rng, n, b[0], capacity))
+             for k, (a, b) in enumerate(zip(src_pools, dst_pools))}
+    sp = pages(rng, n, page_sizes[0], capacity)
+    dp = pages(rng, n, page_sizes[1], capacity)
+    request = kvplan.Request(sp, dp, pool_pages=lists, n_tokens=n)
+    template = kvplan.Template(src, dst)
+    direct = template.plan(request)
+    want = dst_mem.copy()
+    apply_plan(direct, src_mem, want)
+    size = max(direct.total_bytes, 1)
+
+    def staging(base: int, n_bytes: int) -> Memory:
+        return Memory(np.zeros(n_bytes, dtype=np.uint8), base)
+
+    plans: dict[str, tuple[Plan, int]] = {
+        "staged": (template.plan_staged(request, src_staging=(SRC_STAGING, size),
+                                        dst_staging=(DST_STAGING, size)), size),
+        "packed": (template.plan_packed(request, pack=(SRC_STAGING, size)), size),
+        "rounds": (template.plan_rounds(request, src_arena=(SRC_STAGING, 64),
+                                        dst_arena=(DST_STAGING, 64)), 64),
+    }
+    for name, (plan, n_bytes) in plans.items():
+        got = dst_mem.copy()
+        run(plan, src_mem, got, src_staging=staging(SRC_STAGING, n_bytes),
+            dst_staging=staging(DST_STAGING, n_bytes))
+        assert np.array_equal(got.data, want.data), name
