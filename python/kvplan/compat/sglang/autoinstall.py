@@ -7,9 +7,9 @@ ships ``kvplan-sglang-install.pth`` (wheel data installed into site-packages its
 environment; with ``KVPLAN_SGLANG_INSTALL=1`` in the environment (inherited by SGLang's
 spawned processes) it calls :func:`arm`, which puts an import hook first on ``sys.meta_path``.
 The hook imports nothing of SGLang: when SGLang itself imports
-``sglang.srt.disaggregation.mooncake.conn`` (or ``.ascend.conn``), the module runs as usual and
-then :func:`~kvplan.compat.sglang.install` is applied to its ``MooncakeKVManager`` (or
-``AscendKVManager``) before any manager is built, with ``on_error="status"``: a request kvplan
+``sglang.srt.disaggregation.mooncake.conn`` (or ``.ascend.conn``, ``.nixl.conn``), the module
+runs as usual and then :func:`~kvplan.compat.sglang.install` is applied to its
+``MooncakeKVManager`` (or ``AscendKVManager``, ``NixlKVManager``) before any manager is built, with ``on_error="status"``: a request kvplan
 refuses (a decode whose layout does not match) is logged with kvplan's reason and takes SGLang's
 failure path for that request, instead of ending the prefill's transfer thread.
 
@@ -49,6 +49,7 @@ OFF_VALUES = ("", "0", "false", "no", "off")
 TARGETS: dict[str, str] = {
     "sglang.srt.disaggregation.mooncake.conn": "MooncakeKVManager",
     "sglang.srt.disaggregation.ascend.conn": "AscendKVManager",
+    "sglang.srt.disaggregation.nixl.conn": "NixlKVManager",
 }
 
 _log = logging.getLogger("kvplan.compat.sglang")

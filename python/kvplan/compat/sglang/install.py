@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from kvplan._core import KvPlanError
-from kvplan.compat._methods import MethodPatches
+from kvplan.compat._methods import MethodPatches, require_method
+from kvplan.compat.sglang import nixl
 from kvplan.compat.sglang.dcp import send_kvcache_dcp
 from kvplan.compat.sglang.dropins import (
     _send_kvcache_generic,
@@ -22,6 +23,7 @@ from kvplan.compat.sglang.dropins import (
 )
 from kvplan.compat.sglang.registry import (
     _ORIGINALS,
+    NIXL_MANAGER,
     REPLACED_METHODS,
     _dropin,
     _manager_kind,
@@ -71,11 +73,49 @@ _DROPINS: dict[str, Callable[..., int]] = {
 
 _ASCEND_DROPINS = dict(_DROPINS, send_kvcache=_dropin(_reporting(ascend_send_kvcache)))
 
+
+def _logging_refusals(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A NIXL drop-in as installed: SGLang's NIXL transfer worker already fails the one room
+    whose send raises (``conclude_failure``) and goes on, so a kvplan error always propagates;
+    under ``on_error="status"`` its reason is logged first."""
+
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except KvPlanError as exc:
+            if getattr(self, "_kvplan_on_error", "raise") == "status":
+                peer = args[0] if args else kwargs.get("peer_name")
+                _log.error("kvplan refused %s for peer %s: %s: %s (SGLang fails this "
+                           "request)", fn.__name__, peer, type(exc).__name__, exc)
+            raise
+
+    return method
+
+
+_NIXL_DROPINS: dict[str, Callable[..., Any]] = {
+    name: _dropin(_logging_refusals(getattr(nixl, name)))
+    for name in REPLACED_METHODS[NIXL_MANAGER]
+}
+
 # What each manager kind's classes get, and what each patched class held before.
 _PATCHES = {
     kind: MethodPatches({name: dropins[name] for name in REPLACED_METHODS[kind]})
-    for kind, dropins in (("MooncakeKVManager", _DROPINS), ("AscendKVManager", _ASCEND_DROPINS))
+    for kind, dropins in (("MooncakeKVManager", _DROPINS), ("AscendKVManager", _ASCEND_DROPINS),
+                          (NIXL_MANAGER, _NIXL_DROPINS))
 }
+
+
+def _require_nixl_forms(manager_class: type, names: list[str]) -> None:
+    """Refuse (``kvplan.IncompatibleHostError``: class, method, host version, the signature
+    seen and the ones supported) before anything is replaced, unless each NIXL method kvplan
+    replaces has a form it was built for and still reads what the replacement reads."""
+    for name in names:
+        forms = nixl.SUPPORTED_FORMS[name]
+        require_method(manager_class, name, forms, "SGLang",
+                       reads={form: nixl.READS[name] for form in forms},
+                       resolved=_resolve_original(manager_class, name))
+
 
 
 def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
@@ -84,8 +124,11 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     """Replace ``manager_class``'s planning methods with kvplan's (see the module docstring).
 
     Args:
-        manager_class: SGLang 0.5.23's ``MooncakeKVManager`` or ``AscendKVManager`` (or a
-            subclass). Installing twice is a no-op for the methods already replaced.
+        manager_class: SGLang 0.5.23's ``MooncakeKVManager``, ``AscendKVManager`` or
+            ``NixlKVManager`` (or a subclass). Installing twice is a no-op for the methods
+            already replaced. A NIXL manager whose replaced methods have another signature
+            than SGLang 0.5.23's is refused with ``kvplan.IncompatibleHostError``, nothing
+            replaced.
         max_blocks_per_batch: Blocks per ``engine.batch_transfer_sync`` call.
         decode_kv_layers: The decode's target KV layer count (dense KV layers, without draft),
             needed only by MHA peers that publish no layer ids when the prefill's entry count
@@ -96,7 +139,9 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
             live servers): the reason is logged (logger ``kvplan.compat.sglang``) and the
             method returns -1, which SGLang's transfer worker handles as a failed send of that
             request; an exception would instead end the prefill's transfer thread. Errors that
-            are not kvplan's propagate either way.
+            are not kvplan's propagate either way. On a ``NixlKVManager`` the error propagates
+            under both (logged first under ``"status"``): SGLang's NIXL worker fails that one
+            request on any exception and keeps running.
 
     Returns:
         The names of the methods replaced.
@@ -109,6 +154,8 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     _register_sglang_classes(manager_class)
     patches = _PATCHES[kind]
     already = patches.installed(manager_class)
+    if kind == NIXL_MANAGER:
+        _require_nixl_forms(manager_class, [n for n in patches.replacements if n not in already])
     # SGLang's functions, resolved before the drop-ins hide them
     originals = {(manager_class, name): _resolve_original(manager_class, name)
                  for name in patches.replacements if name not in already}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 MOONCAKE_MANAGER, ASCEND_MANAGER = "MooncakeKVManager", "AscendKVManager"
+NIXL_MANAGER = "NixlKVManager"
 
 
 #: Methods :func:`install` replaces, per manager class name (a class inheriting from one of these
@@ -18,6 +19,7 @@ REPLACED_METHODS: dict[str, tuple[str, ...]] = {
     "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state",
                           "send_kvcache_slice", "send_kvcache_dcp", "send_kvcache_staged"),
     "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
+    "NixlKVManager": ("_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist"),
 }
 
 
@@ -64,7 +66,8 @@ def _class_attr(cls: type, name: str) -> tuple[type, Any] | None:
 def _register_sglang_classes(cls: type) -> None:
     """Remember SGLang's manager classes in ``cls``'s MRO and their seam functions."""
     for klass in cls.__mro__:
-        if klass.__name__ not in (MOONCAKE_MANAGER, ASCEND_MANAGER) or klass.__name__ in _SGLANG_CLASSES:
+        if klass.__name__ not in (MOONCAKE_MANAGER, ASCEND_MANAGER, NIXL_MANAGER) \
+                or klass.__name__ in _SGLANG_CLASSES:
             continue
         _SGLANG_CLASSES[klass.__name__] = klass
         _SGLANG_GLOBALS[klass.__name__] = _function(
@@ -135,8 +138,9 @@ def _original_for(cls: type, name: str) -> Any:
 
 def _manager_kind(cls: type) -> str:
     names = [k.__name__ for k in cls.__mro__]
-    for kind in (ASCEND_MANAGER, MOONCAKE_MANAGER):
+    for kind in (ASCEND_MANAGER, MOONCAKE_MANAGER, NIXL_MANAGER):
         if kind in names:
             return kind
     raise TypeError(
-        f"{cls.__name__} is not an SGLang MooncakeKVManager or AscendKVManager (subclass)")
+        f"{cls.__name__} is not an SGLang MooncakeKVManager, AscendKVManager or NixlKVManager "
+        "(subclass)")

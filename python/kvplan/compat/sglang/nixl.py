@@ -1,0 +1,300 @@
+"""kvplan's methods for SGLang 0.5.23's ``NixlKVManager`` (``disaggregation/nixl/conn.py``).
+
+SGLang's NIXL manager plans three ways: per request on the non-prepared path of
+``_send_kvcache_generic`` (one ``(addr, len, dev)`` descriptor per entry pair and page run,
+handed to ``agent.get_xfer_descs`` / ``initialize_xfer``), once per peer on the prepared path
+(``_prep_equal_tp_dlist``: one strided ``(addr, len, dev, stride, count)`` row per entry, then
+per request only slot indices into it), and per state slot (``_send_mamba_state``). kvplan
+replaces the planning of each and keeps every call SGLang makes on ``self`` or its agent:
+
+* ``_send_kvcache_generic`` (non-prepared path, the KV pool, DCP parts and flat state
+  components): a cached :class:`kvplan.Template` per peer plans the request; its blocks become
+  the two descriptor arrays SGLang hands to ``self.agent.get_xfer_descs`` (same memory kinds,
+  same device ids), then ``initialize_xfer`` and ``self._post_xfer`` as in SGLang. One
+  descriptor per block, and blocks are maximal runs, so never more descriptors than SGLang's.
+  The prepared path (``make_prepped_xfer`` over slot indices), calls with ``dst_item_lens``
+  (element elision, SGLang's stride check) and replaced slicers go to SGLang's own method.
+* ``_prep_equal_tp_dlist``: the strided rows come from a :class:`kvplan.Layout` of the entries
+  (one row per entry: base, transfer length, device, item stride, slots), then go to
+  ``self._prep_xfer_dlist`` (SGLang's strided call with its per-block fallback).
+* ``_send_mamba_state``: a state template per peer, one block per entry pair
+  (``Template.plan_state``), entries with a zero length or a null pointer skipped as SGLang
+  skips them; descriptors as above.
+
+``send_kvcache``, ``send_kvcache_dcp`` and ``send_kvcache_staged`` stay SGLang's: the first two
+only dispatch to ``self._send_kvcache_generic`` (so kvplan plans their requests), the staged
+path posts one descriptor of a gathered buffer. ``_send_mamba_state_slice`` stays SGLang's
+(it calls ``self._send_mamba_state`` when there is nothing to slice).
+
+Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
+writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplan import _core
+from kvplan._core import Layout, Pairing, Template, TransferPlan
+from kvplan.compat.sglang.cache import template_cache
+from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
+from kvplan.compat.sglang.metrics import planned
+from kvplan.compat.sglang.registry import NIXL_MANAGER, sglang_global, sglang_method
+from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
+from kvplan.compat.sglang.templates import (
+    _dst_item_lens,
+    _ids_template,
+    _page_arrays,
+    _positional_template,
+    _state_lens,
+)
+
+#: The signatures (parameter text, as :func:`kvplan.compat._methods.signature_text` writes it)
+#: of the NIXL manager's methods kvplan replaces, per SGLang release it was built for.
+SUPPORTED_FORMS: dict[str, dict[str, str]] = {
+    "_send_kvcache_generic": {
+        "(self, peer_name, src_data_ptrs, dst_data_ptrs, item_lens, prefill_data_indices, "
+        "dst_data_indices, dst_gpu_id, state_type=None, src_mem_kind='VRAM', "
+        "dst_mem_kind='VRAM', force_flat=False, bypass_prepped=False, src_layer_ids=None, "
+        "dst_layer_ids=None, dst_item_lens=None)": "SGLang 0.5.23",
+    },
+    "_send_mamba_state": {
+        "(self, peer_name, prefill_state_indices, src_state_data_ptrs, src_state_item_lens, "
+        "dst_state_data_ptrs, dst_state_indices, dst_gpu_id, src_layer_ids=None, "
+        "dst_layer_ids=None)": "SGLang 0.5.23",
+    },
+    "_prep_equal_tp_dlist": {
+        "(self, peer_name, kv_ptrs, kv_item_lens, kv_data_lens, gpu_id, num_slots=None, "
+        "mem_kind='VRAM', kv_xfer_lens=None)": "SGLang 0.5.23",
+    },
+}
+
+#: What kvplan's replacements read in SGLang's module and on ``self``: the host's methods
+#: must read them too (a release that renamed them is refused).
+READS: dict[str, tuple[str, ...]] = {
+    "_send_kvcache_generic": ("prep_handles", "get_xfer_descs", "initialize_xfer",
+                              "_post_xfer", "_nixl_device_id", "is_mla_backend"),
+    "_send_mamba_state": ("get_xfer_descs", "initialize_xfer", "_post_xfer"),
+    "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
+}
+
+
+def _device_id(mem_kind: str, gpu_id: int) -> int:
+    return int(sglang_global("_nixl_device_id", NIXL_MANAGER)(mem_kind, gpu_id))
+
+
+def _descriptor_rows(addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+                     device: int) -> npt.NDArray[np.uint64]:
+    """``(n, 3)`` uint64 ``(addr, len, dev_id)`` rows, the array SGLang hands the agent."""
+    rows = np.empty((len(addrs), 3), dtype=np.uint64)
+    rows[:, 0] = addrs
+    rows[:, 1] = lengths
+    rows[:, 2] = device
+    return rows
+
+
+def _post(self: Any, peer_name: str, plan: TransferPlan, src_mem_kind: str, dst_mem_kind: str,
+          dst_gpu_id: int, create_error: str, post_error: str) -> Any:
+    """The plan's blocks as SGLang posts its descriptors: ``get_xfer_descs`` per side,
+    ``initialize_xfer("WRITE", ...)``, ``self._post_xfer``; returns the transfer handle."""
+    src_rows = _descriptor_rows(plan.src_addrs, plan.lengths,
+                                _device_id(src_mem_kind, self.kv_args.gpu_id))
+    dst_rows = _descriptor_rows(plan.dst_addrs, plan.lengths, _device_id(dst_mem_kind, dst_gpu_id))
+    src_descs = self.agent.get_xfer_descs(src_rows, src_mem_kind)
+    dst_descs = self.agent.get_xfer_descs(dst_rows, dst_mem_kind)
+    handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name)
+    if not handle:
+        raise Exception(create_error)  # SGLang's exception, which its worker handles
+    self._post_xfer(handle, post_error)
+    return handle
+
+
+def _uses_prepared_lists(self: Any, peer_name: str, src_data_ptrs: Any,
+                         bypass_prepped: bool) -> bool:
+    """SGLang's own test for its prepared path (read in its order)."""
+    return (not bypass_prepped and src_data_ptrs is self.kv_args.kv_data_ptrs
+            and "" in self.prep_handles and peer_name in self.prep_handles)
+
+
+def nixl_generic_template(self: Any, peer_name: str, src_data_ptrs: Sequence[int],
+                          dst_data_ptrs: Sequence[int], item_lens: Sequence[int],
+                          force_flat: bool, src_layer_ids: Sequence[int] | None,
+                          dst_layer_ids: Sequence[int] | None) -> Template | None:
+    """The cached template of a non-prepared ``_send_kvcache_generic`` call, following
+    SGLang's NIXL branch: MLA or flat entries pair by layer id when either side publishes
+    ids (positional fallback at PP 1), else by SGLang's MLA PP slicing; MHA entries always
+    by SGLang's K-block / V-block PP slicing (the NIXL manager ignores layer ids there).
+    ``None`` where SGLang's own method runs (a replaced slicer, compressed MLA)."""
+    src_ptrs = [int(p) for p in src_data_ptrs]
+    dst_ptrs = [int(p) for p in dst_data_ptrs]
+    items = [int(n) for n in item_lens]
+    if self.is_mla_backend or force_flat:
+        src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
+        if src_ids or dst_ids:
+            return _ids_template(self, peer_name, "nixl:ids", src_ptrs, dst_ptrs, items,
+                                 src_ids, dst_ids, self.pp_size == 1)
+        slicer = mla_slicer(self)
+        if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
+                self.kv_args, "mla_compression_ratios", None)):
+            return None
+        return _positional_template(self, peer_name, "nixl:kv", src_ptrs, dst_ptrs, items,
+                                    slicer)
+    if not owns_mha_slicer(self):
+        return None
+    return _positional_template(self, peer_name, "nixl:kv", src_ptrs, dst_ptrs, items, "mha")
+
+
+def _send_kvcache_generic(
+    self: Any,
+    peer_name: str,
+    src_data_ptrs: list[int],
+    dst_data_ptrs: list[int],
+    item_lens: list[int],
+    prefill_data_indices: Any,
+    dst_data_indices: Any,
+    dst_gpu_id: int,
+    state_type: Any = None,
+    src_mem_kind: str = "VRAM",
+    dst_mem_kind: str = "VRAM",
+    force_flat: bool = False,
+    bypass_prepped: bool = False,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+    dst_item_lens: list[int] | None = None,
+) -> Any:
+    """kvplan's ``NixlKVManager._send_kvcache_generic`` (SGLang 0.5.23 signature): returns the
+    transfer handle, or None when there is nothing to transfer, as SGLang's."""
+
+    def sglangs() -> Any:
+        original = sglang_method(self, "_send_kvcache_generic", NIXL_MANAGER)
+        return original(self, peer_name, src_data_ptrs, dst_data_ptrs, item_lens,
+                        prefill_data_indices, dst_data_indices, dst_gpu_id, state_type,
+                        src_mem_kind, dst_mem_kind, force_flat, bypass_prepped, src_layer_ids,
+                        dst_layer_ids, dst_item_lens)
+
+    if _uses_prepared_lists(self, peer_name, src_data_ptrs, bypass_prepped) \
+            or dst_item_lens is not None:
+        return sglangs()
+    template = nixl_generic_template(self, peer_name, src_data_ptrs, dst_data_ptrs, item_lens,
+                                     force_flat, src_layer_ids, dst_layer_ids)
+    if template is None:
+        return sglangs()
+    src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
+    plan = planned(lambda: template.plan(src, dst))
+    if template.n_pairs == 0:
+        return None  # SGLang: no entry pairs, no transfer
+    return _post(self, peer_name, plan, src_mem_kind, dst_mem_kind, dst_gpu_id,
+                 "KVSender failed to create transfer", "KVSender failed to post transfer")
+
+
+def _nixl_state_template(self: Any, peer_name: str, src_ptrs: list[int], items: list[int],
+                         dst_ptrs: list[int], src_ids: list[int] | None,
+                         dst_ids: list[int] | None) -> Template:
+    """State entries paired as SGLang's NIXL ``_send_mamba_state`` pairs them (by layer id,
+    positional at PP 1); a pair with a zero length or a null pointer on either side moves
+    nothing, as SGLang skips it. Cached per peer."""
+    fallback = self.pp_size == 1
+    src_lens = _state_lens(getattr(self, "kv_args", None), src_ptrs)
+    inputs = (src_ptrs, dst_ptrs, items, src_ids, dst_ids, fallback, src_lens)
+
+    def build() -> Template:
+        pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs), fallback)
+        moving = list(items)
+        for i, j in pairs.tolist():
+            if src_ptrs[i] == 0 or dst_ptrs[j] == 0:
+                moving[i] = 0
+        # a skipped entry's null base still needs an address the layout accepts; it is
+        # never read (its item length is 0)
+        src_base = [p if p or moving[i] else 1 for i, p in enumerate(src_ptrs)]
+        dst_moving = _dst_item_lens(pairs, moving, len(dst_ptrs), None)
+        dst_base = [p if p or dst_moving[j] else 1 for j, p in enumerate(dst_ptrs)]
+        limit = (1 << 64) - 1
+        src = Layout(src_base, [min(n, limit - b) for n, b in zip(src_lens, src_base)], moving,
+                     src_ids,
+                     kinds=["state"] * len(src_ptrs))
+        dst = Layout(dst_base, unbounded_lens(dst_base), dst_moving, dst_ids,
+                     kinds=["state"] * len(dst_ptrs))
+        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=fallback))
+
+    return cast(Template, template_cache(self).get(peer_name, "nixl:mamba", inputs, build))
+
+
+def _send_mamba_state(
+    self: Any,
+    peer_name: str,
+    prefill_state_indices: list[int],
+    src_state_data_ptrs: list[int],
+    src_state_item_lens: list[int],
+    dst_state_data_ptrs: list[int],
+    dst_state_indices: list[int],
+    dst_gpu_id: int,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+) -> Any:
+    """kvplan's ``NixlKVManager._send_mamba_state`` (SGLang 0.5.23 signature)."""
+    assert len(prefill_state_indices) == 1, "Mamba should have single state index"
+    assert len(dst_state_indices) == len(prefill_state_indices), (
+        "State indices count mismatch between Prefill and Decode")
+    template = _nixl_state_template(
+        self, peer_name, [int(p) for p in src_state_data_ptrs],
+        [int(n) for n in src_state_item_lens], [int(p) for p in dst_state_data_ptrs],
+        published_ids(src_layer_ids), published_ids(dst_layer_ids))
+    plan = planned(lambda: template.plan_state(int(prefill_state_indices[0]),
+                                               int(dst_state_indices[0])))
+    return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
+                 "Failed to create Mamba state transfer", "Failed to post Mamba state transfer")
+
+
+def strided_rows(kv_ptrs: Sequence[int], kv_item_lens: Sequence[int],
+                 kv_data_lens: Sequence[int], device_id: int, num_slots: int | None,
+                 kv_xfer_lens: Sequence[int]) -> npt.NDArray[np.uint64]:
+    """The ``(n, 5)`` strided descriptor rows of a prepared list, one per entry: ``(base,
+    transfer length, device, item stride, slots)``, from a :class:`kvplan.Layout` of the
+    entries (which refuses a zero item length, a null base or a buffer past the address
+    space). Refused: lists of different lengths (:class:`kvplan.LayoutError`), a transfer
+    length above its stride (:class:`kvplan.SizeMismatchError`), and an explicit slot count
+    past an entry's registered buffer (:class:`kvplan.IndexBoundsError`: the decode's slots
+    would be addressed past what it registered)."""
+    counts = {"ptrs": len(kv_ptrs), "item_lens": len(kv_item_lens),
+              "data_lens": len(kv_data_lens), "xfer_lens": len(kv_xfer_lens)}
+    if len(set(counts.values())) != 1:
+        raise _core.LayoutError(f"prepared descriptor list geometry differs in length: {counts}")
+    layout = Layout([int(p) for p in kv_ptrs], [int(n) for n in kv_data_lens],
+                    [int(n) for n in kv_item_lens])
+    rows = np.empty((layout.n_entries, 5), dtype=np.uint64)
+    for i, (xfer, item, data) in enumerate(zip(kv_xfer_lens, kv_item_lens, kv_data_lens)):
+        if int(xfer) > int(item):
+            raise _core.SizeMismatchError(
+                f"entry {i}: prepared transfer length {int(xfer)} exceeds its item stride "
+                f"{int(item)}")
+        slots = int(data) // int(item)
+        if num_slots is not None:
+            if int(num_slots) > slots or int(num_slots) < 0:
+                raise _core.IndexBoundsError(
+                    f"entry {i}: {int(num_slots)} prepared slots of {int(item)} bytes pass its "
+                    f"registered {int(data)} bytes ({slots} slots)")
+            slots = int(num_slots)
+        rows[i] = (int(kv_ptrs[i]), int(xfer), device_id, int(item), slots)
+    return rows
+
+
+def _prep_equal_tp_dlist(
+    self: Any,
+    peer_name: str,
+    kv_ptrs: list[int],
+    kv_item_lens: list[int],
+    kv_data_lens: list[int],
+    gpu_id: int,
+    num_slots: int | None = None,
+    mem_kind: str = "VRAM",
+    kv_xfer_lens: list[int] | None = None,
+) -> Any:
+    """kvplan's ``NixlKVManager._prep_equal_tp_dlist`` (SGLang 0.5.23 signature): the strided
+    rows of :func:`strided_rows` handed to ``self._prep_xfer_dlist``, as SGLang hands its."""
+    rows = strided_rows(kv_ptrs, kv_item_lens, kv_data_lens, _device_id(mem_kind, gpu_id),
+                        num_slots, kv_item_lens if kv_xfer_lens is None else kv_xfer_lens)
+    return self._prep_xfer_dlist(peer_name, rows, mem_kind)
