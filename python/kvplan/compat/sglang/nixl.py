@@ -184,11 +184,37 @@ def _send_kvcache_generic(
     if template is None:
         return sglangs()
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
+    _bound_registered_sources(self, src_data_ptrs, item_lens, src)
     plan = planned(lambda: template.plan(src, dst))
     if template.n_pairs == 0:
         return None  # SGLang: no entry pairs, no transfer
     return _post(self, peer_name, plan, src_mem_kind, dst_mem_kind, dst_gpu_id,
                  "KVSender failed to create transfer", "KVSender failed to post transfer")
+
+
+def _bound_registered_sources(self: Any, src_data_ptrs: Sequence[int],
+                              item_lens: Sequence[int], src: npt.NDArray[Any]) -> None:
+    """Source rows past a registered KV buffer are refused also when the call's source list
+    is only part of the manager's buffers (``send_kvcache_dcp`` hands its target and draft
+    parts separately, in token rows): a source pointer that is one of ``kv_args``'s buffers
+    is bounded by that buffer's length over the call's item length
+    (:class:`kvplan.IndexBoundsError`, where SGLang would read past the buffer)."""
+    if src.size == 0:
+        return
+    own = getattr(self.kv_args, "kv_data_ptrs", None) or []
+    lens = getattr(self.kv_args, "kv_data_lens", None) or []
+    where = {int(p): k for k, p in enumerate(own) if k < len(lens)}
+    lo, hi = int(src.min()), int(src.max())
+    for i, (ptr, item) in enumerate(zip(src_data_ptrs, item_lens)):
+        k = where.get(int(ptr))
+        if k is None or int(item) <= 0:
+            continue
+        rows = int(lens[k]) // int(item)
+        if lo < 0 or hi >= rows:
+            raise _core.IndexBoundsError(
+                f"source entry {i} (buffer {k} of the prefill, {int(lens[k])} bytes) holds "
+                f"{rows} items of {int(item)} bytes; the request reads item "
+                f"{lo if lo < 0 else hi}")
 
 
 def _nixl_state_template(self: Any, peer_name: str, src_ptrs: list[int], items: list[int],
