@@ -13,16 +13,29 @@ two registered arenas (docs/staging.md).
 * :func:`send_staged` (prefill), :class:`ReceiveStaged` (decode): the round protocol, its
   messages carried by the engine's side channel through a callable and a :class:`Router`.
 * :class:`StagingError`: how a staged request fails, once.
-* :func:`local_copy`: a round's gather or scatter on host memory (``kvplan.copy_local``).
+* :func:`local_copy`: a round's gather or scatter on host memory (``kvplan.copy_local``);
+  :func:`host_memory` says whether KV buffers are host memory it may touch, :func:`host_views`
+  makes arrays of them.
+* :class:`FrameConnection`, :class:`FrameListener`: kvplan's own length-framed TCP side
+  channel for the round protocol's messages (:class:`Framing`, :class:`ChannelError`).
 """
 
 from __future__ import annotations
 
 from kvplan.staging.arena import PAGE, StagingArena
+from kvplan.staging.channel import (
+    CHANNEL_REASONS,
+    ChannelError,
+    FrameConnection,
+    FrameListener,
+    Framing,
+    parse_address,
+)
 from kvplan.staging.choice import PathChoice, choose_path
 from kvplan.staging.config import ENV_VARS, STAGING_OPTIONS, StagingConfig
 from kvplan.staging.copies import local_copy
 from kvplan.staging.errors import REASONS, StagingError
+from kvplan.staging.memory import host_memory, host_views
 from kvplan.staging.negotiation import (
     PROTOCOL_VERSION,
     ArenaInfo,
@@ -38,9 +51,11 @@ from kvplan.staging.receiver import ArenaShares, ReceiveStaged
 from kvplan.staging.router import Router
 from kvplan.staging.sender import AckQueue, SendReport, send_staged
 
-__all__ = ["ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS", "STAGING_OPTIONS", "AckQueue",
-           "ArenaShares",
-           "ArenaInfo", "Capabilities", "DirectFallback", "FallbackLog", "NetworkHandle",
+__all__ = ["CHANNEL_REASONS", "ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS",
+           "STAGING_OPTIONS", "AckQueue", "ArenaShares",
+           "ArenaInfo", "Capabilities", "ChannelError", "DirectFallback", "FallbackLog",
+           "FrameConnection", "FrameListener", "Framing", "NetworkHandle",
            "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
            "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",
-           "local_copy", "negotiate", "round_engine", "send_staged"]
+           "host_memory", "host_views", "local_copy", "negotiate", "parse_address",
+           "round_engine", "send_staged"]

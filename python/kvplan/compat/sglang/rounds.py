@@ -37,20 +37,15 @@ need the torch executor's gather and scatter, which this drop-in does not call y
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import logging
 import os
-import socket
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
-
-import numpy as np
 
 from kvplan._core import KvPlanError, Layout, Pairing, Template, TransferCost
 from kvplan._errors import TransferError
@@ -61,6 +56,9 @@ from kvplan.staging import (
     ArenaShares,
     Capabilities,
     FallbackLog,
+    FrameConnection,
+    FrameListener,
+    Framing,
     Negotiated,
     ReceiveStaged,
     Router,
@@ -69,6 +67,8 @@ from kvplan.staging import (
     StagingConfig,
     StagingError,
     choose_path,
+    host_memory,
+    host_views,
     local_copy,
     negotiate,
     send_staged,
@@ -100,44 +100,11 @@ def _standins(n: int) -> tuple[list[int], list[int]]:
     return ptrs, unbounded_lens(ptrs)
 
 
-def _rw_ranges() -> list[tuple[int, int]]:
-    """This process's readable and writable mappings, adjacent ones merged (Linux)."""
-    merged: list[tuple[int, int]] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if not perms.startswith("rw"):
-                continue
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if merged and merged[-1][1] == lo:
-                merged[-1] = (merged[-1][0], hi)
-            else:
-                merged.append((lo, hi))
-    return merged
-
-
 def host_pools(ptrs: Sequence[int], lens: Sequence[int]) -> bool:
-    """Whether every pool lies in host memory this process may read and write (its
-    mappings); device pools (SGLang's GPU KV cache) and an unknown platform: False, and the
-    request keeps the direct path: a host copy through a device address would crash."""
-    try:
-        ranges = _rw_ranges()
-    except OSError:
-        return False
-    starts = [lo for lo, _ in ranges]
-    import bisect
-
-    for p, n in zip(ptrs, lens):
-        i = bisect.bisect_right(starts, int(p)) - 1
-        if i < 0 or int(p) + int(n) > ranges[i][1]:
-            return False
-    return True
-
-
-def _host_views(ptrs: Sequence[int], lens: Sequence[int]) -> list[np.ndarray]:
-    """Host-memory views of registered pools (what ``copy_local`` borrows)."""
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * int(n)).from_address(int(p)))
-            for p, n in zip(ptrs, lens)]
+    """Whether every pool lies in host memory this process may read and write
+    (:func:`kvplan.staging.host_memory` of the pools); device pools (SGLang's GPU KV cache)
+    and an unknown platform: False, and the request keeps the direct path."""
+    return host_memory(zip(ptrs, lens))
 
 
 def _template(geometry: dict[str, Any], prefill: tuple[list[int], list[int]] | None,
@@ -279,7 +246,7 @@ class SglangStaging:
                 as_index(msg["src_pages"]), as_index(msg["dst_pages"]),
                 src_arena=outcome.src_arena, dst_arena=outcome.dst_arena,
                 buffers=outcome.buffers)
-            scatter = local_copy([self.arena.array], _host_views(pools, lens))
+            scatter = local_copy([self.arena.array], host_views(zip(pools, lens)))
         except Exception as exc:  # refused here: the prefill is told, its request fails
             _log.error("kvplan: staged request %s refused by the decode: %s: %s", request,
                        type(exc).__name__, exc)
@@ -375,85 +342,51 @@ class _ManagerRounds:
                         int(plan.n_blocks))
 
 
+#: The side channel's frames: the body's length before it, no tag (an open message starts with
+#: :data:`OPEN_MAGIC`, the round protocol's own messages with ``KVS``), at most 256 MiB.
+FRAMING = Framing(1 << 28)
+
+
 class SocketChannel:
     """kvplan's side channel: a TCP listener of length-prefixed messages (each handed to
     ``handler`` in arrival order per connection) and cached connections to the peers'
-    listeners. Its endpoint (``host:port``) travels in the registration frame and the open
-    message."""
+    listeners (:class:`kvplan.staging.FrameListener`, :class:`kvplan.staging.FrameConnection`).
+    Its endpoint (``host:port``) travels in the registration frame and the open message."""
 
-    _HEADER = struct.Struct("<I")
     #: The largest message accepted (an open message holds a request's page ids).
-    MAX_MESSAGE = 1 << 28
+    MAX_MESSAGE = FRAMING.max_frame
 
     def __init__(self, handler: Callable[[bytes], None], host: str = "127.0.0.1") -> None:
         self.handler = handler
-        self._server = socket.create_server((host, 0))
-        self.endpoint = f"{host}:{self._server.getsockname()[1]}"
-        self._out: dict[str, socket.socket] = {}
+        self._listener = FrameListener(host, FRAMING, self._on_frame,
+                                       name="kvplan-staging-listen")
+        self.endpoint = self._listener.address
+        self._out: dict[str, FrameConnection] = {}
         self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvplan-staging-listen", daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                head = self._exactly(conn, self._HEADER.size)
-                if head is None:
-                    return
-                (n,) = self._HEADER.unpack(head)
-                if n > self.MAX_MESSAGE:
-                    _log.error("kvplan: staging message of %d bytes refused (at most %d): "
-                               "connection closed", n, self.MAX_MESSAGE)
-                    return
-                body = self._exactly(conn, n)
-                if body is None:
-                    return
-                try:
-                    self.handler(body)
-                except Exception:  # one bad message must not end the listener
-                    _log.exception("kvplan: a staging message failed")
-
-    @staticmethod
-    def _exactly(conn: socket.socket, n: int) -> bytes | None:
-        chunks, got = [], 0
-        while got < n:
-            try:
-                chunk = conn.recv(min(n - got, 1 << 20))
-            except OSError:
-                return None
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+    def _on_frame(self, conn: FrameConnection, tag: bytes, data: bytes) -> None:
+        self.handler(data)
 
     def send(self, endpoint: str, data: bytes) -> None:
-        """One message to the listener at ``endpoint`` (``host:port``); raises ``OSError``
-        when it cannot be reached (the round protocol then fails the request ``peer_gone``)."""
-        host, _, port = endpoint.rpartition(":")
+        """One message to the listener at ``endpoint`` (``host:port``); raises
+        :class:`kvplan.staging.ChannelError` (a ``ConnectionError``) when it cannot be reached
+        or the message cannot be sent (the round protocol then fails the request
+        ``peer_gone``)."""
         with self._lock:
             conn = self._out.get(endpoint)
-            if conn is None:
-                conn = socket.create_connection((host, int(port)), timeout=10)
+            if conn is None or conn.closed:
+                conn = FrameConnection.connect(endpoint, FRAMING, timeout_s=10)
                 self._out[endpoint] = conn
-            try:
-                conn.sendall(self._HEADER.pack(len(data)) + data)
-            except OSError:
-                self._out.pop(endpoint, None)
-                conn.close()
-                raise
+        try:
+            conn.send(data)
+        finally:
+            if conn.closed:  # the next message connects again
+                with self._lock:
+                    if self._out.get(endpoint) is conn:
+                        del self._out[endpoint]
 
     def close(self) -> None:
-        self._closed = True
-        self._server.close()
+        self._listener.close()
         with self._lock:
             for conn in self._out.values():
                 conn.close()
@@ -701,7 +634,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         report = send_staged(
             cast(Sequence[Any], rounds), engine, session,
             lambda data: staging.send_to(session, data), request=request,
-            acks=staging.router, gather=local_copy(_host_views(src_ptrs, src_lens),
+            acks=staging.router, gather=local_copy(host_views(zip(src_ptrs, src_lens)),
                                                    [staging.arena.array]),
             writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
             src_lock=staging.arena.lock)

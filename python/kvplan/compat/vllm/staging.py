@@ -28,11 +28,8 @@ response), so a round message would be an error there.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -47,8 +44,12 @@ from kvplan.staging import (
     AckQueue,
     ArenaShares,
     Capabilities,
+    ChannelError,
     DirectFallback,
     FallbackLog,
+    FrameConnection,
+    FrameListener,
+    Framing,
     Negotiated,
     ReceiveStaged,
     Router,
@@ -58,6 +59,8 @@ from kvplan.staging import (
     StagingConfig,
     StagingError,
     choose_path,
+    host_memory,
+    host_views,
     local_copy,
     negotiate,
     send_staged,
@@ -78,6 +81,8 @@ MAX_AGREEMENTS = 1024
 KEEP_FINISHED = 1024
 #: Seconds between the decode's periodic checks of its open streams.
 TICK_S = 0.5
+#: Where a worker says each peer's negotiated path (the connector's start-up line's logger).
+NEGOTIATION_LOGGER = "vllm.kvplan.staging"
 #: Largest opening message accepted (the template's two layouts and the request's pages).
 MAX_OPEN_BYTES = 64 << 20
 
@@ -99,7 +104,10 @@ class WorkerStaging:
     rank: int
     router: Router = field(default_factory=Router)
     shares: ArenaShares = field(default_factory=ArenaShares)
-    fallbacks: FallbackLog = field(default_factory=FallbackLog)
+    #: Under vLLM's logger: ``kvplan.staging`` has no handler in a vLLM server, so the
+    #: outcome said once per peer would reach no log.
+    fallbacks: FallbackLog = field(
+        default_factory=lambda: FallbackLog(logging.getLogger(NEGOTIATION_LOGGER)))
     costs: Any = None
     #: This worker's name in its opening messages (its Mooncake session).
     name: str = ""
@@ -267,13 +275,7 @@ def host_kv(worker: Any) -> bool:
     scatter run on host memory here; a device cache keeps vLLM's direct path). A worker
     whose tensors are not recorded (built without ``register_kv_caches``) counts as host."""
     caches = getattr(worker, "device_kv_caches", None)
-    if not isinstance(caches, dict):
-        return True
-    for tensor in caches.values():
-        device = getattr(tensor, "device", None)
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
-            return False
-    return True
+    return not isinstance(caches, dict) or host_memory(tensors=caches.values())
 
 
 def kv_buffers(worker: Any) -> list[np.ndarray]:
@@ -286,8 +288,7 @@ def kv_buffers(worker: Any) -> list[np.ndarray]:
         raise kvplan.LayoutError(
             "kvplan staging: the worker registered no KV buffers whose lengths are known; "
             "staged rounds gather and scatter only within registered host buffers")
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * int(n)).from_address(int(p)))
-            for p, n in table]
+    return host_views(table)
 
 
 @dataclass(frozen=True)
@@ -432,91 +433,41 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
 # ---------------------------------------------------------------------------------------------
 
 _OPEN, _MESSAGE = b"O", b"M"
-_HEADER = struct.Struct("<cI")
-
-
-def _send_frame(sock: socket.socket, lock: threading.Lock, tag: bytes, data: bytes) -> None:
-    if len(data) > MAX_OPEN_BYTES:
-        raise ValueError(f"a staging frame of {len(data)} bytes exceeds {MAX_OPEN_BYTES}")
-    with lock:
-        sock.sendall(_HEADER.pack(tag, len(data)) + data)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes | None:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            return None
-        out += chunk
-    return bytes(out)
-
-
-def _frames(sock: socket.socket) -> Any:
-    """``(tag, data)`` per frame until the peer closes or sends a frame of no known tag or
-    of more than :data:`MAX_OPEN_BYTES` (then the connection is dropped)."""
-    while True:
-        header = _read_exact(sock, _HEADER.size)
-        if header is None:
-            return
-        tag, n = _HEADER.unpack(header)
-        if tag not in (_OPEN, _MESSAGE) or n > MAX_OPEN_BYTES:
-            logger.warning("kvplan staging: dropping a channel that sent a frame %r of %d "
-                           "bytes", tag, n)
-            return
-        data = _read_exact(sock, n)
-        if data is None:
-            return
-        yield tag, data
-
-
-def _parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"channel address {address!r}: host:port is required")
-    return host, int(port)
+#: The connector's frames: a tag byte (an opening message or a round protocol message)
+#: before each frame's length, at most :data:`MAX_OPEN_BYTES` a frame.
+FRAMING = Framing(MAX_OPEN_BYTES, tags=_OPEN + _MESSAGE)
 
 
 class TcpChannel:
     """The prefill's connection to one decode's :class:`ChannelServer`: frames out, the
-    decode's messages into ``router``."""
+    decode's messages into ``router``. Raises :class:`kvplan.staging.ChannelError` when the
+    decode cannot be reached (and from :meth:`send` / :meth:`open` once the connection
+    ended)."""
 
     def __init__(self, address: str, router: Router, *, timeout_s: float = 5.0) -> None:
         self.address = address
-        self._sock = socket.create_connection(_parse_address(address), timeout=timeout_s)
-        self._sock.settimeout(None)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._lock = threading.Lock()
         self._router = router
-        #: Set once the connection ended; the worker then connects again for the next request.
-        self.closed = False
-        self._reader = threading.Thread(target=self._read, name="kvplan-staging-channel",
-                                        daemon=True)
-        self._reader.start()
+        self._conn = FrameConnection.connect(address, FRAMING, timeout_s=timeout_s,
+                                             on_frame=self._on_frame)
 
-    def _read(self) -> None:
-        try:
-            for tag, data in _frames(self._sock):
-                if tag == _MESSAGE:
-                    self._router.deliver(data)
-        except OSError:
-            pass  # closed: a send in flight then fails with peer_gone
-        finally:
-            self.closed = True
+    def _on_frame(self, tag: bytes, data: bytes) -> None:
+        if tag == _MESSAGE:
+            self._router.deliver(data)
+
+    @property
+    def closed(self) -> bool:
+        """Set once the connection ended; the worker then connects again for the next
+        request."""
+        return self._conn.closed
 
     def send(self, data: bytes) -> None:
-        _send_frame(self._sock, self._lock, _MESSAGE, data)
+        self._conn.send(data, _MESSAGE)
 
     def open(self, data: bytes) -> None:
-        _send_frame(self._sock, self._lock, _OPEN, data)
+        self._conn.send(data, _OPEN)
 
     def close(self) -> None:
-        self.closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._conn.close()
 
 
 class ChannelServer:
@@ -527,12 +478,10 @@ class ChannelServer:
 
     def __init__(self, staging: WorkerStaging, worker: Any, host: str = "127.0.0.1") -> None:
         self._staging, self._worker = staging, worker
-        self._listener = socket.create_server((host, 0))
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._conns: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvplan-staging-listener",
-                         daemon=True).start()
+        #: The streams each prefill connection opened (cancelled if it ends before them).
+        self._opened: dict[FrameConnection, list[str]] = {}
+        self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
+        self.address = self._listener.address
         self._stop = threading.Event()
         threading.Thread(target=self._tick, name="kvplan-staging-tick", daemon=True).start()
 
@@ -543,53 +492,31 @@ class ChannelServer:
             except Exception:  # the next tick tries again; the streams fail on their own
                 logger.exception("kvplan staging: the decode's periodic check failed")
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvplan-staging-conn",
-                             daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        lock = threading.Lock()
-        opened: list[str] = []
+    def _on_frame(self, conn: FrameConnection, tag: bytes, data: bytes) -> None:
+        if tag != _OPEN:
+            self._staging.router.deliver(data)
+            return
 
         def reply(data: bytes) -> None:
-            _send_frame(conn, lock, _MESSAGE, data)
+            conn.send(data, _MESSAGE)
 
         try:
-            for tag, data in _frames(conn):
-                if tag == _OPEN:
-                    try:
-                        opened.append(self._staging.on_open(self._worker, data, reply))
-                    except (kvplan.KvPlanError, ValueError) as exc:
-                        logger.error("kvplan staging: refused an opening message: %s", exc)
-                else:
-                    self._staging.router.deliver(data)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            # the prefill is gone: what it had not finished will not arrive
-            for name in opened:
-                receiver = self._staging.receivers.get(name)
-                if receiver is not None and receiver.state == "receiving":
-                    receiver.cancel("the prefill's staging channel closed")
+            name = self._staging.on_open(self._worker, data, reply)
+        except (kvplan.KvPlanError, ValueError) as exc:
+            logger.error("kvplan staging: refused an opening message: %s", exc)
+            return
+        self._opened.setdefault(conn, []).append(name)
+
+    def _on_close(self, conn: FrameConnection, error: ChannelError | None) -> None:
+        # the prefill is gone: what it had not finished will not arrive
+        for name in self._opened.pop(conn, []):
+            receiver = self._staging.receivers.get(name)
+            if receiver is not None and receiver.state == "receiving":
+                receiver.cancel("the prefill's staging channel closed")
 
     def close(self) -> None:
-        self._closed = True
         self._stop.set()
         self._listener.close()
-        for conn in self._conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            conn.close()
 
 
 # ---------------------------------------------------------------------------------------------
