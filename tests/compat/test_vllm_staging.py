@@ -12,10 +12,13 @@ request applied to the decode's memory: every byte of the decode KV memory must 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -155,6 +158,46 @@ def start(side: Side, engine: Engine, mode: str = "always", arena_mib: int = 1,
     staging.name = engine.session
     side.worker.__dict__[vstaging.STAGING_ATTR] = staging
     return staging
+
+
+@contextlib.contextmanager
+def said_in_vllms_log() -> Iterator[list[logging.LogRecord]]:
+    """The INFO records that reach vLLM's ``vllm`` logger (its handler writes a server's log;
+    vLLM does not propagate it to the root logger), from the staging negotiation's logger."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    negotiation = logging.getLogger(vstaging.NEGOTIATION_LOGGER)
+    vllm_logger = logging.getLogger("vllm")
+    level = negotiation.level
+    negotiation.setLevel(logging.INFO)
+    vllm_logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        vllm_logger.removeHandler(handler)
+        negotiation.setLevel(level)
+
+
+def test_the_negotiated_path_is_said_in_vllms_log(v: Any, patched: Any, engines: Any) -> None:
+    """A decode that advertised nothing: the prefill's direct path is said once, in a logger
+    under vLLM's (``kvplan.staging`` reaches no handler in a vLLM server), and an agreement
+    too."""
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=11)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging = start(prefill, p_engine)
+    message = start(decode, d_engine).capabilities()
+    with said_in_vllms_log() as lines:
+        for _ in range(2):
+            p_staging.agreement("decode-x", None, sending=True, remote_rank=0)
+            p_staging.agreement(d_engine.session, message, sending=True, remote_rank=0)
+    said = [r.getMessage() for r in lines]
+    assert len(said) == 2, said
+    assert said[0].startswith("kvplan: direct transfers with peer decode-x"), said
+    assert said[1].startswith(f"kvplan: staged transfers with peer {d_engine.session}"), said
 
 
 def fragmented_ids(n: int, seed: int) -> tuple[list[int], list[int]]:
@@ -330,7 +373,7 @@ def test_a_prefill_that_cannot_gather_fails_only_that_request(v: Any, patched: A
 @pytest.mark.parametrize("decode_kvplan,mode", [(False, "always"), (True, "off")],
                          ids=["decode-not-kvplan", "prefill-staging-off"])
 def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decode_kvplan: bool,
-                                       mode: str, caplog: pytest.LogCaptureFixture) -> None:
+                                       mode: str) -> None:
     """A decode that sent no staging message (vLLM's own worker), or staging off here: the
     request goes in the direct columns, the very blocks kvplan plans without staging; said
     once per peer."""
@@ -347,14 +390,14 @@ def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decod
     p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker) \
         if d_staging is not None else None
     meta, ready = pull(v, prefill, decode, d_staging, requests)
-    with caplog.at_level("INFO", logger="kvplan.staging"):
+    with said_in_vllms_log() as lines:
         for _ in range(2):
             got = kvplan_send(prefill, meta, ready)
             assert got[3] == [] and len(got[0]) == 30 * LAYERS
             for a, b in zip(got[:3], plain[:3]):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    lines = [r for r in caplog.records if r.name == "kvplan.staging"]
     assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "kvplan: direct transfers with peer" in lines[0].getMessage()
     assert np.all(decode.memory == SENTINEL)  # nothing was written by the staged path
 
 

@@ -20,6 +20,7 @@ the cases.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -239,6 +240,10 @@ class Connector:
     # overlay and kvplan's drop-in load there (:func:`vllm034_gate`), skipped with the reason
     # otherwise.
     vllm034: bool = False
+    # More kv_connector_extra_config keys (Mooncake): kvplan's staging options.
+    extra: dict[str, Any] = field(default_factory=dict)
+    # The staged-transfer set (:func:`run_staged`) instead of the ordinary one.
+    staged: bool = False
 
     @property
     def reference(self) -> bool:
@@ -252,7 +257,7 @@ class Connector:
             config["kv_connector_module_path"] = self.module_path
         if self.transport == "mooncake":
             config["kv_role"] = role
-            config["kv_connector_extra_config"] = {"mooncake_protocol": "tcp"}
+            config["kv_connector_extra_config"] = {"mooncake_protocol": "tcp", **self.extra}
         else:
             config["kv_role"] = "kv_both"
             config["kv_buffer_device"] = "cpu"
@@ -420,6 +425,10 @@ def connectors(setup: Setup) -> list[Connector]:
                   "e2e_cpu_host_mooncake"),
         Connector("mooncake kvplan vllm-0.32", "mooncake", "KvplanMooncakeConnector",
                   kvplan_module),
+        # kvplan's staged transfers, through a module that re-exports kvplan's connector and
+        # logs each staged request beside its direct plan (vllm_support/e2e_kvplan_staged.py).
+        Connector("mooncake kvplan staged vllm-0.32", "mooncake", "KvplanMooncakeConnector",
+                  "e2e_kvplan_staged", extra=dict(STAGED_OPTIONS), staged=True),
         Connector("mooncake vllm-reference vllm-0.33-module", "mooncake",
                   "CpuHostMooncakeConnector", "e2e_vllm033_mooncake", one_prefill=True,
                   by_name_only=True),
@@ -687,6 +696,241 @@ def bad_input(pair: PdPair, good: PdPair, refused: Server,
 
 
 # --------------------------------------------------------------------------------------------
+# Staged transfers (kvplan_staging): the decode's pool fragmented, the rounds counted
+
+
+#: Both peers' staging options: a 2 MiB arena in two 1 MiB round buffers. A block of model
+#: ``a`` is 128 KiB (4 layers of 32 KiB, K and V together), so the longest prompt (14 blocks)
+#: takes two rounds and every other prompt one.
+STAGED_OPTIONS = {"kvplan_staging": "always", "kvplan_staging_arena_mib": 2,
+                  "kvplan_staging_buffers": 2}
+#: Every server of the staged set has this many KV blocks (--num-gpu-blocks-override), so that
+#: the fillers cover the decode's pool.
+STAGED_NUM_BLOCKS = 128
+#: Concurrent filler requests on a decode before its PD requests: each takes a new block every
+#: BLOCK tokens in turn with the others, so the block ids they free step by the number of
+#: fillers (never by one) and the PD requests after them get non-adjacent blocks.
+STAGED_FILLERS = 8
+STAGED_FILLER_PROMPT = 20
+STAGED_FILLER_TOKENS = 14 * BLOCK  # 15 blocks each: 120 of the 127 usable
+#: The staged request must need at least this many times fewer network descriptors than the
+#: direct plan of the same pages (checked on the longest prompt: a one-block request of a
+#: 4-layer model has at most 4 direct descriptors).
+STAGED_MIN_RATIO = 10
+STAGED_LINE = "kvplan e2e staged:"
+STAGING_STARTED = "kvplan staging (always): 2 MiB arena in 2 buffers registered"
+DIRECT_SAID = "kvplan: direct transfers with peer"
+STAGED_METRICS = ("kvplan:staged_network_blocks_per_request",
+                  "kvplan:staged_rounds_per_request")
+
+
+def filler_prompts() -> list[list[int]]:
+    rng = random.Random(2000)
+    return [[rng.randrange(3, MODELS["a"].vocab) for _ in range(STAGED_FILLER_PROMPT)]
+            for _ in range(STAGED_FILLERS)]
+
+
+def fragment(decode: Server) -> str:
+    """Run the fillers on ``decode`` alone (plain requests, no transfer) until all answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(STAGED_FILLERS) as pool:
+        outs = list(pool.map(lambda ids: complete(decode, ids, STAGED_FILLER_TOKENS,
+                                                  timeout_s=WARM_UP_TIMEOUT_S),
+                             filler_prompts()))
+    got = [len(output_ids(out)) for out in outs]
+    if got != [STAGED_FILLER_TOKENS] * STAGED_FILLERS:
+        raise AssertionError(f"fillers generated {got} tokens")
+    return (f"{STAGED_FILLERS} concurrent fillers of {STAGED_FILLER_TOKENS} tokens on "
+            f"{decode.name} in {time.monotonic() - started:.0f} s")
+
+
+def staged_lines(server: Server, offset: int = 0) -> list[dict[str, float | str]]:
+    """The probe's per-request lines (vllm_support/e2e_kvplan_staged.py) after ``offset``."""
+    rows: list[dict[str, float | str]] = []
+    for line in server.log_since(offset).splitlines():
+        if STAGED_LINE not in line or "direct_blocks=" not in line:
+            continue
+        row: dict[str, float | str] = {}
+        for part in line.split(STAGED_LINE, 1)[1].split():
+            key, _, value = part.partition("=")
+            row[key] = value if key == "req" else float(value)
+        rows.append(row)
+    return rows
+
+
+def staged_metrics(pair: PdPair) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the prefill's staged series once they count every PD request sent (or
+    after METRICS_WAIT_S)."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        text = harness.http_text(pair.prefill.url + "/metrics")
+        got = {name: (metric_total(text, name + "_sum") or 0.0,
+                      metric_total(text, name + "_count") or 0.0) for name in STAGED_METRICS}
+        if all(c >= pair.sent for _, c in got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(1.0)
+
+
+def staged_counts(pair: PdPair, offset: int) -> str:
+    """Every PD request went staged: the prefill's /metrics show its network blocks and rounds
+    per request, and they sum to the probe's per-request lines."""
+    rows = staged_lines(pair.prefill)
+    got = staged_metrics(pair)
+    (blocks_sum, blocks_n), (rounds_sum, rounds_n) = (got[n] for n in STAGED_METRICS)
+    detail = (f"{pair.sent} PD requests; prefill {STAGED_METRICS[0]} sum {blocks_sum:.0f} "
+              f"count {blocks_n:.0f}, {STAGED_METRICS[1]} sum {rounds_sum:.0f} count "
+              f"{rounds_n:.0f}; {len(rows)} staged requests logged")
+    if blocks_n != pair.sent or rounds_n != pair.sent or len(rows) != pair.sent:
+        raise AssertionError(detail + ": not every PD request went staged")
+    if blocks_sum != sum(float(r["network_blocks"]) for r in rows) or \
+            rounds_sum != sum(float(r["rounds"]) for r in rows):
+        raise AssertionError(detail + ": the metrics do not sum to the logged requests")
+    scored = staged_lines(pair.prefill, offset)
+    return detail + "; per scored request (rounds, network blocks): " + ", ".join(
+        f"{r['rounds']:.0f}/{r['network_blocks']:.0f}" for r in scored)
+
+
+def staged_reduction(pair: PdPair, offset: int) -> str:
+    """Per scored request, the direct plan of the same pages against the staged network
+    blocks; the longest prompt must take several rounds and at least STAGED_MIN_RATIO times
+    fewer descriptors."""
+    rows = staged_lines(pair.prefill, offset)
+    if len(rows) != len(PROMPTS):
+        raise AssertionError(f"{len(rows)} staged requests logged for {len(PROMPTS)} prompts")
+    per = [f"{name} {r['direct_blocks']:.0f} -> {r['network_blocks']:.0f}"
+           for name, r in zip(PROMPTS, rows)]
+    direct = sum(float(r["direct_blocks"]) for r in rows)
+    network = sum(float(r["network_blocks"]) for r in rows)
+    detail = (f"direct plan blocks -> staged network blocks: {', '.join(per)}; in all "
+              f"{direct:.0f} -> {network:.0f} ({direct / network:.1f}x)")
+    long = rows[-1]
+    ratio = float(long["direct_blocks"]) / float(long["network_blocks"])
+    if float(long["rounds"]) < 2 or ratio < STAGED_MIN_RATIO:
+        raise AssertionError(detail + f"; the longest prompt: {long['rounds']:.0f} rounds, "
+                             f"{ratio:.1f}x (wanted >= 2 rounds and >= {STAGED_MIN_RATIO}x)")
+    return detail
+
+
+def direct_when_off(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    """The prefill stages, its decode has ``kvplan_staging: off``: the decode advertises
+    nothing, the prefill negotiates the direct path, says so once, and every prompt's tokens
+    equal the plain server's. The decode's pool is fragmented first, as the staged pair's,
+    so that the prefill's kvplan:blocks_per_request shows the direct path's descriptors on
+    such a pool (another pool than the staged pair's: reported, not compared)."""
+    filled = fragment(pair.decode)
+    log(pair.warm_up())
+    offset = pair.sent
+    for name, length in PROMPTS.items():
+        compare_equal(pair, name, length, reference)
+    said = [ln.split(DIRECT_SAID, 1)[1][:160] for ln in pair.prefill.log_since(0).splitlines()
+            if DIRECT_SAID in ln]
+    if len(said) != 1:
+        raise AssertionError(f"{pair.prefill.name} said the direct path {len(said)} times: "
+                             f"{said}")
+    if staged_lines(pair.prefill):
+        raise AssertionError(f"{pair.prefill.name} sent a request staged to a decode with "
+                             "staging off")
+    if STAGING_STARTED in pair.decode.log_since(0):
+        raise AssertionError(f"{pair.decode.name} started staging with kvplan_staging off")
+    text = harness.http_text(pair.prefill.url + "/metrics")
+    blocks = (metric_total(text, BLOCKS_SERIES + "_sum"),
+              metric_total(text, BLOCKS_SERIES + "_count"))
+    return (f"{len(PROMPTS)} prompts equal the plain server's over the direct path; said "
+            f"once:{said[0]}; {filled}; prefill {BLOCKS_SERIES} sum {blocks[0]} count "
+            f"{blocks[1]} after {pair.sent} PD requests ({offset} of them warm-ups)")
+
+
+BLOCKS_SERIES = "kvplan:blocks_per_request"
+
+
+def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, list[int]],
+               results: Results) -> None:
+    """The staged set, in two phases. First a prefill and a decode on ``a``, both staging
+    (``STAGED_OPTIONS``), the decode's pool fragmented by fillers: greedy tokens equal to the
+    plain server's, the prefill's staged metrics, and the network descriptors against the
+    direct plan of the same pages. Then, each pair with a decode of its own (a decode served
+    by a second prefill can hang, see :func:`run_connector`): a prefill on ``b`` staging to a
+    staging decode (the negative control), and a staging prefill on ``a`` to a decode with
+    staging off (the direct path, said once)."""
+    label = connector.label
+    tag = label.replace(" ", "_")
+    own = VllmServers(servers.setup, servers.log_dir,
+                      extra_args=("--num-gpu-blocks-override", str(STAGED_NUM_BLOCKS)))
+    prefill = own.server(f"{tag}-prefill-a", "a", PREFILL_PORT, connector, "kv_producer")
+    decode = own.server(f"{tag}-decode", "a", DECODE_PORT, connector, "kv_consumer")
+    off = dataclasses.replace(connector, extra={**connector.extra, "kvplan_staging": "off"})
+    second = [own.server(f"{tag}-prefill-b", "b", OTHER_PREFILL_PORT, connector,
+                         "kv_producer"),
+              own.server(f"{tag}-decode-b", "a", OTHER_DECODE_PORT, connector, "kv_consumer"),
+              own.server(f"{tag}-prefill-a2", "a", PREFILL_PORT, connector, "kv_producer"),
+              own.server(f"{tag}-decode-off", "a", DECODE_PORT, off, "kv_consumer")]
+    plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
+    case_names = [f"{label}: connector loaded, staging on", f"{label}: decode pool fragmented"]
+    case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
+    case_names += [f"{label}: staged metrics", f"{label}: >= {STAGED_MIN_RATIO}x fewer "
+                   "network descriptors", f"{label}: negative control",
+                   f"{label}: staging off on the decode"]
+    cases = iter(case_names)
+    first = [prefill, decode]
+    started = time.monotonic()
+    try:
+        with harness.running(first + ([plain] if plain else []), READY_TIMEOUT_S):
+            log(f"{label}: servers ready in {time.monotonic() - started:.0f} s")
+            if plain is not None:
+                try:
+                    reference.update(collect_reference(plain, results))
+                except (HttpError, OSError, AssertionError) as exc:
+                    results.record("plain server reference", False,
+                                   f"{type(exc).__name__}: {exc}")
+                    raise ServerError(f"plain server: {exc}") from exc
+                finally:
+                    plain.stop()
+
+            def loaded() -> str:
+                detail = connector_in_use(connector, first)
+                missing = [s.name for s in first if STAGING_STARTED not in s.log_since(0)]
+                if missing:
+                    raise AssertionError(f"no {STAGING_STARTED!r} in the logs of {missing}")
+                return detail + "; staging started in both"
+
+            results.check(next(cases), loaded)
+            results.check(next(cases), lambda: fragment(decode))
+            pair = PdPair(connector.transport, prefill, decode)
+            log(pair.warm_up())
+            offset = prefill.log_size()
+            for (name, length), case in zip(PROMPTS.items(), cases):
+                results.check(case, lambda n=name, k=length: compare_equal(pair, n, k,
+                                                                           reference))
+            results.check(next(cases), lambda: staged_counts(pair, offset))
+            results.check(next(cases), lambda: staged_reduction(pair, offset))
+        started = time.monotonic()
+        with harness.running(second, READY_TIMEOUT_S):
+            log(f"{label}: second phase's servers ready in {time.monotonic() - started:.0f} s")
+            other = PdPair(connector.transport, second[0], second[1])
+            log(other.warm_up())
+
+            def negative() -> str:
+                detail = negative_control(other, reference, second[:2], connector)
+                rows = staged_lines(other.prefill)
+                if len(rows) != other.sent:
+                    raise AssertionError(f"{detail}; but {len(rows)} of {other.sent} PD "
+                                         "requests went staged")
+                return detail + f"; all {other.sent} PD requests staged"
+
+            results.check(next(cases), negative)
+            direct = PdPair(connector.transport, second[2], second[3])
+            results.check(next(cases), lambda: direct_when_off(direct, reference))
+    except ServerError as exc:
+        print(str(exc), flush=True)
+        reason = str(exc).split(";", 1)[0]
+        cause = f"; {exc.root_cause}" if exc.root_cause else ""
+        for case in case_names[len(results_for(results, case_names)):]:
+            results.record(case, False, f"{reason}{cause}")
+
+
+# --------------------------------------------------------------------------------------------
 
 
 VLLM034_PROBE = r"""
@@ -761,6 +1005,10 @@ def run_servers(setup_info: Setup, only: list[str]) -> Results:
                              f"load in the 0.32 CPU engine with kvplan's drop-in: {reason}")
                 continue
         attempt = results.part(environment=connector.reference)
+        if connector.staged:
+            run_staged(servers, connector, reference, attempt)
+            results.absorb(attempt)
+            continue
         run_connector(servers, connector, reference, attempt)
         if connector.reference and attempt.failed:
             results.note_retry(connector.label, attempt)
