@@ -52,7 +52,8 @@
 //!    3. `check` (every rule).
 //! 5. `exchange/` (what leaves the planner):
 //!    1. `local` (plans on CPU byte slices), `wire` (the binary layout encoding).
-//!    2. `digest` (fingerprints and digests).
+//!    2. `digest` (fingerprints and digests), `identity` (the address-free identity of a
+//!       layout).
 //! 6. `kernels/` (the emission kernels):
 //!    1. `emit` (the page kernels), `tokens` (the token kernels), `rings` (the ring lane's
 //!       rows).
@@ -68,6 +69,7 @@
 //!       views of a plan or a batch, the manifest).
 //!    3. `advice` (direct or staged), `convert` (conversion plans between representations),
 //!       `rounds` (a staged plan in rounds through bounded arenas).
+//!    4. `compatibility` (verdicts on a prefill and a decode identity).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -85,6 +87,9 @@ pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
 pub use exchange::digest::{
     LeaseRef, PlanBlocks, Region, content_digest, delta_plan_digest, index_digest,
     layout_fingerprint, leased_plan_digest, pair_content_digests, plan_digest, request_plan_digest,
+};
+pub use exchange::identity::{
+    CLASS_ID_PREFIX, IDENTITY_VERSION, LAYOUT_ID_PREFIX, LayoutIdentity, Semantics, TransferMode,
 };
 pub use exchange::local::{RegionMut, check_local_buffers, copy_local};
 pub use kernels::tokens::TokenTemplate;
@@ -112,6 +117,7 @@ pub use peer_pair::template::{BlockRequest, GeometryOptions, Template};
 pub use planners::advice::{Advice, Choice, TransferCost, advise, transfer_advice};
 pub use planners::batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
 pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
+pub use planners::compatibility::{Verdict, VerdictKind, compatibility, compatibility_with};
 pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
 pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
 pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};

@@ -6,7 +6,7 @@
 //! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
 //! planner (`batch`, `pack`, `staged`, `rounds`, `advice`, `convert` for `ConversionTemplate`,
 //! `descriptors`, `slices`, `runs`, `nixl_ids`, `heads`), `plan` (+ the output `pool`), `digest`,
-//! `local` (`copy_local`), `mooncake`, `capabilities`, with `request` (`kvplan.Request`, and the
+//! `local` (`copy_local`), `identity` (`LayoutIdentity`, `compatibility`), `mooncake`, `capabilities`, with `request` (`kvplan.Request`, and the
 //! request every planner method reads from one or from its loose arguments), `input` (Python
 //! arguments as index slices and the one conversion into the core's request; `out_arg` and
 //! `window_pages` for `out=` and `window_pages=`), `ids`, `errors` and
@@ -24,6 +24,7 @@ mod descriptors;
 mod digest;
 mod errors;
 mod heads;
+mod identity;
 mod ids;
 mod input;
 mod layout;
@@ -69,6 +70,8 @@ mod _core {
     };
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};
+    #[pymodule_export]
+    use crate::identity::{PyLayoutIdentity, PyVerdict, compatibility, layout_identity};
     #[pymodule_export]
     use crate::ids::index_array;
     #[pymodule_export]

@@ -2,5 +2,6 @@
 //! out on local CPU memory.
 
 pub mod digest;
+pub mod identity;
 pub mod local;
 pub mod wire;

@@ -5,6 +5,7 @@
 pub mod advice;
 pub mod batch;
 pub mod coalescing;
+pub mod compatibility;
 pub mod convert;
 pub mod descriptors;
 pub mod nixl_ids;
