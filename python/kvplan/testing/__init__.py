@@ -26,10 +26,14 @@ Public, so that a serving engine's own integration tests can use them (as ``pola
 - :mod:`kvplan.testing.faults`: lifecycle faults replayed in host memory
   (:func:`~kvplan.testing.faults.replay_late_writers`: abort, reuse and an aborted request's
   late writer, against :mod:`kvplan.leases`).
+- :mod:`kvplan.testing.fixtures`: the planning fixtures engines share, as plain data
+  (:class:`PlanningFixture`: layouts, a request and the oracle's byte map) for MHA and MLA
+  with PP, equal TP, TP head slices, DCP, staging and hybrid state (:func:`fixtures`).
 - :mod:`kvplan.testing.strategies`: hypothesis strategies for those deployments and requests;
   the only module here that needs hypothesis, and not imported by this package.
 """
 
+from kvplan.testing.fixtures import PlanningFixture, fixtures
 from kvplan.testing.memory import SENTINEL, Arena, arena_dir, fill_source
 from kvplan.testing.oracle import Memory, apply_plan, reference_copy
 from kvplan.testing.peers import ENGINE_ENV, ENGINES, PeerFailure, PeerProcess
@@ -56,12 +60,14 @@ __all__ = [
     "PeerFailure",
     "PeerProcess",
     "PeerSpec",
+    "PlanningFixture",
     "apply_plan",
     "arena_dir",
     "build_layout",
     "cross_layer_entries",
     "expected_moves",
     "fill_source",
+    "fixtures",
     "first_wrong_byte",
     "model_peers",
     "pack_entries",
