@@ -758,22 +758,34 @@ def table(rows: list[Row]) -> list[str]:
     return out
 
 
-def steps_table(rows: list[Row]) -> list[str]:
-    out = ["| engine | request | gather / scatter blocks | plan (ms) | gather (ms) | "
-           "network (ms) | scatter (ms) | gather GB/s | scatter GB/s | ceiling (ms) |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def _ms(*seconds: float) -> str:
+    """Table cells of times in milliseconds."""
+    return " | ".join(f"{t * 1e3:.1f}" for t in seconds)
+
+
+def _with_steps(rows: list[Row], steps: Callable[[Row], dict[str, float]]
+                ) -> Iterator[tuple[Row, dict[str, float], float]]:
+    """The rows whose path recorded ``steps``, each with those steps and its ceiling's
+    median (s)."""
     for r in rows:
-        s = r.steps
+        s = steps(r)
         if not s:
             continue
         c = r.median("ceiling")
         assert c is not None
+        yield r, s, c
+
+
+def steps_table(rows: list[Row]) -> list[str]:
+    out = ["| engine | request | gather / scatter blocks | plan (ms) | gather (ms) | "
+           "network (ms) | scatter (ms) | gather GB/s | scatter GB/s | ceiling (ms) |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r, s, c in _with_steps(rows, lambda r: r.steps):
         gb = r.request_bytes / 1e9
         out.append(f"| {r.engine} | {r.case} | {r.descriptors['staged_gather']:,} / "
-                   f"{r.descriptors['staged_scatter']:,} | {s['plan'] * 1e3:.1f} | "
-                   f"{s['gather'] * 1e3:.1f} | {s['network'] * 1e3:.1f} | "
-                   f"{s['scatter'] * 1e3:.1f} | {gb / s['gather']:.2f} | "
-                   f"{gb / s['scatter']:.2f} | {c * 1e3:.1f} |")
+                   f"{r.descriptors['staged_scatter']:,} | "
+                   f"{_ms(s['plan'], s['gather'], s['network'], s['scatter'])} | "
+                   f"{gb / s['gather']:.2f} | {gb / s['scatter']:.2f} | {_ms(c)} |")
     return out
 
 
@@ -781,16 +793,10 @@ def rounds_table(rows: list[Row]) -> list[str]:
     out = ["| engine | request | rounds | network blocks | elapsed (ms) | steps one after "
            "another (ms) | gather (ms) | network (ms) | scatter (ms) | ceiling (ms) |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        s = r.round_steps
-        if not s:
-            continue
-        c = r.median("ceiling")
-        assert c is not None
+    for r, s, c in _with_steps(rows, lambda r: r.round_steps):
         out.append(f"| {r.engine} | {r.case} | {r.rounds} | {r.descriptors['rounds']:,} | "
-                   f"{s['elapsed'] * 1e3:.1f} | {s['serial'] * 1e3:.1f} | "
-                   f"{s['gather'] * 1e3:.1f} | {s['network'] * 1e3:.1f} | "
-                   f"{s['scatter'] * 1e3:.1f} | {c * 1e3:.1f} |")
+                   f"{_ms(s['elapsed'], s['serial'], s['gather'], s['network'], s['scatter'], c)}"
+                   " |")
     return out
 
 
