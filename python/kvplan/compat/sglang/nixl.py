@@ -124,14 +124,20 @@ def nixl_generic_template(self: Any, peer_name: str, src_data_ptrs: Sequence[int
                           dst_data_ptrs: Sequence[int], item_lens: Sequence[int],
                           force_flat: bool, src_layer_ids: Sequence[int] | None,
                           dst_layer_ids: Sequence[int] | None) -> Template | None:
-    """The cached template of a non-prepared ``_send_kvcache_generic`` call, following
-    SGLang's NIXL branch: MLA or flat entries pair by layer id when either side publishes
-    ids (positional fallback at PP 1), else by SGLang's MLA PP slicing; MHA entries always
-    by SGLang's K-block / V-block PP slicing (the NIXL manager ignores layer ids there).
+    """The cached template of a non-prepared ``_send_kvcache_generic`` call: the manager's
+    own KV buffers pair by the layer ids both peers registered (:func:`_registered_ids`);
+    otherwise SGLang's NIXL branch: MLA or flat entries pair by the call's layer ids when
+    either side gives them (positional fallback at PP 1), else by SGLang's MLA PP slicing;
+    MHA entries by SGLang's K-block / V-block PP slicing (strict: kvplan needs the decode's
+    KV layer count where the entry counts differ).
     ``None`` where SGLang's own method runs (a replaced slicer, compressed MLA)."""
     src_ptrs = [int(p) for p in src_data_ptrs]
     dst_ptrs = [int(p) for p in dst_data_ptrs]
     items = [int(n) for n in item_lens]
+    registered = None if force_flat else _registered_ids(self, peer_name, src_ptrs, dst_ptrs)
+    if registered is not None:
+        return _ids_template(self, peer_name, "nixl:registered-ids", src_ptrs, dst_ptrs, items,
+                             registered[0], registered[1], self.pp_size == 1)
     if self.is_mla_backend or force_flat:
         src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
         if src_ids or dst_ids:
@@ -146,6 +152,22 @@ def nixl_generic_template(self: Any, peer_name: str, src_data_ptrs: Sequence[int
     if not owns_mha_slicer(self):
         return None
     return _positional_template(self, peer_name, "nixl:kv", src_ptrs, dst_ptrs, items, "mha")
+
+
+def _registered_ids(self: Any, peer_name: str, src_ptrs: list[int], dst_ptrs: list[int]
+                    ) -> tuple[list[int], list[int]] | None:
+    """The layer ids both peers registered for exactly these KV buffers (the prefill's
+    ``kv_args.kv_layer_ids``, the decode's ``dst_kv_layer_ids``), else None. SGLang's NIXL KV
+    path slices positionally even when both publish them, and guesses the decode's V block
+    from the entry counts; kvplan pairs by the ids whenever both sides give them."""
+    src_ids = list(getattr(self.kv_args, "kv_layer_ids", None) or [])
+    if len(src_ids) != len(src_ptrs) or list(self.kv_args.kv_data_ptrs) != src_ptrs:
+        return None
+    info = (getattr(self, "decode_kv_args_table", None) or {}).get(peer_name)
+    dst_ids = list(getattr(info, "dst_kv_layer_ids", None) or [])
+    if len(dst_ids) != len(dst_ptrs) or list(getattr(info, "dst_kv_ptrs", [])) != dst_ptrs:
+        return None
+    return [int(i) for i in src_ids], [int(i) for i in dst_ids]
 
 
 def _send_kvcache_generic(
