@@ -49,6 +49,13 @@ from kvplan._core import (
     tp_peers,
 )
 from kvplan._errors import ConfigError, IncompatibleHostError, TransferError
+from kvplan.identity import (
+    LayoutIdentity,
+    ModelSemantics,
+    Verdict,
+    compatibility,
+    layout_identity,
+)
 from kvplan.integrity import IntegrityError
 from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError, UnknownLeaseError
 from kvplan.policy import PairingChoice, select_pairing
@@ -68,6 +75,11 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "LayoutIdentity",
+    "ModelSemantics",
+    "Verdict",
+    "compatibility",
+    "layout_identity",
     "Lease",
     "LeaseError",
     "LeaseTable",

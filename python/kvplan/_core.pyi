@@ -17,6 +17,7 @@ __all__ = [
     "Layout",
     "LayoutEntry",
     "LayoutError",
+    "LayoutIdentity",
     "UnsupportedError",
     "MHA_ROLES",
     "DTYPES",
@@ -45,17 +46,20 @@ __all__ = [
     "TpPeers",
     "TransferCost",
     "TransferPlan",
+    "Verdict",
     "WorkManifest",
     "__version__",
     "advise",
     "check_pairs",
     "combine_pair_digests",
+    "compatibility",
     "copy_local",
     "feature_descriptions",
     "group_contiguous",
     "heads_per_rank",
     "index_array",
     "index_digest",
+    "layout_identity",
     "leased_plan_digest",
     "legacy_pp_pairs",
     "needs_tokens",
@@ -1516,3 +1520,62 @@ class MooncakeBatch:
 
     def __len__(self) -> int: ...
     def wait(self, timeout_s: float) -> None: ...
+
+@final
+class LayoutIdentity:
+    """A layout's address-free identity with the caller's model semantics (docs/identity.md);
+    build it with :func:`kvplan.layout_identity`. Equal when the layout ids are equal."""
+
+    @property
+    def class_id(self) -> str:
+        """``kvc1-`` + 52 base32 characters: the same on every TP, PP and DCP rank of a
+        deployment (what a router matches and ``kvplan:layout_info`` exports)."""
+    @property
+    def layout_id(self) -> str:
+        """``kvl1-`` + 52 base32 characters: one rank's exact layout (an offload store's key)."""
+    def class_encoding(self) -> bytes:
+        """The canonical encoding whose SHA-256 the class id is."""
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def revision(self) -> str: ...
+    @property
+    def rope(self) -> str: ...
+    @property
+    def drafts(self) -> list[str]: ...
+    @property
+    def transfer(self) -> str: ...
+    @property
+    def cross_layer(self) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class Verdict:
+    """A compatibility verdict: ``kind``, the ``reason`` naming both values, and what refused.
+    True when plannable."""
+
+    @property
+    def kind(self) -> Literal["plannable", "plannable_with_conversion", "refused"]: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def refused_by(self) -> str | None:
+        """``"semantics"`` or the planner error's ``kind``; ``None`` when plannable."""
+    @property
+    def plannable(self) -> bool: ...
+    def __bool__(self) -> bool: ...
+
+def layout_identity(layout: Layout, *, model: str, revision: str, rope: str, drafts: Sequence[str],
+                    transfer: str, cross_layer: bool) -> LayoutIdentity:
+    """The identity of ``layout`` with these semantics (use :func:`kvplan.layout_identity`).
+
+    Raises:
+        LayoutError: ``transfer`` is neither ``"push"`` nor ``"pull"``.
+    """
+
+def compatibility(prefill: LayoutIdentity, decode: LayoutIdentity, pairing: Pairing | None = None,
+                  *, replicas_send: bool = False) -> Verdict:
+    """The verdict on ``prefill`` sending to ``decode`` (use :func:`kvplan.compatibility`)."""

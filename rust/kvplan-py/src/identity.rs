@@ -3,7 +3,7 @@
 
 use kvplan_core::{LayoutIdentity, Semantics, TransferMode, Verdict};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyBytes;
 
 use crate::errors::to_py_err;
 use crate::layout::PyLayout;
@@ -44,31 +44,37 @@ impl PyLayoutIdentity {
         PyLayout::from(self.inner.layout().clone())
     }
 
+    /// Model id (`""`: not declared).
     #[getter]
     fn model(&self) -> &str {
         &self.inner.semantics().model
     }
 
+    /// Model revision (`""`: not declared).
     #[getter]
     fn revision(&self) -> &str {
         &self.inner.semantics().revision
     }
 
+    /// RoPE configuration as canonical text (`""`: not declared).
     #[getter]
     fn rope(&self) -> &str {
         &self.inner.semantics().rope
     }
 
+    /// Draft models, sorted, each once.
     #[getter]
     fn drafts(&self) -> Vec<String> {
         self.inner.semantics().drafts.clone()
     }
 
+    /// `"push"` or `"pull"`.
     #[getter]
     fn transfer(&self) -> &'static str {
         self.inner.semantics().transfer.as_str()
     }
 
+    /// Whether the engine keeps cross-layer KV blocks.
     #[getter]
     fn cross_layer(&self) -> bool {
         self.inner.semantics().cross_layer
@@ -110,6 +116,7 @@ impl PyVerdict {
         self.inner.kind.as_str()
     }
 
+    /// Why, naming the prefill's and the decode's values.
     #[getter]
     fn reason(&self) -> &str {
         &self.inner.reason
@@ -121,6 +128,7 @@ impl PyVerdict {
         self.inner.refused_by
     }
 
+    /// Whether a plan may be built.
     #[getter]
     fn plannable(&self) -> bool {
         self.inner.plannable()
@@ -162,21 +170,14 @@ pub fn layout_identity(
 
 /// The verdict on `prefill` sending to `decode`, planned with `pairing` (default by layer id).
 #[pyfunction]
-#[pyo3(signature = (prefill, decode, pairing=None, *, replicas_send=false, **removed_keywords))]
+#[pyo3(signature = (prefill, decode, pairing=None, *, replicas_send=false))]
 pub fn compatibility(
     prefill: PyRef<'_, PyLayoutIdentity>,
     decode: PyRef<'_, PyLayoutIdentity>,
     pairing: Option<&Bound<'_, PyAny>>,
     replicas_send: bool,
-    removed_keywords: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<PyVerdict> {
-    let options = template_options(
-        "compatibility",
-        pairing,
-        removed_keywords,
-        false,
-        replicas_send,
-    )?;
+    let options = template_options("compatibility", pairing, None, false, replicas_send)?;
     let inner = kvplan_core::compatibility_with(&prefill.inner, &decode.inner, options);
     Ok(PyVerdict { inner })
 }
