@@ -52,13 +52,13 @@ from kvplan.testing.oracle import reference_copy
 try:
     import torch
 
+    from harness.torch_pools import DevicePools, mha_layout
     from kvplan.torch import TorchExecutor
 except ImportError as exc:  # pragma: no cover - a message for a run without torch
     raise SystemExit(f"gpu_rounds needs torch ({exc}): bash scripts/test-torch installs it") from exc
 
 DTYPE = 2  # bf16 bytes
 MLA_ROW = 576 * DTYPE
-HEAD_DIM = 128
 
 
 @dataclass
@@ -76,28 +76,11 @@ class Request:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-class Pools:
-    """Named byte tensors on one device, filled from fixed seeds (the same bytes on any device)."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, nbytes: int, seed: int | None) -> int:
-        data = (
-            np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-            if seed is not None
-            else np.zeros(nbytes, np.uint8)
-        )
-        self.tensors[name] = torch.from_numpy(data).to(self.device)
-        return int(self.tensors[name].data_ptr())
-
-
-def mla_request(device: str, quick: bool) -> tuple[Pools, kvplan.Layout, kvplan.Layout,
-                                                   np.ndarray, np.ndarray, int | None]:
+def mla_request(device: str, quick: bool) -> tuple[DevicePools, kvplan.Layout, kvplan.Layout,
+                                                         np.ndarray, np.ndarray, int | None]:
     layers, tokens = (4, 1024) if quick else (8, 8192)
     capacity = tokens + 64
-    pools = Pools(device)
+    pools = DevicePools(device)
     entry = capacity * MLA_ROW
 
     def layout(name: str, seed: int | None) -> kvplan.Layout:
@@ -112,25 +95,11 @@ def mla_request(device: str, quick: bool) -> tuple[Pools, kvplan.Layout, kvplan.
     return pools, src, dst, sp, dp, None
 
 
-def mha_layout(pools: Pools, name: str, layers: int, heads: int, page: int, pages: int, *,
-               tp_rank: int, tp_size: int, kv_heads: int, seed: int | None) -> kvplan.Layout:
-    """Per-layer K and V of one rank, token-major pages, in one tensor."""
-    item = page * heads * HEAD_DIM * DTYPE
-    entry = pages * item
-    base = pools.add(name, 2 * layers * entry, seed)
-    k = [base + 2 * layer * entry for layer in range(layers)]
-    v = [p + entry for p in k]
-    return kvplan.Layout.mha(k, v, [entry] * layers, [entry] * layers, item, item,
-                             list(range(layers)), page_size=page, tp_rank=tp_rank,
-                             tp_size=tp_size, kv_heads=kv_heads, head_dim=HEAD_DIM,
-                             dtype_size=DTYPE, memory_order="NHD")
-
-
-def gqa_request(device: str, quick: bool) -> tuple[Pools, kvplan.Layout, kvplan.Layout,
-                                                   np.ndarray, np.ndarray, int | None]:
+def gqa_request(device: str, quick: bool) -> tuple[DevicePools, kvplan.Layout, kvplan.Layout,
+                                                         np.ndarray, np.ndarray, int | None]:
     layers, tokens, page = (4, 1024, 16) if quick else (16, 4096, 16)
     pages = tokens // page
-    pools = Pools(device)
+    pools = DevicePools(device)
     src = mha_layout(pools, "prefill_pool", layers, 1, page, pages + 8, tp_rank=0, tp_size=8,
                      kv_heads=8, seed=21)
     dst = mha_layout(pools, "decode_pool", layers, 4, page, pages + 8, tp_rank=0, tp_size=2,
@@ -142,9 +111,9 @@ def gqa_request(device: str, quick: bool) -> tuple[Pools, kvplan.Layout, kvplan.
 
 
 def page_ratio_request(device: str, quick: bool) -> tuple[
-        Pools, kvplan.Layout, kvplan.Layout, np.ndarray, np.ndarray, int | None]:
+        DevicePools, kvplan.Layout, kvplan.Layout, np.ndarray, np.ndarray, int | None]:
     layers, tokens, heads = (4, 1024, 2) if quick else (16, 4096, 4)
-    pools = Pools(device)
+    pools = DevicePools(device)
     src = mha_layout(pools, "prefill_pool", layers, heads, 16, tokens // 16 + 8, tp_rank=0,
                      tp_size=1, kv_heads=heads, seed=31)
     dst = mha_layout(pools, "decode_pool", layers, heads, 64, tokens // 64 + 4, tp_rank=0,

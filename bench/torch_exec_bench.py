@@ -43,77 +43,20 @@ from harness.results import RESULTS_DIR, write_lines
 from harness.timing import interleaved
 
 import kvplan
-from kvplan.testing.oracle import Memory, apply_plan
+from kvplan.testing.oracle import apply_plan
 
 try:
     import torch
 
+    from harness.torch_pools import DevicePools, mha_layout
     from kvplan.torch import TorchExecutor
 except ImportError as exc:  # pragma: no cover - a message for a run without torch
     raise SystemExit(
         f"torch_exec_bench needs torch ({exc}): bash scripts/test-torch installs it into .venv"
     ) from exc
 
-HEAD_DIM, DTYPE, PAGE = 128, 2, 16
+DTYPE, PAGE = 2, 16
 TARGET = 2.0  # the executor's time within this factor of the reference's
-
-
-class Buffers:
-    """Named byte buffers on one device, filled from a seed (the same bytes on every device)."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, nbytes: int, seed: int | None) -> int:
-        data = (
-            np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-            if seed is not None
-            else np.zeros(nbytes, np.uint8)
-        )
-        self.tensors[name] = torch.from_numpy(data).to(self.device)
-        return int(self.tensors[name].data_ptr())
-
-    def memory(self, name: str) -> Memory:
-        return Memory(self.tensors[name].numpy(), int(self.tensors[name].data_ptr()))
-
-    def snapshot(self, name: str) -> np.ndarray:
-        return self.tensors[name].cpu().numpy().copy()
-
-
-def mha_pool(
-    buffers: Buffers,
-    name: str,
-    layers: int,
-    heads: int,
-    pages: int,
-    *,
-    tp_rank: int,
-    tp_size: int,
-    kv_heads: int,
-    seed: int | None,
-) -> kvplan.Layout:
-    """Per-layer K and V buffers of one rank, token-major pages, in one buffer."""
-    item = PAGE * heads * HEAD_DIM * DTYPE
-    entry = pages * item
-    base = buffers.add(name, 2 * layers * entry, seed)
-    k = [base + 2 * layer * entry for layer in range(layers)]
-    v = [p + entry for p in k]
-    return kvplan.Layout.mha(
-        k,
-        v,
-        [entry] * layers,
-        [entry] * layers,
-        item,
-        item,
-        list(range(layers)),
-        page_size=PAGE,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        kv_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        dtype_size=DTYPE,
-    )
 
 
 @dataclass
@@ -125,8 +68,8 @@ class Case:
     rows: kvplan.RowGather | None = None  # the executor runs these instead of ``plan``
 
 
-def build(device: str, quick: bool) -> tuple[Buffers, list[Case]]:
-    buffers = Buffers(device)
+def build(device: str, quick: bool) -> tuple[DevicePools, list[Case]]:
+    buffers = DevicePools(device)
     cases = []
     layers, tokens = (8, 1024) if quick else (16, 2048)
     pages = tokens // PAGE
@@ -134,11 +77,20 @@ def build(device: str, quick: bool) -> tuple[Buffers, list[Case]]:
     src_pages = rng.permutation(pages + 8)[:pages].astype(np.int64)
     dst_pages = rng.permutation(pages + 8)[:pages].astype(np.int64)
     # TP 8 -> 2, 8 KV heads: the prefill rank holds 1 head, the decode rank 4.
-    src = mha_pool(
-        buffers, "tp8_pool", layers, 1, pages + 8, tp_rank=0, tp_size=8, kv_heads=8, seed=2
+    src = mha_layout(
+        buffers, "tp8_pool", layers, 1, PAGE, pages + 8, tp_rank=0, tp_size=8, kv_heads=8, seed=2
     )
-    dst = mha_pool(
-        buffers, "tp2_pool", layers, 4, pages + 8, tp_rank=0, tp_size=2, kv_heads=8, seed=None
+    dst = mha_layout(
+        buffers,
+        "tp2_pool",
+        layers,
+        4,
+        PAGE,
+        pages + 8,
+        tp_rank=0,
+        tp_size=2,
+        kv_heads=8,
+        seed=None,
     )
     template = kvplan.Template(src, dst)
     direct = template.plan(src_pages, dst_pages)
@@ -160,8 +112,12 @@ def build(device: str, quick: bool) -> tuple[Buffers, list[Case]]:
     ]
     # Equal TP, whole 32 KiB pages scattered on both sides.
     n = 128 if quick else 256
-    a = mha_pool(buffers, "pages_src", 4, 8, n + 16, tp_rank=0, tp_size=1, kv_heads=8, seed=4)
-    b = mha_pool(buffers, "pages_dst", 4, 8, n + 16, tp_rank=0, tp_size=1, kv_heads=8, seed=None)
+    a = mha_layout(
+        buffers, "pages_src", 4, 8, PAGE, n + 16, tp_rank=0, tp_size=1, kv_heads=8, seed=4
+    )
+    b = mha_layout(
+        buffers, "pages_dst", 4, 8, PAGE, n + 16, tp_rank=0, tp_size=1, kv_heads=8, seed=None
+    )
     pages_plan = kvplan.Template(a, b).plan(
         rng.permutation(n + 16)[:n].astype(np.int64), rng.permutation(n + 16)[:n].astype(np.int64)
     )

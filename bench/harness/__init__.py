@@ -1,5 +1,6 @@
 """What the benchmarks share: timing loops (``timing``), the machine they ran on (``machine``),
-where and how results are written (``results``).
+where and how results are written (``results``), and the torch benchmarks' device tensors and
+MHA layouts (``torch_pools``, which imports torch).
 
 Importing this package also makes the test support package importable as ``support``
 (``tests/support``: the SGLang loader, synthetic SGLang deployments, the leak workload), by
