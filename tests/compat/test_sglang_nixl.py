@@ -104,7 +104,8 @@ def judge(orig: tuple[Any, ...], new: tuple[Any, ...], truth: list[tuple[int, in
 def test_install_uninstall_restore_the_class_exactly(nx: Any) -> None:
     before = dict(vars(nx.cls))
     names = compat.install(nx.cls)
-    assert set(names) == {"_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist"}
+    assert set(names) == {"_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist",
+                          "_init_hetero_tp_prep_handle"}
     assert names == compat.REPLACED_METHODS["NixlKVManager"]
     assert compat.installed(nx.cls) == names
     assert compat.install(nx.cls) == ()
@@ -434,3 +435,119 @@ def test_prepared_rows_are_one_per_entry(nx: Any) -> None:
     (_, rows, _), = mgr.agent.dlists
     assert rows.tolist() == [[0x1000, 64, 0, 64, 10], [0x9000, 128, 0, 128, 10]]
 
+
+
+# ---------------------------------------------------------------------------------------------
+# _init_hetero_tp_prep_handle: prepared head-slice lists, then SGLang's send_kvcache_slice
+# ---------------------------------------------------------------------------------------------
+def _asked(tp_p: int, tp_d: int, r_d: int) -> list[int]:
+    """Prefill ranks SGLang 0.5.23's decode rank ``r_d`` asks for KV."""
+    if tp_d > tp_p:
+        return [r_d // (tp_d // tp_p)]
+    k = tp_p // tp_d
+    return list(range(r_d * k, (r_d + 1) * k))
+
+
+_ORACLE_CHECKED: set[tuple[int, int, int, int]] = set()
+HETERO = [(h, p, d, page) for h in (1, 2, 4, 8, 16) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)
+          for page in (1, 4, 16) if p != d]
+
+
+def _hetero_case(nx: Any, rng: np.random.Generator, heads: int, tp_p: int, tp_d: int,
+                 page: int, r_d: int, r_p: int) -> str:
+    from support.sglang_loader import load_head_slicing
+
+    load_head_slicing(nx.sg)
+    layers, head_bytes, cap = int(rng.integers(1, 4)), int(rng.choice([8, 16])), 12
+    si = page * max(1, heads // tp_p) * head_bytes
+    di = page * max(1, heads // tp_d) * head_bytes
+    sptrs = [0x1_0000_0000 + e * 0x100000 for e in range(2 * layers)]
+    dptrs = [0x9_0000_0000 + e * 0x100000 for e in range(2 * layers)]
+    ids = list(range(layers)) * 2 if rng.random() < 0.5 else []
+    n = int(rng.integers(1, cap))
+    dst_slots = cap + 4 if rng.random() < 0.5 else None  # None: the prefill's slot count
+    src = rng.choice(cap, size=n, replace=False).astype(np.int32)
+    dst = rng.choice(dst_slots or cap, size=n, replace=False).astype(np.int32)
+    info = types.SimpleNamespace(
+        dst_kv_ptrs=dptrs, dst_kv_item_len=di, dst_kv_item_lens=[di] * len(dptrs),
+        dst_kv_layer_ids=ids, decode_tp_size=tp_d, decode_tp_rank=r_d,
+        dst_num_slots=dst_slots, gpu_id=1)
+    strided = bool(rng.random() < 0.5)
+
+    def make() -> Any:
+        kv = types.SimpleNamespace(
+            kv_data_ptrs=sptrs, kv_data_lens=[si * cap] * len(sptrs),
+            kv_item_lens=[si] * len(sptrs), kv_layer_ids=ids, page_size=page,
+            total_kv_head_num=heads, kv_head_num=max(1, heads // tp_p), engine_rank=r_p,
+            prefill_start_layer=0, num_draft_entries=0)
+        return nixl_manager(nx, kv_args=kv, attn_tp_size=tp_p, prep_handle_slice_src=None,
+                            prep_handles_slice_dst={}, _use_strided_descs=strided,
+                            decode_kv_args_table={SESSION: info})
+
+    out = []
+    for patched in (False, True):
+        with installed(nx.cls) if patched else contextlib.nullcontext():
+            mgr = make()
+            try:
+                mgr._init_hetero_tp_prep_handle(SESSION, info)
+                mgr.send_kvcache_slice(SESSION, src, dst)
+            except Exception as exc:  # noqa: BLE001
+                out.append(("raise", exc))
+                continue
+        (_, s_side, s_idx, d_side, d_idx), = mgr.agent.prepped
+        expand = mgr._expand_stride_descs
+        s_rows = expand(s_side.parts[0]) if s_side.parts[0].shape[1] == 5 else s_side.parts[0]
+        d_rows = expand(d_side.parts[0]) if d_side.parts[0].shape[1] == 5 else d_side.parts[0]
+        blocks = list(zip(s_rows[s_idx, 0].tolist(), d_rows[d_idx, 0].tolist(),
+                          s_rows[s_idx, 1].tolist()))
+        out.append(("ok", [r.tolist() for _, r, _ in mgr.agent.dlists],
+                    mgr.prep_handle_slice_src[1:], mgr.prep_handles_slice_dst[SESSION][1:],
+                    canonical(blocks)))
+    orig, new = out
+    where = f"heads={heads} tp {tp_p}->{tp_d} r_p={r_p} r_d={r_d} page={page} ids={bool(ids)}"
+    if orig[0] == "ok":
+        assert new == orig, where  # the same rows, group index, slot counts and bytes
+        return "same"
+    if new[0] == "ok":
+        # SGLang cannot prepare these lists (its assertion); kvplan's must write the oracle's
+        # bytes: the heads this rank (as the replica elected for r_d) and r_d have in common.
+        # The (slow) oracle runs on the first such call of each geometry.
+        if (heads, tp_p, tp_d, page) in _ORACLE_CHECKED:
+            return "fixed"
+        _ORACLE_CHECKED.add((heads, tp_p, tp_d, page))
+        from kvplan.compat.sglang.templates import elected_replica
+        from kvplan.testing.fixtures import byte_map_of_blocks, oracle_byte_map
+
+        geo = dict(page_size=page, kv_heads=heads, head_dim=head_bytes, dtype_size=1,
+                   memory_order="NHD")
+        roles = ["k"] * layers + ["v"] * layers
+        lids = list(range(layers)) * 2
+        src_l = kvplan.Layout(sptrs, [si * cap] * len(sptrs), si, lids, roles,
+                              tp_rank=elected_replica(r_p, r_d, heads, tp_p, tp_d),
+                              tp_size=tp_p, **geo)
+        dst_l = kvplan.Layout(dptrs, [di * (cap + 4)] * len(dptrs), di, lids, roles,
+                              tp_rank=r_d, tp_size=tp_d, **geo)
+        want = oracle_byte_map([src_l], dst_l, src.tolist(), dst.tolist())
+        assert byte_map_of_blocks(new[4]) == want, where
+        return "fixed"
+    assert isinstance(new[1], kvplan.KvPlanError), (where, orig, new)
+    return "refused"
+
+
+@pytest.fixture(scope="module")
+def hetero_sweep(nx: Any) -> Counter[str]:
+    rng = np.random.default_rng(5304)
+    verdicts: Counter[str] = Counter()
+    for heads, tp_p, tp_d, page in HETERO:
+        for r_d in range(tp_d):
+            for r_p in _asked(tp_p, tp_d, r_d):
+                verdicts[_hetero_case(nx, rng, heads, tp_p, tp_d, page, r_d, r_p)] += 1
+    return verdicts
+
+
+def test_prepared_head_slice_lists_equal_sglang(hetero_sweep: Counter[str]) -> None:
+    assert sum(hetero_sweep.values()) >= CALLS, hetero_sweep
+    # "fixed": replicated heads where SGLang's group count is 0 (heads < the decode TP over
+    # the prefill TP) and its own assertion stops it; kvplan prepares the oracle's bytes
+    assert hetero_sweep["same"] >= 0.8 * sum(hetero_sweep.values()), hetero_sweep
+    assert set(hetero_sweep) <= {"same", "fixed"}, hetero_sweep

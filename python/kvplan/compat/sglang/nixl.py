@@ -50,6 +50,8 @@ from kvplan.compat.sglang.templates import (
     _ids_template,
     _page_arrays,
     _positional_template,
+    _slice_geometry,
+    _slice_template,
     _state_lens,
 )
 
@@ -71,6 +73,10 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "(self, peer_name, kv_ptrs, kv_item_lens, kv_data_lens, gpu_id, num_slots=None, "
         "mem_kind='VRAM', kv_xfer_lens=None)": "SGLang 0.5.23",
     },
+    "_init_hetero_tp_prep_handle": {
+        "(self, peer_name, decode_kv_args, src_mem_kind='VRAM', dst_mem_kind='VRAM')":
+            "SGLang 0.5.23",
+    },
 }
 
 #: What kvplan's replacements read in SGLang's module and on ``self``: the host's methods
@@ -80,6 +86,8 @@ READS: dict[str, tuple[str, ...]] = {
                               "_post_xfer", "_nixl_device_id", "is_mla_backend"),
     "_send_mamba_state": ("get_xfer_descs", "initialize_xfer", "_post_xfer"),
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
+    "_init_hetero_tp_prep_handle": ("prep_handle_slice_src", "prep_handles_slice_dst",
+                                    "_prep_xfer_dlist", "dst_kv_item_len", "decode_tp_rank"),
 }
 
 
@@ -346,3 +354,100 @@ def _prep_equal_tp_dlist(
     rows = strided_rows(kv_ptrs, kv_item_lens, kv_data_lens, _device_id(mem_kind, gpu_id),
                         num_slots, kv_item_lens if kv_xfer_lens is None else kv_xfer_lens)
     return self._prep_xfer_dlist(peer_name, rows, mem_kind)
+
+
+def _token_pieces(plan: TransferPlan, which: slice, page: int) -> tuple[list[int], list[int], int]:
+    """One page's blocks of one entry pair as per-token pieces: (source addresses, destination
+    addresses, bytes per token), tokens in order; refused when the page's bytes are not
+    ``page`` equal pieces."""
+    src, dst = plan.src_addrs[which].tolist(), plan.dst_addrs[which].tolist()
+    lengths = plan.lengths[which].tolist()
+    total = sum(lengths)
+    if page <= 0 or total % page:
+        raise _core.SizeMismatchError(
+            f"a page of {total} sent bytes does not split into {page} token slices")
+    piece = total // page
+    s_out: list[int] = []
+    d_out: list[int] = []
+    for s, d, n in sorted(zip(src, dst, lengths), key=lambda b: b[1]):
+        if n % piece:
+            raise _core.SizeMismatchError(
+                f"a block of {n} bytes is not whole token slices of {piece} bytes")
+        s_out.extend(s + k * piece for k in range(n // piece))
+        d_out.extend(d + k * piece for k in range(n // piece))
+    return s_out, d_out, piece
+
+
+def _uniform_stride(addrs: list[int], fallback: int, what: str) -> int:
+    steps = {b - a for a, b in zip(addrs, addrs[1:])}
+    if len(steps) > 1:
+        raise _core.LayoutError(f"{what}: token slices are not evenly spaced ({sorted(steps)})")
+    return steps.pop() if steps else fallback
+
+
+def _init_hetero_tp_prep_handle(
+    self: Any,
+    peer_name: str,
+    decode_kv_args: Any,
+    src_mem_kind: str = "VRAM",
+    dst_mem_kind: str = "VRAM",
+) -> None:
+    """kvplan's ``NixlKVManager._init_hetero_tp_prep_handle`` (SGLang 0.5.23 signature): the
+    prepared head-slice lists of a decode peer whose attention TP differs, from kvplan's
+    head-sliced template (the one ``send_kvcache_slice``'s Mooncake drop-in plans with).
+
+    One page of the template's plan gives, per entry pair, where this rank's slice of each
+    token sits on both sides; the lists are one strided row per entry pair: the decode's
+    ``(entry + slice offset, slice bytes, device, decode token bytes, decode slots × page)``
+    and the prefill's ``(entry, slice bytes, device, slice bytes, slots × page × groups)``, the
+    prefill's tokens cut into ``groups`` slices of which this decode rank reads slice
+    ``head_group_idx`` (SGLang's ``expand_page_indices_for_slice`` indexes them). The manager's
+    ``prep_handle_slice_src`` (built once, shared by the peers of one decode TP size) and
+    ``prep_handles_slice_dst[peer_name]`` are set as SGLang sets them."""
+    g = _slice_geometry(self, int(decode_kv_args.decode_tp_rank),
+                        int(decode_kv_args.decode_tp_size), int(decode_kv_args.dst_kv_item_len))
+    dst_ptrs = [int(p) for p in decode_kv_args.dst_kv_ptrs]
+    template = _slice_template(self, peer_name, dst_ptrs, int(decode_kv_args.dst_kv_item_len),
+                               published_ids(getattr(decode_kv_args, "dst_kv_layer_ids", None)),
+                               g)
+    zero = np.zeros(1, dtype=np.int64)
+    plan = template.plan(zero, zero)
+    kv_args = self.kv_args
+    src_ptrs = [int(p) for p in kv_args.kv_data_ptrs]
+    src_items = [int(n) for n in kv_args.kv_item_lens]
+    pairs = sorted(zip(template.pairs.tolist(), range(plan.n_pairs)), key=lambda x: x[0][0])
+    src_rows: list[tuple[int, int, int, int, int]] = []
+    dst_rows: list[tuple[int, int, int, int, int]] = []
+    num_slots = min((int(n) // i for n, i in zip(kv_args.kv_data_lens, src_items) if i),
+                    default=0)
+    num_slots_dst = (int(decode_kv_args.dst_num_slots)
+                     if getattr(decode_kv_args, "dst_num_slots", None) is not None else num_slots)
+    src_dev = _device_id(src_mem_kind, kv_args.gpu_id)
+    dst_dev = _device_id(dst_mem_kind, decode_kv_args.gpu_id)
+    groups = group_idx = None
+    for (i, j), p in pairs:
+        s_addrs, d_addrs, piece = _token_pieces(plan, plan.pair_blocks(p), g.page)
+        s_stride = _uniform_stride(s_addrs, src_items[i] // g.page, "prefill")
+        d_stride = _uniform_stride(d_addrs, int(decode_kv_args.dst_kv_item_len) // g.page,
+                                   "decode")
+        offset = s_addrs[0] - src_ptrs[i]
+        if s_stride % piece or offset % piece or s_stride * g.page != src_items[i]:
+            raise _core.SizeMismatchError(
+                f"prefill entry {i}: token slices of {piece} bytes at offset {offset} do not "
+                f"tile its {src_items[i]}-byte item of {g.page} tokens")
+        if groups is None:
+            groups, group_idx = s_stride // piece, offset // piece
+        elif (groups, group_idx) != (s_stride // piece, offset // piece):
+            raise _core.LayoutError("entries slice their tokens differently: one prepared "
+                                    "list cannot index them alike")
+        src_rows.append((src_ptrs[i], piece, src_dev, piece, num_slots * g.page * groups))
+        dst_rows.append((d_addrs[0], piece, dst_dev, d_stride, num_slots_dst * g.page))
+    if groups is None or group_idx is None:
+        raise _core.PairingError(f"no KV entry pairs with decode peer {peer_name}")
+    if self.prep_handle_slice_src is None:
+        handle = self._prep_xfer_dlist("", np.array(src_rows, dtype=np.uint64).reshape(-1, 5),
+                                       src_mem_kind)
+        self.prep_handle_slice_src = (handle, groups, len(src_rows), num_slots)
+    dst_handle = self._prep_xfer_dlist(
+        peer_name, np.array(dst_rows, dtype=np.uint64).reshape(-1, 5), dst_mem_kind)
+    self.prep_handles_slice_dst[peer_name] = (dst_handle, num_slots_dst, group_idx)
