@@ -1,6 +1,6 @@
 """SGLang 0.5.23 integration: its two planning helpers, and its KV managers' planning methods.
 
-**Managers.** ``install(MooncakeKVManager)`` (and/or ``install(AscendKVManager)``) at start-up
+**Managers.** ``install(MooncakeKVManager)`` (and/or ``AscendKVManager``, ``NixlKVManager``) at start-up
 replaces these methods on the class, with SGLang 0.5.23's exact signatures and return values;
 ``uninstall(cls)`` restores exactly what was there (docs/sglang.md has the full account):
 
@@ -45,6 +45,16 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   ``replicas_send=True``, so every writer fills its own share as in SGLang; prefill PP without
   slot layer ids goes to SGLang's own method.
   :func:`staged_template` gives the decode the same plan over its own pools (its scatter).
+
+* ``NixlKVManager`` (:mod:`.nixl`): ``_send_kvcache_generic``'s non-prepared path (so also
+  ``send_kvcache`` and ``send_kvcache_dcp``, which dispatch to it) plans with a cached template
+  and hands the blocks to the NIXL agent as SGLang's descriptor arrays; the manager's own KV
+  buffers pair by the layer ids both peers registered. The prepared lists
+  (``_prep_equal_tp_dlist``, ``_init_hetero_tp_prep_handle``) are one strided row per entry
+  (pair) from a layout or the head-sliced template; ``_send_mamba_state`` one block per pair.
+  The prepared per-request path, ``send_kvcache_slice``'s indices and the staged path stay
+  SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
+  ``kvplan.IncompatibleHostError`` before anything is replaced.
 
 Everything else (``_send_mamba_state_slice``,
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
@@ -146,7 +156,7 @@ The differences, all for inputs SGLang only handles by accident:
 
 The package is split by job, each module depending only on those below it: :mod:`.install`
 (install / uninstall), :mod:`.dropins` (the drop-in methods; :mod:`.dcp` and :mod:`.staged`
-the DCP and staged ones), :mod:`.submit` (engine batches or
+the DCP and staged ones, :mod:`.nixl` the NIXL manager's), :mod:`.submit` (engine batches or
 SGLang's seams), :mod:`.templates` (SGLang's call -> template), :mod:`.cache` (templates per
 decode peer), :mod:`.layouts` (layout builders), :mod:`.settings`, :mod:`.seams`, and at the
 bottom :mod:`.registry` (SGLang's originals); :mod:`.planning_helpers` holds the two helpers.
