@@ -2,9 +2,10 @@
 
 SGLang's NIXL manager plans three ways: per request on the non-prepared path of
 ``_send_kvcache_generic`` (one ``(addr, len, dev)`` descriptor per entry pair and page run,
-handed to ``agent.get_xfer_descs`` / ``initialize_xfer``), once per peer on the prepared path
-(``_prep_equal_tp_dlist``: one strided ``(addr, len, dev, stride, count)`` row per entry, then
-per request only slot indices into it), and per state slot (``_send_mamba_state``). kvplan
+handed to ``agent.get_xfer_descs`` / ``initialize_xfer``), once per peer on the prepared paths
+(``_prep_equal_tp_dlist`` and ``_init_hetero_tp_prep_handle``: strided ``(addr, len, dev,
+stride, count)`` rows, then per request only indices into them), and per state slot
+(``_send_mamba_state``). kvplan
 replaces the planning of each and keeps every call SGLang makes on ``self`` or its agent:
 
 * ``_send_kvcache_generic`` (non-prepared path, the KV pool, DCP parts and flat state
@@ -17,6 +18,9 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
 * ``_prep_equal_tp_dlist``: the strided rows come from a :class:`kvplan.Layout` of the entries
   (one row per entry: base, transfer length, device, item stride, slots), then go to
   ``self._prep_xfer_dlist`` (SGLang's strided call with its per-block fallback).
+* ``_init_hetero_tp_prep_handle``: the prepared head-slice lists of a peer whose attention TP
+  differs, one strided row per entry pair from one page of the head-sliced template's plan;
+  SGLang's ``send_kvcache_slice`` then indexes them per request as before.
 * ``_send_mamba_state``: a state template per peer, one block per entry pair
   (``Template.plan_state``), entries with a zero length or a null pointer skipped as SGLang
   skips them; descriptors as above.
