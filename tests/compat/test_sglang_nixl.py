@@ -551,3 +551,17 @@ def test_prepared_head_slice_lists_equal_sglang(hetero_sweep: Counter[str]) -> N
     # the prefill TP) and its own assertion stops it; kvplan prepares the oracle's bytes
     assert hetero_sweep["same"] >= 0.8 * sum(hetero_sweep.values()), hetero_sweep
     assert set(hetero_sweep) <= {"same", "fixed"}, hetero_sweep
+
+
+def test_a_refusal_propagates_under_status_mode_and_is_logged(
+        nx: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # SGLang's NIXL worker fails the one room whose send raises; a -1 status would instead be
+    # taken for a transfer handle
+    dep = Deployment("mla", 2, [0, 1], 1, 0)
+    dptrs, _, _ = dep.dst_lists()
+    with installed(nx.cls, on_error="status"), caplog.at_level("ERROR", "kvplan.compat.sglang"):
+        mgr = nixl_manager(nx, kv_args=dep.kv_args(), is_mla_backend=True)
+        with pytest.raises(kvplan.IndexBoundsError):
+            mgr.send_kvcache(SESSION, np.array([99], np.int32), dptrs, np.array([0], np.int32), 0)
+    assert "kvplan refused _send_kvcache_generic for peer decode-peer:1" in caplog.text
+    assert mgr.agent.transfers == []
