@@ -834,9 +834,14 @@ def direct_when_off(pair: PdPair, reference: dict[str, list[int]]) -> str:
                              "staging off")
     if STAGING_STARTED in pair.decode.log_since(0):
         raise AssertionError(f"{pair.decode.name} started staging with kvplan_staging off")
-    text = harness.http_text(pair.prefill.url + "/metrics")
-    blocks = (metric_total(text, BLOCKS_SERIES + "_sum"),
-              metric_total(text, BLOCKS_SERIES + "_count"))
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:  # the prefill's engine reports a step's stats after the step
+        text = harness.http_text(pair.prefill.url + "/metrics")
+        blocks = (metric_total(text, BLOCKS_SERIES + "_sum"),
+                  metric_total(text, BLOCKS_SERIES + "_count"))
+        if (blocks[1] or 0) >= pair.sent or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     return (f"{len(PROMPTS)} prompts equal the plain server's over the direct path; said "
             f"once:{said[0]}; {filled}; prefill {BLOCKS_SERIES} sum {blocks[0]} count "
             f"{blocks[1]} after {pair.sent} PD requests ({offset} of them warm-ups)")
