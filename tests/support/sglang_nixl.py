@@ -3,7 +3,8 @@
 
 The module is executed under its real dotted name with the loader's stand-ins for what it
 imports and does not run here (torch, msgspec, zmq, the rest of SGLang's runtime, the ``nixl``
-bindings: its ``try`` falls back to ``RuntimeError`` as on a host without them). The manager is
+bindings: its ``try`` falls back to ``RuntimeError`` as on a host without them);
+:func:`verify_closure` proves none of them is reachable from the methods the tests run. The manager is
 never constructed (its ``__init__`` creates a NIXL agent, threads and sockets): tests build an
 instance with ``sg.manager_object`` and give it a :class:`RecordingAgent` as ``agent``.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from support.package_shells import Finder, finding
+from support.package_shells import Finder, finding, walk_globals
 from support.sglang_loader import REAL_MODULES, REAL_PACKAGES, THIRD_PARTY_STANDINS, RUNTIME
 
 NIXL_CONN = "sglang.srt.disaggregation.nixl.conn"
@@ -53,7 +54,25 @@ def load_nixl(sg: Any) -> types.ModuleType:
     mod.__dict__["get_device"] = lambda: types.SimpleNamespace(gpu_id=0)
     if "get_parallel" in mod.__dict__:
         mod.__dict__["get_parallel"] = lambda: RUNTIME.parallel
+    verify_closure(mod)
     return mod
+
+
+#: The NIXL manager's methods the tests run (and kvplan replaces or keeps).
+RUN_METHODS = ("_send_kvcache_generic", "send_kvcache", "send_kvcache_dcp", "_send_mamba_state",
+               "_prep_equal_tp_dlist", "_prep_xfer_dlist", "_pack_stride_descs",
+               "_expand_stride_descs", "_init_hetero_tp_prep_handle", "send_kvcache_slice",
+               "_post_xfer")
+
+
+def verify_closure(mod: types.ModuleType) -> list[str]:
+    """No stand-in is reachable from the methods the tests run: every global they load,
+    transitively through SGLang's module-level functions, is SGLang's or Python's."""
+    cls = mod.NixlKVManager
+    roots = [getattr(cls, name) for name in RUN_METHODS]
+    roots += [mod.expand_page_indices_for_slice, mod.repeat_indices_over_layers,
+              mod.build_dcp_token_transfer_plan]
+    return walk_globals(roots, ("sglang.",))
 
 
 class _Handle:
