@@ -565,3 +565,26 @@ def test_a_refusal_propagates_under_status_mode_and_is_logged(
             mgr.send_kvcache(SESSION, np.array([99], np.int32), dptrs, np.array([0], np.int32), 0)
     assert "kvplan refused _send_kvcache_generic for peer decode-peer:1" in caplog.text
     assert mgr.agent.transfers == []
+
+
+def test_a_replaced_slicer_is_called_as_sglang_calls_it(nx: Any) -> None:
+    # a subclass's own get_mha_kv_ptrs_with_pp is SGLang's seam: kvplan hands the call to
+    # SGLang's method, which calls it, rather than pairing by the registered layer ids
+    calls: list[int] = []
+
+    class Traced(nx.cls):  # type: ignore[misc,name-defined]
+        def get_mha_kv_ptrs_with_pp(self, src_kv_ptrs, dst_kv_ptrs):  # type: ignore[no-untyped-def]
+            calls.append(len(src_kv_ptrs))
+            return super().get_mha_kv_ptrs_with_pp(src_kv_ptrs, dst_kv_ptrs)
+
+    dep = Deployment("mha", 2, [0, 1], 1, 0)
+    dptrs, _, _ = dep.dst_lists()
+    src, dst = np.array([1, 2], np.int32), np.array([5, 9], np.int32)
+    with installed(nx.cls):
+        mgr = nx.sg.manager_object(Traced, kv_args=dep.kv_args(), agent=RecordingAgent(),
+                                   prep_handles={}, src_mem_kind="VRAM",
+                                   decode_kv_args_table={SESSION: dep.register_info()})
+        mgr.kv_args.gpu_id = 0
+        mgr.send_kvcache(SESSION, src, dptrs, dst, 0)
+    assert calls == [4]
+    assert canonical(mgr.agent.written()) == dep.truth(src, dst)

@@ -146,7 +146,10 @@ def nixl_generic_template(self: Any, peer_name: str, src_data_ptrs: Sequence[int
     src_ptrs = [int(p) for p in src_data_ptrs]
     dst_ptrs = [int(p) for p in dst_data_ptrs]
     items = [int(n) for n in item_lens]
-    registered = None if force_flat else _registered_ids(self, peer_name, src_ptrs, dst_ptrs)
+    # SGLang's own slicer (not a subclass's or a wrapper's) is what registered ids stand in for
+    own_slicer = mla_slicer(self) is not None if self.is_mla_backend else owns_mha_slicer(self)
+    registered = None if force_flat or not own_slicer else _registered_ids(
+        self, peer_name, src_ptrs, dst_ptrs)
     if registered is not None:
         return _ids_template(self, peer_name, "nixl:registered-ids", src_ptrs, dst_ptrs, items,
                              registered[0], registered[1], self.pp_size == 1)
