@@ -2,6 +2,9 @@
 //! module in it is listed once, every `crate::` path in a module's code (doc comments aside)
 //! names a module of a layer above its own (an earlier folder, or an earlier layer of its own
 //! folder), and docs/design.md's table of the core's modules is the one these files generate.
+//! A module may itself be a folder of parts (`peer/layout/mod.rs` and the files it declares):
+//! the parts are one module, so their `crate::` uses are the module's and a part's `super::`
+//! names the module itself.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -168,8 +171,61 @@ fn declared_mods(file: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Every module on disk: its path (`error`, `rules::check`) and file. A folder is a directory
-/// with a `mod.rs` that declares exactly the `.rs` files beside it.
+/// The parts a module folder's `mod.rs` declares (`mod build;`, `#[cfg(test)] mod tests;`).
+fn declared_parts(file: &Path) -> Vec<String> {
+    fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let l = l.strip_prefix("pub ").unwrap_or(l);
+            l.strip_prefix("mod ")?
+                .strip_suffix(';')
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+/// The `.rs` files in `dir` but `mod.rs`, by name without the extension, sorted.
+fn rs_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter_map(|f| f.strip_suffix(".rs").map(str::to_string))
+        .filter(|f| f != "mod")
+        .collect();
+    names.sort();
+    names
+}
+
+/// The parts of module `module` whose main file is `file`: none for a `<module>.rs`, and for
+/// a module folder (`<module>/mod.rs`) the files its `mod.rs` declares, which must be exactly
+/// the `.rs` files beside it, in the order declared.
+fn module_parts(module: &str, file: &Path) -> Vec<(String, PathBuf)> {
+    if file.file_name().is_none_or(|f| f != "mod.rs") {
+        return Vec::new();
+    }
+    let dir = file.parent().unwrap();
+    let declared = declared_parts(file);
+    let mut sorted = declared.clone();
+    sorted.sort();
+    assert_eq!(
+        rs_files(dir),
+        sorted,
+        "the mod.rs of module {module} and the files beside it differ"
+    );
+    declared
+        .into_iter()
+        .map(|part| {
+            let path = dir.join(format!("{part}.rs"));
+            (format!("{module}::{part}"), path)
+        })
+        .collect()
+}
+
+/// Every module on disk: its path (`error`, `rules::check`) and main file. A folder is a
+/// directory with a `mod.rs` that declares exactly the `.rs` files and module folders beside
+/// it; a module in a folder is a `<module>.rs` or a module folder `<module>/mod.rs`.
 fn modules_on_disk(layers: &Layers) -> (Vec<String>, BTreeMap<String, PathBuf>) {
     let src = src();
     let mut folders = Vec::new();
@@ -177,12 +233,14 @@ fn modules_on_disk(layers: &Layers) -> (Vec<String>, BTreeMap<String, PathBuf>) 
     for name in declared_mods(&src.join("lib.rs")) {
         let dir = src.join(&name);
         if dir.is_dir() {
-            let mut on_disk: Vec<String> = fs::read_dir(&dir)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().into_string().unwrap())
-                .filter_map(|f| f.strip_suffix(".rs").map(str::to_string))
-                .filter(|f| f != "mod")
-                .collect();
+            let mut on_disk = rs_files(&dir);
+            on_disk.extend(
+                fs::read_dir(&dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .filter(|p| p.join("mod.rs").is_file())
+                    .map(|p| p.file_name().unwrap().to_str().unwrap().to_string()),
+            );
             on_disk.sort();
             let mut declared = declared_mods(&dir.join("mod.rs"));
             declared.sort();
@@ -191,10 +249,13 @@ fn modules_on_disk(layers: &Layers) -> (Vec<String>, BTreeMap<String, PathBuf>) 
                 "src/{name}/mod.rs and the files in src/{name}/ differ"
             );
             for module in declared {
-                files.insert(
-                    format!("{name}::{module}"),
-                    dir.join(format!("{module}.rs")),
-                );
+                let single = dir.join(format!("{module}.rs"));
+                let file = if single.is_file() {
+                    single
+                } else {
+                    dir.join(&module).join("mod.rs")
+                };
+                files.insert(format!("{name}::{module}"), file);
             }
             folders.push(name);
         } else {
@@ -225,9 +286,18 @@ fn every_module_uses_only_layers_above_its_own() {
 
     let mut breaks = Vec::new();
     for (module, file) in &files {
-        let source = fs::read_to_string(file).unwrap();
         let own = layers.ranks[module];
-        for used in crate_uses(&source, &layers.folders) {
+        let mut uses = crate_uses(&fs::read_to_string(file).unwrap(), &layers.folders);
+        for (_, part) in module_parts(module, file) {
+            let source = fs::read_to_string(part).unwrap();
+            // A part's `super::` is its own module; `super::super` is a folder, reported.
+            uses.extend(
+                crate_uses(&source, &layers.folders)
+                    .into_iter()
+                    .filter(|u| !u.starts_with("super::") || u.starts_with("super::super")),
+            );
+        }
+        for used in uses {
             if used == *module {
                 continue;
             }
@@ -327,8 +397,17 @@ fn first_sentence(source: &str) -> String {
     paragraph
 }
 
+/// A summary as markdown table text: intra-doc links read as plain code.
+fn table_text(summary: &str) -> String {
+    summary
+        .replace("[`", "`")
+        .replace("`]", "`")
+        .replace('|', "\\|")
+}
+
 /// docs/design.md's table of the core's modules, as the modules' docs state it: one row per
-/// folder and module in the order of the layer list.
+/// folder and module in the order of the layer list, a module folder's parts after it in the
+/// order its `mod.rs` declares them.
 fn module_table() -> String {
     let lib = fs::read_to_string(src().join("lib.rs")).unwrap();
     let layers = written_layers(&lib);
@@ -344,12 +423,16 @@ fn module_table() -> String {
             None => (format!("`{item}`"), files[item].clone()),
         };
         let summary = first_sentence(&fs::read_to_string(file).unwrap());
-        // Intra-doc links read as plain code in markdown.
-        let summary = summary
-            .replace("[`", "`")
-            .replace("`]", "`")
-            .replace('|', "\\|");
-        writeln!(table, "| {name} | {summary} |").unwrap();
+        writeln!(table, "| {name} | {} |", table_text(&summary)).unwrap();
+        let module = item.strip_suffix('/').map_or(item.as_str(), |_| "");
+        let parts = files
+            .get(module)
+            .map(|file| module_parts(module, file))
+            .unwrap_or_default();
+        for (part, file) in parts {
+            let summary = first_sentence(&fs::read_to_string(file).unwrap());
+            writeln!(table, "| ↳ `{part}` | {} |", table_text(&summary)).unwrap();
+        }
     }
     table
 }
