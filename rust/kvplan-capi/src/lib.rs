@@ -14,8 +14,9 @@
 //! Version 2 of the ABI adds [`kvplan_layout_new2`], [`kvplan_prepare2`] and
 //! [`kvplan_plan_into2`], which take versioned structs (`struct_size` first): layouts with
 //! windows, a window pool and rings, and requests with a state slot pair and window pages, all
-//! that `kvplan.Request` gives. The version 1 structs and functions are unchanged; a version 1
-//! request goes through the same conversion as a version 2 page request without window pages.
+//! that `kvplan.Request` gives. The version 1 structs and functions are unchanged; each pair of
+//! entry points shares one body, generic over the struct's version, and a version 1 request is
+//! read as the version 2 page request it means (no window pages) before that body converts it.
 //!
 //! Every function returns a [`KvplanStatus`]; none panics across the boundary (a panic is
 //! caught and returned as [`KvplanStatus::Panic`]). Handles live in a registry: a handle that
@@ -876,26 +877,8 @@ pub unsafe extern "C" fn kvplan_layout_new(
     desc: *const KvplanLayoutDesc,
     out: *mut *mut KvplanLayout,
 ) -> KvplanStatus {
-    guard(|| {
-        // `*out` is written before and after `*desc` is read: they must share no byte.
-        if !desc.is_null() {
-            ptr::disjoint(
-                ptr::byte_range(out.cast_const(), 1, "out")?,
-                "out",
-                Some(ptr::span(desc)),
-                "desc",
-            )?;
-        }
-        // SAFETY: `out` is writable for one pointer (this function's contract).
-        unsafe { ptr::write(out, std::ptr::null_mut(), "out")? };
-        // SAFETY: `desc` points to a valid descriptor (this function's contract).
-        let desc = unsafe { ptr::reference(desc, "desc")? };
-        // SAFETY: the descriptor's arrays are as `layout_from` needs (this function's contract).
-        let layout = unsafe { layout_from(desc)? };
-        let addr = LAYOUTS.insert(layout);
-        // SAFETY: as the first write.
-        unsafe { ptr::write(out, addr as *mut KvplanLayout, "out") }
-    })
+    // SAFETY: this function's contract.
+    unsafe { layout_new(desc, out) }
 }
 
 /// [`kvplan_layout_new`] of a version 2 descriptor (`KvplanLayoutDesc2`: windows, a window
@@ -912,6 +895,48 @@ pub unsafe extern "C" fn kvplan_layout_new2(
     desc: *const KvplanLayoutDesc2,
     out: *mut *mut KvplanLayout,
 ) -> KvplanStatus {
+    // SAFETY: this function's contract.
+    unsafe { layout_new(desc, out) }
+}
+
+/// A layout descriptor of one ABI version, read from the caller's pointer into a layout.
+trait LayoutDesc {
+    /// The layout `desc` describes.
+    ///
+    /// # Safety
+    /// A non-null `desc` points to a valid descriptor of this version (a versioned one: at
+    /// least its `struct_size` field, and the whole struct when that field says so) whose
+    /// arrays are as its `kvplan_layout_new` function states.
+    unsafe fn layout(desc: *const Self) -> Result<Layout, Fail>;
+}
+
+impl LayoutDesc for KvplanLayoutDesc {
+    unsafe fn layout(desc: *const Self) -> Result<Layout, Fail> {
+        // SAFETY: `desc` points to a valid descriptor (this function's contract).
+        let desc = unsafe { ptr::reference(desc, "desc")? };
+        // SAFETY: the descriptor's arrays are as `layout_from` needs (this function's contract).
+        unsafe { layout_from(desc) }
+    }
+}
+
+impl LayoutDesc for KvplanLayoutDesc2 {
+    unsafe fn layout(desc: *const Self) -> Result<Layout, Fail> {
+        // SAFETY: the first field of a valid descriptor (this function's contract).
+        let size = unsafe { ptr::reference(desc.cast::<usize>(), "desc")? };
+        check_struct_size(*size, size_of::<KvplanLayoutDesc2>(), "desc")?;
+        // SAFETY: a whole descriptor, its size checked (this function's contract).
+        let desc = unsafe { ptr::reference(desc, "desc")? };
+        // SAFETY: the descriptor's arrays are as `layout_from2` needs (this function's contract).
+        unsafe { layout_from2(desc) }
+    }
+}
+
+/// The one body of `kvplan_layout_new` and `kvplan_layout_new2`, for a descriptor of either
+/// version.
+///
+/// # Safety
+/// As [`LayoutDesc::layout`] for `desc`; `out` points to writable storage for a handle.
+unsafe fn layout_new<D: LayoutDesc>(desc: *const D, out: *mut *mut KvplanLayout) -> KvplanStatus {
     guard(|| {
         // `*out` is written before and after `*desc` is read: they must share no byte.
         if !desc.is_null() {
@@ -924,13 +949,8 @@ pub unsafe extern "C" fn kvplan_layout_new2(
         }
         // SAFETY: `out` is writable for one pointer (this function's contract).
         unsafe { ptr::write(out, std::ptr::null_mut(), "out")? };
-        // SAFETY: the first field of a valid descriptor (this function's contract).
-        let size = unsafe { ptr::reference(desc.cast::<usize>(), "desc")? };
-        check_struct_size(*size, size_of::<KvplanLayoutDesc2>(), "desc")?;
-        // SAFETY: a whole descriptor, its size checked (this function's contract).
-        let desc = unsafe { ptr::reference(desc, "desc")? };
-        // SAFETY: the descriptor's arrays are as `layout_from2` needs (this function's contract).
-        let layout = unsafe { layout_from2(desc)? };
+        // SAFETY: this function's contract.
+        let layout = unsafe { D::layout(desc)? };
         let addr = LAYOUTS.insert(layout);
         // SAFETY: as the first write.
         unsafe { ptr::write(out, addr as *mut KvplanLayout, "out") }
@@ -1075,14 +1095,8 @@ pub unsafe extern "C" fn kvplan_prepare(
     request: *const KvplanRequest,
     info: *mut KvplanPlanInfo,
 ) -> KvplanStatus {
-    guard(|| {
-        let template = TEMPLATES.get(template.addr())?;
-        // SAFETY: `request` is valid (this function's contract).
-        let raw = unsafe { ptr::reference(request, "request")? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
-        // SAFETY: its arrays are as long as it says (this function's contract).
-        unsafe { prepare(&template, range, &KvplanRequest2::of_v1(raw), info) }
-    })
+    // SAFETY: this function's contract.
+    unsafe { prepare(template, request, info) }
 }
 
 /// [`kvplan_prepare`] of a version 2 request (`KvplanRequest2`: a page or slot request, with
@@ -1100,14 +1114,34 @@ pub unsafe extern "C" fn kvplan_prepare2(
     request: *const KvplanRequest2,
     info: *mut KvplanPlanInfo,
 ) -> KvplanStatus {
-    guard(|| {
-        let template = TEMPLATES.get(template.addr())?;
+    // SAFETY: this function's contract.
+    unsafe { prepare(template, request, info) }
+}
+
+/// A request struct of one ABI version, read from the caller's pointer as the version 2
+/// request it means, which every plan call converts and plans.
+trait RequestStruct {
+    /// The version 2 request `request` means.
+    ///
+    /// # Safety
+    /// A non-null `request` points to a valid struct of this version (a versioned one: at
+    /// least its `struct_size` field, and the whole struct when that field says so).
+    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail>;
+}
+
+impl RequestStruct for KvplanRequest {
+    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail> {
         // SAFETY: `request` is valid (this function's contract).
-        let raw = unsafe { versioned(request)? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
-        // SAFETY: its arrays are as long as it says (this function's contract).
-        unsafe { prepare(&template, range, raw, info) }
-    })
+        let raw = unsafe { ptr::reference(request, "request")? };
+        Ok(KvplanRequest2::of_v1(raw))
+    }
+}
+
+impl RequestStruct for KvplanRequest2 {
+    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail> {
+        // SAFETY: `request` is valid (this function's contract).
+        unsafe { versioned(request) }.copied()
+    }
 }
 
 /// A versioned request, its `struct_size` read and checked before the rest of it.
@@ -1123,27 +1157,32 @@ unsafe fn versioned<'a>(request: *const KvplanRequest2) -> Result<&'a KvplanRequ
     unsafe { ptr::reference(request, "request") }
 }
 
-/// The body of `kvplan_prepare` and `kvplan_prepare2`.
+/// The one body of `kvplan_prepare` and `kvplan_prepare2`, for a request of either version.
 ///
 /// # Safety
-/// `raw`'s arrays are as long as it says; `info` points to writable storage for one
-/// `KvplanPlanInfo`.
-unsafe fn prepare(
-    template: &Template,
-    request: NamedRange,
-    raw: &KvplanRequest2,
+/// As [`RequestStruct::read`] for `request`, whose arrays are as long as it says; `info`
+/// points to writable storage for one `KvplanPlanInfo`.
+unsafe fn prepare<R: RequestStruct>(
+    template: *const KvplanTemplate,
+    request: *const R,
     info: *mut KvplanPlanInfo,
-) -> Result<(), Fail> {
-    let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
-    // The info is written while the request is borrowed: it must share no byte with it.
-    for (input, name) in request_ranges(request, raw)? {
-        ptr::disjoint(info_range, "info", input, name)?;
-    }
-    // SAFETY: its arrays are as long as it says (this function's contract).
-    let request = unsafe { request_from(raw)? };
-    let summary = template.prepare(&request)?;
-    // SAFETY: `info` is writable (this function's contract).
-    unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info") }
+) -> KvplanStatus {
+    guard(|| {
+        let template = TEMPLATES.get(template.addr())?;
+        // SAFETY: `request` is valid (this function's contract).
+        let raw = unsafe { R::read(request)? };
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
+        // The info is written while the request is borrowed: it must share no byte with it.
+        for (input, name) in request_ranges(range, &raw)? {
+            ptr::disjoint(info_range, "info", input, name)?;
+        }
+        // SAFETY: its arrays are as long as it says (this function's contract).
+        let request = unsafe { request_from(&raw)? };
+        let summary = template.prepare(&request)?;
+        // SAFETY: `info` is writable (this function's contract).
+        unsafe { ptr::write(info, KvplanPlanInfo::from(&summary), "info") }
+    })
 }
 
 /// Plans `request` into the caller's columns: block `i` copies `lengths[i]` bytes from
@@ -1173,22 +1212,15 @@ pub unsafe extern "C" fn kvplan_plan_into(
     capacity: usize,
     info: *mut KvplanPlanInfo,
 ) -> KvplanStatus {
-    guard(|| {
-        let template = TEMPLATES.get(template.addr())?;
-        // SAFETY: `request` is valid (this function's contract).
-        let raw = unsafe { ptr::reference(request, "request")? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
-        let raw = KvplanRequest2::of_v1(raw);
-        let columns = Outputs {
-            src_addrs,
-            dst_addrs,
-            lengths,
-            capacity,
-            info,
-        };
-        // SAFETY: its arrays and columns are as it says (this function's contract).
-        unsafe { plan_into(&template, range, &raw, columns) }
-    })
+    let outputs = Outputs {
+        src_addrs,
+        dst_addrs,
+        lengths,
+        capacity,
+        info,
+    };
+    // SAFETY: its arrays and columns are as it says (this function's contract).
+    unsafe { plan_into(template, request, outputs) }
 }
 
 /// [`kvplan_plan_into`] of a version 2 request (`KvplanRequest2`: a page or slot request,
@@ -1212,21 +1244,15 @@ pub unsafe extern "C" fn kvplan_plan_into2(
     capacity: usize,
     info: *mut KvplanPlanInfo,
 ) -> KvplanStatus {
-    guard(|| {
-        let template = TEMPLATES.get(template.addr())?;
-        // SAFETY: `request` is valid (this function's contract).
-        let raw = unsafe { versioned(request)? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
-        let columns = Outputs {
-            src_addrs,
-            dst_addrs,
-            lengths,
-            capacity,
-            info,
-        };
-        // SAFETY: its arrays and columns are as it says (this function's contract).
-        unsafe { plan_into(&template, range, raw, columns) }
-    })
+    let outputs = Outputs {
+        src_addrs,
+        dst_addrs,
+        lengths,
+        capacity,
+        info,
+    };
+    // SAFETY: its arrays and columns are as it says (this function's contract).
+    unsafe { plan_into(template, request, outputs) }
 }
 
 /// The output arguments of a plan call.
@@ -1238,12 +1264,34 @@ struct Outputs {
     info: *mut KvplanPlanInfo,
 }
 
-/// The body of `kvplan_plan_into` and `kvplan_plan_into2`.
+/// The one body of `kvplan_plan_into` and `kvplan_plan_into2`, for a request of either
+/// version.
+///
+/// # Safety
+/// As [`RequestStruct::read`] for `request`, whose arrays are as long as it says; each column
+/// holds `capacity` writable values nothing else accesses during the call; a non-null `info`
+/// is writable.
+unsafe fn plan_into<R: RequestStruct>(
+    template: *const KvplanTemplate,
+    request: *const R,
+    outputs: Outputs,
+) -> KvplanStatus {
+    guard(|| {
+        let template = TEMPLATES.get(template.addr())?;
+        // SAFETY: `request` is valid (this function's contract).
+        let raw = unsafe { R::read(request)? };
+        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        // SAFETY: its arrays and columns are as it says (this function's contract).
+        unsafe { plan_columns(&template, range, &raw, outputs) }
+    })
+}
+
+/// Plans `raw` (read from the caller's struct at `request`) into the caller's columns.
 ///
 /// # Safety
 /// `raw`'s arrays are as long as it says; each column holds `capacity` writable values nothing
 /// else accesses during the call; a non-null `info` is writable.
-unsafe fn plan_into(
+unsafe fn plan_columns(
     template: &Template,
     request: NamedRange,
     raw: &KvplanRequest2,
