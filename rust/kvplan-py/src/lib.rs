@@ -60,6 +60,8 @@ mod _core {
     #[pymodule_export]
     use crate::capabilities::{feature_descriptions, planner_support};
     #[pymodule_export]
+    use crate::compile::PyTemplate;
+    #[pymodule_export]
     use crate::convert::{PyConversionPlan, PyConversionTemplate};
     #[pymodule_export]
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
@@ -106,8 +108,6 @@ mod _core {
     };
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
-    #[pymodule_export]
-    use crate::template::PyTemplate;
 
     /// Module attributes the core owns: its role classification, and the default `kind` and
     /// `requests` of a `KvPlanError` raised by Python code.

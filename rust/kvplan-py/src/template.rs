@@ -1,28 +1,16 @@
-//! `Template`: a compiled peer pair, planned per request. Its methods are the Python surface;
-//! each hands its work to the module of that job (`compile`, `one_request`, `batch`, `pack`,
-//! `staged`, `advice`, `slots`, `coalescing`, `block_counts`, `descriptors`, `slices`).
+//! `Template`'s methods, the Python surface of a compiled peer pair: each hands its work to the
+//! module of that job (`compile`, which holds the value and builds it, `one_request`, `batch`,
+//! `pack`, `staged`, `advice`, `slots`, `coalescing`, `block_counts`, `descriptors`, `slices`).
 
 use std::sync::Arc;
 
-use kvplan_core::Template;
 use numpy::PyArray2;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::compile::compile;
+use crate::compile::PyTemplate;
 use crate::layout::PyLayout;
-use crate::options::template_options;
 use crate::plan::PyTransferPlan;
-
-/// A validated peer pair (prefill layout → decode layout), built once, planned per request.
-#[pyclass(frozen, name = "Template", module = "kvplan._core")]
-pub struct PyTemplate {
-    /// Shared with every plan, which asks it for its block offsets.
-    pub(crate) inner: Arc<Template>,
-    /// The core's fingerprints of the (prefill, decode) layouts, for plan digests (`None` when
-    /// a layout has no wire encoding).
-    pub(crate) fingerprints: Option<(u64, u64)>,
-}
 
 #[pymethods]
 impl PyTemplate {
@@ -40,26 +28,17 @@ impl PyTemplate {
         replicas_send: bool,
         removed_keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let options = template_options(
-            "Template",
+        Self::from_arguments(
+            &src_layout,
+            &dst_layout,
             pairing,
             removed_keywords,
             check_dst_overlap,
             replicas_send,
-        )?;
-        let groups = layer_groups.as_ref().map(|g| &g.inner);
-        let (inner, fingerprints) = compile(
-            &src_layout,
-            &dst_layout,
-            options,
             fragments,
             coalesce,
-            groups,
-        )?;
-        Ok(Self {
-            inner,
-            fingerprints,
-        })
+            layer_groups.as_deref(),
+        )
     }
 
     /// `(n_pairs, 2)` int64: (src entry, dst entry) of every page-entry pair, in planning order.
