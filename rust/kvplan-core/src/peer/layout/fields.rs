@@ -1,5 +1,7 @@
 //! Per-entry fields set on a layout: strides, sliding windows, rings and KV representations.
 
+#[cfg(doc)]
+use crate::error::PlanError;
 use crate::error::Result;
 use crate::peer::entry::{Entry, EntryKind, Indexing, PoolId};
 use crate::peer::kv_format::{MX_BLOCK, Representation, ScaleLayout, scale_role};

@@ -1,5 +1,7 @@
 //! Page pools: a window pool, further pools, and each entry's page size and rows per page.
 
+#[cfg(doc)]
+use crate::error::PlanError;
 use crate::error::Result;
 use crate::peer::entry::{Entry, EntryKind, POOLS, Pool, PoolId};
 
