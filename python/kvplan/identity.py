@@ -111,6 +111,8 @@ class ModelSemantics:
     drafts: Sequence[str] = field(default=())
     transfer: Literal["push", "pull"] = "push"
     cross_layer: bool = False
+    #: ``rope`` as the identity's canonical text, written once.
+    rope_text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "revision"):
@@ -128,7 +130,7 @@ class ModelSemantics:
         if not isinstance(self.cross_layer, bool):
             raise LayoutError(f"model semantics: cross_layer is {self.cross_layer!r} of type "
                               f"{type(self.cross_layer).__name__}; expected bool")
-        canonical_rope(self.rope)
+        object.__setattr__(self, "rope_text", canonical_rope(self.rope))
 
 
 def layout_identity(layout: Layout, semantics: ModelSemantics | None = None) -> LayoutIdentity:
@@ -144,7 +146,7 @@ def layout_identity(layout: Layout, semantics: ModelSemantics | None = None) -> 
         raise LayoutError(f"model semantics: expected a kvplan.ModelSemantics, got "
                           f"{type(semantics).__name__}")
     return _layout_identity(layout, model=semantics.model, revision=semantics.revision,
-                            rope=canonical_rope(semantics.rope), drafts=list(semantics.drafts),
+                            rope=semantics.rope_text, drafts=list(semantics.drafts),
                             transfer=semantics.transfer, cross_layer=semantics.cross_layer)
 
 

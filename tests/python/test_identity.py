@@ -5,6 +5,7 @@ accessors), the semantics' canonical forms and their typed errors."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import subprocess
 import sys
@@ -65,8 +66,8 @@ def test_two_processes_with_different_addresses_compute_the_same_ids() -> None:
 def test_golden_ids_pin_the_encoding() -> None:
     identity = layout_identity(_layout(1 << 32, 64), SEMANTICS)
     # The same layout and semantics as the core's golden test (rust/kvplan-core/tests/identity.rs).
-    assert identity.class_id == "kvc1-bpgcc3awo54sw34toayzwz2e7ttbcfox2wgtoujfemtf42vzsqba"
-    assert identity.layout_id == "kvl1-tvzi6a34zyqhczuwlu3d4hxz7upivm7b5u7yccsk34swadsbxnlq"
+    assert identity.class_id == "kvc1-wrkgjwcvqz5simecp4bsapd3c6x43ftot6jhcsmdgymtmmuuozma"
+    assert identity.layout_id == "kvl1-2zy23qc5vzcwrxfyksrv4k2vaddq7ucs3tfhgrs2ty2cfbi2hkaa"
     assert len(identity.class_id) <= 64 and identity.class_id.isprintable()
 
 
@@ -113,20 +114,26 @@ def reference_ids(layout: Layout, s: ModelSemantics) -> tuple[bytes, str, str]:
     n = len(layout)
     layer_ids = layout.layer_ids or [None] * n
     roles = layout.roles or [None] * n
-    out += _uvarint(n)
+    shapes: list[bytes] = []
+    indices = []
     for i in range(n):
         if layout.kinds[i] == "page":
             pool = layout.entry_pools[i]
             assert pool is not None
-            out += b"\x00" + _uvarint(pool) + _opt(layout.windows[i])
+            shape = b"\x00" + _uvarint(pool) + _opt(layout.windows[i])
         else:
-            out += b"\x01" + _opt(layout.rings[i])
-        layer = layer_ids[i]
-        out += b"\x00" if layer is None else _uvarint(((layer << 1) ^ (layer >> 63)) + 1)
-        out += _text(roles[i] or "") + bytes([layout.drafts[i]])
-        out += _uvarint(layout.item_lens[i]) + _uvarint(layout.strides[i])
+            shape = b"\x01" + _opt(layout.rings[i])
         representation = layout.representations[i]
-        out += b"\x00" if representation is None else _text(representation)
+        shape += _text(roles[i] or "") + bytes([layout.drafts[i]]) + _uvarint(layout.item_lens[i])
+        shape += _uvarint(layout.strides[i])
+        shape += b"\x00" if representation is None else _text(representation)
+        if shape not in shapes:
+            shapes.append(shape)
+        indices.append(shapes.index(shape))
+    out += _uvarint(len(shapes)) + b"".join(shapes) + _uvarint(n)
+    for index, layer in zip(indices, layer_ids):
+        out += _uvarint(index)
+        out += b"\x00" if layer is None else _uvarint(((layer << 1) ^ (layer >> 63)) + 1)
     out += _text(s.model) + _text(s.revision) + _text(canonical_rope(s.rope))
     drafts = sorted(set(s.drafts))
     out += _uvarint(len(drafts)) + b"".join(_text(d) for d in drafts)
@@ -181,8 +188,7 @@ def test_fields_outside_the_identity_do_not_change_it_and_fields_inside_do() -> 
     assert a == layout_identity(_layout(1 << 40, 7), SEMANTICS)
     changed = [
         layout_identity(_layout(1 << 32, 64, memory_order="HND"), SEMANTICS),
-        layout_identity(_layout(1 << 32, 64), ModelSemantics(**{**vars(SEMANTICS),
-                                                               "revision": "def"})),
+        layout_identity(_layout(1 << 32, 64), dataclasses.replace(SEMANTICS, revision="def")),
         layout_identity(_layout(1 << 32, 64).with_representations(["bf16"] * 4), SEMANTICS),
     ]
     assert len({a.class_id, *(c.class_id for c in changed)}) == 4

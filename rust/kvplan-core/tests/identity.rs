@@ -63,20 +63,26 @@ fn golden_ids_pin_the_encoding() {
     let id = LayoutIdentity::new(&mha(1 << 32, 64, 0, MemoryOrder::Nhd), semantics());
     assert_eq!(
         id.class_id(),
-        "kvc1-bpgcc3awo54sw34toayzwz2e7ttbcfox2wgtoujfemtf42vzsqba"
+        "kvc1-wrkgjwcvqz5simecp4bsapd3c6x43ftot6jhcsmdgymtmmuuozma"
     );
     assert_eq!(
         id.layout_id(),
-        "kvl1-tvzi6a34zyqhczuwlu3d4hxz7upivm7b5u7yccsk34swadsbxnlq"
+        "kvl1-2zy23qc5vzcwrxfyksrv4k2vaddq7ucs3tfhgrs2ty2cfbi2hkaa"
     );
 }
 
 #[test]
 fn memory_order_swapped_with_identical_sizes_changes_the_id() {
-    let nhd = LayoutIdentity::new(&mha(1 << 32, 64, 0, MemoryOrder::Nhd), semantics());
-    let hnd = LayoutIdentity::new(&mha(1 << 32, 64, 0, MemoryOrder::Hnd), semantics());
+    let (a, b) = (
+        mha(1 << 32, 64, 0, MemoryOrder::Nhd),
+        mha(1 << 32, 64, 0, MemoryOrder::Hnd),
+    );
+    let (nhd, hnd) = (
+        LayoutIdentity::new(&a, semantics()),
+        LayoutIdentity::new(&b, semantics()),
+    );
     assert_ne!(nhd.class_id(), hnd.class_id());
-    let verdict = compatibility(&nhd, &hnd);
+    let verdict = compatibility((&a, &nhd), (&b, &hnd));
     assert_eq!(verdict.kind, VerdictKind::PlannableWithConversion);
     assert!(verdict.reason.contains("NHD") && verdict.reason.contains("HND"));
 }
@@ -124,9 +130,10 @@ fn each_semantic_mismatch_is_refused_naming_both_values() {
     ];
     let prefill = LayoutIdentity::new(&layout, base.clone());
     for (other, [ours, theirs]) in cases {
-        let decode = LayoutIdentity::new(&mha(9 << 40, 32, 0, MemoryOrder::Nhd), other);
+        let decode_layout = mha(9 << 40, 32, 0, MemoryOrder::Nhd);
+        let decode = LayoutIdentity::new(&decode_layout, other);
         assert_ne!(prefill.class_id(), decode.class_id());
-        let verdict = compatibility(&prefill, &decode);
+        let verdict = compatibility((&layout, &prefill), (&decode_layout, &decode));
         assert_eq!(verdict.kind, VerdictKind::Refused, "{}", verdict.reason);
         assert_eq!(verdict.refused_by, Some("semantics"));
         assert!(
@@ -139,9 +146,16 @@ fn each_semantic_mismatch_is_refused_naming_both_values() {
 
 #[test]
 fn the_gate_decides_geometry() {
-    let prefill = LayoutIdentity::new(&mha(1 << 32, 64, 0, MemoryOrder::Nhd), semantics());
-    let same = LayoutIdentity::new(&mha(9 << 40, 32, 0, MemoryOrder::Nhd), semantics());
-    assert_eq!(compatibility(&prefill, &same).kind, VerdictKind::Plannable);
+    let (src, dst) = (
+        mha(1 << 32, 64, 0, MemoryOrder::Nhd),
+        mha(9 << 40, 32, 0, MemoryOrder::Nhd),
+    );
+    let prefill = LayoutIdentity::new(&src, semantics());
+    let same = LayoutIdentity::new(&dst, semantics());
+    assert_eq!(
+        compatibility((&src, &prefill), (&dst, &same)).kind,
+        VerdictKind::Plannable
+    );
     let one_layer = Layout::mla(
         vec![9 << 40],
         vec![1 << 20],
@@ -150,7 +164,8 @@ fn the_gate_decides_geometry() {
         LayoutContext::default(),
     )
     .unwrap();
-    let verdict = compatibility(&prefill, &LayoutIdentity::new(&one_layer, semantics()));
+    let other = LayoutIdentity::new(&one_layer, semantics());
+    let verdict = compatibility((&src, &prefill), (&one_layer, &other));
     assert_eq!(verdict.kind, VerdictKind::Refused);
     assert_ne!(verdict.refused_by, Some("semantics"));
 }

@@ -12,6 +12,8 @@ use crate::options::template_options;
 /// A layout's address-free identity with the caller's model semantics.
 #[pyclass(frozen, name = "LayoutIdentity", module = "kvplan._core")]
 pub struct PyLayoutIdentity {
+    /// The layout it was computed from, shared (a verdict asks the planner about it).
+    layout: Py<PyLayout>,
     inner: LayoutIdentity,
 }
 
@@ -32,7 +34,7 @@ impl PyLayoutIdentity {
     /// The canonical class encoding the class id hashes.
     fn class_encoding<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let encoding = kvplan_core::exchange::identity::class_encoding(
-            self.inner.layout(),
+            &self.layout.get().inner,
             self.inner.semantics(),
         );
         PyBytes::new(py, &encoding)
@@ -40,8 +42,8 @@ impl PyLayoutIdentity {
 
     /// The layout it was computed from.
     #[getter]
-    fn layout(&self) -> PyLayout {
-        PyLayout::from(self.inner.layout().clone())
+    fn layout(&self, py: Python<'_>) -> Py<PyLayout> {
+        self.layout.clone_ref(py)
     }
 
     /// Model id (`""`: not declared).
@@ -153,7 +155,7 @@ impl PyVerdict {
 #[pyo3(signature = (layout, *, model, revision, rope, drafts, transfer, cross_layer))]
 #[allow(clippy::too_many_arguments)]
 pub fn layout_identity(
-    layout: PyRef<'_, PyLayout>,
+    layout: Bound<'_, PyLayout>,
     model: String,
     revision: String,
     rope: String,
@@ -163,8 +165,10 @@ pub fn layout_identity(
 ) -> PyResult<PyLayoutIdentity> {
     let transfer = TransferMode::parse(transfer).map_err(to_py_err)?;
     let semantics = Semantics::new(model, revision, rope, drafts, transfer, cross_layer);
+    let inner = LayoutIdentity::new(&layout.get().inner, semantics);
     Ok(PyLayoutIdentity {
-        inner: LayoutIdentity::new(&layout.inner, semantics),
+        layout: layout.unbind(),
+        inner,
     })
 }
 
@@ -178,6 +182,10 @@ pub fn compatibility(
     replicas_send: bool,
 ) -> PyResult<PyVerdict> {
     let options = template_options("compatibility", pairing, None, false, replicas_send)?;
-    let inner = kvplan_core::compatibility_with(&prefill.inner, &decode.inner, options);
+    let inner = kvplan_core::compatibility_with(
+        (&prefill.layout.get().inner, &prefill.inner),
+        (&decode.layout.get().inner, &decode.inner),
+        options,
+    );
     Ok(PyVerdict { inner })
 }

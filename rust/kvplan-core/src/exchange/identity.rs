@@ -7,7 +7,10 @@
 //! interleave, the attention geometry (heads, head size, element size, memory order), every
 //! pool's page size and tokens per row, and per entry its kind, pool, window or ring, layer id,
 //! role, draft-ness, item length, stride and representation, followed by the semantics (model
-//! id, revision, RoPE configuration, draft models, transfer mode, cross-layer flag).
+//! id, revision, RoPE configuration, draft models, transfer mode, cross-layer flag). An entry's
+//! fields but its layer id (its **shape**) are written once per distinct shape, in the order
+//! they first appear, and each entry as its shape's index and its layer id, so a model's layers
+//! cost two or three bytes each and the hash stays within its time budget.
 //!
 //! It leaves out what differs between processes that read the same bytes the same way: buffer
 //! addresses, buffer lengths (how many pages fit depends on free memory) and the device. The
@@ -17,7 +20,7 @@
 //! same geometry: the value an offload store keys blocks by.
 
 use crate::error::{PlanError, Result};
-use crate::peer::entry::EntryKind;
+use crate::peer::entry::{Entry, EntryKind};
 use crate::peer::layout::{Layout, MemoryOrder};
 
 /// The encoding's version byte; a change to the encoding changes it and both id prefixes.
@@ -153,11 +156,10 @@ impl Semantics {
     }
 }
 
-/// A layout's identity: its canonical encoding's two ids, with the layout and the semantics
-/// they were computed from (a compatibility verdict asks the planner about the layouts).
-#[derive(Debug, Clone)]
+/// A layout's identity: the digests of its canonical encoding (with and without the rank
+/// coordinates) and the semantics they were computed with.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayoutIdentity {
-    layout: Layout,
     semantics: Semantics,
     class_digest: [u8; 32],
     layout_digest: [u8; 32],
@@ -170,7 +172,6 @@ impl LayoutIdentity {
         let class_digest = sha256(&encoding);
         let layout_digest = sha256(&rank_encoding(&class_digest, layout));
         Self {
-            layout: layout.clone(),
             semantics,
             class_digest,
             layout_digest,
@@ -194,11 +195,6 @@ impl LayoutIdentity {
         self.class_digest
     }
 
-    /// The layout it was computed from.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
     /// The semantics it was computed from.
     pub fn semantics(&self) -> &Semantics {
         &self.semantics
@@ -208,7 +204,7 @@ impl LayoutIdentity {
 /// The class encoding of `layout` with `semantics` (module docs; `docs/identity.md`).
 pub fn class_encoding(layout: &Layout, semantics: &Semantics) -> Vec<u8> {
     let context = layout.context();
-    let mut out = Vec::with_capacity(64 + 24 * layout.n_entries());
+    let mut out = Vec::with_capacity(256);
     out.extend_from_slice(MAGIC);
     uvarint(&mut out, context.page_size);
     option(&mut out, context.num_model_layers);
@@ -235,30 +231,29 @@ pub fn class_encoding(layout: &Layout, semantics: &Semantics) -> Vec<u8> {
         uvarint(&mut out, pool.page_size);
         uvarint(&mut out, pool.tokens_per_row);
     }
-    uvarint(&mut out, layout.n_entries() as u64);
-    for entry in layout.entries() {
-        match entry.kind {
-            EntryKind::Page { pool, window } => {
-                out.push(0);
-                uvarint(&mut out, u64::from(pool.0));
-                option(&mut out, window);
-            }
-            EntryKind::State { ring } => {
-                out.push(1);
-                option(&mut out, ring);
-            }
-        }
+    let entries = layout.entries();
+    let mut shapes: Vec<&Entry> = Vec::new();
+    let mut indices: Vec<usize> = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let index = shapes
+            .iter()
+            .position(|shape| same_shape(shape, entry))
+            .unwrap_or_else(|| {
+                shapes.push(entry);
+                shapes.len() - 1
+            });
+        indices.push(index);
+    }
+    uvarint(&mut out, shapes.len() as u64);
+    for shape in &shapes {
+        shape_encoding(&mut out, shape);
+    }
+    uvarint(&mut out, entries.len() as u64);
+    for (entry, index) in entries.iter().zip(indices) {
+        uvarint(&mut out, index as u64);
         match entry.layer {
             None => out.push(0),
             Some(id) => uvarint(&mut out, zigzag(id) + 1),
-        }
-        text(&mut out, &entry.role);
-        out.push(u8::from(entry.draft));
-        uvarint(&mut out, entry.item_len);
-        uvarint(&mut out, entry.stride);
-        match entry.format {
-            None => out.push(0),
-            Some(format) => text(&mut out, &format.text()),
         }
     }
     text(&mut out, &semantics.model);
@@ -274,6 +269,40 @@ pub fn class_encoding(layout: &Layout, semantics: &Semantics) -> Vec<u8> {
     });
     out.push(u8::from(semantics.cross_layer));
     out
+}
+
+/// Whether two entries have one shape: every encoded field but the layer id equal.
+fn same_shape(a: &Entry, b: &Entry) -> bool {
+    a.kind == b.kind
+        && a.role == b.role
+        && a.draft == b.draft
+        && a.item_len == b.item_len
+        && a.stride == b.stride
+        && a.format == b.format
+}
+
+/// One entry's shape: kind with its pool and window or its ring, role, draft-ness, item length,
+/// stride, representation.
+fn shape_encoding(out: &mut Vec<u8>, entry: &Entry) {
+    match entry.kind {
+        EntryKind::Page { pool, window } => {
+            out.push(0);
+            uvarint(out, u64::from(pool.0));
+            option(out, window);
+        }
+        EntryKind::State { ring } => {
+            out.push(1);
+            option(out, ring);
+        }
+    }
+    text(out, &entry.role);
+    out.push(u8::from(entry.draft));
+    uvarint(out, entry.item_len);
+    uvarint(out, entry.stride);
+    match entry.format {
+        None => out.push(0),
+        Some(format) => text(out, &format.text()),
+    }
 }
 
 /// What the layout id hashes: the class digest, then the TP, PP and DCP ranks.

@@ -57,15 +57,19 @@ impl Verdict {
     }
 }
 
-/// The verdict on `prefill` sending its KV cache to `decode`, pairing by layer id.
-pub fn compatibility(prefill: &LayoutIdentity, decode: &LayoutIdentity) -> Verdict {
+/// The verdict on `prefill` sending its KV cache to `decode`, each a layout with the identity
+/// computed from it ([`LayoutIdentity::new`]), pairing by layer id.
+pub fn compatibility(
+    prefill: (&Layout, &LayoutIdentity),
+    decode: (&Layout, &LayoutIdentity),
+) -> Verdict {
     compatibility_with(prefill, decode, TemplateOptions::default())
 }
 
 /// As [`compatibility`], with the template options the pair will be planned with.
 pub fn compatibility_with(
-    prefill: &LayoutIdentity,
-    decode: &LayoutIdentity,
+    (src, prefill): (&Layout, &LayoutIdentity),
+    (dst, decode): (&Layout, &LayoutIdentity),
     options: TemplateOptions,
 ) -> Verdict {
     if let Some((field, ours, theirs)) = prefill.semantics().first_difference(decode.semantics()) {
@@ -78,7 +82,6 @@ pub fn compatibility_with(
             refused_by: Some("semantics"),
         };
     }
-    let (src, dst) = (prefill.layout(), decode.layout());
     match Template::new(src, dst, options) {
         Ok(_) => {
             let orders = (memory_order(src), memory_order(dst));
