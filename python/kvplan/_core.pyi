@@ -358,7 +358,12 @@ class Layout:
         strides: int | Sequence[int] | None = None,
     ) -> Layout: ...
     def fingerprint(self) -> int:
-        """XXH3-64 of ``to_bytes()``: equal on two peers exactly when their layouts agree."""
+        """XXH3-64 of ``to_bytes()``: equal on two peers exactly when their layouts agree.
+
+        It hashes the addresses too, so it is for checking that both sides of one handshake hold
+        the same layout (plan digests), not a key across processes or restarts: for that use
+        :func:`kvplan.layout_identity` (``class_id`` for a router or a metric, ``layout_id`` for
+        an offload store)."""
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> Layout: ...
