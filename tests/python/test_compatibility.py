@@ -198,3 +198,14 @@ def test_no_false_refusal_on_drawn_tp_page_size_memory_order_pairs(case: Request
         # Plannable: every prefill rank's plan writes the oracle's bytes.
         check_request(case.model, case.prefill, case.decode, case.src_pages, case.dst_pages,
                       n_tokens=case.n_tokens)
+
+
+def test_the_pairing_the_pair_is_planned_with_is_the_one_asked() -> None:
+    stage = Layout([1 << 20, 1 << 21], [4096] * 2, 512)
+    whole = Layout([1 << 30, 1 << 31, 1 << 32], [4096] * 3, 512)
+    a, b = layout_identity(stage, SEMANTICS), layout_identity(whole, SEMANTICS)
+    refused = compatibility(a, b)
+    assert refused.kind == "refused" and "layer ids" in refused.reason
+    legacy = kvplan.Pairing.legacy("mla", prefill_start_layer=1)
+    assert compatibility(a, b, legacy).kind == "plannable"
+    kvplan.Template(stage, whole, legacy)
