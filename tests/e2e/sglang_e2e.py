@@ -33,6 +33,11 @@ from e2e_harness import (  # noqa: E402
 SGLANG = "sglang==0.5.23"
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 ROUTER = "sglang-router==0.3.2"
+# NIXL for `--disaggregation-transfer-backend nixl`: the `nixl` meta package loads the build for
+# torch's CUDA major (13 here); its newest release with cp311 wheels is 1.5.1. Installed beside
+# the venv (on the NIXL servers' PYTHONPATH only) so that the Mooncake servers run exactly the
+# venv they always ran, and adding NIXL does not rebuild it.
+NIXL = ("nixl==1.5.1", "nixl-cu13==1.5.1")
 # SGLang's requirements that run only with CUDA (kernels, CUDA bindings, GPU memory tools) or
 # only for its audio/video/vision models; every other requirement of its wheel is installed.
 CUDA_ONLY = {
@@ -82,18 +87,36 @@ def setup_venv() -> Venv:
     return venv.ensure()
 
 
+def setup_nixl(venv: Venv) -> Path:
+    """NIXL and its UCX plugin in a folder of their own (``pip install --target``, no
+    dependencies: torch and numpy are the venv's), kept while its recipe is unchanged."""
+    target = harness.cache_root() / "nixl-1.5.1-cp311"
+    marker = target / ".kvplan-e2e-ready"
+    recipe = " ".join(NIXL)
+    if marker.is_file() and marker.read_text().strip() == recipe:
+        log(f"reusing NIXL {target}")
+        return target
+    if target.exists():
+        shutil.rmtree(target)
+    harness.run([venv.py, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar",
+                 "off", "--no-deps", "--only-binary", ":all:", "--target", target, *NIXL])
+    marker.write_text(recipe + "\n")
+    return target
+
+
 @dataclass
 class Prepared:
     venv: str
     models: dict[str, str]
+    nixl: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"venv": self.venv, "models": self.models})
+        return json.dumps({"venv": self.venv, "models": self.models, "nixl": self.nixl})
 
     @classmethod
     def from_json(cls, text: str) -> Prepared:
         data = json.loads(text)
-        return cls(venv=data["venv"], models=data["models"])
+        return cls(venv=data["venv"], models=data["models"], nixl=data.get("nixl", ""))
 
 
 def prepare() -> Prepared:
@@ -112,7 +135,9 @@ def prepare() -> Prepared:
     # their state semantics are what a decode continues from, so check them before any server.
     log(harness.run([venv.py, "-c", "import sgl_kernel.mamba as m; print(m.self_check())"],
                     env=dict(os.environ, PYTHONPATH=str(CPU_SUPPORT)), quiet=True).strip())
-    return Prepared(venv=str(venv.path), models={k: str(v) for k, v in built.items()})
+    nixl = setup_nixl(venv)
+    return Prepared(venv=str(venv.path), models={k: str(v) for k, v in built.items()},
+                    nixl=str(nixl))
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,6 +161,7 @@ class SGLangServer(Server):
 
     bootstrap_port: int | None = None
     kvplan: bool = False  # started with kvplan installed in its schedulers
+    backend: str = "mooncake"  # its --disaggregation-transfer-backend
 
 
 @dataclass
@@ -144,8 +170,9 @@ class Engine:
     models: dict[str, str]
     log_dir: Path
     ports: Ports
+    nixl: Path | None = None  # the folder NIXL is installed in
 
-    def env(self, *, kvplan: bool) -> dict[str, str]:
+    def env(self, *, kvplan: bool, backend: str = "mooncake") -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PYTHON", "VIRTUAL_ENV", "KVPLAN_SGLANG"))}
         env.update({
@@ -169,11 +196,17 @@ class Engine:
         })
         if kvplan:
             env["KVPLAN_SGLANG_INSTALL"] = "1"
+        if backend == "nixl":
+            if self.nixl is None:
+                raise SetupError("a NIXL server without NIXL installed")
+            env["PYTHONPATH"] += os.pathsep + str(self.nixl)
+            # UCX over loopback TCP only: no InfiniBand, no GPU transports in the namespace.
+            env.update(UCX_NET_DEVICES="lo", UCX_TLS="tcp,self")
         return env
 
     def server(self, name: str, model: TinyModel | TinyQwen3Next, *, page_size: int,
-               mode: str | None = None,
-               kvplan: bool = False, pp_size: int = 1) -> SGLangServer:
+               mode: str | None = None, kvplan: bool = False, pp_size: int = 1,
+               backend: str = "mooncake") -> SGLangServer:
         port = self.ports.take()
         argv = [str(self.venv / "bin" / "python"), "-m", "sglang.launch_server",
                 "--model-path", self.models[model.name], "--host", "127.0.0.1",
@@ -189,11 +222,13 @@ class Engine:
         if pp_size > 1:
             # Pipeline stages as processes on the CPU (gloo); each holds its own layers.
             argv += ["--pp-size", str(pp_size)]
-        server = SGLangServer(name=name, argv=argv, port=port, env=self.env(kvplan=kvplan),
-                              log_dir=self.log_dir, ready_path="/health", kvplan=kvplan)
+        server = SGLangServer(name=name, argv=argv, port=port,
+                              env=self.env(kvplan=kvplan, backend=backend),
+                              log_dir=self.log_dir, ready_path="/health", kvplan=kvplan,
+                              backend=backend)
         if mode is not None:
             argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend",
-                     "mooncake"]
+                     backend]
         if mode == "prefill":
             # /metrics: SGLang's own per-request KV transfer latency (sglang:kv_transfer_*),
             # and kvplan's planned blocks per transfer call (kvplan:blocks_per_request).
@@ -288,9 +323,12 @@ def transfer_metrics(prefill: SGLangServer) -> dict[str, float]:
 
 def compare_all(name: str, results: Results, reference: list[list[int]],
                 run: Callable[[list[int]], list[int]],
-                prefill: SGLangServer | None = None) -> None:
+                prefill: SGLangServer | None = None, *, planned_per_call: bool = True) -> None:
     """One case: every prompt through ``run`` gives the plain server's tokens. With the
-    ``prefill``, the detail adds SGLang's own transfer metrics for the case's requests."""
+    ``prefill``, the detail adds SGLang's own transfer metrics for the case's requests, and a
+    prefill with kvplan must count transfer calls planned by kvplan unless
+    ``planned_per_call`` is False (SGLang's NIXL manager sends equal-TP KV through the lists it
+    prepared per peer, which kvplan builds at registration: no call is planned per request)."""
 
     def body() -> str:
         before = transfer_metrics(prefill) if prefill is not None else None
@@ -315,9 +353,12 @@ def compare_all(name: str, results: Results, reference: list[list[int]],
                 plan_us = (after["kvplan_plan_s"] - before["kvplan_plan_s"]) / calls * 1e6
                 detail += (f"; kvplan planned {int(calls)} transfer calls, mean {blocks:.1f} "
                            f"blocks and {plan_us:.0f} us each")
-            elif prefill.kvplan:
+            elif prefill.kvplan and planned_per_call:
                 raise AssertionError(detail + "; but the prefill's /metrics counts no transfer "
                                      "call planned by kvplan")
+            elif prefill.kvplan:
+                detail += ("; no transfer call planned per request (the KV went through the "
+                           "prepared lists kvplan built at peer registration)")
         return detail
 
     results.check(name, body)
@@ -337,8 +378,8 @@ def wait_for_workers(router: Server, timeout_s: float = 180.0) -> None:
         time.sleep(2.0)
 
 
-def installed_line(server: Server) -> bool:
-    return "kvplan installed into sglang.srt.disaggregation.mooncake.conn" in \
+def installed_line(server: SGLangServer) -> bool:
+    return f"kvplan installed into sglang.srt.disaggregation.{server.backend}.conn" in \
         server.log_path.read_text(errors="replace")
 
 
@@ -351,7 +392,7 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
     log_dir = Path(tempfile.mkdtemp(prefix="kvplan-e2e-sglang-"))
     log(f"server logs in {log_dir}")
     engine = Engine(venv=Path(prepared.venv), models=prepared.models, log_dir=log_dir,
-                    ports=Ports())
+                    ports=Ports(), nixl=Path(prepared.nixl) if prepared.nixl else None)
 
     def wanted(key: str) -> bool:
         return only is None or key in only
@@ -469,8 +510,11 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
             finally:
                 for s in group:
                     s.stop()
+        # -- the same over NIXL (UCX on loopback TCP) ------------------------------------------
+        if any(wanted(key) for key in NIXL_LLAMA_CASES):
+            nixl_cases(engine, results, wanted, start, plain, reference)
         # -- a linear-attention hybrid (Qwen3-Next): GDN state slots and KV pages ----------
-        if wanted("hybrid-sglang") or wanted("hybrid"):
+        if any(wanted(key) for key in HYBRID_CASES):
             hybrid_cases(engine, results, wanted, start)
     except Exception as exc:  # a server that never came up fails the run, loudly
         results.record("servers", False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
@@ -479,6 +523,80 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
         plain.stop()
     log(f"server logs kept in {log_dir}")
     return results
+
+
+def nixl_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
+               start: Callable[[Sequence[Server]], None], plain: Server,
+               reference: list[list[int]]) -> None:
+    """The Llama cases over ``--disaggregation-transfer-backend nixl``: SGLang's own
+    NixlKVManager (the reference; a failure there is the environment's and its pair runs once
+    more), then kvplan in both schedulers at page sizes 1 (with the mismatched decode) and 16
+    (with the prefill on other weights)."""
+
+    def pair(tag: str, page_size: int, kvplan: bool) -> tuple[SGLangServer, SGLangServer]:
+        return (engine.server(f"{tag}-prefill-p{page_size}", MODEL_A, page_size=page_size,
+                              mode="prefill", kvplan=kvplan, backend="nixl"),
+                engine.server(f"{tag}-decode-p{page_size}", MODEL_A, page_size=page_size,
+                              mode="decode", kvplan=kvplan, backend="nixl"))
+
+    if wanted("nixl-sglang"):
+        label = "SGLang's NixlKVManager, page size 1 (the reference)"
+        prefill, decode = pair("sglang-nixl", 1, False)
+        try:
+            start([prefill, decode])
+            attempt = results.part(environment=True)
+            compare_all(label, attempt, reference,
+                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
+            if attempt.failed:
+                results.note_retry(label, attempt)
+                for s in (prefill, decode):
+                    s.stop()
+                prefill, decode = pair("sglang-nixl-retry", 1, False)
+                start([prefill, decode])
+                attempt = results.part(environment=True)
+                compare_all(label + " [retry]", attempt, reference,
+                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
+                            prefill)
+            results.absorb(attempt)
+        finally:
+            for s in (prefill, decode):
+                s.stop()
+
+    if wanted("nixl1") or wanted("nixl-bad"):
+        prefill, decode = pair("kvplan-nixl", 1, True)
+        short = engine.server("kvplan-nixl-decode-p1-2layers", MODEL_A_2_LAYERS, page_size=1,
+                              mode="decode", kvplan=True, backend="nixl")
+        group = [prefill, decode] + ([short] if wanted("nixl-bad") else [])
+        try:
+            start(group)
+            results.check("NIXL: kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
+                          lambda: installed_check(prefill, decode))
+            compare_all("NIXL: kvplan in both schedulers, page size 1", results, reference,
+                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill,
+                        planned_per_call=False)
+            if wanted("nixl-bad"):
+                results.check("NIXL bad input: decode with 2 layers, prefill with 4",
+                              lambda: mismatched_decode(prefill, short, decode, reference))
+        finally:
+            for s in group:
+                s.stop()
+
+    if wanted("nixl16") or wanted("nixl-negative"):
+        prefill, decode = pair("kvplan-nixl", 16, True)
+        other = engine.server("kvplan-nixl-prefill-p16-other-weights", MODEL_B, page_size=16,
+                              mode="prefill", kvplan=True, backend="nixl")
+        group = [prefill, decode] + ([other] if wanted("nixl-negative") else [])
+        try:
+            start(group)
+            compare_all("NIXL: kvplan in both schedulers, page size 16", results, reference,
+                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill,
+                        planned_per_call=False)
+            if wanted("nixl-negative"):
+                results.check("NIXL negative control: prefill on other weights, tokens 2.. "
+                              "differ", lambda: negative_control(other, decode, plain))
+        finally:
+            for s in group:
+                s.stop()
 
 
 def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
@@ -491,18 +609,23 @@ def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool]
     plain = engine.server("plain-qwen3-next", MODEL_HYBRID, page_size=1)
     reference: list[list[int]] = []
     try:
-        for key, kvplan, label in (
-                ("hybrid-sglang", False,
+        for key, kvplan, backend, label in (
+                ("hybrid-sglang", False, "mooncake",
                  "SGLang's MooncakeKVManager, Qwen3-Next hybrid (GDN state + KV), page size 1"),
-                ("hybrid", True,
-                 "kvplan in both schedulers, Qwen3-Next hybrid (GDN state + KV), page size 1")):
+                ("hybrid", True, "mooncake",
+                 "kvplan in both schedulers, Qwen3-Next hybrid (GDN state + KV), page size 1"),
+                ("nixl-hybrid-sglang", False, "nixl",
+                 "SGLang's NixlKVManager, Qwen3-Next hybrid (GDN state + KV), page size 1"),
+                ("nixl-hybrid", True, "nixl",
+                 "NIXL: kvplan in both schedulers, Qwen3-Next hybrid (GDN state + KV), "
+                 "page size 1")):
             if not wanted(key):
                 continue
-            tag = "kvplan" if kvplan else "sglang"
+            tag = ("kvplan" if kvplan else "sglang") + ("-nixl" if backend == "nixl" else "")
             prefill = engine.server(f"{tag}-prefill-qwen3-next", MODEL_HYBRID, page_size=1,
-                                    mode="prefill", kvplan=kvplan)
+                                    mode="prefill", kvplan=kvplan, backend=backend)
             decode = engine.server(f"{tag}-decode-qwen3-next", MODEL_HYBRID, page_size=1,
-                                   mode="decode", kvplan=kvplan)
+                                   mode="decode", kvplan=kvplan, backend=backend)
             group = [prefill, decode]
             try:
                 start(group if reference else [plain, *group])
@@ -521,11 +644,12 @@ def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool]
         plain.stop()
 
 
-def installed_check(*servers: Server) -> str:
+def installed_check(*servers: SGLangServer) -> str:
     missing = [s.name for s in servers if not installed_line(s)]
     if missing:
         raise AssertionError(f"no 'kvplan installed into' line in the logs of {missing}")
-    return "each scheduler logged the install into MooncakeKVManager"
+    manager = {"mooncake": "MooncakeKVManager", "nixl": "NixlKVManager"}[servers[0].backend]
+    return f"each scheduler logged the install into {manager}"
 
 
 def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangServer,
@@ -597,23 +721,32 @@ def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -
 # --------------------------------------------------------------------------------------------
 
 
-LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp")
-CASE_KEYS = (*LLAMA_CASES, "hybrid-sglang", "hybrid")
+NIXL_LLAMA_CASES = ("nixl-sglang", "nixl1", "nixl-bad", "nixl16", "nixl-negative")
+NIXL_HYBRID_CASES = ("nixl-hybrid-sglang", "nixl-hybrid")
+LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp",
+               *NIXL_LLAMA_CASES)
+HYBRID_CASES = ("hybrid-sglang", "hybrid", *NIXL_HYBRID_CASES)
+CASE_KEYS = (*LLAMA_CASES, *HYBRID_CASES)
+#: ``--cases nixl`` names every NIXL case.
+CASE_GROUPS = {"nixl": (*NIXL_LLAMA_CASES, *NIXL_HYBRID_CASES)}
 #: Run unless --cases names others. "pp" is left out: SGLang 0.5.23 cannot start a prefill with
 #: two pipeline stages on a CPU (its PP group builds a NCCL communicator on the CPU device and
 #: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it. "hybrid-sglang" (SGLang's
 #: own manager on the Qwen3-Next model) is left out for time: one more pair start, about 1.5
 #: minutes here; the Llama reference proves the harness, and `--cases hybrid-sglang` runs it.
-DEFAULT_CASES = tuple(key for key in CASE_KEYS if key not in ("pp", "hybrid-sglang"))
+DEFAULT_CASES = tuple(key for key in CASE_KEYS
+                      if key not in ("pp", "hybrid-sglang", "nixl-hybrid-sglang"))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--setup-only", action="store_true", help="set up and exit")
-    parser.add_argument("--cases", help=f"comma-separated subset of {','.join(CASE_KEYS)}")
+    parser.add_argument("--cases", help=f"comma-separated subset of {','.join(CASE_KEYS)} "
+                        f"(or a group: {', '.join(CASE_GROUPS)})")
     parser.add_argument("--prepared", help=argparse.SUPPRESS)  # the run inside the namespace
     args = parser.parse_args()
-    only = set(args.cases.split(",")) if args.cases else set(DEFAULT_CASES)
+    only = ({key for name in args.cases.split(",") for key in CASE_GROUPS.get(name, (name,))}
+            if args.cases else set(DEFAULT_CASES))
     if not only <= set(CASE_KEYS):
         parser.error(f"unknown cases {sorted(only - set(CASE_KEYS))}")
 

@@ -18,6 +18,13 @@ Three GPU assumptions on SGLang's CPU path are steered to code SGLang already ha
   ``Qwen3GatedDeltaNet.__init__`` asks it for ``current_device()``, which then initialises
   CUDA and raises. A CPU build of torch answers ``torch.cpu``; so does this, when CUDA is not
   available (installed when SGLang's Qwen3-Next model module is imported).
+* ``sglang.srt.disaggregation.nixl.conn``: SGLang's ``NixlKVManager`` names its KV pool, state
+  buffers and transfer descriptors with the NIXL memory kind ``"VRAM"`` (its own ``DRAM`` kind
+  is only for a host-resident pool). NIXL's UCX backend refuses a ``VRAM`` region that UCX sees
+  as host memory ("VRAM memory is detected as host by UCX ... VRAM registration cannot
+  proceed"), and on a CPU every pool is host memory. When CUDA is not available, the NIXL
+  agent's methods that take a memory kind get ``"DRAM"`` for ``"VRAM"``: the kind that
+  describes where the bytes are, for every caller (SGLang's manager and kvplan's alike).
 """
 
 from __future__ import annotations
@@ -52,7 +59,40 @@ def _cpu_device_module(module: ModuleType) -> None:
     torch.get_device_module = get_device_module
 
 
+def _nixl_host_memory_kind(module: ModuleType) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    try:
+        from nixl._api import nixl_agent
+    except ImportError:  # NIXL not installed: SGLang raises its own error when it is asked for
+        return
+    if getattr(nixl_agent, "_kvplan_e2e_dram", False):
+        return
+
+    def host_kind(method, position):
+        def call(self, *args, **kwargs):
+            if kwargs.get("mem_type") == "VRAM":
+                kwargs["mem_type"] = "DRAM"
+            elif len(args) > position and args[position] == "VRAM":
+                args = (*args[:position], "DRAM", *args[position + 1:])
+            return method(self, *args, **kwargs)
+
+        call.__name__ = method.__name__
+        call.__doc__ = method.__doc__
+        return call
+
+    # (method, index of mem_type among the positional arguments after self)
+    for name, position in (("register_memory", 1), ("query_memory", 2),
+                           ("get_reg_descs", 1), ("get_xfer_descs", 1),
+                           ("prep_xfer_dlist", 2)):
+        setattr(nixl_agent, name, host_kind(getattr(nixl_agent, name), position))
+    nixl_agent._kvplan_e2e_dram = True
+
+
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.disaggregation.nixl.conn": _nixl_host_memory_kind,
     "sglang.srt.disaggregation.mooncake.conn": _host_tensor_indices_off,
     "sglang.kernels.ops.attention.fla.fused_norm_gate": _gated_rmsnorm_cpu_branch,
     "sglang.srt.models.qwen3_next": _cpu_device_module,
