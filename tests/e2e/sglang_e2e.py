@@ -574,9 +574,9 @@ def nixl_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
             compare_all("NIXL: kvplan in both schedulers, page size 1", results, reference,
                         lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill,
                         planned_per_call=False)
-            if wanted("nixl-bad"):
+            if wanted("nixl-bad"):  # last on this prefill: SGLang's refusal disables it
                 results.check("NIXL bad input: decode with 2 layers, prefill with 4",
-                              lambda: mismatched_decode(prefill, short, decode, reference))
+                              lambda: nixl_mismatched_decode(prefill, short))
         finally:
             for s in group:
                 s.stop()
@@ -683,6 +683,47 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
     reason = refused[0].split("kvplan refused", 1)[1].strip()
     return f"{outcome} in {took:.1f} s; prefill log: kvplan refused {reason[:160]}; " \
         "the same prefill then serves the good decode"
+
+
+NIXL_FEWER_REGIONS = "NIXL PD transfer: decode registered fewer KV regions (4) than prefill (8)"
+
+
+def nixl_mismatched_decode(prefill: SGLangServer, short: SGLangServer,
+                           wait_s: float = 60.0) -> str:
+    """SGLang's NixlKVManager checks a decode's KV region count when the decode registers
+    (``_prepare_payload_xfer``), before any transfer method, kvplan's included, is called: a
+    decode with fewer regions raises ``ValueError`` in the prefill's bootstrap thread, which
+    ends that thread ("requests to this rank will time out in KVPoll.Bootstrapping"). The
+    request must give no tokens and the prefill's log must have SGLang's reason; the prefill
+    takes no further PD request after it."""
+    ids = prompts()[4]
+    body = generate_body(ids, MAX_NEW_TOKENS)
+    body.update(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port,
+                bootstrap_room=_rooms.randrange(1, 2**62))
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    # Neither request ends by itself (the decode waits out SGLang's bootstrap timeout): both
+    # are left to end when their servers stop.
+    futures = [pool.submit(harness.http_json, s.url + "/generate", body, wait_s)
+               for s in (prefill, short)]
+    pool.shutdown(wait=False)
+    started = time.monotonic()
+    while NIXL_FEWER_REGIONS not in prefill.log_path.read_text(errors="replace"):
+        if time.monotonic() - started > wait_s:
+            raise AssertionError(f"no {NIXL_FEWER_REGIONS!r} in the prefill's log after "
+                                 f"{wait_s:.0f} s")
+        time.sleep(1.0)
+    took = time.monotonic() - started
+    decode_answer = futures[1]
+    if decode_answer.done() and decode_answer.exception() is None:
+        response = decode_answer.result()
+        finish = response.get("meta_info", {}).get("finish_reason")
+        if not (isinstance(finish, dict) and finish.get("type") == "abort"):
+            raise AssertionError(f"the mismatched decode produced tokens: {response}")
+    text = prefill.log_path.read_text(errors="replace")
+    if "kvplan refused" in text:
+        raise AssertionError("kvplan refused a call: SGLang's check should come first")
+    return (f"the prefill logged SGLang's ValueError after {took:.1f} s: "
+            f"{NIXL_FEWER_REGIONS}; no tokens; no kvplan method was reached")
 
 
 _TRANSFER_WORDS = ("kvplan", "fail", "Fail", "Session", "session", "timeout", "Timeout",
