@@ -775,6 +775,8 @@ CASE_GROUPS = {"nixl": (*NIXL_LLAMA_CASES, *NIXL_HYBRID_CASES)}
 #: raises "Expected a cuda device, but got: cpu"); `--cases pp` tries it. "hybrid-sglang" (SGLang's
 #: own manager on the Qwen3-Next model) is left out for time: one more pair start, about 1.5
 #: minutes here; the Llama reference proves the harness, and `--cases hybrid-sglang` runs it.
+#: The NIXL cases are left out until they have passed twice in a row on this machine within the
+#: time CI has for them; `--cases nixl` runs them.
 DEFAULT_CASES = tuple(key for key in CASE_KEYS
                       if key not in ("pp", "hybrid-sglang", *CASE_GROUPS["nixl"]))
 
