@@ -619,7 +619,10 @@ class Request:
     arrays, held as given, never copied) or one state slot per side (``slot=(src_slot,
     dst_slot)``), each side's pages of each further pool (``pool_pages={pool id: (src, dst)}``,
     ``None`` for a side without that pool; ``window_pages=(src, dst)`` is pool 1's, a window
-    pool's) and the token range (``n_tokens``, ``skip_tokens``). Every planner method
+    pool's) and the token range (``n_tokens``, ``skip_tokens``). ``pool_tokens={pool id:
+    (n_tokens, skip_tokens)}`` gives a further pool a token range of its own (its entries move
+    tokens ``skip_tokens..n_tokens`` of that pool's pages; ``(0, 0)`` with empty page arrays
+    moves nothing of it), planned by ``plan`` and ``plan_batch`` only. Every planner method
     takes one in place of its page arrays; a feature the planner does not plan is an
     ``UnsupportedError`` naming both.
 
@@ -627,9 +630,11 @@ class Request:
         TypeError: A page array that is not 1-D C-contiguous aligned int32/int64; only one
             side's pages; pages and a slot together, or neither; window pages of another dtype
             than that side's pages, or for a slot; a non-int count or a malformed slot; pool 1
-            given both as ``window_pages`` and in ``pool_pages``; ``pool_pages`` not a dict.
+            given both as ``window_pages`` and in ``pool_pages``; ``pool_pages`` not a dict;
+            ``pool_tokens`` not a dict of ``(n_tokens, skip_tokens)`` tuples, or for a slot.
         KvPlanError: A negative ``n_tokens`` or ``skip_tokens``, or ``skip_tokens`` past
-            ``n_tokens``; a ``pool_pages`` key that is not a further pool id (1 to 7).
+            ``n_tokens`` (the request's or a pool's); a ``pool_pages`` or ``pool_tokens`` key
+            that is not a further pool id (1 to 7).
         IndexBoundsError: A negative slot.
     """
 
@@ -643,6 +648,7 @@ class Request:
         slot: tuple[int, int] | None = None,
         n_tokens: int | None = None,
         skip_tokens: int | None = None,
+        pool_tokens: Mapping[int, tuple[int, int]] | None = None,
     ) -> Request: ...
     @property
     def src(self) -> _IndexArray | None:
@@ -661,6 +667,9 @@ class Request:
     def n_tokens(self) -> int | None: ...
     @property
     def skip_tokens(self) -> int: ...
+    @property
+    def pool_tokens(self) -> dict[int, tuple[int, int]] | None:
+        """Each further pool's own ``(n_tokens, skip_tokens)`` by pool id (``None``: none)."""
 
 @final
 class Template:

@@ -30,7 +30,7 @@ enum BorrowedRequest<'py> {
         dst: IndexArray<'py>,
         n_tokens: Option<u64>,
     },
-    Value(RequestInput<'py>),
+    Value(Box<RequestInput<'py>>),
 }
 
 /// One request's slices, as the core's request is built from them.
@@ -41,6 +41,7 @@ struct BatchItem<'a> {
     window: WindowSlices<'a>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
+    pool_tokens: [Option<(u64, u64)>; kvplan_core::POOLS],
 }
 
 /// Reads `requests`: each a `kvplan.Request`, or a `(src_pages, dst_pages)` or
@@ -60,7 +61,7 @@ fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRe
     for r in 0..n {
         let item = sequence.get_item(r)?;
         if let Ok(request) = item.cast::<PyRequest>() {
-            out.push(BorrowedRequest::Value(RequestInput::of_request(request)?));
+            out.push(BorrowedRequest::Value(Box::new(RequestInput::of_request(request)?)));
             continue;
         }
         let tuple = item
@@ -228,7 +229,9 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
             .map(|(ws, wd)| (ws.and_then(S::of), wd.and_then(D::of)));
         let pages_of = Indices::Pages { src, dst };
         let (n, k) = (item.n_tokens, item.skip_tokens);
-        requests.push(core_request(pages_of, n, k, window));
+        let mut request = core_request(pages_of, n, k, window);
+        request.pool_tokens = item.pool_tokens;
+        requests.push(request);
     }
     let plan = || plan_requests(template, &requests, digests);
     Ok(if pages < DETACH_MIN_PAGES {
@@ -325,6 +328,7 @@ pub(crate) fn plan_batch(
                 window: WindowSlices::default(),
                 n_tokens: *n_tokens,
                 skip_tokens: 0,
+                pool_tokens: [None; kvplan_core::POOLS],
             },
             BorrowedRequest::Value(input) => {
                 let pages = input
@@ -342,6 +346,7 @@ pub(crate) fn plan_batch(
                     window,
                     n_tokens: input.n_tokens,
                     skip_tokens: input.skip_tokens,
+                    pool_tokens: input.pool_tokens,
                 }
             }
         });

@@ -318,6 +318,8 @@ pub(crate) struct TokenArgs<'a> {
     pub(crate) n_tokens: Option<u64>,
     pub(crate) skip_tokens: u64,
     pub(crate) window: WindowSlices<'a>,
+    /// Per further pool, its own `(n_tokens, skip_tokens)` (`None`: the request's).
+    pub(crate) pool_tokens: [Option<(u64, u64)>; POOLS],
 }
 
 impl From<Option<u64>> for TokenArgs<'static> {
@@ -346,12 +348,9 @@ impl<P: RequestPlanner> IndexVisitor for WithRequest<'_, P> {
     ) -> Self::Output {
         let tokens = self.1;
         let pages = Indices::Pages { src, dst };
-        self.0.plan(&core_request(
-            pages,
-            tokens.n_tokens,
-            tokens.skip_tokens,
-            window,
-        ))
+        let mut request = core_request(pages, tokens.n_tokens, tokens.skip_tokens, window);
+        request.pool_tokens = tokens.pool_tokens;
+        self.0.plan(&request)
     }
 }
 
@@ -390,6 +389,7 @@ pub(crate) fn core_request<'a, S: PageIndex, D: PageIndex>(
         n_tokens,
         skip_tokens,
         pool_pages: Default::default(),
+        pool_tokens: [None; POOLS],
     };
     for (pool, (src, dst)) in PoolId::ALL.into_iter().zip(pools).skip(1) {
         request = request.with_pool_pages(pool, src, dst);

@@ -11,7 +11,7 @@
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyTuple};
 
 use crate::errors::{IndexBoundsError, KvPlanError, short_repr};
 use crate::input::{
@@ -36,6 +36,8 @@ pub struct PyRequest {
     slot: Option<(i64, i64)>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
+    /// Per further pool, its own `(n_tokens, skip_tokens)` (`None`: the request's range).
+    pool_tokens: [Option<(u64, u64)>; kvplan_core::POOLS],
 }
 
 /// A count argument: a non-negative int, named with its value when it is not one.
@@ -101,10 +103,57 @@ fn array_summary(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
+/// `pool_tokens={pool id: (n_tokens, skip_tokens)}`: per further pool (1..POOLS), its own
+/// token range; the request's own pages (pool 0) keep `n_tokens`/`skip_tokens`.
+fn pool_tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<[Option<(u64, u64)>; kvplan_core::POOLS]> {
+    let dict = obj.cast::<PyDict>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "pool_tokens must be a dict {{pool id: (n_tokens, skip_tokens)}}, got {}",
+            short_repr(obj)
+        ))
+    })?;
+    let mut ranges = [None; kvplan_core::POOLS];
+    for (key, value) in dict.iter() {
+        let pool = count_arg(&key, "a pool_tokens pool id")?;
+        if pool == 0 || pool >= kvplan_core::POOLS as u64 {
+            return Err(KvPlanError::new_err(format!(
+                "pool_tokens pool id {pool} is not a further pool (1..{}); pool 0's range is the \
+                 request's n_tokens and skip_tokens",
+                kvplan_core::POOLS - 1
+            )));
+        }
+        let shape_error = || {
+            PyTypeError::new_err(format!(
+                "pool_tokens[{pool}] must be a tuple (n_tokens, skip_tokens) of two ints, got {}",
+                short_repr(&value)
+            ))
+        };
+        let tuple = value.cast::<PyTuple>().map_err(|_| shape_error())?;
+        if tuple.len() != 2 {
+            return Err(shape_error());
+        }
+        let n = count_arg(
+            &tuple.get_item(0)?,
+            &format!("pool_tokens[{pool}] n_tokens"),
+        )?;
+        let k = count_arg(
+            &tuple.get_item(1)?,
+            &format!("pool_tokens[{pool}] skip_tokens"),
+        )?;
+        if k > n {
+            return Err(KvPlanError::new_err(format!(
+                "pool_tokens[{pool}]: skip_tokens {k} is past its {n} tokens (n_tokens)"
+            )));
+        }
+        ranges[pool as usize] = Some((n, k));
+    }
+    Ok(ranges)
+}
+
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (src=None, dst=None, *, window_pages=None, pool_pages=None, slot=None, n_tokens=None, skip_tokens=None))]
+    #[pyo3(signature = (src=None, dst=None, *, window_pages=None, pool_pages=None, slot=None, n_tokens=None, skip_tokens=None, pool_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn new<'py>(
         src: Option<&Bound<'py, PyAny>>,
@@ -114,6 +163,7 @@ impl PyRequest {
         slot: Option<&Bound<'py, PyAny>>,
         n_tokens: Option<&Bound<'py, PyAny>>,
         skip_tokens: Option<&Bound<'py, PyAny>>,
+        pool_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Self> {
         let given = |o: Option<&Bound<'py, PyAny>>| o.filter(|o| !o.is_none()).cloned();
         let (src, dst) = (given(src), given(dst));
@@ -127,6 +177,12 @@ impl PyRequest {
             .map(|k| count_arg(&k, "skip_tokens"))
             .transpose()?
             .unwrap_or(0);
+        let pool_tokens_given = given(pool_tokens);
+        let pool_tokens = pool_tokens_given
+            .as_ref()
+            .map(pool_tokens_arg)
+            .transpose()?
+            .unwrap_or([None; kvplan_core::POOLS]);
         let pages = match (src, dst) {
             (Some(src), Some(dst)) => Some((src, dst)),
             (None, None) => None,
@@ -160,6 +216,12 @@ impl PyRequest {
                 "Request got window_pages for a state slot; window pages belong to a page request",
             ));
         }
+        if pages.is_none() && pool_tokens_given.is_some() {
+            return Err(PyTypeError::new_err(
+                "Request got pool_tokens for a state slot; pool token ranges belong to a page \
+                 request",
+            ));
+        }
         if pages.is_none() && pool_pages.is_some() {
             return Err(PyTypeError::new_err(
                 "Request got pool_pages for a state slot; pool pages belong to a page request",
@@ -187,7 +249,21 @@ impl PyRequest {
             slot,
             n_tokens,
             skip_tokens,
+            pool_tokens,
         })
+    }
+
+    /// Each further pool's own `(n_tokens, skip_tokens)`, by pool id; `None` when no pool
+    /// has a range of its own.
+    #[getter]
+    fn pool_tokens(&self) -> Option<std::collections::BTreeMap<usize, (u64, u64)>> {
+        let ranges: std::collections::BTreeMap<usize, (u64, u64)> = self
+            .pool_tokens
+            .iter()
+            .enumerate()
+            .filter_map(|(k, r)| r.map(|r| (k, r)))
+            .collect();
+        (!ranges.is_empty()).then_some(ranges)
     }
 
     /// The prefill (source) page array, the caller's own (not a copy); `None` for a slot.
@@ -254,6 +330,9 @@ impl PyRequest {
         if let Some(n) = self.n_tokens {
             parts.push(format!("n_tokens={n}"));
         }
+        if let Some(ranges) = self.pool_tokens() {
+            parts.push(format!("pool_tokens={ranges:?}"));
+        }
         if self.skip_tokens > 0 {
             parts.push(format!("skip_tokens={}", self.skip_tokens));
         }
@@ -285,6 +364,7 @@ pub(crate) struct RequestInput<'py> {
     pub(crate) window: WindowPages<'py>,
     pub(crate) n_tokens: Option<u64>,
     pub(crate) skip_tokens: u64,
+    pub(crate) pool_tokens: [Option<(u64, u64)>; kvplan_core::POOLS],
 }
 
 /// The loose token arguments of a planner method's old form (`None`/0 where it has none).
@@ -316,6 +396,7 @@ impl<'py> RequestInput<'py> {
             window: WindowPages::extract_pools(window.as_ref(), pools.as_ref())?,
             n_tokens: r.n_tokens,
             skip_tokens: r.skip_tokens,
+            pool_tokens: r.pool_tokens,
         })
     }
 
@@ -361,6 +442,7 @@ impl<'py> RequestInput<'py> {
             window: WindowPages::extract(loose.window_pages)?,
             n_tokens: loose.n_tokens,
             skip_tokens: loose.skip_tokens,
+            pool_tokens: [None; kvplan_core::POOLS],
         })
     }
 
@@ -414,6 +496,7 @@ impl<'py> RequestInput<'py> {
             window: WindowPages::extract(None)?,
             n_tokens: None,
             skip_tokens: 0,
+            pool_tokens: [None; kvplan_core::POOLS],
         })
     }
 
@@ -439,6 +522,7 @@ impl<'py> RequestInput<'py> {
             n_tokens: self.n_tokens,
             skip_tokens: self.skip_tokens,
             window: self.window.slices(pages)?,
+            pool_tokens: self.pool_tokens,
         };
         Ok(plan_request(py, pages, tokens, planner))
     }

@@ -335,12 +335,15 @@ impl TokenTemplate {
     /// Per pool, the leading pages of each side's list that hold no token a lane with pieces
     /// reading that list moves of a request moving tokens `first..n` (each lane from its own
     /// walk's start): the pages such a request never reads.
-    pub(crate) fn first_pages(&self, first: u64, n: u64) -> [(usize, usize); POOLS] {
+    /// (`ranges`: per pool, its own `(first, n)`; each lane the range of [`lane_pool`].)
+    pub(crate) fn first_pages_in(&self, ranges: &PoolRanges) -> [(usize, usize); POOLS] {
+        let first = ranges[PoolId::PAGES.index()].0;
         let first_page = |map: TokenMap, token: u64| {
             usize::try_from(map.local_count(token) / map.page_size()).unwrap_or(usize::MAX)
         };
         let mut pages = [(usize::MAX, usize::MAX); POOLS];
         for (_, lane) in self.lanes().filter(|&(at, _)| self.moving(at)) {
+            let (first, n) = ranges[lane_pool(lane).index()];
             let (token, _) = lane.slots(first, n);
             let (src, dst) = (&mut pages[lane.pools.0.index()].0, lane.pools.1.index());
             *src = (*src).min(first_page(lane.maps.0, token));
@@ -377,15 +380,34 @@ impl TokenTemplate {
     /// Per pool, the leading pages of each side's list that hold the first `n` global tokens of
     /// every lane reading it (0 for a list no lane reads).
     pub(crate) fn list_pages_needed(&self, n: u64) -> [(u64, u64); POOLS] {
+        self.list_pages_needed_in(&[(0, n); POOLS])
+    }
+
+    /// [`TokenTemplate::list_pages_needed`] with each lane's end from the range of its pool
+    /// ([`lane_pool`]) in `ranges`.
+    pub(crate) fn list_pages_needed_in(&self, ranges: &PoolRanges) -> [(u64, u64); POOLS] {
         let mut needed = [(0, 0); POOLS];
         for (_, lane) in self.lanes() {
-            let (_, end) = lane.slots(0, n);
+            let (_, end) = lane.slots(0, ranges[lane_pool(lane).index()].1);
             let src = &mut needed[lane.pools.0.index()].0;
             *src = (*src).max(lane.maps.0.pages_for(end));
             let dst = &mut needed[lane.pools.1.index()].1;
             *dst = (*dst).max(lane.maps.1.pages_for(end));
         }
         needed
+    }
+}
+
+/// Per pool, the global tokens `(first, n)` its lanes move: `first..n`.
+pub(crate) type PoolRanges = [(u64, u64); POOLS];
+
+/// The pool whose token range a lane walks: the further pool it reads (the source side's when
+/// both read one), else the request's pages.
+pub(crate) fn lane_pool(lane: &Lane) -> PoolId {
+    if lane.pools.0 == PoolId::PAGES {
+        lane.pools.1
+    } else {
+        lane.pools.0
     }
 }
 
@@ -677,7 +699,16 @@ pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     first: u64,
     n: u64,
 ) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
-    finish_counts(tokens, walk_counts(tokens, lists, (first, n), &|_| true))
+    count_blocks_in(tokens, lists, &[(first, n); POOLS])
+}
+
+/// [`count_blocks`] with each lane walking the range of its pool in `ranges`.
+pub(crate) fn count_blocks_in<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
+    tokens: &TokenTemplate,
+    lists: &LaneLists<'_, S, D>,
+    ranges: &PoolRanges,
+) -> Result<([usize; TOKEN_CLASSES], usize, usize, u64)> {
+    finish_counts(tokens, walk_counts(tokens, lists, ranges, &|_| true))
 }
 
 /// Blocks per piece class (class 0 of a lane: the tokens it moves) and segments of the first
@@ -685,13 +716,14 @@ pub(crate) fn count_blocks<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
 fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
     tokens: &TokenTemplate,
     lists: &LaneLists<'_, S, D>,
-    (first, n): (u64, u64),
+    ranges: &PoolRanges,
     walks: &dyn Fn(Walk) -> bool,
 ) -> ([u64; TOKEN_CLASSES], u64) {
     let mut class_blocks = [0u64; TOKEN_CLASSES];
     let mut n_segments = 0u64;
     for (at, lane) in tokens.lanes().filter(|&(_, lane)| walks(lane.walk)) {
         let classes = &mut class_blocks[at * PIECE_CLASSES..(at + 1) * PIECE_CLASSES];
+        let (first, n) = ranges[lane_pool(lane).index()];
         let (start, end) = lane.slots(first, n);
         let (src, dst) = lists.of(lane);
         for (k, seg) in segments(start, end, lane.maps).enumerate() {
@@ -730,7 +762,7 @@ pub(crate) fn model_counts(
             let acc = lcm(acc, map_period(lane.maps.0)?.checked_mul(rows)?)?;
             lcm(acc, map_period(lane.maps.1)?.checked_mul(rows)?)
         });
-    let walk = |len: u64| walk_counts(tokens, &lists, (0, len), &periodic);
+    let walk = |len: u64| walk_counts(tokens, &lists, &[(0, len); POOLS], &periodic);
     let (mut classes, mut segments) = match period {
         Some(p) if n / 3 >= p => {
             let (q, r) = (n / p, n % p);
@@ -754,7 +786,7 @@ pub(crate) fn model_counts(
         _ => walk(n),
     };
     let (direct_classes, direct_segments) =
-        walk_counts(tokens, &lists, (0, n), &|walk| !periodic(walk));
+        walk_counts(tokens, &lists, &[(0, n); POOLS], &|walk| !periodic(walk));
     for (count, more) in classes.iter_mut().zip(direct_classes) {
         *count += more; // only the direct lanes' classes, which the periodic walks left at 0
     }
@@ -862,7 +894,10 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
                         limits[lane.pools.0.index()].0,
                         limits[lane.pools.1.index()].1,
                     ),
-                    lane.slots(shape.first_token, shape.n_tokens),
+                    {
+                        let (first, n) = shape.pool_ranges[lane_pool(lane).index()];
+                        lane.slots(first, n)
+                    },
                     at,
                     &mut out,
                 )?;

@@ -98,6 +98,9 @@ pub struct TokenShape {
     pub n_tokens: u64,
     /// Leading tokens not moved (a delta request's `skip_tokens`; 0 for a whole request).
     pub first_token: u64,
+    /// Per pool ([`crate::PoolId::index`]), the global tokens `(first, n)` its entries move:
+    /// `(first_token, n_tokens)` for every pool without a token range of its own.
+    pub pool_ranges: [(u64, u64); crate::peer::entry::POOLS],
     /// Leading pages of each side's list the plan does not touch (none of their tokens move).
     pub first_pages: (usize, usize),
     /// Leading source pages holding them (`ceil(n_tokens / P_s)`).

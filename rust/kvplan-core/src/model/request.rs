@@ -54,6 +54,12 @@ pub struct Request<'a, S = i64, D = i64> {
     /// The request's own pages (pool [`PoolId::PAGES`]) are `indices`, so that pool's place
     /// here stays `(None, None)` ([`Request::pool_lists`] reads either).
     pub pool_pages: [PoolLists<'a, S, D>; POOLS],
+    /// Per further pool ([`PoolId::index`]), that pool's own token range `(n_tokens,
+    /// skip_tokens)`: its entries move tokens `skip_tokens..n_tokens` of its page lists instead
+    /// of the request's range (`None`: the request's range). Groups of one model hold different
+    /// token counts (a state group keeps one page, a prefix hit cuts each group apart), so
+    /// one range cannot size every pool; `(0, 0)` with empty lists moves nothing of that pool.
+    pub pool_tokens: [Option<(u64, u64)>; POOLS],
 }
 
 impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
@@ -64,6 +70,7 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             n_tokens,
             skip_tokens: 0,
             pool_pages: [(None, None); POOLS],
+            pool_tokens: [None; POOLS],
         }
     }
 
@@ -80,6 +87,22 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             self.pool_pages[pool.index()] = (src, dst);
         }
         self
+    }
+
+    /// The same request with pool `pool`'s own token range: its entries move tokens
+    /// `skip_tokens..n_tokens` of that pool's lists (a further pool; pool 0's range is the
+    /// request's own, so it stays as it is).
+    #[must_use]
+    pub fn with_pool_tokens(mut self, pool: PoolId, n_tokens: u64, skip_tokens: u64) -> Self {
+        if pool != PoolId::PAGES {
+            self.pool_tokens[pool.index()] = Some((n_tokens, skip_tokens));
+        }
+        self
+    }
+
+    /// Whether some further pool has a token range of its own.
+    pub fn has_pool_tokens(&self) -> bool {
+        self.pool_tokens.iter().any(Option::is_some)
     }
 
     /// The same request with each side's window pages (for the sides whose window entries
@@ -162,6 +185,7 @@ impl Request<'static> {
             n_tokens: None,
             skip_tokens: 0,
             pool_pages: [(None, None); POOLS],
+            pool_tokens: [None; POOLS],
         }
     }
 }

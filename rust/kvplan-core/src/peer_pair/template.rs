@@ -7,7 +7,7 @@
 
 use crate::error::{PlanError, Result, Side};
 use crate::kernels::rings::{self, RingPair};
-use crate::kernels::tokens::{LaneLists, TokenTemplate, count_blocks, emit_tokens};
+use crate::kernels::tokens::{LaneLists, PoolRanges, TokenTemplate, count_blocks_in, emit_tokens};
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
 use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
 use crate::model::plan::{
@@ -443,6 +443,14 @@ impl Template {
         }
         // A page plan's layouts keep no windows (windows make a token template), so no side
         // has a window pool for window pages to index: refused, not ignored.
+        if let Some(k) = request.pool_tokens.iter().position(Option::is_some) {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "pool_tokens gave pool {k} a token range, but neither side's layout keeps \
+                     a pool {k}"
+                ),
+            });
+        }
         for pool in &PoolId::ALL[1..] {
             let lists = request.pool_lists(*pool);
             for (side, given) in [
@@ -907,6 +915,17 @@ impl Template {
         planner: Planner,
         request: &Request<'_, S, D>,
     ) -> Result<()> {
+        // A pool's own token range is walked by the direct and batch token paths only; the
+        // others size every pool from the request's one range, so they refuse it, not ignore it.
+        if request.has_pool_tokens() && !matches!(planner, Planner::Plan | Planner::Batch) {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "{} plans one token range for every pool; this request gives a pool its \
+                     own (pool_tokens): plan it with Template::plan or plan_batch",
+                    planner.name()
+                ),
+            });
+        }
         crate::rules::capabilities::check(planner, &self.asked_by(request))
     }
 
@@ -939,12 +958,18 @@ impl Template {
         let tokens = self.token_template()?;
         let skip_tokens = request.skip_tokens;
         let further = PoolId::ALL.map(|pool| request.pool_lists(pool));
-        let (n, read) = self.validate_delta((src, dst), further, request.n_tokens, skip_tokens)?;
+        let (n, read, ranges) = self.validate_delta(
+            (src, dst),
+            further,
+            request.n_tokens,
+            skip_tokens,
+            request.pool_tokens,
+        )?;
         let (src_pages, dst_pages) = read[0];
         let lists = request_lists(request, (&src[..src_pages], &dst[..dst_pages]), read);
         let (class_blocks, n_segments, n_blocks, total_bytes) =
-            count_blocks(tokens, &lists, skip_tokens, n)?;
-        let first = tokens.first_pages(skip_tokens, n);
+            count_blocks_in(tokens, &lists, &ranges)?;
+        let first = tokens.first_pages_in(&ranges);
         let (src_first, dst_first) = first[0];
         let mut pool_pages = [((0, 0), (0, 0)); POOLS];
         for k in 1..POOLS {
@@ -954,6 +979,7 @@ impl Template {
         Ok(TokenShape {
             n_tokens: n,
             first_token: skip_tokens,
+            pool_ranges: ranges,
             first_pages: (src_first.min(src_pages), dst_first.min(dst_pages)),
             src_pages,
             dst_pages,
@@ -977,7 +1003,13 @@ impl Template {
         dst: &[D],
         n_tokens: Option<u64>,
     ) -> Result<(u64, usize, usize)> {
-        let (n, read) = self.validate_delta((src, dst), [(None, None); POOLS], n_tokens, 0)?;
+        let (n, read, _) = self.validate_delta(
+            (src, dst),
+            [(None, None); POOLS],
+            n_tokens,
+            0,
+            [None; POOLS],
+        )?;
         Ok((n, read[0].0, read[0].1))
     }
 
@@ -990,7 +1022,9 @@ impl Template {
     /// # Errors
     /// As [`Template::validate_tokens`]; [`PlanError::SkipTokens`] when `skip_tokens` exceeds
     /// the request's tokens; [`PlanError::Geometry`] when a further pool's pages are missing
-    /// for a side that keeps that pool or given for one that does not.
+    /// for a side that keeps that pool or given for one that does not, or a pool's own token
+    /// range (`pool_tokens`, `(n_tokens, skip_tokens)` per further pool) is given for a pool no
+    /// side keeps or skips past its tokens. Also returns each pool's range `(first, n)`.
     #[allow(clippy::type_complexity)]
     fn validate_delta<S: PageIndex, D: PageIndex>(
         &self,
@@ -998,7 +1032,8 @@ impl Template {
         further: [PoolLists<'_, S, D>; POOLS],
         n_tokens: Option<u64>,
         skip_tokens: u64,
-    ) -> Result<(u64, [(usize, usize); POOLS])> {
+        pool_tokens: [Option<(u64, u64)>; POOLS],
+    ) -> Result<(u64, [(usize, usize); POOLS], PoolRanges)> {
         let tokens = self.token_template()?;
         let maps = tokens.maps();
         let (src_layout, dst_layout) = self.layouts();
@@ -1038,7 +1073,32 @@ impl Template {
                 .map(|(a, b)| a.min(b))
                 .ok_or(PlanError::Overflow { what: "tokens" })?,
         };
-        let needed = tokens.list_pages_needed(n);
+        let mut ranges: PoolRanges = [(skip_tokens, n); POOLS];
+        for pool in &PoolId::ALL[1..] {
+            let Some((pool_n, pool_skip)) = pool_tokens[pool.index()] else {
+                continue;
+            };
+            if pool_of(src_layout, *pool).is_none() && pool_of(dst_layout, *pool).is_none() {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "pool_tokens gave pool {} a token range, but neither side's layout \
+                         keeps a pool {}",
+                        pool.0, pool.0
+                    ),
+                });
+            }
+            if pool_skip > pool_n {
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "pool_tokens of pool {}: skip_tokens {pool_skip} is past its \
+                         n_tokens {pool_n}",
+                        pool.0
+                    ),
+                });
+            }
+            ranges[pool.index()] = (pool_skip, pool_n);
+        }
+        let needed = tokens.list_pages_needed_in(&ranges);
         // Each side's list of each pool, its length and the page size the count is in.
         let given = |pool: PoolId, side: Side| -> usize {
             match (pool.index(), side) {
@@ -1055,6 +1115,7 @@ impl Template {
             ] {
                 let pages = given(pool, side);
                 if need > pages as u64 {
+                    let n = ranges[pool.index()].1;
                     let page_size = pool_of(layout, pool)
                         .filter(|_| pool != PoolId::PAGES)
                         .map_or(map.page_size(), |p| p.page_size);
@@ -1081,12 +1142,16 @@ impl Template {
         }
         // At most the given lengths (checked above), so they fit usize.
         let read: [(usize, usize); POOLS] = needed.map(|(s, d)| (s as usize, d as usize));
-        if !tokens.pieces.is_empty() && n > skip_tokens {
+        if !tokens.pieces.is_empty() {
             // The pages before the one holding the first moved token are not read.
             let range = |pages: usize, first: usize| first.min(pages)..pages;
-            let first = tokens.first_pages(skip_tokens, n);
+            let first = tokens.first_pages_in(&ranges);
             for pool in PoolId::ALL {
                 let k = pool.index();
+                // A pool moving no token reads none of its pages.
+                if ranges[k].1 <= ranges[k].0 {
+                    continue;
+                }
                 let limits = self.limits[k];
                 let (src_list, dst_list) = if k == 0 {
                     (Some(src), Some(dst))
@@ -1106,7 +1171,7 @@ impl Template {
                 }
             }
         }
-        Ok((n, read))
+        Ok((n, read, ranges))
     }
 
     /// The first position of `values` below 0 or at/above `limit`, as the error to report.

@@ -190,6 +190,7 @@ impl PackPlanner<'_> {
         let shape = TokenShape {
             n_tokens,
             first_token: 0,
+            pool_ranges: [(0, n_tokens); crate::peer::entry::POOLS],
             first_pages: (0, 0),
             src_pages: model.pools[0].0.len(),
             dst_pages: model.pools[0].1.len(),
