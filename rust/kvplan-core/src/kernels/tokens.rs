@@ -325,6 +325,13 @@ impl TokenTemplate {
         self.dealt
     }
 
+    /// Whether lane `at` reads its page lists: a lane of the request's pages with no pieces
+    /// (every entry sits in further pools) reads none, so it asks for no pages and such a
+    /// request may give empty page arrays.
+    fn reads_pages(&self, at: usize, lane: &Lane) -> bool {
+        self.moving(at) || lane.pools != (PoolId::PAGES, PoolId::PAGES)
+    }
+
     /// Whether lane `lane` has pieces.
     fn moving(&self, lane: usize) -> bool {
         self.class_pieces[lane * PIECE_CLASSES..(lane + 1) * PIECE_CLASSES]
@@ -387,7 +394,10 @@ impl TokenTemplate {
     /// ([`lane_pool`]) in `ranges`.
     pub(crate) fn list_pages_needed_in(&self, ranges: &PoolRanges) -> [(u64, u64); POOLS] {
         let mut needed = [(0, 0); POOLS];
-        for (_, lane) in self.lanes() {
+        for (_, lane) in self
+            .lanes()
+            .filter(|&(at, lane)| self.reads_pages(at, lane))
+        {
             let (_, end) = lane.slots(0, ranges[lane_pool(lane).index()].1);
             let src = &mut needed[lane.pools.0.index()].0;
             *src = (*src).max(lane.maps.0.pages_for(end));
@@ -721,7 +731,8 @@ fn walk_counts<S: PageSteps + ?Sized, D: PageSteps + ?Sized>(
 ) -> ([u64; TOKEN_CLASSES], u64) {
     let mut class_blocks = [0u64; TOKEN_CLASSES];
     let mut n_segments = 0u64;
-    for (at, lane) in tokens.lanes().filter(|&(_, lane)| walks(lane.walk)) {
+    let walked = |at: usize, lane: &Lane| walks(lane.walk) && tokens.reads_pages(at, lane);
+    for (at, lane) in tokens.lanes().filter(|&(at, lane)| walked(at, lane)) {
         let classes = &mut class_blocks[at * PIECE_CLASSES..(at + 1) * PIECE_CLASSES];
         let (first, n) = ranges[lane_pool(lane).index()];
         let (start, end) = lane.slots(first, n);
