@@ -819,6 +819,7 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
         n_tokens,
         skip_tokens: req.skip_tokens,
         pool_pages: Default::default(),
+        pool_tokens: Default::default(),
     }
     .with_pool_pages(PoolId::WINDOW, window_pages.0, window_pages.1))
 }
