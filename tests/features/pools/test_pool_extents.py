@@ -228,3 +228,32 @@ def test_the_request_value_carries_its_pool_ranges() -> None:
     assert request.pool_tokens == {2: (3, 1)}
     assert "pool_tokens={2: (3, 1)}" in repr(request)
     assert kvplan.Request(p, p).pool_tokens is None
+
+
+def byte_pairs(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """Every (source byte, destination byte) a plan copies: equal however blocks merge."""
+    return sorted((int(s) + i, int(d) + i) for s, d, n in zip(src, dst, lengths)
+                  for i in range(int(n)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_batch_of_requests_with_pool_ranges_copies_each_requests_bytes(seed: int) -> None:
+    src, dst = Side(4, [(4, 1), (2, 2)], seed), Side(4, [(4, 1), (2, 2)], seed + 1)
+    template = kvplan.Template(src.pooled, dst.pooled)
+    rng = np.random.default_rng(seed)
+    order = [rng.permutation(CAPACITY).astype(np.int64) for _ in range(6)]
+    requests = []
+    for r in range(2):
+        n0, n1, n2 = (int(x) for x in rng.integers(1, 9, 3))
+        take = [o[r * 8:r * 8 + 8] for o in order]
+        requests.append(kvplan.Request(
+            take[0][:-(-n0 // 4)], take[1][:-(-n0 // 4)], n_tokens=n0,
+            pool_pages={1: (take[2][:-(-n1 // 4)], take[3][:-(-n1 // 4)]),
+                        2: (take[4][:-(-n2 // 2)], take[5][:-(-n2 // 2)])},
+            pool_tokens={1: (n1, 0), 2: (n2, int(rng.integers(0, n2 + 1)))}))
+    batch = template.plan_batch(requests)
+    alone = [template.plan(r) for r in requests]
+    assert batch.total_bytes == sum(p.total_bytes for p in alone)
+    want = sorted(pair for p in alone for pair in byte_pairs(p.src_addrs, p.dst_addrs,
+                                                               p.lengths))
+    assert byte_pairs(batch.src_addrs, batch.dst_addrs, batch.lengths) == want
