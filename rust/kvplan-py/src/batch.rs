@@ -61,7 +61,9 @@ fn borrow_requests<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<BorrowedRe
     for r in 0..n {
         let item = sequence.get_item(r)?;
         if let Ok(request) = item.cast::<PyRequest>() {
-            out.push(BorrowedRequest::Value(Box::new(RequestInput::of_request(request)?)));
+            out.push(BorrowedRequest::Value(Box::new(RequestInput::of_request(
+                request,
+            )?)));
             continue;
         }
         let tuple = item
