@@ -39,6 +39,7 @@ _HEADINGS = {
     "window": "sliding window",
     "token_plan": "token plan",
     "ring": "ring rows",
+    "pool_range": "pool's own range",
 }
 # How the README line names a feature a planner refuses.
 _SHORT = {
@@ -47,6 +48,7 @@ _SHORT = {
     "window": "sliding windows",
     "token_plan": "token plans",
     "ring": "ring rows",
+    "pool_range": "pools' own token ranges",
 }
 
 

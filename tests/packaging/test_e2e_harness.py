@@ -85,6 +85,7 @@ def run_with_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: set
 
     monkeypatch.setenv("KVPLAN_E2E_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(vllm_e2e, "run_connector", fake_run_connector)
+    monkeypatch.setattr(vllm_e2e, "run_staged", fake_run_connector)
     monkeypatch.setattr(vllm_e2e, "vllm034_gate",
                         lambda setup: {"mooncake": gate, "nixl": gate})
     results = vllm_e2e.run_servers(fake_setup(tmp_path), only)
@@ -141,6 +142,7 @@ def test_the_default_run_includes_kvplan_over_0_34_modules(
     calls, _ = run_with_outcomes(tmp_path, monkeypatch, set(), [])
     assert "mooncake kvplan vllm-0.34-module" in calls
     assert "nixl kvplan vllm-0.34-module" in calls
+    assert "mooncake kvplan staged vllm-0.32" in calls
     assert not any("vllm-reference vllm-0.3" in c for c in calls)
 
 

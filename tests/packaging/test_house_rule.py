@@ -39,7 +39,21 @@ PATTERNS: dict[str, re.Pattern[str]] = {
 }
 
 #: (file, the line's code stripped) -> why that line is not the core's rule written again.
+_NIXL_SLICE_FORM = (
+    "SGLang's prepared head-slice handle takes the slice count and index its own "
+    "expand_page_indices_for_slice uses: read off the slice the core's plan placed (its "
+    "stride and offset) and checked to tile the item, not a second head-split rule")
+
 ALLOWED: dict[tuple[str, str], str] = {
+    ("python/kvplan/compat/sglang/nixl.py",
+     'if s_stride % piece or offset % piece or s_stride * g.page != src_items[i]:'):
+        _NIXL_SLICE_FORM,
+    ("python/kvplan/compat/sglang/nixl.py",
+     'groups, group_idx = s_stride // piece, offset // piece'):
+        _NIXL_SLICE_FORM,
+    ("python/kvplan/compat/sglang/nixl.py",
+     'elif (groups, group_idx) != (s_stride // piece, offset // piece):'):
+        _NIXL_SLICE_FORM,
     ("python/kvplan/compat/vllm/templates.py", "src_ptr = lr.base_addr + src_off"):
         "an entry's base for the core: vLLM's region base plus the head-slice offset vLLM's "
         "own _get_sender_transfer_plan gives (vLLM's rule for its own TP ranks)",

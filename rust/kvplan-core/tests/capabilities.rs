@@ -8,7 +8,7 @@ mod support;
 use kvplan_core::rules::capabilities::check;
 use kvplan_core::{
     BatchPlanner, DescriptorTables, Feature, Layout, PackBuffer, PackPlanner, PlanError, Planner,
-    Request, RoundsPlanner, StagedPlanner, StagingRegion, Template, TemplateOptions,
+    PoolId, Request, RoundsPlanner, StagedPlanner, StagingRegion, Template, TemplateOptions,
 };
 use support::layouts::{KvLayout, paged, with_slots};
 
@@ -41,9 +41,20 @@ fn template(src: Layout, dst: Layout) -> Template {
 
 /// The template a feature's request is planned on: a page template, for `Window` one whose
 /// first layer keeps a sliding window (without state entries: windows are page entries'), for
-/// `Ring` one whose state entries are rings of 2 rows per request.
+/// `Ring` one whose state entries are rings of 2 rows per request, for `PoolRange` one whose
+/// second layer is in a pool of its own.
 fn template_for(feature: Feature) -> Template {
     match feature {
+        Feature::PoolRange => {
+            let pooled = |base| {
+                KvLayout::mla(base, [0, 1], ITEM, ITEM * PAGES)
+                    .context(paged(PAGE))
+                    .build()
+                    .with_pool(&[1], PAGE, 1)
+                    .unwrap()
+            };
+            template(pooled(SRC), pooled(DST))
+        }
         Feature::Window => {
             let windowed = |base| {
                 KvLayout::mla(base, [0, 1], ITEM, ITEM * PAGES)
@@ -68,6 +79,8 @@ fn template_for(feature: Feature) -> Template {
 
 const SRC_PAGES: [i64; 4] = [3, 4, 9, 1];
 const DST_PAGES: [i64; 4] = [10, 11, 2, 5];
+static POOL_SRC_PAGES: [i64; 2] = [7, 8];
+static POOL_DST_PAGES: [i64; 2] = [20, 13];
 
 /// A request asking for `feature` (and, for a delta or window request, also a token plan,
 /// which comes after it in the order refusals are reported; a ring request is a state slot
@@ -81,6 +94,13 @@ fn request_for(feature: Feature) -> Request<'static> {
             n_tokens: Some(5),
             ..Request::slot(1, 2)
         },
+        Feature::PoolRange => Request::tokens(&SRC_PAGES, &DST_PAGES, 14)
+            .with_pool_pages(
+                PoolId(1),
+                Some(&POOL_SRC_PAGES[..]),
+                Some(&POOL_DST_PAGES[..]),
+            )
+            .with_pool_tokens(PoolId(1), 6, 0),
     }
 }
 

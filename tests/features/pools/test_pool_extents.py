@@ -213,13 +213,14 @@ def test_pool_token_ranges_are_refused_naming_pool_side_and_counts() -> None:
     with pytest.raises(kvplan.KvPlanError, match="neither side's layout keeps a pool 1"):
         plain.plan(kvplan.Request(p, p, pool_tokens={1: (4, 0)}))
     request = kvplan.Request(p, p, n_tokens=8, pool_pages={1: (p, p)}, pool_tokens={1: (4, 0)})
-    with pytest.raises(kvplan.KvPlanError, match="own .pool_tokens.: plan it with "
-                       "Template::plan or plan_batch") as e:
+    with pytest.raises(kvplan.UnsupportedError, match="own .pool_tokens.: plan it with "
+                       "Template::plan or plan_batch") as u:
         template.plan_staged(request, src_staging=(SRC_STAGING, 4096),
                              dst_staging=(DST_STAGING, 4096))
-    assert e.value.kind == "geometry"
-    with pytest.raises(kvplan.KvPlanError, match="pool_tokens"):
+    assert (u.value.planner, u.value.feature) == ("plan_staged", "pool_range")
+    with pytest.raises(kvplan.UnsupportedError, match="pool_tokens") as u:
         template.plan_packed(request, pack=(SRC_STAGING, 4096))
+    assert (u.value.planner, u.value.feature) == ("plan_packed", "pool_range")
 
 
 def test_the_request_value_carries_its_pool_ranges() -> None:

@@ -899,6 +899,7 @@ impl Template {
         .with(Feature::Delta, request.skip_tokens > 0)
         .with(Feature::StateSlot, !pages)
         .with(Feature::Ring, !pages && request.n_tokens.is_some())
+        .with(Feature::PoolRange, request.has_pool_tokens())
         .with(
             Feature::TokenPlan,
             given || pages && request.skip_tokens > 0,
@@ -915,17 +916,6 @@ impl Template {
         planner: Planner,
         request: &Request<'_, S, D>,
     ) -> Result<()> {
-        // A pool's own token range is walked by the direct and batch token paths only; the
-        // others size every pool from the request's one range, so they refuse it, not ignore it.
-        if request.has_pool_tokens() && !matches!(planner, Planner::Plan | Planner::Batch) {
-            return Err(PlanError::Geometry {
-                what: format!(
-                    "{} plans one token range for every pool; this request gives a pool its \
-                     own (pool_tokens): plan it with Template::plan or plan_batch",
-                    planner.name()
-                ),
-            });
-        }
         crate::rules::capabilities::check(planner, &self.asked_by(request))
     }
 

@@ -22,16 +22,19 @@ pub enum Feature {
     /// A state slot request that gives the positions it has processed (`n_tokens`), so its
     /// ring-state pairs move their live rows.
     Ring,
+    /// A request that gives a further pool a token range of its own (`pool_tokens`).
+    PoolRange,
 }
 
 impl Feature {
     /// Every feature, in the order [`check`] reports the first unsupported one.
-    pub const ALL: [Feature; 5] = [
+    pub const ALL: [Feature; 6] = [
         Feature::Delta,
         Feature::StateSlot,
         Feature::Window,
         Feature::TokenPlan,
         Feature::Ring,
+        Feature::PoolRange,
     ];
 
     /// The stable name (Python's `UnsupportedError.feature`, the docs' column heading).
@@ -42,6 +45,7 @@ impl Feature {
             Feature::Window => "window",
             Feature::TokenPlan => "token_plan",
             Feature::Ring => "ring",
+            Feature::PoolRange => "pool_range",
         }
     }
 
@@ -58,6 +62,9 @@ impl Feature {
             Feature::Ring => {
                 "a state slot request with `n_tokens`: its ring-state rows (the last \
                  `min(R_p, R_d, n_tokens)` positions)"
+            }
+            Feature::PoolRange => {
+                "a request giving a further pool its own token range (`pool_tokens`)"
             }
         }
     }
@@ -143,13 +150,16 @@ const fn bits(features: &[Feature]) -> u8 {
 
 /// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
 pub const SUPPORT: [(Planner, u8); 7] = {
-    use Feature::{Delta, Ring, StateSlot, TokenPlan, Window};
+    use Feature::{Delta, PoolRange, Ring, StateSlot, TokenPlan, Window};
     [
         (
             Planner::Plan,
-            bits(&[Delta, StateSlot, Window, TokenPlan, Ring]),
+            bits(&[Delta, StateSlot, Window, TokenPlan, Ring, PoolRange]),
         ),
-        (Planner::Batch, bits(&[Delta, StateSlot, Window, TokenPlan])),
+        (
+            Planner::Batch,
+            bits(&[Delta, StateSlot, Window, TokenPlan, PoolRange]),
+        ),
         (
             Planner::Packed,
             bits(&[Delta, StateSlot, Window, TokenPlan]),
@@ -229,6 +239,10 @@ impl Asked {
                  (positions processed), which moves its ring-state rows: plan it with \
                  Template::plan",
                 self.ring_positions
+            ),
+            Feature::PoolRange => format!(
+                "{phrase} plans one token range for every pool; this request gives a pool its \
+                 own (pool_tokens): plan it with Template::plan or plan_batch"
             ),
         }
     }
