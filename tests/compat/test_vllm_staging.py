@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -412,9 +413,9 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
     p_staging = start(prefill, p_engine)
-    # long enough that the stream cannot time out before the channel closes, short enough
-    # that its share is freed soon after
-    d_staging = start(decode, d_engine, timeout_s=1.0)
+    # long enough that the stream cannot time out before the channel closes, however loaded
+    # the machine; the time a failed stream keeps its share is then stepped past, not waited
+    d_staging = start(decode, d_engine, timeout_s=30)
     server = d_staging.serve(decode.worker)
     meta, ready = pull(v, prefill, decode, d_staging, {"req-e": fragmented_ids(20, 6)})
     w = prefill.worker
@@ -438,11 +439,12 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
         receiver.wait(timeout=10.0)
     assert err.value.reason == "cancelled" and not receiver.loaded
     # the share is kept timeout_s after the failure (a write may still land), then freed by
-    # the decode's periodic check, which retires the stream
-    for _ in range(200):
-        if "req-e@tp0" not in d_staging.receivers:
-            break
-        threading.Event().wait(0.05)
+    # the decode's periodic check, which retires the stream: the stream's keeping time is
+    # shortened to nothing, and the check is run as it runs once 2 x timeout_s have passed
+    receiver.timeout_s = 0.0
+    threading.Event().wait(0.01)
+    d_staging.tick(now=time.monotonic())
+    d_staging.tick(now=time.monotonic() + 3 * d_staging.config.timeout_s)
     assert "req-e@tp0" not in d_staging.receivers and d_staging.stream("req-e@tp0") is receiver
     assert d_staging.shares.holder(0) is None
     assert np.all(decode.memory == SENTINEL)
@@ -506,8 +508,8 @@ def test_a_request_pulled_again_is_sent_again(v: Any, patched: Any, engines: Any
                    head_bytes=256, seed=10)
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
-    p_staging = start(prefill, p_engine, timeout_s=2)
-    d_staging = start(decode, d_engine, timeout_s=2)
+    p_staging = start(prefill, p_engine, timeout_s=30)
+    d_staging = start(decode, d_engine, timeout_s=30)
     p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker)
     requests = {"req-h": fragmented_ids(40, 10)}
     meta, ready = pull(v, prefill, decode, d_staging, requests)
