@@ -242,6 +242,7 @@ fn summary_of(segment_blocks: &[usize], segment_sizes: &[usize]) -> BatchSummary
         segment_offsets: offsets,
         segment_requests: firsts.clone(),
         requests: vec![one; *firsts.last().unwrap()],
+        merges: Vec::new(),
     }
 }
 

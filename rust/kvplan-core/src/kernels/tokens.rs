@@ -978,6 +978,85 @@ fn emit_piece<S: PageIndex, D: PageIndex>(
     Ok(at)
 }
 
+// A mask of token classes holds every class.
+const _: () = assert!(TOKEN_CLASSES <= 64);
+
+/// The token classes whose blocks continue from one validated token request (`prev`) into
+/// the next (`next`) of a batch, as a bit mask over [`TOKEN_CLASSES`]: a class is in it when
+/// both requests emit blocks of it and, for every piece of the class, `next`'s first block
+/// starts on both sides exactly where `prev`'s last block ends, so the two blocks are one block
+/// of the same bytes. Only contiguous classes (a block per run of tokens) can continue; a
+/// class whose pieces disagree stays out (one count per class describes a merged plan).
+/// Indices are read without their limits: emission checks the merge again and refuses an
+/// index that changed.
+pub(crate) fn boundary_merges<S: PageIndex, D: PageIndex>(
+    tokens: &TokenTemplate,
+    prev: (&LaneLists<'_, [S], [D]>, &TokenShape),
+    next: (&LaneLists<'_, [S], [D]>, &TokenShape),
+) -> u64 {
+    // Each moving lane's last segment in `prev` and first in `next`.
+    let mut ends: [Option<(Segment, Segment)>; MAX_LANES] = [None; MAX_LANES];
+    for (at, lane) in tokens.lanes().filter(|&(at, _)| tokens.moving(at)) {
+        let walk = |shape: &TokenShape| {
+            let (first, n) = shape.pool_ranges[lane_pool(lane).index()];
+            let (start, end) = lane.slots(first, n);
+            segments(start, end, lane.maps)
+        };
+        let last = match lane.maps {
+            (TokenMap::Paged { page_size: ps }, TokenMap::Paged { page_size: pd }) => {
+                let (first, n) = prev.1.pool_ranges[lane_pool(lane).index()];
+                let (start, end) = lane.slots(first, n);
+                // The paged walk's last segment starts at the later of the last page edges.
+                let t = (end.saturating_sub(1) / ps * ps)
+                    .max(end.saturating_sub(1) / pd * pd)
+                    .max(start);
+                paged_segments(t, end, (ps, pd)).next()
+            }
+            _ => walk(prev.1).last(),
+        };
+        if let (Some(last), Some(first)) = (last, walk(next.1).next()) {
+            ends[at] = Some((last, first));
+        }
+    }
+    let (mut adjacent, mut apart) = (0u64, 0u64);
+    for piece in tokens.pieces.iter().filter(|p| p.token_class() > 0) {
+        let class = piece.class();
+        if prev.1.class_blocks[class] == 0 || next.1.class_blocks[class] == 0 {
+            continue;
+        }
+        let lane = &tokens.lanes[piece.lane];
+        let touches = ends[piece.lane].is_some_and(|(last, first)| {
+            let (ps, pd) = prev.0.of(lane);
+            let (ns, nd) = next.0.of(lane);
+            let place = |side: &PieceSide, page: Option<i64>, slot: u64| {
+                let page = u64::try_from(page?).ok()?;
+                side.base
+                    .checked_add(page.checked_mul(side.page_stride)?)?
+                    .checked_add(slot.checked_mul(side.slot_stride)?)
+            };
+            let get = |list: &[S], pos: usize| list.get(pos).map(|p| p.get());
+            let getd = |list: &[D], pos: usize| list.get(pos).map(|p| p.get());
+            // Contiguous pieces: a block's bytes end where its last segment's tokens end.
+            let prev_end = (
+                place(&piece.src, get(ps, last.src_pos), last.src_slot + last.n),
+                place(&piece.dst, getd(pd, last.dst_pos), last.dst_slot + last.n),
+            );
+            let next_start = (
+                place(&piece.src, get(ns, first.src_pos), first.src_slot),
+                place(&piece.dst, getd(nd, first.dst_pos), first.dst_slot),
+            );
+            prev_end.0.is_some() && prev_end.1.is_some() && prev_end == next_start
+        });
+        let bit = 1u64 << class;
+        if touches {
+            adjacent |= bit;
+        } else {
+            apart |= bit;
+        }
+    }
+    adjacent & !apart
+}
+
 /// Where one segment of a lane's walk sits on the destination side: position in the page list,
 /// first slot, tokens.
 #[derive(Debug, Clone, Copy)]

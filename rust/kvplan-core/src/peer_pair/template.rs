@@ -679,6 +679,28 @@ impl Template {
         Ok(())
     }
 
+    /// The token classes whose blocks continue from validated token request `prev` into
+    /// `next` (see [`crate::kernels::tokens::boundary_merges`]); none for other requests.
+    pub(crate) fn token_merges<S: PageIndex, D: PageIndex>(
+        &self,
+        prev: (&Request<'_, S, D>, &PlanSummary),
+        next: (&Request<'_, S, D>, &PlanSummary),
+    ) -> u64 {
+        let Ok(tokens) = self.token_template() else {
+            return 0;
+        };
+        let (Some((prev_lists, prev_shape)), Some((next_lists, next_shape))) =
+            (token_lists(prev.0, prev.1), token_lists(next.0, next.1))
+        else {
+            return 0;
+        };
+        crate::kernels::tokens::boundary_merges(
+            tokens,
+            (&prev_lists, &prev_shape),
+            (&next_lists, &next_shape),
+        )
+    }
+
     /// Writes a validated page request's runs into the first `found.n_runs` slots of `out`
     /// as `(src page, dst page, pages | DESCENDING)`; returns the run count. Limits are
     /// re-checked per run, and a run count that differs from the validating scan means the
@@ -1284,6 +1306,24 @@ fn pool_list_name(pool: PoolId) -> &'static str {
         "pool 7 pages",
     ];
     NAMES[pool.index()]
+}
+
+/// The page lists a validated token request's lanes read (as [`Template::emit_prepared`]
+/// reads them) with its shape; `None` for a request not planned by token.
+fn token_lists<'x, S: PageIndex, D: PageIndex>(
+    request: &Request<'x, S, D>,
+    summary: &PlanSummary,
+) -> Option<(LaneLists<'x, [S], [D]>, TokenShape)> {
+    let (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) = (request.indices, &summary.unit)
+    else {
+        return None;
+    };
+    let pages = (
+        &src[..shape.src_pages.min(src.len())],
+        &dst[..shape.dst_pages.min(dst.len())],
+    );
+    let read = shape.pool_pages.map(|(read, _)| read);
+    Some((request_lists(request, pages, read), *shape))
 }
 
 /// A request's page lists per pool for its lanes: its pages (the leading ones read), then

@@ -8,9 +8,13 @@
 //! next step by +1 on each side, and neither boundary run descends) form one **segment**: their
 //! boundary runs merge into one run, so the blocks that cross from one request into the next
 //! are one block. A segment's blocks are those of its merged runs, entry-pair major as a single
-//! request's plan; every other request is a segment of its own, planned as it would be alone.
-//! Segments follow the request order, so a segment's blocks and a segment's requests are both
-//! contiguous ranges.
+//! request's plan. Consecutive token requests (a token range, further pools, per-pool ranges)
+//! form a segment the same way: where, for every piece of a token class, the next request's
+//! first block starts on both sides where the previous one's last block ends, those two blocks
+//! are one block; a segment's blocks are piece major as a single token plan's, each piece's
+//! blocks request after request. Every other request is a segment of its own, planned as it
+//! would be alone. Segments follow the request order, so a segment's blocks and a segment's
+//! requests are both contiguous ranges.
 
 use crate::error::{PlanError, Result, try_vec};
 use crate::model::plan::{AsColumns, Columns, FlatBuffer, PlanSummary, PlanUnit};
@@ -183,6 +187,11 @@ pub struct BatchSummary {
     pub segment_requests: Vec<usize>,
     /// Each request as it would be planned alone (its blocks, bytes and unit).
     pub requests: Vec<PlanSummary>,
+    /// Per request of a segment of token requests, the token classes (a bit mask over
+    /// [`crate::model::pieces::TOKEN_CLASSES`]) whose first block of each piece is one block
+    /// with the previous request's last block of that piece; empty when no token requests fuse
+    /// (every request then 0).
+    pub merges: Vec<u64>,
 }
 
 impl BatchSummary {
@@ -194,6 +203,12 @@ impl BatchSummary {
     /// Segments in the batch.
     pub fn n_segments(&self) -> usize {
         self.segment_offsets.len().saturating_sub(1)
+    }
+
+    /// The token classes whose first blocks request `request` shares with the request before
+    /// it (0 for a request that shares none).
+    pub fn merged_classes(&self, request: usize) -> u64 {
+        self.merges.get(request).copied().unwrap_or(0)
     }
 
     /// The segment request `request` was planned in (`None` past the last request).
@@ -224,6 +239,29 @@ impl BatchSummary {
         if members.len() == 1 {
             return Some(members[0]);
         }
+        if let PlanUnit::Tokens(shape) = members[0].unit {
+            let mut merged = shape;
+            merged.class_blocks = self.token_class_blocks(first..end)?;
+            merged.n_segments = 0;
+            merged.n_tokens = 0;
+            for member in members {
+                let PlanUnit::Tokens(found) = member.unit else {
+                    return None;
+                };
+                merged.n_segments = merged.n_segments.checked_add(found.n_segments)?;
+                merged.n_tokens = merged
+                    .n_tokens
+                    .checked_add(found.n_tokens - found.first_token)?;
+            }
+            merged.first_token = 0;
+            merged.n_blocks = self.segment_offsets[segment + 1] - self.segment_offsets[segment];
+            merged.total_bytes = members.iter().map(|m| m.total_bytes).sum();
+            return Some(PlanSummary {
+                n_blocks: merged.n_blocks,
+                total_bytes: merged.total_bytes,
+                unit: PlanUnit::Tokens(merged),
+            });
+        }
         let (runs, pages) = segment_runs(members)?;
         let mut scan = crate::model::runs::RunScan {
             n_pages: pages,
@@ -244,6 +282,33 @@ impl BatchSummary {
             total_bytes: members.iter().map(|m| m.total_bytes).sum(),
             unit: PlanUnit::Pages(scan),
         })
+    }
+
+    /// Blocks per token class of the fused token requests `members`: each member's own, less
+    /// one per block it shares with the member before. `None` for a member not planned by
+    /// token, or counts that do not add up.
+    fn token_class_blocks(
+        &self,
+        members: std::ops::Range<usize>,
+    ) -> Option<[usize; crate::model::pieces::TOKEN_CLASSES]> {
+        let mut blocks = [0usize; crate::model::pieces::TOKEN_CLASSES];
+        for r in members.clone() {
+            let PlanUnit::Tokens(shape) = self.requests.get(r)?.unit else {
+                return None;
+            };
+            let shared = if r == members.start {
+                0
+            } else {
+                self.merged_classes(r)
+            };
+            for (c, count) in blocks.iter_mut().enumerate() {
+                *count = count.checked_add(shape.class_blocks[c])?;
+                if shared >> c & 1 != 0 {
+                    *count = count.checked_sub(1)?;
+                }
+            }
+        }
+        Some(blocks)
     }
 
     /// The blocks holding request `request`'s bytes: its segment's blocks.
@@ -286,12 +351,16 @@ impl BatchSummary {
     /// pages (per-page pieces) the range's blocks cover are named. A fused segment's blocks are
     /// piece major: a per-run piece has one block per merged run (member `i`'s runs follow the
     /// runs of those before it, its first merged with the previous member's last), a per-page
-    /// piece one block per page in request order. A segment whose block count does not match
+    /// piece one block per page in request order. A segment of fused token requests is read
+    /// over the token pieces `token_pieces` ([`crate::kernels::tokens::TokenTemplate::pieces`]):
+    /// piece major, each piece's blocks member after member, a member's first block shared with
+    /// the member before for the classes it merged. A segment whose block count does not match
     /// that shape names all its members (never fewer requests than hold bytes).
     pub fn requests_with_bytes_in(
         &self,
         blocks: std::ops::Range<usize>,
         pieces: &[crate::model::pieces::Piece],
+        token_pieces: &[crate::model::pieces::Piece],
     ) -> Vec<usize> {
         let mut held = Vec::new();
         for (s, std::ops::Range { start, end }) in self.segments_in(blocks.clone()) {
@@ -301,12 +370,72 @@ impl BatchSummary {
                 held.extend(members);
                 continue;
             }
-            match self.fused_members_in(members.clone(), end - start, covered, pieces) {
+            let named = if matches!(self.requests[members.start].unit, PlanUnit::Tokens(_)) {
+                self.fused_token_members_in(members.clone(), end - start, covered, token_pieces)
+            } else {
+                self.fused_members_in(members.clone(), end - start, covered, pieces)
+            };
+            match named {
                 Some(named) => held.extend(named),
                 None => held.extend(members),
             }
         }
         held
+    }
+
+    /// The members of a segment of fused token requests (`members`, `n_blocks` blocks) with
+    /// bytes in its blocks `covered` (segment-relative), laid out over the token pieces
+    /// `pieces`; `None` when the segment's shape is not theirs (the caller then names every
+    /// member).
+    fn fused_token_members_in(
+        &self,
+        members: std::ops::Range<usize>,
+        n_blocks: usize,
+        covered: std::ops::Range<usize>,
+        pieces: &[crate::model::pieces::Piece],
+    ) -> Option<Vec<usize>> {
+        let classes = self.token_class_blocks(members.clone())?;
+        let shape = pieces
+            .iter()
+            .try_fold(0usize, |sum, p| sum.checked_add(classes[p.class()]))?;
+        if shape != n_blocks {
+            return None;
+        }
+        let mut hit = vec![false; members.len()];
+        let mut at = 0usize;
+        for piece in pieces {
+            if at >= covered.end {
+                break;
+            }
+            let class = piece.class();
+            for (k, r) in members.clone().enumerate() {
+                let PlanUnit::Tokens(shape) = self.requests[r].unit else {
+                    return None;
+                };
+                let count = shape.class_blocks[class];
+                if count == 0 {
+                    continue;
+                }
+                // A merged member's first block is the last block so far.
+                let from = if k > 0 && self.merged_classes(r) >> class & 1 != 0 {
+                    at.checked_sub(1)?
+                } else {
+                    at
+                };
+                let to = from + count;
+                if from < covered.end && covered.start < to {
+                    hit[k] = true;
+                }
+                at = to;
+            }
+        }
+        Some(
+            hit.iter()
+                .enumerate()
+                .filter(|&(_, &h)| h)
+                .map(|(k, _)| members.start + k)
+                .collect(),
+        )
     }
 
     /// The members of a fused segment (`members`, `n_blocks` blocks) with bytes in its blocks
@@ -470,9 +599,35 @@ impl<'t> BatchPlanner<'t> {
             offsets.push(0);
         }
         let (mut n_blocks, mut total_bytes) = (0usize, 0u64);
+        let mut merges: Vec<u64> = Vec::new();
+        let moves_tokens =
+            |s: &PlanSummary| matches!(s.unit, PlanUnit::Tokens(_)) && s.n_blocks > 0;
         let mut r = 0;
         while r < requests.len() {
             let mut end = r + 1;
+            // Blocks the segment's token requests share across their boundaries.
+            let mut shared = 0usize;
+            while moves_tokens(&summaries[r])
+                && end < requests.len()
+                && moves_tokens(&summaries[end])
+            {
+                let mask = self.template.token_merges(
+                    (&requests[end - 1], &summaries[end - 1]),
+                    (&requests[end], &summaries[end]),
+                );
+                if mask == 0 {
+                    break;
+                }
+                if merges.is_empty() {
+                    merges = try_vec(requests.len(), 0u64, "batch merges")?;
+                }
+                merges[end] = mask;
+                let Some(sum) = self.shared_blocks(mask).checked_add(shared) else {
+                    return Err(overflow("block count"));
+                };
+                shared = sum;
+                end += 1;
+            }
             while end < requests.len()
                 && [&summaries[end - 1], &summaries[end]]
                     .iter()
@@ -484,6 +639,18 @@ impl<'t> BatchPlanner<'t> {
             // `let … else` rather than `ok_or`: no error built and dropped per request.
             let blocks = if end - r == 1 {
                 summaries[r].n_blocks
+            } else if moves_tokens(&summaries[r]) {
+                let mut blocks = 0usize;
+                for summary in &summaries[r..end] {
+                    let Some(sum) = blocks.checked_add(summary.n_blocks) else {
+                        return Err(overflow("block count"));
+                    };
+                    blocks = sum;
+                }
+                let Some(blocks) = blocks.checked_sub(shared) else {
+                    return Err(overflow("block count"));
+                };
+                blocks
             } else {
                 let Some((runs, pages)) = segment_runs(&summaries[r..end]) else {
                     return Err(overflow("runs"));
@@ -513,7 +680,22 @@ impl<'t> BatchPlanner<'t> {
             segment_offsets,
             segment_requests,
             requests: summaries,
+            merges,
         })
+    }
+
+    /// Blocks one boundary of fused token requests saves: one per piece of each merged class.
+    fn shared_blocks(&self, mask: u64) -> usize {
+        let Ok(tokens) = self.template.token_template() else {
+            return 0;
+        };
+        tokens
+            .class_pieces
+            .iter()
+            .enumerate()
+            .filter(|&(c, _)| mask >> c & 1 != 0)
+            .map(|(_, &pieces)| pieces)
+            .sum()
     }
 
     /// Plans a batch (see [`BatchPlanner::prepare`]) into columns from `make_output`, which
@@ -547,6 +729,8 @@ impl<'t> BatchPlanner<'t> {
                 self.template
                     .emit_prepared(&requests[first], &summary.requests[first], segment)
                     .map_err(in_request(first))?;
+            } else if matches!(summary.requests[first].unit, PlanUnit::Tokens(_)) {
+                self.emit_token_segment(requests, &summary, first..end, segment)?;
             } else {
                 self.emit_segment(
                     &requests[first..end],
@@ -632,6 +816,105 @@ impl<'t> BatchPlanner<'t> {
         Ok(digests)
     }
 
+    /// Emits a segment of fused token requests (`members` of `requests`): each member planned
+    /// alone into scratch columns, then each piece's blocks copied after the same piece's
+    /// blocks of the members before, a merged class's first block joined to the block before
+    /// it (checked to continue it on both sides).
+    fn emit_token_segment<S: PageIndex, D: PageIndex>(
+        &self,
+        requests: &[Request<'_, S, D>],
+        summary: &BatchSummary,
+        members: std::ops::Range<usize>,
+        out: Columns<'_>,
+    ) -> Result<()> {
+        let first = members.start;
+        let tokens = self.template.token_template().map_err(in_request(first))?;
+        let Some(classes) = summary.token_class_blocks(members.clone()) else {
+            return Err(in_request(first)(PlanError::InputChanged));
+        };
+        // Where each piece's blocks start in the segment, and the segment's end.
+        let mut starts = Vec::new();
+        starts
+            .try_reserve_exact(tokens.pieces.len() + 1)
+            .map_err(|_| PlanError::out_of_memory::<usize>("batch", tokens.pieces.len() + 1))?;
+        let mut at = 0usize;
+        for piece in &tokens.pieces {
+            starts.push(at);
+            at += classes[piece.class()];
+        }
+        starts.push(at);
+        if at > out.capacity() {
+            return Err(in_request(first)(PlanError::InputChanged));
+        }
+        let mut cursor = starts.clone();
+        let most = summary.requests[members.clone()]
+            .iter()
+            .map(|s| s.n_blocks)
+            .max()
+            .unwrap_or(0);
+        let mut scratch = FlatBuffer::try_zeroed(most)?;
+        for r in members.clone() {
+            let member = &summary.requests[r];
+            let PlanUnit::Tokens(shape) = &member.unit else {
+                return Err(in_request(r)(PlanError::InputChanged));
+            };
+            let capacity = scratch.capacity;
+            let mut own = Columns::from_flat(&mut scratch.data, capacity);
+            self.template
+                .emit_prepared(&requests[r], member, own.reborrow())
+                .map_err(in_request(r))?;
+            let shared = if r == first {
+                0
+            } else {
+                summary.merged_classes(r)
+            };
+            let mut from = 0usize;
+            for (p, piece) in tokens.pieces.iter().enumerate() {
+                let class = piece.class();
+                let count = shape.class_blocks[class];
+                let mut take = from..from + count;
+                if take.end > member.n_blocks {
+                    return Err(in_request(r)(PlanError::InputChanged));
+                }
+                from = take.end;
+                if count == 0 {
+                    continue;
+                }
+                let mut to = cursor[p];
+                if shared >> class & 1 != 0 {
+                    // The piece's last block so far ends where this member's first begins.
+                    let (k, last) = (take.start, to.wrapping_sub(1));
+                    let continues = to > starts[p]
+                        && out.src_addrs[last].checked_add(out.lengths[last])
+                            == Some(own.src_addrs[k])
+                        && out.dst_addrs[last].checked_add(out.lengths[last])
+                            == Some(own.dst_addrs[k]);
+                    if !continues {
+                        return Err(in_request(r)(PlanError::InputChanged));
+                    }
+                    out.lengths[last] += own.lengths[k];
+                    take.start += 1;
+                }
+                let n = take.len();
+                if to + n > starts[p + 1] {
+                    return Err(in_request(r)(PlanError::InputChanged));
+                }
+                out.src_addrs[to..to + n].copy_from_slice(&own.src_addrs[take.clone()]);
+                out.dst_addrs[to..to + n].copy_from_slice(&own.dst_addrs[take.clone()]);
+                out.lengths[to..to + n].copy_from_slice(&own.lengths[take]);
+                to += n;
+                cursor[p] = to;
+            }
+            if from != member.n_blocks {
+                return Err(in_request(r)(PlanError::InputChanged));
+            }
+        }
+        if cursor[..tokens.pieces.len()] != starts[1..] {
+            return Err(in_request(first)(PlanError::InputChanged));
+        }
+        Ok(())
+    }
+
     /// Emits a segment of fused page requests: each request's runs written after the last,
     /// the boundary runs merged, then the merged runs expanded once.
     fn emit_segment<S: PageIndex, D: PageIndex>(
@@ -699,7 +982,8 @@ impl Template {
         summary: &BatchSummary,
         blocks: std::ops::Range<usize>,
     ) -> Vec<usize> {
-        summary.requests_with_bytes_in(blocks, &self.pieces)
+        let token_pieces = self.token_template().map_or(&[][..], |t| &t.pieces[..]);
+        summary.requests_with_bytes_in(blocks, &self.pieces, token_pieces)
     }
 }
 
