@@ -217,10 +217,7 @@ fn two_one_page_token_requests_that_continue_each_other_are_one_block_per_layer(
 
 /// Pooled requests: pool 0's pages and pool 1's, each pool with its own token range
 /// (`own_ranges`) or both the request's range (then both pools take as many pages).
-fn pooled_requests<'a>(
-    pools: &'a [Vec<(Vec<i64>, Vec<i64>)>; 2],
-    own_ranges: bool,
-) -> Vec<Request<'a>> {
+fn pooled_requests(pools: &[Vec<(Vec<i64>, Vec<i64>)>; 2], own_ranges: bool) -> Vec<Request<'_>> {
     pools[0]
         .iter()
         .zip(&pools[1])

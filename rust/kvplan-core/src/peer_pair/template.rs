@@ -689,15 +689,21 @@ impl Template {
         let Ok(tokens) = self.token_template() else {
             return 0;
         };
-        let (Some((prev_lists, prev_shape)), Some((next_lists, next_shape))) =
-            (token_lists(prev.0, prev.1), token_lists(next.0, next.1))
+        let (PlanUnit::Tokens(prev_shape), PlanUnit::Tokens(next_shape)) =
+            (&prev.1.unit, &next.1.unit)
         else {
+            return 0;
+        };
+        let (Some(prev_lists), Some(next_lists)) = (
+            token_lists(prev.0, prev_shape),
+            token_lists(next.0, next_shape),
+        ) else {
             return 0;
         };
         crate::kernels::tokens::boundary_merges(
             tokens,
-            (&prev_lists, &prev_shape),
-            (&next_lists, &next_shape),
+            (&prev_lists, prev_shape),
+            (&next_lists, next_shape),
         )
     }
 
@@ -1308,14 +1314,13 @@ fn pool_list_name(pool: PoolId) -> &'static str {
     NAMES[pool.index()]
 }
 
-/// The page lists a validated token request's lanes read (as [`Template::emit_prepared`]
-/// reads them) with its shape; `None` for a request not planned by token.
+/// The page lists a validated token request of shape `shape` reads (as
+/// [`Template::emit_prepared`] reads them); `None` for a slot request.
 fn token_lists<'x, S: PageIndex, D: PageIndex>(
     request: &Request<'x, S, D>,
-    summary: &PlanSummary,
-) -> Option<(LaneLists<'x, [S], [D]>, TokenShape)> {
-    let (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) = (request.indices, &summary.unit)
-    else {
+    shape: &TokenShape,
+) -> Option<LaneLists<'x, [S], [D]>> {
+    let Indices::Pages { src, dst } = request.indices else {
         return None;
     };
     let pages = (
@@ -1323,7 +1328,7 @@ fn token_lists<'x, S: PageIndex, D: PageIndex>(
         &dst[..shape.dst_pages.min(dst.len())],
     );
     let read = shape.pool_pages.map(|(read, _)| read);
-    Some((request_lists(request, pages, read), *shape))
+    Some(request_lists(request, pages, read))
 }
 
 /// A request's page lists per pool for its lanes: its pages (the leading ones read), then
