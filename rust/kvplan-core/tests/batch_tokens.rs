@@ -42,7 +42,7 @@ fn ctx() -> LayoutContext {
 fn mla(base: u64, layers: std::ops::Range<u64>) -> Layout {
     let n = layers.clone().count();
     Layout::mla(
-        layers.clone().map(|l| base + (l << 20)).collect(),
+        layers.clone().map(|l| base + l * ITEM * PAGES).collect(),
         vec![ITEM * PAGES; n],
         vec![ITEM; n],
         Some(layers.map(|l| l as i64).collect()),
@@ -191,7 +191,7 @@ fn token_requests_merge_across_requests_as_page_requests_do() {
         let alone: Vec<Plan> = tokens.iter().map(|r| t.plan(r).unwrap()).collect();
         check_blame(&mut rng, &t, &batch, &alone, &format!("case {case}"));
     }
-    assert!(fused > 25, "the cases fuse requests ({fused} boundaries)");
+    assert!(fused > 20, "the cases fuse requests ({fused} boundaries)");
 }
 
 #[test]
