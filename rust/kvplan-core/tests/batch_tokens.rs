@@ -320,3 +320,40 @@ fn each_pool_merges_where_its_own_pages_continue() {
         check_blame(&mut rng, &t, b, &alone, "opposite orders");
     }
 }
+
+#[test]
+fn two_requests_writing_one_page_of_a_further_pool_are_refused_naming_both() {
+    let (src, dst) = (pooled(1 << 32), pooled(1 << 40));
+    let t = template(&src, &dst);
+    let (s0, d0, s1, d1) = ([0i64], [10i64], [1i64], [11i64]);
+    let (p0, p1, shared) = ([5i64], [6i64], [16i64]);
+    let reqs = [
+        Request::tokens(&s0, &d0, PAGE).with_pool_pages(
+            PoolId(1),
+            Some(&p0[..]),
+            Some(&shared[..]),
+        ),
+        Request::tokens(&s1, &d1, PAGE).with_pool_pages(
+            PoolId(1),
+            Some(&p1[..]),
+            Some(&shared[..]),
+        ),
+    ];
+    let err = t.batch().plan(&reqs).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            kvplan_core::PlanError::RequestsOverlap {
+                what: "pool 1 page",
+                index: 16,
+                first: 0,
+                second: 1
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("both write dst pool 1 page 16"),
+        "{err}"
+    );
+}

@@ -187,3 +187,14 @@ def test_each_pool_merges_where_its_own_pages_continue(order: tuple[int, int]) -
                                for own, pool in lists])
     per_group = sum(groups[g].plan_batch([pair[g] for pair in lists]).n_blocks for g in range(2))
     assert batch.n_blocks == per_group == 6
+
+
+def test_two_requests_writing_one_page_of_a_further_pool_are_refused_naming_both() -> None:
+    layouts = [one_token_layout(b, [0, 1, 2, 3]).with_pool([2, 3], 1)
+               for b in (0x100000, 0x900000)]
+    pooled = kvplan.Template(layouts[0], layouts[1], kvplan.Pairing.positional())
+    with pytest.raises(kvplan.KvPlanError, match="requests 0 and 1 of the batch both write dst "
+                       "pool 1 page 16") as refused:
+        pooled.plan_batch([kvplan.Request(i(0), i(10), pool_pages={1: (i(5), i(16))}),
+                           kvplan.Request(i(1), i(11), pool_pages={1: (i(6), i(16))})])
+    assert tuple(refused.value.requests) == (0, 1)

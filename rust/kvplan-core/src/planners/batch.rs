@@ -20,6 +20,7 @@ use crate::error::{PlanError, Result, try_vec};
 use crate::model::plan::{AsColumns, Columns, FlatBuffer, PlanSummary, PlanUnit};
 use crate::model::request::{Indices, Request};
 use crate::model::runs::{DESCENDING, PageIndex};
+use crate::peer::entry::{POOLS, PoolId};
 use crate::peer_pair::template::Template;
 use crate::rules::capabilities::Planner;
 
@@ -1026,26 +1027,61 @@ fn fuses<S: PageIndex, D: PageIndex>(prev: &Request<'_, S, D>, next: &Request<'_
     s0.steps_to(s1) && d0.steps_to(d1) && !prev_descends && !next_descends
 }
 
-/// Refuses a batch in which two requests write one destination page, or one state slot.
+/// Refuses a batch in which two requests write one destination page (of any pool), or one
+/// state slot.
 fn check_disjoint<S: PageIndex, D: PageIndex>(
     requests: &[Request<'_, S, D>],
     summaries: &[PlanSummary],
 ) -> Result<()> {
-    // The destination pages each request writes (a token request only the pages holding the
-    // tokens it moves: a delta request's cached prefix pages may be shared by several).
-    let written = |r: usize| -> &[D] {
-        match (requests[r].indices, &summaries[r].unit) {
-            (Indices::Pages { dst, .. }, PlanUnit::Pages(_)) => dst,
-            (Indices::Pages { dst, .. }, PlanUnit::Tokens(t)) => &dst[t.first_pages.1..t.dst_pages],
+    // The destination pages each request writes of each pool (a token request only the pages
+    // holding the tokens it moves: a delta request's cached prefix pages may be shared by
+    // several); further pools' pages are only a token request's.
+    let written = |r: usize, pool: PoolId| -> &[D] {
+        match (requests[r].indices, &summaries[r].unit, pool) {
+            (Indices::Pages { dst, .. }, PlanUnit::Pages(_), PoolId::PAGES) => dst,
+            (Indices::Pages { dst, .. }, PlanUnit::Tokens(t), PoolId::PAGES) => {
+                &dst[t.first_pages.1..t.dst_pages]
+            }
+            (Indices::Pages { .. }, PlanUnit::Tokens(t), pool) => {
+                let ((_, read), (_, first)) = t.pool_pages[pool.index()];
+                requests[r].pool_lists(pool).1.map_or(&[][..], |dst| {
+                    &dst[first.min(dst.len())..read.min(dst.len())]
+                })
+            }
             _ => &[],
         }
     };
+    for pool in PoolId::ALL {
+        check_pages_disjoint(summaries, |r| written(r, pool), OVERLAP_NAMES[pool.index()])?;
+    }
+    check_slots_disjoint(requests, summaries)
+}
+
+/// What a batch refuses to write twice, per pool: its pages, then each further pool's.
+const OVERLAP_NAMES: [&str; POOLS] = [
+    "page",
+    "pool 1 page",
+    "pool 2 page",
+    "pool 3 page",
+    "pool 4 page",
+    "pool 5 page",
+    "pool 6 page",
+    "pool 7 page",
+];
+
+/// Refuses two requests that write one destination page of one pool (`written(r)`: the pages
+/// request `r` writes of it, `what`: the pages' name in the error).
+fn check_pages_disjoint<'x, D: PageIndex + 'x>(
+    summaries: &[PlanSummary],
+    written: impl Fn(usize) -> &'x [D],
+    what: &'static str,
+) -> Result<()> {
     // Bounding ranges first: requests whose ranges do not overlap cannot share a page (the
     // common case, each request's pages allocated together), and then nothing else is read.
     let mut ranges: Vec<(i64, i64, usize)> = Vec::new();
     ranges
-        .try_reserve_exact(requests.len())
-        .map_err(|_| PlanError::out_of_memory::<(i64, i64, usize)>("batch", requests.len()))?;
+        .try_reserve_exact(summaries.len())
+        .map_err(|_| PlanError::out_of_memory::<(i64, i64, usize)>("batch", summaries.len()))?;
     for (r, summary) in summaries.iter().enumerate() {
         let pages = written(r);
         if summary.n_blocks == 0 || pages.is_empty() {
@@ -1077,13 +1113,13 @@ fn check_disjoint<S: PageIndex, D: PageIndex>(
                 let (word, mask) = (bit / 64, 1u64 << (bit % 64));
                 if seen[word] & mask != 0 {
                     // A repeat inside one request is the template's own check, not the batch's.
-                    if let Some(first) = (0..requests.len())
+                    if let Some(first) = (0..summaries.len())
                         .filter(|&q| q != r)
                         .find(|&q| written(q).iter().any(|p| p.get() == page.get()))
                     {
                         let (first, second) = (first.min(r), first.max(r));
                         return Err(PlanError::RequestsOverlap {
-                            what: "page",
+                            what,
                             index: page.get(),
                             first,
                             second,
@@ -1094,6 +1130,14 @@ fn check_disjoint<S: PageIndex, D: PageIndex>(
             }
         }
     }
+    Ok(())
+}
+
+/// Refuses two requests that write one state slot.
+fn check_slots_disjoint<S: PageIndex, D: PageIndex>(
+    requests: &[Request<'_, S, D>],
+    summaries: &[PlanSummary],
+) -> Result<()> {
     // State slots: a handful per batch.
     let mut slots: Vec<(i64, usize)> = requests
         .iter()
