@@ -357,3 +357,90 @@ fn two_requests_writing_one_page_of_a_further_pool_are_refused_naming_both() {
         "{err}"
     );
 }
+
+/// Token templates of other shapes: page sizes that differ (2 source tokens a page, 4
+/// destination), and a destination whose pages are not packed (items `2 × item` apart).
+fn token_peers() -> Vec<(&'static str, Layout, Layout, u64)> {
+    use support::layouts::{KvLayout, paged};
+    let mha = |base, item: u64, page| {
+        KvLayout::mha(base, 0..2, item, item * PAGES * 2).context(paged(page))
+    };
+    vec![
+        (
+            "page sizes",
+            mha(1 << 32, 32, 2).build(),
+            mha(1 << 40, 64, 4).build(),
+            2,
+        ),
+        (
+            "unpacked",
+            mha(1 << 32, 64, 4).build(),
+            mha(1 << 40, 64, 4).stride(128).build(),
+            4,
+        ),
+    ]
+}
+
+#[test]
+fn token_requests_of_any_count_copy_their_bytes_and_name_their_blocks() {
+    let mut rng = Rng(52);
+    for (name, src, dst, src_page) in token_peers() {
+        let t = template(&src, &dst);
+        let source = Arena::numbered(&src);
+        let mut fused = 0;
+        for case in 0..40 {
+            let n = 1 + rng.below(8) as usize;
+            let counts: Vec<usize> = (0..n).map(|_| 1 + rng.below(3) as usize).collect();
+            let dst_lists = lists_of(&mut rng, &counts);
+            // Whole source pages for the destination's: `PAGE / src_page` per page.
+            let per = (PAGE / src_page) as i64;
+            let lists: Vec<(Vec<i64>, Vec<i64>)> = dst_lists
+                .into_iter()
+                .map(|(_, d)| {
+                    let s = d
+                        .iter()
+                        .flat_map(|&p| (0..per).map(move |k| per * p + k))
+                        .collect();
+                    (s, d)
+                })
+                .collect();
+            // Whole pages or a partial last page.
+            let tokens: Vec<u64> = lists
+                .iter()
+                .map(|(_, d)| d.len() as u64 * PAGE - rng.below(2) * rng.below(PAGE))
+                .collect();
+            let reqs: Vec<Request<'_>> = lists
+                .iter()
+                .zip(&tokens)
+                .map(|((s, d), &n)| Request::tokens(s, d, n))
+                .collect();
+            let batch = t.batch().plan(&reqs).unwrap();
+            let want = overlay(
+                &dst,
+                reqs.iter()
+                    .map(|r| reference(&t, &src, &dst, r, None, &source)),
+            );
+            let got = applied(
+                &src,
+                &dst,
+                &columns(&batch, 0..batch.summary.n_blocks),
+                &source,
+            );
+            assert!(
+                got.bytes == want.bytes,
+                "{name} case {case}: batch bytes differ"
+            );
+            let alone: Vec<Plan> = reqs.iter().map(|r| t.plan(r).unwrap()).collect();
+            let solo: usize = alone.iter().map(|p| p.lengths.len()).sum();
+            assert!(batch.summary.n_blocks <= solo, "{name} case {case}");
+            fused += n - batch.summary.n_segments();
+            check_blame(&mut rng, &t, &batch, &alone, &format!("{name} case {case}"));
+        }
+        // Unpacked destination pages never continue one another: nothing merges there.
+        if name == "unpacked" {
+            assert_eq!(fused, 0, "{name}");
+        } else {
+            assert!(fused > 10, "{name}: the cases fuse ({fused} boundaries)");
+        }
+    }
+}

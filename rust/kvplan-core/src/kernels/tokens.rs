@@ -66,6 +66,10 @@ pub struct TokenTemplate {
     /// The sliding window of the template's window entries, in tokens, whether or not this
     /// rank pair moves bytes of them (one window per template: `check` refuses two sizes).
     pub window: Option<u64>,
+    /// The contiguous pieces (a class above 0) whose shape differs from the contiguous piece
+    /// before them in their lane, by position: every other contiguous piece's blocks are the
+    /// blocks of the last of these in its lane, shifted by the difference of their bases.
+    pub(crate) shape_heads: Vec<usize>,
 }
 
 impl TokenTemplate {
@@ -288,6 +292,7 @@ impl TokenTemplate {
             window: page_pairs
                 .iter()
                 .find_map(|pair| src.entry(pair.src_entry).window()),
+            shape_heads: Vec::new(),
         };
         let overflow = PlanError::Overflow {
             what: "bytes per token",
@@ -304,6 +309,16 @@ impl TokenTemplate {
             .iter()
             .try_fold(0u64, |sum, &bytes| sum.checked_add(bytes))
             .ok_or(overflow)?;
+        let mut last: [Option<&Piece>; MAX_LANES] = [None; MAX_LANES];
+        for (k, piece) in template.pieces.iter().enumerate() {
+            if piece.token_class() == 0 {
+                continue;
+            }
+            if !last[piece.lane].is_some_and(|before| before.same_shape(piece)) {
+                template.shape_heads.push(k);
+            }
+            last[piece.lane] = Some(piece);
+        }
         if dealt && template.pieces.is_empty() {
             template.empty_reason = crate::rules::dcp::no_shared_tokens(src, dst);
         }
@@ -1019,7 +1034,9 @@ pub(crate) fn boundary_merges<S: PageIndex, D: PageIndex>(
         }
     }
     let (mut adjacent, mut apart) = (0u64, 0u64);
-    for piece in tokens.pieces.iter().filter(|p| p.token_class() > 0) {
+    // A piece of the same shape as a head has the head's answer: its blocks are the head's,
+    // shifted by the difference of their bases on both sides.
+    for piece in tokens.shape_heads.iter().map(|&k| &tokens.pieces[k]) {
         let class = piece.class();
         if prev.1.class_blocks[class] == 0 || next.1.class_blocks[class] == 0 {
             continue;
