@@ -937,6 +937,108 @@ pub(crate) fn emit_tokens<S: PageIndex, D: PageIndex>(
     Ok(())
 }
 
+/// Emits a validated token request (as [`emit_tokens`]) as one member of a segment of fused
+/// token requests laid out piece major, each piece's blocks request after request: piece `p`'s
+/// blocks go from `cursor[p]` and stay below `starts[p + 1]`; for a class in `joins` the piece's
+/// first block is joined to the block before `cursor[p]` (the previous member's last block of
+/// that piece, checked to end on both sides where this one starts). Advances `cursor`. Writes
+/// only into `out`: no scratch columns.
+///
+/// # Errors
+/// [`PlanError::InputChanged`] when an index changed since validation (a block count, a
+/// limit or a join that no longer holds).
+pub(crate) fn emit_tokens_joined<S: PageIndex, D: PageIndex>(
+    tokens: &TokenTemplate,
+    lists: &LaneLists<'_, [S], [D]>,
+    limits: [(u64, u64); POOLS],
+    shape: &TokenShape,
+    joins: u64,
+    (cursor, starts): (&mut [usize], &[usize]),
+    out: &mut Columns<'_>,
+) -> Result<()> {
+    if cursor.len() != tokens.pieces.len() || starts.len() != tokens.pieces.len() + 1 {
+        return Err(PlanError::InputChanged);
+    }
+    // As in `emit_tokens`: a piece of the same shape as the last of its lane copies its blocks
+    // (from where that piece's blocks of this member begin), shifted by the bases' difference.
+    let mut previous: [Option<(usize, &Piece)>; MAX_LANES] = [None; MAX_LANES];
+    for (p, piece) in tokens.pieces.iter().enumerate() {
+        let class = piece.class();
+        let expected = shape.class_blocks[class];
+        let joined = expected > 0 && joins >> class & 1 != 0;
+        let at = if joined {
+            // The previous member's last block of this piece: inside this piece's blocks.
+            match cursor[p].checked_sub(1) {
+                Some(at) if at >= starts[p] => at,
+                _ => return Err(PlanError::InputChanged),
+            }
+        } else {
+            cursor[p]
+        };
+        let end = starts[p + 1];
+        if at > end || end - at < expected || end > out.capacity() {
+            return Err(PlanError::InputChanged);
+        }
+        // A joined piece writes at least one block, so `at` is below `end` here.
+        let kept = if joined {
+            (out.src_addrs[at], out.dst_addrs[at], out.lengths[at])
+        } else {
+            (0, 0, 0)
+        };
+        match previous[piece.lane] {
+            Some((from, prev)) if prev.same_shape(piece) => {
+                let (ds, dd) = (
+                    piece.src.base.wrapping_sub(prev.src.base),
+                    piece.dst.base.wrapping_sub(prev.dst.base),
+                );
+                for k in 0..expected {
+                    out.src_addrs[at + k] = out.src_addrs[from + k].wrapping_add(ds);
+                    out.dst_addrs[at + k] = out.dst_addrs[from + k].wrapping_add(dd);
+                    out.lengths[at + k] = out.lengths[from + k];
+                }
+                // The copied first block is already the joined one (same shape, same class):
+                // it starts where the previous member's block of this piece started.
+                if joined && (out.src_addrs[at], out.dst_addrs[at]) != (kept.0, kept.1) {
+                    return Err(PlanError::InputChanged);
+                }
+            }
+            _ => {
+                let lane = &tokens.lanes[piece.lane];
+                let written = emit_piece(
+                    piece,
+                    class % PIECE_CLASSES,
+                    lists.of(lane),
+                    (
+                        limits[lane.pools.0.index()].0,
+                        limits[lane.pools.1.index()].1,
+                    ),
+                    {
+                        let (first, n) = shape.pool_ranges[lane_pool(lane).index()];
+                        lane.slots(first, n)
+                    },
+                    0,
+                    &mut out.range(at..end),
+                )?;
+                if written != expected {
+                    return Err(PlanError::InputChanged);
+                }
+                if joined {
+                    let continues = kept.0.checked_add(kept.2) == Some(out.src_addrs[at])
+                        && kept.1.checked_add(kept.2) == Some(out.dst_addrs[at]);
+                    let Some(len) = kept.2.checked_add(out.lengths[at]).filter(|_| continues)
+                    else {
+                        return Err(PlanError::InputChanged);
+                    };
+                    (out.src_addrs[at], out.dst_addrs[at], out.lengths[at]) = (kept.0, kept.1, len);
+                }
+            }
+        }
+        previous[piece.lane] = Some((at, piece));
+        cursor[p] = at + expected;
+    }
+    Ok(())
+}
+
 /// Writes one piece's blocks from position `at`; returns the position after them.
 #[allow(clippy::too_many_arguments)]
 fn emit_piece<S: PageIndex, D: PageIndex>(

@@ -679,6 +679,38 @@ impl Template {
         Ok(())
     }
 
+    /// Emits validated token request `request` (of summary `summary`) as a member of a segment
+    /// of fused token requests (see [`crate::kernels::tokens::emit_tokens_joined`]): each
+    /// piece's blocks from `cursor`, below `starts`, the classes in `joins` joined to the
+    /// previous member's last block.
+    ///
+    /// # Errors
+    /// [`PlanError::InputChanged`] for a request not planned by token or an index that changed.
+    pub(crate) fn emit_prepared_joined<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        summary: &PlanSummary,
+        joins: u64,
+        places: (&mut [usize], &[usize]),
+        out: &mut Columns<'_>,
+    ) -> Result<()> {
+        let (Indices::Pages { src, dst }, PlanUnit::Tokens(shape)) =
+            (request.indices, &summary.unit)
+        else {
+            return Err(PlanError::InputChanged);
+        };
+        let (Some(src), Some(dst)) = (src.get(..shape.src_pages), dst.get(..shape.dst_pages))
+        else {
+            return Err(PlanError::InputChanged);
+        };
+        let limits = self.limits.map(|l| (l.src, l.dst));
+        let tokens = self.token_template()?;
+        let lists = request_lists(request, (src, dst), shape.pool_pages.map(|(read, _)| read));
+        crate::kernels::tokens::emit_tokens_joined(
+            tokens, &lists, limits, shape, joins, places, out,
+        )
+    }
+
     /// The token classes whose blocks continue from validated token request `prev` into
     /// `next` (see [`crate::kernels::tokens::boundary_merges`]); none for other requests.
     pub(crate) fn token_merges<S: PageIndex, D: PageIndex>(

@@ -252,11 +252,13 @@ impl BatchSummary {
                 merged.n_segments = merged.n_segments.checked_add(found.n_segments)?;
                 merged.n_tokens = merged
                     .n_tokens
-                    .checked_add(found.n_tokens - found.first_token)?;
+                    .checked_add(found.n_tokens.checked_sub(found.first_token)?)?;
             }
             merged.first_token = 0;
             merged.n_blocks = self.segment_offsets[segment + 1] - self.segment_offsets[segment];
-            merged.total_bytes = members.iter().map(|m| m.total_bytes).sum();
+            merged.total_bytes = members
+                .iter()
+                .try_fold(0u64, |sum, m| sum.checked_add(m.total_bytes))?;
             return Some(PlanSummary {
                 n_blocks: merged.n_blocks,
                 total_bytes: merged.total_bytes,
@@ -817,16 +819,16 @@ impl<'t> BatchPlanner<'t> {
         Ok(digests)
     }
 
-    /// Emits a segment of fused token requests (`members` of `requests`): each member planned
-    /// alone into scratch columns, then each piece's blocks copied after the same piece's
-    /// blocks of the members before, a merged class's first block joined to the block before
-    /// it (checked to continue it on both sides).
+    /// Emits a segment of fused token requests (`members` of `requests`) straight into `out`:
+    /// each member writes each piece's blocks after the same piece's blocks of the members
+    /// before, a merged class's first block joined to the block before it (checked to continue
+    /// it on both sides). Nothing but the output grows with the blocks.
     fn emit_token_segment<S: PageIndex, D: PageIndex>(
         &self,
         requests: &[Request<'_, S, D>],
         summary: &BatchSummary,
         members: std::ops::Range<usize>,
-        out: Columns<'_>,
+        mut out: Columns<'_>,
     ) -> Result<()> {
         let first = members.start;
         let tokens = self.template.token_template().map_err(in_request(first))?;
@@ -834,83 +836,43 @@ impl<'t> BatchPlanner<'t> {
             return Err(in_request(first)(PlanError::InputChanged));
         };
         // Where each piece's blocks start in the segment, and the segment's end.
+        let n_pieces = tokens.pieces.len();
         let mut starts = Vec::new();
         starts
-            .try_reserve_exact(tokens.pieces.len() + 1)
-            .map_err(|_| PlanError::out_of_memory::<usize>("batch", tokens.pieces.len() + 1))?;
+            .try_reserve_exact(n_pieces + 1)
+            .map_err(|_| PlanError::out_of_memory::<usize>("batch", n_pieces + 1))?;
         let mut at = 0usize;
         for piece in &tokens.pieces {
             starts.push(at);
-            at += classes[piece.class()];
+            at = at
+                .checked_add(classes[piece.class()])
+                .ok_or(PlanError::Overflow {
+                    what: "block count",
+                })?;
         }
         starts.push(at);
         if at > out.capacity() {
             return Err(in_request(first)(PlanError::InputChanged));
         }
-        let mut cursor = starts.clone();
-        let most = summary.requests[members.clone()]
-            .iter()
-            .map(|s| s.n_blocks)
-            .max()
-            .unwrap_or(0);
-        let mut scratch = FlatBuffer::try_zeroed(most)?;
-        for r in members.clone() {
-            let member = &summary.requests[r];
-            let PlanUnit::Tokens(shape) = &member.unit else {
-                return Err(in_request(r)(PlanError::InputChanged));
-            };
-            let capacity = scratch.capacity;
-            let mut own = Columns::from_flat(&mut scratch.data, capacity);
-            self.template
-                .emit_prepared(&requests[r], member, own.reborrow())
-                .map_err(in_request(r))?;
-            let shared = if r == first {
+        let mut cursor = try_vec(n_pieces, 0usize, "batch")?;
+        cursor.copy_from_slice(&starts[..n_pieces]);
+        for r in members {
+            let joins = if r == first {
                 0
             } else {
                 summary.merged_classes(r)
             };
-            let mut from = 0usize;
-            for (p, piece) in tokens.pieces.iter().enumerate() {
-                let class = piece.class();
-                let count = shape.class_blocks[class];
-                let mut take = from..from + count;
-                if take.end > member.n_blocks {
-                    return Err(in_request(r)(PlanError::InputChanged));
-                }
-                from = take.end;
-                if count == 0 {
-                    continue;
-                }
-                let mut to = cursor[p];
-                if shared >> class & 1 != 0 {
-                    // The piece's last block so far ends where this member's first begins.
-                    let (k, last) = (take.start, to.wrapping_sub(1));
-                    let continues = to > starts[p]
-                        && out.src_addrs[last].checked_add(out.lengths[last])
-                            == Some(own.src_addrs[k])
-                        && out.dst_addrs[last].checked_add(out.lengths[last])
-                            == Some(own.dst_addrs[k]);
-                    if !continues {
-                        return Err(in_request(r)(PlanError::InputChanged));
-                    }
-                    out.lengths[last] += own.lengths[k];
-                    take.start += 1;
-                }
-                let n = take.len();
-                if to + n > starts[p + 1] {
-                    return Err(in_request(r)(PlanError::InputChanged));
-                }
-                out.src_addrs[to..to + n].copy_from_slice(&own.src_addrs[take.clone()]);
-                out.dst_addrs[to..to + n].copy_from_slice(&own.dst_addrs[take.clone()]);
-                out.lengths[to..to + n].copy_from_slice(&own.lengths[take]);
-                to += n;
-                cursor[p] = to;
-            }
-            if from != member.n_blocks {
-                return Err(in_request(r)(PlanError::InputChanged));
-            }
+            self.template
+                .emit_prepared_joined(
+                    &requests[r],
+                    &summary.requests[r],
+                    joins,
+                    (&mut cursor, &starts),
+                    &mut out,
+                )
+                .map_err(in_request(r))?;
         }
-        if cursor[..tokens.pieces.len()] != starts[1..] {
+        if cursor[..] != starts[1..] {
             return Err(in_request(first)(PlanError::InputChanged));
         }
         Ok(())
