@@ -48,7 +48,7 @@ from kvplan._core import (
     pair_entries,
     tp_peers,
 )
-from kvplan._errors import ConfigError, IncompatibleHostError, TransferError
+from kvplan._errors import ConfigError, IncompatibleHostError, IncompatiblePeerError, TransferError
 from kvplan.identity import (
     LayoutIdentity,
     ModelSemantics,
@@ -67,6 +67,7 @@ __all__ = [
     "ConfigError",
     "EntryCheck",
     "IncompatibleHostError",
+    "IncompatiblePeerError",
     "IndexBoundsError",
     "IntegrityError",
     "KvPlanError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvplan._core import KvPlanError
 
-__all__ = ["ConfigError", "IncompatibleHostError", "TransferError"]
+__all__ = ["ConfigError", "IncompatibleHostError", "IncompatiblePeerError", "TransferError"]
 
 
 class IncompatibleHostError(KvPlanError):
@@ -24,6 +24,27 @@ class IncompatibleHostError(KvPlanError):
     host_version: str = ""
     seen: str = ""
     supported: tuple[str, ...] = ()
+
+
+class IncompatiblePeerError(KvPlanError):
+    """A peer's layout identity, received at the handshake, is refused by the compatibility
+    verdict (docs/identity.md, "At the handshake"): no byte is moved to or from that peer.
+
+    ``peer`` names the peer (its session or address), ``local_class_id`` and
+    ``peer_class_id`` the two class ids, ``local_role`` this side's role (``"prefill"`` or
+    ``"decode"``), ``refused_by`` what refused (``"semantics"``, a planner error's kind,
+    ``"conversion"`` for a conversion the drop-in's path does not make, or ``"identity"``
+    for an identity that does not parse or whose ids are not what its fields give) and
+    ``reason`` the verdict's words naming both values.
+    """
+
+    kind = "incompatible_peer"
+    peer: str = ""
+    local_class_id: str = ""
+    peer_class_id: str = ""
+    local_role: str = ""
+    refused_by: str = ""
+    reason: str = ""
 
 
 class TransferError(RuntimeError):

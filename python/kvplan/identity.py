@@ -19,21 +19,29 @@ This module only converts the caller's semantics: the RoPE configuration as cano
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from kvplan._core import Layout, LayoutError, LayoutIdentity, Pairing, Verdict
+from kvplan._core import KvPlanError, Layout, LayoutError, LayoutIdentity, Pairing, Verdict
 from kvplan._core import compatibility as _compatibility
 from kvplan._core import layout_identity as _layout_identity
+from kvplan._errors import IncompatiblePeerError
 
 __all__ = [
+    "IDENTITY_KEY",
     "LayoutIdentity",
     "ModelSemantics",
+    "PeerCheck",
     "Verdict",
     "canonical_rope",
     "compatibility",
+    "hf_rope",
+    "identity_from_message",
+    "identity_message",
     "layout_identity",
 ]
 
@@ -157,3 +165,212 @@ def compatibility(prefill: LayoutIdentity, decode: LayoutIdentity,
     ``reason`` naming both values. Plannable exactly when ``Template`` (or, for representations
     that differ, ``ConversionTemplate``) builds for the two layouts and the semantics agree."""
     return _compatibility(prefill, decode, pairing, replicas_send=replicas_send)
+
+
+# ---------------------------------------------------------------------------------------------
+# At the handshake: the identity a peer sends, and the verdict on it
+# ---------------------------------------------------------------------------------------------
+
+#: The key a drop-in's handshake message carries its identity under.
+IDENTITY_KEY = "kvplan_identity"
+#: The version of :func:`identity_message`'s form (a peer's message of another version is not
+#: understood: today's behaviour, said once).
+IDENTITY_MESSAGE_VERSION = 1
+
+
+def identity_message(identity: LayoutIdentity) -> dict[str, Any]:
+    """What a drop-in's handshake carries: the two ids, the layout (``Layout.to_dict``, from
+    which the peer computes the verdict with its planner) and the semantics in their canonical
+    form. JSON- and msgpack-safe."""
+    return {"version": IDENTITY_MESSAGE_VERSION, "class_id": identity.class_id,
+            "layout_id": identity.layout_id, "layout": identity.layout.to_dict(),
+            "semantics": {"model": identity.model, "revision": identity.revision,
+                          "rope": identity.rope, "drafts": list(identity.drafts),
+                          "transfer": identity.transfer, "cross_layer": identity.cross_layer}}
+
+
+def identity_from_message(message: object, *, peer: str = "the peer") -> LayoutIdentity | None:
+    """The peer's identity from :func:`identity_message`'s form; ``None`` for a message of
+    another version (a kvplan this one does not understand).
+
+    Raises:
+        IncompatiblePeerError: The message does not parse, or its ids are not what its layout
+            and semantics give (``refused_by == "identity"``), naming the peer and the values.
+    """
+    def refuse(why: str, peer_class: str = "") -> IncompatiblePeerError:
+        err = IncompatiblePeerError(f"kvplan: {peer}'s layout identity is refused: {why}")
+        err.peer, err.peer_class_id, err.refused_by, err.reason = peer, peer_class, \
+            "identity", why
+        return err
+
+    if not isinstance(message, Mapping):
+        raise refuse(f"expected a mapping, got {type(message).__name__}")
+    if message.get("version") != IDENTITY_MESSAGE_VERSION:
+        return None
+    try:
+        declared_class, declared_layout = str(message["class_id"]), str(message["layout_id"])
+        sem = message["semantics"]
+        layout = Layout.from_dict(dict(message["layout"]))
+        semantics = ModelSemantics(model=sem["model"], revision=sem["revision"],
+                                   rope=sem["rope"], drafts=tuple(sem["drafts"]),
+                                   transfer=sem["transfer"], cross_layer=sem["cross_layer"])
+        identity = layout_identity(layout, semantics)
+    except IncompatiblePeerError:
+        raise
+    except (KeyError, TypeError, ValueError, KvPlanError) as exc:
+        raise refuse(f"it does not parse ({type(exc).__name__}: {exc})",
+                     str(message.get("class_id", ""))) from exc
+    if identity.class_id != declared_class or identity.layout_id != declared_layout:
+        raise refuse(f"it declares class id {declared_class} and layout id {declared_layout}, "
+                     f"but its layout and semantics give {identity.class_id} and "
+                     f"{identity.layout_id}", declared_class)
+    return identity
+
+
+def hf_rope(config: object) -> Mapping[str, object] | None:
+    """A Hugging Face model config's RoPE configuration, as the engines read it:
+    ``rope_parameters`` (transformers 5) or else ``rope_scaling``, with ``rope_theta`` added
+    when the config has it and the mapping does not; ``None`` when it declares none."""
+    rope: Any = None
+    for name in ("rope_parameters", "rope_scaling"):
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if isinstance(value, Mapping) and value:
+            rope = dict(value)
+            break
+    theta = config.get("rope_theta") if isinstance(config, Mapping) else getattr(
+        config, "rope_theta", None)
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool):
+        rope = dict(rope or {})
+        rope.setdefault("rope_theta", theta)
+    return rope
+
+
+Role = Literal["prefill", "decode"]
+
+
+class PeerCheck:
+    """One drop-in's verdicts on its peers' identities, each said once per peer and identity.
+
+    ``local`` is this side's identity (or a callable giving it once the engine's KV cache is
+    known: ``None`` until then, and no check is made). :meth:`check` takes what a peer sent
+    under :data:`IDENTITY_KEY` and:
+
+    * refuses (raises :class:`kvplan.IncompatiblePeerError`, logged once at ERROR) a
+      ``refused`` verdict, and a ``plannable_with_conversion`` one unless ``converts`` (the
+      drop-ins' transfer paths copy pages as they are: a conversion they do not make would
+      hand the decode bytes laid out for the other side);
+    * returns a plannable verdict (a conversion logged once);
+    * returns ``None`` for a peer that sent no identity (an older kvplan, or the engine
+      without kvplan): today's behaviour, said once per peer.
+    """
+
+    def __init__(self, local: LayoutIdentity | Callable[[], LayoutIdentity | None] | None,
+                 logger: logging.Logger, *, converts: bool = False) -> None:
+        self._local = local
+        self._log = logger
+        self.converts = converts
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple[str, str, str], Verdict | IncompatiblePeerError | None] = {}
+        self._said: set[tuple[str, str]] = set()
+
+    @property
+    def local(self) -> LayoutIdentity | None:
+        """This side's identity (``None``: not known yet, or the engine gave none)."""
+        local = self._local
+        if local is None or isinstance(local, LayoutIdentity):
+            return local
+        value = local()
+        if value is not None:
+            self._local = value
+        return value
+
+    def message(self) -> dict[str, Any] | None:
+        """This side's :func:`identity_message`, or ``None`` while it has none."""
+        local = self.local
+        return None if local is None else identity_message(local)
+
+    def check(self, peer: str, sent: object, *, local_role: Role) -> Verdict | None:
+        """The verdict on ``peer`` (which sent ``sent``: ``None`` when it sent nothing) with
+        this side as ``local_role``; see the class docstring."""
+        local = self.local
+        key = (peer, local_role, f"{local.layout_id if local is not None else ''}:"
+                                 f"{_sent_key(sent)}")
+        with self._lock:
+            if key in self._outcomes:
+                outcome = self._outcomes[key]
+                if isinstance(outcome, IncompatiblePeerError):
+                    raise outcome
+                return outcome
+        outcome = self._decide(peer, sent, local, local_role)
+        with self._lock:
+            self._outcomes[key] = outcome
+            while len(self._outcomes) > 1024:
+                self._outcomes.pop(next(iter(self._outcomes)))
+        if isinstance(outcome, IncompatiblePeerError):
+            raise outcome
+        return outcome
+
+    def _say(self, peer: str, what: str, level: int, msg: str, *args: object) -> None:
+        with self._lock:
+            if (peer, what) in self._said:
+                return
+            self._said.add((peer, what))
+        self._log.log(level, msg, *args)
+
+    def _decide(self, peer: str, sent: object, local: LayoutIdentity | None,
+                local_role: Role) -> Verdict | IncompatiblePeerError | None:
+        if sent is None:
+            self._say(peer, "none", logging.INFO,
+                      "kvplan: peer %s sent no layout identity (an older kvplan, or the engine "
+                      "without kvplan): no compatibility check, transfers as before", peer)
+            return None
+        try:
+            remote = identity_from_message(sent, peer=f"peer {peer}")
+        except IncompatiblePeerError as err:
+            err.local_class_id = local.class_id if local is not None else ""
+            err.local_role = local_role
+            self._say(peer, f"bad:{err.peer_class_id}", logging.ERROR, "%s", err)
+            return err
+        if remote is None:
+            self._say(peer, "version", logging.INFO,
+                      "kvplan: peer %s sent a layout identity of another version (%r): no "
+                      "compatibility check, transfers as before", peer,
+                      sent.get("version") if isinstance(sent, Mapping) else None)
+            return None
+        if local is None:
+            self._say(peer, "no-local", logging.INFO,
+                      "kvplan: this side has no layout identity yet: no compatibility check "
+                      "with peer %s (%s)", peer, remote.class_id)
+            return None
+        prefill, decode = (local, remote) if local_role == "prefill" else (remote, local)
+        verdict = compatibility(prefill, decode)
+        where = (f"prefill {prefill.class_id} ({'here' if local_role == 'prefill' else peer})"
+                 f" -> decode {decode.class_id} "
+                 f"({'here' if local_role == 'decode' else peer})")
+        if verdict.kind == "plannable":
+            self._say(peer, f"ok:{remote.layout_id}", logging.INFO,
+                      "kvplan: layout identities compatible: %s", where)
+            return verdict
+        if verdict.kind == "plannable_with_conversion" and self.converts:
+            self._say(peer, f"conv:{remote.layout_id}", logging.WARNING,
+                      "kvplan: layout identities compatible with a conversion: %s: %s", where,
+                      verdict.reason)
+            return verdict
+        if verdict.kind == "plannable_with_conversion":
+            refused_by = "conversion"
+            reason = (f"{verdict.reason}; this drop-in's transfer path copies pages as they "
+                      f"are and does not make that conversion")
+        else:
+            refused_by, reason = str(verdict.refused_by or "refused"), verdict.reason
+        err = IncompatiblePeerError(f"kvplan refuses transfers with peer {peer}: {where}: "
+                                    f"{reason}")
+        err.peer, err.local_class_id, err.peer_class_id = peer, local.class_id, remote.class_id
+        err.local_role, err.refused_by, err.reason = local_role, refused_by, reason
+        self._say(peer, f"refused:{remote.layout_id}", logging.ERROR, "%s", err)
+        return err
+
+
+def _sent_key(sent: object) -> str:
+    if isinstance(sent, Mapping):
+        return f"{sent.get('version')}:{sent.get('class_id')}:{sent.get('layout_id')}"
+    return repr(sent)[:256]

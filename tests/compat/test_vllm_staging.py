@@ -600,10 +600,12 @@ def test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up(
         kind, fields = worker._encoder.encode(object.__new__(v.mc.MooncakeXferMetadata))
         assert fields[vstaging.META_KEY] == message and fields["fields"].endswith("Metadata")
         assert worker._encoder.encode("response") == ("encoded", "response")
-        # the prefill reads it as vLLM's metadata with one more optional field
+        # the prefill reads it as vLLM's metadata with two more optional fields (the staging
+        # message and the layout identity)
         subclass = worker._xfer_meta_decoder.kind
         assert issubclass(subclass, v.mc.MooncakeXferMetadata)
-        assert subclass.fields == [(vstaging.META_KEY, dict[str, Any] | None, None)]
+        assert subclass.fields == [(vstaging.META_KEY, dict[str, Any] | None, None),
+                                   (vstaging.IDENTITY_KEY, dict[str, Any] | None, None)]
     finally:
         state.close()
         worker.shutdown()

@@ -5,8 +5,10 @@ then) and :func:`register_plugin`, kvplan's ``vllm.general_plugins`` entry point
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+from kvplan.identity import PeerCheck
 from kvplan.compat.vllm import forms, metrics, nixl
 from kvplan.compat.vllm.cpu_host import _worker_device_on_cpu
 from kvplan.compat.vllm.install import _CAP, install
@@ -85,6 +87,7 @@ def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
         return
     config = StagingConfig.from_options(options)
     state = staging.WorkerStaging.start(worker, config)
+    state.identity = PeerCheck(identity_source(worker), _staging_log)
     try:
         host = str(worker.__dict__.get("hostname") or "127.0.0.1")
         state.name = f"{host}:{worker.__dict__.get('rpc_port')}"
@@ -103,6 +106,39 @@ def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
         "" if config.mode != "auto" or state.costs is not None else
         "; no measured costs, so auto takes the direct path (kvplan_staging: always stages "
         "wherever both peers agree)")
+
+
+def identity_source(worker: Any) -> Callable[[], Any]:
+    """The worker's layout identity once its KV cache is registered (None until then), its
+    ``kvplan:layout_info`` recorded into its stats the first time. A config kvplan cannot
+    read gives no identity (said once): the worker's peers then check nothing, as before."""
+    failed: list[str] = []
+
+    def source() -> Any:
+        if failed:
+            return None
+        try:
+            identity = staging_module().worker_identity(worker)
+        except Exception as exc:  # defensive: an engine config of another shape
+            failed.append(f"{type(exc).__name__}: {exc}")
+            _staging_log.warning("kvplan: no layout identity for this worker (%s): its peers "
+                                 "check no compatibility", failed[0])
+            return None
+        if identity is not None:
+            stats = getattr(worker, "xfer_stats", None)
+            if isinstance(stats, metrics.PlanStats):
+                stats.record_layout(identity.class_id, identity.layout_id,
+                                    staging_module().worker_roles(
+                                        worker.__dict__.get("vllm_config")))
+        return identity
+
+    return source
+
+
+def staging_module() -> Any:
+    from kvplan.compat.vllm import staging
+
+    return staging
 
 
 def _loopback_costs() -> Any:

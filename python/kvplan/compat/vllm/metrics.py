@@ -38,8 +38,8 @@ from kvplan.compat.plan_series import (
     PLAN_TIME_METRIC,
 )
 
-__all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "PLAN_TIME_KEY", "PLAN_TIME_METRIC",
-           "STAGED_BLOCKS_KEY", "STAGED_ROUNDS_KEY",
+__all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "LAYOUT_INFO_KEY", "LAYOUT_INFO_METRIC",
+           "PLAN_TIME_KEY", "PLAN_TIME_METRIC", "STAGED_BLOCKS_KEY", "STAGED_ROUNDS_KEY",
            "PlanStats", "prom_metrics_class", "stats_class"]
 
 #: The stats columns kvplan adds (one entry per planned request, aligned).
@@ -51,6 +51,14 @@ STAGED_ROUNDS_KEY = "kvplan_staged_rounds"
 STAGED_BLOCKS_METRIC = "kvplan:staged_network_blocks_per_request"
 STAGED_ROUNDS_METRIC = "kvplan:staged_rounds_per_request"
 KVPLAN_KEYS = (PLAN_TIME_KEY, BLOCKS_KEY, STAGED_BLOCKS_KEY, STAGED_ROUNDS_KEY)
+#: The worker's layout identity, ``[class_id, layout_id, role]`` per role, recorded once when
+#: its KV cache is known (shipped with the next stats; the front end's gauge keeps it).
+LAYOUT_INFO_KEY = "kvplan_layout_info"
+#: An info metric (value 1) a router matches prefills to decodes on (docs/identity.md).
+LAYOUT_INFO_METRIC = "kvplan:layout_info"
+LAYOUT_INFO_HELP = ("kvplan's layout identity of a KV-cache worker (value 1): peers of equal "
+                    "class_id can be paired; layout_id names one rank's exact layout.")
+LAYOUT_INFO_LABELS = ("class_id", "layout_id", "role")
 
 # vLLM's Mooncake series, for a vLLM module that does not register them (0.32): the names and
 # bucket edges of vLLM 0.33's, so that dashboards read both releases alike.
@@ -98,6 +106,12 @@ class PlanStats:
             data[PLAN_TIME_KEY].append(seconds)
             data[BLOCKS_KEY].append(blocks)
 
+    def record_layout(self, class_id: str, layout_id: str, roles: tuple[str, ...]) -> None:
+        """The worker's layout identity, once per role (``kvplan:layout_info``)."""
+        with self._lock:
+            self.data.setdefault(LAYOUT_INFO_KEY, []).extend(
+                [class_id, layout_id, role] for role in roles)
+
     def record_staged(self, network_blocks: int, rounds: int) -> None:
         """One request sent staged: the network blocks of all its rounds, and its rounds."""
         with self._lock:
@@ -142,7 +156,8 @@ def stats_class(base: type) -> type:
 
         def is_empty(self) -> bool:
             return (bool(super().is_empty()) and not self.data[PLAN_TIME_KEY]
-                    and not self.data[STAGED_ROUNDS_KEY])
+                    and not self.data[STAGED_ROUNDS_KEY]
+                    and not self.data.get(LAYOUT_INFO_KEY))
 
         def aggregate(self, other: Any) -> Any:
             if not other.is_empty():
@@ -237,6 +252,10 @@ def prom_metrics_class(connector_module: Any) -> type:
                     name=name, documentation=doc, labelnames=labelnames),
                     per_engine_labelvalues))
                 for key, name, doc in _VLLM_COUNTERS]
+            self._kvplan_engine_labels = dict(per_engine_labelvalues)
+            self._kvplan_layout_info = self._gauge_cls(
+                name=LAYOUT_INFO_METRIC, documentation=LAYOUT_INFO_HELP,
+                labelnames=[*labelnames, *LAYOUT_INFO_LABELS], multiprocess_mode="mostrecent")
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             if vllm_observes:
@@ -249,6 +268,11 @@ def prom_metrics_class(connector_module: Any) -> type:
                 events = sum(transfer_stats_data.get(key, ()))  # each failure is one 1
                 if events:
                     per_engine[engine_idx].inc(events)
+            for entry in transfer_stats_data.get(LAYOUT_INFO_KEY, ()):
+                class_id, layout_id, role = (str(x) for x in entry)
+                self._kvplan_layout_info.labels(
+                    *self._kvplan_engine_labels.get(engine_idx, ()), class_id, layout_id,
+                    role).set(1)
 
     KvplanMooncakePromMetrics.__module__ = __name__
     KvplanMooncakePromMetrics.__qualname__ = "KvplanMooncakePromMetrics"

@@ -35,11 +35,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 import kvplan
+from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope
 from kvplan.staging import (
     AckQueue,
     ArenaShares,
@@ -67,7 +68,8 @@ from kvplan.staging import (
 )
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
-           "send_request", "staged_requests"]
+           "send_request", "staged_requests", "worker_identity", "worker_roles",
+           "worker_semantics"]
 
 logger = logging.getLogger("kvplan.compat.vllm")
 
@@ -122,6 +124,9 @@ class WorkerStaging:
     _failed_at: dict[str, float] = field(default_factory=dict)
     _agreements: OrderedDict[tuple[str, int, bool, str], Negotiated] = field(
         default_factory=OrderedDict)
+    #: This worker's layout identity and its verdicts on the peers' (None: none sent, none
+    #: checked: today's behaviour).
+    identity: PeerCheck | None = None
 
     @classmethod
     def start(cls, worker: Any, config: StagingConfig, *, rank: int | None = None,
@@ -142,6 +147,18 @@ class WorkerStaging:
         if self.server is not None:
             message["channel"] = self.server.address
         return message
+
+    def identity_message(self) -> dict[str, Any] | None:
+        """This worker's layout identity as its handshake carries it (None while unknown)."""
+        return None if self.identity is None else self.identity.message()
+
+    def check_identity(self, peer: str, sent: Any, *, sending: bool) -> Any:
+        """The verdict on ``peer``'s identity ``sent`` (None: it sent none), this worker being
+        the prefill when ``sending``: :class:`kvplan.IncompatiblePeerError` when refused;
+        None when either side has no identity (today's behaviour)."""
+        if self.identity is None:
+            return None
+        return self.identity.check(peer, sent, local_role="prefill" if sending else "decode")
 
     def serve(self, worker: Any, host: str = "127.0.0.1") -> ChannelServer:
         """Start the decode's channel listener (once)."""
@@ -303,6 +320,15 @@ class StagedRequest:
     agreement: StagingAgreement
     why: str
     rounds: Any = None
+    #: Set for a request to a decode whose layout identity was refused: its send raises
+    #: this, so the request takes vLLM's failed-request path and no byte moves.
+    refused: kvplan.KvPlanError | None = None
+
+    @classmethod
+    def refusal(cls, request: str, error: kvplan.KvPlanError) -> StagedRequest:
+        empty = np.zeros(0, np.int64)
+        return cls(request, None, (None, None), empty, empty,
+                   cast(StagingAgreement, None), "refused", refused=error)
 
 
 def staged_requests(worker: Any, agent_meta: Any, peer: Any,
@@ -312,9 +338,15 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
     ``peer``) that go staged to ``agent_meta``'s decode; every other request keeps vLLM's
     direct path."""
     staging: WorkerStaging | None = worker.__dict__.get(STAGING_ATTR)
-    if staging is None or peer.error is not None or not host_kv(worker):
+    if staging is None:
         return {}
     session = f"{agent_meta.remote_hostname}:{agent_meta.remote_port}"
+    try:  # before any byte moves, on either path: a refused decode gets none of them
+        staging.check_identity(session, getattr(agent_meta, IDENTITY_KEY, None), sending=True)
+    except kvplan.IncompatiblePeerError as exc:
+        return {request: StagedRequest.refusal(request, exc) for request in ids_by_request}
+    if peer.error is not None or not host_kv(worker):
+        return {}
     remote = getattr(agent_meta, META_KEY, None)
     outcome = staging.agreement(session, remote, sending=True,
                                 remote_rank=int(agent_meta.remote_tp_rank))
@@ -348,13 +380,15 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
 
 
 def open_message(staged: StagedRequest, *, stream: str, peer: str, rank: int,
-                 capabilities: dict[str, Any], writer: int = 0) -> bytes:
+                 capabilities: dict[str, Any], writer: int = 0,
+                 identity: dict[str, Any] | None = None) -> bytes:
     """The prefill's opening message for one stream: its name, rank and staging message (the
     decode negotiates with it as the prefill did with the decode's), the template's two
     layouts and the request's pages, from which the decode plans the same rounds."""
     src_layout, dst_layout = staged.layouts
+    extra = {} if identity is None else {IDENTITY_KEY: identity}
     return json.dumps({"stream": stream, "writer": writer, "peer": peer, "rank": rank,
-                       "capabilities": capabilities,
+                       "capabilities": capabilities, **extra,
                        "src_layout": src_layout.to_dict(), "dst_layout": dst_layout.to_dict(),
                        "src_pages": staged.src_pages.tolist(),
                        "dst_pages": staged.dst_pages.tolist()},
@@ -380,6 +414,9 @@ def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any], worker: Any)
                                kvplan.Pairing.positional())
     src = np.asarray(opening["src_pages"], np.int64)
     dst = np.asarray(opening["dst_pages"], np.int64)
+    # the prefill's identity, before its rounds are planned or any is granted: refused, the
+    # stream fails and the prefill's request with it
+    staging.check_identity(str(opening["peer"]), opening.get(IDENTITY_KEY), sending=False)
     agreement = staging.agreement(str(opening["peer"]), opening["capabilities"],
                                   sending=False, remote_rank=int(opening["rank"]))
     if not isinstance(agreement, StagingAgreement):
@@ -395,6 +432,8 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     """Send one request staged to the decode at ``session``: the opening message, then
     :func:`kvplan.staging.send_staged` through ``engine`` (a round engine over the worker's
     Mooncake hand-off). Raises :class:`kvplan.staging.StagingError`."""
+    if staged.refused is not None:
+        raise staged.refused
     staging: WorkerStaging = worker.__dict__[STAGING_ATTR]
     channel = staging.channels[session]
     # one stream per prefill rank: hetero TP and PP stages send one request from several
@@ -416,7 +455,8 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     try:
         try:
             channel.open(open_message(staged, stream=stream, peer=staging.name or session,
-                                      rank=staging.rank, capabilities=staging.capabilities()))
+                                      rank=staging.rank, capabilities=staging.capabilities(),
+                                      identity=staging.identity_message()))
         except Exception as exc:
             raise StagingError.make(stream, 0, "peer_gone",
                                     f"opening the stream failed: {type(exc).__name__}: {exc}"
@@ -535,20 +575,30 @@ HANDSHAKE_MODULE_NAMES = ("msgspec", "MooncakeXferMetadata")
 class AdvertisingEncoder:
     """The decode worker's encoder: vLLM's pull request (``MooncakeXferMetadata``) goes out
     with the worker's staging message under :data:`META_KEY`; everything else, and the pull
-    request's own fields, exactly as vLLM's encoder writes them. A prefill that is not kvplan
-    decodes the request with vLLM's decoder, which skips the key it does not know."""
+    request's own fields, exactly as vLLM's encoder writes them; and the worker's layout
+    identity under :data:`kvplan.identity.IDENTITY_KEY` (also from a decode whose KV cache
+    cannot take staged rounds: the prefill checks it on the direct path too). A prefill that
+    is not kvplan decodes the request with vLLM's decoder, which skips the keys it does not
+    know."""
 
     def __init__(self, inner: Any, metadata_cls: type, msgspec: Any,
-                 message: Callable[[], dict[str, Any] | None]) -> None:
+                 message: Callable[[], dict[str, Any] | None],
+                 identity: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self._inner, self._cls, self._msgspec, self._message = inner, metadata_cls, msgspec, \
             message
+        self._identity = identity
 
     def encode(self, obj: Any) -> Any:
-        message = self._message() if isinstance(obj, self._cls) else None
-        if message is None:  # not a pull request, or nothing to advertise: vLLM's bytes
+        pull = isinstance(obj, self._cls)
+        message = self._message() if pull else None
+        identity = self._identity() if pull else None
+        if message is None and identity is None:  # nothing to advertise: vLLM's bytes
             return self._inner.encode(obj)
         fields = self._msgspec.to_builtins(obj)
-        fields[META_KEY] = message
+        if message is not None:
+            fields[META_KEY] = message
+        if identity is not None:
+            fields[IDENTITY_KEY] = identity
         return self._inner.encode(fields)
 
     def __getattr__(self, name: str) -> Any:
@@ -557,11 +607,12 @@ class AdvertisingEncoder:
 
 def metadata_decoder(metadata_cls: type, msgspec: Any) -> Any:
     """The prefill worker's decoder of pull requests: vLLM's ``MooncakeXferMetadata`` with
-    one more optional field, the decode's staging message (None from a decode that sent
-    none)."""
+    two more optional fields, the decode's staging message and its layout identity (None
+    from a decode that sent none)."""
     subclass = msgspec.defstruct(
-        "KvplanXferMetadata", [(META_KEY, dict[str, Any] | None, None)], bases=(metadata_cls,),
-        omit_defaults=True)
+        "KvplanXferMetadata", [(META_KEY, dict[str, Any] | None, None),
+                               (IDENTITY_KEY, dict[str, Any] | None, None)],
+        bases=(metadata_cls,), omit_defaults=True)
     return msgspec.msgpack.Decoder(subclass)
 
 
@@ -592,5 +643,105 @@ def hook_handshake(worker: Any, staging: WorkerStaging, module: Any) -> None:
     # nothing, and its prefills keep the direct path
     worker._encoder = AdvertisingEncoder(
         worker.__dict__["_encoder"], cls, msgspec,
-        lambda: staging.capabilities() if host_kv(worker) else None)
+        lambda: staging.capabilities() if host_kv(worker) else None, staging.identity_message)
     worker._xfer_meta_decoder = decoder
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's layout identity (docs/identity.md, "At the handshake")
+# ---------------------------------------------------------------------------------------------
+
+#: vLLM's Mooncake connector: the prefill writes into the decode's KV cache.
+MOONCAKE_TRANSFER = "push"
+
+
+def worker_semantics(vllm_config: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
+    """The model semantics vLLM's config says: ``model_config.model`` and ``.revision``, the
+    RoPE configuration of ``model_config.hf_text_config`` (else ``hf_config``), the
+    speculative config's draft ``model``, and ``kv_connector_extra_config``'s
+    ``enable_cross_layers_blocks``. A field the config does not have is left undeclared."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
+                                                                 None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "model", None) if spec is not None else None
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
+                    "kv_connector_extra_config", None)
+    cross = extra.get("enable_cross_layers_blocks", False) if isinstance(extra, dict) else False
+    try:
+        rope = hf_rope(hf) if hf is not None else None
+        return ModelSemantics(
+            model=str(getattr(model_config, "model", "") or ""),
+            revision=str(getattr(model_config, "revision", "") or ""), rope=rope,
+            drafts=(str(draft),) if isinstance(draft, str) and draft else (),
+            transfer=transfer,  # type: ignore[arg-type]
+            cross_layer=str(cross).lower() == "true")
+    except kvplan.LayoutError:  # a RoPE value JSON cannot carry: left undeclared
+        return ModelSemantics(model=str(getattr(model_config, "model", "") or ""),
+                              revision=str(getattr(model_config, "revision", "") or ""),
+                              transfer=transfer)  # type: ignore[arg-type]
+
+
+def worker_roles(vllm_config: Any) -> tuple[str, ...]:
+    """The roles of a worker of ``kv_transfer_config.kv_role``: ``kv_producer`` is a
+    prefill, ``kv_consumer`` a decode, ``kv_both`` either."""
+    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+    return {"kv_producer": ("prefill",), "kv_consumer": ("decode",)}.get(
+        str(role), ("prefill", "decode"))
+
+
+def _memory_order() -> str | None:
+    import os
+
+    order = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    return order.upper() if order and order.upper() in ("NHD", "HND") else None
+
+
+def worker_layout(worker: Any) -> kvplan.Layout | None:
+    """The worker's registered KV regions as a :class:`kvplan.Layout` (one entry per region,
+    its layer index, its block bytes; the page size, TP and PP coordinates; the attention
+    geometry when vLLM's config gives it and it fits the regions); None before
+    ``register_kv_caches``."""
+    d = worker.__dict__
+    ptrs = [int(p) for p in d.get("kv_caches_base_addr") or ()]
+    items = [int(n) for n in d.get("block_len_per_layer") or ()]
+    if not ptrs or len(items) != len(ptrs):
+        return None
+    ids = [int(i) for i in d.get("registered_layer_indices") or ()]
+    kv_config = d.get("kv_cache_config")
+    blocks = int(getattr(kv_config, "num_blocks", 0) or 0) * int(
+        d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
+    context: dict[str, Any] = dict(
+        page_size=int(d.get("block_size", 1) or 1), tp_rank=int(d.get("tp_rank", 0) or 0),
+        tp_size=int(d.get("tp_size", 1) or 1), pp_rank=int(d.get("pp_rank", 0) or 0),
+        pp_size=int(d.get("pp_size", 1) or 1))
+    args = (ptrs, [n * blocks for n in items], items, ids if len(ids) == len(ptrs) else None)
+    model_config = d.get("model_config")
+    order = _memory_order()
+    if model_config is not None and order is not None and not d.get("use_mla"):
+        try:
+            import torch
+
+            dtype = getattr(d.get("cache_config"), "cache_dtype", "auto")
+            dtype_size = (torch.empty(0, dtype=model_config.dtype).element_size()
+                          if dtype in (None, "auto") else 1 if "fp8" in str(dtype) else None)
+            if dtype_size is not None:
+                return kvplan.Layout(
+                    *args, kv_heads=int(model_config.get_total_num_kv_heads()),
+                    head_dim=int(model_config.get_head_size()), dtype_size=dtype_size,
+                    memory_order=order, **context)
+        except Exception:  # a geometry that does not fit the regions: the regions alone
+            pass
+    return kvplan.Layout(*args, **context)
+
+
+def worker_identity(worker: Any, semantics: ModelSemantics | None = None) -> Any:
+    """The worker's :class:`kvplan.LayoutIdentity` (its :func:`worker_layout` with
+    ``semantics``, by default :func:`worker_semantics` of its ``vllm_config``); None before
+    its KV cache is registered."""
+    layout = worker_layout(worker)
+    if layout is None:
+        return None
+    if semantics is None:
+        semantics = worker_semantics(worker.__dict__.get("vllm_config"))
+    return kvplan.layout_identity(layout, semantics)
