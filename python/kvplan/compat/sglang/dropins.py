@@ -284,8 +284,9 @@ def send_kvcache(
                                 dst_kv_item_len, dst_attn_tp_size))
     self._validate_envelope_kv_layout(dst_kv_ptrs, dst_kv_item_len, dst_attn_tp_size)
     get_memory = sglang_global("get_memory")
-    if staging_of(self) is not None and (self.is_mla_backend or self.is_hybrid_mla_backend) \
-            and not get_memory().enable_unified_memory:
+    # SGLang sends MLA, and MHA at equal attention TP, through this one generic path (one
+    # item per page per entry, entries paired by layer id or position): both stage alike.
+    if staging_of(self) is not None and not get_memory().enable_unified_memory:
         staged = maybe_send(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
                             dst_kv_indices, kind="mla", dst_layer_ids=dst_layer_ids)
         if staged is not None:

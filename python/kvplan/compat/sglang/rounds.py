@@ -37,6 +37,7 @@ need the torch executor's gather and scatter, which this drop-in does not call y
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -47,8 +48,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from kvplan._core import KvPlanError, Layout, Pairing, Template, TransferCost
-from kvplan._errors import TransferError
+from kvplan._core import KvPlanError, Layout, Pairing, Request, Template, TransferCost
+from kvplan._errors import IncompatiblePeerError, TransferError
+from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, layout_identity
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.templates import as_index
@@ -76,7 +78,8 @@ from kvplan.staging import (
 
 __all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "SglangStaging",
            "SocketChannel", "attach", "detach", "hook_register_info", "hook_start_up",
-           "host_pools", "maybe_send", "start_up", "staging_of", "unhook_register_info", "unhook_start_up"]
+           "host_pools", "manager_identity", "manager_semantics", "maybe_send", "start_up",
+           "staging_of", "unhook_register_info", "unhook_start_up"]
 
 _log = logging.getLogger("kvplan.compat.sglang")
 
@@ -161,6 +164,10 @@ class SglangStaging:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self.channel: SocketChannel | None = None
+        #: This manager's layout identity and its verdicts on its peers' (docs/identity.md).
+        self.identity = PeerCheck(lambda: _identity_with_metric(manager), _log)
+        #: Decode sessions whose identity was refused, with the error (transfers to them fail).
+        self.refused: dict[str, IncompatiblePeerError] = {}
 
     # ---------------------------------------------------------------- registration
     def host_kv(self, ptrs: Sequence[int], lens: Sequence[int]) -> bool:
@@ -183,8 +190,10 @@ class SglangStaging:
         """The frame the decode appends to SGLang's registration message: its capabilities
         and where its listener is. SGLang 0.5.23's prefill reads frames 0 to 19 only, so a
         prefill without kvplan ignores it."""
+        identity = self.identity.message()
+        extra = {} if identity is None else {IDENTITY_KEY: identity}
         return REGISTRATION_TAG + json.dumps(
-            {**self.capabilities(), "endpoint": self.reply_to}).encode()
+            {**self.capabilities(), "endpoint": self.reply_to, **extra}).encode()
 
     def capabilities(self) -> dict[str, Any]:
         """What the decode adds to its registration (``{"kvplan_staging": ...}``)."""
@@ -198,11 +207,25 @@ class SglangStaging:
         endpoint = (registration or {}).get("endpoint")
         if isinstance(endpoint, str) and endpoint:
             self.endpoints[session] = endpoint
+        self.check_registration(session, registration)
         outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), remote,
                             sending=True, local_rank=self.rank, remote_rank=peer_rank)
         self.peers[session] = outcome
         self.fallbacks.note(session, outcome)
         return outcome
+
+    def check_registration(self, session: str, registration: dict[str, Any] | None
+                           ) -> IncompatiblePeerError | None:
+        """The verdict on a decode's identity (in its registration frame; none: today's
+        behaviour): the refusal kept in :attr:`refused` (and returned), else None."""
+        sent = (registration or {}).get(IDENTITY_KEY)
+        try:
+            self.identity.check(session, sent, local_role="prefill")
+        except IncompatiblePeerError as err:
+            self.refused[session] = err
+            return err
+        self.refused.pop(session, None)
+        return None
 
     # ---------------------------------------------------------------- side channel
     def deliver(self, data: bytes) -> None:
@@ -230,6 +253,8 @@ class SglangStaging:
                 self._failed_at[(request, writer)] = time.monotonic()
 
         try:
+            # the prefill's identity first: refused, no round is planned or granted
+            self.identity.check(reply, msg.get(IDENTITY_KEY), local_role="decode")
             outcome = negotiate(Capabilities.local([self.arena.info(self.rank)]), msg["caps"],
                                 sending=False, local_rank=self.rank,
                                 remote_rank=int(msg["rank"]))
@@ -415,6 +440,16 @@ def _hook_registration(manager: Any, staging: SglangStaging) -> None:
             verdict = publish(manager, session, info)
             staging.on_registration(session, getattr(info, "kvplan_staging", None),
                                     int(getattr(info, "dst_tp_rank", 0)))
+            refused = staging.refused.get(session)
+            if refused is not None and verdict is None:
+                # SGLang's own rejection of a peer: every transfer to this session concludes
+                # as failed before it moves a byte, with this reason
+                rejections = getattr(manager, "state_layout_rejections", None)
+                if isinstance(rejections, dict):
+                    lock = getattr(manager, "session_lock", None)
+                    with lock if lock is not None else contextlib.nullcontext():
+                        rejections[session] = str(refused)
+                verdict = str(refused)
             return verdict
 
         manager.__dict__["_publish_peer_registration"] = publish_with_staging
@@ -592,6 +627,9 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     staging = staging_of(manager)
     if staging is None:
         return None
+    refused = staging.refused.get(session)
+    if refused is not None:  # said once when the decode registered; the request fails
+        return -1
     agreement = staging.peers.get(session)
     if not isinstance(agreement, StagingAgreement) or int(manager.pp_size) != 1:
         return None
@@ -625,7 +663,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     writer = int(rounds.sender[0])
     open_msg = OPEN_MAGIC + json.dumps({
         "request": request, "writer": writer, "reply": staging.reply_to,
-        "rank": staging.rank, "geometry": geometry,
+        "rank": staging.rank, "geometry": geometry, **identity_field(staging),
         "caps": Capabilities.local([staging.arena.info(staging.rank)]).to_dict(),
         "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
     engine = _ManagerRounds(manager)
@@ -650,4 +688,104 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         return -1
     metrics.observe_rounds(report.network_blocks, report.rounds)
     staging.last[session] = ("staged", report)
+    # the direct plan's count beside the staged one: what staging saved this request, counted
+    # by the core's validation (nothing planned)
+    _log.info("kvplan: staged request %s to %s: %d pages in %d rounds, %d network blocks "
+              "(direct plan: %d blocks)", request, session, len(src_pages), report.rounds,
+              report.network_blocks, template.n_blocks_for(Request(src_pages, dst_pages)))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager's layout identity (docs/identity.md, "At the handshake")
+# ---------------------------------------------------------------------------------------------
+
+#: SGLang's Mooncake transfer: the prefill writes into the decode's pools.
+MOONCAKE_TRANSFER = "push"
+
+
+def identity_field(staging: SglangStaging) -> dict[str, Any]:
+    message = staging.identity.message()
+    return {} if message is None else {IDENTITY_KEY: message}
+
+
+def _override_rope(server_args: Any) -> Any:
+    raw = getattr(server_args, "json_model_override_args", None)
+    try:
+        overrides = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except ValueError:
+        return None
+    return hf_rope(overrides) if isinstance(overrides, dict) else None
+
+
+def _local_config_rope(model_path: str) -> Any:
+    path = os.path.join(model_path, "config.json")
+    if not model_path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    return hf_rope(text if isinstance(text, dict) and hf_rope(text) else config)
+
+
+def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
+    """The model semantics SGLang's ``server_args`` say: ``model_path``, ``revision``,
+    ``speculative_draft_model_path``, and the RoPE configuration of
+    ``json_model_override_args`` (else of the model directory's ``config.json`` when
+    ``model_path`` is a local directory). A field the arguments do not have is left
+    undeclared."""
+    model = str(getattr(server_args, "model_path", "") or "")
+    revision = str(getattr(server_args, "revision", "") or "")
+    draft = getattr(server_args, "speculative_draft_model_path", None)
+    drafts = (str(draft),) if isinstance(draft, str) and draft else ()
+    try:
+        rope = _override_rope(server_args) or _local_config_rope(model)
+        return ModelSemantics(model=model, revision=revision, rope=rope, drafts=drafts,
+                              transfer=transfer)  # type: ignore[arg-type]
+    except KvPlanError:  # a RoPE value JSON cannot carry: left undeclared
+        return ModelSemantics(model=model, revision=revision, drafts=drafts,
+                              transfer=transfer)  # type: ignore[arg-type]
+
+
+def manager_identity(manager: Any, semantics: ModelSemantics | None = None) -> Any:
+    """The manager's :class:`kvplan.LayoutIdentity`: its registered pools
+    (``layouts.layout_from_kv_args`` with its attention TP and PP) with ``semantics``, by
+    default :func:`manager_semantics` of its ``server_args``."""
+    from kvplan.compat.sglang.layouts import layout_from_kv_args
+
+    layout = layout_from_kv_args(
+        manager.kv_args, is_mla_backend=bool(getattr(manager, "is_mla_backend", False)),
+        pp_size=int(getattr(manager, "pp_size", 1) or 1),
+        attn_tp_size=int(getattr(manager, "attn_tp_size", 1) or 1))
+    if semantics is None:
+        semantics = manager_semantics(getattr(manager, "server_args", None))
+    return layout_identity(layout, semantics)
+
+
+def _manager_role(manager: Any) -> str:
+    mode = getattr(manager, "disaggregation_mode", None)
+    name = str(getattr(mode, "value", mode) or "").lower()
+    return "decode" if "decode" in name else "prefill"
+
+
+def _identity_with_metric(manager: Any) -> Any:
+    """The manager's identity, once (a manager whose arguments kvplan cannot read has none:
+    said once, its peers check nothing), with ``kvplan:layout_info`` set."""
+    attrs = manager.__dict__
+    if "_kvplan_identity" in attrs:
+        return attrs["_kvplan_identity"]
+    try:
+        identity = manager_identity(manager)
+    except Exception as exc:  # defensive: a manager of another shape
+        _log.warning("kvplan: no layout identity for this manager (%s: %s): its peers check "
+                     "no compatibility", type(exc).__name__, exc)
+        identity = None
+    attrs["_kvplan_identity"] = identity
+    if identity is not None:
+        metrics.note_layout(identity.class_id, identity.layout_id, _manager_role(manager))
+    return identity
