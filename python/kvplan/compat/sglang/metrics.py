@@ -32,7 +32,16 @@ from kvplan.compat.plan_series import (
     PLAN_TIME_METRIC,
 )
 
-__all__ = ["observe", "observe_rounds", "planned", "staged_totals"]
+__all__ = ["LAYOUT_INFO_METRIC", "layout_info", "note_layout", "observe", "observe_rounds",
+           "planned", "staged_totals"]
+
+#: An info metric (value 1) a router matches prefills to decodes on (docs/identity.md): one
+#: series per manager's layout, labelled ``class_id``, ``layout_id``, ``role`` and ``engine``.
+LAYOUT_INFO_METRIC = "kvplan:layout_info"
+LAYOUT_INFO_HELP = ("kvplan's layout identity of a KV-cache worker (value 1): peers of equal "
+                    "class_id can be paired; layout_id names one rank's exact layout.")
+LAYOUT_INFO_LABELS = ("class_id", "layout_id", "role", "engine")
+ENGINE = "sglang"
 
 #: Staged transfers in rounds (``kvplan.compat.sglang.rounds``): per staged request, the
 #: network blocks it took and its rounds.
@@ -50,6 +59,10 @@ _series: Any = None
 _staged_series: Any = None
 # This process's staged requests, network blocks and rounds (read by ``staged_totals``).
 _staged = [0, 0, 0]
+# None: not looked at yet; False: SGLang's metrics are off here; else the gauge.
+_layout_gauge: Any = None
+# This process's layout identities, as labelled in ``kvplan:layout_info``.
+_layouts: list[dict[str, str]] = []
 
 
 def _histograms() -> Any:
@@ -127,3 +140,43 @@ def staged_totals() -> dict[str, int]:
     """This process's staged requests, their network blocks and rounds, so far."""
     with _lock:
         return {"requests": _staged[0], "network_blocks": _staged[1], "rounds": _staged[2]}
+
+
+def _gauge() -> Any:
+    global _layout_gauge
+    if _layout_gauge is None:
+        with _lock:
+            if _layout_gauge is None:
+                _layout_gauge = _create_gauge() or False
+    return _layout_gauge or None
+
+
+def _create_gauge() -> Any:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    try:
+        from prometheus_client import Gauge
+    except ImportError:
+        return None
+    # "max" merges the scheduler processes' files without a pid label: one series per layout
+    return Gauge(LAYOUT_INFO_METRIC, LAYOUT_INFO_HELP, labelnames=LAYOUT_INFO_LABELS,
+                 multiprocess_mode="max")
+
+
+def note_layout(class_id: str, layout_id: str, role: str) -> None:
+    """A manager's layout identity: kept in this process (:func:`layout_info`) and, when
+    SGLang exports metrics, ``kvplan:layout_info`` with these labels set to 1."""
+    labels = {"class_id": class_id, "layout_id": layout_id, "role": role, "engine": ENGINE}
+    with _lock:
+        if labels in _layouts:
+            return
+        _layouts.append(labels)
+    gauge = _gauge()
+    if gauge is not None:
+        gauge.labels(**labels).set(1)
+
+
+def layout_info() -> list[dict[str, str]]:
+    """This process's ``kvplan:layout_info`` label sets, in the order they were noted."""
+    with _lock:
+        return [dict(labels) for labels in _layouts]

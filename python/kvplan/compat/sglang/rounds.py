@@ -218,7 +218,11 @@ class SglangStaging:
                            ) -> IncompatiblePeerError | None:
         """The verdict on a decode's identity (in its registration frame; none: today's
         behaviour): the refusal kept in :attr:`refused` (and returned), else None."""
-        sent = (registration or {}).get(IDENTITY_KEY)
+        registration = registration or {}
+        if REGISTRATION_KEY not in registration and IDENTITY_KEY not in registration:
+            self.refused.pop(session, None)  # no kvplan frame: the fallback line says so
+            return None
+        sent = registration.get(IDENTITY_KEY)
         try:
             self.identity.check(session, sent, local_role="prefill")
         except IncompatiblePeerError as err:
@@ -752,16 +756,50 @@ def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> Mo
                               transfer=transfer)  # type: ignore[arg-type]
 
 
+def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
+    """``layout`` with SGLang's MHA geometry (NHD pages of ``kv_head_num`` of
+    ``total_kv_head_num`` heads, each head's bytes as one element, as the staged template
+    counts them), or None where the arguments do not give it consistently."""
+    heads, per_rank = getattr(kv_args, "total_kv_head_num", None), getattr(
+        kv_args, "kv_head_num", None)
+    if not isinstance(heads, int) or not isinstance(per_rank, int) or heads < 1 or per_rank < 1:
+        return None
+    page = layout.page_size
+    items = {int(n) for n, kind in zip(kv_args.kv_item_lens, layout.to_dict()["kinds"])
+             if kind == "page"}
+    if len(items) != 1 or next(iter(items)) % (page * per_rank):
+        return None
+    raw = layout.to_dict()
+    raw.update(kv_heads=heads, heads_per_rank=per_rank,
+               head_dim=next(iter(items)) // (page * per_rank), dtype_size=1,
+               memory_order="NHD")
+    try:
+        return Layout.from_dict(raw)
+    except KvPlanError:
+        return None
+
+
 def manager_identity(manager: Any, semantics: ModelSemantics | None = None) -> Any:
     """The manager's :class:`kvplan.LayoutIdentity`: its registered pools
-    (``layouts.layout_from_kv_args`` with its attention TP and PP) with ``semantics``, by
-    default :func:`manager_semantics` of its ``server_args``."""
+    (``layouts.layout_from_kv_args`` with its attention TP and PP; for MHA pools, the heads
+    SGLang's ``kv_head_num`` and ``total_kv_head_num`` give) with ``semantics``, by default
+    :func:`manager_semantics` of its ``server_args``. None where the arguments do not say
+    the page size, or (MHA) the heads: a layout without them could refuse a pair SGLang
+    plans (another TP size), so nothing is checked."""
     from kvplan.compat.sglang.layouts import layout_from_kv_args
 
+    kv_args = manager.kv_args
+    if not isinstance(getattr(kv_args, "page_size", None), int):
+        return None
+    mla = bool(getattr(manager, "is_mla_backend", False))
     layout = layout_from_kv_args(
-        manager.kv_args, is_mla_backend=bool(getattr(manager, "is_mla_backend", False)),
-        pp_size=int(getattr(manager, "pp_size", 1) or 1),
+        kv_args, is_mla_backend=mla, pp_size=int(getattr(manager, "pp_size", 1) or 1),
         attn_tp_size=int(getattr(manager, "attn_tp_size", 1) or 1))
+    if not mla:
+        with_heads = _with_heads(layout, kv_args)
+        if with_heads is None:
+            return None
+        layout = with_heads
     if semantics is None:
         semantics = manager_semantics(getattr(manager, "server_args", None))
     return layout_identity(layout, semantics)

@@ -341,13 +341,15 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
     if staging is None:
         return {}
     session = f"{agent_meta.remote_hostname}:{agent_meta.remote_port}"
-    try:  # before any byte moves, on either path: a refused decode gets none of them
-        staging.check_identity(session, getattr(agent_meta, IDENTITY_KEY, None), sending=True)
-    except kvplan.IncompatiblePeerError as exc:
-        return {request: StagedRequest.refusal(request, exc) for request in ids_by_request}
+    remote = getattr(agent_meta, META_KEY, None)
+    sent = getattr(agent_meta, IDENTITY_KEY, None)
+    if remote is not None or sent is not None:  # else not kvplan: the fallback line says so
+        try:  # before any byte moves, on either path: a refused decode gets none of them
+            staging.check_identity(session, sent, sending=True)
+        except kvplan.IncompatiblePeerError as exc:
+            return {request: StagedRequest.refusal(request, exc) for request in ids_by_request}
     if peer.error is not None or not host_kv(worker):
         return {}
-    remote = getattr(agent_meta, META_KEY, None)
     outcome = staging.agreement(session, remote, sending=True,
                                 remote_rank=int(agent_meta.remote_tp_rank))
     if not isinstance(outcome, StagingAgreement) or \
@@ -699,9 +701,11 @@ def _memory_order() -> str | None:
 
 def worker_layout(worker: Any) -> kvplan.Layout | None:
     """The worker's registered KV regions as a :class:`kvplan.Layout` (one entry per region,
-    its layer index, its block bytes; the page size, TP and PP coordinates; the attention
-    geometry when vLLM's config gives it and it fits the regions); None before
-    ``register_kv_caches``."""
+    its layer index, its block bytes; the page size, TP and PP coordinates; for attention
+    other than MLA, the heads of ``model_config`` over the TP size, in the memory order
+    ``VLLM_KV_CACHE_LAYOUT`` names, NHD by default); None before ``register_kv_caches``,
+    and None where the regions do not hold whole heads (a layout without the heads could
+    refuse a TP pair vLLM plans, so nothing is checked)."""
     d = worker.__dict__
     ptrs = [int(p) for p in d.get("kv_caches_base_addr") or ()]
     items = [int(n) for n in d.get("block_len_per_layer") or ()]
@@ -716,23 +720,23 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
         tp_size=int(d.get("tp_size", 1) or 1), pp_rank=int(d.get("pp_rank", 0) or 0),
         pp_size=int(d.get("pp_size", 1) or 1))
     args = (ptrs, [n * blocks for n in items], items, ids if len(ids) == len(ptrs) else None)
+    if d.get("use_mla"):  # one latent per token, the same on every rank
+        return kvplan.Layout(*args, **context)
     model_config = d.get("model_config")
-    order = _memory_order()
-    if model_config is not None and order is not None and not d.get("use_mla"):
-        try:
-            import torch
-
-            dtype = getattr(d.get("cache_config"), "cache_dtype", "auto")
-            dtype_size = (torch.empty(0, dtype=model_config.dtype).element_size()
-                          if dtype in (None, "auto") else 1 if "fp8" in str(dtype) else None)
-            if dtype_size is not None:
-                return kvplan.Layout(
-                    *args, kv_heads=int(model_config.get_total_num_kv_heads()),
-                    head_dim=int(model_config.get_head_size()), dtype_size=dtype_size,
-                    memory_order=order, **context)
-        except Exception:  # a geometry that does not fit the regions: the regions alone
-            pass
-    return kvplan.Layout(*args, **context)
+    try:
+        heads = int(model_config.get_total_num_kv_heads())
+        per_rank = max(1, heads // context["tp_size"])
+        page = context["page_size"]
+        # each head's bytes as one element: the regions say the bytes, not the dtype
+        head_bytes = {n // (page * per_rank) for n in items if n % (page * per_rank) == 0}
+        if len(head_bytes) != 1 or len(items) != sum(
+                n == page * per_rank * next(iter(head_bytes)) for n in items):
+            return None
+        return kvplan.Layout(*args, kv_heads=heads, head_dim=next(iter(head_bytes)),
+                             dtype_size=1, memory_order=_memory_order() or "NHD", **context)
+    except (AttributeError, TypeError, ValueError, kvplan.KvPlanError):
+        # no heads: a layout without them could refuse a TP pair vLLM plans
+        return None
 
 
 def worker_identity(worker: Any, semantics: ModelSemantics | None = None) -> Any:
