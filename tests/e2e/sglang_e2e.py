@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_harness as harness  # noqa: E402
+import sglang_staged_case as staged_case  # noqa: E402
 from e2e_harness import (  # noqa: E402
     HttpError, Results, Server, SetupError, TinyModel, TinyQwen3Next, Venv, log)
 
@@ -495,6 +496,11 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
             finally:
                 for s in group:
                     s.stop()
+        # -- kvplan's staged rounds between two kvplan peers; a decode without staging --------
+        if wanted("staged"):
+            staged_case.run_staged(engine, MODEL_A, results, reference, start, staged_case.Hooks(
+                prompts=prompts, pd_generate=pd_generate, output_ids=output_ids,
+                installed_check=installed_check, max_new_tokens=MAX_NEW_TOKENS))
         # -- prefill PP 2 -> decode PP 1: each stage sends its own layers, paired by layer id ---
         if wanted("pp"):
             prefill = engine.server("kvplan-prefill-pp2", MODEL_A, page_size=16, mode="prefill",
@@ -764,7 +770,7 @@ def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -
 
 NIXL_LLAMA_CASES = ("nixl-sglang", "nixl1", "nixl-bad", "nixl16", "nixl-negative")
 NIXL_HYBRID_CASES = ("nixl-hybrid-sglang", "nixl-hybrid")
-LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "pp",
+LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "staged", "pp",
                *NIXL_LLAMA_CASES)
 HYBRID_CASES = ("hybrid-sglang", "hybrid", *NIXL_HYBRID_CASES)
 CASE_KEYS = (*LLAMA_CASES, *HYBRID_CASES)
@@ -778,7 +784,7 @@ CASE_GROUPS = {"nixl": (*NIXL_LLAMA_CASES, *NIXL_HYBRID_CASES)}
 #: The NIXL cases are left out until they have passed twice in a row on this machine within the
 #: time CI has for them; `--cases nixl` runs them.
 DEFAULT_CASES = tuple(key for key in CASE_KEYS
-                      if key not in ("pp", "hybrid-sglang", *CASE_GROUPS["nixl"]))
+                      if key not in ("pp", "hybrid-sglang", "staged", *CASE_GROUPS["nixl"]))
 
 
 def main() -> int:
