@@ -213,7 +213,7 @@ def run_staged(engine: Any, model: Any, results: Results, reference: Sequence[li
                       lambda: fragment(hooks, prefill, decode))
 
         def agreed() -> str:
-            said = [line.strip() for line in prefill.log_since(0).splitlines()
+            said = [str(line).strip() for line in prefill.log_since(0).splitlines()
                     if AGREED_SAID in line]
             if len(said) != 1:
                 raise AssertionError(f"the prefill said {len(said)} staged agreements: {said[:3]}")
