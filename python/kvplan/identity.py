@@ -242,7 +242,7 @@ def hf_rope(config: object) -> Mapping[str, object] | None:
     if isinstance(theta, (int, float)) and not isinstance(theta, bool):
         rope = dict(rope or {})
         rope.setdefault("rope_theta", theta)
-    return rope
+    return rope  # type: ignore[no-any-return]
 
 
 Role = Literal["prefill", "decode"]
@@ -362,12 +362,13 @@ class PeerCheck:
                       f"are and does not make that conversion")
         else:
             refused_by, reason = str(verdict.refused_by or "refused"), verdict.reason
-        err = IncompatiblePeerError(f"kvplan refuses transfers with peer {peer}: {where}: "
-                                    f"{reason}")
-        err.peer, err.local_class_id, err.peer_class_id = peer, local.class_id, remote.class_id
-        err.local_role, err.refused_by, err.reason = local_role, refused_by, reason
-        self._say(peer, f"refused:{remote.layout_id}", logging.ERROR, "%s", err)
-        return err
+        refusal = IncompatiblePeerError(f"kvplan refuses transfers with peer {peer}: {where}: "
+                                        f"{reason}")
+        refusal.peer, refusal.local_class_id = peer, local.class_id
+        refusal.peer_class_id, refusal.local_role = remote.class_id, local_role
+        refusal.refused_by, refusal.reason = refused_by, reason
+        self._say(peer, f"refused:{remote.layout_id}", logging.ERROR, "%s", refusal)
+        return refusal
 
 
 def _sent_key(sent: object) -> str:

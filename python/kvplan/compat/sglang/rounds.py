@@ -765,8 +765,8 @@ def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
     if not isinstance(heads, int) or not isinstance(per_rank, int) or heads < 1 or per_rank < 1:
         return None
     page = layout.page_size
-    items = {int(n) for n, kind in zip(kv_args.kv_item_lens, layout.to_dict()["kinds"])
-             if kind == "page"}
+    kinds = cast(list[str], layout.to_dict()["kinds"])
+    items = {int(n) for n, kind in zip(kv_args.kv_item_lens, kinds) if kind == "page"}
     if len(items) != 1 or next(iter(items)) % (page * per_rank):
         return None
     raw = layout.to_dict()
