@@ -189,11 +189,12 @@ def vllm_config(role: str, *, revision: str = "abc123", rope: Any = ROPE_1) -> A
 class Side:
     """One MHA worker (two heads; K and V regions per layer) in one registered array."""
 
-    def __init__(self, v: Any, cls: type, engine: Engine, config: Any, seed: int | None
-                 ) -> None:
+    def __init__(self, v: Any, cls: type, engine: Engine, config: Any, seed: int | None,
+                 *, tp_rank: int = 0, tp_size: int = 1) -> None:
         from support.vllm_cases import make_worker
 
-        heads, head_bytes = 2, 64
+        total_heads, head_bytes = 2, 64
+        heads = max(1, total_heads // tp_size)
         self.kv = 16 * heads * head_bytes
         self.region_bytes = NUM_BLOCKS * self.kv
         n_regions = 2 * LAYERS
@@ -212,7 +213,8 @@ class Side:
             regions.append((addr, self.kv, self.kv, names[r // 2], r // 2, 0))
             buffers.append((addr, self.region_bytes))
         self.worker = make_worker(
-            v, cls, tp_rank=0, tp_size=1, use_mla=False, total_kv_heads=heads,
+            v, cls, tp_rank=tp_rank, tp_size=tp_size, use_mla=False,
+            total_kv_heads=total_heads,
             group_specs=[spec], layer_groups={names[i]: 0 for i in range(LAYERS)},
             regions=regions, buffers=buffers, num_blocks=NUM_BLOCKS, engine=engine.engine)
         # what vLLM's worker __init__ sets from its config
@@ -397,6 +399,29 @@ def test_vllm_decode_refuses_an_incompatible_prefills_stream(
                 and r.getMessage().startswith("kvplan refuses transfers with peer")]
     assert len(refusals) == 1 and "(here)" in refusals[0]
     assert p_staging.identity.local.class_id in refusals[0]
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_vllm_identities_of_tp_pairs_vllm_plans_are_not_refused(
+        v: Any, patched: Any, engines: Any, p_tp: int, d_tp: int) -> None:
+    """Workers of other TP sizes have other classes, and every rank pair is plannable: the
+    identity publishes the heads, so a TP pair is never refused for want of them."""
+    p_engine, d_engine = engines
+    decodes = [Side(v, v.MooncakeConnectorWorker, d_engine, vllm_config("kv_consumer"),
+                    seed=None, tp_rank=r, tp_size=d_tp) for r in range(d_tp)]
+    prefills = [Side(v, patched, p_engine, vllm_config("kv_producer"), seed=r, tp_rank=r,
+                     tp_size=p_tp) for r in range(p_tp)]
+    from kvplan.compat.vllm import staging as vstaging
+
+    d_ids = [vstaging.worker_identity(d.worker) for d in decodes]
+    p_ids = [vstaging.worker_identity(p.worker) for p in prefills]
+    assert len({i.class_id for i in d_ids}) == 1 and len({i.class_id for i in p_ids}) == 1
+    assert (p_ids[0].class_id == d_ids[0].class_id) == (p_tp == d_tp)
+    for p_id in p_ids:
+        for d_id in d_ids:
+            verdict = kvplan.compatibility(p_id, d_id)
+            assert verdict.kind == "plannable", verdict.reason
 
 
 def test_vllm_pull_request_carries_the_identity_without_staging() -> None:
@@ -701,3 +726,41 @@ def test_sglang_decode_refuses_an_incompatible_prefills_open_message(sg: Any) ->
                     and r.getMessage().startswith("kvplan refuses transfers with peer")]
         assert len(refusals) == 1 and "(here)" in refusals[0]
         assert not dec.memory.any()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_sglang_identities_of_mha_tp_pairs_are_not_refused(sg: Any, p_tp: int,
+                                                           d_tp: int) -> None:
+    """MHA managers of other attention TP sizes (head-sliced by SGLang): the identity
+    publishes SGLang's heads, so every rank pair is plannable; without the heads a manager
+    has no identity rather than one that would refuse such a pair."""
+    from support.sglang_models import load_loader
+
+    from kvplan.compat.sglang import rounds
+
+    loader = load_loader()
+    heads, head_bytes, page, layers = 4, 128, 16, 3
+
+    def manager(rank: int, tp: int, **drop: Any) -> Any:
+        per_rank = max(1, heads // tp)
+        item = page * per_rank * head_bytes
+        fields = dict(kv_data_ptrs=[(1 << 32) * (e + 1) for e in range(2 * layers)],
+                      kv_data_lens=[64 * item] * (2 * layers),
+                      kv_item_lens=[item] * (2 * layers), kv_layer_ids=[], engine_rank=rank,
+                      page_size=page, kv_head_num=per_rank, total_kv_head_num=heads)
+        for name in drop:
+            fields.pop(name)
+        return loader.manager_object(sg, sg.MooncakeKVManager,
+                                     kv_args=types.SimpleNamespace(**fields),
+                                     attn_tp_size=tp, server_args=server_args())
+
+    p_ids = [rounds.manager_identity(manager(r, p_tp)) for r in range(p_tp)]
+    d_ids = [rounds.manager_identity(manager(r, d_tp)) for r in range(d_tp)]
+    assert len({i.class_id for i in p_ids}) == 1 and len({i.class_id for i in d_ids}) == 1
+    for p_id in p_ids:
+        for d_id in d_ids:
+            verdict = kvplan.compatibility(p_id, d_id)
+            assert verdict.kind == "plannable", verdict.reason
+    assert rounds.manager_identity(manager(0, p_tp, kv_head_num=None)) is None
+    assert rounds.manager_identity(manager(0, p_tp, page_size=None)) is None
