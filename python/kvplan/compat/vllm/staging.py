@@ -725,7 +725,7 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
     model_config = d.get("model_config")
     try:
         heads = int(model_config.get_total_num_kv_heads())
-        per_rank = max(1, heads // context["tp_size"])
+        per_rank = kvplan._core.heads_per_rank(heads, context["tp_size"])
         page = context["page_size"]
         # each head's bytes as one element: the regions say the bytes, not the dtype
         head_bytes = {n // (page * per_rank) for n in items if n % (page * per_rank) == 0}
