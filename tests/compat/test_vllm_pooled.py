@@ -91,8 +91,8 @@ def test_pooled_plan_is_vllms_bytes_in_no_more_descriptors(v, patched, monkeypat
     used = {"pooled": 0, "per_group": 0}
     checked = original = vllm_plan._pooled_keeps_merges
 
-    def counting(order, arrays):
-        keeps = checked(order, arrays)
+    def counting(order, arrays, firsts):
+        keeps = checked(order, arrays, firsts)
         used["pooled" if keeps else "per_group"] += 1
         return keeps
 
@@ -183,15 +183,23 @@ def test_a_request_without_blocks_between_two_that_run_on_keeps_the_per_group_pa
 def test_a_descending_stretch_keeps_the_per_group_path(v, patched):
     """A group template moves blocks descending on both sides as one run; a pooled request
     would move them one block each, so such a batch is planned per group."""
-    from kvplan.compat.vllm.plan import _pooled_keeps_merges, plan_ready
+    from kvplan.compat.vllm.plan import _first_blocks, _pooled_keeps_merges, plan_ready
+
+    def keeps(arrays):
+        return _pooled_keeps_merges(list(range(len(arrays))), arrays,
+                                    [tuple(map(_first_blocks, pairs)) for pairs in arrays])
 
     down = [[(_ids(4, 3, 2), _ids(9, 8, 7)), (_ids(10,), _ids(20,))]]
-    assert not _pooled_keeps_merges([0], down)
+    assert not keeps(down)
+    # a step down from one request into the next is no stretch of either
+    apart = [[(_ids(1, 9), _ids(3, 9)), (_ids(10,), _ids(20,))],
+             [(_ids(8, 21), _ids(8, 20)), (_ids(12,), _ids(22,))]]
+    assert keeps(apart)
     peer = _two_group_peer(v, patched)
     batches, refused = plan_ready(peer, down)
     assert refused == {} and len(batches) == 2
     up = [[(_ids(2, 3, 4), _ids(7, 8, 9)), (_ids(10,), _ids(20,))]]
-    assert _pooled_keeps_merges([0], up)
+    assert keeps(up)
     assert len(plan_ready(peer, up)[0]) == 1
 
 

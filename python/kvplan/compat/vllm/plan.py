@@ -6,6 +6,7 @@ one pooled batch could hold more blocks (:mod:`.templates`), returned as :mod:`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -94,16 +95,20 @@ def _plan_pooled(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | Non
         return _plan_groups(peer, requests, refused)
     members: list[int] = []
     arrays: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    firsts: list[tuple[tuple[int, int], ...]] = []
     for r, per_group in enumerate(requests):
-        if r in refused or all(ids is None for ids in per_group):
+        if r in refused:
             continue
-        try:
-            pairs = [_NO_BLOCKS_PAIR if ids is None else
-                     (index_array(ids[0]), index_array(ids[1])) for ids in per_group]
-        except kvplan.KvPlanError as exc:
-            refused[r] = exc
-            return None
-        for k, (local, remote) in enumerate(pairs):
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for k, ids in enumerate(per_group):
+            if ids is None:
+                pairs.append(_NO_BLOCKS_PAIR)
+                continue
+            try:
+                local, remote = index_array(ids[0]), index_array(ids[1])
+            except kvplan.KvPlanError as exc:
+                refused[r] = exc
+                return None
             # a token range reads the leading pages of a longer list: refused here as the
             # group's own template refuses it
             if len(local) != len(remote):
@@ -111,13 +116,16 @@ def _plan_pooled(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | Non
                     f"KV group {peer.groups[k][0]}: src has {len(local)} indices but dst has "
                     f"{len(remote)}; index arrays must have equal length")
                 return None
+            pairs.append((local, remote))
+        if len(pairs) == per_group.count(None):
+            continue
         members.append(r)
         arrays.append(pairs)
+        firsts.append(tuple(map(_first_blocks, pairs)))
     if not members:
         return []
-    order = sorted(range(len(members)),
-                   key=lambda i: tuple(_first_blocks(pair) for pair in arrays[i]))
-    if not _pooled_keeps_merges(order, arrays):
+    order = sorted(range(len(members)), key=firsts.__getitem__)
+    if not _pooled_keeps_merges(order, arrays, firsts):
         return _plan_groups(peer, requests, refused)
     batch_requests = []
     for i in order:
@@ -137,10 +145,11 @@ def _plan_pooled(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | Non
 _NO_BLOCKS_PAIR = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
 
 
-def _pooled_keeps_merges(order: list[int],
-                         arrays: list[list[tuple[np.ndarray, np.ndarray]]]) -> bool:
+def _pooled_keeps_merges(order: list[int], arrays: list[list[tuple[np.ndarray, np.ndarray]]],
+                         firsts: list[tuple[tuple[int, int], ...]]) -> bool:
     """Whether the pooled batch of the requests in ``order`` (each one's block ids per group,
-    ``arrays``) holds no more blocks than the per-group batches of them. A pooled batch
+    ``arrays``, and their first blocks, ``firsts``, as :func:`_first_blocks` gives them)
+    holds no more blocks than the per-group batches of them. A pooled batch
     merges blocks only across neighbouring requests, so two requests whose blocks of a group
     run on from one another (the per-group batch holds them in its order, by first blocks,
     and merges them) must be neighbours in ``order``: a request with no blocks in that group
@@ -149,20 +158,29 @@ def _pooled_keeps_merges(order: list[int],
     group's template moves it as one run (the drop-in reads such stretches ascending before
     they get here; one left over sends the batch down the per-group path)."""
     place = {i: k for k, i in enumerate(order)}
+    locals_, remotes, lens = [], [], []
     for g in range(len(arrays[order[0]])):
         held = sorted((i for i in order if len(arrays[i][g][0])),
-                      key=lambda i: _first_blocks(arrays[i][g]))
-        for i in held:
-            local, remote = arrays[i][g]
-            if len(local) > 1 and np.any((np.diff(local) == -1) & (np.diff(remote) == -1)):
-                return False
+                      key=lambda i: firsts[i][g])
         for a, b in zip(held, held[1:]):
             (local_a, remote_a), (local_b, remote_b) = arrays[a][g], arrays[b][g]
             runs_on = (int(local_a[-1]) + 1 == int(local_b[0])
                        and int(remote_a[-1]) + 1 == int(remote_b[0]))
             if runs_on and place[b] != place[a] + 1:
                 return False
-    return True
+        for i in held:
+            locals_.append(arrays[i][g][0])
+            remotes.append(arrays[i][g][1])
+            lens.append(len(arrays[i][g][0]))
+    if not lens:
+        return True
+    # one pass over every group's blocks of every request (a numpy call per request would
+    # cost more than planning the batch); a step from one list into the next is no stretch
+    local, remote = np.concatenate(locals_), np.concatenate(remotes)
+    down = (local[:-1] - local[1:] == 1) & (remote[:-1] - remote[1:] == 1)
+    if down.any():
+        down[list(itertools.accumulate(lens[:-1], initial=-1))[1:]] = False
+    return not down.any()
 
 
 def _plan_groups(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]],
