@@ -20,6 +20,7 @@ from kvplan._core import (
     Layout,
     LayoutEntry,
     LayoutError,
+    ManifestError,
     Pairing,
     PairingError,
     Blocks,
@@ -57,6 +58,7 @@ from kvplan.identity import (
     layout_identity,
 )
 from kvplan.integrity import IntegrityError
+from kvplan.manifests import ManifestComponent, ModelManifest, check_manifest
 from kvplan.leases import Lease, LeaseError, LeaseTable, StaleLeaseError, UnknownLeaseError
 from kvplan.policy import PairingChoice, select_pairing
 from kvplan.report import CompatReport, EntryCheck, compare
@@ -77,6 +79,10 @@ __all__ = [
     "LayoutEntry",
     "LayoutError",
     "LayoutIdentity",
+    "ManifestComponent",
+    "ManifestError",
+    "ModelManifest",
+    "check_manifest",
     "ModelSemantics",
     "Verdict",
     "compatibility",

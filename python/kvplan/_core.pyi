@@ -18,6 +18,7 @@ __all__ = [
     "LayoutEntry",
     "LayoutError",
     "LayoutIdentity",
+    "ManifestError",
     "UnsupportedError",
     "MHA_ROLES",
     "DTYPES",
@@ -92,6 +93,13 @@ class PairingError(KvPlanError): ...
 class IndexBoundsError(KvPlanError): ...
 class SizeMismatchError(KvPlanError): ...
 class LayoutError(KvPlanError): ...
+class ManifestError(LayoutError):
+    #: The manifest's model name.
+    model: str
+    #: Every problem as ``(kind, role, layers, expected, got)`` (see
+    #: :func:`kvplan.check_manifest`).
+    problems: tuple[tuple[str, str, list[int], int | None, int | None], ...]
+
 class UnsupportedError(KvPlanError):
     #: The planner asked (``"plan_staged"``, ``"plan_row_gather"``, ``"descriptor_table"``, ...).
     planner: str
@@ -1588,6 +1596,19 @@ def layout_identity(layout: Layout, *, model: str, revision: str, rope: str, dra
 
     Raises:
         LayoutError: ``transfer`` is neither ``"push"`` nor ``"pull"``.
+    """
+
+def check_manifest(
+    layout: Layout, *, model: str, num_layers: int,
+    components: Sequence[tuple[str, str, Sequence[int], int, int, str, int, int | None,
+                               int | None]],
+    stage: tuple[int, int] | None = None,
+) -> None:
+    """A model's manifest against ``layout`` (use :func:`kvplan.check_manifest`).
+
+    Raises:
+        ManifestError: Every problem found, or a malformed manifest.
+        LayoutError: A component kind other than ``"page"`` or ``"state"``.
     """
 
 def compatibility(prefill: LayoutIdentity, decode: LayoutIdentity, pairing: Pairing | None = None,

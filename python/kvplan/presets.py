@@ -41,6 +41,12 @@ Sizes per token per layer (bf16 unless said otherwise):
   (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
   (27 is the other published size: pass ``num_layers=27``).
+* Kimi-K3: 93 layers, 24 MLA (1152 bytes per token, the Kimi-Linear latent) and 69 KDA layers,
+  each with four state tensors as vLLM's KDA layer keeps them: three short-convolution states
+  (q, k and v: 32 heads × 128 channels × 3 steps × bf16 = 24,576 bytes each) and the recurrent
+  state (32 × 128 × 128 × fp32 = 2,097,152 bytes). Assumed (no public config gives them): the
+  head geometry is Kimi-Linear's (32 heads of 128, conv kernel 4, the 512 + 64 latent), and the
+  MLA layers are every 4th layer (ids 3, 7, …, 91) plus the last (92).
 
 State sizes are for TP 1 and are meant to show proportions, not to size a deployment. A layout
 built with ``tp_size > 1`` holds its rank's share: ``kv_heads / tp_size`` KV heads per K/V item
@@ -59,6 +65,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvplan._core import KvPlanError, Layout, heads_per_rank
+from kvplan.manifests import ManifestComponent, ModelManifest, Sharding
 
 __all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
            "pool_pages_for", "split_layers"]
@@ -158,6 +165,8 @@ class ModelPreset:
             only; empty: one latent entry, plus an ``indexer`` entry when
             ``indexer_bytes_per_token`` is set). ``kv_bytes_per_token`` is then the sum over
             the components a full-attention layer holds.
+        full_attention_layers: The full-attention layers by id, for a hybrid model whose
+            pattern is not every n-th layer (empty: ``full_attention_every`` decides).
     """
 
     key: str
@@ -174,6 +183,7 @@ class ModelPreset:
     indexer_bytes_per_token: int = 0
     sliding_window: int = 0
     components: tuple[ComponentSpec, ...] = field(default_factory=tuple)
+    full_attention_layers: tuple[int, ...] = ()
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens (``None``: full attention)."""
@@ -181,12 +191,15 @@ class ModelPreset:
 
     @property
     def hybrid(self) -> bool:
-        return self.full_attention_every is not None
+        return self.full_attention_every is not None or bool(self.full_attention_layers)
 
     def kv_layers(self, layers: Sequence[int] | None = None) -> list[int]:
         """Layers with paged KV (all for dense models), optionally restricted to ``layers``."""
         every = self.full_attention_every
         pool = range(self.num_layers) if layers is None else layers
+        if self.full_attention_layers:
+            full = set(self.full_attention_layers)
+            return [i for i in pool if i in full]
         return [i for i in pool if every is None or i % every == every - 1]
 
     def linear_layers(self, layers: Sequence[int] | None = None) -> list[int]:
@@ -363,6 +376,41 @@ class ModelPreset:
                                   num_model_layers=self.num_layers, pp_rank=pp_rank,
                                   pp_size=pp_size, **tp)
 
+    def manifest(self) -> ModelManifest:
+        """Every component of the model, derived from the specs its layouts are built from (so
+        the two cannot drift): per KV layer its latent (``kv``, replicated over TP), its K and
+        V (sharded by heads) or its components (replicated), split by window where window and
+        full layers differ, and per linear layer its state tensors (split over TP)."""
+        kv = self.kv_layers()
+        page: list[tuple[str, int, int, Sharding, int | None, list[int]]] = []
+        if self.layer_components():
+            for c in self.layer_components():
+                for layer in kv:
+                    if c.held_by(layer) and (c.on_window_layers or self.window_of(layer) is None):
+                        window = c.window if c.window is not None else self.window_of(layer)
+                        page.append((c.role, c.bytes_per_token, c.tokens_per_row, "replicated",
+                                     window, [layer]))
+        else:
+            mha = self.attention == "mha"
+            sharding: Sharding = "heads" if mha else "replicated"
+            for role in ("k", "v") if mha else ("kv",):
+                for layer in kv:
+                    page.append((role, self.kv_bytes_per_token, 1, sharding,
+                                 self.window_of(layer), [layer]))
+        # One component per (role, row, window): a role's window layers and full layers apart.
+        merged: dict[tuple[str, int, int, Sharding, int | None], list[int]] = {}
+        for role, size, rows, sharding, window, layers in page:
+            merged.setdefault((role, size, rows, sharding, window), []).extend(layers)
+        components = [
+            ManifestComponent(role, "page", tuple(layers), size, rows, sharding,
+                              self.kv_heads if sharding == "heads" else 1, window)
+            for (role, size, rows, sharding, window), layers in merged.items()]
+        linear = tuple(self.linear_layers())
+        components += [ManifestComponent(spec.name, "state", linear, spec.bytes_per_slot,
+                                         sharding="split")
+                       for spec in (self.state if linear else ())]
+        return ModelManifest(self.name, self.num_layers, tuple(components))
+
     def _add_state(self, layout: Layout, layers: Sequence[int], state_slots: int,
                    address: int, tp_size: int = 1) -> Layout:
         linear = self.linear_layers(layers)
@@ -431,6 +479,13 @@ def split_layers(num_layers: int, pp_size: int, counts: Sequence[int] | None = N
 
 _GDN = (StateSpec("mamba_conv", 49_152), StateSpec("mamba_temporal", 2_097_152))
 _KDA = (StateSpec("mamba_conv", 73_728), StateSpec("mamba_temporal", 2_097_152))
+#: Kimi-K3's KDA state as vLLM's KDA layer keeps it: one short-convolution state each for q, k
+#: and v (32 heads × 128 channels × 3 steps × bf16) and the recurrent state (fp32).
+_KDA_CONV = 32 * 128 * 3 * 2
+_KDA4 = (StateSpec("kda_conv_q", _KDA_CONV), StateSpec("kda_conv_k", _KDA_CONV),
+         StateSpec("kda_conv_v", _KDA_CONV), StateSpec("kda_recurrent", 32 * 128 * 128 * 4))
+#: Kimi-K3's MLA layers (assumed, see the module docstring): every 4th layer and the last.
+_K3_MLA = (*range(3, 93, 4), 92)
 
 #: DeepSeek-V4's per-layer components (see the module docstring): vLLM's ``fp8_ds_mla`` row
 #: (448 fp8 NoPE + 64 bf16 RoPE + 8 scale bytes), pages padded to multiples of 576 bytes.
@@ -487,6 +542,12 @@ PRESETS: dict[str, ModelPreset] = {
                     description="full attention (MLA, 1152 B per token) on every 4th layer, "
                                 "KDA layers with conv + recurrent state", kv_heads=1,
                     head_dim=576),
+        ModelPreset("kimi-k3", "Kimi-K3", 93, "mla", 1152, state=_KDA4,
+                    description="93 layers: 24 MLA (1152 B per token; every 4th layer and the "
+                                "last, assumed) + 69 KDA layers with 4 state tensors each (q, k "
+                                "and v conv state, 24,576 B each, and the 2 MiB fp32 recurrent "
+                                "state; Kimi-Linear's head geometry, assumed)",
+                    kv_heads=1, head_dim=576, full_attention_layers=_K3_MLA),
     )
 }
 

@@ -485,6 +485,16 @@ pub enum PlanError {
         /// Why, with the request's values, and the path that plans it.
         why: String,
     },
+    /// A layout that does not hold every component of a model's manifest as declared, or a
+    /// manifest that cannot be checked: `problems` names each component, its layers and both
+    /// values (module `rules::manifest`).
+    #[error("model {model}: {}", ManifestProblem::join(problems))]
+    Manifest {
+        /// The manifest's model name.
+        model: String,
+        /// Every problem found, in manifest order.
+        problems: Vec<ManifestProblem>,
+    },
     /// A block to digest that does not lie inside one of the buffers given for its side.
     #[error(
         "{side} block {block} at [{addr:#x}, +{len} bytes) does not lie inside one of the \
@@ -574,6 +584,178 @@ pub enum PlanError {
         /// Why the pair cannot be converted.
         why: String,
     },
+}
+
+/// One way a layout fails a model's manifest (module `rules::manifest`), typed so that callers
+/// never parse a message. `layers` lists global layer ids, sorted; messages write them as ranges.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestProblem {
+    /// The manifest itself is malformed (a zero size, heads that do not divide the bytes, ...).
+    #[error("malformed manifest: {what}")]
+    Malformed {
+        /// What is wrong, with the value.
+        what: String,
+    },
+    /// The layout is one PP stage of several and no layer range was given for it, so which
+    /// layers it must hold is not known.
+    #[error(
+        "the layout is PP stage {pp_rank} of {pp_size}: give its layer range (the layers this \
+         stage holds) to check it"
+    )]
+    StageRange {
+        /// The layout's PP rank.
+        pp_rank: u32,
+        /// The layout's PP size.
+        pp_size: u32,
+    },
+    /// The layout's model has another layer count than the manifest's model.
+    #[error("the layout's model has {layout} layers, the manifest's {manifest}")]
+    ModelLayers {
+        /// Layers the manifest declares.
+        manifest: u64,
+        /// Layers the layout publishes (`num_model_layers`).
+        layout: u64,
+    },
+    /// A component the manifest declares has no entry on these layers.
+    #[error("missing {indexing} component {role:?} on layers {}", layer_ranges(layers))]
+    Missing {
+        /// The component's role.
+        role: String,
+        /// `"page"` or `"state"`.
+        indexing: &'static str,
+        /// The layers without it.
+        layers: Vec<i64>,
+    },
+    /// A component's entries hold items of another size than the manifest gives at this
+    /// layout's TP coordinates.
+    #[error(
+        "component {role:?} on layers {}: item_len {got} bytes, the manifest gives {expected} \
+         ({why})",
+        layer_ranges(layers)
+    )]
+    ItemSize {
+        /// The component's role.
+        role: String,
+        /// The layers whose entries differ.
+        layers: Vec<i64>,
+        /// Bytes of one item the manifest gives here.
+        expected: u64,
+        /// Bytes of one item the layout holds.
+        got: u64,
+        /// How the expected size follows from the manifest (per-row bytes, rows, TP share).
+        why: String,
+    },
+    /// A component's entries keep another sliding window (or ring) than the manifest declares.
+    #[error(
+        "component {role:?} on layers {}: {what} {}, the manifest gives {}",
+        layer_ranges(layers),
+        tokens_or_none(*got),
+        tokens_or_none(*expected)
+    )]
+    Shape {
+        /// The component's role.
+        role: String,
+        /// The layers whose entries differ.
+        layers: Vec<i64>,
+        /// `"window"` or `"ring"`.
+        what: &'static str,
+        /// What the manifest declares (`None`: none).
+        expected: Option<u64>,
+        /// What the layout holds (`None`: none).
+        got: Option<u64>,
+    },
+    /// Entries of the layout that no component of the manifest declares (another model's
+    /// entries, or a role the manifest does not know).
+    #[error("{indexing} entries {role:?} on layers {} are not in the manifest", layer_ranges(layers))]
+    Unexpected {
+        /// The entries' role.
+        role: String,
+        /// `"page"` or `"state"`.
+        indexing: &'static str,
+        /// Their layers.
+        layers: Vec<i64>,
+    },
+    /// Entries that publish no layer id, so no component can be found among them.
+    #[error("{count} entries publish no layer id; a manifest is checked by layer id")]
+    NoLayerIds {
+        /// How many entries.
+        count: usize,
+    },
+    /// Entries of declared components on layers outside the stage's layer range.
+    #[error(
+        "component {role:?} has entries on layers {}, outside the stage's layers {start}..{end}",
+        layer_ranges(layers)
+    )]
+    OutsideStage {
+        /// The component's role.
+        role: String,
+        /// The layers outside the range.
+        layers: Vec<i64>,
+        /// The range's first layer.
+        start: i64,
+        /// One past the range's last layer.
+        end: i64,
+    },
+}
+
+impl ManifestProblem {
+    /// The stable name of the problem's kind (`missing`, `item_size`, ...), for bindings.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ManifestProblem::Malformed { .. } => "malformed",
+            ManifestProblem::StageRange { .. } => "stage_range",
+            ManifestProblem::ModelLayers { .. } => "model_layers",
+            ManifestProblem::Missing { .. } => "missing",
+            ManifestProblem::ItemSize { .. } => "item_size",
+            ManifestProblem::Shape { what, .. } => what,
+            ManifestProblem::Unexpected { .. } => "unexpected",
+            ManifestProblem::NoLayerIds { .. } => "no_layer_ids",
+            ManifestProblem::OutsideStage { .. } => "outside_stage",
+        }
+    }
+
+    /// The problems' messages joined by `; `.
+    pub fn join(problems: &[ManifestProblem]) -> String {
+        problems
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+fn tokens_or_none(value: Option<u64>) -> String {
+    value.map_or_else(|| "none".to_owned(), |v| v.to_string())
+}
+
+/// Sorted layer ids written as ranges: consecutive ids as `a-b`, an arithmetic progression of
+/// at least three as `a-b step s`, any other id alone (`3-91 step 4, 92`).
+pub fn layer_ranges(layers: &[i64]) -> String {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let a = layers[i];
+        let Some(&next) = layers.get(i + 1) else {
+            out.push(a.to_string());
+            break;
+        };
+        let step = next - a;
+        let mut j = i + 1;
+        while j + 1 < layers.len() && layers[j + 1] - layers[j] == step {
+            j += 1;
+        }
+        let count = j - i + 1;
+        if step == 1 {
+            out.push(format!("{a}-{}", layers[j]));
+        } else if count >= 3 {
+            out.push(format!("{a}-{} step {step}", layers[j]));
+        } else {
+            out.push(a.to_string());
+            j = i;
+        }
+        i = j + 1;
+    }
+    out.join(", ")
 }
 
 /// Why head slicing cannot bridge two layouts, or a pair's items, typed so that callers never
@@ -692,6 +874,7 @@ impl PlanError {
             PlanError::FlatBatch { .. } => "flat_batch",
             PlanError::WindowMismatch { .. } => "window",
             PlanError::Conversion { .. } => "conversion",
+            PlanError::Manifest { .. } => "manifest",
             PlanError::InRequest { source, .. } => source.kind(),
             other => match other.class() {
                 ErrorClass::Pairing => "pairing",
@@ -759,7 +942,8 @@ impl PlanError {
             PlanError::ListLength { .. }
             | PlanError::BufferOverflow { .. }
             | PlanError::GroupsNotWhole { .. }
-            | PlanError::InvalidLayout { .. } => ErrorClass::Layout,
+            | PlanError::InvalidLayout { .. }
+            | PlanError::Manifest { .. } => ErrorClass::Layout,
             PlanError::OutOfMemory { .. } => ErrorClass::Memory,
             PlanError::LengthMismatch { .. }
             | PlanError::FlatBatch { .. }

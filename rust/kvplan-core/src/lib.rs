@@ -47,7 +47,8 @@
 //!    2. `plan` (output types), `request` (the one request value), `layer_groups` (the caller's
 //!       layer groups).
 //! 4. `rules/` (what may be planned):
-//!    1. `pairing` (entries by layer id), `capabilities` (what each planner supports).
+//!    1. `pairing` (entries by layer id), `capabilities` (what each planner supports),
+//!       `manifest` (a model's components against a layout).
 //!    2. `dcp` (the dealt token map), `heads` (TP head slicing).
 //!    3. `check` (every rule).
 //! 5. `exchange/` (what leaves the planner):
@@ -83,7 +84,7 @@ pub mod peer_pair;
 pub mod planners;
 pub mod rules;
 
-pub use error::{ErrorClass, HeadProblem, PlanError, Result, Side};
+pub use error::{ErrorClass, HeadProblem, ManifestProblem, PlanError, Result, Side, layer_ranges};
 pub use exchange::digest::{
     LeaseRef, PlanBlocks, Region, content_digest, delta_plan_digest, index_digest,
     layout_fingerprint, leased_plan_digest, pair_content_digests, plan_digest, request_plan_digest,
@@ -131,6 +132,7 @@ pub use planners::staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegio
 pub use rules::capabilities::{Asked, Feature, Planner, SUPPORT};
 pub use rules::check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use rules::dcp::DcpContext;
+pub use rules::manifest::{ManifestComponent, ModelManifest, Sharding, check_manifest};
 pub use rules::heads::{
     HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
 };

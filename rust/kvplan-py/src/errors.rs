@@ -1,6 +1,6 @@
 //! The kvplan exception hierarchy and the one place core errors become Python exceptions.
 
-use kvplan_core::{ErrorClass, PlanError};
+use kvplan_core::{ErrorClass, ManifestProblem, PlanError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
@@ -30,6 +30,14 @@ create_exception!(
     "Paired entries disagree on item size."
 );
 create_exception!(kvplan, LayoutError, KvPlanError, "A layout is malformed.");
+create_exception!(
+    kvplan,
+    ManifestError,
+    LayoutError,
+    "A layout does not hold every component of a model's manifest as declared (or the \
+     manifest is malformed); `model` names the model and `problems` each component, its layers \
+     and both values."
+);
 create_exception!(
     kvplan,
     UnsupportedError,
@@ -71,8 +79,51 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         {
             let _ = value.setattr("requests", tuple);
         }
+        if let PlanError::Manifest { model, problems } = innermost(&err) {
+            let _ = value.setattr("model", model);
+            let rows: Vec<_> = problems.iter().map(problem_row).collect();
+            if let Ok(tuple) = pyo3::types::PyTuple::new(py, rows) {
+                let _ = value.setattr("problems", tuple);
+            }
+        }
     });
     exception
+}
+
+/// One manifest problem as `(kind, role, layers, expected, got)`: the role and layers of the
+/// component it is about (`""` and `()` for a problem about the whole layout), and the two
+/// values where it compares two (`None` otherwise, or for a value that is none).
+type ProblemRow = (&'static str, String, Vec<i64>, Option<u64>, Option<u64>);
+
+fn problem_row(problem: &ManifestProblem) -> ProblemRow {
+    let kind = problem.kind();
+    match problem {
+        ManifestProblem::Missing { role, layers, .. }
+        | ManifestProblem::Unexpected { role, layers, .. }
+        | ManifestProblem::OutsideStage { role, layers, .. } => {
+            (kind, role.clone(), layers.clone(), None, None)
+        }
+        ManifestProblem::ItemSize {
+            role,
+            layers,
+            expected,
+            got,
+            ..
+        } => (kind, role.clone(), layers.clone(), Some(*expected), Some(*got)),
+        ManifestProblem::Shape {
+            role,
+            layers,
+            expected,
+            got,
+            ..
+        } => (kind, role.clone(), layers.clone(), *expected, *got),
+        ManifestProblem::ModelLayers { manifest, layout } => {
+            (kind, String::new(), vec![], Some(*manifest), Some(*layout))
+        }
+        ManifestProblem::Malformed { .. }
+        | ManifestProblem::StageRange { .. }
+        | ManifestProblem::NoLayerIds { .. } => (kind, String::new(), vec![], None, None),
+    }
 }
 
 /// The error a batch's `InRequest` wraps (itself for any other error).
@@ -87,6 +138,9 @@ fn exception_of(err: &PlanError) -> PyErr {
     let message = err.to_string();
     if matches!(innermost(err), PlanError::Unsupported { .. }) {
         return UnsupportedError::new_err(message);
+    }
+    if matches!(innermost(err), PlanError::Manifest { .. }) {
+        return ManifestError::new_err(message);
     }
     match err.class() {
         ErrorClass::Pairing => PairingError::new_err(message),

@@ -32,6 +32,7 @@ mod layout_args;
 mod layout_dict;
 mod layout_entry;
 mod local;
+mod manifest;
 mod mooncake;
 mod nixl_ids;
 mod one_request;
@@ -67,8 +68,8 @@ mod _core {
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
     use crate::errors::{
-        IndexBoundsError, KvPlanError, LayoutError, PairingError, SizeMismatchError,
-        UnsupportedError,
+        IndexBoundsError, KvPlanError, LayoutError, ManifestError, PairingError,
+        SizeMismatchError, UnsupportedError,
     };
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};
@@ -82,6 +83,8 @@ mod _core {
     use crate::layout_entry::PyLayoutEntry;
     #[pymodule_export]
     use crate::local::copy_local;
+    #[pymodule_export]
+    use crate::manifest::check_manifest;
     #[pymodule_export]
     use crate::mooncake::{PyMooncakeBatch, PyMooncakeNative};
     #[pymodule_export]
