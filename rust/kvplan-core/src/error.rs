@@ -617,7 +617,10 @@ pub enum ManifestProblem {
         layout: u64,
     },
     /// A component the manifest declares has no entry on these layers.
-    #[error("missing {indexing} component {role:?} on layers {}", layer_ranges(layers))]
+    #[error(
+        "missing {indexing} component {role:?} on layers {}",
+        layer_ranges(layers)
+    )]
     Missing {
         /// The component's role.
         role: String,
@@ -666,7 +669,10 @@ pub enum ManifestProblem {
     },
     /// Entries of the layout that no component of the manifest declares (another model's
     /// entries, or a role the manifest does not know).
-    #[error("{indexing} entries {role:?} on layers {} are not in the manifest", layer_ranges(layers))]
+    #[error(
+        "{indexing} entries {role:?} on layers {} are not in the manifest",
+        layer_ranges(layers)
+    )]
     Unexpected {
         /// The entries' role.
         role: String,

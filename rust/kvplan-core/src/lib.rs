@@ -132,10 +132,10 @@ pub use planners::staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegio
 pub use rules::capabilities::{Asked, Feature, Planner, SUPPORT};
 pub use rules::check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use rules::dcp::DcpContext;
-pub use rules::manifest::{ManifestComponent, ModelManifest, Sharding, check_manifest};
 pub use rules::heads::{
     HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
 };
+pub use rules::manifest::{ManifestComponent, ModelManifest, Sharding, check_manifest};
 pub use rules::pairing::{
     EntryMetadata, LegacyKind, Pairing, PairingMode, legacy_pp_pairs, pair_each, pair_entries,
 };

@@ -109,7 +109,13 @@ fn problem_row(problem: &ManifestProblem) -> ProblemRow {
             expected,
             got,
             ..
-        } => (kind, role.clone(), layers.clone(), Some(*expected), Some(*got)),
+        } => (
+            kind,
+            role.clone(),
+            layers.clone(),
+            Some(*expected),
+            Some(*got),
+        ),
         ManifestProblem::Shape {
             role,
             layers,

@@ -68,8 +68,8 @@ mod _core {
     use crate::digest::{combine_pair_digests, index_digest, leased_plan_digest};
     #[pymodule_export]
     use crate::errors::{
-        IndexBoundsError, KvPlanError, LayoutError, ManifestError, PairingError,
-        SizeMismatchError, UnsupportedError,
+        IndexBoundsError, KvPlanError, LayoutError, ManifestError, PairingError, SizeMismatchError,
+        UnsupportedError,
     };
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};

@@ -234,7 +234,11 @@ pub fn check_manifest(
                 let e = layout.entry(i);
                 let (expected, why) = expected_item(c, layout.entry_page_size(i), tp);
                 if e.item_len != expected {
-                    note(Key::ItemSize(&c.role, expected, e.item_len, why), layer, &mut sized);
+                    note(
+                        Key::ItemSize(&c.role, expected, e.item_len, why),
+                        layer,
+                        &mut sized,
+                    );
                 }
                 match c.indexing {
                     Indexing::Page if e.window() != c.window => note(
