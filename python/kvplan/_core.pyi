@@ -53,6 +53,7 @@ __all__ = [
     "advise",
     "check_pairs",
     "combine_pair_digests",
+    "check_manifest",
     "compatibility",
     "copy_local",
     "feature_descriptions",

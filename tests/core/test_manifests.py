@@ -24,7 +24,7 @@ def _layout(p: ModelPreset, layers: range | list[int], **kw: Any) -> Layout:
 def _drop(layout: Layout, keep: Callable[[int, str, str], bool]) -> Layout:
     """``layout`` without the entries ``keep(layer, role, kind)`` refuses (as an engine that
     never registered them would publish it)."""
-    d = layout.to_dict()
+    d: dict[str, Any] = layout.to_dict()
     n = len(d["item_lens"])
     kept = [i for i in range(n) if keep(d["layer_ids"][i], d["roles"][i], d["kinds"][i])]
     for key, value in list(d.items()):
@@ -160,7 +160,7 @@ def test_tp_shares_are_checked() -> None:
     """A TP 4 rank of gpt-oss holds 2 of 8 heads; a layout claiming TP 4 but holding all heads
     is refused with the per-rank size."""
     p = PRESETS["gpt-oss-120b"]
-    d = _layout(p, range(36)).to_dict()
+    d: dict[str, Any] = _layout(p, range(36)).to_dict()
     d["tp_size"], d["tp_rank"] = 4, 1
     with pytest.raises(ManifestError) as err:
         check_manifest(Layout.from_dict(d), p.manifest())

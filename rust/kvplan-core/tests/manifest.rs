@@ -67,8 +67,7 @@ fn component(
     }
 }
 
-fn context(stage: &std::ops::Range<i64>, pp: (u32, u32), tp: (u32, u32)) -> LayoutContext {
-    let _ = stage;
+fn context(pp: (u32, u32), tp: (u32, u32)) -> LayoutContext {
     LayoutContext {
         page_size: PAGE,
         num_model_layers: Some(LAYERS as u64),
@@ -111,7 +110,7 @@ fn hybrid(
         vec![4 * item; mla.len()],
         vec![item; mla.len()],
         Some(mla),
-        context(&stage, pp, tp),
+        context(pp, tp),
     )
     .unwrap();
     for (k, (name, bytes)) in STATES.into_iter().enumerate() {

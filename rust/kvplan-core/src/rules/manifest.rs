@@ -11,7 +11,7 @@
 //! entries no component declares. Draft entries are not part of a model's manifest and are not
 //! checked.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use crate::error::{ManifestProblem, PlanError, Result};
@@ -208,10 +208,10 @@ pub fn check_manifest(
     }
     let mut found: Vec<(Key<'_>, Vec<i64>)> = Vec::new();
     let tp = ctx.tp_size.max(1);
-    let mut declared: HashMap<(i64, &str, Indexing), ()> = HashMap::new();
+    let mut declared: HashSet<(i64, &str, Indexing)> = HashSet::new();
     for c in &manifest.components {
         for &layer in &c.layers {
-            declared.insert((layer, c.role.as_str(), c.indexing), ());
+            declared.insert((layer, c.role.as_str(), c.indexing));
         }
     }
     let mut sized: Vec<(Key<'_>, Vec<i64>)> = Vec::new();
@@ -260,7 +260,7 @@ pub fn check_manifest(
     let mut keys: Vec<_> = by_key.keys().copied().collect();
     keys.sort_unstable_by_key(|&(layer, role, indexing)| (role, indexing.as_str(), layer));
     for (layer, role, indexing) in keys {
-        if !declared.contains_key(&(layer, role, indexing)) {
+        if !declared.contains(&(layer, role, indexing)) {
             note(Key::Unexpected(role, indexing), layer, &mut found);
         }
     }
