@@ -38,7 +38,8 @@ def stage_row(out: str, label: str) -> list[str]:
 
 def test_presets_match_design_table():
     assert set(PRESETS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v4", "glm-5",
-                            "gpt-oss-120b", "qwen3-235b", "qwen3-next", "kimi-linear"}
+                            "gpt-oss-120b", "qwen3-235b", "qwen3-next", "kimi-linear",
+                            "kimi-k3"}
     oss = get_preset("gpt-oss-120b")
     assert (oss.num_layers, oss.attention, oss.kv_bytes_per_token, oss.sliding_window) == \
         (36, "mha", 1024, 128)
