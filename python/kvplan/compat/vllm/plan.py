@@ -1,12 +1,10 @@
 """The replacement for ``MooncakeConnectorWorker._build_transfer_params``: vLLM's per-request
-rules as vLLM runs them, then the ready requests planned together, one batch plan of the peer
-layout's pooled template (every KV group a pool of its own), or one per KV group's template where
-one pooled batch could hold more blocks (:mod:`.templates`), returned as :mod:`.columns`.
+rules as vLLM runs them, then the ready requests planned together, one batch plan per template
+of the peer's layout (:mod:`.templates`), returned as :mod:`.columns`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import time
@@ -76,111 +74,10 @@ def plan_ready(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]
     refused: dict[int, kvplan.KvPlanError] = {}
     if peer.error is not None:
         return [], {r: peer.error for r in range(len(requests))}
-    plan = _plan_groups if peer.pooled is None else _plan_pooled
     while True:
-        batches = plan(peer, requests, refused)
+        batches = _plan_groups(peer, requests, refused)
         if isinstance(batches, list):
             return batches, refused
-
-
-def _plan_pooled(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]],
-                 refused: dict[int, kvplan.KvPlanError]) -> list[_GroupBatch] | None:
-    """:func:`_plan_groups` as one batch of the pooled template (``peer.pooled``): a request's
-    ids of template ``k`` are its pages of pool ``k``, their count its token range there (one
-    token a page; a group it moves nothing through: no pages, no tokens). Requests are held
-    by their first blocks group after group. Where the pooled batch could hold more blocks
-    than the per-group batches (:func:`_pooled_keeps_merges`), the per-group path plans it."""
-    template = peer.pooled
-    if template is None:
-        return _plan_groups(peer, requests, refused)
-    members: list[int] = []
-    arrays: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    firsts: list[tuple[tuple[int, int], ...]] = []
-    for r, per_group in enumerate(requests):
-        if r in refused:
-            continue
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        for k, ids in enumerate(per_group):
-            if ids is None:
-                pairs.append(_NO_BLOCKS_PAIR)
-                continue
-            try:
-                local, remote = index_array(ids[0]), index_array(ids[1])
-            except kvplan.KvPlanError as exc:
-                refused[r] = exc
-                return None
-            # a token range reads the leading pages of a longer list: refused here as the
-            # group's own template refuses it
-            if len(local) != len(remote):
-                refused[r] = kvplan.KvPlanError(
-                    f"KV group {peer.groups[k][0]}: src has {len(local)} indices but dst has "
-                    f"{len(remote)}; index arrays must have equal length")
-                return None
-            pairs.append((local, remote))
-        if len(pairs) == per_group.count(None):
-            continue
-        members.append(r)
-        arrays.append(pairs)
-        firsts.append(tuple(map(_first_blocks, pairs)))
-    if not members:
-        return []
-    order = sorted(range(len(members)), key=firsts.__getitem__)
-    if not _pooled_keeps_merges(order, arrays, firsts):
-        return _plan_groups(peer, requests, refused)
-    batch_requests = []
-    for i in order:
-        (src, dst), *rest = arrays[i]
-        batch_requests.append(kvplan.Request(
-            src, dst, n_tokens=len(dst), pool_pages=dict(enumerate(rest, 1)),
-            pool_tokens={k: (len(pair[1]), 0) for k, pair in enumerate(rest, 1)}))
-    try:
-        batch = template.plan_batch(batch_requests)
-    except kvplan.KvPlanError as exc:
-        for i in exc.requests or range(len(members)):
-            refused[members[order[i]]] = exc
-        return None
-    return [(batch, [members[i] for i in order])]
-
-
-_NO_BLOCKS_PAIR = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
-
-
-def _pooled_keeps_merges(order: list[int], arrays: list[list[tuple[np.ndarray, np.ndarray]]],
-                         firsts: list[tuple[tuple[int, int], ...]]) -> bool:
-    """Whether the pooled batch of the requests in ``order`` (each one's block ids per group,
-    ``arrays``, and their first blocks, ``firsts``, as :func:`_first_blocks` gives them)
-    holds no more blocks than the per-group batches of them. A pooled batch
-    merges blocks only across neighbouring requests, so two requests whose blocks of a group
-    run on from one another (the per-group batch holds them in its order, by first blocks,
-    and merges them) must be neighbours in ``order``: a request with no blocks in that group
-    between them, or an order apart from the group's, keeps them apart. And a pooled request
-    moves a stretch of blocks descending on both sides one block per block, where the
-    group's template moves it as one run (the drop-in reads such stretches ascending before
-    they get here; one left over sends the batch down the per-group path)."""
-    place = {i: k for k, i in enumerate(order)}
-    locals_, remotes, lens = [], [], []
-    for g in range(len(arrays[order[0]])):
-        held = sorted((i for i in order if len(arrays[i][g][0])),
-                      key=lambda i: firsts[i][g])
-        for a, b in zip(held, held[1:]):
-            (local_a, remote_a), (local_b, remote_b) = arrays[a][g], arrays[b][g]
-            runs_on = (int(local_a[-1]) + 1 == int(local_b[0])
-                       and int(remote_a[-1]) + 1 == int(remote_b[0]))
-            if runs_on and place[b] != place[a] + 1:
-                return False
-        for i in held:
-            locals_.append(arrays[i][g][0])
-            remotes.append(arrays[i][g][1])
-            lens.append(len(arrays[i][g][0]))
-    if not lens:
-        return True
-    # one pass over every group's blocks of every request (a numpy call per request would
-    # cost more than planning the batch); a step from one list into the next is no stretch
-    local, remote = np.concatenate(locals_), np.concatenate(remotes)
-    down = (local[:-1] - local[1:] == 1) & (remote[:-1] - remote[1:] == 1)
-    if down.any():
-        down[list(itertools.accumulate(lens[:-1], initial=-1))[1:]] = False
-    return not down.any()
 
 
 def _plan_groups(peer: _PeerTemplates, requests: list[list[tuple[Any, Any] | None]],
@@ -385,9 +282,8 @@ async def _build_transfer_params(
             ready_groups = [ready_groups[r] for r in keep]
     if peer is None or not ready_ids:
         return _column([]), _column([]), _column([]), err_reqs, err_msg
-    # The ready requests to this peer as one batch plan (one per KV group where the peer has
-    # no pooled template): blocks that run on from one request into the next on both sides
-    # become one block.
+    # The ready requests to this peer as one batch plan per KV group: blocks that run on
+    # from one request into the next on both sides become one block.
     started = time.perf_counter()
     batches, refused = plan_ready(peer, ready_groups)
     seconds = time.perf_counter() - started

@@ -1,12 +1,10 @@
-"""kvplan templates of a vLLM peer layout: one per KV group of the aligned region lists (and
-one pooled template of all of them, each group a pool of its own, for the ready batches), kept
+"""kvplan templates of a vLLM peer layout: one per KV group of the aligned region lists, kept
 per worker for the very lists they were built from (vLLM hands the same lists for a peer until
 it re-registers) and the registered-buffer table they were checked against.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -19,10 +17,6 @@ _ADDRESS_SPACE = 2**64 - 1
 #: up to 1,024 peer layouts; a template costs more than vLLM's region lists, and a layout that
 #: was evicted costs one template build when it returns.
 MAX_PEER_LAYOUTS = 64
-
-#: Pools a kvplan layout keeps (the request's pages and seven more): a peer layout of more
-#: KV groups is planned group by group.
-MAX_POOLS = 8
 
 
 def _buffer_sources(worker: Any) -> tuple[Any, ...]:
@@ -73,8 +67,7 @@ def _sources_key(sources: tuple[Any, ...]) -> tuple[int, ...]:
 class _PeerTemplates:
     """kvplan templates of one peer layout: one per region key (KV group, shared groups)."""
 
-    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "layouts", "error",
-                 "pooled")
+    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "layouts", "error")
 
     def __init__(self, worker: Any, agent_meta: Any, local_regions: list[Any],
                  remote_regions: list[Any]) -> None:
@@ -88,11 +81,6 @@ class _PeerTemplates:
         #: Per template, its (local, remote) layouts: a staged request tells the decode the
         #: template it planned with, and the decode plans its own rounds from them.
         self.layouts: list[tuple[kvplan.Layout, kvplan.Layout]] = []
-        #: One template of every group's regions, each group a pool of its own (template
-        #: ``k`` of ``groups`` is pool ``k``), which plans a batch of ready requests over all
-        #: their groups at once; ``None`` where the per-group templates plan it (see
-        #: :meth:`_build_pooled`).
-        self.pooled: kvplan.Template | None = None
         self.error: kvplan.KvPlanError | None = None
         try:
             self._build(worker, agent_meta, buffers)
@@ -142,45 +130,6 @@ class _PeerTemplates:
             self.groups.append((group, shared, kvplan.Template(
                 src, dst, kvplan.Pairing.positional())))
             self.layouts.append((src, dst))
-        self.pooled = self._build_pooled(by_key)
-
-    def _build_pooled(self, by_key: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]]
-                      ) -> kvplan.Template | None:
-        """The pooled template of the groups' regions: each group's regions in a pool of its
-        own, one block (one token) a page, so that a group's block ids are its pool's pages
-        and its block count the pool's token range. The same pieces as the groups' templates,
-        so the same bytes; a batch of them merges a block that runs on from one request into
-        the next, group by group, as the per-group batches do.
-
-        ``None`` (the per-group templates plan every batch) for one group (its template is
-        the pooled one), more groups than a layout keeps pools, or a region shared by several
-        groups (its block ids are vLLM's merge of those groups' lists, not one pool's)."""
-        keys = list(by_key)
-        if len(keys) < 2 or len(keys) > MAX_POOLS:
-            return None
-        if any(shared not in ((), (group,)) for group, shared in keys):
-            return None
-        rows = [row for key in keys for row in by_key[key]]
-        cols = list(zip(*rows))
-        try:
-            src = kvplan.Layout(list(cols[0]), list(cols[1]), list(cols[6]),
-                                strides=list(cols[2]))
-            dst = kvplan.Layout(list(cols[3]), list(cols[4]), list(cols[6]),
-                                strides=list(cols[5]))
-            at = len(by_key[keys[0]])
-            for key in keys[1:]:
-                entries = list(range(at, at + len(by_key[key])))
-                src = src.with_pool(entries, 1)
-                dst = dst.with_pool(entries, 1)
-                at += len(entries)
-            return kvplan.Template(src, dst, kvplan.Pairing.positional())
-        except kvplan.KvPlanError as exc:
-            # the groups' own templates were built from the same regions and plan every
-            # batch; a pooled layout the core does not take only loses the one batch plan
-            logging.getLogger("kvplan.compat.vllm").warning(
-                "kvplan: no pooled template of %d KV groups (%s: %s); planning group by group",
-                len(keys), type(exc).__name__, exc)
-            return None
 
 
 def _templates(self: Any, agent_meta: Any, local_regions: list[Any],
