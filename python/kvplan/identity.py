@@ -43,6 +43,7 @@ __all__ = [
     "identity_from_message",
     "identity_message",
     "layout_identity",
+    "model_name_of",
 ]
 
 RopeConfig = str | Mapping[str, object] | None
@@ -225,6 +226,17 @@ def identity_from_message(message: object, *, peer: str = "the peer") -> LayoutI
                      f"but its layout and semantics give {identity.class_id} and "
                      f"{identity.layout_id}", declared_class)
     return identity
+
+
+def model_name_of(model: str) -> str:
+    """A model given as a local path, named by its last path part (``/models/Llama-3-8B/`` →
+    ``Llama-3-8B``); a hub id (``org/name``) or a name as it is. Two peers keep one model's
+    weights at whatever local path each host has, so the path itself would refuse them."""
+    import os.path
+
+    if model.startswith(("/", "./", "../", "~")) or os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.expanduser(model))) or model
+    return model
 
 
 def hf_rope(config: object) -> Mapping[str, object] | None:

@@ -764,3 +764,36 @@ def test_sglang_identities_of_mha_tp_pairs_are_not_refused(sg: Any, p_tp: int,
             assert verdict.kind == "plannable", verdict.reason
     assert rounds.manager_identity(manager(0, p_tp, kv_head_num=None)) is None
     assert rounds.manager_identity(manager(0, p_tp, page_size=None)) is None
+
+
+def test_one_model_at_two_local_paths_is_one_model() -> None:
+    """Two hosts keep one model's weights at their own local paths: the peers name it by the
+    served name (vLLM's ``served_model_name``, SGLang's ``served_model_name``), else by the
+    path's last part, so the paths alone never refuse a pair; another served name does."""
+    from kvplan.compat.sglang.rounds import manager_semantics
+    from kvplan.compat.vllm.staging import worker_semantics
+    from kvplan.identity import model_name_of
+
+    assert model_name_of("/models/Llama-3-8B/") == "Llama-3-8B"
+    assert model_name_of("/mnt/cache/Llama-3-8B") == "Llama-3-8B"
+    assert model_name_of("meta-llama/Llama-3-8B") == "meta-llama/Llama-3-8B"
+
+    def vllm_at(path: str, served: Any) -> Any:
+        config = vllm_config("kv_producer")
+        config.model_config.model = path
+        config.model_config.served_model_name = served
+        return worker_semantics(config)
+
+    assert vllm_at("/a/weights", "tiny").model == vllm_at("/b/other", ["tiny"]).model == "tiny"
+    assert vllm_at("/a/Llama-3-8B", None).model == vllm_at("/b/Llama-3-8B/", None).model
+    assert vllm_at("/a/weights", "tiny").model != vllm_at("/a/weights", "small").model
+
+    def sglang_at(path: str, served: str | None) -> Any:
+        args = server_args()
+        args.model_path, args.served_model_name = path, served
+        args.speculative_draft_model_path = path + "-draft"
+        return manager_semantics(args)
+
+    one, two = sglang_at("/a/Qwen3-8B", None), sglang_at("/b/Qwen3-8B", None)
+    assert (one.model, one.drafts) == (two.model, two.drafts) == ("Qwen3-8B", ("Qwen3-8B-draft",))
+    assert sglang_at("/a/x", "tiny").model == "tiny"

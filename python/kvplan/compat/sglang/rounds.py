@@ -50,7 +50,8 @@ from typing import Any, cast
 
 from kvplan._core import KvPlanError, Layout, Pairing, Request, Template, TransferCost
 from kvplan._errors import IncompatiblePeerError, TransferError
-from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, layout_identity
+from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, layout_identity,
+                             model_name_of)
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.templates import as_index
@@ -738,17 +739,19 @@ def _local_config_rope(model_path: str) -> Any:
 
 
 def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
-    """The model semantics SGLang's ``server_args`` say: ``model_path``, ``revision``,
-    ``speculative_draft_model_path``, and the RoPE configuration of
-    ``json_model_override_args`` (else of the model directory's ``config.json`` when
-    ``model_path`` is a local directory). A field the arguments do not have is left
-    undeclared."""
-    model = str(getattr(server_args, "model_path", "") or "")
+    """The model semantics SGLang's ``server_args`` say: ``served_model_name`` (else
+    ``model_path``), ``revision``, ``speculative_draft_model_path`` by its last path part, and
+    the RoPE configuration of ``json_model_override_args`` (else of the model directory's
+    ``config.json`` when ``model_path`` is a local directory). A field the arguments do not
+    have is left undeclared. The name, not the path, as :func:`kvplan.compat.vllm.staging.
+    worker_semantics` says why."""
+    model_path = str(getattr(server_args, "model_path", "") or "")
+    model = model_name_of(str(getattr(server_args, "served_model_name", "") or model_path))
     revision = str(getattr(server_args, "revision", "") or "")
     draft = getattr(server_args, "speculative_draft_model_path", None)
-    drafts = (str(draft),) if isinstance(draft, str) and draft else ()
+    drafts = (model_name_of(draft),) if isinstance(draft, str) and draft else ()
     try:
-        rope = _override_rope(server_args) or _local_config_rope(model)
+        rope = _override_rope(server_args) or _local_config_rope(model_path)
         return ModelSemantics(model=model, revision=revision, rope=rope, drafts=drafts,
                               transfer=transfer)  # type: ignore[arg-type]
     except KvPlanError:  # a RoPE value JSON cannot carry: left undeclared

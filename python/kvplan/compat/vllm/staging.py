@@ -40,7 +40,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 import kvplan
-from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope
+from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, model_name_of
 from kvplan.staging import (
     AckQueue,
     ArenaShares,
@@ -658,10 +658,14 @@ MOONCAKE_TRANSFER = "push"
 
 
 def worker_semantics(vllm_config: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
-    """The model semantics vLLM's config says: ``model_config.model`` and ``.revision``, the
-    RoPE configuration of ``model_config.hf_text_config`` (else ``hf_config``), the
-    speculative config's draft ``model``, and ``kv_connector_extra_config``'s
-    ``enable_cross_layers_blocks``. A field the config does not have is left undeclared."""
+    """The model semantics vLLM's config says: the served model name (else
+    ``model_config.model``) and ``.revision``, the RoPE configuration of
+    ``model_config.hf_text_config`` (else ``hf_config``), the speculative config's draft
+    ``model`` by its last path part, and ``kv_connector_extra_config``'s
+    ``enable_cross_layers_blocks``. A field the config does not have is left undeclared.
+
+    The name, not the path: the two peers of one deployment may keep the same weights at other
+    local paths, and a PD router sends each request to both under the one served name."""
     model_config = getattr(vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
                                                                  None)
@@ -670,16 +674,19 @@ def worker_semantics(vllm_config: Any, transfer: str = MOONCAKE_TRANSFER) -> Mod
     extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
                     "kv_connector_extra_config", None)
     cross = extra.get("enable_cross_layers_blocks", False) if isinstance(extra, dict) else False
+    served = getattr(model_config, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    model = model_name_of(str(served or getattr(model_config, "model", "") or ""))
     try:
         rope = hf_rope(hf) if hf is not None else None
         return ModelSemantics(
-            model=str(getattr(model_config, "model", "") or ""),
-            revision=str(getattr(model_config, "revision", "") or ""), rope=rope,
-            drafts=(str(draft),) if isinstance(draft, str) and draft else (),
+            model=model, revision=str(getattr(model_config, "revision", "") or ""), rope=rope,
+            drafts=(model_name_of(draft),) if isinstance(draft, str) and draft else (),
             transfer=transfer,  # type: ignore[arg-type]
             cross_layer=str(cross).lower() == "true")
     except kvplan.LayoutError:  # a RoPE value JSON cannot carry: left undeclared
-        return ModelSemantics(model=str(getattr(model_config, "model", "") or ""),
+        return ModelSemantics(model=model,
                               revision=str(getattr(model_config, "revision", "") or ""),
                               transfer=transfer)  # type: ignore[arg-type]
 
