@@ -153,11 +153,10 @@ def test_rows_of_different_sizes_on_the_two_sides_are_refused_naming_both() -> N
                                                       pool_pages={1: (p, p)}))
 
 
-def test_a_layout_with_a_further_pool_is_not_published_on_the_wire() -> None:
+def test_a_layout_with_a_further_pool_travels_on_the_wire() -> None:
     layout, _ = side(4, [(8, 4)], 16, 0)
-    with pytest.raises(kvplan.KvPlanError, match="keeps pool 1 .* the wire format carries a "
-                       "window pool only"):
-        layout.to_bytes()
+    back = kvplan.Layout.from_bytes(layout.to_bytes())
+    assert back == layout and back.pools == [(0, 4, 1), (1, 8, 4)]
 
 
 def test_a_row_gather_refuses_a_template_with_a_pool_of_its_own() -> None:

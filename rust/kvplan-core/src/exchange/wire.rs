@@ -26,7 +26,18 @@
 //! before; a reader that ignored it would plan tokens the peer does not hold. Context tag
 //! `0x8005`: the window entries' own pool (`page_size u64`), written when the window entries
 //! have one; a reader that ignored it would index the window pool with the full pages. Entry tags
-//! `0x8003` (sliding window, u64 tokens) and `0x8004` (ring rows per slot, u64).
+//! `0x8003` (sliding window, u64 tokens), `0x8004` (ring rows per slot, u64) and `0x8006` (KV
+//! representation, u64).
+//!
+//! Pools of their own ([`Layout::with_pool`]): context tag `0x8007`, the pool table, one record
+//! per pool beside the request's pages, ids 1, 2, … in order (`id u8 | page_size u64 |
+//! tokens_per_row u64`, 17 bytes each, 1 to 7 records), and entry tag `0x8008`, the entry's pool
+//! (`id u8`, 1 to 7), on every page entry outside the request's pages (pool 0, never written).
+//! They are written when a layout keeps a pool the window pool tag cannot describe (any pool
+//! but one window pool of one-token rows holding exactly the window entries), and then replace
+//! `0x8005` (the window pool is a record of the table; a message carrying both is malformed), so
+//! every layout without such a pool encodes as before. Both are must-understand: a reader that
+//! ignored them would index a pool's entries by the request's pages.
 //!
 //! Format v1 (still read): no `stride` (it equals `item_len`), no entry flags (draft entries are
 //! the ones whose role starts with `draft`, the only way v1 told them apart) and no `ext`.
@@ -36,7 +47,7 @@
 //! size. Every decoded layout goes through [`Layout::new`]'s validation.
 
 use crate::error::{PlanError, Result};
-use crate::peer::entry::Indexing;
+use crate::peer::entry::{Indexing, Pool, PoolId};
 use crate::peer::layout::{AttentionGeometry, Layout, LayoutContext, LayoutParts, MemoryOrder};
 use crate::rules::dcp::DcpContext;
 
@@ -66,6 +77,15 @@ pub const EXT_WINDOW_POOL: u16 = 0x8005;
 /// layout code in the next, [`crate::peer::kv_format::Representation::to_code`]). Must be understood: a
 /// reader that ignored it would copy fp8 bytes into a bf16 pool.
 pub const EXT_REPRESENTATION: u16 = 0x8006;
+/// Context extension: the pool table, one record per pool beside the request's pages
+/// ([`POOL_RECORD_LEN`] bytes: id u8, page size u64, tokens per row u64). Must be understood:
+/// ignoring it would index those pools' entries by the request's pages.
+pub const EXT_POOLS: u16 = 0x8007;
+/// Entry extension: the pool of a page entry outside the request's pages (u8, an id of the
+/// pool table). Must be understood, as [`EXT_POOLS`].
+pub const EXT_POOL: u16 = 0x8008;
+/// Bytes of one pool table record.
+pub const POOL_RECORD_LEN: usize = 1 + 8 + 8;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
 const DCP_LEN: usize = 4 + 4 + 8;
 /// Payload of [`EXT_ATTENTION`]: four u32 counts and the memory order byte.
@@ -89,24 +109,9 @@ fn wire_error(what: impl Into<String>) -> PlanError {
 /// Encodes a layout (exact round trip with [`decode`]).
 ///
 /// # Errors
-/// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes, or the layout keeps
-/// a pool other than its pages and a window pool ([`Layout::with_pool`]): the format carries
-/// the window pool's page size only, and a peer decoding it without the pool would index
-/// those entries by the request's pages.
+/// [`PlanError::Wire`] when a role or the device name exceeds 65,535 bytes.
 pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
-    let window_pool = layout.window_pool().map(|p| p.id);
-    if let Some(pool) = layout
-        .pools()
-        .iter()
-        .find(|p| p.id != crate::peer::entry::PoolId::PAGES && Some(p.id) != window_pool)
-    {
-        return Err(wire_error(format!(
-            "the layout keeps pool {} ({} tokens per page, {} per row) beside its pages: the \
-             wire format carries a window pool only, so this layout cannot be published; \
-             exchange it in process (Layout objects) instead",
-            pool.id.0, pool.page_size, pool.tokens_per_row
-        )));
-    }
+    let table = pool_table(layout);
     let ctx = layout.context();
     let n = layout.n_entries();
     let strings: usize =
@@ -126,9 +131,11 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
     }
     put_str(&mut out, &ctx.device)?;
     let dcp = (ctx.dcp != DcpContext::default()).then_some(ctx.dcp);
-    let pool = layout.window_page_size();
-    let count =
-        u16::from(ctx.attention.is_some()) + u16::from(dcp.is_some()) + u16::from(pool.is_some());
+    let pool = layout.window_page_size().filter(|_| table.is_none());
+    let count = u16::from(ctx.attention.is_some())
+        + u16::from(dcp.is_some())
+        + u16::from(pool.is_some())
+        + u16::from(table.is_some());
     out.extend_from_slice(&count.to_le_bytes());
     if let Some(geometry) = &ctx.attention {
         out.extend_from_slice(&EXT_ATTENTION.to_le_bytes());
@@ -146,6 +153,16 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
         out.extend_from_slice(&EXT_WINDOW_POOL.to_le_bytes());
         out.extend_from_slice(&8u16.to_le_bytes());
         out.extend_from_slice(&page_size.to_le_bytes());
+    }
+    if let Some(pools) = table {
+        out.extend_from_slice(&EXT_POOLS.to_le_bytes());
+        // At most 7 records of 17 bytes: the length fits a u16.
+        out.extend_from_slice(&((pools.len() * POOL_RECORD_LEN) as u16).to_le_bytes());
+        for pool in pools {
+            out.push(pool.id.0);
+            out.extend_from_slice(&pool.page_size.to_le_bytes());
+            out.extend_from_slice(&pool.tokens_per_row.to_le_bytes());
+        }
     }
     for e in layout.entries() {
         out.extend_from_slice(&e.buffer.0.to_le_bytes());
@@ -165,7 +182,9 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
             (EXT_RING, e.ring()),
             (EXT_REPRESENTATION, e.format.map(|r| r.to_code())),
         ];
-        let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16;
+        let member = e.pool().filter(|p| table.is_some() && *p != PoolId::PAGES);
+        let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16
+            + u16::from(member.is_some());
         out.extend_from_slice(&count.to_le_bytes());
         for (tag, value) in extensions {
             if let Some(value) = value {
@@ -174,10 +193,77 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
                 out.extend_from_slice(&value.to_le_bytes());
             }
         }
+        if let Some(pool) = member {
+            out.extend_from_slice(&EXT_POOL.to_le_bytes());
+            out.extend_from_slice(&1u16.to_le_bytes());
+            out.push(pool.0);
+        }
     }
     let crc = crc32(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     Ok(out)
+}
+
+/// The pools beside the request's pages, when the window pool tag cannot describe them: the
+/// window pool form holds one pool of one-token rows whose members are exactly the window
+/// entries (as [`Layout::with_window_pool`] makes it), and anything else needs the table.
+fn pool_table(layout: &Layout) -> Option<&[Pool]> {
+    let further = &layout.pools()[1..];
+    let window_form = match further {
+        [] => true,
+        [pool] => {
+            let entries = layout.entries();
+            pool.tokens_per_row == 1
+                && entries.iter().any(|e| e.pool() == Some(pool.id))
+                && entries
+                    .iter()
+                    .filter(|e| e.is_page())
+                    .all(|e| e.window().is_some() == (e.pool() == Some(pool.id)))
+        }
+        _ => false,
+    };
+    (!window_form).then_some(further)
+}
+
+/// The records of a pool table extension, ids 1, 2, … in order.
+fn decode_pool_table(payload: &[u8]) -> Result<Vec<Pool>> {
+    let records = payload.len() / POOL_RECORD_LEN;
+    if payload.is_empty()
+        || !payload.len().is_multiple_of(POOL_RECORD_LEN)
+        || records >= crate::peer::entry::POOLS
+    {
+        return Err(wire_error(format!(
+            "a pool table extension holds {} bytes; it must hold 1 to {} records of \
+             {POOL_RECORD_LEN} bytes (id u8, page_size u64, tokens_per_row u64)",
+            payload.len(),
+            crate::peer::entry::POOLS - 1
+        )));
+    }
+    let word = |at: usize| {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&payload[at..at + 8]);
+        u64::from_le_bytes(bytes)
+    };
+    payload
+        .chunks_exact(POOL_RECORD_LEN)
+        .enumerate()
+        .map(|(k, record)| {
+            let at = k * POOL_RECORD_LEN;
+            if usize::from(record[0]) != k + 1 {
+                return Err(wire_error(format!(
+                    "pool table record {k} has id {}; the ids must run 1, 2, … in order \
+                     (expected {})",
+                    record[0],
+                    k + 1
+                )));
+            }
+            Ok(Pool {
+                id: PoolId(record[0]),
+                page_size: word(at + 1),
+                tokens_per_row: word(at + 9),
+            })
+        })
+        .collect()
 }
 
 fn put_str(out: &mut Vec<u8>, text: &str) -> Result<()> {
@@ -259,6 +345,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         dcp: DcpContext::default(),
     };
     let mut window_pool = None;
+    let mut table: Option<Vec<Pool>> = None;
     if v2 {
         reader.extensions("the context", |tag, payload| match tag {
             EXT_ATTENTION => {
@@ -279,9 +366,21 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
                 window_pool = Some(u64::from_le_bytes(bytes));
                 Ok(true)
             }
+            EXT_POOLS => {
+                table = Some(decode_pool_table(payload)?);
+                Ok(true)
+            }
             _ => Ok(false),
         })?;
     }
+    if table.is_some() && window_pool.is_some() {
+        return Err(wire_error(format!(
+            "the context carries both a window pool ({EXT_WINDOW_POOL:#06x}) and a pool table \
+             ({EXT_POOLS:#06x}); the table holds the window pool, so a message has one or the \
+             other"
+        )));
+    }
+    let mut members: Vec<PoolId> = Vec::with_capacity(if table.is_some() { n } else { 0 });
     let mut strides = Vec::with_capacity(if v2 { n } else { 0 });
     let mut windows: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
     let mut representations: Vec<Option<crate::peer::kv_format::Representation>> = Vec::new();
@@ -329,8 +428,13 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         });
         parts.roles.push(reader.string()?);
         if v2 {
-            let (mut window, mut ring, mut repr) = (None, None, None);
+            let (mut window, mut ring, mut repr, mut member) = (None, None, None, None);
+            let entry = windows.len();
             reader.extensions("an entry", |tag, payload| {
+                if tag == EXT_POOL {
+                    member = Some(decode_member(entry, payload, table.as_deref())?);
+                    return Ok(true);
+                }
                 let (slot, what) = match tag {
                     EXT_WINDOW => (&mut window, "window"),
                     EXT_RING => (&mut ring, "ring"),
@@ -346,6 +450,9 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
                 *slot = Some(u64::from_le_bytes(bytes));
                 Ok(true)
             })?;
+            if table.is_some() {
+                members.push(member.unwrap_or(PoolId::PAGES));
+            }
             windows.push(window);
             rings.push(ring);
             let entry = representations.len();
@@ -367,15 +474,41 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             reader.remaining()
         )));
     }
-    Layout::new(parts, context)?
-        .with_strides(strides)?
-        .with_windows_in_pool(windows, window_pool)?
-        .with_rings(rings)?
-        .with_representations(if representations.iter().any(Option::is_some) {
-            representations
-        } else {
-            Vec::new()
-        })
+    let layout = Layout::new(parts, context)?.with_strides(strides)?;
+    match table {
+        Some(pools) => layout.with_pool_table(&pools, &members, &windows)?,
+        None => layout.with_windows_in_pool(windows, window_pool)?,
+    }
+    .with_rings(rings)?
+    .with_representations(if representations.iter().any(Option::is_some) {
+        representations
+    } else {
+        Vec::new()
+    })
+}
+
+/// The pool an entry's pool extension names: one byte, a pool of the table.
+fn decode_member(entry: usize, payload: &[u8], table: Option<&[Pool]>) -> Result<PoolId> {
+    let Some(table) = table else {
+        return Err(wire_error(format!(
+            "entry {entry} carries a pool extension ({EXT_POOL:#06x}) but the context carries \
+             no pool table ({EXT_POOLS:#06x})"
+        )));
+    };
+    let &[id] = payload else {
+        return Err(wire_error(format!(
+            "entry {entry}: a pool extension holds {} bytes; it must hold 1 (the pool id)",
+            payload.len()
+        )));
+    };
+    if id == 0 || usize::from(id) > table.len() {
+        return Err(wire_error(format!(
+            "entry {entry}: pool id {id} is not a pool of the table (ids 1 to {}; the \
+             request's pages, pool 0, are never written)",
+            table.len()
+        )));
+    }
+    Ok(PoolId(id))
 }
 
 fn encode_attention(out: &mut Vec<u8>, g: &AttentionGeometry) {

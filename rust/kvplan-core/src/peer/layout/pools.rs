@@ -130,6 +130,104 @@ impl Layout {
         Err(invalid(problem))
     }
 
+    /// The same layout with exactly `pools` beside its request pages (ids 1, 2, … in order)
+    /// and each entry's pool (`members`, [`PoolId::PAGES`] for the request's pages and for
+    /// state entries) and window as given: the form for a caller that names every pool and
+    /// member (the wire form, the C ABI) rather than the builder calls that made them, since a
+    /// window pool made after a further pool, or a window entry in a further pool, cannot be
+    /// replayed through them.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] naming the values for a pool id out of order, a page size
+    /// or row of 0 tokens, a page size that is not a multiple of its row, more than [`POOLS`]
+    /// pools, a layout that deals its tokens over decode context-parallel ranks, an entry in a
+    /// pool the layout does not keep, a state entry in a pool or with a window, a window of 0
+    /// tokens, or a window wider than its buffer holds at its pool's page size.
+    pub fn with_pool_table(
+        mut self,
+        pools: &[Pool],
+        members: &[PoolId],
+        windows: &[Option<u64>],
+    ) -> Result<Self> {
+        let n = self.entries.len();
+        if members.len() != n || windows.len() != n {
+            return Err(invalid(format!(
+                "a pool table needs one pool and one window per entry ({n} entries), got {} \
+                 pools and {} windows",
+                members.len(),
+                windows.len()
+            )));
+        }
+        if pools.len() >= POOLS {
+            return Err(too_many_pools());
+        }
+        if !pools.is_empty() && self.context.dcp.dealt() {
+            return Err(invalid(
+                "a pool of its own is not supported on a layout that deals its tokens over \
+                 decode context-parallel ranks"
+                    .into(),
+            ));
+        }
+        for (k, pool) in pools.iter().enumerate() {
+            let problem = if usize::from(pool.id.0) != k + 1 {
+                format!(
+                    "pool {k} of the table has id {}, expected {}",
+                    pool.id.0,
+                    k + 1
+                )
+            } else if pool.page_size == 0 || pool.tokens_per_row == 0 {
+                format!(
+                    "pool {}: page_size and tokens_per_row must be at least 1, got page_size \
+                     {}, tokens_per_row {}",
+                    pool.id.0, pool.page_size, pool.tokens_per_row
+                )
+            } else if !pool.page_size.is_multiple_of(pool.tokens_per_row) {
+                format!(
+                    "pool {}: page_size must be a multiple of tokens_per_row, got page_size {}, \
+                     tokens_per_row {}",
+                    pool.id.0, pool.page_size, pool.tokens_per_row
+                )
+            } else {
+                continue;
+            };
+            return Err(invalid(problem));
+        }
+        for (entry, (&pool, &window)) in members.iter().zip(windows).enumerate() {
+            let page = self.entries[entry].is_page();
+            let problem = if usize::from(pool.0) > pools.len() {
+                format!(
+                    "is in pool {}, which the layout does not keep ({} pools)",
+                    pool.0,
+                    pools.len() + 1
+                )
+            } else if !page && pool != PoolId::PAGES {
+                format!(
+                    "is a state entry in pool {} (a pool holds page entries)",
+                    pool.0
+                )
+            } else if !page && window.is_some() {
+                "is a state entry with a sliding window (a window applies to page entries)".into()
+            } else if window == Some(0) {
+                "has a sliding window of 0 tokens (at least 1)".into()
+            } else {
+                continue;
+            };
+            return Err(invalid(format!(
+                "entry {entry} ({}) {problem}",
+                self.role_label(entry)
+            )));
+        }
+        self.pools.truncate(1);
+        self.pools.extend_from_slice(pools);
+        for ((entry, &pool), &window) in self.entries.iter_mut().zip(members).zip(windows) {
+            if entry.is_page() {
+                entry.kind = EntryKind::Page { pool, window };
+            }
+        }
+        self.check_windows_fit()?;
+        Ok(self)
+    }
+
     /// The page pools its page entries index, the request's pages first.
     pub fn pools(&self) -> &[Pool] {
         &self.pools
