@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_TOKENS = -1
 NO_SLOT = -1
 WINDOW_SRC, WINDOW_DST = 1, 2
+POOL_SRC, POOL_DST = 1, 2
 ENTRY_PAGE, ENTRY_STATE = 0, 1
 ORDER_NHD, ORDER_HND = 0, 1
 PAIR_BY_LAYER_ID, PAIR_POSITIONAL = 0, 1
@@ -125,6 +126,72 @@ class RequestDesc2(ctypes.Structure):
     ]
 
 
+class Pool(ctypes.Structure):
+    """``KvplanPool`` (ABI version 3): one pool beside a layout's request pages."""
+
+    _fields_ = [("page_size", ctypes.c_uint64), ("tokens_per_row", ctypes.c_uint64)]
+
+
+class LayoutDesc3(ctypes.Structure):
+    """``KvplanLayoutDesc3`` (ABI version 3): a ``LayoutDesc`` with windows, rings, a table of
+    pools (``pools[k]`` is pool ``k + 1``) and each entry's pool; ``struct_size`` must be
+    ``ctypes.sizeof(LayoutDesc3)``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("base", LayoutDesc),
+        ("windows", ctypes.c_void_p),
+        ("rings", ctypes.c_void_p),
+        ("pools", ctypes.c_void_p),
+        ("n_pools", ctypes.c_size_t),
+        ("entry_pools", ctypes.c_void_p),
+    ]
+
+
+class PoolPages(ctypes.Structure):
+    """``KvplanPoolPages`` (ABI version 3): one pool's pages per side."""
+
+    _fields_ = [
+        ("pool", ctypes.c_uint32),
+        ("sides", ctypes.c_uint32),
+        ("src_pages", ctypes.c_void_p),
+        ("n_src", ctypes.c_size_t),
+        ("dst_pages", ctypes.c_void_p),
+        ("n_dst", ctypes.c_size_t),
+    ]
+
+
+class PoolTokens(ctypes.Structure):
+    """``KvplanPoolTokens`` (ABI version 3): one pool's own token range."""
+
+    _fields_ = [
+        ("pool", ctypes.c_uint32),
+        ("n_tokens", ctypes.c_uint64),
+        ("skip_tokens", ctypes.c_uint64),
+    ]
+
+
+class RequestDesc3(ctypes.Structure):
+    """``KvplanRequest3`` (ABI version 3): a page or slot request with pages and a token range
+    per pool; ``struct_size`` must be ``ctypes.sizeof(RequestDesc3)``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("src_pages", ctypes.c_void_p),
+        ("n_src", ctypes.c_size_t),
+        ("dst_pages", ctypes.c_void_p),
+        ("n_dst", ctypes.c_size_t),
+        ("n_tokens", ctypes.c_int64),
+        ("skip_tokens", ctypes.c_uint64),
+        ("src_slot", ctypes.c_int64),
+        ("dst_slot", ctypes.c_int64),
+        ("pool_pages", ctypes.c_void_p),
+        ("n_pool_pages", ctypes.c_size_t),
+        ("pool_tokens", ctypes.c_void_p),
+        ("n_pool_tokens", ctypes.c_size_t),
+    ]
+
+
 class PlanInfo(ctypes.Structure):
     _fields_ = [
         ("n_blocks", ctypes.c_size_t),
@@ -169,6 +236,9 @@ def load() -> ctypes.CDLL:
         "kvplan_layout_new2": ([vp, vp], status),
         "kvplan_prepare2": ([vp, vp, vp], status),
         "kvplan_plan_into2": ([vp, vp, vp, vp, vp, size, vp], status),
+        "kvplan_layout_new3": ([vp, vp], status),
+        "kvplan_prepare3": ([vp, vp, vp], status),
+        "kvplan_plan_into3": ([vp, vp, vp, vp, vp, size, vp], status),
         "kvplan_last_error_message": ([], ctypes.c_char_p),
         "kvplan_last_error_kind": ([], ctypes.c_char_p),
         "kvplan_status_name": ([ctypes.c_int32], ctypes.c_char_p),

@@ -10,10 +10,11 @@
 
 /**
  * The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
- * `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; every version 1 struct
+ * `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; version 3
+ * `KvplanRequest3`, `KvplanLayoutDesc3` (pools of their own) and theirs; every earlier struct
  * and function is unchanged.
  */
-#define KVPLAN_ABI_VERSION 2
+#define KVPLAN_ABI_VERSION 3
 
 /**
  * `KvplanRequest::n_tokens` when the request gives no token count.
@@ -34,6 +35,16 @@
  * `KvplanRequest2::window_sides` bit: the request gives the decode's window pool pages.
  */
 #define KVPLAN_WINDOW_DST 2
+
+/**
+ * `KvplanPoolPages::sides` bit: the request gives the prefill's pages of the pool.
+ */
+#define KVPLAN_POOL_SRC 1
+
+/**
+ * `KvplanPoolPages::sides` bit: the request gives the decode's pages of the pool.
+ */
+#define KVPLAN_POOL_DST 2
 
 /**
  * `KvplanLayoutDesc::kinds` value: an entry indexed by KV page.
@@ -319,6 +330,65 @@ typedef struct KvplanLayoutDesc2 {
 } KvplanLayoutDesc2;
 
 /**
+ * One pool beside a layout's request pages (`KvplanLayoutDesc3::pools`): a page index space
+ * of its own, as an engine keeps each KV-cache group in its own block table.
+ */
+typedef struct KvplanPool {
+  /**
+   * Tokens per page (at least 1).
+   */
+  uint64_t page_size;
+  /**
+   * Tokens one row of its entries holds (at least 1, dividing `page_size`; 1: a row per
+   * token, as a window pool keeps them). A token plan moves a row once all its tokens are
+   * in the request's range.
+   */
+  uint64_t tokens_per_row;
+} KvplanPool;
+
+/**
+ * [`KvplanLayoutDesc`] with what version 3 adds: pools of their own (`kvplan.Layout.with_pool`),
+ * beside the windows and rings of version 2. A window pool is a pool of the table whose
+ * entries have windows (one-token rows): version 2's `window_page_size` is pool 1 of one.
+ *
+ * Every added per-entry array is optional (null: none) and, when given, holds
+ * `base.n_entries` values.
+ */
+typedef struct KvplanLayoutDesc3 {
+  /**
+   * `sizeof(KvplanLayoutDesc3)`: the library refuses any other size (a caller built against
+   * another version of this header).
+   */
+  size_t struct_size;
+  /**
+   * Everything a version 1 layout gives.
+   */
+  struct KvplanLayoutDesc base;
+  /**
+   * Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+   */
+  const uint64_t *windows;
+  /**
+   * Ring rows per request slot of each state entry (0: not a ring); null: no rings.
+   */
+  const uint64_t *rings;
+  /**
+   * The pools beside the request's pages: `pools[k]` is pool `k + 1`, the id requests give
+   * its pages by. Read when `n_pools > 0`.
+   */
+  const struct KvplanPool *pools;
+  /**
+   * Values in `pools` (0 to 7).
+   */
+  size_t n_pools;
+  /**
+   * Pool of each entry: 0 for the request's pages (and for every state entry), `k` for
+   * `pools[k - 1]`; null: every entry in the request's pages.
+   */
+  const uint8_t *entry_pools;
+} KvplanLayoutDesc3;
+
+/**
  * How a template pairs and checks (a null options pointer means all defaults: pairing by
  * layer id, no overlap check, only elected holders send).
  */
@@ -472,6 +542,120 @@ typedef struct KvplanRequest2 {
   size_t n_dst_window;
 } KvplanRequest2;
 
+/**
+ * One pool's pages in a [`KvplanRequest3`]: for each side whose bit is set in `sides`
+ * (`KVPLAN_POOL_SRC`, `KVPLAN_POOL_DST`), that side's pages of the pool in token order from
+ * the request's first token (an empty list is a list: the bit says whether one is given).
+ */
+typedef struct KvplanPoolPages {
+  /**
+   * The pool (1 to 7: `KvplanLayoutDesc3::pools[pool - 1]` of each side).
+   */
+  uint32_t pool;
+  /**
+   * Which sides give pages: `KVPLAN_POOL_SRC | KVPLAN_POOL_DST`, or 0.
+   */
+  uint32_t sides;
+  /**
+   * Prefill pages of the pool (read when `sides` has `KVPLAN_POOL_SRC`).
+   */
+  const int64_t *src_pages;
+  /**
+   * Values in `src_pages`.
+   */
+  size_t n_src;
+  /**
+   * Decode pages of the pool (read when `sides` has `KVPLAN_POOL_DST`).
+   */
+  const int64_t *dst_pages;
+  /**
+   * Values in `dst_pages`.
+   */
+  size_t n_dst;
+} KvplanPoolPages;
+
+/**
+ * One pool's own token range in a [`KvplanRequest3`]: its entries move tokens
+ * `skip_tokens..n_tokens` of its pages instead of the request's range.
+ */
+typedef struct KvplanPoolTokens {
+  /**
+   * The pool (1 to 7).
+   */
+  uint32_t pool;
+  /**
+   * Tokens of the pool's range.
+   */
+  uint64_t n_tokens;
+  /**
+   * Leading tokens of the pool the decode holds already.
+   */
+  uint64_t skip_tokens;
+} KvplanPoolTokens;
+
+/**
+ * One request as `kvplan.Request` gives it with pools: each side's pages or one state slot
+ * per side, each pool's pages per side and each pool's own token range, and the request's
+ * token range. Fields as [`KvplanRequest2`]'s; a version 2 request's window pages are pool 1's
+ * `KvplanPoolPages`. A slot request gives no page arrays and no pool pages.
+ */
+typedef struct KvplanRequest3 {
+  /**
+   * `sizeof(KvplanRequest3)`: the library refuses any other size (a caller built against
+   * another version of this header).
+   */
+  size_t struct_size;
+  /**
+   * Prefill (source) page indices of the request's pages.
+   */
+  const int64_t *src_pages;
+  /**
+   * Values in `src_pages`.
+   */
+  size_t n_src;
+  /**
+   * Decode (destination) page indices of the request's pages.
+   */
+  const int64_t *dst_pages;
+  /**
+   * Values in `dst_pages`.
+   */
+  size_t n_dst;
+  /**
+   * Tokens to move (for a slot request: positions processed, for its ring rows), or
+   * `KVPLAN_NO_TOKENS`.
+   */
+  int64_t n_tokens;
+  /**
+   * Leading tokens the decode holds already (0: none).
+   */
+  uint64_t skip_tokens;
+  /**
+   * Prefill state slot, or `KVPLAN_NO_SLOT`.
+   */
+  int64_t src_slot;
+  /**
+   * Decode state slot, or `KVPLAN_NO_SLOT`.
+   */
+  int64_t dst_slot;
+  /**
+   * Pages per pool (each pool at most once). Read when `n_pool_pages > 0`.
+   */
+  const struct KvplanPoolPages *pool_pages;
+  /**
+   * Values in `pool_pages` (0 to 7).
+   */
+  size_t n_pool_pages;
+  /**
+   * Token range per pool (each pool at most once). Read when `n_pool_tokens > 0`.
+   */
+  const struct KvplanPoolTokens *pool_tokens;
+  /**
+   * Values in `pool_tokens` (0 to 7).
+   */
+  size_t n_pool_tokens;
+} KvplanRequest3;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -508,6 +692,24 @@ enum KvplanStatus kvplan_layout_new(const struct KvplanLayoutDesc *desc, struct 
  * handle (one that overlaps `*desc` is refused).
  */
 enum KvplanStatus kvplan_layout_new2(const struct KvplanLayoutDesc2 *desc,
+                                     struct KvplanLayout **out);
+
+/**
+ * [`kvplan_layout_new`] of a version 3 descriptor (`KvplanLayoutDesc3`: windows, rings and
+ * pools of their own, each entry's pool). `desc->struct_size` must be
+ * `sizeof(KvplanLayoutDesc3)`. A pool id in `entry_pools` past `n_pools`, more than 7 pools,
+ * a pool's page size or row of 0 tokens or a page size that is not a multiple of its row, a
+ * state entry in a pool or a window on one are refused with a message naming the values.
+ *
+ * Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+ *
+ * # Safety
+ * `desc` points to a valid `KvplanLayoutDesc3` whose non-null per-entry arrays hold
+ * `base.n_entries` values each (each role a NUL-terminated string) and whose `pools` holds
+ * `n_pools` values; `out` points to writable storage for a handle (one that overlaps `*desc`
+ * is refused).
+ */
+enum KvplanStatus kvplan_layout_new3(const struct KvplanLayoutDesc3 *desc,
                                      struct KvplanLayout **out);
 
 /**
@@ -597,6 +799,24 @@ enum KvplanStatus kvplan_prepare2(const struct KvplanTemplate *template_,
                                   struct KvplanPlanInfo *info);
 
 /**
+ * [`kvplan_prepare`] of a version 3 request (`KvplanRequest3`: a page or slot request, with
+ * pages and a token range per pool). `request->struct_size` must be `sizeof(KvplanRequest3)`.
+ * A pool outside 1 to 7 or given twice, a side's values given without its bit, and more than
+ * 7 pools are refused with `KVPLAN_STATUS_INVALID_ARGUMENT`; pages for a pool neither layout
+ * keeps, or too few of them, with the core's status naming the pool and side.
+ *
+ * Thread-safe, as `kvplan_prepare`.
+ *
+ * # Safety
+ * `request` points to a valid `KvplanRequest3` whose arrays hold as many values as their
+ * counts say (a pool's page arrays when their side's bit is set); `info` points to writable
+ * storage for one `KvplanPlanInfo`.
+ */
+enum KvplanStatus kvplan_prepare3(const struct KvplanTemplate *template_,
+                                  const struct KvplanRequest3 *request,
+                                  struct KvplanPlanInfo *info);
+
+/**
  * Plans `request` into the caller's columns: block `i` copies `lengths[i]` bytes from
  * `src_addrs[i]` to `dst_addrs[i]`, for `i < info->n_blocks`. Each column holds `capacity`
  * values; when the plan has more blocks, nothing is written and the call returns
@@ -638,6 +858,28 @@ enum KvplanStatus kvplan_plan_into(const struct KvplanTemplate *template_,
  */
 enum KvplanStatus kvplan_plan_into2(const struct KvplanTemplate *template_,
                                     const struct KvplanRequest2 *request,
+                                    uint64_t *src_addrs,
+                                    uint64_t *dst_addrs,
+                                    uint64_t *lengths,
+                                    size_t capacity,
+                                    struct KvplanPlanInfo *info);
+
+/**
+ * [`kvplan_plan_into`] of a version 3 request (`KvplanRequest3`: pages and a token range per
+ * pool), with the same rules for the columns and `info`; the columns and `info` must not
+ * overlap the request's `pool_pages` and `pool_tokens` arrays nor any pool's pages either.
+ * `request->struct_size` must be `sizeof(KvplanRequest3)`.
+ *
+ * Thread-safe, as `kvplan_plan_into`.
+ *
+ * # Safety
+ * `request` points to a valid `KvplanRequest3` whose arrays hold as many values as their
+ * counts say (a pool's page arrays when their side's bit is set); each column points to
+ * `capacity` writable `uint64_t` that nothing else accesses during the call; `info`, when
+ * non-null, to writable storage for one `KvplanPlanInfo`.
+ */
+enum KvplanStatus kvplan_plan_into3(const struct KvplanTemplate *template_,
+                                    const struct KvplanRequest3 *request,
                                     uint64_t *src_addrs,
                                     uint64_t *dst_addrs,
                                     uint64_t *lengths,

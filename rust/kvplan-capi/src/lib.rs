@@ -18,6 +18,13 @@
 //! entry points shares one body, generic over the struct's version, and a version 1 request is
 //! read as the version 2 page request it means (no window pages) before that body converts it.
 //!
+//! Version 3 adds [`kvplan_layout_new3`], [`kvplan_prepare3`] and [`kvplan_plan_into3`]: layouts
+//! with pools of their own (`KvplanLayoutDesc3`: a table of pools, each with its page size and
+//! tokens per row, and each entry's pool) and requests giving each pool's pages per side and
+//! each pool's own token range (`KvplanRequest3`). Every request version is read as one
+//! internal request (a version 2 request's window pages are pool 1's) that one body checks and
+//! converts, and every descriptor version goes through the one `layout_new` body.
+//!
 //! Every function returns a [`KvplanStatus`]; none panics across the boundary (a panic is
 //! caught and returned as [`KvplanStatus::Panic`]). Handles live in a registry: a handle that
 //! is not live (never created, or freed) is refused with [`KvplanStatus::InvalidHandle`]
@@ -26,6 +33,7 @@
 //!
 //! Raw pointers become Rust references only in the `ptr` module.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char};
@@ -34,15 +42,16 @@ use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use kvplan_core::{
     AttentionGeometry, Columns, Indexing, Indices, Layout, LayoutContext, LayoutParts, MemoryOrder,
-    Pairing, PlanError, PlanSummary, PoolId, Request, Template, TemplateOptions,
+    POOLS, Pairing, PlanError, PlanSummary, Pool, PoolId, Request, Template, TemplateOptions,
 };
 
 mod ptr;
 
 /// The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
-/// `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; every version 1 struct
+/// `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; version 3
+/// `KvplanRequest3`, `KvplanLayoutDesc3` (pools of their own) and theirs; every earlier struct
 /// and function is unchanged.
-pub const KVPLAN_ABI_VERSION: u32 = 2;
+pub const KVPLAN_ABI_VERSION: u32 = 3;
 
 /// `KvplanRequest::n_tokens` when the request gives no token count.
 pub const KVPLAN_NO_TOKENS: i64 = -1;
@@ -54,6 +63,11 @@ pub const KVPLAN_NO_SLOT: i64 = -1;
 pub const KVPLAN_WINDOW_SRC: u32 = 1;
 /// `KvplanRequest2::window_sides` bit: the request gives the decode's window pool pages.
 pub const KVPLAN_WINDOW_DST: u32 = 2;
+
+/// `KvplanPoolPages::sides` bit: the request gives the prefill's pages of the pool.
+pub const KVPLAN_POOL_SRC: u32 = 1;
+/// `KvplanPoolPages::sides` bit: the request gives the decode's pages of the pool.
+pub const KVPLAN_POOL_DST: u32 = 2;
 
 /// `KvplanLayoutDesc::kinds` value: an entry indexed by KV page.
 pub const KVPLAN_ENTRY_PAGE: u8 = 0;
@@ -542,6 +556,117 @@ impl KvplanRequest2 {
     }
 }
 
+/// One pool beside a layout's request pages (`KvplanLayoutDesc3::pools`): a page index space
+/// of its own, as an engine keeps each KV-cache group in its own block table.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanPool {
+    /// Tokens per page (at least 1).
+    pub page_size: u64,
+    /// Tokens one row of its entries holds (at least 1, dividing `page_size`; 1: a row per
+    /// token, as a window pool keeps them). A token plan moves a row once all its tokens are
+    /// in the request's range.
+    pub tokens_per_row: u64,
+}
+
+/// [`KvplanLayoutDesc`] with what version 3 adds: pools of their own (`kvplan.Layout.with_pool`),
+/// beside the windows and rings of version 2. A window pool is a pool of the table whose
+/// entries have windows (one-token rows): version 2's `window_page_size` is pool 1 of one.
+///
+/// Every added per-entry array is optional (null: none) and, when given, holds
+/// `base.n_entries` values.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanLayoutDesc3 {
+    /// `sizeof(KvplanLayoutDesc3)`: the library refuses any other size (a caller built against
+    /// another version of this header).
+    pub struct_size: usize,
+    /// Everything a version 1 layout gives.
+    pub base: KvplanLayoutDesc,
+    /// Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+    pub windows: *const u64,
+    /// Ring rows per request slot of each state entry (0: not a ring); null: no rings.
+    pub rings: *const u64,
+    /// The pools beside the request's pages: `pools[k]` is pool `k + 1`, the id requests give
+    /// its pages by. Read when `n_pools > 0`.
+    pub pools: *const KvplanPool,
+    /// Values in `pools` (0 to 7).
+    pub n_pools: usize,
+    /// Pool of each entry: 0 for the request's pages (and for every state entry), `k` for
+    /// `pools[k - 1]`; null: every entry in the request's pages.
+    pub entry_pools: *const u8,
+}
+
+/// One pool's pages in a [`KvplanRequest3`]: for each side whose bit is set in `sides`
+/// (`KVPLAN_POOL_SRC`, `KVPLAN_POOL_DST`), that side's pages of the pool in token order from
+/// the request's first token (an empty list is a list: the bit says whether one is given).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanPoolPages {
+    /// The pool (1 to 7: `KvplanLayoutDesc3::pools[pool - 1]` of each side).
+    pub pool: u32,
+    /// Which sides give pages: `KVPLAN_POOL_SRC | KVPLAN_POOL_DST`, or 0.
+    pub sides: u32,
+    /// Prefill pages of the pool (read when `sides` has `KVPLAN_POOL_SRC`).
+    pub src_pages: *const i64,
+    /// Values in `src_pages`.
+    pub n_src: usize,
+    /// Decode pages of the pool (read when `sides` has `KVPLAN_POOL_DST`).
+    pub dst_pages: *const i64,
+    /// Values in `dst_pages`.
+    pub n_dst: usize,
+}
+
+/// One pool's own token range in a [`KvplanRequest3`]: its entries move tokens
+/// `skip_tokens..n_tokens` of its pages instead of the request's range.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanPoolTokens {
+    /// The pool (1 to 7).
+    pub pool: u32,
+    /// Tokens of the pool's range.
+    pub n_tokens: u64,
+    /// Leading tokens of the pool the decode holds already.
+    pub skip_tokens: u64,
+}
+
+/// One request as `kvplan.Request` gives it with pools: each side's pages or one state slot
+/// per side, each pool's pages per side and each pool's own token range, and the request's
+/// token range. Fields as [`KvplanRequest2`]'s; a version 2 request's window pages are pool 1's
+/// `KvplanPoolPages`. A slot request gives no page arrays and no pool pages.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanRequest3 {
+    /// `sizeof(KvplanRequest3)`: the library refuses any other size (a caller built against
+    /// another version of this header).
+    pub struct_size: usize,
+    /// Prefill (source) page indices of the request's pages.
+    pub src_pages: *const i64,
+    /// Values in `src_pages`.
+    pub n_src: usize,
+    /// Decode (destination) page indices of the request's pages.
+    pub dst_pages: *const i64,
+    /// Values in `dst_pages`.
+    pub n_dst: usize,
+    /// Tokens to move (for a slot request: positions processed, for its ring rows), or
+    /// `KVPLAN_NO_TOKENS`.
+    pub n_tokens: i64,
+    /// Leading tokens the decode holds already (0: none).
+    pub skip_tokens: u64,
+    /// Prefill state slot, or `KVPLAN_NO_SLOT`.
+    pub src_slot: i64,
+    /// Decode state slot, or `KVPLAN_NO_SLOT`.
+    pub dst_slot: i64,
+    /// Pages per pool (each pool at most once). Read when `n_pool_pages > 0`.
+    pub pool_pages: *const KvplanPoolPages,
+    /// Values in `pool_pages` (0 to 7).
+    pub n_pool_pages: usize,
+    /// Token range per pool (each pool at most once). Read when `n_pool_tokens > 0`.
+    pub pool_tokens: *const KvplanPoolTokens,
+    /// Values in `pool_tokens` (0 to 7).
+    pub n_pool_tokens: usize,
+}
+
 /// A request's plan size, known after validation and unchanged once it is emitted.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -721,6 +846,71 @@ unsafe fn layout_from2(desc: &KvplanLayoutDesc2) -> Result<Layout, Fail> {
     })
 }
 
+/// A version 3 layout: the version 1 layout of `desc.base`, then its pool table with each
+/// entry's pool and window, and its rings.
+///
+/// # Safety
+/// As [`layout_from`] for `desc.base`; `windows`, `rings` and `entry_pools`, when non-null,
+/// hold `base.n_entries` values each; `pools` holds `n_pools` values when `n_pools > 0`.
+unsafe fn layout_from3(desc: &KvplanLayoutDesc3) -> Result<Layout, Fail> {
+    let n = desc.base.n_entries;
+    if desc.n_pools >= POOLS {
+        return Err(invalid(format!(
+            "n_pools is {}; a layout keeps at most {} pools beside its request pages",
+            desc.n_pools,
+            POOLS - 1
+        )));
+    }
+    // SAFETY: this function's contract.
+    let layout = unsafe { layout_from(&desc.base)? };
+    let per_entry = |p: *const u64, what| -> Result<Vec<Option<u64>>, Fail> {
+        if p.is_null() {
+            return Ok(vec![None; n]);
+        }
+        // SAFETY: this function's contract (`n` values when non-null).
+        let values = unsafe { ptr::slice(p, n, what)? };
+        Ok(values.iter().map(|&v| (v > 0).then_some(v)).collect())
+    };
+    let windows = per_entry(desc.windows, "windows")?;
+    let rings = per_entry(desc.rings, "rings")?;
+    // SAFETY: this function's contract (`n_pools` values).
+    let table = unsafe { ptr::slice(desc.pools, desc.n_pools, "pools")? };
+    let pools: Vec<Pool> = table
+        .iter()
+        .enumerate()
+        .map(|(k, p)| Pool {
+            // Below POOLS (checked above): the id fits a u8.
+            id: PoolId(k as u8 + 1),
+            page_size: p.page_size,
+            tokens_per_row: p.tokens_per_row,
+        })
+        .collect();
+    let members: Vec<PoolId> = if desc.entry_pools.is_null() {
+        vec![PoolId::PAGES; n]
+    } else {
+        // SAFETY: this function's contract (`n` values when non-null).
+        let ids = unsafe { ptr::slice(desc.entry_pools, n, "entry_pools")? };
+        if let Some((i, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| usize::from(id) > desc.n_pools)
+        {
+            return Err(invalid(format!(
+                "entry_pools[{i}] is {id}, but the layout keeps {} pools beside its request \
+                 pages (ids 1 to {0}; 0: the request's pages)",
+                desc.n_pools
+            )));
+        }
+        ids.iter().map(|&id| PoolId(id)).collect()
+    };
+    let layout = layout.with_pool_table(&pools, &members, &windows)?;
+    Ok(if desc.rings.is_null() {
+        layout
+    } else {
+        layout.with_rings(rings)?
+    })
+}
+
 /// Refuses a versioned struct whose `struct_size` is not this header's.
 fn check_struct_size(given: usize, expected: usize, what: &str) -> Result<(), Fail> {
     if given == expected {
@@ -733,14 +923,222 @@ fn check_struct_size(given: usize, expected: usize, what: &str) -> Result<(), Fa
     )))
 }
 
-/// The one conversion of a C request (version 1 through [`KvplanRequest2::of_v1`]) into the
-/// core's request, checked: the token count, the slot pair, the window sides.
+/// One pool's page arrays as a request struct gives them, with where they came from.
+#[derive(Debug, Clone, Copy)]
+struct PoolArrays {
+    /// `KVPLAN_POOL_SRC | KVPLAN_POOL_DST` (a version 2 request's `window_sides`).
+    sides: u32,
+    src: *const i64,
+    n_src: usize,
+    dst: *const i64,
+    n_dst: usize,
+    /// `None`: a version 2 request's window fields; `Some(k)`: `pool_pages[k]`.
+    at: Option<usize>,
+}
+
+impl PoolArrays {
+    /// The argument names of its (src, dst) arrays.
+    fn names(&self) -> (Cow<'static, str>, Cow<'static, str>) {
+        match self.at {
+            None => ("src_window_pages".into(), "dst_window_pages".into()),
+            Some(k) => (
+                format!("pool_pages[{k}].src_pages").into(),
+                format!("pool_pages[{k}].dst_pages").into(),
+            ),
+        }
+    }
+}
+
+/// A request of any version as the one form the plan calls check and convert: the request's
+/// pages or slots and token range, each pool's arrays and token range (by pool index).
+#[derive(Debug, Clone, Copy)]
+struct RawRequest {
+    src_pages: *const i64,
+    n_src: usize,
+    dst_pages: *const i64,
+    n_dst: usize,
+    n_tokens: i64,
+    skip_tokens: u64,
+    src_slot: i64,
+    dst_slot: i64,
+    pools: [Option<PoolArrays>; POOLS],
+    pool_tokens: [Option<(u64, u64)>; POOLS],
+    /// What the struct gives beside its pages, for the message of a slot request that gives
+    /// pages too: a version 2 request's `window_sides`, or `None` for version 3's pools.
+    window_sides: Option<u32>,
+    /// A version 3 request's `pool_pages` and `pool_tokens` arrays (byte ranges the outputs
+    /// must not overlap).
+    tables: [Option<(usize, usize)>; 2],
+}
+
+impl RawRequest {
+    /// The page request (or slot request) the version 2 fields give, without pools.
+    fn plain(
+        (src_pages, n_src, dst_pages, n_dst): (*const i64, usize, *const i64, usize),
+        (n_tokens, skip_tokens, src_slot, dst_slot): (i64, u64, i64, i64),
+    ) -> Self {
+        Self {
+            src_pages,
+            n_src,
+            dst_pages,
+            n_dst,
+            n_tokens,
+            skip_tokens,
+            src_slot,
+            dst_slot,
+            pools: [None; POOLS],
+            pool_tokens: [None; POOLS],
+            window_sides: Some(0),
+            tables: [None; 2],
+        }
+    }
+
+    /// A version 2 request: its window pages are pool 1's.
+    fn of_v2(req: &KvplanRequest2) -> Result<Self, Fail> {
+        let unknown_sides = req.window_sides & !(KVPLAN_WINDOW_SRC | KVPLAN_WINDOW_DST);
+        if unknown_sides != 0 {
+            return Err(invalid(format!(
+                "window_sides is {:#x}; its bits are KVPLAN_WINDOW_SRC (1) and KVPLAN_WINDOW_DST (2)",
+                req.window_sides
+            )));
+        }
+        let mut raw = Self::plain(
+            (req.src_pages, req.n_src, req.dst_pages, req.n_dst),
+            (req.n_tokens, req.skip_tokens, req.src_slot, req.dst_slot),
+        );
+        raw.window_sides = Some(req.window_sides);
+        let window = PoolArrays {
+            sides: req.window_sides,
+            src: req.src_window_pages,
+            n_src: req.n_src_window,
+            dst: req.dst_window_pages,
+            n_dst: req.n_dst_window,
+            at: None,
+        };
+        window.check_sides("window_sides")?;
+        if req.window_sides != 0 {
+            raw.pools[PoolId::WINDOW.index()] = Some(window);
+        }
+        Ok(raw)
+    }
+
+    /// A version 3 request: each pool once, with ids 1 to 7 and known side bits.
+    ///
+    /// # Safety
+    /// `pool_pages` and `pool_tokens` hold as many values as their counts say.
+    unsafe fn of_v3(req: &KvplanRequest3) -> Result<Self, Fail> {
+        let mut raw = Self::plain(
+            (req.src_pages, req.n_src, req.dst_pages, req.n_dst),
+            (req.n_tokens, req.skip_tokens, req.src_slot, req.dst_slot),
+        );
+        raw.window_sides = None;
+        for (count, what) in [
+            (req.n_pool_pages, "n_pool_pages"),
+            (req.n_pool_tokens, "n_pool_tokens"),
+        ] {
+            if count >= POOLS {
+                return Err(invalid(format!(
+                    "{what} is {count}; a request gives at most {} pools (each once)",
+                    POOLS - 1
+                )));
+            }
+        }
+        raw.tables = [
+            ptr::byte_range(req.pool_pages, req.n_pool_pages, "pool_pages")?,
+            ptr::byte_range(req.pool_tokens, req.n_pool_tokens, "pool_tokens")?,
+        ];
+        // SAFETY: this function's contract.
+        let (pages, tokens) = unsafe {
+            (
+                ptr::slice(req.pool_pages, req.n_pool_pages, "pool_pages")?,
+                ptr::slice(req.pool_tokens, req.n_pool_tokens, "pool_tokens")?,
+            )
+        };
+        for (k, given) in pages.iter().enumerate() {
+            let index = pool_index(given.pool, &format!("pool_pages[{k}].pool"))?;
+            let unknown_sides = given.sides & !(KVPLAN_POOL_SRC | KVPLAN_POOL_DST);
+            if unknown_sides != 0 {
+                return Err(invalid(format!(
+                    "pool_pages[{k}].sides is {:#x}; its bits are KVPLAN_POOL_SRC (1) and \
+                     KVPLAN_POOL_DST (2)",
+                    given.sides
+                )));
+            }
+            let arrays = PoolArrays {
+                sides: given.sides,
+                src: given.src_pages,
+                n_src: given.n_src,
+                dst: given.dst_pages,
+                n_dst: given.n_dst,
+                at: Some(k),
+            };
+            arrays.check_sides(&format!("pool_pages[{k}].sides"))?;
+            if raw.pools[index].replace(arrays).is_some() {
+                return Err(invalid(format!(
+                    "pool_pages gives pool {} twice (pool_pages[{k}]); give each pool once",
+                    given.pool
+                )));
+            }
+        }
+        for (k, given) in tokens.iter().enumerate() {
+            let index = pool_index(given.pool, &format!("pool_tokens[{k}].pool"))?;
+            let range = (given.n_tokens, given.skip_tokens);
+            if raw.pool_tokens[index].replace(range).is_some() {
+                return Err(invalid(format!(
+                    "pool_tokens gives pool {} twice (pool_tokens[{k}]); give each pool once",
+                    given.pool
+                )));
+            }
+        }
+        Ok(raw)
+    }
+
+    /// Whether any pool's pages are given (a slot request gives none).
+    fn gives_pool_pages(&self) -> bool {
+        self.pools.iter().any(Option::is_some)
+    }
+}
+
+impl PoolArrays {
+    /// Refuses values for a side whose bit is not set (they would be ignored silently).
+    fn check_sides(&self, field: &str) -> Result<(), Fail> {
+        let (src_name, dst_name) = self.names();
+        for (bit, n, what) in [
+            (KVPLAN_POOL_SRC, self.n_src, src_name),
+            (KVPLAN_POOL_DST, self.n_dst, dst_name),
+        ] {
+            if self.sides & bit == 0 && n > 0 {
+                return Err(invalid(format!(
+                    "{what} holds {n} values, but {field} ({:#x}) does not give that side's \
+                     {} pages: set its bit, or give 0 values",
+                    self.sides,
+                    if self.at.is_none() { "window" } else { "pool" }
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The index of pool `pool` (1 to 7) of a request struct's `field`.
+fn pool_index(pool: u32, field: &str) -> Result<usize, Fail> {
+    match u8::try_from(pool) {
+        Ok(id @ 1..) if usize::from(id) < POOLS => Ok(PoolId(id).index()),
+        _ => Err(invalid(format!(
+            "{field} is {pool}; a request's pools are 1 to {} (pool 0, the request's pages, is \
+             src_pages and dst_pages)",
+            POOLS - 1
+        ))),
+    }
+}
+
+/// The one conversion of a C request (every version, through [`RawRequest`]) into the core's
+/// request, checked: the token count, the slot pair, the pools' sides.
 ///
 /// # Safety
-/// Each page array holds as many values as its count says (the window arrays only when their
+/// Each page array holds as many values as its count says (a pool's arrays only when their
 /// side's bit is set), valid and unwritten for `'a`.
-unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
-    check_struct_size(req.struct_size, size_of::<KvplanRequest2>(), "request")?;
+unsafe fn request_from<'a>(req: &RawRequest) -> Result<Request<'a>, Fail> {
     let n_tokens = match req.n_tokens {
         KVPLAN_NO_TOKENS => None,
         n if n >= 0 => Some(n as u64),
@@ -750,41 +1148,6 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
             )));
         }
     };
-    let unknown_sides = req.window_sides & !(KVPLAN_WINDOW_SRC | KVPLAN_WINDOW_DST);
-    if unknown_sides != 0 {
-        return Err(invalid(format!(
-            "window_sides is {:#x}; its bits are KVPLAN_WINDOW_SRC (1) and KVPLAN_WINDOW_DST (2)",
-            req.window_sides
-        )));
-    }
-    let window_side = |bit: u32, pages: *const i64, n: usize, what: &'static str| {
-        if req.window_sides & bit == 0 {
-            if n > 0 {
-                return Err(invalid(format!(
-                    "{what} holds {n} values, but window_sides ({:#x}) does not give that \
-                     side's window pages: set its bit, or give 0 values",
-                    req.window_sides
-                )));
-            }
-            return Ok(None);
-        }
-        // SAFETY: this function's contract (the side's bit is set).
-        unsafe { ptr::slice(pages, n, what) }.map(Some)
-    };
-    let window_pages = (
-        window_side(
-            KVPLAN_WINDOW_SRC,
-            req.src_window_pages,
-            req.n_src_window,
-            "src_window_pages",
-        )?,
-        window_side(
-            KVPLAN_WINDOW_DST,
-            req.dst_window_pages,
-            req.n_dst_window,
-            "dst_window_pages",
-        )?,
-    );
     let indices = match (req.src_slot, req.dst_slot) {
         (KVPLAN_NO_SLOT, KVPLAN_NO_SLOT) => {
             // SAFETY: this function's contract.
@@ -797,12 +1160,19 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
             Indices::Pages { src, dst }
         }
         (src, dst) if src >= 0 && dst >= 0 => {
-            if req.n_src > 0 || req.n_dst > 0 || req.window_sides != 0 {
+            if req.n_src > 0 || req.n_dst > 0 || req.gives_pool_pages() {
+                let pools = match req.window_sides {
+                    Some(sides) => format!("window_sides {sides:#x}"),
+                    None => format!(
+                        "pool pages of {} pools",
+                        req.pools.iter().filter(|p| p.is_some()).count()
+                    ),
+                };
                 return Err(invalid(format!(
                     "a request holds page arrays or a state slot, not both: src_slot {src}, \
-                     dst_slot {dst} with n_src {}, n_dst {}, window_sides {:#x}; plan the slot \
-                     as a request of its own",
-                    req.n_src, req.n_dst, req.window_sides
+                     dst_slot {dst} with n_src {}, n_dst {}, {pools}; plan the slot as a \
+                     request of its own",
+                    req.n_src, req.n_dst
                 )));
             }
             Indices::Slot { src, dst }
@@ -814,42 +1184,66 @@ unsafe fn request_from<'a>(req: &KvplanRequest2) -> Result<Request<'a>, Fail> {
             )));
         }
     };
-    Ok(Request {
+    let mut request = Request {
         indices,
         n_tokens,
         skip_tokens: req.skip_tokens,
         pool_pages: Default::default(),
         pool_tokens: Default::default(),
+    };
+    for (pool, arrays) in PoolId::ALL.into_iter().zip(&req.pools) {
+        let Some(arrays) = arrays else { continue };
+        let (src_name, dst_name) = arrays.names();
+        let side = |bit: u32, pages: *const i64, n: usize, what: &str| {
+            if arrays.sides & bit == 0 {
+                return Ok(None);
+            }
+            // SAFETY: this function's contract (the side's bit is set).
+            unsafe { ptr::slice(pages, n, what) }.map(Some)
+        };
+        let src = side(KVPLAN_POOL_SRC, arrays.src, arrays.n_src, &src_name)?;
+        let dst = side(KVPLAN_POOL_DST, arrays.dst, arrays.n_dst, &dst_name)?;
+        request = request.with_pool_pages(pool, src, dst);
     }
-    .with_pool_pages(PoolId::WINDOW, window_pages.0, window_pages.1))
+    for (pool, range) in PoolId::ALL.into_iter().zip(req.pool_tokens) {
+        if let Some((n, skip)) = range {
+            request = request.with_pool_tokens(pool, n, skip);
+        }
+    }
+    Ok(request)
 }
 
 /// A byte range `[start, end)` a call reads or writes (`None`: empty), with the argument's name.
-type NamedRange = (Option<(usize, usize)>, &'static str);
+type NamedRange = (Option<(usize, usize)>, Cow<'static, str>);
 
 /// The byte ranges a request occupies: the struct itself (`request`, the caller's struct of
 /// its version) and the arrays it gives (after the null, alignment and size checks), each with
 /// its name, for the overlap checks of the outputs.
-fn request_ranges(request: NamedRange, raw: &KvplanRequest2) -> Result<Vec<NamedRange>, Fail> {
+fn request_ranges(request: NamedRange, raw: &RawRequest) -> Result<Vec<NamedRange>, Fail> {
     let mut ranges = vec![request];
     let slot = raw.src_slot != KVPLAN_NO_SLOT || raw.dst_slot != KVPLAN_NO_SLOT;
     if !slot {
         ranges.push((
             ptr::byte_range(raw.src_pages, raw.n_src, "src_pages")?,
-            "src_pages",
+            "src_pages".into(),
         ));
         ranges.push((
             ptr::byte_range(raw.dst_pages, raw.n_dst, "dst_pages")?,
-            "dst_pages",
+            "dst_pages".into(),
         ));
     }
-    if raw.window_sides & KVPLAN_WINDOW_SRC != 0 {
-        let range = ptr::byte_range(raw.src_window_pages, raw.n_src_window, "src_window_pages")?;
-        ranges.push((range, "src_window_pages"));
-    }
-    if raw.window_sides & KVPLAN_WINDOW_DST != 0 {
-        let range = ptr::byte_range(raw.dst_window_pages, raw.n_dst_window, "dst_window_pages")?;
-        ranges.push((range, "dst_window_pages"));
+    ranges.push((raw.tables[0], "pool_pages".into()));
+    ranges.push((raw.tables[1], "pool_tokens".into()));
+    for arrays in raw.pools.iter().flatten() {
+        let (src_name, dst_name) = arrays.names();
+        if arrays.sides & KVPLAN_POOL_SRC != 0 {
+            let range = ptr::byte_range(arrays.src, arrays.n_src, &src_name)?;
+            ranges.push((range, src_name));
+        }
+        if arrays.sides & KVPLAN_POOL_DST != 0 {
+            let range = ptr::byte_range(arrays.dst, arrays.n_dst, &dst_name)?;
+            ranges.push((range, dst_name));
+        }
     }
     Ok(ranges)
 }
@@ -900,6 +1294,28 @@ pub unsafe extern "C" fn kvplan_layout_new2(
     unsafe { layout_new(desc, out) }
 }
 
+/// [`kvplan_layout_new`] of a version 3 descriptor (`KvplanLayoutDesc3`: windows, rings and
+/// pools of their own, each entry's pool). `desc->struct_size` must be
+/// `sizeof(KvplanLayoutDesc3)`. A pool id in `entry_pools` past `n_pools`, more than 7 pools,
+/// a pool's page size or row of 0 tokens or a page size that is not a multiple of its row, a
+/// state entry in a pool or a window on one are refused with a message naming the values.
+///
+/// Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+///
+/// # Safety
+/// `desc` points to a valid `KvplanLayoutDesc3` whose non-null per-entry arrays hold
+/// `base.n_entries` values each (each role a NUL-terminated string) and whose `pools` holds
+/// `n_pools` values; `out` points to writable storage for a handle (one that overlaps `*desc`
+/// is refused).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_layout_new3(
+    desc: *const KvplanLayoutDesc3,
+    out: *mut *mut KvplanLayout,
+) -> KvplanStatus {
+    // SAFETY: this function's contract.
+    unsafe { layout_new(desc, out) }
+}
+
 /// A layout descriptor of one ABI version, read from the caller's pointer into a layout.
 trait LayoutDesc {
     /// The layout `desc` describes.
@@ -932,8 +1348,18 @@ impl LayoutDesc for KvplanLayoutDesc2 {
     }
 }
 
-/// The one body of `kvplan_layout_new` and `kvplan_layout_new2`, for a descriptor of either
-/// version.
+impl LayoutDesc for KvplanLayoutDesc3 {
+    unsafe fn layout(desc: *const Self) -> Result<Layout, Fail> {
+        // SAFETY: `desc` points to a valid descriptor of this version (this function's
+        // contract), read whole only once its size is checked.
+        let desc = unsafe { versioned(desc, "desc")? };
+        // SAFETY: the descriptor's arrays are as `layout_from3` needs (this function's contract).
+        unsafe { layout_from3(desc) }
+    }
+}
+
+/// The one body of `kvplan_layout_new`, `kvplan_layout_new2` and `kvplan_layout_new3`, for a
+/// descriptor of any version.
 ///
 /// # Safety
 /// As [`LayoutDesc::layout`] for `desc`; `out` points to writable storage for a handle.
@@ -1119,43 +1545,76 @@ pub unsafe extern "C" fn kvplan_prepare2(
     unsafe { prepare(template, request, info) }
 }
 
-/// A request struct of one ABI version, read from the caller's pointer as the version 2
-/// request it means, which every plan call converts and plans.
+/// [`kvplan_prepare`] of a version 3 request (`KvplanRequest3`: a page or slot request, with
+/// pages and a token range per pool). `request->struct_size` must be `sizeof(KvplanRequest3)`.
+/// A pool outside 1 to 7 or given twice, a side's values given without its bit, and more than
+/// 7 pools are refused with `KVPLAN_STATUS_INVALID_ARGUMENT`; pages for a pool neither layout
+/// keeps, or too few of them, with the core's status naming the pool and side.
+///
+/// Thread-safe, as `kvplan_prepare`.
+///
+/// # Safety
+/// `request` points to a valid `KvplanRequest3` whose arrays hold as many values as their
+/// counts say (a pool's page arrays when their side's bit is set); `info` points to writable
+/// storage for one `KvplanPlanInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_prepare3(
+    template: *const KvplanTemplate,
+    request: *const KvplanRequest3,
+    info: *mut KvplanPlanInfo,
+) -> KvplanStatus {
+    // SAFETY: this function's contract.
+    unsafe { prepare(template, request, info) }
+}
+
+/// A request struct of one ABI version, read from the caller's pointer as the one internal
+/// request every plan call converts and plans.
 trait RequestStruct {
-    /// The version 2 request `request` means.
+    /// The request `request` means.
     ///
     /// # Safety
     /// A non-null `request` points to a valid struct of this version (a versioned one: at
-    /// least its `struct_size` field, and the whole struct when that field says so).
-    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail>;
+    /// least its `struct_size` field, and the whole struct when that field says so), whose
+    /// arrays of structs (version 3's pools) hold as many values as their counts say.
+    unsafe fn read(request: *const Self) -> Result<RawRequest, Fail>;
 }
 
 impl RequestStruct for KvplanRequest {
-    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail> {
+    unsafe fn read(request: *const Self) -> Result<RawRequest, Fail> {
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { ptr::reference(request, "request")? };
-        Ok(KvplanRequest2::of_v1(raw))
+        RawRequest::of_v2(&KvplanRequest2::of_v1(raw))
     }
 }
 
 impl RequestStruct for KvplanRequest2 {
-    unsafe fn read(request: *const Self) -> Result<KvplanRequest2, Fail> {
+    unsafe fn read(request: *const Self) -> Result<RawRequest, Fail> {
         // SAFETY: `request` is valid (this function's contract).
-        unsafe { versioned(request) }.copied()
+        RawRequest::of_v2(unsafe { versioned(request, "request")? })
     }
 }
 
-/// A versioned request, its `struct_size` read and checked before the rest of it.
+impl RequestStruct for KvplanRequest3 {
+    unsafe fn read(request: *const Self) -> Result<RawRequest, Fail> {
+        // SAFETY: `request` is valid, its pool arrays as long as they say (this function's
+        // contract).
+        unsafe { RawRequest::of_v3(versioned(request, "request")?) }
+    }
+}
+
+/// A versioned struct (its first field `struct_size`), that field read and checked before the
+/// rest of it.
 ///
 /// # Safety
-/// A non-null `request` points to at least its `struct_size` field, and to a whole
-/// `KvplanRequest2` when that field says so.
-unsafe fn versioned<'a>(request: *const KvplanRequest2) -> Result<&'a KvplanRequest2, Fail> {
-    // SAFETY: the first field (this function's contract); the struct's alignment is the field's.
-    let size = unsafe { ptr::reference(request.cast::<usize>(), "request")? };
-    check_struct_size(*size, size_of::<KvplanRequest2>(), "request")?;
+/// A non-null `value` points to at least its `struct_size` field, and to a whole `T` when that
+/// field says so.
+unsafe fn versioned<'a, T>(value: *const T, what: &str) -> Result<&'a T, Fail> {
+    // SAFETY: the first field (this function's contract); every versioned struct's alignment
+    // is at least its `usize` field's.
+    let size = unsafe { ptr::reference(value.cast::<usize>(), what)? };
+    check_struct_size(*size, size_of::<T>(), what)?;
     // SAFETY: a whole struct, its size checked (this function's contract).
-    unsafe { ptr::reference(request, "request") }
+    unsafe { ptr::reference(value, what) }
 }
 
 /// The one body of `kvplan_prepare` and `kvplan_prepare2`, for a request of either version.
@@ -1172,11 +1631,11 @@ unsafe fn prepare<R: RequestStruct>(
         let template = TEMPLATES.get(template.addr())?;
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { R::read(request)? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        let range = (ptr::byte_range(request, 1, "request")?, "request".into());
         let info_range = ptr::byte_range(info.cast_const(), 1, "info")?;
         // The info is written while the request is borrowed: it must share no byte with it.
         for (input, name) in request_ranges(range, &raw)? {
-            ptr::disjoint(info_range, "info", input, name)?;
+            ptr::disjoint(info_range, "info", input, &name)?;
         }
         // SAFETY: its arrays are as long as it says (this function's contract).
         let request = unsafe { request_from(&raw)? };
@@ -1256,6 +1715,39 @@ pub unsafe extern "C" fn kvplan_plan_into2(
     unsafe { plan_into(template, request, outputs) }
 }
 
+/// [`kvplan_plan_into`] of a version 3 request (`KvplanRequest3`: pages and a token range per
+/// pool), with the same rules for the columns and `info`; the columns and `info` must not
+/// overlap the request's `pool_pages` and `pool_tokens` arrays nor any pool's pages either.
+/// `request->struct_size` must be `sizeof(KvplanRequest3)`.
+///
+/// Thread-safe, as `kvplan_plan_into`.
+///
+/// # Safety
+/// `request` points to a valid `KvplanRequest3` whose arrays hold as many values as their
+/// counts say (a pool's page arrays when their side's bit is set); each column points to
+/// `capacity` writable `uint64_t` that nothing else accesses during the call; `info`, when
+/// non-null, to writable storage for one `KvplanPlanInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_plan_into3(
+    template: *const KvplanTemplate,
+    request: *const KvplanRequest3,
+    src_addrs: *mut u64,
+    dst_addrs: *mut u64,
+    lengths: *mut u64,
+    capacity: usize,
+    info: *mut KvplanPlanInfo,
+) -> KvplanStatus {
+    let outputs = Outputs {
+        src_addrs,
+        dst_addrs,
+        lengths,
+        capacity,
+        info,
+    };
+    // SAFETY: its arrays and columns are as it says (this function's contract).
+    unsafe { plan_into(template, request, outputs) }
+}
+
 /// The output arguments of a plan call.
 struct Outputs {
     src_addrs: *mut u64,
@@ -1281,7 +1773,7 @@ unsafe fn plan_into<R: RequestStruct>(
         let template = TEMPLATES.get(template.addr())?;
         // SAFETY: `request` is valid (this function's contract).
         let raw = unsafe { R::read(request)? };
-        let range = (ptr::byte_range(request, 1, "request")?, "request");
+        let range = (ptr::byte_range(request, 1, "request")?, "request".into());
         // SAFETY: its arrays and columns are as it says (this function's contract).
         unsafe { plan_columns(&template, range, &raw, outputs) }
     })
@@ -1295,7 +1787,7 @@ unsafe fn plan_into<R: RequestStruct>(
 unsafe fn plan_columns(
     template: &Template,
     request: NamedRange,
-    raw: &KvplanRequest2,
+    raw: &RawRequest,
     outputs: Outputs,
 ) -> Result<(), Fail> {
     let Outputs {
@@ -1305,18 +1797,18 @@ unsafe fn plan_columns(
         capacity,
         info,
     } = outputs;
-    let columns = [
+    let columns: [NamedRange; 3] = [
         (
             ptr::byte_range(src_addrs.cast_const(), capacity, "src_addrs")?,
-            "src_addrs",
+            "src_addrs".into(),
         ),
         (
             ptr::byte_range(dst_addrs.cast_const(), capacity, "dst_addrs")?,
-            "dst_addrs",
+            "dst_addrs".into(),
         ),
         (
             ptr::byte_range(lengths.cast_const(), capacity, "lengths")?,
-            "lengths",
+            "lengths".into(),
         ),
     ];
     let inputs = request_ranges(request, raw)?;
@@ -1327,10 +1819,16 @@ unsafe fn plan_columns(
     };
     // Every output (the columns, the info) is written while the request is borrowed: no
     // two outputs may share a byte, nor an output and an input.
-    let outputs = [columns[0], columns[1], columns[2], (info_range, "info")];
-    for (i, &(a, a_name)) in outputs.iter().enumerate() {
-        for &(b, b_name) in outputs[i + 1..].iter().chain(&inputs) {
-            ptr::disjoint(a, a_name, b, b_name)?;
+    let [src_column, dst_column, length_column] = columns;
+    let outputs = [
+        src_column,
+        dst_column,
+        length_column,
+        (info_range, "info".into()),
+    ];
+    for (i, (a, a_name)) in outputs.iter().enumerate() {
+        for (b, b_name) in outputs[i + 1..].iter().chain(&inputs) {
+            ptr::disjoint(*a, a_name, *b, b_name)?;
         }
     }
     // SAFETY: its arrays are as long as it says (this function's contract).
