@@ -105,7 +105,7 @@ def test_install_uninstall_restore_the_class_exactly(nx: Any) -> None:
     before = dict(vars(nx.cls))
     names = compat.install(nx.cls)
     assert set(names) == {"_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist",
-                          "_init_hetero_tp_prep_handle"}
+                          "_init_hetero_tp_prep_handle", "_send_mamba_state_slice"}
     assert names == compat.REPLACED_METHODS["NixlKVManager"]
     assert compat.installed(nx.cls) == names
     assert compat.install(nx.cls) == ()
@@ -588,3 +588,207 @@ def test_a_replaced_slicer_is_called_as_sglang_calls_it(nx: Any) -> None:
         mgr.send_kvcache(SESSION, src, dptrs, dst, 0)
     assert calls == [4]
     assert canonical(mgr.agent.written()) == dep.truth(src, dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# _send_mamba_state_slice: hybrid-model states across differing attention TP (temporal states,
+# GDN conv states sliced per q/k/v sub-block, Kimi conv states per convolution row, replicated
+# states from an elected writer), against an independent per-channel model of which prefill
+# rank holds which channels and where the decode rank keeps them
+# ---------------------------------------------------------------------------------------------
+TP_PAIRS = [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 2), (1, 8), (8, 2)]
+
+
+def _channels(groups: list[int], tp: int, rank: int) -> dict[int, int]:
+    """Global channel -> position in this rank's slice, sub-block by sub-block."""
+    out: dict[int, int] = {}
+    g_off = local = 0
+    for full in groups:
+        sub = full // tp
+        for k in range(sub):
+            out[g_off + rank * sub + k] = local + k
+        g_off, local = g_off + full, local + sub
+    return out
+
+
+def _slice_layer(rng: np.random.Generator, tp_p: int, tp_d: int) -> dict[str, Any]:
+    unit = max(tp_p, tp_d)
+    kind = str(rng.choice(["temporal", "conv", "kimi", "replicated"]))
+    bpd = int(rng.choice([2, 16, 128]))
+    if kind == "conv":
+        k = unit * int(rng.integers(1, 4))
+        groups, outer = [k, k, unit * int(rng.integers(1, 5))], 1
+    else:
+        groups, outer = [unit * int(rng.integers(1, 5))], (3 if kind == "kimi" else 1)
+    full = sum(groups)
+    if kind == "replicated":
+        item = full * bpd
+        return dict(kind=kind, bpd=bpd, groups=groups, outer=1, src_dim=0, dst_dim=0,
+                    src_item=item, dst_item=item, shard=None)
+    return dict(kind=kind, bpd=bpd, groups=groups, outer=outer, src_dim=full // tp_p,
+                dst_dim=full // tp_d, src_item=outer * full // tp_p * bpd,
+                dst_item=outer * full // tp_d * bpd, shard=groups if kind == "conv" else None)
+
+
+def _slice_truth(lay: dict[str, Any], sptr: int, dptr: int, s_slot: int, d_slot: int, tp_p: int,
+           tp_d: int, p: int, d: int) -> list[tuple[int, int, int]]:
+    s0, d0 = sptr + s_slot * lay["src_item"], dptr + d_slot * lay["dst_item"]
+    if lay["kind"] == "replicated":
+        elected = tp_p <= tp_d or p % (tp_p // tp_d) == 0
+        return [(s0, d0, lay["src_item"])] if elected else []
+    bpd, groups = lay["bpd"], lay["groups"]
+    src, dst = _channels(groups, tp_p, p), _channels(groups, tp_d, d)
+    out = []
+    for row in range(lay["outer"]):
+        for c, ls in src.items():
+            if c in dst:
+                out.append((s0 + (row * lay["src_dim"] + ls) * bpd,
+                            d0 + (row * lay["dst_dim"] + dst[c]) * bpd, bpd))
+    return out
+
+
+def _slice_case(nx: Any, rng: np.random.Generator) -> str:
+    tp_p, tp_d = TP_PAIRS[int(rng.integers(0, len(TP_PAIRS)))]
+    if tp_d >= tp_p:
+        p = int(rng.integers(0, tp_p))
+        d = p * (tp_d // tp_p) + int(rng.integers(0, tp_d // tp_p))
+    else:
+        p = int(rng.integers(0, tp_p))
+        d = p // (tp_p // tp_d)
+    n_layers = int(rng.integers(1, 5))
+    pp = int(rng.choice([1, 2]))
+    all_ids = sorted(rng.choice(40, size=n_layers, replace=False).tolist())
+    src_ids = all_ids[: max(1, n_layers // pp)] if pp > 1 else list(all_ids)
+    layers = {lid: _slice_layer(rng, tp_p, tp_d) for lid in all_ids}
+    slots = 6
+    sptrs = [0x1_0000_0000 + k * 0x1000000 for k in range(len(src_ids))]
+    dptrs = [0x9_0000_0000 + k * 0x1000000 for k in range(len(all_ids))]
+    s_slot, d_slot = int(rng.integers(0, slots)), int(rng.integers(0, slots))
+    s_items = [layers[i]["src_item"] for i in src_ids]
+    s_dims = [layers[i]["src_dim"] for i in src_ids]
+    d_items = [layers[i]["dst_item"] for i in all_ids]
+    d_dims = [layers[i]["dst_dim"] for i in all_ids]
+    shard = [layers[i]["shard"] for i in src_ids]
+    outer = [layers[i]["outer"] for i in src_ids]
+    bad = ""
+    roll = rng.random()
+    paired = [all_ids.index(lid) for lid in src_ids]  # a decode entry the prefill writes
+    if roll < 0.04:
+        s_slot, bad = slots + int(rng.integers(0, 2)), "slot past the prefill buffer"
+    elif roll < 0.08:
+        j = int(rng.choice(paired))
+        if d_dims[j]:
+            d_items[j] += d_items[j] // max(1, layers[all_ids[j]]["outer"] * d_dims[j])
+            d_items[j] *= 2  # wider decode channels: SGLang writes at the wrong offsets
+            bad = "decode channel size"
+    elif roll < 0.11:
+        j = int(rng.choice(paired))
+        if d_dims[j] > 1:
+            d_dims[j] //= 2
+            d_items[j] = d_items[j] // 2 if d_items[j] % 2 == 0 else d_items[j]
+            bad = "decode holds another tensor"
+    elif roll < 0.13 and tp_p > 1:
+        tp_d, bad = tp_p + 1, "TP sizes do not divide"
+    elif roll < 0.15:
+        i = int(rng.integers(0, len(src_ids)))
+        if shard[i] is not None:
+            shard[i] = [shard[i][0] + 1, shard[i][1] - 1, shard[i][2]]
+            bad = "conv sub-blocks do not shard evenly"
+    publish = rng.random() < 0.8 or pp == 1
+    kv = types.SimpleNamespace(
+        kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[], prefill_start_layer=0,
+        engine_rank=p, state_data_ptrs=[sptrs],
+        state_data_lens=[[slots * n for n in s_items]])
+
+    def make() -> Any:
+        return nixl_manager(nx, kv_args=kv, pp_size=pp, state_tp_size=tp_p)
+
+    def call(mgr: Any) -> Any:
+        return mgr._send_mamba_state_slice(
+            SESSION, [s_slot], sptrs, s_items, s_dims, dptrs, [d_slot], d_items, d_dims, 2,
+            tp_d, d, shard, outer, src_ids if publish else None, all_ids if publish else None)
+
+    where = {lid: j for j, lid in enumerate(all_ids)}
+    truth: list[tuple[int, int, int]] = []
+    for k, lid in enumerate(src_ids):
+        if bad in ("", "slot past the prefill buffer"):
+            truth += _slice_truth(layers[lid], sptrs[k], dptrs[where[lid]], s_slot, d_slot,
+                                  tp_p, tp_d, p, d)
+    # a slot past the buffer is wrong only where some pair reads it
+    bad = bad if bad != "slot past the prefill buffer" or truth else ""
+    orig, new = run(nx, False, call, make), run(nx, True, call, make)
+    label = f"slice ids={src_ids}/{all_ids} tp={tp_p}->{tp_d} p={p} d={d} pp={pp} bad={bad!r}"
+    return judge(orig, new, NO_RIGHT_ANSWER if bad else canonical(truth), label)
+
+
+@pytest.fixture(scope="module")
+def slice_sweep(nx: Any) -> Counter[str]:
+    rng = np.random.default_rng(5303)
+    return Counter(_slice_case(nx, rng) for _ in range(CALLS))
+
+
+def test_state_slices_equal_sglang_wherever_sglang_is_right(slice_sweep: Counter[str]) -> None:
+    assert sum(slice_sweep.values()) >= CALLS
+    assert slice_sweep["same"] >= 0.8 * CALLS and slice_sweep["refused"] > 0, slice_sweep
+
+
+def _slice_manager(nx: Any, item: int, tp_p: int = 1) -> Any:
+    kv = types.SimpleNamespace(kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[],
+                               prefill_start_layer=0, engine_rank=0,
+                               state_data_ptrs=[[0x1_0000_0000]], state_data_lens=[[4 * item]])
+    return nixl_manager(nx, kv_args=kv, pp_size=1, state_tp_size=tp_p)
+
+
+def test_wider_decode_channels_are_refused_where_sglang_writes_at_wrong_offsets(nx: Any) -> None:
+    # prefill TP 1 (8 channels of 16 bytes), decode TP 2 asks for its 4 channels, but the
+    # decode's slot is 4 channels of 32 bytes: SGLang sends 64 bytes of 16-byte channels into
+    # a slot whose channels are 32 bytes wide
+    def call(mgr: Any) -> Any:
+        return mgr._send_mamba_state_slice(SESSION, [1], [0x1_0000_0000], [128], [8],
+                                           [0x9_0000_0000], [2], [128], [4], 2, 2, 1)
+
+    orig = run(nx, False, call, lambda: _slice_manager(nx, 128))
+    assert orig[0] == "ok" and orig[1] == [(0x1_0000_0000 + 128 + 64, 0x9_0000_0000 + 256, 64)]
+    with installed(nx.cls):
+        with pytest.raises(kvplan.SizeMismatchError, match="16 bytes on the prefill and 32 on the decode"):
+            call(_slice_manager(nx, 128))
+
+
+def test_a_slot_past_the_prefill_buffer_is_refused(nx: Any) -> None:
+    with installed(nx.cls):
+        with pytest.raises(kvplan.IndexBoundsError, match="src index 4"):
+            _slice_manager(nx, 128)._send_mamba_state_slice(
+                SESSION, [4], [0x1_0000_0000], [128], [8], [0x9_0000_0000], [0], [64], [4],
+                2, 2, 1)
+
+
+def test_state_slice_without_dimensions_goes_through_send_mamba_state(nx: Any) -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def traced(*args: Any, **kw: Any) -> Any:
+        seen.append(args)
+        return "handle"
+
+    with installed(nx.cls):
+        mgr = _slice_manager(nx, 128)
+        mgr._send_mamba_state = traced  # SGLang's seam: the call goes through ``self``
+        out = mgr._send_mamba_state_slice(SESSION, [1], [0x1_0000_0000], [128], [],
+                                          [0x9_0000_0000], [2], [128], [], 2, 2, 1)
+    assert out == "handle" and seen and seen[0][0] == SESSION
+
+
+def test_state_slices_are_posted_through_the_agent_once_per_slice(nx: Any) -> None:
+    # GDN conv state, prefill TP 1 -> decode TP 2, sub-blocks [4, 4, 8] channels of 2 bytes:
+    # decode rank 1 reads the second half of each sub-block (three slices, one transfer)
+    with installed(nx.cls):
+        mgr = _slice_manager(nx, 32)
+        mgr._send_mamba_state_slice(SESSION, [0], [0x1_0000_0000], [32], [16],
+                                    [0x9_0000_0000], [0], [16], [8], 2, 2, 1, [[4, 4, 8]], [1])
+    (op, src, dst, peer), = mgr.agent.transfers
+    assert (op, peer) == ("WRITE", SESSION)
+    assert [tuple(r) for r in src.tolist()] == [(0x1_0000_0000 + 4, 4, 0),
+                                                 (0x1_0000_0000 + 12, 4, 0),
+                                                 (0x1_0000_0000 + 24, 8, 0)]
+    assert [r[0] for r in dst.tolist()] == [0x9_0000_0000, 0x9_0000_0000 + 4,
+                                            0x9_0000_0000 + 8]
+    assert mgr.agent.posted == 1
