@@ -50,6 +50,7 @@ from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import NIXL_MANAGER, sglang_global, sglang_method
 from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.templates import (
+    as_index,
     _dst_item_lens,
     _ids_template,
     _page_arrays,
@@ -80,6 +81,10 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "src_state_conv_shard_groups=None, src_state_slice_outer_counts=None, "
         "src_layer_ids=None, dst_layer_ids=None)": "SGLang 0.5.23",
     },
+    "send_kvcache_staged": {
+        "(self, peer_name, prefill_kv_indices, dst_staging_ptr, dst_staging_size, dst_gpu_id, "
+        "dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, staging_buffer=None)": "SGLang 0.5.23",
+    },
     "_prep_equal_tp_dlist": {
         "(self, peer_name, kv_ptrs, kv_item_lens, kv_data_lens, gpu_id, num_slots=None, "
         "mem_kind='VRAM', kv_xfer_lens=None)": "SGLang 0.5.23",
@@ -98,6 +103,8 @@ READS: dict[str, tuple[str, ...]] = {
     "_send_mamba_state": ("get_xfer_descs", "initialize_xfer", "_post_xfer"),
     "_send_mamba_state_slice": ("_send_mamba_state", "get_xfer_descs", "initialize_xfer",
                                 "_post_xfer", "state_tp_size", "engine_rank"),
+    "send_kvcache_staged": ("kv_buffer_tensors", "attn_tp_size", "get_xfer_descs",
+                            "initialize_xfer", "_post_xfer", "engine_rank"),
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
     "_init_hetero_tp_prep_handle": ("prep_handle_slice_src", "prep_handles_slice_dst",
                                     "_prep_xfer_dlist", "dst_kv_item_len", "decode_tp_rank"),
@@ -527,6 +534,83 @@ def _send_mamba_state_slice(
     return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
                  "Failed to create Mamba state slice transfer",
                  "Failed to post Mamba state slice transfer")
+
+
+def send_kvcache_staged(
+    self: Any,
+    peer_name: str,
+    prefill_kv_indices: Any,
+    dst_staging_ptr: int,
+    dst_staging_size: int,
+    dst_gpu_id: int,
+    dst_tp_rank: int,
+    dst_attn_tp_size: int,
+    dst_kv_item_len: int,
+    staging_buffer: Any = None,
+) -> Any:
+    """kvplan's ``NixlKVManager.send_kvcache_staged`` (SGLang 0.5.23 signature): the Mooncake
+    drop-in's staged plan (:func:`kvplan.compat.sglang.staged.staged_template`, cached per
+    decode peer) over this manager's pools; SGLang's gather kernel fills ``staging_buffer`` as
+    SGLang calls it, and the plan's network blocks (one at PP 1) are posted as SGLang posts its
+    one descriptor. SGLang's ``None`` fall-backs are kept (no pool tensors or staging buffer,
+    either staging area too small); prefill PP > 1 goes to SGLang's own method (its NIXL path
+    writes a stage's layers at the offset of the whole model's). Refusals as the Mooncake
+    drop-in's: pages outside the pools (``IndexBoundsError``), a pool or decode item geometry
+    other than SGLang's head split (``SizeMismatchError``), a prefill rank holding none of the
+    decode rank's heads (``PairingError``), a gather that wrote another byte count than the
+    plan sends (``SizeMismatchError``)."""
+    from kvplan.compat.sglang import staged as mooncake_staged
+
+    if self.kv_buffer_tensors is None or staging_buffer is None:
+        return None
+    if self.pp_size > 1:
+        original = sglang_method(self, "send_kvcache_staged", NIXL_MANAGER)
+        return original(self, peer_name, prefill_kv_indices, dst_staging_ptr, dst_staging_size,
+                        dst_gpu_id, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len,
+                        staging_buffer=staging_buffer)
+    staging = mooncake_staged._staging()
+    tensors = self.kv_buffer_tensors
+    k_buffers, v_buffers = tensors["k_buffers"], tensors["v_buffers"]
+    page = tensors["page_size"]
+    heads = int(staging.resolve_total_kv_heads(self.kv_args, self.attn_tp_size))
+    tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
+    template = mooncake_staged._manager_template(self, peer_name, k_buffers, v_buffers, page,
+                                                 heads, dst_tp_rank, tp_d, dst_kv_item_len,
+                                                 None)
+    src = as_index(prefill_kv_indices)
+    try:
+        # the decode's pages do not shape the network plan: the prefill's list stands in
+        staged = planned(lambda: template.plan_staged(
+            src, src, src_staging=(int(staging_buffer.get_ptr()), int(staging_buffer.get_size())),
+            dst_staging=(int(dst_staging_ptr), int(dst_staging_size))),
+            network=lambda plan: plan.network)
+    except _core.SizeMismatchError as exc:
+        if exc.kind != "staging_too_small":
+            raise
+        sglang_global("logger", NIXL_MANAGER).warning(f"Staging too small, falling back: {exc}")
+        return None
+    src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
+        tp_p, tp_d, int(self.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
+    written = staging.gather_all_layers_to_staging(
+        k_buffers, v_buffers, prefill_kv_indices, staging_buffer, src_head_start, num_heads, page)
+    if written is not None and int(written) != staged.src_staging_bytes:
+        raise _core.SizeMismatchError(
+            f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
+            f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
+    network = staged.network
+    src_rows = _descriptor_rows(network.src_addrs, network.lengths, int(self.kv_args.gpu_id))
+    dst_rows = _descriptor_rows(network.dst_addrs, network.lengths, int(dst_gpu_id))
+    src_descs = self.agent.get_xfer_descs(src_rows, "VRAM")
+    dst_descs = self.agent.get_xfer_descs(dst_rows, "VRAM")
+    handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name)
+    if not handle:
+        raise RuntimeError(
+            f"[Staging] Failed to create NIXL bulk transfer "
+            f"(src=0x{staging_buffer.get_ptr():x}, "
+            f"dst=0x{dst_staging_ptr + staged.dst_staging_range[0]:x}, "
+            f"size={staged.src_staging_bytes})")
+    self._post_xfer(handle, "[Staging] NIXL bulk transfer failed to post")
+    return handle
 
 
 def strided_rows(kv_ptrs: Sequence[int], kv_item_lens: Sequence[int],
