@@ -25,10 +25,16 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
   (``Template.plan_state``), entries with a zero length or a null pointer skipped as SGLang
   skips them; descriptors as above.
 
-``send_kvcache``, ``send_kvcache_dcp`` and ``send_kvcache_staged`` stay SGLang's: the first two
-only dispatch to ``self._send_kvcache_generic`` (so kvplan plans their requests), the staged
-path posts one descriptor of a gathered buffer. ``_send_mamba_state_slice`` stays SGLang's
-(it calls ``self._send_mamba_state`` when there is nothing to slice).
+* ``_send_mamba_state_slice``: a state-slice template per peer (:func:`state_slice_offsets`
+  per pair, each slice an entry of its own with the slot size as its stride), planned with
+  ``Template.plan_state``; without slice dimensions, ``self._send_mamba_state`` as in SGLang.
+* ``send_kvcache_staged`` at prefill PP 1: the Mooncake drop-in's staged template; SGLang's
+  gather kernel fills the staging buffer and the plan's network blocks are posted.
+
+``send_kvcache`` and ``send_kvcache_dcp`` stay SGLang's: they only dispatch to
+``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_mixed`` and
+``send_kvcache_slice`` stay SGLang's: per request they only index the prepared lists kvplan
+built.
 
 Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
 writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
@@ -553,8 +559,8 @@ def send_kvcache_staged(
     decode peer) over this manager's pools; SGLang's gather kernel fills ``staging_buffer`` as
     SGLang calls it, and the plan's network blocks (one at PP 1) are posted as SGLang posts its
     one descriptor. SGLang's ``None`` fall-backs are kept (no pool tensors or staging buffer,
-    either staging area too small); prefill PP > 1 goes to SGLang's own method (its NIXL path
-    writes a stage's layers at the offset of the whole model's). Refusals as the Mooncake
+    either staging area too small); prefill PP > 1 goes to SGLang's own method (the staged
+    plan places a stage's layers by slot layer ids, which this signature does not carry). Refusals as the Mooncake
     drop-in's: pages outside the pools (``IndexBoundsError``), a pool or decode item geometry
     other than SGLang's head split (``SizeMismatchError``), a prefill rank holding none of the
     decode rank's heads (``PairingError``), a gather that wrote another byte count than the
