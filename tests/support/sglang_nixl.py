@@ -54,17 +54,12 @@ def load_nixl(sg: Any) -> types.ModuleType:
     mod.__dict__["get_device"] = lambda: types.SimpleNamespace(gpu_id=0)
     if "get_parallel" in mod.__dict__:
         mod.__dict__["get_parallel"] = lambda: RUNTIME.parallel
-    # SGLang's runtime gives loggers ``warning_once`` (its utils patch ``logging.Logger``); the
-    # state-slice path calls it
-    if not hasattr(mod.logger, "warning_once"):
-        mod.logger.warning_once = mod.logger.warning
     verify_closure(mod)
     return mod
 
 
 #: The NIXL manager's methods the tests run (and kvplan replaces or keeps).
 RUN_METHODS = ("_send_kvcache_generic", "send_kvcache", "send_kvcache_dcp", "_send_mamba_state",
-               "_send_mamba_state_slice",
                "_prep_equal_tp_dlist", "_prep_xfer_dlist", "_pack_stride_descs",
                "_expand_stride_descs", "_init_hetero_tp_prep_handle", "send_kvcache_slice",
                "_post_xfer")

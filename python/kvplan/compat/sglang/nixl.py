@@ -25,16 +25,15 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
   (``Template.plan_state``), entries with a zero length or a null pointer skipped as SGLang
   skips them; descriptors as above.
 
-* ``_send_mamba_state_slice``: a state-slice template per peer (:func:`state_slice_offsets`
-  per pair, each slice an entry of its own with the slot size as its stride), planned with
-  ``Template.plan_state``; without slice dimensions, ``self._send_mamba_state`` as in SGLang.
 * ``send_kvcache_staged`` at prefill PP 1: the Mooncake drop-in's staged template; SGLang's
   gather kernel fills the staging buffer and the plan's network blocks are posted.
 
 ``send_kvcache`` and ``send_kvcache_dcp`` stay SGLang's: they only dispatch to
 ``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_mixed`` and
 ``send_kvcache_slice`` stay SGLang's: per request they only index the prepared lists kvplan
-built.
+built. ``_send_mamba_state_slice`` stays SGLang's: its slices are a TP split of a state's
+channels, which kvplan's core does not model for state entries, and the adapter does not derive
+head splits of its own (it calls ``self._send_mamba_state`` when there is nothing to slice).
 
 Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
 writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
@@ -80,13 +79,6 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "dst_state_data_ptrs, dst_state_indices, dst_gpu_id, src_layer_ids=None, "
         "dst_layer_ids=None)": "SGLang 0.5.23",
     },
-    "_send_mamba_state_slice": {
-        "(self, peer_name, prefill_state_indices, src_state_data_ptrs, src_state_item_lens, "
-        "src_state_dim_per_tensor, dst_state_data_ptrs, dst_state_indices, dst_state_item_lens, "
-        "dst_state_dim_per_tensor, dst_gpu_id, decode_tp_size, decode_tp_rank, "
-        "src_state_conv_shard_groups=None, src_state_slice_outer_counts=None, "
-        "src_layer_ids=None, dst_layer_ids=None)": "SGLang 0.5.23",
-    },
     "send_kvcache_staged": {
         "(self, peer_name, prefill_kv_indices, dst_staging_ptr, dst_staging_size, dst_gpu_id, "
         "dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, staging_buffer=None)": "SGLang 0.5.23",
@@ -107,8 +99,6 @@ READS: dict[str, tuple[str, ...]] = {
     "_send_kvcache_generic": ("prep_handles", "get_xfer_descs", "initialize_xfer",
                               "_post_xfer", "_nixl_device_id", "is_mla_backend"),
     "_send_mamba_state": ("get_xfer_descs", "initialize_xfer", "_post_xfer"),
-    "_send_mamba_state_slice": ("_send_mamba_state", "get_xfer_descs", "initialize_xfer",
-                                "_post_xfer", "state_tp_size", "engine_rank"),
     "send_kvcache_staged": ("kv_buffer_tensors", "attn_tp_size", "get_xfer_descs",
                             "initialize_xfer", "_post_xfer", "engine_rank"),
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
@@ -131,8 +121,8 @@ def _descriptor_rows(addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint
     return rows
 
 
-def _post(self: Any, peer_name: str, plan: TransferPlan | _SliceBlocks, src_mem_kind: str,
-          dst_mem_kind: str, dst_gpu_id: int, create_error: str, post_error: str) -> Any:
+def _post(self: Any, peer_name: str, plan: TransferPlan, src_mem_kind: str, dst_mem_kind: str,
+          dst_gpu_id: int, create_error: str, post_error: str) -> Any:
     """The plan's blocks as SGLang posts its descriptors: ``get_xfer_descs`` per side,
     ``initialize_xfer("WRITE", ...)``, ``self._post_xfer``; returns the transfer handle."""
     src_rows = _descriptor_rows(plan.src_addrs, plan.lengths,
@@ -332,214 +322,6 @@ def _send_mamba_state(
                                                int(dst_state_indices[0])))
     return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
                  "Failed to create Mamba state transfer", "Failed to post Mamba state transfer")
-
-
-class _SliceBlocks:
-    """An empty state-slice plan's columns (no pair moves bytes), posted as SGLang posts its
-    empty descriptor lists."""
-
-    def __init__(self) -> None:
-        self.src_addrs = np.zeros(0, dtype=np.uint64)
-        self.dst_addrs = np.zeros(0, dtype=np.uint64)
-        self.lengths = np.zeros(0, dtype=np.uint64)
-        self.n_blocks = 0
-
-
-def _nth(values: Sequence[Any] | None, index: int, default: Any) -> Any:
-    return values[index] if values and index < len(values) else default
-
-
-def state_slice_offsets(*, pair: tuple[int, int], src_item_len: int, dst_item_len: int,
-                        src_dim: int, dst_dim: int, outer_count: int, src_tp: int, dst_tp: int,
-                        dst_rank: int, src_rank: int, conv_shard_groups: Sequence[int] | None
-                        ) -> list[tuple[int, int, int]]:
-    """``(src offset, dst offset, bytes)`` of one state slot's TP slice, SGLang's arithmetic
-    (``compute_mamba_state_slice_byte_blocks``) with its geometry checked first: refused where
-    SGLang's integer divisions truncate, where the two sides' channels differ in size or in
-    total, or where a block would leave either side's slot (SGLang reads or writes another
-    slot's or another channel's bytes). ``pair`` names the entries in the messages."""
-    where = f"state entry pair {pair}"
-    if src_tp <= 0 or dst_tp <= 0 or max(src_tp, dst_tp) % min(src_tp, dst_tp):
-        raise _core.LayoutError(f"{where}: attention TP sizes {src_tp} (prefill) and {dst_tp} "
-                                "(decode): one must divide the other")
-    if (src_dim == 0) != (dst_dim == 0):
-        raise _core.LayoutError(f"{where}: prefill slices dimension {src_dim}, decode {dst_dim}: "
-                                "one side replicates the state and the other shards it")
-    if src_dim == 0:
-        if src_item_len != dst_item_len:
-            raise _core.SizeMismatchError(
-                f"{where}: replicated state of {src_item_len} bytes (prefill) and "
-                f"{dst_item_len} bytes (decode)")
-        if src_tp > dst_tp and src_rank % (src_tp // dst_tp):
-            return []  # another prefill rank of the group writes the replica
-        return [(0, 0, src_item_len)]
-    if src_dim < 0 or dst_dim < 0 or outer_count <= 0:
-        raise _core.LayoutError(f"{where}: slice dimensions {src_dim}/{dst_dim} and outer count "
-                                f"{outer_count} must be positive")
-    if src_item_len % (src_dim * outer_count) or dst_item_len % (dst_dim * outer_count):
-        raise _core.SizeMismatchError(
-            f"{where}: items of {src_item_len} (prefill) / {dst_item_len} (decode) bytes are not "
-            f"{outer_count} rows of {src_dim} / {dst_dim} channels")
-    per = src_item_len // (src_dim * outer_count)
-    if dst_item_len // (dst_dim * outer_count) != per:
-        raise _core.SizeMismatchError(
-            f"{where}: a channel is {per} bytes on the prefill and "
-            f"{dst_item_len // (dst_dim * outer_count)} on the decode")
-    if src_dim * src_tp != dst_dim * dst_tp:
-        raise _core.SizeMismatchError(
-            f"{where}: {src_dim} channels x TP {src_tp} (prefill) and {dst_dim} x TP {dst_tp} "
-            "(decode) are different tensors")
-    groups = [int(g) for g in conv_shard_groups] if conv_shard_groups is not None else None
-    sub = groups is not None and sum(groups) == src_dim * src_tp
-    if sub and groups is not None and any(g % src_tp or g % dst_tp for g in groups):
-        raise _core.SizeMismatchError(
-            f"{where}: conv sub-blocks {groups} do not shard evenly over TP {src_tp} and "
-            f"{dst_tp}")
-    logical: list[tuple[int, int, int]] = []
-    if src_tp > dst_tp:
-        writer = src_rank % (src_tp // dst_tp)
-        if not sub or groups is None:
-            logical = [(0, writer * src_dim, src_dim)]
-        else:
-            s_off = d_off = 0
-            for full in groups:
-                logical.append((s_off, d_off + writer * (full // src_tp), full // src_tp))
-                s_off, d_off = s_off + full // src_tp, d_off + full // dst_tp
-    elif not sub or groups is None:
-        logical = [((dst_rank * dst_dim) % src_dim, 0, dst_dim)]
-    else:
-        s_off = d_off = 0
-        for full in groups:
-            s_sub, d_sub = full // src_tp, full // dst_tp
-            logical.append((s_off + (dst_rank * d_sub) % s_sub, d_off, d_sub))
-            s_off, d_off = s_off + s_sub, d_off + d_sub
-    out: list[tuple[int, int, int]] = []
-    for row in range(outer_count):
-        for s, d, n in logical:
-            if s + n > src_dim or d + n > dst_dim:
-                raise _core.IndexBoundsError(
-                    f"{where}: channels {s}..{s + n} of {src_dim} (prefill) to {d}..{d + n} of "
-                    f"{dst_dim} (decode) leave a slot")
-            out.append((row * src_dim * per + s * per, row * dst_dim * per + d * per, n * per))
-    return out
-
-
-def _nixl_state_slice_template(self: Any, peer_name: str, src_ptrs: list[int],
-                               src_items: list[int], dst_ptrs: list[int], dst_items: list[int],
-                               src_dims: list[int], dst_dims: list[int], dst_tp: int,
-                               dst_rank: int, shard_groups: Any, outer_counts: Any,
-                               src_ids: list[int] | None, dst_ids: list[int] | None
-                               ) -> Template | None:
-    """The state-slice template of one decode peer (cached): kvplan pairs the state entries
-    (by layer id, positional at PP 1), then each slice of a pair is an entry of its own on
-    both sides, at its offset in the slot with the slot size as its stride, so
-    ``Template.plan_state`` addresses both slots and bounds the prefill's. ``None`` when no
-    pair moves bytes."""
-    src_tp = int(self.state_tp_size)
-    src_rank = int(self.kv_args.engine_rank) % src_tp if src_tp > 0 else 0
-    src_lens = _state_lens(getattr(self, "kv_args", None), src_ptrs)
-    groups_key = None if not shard_groups else [None if g is None else [int(x) for x in g]
-                                               for g in shard_groups]
-    outer_key = [int(n) for n in outer_counts] if outer_counts else None
-    inputs = (src_ptrs, src_items, dst_ptrs, dst_items, src_dims, dst_dims, src_tp, src_rank,
-              dst_tp, dst_rank, groups_key, outer_key, src_ids, dst_ids, self.pp_size == 1,
-              src_lens)
-
-    def build() -> Template | None:
-        pairs = _core.pair_entries(src_ids, dst_ids, len(src_ptrs), len(dst_ptrs),
-                                   self.pp_size == 1)
-        s_base: list[int] = []
-        s_lens: list[int] = []
-        s_strides: list[int] = []
-        d_base: list[int] = []
-        d_strides: list[int] = []
-        lengths: list[int] = []
-        for i, j in pairs.tolist():
-            item = src_items[i]
-            if item == 0 or src_ptrs[i] == 0 or dst_ptrs[j] == 0:
-                continue  # SGLang skips the pair
-            if j >= len(dst_items) or j >= len(dst_dims) or i >= len(src_dims):
-                raise _core.LayoutError(
-                    f"state entry pair ({i}, {j}): the slice geometry lists cover "
-                    f"{len(src_dims)} prefill / {min(len(dst_items), len(dst_dims))} decode "
-                    "entries")
-            for s, d, n in state_slice_offsets(
-                    pair=(i, j), src_item_len=item, dst_item_len=dst_items[j],
-                    src_dim=src_dims[i], dst_dim=dst_dims[j],
-                    outer_count=int(_nth(outer_counts, i, 1) or 1), src_tp=src_tp,
-                    dst_tp=dst_tp, dst_rank=dst_rank, src_rank=src_rank,
-                    conv_shard_groups=_nth(shard_groups, i, None)):
-                s_base.append(src_ptrs[i] + s)
-                s_lens.append(max(src_lens[i] - s, 0))
-                s_strides.append(item)
-                d_base.append(dst_ptrs[j] + d)
-                d_strides.append(dst_items[j])
-                lengths.append(n)
-        if not lengths:
-            return None
-        kinds = ["state"] * len(lengths)
-        src = Layout(s_base, s_lens, lengths, kinds=kinds, strides=s_strides)
-        dst = Layout(d_base, unbounded_lens(d_base), lengths, kinds=kinds, strides=d_strides)
-        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
-
-    return cast("Template | None", template_cache(self).get(peer_name, "nixl:mamba-slice",
-                                                             inputs, build))
-
-
-def _send_mamba_state_slice(
-    self: Any,
-    peer_name: str,
-    prefill_state_indices: list[int],
-    src_state_data_ptrs: list[int],
-    src_state_item_lens: list[int],
-    src_state_dim_per_tensor: list[int],
-    dst_state_data_ptrs: list[int],
-    dst_state_indices: list[int],
-    dst_state_item_lens: list[int],
-    dst_state_dim_per_tensor: list[int],
-    dst_gpu_id: int,
-    decode_tp_size: int,
-    decode_tp_rank: int,
-    src_state_conv_shard_groups: list[Any] | None = None,
-    src_state_slice_outer_counts: list[int] | None = None,
-    src_layer_ids: list[int] | None = None,
-    dst_layer_ids: list[int] | None = None,
-) -> Any:
-    """kvplan's ``NixlKVManager._send_mamba_state_slice`` (SGLang 0.5.23 signature): the
-    slices of :func:`state_slice_offsets` per pair, planned by the state-slice template and
-    posted as SGLang posts its descriptors; without slice dimensions, ``self._send_mamba_state``
-    as in SGLang."""
-    warn_once = getattr(sglang_global("logger", NIXL_MANAGER), "warning_once", None)
-    if warn_once is not None:
-        warn_once("Using Mamba state slice transfer for different TP sizes. "
-                  f"Prefill attn_tp_size={self.state_tp_size}, "
-                  f"Decode attn_tp_size={decode_tp_size}.")
-    assert len(prefill_state_indices) == 1, "Mamba should have single state index"
-    if not src_state_dim_per_tensor or not dst_state_dim_per_tensor:
-        return self._send_mamba_state(
-            peer_name, prefill_state_indices, src_state_data_ptrs, src_state_item_lens,
-            dst_state_data_ptrs, dst_state_indices, dst_gpu_id,
-            src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids)
-    if len(dst_state_indices) != 1:
-        raise _core.IndexBoundsError(
-            f"one decode state slot expected, got {len(dst_state_indices)}")
-    dst_tp = int(decode_tp_size)
-    template = _nixl_state_slice_template(
-        self, peer_name, [int(p) for p in src_state_data_ptrs],
-        [int(n) for n in src_state_item_lens], [int(p) for p in dst_state_data_ptrs],
-        [int(n) for n in dst_state_item_lens], [int(n) for n in src_state_dim_per_tensor],
-        [int(n) for n in dst_state_dim_per_tensor], dst_tp,
-        int(decode_tp_rank) % dst_tp if dst_tp > 0 else 0, src_state_conv_shard_groups,
-        src_state_slice_outer_counts, published_ids(src_layer_ids), published_ids(dst_layer_ids))
-    plan: TransferPlan | _SliceBlocks
-    if template is None:
-        plan = planned(_SliceBlocks)
-    else:
-        plan = planned(lambda: template.plan_state(int(prefill_state_indices[0]),
-                                                   int(dst_state_indices[0])))
-    return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
-                 "Failed to create Mamba state slice transfer",
-                 "Failed to post Mamba state slice transfer")
 
 
 def send_kvcache_staged(
