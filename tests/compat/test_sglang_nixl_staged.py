@@ -131,3 +131,25 @@ def test_a_page_past_the_pool_is_refused_before_the_gather(sg: Any) -> None:
         assert len(sg.gather_kernel.calls) == before and not mgr.agent.transfers
     finally:
         compat.uninstall(sg.nixl_cls)
+
+
+def test_prefill_pp_goes_to_sglangs_own_method(sg: Any) -> None:
+    world = StagedWorld(sg, heads=8, tp_p=2, tp_d=4, r_d=3, page=2, pp=2)
+    runs = []
+    for patched in (False, True):
+        if patched:
+            compat.install(sg.nixl_cls)
+        try:
+            mgr = world.manager(sg.nixl_cls, 1, 1, agent=RecordingAgent())
+            mgr.kv_args.gpu_id = 0
+            mgr.send_kvcache_staged("decode-0", world.src_pages, world.region_ptr,
+                                    world.region, 1, 3, 4, world.dst_item_len(),
+                                    staging_buffer=mgr.staging)
+            base = mgr.staging.get_ptr()
+            runs.append([(s - base, d, n) for s, d, n in mgr.agent.written()])
+            if patched:
+                assert len(compat.template_cache(mgr)) == 0  # not planned by kvplan
+        finally:
+            if patched:
+                compat.uninstall(sg.nixl_cls)
+    assert runs[0] == runs[1] and runs[0]
