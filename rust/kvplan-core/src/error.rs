@@ -123,6 +123,13 @@ pub enum PlanError {
         /// What is wrong, naming the offsets or values.
         what: String,
     },
+    /// Failed blocks that do not describe a plan's blocks (a range reversed or past the plan,
+    /// columns of unequal lengths, requests that are not the batch's); `what` names the values.
+    #[error("failed blocks: {what}")]
+    FailedBlocks {
+        /// What is wrong, naming the ranges or counts.
+        what: String,
+    },
     /// An error found in one request of a batch; the inner error says what.
     #[error("request {request} of the batch: {source}")]
     InRequest {
@@ -878,6 +885,7 @@ impl PlanError {
             PlanError::SkipTokens { .. } => "skip_tokens",
             PlanError::MissingPartner { .. } => "missing_partner",
             PlanError::FlatBatch { .. } => "flat_batch",
+            PlanError::FailedBlocks { .. } => "failed_blocks",
             PlanError::WindowMismatch { .. } => "window",
             PlanError::Conversion { .. } => "conversion",
             PlanError::Manifest { .. } => "manifest",
@@ -936,6 +944,7 @@ impl PlanError {
             | PlanError::RequestsOverlap { .. }
             | PlanError::InputChanged
             | PlanError::BlockOutsideBuffers { .. }
+            | PlanError::FailedBlocks { .. }
             | PlanError::DescIdOutOfRegion { .. } => ErrorClass::IndexBounds,
             PlanError::SizeMismatch { .. }
             | PlanError::HeadMismatch { .. }

@@ -67,7 +67,8 @@
 //!       in one plan), `coalescing` (why page pairs emit their blocks apart), `nixl_ids`
 //!       (descriptor ids in vLLM's NIXL layout).
 //!    2. `staged` (gather + network between staging regions + scatter), `slices` (layer-wise
-//!       views of a plan or a batch, the manifest).
+//!       views of a plan or a batch, the manifest), `failures` (the pages failed blocks were to
+//!       write).
 //!    3. `advice` (direct or staged), `convert` (conversion plans between representations),
 //!       `rounds` (a staged plan in rounds through bounded arenas).
 //!    4. `compatibility` (verdicts on a prefill and a decode identity).
@@ -120,6 +121,7 @@ pub use planners::batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
 pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
 pub use planners::compatibility::{Verdict, VerdictKind, compatibility, compatibility_with};
 pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
+pub use planners::failures::{FailedPages, RequestFailure, failed_batch_pages, failed_pages};
 pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
 pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};
 pub use planners::rounds::{

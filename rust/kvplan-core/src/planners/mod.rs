@@ -1,6 +1,6 @@
 //! The planners that borrow a template: batches, packed and staged plans, descriptor tables,
-//! staged rounds through bounded arenas, layer slices, conversions, the direct-or-staged advice
-//! and the coalescing report.
+//! staged rounds through bounded arenas, layer slices, failure verdicts, conversions, the
+//! direct-or-staged advice and the coalescing report.
 
 pub mod advice;
 pub mod batch;
@@ -8,6 +8,7 @@ pub mod coalescing;
 pub mod compatibility;
 pub mod convert;
 pub mod descriptors;
+pub mod failures;
 pub mod nixl_ids;
 pub mod pack;
 pub mod rounds;
