@@ -50,6 +50,7 @@ from kvplan._core import (
     tp_peers,
 )
 from kvplan._errors import ConfigError, IncompatibleHostError, IncompatiblePeerError, TransferError
+from kvplan.failures import FailureVerdict
 from kvplan.identity import (
     LayoutIdentity,
     ModelSemantics,
@@ -67,6 +68,7 @@ __all__ = [
     "Advice",
     "CompatReport",
     "ConfigError",
+    "FailureVerdict",
     "EntryCheck",
     "IncompatibleHostError",
     "IncompatiblePeerError",

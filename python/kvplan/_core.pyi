@@ -57,6 +57,7 @@ __all__ = [
     "compatibility",
     "copy_local",
     "feature_descriptions",
+    "failed_pages",
     "group_contiguous",
     "heads_per_rank",
     "index_array",
@@ -142,6 +143,14 @@ def nixl_desc_ids(
     model. A block id outside its region is an ``IndexBoundsError``. ``pairs``: vLLM 0.34's
     ``(regions, keys)`` (key major, pair order within a key); the layer routing and region
     group arguments are then not read."""
+def failed_pages(
+    template: Template, dst_addrs: _U64Array, lengths: _U64Array,
+    failed: Sequence[tuple[int, int]],
+) -> tuple[dict[int, _I64Array], _I64Array]:
+    """The destination pages per pool (``{pool: sorted page ids}``, only pools with a failed
+    page) and the sorted state slots that blocks ``failed`` (``(start, stop)`` ranges) of a plan
+    of ``template`` were to write; a reversed range, one past the plan, or a block in none of
+    the decode's entries is an ``IndexBoundsError``."""
 def group_contiguous(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array, _I64Array]: ...
 def reverse_descending_runs(src: _IndexArray, dst: _IndexArray, /) -> tuple[_I64Array, _I64Array] | None:
     """``(src, dst)`` with each stretch that steps by -1 on both sides reversed in place (the

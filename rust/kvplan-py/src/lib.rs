@@ -23,6 +23,7 @@ mod convert;
 mod descriptors;
 mod digest;
 mod errors;
+mod failures;
 mod heads;
 mod identity;
 mod ids;
@@ -71,6 +72,8 @@ mod _core {
         IndexBoundsError, KvPlanError, LayoutError, ManifestError, PairingError, SizeMismatchError,
         UnsupportedError,
     };
+    #[pymodule_export]
+    use crate::failures::failed_pages;
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};
     #[pymodule_export]

@@ -1,0 +1,116 @@
+"""Failure verdicts in the engines' shape: per request, the destination blocks a failed
+transfer left unwritten, per KV-cache group (a page pool of kvplan's layout, or the group a
+per-group template serves), and why.
+
+A transfer engine reports failure per submitted batch (a range of a plan's blocks); the core
+(``kvplan._core.failed_pages``) walks each failed block's destination bytes through the decode
+layout to the pages they belong to, so a verdict names exactly the pages the failed blocks were
+to write: not the whole request, and equal page ids of different groups stay apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvplan._core import failed_pages
+
+if TYPE_CHECKING:
+    from kvplan._core import Blocks, Template
+
+__all__ = ["FailureVerdict", "failed_ranges", "verdict_for_plan", "merge_verdicts"]
+
+#: The group key a verdict files a request's state slots under (state entries have no pool).
+STATE_GROUP = -1
+
+
+@dataclass(frozen=True)
+class FailureVerdict:
+    """One request's failed destination blocks, per KV-cache group.
+
+    ``blocks`` maps a group id to the sorted, unique block (page) ids of that group the failed
+    transfer was to write; the group :data:`STATE_GROUP` holds the request's state slots. A
+    group with no failed block is absent."""
+
+    request_id: str
+    blocks: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Whether any block failed."""
+        return any(self.blocks.values())
+
+    def group(self, group: int) -> tuple[int, ...]:
+        """The failed block ids of ``group`` (empty when none failed)."""
+        return self.blocks.get(group, ())
+
+    def __str__(self) -> str:
+        groups = "; ".join(f"group {g}: blocks {list(ids)}" if g != STATE_GROUP
+                           else f"state slots {list(ids)}" for g, ids in sorted(self.blocks.items()))
+        return f"request {self.request_id!r} failed ({self.reason or 'no reason given'}): " + (
+            groups or "no blocks")
+
+
+def failed_ranges(failed: Iterable[int | tuple[int, int] | slice]) -> list[tuple[int, int]]:
+    """Failed block positions (ints), ``(start, stop)`` ranges or ``slice`` objects as the
+    ``(start, stop)`` ranges the core takes (a slice with a step is refused)."""
+    out: list[tuple[int, int]] = []
+    for item in failed:
+        if isinstance(item, slice):
+            if item.step not in (None, 1) or item.start is None or item.stop is None:
+                from kvplan._core import IndexBoundsError
+
+                raise IndexBoundsError(f"failed blocks: a failed range must be a slice with a "
+                                       f"start and a stop and no step, got {item}")
+            out.append((int(item.start), int(item.stop)))
+        elif isinstance(item, tuple):
+            out.append((int(item[0]), int(item[1])))
+        else:
+            out.append((int(item), int(item) + 1))
+    return out
+
+
+def verdict_for_plan(request_id: str, template: Template, plan: Blocks,
+                     failed: Iterable[int | tuple[int, int] | slice], *, reason: str = "",
+                     groups: Mapping[int, int] | None = None) -> FailureVerdict:
+    """The verdict for blocks ``failed`` of ``plan`` (planned by ``template`` for request
+    ``request_id``): each failed block's destination pages, filed under their pool's KV-cache
+    group (``groups`` maps a pool id to a group; default: the pool id is the group).
+
+    Raises:
+        IndexBoundsError: A failed range reversed or past the plan, or a block that lies in
+            none of the decode layout's entries (a plan of another template).
+    """
+    pools, slots = failed_pages(template, plan.dst_addrs, plan.lengths, failed_ranges(failed))
+    blocks: dict[int, tuple[int, ...]] = {}
+    for pool, pages in pools.items():
+        group = pool if groups is None else groups.get(pool, pool)
+        blocks[group] = _union(blocks.get(group, ()), pages)
+    if len(slots):
+        blocks[STATE_GROUP] = tuple(int(s) for s in slots)
+    return FailureVerdict(request_id, blocks, reason)
+
+
+def merge_verdicts(verdicts: Sequence[FailureVerdict]) -> list[FailureVerdict]:
+    """One verdict per request (in first-seen order): the groups' blocks of every verdict of
+    that request united, their reasons joined."""
+    merged: dict[str, FailureVerdict] = {}
+    for v in verdicts:
+        seen = merged.get(v.request_id)
+        if seen is None:
+            merged[v.request_id] = v
+            continue
+        blocks = dict(seen.blocks)
+        for group, ids in v.blocks.items():
+            blocks[group] = _union(blocks.get(group, ()), ids)
+        reasons = seen.reason if v.reason in ("", seen.reason) else f"{seen.reason}; {v.reason}"
+        merged[v.request_id] = FailureVerdict(v.request_id, blocks, reasons)
+    return list(merged.values())
+
+
+def _union(a: Iterable[int], b: Iterable[int] | np.ndarray) -> tuple[int, ...]:
+    return tuple(sorted({int(x) for x in a} | {int(x) for x in b}))
