@@ -21,7 +21,7 @@ from kvplan._core import failed_pages
 if TYPE_CHECKING:
     from kvplan._core import Blocks, Template
 
-__all__ = ["FailureVerdict", "failed_ranges", "verdict_for_plan", "merge_verdicts"]
+__all__ = ["FailureVerdict", "STATE_GROUP", "failed_ranges", "verdict_for_plan", "merge_verdicts"]
 
 #: The group key a verdict files a request's state slots under (state entries have no pool).
 STATE_GROUP = -1
@@ -49,8 +49,10 @@ class FailureVerdict:
         return self.blocks.get(group, ())
 
     def __str__(self) -> str:
+        # the groups in order, the state slots last
+        order = sorted(self.blocks.items(), key=lambda item: (item[0] == STATE_GROUP, item[0]))
         groups = "; ".join(f"group {g}: blocks {list(ids)}" if g != STATE_GROUP
-                           else f"state slots {list(ids)}" for g, ids in sorted(self.blocks.items()))
+                           else f"state slots {list(ids)}" for g, ids in order)
         return f"request {self.request_id!r} failed ({self.reason or 'no reason given'}): " + (
             groups or "no blocks")
 
