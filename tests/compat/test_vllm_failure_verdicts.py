@@ -1,0 +1,106 @@
+"""Failure verdicts into vLLM's NIXL worker: a transfer engine's failed batch of a kvplan plan
+ends in the worker's own ``get_block_ids_with_load_errors()`` (vLLM's code, the release
+:func:`support.vllm_loader.load_vllm` loads, and 0.32 in a fresh process) naming exactly the
+failed blocks, not the request's other blocks; with several KV-cache groups, where vLLM's
+scheduler refuses block-level errors, the request goes to the worker's failed-receive queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import types
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+
+import kvplan  # noqa: E402
+from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
+
+BLOCK = 16 * 8 * 128 * 2  # 16 tokens of 8 KV heads of 128 bf16 values
+
+
+@pytest.fixture(scope="module")
+def nixl() -> types.SimpleNamespace:
+    return load_vllm_nixl()
+
+
+def worker(nixl: types.SimpleNamespace, n_groups: int) -> object:
+    """vLLM's NIXL worker as vLLM's own tests build one (``__new__``), with the failure queues
+    its ``__init__`` makes and a KV-cache config of ``n_groups`` groups."""
+    w = object.__new__(nixl.NixlConnectorWorker)
+    w.__dict__.update(
+        _invalid_block_ids=queue.Queue(), _failed_recv_reqs=queue.Queue(),
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[object()] * n_groups))
+    return w
+
+
+def template(layers: int = 4, capacity: int = 64) -> kvplan.Template:
+    def side(base: int) -> kvplan.Layout:
+        lens = [capacity * BLOCK] * (2 * layers)
+        ptrs = [base + k * capacity * BLOCK for k in range(2 * layers)]
+        return kvplan.Layout(ptrs, lens, BLOCK, [k // 2 for k in range(2 * layers)],
+                             ["k", "v"] * layers, page_size=16)
+    return kvplan.Template(side(0x1_0000_0000), side(0x2_0000_0000))
+
+
+def test_a_failed_batch_reports_exactly_its_blocks(nixl: types.SimpleNamespace) -> None:
+    w = worker(nixl, 1)
+    t = template()
+    dst = np.array([7, 3, 40, 41, 42, 9], np.int64)
+    plan = t.plan(kvplan.Request(np.arange(6, dtype=np.int64), dst))
+    # Blocks are layer-entry major: each entry holds one block per run (7 | 3 | 40-42 | 9).
+    # The engine submits batches of 4 blocks; the second batch failed.
+    verdict = vllm_nixl.report_failed_batch(w, "req-a", t, plan, [(4, 8)], reason="batch 1")
+    # Blocks 4..7 are entry 1's runs (the V of layer 0): pages 7, 3, 40-42, 9 all of them.
+    assert verdict.blocks == {0: (3, 7, 9, 40, 41, 42)}
+    got = w.get_block_ids_with_load_errors()  # vLLM's method
+    assert got == {3, 7, 9, 40, 41, 42}
+    assert w.get_block_ids_with_load_errors() == set()  # drained
+
+    # One failed block: only that run's pages, not the request's other pages.
+    vllm_nixl.report_failed_batch(w, "req-a", t, plan, [2], reason="one block")
+    assert w.get_block_ids_with_load_errors() == {40, 41, 42}
+    assert w._failed_recv_reqs.empty()
+
+
+def test_several_groups_report_the_request(nixl: types.SimpleNamespace,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    w = worker(nixl, 2)
+    t = template()
+    plan = t.plan(kvplan.Request(np.arange(3, dtype=np.int64), np.array([5, 6, 11], np.int64)))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvplan.nixl"):
+        verdict = vllm_nixl.report_failed_batch(w, "req-b", t, plan, [(0, 1)],
+                                                reason="peer died", groups={0: 1})
+    assert verdict.blocks == {1: (5, 6)}
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w._failed_recv_reqs.get_nowait() == "req-b"
+    assert "group 1: blocks [5, 6]" in caplog.text and "req-b" in caplog.text
+
+
+def test_nothing_failed_reports_nothing(nixl: types.SimpleNamespace) -> None:
+    w = worker(nixl, 1)
+    t = template()
+    plan = t.plan(kvplan.Request(np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)))
+    verdict = vllm_nixl.report_failed_batch(w, "req-c", t, plan, [(1, 1)], reason="none")
+    assert not verdict.failed
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w._failed_recv_reqs.empty()
+
+
+def test_a_worker_without_the_queues_is_refused(nixl: types.SimpleNamespace) -> None:
+    w = object.__new__(nixl.NixlConnectorWorker)
+    v = kvplan.FailureVerdict("r", {0: (1,)}, "x")
+    with pytest.raises(kvplan.IncompatibleHostError, match="_invalid_block_ids"):
+        vllm_nixl.report_load_failure(w, v)
+
+
+@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
+                    reason="this process already runs the other release")
+def test_vllm_032_release() -> None:
+    """vLLM 0.32.0's CPU build: this file against its NIXL worker, in a fresh process."""
+    rerun_under_release([os.path.abspath(__file__)])
