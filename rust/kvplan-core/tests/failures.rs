@@ -1,6 +1,7 @@
 //! Failure verdicts: the pages failed blocks were to write, per pool and per request, checked
 //! against a reference that intersects each failed block with every item of every destination
 //! entry (no address walk), over plans and batches of several layouts.
+#![allow(clippy::single_range_in_vec_init)] // one failed range is a list of one range
 
 mod support;
 
@@ -88,7 +89,7 @@ fn as_map(found: &FailedPages) -> Pages {
 fn failed_ranges(rng: &mut Rng, n: usize) -> (Vec<Range<usize>>, Vec<usize>) {
     let mut ranges = Vec::new();
     let mut blocks = BTreeSet::new();
-    for _ in 0..1 + rng.below(3) {
+    for _ in 0..=rng.below(3) {
         let start = rng.below(n as u64 + 1) as usize;
         let end = start + rng.below((n - start) as u64 + 1) as usize;
         blocks.extend(start..end);
@@ -142,7 +143,7 @@ fn batch_failures_name_each_request_its_own_pages() {
         // Requests continuing each other on both sides fuse into one segment.
         let mut lists: Vec<(Vec<i64>, Vec<i64>)> = Vec::new();
         let (mut s, mut d) = (0i64, 0i64);
-        for _ in 0..1 + rng.below(5) {
+        for _ in 0..=rng.below(5) {
             if rng.below(2) == 0 {
                 s += rng.below(3) as i64 + 1;
                 d += rng.below(3) as i64 + 1;
@@ -201,7 +202,7 @@ fn bad_failed_ranges_are_typed_errors() {
         .unwrap();
     let n = plan.lengths.len();
     let call = |ranges: &[Range<usize>]| failed_pages(&dst, &plan.dst_addrs, &plan.lengths, ranges);
-    #[allow(clippy::reversed_empty_ranges)]
+    #[allow(clippy::reversed_empty_ranges)] // the reversed range is the bad input
     let reversed = call(&[3..1]).unwrap_err();
     assert!(matches!(reversed, PlanError::FailedBlocks { .. }));
     assert!(reversed.to_string().contains("[3, 1)"), "{reversed}");
