@@ -57,6 +57,7 @@ __all__ = [
     "compatibility",
     "copy_local",
     "feature_descriptions",
+    "failed_batch_pages",
     "failed_pages",
     "group_contiguous",
     "heads_per_rank",
@@ -143,6 +144,15 @@ def nixl_desc_ids(
     model. A block id outside its region is an ``IndexBoundsError``. ``pairs``: vLLM 0.34's
     ``(regions, keys)`` (key major, pair order within a key); the layer routing and region
     group arguments are then not read."""
+def failed_batch_pages(
+    batch: BatchPlan, dst_addrs: _U64Array, lengths: _U64Array,
+    dst_pages: Sequence[Mapping[int, _I64Array] | int], failed: Sequence[tuple[int, int]],
+) -> list[tuple[int, dict[int, _I64Array], _I64Array]]:
+    """Per request of ``batch`` with failed pages or slots, in batch order: ``(request,
+    {pool: sorted page ids}, sorted slots)`` for blocks ``failed`` (``(start, stop)`` ranges)
+    of the batch's ``dst_addrs`` / ``lengths``. ``dst_pages``: each request's destination
+    pages as planned (``{pool: int64 pages}``) or its destination state slot (an int), so the
+    blocks of fused requests name each request its own pages."""
 def failed_pages(
     template: Template, dst_addrs: _U64Array, lengths: _U64Array,
     failed: Sequence[tuple[int, int]],

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvplan._core import failed_pages
+from kvplan._core import failed_batch_pages, failed_pages
 
 if TYPE_CHECKING:
-    from kvplan._core import Blocks, Template
+    from kvplan._core import BatchPlan, Blocks, Request, Template
 
-__all__ = ["FailureVerdict", "STATE_GROUP", "failed_ranges", "verdict_for_plan", "merge_verdicts"]
+__all__ = ["FailureVerdict", "STATE_GROUP", "failed_ranges", "verdict_for_plan",
+           "verdicts_for_batch", "merge_verdicts"]
 
 #: The group key a verdict files a request's state slots under (state entries have no pool).
 STATE_GROUP = -1
@@ -95,6 +96,55 @@ def verdict_for_plan(request_id: str, template: Template, plan: Blocks,
     if len(slots):
         blocks[STATE_GROUP] = tuple(int(s) for s in slots)
     return FailureVerdict(request_id, blocks, reason)
+
+
+def verdicts_for_batch(request_ids: Sequence[str], batch: BatchPlan,
+                       requests: Sequence[Request | tuple[object, ...]],
+                       failed: Iterable[int | tuple[int, int] | slice], *, reason: str = "",
+                       groups: Mapping[int, int] | None = None) -> list[FailureVerdict]:
+    """One verdict per request of ``batch`` (planned from ``requests``, named ``request_ids``)
+    that the failed blocks hold bytes of, in batch order: its own failed pages per group (the
+    blocks of fused requests name each request the pages of its own lists).
+
+    Raises:
+        IndexBoundsError: As :func:`verdict_for_plan`, or ``requests`` of another count than
+            the batch's.
+    """
+    if len(request_ids) != len(requests):
+        from kvplan._core import IndexBoundsError
+
+        raise IndexBoundsError(f"failed blocks: {len(request_ids)} request ids for "
+                               f"{len(requests)} requests; name each request once")
+    found = failed_batch_pages(batch, batch.dst_addrs, batch.lengths,
+                               [_dst_pages(r) for r in requests], failed_ranges(failed))
+    verdicts = []
+    for r, pools, slots in found:
+        blocks: dict[int, tuple[int, ...]] = {}
+        for pool, pages in pools.items():
+            group = pool if groups is None else groups.get(pool, pool)
+            blocks[group] = _union(blocks.get(group, ()), pages)
+        if len(slots):
+            blocks[STATE_GROUP] = tuple(int(s) for s in slots)
+        verdicts.append(FailureVerdict(request_ids[r], blocks, reason))
+    return verdicts
+
+
+def _dst_pages(request: Request | tuple[object, ...]) -> dict[int, np.ndarray] | int:
+    """A batch request's destination pages per pool (or its destination slot), as planned."""
+    if isinstance(request, tuple):
+        return {0: np.asarray(request[1], dtype=np.int64)}
+    if request.slot is not None:
+        return int(request.slot[1])
+    pages: dict[int, np.ndarray] = {}
+    if request.dst is not None:
+        pages[0] = np.asarray(request.dst, dtype=np.int64)
+    for pool, (_, dst) in (request.pool_pages or {}).items():
+        if dst is not None:
+            pages[int(pool)] = np.asarray(dst, dtype=np.int64)
+    window = request.window_pages
+    if window is not None and window[1] is not None and 1 not in pages:
+        pages[1] = np.asarray(window[1], dtype=np.int64)
+    return pages
 
 
 def merge_verdicts(verdicts: Sequence[FailureVerdict]) -> list[FailureVerdict]:

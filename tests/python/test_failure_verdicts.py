@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan.failures import STATE_GROUP, FailureVerdict, failed_ranges, verdict_for_plan
+from kvplan.failures import (
+    STATE_GROUP,
+    FailureVerdict,
+    failed_ranges,
+    verdict_for_plan,
+    verdicts_for_batch,
+)
 from kvplan.presets import DECODE_BASE, get_preset, pool_pages_for
 
 SEED = 20261206
@@ -240,3 +246,56 @@ def test_verdict_value() -> None:
     assert v.failed and v.group(0) == (1, 2) and v.group(3) == ()
     assert str(v) == "request 'r' failed (peer died): group 0: blocks [1, 2]; state slots [5]"
     assert not FailureVerdict("r").failed
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla-cross-layer", "vllm-three-groups"])
+def test_batch_verdicts_name_each_request_its_own_pages(name: str) -> None:
+    """Batches of requests (consecutive ones continuing each other on both sides, so that
+    they fuse into shared blocks) with failed batches: each request is named with exactly the
+    failed pages of its own lists, and together they are every failed page."""
+    d = next(x for x in deployments() if x.name == name)
+    rng = np.random.default_rng(SEED + 1)
+    fused = 0
+    for trial in range(300):
+        free = rng.permutation(CAPACITY - 8)
+        requests: list[kvplan.Request] = []
+        at = 0
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(1, 4))
+            if requests and rng.random() < 0.5 and int(requests[-1].dst[-1]) + n < CAPACITY:
+                s0, d0 = int(requests[-1].src[-1]) + 1, int(requests[-1].dst[-1]) + 1
+                src = np.arange(s0, s0 + n, dtype=np.int64)
+                dst = np.arange(d0, d0 + n, dtype=np.int64)
+            else:
+                src = np.sort(rng.choice(CAPACITY, n, replace=False)).astype(np.int64)
+                dst = np.sort(free[at:at + n]).astype(np.int64)
+            at += n
+            own = {int(p) for r in requests for p in r.dst}
+            if own & {int(p) for p in dst} or dst.max() >= CAPACITY or src.max() >= CAPACITY:
+                continue
+            requests.append(kvplan.Request(src, dst))
+        if name == "vllm-three-groups":  # each group's pages of its own, the same ids
+            halves = [-(-len(r.dst) // 2) for r in requests]
+            requests = [kvplan.Request(r.src, r.dst, pool_pages={
+                1: (r.src, r.dst),
+                2: (np.arange(h, dtype=np.int64), np.arange(2 * k, 2 * k + h, dtype=np.int64))})
+                for k, (r, h) in enumerate(zip(requests, halves))]
+        batch = d.template.plan_batch(requests)
+        fused += batch.n_requests - batch.n_segments
+        ranges = failed_batches(rng, batch.n_blocks) if batch.n_blocks else []
+        blocks = np.array(sorted({b for a, e in ranges for b in range(a, e)}), np.int64)
+        ids = [f"r{trial}-{k}" for k in range(len(requests))]
+        verdicts = verdicts_for_batch(ids, batch, requests, ranges, reason="batch failed")
+        want = reference(d.entries, batch.dst_addrs, batch.lengths, blocks)
+        united: dict[int, set[int]] = {}
+        for v in verdicts:
+            k = ids.index(v.request_id)
+            r = requests[k]
+            lists = {0: r.dst, **{p: dst for p, (_, dst) in (r.pool_pages or {}).items()}}
+            for g, pages in v.blocks.items():
+                assert set(pages) <= {int(p) for p in lists[g]}, (name, k, g)
+                assert not united.setdefault(g, set()) & set(pages)
+                united[g] |= set(pages)
+        assert {g: tuple(sorted(p)) for g, p in united.items()} == want, (name, ranges)
+    if name != "vllm-three-groups":
+        assert fused > 50, fused

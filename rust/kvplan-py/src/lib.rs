@@ -73,7 +73,7 @@ mod _core {
         UnsupportedError,
     };
     #[pymodule_export]
-    use crate::failures::failed_pages;
+    use crate::failures::{failed_batch_pages, failed_pages};
     #[pymodule_export]
     use crate::heads::{PyTpPeers, heads_per_rank, staging_replicas_write, tp_peers};
     #[pymodule_export]
