@@ -34,6 +34,10 @@ pub fn failed_pages<'py>(
     Ok((pools, found.slots.into_pyarray(py)))
 }
 
+/// One failed request of a batch as Python receives it: its position, `{pool: pages}` and
+/// its slots.
+type RequestPages<'py> = (usize, Bound<'py, PyDict>, Bound<'py, PyArray1<i64>>);
+
 /// One request's destination pages as the batch verdict reads them: per pool its page array,
 /// or a state slot.
 enum DstPages<'py> {
@@ -69,7 +73,7 @@ pub fn failed_batch_pages<'py>(
     lengths: PyReadonlyArray1<'_, u64>,
     dst_pages: Vec<Bound<'py, PyAny>>,
     failed: Vec<(i64, i64)>,
-) -> PyResult<Vec<(usize, Bound<'py, PyDict>, Bound<'py, PyArray1<i64>>)>> {
+) -> PyResult<Vec<RequestPages<'py>>> {
     let ranges = block_ranges(&failed)?;
     let mut held = Vec::with_capacity(dst_pages.len());
     for (r, item) in dst_pages.iter().enumerate() {

@@ -157,11 +157,10 @@ impl Collect {
         Ok(())
     }
 
-    fn finish(mut self, keep: impl Fn(Item) -> bool) -> FailedPages {
+    fn finish(mut self) -> FailedPages {
         let mut pools = Vec::new();
         for (p, pages) in self.pools.iter_mut().enumerate() {
             let pool = PoolId::ALL[p];
-            pages.retain(|&page| keep(Item::Page(pool, page)));
             if pages.is_empty() {
                 continue;
             }
@@ -169,7 +168,6 @@ impl Collect {
             pages.dedup();
             pools.push((pool, std::mem::take(pages)));
         }
-        self.slots.retain(|&slot| keep(Item::Slot(slot)));
         self.slots.sort_unstable();
         self.slots.dedup();
         FailedPages {
@@ -265,7 +263,7 @@ pub fn failed_pages(
             walk_block(&index, b, dst_addrs, lengths, &mut out)?;
         }
     }
-    Ok(out.finish(|_| true))
+    Ok(out.finish())
 }
 
 /// Per request of a batch (`summary`, planned from `requests` into the decode layout `dst`),
@@ -317,7 +315,7 @@ pub fn failed_batch_pages<S: PageIndex, D: PageIndex>(
         }
         let members = summary.segment_requests[s]..summary.segment_requests[s + 1];
         if members.len() == 1 {
-            let pages = out.finish(|_| true);
+            let pages = out.finish();
             if !pages.is_empty() {
                 found.push(RequestFailure {
                     request: members.start,
@@ -326,36 +324,72 @@ pub fn failed_batch_pages<S: PageIndex, D: PageIndex>(
             }
             continue;
         }
-        for r in members {
-            let request = &requests[r];
-            let mine = Collect {
-                pools: out.pools.clone(),
-                slots: out.slots.clone(),
-            };
-            // Fused requests are page requests; each keeps the pages its own lists hold.
-            let pages = mine.finish(|item| holds(request, item));
+        // Fused requests are page requests, and a batch gives each page to one request: each
+        // failed page goes to the member whose lists hold it (found by one sorted lookup).
+        let owners = page_owners(&requests[members.clone()], members.start)?;
+        let mut mine: Vec<Collect> = members.clone().map(|_| Collect::default()).collect();
+        for (p, pages) in out.pools.iter().enumerate() {
+            for &page in pages {
+                let key = (p, page);
+                let at = owners.partition_point(|&(pool, pg, _)| (pool, pg) < key);
+                if let Some(&(pool, pg, r)) = owners.get(at)
+                    && (pool, pg) == key
+                {
+                    mine[r - members.start].pools[p].push(page);
+                }
+            }
+        }
+        for (k, collected) in mine.into_iter().enumerate() {
+            let pages = collected.finish();
             if !pages.is_empty() {
-                found.push(RequestFailure { request: r, pages });
+                found.push(RequestFailure {
+                    request: members.start + k,
+                    pages,
+                });
             }
         }
     }
     Ok(found)
 }
 
-/// Whether `request`'s destination lists hold `item`.
-fn holds<S: PageIndex, D: PageIndex>(request: &Request<'_, S, D>, item: Item) -> bool {
-    match item {
-        Item::Page(pool, page) => {
-            let list = if pool == PoolId::PAGES {
-                match request.indices {
-                    Indices::Pages { dst, .. } => Some(dst),
-                    Indices::Slot { .. } => None,
-                }
-            } else {
-                request.pool_pages[pool.index()].1
-            };
-            list.is_some_and(|l| l.iter().any(|p| p.get() == page))
+/// Every destination page of `requests` (the first at batch position `first`) as `(pool,
+/// page, request)`, sorted.
+fn page_owners<S: PageIndex, D: PageIndex>(
+    requests: &[Request<'_, S, D>],
+    first: usize,
+) -> Result<Vec<(usize, i64, usize)>> {
+    let n: usize = requests
+        .iter()
+        .flat_map(dst_lists)
+        .map(|list| list.map_or(0, <[D]>::len))
+        .sum();
+    let mut owners = Vec::new();
+    owners
+        .try_reserve_exact(n)
+        .map_err(|_| PlanError::out_of_memory::<(usize, i64, usize)>("failure verdict", n))?;
+    for (k, request) in requests.iter().enumerate() {
+        for (p, list) in dst_lists(request).into_iter().enumerate() {
+            owners.extend(
+                list.into_iter()
+                    .flatten()
+                    .map(|page| (p, page.get(), first + k)),
+            );
         }
-        Item::Slot(slot) => matches!(request.indices, Indices::Slot { dst, .. } if dst == slot),
     }
+    owners.sort_unstable();
+    Ok(owners)
+}
+
+/// A request's destination page list per pool (`None` where it gives none).
+fn dst_lists<'a, S: PageIndex, D: PageIndex>(
+    request: &Request<'a, S, D>,
+) -> [Option<&'a [D]>; POOLS] {
+    let mut lists = [None; POOLS];
+    for (p, list) in lists.iter_mut().enumerate() {
+        *list = request.pool_pages[p].1;
+    }
+    if let Indices::Pages { dst, .. } = request.indices {
+        lists[PoolId::PAGES.index()] = Some(dst);
+    }
+    lists
 }
