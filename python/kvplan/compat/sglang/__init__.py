@@ -52,8 +52,10 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   buffers pair by the layer ids both peers registered. The prepared lists
   (``_prep_equal_tp_dlist``, ``_init_hetero_tp_prep_handle``) are one strided row per entry
   (pair) from a layout or the head-sliced template; ``_send_mamba_state`` one block per pair.
-  The prepared per-request path, ``send_kvcache_slice``'s indices and the staged path stay
-  SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
+  ``send_kvcache_staged`` at prefill PP 1 plans as the Mooncake manager's staged path does
+  and posts its network blocks as NIXL descriptors (prefill PP goes to SGLang's own method).
+  The prepared per-request path (``send_kvcache_mixed``'s indices), ``send_kvcache_slice``'s
+  indices and ``_send_mamba_state_slice`` stay SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
   ``kvplan.IncompatibleHostError`` before anything is replaced.
 
 Everything else (``_send_mamba_state_slice``,
