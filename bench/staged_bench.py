@@ -3,6 +3,7 @@
     .venv/bin/python bench/staged_bench.py                 # both engines, writes the results
     .venv/bin/python bench/staged_bench.py --engines nixl --quick
     .venv/bin/python bench/staged_bench.py --planning-only    # planning times only
+    .venv/bin/python bench/staged_bench.py --rounds-pairs 200  # plan_rounds vs plan_staged
 
 Both ends of every transfer live in this process, each engine with its own two transports
 (Mooncake: TCP on 127.0.0.1; NIXL: two UCX agents), prefill memory in one registered host
@@ -294,6 +295,43 @@ def planning_rows(repeats: int) -> list[str]:
     return rows
 
 
+def rounds_rows(pairs: int) -> list[str]:
+    """``plan_rounds`` against ``plan_staged`` for one writer of each planning case, called in
+    turn ``pairs`` times in this process after one warm-up call of each (each result dropped
+    before the next call): medians and minima of both, and the ratios of the medians and of
+    the minima (the minima are the least shifted by load from other processes)."""
+    rows = ["| case | rounds | pairs | plan_staged median (ms) | plan_rounds median (ms) | "
+            "median ratio | plan_staged min (ms) | plan_rounds min (ms) | min / min ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for case in PLANNING:
+        span = lambda tp: 1 << max(40, span_bytes(case, tp).bit_length() + 1)  # noqa: E731
+        template = kvplan.Template(layout(case, 1 << 44, case.tp_p, 0),
+                                   layout(case, 1 << 46, case.tp_d, 0))
+        src_pages, dst_pages = request(case)
+        regions = {"src_staging": (1 << 50, span(case.tp_p)),
+                   "dst_staging": (1 << 52, span(case.tp_d))}
+        senders = case.tp_p // case.tp_d if case.tp_p > case.tp_d else 1
+        arenas = {"src_arena": (1 << 54, ROUND_ARENA),
+                  "dst_arena": (1 << 56, ROUND_ARENA * senders)}
+        n_rounds = len(template.plan_rounds(src_pages, dst_pages, **arenas))
+        fns: list[Callable[[], Any]] = [
+            lambda: template.plan_staged(src_pages, dst_pages, **regions),
+            lambda: template.plan_rounds(src_pages, dst_pages, **arenas)]
+        times: list[list[int]] = [[], []]
+        for fn in fns:
+            fn()
+        for _ in range(pairs):
+            for k, fn in enumerate(fns):
+                times[k].extend(call_times_ns(fn, 1, warmup=0))
+        (staged_med, rounds_med), (staged_min, rounds_min) = (
+            [statistics.median(t) / 1e6 for t in times], [min(t) / 1e6 for t in times])
+        rows.append(f"| {case.name}: {case.label()} | {n_rounds:,} | {pairs} | "
+                    f"{staged_med:.3f} | {rounds_med:.3f} | {rounds_med / staged_med:.2f} | "
+                    f"{staged_min:.3f} | {rounds_min:.3f} | {rounds_min / staged_min:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def sweep_cases(quick: bool) -> list[Case]:
     geometries = [(8, 2), (2, 1), (1, 1)]
     tokens = [64, 1024] if quick else [64, 256, 1024]
@@ -314,7 +352,14 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--planning-only", action="store_true",
                     help="only print the planning-time table (no engines, no file)")
+    ap.add_argument("--rounds-pairs", type=int, default=0, metavar="N",
+                    help="only print plan_rounds against plan_staged, N interleaved pairs per "
+                         "case (no engines, no file)")
     args = ap.parse_args()
+    if args.rounds_pairs:
+        print(f"load average {os.getloadavg()[0]:.1f}, kvplan {kvplan.__version__}")
+        rounds_rows(args.rounds_pairs)
+        return
     if args.planning_only:
         planning_rows(PLANNING_REPEATS)
         return

@@ -16,18 +16,19 @@
 //! (its offset in the prefill staging region) in both. A round is a stream interval `[a, c)`;
 //! its gather and scatter are the staged gather and scatter blocks clipped to that interval,
 //! with the staging offset `s` replaced by `buffer start + (s − a)` on each side. No address
-//! is computed anew: every prefill and decode address is the staged plan's. Where the staged
-//! scatter reads its decode staging offsets is checked against the staged network (each
-//! scatter block must read, through the network block holding its stream interval, what the
-//! gather wrote there); a mismatch refuses the plan ([`PlanError::InputChanged`]).
+//! is computed anew: every prefill and decode address is the staged plan's. The staged
+//! gather's staging offsets are checked to be the stream offsets (a mismatch refuses the plan,
+//! [`PlanError::InputChanged`]); the scatter's sources are written from each block's stream
+//! offset as the staged planner emits it, never from its decode staging offsets.
 //!
 //! Where rounds are cut: at most `buffer_bytes` per round, at the last point within the buffer
 //! where a block of the *major* stage ends (the gather or the scatter, whichever has more
 //! blocks); a stream offset inside a block only when no block of it ends in the buffer (a block
 //! larger than the buffer, split at a byte boundary: every stage is a byte copy, so the bytes
-//! land where the direct plan puts them whatever the cut). The major stage is then rewritten in
-//! place (only its staging column changes) and only the minor stage, with at most one block
-//! split per cut, is copied out. Templates whose sides hold different representations are
+//! land where the direct plan puts them whatever the cut). The major stage is written once in
+//! the output the staged plan is emitted into (only its staging column differs): the scatter
+//! cut while it is emitted, so planning rounds walks it once, the gather rewritten in place
+//! after. Only the minor stage, with at most one block split per cut, is copied out. Templates whose sides hold different representations are
 //! planned by `ConversionTemplate`, not here, so no conversion row ever reaches a round.
 //!
 //! Several senders into one decode arena: the prefill ranks that fill one decode rank's
@@ -56,7 +57,7 @@ use crate::model::request::Request;
 use crate::model::runs::PageIndex;
 use crate::peer_pair::template::Template;
 use crate::planners::pack::PackBuffer;
-use crate::planners::staged::{StagedPlanner, StagingRegion};
+use crate::planners::staged::{ScatterSources, StagedPlanner, StagingRegion};
 use crate::rules::capabilities::Planner;
 use crate::rules::heads::staging_writer;
 
@@ -367,6 +368,26 @@ struct RoundGeometry {
     writer: (u32, u32),
 }
 
+impl RoundGeometry {
+    /// Where the prefill round buffers start.
+    fn src_bases(&self) -> Bases {
+        Bases {
+            first: self.src_arena.addr,
+            stride: self.src_buffer,
+            buffers: self.buffers,
+        }
+    }
+
+    /// Where this sender's decode round buffers start.
+    fn dst_bases(&self) -> Bases {
+        Bases {
+            first: self.dst_arena.addr + self.dst_share,
+            stride: self.dst_buffer,
+            buffers: self.buffers,
+        }
+    }
+}
+
 impl<'t> RoundsPlanner<'t> {
     /// The rounds planner of `template`.
     pub fn new(template: &'t Template) -> Self {
@@ -422,10 +443,13 @@ impl<'t> RoundsPlanner<'t> {
             addr: 0,
             size: u64::MAX,
         };
-        let (gather_buf, scatter_buf, staged) =
-            StagedPlanner::new(self.template).plan_into(request, whole, whole, |shape| {
-                Ok((alloc(shape.n_blocks)?, alloc(shape.n_blocks)?))
-            })?;
+        let mut cutter = ScatterCutter::new(geometry.dst_bases(), geometry.buffer_bytes);
+        let (gather_buf, scatter_buf, staged) = StagedPlanner::new(self.template).plan_into_with(
+            request,
+            (whole, whole),
+            |shape| Ok((alloc(shape.n_blocks)?, alloc(shape.n_blocks)?)),
+            &mut cutter,
+        )?;
         // The staged plan places this rank as the writer the arena shares were cut for.
         if staged.writer != geometry.writer {
             give_back(gather_buf);
@@ -436,7 +460,7 @@ impl<'t> RoundsPlanner<'t> {
         let mut rounds = emit_rounds(
             (gather_buf, staged.gather.n_blocks),
             (scatter_buf, staged.scatter.n_blocks),
-            &staged.network,
+            cutter,
             total,
             &geometry,
             &mut alloc,
@@ -649,70 +673,130 @@ impl StageCheck for GatherCheck {
     }
 }
 
-/// The staged scatter reads, for the stream interval of each block, the decode staging offset
-/// that the network block holding that interval wrote (network sources are stream offsets, its
-/// blocks in stream order).
-struct ScatterCheck<'a> {
-    network: &'a Plan,
-    next: usize,
-    /// The current network block: `(source, destination, end)`.
-    current: (u64, u64, u64),
+/// The rounds' scatter, whose sources [`ScatterCutter`] wrote as round buffer addresses from
+/// each block's stream offset while the staged planner emitted it: they are right by
+/// construction and never read, so only the bytes covered are tracked.
+struct CutScatterCheck {
     done: u64,
 }
 
-impl<'a> ScatterCheck<'a> {
-    fn new(network: &'a Plan) -> Self {
-        let mut out = Self {
-            network,
-            next: 0,
-            current: (u64::MAX, 0, u64::MAX),
-            done: 0,
-        };
-        out.current = out.block(0);
-        out
-    }
-
-    fn block(&self, j: usize) -> (u64, u64, u64) {
-        let n = self.network;
-        n.src_addrs.get(j).map_or((u64::MAX, 0, u64::MAX), |&ns| {
-            (ns, n.dst_addrs[j], ns.saturating_add(n.lengths[j]))
-        })
-    }
-
-    fn seek(&mut self, at: u64) {
-        while at >= self.current.2 && self.next < self.network.lengths.len() {
-            self.next += 1;
-            self.current = self.block(self.next);
-        }
-    }
-}
-
-impl StageCheck for ScatterCheck<'_> {
-    fn fits(&mut self, at: u64, staged: u64, len: u64) -> bool {
-        self.seek(at);
-        let (ns, nd, nend) = self.current;
-        let end = at.wrapping_add(len);
-        self.done = end;
-        // Bitwise on purpose: no branch per block in the walk.
-        #[allow(clippy::needless_bitwise_bool)]
-        let fits = (ns <= at) & (end <= nend) & (staged == nd.wrapping_add(at.wrapping_sub(ns)));
-        fits || len == 0
+impl StageCheck for CutScatterCheck {
+    fn fits(&mut self, at: u64, _staged: u64, len: u64) -> bool {
+        self.done = at.wrapping_add(len);
+        true
     }
     fn original(&mut self, at: u64) -> u64 {
-        self.seek(at);
-        let (ns, nd, _) = self.current;
-        nd.wrapping_add(at.wrapping_sub(ns))
+        at
     }
-    fn span(&mut self, at: u64) -> (u64, u64, u64) {
-        self.seek(at);
-        let (ns, nd, nend) = self.current;
-        (ns, nend, nd.wrapping_sub(ns))
+    fn span(&mut self, _at: u64) -> (u64, u64, u64) {
+        (0, u64::MAX, 0)
     }
     fn checked_to(&mut self, at: u64) {
         self.done = at;
     }
     fn done(&self) -> u64 {
         self.done
+    }
+}
+
+/// Cuts the scatter into rounds while [`StagedPlanner`] emits it, so the scatter is walked
+/// once: each round ends before the first block that would overflow its buffer (the cut
+/// [`cut_major_in_place`] makes), and each block's source is written as its round buffer's
+/// address plus its offset in the round. Used when the scatter is the major stage; when a
+/// block is larger than a round buffer (`oversized`) the rounds are cut by [`cut_rounds`]
+/// instead and these sources are not used.
+struct ScatterCutter {
+    bases: Bases,
+    buffer_bytes: u64,
+    /// Bytes of the request.
+    total: u64,
+    /// The current round's start and end bound in the stream, and its buffer's address.
+    start: u64,
+    limit: u64,
+    base: u64,
+    ends: Vec<u64>,
+    round_offsets: Vec<usize>,
+    oversized: bool,
+    /// Memory for a round's end ran out (reported once the scatter is written).
+    failed: Option<PlanError>,
+}
+
+/// Rounds reserved up front at most: a request of many rounds grows the lists beyond it.
+const RESERVED_ROUNDS: u64 = 4096;
+
+impl ScatterCutter {
+    fn new(bases: Bases, buffer_bytes: u64) -> Self {
+        Self {
+            bases,
+            buffer_bytes,
+            total: 0,
+            start: 0,
+            limit: 0,
+            base: bases.of(0),
+            ends: Vec::new(),
+            round_offsets: Vec::new(),
+            oversized: false,
+            failed: None,
+        }
+    }
+
+    /// The round ends and each round's first block (`n` blocks in all), once every block is
+    /// written (they add up to the request's bytes: the staged planner checks each range).
+    fn finish(mut self, n: usize) -> Result<(Vec<u64>, Vec<usize>)> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        if self.total > self.start {
+            try_push(&mut self.ends, self.total, "round ends")?;
+            try_push(&mut self.round_offsets, n, "round offsets")?;
+        }
+        Ok((self.ends, self.round_offsets))
+    }
+}
+
+impl ScatterSources for ScatterCutter {
+    const BY_STREAM: bool = true;
+
+    fn begin(&mut self, total: u64) -> Result<()> {
+        self.total = total;
+        self.limit = self.buffer_bytes.min(total);
+        // Two consecutive rounds hold more than a buffer, so this many rounds at most (capped:
+        // the lists grow beyond it).
+        let rounds = total
+            .div_ceil(self.buffer_bytes.max(1))
+            .saturating_mul(2)
+            .saturating_add(1)
+            .min(RESERVED_ROUNDS) as usize;
+        self.ends = reserved(rounds, "round ends")?;
+        self.round_offsets = reserved(rounds + 1, "round offsets")?;
+        self.round_offsets.push(0);
+        Ok(())
+    }
+
+    fn round(&self) -> (u64, u64) {
+        (self.limit, self.base.wrapping_sub(self.start))
+    }
+
+    /// Starts a new round at block `index` (stream offset `at`) when the block overflows the
+    /// current one, and marks a block larger than a buffer.
+    #[cold]
+    fn cut(&mut self, index: usize, at: u64, end: u64) -> (u64, u64) {
+        if at > self.start {
+            let pushed = try_push(&mut self.ends, at, "round ends")
+                .and_then(|()| try_push(&mut self.round_offsets, index, "round offsets"));
+            if let Err(e) = pushed {
+                self.failed.get_or_insert(e);
+            }
+            self.start = at;
+            self.limit = at.saturating_add(self.buffer_bytes).min(self.total);
+            self.base = self.bases.of(self.ends.len());
+        }
+        if end > self.limit {
+            // No more cuts: the rounds are cut again, splitting blocks.
+            self.oversized = true;
+            self.limit = u64::MAX;
+        }
+        self.round()
     }
 }
 
@@ -878,56 +962,45 @@ fn splits_of(lengths: &[u64], cuts: &[u64]) -> usize {
 
 /// Cuts the staged plan's gather and scatter into rounds (see the module documentation) and
 /// writes every round's network block and manifest. The major stage (more blocks) is cut and
-/// rewritten in place in one walk; when one of its blocks is larger than a round buffer, both
-/// stages are cut by [`cut_rounds`] and the stages with blocks split are copied out. The
-/// checks ([`GatherCheck`], [`ScatterCheck`]) run on every block, and both stages must add up
-/// to the request's bytes.
+/// rewritten in one walk: the scatter while the staged planner emitted it ([`ScatterCutter`]),
+/// the gather in place after; the minor stage is split where the cuts fall. When a block of
+/// the major stage is larger than a round buffer, both stages are cut by [`cut_rounds`] and
+/// copied out with their blocks split. The gather is checked block by block
+/// ([`GatherCheck`]), and both stages must add up to the request's bytes.
 ///
 /// # Errors
 /// [`PlanError::InputChanged`] when a check fails; [`PlanError::Overflow`] for more than
 /// `u32::MAX` rounds.
-#[allow(clippy::too_many_arguments)] // the staged plan's parts and the geometry
 fn emit_rounds(
     (mut gather_buf, n_gather): (FlatBuffer, usize),
-    (mut scatter_buf, n_scatter): (FlatBuffer, usize),
-    network: &Plan,
+    (scatter_buf, n_scatter): (FlatBuffer, usize),
+    cutter: ScatterCutter,
     total: u64,
     geometry: &RoundGeometry,
     alloc: &mut impl FnMut(usize) -> Result<FlatBuffer>,
     give_back: &mut impl FnMut(FlatBuffer),
 ) -> Result<StagedRounds> {
-    let src_bases = Bases {
-        first: geometry.src_arena.addr,
-        stride: geometry.src_buffer,
-        buffers: geometry.buffers,
-    };
-    let dst_bases = Bases {
-        first: geometry.dst_arena.addr + geometry.dst_share,
-        stride: geometry.dst_buffer,
-        buffers: geometry.buffers,
-    };
+    let src_bases = geometry.src_bases();
+    let dst_bases = geometry.dst_bases();
     let mut gather_check = GatherCheck { done: 0 };
-    let mut scatter_check = ScatterCheck::new(network);
+    let mut scatter_check = CutScatterCheck { done: 0 };
     let gather_major = n_gather >= n_scatter;
-    let sizes = (geometry.buffer_bytes, total);
+    let oversized = cutter.oversized;
+    let cut_scatter = cutter.finish(n_scatter)?;
     let fused = if gather_major {
         cut_major_in_place(
             &mut gather_buf,
             (1, n_gather),
-            sizes,
+            (geometry.buffer_bytes, total),
             src_bases,
             &mut gather_check,
             || GatherCheck { done: 0 },
         )?
+    } else if oversized {
+        None
     } else {
-        cut_major_in_place(
-            &mut scatter_buf,
-            (0, n_scatter),
-            sizes,
-            dst_bases,
-            &mut scatter_check,
-            || ScatterCheck::new(network),
-        )?
+        scatter_check.checked_to(total);
+        Some(cut_scatter)
     };
     let (gather, scatter, ends) = if let Some((ends, offsets)) = fused {
         // The minor stage is split where the cuts fall.

@@ -146,27 +146,44 @@ struct DecodePlacement {
 /// # Errors
 /// [`PlanError::InputChanged`] when a range's blocks do not add up to its bytes (the emitted
 /// plan differs from the validated shape), so no block reaches past the range's place.
-fn scatter_into(
+fn scatter_into<S: ScatterSources>(
     (dst_addrs, lengths): (&[u64], &[u64]),
     out: Columns<'_>,
     bounds: &PairBounds,
     (base, offsets): (u64, &[u64]),
     range_bytes: &[u64],
+    sources: &mut S,
 ) -> Result<(usize, Vec<usize>)> {
     let bounds = bounds.get();
     let mut pair_offsets = Vec::with_capacity(bounds.len());
     pair_offsets.push(0);
     let mut written = 0usize; // <= blocks read, and the output holds every direct block
-    let mut put = |written: &mut usize, (s, d, l): (u64, u64, u64)| {
+    // Where the current range starts in the stream (the ranges back to back, as gathered).
+    let mut stream = 0u64;
+    // The current round's bound in the stream and the shift from a stream offset to a source,
+    // kept here so that the walk reads no state of `sources` per block.
+    let (mut limit, mut shift) = sources.round();
+    // What a block's decode staging address is moved by to become its stream offset (nothing
+    // when the sources are the decode staging addresses).
+    let mut to_stream = 0u64;
+    let mut put = |written: &mut usize, to_stream: u64, (s, d, l): (u64, u64, u64)| {
+        let at = s.wrapping_add(to_stream);
+        let end = at.wrapping_add(l);
+        if end > limit {
+            (limit, shift) = sources.cut(*written, at, end);
+        }
         (
             out.src_addrs[*written],
             out.dst_addrs[*written],
             out.lengths[*written],
-        ) = (s, d, l);
+        ) = (at.wrapping_add(shift), d, l);
         *written += 1;
     };
     for (r, range) in bounds.windows(2).enumerate() {
         let (start, bytes) = (base + offsets[r], range_bytes[r]);
+        if S::BY_STREAM {
+            to_stream = stream.wrapping_sub(start);
+        }
         let mut at = start;
         // The open scatter block of this range (written out when the next does not continue it).
         let mut open: Option<(u64, u64, u64)> = None;
@@ -177,7 +194,7 @@ fn scatter_into(
             open = match open {
                 Some((os, od, ol)) if od.wrapping_add(ol) == d => Some((os, od, ol + l)),
                 Some(done) => {
-                    put(&mut written, done);
+                    put(&mut written, to_stream, done);
                     Some((at, d, l))
                 }
                 None => Some((at, d, l)),
@@ -190,11 +207,51 @@ fn scatter_into(
             return Err(PlanError::InputChanged);
         }
         if let Some(done) = open {
-            put(&mut written, done);
+            put(&mut written, to_stream, done);
         }
+        stream = stream.wrapping_add(bytes);
         pair_offsets.push(written);
     }
     Ok((written, pair_offsets))
+}
+
+/// What a staged scatter's sources are written as while it is emitted: the decode staging
+/// addresses ([`StagingSources`]), or, for a caller that cuts the stream the gather writes
+/// into rounds, each block's stream offset plus its round's shift (so the caller need not walk
+/// the scatter a second time).
+pub(crate) trait ScatterSources {
+    /// Whether sources derive from stream offsets (else they are the decode staging
+    /// addresses, and [`ScatterSources::round`] must be `(u64::MAX, 0)`).
+    const BY_STREAM: bool;
+    /// Called once before the scatter is emitted, with the bytes of the plan.
+    ///
+    /// # Errors
+    /// When the caller cannot prepare for that many bytes (memory).
+    fn begin(&mut self, total: u64) -> Result<()>;
+    /// The current round: the stream offset no block may end past without a call of
+    /// [`ScatterSources::cut`], and what a stream offset is shifted by (wrapping) to become
+    /// a source.
+    fn round(&self) -> (u64, u64);
+    /// Scatter block `index` (blocks in stream order) at stream offset `at` ends at `end`,
+    /// past the current round's bound; returns the round it belongs to (as
+    /// [`ScatterSources::round`]).
+    fn cut(&mut self, index: usize, at: u64, end: u64) -> (u64, u64);
+}
+
+/// The staged plan's own scatter sources: the decode staging addresses.
+pub(crate) struct StagingSources;
+
+impl ScatterSources for StagingSources {
+    const BY_STREAM: bool = false;
+    fn begin(&mut self, _total: u64) -> Result<()> {
+        Ok(())
+    }
+    fn round(&self) -> (u64, u64) {
+        (u64::MAX, 0)
+    }
+    fn cut(&mut self, _index: usize, _at: u64, _end: u64) -> (u64, u64) {
+        (u64::MAX, 0)
+    }
 }
 
 impl StagedPlanner<'_> {
@@ -226,6 +283,30 @@ impl StagedPlanner<'_> {
         O: AsColumns<'o>,
         P: AsColumns<'p>,
     {
+        self.plan_into_with(
+            request,
+            (src_staging, dst_staging),
+            make_outputs,
+            &mut StagingSources,
+        )
+    }
+
+    /// [`StagedPlanner::plan_into`] with the scatter's sources written by `sources` (see
+    /// [`ScatterSources`]); everything else as that.
+    ///
+    /// # Errors
+    /// As [`StagedPlanner::plan_into`], and what `sources.begin` returns.
+    pub(crate) fn plan_into_with<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
+        &self,
+        request: &Request<'_, S, D>,
+        (src_staging, dst_staging): (StagingRegion, StagingRegion),
+        make_outputs: impl FnOnce(&PlanSummary) -> Result<(O, P)>,
+        sources: &mut impl ScatterSources,
+    ) -> Result<(O, P, StagedPlan<PlanPart>)>
+    where
+        O: AsColumns<'o>,
+        P: AsColumns<'p>,
+    {
         let layout = self.staged_layout(request, src_staging, dst_staging)?;
         let mut second = None;
         let (mut output, summary) = self.template.plan_into(&layout.request, |shape| {
@@ -246,6 +327,7 @@ impl StagedPlanner<'_> {
                 need: n,
             });
         }
+        sources.begin(layout.shape.total_bytes)?;
         // The scatter reads the direct destinations, so it is written before the gather
         // rewrite overwrites them. Every address lies inside its region: the offsets plus the
         // range bytes are at most the sizes checked, and each range's blocks are checked to
@@ -256,6 +338,7 @@ impl StagedPlanner<'_> {
             &layout.bounds,
             (dst_staging.addr, &layout.placement.offsets),
             &layout.range_bytes,
+            sources,
         )?;
         let (gather_blocks, mut gather_pair_offsets) =
             gather_in_place(columns, &layout.bounds, src_staging.addr);
