@@ -349,6 +349,64 @@ def test_midway_failure_goes_through_vllms_failed_request(v: Any, patched: Any, 
     assert prefill.worker.xfer_stats.data[metrics.STAGED_ROUNDS_KEY] == []
 
 
+def unscattered_blocks(side: Side, receiver: Any) -> set[int]:
+    """The decode blocks the scatter plans of the rounds never scattered were to write,
+    read off their destination addresses (each region holds ``NUM_BLOCKS`` blocks)."""
+    base, kv = int(side.memory.ctypes.data), side.kv
+    blocks: set[int] = set()
+    for r in list(receiver.rounds)[receiver.scattered:]:
+        for addr, length in zip(r.scatter.dst_addrs.tolist(), r.scatter.lengths.tolist()):
+            first, last = (addr - base) % side.region_bytes, (addr - base + length - 1)
+            blocks.update(range(first // kv, (last % side.region_bytes) // kv + 1))
+    return blocks
+
+
+@pytest.mark.parametrize("queue_there", [True, False], ids=["invalid-blocks", "logged"])
+def test_midway_failure_names_exactly_the_unscattered_blocks(v: Any, patched: Any,
+                                                            engines: Any, queue_there: bool,
+                                                            caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    """Round 1 fails on the decode after round 0 was scattered: the decode worker's
+    ``_invalid_block_ids`` gets exactly the blocks of the rounds never scattered (not round
+    0's, not the whole request's), and the verdict naming request, group and blocks is logged
+    once; a worker without the queue only logs it (the request fails as a whole as before)."""
+    import queue as queues
+
+    p_engine, d_engine = engines
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=4)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    invalid: queues.Queue[set[int]] = queues.Queue()
+    if queue_there:
+        decode.worker.__dict__["_invalid_block_ids"] = invalid
+    else:
+        decode.worker.__dict__.pop("_invalid_block_ids", None)
+    p_staging, d_staging = start(prefill, p_engine), start(decode, d_engine)
+    p_staging.channels[d_engine.session] = Loopback(p_staging, d_staging, decode.worker,
+                                                    corrupt_round=1)
+    prefill.worker.xfer_stats = stats_for(v)
+    ids = fragmented_ids(70, 3)
+    meta, ready = pull(v, prefill, decode, d_staging, {"req-c": ids})
+    with caplog.at_level(logging.WARNING, logger="kvplan.compat.vllm"):
+        src, _, _, err_reqs, _ = kvplan_send(prefill, meta, ready)
+    assert err_reqs == ["req-c"] and len(src) == 0  # the request still fails as today
+    receiver = d_staging.stream("req-c@tp0")
+    assert receiver.failed and receiver.scattered == 1 and receiver.n_rounds > 1
+    expected = unscattered_blocks(decode, receiver)
+    decode_ids = set(ids[1])  # the decode's blocks ("remote" to the prefill)
+    assert expected and expected < decode_ids  # round 0's blocks are not named
+    verdicts = [r.getMessage() for r in caplog.records
+                if "failed (manifest_mismatch" in r.getMessage()]
+    assert len(verdicts) == 1, [r.getMessage() for r in caplog.records]
+    assert "'req-c@tp0'" in verdicts[0] and f"blocks {sorted(expected)}" in verdicts[0]
+    if queue_there:
+        assert "reported as invalid blocks" in verdicts[0]
+        assert invalid.get_nowait() == expected and invalid.empty()
+    else:
+        assert "fails as a whole" in verdicts[0]
+
+
 def test_a_prefill_that_cannot_gather_fails_only_that_request(v: Any, patched: Any,
                                                                engines: Any) -> None:
     """KV buffers the worker never recorded: the staged request fails into vLLM's err_reqs

@@ -40,6 +40,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 import kvplan
+from kvplan.failures import FailureVerdict, merge_verdicts, verdict_for_plan
 from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, model_name_of
 from kvplan.staging import (
     AckQueue,
@@ -68,7 +69,8 @@ from kvplan.staging import (
 )
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
-           "send_request", "staged_requests", "worker_identity", "worker_roles",
+           "report_unwritten", "send_request", "staged_requests", "unwritten_verdict",
+           "worker_identity", "worker_roles",
            "worker_semantics"]
 
 logger = logging.getLogger("kvplan.compat.vllm")
@@ -254,7 +256,7 @@ class WorkerStaging:
         request: str = str(opening["stream"])
         writer = int(opening["writer"])
         try:
-            rounds = _decode_rounds(self, opening, worker)
+            template, rounds = _decode_rounds(self, opening, worker)
         except (kvplan.KvPlanError, StagingError, KeyError, TypeError, ValueError) as exc:
             # the prefill waits for the grant: a failure message ends its send at once
             from kvplan.staging.wire import FAIL, encode
@@ -264,9 +266,20 @@ class WorkerStaging:
             reply(encode(FAIL, request, writer=writer, round_index=0,
                          payload=f"bad_message: {type(exc).__name__}: {exc}".encode()[:4096]))
             return request
+        def failed(error: StagingError) -> None:
+            if error.reason == "cancelled":
+                # vLLM aborted the request: its blocks may already be another request's
+                return
+            try:
+                verdict = unwritten_verdict(request, template, rounds, receiver.scattered,
+                                            reason=f"{error.reason}: {error.detail}")
+                report_unwritten(worker, verdict)
+            except kvplan.KvPlanError as exc:  # the request still fails as a whole
+                logger.error("kvplan staging: no failure verdict for %r: %s", request, exc)
+
         receiver = ReceiveStaged(
             request, rounds, local_copy([self.arena.array], kv_buffers(worker)), reply,
-            writer=writer, timeout_s=self.config.timeout_s)
+            writer=writer, timeout_s=self.config.timeout_s, on_failed=failed)
         self.receivers[request] = receiver
         self.router.open(request, writer, receiver.on_message)
         self.shares.admit(receiver)
@@ -407,7 +420,43 @@ def _read_open(data: bytes) -> dict[str, Any]:
     return opening
 
 
-def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any], worker: Any) -> Any:
+def unwritten_verdict(request: str, template: Any, rounds: Any, scattered: int, *,
+                      reason: str = "") -> FailureVerdict:
+    """The decode's failed blocks of a staged stream that ended after ``scattered`` rounds:
+    every decode page the scatter plans of ``rounds[scattered:]`` were to write (their bytes
+    never landed), per KV-cache group; the rounds already scattered are not named."""
+    verdicts = [verdict_for_plan(request, template, r.scatter, [(0, len(r.scatter))],
+                                 reason=reason)
+                for r in list(rounds)[scattered:] if len(r.scatter)]
+    merged = merge_verdicts(verdicts)
+    return merged[0] if merged else FailureVerdict(request, {}, reason)
+
+
+def report_unwritten(worker: Any, verdict: FailureVerdict) -> str:
+    """Feed a failed stream's ``verdict`` to the decode worker's failed-load path where it
+    can take blocks (one KV-cache group and the release's ``_invalid_block_ids`` queue, which
+    vLLM 0.32 and 0.34 Mooncake workers have): :func:`kvplan.compat.vllm.nixl.report_load_failure`,
+    which logs it once. Elsewhere the verdict is only logged: the request still fails as a whole
+    through the prefill's ``err_reqs``. Returns ``"blocks"``, ``"logged"`` or ``"none"``."""
+    from kvplan.compat.vllm.nixl import kv_cache_group_count, report_load_failure
+
+    if not verdict.failed:
+        return "none"
+    queue = worker.__dict__.get("_invalid_block_ids")
+    if kv_cache_group_count(worker) == 1 and len(verdict.blocks) == 1 \
+            and hasattr(queue, "put"):
+        # the worker's one group is the only pool the decode layout's pages belong to
+        (blocks,) = verdict.blocks.values()
+        report_load_failure(worker, FailureVerdict(verdict.request_id, {0: blocks},
+                                                   verdict.reason))
+        return "blocks"
+    logger.warning("kvplan staging: %s; the request fails as a whole (vLLM's failed-receive "
+                   "path)", verdict)
+    return "logged"
+
+
+def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any],
+                   worker: Any) -> tuple[Any, Any]:
     if not host_kv(worker):
         raise kvplan.LayoutError("the decode's KV cache is not host memory: staged rounds "
                                  "scatter only into host memory here")
@@ -425,8 +474,9 @@ def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any], worker: Any)
         raise StagingError.make(opening["stream"], 0, "bad_message",
                                 f"no staging agreement with {opening['peer']}: "
                                 f"{agreement.reason}", writer=int(opening["writer"]))
-    return template.plan_rounds(src, dst, src_arena=agreement.src_arena,
-                                dst_arena=staging.arena.region, buffers=agreement.buffers)
+    return template, template.plan_rounds(src, dst, src_arena=agreement.src_arena,
+                                          dst_arena=staging.arena.region,
+                                          buffers=agreement.buffers)
 
 
 def send_request(worker: Any, staged: StagedRequest, session: str, *,
