@@ -55,7 +55,6 @@ from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import NIXL_MANAGER, sglang_global, sglang_method
 from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.templates import (
-    as_index,
     _dst_item_lens,
     _ids_template,
     _page_arrays,
@@ -356,35 +355,12 @@ def send_kvcache_staged(
         return original(self, peer_name, prefill_kv_indices, dst_staging_ptr, dst_staging_size,
                         dst_gpu_id, dst_tp_rank, dst_attn_tp_size, dst_kv_item_len,
                         staging_buffer=staging_buffer)
-    staging = mooncake_staged._staging()
-    tensors = self.kv_buffer_tensors
-    k_buffers, v_buffers = tensors["k_buffers"], tensors["v_buffers"]
-    page = tensors["page_size"]
-    heads = int(staging.resolve_total_kv_heads(self.kv_args, self.attn_tp_size))
-    tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
-    template = mooncake_staged._manager_template(self, peer_name, k_buffers, v_buffers, page,
-                                                 heads, dst_tp_rank, tp_d, dst_kv_item_len,
-                                                 None)
-    src = as_index(prefill_kv_indices)
-    try:
-        # the decode's pages do not shape the network plan: the prefill's list stands in
-        staged = planned(lambda: template.plan_staged(
-            src, src, src_staging=(int(staging_buffer.get_ptr()), int(staging_buffer.get_size())),
-            dst_staging=(int(dst_staging_ptr), int(dst_staging_size))),
-            network=lambda plan: plan.network)
-    except _core.SizeMismatchError as exc:
-        if exc.kind != "staging_too_small":
-            raise
-        sglang_global("logger", NIXL_MANAGER).warning(f"Staging too small, falling back: {exc}")
+    staged = mooncake_staged.gather_staged(
+        self, peer_name, prefill_kv_indices, staging_buffer, (dst_staging_ptr, dst_staging_size),
+        dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, None,
+        sglang_global("logger", NIXL_MANAGER))
+    if staged is None:
         return None
-    src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
-        tp_p, tp_d, int(self.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
-    written = staging.gather_all_layers_to_staging(
-        k_buffers, v_buffers, prefill_kv_indices, staging_buffer, src_head_start, num_heads, page)
-    if written is not None and int(written) != staged.src_staging_bytes:
-        raise _core.SizeMismatchError(
-            f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
-            f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
     network = staged.network
     src_rows = _descriptor_rows(network.src_addrs, network.lengths, int(self.kv_args.gpu_id))
     dst_rows = _descriptor_rows(network.dst_addrs, network.lengths, int(dst_gpu_id))

@@ -154,6 +154,48 @@ def _manager_template(manager: Any, session: str, k_buffers: Sequence[Any],
     return cast(Template, template_cache(manager).get(session, "staged", inputs, build))
 
 
+def gather_staged(manager: Any, session: str, prefill_kv_indices: Any, staging_buffer: Any,
+                  dst_staging: tuple[int, int], dst_tp_rank: int, dst_attn_tp_size: int,
+                  dst_kv_item_len: int, slot_ids: tuple[Any, Any] | None,
+                  logger: Any) -> Any | None:
+    """The staged plan of ``manager``'s pools to one decode peer's staging area
+    (``dst_staging``: address, size), with SGLang's gather kernel run into ``staging_buffer``
+    as SGLang calls it; ``None`` when either staging area is too small (logged on ``logger``
+    as SGLang logs it). Refused: a gather that wrote another byte count than the plan sends
+    (``SizeMismatchError``), and what :func:`_manager_template` refuses. Both managers' staged
+    sends (Mooncake's and NIXL's) start here."""
+    staging = _staging()
+    tensors = manager.kv_buffer_tensors
+    k_buffers, v_buffers = tensors["k_buffers"], tensors["v_buffers"]
+    page = tensors["page_size"]
+    heads = int(staging.resolve_total_kv_heads(manager.kv_args, manager.attn_tp_size))
+    tp_p, tp_d = int(manager.attn_tp_size), int(dst_attn_tp_size)
+    template = _manager_template(manager, session, k_buffers, v_buffers, page, heads,
+                                 dst_tp_rank, tp_d, dst_kv_item_len, slot_ids)
+    src = as_index(prefill_kv_indices)
+    try:
+        # the decode's pages do not shape the network plan: the prefill's list stands in
+        staged = planned(lambda: template.plan_staged(
+            src, src, src_staging=(int(staging_buffer.get_ptr()), int(staging_buffer.get_size())),
+            dst_staging=(int(dst_staging[0]), int(dst_staging[1]))),
+            network=lambda plan: plan.network)
+    except _core.SizeMismatchError as exc:
+        if exc.kind != "staging_too_small":
+            raise
+        logger.warning(f"Staging too small, falling back: {exc}")
+        return None
+    src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
+        tp_p, tp_d, int(manager.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
+    written = staging.gather_all_layers_to_staging(
+        k_buffers, v_buffers, prefill_kv_indices, staging_buffer, src_head_start, num_heads, page)
+    if written is not None and int(written) != staged.src_staging_bytes:
+        # the kernel's layout and kvplan's disagree: sending would move the wrong bytes
+        raise _core.SizeMismatchError(
+            f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
+            f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
+    return staged
+
+
 def send_kvcache_staged(
     self: Any,
     mooncake_session_id: str,
@@ -208,42 +250,19 @@ def send_kvcache_staged(
 
     if self.kv_buffer_tensors is None or staging_buffer is None:
         return -1
-    staging = _staging()
     tensors = self.kv_buffer_tensors
-    k_buffers, v_buffers = tensors["k_buffers"], tensors["v_buffers"]
-    page = tensors["page_size"]
-    heads = int(staging.resolve_total_kv_heads(self.kv_args, self.attn_tp_size))
-    tp_p, tp_d = int(self.attn_tp_size), int(dst_attn_tp_size)
     slot_ids = None
     if self.pp_size > 1:
         src_ids = published_ids(tensors.get("slot_layer_ids") or self.kv_args.kv_layer_ids)
         dst_ids = published_ids(dst_slot_layer_ids or dst_layer_ids)
-        if src_ids is None or dst_ids is None or len(src_ids) != 2 * len(k_buffers):
+        if src_ids is None or dst_ids is None or len(src_ids) != 2 * len(tensors["k_buffers"]):
             return sglangs()  # SGLang's pairing error
         slot_ids = (src_ids, dst_ids)
-    template = _manager_template(self, mooncake_session_id, k_buffers, v_buffers, page, heads,
-                                 dst_tp_rank, tp_d, dst_kv_item_len, slot_ids)
-    src = as_index(prefill_kv_indices)
-    try:
-        # the decode's pages do not shape the network plan: the prefill's list stands in
-        staged = planned(lambda: template.plan_staged(
-            src, src, src_staging=(int(staging_buffer.get_ptr()), int(staging_buffer.get_size())),
-            dst_staging=(int(dst_staging_ptr), int(dst_staging_size))),
-            network=lambda plan: plan.network)
-    except _core.SizeMismatchError as exc:
-        if exc.kind != "staging_too_small":
-            raise
-        sglang_global("logger").warning(f"Staging too small, falling back: {exc}")
+    staged = gather_staged(self, mooncake_session_id, prefill_kv_indices, staging_buffer,
+                           (dst_staging_ptr, dst_staging_size), dst_tp_rank, dst_attn_tp_size,
+                           dst_kv_item_len, slot_ids, sglang_global("logger"))
+    if staged is None:
         return -1
-    src_head_start, num_heads, _, _ = staging.compute_head_slice_params(
-        tp_p, tp_d, int(self.kv_args.engine_rank) % tp_p, dst_tp_rank, heads)
-    written = staging.gather_all_layers_to_staging(
-        k_buffers, v_buffers, prefill_kv_indices, staging_buffer, src_head_start, num_heads, page)
-    if written is not None and int(written) != staged.src_staging_bytes:
-        # the kernel's layout and kvplan's disagree: sending would move the wrong bytes
-        raise _core.SizeMismatchError(
-            f"send_kvcache_staged: SGLang's gather kernel wrote {written} bytes into the "
-            f"staging buffer, kvplan's staged plan sends {staged.src_staging_bytes}")
     if owns_transfer_data(self):
         ret = send_engine_batches(self, mooncake_session_id, staged.network)
     else:
