@@ -39,6 +39,7 @@ __all__ = [
     "Verdict",
     "canonical_rope",
     "compatibility",
+    "declarable_rope",
     "hf_rope",
     "identity_from_message",
     "identity_message",
@@ -226,6 +227,17 @@ def identity_from_message(message: object, *, peer: str = "the peer") -> LayoutI
                      f"but its layout and semantics give {identity.class_id} and "
                      f"{identity.layout_id}", declared_class)
     return identity
+
+
+def declarable_rope(rope: RopeConfig) -> RopeConfig:
+    """``rope`` where :func:`canonical_rope` can write it, else None (left undeclared): an
+    engine's config may hold a value JSON cannot carry, and that must not drop the other
+    semantics a drop-in declares beside it."""
+    try:
+        canonical_rope(rope)
+    except LayoutError:
+        return None
+    return rope
 
 
 def model_name_of(model: str) -> str:

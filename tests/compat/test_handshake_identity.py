@@ -797,3 +797,25 @@ def test_one_model_at_two_local_paths_is_one_model() -> None:
     one, two = sglang_at("/a/Qwen3-8B", None), sglang_at("/b/Qwen3-8B", None)
     assert (one.model, one.drafts) == (two.model, two.drafts) == ("Qwen3-8B", ("Qwen3-8B-draft",))
     assert sglang_at("/a/x", "tiny").model == "tiny"
+
+
+def test_a_rope_json_cannot_carry_leaves_only_the_rope_undeclared() -> None:
+    """A RoPE value canonical JSON cannot write (NaN) is left undeclared; the draft, the
+    cross-layer flag and the rest of the semantics are still declared (a draft on one side
+    only must still be refused)."""
+    from kvplan.compat.sglang.rounds import manager_semantics
+    from kvplan.compat.vllm.staging import worker_semantics
+    from kvplan.identity import declarable_rope
+
+    bad = {"rope_type": "linear", "factor": float("nan")}
+    assert declarable_rope(bad) is None and declarable_rope(dict(ROPE_1)) == dict(ROPE_1)
+    config = vllm_config("kv_producer", rope=bad)
+    config.speculative_config = types.SimpleNamespace(model="/models/draft-1b")
+    config.kv_transfer_config.kv_connector_extra_config = {"enable_cross_layers_blocks": True}
+    semantics = worker_semantics(config)
+    assert (semantics.rope, semantics.drafts, semantics.cross_layer, semantics.revision) == (
+        None, ("draft-1b",), True, "abc123")
+    args = server_args(rope=bad)
+    args.speculative_draft_model_path = "/models/draft-1b"
+    sg = manager_semantics(args)
+    assert (sg.rope, sg.drafts, sg.model) == (None, ("draft-1b",), "org/model")

@@ -50,8 +50,8 @@ from typing import Any, cast
 
 from kvplan._core import KvPlanError, Layout, Pairing, Request, Template, TransferCost
 from kvplan._errors import IncompatiblePeerError, TransferError
-from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, layout_identity,
-                             model_name_of)
+from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable_rope, hf_rope,
+                             layout_identity, model_name_of)
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.templates import as_index
@@ -191,10 +191,8 @@ class SglangStaging:
         """The frame the decode appends to SGLang's registration message: its capabilities
         and where its listener is. SGLang 0.5.23's prefill reads frames 0 to 19 only, so a
         prefill without kvplan ignores it."""
-        identity = self.identity.message()
-        extra = {} if identity is None else {IDENTITY_KEY: identity}
         return REGISTRATION_TAG + json.dumps(
-            {**self.capabilities(), "endpoint": self.reply_to, **extra}).encode()
+            {**self.capabilities(), "endpoint": self.reply_to, **identity_field(self)}).encode()
 
     def capabilities(self) -> dict[str, Any]:
         """What the decode adds to its registration (``{"kvplan_staging": ...}``)."""
@@ -695,9 +693,10 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     staging.last[session] = ("staged", report)
     # the direct plan's count beside the staged one: what staging saved this request, counted
     # by the core's validation (nothing planned)
-    _log.info("kvplan: staged request %s to %s: %d pages in %d rounds, %d network blocks "
-              "(direct plan: %d blocks)", request, session, len(src_pages), report.rounds,
-              report.network_blocks, template.n_blocks_for(Request(src_pages, dst_pages)))
+    if _log.isEnabledFor(logging.INFO):  # the count walks the request: only when it is said
+        _log.info("kvplan: staged request %s to %s: %d pages in %d rounds, %d network blocks "
+                  "(direct plan: %d blocks)", request, session, len(src_pages), report.rounds,
+                  report.network_blocks, template.n_blocks_for(Request(src_pages, dst_pages)))
     return 0
 
 
@@ -750,13 +749,9 @@ def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> Mo
     revision = str(getattr(server_args, "revision", "") or "")
     draft = getattr(server_args, "speculative_draft_model_path", None)
     drafts = (model_name_of(draft),) if isinstance(draft, str) and draft else ()
-    try:
-        rope = _override_rope(server_args) or _local_config_rope(model_path)
-        return ModelSemantics(model=model, revision=revision, rope=rope, drafts=drafts,
-                              transfer=transfer)  # type: ignore[arg-type]
-    except KvPlanError:  # a RoPE value JSON cannot carry: left undeclared
-        return ModelSemantics(model=model, revision=revision, drafts=drafts,
-                              transfer=transfer)  # type: ignore[arg-type]
+    rope = declarable_rope(_override_rope(server_args) or _local_config_rope(model_path))
+    return ModelSemantics(model=model, revision=revision, rope=rope, drafts=drafts,
+                          transfer=transfer)  # type: ignore[arg-type]
 
 
 def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
@@ -768,11 +763,11 @@ def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
     if not isinstance(heads, int) or not isinstance(per_rank, int) or heads < 1 or per_rank < 1:
         return None
     page = layout.page_size
-    kinds = cast(list[str], layout.to_dict()["kinds"])
+    raw = layout.to_dict()
+    kinds = cast(list[str], raw["kinds"])
     items = {int(n) for n, kind in zip(kv_args.kv_item_lens, kinds) if kind == "page"}
     if len(items) != 1 or next(iter(items)) % (page * per_rank):
         return None
-    raw = layout.to_dict()
     raw.update(kv_heads=heads, heads_per_rank=per_rank,
                head_dim=next(iter(items)) // (page * per_rank), dtype_size=1,
                memory_order="NHD")

@@ -41,7 +41,8 @@ import numpy as np
 
 import kvplan
 from kvplan.failures import FailureVerdict, merge_verdicts, verdict_for_plan
-from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck, hf_rope, model_name_of
+from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable_rope, hf_rope,
+                             model_name_of)
 from kvplan.staging import (
     AckQueue,
     ArenaShares,
@@ -728,17 +729,12 @@ def worker_semantics(vllm_config: Any, transfer: str = MOONCAKE_TRANSFER) -> Mod
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
     model = model_name_of(str(served or getattr(model_config, "model", "") or ""))
-    try:
-        rope = hf_rope(hf) if hf is not None else None
-        return ModelSemantics(
-            model=model, revision=str(getattr(model_config, "revision", "") or ""), rope=rope,
-            drafts=(model_name_of(draft),) if isinstance(draft, str) and draft else (),
-            transfer=transfer,  # type: ignore[arg-type]
-            cross_layer=str(cross).lower() == "true")
-    except kvplan.LayoutError:  # a RoPE value JSON cannot carry: left undeclared
-        return ModelSemantics(model=model,
-                              revision=str(getattr(model_config, "revision", "") or ""),
-                              transfer=transfer)  # type: ignore[arg-type]
+    return ModelSemantics(
+        model=model, revision=str(getattr(model_config, "revision", "") or ""),
+        rope=declarable_rope(hf_rope(hf) if hf is not None else None),
+        drafts=(model_name_of(draft),) if isinstance(draft, str) and draft else (),
+        transfer=transfer,  # type: ignore[arg-type]
+        cross_layer=str(cross).lower() == "true")
 
 
 def worker_roles(vllm_config: Any) -> tuple[str, ...]:
