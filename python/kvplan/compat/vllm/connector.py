@@ -10,6 +10,7 @@ from typing import Any
 
 from kvplan.identity import PeerCheck
 from kvplan.compat.vllm import forms, metrics, nixl
+from kvplan.compat.vllm import semantics
 from kvplan.compat.vllm.cpu_host import _worker_device_on_cpu
 from kvplan.compat.vllm.install import _CAP, install
 
@@ -109,30 +110,11 @@ def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
 
 
 def identity_source(worker: Any) -> Callable[[], Any]:
-    """The worker's layout identity once its KV cache is registered (None until then), its
-    ``kvplan:layout_info`` recorded into its stats the first time. A config kvplan cannot
-    read gives no identity (said once): the worker's peers then check nothing, as before."""
-    failed: list[str] = []
-
-    def source() -> Any:
-        if failed:
-            return None
-        try:
-            identity = staging_module().worker_identity(worker)
-        except Exception as exc:  # defensive: an engine config of another shape
-            failed.append(f"{type(exc).__name__}: {exc}")
-            _staging_log.warning("kvplan: no layout identity for this worker (%s): its peers "
-                                 "check no compatibility", failed[0])
-            return None
-        if identity is not None:
-            stats = getattr(worker, "xfer_stats", None)
-            if isinstance(stats, metrics.PlanStats):
-                stats.record_layout(identity.class_id, identity.layout_id,
-                                    staging_module().worker_roles(
-                                        worker.__dict__.get("vllm_config")))
-        return identity
-
-    return source
+    """The Mooncake worker's layout identity (``staging.worker_identity``) once its KV cache
+    is registered (None until then), its ``kvplan:layout_info`` recorded into its stats the
+    first time (:func:`kvplan.compat.vllm.semantics.identity_source`)."""
+    return semantics.identity_source(
+        worker, lambda w: staging_module().worker_identity(w), _staging_log)
 
 
 def staging_module() -> Any:

@@ -25,6 +25,7 @@ modules the connector class hands in.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import Any
@@ -38,7 +39,8 @@ from kvplan.compat.plan_series import (
     PLAN_TIME_METRIC,
 )
 
-__all__ = ["BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "LAYOUT_INFO_KEY", "LAYOUT_INFO_METRIC",
+__all__ = ["LayoutInfoGauge", "LayoutStats", "nixl_prom_metrics_class", "nixl_stats_class",
+           "BLOCKS_KEY", "BLOCKS_METRIC", "KVPLAN_KEYS", "LAYOUT_INFO_KEY", "LAYOUT_INFO_METRIC",
            "PLAN_TIME_KEY", "PLAN_TIME_METRIC", "STAGED_BLOCKS_KEY", "STAGED_ROUNDS_KEY",
            "PlanStats", "prom_metrics_class", "stats_class"]
 
@@ -92,11 +94,23 @@ _KVPLAN_HISTOGRAMS = (
 )
 
 
-class PlanStats:
+class LayoutStats:
+    """The ``kvplan:layout_info`` column of a connector's stats (both kvplan connectors)."""
+
+    data: dict[str, list[Any]]
+
+    def record_layout(self, class_id: str, layout_id: str, roles: tuple[str, ...]) -> None:
+        """The worker's layout identity, once per role (``kvplan:layout_info``)."""
+        lock = getattr(self, "_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            self.data.setdefault(LAYOUT_INFO_KEY, []).extend(
+                [class_id, layout_id, role] for role in roles)
+
+
+class PlanStats(LayoutStats):
     """What kvplan adds to vLLM's ``MooncakeKVConnectorStats`` (mixed in by
     :func:`stats_class`); kvplan's planner records only into a stats object of this type."""
 
-    data: dict[str, list[Any]]
     _lock: Any
 
     def record_plan(self, seconds: float, blocks: int) -> None:
@@ -105,12 +119,6 @@ class PlanStats:
             data = self.data
             data[PLAN_TIME_KEY].append(seconds)
             data[BLOCKS_KEY].append(blocks)
-
-    def record_layout(self, class_id: str, layout_id: str, roles: tuple[str, ...]) -> None:
-        """The worker's layout identity, once per role (``kvplan:layout_info``)."""
-        with self._lock:
-            self.data.setdefault(LAYOUT_INFO_KEY, []).extend(
-                [class_id, layout_id, role] for role in roles)
 
     def record_staged(self, network_blocks: int, rounds: int) -> None:
         """One request sent staged: the network blocks of all its rounds, and its rounds."""
@@ -252,10 +260,8 @@ def prom_metrics_class(connector_module: Any) -> type:
                     name=name, documentation=doc, labelnames=labelnames),
                     per_engine_labelvalues))
                 for key, name, doc in _VLLM_COUNTERS]
-            self._kvplan_engine_labels = dict(per_engine_labelvalues)
-            self._kvplan_layout_info = self._gauge_cls(
-                name=LAYOUT_INFO_METRIC, documentation=LAYOUT_INFO_HELP,
-                labelnames=[*labelnames, *LAYOUT_INFO_LABELS], multiprocess_mode="mostrecent")
+            self._kvplan_layout_info = LayoutInfoGauge(self, labelnames,
+                                                       per_engine_labelvalues)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             if vllm_observes:
@@ -268,13 +274,100 @@ def prom_metrics_class(connector_module: Any) -> type:
                 events = sum(transfer_stats_data.get(key, ()))  # each failure is one 1
                 if events:
                     per_engine[engine_idx].inc(events)
-            for entry in transfer_stats_data.get(LAYOUT_INFO_KEY, ()):
-                class_id, layout_id, role = (str(x) for x in entry)
-                self._kvplan_layout_info.labels(
-                    *self._kvplan_engine_labels.get(engine_idx, ()), class_id, layout_id,
-                    role).set(1)
+            self._kvplan_layout_info.observe(transfer_stats_data, engine_idx)
 
     KvplanMooncakePromMetrics.__module__ = __name__
     KvplanMooncakePromMetrics.__qualname__ = "KvplanMooncakePromMetrics"
     _PROM[(base, vllm_observes)] = KvplanMooncakePromMetrics
     return KvplanMooncakePromMetrics
+
+
+class LayoutInfoGauge:
+    """The ``kvplan:layout_info`` gauge of a connector's Prometheus class (vLLM's label names
+    and values per engine, then ``class_id``, ``layout_id``, ``role``), set from the stats
+    dict's :data:`LAYOUT_INFO_KEY` entries."""
+
+    def __init__(self, prom: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        self._engine_labels = dict(per_engine_labelvalues)
+        self._gauge = prom._gauge_cls(
+            name=LAYOUT_INFO_METRIC, documentation=LAYOUT_INFO_HELP,
+            labelnames=[*labelnames, *LAYOUT_INFO_LABELS], multiprocess_mode="mostrecent")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int) -> None:
+        for entry in transfer_stats_data.get(LAYOUT_INFO_KEY, ()):
+            class_id, layout_id, role = (str(x) for x in entry)
+            self._gauge.labels(*self._engine_labels.get(engine_idx, ()), class_id, layout_id,
+                               role).set(1)
+
+
+_NIXL_STATS: dict[type, type] = {}
+
+
+def nixl_stats_class(base: type) -> type:
+    """The stats class of kvplan's NIXL connector: ``base`` (a vLLM module's
+    ``NixlKVConnectorStats``) with the ``kvplan:layout_info`` column. ``is_empty`` is false
+    while an identity is recorded; ``aggregate`` extends every column of the other object
+    (vLLM's asserts that this object has each one); instances pickle by the base class's module
+    and name, as :func:`stats_class`'s do."""
+    cls = _NIXL_STATS.get(base)
+    if cls is not None:
+        return cls
+
+    class KvplanNixlKVConnectorStats(LayoutStats, base):  # type: ignore[misc]
+        def reset(self) -> None:
+            super().reset()
+            self.data[LAYOUT_INFO_KEY] = []
+
+        def is_empty(self) -> bool:
+            return bool(super().is_empty()) and not self.data.get(LAYOUT_INFO_KEY)
+
+        def aggregate(self, other: Any) -> Any:
+            if not other.is_empty():
+                for key, values in other.data.items():
+                    self.data.setdefault(key, []).extend(values)
+            return self
+
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (_rebuild_nixl_stats, (base.__module__, base.__qualname__, self.data))
+
+    KvplanNixlKVConnectorStats.__module__ = __name__
+    KvplanNixlKVConnectorStats.__qualname__ = "KvplanNixlKVConnectorStats"
+    _NIXL_STATS[base] = KvplanNixlKVConnectorStats
+    return KvplanNixlKVConnectorStats
+
+
+def _rebuild_nixl_stats(module: str, qualname: str, data: dict[str, list[Any]]) -> Any:
+    base: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return nixl_stats_class(base)(data=data)
+
+
+_NIXL_PROM: dict[type, type] = {}
+
+
+def nixl_prom_metrics_class(base: type) -> type:
+    """The Prometheus class of kvplan's NIXL connector: ``base`` (vLLM's ``NixlPromMetrics``)
+    with the ``kvplan:layout_info`` gauge."""
+    cls = _NIXL_PROM.get(base)
+    if cls is not None:
+        return cls
+
+    class KvplanNixlPromMetrics(base):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                     labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            _drop_kvplan_collectors()
+            self._kvplan_layout_info = LayoutInfoGauge(self, labelnames,
+                                                       per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            super().observe(transfer_stats_data, engine_idx)
+            self._kvplan_layout_info.observe(transfer_stats_data, engine_idx)
+
+    KvplanNixlPromMetrics.__module__ = __name__
+    KvplanNixlPromMetrics.__qualname__ = "KvplanNixlPromMetrics"
+    _NIXL_PROM[base] = KvplanNixlPromMetrics
+    return KvplanNixlPromMetrics

@@ -27,12 +27,28 @@ block id outside its region (vLLM would return the id of another region's descri
 negative one or one past int32 (:class:`kvplan.IndexBoundsError`, with the group, position, id
 and region); counts and regions that do not fit together, where vLLM asserts
 (:class:`kvplan.LayoutError`).
+
+``connector_class()``'s worker also checks layout identities at vLLM's NIXL handshake
+(docs/identity.md): in pull mode the decode asks the prefill's side channel for its agent
+metadata before it reads anything, once per prefill engine, so that reply is where the prefill's
+identity goes. The prefill's ``register_kv_caches`` (and 0.34's ``restore_kv_caches``, which
+encodes the metadata again) adds it to the msgpack map of ``NixlAgentMetadata`` under
+``kvplan_identity``; the decode runs vLLM's own ``_nixl_handshake`` with a ``NixlAgentMetadata``
+that keeps that field, and its ``add_remote_agent`` refuses an incompatible prefill with
+:class:`kvplan.IncompatiblePeerError` before the agent is added. vLLM then fails the handshake
+and every request waiting on it goes to ``_failed_recv_reqs``. The request's
+``kv_transfer_params`` were not used: they pass through whatever proxy routes the request
+(which may drop keys it does not know), are sent once per request instead of once per peer,
+and reach the worker only through the scheduler's fixed ``ReqMeta`` fields. A decode without
+kvplan decodes the map with vLLM's ``NixlAgentMetadata``, which skips the unknown key, and
+the compatibility hash covers the configuration, not these bytes.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
@@ -42,7 +58,9 @@ from kvplan.failures import FailureVerdict, verdict_for_plan
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
-           "report_load_failure", "report_failed_batch", "kv_cache_group_count"]
+           "report_load_failure", "report_failed_batch", "kv_cache_group_count",
+           "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
+           "worker_identity", "worker_layout"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -225,14 +243,41 @@ _CONNECTOR: type | None = None
 
 def connector_class() -> type:
     """``KvplanNixlConnector``: vLLM's pull-mode ``NixlConnector`` whose worker computes the
-    descriptor ids with kvplan. Everything else (handshake, registration, reads,
-    notifications, failure handling) is vLLM's."""
+    descriptor ids with kvplan and checks the prefill's layout identity at the handshake
+    (:func:`advertise_identity`, :func:`check_remote_identity`). Everything else (handshake,
+    registration, reads, notifications, failure handling) is vLLM's."""
     global _CONNECTOR
     if _CONNECTOR is None:
-        nixl = importlib.import_module(_VLLM_NIXL)
+        from kvplan.compat.vllm import metrics
 
-        class KvplanNixlConnectorWorker(nixl.NixlPullConnectorWorker):  # type: ignore[misc,name-defined]
-            """vLLM's NIXL pull worker with kvplan's descriptor ids."""
+        nixl = importlib.import_module(_VLLM_NIXL)
+        base = nixl.NixlPullConnectorWorker
+        stats = importlib.import_module(_VLLM_NIXL + ".stats")
+        stats_cls = metrics.nixl_stats_class(stats.NixlKVConnectorStats)
+        prom_cls = metrics.nixl_prom_metrics_class(stats.NixlPromMetrics)
+        handshake = identity_handshake(base)
+
+        class KvplanNixlConnectorWorker(base):  # type: ignore[misc,valid-type]
+            """vLLM's NIXL pull worker with kvplan's descriptor ids and layout identity."""
+
+            _nixl_handshake = handshake
+
+            def register_kv_caches(self, *args: Any, **kwargs: Any) -> Any:
+                out = super().register_kv_caches(*args, **kwargs)
+                advertise_identity(self)
+                return out
+
+            def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> Any:
+                check_remote_identity(self, nixl_agent_meta)  # before any descriptor or read
+                return super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+
+        if hasattr(base, "restore_kv_caches"):  # vLLM 0.34 re-encodes the metadata there
+            def restore_kv_caches(self: Any) -> Any:
+                out = super(KvplanNixlConnectorWorker, self).restore_kv_caches()
+                advertise_identity(self)
+                return out
+
+            KvplanNixlConnectorWorker.restore_kv_caches = restore_kv_caches
 
         install(KvplanNixlConnectorWorker)
 
@@ -247,12 +292,170 @@ def connector_class() -> type:
                 if self.connector_worker is not None:
                     # vLLM's constructor names its worker class; the subclass adds no state.
                     self.connector_worker.__class__ = KvplanNixlConnectorWorker
+                    # vLLM's series plus kvplan:layout_info
+                    self.connector_worker.xfer_stats = stats_cls()
+
+            @classmethod
+            def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+                return stats_cls(data=data) if data is not None else stats_cls()
+
+            @classmethod
+            def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                                   labelnames: list[str],
+                                   per_engine_labelvalues: dict[int, list[object]]) -> Any:
+                return prom_cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         KvplanNixlConnector.__module__ = "kvplan.compat.vllm"
         KvplanNixlConnectorWorker.__module__ = "kvplan.compat.vllm"
         KvplanNixlConnector.Worker = KvplanNixlConnectorWorker
+        KvplanNixlConnector.Stats = stats_cls
+        KvplanNixlConnector.PromMetrics = prom_cls
         _CONNECTOR = KvplanNixlConnector
     return _CONNECTOR
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout identity at vLLM's NIXL handshake (docs/vllm.md, "Layout identity with NIXL")
+# ---------------------------------------------------------------------------------------------
+#: The worker attribute holding its :class:`kvplan.identity.PeerCheck`.
+IDENTITY_ATTR = "_kvplan_identity_check"
+#: What the identity hook needs of vLLM's ``_nixl_handshake``: it decodes the prefill's agent
+#: metadata with the module's ``NixlAgentMetadata`` and hands it to ``add_remote_agent``.
+_HANDSHAKE_NAMES = ("NixlAgentMetadata", "add_remote_agent")
+_HANDSHAKE_RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
+
+
+def worker_layout(worker: Any) -> Any:
+    """The NIXL worker's registered regions as a :class:`kvplan.Layout`
+    (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
+    block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
+    for a model with Mamba state, and at PP or DCP sizes above 1 (vLLM pairs those stages and
+    ranks region by region in ways a layout without their coordinates would refuse)."""
+    from kvplan.compat.vllm.semantics import regions_layout
+
+    d = worker.__dict__
+    if d.get("_has_mamba") or int(d.get("pp_size", 1) or 1) != 1 or \
+            int(d.get("dcp_size", 1) or 1) != 1:
+        return None
+    tp_rank = int(d.get("tp_rank", 0) or 0)
+    try:
+        ptrs = [int(p) for p in d["kv_caches_base_addr"][d["engine_id"]][tp_rank]]
+    except (KeyError, TypeError):
+        return None
+    items = [int(n) for n in d.get("block_len_per_layer") or ()]
+    blocks = int(d.get("num_blocks", 0) or 0) * int(
+        d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
+    context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
+                                   tp_size=int(d.get("world_size", 1) or 1))
+    return regions_layout(ptrs, items, None, blocks=blocks, context=context,
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+
+
+def worker_identity(worker: Any) -> Any:
+    """The NIXL worker's :class:`kvplan.LayoutIdentity` (:func:`worker_layout` with the
+    semantics of its ``vllm_config``, transfer ``pull``); None while it has no layout."""
+    import kvplan
+    from kvplan.compat.vllm.semantics import NIXL_TRANSFER, worker_semantics
+
+    layout = worker_layout(worker)
+    if layout is None:
+        return None
+    return kvplan.layout_identity(layout, worker_semantics(worker.__dict__.get("vllm_config"),
+                                                           NIXL_TRANSFER))
+
+
+def peer_check(worker: Any) -> Any:
+    """The worker's :class:`kvplan.identity.PeerCheck` (made once), its identity from
+    :func:`worker_identity` once the KV cache is registered, logged through vLLM's logger."""
+    check = worker.__dict__.get(IDENTITY_ATTR)
+    if check is None:
+        from kvplan.compat.vllm.semantics import identity_source
+        from kvplan.identity import PeerCheck
+
+        check = PeerCheck(identity_source(worker, worker_identity, logger), logger)
+        worker.__dict__[IDENTITY_ATTR] = check
+    return check
+
+
+def _msgspec(worker: Any) -> Any:
+    for klass in type(worker).__mro__:
+        if klass.__name__ == _BASE:
+            return sys.modules[klass.__module__].msgspec
+    raise TypeError(f"{type(worker).__name__} is not vLLM's {_BASE} (or a subclass)")
+
+
+def advertise_identity(worker: Any) -> bool:
+    """Add the worker's identity message to the agent metadata its handshake serves
+    (``xfer_handshake_metadata.agent_metadata_bytes``, a msgpack map, under
+    :data:`kvplan.identity.IDENTITY_KEY`); whether it did (not before the KV cache is
+    registered, nor without an identity). A decode without kvplan decodes the map as vLLM's
+    ``NixlAgentMetadata``, which skips the key it does not know; the compatibility hash
+    covers the configuration, not these bytes."""
+    from kvplan.identity import IDENTITY_KEY
+
+    payload = worker.__dict__.get("xfer_handshake_metadata")
+    if payload is None:
+        return False
+    message = peer_check(worker).message()
+    if message is None:
+        return False
+    msgspec = _msgspec(worker)
+    fields = msgspec.msgpack.decode(payload.agent_metadata_bytes)
+    if not isinstance(fields, dict):
+        return False
+    fields[IDENTITY_KEY] = message
+    payload.agent_metadata_bytes = msgspec.msgpack.encode(fields)
+    return True
+
+
+def check_remote_identity(worker: Any, metadata: Any) -> Any:
+    """The decode's verdict on the prefill whose agent metadata is ``metadata``, before
+    ``add_remote_agent`` registers it: :class:`kvplan.IncompatiblePeerError` (logged once
+    at ERROR) when refused, which fails vLLM's handshake, so every request waiting on it
+    takes vLLM's failed-receive path and no block is read; None for a prefill that sent no
+    identity (said once) or while this worker has none."""
+    from kvplan.identity import IDENTITY_KEY
+
+    peer = f"engine {getattr(metadata, 'engine_id', '?')}"
+    return peer_check(worker).check(peer, getattr(metadata, IDENTITY_KEY, None),
+                                    local_role="decode")
+
+
+def identity_handshake(worker_class: type) -> Any:
+    """vLLM's own ``_nixl_handshake`` of ``worker_class``, run over its module's globals in
+    which ``NixlAgentMetadata`` names a subclass with one more optional field, the prefill's
+    identity (None from a prefill without kvplan), so ``add_remote_agent`` receives it.
+    Nothing else of vLLM's method or module changes. :class:`kvplan.IncompatibleHostError`
+    when the method does not decode the metadata and register it by those names."""
+    import dataclasses
+    import types
+
+    from kvplan._errors import IncompatibleHostError
+    from kvplan.identity import IDENTITY_KEY
+
+    method = getattr(worker_class, "_nixl_handshake", None)
+    code = getattr(method, "__code__", None)
+    if code is None or code.co_freevars or any(n not in code.co_names
+                                               for n in _HANDSHAKE_NAMES):
+        raise IncompatibleHostError(
+            f"{worker_class.__name__}._nixl_handshake does not decode the prefill's agent "
+            f"metadata as NixlAgentMetadata and register it with add_remote_agent, as "
+            f"{_HANDSHAKE_RELEASES} do: kvplan cannot check the prefill's layout identity")
+    assert method is not None
+    module_globals = method.__globals__
+    metadata_cls = module_globals["NixlAgentMetadata"]
+    extended = dataclasses.make_dataclass(
+        "KvplanNixlAgentMetadata",
+        [(IDENTITY_KEY, dict[str, Any] | None, dataclasses.field(default=None))],
+        bases=(metadata_cls,))
+    extended.__module__ = __name__
+    names = dict(module_globals)
+    names["NixlAgentMetadata"] = extended
+    hooked = types.FunctionType(code, names, method.__name__, method.__defaults__)
+    hooked.__kwdefaults__ = method.__kwdefaults__
+    hooked.__qualname__, hooked.__doc__ = method.__qualname__, method.__doc__
+    hooked.__wrapped__ = method  # type: ignore[attr-defined]
+    return hooked
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ import numpy as np
 
 import kvplan
 from kvplan.failures import FailureVerdict, merge_verdicts, verdict_for_plan
-from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable_rope, hf_rope,
-                             model_name_of)
+from kvplan.compat.vllm.semantics import regions_layout, worker_roles, worker_semantics
+from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck
 from kvplan.staging import (
     AckQueue,
     ArenaShares,
@@ -704,66 +704,16 @@ def hook_handshake(worker: Any, staging: WorkerStaging, module: Any) -> None:
 # The worker's layout identity (docs/identity.md, "At the handshake")
 # ---------------------------------------------------------------------------------------------
 
-#: vLLM's Mooncake connector: the prefill writes into the decode's KV cache.
-MOONCAKE_TRANSFER = "push"
-
-
-def worker_semantics(vllm_config: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
-    """The model semantics vLLM's config says: the served model name (else
-    ``model_config.model``) and ``.revision``, the RoPE configuration of
-    ``model_config.hf_text_config`` (else ``hf_config``), the speculative config's draft
-    ``model`` by its last path part, and ``kv_connector_extra_config``'s
-    ``enable_cross_layers_blocks``. A field the config does not have is left undeclared.
-
-    The name, not the path: the two peers of one deployment may keep the same weights at other
-    local paths, and a PD router sends each request to both under the one served name."""
-    model_config = getattr(vllm_config, "model_config", None)
-    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
-                                                                 None)
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(spec, "model", None) if spec is not None else None
-    extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
-                    "kv_connector_extra_config", None)
-    cross = extra.get("enable_cross_layers_blocks", False) if isinstance(extra, dict) else False
-    served = getattr(model_config, "served_model_name", None)
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else None
-    model = model_name_of(str(served or getattr(model_config, "model", "") or ""))
-    return ModelSemantics(
-        model=model, revision=str(getattr(model_config, "revision", "") or ""),
-        rope=declarable_rope(hf_rope(hf) if hf is not None else None),
-        drafts=(model_name_of(draft),) if isinstance(draft, str) and draft else (),
-        transfer=transfer,  # type: ignore[arg-type]
-        cross_layer=str(cross).lower() == "true")
-
-
-def worker_roles(vllm_config: Any) -> tuple[str, ...]:
-    """The roles of a worker of ``kv_transfer_config.kv_role``: ``kv_producer`` is a
-    prefill, ``kv_consumer`` a decode, ``kv_both`` either."""
-    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
-    return {"kv_producer": ("prefill",), "kv_consumer": ("decode",)}.get(
-        str(role), ("prefill", "decode"))
-
-
-def _memory_order() -> str | None:
-    import os
-
-    order = os.environ.get("VLLM_KV_CACHE_LAYOUT")
-    return order.upper() if order and order.upper() in ("NHD", "HND") else None
-
-
 def worker_layout(worker: Any) -> kvplan.Layout | None:
-    """The worker's registered KV regions as a :class:`kvplan.Layout` (one entry per region,
-    its layer index, its block bytes; the page size, TP and PP coordinates; for attention
-    other than MLA, the heads of ``model_config`` over the TP size, in the memory order
-    ``VLLM_KV_CACHE_LAYOUT`` names, NHD by default); None before ``register_kv_caches``,
-    and None where the regions do not hold whole heads (a layout without the heads could
-    refuse a TP pair vLLM plans, so nothing is checked)."""
+    """The worker's registered KV regions as a :class:`kvplan.Layout`
+    (:func:`kvplan.compat.vllm.semantics.regions_layout` of its regions: each one's layer
+    index and block bytes; the page size, TP and PP coordinates; the heads where they are
+    whole); None before ``register_kv_caches``, and None where the regions do not hold whole
+    heads (a layout without the heads could refuse a TP pair vLLM plans, so nothing is
+    checked)."""
     d = worker.__dict__
     ptrs = [int(p) for p in d.get("kv_caches_base_addr") or ()]
     items = [int(n) for n in d.get("block_len_per_layer") or ()]
-    if not ptrs or len(items) != len(ptrs):
-        return None
     ids = [int(i) for i in d.get("registered_layer_indices") or ()]
     kv_config = d.get("kv_cache_config")
     blocks = int(getattr(kv_config, "num_blocks", 0) or 0) * int(
@@ -772,24 +722,8 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
         page_size=int(d.get("block_size", 1) or 1), tp_rank=int(d.get("tp_rank", 0) or 0),
         tp_size=int(d.get("tp_size", 1) or 1), pp_rank=int(d.get("pp_rank", 0) or 0),
         pp_size=int(d.get("pp_size", 1) or 1))
-    args = (ptrs, [n * blocks for n in items], items, ids if len(ids) == len(ptrs) else None)
-    if d.get("use_mla"):  # one latent per token, the same on every rank
-        return kvplan.Layout(*args, **context)
-    model_config = d.get("model_config")
-    try:
-        heads = int(model_config.get_total_num_kv_heads())
-        per_rank = kvplan._core.heads_per_rank(heads, context["tp_size"])
-        page = context["page_size"]
-        # each head's bytes as one element: the regions say the bytes, not the dtype
-        head_bytes = {n // (page * per_rank) for n in items if n % (page * per_rank) == 0}
-        if len(head_bytes) != 1 or len(items) != sum(
-                n == page * per_rank * next(iter(head_bytes)) for n in items):
-            return None
-        return kvplan.Layout(*args, kv_heads=heads, head_dim=next(iter(head_bytes)),
-                             dtype_size=1, memory_order=_memory_order() or "NHD", **context)
-    except (AttributeError, TypeError, ValueError, kvplan.KvPlanError):
-        # no heads: a layout without them could refuse a TP pair vLLM plans
-        return None
+    return regions_layout(ptrs, items, ids, blocks=blocks, context=context,
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
 
 
 def worker_identity(worker: Any, semantics: ModelSemantics | None = None) -> Any:

