@@ -30,6 +30,7 @@ from kvplan.compat.sglang.registry import (
     _register_sglang_classes,
     _resolve_original,
 )
+from kvplan.compat.sglang.nixl import hook_identity, unhook_identity
 from kvplan.compat.sglang.rounds import hook_start_up, unhook_register_info, unhook_start_up
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
 from kvplan.compat.sglang.staged import send_kvcache_staged
@@ -156,6 +157,9 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     already = patches.installed(manager_class)
     if kind == NIXL_MANAGER:
         _require_nixl_forms(manager_class, [n for n in patches.replacements if n not in already])
+        # layout identities at the decode's registration (kvplan.compat.sglang.nixl); a host
+        # without the methods is refused here, before anything is replaced
+        hook_identity(manager_class)
     # SGLang's functions, resolved before the drop-ins hide them
     originals = {(manager_class, name): _resolve_original(manager_class, name)
                  for name in patches.replacements if name not in already}
@@ -186,6 +190,7 @@ def uninstall(manager_class: type) -> tuple[str, ...]:
     if isinstance(info_cls, type):
         unhook_register_info(info_cls)
     unhook_start_up(manager_class)
+    unhook_identity(manager_class)
     return restored
 
 

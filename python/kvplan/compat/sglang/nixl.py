@@ -37,6 +37,13 @@ head splits of its own (it calls ``self._send_mamba_state`` when there is nothin
 
 Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
 writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
+
+``install`` also wraps three manager methods so the peers check layout identities
+(:func:`hook_identity`): the decode's ``build_receiver_registration_message`` appends the
+Mooncake drop-in's identity frame after SGLang's 24 fields (SGLang's parse reads up to frame
+23), the prefill's ``_add_remote_peer`` checks it with the Mooncake drop-in's check
+(``rounds.check_registered``), and ``add_transfer_request`` fails a room bound for a refused
+decode through SGLang's ``conclude_failure`` before it is queued.
 """
 
 from __future__ import annotations
@@ -523,3 +530,145 @@ def _init_hetero_tp_prep_handle(
     dst_handle = self._prep_xfer_dlist(
         peer_name, np.array(dst_rows, dtype=np.uint64).reshape(-1, 5), dst_mem_kind)
     self.prep_handles_slice_dst[peer_name] = (dst_handle, num_slots_dst, group_idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout identity at SGLang's NIXL registration (docs/sglang.md, "Layout identity with NIXL")
+# ---------------------------------------------------------------------------------------------
+#: SGLang's NIXL transfer: the prefill writes into the decode's pools.
+NIXL_TRANSFER = "push"
+#: Where kvplan's frame sits in the decode's registration message as the prefill's
+#: ``KVArgsRegisterInfo.from_zmq`` receives it (SGLang's guard frame stripped): SGLang 0.5.23
+#: reads frames 0 to 23, so a prefill without kvplan ignores it.
+NIXL_REGISTRATION_FRAME = 24
+#: The manager methods the identity hooks wrap, per instance of the class.
+IDENTITY_HOOKS = ("build_receiver_registration_message", "_add_remote_peer",
+                  "add_transfer_request")
+_IDENTITY_ATTR = "_kvplan_nixl_identity"
+
+
+class NixlIdentity:
+    """One NIXL manager's identity check (:class:`kvplan.identity.PeerCheck`, its identity
+    from ``kvplan.compat.sglang.rounds.identity_with_metric``, which also sets
+    ``kvplan:layout_info``) and the decode agents it refused."""
+
+    def __init__(self, manager: Any) -> None:
+        from kvplan.compat.sglang.rounds import _log, identity_with_metric
+        from kvplan.identity import PeerCheck
+
+        self.identity = PeerCheck(lambda: identity_with_metric(manager), _log)
+        self.refused: dict[str, Any] = {}
+
+
+def nixl_identity(manager: Any) -> NixlIdentity:
+    """The manager's :class:`NixlIdentity`, made once."""
+    holder = manager.__dict__.get(_IDENTITY_ATTR)
+    if holder is None:
+        holder = manager.__dict__[_IDENTITY_ATTR] = NixlIdentity(manager)
+    return cast(NixlIdentity, holder)
+
+
+def _registration_message(original: Any) -> Any:
+    def build_receiver_registration_message(self: Any) -> Any:
+        import json
+
+        from kvplan.compat.sglang.rounds import REGISTRATION_TAG, identity_field
+
+        frames = list(original(self))
+        field = identity_field(nixl_identity(self))
+        # the guard frame, then SGLang's 24: kvplan's goes right after them, or not at all
+        if field and len(frames) == NIXL_REGISTRATION_FRAME + 1:
+            frames.append(REGISTRATION_TAG + json.dumps(field).encode())
+        return frames
+
+    return build_receiver_registration_message
+
+
+def _add_remote_peer(original: Any) -> Any:
+    def add_remote_peer(self: Any, decode_kv_args: Any) -> Any:
+        from kvplan.compat.sglang.rounds import check_registered
+
+        out = original(self, decode_kv_args)
+        check_registered(nixl_identity(self), str(decode_kv_args.agent_name),
+                         getattr(decode_kv_args, "kvplan_staging", None))
+        return out
+
+    return add_remote_peer
+
+
+def _add_transfer_request(original: Any) -> Any:
+    def add_transfer_request(self: Any, bootstrap_room: int, *args: Any, **kwargs: Any) -> Any:
+        refusal = refused_room(self, bootstrap_room)
+        if refusal is not None:
+            # SGLang's own failure path: the reason recorded, the room Failed, the decode told
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=refusal)
+            return None
+        return original(self, bootstrap_room, *args, **kwargs)
+
+    return add_transfer_request
+
+
+_HOOK_MAKERS = {"build_receiver_registration_message": _registration_message,
+                "_add_remote_peer": _add_remote_peer,
+                "add_transfer_request": _add_transfer_request}
+
+
+def refused_room(manager: Any, bootstrap_room: int) -> str | None:
+    """The refusal (its message) of a decode agent the room's transfer goes to, else None."""
+    refused = nixl_identity(manager).refused
+    if not refused:
+        return None
+    infos = (getattr(manager, "transfer_infos", None) or {}).get(bootstrap_room) or {}
+    for agent in infos:
+        err = refused.get(agent)
+        if err is not None:
+            return str(err)
+    return None
+
+
+def hook_identity(manager_class: type) -> bool:
+    """Wrap ``manager_class``'s :data:`IDENTITY_HOOKS` so its managers exchange and check
+    layout identities (the decode's registration carries its identity in a frame SGLang does
+    not read; the prefill checks it when it registers the decode; every transfer to a refused
+    decode fails through SGLang's ``conclude_failure`` before it is queued), and
+    ``KVArgsRegisterInfo.from_zmq`` of its module reads that frame. False when already
+    hooked. :class:`kvplan.IncompatibleHostError` when a method is missing (nothing wrapped)."""
+    import sys
+
+    from kvplan._errors import IncompatibleHostError
+    from kvplan.compat.sglang.rounds import hook_register_info
+
+    if getattr(manager_class.__dict__.get(IDENTITY_HOOKS[0]), "_kvplan_identity", False):
+        return False
+    missing = [n for n in (*IDENTITY_HOOKS, "conclude_failure")
+               if not callable(getattr(manager_class, n, None))]
+    if missing:
+        raise IncompatibleHostError(
+            f"{manager_class.__name__} has no {', '.join(missing)}: kvplan's layout identity "
+            f"check at SGLang's NIXL registration was built for SGLang 0.5.23")
+    for name in IDENTITY_HOOKS:
+        original = getattr(manager_class, name)
+        wrapper = _HOOK_MAKERS[name](original)
+        wrapper._kvplan_identity = True
+        wrapper._kvplan_had = manager_class.__dict__.get(name)
+        wrapper.__name__ = wrapper.__qualname__ = name
+        setattr(manager_class, name, wrapper)
+    for klass in manager_class.__mro__:  # the module of SGLang's class, also under a subclass
+        info_cls = getattr(sys.modules.get(klass.__module__), "KVArgsRegisterInfo", None)
+        if isinstance(info_cls, type):
+            hook_register_info(info_cls, NIXL_REGISTRATION_FRAME)
+            break
+    return True
+
+
+def unhook_identity(manager_class: type) -> None:
+    """Restore what :func:`hook_identity` wrapped on ``manager_class``."""
+    for name in IDENTITY_HOOKS:
+        current = manager_class.__dict__.get(name)
+        if current is None or not getattr(current, "_kvplan_identity", False):
+            continue
+        had = current._kvplan_had
+        if had is None:
+            delattr(manager_class, name)
+        else:
+            setattr(manager_class, name, had)

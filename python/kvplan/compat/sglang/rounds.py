@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from kvplan._core import KvPlanError, Layout, Pairing, Request, Template, TransferCost
 from kvplan._errors import IncompatiblePeerError, TransferError
@@ -77,7 +77,8 @@ from kvplan.staging import (
     send_staged,
 )
 
-__all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "SglangStaging",
+__all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "PeerIdentities",
+           "SglangStaging", "check_registered", "identity_field", "identity_with_metric",
            "SocketChannel", "attach", "detach", "hook_register_info", "hook_start_up",
            "host_pools", "manager_identity", "manager_semantics", "maybe_send", "start_up",
            "staging_of", "unhook_register_info", "unhook_start_up"]
@@ -166,7 +167,7 @@ class SglangStaging:
         self._poller: threading.Thread | None = None
         self.channel: SocketChannel | None = None
         #: This manager's layout identity and its verdicts on its peers' (docs/identity.md).
-        self.identity = PeerCheck(lambda: _identity_with_metric(manager), _log)
+        self.identity = PeerCheck(lambda: identity_with_metric(manager), _log)
         #: Decode sessions whose identity was refused, with the error (transfers to them fail).
         self.refused: dict[str, IncompatiblePeerError] = {}
 
@@ -221,14 +222,7 @@ class SglangStaging:
         if REGISTRATION_KEY not in registration and IDENTITY_KEY not in registration:
             self.refused.pop(session, None)  # no kvplan frame: the fallback line says so
             return None
-        sent = registration.get(IDENTITY_KEY)
-        try:
-            self.identity.check(session, sent, local_role="prefill")
-        except IncompatiblePeerError as err:
-            self.refused[session] = err
-            return err
-        self.refused.pop(session, None)
-        return None
+        return check_registered(self, session, registration)
 
     # ---------------------------------------------------------------- side channel
     def deliver(self, data: bytes) -> None:
@@ -463,10 +457,11 @@ def _hook_registration(manager: Any, staging: SglangStaging) -> None:
             break
 
 
-def hook_register_info(info_cls: type) -> None:
+def hook_register_info(info_cls: type, frame_index: int = REGISTRATION_FRAME) -> None:
     """``info_cls.from_zmq`` keeps SGLang's parse and adds ``kvplan_staging`` (the decoded
-    registration frame) to what it returns when the message has kvplan's frame; installed
-    once per class."""
+    registration frame, at ``frame_index`` of the message: after the last frame SGLang's
+    parse reads) to what it returns when the message has kvplan's frame; installed once per
+    class."""
     current = info_cls.__dict__.get("from_zmq")
     if current is None or getattr(current, "_kvplan_original", None) is not None:
         return
@@ -474,7 +469,7 @@ def hook_register_info(info_cls: type) -> None:
 
     def from_zmq(cls: type, msg: list[bytes]) -> Any:
         info = original(cls, msg)
-        frame = msg[REGISTRATION_FRAME] if len(msg) > REGISTRATION_FRAME else b""
+        frame = msg[frame_index] if len(msg) > frame_index else b""
         if bytes(frame[:len(REGISTRATION_TAG)]) == REGISTRATION_TAG:
             try:
                 info.kvplan_staging = json.loads(bytes(frame[len(REGISTRATION_TAG):]))
@@ -708,9 +703,34 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
 MOONCAKE_TRANSFER = "push"
 
 
-def identity_field(staging: SglangStaging) -> dict[str, Any]:
-    message = staging.identity.message()
+class PeerIdentities(Protocol):
+    """A manager's identity check and the decode sessions it refused (:class:`SglangStaging`,
+    and the NIXL drop-in's ``kvplan.compat.sglang.nixl.NixlIdentity``)."""
+
+    identity: PeerCheck
+    refused: dict[str, IncompatiblePeerError]
+
+
+def identity_field(holder: PeerIdentities) -> dict[str, Any]:
+    """What a registration or open message adds: this side's identity message under
+    :data:`kvplan.identity.IDENTITY_KEY` (nothing while it has none)."""
+    message = holder.identity.message()
     return {} if message is None else {IDENTITY_KEY: message}
+
+
+def check_registered(holder: PeerIdentities, session: str,
+                     registration: dict[str, Any] | None) -> IncompatiblePeerError | None:
+    """The prefill's verdict on the decode at ``session`` from its registration frame
+    (``None`` or without the key: it sent no identity, said once): the refusal kept in
+    ``holder.refused`` (and returned), else None."""
+    sent = (registration or {}).get(IDENTITY_KEY)
+    try:
+        holder.identity.check(session, sent, local_role="prefill")
+    except IncompatiblePeerError as err:
+        holder.refused[session] = err
+        return err
+    holder.refused.pop(session, None)
+    return None
 
 
 def _override_rope(server_args: Any) -> Any:
@@ -809,7 +829,7 @@ def _manager_role(manager: Any) -> str:
     return "decode" if "decode" in name else "prefill"
 
 
-def _identity_with_metric(manager: Any) -> Any:
+def identity_with_metric(manager: Any) -> Any:
     """The manager's identity, once (a manager whose arguments kvplan cannot read has none:
     said once, its peers check nothing), with ``kvplan:layout_info`` set."""
     attrs = manager.__dict__
