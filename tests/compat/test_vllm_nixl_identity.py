@@ -322,8 +322,8 @@ def test_identity_survives_vllms_restore_kv_caches(nixl: Any, connector: Any) ->
     assert fields[IDENTITY_KEY]["class_id"] == vllm_nixl.peer_check(prefill).local.class_id
 
 
-def test_no_identity_at_pp_dcp_or_mamba(nixl: Any, connector: Any) -> None:
-    for attrs in ({"pp_size": 2}, {"dcp_size": 2}, {"_has_mamba": True}):
+def test_no_identity_at_pp_dcp_pcp_or_mamba(nixl: Any, connector: Any) -> None:
+    for attrs in ({"pp_size": 2}, {"dcp_size": 2}, {"pcp_size": 2}, {"_has_mamba": True}):
         w = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
         w.__dict__.update(attrs)
         assert vllm_nixl.worker_layout(w) is None, attrs

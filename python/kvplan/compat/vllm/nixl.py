@@ -329,13 +329,13 @@ def worker_layout(worker: Any) -> Any:
     """The NIXL worker's registered regions as a :class:`kvplan.Layout`
     (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
     block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
-    for a model with Mamba state, and at PP or DCP sizes above 1 (vLLM pairs those stages and
-    ranks region by region in ways a layout without their coordinates would refuse)."""
+    for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
+    and ranks region by region in ways a layout without their coordinates would refuse)."""
     from kvplan.compat.vllm.semantics import regions_layout
 
     d = worker.__dict__
-    if d.get("_has_mamba") or int(d.get("pp_size", 1) or 1) != 1 or \
-            int(d.get("dcp_size", 1) or 1) != 1:
+    if d.get("_has_mamba") or any(int(d.get(size, 1) or 1) != 1
+                                  for size in ("pp_size", "dcp_size", "pcp_size")):
         return None
     tp_rank = int(d.get("tp_rank", 0) or 0)
     try:
