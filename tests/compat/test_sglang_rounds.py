@@ -25,7 +25,7 @@ from kvplan.compat import sglang as compat
 from kvplan.compat.sglang import metrics, rounds
 from kvplan.engines import MooncakeTransport
 from kvplan.presets import fragmented_pages
-from kvplan.staging import DirectFallback, StagingAgreement, StagingConfig
+from kvplan.staging import DirectFallback, StagingAgreement, StagingConfig, startup_costs
 from support.sglang_loader import InlineExecutor
 from support.sglang_models import load_loader, load_sglang_or_fail
 
@@ -114,9 +114,10 @@ class Net:
         self.by_session[peer].listener.q.put(bytes(data))
 
 
-def _attach(mgr: Any, peer: Peer, net: Net, config: StagingConfig = ALWAYS) -> Any:
+def _attach(mgr: Any, peer: Peer, net: Net, config: StagingConfig = ALWAYS,
+            costs: kvplan.TransferCost | None = None) -> Any:
     staging = rounds.attach(mgr, engine=peer.transport, send=net.send, reply_to=peer.session,
-                            config=config)
+                            config=config, costs=costs)
     assert staging is not None
     peer.listener.handler = staging.deliver
     return staging
@@ -310,6 +311,78 @@ def test_auto_without_measured_costs_keeps_the_direct_path(sg: Any) -> None:
         src, dst = _mla_pages()
         assert _send_mla(pmgr, dec, src, dst) == 0
         assert p.last[dec.session][0] == "direct"
+    finally:
+        pre.close()
+        dec.close()
+
+
+AUTO = StagingConfig(mode="auto", arena_mib=1, buffers=2, timeout_s=5.0)
+
+
+def test_auto_with_measured_costs_stages_fragmented_and_keeps_contiguous_direct(
+        sg: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """``auto`` with the costs ``start_up`` settles (measured here for real on Mooncake TCP
+    loopback, as in a server): the fragmented request (one direct block per token and layer)
+    is staged, its log line saying why; a contiguous one (one direct block per layer) stays
+    direct. The decisions rest on the block counts: any measured costs give them."""
+    costs, said = startup_costs(AUTO, logging.getLogger("kvplan.compat.sglang"),
+                                option="KVPLAN_STAGING_COSTS")
+    assert costs is not None and said.startswith("measured costs per_block_s="), said
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        p, d = _attach(pmgr, pre, net, AUTO, costs), _attach(dmgr, dec, net, AUTO, costs)
+        assert p.costs is costs
+        assert isinstance(_register(p, d, dec.session), StagingAgreement)
+        src, dst = _mla_pages()
+        before = dec.memory.copy()
+        with caplog.at_level(logging.INFO, logger="kvplan.compat.sglang"):
+            assert _send_mla(pmgr, dec, src, dst) == 0
+        kind, report = p.last[dec.session]
+        assert kind == "staged" and report.rounds >= 2
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        lines = [r.getMessage() for r in caplog.records if "staged request" in r.getMessage()]
+        assert len(lines) == 1 and f"(direct plan: {LAYERS * TOKENS} blocks); why: staged: " \
+            f"direct {LAYERS * TOKENS} blocks" in lines[0], lines
+        # contiguous on both sides: one direct block per layer
+        engine.blocks = 0
+        src, dst = np.arange(TOKENS, dtype=np.int32), np.arange(TOKENS, dtype=np.int32) + 7
+        before = dec.memory.copy()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        kind, why = p.last[dec.session]
+        assert kind == "direct" and why.startswith(f"direct: direct {LAYERS} blocks"), why
+        assert engine.blocks == LAYERS
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_auto_with_a_failed_measurement_is_warned_and_stays_direct(
+        sg: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kvplan.engines import measure
+
+    def refuse(engine: str = "mooncake", **_: Any) -> kvplan.TransferCost:
+        raise kvplan.TransferError("mooncake: loopback refused")
+
+    monkeypatch.setattr(measure, "measure_loopback", refuse)
+    with caplog.at_level(logging.WARNING, logger="kvplan.compat.sglang"):
+        costs, said = startup_costs(AUTO, logging.getLogger("kvplan.compat.sglang"),
+                                    option="KVPLAN_STAGING_COSTS")
+    assert costs is None and "so auto takes the direct path" in said
+    assert any("measuring Mooncake's costs on loopback failed (TransferError: mooncake: "
+               "loopback refused)" in r.getMessage() for r in caplog.records)
+    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    try:
+        net = Net([pre, dec])
+        p, d = _attach(pmgr, pre, net, AUTO, costs), _attach(dmgr, dec, net, AUTO, costs)
+        assert isinstance(_register(p, d, dec.session), StagingAgreement)
+        src, dst = _mla_pages()
+        before = dec.memory.copy()
+        assert _send_mla(pmgr, dec, src, dst) == 0
+        assert p.last[dec.session] == ("direct", "no measured engine costs to advise with")
+        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert engine.blocks >= LAYERS * TOKENS // 2
     finally:
         pre.close()
         dec.close()
@@ -512,6 +585,94 @@ def test_start_up_hook_attaches_after_sglang_registers_its_kv(
         assert "register_buffer_to_engine" not in cls.__dict__ or not getattr(
             cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
         dec.transport.close()
+
+
+GIVEN = "per_block_s=3e-06,network_bytes_per_s=2e+09,copy_bytes_per_s=9e+09"
+
+
+@pytest.mark.parametrize("case", ["measured", "given", "failed"])
+def test_start_up_settles_the_costs_auto_advises_with_and_says_which(
+        sg: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        case: str) -> None:
+    """``start_up`` with ``KVPLAN_STAGING=auto``: the manager's staging holds the measured
+    costs (measured once), the given ``KVPLAN_STAGING_COSTS`` (nothing measured), or none
+    after a failed measurement (warned; ``auto`` then keeps the direct path); one log line
+    says the settings and which costs."""
+    from kvplan.engines import measure
+
+    measured = kvplan.TransferCost(per_block_s=5e-6, network_bytes_per_s=1e9,
+                                   copy_bytes_per_s=6e9)
+    calls: list[str] = []
+
+    def fake(engine: str = "mooncake", **_: Any) -> kvplan.TransferCost:
+        calls.append(engine)
+        if case == "failed":
+            raise kvplan.TransferError("mooncake: loopback refused")
+        return measured
+
+    monkeypatch.setattr(measure, "measure_loopback", fake)
+    monkeypatch.setenv("KVPLAN_STAGING", "auto")
+    monkeypatch.setenv("KVPLAN_STAGING_ARENA_MIB", "1")
+    if case == "given":
+        monkeypatch.setenv("KVPLAN_STAGING_COSTS", GIVEN)
+    else:
+        monkeypatch.delenv("KVPLAN_STAGING_COSTS", raising=False)
+    dec = Peer(LAYERS, CAP * ITEM, None)
+    dec.listener.stop()
+
+    class Wrapper:  # SGLang's MooncakeTransferEngine, the engine inside
+        engine = dec.transport
+
+    mgr = load_loader().manager_object(sg, sg.MooncakeKVManager, kv_args=_decode_kv_args(dec),
+                                       engine=Wrapper(), local_ip="127.0.0.1")
+    try:
+        with caplog.at_level(logging.INFO, logger="kvplan.compat.sglang"):
+            staging = rounds.start_up(mgr)
+        assert staging is not None and rounds.staging_of(mgr) is staging
+        said = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("kvplan staging (auto)")]
+        assert len(said) == 1, said
+        assert said[0].startswith("kvplan staging (auto) on rank 0: 1 MiB arena in 2 buffers "
+                                  "registered, channel 127.0.0.1:"), said
+        if case == "measured":
+            assert staging.costs == measured and calls == ["mooncake"]
+            assert "; measured costs per_block_s=5e-06,network_bytes_per_s=1e+09," \
+                "copy_bytes_per_s=6e+09 (mooncake loopback; set KVPLAN_STAGING_COSTS" in said[0]
+        elif case == "given":
+            assert calls == []  # given costs: nothing measured
+            assert staging.costs == staging.config.costs == kvplan.TransferCost(
+                per_block_s=3e-6, network_bytes_per_s=2e9, copy_bytes_per_s=9e9)
+            assert said[0].endswith(f"; given costs {GIVEN} (KVPLAN_STAGING_COSTS)")
+        else:
+            assert staging.costs is None and calls == ["mooncake"]
+            assert said[0].endswith("; no costs (the measurement failed), so auto takes the "
+                                    "direct path (set KVPLAN_STAGING_COSTS, or staging always)")
+            warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert [r.getMessage() for r in warned] == [
+                "kvplan staging: measuring Mooncake's costs on loopback failed "
+                "(TransferError: mooncake: loopback refused)"]
+    finally:
+        rounds.detach(mgr)
+        dec.transport.close()
+
+
+def test_start_up_refuses_bad_costs_naming_the_variable(
+        sg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ``KVPLAN_STAGING_COSTS`` stops the start-up before anything is measured or
+    registered: a ``ConfigError`` naming the variable and the value."""
+    from kvplan.engines import measure
+
+    monkeypatch.setattr(measure, "measure_loopback", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setenv("KVPLAN_STAGING", "auto")
+    bad = "per_block_s=3e-06,network_bytes_per_s=fast,copy_bytes_per_s=9e+09"
+    monkeypatch.setenv("KVPLAN_STAGING_COSTS", bad)
+    mgr = types.SimpleNamespace(engine=types.SimpleNamespace(engine=object()),
+                                kv_args=types.SimpleNamespace(engine_rank=0))
+    with pytest.raises(kvplan.ConfigError) as err:
+        rounds.start_up(mgr)
+    assert err.value.option == "KVPLAN_STAGING_COSTS" and err.value.value == bad
+    assert "network_bytes_per_s='fast'" in str(err.value)
+    assert rounds.staging_of(mgr) is None
 
 
 def test_pools_outside_host_memory_keep_the_direct_path() -> None:

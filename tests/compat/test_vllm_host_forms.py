@@ -227,11 +227,11 @@ def test_unknown_or_bad_kvplan_option_is_refused(v, extra, option):
             "kv_connector_extra_config: 'kvplan_max_blocks' is not an option of "
             "KvplanMooncakeConnector (its kvplan options: kvplan_max_blocks_per_batch, "
             "kvplan_staging, kvplan_staging_arena_mib, kvplan_staging_buffers, "
-            "kvplan_staging_timeout_s); keys beginning with 'kvplan' are kvplan's, and an "
-            "unknown one is refused rather than ignored")
+            "kvplan_staging_costs, kvplan_staging_timeout_s); keys beginning with 'kvplan' "
+            "are kvplan's, and an unknown one is refused rather than ignored")
         assert err.value.known == ("kvplan_max_blocks_per_batch", "kvplan_staging",
                                    "kvplan_staging_arena_mib", "kvplan_staging_buffers",
-                                   "kvplan_staging_timeout_s")
+                                   "kvplan_staging_costs", "kvplan_staging_timeout_s")
 
 
 def test_known_kvplan_option_is_applied_and_vllm_keys_pass(v):

@@ -605,6 +605,12 @@ def test_connector_with_staging_off_or_absent_is_vllms_worker(v: Any) -> None:
     ({"kvplan_staging": "sometimes"}, "kvplan_staging"),
     ({"kvplan_staging": "auto", "kvplan_staging_arena_mib": 0}, "kvplan_staging_arena_mib"),
     ({"kvplan_staging_buffers": 65}, "kvplan_staging_buffers"),
+    ({"kvplan_staging": "auto", "kvplan_staging_costs": "per_block_s=1e-6"},
+     "kvplan_staging_costs"),
+    ({"kvplan_staging": "auto", "kvplan_staging_costs": {"per_block_s": 0,
+                                                         "network_bytes_per_s": 1e9,
+                                                         "copy_bytes_per_s": 1e9}},
+     "kvplan_staging_costs"),
 ])
 def test_connector_refuses_a_bad_staging_option(v: Any, extra: dict[str, Any],
                                                 option: str) -> None:
@@ -667,6 +673,118 @@ def test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up(
     finally:
         state.close()
         worker.shutdown()
+
+
+@pytest.mark.parametrize("case", ["measured", "given", "failed"])
+def test_connector_settles_the_costs_auto_advises_with_and_says_which(
+        v: Any, engines: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """``kvplan_staging: auto``: the worker's staging holds the costs measured once at
+    start-up, the given ``kvplan_staging_costs`` (nothing measured), or none after a failed
+    measurement (a warning; ``auto`` then keeps the direct path). One start-up line says
+    which, in a logger under vLLM's."""
+    import kvplan
+    from mooncake.engine import TransferEngine
+
+    from kvplan.engines import measure
+
+    measured = kvplan.TransferCost(per_block_s=5e-6, network_bytes_per_s=1e9,
+                                   copy_bytes_per_s=6e9)
+    calls: list[str] = []
+
+    def fake(engine: str = "mooncake", **_: Any) -> Any:
+        calls.append(engine)
+        if case == "failed":
+            raise kvplan.TransferError("mooncake: loopback refused")
+        return measured
+
+    monkeypatch.setattr(measure, "measure_loopback", fake)
+    monkeypatch.setattr(v.mc, "msgspec", fake_msgspec(v.mc.msgspec))
+    extra: dict[str, Any] = {"kvplan_staging": "auto", "kvplan_staging_arena_mib": 1}
+    if case == "given":
+        extra["kvplan_staging_costs"] = {"per_block_s": 3e-6, "network_bytes_per_s": 2e9,
+                                         "copy_bytes_per_s": 9e9}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.kvplan.staging")
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        connector = staged_connector(v, extra, TransferEngine)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    worker = connector.connector_worker
+    state = worker.__dict__[vstaging.STAGING_ATTR]
+    try:
+        said = [r.getMessage() for r in records if r.levelno == logging.INFO
+                and r.getMessage().startswith("kvplan staging (auto)")]
+        assert len(said) == 1, said
+        assert said[0].startswith("kvplan staging (auto): 1 MiB arena in 2 buffers "
+                                  "registered, channel "), said
+        if case == "measured":
+            assert state.costs == measured and calls == ["mooncake"]
+            assert "; measured costs per_block_s=5e-06,network_bytes_per_s=1e+09," \
+                "copy_bytes_per_s=6e+09 (mooncake loopback; set kvplan_staging_costs" in said[0]
+        elif case == "given":
+            assert calls == []
+            assert state.costs == kvplan.TransferCost(per_block_s=3e-6,
+                                                      network_bytes_per_s=2e9,
+                                                      copy_bytes_per_s=9e9)
+            assert said[0].endswith("; given costs per_block_s=3e-06,network_bytes_per_s=2e+09,"
+                                    "copy_bytes_per_s=9e+09 (kvplan_staging_costs)")
+        else:
+            assert state.costs is None and calls == ["mooncake"]
+            assert said[0].endswith("; no costs (the measurement failed), so auto takes the "
+                                    "direct path (set kvplan_staging_costs, or staging always)")
+            assert [r.getMessage() for r in records if r.levelno == logging.WARNING] == [
+                "kvplan staging: measuring Mooncake's costs on loopback failed "
+                "(TransferError: mooncake: loopback refused)"]
+    finally:
+        state.close()
+        worker.shutdown()
+
+
+def test_auto_with_measured_costs_stages_fragmented_and_keeps_contiguous_direct(
+        v: Any, patched: Any, engines: Any) -> None:
+    """``auto`` with the costs the connector's start-up settles (measured here for real on
+    Mooncake TCP loopback): a fragmented request is staged, a contiguous one stays vLLM's
+    direct path; both land as vLLM's own plan would."""
+    from kvplan.staging import startup_costs
+
+    p_engine, d_engine = engines
+    costs, said = startup_costs(StagingConfig(mode="auto"), logging.getLogger("vllm.kvplan"),
+                                option="kvplan_staging_costs")
+    assert costs is not None and said.startswith("measured costs"), said
+    prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
+                   head_bytes=256, seed=5)
+    decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
+                  total_heads=1, head_bytes=256, seed=None)
+    p_staging = start(prefill, p_engine, mode="auto")
+    p_staging.costs = costs
+    d_staging = start(decode, d_engine, mode="auto")
+    d_staging.serve(decode.worker)
+    prefill.worker.xfer_stats = stats_for(v)
+    requests = {"req-f": fragmented_ids(70, 5)}
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
+    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and err_msg is None
+    assert len(src) == 0 and direct_blocks == 70 * LAYERS  # staged: no direct columns
+    assert d_staging.stream("req-f@tp0").loaded
+    np.testing.assert_array_equal(decode.memory, want)
+    # contiguous on both sides: vLLM's direct path, one block per region
+    decode.memory[:] = SENTINEL
+    requests = {"req-c": (list(range(10, 80)), list(range(20, 90)))}
+    meta, ready = pull(v, prefill, decode, d_staging, requests)
+    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
+    src, dst, lengths, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and err_msg is None
+    assert len(src) == direct_blocks == LAYERS  # the direct columns, as vLLM plans them
+    p_engine.engine.batch_transfer_sync_write(d_engine.session, list(src), list(dst),
+                                              list(lengths))
+    np.testing.assert_array_equal(decode.memory, want)
 
 
 def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,

@@ -9,7 +9,8 @@ two registered arenas (docs/staging.md).
   decision (:class:`StagingAgreement` or :class:`DirectFallback`), :class:`FallbackLog` to say a
   fallback once per peer.
 * :func:`choose_path`: staged or direct for one request (``Template.transfer_advice`` with the
-  engine's measured costs).
+  engine's costs); :func:`startup_costs` settles those costs once at start-up (given, else
+  measured by :func:`loopback_costs`).
 * :func:`send_staged` (prefill), :class:`ReceiveStaged` (decode): the round protocol, its
   messages carried by the engine's side channel through a callable and a :class:`Router`.
 * :class:`StagingError`: how a staged request fails, once.
@@ -32,8 +33,9 @@ from kvplan.staging.channel import (
     parse_address,
 )
 from kvplan.staging.choice import PathChoice, choose_path
-from kvplan.staging.config import ENV_VARS, STAGING_OPTIONS, StagingConfig
+from kvplan.staging.config import ENV_VARS, STAGING_OPTIONS, StagingConfig, format_costs
 from kvplan.staging.copies import local_copy
+from kvplan.staging.costs import loopback_costs, startup_costs
 from kvplan.staging.errors import REASONS, StagingError
 from kvplan.staging.memory import host_memory, host_views
 from kvplan.staging.negotiation import (
@@ -57,5 +59,5 @@ __all__ = ["CHANNEL_REASONS", "ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS",
            "FrameConnection", "FrameListener", "Framing", "NetworkHandle",
            "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
            "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",
-           "host_memory", "host_views", "local_copy", "negotiate", "parse_address",
-           "round_engine", "send_staged"]
+           "format_costs", "host_memory", "host_views", "local_copy", "loopback_costs",
+           "negotiate", "parse_address", "round_engine", "send_staged", "startup_costs"]

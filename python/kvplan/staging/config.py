@@ -1,20 +1,24 @@
 """Staging settings as the engines pass them: vLLM's ``kv_connector_extra_config`` keys
 (``kvplan_staging``, ``kvplan_staging_arena_mib``, ``kvplan_staging_buffers``,
-``kvplan_staging_timeout_s``) and SGLang's environment (``KVPLAN_STAGING``,
-``KVPLAN_STAGING_ARENA_MIB``, ``KVPLAN_STAGING_BUFFERS``, ``KVPLAN_STAGING_TIMEOUT_S``)."""
+``kvplan_staging_timeout_s``, ``kvplan_staging_costs``) and SGLang's environment
+(``KVPLAN_STAGING``, ``KVPLAN_STAGING_ARENA_MIB``, ``KVPLAN_STAGING_BUFFERS``,
+``KVPLAN_STAGING_TIMEOUT_S``, ``KVPLAN_STAGING_COSTS``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvplan._core import KvPlanError, TransferCost
 from kvplan._errors import ConfigError
 
-__all__ = ["DEFAULT_ARENA_MIB", "DEFAULT_BUFFERS", "DEFAULT_TIMEOUT_S", "ENV_VARS",
-           "MAX_ARENA_MIB", "MAX_BUFFERS", "MODES", "STAGING_OPTIONS", "StagingConfig"]
+__all__ = ["COST_FIELDS", "DEFAULT_ARENA_MIB", "DEFAULT_BUFFERS", "DEFAULT_TIMEOUT_S",
+           "ENV_VARS", "MAX_ARENA_MIB", "MAX_BUFFERS", "MODES", "STAGING_OPTIONS",
+           "StagingConfig", "format_costs"]
 
 DEFAULT_ARENA_MIB = 64
 DEFAULT_BUFFERS = 2
@@ -72,6 +76,68 @@ def _seconds(option: str, value: Any) -> float:
     return seconds
 
 
+#: The three numbers of a :class:`kvplan.TransferCost`, in the order :func:`format_costs`
+#: writes them.
+COST_FIELDS = ("per_block_s", "network_bytes_per_s", "copy_bytes_per_s")
+
+
+def format_costs(costs: TransferCost) -> str:
+    """``costs`` in the form ``kvplan_staging_costs`` / ``KVPLAN_STAGING_COSTS`` reads:
+    ``per_block_s=...,network_bytes_per_s=...,copy_bytes_per_s=...``."""
+    return ",".join(f"{name}={getattr(costs, name):.6g}" for name in COST_FIELDS)
+
+
+def _costs(option: str, value: Any) -> TransferCost:
+    """A :class:`kvplan.TransferCost` as it is, a mapping of its three numbers (a JSON object
+    in ``kv_connector_extra_config``), or text: ``name=number`` pairs separated by commas
+    (:func:`format_costs`' form) or a JSON object. Each of the three exactly once, each a
+    finite number greater than 0."""
+    if isinstance(value, TransferCost):
+        return value
+    form = (f"{option}={value!r}: the engine's costs are required as "
+            "'per_block_s=S,network_bytes_per_s=B,copy_bytes_per_s=C' (each a finite number "
+            "greater than 0)")
+    pairs: list[tuple[Any, Any]]
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise _error(option, value, form) from None
+        if not isinstance(parsed, dict):
+            raise _error(option, value, form)
+        pairs = list(parsed.items())
+    elif isinstance(value, str):
+        pairs = []
+        for part in value.split(","):
+            name, sep, number = part.partition("=")
+            if not sep:
+                raise _error(option, value, form)
+            pairs.append((name.strip(), number.strip()))
+    else:
+        raise _error(option, value, form)
+    numbers: dict[str, float] = {}
+    for name, number in pairs:
+        if name not in COST_FIELDS or name in numbers:
+            raise _error(option, value, f"{form}; {name!r} is unknown or repeated")
+        try:
+            x = float(number) if not isinstance(number, bool) else math.nan
+        except (TypeError, ValueError):
+            x = math.nan
+        if not math.isfinite(x) or x <= 0:
+            raise _error(option, value, f"{form}; {name}={number!r} is not such a "
+                         "number")
+        numbers[name] = x
+    missing = [name for name in COST_FIELDS if name not in numbers]
+    if missing:
+        raise _error(option, value, f"{form}; missing: {', '.join(missing)}")
+    try:
+        return TransferCost(**numbers)
+    except KvPlanError as exc:  # the core's own check, should it be stricter than this one
+        raise _error(option, value, f"{form}; {exc}") from None
+
+
 #: Each ``kv_connector_extra_config`` key with its parser (a connector's own option table
 #: takes these in as they are).
 STAGING_OPTIONS: dict[str, Callable[[str, Any], Any]] = {
@@ -79,6 +145,7 @@ STAGING_OPTIONS: dict[str, Callable[[str, Any], Any]] = {
     "kvplan_staging_arena_mib": _int_in(1, MAX_ARENA_MIB),
     "kvplan_staging_buffers": _int_in(1, MAX_BUFFERS),
     "kvplan_staging_timeout_s": _seconds,
+    "kvplan_staging_costs": _costs,
 }
 
 #: The environment variable read for each option (SGLang has no per-connector config).
@@ -88,13 +155,15 @@ ENV_VARS: dict[str, str] = {key: key.upper() for key in STAGING_OPTIONS}
 @dataclass(frozen=True)
 class StagingConfig:
     """How a kvplan peer stages: ``mode`` (:data:`MODES`), the arena (``arena_mib`` MiB split
-    into ``buffers`` round buffers) and ``timeout_s`` without progress before a staged request
-    fails."""
+    into ``buffers`` round buffers), ``timeout_s`` without progress before a staged request
+    fails, and ``costs``: the engine's :class:`kvplan.TransferCost` as the operator gave it
+    (``None``: ``auto`` measures them at start-up, :func:`kvplan.staging.startup_costs`)."""
 
     mode: Mode = "auto"
     arena_mib: int = DEFAULT_ARENA_MIB
     buffers: int = DEFAULT_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
+    costs: TransferCost | None = field(default=None, hash=False)
 
     @property
     def enabled(self) -> bool:
@@ -116,8 +185,8 @@ class StagingConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StagingConfig:
         """From the environment (SGLang): ``KVPLAN_STAGING``, ``KVPLAN_STAGING_ARENA_MIB``,
-        ``KVPLAN_STAGING_BUFFERS``, ``KVPLAN_STAGING_TIMEOUT_S``; unset ones keep their
-        defaults, an empty one counts as unset."""
+        ``KVPLAN_STAGING_BUFFERS``, ``KVPLAN_STAGING_TIMEOUT_S``, ``KVPLAN_STAGING_COSTS``;
+        unset ones keep their defaults, an empty one counts as unset."""
         env = os.environ if environ is None else environ
         options = {key: env[var] for key, var in ENV_VARS.items() if env.get(var, "") != ""}
         try:

@@ -75,6 +75,7 @@ from kvplan.staging import (
     local_copy,
     negotiate,
     send_staged,
+    startup_costs,
 )
 
 __all__ = ["OPEN_MAGIC", "REGISTRATION_FRAME", "REGISTRATION_TAG", "PeerIdentities",
@@ -504,9 +505,11 @@ def attach(manager: Any, *, engine: Any, send: Send | None = None,
     ``Handoff``): the arena is registered with it. The side channel is a
     :class:`SocketChannel` listening on ``host`` unless ``send(peer, data)`` and ``reply_to``
     (this side's listener, as the peer's ``send`` names it) are given. ``costs``: the engine's
-    measured :class:`kvplan.TransferCost` (``kvplan.engines.measure_cost``), which ``auto``
-    needs to prefer staging; without it ``auto`` keeps the direct path. SGLang's registration
+    :class:`kvplan.TransferCost` (measured: ``kvplan.engines.measure_cost``; default
+    ``config.costs``, ``KVPLAN_STAGING_COSTS``), which ``auto`` needs to prefer staging;
+    without it ``auto`` keeps the direct path. SGLang's registration
     carries the decode's capabilities (:func:`_hook_registration`, on this instance).
+    :func:`start_up` passes the costs :func:`kvplan.staging.startup_costs` settled.
 
     Raises:
         ConfigError: a bad ``KVPLAN_STAGING*`` value, naming the variable.
@@ -522,6 +525,7 @@ def attach(manager: Any, *, engine: Any, send: Send | None = None,
     arena = StagingArena.from_config(config)
     arena.register(engine)
     rank = int(manager.kv_args.engine_rank) if rank is None else int(rank)
+    costs = config.costs if costs is None else costs
     channel: SocketChannel | None = None
     if send is None:
         holder: list[SglangStaging] = []
@@ -541,8 +545,11 @@ def attach(manager: Any, *, engine: Any, send: Send | None = None,
 def start_up(manager: Any) -> SglangStaging | None:
     """The start-up hook's body, once SGLang registered the manager's KV memory: with
     ``KVPLAN_STAGING`` set to ``auto`` or ``always``, :func:`attach` with the Mooncake engine
-    inside SGLang's wrapper (``manager.engine.engine``) and the manager's ``local_ip`` for the
-    side channel; unset, empty or ``off``: nothing.
+    inside SGLang's wrapper (``manager.engine.engine``), the manager's ``local_ip`` for the
+    side channel and the engine's costs (:func:`kvplan.staging.startup_costs`:
+    ``KVPLAN_STAGING_COSTS`` as given, else for ``auto`` measured once on Mooncake TCP
+    loopback; a failed measurement is a warning and ``auto`` keeps the direct path). One log
+    line says the settings and which costs are used. Unset, empty or ``off``: nothing.
 
     Raises:
         ConfigError: a bad ``KVPLAN_STAGING*`` value (the server does not start half
@@ -551,9 +558,18 @@ def start_up(manager: Any) -> SglangStaging | None:
     """
     if os.environ.get("KVPLAN_STAGING", "").strip() == "":
         return None
+    config = StagingConfig.from_env()
+    if not config.enabled:
+        return None
     engine = getattr(manager.engine, "engine", None) or manager.engine
     host = str(getattr(manager, "local_ip", "") or "127.0.0.1")
-    return attach(manager, engine=engine, host=host)
+    costs, said = startup_costs(config, _log, option="KVPLAN_STAGING_COSTS")
+    staging = attach(manager, engine=engine, host=host, config=config, costs=costs)
+    if staging is not None:
+        _log.info("kvplan staging (%s) on rank %d: %d MiB arena in %d buffers registered, "
+                  "channel %s; %s", config.mode, staging.rank, config.arena_mib,
+                  config.buffers, staging.reply_to, said)
+    return staging
 
 
 def hook_start_up(manager_class: type) -> bool:
@@ -689,9 +705,11 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     # the direct plan's count beside the staged one: what staging saved this request, counted
     # by the core's validation (nothing planned)
     if _log.isEnabledFor(logging.INFO):  # the count walks the request: only when it is said
+        direct = (choice.advice.direct_blocks if choice.advice is not None else
+                  template.n_blocks_for(Request(src_pages, dst_pages)))
         _log.info("kvplan: staged request %s to %s: %d pages in %d rounds, %d network blocks "
-                  "(direct plan: %d blocks)", request, session, len(src_pages), report.rounds,
-                  report.network_blocks, template.n_blocks_for(Request(src_pages, dst_pages)))
+                  "(direct plan: %d blocks); why: %s", request, session, len(src_pages),
+                  report.rounds, report.network_blocks, direct, choice.why)
     return 0
 
 

@@ -78,11 +78,12 @@ def _connector_class() -> type:
 def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
     """Staging asked for by a ``kvplan_staging`` key other than ``off``: the worker's arena,
     registered with its Mooncake engine now (start-up); its channel listener; the handshake
-    hooks (the decode's pull request carries its staging message, the prefill reads it); for
-    ``auto``, the engine's costs measured once on loopback. Without the key, or with ``off``,
-    nothing is allocated or replaced and the worker is vLLM's path."""
+    hooks (the decode's pull request carries its staging message, the prefill reads it); the
+    engine's costs (:func:`kvplan.staging.startup_costs`: ``kvplan_staging_costs`` as given,
+    else for ``auto`` measured once on loopback). Without the key, or with ``off``, nothing
+    is allocated or replaced and the worker is vLLM's path."""
     from kvplan.compat.vllm import staging
-    from kvplan.staging import StagingConfig
+    from kvplan.staging import StagingConfig, startup_costs
 
     if options.get("kvplan_staging", "off") == "off":
         return
@@ -94,19 +95,15 @@ def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
         state.name = f"{host}:{worker.__dict__.get('rpc_port')}"
         staging.hook_handshake(worker, state, module)
         state.serve(worker, host)
-        if config.mode == "auto":
-            state.costs = _loopback_costs()
+        state.costs, said = startup_costs(config, _staging_log, option="kvplan_staging_costs")
     except BaseException:
         state.close()
         raise
     worker.__dict__[staging.STAGING_ATTR] = state
     _staging_log.info(
-        "kvplan staging (%s): %d MiB arena in %d buffers registered, channel %s%s",
+        "kvplan staging (%s): %d MiB arena in %d buffers registered, channel %s; %s",
         config.mode, config.arena_mib, config.buffers,
-        state.server.address if state.server is not None else "-",
-        "" if config.mode != "auto" or state.costs is not None else
-        "; no measured costs, so auto takes the direct path (kvplan_staging: always stages "
-        "wherever both peers agree)")
+        state.server.address if state.server is not None else "-", said)
 
 
 def identity_source(worker: Any) -> Callable[[], Any]:
@@ -121,18 +118,6 @@ def staging_module() -> Any:
     from kvplan.compat.vllm import staging
 
     return staging
-
-
-def _loopback_costs() -> Any:
-    """The host's Mooncake TCP costs measured on loopback, or None (logged) when that fails."""
-    try:
-        from kvplan.engines.measure import measure_loopback
-
-        return measure_loopback("mooncake")
-    except Exception as exc:  # the measurement is advice only: staging stays usable
-        _staging_log.warning("kvplan staging: measuring Mooncake's costs failed (%s: %s)",
-                             type(exc).__name__, exc)
-        return None
 
 
 _staging_log = logging.getLogger("vllm.kvplan.staging")
