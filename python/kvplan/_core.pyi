@@ -650,13 +650,17 @@ class Request:
     pool's) and the token range (``n_tokens``, ``skip_tokens``). ``pool_tokens={pool id:
     (n_tokens, skip_tokens)}`` gives a further pool a token range of its own (its entries move
     tokens ``skip_tokens..n_tokens`` of that pool's pages; ``(0, 0)`` with empty page arrays
-    moves nothing of it), planned by ``plan`` and ``plan_batch`` only. Every planner method
-    takes one in place of its page arrays; a feature the planner does not plan is an
-    ``UnsupportedError`` naming both.
+    moves nothing of it), planned by ``plan`` and ``plan_batch`` only. Pages and a slot
+    together (``Request(src, dst, slot=(src_slot, dst_slot))``) are a hybrid model's whole
+    request: its plan is the page (or token) plan, then the slot request's plan (its state
+    slots, and its ring rows of the last ``min(R_p, R_d, n_tokens)`` positions when
+    ``n_tokens`` is given and the template has rings), planned by ``plan`` and ``plan_batch``
+    only. Every planner method takes one in place of its page arrays; a feature the planner
+    does not plan is an ``UnsupportedError`` naming both.
 
     Raises:
         TypeError: A page array that is not 1-D C-contiguous aligned int32/int64; only one
-            side's pages; pages and a slot together, or neither; window pages of another dtype
+            side's pages; neither pages nor a slot; window pages of another dtype
             than that side's pages, or for a slot; a non-int count or a malformed slot; pool 1
             given both as ``window_pages`` and in ``pool_pages``; ``pool_pages`` not a dict;
             ``pool_tokens`` not a dict of ``(n_tokens, skip_tokens)`` tuples, or for a slot.

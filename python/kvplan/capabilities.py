@@ -40,6 +40,7 @@ _HEADINGS = {
     "token_plan": "token plan",
     "ring": "ring rows",
     "pool_range": "pool's own range",
+    "pages_with_state": "pages with a state slot",
 }
 # How the README line names a feature a planner refuses.
 _SHORT = {
@@ -49,6 +50,7 @@ _SHORT = {
     "token_plan": "token plans",
     "ring": "ring rows",
     "pool_range": "pools' own token ranges",
+    "pages_with_state": "pages with a state slot",
 }
 
 

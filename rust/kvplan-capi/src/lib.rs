@@ -1190,6 +1190,7 @@ unsafe fn request_from<'a>(req: &RawRequest) -> Result<Request<'a>, Fail> {
         skip_tokens: req.skip_tokens,
         pool_pages: Default::default(),
         pool_tokens: Default::default(),
+        state_slot: None,
     };
     for (pool, arrays) in PoolId::ALL.into_iter().zip(&req.pools) {
         let Some(arrays) = arrays else { continue };

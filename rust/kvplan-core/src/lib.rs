@@ -101,7 +101,8 @@ pub use model::pieces::{
     TokenMap, Walk,
 };
 pub use model::plan::{
-    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, StateShape, TokenShape,
+    AsColumns, Columns, FlatBuffer, Plan, PlanPart, PlanSummary, PlanUnit, StateShape, StateTail,
+    TokenShape,
 };
 pub use model::request::{Indices, PoolLists, Request};
 pub use model::runs::{

@@ -101,6 +101,7 @@ fn request_for(feature: Feature) -> Request<'static> {
                 Some(&POOL_DST_PAGES[..]),
             )
             .with_pool_tokens(PoolId(1), 6, 0),
+        Feature::PagesWithState => Request::pages(&SRC_PAGES, &DST_PAGES).with_state_slot(1, 2),
     }
 }
 

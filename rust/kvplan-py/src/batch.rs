@@ -38,6 +38,8 @@ struct BatchItem<'a> {
     /// Each side's pages; `None` for a state slot request.
     pages: Option<(IndexSlice<'a>, IndexSlice<'a>)>,
     slot: (i64, i64),
+    /// The state slot a page request carries too.
+    state_slot: Option<(i64, i64)>,
     window: WindowSlices<'a>,
     n_tokens: Option<u64>,
     skip_tokens: u64,
@@ -233,6 +235,7 @@ fn plan_typed<S: SliceOf, D: SliceOf>(
         let (n, k) = (item.n_tokens, item.skip_tokens);
         let mut request = core_request(pages_of, n, k, window);
         request.pool_tokens = item.pool_tokens;
+        request.state_slot = item.state_slot;
         requests.push(request);
     }
     let plan = || plan_requests(template, &requests, digests);
@@ -327,6 +330,7 @@ pub(crate) fn plan_batch(
                     slice_of(dst, r, "dst_pages")?,
                 )),
                 slot: (0, 0),
+                state_slot: None,
                 window: WindowSlices::default(),
                 n_tokens: *n_tokens,
                 skip_tokens: 0,
@@ -345,6 +349,7 @@ pub(crate) fn plan_batch(
                 BatchItem {
                     pages,
                     slot: input.slot,
+                    state_slot: input.state_slot,
                     window,
                     n_tokens: input.n_tokens,
                     skip_tokens: input.skip_tokens,

@@ -320,6 +320,8 @@ pub(crate) struct TokenArgs<'a> {
     pub(crate) window: WindowSlices<'a>,
     /// Per further pool, its own `(n_tokens, skip_tokens)` (`None`: the request's).
     pub(crate) pool_tokens: [Option<(u64, u64)>; POOLS],
+    /// The state slot a page request carries too (`None`: none).
+    pub(crate) state_slot: Option<(i64, i64)>,
 }
 
 impl From<Option<u64>> for TokenArgs<'static> {
@@ -350,6 +352,7 @@ impl<P: RequestPlanner> IndexVisitor for WithRequest<'_, P> {
         let pages = Indices::Pages { src, dst };
         let mut request = core_request(pages, tokens.n_tokens, tokens.skip_tokens, window);
         request.pool_tokens = tokens.pool_tokens;
+        request.state_slot = tokens.state_slot;
         self.0.plan(&request)
     }
 }
@@ -390,6 +393,7 @@ pub(crate) fn core_request<'a, S: PageIndex, D: PageIndex>(
         skip_tokens,
         pool_pages: Default::default(),
         pool_tokens: [None; POOLS],
+        state_slot: None,
     };
     for (pool, (src, dst)) in PoolId::ALL.into_iter().zip(pools).skip(1) {
         request = request.with_pool_pages(pool, src, dst);

@@ -304,6 +304,7 @@ impl PyTransferPlan {
             n_blocks: plan.n_runs,
             total_bytes: plan.total_bytes,
             unit: kvplan_core::PlanUnit::Pages(scan),
+            state: None,
         };
         let mut out = Self::described(template, summary, fingerprints);
         out.packed_offsets = Some(plan.pair_offsets.clone());
@@ -314,7 +315,7 @@ impl PyTransferPlan {
     fn offsets(&self) -> Vec<usize> {
         match &self.packed_offsets {
             Some(offsets) => offsets.clone(),
-            None => self.template.blocks().pair_offsets(&self.summary),
+            None => self.template.pair_offsets(&self.summary),
         }
     }
 

@@ -1,4 +1,4 @@
-//! `kvplan.Request`: one transfer request as a value (each side's pages, or a state slot, with
+//! `kvplan.Request`: one transfer request as a value (each side's pages, a state slot, or both, with
 //! its window pages and token range), and [`RequestInput`], what every planner method reads
 //! from either a `Request` or its loose arguments before the one conversion into the core's
 //! request (`input::plan_request`).
@@ -197,19 +197,12 @@ impl PyRequest {
                 )));
             }
         };
-        match (&pages, slot) {
-            (Some(_), Some(slot)) => {
-                return Err(PyTypeError::new_err(format!(
-                    "Request holds page arrays or a state slot, not both (got pages and slot={slot:?}): \
-                     plan the slot as a Request of its own"
-                )));
-            }
-            (None, None) => {
-                return Err(PyTypeError::new_err(
-                    "Request needs page arrays (src, dst) or a state slot (slot=(src_slot, dst_slot))",
-                ));
-            }
-            _ => {}
+        // Pages and a slot together are a hybrid model's whole request: its pages, then its
+        // state slots (and ring rows) in one plan.
+        if pages.is_none() && slot.is_none() {
+            return Err(PyTypeError::new_err(
+                "Request needs page arrays (src, dst) or a state slot (slot=(src_slot, dst_slot))",
+            ));
         }
         if pages.is_none() && window_pages.is_some() {
             return Err(PyTypeError::new_err(
@@ -361,6 +354,8 @@ pub(crate) fn shift_after<'a, 'py>(
 pub(crate) struct RequestInput<'py> {
     pub(crate) pages: Option<RequestArrays<'py>>,
     pub(crate) slot: (i64, i64),
+    /// The state slot a page request carries too (`Request(src, dst, slot=...)`).
+    pub(crate) state_slot: Option<(i64, i64)>,
     pub(crate) window: WindowPages<'py>,
     pub(crate) n_tokens: Option<u64>,
     pub(crate) skip_tokens: u64,
@@ -393,6 +388,7 @@ impl<'py> RequestInput<'py> {
         Ok(Self {
             pages,
             slot: r.slot.unwrap_or_default(),
+            state_slot: r.slot.filter(|_| r.pages.is_some()),
             window: WindowPages::extract_pools(window.as_ref(), pools.as_ref())?,
             n_tokens: r.n_tokens,
             skip_tokens: r.skip_tokens,
@@ -439,6 +435,7 @@ impl<'py> RequestInput<'py> {
                 ("src_pages", "dst_pages"),
             )?),
             slot: (0, 0),
+            state_slot: None,
             window: WindowPages::extract(loose.window_pages)?,
             n_tokens: loose.n_tokens,
             skip_tokens: loose.skip_tokens,
@@ -493,6 +490,7 @@ impl<'py> RequestInput<'py> {
         Ok(Self {
             pages: None,
             slot: (slot(src_slot, "src_slot")?, slot(dst_slot, "dst_slot")?),
+            state_slot: None,
             window: WindowPages::extract(None)?,
             n_tokens: None,
             skip_tokens: 0,
@@ -523,6 +521,7 @@ impl<'py> RequestInput<'py> {
             skip_tokens: self.skip_tokens,
             window: self.window.slices(pages)?,
             pool_tokens: self.pool_tokens,
+            state_slot: self.state_slot,
         };
         Ok(plan_request(py, pages, tokens, planner))
     }

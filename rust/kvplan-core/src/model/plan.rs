@@ -132,12 +132,69 @@ pub struct PlanSummary {
     pub total_bytes: u64,
     /// How the request is planned, and what its validating pass found.
     pub unit: PlanUnit,
+    /// The state slots (and ring rows) a page request carrying a state slot moves after its
+    /// page or token blocks ([`crate::Request::state_slot`]); counted in `n_blocks` and
+    /// `total_bytes`. `None` for every other request.
+    pub state: Option<StateTail>,
+}
+
+/// The state part of a request that carries pages and a state slot: the size of the state
+/// plan that follows its page or token blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateTail {
+    /// The state plan's shape (its slots, and its ring rows when it has ring positions).
+    pub shape: StateShape,
+    /// Blocks of the state plan (the last `n_blocks` of the request's plan).
+    pub n_blocks: usize,
+    /// Bytes the state plan moves.
+    pub total_bytes: u64,
+}
+
+impl StateTail {
+    /// The state plan's own summary, as a slot request's.
+    pub fn summary(&self) -> PlanSummary {
+        PlanSummary {
+            n_blocks: self.n_blocks,
+            total_bytes: self.total_bytes,
+            unit: PlanUnit::State(self.shape),
+            state: None,
+        }
+    }
 }
 
 impl PlanSummary {
+    /// A summary of one unit (no state tail).
+    pub const fn of(n_blocks: usize, total_bytes: u64, unit: PlanUnit) -> Self {
+        Self {
+            n_blocks,
+            total_bytes,
+            unit,
+            state: None,
+        }
+    }
+
+    /// The page (or token) part of a summary with a state tail: the summary without it (the
+    /// summary itself when it has none).
+    #[must_use]
+    pub fn head(&self) -> PlanSummary {
+        match self.state {
+            Some(tail) => PlanSummary {
+                n_blocks: self.n_blocks - tail.n_blocks,
+                total_bytes: self.total_bytes - tail.total_bytes,
+                unit: self.unit,
+                state: None,
+            },
+            None => *self,
+        }
+    }
+
     /// Runs contiguous on both sides (a token plan's segments; a state plan counts its slots as
-    /// one run when they move anything, and each ring block as one).
+    /// one run when they move anything, and each ring block as one); a state tail's runs are
+    /// added to the page or token runs before it.
     pub fn n_runs(&self) -> usize {
+        if let Some(tail) = self.state {
+            return self.head().n_runs() + tail.summary().n_runs();
+        }
         match self.unit {
             PlanUnit::Pages(found) => found.n_runs,
             PlanUnit::Tokens(tokens) => tokens.n_segments,

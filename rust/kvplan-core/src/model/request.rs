@@ -60,6 +60,13 @@ pub struct Request<'a, S = i64, D = i64> {
     /// token counts (a state group keeps one page, a prefix hit cuts each group apart), so
     /// one range cannot size every pool; `(0, 0)` with empty lists moves nothing of that pool.
     pub pool_tokens: [Option<(u64, u64)>; POOLS],
+    /// A page request's state slot on each side `(src, dst)`: a hybrid model's whole request
+    /// in one value. Its plan is the page (or token) plan followed by the state plan of
+    /// `Request::slot(src, dst)` (with the ring rows of the last `min(R_p, R_d, n_tokens)`
+    /// positions when `n_tokens` is given and the template has ring-state pairs), exactly as
+    /// the two requests planned one after the other. `None`: no state moves; always `None`
+    /// for a slot request, whose slots are its indices.
+    pub state_slot: Option<(i64, i64)>,
 }
 
 impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
@@ -71,6 +78,7 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             skip_tokens: 0,
             pool_pages: [(None, None); POOLS],
             pool_tokens: [None; POOLS],
+            state_slot: None,
         }
     }
 
@@ -98,6 +106,38 @@ impl<'a, S: PageIndex, D: PageIndex> Request<'a, S, D> {
             self.pool_tokens[pool.index()] = Some((n_tokens, skip_tokens));
         }
         self
+    }
+
+    /// The same request with the state slot of each side (`src`, `dst`): its plan moves the
+    /// pages, then the state slots (see [`Request::state_slot`]). On a slot request the
+    /// slots are its indices already, so it stays as it is.
+    #[must_use]
+    pub fn with_state_slot(mut self, src: i64, dst: i64) -> Self {
+        if let Indices::Pages { .. } = self.indices {
+            self.state_slot = Some((src, dst));
+        }
+        self
+    }
+
+    /// The page part of a request that carries a state slot too: the same request without
+    /// it (see [`Request::state_slot`]).
+    #[must_use]
+    pub fn pages_part(&self) -> Self {
+        Self {
+            state_slot: None,
+            ..*self
+        }
+    }
+
+    /// The state part of a request that carries a state slot: `Request::slot(src, dst)` with
+    /// the ring positions `n_tokens` when the template has ring-state pairs (`rings`); `None`
+    /// for a request without a state slot.
+    pub fn state_part(&self, rings: bool) -> Option<Request<'static>> {
+        let (src, dst) = self.state_slot?;
+        Some(Request {
+            n_tokens: self.n_tokens.filter(|_| rings),
+            ..Request::slot(src, dst)
+        })
     }
 
     /// Whether some further pool has a token range of its own.
@@ -186,6 +226,7 @@ impl Request<'static> {
             skip_tokens: 0,
             pool_pages: [(None, None); POOLS],
             pool_tokens: [None; POOLS],
+            state_slot: None,
         }
     }
 }

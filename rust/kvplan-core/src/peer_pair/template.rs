@@ -11,7 +11,7 @@ use crate::kernels::tokens::{LaneLists, PoolRanges, TokenTemplate, count_blocks_
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
 use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
 use crate::model::plan::{
-    AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, StateShape, TokenShape,
+    AsColumns, Columns, FlatBuffer, Plan, PlanSummary, PlanUnit, StateShape, StateTail, TokenShape,
 };
 use crate::model::request::{Indices, PoolLists, Request};
 use crate::model::runs::{IndexLimits, PageIndex, RunRule, check_unique, scan_runs, write_runs_by};
@@ -424,6 +424,9 @@ impl Template {
         request: &Request<'_, S, D>,
     ) -> Result<PlanSummary> {
         self.admit(Planner::Plan, request)?;
+        if let Some((src, dst)) = request.state_slot {
+            return self.prepare_with_state(request, (src, dst));
+        }
         let (src, dst) = match request.indices {
             Indices::Slot { src, dst } => {
                 // Not a planner's limit: a slot holds no tokens to skip.
@@ -439,6 +442,7 @@ impl Template {
                 n_blocks: shape.n_blocks,
                 total_bytes: shape.total_bytes,
                 unit: PlanUnit::Tokens(shape),
+                state: None,
             });
         }
         // A page plan's layouts keep no windows (windows make a token template), so no side
@@ -495,6 +499,55 @@ impl Template {
             n_blocks,
             total_bytes,
             unit: PlanUnit::Pages(found),
+            state: None,
+        })
+    }
+
+    /// Validates a page request that carries a state slot (`slot`): its page part as a
+    /// request of its own, then its state part as the slot request
+    /// [`Request::state_part`] (ring positions `n_tokens` when the template has ring-state
+    /// pairs); the summary counts both, the state plan as its tail.
+    fn prepare_with_state<S: PageIndex, D: PageIndex>(
+        &self,
+        request: &Request<'_, S, D>,
+        (src, dst): (i64, i64),
+    ) -> Result<PlanSummary> {
+        if self.state_pairs.is_empty() && self.ring_pairs.is_empty() {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "the request carries state slot ({src}, {dst}), but this template pairs no \
+                     state entries (Layout.with_state adds them): plan its pages without a slot"
+                ),
+            });
+        }
+        let head = self.prepare(&request.pages_part())?;
+        let rings = !self.ring_pairs.is_empty();
+        let n_tokens = request.n_tokens.filter(|_| rings);
+        let state = self.prepare_slot(src, dst, n_tokens, true)?;
+        let PlanUnit::State(shape) = state.unit else {
+            return Err(PlanError::InputChanged);
+        };
+        let n_blocks = head
+            .n_blocks
+            .checked_add(state.n_blocks)
+            .ok_or(PlanError::Overflow {
+                what: "block count",
+            })?;
+        let total_bytes =
+            head.total_bytes
+                .checked_add(state.total_bytes)
+                .ok_or(PlanError::Overflow {
+                    what: "total bytes",
+                })?;
+        Ok(PlanSummary {
+            n_blocks,
+            total_bytes,
+            unit: head.unit,
+            state: Some(StateTail {
+                shape,
+                n_blocks: state.n_blocks,
+                total_bytes: state.total_bytes,
+            }),
         })
     }
 
@@ -564,6 +617,7 @@ impl Template {
             n_blocks,
             total_bytes,
             unit: PlanUnit::State(shape),
+            state: None,
         })
     }
 
@@ -642,6 +696,21 @@ impl Template {
                 have: out.capacity(),
                 need: summary.n_blocks,
             });
+        }
+        if let (Some(tail), Some(_)) = (summary.state, request.state_slot) {
+            // The page or token blocks first, then the state plan's (as two plans, one after
+            // the other).
+            let head = summary.head();
+            self.emit_prepared(&request.pages_part(), &head, out.range(0..head.n_blocks))?;
+            let state = request
+                .state_part(tail.shape.ring_positions.is_some())
+                .ok_or(PlanError::InputChanged)?;
+            let at = head.n_blocks;
+            let tail_out = out.range(at..at + tail.n_blocks);
+            return self.emit_prepared(&state, &tail.summary(), tail_out);
+        }
+        if summary.state.is_some() || request.state_slot.is_some() {
+            return Err(PlanError::InputChanged);
         }
         // The unit by reference: a token shape is large, and this runs once per request.
         match (request.indices, &summary.unit) {
@@ -841,8 +910,23 @@ impl Template {
             lengths,
             n_runs: summary.n_runs(),
             total_bytes: summary.total_bytes,
-            pair_offsets: self.blocks.pair_offsets(&summary),
+            pair_offsets: self.pair_offsets(&summary),
         })
+    }
+
+    /// `n_pairs + 1` block offsets of a plan of this shape ([`BlockAccounting::pair_offsets`]);
+    /// a plan with a state tail lists its page pairs, then its state (and ring) pairs, whose
+    /// ranges follow the page blocks.
+    pub fn pair_offsets(&self, summary: &PlanSummary) -> Vec<usize> {
+        let Some(tail) = summary.state else {
+            return self.blocks.pair_offsets(summary);
+        };
+        let head = summary.head();
+        let mut offsets = self.blocks.pair_offsets(&head);
+        let at = head.n_blocks;
+        let state = self.blocks.pair_offsets(&tail.summary());
+        offsets.extend(state.iter().skip(1).map(|o| at + o));
+        offsets
     }
 
     ///
@@ -954,12 +1038,17 @@ impl Template {
             skip_tokens: request.skip_tokens,
             n_tokens_given: given && !self.by_token(),
             ring_positions: request.n_tokens.unwrap_or(0),
+            state_slot: request.state_slot.unwrap_or_default(),
             ..self.asked()
         }
         .with(Feature::Delta, request.skip_tokens > 0)
         .with(Feature::StateSlot, !pages)
         .with(Feature::Ring, !pages && request.n_tokens.is_some())
         .with(Feature::PoolRange, request.has_pool_tokens())
+        .with(
+            Feature::PagesWithState,
+            pages && request.state_slot.is_some(),
+        )
         .with(
             Feature::TokenPlan,
             given || pages && request.skip_tokens > 0,

@@ -263,6 +263,7 @@ impl BatchSummary {
                 n_blocks: merged.n_blocks,
                 total_bytes: merged.total_bytes,
                 unit: PlanUnit::Tokens(merged),
+                state: None,
             });
         }
         let (runs, pages) = segment_runs(members)?;
@@ -284,6 +285,7 @@ impl BatchSummary {
             n_blocks: self.segment_offsets[segment + 1] - self.segment_offsets[segment],
             total_bytes: members.iter().map(|m| m.total_bytes).sum(),
             unit: PlanUnit::Pages(scan),
+            state: None,
         })
     }
 
@@ -603,8 +605,11 @@ impl<'t> BatchPlanner<'t> {
         }
         let (mut n_blocks, mut total_bytes) = (0usize, 0u64);
         let mut merges: Vec<u64> = Vec::new();
-        let moves_tokens =
-            |s: &PlanSummary| matches!(s.unit, PlanUnit::Tokens(_)) && s.n_blocks > 0;
+        // A request carrying a state slot is a segment of its own: its state blocks follow its
+        // page blocks, so no later request's blocks can join them.
+        let moves_tokens = |s: &PlanSummary| {
+            matches!(s.unit, PlanUnit::Tokens(_)) && s.n_blocks > 0 && s.state.is_none()
+        };
         let mut r = 0;
         while r < requests.len() {
             let mut end = r + 1;
@@ -632,9 +637,9 @@ impl<'t> BatchPlanner<'t> {
                 end += 1;
             }
             while end < requests.len()
-                && [&summaries[end - 1], &summaries[end]]
-                    .iter()
-                    .all(|s| matches!(s.unit, PlanUnit::Pages(_)) && s.n_blocks > 0)
+                && [&summaries[end - 1], &summaries[end]].iter().all(|s| {
+                    matches!(s.unit, PlanUnit::Pages(_)) && s.n_blocks > 0 && s.state.is_none()
+                })
                 && fuses(&requests[end - 1], &requests[end])
             {
                 end += 1;
@@ -804,7 +809,7 @@ impl<'t> BatchPlanner<'t> {
             self.template
                 .emit_prepared(request, &summary, columns.reborrow())
                 .map_err(in_request(r))?;
-            let offsets = self.template.blocks.pair_offsets(&summary);
+            let offsets = self.template.pair_offsets(&summary);
             let blocks = crate::exchange::digest::PlanBlocks {
                 src_addrs: &columns.src_addrs[..n],
                 dst_addrs: &columns.dst_addrs[..n],
@@ -1104,8 +1109,11 @@ fn check_slots_disjoint<S: PageIndex, D: PageIndex>(
     let mut slots: Vec<(i64, usize)> = requests
         .iter()
         .enumerate()
-        .filter_map(|(r, request)| match request.indices {
-            Indices::Slot { dst, .. } if summaries[r].n_blocks > 0 => Some((dst, r)),
+        .filter_map(|(r, request)| match (request.indices, request.state_slot) {
+            (Indices::Slot { dst, .. }, _) if summaries[r].n_blocks > 0 => Some((dst, r)),
+            (_, Some((_, dst))) if summaries[r].state.is_some_and(|t| t.n_blocks > 0) => {
+                Some((dst, r))
+            }
             _ => None,
         })
         .collect();

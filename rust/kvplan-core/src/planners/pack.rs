@@ -209,6 +209,7 @@ impl PackPlanner<'_> {
             n_blocks,
             total_bytes,
             unit: PlanUnit::Tokens(shape),
+            state: None,
         };
         let offsets = self.template.blocks.pair_offsets(&summary);
         let pack = PackBuffer {

@@ -250,7 +250,40 @@ impl LayerSlices {
 
     /// Cuts one plan of this template (page, token or state plan, described by its summary)
     /// into slices: per slice its block ranges and work, and the seal's.
+    ///
+    /// A plan with a state tail (a page request carrying a state slot) is its page plan's
+    /// slices followed by its state plan's, each slice's state ranges after its page ranges.
     pub fn of(&self, template: &Template, summary: &PlanSummary) -> PlanSlices {
+        if let Some(tail) = summary.state {
+            let head = summary.head();
+            let at = head.n_blocks;
+            let mut out = self.of(template, &head);
+            let state = self.of(template, &tail.summary());
+            let join = |ranges: &mut Vec<(usize, usize)>,
+                        work: &mut SliceWork,
+                        more: &[(usize, usize)],
+                        more_work: &SliceWork| {
+                for &(start, stop) in more {
+                    let (start, stop) = (start + at, stop + at);
+                    match ranges.last_mut() {
+                        Some(last) if last.1 == start => last.1 = stop,
+                        _ => ranges.push((start, stop)),
+                    }
+                }
+                work.blocks += more_work.blocks;
+                work.bytes += more_work.bytes;
+            };
+            for (k, (ranges, work)) in out.ranges.iter_mut().zip(&mut out.work).enumerate() {
+                join(ranges, work, &state.ranges[k], &state.work[k]);
+            }
+            join(
+                &mut out.seal_ranges,
+                &mut out.seal,
+                &state.seal_ranges,
+                &state.seal,
+            );
+            return out;
+        }
         let (ranges, work): (Vec<_>, Vec<_>);
         let (seal_ranges, seal);
         if matches!(summary.unit, PlanUnit::State(_)) {

@@ -24,17 +24,21 @@ pub enum Feature {
     Ring,
     /// A request that gives a further pool a token range of its own (`pool_tokens`).
     PoolRange,
+    /// A page request that carries each side's state slot too (a hybrid model's whole
+    /// request): its page or token blocks, then its state slots and ring rows.
+    PagesWithState,
 }
 
 impl Feature {
     /// Every feature, in the order [`check`] reports the first unsupported one.
-    pub const ALL: [Feature; 6] = [
+    pub const ALL: [Feature; 7] = [
         Feature::Delta,
         Feature::StateSlot,
         Feature::Window,
         Feature::TokenPlan,
         Feature::Ring,
         Feature::PoolRange,
+        Feature::PagesWithState,
     ];
 
     /// The stable name (Python's `UnsupportedError.feature`, the docs' column heading).
@@ -46,6 +50,7 @@ impl Feature {
             Feature::TokenPlan => "token_plan",
             Feature::Ring => "ring",
             Feature::PoolRange => "pool_range",
+            Feature::PagesWithState => "pages_with_state",
         }
     }
 
@@ -65,6 +70,10 @@ impl Feature {
             }
             Feature::PoolRange => {
                 "a request giving a further pool its own token range (`pool_tokens`)"
+            }
+            Feature::PagesWithState => {
+                "a page request that carries a state slot too (`Request(src, dst, \
+                 slot=(s, d))`): pages, then state slots and ring rows"
             }
         }
     }
@@ -150,15 +159,30 @@ const fn bits(features: &[Feature]) -> u8 {
 
 /// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
 pub const SUPPORT: [(Planner, u8); 7] = {
-    use Feature::{Delta, PoolRange, Ring, StateSlot, TokenPlan, Window};
+    use Feature::{Delta, PagesWithState, PoolRange, Ring, StateSlot, TokenPlan, Window};
     [
         (
             Planner::Plan,
-            bits(&[Delta, StateSlot, Window, TokenPlan, Ring, PoolRange]),
+            bits(&[
+                Delta,
+                StateSlot,
+                Window,
+                TokenPlan,
+                Ring,
+                PoolRange,
+                PagesWithState,
+            ]),
         ),
         (
             Planner::Batch,
-            bits(&[Delta, StateSlot, Window, TokenPlan, PoolRange]),
+            bits(&[
+                Delta,
+                StateSlot,
+                Window,
+                TokenPlan,
+                PoolRange,
+                PagesWithState,
+            ]),
         ),
         (
             Planner::Packed,
@@ -186,6 +210,8 @@ pub struct Asked {
     pub n_tokens_given: bool,
     /// The positions a slot request has processed (a ring request's `n_tokens`).
     pub ring_positions: u64,
+    /// The state slot `(src, dst)` a page request carries (a hybrid request's).
+    pub state_slot: (i64, i64),
 }
 
 impl Asked {
@@ -244,6 +270,14 @@ impl Asked {
                 "{phrase} plans one token range for every pool; this request gives a pool its \
                  own (pool_tokens): plan it with Template::plan or plan_batch"
             ),
+            Feature::PagesWithState => {
+                let (src, dst) = self.state_slot;
+                format!(
+                    "{phrase} plans page lists or a state slot, not both; this request carries \
+                     state slot ({src}, {dst}) with its pages: plan it with Template::plan or \
+                     plan_batch, or plan the slot as a request of its own"
+                )
+            }
         }
     }
 }
