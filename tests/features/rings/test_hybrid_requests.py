@@ -203,3 +203,21 @@ def test_planners_that_plan_pages_or_a_slot_refuse_both_by_name() -> None:
     # The slot methods keep planning slots only.
     with pytest.raises(TypeError, match="plan_state plans a state slot"):
         t.plan_state(request)
+
+
+def test_a_conversion_plan_refuses_a_request_with_a_state_slot() -> None:
+    """Conversion widens page and token entries only: a hybrid request's slot is refused by
+    name there, never planned past the scale layouts; its pages alone still convert."""
+    ctx = dict(page_size=2, kv_heads=2, head_dim=4)
+    src = kvplan.Layout([1 << 20], [64], [32], [0], ["k"], dtype_size=2, **ctx)
+    src = src.with_representations(["bf16"]).with_state("mamba", [1 << 24], [64], 16, [0])
+    dst = kvplan.Layout([1 << 30, 1 << 31], [32, 16], [16, 8], [0, 0], ["k", "k_scale"],
+                        dtype_size=1, **ctx).with_representations(["fp8_e4m3:per_token", None])
+    dst = dst.with_state("mamba", [1 << 25], [64], 16, [0])
+    t = kvplan.ConversionTemplate(src, dst)
+    a, b = np.array([0], dtype=np.int64), np.array([1], dtype=np.int64)
+    with pytest.raises(kvplan.UnsupportedError) as e:
+        t.plan(kvplan.Request(a, b, slot=(1, 2)), staging=(1 << 40, 4096))
+    assert (e.value.planner, e.value.feature) == ("ConversionTemplate.plan", "pages_with_state")
+    assert "state slot (1, 2)" in str(e.value)
+    assert t.plan(kvplan.Request(a, b), staging=(1 << 40, 4096)).network_bytes > 0

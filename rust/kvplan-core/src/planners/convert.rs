@@ -507,6 +507,19 @@ impl ConversionTemplate {
         staging: PackBuffer,
         dst_staging: Option<PackBuffer>,
     ) -> Result<ConversionPlan> {
+        // Conversion widens page and token entries; a hybrid request's state part is not
+        // checked against its scale layouts, so it is planned apart (`Template::plan`).
+        if let Some((src, dst)) = request.state_slot {
+            return Err(PlanError::Unsupported {
+                planner: "ConversionTemplate.plan",
+                feature: "pages_with_state",
+                why: format!(
+                    "a conversion plan converts page lists; this request carries state slot \
+                     ({src}, {dst}) with its pages: plan the pages here and the slot with \
+                     Template::plan as a request of its own"
+                ),
+            });
+        }
         if self.side == Side::Dst {
             let dst_staging = dst_staging.ok_or_else(|| PlanError::Geometry {
                 what: "this conversion dequantizes on the decode, so its plan needs a decode \
