@@ -197,12 +197,17 @@ def stats_class(base: type) -> type:
     return KvplanMooncakeKVConnectorStats
 
 
-def _rebuild_stats(module: str, qualname: str, data: dict[str, list[Any]]) -> Any:
-    """Unpickles a stats object: the class derived from vLLM's stats class of that name."""
+def _vllm_class(module: str, qualname: str) -> Any:
+    """vLLM's class of that module and qualified name (a pickled stats object's base)."""
     base: Any = importlib.import_module(module)
     for part in qualname.split("."):
         base = getattr(base, part)
-    return stats_class(base)(data=data)
+    return base
+
+
+def _rebuild_stats(module: str, qualname: str, data: dict[str, list[Any]]) -> Any:
+    """Unpickles a stats object: the class derived from vLLM's stats class of that name."""
+    return stats_class(_vllm_class(module, qualname))(data=data)
 
 
 def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, Any]:
@@ -338,10 +343,8 @@ def nixl_stats_class(base: type) -> type:
 
 
 def _rebuild_nixl_stats(module: str, qualname: str, data: dict[str, list[Any]]) -> Any:
-    base: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        base = getattr(base, part)
-    return nixl_stats_class(base)(data=data)
+    """Unpickles a NIXL stats object, as :func:`_rebuild_stats` does."""
+    return nixl_stats_class(_vllm_class(module, qualname))(data=data)
 
 
 _NIXL_PROM: dict[type, type] = {}
