@@ -299,3 +299,33 @@ def test_batch_verdicts_name_each_request_its_own_pages(name: str) -> None:
         assert {g: tuple(sorted(p)) for g, p in united.items()} == want, (name, ranges)
     if name != "vllm-three-groups":
         assert fused > 50, fused
+
+
+@pytest.mark.parametrize("rows", [(4, 4), (4, 6), (8, 3)])
+def test_ring_rows_name_their_request_slot(rows: tuple[int, int]) -> None:
+    """A ring-state entry holds ``rows`` rows per request slot: a failed ring-row block names
+    the slot those rows belong to, never the row's own index (which is another request's
+    slot), alone and as the tail of a hybrid request's pages."""
+    row, page = 12, 16
+    layers, slots, pages = 2, 3, 8
+
+    def side(ring_rows: int, at: int) -> kvplan.Layout:
+        kv = [at + i * pages * page for i in range(layers)]
+        layout = kvplan.Layout(kv, [pages * page] * layers, [page] * layers, list(range(layers)),
+                               ["kv"] * layers, page_size=1)
+        ring_at = at + (1 << 20)
+        layout = layout.with_state("ring", [ring_at + i * (1 << 16) for i in range(layers)],
+                                   [slots * ring_rows * row] * layers, row, list(range(layers)))
+        return layout.with_rings([None] * layers + [ring_rows] * layers)
+
+    t = kvplan.Template(side(rows[0], 1 << 30), side(rows[1], 1 << 34))
+    dst_slot = slots - 1
+    for request in (kvplan.Request(slot=(0, dst_slot), n_tokens=5),
+                    kvplan.Request(np.array([0, 1]), np.array([3, 4]), slot=(1, dst_slot),
+                                   n_tokens=2)):
+        plan = t.plan(request)
+        for k in range(plan.n_blocks):
+            verdict = verdict_for_plan("r", t, plan, [k], reason="dropped")
+            state = verdict.group(STATE_GROUP)
+            assert state in ((), (dst_slot,)), (rows, k, verdict)
+            assert state or verdict.group(0), (rows, k, verdict)

@@ -128,7 +128,8 @@ impl<'l> EntryIndex<'l> {
             let last = (end - 1 - base) / entry.stride.max(1);
             let item = |i: u64| match entry.kind {
                 EntryKind::Page { pool, .. } => Item::Page(pool, i as i64),
-                EntryKind::State { .. } => Item::Slot(i as i64),
+                // A ring-state entry's items are rows, `ring` of them per request slot.
+                EntryKind::State { ring } => Item::Slot((i / ring.unwrap_or(1).max(1)) as i64),
             };
             return Some((item(index), item(last), end));
         }
