@@ -766,6 +766,59 @@ def test_sglang_identities_of_mha_tp_pairs_are_not_refused(sg: Any, p_tp: int,
     assert rounds.manager_identity(manager(0, p_tp, page_size=None)) is None
 
 
+@pytest.mark.mooncake
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_a_sglang_decode_without_heads_in_kv_args_reads_them_from_its_model(
+        sg: Any, tmp_path: Any, p_tp: int, d_tp: int) -> None:
+    """SGLang's decode sets ``kv_head_num`` / ``total_kv_head_num`` only with its own
+    hetero-TP staging on, so an MHA decode without it had no identity and nothing was checked.
+    It now takes the model's KV heads from its local ``config.json`` and the core's per-rank
+    rule: the same identity as a decode given the heads, plannable with every prefill rank; a
+    config that names other heads is refused."""
+    from support.sglang_models import load_loader
+
+    from kvplan.compat.sglang import rounds
+
+    loader = load_loader()
+    heads, head_bytes, page, layers = 4, 128, 16, 3
+
+    def model_dir(name: str, kv_heads: int) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(
+            {"num_attention_heads": 8, "num_key_value_heads": kv_heads}))
+        return str(path)
+
+    def manager(rank: int, tp: int, model_path: str, *, with_heads: bool) -> Any:
+        per_rank = max(1, heads // tp)
+        item = page * per_rank * head_bytes
+        fields = dict(kv_data_ptrs=[(1 << 32) * (e + 1) for e in range(2 * layers)],
+                      kv_data_lens=[64 * item] * (2 * layers),
+                      kv_item_lens=[item] * (2 * layers), kv_layer_ids=[], engine_rank=rank,
+                      page_size=page)
+        if with_heads:
+            fields.update(kv_head_num=per_rank, total_kv_head_num=heads)
+        args = server_args()
+        args.model_path, args.served_model_name = model_path, "org/model"
+        return loader.manager_object(sg, sg.MooncakeKVManager,
+                                     kv_args=types.SimpleNamespace(**fields),
+                                     attn_tp_size=tp, server_args=args)
+
+    local = model_dir("local", heads)
+    for r in range(d_tp):
+        read = rounds.manager_identity(manager(r, d_tp, local, with_heads=False))
+        given = rounds.manager_identity(manager(r, d_tp, local, with_heads=True))
+        assert read is not None and read.layout_id == given.layout_id
+        for q in range(p_tp):
+            prefill = rounds.manager_identity(manager(q, p_tp, "org/model", with_heads=True))
+            verdict = kvplan.compatibility(prefill, read)
+            assert verdict.kind == "plannable", verdict.reason
+    other = rounds.manager_identity(manager(0, d_tp, model_dir("other", 2 * heads),
+                                            with_heads=False))
+    prefill = rounds.manager_identity(manager(0, p_tp, "org/model", with_heads=True))
+    assert other is None or kvplan.compatibility(prefill, other).kind == "refused"
+
+
 def test_one_model_at_two_local_paths_is_one_model() -> None:
     """Two hosts keep one model's weights at their own local paths: the peers name it by the
     served name (vLLM's ``served_model_name``, SGLang's ``served_model_name``), else by the

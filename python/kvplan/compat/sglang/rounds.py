@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
-from kvplan._core import KvPlanError, Layout, Pairing, Request, Template, TransferCost
+from kvplan._core import (KvPlanError, Layout, Pairing, Request, Template, TransferCost,
+                          heads_per_rank)
 from kvplan._errors import IncompatiblePeerError, TransferError
 from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable_rope, hf_rope,
                              layout_identity, model_name_of)
@@ -760,7 +761,8 @@ def _override_rope(server_args: Any) -> Any:
     return hf_rope(overrides) if isinstance(overrides, dict) else None
 
 
-def _local_config_rope(model_path: str) -> Any:
+def _local_config(model_path: str) -> dict[str, Any] | None:
+    """The model directory's ``config.json`` when ``model_path`` is a local directory."""
     path = os.path.join(model_path, "config.json")
     if not model_path or not os.path.isfile(path):
         return None
@@ -769,10 +771,46 @@ def _local_config_rope(model_path: str) -> Any:
             config = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
+    return config if isinstance(config, dict) else None
+
+
+def _local_config_rope(model_path: str) -> Any:
+    config = _local_config(model_path)
+    if config is None:
         return None
     text = config.get("text_config")
     return hf_rope(text if isinstance(text, dict) and hf_rope(text) else config)
+
+
+def _local_config_kv_heads(model_path: str) -> int | None:
+    """The model's KV heads from its local ``config.json`` (``num_key_value_heads``, else
+    ``num_attention_heads``; a multimodal model's ``text_config`` first), or None."""
+    config = _local_config(model_path)
+    if config is None:
+        return None
+    text = config.get("text_config")
+    for part in (text, config) if isinstance(text, dict) else (config,):
+        for key in ("num_key_value_heads", "num_attention_heads"):
+            value = part.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _kv_heads(manager: Any) -> tuple[int, int] | None:
+    """The manager's ``(total KV heads, KV heads per rank)``: SGLang's ``kv_args`` where it set
+    them (a prefill always does; a decode only with its own hetero-TP staging on), else the
+    model's local ``config.json`` with the core's per-rank rule for its attention TP size."""
+    kv_args = manager.kv_args
+    heads, per_rank = (getattr(kv_args, "total_kv_head_num", None),
+                       getattr(kv_args, "kv_head_num", None))
+    if isinstance(heads, int) and isinstance(per_rank, int) and heads >= 1 and per_rank >= 1:
+        return heads, per_rank
+    server_args = getattr(manager, "server_args", None)
+    total = _local_config_kv_heads(str(getattr(server_args, "model_path", "") or ""))
+    if total is None:
+        return None
+    return total, heads_per_rank(total, int(getattr(manager, "attn_tp_size", 1) or 1))
 
 
 def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
@@ -792,14 +830,14 @@ def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> Mo
                           transfer=transfer)  # type: ignore[arg-type]
 
 
-def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
-    """``layout`` with SGLang's MHA geometry (NHD pages of ``kv_head_num`` of
-    ``total_kv_head_num`` heads, each head's bytes as one element, as the staged template
-    counts them), or None where the arguments do not give it consistently."""
-    heads, per_rank = getattr(kv_args, "total_kv_head_num", None), getattr(
-        kv_args, "kv_head_num", None)
-    if not isinstance(heads, int) or not isinstance(per_rank, int) or heads < 1 or per_rank < 1:
+def _with_heads(layout: Layout, kv_args: Any, kv_heads: tuple[int, int] | None
+                ) -> Layout | None:
+    """``layout`` with SGLang's MHA geometry (NHD pages of ``kv_heads`` = (total, per rank)
+    heads, each head's bytes as one element, as the staged template counts them), or None
+    where the heads are unknown or do not divide the items."""
+    if kv_heads is None:
         return None
+    heads, per_rank = kv_heads
     page = layout.page_size
     raw = layout.to_dict()
     kinds = cast(list[str], raw["kinds"])
@@ -818,10 +856,10 @@ def _with_heads(layout: Layout, kv_args: Any) -> Layout | None:
 def manager_identity(manager: Any, semantics: ModelSemantics | None = None) -> Any:
     """The manager's :class:`kvplan.LayoutIdentity`: its registered pools
     (``layouts.layout_from_kv_args`` with its attention TP and PP; for MHA pools, the heads
-    SGLang's ``kv_head_num`` and ``total_kv_head_num`` give) with ``semantics``, by default
-    :func:`manager_semantics` of its ``server_args``. None where the arguments do not say
-    the page size, or (MHA) the heads: a layout without them could refuse a pair SGLang
-    plans (another TP size), so nothing is checked."""
+    of :func:`_kv_heads`) with ``semantics``, by default :func:`manager_semantics` of its
+    ``server_args``. None where the arguments do not say the page size, or (MHA) the heads:
+    a layout without them could refuse a pair SGLang plans (another TP size), so nothing is
+    checked."""
     from kvplan.compat.sglang.layouts import layout_from_kv_args
 
     kv_args = manager.kv_args
@@ -832,7 +870,7 @@ def manager_identity(manager: Any, semantics: ModelSemantics | None = None) -> A
         kv_args, is_mla_backend=mla, pp_size=int(getattr(manager, "pp_size", 1) or 1),
         attn_tp_size=int(getattr(manager, "attn_tp_size", 1) or 1))
     if not mla:
-        with_heads = _with_heads(layout, kv_args)
+        with_heads = _with_heads(layout, kv_args, _kv_heads(manager))
         if with_heads is None:
             return None
         layout = with_heads
