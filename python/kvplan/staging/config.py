@@ -65,12 +65,21 @@ def _int_in(low: int, high: int) -> Callable[[str, Any], int]:
     return parse
 
 
-def _seconds(option: str, value: Any) -> float:
+def _positive_number(value: Any) -> float | None:
+    """``value`` as a finite float greater than 0 (a number or its text; never a bool), or
+    None when it is not one."""
+    if isinstance(value, bool):
+        return None
     try:
-        seconds = float(value) if not isinstance(value, bool) else math.nan
+        number = float(value)
     except (TypeError, ValueError):
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return number if math.isfinite(number) and number > 0 else None
+
+
+def _seconds(option: str, value: Any) -> float:
+    seconds = _positive_number(value)
+    if seconds is None:
         raise _error(option, value, f"{option}={value!r}: a finite number of seconds greater "
                      "than 0 is required")
     return seconds
@@ -121,11 +130,8 @@ def _costs(option: str, value: Any) -> TransferCost:
     for name, number in pairs:
         if name not in COST_FIELDS or name in numbers:
             raise _error(option, value, f"{form}; {name!r} is unknown or repeated")
-        try:
-            x = float(number) if not isinstance(number, bool) else math.nan
-        except (TypeError, ValueError):
-            x = math.nan
-        if not math.isfinite(x) or x <= 0:
+        x = _positive_number(number)
+        if x is None:
             raise _error(option, value, f"{form}; {name}={number!r} is not such a "
                          "number")
         numbers[name] = x
