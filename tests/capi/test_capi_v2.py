@@ -144,17 +144,22 @@ class CRequest:
             s_slot, d_slot, sides, addr[2], len(src_w or []), addr[3], len(dst_w or []))
         return desc, list(arrays)
 
+    def gives_pages(self) -> bool:
+        return bool(self.src or self.dst) or self.window_pages is not None
+
     def python(self) -> kvplan.Request:
-        if self.slot is not None:
+        if self.slot is not None and not self.gives_pages():
             return kvplan.Request(slot=self.slot, n_tokens=self.n_tokens,
                                   skip_tokens=self.skip_tokens)
         window = None
         if self.window_pages is not None:
             window = tuple(None if w is None else np.array(w, dtype=np.int64)
                            for w in self.window_pages)
+        # Pages with slots: a hybrid model's whole request.
         return kvplan.Request(np.array(self.src, dtype=np.int64),
                               np.array(self.dst, dtype=np.int64), window_pages=window,
-                              n_tokens=self.n_tokens, skip_tokens=self.skip_tokens)
+                              slot=self.slot, n_tokens=self.n_tokens,
+                              skip_tokens=self.skip_tokens)
 
 
 def _plan2(lib: ctypes.CDLL, template: ctypes.c_void_p, desc: RequestDesc2
@@ -223,6 +228,33 @@ def test_slot_request_equals_python_request(lib: ctypes.CDLL) -> None:
     assert lib.kvplan_template_free(c) == OK
 
 
+def test_pages_with_slots_plan_the_pages_then_the_slots(lib: ctypes.CDLL) -> None:
+    """A request struct with pages and both slots is a hybrid model's whole request: the
+    blocks Python's ``Request(src, dst, slot=...)`` plans, which are the page plan of the same
+    pages followed by the slot request's plan (ring rows of the last ``n_tokens`` positions)."""
+    py, c = _templates(lib, _hybrid(1 << 40, 2), _hybrid(1 << 50, 4))
+    rng = np.random.default_rng(11)
+    for n_tokens in (None, 0, 1, 5, 8, 12):
+        for s, d in [(0, 0), (1, 2), (2, 1)]:
+            src, dst = rng.permutation(32)[:3].tolist(), rng.permutation(32)[:3].tolist()
+            whole = CRequest(src, dst, n_tokens, slot=(s, d))
+            n = _compare(lib, py, c, whole)
+            desc, _keep = whole.desc()
+            _, _, blocks = _plan2(lib, c, desc)
+            desc_pages, _keep_p = CRequest(src, dst, n_tokens).desc()
+            desc_slot, _keep_s = CRequest(slot=(s, d), n_tokens=n_tokens).desc()
+            _, _, pages = _plan2(lib, c, desc_pages)
+            _, _, state = _plan2(lib, c, desc_slot)
+            assert blocks is not None and pages is not None and state is not None
+            assert n == pages.shape[1] + state.shape[1] and state.shape[1] >= 1
+            np.testing.assert_array_equal(blocks, np.concatenate([pages, state], axis=1))
+    # A slot past the decode's buffers with good pages: the core's refusal, as Python's.
+    assert _compare(lib, py, c, CRequest([0, 1], [2, 3], slot=(0, 3))) == -1
+    # Slots without pages stay a slot request (its n_tokens are ring positions only).
+    assert _compare(lib, py, c, CRequest(slot=(1, 1), n_tokens=40)) >= 1
+    assert lib.kvplan_template_free(c) == OK
+
+
 def test_window_pool_request_equals_python_request(lib: ctypes.CDLL) -> None:
     def peer(base: int, window_page_size: int) -> Peer:
         p = Peer(base, page_size=4, window_page_size=window_page_size)
@@ -286,10 +318,6 @@ def _refused(lib: ctypes.CDLL, template: ctypes.c_void_p, desc: RequestDesc2) ->
     ({"src_slot": NO_SLOT, "dst_slot": 1}, INVALID_ARGUMENT,
      ["src_slot is -1 and dst_slot is 1"]),
     ({"src_slot": -5, "dst_slot": 0}, INVALID_ARGUMENT, ["src_slot is -5"]),
-    ({"src_slot": 0, "dst_slot": 0, "n_src": 2, "n_dst": 2}, INVALID_ARGUMENT,
-     ["page arrays or a state slot, not both", "n_src 2, n_dst 2"]),
-    ({"src_slot": 0, "dst_slot": 0, "window_sides": WINDOW_DST}, INVALID_ARGUMENT,
-     ["not both", "window_sides 0x2"]),
     ({"window_sides": 4}, INVALID_ARGUMENT, ["window_sides is 0x4"]),
     ({"n_src_window": 3}, INVALID_ARGUMENT,
      ["src_window_pages holds 3 values", "window_sides (0x0)"]),
@@ -421,7 +449,7 @@ def test_random_version_2_requests_never_panic_nor_write_past_the_plan(lib: ctyp
         assert (out[:, n:] == guard).all(), "the C ABI wrote past the plan's blocks"
         # What planned here plans the same through Python.
         if slot is not None:
-            request.slot, request.src, request.dst = slot, [], []
+            request.slot = slot
         sides = (desc.window_sides & WINDOW_SRC, desc.window_sides & WINDOW_DST)
         if any(sides):
             # A side's bit gives its list, empty when the pointer was null with no values.

@@ -478,8 +478,10 @@ typedef struct KvplanPlanInfo {
  * `KVPLAN_WINDOW_DST`), that side's pages of its window pool in token order from the request's
  * first token (an empty list is a list: the bit says whether one is given). A slot request
  * (both slots `>= 0`) moves slot `src_slot` of every prefill state entry to slot `dst_slot`
- * of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions; it gives
- * no page arrays and no window pages.
+ * of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions. Pages
+ * (or window pages) with both slots `>= 0` are a hybrid model's whole request: the page plan,
+ * then the slots' state plan (with the ring rows of the last `n_tokens` positions), exactly
+ * the two requests planned one after the other.
  */
 typedef struct KvplanRequest2 {
   /**
@@ -504,8 +506,8 @@ typedef struct KvplanRequest2 {
    */
   size_t n_dst;
   /**
-   * Tokens to move (for a slot request: positions processed, for its ring rows), or
-   * `KVPLAN_NO_TOKENS`.
+   * Tokens to move (for a slot request: positions processed, for its ring rows; with
+   * pages and slots: both), or `KVPLAN_NO_TOKENS`.
    */
   int64_t n_tokens;
   /**
@@ -597,7 +599,8 @@ typedef struct KvplanPoolTokens {
  * One request as `kvplan.Request` gives it with pools: each side's pages or one state slot
  * per side, each pool's pages per side and each pool's own token range, and the request's
  * token range. Fields as [`KvplanRequest2`]'s; a version 2 request's window pages are pool 1's
- * `KvplanPoolPages`. A slot request gives no page arrays and no pool pages.
+ * `KvplanPoolPages`. Slots without pages are a slot request; pages (the request's or any
+ * pool's) with slots are a hybrid model's whole request, as for version 2.
  */
 typedef struct KvplanRequest3 {
   /**
@@ -622,8 +625,8 @@ typedef struct KvplanRequest3 {
    */
   size_t n_dst;
   /**
-   * Tokens to move (for a slot request: positions processed, for its ring rows), or
-   * `KVPLAN_NO_TOKENS`.
+   * Tokens to move (for a slot request: positions processed, for its ring rows; with
+   * pages and slots: both), or `KVPLAN_NO_TOKENS`.
    */
   int64_t n_tokens;
   /**

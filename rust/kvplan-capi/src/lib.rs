@@ -497,8 +497,10 @@ pub struct KvplanRequest {
 /// `KVPLAN_WINDOW_DST`), that side's pages of its window pool in token order from the request's
 /// first token (an empty list is a list: the bit says whether one is given). A slot request
 /// (both slots `>= 0`) moves slot `src_slot` of every prefill state entry to slot `dst_slot`
-/// of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions; it gives
-/// no page arrays and no window pages.
+/// of its decode pair and, with `n_tokens >= 0`, the ring rows of the last positions. Pages
+/// (or window pages) with both slots `>= 0` are a hybrid model's whole request: the page plan,
+/// then the slots' state plan (with the ring rows of the last `n_tokens` positions), exactly
+/// the two requests planned one after the other.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct KvplanRequest2 {
@@ -513,8 +515,8 @@ pub struct KvplanRequest2 {
     pub dst_pages: *const i64,
     /// Values in `dst_pages`.
     pub n_dst: usize,
-    /// Tokens to move (for a slot request: positions processed, for its ring rows), or
-    /// `KVPLAN_NO_TOKENS`.
+    /// Tokens to move (for a slot request: positions processed, for its ring rows; with
+    /// pages and slots: both), or `KVPLAN_NO_TOKENS`.
     pub n_tokens: i64,
     /// Leading tokens the decode holds already (0: none).
     pub skip_tokens: u64,
@@ -633,7 +635,8 @@ pub struct KvplanPoolTokens {
 /// One request as `kvplan.Request` gives it with pools: each side's pages or one state slot
 /// per side, each pool's pages per side and each pool's own token range, and the request's
 /// token range. Fields as [`KvplanRequest2`]'s; a version 2 request's window pages are pool 1's
-/// `KvplanPoolPages`. A slot request gives no page arrays and no pool pages.
+/// `KvplanPoolPages`. Slots without pages are a slot request; pages (the request's or any
+/// pool's) with slots are a hybrid model's whole request, as for version 2.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct KvplanRequest3 {
@@ -648,8 +651,8 @@ pub struct KvplanRequest3 {
     pub dst_pages: *const i64,
     /// Values in `dst_pages`.
     pub n_dst: usize,
-    /// Tokens to move (for a slot request: positions processed, for its ring rows), or
-    /// `KVPLAN_NO_TOKENS`.
+    /// Tokens to move (for a slot request: positions processed, for its ring rows; with
+    /// pages and slots: both), or `KVPLAN_NO_TOKENS`.
     pub n_tokens: i64,
     /// Leading tokens the decode holds already (0: none).
     pub skip_tokens: u64,
@@ -963,9 +966,6 @@ struct RawRequest {
     dst_slot: i64,
     pools: [Option<PoolArrays>; POOLS],
     pool_tokens: [Option<(u64, u64)>; POOLS],
-    /// What the struct gives beside its pages, for the message of a slot request that gives
-    /// pages too: a version 2 request's `window_sides`, or `None` for version 3's pools.
-    window_sides: Option<u32>,
     /// A version 3 request's `pool_pages` and `pool_tokens` arrays (byte ranges the outputs
     /// must not overlap).
     tables: [Option<(usize, usize)>; 2],
@@ -988,7 +988,6 @@ impl RawRequest {
             dst_slot,
             pools: [None; POOLS],
             pool_tokens: [None; POOLS],
-            window_sides: Some(0),
             tables: [None; 2],
         }
     }
@@ -1006,7 +1005,6 @@ impl RawRequest {
             (req.src_pages, req.n_src, req.dst_pages, req.n_dst),
             (req.n_tokens, req.skip_tokens, req.src_slot, req.dst_slot),
         );
-        raw.window_sides = Some(req.window_sides);
         let window = PoolArrays {
             sides: req.window_sides,
             src: req.src_window_pages,
@@ -1031,7 +1029,6 @@ impl RawRequest {
             (req.src_pages, req.n_src, req.dst_pages, req.n_dst),
             (req.n_tokens, req.skip_tokens, req.src_slot, req.dst_slot),
         );
-        raw.window_sides = None;
         for (count, what) in [
             (req.n_pool_pages, "n_pool_pages"),
             (req.n_pool_tokens, "n_pool_tokens"),
@@ -1097,6 +1094,11 @@ impl RawRequest {
     fn gives_pool_pages(&self) -> bool {
         self.pools.iter().any(Option::is_some)
     }
+
+    /// Whether the request gives pages: its own on either side, or any pool's.
+    fn gives_pages(&self) -> bool {
+        self.n_src > 0 || self.n_dst > 0 || self.gives_pool_pages()
+    }
 }
 
 impl PoolArrays {
@@ -1148,39 +1150,32 @@ unsafe fn request_from<'a>(req: &RawRequest) -> Result<Request<'a>, Fail> {
             )));
         }
     };
-    let indices = match (req.src_slot, req.dst_slot) {
-        (KVPLAN_NO_SLOT, KVPLAN_NO_SLOT) => {
-            // SAFETY: this function's contract.
-            let (src, dst) = unsafe {
-                (
-                    ptr::slice(req.src_pages, req.n_src, "src_pages")?,
-                    ptr::slice(req.dst_pages, req.n_dst, "dst_pages")?,
-                )
-            };
-            Indices::Pages { src, dst }
-        }
+    let page_indices = || -> Result<Indices<'a, i64, i64>, Fail> {
+        // SAFETY: this function's contract.
+        let (src, dst) = unsafe {
+            (
+                ptr::slice(req.src_pages, req.n_src, "src_pages")?,
+                ptr::slice(req.dst_pages, req.n_dst, "dst_pages")?,
+            )
+        };
+        Ok(Indices::Pages { src, dst })
+    };
+    // Slots without pages: a slot request (its `n_tokens` are the ring positions). Slots with
+    // pages: a hybrid model's whole request, the pages (or tokens) and then the state slots.
+    let (indices, state_slot) = match (req.src_slot, req.dst_slot) {
+        (KVPLAN_NO_SLOT, KVPLAN_NO_SLOT) => (page_indices()?, None),
         (src, dst) if src >= 0 && dst >= 0 => {
-            if req.n_src > 0 || req.n_dst > 0 || req.gives_pool_pages() {
-                let pools = match req.window_sides {
-                    Some(sides) => format!("window_sides {sides:#x}"),
-                    None => format!(
-                        "pool pages of {} pools",
-                        req.pools.iter().filter(|p| p.is_some()).count()
-                    ),
-                };
-                return Err(invalid(format!(
-                    "a request holds page arrays or a state slot, not both: src_slot {src}, \
-                     dst_slot {dst} with n_src {}, n_dst {}, {pools}; plan the slot as a \
-                     request of its own",
-                    req.n_src, req.n_dst
-                )));
+            if req.gives_pages() {
+                (page_indices()?, Some((src, dst)))
+            } else {
+                (Indices::Slot { src, dst }, None)
             }
-            Indices::Slot { src, dst }
         }
         (src, dst) => {
             return Err(invalid(format!(
                 "src_slot is {src} and dst_slot is {dst}; give both slots >= 0 (a slot \
-                 request) or both KVPLAN_NO_SLOT (-1, a page request)"
+                 request, or pages with their state slots) or both KVPLAN_NO_SLOT (-1, a page \
+                 request)"
             )));
         }
     };
@@ -1190,7 +1185,7 @@ unsafe fn request_from<'a>(req: &RawRequest) -> Result<Request<'a>, Fail> {
         skip_tokens: req.skip_tokens,
         pool_pages: Default::default(),
         pool_tokens: Default::default(),
-        state_slot: None,
+        state_slot,
     };
     for (pool, arrays) in PoolId::ALL.into_iter().zip(&req.pools) {
         let Some(arrays) = arrays else { continue };
@@ -1223,7 +1218,7 @@ type NamedRange = (Option<(usize, usize)>, Cow<'static, str>);
 fn request_ranges(request: NamedRange, raw: &RawRequest) -> Result<Vec<NamedRange>, Fail> {
     let mut ranges = vec![request];
     let slot = raw.src_slot != KVPLAN_NO_SLOT || raw.dst_slot != KVPLAN_NO_SLOT;
-    if !slot {
+    if !slot || raw.gives_pages() {
         ranges.push((
             ptr::byte_range(raw.src_pages, raw.n_src, "src_pages")?,
             "src_pages".into(),

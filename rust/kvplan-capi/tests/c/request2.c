@@ -1,7 +1,8 @@
 /* Version 2 of the C ABI from C11: a layout with a state entry and a ring (kvplan_layout_new2),
  * a slot request with ring positions (kvplan_plan_into2) checked against the definition, a
- * version 1 page request planned as the same version 2 request, and malformed requests refused
- * with a status and a message. Prints "request2: OK" when every check passed. */
+ * version 1 page request planned as the same version 2 request, pages with slots planned as the
+ * pages and then the slots, and malformed requests refused with a status and a message. Prints
+ * "request2: OK" when every check passed. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +109,31 @@ int main(void) {
               memcmp(l, l1, info.n_blocks * 8) == 0,
           "v1 and v2 page plans equal");
 
+    /* Pages with both slots, 40 tokens: a hybrid model's whole request, planned as the page
+     * request and then the slot request with the same n_tokens (its ring rows). */
+    KvplanRequest2 part = pages;
+    part.n_tokens = 40;
+    KvplanPlanInfo info_pages, info_state, info_whole;
+    check(kvplan_plan_into2(tmpl, &part, s1, d1, l1, 16, &info_pages) == KVPLAN_STATUS_OK,
+          "pages of 40 tokens");
+    KvplanRequest2 state = slot;
+    state.n_tokens = 40;
+    check(kvplan_plan_into2(tmpl, &state, s, d, l, 16, &info_state) == KVPLAN_STATUS_OK,
+          "slot after 40 tokens");
+    KvplanRequest2 whole = part;
+    whole.src_slot = 1;
+    whole.dst_slot = 2;
+    uint64_t sw[32], dw[32], lw[32];
+    check(kvplan_plan_into2(tmpl, &whole, sw, dw, lw, 32, &info_whole) == KVPLAN_STATUS_OK,
+          "pages with slots");
+    const size_t np = info_pages.n_blocks, ns = info_state.n_blocks;
+    check(np >= 1 && ns >= 2 && info_whole.n_blocks == np + ns &&
+              info_whole.total_bytes == info_pages.total_bytes + info_state.total_bytes &&
+              memcmp(sw, s1, np * 8) == 0 && memcmp(dw, d1, np * 8) == 0 &&
+              memcmp(lw, l1, np * 8) == 0 && memcmp(sw + np, s, ns * 8) == 0 &&
+              memcmp(dw + np, d, ns * 8) == 0 && memcmp(lw + np, l, ns * 8) == 0,
+          "pages then slots");
+
     /* Malformed requests: a status and a message naming the values, nothing planned. */
     KvplanRequest2 bad = slot;
     bad.struct_size = sizeof(KvplanRequest);
@@ -119,12 +145,6 @@ int main(void) {
     check(kvplan_prepare2(tmpl, &bad, &info) == KVPLAN_STATUS_INVALID_ARGUMENT &&
               strstr(kvplan_last_error_message(), "dst_slot is -1") != NULL,
           "one slot only refused");
-    bad = slot;
-    bad.src_pages = sp;
-    bad.n_src = 3;
-    check(kvplan_prepare2(tmpl, &bad, &info) == KVPLAN_STATUS_INVALID_ARGUMENT &&
-              strstr(kvplan_last_error_message(), "not both") != NULL,
-          "slot with pages refused");
     bad = pages;
     bad.window_sides = KVPLAN_WINDOW_SRC;
     bad.n_src_window = 2;
