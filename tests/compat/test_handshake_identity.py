@@ -708,6 +708,57 @@ def test_sglang_equal_identities_proceed_and_missing_one_is_said_once(sg: Any) -
         assert _send(pmgr, dec) == 0  # today's behaviour
 
 
+@pytest.mark.parametrize("decode_kw", [{}, {"revision": "def456"}, {"rope": ROPE_2}])
+def test_sglang_identity_is_exchanged_without_staging(sg: Any, decode_kw: dict[str, Any]
+                                                      ) -> None:
+    """With staging off (the start-up hook's ``exchange_identity``), the decode's registration
+    frame carries its identity alone and the prefill's ``_publish_peer_registration`` checks
+    it: an incompatible decode goes into SGLang's ``state_layout_rejections`` (SGLang fails
+    every transfer to it), an equal one proceeds, and a decode without kvplan is said once."""
+    from support.sglang_models import load_loader
+
+    from kvplan.compat.sglang import rounds
+
+    loader = load_loader()
+
+    def manager(args: Any, **extra: Any) -> Any:
+        kv = types.SimpleNamespace(
+            kv_data_ptrs=[(1 << 32) * (e + 1) for e in range(SG_LAYERS)],
+            kv_data_lens=[SG_CAP * SG_ITEM] * SG_LAYERS, kv_item_lens=[SG_ITEM] * SG_LAYERS,
+            kv_layer_ids=list(range(SG_LAYERS)), prefill_start_layer=0, engine_rank=0,
+            mla_compression_ratios=None, num_draft_entries=0, page_size=1, aux_data_ptrs=[],
+            state_types=[], state_data_ptrs=[], state_item_lens=[], state_layer_ids=[])
+        return loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv,
+                                     is_mla_backend=True, server_args=args, **extra)
+
+    session = "127.0.0.1:17000"
+    info_table = {session: types.SimpleNamespace(
+        dst_kv_ptrs=[0] * SG_LAYERS, dst_kv_item_lens=[SG_ITEM] * SG_LAYERS,
+        dst_kv_layer_ids=list(range(SG_LAYERS)))}
+    pmgr = manager(server_args(), decode_kv_args_table=info_table, state_layout_rejections={},
+                   session_lock=threading.Lock(), failed_sessions=set(), session_failures={},
+                   failed_session_probes={})
+    p = rounds.exchange_identity(pmgr)
+    d = rounds.exchange_identity(manager(server_args(**decode_kw)))
+    frame = json.loads(d.registration_frame()[len(rounds.REGISTRATION_TAG):])
+    assert set(frame) == {IDENTITY_KEY}  # no staging capabilities: a staged prefill goes direct
+    verdict = _registration(sg, pmgr, d, session)
+    if not decode_kw:
+        assert verdict is None and session not in pmgr.state_layout_rejections
+        assert p.identity.local.class_id == d.identity.local.class_id
+    else:
+        reason = pmgr.state_layout_rejections[session]
+        assert verdict == reason and reason.startswith("kvplan refuses transfers with peer")
+        assert p.identity.local.class_id in reason and d.identity.local.class_id in reason
+        assert isinstance(p.refused[session], IncompatiblePeerError)
+    # A decode without kvplan (no frame): today's path, its missing identity said once.
+    plain = types.SimpleNamespace(dst_tp_rank=0, dst_aux_ptrs=[], dst_attn_tp_size=1)
+    with records("kvplan.compat.sglang") as said:
+        for _ in range(2):
+            assert pmgr._publish_peer_registration("127.0.0.1:17001", plain) is None
+    assert len([r for r in said if "sent no layout identity" in r.getMessage()]) == 1
+
+
 @pytest.mark.mooncake
 def test_sglang_decode_refuses_an_incompatible_prefills_open_message(sg: Any) -> None:
     with sg_pair(sg, server_args(revision="def456")) as (pre, dec, pmgr, dmgr, p, d):

@@ -537,16 +537,15 @@ def test_sglang_registration_negotiates_and_socket_channel_carries_rounds(
 # ------------------------------------------------------------------------------- start-up
 def test_start_up_hook_attaches_after_sglang_registers_its_kv(
         sg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``install`` with ``KVPLAN_STAGING`` set wraps SGLang's ``register_buffer_to_engine``:
-    after SGLang registered the KV memory, the manager has an arena registered with the
-    Mooncake engine inside SGLang's wrapper and a side channel on its ``local_ip``. Unset, the
-    class is left as it was."""
+    """``install`` wraps SGLang's ``register_buffer_to_engine``: after SGLang registered the
+    KV memory, with ``KVPLAN_STAGING`` set the manager has an arena registered with the
+    Mooncake engine inside SGLang's wrapper and a side channel on its ``local_ip``; unset, it
+    has no staging and only the layout identity exchange at SGLang's registration."""
     loader = load_loader()
     cls = sg.MooncakeKVManager
     monkeypatch.delenv("KVPLAN_STAGING", raising=False)
     compat.install(cls)
-    assert "register_buffer_to_engine" not in cls.__dict__ or not getattr(
-        cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
+    assert getattr(cls.__dict__["register_buffer_to_engine"], "_kvplan_start_up", False)
     dec = Peer(LAYERS, CAP * ITEM, None)
     dec.listener.stop()
     registered: list[Any] = []
@@ -562,6 +561,13 @@ def test_start_up_hook_attaches_after_sglang_registers_its_kv(
     kv.aux_data_lens, kv.state_data_lens = [], []
     mgr = None
     try:
+        plain = loader.manager_object(sg, cls, kv_args=kv, engine=Wrapper(),
+                                      local_ip="127.0.0.1")
+        plain.register_buffer_to_engine()
+        assert registered == [(dec.ptrs, dec.lens)] and rounds.staging_of(plain) is None
+        assert isinstance(plain.__dict__.get("_kvplan_identity_exchange"),
+                          rounds.IdentityExchange)
+        registered.clear()
         monkeypatch.setenv("KVPLAN_STAGING", "always")
         monkeypatch.setenv("KVPLAN_STAGING_ARENA_MIB", "1")
         compat.install(cls)

@@ -57,6 +57,12 @@ MODEL_A_2_LAYERS = TinyModel("llama-a-2layers", seed=0, num_layers=2)
 # which PD transfers as Mamba state), layer 3 full attention (KV pages).
 MODEL_HYBRID = TinyQwen3Next("qwen3-next-a", seed=0)
 
+#: The name every server of an architecture serves its model under (``--served-model-name``).
+SERVED_NAMES = {TinyModel.ARCH: "tiny-llama", TinyQwen3Next.ARCH: "tiny-qwen3-next"}
+#: The identity case's prefill: model ``a``'s weights and shapes served under another name, as
+#: a rolling update's new revision would be.
+RENAMED = "tiny-llama-next"
+
 PROMPT_LENGTHS = (1, 5, 16, 17, 64, 250)
 MAX_NEW_TOKENS = 12
 READY_TIMEOUT_S = 420.0
@@ -207,10 +213,15 @@ class Engine:
 
     def server(self, name: str, model: TinyModel | TinyQwen3Next, *, page_size: int,
                mode: str | None = None, kvplan: bool = False, pp_size: int = 1,
-               backend: str = "mooncake") -> SGLangServer:
+               backend: str = "mooncake", served_name: str | None = None) -> SGLangServer:
         port = self.ports.take()
+        # One served name per architecture, as a deployment serves one model under one name:
+        # kvplan's identity check compares it (the weights' folders differ between the
+        # negative control's prefill and its decode, a name does not).
+        served = served_name or SERVED_NAMES[model.ARCH]
         argv = [str(self.venv / "bin" / "python"), "-m", "sglang.launch_server",
-                "--model-path", self.models[model.name], "--host", "127.0.0.1",
+                "--model-path", self.models[model.name], "--served-model-name", served,
+                "--host", "127.0.0.1",
                 "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
                 "--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024",
                 "--disable-cuda-graph", "--random-seed", "0", "--disable-radix-cache",
@@ -466,14 +477,18 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
                     s.stop()
 
         # -- kvplan, page size 16, behind SGLang's router; the negative control ----------------
-        if wanted("kvplan16") or wanted("negative") or wanted("router"):
+        if (wanted("kvplan16") or wanted("negative") or wanted("router")
+                or wanted("identity")):
             prefill = engine.server("kvplan-prefill-p16", MODEL_A, page_size=16,
                                     mode="prefill", kvplan=True)
             other = engine.server("kvplan-prefill-p16-other-weights", MODEL_B, page_size=16,
                                   mode="prefill", kvplan=True)
+            renamed = engine.server("kvplan-prefill-p16-renamed", MODEL_A, page_size=16,
+                                    mode="prefill", kvplan=True, served_name=RENAMED)
             decode = engine.server("kvplan-decode-p16", MODEL_A, page_size=16, mode="decode",
                                    kvplan=True)
-            group = [prefill, decode] + ([other] if wanted("negative") else [])
+            group = [prefill, decode] + ([other] if wanted("negative") else []) + (
+                [renamed] if wanted("identity") else [])
             try:
                 start(group)
                 compare_all("kvplan in both schedulers, page size 16", results, reference,
@@ -481,6 +496,10 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
                 if wanted("negative"):
                     results.check("negative control: prefill on other weights, tokens 2.. differ",
                                   lambda: negative_control(other, decode, plain))
+                if wanted("identity"):
+                    results.check(f"identity: a prefill serving {RENAMED!r}, the decode "
+                                  f"{SERVED_NAMES[MODEL_A.ARCH]!r}, same weights and shapes",
+                                  lambda: identity_refused(renamed, decode, prefill, reference))
                 if wanted("router"):
                     for mini_lb, label in ((False, "SGLang's router (Rust)"),
                                            (True, "SGLang's mini load balancer")):
@@ -673,7 +692,11 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
         outcome = f"decode aborted the request: {finish.get('message', '')[:120]}"
     took = time.monotonic() - started
     text = prefill.log_path.read_text(errors="replace")
-    refused = [line for line in text.splitlines() if "kvplan refused" in line]
+    # Refused at the decode's registration (its layout identity: "kvplan refuses transfers
+    # with peer ...") or, from a decode without one, by the transfer call ("kvplan refused").
+    refused = [line.replace("kvplan refuses", "kvplan refused", 1)
+               for line in text.splitlines()
+               if "kvplan refused" in line or "kvplan refuses transfers" in line]
     if not refused:
         raise AssertionError("the prefill's log has no 'kvplan refused' line")
     # The prefill's transfer thread is still alive: the good decode still gets its tokens.
@@ -689,6 +712,38 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
     reason = refused[0].split("kvplan refused", 1)[1].strip()
     return f"{outcome} in {took:.1f} s; prefill log: kvplan refused {reason[:160]}; " \
         "the same prefill then serves the good decode"
+
+
+def identity_refused(renamed: SGLangServer, decode: SGLangServer, good: SGLangServer,
+                     reference: list[list[int]]) -> str:
+    """The decode publishes its layout identity when it registers with a prefill; a prefill
+    serving the model under another name refuses it before any byte moves, although weights
+    and shapes are the same (without the check, its KV would give the reference's tokens):
+    the request gives no tokens, the prefill's log names both names, and the decode then serves
+    its own prefill's request correctly."""
+    ids = prompts()[4]
+    try:
+        response, _ = pd_generate(renamed, decode, ids)
+    except HttpError as exc:
+        outcome = f"HTTP {exc.status}"
+    else:
+        finish = response.get("meta_info", {}).get("finish_reason")
+        if not (isinstance(finish, dict) and finish.get("type") == "abort"):
+            raise AssertionError(f"the renamed prefill's KV was used: {response}")
+        outcome = f"aborted: {finish.get('message', '')[:100]}"
+    text = renamed.log_path.read_text(errors="replace")
+    refusals = [line for line in text.splitlines() if "kvplan refuses transfers" in line]
+    if not refusals:
+        raise AssertionError(f"no 'kvplan refuses transfers' line in {renamed.name}'s log")
+    reason = refusals[0].split("kvplan refuses transfers", 1)[1]
+    served = SERVED_NAMES[MODEL_A.ARCH]
+    if RENAMED not in reason or served not in reason:
+        raise AssertionError(f"the refusal does not name both models: {reason[:300]}")
+    again = output_ids(pd_generate(good, decode, ids)[0])
+    if again != reference[4]:
+        raise AssertionError(f"after the refusal the decode's own prefill gave {again}")
+    return (f"{outcome}; prefill log: kvplan refuses transfers{reason[:200]}; the decode then "
+            "serves its own prefill correctly")
 
 
 NIXL_FEWER_REGIONS = "NIXL PD transfer: decode registered fewer KV regions (4) than prefill (8)"
@@ -770,7 +825,8 @@ def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -
 
 NIXL_LLAMA_CASES = ("nixl-sglang", "nixl1", "nixl-bad", "nixl16", "nixl-negative")
 NIXL_HYBRID_CASES = ("nixl-hybrid-sglang", "nixl-hybrid")
-LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "router", "staged", "pp",
+LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "identity", "router",
+               "staged", "pp",
                *NIXL_LLAMA_CASES)
 HYBRID_CASES = ("hybrid-sglang", "hybrid", *NIXL_HYBRID_CASES)
 CASE_KEYS = (*LLAMA_CASES, *HYBRID_CASES)

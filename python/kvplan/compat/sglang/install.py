@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
@@ -168,10 +167,10 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
     setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
     setattr(manager_class, "_kvplan_on_error", on_error)
-    if kind == "MooncakeKVManager" and os.environ.get("KVPLAN_STAGING", "").strip() \
-            not in ("", "off"):
-        # staged transfers in rounds: the manager's start-up gives it an arena and a side
-        # channel (kvplan.compat.sglang.rounds.start_up)
+    if kind == "MooncakeKVManager":
+        # the manager's start-up gives it the layout identity exchange at SGLang's
+        # registration and, with KVPLAN_STAGING on, staged transfers in rounds (an arena and
+        # a side channel; kvplan.compat.sglang.rounds.start_up)
         hook_start_up(manager_class)
     return replaced
 

@@ -417,12 +417,53 @@ class SocketChannel:
             self._out.clear()
 
 
-def _hook_registration(manager: Any, staging: SglangStaging) -> None:
+class Registration(Protocol):
+    """What SGLang's registration carries for kvplan and what the prefill does with it:
+    :class:`SglangStaging` (capabilities, listener and identity) or :class:`IdentityExchange`
+    (the identity alone)."""
+
+    refused: dict[str, IncompatiblePeerError]
+
+    def registration_frame(self) -> bytes: ...
+
+    def on_registration(self, session: str, registration: dict[str, Any] | None,
+                        peer_rank: int) -> Any: ...
+
+
+class IdentityExchange:
+    """A manager's layout identity at SGLang's registration when staging is off: the decode's
+    frame carries its identity alone (no staging capabilities, so a prefill with staging keeps
+    the direct path with it), and the prefill checks it. Refused, the session goes into
+    SGLang's ``state_layout_rejections`` as with staging (:func:`_hook_registration`)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.identity = PeerCheck(lambda: identity_with_metric(manager), _log)
+        self.refused: dict[str, IncompatiblePeerError] = {}
+
+    def registration_frame(self) -> bytes:
+        return REGISTRATION_TAG + json.dumps(identity_field(self)).encode()
+
+    def on_registration(self, session: str, registration: dict[str, Any] | None,
+                        peer_rank: int) -> None:
+        # None: a decode without kvplan (no frame): its missing identity is said once.
+        check_registered(self, session, registration)
+
+
+def exchange_identity(manager: Any) -> IdentityExchange:
+    """Give ``manager`` the identity exchange of :class:`IdentityExchange` (the start-up hook
+    does when staging is off)."""
+    holder = IdentityExchange(manager)
+    _hook_registration(manager, holder)
+    manager.__dict__["_kvplan_identity_exchange"] = holder
+    return holder
+
+
+def _hook_registration(manager: Any, staging: Registration) -> None:
     """SGLang's registration, per manager instance: the decode appends
-    :meth:`SglangStaging.registration_frame` to ``build_receiver_registration_message``'s
-    frames; the prefill's ``_publish_peer_registration`` negotiates with what
-    ``KVArgsRegisterInfo.from_zmq`` found in that frame (nothing from a decode without
-    kvplan: the direct path)."""
+    ``staging.registration_frame()`` to ``build_receiver_registration_message``'s frames; the
+    prefill's ``_publish_peer_registration`` hands what ``KVArgsRegisterInfo.from_zmq`` found
+    in that frame to ``staging.on_registration`` (nothing from a decode without kvplan: the
+    direct path, no identity) and fails every transfer to a session it refused."""
     cls = type(manager)
     build = getattr(cls, "build_receiver_registration_message", None)
     if build is not None:
@@ -550,17 +591,18 @@ def start_up(manager: Any) -> SglangStaging | None:
     side channel and the engine's costs (:func:`kvplan.staging.startup_costs`:
     ``KVPLAN_STAGING_COSTS`` as given, else for ``auto`` measured once on Mooncake TCP
     loopback; a failed measurement is a warning and ``auto`` keeps the direct path). One log
-    line says the settings and which costs are used. Unset, empty or ``off``: nothing.
+    line says the settings and which costs are used. Unset, empty or ``off``: no staging,
+    and the manager still exchanges and checks layout identities (:func:`exchange_identity`).
 
     Raises:
         ConfigError: a bad ``KVPLAN_STAGING*`` value (the server does not start half
             configured).
         TransferError: the engine refused to register the arena.
     """
-    if os.environ.get("KVPLAN_STAGING", "").strip() == "":
-        return None
-    config = StagingConfig.from_env()
-    if not config.enabled:
+    config = (StagingConfig.from_env() if os.environ.get("KVPLAN_STAGING", "").strip()
+              else None)
+    if config is None or not config.enabled:
+        exchange_identity(manager)
         return None
     engine = getattr(manager.engine, "engine", None) or manager.engine
     host = str(getattr(manager, "local_ip", "") or "127.0.0.1")
