@@ -677,19 +677,25 @@ def installed_check(*servers: SGLangServer) -> str:
     return f"each scheduler logged the install into {manager}"
 
 
+def failed_request(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[int],
+                   used: str) -> str:
+    """One PD request that must give no tokens (an HTTP error, or SGLang's abort): how it
+    ended; ``used`` says in the failure what tokens would mean."""
+    try:
+        response, _ = pd_generate(prefill, decode, ids)
+    except HttpError as exc:
+        return f"decode answered HTTP {exc.status}"
+    finish = response.get("meta_info", {}).get("finish_reason")
+    if not (isinstance(finish, dict) and finish.get("type") == "abort"):
+        raise AssertionError(f"{used}: {response}")
+    return f"decode aborted the request: {finish.get('message', '')[:120]}"
+
+
 def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangServer,
                       reference: list[list[int]]) -> str:
     ids = prompts()[4]
     started = time.monotonic()
-    try:
-        response, _ = pd_generate(prefill, short, ids)
-    except HttpError as exc:
-        outcome = f"decode answered HTTP {exc.status}"
-    else:
-        finish = response.get("meta_info", {}).get("finish_reason")
-        if not (isinstance(finish, dict) and finish.get("type") == "abort"):
-            raise AssertionError(f"the mismatched decode produced tokens: {response}")
-        outcome = f"decode aborted the request: {finish.get('message', '')[:120]}"
+    outcome = failed_request(prefill, short, ids, "the mismatched decode produced tokens")
     took = time.monotonic() - started
     text = prefill.log_path.read_text(errors="replace")
     # Refused at the decode's registration (its layout identity: "kvplan refuses transfers
@@ -722,15 +728,7 @@ def identity_refused(renamed: SGLangServer, decode: SGLangServer, good: SGLangSe
     the request gives no tokens, the prefill's log names both names, and the decode then serves
     its own prefill's request correctly."""
     ids = prompts()[4]
-    try:
-        response, _ = pd_generate(renamed, decode, ids)
-    except HttpError as exc:
-        outcome = f"HTTP {exc.status}"
-    else:
-        finish = response.get("meta_info", {}).get("finish_reason")
-        if not (isinstance(finish, dict) and finish.get("type") == "abort"):
-            raise AssertionError(f"the renamed prefill's KV was used: {response}")
-        outcome = f"aborted: {finish.get('message', '')[:100]}"
+    outcome = failed_request(renamed, decode, ids, "the renamed prefill's KV was used")
     text = renamed.log_path.read_text(errors="replace")
     refusals = [line for line in text.splitlines() if "kvplan refuses transfers" in line]
     if not refusals:
