@@ -49,7 +49,7 @@ decode through SGLang's ``conclude_failure`` before it is queued.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +70,9 @@ from kvplan.compat.sglang.templates import (
     _slice_template,
     _state_lens,
 )
+
+if TYPE_CHECKING:
+    from kvplan.compat.sglang.rounds import IdentityExchange
 
 #: The signatures (parameter text, as :func:`kvplan.compat._methods.signature_text` writes it)
 #: of the NIXL manager's methods kvplan replaces, per SGLang release it was built for.
@@ -547,25 +550,16 @@ IDENTITY_HOOKS = ("build_receiver_registration_message", "_add_remote_peer",
 _IDENTITY_ATTR = "_kvplan_nixl_identity"
 
 
-class NixlIdentity:
-    """One NIXL manager's identity check (:class:`kvplan.identity.PeerCheck`, its identity
-    from ``kvplan.compat.sglang.rounds.identity_with_metric``, which also sets
-    ``kvplan:layout_info``) and the decode agents it refused."""
+def nixl_identity(manager: Any) -> IdentityExchange:
+    """The manager's identity check and the decode agents it refused, made once: the Mooncake
+    drop-in's :class:`kvplan.compat.sglang.rounds.IdentityExchange` (its identity from
+    ``rounds.identity_with_metric``, which also sets ``kvplan:layout_info``)."""
+    from kvplan.compat.sglang.rounds import IdentityExchange
 
-    def __init__(self, manager: Any) -> None:
-        from kvplan.compat.sglang.rounds import _log, identity_with_metric
-        from kvplan.identity import PeerCheck
-
-        self.identity = PeerCheck(lambda: identity_with_metric(manager), _log)
-        self.refused: dict[str, Any] = {}
-
-
-def nixl_identity(manager: Any) -> NixlIdentity:
-    """The manager's :class:`NixlIdentity`, made once."""
     holder = manager.__dict__.get(_IDENTITY_ATTR)
     if holder is None:
-        holder = manager.__dict__[_IDENTITY_ATTR] = NixlIdentity(manager)
-    return cast(NixlIdentity, holder)
+        holder = manager.__dict__[_IDENTITY_ATTR] = IdentityExchange(manager)
+    return cast(IdentityExchange, holder)
 
 
 def _registration_message(original: Any) -> Any:

@@ -766,7 +766,7 @@ MOONCAKE_TRANSFER = "push"
 
 class PeerIdentities(Protocol):
     """A manager's identity check and the decode sessions it refused (:class:`SglangStaging`,
-    and the NIXL drop-in's ``kvplan.compat.sglang.nixl.NixlIdentity``)."""
+    and :class:`IdentityExchange`, which the NIXL drop-in uses too)."""
 
     identity: PeerCheck
     refused: dict[str, IncompatiblePeerError]
