@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -700,9 +701,8 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
     text = prefill.log_path.read_text(errors="replace")
     # Refused at the decode's registration (its layout identity: "kvplan refuses transfers
     # with peer ...") or, from a decode without one, by the transfer call ("kvplan refused").
-    refused = [line.replace("kvplan refuses", "kvplan refused", 1)
-               for line in text.splitlines()
-               if "kvplan refused" in line or "kvplan refuses transfers" in line]
+    marker = re.compile(r"kvplan refuse(?:d|s transfers)")
+    refused = [line for line in text.splitlines() if marker.search(line)]
     if not refused:
         raise AssertionError("the prefill's log has no 'kvplan refused' line")
     # The prefill's transfer thread is still alive: the good decode still gets its tokens.
@@ -715,8 +715,10 @@ def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangSe
                              f"{transfer_lines(marks, prefill, good)}; {exc}") from exc
     if again != reference[4]:
         raise AssertionError(f"after the refused request the good decode got {again}")
-    reason = refused[0].split("kvplan refused", 1)[1].strip()
-    return f"{outcome} in {took:.1f} s; prefill log: kvplan refused {reason[:160]}; " \
+    first = marker.search(refused[0])
+    assert first is not None
+    reason = refused[0][first.start():]
+    return f"{outcome} in {took:.1f} s; prefill log: {reason[:180]}; " \
         "the same prefill then serves the good decode"
 
 
