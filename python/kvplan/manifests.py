@@ -10,19 +10,26 @@ the layers of its PP stage, at its TP coordinates, and nothing else; otherwise i
 values. Pairing cannot see a component that both peers leave out; a manifest can.
 
 Presets derive their manifests from their own component specs (``ModelPreset.manifest()``), so
-a preset's layouts and its manifest cannot drift apart.
+a preset's layouts and its manifest cannot drift apart. A manifest is also plain JSON
+(:meth:`ModelManifest.to_dict` / :meth:`ModelManifest.from_dict`, docs/manifests.md has the
+schema), and :func:`kvplan.presets.load_manifest` reads what an engine's configuration names
+(a preset key or a JSON file); the engines' drop-ins check it once per worker at start-up
+(:func:`check_at_start_up`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvplan._core import Layout, ManifestError
 from kvplan._core import check_manifest as _check_manifest
 
-__all__ = ["ManifestComponent", "ManifestError", "ModelManifest", "Sharding", "check_manifest"]
+__all__ = ["ManifestComponent", "ManifestError", "ModelManifest", "Sharding", "check_at_start_up",
+           "check_manifest"]
 
 #: How TP splits a component's items (:attr:`ManifestComponent.sharding`).
 Sharding = Literal["replicated", "heads", "split"]
@@ -69,6 +76,45 @@ class ManifestComponent:
                                 f"\"replicated\", \"heads\" or \"split\", got {self.sharding!r}")
         object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-safe (``layers`` a list; ``window`` and ``ring`` may be None)."""
+        return {"role": self.role, "kind": self.kind, "layers": list(self.layers),
+                "bytes": self.bytes, "tokens_per_row": self.tokens_per_row,
+                "sharding": self.sharding, "kv_heads": self.kv_heads, "window": self.window,
+                "ring": self.ring}
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "manifest component") -> ManifestComponent:
+        """The component :meth:`to_dict` wrote; ``role``, ``kind``, ``layers`` and ``bytes``
+        are required, the other fields default as the constructor's do.
+
+        Raises:
+            ManifestError: Not a mapping, a missing or unknown key, or a value of the wrong
+                type, naming ``where``, the key and the value.
+        """
+        fields = _fields(data, where, required=_COMPONENT_REQUIRED, optional=_COMPONENT_OPTIONAL)
+        role = _typed(fields, "role", str, where)
+        outer, where = where, f"{where} {role!r}"
+        layers = fields["layers"]
+        if not isinstance(layers, list) or not all(_is_int(i) for i in layers):
+            raise ManifestError(f"{where}: layers must be a list of integers (global layer "
+                                f"ids), got {layers!r}")
+        kwargs: dict[str, Any] = {"role": role, "kind": _typed(fields, "kind", str, where),
+                                  "layers": tuple(layers),
+                                  "bytes": _typed(fields, "bytes", int, where)}
+        for name in ("tokens_per_row", "kv_heads"):
+            if name in fields:
+                kwargs[name] = _typed(fields, name, int, where)
+        if "sharding" in fields:
+            kwargs["sharding"] = _typed(fields, "sharding", str, where)
+        for name in ("window", "ring"):
+            if fields.get(name) is not None:
+                kwargs[name] = _typed(fields, name, int, where)
+        try:
+            return cls(**kwargs)
+        except ManifestError as err:
+            raise ManifestError(f"{outer}: {err}") from err
+
 
 @dataclass(frozen=True)
 class ModelManifest:
@@ -84,6 +130,50 @@ class ModelManifest:
     model: str
     num_layers: int
     components: tuple[ManifestComponent, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as plain data (docs/manifests.md, "The JSON form")."""
+        return {"model": self.model, "num_layers": self.num_layers,
+                "components": [c.to_dict() for c in self.components]}
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """:meth:`to_dict` as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "manifest") -> ModelManifest:
+        """The manifest :meth:`to_dict` wrote: ``model`` (str), ``num_layers`` (int) and
+        ``components`` (a list of :meth:`ManifestComponent.from_dict` mappings), no other key.
+
+        Raises:
+            ManifestError: A missing or unknown key or a value of the wrong type, naming
+                ``where``, the key (a component by its position and role) and the value.
+        """
+        fields = _fields(data, where, required=("model", "num_layers", "components"),
+                         optional=())
+        model = _typed(fields, "model", str, where)
+        num_layers = _typed(fields, "num_layers", int, where)
+        components = fields["components"]
+        if not isinstance(components, list):
+            raise ManifestError(f"{where}: components must be a list, got "
+                                f"{type(components).__name__} {components!r:.200}")
+        return cls(model, num_layers, tuple(
+            ManifestComponent.from_dict(c, where=f"{where}: components[{i}]")
+            for i, c in enumerate(components)))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "manifest") -> ModelManifest:
+        """:meth:`from_dict` of JSON text.
+
+        Raises:
+            ManifestError: Text that is not JSON (naming ``where``, the line and column), or
+                what :meth:`from_dict` refuses.
+        """
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{where}: not JSON: {exc}") from exc
+        return cls.from_dict(data, where=where)
 
     def roles(self) -> list[str]:
         """The components' roles, each once, in manifest order."""
@@ -141,3 +231,69 @@ def check_manifest(layout: Layout, manifest: ModelManifest, *,
         components=[(c.role, c.kind, list(c.layers), c.bytes, c.tokens_per_row, c.sharding,
                      c.kv_heads, c.window, c.ring) for c in manifest.components],
         stage=span)
+
+
+_COMPONENT_REQUIRED = ("role", "kind", "layers", "bytes")
+_COMPONENT_OPTIONAL = ("tokens_per_row", "sharding", "kv_heads", "window", "ring")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fields(data: object, where: str, *, required: Sequence[str],
+            optional: Sequence[str]) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ManifestError(f"{where}: expected a JSON object (mapping), got "
+                            f"{type(data).__name__} {data!r:.200}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ManifestError(f"{where}: missing {', '.join(repr(k) for k in missing)} (required: "
+                            f"{', '.join(required)})")
+    unknown = [k for k in data if k not in required and k not in optional]
+    if unknown:
+        raise ManifestError(f"{where}: unknown key {', '.join(repr(k) for k in unknown)} "
+                            f"(known: {', '.join((*required, *optional))})")
+    return data
+
+
+def _typed(fields: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+    value = fields[name]
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise ManifestError(f"{where}: {name} must be {'an integer' if kind is int else 'a string'}"
+                            f", got {type(value).__name__} {value!r:.200}")
+    return value
+
+
+def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
+                      stage: range | tuple[int, int] | None, engine: str,
+                      log: logging.Logger) -> None:
+    """A drop-in's start-up check of its own layout (one TP rank of one PP stage) against the
+    manifest its configuration names: :func:`check_manifest`, one INFO line when it holds, else
+    one ERROR line and :class:`ManifestError`, both naming the model, ``engine`` (the drop-in
+    and its setting) and this rank's TP and PP coordinates. The core decides; nothing here.
+
+    Raises:
+        ManifestError: The core's refusal, its message prefixed with the engine and the
+            coordinates (``model`` and ``problems`` as the core gave them).
+    """
+    where = (f"TP rank {layout.tp_rank} of {layout.tp_size}, PP rank {layout.pp_rank} of "
+             f"{layout.pp_size}" + ("" if stage is None else
+                                     f", stage layers {_span_text(stage)}"))
+    try:
+        check_manifest(layout, manifest, stage=stage)
+    except ManifestError as err:
+        refusal = ManifestError(f"kvplan: {engine}: this worker ({where}) does not hold the "
+                                f"manifest of {manifest.model}, refusing to start: {err}")
+        refusal.model = getattr(err, "model", manifest.model)
+        refusal.problems = getattr(err, "problems", ())
+        log.error("%s", refusal)
+        raise refusal from err
+    log.info("kvplan: %s: this worker (%s) holds every component of the manifest of %s",
+             engine, where, manifest.model)
+
+
+def _span_text(stage: range | tuple[int, int]) -> str:
+    start, stop = (stage.start, stage.stop) if isinstance(stage, range) else stage
+    return f"{start}-{int(stop) - 1}"

@@ -57,6 +57,7 @@ items divided by the TP size (state sharded over TP along its leading axis).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,11 +65,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvplan._core import KvPlanError, Layout, heads_per_rank
+from kvplan._core import KvPlanError, Layout, ManifestError, heads_per_rank
 from kvplan.manifests import ManifestComponent, ModelManifest, Sharding
 
 __all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
-           "pool_pages_for", "split_layers"]
+           "load_manifest", "pool_pages_for", "split_layers"]
 
 PREFILL_BASE = 0x1000_0000_0000
 DECODE_BASE = 0x9000_0000_0000
@@ -562,6 +563,51 @@ def get_preset(key: str, num_layers: int | None = None) -> ModelPreset:
     if preset is None:
         raise KvPlanError(f"unknown preset {key!r}; known: {', '.join(PRESETS)}")
     return preset if num_layers is None else preset.with_layers(num_layers)
+
+
+def load_manifest(spec: str) -> ModelManifest:
+    """The manifest an engine's configuration names (vLLM's ``kvplan_manifest``, SGLang's
+    ``KVPLAN_MANIFEST``).
+
+    ``spec`` is a preset key of :data:`kvplan.presets.PRESETS` (``deepseek-v3``), a key with
+    the model's layer count (``kimi-linear:27``, :func:`kvplan.presets.get_preset`), or the path
+    of a JSON file holding :meth:`ModelManifest.to_dict`'s form. A value that names an existing
+    file, ends in ``.json`` or holds a path separator is a path.
+
+    Raises:
+        ManifestError: An empty value, an unknown preset (the message lists the known ones), a
+            layer count that is not a positive integer, a file that cannot be read or is not
+            JSON, or JSON of the wrong form, each naming the value.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ManifestError(f"manifest {spec!r}: expected a preset key (one of "
+                            f"{', '.join(PRESETS)}, optionally key:num_layers) or the path of a "
+                            f"JSON manifest")
+    text = spec.strip()
+    if os.path.isfile(text) or text.endswith(".json") or os.sep in text or "/" in text:
+        try:
+            with open(text, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise ManifestError(f"manifest file {text!r} cannot be read: "
+                                f"{exc.strerror or exc}") from exc
+        return ModelManifest.from_json(raw, where=f"manifest file {text!r}")
+    key, sep, count = text.partition(":")
+    layers: int | None = None
+    if sep:
+        if not (count.strip().isascii() and count.strip().isdigit()) or int(count) <= 0:
+            raise ManifestError(f"manifest {text!r}: the layer count after ':' must be a "
+                                f"positive integer, got {count!r}")
+        layers = int(count)
+    if key.strip().lower() not in PRESETS:
+        raise ManifestError(f"manifest {text!r}: unknown preset {key!r} (known: "
+                            f"{', '.join(PRESETS)}; or the path of a JSON manifest)")
+    try:
+        return get_preset(key, layers).manifest()
+    except ManifestError:
+        raise
+    except KvPlanError as exc:
+        raise ManifestError(f"manifest {text!r}: {exc}") from exc
 
 
 def fragmented_pages(n: int, fragmentation: float, *, seed: int = 0, start: int = 0,

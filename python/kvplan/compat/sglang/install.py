@@ -29,6 +29,7 @@ from kvplan.compat.sglang.registry import (
     _register_sglang_classes,
     _resolve_original,
 )
+from kvplan.compat.sglang.manifest import hook_manifest, unhook_manifest
 from kvplan.compat.sglang.nixl import hook_identity, unhook_identity
 from kvplan.compat.sglang.rounds import hook_start_up, unhook_register_info, unhook_start_up
 from kvplan.compat.sglang.settings import DEFAULT_MAX_BLOCKS_PER_BATCH
@@ -167,6 +168,10 @@ def install(manager_class: type, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOC
     setattr(manager_class, "_kvplan_max_blocks_per_batch", max_blocks_per_batch)
     setattr(manager_class, "_kvplan_decode_kv_layers", decode_kv_layers)
     setattr(manager_class, "_kvplan_on_error", on_error)
+    # KVPLAN_MANIFEST: the manager's layout against the model's manifest once SGLang
+    # registered its KV memory, before the start-up hook below starts anything
+    # (kvplan.compat.sglang.manifest)
+    hook_manifest(manager_class)
     if kind == "MooncakeKVManager":
         # the manager's start-up gives it the layout identity exchange at SGLang's
         # registration and, with KVPLAN_STAGING on, staged transfers in rounds (an arena and
@@ -189,6 +194,7 @@ def uninstall(manager_class: type) -> tuple[str, ...]:
     if isinstance(info_cls, type):
         unhook_register_info(info_cls)
     unhook_start_up(manager_class)
+    unhook_manifest(manager_class)
     unhook_identity(manager_class)
     return restored
 

@@ -30,3 +30,9 @@ def setting_decode_kv_layers(manager: Any) -> int | None:
     if value is None:
         value = getattr(type(manager), "_kvplan_decode_kv_layers", None)
     return None if value is None else int(value)
+
+
+#: The environment variable naming the model manifest every manager checks its own layout
+#: against at start-up (docs/manifests.md, "Checked at start-up"): a preset key, ``key:layers``
+#: or the path of a JSON manifest. Unset or empty: no check.
+MANIFEST_ENV = "KVPLAN_MANIFEST"

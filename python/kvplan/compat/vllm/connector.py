@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvplan.identity import PeerCheck
-from kvplan.compat.vllm import forms, metrics, nixl
+from kvplan.compat.vllm import forms, manifest, metrics, nixl
 from kvplan.compat.vllm import semantics
 from kvplan.compat.vllm.cpu_host import _worker_device_on_cpu
 from kvplan.compat.vllm.install import _CAP, install
@@ -35,6 +35,13 @@ def _connector_class() -> type:
         class KvplanMooncakeConnectorWorker(base_worker):  # type: ignore[misc,valid-type]
             """vLLM's Mooncake worker planning its transfers with kvplan."""
 
+            def register_kv_caches(self, *args: Any, **kwargs: Any) -> Any:
+                out = super().register_kv_caches(*args, **kwargs)
+                # kvplan_manifest: this worker's layout against the model's manifest, once
+                # its regions are known (ManifestError: the worker does not start)
+                manifest.check_worker_manifest(self, CONNECTOR_NAME)
+                return out
+
         install(KvplanMooncakeConnectorWorker)
 
         class KvplanMooncakeConnector(mc.MooncakeConnector):  # type: ignore[misc,name-defined]
@@ -52,6 +59,9 @@ def _connector_class() -> type:
                     self.connector_worker.__class__ = KvplanMooncakeConnectorWorker
                     if _CAP in options:
                         setattr(self.connector_worker, _CAP, options[_CAP])
+                    if manifest.OPTION in options:
+                        self.connector_worker.__dict__[manifest.MANIFEST_ATTR] = options[
+                            manifest.OPTION]
                     # vLLM's series plus kvplan's per-request plan columns
                     self.connector_worker.xfer_stats = stats_cls()
                     _start_staging(self.connector_worker, options, mc)

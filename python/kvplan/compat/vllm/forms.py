@@ -105,11 +105,28 @@ def _staging_options() -> dict[str, Callable[[str, Any], Any]]:
     return dict(STAGING_OPTIONS)
 
 
+def _manifest(option: str, value: Any) -> Any:
+    """``kvplan_manifest``'s parser: :func:`kvplan.presets.load_manifest` of a string (a preset
+    key, ``key:num_layers`` or the path of a JSON manifest); :class:`kvplan.ManifestError`
+    naming the option and the value otherwise."""
+    from kvplan._core import ManifestError
+    from kvplan.presets import load_manifest
+
+    if not isinstance(value, str):
+        raise ManifestError(f"{option}={value!r}: expected a preset key, key:num_layers or the "
+                            f"path of a JSON manifest (a string)")
+    try:
+        return load_manifest(value)
+    except ManifestError as err:
+        raise ManifestError(f"{option}={value!r}: {err}") from err
+
+
 #: Each kvplan option a connector takes, with its parser (the Mooncake connector takes the
-#: ``kvplan_staging*`` keys of :data:`kvplan.staging.STAGING_OPTIONS`).
+#: ``kvplan_staging*`` keys of :data:`kvplan.staging.STAGING_OPTIONS`, and ``kvplan_manifest``:
+#: the model manifest its workers check at start-up, :mod:`kvplan.compat.vllm.manifest`).
 OPTIONS: dict[str, dict[str, Callable[[str, Any], Any]]] = {
     "KvplanMooncakeConnector": {"kvplan_max_blocks_per_batch": _positive_int,
-                                **_staging_options()},
+                                "kvplan_manifest": _manifest, **_staging_options()},
     "KvplanNixlConnector": {},
 }
 

@@ -1,0 +1,472 @@
+"""Model manifests checked at the engines' start-up (docs/manifests.md, "Checked at start-up").
+
+SGLang: SGLang 0.5.23's real ``MooncakeKVManager`` with kvplan installed (as
+tests/compat/test_handshake_identity.py builds it), its real ``register_buffer_to_engine``
+(what SGLang's ``__init__`` calls once its KV memory is known) run with ``KVPLAN_MANIFEST`` set.
+
+vLLM: ``KvplanMooncakeConnector`` built by vLLM's real constructor with ``kvplan_manifest`` in
+``kv_connector_extra_config`` (as tests/compat/test_vllm_dropin.py builds it), and its worker's
+``register_kv_caches`` run with vLLM's real method on host tensors.
+
+Plus the manifests' JSON form and :func:`kvplan.presets.load_manifest`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvplan import ManifestError
+from kvplan.manifests import ManifestComponent, ModelManifest
+from kvplan.presets import PRESETS, load_manifest
+
+
+@contextmanager
+def records(logger: str) -> Iterator[list[logging.LogRecord]]:
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = got.append  # type: ignore[method-assign]
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield got
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+# ------------------------------------------------------------------------ the JSON form
+@pytest.mark.parametrize("key", sorted(PRESETS))
+def test_every_presets_manifest_round_trips_through_json(key: str) -> None:
+    manifest = PRESETS[key].manifest()
+    assert ModelManifest.from_json(manifest.to_json()) == manifest
+    assert ModelManifest.from_dict(json.loads(json.dumps(manifest.to_dict()))) == manifest
+    assert load_manifest(key) == manifest
+
+
+def test_load_manifest_reads_a_preset_with_layers_and_a_file(tmp_path: Path) -> None:
+    assert load_manifest("kimi-linear:27") == PRESETS["kimi-linear"].with_layers(27).manifest()
+    path = tmp_path / "model.json"
+    manifest = PRESETS["qwen3-next"].manifest().without("mamba_temporal")
+    path.write_text(manifest.to_json(indent=2))
+    assert load_manifest(str(path)) == manifest
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("deepseek-v9", ["'deepseek-v9'", "deepseek-v3,"]),
+    ("deepseek-v3:x", ["'deepseek-v3:x'", "positive integer", "'x'"]),
+    ("deepseek-v3:0", ["'deepseek-v3:0'", "positive integer"]),
+    ("", ["expected a preset key"]),
+])
+def test_a_bad_preset_is_a_typed_error_naming_the_value(spec: str, named: list[str]) -> None:
+    with pytest.raises(ManifestError) as err:
+        load_manifest(spec)
+    for text in named:
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize("content, named", [
+    (None, ["cannot be read", "No such file"]),
+    ("{not json", ["not JSON", "line 1"]),
+    ('[1, 2]', ["expected a JSON object", "list"]),
+    ('{"model": "m", "num_layers": "61", "components": []}', ["num_layers must be an integer",
+                                                               "'61'"]),
+    ('{"model": "m", "num_layers": 2, "components": [], "extra": 1}', ["unknown key 'extra'"]),
+    ('{"model": "m", "num_layers": 2, "components": [{"role": "kv", "kind": "page", '
+     '"layers": [0, true], "bytes": 8}]}', ["components[0] 'kv'", "layers must be a list of "
+                                            "integers", "True"]),
+    ('{"model": "m", "num_layers": 2, "components": [{"role": "kv", "kind": "page", '
+     '"layers": [0], "bytes": 8, "window": "128"}]}', ["window must be an integer", "'128'"]),
+    ('{"model": "m", "num_layers": 2, "components": [{"role": "kv", "kind": "slot", '
+     '"layers": [0], "bytes": 8}]}', ["kind must be", "'slot'"]),
+    ('{"model": "m", "num_layers": 2, "components": [{"role": "kv", "layers": [0], '
+     '"bytes": 8}]}', ["components[0]", "missing 'kind'"]),
+])
+def test_a_bad_manifest_file_is_a_typed_error_naming_the_file_and_value(
+        tmp_path: Path, content: str | None, named: list[str]) -> None:
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ManifestError) as err:
+        load_manifest(str(path))
+    assert str(path) in str(err.value)
+    for text in named:
+        assert text in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------------------ SGLang
+SG_LAYERS, SG_PAGE, SG_LATENT, SG_SLOT = 4, 16, 1152, 4096
+SG_MANIFEST = f"deepseek-v3:{SG_LAYERS}"
+
+
+@pytest.fixture(scope="module")
+def sg() -> Any:
+    from support.sglang_models import load_sglang_or_fail
+
+    from kvplan.compat import sglang as compat
+
+    sg = load_sglang_or_fail()
+    compat.install(sg.MooncakeKVManager)
+    yield sg
+    compat.uninstall(sg.MooncakeKVManager)
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("KVPLAN_MANIFEST", "KVPLAN_STAGING"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+class RecordingEngine:
+    """SGLang's ``MooncakeTransferEngine`` as ``register_buffer_to_engine`` calls it."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[list[int], list[int]]] = []
+
+    def batch_register(self, ptrs: list[int], lens: list[int]) -> int:
+        self.registered.append((list(ptrs), list(lens)))
+        return 0
+
+
+def sg_manager(sg: Any, *, layers: int = SG_LAYERS, state_layers: tuple[int, ...] = (),
+               tp: int = 1, pp: tuple[int, int] = (0, 1),
+               stage: tuple[int, int | None] = (0, SG_LAYERS)) -> Any:
+    """An MLA manager (one latent entry per layer, layer ids published; Mamba state entries
+    on ``state_layers``) as SGLang's ``__init__`` leaves it before it registers its memory."""
+    from support.sglang_models import load_loader
+
+    ptrs = [(1 << 32) * (e + 1) for e in range(layers)]
+    state = [(1 << 40) + (1 << 30) * i for i in range(len(state_layers))]
+    kv = types.SimpleNamespace(
+        kv_data_ptrs=ptrs, kv_data_lens=[64 * SG_PAGE * SG_LATENT] * layers,
+        kv_item_lens=[SG_PAGE * SG_LATENT] * layers,
+        kv_layer_ids=list(range(stage[0], stage[0] + layers)),
+        prefill_start_layer=stage[0], prefill_end_layer=stage[1], engine_rank=0, pp_rank=pp[0],
+        mla_compression_ratios=None, num_draft_entries=0, page_size=SG_PAGE, aux_data_ptrs=[],
+        aux_data_lens=[], state_types=[sg.StateType.MAMBA] if state_layers else [],
+        state_data_ptrs=[state] if state_layers else [],
+        state_data_lens=[[8 * SG_SLOT] * len(state)] if state_layers else [],
+        state_item_lens=[[SG_SLOT] * len(state)] if state_layers else [],
+        state_layer_ids=[list(state_layers)] if state_layers else [])
+    return load_loader().manager_object(
+        sg, sg.MooncakeKVManager, kv_args=kv, engine=RecordingEngine(), is_mla_backend=True,
+        attn_tp_size=tp, pp_size=pp[1],
+        server_args=types.SimpleNamespace(model_path="org/model", revision="abc123"))
+
+
+def sg_start(manager: Any) -> None:
+    """What SGLang's ``__init__`` does once the manager's KV memory is known."""
+    type(manager).register_buffer_to_engine(manager)
+
+
+def hybrid_manifest(tmp_path: Path, layers: int = SG_LAYERS) -> str:
+    """A JSON manifest: latents on the odd layers, one Mamba state on the even ones."""
+    manifest = ModelManifest("org/hybrid", layers, (
+        ManifestComponent("kv", "page", tuple(range(1, layers, 2)), SG_LATENT),
+        ManifestComponent("mamba0", "state", tuple(range(0, layers, 2)), SG_SLOT,
+                          sharding="split")))
+    path = tmp_path / "hybrid.json"
+    path.write_text(manifest.to_json())
+    return str(path)
+
+
+def test_sglang_manager_holding_the_manifest_starts(sg: Any, env: pytest.MonkeyPatch) -> None:
+    env.setenv("KVPLAN_MANIFEST", SG_MANIFEST)
+    manager = sg_manager(sg)
+    with records("kvplan.compat.sglang") as said:
+        sg_start(manager)
+    assert manager.engine.registered  # SGLang's own registration ran
+    assert "_kvplan_identity_exchange" in manager.__dict__  # kvplan's start-up went on
+    held = [r.getMessage() for r in said if "holds every component" in r.getMessage()]
+    assert len(held) == 1 and "DeepSeek-V3" in held[0] and "TP rank 0 of 1" in held[0]
+
+
+def test_sglang_hybrid_manager_holding_its_state_starts(sg: Any, env: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    env.setenv("KVPLAN_MANIFEST", hybrid_manifest(tmp_path))
+    manager = sg_manager(sg, layers=2, stage=(0, 2), state_layers=(0, 2))
+    manager.kv_args.kv_layer_ids = [1, 3]
+    sg_start(manager)
+    assert manager.engine.registered
+
+
+def test_sglang_decode_without_its_state_pool_refuses_to_start(
+        sg: Any, env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The case pairing cannot see: a hybrid model served with its state pool never
+    registered. The manager's constructor raises and says why once."""
+    env.setenv("KVPLAN_MANIFEST", hybrid_manifest(tmp_path))
+    manager = sg_manager(sg, layers=2, stage=(0, 2))
+    manager.kv_args.kv_layer_ids = [1, 3]
+    with records("kvplan.compat.sglang") as said, pytest.raises(ManifestError) as err:
+        sg_start(manager)
+    assert err.value.model == "org/hybrid"
+    assert [p[:3] for p in err.value.problems] == [("missing", "mamba0", [0, 2])]
+    message = str(err.value)
+    assert "missing state component \"mamba0\" on layers 0, 2" in message, message
+    assert "TP rank 0 of 1, PP rank 0 of 1" in message
+    assert "_kvplan_identity_exchange" not in manager.__dict__  # nothing of kvplan started
+    errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
+    assert errors == [message]
+
+
+def test_sglang_manager_missing_layers_refuses_naming_them(
+        sg: Any, env: pytest.MonkeyPatch) -> None:
+    env.setenv("KVPLAN_MANIFEST", SG_MANIFEST)
+    with pytest.raises(ManifestError) as err:
+        sg_start(sg_manager(sg, layers=SG_LAYERS - 1))
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [SG_LAYERS - 1])]
+    assert "DeepSeek-V3" in str(err.value)
+
+
+def test_sglang_pp_stage_is_the_one_kv_args_gives(sg: Any, env: pytest.MonkeyPatch) -> None:
+    """At PP 2 the stage is ``prefill_start_layer`` to ``prefill_end_layer``: the second
+    stage's layers pass; a stage whose last layer is not registered refuses (it would look like
+    a shorter stage from its entries alone); without the end layer the core refuses rather
+    than guess the stage."""
+    env.setenv("KVPLAN_MANIFEST", SG_MANIFEST)
+    sg_start(sg_manager(sg, layers=2, pp=(1, 2), stage=(2, 4)))
+    with pytest.raises(ManifestError) as err:
+        sg_start(sg_manager(sg, layers=1, pp=(1, 2), stage=(2, 4)))
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [3])]
+    assert "PP rank 1 of 2, stage layers 2-3" in str(err.value)
+    with pytest.raises(ManifestError) as err:
+        sg_start(sg_manager(sg, layers=2, pp=(1, 2), stage=(2, None)))
+    assert err.value.problems[0][0] == "stage_range"
+
+
+def test_sglang_bad_manifest_value_refuses_naming_it(sg: Any, env: pytest.MonkeyPatch) -> None:
+    env.setenv("KVPLAN_MANIFEST", "deepseek-v9")
+    manager = sg_manager(sg)
+    with records("kvplan.compat.sglang") as said, pytest.raises(ManifestError) as err:
+        sg_start(manager)
+    assert "'deepseek-v9'" in str(err.value)
+    assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [
+        f"kvplan: KVPLAN_MANIFEST='deepseek-v9': {err.value}"]
+
+
+def test_sglang_without_the_variable_checks_nothing(sg: Any, env: pytest.MonkeyPatch) -> None:
+    manager = sg_manager(sg, layers=1)  # would refuse against any manifest of 4 layers
+    with records("kvplan.compat.sglang") as said:
+        sg_start(manager)
+    assert manager.engine.registered and "_kvplan_identity_exchange" in manager.__dict__
+    assert not [r for r in said if "manifest" in r.getMessage()]
+
+
+def test_sglang_uninstall_restores_the_registration(sg: Any) -> None:
+    from kvplan.compat import sglang as compat
+    from kvplan.compat.sglang.manifest import hook_manifest
+
+    cls = type("ManifestManager", (sg.MooncakeKVManager,), {})
+    compat.install(cls)
+    compat.install(cls)  # twice: one check
+    assert not hook_manifest(cls)
+    compat.uninstall(cls)
+    assert "register_buffer_to_engine" not in cls.__dict__
+
+
+# ------------------------------------------------------------------------------ vLLM
+V_LAYERS, V_BLOCK, V_BLOCKS = 4, 16, 8
+
+
+@pytest.fixture(scope="module")
+def v() -> Any:
+    from support.vllm_loader import load_vllm
+
+    return load_vllm()
+
+
+class HostCache:
+    """One MLA layer's cache as vLLM's ``register_kv_caches`` reads it (a host tensor's
+    storage, shape, strides and element size)."""
+
+    def __init__(self, ptr: int, blocks: int, page: int) -> None:
+        self.ptr, self.blocks, self.page = ptr, blocks, page
+        self.shape, self.ndim = (blocks, V_BLOCK, SG_LATENT // 2), 3
+
+    def untyped_storage(self) -> Any:
+        from support.vllm_cases import HostStorage
+
+        return HostStorage(self.ptr, self.blocks * self.page)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self, dim: int) -> int:
+        return (V_BLOCK * SG_LATENT // 2, SG_LATENT // 2, 1)[dim]
+
+    def element_size(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.page
+
+    def __getitem__(self, index: int) -> HostCache:
+        page = HostCache(self.ptr + index * self.page, 1, self.page)
+        page.shape, page.ndim = (V_BLOCK, SG_LATENT // 2), 2
+        return page
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def vllm_function(v: Any, relative: str, name: str, **names: Any) -> Any:
+    """One module-level function of the wheel, its source executed alone with ``names`` as its
+    globals (its module imports torch; the function reads nothing of it)."""
+    import ast
+    import os
+
+    path = os.path.join(v.root, relative)
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    exec(compile(ast.Module([node], []), path, "exec"), names)  # noqa: S102
+    return names[name]
+
+
+@contextmanager
+def registering(v: Any) -> Iterator[None]:
+    """vLLM's registration context: the connector module's globals its ``register_kv_caches``
+    reads, with vLLM's own ``extract_layer_index``."""
+    from support.vllm_cases import worker_dependencies
+
+    extract = vllm_function(v, os.path.join("model_executor", "models", "utils.py"),
+                            "extract_layer_index")
+    with worker_dependencies(v, extract_layer_index=extract):
+        yield
+
+
+def v_connector(v: Any, manifest: Any, layers: int = V_LAYERS, *, first: int = 0,
+                pp: tuple[int, int] = (0, 1), model_layers: int = V_LAYERS,
+                **config: Any) -> Any:
+    """A kvplan connector built by vLLM's constructor (a decode worker of PP rank ``pp[0]`` of
+    ``pp[1]`` in a model of ``model_layers``) and its MLA caches on layers ``first`` on."""
+    import sys
+
+    from support.vllm_cases import vllm_config, worker_dependencies
+
+    from kvplan.compat import vllm as compat
+
+    kvi = v.kvi
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(first, first + layers)]
+    spec = kvi.MLAAttentionSpec(block_size=V_BLOCK, num_kv_heads=1, head_size=SG_LATENT // 2,
+                                dtype=None)
+    kv_config = kvi.KVCacheConfig(num_blocks=V_BLOCKS, kv_cache_tensors=[],
+                                  kv_cache_groups=[kvi.KVCacheGroupSpec(names, spec)])
+    base = vllm_config("kv_consumer", block_size=V_BLOCK, use_mla=True, **config)
+    if manifest is not None:
+        base.kv_transfer_config.kv_connector_extra_config["kvplan_manifest"] = manifest
+    # the stage's layers as vLLM's ModelConfig.get_layers_start_end_indices gives them: its
+    # get_pp_indices over the model's layers at the worker's PP rank
+    pp_indices = vllm_function(v, os.path.join("distributed", "utils.py"), "get_pp_indices",
+                               envs=sys.modules["vllm.envs"])
+    base.parallel_config.pipeline_parallel_size = pp[1]
+    base.model_config.get_layers_start_end_indices = lambda parallel_config: pp_indices(
+        model_layers, pp[0], parallel_config.pipeline_parallel_size)
+    pp_group = types.SimpleNamespace(rank_in_group=pp[0])
+    with worker_dependencies(v, get_pp_group=lambda: pp_group):
+        connector = compat.KvplanMooncakeConnector(base, v.KVConnectorRole.WORKER, kv_config)
+    page = V_BLOCK * SG_LATENT
+    caches = {n: HostCache((1 << 32) * (i + 1), V_BLOCKS, page) for i, n in enumerate(names)}
+    return connector, caches
+
+
+def test_vllm_worker_holding_the_manifest_starts(v: Any) -> None:
+    connector, caches = v_connector(v, f"deepseek-v3:{V_LAYERS}")
+    with records("vllm.kvplan.manifest") as said, registering(v):
+        connector.register_kv_caches(caches)
+    worker = connector.connector_worker
+    assert worker.registered_layer_indices == list(range(V_LAYERS))  # vLLM's own method ran
+    held = [r.getMessage() for r in said if "holds every component" in r.getMessage()]
+    assert len(held) == 1 and "DeepSeek-V3" in held[0] and "TP rank 0 of 1" in held[0]
+    worker.shutdown()
+
+
+def test_vllm_worker_missing_a_component_refuses_to_start(v: Any, tmp_path: Path) -> None:
+    manifest = PRESETS["deepseek-v3"].with_layers(V_LAYERS).manifest()
+    extended = ModelManifest(manifest.model, manifest.num_layers, (
+        *manifest.components, ManifestComponent("indexer", "page", tuple(range(V_LAYERS)), 132)))
+    path = tmp_path / "v32.json"
+    path.write_text(extended.to_json())
+    connector, caches = v_connector(v, str(path))
+    with records("vllm.kvplan.manifest") as said, pytest.raises(ManifestError) as err, \
+            registering(v):
+        connector.register_kv_caches(caches)
+    assert [p[:3] for p in err.value.problems] == [("missing", "indexer",
+                                                    list(range(V_LAYERS)))]
+    message = str(err.value)
+    assert "KvplanMooncakeConnector (kvplan_manifest)" in message
+    assert "TP rank 0 of 1, PP rank 0 of 1" in message and "DeepSeek-V3" in message
+    assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [message]
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_pp_stage_is_the_one_vllms_model_config_gives(v: Any) -> None:
+    """PP rank 1 of 2 of an 8-layer model holds layers 4-7 (vLLM's get_pp_indices): they
+    pass; a stage without its last layer refuses (from its entries alone it would look like a
+    shorter stage)."""
+    connector, caches = v_connector(v, "deepseek-v3:8", first=4, pp=(1, 2), model_layers=8)
+    with registering(v):
+        connector.register_kv_caches(caches)
+    connector.connector_worker.shutdown()
+    connector, caches = v_connector(v, "deepseek-v3:8", 3, first=4, pp=(1, 2), model_layers=8)
+    with pytest.raises(ManifestError) as err, registering(v):
+        connector.register_kv_caches(caches)
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [7])]
+    assert "PP rank 1 of 2, stage layers 4-7" in str(err.value)
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_worker_missing_layers_refuses_to_start(v: Any) -> None:
+    connector, caches = v_connector(v, f"deepseek-v3:{V_LAYERS + 2}")
+    with pytest.raises(ManifestError) as err, registering(v):
+        connector.register_kv_caches(caches)
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [V_LAYERS, V_LAYERS + 1])]
+    connector.connector_worker.shutdown()
+
+
+@pytest.mark.parametrize("value, named", [
+    ("deepseek-v9", "'deepseek-v9'"), ("/nonexistent/model.json", "/nonexistent/model.json"),
+    (61, "kvplan_manifest=61"),
+])
+def test_vllm_bad_manifest_value_refuses_the_connector(v: Any, value: Any, named: str) -> None:
+    with pytest.raises(ManifestError) as err:
+        v_connector(v, value)
+    assert named in str(err.value) and "kvplan_manifest" in str(err.value)
+
+
+def test_vllm_without_the_key_checks_nothing(v: Any) -> None:
+    connector, caches = v_connector(v, None, layers=1)
+    with records("vllm.kvplan.manifest") as said, registering(v):
+        connector.register_kv_caches(caches)
+    assert not said
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_worker_whose_regions_name_no_roles_refuses_saying_why(v: Any) -> None:
+    """K and V in one page: vLLM does not say the roles, so the check cannot run; with the
+    key set the worker refuses rather than report present components as missing."""
+    from kvplan.compat.vllm.manifest import MANIFEST_ATTR, check_worker_manifest
+
+    worker = types.SimpleNamespace()
+    worker.__dict__.update(
+        registered_layer_names=["model.layers.0.self_attn.attn"],
+        registered_layer_indices=[0],
+        _layer_specs={"model.layers.0.self_attn.attn": v.kvi.FullAttentionSpec(
+            block_size=16, num_kv_heads=4, head_size=64, dtype=None)},
+        **{MANIFEST_ATTR: load_manifest("qwen3-235b:1")})
+    with pytest.raises(ManifestError) as err:
+        check_worker_manifest(worker)
+    assert "FullAttentionSpec" in str(err.value) and "model.layers.0.self_attn.attn" in str(
+        err.value)
