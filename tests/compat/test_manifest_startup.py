@@ -245,6 +245,63 @@ def test_sglang_pp_stage_is_the_one_kv_args_gives(sg: Any, env: pytest.MonkeyPat
     assert err.value.problems[0][0] == "stage_range"
 
 
+def test_sglang_pools_that_publish_no_layer_ids_are_checked_by_their_first_layer(
+        sg: Any, env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SGLang publishes ``kv_layer_ids`` for its hybrid pools only; a per-layer MLA or MHA pool
+    leaves it empty (its buffer ``i`` of a role is layer ``start_layer + i``). The manifest
+    check reads them so: a whole pool passes, at PP 1 (no start layer on a decode) and at a
+    second stage; a pool short of its last layer refuses naming it; draft entries, numbered
+    from the model's layer count, are not checked."""
+    env.setenv("KVPLAN_MANIFEST", SG_MANIFEST)
+    manager = sg_manager(sg)
+    manager.kv_args.kv_layer_ids = []
+    del manager.kv_args.prefill_start_layer  # a decode's KVArgs
+    with records("kvplan.compat.sglang") as said:
+        sg_start(manager)
+    assert [r for r in said if "holds every component" in r.getMessage()]
+    stage = sg_manager(sg, layers=2, pp=(1, 2), stage=(2, 4))
+    stage.kv_args.kv_layer_ids = []
+    sg_start(stage)
+    short = sg_manager(sg, layers=SG_LAYERS - 1)
+    short.kv_args.kv_layer_ids = []
+    with pytest.raises(ManifestError) as err:
+        sg_start(short)
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [SG_LAYERS - 1])]
+    draft = sg_manager(sg, layers=SG_LAYERS + 1)
+    draft.kv_args.kv_layer_ids, draft.kv_args.num_draft_entries = [], 1
+    sg_start(draft)
+
+    # MHA: K buffers of every layer, then V buffers (kv_roles), heads split by TP
+    heads, head_bytes = 4, 256
+    env.setenv("KVPLAN_MANIFEST", str(mha_manifest(tmp_path, heads, head_bytes)))
+    for tp in (1, 2):
+        per_rank = heads // tp
+        for rank in range(tp):
+            mha = sg_manager(sg, layers=2 * SG_LAYERS, tp=tp)
+            mha.is_mla_backend = False
+            args = mha.kv_args
+            args.kv_layer_ids, args.engine_rank = [], rank
+            args.kv_item_lens = [SG_PAGE * per_rank * head_bytes] * (2 * SG_LAYERS)
+            args.kv_data_lens = [64 * item for item in args.kv_item_lens]
+            sg_start(mha)
+    odd = sg_manager(sg, layers=2 * SG_LAYERS)
+    odd.is_mla_backend = False
+    odd.kv_args.kv_layer_ids = []
+    with pytest.raises(ManifestError) as err:  # item sizes of an MLA latent, not of K and V
+        sg_start(odd)
+    assert {p[0] for p in err.value.problems} == {"item_size"}
+
+
+def mha_manifest(tmp_path: Path, heads: int, head_bytes: int) -> Path:
+    """An MHA model's manifest as a user writes it in JSON: K and V on every layer."""
+    path = tmp_path / "mha.json"
+    path.write_text(json.dumps({"model": "org/mha", "num_layers": SG_LAYERS, "components": [
+        {"role": role, "kind": "page", "layers": list(range(SG_LAYERS)),
+         "bytes": heads * head_bytes, "sharding": "heads", "kv_heads": heads}
+        for role in ("k", "v")]}))
+    return path
+
+
 def test_sglang_bad_manifest_value_refuses_naming_it(sg: Any, env: pytest.MonkeyPatch) -> None:
     env.setenv("KVPLAN_MANIFEST", "deepseek-v9")
     manager = sg_manager(sg)

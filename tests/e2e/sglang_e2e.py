@@ -455,16 +455,27 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
             for s in (prefill, decode):
                 s.stop()
 
-        # -- kvplan, page size 1; bad input on the same prefill -------------------------------
-        if wanted("kvplan1") or wanted("bad"):
+        # -- kvplan, page size 1; bad input on the same prefill; manifests at start-up --------
+        if wanted("kvplan1") or wanted("bad") or wanted("manifest"):
             prefill = engine.server("kvplan-prefill-p1", MODEL_A, page_size=1, mode="prefill",
                                     kvplan=True)
             decode = engine.server("kvplan-decode-p1", MODEL_A, page_size=1, mode="decode",
                                    kvplan=True)
             short = engine.server("kvplan-decode-p1-2layers", MODEL_A_2_LAYERS, page_size=1,
                                   mode="decode", kvplan=True)
+            stateless = engine.server("kvplan-decode-p1-manifest-with-state", MODEL_A,
+                                      page_size=1, mode="decode", kvplan=True)
+            if wanted("manifest"):
+                # The pair serves under the model's own manifest (a false refusal would stop
+                # it); a decode told the model also has a state pool must not start.
+                for server, with_state in ((prefill, False), (decode, False),
+                                           (stateless, True)):
+                    server.env["KVPLAN_MANIFEST"] = str(write_manifest(
+                        log_dir / f"{server.name}.manifest.json", MODEL_A, with_state))
             group = [prefill, decode] + ([short] if wanted("bad") else [])
             try:
+                if wanted("manifest"):
+                    stateless.start()
                 start(group)
                 results.check("kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
                               lambda: installed_check(prefill, decode))
@@ -473,8 +484,13 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
                 if wanted("bad"):
                     results.check("bad input: decode with 2 layers, prefill with 4",
                                   lambda: mismatched_decode(prefill, short, decode, reference))
+                if wanted("manifest"):
+                    results.check("manifest: the pair holds the model's manifest; a decode "
+                                  "whose manifest has a state pool it never registered does "
+                                  "not start", lambda: manifest_refusal(prefill, decode,
+                                                                        stateless))
             finally:
-                for s in group:
+                for s in [*group, stateless]:
                     s.stop()
 
         # -- kvplan, page size 16, behind SGLang's router; the negative control ----------------
@@ -692,6 +708,55 @@ def failed_request(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[in
     return f"decode aborted the request: {finish.get('message', '')[:120]}"
 
 
+def write_manifest(path: Path, model: TinyModel, with_state: bool) -> Path:
+    """The tiny Llama's manifest in kvplan's JSON form, written from its shapes as a user
+    writes one from a model's config (float32: 4 bytes an element): K and V on every layer,
+    sharded by heads. ``with_state`` adds a per-request state pool on every layer, which this
+    model's servers never register (the case of a hybrid model whose decode left its state
+    pool out)."""
+    row = model.kv_heads * model.head_dim * 4
+    layers = list(range(model.num_layers))
+    components: list[dict[str, object]] = [
+        {"role": role, "kind": "page", "layers": layers, "bytes": row, "sharding": "heads",
+         "kv_heads": model.kv_heads} for role in ("k", "v")]
+    if with_state:
+        components.append({"role": "mamba0", "kind": "state", "layers": layers,
+                           "bytes": 4096, "sharding": "split"})
+    path.write_text(json.dumps({"model": SERVED_NAMES[model.ARCH],
+                                "num_layers": model.num_layers, "components": components}))
+    return path
+
+
+def manifest_refusal(prefill: SGLangServer, decode: SGLangServer,
+                     stateless: SGLangServer) -> str:
+    """Both started servers logged that they hold the manifest; the third exited before it
+    was ready, its log naming the missing component."""
+    held = "holds every component of the manifest of"
+    for server in (prefill, decode):
+        if held not in server.log_since(0):
+            raise AssertionError(f"{server.name} has no '{held}' line")
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while stateless.alive() and time.monotonic() < deadline:
+        try:
+            if stateless.ready():
+                raise AssertionError(f"{stateless.name} started although its layout has no "
+                                     "state pool")
+        except harness.ServerError:
+            break
+        time.sleep(1.0)
+    if stateless.alive():
+        raise AssertionError(f"{stateless.name} neither started nor exited in "
+                             f"{READY_TIMEOUT_S:.0f} s")
+    lines = [line for line in stateless.log_since(0).splitlines()
+             if "refusing to start" in line and "mamba0" in line]
+    if not lines:
+        raise AssertionError(f"{stateless.name} exited without a manifest refusal naming "
+                             f"mamba0; log tail:\n{stateless.log_tail(15)}")
+    refusal = lines[0][lines[0].index("kvplan:"):] if "kvplan:" in lines[0] else lines[0]
+    return (f"{prefill.name} and {decode.name} hold it; {stateless.name} exited "
+            f"({stateless.proc.returncode if stateless.proc else None}): {refusal[:260]}")
+
+
 def mismatched_decode(prefill: SGLangServer, short: SGLangServer, good: SGLangServer,
                       reference: list[list[int]]) -> str:
     ids = prompts()[4]
@@ -825,7 +890,7 @@ def negative_control(other: SGLangServer, decode: SGLangServer, plain: Server) -
 
 NIXL_LLAMA_CASES = ("nixl-sglang", "nixl1", "nixl-bad", "nixl16", "nixl-negative")
 NIXL_HYBRID_CASES = ("nixl-hybrid-sglang", "nixl-hybrid")
-LLAMA_CASES = ("sglang", "kvplan1", "bad", "kvplan16", "negative", "identity", "router",
+LLAMA_CASES = ("sglang", "kvplan1", "bad", "manifest", "kvplan16", "negative", "identity", "router",
                "staged", "pp",
                *NIXL_LLAMA_CASES)
 HYBRID_CASES = ("hybrid-sglang", "hybrid", *NIXL_HYBRID_CASES)

@@ -53,6 +53,24 @@ def kv_roles(n: int, *, mla: bool, groups: int, num_draft: int,
     return ["k"] * layers + ["v"] * layers + ["draft_k"] * draft + ["draft_v"] * draft
 
 
+def pool_layer_ids(roles: Sequence[str] | None, first: int,
+                   first_draft: int) -> list[int] | None:
+    """Global layer ids of a per-layer pool that publishes none (SGLang leaves ``kv_layer_ids``
+    empty for every pool but its hybrid ones): its buffer ``i`` of a role holds layer
+    ``first + i`` (the pool's ``start_layer``, as SGLang's own legacy PP slicing reads the
+    entry lists), and its draft buffers, numbered apart, ``first_draft + i`` (SGLang's draft
+    band starts at the model's layer count). None when the roles are not known."""
+    if roles is None:
+        return None
+    seen: dict[str, int] = {}
+    ids = []
+    for role in roles:
+        k = seen.get(role, 0)
+        seen[role] = k + 1
+        ids.append((first_draft if role.startswith("draft") else first) + k)
+    return ids
+
+
 def _tp_context(rank: Any, size: Any, what: str) -> tuple[int, int]:
     """``(tp_rank, tp_size)`` as SGLang uses them: the rank modulo the attention TP size (with
     DP attention a global rank exceeds the size); an unset size (0 or None) is 1."""
@@ -63,7 +81,8 @@ def _tp_context(rank: Any, size: Any, what: str) -> tuple[int, int]:
 
 
 def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
-                        attn_tp_size: int | None = None, state: bool = True) -> Layout:
+                        attn_tp_size: int | None = None, state: bool = True,
+                        layer_ids_from: tuple[int, int] | None = None) -> Layout:
     """The prefill peer's :class:`kvplan.Layout` from SGLang's ``KVArgs``.
 
     Page entries are ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens`` with
@@ -78,6 +97,10 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     ``attn_tp_size``: ``KVArgs`` does not carry it) ``tp_size = attn_tp_size`` and
     ``tp_rank = engine_rank % attn_tp_size``, the local rank SGLang's head slicing uses. Without
     it the layout has no TP context (rank 0 of 1).
+
+    ``layer_ids_from`` (``(first layer, first draft id)``): when ``kv_layer_ids`` is not
+    published, the page entries get :func:`pool_layer_ids` (what a check by layer id, such as a
+    model manifest, needs; planning keeps SGLang's positional pairing without it).
 
     Raises:
         LayoutError: The lists disagree in length, NPU groups are not a whole multiple of the
@@ -96,9 +119,11 @@ def layout_from_kv_args(kv_args: Any, *, is_mla_backend: bool, pp_size: int = 1,
     roles = kv_roles(len(ptrs), mla=is_mla_backend, groups=groups, num_draft=num_draft)
     tp_rank, tp_size = (0, 1) if attn_tp_size is None else _tp_context(
         getattr(kv_args, "engine_rank", 0), attn_tp_size, "attn_tp_size")
+    layer_ids = published_ids(getattr(kv_args, "kv_layer_ids", None))
+    if layer_ids is None and layer_ids_from is not None:
+        layer_ids = pool_layer_ids(roles, *layer_ids_from)
     layout = Layout(
-        ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
-        published_ids(getattr(kv_args, "kv_layer_ids", None)), roles,
+        ptrs, list(kv_args.kv_data_lens), list(kv_args.kv_item_lens), layer_ids, roles,
         page_size=int(getattr(kv_args, "page_size", 1) or 1),
         pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0), pp_size=pp_size,
         tp_rank=tp_rank, tp_size=tp_size,

@@ -47,15 +47,25 @@ def configured_manifest() -> ModelManifest | None:
         raise
 
 
-def manager_layout(manager: Any) -> Layout:
+def manager_layout(manager: Any, num_layers: int | None = None) -> Layout:
     """The manager's own layout as the drop-ins build it from its ``kv_args`` (roles, layer
-    ids, Mamba state entries, attention TP rank and size, PP rank and size)."""
+    ids, Mamba state entries, attention TP rank and size, PP rank and size).
+
+    With ``num_layers`` (the model's), a pool that publishes no layer ids (SGLang's per-layer
+    MHA and MLA pools) gets its entries' layers from the pool's first layer
+    (``prefill_start_layer``; 0 on a manager of one PP stage, which holds every layer) and its
+    draft entries from ``num_layers`` up (:func:`kvplan.compat.sglang.layouts.pool_layer_ids`);
+    a manager of several stages without a first layer keeps none."""
     from kvplan.compat.sglang.layouts import layout_from_kv_args
 
+    pp_size = int(getattr(manager, "pp_size", 1) or 1)
+    start = getattr(manager.kv_args, "prefill_start_layer", None)
+    if not isinstance(start, int):
+        start = 0 if pp_size == 1 else None
     return layout_from_kv_args(
         manager.kv_args, is_mla_backend=bool(getattr(manager, "is_mla_backend", False)),
-        pp_size=int(getattr(manager, "pp_size", 1) or 1),
-        attn_tp_size=int(getattr(manager, "attn_tp_size", 1) or 1))
+        pp_size=pp_size, attn_tp_size=int(getattr(manager, "attn_tp_size", 1) or 1),
+        layer_ids_from=None if num_layers is None or start is None else (start, num_layers))
 
 
 def manager_stage(manager: Any, layout: Layout) -> tuple[int, int] | None:
@@ -84,7 +94,7 @@ def check_manager_manifest(manager: Any) -> bool:
     manifest = configured_manifest()
     if manifest is None:
         return False
-    layout = manager_layout(manager)
+    layout = manager_layout(manager, manifest.num_layers)
     check_at_start_up(layout, manifest, stage=manager_stage(manager, layout),
                       engine=f"SGLang {type(manager).__name__} ({MANIFEST_ENV})", log=_log)
     return True
