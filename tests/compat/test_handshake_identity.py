@@ -867,7 +867,29 @@ def test_a_sglang_decode_without_heads_in_kv_args_reads_them_from_its_model(
     other = rounds.manager_identity(manager(0, d_tp, model_dir("other", 2 * heads),
                                             with_heads=False))
     prefill = rounds.manager_identity(manager(0, p_tp, "org/model", with_heads=True))
-    assert other is None or kvplan.compatibility(prefill, other).kind == "refused"
+    assert other is not None and kvplan.compatibility(prefill, other).kind == "refused"
+
+    # A hub id: the snapshot SGLang downloaded into the Hugging Face cache (no network).
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--org--model"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "abc123").write_text(commit)  # server_args' revision, a tag
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 8, "num_key_value_heads": heads}))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_CACHE", str(cache))
+        for r in range(d_tp):
+            hub = rounds.manager_identity(manager(r, d_tp, "org/model", with_heads=False))
+            given = rounds.manager_identity(manager(r, d_tp, "org/model", with_heads=True))
+            assert hub is not None and hub.layout_id == given.layout_id
+        assert rounds.manager_identity(manager(0, d_tp, "org/absent", with_heads=False)) is None
+        pinned = manager(0, d_tp, "org/model", with_heads=False)
+        pinned.server_args.revision = commit  # a commit: its snapshot, no ref read
+        assert rounds.manager_identity(pinned) is not None
+        pinned.server_args.revision = "v2"  # a revision the cache does not hold
+        assert rounds.manager_identity(pinned) is None
 
 
 def test_one_model_at_two_local_paths_is_one_model() -> None:

@@ -55,6 +55,7 @@ from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable
                              layout_identity, model_name_of)
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
+from kvplan.compat.sglang.model_config import config_kv_heads, config_rope
 from kvplan.compat.sglang.templates import as_index
 from kvplan.staging import (
     ArenaShares,
@@ -803,53 +804,20 @@ def _override_rope(server_args: Any) -> Any:
     return hf_rope(overrides) if isinstance(overrides, dict) else None
 
 
-def _local_config(model_path: str) -> dict[str, Any] | None:
-    """The model directory's ``config.json`` when ``model_path`` is a local directory."""
-    path = os.path.join(model_path, "config.json")
-    if not model_path or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _local_config_rope(model_path: str) -> Any:
-    config = _local_config(model_path)
-    if config is None:
-        return None
-    text = config.get("text_config")
-    return hf_rope(text if isinstance(text, dict) and hf_rope(text) else config)
-
-
-def _local_config_kv_heads(model_path: str) -> int | None:
-    """The model's KV heads from its local ``config.json`` (``num_key_value_heads``, else
-    ``num_attention_heads``; a multimodal model's ``text_config`` first), or None."""
-    config = _local_config(model_path)
-    if config is None:
-        return None
-    text = config.get("text_config")
-    for part in (text, config) if isinstance(text, dict) else (config,):
-        for key in ("num_key_value_heads", "num_attention_heads"):
-            value = part.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
 def _kv_heads(manager: Any) -> tuple[int, int] | None:
     """The manager's ``(total KV heads, KV heads per rank)``: SGLang's ``kv_args`` where it set
     them (a prefill always does; a decode only with its own hetero-TP staging on), else the
-    model's local ``config.json`` with the core's per-rank rule for its attention TP size."""
+    model's ``config.json`` (:mod:`kvplan.compat.sglang.model_config`: its directory, or the
+    Hugging Face cache's snapshot of a hub id) with the core's per-rank rule for its attention TP
+    size."""
     kv_args = manager.kv_args
     heads, per_rank = (getattr(kv_args, "total_kv_head_num", None),
                        getattr(kv_args, "kv_head_num", None))
     if isinstance(heads, int) and isinstance(per_rank, int) and heads >= 1 and per_rank >= 1:
         return heads, per_rank
     server_args = getattr(manager, "server_args", None)
-    total = _local_config_kv_heads(str(getattr(server_args, "model_path", "") or ""))
+    total = config_kv_heads(str(getattr(server_args, "model_path", "") or ""),
+                            str(getattr(server_args, "revision", "") or ""))
     if total is None:
         return None
     return total, heads_per_rank(total, int(getattr(manager, "attn_tp_size", 1) or 1))
@@ -858,16 +826,16 @@ def _kv_heads(manager: Any) -> tuple[int, int] | None:
 def manager_semantics(server_args: Any, transfer: str = MOONCAKE_TRANSFER) -> ModelSemantics:
     """The model semantics SGLang's ``server_args`` say: ``served_model_name`` (else
     ``model_path``), ``revision``, ``speculative_draft_model_path`` by its last path part, and
-    the RoPE configuration of ``json_model_override_args`` (else of the model directory's
-    ``config.json`` when ``model_path`` is a local directory). A field the arguments do not
-    have is left undeclared. The name, not the path, as :func:`kvplan.compat.vllm.staging.
+    the RoPE configuration of ``json_model_override_args`` (else of the model's
+    ``config.json``: its directory's, or the Hugging Face cache's snapshot of a hub id). A field
+    the arguments do not have is left undeclared. The name, not the path, as :func:`kvplan.compat.vllm.staging.
     worker_semantics` says why."""
     model_path = str(getattr(server_args, "model_path", "") or "")
     model = model_name_of(str(getattr(server_args, "served_model_name", "") or model_path))
     revision = str(getattr(server_args, "revision", "") or "")
     draft = getattr(server_args, "speculative_draft_model_path", None)
     drafts = (model_name_of(draft),) if isinstance(draft, str) and draft else ()
-    rope = declarable_rope(_override_rope(server_args) or _local_config_rope(model_path))
+    rope = declarable_rope(_override_rope(server_args) or config_rope(model_path, revision))
     return ModelSemantics(model=model, revision=revision, rope=rope, drafts=drafts,
                           transfer=transfer)  # type: ignore[arg-type]
 
