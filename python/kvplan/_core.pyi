@@ -384,7 +384,28 @@ class Layout:
         layer_ids: Sequence[int],
         *,
         strides: int | Sequence[int] | None = None,
-    ) -> Layout: ...
+        channels: int | Sequence[int] | None = None,
+        outer_rows: int | Sequence[int] | None = None,
+        shard_groups: Sequence[Sequence[int] | None] | None = None,
+    ) -> Layout:
+        """State entries appended (kind ``"state"``, role ``name``). With ``channels`` each new
+        entry's slot is TP-split: ``outer_rows`` rows (default 1) of this rank's ``channels``
+        channels, the model's channels cut into ``shard_groups`` sub-blocks (channel counts at
+        TP 1; ``None``: one sub-block), each split evenly over the layout's ``tp_size`` ranks;
+        0 channels marks a replicated slot (moved whole from one elected prefill rank). A
+        template between two such layouts moves, per state pair, the byte slices of the decode
+        rank's slot that the prefill rank holds (docs/sglang.md, ``_send_mamba_state_slice``).
+
+        Raises:
+            LayoutError: A split that does not fit the entry (rows × channels not dividing the
+                item, shard groups not summing to ``channels × tp_size`` or not divisible by it,
+                0 rows, more than 4 shard groups).
+            TypeError: ``outer_rows`` or ``shard_groups`` without ``channels``.
+        """
+    @property
+    def state_channels(self) -> list[tuple[int, int, list[int]] | None]:
+        """Each entry's TP channel split ``(channels per rank, outer rows, shard groups)``
+        (``None``: none)."""
     def fingerprint(self) -> int:
         """XXH3-64 of ``to_bytes()``: equal on two peers exactly when their layouts agree.
 

@@ -79,7 +79,8 @@ def test_opted_in_every_manager_class_sglang_imports_gets_kvplan(value: str) -> 
     assert "SGLangInstallFinder" in got["started"]["hooks"], got
     assert got["started"]["sglang"] is False, got
     assert got["mooncake"] == ["_send_kvcache_generic", "send_kvcache", "_send_mamba_state",
-                               "send_kvcache_slice", "send_kvcache_dcp", "send_kvcache_staged"]
+                               "_send_mamba_state_slice", "send_kvcache_slice", "send_kvcache_dcp",
+                               "send_kvcache_staged"]
     assert got["ascend"] == ["_send_kvcache_generic", "send_kvcache", "_send_mamba_state"]
     assert got["on_error"] == "status"
 
@@ -234,4 +235,4 @@ print(json.dumps({"same": first is second, "hooks": hooks,
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
                          stdout=subprocess.PIPE, text=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == {"same": True, "hooks": 1, "left": 0,
-                                                        "mooncake": 6}
+                                                        "mooncake": 7}

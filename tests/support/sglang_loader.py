@@ -657,6 +657,7 @@ def verify_closure(sg: SGLang) -> list[str]:
         sg.MooncakeKVManager.send_kvcache,
         sg.MooncakeKVManager.send_kvcache_dcp,  # and build_dcp_token_transfer_plan
         sg.MooncakeKVManager._send_mamba_state,
+        sg.MooncakeKVManager._send_mamba_state_slice,  # and compute_mamba_state_slice_*
         sg.MooncakeKVManager._validate_envelope_kv_layout,
         sg.MooncakeKVManager._await_transfer_futures,
         sg.AscendKVManager.send_kvcache,

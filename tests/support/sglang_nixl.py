@@ -60,6 +60,7 @@ def load_nixl(sg: Any) -> types.ModuleType:
 
 #: The NIXL manager's methods the tests run (and kvplan replaces or keeps).
 RUN_METHODS = ("_send_kvcache_generic", "send_kvcache", "send_kvcache_dcp", "_send_mamba_state",
+               "_send_mamba_state_slice",
                "_prep_equal_tp_dlist", "_prep_xfer_dlist", "_pack_stride_descs",
                "_expand_stride_descs", "_init_hetero_tp_prep_handle", "send_kvcache_slice",
                "_post_xfer")

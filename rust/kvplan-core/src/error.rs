@@ -841,6 +841,18 @@ pub enum HeadProblem {
         /// The entry's item size in bytes.
         have: u64,
     },
+    /// The two sides' TP channel splits of a state pair cannot be bridged.
+    #[error(
+        "state channel splits differ in {what} (prefill {src}, decode {dst}); a state slot is re-sliced only between splits of the same channels, rows and bytes per channel"
+    )]
+    StateSplit {
+        /// What differs (for example "outer rows").
+        what: &'static str,
+        /// The prefill value.
+        src: String,
+        /// The decode value.
+        dst: String,
+    },
     /// State items neither equal (replicated) nor in the TP ratio (sharded).
     #[error(
         "state item lengths prefill {src_item} bytes at TP {tp_p}, decode {dst_item} bytes at TP {tp_d}: neither equal (a replicated state) nor in the TP ratio ({src_item} × {tp_p} = {dst_item} × {tp_d} for a state sharded over TP)"

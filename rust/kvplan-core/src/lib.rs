@@ -50,7 +50,8 @@
 //!    1. `pairing` (entries by layer id), `capabilities` (what each planner supports),
 //!       `manifest` (a model's components against a layout).
 //!    2. `dcp` (the dealt token map), `heads` (TP head slicing).
-//!    3. `check` (every rule).
+//!    3. `state_split` (a state slot re-sliced over TP channel splits).
+//!    4. `check` (every rule).
 //! 5. `exchange/` (what leaves the planner):
 //!    1. `local` (plans on CPU byte slices), `wire` (the binary layout encoding).
 //!    2. `digest` (fingerprints and digests), `identity` (the address-free identity of a
@@ -108,7 +109,9 @@ pub use model::request::{Indices, PoolLists, Request};
 pub use model::runs::{
     IndexLimits, PageIndex, RunRule, RunScan, group_contiguous, reverse_descending_runs, scan_runs,
 };
-pub use peer::entry::{Entry, EntryKind, Indexing, POOLS, Pool, PoolId};
+pub use peer::entry::{
+    Entry, EntryKind, Indexing, MAX_SHARD_GROUPS, POOLS, Pool, PoolId, StateChannels,
+};
 pub use peer::kv_format::{KvDtype, MX_BLOCK, Representation, ScaleFormat, ScaleLayout};
 pub use peer::layout::{
     AttentionGeometry, Layout, LayoutContext, LayoutParts, MHA_ROLES, MemoryOrder,

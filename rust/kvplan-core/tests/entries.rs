@@ -52,7 +52,10 @@ fn each_entry_carries_its_window_pool_or_ring_in_its_kind() {
                 pool: PoolId::WINDOW,
                 window: Some(6)
             },
-            EntryKind::State { ring: Some(3) },
+            EntryKind::State {
+                ring: Some(3),
+                channels: None,
+            },
         ]
     );
     assert_eq!(

@@ -7,7 +7,8 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::to_py_err;
 use crate::layout_args::{
-    ItemLens, registered, representations_arg, rings_arg, strided, strided_tail, windows_arg,
+    ItemLens, registered, representations_arg, rings_arg, state_channels_arg, strided,
+    strided_tail, windows_arg,
 };
 use crate::layout_dict::{from_bytes, from_dict, to_dict};
 use crate::layout_entry::{PyLayoutEntry, describe, entry_roles, kind_names, representation_texts};
@@ -324,8 +325,10 @@ impl PyLayout {
         strided_tail(&self.inner, layout, strides).map(Self::from)
     }
 
-    /// A new layout with per-request state entries appended (kind "state", role = name).
-    #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids, *, strides=None))]
+    /// A new layout with per-request state entries appended (kind "state", role = name); with
+    /// `channels`, each new entry's TP channel split (`outer_rows`, `shard_groups` per entry).
+    #[pyo3(signature = (name, data_ptrs, data_lens, item_lens, layer_ids, *, strides=None, channels=None, outer_rows=None, shard_groups=None))]
+    #[allow(clippy::too_many_arguments)]
     fn with_state(
         &self,
         name: &str,
@@ -334,12 +337,35 @@ impl PyLayout {
         item_lens: ItemLens,
         layer_ids: Vec<i64>,
         strides: Option<&Bound<'_, PyAny>>,
+        channels: Option<&Bound<'_, PyAny>>,
+        outer_rows: Option<&Bound<'_, PyAny>>,
+        shard_groups: Option<Vec<Option<Vec<u64>>>>,
     ) -> PyResult<Self> {
         let n = data_ptrs.len();
         let layout =
             self.inner
                 .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids);
-        strided_tail(&self.inner, layout, strides).map(Self::from)
+        let layout = strided_tail(&self.inner, layout, strides)?;
+        let splits = state_channels_arg(n, channels, outer_rows, shard_groups)?;
+        if splits.is_empty() {
+            return Ok(Self::from(layout));
+        }
+        let mut all = layout.state_channels();
+        let before = self.inner.n_entries();
+        all.truncate(before);
+        all.extend(splits);
+        wrap(layout.with_state_channels(all))
+    }
+
+    /// Each entry's TP channel split, `(channels per rank, outer rows, shard groups)` (`None`:
+    /// none; 0 channels: replicated).
+    #[getter]
+    fn state_channels(&self) -> Vec<Option<(u64, u64, Vec<u64>)>> {
+        self.inner
+            .state_channels()
+            .into_iter()
+            .map(|s| s.map(|s| (s.channels, s.outer_rows, s.groups().to_vec())))
+            .collect()
     }
 
     /// XXH3-64 of the layout's wire encoding: equal on two peers exactly when they agree on

@@ -284,3 +284,65 @@ pub(crate) fn representations_arg(
     }
     Ok(list)
 }
+
+/// One int per entry, or one int for all `n`: `channels=` and `outer_rows=` of `with_state`.
+fn per_entry_counts(name: &'static str, n: usize, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(one) = value.extract::<u64>() {
+        return Ok(vec![one; n]);
+    }
+    if let Ok(many) = value.extract::<Vec<u64>>() {
+        return Ok(many);
+    }
+    Err(PyTypeError::new_err(format!(
+        "{name} must be a non-negative int below 2**64 or a sequence of them, got {}",
+        value.repr()?
+    )))
+}
+
+/// `with_state(..., channels=, outer_rows=, shard_groups=)`: one TP channel split per new
+/// entry (empty when `channels` is not given), checked by the core.
+pub(crate) fn state_channels_arg(
+    n: usize,
+    channels: Option<&Bound<'_, PyAny>>,
+    outer_rows: Option<&Bound<'_, PyAny>>,
+    shard_groups: Option<Vec<Option<Vec<u64>>>>,
+) -> PyResult<Vec<Option<kvplan_core::StateChannels>>> {
+    let Some(channels) = channels else {
+        if outer_rows.is_some() || shard_groups.is_some() {
+            return Err(PyTypeError::new_err(
+                "outer_rows and shard_groups describe a TP channel split: give channels too",
+            ));
+        }
+        return Ok(Vec::new());
+    };
+    let channels = per_entry_counts("channels", n, channels)?;
+    let rows = match outer_rows {
+        Some(rows) => per_entry_counts("outer_rows", n, rows)?,
+        None => vec![1; n],
+    };
+    let groups = shard_groups.unwrap_or_else(|| vec![None; n]);
+    for (name, len) in [
+        ("channels", channels.len()),
+        ("outer_rows", rows.len()),
+        ("shard_groups", groups.len()),
+    ] {
+        if len != n {
+            let field = name;
+            return Err(to_py_err(kvplan_core::PlanError::ListLength {
+                field,
+                len,
+                expected: n,
+            }));
+        }
+    }
+    channels
+        .into_iter()
+        .zip(rows)
+        .zip(groups)
+        .map(|((c, r), g)| {
+            kvplan_core::StateChannels::new(c, r, g.as_deref().unwrap_or(&[]))
+                .map(Some)
+                .map_err(to_py_err)
+        })
+        .collect()
+}

@@ -54,6 +54,14 @@ pub(crate) fn to_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bound<'
     if layout.has_representations() {
         dict.set_item("representations", representation_texts(layout))?;
     }
+    if layout.entries().iter().any(|e| e.channels().is_some()) {
+        let splits: Vec<Option<(u64, u64, Vec<u64>)>> = layout
+            .state_channels()
+            .into_iter()
+            .map(|s| s.map(|s| (s.channels, s.outer_rows, s.groups().to_vec())))
+            .collect();
+        dict.set_item("state_channels", splits)?;
+    }
     dict.set_item("page_size", ctx.page_size)?;
     dict.set_item("device", &ctx.device)?;
     dict.set_item("num_model_layers", ctx.num_model_layers)?;
@@ -129,6 +137,25 @@ pub(crate) fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Layout> {
     };
     let rings = optional("rings")?;
     let representations = optional("representations")?;
+    let state_channels = match optional("state_channels")? {
+        Some(v) if !v.is_none() => {
+            let list: Vec<Option<(u64, u64, Vec<u64>)>> = v.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "state_channels must be a list of [channels, outer_rows, [shard groups]] or \
+                     null per entry, got {}",
+                    v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                ))
+            })?;
+            list.into_iter()
+                .map(|s| {
+                    s.map(|(c, r, g)| kvplan_core::StateChannels::new(c, r, &g))
+                        .transpose()
+                })
+                .collect::<kvplan_core::Result<Vec<_>>>()
+                .map_err(to_py_err)?
+        }
+        _ => Vec::new(),
+    };
     let pools = match optional("pools")? {
         Some(v) if !v.is_none() => {
             let bad = || {
@@ -199,6 +226,11 @@ pub(crate) fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Layout> {
             .try_fold(layout, |layout, (page_size, per_row, entries)| {
                 layout.with_pool(&entries, page_size, per_row)
             })
+            .map_err(to_py_err)
+    })
+    .and_then(|layout| {
+        layout
+            .with_state_channels(state_channels)
             .map_err(to_py_err)
     })
 }

@@ -24,6 +24,10 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   PP 1 pairs entry ``i`` with decode entry ``i``. HiSparse raises ``NotImplementedError`` as SGLang.
 * ``_send_mamba_state``: state entries paired by layer id (positional fallback at PP 1), one
   block per pair from ``Template.plan_state``; SGLang's slot-size check kept.
+* ``MooncakeKVManager._send_mamba_state_slice`` (attention TP sizes differ): state entries with
+  a TP channel split on both sides (``Layout.with_state(channels=...)``) from SGLang's
+  per-tensor dims, outer row counts and conv shard groups; the core plans the bytes of the
+  decode rank's slot this prefill rank holds (a replicated state from one elected writer).
 * ``MooncakeKVManager.send_kvcache_slice`` (prefill and decode attention TP sizes differ, MHA):
   a head-sliced ``kvplan.Template`` (NHD items; total KV heads, heads per rank, head bytes,
   page size and both TP sizes and ranks as SGLang derives them) per decode peer, one block per
@@ -51,14 +55,15 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   and hands the blocks to the NIXL agent as SGLang's descriptor arrays; the manager's own KV
   buffers pair by the layer ids both peers registered. The prepared lists
   (``_prep_equal_tp_dlist``, ``_init_hetero_tp_prep_handle``) are one strided row per entry
-  (pair) from a layout or the head-sliced template; ``_send_mamba_state`` one block per pair.
+  (pair) from a layout or the head-sliced template; ``_send_mamba_state`` one block per pair,
+  ``_send_mamba_state_slice`` the slices of the Mooncake drop-in's TP-split state template.
   ``send_kvcache_staged`` at prefill PP 1 plans as the Mooncake manager's staged path does
   and posts its network blocks as NIXL descriptors (prefill PP goes to SGLang's own method).
   The prepared per-request path (``send_kvcache_mixed``'s indices), ``send_kvcache_slice``'s
-  indices and ``_send_mamba_state_slice`` stay SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
+  indices stay SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
   ``kvplan.IncompatibleHostError`` before anything is replaced.
 
-Everything else (``_send_mamba_state_slice``,
+Everything else (the
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.
 
 SGLang's seams are kept: each drop-in calls what SGLang's method calls on ``self`` at that

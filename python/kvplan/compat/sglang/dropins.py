@@ -1,7 +1,7 @@
 """The drop-in methods with SGLang 0.5.23's signatures: Mooncake's ``_send_kvcache_generic``
-and ``send_kvcache``, Ascend's ``send_kvcache``, ``send_kvcache_slice`` and
-``_send_mamba_state``. Each keeps SGLang's dispatch, plans with a cached template and submits;
-anything kvplan does not plan goes to SGLang's own method."""
+and ``send_kvcache``, Ascend's ``send_kvcache``, ``send_kvcache_slice``, ``_send_mamba_state``
+and ``_send_mamba_state_slice``. Each keeps SGLang's dispatch, plans with a cached template
+and submits; anything kvplan does not plan goes to SGLang's own method."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from kvplan.compat.sglang.submit import (
 )
 from kvplan.compat.sglang.templates import (
     _ids_template,
+    _mamba_slice_template,
     _mamba_template,
     _page_arrays,
     _positional_template,
@@ -385,6 +386,46 @@ def _send_mamba_state(
     session, template = _mamba_template(self, req, src_state_data_ptrs, src_state_item_lens,
                                         dst_state_data_ptrs, src_layer_ids, dst_layer_ids,
                                         dst_state_item_lens)
+    plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
+                                               int(dst_mamba_index[0])))
+    return send_all(self, session, plan)
+
+
+def _send_mamba_state_slice(
+    self: Any,
+    req: Any,
+    prefill_mamba_index: list[Any],
+    src_state_data_ptrs: list[int],
+    src_state_item_lens: list[int],
+    src_state_dim_per_tensor: list[int],
+    dst_state_data_ptrs: list[int],
+    dst_mamba_index: list[Any],
+    dst_state_item_lens: list[int],
+    dst_state_dim_per_tensor: list[int],
+    dst_tp_rank: int,
+    dst_attn_tp_size: int,
+    src_state_conv_shard_groups: list[Any] | None = None,
+    src_state_slice_outer_counts: list[int] | None = None,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+) -> int:
+    """kvplan's ``MooncakeKVManager._send_mamba_state_slice`` (SGLang 0.5.23 signature): the
+    state slot of each pair re-sliced between the two attention TP sizes by kvplan's state
+    template (TP channel splits), one ``_transfer_data`` call's worth of blocks; without
+    per-tensor dims on either side, ``self._send_mamba_state`` as SGLang calls it."""
+    assert len(prefill_mamba_index) == 1, "Mamba should have single state index"
+    if not src_state_dim_per_tensor or not dst_state_dim_per_tensor:
+        return int(self._send_mamba_state(
+            req, prefill_mamba_index, src_state_data_ptrs, src_state_item_lens,
+            dst_state_data_ptrs, dst_mamba_index, src_layer_ids, dst_layer_ids,
+            dst_state_item_lens))
+    tp = (int(self.state_tp_size), int(self.kv_args.engine_rank) % int(self.state_tp_size),
+          int(dst_attn_tp_size), int(dst_tp_rank) % int(dst_attn_tp_size))
+    session = req.mooncake_session_id
+    template = _mamba_slice_template(
+        self, session, src_state_data_ptrs, src_state_item_lens, src_state_dim_per_tensor,
+        dst_state_data_ptrs, dst_state_item_lens, dst_state_dim_per_tensor, tp,
+        src_state_conv_shard_groups, src_state_slice_outer_counts, src_layer_ids, dst_layer_ids)
     plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
                                                int(dst_mamba_index[0])))
     return send_all(self, session, plan)

@@ -16,6 +16,7 @@ from kvplan.compat.sglang.dcp import send_kvcache_dcp
 from kvplan.compat.sglang.dropins import (
     _send_kvcache_generic,
     _send_mamba_state,
+    _send_mamba_state_slice,
     ascend_send_kvcache,
     send_kvcache,
     send_kvcache_slice,
@@ -66,6 +67,7 @@ _DROPINS: dict[str, Callable[..., int]] = {
     "_send_kvcache_generic": _dropin(_reporting(_send_kvcache_generic)),
     "send_kvcache": _dropin(_reporting(send_kvcache)),
     "_send_mamba_state": _dropin(_reporting(_send_mamba_state)),
+    "_send_mamba_state_slice": _dropin(_reporting(_send_mamba_state_slice)),
     "send_kvcache_slice": _dropin(_reporting(send_kvcache_slice)),
     "send_kvcache_dcp": _dropin(_reporting(send_kvcache_dcp)),
     "send_kvcache_staged": _dropin(_reporting(send_kvcache_staged)),

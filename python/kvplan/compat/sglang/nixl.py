@@ -25,15 +25,17 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
   (``Template.plan_state``), entries with a zero length or a null pointer skipped as SGLang
   skips them; descriptors as above.
 
+* ``_send_mamba_state_slice`` (attention TP sizes differ): the Mooncake drop-in's state
+  template with TP channel splits, pairs with a zero length or a null pointer skipped as
+  SGLang skips them; descriptors as above.
+
 * ``send_kvcache_staged`` at prefill PP 1: the Mooncake drop-in's staged template; SGLang's
   gather kernel fills the staging buffer and the plan's network blocks are posted.
 
 ``send_kvcache`` and ``send_kvcache_dcp`` stay SGLang's: they only dispatch to
 ``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_mixed`` and
 ``send_kvcache_slice`` stay SGLang's: per request they only index the prepared lists kvplan
-built. ``_send_mamba_state_slice`` stays SGLang's: its slices are a TP split of a state's
-channels, which kvplan's core does not model for state entries, and the adapter does not derive
-head splits of its own (it calls ``self._send_mamba_state`` when there is nothing to slice).
+built.
 
 Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
 writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
@@ -64,6 +66,7 @@ from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.templates import (
     _dst_item_lens,
     _ids_template,
+    _mamba_slice_template,
     _page_arrays,
     _positional_template,
     _slice_geometry,
@@ -88,6 +91,13 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "dst_state_data_ptrs, dst_state_indices, dst_gpu_id, src_layer_ids=None, "
         "dst_layer_ids=None)": "SGLang 0.5.23",
     },
+    "_send_mamba_state_slice": {
+        "(self, peer_name, prefill_state_indices, src_state_data_ptrs, src_state_item_lens, "
+        "src_state_dim_per_tensor, dst_state_data_ptrs, dst_state_indices, "
+        "dst_state_item_lens, dst_state_dim_per_tensor, dst_gpu_id, decode_tp_size, "
+        "decode_tp_rank, src_state_conv_shard_groups=None, src_state_slice_outer_counts=None, "
+        "src_layer_ids=None, dst_layer_ids=None)": "SGLang 0.5.23",
+    },
     "send_kvcache_staged": {
         "(self, peer_name, prefill_kv_indices, dst_staging_ptr, dst_staging_size, dst_gpu_id, "
         "dst_tp_rank, dst_attn_tp_size, dst_kv_item_len, staging_buffer=None)": "SGLang 0.5.23",
@@ -108,6 +118,8 @@ READS: dict[str, tuple[str, ...]] = {
     "_send_kvcache_generic": ("prep_handles", "get_xfer_descs", "initialize_xfer",
                               "_post_xfer", "_nixl_device_id", "is_mla_backend"),
     "_send_mamba_state": ("get_xfer_descs", "initialize_xfer", "_post_xfer"),
+    "_send_mamba_state_slice": ("_send_mamba_state", "state_tp_size", "engine_rank",
+                                "get_xfer_descs", "initialize_xfer", "_post_xfer"),
     "send_kvcache_staged": ("kv_buffer_tensors", "attn_tp_size", "get_xfer_descs",
                             "initialize_xfer", "_post_xfer", "engine_rank"),
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
@@ -331,6 +343,50 @@ def _send_mamba_state(
                                                int(dst_state_indices[0])))
     return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
                  "Failed to create Mamba state transfer", "Failed to post Mamba state transfer")
+
+
+def _send_mamba_state_slice(
+    self: Any,
+    peer_name: str,
+    prefill_state_indices: list[int],
+    src_state_data_ptrs: list[int],
+    src_state_item_lens: list[int],
+    src_state_dim_per_tensor: list[int],
+    dst_state_data_ptrs: list[int],
+    dst_state_indices: list[int],
+    dst_state_item_lens: list[int],
+    dst_state_dim_per_tensor: list[int],
+    dst_gpu_id: int,
+    decode_tp_size: int,
+    decode_tp_rank: int,
+    src_state_conv_shard_groups: list[Any] | None = None,
+    src_state_slice_outer_counts: list[int] | None = None,
+    src_layer_ids: list[int] | None = None,
+    dst_layer_ids: list[int] | None = None,
+) -> Any:
+    """kvplan's ``NixlKVManager._send_mamba_state_slice`` (SGLang 0.5.23 signature): the
+    Mooncake drop-in's state template with TP channel splits (cached per peer), pairs with a
+    zero source length or a null pointer skipped as SGLang skips them; descriptors as for
+    ``_send_mamba_state``. Without per-tensor dims on either side, ``self._send_mamba_state``
+    as SGLang calls it."""
+    assert len(prefill_state_indices) == 1, "Mamba should have single state index"
+    if not src_state_dim_per_tensor or not dst_state_dim_per_tensor:
+        return self._send_mamba_state(
+            peer_name, prefill_state_indices, src_state_data_ptrs, src_state_item_lens,
+            dst_state_data_ptrs, dst_state_indices, dst_gpu_id, src_layer_ids=src_layer_ids,
+            dst_layer_ids=dst_layer_ids)
+    tp = (int(self.state_tp_size), int(self.kv_args.engine_rank) % int(self.state_tp_size),
+          int(decode_tp_size), int(decode_tp_rank) % int(decode_tp_size))
+    template = _mamba_slice_template(
+        self, peer_name, src_state_data_ptrs, src_state_item_lens, src_state_dim_per_tensor,
+        dst_state_data_ptrs, dst_state_item_lens, dst_state_dim_per_tensor, tp,
+        src_state_conv_shard_groups, src_state_slice_outer_counts, src_layer_ids, dst_layer_ids,
+        skip_empty=True)
+    plan = planned(lambda: template.plan_state(int(prefill_state_indices[0]),
+                                               int(dst_state_indices[0])))
+    return _post(self, peer_name, plan, "VRAM", "VRAM", dst_gpu_id,
+                 "Failed to create Mamba state slice transfer",
+                 "Failed to post Mamba state slice transfer")
 
 
 def send_kvcache_staged(

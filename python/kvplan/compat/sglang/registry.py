@@ -17,9 +17,11 @@ NIXL_MANAGER = "NixlKVManager"
 #: gets the set of its nearest listed base).
 REPLACED_METHODS: dict[str, tuple[str, ...]] = {
     "MooncakeKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state",
-                          "send_kvcache_slice", "send_kvcache_dcp", "send_kvcache_staged"),
+                          "_send_mamba_state_slice", "send_kvcache_slice", "send_kvcache_dcp",
+                          "send_kvcache_staged"),
     "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
-    "NixlKVManager": ("_send_kvcache_generic", "_send_mamba_state", "send_kvcache_staged",
+    "NixlKVManager": ("_send_kvcache_generic", "_send_mamba_state", "_send_mamba_state_slice",
+                      "send_kvcache_staged",
                       "_prep_equal_tp_dlist", "_init_hetero_tp_prep_handle"),
 }
 

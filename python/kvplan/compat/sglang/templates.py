@@ -401,3 +401,54 @@ def _mamba_template(manager: Any, req: Any, src_state_data_ptrs: Sequence[int],
 
     session = req.mooncake_session_id
     return session, cast(Template, template_cache(manager).get(session, "mamba", inputs, build))
+
+
+def _mamba_slice_template(manager: Any, session: str, src_state_data_ptrs: Sequence[int],
+                          src_state_item_lens: Sequence[int], src_dims: Sequence[int],
+                          dst_state_data_ptrs: Sequence[int], dst_state_item_lens: Sequence[int],
+                          dst_dims: Sequence[int], tp: tuple[int, int, int, int],
+                          conv_shard_groups: Sequence[Any] | None,
+                          outer_counts: Sequence[int] | None,
+                          src_layer_ids: Sequence[int] | None,
+                          dst_layer_ids: Sequence[int] | None, *,
+                          skip_empty: bool = False) -> Template:
+    """The state template of one ``_send_mamba_state_slice`` call (cached per decode peer,
+    ``session``): the state pairs SGLang pairs (by layer id, positional at PP 1), each a state
+    entry with its TP channel split on both sides (``Layout.with_state(channels=...)``: the
+    per-rank dims both peers published, the source's outer row count and shard groups, which
+    describe the model and so both sides), at ``tp = (prefill TP, prefill rank, decode TP,
+    decode rank)``. With ``skip_empty`` (NIXL's method) a pair with a zero source length or a
+    null pointer on either side moves nothing, as SGLang skips it. The core checks the two
+    splits and plans the byte slices."""
+    src_ptrs, dst_ptrs = [int(p) for p in src_state_data_ptrs], [int(p) for p in dst_state_data_ptrs]
+    fallback = manager.pp_size == 1
+    groups = [None if g is None else [int(x) for x in g] for g in (conv_shard_groups or [])]
+    outers = [int(x) for x in (outer_counts or [])]
+    inputs = (src_ptrs, dst_ptrs, list(src_state_item_lens), list(dst_state_item_lens),
+              list(src_dims), list(dst_dims), tp, groups, outers, published_ids(src_layer_ids),
+              published_ids(dst_layer_ids), fallback, skip_empty)
+
+    def build() -> Template:
+        pairs = [(i, j) for i, j in _core.pair_entries(
+            published_ids(src_layer_ids), published_ids(dst_layer_ids), len(src_ptrs),
+            len(dst_ptrs), fallback).tolist()
+                 if not skip_empty or (int(src_state_item_lens[i]) and src_ptrs[i] and dst_ptrs[j])]
+        src_lens = _state_lens(getattr(manager, "kv_args", None), src_ptrs)
+        src_tp, src_rank, dst_tp, dst_rank = tp
+        # One state entry per pair on each side, pair k with pair k.
+        keys = list(range(len(pairs)))
+        split_groups = [groups[i] if i < len(groups) else None for i, _ in pairs]
+        rows = [outers[i] if i < len(outers) else 1 for i, _ in pairs]
+        src = Layout([], [], [], tp_size=src_tp, tp_rank=src_rank).with_state(
+            "mamba", [src_ptrs[i] for i, _ in pairs], [src_lens[i] for i, _ in pairs],
+            [int(src_state_item_lens[i]) for i, _ in pairs], keys,
+            channels=[int(src_dims[i]) for i, _ in pairs], outer_rows=rows,
+            shard_groups=split_groups)
+        dst = Layout([], [], [], tp_size=dst_tp, tp_rank=dst_rank).with_state(
+            "mamba", [dst_ptrs[j] for _, j in pairs], unbounded_lens([dst_ptrs[j] for _, j in pairs]),
+            [int(dst_state_item_lens[j]) for _, j in pairs], keys,
+            channels=[int(dst_dims[j]) for _, j in pairs], outer_rows=rows,
+            shard_groups=split_groups)
+        return Template(src, dst, Pairing.by_layer_id())
+
+    return cast(Template, template_cache(manager).get(session, "mamba-slice", inputs, build))

@@ -290,9 +290,25 @@ fn shape_encoding(out: &mut Vec<u8>, entry: &Entry) {
             uvarint(out, u64::from(pool.0));
             option(out, window);
         }
-        EntryKind::State { ring } => {
+        EntryKind::State {
+            ring,
+            channels: None,
+        } => {
             out.push(1);
             option(out, ring);
+        }
+        // A TP channel split is part of the shape: its own kind byte, so that the encoding of
+        // a state entry without one is unchanged.
+        EntryKind::State {
+            ring,
+            channels: Some(split),
+        } => {
+            out.push(2);
+            option(out, ring);
+            uvarint(out, split.channels);
+            uvarint(out, split.outer_rows);
+            uvarint(out, split.groups().len() as u64);
+            split.groups().iter().for_each(|&g| uvarint(out, g));
         }
     }
     text(out, &entry.role);

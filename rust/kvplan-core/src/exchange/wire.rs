@@ -84,6 +84,11 @@ pub const EXT_POOLS: u16 = 0x8007;
 /// Entry extension: the pool of a page entry outside the request's pages (u8, an id of the
 /// pool table). Must be understood, as [`EXT_POOLS`].
 pub const EXT_POOL: u16 = 0x8008;
+/// Entry extension: the state entry's TP channel split ([`crate::peer::entry::StateChannels`]: channels
+/// per rank u64, outer rows u64, then each shard group's channel count u64). Must be
+/// understood: a reader that ignored it would move the whole slot where only a slice is this
+/// rank pair's.
+pub const EXT_STATE_CHANNELS: u16 = 0x8009;
 /// Bytes of one pool table record.
 pub const POOL_RECORD_LEN: usize = 1 + 8 + 8;
 /// Payload of [`EXT_DCP`]: size u32, rank u32, interleave u64.
@@ -183,8 +188,10 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
             (EXT_REPRESENTATION, e.format.map(|r| r.to_code())),
         ];
         let member = e.pool().filter(|p| table.is_some() && *p != PoolId::PAGES);
+        let split = e.channels();
         let count = extensions.iter().filter(|(_, v)| v.is_some()).count() as u16
-            + u16::from(member.is_some());
+            + u16::from(member.is_some())
+            + u16::from(split.is_some());
         out.extend_from_slice(&count.to_le_bytes());
         for (tag, value) in extensions {
             if let Some(value) = value {
@@ -197,6 +204,16 @@ pub fn encode(layout: &Layout) -> Result<Vec<u8>> {
             out.extend_from_slice(&EXT_POOL.to_le_bytes());
             out.extend_from_slice(&1u16.to_le_bytes());
             out.push(pool.0);
+        }
+        if let Some(split) = split {
+            out.extend_from_slice(&EXT_STATE_CHANNELS.to_le_bytes());
+            // At most MAX_SHARD_GROUPS + 2 values of 8 bytes: the length fits a u16.
+            out.extend_from_slice(&(((split.groups().len() + 2) * 8) as u16).to_le_bytes());
+            out.extend_from_slice(&split.channels.to_le_bytes());
+            out.extend_from_slice(&split.outer_rows.to_le_bytes());
+            for g in split.groups() {
+                out.extend_from_slice(&g.to_le_bytes());
+            }
         }
     }
     let crc = crc32(&out);
@@ -385,6 +402,8 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
     let mut windows: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
     let mut representations: Vec<Option<crate::peer::kv_format::Representation>> = Vec::new();
     let mut rings: Vec<Option<u64>> = Vec::with_capacity(if v2 { n } else { 0 });
+    let mut splits: Vec<Option<crate::peer::entry::StateChannels>> =
+        Vec::with_capacity(if v2 { n } else { 0 });
     let mut parts = LayoutParts {
         data_ptrs: Vec::with_capacity(n),
         data_lens: Vec::with_capacity(n),
@@ -429,10 +448,15 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         parts.roles.push(reader.string()?);
         if v2 {
             let (mut window, mut ring, mut repr, mut member) = (None, None, None, None);
+            let mut split = None;
             let entry = windows.len();
             reader.extensions("an entry", |tag, payload| {
                 if tag == EXT_POOL {
                     member = Some(decode_member(entry, payload, table.as_deref())?);
+                    return Ok(true);
+                }
+                if tag == EXT_STATE_CHANNELS {
+                    split = Some(decode_state_channels(entry, payload)?);
                     return Ok(true);
                 }
                 let (slot, what) = match tag {
@@ -455,6 +479,7 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
             }
             windows.push(window);
             rings.push(ring);
+            splits.push(split);
             let entry = representations.len();
             representations.push(
                 repr.map(|code| {
@@ -480,11 +505,35 @@ pub fn decode(data: &[u8]) -> Result<Layout> {
         None => layout.with_windows_in_pool(windows, window_pool)?,
     }
     .with_rings(rings)?
+    .with_state_channels(if splits.iter().any(Option::is_some) {
+        splits
+    } else {
+        Vec::new()
+    })?
     .with_representations(if representations.iter().any(Option::is_some) {
         representations
     } else {
         Vec::new()
     })
+}
+
+/// The TP channel split an entry's extension holds: channels, rows, then the shard groups.
+fn decode_state_channels(
+    entry: usize,
+    payload: &[u8],
+) -> Result<crate::peer::entry::StateChannels> {
+    if !payload.len().is_multiple_of(8) || payload.len() < 16 {
+        return Err(wire_error(format!(
+            "entry {entry}: a state channel split extension holds {} bytes; it must hold 8 × \
+             (2 + shard groups)",
+            payload.len()
+        )));
+    }
+    let values: Vec<u64> = payload
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect();
+    crate::peer::entry::StateChannels::new(values[0], values[1], &values[2..])
 }
 
 /// The pool an entry's pool extension names: one byte, a pool of the table.

@@ -79,7 +79,80 @@ pub enum EntryKind {
     State {
         /// Rows per request slot of a ring-state entry (`None`: one whole slot).
         ring: Option<u64>,
+        /// How a slot's channels are split over the layout's TP ranks (`None`: the slot is
+        /// moved whole, or sliced by the layouts' attention geometry).
+        channels: Option<StateChannels>,
     },
+}
+
+/// The most sub-blocks ([`StateChannels::groups`]) a TP-split state entry can have.
+pub const MAX_SHARD_GROUPS: usize = 4;
+
+/// How one state slot's bytes follow the TP split of its channels: a slot is `outer_rows`
+/// rows, each of this rank's `channels` channels of the same number of bytes. The model's
+/// channels are cut into sub-blocks (`groups`, channel counts at TP 1; one sub-block of
+/// `channels × tp_size` when none are given), each split evenly over the TP ranks on its own:
+/// rank `r` holds channels `r·G/tp .. (r+1)·G/tp` of a sub-block of `G`, and a row stores the
+/// rank's share of each sub-block in order. `channels == 0` marks a state replicated on every
+/// rank: its whole slot moves, from one elected prefill rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StateChannels {
+    /// Channels per rank in a row (0: replicated).
+    pub channels: u64,
+    /// Rows per slot (a Kimi conv state keeps one row per convolution tap: K - 1).
+    pub outer_rows: u64,
+    groups: [u64; MAX_SHARD_GROUPS],
+    n_groups: u8,
+}
+
+impl StateChannels {
+    /// A split of `channels` channels per rank in `outer_rows` rows, with sub-blocks `groups`
+    /// (channel counts at TP 1; empty: one sub-block).
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] for 0 rows, more than [`MAX_SHARD_GROUPS`] sub-blocks, a
+    /// sub-block of 0 channels, or sub-blocks on a replicated state.
+    pub fn new(channels: u64, outer_rows: u64, groups: &[u64]) -> Result<Self> {
+        let bad = |what: String| Err(PlanError::InvalidLayout { what });
+        if outer_rows == 0 {
+            return bad("a state channel split needs at least 1 outer row, got 0".into());
+        }
+        if groups.len() > MAX_SHARD_GROUPS {
+            return bad(format!(
+                "a state channel split has at most {MAX_SHARD_GROUPS} shard groups, got {} \
+                 ({groups:?})",
+                groups.len()
+            ));
+        }
+        if groups.contains(&0) {
+            return bad(format!(
+                "shard groups must be positive channel counts, got {groups:?}"
+            ));
+        }
+        if channels == 0 && !groups.is_empty() {
+            return bad(format!(
+                "a replicated state (0 channels per rank) has no shard groups, got {groups:?}"
+            ));
+        }
+        let mut out = Self {
+            channels,
+            outer_rows,
+            groups: [0; MAX_SHARD_GROUPS],
+            n_groups: groups.len() as u8,
+        };
+        out.groups[..groups.len()].copy_from_slice(groups);
+        Ok(out)
+    }
+
+    /// The sub-blocks' channel counts at TP 1 (empty: one sub-block).
+    pub fn groups(&self) -> &[u64] {
+        &self.groups[..usize::from(self.n_groups)]
+    }
+
+    /// Whether the state is replicated on every rank (0 channels per rank).
+    pub fn replicated(&self) -> bool {
+        self.channels == 0
+    }
 }
 
 impl EntryKind {
@@ -90,7 +163,10 @@ impl EntryKind {
     };
 
     /// A whole-slot state entry.
-    pub const STATE: EntryKind = EntryKind::State { ring: None };
+    pub const STATE: EntryKind = EntryKind::State {
+        ring: None,
+        channels: None,
+    };
 
     /// Page or state, without the per-kind fields.
     pub fn indexing(self) -> Indexing {
@@ -187,7 +263,15 @@ impl Entry {
     /// Its rows per request slot (`None`: not a ring, or a page entry).
     pub fn ring(&self) -> Option<u64> {
         match self.kind {
-            EntryKind::State { ring } => ring,
+            EntryKind::State { ring, .. } => ring,
+            EntryKind::Page { .. } => None,
+        }
+    }
+
+    /// Its TP channel split (`None`: none, or a page entry).
+    pub fn channels(&self) -> Option<StateChannels> {
+        match self.kind {
+            EntryKind::State { channels, .. } => channels,
             EntryKind::Page { .. } => None,
         }
     }

@@ -26,8 +26,9 @@ pub struct BlockAccounting {
     token_classes: Vec<[usize; TOKEN_CLASSES]>,
     /// Per group, the bytes its token pieces of each lane move per token.
     token_lane_bytes: Vec<[u64; MAX_LANES]>,
-    /// Per state pair, the bytes it moves per slot (0: elided, it owns no block).
-    state_lens: Vec<u64>,
+    /// Per state pair, the blocks and bytes it moves per slot (0 bytes: elided or not this
+    /// rank pair's, it owns no block; several blocks: the slices of a TP-split slot).
+    state_lens: Vec<(usize, u64)>,
     /// The ring-state pairs, whose rows a slot request moves after its slots.
     rings: Vec<RingPair>,
 }
@@ -43,7 +44,7 @@ impl BlockAccounting {
         pair_groups: Vec<Option<usize>>,
         pieces: &[Piece],
         tokens: Option<&TokenTemplate>,
-        (state_lens, rings): (Vec<u64>, Vec<RingPair>),
+        (state_lens, rings): (Vec<(usize, u64)>, Vec<RingPair>),
     ) -> Result<Self> {
         let per_run = pieces.iter().filter(|p| p.per_run()).count();
         let page_bytes = groups
@@ -112,7 +113,17 @@ impl BlockAccounting {
 
     /// State pairs that move bytes: the blocks of a slot request.
     pub(crate) fn moving_state_pairs(&self) -> usize {
-        self.state_lens.iter().filter(|&&len| len > 0).count()
+        self.moving_state().count()
+    }
+
+    /// Blocks state pair `pair` moves per slot (several: the slices of a TP-split slot).
+    pub(crate) fn state_pair_blocks(&self, pair: usize) -> usize {
+        self.state_lens.get(pair).map_or(0, |&(n, _)| n)
+    }
+
+    /// `(blocks, bytes)` of each state pair that moves bytes, in order.
+    fn moving_state(&self) -> impl Iterator<Item = &(usize, u64)> {
+        self.state_lens.iter().filter(|(_, bytes)| *bytes > 0)
     }
 
     /// The slot groups of a state plan (its moving state pairs, when its slots move), and the
@@ -146,14 +157,14 @@ impl BlockAccounting {
     }
 
     /// Blocks group `group` holds in a plan of this shape: one function for page, token and
-    /// state plans (a state plan's groups are its moving state pairs, one block each, then
+    /// state plans (a state plan's groups are its moving state pairs, one block each or one per slice of a TP-split slot, then
     /// its moving ring pairs).
     pub fn group_blocks(&self, group: usize, summary: &PlanSummary) -> usize {
         match &summary.unit {
             PlanUnit::State(shape) => {
                 let (slots, rings) = self.state_groups(shape);
                 match (group.checked_sub(slots), shape.ring_positions) {
-                    (None, _) => 1,
+                    (None, _) => self.moving_state().nth(group).map_or(0, |&(n, _)| n),
                     (Some(r), Some(n)) => rings
                         .get(r)
                         .map_or(0, |ring| rings::pair_blocks(ring, n) as usize),
@@ -188,10 +199,7 @@ impl BlockAccounting {
             PlanUnit::State(shape) => {
                 let (slots, rings) = self.state_groups(shape);
                 match (group.checked_sub(slots), shape.ring_positions) {
-                    (None, _) => {
-                        let mut moving = self.state_lens.iter().filter(|&&len| len > 0);
-                        Ok(moving.nth(group).copied().unwrap_or(0))
-                    }
+                    (None, _) => Ok(self.moving_state().nth(group).map_or(0, |&(_, b)| b)),
                     (Some(r), Some(n)) => rings
                         .get(r)
                         .map_or(Ok(0), |ring| rings::pair_bytes(ring, n)),
@@ -249,7 +257,7 @@ impl BlockAccounting {
             })
         };
         let slots = self.state_lens.iter().filter(|_| shape.slots);
-        let mut out: Vec<Option<usize>> = slots.map(|&len| group(len)).collect();
+        let mut out: Vec<Option<usize>> = slots.map(|&(_, bytes)| group(bytes)).collect();
         if shape.ring_positions.is_some() {
             out.extend(self.rings.iter().map(|(p, _)| group(p.item_len)));
         }

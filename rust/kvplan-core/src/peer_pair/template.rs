@@ -54,7 +54,8 @@ pub struct Template {
     /// Ring-state pairs (module `ring`) with each side's rows per request slot: not slot
     /// pairs, so a slot request does not move them.
     pub(crate) ring_pairs: Vec<RingPair>,
-    /// One piece per state pair that moves bytes (a slot is a one-page request), in order.
+    /// The pieces of the state pairs that move bytes, in order: one per pair, or one per byte
+    /// slice of a TP-split pair (a slot is a one-page request).
     pub(crate) state_pieces: Vec<Piece>,
     /// Sum of item lengths over emitting pairs: bytes moved per page index pair.
     pub(crate) bytes_per_page: u64,
@@ -182,7 +183,7 @@ impl Template {
             .collect();
         let src_labels = crate::rules::check::entry_labels(src);
         if let Some(slicing) = &heads {
-            slice_state_pairs(slicing, &mut state_pairs);
+            slice_state_pairs(slicing, src, &mut state_pairs);
         }
         // State is not dealt over decode context-parallel ranks: every decode rank receives
         // it, from one source rank (module `dcp`).
@@ -227,7 +228,7 @@ impl Template {
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
         // Ring pairs (both sides rings: `check_pairs` refuses a ring against a slot) leave the
         // slot pairs; a slot request moves their rows by the ring lane (module `rings`).
-        let (ring_specs, state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
+        let (ring_specs, mut state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
             .into_iter()
             .partition(|p| src.entry(p.src_entry).ring().is_some());
         let ring_pairs: Vec<RingPair> = ring_specs
@@ -240,7 +241,30 @@ impl Template {
                 Some((p, rows))
             })
             .collect();
-        let state_lens = state_pairs.iter().map(|p| p.item_len).collect();
+        // Per slot pair, the byte slices it moves: a TP channel split's slices (module
+        // `state_split`), else the whole (or head-sliced) item; a pair that moves nothing
+        // gets item length 0, as an elided entry.
+        let mut state_fragments = Vec::with_capacity(state_pairs.len());
+        for pair in &mut state_pairs {
+            let split = if pair.item_len > 0 {
+                crate::rules::state_split::fragments(src, pair.src_entry, dst, pair.dst_entry)?
+            } else {
+                None
+            };
+            let fragments = match split {
+                Some(fragments) => fragments,
+                None if pair.item_len > 0 => vec![pair.whole()],
+                None => Vec::new(),
+            };
+            if fragments.is_empty() {
+                (pair.item_len, pair.dst_item_len) = (0, 0);
+            }
+            state_fragments.push(fragments);
+        }
+        let state_lens = state_fragments
+            .iter()
+            .map(|f| (f.len(), f.iter().map(|f| f.len).sum()))
+            .collect();
         let blocks = BlockAccounting::new(
             groups,
             pair_groups,
@@ -250,8 +274,8 @@ impl Template {
         )?;
         let state_pieces = state_pairs
             .iter()
-            .filter(|p| p.item_len > 0)
-            .map(|p| p.piece(p.whole()))
+            .zip(&state_fragments)
+            .flat_map(|(p, fragments)| fragments.iter().map(|&f| p.piece(f)))
             .collect();
         // Per side and pool, the pairs whose entries that pool's pages index; a side without
         // the pool indexes them by the request's pages.
@@ -287,6 +311,28 @@ impl Template {
             heads,
             strategy,
             layouts: (src.clone(), dst.clone()),
+        })
+    }
+
+    /// Refuses this template for `what` (a planner that gives each state pair one block per
+    /// slot) when a state pair moves several byte slices of a slot (a TP channel split
+    /// re-sliced between different TP sizes, module `state_split`).
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] naming the planner and the number of such pairs.
+    pub(crate) fn one_block_per_state_pair(&self, what: &str) -> Result<()> {
+        let sliced = (0..self.state_pairs.len())
+            .filter(|&p| self.blocks.state_pair_blocks(p) > 1)
+            .count();
+        if sliced == 0 {
+            return Ok(());
+        }
+        Err(PlanError::Geometry {
+            what: format!(
+                "{what} give each state pair one block per slot, but this template re-slices \
+                 {sliced} state pairs into several byte slices (a TP channel split between \
+                 different TP sizes): plan its slots with Template::plan or plan_batch"
+            ),
         })
     }
 
@@ -384,8 +430,10 @@ impl Template {
 /// whole item from the elected prefill rank; sharded state: the overlap of the two ranks'
 /// shares); a pair that moves nothing gets item length 0, as an elided entry. Addresses stay
 /// `base + slot * stride`, with the fragment's offsets folded into the bases.
-fn slice_state_pairs(slicing: &HeadSlicing, pairs: &mut [PairSpec]) {
-    for pair in pairs.iter_mut().filter(|p| p.item_len > 0) {
+/// Pairs with a TP channel split are sliced by it instead (module `state_split`).
+fn slice_state_pairs(slicing: &HeadSlicing, src: &Layout, pairs: &mut [PairSpec]) {
+    let unsplit = |p: &&mut PairSpec| p.item_len > 0 && src.entry(p.src_entry).channels().is_none();
+    for pair in pairs.iter_mut().filter(unsplit) {
         // Checked by `check_pairs`: the lengths are equal or in the TP ratio.
         if let Ok(Some(f)) = slicing.state_fragment(pair.item_len, pair.dst_item_len) {
             pair.src_base += f.src_off; // inside the first item, so inside the buffer
@@ -869,8 +917,9 @@ impl Template {
         }
     }
 
-    /// One block per moving state pair, `(src_base + item_len*src, dst_base + item_len*dst,
-    /// item_len)`: a slot is a one-page request of each pair's piece (slots validated).
+    /// One block per state piece (a moving state pair's whole item, or each byte slice of a
+    /// TP-split pair), `(src_base + stride*src, dst_base + stride*dst, len)`: a slot is a
+    /// one-page request of each piece (slots validated).
     /// Returns the blocks written.
     fn emit_slot(&self, (s, d): (u64, u64), out: Columns<'_>) -> usize {
         for (k, piece) in self.state_pieces.iter().enumerate() {

@@ -97,9 +97,13 @@ impl DescriptorTables<'_> {
     /// # Errors
     /// [`PlanError::Unsupported`] for a token template ([`Template::by_token`]: the
     /// `window` or `token_plan` feature);
+    /// [`PlanError::Geometry`] for a template whose state pairs move several byte slices of a
+    /// slot (a TP channel split);
     /// [`PlanError::Overflow`] when a table would hold more than `i64::MAX` descriptors.
     pub fn shape(&self) -> Result<PreppedShape> {
         crate::rules::capabilities::check(Planner::Descriptors, &self.template.asked())?;
+        self.template
+            .one_block_per_state_pair("prepped descriptor tables")?;
         let pieces = self.template.pieces().len();
         let limits = self.template.index_limits();
         let pages = if pieces == 0 {

@@ -129,7 +129,7 @@ impl<'l> EntryIndex<'l> {
             let item = |i: u64| match entry.kind {
                 EntryKind::Page { pool, .. } => Item::Page(pool, i as i64),
                 // A ring-state entry's items are rows, `ring` of them per request slot.
-                EntryKind::State { ring } => Item::Slot((i / ring.unwrap_or(1).max(1)) as i64),
+                EntryKind::State { ring, .. } => Item::Slot((i / ring.unwrap_or(1).max(1)) as i64),
             };
             return Some((item(index), item(last), end));
         }

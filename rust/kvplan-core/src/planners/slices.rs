@@ -87,8 +87,11 @@ impl LayerSlices {
     ///
     /// # Errors
     /// [`PlanError::Geometry`] when one emission group holds pairs of two layer groups (or of a
-    /// group and the seal), naming the pairs, their layers and their groups.
+    /// group and the seal), naming the pairs, their layers and their groups, or when a state
+    /// pair moves several byte slices of a slot (a TP channel split).
     pub fn new(template: &Template, groups: &LayerGroups) -> Result<Self> {
+        // Layer slices give each moving state pair one block of a state plan.
+        template.one_block_per_state_pair("layer slices")?;
         let (src, dst) = template.layouts();
         let facts = &StreamFacts::new(src, dst, template.page_pairs(), template.state_pairs());
         let keys: Vec<SliceKey> = facts.page_tags.iter().map(|t| groups.key(t)).collect();

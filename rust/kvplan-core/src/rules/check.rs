@@ -326,8 +326,14 @@ fn check_kind(
                         )),
                         problem,
                     };
+                    let split = kind == Indexing::State
+                        && (src.entry(s).channels().is_some() || dst.entry(d).channels().is_some());
                     let problem = match (heads, kind) {
                         (Err(problem), Indexing::Page) => Some(problem.clone()),
+                        // A TP channel split says how the slot is re-sliced (module
+                        // `state_split`), whatever the attention geometry.
+                        _ if split => crate::rules::state_split::pair_problem(src, s, dst, d)
+                            .map(head_problem),
                         (Ok(Some(_)), _) if src_item_len == 0 => None,
                         (Ok(Some(slicing)), Indexing::Page)
                             if !(by_token && slicing.moves_whole_heads()) =>

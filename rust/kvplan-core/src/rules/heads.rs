@@ -233,8 +233,20 @@ impl TpSplit {
     /// Whether prefill rank `r_p` writes decode rank `r_d`'s copy of a replicated state item:
     /// `r_p == floor(r_d · tp_p / tp_d)`.
     pub(crate) fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
-        u64::from(r_p) == u64::from(r_d) * u64::from(self.prefill_tp) / u64::from(self.decode_tp)
+        sends_replicated_state(self.prefill_tp, self.decode_tp, r_p, r_d)
     }
+}
+
+/// The one writer rule for state replicated over TP (every state slot both sides hold whole):
+/// prefill rank `r_p` writes decode rank `r_d`'s copy when `r_p == floor(r_d · tp_p / tp_d)`,
+/// the first prefill rank of `r_d`'s share. With one TP size a multiple of the other this is
+/// SGLang 0.5.23's `should_send_replicated_state` on the rank pairs it connects: in scatter
+/// (`tp_p ≤ tp_d`) decode rank `r_d` connects only to prefill rank `floor(r_d · tp_p / tp_d)`,
+/// which sends; in aggregation its `w = tp_p / tp_d` writers are prefill ranks `r_d·w ..`, and
+/// the one with `r_p mod w == 0` sends. A rank pair SGLang does not connect sends nothing here.
+pub fn sends_replicated_state(prefill_tp: u32, decode_tp: u32, r_p: u32, r_d: u32) -> bool {
+    let (tp_p, tp_d) = (u64::from(prefill_tp.max(1)), u64::from(decode_tp.max(1)));
+    u64::from(r_p) == u64::from(r_d) * tp_p / tp_d
 }
 
 /// `(writer index, number of writers)` of prefill rank `prefill_rank` in the decode staging

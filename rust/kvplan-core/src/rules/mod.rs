@@ -7,3 +7,4 @@ pub mod dcp;
 pub mod heads;
 pub mod manifest;
 pub mod pairing;
+pub mod state_split;

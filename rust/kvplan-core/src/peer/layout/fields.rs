@@ -3,7 +3,7 @@
 #[cfg(doc)]
 use crate::error::PlanError;
 use crate::error::Result;
-use crate::peer::entry::{Entry, EntryKind, Indexing, PoolId};
+use crate::peer::entry::{Entry, EntryKind, Indexing, PoolId, StateChannels};
 use crate::peer::kv_format::{MX_BLOCK, Representation, ScaleLayout, scale_role};
 
 use super::{Layout, check_len, invalid, is_mha_role, is_sidecar_role};
@@ -174,11 +174,97 @@ impl Layout {
              indexed by the request's pages",
         )?;
         for (entry, ring) in self.entries.iter_mut().zip(rings) {
-            if let EntryKind::State { .. } = entry.kind {
-                entry.kind = EntryKind::State { ring };
+            if let EntryKind::State { channels, .. } = entry.kind {
+                if ring.is_some() && channels.is_some() {
+                    return Err(invalid(format!(
+                        "a state entry ({}) keeps a ring of rows or a TP channel split, not both",
+                        entry.role
+                    )));
+                }
+                entry.kind = EntryKind::State { ring, channels };
             }
         }
         Ok(self)
+    }
+
+    /// The same layout with a TP channel split on state entries: one per entry (`None` for an
+    /// entry without one; every page entry). An empty list sets none.
+    ///
+    /// Rules, checked here against this layout's TP size `tp`: a split is set on a state entry
+    /// that is not a ring; a sharded split (channels > 0) divides the item into `outer_rows`
+    /// rows of `channels` channels of whole bytes; its shard groups, when given, sum to
+    /// `channels × tp` and each divides by `tp`.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] naming the entry and the values.
+    pub fn with_state_channels(mut self, splits: Vec<Option<StateChannels>>) -> Result<Self> {
+        if splits.is_empty() {
+            return Ok(self);
+        }
+        check_len("state channel splits", splits.len(), self.n_entries())?;
+        let tp = u64::from(self.context().tp_size.max(1));
+        for (i, split) in splits.iter().enumerate() {
+            let Some(split) = split else { continue };
+            let entry = &self.entries[i];
+            let label = || format!("entry {i} ({})", self.role_label(i));
+            let problem = if entry.indexing() != Indexing::State {
+                Some(
+                    "a TP channel split applies to state entries; a page entry is split by \
+                      its attention geometry"
+                        .to_owned(),
+                )
+            } else if entry.ring().is_some() {
+                Some("a state entry keeps a ring of rows or a TP channel split, not both".into())
+            } else if split.replicated() {
+                None
+            } else if !entry
+                .item_len
+                .is_multiple_of(split.channels.saturating_mul(split.outer_rows))
+            {
+                Some(format!(
+                    "item length {} bytes is not {} rows of {} channels of whole bytes",
+                    entry.item_len, split.outer_rows, split.channels
+                ))
+            } else {
+                let groups = split.groups();
+                let sum = groups.iter().try_fold(0u64, |a, &g| a.checked_add(g));
+                if groups.is_empty() {
+                    None
+                } else if sum != split.channels.checked_mul(tp) {
+                    Some(format!(
+                        "shard groups {groups:?} sum to {} channels, but {} channels per rank at \
+                         TP size {tp} make {} channels",
+                        sum.map_or_else(|| "more than u64".into(), |s| s.to_string()),
+                        split.channels,
+                        u128::from(split.channels) * u128::from(tp)
+                    ))
+                } else {
+                    groups.iter().find(|g| !g.is_multiple_of(tp)).map(|g| {
+                        format!(
+                            "shard group of {g} channels (of {groups:?}) does not divide over TP \
+                             size {tp}"
+                        )
+                    })
+                }
+            };
+            if let Some(problem) = problem {
+                return Err(invalid(format!("{}: {problem}", label())));
+            }
+        }
+        for (entry, split) in self.entries.iter_mut().zip(splits) {
+            if let EntryKind::State { ring, .. } = entry.kind {
+                entry.kind = EntryKind::State {
+                    ring,
+                    channels: split,
+                };
+            }
+        }
+        Ok(self)
+    }
+
+    /// Each entry's TP channel split (`None`: none).
+    pub fn state_channels(&self) -> Vec<Option<StateChannels>> {
+        self.entries.iter().map(Entry::channels).collect()
     }
 
     /// One optional positive count per entry, set only on entries of `kind` (windows, rings):
