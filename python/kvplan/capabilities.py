@@ -41,6 +41,7 @@ _HEADINGS = {
     "ring": "ring rows",
     "pool_range": "pool's own range",
     "pages_with_state": "pages with a state slot",
+    "sliced_state": "state sliced by channel",
 }
 # How the README line names a feature a planner refuses.
 _SHORT = {
@@ -51,6 +52,7 @@ _SHORT = {
     "ring": "ring rows",
     "pool_range": "pools' own token ranges",
     "pages_with_state": "pages with a state slot",
+    "sliced_state": "state sliced by channel",
 }
 
 

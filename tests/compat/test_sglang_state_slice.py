@@ -170,8 +170,11 @@ def test_descriptor_tables_refuse_a_sliced_state_template() -> None:
                                              [16, 16])
     batch = t.plan_batch([kvplan.Request(slot=(0, 0))])
     assert batch.as_lists() == t.plan_state(0, 0).as_lists()
-    with pytest.raises(kvplan.KvPlanError, match="re-slices 1 state pairs"):
+    with pytest.raises(kvplan.UnsupportedError, match="moves 1 state pairs") as err:
         t.descriptor_table("src")
+    assert (err.value.planner, err.value.feature) == ("descriptor_table", "sliced_state")
+    assert not kvplan.capabilities.supports("descriptor_table", "sliced_state")
+    assert kvplan.capabilities.supports("plan_batch", "sliced_state")
 
 
 def test_one_side_split_is_refused() -> None:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLANNERS = ["plan", "plan_batch", "plan_packed", "plan_row_gather", "plan_staged",
             "plan_rounds", "descriptor_table"]
 FEATURES = ["delta", "state_slot", "window", "token_plan", "ring", "pool_range",
-            "pages_with_state"]
+            "pages_with_state", "sliced_state"]
 
 
 def _template(window: int | None = None, dst_page_size: int = 4) -> kvplan.Template:
@@ -42,13 +42,15 @@ def test_the_declaration_lists_every_planner_and_feature_in_order() -> None:
     refused = {p: [f for f, ok in row.items() if not ok] for p, row in table.items()}
     assert refused == {
         "plan": [], "plan_batch": ["ring"],
-        "plan_packed": ["ring", "pool_range", "pages_with_state"],
+        "plan_packed": ["ring", "pool_range", "pages_with_state", "sliced_state"],
         "plan_row_gather": ["delta", "state_slot", "window", "ring", "pool_range",
-                            "pages_with_state"],
-        "plan_staged": ["delta", "state_slot", "ring", "pool_range", "pages_with_state"],
-        "plan_rounds": ["delta", "state_slot", "ring", "pool_range", "pages_with_state"],
+                            "pages_with_state", "sliced_state"],
+        "plan_staged": ["delta", "state_slot", "ring", "pool_range", "pages_with_state",
+                        "sliced_state"],
+        "plan_rounds": ["delta", "state_slot", "ring", "pool_range", "pages_with_state",
+                        "sliced_state"],
         "descriptor_table": ["delta", "window", "token_plan", "ring", "pool_range",
-                             "pages_with_state"],
+                             "pages_with_state", "sliced_state"],
     }
     assert capabilities.supports("plan_staged", "window")
     assert not capabilities.supports("plan_staged", "delta")

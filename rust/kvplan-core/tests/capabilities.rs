@@ -8,9 +8,10 @@ mod support;
 use kvplan_core::rules::capabilities::check;
 use kvplan_core::{
     BatchPlanner, DescriptorTables, Feature, Layout, PackBuffer, PackPlanner, PlanError, Planner,
-    PoolId, Request, RoundsPlanner, StagedPlanner, StagingRegion, Template, TemplateOptions,
+    PoolId, Request, RoundsPlanner, StagedPlanner, StagingRegion, StateChannels, Template,
+    TemplateOptions,
 };
-use support::layouts::{KvLayout, paged, with_slots};
+use support::layouts::{ContextBuilder, KvLayout, paged, with_slots};
 
 const PAGE: u64 = 4;
 const ITEM: u64 = 64;
@@ -73,6 +74,28 @@ fn template_for(feature: Feature) -> Template {
             };
             template(rings(SRC), rings(DST))
         }
+        Feature::SlicedState => {
+            // The state entries as two sub-blocks of 8 channels (2 bytes each) at TP 1, from
+            // prefill TP 1 to decode rank 0 of TP 2: two byte slices per state pair.
+            let split = |base, tp: u32| {
+                let t = u64::from(tp);
+                let pages = KvLayout::mla(base, [0, 1], ITEM, ITEM * PAGES)
+                    .context(paged(PAGE).tp(0, tp))
+                    .build();
+                let half = StateChannels::new(16 / t, 1, &[8, 8]).unwrap();
+                with_slots(
+                    pages,
+                    "ssm",
+                    vec![base + (1 << 24), base + (1 << 25)],
+                    8,
+                    32 / t,
+                    vec![0, 1],
+                )
+                .with_state_channels(vec![None, None, Some(half), Some(half)])
+                .unwrap()
+            };
+            template(split(SRC, 1), split(DST, 2))
+        }
         _ => template(layout(SRC, PAGE), layout(DST, PAGE)),
     }
 }
@@ -88,7 +111,7 @@ static POOL_DST_PAGES: [i64; 2] = [20, 13];
 fn request_for(feature: Feature) -> Request<'static> {
     match feature {
         Feature::Delta => Request::tokens(&SRC_PAGES, &DST_PAGES, 14).skipping(5),
-        Feature::StateSlot => Request::slot(1, 2),
+        Feature::StateSlot | Feature::SlicedState => Request::slot(1, 2),
         Feature::Window | Feature::TokenPlan => Request::tokens(&SRC_PAGES, &DST_PAGES, 14),
         Feature::Ring => Request {
             n_tokens: Some(5),

@@ -4,8 +4,8 @@
 //! same blocks, and the planners that give a state pair one block per slot refuse it.
 
 use kvplan_core::{
-    BatchPlanner, DescriptorTables, LayerGroups, LayerSlices, Layout, LayoutContext, PlanError,
-    Request, StateChannels, Template, TemplateOptions,
+    BatchPlanner, DescriptorTables, Feature, LayerGroups, LayerSlices, Layout, LayoutContext,
+    PlanError, Planner, Request, StateChannels, Template, TemplateOptions,
 };
 
 const BASE: u64 = 1 << 30;
@@ -86,11 +86,21 @@ fn a_slot_request_moves_the_decode_ranks_slices() {
 #[test]
 fn planners_that_give_a_state_pair_one_block_refuse_sliced_slots() {
     let t = template(&gdn(1, 0), &gdn(2, 1));
+    // declared: the `sliced_state` feature, which descriptor tables do not support
+    assert!(!Planner::Descriptors.supports(Feature::SlicedState));
+    assert!(Planner::Plan.supports(Feature::SlicedState));
+    assert!(Planner::Batch.supports(Feature::SlicedState));
     let err = DescriptorTables::new(&t).shape().unwrap_err();
     assert!(
-        matches!(&err, PlanError::Geometry { what } if what.contains("re-slices 1 state pairs")),
+        matches!(&err, PlanError::Unsupported { planner: "descriptor_table",
+                 feature: "sliced_state", why } if why.contains("moves 1 state pairs")),
         "{err}"
     );
+    // a staged plan of the slot is refused by the slot itself; a page request on the same
+    // template moves no state pair, so it does not ask for the feature
+    let page = Request::pages(&[] as &[i64], &[] as &[i64]);
+    assert!(!t.asked_by(&page).has(Feature::SlicedState));
+    assert!(t.asked_by(&Request::slot(0, 0)).has(Feature::SlicedState));
     let err = LayerSlices::new(&t, &LayerGroups::every_layer()).unwrap_err();
     assert!(matches!(err, PlanError::Geometry { .. }), "{err}");
     // Equal TP sizes move each slot whole, as one block: nothing to refuse.

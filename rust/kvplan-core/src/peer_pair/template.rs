@@ -321,9 +321,7 @@ impl Template {
     /// # Errors
     /// [`PlanError::Geometry`] naming the planner and the number of such pairs.
     pub(crate) fn one_block_per_state_pair(&self, what: &str) -> Result<()> {
-        let sliced = (0..self.state_pairs.len())
-            .filter(|&p| self.blocks.state_pair_blocks(p) > 1)
-            .count();
+        let sliced = self.sliced_state_pairs();
         if sliced == 0 {
             return Ok(());
         }
@@ -334,6 +332,14 @@ impl Template {
                  different TP sizes): plan its slots with Template::plan or plan_batch"
             ),
         })
+    }
+
+    /// State pairs that move several byte slices of a slot (a TP channel split between
+    /// different TP sizes) rather than one block.
+    pub(crate) fn sliced_state_pairs(&self) -> usize {
+        (0..self.state_pairs.len())
+            .filter(|&p| self.blocks.state_pair_blocks(p) > 1)
+            .count()
     }
 
     /// The head slicing between the two layouts' TP sizes (`None` when either does not publish
@@ -1073,6 +1079,7 @@ impl Template {
         Asked {
             window: window.unwrap_or(0),
             page_sizes: self.page_sizes(),
+            sliced_state_pairs: self.sliced_state_pairs(),
             ..Asked::default()
         }
         .with(Feature::Window, window.is_some())
@@ -1097,6 +1104,11 @@ impl Template {
         .with(
             Feature::PagesWithState,
             pages && request.state_slot.is_some(),
+        )
+        .with(
+            // a page request moves no state pair: only a request that carries a slot asks
+            Feature::SlicedState,
+            (!pages || request.state_slot.is_some()) && self.sliced_state_pairs() > 0,
         )
         .with(
             Feature::TokenPlan,

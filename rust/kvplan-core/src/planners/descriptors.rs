@@ -25,7 +25,7 @@ use crate::model::plan::PlanUnit;
 use crate::model::request::{Indices, Request};
 use crate::model::runs::PageIndex;
 use crate::peer_pair::template::Template;
-use crate::rules::capabilities::Planner;
+use crate::rules::capabilities::{Feature, Planner};
 
 /// How a template's prepped tables are laid out (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,13 +97,14 @@ impl DescriptorTables<'_> {
     /// # Errors
     /// [`PlanError::Unsupported`] for a token template ([`Template::by_token`]: the
     /// `window` or `token_plan` feature);
-    /// [`PlanError::Geometry`] for a template whose state pairs move several byte slices of a
-    /// slot (a TP channel split);
+    /// [`PlanError::Unsupported`] for a template whose state pairs move several byte slices of
+    /// a slot (the `sliced_state` feature: a TP channel split);
     /// [`PlanError::Overflow`] when a table would hold more than `i64::MAX` descriptors.
     pub fn shape(&self) -> Result<PreppedShape> {
-        crate::rules::capabilities::check(Planner::Descriptors, &self.template.asked())?;
-        self.template
-            .one_block_per_state_pair("prepped descriptor tables")?;
+        // the tables hold every state pair's descriptors, whatever a request later asks
+        let asked = self.template.asked();
+        let asked = asked.with(Feature::SlicedState, asked.sliced_state_pairs > 0);
+        crate::rules::capabilities::check(Planner::Descriptors, &asked)?;
         let pieces = self.template.pieces().len();
         let limits = self.template.index_limits();
         let pages = if pieces == 0 {

@@ -27,11 +27,14 @@ pub enum Feature {
     /// A page request that carries each side's state slot too (a hybrid model's whole
     /// request): its page or token blocks, then its state slots and ring rows.
     PagesWithState,
+    /// A template whose state pairs move several byte slices of a slot (state entries with a
+    /// TP channel split between different TP sizes), not one block per state pair.
+    SlicedState,
 }
 
 impl Feature {
     /// Every feature, in the order [`check`] reports the first unsupported one.
-    pub const ALL: [Feature; 7] = [
+    pub const ALL: [Feature; 8] = [
         Feature::Delta,
         Feature::StateSlot,
         Feature::Window,
@@ -39,6 +42,7 @@ impl Feature {
         Feature::Ring,
         Feature::PoolRange,
         Feature::PagesWithState,
+        Feature::SlicedState,
     ];
 
     /// The stable name (Python's `UnsupportedError.feature`, the docs' column heading).
@@ -51,6 +55,7 @@ impl Feature {
             Feature::Ring => "ring",
             Feature::PoolRange => "pool_range",
             Feature::PagesWithState => "pages_with_state",
+            Feature::SlicedState => "sliced_state",
         }
     }
 
@@ -74,6 +79,10 @@ impl Feature {
             Feature::PagesWithState => {
                 "a page request that carries a state slot too (`Request(src, dst, \
                  slot=(s, d))`): pages, then state slots and ring rows"
+            }
+            Feature::SlicedState => {
+                "a template whose state entries declare a TP channel split between different \
+                 TP sizes: several byte slices per state pair"
             }
         }
     }
@@ -159,7 +168,9 @@ const fn bits(features: &[Feature]) -> u8 {
 
 /// The declaration: per planner (in [`Planner::ALL`]'s order), the features it plans.
 pub const SUPPORT: [(Planner, u8); 7] = {
-    use Feature::{Delta, PagesWithState, PoolRange, Ring, StateSlot, TokenPlan, Window};
+    use Feature::{
+        Delta, PagesWithState, PoolRange, Ring, SlicedState, StateSlot, TokenPlan, Window,
+    };
     [
         (
             Planner::Plan,
@@ -171,6 +182,7 @@ pub const SUPPORT: [(Planner, u8); 7] = {
                 Ring,
                 PoolRange,
                 PagesWithState,
+                SlicedState,
             ]),
         ),
         (
@@ -182,6 +194,7 @@ pub const SUPPORT: [(Planner, u8); 7] = {
                 TokenPlan,
                 PoolRange,
                 PagesWithState,
+                SlicedState,
             ]),
         ),
         (
@@ -212,6 +225,8 @@ pub struct Asked {
     pub ring_positions: u64,
     /// The state slot `(src, dst)` a page request carries (a hybrid request's).
     pub state_slot: (i64, i64),
+    /// State pairs of the template that move several byte slices of a slot.
+    pub sliced_state_pairs: usize,
 }
 
 impl Asked {
@@ -278,6 +293,12 @@ impl Asked {
                      plan_batch, or plan the slot as a request of its own"
                 )
             }
+            Feature::SlicedState => format!(
+                "{phrase} gives each state pair one block per slot; this template moves {} \
+                 state pairs as several byte slices (a TP channel split between different TP \
+                 sizes): plan its slots with Template::plan or plan_batch",
+                self.sliced_state_pairs
+            ),
         }
     }
 }
