@@ -47,27 +47,13 @@ from kvplan.identity import (  # noqa: E402
     identity_from_message,
     identity_message,
 )
+from support.log_records import records  # noqa: E402
 
 ROPE_1 = {"rope_type": "yarn", "factor": 1.0}
 ROPE_2 = {"rope_type": "yarn", "factor": 2.0}
 SEMANTICS = ModelSemantics(model="org/model", revision="abc123", rope=ROPE_1, transfer="push")
 
 
-@contextmanager
-def records(logger: str) -> Iterator[list[logging.LogRecord]]:
-    """Every record that reaches ``logger`` (INFO and up) while the block runs."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = got.append  # type: ignore[method-assign]
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
-        yield got
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def _mha(base: int, memory_order: str = "NHD") -> Layout:

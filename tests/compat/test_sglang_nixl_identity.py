@@ -17,7 +17,6 @@ import queue
 import threading
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from kvplan.compat import sglang as compat
 from kvplan.compat.sglang import nixl as sg_nixl
 from kvplan.compat.sglang import rounds
 from kvplan.identity import IDENTITY_KEY
+from support.log_records import records
 from support.sglang_models import load_sglang_or_fail
 from support.sglang_nixl import RecordingAgent, load_nixl
 
@@ -123,20 +123,6 @@ def nx_poll(mgr: Any) -> Any:
     return sys.modules[type(mgr).__mro__[1].__module__].KVPoll
 
 
-@contextmanager
-def records(logger: str) -> Iterator[list[logging.LogRecord]]:
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = got.append  # type: ignore[method-assign]
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
-        yield got
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 MISMATCHES = [
