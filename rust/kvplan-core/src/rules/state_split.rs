@@ -242,19 +242,27 @@ mod tests {
         } else {
             channels * rows * bpc
         };
+        split_state(channels, rows, groups, item, tp, rank).unwrap()
+    }
+
+    /// One state entry of `item` bytes a slot with the split `channels` × `rows` (`groups`),
+    /// at TP `tp`, rank `rank`: the layout, or why the split does not fit it.
+    fn split_state(
+        channels: u64,
+        rows: u64,
+        groups: &[u64],
+        item: u64,
+        tp: u32,
+        rank: u32,
+    ) -> Result<Layout> {
         let context = LayoutContext {
             tp_size: tp,
             tp_rank: rank,
             ..LayoutContext::default()
         };
-        Layout::mla(vec![], vec![], vec![], None, context)
-            .unwrap()
-            .with_state("conv", vec![1 << 20], vec![item * 4], vec![item], vec![0])
-            .unwrap()
-            .with_state_channels(vec![Some(
-                StateChannels::new(channels, rows, groups).unwrap(),
-            )])
-            .unwrap()
+        Layout::mla(vec![], vec![], vec![], None, context)?
+            .with_state("conv", vec![1 << 20], vec![item * 4], vec![item], vec![0])?
+            .with_state_channels(vec![Some(StateChannels::new(channels, rows, groups)?)])
     }
 
     /// Applies the slices to byte-tagged slots: every decode byte must be the model channel
@@ -394,17 +402,7 @@ mod tests {
     #[test]
     fn layout_refuses_splits_that_do_not_fit() {
         let bad = |channels, rows, groups: &[u64], item: u64, tp: u32| {
-            let context = LayoutContext {
-                tp_size: tp,
-                ..LayoutContext::default()
-            };
-            Layout::mla(vec![], vec![], vec![], None, context)
-                .unwrap()
-                .with_state("conv", vec![1 << 20], vec![item * 4], vec![item], vec![0])
-                .unwrap()
-                .with_state_channels(vec![Some(
-                    StateChannels::new(channels, rows, groups).unwrap(),
-                )])
+            split_state(channels, rows, groups, item, tp, 0)
                 .unwrap_err()
                 .to_string()
         };
