@@ -47,6 +47,20 @@ def test_every_written_layout_is_valid(layout: kvplan.Layout) -> None:
     assert kvplan.Layout.from_dict(json.loads(json.dumps(doc))) == layout
 
 
+def test_a_layout_with_state_channel_splits_is_valid() -> None:
+    """``state_channels`` (a TP channel split per state entry, ``None`` elsewhere) is part of
+    the written form: a split, a replicated split (0 channels) and a page entry's null."""
+    layout = kvplan.Layout([1 << 20], [64], 16, [0], ["kv"], tp_size=2, tp_rank=1).with_state(
+        "conv", [1 << 21], [96], [96], [1], channels=12, outer_rows=2,
+        shard_groups=[[8, 8, 8]]).with_state("r", [1 << 22], [64], [64], [1], channels=0)
+    doc = json.loads(json.dumps(layout.to_dict()))
+    assert doc["state_channels"] == [None, [12, 2, [8, 8, 8]], [0, 1, []]]
+    _validator().validate(doc)
+    for bad in ([12, 0, []], [12, 1], [12, 1, [1, 1, 1, 1, 1]], ["12", 1, []]):
+        doc["state_channels"][1] = bad
+        assert list(_validator().iter_errors(doc)), bad
+
+
 def _bad(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     cases = []
     for key in ("version", "data_ptrs", "data_lens", "item_lens", "layer_ids", "roles",

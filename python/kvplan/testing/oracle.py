@@ -40,7 +40,14 @@ The rules it implements:
   slot in a token plan, has no defined result here either);
 - state items (one slot per request) of equal length are replicated and written by prefill rank
   ``r_d * tp_p // tp_d`` only; items whose lengths are in the TP ratio are sharded along their
-  leading bytes and each pair moves the overlap of the two ranks' byte ranges.
+  leading bytes and each pair moves the overlap of the two ranks' byte ranges;
+- a state entry with a TP channel split (``Layout.state_channels``: ``(c, rows, groups)``) holds
+  ``rows`` rows of ``c`` channels of ``item_len / (rows·c)`` bytes; the model's channels are cut
+  into the sub-blocks ``groups`` (none: one sub-block of ``c·tp`` channels), rank ``r`` of ``tp``
+  holds channels ``r·G/tp .. (r+1)·G/tp`` of a sub-block of ``G``, and a row lists the rank's
+  channels sub-block after sub-block. A pair moves, in every row, each model channel both ranks
+  hold from its place in the prefill row to its place in the decode row. ``c`` 0 is a replicated
+  slot, written whole by prefill rank ``r_d * tp_p // tp_d`` only.
 
 A staged plan (``Template.plan_staged``) writes the same decode bytes as the direct plan: the
 oracle's answer for it is :func:`reference_copy`'s, and
@@ -63,7 +70,7 @@ from kvplan.exec.numpy import Memory, apply_conversion, apply_plan, apply_staged
 
 __all__ = ["Fragments", "Memory", "apply_conversion", "apply_plan", "apply_staged", "array_pool", "dcp_local_token",
            "expected_memory", "rank_heads", "reference_copy", "reference_ring_copy",
-           "sent_heads"]
+           "sent_heads", "split_channels"]
 
 Fragment = tuple[int, int, int]
 #: What ``Template(fragments=)`` takes: one list for every page pair, or one list (or None)
@@ -351,12 +358,17 @@ def _copy_state_item(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
                      s: LayoutEntry, d: LayoutEntry, src_item: int, dst_item: int) -> int:
     """Copies item ``src_item`` of state entry ``s`` to item ``dst_item`` of ``d`` as the TP
     rule for state says: replicated items by one writer per decode rank, sharded items along
-    their leading bytes. Returns the bytes written."""
+    their leading bytes, items with a TP channel split channel by channel. Returns the bytes
+    written."""
     (r_p, tp_p), (r_d, tp_d) = (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size)
     ls, ld = s.item_len, d.item_len
     if ls == 0 or ld == 0:
         return 0
     s_item, d_item = s.data_ptr + src_item * s.stride, d.data_ptr + dst_item * d.stride
+    s_split, d_split = src.state_channels[s.index], dst.state_channels[d.index]
+    if s_split is not None or d_split is not None:
+        return _copy_split_state(src, src_mem, dst, dst_mem, (s, d), (s_split, d_split),
+                                 (s_item, d_item))
     if ls == ld:  # replicated: one writer per decode rank
         if r_p == r_d * tp_p // tp_d:
             dst_mem.at(d_item, ld)[:] = src_mem.at(s_item, ls)
@@ -371,6 +383,71 @@ def _copy_state_item(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
         return 0
     raise ValueError(f"state layer {s.layer_id} {s.role}: item lengths {ls} and {ld} "
                      f"are neither equal nor in the TP ratio {tp_p}:{tp_d}")
+
+
+_Split = tuple[int, int, list[int]]
+
+
+def split_channels(split: _Split, tp_size: int, tp_rank: int) -> list[int]:
+    """The model channels rank ``tp_rank`` of ``tp_size`` holds in one row of a state slot
+    with TP channel split ``split = (channels per rank, rows, sub-blocks)``, in the order the
+    row keeps them: its share ``r·G/tp .. (r+1)·G/tp`` of each sub-block of ``G`` channels,
+    sub-block after sub-block (written out here, not asked of the core)."""
+    channels, _, groups = split
+    blocks = list(groups) or [channels * tp_size]
+    held: list[int] = []
+    start = 0
+    for size in blocks:
+        share = size // tp_size
+        held.extend(range(start + tp_rank * share, start + (tp_rank + 1) * share))
+        start += size
+    return held
+
+
+def _copy_split_state(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
+                      pair: tuple[LayoutEntry, LayoutEntry],
+                      splits: tuple[_Split | None, _Split | None],
+                      items: tuple[int, int]) -> int:
+    """Copies one slot of a state pair with a TP channel split (see the module's rules): each
+    model channel both ranks hold, row by row, in runs of channels consecutive on both sides."""
+    (s, d), (a, b), (s_item, d_item) = pair, splits, items
+    (r_p, tp_p), (r_d, tp_d) = (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size)
+    where = f"state layer {s.layer_id} {s.role}"
+    if a is None or b is None:
+        raise ValueError(f"{where}: a channel split on one side only ({a}, {b})")
+    if a[0] == 0 or b[0] == 0:  # replicated: the whole slot, from one writer
+        if a[0] != b[0] or s.item_len != d.item_len:
+            raise ValueError(f"{where}: replicated against sharded or items of different "
+                             f"length ({a}, {s.item_len}; {b}, {d.item_len})")
+        if r_p != r_d * tp_p // tp_d:
+            return 0
+        dst_mem.at(d_item, d.item_len)[:] = src_mem.at(s_item, s.item_len)
+        return s.item_len
+    rows = a[1]
+    s_channels, d_channels = split_channels(a, tp_p, r_p), split_channels(b, tp_d, r_d)
+    s_all, d_all = a[0] * tp_p, b[0] * tp_d
+    s_width, d_width = s.item_len // (rows * a[0]), d.item_len // (b[1] * b[0])
+    if (rows, s_all, list(a[2]) or [s_all], s_width) != \
+            (b[1], d_all, list(b[2]) or [d_all], d_width):
+        raise ValueError(f"{where}: the two sides describe different channels ({a}, tp "
+                         f"{tp_p}, {s_width} bytes each; {b}, tp {tp_d}, {d_width} bytes each)")
+    s_at = {c: i for i, c in enumerate(s_channels)}
+    runs: list[list[int]] = []  # [source index, destination index, channels]
+    for j, c in enumerate(d_channels):
+        i = s_at.get(c)
+        if i is None:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == j:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, j, 1])
+    moved = 0
+    for row in range(rows):
+        for i, j, n in runs:
+            dst_mem.at(d_item + (row * b[0] + j) * s_width, n * s_width)[:] = \
+                src_mem.at(s_item + (row * a[0] + i) * s_width, n * s_width)
+            moved += n * s_width
+    return moved
 
 
 def reference_ring_copy(src: Layout, src_mem: Memory, dst: Layout, dst_mem: Memory,
