@@ -20,6 +20,7 @@ from typing import Any
 
 from kvplan._core import Layout, ManifestError
 from kvplan.compat.sglang.settings import MANIFEST_ENV
+from kvplan.compat.sglang.wrapping import unwrap, wrap
 from kvplan.manifests import ModelManifest, check_at_start_up
 from kvplan.presets import load_manifest
 
@@ -100,43 +101,22 @@ def check_manager_manifest(manager: Any) -> bool:
     return True
 
 
-def _hooked(method: Any) -> bool:
-    while method is not None:
-        if getattr(method, "_kvplan_manifest", False):
-            return True
-        method = getattr(method, "_kvplan_had", None)
-    return False
-
-
 def hook_manifest(manager_class: type) -> bool:
     """Wrap ``manager_class.register_buffer_to_engine`` so that :func:`check_manager_manifest`
     runs right after it (before anything kvplan starts on the manager); False when already
     wrapped or the class has no such method."""
-    current = manager_class.__dict__.get(_HOOKED)
-    if _hooked(current):
-        return False
-    original = getattr(manager_class, _HOOKED, None)
-    if original is None:
-        return False
 
-    def register_buffer_to_engine(self: Any) -> None:
-        original(self)
-        check_manager_manifest(self)
+    def make(original: Any) -> Any:
+        def register_buffer_to_engine(self: Any) -> None:
+            original(self)
+            check_manager_manifest(self)
 
-    register_buffer_to_engine._kvplan_manifest = True  # type: ignore[attr-defined]
-    register_buffer_to_engine._kvplan_had = current  # type: ignore[attr-defined]
-    setattr(manager_class, _HOOKED, register_buffer_to_engine)
-    return True
+        return register_buffer_to_engine
+
+    return wrap(manager_class, _HOOKED, "_kvplan_manifest", make)
 
 
 def unhook_manifest(manager_class: type) -> None:
     """Restore what :func:`hook_manifest` wrapped (call after any wrapper put on top of it was
     taken off)."""
-    current = manager_class.__dict__.get(_HOOKED)
-    if current is None or not getattr(current, "_kvplan_manifest", False):
-        return
-    had = current._kvplan_had
-    if had is None:
-        delattr(manager_class, _HOOKED)
-    else:
-        setattr(manager_class, _HOOKED, had)
+    unwrap(manager_class, _HOOKED, "_kvplan_manifest")

@@ -73,6 +73,7 @@ from kvplan.compat.sglang.templates import (
     _slice_template,
     _state_lens,
 )
+from kvplan.compat.sglang.wrapping import is_wrapped, unwrap, wrap
 
 if TYPE_CHECKING:
     from kvplan.compat.sglang.rounds import IdentityExchange
@@ -688,7 +689,7 @@ def hook_identity(manager_class: type) -> bool:
     from kvplan._errors import IncompatibleHostError
     from kvplan.compat.sglang.rounds import hook_register_info
 
-    if getattr(manager_class.__dict__.get(IDENTITY_HOOKS[0]), "_kvplan_identity", False):
+    if is_wrapped(manager_class.__dict__.get(IDENTITY_HOOKS[0]), "_kvplan_identity"):
         return False
     missing = [n for n in (*IDENTITY_HOOKS, "conclude_failure")
                if not callable(getattr(manager_class, n, None))]
@@ -697,12 +698,7 @@ def hook_identity(manager_class: type) -> bool:
             f"{manager_class.__name__} has no {', '.join(missing)}: kvplan's layout identity "
             f"check at SGLang's NIXL registration was built for SGLang 0.5.23")
     for name in IDENTITY_HOOKS:
-        original = getattr(manager_class, name)
-        wrapper = _HOOK_MAKERS[name](original)
-        wrapper._kvplan_identity = True
-        wrapper._kvplan_had = manager_class.__dict__.get(name)
-        wrapper.__name__ = wrapper.__qualname__ = name
-        setattr(manager_class, name, wrapper)
+        wrap(manager_class, name, "_kvplan_identity", _HOOK_MAKERS[name])
     for klass in manager_class.__mro__:  # the module of SGLang's class, also under a subclass
         info_cls = getattr(sys.modules.get(klass.__module__), "KVArgsRegisterInfo", None)
         if isinstance(info_cls, type):
@@ -714,11 +710,4 @@ def hook_identity(manager_class: type) -> bool:
 def unhook_identity(manager_class: type) -> None:
     """Restore what :func:`hook_identity` wrapped on ``manager_class``."""
     for name in IDENTITY_HOOKS:
-        current = manager_class.__dict__.get(name)
-        if current is None or not getattr(current, "_kvplan_identity", False):
-            continue
-        had = current._kvplan_had
-        if had is None:
-            delattr(manager_class, name)
-        else:
-            setattr(manager_class, name, had)
+        unwrap(manager_class, name, "_kvplan_identity")

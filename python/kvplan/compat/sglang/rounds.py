@@ -57,6 +57,7 @@ from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.model_config import config_kv_heads, config_rope
 from kvplan.compat.sglang.templates import as_index
+from kvplan.compat.sglang.wrapping import unwrap, wrap
 from kvplan.staging import (
     ArenaShares,
     Capabilities,
@@ -620,34 +621,21 @@ def hook_start_up(manager_class: type) -> bool:
     """Wrap ``manager_class.register_buffer_to_engine`` (SGLang calls it once in the
     manager's ``__init__``, after its KV memory is known) so that :func:`start_up` runs after
     it; False when already wrapped or the class has no such method."""
-    current = manager_class.__dict__.get("register_buffer_to_engine")
-    if current is not None and getattr(current, "_kvplan_start_up", False):
-        return False
-    original = getattr(manager_class, "register_buffer_to_engine", None)
-    if original is None:
-        return False
 
-    def register_buffer_to_engine(self: Any) -> None:
-        original(self)
-        if staging_of(self) is None:
-            start_up(self)
+    def make(original: Any) -> Callable[..., None]:
+        def register_buffer_to_engine(self: Any) -> None:
+            original(self)
+            if staging_of(self) is None:
+                start_up(self)
 
-    register_buffer_to_engine._kvplan_start_up = True  # type: ignore[attr-defined]
-    register_buffer_to_engine._kvplan_had = current  # type: ignore[attr-defined]
-    setattr(manager_class, "register_buffer_to_engine", register_buffer_to_engine)
-    return True
+        return register_buffer_to_engine
+
+    return wrap(manager_class, "register_buffer_to_engine", "_kvplan_start_up", make)
 
 
 def unhook_start_up(manager_class: type) -> None:
     """Restore what :func:`hook_start_up` wrapped."""
-    current = manager_class.__dict__.get("register_buffer_to_engine")
-    if current is None or not getattr(current, "_kvplan_start_up", False):
-        return
-    had = current._kvplan_had
-    if had is None:
-        delattr(manager_class, "register_buffer_to_engine")
-    else:
-        setattr(manager_class, "register_buffer_to_engine", had)
+    unwrap(manager_class, "register_buffer_to_engine", "_kvplan_start_up")
 
 
 def detach(manager: Any) -> None:
