@@ -139,20 +139,34 @@ pub(crate) fn from_dict(data: &Bound<'_, PyDict>) -> PyResult<Layout> {
     let representations = optional("representations")?;
     let state_channels = match optional("state_channels")? {
         Some(v) if !v.is_none() => {
-            let list: Vec<Option<(u64, u64, Vec<u64>)>> = v.extract().map_err(|_| {
+            let bad = || {
                 PyTypeError::new_err(format!(
                     "state_channels must be a list of [channels, outer_rows, [shard groups]] or \
                      null per entry, got {}",
                     v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
                 ))
-            })?;
-            list.into_iter()
-                .map(|s| {
-                    s.map(|(c, r, g)| kvplan_core::StateChannels::new(c, r, &g))
-                        .transpose()
-                })
-                .collect::<kvplan_core::Result<Vec<_>>>()
-                .map_err(to_py_err)?
+            };
+            // each split as any sequence of three (to_dict writes tuples, JSON gives lists)
+            let items: Vec<Option<Vec<Bound<'_, PyAny>>>> = v.extract().map_err(|_| bad())?;
+            let mut splits = Vec::with_capacity(items.len());
+            for item in items {
+                let Some(parts) = item else {
+                    splits.push(None);
+                    continue;
+                };
+                let [c, r, g] = parts.as_slice() else {
+                    return Err(bad());
+                };
+                let (c, r, g): (u64, u64, Vec<u64>) = (
+                    c.extract().map_err(|_| bad())?,
+                    r.extract().map_err(|_| bad())?,
+                    g.extract().map_err(|_| bad())?,
+                );
+                splits.push(Some(
+                    kvplan_core::StateChannels::new(c, r, &g).map_err(to_py_err)?,
+                ));
+            }
+            splits
         }
         _ => Vec::new(),
     };
