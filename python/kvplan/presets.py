@@ -51,7 +51,10 @@ Sizes per token per layer (bf16 unless said otherwise):
 State sizes are for TP 1 and are meant to show proportions, not to size a deployment. A layout
 built with ``tp_size > 1`` holds its rank's share: ``kv_heads / tp_size`` KV heads per K/V item
 (at least one head; fewer heads than ranks replicate them), the MLA latent whole, and state
-items divided by the TP size (state sharded over TP along its leading axis).
+items divided by the TP size, each declaring the TP channel split its engine cuts it by
+(``StateSpec``: the GDN conv state's q, k and v sub-blocks, the KDA conv states' 3 rows of
+channels, the recurrent states' heads), so that a template between two TP sizes moves each
+decode rank the channels it holds.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvplan._core import KvPlanError, Layout, ManifestError, heads_per_rank
+from kvplan._core import KvPlanError, Layout, LayoutError, ManifestError, heads_per_rank
 from kvplan.manifests import ManifestComponent, ModelManifest, Sharding
 
 __all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
@@ -78,10 +81,45 @@ _ALIGN = 2 << 20  # entry buffers start on 2 MiB boundaries, as pools registered
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One per-request state component of a linear-attention layer (one slot per request)."""
+    """One per-request state component of a linear-attention layer (one slot per request).
+
+    With ``channels`` the slot declares its TP channel split (``Layout.with_state(channels=,
+    outer_rows=, shard_groups=)``), as the engine cuts it: ``outer_rows`` rows of the model's
+    ``channels`` channels (at TP 1), cut into the sub-blocks ``shard_groups`` (empty: one
+    sub-block), each split evenly over the TP ranks; ``channels`` 0 is a slot replicated on every
+    rank. Without it (``None``) the slot is sharded along its leading bytes."""
 
     name: str
     bytes_per_slot: int
+    #: Model channels at TP 1 (0: replicated; ``None``: no declared split).
+    channels: int | None = None
+    #: Rows before the channel axis (a ``[K - 1, channels]`` conv state: ``K - 1``).
+    outer_rows: int = 1
+    #: The model's sub-blocks of channels at TP 1, in row order (empty: one sub-block).
+    shard_groups: tuple[int, ...] = ()
+
+    def item_len(self, tp_size: int) -> int:
+        """One rank's slot bytes at ``tp_size``: the whole slot when replicated, else its
+        share (``bytes_per_slot / tp_size``)."""
+        return self.bytes_per_slot if self.channels == 0 else self.bytes_per_slot // tp_size
+
+    def split(self, tp_size: int) -> tuple[int, int, list[int] | None] | None:
+        """``(channels per rank, outer rows, shard groups)`` at ``tp_size`` for
+        ``Layout.with_state`` (``None``: no declared split).
+
+        Raises:
+            LayoutError: Channels or a sub-block that ``tp_size`` does not divide evenly.
+        """
+        if self.channels is None:
+            return None
+        if self.channels == 0:
+            return 0, 1, None
+        blocks = self.shard_groups or (self.channels,)
+        if any(b % tp_size for b in blocks):
+            raise LayoutError(
+                f"state {self.name}: sub-blocks of {list(blocks)} channels do not split evenly "
+                f"over tp_size {tp_size}")
+        return self.channels // tp_size, self.outer_rows, list(self.shard_groups) or None
 
 
 @dataclass(frozen=True)
@@ -408,7 +446,7 @@ class ModelPreset:
             for (role, size, rows, sharding, window), layers in merged.items()]
         linear = tuple(self.linear_layers())
         components += [ManifestComponent(spec.name, "state", linear, spec.bytes_per_slot,
-                                         sharding="split")
+                                         sharding="replicated" if spec.channels == 0 else "split")
                        for spec in (self.state if linear else ())]
         return ModelManifest(self.name, self.num_layers, tuple(components))
 
@@ -416,14 +454,20 @@ class ModelPreset:
                    address: int, tp_size: int = 1) -> Layout:
         linear = self.linear_layers(layers)
         for spec in self.state if linear else ():
-            slot = spec.bytes_per_slot // tp_size  # sharded over TP along its leading axis
+            # The rank's share: along the declared channel split, else the leading bytes.
+            slot = spec.item_len(tp_size)
             span = _align(state_slots * slot)
+            split = spec.split(tp_size)
+            extra: dict[str, Any] = {} if split is None else {
+                "channels": split[0], "outer_rows": split[1],
+                "shard_groups": [split[2]] * len(linear)}
             layout = layout.with_state(
                 spec.name,
                 [address + i * span for i in range(len(linear))],
                 [state_slots * slot] * len(linear),
                 slot,
                 linear,
+                **extra,
             )
             address += len(linear) * span
         return layout
@@ -478,13 +522,25 @@ def split_layers(num_layers: int, pp_size: int, counts: Sequence[int] | None = N
     return out
 
 
-_GDN = (StateSpec("mamba_conv", 49_152), StateSpec("mamba_temporal", 2_097_152))
-_KDA = (StateSpec("mamba_conv", 73_728), StateSpec("mamba_temporal", 2_097_152))
+#: The recurrent state of 32 value heads (128 × 128 fp32 each), split over TP by heads.
+_RECURRENT = StateSpec("mamba_temporal", 32 * 128 * 128 * 4, channels=32)
+#: Qwen3-Next's Gated DeltaNet state as SGLang keeps it: the conv state ``[channels, K - 1]``
+#: over ``cat([q, k, v])`` (2048, 2048 and 4096 channels of 3 bf16 steps), each sub-block
+#: head-sharded over TP on its own, and the recurrent state.
+_GDN = (StateSpec("mamba_conv", 49_152, channels=8192, shard_groups=(2048, 2048, 4096)),
+        _RECURRENT)
+#: Kimi-Linear's KDA state as SGLang keeps it: the conv state ``[K - 1, channels]`` (3 rows of
+#: the q, k and v sub-blocks, 4096 bf16 channels each, each sharded over TP on its own), and
+#: the recurrent state.
+_KDA = (StateSpec("mamba_conv", 73_728, channels=3 * 4096, outer_rows=3,
+                  shard_groups=(4096, 4096, 4096)), _RECURRENT)
 #: Kimi-K3's KDA state as vLLM's KDA layer keeps it: one short-convolution state each for q, k
-#: and v (32 heads × 128 channels × 3 steps × bf16) and the recurrent state (fp32).
+#: and v (``[K - 1, channels]``: 3 rows of 32 heads × 128 bf16 channels) and the recurrent state
+#: (fp32), every one sharded over TP by heads.
 _KDA_CONV = 32 * 128 * 3 * 2
-_KDA4 = (StateSpec("kda_conv_q", _KDA_CONV), StateSpec("kda_conv_k", _KDA_CONV),
-         StateSpec("kda_conv_v", _KDA_CONV), StateSpec("kda_recurrent", 32 * 128 * 128 * 4))
+_KDA4 = (*(StateSpec(f"kda_conv_{x}", _KDA_CONV, channels=32 * 128, outer_rows=3)
+           for x in "qkv"),
+         StateSpec("kda_recurrent", 32 * 128 * 128 * 4, channels=32))
 #: Kimi-K3's MLA layers (assumed, see the module docstring): every 4th layer and the last.
 _K3_MLA = (*range(3, 93, 4), 92)
 

@@ -240,9 +240,20 @@ def test_presets_publish_geometry_for_tp() -> None:
     t = kvplan.Template(p, d)
     # Rank 3 of 4 holds head 1 (replicated on ranks 2, 3); decode rank 0 takes it from rank 2.
     assert t.empty_reason is not None and "prefill rank 2 is elected" in t.empty_reason
-    # Sharded state still moves: prefill rank 3's quarter of every state item.
+    # Sharded state still moves: prefill rank 3's quarter of every state item, the GDN conv
+    # state as its q, k and v sub-blocks (2048, 2048, 4096 channels of 6 bytes, each split over
+    # TP on its own) into their places in the decode's whole row, the recurrent state as one
+    # quarter of its heads.
     state = t.plan_state(0, 1)
-    assert len(state) == 36 * 2 and state.total_bytes == (49_152 + 2_097_152) // 4 * 36
+    assert len(state) == 36 * 4 and state.total_bytes == (49_152 + 2_097_152) // 4 * 36
+    conv_s = next(e for e in p.entries("state") if e.role == "mamba_conv")
+    conv_d = next(e for e in d.entries("state") if e.role == "mamba_conv")
+    src, dst, lens = state.as_lists()
+    got = sorted((s - conv_s.data_ptr, t - conv_d.data_ptr - conv_d.stride, n)
+                 for s, t, n in zip(src, dst, lens) if conv_s.data_ptr <= s < conv_s.data_ptr +
+                 conv_s.data_len)
+    assert got == [(0, 1536 * 6, 512 * 6), (512 * 6, (2048 + 1536) * 6, 512 * 6),
+                   (1024 * 6, (4096 + 3072) * 6, 1024 * 6)]
     ds = get_preset("deepseek-v3")
     a = ds.layout(range(61), page_size=64, capacity=2, tp_rank=1, tp_size=8)
     b = ds.layout(range(61), page_size=64, capacity=2, tp_rank=1, tp_size=2, base=1 << 44)

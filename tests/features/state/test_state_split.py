@@ -224,9 +224,6 @@ def test_sides_describing_different_channels_are_refused_by_both(change: str) ->
                        src_slot=0, dst_slot=0)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="Layout.from_dict takes state_channels as tuples only: the JSON form's "
-                          "lists are refused (rust/kvplan-py/src/layout_dict.rs)")
 def test_a_split_layout_round_trips_through_its_json_form() -> None:
     """A layout's dict form read back from JSON (``kvplan explain --prefill FILE``) is the same
     layout, its state channel splits included."""
