@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan.presets import DECODE_BASE, PREFILL_BASE, get_preset
+from kvplan.presets import DECODE_BASE, PREFILL_BASE, ModelPreset, StateSpec, get_preset
 from kvplan.testing.oracle import Memory, apply_plan, reference_copy
 
 TPS = (1, 2, 4, 8)
@@ -63,3 +63,21 @@ def test_hybrid_presets_move_each_decode_rank_the_channels_it_holds(key: str) ->
             for e in dst.entries("state"):
                 lo = e.data_ptr - mem.base
                 assert written[lo:lo + e.item_len].all(), (key, tp_p, tp_d, r_d, e.role)
+
+
+def test_a_tp_size_that_does_not_split_a_state_evenly_is_refused_naming_it() -> None:
+    """qwen3-next's recurrent state has 32 heads: TP 64 cannot split it (before the split was
+    declared, the slot was silently cut into 64 leading-byte shares)."""
+    with pytest.raises(kvplan.LayoutError, match=r"mamba_temporal.*\[32\].*tp_size 64"):
+        get_preset("qwen3-next").layout(range(48), page_size=1, capacity=1, tp_size=64)
+
+
+def test_a_replicated_state_spec_is_whole_on_every_rank_and_replicated_in_the_manifest() -> None:
+    model = ModelPreset("rep", "replicated state", 4, "mha", 64, 2,
+                        (StateSpec("s", 64, channels=0),), kv_heads=2, head_dim=16)
+    for tp in (1, 2, 4):
+        layout = model.layout(range(4), page_size=1, capacity=2, tp_size=tp)
+        entry = layout.entries("state")[0]
+        assert (entry.item_len, layout.state_channels[entry.index]) == (64, (0, 1, []))
+        kvplan.check_manifest(layout, model.manifest())
+    assert model.manifest().components[-1].sharding == "replicated"
