@@ -179,6 +179,84 @@ class ModelManifest:
         """The components' roles, each once, in manifest order."""
         return list(dict.fromkeys(c.role for c in self.components))
 
+    def packed(self, role: str, parts: Sequence[str]) -> ModelManifest:
+        """The manifest as seen by an engine that keeps the components ``parts`` of a layer in
+        one entry of role ``role``: vLLM packs an attention layer's K and V in one region
+        (each page holds, per token and head, the head's K then its V), so its workers are
+        checked against ``manifest.packed("kv", ("k", "v"))``.
+
+        On each layer that holds the parts, their components merge into one of role ``role``
+        whose ``bytes`` are the parts' sum; everything else (kind, rows, sharding, KV heads,
+        window, ring) must be the same for every part and is kept, so a sliding-window layer's
+        K and V become a packed entry with that window. Layers are grouped as the parts'
+        components group them; components of other roles are kept as they are, in order (the
+        merged ones where the first part's component was). A manifest without the parts is
+        returned unchanged.
+
+        Raises:
+            ManifestError: A layer that holds some parts but not all, parts that differ in
+                anything but their bytes, or a layer that already has a component of
+                ``role`` of the same kind, naming the model, the roles, the layers and the
+                fields that differ. (The core's :func:`check_manifest` still decides whether
+                a layout holds the result.)
+        """
+        names = tuple(parts)
+        if len(names) < 2 or len(set(names)) != len(names) or role in names:
+            raise ManifestError(f"manifest of {self.model}: packed({role!r}, {names!r}) needs "
+                                f"two or more distinct part roles other than {role!r}")
+        by_part = {p: [c for c in self.components if c.role == p] for p in names}
+        if not any(by_part.values()):
+            return self
+        shape = ("kind", "tokens_per_row", "sharding", "kv_heads", "window", "ring")
+        where: dict[int, list[ManifestComponent]] = {}
+        for p in names:
+            for c in by_part[p]:
+                for layer in c.layers:
+                    where.setdefault(layer, []).append(c)
+        problems: dict[str, list[int]] = {}  # why -> layers
+        groups: dict[tuple[int, ...], list[int]] = {}  # component ids per part -> layers
+        for layer in sorted(where):
+            held = where[layer]
+            roles = [c.role for c in held]
+            if sorted(roles) != sorted(names):
+                problems.setdefault(f"hold {', '.join(sorted(roles))}, not one each of "
+                                    f"{', '.join(names)}", []).append(layer)
+                continue
+            first = held[0]
+            differ = [f"{f} ({', '.join(f'{c.role} {getattr(c, f)!r}' for c in held)})"
+                      for f in shape if any(getattr(c, f) != getattr(first, f) for c in held)]
+            if differ:
+                problems.setdefault(f"the parts differ in {', '.join(differ)}", []).append(
+                    layer)
+                continue
+            key = tuple(id(next(c for c in held if c.role == p)) for p in names)
+            groups.setdefault(key, []).append(layer)
+        taken = {(layer, c.kind) for c in self.components if c.role == role
+                 for layer in c.layers}
+        clash = sorted({layer for layer in where if (layer, where[layer][0].kind) in taken})
+        if clash:
+            problems[f"already have a {role!r} component"] = clash
+        if problems:
+            raise ManifestError(
+                f"manifest of {self.model}: cannot pack {', '.join(names)} into one {role!r} "
+                f"entry per layer: " + "; ".join(f"layers {_layers_text(layers)} {why}"
+                                                 for why, layers in problems.items()))
+        ids = {id(c): c for p in names for c in by_part[p]}
+        merged: dict[int, list[ManifestComponent]] = {}  # first part's component id -> merged
+        for key, layers in groups.items():
+            parts_of = [ids[i] for i in key]
+            first = parts_of[0]
+            merged.setdefault(key[0], []).append(ManifestComponent(
+                role, first.kind, tuple(layers), sum(c.bytes for c in parts_of),
+                first.tokens_per_row, first.sharding, first.kv_heads, first.window, first.ring))
+        out: list[ManifestComponent] = []
+        for c in self.components:
+            if c.role not in names:
+                out.append(c)
+            else:
+                out.extend(merged.get(id(c), ()))
+        return ModelManifest(self.model, self.num_layers, tuple(out))
+
     def without(self, role: str, layers: Sequence[int] | None = None) -> ModelManifest:
         """The manifest with component ``role`` removed (on ``layers`` only, when given)."""
         drop = None if layers is None else set(layers)
@@ -272,7 +350,8 @@ def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
     """A drop-in's start-up check of its own layout (one TP rank of one PP stage) against the
     manifest its configuration names: :func:`check_manifest`, one INFO line when it holds, else
     one ERROR line and :class:`ManifestError`, both naming the model, ``engine`` (the drop-in
-    and its setting) and this rank's TP and PP coordinates. The core decides; nothing here.
+    and its setting), this rank's TP and PP coordinates and, where the layout has them, its KV
+    heads (the rank's and the model's). The core decides; nothing here.
 
     Raises:
         ManifestError: The core's refusal, its message prefixed with the engine and the
@@ -280,7 +359,9 @@ def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
     """
     where = (f"TP rank {layout.tp_rank} of {layout.tp_size}, PP rank {layout.pp_rank} of "
              f"{layout.pp_size}" + ("" if stage is None else
-                                     f", stage layers {_span_text(stage)}"))
+                                     f", stage layers {_span_text(stage)}")
+             + ("" if layout.kv_heads is None else
+                f", {layout.heads_per_rank} of {layout.kv_heads} KV heads"))
     try:
         check_manifest(layout, manifest, stage=stage)
     except ManifestError as err:
@@ -292,6 +373,17 @@ def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
         raise refusal from err
     log.info("kvplan: %s: this worker (%s) holds every component of the manifest of %s",
              engine, where, manifest.model)
+
+
+def _layers_text(layers: Sequence[int]) -> str:
+    """Layer ids as ranges (``0-3, 7``)."""
+    runs: list[list[int]] = []
+    for layer in sorted(set(layers)):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _span_text(stage: range | tuple[int, int]) -> str:

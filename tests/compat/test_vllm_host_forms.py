@@ -225,11 +225,12 @@ def test_unknown_or_bad_kvplan_option_is_refused(v, extra, option):
     if option == "kvplan_max_blocks":
         assert str(err.value) == (
             "kv_connector_extra_config: 'kvplan_max_blocks' is not an option of "
-            "KvplanMooncakeConnector (its kvplan options: kvplan_max_blocks_per_batch, "
-            "kvplan_staging, kvplan_staging_arena_mib, kvplan_staging_buffers, "
+            "KvplanMooncakeConnector (its kvplan options: kvplan_manifest, "
+            "kvplan_max_blocks_per_batch, kvplan_staging, kvplan_staging_arena_mib, kvplan_staging_buffers, "
             "kvplan_staging_costs, kvplan_staging_timeout_s); keys beginning with 'kvplan' "
             "are kvplan's, and an unknown one is refused rather than ignored")
-        assert err.value.known == ("kvplan_max_blocks_per_batch", "kvplan_staging",
+        assert err.value.known == ("kvplan_manifest", "kvplan_max_blocks_per_batch",
+                                   "kvplan_staging",
                                    "kvplan_staging_arena_mib", "kvplan_staging_buffers",
                                    "kvplan_staging_costs", "kvplan_staging_timeout_s")
 
@@ -243,13 +244,13 @@ def test_known_kvplan_option_is_applied_and_vllm_keys_pass(v):
     worker.shutdown()
 
 
-def test_nixl_connector_takes_no_kvplan_option():
+def test_nixl_connector_takes_only_the_manifest_option():
     from kvplan.compat.vllm import forms as vllm_forms
 
     config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
         kv_connector_extra_config={"kvplan_max_blocks_per_batch": 64}))
     with pytest.raises(kvplan.ConfigError, match="not an option of KvplanNixlConnector "
-                       r"\(its kvplan options: none\)"):
+                       r"\(its kvplan options: kvplan_manifest\)"):
         vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME)
     config.kv_transfer_config.kv_connector_extra_config = {"transfer_mode": "pull"}
     assert vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME) == {}

@@ -322,6 +322,55 @@ def test_identity_survives_vllms_restore_kv_caches(nixl: Any, connector: Any) ->
     assert fields[IDENTITY_KEY]["class_id"] == vllm_nixl.peer_check(prefill).local.class_id
 
 
+@pytest.mark.parametrize("spec, refused", [
+    ("qwen3-235b:3", None), ("qwen3-235b:4", "missing"), ("deepseek-v3:3", "item_size")])
+def test_register_kv_caches_checks_the_manifest(nixl: Any, connector: Any,
+                                                monkeypatch: pytest.MonkeyPatch, spec: str,
+                                                refused: str | None) -> None:
+    """``kvplan_manifest`` on the NIXL connector: its worker's ``register_kv_caches`` checks the
+    regions vLLM registered (one per attention layer, K and V in each page; layer ids from
+    ``region_names``) against the manifest, and refuses before advertising anything."""
+    import ast
+    import importlib
+
+    from kvplan import ManifestError
+    from kvplan.compat.vllm.manifest import MANIFEST_ATTR
+    from kvplan.presets import load_manifest
+
+    # vLLM's own extract_layer_index (its module imports torch; the function reads none of it)
+    path = os.path.join(nixl.vllm.root, "model_executor", "models", "utils.py")
+    with open(path, encoding="utf-8") as f:
+        node = next(n for n in ast.parse(f.read()).body
+                    if isinstance(n, ast.FunctionDef) and n.name == "extract_layer_index")
+    names_of: dict[str, Any] = {}
+    exec(compile(ast.Module([node], []), path, "exec"), names_of)  # noqa: S102
+    utils = importlib.import_module("vllm.model_executor.models.utils")
+    monkeypatch.setattr(utils, "extract_layer_index", names_of["extract_layer_index"],
+                        raising=False)
+    w = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    # Qwen3's geometry: 4 KV heads of 128 bf16, K then V in each cell of a page
+    block = BLOCK * HEADS * 2 * 256
+    w.__dict__.update(
+        kv_caches_base_addr={"prefill-0": {0: [(1 << 32) + i * block * BLOCKS
+                                               for i in range(LAYERS)]}},
+        block_len_per_layer=[block] * LAYERS, region_names=names,
+        _layer_specs=dict.fromkeys(names, nixl.vllm.kvi.FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=128, dtype=None,
+            state_content_bytes=512)),
+        **{MANIFEST_ATTR: load_manifest(spec)})
+    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "register_kv_caches",
+                        lambda self, kv_caches: None)
+    if refused is None:
+        w.register_kv_caches({})
+        assert w.xfer_handshake_metadata is None  # vLLM's part is a no-op here
+        return
+    with pytest.raises(ManifestError) as err:
+        w.register_kv_caches({})
+    assert [p[0] for p in err.value.problems] == [refused]
+    assert "KvplanNixlConnector (kvplan_manifest)" in str(err.value)
+
+
 def test_no_identity_at_pp_dcp_pcp_or_mamba(nixl: Any, connector: Any) -> None:
     for attrs in ({"pp_size": 2}, {"dcp_size": 2}, {"pcp_size": 2}, {"_has_mamba": True}):
         w = worker(connector, nixl, "prefill-0", vllm_config("kv_producer"), base=1 << 32)

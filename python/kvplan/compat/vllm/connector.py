@@ -39,7 +39,9 @@ def _connector_class() -> type:
                 out = super().register_kv_caches(*args, **kwargs)
                 # kvplan_manifest: this worker's layout against the model's manifest, once
                 # its regions are known (ManifestError: the worker does not start)
-                manifest.check_worker_manifest(self, CONNECTOR_NAME)
+                from kvplan.compat.vllm.staging import manifest_layout
+
+                manifest.check_worker_manifest(self, CONNECTOR_NAME, manifest_layout)
                 return out
 
         install(KvplanMooncakeConnectorWorker)

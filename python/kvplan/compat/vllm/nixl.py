@@ -52,7 +52,7 @@ import sys
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
-from kvplan.compat.vllm import forms
+from kvplan.compat.vllm import forms, manifest
 from kvplan.compat._methods import MethodPatches, require_method
 from kvplan.failures import FailureVerdict, verdict_for_plan
 
@@ -60,7 +60,7 @@ __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_wor
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
            "report_load_failure", "report_failed_batch", "kv_cache_group_count",
            "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
-           "worker_identity", "worker_layout"]
+           "manifest_layout", "worker_identity", "worker_layout"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -264,6 +264,9 @@ def connector_class() -> type:
 
             def register_kv_caches(self, *args: Any, **kwargs: Any) -> Any:
                 out = super().register_kv_caches(*args, **kwargs)
+                # kvplan_manifest: this worker's regions against the model's manifest
+                # (ManifestError: the worker does not start)
+                manifest.check_worker_manifest(self, CONNECTOR_NAME, manifest_layout)
                 advertise_identity(self)
                 return out
 
@@ -287,11 +290,14 @@ def connector_class() -> type:
 
             def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
                 # kvplan's options first: an unknown one refuses before anything starts
-                forms.kvplan_options(vllm_config, CONNECTOR_NAME)
+                options = forms.kvplan_options(vllm_config, CONNECTOR_NAME)
                 super().__init__(vllm_config, role, kv_cache_config)
                 if self.connector_worker is not None:
                     # vLLM's constructor names its worker class; the subclass adds no state.
                     self.connector_worker.__class__ = KvplanNixlConnectorWorker
+                    if manifest.OPTION in options:
+                        self.connector_worker.__dict__[manifest.MANIFEST_ATTR] = options[
+                            manifest.OPTION]
                     # vLLM's series plus kvplan:layout_info
                     self.connector_worker.xfer_stats = stats_cls()
 
@@ -349,6 +355,47 @@ def worker_layout(worker: Any) -> Any:
                                    tp_size=int(d.get("world_size", 1) or 1))
     return regions_layout(ptrs, items, None, blocks=blocks, context=context,
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+
+
+def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:
+    """The NIXL worker's :func:`worker_layout` for its ``kvplan_manifest`` check
+    (``manifest.roles_layout``: each region's role and window from its layer's spec, and
+    whether a region packs K and V), its layer ids read from ``region_names`` (the layer each
+    region was registered for; vLLM's NIXL worker records no index) by vLLM's
+    ``extract_layer_index``.
+
+    Raises:
+        ManifestError: A region name without a layer id, or what ``manifest.roles_layout``
+            refuses (a worker kvplan builds no layout of: Mamba state, a PP, DCP or PCP size
+            above 1, heads not whole), naming why; logged at ERROR first.
+    """
+    from kvplan._core import ManifestError
+
+    d = worker.__dict__
+    names = [str(n) for n in d.get("region_names") or ()]
+    ids: list[int] = []
+    if names:
+        extract = _extract_layer_index()
+        try:
+            ids = [int(extract(n)) for n in names]
+        except (AssertionError, ValueError, TypeError) as exc:
+            err = ManifestError(
+                f"kvplan: {engine}: cannot check the manifest at start-up: vLLM's "
+                f"extract_layer_index reads no layer id from the region names {names!r:.300} "
+                f"({exc}). Remove {manifest.OPTION} to start without the check")
+            manifest.logger.error("%s", err)
+            raise err from exc
+    layout = worker_layout(worker) if names else None
+    return manifest.roles_layout(
+        layout, names, ids, d.get("_layer_specs") or {}, engine,
+        "kvplan builds no layout of this NIXL worker (a model with Mamba state, a PP, DCP or "
+        "PCP size above 1, or regions that do not hold whole KV heads alike)")
+
+
+def _extract_layer_index() -> Any:
+    import importlib
+
+    return importlib.import_module("vllm.model_executor.models.utils").extract_layer_index
 
 
 def worker_identity(worker: Any) -> Any:

@@ -71,7 +71,7 @@ from kvplan.staging import (
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
            "report_unwritten", "send_request", "staged_requests", "unwritten_verdict",
-           "worker_identity", "worker_roles",
+           "manifest_layout", "worker_identity", "worker_roles",
            "worker_semantics"]
 
 logger = logging.getLogger("kvplan.compat.vllm")
@@ -724,6 +724,25 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
         pp_size=int(d.get("pp_size", 1) or 1))
     return regions_layout(ptrs, items, ids, blocks=blocks, context=context,
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+
+
+def manifest_layout(worker: Any, engine: str) -> tuple[kvplan.Layout, bool]:
+    """The Mooncake worker's :func:`worker_layout` for its ``kvplan_manifest`` check
+    (``manifest.roles_layout`` of its registered layer names, indices and specs: each region's
+    role and window, and whether a region packs K and V).
+
+    Raises:
+        ManifestError: What ``manifest.roles_layout`` refuses, naming why.
+    """
+    from kvplan.compat.vllm.manifest import roles_layout
+
+    d = worker.__dict__
+    names = [str(n) for n in d.get("registered_layer_names") or ()]
+    ids = [int(i) for i in d.get("registered_layer_indices") or ()]
+    layout = worker_layout(worker) if names else None
+    return roles_layout(layout, names, ids, d.get("_layer_specs") or {}, engine,
+                        "its regions do not hold whole KV heads alike (kvplan builds no layout "
+                        "of it)")
 
 
 def worker_identity(worker: Any, semantics: ModelSemantics | None = None) -> Any:
