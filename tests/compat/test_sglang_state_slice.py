@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvplan
-from kvplan import Layout, Template
+from kvplan import Layout, Template, capabilities
 from kvplan.compat import sglang as compat
 from support.sglang_models import load_sglang_or_fail
 
@@ -173,8 +173,8 @@ def test_descriptor_tables_refuse_a_sliced_state_template() -> None:
     with pytest.raises(kvplan.UnsupportedError, match="moves 1 state pairs") as err:
         t.descriptor_table("src")
     assert (err.value.planner, err.value.feature) == ("descriptor_table", "sliced_state")
-    assert not kvplan.capabilities.supports("descriptor_table", "sliced_state")
-    assert kvplan.capabilities.supports("plan_batch", "sliced_state")
+    assert not capabilities.supports("descriptor_table", "sliced_state")
+    assert capabilities.supports("plan_batch", "sliced_state")
 
 
 def test_one_side_split_is_refused() -> None:

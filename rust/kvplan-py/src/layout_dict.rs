@@ -55,11 +55,21 @@ pub(crate) fn to_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bound<'
         dict.set_item("representations", representation_texts(layout))?;
     }
     if layout.entries().iter().any(|e| e.channels().is_some()) {
-        let splits: Vec<Option<(u64, u64, Vec<u64>)>> = layout
-            .state_channels()
-            .into_iter()
-            .map(|s| s.map(|s| (s.channels, s.outer_rows, s.groups().to_vec())))
-            .collect();
+        // Lists, not tuples: the document is JSON.
+        let splits = PyList::empty(py);
+        for split in layout.state_channels() {
+            match split {
+                None => splits.append(py.None())?,
+                Some(s) => {
+                    let item = [
+                        s.channels.into_py_any(py)?,
+                        s.outer_rows.into_py_any(py)?,
+                        s.groups().to_vec().into_py_any(py)?,
+                    ];
+                    splits.append(PyList::new(py, item)?)?;
+                }
+            }
+        }
         dict.set_item("state_channels", splits)?;
     }
     dict.set_item("page_size", ctx.page_size)?;
