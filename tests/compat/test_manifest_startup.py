@@ -31,22 +31,9 @@ import pytest
 from kvplan import ManifestError
 from kvplan.manifests import ManifestComponent, ModelManifest
 from kvplan.presets import PRESETS, load_manifest
+from support.log_records import records
 
 
-@contextmanager
-def records(logger: str) -> Iterator[list[logging.LogRecord]]:
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = got.append  # type: ignore[method-assign]
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
-        yield got
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 # ------------------------------------------------------------------------ the JSON form

@@ -26,6 +26,7 @@ import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+from support.log_records import records as log_records  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
@@ -194,20 +195,10 @@ def handshake(decode: Any, prefill: Any) -> Any:
     return decode._nixl_handshake("127.0.0.1", 5600, 1, prefill.engine_id)
 
 
-@contextmanager
-def records() -> Iterator[list[logging.LogRecord]]:
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = got.append  # type: ignore[method-assign]
-    log = logging.getLogger(vllm_nixl.logger.name)
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
-        yield got
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+
+def records() -> Any:
+    """What kvplan's vLLM NIXL logger says while the block runs."""
+    return log_records(vllm_nixl.logger.name)
 
 
 MISMATCHES = [
