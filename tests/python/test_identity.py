@@ -121,8 +121,12 @@ def reference_ids(layout: Layout, s: ModelSemantics) -> tuple[bytes, str, str]:
             pool = layout.entry_pools[i]
             assert pool is not None
             shape = b"\x00" + _uvarint(pool) + _opt(layout.windows[i])
-        else:
+        elif layout.state_channels[i] is None:
             shape = b"\x01" + _opt(layout.rings[i])
+        else:  # a state entry with a TP channel split
+            channels, outer_rows, groups = layout.state_channels[i]
+            shape = b"\x02" + _opt(layout.rings[i]) + _uvarint(channels) + _uvarint(outer_rows)
+            shape += _uvarint(len(groups)) + b"".join(_uvarint(g) for g in groups)
         representation = layout.representations[i]
         shape += _text(roles[i] or "") + bytes([layout.drafts[i]]) + _uvarint(layout.item_lens[i])
         shape += _uvarint(layout.strides[i])
