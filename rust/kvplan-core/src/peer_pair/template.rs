@@ -1090,12 +1090,14 @@ impl Template {
     pub fn asked_by<S: PageIndex, D: PageIndex>(&self, request: &Request<'_, S, D>) -> Asked {
         let pages = !request.is_slot();
         let given = pages && request.n_tokens.is_some();
+        let template = self.asked();
+        let sliced = template.sliced_state_pairs > 0;
         Asked {
             skip_tokens: request.skip_tokens,
             n_tokens_given: given && !self.by_token(),
             ring_positions: request.n_tokens.unwrap_or(0),
             state_slot: request.state_slot.unwrap_or_default(),
-            ..self.asked()
+            ..template
         }
         .with(Feature::Delta, request.skip_tokens > 0)
         .with(Feature::StateSlot, !pages)
@@ -1108,7 +1110,7 @@ impl Template {
         .with(
             // a page request moves no state pair: only a request that carries a slot asks
             Feature::SlicedState,
-            (!pages || request.state_slot.is_some()) && self.sliced_state_pairs() > 0,
+            (!pages || request.state_slot.is_some()) && sliced,
         )
         .with(
             Feature::TokenPlan,
