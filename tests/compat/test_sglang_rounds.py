@@ -319,40 +319,67 @@ def test_auto_without_measured_costs_keeps_the_direct_path(sg: Any) -> None:
 AUTO = StagingConfig(mode="auto", arena_mib=1, buffers=2, timeout_s=5.0)
 
 
-def test_auto_with_measured_costs_stages_fragmented_and_keeps_contiguous_direct(
-        sg: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """``auto`` with the costs ``start_up`` settles (measured here for real on Mooncake TCP
-    loopback, as in a server): the fragmented request (one direct block per token and layer)
-    is staged, its log line saying why; a contiguous one (one direct block per layer) stays
-    direct. The decisions rest on the block counts: any measured costs give them."""
+def test_auto_follows_the_advice_with_measured_and_with_given_costs(
+        sg: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` asks the advice per request and takes the path it names, byte-exact either way.
+
+    First with the costs ``start_up`` settles, measured here for real on Mooncake TCP
+    loopback as in a server: what they advise depends on the machine's load at that moment,
+    so the expected path is the advice itself. Then with fixed costs of this machine's order
+    (3 µs a block, 2 GB/s network, 9 GB/s copy): the fragmented request (one direct block per
+    token and layer) is staged, its log line saying why; a contiguous one (one direct block
+    per layer) stays direct."""
     costs, said = startup_costs(AUTO, logging.getLogger("kvplan.compat.sglang"),
                                 option="KVPLAN_STAGING_COSTS")
     assert costs is not None and said.startswith("measured costs per_block_s="), said
+    advised: list[Any] = []
+    choose = rounds.choose_path
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        choice = choose(*args, **kwargs)
+        advised.append(choice)
+        return choice
+
+    monkeypatch.setattr(rounds, "choose_path", recording)
     pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
     try:
         net = Net([pre, dec])
         p, d = _attach(pmgr, pre, net, AUTO, costs), _attach(dmgr, dec, net, AUTO, costs)
         assert p.costs is costs
         assert isinstance(_register(p, d, dec.session), StagingAgreement)
-        src, dst = _mla_pages()
-        before = dec.memory.copy()
-        with caplog.at_level(logging.INFO, logger="kvplan.compat.sglang"):
+        fragmented = _mla_pages()
+        contiguous = (np.arange(TOKENS, dtype=np.int32), np.arange(TOKENS, dtype=np.int32) + 7)
+
+        def send(src: np.ndarray, dst: np.ndarray) -> str:
+            """Sends one request and checks the decode's bytes; the path it took."""
+            advised.clear()
+            engine.blocks = 0
+            before = dec.memory.copy()
             assert _send_mla(pmgr, dec, src, dst) == 0
-        kind, report = p.last[dec.session]
-        assert kind == "staged" and report.rounds >= 2
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+            np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+            assert len(advised) == 1 and advised[0].advice is not None, advised
+            kind, _ = p.last[dec.session]
+            assert kind == advised[0].path
+            if kind == "direct":
+                assert engine.blocks == advised[0].advice.direct_blocks
+            return str(kind)
+
+        send(*fragmented)
+        send(*contiguous)
+        p.costs = kvplan.TransferCost(per_block_s=3e-6, network_bytes_per_s=2e9,
+                                      copy_bytes_per_s=9e9)
+        with caplog.at_level(logging.INFO, logger="kvplan.compat.sglang"):
+            caplog.clear()
+            assert send(*fragmented) == "staged"
+        _, report = p.last[dec.session]
+        assert report.rounds >= 2
         lines = [r.getMessage() for r in caplog.records if "staged request" in r.getMessage()]
         assert len(lines) == 1 and f"(direct plan: {LAYERS * TOKENS} blocks); why: staged: " \
             f"direct {LAYERS * TOKENS} blocks" in lines[0], lines
-        # contiguous on both sides: one direct block per layer
-        engine.blocks = 0
-        src, dst = np.arange(TOKENS, dtype=np.int32), np.arange(TOKENS, dtype=np.int32) + 7
-        before = dec.memory.copy()
-        assert _send_mla(pmgr, dec, src, dst) == 0
-        kind, why = p.last[dec.session]
-        assert kind == "direct" and why.startswith(f"direct: direct {LAYERS} blocks"), why
+        assert send(*contiguous) == "direct"
+        _, why = p.last[dec.session]
+        assert why.startswith(f"direct: direct {LAYERS} blocks"), why
         assert engine.blocks == LAYERS
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
     finally:
         pre.close()
         dec.close()

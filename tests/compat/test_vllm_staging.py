@@ -746,11 +746,17 @@ def test_connector_settles_the_costs_auto_advises_with_and_says_which(
         worker.shutdown()
 
 
-def test_auto_with_measured_costs_stages_fragmented_and_keeps_contiguous_direct(
-        v: Any, patched: Any, engines: Any) -> None:
-    """``auto`` with the costs the connector's start-up settles (measured here for real on
-    Mooncake TCP loopback): a fragmented request is staged, a contiguous one stays vLLM's
-    direct path; both land as vLLM's own plan would."""
+def test_auto_follows_the_advice_with_measured_and_with_given_costs(
+        v: Any, patched: Any, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` asks the advice per request and takes the path it names; both paths land as
+    vLLM's own plan would.
+
+    First with the costs the connector's start-up settles, measured here for real on Mooncake
+    TCP loopback: what those costs advise depends on the machine's load at that moment, so the
+    expected path is the advice itself. Then with fixed costs of this machine's order (3 µs a
+    block, 2 GB/s network, 9 GB/s copy), where a fragmented request is staged and a contiguous
+    one keeps vLLM's direct path."""
+    import kvplan
     from kvplan.staging import startup_costs
 
     p_engine, d_engine = engines
@@ -762,29 +768,49 @@ def test_auto_with_measured_costs_stages_fragmented_and_keeps_contiguous_direct(
     decode = Side(v, v.MooncakeConnectorWorker, d_engine, mla=True, tp_rank=0, tp_size=1,
                   total_heads=1, head_bytes=256, seed=None)
     p_staging = start(prefill, p_engine, mode="auto")
-    p_staging.costs = costs
     d_staging = start(decode, d_engine, mode="auto")
     d_staging.serve(decode.worker)
     prefill.worker.xfer_stats = stats_for(v)
-    requests = {"req-f": fragmented_ids(70, 5)}
-    meta, ready = pull(v, prefill, decode, d_staging, requests)
-    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
-    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
-    assert err_reqs == [] and err_msg is None
-    assert len(src) == 0 and direct_blocks == 70 * LAYERS  # staged: no direct columns
-    assert d_staging.stream("req-f@tp0").loaded
-    np.testing.assert_array_equal(decode.memory, want)
-    # contiguous on both sides: vLLM's direct path, one block per region
-    decode.memory[:] = SENTINEL
-    requests = {"req-c": (list(range(10, 80)), list(range(20, 90)))}
-    meta, ready = pull(v, prefill, decode, d_staging, requests)
-    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
-    src, dst, lengths, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
-    assert err_reqs == [] and err_msg is None
-    assert len(src) == direct_blocks == LAYERS  # the direct columns, as vLLM plans them
-    p_engine.engine.batch_transfer_sync_write(d_engine.session, list(src), list(dst),
-                                              list(lengths))
-    np.testing.assert_array_equal(decode.memory, want)
+    advised: list[Any] = []
+    choose = vstaging.choose_path
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        choice = choose(*args, **kwargs)
+        advised.append(choice)
+        return choice
+
+    monkeypatch.setattr(vstaging, "choose_path", recording)
+
+    def send(name: str, ids: tuple[list[int], list[int]]) -> str:
+        """Sends request ``name`` and checks the decode's bytes; the path it took."""
+        decode.memory[:] = SENTINEL
+        advised.clear()
+        meta, ready = pull(v, prefill, decode, d_staging, {name: ids})
+        want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
+        src, dst, lengths, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+        assert err_reqs == [] and err_msg is None
+        assert len(advised) == 1 and advised[0].advice is not None, advised
+        if advised[0].staged:
+            assert len(src) == 0  # staged: no direct columns
+            assert d_staging.stream(f"{name}@tp0").loaded
+        else:
+            assert len(src) == direct_blocks  # the direct columns, as vLLM plans them
+            p_engine.engine.batch_transfer_sync_write(d_engine.session, list(src), list(dst),
+                                                      list(lengths))
+        np.testing.assert_array_equal(decode.memory, want)
+        return advised[0].path
+
+    fragmented = fragmented_ids(70, 5)
+    contiguous = (list(range(10, 80)), list(range(20, 90)))
+    p_staging.costs = costs
+    send("req-f", fragmented)
+    send("req-c", contiguous)
+    p_staging.costs = kvplan.TransferCost(per_block_s=3e-6, network_bytes_per_s=2e9,
+                                          copy_bytes_per_s=9e9)
+    assert send("req-f2", fragmented) == "staged"
+    assert advised[0].advice.direct_blocks == 70 * LAYERS
+    assert send("req-c2", contiguous) == "direct"
+    assert advised[0].advice.direct_blocks == LAYERS
 
 
 def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,
