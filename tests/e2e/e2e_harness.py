@@ -686,8 +686,10 @@ class Results:
     env_passed: int = 0
     env_failed: int = 0
     retried: list[str] = field(default_factory=list)
+    suffix: str = ""
 
     def record(self, name: str, ok: bool, detail: str = "") -> None:
+        name += self.suffix
         if ok:
             self.passed += 1
             self.env_passed += int(self.environment)
@@ -718,9 +720,10 @@ class Results:
         self.record(name, True, detail or "")
         return True
 
-    def part(self, *, environment: bool) -> Results:
-        """An empty Results for one set's cases, to :meth:`absorb` (or retry) afterwards."""
-        return Results(environment=environment)
+    def part(self, *, environment: bool, suffix: str = "") -> Results:
+        """An empty Results for one set's cases, to :meth:`absorb` (or retry) afterwards;
+        ``suffix`` is added to each of its case names (`` [retry]``)."""
+        return Results(environment=environment, suffix=suffix)
 
     def absorb(self, part: Results) -> None:
         self.passed += part.passed
@@ -730,14 +733,18 @@ class Results:
         self.env_failed += part.env_failed
         self.lines += part.lines
 
-    def note_retry(self, label: str, part: Results) -> None:
-        """``part`` (a reference set's first run) failed: say so, keep its lines out of the
-        counts, and let the driver run the set again."""
-        note = (f"{label}: {part.failed} of {part.passed + part.failed} cases of the engine's "
-                f"own connector failed: an environment failure, not kvplan's; the set runs "
+    def note_retry(self, label: str, part: Results, cause: str = "") -> None:
+        """``part`` (a set's first run) failed for the environment: say so, keep its lines out
+        of the counts, and let the driver run the set again. Without ``cause`` the set is one
+        of the engine's own connector; ``cause`` names what else failed (the log and line that
+        show it)."""
+        counts = f"{part.failed} of {part.passed + part.failed}"
+        what = f"cases failed after {cause}" if cause else \
+            "cases of the engine's own connector failed"
+        note = (f"{label}: {counts} {what}: an environment failure, not kvplan's; the set runs "
                 f"once more and that run counts")
-        self.retried.append(f"{label} ({part.failed} of {part.passed + part.failed} failed "
-                            f"on the first run)")
+        self.retried.append(f"{label} ({counts} failed on the first run"
+                            + (f"; {cause})" if cause else ")"))
         line = f"RETRY {note}"
         self.lines.append(line)
         print(line, flush=True)

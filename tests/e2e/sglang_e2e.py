@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -21,13 +22,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_harness as harness  # noqa: E402
+import sglang_race as race  # noqa: E402
 import sglang_staged_case as staged_case  # noqa: E402
 from e2e_harness import (  # noqa: E402
     HttpError, Results, Server, SetupError, TinyModel, TinyQwen3Next, Venv, log)
@@ -179,6 +181,13 @@ class Engine:
     log_dir: Path
     ports: Ports
     nixl: Path | None = None  # the folder NIXL is installed in
+    suffix: str = ""  # added to every server's name (a group's second run: "-retry")
+    made: list[Server] = field(default_factory=list)  # every server made, in order
+
+    def retrying(self) -> Engine:
+        """The same engine for a group's second run: its servers' names end in ``-retry``;
+        the ports and the list of servers made are shared, so every server is new."""
+        return dataclasses.replace(self, suffix="-retry")
 
     def env(self, *, kvplan: bool, backend: str = "mooncake") -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -215,6 +224,7 @@ class Engine:
     def server(self, name: str, model: TinyModel | TinyQwen3Next, *, page_size: int,
                mode: str | None = None, kvplan: bool = False, pp_size: int = 1,
                backend: str = "mooncake", served_name: str | None = None) -> SGLangServer:
+        name += self.suffix
         port = self.ports.take()
         # One served name per architecture, as a deployment serves one model under one name:
         # kvplan's identity check compares it (the weights' folders differ between the
@@ -251,6 +261,7 @@ class Engine:
         if mode == "decode":
             # The default backup (host_pool) registers host memory with CUDA at start-up.
             argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        self.made.append(server)
         return server
 
     def router(self, name: str, prefill: SGLangServer, decode: SGLangServer, *,
@@ -262,8 +273,10 @@ class Engine:
                 "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port)]
         if mini_lb:
             argv.append("--mini-lb")
-        return Server(name=name, argv=argv, port=port, env=self.env(kvplan=False),
-                      log_dir=self.log_dir, ready_path="/health")
+        server = Server(name=name + self.suffix, argv=argv, port=port,
+                        env=self.env(kvplan=False), log_dir=self.log_dir, ready_path="/health")
+        self.made.append(server)
+        return server
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,20 +313,39 @@ _rooms = random.Random(7)
 def pd_generate(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[int],
                 n: int = MAX_NEW_TOKENS) -> tuple[dict[str, Any], Any]:
     """Post one request to the prefill and the decode at once (what SGLang's load balancers do);
-    returns the decode's response and the prefill's (or the exception each raised)."""
+    returns the decode's response and the prefill's (or the exception each raised). Gives up
+    with :class:`sglang_race.TransferThreadDied` once the prefill's log shows its transfer
+    thread dead of SGLang's race (the request would only wait out its timeout)."""
     body = generate_body(ids, n)
     body.update(bootstrap_host="127.0.0.1",
                 bootstrap_port=prefill.bootstrap_port,
                 bootstrap_room=_rooms.randrange(1, 2**62))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
         fut_p = pool.submit(harness.http_json, prefill.url + "/generate", body, REQUEST_TIMEOUT_S)
         fut_d = pool.submit(harness.http_json, decode.url + "/generate", body, REQUEST_TIMEOUT_S)
-        d = fut_d.result()
-        try:
-            p: Any = fut_p.result()
-        except Exception as exc:  # the prefill's answer only matters for the failure case
-            p = exc
+        race.wait_watching([fut_d, fut_p], [prefill.log_path])
+    finally:
+        pool.shutdown(wait=False)  # given up: the requests end when the servers stop
+    d = fut_d.result()
+    try:
+        p: Any = fut_p.result()
+    except Exception as exc:  # the prefill's answer only matters for the failure case
+        p = exc
     return d, p
+
+
+def routed_generate(router: Server, prefill: SGLangServer, ids: Sequence[int],
+                    n: int = MAX_NEW_TOKENS) -> list[int]:
+    """One request through ``router``; gives up like :func:`pd_generate` once ``prefill``'s
+    transfer thread is dead of SGLang's race."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        answer = pool.submit(plain_generate, router, ids, n)
+        race.wait_watching([answer], [prefill.log_path])
+    finally:
+        pool.shutdown(wait=False)
+    return answer.result()
 
 
 def transfer_metrics(prefill: SGLangServer) -> dict[str, float]:
@@ -377,13 +409,13 @@ def compare_all(name: str, results: Results, reference: list[list[int]],
     results.check(name, body)
 
 
-def wait_for_workers(router: Server, timeout_s: float = 180.0) -> None:
+def wait_for_workers(router: Server, prefill: SGLangServer, timeout_s: float = 180.0) -> None:
     """The router answers /health before it has registered its workers (it does that in the
     background); until then a request gets 503 ``server_selection_failed``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            plain_generate(router, [5], 1)
+            routed_generate(router, prefill, [5], 1)
             return
         except HttpError as exc:
             if exc.status != 503 or time.monotonic() > deadline:
@@ -394,6 +426,23 @@ def wait_for_workers(router: Server, timeout_s: float = 180.0) -> None:
 def installed_line(server: SGLangServer) -> bool:
     return f"kvplan installed into sglang.srt.disaggregation.{server.backend}.conn" in \
         server.log_path.read_text(errors="replace")
+
+
+SGLANG_REFERENCE = "SGLang's MooncakeKVManager, page size 1 (the reference)"
+
+
+def run_group(results: Results, engine: Engine, label: str,
+              body: Callable[[Engine, Results], None], *, reference: bool = False) -> None:
+    """One group of cases on its own servers: ``body(engine, part)`` makes the servers from
+    ``engine``, records its cases into ``part`` and stops the servers. A failed group whose
+    logs show SGLang's transfer-thread race (``sglang_race``) runs once more on new servers
+    (names ending in ``-retry``, new ports), and that run counts; so does a ``reference``
+    group (SGLang's own manager: its cases are the environment's) after any failure."""
+    mark = len(engine.made)
+    race.run_group(results, label,
+                   lambda part, retry: body(engine.retrying() if retry else engine, part),
+                   lambda: [s.log_path for s in engine.made[mark:]],
+                   environment=reference, retry_any_failure=reference)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,147 +460,148 @@ def run_cases(prepared: Prepared, only: set[str] | None) -> Results:
         return only is None or key in only
 
     plain = engine.server("plain", MODEL_A, page_size=1)
-    reference: list[list[int]] = []
+    reference: list[list[int]] = []  # the plain server's tokens, once it has answered
 
     def start(servers: Sequence[Server]) -> None:
+        """Start ``servers`` and wait for them; the first time, also wait for the plain server
+        (started beside them) and take its tokens."""
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready(READY_TIMEOUT_S)
+        if not reference and plain.proc is not None:
+            plain.wait_ready(READY_TIMEOUT_S)
+            reference[:] = [plain_generate(plain, ids) for ids in prompts()]
+            log(f"plain server's tokens: {reference}")
 
-    try:
-        # -- SGLang's own manager: the reference proving the harness ---------------------------
+    def pd(prefill: SGLangServer, decode: SGLangServer) -> Callable[[list[int]], list[int]]:
+        return lambda ids: output_ids(pd_generate(prefill, decode, ids)[0])
+
+    def sglang_reference(engine: Engine, part: Results) -> None:
         prefill = engine.server("sglang-prefill-p1", MODEL_A, page_size=1, mode="prefill")
         decode = engine.server("sglang-decode-p1", MODEL_A, page_size=1, mode="decode")
-        sets = [plain, prefill, decode] if wanted("sglang") else [plain]
         try:
-            if any(wanted(key) for key in LLAMA_CASES):
-                start(sets)
-                reference = [plain_generate(plain, ids) for ids in prompts()]
-                log(f"plain server's tokens: {reference}")
-            if wanted("sglang"):
-                # SGLang's own manager failing is the environment's failure, not kvplan's: it
-                # is reported as such and its pair runs once more (new servers); that counts.
-                label = "SGLang's MooncakeKVManager, page size 1 (the reference)"
-                attempt = results.part(environment=True)
-                compare_all(label, attempt, reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
-                            prefill)
-                if attempt.failed:
-                    results.note_retry(label, attempt)
-                    for s in (prefill, decode):
-                        s.stop()
-                    prefill = engine.server("sglang-prefill-p1-retry", MODEL_A, page_size=1,
-                                            mode="prefill")
-                    decode = engine.server("sglang-decode-p1-retry", MODEL_A, page_size=1,
-                                           mode="decode")
-                    start([prefill, decode])
-                    attempt = results.part(environment=True)
-                    compare_all(label + " [retry]", attempt, reference,
-                                lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
-                                prefill)
-                results.absorb(attempt)
+            start([prefill, decode])
+            compare_all(SGLANG_REFERENCE, part, reference, pd(prefill, decode), prefill)
         finally:
             for s in (prefill, decode):
                 s.stop()
 
-        # -- kvplan, page size 1; bad input on the same prefill; manifests at start-up --------
-        if wanted("kvplan1") or wanted("bad") or wanted("manifest"):
-            prefill = engine.server("kvplan-prefill-p1", MODEL_A, page_size=1, mode="prefill",
-                                    kvplan=True)
-            decode = engine.server("kvplan-decode-p1", MODEL_A, page_size=1, mode="decode",
-                                   kvplan=True)
-            short = engine.server("kvplan-decode-p1-2layers", MODEL_A_2_LAYERS, page_size=1,
-                                  mode="decode", kvplan=True)
-            stateless = engine.server("kvplan-decode-p1-manifest-with-state", MODEL_A,
-                                      page_size=1, mode="decode", kvplan=True)
+    def kvplan_page_1(engine: Engine, part: Results) -> None:
+        """kvplan, page size 1; bad input on the same prefill; manifests at start-up."""
+        prefill = engine.server("kvplan-prefill-p1", MODEL_A, page_size=1, mode="prefill",
+                                kvplan=True)
+        decode = engine.server("kvplan-decode-p1", MODEL_A, page_size=1, mode="decode",
+                               kvplan=True)
+        short = engine.server("kvplan-decode-p1-2layers", MODEL_A_2_LAYERS, page_size=1,
+                              mode="decode", kvplan=True)
+        stateless = engine.server("kvplan-decode-p1-manifest-with-state", MODEL_A,
+                                  page_size=1, mode="decode", kvplan=True)
+        if wanted("manifest"):
+            # The pair serves under the model's own manifest (a false refusal would stop
+            # it); a decode told the model also has a state pool must not start.
+            for server, with_state in ((prefill, False), (decode, False), (stateless, True)):
+                server.env["KVPLAN_MANIFEST"] = str(write_manifest(
+                    log_dir / f"{server.name}.manifest.json", MODEL_A, with_state))
+        group = [prefill, decode] + ([short] if wanted("bad") else [])
+        try:
             if wanted("manifest"):
-                # The pair serves under the model's own manifest (a false refusal would stop
-                # it); a decode told the model also has a state pool must not start.
-                for server, with_state in ((prefill, False), (decode, False),
-                                           (stateless, True)):
-                    server.env["KVPLAN_MANIFEST"] = str(write_manifest(
-                        log_dir / f"{server.name}.manifest.json", MODEL_A, with_state))
-            group = [prefill, decode] + ([short] if wanted("bad") else [])
-            try:
-                if wanted("manifest"):
-                    stateless.start()
-                start(group)
-                results.check("kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
-                              lambda: installed_check(prefill, decode))
-                compare_all("kvplan in both schedulers, page size 1", results, reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
-                if wanted("bad"):
-                    results.check("bad input: decode with 2 layers, prefill with 4",
-                                  lambda: mismatched_decode(prefill, short, decode, reference))
-                if wanted("manifest"):
-                    results.check("manifest: the pair holds the model's manifest; a decode "
-                                  "whose manifest has a state pool it never registered does "
-                                  "not start", lambda: manifest_refusal(prefill, decode,
-                                                                        stateless))
-            finally:
-                for s in [*group, stateless]:
-                    s.stop()
+                stateless.start()
+            start(group)
+            part.check("kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
+                       lambda: installed_check(prefill, decode))
+            compare_all("kvplan in both schedulers, page size 1", part, reference,
+                        pd(prefill, decode), prefill)
+            if wanted("bad"):
+                part.check("bad input: decode with 2 layers, prefill with 4",
+                           lambda: mismatched_decode(prefill, short, decode, reference))
+            if wanted("manifest"):
+                part.check("manifest: the pair holds the model's manifest; a decode whose "
+                           "manifest has a state pool it never registered does not start",
+                           lambda: manifest_refusal(prefill, decode, stateless))
+        finally:
+            for s in [*group, stateless]:
+                s.stop()
 
-        # -- kvplan, page size 16, behind SGLang's router; the negative control ----------------
+    def kvplan_page_16(engine: Engine, part: Results) -> None:
+        """kvplan, page size 16, behind SGLang's router; the negative control; identity."""
+        prefill = engine.server("kvplan-prefill-p16", MODEL_A, page_size=16, mode="prefill",
+                                kvplan=True)
+        other = engine.server("kvplan-prefill-p16-other-weights", MODEL_B, page_size=16,
+                              mode="prefill", kvplan=True)
+        renamed = engine.server("kvplan-prefill-p16-renamed", MODEL_A, page_size=16,
+                                mode="prefill", kvplan=True, served_name=RENAMED)
+        decode = engine.server("kvplan-decode-p16", MODEL_A, page_size=16, mode="decode",
+                               kvplan=True)
+        group = [prefill, decode] + ([other] if wanted("negative") else []) + (
+            [renamed] if wanted("identity") else [])
+        try:
+            start(group)
+            compare_all("kvplan in both schedulers, page size 16", part, reference,
+                        pd(prefill, decode), prefill)
+            if wanted("negative"):
+                part.check("negative control: prefill on other weights, tokens 2.. differ",
+                           lambda: negative_control(other, decode, plain))
+            if wanted("identity"):
+                part.check(f"identity: a prefill serving {RENAMED!r}, the decode "
+                           f"{SERVED_NAMES[MODEL_A.ARCH]!r}, same weights and shapes",
+                           lambda: identity_refused(renamed, decode, prefill, reference))
+            if wanted("router"):
+                for mini_lb, label in ((False, "SGLang's router (Rust)"),
+                                       (True, "SGLang's mini load balancer")):
+                    router = engine.router("mini-lb" if mini_lb else "router", prefill,
+                                           decode, mini_lb=mini_lb)
+                    try:
+                        start([router])
+                        wait_for_workers(router, prefill)
+                        compare_all(f"kvplan, page size 16, behind {label}", part, reference,
+                                    lambda ids: routed_generate(router, prefill, ids))
+                    finally:
+                        router.stop()
+        finally:
+            for s in group:
+                s.stop()
+
+    def staged(engine: Engine, part: Results) -> None:
+        """kvplan's staged rounds between two kvplan peers; a decode without staging."""
+        staged_case.run_staged(engine, MODEL_A, part, reference, start, staged_case.Hooks(
+            prompts=prompts, pd_generate=pd_generate, output_ids=output_ids,
+            installed_check=installed_check, max_new_tokens=MAX_NEW_TOKENS))
+
+    def pipeline(engine: Engine, part: Results) -> None:
+        """Prefill PP 2 -> decode PP 1: each stage sends its own layers, paired by layer id."""
+        prefill = engine.server("kvplan-prefill-pp2", MODEL_A, page_size=16, mode="prefill",
+                                kvplan=True, pp_size=2)
+        decode = engine.server("kvplan-decode-pp1", MODEL_A, page_size=16, mode="decode",
+                               kvplan=True)
+        group = [prefill, decode]
+        try:
+            start(group)
+            compare_all("kvplan, prefill PP 2 to decode PP 1, page size 16", part, reference,
+                        pd(prefill, decode), prefill)
+        finally:
+            for s in group:
+                s.stop()
+
+    try:
+        if any(wanted(key) for key in LLAMA_CASES):
+            plain.start()  # its start-up overlaps the first group's; start() waits for it
+        if wanted("sglang"):
+            # SGLang's own manager failing is the environment's failure, not kvplan's: it is
+            # reported as such and its pair runs once more (new servers); that counts.
+            run_group(results, engine, SGLANG_REFERENCE, sglang_reference, reference=True)
+        if wanted("kvplan1") or wanted("bad") or wanted("manifest"):
+            run_group(results, engine, "kvplan, page size 1 (kvplan1, bad, manifest)",
+                      kvplan_page_1)
         if (wanted("kvplan16") or wanted("negative") or wanted("router")
                 or wanted("identity")):
-            prefill = engine.server("kvplan-prefill-p16", MODEL_A, page_size=16,
-                                    mode="prefill", kvplan=True)
-            other = engine.server("kvplan-prefill-p16-other-weights", MODEL_B, page_size=16,
-                                  mode="prefill", kvplan=True)
-            renamed = engine.server("kvplan-prefill-p16-renamed", MODEL_A, page_size=16,
-                                    mode="prefill", kvplan=True, served_name=RENAMED)
-            decode = engine.server("kvplan-decode-p16", MODEL_A, page_size=16, mode="decode",
-                                   kvplan=True)
-            group = [prefill, decode] + ([other] if wanted("negative") else []) + (
-                [renamed] if wanted("identity") else [])
-            try:
-                start(group)
-                compare_all("kvplan in both schedulers, page size 16", results, reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
-                if wanted("negative"):
-                    results.check("negative control: prefill on other weights, tokens 2.. differ",
-                                  lambda: negative_control(other, decode, plain))
-                if wanted("identity"):
-                    results.check(f"identity: a prefill serving {RENAMED!r}, the decode "
-                                  f"{SERVED_NAMES[MODEL_A.ARCH]!r}, same weights and shapes",
-                                  lambda: identity_refused(renamed, decode, prefill, reference))
-                if wanted("router"):
-                    for mini_lb, label in ((False, "SGLang's router (Rust)"),
-                                           (True, "SGLang's mini load balancer")):
-                        router = engine.router("mini-lb" if mini_lb else "router", prefill,
-                                               decode, mini_lb=mini_lb)
-                        try:
-                            start([router])
-                            wait_for_workers(router)
-                            compare_all(f"kvplan, page size 16, behind {label}", results,
-                                        reference, lambda ids: plain_generate(router, ids))
-                        finally:
-                            router.stop()
-            finally:
-                for s in group:
-                    s.stop()
-        # -- kvplan's staged rounds between two kvplan peers; a decode without staging --------
+            run_group(results, engine,
+                      "kvplan, page size 16 (kvplan16, negative, identity, router)",
+                      kvplan_page_16)
         if wanted("staged"):
-            staged_case.run_staged(engine, MODEL_A, results, reference, start, staged_case.Hooks(
-                prompts=prompts, pd_generate=pd_generate, output_ids=output_ids,
-                installed_check=installed_check, max_new_tokens=MAX_NEW_TOKENS))
-        # -- prefill PP 2 -> decode PP 1: each stage sends its own layers, paired by layer id ---
+            run_group(results, engine, "kvplan staged (staged)", staged)
         if wanted("pp"):
-            prefill = engine.server("kvplan-prefill-pp2", MODEL_A, page_size=16, mode="prefill",
-                                    kvplan=True, pp_size=2)
-            decode = engine.server("kvplan-decode-pp1", MODEL_A, page_size=16, mode="decode",
-                                   kvplan=True)
-            group = [prefill, decode]
-            try:
-                start(group)
-                compare_all("kvplan, prefill PP 2 to decode PP 1, page size 16", results,
-                            reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
-            finally:
-                for s in group:
-                    s.stop()
+            run_group(results, engine, "kvplan, prefill PP 2 (pp)", pipeline)
         # -- the same over NIXL (UCX on loopback TCP) ------------------------------------------
         if any(wanted(key) for key in NIXL_LLAMA_CASES):
             nixl_cases(engine, results, wanted, start, plain, reference)
@@ -575,70 +625,68 @@ def nixl_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
     more), then kvplan in both schedulers at page sizes 1 (with the mismatched decode) and 16
     (with the prefill on other weights)."""
 
-    def pair(tag: str, page_size: int, kvplan: bool) -> tuple[SGLangServer, SGLangServer]:
+    def pair(engine: Engine, tag: str, page_size: int,
+             kvplan: bool) -> tuple[SGLangServer, SGLangServer]:
         return (engine.server(f"{tag}-prefill-p{page_size}", MODEL_A, page_size=page_size,
                               mode="prefill", kvplan=kvplan, backend="nixl"),
                 engine.server(f"{tag}-decode-p{page_size}", MODEL_A, page_size=page_size,
                               mode="decode", kvplan=kvplan, backend="nixl"))
 
-    if wanted("nixl-sglang"):
-        label = "SGLang's NixlKVManager, page size 1 (the reference)"
-        prefill, decode = pair("sglang-nixl", 1, False)
+    def pd(prefill: SGLangServer, decode: SGLangServer) -> Callable[[list[int]], list[int]]:
+        return lambda ids: output_ids(pd_generate(prefill, decode, ids)[0])
+
+    label = "SGLang's NixlKVManager, page size 1 (the reference)"
+
+    def nixl_reference(engine: Engine, part: Results) -> None:
+        prefill, decode = pair(engine, "sglang-nixl", 1, False)
         try:
             start([prefill, decode])
-            attempt = results.part(environment=True)
-            compare_all(label, attempt, reference,
-                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
-            if attempt.failed:
-                results.note_retry(label, attempt)
-                for s in (prefill, decode):
-                    s.stop()
-                prefill, decode = pair("sglang-nixl-retry", 1, False)
-                start([prefill, decode])
-                attempt = results.part(environment=True)
-                compare_all(label + " [retry]", attempt, reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
-                            prefill)
-            results.absorb(attempt)
+            compare_all(label, part, reference, pd(prefill, decode), prefill)
         finally:
             for s in (prefill, decode):
                 s.stop()
 
-    if wanted("nixl1") or wanted("nixl-bad"):
-        prefill, decode = pair("kvplan-nixl", 1, True)
+    def page_1(engine: Engine, part: Results) -> None:
+        prefill, decode = pair(engine, "kvplan-nixl", 1, True)
         short = engine.server("kvplan-nixl-decode-p1-2layers", MODEL_A_2_LAYERS, page_size=1,
                               mode="decode", kvplan=True, backend="nixl")
         group = [prefill, decode] + ([short] if wanted("nixl-bad") else [])
         try:
             start(group)
-            results.check("NIXL: kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
-                          lambda: installed_check(prefill, decode))
-            compare_all("NIXL: kvplan in both schedulers, page size 1", results, reference,
-                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill,
-                        planned_per_call=False)
+            part.check("NIXL: kvplan installed in both schedulers (KVPLAN_SGLANG_INSTALL=1)",
+                       lambda: installed_check(prefill, decode))
+            compare_all("NIXL: kvplan in both schedulers, page size 1", part, reference,
+                        pd(prefill, decode), prefill, planned_per_call=False)
             if wanted("nixl-bad"):  # last on this prefill: SGLang's refusal disables it
-                results.check("NIXL bad input: decode with 2 layers, prefill with 4",
-                              lambda: nixl_mismatched_decode(prefill, short))
+                part.check("NIXL bad input: decode with 2 layers, prefill with 4",
+                           lambda: nixl_mismatched_decode(prefill, short))
         finally:
             for s in group:
                 s.stop()
 
-    if wanted("nixl16") or wanted("nixl-negative"):
-        prefill, decode = pair("kvplan-nixl", 16, True)
+    def page_16(engine: Engine, part: Results) -> None:
+        prefill, decode = pair(engine, "kvplan-nixl", 16, True)
         other = engine.server("kvplan-nixl-prefill-p16-other-weights", MODEL_B, page_size=16,
                               mode="prefill", kvplan=True, backend="nixl")
         group = [prefill, decode] + ([other] if wanted("nixl-negative") else [])
         try:
             start(group)
-            compare_all("NIXL: kvplan in both schedulers, page size 16", results, reference,
-                        lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill,
-                        planned_per_call=False)
+            compare_all("NIXL: kvplan in both schedulers, page size 16", part, reference,
+                        pd(prefill, decode), prefill, planned_per_call=False)
             if wanted("nixl-negative"):
-                results.check("NIXL negative control: prefill on other weights, tokens 2.. "
-                              "differ", lambda: negative_control(other, decode, plain))
+                part.check("NIXL negative control: prefill on other weights, tokens 2.. "
+                           "differ", lambda: negative_control(other, decode, plain))
         finally:
             for s in group:
                 s.stop()
+
+    if wanted("nixl-sglang"):
+        run_group(results, engine, label, nixl_reference, reference=True)
+    if wanted("nixl1") or wanted("nixl-bad"):
+        run_group(results, engine, "NIXL: kvplan, page size 1 (nixl1, nixl-bad)", page_1)
+    if wanted("nixl16") or wanted("nixl-negative"):
+        run_group(results, engine, "NIXL: kvplan, page size 16 (nixl16, nixl-negative)",
+                  page_16)
 
 
 def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool],
@@ -650,6 +698,31 @@ def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool]
     plain server starts with the first pair (each start costs about a minute here)."""
     plain = engine.server("plain-qwen3-next", MODEL_HYBRID, page_size=1)
     reference: list[list[int]] = []
+
+    def hybrid_pair(kvplan: bool, backend: str, label: str) -> Callable[[Engine, Results], None]:
+        def body(engine: Engine, part: Results) -> None:
+            tag = ("kvplan" if kvplan else "sglang") + ("-nixl" if backend == "nixl" else "")
+            prefill = engine.server(f"{tag}-prefill-qwen3-next", MODEL_HYBRID, page_size=1,
+                                    mode="prefill", kvplan=kvplan, backend=backend)
+            decode = engine.server(f"{tag}-decode-qwen3-next", MODEL_HYBRID, page_size=1,
+                                   mode="decode", kvplan=kvplan, backend=backend)
+            group = [prefill, decode]
+            try:
+                start(group if reference else [plain, *group])
+                if not reference:
+                    reference[:] = [plain_generate(plain, ids) for ids in prompts()]
+                    log(f"plain Qwen3-Next server's tokens: {reference}")
+                if kvplan:
+                    part.check("kvplan installed in both Qwen3-Next schedulers",
+                               lambda: installed_check(prefill, decode))
+                compare_all(label, part, reference,
+                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]),
+                            prefill)
+            finally:
+                for s in group:
+                    s.stop()
+        return body
+
     try:
         for key, kvplan, backend, label in (
                 ("hybrid-sglang", False, "mooncake",
@@ -661,27 +734,9 @@ def hybrid_cases(engine: Engine, results: Results, wanted: Callable[[str], bool]
                 ("nixl-hybrid", True, "nixl",
                  "NIXL: kvplan in both schedulers, Qwen3-Next hybrid (GDN state + KV), "
                  "page size 1")):
-            if not wanted(key):
-                continue
-            tag = ("kvplan" if kvplan else "sglang") + ("-nixl" if backend == "nixl" else "")
-            prefill = engine.server(f"{tag}-prefill-qwen3-next", MODEL_HYBRID, page_size=1,
-                                    mode="prefill", kvplan=kvplan, backend=backend)
-            decode = engine.server(f"{tag}-decode-qwen3-next", MODEL_HYBRID, page_size=1,
-                                   mode="decode", kvplan=kvplan, backend=backend)
-            group = [prefill, decode]
-            try:
-                start(group if reference else [plain, *group])
-                if not reference:
-                    reference = [plain_generate(plain, ids) for ids in prompts()]
-                    log(f"plain Qwen3-Next server's tokens: {reference}")
-                if kvplan:
-                    results.check("kvplan installed in both Qwen3-Next schedulers",
-                                  lambda: installed_check(prefill, decode))
-                compare_all(label, results, reference,
-                            lambda ids: output_ids(pd_generate(prefill, decode, ids)[0]), prefill)
-            finally:
-                for s in group:
-                    s.stop()
+            if wanted(key):
+                run_group(results, engine, f"{label} ({key})",
+                          hybrid_pair(kvplan, backend, label))
     finally:
         plain.stop()
 
