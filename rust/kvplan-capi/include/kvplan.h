@@ -12,9 +12,10 @@
  * The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
  * `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; version 3
  * `KvplanRequest3`, `KvplanLayoutDesc3` (pools of their own) and theirs; every earlier struct
- * and function is unchanged.
+ * and function is unchanged; version 4 `KvplanLayoutDesc4` (state entries' TP channel
+ * splits) and `kvplan_layout_new4`.
  */
-#define KVPLAN_ABI_VERSION 3
+#define KVPLAN_ABI_VERSION 4
 
 /**
  * `KvplanRequest::n_tokens` when the request gives no token count.
@@ -55,6 +56,19 @@
  * `KvplanLayoutDesc::kinds` value: an entry indexed by per-request state slot.
  */
 #define KVPLAN_ENTRY_STATE 1
+
+/**
+ * `KvplanLayoutDesc4::state_channels` value: the entry declares no TP channel split (every
+ * page entry, and a state entry whose slot moves whole or is sliced by its attention
+ * geometry).
+ */
+#define KVPLAN_NO_STATE_SPLIT UINT64_MAX
+
+/**
+ * The most shard groups (`KvplanLayoutDesc4::shard_group_counts` value) one state entry's
+ * split can have.
+ */
+#define KVPLAN_MAX_SHARD_GROUPS 4
 
 /**
  * `KvplanAttention::memory_order`: `[tokens][heads][head_dim]`.
@@ -389,6 +403,79 @@ typedef struct KvplanLayoutDesc3 {
 } KvplanLayoutDesc3;
 
 /**
+ * [`KvplanLayoutDesc3`] with what version 4 adds: each state entry's TP channel split
+ * (`kvplan.Layout.with_state(channels=, outer_rows=, shard_groups=)`), so that a state slot
+ * plans between different prefill and decode TP sizes.
+ *
+ * A split slot is `outer_rows` rows of this rank's `channels` channels of equal bytes; the
+ * model's channels (`channels × tp_size`) are cut into shard groups (sub-blocks, channel
+ * counts at TP 1; none: one sub-block), each split evenly over the TP ranks. 0 channels mark a
+ * slot replicated on every rank (moved whole, from one elected prefill rank).
+ *
+ * Every per-entry array is optional (null: none) and, when given, holds `base.n_entries`
+ * values; `state_outer_rows` and the shard groups are read only with `state_channels`.
+ */
+typedef struct KvplanLayoutDesc4 {
+  /**
+   * `sizeof(KvplanLayoutDesc4)`: the library refuses any other size (a caller built against
+   * another version of this header).
+   */
+  size_t struct_size;
+  /**
+   * Everything a version 1 layout gives.
+   */
+  struct KvplanLayoutDesc base;
+  /**
+   * Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+   */
+  const uint64_t *windows;
+  /**
+   * Ring rows per request slot of each state entry (0: not a ring); null: no rings.
+   */
+  const uint64_t *rings;
+  /**
+   * The pools beside the request's pages, as [`KvplanLayoutDesc3::pools`]. Read when
+   * `n_pools > 0`.
+   */
+  const struct KvplanPool *pools;
+  /**
+   * Values in `pools` (0 to 7).
+   */
+  size_t n_pools;
+  /**
+   * Pool of each entry, as [`KvplanLayoutDesc3::entry_pools`]; null: every entry in the
+   * request's pages.
+   */
+  const uint8_t *entry_pools;
+  /**
+   * This rank's channels per row of each entry's split (0: a replicated slot), or
+   * `KVPLAN_NO_STATE_SPLIT` for an entry without one (every page entry); null: no entry
+   * declares a split.
+   */
+  const uint64_t *state_channels;
+  /**
+   * Rows per slot of each entry's split (at least 1; 0 for an entry without a split); null:
+   * 1 row for every split entry.
+   */
+  const uint64_t *state_outer_rows;
+  /**
+   * Shard groups of each entry's split (0 to `KVPLAN_MAX_SHARD_GROUPS`; 0: one sub-block,
+   * and 0 for an entry without a split); null: none.
+   */
+  const uint8_t *shard_group_counts;
+  /**
+   * Every entry's shard groups (channel counts at TP 1) in entry order: entry `i`'s
+   * `shard_group_counts[i]` values follow those of the entries before it. Read when
+   * `n_shard_groups > 0`.
+   */
+  const uint64_t *shard_groups;
+  /**
+   * Values in `shard_groups`: the sum of `shard_group_counts`.
+   */
+  size_t n_shard_groups;
+} KvplanLayoutDesc4;
+
+/**
  * How a template pairs and checks (a null options pointer means all defaults: pairing by
  * layer id, no overlap check, only elected holders send).
  */
@@ -713,6 +800,28 @@ enum KvplanStatus kvplan_layout_new2(const struct KvplanLayoutDesc2 *desc,
  * is refused).
  */
 enum KvplanStatus kvplan_layout_new3(const struct KvplanLayoutDesc3 *desc,
+                                     struct KvplanLayout **out);
+
+/**
+ * [`kvplan_layout_new`] of a version 4 descriptor (`KvplanLayoutDesc4`: version 3's
+ * windows, rings and pools, plus each state entry's TP channel split).
+ * `desc->struct_size` must be `sizeof(KvplanLayoutDesc4)`. Refused with
+ * `KVPLAN_STATUS_INVALID_ARGUMENT` naming the values: outer rows or shard groups without
+ * `state_channels`, shard group counts that do not sum to `n_shard_groups`, rows or groups on
+ * an entry without a split; with `KVPLAN_STATUS_LAYOUT` (the core's message): a split that does
+ * not fit its entry (0 rows, rows × channels not dividing the item, more than
+ * `KVPLAN_MAX_SHARD_GROUPS` groups, groups that do not sum to `channels × tp_size` or do not
+ * divide over it, groups on a replicated slot, a split on a page entry or a ring).
+ *
+ * Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+ *
+ * # Safety
+ * `desc` points to a valid `KvplanLayoutDesc4` whose non-null per-entry arrays hold
+ * `base.n_entries` values each (each role a NUL-terminated string), whose `pools` holds
+ * `n_pools` values and whose `shard_groups` holds `n_shard_groups` values; `out` points to
+ * writable storage for a handle (one that overlaps `*desc` is refused).
+ */
+enum KvplanStatus kvplan_layout_new4(const struct KvplanLayoutDesc4 *desc,
                                      struct KvplanLayout **out);
 
 /**

@@ -25,6 +25,12 @@
 //! internal request (a version 2 request's window pages are pool 1's) that one body checks and
 //! converts, and every descriptor version goes through the one `layout_new` body.
 //!
+//! Version 4 adds [`kvplan_layout_new4`]: layouts whose state entries declare a TP channel
+//! split (`KvplanLayoutDesc4`: version 3's fields plus each entry's channels per rank, outer
+//! rows and shard groups, as `kvplan.Layout.with_state(channels=, outer_rows=, shard_groups=)`
+//! takes them), so that a hybrid model's state plans between different prefill and decode TP
+//! sizes. Requests are unchanged: a slot request of any version plans the split slots.
+//!
 //! Every function returns a [`KvplanStatus`]; none panics across the boundary (a panic is
 //! caught and returned as [`KvplanStatus::Panic`]). Handles live in a registry: a handle that
 //! is not live (never created, or freed) is refused with [`KvplanStatus::InvalidHandle`]
@@ -42,7 +48,8 @@ use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use kvplan_core::{
     AttentionGeometry, Columns, Indexing, Indices, Layout, LayoutContext, LayoutParts, MemoryOrder,
-    POOLS, Pairing, PlanError, PlanSummary, Pool, PoolId, Request, Template, TemplateOptions,
+    POOLS, Pairing, PlanError, PlanSummary, Pool, PoolId, Request, StateChannels, Template,
+    TemplateOptions,
 };
 
 mod ptr;
@@ -50,8 +57,9 @@ mod ptr;
 /// The version of this ABI: raised whenever a struct or a signature changes. Version 2 added
 /// `KvplanRequest2`, `KvplanLayoutDesc2` and the functions taking them; version 3
 /// `KvplanRequest3`, `KvplanLayoutDesc3` (pools of their own) and theirs; every earlier struct
-/// and function is unchanged.
-pub const KVPLAN_ABI_VERSION: u32 = 3;
+/// and function is unchanged; version 4 `KvplanLayoutDesc4` (state entries' TP channel
+/// splits) and `kvplan_layout_new4`.
+pub const KVPLAN_ABI_VERSION: u32 = 4;
 
 /// `KvplanRequest::n_tokens` when the request gives no token count.
 pub const KVPLAN_NO_TOKENS: i64 = -1;
@@ -73,6 +81,15 @@ pub const KVPLAN_POOL_DST: u32 = 2;
 pub const KVPLAN_ENTRY_PAGE: u8 = 0;
 /// `KvplanLayoutDesc::kinds` value: an entry indexed by per-request state slot.
 pub const KVPLAN_ENTRY_STATE: u8 = 1;
+
+/// `KvplanLayoutDesc4::state_channels` value: the entry declares no TP channel split (every
+/// page entry, and a state entry whose slot moves whole or is sliced by its attention
+/// geometry).
+pub const KVPLAN_NO_STATE_SPLIT: u64 = u64::MAX;
+
+/// The most shard groups (`KvplanLayoutDesc4::shard_group_counts` value) one state entry's
+/// split can have.
+pub const KVPLAN_MAX_SHARD_GROUPS: u8 = 4;
 
 /// `KvplanAttention::memory_order`: `[tokens][heads][head_dim]`.
 pub const KVPLAN_ORDER_NHD: u32 = 0;
@@ -599,6 +616,55 @@ pub struct KvplanLayoutDesc3 {
     pub entry_pools: *const u8,
 }
 
+/// [`KvplanLayoutDesc3`] with what version 4 adds: each state entry's TP channel split
+/// (`kvplan.Layout.with_state(channels=, outer_rows=, shard_groups=)`), so that a state slot
+/// plans between different prefill and decode TP sizes.
+///
+/// A split slot is `outer_rows` rows of this rank's `channels` channels of equal bytes; the
+/// model's channels (`channels × tp_size`) are cut into shard groups (sub-blocks, channel
+/// counts at TP 1; none: one sub-block), each split evenly over the TP ranks. 0 channels mark a
+/// slot replicated on every rank (moved whole, from one elected prefill rank).
+///
+/// Every per-entry array is optional (null: none) and, when given, holds `base.n_entries`
+/// values; `state_outer_rows` and the shard groups are read only with `state_channels`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvplanLayoutDesc4 {
+    /// `sizeof(KvplanLayoutDesc4)`: the library refuses any other size (a caller built against
+    /// another version of this header).
+    pub struct_size: usize,
+    /// Everything a version 1 layout gives.
+    pub base: KvplanLayoutDesc,
+    /// Sliding window of each entry in tokens (0: a full-attention entry); null: no windows.
+    pub windows: *const u64,
+    /// Ring rows per request slot of each state entry (0: not a ring); null: no rings.
+    pub rings: *const u64,
+    /// The pools beside the request's pages, as [`KvplanLayoutDesc3::pools`]. Read when
+    /// `n_pools > 0`.
+    pub pools: *const KvplanPool,
+    /// Values in `pools` (0 to 7).
+    pub n_pools: usize,
+    /// Pool of each entry, as [`KvplanLayoutDesc3::entry_pools`]; null: every entry in the
+    /// request's pages.
+    pub entry_pools: *const u8,
+    /// This rank's channels per row of each entry's split (0: a replicated slot), or
+    /// `KVPLAN_NO_STATE_SPLIT` for an entry without one (every page entry); null: no entry
+    /// declares a split.
+    pub state_channels: *const u64,
+    /// Rows per slot of each entry's split (at least 1; 0 for an entry without a split); null:
+    /// 1 row for every split entry.
+    pub state_outer_rows: *const u64,
+    /// Shard groups of each entry's split (0 to `KVPLAN_MAX_SHARD_GROUPS`; 0: one sub-block,
+    /// and 0 for an entry without a split); null: none.
+    pub shard_group_counts: *const u8,
+    /// Every entry's shard groups (channel counts at TP 1) in entry order: entry `i`'s
+    /// `shard_group_counts[i]` values follow those of the entries before it. Read when
+    /// `n_shard_groups > 0`.
+    pub shard_groups: *const u64,
+    /// Values in `shard_groups`: the sum of `shard_group_counts`.
+    pub n_shard_groups: usize,
+}
+
 /// One pool's pages in a [`KvplanRequest3`]: for each side whose bit is set in `sides`
 /// (`KVPLAN_POOL_SRC`, `KVPLAN_POOL_DST`), that side's pages of the pool in token order from
 /// the request's first token (an empty list is a list: the bit says whether one is given).
@@ -912,6 +978,129 @@ unsafe fn layout_from3(desc: &KvplanLayoutDesc3) -> Result<Layout, Fail> {
     } else {
         layout.with_rings(rings)?
     })
+}
+
+impl KvplanLayoutDesc3 {
+    /// The version 3 descriptor a version 4 descriptor holds (everything but the splits).
+    fn of_v4(v4: &KvplanLayoutDesc4) -> Self {
+        Self {
+            struct_size: size_of::<Self>(),
+            base: v4.base,
+            windows: v4.windows,
+            rings: v4.rings,
+            pools: v4.pools,
+            n_pools: v4.n_pools,
+            entry_pools: v4.entry_pools,
+        }
+    }
+}
+
+/// A version 4 layout: the version 3 layout its fields give, then each state entry's TP
+/// channel split, as `kvplan.Layout.with_state(channels=, outer_rows=, shard_groups=)` declares
+/// it (the core checks that each split fits its entry).
+///
+/// # Safety
+/// As [`layout_from3`] for its version 3 fields; `state_channels`, `state_outer_rows` and
+/// `shard_group_counts`, when non-null, hold `base.n_entries` values each; `shard_groups`
+/// holds `n_shard_groups` values when `n_shard_groups > 0`.
+unsafe fn layout_from4(desc: &KvplanLayoutDesc4) -> Result<Layout, Fail> {
+    // SAFETY: this function's contract.
+    let splits = unsafe { state_splits(desc)? };
+    // SAFETY: this function's contract.
+    let layout = unsafe { layout_from3(&KvplanLayoutDesc3::of_v4(desc))? };
+    Ok(if splits.is_empty() {
+        layout
+    } else {
+        layout.with_state_channels(splits)?
+    })
+}
+
+/// Each entry's TP channel split as a version 4 descriptor gives it (empty: `state_channels`
+/// is null), each built by the core's [`StateChannels::new`].
+///
+/// # Safety
+/// As [`layout_from4`].
+unsafe fn state_splits(desc: &KvplanLayoutDesc4) -> Result<Vec<Option<StateChannels>>, Fail> {
+    let n = desc.base.n_entries;
+    if desc.state_channels.is_null() {
+        let given = [
+            (
+                !desc.state_outer_rows.is_null(),
+                "state_outer_rows is not null",
+            ),
+            (
+                !desc.shard_group_counts.is_null(),
+                "shard_group_counts is not null",
+            ),
+            (desc.n_shard_groups > 0, "n_shard_groups is not 0"),
+        ];
+        if let Some((_, what)) = given.iter().find(|(given, _)| *given) {
+            return Err(invalid(format!(
+                "{what}, but state_channels is null: outer rows and shard groups describe a TP \
+                 channel split; give state_channels too (KVPLAN_NO_STATE_SPLIT for an entry \
+                 without one)"
+            )));
+        }
+        return Ok(Vec::new());
+    }
+    // SAFETY (all `ptr::` calls below): this function's contract.
+    let channels = unsafe { ptr::slice(desc.state_channels, n, "state_channels")? };
+    let rows = if desc.state_outer_rows.is_null() {
+        None
+    } else {
+        Some(unsafe { ptr::slice(desc.state_outer_rows, n, "state_outer_rows")? })
+    };
+    let counts = if desc.shard_group_counts.is_null() {
+        None
+    } else {
+        Some(unsafe { ptr::slice(desc.shard_group_counts, n, "shard_group_counts")? })
+    };
+    let groups = unsafe { ptr::slice(desc.shard_groups, desc.n_shard_groups, "shard_groups")? };
+    let total: usize = counts.map_or(0, |c| c.iter().map(|&k| usize::from(k)).sum());
+    if total != groups.len() {
+        return Err(invalid(format!(
+            "shard_group_counts {} {total} shard groups, but n_shard_groups is {}: \
+             shard_groups holds every entry's groups in entry order",
+            if counts.is_none() {
+                "is null: it gives"
+            } else {
+                "sum to"
+            },
+            groups.len()
+        )));
+    }
+    let mut at = 0;
+    let mut splits = Vec::with_capacity(n);
+    for (i, &c) in channels.iter().enumerate() {
+        let r = rows.map(|rows| rows[i]);
+        let k = counts.map_or(0, |counts| usize::from(counts[i]));
+        // In bounds: the counts sum to the length of `groups` (checked above).
+        let own = &groups[at..at + k];
+        at += k;
+        if c == KVPLAN_NO_STATE_SPLIT {
+            if let Some(r @ 1..) = r {
+                return Err(invalid(format!(
+                    "state_outer_rows[{i}] is {r}, but state_channels[{i}] is \
+                     KVPLAN_NO_STATE_SPLIT (entry {i} declares no split): give 0"
+                )));
+            }
+            if k > 0 {
+                return Err(invalid(format!(
+                    "shard_group_counts[{i}] is {k} (groups {own:?}), but state_channels[{i}] \
+                     is KVPLAN_NO_STATE_SPLIT (entry {i} declares no split): give 0"
+                )));
+            }
+            splits.push(None);
+            continue;
+        }
+        let split = StateChannels::new(c, r.unwrap_or(1), own).map_err(|err| {
+            let mut fail = Fail::from(err);
+            fail.message = format!("entry {i} (state_channels[{i}] = {c}): {}", fail.message);
+            fail
+        })?;
+        splits.push(Some(split));
+    }
+    Ok(splits)
 }
 
 /// Refuses a versioned struct whose `struct_size` is not this header's.
@@ -1312,6 +1501,32 @@ pub unsafe extern "C" fn kvplan_layout_new3(
     unsafe { layout_new(desc, out) }
 }
 
+/// [`kvplan_layout_new`] of a version 4 descriptor (`KvplanLayoutDesc4`: version 3's
+/// windows, rings and pools, plus each state entry's TP channel split).
+/// `desc->struct_size` must be `sizeof(KvplanLayoutDesc4)`. Refused with
+/// `KVPLAN_STATUS_INVALID_ARGUMENT` naming the values: outer rows or shard groups without
+/// `state_channels`, shard group counts that do not sum to `n_shard_groups`, rows or groups on
+/// an entry without a split; with `KVPLAN_STATUS_LAYOUT` (the core's message): a split that does
+/// not fit its entry (0 rows, rows × channels not dividing the item, more than
+/// `KVPLAN_MAX_SHARD_GROUPS` groups, groups that do not sum to `channels × tp_size` or do not
+/// divide over it, groups on a replicated slot, a split on a page entry or a ring).
+///
+/// Thread-safe. The arrays are copied: the caller may reuse them once this returns.
+///
+/// # Safety
+/// `desc` points to a valid `KvplanLayoutDesc4` whose non-null per-entry arrays hold
+/// `base.n_entries` values each (each role a NUL-terminated string), whose `pools` holds
+/// `n_pools` values and whose `shard_groups` holds `n_shard_groups` values; `out` points to
+/// writable storage for a handle (one that overlaps `*desc` is refused).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvplan_layout_new4(
+    desc: *const KvplanLayoutDesc4,
+    out: *mut *mut KvplanLayout,
+) -> KvplanStatus {
+    // SAFETY: this function's contract.
+    unsafe { layout_new(desc, out) }
+}
+
 /// A layout descriptor of one ABI version, read from the caller's pointer into a layout.
 trait LayoutDesc {
     /// The layout `desc` describes.
@@ -1354,8 +1569,18 @@ impl LayoutDesc for KvplanLayoutDesc3 {
     }
 }
 
-/// The one body of `kvplan_layout_new`, `kvplan_layout_new2` and `kvplan_layout_new3`, for a
-/// descriptor of any version.
+impl LayoutDesc for KvplanLayoutDesc4 {
+    unsafe fn layout(desc: *const Self) -> Result<Layout, Fail> {
+        // SAFETY: `desc` points to a valid descriptor of this version (this function's
+        // contract), read whole only once its size is checked.
+        let desc = unsafe { versioned(desc, "desc")? };
+        // SAFETY: the descriptor's arrays are as `layout_from4` needs (this function's contract).
+        unsafe { layout_from4(desc) }
+    }
+}
+
+/// The one body of `kvplan_layout_new` to `kvplan_layout_new4`, for a descriptor of any
+/// version.
 ///
 /// # Safety
 /// As [`LayoutDesc::layout`] for `desc`; `out` points to writable storage for a handle.

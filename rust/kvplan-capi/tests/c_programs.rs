@@ -1,6 +1,7 @@
 //! The C++ example (examples/plan_copy.cpp) and the header, compiled with `-Wall -Wextra
 //! -Werror` by every compiler found (g++ required; clang++ when installed) and the example run;
-//! `tests/c/request2.c` (version 2 requests from C) built and run the same way with gcc / clang.
+//! `tests/c/request2.c` (version 2 requests from C) and `tests/c/state_split.c` (a version 4
+//! layout's TP channel split from C) built and run the same way with gcc / clang.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -108,5 +109,23 @@ fn version_2_requests_from_c() {
             .arg(&exe));
         let printed = run(&mut Command::new(&exe));
         assert!(printed.contains("request2: OK"), "{compiler}: {printed}");
+    }
+}
+
+#[test]
+fn version_4_state_split_from_c() {
+    let lib = static_lib();
+    let out_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    for compiler in compilers("gcc", "clang") {
+        let exe = out_dir.join(format!("state_split-{compiler}"));
+        run(Command::new(compiler)
+            .args(["-std=c11", "-pedantic", "-Wall", "-Wextra", "-Werror", "-I"])
+            .arg(crate_dir().join("include"))
+            .arg(crate_dir().join("tests/c/state_split.c"))
+            .arg(&lib)
+            .args(["-lpthread", "-ldl", "-lm", "-o"])
+            .arg(&exe));
+        let printed = run(&mut Command::new(&exe));
+        assert!(printed.contains("state_split: OK"), "{compiler}: {printed}");
     }
 }
