@@ -57,7 +57,7 @@
 //!    2. `digest` (fingerprints and digests), `identity` (the address-free identity of a
 //!       layout).
 //! 6. `kernels/` (the emission kernels):
-//!    1. `emit` (the page kernels), `tokens` (the token kernels), `rings` (the ring lane's
+//!    1. `emit` (the page kernels), `tokens` (the token kernels), `rings` (the ring lanes'
 //!       rows).
 //! 7. `peer_pair/` (a compiled peer pair):
 //!    1. `coalesce` (which pairs emit together).
@@ -95,6 +95,7 @@ pub use exchange::identity::{
     CLASS_ID_PREFIX, IDENTITY_VERSION, LAYOUT_ID_PREFIX, LayoutIdentity, Semantics, TransferMode,
 };
 pub use exchange::local::{RegionMut, check_local_buffers, copy_local};
+pub use kernels::rings::RingLane;
 pub use kernels::tokens::TokenTemplate;
 pub use model::layer_groups::{EntryTag, LayerGroups, PeerRanks, SliceKey};
 pub use model::pieces::{

@@ -46,7 +46,7 @@ impl Rng {
 /// request's `n_tokens` as ring positions where the template has ring-state pairs.
 fn state_request(t: &Template, (s, d): (i64, i64), n_tokens: Option<u64>) -> Request<'static> {
     Request {
-        n_tokens: n_tokens.filter(|_| !t.ring_pairs().is_empty()),
+        n_tokens: n_tokens.filter(|_| !t.ring_lanes().is_empty()),
         ..Request::slot(s, d)
     }
 }
@@ -163,7 +163,7 @@ fn a_request_with_rings_is_its_pages_then_its_slots_then_its_ring_rows() {
                 ring_peer(0x9000_0000, 4, rd, stride_d),
             );
             let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-            assert_eq!(t.ring_pairs().len(), 2);
+            assert_eq!(t.ring_lanes().len(), 2);
             for _ in 0..6 {
                 let n_pages = 1 + rng.below(8) as usize;
                 let (sp, dp) = (rng.pages(n_pages, 16), rng.pages(n_pages, 16));

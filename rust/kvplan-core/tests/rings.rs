@@ -84,7 +84,7 @@ fn rings_of_different_sizes_move_exactly_the_rows_both_hold() {
             let src = peer(0x1000_0000, rs, stride_s);
             let dst = peer(0x9000_0000, rd, stride_d);
             let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-            assert_eq!(template.ring_pairs().len(), 2);
+            assert_eq!(template.ring_lanes().len(), 2);
             for slots in [(0u64, 0u64), (1, 3), (3, 2)] {
                 for n in 0..3 * rs.max(rd) + 2 {
                     let plan = template
@@ -201,7 +201,7 @@ fn a_template_without_rings_is_refused_a_ring_plan() {
         TemplateOptions::default(),
     )
     .unwrap();
-    assert!(template.ring_pairs().is_empty());
+    assert!(template.ring_lanes().is_empty());
     assert!(matches!(
         template.plan_ring(0, 0, 4),
         Err(PlanError::Geometry { .. })
@@ -251,7 +251,7 @@ fn a_slot_request_with_positions_plans_its_slots_then_its_ring_rows_in_one_plan(
             let dst = hybrid_peer(0x9000_0000, rd, stride_d);
             let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
             assert_eq!(
-                (template.state_pairs().len(), template.ring_pairs().len()),
+                (template.state_pairs().len(), template.ring_lanes().len()),
                 (1, 2)
             );
             for slots in [(0i64, 0i64), (1, 3), (3, 2)] {
@@ -425,4 +425,118 @@ fn only_the_direct_plan_plans_ring_rows_every_other_planner_refuses_them() {
     assert_eq!(feature(staged.unwrap_err()), ("plan_staged", "state_slot"));
     let prepped = DescriptorTables::new(&template).indices(&request);
     assert_eq!(feature(prepped.unwrap_err()), ("descriptor_table", "ring"));
+}
+
+/// The template holds its ring-state pairs as lanes whose walk is a ring, and that walk's live
+/// positions are the rule's: the last `min(R_p, R_d, n)`, the same as a window of
+/// `min(R_p, R_d)` tokens.
+#[test]
+fn ring_lanes_are_ring_walks_with_the_live_position_rule() {
+    use kvplan_core::{Lane, PoolId, TokenMap, Walk};
+    let src = peer(0x1000_0000, 3, ROW);
+    let dst = peer(0x9000_0000, 5, ROW);
+    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+    let lanes = template.ring_lanes();
+    assert_eq!(lanes.len(), 2);
+    for (lane, entry) in lanes.iter().zip([1, 2]) {
+        let ring = Walk::Ring {
+            src_rows: 3,
+            dst_rows: 5,
+        };
+        assert_eq!(lane.walk(), ring);
+        assert_eq!(lane.rows(), (3, 5));
+        assert_eq!(ring.ring_rows(), Some((3, 5)));
+        assert_eq!(Walk::Window(3).ring_rows(), None);
+        assert_eq!(
+            (lane.pair().src_entry, lane.pair().dst_entry),
+            (entry, entry)
+        );
+        // Through a lane's `slots` (one slot per position): the walk starts at n − min(3, 5, n).
+        let as_lane = Lane {
+            walk: ring,
+            maps: (
+                TokenMap::Paged { page_size: 3 },
+                TokenMap::Paged { page_size: 5 },
+            ),
+            pools: (PoolId::PAGES, PoolId::PAGES),
+            tokens_per_row: 1,
+        };
+        for n in 0..12 {
+            assert_eq!(as_lane.slots(0, n), (n - 3.min(n), n), "n {n}");
+        }
+    }
+}
+
+/// A few fixed cases, block for block: `(src_row, dst_row, rows)` per block, the same for both
+/// ring entries, through the slot request's `prepare` and `plan` and through `plan_ring`.
+#[test]
+fn ring_rows_of_fixed_cases_are_byte_exact() {
+    use kvplan_core::Request;
+    type Case = (
+        (u64, u64),
+        (u64, u64),
+        (u64, u64),
+        u64,
+        &'static [(u64, u64, u64)],
+    );
+    let cases: [Case; 5] = [
+        // R_p 3 < R_d 5 after 7 positions: positions 4, 5, 6, cut where the decode ring wraps
+        // (5) and where the prefill ring does (6).
+        (
+            (3, 5),
+            (ROW, ROW),
+            (1, 2),
+            7,
+            &[(4, 14, 1), (5, 10, 1), (3, 11, 1)],
+        ),
+        // R_p 5 > R_d 3, n 2 below both rings: positions 0, 1, one block.
+        ((5, 3), (ROW, ROW), (0, 1), 2, &[(0, 3, 2)]),
+        // Equal rings after 10 positions: positions 6..10 wrap once, at 8.
+        ((4, 4), (ROW, ROW), (3, 0), 10, &[(14, 2, 2), (12, 0, 2)]),
+        // Padded prefill rows: one block per live position.
+        (
+            (3, 5),
+            (ROW + 8, ROW),
+            (0, 0),
+            7,
+            &[(1, 4, 1), (2, 0, 1), (0, 1, 1)],
+        ),
+        // No positions processed: nothing moves.
+        ((3, 5), (ROW, ROW), (2, 2), 0, &[]),
+    ];
+    for ((rs, rd), (stride_s, stride_d), slots, n, blocks) in cases {
+        let case = format!("R {rs}->{rd}, strides {stride_s}/{stride_d}, {slots:?}, n {n}");
+        let src = peer(0x1000_0000, rs, stride_s);
+        let dst = peer(0x9000_0000, rd, stride_d);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let (mut want_src, mut want_dst, mut want_len) = (Vec::new(), Vec::new(), Vec::new());
+        let mut want_offsets = vec![0];
+        for entry in 1..3 {
+            let (sb, db) = (src.parts().data_ptrs[entry], dst.parts().data_ptrs[entry]);
+            for &(s, d, rows) in blocks {
+                want_src.push(sb + s * stride_s);
+                want_dst.push(db + d * stride_d);
+                want_len.push(rows * ROW);
+            }
+            want_offsets.push(want_offsets.last().unwrap() + blocks.len());
+        }
+        let request = Request {
+            n_tokens: Some(n),
+            ..Request::slot(slots.0 as i64, slots.1 as i64)
+        };
+        let summary = template.prepare(&request).unwrap();
+        assert_eq!(summary.n_blocks, want_len.len(), "{case}");
+        assert_eq!(summary.total_bytes, want_len.iter().sum::<u64>(), "{case}");
+        let whole = template.plan(&request).unwrap();
+        let ring = template
+            .plan_ring(slots.0 as i64, slots.1 as i64, n)
+            .unwrap();
+        for plan in [&whole, &ring] {
+            assert_eq!(plan.src_addrs, want_src, "{case}");
+            assert_eq!(plan.dst_addrs, want_dst, "{case}");
+            assert_eq!(plan.lengths, want_len, "{case}");
+            assert_eq!(plan.pair_offsets, want_offsets, "{case}");
+            assert_eq!(plan.total_bytes, summary.total_bytes, "{case}");
+        }
+    }
 }

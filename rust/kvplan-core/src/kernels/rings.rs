@@ -1,79 +1,191 @@
-//! The ring lane: the live rows of ring-state pairs between rings of different sizes.
+//! The ring lanes: the live rows of ring-state pairs between rings of different sizes.
 //!
 //! A ring-state entry keeps, per request slot, `R` rows (its items): position `p` of a request
 //! lives in row `slot × R + p mod R`, so the ring holds the last `R` positions (a compressor's
 //! state rows, a speculative decoder's ring). Prefill and decode may keep rings of different
 //! sizes (`R_p ≠ R_d`): whole-ring copies would put positions in the wrong rows, so a slot
 //! request that has processed `n` positions moves the live positions both rings hold,
-//! `n − min(R_p, R_d, n) .. n` (the same "last W tokens" rule as a sliding window, over a
-//! modular token map), each from its prefill row to its decode row. Consecutive positions are
-//! one block while both rows step by one (neither ring wraps) and each side's rows are packed
-//! (`stride == item_len`); otherwise a block per position.
+//! `n − min(R_p, R_d, n) .. n`, each from its prefill row to its decode row. Consecutive
+//! positions are one block while both rows step by one (neither ring wraps) and each side's
+//! rows are packed (`stride == item_len`); otherwise a block per position.
 //!
-//! `Template::prepare` counts these blocks (by arithmetic, never by walking the positions) and
-//! emits them after the request's state slots, into the plan's exactly sized columns.
+//! A ring is a lane like the token template's lanes: a [`RingLane`] is data, a ring-state pair
+//! and its walk [`Walk::Ring`], and the live-position rule is that walk's
+//! [`Walk::start`] (the rule of a sliding window of `min(R_p, R_d)` tokens). The template holds
+//! its ring lanes as a list; `Template::prepare` counts them (by arithmetic, never by walking
+//! the positions) and emits them after the request's state slots, into the plan's exactly
+//! sized columns, and `Template::plan_ring` is the same slot path without the slots.
+//!
+//! Why the rows keep their own kernel rather than joining the token kernels (module `tokens`):
+//! in the address model of module `pieces` a ring side is a token side whose "page" is one lap
+//! of the ring (`R` slots, map `Paged { page_size: R }`) and whose page list repeats the
+//! request's slot once per lap, so position `p` lands in row `slot × R + p mod R` and a run
+//! is cut where a ring wraps (the next page index is not the previous plus one), as the token
+//! kernels cut runs. But the token kernels read a request's page lists by position, and that
+//! list would be `n / R` entries long after `n` positions (`n` may be near `u64::MAX`), where
+//! the live rows touch at most two laps; a slot request carries no page lists at all. So the
+//! lane and its walk are shared data and the rule (which positions move) is the walk's, while
+//! the row emission below (where they go, O(1) per run) stays its own kernel.
 
-use crate::error::{PlanError, Result};
-use crate::model::pieces::PairSpec;
+use crate::error::{PlanError, Result, Side};
+use crate::model::pieces::{PairSpec, Walk};
 use crate::model::plan::Columns;
 
-/// One ring-state pair with each side's rows per request slot.
-pub type RingPair = (PairSpec, (u64, u64));
+/// One ring lane of a template: a ring-state pair and the walk of its live positions, a
+/// [`Walk::Ring`] with each side's rows per request slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingLane {
+    pair: PairSpec,
+    walk: Walk,
+}
 
-/// One block run of a ring pair: its first position and positions.
+/// One block run of a ring lane: its first position and positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RowRun {
     first: u64,
     len: u64,
 }
 
-/// Blocks one ring pair emits after `n` positions (none for an elided pair).
-pub(crate) fn pair_blocks((pair, rows): &RingPair, n: u64) -> u64 {
-    if pair.item_len == 0 {
-        return 0;
+impl RingLane {
+    /// The ring lane of `pair`, whose source ring keeps `rows.0` rows per request slot and
+    /// destination ring `rows.1`.
+    pub(crate) fn new(pair: PairSpec, (src_rows, dst_rows): (u64, u64)) -> Self {
+        Self {
+            pair,
+            walk: Walk::Ring { src_rows, dst_rows },
+        }
     }
-    block_count(pair, *rows, n)
+
+    /// The ring-state pair.
+    pub fn pair(&self) -> &PairSpec {
+        &self.pair
+    }
+
+    /// Its walk: [`Walk::Ring`].
+    pub fn walk(&self) -> Walk {
+        self.walk
+    }
+
+    /// Each side's rows per request slot.
+    pub fn rows(&self) -> (u64, u64) {
+        // Built only by `RingLane::new`, whose walk is a ring; (0, 0) would move nothing.
+        self.walk.ring_rows().unwrap_or((0, 0))
+    }
+
+    /// Whether the lane moves bytes (an elided pair moves none).
+    pub(crate) fn moving(&self) -> bool {
+        self.pair.item_len > 0
+    }
+
+    /// The live positions after `n` positions: `walk.start(0, n) .. n`.
+    fn live(&self, n: u64) -> (u64, u64) {
+        (self.walk.start(0, n), n)
+    }
+
+    /// Blocks the lane emits after `n` positions (none for an elided pair).
+    pub(crate) fn blocks(&self, n: u64) -> u64 {
+        if !self.moving() {
+            return 0;
+        }
+        if self.packed() {
+            self.runs(n).count() as u64
+        } else {
+            let (first, n) = self.live(n);
+            n - first
+        }
+    }
+
+    /// Bytes the lane moves after `n` positions.
+    ///
+    /// # Errors
+    /// [`PlanError::Overflow`].
+    pub(crate) fn bytes(&self, n: u64) -> Result<u64> {
+        let (first, n) = self.live(n);
+        (n - first)
+            .checked_mul(self.pair.item_len)
+            .ok_or(PlanError::Overflow { what: "ring bytes" })
+    }
+
+    /// Whether the slot's ring (`rows` items from `slot × rows`) on `side` lies inside that
+    /// side's buffer (an elided pair holds nothing).
+    pub(crate) fn slot_fits(&self, side: Side, slot: u64) -> bool {
+        let capacity = side.pick(self.pair.src_capacity, self.pair.dst_capacity);
+        let rows = side.pick(self.rows().0, self.rows().1);
+        let end = slot.checked_add(1).and_then(|s| s.checked_mul(rows));
+        !self.moving() || end.is_some_and(|end| end <= capacity)
+    }
+
+    /// Whether consecutive rows are adjacent in memory on both sides, so that positions
+    /// between ring wraps form one block.
+    fn packed(&self) -> bool {
+        self.pair.src_stride == self.pair.item_len && self.pair.dst_stride == self.pair.dst_item_len
+    }
+
+    /// The block runs of the lane: its walk's positions, cut where either ring wraps (its
+    /// next row is row 0 of the slot) or, on a side whose rows are padded, at every position
+    /// (at most three runs on packed rows: the live positions are no more than either ring's
+    /// rows, so each ring wraps at most once among them). Each run costs O(1), whatever its
+    /// length.
+    fn runs(&self, n: u64) -> impl Iterator<Item = RowRun> {
+        let (rs, rd) = self.rows();
+        let (mut at, n) = self.live(n);
+        let packed = self.packed();
+        // The first position after `at` where a ring of `rows` rows wraps (`n` past the end).
+        let next_wrap = move |at: u64, rows: u64| {
+            (at / rows)
+                .checked_add(1)
+                .and_then(|k| k.checked_mul(rows))
+                .map_or(n, |wrap| wrap.min(n))
+        };
+        std::iter::from_fn(move || {
+            if at >= n {
+                return None;
+            }
+            let first = at;
+            at = if packed {
+                next_wrap(first, rs).min(next_wrap(first, rd))
+            } else {
+                first + 1
+            };
+            Some(RowRun {
+                first,
+                len: at - first,
+            })
+        })
+    }
 }
 
-/// Bytes one ring pair moves after `n` positions.
+/// Blocks and bytes of every ring lane after `n` positions.
 ///
 /// # Errors
 /// [`PlanError::Overflow`].
-pub(crate) fn pair_bytes((pair, rows): &RingPair, n: u64) -> Result<u64> {
-    live_positions(*rows, n)
-        .checked_mul(pair.item_len)
-        .ok_or(PlanError::Overflow { what: "ring bytes" })
-}
-
-/// Blocks and bytes of every ring pair after `n` positions.
-///
-/// # Errors
-/// [`PlanError::Overflow`].
-pub(crate) fn count(pairs: &[RingPair], n: u64) -> Result<(u64, u64)> {
+pub(crate) fn count(lanes: &[RingLane], n: u64) -> Result<(u64, u64)> {
     let mut n_blocks = 0u64;
     let mut total_bytes = 0u64;
-    for ring in pairs {
-        n_blocks = n_blocks.saturating_add(pair_blocks(ring, n));
-        total_bytes = pair_bytes(ring, n)?
+    for lane in lanes {
+        n_blocks = n_blocks.saturating_add(lane.blocks(n));
+        total_bytes = lane
+            .bytes(n)?
             .checked_add(total_bytes)
             .ok_or(PlanError::Overflow { what: "ring bytes" })?;
     }
     Ok((n_blocks, total_bytes))
 }
 
-/// Writes the ring rows of slots `slots` after `n` positions into `out` from block `at`, pair
-/// by pair (slots checked against every pair's buffer, columns sized by [`count`]); returns
+/// Writes the ring rows of slots `slots` after `n` positions into `out` from block `at`, lane
+/// by lane (slots checked against every lane's buffers, columns sized by [`count`]); returns
 /// the block after the last written.
 pub(crate) fn emit(
-    pairs: &[RingPair],
+    lanes: &[RingLane],
     slots: (u64, u64),
     n: u64,
     out: &mut Columns<'_>,
     at: usize,
 ) -> usize {
     let mut k = at;
-    for (pair, rows) in pairs.iter().filter(|(p, _)| p.item_len > 0) {
-        for run in runs(pair, *rows, n) {
+    for lane in lanes.iter().filter(|l| l.moving()) {
+        let (pair, rows) = (&lane.pair, lane.rows());
+        for run in lane.runs(n) {
             // Inside the slot's ring (checked), so inside the buffer.
             let row = |slot: u64, r: u64| slot * r + run.first % r;
             out.src_addrs[k] = pair.src_base + row(slots.0, rows.0) * pair.src_stride;
@@ -85,69 +197,13 @@ pub(crate) fn emit(
     k
 }
 
-/// Whether the slot's ring (`rows` items from `slot × rows`) lies inside a buffer of
-/// `capacity` items.
-pub(crate) fn slot_fits(slot: u64, rows: u64, capacity: u64) -> bool {
-    let end = slot.checked_add(1).and_then(|s| s.checked_mul(rows));
-    end.is_some_and(|end| end <= capacity)
-}
-
-/// Positions both rings hold after `n` positions: `min(R_p, R_d, n)`.
-fn live_positions((rs, rd): (u64, u64), n: u64) -> u64 {
-    rs.min(rd).min(n)
-}
-
-/// Whether consecutive rows are adjacent in memory on both sides, so that positions between
-/// ring wraps form one block.
-fn packed(pair: &PairSpec) -> bool {
-    pair.src_stride == pair.item_len && pair.dst_stride == pair.dst_item_len
-}
-
-/// How many blocks [`runs`] yields: one per live position on a padded side, else one per stretch
-/// between ring wraps (at most three: the live positions are no more than either ring's rows,
-/// so each ring wraps at most once among them).
-fn block_count(pair: &PairSpec, rows: (u64, u64), n: u64) -> u64 {
-    if packed(pair) {
-        runs(pair, rows, n).count() as u64
-    } else {
-        live_positions(rows, n)
-    }
-}
-
-/// The block runs of one ring pair: live positions `n − min(R_p, R_d, n) .. n`, cut where
-/// either ring wraps (its next row is row 0 of the slot) or, on a side whose rows are padded,
-/// at every position. Each run costs O(1), whatever its length.
-fn runs(pair: &PairSpec, (rs, rd): (u64, u64), n: u64) -> impl Iterator<Item = RowRun> {
-    let live = live_positions((rs, rd), n);
-    let packed = packed(pair);
-    // The first position after `at` where a ring of `rows` rows wraps (`n` past the end).
-    let next_wrap = move |at: u64, rows: u64| {
-        (at / rows)
-            .checked_add(1)
-            .and_then(|k| k.checked_mul(rows))
-            .map_or(n, |wrap| wrap.min(n))
-    };
-    let mut at = n - live;
-    std::iter::from_fn(move || {
-        if at >= n {
-            return None;
-        }
-        let first = at;
-        at = if packed {
-            next_wrap(first, rs).min(next_wrap(first, rd))
-        } else {
-            first + 1
-        };
-        Some(RowRun {
-            first,
-            len: at - first,
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn lane(src_stride: u64, dst_stride: u64, rows: (u64, u64)) -> RingLane {
+        RingLane::new(pair(src_stride, dst_stride), rows)
+    }
 
     fn pair(src_stride: u64, dst_stride: u64) -> PairSpec {
         PairSpec {
@@ -169,7 +225,8 @@ mod tests {
     fn walked(pair: &PairSpec, (rs, rd): (u64, u64), n: u64) -> Vec<RowRun> {
         let mut out: Vec<RowRun> = Vec::new();
         for p in n - rs.min(rd).min(n)..n {
-            let cut = !packed(pair) || p.is_multiple_of(rs) || p.is_multiple_of(rd);
+            let packed = pair.src_stride == pair.item_len && pair.dst_stride == pair.dst_item_len;
+            let cut = !packed || p.is_multiple_of(rs) || p.is_multiple_of(rd);
             match out.last_mut() {
                 Some(run) if !cut => run.len += 1,
                 _ => out.push(RowRun { first: p, len: 1 }),
@@ -184,10 +241,11 @@ mod tests {
             let pair = pair(src_stride, dst_stride);
             for rs in 1..7 {
                 for rd in 1..7 {
+                    let ring = lane(src_stride, dst_stride, (rs, rd));
                     for n in 0..20 {
-                        let got: Vec<RowRun> = runs(&pair, (rs, rd), n).collect();
+                        let got: Vec<RowRun> = ring.runs(n).collect();
                         assert_eq!(got, walked(&pair, (rs, rd), n), "{rs} {rd} {n}");
-                        assert_eq!(block_count(&pair, (rs, rd), n), got.len() as u64);
+                        assert_eq!(ring.blocks(n), got.len() as u64);
                     }
                 }
             }
@@ -198,9 +256,8 @@ mod tests {
     fn huge_rings_cost_by_blocks_not_positions() {
         // 2**36 live positions of packed rings: one or a few blocks, found without visiting
         // each position (a walk took tens of seconds here and never answered for larger).
-        let packed_pair = pair(8, 8);
         let rows = 1u64 << 36;
-        let got: Vec<RowRun> = runs(&packed_pair, (rows, rows), rows).collect();
+        let got: Vec<RowRun> = lane(8, 8, (rows, rows)).runs(rows).collect();
         assert_eq!(
             got,
             vec![RowRun {
@@ -210,7 +267,7 @@ mod tests {
         );
         // Rings of R and R + 1 rows after 3R + 5 positions: R live positions, cut where the
         // first wraps (3R) and where the second does (3R + 3).
-        let got: Vec<RowRun> = runs(&packed_pair, (rows, rows + 1), 3 * rows + 5).collect();
+        let got: Vec<RowRun> = lane(8, 8, (rows, rows + 1)).runs(3 * rows + 5).collect();
         assert_eq!(
             got,
             vec![
@@ -230,9 +287,9 @@ mod tests {
         );
         // Rows near u64::MAX: the next wrap past the end is the end, not an overflow.
         let n = u64::MAX;
-        let got: Vec<RowRun> = runs(&packed_pair, (n - 1, n), n).collect();
+        let got: Vec<RowRun> = lane(8, 8, (n - 1, n)).runs(n).collect();
         assert_eq!(got.iter().map(|r| r.len).sum::<u64>(), n - 1);
         // Padded rows are a block per position: counted, not walked.
-        assert_eq!(block_count(&pair(16, 8), (rows, rows), rows), rows);
+        assert_eq!(lane(16, 8, (rows, rows)).blocks(rows), rows);
     }
 }

@@ -171,7 +171,7 @@ pub const PIECE_CLASSES: usize = 5;
 
 /// Which tokens of a request a lane walks. The token maps a lane walks them over (dealt over
 /// decode context-parallel ranks, or paged) are the lane's own data, so dealing is not a walk:
-/// a new kind of walk (a ring's last positions, a chunked-local span) is one arm here.
+/// a new kind of walk (a chunked-local span) is one arm here, as a ring's last positions are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Walk {
     /// Every moved token of the request (`first..n`).
@@ -182,6 +182,17 @@ pub enum Walk {
     /// A sliding window of this many tokens: the request's last ones (from its first moved
     /// token when that is later).
     Window(u64),
+    /// The live positions of a ring-state pair (module `rings`): each side keeps position `p`
+    /// of a request in row `p mod rows` of the request's slot, so both hold the last
+    /// `min(src_rows, dst_rows)` positions: a window of that many tokens over a modular token
+    /// map. Its lane is a ring lane of the template's slot plan ([`crate::RingLane`]), whose
+    /// rows are addressed by request slot, not by page.
+    Ring {
+        /// Rows per request slot of the source (prefill) ring.
+        src_rows: u64,
+        /// Rows per request slot of the destination (decode) ring.
+        dst_rows: u64,
+    },
 }
 
 impl Walk {
@@ -189,14 +200,26 @@ impl Walk {
     pub(crate) fn start(self, first: u64, n: u64) -> u64 {
         match self {
             Walk::Window(window) => first.max(n.saturating_sub(window)),
+            // The same rule as a window: the positions both rings hold.
+            Walk::Ring { src_rows, dst_rows } => {
+                Walk::Window(src_rows.min(dst_rows)).start(first, n)
+            }
             Walk::All | Walk::DraftWhole => first,
         }
     }
 
     /// Whether the walk's block counts repeat with its token maps' period (a window walks at
-    /// most one window at the request's end, so it is counted directly).
+    /// most one window at the request's end, so it is counted directly; so does a ring).
     pub(crate) fn periodic(self) -> bool {
-        !matches!(self, Walk::Window(_))
+        !matches!(self, Walk::Window(_) | Walk::Ring { .. })
+    }
+
+    /// Each side's rows per request slot of a ring walk (`None`: not a ring).
+    pub fn ring_rows(self) -> Option<(u64, u64)> {
+        match self {
+            Walk::Ring { src_rows, dst_rows } => Some((src_rows, dst_rows)),
+            Walk::All | Walk::DraftWhole | Walk::Window(_) => None,
+        }
     }
 }
 

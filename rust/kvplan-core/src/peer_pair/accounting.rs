@@ -4,7 +4,7 @@
 //! every byte count per block range comes from here.
 
 use crate::error::{PlanError, Result};
-use crate::kernels::rings::{self, RingPair};
+use crate::kernels::rings::RingLane;
 use crate::kernels::tokens::TokenTemplate;
 use crate::model::pieces::{MAX_LANES, PIECE_CLASSES, Piece, TOKEN_CLASSES, total_len};
 use crate::model::plan::{PlanSummary, PlanUnit, StateShape};
@@ -29,8 +29,8 @@ pub struct BlockAccounting {
     /// Per state pair, the blocks and bytes it moves per slot (0 bytes: elided or not this
     /// rank pair's, it owns no block; several blocks: the slices of a TP-split slot).
     state_lens: Vec<(usize, u64)>,
-    /// The ring-state pairs, whose rows a slot request moves after its slots.
-    rings: Vec<RingPair>,
+    /// The template's ring lanes, whose rows a slot request moves after its slots.
+    rings: Vec<RingLane>,
 }
 
 impl BlockAccounting {
@@ -44,7 +44,7 @@ impl BlockAccounting {
         pair_groups: Vec<Option<usize>>,
         pieces: &[Piece],
         tokens: Option<&TokenTemplate>,
-        (state_lens, rings): (Vec<(usize, u64)>, Vec<RingPair>),
+        (state_lens, rings): (Vec<(usize, u64)>, Vec<RingLane>),
     ) -> Result<Self> {
         let per_run = pieces.iter().filter(|p| p.per_run()).count();
         let page_bytes = groups
@@ -128,14 +128,14 @@ impl BlockAccounting {
 
     /// The slot groups of a state plan (its moving state pairs, when its slots move), and the
     /// ring pair of each of its later groups (its moving ring pairs, when its rows move).
-    fn state_groups(&self, shape: &StateShape) -> (usize, Vec<&RingPair>) {
+    fn state_groups(&self, shape: &StateShape) -> (usize, Vec<&RingLane>) {
         let slots = if shape.slots {
             self.moving_state_pairs()
         } else {
             0
         };
         let rings = match shape.ring_positions {
-            Some(_) => self.rings.iter().filter(|(p, _)| p.item_len > 0).collect(),
+            Some(_) => self.rings.iter().filter(|l| l.moving()).collect(),
             None => Vec::new(),
         };
         (slots, rings)
@@ -149,10 +149,7 @@ impl BlockAccounting {
         };
         let n = shape.ring_positions?;
         let (slots, rings) = self.state_groups(&shape);
-        let bytes = rings
-            .iter()
-            .map(|ring| rings::pair_bytes(ring, n).unwrap_or(0))
-            .sum();
+        let bytes = rings.iter().map(|ring| ring.bytes(n).unwrap_or(0)).sum();
         Some((slots, slots + shape.ring_blocks, bytes))
     }
 
@@ -165,9 +162,7 @@ impl BlockAccounting {
                 let (slots, rings) = self.state_groups(shape);
                 match (group.checked_sub(slots), shape.ring_positions) {
                     (None, _) => self.moving_state().nth(group).map_or(0, |&(n, _)| n),
-                    (Some(r), Some(n)) => rings
-                        .get(r)
-                        .map_or(0, |ring| rings::pair_blocks(ring, n) as usize),
+                    (Some(r), Some(n)) => rings.get(r).map_or(0, |ring| ring.blocks(n) as usize),
                     (Some(_), None) => 0,
                 }
             }
@@ -200,9 +195,7 @@ impl BlockAccounting {
                 let (slots, rings) = self.state_groups(shape);
                 match (group.checked_sub(slots), shape.ring_positions) {
                     (None, _) => Ok(self.moving_state().nth(group).map_or(0, |&(_, b)| b)),
-                    (Some(r), Some(n)) => rings
-                        .get(r)
-                        .map_or(Ok(0), |ring| rings::pair_bytes(ring, n)),
+                    (Some(r), Some(n)) => rings.get(r).map_or(Ok(0), |ring| ring.bytes(n)),
                     (Some(_), None) => Ok(0),
                 }
             }
@@ -259,7 +252,7 @@ impl BlockAccounting {
         let slots = self.state_lens.iter().filter(|_| shape.slots);
         let mut out: Vec<Option<usize>> = slots.map(|&(_, bytes)| group(bytes)).collect();
         if shape.ring_positions.is_some() {
-            out.extend(self.rings.iter().map(|(p, _)| group(p.item_len)));
+            out.extend(self.rings.iter().map(|l| group(l.pair().item_len)));
         }
         out
     }

@@ -6,7 +6,7 @@
 //! template; it keeps the two layouts so they derive what they need themselves.
 
 use crate::error::{PlanError, Result, Side};
-use crate::kernels::rings::{self, RingPair};
+use crate::kernels::rings::{self, RingLane};
 use crate::kernels::tokens::{LaneLists, PoolRanges, TokenTemplate, count_blocks_in, emit_tokens};
 use crate::model::layer_groups::{EntryTag, LayerGroups, SliceKey};
 use crate::model::pieces::{Fragments, PairSpec, Piece, total_len};
@@ -51,9 +51,10 @@ pub struct Template {
     /// Page pairs with a non-zero item length, in order: the ones that emit blocks.
     pub(crate) emitting: Vec<PairSpec>,
     pub(crate) state_pairs: Vec<PairSpec>,
-    /// Ring-state pairs (module `ring`) with each side's rows per request slot: not slot
-    /// pairs, so a slot request does not move them.
-    pub(crate) ring_pairs: Vec<RingPair>,
+    /// The ring lanes (module `rings`): each ring-state pair with its walk
+    /// ([`crate::Walk::Ring`], each side's rows per request slot). Not slot pairs: a slot
+    /// request moves their live rows, by the walk, only when it gives its positions.
+    pub(crate) ring_lanes: Vec<RingLane>,
     /// The pieces of the state pairs that move bytes, in order: one per pair, or one per byte
     /// slice of a TP-split pair (a slot is a one-page request).
     pub(crate) state_pieces: Vec<Piece>,
@@ -227,18 +228,18 @@ impl Template {
         };
         let bytes_per_page = total_len(&pieces, "bytes per page")?;
         // Ring pairs (both sides rings: `check_pairs` refuses a ring against a slot) leave the
-        // slot pairs; a slot request moves their rows by the ring lane (module `rings`).
+        // slot pairs and become the template's ring lanes (module `rings`).
         let (ring_specs, mut state_pairs): (Vec<PairSpec>, Vec<PairSpec>) = state_pairs
             .into_iter()
             .partition(|p| src.entry(p.src_entry).ring().is_some());
-        let ring_pairs: Vec<RingPair> = ring_specs
+        let ring_lanes: Vec<RingLane> = ring_specs
             .into_iter()
             .filter_map(|p| {
                 let rows = src
                     .entry(p.src_entry)
                     .ring()
                     .zip(dst.entry(p.dst_entry).ring())?;
-                Some((p, rows))
+                Some(RingLane::new(p, rows))
             })
             .collect();
         // Per slot pair, the byte slices it moves: a TP channel split's slices (module
@@ -270,7 +271,7 @@ impl Template {
             pair_groups,
             &pieces,
             strategy.tokens().ok(),
-            (state_lens, ring_pairs.clone()),
+            (state_lens, ring_lanes.clone()),
         )?;
         let state_pieces = state_pairs
             .iter()
@@ -301,7 +302,7 @@ impl Template {
             page_pairs,
             emitting,
             state_pairs,
-            ring_pairs,
+            ring_lanes,
             state_pieces,
             bytes_per_page,
             limits,
@@ -399,14 +400,15 @@ impl Template {
         &self.page_pairs
     }
 
-    /// State-entry pairs in planning order (ring-state pairs apart: [`Template::ring_pairs`]).
+    /// State-entry pairs in planning order (ring-state pairs apart, as lanes: [`Template::ring_lanes`]).
     pub fn state_pairs(&self) -> &[PairSpec] {
         &self.state_pairs
     }
 
-    /// Ring-state pairs in planning order, with each side's rows per request slot.
-    pub fn ring_pairs(&self) -> &[(PairSpec, (u64, u64))] {
-        &self.ring_pairs
+    /// The ring lanes in planning order: each ring-state pair ([`RingLane::pair`]) with its
+    /// walk ([`crate::Walk::Ring`], each side's rows per request slot).
+    pub fn ring_lanes(&self) -> &[RingLane] {
+        &self.ring_lanes
     }
 
     /// Page pairs that emit blocks (non-zero item length).
@@ -566,7 +568,7 @@ impl Template {
         request: &Request<'_, S, D>,
         (src, dst): (i64, i64),
     ) -> Result<PlanSummary> {
-        if self.state_pairs.is_empty() && self.ring_pairs.is_empty() {
+        if self.state_pairs.is_empty() && self.ring_lanes.is_empty() {
             return Err(PlanError::Geometry {
                 what: format!(
                     "the request carries state slot ({src}, {dst}), but this template pairs no \
@@ -575,7 +577,7 @@ impl Template {
             });
         }
         let head = self.prepare(&request.pages_part())?;
-        let rings = !self.ring_pairs.is_empty();
+        let rings = !self.ring_lanes.is_empty();
         let n_tokens = request.n_tokens.filter(|_| rings);
         let state = self.prepare_slot(src, dst, n_tokens, true)?;
         let PlanUnit::State(shape) = state.unit else {
@@ -615,7 +617,7 @@ impl Template {
         n_tokens: Option<u64>,
         slots: bool,
     ) -> Result<PlanSummary> {
-        if n_tokens.is_some() && self.ring_pairs.is_empty() {
+        if n_tokens.is_some() && self.ring_lanes.is_empty() {
             let rule = "this template has no ring-state pairs (Layout.with_rings marks them)";
             return Err(PlanError::Geometry {
                 what: match n_tokens.filter(|_| slots) {
@@ -648,12 +650,12 @@ impl Template {
             ..StateShape::SLOTS
         };
         if let Some(n) = n_tokens {
-            for ring in &self.ring_pairs {
-                self.check_ring_slot(ring, Side::Src, s)?;
-                self.check_ring_slot(ring, Side::Dst, d)?;
+            for lane in &self.ring_lanes {
+                self.check_ring_slot(lane, Side::Src, s)?;
+                self.check_ring_slot(lane, Side::Dst, d)?;
             }
-            // Counted by arithmetic: a pair's blocks are a few runs or one per live position.
-            let (ring_blocks, ring_bytes) = rings::count(&self.ring_pairs, n)?;
+            // Counted by arithmetic: a lane's blocks are a few runs or one per live position.
+            let (ring_blocks, ring_bytes) = rings::count(&self.ring_lanes, n)?;
             let too_many = || PlanError::OutOfMemory {
                 what: "ring plan columns",
                 bytes: u128::from(ring_blocks) * 8,
@@ -675,14 +677,15 @@ impl Template {
         })
     }
 
-    /// The slot's ring (`rows` items from `slot × rows`) lies inside the ring pair's buffer on
+    /// The slot's ring (`rows` items from `slot × rows`) lies inside the ring lane's buffer on
     /// `side` (an elided pair holds nothing).
-    fn check_ring_slot(&self, (pair, rows): &RingPair, side: Side, slot: u64) -> Result<()> {
-        let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
-        let rows = side.pick(rows.0, rows.1);
-        if pair.item_len == 0 || rings::slot_fits(slot, rows, capacity) {
+    fn check_ring_slot(&self, lane: &RingLane, side: Side, slot: u64) -> Result<()> {
+        if lane.slot_fits(side, slot) {
             return Ok(());
         }
+        let (pair, rows) = (lane.pair(), lane.rows());
+        let capacity = side.pick(pair.src_capacity, pair.dst_capacity);
+        let rows = side.pick(rows.0, rows.1);
         let entry = side.pick(pair.src_entry, pair.dst_entry);
         Err(PlanError::IndexOutOfRange {
             side,
@@ -792,7 +795,7 @@ impl Template {
                     0
                 };
                 if let Some(n) = shape.ring_positions {
-                    rings::emit(&self.ring_pairs, slots, n, &mut out, at);
+                    rings::emit(&self.ring_lanes, slots, n, &mut out, at);
                 }
             }
             (Indices::Slot { .. }, _) | (Indices::Pages { .. }, PlanUnit::State(_)) => {

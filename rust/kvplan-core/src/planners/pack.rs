@@ -259,6 +259,14 @@ impl RowGather {
                 feature: Feature::Window.name(),
                 why: format!("a row gather moves every token; window lane of {window} tokens"),
             }),
+            // Ring lanes belong to slot plans, never to a token template's lanes.
+            Walk::Ring { src_rows, dst_rows } => Err(PlanError::Unsupported {
+                planner: Planner::RowGather.name(),
+                feature: Feature::Ring.name(),
+                why: format!(
+                    "a row gather moves pages; ring lane of {src_rows} -> {dst_rows} rows"
+                ),
+            }),
         }
     }
 }
