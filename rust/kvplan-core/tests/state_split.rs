@@ -120,3 +120,23 @@ fn a_layout_with_a_split_round_trips_through_the_wire() {
     assert_eq!(back.state_channels(), layout.state_channels());
     assert_eq!(back, layout);
 }
+
+#[test]
+fn a_split_layout_rebuilt_from_its_entries_keeps_its_splits() {
+    // Conversion templates plan on a layout rebuilt from entries (the widened side): the split
+    // must survive, or the pair is refused as "one side splits" or, with the other side
+    // unsplit, planned by the leading-axis rule.
+    let layout = gdn(2, 1);
+    let rebuilt =
+        Layout::from_entries(layout.entries().to_vec(), layout.context().clone(), None).unwrap();
+    assert_eq!(rebuilt.state_channels(), layout.state_channels());
+    assert_eq!(rebuilt, layout);
+    let plan = template(&gdn(1, 0), &rebuilt)
+        .plan(&Request::slot(2, 1))
+        .unwrap();
+    let want = template(&gdn(1, 0), &gdn(2, 1))
+        .plan(&Request::slot(2, 1))
+        .unwrap();
+    assert_eq!(plan.lengths, want.lengths);
+    assert_eq!(plan.src_addrs, want.src_addrs);
+}

@@ -130,13 +130,14 @@ impl Layout {
         })
     }
 
-    /// A layout of whole entries, each carrying its stride, window or ring, and
-    /// representation, with its window entries in a pool of `window_page_size` tokens per page
+    /// A layout of whole entries, each carrying its stride, window or ring, TP channel split
+    /// and representation, with its window entries in a pool of `window_page_size` tokens per page
     /// when given: every rule of [`Layout::new`] and of the `with_*` setters holds of it.
     ///
     /// # Errors
     /// As [`Layout::new`], [`Layout::with_strides`], [`Layout::with_windows_in_pool`],
-    /// [`Layout::with_rings`] and [`Layout::with_representations`]; [`PlanError::InvalidLayout`]
+    /// [`Layout::with_rings`], [`Layout::with_representations`] and
+    /// [`Layout::with_state_channels`]; [`PlanError::InvalidLayout`]
     /// for an entry in the window pool of a layout without one, or a window entry outside the
     /// window pool of a layout with one.
     pub fn from_entries(
@@ -175,12 +176,19 @@ impl Layout {
         } else {
             Vec::new()
         };
+        let channels: Vec<_> = entries.iter().map(Entry::channels).collect();
+        let channels = if channels.iter().any(Option::is_some) {
+            channels
+        } else {
+            Vec::new()
+        };
         let strides = entries.iter().map(|e| e.stride).collect();
         Self::new(parts_of(&entries), context)?
             .with_strides(strides)?
             .with_windows_in_pool(windows, window_page_size)?
             .with_rings(rings)?
-            .with_representations(formats)
+            .with_representations(formats)?
+            .with_state_channels(channels)
     }
 
     pub(super) fn appended(&self, extra: LayoutParts) -> Result<Self> {
