@@ -230,18 +230,6 @@ def _ids(case: Case) -> str:
     return f"tp{case.tp_p}to{case.tp_d}-{case.scales}-ps{case.ps_p}x{case.ps_d}"
 
 
-#: ConversionTemplate builds its plans on the decode layout widened into the prefill's
-#: representation (``Layout::from_entries`` in the core), which drops every state entry's TP
-#: channel split: the widened decode's state entries have none, so the build refuses a pair
-#: whose sides both declare the split ("state channel splits differ in presence ... decode no
-#: split"), at every TP pair, equal TP sizes included.
-SPLIT_LOST = pytest.mark.xfail(
-    strict=True, raises=kvplan.SizeMismatchError,
-    reason="the conversion template's widened decode layout loses the state entries' TP "
-           "channel split (Layout::from_entries does not carry it), so the build refuses a "
-           "split state pair that Template plans")
-
-
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_the_plain_template_writes_the_oracles_split_state_and_kv(case: Case) -> None:
     """The byte-copy half: prefill -> the decode's bf16 twin, pages and slot in one request,
@@ -252,13 +240,11 @@ def test_the_plain_template_writes_the_oracles_split_state_and_kv(case: Case) ->
         _twin(case, dep, sources, r_d)
 
 
-@SPLIT_LOST
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_converted_pages_and_split_state_slots_equal_the_reference(case: Case) -> None:
     _check(case)
 
 
-@SPLIT_LOST
 def test_a_hybrid_request_is_refused_naming_the_slot_and_the_feature() -> None:
     """Pages and a slot in one request: the conversion plan refuses it (typed, declared as
     ``pages_with_state``) rather than moving one part; the parts plan apart (above)."""
@@ -274,7 +260,6 @@ def test_a_hybrid_request_is_refused_naming_the_slot_and_the_feature() -> None:
     assert err.value.feature == "pages_with_state"
 
 
-@SPLIT_LOST
 @pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (2, 2)])
 def test_a_dequantizing_template_moves_the_split_state_slot_exactly(tp_p: int,
                                                                     tp_d: int) -> None:
@@ -305,12 +290,6 @@ def test_a_dequantizing_template_moves_the_split_state_slot_exactly(tp_p: int,
         assert bad.size == 0, (tp_p, tp_d, r_d, bad.size, bad[0])
 
 
-@pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception,
-    reason="the widened layout drops the decode's split, so ConversionTemplate pairs a "
-           "prefill state entry without a split with a split decode entry by the leading-axis "
-           "rule and copies the wrong bytes (decode rank 1 of 2 gets prefill bytes "
-           "[item, 2*item) of the slot) where Template refuses")
 def test_a_split_on_one_side_only_is_refused_as_the_byte_copy_template_refuses() -> None:
     """A prefill that publishes its state entries without a split (same bytes, same buffers)
     and a decode that declares one: the byte-copy template refuses the pair (which channels the
