@@ -59,9 +59,11 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   ``_send_mamba_state_slice`` the slices of the Mooncake drop-in's TP-split state template.
   ``send_kvcache_staged`` at prefill PP 1 plans as the Mooncake manager's staged path does
   and posts its network blocks as NIXL descriptors (prefill PP goes to SGLang's own method).
-  The prepared per-request path (``send_kvcache_mixed``'s indices), ``send_kvcache_slice``'s
-  indices stay SGLang's. A NIXL method whose signature is not SGLang 0.5.23's is refused with
-  ``kvplan.IncompatibleHostError`` before anything is replaced.
+  ``send_kvcache_mixed`` (entries of several memory kinds) indexes the prepared lists with
+  ``Template.prepped_indices`` of a template whose tables are those lists row for row;
+  ``send_kvcache_slice``'s indices stay SGLang's. A NIXL method whose signature is not
+  SGLang 0.5.23's is refused with ``kvplan.IncompatibleHostError`` before anything is
+  replaced.
 
 Everything else (the
 engine, sessions, bootstrap, state and aux sends, failure handling) stays SGLang's.

@@ -32,10 +32,14 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
 * ``send_kvcache_staged`` at prefill PP 1: the Mooncake drop-in's staged template; SGLang's
   gather kernel fills the staging buffer and the plan's network blocks are posted.
 
+* ``send_kvcache_mixed`` (entries of several memory kinds): per segment of the lists SGLang's
+  ``_init_mixed_equal_tp_prep_handles`` prepared (through kvplan's ``_prep_equal_tp_dlist``),
+  the indices are ``Template.prepped_indices`` of a template whose prepped tables are those
+  lists row for row; SGLang's ``make_prepped_xfer`` / ``self._post_xfer`` calls and errors.
+
 ``send_kvcache`` and ``send_kvcache_dcp`` stay SGLang's: they only dispatch to
-``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_mixed`` and
-``send_kvcache_slice`` stay SGLang's: per request they only index the prepared lists kvplan
-built.
+``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_slice`` stays
+SGLang's: per request it only indexes the prepared head-slice lists kvplan built.
 
 Differences from SGLang (typed ``kvplan.KvPlanError`` subclasses), each where SGLang reads or
 writes outside the buffers, or pairs the wrong entries: docs/sglang.md lists them.
@@ -50,6 +54,7 @@ decode through SGLang's ``conclude_failure`` before it is queued.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -60,12 +65,13 @@ from kvplan import _core
 from kvplan._core import Layout, Pairing, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
-from kvplan.compat.sglang.metrics import planned
+from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.registry import NIXL_MANAGER, sglang_global, sglang_method
 from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.templates import (
     _dst_item_lens,
     _ids_template,
+    as_index,
     _mamba_slice_template,
     _page_arrays,
     _positional_template,
@@ -111,6 +117,9 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "(self, peer_name, decode_kv_args, src_mem_kind='VRAM', dst_mem_kind='VRAM')":
             "SGLang 0.5.23",
     },
+    "send_kvcache_mixed": {
+        "(self, peer_name, prefill_kv_indices, dst_kv_indices)": "SGLang 0.5.23",
+    },
 }
 
 #: What kvplan's replacements read in SGLang's module and on ``self``: the host's methods
@@ -126,6 +135,9 @@ READS: dict[str, tuple[str, ...]] = {
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
     "_init_hetero_tp_prep_handle": ("prep_handle_slice_src", "prep_handles_slice_dst",
                                     "_prep_xfer_dlist", "dst_kv_item_len", "decode_tp_rank"),
+    "send_kvcache_mixed": ("decode_kv_args_table", "kv_xfer_segments", "_num_slots_src",
+                           "dst_num_slots", "src_handle", "dst_handle", "make_prepped_xfer",
+                           "_post_xfer"),
 }
 
 
@@ -493,6 +505,103 @@ def _prep_equal_tp_dlist(
     rows = strided_rows(kv_ptrs, kv_item_lens, kv_data_lens, _device_id(mem_kind, gpu_id),
                         num_slots, kv_item_lens if kv_xfer_lens is None else kv_xfer_lens)
     return self._prep_xfer_dlist(peer_name, rows, mem_kind)
+
+
+#: NIXL's prepared transfers take int32 descriptor indices (SGLang hands it int32 arrays).
+_INT32_MAX = (1 << 31) - 1
+
+
+def mixed_segment_template(self: Any, peer_name: str, info: Any, seg: Any) -> Template:
+    """The template of one memory-kind segment of a peer's mixed prepared lists (cached per
+    peer and segment): its layouts are the two lists SGLang's
+    ``_init_mixed_equal_tp_prep_handles`` prepared through ``_prep_equal_tp_dlist`` for
+    entries ``seg.start .. seg.end``: the prefill's entries with ``self._num_slots_src`` slots
+    of their item length; the decode's with ``seg.dst_num_slots`` slots of its item length as
+    the stride, each moving the prefill's item length. Entries pair positionally (the lists
+    are sliced alike), each pair one piece (``coalesce=False``: one prepared row per entry), so
+    the core's prepped tables are those lists row for row and ``Template.prepped_indices``
+    indexes them."""
+    lo, hi = int(seg.start), int(seg.end)
+    src_ptrs = [int(p) for p in self.kv_args.kv_data_ptrs[lo:hi]]
+    items = [int(n) for n in self.kv_args.kv_item_lens[lo:hi]]
+    dst_ptrs = [int(p) for p in info.dst_kv_ptrs[lo:hi]]
+    dst_items = [int(n) for n in info.dst_kv_item_lens[lo:hi]]
+    src_slots, dst_slots = int(self._num_slots_src), int(seg.dst_num_slots)
+    inputs = (src_ptrs, items, src_slots, dst_ptrs, dst_items, dst_slots)
+
+    def build() -> Template:
+        src = Layout(src_ptrs, [n * src_slots for n in items], items)
+        dst = Layout(dst_ptrs, [n * dst_slots for n in dst_items], items, strides=dst_items)
+        return Template(src, dst, Pairing.positional(), coalesce=False)
+
+    return cast(Template, template_cache(self).get(peer_name, f"nixl:mixed:{lo}:{hi}", inputs,
+                                                   build))
+
+
+def _int32_indices(indices: npt.NDArray[np.int64], side: str) -> npt.NDArray[np.int32]:
+    if indices.size and int(indices.max()) > _INT32_MAX:
+        raise _core.IndexBoundsError(
+            f"{side} prepared index {int(indices.max())} exceeds NIXL's int32 indices "
+            f"(at most {_INT32_MAX})")
+    return indices.astype(np.int32)
+
+
+def _mixed_lists_are_kvplans(self: Any) -> bool:
+    """Whether the manager's segment lists come from SGLang's own
+    ``_init_mixed_equal_tp_prep_handles`` over kvplan's ``_prep_equal_tp_dlist`` (the lists
+    :func:`mixed_segment_template` describes); a subclass's or an instance's replacement of
+    either builds lists kvplan has not seen, and SGLang's own method indexes them."""
+    attrs = getattr(self, "__dict__", None) or {}
+    if "_prep_equal_tp_dlist" in attrs or "_init_mixed_equal_tp_prep_handles" in attrs:
+        return False
+    prep = getattr(type(self), "_prep_equal_tp_dlist", None)
+    init = getattr(type(self), "_init_mixed_equal_tp_prep_handles", None)
+    own_init = sglang_method(self, "_init_mixed_equal_tp_prep_handles", NIXL_MANAGER)
+    return bool(getattr(prep, "_kvplan_dropin", False)) and init is own_init
+
+
+def send_kvcache_mixed(
+    self: Any,
+    peer_name: str,
+    prefill_kv_indices: Any,
+    dst_kv_indices: Any,
+) -> list[Any]:
+    """kvplan's ``NixlKVManager.send_kvcache_mixed`` (SGLang 0.5.23 signature): per memory-kind
+    segment of the peer's prepared lists, the indices are ``Template.prepped_indices`` of
+    :func:`mixed_segment_template` (piece major, page minor: SGLang's entry-major ``entry *
+    slots + page``), every segment's computed before any is posted; then, as SGLang, one
+    ``make_prepped_xfer("WRITE", ...)`` and ``self._post_xfer`` per segment, returning the
+    handles. A negative page or one past either list's slots, and page lists of different
+    lengths, are refused (:class:`kvplan.IndexBoundsError`, :class:`kvplan.KvPlanError`)
+    where SGLang would index another entry's slots or hand NIXL unequal lists. Lists built by
+    a replaced ``_prep_equal_tp_dlist`` or ``_init_mixed_equal_tp_prep_handles`` (a subclass's,
+    an instance's) are indexed by SGLang's own method."""
+    if not _mixed_lists_are_kvplans(self):
+        original = sglang_method(self, "send_kvcache_mixed", NIXL_MANAGER)
+        return cast(list[Any], original(self, peer_name, prefill_kv_indices, dst_kv_indices))
+    info = self.decode_kv_args_table[peer_name]
+    segments = info.kv_xfer_segments
+    assert segments is not None  # SGLang's own check
+    if not segments:
+        raise RuntimeError(f"Missing NIXL mixed KV transfer plan for {peer_name}")
+    src_pages, dst_pages = as_index(prefill_kv_indices), as_index(dst_kv_indices)
+    started = time.perf_counter()
+    requests = []
+    for seg in segments:
+        template = mixed_segment_template(self, peer_name, info, seg)
+        src64, dst64 = template.prepped_indices(src_pages, dst_pages)
+        requests.append((seg, _int32_indices(src64, "source"),
+                         _int32_indices(dst64, "destination")))
+    observe(time.perf_counter() - started, sum(len(r[1]) for r in requests))
+    handles = []
+    for seg, src_idx, dst_idx in requests:
+        xfer_handle = self.agent.make_prepped_xfer("WRITE", seg.src_handle, src_idx,
+                                                   seg.dst_handle, dst_idx)
+        if not xfer_handle:
+            raise Exception("KVSender failed to create mixed prepped transfer")
+        self._post_xfer(xfer_handle, "KVSender failed to post mixed prepped transfer")
+        handles.append(xfer_handle)
+    return handles
 
 
 def _token_pieces(plan: TransferPlan, which: slice, page: int) -> tuple[list[int], list[int], int]:

@@ -22,7 +22,8 @@ REPLACED_METHODS: dict[str, tuple[str, ...]] = {
     "AscendKVManager": ("_send_kvcache_generic", "send_kvcache", "_send_mamba_state"),
     "NixlKVManager": ("_send_kvcache_generic", "_send_mamba_state", "_send_mamba_state_slice",
                       "send_kvcache_staged",
-                      "_prep_equal_tp_dlist", "_init_hetero_tp_prep_handle"),
+                      "_prep_equal_tp_dlist", "_init_hetero_tp_prep_handle",
+                      "send_kvcache_mixed"),
 }
 
 
