@@ -508,15 +508,15 @@ impl ConversionTemplate {
         dst_staging: Option<PackBuffer>,
     ) -> Result<ConversionPlan> {
         // Conversion widens page and token entries; a hybrid request's state part is not
-        // checked against its scale layouts, so it is planned apart (`Template::plan`).
+        // checked against its scale layouts, so it is planned apart (a slot request).
         if let Some((src, dst)) = request.state_slot {
             return Err(PlanError::Unsupported {
                 planner: "ConversionTemplate.plan",
                 feature: "pages_with_state",
                 why: format!(
                     "a conversion plan converts page lists; this request carries state slot \
-                     ({src}, {dst}) with its pages: plan the pages here and the slot with \
-                     Template::plan as a request of its own"
+                     ({src}, {dst}) with its pages: plan the pages here and the slot as a \
+                     request of its own (a slot request, through this template)"
                 ),
             });
         }
