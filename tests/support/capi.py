@@ -3,9 +3,10 @@ library loaded with every entry point's argument and return types declared.
 
 Pointer arguments are declared ``c_void_p`` so that a test can pass ``None`` (null), a
 ``ctypes.byref``, a ctypes array or pointer, or a bare integer address (a misaligned pointer, a
-handle that was never created) exactly as a C caller could. Shared by ``tests/capi/test_capi.py``
-(the same blocks as ``kvplan.Template.plan``) and ``tests/robustness/test_capi_fuzz.py`` (no
-input crashes the library or makes it write outside the caller's buffers).
+handle that was never created) exactly as a C caller could. Shared by ``tests/capi/`` (the same
+blocks as ``kvplan.Template.plan``, every struct's size and field offsets as the header's, one
+file per ABI version) and ``tests/robustness/test_capi_fuzz.py`` (no input crashes the library
+or makes it write outside the caller's buffers).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+HEADER = ROOT / "rust" / "kvplan-capi" / "include" / "kvplan.h"
 
 NO_TOKENS = -1
 NO_SLOT = -1
@@ -26,6 +29,8 @@ POOL_SRC, POOL_DST = 1, 2
 ENTRY_PAGE, ENTRY_STATE = 0, 1
 ORDER_NHD, ORDER_HND = 0, 1
 PAIR_BY_LAYER_ID, PAIR_POSITIONAL = 0, 1
+NO_STATE_SPLIT = 2**64 - 1  # KvplanLayoutDesc4::state_channels of an entry without a split
+MAX_SHARD_GROUPS = 4
 
 # KvplanStatus (include/kvplan.h).
 OK = 0
@@ -35,9 +40,12 @@ INVALID_HANDLE = 3
 BUFFER_TOO_SMALL = 4
 PANIC = 5
 INDEX_BOUNDS = 11
+LAYOUT = 13
 OTHER = 15
-# The boundary's own codes and the core's (10 up to the last one the header names).
-STATUSES = frozenset([*range(0, 6), *range(10, 30)])
+HEAD_SLICING = 16
+# Every code the header's KvplanStatus names: the boundary's own and the core's.
+STATUSES = frozenset(
+    int(code) for code in re.findall(r"^\s*KVPLAN_STATUS_\w+ = (\d+),", HEADER.read_text(), re.M))
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
 i64p = ctypes.POINTER(ctypes.c_int64)
@@ -148,6 +156,29 @@ class LayoutDesc3(ctypes.Structure):
     ]
 
 
+class LayoutDesc4(ctypes.Structure):
+    """``KvplanLayoutDesc4`` (ABI version 4): ``LayoutDesc3``'s fields plus each state entry's
+    TP channel split: ``state_channels`` (``NO_STATE_SPLIT`` for an entry without one),
+    ``state_outer_rows``, ``shard_group_counts`` (``uint8_t`` per entry) and every entry's
+    shard groups one after the other in ``shard_groups``; ``struct_size`` must be
+    ``ctypes.sizeof(LayoutDesc4)``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("base", LayoutDesc),
+        ("windows", ctypes.c_void_p),
+        ("rings", ctypes.c_void_p),
+        ("pools", ctypes.c_void_p),
+        ("n_pools", ctypes.c_size_t),
+        ("entry_pools", ctypes.c_void_p),
+        ("state_channels", ctypes.c_void_p),
+        ("state_outer_rows", ctypes.c_void_p),
+        ("shard_group_counts", ctypes.c_void_p),
+        ("shard_groups", ctypes.c_void_p),
+        ("n_shard_groups", ctypes.c_size_t),
+    ]
+
+
 class PoolPages(ctypes.Structure):
     """``KvplanPoolPages`` (ABI version 3): one pool's pages per side."""
 
@@ -239,6 +270,7 @@ def load() -> ctypes.CDLL:
         "kvplan_layout_new3": ([vp, vp], status),
         "kvplan_prepare3": ([vp, vp, vp], status),
         "kvplan_plan_into3": ([vp, vp, vp, vp, vp, size, vp], status),
+        "kvplan_layout_new4": ([vp, vp], status),
         "kvplan_last_error_message": ([], ctypes.c_char_p),
         "kvplan_last_error_kind": ([], ctypes.c_char_p),
         "kvplan_status_name": ([ctypes.c_int32], ctypes.c_char_p),
