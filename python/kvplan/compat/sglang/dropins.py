@@ -29,6 +29,7 @@ from kvplan.compat.sglang.submit import (
     _send_per_pair,
     engine_status,
 )
+from kvplan.compat.sglang.verdicts import FailedBlocks
 from kvplan.compat.sglang.templates import (
     _ids_template,
     _mamba_slice_template,
@@ -94,10 +95,14 @@ def _send_kvcache_generic(
     src, dst = _page_arrays(prefill_data_indices, dst_data_indices)
     if self.enable_custom_mem_pool and getattr(self, "custom_mem_pool_type",
                                                None) != "INTRA_NODE_NVLINK":
-        return _send_per_pair(self, session, planned(lambda: template.plan(src, dst)),
-                              executor, through_transfer_data=True, await_with_manager=True)
+        plan = planned(lambda: template.plan(src, dst))
+        return _send_per_pair(self, session, plan, executor, through_transfer_data=True,
+                              await_with_manager=True,
+                              failed=FailedBlocks(self, session, template, plan, bootstrap_room))
     if owns_transfer_data(self):
-        return send_engine_batches(self, session, planned(lambda: template.plan(src, dst)))
+        plan = planned(lambda: template.plan(src, dst))
+        return send_engine_batches(self, session, plan,
+                                   FailedBlocks(self, session, template, plan, bootstrap_room))
     return _send_index_windows(self, session, template, src, dst)
 
 
@@ -258,10 +263,12 @@ def send_kvcache_slice(
     plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
     # SGLang's slice hands each layer pair to the engine itself (no ``_transfer_data``) and
     # awaits the executor's tasks with ``_await_transfer_futures``.
+    failed = FailedBlocks(self, mooncake_session_id, template, plan)
     if sglang_impl(self, "_await_transfer_futures") is None:
         return _send_per_pair(self, mooncake_session_id, plan, executor,
-                              through_transfer_data=False, await_with_manager=True)
-    return send_engine_batches(self, mooncake_session_id, plan)
+                              through_transfer_data=False, await_with_manager=True,
+                              failed=failed)
+    return send_engine_batches(self, mooncake_session_id, plan, failed)
 
 
 def send_kvcache(
@@ -363,10 +370,12 @@ def ascend_send_kvcache(
     template = _positional_template(self, mooncake_session_id, f"ascend-{slicer}", src_ptrs,
                                     dst_ptrs, items, slicer)
     plan = planned(lambda: template.plan(*_page_arrays(prefill_kv_indices, dst_kv_indices)))
+    failed = FailedBlocks(self, mooncake_session_id, template, plan)
     if self.enable_custom_mem_pool:
         return _send_per_pair(self, mooncake_session_id, plan, executor,
-                              through_transfer_data=True, await_with_manager=False)
-    return send_all(self, mooncake_session_id, plan)
+                              through_transfer_data=True, await_with_manager=False,
+                              failed=failed)
+    return send_all(self, mooncake_session_id, plan, failed)
 
 
 def _send_mamba_state(
@@ -388,7 +397,8 @@ def _send_mamba_state(
                                         dst_state_item_lens)
     plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
                                                int(dst_mamba_index[0])))
-    return send_all(self, session, plan)
+    return send_all(self, session, plan,
+                    FailedBlocks(self, session, template, plan, getattr(req, "room", None)))
 
 
 def _send_mamba_state_slice(
@@ -428,4 +438,5 @@ def _send_mamba_state_slice(
         src_state_conv_shard_groups, src_state_slice_outer_counts, src_layer_ids, dst_layer_ids)
     plan = planned(lambda: template.plan_state(int(prefill_mamba_index[0]),
                                                int(dst_mamba_index[0])))
-    return send_all(self, session, plan)
+    return send_all(self, session, plan,
+                    FailedBlocks(self, session, template, plan, getattr(req, "room", None)))

@@ -57,6 +57,7 @@ from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.model_config import config_kv_heads, config_rope
 from kvplan.compat.sglang.templates import as_index
+from kvplan.compat.sglang.verdicts import staged_unwritten
 from kvplan.compat.sglang.wrapping import unwrap, wrap
 from kvplan.staging import (
     ArenaShares,
@@ -713,6 +714,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         "caps": Capabilities.local([staging.arena.info(staging.rank)]).to_dict(),
         "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
     engine = _ManagerRounds(manager)
+    events: list[tuple[str, int]] = []
     try:
         staging.send_to(session, open_msg)
         report = send_staged(
@@ -721,10 +723,16 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
             acks=staging.router, gather=local_copy(host_views(zip(src_ptrs, src_lens)),
                                                    [staging.arena.array]),
             writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
-            src_lock=staging.arena.lock)
+            src_lock=staging.arena.lock, events=events)
     except StagingError as exc:
+        # the rounds the decode acknowledged scattering are in its pool; the rest may not be
+        scattered = sum(1 for event, _ in events if event == "ack")
+        verdict = staged_unwritten(manager, session, template, rounds, scattered,
+                                   reason=f"staged {exc.reason} in round {exc.round}")
+        pages = (f"; {scattered} rounds scattered, unwritten destination pages: {verdict}"
+                 if verdict is not None else "")
         _log.error("kvplan: staged transfer to %s failed (%s, round %s): %s (status -1: SGLang "
-                   "fails this request)", session, exc.reason, exc.round, exc)
+                   "fails this request)%s", session, exc.reason, exc.round, exc, pages)
         staging.last[session] = ("failed", exc)
         return -1
     except Exception as exc:  # the open message could not be sent: nothing was written

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy.typing as npt
 
@@ -22,8 +22,11 @@ from kvplan._core import BatchPlan, BlockSlice, Template, TransferPlan
 from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.seams import owns_transfer_data
 from kvplan.compat.sglang.settings import setting_max_blocks
-from kvplan.engines._base import batch_calls
+from kvplan.engines._base import U64, batch_calls, write_batches
 from kvplan.engines.mooncake import Handoff
+
+if TYPE_CHECKING:
+    from kvplan.compat.sglang.verdicts import FailedBlocks
 
 
 def engine_status(value: Any) -> int:
@@ -65,14 +68,33 @@ def _handoff(engine: Any) -> Handoff:
     return Handoff(engine, None, native=False, write_lists=write_lists)
 
 
-def send_engine_batches(manager: Any, session: str, plan: TransferPlan | BlockSlice) -> int:
+def send_engine_batches(manager: Any, session: str, plan: TransferPlan | BlockSlice,
+                        failed: FailedBlocks | None = None) -> int:
     """The fast path: the plan's arrays to ``manager.engine`` in bounded batches (what SGLang's
     own ``_transfer_data`` does with its one list), through the engine base's batching loop;
-    the first non-zero status is returned and later batches are not submitted."""
+    the first non-zero status is returned and later batches are not submitted. A failed batch
+    is reported to ``failed`` (its blocks and the unsubmitted ones after it)."""
     if plan.n_blocks == 0:
         return 0
-    return engine_status(_handoff(manager.engine).write_batches(
-        session, plan.src_addrs, plan.dst_addrs, plan.lengths, setting_max_blocks(manager)))
+    handoff = _handoff(manager.engine)
+    bound = setting_max_blocks(manager)
+    if failed is None:
+        return engine_status(handoff.write_batches(
+            session, plan.src_addrs, plan.dst_addrs, plan.lengths, bound))
+    start = [0]  # the plan position of the next batch
+
+    def write(index: int, s: U64, d: U64, n: U64) -> int:
+        lo = start[0]
+        start[0] += len(s)
+        status = handoff.write(session, s, d, n)
+        if status != 0:
+            failed.batch_failed(index, lo, start[0], status)
+        return status
+
+    status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, bound, write)[1]
+    if status != 0:
+        failed.report()
+    return engine_status(status)
 
 
 def send_batch_calls(manager: Any, session: str, batch: BatchPlan) -> list[int]:
@@ -91,12 +113,18 @@ def send_batch_calls(manager: Any, session: str, batch: BatchPlan) -> list[int]:
     return statuses
 
 
-def send_all(manager: Any, session: str, plan: TransferPlan) -> int:
+def send_all(manager: Any, session: str, plan: TransferPlan,
+             failed: FailedBlocks | None = None) -> int:
     """All blocks of one call: the fast path when ``_transfer_data`` is SGLang's own, else one
-    ``_transfer_data(session, blocks)`` call, as SGLang makes it."""
+    ``_transfer_data(session, blocks)`` call, as SGLang makes it (a non-zero status reports
+    every block of the call to ``failed``)."""
     if owns_transfer_data(manager):
-        return send_engine_batches(manager, session, plan)
-    return engine_status(manager._transfer_data(session, block_tuples(plan)))
+        return send_engine_batches(manager, session, plan, failed)
+    status = manager._transfer_data(session, block_tuples(plan))
+    if status != 0 and failed is not None:
+        failed.failed(0, plan.n_blocks, f"_transfer_data returned {status}")
+        failed.report()
+    return engine_status(status)
 
 
 def _send_index_windows(manager: Any, session: str, template: Template,
@@ -124,7 +152,8 @@ def _send_index_windows(manager: Any, session: str, template: Template,
 
 
 def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any, *,
-                   through_transfer_data: bool, await_with_manager: bool) -> int:
+                   through_transfer_data: bool, await_with_manager: bool,
+                   failed: FailedBlocks | None = None) -> int:
     """One executor task per entry pair (SGLang: one per layer). Each task hands its blocks to
     ``_transfer_data`` when that is the call's seam and it is not SGLang's own, else straight
     to the engine. Awaited with the manager's ``_await_transfer_futures`` where SGLang does,
@@ -134,7 +163,9 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
     if handoff is not None:
         handoff.native()  # bound and self-tested here, not in the first task
 
-    def one(pair: int) -> int:
+    written: set[int] = set()  # the pairs whose blocks all went through
+
+    def send(pair: int) -> int:
         which = plan.pair_blocks(pair)
         if handoff is None:
             return engine_status(manager._transfer_data(session, block_tuples(plan, which)))
@@ -144,13 +175,30 @@ def _send_per_pair(manager: Any, session: str, plan: TransferPlan, executor: Any
         return engine_status(handoff.write(session, src, plan.dst_addrs[which],
                                            plan.lengths[which]))
 
+    def one(pair: int) -> int:
+        status = send(pair)
+        if status == 0:
+            written.add(pair)
+        return status
+
+    def report(status: int) -> int:
+        # every pair that did not finish with 0: failed, cancelled, or still unknown
+        if status != 0 and failed is not None:
+            for pair in range(plan.n_pairs):
+                which = plan.pair_blocks(pair)
+                if pair not in written and which.stop > which.start:
+                    failed.failed(which.start, which.stop,
+                                  f"entry pair {pair} not written (call status {status})")
+            failed.report()
+        return engine_status(status)
+
     futures = [executor.submit(one, p) for p in range(plan.n_pairs)]
     if await_with_manager:
-        return engine_status(manager._await_transfer_futures(futures))
+        return report(engine_status(manager._await_transfer_futures(futures)))
     for future in concurrent.futures.as_completed(futures):
         status = future.result()
         if status != 0:
             for f in futures:
                 f.cancel()
-            return engine_status(status)
+            return report(status)
     return 0
