@@ -12,7 +12,9 @@ two registered arenas (docs/staging.md).
   engine's costs); :func:`startup_costs` settles those costs once at start-up (given, else
   measured by :func:`loopback_costs`).
 * :func:`send_staged` (prefill), :class:`ReceiveStaged` (decode): the round protocol, its
-  messages carried by the engine's side channel through a callable and a :class:`Router`.
+  messages carried by the engine's side channel through a callable and a :class:`Router`;
+  in pull mode (``send_staged(..., pull=True)``) the decode reads each round itself, e.g.
+  with :class:`NixlRoundReader` as the receiver's ``fetch``.
 * :class:`StagingError`: how a staged request fails, once.
 * :func:`local_copy`: a round's gather or scatter on host memory (``kvplan.copy_local``);
   :func:`host_memory` says whether KV buffers are host memory it may touch, :func:`host_views`
@@ -48,7 +50,7 @@ from kvplan.staging.negotiation import (
     StagingAgreement,
     negotiate,
 )
-from kvplan.staging.network import NetworkHandle, RoundEngine, round_engine
+from kvplan.staging.network import NetworkHandle, NixlRoundReader, RoundEngine, round_engine
 from kvplan.staging.receiver import ArenaShares, ReceiveStaged
 from kvplan.staging.router import Router
 from kvplan.staging.sender import AckQueue, SendReport, send_staged
@@ -56,7 +58,7 @@ from kvplan.staging.sender import AckQueue, SendReport, send_staged
 __all__ = ["CHANNEL_REASONS", "ENV_VARS", "PAGE", "PROTOCOL_VERSION", "REASONS",
            "STAGING_OPTIONS", "AckQueue", "ArenaShares",
            "ArenaInfo", "Capabilities", "ChannelError", "DirectFallback", "FallbackLog",
-           "FrameConnection", "FrameListener", "Framing", "NetworkHandle",
+           "FrameConnection", "FrameListener", "Framing", "NetworkHandle", "NixlRoundReader",
            "Negotiated", "PathChoice", "ReceiveStaged", "RoundEngine", "Router", "SendReport",
            "StagingAgreement", "StagingArena", "StagingConfig", "StagingError", "choose_path",
            "format_costs", "host_memory", "host_views", "local_copy", "loopback_costs",

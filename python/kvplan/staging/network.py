@@ -4,6 +4,7 @@ kvplan's drop-ins hold."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -12,7 +13,9 @@ import numpy as np
 from kvplan._errors import TransferError
 from kvplan.engines.mooncake import MOONCAKE_STATUS_NAMES, TCP_BLOCKS_PER_PEER
 
-__all__ = ["NetworkHandle", "RoundEngine", "round_engine"]
+__all__ = ["NetworkHandle", "NixlRoundReader", "RoundEngine", "round_engine"]
+
+_log = logging.getLogger("kvplan.staging")
 
 
 class NetworkHandle(Protocol):
@@ -121,3 +124,72 @@ def round_engine(engine: Any, *, max_blocks_per_batch: int | None = None) -> Rou
                         "Handoff")
     raise TypeError(f"round_engine: {type(engine).__name__} is not a kvplan transport, a "
                     "Mooncake Handoff or TransferEngine, nor has submit_round")
+
+
+class NixlRoundReader:
+    """The decode's read of one pulled round through a NIXL agent (the ``fetch`` of a
+    :class:`kvplan.staging.ReceiveStaged` in pull mode): the round's network plan, its
+    sources in the prefill's arena (registered with the prefill's agent, named
+    ``remote_agent`` here) and its destinations in the decode's arena (registered with
+    ``agent``), as one ``READ`` posted and waited on; the handle is always released.
+
+    Raises (from a call):
+        TransferError: NIXL refused the read, reported it failed, or it did not complete
+            within ``timeout_s`` (naming the peer, the round's blocks and bytes, and the
+            state NIXL gave).
+    """
+
+    def __init__(self, agent: Any, remote_agent: str, *, mem_type: str = "DRAM",
+                 device: int = 0, timeout_s: float = 30.0, poll_s: float = 0.0002) -> None:
+        self.agent, self.remote_agent = agent, remote_agent
+        self.mem_type, self.device = mem_type, device
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        #: Reads posted (one per round).
+        self.reads = 0
+
+    def _error(self, lengths: np.ndarray, what: str) -> TransferError:
+        err = TransferError(f"nixl: reading a staged round ({lengths.size} blocks, "
+                            f"{int(lengths.sum())} bytes) from {self.remote_agent}: {what}")
+        err.engine, err.session = "nixl", self.remote_agent
+        err.blocks, err.bytes = int(lengths.size), int(lengths.sum())
+        return err
+
+    def __call__(self, round_: Any) -> None:
+        import time
+
+        from kvplan.engines.nixl.descriptors import descriptor_rows
+
+        src, dst, lengths = _columns(round_.network)
+        if not lengths.size:
+            return
+        agent = self.agent
+        try:
+            local = agent.get_xfer_descs(descriptor_rows(dst, lengths, self.device),
+                                         self.mem_type)
+            remote = agent.get_xfer_descs(descriptor_rows(src, lengths, self.device),
+                                          self.mem_type)
+            handle = agent.initialize_xfer("READ", local, remote, self.remote_agent)
+        except Exception as exc:
+            raise self._error(lengths, f"initialize_xfer raised {exc!r}") from exc
+        try:
+            self.reads += 1
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + self.timeout_s
+            while state != "DONE":
+                if state == "ERR":
+                    raise self._error(lengths, "NIXL reported the read failed (ERR)")
+                if time.monotonic() > deadline:
+                    raise self._error(lengths, f"not done within {self.timeout_s:g} s "
+                                      f"(state {state!r})")
+                time.sleep(self.poll_s)
+                state = agent.check_xfer_state(handle)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise self._error(lengths, f"the read raised {exc!r}") from exc
+        finally:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception as exc:  # NIXL could not cancel it: the error above says why
+                _log.warning("kvplan staging: releasing a read handle to %s failed: %s",
+                             self.remote_agent, exc)

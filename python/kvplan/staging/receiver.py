@@ -76,14 +76,20 @@ class ReceiveStaged:
         writer: the prefill writer this stream comes from.
         timeout_s: seconds without progress before :meth:`poll` / :meth:`wait` fail it.
         clock: monotonic seconds (tests pass a fake).
+        fetch: pull mode (the prefill's ``send_staged(..., pull=True)``): reads one round
+            (its ``network`` plan, out of the prefill arena into the decode arena) before its
+            scatter; raising fails the stream with ``engine_failed``. The ack then also tells
+            the prefill its buffer was read.
     """
 
     def __init__(self, request: str, rounds: Sequence[Any], scatter: Callable[[Any], Any],
                  ack: Callable[[bytes], object], *, writer: int = 0, timeout_s: float = 30.0,
                  on_loaded: Callable[[ReceiveStaged], None] | None = None,
                  on_failed: Callable[[StagingError], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 fetch: Callable[[Any], Any] | None = None) -> None:
         check_stream(request, writer)
+        self._fetch = fetch
         self.request, self.rounds, self.writer = request, rounds, writer
         self._scatter, self._ack = scatter, ack
         self._on_loaded, self._on_failed = on_loaded, on_failed
@@ -204,6 +210,12 @@ class ReceiveStaged:
         if bytes(m.payload) != manifest.to_bytes():
             self._fail(k, "manifest_mismatch", manifest_difference(manifest, m.payload))
             return
+        if self._fetch is not None:
+            try:
+                self._fetch(r)
+            except Exception as exc:
+                self._fail(k, "engine_failed", f"reading round {k}: {type(exc).__name__}: {exc}")
+                return
         try:
             self._scatter(r.scatter)
         except Exception as exc:

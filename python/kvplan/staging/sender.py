@@ -53,11 +53,22 @@ def _count(plan: Any) -> tuple[int, int]:
     return int(lengths.sum()) if len(lengths) else 0, int(len(lengths))
 
 
+class _Ready:
+    """Pull mode's network step: nothing to wait on (the decode reads the round)."""
+
+    def wait(self) -> None:
+        return None
+
+
 class _Send:
     def __init__(self, rounds: Sequence[Any], engine: RoundEngine, peer: str, notify: Notify,
                  request: str, writer: int, acks: AckQueue, gather: Callable[[Any], Any],
-                 buffers: int, timeout_s: float, grant: bool) -> None:
+                 buffers: int, timeout_s: float, grant: bool, pull: bool = False) -> None:
         self.rounds, self.engine, self.peer, self.notify = rounds, engine, peer, notify
+        self.pull = pull
+        #: Notified on every acknowledgement and failure (a pull gather waits on it).
+        self._progress = threading.Condition()
+        self._error: StagingError | None = None  # the first failure, kept
         self.request, self.writer, self.acks, self.gather = request, writer, acks, gather
         self.buffers, self.timeout_s = buffers, timeout_s
         self.granted = not grant
@@ -75,7 +86,29 @@ class _Send:
         with self._told_lock:
             if self._first is None:
                 self._first = err
+        with self._progress:
+            if self._error is None:
+                self._error = err
+            self._progress.notify_all()
         return err
+
+    def wait_read(self, index: int, previous: int) -> None:
+        """Pull mode: block until the decode acknowledged round ``previous`` (the last earlier
+        round in the same prefill buffer), which it read out of that buffer before
+        acknowledging it, so gathering round ``index`` there overwrites nothing unread."""
+        if previous < 0:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        with self._progress:
+            while self.acked < previous and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.fail(index, "timeout", f"{self.peer} did not read round "
+                                    f"{previous} out of buffer {self.rounds[index].buffer} "
+                                    f"within {self.timeout_s:g} s")
+                self._progress.wait(left)
+            if self._error is not None:
+                raise self._error
 
     def tell(self) -> None:
         """Send the decode the first failure (once): after it, nothing of this stream lands
@@ -122,7 +155,9 @@ class _Send:
                                 f"expected the ack of round {self.acked + 1}, got a "
                                 f"{m.kind_name} of round {m.round} for {m.request!r} writer "
                                 f"{m.writer}")
-            self.acked = m.round
+            with self._progress:
+                self.acked = m.round
+                self._progress.notify_all()
             self.events.append(("ack", m.round))
 
     def finish(self, index: int, handle: NetworkHandle) -> None:
@@ -163,9 +198,16 @@ class _Send:
                                 f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
         # rounds through each lane (a lane runs its steps in round order, one at a time)
         gathered, sent, acked = [0], [0], [0]
+        previous: list[int] = []
+        last_of: dict[int, int] = {}
+        for k, r in enumerate(self.rounds):
+            previous.append(last_of.get(int(r.buffer), -1))
+            last_of[int(r.buffer)] = k
 
         def gather(plan: Any) -> None:
             k = gathered[0]
+            if self.pull:
+                self.wait_read(k, previous[k])
             try:
                 self.gather(plan)
             except StagingError:
@@ -179,6 +221,9 @@ class _Send:
             k = sent[0]
             if not self.granted:
                 self.wait_ack(-1)  # the decode's share is this stream's before round 0
+            if self.pull:  # the decode reads the round itself once it is told
+                self.events.append(("submit", k))
+                return k, _Ready()
             try:
                 handle = self.engine.submit_round(plan, self.peer)
             except Exception as exc:
@@ -212,7 +257,8 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
                 writer: int = 0, buffers: int | None = None, timeout_s: float = 30.0,
                 max_blocks_per_batch: int | None = None, grant: bool = True,
                 src_lock: Any = None,
-                events: list[tuple[str, int]] | None = None) -> SendReport:
+                events: list[tuple[str, int]] | None = None,
+                pull: bool = False) -> SendReport:
     """Send one request's rounds (``Template.plan_rounds``'s ``StagedRounds``) to ``peer``.
 
     The rounds run through :func:`kvplan.exec.pipeline.run_rounds` (gathers, writes and the
@@ -247,6 +293,13 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
             :attr:`kvplan.staging.StagingArena.lock`): one request at a time per prefill arena.
         events: when given, the ``(event, round)`` sequence is appended to it (``gather``,
             ``grant``, ``submit``, ``landed``, ``notify``, ``ack``).
+        pull: the decode reads each round out of the prefill arena (an engine whose transfers
+            the receiver starts, as vLLM's NIXL connector has): ``engine`` is not used, round
+            ``k``'s message says its bytes are gathered into prefill buffer
+            ``round.buffer`` (the round's network plan names where), and round ``k``'s gather
+            into that buffer waits until the decode acknowledged the last earlier round in it
+            (which it read before scattering). The decode's :class:`ReceiveStaged` is given
+            the read as its ``fetch``.
 
     Raises:
         StagingError: the first failure, once, naming the request, round and reason
@@ -265,8 +318,10 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
         acks.open(request, writer, inbox.put)
     else:
         inbox = acks
-    send = _Send(rounds, round_engine(engine, max_blocks_per_batch=max_blocks_per_batch), peer,
-                 notify, request, writer, inbox, gather, n_buffers, timeout_s, grant)
+    adapted: Any = None if pull else round_engine(engine,
+                                                  max_blocks_per_batch=max_blocks_per_batch)
+    send = _Send(rounds, adapted, peer, notify, request, writer, inbox, gather, n_buffers,
+                 timeout_s, grant, pull)
     t0 = time.perf_counter()
     if src_lock is not None:
         src_lock.acquire()

@@ -1,0 +1,179 @@
+"""The round protocol in pull mode (the decode reads each round out of the prefill arena, as
+vLLM's NIXL connector reads): ``send_staged(..., pull=True)`` on the prefill gathers and says
+each round is ready; ``ReceiveStaged(..., fetch=...)`` on the decode reads it, scatters it and
+acknowledges it, which also frees the prefill's buffer. Checked: the decode's bytes equal the
+direct plan's, the prefill never gathers into a buffer the decode has not read yet, no engine
+is driven by the prefill, and a failed read fails the request once on both sides with nothing
+loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvplan.exec.numpy import Memory, apply_plan
+from kvplan.staging import ArenaShares, ReceiveStaged, Router, StagingArena, StagingError, \
+    send_staged
+from support.staging_rounds import copier, mla_fragmented_case, rounds_for
+
+ARENA = 64 << 10
+
+
+class PullSetup:
+    def __init__(self, buffers: int = 2, *, fail_read: int | None = None,
+                 fetch: Any = None) -> None:
+        self.prefill, self.decode, self.template, self.src, self.dst = mla_fragmented_case()
+        self.src_arena = StagingArena(ARENA, buffers)
+        self.dst_arena = StagingArena(ARENA, buffers)
+        self.buffers = buffers
+        self.rounds = rounds_for(self.template, self.src, self.dst, self.src_arena.region,
+                                 self.dst_arena.region, buffers)
+        self.prefill_router, self.decode_router = Router(), Router()
+        self.loaded: list[ReceiveStaged] = []
+        self.failures: list[StagingError] = []
+        self.reads: list[int] = []
+        self.fail_read = fail_read
+        self.events: list[tuple[str, int]] = []
+        self.receiver = ReceiveStaged(
+            "req-1", self.rounds, copier([self.dst_arena.array], [self.decode.memory]),
+            self.prefill_router.deliver, on_loaded=self.loaded.append,
+            on_failed=self.failures.append, timeout_s=5.0,
+            fetch=self.read if fetch is None else lambda r: fetch[0](r))
+        self.decode_router.open("req-1", 0, self.receiver.on_message)
+        assert ArenaShares().admit(self.receiver)
+
+    def read(self, r: Any) -> None:
+        """The decode's read of round ``r``: its network plan, prefill arena -> decode
+        arena."""
+        k = int(r.index)
+        if k == self.fail_read:
+            raise OSError(f"read of round {k} failed")
+        self.reads.append(k)
+        src, dst = Memory.of(self.src_arena.array), Memory.of(self.dst_arena.array)
+        for s, d, n in zip(*(np.asarray(c).tolist() for c in
+                             (r.network.src_addrs, r.network.dst_addrs, r.network.lengths))):
+            dst.at(d, n)[:] = src.at(s, n)
+
+    def direct(self) -> np.ndarray:
+        want = Memory(self.decode.memory.copy(), int(self.decode.memory.ctypes.data))
+        apply_plan(self.template.plan(self.src, self.dst), Memory.of(self.prefill.memory), want)
+        return want.data
+
+    def send(self, **kw: Any) -> Any:
+        return send_staged(self.rounds, None, "decode", self.decode_router.deliver,
+                           request="req-1", acks=self.prefill_router,
+                           gather=copier([self.prefill.memory], [self.src_arena.array]),
+                           buffers=self.buffers, timeout_s=kw.pop("timeout_s", 5.0),
+                           pull=True, events=self.events, **kw)
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_pulled_rounds_land_the_direct_plans_bytes(buffers: int) -> None:
+    s = PullSetup(buffers)
+    want = s.direct()
+    report = s.send()
+    assert report.rounds == len(s.rounds) > 10
+    assert report.network_blocks == len(s.rounds)  # one read per round
+    assert s.reads == list(range(len(s.rounds)))
+    np.testing.assert_array_equal(s.decode.memory, want)
+    assert s.loaded == [s.receiver] and s.failures == []
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_the_prefill_never_gathers_over_a_round_the_decode_has_not_read(buffers: int) -> None:
+    s = PullSetup(buffers)
+    s.send()
+    at = {e: i for i, e in enumerate(s.events)}
+    n = len(s.rounds)
+    for k in range(n):
+        assert at[("gather", k)] < at[("notify", k)] < at[("ack", k)]
+        if k >= buffers:
+            # round k reuses round k - buffers' prefill buffer: the decode read it first
+            assert at[("ack", k - buffers)] < at[("gather", k)]
+
+
+def test_a_failed_read_fails_the_request_once_on_both_sides() -> None:
+    s = PullSetup(2, fail_read=3)
+    with pytest.raises(StagingError) as info:
+        s.send()
+    assert info.value.reason == "peer_failed" and info.value.round == 3
+    assert len(s.failures) == 1 and s.failures[0].reason == "engine_failed"
+    assert s.failures[0].round == 3 and not s.receiver.loaded and s.loaded == []
+    assert s.reads == [0, 1, 2]
+    assert ("gather", 5) not in s.events  # nothing gathered past the unread buffers
+
+
+def test_a_silent_decode_times_out_the_prefill_without_overwriting_its_buffer() -> None:
+    s = PullSetup(1)
+    s.decode_router.close("req-1")  # the decode never reads
+    s.decode_router = Router()
+    with pytest.raises(StagingError) as info:
+        s.send(timeout_s=0.3)
+    assert info.value.reason == "timeout"
+    assert ("gather", 1) not in s.events
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode's reads through real NIXL agents (UCX on loopback)
+# ---------------------------------------------------------------------------------------------
+
+def _agents() -> tuple[Any, Any]:
+    from support.engine_peers import require_nixl
+
+    require_nixl()
+    import importlib
+
+    api = importlib.import_module("nixl_cu12._api")
+    make = [api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            for name in ("pull-prefill", "pull-decode")]
+    return make[0], make[1]
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_rounds_read_through_real_nixl_agents_land_the_direct_plans_bytes(
+        buffers: int) -> None:
+    from kvplan.staging import NixlRoundReader
+
+    prefill_agent, decode_agent = _agents()
+    fetch: list[Any] = []
+    s = PullSetup(buffers, fetch=fetch)
+    s.src_arena.register(prefill_agent)
+    s.dst_arena.register(decode_agent)
+    try:
+        # the prefill's metadata (its arena registered) is what the decode's agent loads
+        name = decode_agent.add_remote_agent(prefill_agent.get_agent_metadata())
+        reader = NixlRoundReader(decode_agent, name, timeout_s=20.0)
+        fetch.append(reader)  # the reads go through NIXL, not the in-memory copy
+        want = s.direct()
+        report = s.send(timeout_s=20.0)
+        assert report.rounds == reader.reads == len(s.rounds) > 10
+        np.testing.assert_array_equal(s.decode.memory, want)
+        assert s.loaded == [s.receiver] and s.failures == []
+    finally:
+        s.src_arena.unregister()
+        s.dst_arena.unregister()
+
+
+@pytest.mark.nixl
+def test_a_read_from_an_agent_the_decode_does_not_know_fails_the_request() -> None:
+    from kvplan.staging import NixlRoundReader
+
+    prefill_agent, decode_agent = _agents()
+    fetch: list[Any] = []
+    s = PullSetup(2, fetch=fetch)
+    s.src_arena.register(prefill_agent)
+    s.dst_arena.register(decode_agent)
+    try:
+        fetch.append(NixlRoundReader(decode_agent, "nobody", timeout_s=5.0))
+        with pytest.raises(StagingError) as info:
+            s.send()
+        assert info.value.reason == "peer_failed" and info.value.round == 0
+        assert [f.reason for f in s.failures] == ["engine_failed"]
+        assert "nobody" in s.failures[0].detail
+        assert s.loaded == [] and not s.receiver.loaded and s.receiver.scattered == 0
+    finally:
+        s.src_arena.unregister()
+        s.dst_arena.unregister()
