@@ -21,20 +21,13 @@ from support.capi import (
     LayoutDesc,
     PlanInfo,
     RequestDesc,
-    load,
 )
 from support.capi import error as _error
+from support.capi import c_array
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return load()
-
-
-def _arr(values: list[int] | np.ndarray, ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
-    return (ctype * max(len(values), 1))(*[int(v) for v in values])
 
 
 class Peer:
@@ -58,8 +51,8 @@ class Peer:
 
     def c(self, lib: ctypes.CDLL) -> ctypes.c_void_p:
         n = len(self.ptrs)
-        keep = [_arr(self.ptrs, ctypes.c_uint64), _arr(self.lens, ctypes.c_uint64),
-                _arr(self.items, ctypes.c_uint64), _arr(self.ids, ctypes.c_int64),
+        keep = [c_array(self.ptrs, ctypes.c_uint64), c_array(self.lens, ctypes.c_uint64),
+                c_array(self.items, ctypes.c_uint64), c_array(self.ids, ctypes.c_int64),
                 (ctypes.c_char_p * n)(*[r.encode() for r in self.roles])]
         addrs = [ctypes.addressof(a) for a in keep]
         desc = LayoutDesc(n, addrs[0], addrs[1], addrs[2], None, addrs[3], addrs[4], None,
@@ -81,7 +74,7 @@ def _templates(lib: ctypes.CDLL, src: Peer, dst: Peer) -> tuple[kvplan.Template,
 
 def _c_plan(lib: ctypes.CDLL, template: ctypes.c_void_p, src: list[int], dst: list[int],
             n_tokens: int | None, skip: int) -> tuple[int, str, np.ndarray | None]:
-    s, d = _arr(src, ctypes.c_int64), _arr(dst, ctypes.c_int64)
+    s, d = c_array(src, ctypes.c_int64), c_array(dst, ctypes.c_int64)
     request = RequestDesc(ctypes.addressof(s), len(src), ctypes.addressof(d), len(dst),
                           NO_TOKENS if n_tokens is None else n_tokens, skip)
     info = PlanInfo()

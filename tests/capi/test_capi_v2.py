@@ -30,21 +30,14 @@ from support.capi import (
     PlanInfo,
     RequestDesc,
     RequestDesc2,
-    load,
 )
 from support.capi import error as _error
+from support.capi import c_array
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
 TOKEN = 16  # bytes of one token in every page entry below
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return load()
-
-
-def _arr(values: list[int], ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
-    return (ctype * max(len(values), 1))(*[int(v) for v in values])
 
 
 @dataclass
@@ -87,13 +80,13 @@ class Peer:
         """The C descriptor and the arrays it points to (kept alive by the caller)."""
         n = len(self.ptrs)
         keep: list[object] = [
-            _arr(self.ptrs, ctypes.c_uint64), _arr(self.lens, ctypes.c_uint64),
-            _arr(self.items, ctypes.c_uint64), _arr(self.ids, ctypes.c_int64),
+            c_array(self.ptrs, ctypes.c_uint64), c_array(self.lens, ctypes.c_uint64),
+            c_array(self.items, ctypes.c_uint64), c_array(self.ids, ctypes.c_int64),
             (ctypes.c_char_p * n)(*[r.encode() for r in self.roles]),
-            _arr([ENTRY_STATE if k == "state" else ENTRY_PAGE for k in self.kinds],
+            c_array([ENTRY_STATE if k == "state" else ENTRY_PAGE for k in self.kinds],
                  ctypes.c_uint8),
-            _arr([w or 0 for w in self.windows], ctypes.c_uint64),
-            _arr([r or 0 for r in self.rings], ctypes.c_uint64),
+            c_array([w or 0 for w in self.windows], ctypes.c_uint64),
+            c_array([r or 0 for r in self.rings], ctypes.c_uint64),
         ]
         addr = [ctypes.addressof(a) for a in keep]  # type: ignore[arg-type]
         base = LayoutDesc(n, addr[0], addr[1], addr[2], None, addr[3], addr[4], addr[5],
@@ -134,7 +127,7 @@ class CRequest:
 
     def desc(self) -> tuple[RequestDesc2, list[object]]:
         src_w, dst_w = self.window_pages or (None, None)
-        arrays = [_arr(v or [], ctypes.c_int64) for v in (self.src, self.dst, src_w, dst_w)]
+        arrays = [c_array(v or [], ctypes.c_int64) for v in (self.src, self.dst, src_w, dst_w)]
         addr = [ctypes.addressof(a) for a in arrays]
         sides = (WINDOW_SRC if src_w is not None else 0) | (WINDOW_DST if dst_w is not None else 0)
         s_slot, d_slot = self.slot if self.slot is not None else (NO_SLOT, NO_SLOT)
@@ -285,7 +278,7 @@ def test_version_1_callers_plan_as_before(lib: ctypes.CDLL) -> None:
     py, c = _templates(lib, _hybrid(1 << 40, 2), _hybrid(1 << 50, 4))
     src_pages, dst_pages = [3, 4, 5, 9], [0, 1, 2, 30]
     for n_tokens, skip in [(None, 0), (13, 0), (16, 6)]:
-        s, d = _arr(src_pages, ctypes.c_int64), _arr(dst_pages, ctypes.c_int64)
+        s, d = c_array(src_pages, ctypes.c_int64), c_array(dst_pages, ctypes.c_int64)
         v1 = RequestDesc(ctypes.addressof(s), 4, ctypes.addressof(d), 4,
                          NO_TOKENS if n_tokens is None else n_tokens, skip)
         info = PlanInfo()
@@ -427,7 +420,7 @@ def test_random_version_2_requests_never_panic_nor_write_past_the_plan(lib: ctyp
                 setattr(desc, f"{side}_window_pages", None)
                 setattr(desc, f"n_{side}_window", int(rng.integers(0, 3)))
             else:
-                array = _arr(window, ctypes.c_int64)
+                array = c_array(window, ctypes.c_int64)
                 _keep.append(array)
                 setattr(desc, f"{side}_window_pages", ctypes.addressof(array))
                 setattr(desc, f"n_{side}_window", len(window))

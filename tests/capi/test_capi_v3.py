@@ -31,9 +31,9 @@ from support.capi import (
     PoolPages,
     PoolTokens,
     RequestDesc3,
-    load,
 )
 from support.capi import error as _error
+from support.capi import c_array, both_templates
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
 TOKEN = 16  # bytes of one token of the request's pages
@@ -43,13 +43,6 @@ LAYOUT = 13  # KvplanStatus of the core's layout errors
 CORE = -2  # a case refused by the core, with the message Python's plan gives
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return load()
-
-
-def _arr(values: list[int], ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
-    return (ctype * max(len(values), 1))(*[int(v) for v in values])
 
 
 @dataclass
@@ -90,12 +83,12 @@ class Peer:
         ptrs, lens, items = self.arrays()
         n = len(items)
         keep: list[object] = [
-            _arr(ptrs, ctypes.c_uint64), _arr(lens, ctypes.c_uint64),
-            _arr(items, ctypes.c_uint64), _arr(list(range(n)), ctypes.c_int64),
-            (ctypes.c_char_p * n)(*[b"kv"] * n), _arr([ENTRY_PAGE] * n, ctypes.c_uint8),
-            _arr([w or 0 for w in self.windows], ctypes.c_uint64),
+            c_array(ptrs, ctypes.c_uint64), c_array(lens, ctypes.c_uint64),
+            c_array(items, ctypes.c_uint64), c_array(list(range(n)), ctypes.c_int64),
+            (ctypes.c_char_p * n)(*[b"kv"] * n), c_array([ENTRY_PAGE] * n, ctypes.c_uint8),
+            c_array([w or 0 for w in self.windows], ctypes.c_uint64),
             (Pool * max(len(self.pools), 1))(*[Pool(p, r) for p, r in self.pools]),
-            _arr(self.entry_pools(), ctypes.c_uint8),
+            c_array(self.entry_pools(), ctypes.c_uint8),
         ]
         addr = [ctypes.addressof(a) for a in keep]  # type: ignore[arg-type]
         base = LayoutDesc(n, addr[0], addr[1], addr[2], None, addr[3], addr[4], addr[5],
@@ -112,22 +105,6 @@ class Peer:
         return handle
 
 
-def _templates(lib: ctypes.CDLL, src: Peer, dst: Peer
-               ) -> tuple[kvplan.Template | None, ctypes.c_void_p | None, str]:
-    """Both templates, or neither with Python's message (the C ABI's must be the same)."""
-    s, d = src.c(lib), dst.c(lib)
-    template = ctypes.c_void_p()
-    status = lib.kvplan_template_new(s, d, None, ctypes.byref(template))
-    c_message = _error(lib) if status != OK else ""
-    assert lib.kvplan_layout_free(s) == OK and lib.kvplan_layout_free(d) == OK
-    try:
-        py = kvplan.Template(src.python(), dst.python())
-    except kvplan.KvPlanError as err:
-        assert status != OK and c_message == str(err)
-        return None, None, str(err)
-    assert status == OK, c_message
-    return py, template, ""
-
 
 @dataclass
 class CRequest:
@@ -142,10 +119,10 @@ class CRequest:
     pool_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def desc(self) -> tuple[RequestDesc3, list[object]]:
-        keep: list[object] = [_arr(self.src, ctypes.c_int64), _arr(self.dst, ctypes.c_int64)]
+        keep: list[object] = [c_array(self.src, ctypes.c_int64), c_array(self.dst, ctypes.c_int64)]
         pages = []
         for pool, (s, d) in self.pool_pages.items():
-            sa, da = _arr(s or [], ctypes.c_int64), _arr(d or [], ctypes.c_int64)
+            sa, da = c_array(s or [], ctypes.c_int64), c_array(d or [], ctypes.c_int64)
             keep += [sa, da]
             sides = (POOL_SRC if s is not None else 0) | (POOL_DST if d is not None else 0)
             pages.append(PoolPages(pool, sides, ctypes.addressof(sa), len(s or []),
@@ -239,7 +216,7 @@ def test_pooled_requests_plan_the_blocks_python_plans(lib: ctypes.CDLL) -> None:
             peers[1].windows = list(peers[0].windows)
             peers[1].pools = [(p // r * a[1], a[1]) for (p, r), a in
                               zip(peers[1].pools, peers[0].pools)]
-        py, c, _ = _templates(lib, *peers)
+        py, c, _ = both_templates(lib, *peers)
         assert py is not None and c is not None
         max_tokens = CAPACITY * min(min(p.page_size, *(q for q, _ in p.pools)) for p in peers)
         n = int(rng.integers(1, max_tokens))
@@ -262,7 +239,7 @@ def test_pooled_requests_plan_the_blocks_python_plans(lib: ctypes.CDLL) -> None:
 
 def _pooled_pair(lib: ctypes.CDLL) -> tuple[kvplan.Template, ctypes.c_void_p]:
     src, dst = Peer(1 << 44, 4, [(8, 4), (4, 1)]), Peer(2 << 44, 4, [(8, 4), (4, 1)])
-    py, c, _ = _templates(lib, src, dst)
+    py, c, _ = both_templates(lib, src, dst)
     assert py is not None and c is not None
     return py, c
 

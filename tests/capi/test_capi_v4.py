@@ -37,9 +37,9 @@ from support.capi import (
     RequestDesc,
     RequestDesc2,
     RequestDesc3,
-    load,
 )
 from support.capi import error as _error
+from support.capi import c_array, both_templates
 
 u64p = ctypes.POINTER(ctypes.c_uint64)
 SLOTS = 4  # state slots of every state buffer
@@ -50,13 +50,6 @@ TP_SIZES = (1, 2, 4)
 CASES = 300
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return load()
-
-
-def _arr(values: list[int], ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
-    return (ctype * max(len(values), 1))(*[int(v) for v in values])
 
 
 @dataclass
@@ -167,17 +160,17 @@ class Side:
         counts = [len(e.groups) for e in entries]
         groups = [g for e in entries for g in e.groups]
         arrays = {
-            "ptrs": _arr([self.ptr(k) for k in range(n)], ctypes.c_uint64),
-            "lens": _arr([e.item * e.n_items for e in entries], ctypes.c_uint64),
-            "items": _arr([e.item for e in entries], ctypes.c_uint64),
-            "ids": _arr([e.layer for e in entries], ctypes.c_int64),
+            "ptrs": c_array([self.ptr(k) for k in range(n)], ctypes.c_uint64),
+            "lens": c_array([e.item * e.n_items for e in entries], ctypes.c_uint64),
+            "items": c_array([e.item for e in entries], ctypes.c_uint64),
+            "ids": c_array([e.layer for e in entries], ctypes.c_int64),
             "roles": (ctypes.c_char_p * n)(*[e.role.encode() for e in entries]),
-            "kinds": _arr([ENTRY_STATE if e.kind == "state" else ENTRY_PAGE for e in entries],
+            "kinds": c_array([ENTRY_STATE if e.kind == "state" else ENTRY_PAGE for e in entries],
                           ctypes.c_uint8),
-            "channels": _arr(channels, ctypes.c_uint64),
-            "rows": _arr(rows, ctypes.c_uint64),
-            "counts": _arr(counts, ctypes.c_uint8),
-            "groups": _arr(groups, ctypes.c_uint64),
+            "channels": c_array(channels, ctypes.c_uint64),
+            "rows": c_array(rows, ctypes.c_uint64),
+            "counts": c_array(counts, ctypes.c_uint8),
+            "groups": c_array(groups, ctypes.c_uint64),
         }
         addr = {k: ctypes.addressof(a) for k, a in arrays.items()}
         base = LayoutDesc(n, addr["ptrs"], addr["lens"], addr["items"], None, addr["ids"],
@@ -201,23 +194,6 @@ class Side:
         return handle
 
 
-def _templates(lib: ctypes.CDLL, src: Side, dst: Side
-               ) -> tuple[kvplan.Template | None, ctypes.c_void_p | None, str]:
-    """Both templates, or neither with Python's message (the C ABI's must be the same)."""
-    s, d = src.c(lib), dst.c(lib)
-    template = ctypes.c_void_p()
-    status = lib.kvplan_template_new(s, d, None, ctypes.byref(template))
-    c_message = _error(lib) if status != OK else ""
-    assert lib.kvplan_layout_free(s) == OK and lib.kvplan_layout_free(d) == OK
-    try:
-        py = kvplan.Template(src.python(), dst.python())
-    except kvplan.KvPlanError as err:
-        assert status != OK, f"Python refused ({err}) but the C ABI made a template"
-        assert c_message == str(err)
-        return None, None, c_message
-    assert status == OK, c_message
-    return py, template, ""
-
 
 @dataclass
 class CRequest:
@@ -229,7 +205,7 @@ class CRequest:
     version: int
 
     def desc(self) -> tuple[ctypes.Structure, list[object]]:
-        arrays = [_arr(self.src, ctypes.c_int64), _arr(self.dst, ctypes.c_int64)]
+        arrays = [c_array(self.src, ctypes.c_int64), c_array(self.dst, ctypes.c_int64)]
         a, b = (ctypes.addressof(x) for x in arrays)
         s, d = self.slot if self.slot is not None else (NO_SLOT, NO_SLOT)
         desc: ctypes.Structure
@@ -340,7 +316,7 @@ def test_split_state_plans_the_blocks_python_plans(lib: ctypes.CDLL) -> None:
             assert side.python().state_channels == [
                 None if e.channels is None else (e.channels, e.rows, e.groups)
                 for e in side.entries()]
-        py, c, message = _templates(lib, src, dst)
+        py, c, message = both_templates(lib, src, dst)
         if py is None:
             assert "outer rows" in message, message
             templates_refused += 1
@@ -409,8 +385,8 @@ def _set(name: str, index: int, value: int) -> Edit:
 
 def _groups(counts: list[int], groups: list[int]) -> Edit:
     def edit(desc: LayoutDesc4, arrays: dict[str, ctypes.Array]) -> None:  # type: ignore[type-arg]
-        arrays["counts"] = _arr(counts, ctypes.c_uint8)
-        arrays["groups"] = _arr(groups, ctypes.c_uint64)
+        arrays["counts"] = c_array(counts, ctypes.c_uint8)
+        arrays["groups"] = c_array(groups, ctypes.c_uint64)
         desc.shard_group_counts = ctypes.addressof(arrays["counts"])
         desc.shard_groups = ctypes.addressof(arrays["groups"])
         desc.n_shard_groups = len(groups)
@@ -535,7 +511,7 @@ def test_sides_that_split_differently_are_refused_at_the_template(lib: ctypes.CD
     # The decode's conv state in 2 rows of 16 channels of 2 bytes: other rows than the
     # prefill's 3 (and another item, 64 bytes).
     dst.states[0] = State(0, "sharded", 2, 32, [8, 8, 16], 2)
-    py, c, message = _templates(lib, src, dst)
+    py, c, message = both_templates(lib, src, dst)
     assert py is None and c is None
     assert "outer rows" in message and "3" in message and "2" in message, message
     s, d = src.c(lib), dst.c(lib)

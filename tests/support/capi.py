@@ -17,7 +17,12 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import kvplan
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "rust" / "kvplan-capi" / "include" / "kvplan.h"
@@ -285,3 +290,38 @@ def load() -> ctypes.CDLL:
 def error(lib: ctypes.CDLL) -> str:
     """The message of the calling thread's last failed call."""
     return lib.kvplan_last_error_message().decode()
+
+
+def c_array(values: Sequence[int], ctype: type) -> ctypes.Array:  # type: ignore[type-arg]
+    """``values`` as a C array of ``ctype`` (one element at least, so that its address is a
+    valid pointer even for an empty list)."""
+    return (ctype * max(len(values), 1))(*[int(v) for v in values])
+
+
+class BothForms(Protocol):
+    """A peer a test builds twice: as a C-ABI layout handle and as a ``kvplan.Layout``."""
+
+    def c(self, lib: ctypes.CDLL) -> ctypes.c_void_p: ...
+
+    def python(self) -> kvplan.Layout: ...
+
+
+def both_templates(lib: ctypes.CDLL, src: BothForms, dst: BothForms
+                   ) -> tuple[kvplan.Template | None, ctypes.c_void_p | None, str]:
+    """The C ABI's and the Python binding's template of ``src`` and ``dst``, or neither and the
+    refusal's message: both must refuse alike, with the same message."""
+    import kvplan
+
+    s, d = src.c(lib), dst.c(lib)
+    template = ctypes.c_void_p()
+    status = lib.kvplan_template_new(s, d, None, ctypes.byref(template))
+    c_message = error(lib) if status != 0 else ""
+    assert lib.kvplan_layout_free(s) == 0 and lib.kvplan_layout_free(d) == 0
+    try:
+        py = kvplan.Template(src.python(), dst.python())
+    except kvplan.KvPlanError as err:
+        assert status != 0, f"Python refused ({err}) but the C ABI made a template"
+        assert c_message == str(err)
+        return None, None, c_message
+    assert status == 0, c_message
+    return py, template, ""
