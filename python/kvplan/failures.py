@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvplan._core import BatchPlan, Blocks, Request, Template
 
 __all__ = ["FailureVerdict", "STATE_GROUP", "failed_ranges", "verdict_for_plan",
-           "verdicts_for_batch", "merge_verdicts"]
+           "verdicts_for_batch", "merge_verdicts", "verdict_for_unscattered_rounds"]
 
 #: The group key a verdict files a request's state slots under (state entries have no pool).
 STATE_GROUP = -1
@@ -145,6 +145,19 @@ def _dst_pages(request: Request | tuple[object, ...]) -> dict[int, np.ndarray] |
     if window is not None and window[1] is not None and 1 not in pages:
         pages[1] = np.asarray(window[1], dtype=np.int64)
     return pages
+
+
+def verdict_for_unscattered_rounds(request_id: str, template: Template, rounds: Any,
+                                   scattered: int, *, reason: str = "") -> FailureVerdict:
+    """The failed blocks of a staged request (``rounds``, from ``template.plan_rounds``) that
+    ended after its first ``scattered`` rounds were scattered: every decode page the scatter
+    plans of ``rounds[scattered:]`` were to write (their bytes may never have landed), per
+    group; the rounds already scattered are not named."""
+    verdicts = [verdict_for_plan(request_id, template, r.scatter, [(0, len(r.scatter))],
+                                 reason=reason)
+                for r in list(rounds)[scattered:] if len(r.scatter)]
+    merged = merge_verdicts(verdicts)
+    return merged[0] if merged else FailureVerdict(request_id, {}, reason)
 
 
 def merge_verdicts(verdicts: Sequence[FailureVerdict]) -> list[FailureVerdict]:

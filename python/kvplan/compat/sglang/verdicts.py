@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplan._core import Template
-from kvplan.failures import FailureVerdict, merge_verdicts, verdict_for_plan
+from kvplan.failures import FailureVerdict, verdict_for_plan, verdict_for_unscattered_rounds
 from kvplan.compat.sglang.registry import sglang_global
 
 __all__ = ["FailedBlocks", "RecordedFailure", "failure_verdicts", "staged_unwritten",
@@ -63,13 +63,10 @@ def staged_unwritten(manager: Any, session: str, template: Template, rounds: Any
     manager (room ``None``). None when no verdict could be made (the caller logs the failure
     either way)."""
     try:
-        verdicts = [verdict_for_plan("?", template, r.scatter, [(0, len(r.scatter))],
-                                     reason=reason)
-                    for r in list(rounds)[scattered:] if len(r.scatter)]
+        verdict = verdict_for_unscattered_rounds("?", template, rounds, scattered,
+                                                 reason=reason)
     except Exception:  # noqa: BLE001 - the status stays SGLang's either way
         return None
-    merged = merge_verdicts(verdicts)
-    verdict = merged[0] if merged else FailureVerdict("?", {}, reason)
     _keep(manager, RecordedFailure(session, None, verdict))
     return verdict
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 import kvplan
-from kvplan.failures import FailureVerdict, merge_verdicts, verdict_for_plan
+from kvplan.failures import FailureVerdict, verdict_for_unscattered_rounds
 from kvplan.compat.vllm.semantics import regions_layout, worker_roles, worker_semantics
 from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck
 from kvplan.staging import (
@@ -70,7 +70,7 @@ from kvplan.staging import (
 )
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
-           "report_unwritten", "send_request", "staged_requests", "unwritten_verdict",
+           "report_unwritten", "send_request", "staged_requests",
            "manifest_layout", "worker_identity", "worker_roles",
            "worker_semantics"]
 
@@ -272,8 +272,9 @@ class WorkerStaging:
                 # vLLM aborted the request: its blocks may already be another request's
                 return
             try:
-                verdict = unwritten_verdict(request, template, rounds, receiver.scattered,
-                                            reason=f"{error.reason}: {error.detail}")
+                verdict = verdict_for_unscattered_rounds(
+                    request, template, rounds, receiver.scattered,
+                    reason=f"{error.reason}: {error.detail}")
                 report_unwritten(worker, verdict)
             except kvplan.KvPlanError as exc:  # the request still fails as a whole
                 logger.error("kvplan staging: no failure verdict for %r: %s", request, exc)
@@ -419,18 +420,6 @@ def _read_open(data: bytes) -> dict[str, Any]:
     if not isinstance(opening, dict) or not isinstance(opening.get("stream"), str):
         raise kvplan.ConfigError("kvplan staging: the opening message names no stream")
     return opening
-
-
-def unwritten_verdict(request: str, template: Any, rounds: Any, scattered: int, *,
-                      reason: str = "") -> FailureVerdict:
-    """The decode's failed blocks of a staged stream that ended after ``scattered`` rounds:
-    every decode page the scatter plans of ``rounds[scattered:]`` were to write (their bytes
-    never landed), per KV-cache group; the rounds already scattered are not named."""
-    verdicts = [verdict_for_plan(request, template, r.scatter, [(0, len(r.scatter))],
-                                 reason=reason)
-                for r in list(rounds)[scattered:] if len(r.scatter)]
-    merged = merge_verdicts(verdicts)
-    return merged[0] if merged else FailureVerdict(request, {}, reason)
 
 
 def report_unwritten(worker: Any, verdict: FailureVerdict) -> str:
