@@ -77,22 +77,19 @@ def send_engine_batches(manager: Any, session: str, plan: TransferPlan | BlockSl
     if plan.n_blocks == 0:
         return 0
     handoff = _handoff(manager.engine)
-    bound = setting_max_blocks(manager)
-    if failed is None:
-        return engine_status(handoff.write_batches(
-            session, plan.src_addrs, plan.dst_addrs, plan.lengths, bound))
-    start = [0]  # the plan position of the next batch
+    start = 0  # the plan position of the next batch
 
     def write(index: int, s: U64, d: U64, n: U64) -> int:
-        lo = start[0]
-        start[0] += len(s)
+        nonlocal start
+        lo, start = start, start + len(s)
         status = handoff.write(session, s, d, n)
-        if status != 0:
-            failed.batch_failed(index, lo, start[0], status)
+        if status != 0 and failed is not None:
+            failed.batch_failed(index, lo, start, status)
         return status
 
-    status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths, bound, write)[1]
-    if status != 0:
+    status = write_batches(plan.src_addrs, plan.dst_addrs, plan.lengths,
+                           setting_max_blocks(manager), write)[1]
+    if status != 0 and failed is not None:
         failed.report()
     return engine_status(status)
 
