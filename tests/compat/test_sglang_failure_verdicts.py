@@ -22,7 +22,7 @@ import pytest
 from kvplan.compat import sglang as compat
 from kvplan.compat.sglang.verdicts import failure_verdicts
 from kvplan.failures import STATE_GROUP
-from support.sglang_models import SESSION, Deployment, load_sglang_or_fail, request
+from support.sglang_models import SESSION, Deployment, load_loader, load_sglang_or_fail, request
 
 SGLANG_LOGGER = "sglang.srt.disaggregation.mooncake.conn"
 
@@ -328,31 +328,32 @@ def test_a_failed_staged_request_names_the_pages_of_the_unscattered_rounds(
     last round's write fails. Every decode page whose bytes are not all in the decode's pool
     afterwards is named (the pages of the rounds the decode had not acknowledged scattering),
     in one ERROR line, and the manager keeps the verdict."""
-    import test_sglang_rounds as tr
+    from support import sglang_rounds as tr
     from kvplan.staging import StagingConfig
 
     from support.engine_peers import require_mooncake
 
     require_mooncake()
     sg = load_sglang_or_fail()
-    tr.load_loader().load_head_slicing(sg)
+    load_loader().load_head_slicing(sg)
     with installed(sg.MooncakeKVManager):
-        pre, dec, pmgr, dmgr, engine = tr._mla_pair(sg)
+        pre, dec, pmgr, dmgr, engine = tr.mla_pair(sg)
         try:
             net = tr.Net([pre, dec])
             config = StagingConfig(mode="always", arena_mib=1, buffers=4, timeout_s=5.0)
-            p, d = tr._attach(pmgr, pre, net, config), tr._attach(dmgr, dec, net, config)
-            tr._register(p, d, dec.session)
-            src, dst = tr._mla_pages()
+            p = tr.attach_staging(pmgr, pre, net, config)
+            d = tr.attach_staging(dmgr, dec, net, config)
+            tr.register_decode(p, d, dec.session)
+            src, dst = tr.mla_pages()
             before = dec.memory.copy()
             calls = engine.calls
-            assert tr._send_mla(pmgr, dec, src, dst) == 0  # how many writes the request takes
+            assert tr.send_mla(pmgr, dec, src, dst) == 0  # how many writes the request takes
             assert failure_verdicts(pmgr) == []
             engine.fail_call = 2 * engine.calls - calls  # the next send's last write
             dec.memory[:] = before
             caplog.set_level(logging.ERROR, logger="kvplan.compat.sglang")
-            assert tr._send_mla(pmgr, dec, src, dst) == -1
-            want = tr._mla_expected(pre, before, src, dst).reshape(tr.LAYERS, tr.CAP, tr.ITEM)
+            assert tr.send_mla(pmgr, dec, src, dst) == -1
+            want = tr.mla_expected(pre, before, src, dst).reshape(tr.LAYERS, tr.CAP, tr.ITEM)
             have = dec.memory.reshape(tr.LAYERS, tr.CAP, tr.ITEM)
             landed = {int(x) for x in dst if np.array_equal(have[:, x], want[:, x])}
         finally:

@@ -11,10 +11,8 @@ the direct path of the same request.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import types
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,172 +21,43 @@ import pytest
 
 from kvplan.compat import sglang as compat
 from kvplan.compat.sglang import metrics, rounds
-from kvplan.engines import MooncakeTransport
 from kvplan.presets import fragmented_pages
 from kvplan.staging import DirectFallback, StagingAgreement, StagingConfig, startup_costs
 from support.sglang_loader import InlineExecutor
-from support.sglang_models import load_loader, load_sglang_or_fail
-
-ALWAYS = StagingConfig(mode="always", arena_mib=1, buffers=2, timeout_s=5.0)
-
-
-@pytest.fixture(scope="module")
-def sg() -> Any:
-    from support.engine_peers import require_mooncake
-
-    require_mooncake()
-    sg = load_sglang_or_fail()
-    load_loader().load_head_slicing(sg)
-    compat.install(sg.MooncakeKVManager)
-    yield sg
-    compat.uninstall(sg.MooncakeKVManager)
-
-
-class Listener:
-    """One peer's side-channel listener: messages handled in arrival order on its thread."""
-
-    def __init__(self) -> None:
-        self.q: queue.Queue[bytes | None] = queue.Queue()
-        self.handler: Callable[[bytes], None] | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (data := self.q.get()) is not None:
-            assert self.handler is not None
-            self.handler(data)
-
-    def stop(self) -> None:
-        self.q.put(None)
-        self.thread.join(10)
-
-
-class Engine:
-    """What SGLang's ``MooncakeTransferEngine.batch_transfer_sync`` does, counting the
-    descriptors it was handed; ``fail_call`` makes that call (1-based) fail as Mooncake does."""
-
-    def __init__(self, transport: MooncakeTransport, fail_call: int | None = None) -> None:
-        self.transport, self.fail_call = transport, fail_call
-        self.calls = self.blocks = 0
-
-    def batch_transfer_sync(self, session: str, src: list[int], dst: list[int],
-                            lengths: list[int]) -> int:
-        self.calls += 1
-        self.blocks += len(src)
-        if self.calls == self.fail_call:
-            return -1
-        return self.transport._engine_write(session, src, dst, lengths)
-
-
-class Peer:
-    """One rank: its KV pools in one host array registered with its own Mooncake engine."""
-
-    def __init__(self, n_entries: int, entry_bytes: int, seed: int | None) -> None:
-        self.memory = (np.random.default_rng(seed).integers(0, 256, n_entries * entry_bytes,
-                                                            dtype=np.uint8)
-                       if seed is not None else np.zeros(n_entries * entry_bytes, np.uint8))
-        base = int(self.memory.ctypes.data)
-        self.ptrs = [base + e * entry_bytes for e in range(n_entries)]
-        self.lens = [entry_bytes] * n_entries
-        self.entry_bytes = entry_bytes
-        self.transport = MooncakeTransport("127.0.0.1")
-        self.transport.register_buffers([base], [self.memory.nbytes])
-        self.session = self.transport.local_session_id()
-        self.listener = Listener()
-
-    def entry(self, e: int) -> np.ndarray:
-        return self.memory[e * self.entry_bytes:(e + 1) * self.entry_bytes]
-
-    def close(self) -> None:
-        self.listener.stop()
-        self.transport.close()
-
-
-class Net:
-    """Sessions to listeners: ``send(peer, data)`` as each side's staging calls it."""
-
-    def __init__(self, peers: list[Peer]) -> None:
-        self.by_session = {p.session: p for p in peers}
-
-    def send(self, peer: str, data: bytes) -> None:
-        self.by_session[peer].listener.q.put(bytes(data))
-
-
-def _attach(mgr: Any, peer: Peer, net: Net, config: StagingConfig = ALWAYS,
-            costs: kvplan.TransferCost | None = None) -> Any:
-    staging = rounds.attach(mgr, engine=peer.transport, send=net.send, reply_to=peer.session,
-                            config=config, costs=costs)
-    assert staging is not None
-    peer.listener.handler = staging.deliver
-    return staging
-
-
-def _register(prefill: Any, decode: Any | None, session: str, decode_rank: int = 0) -> Any:
-    """The decode's registration reaching the prefill: its capabilities (or none)."""
-    reg = decode.capabilities() if decode is not None else {}
-    return prefill.on_registration(session, reg, decode_rank)
-
-
-# ------------------------------------------------------------------------------- MLA
-LAYERS, ITEM, CAP, TOKENS = 4, 1152, 640, 300
-
-
-def _mla_pair(sg: Any, seed: int = 11, fail_call: int | None = None
-              ) -> tuple[Peer, Peer, Any, Any, Engine]:
-    loader = load_loader()
-    pre, dec = Peer(LAYERS, CAP * ITEM, seed), Peer(LAYERS, CAP * ITEM, None)
-    engine = Engine(pre.transport, fail_call)
-
-    def kv_args(p: Peer, rank: int) -> Any:
-        return types.SimpleNamespace(
-            kv_data_ptrs=p.ptrs, kv_data_lens=p.lens, kv_item_lens=[ITEM] * LAYERS,
-            kv_layer_ids=list(range(LAYERS)), prefill_start_layer=0, engine_rank=rank,
-            mla_compression_ratios=None, num_draft_entries=0)
-
-    info = types.SimpleNamespace(dst_kv_ptrs=dec.ptrs, dst_kv_item_lens=[ITEM] * LAYERS,
-                                 dst_kv_layer_ids=list(range(LAYERS)))
-    pmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv_args(pre, 0),
-                                 engine=engine, is_mla_backend=True,
-                                 decode_kv_args_table={dec.session: info})
-    dmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv_args(dec, 0),
-                                 is_mla_backend=True)
-    return pre, dec, pmgr, dmgr, engine
-
-
-def _mla_pages(seed: int = 11) -> tuple[np.ndarray, np.ndarray]:
-    src = np.random.default_rng(seed).permutation(CAP)[:TOKENS].astype(np.int32)
-    dst = fragmented_pages(TOKENS, 1.0, seed=seed, shuffle_runs=True,
-                           capacity=CAP).astype(np.int32)
-    return src, dst
-
-
-def _mla_expected(pre: Peer, dec_before: np.ndarray, src: np.ndarray, dst: np.ndarray
-                  ) -> np.ndarray:
-    want = dec_before.copy().reshape(LAYERS, CAP, ITEM)
-    have = pre.memory.reshape(LAYERS, CAP, ITEM)
-    want[:, dst.astype(np.int64)] = have[:, src.astype(np.int64)]
-    return want.reshape(-1)
-
-
-def _send_mla(mgr: Any, dec: Peer, src: np.ndarray, dst: np.ndarray) -> int:
-    return int(mgr.send_kvcache(dec.session, src, dec.ptrs, dst, InlineExecutor(),
-                                dst_layer_ids=list(range(LAYERS))))
+from support.sglang_models import load_loader
+from support.sglang_rounds import (
+    ALWAYS,
+    CAP,
+    ITEM,
+    LAYERS,
+    TOKENS,
+    Engine,
+    Net,
+    Peer,
+    attach_staging,
+    mla_expected,
+    mla_pages,
+    mla_pair,
+    register_decode,
+    send_mla,
+    sglang_installed,  # noqa: F401 (the fixture sg)
+)
 
 
 def test_fragmented_mla_request_lands_byte_exact_in_rounds(sg: Any) -> None:
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
-        p, d = _attach(pmgr, pre, net), _attach(dmgr, dec, net)
-        assert isinstance(_register(p, d, dec.session), StagingAgreement)
-        src, dst = _mla_pages()
+        p, d = attach_staging(pmgr, pre, net), attach_staging(dmgr, dec, net)
+        assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
+        src, dst = mla_pages()
         before = dec.memory.copy()
         totals = metrics.staged_totals()
-        assert _send_mla(pmgr, dec, src, dst) == 0
+        assert send_mla(pmgr, dec, src, dst) == 0
         staged_blocks = engine.blocks
         kind, report = p.last[dec.session]
         assert kind == "staged" and report.rounds >= 2  # 1.38 MB through 256 KiB buffers
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
         after = metrics.staged_totals()
         assert after["requests"] == totals["requests"] + 1
         assert after["network_blocks"] - totals["network_blocks"] == staged_blocks
@@ -198,8 +67,8 @@ def test_fragmented_mla_request_lands_byte_exact_in_rounds(sg: Any) -> None:
         rounds.detach(pmgr)
         dec.memory[:] = 0
         engine.blocks = 0
-        assert _send_mla(pmgr, dec, src, dst) == 0
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
         print(f"mla: direct {engine.blocks} staged {staged_blocks} rounds {report.rounds}")
         assert engine.blocks >= 10 * staged_blocks, (engine.blocks, staged_blocks)
     finally:
@@ -208,12 +77,12 @@ def test_fragmented_mla_request_lands_byte_exact_in_rounds(sg: Any) -> None:
 
 
 def test_failure_mid_way_fails_the_request_and_nothing_is_loaded(sg: Any) -> None:
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg, fail_call=3)  # round 2's write fails
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg, fail_call=3)  # round 2's write fails
     try:
         net = Net([pre, dec])
         config = StagingConfig(mode="always", arena_mib=1, buffers=4, timeout_s=5.0)
-        p, d = _attach(pmgr, pre, net, config), _attach(dmgr, dec, net, config)
-        _register(p, d, dec.session)
+        p, d = attach_staging(pmgr, pre, net, config), attach_staging(dmgr, dec, net, config)
+        register_decode(p, d, dec.session)
         loaded: list[str] = []
         opened: list[Any] = []
         real_open = d._open
@@ -223,10 +92,10 @@ def test_failure_mid_way_fails_the_request_and_nothing_is_loaded(sg: Any) -> Non
             opened.extend(d.receivers.values())
 
         d._open = spy
-        src, dst = _mla_pages()
+        src, dst = mla_pages()
         totals = metrics.staged_totals()
         # SGLang's transfer worker turns a non-zero status into conclude_failure: Failed
-        assert _send_mla(pmgr, dec, src, dst) == -1
+        assert send_mla(pmgr, dec, src, dst) == -1
         kind, err = p.last[dec.session]
         assert kind == "failed" and err.reason == "engine_failed" and err.round == 2
         assert len(opened) == 1
@@ -248,18 +117,18 @@ def test_failure_mid_way_fails_the_request_and_nothing_is_loaded(sg: Any) -> Non
 
 
 def test_decode_refusing_the_request_fails_it_on_the_prefill(sg: Any) -> None:
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
-        p, d = _attach(pmgr, pre, net), _attach(dmgr, dec, net)
-        _register(p, d, dec.session)
+        p, d = attach_staging(pmgr, pre, net), attach_staging(dmgr, dec, net)
+        register_decode(p, d, dec.session)
         # the decode's pool holds CAP // 2 pages: page CAP - 1 is outside it, which only the
         # decode knows (the prefill plans with unbounded stand-ins for the decode's lengths)
         dmgr.kv_args.kv_data_lens = [CAP // 2 * ITEM] * LAYERS
-        src, dst = _mla_pages()
+        src, dst = mla_pages()
         dst[-1] = CAP - 1
         before = dec.memory.copy()
-        assert _send_mla(pmgr, dec, src, dst) == -1
+        assert send_mla(pmgr, dec, src, dst) == -1
         kind, err = p.last[dec.session]
         assert kind == "failed" and err.reason == "peer_failed"
         assert "IndexBoundsError" in err.detail
@@ -273,19 +142,19 @@ def test_decode_refusing_the_request_fails_it_on_the_prefill(sg: Any) -> None:
 def test_non_kvplan_peer_keeps_the_direct_path_said_once(sg: Any,
                                                          caplog: pytest.LogCaptureFixture
                                                          ) -> None:
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
-        p = _attach(pmgr, pre, net)
+        p = attach_staging(pmgr, pre, net)
         with caplog.at_level(logging.INFO, logger="kvplan"):
-            assert isinstance(_register(p, None, dec.session), DirectFallback)
-            assert isinstance(_register(p, None, dec.session), DirectFallback)
+            assert isinstance(register_decode(p, None, dec.session), DirectFallback)
+            assert isinstance(register_decode(p, None, dec.session), DirectFallback)
         said = [r for r in caplog.records if dec.session in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in caplog.records]
-        src, dst = _mla_pages()
+        src, dst = mla_pages()
         before = dec.memory.copy()
-        assert _send_mla(pmgr, dec, src, dst) == 0
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
         assert engine.blocks >= LAYERS * TOKENS // 2  # per-block writes, as without staging
         assert dec.session not in p.last  # the staged path was never asked
     finally:
@@ -302,14 +171,14 @@ def test_staging_off_attaches_nothing(sg: Any, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_auto_without_measured_costs_keeps_the_direct_path(sg: Any) -> None:
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
         auto = StagingConfig(mode="auto", arena_mib=1, buffers=2, timeout_s=5.0)
-        p, d = _attach(pmgr, pre, net, auto), _attach(dmgr, dec, net, auto)
-        _register(p, d, dec.session)
-        src, dst = _mla_pages()
-        assert _send_mla(pmgr, dec, src, dst) == 0
+        p, d = attach_staging(pmgr, pre, net, auto), attach_staging(dmgr, dec, net, auto)
+        register_decode(p, d, dec.session)
+        src, dst = mla_pages()
+        assert send_mla(pmgr, dec, src, dst) == 0
         assert p.last[dec.session][0] == "direct"
     finally:
         pre.close()
@@ -341,13 +210,13 @@ def test_auto_follows_the_advice_with_measured_and_with_given_costs(
         return choice
 
     monkeypatch.setattr(rounds, "choose_path", recording)
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
-        p, d = _attach(pmgr, pre, net, AUTO, costs), _attach(dmgr, dec, net, AUTO, costs)
+        p, d = attach_staging(pmgr, pre, net, AUTO, costs), attach_staging(dmgr, dec, net, AUTO, costs)
         assert p.costs is costs
-        assert isinstance(_register(p, d, dec.session), StagingAgreement)
-        fragmented = _mla_pages()
+        assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
+        fragmented = mla_pages()
         contiguous = (np.arange(TOKENS, dtype=np.int32), np.arange(TOKENS, dtype=np.int32) + 7)
 
         def send(src: np.ndarray, dst: np.ndarray) -> str:
@@ -355,8 +224,8 @@ def test_auto_follows_the_advice_with_measured_and_with_given_costs(
             advised.clear()
             engine.blocks = 0
             before = dec.memory.copy()
-            assert _send_mla(pmgr, dec, src, dst) == 0
-            np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+            assert send_mla(pmgr, dec, src, dst) == 0
+            np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
             assert len(advised) == 1 and advised[0].advice is not None, advised
             kind, _ = p.last[dec.session]
             assert kind == advised[0].path
@@ -399,16 +268,16 @@ def test_auto_with_a_failed_measurement_is_warned_and_stays_direct(
     assert costs is None and "so auto takes the direct path" in said
     assert any("measuring Mooncake's costs on loopback failed (TransferError: mooncake: "
                "loopback refused)" in r.getMessage() for r in caplog.records)
-    pre, dec, pmgr, dmgr, engine = _mla_pair(sg)
+    pre, dec, pmgr, dmgr, engine = mla_pair(sg)
     try:
         net = Net([pre, dec])
-        p, d = _attach(pmgr, pre, net, AUTO, costs), _attach(dmgr, dec, net, AUTO, costs)
-        assert isinstance(_register(p, d, dec.session), StagingAgreement)
-        src, dst = _mla_pages()
+        p, d = attach_staging(pmgr, pre, net, AUTO, costs), attach_staging(dmgr, dec, net, AUTO, costs)
+        assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
+        src, dst = mla_pages()
         before = dec.memory.copy()
-        assert _send_mla(pmgr, dec, src, dst) == 0
+        assert send_mla(pmgr, dec, src, dst) == 0
         assert p.last[dec.session] == ("direct", "no measured engine costs to advise with")
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
         assert engine.blocks >= LAYERS * TOKENS // 2
     finally:
         pre.close()
@@ -437,7 +306,7 @@ def test_hetero_tp_request_lands_byte_exact_in_rounds(sg: Any) -> None:
                                     kv_item_lens=[di] * n, kv_layer_ids=[], engine_rank=0)
         dmgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=dkv,
                                      attn_tp_size=TP_D)
-        d = _attach(dmgr, dec, net)
+        d = attach_staging(dmgr, dec, net)
         src = np.random.default_rng(3).permutation(MHA_CAP)[:PAGES].astype(np.int32)
         dst = fragmented_pages(PAGES, 1.0, seed=3, shuffle_runs=True,
                                capacity=MHA_CAP).astype(np.int32)
@@ -450,8 +319,8 @@ def test_hetero_tp_request_lands_byte_exact_in_rounds(sg: Any) -> None:
             engine = Engine(pre.transport)
             mgr = loader.manager_object(sg, sg.MooncakeKVManager, kv_args=kv,
                                         attn_tp_size=TP_P, engine=engine)
-            p = _attach(mgr, pre, net)
-            assert isinstance(_register(p, d, dec.session), StagingAgreement)
+            p = attach_staging(mgr, pre, net)
+            assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
             rc = mgr.send_kvcache_slice(dec.session, src, dec.ptrs, dst, 0, TP_D, di,
                                         InlineExecutor(), dst_layer_ids=None)
             assert rc == 0
@@ -512,7 +381,7 @@ def test_sglang_registration_negotiates_and_socket_channel_carries_rounds(
 
     loader = load_loader()
     conn = sys.modules["sglang.srt.disaggregation.mooncake.conn"]
-    pre, dec, pmgr, _, engine = _mla_pair(sg)
+    pre, dec, pmgr, _, engine = mla_pair(sg)
     pre.listener.stop()
     dec.listener.stop()
     staged: list[Any] = []
@@ -544,10 +413,10 @@ def test_sglang_registration_negotiates_and_socket_channel_carries_rounds(
         assert pmgr.decode_kv_args_table[dec.session] is info
         outcome = p.peers[dec.session]
         assert isinstance(outcome, StagingAgreement if decode_staging else DirectFallback)
-        src, dst = _mla_pages()
+        src, dst = mla_pages()
         before = dec.memory.copy()
-        assert _send_mla(pmgr, dec, src, dst) == 0
-        np.testing.assert_array_equal(dec.memory, _mla_expected(pre, before, src, dst))
+        assert send_mla(pmgr, dec, src, dst) == 0
+        np.testing.assert_array_equal(dec.memory, mla_expected(pre, before, src, dst))
         if decode_staging:
             assert p.last[dec.session][0] == "staged" and engine.blocks <= 4
             assert p.endpoints[dec.session] == staged[0].reply_to

@@ -17,13 +17,14 @@ from kvplan.presets import fragmented_pages
 from kvplan.staging import StagingAgreement
 from support.sglang_loader import InlineExecutor
 from support.sglang_models import load_loader
-from test_sglang_rounds import Engine, Net, Peer, _attach, _register, sg  # noqa: F401
+from support.sglang_rounds import Engine, Net, Peer, attach_staging, register_decode
+from support.sglang_rounds import sglang_installed  # noqa: F401 (the fixture sg)
 
 LAYERS, ITEM, CAP, TOKENS = 4, 512, 640, 300
 ENTRIES = 2 * LAYERS  # K of every layer, then V of every layer
 
 
-def _mha_pair(sg: Any) -> tuple[Peer, Peer, Any, Any, Engine]:  # noqa: F811
+def _mha_pair(sg: Any) -> tuple[Peer, Peer, Any, Any, Engine]:
     loader = load_loader()
     pre, dec = Peer(ENTRIES, CAP * ITEM, 5), Peer(ENTRIES, CAP * ITEM, None)
     engine = Engine(pre.transport)
@@ -45,12 +46,12 @@ def _mha_pair(sg: Any) -> tuple[Peer, Peer, Any, Any, Engine]:  # noqa: F811
 
 
 def test_equal_tp_mha_request_goes_staged_byte_exact_and_is_logged(
-        sg: Any, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+        sg: Any, caplog: pytest.LogCaptureFixture) -> None:
     pre, dec, pmgr, dmgr, engine = _mha_pair(sg)
     try:
         net = Net([pre, dec])
-        p, d = _attach(pmgr, pre, net), _attach(dmgr, dec, net)
-        assert isinstance(_register(p, d, dec.session), StagingAgreement)
+        p, d = attach_staging(pmgr, pre, net), attach_staging(dmgr, dec, net)
+        assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
         src = np.arange(TOKENS, dtype=np.int32)
         dst = fragmented_pages(TOKENS, 1.0, seed=3, shuffle_runs=True,
                                capacity=CAP).astype(np.int32)
