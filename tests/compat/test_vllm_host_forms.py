@@ -244,13 +244,19 @@ def test_known_kvplan_option_is_applied_and_vllm_keys_pass(v):
     worker.shutdown()
 
 
-def test_nixl_connector_takes_only_the_manifest_option():
+def test_nixl_connector_takes_the_manifest_and_staging_options():
     from kvplan.compat.vllm import forms as vllm_forms
 
     config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
         kv_connector_extra_config={"kvplan_max_blocks_per_batch": 64}))
     with pytest.raises(kvplan.ConfigError, match="not an option of KvplanNixlConnector "
-                       r"\(its kvplan options: kvplan_manifest\)"):
+                       r"\(its kvplan options: kvplan_manifest, kvplan_staging, "
+                       r"kvplan_staging_arena_mib, kvplan_staging_buffers, "
+                       r"kvplan_staging_costs, kvplan_staging_timeout_s\)"):
         vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME)
+    config.kv_transfer_config.kv_connector_extra_config = {"kvplan_staging": "auto",
+                                                           "kvplan_staging_buffers": 3}
+    assert vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME) == {
+        "kvplan_staging": "auto", "kvplan_staging_buffers": 3}
     config.kv_transfer_config.kv_connector_extra_config = {"transfer_mode": "pull"}
     assert vllm_forms.kvplan_options(config, vllm_nixl.CONNECTOR_NAME) == {}

@@ -12,188 +12,35 @@ and decodes a dataclass from a map skipping the keys it does not know, as msgspe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
-import sys
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+from support.vllm_loader import rerun_under_release  # noqa: E402
 from support.log_records import records as log_records  # noqa: E402
+from support.vllm_nixl import (  # noqa: E402
+    BLOCK,
+    HEADS,
+    LAYERS,
+    BLOCKS,
+    ROPE_2,
+    _Decoder,
+    handshake,
+    nixl_connector,  # noqa: F401 (the fixture connector)
+    nixl_release,  # noqa: F401 (the fixture nixl)
+    serve,
+    vllm_config,
+    worker,
+)
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
 from kvplan.identity import IDENTITY_KEY  # noqa: E402
-
-ROPE_1 = {"rope_type": "yarn", "factor": 1.0}
-ROPE_2 = {"rope_type": "yarn", "factor": 2.0}
-BLOCK, HEADS, HEAD_BYTES, LAYERS, BLOCKS = 16, 4, 64, 3, 8
-COMPAT_HASH = "same-config"
-
-
-def _builtins(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _builtins(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_builtins(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _builtins(v) for k, v in obj.items()}
-    return obj
-
-
-class _Decoder:
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-
-    def decode(self, data: bytes) -> Any:
-        fields = pickle.loads(data)
-        known = {f.name for f in dataclasses.fields(self.cls)}
-        return self.cls(**{k: v for k, v in fields.items() if k in known})
-
-
-class _Error(Exception):
-    pass
-
-
-#: msgspec's calls vLLM's handshake and kvplan make: a dataclass goes out as a map, a typed
-#: decoder skips a map's unknown keys (msgspec's rule for dataclasses).
-MSGSPEC = types.SimpleNamespace(
-    DecodeError=_Error, ValidationError=_Error,
-    msgpack=types.SimpleNamespace(
-        encode=lambda obj: pickle.dumps(_builtins(obj)),
-        decode=lambda data, type=None: (pickle.loads(data) if type is None
-                                        else _Decoder(type).decode(data)),
-        Decoder=_Decoder, Encoder=lambda: types.SimpleNamespace(
-            encode=lambda obj: pickle.dumps(_builtins(obj)))))
-
-
-_METADATA = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata"
-_STATS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
-
-
-@pytest.fixture(scope="module")
-def nixl() -> Iterator[Any]:
-    """The release's NIXL workers, and its real ``nixl/metadata.py`` and ``nixl/stats.py``
-    (the loader gives the worker module stand-ins for them): the handshake's two dataclasses,
-    vLLM's NIXL stats and Prometheus classes."""
-    from support.vllm_loader import _import_real
-
-    n = load_vllm_nixl()
-    before = {name: sys.modules.pop(name, None) for name in (_METADATA, _STATS)}
-    real = _import_real(n.vllm.root, "vllm", (_METADATA, _STATS))
-    n.metadata, n.stats = real[_METADATA], real[_STATS]
-    yield n
-    for name, module in before.items():
-        if module is not None:
-            sys.modules[name] = module
-
-
-@pytest.fixture
-def connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``connector_class()`` built over the loaded release, with the msgspec stand-in and a
-    socket that answers with :attr:`served` (the prefill's payload)."""
-    bw = nixl.base_worker
-    served: list[bytes] = []
-
-    class Socket:
-        def setsockopt(self, *args: Any) -> None:
-            pass
-
-        def send(self, msg: bytes) -> None:
-            pass
-
-        def recv_multipart(self) -> list[bytes]:
-            return [served[-1], pickle.dumps(0.0)]
-
-    @contextmanager
-    def zmq_ctx(*args: Any) -> Iterator[Socket]:
-        yield Socket()
-
-    monkeypatch.setattr(bw, "msgspec", MSGSPEC)
-    for name in ("NixlAgentMetadata", "NixlHandshakePayload", "GET_META_MSG"):
-        if hasattr(nixl.metadata, name):  # the worker module's names from metadata.py
-            monkeypatch.setattr(bw, name, getattr(nixl.metadata, name))
-    monkeypatch.setattr(bw, "zmq_ctx", zmq_ctx)
-    package = types.ModuleType(vllm_nixl._VLLM_NIXL)
-    package.NixlPullConnectorWorker = nixl.NixlPullConnectorWorker  # type: ignore[attr-defined]
-    package.NixlPullConnector = type("NixlPullConnector", (), {})  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, vllm_nixl._VLLM_NIXL, package)
-    monkeypatch.setitem(sys.modules, _STATS, nixl.stats)
-    monkeypatch.setattr(vllm_nixl, "_CONNECTOR", None)
-    added: list[Any] = []
-    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "add_remote_agent",
-                        lambda self, meta, *a, **k: added.append(meta) or "agent-0")
-    cls = vllm_nixl.connector_class()
-    yield types.SimpleNamespace(Worker=cls.Worker, Connector=cls, served=served, added=added,
-                                bw=bw)
-    vllm_nixl.uninstall(cls.Worker)
-
-
-def vllm_config(role: str, *, model: str = "org/model", revision: str = "abc123",
-                rope: Any = ROPE_1, draft: str | None = None, cross: bool = False) -> Any:
-    model_config = types.SimpleNamespace(
-        model=model, revision=revision, get_total_num_kv_heads=lambda: HEADS,
-        hf_text_config=types.SimpleNamespace(rope_scaling=dict(rope), rope_theta=10000.0))
-    return types.SimpleNamespace(
-        model_config=model_config,
-        speculative_config=types.SimpleNamespace(model=draft) if draft else None,
-        kv_transfer_config=types.SimpleNamespace(
-            kv_role=role, kv_connector_extra_config={"enable_cross_layers_blocks": cross}))
-
-
-def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
-           tp_rank: int = 0, tp_size: int = 1) -> Any:
-    """A worker as vLLM's ``register_kv_caches`` leaves it (K and V regions per layer)."""
-    w = object.__new__(c.Worker)
-    block = BLOCK * (HEADS // tp_size) * HEAD_BYTES
-    ptrs = [base + r * block * BLOCKS for r in range(2 * LAYERS)]
-    w.__dict__.update(
-        engine_id=engine, tp_rank=tp_rank, world_size=tp_size, block_size=BLOCK,
-        num_blocks=BLOCKS, kv_caches_base_addr={engine: {tp_rank: ptrs}},
-        block_len_per_layer=[block] * len(ptrs), use_mla=False, _has_mamba=False,
-        pp_size=1, dcp_size=1, pcp_size=1, _physical_blocks_per_logical_kv_block=1,
-        vllm_config=config,
-        model_config=config.model_config, compat_hash=COMPAT_HASH, enforce_compat_hash=True,
-        use_host_buffer=True, _is_csa_linear=False, xfer_handshake_metadata=None,
-        transfer_topo=types.SimpleNamespace(handshake_target_ranks=lambda *a: [0]))
-    return w
-
-
-def serve(c: Any, nixl: Any, prefill: Any, *, kvplan_prefill: bool = True) -> None:
-    """The prefill's ``register_kv_caches`` (vLLM's part: the payload it builds) and what its
-    handshake listener serves."""
-    bw = nixl.base_worker
-    meta = bw.NixlAgentMetadata(
-        engine_id=prefill.engine_id, agent_metadata=b"nixl-agent",
-        kv_caches_base_addr=prefill.kv_caches_base_addr[prefill.engine_id][0],
-        device_id=0, num_blocks=BLOCKS, block_lens=prefill.block_len_per_layer,
-        block_strides=prefill.block_len_per_layer, kv_cache_layout="NHD", block_size=BLOCK,
-        ssm_sizes=(0, 0), attn_backend_name="FLASH_ATTN",
-        physical_blocks_per_logical_kv_block=1)
-
-    def register(self: Any, kv_caches: Any) -> None:
-        self.xfer_handshake_metadata = bw.NixlHandshakePayload(
-            compatibility_hash=COMPAT_HASH, agent_metadata_bytes=MSGSPEC.msgpack.encode(meta))
-
-    if kvplan_prefill:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(nixl.NixlPullConnectorWorker, "register_kv_caches", register)
-            prefill.register_kv_caches({})
-    else:  # vLLM's own worker: no identity in its metadata
-        register(prefill, {})
-    c.served.append(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
-
-
-def handshake(decode: Any, prefill: Any) -> Any:
-    return decode._nixl_handshake("127.0.0.1", 5600, 1, prefill.engine_id)
-
 
 
 def records() -> Any:

@@ -88,34 +88,21 @@ def _connector_class() -> type:
 
 
 def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
-    """Staging asked for by a ``kvplan_staging`` key other than ``off``: the worker's arena,
-    registered with its Mooncake engine now (start-up); its channel listener; the handshake
-    hooks (the decode's pull request carries its staging message, the prefill reads it); the
-    engine's costs (:func:`kvplan.staging.startup_costs`: ``kvplan_staging_costs`` as given,
-    else for ``auto`` measured once on loopback). Without the key, or with ``off``, nothing
-    is allocated or replaced and the worker is vLLM's path."""
-    from kvplan.compat.vllm import staging
-    from kvplan.staging import StagingConfig, startup_costs
-
-    if options.get("kvplan_staging", "off") == "off":
-        return
-    config = StagingConfig.from_options(options)
-    state = staging.WorkerStaging.start(worker, config)
-    state.identity = PeerCheck(identity_source(worker), _staging_log)
-    try:
+    """Staging asked for by a ``kvplan_staging`` key other than ``off``
+    (:func:`kvplan.compat.vllm.staging.start_staging`): the worker's arena registered with its Mooncake engine now
+    (start-up); its channel listener; the handshake hooks (the decode's pull request carries
+    its staging message, the prefill reads it); the engine's costs. Without the key, or with
+    ``off``, nothing is allocated or replaced and the worker is vLLM's path."""
+    def setup(state: Any) -> None:
+        staging = staging_module()
+        state.identity = PeerCheck(identity_source(worker), _staging_log)
         host = str(worker.__dict__.get("hostname") or "127.0.0.1")
         state.name = f"{host}:{worker.__dict__.get('rpc_port')}"
         staging.hook_handshake(worker, state, module)
         state.serve(worker, host)
-        state.costs, said = startup_costs(config, _staging_log, option="kvplan_staging_costs")
-    except BaseException:
-        state.close()
-        raise
-    worker.__dict__[staging.STAGING_ATTR] = state
-    _staging_log.info(
-        "kvplan staging (%s): %d MiB arena in %d buffers registered, channel %s; %s",
-        config.mode, config.arena_mib, config.buffers,
-        state.server.address if state.server is not None else "-", said)
+
+    staging_module().start_staging(worker, options, engine=None, cost_engine="mooncake",
+                                   setup=setup)
 
 
 def identity_source(worker: Any) -> Callable[[], Any]:

@@ -124,11 +124,11 @@ def _manifest(option: str, value: Any) -> Any:
 #: Each kvplan option a connector takes, with its parser (the Mooncake connector takes the
 #: ``kvplan_staging*`` keys of :data:`kvplan.staging.STAGING_OPTIONS`, and ``kvplan_manifest``:
 #: the model manifest its workers check at start-up, :mod:`kvplan.compat.vllm.manifest`; the
-#: NIXL connector takes ``kvplan_manifest``).
+#: NIXL connector takes ``kvplan_manifest`` and the ``kvplan_staging*`` keys).
 OPTIONS: dict[str, dict[str, Callable[[str, Any], Any]]] = {
     "KvplanMooncakeConnector": {"kvplan_max_blocks_per_batch": _positive_int,
                                 "kvplan_manifest": _manifest, **_staging_options()},
-    "KvplanNixlConnector": {"kvplan_manifest": _manifest},
+    "KvplanNixlConnector": {"kvplan_manifest": _manifest, **_staging_options()},
 }
 
 

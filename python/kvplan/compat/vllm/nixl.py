@@ -48,18 +48,22 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
 from kvplan.compat.vllm import forms, manifest
 from kvplan.compat._methods import MethodPatches, require_method
-from kvplan.failures import FailureVerdict, verdict_for_plan
+from kvplan.compat.vllm.load_failures import (
+    kv_cache_group_count,
+    report_failed_batch,
+    report_load_failure,
+)
+from kvplan.compat.vllm.nixl_metadata import add_to_agent_metadata
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
            "report_load_failure", "report_failed_batch", "kv_cache_group_count",
-           "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
+           "add_to_agent_metadata", "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
            "manifest_layout", "worker_identity", "worker_layout"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
@@ -248,7 +252,7 @@ def connector_class() -> type:
     registration, reads, notifications, failure handling) is vLLM's."""
     global _CONNECTOR
     if _CONNECTOR is None:
-        from kvplan.compat.vllm import metrics
+        from kvplan.compat.vllm import metrics, nixl_staging
 
         nixl = importlib.import_module(_VLLM_NIXL)
         base = nixl.NixlPullConnectorWorker
@@ -268,16 +272,21 @@ def connector_class() -> type:
                 # (ManifestError: the worker does not start)
                 manifest.check_worker_manifest(self, CONNECTOR_NAME, manifest_layout)
                 advertise_identity(self)
+                nixl_staging.advertise_staging(self)
                 return out
 
             def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> Any:
                 check_remote_identity(self, nixl_agent_meta)  # before any descriptor or read
-                return super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+                agent = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+                rank = args[0] if args else kwargs.get("remote_tp_rank", 0)
+                nixl_staging.negotiate_peer(self, nixl_agent_meta, int(rank), agent)
+                return agent
 
         if hasattr(base, "restore_kv_caches"):  # vLLM 0.34 re-encodes the metadata there
             def restore_kv_caches(self: Any) -> Any:
                 out = super(KvplanNixlConnectorWorker, self).restore_kv_caches()
                 advertise_identity(self)
+                nixl_staging.advertise_staging(self)
                 return out
 
             KvplanNixlConnectorWorker.restore_kv_caches = restore_kv_caches
@@ -300,6 +309,9 @@ def connector_class() -> type:
                             manifest.OPTION]
                     # vLLM's series plus kvplan:layout_info
                     self.connector_worker.xfer_stats = stats_cls()
+                    # kvplan_staging: the arena registered with the worker's agent now,
+                    # before register_kv_caches takes the agent's metadata
+                    nixl_staging.start_staging(self.connector_worker, options)
 
             @classmethod
             def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -424,35 +436,18 @@ def peer_check(worker: Any) -> Any:
     return check
 
 
-def _msgspec(worker: Any) -> Any:
-    for klass in type(worker).__mro__:
-        if klass.__name__ == _BASE:
-            return sys.modules[klass.__module__].msgspec
-    raise TypeError(f"{type(worker).__name__} is not vLLM's {_BASE} (or a subclass)")
-
-
 def advertise_identity(worker: Any) -> bool:
-    """Add the worker's identity message to the agent metadata its handshake serves
-    (``xfer_handshake_metadata.agent_metadata_bytes``, a msgpack map, under
-    :data:`kvplan.identity.IDENTITY_KEY`); whether it did (not before the KV cache is
-    registered, nor without an identity). A decode without kvplan decodes the map as vLLM's
-    ``NixlAgentMetadata``, which skips the key it does not know; the compatibility hash
-    covers the configuration, not these bytes."""
+    """Add the worker's identity message to the agent metadata its handshake serves, under
+    :data:`kvplan.identity.IDENTITY_KEY` (:func:`add_to_agent_metadata`); whether it did (not
+    before the KV cache is registered, nor without an identity)."""
     from kvplan.identity import IDENTITY_KEY
 
-    payload = worker.__dict__.get("xfer_handshake_metadata")
-    if payload is None:
+    if worker.__dict__.get("xfer_handshake_metadata") is None:
         return False
     message = peer_check(worker).message()
     if message is None:
         return False
-    msgspec = _msgspec(worker)
-    fields = msgspec.msgpack.decode(payload.agent_metadata_bytes)
-    if not isinstance(fields, dict):
-        return False
-    fields[IDENTITY_KEY] = message
-    payload.agent_metadata_bytes = msgspec.msgpack.encode(fields)
-    return True
+    return add_to_agent_metadata(worker, IDENTITY_KEY, message)
 
 
 def check_remote_identity(worker: Any, metadata: Any) -> Any:
@@ -470,8 +465,9 @@ def check_remote_identity(worker: Any, metadata: Any) -> Any:
 
 def identity_handshake(worker_class: type) -> Any:
     """vLLM's own ``_nixl_handshake`` of ``worker_class``, run over its module's globals in
-    which ``NixlAgentMetadata`` names a subclass with one more optional field, the prefill's
-    identity (None from a prefill without kvplan), so ``add_remote_agent`` receives it.
+    which ``NixlAgentMetadata`` names a subclass with two more optional fields, the prefill's
+    identity and its staging message (None from a prefill without kvplan, or with staging
+    off), so ``add_remote_agent`` receives them.
     Nothing else of vLLM's method or module changes. :class:`kvplan.IncompatibleHostError`
     when the method does not decode the metadata and register it by those names."""
     import dataclasses
@@ -479,6 +475,7 @@ def identity_handshake(worker_class: type) -> Any:
 
     from kvplan._errors import IncompatibleHostError
     from kvplan.identity import IDENTITY_KEY
+    from kvplan.staging.negotiation import HANDSHAKE_KEY as META_KEY
 
     method = getattr(worker_class, "_nixl_handshake", None)
     code = getattr(method, "__code__", None)
@@ -493,7 +490,8 @@ def identity_handshake(worker_class: type) -> Any:
     metadata_cls = module_globals["NixlAgentMetadata"]
     extended = dataclasses.make_dataclass(
         "KvplanNixlAgentMetadata",
-        [(IDENTITY_KEY, dict[str, Any] | None, dataclasses.field(default=None))],
+        [(IDENTITY_KEY, dict[str, Any] | None, dataclasses.field(default=None)),
+         (META_KEY, dict[str, Any] | None, dataclasses.field(default=None))],
         bases=(metadata_cls,))
     extended.__module__ = __name__
     names = dict(module_globals)
@@ -503,64 +501,3 @@ def identity_handshake(worker_class: type) -> Any:
     hooked.__qualname__, hooked.__doc__ = method.__qualname__, method.__doc__
     hooked.__wrapped__ = method  # type: ignore[attr-defined]
     return hooked
-
-
-# ---------------------------------------------------------------------------------------------
-# Failure verdicts into vLLM's own failed-load path
-# ---------------------------------------------------------------------------------------------
-def kv_cache_group_count(worker: Any) -> int:
-    """The KV-cache groups of the worker's ``kv_cache_config`` (1 when it has none)."""
-    config = getattr(worker, "kv_cache_config", None)
-    groups = getattr(config, "kv_cache_groups", None)
-    return len(groups) if groups else 1
-
-
-def report_load_failure(worker: Any, verdict: FailureVerdict) -> str:
-    """Feed ``verdict`` (a decode request's failed blocks, per KV-cache group) to the worker's
-    own failed-load path, in the shape its release's scheduler takes, and say which:
-
-    * ``"blocks"``: one KV-cache group. The failed block ids go into the worker's
-      ``_invalid_block_ids`` queue, which ``get_block_ids_with_load_errors()`` drains for the
-      scheduler's ``kv_load_failure_policy`` (``recompute`` truncates the request at its first
-      invalid block, ``fail`` fails it). Only the failed blocks are named, not the request's.
-    * ``"request"``: several groups. vLLM 0.32 and 0.34 schedulers refuse block-level errors
-      there (block ids are per group, a flat set cannot name a group's block), so the request
-      goes into ``_failed_recv_reqs``, the failed-receive path both releases' NIXL and 0.34's
-      Mooncake workers drain into ``failed_recving``. The verdict's groups and blocks are
-      logged.
-    * ``"none"``: no block failed; nothing is reported.
-
-    A worker without those queues (another connector or release) is an
-    :class:`kvplan.IncompatibleHostError` naming the attribute.
-    """
-    if not verdict.failed:
-        return "none"
-    several = kv_cache_group_count(worker) > 1
-    name = "_failed_recv_reqs" if several else "_invalid_block_ids"
-    queue = worker.__dict__.get(name)
-    if queue is None or not hasattr(queue, "put"):
-        from kvplan._errors import IncompatibleHostError
-
-        raise IncompatibleHostError(
-            f"{type(worker).__name__} has no {name} queue: its release's failed-load path is "
-            f"not the one kvplan feeds (vLLM 0.32-0.34 NIXL, 0.34 Mooncake)")
-    if several:
-        queue.put(verdict.request_id)
-        logger.warning("kvplan: %s; reported as a failed request (several KV-cache groups)",
-                       verdict)
-        return "request"
-    queue.put(set(verdict.group(0)))
-    logger.warning("kvplan: %s; reported as invalid blocks", verdict)
-    return "blocks"
-
-
-def report_failed_batch(worker: Any, request_id: str, template: Any, plan: Any,
-                        failed: Any, *, reason: str,
-                        groups: dict[int, int] | None = None) -> FailureVerdict:
-    """A transfer engine's failed submission of ``plan`` (blocks ``failed``: positions or
-    ``(start, stop)`` ranges) for decode request ``request_id``: the verdict
-    (:func:`kvplan.failures.verdict_for_plan`), fed to the worker by
-    :func:`report_load_failure`, and returned."""
-    verdict = verdict_for_plan(request_id, template, plan, failed, reason=reason, groups=groups)
-    report_load_failure(worker, verdict)
-    return verdict

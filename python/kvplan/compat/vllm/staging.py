@@ -70,7 +70,7 @@ from kvplan.staging import (
 )
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
-           "report_unwritten", "send_request", "staged_requests",
+           "report_unwritten", "send_request", "staged_requests", "start_staging",
            "manifest_layout", "worker_identity", "worker_roles",
            "worker_semantics"]
 
@@ -288,6 +288,41 @@ class WorkerStaging:
         return request
 
 
+def start_staging(worker: Any, options: dict[str, Any], *, engine: Any, cost_engine: str,
+                  setup: Callable[[WorkerStaging], object] | None = None
+                  ) -> WorkerStaging | None:
+    """One vLLM worker's staging start-up, for either connector: with a ``kvplan_staging`` key
+    other than ``off``, the arena of :class:`kvplan.staging.StagingConfig` registered with
+    ``engine`` (the worker's Mooncake engine when None; the NIXL connector's agent), the
+    connector's own ``setup`` (listener, handshake hooks), the engine's costs
+    (:func:`kvplan.staging.startup_costs`: ``kvplan_staging_costs`` as given, else for
+    ``auto`` measured once on loopback with ``cost_engine``), one INFO line, and the
+    :class:`WorkerStaging` kept on the worker and returned. Without the key, or with ``off``:
+    None, nothing allocated. A failed start unregisters the arena
+    and raises."""
+    from kvplan.staging import startup_costs
+
+    if options.get("kvplan_staging", "off") == "off":
+        return None
+    log = logging.getLogger(NEGOTIATION_LOGGER)
+    config = StagingConfig.from_options(options)
+    state = WorkerStaging.start(worker, config, engine=engine)
+    try:
+        if setup is not None:
+            setup(state)
+        state.costs, said = startup_costs(config, log, option="kvplan_staging_costs",
+                                          engine=cost_engine)
+    except BaseException:
+        state.close()
+        raise
+    worker.__dict__[STAGING_ATTR] = state
+    log.info(
+        "kvplan staging (%s): %d MiB arena in %d buffers registered, channel %s; %s",
+        config.mode, config.arena_mib, config.buffers,
+        state.server.address if state.server is not None else "-", said)
+    return state
+
+
 def _message_key(remote: Any) -> str:
     if isinstance(remote, dict):
         try:
@@ -425,10 +460,10 @@ def _read_open(data: bytes) -> dict[str, Any]:
 def report_unwritten(worker: Any, verdict: FailureVerdict) -> str:
     """Feed a failed stream's ``verdict`` to the decode worker's failed-load path where it
     can take blocks (one KV-cache group and the release's ``_invalid_block_ids`` queue, which
-    vLLM 0.32 and 0.34 Mooncake workers have): :func:`kvplan.compat.vllm.nixl.report_load_failure`,
+    vLLM 0.32 and 0.34 Mooncake workers have): :func:`kvplan.compat.vllm.load_failures.report_load_failure`,
     which logs it once. Elsewhere the verdict is only logged: the request still fails as a whole
     through the prefill's ``err_reqs``. Returns ``"blocks"``, ``"logged"`` or ``"none"``."""
-    from kvplan.compat.vllm.nixl import kv_cache_group_count, report_load_failure
+    from kvplan.compat.vllm.load_failures import kv_cache_group_count, report_load_failure
 
     if not verdict.failed:
         return "none"
