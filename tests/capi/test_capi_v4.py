@@ -465,9 +465,16 @@ def test_bad_splits_are_refused_naming_the_values(
                           page_size=PAGE_SIZE).with_state(
                 e.role, [side.ptr(1)], [e.item * SLOTS], [e.item], [e.layer],
                 channels=channels, outer_rows=rows, shard_groups=[groups])
-        # The same words; the C ABI names the entry and its channels where the core's split
-        # itself is refused (Python raises it before the entry exists).
-        assert message in (str(err.value), f"entry 1 (state_channels[1] = {channels}): {err.value}")
+        # The same words. Where the core's split itself is refused, each names the layout entry
+        # and the values of its own arguments before the core's reason: the C ABI its
+        # descriptor's state_channels[1], Python its with_state's channels[0], outer_rows[0]
+        # and shard_groups[0].
+        if message != str(err.value):
+            reason = message.split("): ", 1)[-1]
+            assert message == f"entry 1 (state_channels[1] = {channels}): {reason}", message
+            assert str(err.value) == (
+                f"entry 1 (channels[0] = {channels}, outer_rows[0] = "
+                f"{1 if rows is None else rows}, shard_groups[0] = {groups}): {reason}"), err.value
 
 
 def test_a_descriptor_without_splits_plans_as_version_3(lib: ctypes.CDLL) -> None:

@@ -346,12 +346,12 @@ impl PyLayout {
             self.inner
                 .with_state(name, data_ptrs, data_lens, item_lens.expand(n), layer_ids);
         let layout = strided_tail(&self.inner, layout, strides)?;
-        let splits = state_channels_arg(n, channels, outer_rows, shard_groups)?;
+        let before = self.inner.n_entries();
+        let splits = state_channels_arg(before, n, channels, outer_rows, shard_groups)?;
         if splits.is_empty() {
             return Ok(Self::from(layout));
         }
         let mut all = layout.state_channels();
-        let before = self.inner.n_entries();
         all.truncate(before);
         all.extend(splits);
         wrap(layout.with_state_channels(all))

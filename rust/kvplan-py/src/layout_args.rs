@@ -302,6 +302,7 @@ fn per_entry_counts(name: &'static str, n: usize, value: &Bound<'_, PyAny>) -> P
 /// `with_state(..., channels=, outer_rows=, shard_groups=)`: one TP channel split per new
 /// entry (empty when `channels` is not given), checked by the core.
 pub(crate) fn state_channels_arg(
+    first: usize,
     n: usize,
     channels: Option<&Bound<'_, PyAny>>,
     outer_rows: Option<&Bound<'_, PyAny>>,
@@ -339,10 +340,32 @@ pub(crate) fn state_channels_arg(
         .into_iter()
         .zip(rows)
         .zip(groups)
-        .map(|((c, r), g)| {
+        .enumerate()
+        .map(|(i, ((c, r), g))| {
             kvplan_core::StateChannels::new(c, r, g.as_deref().unwrap_or(&[]))
                 .map(Some)
-                .map_err(to_py_err)
+                .map_err(|err| {
+                    let groups = g.as_deref().map_or("None".to_owned(), |g| format!("{g:?}"));
+                    to_py_err(in_entry(
+                        err,
+                        &format!(
+                            "entry {} (channels[{i}] = {c}, outer_rows[{i}] = {r}, \
+                             shard_groups[{i}] = {groups})",
+                            first + i
+                        ),
+                    ))
+                })
         })
         .collect()
+}
+
+/// `err` with `context` (which entry, which values) before its message; the error's kind and
+/// class are unchanged.
+fn in_entry(err: kvplan_core::PlanError, context: &str) -> kvplan_core::PlanError {
+    match err {
+        kvplan_core::PlanError::InvalidLayout { what } => kvplan_core::PlanError::InvalidLayout {
+            what: format!("{context}: {what}"),
+        },
+        other => other,
+    }
 }

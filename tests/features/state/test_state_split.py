@@ -11,6 +11,7 @@ once per decode rank, from one prefill rank). The default run draws a few hundre
 from __future__ import annotations
 
 import os
+import re
 import random
 from dataclasses import dataclass
 
@@ -235,3 +236,25 @@ def test_a_split_layout_round_trips_through_its_json_form() -> None:
     assert kvplan.Layout.from_dict(layout.to_dict()) == layout  # tuples: read back
     assert kvplan.Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
 
+
+
+@pytest.mark.parametrize(("channels", "rows", "groups", "words"), [
+    ([4, 8, 2], [1, 0, 1], None, r"a state channel split needs at least 1 outer row, got 0"),
+    ([4, 0, 2], None, [None, [4], None], r"a replicated state .* has no shard groups"),
+    ([4, 2, 2], None, [None, [1, 0], None], r"shard groups must be positive"),
+    ([4, 2, 2], None, [None, [1, 1, 1, 1, 1], None], r"a state channel split has at most 4 .* got 5"),
+])
+def test_a_refused_split_names_its_entry_and_values(
+        channels: list[int], rows: list[int] | None, groups: list[list[int] | None] | None,
+        words: str) -> None:
+    """``with_state``'s refusal of one entry's split names the layout entry (after the two
+    page entries: entry 3), the argument's position and its values, as the C ABI's does."""
+    base = kvplan.Layout([0x1000, 0x2000], [640, 640], 64, [0, 1])
+    c, r = channels[1], 1 if rows is None else rows[1]
+    g = "None" if groups is None or groups[1] is None else re.escape(str(groups[1]))
+    with pytest.raises(kvplan.LayoutError,
+                       match=rf"^entry 3 \(channels\[1\] = {c}, outer_rows\[1\] = {r}, "
+                             rf"shard_groups\[1\] = {g}\): {words}") as caught:
+        base.with_state("conv", [0x9000, 0xA000, 0xB000], [640] * 3, 64, [0, 1, 2],
+                        channels=channels, outer_rows=rows, shard_groups=groups)
+    assert caught.value.kind == "layout"
