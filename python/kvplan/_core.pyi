@@ -399,7 +399,9 @@ class Layout:
         Raises:
             LayoutError: A split that does not fit the entry (rows × channels not dividing the
                 item, shard groups not summing to ``channels × tp_size`` or not divisible by it,
-                0 rows, more than 4 shard groups).
+                0 rows, more than 4 shard groups); the message names the layout entry and, for
+                a split refused on its own, its ``channels[i]``, ``outer_rows[i]`` and
+                ``shard_groups[i]``.
             TypeError: ``outer_rows`` or ``shard_groups`` without ``channels``.
         """
     @property
@@ -1069,6 +1071,17 @@ class Template:
             KvPlanError: The template plans by token (different page sizes or memory orders);
                 a bad ``side``; a table too large to index with int64.
             MemoryError: The table cannot be allocated.
+        """
+    def descriptor_runs(self, side: str) -> _U64Array:
+        """One side's (``"src"`` or ``"dst"``) prepped descriptor table as ``(n, 4)`` uint64 runs
+        ``(base, len, stride, count)``, nothing expanded: one run per emission piece (its
+        pages), then one per state pair that moves bytes (its slots). Run ``r``'s ``k``-th
+        descriptor is ``len`` bytes at ``base + k * stride``; the runs expanded in order are
+        ``descriptor_table(side)`` (the rows of a strided descriptor list, as NIXL's
+        ``(addr, len, dev, stride, count)`` without the device).
+
+        Raises:
+            KvPlanError: As ``descriptor_table``, except that no table is allocated.
         """
     @overload
     def prepped_indices(self, src_pages: Request, dst_pages: None = None

@@ -106,7 +106,8 @@ def test_install_uninstall_restore_the_class_exactly(nx: Any) -> None:
     names = compat.install(nx.cls)
     assert set(names) == {"_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist",
                           "_init_hetero_tp_prep_handle", "send_kvcache_staged",
-                          "_send_mamba_state_slice", "send_kvcache_mixed"}
+                          "_send_mamba_state_slice", "send_kvcache_mixed",
+                          "_prepare_state_xfer", "_send_prepared_states"}
     assert names == compat.REPLACED_METHODS["NixlKVManager"]
     assert compat.installed(nx.cls) == names
     assert compat.install(nx.cls) == ()

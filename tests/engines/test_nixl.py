@@ -98,6 +98,34 @@ def test_prepped_tables_come_from_the_core_with_strides() -> None:
         t.descriptor_table("local")
 
 
+def test_descriptor_runs_are_the_table_unexpanded() -> None:
+    """``descriptor_runs`` is the prepped table as strided rows (base, len, stride, count), one
+    per piece and per moving state pair: expanded in order it is ``descriptor_table``; a state
+    pool of 2**40 slots is one row, which its table could not be."""
+    items = [64, 0, 32]
+    pool = kvplan.Layout.cross_layer(0x10000, 4 * 96, [0, 1, 2], items)
+    per_layer = kvplan.Layout.mla([0x1000, 0x9000, 0x20000], [256, 0, 96], items,
+                                  layer_ids=[0, 1, 2])
+    state = [0x100_0000, 0x200_0000]
+    t = kvplan.Template(pool.with_state("mamba", state, [48 * 9, 48 * 5], 48, [0, 1]),
+                        per_layer.with_state("mamba", [0x300_0000, 0x400_0000],
+                                             [48 * 7, 48 * 11], 48, [0, 1]))
+    for side in ("src", "dst"):
+        runs = t.descriptor_runs(side)
+        assert runs.dtype == np.uint64 and runs.shape == (4, 4)
+        addrs, lens = t.descriptor_table(side)
+        expanded = [(b + k * st, n) for b, n, st, c in runs.tolist() for k in range(c)]
+        assert expanded == list(zip(addrs.tolist(), lens.tolist()))
+    # the state rows: the smallest paired slot count on each side (5 and 7)
+    assert t.descriptor_runs("src")[2:].tolist() == [[s, 48, 48, 5] for s in state]
+    assert t.descriptor_runs("dst")[2:, 3].tolist() == [7, 7]
+    big = kvplan.Layout([1 << 50], [48 << 40], 48, [0], kinds=["state"])
+    huge = kvplan.Template(big, kvplan.Layout([1 << 52], [48 << 40], 48, [0], kinds=["state"]))
+    assert huge.descriptor_runs("dst").tolist() == [[1 << 52, 48, 48, 1 << 40]]
+    with pytest.raises(kvplan.KvPlanError, match='side must be "src"'):
+        t.descriptor_runs("local")
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process: two real agents (metadata still exchanged as bytes)
 # ---------------------------------------------------------------------------------------------

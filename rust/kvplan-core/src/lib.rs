@@ -125,7 +125,9 @@ pub use planners::advice::{Advice, Choice, TransferCost, advise, transfer_advice
 pub use planners::batch::{BatchPlan, BatchPlanner, BatchSummary, FlatRequests};
 pub use planners::coalescing::{Coalescing, PairCoalescing, coalescing};
 pub use planners::compatibility::{Verdict, VerdictKind, compatibility, compatibility_with};
-pub use planners::descriptors::{DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape};
+pub use planners::descriptors::{
+    DescriptorRun, DescriptorTable, DescriptorTables, PreppedIndices, PreppedShape,
+};
 pub use planners::failures::{FailedPages, RequestFailure, failed_batch_pages, failed_pages};
 pub use planners::nixl_ids::{BlockScale, DescIdRequest, desc_ids};
 pub use planners::pack::{PackBuffer, PackPlanner, PackedCounts, PackedPlan, RowCopy, RowGather};

@@ -113,6 +113,26 @@ fn assert_inside(t: &Template, side: Side, layout: &Layout) {
     }
 }
 
+/// A side's runs are its table, one run per piece and moving state pair, expanded in order.
+fn assert_runs_are_the_table(t: &Template, side: Side) {
+    let tables = DescriptorTables::new(t);
+    let (runs, table) = (tables.runs(side).unwrap(), tables.table(side).unwrap());
+    let shape = tables.shape().unwrap();
+    assert_eq!(runs.len(), shape.pieces + shape.state_pairs, "{side}");
+    let (mut addrs, mut lens) = (vec![], vec![]);
+    for run in &runs {
+        for k in 0..run.count {
+            addrs.push(run.base + k * run.stride);
+            lens.push(run.len);
+        }
+    }
+    assert_eq!(
+        (addrs, lens),
+        (table.addrs, table.lens),
+        "{side}: runs are not the table"
+    );
+}
+
 /// `(src, dst, len)` of each descriptor pair of a request.
 fn prepped_blocks(t: &Template, request: &Request<'_>) -> Vec<[u64; 3]> {
     let (s_table, d_table) = (
@@ -145,6 +165,8 @@ fn check(name: &str, src: &Layout, dst: &Layout, coalesce: bool) -> Template {
     let t = Template::with_geometry(src, dst, TemplateOptions::default(), &geometry).unwrap();
     assert_inside(&t, Side::Src, src);
     assert_inside(&t, Side::Dst, dst);
+    assert_runs_are_the_table(&t, Side::Src);
+    assert_runs_are_the_table(&t, Side::Dst);
     let got = prepped_blocks(&t, &Request::pages(&SRC_PAGES, &DST_PAGES));
     let want = triples(&t.plan(&Request::pages(&SRC_PAGES, &DST_PAGES)).unwrap());
     if t.pieces().iter().all(|p| !p.per_run()) {
@@ -388,6 +410,13 @@ fn tables_too_large_are_errors_not_aborts() {
     let t = Template::new(&huge(0, 1), &huge(1 << 62, 1), TemplateOptions::default()).unwrap();
     let err = DescriptorTables::new(&t).table(Side::Src).unwrap_err();
     assert_eq!(err.class(), ErrorClass::Memory, "{err}");
+    // Its runs hold it without expanding it: one run of 2**60 one-byte descriptors.
+    let runs = DescriptorTables::new(&t).runs(Side::Src).unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(
+        (runs[0].base, runs[0].len, runs[0].stride, runs[0].count),
+        (0, 1, 1, 1 << 60)
+    );
     // Nine such entries: 9 * 2**60 descriptors, more than an int64 index reaches.
     let t = Template::new(&huge(0, 9), &huge(1 << 62, 9), TemplateOptions::default()).unwrap();
     assert_eq!(t.pieces().len(), 9);

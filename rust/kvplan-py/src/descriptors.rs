@@ -1,9 +1,10 @@
-//! Prepped descriptor tables (`Template.descriptor_table`, `Template.prepped_indices`,
-//! `Template.prepped_state_indices`): arguments converted, the core's `descriptors` module
+//! Prepped descriptor tables (`Template.descriptor_table`, `Template.descriptor_runs`,
+//! `Template.prepped_indices`, `Template.prepped_state_indices`): arguments converted, the core's `descriptors` module
 //! called, its vectors handed to NumPy without copying.
 
 use kvplan_core::{DescriptorTables, PageIndex, PreppedIndices, Request, Side, Template};
-use numpy::{IntoPyArray, PyArray1};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
 use crate::errors::{KvPlanError, to_py_err};
@@ -41,6 +42,26 @@ pub(crate) fn descriptor_table<'py>(
         .detach(|| DescriptorTables::new(template).table(side))
         .map_err(to_py_err)?;
     Ok((table.addrs.into_pyarray(py), table.lens.into_pyarray(py)))
+}
+
+/// One side's prepped table as `(n, 4)` uint64 rows `(base, len, stride, count)`, one per
+/// run (nothing expanded).
+pub(crate) fn descriptor_runs<'py>(
+    py: Python<'py>,
+    template: &Template,
+    side: &str,
+) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    let side = side_arg(side)?;
+    let runs = DescriptorTables::new(template)
+        .runs(side)
+        .map_err(to_py_err)?;
+    let flat: Vec<u64> = runs
+        .iter()
+        .flat_map(|r| [r.base, r.len, r.stride, r.count])
+        .collect();
+    let array = Array2::from_shape_vec((runs.len(), 4), flat)
+        .map_err(|e| KvPlanError::new_err(e.to_string()))?;
+    Ok(array.into_pyarray(py))
 }
 
 struct Indices<'t>(&'t Template);

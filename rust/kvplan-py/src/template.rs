@@ -396,6 +396,18 @@ impl PyTemplate {
         crate::descriptors::descriptor_table(py, &self.inner, side)
     }
 
+    /// One side's prepped descriptor table as `(n, 4)` uint64 runs `(base, len, stride,
+    /// count)`: one per emission piece (its pages), then one per state pair that moves bytes
+    /// (its slots); run `r`'s `k`-th descriptor is `len` bytes at `base + k * stride`, and the
+    /// runs expanded in order are `descriptor_table(side)` (a strided descriptor list's rows).
+    fn descriptor_runs<'py>(
+        &self,
+        py: Python<'py>,
+        side: &str,
+    ) -> PyResult<Bound<'py, numpy::PyArray2<u64>>> {
+        crate::descriptors::descriptor_runs(py, &self.inner, side)
+    }
+
     /// A page request as `(src_idx, dst_idx)` int64 indices into the two prepped tables, piece
     /// major, page minor; validated exactly as `plan` validates the same request.
     #[pyo3(signature = (src_pages, dst_pages=None))]

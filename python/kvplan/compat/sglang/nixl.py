@@ -37,6 +37,11 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
   the indices are ``Template.prepped_indices`` of a template whose prepped tables are those
   lists row for row; SGLang's ``make_prepped_xfer`` / ``self._post_xfer`` calls and errors.
 
+* ``_prepare_state_xfer`` and ``_send_prepared_states`` (the prepared state plans): per
+  prepared state component a template of its live entry pairs; the lists are its
+  ``Template.descriptor_runs`` (one strided row per pair), the indices its
+  ``Template.prepped_state_indices`` (:mod:`kvplan.compat.sglang.nixl_state`).
+
 ``send_kvcache`` and ``send_kvcache_dcp`` stay SGLang's: they only dispatch to
 ``self._send_kvcache_generic`` (so kvplan plans their requests). ``send_kvcache_slice`` stays
 SGLang's: per request it only indexes the prepared head-slice lists kvplan built.
@@ -66,6 +71,10 @@ from kvplan._core import Layout, Pairing, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import observe, planned
+from kvplan.compat.sglang.nixl_state import (  # noqa: F401 - installed from this module
+    _prepare_state_xfer,
+    _send_prepared_states,
+)
 from kvplan.compat.sglang.registry import NIXL_MANAGER, sglang_global, sglang_method
 from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.templates import (
@@ -120,6 +129,10 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
     "send_kvcache_mixed": {
         "(self, peer_name, prefill_kv_indices, dst_kv_indices)": "SGLang 0.5.23",
     },
+    "_prepare_state_xfer": {"(self, peer_info)": "SGLang 0.5.23"},
+    "_send_prepared_states": {
+        "(self, *, plan, prefill_state_indices, dst_state_indices)": "SGLang 0.5.23",
+    },
 }
 
 #: What kvplan's replacements read in SGLang's module and on ``self``: the host's methods
@@ -138,6 +151,12 @@ READS: dict[str, tuple[str, ...]] = {
     "send_kvcache_mixed": ("decode_kv_args_table", "kv_xfer_segments", "_num_slots_src",
                            "dst_num_slots", "src_handle", "dst_handle", "make_prepped_xfer",
                            "_post_xfer"),
+    "_prepare_state_xfer": ("_prepared_state_plans", "_state_layout_rejections",
+                            "_prepared_state_components", "dst_dcp_size",
+                            "requires_dcp_relayout", "dst_state_data_lens",
+                            "_plan_prepared_state_component", "_build_prepared_state_plan"),
+    "_send_prepared_states": ("components", "_nth", "state_types", "make_prepped_xfer",
+                              "src_handle", "dst_handle", "_post_xfer"),
 }
 
 

@@ -54,6 +54,22 @@ pub struct DescriptorTable {
     pub lens: Vec<u64>,
 }
 
+/// One run of a side's table: `count` descriptors of `len` bytes, the `k`-th at
+/// `base + k * stride` (a strided descriptor list's row: NIXL's `(addr, len, dev, stride,
+/// count)` without the device). A side's runs, in order, are its table: run `r`'s descriptors
+/// follow those of the runs before it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DescriptorRun {
+    /// Address of the run's first descriptor.
+    pub base: u64,
+    /// Bytes of each descriptor.
+    pub len: u64,
+    /// Bytes from one descriptor's start to the next one's.
+    pub stride: u64,
+    /// Descriptors in the run.
+    pub count: u64,
+}
+
 /// A request as indices into the two tables: descriptor `src[i]` of the source table goes to
 /// descriptor `dst[i]` of the destination table (equal lengths by construction).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -138,8 +154,61 @@ impl DescriptorTables<'_> {
         })
     }
 
-    /// One side's prepped descriptor table (see the module documentation). Every descriptor
-    /// lies inside its entry's buffer (a coalesced piece's: inside its group's buffers).
+    /// One side's prepped descriptor table as runs, one per emission piece (its pages) and one
+    /// per state pair that moves bytes (its slots): the table without expanding it, the form
+    /// of a strided descriptor list. Expanding the runs in order gives [`Self::table`].
+    ///
+    /// # Errors
+    /// As [`DescriptorTables::shape`]; [`PlanError::Overflow`] when a run's last descriptor
+    /// would lie past the address space.
+    pub fn runs(&self, side: Side) -> Result<Vec<DescriptorRun>> {
+        let shape = self.shape()?;
+        let pages = side.pick(shape.pages.0, shape.pages.1);
+        let slots = side.pick(shape.slots.0, shape.slots.1);
+        // Page pieces have one slot per page and state pieces one per slot: the side's page
+        // stride steps from one descriptor to the next.
+        let place = |p: &crate::model::pieces::Piece, count: u64| {
+            let at = side.pick(&p.src, &p.dst);
+            DescriptorRun {
+                base: at.base,
+                len: p.len,
+                stride: at.page_stride,
+                count,
+            }
+        };
+        let pieces = self.template.pieces().iter().map(|p| place(p, pages));
+        // the state pairs that move bytes (a pair of empty items has no descriptors)
+        let states = self
+            .template
+            .state_pieces
+            .iter()
+            .filter(|p| p.len > 0)
+            .map(|p| place(p, slots));
+        let n = shape.pieces + shape.state_pairs;
+        let mut out = try_vec(n, DescriptorRun::default(), "prepped descriptor runs")?;
+        let mut written = 0;
+        for (slot, run) in out.iter_mut().zip(pieces.chain(states)) {
+            // In range of every paired buffer, so inside a buffer whose end fits in u64;
+            // checked all the same, since the runs are built once per peer pair.
+            run.count
+                .checked_sub(1)
+                .map_or(Some(0), |last| last.checked_mul(run.stride))
+                .and_then(|off| off.checked_add(run.base))
+                .ok_or(PlanError::Overflow {
+                    what: "a prepped descriptor address",
+                })?;
+            *slot = run;
+            written += 1;
+        }
+        if written != n {
+            return Err(overflow());
+        }
+        Ok(out)
+    }
+
+    /// One side's prepped descriptor table (see the module documentation): its
+    /// [`Self::runs`], expanded. Every descriptor lies inside its entry's buffer (a coalesced
+    /// piece's: inside its group's buffers).
     ///
     /// # Errors
     /// As [`DescriptorTables::shape`]; [`PlanError::OutOfMemory`] when the table cannot be
@@ -153,28 +222,12 @@ impl DescriptorTables<'_> {
             lens: try_vec(rows, 0, "prepped descriptor lengths")?,
         };
         let mut rows = table.addrs.iter_mut().zip(table.lens.iter_mut());
-        let pages = side.pick(shape.pages.0, shape.pages.1);
-        let slots = side.pick(shape.slots.0, shape.slots.1);
-        // Page pieces have one slot per page and state pieces one per slot: the side's page
-        // stride steps from one descriptor to the next.
-        let place = |p: &crate::model::pieces::Piece, count: u64| {
-            let at = side.pick(&p.src, &p.dst);
-            (at.base, at.page_stride, p.len, count)
-        };
-        let pieces = self.template.pieces().iter().map(|p| place(p, pages));
-        let states = self.template.state_pieces.iter().map(|p| place(p, slots));
-        for (base, stride, len, count) in pieces.chain(states) {
-            for k in 0..count {
-                // In range of every paired buffer, so inside a buffer whose end fits in u64;
-                // checked all the same, since a table is built once per peer pair.
-                let addr = k
-                    .checked_mul(stride)
-                    .and_then(|off| off.checked_add(base))
-                    .ok_or(PlanError::Overflow {
-                        what: "a prepped descriptor address",
-                    })?;
+        for run in self.runs(side)? {
+            for k in 0..run.count {
+                // `runs` checked the run's last address
+                let addr = run.base + k * run.stride;
                 let (a, l) = rows.next().ok_or_else(overflow)?;
-                (*a, *l) = (addr, len);
+                (*a, *l) = (addr, run.len);
             }
         }
         Ok(table)
