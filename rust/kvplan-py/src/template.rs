@@ -75,9 +75,8 @@ impl PyTemplate {
         self.inner.page_pairs().len()
     }
 
-    /// Why this template moves no page bytes although it pairs entries (between different TP
-    /// sizes: the prefill rank holds none of the decode rank's heads, or is not their elected
-    /// sender); None when it moves pages.
+    /// Why this template moves no page bytes although it pairs entries (between TP sizes: no
+    /// head of the decode rank's here, or not its elected sender); None when it moves pages.
     #[getter]
     fn empty_reason(&self) -> Option<String> {
         self.inner.empty_reason()
@@ -167,11 +166,8 @@ impl PyTemplate {
     /// the plan moves tokens K.. only, by token, from the same whole page lists (pages before
     /// the one holding token K are not read). The plan digest covers K.
     ///
-    /// Window pools (`Layout.with_windows(..., window_page_size=)`): `window_pages` is `(src,
-    /// dst)`, each side's pages of its window pool in token order from the request's first
-    /// token (that side's dtype; pages before the window are not read), `None` for a side
-    /// without one. `plan(request)` takes all of it as one `kvplan.Request`, as every
-    /// planner method below does in place of its page arrays.
+    /// `window_pages=(src, dst)`: each side's window-pool pages in token order. `plan(request)`
+    /// takes all of it as one `kvplan.Request`, as every planner method below does.
     #[pyo3(signature = (src_pages, dst_pages=None, *, n_tokens=None, skip_tokens=0, window_pages=None, out=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan<'py>(
@@ -384,10 +380,8 @@ impl PyTemplate {
         crate::slices::PyLayerSlices::build(Arc::clone(&self.inner), &groups)
     }
 
-    /// One side's prepped descriptor table, `(addrs, lens)` uint64: descriptor `j * pages + k`
-    /// is page `k` of emission piece `j`, then one descriptor per slot of every state pair
-    /// that moves bytes. The address model is the plan's (strides, head fragments, coalesced
-    /// groups); a token template (different page sizes or memory orders) is a KvPlanError.
+    /// One side's prepped descriptor table, `(addrs, lens)` uint64: page `k` of emission piece
+    /// `j` at `j * pages + k`, then every slot of each moving state pair (docs/api.md).
     fn descriptor_table<'py>(
         &self,
         py: Python<'py>,
@@ -396,10 +390,8 @@ impl PyTemplate {
         crate::descriptors::descriptor_table(py, &self.inner, side)
     }
 
-    /// One side's prepped descriptor table as `(n, 4)` uint64 runs `(base, len, stride,
-    /// count)`: one per emission piece (its pages), then one per state pair that moves bytes
-    /// (its slots); run `r`'s `k`-th descriptor is `len` bytes at `base + k * stride`, and the
-    /// runs expanded in order are `descriptor_table(side)` (a strided descriptor list's rows).
+    /// `descriptor_table(side)` unexpanded: `(n, 4)` uint64 runs `(base, len, stride, count)`,
+    /// one per emission piece, then one per moving state pair.
     fn descriptor_runs<'py>(
         &self,
         py: Python<'py>,
@@ -408,8 +400,7 @@ impl PyTemplate {
         crate::descriptors::descriptor_runs(py, &self.inner, side)
     }
 
-    /// A page request as `(src_idx, dst_idx)` int64 indices into the two prepped tables, piece
-    /// major, page minor; validated exactly as `plan` validates the same request.
+    /// A page request as int64 indices into the two prepped tables, validated as `plan`.
     #[pyo3(signature = (src_pages, dst_pages=None))]
     fn prepped_indices<'py>(
         &self,
@@ -420,8 +411,7 @@ impl PyTemplate {
         crate::descriptors::prepped_indices(py, &self.inner, src_pages, dst_pages)
     }
 
-    /// State slot `src_slot` -> `dst_slot` as `(src_idx, dst_idx)` int64 indices into the two
-    /// prepped tables, one per state pair that moves bytes; validated as `plan_state`.
+    /// State slot `src_slot` -> `dst_slot` as int64 indices into the two prepped tables.
     #[pyo3(signature = (src_slot, dst_slot=None))]
     fn prepped_state_indices<'py>(
         &self,
@@ -432,10 +422,8 @@ impl PyTemplate {
         crate::descriptors::prepped_state_indices(py, &self.inner, src_slot, dst_slot)
     }
 
-    /// The live rows of every ring-state pair for one request: slot `src_slot` (prefill)
-    /// and `dst_slot` (decode) after `n_positions` positions, each position from its prefill
-    /// row to its decode row (rings of different sizes relaid out), one block range per ring
-    /// pair. A slot `kvplan.Request` with `n_tokens` in `src_slot` says the same.
+    /// The live rows of every ring-state pair for slot `src_slot` -> `dst_slot` after
+    /// `n_positions` positions, one block range per ring pair (or a slot `kvplan.Request`).
     #[pyo3(signature = (src_slot, dst_slot=None, n_positions=None))]
     fn plan_ring<'py>(
         &self,
