@@ -162,7 +162,9 @@ def sg_start(manager: Any) -> None:
 
 
 def hybrid_manifest(tmp_path: Path, layers: int = SG_LAYERS) -> str:
-    """A JSON manifest: latents on the odd layers, one Mamba state on the even ones."""
+    """A JSON manifest: latents on the odd layers, one Mamba state on the even ones (under the
+    positional name ``mamba0``: :func:`sg_manager`'s ``KVArgs`` publish no conv shard groups,
+    so nothing tells what the state holds)."""
     manifest = ModelManifest("org/hybrid", layers, (
         ManifestComponent("kv", "page", tuple(range(1, layers, 2)), SG_LATENT),
         ManifestComponent("mamba0", "state", tuple(range(0, layers, 2)), SG_SLOT,
@@ -209,6 +211,38 @@ def test_sglang_decode_without_its_state_pool_refuses_to_start(
     assert "_kvplan_identity_exchange" not in manager.__dict__  # nothing of kvplan started
     errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
     assert errors == [message]
+
+
+@pytest.mark.parametrize("key, tp", [("qwen3-next", 2), ("kimi-linear", 1)])
+def test_sglang_hybrid_manager_starts_with_its_presets_manifest(
+        sg: Any, env: pytest.MonkeyPatch, key: str, tp: int) -> None:
+    """``KVPLAN_MANIFEST=<hybrid preset>`` on a manager whose ``KVArgs`` hold the Mamba state
+    as SGLang's ``MambaPool`` publishes it (support.sglang_mamba): the conv and recurrent
+    entries are the preset's ``mamba_conv`` and ``mamba_temporal``, so the manager starts (it
+    was refused, every state component missing, while kvplan named the entries ``mamba0``);
+    without the recurrent tensors it refuses naming ``mamba_temporal`` only."""
+    from support.sglang_mamba import hybrid_kv_args
+    from support.sglang_models import load_loader
+
+    preset = PRESETS[key]
+    env.setenv("KVPLAN_MANIFEST", key)
+
+    def manager(**state: bool) -> Any:
+        kv = hybrid_kv_args(sg, preset, tp, tp - 1, **state)
+        kv.aux_data_ptrs, kv.aux_data_lens, kv.num_draft_entries = [], [], 0
+        kv.mla_compression_ratios = None
+        return load_loader().manager_object(
+            sg, sg.MooncakeKVManager, kv_args=kv, engine=RecordingEngine(),
+            is_mla_backend=preset.attention == "mla", attn_tp_size=tp, pp_size=1,
+            server_args=types.SimpleNamespace(model_path="org/model", revision="abc123"))
+
+    with records("kvplan.compat.sglang") as said:
+        sg_start(manager())
+    assert [r for r in said if "holds every component" in r.getMessage()]
+    with pytest.raises(ManifestError) as err:
+        sg_start(manager(temporal=False))
+    assert [p[:2] for p in err.value.problems] == [("missing", "mamba_temporal")]
+    assert err.value.problems[0][2] == preset.linear_layers()
 
 
 def test_sglang_manager_missing_layers_refuses_naming_them(

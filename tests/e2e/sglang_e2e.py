@@ -766,8 +766,9 @@ def failed_request(prefill: SGLangServer, decode: SGLangServer, ids: Sequence[in
 def write_manifest(path: Path, model: TinyModel, with_state: bool) -> Path:
     """The tiny Llama's manifest in kvplan's JSON form, written from its shapes as a user
     writes one from a model's config (float32: 4 bytes an element): K and V on every layer,
-    sharded by heads. ``with_state`` adds a per-request state pool on every layer, which this
-    model's servers never register (the case of a hybrid model whose decode left its state
+    sharded by heads. ``with_state`` adds a per-request recurrent state on every layer
+    (``mamba_temporal``, the role kvplan gives an SGLang Mamba pool's recurrent entries), which
+    this model's servers never register (the case of a hybrid model whose decode left its state
     pool out)."""
     row = model.kv_heads * model.head_dim * 4
     layers = list(range(model.num_layers))
@@ -775,7 +776,7 @@ def write_manifest(path: Path, model: TinyModel, with_state: bool) -> Path:
         {"role": role, "kind": "page", "layers": layers, "bytes": row, "sharding": "heads",
          "kv_heads": model.kv_heads} for role in ("k", "v")]
     if with_state:
-        components.append({"role": "mamba0", "kind": "state", "layers": layers,
+        components.append({"role": "mamba_temporal", "kind": "state", "layers": layers,
                            "bytes": 4096, "sharding": "split"})
     path.write_text(json.dumps({"model": SERVED_NAMES[model.ARCH],
                                 "num_layers": model.num_layers, "components": components}))
@@ -803,10 +804,10 @@ def manifest_refusal(prefill: SGLangServer, decode: SGLangServer,
         raise AssertionError(f"{stateless.name} neither started nor exited in "
                              f"{READY_TIMEOUT_S:.0f} s")
     lines = [line for line in stateless.log_since(0).splitlines()
-             if "refusing to start" in line and "mamba0" in line]
+             if "refusing to start" in line and "mamba_temporal" in line]
     if not lines:
         raise AssertionError(f"{stateless.name} exited without a manifest refusal naming "
-                             f"mamba0; log tail:\n{stateless.log_tail(15)}")
+                             f"mamba_temporal; log tail:\n{stateless.log_tail(15)}")
     refusal = lines[0][lines[0].index("kvplan:"):] if "kvplan:" in lines[0] else lines[0]
     return (f"{prefill.name} and {decode.name} hold it; {stateless.name} exited "
             f"({stateless.proc.returncode if stateless.proc else None}): {refusal[:260]}")
