@@ -1,6 +1,9 @@
-"""Staging in ``KvplanNixlConnector`` (pull mode), start-up and handshake: the arena registered
+"""Staging in ``KvplanNixlConnector`` (pull mode). Start-up and handshake: the arena registered
 with the worker's NIXL agent in the connector's constructor, its staging message in the agent
 metadata the prefill's handshake serves, and the decode's negotiation in ``add_remote_agent``.
+The staged read: the decode's ``_read_blocks`` reads the rounds the prefill's listener serves,
+and vLLM's own ``_pop_done_transfers`` polls its handle; the decode's bytes are compared with
+vLLM's own read of the same request, and a failed round read takes vLLM's failed-receive path.
 
 vLLM's real ``NixlPullConnectorWorker`` (vLLM 0.33.0 in this process, 0.34.0 and 0.32.0's CPU
 build in child processes) is the base of ``connector_class()``'s worker; the decode runs
@@ -24,6 +27,11 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.log_records import records as log_records  # noqa: E402
 from support.vllm_loader import rerun_under_release  # noqa: E402
 from support.vllm_nixl import (  # noqa: E402
+    BLOCK,
+    BLOCKS,
+    HEAD_BYTES,
+    HEADS,
+    LAYERS,
     handshake,
     nixl_connector,  # noqa: F401 (the fixture connector)
     nixl_release,  # noqa: F401 (the fixture nixl)
@@ -48,7 +56,8 @@ def _agent(name: str) -> Any:
     import importlib
 
     api = importlib.import_module("nixl_cu12._api")
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    # as vLLM makes its agents: telemetry on (its polling records each read's)
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], capture_telemetry=True))
 
 
 def build(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, engine: str, role: str,
@@ -89,6 +98,19 @@ def load_agents(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def staging_records() -> Any:
     return log_records("vllm.kvplan.staging")
+
+
+def wait_for(said: list[logging.LogRecord], text: str, timeout_s: float = 20.0) -> str:
+    """The first line said (by now, or within ``timeout_s``) that contains ``text``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [r.getMessage() for r in list(said) if text in r.getMessage()]
+        if lines or time.monotonic() > deadline:
+            assert lines, [r.getMessage() for r in said]
+            return lines[0]
+        time.sleep(0.01)
 
 
 @pytest.mark.nixl
@@ -222,6 +244,208 @@ def test_a_decode_whose_cache_is_not_host_memory_advertises_nothing(
     finally:
         close(prefill)
     assert registered[-1] == ("gone", "descs")
+
+
+# ---------------------------------------------------------------------------------------------
+# The staged read (pull mode) against vLLM's own read, through real NIXL agents
+# ---------------------------------------------------------------------------------------------
+#: Bytes of one KV block per region (one layer's K or V: BLOCK tokens of HEADS heads).
+BLOCK_BYTES = BLOCK * HEADS * HEAD_BYTES
+REGIONS = 2 * LAYERS
+#: The prefill's pages of one request and the decode's (fragmented, and the decode has the
+#: first prefill page cached: vLLM's prefix-cache trim leaves the last four).
+PREFILL_PAGES = [6, 5, 2, 7, 1]
+DECODE_PAGES = [3, 6, 0, 4]
+
+
+class Pair:
+    """A prefill and a decode worker of ``KvplanNixlConnector`` with staging on, each with its
+    KV cache in host memory registered with its own NIXL agent, handshaken."""
+
+    def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
+                 prefill_extra: dict[str, Any] | None = None) -> None:
+        self.nixl, size = nixl, REGIONS * BLOCKS * BLOCK_BYTES
+        self.p_mem = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+        self.d_mem = np.zeros(size, np.uint8)
+        self.prefill = build(c, nixl, monkeypatch, "prefill-0", "kv_producer",
+                             STAGING if prefill_extra is None else prefill_extra,
+                             base=self.p_mem.ctypes.data)
+        self.decode = build(c, nixl, monkeypatch, "decode-0", "kv_consumer", STAGING,
+                            base=self.d_mem.ctypes.data)
+        for w, mem in ((self.prefill, self.p_mem), (self.decode, self.d_mem)):
+            self._vllm_state(w)
+            w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
+        serve(c, nixl, self.prefill)
+        handshake(self.decode, self.prefill)
+        peer = nixl_staging.peer_agreement(self.decode, "prefill-0", 0)
+        assert peer is not None
+        self.agent_name = peer.agent
+        self.decode._remote_agents = {"prefill-0": {(0, 0): peer.agent}}
+
+    def _vllm_state(self, w: Any) -> None:
+        """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
+        and its polling use (one KV group, homogeneous TP, block size ratio 1)."""
+        import collections
+
+        info = types.SimpleNamespace(remote_block_size=BLOCK, remote_dcp_size=1,
+                                     remote_physical_blocks_per_logical=1, remote_tp_size=1)
+        w.__dict__.update(
+            transfer_topo=types.SimpleNamespace(get_engine_info=lambda engine: info,
+                                                block_size_ratio=lambda size: 1,
+                                                handshake_target_ranks=lambda *a: [0]),
+            kv_cache_config=types.SimpleNamespace(transfer_groups=[0], kv_cache_groups=[0]),
+            _mixed_mem_types=False, device_id=0, num_regions=REGIONS,
+            block_stride_per_layer=[BLOCK_BYTES] * REGIONS,
+            region_num_blocks=[BLOCKS] * REGIONS, region_group_ids=[0] * REGIONS,
+            _uses_region_group_mapping=False, _transfer_layer_group_ids=(),
+            _transfer_layer_region_indices=[], region_mem_types=["DRAM"] * REGIONS,
+            dst_num_blocks={"prefill-0": BLOCKS, "decode-0": BLOCKS},
+            dst_region_num_blocks={}, dst_region_group_ids={"prefill-0": [0] * REGIONS},
+            dst_uses_region_group_mapping={"prefill-0": False},
+            _recving_transfers=collections.defaultdict(list), _recving_metadata={},
+            _failed_remote_engines=set(),
+            # vLLM 0.34's region pairs of the prefill (region k reads region k, one group)
+            _dst_pairs={"prefill-0": types.SimpleNamespace(
+                remote=list(range(REGIONS)), local=list(range(REGIONS)),
+                group=[0] * REGIONS, remote_ssm_regions=None)})
+
+    def read(self, *, vllm_only: bool = False, forget_prefill: bool = False) -> Any:
+        """The decode's ``_read_blocks`` for the request: kvplan's worker's (staged where the
+        advice stages), or with ``vllm_only`` vLLM's own, on vLLM's own class (its own
+        descriptor ids and ``make_prepped_xfer`` READ of prepped descriptor lists vLLM's
+        ``_build_fa_local`` builds on each side). ``forget_prefill``: the decode's agent drops
+        the prefill's metadata once the lists are prepared, so every read of it fails."""
+        tp = self.nixl.modules["vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"]
+        d, agent = self.decode, self.decode.nixl_wrapper
+        local = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", d._build_fa_local(d.kv_caches_base_addr["decode-0"][0], 1),
+            mem_type="DRAM")
+        remote = agent.prep_xfer_dlist(
+            self.agent_name, self.prefill._build_fa_local(
+                self.prefill.kv_caches_base_addr["prefill-0"][0], 1), mem_type="DRAM")
+        if forget_prefill:
+            agent.remove_remote_agent(self.agent_name)
+        spec = tp.ReadSpec(remote_rank=0, local_block_ids=[list(DECODE_PAGES)],
+                           remote_block_ids=[list(PREFILL_PAGES)])
+        kwargs = dict(read_spec=spec, dst_engine_id="prefill-0", request_id="req-d",
+                      remote_request_id="req-p", local_xfer_side_handle=local,
+                      local_dram_handle=None, remote_xfer_side_handle=remote,
+                      expected_consumers=1, awaiting_kvs=True)
+        if vllm_only:
+            cls = d.__class__
+            d.__class__ = self.nixl.NixlPullConnectorWorker
+            try:
+                assert d._read_blocks(**kwargs) is True
+            finally:
+                d.__class__ = cls
+        else:
+            assert d._read_blocks(**kwargs) is True
+        return d._recving_transfers["req-d"]
+
+    def poll(self, timeout_s: float = 30.0) -> tuple[set[str], set[str]]:
+        """vLLM's own ``_pop_done_transfers`` until the request is done or failed."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, failed = self.decode._pop_done_transfers(self.decode._recving_transfers)
+            if done or failed or time.monotonic() > deadline:
+                return done, failed
+            time.sleep(0.005)
+
+    def notifications(self, timeout_s: float = 20.0) -> list[bytes]:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            notifs = self.prefill.nixl_wrapper.get_new_notifs()
+            if notifs:
+                return [n for ns in notifs.values() for n in ns]
+            time.sleep(0.005)
+        return []
+
+    def close(self) -> None:
+        close(self.prefill, self.decode)
+
+
+@pytest.mark.nixl
+def test_a_staged_read_lands_vllms_own_bytes(nixl: Any, connector: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same request read by vLLM's own path and by kvplan's staged read: the decode's
+    KV cache byte for byte the same, vLLM's polling sees PROC then DONE, the prefill gets
+    vLLM's notification once, and the transfer is in vLLM's stats."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        handles = pair.read(vllm_only=True)
+        assert not isinstance(handles[0], nixl_staging.StagedRead)
+        assert pair.poll() == ({"req-d"}, set())
+        assert pair.notifications() == [b"req-p:1"]
+        want = pair.d_mem.copy()
+        assert want.any()  # vLLM's read wrote the request's blocks
+        pair.d_mem[:] = 0
+        with staging_records() as said:
+            (handle,) = pair.read()
+            assert isinstance(handle, nixl_staging.StagedRead)
+            done, failed = pair.poll()
+        assert (done, failed) == ({"req-d"}, set()), [r.getMessage() for r in said]
+        np.testing.assert_array_equal(pair.d_mem, want)
+        assert pair.notifications() == [b"req-p:1"]
+        assert handle.receiver.loaded and handle.receiver.scattered == len(handle.rounds)
+        stats = pair.decode.xfer_stats.data
+        assert stats["bytes_transferred"][-1] == len(DECODE_PAGES) * REGIONS * BLOCK_BYTES
+        assert stats["num_descriptors"][-1] == len(handle.rounds)  # one read per round
+        assert len(handle.rounds) < len(DECODE_PAGES) * REGIONS  # vLLM reads one per block
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_prefill_without_staging_is_read_by_vllm(nixl: Any, connector: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode has staging on, the prefill off: no agreement, so kvplan's worker runs
+    vLLM's own read (a NIXL handle), which lands the request's bytes."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, prefill_extra={"kvplan_staging": "off"})
+    try:
+        (handle,) = pair.read()
+        assert not isinstance(handle, nixl_staging.StagedRead)
+        assert pair.poll() == ({"req-d"}, set())
+        p_blocks = pair.p_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+        d_blocks = pair.d_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+        for src, dst in zip(PREFILL_PAGES[-len(DECODE_PAGES):], DECODE_PAGES):
+            np.testing.assert_array_equal(d_blocks[:, dst], p_blocks[:, src])
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_failed_round_read_takes_vllms_failed_receive_path(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode's agent no longer knows the prefill's (its metadata invalidated): round 0's
+    read fails, the handle says ERR, vLLM's polling reports the request failed (its
+    failed-receive path), the verdict names every block the request was to write, the
+    prefill is told (its send fails) and no notification frees its blocks."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        with staging_records() as said:
+            (handle,) = pair.read(forget_prefill=True)
+            done, failed = pair.poll()
+            served = wait_for(said, "serving 'req-p@decode-0:tp0' to decode-0 failed")
+        assert "peer_failed" in served, served
+        assert failed == {"req-d"} and done == {"req-d"}
+        assert not pair.d_mem.any()  # nothing scattered
+        verdict = handle.verdict
+        assert verdict is not None and verdict.request_id == "req-d"
+        assert sorted(verdict.blocks[0]) == sorted(DECODE_PAGES)
+        assert "engine_failed" in verdict.reason
+        warnings = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+        assert any("req-d" in m and "failed-receive" in m for m in warnings), warnings
+        assert pair.decode.xfer_stats.data["num_failed_transfers"] == [1]
+        assert pair.notifications(timeout_s=0.5) == []
+    finally:
+        pair.close()
 
 
 @pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,

@@ -58,6 +58,7 @@ from kvplan.compat.vllm.load_failures import (
     report_failed_batch,
     report_load_failure,
 )
+from kvplan.compat.vllm.nixl_layout import worker_layout
 from kvplan.compat.vllm.nixl_metadata import add_to_agent_metadata
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
@@ -279,8 +280,28 @@ def connector_class() -> type:
                 check_remote_identity(self, nixl_agent_meta)  # before any descriptor or read
                 agent = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
                 rank = args[0] if args else kwargs.get("remote_tp_rank", 0)
-                nixl_staging.negotiate_peer(self, nixl_agent_meta, int(rank), agent)
+                size = args[1] if len(args) > 1 else kwargs.get("remote_tp_size", 1)
+                nixl_staging.negotiate_peer(self, nixl_agent_meta, int(rank), agent, int(size))
                 return agent
+
+        read_blocks = _read_blocks_signature(base)
+        if read_blocks is not None:  # staged reads (kvplan_staging): vLLM's read otherwise
+            def _read_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if nixl_staging.worker_staging(self) is not None:
+                    call = read_blocks.bind(self, *args, **kwargs).arguments
+                    try:
+                        if nixl_staging.staged_read(
+                                self, call["read_spec"], call["dst_engine_id"],
+                                call["request_id"], call["remote_request_id"],
+                                call["expected_consumers"]):
+                            return True
+                    except Exception:  # nothing was read yet: vLLM's read takes it
+                        nixl_staging._staging_log.exception(
+                            "req %s: kvplan's staged read failed to start; direct path",
+                            call["request_id"])
+                return super(KvplanNixlConnectorWorker, self)._read_blocks(*args, **kwargs)
+
+            KvplanNixlConnectorWorker._read_blocks = _read_blocks
 
         if hasattr(base, "restore_kv_caches"):  # vLLM 0.34 re-encodes the metadata there
             def restore_kv_caches(self: Any) -> Any:
@@ -332,6 +353,26 @@ def connector_class() -> type:
     return _CONNECTOR
 
 
+#: What kvplan's staged read takes from vLLM's ``_read_blocks`` (vLLM 0.32 to 0.34).
+_READ_BLOCKS_ARGS = ("read_spec", "dst_engine_id", "request_id", "remote_request_id",
+                     "expected_consumers")
+
+
+def _read_blocks_signature(worker_class: type) -> Any:
+    """The signature of ``worker_class._read_blocks`` where it takes the arguments a staged
+    read needs (None otherwise: the worker keeps vLLM's read for every request)."""
+    import inspect
+
+    method = getattr(worker_class, "_read_blocks", None)
+    try:
+        signature = inspect.signature(method) if method is not None else None
+    except (TypeError, ValueError):
+        return None
+    if signature is None or any(a not in signature.parameters for a in _READ_BLOCKS_ARGS):
+        return None
+    return signature
+
+
 # ---------------------------------------------------------------------------------------------
 # The layout identity at vLLM's NIXL handshake (docs/vllm.md, "Layout identity with NIXL")
 # ---------------------------------------------------------------------------------------------
@@ -341,32 +382,6 @@ IDENTITY_ATTR = "_kvplan_identity_check"
 #: metadata with the module's ``NixlAgentMetadata`` and hands it to ``add_remote_agent``.
 _HANDSHAKE_NAMES = ("NixlAgentMetadata", "add_remote_agent")
 _HANDSHAKE_RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
-
-
-def worker_layout(worker: Any) -> Any:
-    """The NIXL worker's registered regions as a :class:`kvplan.Layout`
-    (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
-    block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
-    for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
-    and ranks region by region in ways a layout without their coordinates would refuse)."""
-    from kvplan.compat.vllm.semantics import regions_layout
-
-    d = worker.__dict__
-    if d.get("_has_mamba") or any(int(d.get(size, 1) or 1) != 1
-                                  for size in ("pp_size", "dcp_size", "pcp_size")):
-        return None
-    tp_rank = int(d.get("tp_rank", 0) or 0)
-    try:
-        ptrs = [int(p) for p in d["kv_caches_base_addr"][d["engine_id"]][tp_rank]]
-    except (KeyError, TypeError):
-        return None
-    items = [int(n) for n in d.get("block_len_per_layer") or ()]
-    blocks = int(d.get("num_blocks", 0) or 0) * int(
-        d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
-    context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
-                                   tp_size=int(d.get("world_size", 1) or 1))
-    return regions_layout(ptrs, items, None, blocks=blocks, context=context,
-                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
 
 
 def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:

@@ -92,6 +92,10 @@ NEGOTIATION_LOGGER = "vllm.kvplan.staging"
 MAX_OPEN_BYTES = 64 << 20
 
 
+#: What a listener does with an opening message: ``(worker, data, reply) -> stream name``.
+Opener = Callable[[Any, bytes, Callable[[bytes], object]], str]
+
+
 class Channel(Protocol):
     """A worker's messages to one peer: round-protocol frames and the opening message."""
 
@@ -163,10 +167,13 @@ class WorkerStaging:
             return None
         return self.identity.check(peer, sent, local_role="prefill" if sending else "decode")
 
-    def serve(self, worker: Any, host: str = "127.0.0.1") -> ChannelServer:
-        """Start the decode's channel listener (once)."""
+    def serve(self, worker: Any, host: str = "127.0.0.1", *,
+              on_open: Opener | None = None) -> ChannelServer:
+        """Start the worker's channel listener (once): the decode's in push mode (opening
+        messages go to :meth:`on_open`), the prefill's in pull mode (``on_open``: the NIXL
+        connector's, which serves the rounds)."""
         if self.server is None:
-            self.server = ChannelServer(self, worker, host)
+            self.server = ChannelServer(self, worker, host, on_open=on_open)
         return self.server
 
     def channel_to(self, session: str, remote: Any) -> Channel | None:
@@ -588,13 +595,15 @@ class TcpChannel:
 
 
 class ChannelServer:
-    """The decode's listener: each prefill connection's opening messages go to
-    :meth:`WorkerStaging.on_open` (its replies back on that connection), its round protocol
-    messages to the decode's router. Opening messages are planned and rounds scattered on the
-    connection's own thread."""
+    """A worker's listener: each peer connection's opening messages go to ``on_open``
+    (default :meth:`WorkerStaging.on_open`, the push-mode decode's; the replies go back on that
+    connection), its round protocol messages to the worker's router. Opening messages are
+    handled and rounds scattered on the connection's own thread."""
 
-    def __init__(self, staging: WorkerStaging, worker: Any, host: str = "127.0.0.1") -> None:
+    def __init__(self, staging: WorkerStaging, worker: Any, host: str = "127.0.0.1", *,
+                 on_open: Opener | None = None) -> None:
         self._staging, self._worker = staging, worker
+        self._open: Opener = on_open if on_open is not None else staging.on_open
         #: The streams each prefill connection opened (cancelled if it ends before them).
         self._opened: dict[FrameConnection, list[str]] = {}
         self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
@@ -618,7 +627,7 @@ class ChannelServer:
             conn.send(data, _MESSAGE)
 
         try:
-            name = self._staging.on_open(self._worker, data, reply)
+            name = self._open(self._worker, data, reply)
         except (kvplan.KvPlanError, ValueError) as exc:
             logger.error("kvplan staging: refused an opening message: %s", exc)
             return

@@ -1,0 +1,84 @@
+"""The KV regions of vLLM NIXL workers as :class:`kvplan.Layout` objects: a worker's own
+(:func:`worker_layout`, what its layout identity and manifest check describe, and the side of a
+staged read it plans for itself) and a prefill rank's as its agent metadata describes it
+(:func:`remote_layout`, the other side of the decode's staged read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["local_layout", "remote_layout", "worker_layout"]
+
+
+def worker_layout(worker: Any) -> Any:
+    """The NIXL worker's registered regions as a :class:`kvplan.Layout`
+    (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
+    block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
+    for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
+    and ranks region by region in ways a layout without their coordinates would refuse)."""
+    from kvplan.compat.vllm.semantics import regions_layout
+
+    d = worker.__dict__
+    if d.get("_has_mamba") or any(int(d.get(size, 1) or 1) != 1
+                                  for size in ("pp_size", "dcp_size", "pcp_size")):
+        return None
+    tp_rank = int(d.get("tp_rank", 0) or 0)
+    try:
+        ptrs = [int(p) for p in d["kv_caches_base_addr"][d["engine_id"]][tp_rank]]
+    except (KeyError, TypeError):
+        return None
+    items = [int(n) for n in d.get("block_len_per_layer") or ()]
+    blocks = int(d.get("num_blocks", 0) or 0) * int(
+        d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
+    context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
+                                   tp_size=int(d.get("world_size", 1) or 1))
+    return regions_layout(ptrs, items, None, blocks=blocks, context=context,
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+
+
+def _strides_whole(lens: Any, strides: Any) -> bool:
+    """Whether each region's blocks lie back to back (a block's stride is its length): the
+    layouts below describe no padding between blocks."""
+    lens, strides = list(lens or ()), list(strides or ())
+    return bool(lens) and (not strides or [int(n) for n in lens] == [int(n) for n in strides])
+
+
+def remote_layout(worker: Any, metadata: Any, remote_rank: int,
+                  remote_tp_size: int) -> Any:
+    """The prefill rank's KV regions as a :class:`kvplan.Layout`, from the agent metadata its
+    handshake served (its regions' bases and block lengths, blocks, block size), the decode's
+    model for the heads (:func:`kvplan.compat.vllm.semantics.regions_layout`, as
+    :func:`worker_layout` builds the decode's own); None where kvplan
+    builds none (heads not whole, padded blocks, regions of several block counts or KV
+    groups)."""
+    from kvplan.compat.vllm.semantics import regions_layout
+
+    try:
+        ptrs = [int(p) for p in metadata.kv_caches_base_addr]
+        lens = [int(n) for n in metadata.block_lens]
+        blocks = int(metadata.num_blocks) * int(
+            getattr(metadata, "physical_blocks_per_logical_kv_block", 1) or 1)
+        page = int(metadata.block_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    counts = set(getattr(metadata, "region_num_blocks", None) or ())
+    groups = set(getattr(metadata, "region_group_ids", None) or ())
+    if not _strides_whole(lens, getattr(metadata, "block_strides", None)) or \
+            len(counts) > 1 or len(groups) > 1:
+        return None  # padded blocks, regions of several sizes or KV groups: direct path
+    if counts:
+        blocks = int(counts.pop())
+    d = worker.__dict__
+    return regions_layout(ptrs, lens, None, blocks=blocks,
+                          context=dict(page_size=page, tp_rank=int(remote_rank),
+                                       tp_size=int(remote_tp_size)),
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+
+
+def local_layout(worker: Any) -> Any:
+    """This worker's :func:`worker_layout` where its blocks lie back
+    to back (None otherwise: no staging)."""
+    d = worker.__dict__
+    if not _strides_whole(d.get("block_len_per_layer"), d.get("block_stride_per_layer")):
+        return None
+    return worker_layout(worker)
