@@ -106,8 +106,8 @@ def test_install_uninstall_restore_the_class_exactly(nx: Any) -> None:
     names = compat.install(nx.cls)
     assert set(names) == {"_send_kvcache_generic", "_send_mamba_state", "_prep_equal_tp_dlist",
                           "_init_hetero_tp_prep_handle", "send_kvcache_staged",
-                          "_send_mamba_state_slice", "send_kvcache_mixed",
-                          "_prepare_state_xfer", "_send_prepared_states"}
+                          "_send_mamba_state_slice", "_init_mixed_equal_tp_prep_handles",
+                          "send_kvcache_mixed", "_prepare_state_xfer", "_send_prepared_states"}
     assert names == compat.REPLACED_METHODS["NixlKVManager"]
     assert compat.installed(nx.cls) == names
     assert compat.install(nx.cls) == ()
@@ -442,6 +442,71 @@ def test_prepared_rows_are_one_per_entry(nx: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # _init_hetero_tp_prep_handle: prepared head-slice lists, then SGLang's send_kvcache_slice
 # ---------------------------------------------------------------------------------------------
+def _mixed_manager(nx: Any, items: list[int], dst_items: list[int], kinds: list[str],
+                   slots: int, registered: list[int] | None = None) -> Any:
+    n = len(items)
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=[0x1_0000_0000 + k * 0x1000_0000 for k in range(n)],
+        kv_data_lens=registered or [it * slots for it in items], kv_item_lens=list(items),
+        kv_data_mem_kinds=["VRAM"] * n)
+    info = types.SimpleNamespace(
+        agent_name=SESSION, gpu_id=1, dst_kv_ptrs=[0x9_0000_0000 + k * 0x1000_0000
+                                                    for k in range(n)],
+        dst_kv_item_lens=list(dst_items), dst_kv_mem_kinds=list(kinds), dst_num_slots=None,
+        kv_xfer_segments=None)
+    return nixl_manager(nx, kv_args=kv_args, decode_kv_args_table={SESSION: info},
+                        prep_handles_segment_src={}, _num_slots_src=slots,
+                        _use_strided_descs=True)
+
+
+def test_mixed_lists_are_the_segment_templates_runs(nx: Any) -> None:
+    """The mixed path's prepared lists and its indices are one template per memory-kind
+    segment: each list is that template's ``Template.descriptor_runs`` (NIXL's strided rows
+    with the segment's device), and ``send_kvcache_mixed`` indexes them with the same cached
+    template's ``prepped_indices`` (the lists were built by a loop of their own, which only a
+    test kept equal to the template's tables)."""
+    with installed(nx.cls):
+        assert "_init_mixed_equal_tp_prep_handles" in compat.installed(nx.cls)
+        mgr = _mixed_manager(nx, [64, 576, 1152], [128, 576, 2304], ["VRAM", "DRAM", "DRAM"], 6)
+        info = mgr.decode_kv_args_table[SESSION]
+        segments = nx.mod._kv_xfer_mem_segments(["VRAM"] * 3, info.dst_kv_mem_kinds)
+        mgr._init_mixed_equal_tp_prep_handles(info, segments)
+        assert [(s.start, s.end, s.dst_num_slots) for s in info.kv_xfer_segments] == \
+            [(0, 1, 6), (1, 3, 6)]
+        for seg in info.kv_xfer_segments:
+            tpl = compat.nixl.mixed_segment_template(mgr, SESSION, info, seg)
+            for side, handle, dev in (("src", seg.src_handle, 0), ("dst", seg.dst_handle,
+                                                                   1 if seg.start == 0 else 0)):
+                runs = tpl.descriptor_runs(side)
+                rows = handle.parts[0]
+                assert rows[:, [0, 1, 3, 4]].tolist() == runs.tolist(), side
+                assert set(rows[:, 2].tolist()) == {dev}, side
+        # the send path finds the same templates in the peer's cache: nothing is rebuilt
+        built = len(compat.nixl.template_cache(mgr))
+        pages = np.asarray([5, 0, 2], np.int32)
+        handles = mgr.send_kvcache_mixed(SESSION, pages, pages[::-1].copy())
+        assert len(handles) == 2 and len(compat.nixl.template_cache(mgr)) == built
+
+
+def test_mixed_lists_refuse_slots_past_a_buffer_and_overlapping_strides(nx: Any) -> None:
+    """Where SGLang would prepare descriptors past a prefill buffer (a slot count above what
+    an entry registered) or a decode stride below the item it receives (SGLang's
+    ``ValueError``), kvplan's registration refuses with a typed error naming the values."""
+    with installed(nx.cls):
+        mgr = _mixed_manager(nx, [64, 64], [64, 64], ["DRAM", "DRAM"], 8,
+                             registered=[64 * 8, 64 * 5])
+        info = mgr.decode_kv_args_table[SESSION]
+        segments = nx.mod._kv_xfer_mem_segments(["VRAM"] * 2, info.dst_kv_mem_kinds)
+        with pytest.raises(kvplan.IndexBoundsError, match=r"entry 1: 8 prepared slots"):
+            mgr._init_mixed_equal_tp_prep_handles(info, segments)
+        assert info.kv_xfer_segments is None and not mgr.agent.dlists
+        mgr = _mixed_manager(nx, [128], [64], ["DRAM"], 4)
+        info = mgr.decode_kv_args_table[SESSION]
+        with pytest.raises(kvplan.LayoutError, match="stride 64 is smaller than its item_len 128"):
+            mgr._init_mixed_equal_tp_prep_handles(
+                info, nx.mod._kv_xfer_mem_segments(["VRAM"], ["DRAM"]))
+
+
 def _asked(tp_p: int, tp_d: int, r_d: int) -> list[int]:
     """Prefill ranks SGLang 0.5.23's decode rank ``r_d`` asks for KV."""
     if tp_d > tp_p:

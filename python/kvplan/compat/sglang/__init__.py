@@ -59,8 +59,9 @@ replaces these methods on the class, with SGLang 0.5.23's exact signatures and r
   ``_send_mamba_state_slice`` the slices of the Mooncake drop-in's TP-split state template.
   ``send_kvcache_staged`` at prefill PP 1 plans as the Mooncake manager's staged path does
   and posts its network blocks as NIXL descriptors (prefill PP goes to SGLang's own method).
-  ``send_kvcache_mixed`` (entries of several memory kinds) indexes the prepared lists with
-  ``Template.prepped_indices`` of a template whose tables are those lists row for row; the
+  ``_init_mixed_equal_tp_prep_handles`` and ``send_kvcache_mixed`` (entries of several memory
+  kinds) take the prepared lists and the indices into them from one template per segment
+  (``Template.descriptor_runs``, ``Template.prepped_indices``); the
   prepared state plans (``_prepare_state_xfer``, ``_send_prepared_states``) are each state
   component's template's ``descriptor_runs`` and ``prepped_state_indices``
   (:mod:`.nixl_state`); ``send_kvcache_slice``'s indices stay SGLang's. A NIXL method whose signature is not

@@ -32,10 +32,11 @@ replaces the planning of each and keeps every call SGLang makes on ``self`` or i
 * ``send_kvcache_staged`` at prefill PP 1: the Mooncake drop-in's staged template; SGLang's
   gather kernel fills the staging buffer and the plan's network blocks are posted.
 
-* ``send_kvcache_mixed`` (entries of several memory kinds): per segment of the lists SGLang's
-  ``_init_mixed_equal_tp_prep_handles`` prepared (through kvplan's ``_prep_equal_tp_dlist``),
-  the indices are ``Template.prepped_indices`` of a template whose prepped tables are those
-  lists row for row; SGLang's ``make_prepped_xfer`` / ``self._post_xfer`` calls and errors.
+* ``_init_mixed_equal_tp_prep_handles`` and ``send_kvcache_mixed`` (entries of several memory
+  kinds): per memory-kind segment one template (:func:`mixed_segment_template`); its
+  ``Template.descriptor_runs`` are the two prepared lists (one strided row per entry) and its
+  ``Template.prepped_indices`` the indices into them; SGLang's segment bookkeeping,
+  ``make_prepped_xfer`` / ``self._post_xfer`` calls and errors.
 
 * ``_prepare_state_xfer`` and ``_send_prepared_states`` (the prepared state plans): per
   prepared state component a template of its live entry pairs; the lists are its
@@ -72,6 +73,7 @@ from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import observe, planned
 from kvplan.compat.sglang.nixl_state import (  # noqa: F401 - installed from this module
+    run_rows,
     _prepare_state_xfer,
     _send_prepared_states,
 )
@@ -126,6 +128,9 @@ SUPPORTED_FORMS: dict[str, dict[str, str]] = {
         "(self, peer_name, decode_kv_args, src_mem_kind='VRAM', dst_mem_kind='VRAM')":
             "SGLang 0.5.23",
     },
+    "_init_mixed_equal_tp_prep_handles": {
+        "(self, peer_info, mem_segments)": "SGLang 0.5.23",
+    },
     "send_kvcache_mixed": {
         "(self, peer_name, prefill_kv_indices, dst_kv_indices)": "SGLang 0.5.23",
     },
@@ -148,6 +153,10 @@ READS: dict[str, tuple[str, ...]] = {
     "_prep_equal_tp_dlist": ("_prep_xfer_dlist", "_pack_stride_descs", "_nixl_device_id"),
     "_init_hetero_tp_prep_handle": ("prep_handle_slice_src", "prep_handles_slice_dst",
                                     "_prep_xfer_dlist", "dst_kv_item_len", "decode_tp_rank"),
+    "_init_mixed_equal_tp_prep_handles": ("prep_handles_segment_src", "_num_slots_src",
+                                          "dst_num_slots", "dst_kv_item_lens", "dst_kv_ptrs",
+                                          "src_mem_kind", "dst_mem_kind", "kv_xfer_segments",
+                                          "_KVXferPreparedSegment"),
     "send_kvcache_mixed": ("decode_kv_args_table", "kv_xfer_segments", "_num_slots_src",
                            "dst_num_slots", "src_handle", "dst_handle", "make_prepped_xfer",
                            "_post_xfer"),
@@ -532,14 +541,14 @@ _INT32_MAX = (1 << 31) - 1
 
 def mixed_segment_template(self: Any, peer_name: str, info: Any, seg: Any) -> Template:
     """The template of one memory-kind segment of a peer's mixed prepared lists (cached per
-    peer and segment): its layouts are the two lists SGLang's
-    ``_init_mixed_equal_tp_prep_handles`` prepared through ``_prep_equal_tp_dlist`` for
-    entries ``seg.start .. seg.end``: the prefill's entries with ``self._num_slots_src`` slots
-    of their item length; the decode's with ``seg.dst_num_slots`` slots of its item length as
-    the stride, each moving the prefill's item length. Entries pair positionally (the lists
-    are sliced alike), each pair one piece (``coalesce=False``: one prepared row per entry), so
-    the core's prepped tables are those lists row for row and ``Template.prepped_indices``
-    indexes them."""
+    peer and segment), which defines both the lists (:func:`_init_mixed_equal_tp_prep_handles`
+    prepares its ``Template.descriptor_runs``) and the indices into them
+    (:func:`send_kvcache_mixed`, ``Template.prepped_indices``): the prefill's entries
+    ``seg.start .. seg.end`` with ``self._num_slots_src`` slots of their item length; the
+    decode's with ``seg.dst_num_slots`` slots of its item length as the stride, each moving the
+    prefill's item length (SGLang's lists for the segment). Entries pair positionally (the
+    lists are sliced alike), each pair one piece (``coalesce=False``: one prepared row per
+    entry)."""
     lo, hi = int(seg.start), int(seg.end)
     src_ptrs = [int(p) for p in self.kv_args.kv_data_ptrs[lo:hi]]
     items = [int(n) for n in self.kv_args.kv_item_lens[lo:hi]]
@@ -565,18 +574,89 @@ def _int32_indices(indices: npt.NDArray[np.int64], side: str) -> npt.NDArray[np.
     return indices.astype(np.int32)
 
 
-def _mixed_lists_are_kvplans(self: Any) -> bool:
-    """Whether the manager's segment lists come from SGLang's own
-    ``_init_mixed_equal_tp_prep_handles`` over kvplan's ``_prep_equal_tp_dlist`` (the lists
-    :func:`mixed_segment_template` describes); a subclass's or an instance's replacement of
-    either builds lists kvplan has not seen, and SGLang's own method indexes them."""
+def _kvplan_prep(self: Any) -> bool:
+    """Whether the manager's ``_prep_equal_tp_dlist`` is kvplan's (not a subclass's or an
+    instance's replacement, whose lists kvplan has not seen)."""
     attrs = getattr(self, "__dict__", None) or {}
-    if "_prep_equal_tp_dlist" in attrs or "_init_mixed_equal_tp_prep_handles" in attrs:
-        return False
     prep = getattr(type(self), "_prep_equal_tp_dlist", None)
+    return "_prep_equal_tp_dlist" not in attrs and bool(getattr(prep, "_kvplan_dropin", False))
+
+
+def _mixed_lists_are_kvplans(self: Any) -> bool:
+    """Whether the manager's segment lists are the ones :func:`mixed_segment_template`
+    describes: prepared by kvplan's ``_init_mixed_equal_tp_prep_handles`` (or SGLang's over
+    kvplan's ``_prep_equal_tp_dlist``, whose rows are the same); a subclass's or an
+    instance's replacement of either builds lists kvplan has not seen, and SGLang's own method
+    indexes them."""
+    attrs = getattr(self, "__dict__", None) or {}
+    if "_init_mixed_equal_tp_prep_handles" in attrs or not _kvplan_prep(self):
+        return False
     init = getattr(type(self), "_init_mixed_equal_tp_prep_handles", None)
     own_init = sglang_method(self, "_init_mixed_equal_tp_prep_handles", NIXL_MANAGER)
-    return bool(getattr(prep, "_kvplan_dropin", False)) and init is own_init
+    return bool(getattr(init, "_kvplan_dropin", False)) or init is own_init
+
+
+def _init_mixed_equal_tp_prep_handles(self: Any, peer_info: Any, mem_segments: Any) -> None:
+    """kvplan's ``NixlKVManager._init_mixed_equal_tp_prep_handles`` (SGLang 0.5.23 signature):
+    per memory-kind segment, the two prepared lists are :func:`mixed_segment_template`'s
+    ``Template.descriptor_runs`` as NIXL's strided rows ``(base, len, device, stride, slots)``
+    (the device of the segment's memory kind), so the lists and the indices
+    :func:`send_kvcache_mixed` takes from the same template's ``prepped_indices`` are one
+    definition. SGLang's bookkeeping is kept: the decode's slot count (its ``dst_num_slots``,
+    else ``self._num_slots_src``), the prefill's list prepared once per segment and memory kind
+    for every peer (``prep_handles_segment_src``), the decode's per peer, both through
+    ``self._prep_xfer_dlist`` (SGLang's strided call with its per-block fallback), and
+    ``peer_info.kv_xfer_segments``. A replaced ``_prep_equal_tp_dlist`` (a subclass's, an
+    instance's): SGLang's own method builds the lists through it.
+
+    Raises:
+        IndexBoundsError: ``self._num_slots_src`` slots pass a prefill entry's registered
+            buffer (SGLang would prepare descriptors past it).
+        LayoutError: A decode stride below the prefill's item length (SGLang's
+            ``ValueError``), or an entry the core refuses (a null base, a zero item).
+    """
+    if not _kvplan_prep(self):
+        original = sglang_method(self, "_init_mixed_equal_tp_prep_handles", NIXL_MANAGER)
+        original(self, peer_info, mem_segments)
+        return
+    prepared_segment = sglang_global("_KVXferPreparedSegment", NIXL_MANAGER)
+    src_slots = int(self._num_slots_src)
+    prepared = []
+    for seg in mem_segments:
+        lo, hi = int(seg.start), int(seg.end)
+        for i in range(lo, hi):
+            item, data = int(self.kv_args.kv_item_lens[i]), int(self.kv_args.kv_data_lens[i])
+            if item > 0 and src_slots > data // item:
+                raise _core.IndexBoundsError(
+                    f"entry {i}: {src_slots} prepared slots of {item} bytes pass its "
+                    f"registered {data} bytes ({data // item} slots)")
+        dst_num_slots = (peer_info.dst_num_slots if peer_info.dst_num_slots is not None
+                         else self._num_slots_src)
+        template = mixed_segment_template(self, peer_info.agent_name, peer_info, _Segment(
+            lo, hi, int(dst_num_slots)))
+        src_key = (seg.start, seg.end, seg.src_mem_kind)
+        src_handle = self.prep_handles_segment_src.get(src_key)
+        if src_handle is None:
+            rows = run_rows(template.descriptor_runs("src"),
+                            _device_id(seg.src_mem_kind, self.kv_args.gpu_id))
+            src_handle = self._prep_xfer_dlist("", np.asarray(rows, dtype=np.uint64),
+                                               seg.src_mem_kind)
+            self.prep_handles_segment_src[src_key] = src_handle
+        rows = run_rows(template.descriptor_runs("dst"),
+                        _device_id(seg.dst_mem_kind, peer_info.gpu_id))
+        dst_handle = self._prep_xfer_dlist(peer_info.agent_name,
+                                           np.asarray(rows, dtype=np.uint64), seg.dst_mem_kind)
+        prepared.append(prepared_segment(start=seg.start, end=seg.end, src_handle=src_handle,
+                                         dst_handle=dst_handle, dst_num_slots=dst_num_slots))
+    peer_info.kv_xfer_segments = prepared
+
+
+class _Segment:
+    """A segment's entries and the decode's slot count, as :func:`mixed_segment_template`
+    reads them from SGLang's prepared segment."""
+
+    def __init__(self, start: int, end: int, dst_num_slots: int) -> None:
+        self.start, self.end, self.dst_num_slots = start, end, dst_num_slots
 
 
 def send_kvcache_mixed(

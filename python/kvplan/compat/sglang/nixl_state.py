@@ -170,7 +170,7 @@ def _in_component(err: _core.KvPlanError, index: int, live: list[tuple[int, int]
     return out
 
 
-def _rows(runs: npt.NDArray[np.uint64], device: int) -> list[tuple[int, int, int, int, int]]:
+def run_rows(runs: npt.NDArray[np.uint64], device: int) -> list[tuple[int, int, int, int, int]]:
     """A template's runs ``(base, len, stride, count)`` as NIXL's strided rows."""
     return [(int(b), int(n), int(device), int(s), int(c)) for b, n, s, c in runs.tolist()]
 
@@ -247,8 +247,8 @@ def _build_plan(self: Any, peer_info: Any,
         src_runs = template.descriptor_runs("src")
         dst_runs = template.descriptor_runs("dst")
         components[index] = PreparedComponent(template, tuple(live), src_total, dst_total)
-        src_rows += _rows(src_runs, self.kv_args.gpu_id)
-        dst_rows += _rows(dst_runs, peer_info.gpu_id)
+        src_rows += run_rows(src_runs, self.kv_args.gpu_id)
+        dst_rows += run_rows(dst_runs, peer_info.gpu_id)
         src_total += int(src_runs[:, 3].sum(dtype=object))
         dst_total += int(dst_runs[:, 3].sum(dtype=object))
     if max(src_total, dst_total) > _INT32_MAX:  # SGLang's bound, NIXL's int32 indices

@@ -23,7 +23,8 @@ REPLACED_METHODS: dict[str, tuple[str, ...]] = {
     "NixlKVManager": ("_send_kvcache_generic", "_send_mamba_state", "_send_mamba_state_slice",
                       "send_kvcache_staged",
                       "_prep_equal_tp_dlist", "_init_hetero_tp_prep_handle",
-                      "send_kvcache_mixed", "_prepare_state_xfer", "_send_prepared_states"),
+                      "_init_mixed_equal_tp_prep_handles", "send_kvcache_mixed",
+                      "_prepare_state_xfer", "_send_prepared_states"),
 }
 
 
