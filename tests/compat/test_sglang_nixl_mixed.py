@@ -4,7 +4,8 @@
 SGLang's mixed path (the decode registers KV entries of several memory kinds, e.g. a HiSparse
 host pool) splits the entries into runs of equal ``(src kind, dst kind)``
 (``_kv_xfer_mem_segments``), prepares two lists per run with ``_prep_equal_tp_dlist``
-(``_init_mixed_equal_tp_prep_handles``, SGLang's, kept) and per request indexes them with
+(``_init_mixed_equal_tp_prep_handles``; kvplan's builds them from the segment template's
+``descriptor_runs``) and per request indexes them with
 ``repeat_indices_over_layers``: entry-major ``(entry - start) * slots + page``, the prefill
 list with ``_num_slots_src`` slots per entry, the decode's with the segment's
 ``dst_num_slots``. kvplan's replacement takes the indices from ``Template.prepped_indices`` of
@@ -121,8 +122,8 @@ class Case:
 
 def run(nx: Any, case: Case, patched: bool, src: np.ndarray, dst: np.ndarray
         ) -> tuple[Any, ...]:
-    """Registration (SGLang's ``_init_mixed_equal_tp_prep_handles`` over SGLang's or kvplan's
-    ``_prep_equal_tp_dlist``) and one ``send_kvcache_mixed``: ``("ok", indices, descriptors,
+    """Registration (``_init_mixed_equal_tp_prep_handles``, SGLang's or kvplan's) and one
+    ``send_kvcache_mixed``: ``("ok", indices, descriptors,
     handles returned == handles posted)`` or ``("raise", exc, prepped calls made)``."""
     with installed(nx.cls) if patched else contextlib.nullcontext():
         mgr = case.manager(nx)
