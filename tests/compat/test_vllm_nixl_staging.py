@@ -265,14 +265,16 @@ class Pair:
     KV cache in host memory registered with its own NIXL agent, handshaken."""
 
     def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
-                 prefill_extra: dict[str, Any] | None = None) -> None:
+                 prefill_extra: dict[str, Any] | None = None,
+                 decode_extra: dict[str, Any] | None = None) -> None:
         self.nixl, size = nixl, REGIONS * BLOCKS * BLOCK_BYTES
         self.p_mem = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
         self.d_mem = np.zeros(size, np.uint8)
         self.prefill = build(c, nixl, monkeypatch, "prefill-0", "kv_producer",
                              READ_STAGING if prefill_extra is None else prefill_extra,
                              base=self.p_mem.ctypes.data)
-        self.decode = build(c, nixl, monkeypatch, "decode-0", "kv_consumer", READ_STAGING,
+        self.decode = build(c, nixl, monkeypatch, "decode-0", "kv_consumer",
+                            READ_STAGING if decode_extra is None else decode_extra,
                             base=self.d_mem.ctypes.data)
         for w, mem in ((self.prefill, self.p_mem), (self.decode, self.d_mem)):
             self._vllm_state(w)
@@ -403,16 +405,32 @@ def test_a_staged_read_lands_vllms_own_bytes(nixl: Any, connector: Any,
         pair.close()
 
 
+#: ``auto`` with costs under which the advice keeps every request direct (copies that slow).
+AUTO_DIRECT = dict(READ_STAGING, kvplan_staging="auto", kvplan_staging_costs=(
+    "per_block_s=1e-9,network_bytes_per_s=1e10,copy_bytes_per_s=1"))
+
+
 @pytest.mark.nixl
-def test_a_prefill_without_staging_is_read_by_vllm(nixl: Any, connector: Any,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode has staging on, the prefill off: no agreement, so kvplan's worker runs
-    vLLM's own read (a NIXL handle), which lands the request's bytes."""
+@pytest.mark.parametrize("case, prefill_extra, decode_extra", [
+    ("prefill staging off", {"kvplan_staging": "off"}, None),
+    ("auto advises direct", None, AUTO_DIRECT),
+])
+def test_reads_kvplan_does_not_stage_are_vllms(nixl: Any, connector: Any,
+                                               monkeypatch: pytest.MonkeyPatch, case: str,
+                                               prefill_extra: Any, decode_extra: Any) -> None:
+    """No agreement (the prefill has staging off), or ``auto`` whose advice with the given
+    costs is direct: kvplan's worker runs vLLM's own read (a NIXL handle), which lands the
+    request's bytes."""
     load_agents(connector, nixl, monkeypatch)
-    pair = Pair(connector, nixl, monkeypatch, prefill_extra={"kvplan_staging": "off"})
+    pair = Pair(connector, nixl, monkeypatch, prefill_extra=prefill_extra,
+                decode_extra=decode_extra)
     try:
-        (handle,) = pair.read()
+        peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
+        assert peer is not None and peer.outcome.staged == (prefill_extra is None)
+        with staging_records() as said:
+            (handle,) = pair.read()
         assert not isinstance(handle, nixl_staging.StagedRead)
+        assert not [r for r in said if r.levelno >= logging.WARNING]  # advised, not failed
         assert pair.poll() == ({"req-d"}, set())
         p_blocks = pair.p_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
         d_blocks = pair.d_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
