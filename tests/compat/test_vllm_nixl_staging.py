@@ -441,6 +441,27 @@ def test_reads_kvplan_does_not_stage_are_vllms(nixl: Any, connector: Any,
 
 
 @pytest.mark.nixl
+def test_a_prefill_whose_listener_is_gone_is_read_by_vllm(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill agreed, but its channel listener no longer answers: nothing staged was
+    started, the decode says so and vLLM's own read takes the request."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        pair.prefill.__dict__[STAGING_ATTR].server.close()
+        with log_records("kvplan.compat.vllm") as said:
+            (handle,) = pair.read()
+        assert not isinstance(handle, nixl_staging.StagedRead)
+        assert pair.poll() == ({"req-d"}, set())
+        assert pair.d_mem.any()
+        lines = [r.getMessage() for r in said]
+        assert any("no channel to prefill-0:tp0" in m and "direct path" in m
+                   for m in lines), lines
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
 def test_a_failed_round_read_takes_vllms_failed_receive_path(
         nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode's agent no longer knows the prefill's (its metadata invalidated): round 0's
