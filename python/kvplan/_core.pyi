@@ -70,6 +70,7 @@ __all__ = [
     "nixl_desc_ids",
     "pair_entries",
     "planner_support",
+    "plan_stages",
     "pool_stats",
     "reverse_descending_runs",
     "staging_replicas_write",
@@ -114,6 +115,20 @@ def planner_support() -> list[tuple[str, list[tuple[str, bool]]]]:
     """Per planner, in the core's order, every request feature and whether it plans it."""
 def feature_descriptions() -> list[tuple[str, str]]:
     """Every request feature with one line saying what it is, in the core's order."""
+
+_Role = Literal["src", "src_staging", "dst_staging", "dst"]
+#: One stage of a plan, as the core describes it: ``(kind, side, part, reads, writes)``.
+_StageNames = tuple[Literal["copy", "rows", "convert", "network"], Literal["src", "dst"] | None,
+                    Literal["gather", "network", "scatter", "rows"] | None, _Role, _Role]
+
+def plan_stages(form: str) -> tuple[_StageNames, ...]:
+    """The stages of the plan form named ``form`` (``"direct"``, ``"staged"``, ``"rounds"``,
+    ``"packed"``, ``"row_gather"``, ``"convert_on_prefill"``, ``"convert_on_decode"``), in the
+    order they run (what :func:`kvplan.exec.stages` reads).
+
+    Raises:
+        ValueError: No form is named ``form`` (the message lists the forms).
+    """
 
 _IndexArray = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _I64Array = npt.NDArray[np.int64]
@@ -1136,6 +1151,10 @@ class StagedPlan:
     @property
     def writer(self) -> tuple[int, int]:
         """``(writer index, number of writers)`` of this prefill rank in the decode region."""
+    @property
+    def stages(self) -> tuple[_StageNames, ...]:
+        """The plan's stages in the order they run, ``(kind, side, part, reads, writes)`` each:
+        the gather on the prefill, the network, the scatter on the decode."""
 
 @final
 class RoundManifest:
@@ -1208,6 +1227,9 @@ class StagedRounds:
     @property
     def manifests(self) -> list[RoundManifest]: ...
     @property
+    def stages(self) -> tuple[_StageNames, ...]:
+        """The stages every round runs, in order (a staged plan's three)."""
+    @property
     def bytes(self) -> int:
         """Bytes of the request."""
     @property
@@ -1265,6 +1287,10 @@ class ConversionTemplate:
 class ConversionPlan:
     """A request as gather, convert rows, network and scatter (docs/api.md, "Conversion plans")."""
 
+    @property
+    def stages(self) -> tuple[_StageNames, ...]:
+        """The plan's stages in the order they run, ``(kind, side, part, reads, writes)`` each
+        (the convert rows before the network on the prefill, after it on the decode)."""
     @property
     def gather(self) -> tuple[_U64Array, _U64Array, _U64Array]: ...
     @property

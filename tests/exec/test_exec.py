@@ -179,6 +179,24 @@ def test_each_kind_of_plan_has_its_stage_list() -> None:
         ("convert", "dst", "dst_staging", "dst"), ("copy", "dst", "dst_staging", "dst")]
 
 
+def test_the_stage_lists_are_the_cores() -> None:
+    # Each plan's stages are the core's list for its form, read from the plan where the plan
+    # is a core object and by the form's name where it reaches Python as columns or a pair.
+    forms = {"direct": "direct", "staged": "staged", "packed": "packed",
+             "row_gather": "row_gather", "quantize_on_prefill": "convert_on_prefill",
+             "dequantize_on_decode": "convert_on_decode"}
+    for kind, form in forms.items():
+        plan = CASES[kind]()[1]
+        assert [tuple(s) for s in stages(plan)] == list(kvplan._core.plan_stages(form)), kind
+        if isinstance(plan, (kvplan.StagedPlan, kvplan.ConversionPlan)):
+            assert plan.stages == kvplan._core.plan_stages(form), kind
+    assert stages(CASES["staged"]()[1]) is stages(CASES["staged"]()[1])  # built once per list
+    with pytest.raises(ValueError, match='no plan form is named "pack"; the forms are direct, '
+                                         'staged, rounds, packed, row_gather, '
+                                         'convert_on_prefill, convert_on_decode'):
+        kvplan._core.plan_stages("pack")
+
+
 def test_a_value_that_is_no_plan_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match="a str is not a plan an executor runs"):
         stages("gather")  # type: ignore[arg-type]

@@ -13,8 +13,10 @@ same way in every executor:
 
 :func:`stages` lists, for each kind of plan, its stages in order: what each does (``copy``
 blocks in one process, ``rows`` of a row gather, ``convert`` rows, ``network`` blocks between
-the two sides), which side runs it and which memories it reads and writes. Both executors run a
-plan by that list, so the order is written once:
+the two sides), which side runs it and which memories it reads and writes. The list is the
+core's (``StagedPlan.stages``, ``StagedRounds.stages``, ``ConversionPlan.stages``, and
+``kvplan._core.plan_stages`` for a plan that reaches Python as one stage or as a pair), so the
+order is written once, in the core; both executors run a plan by that list:
 
 - :class:`kvplan.exec.numpy.NumpyExecutor` on :class:`~kvplan.exec.numpy.Memory` (NumPy bytes
   at addresses), one per role;
@@ -26,12 +28,17 @@ Both satisfy :class:`Executor`. Importing this package imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Protocol, Union, runtime_checkable
+import functools
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, Union, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplan import ConversionPlan, RowGather, StagedPlan, StagedRounds
+from kvplan._core import plan_stages
+
+if TYPE_CHECKING:
+    from kvplan._core import _StageNames
 
 __all__ = ["BlockColumns", "Executor", "Plan", "Stage", "Role", "row_gather_blocks", "stages",
            "steps"]
@@ -77,21 +84,13 @@ class Stage(NamedTuple):
     writes: Role
 
 
-_DIRECT = (Stage("network", None, None, "src", "dst"),)
-_GATHER = Stage("copy", "src", "gather", "src", "src_staging")
-_STAGED = (_GATHER, Stage("network", None, "network", "src_staging", "dst_staging"),
-           Stage("copy", "dst", "scatter", "dst_staging", "dst"))
-_PACKED = (_GATHER, Stage("network", None, "network", "src_staging", "dst"))
-_ROW_GATHER = (Stage("rows", "src", "rows", "src", "src_staging"),
-               Stage("network", None, "network", "src_staging", "dst"))
-# A prefill-side conversion's scatter is empty (the network writes the decode's pages); it is
-# listed so that every part of the plan is run, reading and writing the decode's memory.
-_CONVERT_ON_PREFILL = (_GATHER, Stage("convert", "src", None, "src_staging", "src_staging"),
-                       Stage("network", None, "network", "src_staging", "dst"),
-                       Stage("copy", "dst", "scatter", "dst", "dst"))
-_CONVERT_ON_DECODE = (_GATHER, Stage("network", None, "network", "src_staging", "dst_staging"),
-                      Stage("convert", "dst", None, "dst_staging", "dst"),
-                      Stage("copy", "dst", "scatter", "dst_staging", "dst"))
+@functools.lru_cache(maxsize=None)
+def _described(names: tuple[_StageNames, ...]) -> tuple[Stage, ...]:
+    return tuple(Stage(*one) for one in names)
+
+
+def _form(name: str) -> tuple[Stage, ...]:
+    return _described(plan_stages(name))
 
 
 def _has_columns(x: object) -> bool:
@@ -109,17 +108,15 @@ def stages(plan: Plan) -> tuple[Stage, ...]:
     Raises:
         TypeError: ``plan`` is none of the plans in :data:`Plan` (the message names its type).
     """
-    if isinstance(plan, (StagedPlan, StagedRounds)):
-        return _STAGED
-    if isinstance(plan, ConversionPlan):
-        return _CONVERT_ON_DECODE if plan.convert_on == "decode" else _CONVERT_ON_PREFILL
+    if isinstance(plan, (StagedPlan, StagedRounds, ConversionPlan)):
+        return _described(plan.stages)
     if isinstance(plan, tuple) and len(plan) == 2 and _has_columns(plan[1]):
         if isinstance(plan[0], RowGather):
-            return _ROW_GATHER
+            return _form("row_gather")
         if _has_columns(plan[0]):
-            return _PACKED
+            return _form("packed")
     elif _has_columns(plan):
-        return _DIRECT
+        return _form("direct")
     raise TypeError(
         f"a {type(plan).__name__} is not a plan an executor runs: expected a TransferPlan, "
         "BatchPlan or BlockSlice, a StagedPlan or StagedRounds, plan_packed's (gather, network), "

@@ -72,7 +72,8 @@
 //!       write).
 //!    3. `advice` (direct or staged), `convert` (conversion plans between representations),
 //!       `rounds` (a staged plan in rounds through bounded arenas).
-//!    4. `compatibility` (verdicts on a prefill and a decode identity).
+//!    4. `compatibility` (verdicts on a prefill and a decode identity), `stages` (the stages
+//!       of every multi-stage plan, in the order they run).
 //! <!-- end module layers -->
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -138,6 +139,7 @@ pub use planners::slices::{
     BatchCall, BatchPart, BatchSlices, LayerSlices, PlanSlices, SliceWork, WorkManifest,
 };
 pub use planners::staged::{StagedCounts, StagedPlan, StagedPlanner, StagingRegion};
+pub use planners::stages::{MultiStage, Part, PlanForm, Role, Stage, StageKind};
 pub use rules::capabilities::{Asked, Feature, Planner, SUPPORT};
 pub use rules::check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use rules::dcp::DcpContext;

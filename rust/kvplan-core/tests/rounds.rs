@@ -648,3 +648,113 @@ fn large_blocks_split_only_where_the_buffer_ends() {
     assert_eq!(whole.gather.round(0).dst_addrs, staged.gather.dst_addrs);
     assert_eq!(whole.scatter.round(0).dst_addrs, staged.scatter.dst_addrs);
 }
+
+/// The blocks of a plan as triples.
+fn triples(plan: &Plan) -> Vec<(u64, u64, u64)> {
+    (0..plan.lengths.len())
+        .map(|k| (plan.src_addrs[k], plan.dst_addrs[k], plan.lengths[k]))
+        .collect()
+}
+
+/// The blocks of every round of one stage as triples.
+fn round_triples(blocks: &kvplan_core::RoundBlocks) -> Vec<(u64, u64, u64)> {
+    (0..blocks.n_blocks)
+        .map(|k| {
+            (
+                blocks.src_addrs()[k],
+                blocks.dst_addrs()[k],
+                blocks.lengths()[k],
+            )
+        })
+        .collect()
+}
+
+/// One round buffer per arena and arenas equal to the staging regions of the unchunked staged
+/// plan: the one round's gather is the staged gather block for block, and so are its network
+/// and scatter under prefill PP 1. Under prefill PP the staged plan puts a stage's bytes in its
+/// decode slots among the other stages' (the decode staging layout) while a rounds plan gives
+/// every sender its own share of the arena, so the network and scatter differ: the two plans
+/// are not one derivation with different buffers. A round keeps no pair ranges either (its
+/// blocks are one range per round).
+#[test]
+fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
+    let page_sizes = [
+        (1, 1),
+        (16, 16),
+        (4, 4),
+        (16, 64),
+        (64, 16),
+        (1, 16),
+        (4, 1),
+    ];
+    let mut rng = Lcg(0x5EED_0001);
+    let (mut done, mut same, mut differ) = (0, 0, 0);
+    while done < examples() {
+        let heads = rng.pick(&[1, 2, 8, 16]);
+        let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
+        let Ok(split) = TpSplit::new(heads, tp_p, tp_d) else {
+            continue;
+        };
+        let page_sizes = rng.pick(&page_sizes);
+        let tokens = if page_sizes.0 == page_sizes.1 {
+            page_sizes.0.max(3) * (1 + rng.next() % 3) + rng.next() % 2 * page_sizes.0
+        } else {
+            page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
+        };
+        let case = Case {
+            heads,
+            tp_p,
+            tp_d,
+            order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
+            pp_p: rng.pick(&[1, 2]),
+            page_sizes,
+            tokens,
+            state: rng.next().is_multiple_of(3),
+            layers: 2,
+        };
+        let r_d = (rng.next() % u64::from(tp_d)) as u32;
+        let peers: Vec<u32> = split.peers(Side::Dst, r_d).unwrap().into_iter().collect();
+        let r_p = rng.pick(&peers);
+        let stage = (rng.next() % u64::from(case.pp_p)) as u32;
+        let src = layout(&case, Side::Src, r_p, stage);
+        let dst = layout(&case, Side::Dst, r_d, 0);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+        let request = Request::new(&sp, &dp, case.n_tokens());
+        let whole = StagingRegion {
+            addr: 0,
+            size: u64::MAX,
+        };
+        let sizes = StagedPlanner::new(&template)
+            .plan(&request, whole, whole)
+            .unwrap();
+        if sizes.src_staging_bytes == 0 {
+            continue; // a round buffer of no bytes is refused; the staged plan is empty
+        }
+        let (src_region, dst_region) = (
+            arena(SRC_ARENA, sizes.src_staging_bytes),
+            arena(DST_ARENA, sizes.dst_staging_bytes),
+        );
+        let staged = StagedPlanner::new(&template)
+            .plan(&request, src_region, dst_region)
+            .unwrap();
+        let rounds = RoundsPlanner::new(&template)
+            .plan(&request, src_region, dst_region, 1)
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        assert_eq!(rounds.len(), 1, "{case:?}");
+        assert_eq!(round_triples(&rounds.gather), triples(&staged.gather));
+        let tail = (
+            round_triples(&rounds.network) == triples(&staged.network),
+            round_triples(&rounds.scatter) == triples(&staged.scatter),
+        );
+        if case.pp_p == 1 {
+            assert_eq!(tail, (true, true), "{case:?}");
+            same += 1;
+        } else {
+            assert_eq!(tail, (false, false), "{case:?}");
+            differ += 1;
+        }
+        done += 1;
+    }
+    assert!(same > 0 && differ > 0, "{same} {differ}");
+}

@@ -95,10 +95,19 @@ pub struct PyConversionPlan {
     n_blocks: (usize, usize, usize),
     /// The network's columns, for its content digests.
     network_blocks: [Vec<u64>; 3],
+    /// The core's stages of the plan (`ConversionPlan.stages`).
+    stages: &'static [kvplan_core::Stage],
 }
 
 #[pymethods]
 impl PyConversionPlan {
+    /// The plan's stages in the order they run: `(kind, side, part, reads, writes)` each
+    /// (the convert rows run on the side `convert_on` names).
+    #[getter]
+    fn stages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        crate::stages::stage_tuple(py, self.stages)
+    }
+
     /// The content digest of the network plan read on `side` from `buffers` (numpy arrays or
     /// other C-contiguous buffers, as `TransferPlan.content_digest`): on `"src"` the staging
     /// region after the convert rows (the decode's representation: values and scales, what
@@ -231,6 +240,7 @@ impl PyConversionTemplate {
         let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
         let planner = PlanConversion(&self.inner, region(staging), dst_staging.map(region));
         let plan = request.plan(py, planner)?.map_err(to_py_err)?;
+        let stages = kvplan_core::MultiStage::stages(&plan);
         let n_blocks = (
             plan.gather.lengths.len(),
             plan.network.lengths.len(),
@@ -269,6 +279,7 @@ impl PyConversionTemplate {
             n_rows,
             n_blocks,
             network_blocks,
+            stages,
         })
     }
 }

@@ -4,7 +4,7 @@
 //! `layout_entry`), `pairing` (+ `pair_tables`:
 //! `check_pairs`, `needs_tokens`), `template` (the `Template` class; its methods hand their work
 //! to `compile`, `one_request`, `slots`, `coalescing` and `block_counts`), one file per derived
-//! planner (`batch`, `pack`, `staged`, `rounds`, `advice`, `convert` for `ConversionTemplate`,
+//! planner (`batch`, `pack`, `staged`, `rounds`, `stages` (every multi-stage plan's stages), `advice`, `convert` for `ConversionTemplate`,
 //! `descriptors`, `slices`, `runs`, `nixl_ids`, `heads`), `plan` (+ the output `pool`), `digest`,
 //! `local` (`copy_local`), `identity` (`LayoutIdentity`, `compatibility`), `mooncake`, `capabilities`, with `request` (`kvplan.Request`, and the
 //! request every planner method reads from one or from its loose arguments), `input` (Python
@@ -50,6 +50,7 @@ mod runs;
 mod slices;
 mod slots;
 mod staged;
+mod stages;
 mod template;
 mod window_pages;
 
@@ -114,6 +115,8 @@ mod _core {
     };
     #[pymodule_export]
     use crate::staged::PyStagedPlan;
+    #[pymodule_export]
+    use crate::stages::plan_stages;
 
     /// Module attributes the core owns: its role classification, and the default `kind` and
     /// `requests` of a `KvPlanError` raised by Python code.

@@ -174,10 +174,18 @@ pub struct PyStagedRounds {
     /// Offsets `(start, end)` of the decode arena this sender's share covers.
     #[pyo3(get)]
     dst_share: (u64, u64),
+    /// The core's stages of every round (`StagedRounds.stages`).
+    stages: &'static [kvplan_core::Stage],
 }
 
 #[pymethods]
 impl PyStagedRounds {
+    /// The stages each round runs, in order: `(kind, side, part, reads, writes)` each.
+    #[getter]
+    fn stages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        crate::stages::stage_tuple(py, self.stages)
+    }
+
     fn __len__(&self) -> usize {
         self.rounds.len()
     }
@@ -307,6 +315,7 @@ pub(crate) fn plan_rounds(
     let arena = |(addr, size): (u64, u64)| Arena { addr, size };
     let planner = PlanRounds(template, arena(src_arena), arena(dst_arena), buffers);
     let planned = request.plan(py, planner)?.map_err(to_py_err)?;
+    let plan_stages = kvplan_core::MultiStage::stages(&planned);
     let StagedRounds {
         gather,
         network,
@@ -375,5 +384,6 @@ pub(crate) fn plan_rounds(
         staged_network_blocks,
         sender,
         dst_share,
+        stages: plan_stages,
     })
 }

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use kvplan_core::{FlatBuffer, PageIndex, PlanPart, Request, StagedPlan, StagedPlanner, Template};
+use kvplan_core::{
+    FlatBuffer, MultiStage, PageIndex, PlanPart, Request, StagedPlan, StagedPlanner, Template,
+};
 use pyo3::prelude::*;
 
 use crate::errors::to_py_err;
@@ -40,10 +42,18 @@ pub struct PyStagedPlan {
     /// `(writer index, number of writers)` of this prefill rank in the decode region.
     #[pyo3(get)]
     pub(crate) writer: (u32, u32),
+    /// The core's stages of the plan (`StagedPlan.stages`).
+    pub(crate) stages: &'static [kvplan_core::Stage],
 }
 
 #[pymethods]
 impl PyStagedPlan {
+    /// The plan's stages in the order they run: `(kind, side, part, reads, writes)` each.
+    #[getter]
+    fn stages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        crate::stages::stage_tuple(py, self.stages)
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         let blocks = |p: &Py<PyTransferPlan>| p.borrow(py).n_blocks_value();
         format!(
@@ -100,6 +110,7 @@ pub(crate) fn plan_staged(
     let region = |(addr, size): (u64, u64)| kvplan_core::StagingRegion { addr, size };
     let planner = PlanStaged(template, region(src_staging), region(dst_staging));
     let (gather, scatter, staged) = request.plan(py, planner)?.map_err(to_py_err)?;
+    let stages = staged.stages();
     let part = |columns, n_blocks, pair_offsets| -> PyResult<Py<PyTransferPlan>> {
         let plan = kvplan_core::Plan {
             n_runs: n_blocks,
@@ -142,5 +153,6 @@ pub(crate) fn plan_staged(
         dst_staging_bytes: staged.dst_staging_bytes,
         direct_blocks: staged.direct_blocks,
         writer: staged.writer,
+        stages,
     })
 }

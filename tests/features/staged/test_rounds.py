@@ -271,6 +271,7 @@ def test_rounds_as_a_sequence_and_their_manifests() -> None:
     # The executor's stage list: the staged plan's three stages, round after round.
     assert stages(rounds) == stages(template.plan_staged(
         sp, dp, src_staging=(1 << 40, BIG), dst_staging=(1 << 44, BIG)))
+    assert rounds.stages == kvplan._core.plan_stages("rounds")
     assert [part for _, part in steps(rounds)][:3] == [rounds[0].gather, rounds[0].network,
                                                        rounds[0].scatter]
     assert len(steps(rounds)) == 3 * len(rounds)
