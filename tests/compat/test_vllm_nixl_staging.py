@@ -405,6 +405,35 @@ def test_a_staged_read_lands_vllms_own_bytes(nixl: Any, connector: Any,
         pair.close()
 
 
+@pytest.mark.nixl
+def test_a_staged_read_says_its_rounds_against_vllms_descriptors(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode says each staged read once, when its last round is scattered: its rounds,
+    its network reads (one per round) and the descriptors vLLM's own READ of the same blocks
+    took (what vLLM's stats recorded for that read), so a user sees what staging saved."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        pair.read(vllm_only=True)
+        assert pair.poll() == ({"req-d"}, set())
+        vllm_descriptors = pair.decode.xfer_stats.data["num_descriptors"][-1]
+        assert vllm_descriptors == len(DECODE_PAGES) * REGIONS
+        with staging_records() as said:
+            (handle,) = pair.read()
+            assert pair.poll() == ({"req-d"}, set())
+            # vLLM polls a finished handle no more; a poll that sees DONE again says nothing
+            assert pair.decode.nixl_wrapper.check_xfer_state(handle) == "DONE"
+        lines = [r.getMessage() for r in said if "read staged from" in r.getMessage()]
+        total = len(DECODE_PAGES) * REGIONS * BLOCK_BYTES
+        assert lines == [
+            f"kvplan staging: req req-d read staged from prefill-0:tp0: {len(handle.rounds)} "
+            f"rounds, {len(handle.rounds)} network reads (vLLM's read: {vllm_descriptors} "
+            f"descriptors), {total} bytes in {handle.ended - handle.started:.3f} s"]
+        assert len(handle.rounds) == 3 and handle.direct_descriptors == vllm_descriptors
+    finally:
+        pair.close()
+
+
 #: ``auto`` with costs under which the advice keeps every request direct (copies that slow).
 AUTO_DIRECT = dict(READ_STAGING, kvplan_staging="auto", kvplan_staging_costs=(
     "per_block_s=1e-9,network_bytes_per_s=1e10,copy_bytes_per_s=1"))

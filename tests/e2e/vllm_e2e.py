@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -240,7 +241,7 @@ class Connector:
     # overlay and kvplan's drop-in load there (:func:`vllm034_gate`), skipped with the reason
     # otherwise.
     vllm034: bool = False
-    # More kv_connector_extra_config keys (Mooncake): kvplan's staging options.
+    # More kv_connector_extra_config keys: kvplan's staging options.
     extra: dict[str, Any] = field(default_factory=dict)
     # The staged-transfer set (:func:`run_staged`) instead of the ordinary one.
     staged: bool = False
@@ -266,7 +267,8 @@ class Connector:
             # One UCX progress thread (vLLM's default is 4) and a lease sized to this machine.
             config["kv_connector_extra_config"] = {"enforce_handshake_compat": False,
                                                    "num_threads": 1,
-                                                   "kv_lease_duration": NIXL_LEASE_S}
+                                                   "kv_lease_duration": NIXL_LEASE_S,
+                                                   **self.extra}
         return config
 
 
@@ -449,6 +451,13 @@ def connectors(setup: Setup) -> list[Connector]:
         Connector("nixl vllm-reference", "nixl", "NixlConnector", logged_as="NixlPullConnector",
                   by_name_only=True),
         Connector("nixl kvplan vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module),
+        # kvplan's staged reads (pull mode: the decode plans and reads the rounds, and logs
+        # each staged read). Run when named (`--only "nixl kvplan staged"`): alone it took
+        # 229 s and 233 s from its first server's start here (six servers started in two
+        # groups, 20 PD requests), more than the ~2.5 min CI's e2e-vllm stage can add, and a
+        # NIXL decode's worker here has gone 60 s without a step on PD requests.
+        Connector("nixl kvplan staged vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module,
+                  extra=dict(STAGED_OPTIONS), staged=True, by_name_only=True),
         # 0.34's NixlConnector is an alias of its NixlPullConnector class.
         Connector("nixl vllm-reference vllm-0.34-module", "nixl", "NixlConnector",
                   "e2e_vllm034", logged_as="NixlPullConnector", one_prefill=True,
@@ -765,6 +774,71 @@ def staged_lines(server: Server, offset: int = 0) -> list[dict[str, float | str]
     return rows
 
 
+#: The NIXL decode's line per staged read (kvplan.compat.vllm.nixl_staging.StagedRead): its
+#: rounds, its network reads (one per round) and the descriptors vLLM's own read of the same
+#: blocks takes (one per block and KV region).
+NIXL_STAGED_READ = re.compile(
+    r"kvplan staging: req (?P<req>\S+) read staged from (?P<peer>\S+): (?P<rounds>\d+) rounds, "
+    r"(?P<network>\d+) network reads \(vLLM's read: (?P<direct>\d+) descriptors\), "
+    r"(?P<bytes>\d+) bytes in (?P<seconds>[\d.]+) s")
+#: vLLM's NIXL series of the descriptors per read (a staged read records its network reads).
+NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"
+
+
+def staged_rows(pair: PdPair, offset: int = 0) -> list[dict[str, float | str]]:
+    """Per staged request after log ``offset``: ``rounds``, ``network_blocks`` and
+    ``direct_blocks``, from the side that plans the staged transfer: the Mooncake prefill (the
+    probe's lines) or the NIXL decode (kvplan's own line per staged read; ``direct_blocks``
+    there are the descriptors of vLLM's read of the same blocks)."""
+    if pair.transport != "nixl":
+        return staged_lines(pair.prefill, offset)
+    rows: list[dict[str, float | str]] = []
+    for line in pair.decode.log_since(offset).splitlines():
+        m = NIXL_STAGED_READ.search(line)
+        if m is not None:
+            rows.append({"req": m["req"], "rounds": float(m["rounds"]),
+                         "network_blocks": float(m["network"]),
+                         "direct_blocks": float(m["direct"]), "bytes": float(m["bytes"]),
+                         "seconds": float(m["seconds"])})
+    return rows
+
+
+def staged_log_offset(pair: PdPair) -> int:
+    """Where the staged lines of the next requests start, in the log of the side that plans
+    them (:func:`staged_rows`)."""
+    return (pair.decode if pair.transport == "nixl" else pair.prefill).log_size()
+
+
+def nixl_descriptors(server: Server, reads: int) -> tuple[float, float]:
+    """(sum, count) of ``server``'s NIXL_DESCRIPTORS once it counts ``reads`` reads (or after
+    METRICS_WAIT_S)."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:  # the engine reports a step's stats after the step
+        text = harness.http_text(server.url + "/metrics")
+        got = (metric_total(text, NIXL_DESCRIPTORS + "_sum") or 0.0,
+               metric_total(text, NIXL_DESCRIPTORS + "_count") or 0.0)
+        if got[1] >= reads or time.monotonic() > deadline:
+            return got
+        time.sleep(1.0)
+
+
+def nixl_staged_counts(pair: PdPair, offset: int) -> str:
+    """Every PD request was read staged: the decode logged one staged read per request, and
+    vLLM's descriptor series on its /metrics counts one read per request whose descriptors
+    sum to the logged network reads (a staged read's handle reports one per round)."""
+    rows = staged_rows(pair)
+    total, reads = nixl_descriptors(pair.decode, pair.sent)
+    network = sum(float(r["network_blocks"]) for r in rows)
+    detail = (f"{pair.sent} PD requests; decode {NIXL_DESCRIPTORS} sum {total:.0f} count "
+              f"{reads:.0f}; {len(rows)} staged reads logged, {network:.0f} network reads")
+    if len(rows) != pair.sent or reads != pair.sent:
+        raise AssertionError(detail + ": not every PD request was read staged")
+    if total != network or any(r["rounds"] != r["network_blocks"] for r in rows):
+        raise AssertionError(detail + ": the metrics do not sum to the logged reads")
+    return detail + "; per scored request (rounds, network reads): " + ", ".join(
+        f"{r['rounds']:.0f}/{r['network_blocks']:.0f}" for r in staged_rows(pair, offset))
+
+
 def staged_metrics(pair: PdPair) -> dict[str, tuple[float, float]]:
     """(sum, count) of the prefill's staged series once they count every PD request sent (or
     after METRICS_WAIT_S)."""
@@ -798,17 +872,19 @@ def staged_counts(pair: PdPair, offset: int) -> str:
 
 
 def staged_reduction(pair: PdPair, offset: int) -> str:
-    """Per scored request, the direct plan of the same pages against the staged network
-    blocks; the longest prompt must take several rounds and at least STAGED_MIN_RATIO times
-    fewer descriptors."""
-    rows = staged_lines(pair.prefill, offset)
+    """Per scored request, the direct plan of the same pages (NIXL: vLLM's read of the same
+    blocks) against the staged network blocks; the longest prompt must take several rounds
+    and at least STAGED_MIN_RATIO times fewer descriptors."""
+    rows = staged_rows(pair, offset)
     if len(rows) != len(PROMPTS):
         raise AssertionError(f"{len(rows)} staged requests logged for {len(PROMPTS)} prompts")
     per = [f"{name} {r['direct_blocks']:.0f} -> {r['network_blocks']:.0f}"
            for name, r in zip(PROMPTS, rows)]
     direct = sum(float(r["direct_blocks"]) for r in rows)
     network = sum(float(r["network_blocks"]) for r in rows)
-    detail = (f"direct plan blocks -> staged network blocks: {', '.join(per)}; in all "
+    what = ("vLLM's read descriptors -> staged network reads" if pair.transport == "nixl"
+            else "direct plan blocks -> staged network blocks")
+    detail = (f"{what}: {', '.join(per)}; in all "
               f"{direct:.0f} -> {network:.0f} ({direct / network:.1f}x)")
     long = rows[-1]
     ratio = float(long["direct_blocks"]) / float(long["network_blocks"])
@@ -855,15 +931,46 @@ def direct_when_off(pair: PdPair, reference: dict[str, list[int]]) -> str:
 BLOCKS_SERIES = "kvplan:blocks_per_request"
 
 
+def nixl_direct_when_off(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    """The prefill has ``kvplan_staging: off``, its decode stages: the prefill advertises no
+    staging, so the decode's negotiation keeps vLLM's own read for that peer and says so
+    once, and every prompt's tokens equal the plain server's. The decode's pool is
+    fragmented first, as the staged pair's; its vLLM descriptor series then shows the
+    direct reads' descriptors on such a pool (reported, not compared)."""
+    filled = fragment(pair.decode)
+    log(pair.warm_up())
+    for name, length in PROMPTS.items():
+        compare_equal(pair, name, length, reference)
+    said = [ln.split(DIRECT_SAID, 1)[1][:160] for ln in pair.decode.log_since(0).splitlines()
+            if DIRECT_SAID in ln]
+    if len(said) != 1:
+        raise AssertionError(f"{pair.decode.name} said the direct path {len(said)} times: "
+                             f"{said}")
+    if staged_rows(pair):
+        raise AssertionError(f"{pair.decode.name} read a request staged from a prefill with "
+                             "staging off")
+    if STAGING_STARTED in pair.prefill.log_since(0):
+        raise AssertionError(f"{pair.prefill.name} started staging with kvplan_staging off")
+    if STAGING_STARTED not in pair.decode.log_since(0):
+        raise AssertionError(f"no {STAGING_STARTED!r} in {pair.decode.name}'s log")
+    total, reads = nixl_descriptors(pair.decode, pair.sent)
+    return (f"{len(PROMPTS)} prompts equal the plain server's through vLLM's read; the "
+            f"decode said once:{said[0]}; {filled}; decode {NIXL_DESCRIPTORS} sum "
+            f"{total:.0f} count {reads:.0f} after {pair.sent} PD requests")
+
+
 def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, list[int]],
                results: Results) -> None:
     """The staged set, in two phases. First a prefill and a decode on ``a``, both staging
     (``STAGED_OPTIONS``), the decode's pool fragmented by fillers: greedy tokens equal to the
-    plain server's, the prefill's staged metrics, and the network descriptors against the
-    direct plan of the same pages. Then, each pair with a decode of its own (a decode served
-    by a second prefill can hang, see :func:`run_connector`): a prefill on ``b`` staging to a
-    staging decode (the negative control), and a staging prefill on ``a`` to a decode with
-    staging off (the direct path, said once)."""
+    plain server's, the staged counts (Mooncake: the prefill's staged metrics; NIXL: the
+    decode's staged reads and vLLM's descriptor series), and the network descriptors against
+    the direct path's for the same pages. Then, each pair with a decode of its own (a decode
+    served by a second prefill can hang, see :func:`run_connector`): a prefill on ``b``
+    staging to a staging decode (the negative control), and staging off on one side of a
+    pair on ``a`` (the direct path, said once by the side that negotiates: with Mooncake the
+    prefill, its decode off; with NIXL the decode, its prefill off)."""
+    nixl = connector.transport == "nixl"
     label = connector.label
     tag = label.replace(" ", "_")
     own = VllmServers(servers.setup, servers.log_dir,
@@ -873,15 +980,21 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
     off = dataclasses.replace(connector, extra={**connector.extra, "kvplan_staging": "off"})
     second = [own.server(f"{tag}-prefill-b", "b", OTHER_PREFILL_PORT, connector,
                          "kv_producer"),
-              own.server(f"{tag}-decode-b", "a", OTHER_DECODE_PORT, connector, "kv_consumer"),
-              own.server(f"{tag}-prefill-a2", "a", PREFILL_PORT, connector, "kv_producer"),
-              own.server(f"{tag}-decode-off", "a", DECODE_PORT, off, "kv_consumer")]
+              own.server(f"{tag}-decode-b", "a", OTHER_DECODE_PORT, connector, "kv_consumer")]
+    if nixl:  # the decode negotiates: the prefill is the side with staging off
+        second += [own.server(f"{tag}-prefill-off", "a", PREFILL_PORT, off, "kv_producer"),
+                   own.server(f"{tag}-decode-a2", "a", DECODE_PORT, connector, "kv_consumer")]
+    else:
+        second += [own.server(f"{tag}-prefill-a2", "a", PREFILL_PORT, connector,
+                              "kv_producer"),
+                   own.server(f"{tag}-decode-off", "a", DECODE_PORT, off, "kv_consumer")]
     plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
     case_names = [f"{label}: connector loaded, staging on", f"{label}: decode pool fragmented"]
     case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
-    case_names += [f"{label}: staged metrics", f"{label}: >= {STAGED_MIN_RATIO}x fewer "
-                   "network descriptors", f"{label}: negative control",
-                   f"{label}: staging off on the decode"]
+    case_names += [f"{label}: staged {'reads' if nixl else 'metrics'}",
+                   f"{label}: >= {STAGED_MIN_RATIO}x fewer network descriptors",
+                   f"{label}: negative control",
+                   f"{label}: staging off on the {'prefill' if nixl else 'decode'}"]
     cases = iter(case_names)
     first = [prefill, decode]
     started = time.monotonic()
@@ -909,11 +1022,12 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
             results.check(next(cases), lambda: fragment(decode))
             pair = PdPair(connector.transport, prefill, decode)
             log(pair.warm_up())
-            offset = prefill.log_size()
+            offset = staged_log_offset(pair)
             for (name, length), case in zip(PROMPTS.items(), cases):
                 results.check(case, lambda n=name, k=length: compare_equal(pair, n, k,
                                                                            reference))
-            results.check(next(cases), lambda: staged_counts(pair, offset))
+            counts = nixl_staged_counts if nixl else staged_counts
+            results.check(next(cases), lambda: counts(pair, offset))
             results.check(next(cases), lambda: staged_reduction(pair, offset))
         started = time.monotonic()
         with harness.running(second, READY_TIMEOUT_S):
@@ -923,7 +1037,7 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
 
             def negative() -> str:
                 detail = negative_control(other, reference, second[:2], connector)
-                rows = staged_lines(other.prefill)
+                rows = staged_rows(other)
                 if len(rows) != other.sent:
                     raise AssertionError(f"{detail}; but {len(rows)} of {other.sent} PD "
                                          "requests went staged")
@@ -931,7 +1045,8 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
 
             results.check(next(cases), negative)
             direct = PdPair(connector.transport, second[2], second[3])
-            results.check(next(cases), lambda: direct_when_off(direct, reference))
+            off_case = nixl_direct_when_off if nixl else direct_when_off
+            results.check(next(cases), lambda: off_case(direct, reference))
     except ServerError as exc:
         print(str(exc), flush=True)
         reason = str(exc).split(";", 1)[0]

@@ -278,3 +278,52 @@ def test_a_hung_server_leaves_its_stacks(tmp_path: Path) -> None:
     stacks = (tmp_path / "sleeper.stacks.txt").read_text()
     assert "hang_here" in stacks and "=== " in stacks
     assert "sleeper.stacks.txt" in note and "hang_here" in note
+
+
+def test_the_nixl_staged_set_runs_by_name_with_staging_in_nixls_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NIXL staged set is left out of the default run and runs staged when named; its
+    servers get kvplan's staging options beside NIXL's own extra config keys."""
+    calls, _ = run_with_outcomes(tmp_path, monkeypatch, set(), [])
+    assert "nixl kvplan staged vllm-0.32" not in calls
+    staged: list[str] = []
+    monkeypatch.setattr(vllm_e2e, "run_staged",
+                        lambda servers, c, reference, results: staged.append(c.label))
+    vllm_e2e.run_servers(fake_setup(tmp_path), ["nixl kvplan staged"])
+    assert staged == ["nixl kvplan staged vllm-0.32"]
+    (connector,) = [c for c in vllm_e2e.connectors(fake_setup(tmp_path))
+                    if c.label == "nixl kvplan staged vllm-0.32"]
+    assert connector.staged and connector.by_name_only and connector.transport == "nixl"
+    extra = connector.transfer_config("kv_consumer", vllm_e2e.DECODE_PORT)[
+        "kv_connector_extra_config"]
+    assert extra == {"enforce_handshake_compat": False, "num_threads": 1,
+                     "kv_lease_duration": vllm_e2e.NIXL_LEASE_S, **vllm_e2e.STAGED_OPTIONS}
+
+
+def test_the_nixl_decodes_staged_read_line_is_parsed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """staged_rows reads the line kvplan's NIXL decode says per staged read (said here by
+    kvplan's own StagedRead): rounds, network reads and the descriptors of vLLM's read, and
+    nothing from other lines."""
+    import logging
+    import types
+
+    from kvplan.compat.vllm.nixl_staging import StagedRead
+
+    rounds = [types.SimpleNamespace(manifest=types.SimpleNamespace(bytes=2 ** 20)),
+              types.SimpleNamespace(manifest=types.SimpleNamespace(bytes=786432))]
+    read = StagedRead("cmpl-1-0", None, None, None, rounds, None, peer="eng:tp0",
+                      direct_descriptors=56)
+    read.ended = read.started + 0.25
+    with caplog.at_level(logging.INFO, logger="vllm.kvplan.staging"):
+        read._said_done()
+    (said,) = [r.getMessage() for r in caplog.records]
+    decode = harness.Server("d", [], 2, {}, tmp_path)
+    decode.log_path.parent.mkdir(parents=True, exist_ok=True)
+    decode.log_path.write_text(
+        f"(Worker pid=1) INFO 12-07 06:00:00 [nixl_staging.py:1] {said}\n"
+        "(Worker pid=1) INFO kvplan staging (always): 2 MiB arena in 2 buffers registered\n")
+    pair = vllm_e2e.PdPair("nixl", harness.Server("p", [], 1, {}, tmp_path), decode)
+    assert vllm_e2e.staged_rows(pair) == [
+        {"req": "cmpl-1-0", "rounds": 2.0, "network_blocks": 2.0, "direct_blocks": 56.0,
+         "bytes": 1835008.0, "seconds": 0.25}]

@@ -184,10 +184,16 @@ class StagedRead:
     (vLLM's failed-receive path then runs; :attr:`verdict` names the blocks not written)."""
 
     def __init__(self, request: str, receiver: Any, notify: Any, template: Any,
-                 rounds: Any, state: Any) -> None:
+                 rounds: Any, state: Any, *, peer: str = "?",
+                 direct_descriptors: int | None = None) -> None:
         self.request, self.receiver, self.template, self.rounds = request, receiver, \
             template, rounds
         self._notify, self._state = notify, state
+        #: The prefill engine and rank read from (for the read's log line).
+        self.peer = peer
+        #: The descriptors vLLM's own READ of the same blocks would take: one per block and
+        #: KV region (None: not known).
+        self.direct_descriptors = direct_descriptors
         self.notified = False
         #: The failure verdict (set once the stream failed, before vLLM sees ``ERR``): the
         #: blocks not written.
@@ -206,12 +212,25 @@ class StagedRead:
                 self.notified = True
                 self.ended = time.monotonic()
                 self._notify()
+                self._said_done()
             return "DONE"
         if current == "failed":
             if self.receiver.error is not None:
                 self.failed(self.receiver.error)
             return "ERR"
         return "PROC"
+
+    def _said_done(self) -> None:
+        """One INFO line per staged read, once its last round is scattered: the rounds, the
+        network reads they took (one per round) against the descriptors vLLM's own READ of
+        the same blocks takes, the bytes and the seconds from the read's start."""
+        ended = self.ended if self.ended is not None else time.monotonic()
+        direct = "?" if self.direct_descriptors is None else str(self.direct_descriptors)
+        _staging_log.info(
+            "kvplan staging: req %s read staged from %s: %d rounds, %d network reads "
+            "(vLLM's read: %s descriptors), %d bytes in %.3f s", self.request, self.peer,
+            len(self.rounds), len(self.rounds), direct,
+            sum(int(r.manifest.bytes) for r in self.rounds), ended - self.started)
 
     def failed(self, error: Any) -> None:
         """The stream's failure: its verdict (the decode blocks of the rounds not scattered),
@@ -367,7 +386,9 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         stream, rounds, scatter, channel.send, writer=0, timeout_s=state.config.timeout_s,
         on_failed=failed,
         fetch=NixlRoundReader(agent, remote_agent, timeout_s=state.config.timeout_s))
-    handle = StagedRead(request_id, receiver, notify, template, rounds, state)
+    # vLLM's own READ of these blocks: one descriptor per block and region pair
+    handle = StagedRead(request_id, receiver, notify, template, rounds, state, peer=session,
+                        direct_descriptors=int(template.n_pairs) * len(dst))
     staged = vstaging.StagedRequest(stream, template, (peer.layout, layout), src, dst,
                                     agreement, choice.why, rounds)
     state.router.open(stream, 0, receiver.on_message)
