@@ -285,11 +285,32 @@ class Pair:
         assert peer is not None
         self.agent_name = peer.agent
         self.decode._remote_agents = {"prefill-0": {(0, 0): peer.agent}}
+        self.keep()
+
+    def keep(self, lease_s: float = 30.0, blocks: list[int] | None = None) -> None:
+        """The prefill finished ``req-p`` for a decode: what vLLM's scheduler sends its
+        worker (the request in the batch, then in ``reqs_to_send`` with its lease's expiry),
+        with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``), run
+        through vLLM's own ``start_load_kv`` of kvplan's worker."""
+        import time
+
+        meta = self.nixl.metadata.NixlConnectorMetadata()
+        meta.reqs_in_batch = {"req-p"}
+        now = time.perf_counter()
+        meta.scheduler_clock = now
+        meta.reqs_to_send = {"req-p": now + lease_s}
+        scheduler = types.SimpleNamespace()
+        nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id="req-p"), (
+            True, {"remote_block_ids": [list(PREFILL_PAGES if blocks is None else blocks)]}))
+        nixl_staging.attach_sent_blocks(scheduler, meta)
+        self.prefill.start_load_kv(meta)
+        assert "req-p" in self.prefill._reqs_to_send
 
     def _vllm_state(self, w: Any) -> None:
         """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
         and its polling use (one KV group, homogeneous TP, block size ratio 1)."""
         import collections
+        import queue
 
         info = types.SimpleNamespace(remote_block_size=BLOCK, remote_dcp_size=1,
                                      remote_physical_blocks_per_logical=1, remote_tp_size=1)
@@ -308,6 +329,11 @@ class Pair:
             dst_uses_region_group_mapping={"prefill-0": False},
             _recving_transfers=collections.defaultdict(list), _recving_metadata={},
             _failed_remote_engines=set(),
+            # what vLLM's pull worker keeps of the requests it holds for decodes
+            _reqs_to_send={}, _reqs_to_process=set(), _ready_requests=queue.Queue(),
+            pcp_rank=0, pcp_dcp_sharded=False, _replicated_pcp_done_sending=set(),
+            consumer_notification_counts_by_req=collections.defaultdict(int),
+            expected_consumer_notifications_by_req={}, _lease_extension=20,
             # vLLM 0.34's region pairs of the prefill (region k reads region k, one group)
             _dst_pairs={"prefill-0": types.SimpleNamespace(
                 remote=list(range(REGIONS)), local=list(range(REGIONS)),
@@ -517,6 +543,242 @@ def test_a_failed_round_read_takes_vllms_failed_receive_path(
         assert pair.notifications(timeout_s=0.5) == []
     finally:
         pair.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill serves only a request it holds, and holds it while the stream gathers
+# ---------------------------------------------------------------------------------------------
+
+def vllm_bytes(pair: Pair) -> np.ndarray:
+    """The decode's KV memory once the request's bytes landed: each decode page holds the
+    prefill page it pairs with (vLLM's trim of the decode's cached first page)."""
+    want = np.zeros_like(pair.d_mem)
+    p_blocks = pair.p_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+    w_blocks = want.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+    for src, dst in zip(PREFILL_PAGES[-len(DECODE_PAGES):], DECODE_PAGES):
+        w_blocks[:, dst] = p_blocks[:, src]
+    return want
+
+
+def expire(pair: Pair) -> set[str]:
+    """The prefill's lease of ``req-p`` runs out and vLLM's own expiry check runs (through
+    kvplan's worker): the requests it reports sent, i.e. frees."""
+    import time
+
+    pair.prefill._reqs_to_send["req-p"] = time.perf_counter() - 1.0
+    done: set[str] = set()
+    pair.prefill._reap_expired_send_leases(done)
+    return done
+
+
+def refused_read(pair: Pair, reason: str) -> tuple[Any, list[str]]:
+    """The decode's staged read of ``req-p``, which the prefill refuses: the prefill's arena
+    is filled with a sentinel first, and nothing of it may change (no round gathered)."""
+    arena = pair.prefill.__dict__[STAGING_ATTR].arena.array
+    arena[:] = 0xA5
+    with staging_records() as said:
+        (handle,) = pair.read()
+        assert isinstance(handle, nixl_staging.StagedRead)
+        done, failed = pair.poll()
+        refusal = wait_for(said, "refused 'req-p@decode-0:tp0'")
+    assert failed == {"req-d"} and done == {"req-d"}  # vLLM's failed-receive path
+    assert (arena == 0xA5).all()  # nothing gathered
+    assert not pair.d_mem.any()  # nothing scattered
+    verdict = handle.verdict
+    assert verdict is not None and verdict.request_id == "req-d"
+    assert sorted(verdict.blocks[0]) == sorted(DECODE_PAGES)
+    assert f"peer_failed: {reason}" in verdict.reason, verdict.reason
+    errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
+    assert errors == [refusal] and "request req-p" in refusal, errors
+    assert pair.notifications(timeout_s=0.5) == []  # nothing frees the blocks but vLLM
+    assert not nixl_staging.send_leases(pair.prefill).pins
+    return verdict, errors
+
+
+@pytest.mark.nixl
+def test_a_stream_for_an_expired_request_is_refused(nixl: Any, connector: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's expiry freed the prefill's blocks of ``req-p`` (they may already be another
+    request's): the decode's stream for it is refused before any gather, the read fails on
+    vLLM's failed-receive path with a verdict naming every block, the refusal said once."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        assert expire(pair) == {"req-p"}  # vLLM freed them
+        assert "req-p" not in pair.prefill._reqs_to_send
+        _, errors = refused_read(pair, "not_held")
+        assert "no longer holds request 'req-p'" in errors[0]
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_stream_naming_other_pages_is_refused(nixl: Any, connector: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM recorded other blocks for ``req-p`` than the pages the stream names: refused, no
+    byte gathered."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        pair.keep(blocks=[6, 5, 2, 0, 1])  # vLLM's blocks of req-p differ in one page
+        _, errors = refused_read(pair, "pages_mismatch")
+        assert "[5, 2, 7, 1]" in errors[0] and "[[6, 5, 2, 0, 1]]" in errors[0], errors
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_stream_outlasting_the_lease_completes_and_frees_once(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's lease of ``req-p`` runs out while its stream is still gathering (the
+    decode is held inside its first round's read): vLLM's expiry check does not free it,
+    the stream completes byte for byte, and the blocks are freed exactly once afterwards, by
+    the decode's notification."""
+    import threading
+    import time
+
+    import kvplan.staging as kstaging
+
+    reading, go = threading.Event(), threading.Event()
+    real_reader = kstaging.NixlRoundReader
+
+    class HeldReader:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.reader = real_reader(*args, **kwargs)
+
+        def __call__(self, round_: Any) -> Any:
+            if not reading.is_set():
+                reading.set()
+                assert go.wait(30)
+            return self.reader(round_)
+
+    monkeypatch.setattr(kstaging, "NixlRoundReader", HeldReader)
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    leases = nixl_staging.send_leases(pair.prefill)
+    try:
+        (handle,) = pair.read()
+        assert reading.wait(30)  # round 0 gathered and announced: the stream holds req-p
+        assert leases.pins == {"req-p": 1}
+        assert expire(pair) == set()  # not freed: its expiry was pushed past now
+        assert pair.prefill._reqs_to_send["req-p"] > time.perf_counter()
+        go.set()
+        assert pair.poll() == ({"req-d"}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+        deadline = time.monotonic() + 20
+        while leases.pins and time.monotonic() < deadline:
+            time.sleep(0.01)  # the prefill's send ends after the last acknowledgement
+        assert not leases.pins and not leases.streams
+        freed: set[str] = set()
+        while not freed and time.monotonic() < deadline:
+            freed = pair.prefill._get_new_notifs()  # vLLM's own: the decode's notification
+            time.sleep(0.01)
+        assert freed == {"req-p"}
+        assert "req-p" not in pair.prefill._reqs_to_send
+        done: set[str] = set()
+        pair.prefill._reap_expired_send_leases(done)
+        assert done == set()  # freed once
+    finally:
+        go.set()
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_shutdown_closes_both_workers_staging_once_after_vllms(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``shutdown()`` of each worker runs first (kvplan's state still open then), then
+    kvplan's: the listener's port closed, its threads and the decode's channel reader ended,
+    the arena unregistered from the NIXL agent. A second shutdown is harmless."""
+    import concurrent.futures
+    import time
+
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "_finish_shutdown",
+                        lambda self: seen.append((self.engine_id, STAGING_ATTR in self.__dict__)))
+    try:
+        (handle,) = pair.read()
+        assert pair.poll() == ({"req-d"}, set())
+        p_state = pair.prefill.__dict__[STAGING_ATTR]
+        d_state = pair.decode.__dict__[STAGING_ATTR]
+        address = p_state.server.address
+        deadline = time.monotonic() + 10
+        while len(p_state.server.threads()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threads = p_state.server.threads() + d_state.server.threads() + [
+            c._conn.reader for c in d_state.channels.values()]
+        # the prefill: periodic check, listener, the decode's connection; the decode: periodic
+        # check, listener, its channel to the prefill
+        assert len(threads) == 6 and all(t is not None and t.is_alive() for t in threads)
+        for w in (pair.prefill, pair.decode):
+            w._handshake_initiation_executor = concurrent.futures.ThreadPoolExecutor(1)
+            w.shutdown()
+        assert seen == [("prefill-0", True), ("decode-0", True)]
+        assert not [t.name for t in threads if t is not None and t.is_alive()]
+        with pytest.raises(ConnectionRefusedError):
+            socket_connect(address)
+        assert p_state.arena.registered_with == "" == d_state.arena.registered_with
+        assert STAGING_ATTR not in pair.prefill.__dict__
+        for w in (pair.prefill, pair.decode):
+            w.shutdown()
+        assert len(seen) == 4 and not any(open_ for _, open_ in seen[2:])
+        assert nixl_staging.close_staging(pair.prefill) is False
+    finally:
+        for w in (pair.prefill, pair.decode):  # vLLM's __del__ shuts down no worker built so
+            w.__dict__.pop("_handshake_initiation_executor", None)
+        pair.close()
+
+
+def socket_connect(address: str) -> None:
+    import socket
+
+    from kvplan.staging.channel import parse_address
+
+    socket.create_connection(parse_address(address), timeout=5).close()
+
+
+def test_the_scheduler_side_sends_the_kept_blocks_with_reqs_to_send(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvplan's scheduler-side connector keeps the ``remote_block_ids`` of each request vLLM's
+    ``request_finished`` keeps for a decode and adds them to the next metadata whose
+    ``reqs_to_send`` has it; with staging off, nothing is kept or added."""
+    config = vllm_config("kv_producer")
+    vllm_base = connector.Connector.__mro__[1]
+    finished = {"r1": (True, {"remote_block_ids": [[4, 5, 6]]}), "r2": (False, None),
+                "r3": (True, {"remote_block_ids": [[7], [1, 2]]})}
+    monkeypatch.setattr(vllm_base, "__init__", lambda self, *a: setattr(
+        self, "connector_worker", None), raising=False)
+    monkeypatch.setattr(vllm_base, "request_finished",
+                        lambda self, request, block_ids: finished[request.request_id],
+                        raising=False)
+    monkeypatch.setattr(vllm_base, "request_finished_all_groups",
+                        lambda self, request, block_ids: finished[request.request_id],
+                        raising=False)
+    sending: list[dict[str, float]] = []
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        meta = nixl.metadata.NixlConnectorMetadata()
+        meta.reqs_to_send = sending.pop(0)
+        return meta
+
+    monkeypatch.setattr(vllm_base, "build_connector_meta", build_connector_meta,
+                        raising=False)
+    for extra, kept in ((READ_STAGING, True), ({}, False)):
+        config.kv_transfer_config.kv_connector_extra_config.update(extra)
+        c = connector.Connector(config, "scheduler", None)
+        assert c.request_finished(types.SimpleNamespace(request_id="r1"), [4, 5, 6]) == \
+            finished["r1"]
+        c.request_finished(types.SimpleNamespace(request_id="r2"), [1])
+        c.request_finished_all_groups(types.SimpleNamespace(request_id="r3"), ([7], [1, 2]))
+        sending[:] = [{"r1": 1.0}, {"r3": 2.0, "r9": 3.0}, {"r1": 4.0}]
+        metas = [c.build_connector_meta(None) for _ in range(3)]
+        got = [getattr(m, nixl_staging.SENT_BLOCKS_META, None) for m in metas]
+        if kept:
+            assert got == [{"r1": [[4, 5, 6]]}, {"r3": [[7], [1, 2]]}, {}]
+        else:
+            assert got == [None, None, None]
+        config.kv_transfer_config.kv_connector_extra_config.clear()
 
 
 @pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,

@@ -21,13 +21,13 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvplan._core import KvPlanError
 
 __all__ = ["CHANNEL_REASONS", "ChannelError", "FrameConnection", "FrameListener", "Framing",
-           "parse_address"]
+           "join_threads", "parse_address"]
 
 _log = logging.getLogger("kvplan.staging.channel")
 
@@ -168,6 +168,8 @@ class FrameConnection:
         self.closed = False
         #: What ended reading, when a :class:`ChannelError` did.
         self.error: ChannelError | None = None
+        #: The reader thread (:meth:`read_in_thread`), None when read on the caller's.
+        self.reader: threading.Thread | None = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # not TCP (a socketpair in tests): nothing to turn off
@@ -219,6 +221,7 @@ class FrameConnection:
                        name: str = "kvplan-staging-channel") -> threading.Thread:
         thread = threading.Thread(target=self._read, args=(on_frame, on_close), name=name,
                                   daemon=True)
+        self.reader = thread
         thread.start()
         return thread
 
@@ -239,14 +242,29 @@ class FrameConnection:
             if on_close is not None:
                 on_close(self.error)
 
-    def close(self) -> None:
-        """Close the connection (a reader thread then ends); idempotent."""
+    def close(self, join_s: float = 0.0) -> None:
+        """Close the connection (a reader thread then ends; waited for up to ``join_s``
+        seconds, unless this is that thread); idempotent."""
         self.closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        if join_s > 0:
+            join_threads([self.reader], join_s)
+
+
+def join_threads(threads: Iterable[threading.Thread | None], join_s: float) -> None:
+    """Wait for ``threads`` to end, all of them within ``join_s`` seconds in total (the
+    calling thread, and threads never started, are skipped)."""
+    import time
+
+    deadline = time.monotonic() + join_s
+    for thread in threads:
+        if thread is None or thread is threading.current_thread() or thread.ident is None:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class FrameListener:
@@ -266,7 +284,14 @@ class FrameListener:
         self._conns: list[FrameConnection] = []
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, name=name, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name=name, daemon=True)
+        self._acceptor.start()
+
+    def threads(self) -> list[threading.Thread]:
+        """The listener's threads: the accepting one and each open connection's reader."""
+        with self._lock:
+            readers = [c.reader for c in self._conns if c.reader is not None]
+        return [self._acceptor, *readers]
 
     def _accept(self) -> None:
         while not self._closed:
@@ -290,8 +315,9 @@ class FrameListener:
 
             conn.read_in_thread(on_frame, on_close, name="kvplan-staging-conn")
 
-    def close(self) -> None:
-        """Stop listening and close every accepted connection."""
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop listening and close every accepted connection; with ``join_s``, wait up to
+        that long for the accepting thread and the connections' readers to end."""
         with self._lock:
             self._closed = True
             conns, self._conns = self._conns, []
@@ -302,3 +328,5 @@ class FrameListener:
         self._server.close()
         for conn in conns:
             conn.close()
+        if join_s > 0:
+            join_threads([self._acceptor, *(c.reader for c in conns)], join_s)

@@ -18,6 +18,8 @@ REASONS = (
     "peer_failed",        # the other side reported its own failure
     "peer_gone",          # the other side disconnected or could not be notified
     "cancelled",          # the engine aborted the request
+    "not_held",           # the prefill no longer holds the request's blocks (freed, expired)
+    "pages_mismatch",     # the stream names pages that are not the prefill's for the request
 )
 
 

@@ -44,6 +44,12 @@ def _connector_class() -> type:
                 manifest.check_worker_manifest(self, CONNECTOR_NAME, manifest_layout)
                 return out
 
+            def shutdown(self) -> Any:
+                try:
+                    return super().shutdown()
+                finally:  # after vLLM's own, once: kvplan's channels, listener and arena
+                    close_staging(self)
+
         install(KvplanMooncakeConnectorWorker)
 
         class KvplanMooncakeConnector(mc.MooncakeConnector):  # type: ignore[misc,name-defined]
@@ -103,6 +109,18 @@ def _start_staging(worker: Any, options: dict[str, Any], module: Any) -> None:
 
     staging_module().start_staging(worker, options, engine=None, cost_engine="mooncake",
                                    setup=setup)
+
+
+def close_staging(worker: Any) -> bool:
+    """The worker's staging state closed (:meth:`kvplan.compat.vllm.staging.WorkerStaging.close`:
+    its streams still receiving cancelled, its channels and listener closed and their threads
+    waited for, its arena unregistered) and dropped from the worker, so a second call does
+    nothing; whether there was one."""
+    state = worker.__dict__.pop(staging_module().STAGING_ATTR, None)
+    if state is None:
+        return False
+    state.close()
+    return True
 
 
 def identity_source(worker: Any) -> Callable[[], Any]:

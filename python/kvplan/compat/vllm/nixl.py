@@ -303,6 +303,35 @@ def connector_class() -> type:
 
             KvplanNixlConnectorWorker._read_blocks = _read_blocks
 
+        def start_load_kv(self: Any, metadata: Any) -> Any:
+            out = super(KvplanNixlConnectorWorker, self).start_load_kv(metadata)
+            # the block ids of the requests vLLM now keeps for decodes: a staged stream
+            # reads only those of a request still held
+            nixl_staging.record_sent_blocks(self, metadata)
+            return out
+
+        KvplanNixlConnectorWorker.start_load_kv = start_load_kv
+
+        if hasattr(base, "_reap_expired_send_leases"):  # vLLM 0.32 to 0.34
+            def _reap_expired_send_leases(self: Any, done_sending: set[str]) -> Any:
+                # a request a staged stream gathers from is not freed by its lease's expiry
+                # while the stream holds it
+                leases = nixl_staging.send_leases(self)
+                with leases.lock:
+                    leases.extend_pinned(self)
+                    return super(KvplanNixlConnectorWorker, self)._reap_expired_send_leases(
+                        done_sending)
+
+            KvplanNixlConnectorWorker._reap_expired_send_leases = _reap_expired_send_leases
+
+        def shutdown(self: Any) -> Any:
+            try:
+                return super(KvplanNixlConnectorWorker, self).shutdown()
+            finally:  # after vLLM's own, once: kvplan's streams, listener and arena
+                nixl_staging.close_staging(self)
+
+        KvplanNixlConnectorWorker.shutdown = shutdown
+
         if hasattr(base, "restore_kv_caches"):  # vLLM 0.34 re-encodes the metadata there
             def restore_kv_caches(self: Any) -> Any:
                 out = super(KvplanNixlConnectorWorker, self).restore_kv_caches()
@@ -333,6 +362,28 @@ def connector_class() -> type:
                     # kvplan_staging: the arena registered with the worker's agent now,
                     # before register_kv_caches takes the agent's metadata
                     nixl_staging.start_staging(self.connector_worker, options)
+                # the scheduler side sends the workers the block ids of the requests kept
+                # for decodes, which a staged stream is checked against
+                self._kvplan_sends_blocks = options.get("kvplan_staging", "off") != "off"
+
+            def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+                out = super().request_finished(request, *args, **kwargs)
+                if self.__dict__.get("_kvplan_sends_blocks"):
+                    nixl_staging.note_finished(self, request, out)
+                return out
+
+            def request_finished_all_groups(self, request: Any, *args: Any,
+                                            **kwargs: Any) -> Any:
+                out = super().request_finished_all_groups(request, *args, **kwargs)
+                if self.__dict__.get("_kvplan_sends_blocks"):
+                    nixl_staging.note_finished(self, request, out)
+                return out
+
+            def build_connector_meta(self, scheduler_output: Any) -> Any:
+                meta = super().build_connector_meta(scheduler_output)
+                if self.__dict__.get("_kvplan_sends_blocks"):
+                    nixl_staging.attach_sent_blocks(self, meta)
+                return meta
 
             @classmethod
             def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

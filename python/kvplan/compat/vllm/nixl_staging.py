@@ -48,9 +48,10 @@ from typing import Any
 from kvplan.compat.vllm.nixl_layout import local_layout, remote_layout
 from kvplan.staging import DirectFallback, Negotiated
 
-__all__ = ["NixlPeer", "StagedRead", "StagingAgent", "advertise_staging", "kv_buffers",
-           "negotiate_peer", "peer_agreement", "serve_rounds", "staged_read", "start_staging",
-           "worker_staging"]
+__all__ = ["NixlPeer", "SendLeases", "StagedRead", "StagingAgent", "advertise_staging",
+           "attach_sent_blocks", "close_staging", "kv_buffers", "negotiate_peer",
+           "note_finished", "peer_agreement", "record_sent_blocks", "send_leases",
+           "serve_rounds", "staged_read", "start_staging", "worker_staging"]
 
 _staging_log = logging.getLogger("vllm.kvplan.staging")
 
@@ -395,7 +396,8 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     try:
         channel.open(vstaging.open_message(staged, stream=stream, peer=state.name,
                                            rank=int(d.get("tp_rank", 0) or 0),
-                                           capabilities=state.capabilities()))
+                                           capabilities=state.capabilities(),
+                                           request=remote_request_id))
     except Exception as exc:  # nothing was read: vLLM's own read takes the request
         state.router.close(stream)
         _staging_log.warning("req %s: opening the staged read failed (%s); direct path",
@@ -415,11 +417,14 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
     """The prefill's answer to a decode's opening message (its listener's ``on_open``):
     negotiate with the decode's staging message, plan the same rounds with this worker's own
     layout as the source, and run :func:`kvplan.staging.send_staged` in pull mode on a thread
-    of its own: each round gathered into this worker's arena, then announced for the decode
-    to read; it ends after the decode's last acknowledgement. A request it cannot serve is
-    refused at once with a failure message (the decode's read fails, vLLM's failed-receive
-    path). vLLM frees the request's blocks on the decode's notification, which the decode
-    sends after the last round's scatter: after every gather here."""
+    of its own: first the request is held (:meth:`SendLeases.hold`: vLLM still holds it, and
+    the stream's prefill pages are vLLM's blocks of it), then each round gathered into this
+    worker's arena and announced for the decode to read; it ends after the decode's last
+    acknowledgement, and the hold with it. A request it cannot serve (a message it cannot
+    plan from, a request vLLM no longer holds, pages that are not the request's) is refused
+    with a failure message: the decode's read fails, vLLM's failed-receive path. vLLM frees
+    the request's blocks on the decode's notification, which the decode sends after the last
+    round's scatter, so after every gather; its lease cannot expire while the stream is held."""
     import threading
 
     import numpy as np
@@ -427,13 +432,16 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
     import kvplan
     from kvplan.compat.vllm import staging as vstaging
     from kvplan.staging import AckQueue, StagingError, local_copy, send_staged
-    from kvplan.staging.wire import FAIL, encode
 
     state = worker_staging(worker)
     opening = vstaging._read_open(data)
     stream = str(opening["stream"])
     peer = str(opening.get("peer", "?"))
     try:
+        request = opening.get("request")
+        if not isinstance(request, str) or not request:
+            raise StagingError.make(stream, 0, "bad_message",
+                                    "the opening message names no request of this prefill")
         agreement = state.agreement(peer, opening["capabilities"], sending=True,
                                     remote_rank=int(opening["rank"]))
         if not agreement.staged:
@@ -446,7 +454,8 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
         template: Any = kvplan.Template(layout,
                                         kvplan.Layout.from_dict(opening["dst_layout"]),
                                         kvplan.Pairing.positional())
-        rounds = template.plan_rounds(np.asarray(opening["src_pages"], np.int64),
+        src_pages = [int(p) for p in opening["src_pages"]]
+        rounds = template.plan_rounds(np.asarray(src_pages, np.int64),
                                       np.asarray(opening["dst_pages"], np.int64),
                                       src_arena=agreement.src_arena,
                                       dst_arena=agreement.dst_arena,
@@ -454,14 +463,25 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
         gather = local_copy(kv_buffers(worker), [state.arena.array])
     except (kvplan.KvPlanError, StagingError, KeyError, TypeError, ValueError) as exc:
         _staging_log.error("kvplan staging: cannot serve %r to %s: %s", stream, peer, exc)
-        reply(encode(FAIL, stream, writer=0, round_index=0,
-                     payload=f"bad_message: {type(exc).__name__}: {exc}".encode()[:4096]))
+        _refuse(reply, stream, "bad_message", f"{type(exc).__name__}: {exc}")
         return stream
+    leases = send_leases(worker)
     acks = AckQueue()
     state.router.open(stream, 0, acks.put)
 
     def send() -> None:
+        held = False
         try:
+            try:
+                leases.hold(worker, request, src_pages, stream=stream,
+                            timeout_s=state.config.timeout_s)
+            except StagingError as exc:
+                # logged once, naming the request; nothing was gathered
+                _staging_log.error("kvplan staging: refused %r to %s: request %s: %s",
+                                   stream, peer, request, exc.detail)
+                _refuse(reply, stream, exc.reason, exc.detail)
+                return
+            held = True
             send_staged(rounds, None, peer, reply, request=stream, acks=acks, writer=0,
                         gather=gather, buffers=agreement.buffers, src_lock=state.arena.lock,
                         timeout_s=state.config.timeout_s, pull=True)
@@ -469,7 +489,233 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
             _staging_log.warning("kvplan staging: serving %r to %s failed: %s", stream,
                                  peer, exc)
         finally:
+            if held:  # the last round acknowledged, or the stream failed: once
+                leases.release(request)
+            leases.ended(stream)
             state.router.close(stream)
 
-    threading.Thread(target=send, name=f"kvplan-staging-serve-{stream}", daemon=True).start()
+    thread = threading.Thread(target=send, name=f"kvplan-staging-serve-{stream}",
+                              daemon=True)
+    leases.started(stream, acks, thread)
+    thread.start()
     return stream
+
+
+def _refuse(reply: Any, stream: str, reason: str, detail: str) -> None:
+    """The prefill's failure message for a stream it does not serve (the decode fails it
+    ``peer_failed``, naming ``reason``); a reply that cannot be sent is logged."""
+    from kvplan.staging.wire import FAIL, encode
+
+    try:
+        reply(encode(FAIL, stream, writer=0, round_index=0,
+                     payload=f"{reason}: {detail}".encode()[:4096]))
+    except Exception as exc:
+        _staging_log.warning("kvplan staging: could not refuse %r: %s", stream, exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill's hold on the requests its streams gather from
+# ---------------------------------------------------------------------------------------------
+#: The worker attribute holding its :class:`SendLeases`.
+LEASES_ATTR = "_kvplan_send_leases"
+#: The attribute kvplan's scheduler side adds to vLLM's connector metadata: the block ids per
+#: KV group vLLM gave each request of ``reqs_to_send`` (its ``remote_block_ids``).
+SENT_BLOCKS_META = "kvplan_send_blocks"
+#: The scheduler-side connector attribute holding the block ids of finished requests until
+#: the next metadata carries them.
+SENT_BLOCKS_ATTR = "_kvplan_sent_blocks"
+#: Least seconds a held request's lease is extended by at each of vLLM's expiry checks.
+MIN_EXTENSION_S = 1.0
+
+
+class SendLeases:
+    """What a prefill worker holds for its staged streams. vLLM's pull worker keeps a
+    finished request's blocks until the decode's notification or the lease's expiry
+    (``_reqs_to_send``: request -> expiry; ``_reqs_to_process``: requests of a batch not yet
+    given one) and then reports them sent, which frees them for other requests. A stream
+    gathers from them only while this worker holds the request: :meth:`hold` checks that
+    vLLM still holds it and that the stream's prefill pages are vLLM's blocks of it, then
+    pins it; :meth:`extend_pinned` (run by the worker's expiry check, under :attr:`lock`)
+    pushes a pinned request's expiry forward, as vLLM's own lease heartbeat does, so the
+    blocks are not freed while a round may still be gathered; :meth:`release` unpins it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        #: Request -> vLLM's block ids per KV group (logical), recorded per step.
+        self.blocks: dict[str, list[list[int]]] = {}
+        #: Request -> streams holding it.
+        self.pins: dict[str, int] = {}
+        #: Streams serving now -> (their ack queue, their thread).
+        self.streams: dict[str, tuple[Any, threading.Thread]] = {}
+        #: Set by :meth:`stop`: no stream is held any more.
+        self.stopping = False
+
+    # ------------------------------------------------------------------ vLLM's bookkeeping
+    @staticmethod
+    def held(worker: Any, request: str) -> bool:
+        """Whether vLLM's worker still holds ``request``'s blocks (as its notification
+        handling decides)."""
+        d = worker.__dict__
+        return request in (d.get("_reqs_to_send") or {}) or \
+            request in (d.get("_reqs_to_process") or ())
+
+    def record(self, worker: Any, sent: Any) -> None:
+        """After vLLM's ``start_load_kv``: the block ids kvplan's scheduler side sent with
+        ``reqs_to_send`` for the requests vLLM now holds; requests vLLM no longer holds are
+        forgotten."""
+        with self.lock:
+            for request, groups in dict(sent or {}).items():
+                if self.held(worker, request):
+                    self.blocks[str(request)] = [[int(b) for b in g] for g in groups]
+            for request in [r for r in self.blocks if not self.held(worker, r)]:
+                del self.blocks[request]
+            self.lock.notify_all()
+
+    def extend_pinned(self, worker: Any) -> None:
+        """Push every pinned request's expiry at least :data:`MIN_EXTENSION_S` (or vLLM's
+        lease extension, if longer) past now. Call with :attr:`lock` held, right before
+        vLLM's expiry check."""
+        leases = worker.__dict__.get("_reqs_to_send")
+        if not self.pins or not isinstance(leases, dict):
+            return
+        now = time.perf_counter()
+        extension = max(float(worker.__dict__.get("_lease_extension") or 0), MIN_EXTENSION_S)
+        for request in self.pins:
+            if request in leases:
+                leases[request] = max(float(leases[request]), now + extension)
+
+    # ------------------------------------------------------------------ streams
+    def hold(self, worker: Any, request: str, src_pages: list[int], *, stream: str,
+             timeout_s: float) -> None:
+        """Pin ``request`` for one stream whose prefill pages are ``src_pages``. Raises
+        :class:`kvplan.staging.StagingError`: ``not_held`` when vLLM no longer holds the
+        request (its lease expired, or it was freed or never finished here), or its block
+        ids are not recorded within ``timeout_s``; ``pages_mismatch`` when ``src_pages`` are
+        not the last pages of vLLM's blocks of it (in kernel blocks: vLLM trims the decode's
+        prefix-cache hit off the front)."""
+        from kvplan.staging import StagingError
+
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                if self.stopping:
+                    raise StagingError.make(stream, None, "cancelled",
+                                            "the prefill worker shut down")
+                if not self.held(worker, request):
+                    raise StagingError.make(
+                        stream, None, "not_held",
+                        f"this prefill no longer holds request {request!r} (its KV lease "
+                        "expired, or its blocks were freed or never kept for a decode)")
+                groups = self.blocks.get(request)
+                if groups is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingError.make(
+                        stream, None, "not_held",
+                        f"vLLM gave this prefill no block ids for request {request!r} within "
+                        f"{timeout_s:g} s")
+                self.lock.wait(min(left, 0.05))
+            ratio = int(worker.__dict__.get("_physical_blocks_per_logical_kv_block", 1) or 1)
+            kernel = worker._logical_to_kernel_block_ids(groups, ratio) if ratio != 1 \
+                else groups
+            used = [[int(b) for b in g] for g in kernel if len(g)]
+            if len(used) != 1 or len(src_pages) > len(used[0]) or \
+                    used[0][len(used[0]) - len(src_pages):] != list(src_pages):
+                raise StagingError.make(
+                    stream, None, "pages_mismatch",
+                    f"the stream reads prefill pages {list(src_pages)!r:.200} of request "
+                    f"{request!r}, whose blocks here are {[list(g) for g in kernel]!r:.200}")
+            self.pins[request] = self.pins.get(request, 0) + 1
+
+    def release(self, request: str) -> None:
+        """Unpin ``request`` for one stream (vLLM's lease, the notification or expiry, frees
+        it from here on)."""
+        with self.lock:
+            left = self.pins.get(request, 0) - 1
+            if left > 0:
+                self.pins[request] = left
+            else:
+                self.pins.pop(request, None)
+
+    def started(self, stream: str, acks: Any, thread: threading.Thread) -> None:
+        with self.lock:
+            self.streams[stream] = (acks, thread)
+
+    def ended(self, stream: str) -> None:
+        with self.lock:
+            self.streams.pop(stream, None)
+
+    def stop(self, join_s: float) -> None:
+        """End every stream serving now (each is told the decode gave up: its send stops
+        after the gather in progress, it is refused to the decode and its hold released),
+        waiting up to ``join_s`` seconds for their threads."""
+        from kvplan.staging.channel import join_threads
+        from kvplan.staging.wire import FAIL, encode
+
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+            streams = list(self.streams.items())
+        for stream, (acks, _) in streams:
+            acks.put(encode(FAIL, stream, writer=0, round_index=0,
+                            payload=b"cancelled: the prefill worker shut down"))
+        join_threads([thread for _, (_, thread) in streams], join_s)
+
+
+def send_leases(worker: Any) -> SendLeases:
+    """The worker's :class:`SendLeases` (made once)."""
+    leases = worker.__dict__.get(LEASES_ATTR)
+    if not isinstance(leases, SendLeases):
+        leases = worker.__dict__.setdefault(LEASES_ATTR, SendLeases())
+    assert isinstance(leases, SendLeases)
+    return leases
+
+
+def record_sent_blocks(worker: Any, metadata: Any) -> None:
+    """The worker's ``start_load_kv``, after vLLM's: keep the block ids of the requests vLLM
+    now holds for decodes (:meth:`SendLeases.record`); nothing with staging off."""
+    if worker_staging(worker) is not None:
+        send_leases(worker).record(worker, getattr(metadata, SENT_BLOCKS_META, None))
+
+
+def note_finished(connector: Any, request: Any, outcome: Any) -> None:
+    """The scheduler side's ``request_finished``, after vLLM's: a request whose blocks vLLM
+    keeps for a decode (``outcome`` ``(True, params)``) has its ``remote_block_ids`` kept
+    until the next connector metadata carries them to the workers."""
+    try:
+        delay, params = outcome
+    except (TypeError, ValueError):
+        return
+    blocks = params.get("remote_block_ids") if delay and isinstance(params, dict) else None
+    if blocks:
+        connector.__dict__.setdefault(SENT_BLOCKS_ATTR, {})[str(request.request_id)] = [
+            [int(b) for b in g] for g in blocks]
+
+
+def attach_sent_blocks(connector: Any, metadata: Any) -> Any:
+    """The scheduler side's ``build_connector_meta``, after vLLM's: the kept block ids of the
+    requests in its ``reqs_to_send`` go with it (:data:`SENT_BLOCKS_META`)."""
+    kept: dict[str, list[list[int]]] = connector.__dict__.get(SENT_BLOCKS_ATTR) or {}
+    sending = getattr(metadata, "reqs_to_send", None) or {}
+    setattr(metadata, SENT_BLOCKS_META,
+            {r: kept.pop(r) for r in list(sending) if r in kept})
+    return metadata
+
+
+def close_staging(worker: Any) -> bool:
+    """The worker's ``shutdown``, after vLLM's: its staged streams ended, its channels and
+    listener closed and their threads waited for, its arena unregistered; once (False: staging
+    was off, or already closed)."""
+    from kvplan.compat.vllm.staging import CLOSE_JOIN_S, STAGING_ATTR
+
+    state = worker.__dict__.pop(STAGING_ATTR, None)
+    if state is None:
+        return False
+    leases = worker.__dict__.get(LEASES_ATTR)
+    try:
+        if leases is not None:
+            leases.stop(CLOSE_JOIN_S)
+    finally:
+        state.close(CLOSE_JOIN_S)
+    return True

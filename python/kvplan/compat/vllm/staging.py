@@ -90,6 +90,8 @@ TICK_S = 0.5
 NEGOTIATION_LOGGER = "vllm.kvplan.staging"
 #: Largest opening message accepted (the template's two layouts and the request's pages).
 MAX_OPEN_BYTES = 64 << 20
+#: Seconds :meth:`WorkerStaging.close` waits for the staging threads to end.
+CLOSE_JOIN_S = 5.0
 
 
 #: What a listener does with an opening message: ``(worker, data, reply) -> stream name``.
@@ -222,15 +224,21 @@ class WorkerStaging:
             while len(self.finished) > KEEP_FINISHED:
                 self.finished.popitem(last=False)
 
-    def close(self) -> None:
-        """Close the channels and the listener, and unregister the arena."""
-        for channel in self.channels.values():
-            close = getattr(channel, "close", None)
-            if close is not None:
+    def close(self, join_s: float = CLOSE_JOIN_S) -> None:
+        """Close the channels and the listener (waiting up to ``join_s`` seconds for their
+        threads to end), cancel the decode's streams still receiving (nothing of them is
+        reported loaded) and unregister the arena; a second call does nothing more."""
+        for receiver in list(self.receivers.values()):
+            if receiver.state == "receiving":
+                receiver.cancel("the worker shut down")
+        for channel in list(self.channels.values()):
+            if isinstance(channel, TcpChannel):
+                channel.close(join_s)
+            elif callable(close := getattr(channel, "close", None)):
                 close()
         self.channels.clear()
         if self.server is not None:
-            self.server.close()
+            self.server.close(join_s)
             self.server = None
         self.arena.unregister()
 
@@ -440,12 +448,16 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
 
 def open_message(staged: StagedRequest, *, stream: str, peer: str, rank: int,
                  capabilities: dict[str, Any], writer: int = 0,
-                 identity: dict[str, Any] | None = None) -> bytes:
+                 identity: dict[str, Any] | None = None, request: str | None = None) -> bytes:
     """The prefill's opening message for one stream: its name, rank and staging message (the
     decode negotiates with it as the prefill did with the decode's), the template's two
-    layouts and the request's pages, from which the decode plans the same rounds."""
+    layouts and the request's pages, from which the decode plans the same rounds. In pull
+    mode the decode opens the stream, and ``request`` names the prefill's request id (the
+    prefill serves only a request it still holds)."""
     src_layout, dst_layout = staged.layouts
-    extra = {} if identity is None else {IDENTITY_KEY: identity}
+    extra: dict[str, Any] = {} if identity is None else {IDENTITY_KEY: identity}
+    if request is not None:
+        extra["request"] = request
     return json.dumps({"stream": stream, "writer": writer, "peer": peer, "rank": rank,
                        "capabilities": capabilities, **extra,
                        "src_layout": src_layout.to_dict(), "dst_layout": dst_layout.to_dict(),
@@ -590,8 +602,8 @@ class TcpChannel:
     def open(self, data: bytes) -> None:
         self._conn.send(data, _OPEN)
 
-    def close(self) -> None:
-        self._conn.close()
+    def close(self, join_s: float = 0.0) -> None:
+        self._conn.close(join_s)
 
 
 class ChannelServer:
@@ -609,7 +621,14 @@ class ChannelServer:
         self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
         self.address = self._listener.address
         self._stop = threading.Event()
-        threading.Thread(target=self._tick, name="kvplan-staging-tick", daemon=True).start()
+        self._ticker = threading.Thread(target=self._tick, name="kvplan-staging-tick",
+                                        daemon=True)
+        self._ticker.start()
+
+    def threads(self) -> list[threading.Thread]:
+        """The listener's threads: its periodic check, its accepting thread and each open
+        connection's reader."""
+        return [self._ticker, *self._listener.threads()]
 
     def _tick(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -640,9 +659,15 @@ class ChannelServer:
             if receiver is not None and receiver.state == "receiving":
                 receiver.cancel("the prefill's staging channel closed")
 
-    def close(self) -> None:
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop the periodic check and the listener (its connections closed); with
+        ``join_s``, wait up to that long for their threads to end."""
+        from kvplan.staging.channel import join_threads
+
         self._stop.set()
-        self._listener.close()
+        self._listener.close(join_s)
+        if join_s > 0:
+            join_threads([self._ticker], join_s)
 
 
 # ---------------------------------------------------------------------------------------------
