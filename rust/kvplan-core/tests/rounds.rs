@@ -14,10 +14,10 @@ mod support;
 
 use kvplan_core::{
     Arena, MemoryOrder, Plan, PlanError, Request, RoundManifest, RoundsPlanner, Side,
-    StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions, TpSplit,
+    StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions,
 };
 use support::reference::{Arena as Bytes, apply};
-use support::staged_cases::{Case, layout};
+use support::staged_cases::{Case, Drawn, Lcg, draw, layout};
 
 const SRC_ARENA: u64 = 0x4000_0000;
 const DST_ARENA: u64 = 0xC000_0000;
@@ -193,23 +193,6 @@ fn check_rounds(
     rounds
 }
 
-/// A small deterministic generator.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[(self.next() % from.len() as u64) as usize]
-    }
-}
-
 fn examples() -> usize {
     std::env::var("KVPLAN_ROUNDS_EXAMPLES")
         .ok()
@@ -234,32 +217,15 @@ fn rounds_equal_the_direct_plan() {
     let mut rng = Lcg(0x9E37_79B9_7F4A_7C15);
     let (mut done, mut one_round, mut split_blocks) = (0, 0, 0);
     while done < examples() {
-        let heads = rng.pick(&[1, 2, 8, 16]);
-        let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
-        let Ok(split) = TpSplit::new(heads, tp_p, tp_d) else {
+        let Some(Drawn {
+            case,
+            r_p,
+            r_d,
+            stage,
+        }) = draw(&mut rng, &page_sizes, true, true)
+        else {
             continue;
         };
-        let page_sizes = rng.pick(&page_sizes);
-        let tokens = if page_sizes.0 == page_sizes.1 {
-            page_sizes.0.max(3) * (1 + rng.next() % 3) + rng.next() % 2 * page_sizes.0
-        } else {
-            page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
-        };
-        let case = Case {
-            heads,
-            tp_p,
-            tp_d,
-            order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
-            pp_p: rng.pick(&[1, 2]),
-            page_sizes,
-            tokens,
-            state: rng.next().is_multiple_of(3),
-            layers: 2,
-        };
-        let r_d = (rng.next() % u64::from(tp_d)) as u32;
-        let peers: Vec<u32> = split.peers(Side::Dst, r_d).unwrap().into_iter().collect();
-        let r_p = rng.pick(&peers);
-        let stage = (rng.next() % u64::from(case.pp_p)) as u32;
         // The request's bytes, from the staged plan's counts, to pick a round buffer.
         let src = layout(&case, Side::Src, r_p, stage);
         let dst = layout(&case, Side::Dst, r_d, 0);
@@ -690,32 +656,15 @@ fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
     let mut rng = Lcg(0x5EED_0001);
     let (mut done, mut same, mut differ) = (0, 0, 0);
     while done < examples() {
-        let heads = rng.pick(&[1, 2, 8, 16]);
-        let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
-        let Ok(split) = TpSplit::new(heads, tp_p, tp_d) else {
+        let Some(Drawn {
+            case,
+            r_p,
+            r_d,
+            stage,
+        }) = draw(&mut rng, &page_sizes, true, true)
+        else {
             continue;
         };
-        let page_sizes = rng.pick(&page_sizes);
-        let tokens = if page_sizes.0 == page_sizes.1 {
-            page_sizes.0.max(3) * (1 + rng.next() % 3) + rng.next() % 2 * page_sizes.0
-        } else {
-            page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
-        };
-        let case = Case {
-            heads,
-            tp_p,
-            tp_d,
-            order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
-            pp_p: rng.pick(&[1, 2]),
-            page_sizes,
-            tokens,
-            state: rng.next().is_multiple_of(3),
-            layers: 2,
-        };
-        let r_d = (rng.next() % u64::from(tp_d)) as u32;
-        let peers: Vec<u32> = split.peers(Side::Dst, r_d).unwrap().into_iter().collect();
-        let r_p = rng.pick(&peers);
-        let stage = (rng.next() % u64::from(case.pp_p)) as u32;
         let src = layout(&case, Side::Src, r_p, stage);
         let dst = layout(&case, Side::Dst, r_d, 0);
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();

@@ -6,11 +6,10 @@
 mod support;
 
 use kvplan_core::{
-    Arena, MemoryOrder, MultiStage, PackBuffer, PackPlanner, Part, Plan, PlanForm, Request, Role,
-    RoundBlocks, RoundsPlanner, Side, Stage, StagedPlanner, StagingRegion, Template,
-    TemplateOptions, TpSplit,
+    Arena, MultiStage, PackBuffer, PackPlanner, Part, Plan, PlanForm, Request, Role, RoundBlocks,
+    RoundsPlanner, Side, Stage, StagedPlanner, StagingRegion, Template, TemplateOptions,
 };
-use support::staged_cases::{Case, DST_BASE, SRC_BASE, layout};
+use support::staged_cases::{DST_BASE, Drawn, Lcg, SRC_BASE, draw, layout};
 
 const SRC_STAGING: u64 = 0x4000_0000;
 const DST_STAGING: u64 = 0xC000_0000;
@@ -170,55 +169,21 @@ fn round_triples(blocks: &RoundBlocks) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// A small deterministic generator.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[(self.next() % from.len() as u64) as usize]
-    }
-}
-
 #[test]
 fn plans_touch_only_the_memories_their_stages_name() {
     let page_sizes = [(1, 1), (16, 16), (4, 4), (16, 64), (64, 16), (4, 1)];
     let mut rng = Lcg(0x0057_A6E5);
     let mut done = 0;
     while done < 200 {
-        let heads = rng.pick(&[1, 2, 8, 16]);
-        let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
-        let Ok(split) = TpSplit::new(heads, tp_p, tp_d) else {
+        let Some(Drawn {
+            case,
+            r_p,
+            r_d,
+            stage,
+        }) = draw(&mut rng, &page_sizes, false, false)
+        else {
             continue;
         };
-        let page_sizes = rng.pick(&page_sizes);
-        let tokens = if page_sizes.0 == page_sizes.1 {
-            page_sizes.0.max(3) * (1 + rng.next() % 3)
-        } else {
-            page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
-        };
-        let case = Case {
-            heads,
-            tp_p,
-            tp_d,
-            order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
-            pp_p: rng.pick(&[1, 2]),
-            page_sizes,
-            tokens,
-            state: false,
-            layers: 2,
-        };
-        let r_d = (rng.next() % u64::from(tp_d)) as u32;
-        let peers: Vec<u32> = split.peers(Side::Dst, r_d).unwrap().into_iter().collect();
-        let r_p = rng.pick(&peers);
-        let stage = (rng.next() % u64::from(case.pp_p)) as u32;
         let src = layout(&case, Side::Src, r_p, stage);
         let dst = layout(&case, Side::Dst, r_d, 0);
         let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();

@@ -94,3 +94,78 @@ pub fn layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
         .collect();
     with_slots(layout, "conv", state_ptrs, 4, STATE_ITEM, layers)
 }
+
+/// A small deterministic generator.
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    pub fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        from[(self.next() % from.len() as u64) as usize]
+    }
+}
+
+/// One drawn case and the ranks it plans between: decode rank `r_d`, one of its prefill ranks
+/// `r_p`, and that rank's PP `stage`.
+#[derive(Clone, Copy, Debug)]
+pub struct Drawn {
+    pub case: Case,
+    pub r_p: u32,
+    pub r_d: u32,
+    pub stage: u32,
+}
+
+/// Draws a case over `page_sizes`: heads in {1, 2, 8, 16}, TP sizes in {1, 2, 4, 8} on each
+/// side, either memory order, prefill PP 1 or 2, two layers. Equal page sizes take whole pages
+/// (and, with `odd_pages`, sometimes one page more); different ones a token count past the
+/// larger page. With `state`, a third of the cases hold state slots. `None` when the heads do
+/// not split between the two TP sizes (draw again).
+pub fn draw(
+    rng: &mut Lcg,
+    page_sizes: &[(u64, u64)],
+    odd_pages: bool,
+    state: bool,
+) -> Option<Drawn> {
+    let heads = rng.pick(&[1, 2, 8, 16]);
+    let (tp_p, tp_d) = (rng.pick(&[1, 2, 4, 8]), rng.pick(&[1, 2, 4, 8]));
+    let split = TpSplit::new(heads, tp_p, tp_d).ok()?;
+    let page_sizes = rng.pick(page_sizes);
+    let tokens = if page_sizes.0 == page_sizes.1 {
+        let whole = page_sizes.0.max(3) * (1 + rng.next() % 3);
+        if odd_pages {
+            whole + rng.next() % 2 * page_sizes.0
+        } else {
+            whole
+        }
+    } else {
+        page_sizes.0.max(page_sizes.1) + 1 + rng.next() % 9
+    };
+    let case = Case {
+        heads,
+        tp_p,
+        tp_d,
+        order: rng.pick(&[MemoryOrder::Nhd, MemoryOrder::Hnd]),
+        pp_p: rng.pick(&[1, 2]),
+        page_sizes,
+        tokens,
+        state: state && rng.next().is_multiple_of(3),
+        layers: 2,
+    };
+    let r_d = (rng.next() % u64::from(tp_d)) as u32;
+    let peers: Vec<u32> = split.peers(Side::Dst, r_d).ok()?.into_iter().collect();
+    let r_p = rng.pick(&peers);
+    let stage = (rng.next() % u64::from(case.pp_p)) as u32;
+    Some(Drawn {
+        case,
+        r_p,
+        r_d,
+        stage,
+    })
+}
