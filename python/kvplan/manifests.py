@@ -15,6 +15,12 @@ a preset's layouts and its manifest cannot drift apart. A manifest is also plain
 schema), and :func:`kvplan.presets.load_manifest` reads what an engine's configuration names
 (a preset key or a JSON file); the engines' drop-ins check it once per worker at start-up
 (:func:`check_at_start_up`).
+
+Engines do not all cut a layer's state into the same tensors (SGLang keeps a KDA layer's q, k
+and v short-convolution states as one tensor, others keep three). A manifest declares such
+alternatives as data (:class:`Fusion`: these parts may be held as one entry of this role), and
+:func:`check_manifest` checks a layout against the presentation it holds
+(:meth:`ModelManifest.as_held_by`), never a union of both.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from typing import Any, Literal
 from kvplan._core import Layout, ManifestError
 from kvplan._core import check_manifest as _check_manifest
 
-__all__ = ["ManifestComponent", "ManifestError", "ModelManifest", "Sharding", "check_at_start_up",
-           "check_manifest"]
+__all__ = ["Fusion", "ManifestComponent", "ManifestError", "ModelManifest", "Sharding",
+           "check_at_start_up", "check_manifest"]
 
 #: How TP splits a component's items (:attr:`ManifestComponent.sharding`).
 Sharding = Literal["replicated", "heads", "split"]
@@ -117,6 +123,58 @@ class ManifestComponent:
 
 
 @dataclass(frozen=True)
+class Fusion:
+    """Components an engine may hold as one entry per layer instead of one entry each.
+
+    On every layer holding the components ``parts``, an engine may publish one entry of role
+    ``role`` whose item is the parts' items together (:meth:`ModelManifest.packed`: bytes the
+    parts' sum, everything else equal). With one part it is that component under another name.
+    SGLang keeps a KDA layer's q, k and v short-convolution states as one ``mamba_conv`` tensor
+    and its recurrent state as ``mamba_temporal``; a manifest that names the parts as another
+    engine keeps them declares ``Fusion("mamba_conv", ("kda_conv_q", "kda_conv_k",
+    "kda_conv_v"))`` and ``Fusion("mamba_temporal", ("kda_recurrent",))``.
+
+    Attributes:
+        role: The role of the one entry.
+        parts: The roles of the components it holds, each once, ``role`` not among them.
+    """
+
+    role: str
+    parts: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if not isinstance(self.role, str) or not self.role or not self.parts \
+                or not all(isinstance(p, str) and p for p in self.parts) \
+                or len(set(self.parts)) != len(self.parts) or self.role in self.parts:
+            raise ManifestError(f"manifest fusion {self.role!r} of {self.parts!r}: needs a role "
+                                f"and one or more distinct part roles other than it")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"role": ..., "parts": [...]}``."""
+        return {"role": self.role, "parts": list(self.parts)}
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "manifest fusion") -> Fusion:
+        """The fusion :meth:`to_dict` wrote.
+
+        Raises:
+            ManifestError: Not a mapping, a missing or unknown key, or a value of the wrong
+                type, naming ``where``, the key and the value.
+        """
+        fields = _fields(data, where, required=("role", "parts"), optional=())
+        role = _typed(fields, "role", str, where)
+        parts = fields["parts"]
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            raise ManifestError(f"{where} {role!r}: parts must be a list of strings (roles), "
+                                f"got {parts!r:.200}")
+        try:
+            return cls(role, tuple(parts))
+        except ManifestError as err:
+            raise ManifestError(f"{where}: {err}") from err
+
+
+@dataclass(frozen=True)
 class ModelManifest:
     """Every component a model has.
 
@@ -125,16 +183,26 @@ class ModelManifest:
         num_layers: Layers of the whole model (a layout publishing another
             ``num_model_layers`` is refused).
         components: Its components.
+        fusions: Parts an engine may hold as one entry per layer (:class:`Fusion`); a layout
+            is checked against the presentation it holds (:meth:`as_held_by`).
     """
 
     model: str
     num_layers: int
     components: tuple[ManifestComponent, ...] = field(default_factory=tuple)
+    fusions: tuple[Fusion, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fusions", tuple(self.fusions))
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest as plain data (docs/manifests.md, "The JSON form")."""
-        return {"model": self.model, "num_layers": self.num_layers,
-                "components": [c.to_dict() for c in self.components]}
+        """The manifest as plain data (docs/manifests.md, "The JSON form"); ``fusions`` only
+        where it has some."""
+        out: dict[str, Any] = {"model": self.model, "num_layers": self.num_layers,
+                               "components": [c.to_dict() for c in self.components]}
+        if self.fusions:
+            out["fusions"] = [f.to_dict() for f in self.fusions]
+        return out
 
     def to_json(self, *, indent: int | None = None) -> str:
         """:meth:`to_dict` as JSON text."""
@@ -142,24 +210,31 @@ class ModelManifest:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "manifest") -> ModelManifest:
-        """The manifest :meth:`to_dict` wrote: ``model`` (str), ``num_layers`` (int) and
-        ``components`` (a list of :meth:`ManifestComponent.from_dict` mappings), no other key.
+        """The manifest :meth:`to_dict` wrote: ``model`` (str), ``num_layers`` (int),
+        ``components`` (a list of :meth:`ManifestComponent.from_dict` mappings) and optionally
+        ``fusions`` (a list of :meth:`Fusion.from_dict` mappings), no other key.
 
         Raises:
             ManifestError: A missing or unknown key or a value of the wrong type, naming
                 ``where``, the key (a component by its position and role) and the value.
         """
         fields = _fields(data, where, required=("model", "num_layers", "components"),
-                         optional=())
+                         optional=("fusions",))
         model = _typed(fields, "model", str, where)
         num_layers = _typed(fields, "num_layers", int, where)
         components = fields["components"]
         if not isinstance(components, list):
             raise ManifestError(f"{where}: components must be a list, got "
                                 f"{type(components).__name__} {components!r:.200}")
+        fusions = fields.get("fusions", [])
+        if not isinstance(fusions, list):
+            raise ManifestError(f"{where}: fusions must be a list, got "
+                                f"{type(fusions).__name__} {fusions!r:.200}")
         return cls(model, num_layers, tuple(
             ManifestComponent.from_dict(c, where=f"{where}: components[{i}]")
-            for i, c in enumerate(components)))
+            for i, c in enumerate(components)),
+            tuple(Fusion.from_dict(f, where=f"{where}: fusions[{i}]")
+                  for i, f in enumerate(fusions)))
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest") -> ModelManifest:
@@ -191,7 +266,8 @@ class ModelManifest:
         K and V become a packed entry with that window. Layers are grouped as the parts'
         components group them; components of other roles are kept as they are, in order (the
         merged ones where the first part's component was). A manifest without the parts is
-        returned unchanged.
+        returned unchanged. One part renames its components (``role`` for it). The manifest's
+        :attr:`fusions` are kept.
 
         Raises:
             ManifestError: A layer that holds some parts but not all, parts that differ in
@@ -201,9 +277,9 @@ class ModelManifest:
                 a layout holds the result.)
         """
         names = tuple(parts)
-        if len(names) < 2 or len(set(names)) != len(names) or role in names:
+        if not names or len(set(names)) != len(names) or role in names:
             raise ManifestError(f"manifest of {self.model}: packed({role!r}, {names!r}) needs "
-                                f"two or more distinct part roles other than {role!r}")
+                                f"one or more distinct part roles other than {role!r}")
         by_part = {p: [c for c in self.components if c.role == p] for p in names}
         if not any(by_part.values()):
             return self
@@ -255,7 +331,7 @@ class ModelManifest:
                 out.append(c)
             else:
                 out.extend(merged.get(id(c), ()))
-        return ModelManifest(self.model, self.num_layers, tuple(out))
+        return ModelManifest(self.model, self.num_layers, tuple(out), self.fusions)
 
     def without(self, role: str, layers: Sequence[int] | None = None) -> ModelManifest:
         """The manifest with component ``role`` removed (on ``layers`` only, when given)."""
@@ -267,7 +343,31 @@ class ModelManifest:
             elif drop is not None and (kept := tuple(i for i in c.layers if i not in drop)):
                 out.append(ManifestComponent(c.role, c.kind, kept, c.bytes, c.tokens_per_row,
                                              c.sharding, c.kv_heads, c.window, c.ring))
-        return ModelManifest(self.model, self.num_layers, tuple(out))
+        return ModelManifest(self.model, self.num_layers, tuple(out), self.fusions)
+
+    def as_held_by(self, layout: Layout) -> tuple[ModelManifest, tuple[Fusion, ...]]:
+        """The manifest in the presentation ``layout`` holds, and the fusions it does not hold.
+
+        Each fusion, in order, is taken (:meth:`packed`) when the layout publishes an entry of
+        the fusion's role, of the parts' kind, on a layer that holds the parts; otherwise the
+        parts stay as they are and the fusion is returned among those not held (a refusal then
+        says that the fused entry would have done too). The result has no fusions left.
+
+        Raises:
+            ManifestError: A fusion whose parts cannot merge (:meth:`packed`'s refusal).
+        """
+        held = {(role, kind, layer) for role, kind, layer
+                in zip(layout.roles or (), layout.kinds, layout.layer_ids or ())
+                if role is not None and layer is not None}
+        manifest = ModelManifest(self.model, self.num_layers, self.components)
+        skipped: list[Fusion] = []
+        for fusion in self.fusions:
+            parts = [c for c in manifest.components if c.role in fusion.parts]
+            if any((fusion.role, c.kind, layer) in held for c in parts for layer in c.layers):
+                manifest = manifest.packed(fusion.role, fusion.parts)
+            elif parts:
+                skipped.append(fusion)
+        return manifest, tuple(skipped)
 
 
 def check_manifest(layout: Layout, manifest: ModelManifest, *,
@@ -283,6 +383,10 @@ def check_manifest(layout: Layout, manifest: ModelManifest, *,
             ``(start, end)``); required when the layout's ``pp_size`` is above 1, since a
             stage's layers cannot be told from its entries (a missing first or last layer
             would look like a shorter stage). ``None``: the whole model.
+
+    The manifest's fusions are resolved first (:meth:`ModelManifest.as_held_by`): a layout
+    holding a fusion's entry is checked against the fused component, one without it against
+    the parts, and a refusal of missing parts adds which fused entry would have held them.
 
     Raises:
         ManifestError: Every problem at once, in ``problems`` as ``(kind, role, layers,
@@ -304,11 +408,27 @@ def check_manifest(layout: Layout, manifest: ModelManifest, *,
         span = (stage.start, stage.stop)
     else:
         span = (int(stage[0]), int(stage[1]))
-    _check_manifest(
-        layout, model=manifest.model, num_layers=manifest.num_layers,
-        components=[(c.role, c.kind, list(c.layers), c.bytes, c.tokens_per_row, c.sharding,
-                     c.kv_heads, c.window, c.ring) for c in manifest.components],
-        stage=span)
+    manifest, not_held = manifest.as_held_by(layout)
+    try:
+        _check_manifest(
+            layout, model=manifest.model, num_layers=manifest.num_layers,
+            components=[(c.role, c.kind, list(c.layers), c.bytes, c.tokens_per_row, c.sharding,
+                         c.kv_heads, c.window, c.ring) for c in manifest.components],
+            stage=span)
+    except ManifestError as err:
+        problems = getattr(err, "problems", ())
+        missing = {p[1] for p in problems if p[0] == "missing"}
+        notes = [(f"{', '.join(f.parts)} may also be held as one {f.role!r} entry per layer"
+                  if len(f.parts) > 1 else f"{f.parts[0]} may also be held as {f.role!r}")
+                 + ", of which this layout has none"
+                 for f in not_held if missing & set(f.parts)]
+        if not notes:
+            raise
+        refusal = ManifestError(f"{err} ({'; '.join(notes)})")
+        refusal.model = getattr(err, "model", manifest.model)
+        refusal.problems = problems
+        refusal.kind = getattr(err, "kind", "manifest")
+        raise refusal from err
 
 
 _COMPONENT_REQUIRED = ("role", "kind", "layers", "bytes")

@@ -42,9 +42,12 @@ Sizes per token per layer (bf16 unless said otherwise):
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
   (27 is the other published size: pass ``num_layers=27``).
 * Kimi-K3: 93 layers, 24 MLA (1152 bytes per token, the Kimi-Linear latent) and 69 KDA layers,
-  each with four state tensors as vLLM's KDA layer keeps them: three short-convolution states
-  (q, k and v: 32 heads × 128 channels × 3 steps × bf16 = 24,576 bytes each) and the recurrent
-  state (32 × 128 × 128 × fp32 = 2,097,152 bytes). Assumed (no public config gives them): the
+  each with four state tensors: three short-convolution states (q, k and v: 32 heads × 128
+  channels × 3 steps × bf16 = 24,576 bytes each) and the recurrent state (32 × 128 × 128 × fp32
+  = 2,097,152 bytes). SGLang 0.5.23 and vLLM 0.32 to 0.34 keep the three conv states as one
+  tensor (``[K - 1, q | k | v]``, 73,728 bytes): the manifest declares that presentation too
+  (``ModelPreset.fusions``: ``mamba_conv`` for the three, ``mamba_temporal`` for the recurrent
+  state, as kvplan's SGLang layouts name them), so either passes. Assumed (no public config gives them): the
   head geometry is Kimi-Linear's (32 heads of 128, conv kernel 4, the 512 + 64 latent), and the
   MLA layers are every 4th layer (ids 3, 7, …, 91) plus the last (92).
 
@@ -69,7 +72,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvplan._core import KvPlanError, Layout, LayoutError, ManifestError, heads_per_rank
-from kvplan.manifests import ManifestComponent, ModelManifest, Sharding
+from kvplan.manifests import Fusion, ManifestComponent, ModelManifest, Sharding
 
 __all__ = ["PRESETS", "ComponentSpec", "ModelPreset", "StateSpec", "fragmented_pages", "get_preset",
            "load_manifest", "pool_pages_for", "split_layers"]
@@ -206,6 +209,9 @@ class ModelPreset:
             the components a full-attention layer holds.
         full_attention_layers: The full-attention layers by id, for a hybrid model whose
             pattern is not every n-th layer (empty: ``full_attention_every`` decides).
+        fusions: How another engine may hold some of its components (one entry per layer
+            for several, or one under another name), carried into its manifest
+            (:class:`kvplan.manifests.Fusion`); its own layouts hold the parts.
     """
 
     key: str
@@ -223,6 +229,7 @@ class ModelPreset:
     sliding_window: int = 0
     components: tuple[ComponentSpec, ...] = field(default_factory=tuple)
     full_attention_layers: tuple[int, ...] = ()
+    fusions: tuple[Fusion, ...] = ()
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens (``None``: full attention)."""
@@ -448,7 +455,8 @@ class ModelPreset:
         components += [ManifestComponent(spec.name, "state", linear, spec.bytes_per_slot,
                                          sharding="replicated" if spec.channels == 0 else "split")
                        for spec in (self.state if linear else ())]
-        return ModelManifest(self.name, self.num_layers, tuple(components))
+        return ModelManifest(self.name, self.num_layers, tuple(components),
+                             self.fusions if linear else ())
 
     def _add_state(self, layout: Layout, layers: Sequence[int], state_slots: int,
                    address: int, tp_size: int = 1) -> Layout:
@@ -534,13 +542,18 @@ _GDN = (StateSpec("mamba_conv", 49_152, channels=8192, shard_groups=(2048, 2048,
 #: the recurrent state.
 _KDA = (StateSpec("mamba_conv", 73_728, channels=3 * 4096, outer_rows=3,
                   shard_groups=(4096, 4096, 4096)), _RECURRENT)
-#: Kimi-K3's KDA state as vLLM's KDA layer keeps it: one short-convolution state each for q, k
-#: and v (``[K - 1, channels]``: 3 rows of 32 heads × 128 bf16 channels) and the recurrent state
-#: (fp32), every one sharded over TP by heads.
+#: Kimi-K3's KDA state as a KDA layer with three separate short convolutions keeps it: one
+#: conv state each for q, k and v (``[K - 1, channels]``: 3 rows of 32 heads × 128 bf16
+#: channels) and the recurrent state (fp32), every one sharded over TP by heads.
 _KDA_CONV = 32 * 128 * 3 * 2
 _KDA4 = (*(StateSpec(f"kda_conv_{x}", _KDA_CONV, channels=32 * 128, outer_rows=3)
            for x in "qkv"),
          StateSpec("kda_recurrent", 32 * 128 * 128 * 4, channels=32))
+#: Kimi-K3's KDA state as SGLang (0.5.23) and vLLM (0.32 to 0.34) keep it: the three conv states
+#: as one ``[K - 1, q | k | v]`` tensor (``mamba_conv``, 73,728 bytes at TP 1) and the recurrent
+#: state as ``mamba_temporal``, the names kvplan's SGLang layouts give them.
+_KDA4_FUSED = (Fusion("mamba_conv", ("kda_conv_q", "kda_conv_k", "kda_conv_v")),
+               Fusion("mamba_temporal", ("kda_recurrent",)))
 #: Kimi-K3's MLA layers (assumed, see the module docstring): every 4th layer and the last.
 _K3_MLA = (*range(3, 93, 4), 92)
 
@@ -604,7 +617,8 @@ PRESETS: dict[str, ModelPreset] = {
                                 "last, assumed) + 69 KDA layers with 4 state tensors each (q, k "
                                 "and v conv state, 24,576 B each, and the 2 MiB fp32 recurrent "
                                 "state; Kimi-Linear's head geometry, assumed)",
-                    kv_heads=1, head_dim=576, full_attention_layers=_K3_MLA),
+                    kv_heads=1, head_dim=576, full_attention_layers=_K3_MLA,
+                    fusions=_KDA4_FUSED),
     )
 }
 

@@ -245,6 +245,41 @@ def test_sglang_hybrid_manager_starts_with_its_presets_manifest(
     assert err.value.problems[0][2] == preset.linear_layers()
 
 
+def test_sglang_kda_manager_starts_with_the_kimi_k3_manifest(
+        sg: Any, env: pytest.MonkeyPatch) -> None:
+    """``KVPLAN_MANIFEST=kimi-k3`` on a manager whose Mamba pool is SGLang's for a KDA model
+    (one conv tensor over q | k | v, then the recurrent one: support.sglang_mamba): the
+    preset's fusions take SGLang's presentation, so the manager starts (it was refused, the
+    preset's four state components missing); without the recurrent tensor it refuses naming
+    ``kda_recurrent`` and the ``mamba_temporal`` entry that would have held it."""
+    from support.sglang_mamba import hybrid_kv_args
+    from support.sglang_models import load_loader
+
+    preset = PRESETS["kimi-k3"]
+    env.setenv("KVPLAN_MANIFEST", "kimi-k3")
+
+    def manager(**state: bool) -> Any:
+        kv = hybrid_kv_args(sg, preset, 2, 1, **state)
+        kv.aux_data_ptrs, kv.aux_data_lens, kv.num_draft_entries = [], [], 0
+        kv.mla_compression_ratios = None
+        return load_loader().manager_object(
+            sg, sg.MooncakeKVManager, kv_args=kv, engine=RecordingEngine(),
+            is_mla_backend=True, attn_tp_size=2, pp_size=1,
+            server_args=types.SimpleNamespace(model_path="org/model", revision="abc123"))
+
+    with records("kvplan.compat.sglang") as said:
+        sg_start(manager())
+    assert [r for r in said if "holds every component of the manifest of Kimi-K3"
+            in r.getMessage()]
+    with pytest.raises(ManifestError) as err:
+        sg_start(manager(temporal=False))
+    assert [p[:3] for p in err.value.problems] == [
+        ("missing", "kda_recurrent", preset.linear_layers())]
+    message = str(err.value)
+    assert "TP rank 1 of 2" in message and "kda_recurrent" in message
+    assert "may also be held as 'mamba_temporal'" in message
+
+
 def test_sglang_manager_missing_layers_refuses_naming_them(
         sg: Any, env: pytest.MonkeyPatch) -> None:
     env.setenv("KVPLAN_MANIFEST", SG_MANIFEST)

@@ -14,6 +14,7 @@ twice).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -29,7 +30,7 @@ from kvplan.compat.sglang.layouts import (
 )
 from kvplan.manifests import check_manifest
 from kvplan.presets import get_preset
-from support.sglang_mamba import hybrid_kv_args
+from support.sglang_mamba import hybrid_kv_args, kimi_linear_state_shape
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,63 @@ def test_sglang_hybrid_layout_without_its_recurrent_state_names_it_missing(
     linear = preset.linear_layers()
     assert [p[:3] for p in err.value.problems] == [("missing", "mamba_temporal", linear)]
     assert "missing state component \"mamba_temporal\" on layers 0-2, 4-6" in str(err.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_sglang_kda_worker_holds_the_kimi_k3_manifest(sg: Any, tp: int) -> None:
+    """SGLang keeps a KDA layer's q, k and v conv states as one tensor (its own
+    ``KimiLinearStateShape.create``: ``[K - 1, (q + k + v) / tp]``, shard groups q | k | v)
+    beside the recurrent one; the ``kimi-k3`` preset names four tensors. Its manifest declares
+    SGLang's presentation (``mamba_conv`` for the three conv states, ``mamba_temporal`` for the
+    recurrent one), so every rank of an SGLang Kimi-K3 worker passes; without those fusions it
+    was refused: the four components missing, both of SGLang's unexpected."""
+    shape = kimi_linear_state_shape(sg, tp)
+    assert [tuple(c) for c in shape.conv] == [(3, 3 * 4096 // tp)]
+    assert list(shape.conv_shard_groups) == [4096] * 3 and shape.conv_slice_axis == 1
+    preset = get_preset("kimi-k3")
+    manifest = preset.manifest()
+    linear = preset.linear_layers()
+    for rank in range(tp):
+        kv = hybrid_kv_args(sg, preset, tp, rank)
+        layout = layout_from_kv_args(kv, is_mla_backend=True, attn_tp_size=tp)
+        state = [(r, i) for r, i, k in zip(layout.roles, layout.layer_ids, layout.kinds)
+                 if k == "state"]
+        assert state == [("mamba_conv", i) for i in linear] + [("mamba_temporal", i)
+                                                              for i in linear]
+        check_manifest(layout, manifest)
+    with pytest.raises(ManifestError) as err:
+        check_manifest(layout, dataclasses.replace(manifest, fusions=()))
+    assert {(p[0], p[1]) for p in err.value.problems} == {
+        ("missing", "kda_conv_q"), ("missing", "kda_conv_k"), ("missing", "kda_conv_v"),
+        ("missing", "kda_recurrent"), ("unexpected", "mamba_conv"),
+        ("unexpected", "mamba_temporal")}
+
+
+@pytest.mark.parametrize("drop, missing, unexpected, fused", [
+    ("temporal", ["kda_recurrent"], [], "kda_recurrent may also be held as 'mamba_temporal'"),
+    ("conv", ["kda_conv_q", "kda_conv_k", "kda_conv_v", "kda_recurrent"], ["mamba0"],
+     "kda_conv_q, kda_conv_k, kda_conv_v may also be held as one 'mamba_conv' entry per layer")])
+def test_sglang_kda_worker_missing_a_tensor_is_refused_naming_it(
+        sg: Any, drop: str, missing: list[str], unexpected: list[str], fused: str) -> None:
+    """An SGLang Kimi-K3 pool without one of its two tensors (SGLang publishes no entry for an
+    empty one) is refused naming the manifest's components that tensor holds, on the KDA
+    layers, and the fused entry that would have held them. Without its conv tensor the pool
+    publishes no conv shard groups, so nothing tells the remaining tensor is the recurrent
+    one: it keeps the positional ``mamba0`` (unexpected) and ``kda_recurrent`` is missing too,
+    never guessed."""
+    preset = get_preset("kimi-k3")
+    kv = hybrid_kv_args(sg, preset, 2, 1, **{drop: False})
+    layout = layout_from_kv_args(kv, is_mla_backend=True, attn_tp_size=2)
+    with pytest.raises(ManifestError) as err:
+        check_manifest(layout, preset.manifest())
+    linear = preset.linear_layers()
+    assert [p[:3] for p in err.value.problems] == \
+        [("missing", role, linear) for role in missing] + \
+        [("unexpected", role, linear) for role in unexpected]
+    message = str(err.value)
+    assert f"missing state component \"{missing[0]}\" on layers 0-2, 4-6" in message
+    assert f"{fused}, of which this layout has none" in message
+    assert err.value.kind == "manifest" and err.value.model == "Kimi-K3"
 
 
 def test_sglang_pool_without_conv_shard_groups_keeps_positional_names(sg: Any) -> None:

@@ -13,7 +13,10 @@ copy, else the downloaded wheel file), compiles them unchanged into a class of t
 only ``math`` (the one module they use: any other global they read would be a ``NameError``). :class:`HostTensor`
 stands in for a torch tensor with the few members they use (``shape``, ``numel``, ``data_ptr``,
 ``nbytes``, indexing the first axis). SGLang's real ``append_state_component``
-(``disaggregation/utils.py``) then puts the lists into ``KVArgs``.
+(``disaggregation/utils.py``) then puts the lists into ``KVArgs``. A KDA layer's state shapes
+are SGLang's own ``KimiLinearStateShape.create`` (``srt/configs/mamba_utils.py``, with
+``divide`` of ``srt/distributed/utils.py``), compiled the same way
+(:func:`kimi_linear_state_shape`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from support.package_shells import download_wheel
 from support.sglang_loader import SGLANG_VERSION, SGLang
 
 MEMORY_POOL = "srt/mem_cache/memory_pool.py"
+MAMBA_UTILS = "srt/configs/mamba_utils.py"
+DIST_UTILS = "srt/distributed/utils.py"
 
 #: The ``MambaPool`` members the PD registration runs (and nothing else of the class).
 MEMBERS = ("_NON_TRANSFER_STATE_FIELDS", "_iter_transfer_state_entries",
@@ -57,8 +62,8 @@ class HostTensor:
         return HostTensor(self.shape[1:], self.itemsize, self.ptr + i * inner.nbytes)
 
 
-def _source(sg: SGLang) -> str:
-    path = os.path.join(sg.root, MEMORY_POOL)
+def _source(sg: SGLang, module: str = MEMORY_POOL) -> str:
+    path = os.path.join(sg.root, module)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -66,7 +71,47 @@ def _source(sg: SGLang) -> str:
 
     cache = os.path.dirname(os.path.dirname(sg.root))
     with zipfile.ZipFile(download_wheel("sglang", SGLANG_VERSION, cache)) as zf:
-        return zf.read("sglang/" + MEMORY_POOL).decode("utf-8")
+        return zf.read("sglang/" + module).decode("utf-8")
+
+
+def _definitions(sg: SGLang, module: str, names: tuple[str, ...]) -> list[ast.stmt]:
+    """The top-level definitions ``names`` of the wheel's ``module``, as SGLang wrote them."""
+    tree = ast.parse(_source(sg, module))
+    found = [n for n in tree.body
+             if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+    assert sorted(n.name for n in found) == sorted(names), (module, names)
+    return found
+
+
+_KDA_SHAPE: type | None = None
+
+
+def kimi_linear_state_shape(sg: SGLang, tp: int, *, num_heads: int = 32, head_dim: int = 128,
+                            conv_kernel_size: int = 4) -> Any:
+    """SGLang's own ``KimiLinearStateShape.create`` for a KDA layer of ``num_heads`` heads of
+    ``head_dim`` at attention TP ``tp`` (what ``configs/kimi_linear.py``'s
+    ``mamba2_cache_params`` asks for): its ``conv`` shapes, ``temporal`` shape,
+    ``conv_shard_groups`` and ``conv_slice_axis``. The class and ``divide`` (with
+    ``ensure_divisibility``) are compiled unchanged from the wheel, in a namespace holding only
+    ``dataclass``, ``List`` and ``Optional``."""
+    global _KDA_SHAPE
+    if _KDA_SHAPE is None:
+        import dataclasses
+        import typing
+
+        body = [*_definitions(sg, DIST_UTILS, ("ensure_divisibility", "divide")),
+                *_definitions(sg, MAMBA_UTILS, ("KimiLinearStateShape",))]
+        module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
+        namespace: dict[str, Any] = {"dataclass": dataclasses.dataclass, "List": typing.List,
+                                     "Optional": typing.Optional,
+                                     "__name__": "sglang_mamba_utils",
+                                     "__builtins__": __builtins__}
+        # dont_inherit: this file's ``from __future__ import annotations`` is not the wheel's
+        exec(compile(module, os.path.join(sg.root, MAMBA_UTILS), "exec", dont_inherit=True),
+             namespace)
+        _KDA_SHAPE = namespace["KimiLinearStateShape"]
+    return _KDA_SHAPE.create(tp_world_size=tp, num_heads=num_heads,  # type: ignore[attr-defined]
+                             head_dim=head_dim, conv_kernel_size=conv_kernel_size)
 
 
 _CLASS: type | None = None
@@ -147,23 +192,31 @@ PAGE, SLOTS = 16, 8
 
 
 def state_pool(sg: SGLang, key: str, tp: int, layers: list[int], *, temporal: bool = True,
-               groups: bool = True) -> Any:
+               conv: bool = True, groups: bool = True) -> Any:
     """The Mamba pool SGLang allocates for ``key`` at attention TP ``tp`` on ``layers``.
 
     Shapes as SGLang's configs give them (``configs/qwen3_next.py`` ``mamba2_cache_params``,
     ``configs/mamba_utils.py`` ``Mamba2StateShape.create`` / ``KimiLinearStateShape.create``):
     Qwen3-Next's Gated DeltaNet conv state ``[conv_dim / tp, K - 1]`` over
     ``cat(q, k, v)`` (16 key heads and 32 value heads of 128: 2048 + 2048 + 4096 channels),
-    Kimi-Linear's KDA conv state ``[K - 1, (q + k + v) / tp]`` (32 heads of 128 each, the
-    sliced axis second), both bf16 with ``K = 4``; the recurrent state ``[32 / tp, 128, 128]``
-    fp32. ``temporal=False``: an empty recurrent tensor (SGLang publishes no entry for it);
-    ``groups=False``: a pool without conv shard groups."""
+    bf16 with ``K = 4``, the recurrent state ``[32 / tp, 128, 128]`` fp32; any other key is a
+    KDA model (Kimi-Linear, Kimi-K3) of 32 heads of 128 and ``K = 4``, its shapes, conv shard
+    groups and sliced axis from SGLang's own ``KimiLinearStateShape.create``
+    (:func:`kimi_linear_state_shape`: one conv tensor ``[K - 1, (q + k + v) / tp]``).
+    ``temporal=False`` / ``conv=False``: an empty recurrent / conv tensor (SGLang publishes no
+    entry for it); ``groups=False``: a pool without conv shard groups."""
     if key == "qwen3-next":
-        conv, axis, shard = (8192 // tp, 3), 0, [2048, 2048, 4096]
+        convs, axis, shard = [(8192 // tp, 3)], 0, [2048, 2048, 4096]
+        recurrent = (32 // tp, 128, 128)
     else:
-        conv, axis, shard = (3, 3 * 4096 // tp), 1, [4096] * 3
-    recurrent = (32 // tp, 128, 128) if temporal else (0, 128, 128)
-    return mamba_pool(sg, layer_ids=layers, conv=[conv], temporal=recurrent, slots=SLOTS,
+        shape = kimi_linear_state_shape(sg, tp)
+        convs, axis = [tuple(c) for c in shape.conv], shape.conv_slice_axis
+        shard, recurrent = list(shape.conv_shard_groups), tuple(shape.temporal)
+    if not temporal:
+        recurrent = (0, *recurrent[1:])
+    if not conv:
+        convs = [(0, *c[1:]) for c in convs]
+    return mamba_pool(sg, layer_ids=layers, conv=convs, temporal=recurrent, slots=SLOTS,
                       conv_shard_groups=shard if groups else None, conv_slice_axis=axis)
 
 
