@@ -1,16 +1,26 @@
 """Failure verdicts into vLLM's own failed-load path (both connectors' decode workers):
 :func:`report_load_failure` feeds a :class:`kvplan.failures.FailureVerdict` to the worker's
 queues in the shape its release's scheduler takes. ``kvplan.compat.vllm.nixl`` exports these
-names too."""
+names too.
+
+Its callers are the staged paths, where the decode scatters each round itself and so knows
+which rounds never landed (:func:`kvplan.compat.vllm.staging.report_unwritten`, the NIXL
+staged read). There is no batch-level entry: on vLLM's direct paths no decode worker learns
+which batch of a plan failed. Mooncake's prefill writes a whole call's blocks (several
+requests' plans concatenated) in batches that stop at the first failure, and the decode hears
+only the request ids of the failed call (``err_reqs``), for which vLLM's own
+``_handle_failed_recv`` reports every block; NIXL's decode reads a request per handle, one
+status for all of it. A verdict naming one batch's blocks would also leave out the batches
+never submitted after it."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from kvplan.failures import FailureVerdict, verdict_for_plan
+from kvplan.failures import FailureVerdict
 
-__all__ = ["kv_cache_group_count", "report_failed_batch", "report_load_failure"]
+__all__ = ["kv_cache_group_count", "report_load_failure"]
 
 # the NIXL connector's logger, where these lines have always been said
 logger = logging.getLogger("vllm.kvplan.nixl")
@@ -60,15 +70,3 @@ def report_load_failure(worker: Any, verdict: FailureVerdict) -> str:
     queue.put(set(verdict.group(0)))
     logger.warning("kvplan: %s; reported as invalid blocks", verdict)
     return "blocks"
-
-
-def report_failed_batch(worker: Any, request_id: str, template: Any, plan: Any,
-                        failed: Any, *, reason: str,
-                        groups: dict[int, int] | None = None) -> FailureVerdict:
-    """A transfer engine's failed submission of ``plan`` (blocks ``failed``: positions or
-    ``(start, stop)`` ranges) for decode request ``request_id``: the verdict
-    (:func:`kvplan.failures.verdict_for_plan`), fed to the worker by
-    :func:`report_load_failure`, and returned."""
-    verdict = verdict_for_plan(request_id, template, plan, failed, reason=reason, groups=groups)
-    report_load_failure(worker, verdict)
-    return verdict

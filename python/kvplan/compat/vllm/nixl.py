@@ -53,17 +53,13 @@ from typing import Any
 from kvplan._core import nixl_desc_ids
 from kvplan.compat.vllm import forms, manifest
 from kvplan.compat._methods import MethodPatches, require_method
-from kvplan.compat.vllm.load_failures import (
-    kv_cache_group_count,
-    report_failed_batch,
-    report_load_failure,
-)
+from kvplan.compat.vllm.load_failures import kv_cache_group_count, report_load_failure
 from kvplan.compat.vllm.nixl_layout import worker_layout
 from kvplan.compat.vllm.nixl_metadata import add_to_agent_metadata
 
 __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_worker",
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
-           "report_load_failure", "report_failed_batch", "kv_cache_group_count",
+           "report_load_failure", "kv_cache_group_count",
            "add_to_agent_metadata", "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
            "manifest_layout", "worker_identity", "worker_layout"]
 
