@@ -489,6 +489,7 @@ def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
                                 f"manifest of {manifest.model}, refusing to start: {err}")
         refusal.model = getattr(err, "model", manifest.model)
         refusal.problems = getattr(err, "problems", ())
+        refusal.kind = getattr(err, "kind", "manifest")
         log.error("%s", refusal)
         raise refusal from err
     log.info("kvplan: %s: this worker (%s) holds every component of the manifest of %s",

@@ -275,6 +275,7 @@ def test_sglang_kda_manager_starts_with_the_kimi_k3_manifest(
         sg_start(manager(temporal=False))
     assert [p[:3] for p in err.value.problems] == [
         ("missing", "kda_recurrent", preset.linear_layers())]
+    assert err.value.kind == "manifest"  # the core's kind, kept by the start-up refusal
     message = str(err.value)
     assert "TP rank 1 of 2" in message and "kda_recurrent" in message
     assert "may also be held as 'mamba_temporal'" in message
