@@ -27,73 +27,30 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.log_records import records as log_records  # noqa: E402
 from support.vllm_loader import rerun_under_release  # noqa: E402
 from support.vllm_nixl import (  # noqa: E402
-    BLOCK,
     BLOCKS,
-    HEAD_BYTES,
-    HEADS,
-    LAYERS,
     handshake,
     nixl_connector,  # noqa: F401 (the fixture connector)
     nixl_release,  # noqa: F401 (the fixture nixl)
     serve,
     vllm_config,
-    worker,
+)
+from support.vllm_nixl_pair import (  # noqa: E402
+    BLOCK_BYTES,
+    DECODE_PAGES,
+    PREFILL_PAGES,
+    READ_STAGING,
+    REGIONS,
+    STAGING,
+    Pair,
+    build,
+    close,
+    load_agents,
 )
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl_staging  # noqa: E402
 from kvplan.compat.vllm.staging import META_KEY, STAGING_ATTR  # noqa: E402
 from kvplan.staging import DirectFallback, NixlRoundReader, StagingAgreement  # noqa: E402
-
-STAGING = {"kvplan_staging": "always", "kvplan_staging_arena_mib": 1,
-           "kvplan_staging_buffers": 2}
-
-
-def _agent(name: str) -> Any:
-    from support.engine_peers import require_nixl
-
-    require_nixl()
-    import importlib
-
-    api = importlib.import_module("nixl_cu12._api")
-    # as vLLM makes its agents: telemetry on (its polling records each read's)
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], capture_telemetry=True))
-
-
-def build(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, engine: str, role: str,
-          extra: dict[str, Any] | None, *, base: int, agent: Any = None) -> Any:
-    """A worker made by ``KvplanNixlConnector``'s constructor (vLLM's part: the worker with
-    its NIXL agent, as vLLM's constructor leaves it)."""
-    config = vllm_config(role)
-    config.kv_transfer_config.kv_connector_extra_config.update(extra or {})
-    w = worker(c, nixl, engine, config, base=base)
-    w.__class__ = nixl.NixlPullConnectorWorker  # vLLM's constructor names its own class
-    w.__dict__.update(nixl_wrapper=agent if agent is not None else _agent(engine),
-                      device_kv_caches={})
-    vllm_base = c.Connector.__mro__[1]
-
-    def vllm_init(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        self.connector_worker = w
-
-    monkeypatch.setattr(vllm_base, "__init__", vllm_init, raising=False)
-    c.Connector(config, role, None)
-    assert type(w) is c.Worker
-    return w
-
-
-def close(*workers: Any) -> None:
-    for w in workers:
-        state = w.__dict__.get(STAGING_ATTR)
-        if state is not None:
-            state.close()
-
-
-def load_agents(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode's ``add_remote_agent`` below kvplan's loads the prefill's agent metadata
-    into its NIXL agent (vLLM's own then prepares its KV descriptors, not needed here)."""
-    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "add_remote_agent",
-                        lambda self, meta, *a, **k: self.nixl_wrapper.add_remote_agent(
-                            meta.agent_metadata))
 
 
 def staging_records() -> Any:
@@ -249,155 +206,6 @@ def test_a_decode_whose_cache_is_not_host_memory_advertises_nothing(
 # ---------------------------------------------------------------------------------------------
 # The staged read (pull mode) against vLLM's own read, through real NIXL agents
 # ---------------------------------------------------------------------------------------------
-#: Bytes of one KV block per region (one layer's K or V: BLOCK tokens of HEADS heads).
-BLOCK_BYTES = BLOCK * HEADS * HEAD_BYTES
-REGIONS = 2 * LAYERS
-#: The prefill's pages of one request and the decode's (fragmented, and the decode has the
-#: first prefill page cached: vLLM's prefix-cache trim leaves the last four).
-PREFILL_PAGES = [6, 5, 2, 7, 1]
-DECODE_PAGES = [3, 6, 0, 4]
-#: The read tests' staging: 32 round buffers of 32 KiB, so the request's 96 KiB take 3 rounds.
-READ_STAGING = dict(STAGING, kvplan_staging_buffers=32)
-
-
-class Pair:
-    """A prefill and a decode worker of ``KvplanNixlConnector`` with staging on, each with its
-    KV cache in host memory registered with its own NIXL agent, handshaken."""
-
-    def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
-                 prefill_extra: dict[str, Any] | None = None,
-                 decode_extra: dict[str, Any] | None = None) -> None:
-        self.nixl, size = nixl, REGIONS * BLOCKS * BLOCK_BYTES
-        self.p_mem = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
-        self.d_mem = np.zeros(size, np.uint8)
-        self.prefill = build(c, nixl, monkeypatch, "prefill-0", "kv_producer",
-                             READ_STAGING if prefill_extra is None else prefill_extra,
-                             base=self.p_mem.ctypes.data)
-        self.decode = build(c, nixl, monkeypatch, "decode-0", "kv_consumer",
-                            READ_STAGING if decode_extra is None else decode_extra,
-                            base=self.d_mem.ctypes.data)
-        for w, mem in ((self.prefill, self.p_mem), (self.decode, self.d_mem)):
-            self._vllm_state(w)
-            w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
-        serve(c, nixl, self.prefill)
-        handshake(self.decode, self.prefill)
-        peer = nixl_staging.peer_agreement(self.decode, "prefill-0", 0)
-        assert peer is not None
-        self.agent_name = peer.agent
-        self.decode._remote_agents = {"prefill-0": {(0, 0): peer.agent}}
-        self.keep()
-
-    def keep(self, lease_s: float = 30.0, blocks: list[int] | None = None) -> None:
-        """The prefill finished ``req-p`` for a decode: what vLLM's scheduler sends its
-        worker (the request in the batch, then in ``reqs_to_send`` with its lease's expiry),
-        with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``), run
-        through vLLM's own ``start_load_kv`` of kvplan's worker."""
-        import time
-
-        meta = self.nixl.metadata.NixlConnectorMetadata()
-        meta.reqs_in_batch = {"req-p"}
-        now = time.perf_counter()
-        meta.scheduler_clock = now
-        meta.reqs_to_send = {"req-p": now + lease_s}
-        scheduler = types.SimpleNamespace()
-        nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id="req-p"), (
-            True, {"remote_block_ids": [list(PREFILL_PAGES if blocks is None else blocks)]}))
-        nixl_staging.attach_sent_blocks(scheduler, meta)
-        self.prefill.start_load_kv(meta)
-        assert "req-p" in self.prefill._reqs_to_send
-
-    def _vllm_state(self, w: Any) -> None:
-        """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
-        and its polling use (one KV group, homogeneous TP, block size ratio 1)."""
-        import collections
-        import queue
-
-        info = types.SimpleNamespace(remote_block_size=BLOCK, remote_dcp_size=1,
-                                     remote_physical_blocks_per_logical=1, remote_tp_size=1)
-        w.__dict__.update(
-            transfer_topo=types.SimpleNamespace(get_engine_info=lambda engine: info,
-                                                block_size_ratio=lambda size: 1,
-                                                handshake_target_ranks=lambda *a: [0]),
-            kv_cache_config=types.SimpleNamespace(transfer_groups=[0], kv_cache_groups=[0]),
-            _mixed_mem_types=False, device_id=0, num_regions=REGIONS,
-            block_stride_per_layer=[BLOCK_BYTES] * REGIONS,
-            region_num_blocks=[BLOCKS] * REGIONS, region_group_ids=[0] * REGIONS,
-            _uses_region_group_mapping=False, _transfer_layer_group_ids=(),
-            _transfer_layer_region_indices=[], region_mem_types=["DRAM"] * REGIONS,
-            dst_num_blocks={"prefill-0": BLOCKS, "decode-0": BLOCKS},
-            dst_region_num_blocks={}, dst_region_group_ids={"prefill-0": [0] * REGIONS},
-            dst_uses_region_group_mapping={"prefill-0": False},
-            _recving_transfers=collections.defaultdict(list), _recving_metadata={},
-            _failed_remote_engines=set(),
-            # what vLLM's pull worker keeps of the requests it holds for decodes
-            _reqs_to_send={}, _reqs_to_process=set(), _ready_requests=queue.Queue(),
-            pcp_rank=0, pcp_dcp_sharded=False, _replicated_pcp_done_sending=set(),
-            consumer_notification_counts_by_req=collections.defaultdict(int),
-            expected_consumer_notifications_by_req={}, _lease_extension=20,
-            # vLLM 0.34's region pairs of the prefill (region k reads region k, one group)
-            _dst_pairs={"prefill-0": types.SimpleNamespace(
-                remote=list(range(REGIONS)), local=list(range(REGIONS)),
-                group=[0] * REGIONS, remote_ssm_regions=None)})
-
-    def read(self, *, vllm_only: bool = False, forget_prefill: bool = False) -> Any:
-        """The decode's ``_read_blocks`` for the request: kvplan's worker's (staged where the
-        advice stages), or with ``vllm_only`` vLLM's own, on vLLM's own class (its own
-        descriptor ids and ``make_prepped_xfer`` READ of prepped descriptor lists vLLM's
-        ``_build_fa_local`` builds on each side). ``forget_prefill``: the decode's agent drops
-        the prefill's metadata once the lists are prepared, so every read of it fails."""
-        tp = self.nixl.modules["vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"]
-        d, agent = self.decode, self.decode.nixl_wrapper
-        local = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", d._build_fa_local(d.kv_caches_base_addr["decode-0"][0], 1),
-            mem_type="DRAM")
-        remote = agent.prep_xfer_dlist(
-            self.agent_name, self.prefill._build_fa_local(
-                self.prefill.kv_caches_base_addr["prefill-0"][0], 1), mem_type="DRAM")
-        if forget_prefill:
-            agent.remove_remote_agent(self.agent_name)
-        spec = tp.ReadSpec(remote_rank=0, local_block_ids=[list(DECODE_PAGES)],
-                           remote_block_ids=[list(PREFILL_PAGES)])
-        kwargs = dict(read_spec=spec, dst_engine_id="prefill-0", request_id="req-d",
-                      remote_request_id="req-p", local_xfer_side_handle=local,
-                      local_dram_handle=None, remote_xfer_side_handle=remote,
-                      expected_consumers=1, awaiting_kvs=True)
-        if vllm_only:
-            cls = d.__class__
-            d.__class__ = self.nixl.NixlPullConnectorWorker
-            try:
-                assert d._read_blocks(**kwargs) is True
-            finally:
-                d.__class__ = cls
-        else:
-            assert d._read_blocks(**kwargs) is True
-        return d._recving_transfers["req-d"]
-
-    def poll(self, timeout_s: float = 30.0) -> tuple[set[str], set[str]]:
-        """vLLM's own ``_pop_done_transfers`` until the request is done or failed."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done, failed = self.decode._pop_done_transfers(self.decode._recving_transfers)
-            if done or failed or time.monotonic() > deadline:
-                return done, failed
-            time.sleep(0.005)
-
-    def notifications(self, timeout_s: float = 20.0) -> list[bytes]:
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            notifs = self.prefill.nixl_wrapper.get_new_notifs()
-            if notifs:
-                return [n for ns in notifs.values() for n in ns]
-            time.sleep(0.005)
-        return []
-
-    def close(self) -> None:
-        close(self.prefill, self.decode)
-
-
 @pytest.mark.nixl
 def test_a_staged_read_lands_vllms_own_bytes(nixl: Any, connector: Any,
                                              monkeypatch: pytest.MonkeyPatch) -> None:

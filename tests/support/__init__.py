@@ -11,6 +11,9 @@
 - ``leak_workload``: the mixed plan-call workload whose RSS must stay flat.
 - ``vllm_loader`` / ``vllm_cases``: vLLM's real connector code from its wheel, and the cases
   the drop-in tests and benchmark share.
+- ``vllm_nixl`` / ``vllm_nixl_pair``: vLLM's real NIXL connector workers under kvplan's
+  connector, and a handshaken prefill and decode pair of them with real NIXL agents (the
+  staged-read tests and the NIXL staged benchmark).
 - ``memfabric_standins``: the Ascend engine's recorded signatures and in-process stand-ins.
 - ``reference``: the naive pairing and block-list reference the property and robustness suites
   compare plans with; ``robustness_checks``: the plan invariants and the isolated-subprocess

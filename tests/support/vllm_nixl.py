@@ -32,6 +32,33 @@ BLOCK, HEADS, HEAD_BYTES, LAYERS, BLOCKS = 16, 4, 64, 3, 8
 COMPAT_HASH = "same-config"
 
 
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A worker's KV cache as vLLM registers it: ``blocks`` blocks of ``block`` tokens per
+    region; attention other than MLA has a K and a V region per layer, each token ``heads``
+    heads of ``head_bytes`` bytes; MLA one region per layer, each token ``head_bytes`` bytes
+    (its latent row; ``heads`` is 1)."""
+
+    block: int = BLOCK
+    heads: int = HEADS
+    head_bytes: int = HEAD_BYTES
+    layers: int = LAYERS
+    blocks: int = BLOCKS
+    mla: bool = False
+
+    @property
+    def regions(self) -> int:
+        return self.layers if self.mla else 2 * self.layers
+
+    def block_bytes(self, tp_size: int = 1) -> int:
+        """One block's bytes in one region (a rank's heads at TP ``tp_size``)."""
+        return self.block * max(1, self.heads // tp_size) * self.head_bytes
+
+
+#: The tests' geometry: 3 layers of 4 heads of 64 bytes, blocks of 16 tokens, 8 blocks.
+TESTS = Geometry()
+
+
 def _builtins(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _builtins(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -72,27 +99,45 @@ _METADATA = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata"
 _STATS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
 
 
-@pytest.fixture(scope="module", name="nixl")
-def nixl_release() -> Iterator[Any]:
+@contextmanager
+def release_modules() -> Iterator[Any]:
     """The release's NIXL workers, and its real ``nixl/metadata.py`` and ``nixl/stats.py``
     (the loader gives the worker module stand-ins for them): the handshake's two dataclasses,
-    vLLM's NIXL stats and Prometheus classes."""
+    vLLM's NIXL stats and Prometheus classes (the fixture ``nixl``; a benchmark uses it
+    directly)."""
     from support.vllm_loader import _import_real
 
     n = load_vllm_nixl()
     before = {name: sys.modules.pop(name, None) for name in (_METADATA, _STATS)}
     real = _import_real(n.vllm.root, "vllm", (_METADATA, _STATS))
     n.metadata, n.stats = real[_METADATA], real[_STATS]
-    yield n
-    for name, module in before.items():
-        if module is not None:
-            sys.modules[name] = module
+    try:
+        yield n
+    finally:
+        for name, module in before.items():
+            if module is not None:
+                sys.modules[name] = module
+
+
+@pytest.fixture(scope="module", name="nixl")
+def nixl_release() -> Iterator[Any]:
+    with release_modules() as n:
+        yield n
 
 
 @pytest.fixture(name="connector")
 def nixl_connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """``connector_class()`` built over the loaded release, with the msgspec stand-in and a
     socket that answers with :attr:`served` (the prefill's payload)."""
+    with installed_connector(nixl, monkeypatch) as c:
+        yield c
+
+
+@contextmanager
+def installed_connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The fixture ``connector``'s body, for a caller holding its own ``monkeypatch`` (a
+    benchmark): the patches are ``monkeypatch``'s to undo, the worker class uninstalled on
+    exit."""
     bw = nixl.base_worker
     served: list[bytes] = []
 
@@ -125,15 +170,18 @@ def nixl_connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(nixl.NixlPullConnectorWorker, "add_remote_agent",
                         lambda self, meta, *a, **k: added.append(meta) or "agent-0")
     cls = vllm_nixl.connector_class()
-    yield types.SimpleNamespace(Worker=cls.Worker, Connector=cls, served=served, added=added,
-                                bw=bw)
-    vllm_nixl.uninstall(cls.Worker)
+    try:
+        yield types.SimpleNamespace(Worker=cls.Worker, Connector=cls, served=served,
+                                    added=added, bw=bw)
+    finally:
+        vllm_nixl.uninstall(cls.Worker)
 
 
 def vllm_config(role: str, *, model: str = "org/model", revision: str = "abc123",
-                rope: Any = ROPE_1, draft: str | None = None, cross: bool = False) -> Any:
+                rope: Any = ROPE_1, draft: str | None = None, cross: bool = False,
+                heads: int = HEADS) -> Any:
     model_config = types.SimpleNamespace(
-        model=model, revision=revision, get_total_num_kv_heads=lambda: HEADS,
+        model=model, revision=revision, get_total_num_kv_heads=lambda: heads,
         hf_text_config=types.SimpleNamespace(rope_scaling=dict(rope), rope_theta=10000.0))
     return types.SimpleNamespace(
         model_config=model_config,
@@ -143,15 +191,17 @@ def vllm_config(role: str, *, model: str = "org/model", revision: str = "abc123"
 
 
 def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
-           tp_rank: int = 0, tp_size: int = 1) -> Any:
-    """A worker as vLLM's ``register_kv_caches`` leaves it (K and V regions per layer)."""
+           tp_rank: int = 0, tp_size: int = 1, geometry: Geometry = TESTS) -> Any:
+    """A worker as vLLM's ``register_kv_caches`` leaves it (K and V regions per layer; one
+    region per layer for MLA), its regions back to back from ``base``."""
     w = object.__new__(c.Worker)
-    block = BLOCK * (HEADS // tp_size) * HEAD_BYTES
-    ptrs = [base + r * block * BLOCKS for r in range(2 * LAYERS)]
+    g = geometry
+    block = g.block_bytes(tp_size)
+    ptrs = [base + r * block * g.blocks for r in range(g.regions)]
     w.__dict__.update(
-        engine_id=engine, tp_rank=tp_rank, world_size=tp_size, block_size=BLOCK,
-        num_blocks=BLOCKS, kv_caches_base_addr={engine: {tp_rank: ptrs}},
-        block_len_per_layer=[block] * len(ptrs), use_mla=False, _has_mamba=False,
+        engine_id=engine, tp_rank=tp_rank, world_size=tp_size, block_size=g.block,
+        num_blocks=g.blocks, kv_caches_base_addr={engine: {tp_rank: ptrs}},
+        block_len_per_layer=[block] * len(ptrs), use_mla=g.mla, _has_mamba=False,
         pp_size=1, dcp_size=1, pcp_size=1, _physical_blocks_per_logical_kv_block=1,
         vllm_config=config,
         model_config=config.model_config, compat_hash=COMPAT_HASH, enforce_compat_hash=True,
@@ -169,8 +219,9 @@ def serve(c: Any, nixl: Any, prefill: Any, *, kvplan_prefill: bool = True) -> No
         engine_id=prefill.engine_id,
         agent_metadata=b"nixl-agent" if agent is None else agent.get_agent_metadata(),
         kv_caches_base_addr=prefill.kv_caches_base_addr[prefill.engine_id][0],
-        device_id=0, num_blocks=BLOCKS, block_lens=prefill.block_len_per_layer,
-        block_strides=prefill.block_len_per_layer, kv_cache_layout="NHD", block_size=BLOCK,
+        device_id=0, num_blocks=prefill.num_blocks, block_lens=prefill.block_len_per_layer,
+        block_strides=prefill.block_len_per_layer, kv_cache_layout="NHD",
+        block_size=prefill.block_size,
         ssm_sizes=(0, 0), attn_backend_name="FLASH_ATTN",
         physical_blocks_per_logical_kv_block=1)
 

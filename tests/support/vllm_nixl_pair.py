@@ -1,0 +1,257 @@
+"""A prefill and a decode worker of ``KvplanNixlConnector`` built over vLLM's real NIXL worker
+classes (``support.vllm_nixl``), each with its KV cache in host memory registered with its own
+real NIXL agent (UCX on loopback), handshaken: what the staged-read tests and the NIXL staged
+benchmark drive, one request at a time, through the decode's ``_read_blocks`` (vLLM's own or
+kvplan's) and vLLM's own ``_pop_done_transfers``.
+
+The geometry (:class:`support.vllm_nixl.Geometry`) and the request's pages are arguments;
+the defaults are the tests' (3 layers, 8 blocks of 16 tokens, a five-page prefill request the
+decode has the first page of cached).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import queue
+import time
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from support.vllm_nixl import TESTS, Geometry, handshake, serve, vllm_config, worker
+
+from kvplan.compat.vllm import nixl_staging
+from kvplan.compat.vllm.staging import STAGING_ATTR
+
+__all__ = ["BLOCK_BYTES", "DECODE_PAGES", "PREFILL_PAGES", "READ_STAGING", "REGIONS",
+           "STAGING", "Pair", "build", "close", "load_agents", "nixl_agent"]
+
+STAGING = {"kvplan_staging": "always", "kvplan_staging_arena_mib": 1,
+           "kvplan_staging_buffers": 2}
+#: Bytes of one KV block per region in the tests' geometry (one layer's K or V).
+BLOCK_BYTES = TESTS.block_bytes()
+REGIONS = TESTS.regions
+#: The prefill's pages of one request and the decode's (fragmented, and the decode has the
+#: first prefill page cached: vLLM's prefix-cache trim leaves the last four).
+PREFILL_PAGES = [6, 5, 2, 7, 1]
+DECODE_PAGES = [3, 6, 0, 4]
+#: The read tests' staging: 32 round buffers of 32 KiB, so the request's 96 KiB take 3 rounds.
+READ_STAGING = dict(STAGING, kvplan_staging_buffers=32)
+
+
+def nixl_agent(name: str) -> Any:
+    """A real NIXL agent (UCX) as vLLM makes its agents: telemetry on (its polling records each
+    read's)."""
+    from support.engine_peers import require_nixl
+
+    require_nixl()
+    api = importlib.import_module("nixl_cu12._api")
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], capture_telemetry=True))
+
+
+def build(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, engine: str, role: str,
+          extra: dict[str, Any] | None, *, base: int, agent: Any = None,
+          geometry: Geometry = TESTS) -> Any:
+    """A worker made by ``KvplanNixlConnector``'s constructor (vLLM's part: the worker with
+    its NIXL agent, as vLLM's constructor leaves it)."""
+    config = vllm_config(role, heads=geometry.heads)
+    config.kv_transfer_config.kv_connector_extra_config.update(extra or {})
+    w = worker(c, nixl, engine, config, base=base, geometry=geometry)
+    w.__class__ = nixl.NixlPullConnectorWorker  # vLLM's constructor names its own class
+    w.__dict__.update(nixl_wrapper=agent if agent is not None else nixl_agent(engine),
+                      device_kv_caches={})
+    vllm_base = c.Connector.__mro__[1]
+
+    def vllm_init(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        self.connector_worker = w
+
+    monkeypatch.setattr(vllm_base, "__init__", vllm_init, raising=False)
+    c.Connector(config, role, None)
+    assert type(w) is c.Worker
+    return w
+
+
+def close(*workers: Any) -> None:
+    for w in workers:
+        state = w.__dict__.get(STAGING_ATTR)
+        if state is not None:
+            state.close()
+
+
+def load_agents(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode's ``add_remote_agent`` below kvplan's loads the prefill's agent metadata
+    into its NIXL agent (vLLM's own then prepares its KV descriptors, not needed here)."""
+    monkeypatch.setattr(nixl.NixlPullConnectorWorker, "add_remote_agent",
+                        lambda self, meta, *a, **k: self.nixl_wrapper.add_remote_agent(
+                            meta.agent_metadata))
+
+
+def random_bytes(size: int, seed: int) -> np.ndarray:
+    """``size`` random bytes, drawn in 64 MiB pieces (no second array of the full size)."""
+    out = np.empty(size, np.uint8)
+    rng = np.random.default_rng(seed)
+    for lo in range(0, size, 64 << 20):
+        piece = out[lo:lo + (64 << 20)]
+        piece[:] = rng.integers(0, 256, piece.size, dtype=np.uint8)
+    return out
+
+
+class Pair:
+    """A prefill and a decode worker of ``KvplanNixlConnector`` with staging on, each with its
+    KV cache in host memory registered with its own NIXL agent, handshaken. ``geometry`` is
+    both sides' KV cache, ``prefill_pages`` / ``decode_pages`` the request's blocks (vLLM's
+    ``remote_block_ids`` / ``local_block_ids``), ``staging`` the connector options of a side
+    given no ``*_extra``."""
+
+    def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
+                 prefill_extra: dict[str, Any] | None = None,
+                 decode_extra: dict[str, Any] | None = None, *,
+                 geometry: Geometry = TESTS, prefill_pages: Sequence[int] = PREFILL_PAGES,
+                 decode_pages: Sequence[int] = DECODE_PAGES,
+                 staging: dict[str, Any] | None = None) -> None:
+        staging = READ_STAGING if staging is None else staging
+        self.nixl, self.geometry = nixl, geometry
+        self.prefill_pages, self.decode_pages = list(prefill_pages), list(decode_pages)
+        size = geometry.regions * geometry.blocks * geometry.block_bytes()
+        self.p_mem = random_bytes(size, 7)
+        self.d_mem = np.zeros(size, np.uint8)
+        self.prefill = build(c, nixl, monkeypatch, "prefill-0", "kv_producer",
+                             staging if prefill_extra is None else prefill_extra,
+                             base=self.p_mem.ctypes.data, geometry=geometry)
+        self.decode = build(c, nixl, monkeypatch, "decode-0", "kv_consumer",
+                            staging if decode_extra is None else decode_extra,
+                            base=self.d_mem.ctypes.data, geometry=geometry)
+        for w, mem in ((self.prefill, self.p_mem), (self.decode, self.d_mem)):
+            self._vllm_state(w)
+            w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
+        serve(c, nixl, self.prefill)
+        handshake(self.decode, self.prefill)
+        peer = nixl_staging.peer_agreement(self.decode, "prefill-0", 0)
+        assert peer is not None
+        self.agent_name = peer.agent
+        self.decode._remote_agents = {"prefill-0": {(0, 0): peer.agent}}
+        self.keep()
+
+    def keep(self, lease_s: float = 30.0, blocks: list[int] | None = None,
+             request: str = "req-p") -> None:
+        """The prefill finished ``request`` for a decode: what vLLM's scheduler sends its
+        worker (the request in the batch, then in ``reqs_to_send`` with its lease's expiry),
+        with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``), run
+        through vLLM's own ``start_load_kv`` of kvplan's worker."""
+        meta = self.nixl.metadata.NixlConnectorMetadata()
+        meta.reqs_in_batch = {request}
+        now = time.perf_counter()
+        meta.scheduler_clock = now
+        meta.reqs_to_send = {request: now + lease_s}
+        scheduler = types.SimpleNamespace()
+        nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
+            True, {"remote_block_ids": [list(self.prefill_pages if blocks is None
+                                              else blocks)]}))
+        nixl_staging.attach_sent_blocks(scheduler, meta)
+        self.prefill.start_load_kv(meta)
+        assert request in self.prefill._reqs_to_send
+
+    def _vllm_state(self, w: Any) -> None:
+        """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
+        and its polling use (one KV group, homogeneous TP, block size ratio 1)."""
+        g = self.geometry
+        regions, blocks = g.regions, g.blocks
+        info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
+                                     remote_physical_blocks_per_logical=1, remote_tp_size=1)
+        w.__dict__.update(
+            transfer_topo=types.SimpleNamespace(get_engine_info=lambda engine: info,
+                                                block_size_ratio=lambda size: 1,
+                                                handshake_target_ranks=lambda *a: [0]),
+            kv_cache_config=types.SimpleNamespace(transfer_groups=[0], kv_cache_groups=[0]),
+            _mixed_mem_types=False, device_id=0, num_regions=regions,
+            block_stride_per_layer=[g.block_bytes()] * regions,
+            region_num_blocks=[blocks] * regions, region_group_ids=[0] * regions,
+            _uses_region_group_mapping=False, _transfer_layer_group_ids=(),
+            _transfer_layer_region_indices=[], region_mem_types=["DRAM"] * regions,
+            dst_num_blocks={"prefill-0": blocks, "decode-0": blocks},
+            dst_region_num_blocks={}, dst_region_group_ids={"prefill-0": [0] * regions},
+            dst_uses_region_group_mapping={"prefill-0": False},
+            _recving_transfers=collections.defaultdict(list), _recving_metadata={},
+            _failed_remote_engines=set(),
+            # what vLLM's pull worker keeps of the requests it holds for decodes
+            _reqs_to_send={}, _reqs_to_process=set(), _ready_requests=queue.Queue(),
+            pcp_rank=0, pcp_dcp_sharded=False, _replicated_pcp_done_sending=set(),
+            consumer_notification_counts_by_req=collections.defaultdict(int),
+            expected_consumer_notifications_by_req={}, _lease_extension=20,
+            # vLLM 0.34's region pairs of the prefill (region k reads region k, one group)
+            _dst_pairs={"prefill-0": types.SimpleNamespace(
+                remote=list(range(regions)), local=list(range(regions)),
+                group=[0] * regions, remote_ssm_regions=None)})
+
+    def prep(self) -> tuple[Any, Any]:
+        """The decode agent's prepped descriptor lists of both sides' KV blocks, as vLLM's
+        ``_build_fa_local`` builds them (vLLM prepares them once per peer, at the handshake);
+        release them with :meth:`release`."""
+        d, agent = self.decode, self.decode.nixl_wrapper
+        local = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", d._build_fa_local(d.kv_caches_base_addr["decode-0"][0], 1),
+            mem_type="DRAM")
+        remote = agent.prep_xfer_dlist(
+            self.agent_name, self.prefill._build_fa_local(
+                self.prefill.kv_caches_base_addr["prefill-0"][0], 1), mem_type="DRAM")
+        return local, remote
+
+    def release(self, prepped: tuple[Any, Any]) -> None:
+        for handle in prepped:
+            self.decode.nixl_wrapper.release_dlist_handle(handle)
+
+    def read(self, *, vllm_only: bool = False, forget_prefill: bool = False,
+             prepped: tuple[Any, Any] | None = None, request: str = "req-d",
+             remote_request: str = "req-p") -> Any:
+        """The decode's ``_read_blocks`` for the request: kvplan's worker's (staged where the
+        advice stages), or with ``vllm_only`` vLLM's own, on vLLM's own class (its own
+        descriptor ids and ``make_prepped_xfer`` READ of prepped descriptor lists vLLM's
+        ``_build_fa_local`` builds on each side: ``prepped`` from :meth:`prep`, else prepared
+        here). ``forget_prefill``: the decode's agent drops the prefill's metadata once the
+        lists are prepared, so every read of it fails."""
+        tp = self.nixl.modules["vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"]
+        d, agent = self.decode, self.decode.nixl_wrapper
+        local, remote = self.prep() if prepped is None else prepped
+        if forget_prefill:
+            agent.remove_remote_agent(self.agent_name)
+        spec = tp.ReadSpec(remote_rank=0, local_block_ids=[list(self.decode_pages)],
+                           remote_block_ids=[list(self.prefill_pages)])
+        kwargs = dict(read_spec=spec, dst_engine_id="prefill-0", request_id=request,
+                      remote_request_id=remote_request, local_xfer_side_handle=local,
+                      local_dram_handle=None, remote_xfer_side_handle=remote,
+                      expected_consumers=1, awaiting_kvs=True)
+        if vllm_only:
+            cls = d.__class__
+            d.__class__ = self.nixl.NixlPullConnectorWorker
+            try:
+                assert d._read_blocks(**kwargs) is True
+            finally:
+                d.__class__ = cls
+        else:
+            assert d._read_blocks(**kwargs) is True
+        return d._recving_transfers[request]
+
+    def poll(self, timeout_s: float = 30.0, interval_s: float = 0.005
+             ) -> tuple[set[str], set[str]]:
+        """vLLM's own ``_pop_done_transfers`` until the request is done or failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, failed = self.decode._pop_done_transfers(self.decode._recving_transfers)
+            if done or failed or time.monotonic() > deadline:
+                return done, failed
+            time.sleep(interval_s)
+
+    def notifications(self, timeout_s: float = 20.0) -> list[bytes]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            notifs = self.prefill.nixl_wrapper.get_new_notifs()
+            if notifs:
+                return [n for ns in notifs.values() for n in ns]
+            time.sleep(0.005)
+        return []
+
+    def close(self) -> None:
+        close(self.prefill, self.decode)
