@@ -17,7 +17,7 @@ use kvplan_core::{
     StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions,
 };
 use support::reference::{Arena as Bytes, apply};
-use support::staged_cases::{Case, Drawn, Lcg, draw, layout};
+use support::staged_cases::{Case, Drawn, Lcg, Pair, draw, layout};
 
 const SRC_ARENA: u64 = 0x4000_0000;
 const DST_ARENA: u64 = 0xC000_0000;
@@ -139,24 +139,22 @@ fn run_rounds(
 /// Plans one (prefill rank, decode rank) pair directly and in rounds through arenas whose
 /// round buffers hold `buffer_bytes` (a multiple of the senders on the decode), runs both and
 /// asserts they leave the same bytes. Returns the rounds.
-fn check_rounds(
-    case: &Case,
-    (r_p, stage, r_d): (u32, u32, u32),
-    buffer_bytes: u64,
-    buffers: u32,
-) -> StagedRounds {
-    let src = layout(case, Side::Src, r_p, stage);
-    let dst = layout(case, Side::Dst, r_d, 0);
-    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let request = Request::new(&sp, &dp, case.n_tokens());
+fn check_rounds(pair: &Pair, buffer_bytes: u64, buffers: u32) -> StagedRounds {
+    let Drawn {
+        case,
+        r_p,
+        r_d,
+        stage,
+    } = pair.drawn;
+    let (src, dst, template) = (&pair.src, &pair.dst, &pair.template);
+    let request = pair.request();
     let direct = template.plan(&request).unwrap();
-    let mut source = Bytes::numbered(&src);
+    let mut source = Bytes::numbered(src);
     for byte in &mut source.bytes {
         *byte = ((u32::from(*byte) + 37 * r_p) % 255 + 1) as u8;
     }
-    let mut want = Bytes::zeroed(&dst);
-    apply(&src, &dst, &direct, &source, &mut want);
+    let mut want = Bytes::zeroed(dst);
+    apply(src, dst, &direct, &source, &mut want);
     let senders = if case.tp_p > case.tp_d {
         case.tp_p / case.tp_d
     } else {
@@ -166,7 +164,7 @@ fn check_rounds(
         buffer_bytes * u64::from(buffers),
         buffer_bytes * u64::from(buffers) * u64::from(senders),
     );
-    let rounds = RoundsPlanner::new(&template)
+    let rounds = RoundsPlanner::new(template)
         .plan(
             &request,
             arena(SRC_ARENA, sizes.0),
@@ -179,7 +177,7 @@ fn check_rounds(
     assert_eq!(rounds.bytes, direct.total_bytes);
     assert_eq!(rounds.direct_blocks, direct.lengths.len());
     assert!(rounds.len() as u64 >= direct.total_bytes.div_ceil(buffer_bytes));
-    let mut got = Bytes::zeroed(&dst);
+    let mut got = Bytes::zeroed(dst);
     let mut dst_arena = Region {
         base: DST_ARENA,
         bytes: vec![0; sizes.1 as usize],
@@ -200,39 +198,38 @@ fn examples() -> usize {
         .unwrap_or(300)
 }
 
+/// The (prefill, decode) page sizes the property loops draw from.
+const PAGE_SIZES: [(u64, u64); 7] = [
+    (1, 1),
+    (16, 16),
+    (4, 4),
+    (16, 64),
+    (64, 16),
+    (1, 16),
+    (4, 1),
+];
+
+/// The next case `rng` draws over [`PAGE_SIZES`] (odd page counts and state included), planned.
+fn next_pair(rng: &mut Lcg) -> Pair {
+    loop {
+        if let Some(drawn) = draw(rng, &PAGE_SIZES, true, true) {
+            return drawn.pair();
+        }
+    }
+}
+
 /// Random cases over TP {1,2,4,8}², heads, orders, PP, page ratios and state, each planned for
 /// one decode rank and one of its prefill ranks (and stage), with round buffers from one byte
 /// to more than the request.
 #[test]
 fn rounds_equal_the_direct_plan() {
-    let page_sizes = [
-        (1, 1),
-        (16, 16),
-        (4, 4),
-        (16, 64),
-        (64, 16),
-        (1, 16),
-        (4, 1),
-    ];
     let mut rng = Lcg(0x9E37_79B9_7F4A_7C15);
     let (mut done, mut one_round, mut split_blocks) = (0, 0, 0);
     while done < examples() {
-        let Some(Drawn {
-            case,
-            r_p,
-            r_d,
-            stage,
-        }) = draw(&mut rng, &page_sizes, true, true)
-        else {
-            continue;
-        };
+        let pair = next_pair(&mut rng);
         // The request's bytes, from the staged plan's counts, to pick a round buffer.
-        let src = layout(&case, Side::Src, r_p, stage);
-        let dst = layout(&case, Side::Dst, r_d, 0);
-        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-        let bytes = StagedPlanner::new(&template)
-            .counts(&Request::new(&sp, &dp, case.n_tokens()))
+        let bytes = StagedPlanner::new(&pair.template)
+            .counts(&pair.request())
             .unwrap()
             .bytes;
         let buffer_bytes = match rng.next() % 6 {
@@ -244,7 +241,7 @@ fn rounds_equal_the_direct_plan() {
             _ => bytes + 1 + rng.next() % 1000,
         };
         let buffers = rng.pick(&[1, 2, 2, 3]);
-        let rounds = check_rounds(&case, (r_p, stage, r_d), buffer_bytes, buffers);
+        let rounds = check_rounds(&pair, buffer_bytes, buffers);
         one_round += usize::from(rounds.len() == 1);
         let staged_blocks = rounds.gather.round_offsets.len();
         split_blocks += usize::from(staged_blocks > 2 && buffer_bytes < 64);
@@ -544,14 +541,19 @@ fn large_blocks_split_only_where_the_buffer_ends() {
         state: false,
         layers: 2,
     };
-    let rounds = check_rounds(&case, (0, 0, 0), 100, 2);
+    let pair = Drawn {
+        case,
+        r_p: 0,
+        r_d: 0,
+        stage: 0,
+    }
+    .pair();
+    let template = &pair.template;
+    let rounds = check_rounds(&pair, 100, 2);
     // 2 layers × K, V of 64 tokens × 4 bytes, in rounds of at most 100 bytes.
     assert_eq!(rounds.bytes, 4 * 64 * 4);
-    let src = layout(&case, Side::Src, 0, 0);
-    let dst = layout(&case, Side::Dst, 0, 0);
-    let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let none: [i64; 0] = [];
-    let empty = RoundsPlanner::new(&template)
+    let empty = RoundsPlanner::new(template)
         .plan(
             &Request::pages(&none, &none),
             arena(SRC_ARENA, 200),
@@ -561,12 +563,12 @@ fn large_blocks_split_only_where_the_buffer_ends() {
         .unwrap();
     assert!(empty.is_empty() && empty.bytes == 0, "{empty:?}");
     // A buffer of the whole request is one round with the staged plan's blocks.
-    let whole = check_rounds(&case, (0, 0, 0), rounds.bytes, 1);
+    let whole = check_rounds(&pair, rounds.bytes, 1);
     assert_eq!(whole.len(), 1);
-    let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-    let staged = StagedPlanner::new(&template)
+    let (sp, dp) = &pair.pages;
+    let staged = StagedPlanner::new(template)
         .plan(
-            &Request::pages(&sp, &dp),
+            &Request::pages(sp, dp),
             StagingRegion {
                 addr: SRC_ARENA,
                 size: 1 << 20,
@@ -644,37 +646,16 @@ fn round_triples(blocks: &kvplan_core::RoundBlocks) -> Vec<(u64, u64, u64)> {
 /// blocks are one range per round).
 #[test]
 fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
-    let page_sizes = [
-        (1, 1),
-        (16, 16),
-        (4, 4),
-        (16, 64),
-        (64, 16),
-        (1, 16),
-        (4, 1),
-    ];
     let mut rng = Lcg(0x5EED_0001);
     let (mut done, mut same, mut differ) = (0, 0, 0);
     while done < examples() {
-        let Some(Drawn {
-            case,
-            r_p,
-            r_d,
-            stage,
-        }) = draw(&mut rng, &page_sizes, true, true)
-        else {
-            continue;
-        };
-        let src = layout(&case, Side::Src, r_p, stage);
-        let dst = layout(&case, Side::Dst, r_d, 0);
-        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-        let request = Request::new(&sp, &dp, case.n_tokens());
+        let pair = next_pair(&mut rng);
+        let (case, template, request) = (pair.drawn.case, &pair.template, pair.request());
         let whole = StagingRegion {
             addr: 0,
             size: u64::MAX,
         };
-        let sizes = StagedPlanner::new(&template)
+        let sizes = StagedPlanner::new(template)
             .plan(&request, whole, whole)
             .unwrap();
         if sizes.src_staging_bytes == 0 {
@@ -684,10 +665,10 @@ fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
             arena(SRC_ARENA, sizes.src_staging_bytes),
             arena(DST_ARENA, sizes.dst_staging_bytes),
         );
-        let staged = StagedPlanner::new(&template)
+        let staged = StagedPlanner::new(template)
             .plan(&request, src_region, dst_region)
             .unwrap();
-        let rounds = RoundsPlanner::new(&template)
+        let rounds = RoundsPlanner::new(template)
             .plan(&request, src_region, dst_region, 1)
             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
         assert_eq!(rounds.len(), 1, "{case:?}");

@@ -6,10 +6,10 @@
 mod support;
 
 use kvplan_core::{
-    Arena, MultiStage, PackBuffer, PackPlanner, Part, Plan, PlanForm, Request, Role, RoundBlocks,
-    RoundsPlanner, Side, Stage, StagedPlanner, StagingRegion, Template, TemplateOptions,
+    Arena, MultiStage, PackBuffer, PackPlanner, Part, Plan, PlanForm, Role, RoundBlocks,
+    RoundsPlanner, Side, Stage, StagedPlanner, StagingRegion,
 };
-use support::staged_cases::{DST_BASE, Drawn, Lcg, SRC_BASE, draw, layout};
+use support::staged_cases::{DST_BASE, Drawn, Lcg, SRC_BASE, draw};
 
 const SRC_STAGING: u64 = 0x4000_0000;
 const DST_STAGING: u64 = 0xC000_0000;
@@ -175,20 +175,17 @@ fn plans_touch_only_the_memories_their_stages_name() {
     let mut rng = Lcg(0x0057_A6E5);
     let mut done = 0;
     while done < 200 {
-        let Some(Drawn {
+        let Some(drawn) = draw(&mut rng, &page_sizes, false, false) else {
+            continue;
+        };
+        let pair = drawn.pair();
+        let (template, request) = (&pair.template, pair.request());
+        let Drawn {
             case,
             r_p,
             r_d,
             stage,
-        }) = draw(&mut rng, &page_sizes, false, false)
-        else {
-            continue;
-        };
-        let src = layout(&case, Side::Src, r_p, stage);
-        let dst = layout(&case, Side::Dst, r_d, 0);
-        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
-        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
-        let request = Request::new(&sp, &dp, case.n_tokens());
+        } = drawn;
         let what = format!("{case:?} r_p={r_p} stage={stage} r_d={r_d}");
 
         let direct = template.plan(&request).unwrap();
@@ -203,11 +200,11 @@ fn plans_touch_only_the_memories_their_stages_name() {
             addr: 0,
             size: u64::MAX,
         };
-        let need = StagedPlanner::new(&template)
+        let need = StagedPlanner::new(template)
             .plan(&request, whole, whole)
             .unwrap();
         let sizes = (need.src_staging_bytes, need.dst_staging_bytes);
-        let staged = StagedPlanner::new(&template)
+        let staged = StagedPlanner::new(template)
             .plan(
                 &request,
                 StagingRegion {
@@ -235,7 +232,7 @@ fn plans_touch_only_the_memories_their_stages_name() {
         let senders = u64::from(staged.writer.1) * u64::from(case.pp_p);
         let buffer = (bytes / 3).max(1);
         let arenas = (2 * buffer, 2 * buffer * senders);
-        let rounds = RoundsPlanner::new(&template)
+        let rounds = RoundsPlanner::new(template)
             .plan(
                 &request,
                 Arena {
@@ -261,7 +258,7 @@ fn plans_touch_only_the_memories_their_stages_name() {
         }
 
         // The pack plan through a pack buffer of the request's bytes.
-        let packed = PackPlanner::new(&template)
+        let packed = PackPlanner::new(template)
             .plan(
                 &request,
                 PackBuffer {

@@ -2,7 +2,7 @@
 //! hybrid state when the case says so), its pages on each side in token order with a gap and
 //! swapped pairs, and each rank's layout.
 
-use kvplan_core::{Layout, MemoryOrder, Side, TpSplit};
+use kvplan_core::{Layout, MemoryOrder, Request, Side, Template, TemplateOptions, TpSplit};
 
 use super::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged, with_slots};
 
@@ -120,6 +120,39 @@ pub struct Drawn {
     pub r_p: u32,
     pub r_d: u32,
     pub stage: u32,
+}
+
+impl Drawn {
+    /// The pair planned: each rank's layout, their template and the request's pages.
+    pub fn pair(&self) -> Pair {
+        let src = layout(&self.case, Side::Src, self.r_p, self.stage);
+        let dst = layout(&self.case, Side::Dst, self.r_d, 0);
+        let template = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+        Pair {
+            drawn: *self,
+            src,
+            dst,
+            template,
+            pages: (self.case.pages(Side::Src), self.case.pages(Side::Dst)),
+        }
+    }
+}
+
+/// A drawn case's prefill rank (and stage) and decode rank with their layouts, the template
+/// between them and the request's pages on each side.
+pub struct Pair {
+    pub drawn: Drawn,
+    pub src: Layout,
+    pub dst: Layout,
+    pub template: Template,
+    pub pages: (Vec<i64>, Vec<i64>),
+}
+
+impl Pair {
+    /// The whole request: every page, with `n_tokens` when the page sizes differ.
+    pub fn request(&self) -> Request<'_> {
+        Request::new(&self.pages.0, &self.pages.1, self.drawn.case.n_tokens())
+    }
 }
 
 /// Draws a case over `page_sizes`: heads in {1, 2, 8, 16}, TP sizes in {1, 2, 4, 8} on each
