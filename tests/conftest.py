@@ -18,6 +18,10 @@ Hypothesis profiles: the test suite is deterministic; random exploration is a se
 - ``explore`` (selected by ``KVPLAN_HYPOTHESIS_PROFILE=explore``, which ``scripts/fuzz`` sets):
   fresh random seeds on every run, for open-ended search. Anything it finds becomes an
   ``@example`` (or a fixed case) in the suite, so the deterministic run keeps checking it.
+
+``KVPLAN_HYPOTHESIS_EXAMPLES=N`` (a whole number; ``scripts/property-suites`` sets it) makes every
+collected hypothesis test draw N examples instead of its own ``max_examples``, under either
+profile: a long run of the properties at one size. Unset, each test keeps its own size.
 """
 
 from __future__ import annotations
@@ -60,6 +64,29 @@ if PROFILE == "explore":
     )
 settings.load_profile(PROFILE)
 
+_EXAMPLES = os.environ.get("KVPLAN_HYPOTHESIS_EXAMPLES", "")
+if _EXAMPLES and not (_EXAMPLES.isdigit() and int(_EXAMPLES) > 0):
+    raise RuntimeError(
+        f"KVPLAN_HYPOTHESIS_EXAMPLES must be a whole number above 0, got {_EXAMPLES!r}"
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """With ``KVPLAN_HYPOTHESIS_EXAMPLES`` set, every hypothesis test draws that many examples.
+
+    A test's own ``@settings(max_examples=...)`` outranks any profile, so the count is set on
+    the test's settings, which hypothesis reads when the test runs.
+    """
+    if not _EXAMPLES:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        if not getattr(test, "is_hypothesis_test", False):
+            continue
+        own = getattr(test, "_hypothesis_internal_use_settings", None) or settings.default
+        test._hypothesis_internal_use_settings = settings(own, max_examples=int(_EXAMPLES))
+
 
 def pytest_report_header(config):  # noqa: ARG001 (pytest hook signature)
-    return f"hypothesis profile: {PROFILE}"
+    examples = f", {_EXAMPLES} examples per test" if _EXAMPLES else ""
+    return f"hypothesis profile: {PROFILE}{examples}"

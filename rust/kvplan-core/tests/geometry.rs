@@ -43,7 +43,7 @@ fn side(items: Vec<u64>, pool: bool, pad: u64, cap: u64) -> (Vec<u64>, Vec<u64>,
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { failure_persistence: None, ..support::property_config(256) })]
 
     #[test]
     fn plans_match_the_reference(

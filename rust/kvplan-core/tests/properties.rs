@@ -109,7 +109,7 @@ fn either_direction_runs(src: &[i64], dst: &[i64]) -> usize {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(support::property_config(512))]
 
     /// Runs tile the input exactly: concatenating them gives back both index arrays.
     #[test]

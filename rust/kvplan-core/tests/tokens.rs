@@ -186,16 +186,8 @@ fn order() -> impl Strategy<Value = Option<MemoryOrder>> {
     ]
 }
 
-/// Cases of the delta property: 1,000, or `PROPTEST_CASES` when set (a long run: 100,000).
-fn delta_cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(delta_cases()))]
+    #![proptest_config(support::property_config(1000))]
     /// Delta requests: tokens `skip..n` only, `skip` anywhere (inside a page too), against the
     /// same reference; with the reference's first `skip` tokens the decode then holds the whole
     /// request, by the reference's construction.
@@ -235,7 +227,7 @@ fn windowed(layout: Layout, window: u64) -> Layout {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(delta_cases()))]
+    #![proptest_config(support::property_config(1000))]
     /// Sliding-window layers: layer 1 moves only the request's last `window` tokens (from the
     /// delta's first token on), layer 0 every token from it; against the same reference.
     #[test]
@@ -278,7 +270,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(support::property_config(300))]
     #[test]
     fn token_plans_match_a_per_token_reference(
         ps in prop::sample::select(vec![1u64, 2, 4, 16, 32, 64]),
