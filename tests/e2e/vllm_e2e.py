@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -959,6 +960,255 @@ def nixl_direct_when_off(pair: PdPair, reference: dict[str, list[int]]) -> str:
             f"{total:.0f} count {reads:.0f} after {pair.sent} PD requests")
 
 
+# --------------------------------------------------------------------------------------------
+# Faults in the NIXL staged set: a stale reference, a prefill killed before the read
+
+
+#: The fault prefill's KV lease (``kv_lease_duration``), seconds: it serves only the fault
+#: cases, so its lease can be short enough to wait out (the scored pairs keep NIXL_LEASE_S).
+FAULT_LEASE_S = 6
+#: The prompt whose KV cache the faulted requests reference (5 blocks).
+FAULT_PROMPT = "several blocks"
+#: At most this many prefill-only requests of the longest prompt (14 blocks each), sent one
+#: after another, until their blocks cover a freed request's (observed in their
+#: ``remote_block_ids``). vLLM 0.32 hands out freed blocks that carry no prefix-cache hash
+#: first (its free queue is last-in first-out for them), so the first one takes them here.
+FAULT_FILLERS_MAX = 12
+#: How long the decode may take to answer a request whose prefill was killed.
+KILLED_TIMEOUT_S = 120.0
+#: kvplan's NIXL decode's failure verdict for a staged read (StagedRead.failed).
+NIXL_VERDICT = re.compile(
+    r"kvplan staging: request '(?P<req>[^']+)' failed \((?P<reason>.*)\): group 0: blocks "
+    r"\[(?P<blocks>[\d, ]*)\]; vLLM's failed-receive path")
+#: vLLM's NIXL decode's line for a read that failed (its failed-receive path).
+NIXL_FAILURE = re.compile(r"NIXL transfer failure: (?P<kind>\w+).*?\| Context: (?P<ctx>\{.*\})")
+
+
+def flat_block_ids(params: dict[str, Any]) -> list[int]:
+    """The prefill's block ids in its ``kv_transfer_params`` (one list per KV group)."""
+    ids: list[int] = []
+    for item in params.get("remote_block_ids") or []:
+        ids += [int(b) for b in item] if isinstance(item, (list, tuple)) else [int(item)]
+    return ids
+
+
+def prefill_only(server: Server, ids: list[int]) -> dict[str, Any]:
+    """A prefill-only PD request (``max_tokens`` 1): its ``kv_transfer_params``, whose blocks
+    the prefill keeps for a decode until the decode's notification or the lease's expiry."""
+    params = complete(server, ids, 1, {"do_remote_decode": True}).get("kv_transfer_params")
+    if not isinstance(params, dict) or not flat_block_ids(params):
+        raise AssertionError(f"{server.name} returned kv_transfer_params {params}")
+    return params
+
+
+def reuse_blocks(prefill: Server, blocks: list[int]) -> str:
+    """Prefill-only requests of other prompts on ``prefill``, one at a time, until their
+    blocks cover ``blocks`` (freed by the prefill): the stale request's blocks then hold
+    another prompt's KV cache. Raises when FAULT_FILLERS_MAX requests did not reach them."""
+    rng = random.Random(3000)
+    wanted, covered = set(blocks), set()
+    for sent in range(1, FAULT_FILLERS_MAX + 1):
+        ids = [rng.randrange(3, MODELS["a"].vocab) for _ in range(PROMPTS["long"])]
+        covered |= set(flat_block_ids(prefill_only(prefill, ids))) & wanted
+        if covered == wanted:
+            return (f"blocks {sorted(wanted)} reused by {sent} prefill-only request"
+                    f"{'s' if sent > 1 else ''} of another prompt")
+    raise AssertionError(f"{FAULT_FILLERS_MAX} prefill-only requests on {prefill.name} reused "
+                         f"only {sorted(covered)} of the freed blocks {sorted(wanted)}")
+
+
+def faulted_decode(decode: Server, ids: list[int], params: dict[str, Any],
+                   expected: list[int], timeout_s: float) -> tuple[str, bool]:
+    """Send the decode its half of a faulted PD request. Returns (what it answered, whether it
+    failed the request); an HTTP 200 whose tokens differ from ``expected`` (the plain
+    server's) is wrong bytes served as a success and raises, as does no answer in
+    ``timeout_s`` (the decode's stacks are dumped)."""
+    started = time.monotonic()
+    try:
+        got = output_ids(complete(decode, ids, MAX_TOKENS, params, timeout_s))
+    except HttpError as exc:
+        return f"HTTP {exc.status} after {time.monotonic() - started:.1f} s", True
+    except TimeoutError:
+        stacks = harness.dump_stacks(decode, "faulted request: no answer")
+        raise AssertionError(f"no answer within {timeout_s:.0f} s: the request hangs; "
+                             f"{decode.name}'s {stacks}") from None
+    if got != expected:
+        raise AssertionError(f"HTTP 200 after {time.monotonic() - started:.1f} s with tokens "
+                             f"{got} where the plain server's are {expected}: wrong KV bytes "
+                             "answered as a success")
+    return (f"HTTP 200 after {time.monotonic() - started:.1f} s with the plain server's "
+            "tokens (recomputed)"), False
+
+
+def vllm_failures(decode: Server, offset: int, remote_request: str) -> list[dict[str, str]]:
+    """vLLM's NIXL failure lines in ``decode``'s log after ``offset`` for the prefill's
+    request ``remote_request``: each line's kind, its request and its number of blocks."""
+    found: list[dict[str, str]] = []
+    for line in decode.log_since(offset).splitlines():
+        m = NIXL_FAILURE.search(line)
+        if m is None or f"'remote_request_id': '{remote_request}'" not in m["ctx"]:
+            continue
+        req = re.search(r"'request_id': '([^']+)'", m["ctx"])
+        blocks = re.search(r"'num_local_blocks': (\d+)", m["ctx"])
+        found.append({"kind": m["kind"], "req": req[1] if req else "?",
+                      "blocks": blocks[1] if blocks else "?"})
+    return found
+
+
+def verdicts(decode: Server, offset: int) -> list[dict[str, Any]]:
+    """kvplan's staged-read failure verdicts in ``decode``'s log after ``offset``."""
+    return [{"req": m["req"], "reason": m["reason"],
+             "blocks": [int(b) for b in m["blocks"].replace(",", " ").split()]}
+            for m in map(NIXL_VERDICT.search, decode.log_since(offset).splitlines()) if m]
+
+
+def stale_after_lease(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    """A decode request that references blocks the prefill freed when its lease expired and
+    then gave to other requests: the prefill (kvplan staging on both sides, its lease
+    FAULT_LEASE_S) answers the prefill request, the harness waits the lease out, reuses the
+    freed blocks with prefill-only requests of other prompts, and only then sends the decode
+    the stale ``kv_transfer_params``. The prefill must refuse the stream (not held) naming
+    the request, the decode must fail it through vLLM's failed-receive path with kvplan's
+    verdict naming the request and all its blocks, and the HTTP answer must be an error (or
+    the plain server's tokens, recomputed), never 200 with other tokens."""
+    ids = prompt_ids(PROMPTS[FAULT_PROMPT])
+    params = prefill_only(pair.prefill, ids)
+    stale, remote = flat_block_ids(params), str(params.get("remote_request_id"))
+    time.sleep(FAULT_LEASE_S + 3.0)  # past the lease: the next step of the prefill frees them
+    reused = reuse_blocks(pair.prefill, stale)
+    offsets = pair.prefill.log_size(), pair.decode.log_size()
+    answer, failed = faulted_decode(pair.decode, ids, params, reference[FAULT_PROMPT],
+                                    REQUEST_TIMEOUT_S)
+    refused = [ln.split("kvplan staging: ", 1)[1][:200]
+               for ln in pair.prefill.log_since(offsets[0]).splitlines()
+               if "kvplan staging: refused" in ln and f"request {remote}:" in ln]
+    said = [v for v in verdicts(pair.decode, offsets[1]) if remote in v["reason"]]
+    detail = f"{reused}; decode answered {answer}"
+    if not failed:  # kv_load_failure_policy "fail" (vLLM's default): no recompute here
+        raise AssertionError(f"{detail}: the fault was not reported")
+    if len(refused) != 1 or "no longer holds" not in refused[0]:
+        raise AssertionError(f"{detail}; but {pair.prefill.name} refused {refused} (wanted one "
+                             f"refusal of request {remote}: not held)")
+    if len(said) != 1 or "not_held" not in said[0]["reason"]:
+        raise AssertionError(f"{detail}; but {pair.decode.name}'s verdicts for {remote}: "
+                             f"{said}")
+    verdict = said[0]
+    if len(verdict["blocks"]) != len(stale):
+        raise AssertionError(f"{detail}; but the verdict names {verdict['blocks']}, not the "
+                             f"request's {len(stale)} blocks")
+    vllm = [f for f in vllm_failures(pair.decode, offsets[1], remote)
+            if f["req"] == verdict["req"]]
+    if not vllm:
+        raise AssertionError(f"{detail}; but no 'NIXL transfer failure' of request "
+                             f"{verdict['req']} in {pair.decode.name}'s log")
+    return (f"{detail}; prefill: {refused[0][:110]}; decode verdict: request "
+            f"{verdict['req']} blocks {verdict['blocks']}; vLLM: {vllm[0]['kind']} "
+            f"({vllm[0]['blocks']} blocks)")
+
+
+def killed_before_read(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    """The prefill answers the prefill request and is then killed (SIGKILL, its whole process
+    group) before the decode gets the request: within KILLED_TIMEOUT_S the decode must
+    answer with an error (or the plain server's tokens, recomputed), never 200 with other
+    tokens, and its log must name the request's failure: vLLM's NIXL failure line for the
+    prefill's request id with all the request's blocks, and kvplan's own line, either its
+    verdict (the staged read opened, then failed) or its fall-back to vLLM's read (the
+    prefill's channel listener refused the connection), whose failure vLLM's line is."""
+    ids = prompt_ids(PROMPTS[FAULT_PROMPT])
+    params = prefill_only(pair.prefill, ids)
+    remote, blocks = str(params.get("remote_request_id")), len(flat_block_ids(params))
+    proc = pair.prefill.proc
+    if proc is None:
+        raise AssertionError(f"{pair.prefill.name} was not started")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30.0
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    offset = pair.decode.log_size()
+    answer, failed = faulted_decode(pair.decode, ids, params, reference[FAULT_PROMPT],
+                                    KILLED_TIMEOUT_S)
+    detail = f"{pair.prefill.name} killed; decode answered {answer}"
+    if not failed:  # kv_load_failure_policy "fail" (vLLM's default): no recompute here
+        raise AssertionError(f"{detail}: the fault was not reported")
+    text = pair.decode.log_since(offset)
+    vllm = vllm_failures(pair.decode, offset, remote)
+    said = [v for v in verdicts(pair.decode, offset) if v["req"] in {f["req"] for f in vllm}]
+    fallback = [ln.split("kvplan staging: ", 1)[1][:160] for ln in text.splitlines()
+                if "kvplan staging: no channel to" in ln]
+    if not vllm or vllm[0]["blocks"] != str(blocks):
+        raise AssertionError(f"{detail}; but {pair.decode.name}'s NIXL transfer failures for "
+                             f"the prefill's request {remote}: {vllm} (wanted one naming its "
+                             f"{blocks} blocks)")
+    if said:
+        if len(said[0]["blocks"]) != blocks:
+            raise AssertionError(f"{detail}; but kvplan's verdict names {said[0]['blocks']}")
+        how = f"kvplan's verdict: blocks {said[0]['blocks']}"
+    elif fallback:
+        how = f"kvplan: {fallback[0]}"
+    else:
+        raise AssertionError(f"{detail}; but kvplan logged neither a verdict nor its "
+                             f"fall-back to vLLM's read for request {vllm[0]['req']}")
+    return (f"{detail}; vLLM: {vllm[0]['kind']} of request {vllm[0]['req']} "
+            f"({vllm[0]['blocks']} blocks); {how}")
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def direct_read_of_stale_blocks(pair: PdPair, reference: dict[str, list[int]]) -> str:
+    """What vLLM's own NIXL read does with a stale reference (recorded, not a kvplan case):
+    on the pair whose prefill has staging off, a PD request is read once (the prefill frees
+    its blocks on the decode's notification), prefill-only requests of other prompts reuse
+    them, and the decode is sent the same ``kv_transfer_params`` again."""
+    ids = prompt_ids(PROMPTS[FAULT_PROMPT])
+    params = prefill_only(pair.prefill, ids)
+    first = output_ids(complete(pair.decode, ids, MAX_TOKENS, params))
+    reused = reuse_blocks(pair.prefill, flat_block_ids(params))
+    offset = pair.prefill.log_size()
+    started = time.monotonic()
+    try:
+        again = output_ids(complete(pair.decode, ids, MAX_TOKENS, params))
+        answer = (f"HTTP 200 after {time.monotonic() - started:.1f} s with tokens "
+                  + ("equal to" if again == reference[FAULT_PROMPT] else "DIFFERENT FROM")
+                  + " the plain server's")
+    except HttpError as exc:
+        answer = f"HTTP {exc.status} after {time.monotonic() - started:.1f} s"
+    late = [ln.split("] ", 1)[-1][:160] for ln in pair.prefill.log_since(offset).splitlines()
+            if "Potentially invalid KV blocks" in ln]
+    return (f"vLLM's own read of a stale reference: first read "
+            f"{'equal to' if first == reference[FAULT_PROMPT] else 'different from'} the "
+            f"plain server's; {reused}; the same kv_transfer_params again: {answer}; "
+            f"prefill: {late[0] if late else 'nothing logged'}")
+
+
+def run_faults(direct: PdPair, faulty: PdPair, reference: dict[str, list[int]],
+               cases: Any, results: Results) -> None:
+    """The NIXL staged set's fault cases, after its other second-phase cases: vLLM's own read
+    of a stale reference on the direct pair (logged, not a case), then on the fault prefill
+    (staging on, lease FAULT_LEASE_S) with the direct pair's staging decode, a stale
+    reference after the lease and the prefill killed before the decode's read (last: the
+    prefill is gone after it)."""
+    started = time.monotonic()
+    try:
+        log(direct_read_of_stale_blocks(direct, reference))
+    except (HttpError, OSError, AssertionError, KeyError) as exc:
+        log(f"vLLM's own read of a stale reference: not recorded ({type(exc).__name__}: "
+            f"{str(exc)[:200]})")
+    log(faulty.warm_up())
+    results.check(next(cases), lambda: stale_after_lease(faulty, reference))
+    results.check(next(cases), lambda: killed_before_read(faulty, reference))
+    log(f"fault cases took {time.monotonic() - started:.0f} s")
+
+
 def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, list[int]],
                results: Results) -> None:
     """The staged set, in two phases. First a prefill and a decode on ``a``, both staging
@@ -984,6 +1234,11 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
     if nixl:  # the decode negotiates: the prefill is the side with staging off
         second += [own.server(f"{tag}-prefill-off", "a", PREFILL_PORT, off, "kv_producer"),
                    own.server(f"{tag}-decode-a2", "a", DECODE_PORT, connector, "kv_consumer")]
+        # the fault cases' prefill: staging on, a lease short enough to wait out
+        short = dataclasses.replace(connector, extra={**connector.extra,
+                                                      "kv_lease_duration": FAULT_LEASE_S})
+        second.append(own.server(f"{tag}-prefill-faults", "a", LAYOUT_PREFILL_PORT, short,
+                                 "kv_producer"))
     else:
         second += [own.server(f"{tag}-prefill-a2", "a", PREFILL_PORT, connector,
                               "kv_producer"),
@@ -995,6 +1250,9 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
                    f"{label}: >= {STAGED_MIN_RATIO}x fewer network descriptors",
                    f"{label}: negative control",
                    f"{label}: staging off on the {'prefill' if nixl else 'decode'}"]
+    if nixl:
+        case_names += [f"{label}: stale reference after the lease, blocks reused",
+                       f"{label}: prefill killed before the decode's read"]
     cases = iter(case_names)
     first = [prefill, decode]
     started = time.monotonic()
@@ -1047,6 +1305,9 @@ def run_staged(servers: VllmServers, connector: Connector, reference: dict[str, 
             direct = PdPair(connector.transport, second[2], second[3])
             off_case = nixl_direct_when_off if nixl else direct_when_off
             results.check(next(cases), lambda: off_case(direct, reference))
+            if nixl:
+                run_faults(direct, PdPair("nixl", second[4], second[3]), reference,
+                           cases, results)
     except ServerError as exc:
         print(str(exc), flush=True)
         reason = str(exc).split(";", 1)[0]

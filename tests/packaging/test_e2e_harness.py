@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -327,3 +328,245 @@ def test_the_nixl_decodes_staged_read_line_is_parsed(
     assert vllm_e2e.staged_rows(pair) == [
         {"req": "cmpl-1-0", "rounds": 2.0, "network_blocks": 2.0, "direct_blocks": 56.0,
          "bytes": 1835008.0, "seconds": 0.25}]
+
+
+def test_the_nixl_staged_set_ends_with_its_fault_cases_on_a_short_lease_prefill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NIXL staged set's second phase starts a fifth server, a staging prefill on ``a``
+    whose lease is FAULT_LEASE_S (the scored pairs keep NIXL_LEASE_S); after the other cases
+    it records vLLM's own read of a stale reference on the direct pair, then runs the stale
+    reference and the killed prefill (last) on the fault prefill with the direct pair's
+    staging decode. The Mooncake staged set has no fault cases."""
+    phases: list[list[harness.Server]] = []
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def running(servers: Sequence[harness.Server], timeout: float
+                ) -> Iterator[Sequence[harness.Server]]:
+        phases.append(list(servers))
+        yield servers
+
+    def event(name: str) -> Any:
+        return lambda *a, **k: events.append(name) or "ok"
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(harness.Server, "stop", lambda self, grace_s=30.0: None)
+    monkeypatch.setattr(vllm_e2e, "collect_reference",
+                        lambda plain, results: {n: [1] for n in vllm_e2e.PROMPTS})
+    for name in ("connector_in_use", "fragment", "compare_equal", "nixl_staged_counts",
+                 "staged_counts", "staged_reduction", "negative_control",
+                 "nixl_direct_when_off", "direct_when_off"):
+        monkeypatch.setattr(vllm_e2e, name, event(name))
+    monkeypatch.setattr(vllm_e2e, "staged_rows", lambda pair, offset=0: [{}] * pair.sent)
+    monkeypatch.setattr(vllm_e2e, "staged_log_offset", lambda pair: 0)
+    monkeypatch.setattr(vllm_e2e.harness.Server, "log_since", lambda self, offset: "".join(
+        f"{vllm_e2e.STAGING_STARTED}\n"))
+    monkeypatch.setattr(vllm_e2e.PdPair, "warm_up",
+                        lambda self: events.append(f"warm {self.prefill.name}") or "w")
+    monkeypatch.setattr(vllm_e2e, "direct_read_of_stale_blocks",
+                        lambda pair, ref: events.append(f"record {pair.prefill.name} "
+                                                        f"{pair.decode.name}") or "r")
+    monkeypatch.setattr(vllm_e2e, "stale_after_lease",
+                        lambda pair, ref: events.append(f"stale {pair.prefill.name} "
+                                                        f"{pair.decode.name}") or "ok")
+    monkeypatch.setattr(vllm_e2e, "killed_before_read",
+                        lambda pair, ref: events.append(f"killed {pair.prefill.name}") or "ok")
+    servers = vllm_e2e.VllmServers(fake_setup(tmp_path), tmp_path / "logs")
+    by_label = {c.label: c for c in vllm_e2e.connectors(fake_setup(tmp_path))}
+    results = harness.Results()
+    vllm_e2e.run_staged(servers, by_label["nixl kvplan staged vllm-0.32"], {}, results)
+    assert results.failed == 0, results.lines
+    tag = "nixl_kvplan_staged_vllm-0.32"
+    assert [s.name for s in phases[1]] == [f"{tag}-prefill-b", f"{tag}-decode-b",
+                                           f"{tag}-prefill-off", f"{tag}-decode-a2",
+                                           f"{tag}-prefill-faults"]
+    faults = phases[1][4]
+    config = json.loads(faults.argv[faults.argv.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    assert extra["kv_lease_duration"] == vllm_e2e.FAULT_LEASE_S < vllm_e2e.NIXL_LEASE_S
+    assert {k: extra[k] for k in vllm_e2e.STAGED_OPTIONS} == vllm_e2e.STAGED_OPTIONS
+    for scored in phases[0] + phases[1][:4]:
+        if "--kv-transfer-config" in scored.argv:
+            other = json.loads(scored.argv[scored.argv.index("--kv-transfer-config") + 1])
+            assert other["kv_connector_extra_config"]["kv_lease_duration"] == \
+                vllm_e2e.NIXL_LEASE_S
+    assert events[-4:] == [f"record {tag}-prefill-off {tag}-decode-a2",
+                           f"warm {tag}-prefill-faults",
+                           f"stale {tag}-prefill-faults {tag}-decode-a2",
+                           f"killed {tag}-prefill-faults"]
+    names = [line.split("  ")[1] for line in results.lines]
+    assert names[-3:] == ["nixl kvplan staged vllm-0.32: staging off on the prefill",
+                          "nixl kvplan staged vllm-0.32: stale reference after the lease, "
+                          "blocks reused",
+                          "nixl kvplan staged vllm-0.32: prefill killed before the decode's "
+                          "read"]
+    phases.clear()
+    events.clear()
+    mooncake = harness.Results()
+    vllm_e2e.run_staged(servers, by_label["mooncake kvplan staged vllm-0.32"], {1: [1]},
+                        mooncake)
+    assert len(phases[1]) == 4 and not [e for e in events if e.startswith(("stale", "kill"))]
+
+
+def test_a_faulted_decode_never_passes_wrong_tokens_as_a_success(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """faulted_decode: an HTTP error is the fault reported; 200 with the plain server's
+    tokens is a recompute (not a failure); 200 with other tokens raises, and so does no
+    answer (the decode's stacks dumped)."""
+    decode = harness.Server("d", [], 2, {}, tmp_path)
+    answers: list[Any] = []
+
+    def complete(server: Any, ids: Any, max_tokens: int, params: Any = None,
+                 timeout_s: float = 0) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return {"choices": [{"token_ids": answer}]}
+
+    monkeypatch.setattr(vllm_e2e, "complete", complete)
+    monkeypatch.setattr(harness, "dump_stacks", lambda server, why: "stacks")
+    answers.append(harness.HttpError(500, "failed KV load"))
+    said, failed = vllm_e2e.faulted_decode(decode, [1], {}, [7, 8], 5.0)
+    assert failed and said.startswith("HTTP 500")
+    answers.append([7, 8])
+    said, failed = vllm_e2e.faulted_decode(decode, [1], {}, [7, 8], 5.0)
+    assert not failed and "recomputed" in said
+    answers.append([7, 9])
+    with pytest.raises(AssertionError, match="wrong KV bytes"):
+        vllm_e2e.faulted_decode(decode, [1], {}, [7, 8], 5.0)
+    answers.append(TimeoutError())
+    with pytest.raises(AssertionError, match="no answer within 5 s"):
+        vllm_e2e.faulted_decode(decode, [1], {}, [7, 8], 5.0)
+
+
+def fault_logs(tmp_path: Path) -> tuple[harness.Server, harness.Server]:
+    prefill = harness.Server("p", [], 1, {}, tmp_path)
+    decode = harness.Server("d", [], 2, {}, tmp_path)
+    for server in (prefill, decode):
+        server.log_path.parent.mkdir(parents=True, exist_ok=True)
+        server.log_path.write_text("(Worker pid=1) INFO start\n")
+    return prefill, decode
+
+
+def kvplan_verdict_line(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                        request: str, blocks: tuple[int, ...], reason: str) -> str:
+    """The decode's verdict line for a failed staged read, as kvplan's StagedRead says it."""
+    import logging
+    import types
+
+    import kvplan.failures
+    from kvplan.compat.vllm.nixl_staging import StagedRead
+
+    monkeypatch.setattr(kvplan.failures, "verdict_for_unscattered_rounds",
+                        lambda req, template, rounds, scattered, reason="":
+                        kvplan.failures.FailureVerdict(req, {0: blocks}, reason))
+    read = StagedRead(request, types.SimpleNamespace(scattered=0), None, None, [], None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.kvplan.staging"):
+        read.failed(types.SimpleNamespace(reason="peer_failed", detail=reason))
+    (said,) = [r.getMessage() for r in caplog.records]
+    return f"(Worker pid=1) WARNING 12-07 09:00:00 [nixl_staging.py:1] {said}\n"
+
+
+def test_the_stale_reference_case_wants_the_refusal_the_verdict_and_vllms_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """stale_after_lease passes only when the prefill refused the stream (not held) naming
+    the request, the decode's kvplan verdict (read from kvplan's own line) names all the
+    request's blocks with that reason, vLLM's NIXL failure line names the same request, and
+    the HTTP answer was an error; each missing piece fails it."""
+    prefill, decode = fault_logs(tmp_path)
+    pair = vllm_e2e.PdPair("nixl", prefill, decode)
+    remote = "cmpl-r1-0"
+    params = {"remote_block_ids": [[11, 12, 13, 14, 15]], "remote_request_id": remote}
+    monkeypatch.setattr(vllm_e2e, "prefill_only", lambda server, ids: params)
+    monkeypatch.setattr(vllm_e2e, "reuse_blocks", lambda server, blocks: "reused")
+    monkeypatch.setattr(vllm_e2e.time, "sleep", lambda s: None)
+    not_held = (f"not_held: this prefill no longer holds request {remote!r} (its KV lease "
+                "expired, or its blocks were freed or never kept for a decode)")
+    refusal = (f"(Worker pid=2) ERROR [nixl_staging.py:1] kvplan staging: refused "
+               f"'{remote}@d:tp0' to d: request {remote}: this prefill no longer holds "
+               f"request {remote!r} (its KV lease expired)\n")
+    failure = ("(Worker pid=1) ERROR [base_worker.py:1] NIXL transfer failure: transfer_failed "
+               "| Context: {'failure_type': 'transfer_failed', 'request_id': 'cmpl-d9-0', "
+               f"'engine_id': 'e', 'remote_request_id': '{remote}', 'xfer_state': 'ERR'}}\n")
+    verdict = kvplan_verdict_line(caplog, monkeypatch, "cmpl-d9-0", (3, 5, 7, 9, 11), not_held)
+
+    def run(answer: tuple[str, bool], prefill_says: str, decode_says: str) -> str:
+        def faulted(*a: Any) -> tuple[str, bool]:
+            with open(prefill.log_path, "a") as fh:
+                fh.write(prefill_says)
+            with open(decode.log_path, "a") as fh:
+                fh.write(decode_says)
+            return answer
+
+        monkeypatch.setattr(vllm_e2e, "faulted_decode", faulted)
+        return vllm_e2e.stale_after_lease(pair, {vllm_e2e.FAULT_PROMPT: [1]})
+
+    said = run(("HTTP 500", True), refusal, verdict + failure)
+    assert "request cmpl-d9-0 blocks [3, 5, 7, 9, 11]" in said and "transfer_failed" in said
+    with pytest.raises(AssertionError, match="not reported"):
+        run(("HTTP 200 (recomputed)", False), refusal, verdict + failure)
+    with pytest.raises(AssertionError, match="refused"):
+        run(("HTTP 500", True), "", verdict + failure)
+    with pytest.raises(AssertionError, match="verdicts"):
+        run(("HTTP 500", True), refusal, failure)
+    short = kvplan_verdict_line(caplog, monkeypatch, "cmpl-d9-0", (3, 5), not_held)
+    with pytest.raises(AssertionError, match="not the request's 5 blocks"):
+        run(("HTTP 500", True), refusal, short + failure)
+    with pytest.raises(AssertionError, match="NIXL transfer failure"):
+        run(("HTTP 500", True), refusal, verdict)
+
+
+def test_the_killed_prefill_case_wants_vllms_failure_and_kvplans_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """killed_before_read kills the prefill's whole process group before the decode's half,
+    and passes only on an HTTP error whose request vLLM's NIXL failure line names with all
+    its blocks, beside kvplan's own line: its verdict of the stream, or its fall-back to
+    vLLM's read when the prefill's listener refused the connection."""
+    import types
+
+    prefill, decode = fault_logs(tmp_path)
+    killed: list[tuple[int, int]] = []
+    prefill.proc = types.SimpleNamespace(pid=4242, wait=lambda timeout=None: 0)  # type: ignore[assignment]
+    monkeypatch.setattr(vllm_e2e.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(vllm_e2e, "group_alive", lambda pgid: False)
+    pair = vllm_e2e.PdPair("nixl", prefill, decode)
+    remote = "cmpl-r2-0"
+    params = {"remote_block_ids": [[1, 2, 3, 4, 5]], "remote_request_id": remote}
+    monkeypatch.setattr(vllm_e2e, "prefill_only", lambda server, ids: params)
+
+    def failure(blocks: int) -> str:
+        return ("(Worker pid=1) ERROR [pull_worker.py:562] NIXL transfer failure: "
+                "transfer_setup_failed. Deferring failure reporting | Context: {'failure_type': "
+                "'transfer_setup_failed', 'request_id': 'cmpl-d2-0', 'engine_id': 'e', "
+                f"'remote_request_id': '{remote}', 'num_local_blocks': {blocks}}}\n")
+
+    fallback = ("kvplan staging: no channel to p:tp0 at '127.0.0.1:1' (kvplan staging channel "
+                "with 127.0.0.1:1: unreachable: ConnectionRefusedError): direct path\n")
+    verdict = kvplan_verdict_line(caplog, monkeypatch, "cmpl-d2-0", (6, 7, 8, 9, 10),
+                                  "peer_failed: closed")
+
+    def run(answer: tuple[str, bool], decode_says: str) -> str:
+        def faulted(*a: Any) -> tuple[str, bool]:
+            with open(decode.log_path, "a") as fh:
+                fh.write(decode_says)
+            return answer
+
+        monkeypatch.setattr(vllm_e2e, "faulted_decode", faulted)
+        return vllm_e2e.killed_before_read(pair, {vllm_e2e.FAULT_PROMPT: [1]})
+
+    said = run(("HTTP 500", True), fallback + failure(5))
+    assert killed == [(4242, vllm_e2e.signal.SIGKILL)]
+    assert "transfer_setup_failed of request cmpl-d2-0 (5 blocks)" in said and \
+        "no channel" in said
+    assert "blocks [6, 7, 8, 9, 10]" in run(("HTTP 500", True), verdict + failure(5))
+    with pytest.raises(AssertionError, match="not reported"):
+        run(("HTTP 200 (recomputed)", False), fallback + failure(5))
+    with pytest.raises(AssertionError, match="neither a verdict nor its fall-back"):
+        run(("HTTP 500", True), failure(5))
+    with pytest.raises(AssertionError, match="wanted one naming its 5 blocks"):
+        run(("HTTP 500", True), fallback + failure(4))
+    with pytest.raises(AssertionError, match="wanted one naming its 5 blocks"):
+        run(("HTTP 500", True), fallback)
