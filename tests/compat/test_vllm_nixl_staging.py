@@ -32,7 +32,6 @@ from support.vllm_nixl import (  # noqa: E402
     nixl_connector,  # noqa: F401 (the fixture connector)
     nixl_release,  # noqa: F401 (the fixture nixl)
     serve,
-    vllm_config,
 )
 from support.vllm_nixl_pair import (  # noqa: E402
     BLOCK_BYTES,
@@ -544,49 +543,6 @@ def socket_connect(address: str) -> None:
     from kvplan.staging.channel import parse_address
 
     socket.create_connection(parse_address(address), timeout=5).close()
-
-
-def test_the_scheduler_side_sends_the_kept_blocks_with_reqs_to_send(
-        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kvplan's scheduler-side connector keeps the ``remote_block_ids`` of each request vLLM's
-    ``request_finished`` keeps for a decode and adds them to the next metadata whose
-    ``reqs_to_send`` has it; with staging off, nothing is kept or added."""
-    config = vllm_config("kv_producer")
-    vllm_base = connector.Connector.__mro__[1]
-    finished = {"r1": (True, {"remote_block_ids": [[4, 5, 6]]}), "r2": (False, None),
-                "r3": (True, {"remote_block_ids": [[7], [1, 2]]})}
-    monkeypatch.setattr(vllm_base, "__init__", lambda self, *a: setattr(
-        self, "connector_worker", None), raising=False)
-    monkeypatch.setattr(vllm_base, "request_finished",
-                        lambda self, request, block_ids: finished[request.request_id],
-                        raising=False)
-    monkeypatch.setattr(vllm_base, "request_finished_all_groups",
-                        lambda self, request, block_ids: finished[request.request_id],
-                        raising=False)
-    sending: list[dict[str, float]] = []
-
-    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-        meta = nixl.metadata.NixlConnectorMetadata()
-        meta.reqs_to_send = sending.pop(0)
-        return meta
-
-    monkeypatch.setattr(vllm_base, "build_connector_meta", build_connector_meta,
-                        raising=False)
-    for extra, kept in ((READ_STAGING, True), ({}, False)):
-        config.kv_transfer_config.kv_connector_extra_config.update(extra)
-        c = connector.Connector(config, "scheduler", None)
-        assert c.request_finished(types.SimpleNamespace(request_id="r1"), [4, 5, 6]) == \
-            finished["r1"]
-        c.request_finished(types.SimpleNamespace(request_id="r2"), [1])
-        c.request_finished_all_groups(types.SimpleNamespace(request_id="r3"), ([7], [1, 2]))
-        sending[:] = [{"r1": 1.0}, {"r3": 2.0, "r9": 3.0}, {"r1": 4.0}]
-        metas = [c.build_connector_meta(None) for _ in range(3)]
-        got = [getattr(m, nixl_staging.SENT_BLOCKS_META, None) for m in metas]
-        if kept:
-            assert got == [{"r1": [[4, 5, 6]]}, {"r3": [[7], [1, 2]]}, {}]
-        else:
-            assert got == [None, None, None]
-        config.kv_transfer_config.kv_connector_extra_config.clear()
 
 
 @pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,

@@ -304,6 +304,9 @@ def connector_class() -> type:
             # the block ids of the requests vLLM now keeps for decodes: a staged stream
             # reads only those of a request still held
             nixl_staging.record_sent_blocks(self, metadata)
+            # the decode's requests vLLM finished during their receive: their staged reads
+            # stop (those vLLM's start_load_kv just started too)
+            nixl_staging.stop_aborted_reads(self, metadata)
             return out
 
         KvplanNixlConnectorWorker.start_load_kv = start_load_kv

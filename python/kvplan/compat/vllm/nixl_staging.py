@@ -27,6 +27,9 @@ needs nothing more from the prefill.
   worker's agent (:class:`StagingAgent`): ``PROC``, then ``DONE`` (after vLLM's notification to
   the prefill, sent by kvplan once the last round was scattered) or ``ERR`` (vLLM's
   failed-receive path; the handle's verdict names the blocks not written).
+* :func:`stop_aborted_reads`: the decode's ``start_load_kv`` stops the staged read of a
+  request vLLM finished during it (aborted, failed; kvplan's scheduler side sends them,
+  :data:`ABORTED_META`) at the next round boundary (:meth:`StagedRead.abort`).
 * :func:`serve_rounds`: the prefill's listener (started with its arena, its address in the
   staging message) answers an opening message: it negotiates with the decode's message, plans
   the same rounds with its own layout as the source and runs
@@ -51,9 +54,13 @@ from kvplan.staging import DirectFallback, Negotiated
 __all__ = ["NixlPeer", "SendLeases", "StagedRead", "StagingAgent", "advertise_staging",
            "attach_sent_blocks", "close_staging", "kv_buffers", "negotiate_peer",
            "note_finished", "peer_agreement", "record_sent_blocks", "send_leases",
-           "serve_rounds", "staged_read", "start_staging", "worker_staging"]
+           "serve_rounds", "staged_read", "start_staging", "stop_aborted_reads",
+           "worker_staging"]
 
 _staging_log = logging.getLogger("vllm.kvplan.staging")
+
+#: What a staged read stopped on vLLM's abort says (its stream's ``cancelled`` detail).
+ABORTED_DETAIL = "vLLM finished the request during its staged read"
 
 #: The worker attribute holding the decode's outcome per prefill engine and rank.
 PEERS_ATTR = "_kvplan_staging_peers"
@@ -196,6 +203,9 @@ class StagedRead:
         #: KV region (None: not known).
         self.direct_descriptors = direct_descriptors
         self.notified = False
+        #: Set once :meth:`abort` stopped the read (vLLM finished the request during it).
+        self.aborted = False
+        self._stopping: threading.Thread | None = None
         #: The failure verdict (set once the stream failed, before vLLM sees ``ERR``): the
         #: blocks not written.
         self.verdict: Any = None
@@ -207,6 +217,8 @@ class StagedRead:
     def state(self) -> str:
         """``PROC``, ``DONE`` or ``ERR``, as NIXL's ``check_xfer_state`` says them."""
         self._state.tick()  # every open stream's timeout, ended streams closed
+        if self._stopping is not None and self._stopping.is_alive():
+            return "PROC"  # vLLM's abort: the round in progress ends first
         current = self.receiver.poll()
         if current == "loaded":
             if not self.notified:
@@ -216,10 +228,46 @@ class StagedRead:
                 self._said_done()
             return "DONE"
         if current == "failed":
+            if self.aborted:  # stopped on vLLM's abort: nothing of it is in flight
+                if not self.notified:
+                    self.notified = True
+                    self._notify()  # the prefill frees the request
+                return "DONE"
             if self.receiver.error is not None:
                 self.failed(self.receiver.error)
             return "ERR"
         return "PROC"
+
+    def abort(self, detail: str = ABORTED_DETAIL) -> bool:
+        """vLLM finished the request (aborted it, or freed it otherwise) while this read was
+        in progress: stop the stream at the next round boundary, on a thread of its own so
+        vLLM's step does not wait for it (a round being read and scattered now ends first; no
+        later round is read or scattered), and tell the prefill the stream is cancelled (its
+        send stops and its hold on the request ends). Until it stopped vLLM's polling sees
+        ``PROC``; then ``DONE``, not its failed-receive path (nothing failed), once vLLM's
+        notification went to the prefill, as vLLM's own read sends it when done, so the
+        prefill frees the request. vLLM then frees the decode's blocks, which nothing of this
+        read writes any more. Whether a stop was started (False: the read had already ended,
+        or is stopping)."""
+        if self.receiver.state != "receiving" or self._stopping is not None:
+            return False
+        self._stopping = threading.Thread(target=self._stop, args=(detail,), daemon=True,
+                                          name=f"kvplan-staging-abort-{self.request}")
+        self._stopping.start()
+        return True
+
+    def _stop(self, detail: str) -> None:
+        self.receiver.cancel(detail)  # waits for a round's scatter in progress
+        error = self.receiver.error
+        if self.receiver.failed and error is not None and error.reason == "cancelled" \
+                and error.detail == detail:
+            self.ended = time.monotonic()
+            self.aborted = True
+            _staging_log.info(
+                "kvplan staging: req %s finished by vLLM during its staged read from %s: "
+                "stopped after %d of %d rounds", self.request, self.peer,
+                self.receiver.scattered, len(self.rounds))
+        # else it ended otherwise first (loaded, or failed): vLLM's polling sees that
 
     def _said_done(self) -> None:
         """One INFO line per staged read, once its last round is scattered: the rounds, the
@@ -260,10 +308,13 @@ class StagedRead:
         import types
 
         ended = self.ended if self.ended is not None else time.monotonic()
-        total = sum(int(r.manifest.bytes) for r in self.rounds)
+        # an aborted read counts the rounds it read
+        rounds = [self.rounds[k] for k in range(self.receiver.scattered)] if self.aborted \
+            else list(self.rounds)
+        total = sum(int(r.manifest.bytes) for r in rounds)
         return types.SimpleNamespace(xferDuration=(ended - self.started) * 1e6,
                                      postDuration=0.0, totalBytes=total,
-                                     descCount=len(self.rounds))
+                                     descCount=len(rounds))
 
 
 class StagingAgent:
@@ -486,8 +537,13 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
                         gather=gather, buffers=agreement.buffers, src_lock=state.arena.lock,
                         timeout_s=state.config.timeout_s, pull=True)
         except StagingError as exc:
-            _staging_log.warning("kvplan staging: serving %r to %s failed: %s", stream,
-                                 peer, exc)
+            if exc.reason == "peer_failed" and exc.detail.startswith("cancelled: "):
+                # the decode stopped it (vLLM there finished the request): not a failure here
+                _staging_log.info("kvplan staging: %s cancelled %r: %s", peer, stream,
+                                  exc.detail)
+            else:
+                _staging_log.warning("kvplan staging: serving %r to %s failed: %s", stream,
+                                     peer, exc)
         finally:
             if held:  # the last round acknowledged, or the stream failed: once
                 leases.release(request)
@@ -524,6 +580,16 @@ SENT_BLOCKS_META = "kvplan_send_blocks"
 #: The scheduler-side connector attribute holding the block ids of finished requests until
 #: the next metadata carries them.
 SENT_BLOCKS_ATTR = "_kvplan_sent_blocks"
+#: The attribute kvplan's scheduler side adds to vLLM's connector metadata on the decode: the
+#: requests vLLM finished other than by completing them (aborted, failed) whose KV was to be
+#: received; a staged read of one still in progress stops (:func:`stop_aborted_reads`).
+ABORTED_META = "kvplan_aborted_reads"
+#: The scheduler-side connector attribute holding those requests until the next metadata.
+ABORTED_ATTR = "_kvplan_aborted_reads"
+#: vLLM's request statuses of a request that completed (any other finished status ends it
+#: early: an abort, an error).
+COMPLETED_STATUSES = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED",
+                                "FINISHED_REPETITION"})
 #: Least seconds a held request's lease is extended by at each of vLLM's expiry checks.
 MIN_EXTENSION_S = 1.0
 
@@ -682,7 +748,16 @@ def record_sent_blocks(worker: Any, metadata: Any) -> None:
 def note_finished(connector: Any, request: Any, outcome: Any) -> None:
     """The scheduler side's ``request_finished``, after vLLM's: a request whose blocks vLLM
     keeps for a decode (``outcome`` ``(True, params)``) has its ``remote_block_ids`` kept
-    until the next connector metadata carries them to the workers."""
+    until the next connector metadata carries them to the workers. On the decode, a request
+    whose KV was to be received (vLLM's ``update_state_after_alloc`` marked its
+    ``kv_transfer_params`` ``_remote_blocks_processed``) and that finished other than by
+    completing (aborted, failed) is kept too, for :func:`stop_aborted_reads`."""
+    params = getattr(request, "kv_transfer_params", None)
+    status = getattr(request, "status", None)
+    status = getattr(status, "name", status)
+    if isinstance(params, dict) and params.get("_remote_blocks_processed") and \
+            not params.get("do_remote_decode") and str(status) not in COMPLETED_STATUSES:
+        connector.__dict__.setdefault(ABORTED_ATTR, set()).add(str(request.request_id))
     try:
         delay, params = outcome
     except (TypeError, ValueError):
@@ -695,12 +770,32 @@ def note_finished(connector: Any, request: Any, outcome: Any) -> None:
 
 def attach_sent_blocks(connector: Any, metadata: Any) -> Any:
     """The scheduler side's ``build_connector_meta``, after vLLM's: the kept block ids of the
-    requests in its ``reqs_to_send`` go with it (:data:`SENT_BLOCKS_META`)."""
+    requests in its ``reqs_to_send`` go with it (:data:`SENT_BLOCKS_META`), and the decode's
+    requests finished early since the last metadata (:data:`ABORTED_META`, sorted)."""
     kept: dict[str, list[list[int]]] = connector.__dict__.get(SENT_BLOCKS_ATTR) or {}
     sending = getattr(metadata, "reqs_to_send", None) or {}
     setattr(metadata, SENT_BLOCKS_META,
             {r: kept.pop(r) for r in list(sending) if r in kept})
+    aborted: set[str] = connector.__dict__.pop(ABORTED_ATTR, None) or set()
+    setattr(metadata, ABORTED_META, sorted(aborted))
     return metadata
+
+
+def stop_aborted_reads(worker: Any, metadata: Any) -> list[str]:
+    """The decode worker's ``start_load_kv``, after vLLM's: each request of the metadata's
+    :data:`ABORTED_META` with a staged read still in progress has its stop started
+    (:meth:`StagedRead.abort`); the requests whose stop started. vLLM itself tells its worker
+    nothing of such a request: its scheduler keeps the request's blocks until the worker
+    reports the read done, and its own READ runs to the end. Nothing with staging off."""
+    if worker_staging(worker) is None:
+        return []
+    transfers = worker.__dict__.get("_recving_transfers") or {}
+    stopped: list[str] = []
+    for request in getattr(metadata, ABORTED_META, None) or ():
+        for handle in list(transfers.get(request) or ()):
+            if isinstance(handle, StagedRead) and handle.abort():
+                stopped.append(str(request))
+    return stopped
 
 
 def close_staging(worker: Any) -> bool:
