@@ -64,6 +64,7 @@ def test_bench_modules_are_found() -> None:
 #: test file -> the one script path it may name. Importing bench code stays forbidden there too.
 RUNS_BENCH_SCRIPT = {
     "tests/packaging/test_wire_ceiling_smoke.py": "bench/wire_ceiling.py",
+    "tests/packaging/test_vllm_nixl_staged_smoke.py": "bench/vllm_nixl_staged.py",
 }
 
 
