@@ -303,22 +303,131 @@ def test_reads_kvplan_does_not_stage_are_vllms(nixl: Any, connector: Any,
 
 
 @pytest.mark.nixl
-def test_a_prefill_whose_listener_is_gone_is_read_by_vllm(
-        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prefill agreed, but its channel listener no longer answers: nothing staged was
-    started, the decode says so and vLLM's own read takes the request."""
+@pytest.mark.parametrize("decode_extra", [None, AUTO_DIRECT], ids=["staged", "auto-direct"])
+def test_a_prefill_whose_listener_is_gone_fails_the_request(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch, decode_extra: Any) -> None:
+    """The prefill agreed, but its channel listener no longer answers (its NIXL agent still
+    does): nothing is read, neither staged nor by vLLM (which would read blocks nobody checked
+    are still the request's); the request takes vLLM's failed-receive path with a verdict
+    naming its blocks, and the decode says why."""
     load_agents(connector, nixl, monkeypatch)
-    pair = Pair(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=decode_extra)
     try:
         pair.prefill.__dict__[STAGING_ATTR].server.close()
-        with log_records("kvplan.compat.vllm") as said:
-            (handle,) = pair.read()
-        assert not isinstance(handle, nixl_staging.StagedRead)
+        with log_records("vllm.kvplan") as said:
+            (handle,) = pair.read(posted=False)
+        assert isinstance(handle, nixl_staging.RefusedRead)
+        assert pair.poll() == ({"req-d"}, {"req-d"})
+        assert not pair.d_mem.any()
+        verdict = handle.verdict
+        assert verdict.request_id == "req-d" and verdict.blocks == {0: tuple(sorted(DECODE_PAGES))}
+        assert verdict.reason.startswith("unreachable: "), verdict.reason
+        lines = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+        assert any(m.startswith("kvplan staging: request 'req-d' failed (unreachable: ")
+                   and f"group 0: blocks {sorted(DECODE_PAGES)}; vLLM's failed-receive path"
+                   in m and "prefill request req-p" in m for m in lines), lines
+        assert pair.notifications(timeout_s=0.5) == []
+    finally:
+        pair.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's direct read of a prefill that negotiated staging: held first
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.nixl
+def test_a_direct_read_of_a_held_request_pins_it_and_lands_vllms_bytes(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` advises direct: the prefill is asked first, pins the request (its lease is
+    not reaped while vLLM's read runs), and vLLM's own read lands the same bytes as vLLM's
+    read without kvplan; vLLM's notification goes to the prefill once."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        (handle,) = pair.read()
+        assert not isinstance(handle, (nixl_staging.StagedRead, nixl_staging.RefusedRead))
+        assert nixl_staging.send_leases(pair.prefill).pins == {"req-p": 1}
         assert pair.poll() == ({"req-d"}, set())
-        assert pair.d_mem.any()
-        lines = [r.getMessage() for r in said]
-        assert any("no channel to prefill-0:tp0" in m and "direct path" in m
-                   for m in lines), lines
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+        assert pair.notifications() == [b"req-p:1"]
+    finally:
+        pair.close()
+
+
+def refused_direct_read(pair: Pair, reason: str) -> Any:
+    """The decode's direct read of ``req-p``, whose held check the prefill refuses: nothing
+    is read (the decode's pages stay zero), vLLM's failed-receive path with a verdict naming
+    every decode block, the refusal said once on the prefill."""
+    with staging_records() as said:
+        (handle,) = pair.read(posted=False)
+        assert isinstance(handle, nixl_staging.RefusedRead)
+        assert pair.poll() == ({"req-d"}, {"req-d"})
+        refusal = wait_for(said, "refused 'hold:req-p@decode-0:tp0'")
+    assert not pair.d_mem.any()
+    verdict = handle.verdict
+    assert verdict.request_id == "req-d" and verdict.blocks == {0: tuple(sorted(DECODE_PAGES))}
+    assert verdict.reason.startswith(f"peer_failed: {reason}: "), verdict.reason
+    errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
+    assert errors == [refusal] and "request req-p" in refusal, errors
+    assert pair.notifications(timeout_s=0.5) == []
+    assert not nixl_staging.send_leases(pair.prefill).pins
+    return verdict
+
+
+@pytest.mark.nixl
+def test_a_direct_read_of_a_freed_and_reused_request_is_refused(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's lease of ``req-p`` expired and its blocks now hold another request's
+    bytes: vLLM's own read would land those (wrong tokens, no error); kvplan's decode asks
+    first, is refused ``not_held`` and fails the request with a verdict."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        assert expire(pair) == {"req-p"}
+        pair.p_mem[:] = 0x5A  # reused by another request
+        verdict = refused_direct_read(pair, "not_held")
+        assert "no longer holds request 'req-p'" in verdict.reason
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_direct_read_naming_other_pages_is_refused(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's blocks of ``req-p`` on the prefill are not the pages the read names."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        pair.keep(blocks=[6, 5, 2, 0, 1])
+        verdict = refused_direct_read(pair, "pages_mismatch")
+        assert "[[6, 5, 2, 0, 1]]" in verdict.reason, verdict.reason
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_prefill_without_the_held_check_is_read_as_before(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill whose staging message offers no held check (an older kvplan): vLLM's direct
+    read runs as before, even of a request the prefill no longer holds; said once per
+    peer."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
+        assert peer is not None and peer.message is not None
+        assert peer.message.pop(nixl_staging.HOLD_KEY) == nixl_staging.HOLD_VERSION
+        with staging_records() as said:
+            for request in ("req-d", "req-e"):
+                (handle,) = pair.read(request=request)
+                assert not isinstance(handle, nixl_staging.RefusedRead)
+                done, failed = pair.poll()
+                assert (done, failed) == ({request}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+        lines = [r.getMessage() for r in said if "offers no held check" in r.getMessage()]
+        assert lines == ["kvplan staging: prefill-0:tp0 offers no held check (an older "
+                         "kvplan): vLLM's direct reads of it run unchecked"]
+        assert not nixl_staging.send_leases(pair.prefill).pins
     finally:
         pair.close()
 
@@ -431,6 +540,52 @@ def test_a_stream_naming_other_pages_is_refused(nixl: Any, connector: Any,
         _, errors = refused_read(pair, "pages_mismatch")
         assert "[5, 2, 7, 1]" in errors[0] and "[[6, 5, 2, 0, 1]]" in errors[0], errors
     finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_vllms_polling_does_not_wait_for_a_round_in_progress(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a round is being read (the decode's round reader held inside it), vLLM's
+    ``_pop_done_transfers`` answers at once: the handle is PROC; once the round goes on, the
+    read completes with vLLM's bytes."""
+    import threading
+
+    import kvplan.staging as kstaging
+
+    reading, go = threading.Event(), threading.Event()
+    real_reader = kstaging.NixlRoundReader
+
+    class HeldReader:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.reader = real_reader(*args, **kwargs)
+
+        def __call__(self, round_: Any) -> Any:
+            if not reading.is_set():
+                reading.set()
+                assert go.wait(60)
+            return self.reader(round_)
+
+    monkeypatch.setattr(kstaging, "NixlRoundReader", HeldReader)
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        (handle,) = pair.read()
+        assert reading.wait(30)  # the receiver is inside round 0's read, holding its lock
+        polled: list[Any] = []
+        poller = threading.Thread(target=lambda: polled.append(
+            pair.decode._pop_done_transfers(pair.decode._recving_transfers)), daemon=True)
+        poller.start()
+        poller.join(30)  # answered without the round: go is set only after this
+        answered = not poller.is_alive()
+        go.set()
+        poller.join(30)
+        assert answered, "vLLM's polling waited for the round being read"
+        assert polled == [(set(), set())]  # PROC: not done, not failed
+        assert pair.poll() == ({"req-d"}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+    finally:
+        go.set()
         pair.close()
 
 

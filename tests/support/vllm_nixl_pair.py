@@ -205,13 +205,14 @@ class Pair:
 
     def read(self, *, vllm_only: bool = False, forget_prefill: bool = False,
              prepped: tuple[Any, Any] | None = None, request: str = "req-d",
-             remote_request: str = "req-p") -> Any:
+             remote_request: str = "req-p", posted: bool = True) -> Any:
         """The decode's ``_read_blocks`` for the request: kvplan's worker's (staged where the
         advice stages), or with ``vllm_only`` vLLM's own, on vLLM's own class (its own
         descriptor ids and ``make_prepped_xfer`` READ of prepped descriptor lists vLLM's
         ``_build_fa_local`` builds on each side: ``prepped`` from :meth:`prep`, else prepared
         here). ``forget_prefill``: the decode's agent drops the prefill's metadata once the
-        lists are prepared, so every read of it fails."""
+        lists are prepared, so every read of it fails. ``posted``: what ``_read_blocks`` is
+        to return (False: the request was routed to vLLM's failure reporting)."""
         tp = self.nixl.modules["vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"]
         d, agent = self.decode, self.decode.nixl_wrapper
         local, remote = self.prep() if prepped is None else prepped
@@ -231,7 +232,7 @@ class Pair:
             finally:
                 d.__class__ = cls
         else:
-            assert d._read_blocks(**kwargs) is True
+            assert d._read_blocks(**kwargs) is posted
         return d._recving_transfers[request]
 
     def poll(self, timeout_s: float = 30.0, interval_s: float = 0.005

@@ -288,18 +288,23 @@ class ReceiveStaged:
         """Fail the stream with reason ``cancelled`` (the engine's abort)."""
         self._fail_now(self.scattered, "cancelled", detail)
 
-    def poll(self) -> State:
+    def poll(self, *, block: bool = True) -> State:
         """The stream's state, failing it with reason ``timeout`` when no round arrived for
         ``timeout_s`` (an engine's periodic ``get_finished`` calls this); a failed stream whose
         prefill never confirmed it stopped gives its arena share up ``timeout_s`` after it
-        failed."""
-        with self._lock:
+        failed. With ``block`` False it does not wait while a message is being handled (a
+        round read and scattered): ``receiving`` then, checked again at the next poll."""
+        if not self._lock.acquire(blocking=block):
+            return "receiving"
+        try:
             late = self.state == "receiving" and \
                 self._clock() - self._last_progress > self.timeout_s
             if self.state == "failed" and self._finish_hooks and \
                     self._clock() - self._failed_at > self.timeout_s:
                 self._finished()
             tail, self._tail = self._tail, []
+        finally:
+            self._lock.release()
         for call in tail:
             call()
         if late:

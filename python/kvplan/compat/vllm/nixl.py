@@ -295,6 +295,14 @@ def connector_class() -> type:
                         nixl_staging._staging_log.exception(
                             "req %s: kvplan's staged read failed to start; direct path",
                             call["request_id"])
+                    # a prefill that negotiated staging answers whether it still holds the
+                    # request with those pages (pinned for the read); else the request fails
+                    if not nixl_staging.check_held(
+                            self, call["read_spec"], call["dst_engine_id"],
+                            call["request_id"], call["remote_request_id"]):
+                        # routed to vLLM's failure reporting (its refused handle says ERR):
+                        # vLLM posts no sibling read and does not notify the prefill
+                        return False
                 return super(KvplanNixlConnectorWorker, self)._read_blocks(*args, **kwargs)
 
             KvplanNixlConnectorWorker._read_blocks = _read_blocks

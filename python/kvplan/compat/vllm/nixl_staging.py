@@ -27,6 +27,11 @@ needs nothing more from the prefill.
   worker's agent (:class:`StagingAgent`): ``PROC``, then ``DONE`` (after vLLM's notification to
   the prefill, sent by kvplan once the last round was scattered) or ``ERR`` (vLLM's
   failed-receive path; the handle's verdict names the blocks not written).
+* :func:`check_held`: the decode's ``_read_blocks`` before vLLM's own read of a prefill it
+  negotiated staging with: the prefill's listener is asked whether it still holds the request
+  with those pages (:func:`serve_hold`, the stream's rule), pinning it; a refusal, no answer
+  or no listener fails the request (:class:`RefusedRead`, vLLM's failed-receive path) and
+  nothing is read.
 * :func:`stop_aborted_reads`: the decode's ``start_load_kv`` stops the staged read of a
   request vLLM finished during it (aborted, failed; kvplan's scheduler side sends them,
   :data:`ABORTED_META`) at the next round boundary (:meth:`StagedRead.abort`).
@@ -52,7 +57,8 @@ from kvplan.compat.vllm.nixl_layout import local_layout, remote_layout
 from kvplan.staging import DirectFallback, Negotiated
 
 __all__ = ["NixlPeer", "SendLeases", "StagedRead", "StagingAgent", "advertise_staging",
-           "attach_sent_blocks", "close_staging", "kv_buffers", "negotiate_peer",
+           "attach_sent_blocks", "check_held", "close_staging", "kv_buffers",
+           "negotiate_peer", "RefusedRead",
            "note_finished", "peer_agreement", "record_sent_blocks", "send_leases",
            "serve_rounds", "staged_read", "start_staging", "stop_aborted_reads",
            "worker_staging"]
@@ -64,6 +70,14 @@ ABORTED_DETAIL = "vLLM finished the request during its staged read"
 
 #: The worker attribute holding the decode's outcome per prefill engine and rank.
 PEERS_ATTR = "_kvplan_staging_peers"
+
+#: The key of the prefill's staging message saying its listener answers a held check
+#: (:func:`check_held`), and the version of that message; a prefill whose message lacks it
+#: (an older kvplan) is read directly as before, said once per peer.
+HOLD_KEY = "nixl_hold"
+HOLD_VERSION = 1
+#: The worker attribute holding the peers already said to take no held check.
+UNCHECKED_ATTR = "_kvplan_unchecked_peers"
 
 
 @dataclass(frozen=True)
@@ -117,7 +131,9 @@ def advertise_staging(worker: Any) -> bool:
     state = worker_staging(worker)
     if state is None or not host_kv(worker):
         return False
-    return add_to_agent_metadata(worker, META_KEY, state.capabilities())
+    message = state.capabilities()
+    message[HOLD_KEY] = HOLD_VERSION  # this listener answers held checks
+    return add_to_agent_metadata(worker, META_KEY, message)
 
 
 def negotiate_peer(worker: Any, metadata: Any, remote_rank: int, agent: str | bytes,
@@ -215,11 +231,14 @@ class StagedRead:
         self.ended: float | None = None
 
     def state(self) -> str:
-        """``PROC``, ``DONE`` or ``ERR``, as NIXL's ``check_xfer_state`` says them."""
-        self._state.tick()  # every open stream's timeout, ended streams closed
+        """``PROC``, ``DONE`` or ``ERR``, as NIXL's ``check_xfer_state`` says them. vLLM's
+        step polls this: it never waits for a round being read and scattered (``PROC``
+        then, the next poll sees the round's outcome)."""
+        # every open stream's timeout, ended streams closed; a busy one at the next check
+        self._state.tick(block=False)
         if self._stopping is not None and self._stopping.is_alive():
             return "PROC"  # vLLM's abort: the round in progress ends first
-        current = self.receiver.poll()
+        current = self.receiver.poll(block=False)
         if current == "loaded":
             if not self.notified:
                 self.notified = True
@@ -327,17 +346,17 @@ class StagingAgent:
         self.agent = agent
 
     def check_xfer_state(self, handle: Any) -> Any:
-        if isinstance(handle, StagedRead):
+        if isinstance(handle, (StagedRead, RefusedRead)):
             return handle.state()
         return self.agent.check_xfer_state(handle)
 
     def get_xfer_telemetry(self, handle: Any) -> Any:
-        if isinstance(handle, StagedRead):
+        if isinstance(handle, (StagedRead, RefusedRead)):
             return handle.telemetry()
         return self.agent.get_xfer_telemetry(handle)
 
     def release_xfer_handle(self, handle: Any) -> Any:
-        if isinstance(handle, StagedRead):
+        if isinstance(handle, (StagedRead, RefusedRead)):
             return None  # nothing of NIXL's to release: each round's read released its own
         return self.agent.release_xfer_handle(handle)
 
@@ -451,13 +470,180 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                                            request=remote_request_id))
     except Exception as exc:  # nothing was read: vLLM's own read takes the request
         state.router.close(stream)
-        _staging_log.warning("req %s: opening the staged read failed (%s); direct path",
+        _staging_log.warning("req %s: opening the staged read failed (%s); not staged",
                              request_id, exc)
         return False
     state.receivers[stream] = receiver
     state.shares.admit(receiver)  # the grant: the prefill starts gathering
     worker._recving_transfers[request_id].append(handle)
     return True
+
+
+class RefusedRead:
+    """vLLM's handle of a direct read kvplan did not start (:func:`check_held`): the prefill
+    refused to hold the request, or could not be asked. vLLM's polling sees ``ERR`` at once
+    and takes its failed-receive path; :attr:`verdict` names the blocks not written (every
+    block the read was to write: none was)."""
+
+    def __init__(self, verdict: Any) -> None:
+        self.verdict = verdict
+
+    def state(self) -> str:
+        return "ERR"
+
+    def telemetry(self) -> Any:
+        import types
+
+        return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0,
+                                     descCount=0)
+
+
+def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
+               remote_request_id: str) -> bool:
+    """The decode's ``_read_blocks`` before vLLM's own (direct) read of a prefill it
+    negotiated staging with: the prefill's listener is asked whether it still holds
+    ``remote_request_id`` with exactly the pages the read names (the staged stream's rule,
+    :meth:`SendLeases.hold`), which pins it there until vLLM's notification frees it or a
+    bounded time passes. True: vLLM's read may run (held; or staging off here, no agreement
+    with that prefill, a prefill whose message offers no held check, said once, or a read of
+    more than one KV group, which the rule does not cover). False: the prefill refused, did
+    not answer, or its listener cannot be reached; a :class:`RefusedRead` with the verdict
+    naming the read's blocks waits in ``_recving_transfers`` for vLLM's failed-receive path
+    and nothing is read."""
+    import threading
+
+    from kvplan.failures import FailureVerdict
+    from kvplan.staging.wire import ACK, FAIL, Message, WireError, decode
+
+    state = worker_staging(worker)
+    if state is None:
+        return True
+    peer = peer_agreement(worker, dst_engine_id, read_spec.remote_rank)
+    if peer is None or not peer.outcome.staged or peer.message is None:
+        return True  # no kvplan listener negotiated with that prefill: today's read
+    session = f"{dst_engine_id}:tp{read_spec.remote_rank}"
+    if peer.message.get(HOLD_KEY) != HOLD_VERSION:
+        said = worker.__dict__.setdefault(UNCHECKED_ATTR, set())
+        if session not in said:
+            said.add(session)
+            _staging_log.warning(
+                "kvplan staging: %s offers no held check (an older kvplan): vLLM's direct "
+                "reads of it run unchecked", session)
+        return True
+    d = worker.__dict__
+    local_ids, remote_ids = read_spec.local_block_ids, read_spec.remote_block_ids
+    if read_spec.block_ids_by_region or sum(1 for g in remote_ids if len(g)) != 1:
+        return True
+    info = d["transfer_topo"].get_engine_info(dst_engine_id)
+    local_ids, remote_ids = worker._apply_prefix_caching(
+        decode_block_ids=local_ids, prefill_block_ids=remote_ids,
+        decode_physical_per_logical=worker._physical_blocks_per_logical_kv_block,
+        prefill_physical_per_logical=info.remote_physical_blocks_per_logical)
+    src_pages = [int(p) for g in remote_ids for p in g]
+    stream = f"hold:{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}"
+    answer: list[Any] = []
+    answered = threading.Event()
+
+    def on_message(data: bytes) -> None:
+        try:
+            answer.append(decode(data))
+        except WireError as exc:
+            answer.append(exc)
+        answered.set()
+
+    reason: str
+    channel = state.channel_to(session, peer.message)
+    if channel is None:
+        reason = (f"unreachable: the staging listener of {session} cannot be reached, and "
+                  "a read of a prefill that negotiated staging is not made unchecked")
+    else:
+        state.router.open(stream, 0, on_message)
+        try:
+            channel.open(_hold_message(state, worker, stream, remote_request_id, src_pages))
+            answered.wait(state.config.timeout_s + 1.0)  # the prefill's own wait, and 1 s
+        except Exception as exc:
+            answer.append(exc)
+        finally:
+            state.router.close(stream)
+        got = answer[0] if answer else None
+        if isinstance(got, Message) and got.kind == ACK:
+            return True
+        if isinstance(got, Message) and got.kind == FAIL:
+            reason = f"peer_failed: {got.payload.decode(errors='replace')}"
+        elif isinstance(got, Message):
+            reason = f"bad_message: a {got.kind_name} message answered the held check"
+        elif got is not None:
+            reason = f"unreachable: asking {session} failed ({type(got).__name__}: {got})"
+        else:
+            reason = f"timeout: {session} did not answer the held check within " \
+                     f"{state.config.timeout_s + 1.0:g} s"
+    verdict = FailureVerdict(
+        request_id, {g: tuple(sorted({int(b) for b in ids}))
+                     for g, ids in enumerate(local_ids) if len(ids)}, reason)
+    # the staged read's verdict line (one form for both), then what was asked
+    _staging_log.warning("kvplan staging: %s; vLLM's failed-receive path (the held check "
+                         "before vLLM's read of prefill request %s: nothing read)", verdict,
+                         remote_request_id)
+    worker._recving_transfers[request_id].append(RefusedRead(verdict))
+    return False
+
+
+def _hold_message(state: Any, worker: Any, stream: str, request: str,
+                  src_pages: list[int]) -> bytes:
+    """The decode's held check on the prefill's listener (an opening message that opens no
+    stream): the request and the pages vLLM's read names."""
+    import json
+
+    return json.dumps({"stream": stream, "writer": 0, "peer": state.name,
+                       "rank": int(worker.__dict__.get("tp_rank", 0) or 0),
+                       "capabilities": state.capabilities(), "request": request,
+                       HOLD_KEY: HOLD_VERSION, "src_pages": src_pages},
+                      separators=(",", ":")).encode()
+
+
+def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
+    """The prefill's answer to a decode's held check (:func:`check_held`), on a thread of its
+    own: the request is held as a staged stream holds it (:meth:`SendLeases.hold`, the one
+    rule: vLLM still holds it, and the pages are the tail of vLLM's blocks of it) and stays
+    pinned for the stream timeout, by which vLLM's notification after the decode's read has
+    normally freed it; the decode is answered with an acknowledgement, or refused naming the
+    reason (logged once)."""
+    from kvplan.staging import StagingError
+    from kvplan.staging.wire import ACK, encode
+
+    state = worker_staging(worker)
+    stream = str(opening["stream"])
+    peer = str(opening.get("peer", "?"))
+    request = opening.get("request")
+    pages = opening.get("src_pages")
+    if not isinstance(request, str) or not request or not isinstance(pages, list) or \
+            not all(isinstance(p, int) and not isinstance(p, bool) for p in pages):
+        _staging_log.error("kvplan staging: cannot check %r for %s: no request or pages",
+                           stream, peer)
+        _refuse(reply, stream, "bad_message", "the held check names no request and pages")
+        return stream
+    leases = send_leases(worker)
+    hold_s = float(state.config.timeout_s)
+
+    def check() -> None:
+        try:
+            leases.hold(worker, request, [int(p) for p in pages], stream=stream,
+                        timeout_s=hold_s)
+        except StagingError as exc:
+            _staging_log.error("kvplan staging: refused %r to %s: request %s: %s", stream,
+                               peer, request, exc.detail)
+            _refuse(reply, stream, exc.reason, exc.detail)
+            return
+        timer = threading.Timer(hold_s, leases.release, args=(request,))
+        timer.daemon = True
+        timer.start()
+        try:
+            reply(encode(ACK, stream, writer=0, round_index=0))
+        except Exception as exc:  # the decode fails the read on its own timeout
+            _staging_log.warning("kvplan staging: could not answer %r: %s", stream, exc)
+
+    threading.Thread(target=check, name=f"kvplan-staging-hold-{stream}", daemon=True).start()
+    return stream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +672,8 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
 
     state = worker_staging(worker)
     opening = vstaging._read_open(data)
+    if HOLD_KEY in opening:  # a held check before the decode's direct read
+        return serve_hold(worker, opening, reply)
     stream = str(opening["stream"])
     peer = str(opening.get("peer", "?"))
     try:

@@ -203,14 +203,15 @@ class WorkerStaging:
         """The decode's stream of that name, open or recently ended."""
         return self.receivers.get(name) or self.finished.get(name)
 
-    def tick(self, now: float | None = None) -> None:
+    def tick(self, now: float | None = None, *, block: bool = True) -> None:
         """The decode's periodic check (:class:`ChannelServer` runs it): each open stream's
         ``poll`` (a stream with no round for ``timeout_s`` fails; a failed stream whose prefill
         never confirmed it stopped gives its arena share up ``timeout_s`` later); ended
-        streams leave :attr:`receivers` and their router stream is closed."""
+        streams leave :attr:`receivers` and their router stream is closed. With ``block``
+        False a stream busy with a round is passed over until the next check."""
         now = time.monotonic() if now is None else now
         for name, receiver in list(self.receivers.items()):
-            state = receiver.poll()
+            state = receiver.poll(block=block)
             if state == "failed":
                 failed_at = self._failed_at.setdefault(name, now)
                 if now - failed_at <= 2 * self.config.timeout_s:
