@@ -453,10 +453,10 @@ def connectors(setup: Setup) -> list[Connector]:
                   by_name_only=True),
         Connector("nixl kvplan vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module),
         # kvplan's staged reads (pull mode: the decode plans and reads the rounds, and logs
-        # each staged read). Run when named (`--only "nixl kvplan staged"`): alone it took
-        # 229 s and 233 s from its first server's start here (six servers started in two
-        # groups, 20 PD requests), more than the ~2.5 min CI's e2e-vllm stage can add, and a
-        # NIXL decode's worker here has gone 60 s without a step on PD requests.
+        # each staged read; its fault cases end the second phase). Run when named (`--only
+        # "nixl kvplan staged"`): alone it took 352 s to 404 s here (seven servers started in
+        # two groups), more than the ~2.5 min CI's e2e-vllm stage can add, and a NIXL decode's
+        # worker here has gone 60 s without a step on PD requests.
         Connector("nixl kvplan staged vllm-0.32", "nixl", "KvplanNixlConnector", kvplan_module,
                   extra=dict(STAGED_OPTIONS), staged=True, by_name_only=True),
         # 0.34's NixlConnector is an alias of its NixlPullConnector class.
