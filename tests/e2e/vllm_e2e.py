@@ -105,10 +105,11 @@ SERVED_NAME = "tiny"
 PLAIN_PORT, PREFILL_PORT, OTHER_PREFILL_PORT, LAYOUT_PREFILL_PORT, DECODE_PORT = (
     8100, 8101, 8102, 8103, 8104)
 OTHER_DECODE_PORT = 8105
+MANIFEST_DECODE_PORT = 8106  # the decode whose manifest the model does not hold
 MOONCAKE_BOOTSTRAP = {PREFILL_PORT: 8998, OTHER_PREFILL_PORT: 8997, LAYOUT_PREFILL_PORT: 8996,
-                      DECODE_PORT: 8995, OTHER_DECODE_PORT: 8994}
+                      DECODE_PORT: 8995, OTHER_DECODE_PORT: 8994, MANIFEST_DECODE_PORT: 8993}
 NIXL_SIDE_CHANNEL = {PREFILL_PORT: 5601, OTHER_PREFILL_PORT: 5602, LAYOUT_PREFILL_PORT: 5603,
-                     DECODE_PORT: 5604, OTHER_DECODE_PORT: 5605}
+                     DECODE_PORT: 5604, OTHER_DECODE_PORT: 5605, MANIFEST_DECODE_PORT: 5606}
 
 
 def prompt_ids(length: int) -> list[int]:
@@ -246,6 +247,10 @@ class Connector:
     extra: dict[str, Any] = field(default_factory=dict)
     # The staged-transfer set (:func:`run_staged`) instead of the ordinary one.
     staged: bool = False
+    # The model manifest at start-up (kvplan_manifest): the pair under test starts with the
+    # tiny Llama's own manifest, and one more decode, started beside the first phase, with a
+    # manifest the model does not hold must refuse to start (:func:`manifest_check`).
+    manifest: bool = False
 
     @property
     def reference(self) -> bool:
@@ -426,8 +431,10 @@ def connectors(setup: Setup) -> list[Connector]:
     return [
         Connector("mooncake vllm-reference", "mooncake", "CpuHostMooncakeConnector",
                   "e2e_cpu_host_mooncake"),
+        # Also the model manifest at start-up: the pair under test holds the tiny Llama's, a
+        # decode started beside them with a state component the model lacks refuses.
         Connector("mooncake kvplan vllm-0.32", "mooncake", "KvplanMooncakeConnector",
-                  kvplan_module),
+                  kvplan_module, manifest=True),
         # kvplan's staged transfers, through a module that re-exports kvplan's connector and
         # logs each staged request beside its direct plan (vllm_support/e2e_kvplan_staged.py).
         Connector("mooncake kvplan staged vllm-0.32", "mooncake", "KvplanMooncakeConnector",
@@ -494,8 +501,10 @@ def run_connector(servers: VllmServers, connector: Connector,
     label = connector.label
     # A retried set's servers log to files of their own (the first run's stay to be read).
     tag = label.replace(" ", "_") + ("-retry" if suffix else "")
-    prefill_a = servers.server(f"{tag}-prefill-a", "a", PREFILL_PORT, connector, "kv_producer")
-    decode = servers.server(f"{tag}-decode", "a", DECODE_PORT, connector, "kv_consumer")
+    # With a manifest the pair under test holds the model's own (a false refusal stops it).
+    held = with_manifest(connector, servers.log_dir / f"{tag}.manifest.json", "a", False)
+    prefill_a = servers.server(f"{tag}-prefill-a", "a", PREFILL_PORT, held, "kv_producer")
+    decode = servers.server(f"{tag}-decode", "a", DECODE_PORT, held, "kv_consumer")
     first = [prefill_a, decode]
     second: list[Server] = []
     prefill_c = None
@@ -509,7 +518,17 @@ def run_connector(servers: VllmServers, connector: Connector,
                   servers.server(f"{tag}-decode-b", "a", OTHER_DECODE_PORT, connector,
                                  "kv_consumer")]
     plain = None if reference else servers.server("plain", "a", PLAIN_PORT)
+    # The refused decode starts with the first phase (its start overlaps theirs) and is
+    # never waited for by it; it is made last, so the others keep their cores.
+    refused = None
+    if connector.manifest:
+        lacking = with_manifest(connector, servers.log_dir / f"{tag}-refused.manifest.json",
+                                "a", True)
+        refused = servers.server(f"{tag}-decode-manifest-refused", "a", MANIFEST_DECODE_PORT,
+                                 lacking, "kv_consumer")
     case_names = [f"{label}: connector loaded"]
+    if refused is not None:
+        case_names.append(f"{label}: manifest at start-up")
     case_names += [f"{label}: {name} ({length} tokens)" for name, length in PROMPTS.items()]
     # What shows kvplan in the data path of a kvplan connector's servers.
     evidence = {"KvplanMooncakeConnector": ("metrics", kvplan_metrics_served),
@@ -523,6 +542,8 @@ def run_connector(servers: VllmServers, connector: Connector,
     cases = iter(case_names)
     started = time.monotonic()
     try:
+        if refused is not None:
+            refused.start()
         with harness.running(first + ([plain] if plain else []), READY_TIMEOUT_S):
             log(f"{label}: servers ready in {time.monotonic() - started:.0f} s")
             if plain is not None:
@@ -535,6 +556,9 @@ def run_connector(servers: VllmServers, connector: Connector,
                 finally:
                     plain.stop()
             results.check(next(cases), lambda: connector_in_use(connector, first))
+            if refused is not None:
+                results.check(next(cases), lambda: manifest_check([prefill_a, decode],
+                                                                  refused, started))
             same = PdPair(connector.transport, prefill_a, decode)
             log(same.warm_up())
             for (name, length), case in zip(PROMPTS.items(), cases):
@@ -561,6 +585,95 @@ def run_connector(servers: VllmServers, connector: Connector,
         cause = f"; {exc.root_cause}" if exc.root_cause else ""
         for case in case_names[len(results_for(results, case_names)):]:
             results.record(case, False, f"{reason}{cause}")
+    finally:
+        if refused is not None:
+            refused.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# The model manifest at start-up (kvplan_manifest)
+
+
+MANIFEST_OPTION = "kvplan_manifest"
+#: The component the refused decode's manifest adds: a per-request recurrent state on every
+#: layer (a hybrid model's), which a Llama's workers never register.
+MANIFEST_LACKED = "mamba_temporal"
+MANIFEST_HELD = "holds every component of the manifest of"
+MANIFEST_REFUSED = "refusing to start"
+#: vLLM's engine core's line once a worker raised at start-up with kvplan's refusal (the
+#: worker's error, which kvplan's messages begin with "kvplan:").
+MANIFEST_ENGINE_FAILED = "Worker failed with error 'kvplan:"
+
+
+def write_manifest(path: Path, model: TinyModel, lacking: bool) -> Path:
+    """``model``'s manifest in kvplan's JSON form, written from its shapes as a user writes
+    one from a model's config (float32: 4 bytes an element): K and V on every layer, sharded by
+    heads (vLLM's worker packs them in one region; kvplan checks the manifest packed the same
+    way). ``lacking`` adds a :data:`MANIFEST_LACKED` state on every layer."""
+    row = model.kv_heads * model.head_dim * 4
+    layers = list(range(model.num_layers))
+    components: list[dict[str, object]] = [
+        {"role": role, "kind": "page", "layers": layers, "bytes": row, "sharding": "heads",
+         "kv_heads": model.kv_heads} for role in ("k", "v")]
+    if lacking:
+        components.append({"role": MANIFEST_LACKED, "kind": "state", "layers": layers,
+                           "bytes": 4096, "sharding": "split"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model": model.name, "num_layers": model.num_layers,
+                                "components": components}))
+    return path
+
+
+def with_manifest(connector: Connector, path: Path, model: str, lacking: bool) -> Connector:
+    """``connector`` with ``kvplan_manifest`` naming ``model``'s manifest written at ``path``
+    (:func:`write_manifest`); ``connector`` itself when it checks no manifest."""
+    if not connector.manifest:
+        return connector
+    written = write_manifest(path, MODELS[model], lacking)
+    return dataclasses.replace(connector, extra={**connector.extra,
+                                                 MANIFEST_OPTION: str(written)})
+
+
+def manifest_check(holding: list[Server], refused: Server, started: float,
+                   timeout_s: float = READY_TIMEOUT_S) -> str:
+    """Each server of ``holding`` logged once (one worker each) that it holds the manifest;
+    ``refused`` (started at ``started``) never answered ``/health`` and, by ``timeout_s`` after
+    its start, either exited or its engine core failed to start on kvplan's refusal
+    (:data:`MANIFEST_ENGINE_FAILED`: vLLM then takes 10 to 20 s more to shut down, which is not
+    waited for; it is stopped here); its log names kvplan's ManifestError and the component
+    its model lacks."""
+    for server in holding:
+        said = server.log_since(0).count(MANIFEST_HELD)
+        if said != 1:
+            raise AssertionError(f"{server.name} logged {said} '{MANIFEST_HELD}' lines, not 1")
+    deadline = started + timeout_s
+    failed = False
+    while refused.alive() and time.monotonic() < deadline:
+        try:
+            if refused.ready():
+                raise AssertionError(f"{refused.name} serves although its manifest has a "
+                                     f"{MANIFEST_LACKED} component the model lacks")
+        except ServerError:
+            break
+        failed = MANIFEST_ENGINE_FAILED in refused.log_since(0)
+        if failed:
+            break
+        time.sleep(1.0)
+    if refused.alive() and not failed:
+        raise AssertionError(f"{refused.name} neither started nor failed in {timeout_s:.0f} s")
+    elapsed = time.monotonic() - started
+    code = refused.proc.returncode if refused.proc else None
+    how = f"exited ({code})" if code is not None else "its engine failed to start (stopped)"
+    refused.stop()
+    text = refused.log_since(0)
+    lines = [ln for ln in text.splitlines() if MANIFEST_REFUSED in ln and MANIFEST_LACKED in ln]
+    if not lines or "ManifestError" not in text:
+        raise AssertionError(f"{refused.name} ended without kvplan's ManifestError naming "
+                             f"{MANIFEST_LACKED}; log tail:\n{refused.log_tail(15)}")
+    refusal = lines[0][lines[0].index("does not hold"):] if "does not hold" in lines[0] else \
+        lines[0]
+    return (f"{', '.join(s.name for s in holding)} hold it; {refused.name} {how} within "
+            f"{elapsed:.0f} s of its start: {refusal[:200]}")
 
 
 def results_for(results: Results, case_names: list[str]) -> list[str]:

@@ -570,3 +570,147 @@ def test_the_killed_prefill_case_wants_vllms_failure_and_kvplans_line(
         run(("HTTP 500", True), fallback + failure(4))
     with pytest.raises(AssertionError, match="wanted one naming its 5 blocks"):
         run(("HTTP 500", True), fallback)
+
+
+def test_the_mooncake_kvplan_set_checks_a_manifest_and_starts_a_refused_decode_beside_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mooncake kvplan vllm-0.32``: the pair under test gets the tiny Llama's own manifest,
+    a decode with a manifest naming a state the model lacks starts beside the first phase
+    (outside the servers it waits for) and is stopped after; the case runs before the PD
+    prompts; no other server gets a manifest."""
+    import kvplan.presets
+
+    events: list[str] = []
+    groups: list[list[harness.Server]] = []
+    started: list[str] = []
+    stopped: list[str] = []
+
+    @contextlib.contextmanager
+    def running(servers: Sequence[harness.Server], timeout: float
+                ) -> Iterator[Sequence[harness.Server]]:
+        groups.append(list(servers))
+        yield servers
+
+    checked: dict[str, Any] = {}
+
+    def check(holding: list[harness.Server], refused: harness.Server, at: float) -> str:
+        checked.update(holding=holding, refused=refused)
+        events.append("manifest")
+        return "ok"
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(harness.Server, "start", lambda self: started.append(self.name) or self)
+    monkeypatch.setattr(harness.Server, "stop",
+                        lambda self, grace_s=30.0: stopped.append(self.name))
+    monkeypatch.setattr(vllm_e2e, "collect_reference",
+                        lambda plain, results: {n: [1] for n in vllm_e2e.PROMPTS})
+    monkeypatch.setattr(vllm_e2e, "connector_in_use", lambda c, g: "ok")
+    monkeypatch.setattr(vllm_e2e.PdPair, "warm_up", lambda self: events.append("warm") or "w")
+    monkeypatch.setattr(vllm_e2e, "compare_equal", lambda pair, n, k, ref: "ok")
+    monkeypatch.setattr(vllm_e2e, "kvplan_metrics_served", lambda pair: "ok")
+    monkeypatch.setattr(vllm_e2e, "bad_input", lambda *a: "ok")
+    monkeypatch.setattr(vllm_e2e, "negative_control", lambda pair, *a: "ok")
+    monkeypatch.setattr(vllm_e2e, "manifest_check", check)
+    setup = fake_setup(tmp_path)
+    servers = vllm_e2e.VllmServers(setup, tmp_path / "logs")
+    (connector,) = [c for c in vllm_e2e.connectors(setup) if c.manifest]
+    assert connector.label == "mooncake kvplan vllm-0.32" and not connector.by_name_only
+    results = harness.Results()
+    vllm_e2e.run_connector(servers, connector, {}, results)
+    assert results.failed == 0 and results.passed == 1 + 1 + len(vllm_e2e.PROMPTS) + 1 + 2
+    assert any(line.startswith("PASS  mooncake kvplan vllm-0.32: manifest at start-up")
+               for line in results.lines)
+    refused = checked["refused"]
+    assert started == [refused.name] and refused.name in stopped
+    assert [len(g) for g in groups] == [4, 2] and all(refused not in g for g in groups)
+    assert events[:2] == ["manifest", "warm"]
+    assert refused.port == vllm_e2e.MANIFEST_DECODE_PORT
+
+    def manifest_of(server: harness.Server) -> Any:
+        if "--kv-transfer-config" not in server.argv:
+            return None  # the plain server
+        config = json.loads(server.argv[server.argv.index("--kv-transfer-config") + 1])
+        path = config["kv_connector_extra_config"].get(vllm_e2e.MANIFEST_OPTION)
+        return None if path is None else kvplan.presets.load_manifest(path)
+
+    model = vllm_e2e.MODELS["a"]
+    for server in checked["holding"]:
+        held = manifest_of(server)
+        assert [c.role for c in held.components] == ["k", "v"]
+        # vLLM's region of a layer holds K and V: a token's row of both, 32 KiB a block
+        (kv,) = held.packed("kv", ("k", "v")).components
+        assert kv.bytes * vllm_e2e.BLOCK == 32 * 1024 and kv.layers == tuple(range(4))
+        assert held.num_layers == model.num_layers and kv.kv_heads == model.kv_heads
+    assert [c.role for c in manifest_of(refused).components] == [
+        "k", "v", vllm_e2e.MANIFEST_LACKED]
+    others = [s for g in groups for s in g if s not in checked["holding"]]
+    assert len(others) == 4 and all(manifest_of(s) is None for s in others)
+
+
+def test_other_sets_start_no_manifest_decode(tmp_path: Path) -> None:
+    """Only one set checks a manifest; its refused decode's ports are its own."""
+    assert [c.label for c in vllm_e2e.connectors(fake_setup(tmp_path)) if c.manifest] == [
+        "mooncake kvplan vllm-0.32"]
+    for ports in (vllm_e2e.MOONCAKE_BOOTSTRAP, vllm_e2e.NIXL_SIDE_CHANNEL):
+        assert vllm_e2e.MANIFEST_DECODE_PORT in ports
+        assert len(set(ports.values())) == len(ports)
+
+
+HELD_LINE = ("INFO 12-07 10:00:00 [manifest.py:1] kvplan: KvplanMooncakeConnector "
+             "(kvplan_manifest): this worker (TP rank 0 of 1, PP rank 0 of 1, 2 of 2 KV heads) "
+             "holds every component of the manifest of tiny-llama-a\n")
+REFUSED_LINE = ("ERROR 12-07 10:00:00 [manifest.py:1] kvplan: KvplanMooncakeConnector "
+                "(kvplan_manifest): this worker (TP rank 0 of 1, PP rank 0 of 1) does not hold "
+                "the manifest of tiny-llama-a, refusing to start: missing mamba_temporal on "
+                "layers 0-3\n")
+
+
+def finished_server(tmp_path: Path, name: str, log_text: str,
+                    code: str = "pass") -> harness.Server:
+    server = harness.Server(name, [sys.executable, "-c", code], 0, {}, tmp_path).start()
+    if code == "pass":
+        assert server.proc is not None
+        server.proc.wait()
+    server.log_path.write_text(log_text)
+    return server
+
+
+def test_manifest_check_wants_one_held_line_per_server_and_the_refusal_naming_the_component(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    pair = [finished_server(tmp_path, n, HELD_LINE) for n in ("prefill", "decode")]
+    error = "kvplan._core.ManifestError: " + REFUSED_LINE.split("] ", 1)[1]
+    refused = finished_server(tmp_path, "refused", REFUSED_LINE + error)
+    said = vllm_e2e.manifest_check(pair, refused, time.monotonic())
+    assert "prefill, decode hold it; refused exited (0)" in said and "mamba_temporal" in said
+    # still shutting down once its engine core failed on the refusal: passes, and is stopped
+    engine = ("(EngineCore pid=1) ERROR RuntimeError: Worker failed with error '" +
+              REFUSED_LINE.split("] ", 1)[1].rstrip() + "'\n")
+    ending = finished_server(tmp_path, "ending", "", code="import time; time.sleep(60)")
+    ending.log_path.write_text(REFUSED_LINE + error + engine)
+    said = vllm_e2e.manifest_check(pair, ending, time.monotonic())
+    assert "ending its engine failed to start (stopped)" in said and ending.stopped
+    # a pair server without the line (no check ran), or with two (one worker each here)
+    for text in ("", HELD_LINE * 2):
+        pair[1].log_path.write_text(text)
+        with pytest.raises(AssertionError, match="decode logged"):
+            vllm_e2e.manifest_check(pair, refused, time.monotonic())
+    pair[1].log_path.write_text(HELD_LINE)
+    # a refused server that exited for another reason, or refused without naming what lacks
+    for text in ("RuntimeError: engine core failed\n", REFUSED_LINE,
+                 REFUSED_LINE.replace("mamba_temporal", "kv") + error.replace(
+                     "mamba_temporal", "kv")):
+        refused.log_path.write_text(text)
+        with pytest.raises(AssertionError, match="ended without kvplan's ManifestError naming"):
+            vllm_e2e.manifest_check(pair, refused, time.monotonic())
+    # one that neither exits nor serves within the bound, and one that serves
+    hung = finished_server(tmp_path, "hung", "", code="import time; time.sleep(60)")
+    try:
+        with pytest.raises(AssertionError, match="neither started nor failed in 0 s"):
+            vllm_e2e.manifest_check(pair, hung, time.monotonic(), timeout_s=0)
+        monkeypatch.setattr(hung, "ready", lambda: True)
+        with pytest.raises(AssertionError, match="hung serves although its manifest"):
+            vllm_e2e.manifest_check(pair, hung, time.monotonic())
+    finally:
+        hung.stop(grace_s=5)
