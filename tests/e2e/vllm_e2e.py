@@ -639,9 +639,10 @@ def manifest_check(holding: list[Server], refused: Server, started: float,
     """Each server of ``holding`` logged once (one worker each) that it holds the manifest;
     ``refused`` (started at ``started``) never answered ``/health`` and, by ``timeout_s`` after
     its start, either exited or its engine core failed to start on kvplan's refusal
-    (:data:`MANIFEST_ENGINE_FAILED`: vLLM then takes 10 to 20 s more to shut down, which is not
-    waited for; a SIGTERM then held the group for 30 s here, so it is left to exit and stopped
-    with the set); its log names kvplan's ManifestError and the component its model lacks."""
+    (:data:`MANIFEST_ENGINE_FAILED`); its log names kvplan's ManifestError and the component its
+    model lacks. It is then killed at once: vLLM's own shutdown after a worker's start-up error
+    took 8 to 37 s here, overlapping the pair's first request (a 28 s warm-up against 0.2 s),
+    and a SIGTERM during it held the group for the whole 30 s grace."""
     for server in holding:
         said = server.log_since(0).count(MANIFEST_HELD)
         if said != 1:
@@ -663,7 +664,8 @@ def manifest_check(holding: list[Server], refused: Server, started: float,
         raise AssertionError(f"{refused.name} neither started nor failed in {timeout_s:.0f} s")
     elapsed = time.monotonic() - started
     code = refused.proc.returncode if refused.proc else None
-    how = f"exited ({code})" if code is not None else "its engine failed to start"
+    how = f"exited ({code})" if code is not None else "its engine failed to start (killed)"
+    refused.stop(grace_s=0)
     text = refused.log_since(0)
     lines = [ln for ln in text.splitlines() if MANIFEST_REFUSED in ln and MANIFEST_LACKED in ln]
     if not lines or "ManifestError" not in text:

@@ -691,8 +691,9 @@ def test_manifest_check_wants_one_held_line_per_server_and_the_refusal_naming_th
     ending.log_path.write_text(REFUSED_LINE + error + engine)
     try:
         said = vllm_e2e.manifest_check(pair, ending, time.monotonic())
-        # left to exit on its own (the set stops it at its end)
-        assert "ending its engine failed to start" in said and ending.alive()
+        # killed at once rather than left to finish vLLM's slow shutdown
+        assert "ending its engine failed to start (killed)" in said
+        assert ending.stopped and not ending.alive()
     finally:
         ending.stop(grace_s=5)
     # a pair server without the line (no check ran), or with two (one worker each here)
