@@ -115,6 +115,65 @@ def test_a_silent_decode_times_out_the_prefill_without_overwriting_its_buffer() 
     assert ("gather", 1) not in s.events
 
 
+def test_the_prefill_gathers_and_announces_every_round_on_the_calling_thread() -> None:
+    """Pull mode hands nothing to other threads: each gather and each round message runs on
+    the thread that called ``send_staged`` (here the decode reads inline, so its reads and
+    acknowledgements run there too), and the bytes still land."""
+    import threading
+
+    s = PullSetup(2)
+    want = s.direct()
+    gather = copier([s.prefill.memory], [s.src_arena.array])
+    threads: set[str] = set()
+
+    def gathering(plan: Any) -> None:
+        threads.add(threading.current_thread().name)
+        gather(plan)
+
+    def announcing(data: bytes) -> None:
+        threads.add(threading.current_thread().name)
+        s.decode_router.deliver(data)
+
+    report = send_staged(s.rounds, None, "decode", announcing, request="req-1",
+                         acks=s.prefill_router, gather=gathering, buffers=2, timeout_s=5.0,
+                         pull=True, events=s.events)
+    assert threads == {threading.current_thread().name}
+    assert report.rounds == len(s.rounds) > 10 and s.reads == list(range(len(s.rounds)))
+    np.testing.assert_array_equal(s.decode.memory, want)
+
+
+def test_a_failed_gather_stops_the_pulled_rounds_and_tells_the_decode_once() -> None:
+    s = PullSetup(2)
+    gather = copier([s.prefill.memory], [s.src_arena.array])
+    gathered: list[int] = []
+
+    def failing(plan: Any) -> None:
+        if len(gathered) == 4:
+            raise OSError("the KV memory went away")
+        gathered.append(len(gathered))
+        gather(plan)
+
+    with pytest.raises(StagingError) as info:
+        send_staged(s.rounds, None, "decode", s.decode_router.deliver, request="req-1",
+                    acks=s.prefill_router, gather=failing, buffers=2, timeout_s=5.0,
+                    pull=True, events=s.events)
+    assert info.value.reason == "gather_failed" and info.value.round == 4
+    assert "the KV memory went away" in info.value.detail
+    assert ("notify", 4) not in s.events and s.reads == [0, 1, 2, 3]
+    assert [(f.reason, f.round) for f in s.failures] == [("peer_failed", 4)]
+    assert not s.receiver.loaded and s.receiver.scattered == 4
+
+
+def test_a_pulled_request_of_no_rounds_is_sent_without_waiting_for_a_grant() -> None:
+    from kvplan.staging import AckQueue
+
+    sent: list[bytes] = []
+    report = send_staged([], None, "decode", sent.append, request="req-0", acks=AckQueue(),
+                         gather=lambda plan: None, buffers=2, timeout_s=5.0, pull=True)
+    assert (report.rounds, report.bytes, report.network_blocks) == (0, 0, 0)
+    assert sent == []
+
+
 # ---------------------------------------------------------------------------------------------
 # The decode's reads through real NIXL agents (UCX on loopback)
 # ---------------------------------------------------------------------------------------------

@@ -66,9 +66,6 @@ class _Send:
                  buffers: int, timeout_s: float, grant: bool, pull: bool = False) -> None:
         self.rounds, self.engine, self.peer, self.notify = rounds, engine, peer, notify
         self.pull = pull
-        #: Notified on every acknowledgement and failure (a pull gather waits on it).
-        self._progress = threading.Condition()
-        self._error: StagingError | None = None  # the first failure, kept
         self.request, self.writer, self.acks, self.gather = request, writer, acks, gather
         self.buffers, self.timeout_s = buffers, timeout_s
         self.granted = not grant
@@ -86,10 +83,6 @@ class _Send:
         with self._told_lock:
             if self._first is None:
                 self._first = err
-        with self._progress:
-            if self._error is None:
-                self._error = err
-            self._progress.notify_all()
         return err
 
     def wait_read(self, index: int, previous: int) -> None:
@@ -99,16 +92,14 @@ class _Send:
         if previous < 0:
             return
         deadline = time.monotonic() + self.timeout_s
-        with self._progress:
-            while self.acked < previous and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self.fail(index, "timeout", f"{self.peer} did not read round "
-                                    f"{previous} out of buffer {self.rounds[index].buffer} "
-                                    f"within {self.timeout_s:g} s")
-                self._progress.wait(left)
-            if self._error is not None:
-                raise self._error
+        while self.acked < previous:
+            try:
+                data = self.acks.get(deadline - time.monotonic())
+            except queue.Empty:
+                raise self.fail(index, "timeout", f"{self.peer} did not read round "
+                                f"{previous} out of buffer {self.rounds[index].buffer} "
+                                f"within {self.timeout_s:g} s") from None
+            self._answer(data)
 
     def tell(self) -> None:
         """Send the decode the first failure (once): after it, nothing of this stream lands
@@ -137,28 +128,31 @@ class _Send:
             except queue.Empty:
                 raise self.fail(max(index, 0), "timeout", f"no {what} from {self.peer} within "
                                 f"{self.timeout_s:g} s") from None
-            try:
-                m = decode(data)
-            except WireError as exc:
-                raise self.fail(self.acked + 1, "bad_message", str(exc)) from None
-            if m.kind == FAIL:
-                raise self.fail(m.round, "peer_failed",
-                                m.payload.decode(errors="replace") or "the decode failed")
-            if m.kind == GRANT and not self.granted and m.request == self.request \
-                    and m.writer == self.writer:
-                self.granted = True
-                self.events.append(("grant", -1))
-                continue
-            if not self.granted or m.kind != ACK or m.request != self.request \
-                    or m.writer != self.writer or m.round != self.acked + 1:
-                raise self.fail(self.acked + 1, "out_of_order",
-                                f"expected the ack of round {self.acked + 1}, got a "
-                                f"{m.kind_name} of round {m.round} for {m.request!r} writer "
-                                f"{m.writer}")
-            with self._progress:
-                self.acked = m.round
-                self._progress.notify_all()
-            self.events.append(("ack", m.round))
+            self._answer(data)
+
+    def _answer(self, data: bytes) -> None:
+        """One answer of the decode: its grant, or the acknowledgement of the next round;
+        anything else fails the send (raised)."""
+        try:
+            m = decode(data)
+        except WireError as exc:
+            raise self.fail(self.acked + 1, "bad_message", str(exc)) from None
+        if m.kind == FAIL:
+            raise self.fail(m.round, "peer_failed",
+                            m.payload.decode(errors="replace") or "the decode failed")
+        if m.kind == GRANT and not self.granted and m.request == self.request \
+                and m.writer == self.writer:
+            self.granted = True
+            self.events.append(("grant", -1))
+            return
+        if not self.granted or m.kind != ACK or m.request != self.request \
+                or m.writer != self.writer or m.round != self.acked + 1:
+            raise self.fail(self.acked + 1, "out_of_order",
+                            f"expected the ack of round {self.acked + 1}, got a "
+                            f"{m.kind_name} of round {m.round} for {m.request!r} writer "
+                            f"{m.writer}")
+        self.acked = m.round
+        self.events.append(("ack", m.round))
 
     def finish(self, index: int, handle: NetworkHandle) -> None:
         """Wait on round ``index``'s network write, then tell the decode it landed."""
@@ -185,45 +179,77 @@ class _Send:
             raise
 
     def _run(self) -> tuple[int, int]:
-        """The rounds through :func:`kvplan.exec.pipeline.run_rounds`: gathers on one thread,
-        the network writes (each followed by its round message) on another, and the decode's
-        acknowledgements awaited in place of the scatters (which the decode runs), so the
-        pipeline's rule that a decode buffer is written only after the last round in it was
-        scattered is the flow control."""
-        from kvplan.exec.pipeline import RoundFailed, run_rounds
-
+        """The rounds, checked to be in order: pushed (:meth:`_run_pushed`) or pulled
+        (:meth:`_run_pull`); the bytes and network blocks of all of them."""
         for k, r in enumerate(self.rounds):
             if int(r.index) != k or int(r.buffer) != k % self.buffers:
                 raise self.fail(k, "out_of_order", f"round {k} of the plan has index "
                                 f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
-        # rounds through each lane (a lane runs its steps in round order, one at a time)
-        gathered, sent, acked = [0], [0], [0]
+        if self.pull:
+            self._run_pull()
+        else:
+            self._run_pushed()
+        totals = [_count(r.network) for r in self.rounds]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+    def _previous(self) -> list[int]:
+        """Per round, the last earlier round in the same buffer (-1: none)."""
         previous: list[int] = []
         last_of: dict[int, int] = {}
         for k, r in enumerate(self.rounds):
             previous.append(last_of.get(int(r.buffer), -1))
             last_of[int(r.buffer)] = k
+        return previous
+
+    def _gather(self, k: int) -> None:
+        """Round ``k``'s gather into its prefill buffer; a failure is ``gather_failed``."""
+        try:
+            self.gather(self.rounds[k].gather)
+        except StagingError:
+            raise
+        except Exception as exc:
+            raise self.fail(k, "gather_failed", f"{type(exc).__name__}: {exc}") from exc
+        self.events.append(("gather", k))
+
+    def _run_pull(self) -> None:
+        """Pull mode, every step on the calling thread (the decode reads each round itself;
+        each step here is short, and a hand-off between threads would cost more than it
+        overlaps). Round ``k`` is gathered into its prefill buffer once the decode
+        acknowledged the last earlier round in that buffer, which it read out of the prefill
+        buffer and scattered out of its own buffer of the same number before acknowledging
+        it; then it is announced, once the decode granted the stream its arena share (round
+        0 is gathered while the grant is awaited). The next round's gather overlaps the
+        decode's read of this one. Returns after the decode acknowledged the last round."""
+        previous = self._previous()
+        for k in range(self.n):
+            self.wait_read(k, previous[k])
+            self._gather(k)
+            if not self.granted:
+                self.wait_ack(-1)  # the decode's share is this stream's before round 0
+            self.events.append(("submit", k))
+            self.finish(k, _Ready())
+        if self.n:
+            self.wait_ack(self.n - 1)
+
+    def _run_pushed(self) -> None:
+        """Push mode: the rounds through :func:`kvplan.exec.pipeline.run_rounds`: gathers on
+        one thread, the network writes (each followed by its round message) on another, and
+        the decode's acknowledgements awaited in place of the scatters (which the decode
+        runs), so the pipeline's rule that a decode buffer is written only after the last
+        round in it was scattered is the flow control."""
+        from kvplan.exec.pipeline import RoundFailed, run_rounds
+
+        # rounds through each lane (a lane runs its steps in round order, one at a time)
+        gathered, sent, acked = [0], [0], [0]
 
         def gather(plan: Any) -> None:
-            k = gathered[0]
-            if self.pull:
-                self.wait_read(k, previous[k])
-            try:
-                self.gather(plan)
-            except StagingError:
-                raise
-            except Exception as exc:
-                raise self.fail(k, "gather_failed", f"{type(exc).__name__}: {exc}") from exc
-            self.events.append(("gather", k))
+            self._gather(gathered[0])
             gathered[0] += 1
 
         def submit(plan: Any) -> tuple[int, NetworkHandle]:
             k = sent[0]
             if not self.granted:
                 self.wait_ack(-1)  # the decode's share is this stream's before round 0
-            if self.pull:  # the decode reads the round itself once it is told
-                self.events.append(("submit", k))
-                return k, _Ready()
             try:
                 handle = self.engine.submit_round(plan, self.peer)
             except Exception as exc:
@@ -248,8 +274,6 @@ class _Send:
             reason = {"gather": "gather_failed", "network": "engine_failed"}.get(
                 exc.step, "peer_failed")
             raise self.fail(exc.round, reason, f"{type(cause).__name__}: {cause}") from cause
-        totals = [_count(r.network) for r in self.rounds]
-        return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
 def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *,
@@ -261,8 +285,9 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
                 pull: bool = False) -> SendReport:
     """Send one request's rounds (``Template.plan_rounds``'s ``StagedRounds``) to ``peer``.
 
-    The rounds run through :func:`kvplan.exec.pipeline.run_rounds` (gathers, writes and the
-    decode's acknowledgements on their own threads). Per round ``k``: ``gather(round.gather)``
+    Pushed rounds run through :func:`kvplan.exec.pipeline.run_rounds` (gathers, writes and
+    the decode's acknowledgements on their own threads); pulled rounds on the calling thread
+    (see ``pull``). Per round ``k``: ``gather(round.gather)``
     copies the request's bytes into the prefill arena's buffer ``k % buffers`` (overlapping
     round ``k-1``'s network write where ``buffers`` > 1); round
     ``k``'s network plan is submitted only after the decode acknowledged scattering round
@@ -298,8 +323,10 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
             ``k``'s message says its bytes are gathered into prefill buffer
             ``round.buffer`` (the round's network plan names where), and round ``k``'s gather
             into that buffer waits until the decode acknowledged the last earlier round in it
-            (which it read before scattering). The decode's :class:`ReceiveStaged` is given
-            the read as its ``fetch``.
+            (which it read before scattering). Every step runs on the calling thread, one
+            after another: each round's gather overlaps the decode's read and scatter of the
+            round before, and no step waits on a hand-off between threads. The decode's
+            :class:`ReceiveStaged` is given the read as its ``fetch``.
 
     Raises:
         StagingError: the first failure, once, naming the request, round and reason
