@@ -543,12 +543,10 @@ def test_a_stream_naming_other_pages_is_refused(nixl: Any, connector: Any,
         pair.close()
 
 
-@pytest.mark.nixl
-def test_vllms_polling_does_not_wait_for_a_round_in_progress(
-        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a round is being read (the decode's round reader held inside it), vLLM's
-    ``_pop_done_transfers`` answers at once: the handle is PROC; once the round goes on, the
-    read completes with vLLM's bytes."""
+def hold_the_first_round_read(monkeypatch: pytest.MonkeyPatch,
+                              timeout_s: float) -> tuple[Any, Any]:
+    """Holds the decode inside its first round's read (round 0 gathered and announced, the
+    receiver's lock held) until ``go`` is set; ``reading`` is set once it is there."""
     import threading
 
     import kvplan.staging as kstaging
@@ -563,10 +561,22 @@ def test_vllms_polling_does_not_wait_for_a_round_in_progress(
         def __call__(self, round_: Any) -> Any:
             if not reading.is_set():
                 reading.set()
-                assert go.wait(60)
+                assert go.wait(timeout_s)
             return self.reader(round_)
 
     monkeypatch.setattr(kstaging, "NixlRoundReader", HeldReader)
+    return reading, go
+
+
+@pytest.mark.nixl
+def test_vllms_polling_does_not_wait_for_a_round_in_progress(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a round is being read (the decode's round reader held inside it), vLLM's
+    ``_pop_done_transfers`` answers at once: the handle is PROC; once the round goes on, the
+    read completes with vLLM's bytes."""
+    import threading
+
+    reading, go = hold_the_first_round_read(monkeypatch, 60)
     load_agents(connector, nixl, monkeypatch)
     pair = Pair(connector, nixl, monkeypatch)
     try:
@@ -596,25 +606,9 @@ def test_a_stream_outlasting_the_lease_completes_and_frees_once(
     decode is held inside its first round's read): vLLM's expiry check does not free it,
     the stream completes byte for byte, and the blocks are freed exactly once afterwards, by
     the decode's notification."""
-    import threading
     import time
 
-    import kvplan.staging as kstaging
-
-    reading, go = threading.Event(), threading.Event()
-    real_reader = kstaging.NixlRoundReader
-
-    class HeldReader:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.reader = real_reader(*args, **kwargs)
-
-        def __call__(self, round_: Any) -> Any:
-            if not reading.is_set():
-                reading.set()
-                assert go.wait(30)
-            return self.reader(round_)
-
-    monkeypatch.setattr(kstaging, "NixlRoundReader", HeldReader)
+    reading, go = hold_the_first_round_read(monkeypatch, 30)
     load_agents(connector, nixl, monkeypatch)
     pair = Pair(connector, nixl, monkeypatch)
     leases = nixl_staging.send_leases(pair.prefill)
