@@ -369,6 +369,62 @@ def _agent(worker: Any) -> Any:
     return wrapper.agent if isinstance(wrapper, StagingAgent) else wrapper
 
 
+@dataclass(frozen=True)
+class _ReadNames:
+    """What a staged read and a held check both derive from vLLM's read of one request and
+    prefill rank: the prefill rank's session (its channel) and the stream's name, and
+    (:meth:`trimmed`) the block ids left after vLLM's own prefix-cache trim."""
+
+    worker: Any
+    read_spec: Any
+    engine: str
+    session: str
+    stream: str
+
+    def trimmed(self) -> tuple[Any, Any]:
+        """The decode's and the prefill's block ids per KV group after vLLM's trim of the
+        decode's prefix-cache hit, as vLLM's own read trims them."""
+        worker = self.worker
+        info = worker.__dict__["transfer_topo"].get_engine_info(self.engine)
+        local_ids, remote_ids = worker._apply_prefix_caching(
+            decode_block_ids=self.read_spec.local_block_ids,
+            prefill_block_ids=self.read_spec.remote_block_ids,
+            decode_physical_per_logical=worker._physical_blocks_per_logical_kv_block,
+            prefill_physical_per_logical=info.remote_physical_blocks_per_logical)
+        return local_ids, remote_ids
+
+
+def _read_names(worker: Any, read_spec: Any, dst_engine_id: str,
+               remote_request_id: str) -> _ReadNames:
+    """The :class:`_ReadNames` of vLLM's read of ``remote_request_id`` from the prefill
+    ``dst_engine_id``'s rank ``read_spec.remote_rank``."""
+    d = worker.__dict__
+    return _ReadNames(worker, read_spec, str(dst_engine_id),
+                     f"{dst_engine_id}:tp{read_spec.remote_rank}",
+                     f"{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}")
+
+
+def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
+                    staged: Any = None, held_pages: list[int] | None = None) -> bytes:
+    """The decode's opening message on the prefill's listener, one form for both uses: the
+    stream, this decode's name, rank and staging message and the prefill's request, then
+    either a staged read's layouts and pages (``staged``,
+    :func:`kvplan.compat.vllm.staging.open_message`) or a held check's :data:`HOLD_KEY` and
+    the prefill pages vLLM's read names (``held_pages``; it opens no stream)."""
+    import json
+
+    from kvplan.compat.vllm import staging as vstaging
+
+    header: dict[str, Any] = {"stream": stream, "peer": state.name,
+                              "rank": int(worker.__dict__.get("tp_rank", 0) or 0),
+                              "capabilities": state.capabilities(), "request": request}
+    if staged is not None:
+        return vstaging.open_message(staged, **header)
+    return json.dumps({**header, "writer": 0, HOLD_KEY: HOLD_VERSION,
+                       "src_pages": list(held_pages or [])},
+                      separators=(",", ":")).encode()
+
+
 def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
                 remote_request_id: str, expected_consumers: int) -> bool:
     """The decode's ``_read_blocks`` for one request and prefill rank, staged where it can
@@ -407,10 +463,8 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     if layout is None:
         return False
     # vLLM's own trim of the decode's prefix-cache hit, as its read does
-    local_ids, remote_ids = worker._apply_prefix_caching(
-        decode_block_ids=local_ids, prefill_block_ids=remote_ids,
-        decode_physical_per_logical=worker._physical_blocks_per_logical_kv_block,
-        prefill_physical_per_logical=info.remote_physical_blocks_per_logical)
+    names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
+    local_ids, remote_ids = names.trimmed()
     agreement = peer.outcome
     if not isinstance(agreement, StagingAgreement):
         return False
@@ -428,11 +482,10 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         _staging_log.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct "
                              "path", request_id, type(exc).__name__, exc)
         return False
-    session = f"{dst_engine_id}:tp{read_spec.remote_rank}"
+    session, stream = names.session, names.stream
     channel = state.channel_to(session, peer.message)
     if channel is None:
         return False
-    stream = f"{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}"
     notif = f"{remote_request_id}:{expected_consumers}".encode()
     agent = _agent(worker)
     remote_agent: Any = peer.agent
@@ -464,10 +517,8 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                                     agreement, choice.why, rounds)
     state.router.open(stream, 0, receiver.on_message)
     try:
-        channel.open(vstaging.open_message(staged, stream=stream, peer=state.name,
-                                           rank=int(d.get("tp_rank", 0) or 0),
-                                           capabilities=state.capabilities(),
-                                           request=remote_request_id))
+        channel.open(_opening_message(state, worker, stream=stream,
+                                     request=remote_request_id, staged=staged))
     except Exception as exc:  # nothing was read: vLLM's own read takes the request
         state.router.close(stream)
         _staging_log.warning("req %s: opening the staged read failed (%s); not staged",
@@ -521,7 +572,8 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
     peer = peer_agreement(worker, dst_engine_id, read_spec.remote_rank)
     if peer is None or not peer.outcome.staged or peer.message is None:
         return True  # no kvplan listener negotiated with that prefill: today's read
-    session = f"{dst_engine_id}:tp{read_spec.remote_rank}"
+    names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
+    session = names.session
     if peer.message.get(HOLD_KEY) != HOLD_VERSION:
         said = worker.__dict__.setdefault(UNCHECKED_ATTR, set())
         if session not in said:
@@ -530,17 +582,12 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
                 "kvplan staging: %s offers no held check (an older kvplan): vLLM's direct "
                 "reads of it run unchecked", session)
         return True
-    d = worker.__dict__
-    local_ids, remote_ids = read_spec.local_block_ids, read_spec.remote_block_ids
-    if read_spec.block_ids_by_region or sum(1 for g in remote_ids if len(g)) != 1:
+    if read_spec.block_ids_by_region or \
+            sum(1 for g in read_spec.remote_block_ids if len(g)) != 1:
         return True
-    info = d["transfer_topo"].get_engine_info(dst_engine_id)
-    local_ids, remote_ids = worker._apply_prefix_caching(
-        decode_block_ids=local_ids, prefill_block_ids=remote_ids,
-        decode_physical_per_logical=worker._physical_blocks_per_logical_kv_block,
-        prefill_physical_per_logical=info.remote_physical_blocks_per_logical)
+    local_ids, remote_ids = names.trimmed()
     src_pages = [int(p) for g in remote_ids for p in g]
-    stream = f"hold:{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}"
+    stream = f"hold:{names.stream}"
     answer: list[Any] = []
     answered = threading.Event()
 
@@ -559,7 +606,8 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
     else:
         state.router.open(stream, 0, on_message)
         try:
-            channel.open(_hold_message(state, worker, stream, remote_request_id, src_pages))
+            channel.open(_opening_message(state, worker, stream=stream,
+                                         request=remote_request_id, held_pages=src_pages))
             answered.wait(state.config.timeout_s + 1.0)  # the prefill's own wait, and 1 s
         except Exception as exc:
             answer.append(exc)
@@ -586,19 +634,6 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
                          remote_request_id)
     worker._recving_transfers[request_id].append(RefusedRead(verdict))
     return False
-
-
-def _hold_message(state: Any, worker: Any, stream: str, request: str,
-                  src_pages: list[int]) -> bytes:
-    """The decode's held check on the prefill's listener (an opening message that opens no
-    stream): the request and the pages vLLM's read names."""
-    import json
-
-    return json.dumps({"stream": stream, "writer": 0, "peer": state.name,
-                       "rank": int(worker.__dict__.get("tp_rank", 0) or 0),
-                       "capabilities": state.capabilities(), "request": request,
-                       HOLD_KEY: HOLD_VERSION, "src_pages": src_pages},
-                      separators=(",", ":")).encode()
 
 
 def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
