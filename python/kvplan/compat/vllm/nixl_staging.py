@@ -660,18 +660,18 @@ def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
     leases = send_leases(worker)
     hold_s = float(state.config.timeout_s)
 
+    # a thread per check: the hold may wait up to the stream timeout for vLLM's block ids of
+    # the request (its next step records them), and the listener thread answers every
+    # decode's opening message; the pin itself ends by its deadline (no timer thread)
     def check() -> None:
         try:
             leases.hold(worker, request, [int(p) for p in pages], stream=stream,
-                        timeout_s=hold_s)
+                        timeout_s=hold_s, pin_s=hold_s)
         except StagingError as exc:
             _staging_log.error("kvplan staging: refused %r to %s: request %s: %s", stream,
                                peer, request, exc.detail)
             _refuse(reply, stream, exc.reason, exc.detail)
             return
-        timer = threading.Timer(hold_s, leases.release, args=(request,))
-        timer.daemon = True
-        timer.start()
         try:
             reply(encode(ACK, stream, writer=0, round_index=0))
         except Exception as exc:  # the decode fails the read on its own timeout
@@ -826,7 +826,10 @@ class SendLeases:
     vLLM still holds it and that the stream's prefill pages are vLLM's blocks of it, then
     pins it; :meth:`extend_pinned` (run by the worker's expiry check, under :attr:`lock`)
     pushes a pinned request's expiry forward, as vLLM's own lease heartbeat does, so the
-    blocks are not freed while a round may still be gathered; :meth:`release` unpins it."""
+    blocks are not freed while a round may still be gathered; :meth:`release` unpins it. A
+    pin given a lifetime (``pin_s``: a held check's, which nothing releases but time) ends at
+    its deadline, at the next of those checks after it (:meth:`expire`; no thread waits for
+    it)."""
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
@@ -834,6 +837,10 @@ class SendLeases:
         self.blocks: dict[str, list[list[int]]] = {}
         #: Request -> streams holding it.
         self.pins: dict[str, int] = {}
+        #: Request -> the deadlines (on :attr:`clock`) of its pins that end by time.
+        self.deadlines: dict[str, list[float]] = {}
+        #: The clock of those deadlines (seconds; tests drive it).
+        self.clock: Any = time.monotonic
         #: Streams serving now -> (their ack queue, their thread).
         self.streams: dict[str, tuple[Any, threading.Thread]] = {}
         #: Set by :meth:`stop`: no stream is held any more.
@@ -858,12 +865,14 @@ class SendLeases:
                     self.blocks[str(request)] = [[int(b) for b in g] for g in groups]
             for request in [r for r in self.blocks if not self.held(worker, r)]:
                 del self.blocks[request]
+            self.expire()
             self.lock.notify_all()
 
     def extend_pinned(self, worker: Any) -> None:
         """Push every pinned request's expiry at least :data:`MIN_EXTENSION_S` (or vLLM's
         lease extension, if longer) past now. Call with :attr:`lock` held, right before
-        vLLM's expiry check."""
+        vLLM's expiry check. Pins past their deadline end first (:meth:`expire`)."""
+        self.expire()
         leases = worker.__dict__.get("_reqs_to_send")
         if not self.pins or not isinstance(leases, dict):
             return
@@ -875,8 +884,9 @@ class SendLeases:
 
     # ------------------------------------------------------------------ streams
     def hold(self, worker: Any, request: str, src_pages: list[int], *, stream: str,
-             timeout_s: float) -> None:
-        """Pin ``request`` for one stream whose prefill pages are ``src_pages``. Raises
+             timeout_s: float, pin_s: float | None = None) -> None:
+        """Pin ``request`` for one stream whose prefill pages are ``src_pages`` (with
+        ``pin_s``, for that many seconds: then the pin ends by itself, :meth:`expire`). Raises
         :class:`kvplan.staging.StagingError`: ``not_held`` when vLLM no longer holds the
         request (its lease expired, or it was freed or never finished here), or its block
         ids are not recorded within ``timeout_s``; ``pages_mismatch`` when ``src_pages`` are
@@ -886,6 +896,7 @@ class SendLeases:
 
         deadline = time.monotonic() + timeout_s
         with self.lock:
+            self.expire()
             while True:
                 if self.stopping:
                     raise StagingError.make(stream, None, "cancelled",
@@ -916,6 +927,28 @@ class SendLeases:
                     f"the stream reads prefill pages {list(src_pages)!r:.200} of request "
                     f"{request!r}, whose blocks here are {[list(g) for g in kernel]!r:.200}")
             self.pins[request] = self.pins.get(request, 0) + 1
+            if pin_s is not None:
+                self.deadlines.setdefault(request, []).append(self.clock() + float(pin_s))
+
+    def expire(self) -> list[str]:
+        """End the pins whose deadline passed (one :meth:`release` each); the requests
+        unpinned so. Runs where the pins are already looked at: vLLM's expiry check
+        (:meth:`extend_pinned`), each step's :meth:`record`, and :meth:`hold`."""
+        ended: list[str] = []
+        with self.lock:
+            if not self.deadlines:
+                return ended
+            now = self.clock()
+            for request, ends in list(self.deadlines.items()):
+                left = [t for t in ends if t > now]
+                if left:
+                    self.deadlines[request] = left
+                else:
+                    del self.deadlines[request]
+                for _ in range(len(ends) - len(left)):
+                    self.release(request)
+                    ended.append(request)
+        return ended
 
     def release(self, request: str) -> None:
         """Unpin ``request`` for one stream (vLLM's lease, the notification or expiry, frees
