@@ -354,6 +354,45 @@ def test_a_direct_read_of_a_held_request_pins_it_and_lands_vllms_bytes(
         pair.close()
 
 
+@pytest.mark.nixl
+def test_a_held_checks_pin_ends_at_its_deadline_without_a_thread(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill pins a request for a held check for the stream timeout, and no
+    notification comes (the prefill never processes it): the pin ends at its deadline, at
+    vLLM's next expiry check after it (kvplan's :class:`SendLeases` clock driven here), not
+    before, and no timer thread is started for it; the request is then freed by vLLM's own
+    lease alone."""
+    import threading
+
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    leases = nixl_staging.send_leases(pair.prefill)
+    now = [1000.0]
+    leases.clock = lambda: now[0]
+    timers: list[Any] = []
+    real_timer = threading.Timer
+    monkeypatch.setattr(threading, "Timer",
+                        lambda *a, **k: timers.append(a) or real_timer(*a, **k))
+    try:
+        pair.read()
+        assert pair.poll() == ({"req-d"}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+        hold_s = float(pair.prefill.__dict__[STAGING_ATTR].config.timeout_s)
+        assert leases.pins == {"req-p": 1} and leases.deadlines == {"req-p": [1000.0 + hold_s]}
+        now[0] += hold_s - 0.5  # before the deadline: still pinned at vLLM's check
+        pair.prefill._reap_expired_send_leases(set())
+        assert leases.pins == {"req-p": 1}
+        now[0] += 1.0  # past it: vLLM's next expiry check ends the pin
+        done: set[str] = set()
+        pair.prefill._reap_expired_send_leases(done)
+        assert leases.pins == {} and leases.deadlines == {} and done == set()
+        assert timers == []
+        # vLLM's own lease frees it from here on
+        assert expire(pair) == {"req-p"}
+    finally:
+        pair.close()
+
+
 def refused_direct_read(pair: Pair, reason: str) -> Any:
     """The decode's direct read of ``req-p``, whose held check the prefill refuses: nothing
     is read (the decode's pages stay zero), vLLM's failed-receive path with a verdict naming
