@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 import types
 from typing import Any
 
@@ -338,18 +339,86 @@ def test_a_prefill_whose_listener_is_gone_fails_the_request(
 @pytest.mark.nixl
 def test_a_direct_read_of_a_held_request_pins_it_and_lands_vllms_bytes(
         nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``auto`` advises direct: the prefill is asked first, pins the request (its lease is
-    not reaped while vLLM's read runs), and vLLM's own read lands the same bytes as vLLM's
-    read without kvplan; vLLM's notification goes to the prefill once."""
+    """``auto`` advises direct: the prefill is asked first and ``_read_blocks`` returns
+    without waiting for its answer (vLLM's step goes on; its polling sees the read in
+    progress and starts nothing); once the prefill pins the request (its lease is not reaped
+    while vLLM's read runs) and acknowledges, vLLM's polling starts vLLM's own read, which
+    lands the same bytes as vLLM's read without kvplan, recorded in vLLM's stats as its
+    read's; vLLM's notification goes to the prefill once."""
+    import threading
+
     load_agents(connector, nixl, monkeypatch)
     pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    answer = threading.Event()
+    real_serve_hold = nixl_staging.serve_hold
+
+    def serve_hold(worker: Any, opening: Any, reply: Any) -> str:  # the prefill's listener
+        assert answer.wait(60)
+        return real_serve_hold(worker, opening, reply)
+
+    monkeypatch.setattr(nixl_staging, "serve_hold", serve_hold)
     try:
-        (handle,) = pair.read()
-        assert not isinstance(handle, (nixl_staging.StagedRead, nixl_staging.RefusedRead))
-        assert nixl_staging.send_leases(pair.prefill).pins == {"req-p": 1}
+        (handle,) = pair.read()  # returned while the prefill has not answered
+        assert isinstance(handle, nixl_staging.HeldRead)
+        assert pair.decode._pop_done_transfers(pair.decode._recving_transfers) == (set(), set())
+        assert handle.outcome is None and handle.handles is None  # vLLM's read not started
+        assert not pair.d_mem.any() and not nixl_staging.send_leases(pair.prefill).pins
+        answer.set()
         assert pair.poll() == ({"req-d"}, set())
+        assert handle.outcome == "held" and handle.posted is True and handle.verdict is None
+        assert nixl_staging.send_leases(pair.prefill).pins == {"req-p": 1}
         np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
         assert pair.notifications() == [b"req-p:1"]
+        stats = pair.decode.xfer_stats.data
+        assert stats["bytes_transferred"] == [len(DECODE_PAGES) * REGIONS * BLOCK_BYTES]
+        assert stats.get("num_failed_transfers", []) == []
+    finally:
+        answer.set()
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_prefill_that_never_answers_the_held_check_holds_no_step(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's listener accepts the held check and never answers: ``_read_blocks``
+    returns at once, vLLM's polling sees the read in progress, and once the wait (the
+    staging timeout and 1 s, the handle's clock driven here) passed with no answer the
+    request takes vLLM's failed-receive path with a ``timeout`` verdict naming its blocks;
+    nothing is read and the prefill is not notified."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    asked: list[str] = []
+    monkeypatch.setattr(nixl_staging, "serve_hold",
+                        lambda worker, opening, reply: asked.append(opening["stream"]) or
+                        str(opening["stream"]))
+    try:
+        with staging_records() as said:
+            (handle,) = pair.read()
+            assert isinstance(handle, nixl_staging.HeldRead)
+            for _ in range(3):  # vLLM's steps go on, the read in progress
+                assert pair.decode._pop_done_transfers(
+                    pair.decode._recving_transfers) == (set(), set())
+            assert handle.outcome is None and handle.verdict is None
+            deadline = time.monotonic() + 60
+            while not asked:  # the question reached the prefill, which keeps silent
+                assert time.monotonic() < deadline, "the held check reached the prefill"
+                time.sleep(0.005)
+            assert pair.decode._pop_done_transfers(
+                pair.decode._recving_transfers) == (set(), set())
+            handle.clock = lambda: handle.asked + handle.wait_s
+            assert pair.poll() == ({"req-d"}, {"req-d"})
+        assert asked == ["hold:req-p@decode-0:tp0"]
+        assert handle.outcome == "refused" and handle.handles is None
+        verdict = handle.verdict
+        assert verdict.request_id == "req-d" and verdict.blocks == {0: tuple(sorted(DECODE_PAGES))}
+        assert verdict.reason.startswith("timeout: prefill-0:tp0 did not answer"), verdict.reason
+        lines = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+        assert any(m.startswith("kvplan staging: request 'req-d' failed (timeout: ")
+                   and "prefill request req-p" in m for m in lines), lines
+        assert not pair.d_mem.any()
+        assert pair.notifications(timeout_s=0.5) == []
+        router = pair.decode.__dict__[STAGING_ATTR].router  # the question's stream closed
+        assert ("hold:req-p@decode-0:tp0", 0) not in router._handlers
     finally:
         pair.close()
 
@@ -398,9 +467,10 @@ def refused_direct_read(pair: Pair, reason: str) -> Any:
     is read (the decode's pages stay zero), vLLM's failed-receive path with a verdict naming
     every decode block, the refusal said once on the prefill."""
     with staging_records() as said:
-        (handle,) = pair.read(posted=False)
-        assert isinstance(handle, nixl_staging.RefusedRead)
+        (handle,) = pair.read()  # not waited for: vLLM's polling takes the refusal
+        assert isinstance(handle, nixl_staging.HeldRead)
         assert pair.poll() == ({"req-d"}, {"req-d"})
+        assert handle.outcome == "refused" and handle.handles is None  # vLLM read nothing
         refusal = wait_for(said, "refused 'hold:req-p@decode-0:tp0'")
     assert not pair.d_mem.any()
     verdict = handle.verdict

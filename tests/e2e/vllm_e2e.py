@@ -270,7 +270,11 @@ class Connector:
             config["kv_buffer_device"] = "cpu"
             # The decode also serves prefills of other weights and another layout (the
             # negative control, the bad input); NIXL's handshake refuses those otherwise.
-            # One UCX progress thread (vLLM's default is 4) and a lease sized to this machine.
+            # num_threads: the NIXL UCX backend's dedicated worker threads (each with a UCX
+            # worker of its own) that NIXL splits a transfer of many descriptors across;
+            # vLLM's default is 4, one here on two cores. It is not the progress thread: NIXL's
+            # own (enable_prog_thread, on by default, left on by vLLM) progresses the shared
+            # workers whatever num_threads is. And a lease sized to this machine.
             config["kv_connector_extra_config"] = {"enforce_handshake_compat": False,
                                                    "num_threads": 1,
                                                    "kv_lease_duration": NIXL_LEASE_S,

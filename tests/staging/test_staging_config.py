@@ -99,3 +99,24 @@ def test_bad_costs_in_the_environment_name_the_variable() -> None:
     assert exc.value.option == "KVPLAN_STAGING_COSTS" and exc.value.value == bad
     assert str(exc.value).startswith("environment: KVPLAN_STAGING_COSTS")
     assert "network_bytes_per_s='-1'" in str(exc.value)
+
+
+@pytest.mark.parametrize("lease, want", [
+    (None, 30.0),        # no lease known: the default
+    (120, 120.0),        # a longer lease: waited for
+    ("90", 90.0),        # as a staging message may carry it
+    (10, 30.0),          # a shorter lease: never less than the default
+    (0, 30.0), (-5, 30.0), (float("nan"), 30.0), (float("inf"), 30.0), (True, 30.0),
+    ("soon", 30.0),      # not a lease: the default
+])
+def test_patience_follows_a_longer_lease_unless_a_timeout_was_given(lease: Any,
+                                                                   want: float) -> None:
+    """Without a given timeout a staged request waits as long as the prefill's lease (never
+    less than the default); a timeout given by option or environment is the bound."""
+    assert StagingConfig.from_options({}).patience(lease) == want
+    assert StagingConfig.from_env({"KVPLAN_STAGING_TIMEOUT_S": ""}).patience(lease) == want
+    given = StagingConfig.from_options({"kvplan_staging_timeout_s": 2.5})
+    assert given.timeout_given and given.patience(lease) == 2.5
+    env = StagingConfig.from_env({"KVPLAN_STAGING_TIMEOUT_S": "45"})
+    assert env.timeout_given and env.patience(lease) == 45.0
+    assert not StagingConfig().timeout_given

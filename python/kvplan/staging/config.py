@@ -2,7 +2,18 @@
 (``kvplan_staging``, ``kvplan_staging_arena_mib``, ``kvplan_staging_buffers``,
 ``kvplan_staging_timeout_s``, ``kvplan_staging_costs``) and SGLang's environment
 (``KVPLAN_STAGING``, ``KVPLAN_STAGING_ARENA_MIB``, ``KVPLAN_STAGING_BUFFERS``,
-``KVPLAN_STAGING_TIMEOUT_S``, ``KVPLAN_STAGING_COSTS``)."""
+``KVPLAN_STAGING_TIMEOUT_S``, ``KVPLAN_STAGING_COSTS``).
+
+The staging timeout is how long a staged request may go without progress (a round written,
+read, acknowledged or scattered) before it fails with reason ``timeout``. It bounds a peer
+that is alive but stuck; a peer that dies fails the request as soon as its side channel
+closes, whatever the timeout. Given (``kvplan_staging_timeout_s`` /
+``KVPLAN_STAGING_TIMEOUT_S``), it is the bound on both sides. Not given, a vLLM NIXL staged
+read waits as long as the prefill keeps the request's blocks for a silent decode: the
+prefill's KV lease (vLLM's ``kv_lease_duration``, which its staging message carries to the
+decode, so both sides wait alike), and never less than :data:`DEFAULT_TIMEOUT_S`
+(:meth:`StagingConfig.patience`); vLLM's own read of the same blocks waits that long too.
+Elsewhere the default is :data:`DEFAULT_TIMEOUT_S`."""
 
 from __future__ import annotations
 
@@ -23,7 +34,8 @@ __all__ = ["COST_FIELDS", "DEFAULT_ARENA_MIB", "DEFAULT_BUFFERS", "DEFAULT_TIMEO
 DEFAULT_ARENA_MIB = 64
 DEFAULT_BUFFERS = 2
 #: Seconds without progress (a round written, acknowledged or scattered) before a staged
-#: request fails with reason ``timeout``.
+#: request fails with reason ``timeout``, where no timeout was given and no longer lease
+#: applies (:meth:`StagingConfig.patience`).
 DEFAULT_TIMEOUT_S = 30.0
 #: An arena is host memory pinned by the engine's registration: a bound that catches a
 #: value given in bytes where MiB were meant.
@@ -162,14 +174,27 @@ ENV_VARS: dict[str, str] = {key: key.upper() for key in STAGING_OPTIONS}
 class StagingConfig:
     """How a kvplan peer stages: ``mode`` (:data:`MODES`), the arena (``arena_mib`` MiB split
     into ``buffers`` round buffers), ``timeout_s`` without progress before a staged request
-    fails, and ``costs``: the engine's :class:`kvplan.TransferCost` as the operator gave it
-    (``None``: ``auto`` measures them at start-up, :func:`kvplan.staging.startup_costs`)."""
+    fails (``timeout_given``: the operator set it; else it is the default and a peer's lease
+    may lengthen it, :meth:`patience`), and ``costs``: the engine's
+    :class:`kvplan.TransferCost` as the operator gave it (``None``: ``auto`` measures them at
+    start-up, :func:`kvplan.staging.startup_costs`)."""
 
     mode: Mode = "auto"
     arena_mib: int = DEFAULT_ARENA_MIB
     buffers: int = DEFAULT_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     costs: TransferCost | None = field(default=None, hash=False)
+    timeout_given: bool = False
+
+    def patience(self, lease_s: Any = None) -> float:
+        """Seconds a staged request may go without progress: ``timeout_s`` where it was given;
+        else the longer of ``timeout_s`` and ``lease_s`` (the prefill's KV lease, how long it
+        keeps a request's blocks for a silent decode; anything but a finite number of seconds
+        greater than 0 counts as none)."""
+        if self.timeout_given:
+            return self.timeout_s
+        lease = _positive_number(lease_s)
+        return self.timeout_s if lease is None else max(self.timeout_s, lease)
 
     @property
     def enabled(self) -> bool:
@@ -186,7 +211,7 @@ class StagingConfig:
         parsed = {key[len("kvplan_staging_"):] if key != "kvplan_staging" else "mode":
                   STAGING_OPTIONS[key](key, value)
                   for key, value in options.items() if key in STAGING_OPTIONS}
-        return cls(**parsed)
+        return cls(**parsed, timeout_given="kvplan_staging_timeout_s" in options)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StagingConfig:

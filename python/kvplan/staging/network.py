@@ -136,12 +136,15 @@ class NixlRoundReader:
     Raises (from a call):
         TransferError: NIXL refused the read, reported it failed, or it did not complete
             within ``timeout_s`` (naming the peer, the round's blocks and bytes, and the
-            state NIXL gave).
+            state NIXL gave), or ``gone()`` turned true while it was in progress (the
+            prefill's side channel closed: the peer is gone, its read is not waited for).
     """
 
     def __init__(self, agent: Any, remote_agent: str, *, mem_type: str = "DRAM",
-                 device: int = 0, timeout_s: float = 30.0, poll_s: float = 0.0002) -> None:
+                 device: int = 0, timeout_s: float = 30.0, poll_s: float = 0.0002,
+                 gone: Callable[[], bool] | None = None) -> None:
         self.agent, self.remote_agent = agent, remote_agent
+        self.gone = gone
         self.mem_type, self.device = mem_type, device
         self.timeout_s, self.poll_s = timeout_s, poll_s
         #: Reads posted (one per round).
@@ -181,6 +184,9 @@ class NixlRoundReader:
                 if time.monotonic() > deadline:
                     raise self._error(lengths, f"not done within {self.timeout_s:g} s "
                                       f"(state {state!r})")
+                if self.gone is not None and self.gone():
+                    raise self._error(lengths, "the prefill's side channel closed during "
+                                      f"the read (state {state!r})")
                 time.sleep(self.poll_s)
                 state = agent.check_xfer_state(handle)
         except TransferError:

@@ -288,6 +288,20 @@ class ReceiveStaged:
         """Fail the stream with reason ``cancelled`` (the engine's abort)."""
         self._fail_now(self.scattered, "cancelled", detail)
 
+    def peer_gone(self, detail: str) -> None:
+        """Fail the stream with reason ``peer_gone`` (the prefill's side channel ended: none
+        of its messages will come; it is not told). In pull mode (``fetch``) only this side's
+        own reads, each under the stream's lock, write the decode arena: the share is free
+        once this returns, not a timeout later."""
+        with self._lock:
+            receiving = self.state == "receiving"
+            self._fail(self.scattered, "peer_gone", detail, tell_peer=False)
+            if receiving and self._fetch is not None:
+                self._finished()
+            tail, self._tail = self._tail, []
+        for call in tail:
+            call()
+
     def poll(self, *, block: bool = True) -> State:
         """The stream's state, failing it with reason ``timeout`` when no round arrived for
         ``timeout_s`` (an engine's periodic ``get_finished`` calls this); a failed stream whose

@@ -296,13 +296,17 @@ def connector_class() -> type:
                             "req %s: kvplan's staged read failed to start; direct path",
                             call["request_id"])
                     # a prefill that negotiated staging answers whether it still holds the
-                    # request with those pages (pinned for the read); else the request fails
-                    if not nixl_staging.check_held(
-                            self, call["read_spec"], call["dst_engine_id"],
-                            call["request_id"], call["remote_request_id"]):
-                        # routed to vLLM's failure reporting (its refused handle says ERR):
-                        # vLLM posts no sibling read and does not notify the prefill
-                        return False
+                    # request with those pages (pinned for the read); else the request fails.
+                    # Not waited for here: vLLM's polling starts vLLM's read on the answer
+                    held = nixl_staging.check_held(
+                        self, call["read_spec"], call["dst_engine_id"], call["request_id"],
+                        call["remote_request_id"],
+                        lambda: super(KvplanNixlConnectorWorker, self)._read_blocks(
+                            *args, **kwargs))
+                    if held is not None:
+                        # False: routed to vLLM's failure reporting (its refused handle says
+                        # ERR): vLLM posts no sibling read and does not notify the prefill
+                        return held
                 return super(KvplanNixlConnectorWorker, self)._read_blocks(*args, **kwargs)
 
             KvplanNixlConnectorWorker._read_blocks = _read_blocks
@@ -368,7 +372,8 @@ def connector_class() -> type:
                     self.connector_worker.xfer_stats = stats_cls()
                     # kvplan_staging: the arena registered with the worker's agent now,
                     # before register_kv_caches takes the agent's metadata
-                    nixl_staging.start_staging(self.connector_worker, options)
+                    nixl_staging.start_staging(self.connector_worker, options,
+                                               nixl_staging.vllm_lease_s(vllm_config))
                 # the scheduler side sends the workers the block ids of the requests kept
                 # for decodes, which a staged stream is checked against
                 self._kvplan_sends_blocks = options.get("kvplan_staging", "off") != "off"

@@ -79,6 +79,33 @@ HOLD_VERSION = 1
 #: The worker attribute holding the peers already said to take no held check.
 UNCHECKED_ATTR = "_kvplan_unchecked_peers"
 
+#: The key of the prefill's staging message giving its KV lease in seconds (vLLM's
+#: ``kv_lease_duration``: how long it keeps a finished request's blocks for a decode it hears
+#: nothing from). Without ``kvplan_staging_timeout_s`` both sides of a staged read wait that
+#: long for a round (:meth:`kvplan.staging.StagingConfig.patience`); a prefill whose message
+#: lacks it (an older kvplan) is waited for as before.
+LEASE_KEY = "lease_s"
+#: vLLM's ``kv_transfer_config`` key of the prefill's KV lease, and its default (every release
+#: kvplan's NIXL connector supports).
+VLLM_LEASE_OPTION, VLLM_DEFAULT_LEASE_S = "kv_lease_duration", 30.0
+
+
+def vllm_lease_s(vllm_config: Any) -> float | None:
+    """The KV lease in seconds vLLM's NIXL worker keeps with ``vllm_config`` (its
+    ``kv_connector_extra_config``'s ``kv_lease_duration``, default 30); None when it is not a
+    finite number greater than 0 (the staging timeout applies then)."""
+    import math
+
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None)
+    value = (extra if isinstance(extra, dict) else {}).get(VLLM_LEASE_OPTION,
+                                                           VLLM_DEFAULT_LEASE_S)
+    try:
+        lease = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        return None
+    return lease if lease is not None and math.isfinite(lease) and lease > 0 else None
+
 
 @dataclass(frozen=True)
 class NixlPeer:
@@ -100,18 +127,21 @@ def worker_staging(worker: Any) -> Any:
     return worker.__dict__.get(STAGING_ATTR)
 
 
-def start_staging(worker: Any, options: dict[str, Any]) -> Any:
+def start_staging(worker: Any, options: dict[str, Any], lease_s: float | None = None) -> Any:
     """The NIXL worker's staging start-up (the connector's constructor): with a
     ``kvplan_staging`` key other than ``off``, the arena registered with the worker's NIXL
     agent (``nixl_wrapper``), the engine's costs (given, else for ``auto`` NIXL's measured on
-    loopback) and the one start-up line; None and nothing allocated otherwise."""
+    loopback) and the one start-up line; None and nothing allocated otherwise. ``lease_s``:
+    the prefill's KV lease (:func:`vllm_lease_s`), which its staging message carries."""
     from kvplan.compat.vllm.staging import start_staging as start
 
     def setup(state: Any) -> None:
         state.name = str(worker.__dict__.get("engine_id") or "")
         # the prefill's listener: decodes open their staged reads there
         host = str(worker.__dict__.get("side_channel_host") or "127.0.0.1")
-        state.serve(worker, host, on_open=serve_rounds)
+        state.lease_s = lease_s
+        state.serve(worker, host, on_open=serve_rounds,
+                    on_close=lambda streams: _decode_gone(worker, streams))
 
     agent = worker.nixl_wrapper
     state = start(worker, options, engine=agent, cost_engine="nixl", setup=setup)
@@ -133,6 +163,8 @@ def advertise_staging(worker: Any) -> bool:
         return False
     message = state.capabilities()
     message[HOLD_KEY] = HOLD_VERSION  # this listener answers held checks
+    if state.lease_s is not None:  # how long both sides wait for a round
+        message[LEASE_KEY] = state.lease_s
     return add_to_agent_metadata(worker, META_KEY, message)
 
 
@@ -346,16 +378,18 @@ class StagingAgent:
         self.agent = agent
 
     def check_xfer_state(self, handle: Any) -> Any:
-        if isinstance(handle, (StagedRead, RefusedRead)):
+        if isinstance(handle, (StagedRead, RefusedRead, HeldRead)):
             return handle.state()
         return self.agent.check_xfer_state(handle)
 
     def get_xfer_telemetry(self, handle: Any) -> Any:
-        if isinstance(handle, (StagedRead, RefusedRead)):
+        if isinstance(handle, (StagedRead, RefusedRead, HeldRead)):
             return handle.telemetry()
         return self.agent.get_xfer_telemetry(handle)
 
     def release_xfer_handle(self, handle: Any) -> Any:
+        if isinstance(handle, HeldRead):  # vLLM's own read's NIXL handles, if it started
+            return handle.release()
         if isinstance(handle, (StagedRead, RefusedRead)):
             return None  # nothing of NIXL's to release: each round's read released its own
         return self.agent.release_xfer_handle(handle)
@@ -500,22 +534,35 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
             if stats is not None and hasattr(stats, "record_failed_notification"):
                 stats.record_failed_notification()
 
+    if _take_pending_abort(worker, request_id):
+        # vLLM finished the request before its read started: nothing is read, the prefill
+        # is notified as vLLM's read notifies it (it frees the request), vLLM sees it done
+        _staging_log.info("kvplan staging: req %s finished by vLLM before its staged read "
+                          "from %s started: nothing read", request_id, session)
+        notify()
+        worker._recving_transfers[request_id].append(AbortedRead())
+        return True
     handle: StagedRead | None = None
 
     def failed(error: Any) -> None:
         if handle is not None and error.reason != "cancelled":
             handle.failed(error)
 
+    # the prefill's lease, as its message gives it, unless a timeout was given here; a
+    # prefill that is gone fails the read once its channel closes, not after this
+    patience = state.config.patience(peer.message.get(LEASE_KEY))
     receiver = ReceiveStaged(
-        stream, rounds, scatter, channel.send, writer=0, timeout_s=state.config.timeout_s,
+        stream, rounds, scatter, channel.send, writer=0, timeout_s=patience,
         on_failed=failed,
-        fetch=NixlRoundReader(agent, remote_agent, timeout_s=state.config.timeout_s))
+        fetch=NixlRoundReader(agent, remote_agent, timeout_s=patience,
+                              gone=lambda: bool(getattr(channel, "closed", False))))
     # vLLM's own READ of these blocks: one descriptor per block and region pair
     handle = StagedRead(request_id, receiver, notify, template, rounds, state, peer=session,
                         direct_descriptors=int(template.n_pairs) * len(dst))
     staged = vstaging.StagedRequest(stream, template, (peer.layout, layout), src, dst,
                                     agreement, choice.why, rounds)
     state.router.open(stream, 0, receiver.on_message)
+    vstaging.track_stream(channel, stream)
     try:
         channel.open(_opening_message(state, worker, stream=stream,
                                      request=remote_request_id, staged=staged))
@@ -550,28 +597,30 @@ class RefusedRead:
 
 
 def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
-               remote_request_id: str) -> bool:
+               remote_request_id: str, start: Any) -> bool | None:
     """The decode's ``_read_blocks`` before vLLM's own (direct) read of a prefill it
     negotiated staging with: the prefill's listener is asked whether it still holds
     ``remote_request_id`` with exactly the pages the read names (the staged stream's rule,
     :meth:`SendLeases.hold`), which pins it there until vLLM's notification frees it or a
-    bounded time passes. True: vLLM's read may run (held; or staging off here, no agreement
-    with that prefill, a prefill whose message offers no held check, said once, or a read of
-    more than one KV group, which the rule does not cover). False: the prefill refused, did
-    not answer, or its listener cannot be reached; a :class:`RefusedRead` with the verdict
-    naming the read's blocks waits in ``_recving_transfers`` for vLLM's failed-receive path
-    and nothing is read."""
-    import threading
+    bounded time passes. ``start`` runs vLLM's own read (its ``_read_blocks`` with the same
+    arguments). Nothing here waits for the answer: vLLM's step goes on.
 
+    None: nothing to ask (staging off here, no agreement with that prefill, a prefill whose
+    message offers no held check, said once, or a read of more than one KV group, which the
+    rule does not cover): vLLM's read runs now. True: the question is out and a
+    :class:`HeldRead` waits in ``_recving_transfers``; vLLM's polling starts vLLM's read once
+    the prefill acknowledged. False: the prefill's listener cannot be reached; a
+    :class:`RefusedRead` with the verdict naming the read's blocks waits there for vLLM's
+    failed-receive path and nothing is read."""
     from kvplan.failures import FailureVerdict
-    from kvplan.staging.wire import ACK, FAIL, Message, WireError, decode
+    from kvplan.staging.wire import WireError, decode
 
     state = worker_staging(worker)
     if state is None:
-        return True
+        return None
     peer = peer_agreement(worker, dst_engine_id, read_spec.remote_rank)
     if peer is None or not peer.outcome.staged or peer.message is None:
-        return True  # no kvplan listener negotiated with that prefill: today's read
+        return None  # no kvplan listener negotiated with that prefill: today's read
     names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
     session = names.session
     if peer.message.get(HOLD_KEY) != HOLD_VERSION:
@@ -581,59 +630,187 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
             _staging_log.warning(
                 "kvplan staging: %s offers no held check (an older kvplan): vLLM's direct "
                 "reads of it run unchecked", session)
-        return True
+        return None
     if read_spec.block_ids_by_region or \
-            sum(1 for g in read_spec.remote_block_ids if len(g)) != 1:
-        return True
+            sum(1 for g in read_spec.remote_block_ids if len(g)) != 1 or \
+            not any(len(g) for g in read_spec.local_block_ids):
+        return None  # several groups, or a full prefix-cache hit (vLLM reads nothing)
     local_ids, remote_ids = names.trimmed()
     src_pages = [int(p) for g in remote_ids for p in g]
     stream = f"hold:{names.stream}"
-    answer: list[Any] = []
-    answered = threading.Event()
+    blocks = {g: tuple(sorted({int(b) for b in ids})) for g, ids in enumerate(local_ids)
+              if len(ids)}
+    wait_s = float(state.config.timeout_s) + 1.0  # the prefill's own wait, and 1 s
+    handle = HeldRead(worker, request_id, remote_request_id, session, stream, blocks, start,
+                      wait_s)
 
-    def on_message(data: bytes) -> None:
+    def on_message(data: bytes) -> None:  # the channel's reader thread
         try:
-            answer.append(decode(data))
+            handle.answered(decode(data))
         except WireError as exc:
-            answer.append(exc)
-        answered.set()
+            handle.answered(exc)
 
-    reason: str
     channel = state.channel_to(session, peer.message)
     if channel is None:
         reason = (f"unreachable: the staging listener of {session} cannot be reached, and "
                   "a read of a prefill that negotiated staging is not made unchecked")
     else:
+        handle.channel = channel
         state.router.open(stream, 0, on_message)
         try:
             channel.open(_opening_message(state, worker, stream=stream,
                                          request=remote_request_id, held_pages=src_pages))
-            answered.wait(state.config.timeout_s + 1.0)  # the prefill's own wait, and 1 s
         except Exception as exc:
-            answer.append(exc)
-        finally:
             state.router.close(stream)
-        got = answer[0] if answer else None
-        if isinstance(got, Message) and got.kind == ACK:
+            reason = f"unreachable: asking {session} failed ({type(exc).__name__}: {exc})"
+        else:
+            worker._recving_transfers[request_id].append(handle)
             return True
+    verdict = FailureVerdict(request_id, blocks, reason)
+    _said_refused(verdict, remote_request_id)
+    worker._recving_transfers[request_id].append(RefusedRead(verdict))
+    return False
+
+
+def _said_refused(verdict: Any, remote_request_id: str) -> None:
+    # the staged read's verdict line (one form for both), then what was asked
+    _staging_log.warning("kvplan staging: %s; vLLM's failed-receive path (the held check "
+                         "before vLLM's read of prefill request %s: nothing read)", verdict,
+                         remote_request_id)
+
+
+class HeldRead:
+    """vLLM's handle of a direct read waiting for the prefill's answer to its held check
+    (:func:`check_held`), in ``_recving_transfers`` where vLLM's read's NIXL handle would be.
+    vLLM's polling of it (``check_xfer_state`` through :class:`StagingAgent`, on vLLM's own
+    thread, the one its reads start on) sees ``PROC`` while the answer is pending; on the
+    prefill's acknowledgement that poll starts vLLM's own read (:attr:`start`) and from then on
+    this handle answers for that read's NIXL handles (their state, telemetry and release);
+    on a refusal, a bad answer, a closed channel or no answer within :attr:`wait_s` it says
+    ``ERR`` with a :attr:`verdict` naming every block the read was to write (nothing was
+    read), as :class:`RefusedRead` does. :attr:`clock` is the clock of that wait."""
+
+    def __init__(self, worker: Any, request: str, remote_request: str, session: str,
+                 stream: str, blocks: dict[int, tuple[int, ...]], start: Any,
+                 wait_s: float) -> None:
+        self.worker, self.request, self.remote_request = worker, request, remote_request
+        self.session, self.stream, self.blocks = session, stream, blocks
+        self.start, self.wait_s = start, wait_s
+        self.clock: Any = time.monotonic
+        self.asked = self.clock()
+        #: The channel the question went on (its closing fails the check at once).
+        self.channel: Any = None
+        self._answer: list[Any] = []
+        #: The prefill's answer, as this handle's polling took it: None while pending,
+        #: ``"held"``, or ``"refused"``.
+        self.outcome: str | None = None
+        #: vLLM's read's NIXL handles once it started (None before).
+        self.handles: list[Any] | None = None
+        #: Whether vLLM's ``_read_blocks`` posted its read (False: vLLM routed the request to
+        #: its failure reporting when posting it).
+        self.posted: bool | None = None
+        self.verdict: Any = None
+
+    def answered(self, answer: Any) -> None:
+        """The prefill's answer (a decoded message, or what failed to decode); the first
+        counts. Called on the channel's reader thread."""
+        self._answer.append(answer)
+
+    def _agent(self) -> Any:
+        return _agent(self.worker)
+
+    def state(self) -> str:
+        if self.outcome is None:
+            self._judge()
+        if self.outcome == "refused":
+            return "ERR"
+        if self.outcome is None:
+            return "PROC"
+        if self.handles is None:
+            self._start()
+        assert self.handles is not None
+        states = [self._agent().check_xfer_state(h) for h in self.handles]
+        if any(s not in ("DONE", "PROC") for s in states):
+            return "ERR"
+        if "PROC" in states:
+            return "PROC"
+        return "DONE" if self.posted else "ERR"
+
+    def _judge(self) -> None:
+        from kvplan.failures import FailureVerdict
+        from kvplan.staging.wire import ACK, FAIL, Message
+
+        got = self._answer[0] if self._answer else None
+        if isinstance(got, Message) and got.kind == ACK:
+            self.outcome = "held"
+            self._close()
+            return
         if isinstance(got, Message) and got.kind == FAIL:
             reason = f"peer_failed: {got.payload.decode(errors='replace')}"
         elif isinstance(got, Message):
             reason = f"bad_message: a {got.kind_name} message answered the held check"
         elif got is not None:
-            reason = f"unreachable: asking {session} failed ({type(got).__name__}: {got})"
+            reason = f"bad_message: the held check's answer could not be read ({got})"
+        elif getattr(self.channel, "closed", False):
+            reason = (f"unreachable: the staging channel to {self.session} closed before it "
+                      "answered the held check")
+        elif self.clock() - self.asked >= self.wait_s:
+            reason = f"timeout: {self.session} did not answer the held check within " \
+                     f"{self.wait_s:g} s"
         else:
-            reason = f"timeout: {session} did not answer the held check within " \
-                     f"{state.config.timeout_s + 1.0:g} s"
-    verdict = FailureVerdict(
-        request_id, {g: tuple(sorted({int(b) for b in ids}))
-                     for g, ids in enumerate(local_ids) if len(ids)}, reason)
-    # the staged read's verdict line (one form for both), then what was asked
-    _staging_log.warning("kvplan staging: %s; vLLM's failed-receive path (the held check "
-                         "before vLLM's read of prefill request %s: nothing read)", verdict,
-                         remote_request_id)
-    worker._recving_transfers[request_id].append(RefusedRead(verdict))
-    return False
+            return
+        self.outcome = "refused"
+        self._close()
+        self.verdict = FailureVerdict(self.request, self.blocks, reason)
+        _said_refused(self.verdict, self.remote_request)
+
+    def _close(self) -> None:
+        state = worker_staging(self.worker)
+        if state is not None:
+            state.router.close(self.stream)
+
+    def _start(self) -> None:
+        """vLLM's own read, started on this (vLLM's polling) thread; the NIXL handles it
+        lists for the request are taken here, not left beside this one."""
+        import collections
+
+        worker = self.worker
+        mine = worker._recving_transfers
+        worker._recving_transfers = collections.defaultdict(list)
+        try:
+            self.posted = bool(self.start())
+        finally:
+            started, worker._recving_transfers = worker._recving_transfers, mine
+        self.handles = list(started.get(self.request) or ())
+        for request, handles in started.items():  # nothing else is expected there
+            if request != self.request:
+                mine[request].extend(handles)
+
+    def telemetry(self) -> Any:
+        """vLLM's read's telemetry (its one NIXL handle's; summed over several)."""
+        import types
+
+        agent = self._agent()
+        found = [agent.get_xfer_telemetry(h) for h in self.handles or ()]
+        if len(found) == 1:
+            return found[0]
+        return types.SimpleNamespace(
+            xferDuration=sum(float(t.xferDuration) for t in found),
+            postDuration=sum(float(t.postDuration) for t in found),
+            totalBytes=sum(int(t.totalBytes) for t in found),
+            descCount=sum(int(t.descCount) for t in found))
+
+    def release(self) -> None:
+        """Release vLLM's read's NIXL handles (vLLM releases this one when done or failed);
+        a handle whose release raises stays, and the error goes to vLLM, which keeps this
+        handle and tries again."""
+        agent = self._agent()
+        while self.handles:
+            agent.release_xfer_handle(self.handles[0])
+            self.handles.pop(0)
+        if self.outcome is None:  # released before any answer (vLLM's shutdown)
+            self.outcome = "refused"
+            self._close()
 
 
 def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
@@ -758,7 +935,7 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
             held = True
             send_staged(rounds, None, peer, reply, request=stream, acks=acks, writer=0,
                         gather=gather, buffers=agreement.buffers, src_lock=state.arena.lock,
-                        timeout_s=state.config.timeout_s, pull=True)
+                        timeout_s=state.config.patience(state.lease_s), pull=True)
         except StagingError as exc:
             if exc.reason == "peer_failed" and exc.detail.startswith("cancelled: "):
                 # the decode stopped it (vLLM there finished the request): not a failure here
@@ -778,6 +955,21 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
     leases.started(stream, acks, thread)
     thread.start()
     return stream
+
+
+def _decode_gone(worker: Any, streams: list[str]) -> None:
+    """The prefill's listener lost a decode's connection (its ``on_close``): each of
+    ``streams`` still being served stops now (after the gather in progress), as if the decode
+    had failed it (``peer_failed``), and its hold on the request ends, instead of waiting out
+    the staging timeout for an acknowledgement that cannot come."""
+    from kvplan.staging.wire import FAIL, encode
+
+    leases = send_leases(worker)
+    with leases.lock:
+        serving = [(s, leases.streams[s][0]) for s in streams if s in leases.streams]
+    for stream, acks in serving:
+        acks.put(encode(FAIL, stream, writer=0, round_index=0,
+                        payload=b"peer_gone: the decode's staging channel closed"))
 
 
 def _refuse(reply: Any, stream: str, reason: str, detail: str) -> None:

@@ -71,7 +71,7 @@ from kvplan.staging import (
 
 __all__ = ["Channel", "ChannelServer", "StagedRequest", "TcpChannel", "WorkerStaging", "kv_buffers", "open_message",
            "report_unwritten", "send_request", "staged_requests", "start_staging",
-           "manifest_layout", "worker_identity", "worker_roles",
+           "track_stream", "manifest_layout", "worker_identity", "worker_roles",
            "worker_semantics"]
 
 logger = logging.getLogger("kvplan.compat.vllm")
@@ -136,6 +136,10 @@ class WorkerStaging:
     #: This worker's layout identity and its verdicts on the peers' (None: none sent, none
     #: checked: today's behaviour).
     identity: PeerCheck | None = None
+    #: The prefill's KV lease in seconds, as its engine keeps it (None: no lease known): with
+    #: no staging timeout given, how long a staged read waits for a round
+    #: (:meth:`kvplan.staging.StagingConfig.patience`).
+    lease_s: float | None = None
 
     @classmethod
     def start(cls, worker: Any, config: StagingConfig, *, rank: int | None = None,
@@ -170,12 +174,15 @@ class WorkerStaging:
         return self.identity.check(peer, sent, local_role="prefill" if sending else "decode")
 
     def serve(self, worker: Any, host: str = "127.0.0.1", *,
-              on_open: Opener | None = None) -> ChannelServer:
+              on_open: Opener | None = None,
+              on_close: Callable[[list[str]], object] | None = None) -> ChannelServer:
         """Start the worker's channel listener (once): the decode's in push mode (opening
         messages go to :meth:`on_open`), the prefill's in pull mode (``on_open``: the NIXL
-        connector's, which serves the rounds)."""
+        connector's, which serves the rounds; ``on_close``: given the streams a connection
+        opened once it ends, the peer gone)."""
         if self.server is None:
-            self.server = ChannelServer(self, worker, host, on_open=on_open)
+            self.server = ChannelServer(self, worker, host, on_open=on_open,
+                                        on_close=on_close)
         return self.server
 
     def channel_to(self, session: str, remote: Any) -> Channel | None:
@@ -191,13 +198,22 @@ class WorkerStaging:
         if not isinstance(address, str):
             return None
         try:
-            channel = TcpChannel(address, self.router)
+            channel = TcpChannel(address, self.router, on_close=self._channel_closed)
         except (OSError, ValueError) as exc:
             logger.warning("kvplan staging: no channel to %s at %r (%s): direct path",
                            session, address, exc)
             return None
         self.channels[session] = channel
         return channel
+
+    def _channel_closed(self, channel: TcpChannel) -> None:
+        """The channel to a prefill ended (it is gone, or restarted): each stream opened on it
+        and still receiving fails at once (``peer_gone``), not after the staging timeout."""
+        for name in channel.streams:
+            receiver = self.receivers.get(name)
+            if receiver is not None and receiver.state == "receiving":
+                receiver.peer_gone(f"the staging channel to the prefill at {channel.address} "
+                                   "closed")
 
     def stream(self, name: str) -> ReceiveStaged | None:
         """The decode's stream of that name, open or recently ended."""
@@ -214,7 +230,7 @@ class WorkerStaging:
             state = receiver.poll(block=block)
             if state == "failed":
                 failed_at = self._failed_at.setdefault(name, now)
-                if now - failed_at <= 2 * self.config.timeout_s:
+                if now - failed_at <= 2 * receiver.timeout_s:
                     continue  # its poll may still have to give the share up
             elif state != "loaded":
                 continue
@@ -351,6 +367,14 @@ def _message_key(remote: Any) -> str:
 def _as_message(remote: Any) -> Any:
     return remote if remote is None or isinstance(remote, (bytes, Capabilities)) else \
         json.dumps(remote).encode() if isinstance(remote, dict) else remote
+
+
+def track_stream(channel: Channel, stream: str) -> None:
+    """``stream`` is about to be opened on ``channel``: should the connection end before the
+    stream does, the stream fails at once (``peer_gone``, :meth:`WorkerStaging.serve`'s
+    channels do this; another channel is not followed)."""
+    if isinstance(channel, TcpChannel):
+        channel.track(stream)
 
 
 def host_kv(worker: Any) -> bool:
@@ -581,11 +605,21 @@ class TcpChannel:
     decode cannot be reached (and from :meth:`send` / :meth:`open` once the connection
     ended)."""
 
-    def __init__(self, address: str, router: Router, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, router: Router, *, timeout_s: float = 5.0,
+                 on_close: Callable[[TcpChannel], object] | None = None) -> None:
         self.address = address
         self._router = router
+        #: The streams opened on this connection (:meth:`track`); given to ``on_close`` once
+        #: the connection ended.
+        self.streams: list[str] = []
+        self._on_close = on_close
         self._conn = FrameConnection.connect(address, FRAMING, timeout_s=timeout_s,
-                                             on_frame=self._on_frame)
+                                             on_frame=self._on_frame,
+                                             on_close=self._closed)
+
+    def _closed(self, error: Any) -> None:
+        if self._on_close is not None:
+            self._on_close(self)
 
     def _on_frame(self, tag: bytes, data: bytes) -> None:
         if tag == _MESSAGE:
@@ -599,6 +633,12 @@ class TcpChannel:
 
     def send(self, data: bytes) -> None:
         self._conn.send(data, _MESSAGE)
+
+    def track(self, stream: str) -> None:
+        """``stream`` is opened on this connection: given to ``on_close`` should the
+        connection end (the most recent :data:`KEEP_FINISHED` are kept)."""
+        self.streams.append(stream)
+        del self.streams[:-KEEP_FINISHED]
 
     def open(self, data: bytes) -> None:
         self._conn.send(data, _OPEN)
@@ -614,9 +654,11 @@ class ChannelServer:
     handled and rounds scattered on the connection's own thread."""
 
     def __init__(self, staging: WorkerStaging, worker: Any, host: str = "127.0.0.1", *,
-                 on_open: Opener | None = None) -> None:
+                 on_open: Opener | None = None,
+                 on_close: Callable[[list[str]], object] | None = None) -> None:
         self._staging, self._worker = staging, worker
         self._open: Opener = on_open if on_open is not None else staging.on_open
+        self._peer_gone = on_close
         #: The streams each prefill connection opened (cancelled if it ends before them).
         self._opened: dict[FrameConnection, list[str]] = {}
         self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
@@ -655,10 +697,17 @@ class ChannelServer:
 
     def _on_close(self, conn: FrameConnection, error: ChannelError | None) -> None:
         # the prefill is gone: what it had not finished will not arrive
-        for name in self._opened.pop(conn, []):
+        names = self._opened.pop(conn, [])
+        for name in names:
             receiver = self._staging.receivers.get(name)
             if receiver is not None and receiver.state == "receiving":
                 receiver.cancel("the prefill's staging channel closed")
+        if self._peer_gone is not None and names:
+            try:  # the pull-mode prefill: the decode is gone, its streams end now
+                self._peer_gone(names)
+            except Exception:
+                logger.exception("kvplan staging: ending the streams of a closed channel "
+                                 "failed")
 
     def close(self, join_s: float = 0.0) -> None:
         """Stop the periodic check and the listener (its connections closed); with
