@@ -534,14 +534,6 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
             if stats is not None and hasattr(stats, "record_failed_notification"):
                 stats.record_failed_notification()
 
-    if _take_pending_abort(worker, request_id):
-        # vLLM finished the request before its read started: nothing is read, the prefill
-        # is notified as vLLM's read notifies it (it frees the request), vLLM sees it done
-        _staging_log.info("kvplan staging: req %s finished by vLLM before its staged read "
-                          "from %s started: nothing read", request_id, session)
-        notify()
-        worker._recving_transfers[request_id].append(AbortedRead())
-        return True
     handle: StagedRead | None = None
 
     def failed(error: Any) -> None:
