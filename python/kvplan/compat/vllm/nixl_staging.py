@@ -378,19 +378,19 @@ class StagingAgent:
         self.agent = agent
 
     def check_xfer_state(self, handle: Any) -> Any:
-        if isinstance(handle, (StagedRead, RefusedRead, HeldRead)):
+        if isinstance(handle, (StagedRead, RefusedRead, HeldRead, AbortedRead)):
             return handle.state()
         return self.agent.check_xfer_state(handle)
 
     def get_xfer_telemetry(self, handle: Any) -> Any:
-        if isinstance(handle, (StagedRead, RefusedRead, HeldRead)):
+        if isinstance(handle, (StagedRead, RefusedRead, HeldRead, AbortedRead)):
             return handle.telemetry()
         return self.agent.get_xfer_telemetry(handle)
 
     def release_xfer_handle(self, handle: Any) -> Any:
         if isinstance(handle, HeldRead):  # vLLM's own read's NIXL handles, if it started
             return handle.release()
-        if isinstance(handle, (StagedRead, RefusedRead)):
+        if isinstance(handle, (StagedRead, RefusedRead, AbortedRead)):
             return None  # nothing of NIXL's to release: each round's read released its own
         return self.agent.release_xfer_handle(handle)
 
@@ -534,6 +534,14 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
             if stats is not None and hasattr(stats, "record_failed_notification"):
                 stats.record_failed_notification()
 
+    if _take_pending_abort(worker, request_id):
+        # vLLM finished the request before its read started: nothing is read, the prefill
+        # is notified as vLLM's read notifies it (it frees the request), vLLM sees it done
+        _staging_log.info("kvplan staging: req %s finished by vLLM before its staged read "
+                          "from %s started: nothing read", request_id, session)
+        notify()
+        worker._recving_transfers[request_id].append(AbortedRead())
+        return True
     handle: StagedRead | None = None
 
     def failed(error: Any) -> None:
@@ -567,6 +575,22 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     state.shares.admit(receiver)  # the grant: the prefill starts gathering
     worker._recving_transfers[request_id].append(handle)
     return True
+
+
+class AbortedRead:
+    """vLLM's handle of a staged read stopped before it started (vLLM finished the request
+    first, :func:`stop_aborted_reads`): ``DONE`` at once, nothing read, no verdict."""
+
+    verdict: Any = None
+
+    def state(self) -> str:
+        return "DONE"
+
+    def telemetry(self) -> Any:
+        import types
+
+        return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0,
+                                     descCount=0)
 
 
 class RefusedRead:
@@ -993,6 +1017,9 @@ SENT_BLOCKS_ATTR = "_kvplan_sent_blocks"
 ABORTED_META = "kvplan_aborted_reads"
 #: The scheduler-side connector attribute holding those requests until the next metadata.
 ABORTED_ATTR = "_kvplan_aborted_reads"
+#: The decode worker attribute holding those whose read had not started when they came
+#: (request -> until when, :func:`stop_aborted_reads`).
+PENDING_ABORTS_ATTR = "_kvplan_pending_aborts"
 #: vLLM's request statuses of a request that completed (any other finished status ends it
 #: early: an abort, an error).
 COMPLETED_STATUSES = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED",
@@ -1226,16 +1253,35 @@ def stop_aborted_reads(worker: Any, metadata: Any) -> list[str]:
     :data:`ABORTED_META` with a staged read still in progress has its stop started
     (:meth:`StagedRead.abort`); the requests whose stop started. vLLM itself tells its worker
     nothing of such a request: its scheduler keeps the request's blocks until the worker
-    reports the read done, and its own READ runs to the end. Nothing with staging off."""
-    if worker_staging(worker) is None:
+    reports the read done, and its own READ runs to the end. A request whose read has not
+    started yet (its handshake still running, or queued in vLLM's ``_ready_requests``) is
+    kept here (:data:`PENDING_ABORTS_ATTR`) until its read starts, which then reads nothing
+    (:func:`staged_read`), or for at most the staging timeout. Nothing with staging off."""
+    state = worker_staging(worker)
+    if state is None:
         return []
     transfers = worker.__dict__.get("_recving_transfers") or {}
-    stopped: list[str] = []
+    pending: dict[str, float] = worker.__dict__.setdefault(PENDING_ABORTS_ATTR, {})
+    now = time.monotonic()
     for request in getattr(metadata, ABORTED_META, None) or ():
-        for handle in list(transfers.get(request) or ()):
+        pending.setdefault(str(request), now + float(state.config.timeout_s))
+    stopped: list[str] = []
+    for request, deadline in list(pending.items()):
+        handles = list(transfers.get(request) or ())
+        if handles or deadline <= now:  # its read started (or the wait is over): once
+            del pending[request]
+        for handle in handles:
             if isinstance(handle, StagedRead) and handle.abort():
-                stopped.append(str(request))
+                stopped.append(request)
     return stopped
+
+
+def _take_pending_abort(worker: Any, request: str) -> bool:
+    """Whether vLLM finished ``request`` before its read started (:func:`stop_aborted_reads`
+    kept it, and its wait is not over); it is no longer kept."""
+    pending: dict[str, float] = worker.__dict__.get(PENDING_ABORTS_ATTR) or {}
+    deadline = pending.pop(str(request), None)
+    return deadline is not None and deadline > time.monotonic()
 
 
 def close_staging(worker: Any) -> bool:
