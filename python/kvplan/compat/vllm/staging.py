@@ -82,7 +82,8 @@ STAGING_ATTR = "kvplan_staging"
 META_KEY = "kvplan_staging"
 #: Negotiation outcomes kept (peer, rank, direction and message; the oldest dropped first).
 MAX_AGREEMENTS = 1024
-#: Ended decode streams kept for inspection (:meth:`WorkerStaging.stream`).
+#: Ended decode streams kept for inspection (:meth:`WorkerStaging.stream`), and the streams
+#: each connection opened kept for its end (:func:`keep_recent`).
 KEEP_FINISHED = 1024
 #: Seconds between the decode's periodic checks of its open streams.
 TICK_S = 0.5
@@ -599,6 +600,14 @@ _OPEN, _MESSAGE = b"O", b"M"
 FRAMING = Framing(MAX_OPEN_BYTES, tags=_OPEN + _MESSAGE)
 
 
+def keep_recent(names: list[str], name: str) -> None:
+    """Append ``name`` to the streams a connection opened, keeping the most recent
+    :data:`KEEP_FINISHED`: a connection lives as long as its peer, so the list must not grow
+    with every request it ever carried (far fewer streams than that are open at once)."""
+    names.append(name)
+    del names[:-KEEP_FINISHED]
+
+
 class TcpChannel:
     """The prefill's connection to one decode's :class:`ChannelServer`: frames out, the
     decode's messages into ``router``. Raises :class:`kvplan.staging.ChannelError` when the
@@ -637,8 +646,7 @@ class TcpChannel:
     def track(self, stream: str) -> None:
         """``stream`` is opened on this connection: given to ``on_close`` should the
         connection end (the most recent :data:`KEEP_FINISHED` are kept)."""
-        self.streams.append(stream)
-        del self.streams[:-KEEP_FINISHED]
+        keep_recent(self.streams, stream)
 
     def open(self, data: bytes) -> None:
         self._conn.send(data, _OPEN)
@@ -659,7 +667,8 @@ class ChannelServer:
         self._staging, self._worker = staging, worker
         self._open: Opener = on_open if on_open is not None else staging.on_open
         self._peer_gone = on_close
-        #: The streams each prefill connection opened (cancelled if it ends before them).
+        #: The streams each peer connection opened, the most recent :data:`KEEP_FINISHED`
+        #: (cancelled, or ended by ``on_close``, if it ends before them).
         self._opened: dict[FrameConnection, list[str]] = {}
         self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
         self.address = self._listener.address
@@ -693,7 +702,7 @@ class ChannelServer:
         except (kvplan.KvPlanError, ValueError) as exc:
             logger.error("kvplan staging: refused an opening message: %s", exc)
             return
-        self._opened.setdefault(conn, []).append(name)
+        keep_recent(self._opened.setdefault(conn, []), name)
 
     def _on_close(self, conn: FrameConnection, error: ChannelError | None) -> None:
         # the prefill is gone: what it had not finished will not arrive
