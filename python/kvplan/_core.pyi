@@ -68,6 +68,7 @@ __all__ = [
     "legacy_pp_pairs",
     "needs_tokens",
     "nixl_desc_ids",
+    "pack_manifest",
     "pair_entries",
     "planner_support",
     "plan_stages",
@@ -1682,16 +1683,33 @@ def layout_identity(layout: Layout, *, model: str, revision: str, rope: str, dra
         LayoutError: ``transfer`` is neither ``"push"`` nor ``"pull"``.
     """
 
+_ManifestComponent = tuple[str, str, Sequence[int], int, int, str, int, int | None, int | None]
+
 def check_manifest(
     layout: Layout, *, model: str, num_layers: int,
-    components: Sequence[tuple[str, str, Sequence[int], int, int, str, int, int | None,
-                               int | None]],
+    components: Sequence[_ManifestComponent],
+    fusions: Sequence[tuple[str, Sequence[str]]] = ...,
     stage: tuple[int, int] | None = None,
 ) -> None:
-    """A model's manifest against ``layout`` (use :func:`kvplan.check_manifest`).
+    """A model's manifest against ``layout``, each fusion ``(role, parts)`` in the form the
+    layout holds it (use :func:`kvplan.check_manifest`).
 
     Raises:
-        ManifestError: Every problem found, or a malformed manifest.
+        ManifestError: Every problem found, a malformed manifest, or a fusion the layout holds
+            whose parts cannot merge.
+        LayoutError: A component kind other than ``"page"`` or ``"state"``.
+    """
+
+def pack_manifest(
+    *, model: str, num_layers: int, components: Sequence[_ManifestComponent], role: str,
+    parts: Sequence[str],
+) -> list[int | tuple[str, str, list[int], int, int, str, int, int | None, int | None]]:
+    """The components with ``parts`` held as one entry of role ``role`` per layer: per
+    component, the index of one kept as it is or a merged one (use
+    :meth:`kvplan.manifests.ModelManifest.packed`).
+
+    Raises:
+        ManifestError: Parts that cannot merge, naming the roles, layers and fields.
         LayoutError: A component kind other than ``"page"`` or ``"state"``.
     """
 

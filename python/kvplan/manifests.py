@@ -16,11 +16,11 @@ schema), and :func:`kvplan.presets.load_manifest` reads what an engine's configu
 (a preset key or a JSON file); the engines' drop-ins check it once per worker at start-up
 (:func:`check_at_start_up`).
 
-Engines do not all cut a layer's state into the same tensors (SGLang keeps a KDA layer's q, k
-and v short-convolution states as one tensor, others keep three). A manifest declares such
-alternatives as data (:class:`Fusion`: these parts may be held as one entry of this role), and
-:func:`check_manifest` checks a layout against the presentation it holds
-(:meth:`ModelManifest.as_held_by`), never a union of both.
+Engines do not all cut a layer's state into the same tensors (SGLang and vLLM keep a KDA
+layer's q, k and v short-convolution states as one tensor, others keep three). A manifest
+declares such alternatives as data (:class:`Fusion`: these parts may be held as one entry of
+this role), and the core's check decides which form a layout holds and checks it against that
+form, never a union of both.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvplan._core import Layout, ManifestError
 from kvplan._core import check_manifest as _check_manifest
+from kvplan._core import pack_manifest as _pack_manifest
 
 __all__ = ["Fusion", "ManifestComponent", "ManifestError", "ModelManifest", "Sharding",
            "check_at_start_up", "check_manifest"]
@@ -183,8 +184,8 @@ class ModelManifest:
         num_layers: Layers of the whole model (a layout publishing another
             ``num_model_layers`` is refused).
         components: Its components.
-        fusions: Parts an engine may hold as one entry per layer (:class:`Fusion`); a layout
-            is checked against the presentation it holds (:meth:`as_held_by`).
+        fusions: Parts an engine may hold as one entry per layer (:class:`Fusion`); the
+            core's :func:`check_manifest` checks a layout against the form it holds.
     """
 
     model: str
@@ -267,71 +268,26 @@ class ModelManifest:
         components group them; components of other roles are kept as they are, in order (the
         merged ones where the first part's component was). A manifest without the parts is
         returned unchanged. One part renames its components (``role`` for it). The manifest's
-        :attr:`fusions` are kept.
+        :attr:`fusions` are kept. The core merges (``ModelManifest::packed``, the rule the
+        check uses to take a :class:`Fusion`); this method converts.
 
         Raises:
-            ManifestError: A layer that holds some parts but not all, parts that differ in
-                anything but their bytes, or a layer that already has a component of
-                ``role`` of the same kind, naming the model, the roles, the layers and the
-                fields that differ. (The core's :func:`check_manifest` still decides whether
-                a layout holds the result.)
+            ManifestError: Parts that are not one or more distinct roles other than ``role``,
+                a layer that holds some parts but not all, parts that differ in anything but
+                their bytes, or a layer that already has a component of ``role`` of the same
+                kind, naming the model, the roles, the layers and the fields that differ.
         """
-        names = tuple(parts)
-        if not names or len(set(names)) != len(names) or role in names:
-            raise ManifestError(f"manifest of {self.model}: packed({role!r}, {names!r}) needs "
-                                f"one or more distinct part roles other than {role!r}")
-        by_part = {p: [c for c in self.components if c.role == p] for p in names}
-        if not any(by_part.values()):
-            return self
-        shape = ("kind", "tokens_per_row", "sharding", "kv_heads", "window", "ring")
-        where: dict[int, list[ManifestComponent]] = {}
-        for p in names:
-            for c in by_part[p]:
-                for layer in c.layers:
-                    where.setdefault(layer, []).append(c)
-        problems: dict[str, list[int]] = {}  # why -> layers
-        groups: dict[tuple[int, ...], list[int]] = {}  # component ids per part -> layers
-        for layer in sorted(where):
-            held = where[layer]
-            roles = [c.role for c in held]
-            if sorted(roles) != sorted(names):
-                problems.setdefault(f"hold {', '.join(sorted(roles))}, not one each of "
-                                    f"{', '.join(names)}", []).append(layer)
-                continue
-            first = held[0]
-            differ = [f"{f} ({', '.join(f'{c.role} {getattr(c, f)!r}' for c in held)})"
-                      for f in shape if any(getattr(c, f) != getattr(first, f) for c in held)]
-            if differ:
-                problems.setdefault(f"the parts differ in {', '.join(differ)}", []).append(
-                    layer)
-                continue
-            key = tuple(id(next(c for c in held if c.role == p)) for p in names)
-            groups.setdefault(key, []).append(layer)
-        taken = {(layer, c.kind) for c in self.components if c.role == role
-                 for layer in c.layers}
-        clash = sorted({layer for layer in where if (layer, where[layer][0].kind) in taken})
-        if clash:
-            problems[f"already have a {role!r} component"] = clash
-        if problems:
-            raise ManifestError(
-                f"manifest of {self.model}: cannot pack {', '.join(names)} into one {role!r} "
-                f"entry per layer: " + "; ".join(f"layers {_layers_text(layers)} {why}"
-                                                 for why, layers in problems.items()))
-        ids = {id(c): c for p in names for c in by_part[p]}
-        merged: dict[int, list[ManifestComponent]] = {}  # first part's component id -> merged
-        for key, layers in groups.items():
-            parts_of = [ids[i] for i in key]
-            first = parts_of[0]
-            merged.setdefault(key[0], []).append(ManifestComponent(
-                role, first.kind, tuple(layers), sum(c.bytes for c in parts_of),
-                first.tokens_per_row, first.sharding, first.kv_heads, first.window, first.ring))
-        out: list[ManifestComponent] = []
-        for c in self.components:
-            if c.role not in names:
-                out.append(c)
-            else:
-                out.extend(merged.get(id(c), ()))
-        return ModelManifest(self.model, self.num_layers, tuple(out), self.fusions)
+        out = _pack_manifest(model=self.model, num_layers=self.num_layers,
+                             components=self._component_tuples(), role=role, parts=list(parts))
+        return ModelManifest(self.model, self.num_layers, tuple(
+            self.components[c] if isinstance(c, int) else _from_core(c) for c in out),
+            self.fusions)
+
+    def _component_tuples(self) -> list[tuple[str, str, list[int], int, int, str, int,
+                                              int | None, int | None]]:
+        """The components as the core's bindings take them."""
+        return [(c.role, c.kind, list(c.layers), c.bytes, c.tokens_per_row, c.sharding,
+                 c.kv_heads, c.window, c.ring) for c in self.components]
 
     def without(self, role: str, layers: Sequence[int] | None = None) -> ModelManifest:
         """The manifest with component ``role`` removed (on ``layers`` only, when given)."""
@@ -344,30 +300,6 @@ class ModelManifest:
                 out.append(ManifestComponent(c.role, c.kind, kept, c.bytes, c.tokens_per_row,
                                              c.sharding, c.kv_heads, c.window, c.ring))
         return ModelManifest(self.model, self.num_layers, tuple(out), self.fusions)
-
-    def as_held_by(self, layout: Layout) -> tuple[ModelManifest, tuple[Fusion, ...]]:
-        """The manifest in the presentation ``layout`` holds, and the fusions it does not hold.
-
-        Each fusion, in order, is taken (:meth:`packed`) when the layout publishes an entry of
-        the fusion's role, of the parts' kind, on a layer that holds the parts; otherwise the
-        parts stay as they are and the fusion is returned among those not held (a refusal then
-        says that the fused entry would have done too). The result has no fusions left.
-
-        Raises:
-            ManifestError: A fusion whose parts cannot merge (:meth:`packed`'s refusal).
-        """
-        held = {(role, kind, layer) for role, kind, layer
-                in zip(layout.roles or (), layout.kinds, layout.layer_ids or ())
-                if role is not None and layer is not None}
-        manifest = ModelManifest(self.model, self.num_layers, self.components)
-        skipped: list[Fusion] = []
-        for fusion in self.fusions:
-            parts = [c for c in manifest.components if c.role in fusion.parts]
-            if any((fusion.role, c.kind, layer) in held for c in parts for layer in c.layers):
-                manifest = manifest.packed(fusion.role, fusion.parts)
-            elif parts:
-                skipped.append(fusion)
-        return manifest, tuple(skipped)
 
 
 def check_manifest(layout: Layout, manifest: ModelManifest, *,
@@ -384,9 +316,11 @@ def check_manifest(layout: Layout, manifest: ModelManifest, *,
             stage's layers cannot be told from its entries (a missing first or last layer
             would look like a shorter stage). ``None``: the whole model.
 
-    The manifest's fusions are resolved first (:meth:`ModelManifest.as_held_by`): a layout
-    holding a fusion's entry is checked against the fused component, one without it against
-    the parts, and a refusal of missing parts adds which fused entry would have held them.
+    The core decides, per fusion in order, which form the layout holds: a layout holding an
+    entry of a fusion's role on a layer of its parts is checked against the fused component
+    (:meth:`ModelManifest.packed`), a part held beside it being unexpected; one without it is
+    checked against the parts, and a refusal of missing parts adds which fused entry would have
+    held them.
 
     Raises:
         ManifestError: Every problem at once, in ``problems`` as ``(kind, role, layers,
@@ -408,27 +342,17 @@ def check_manifest(layout: Layout, manifest: ModelManifest, *,
         span = (stage.start, stage.stop)
     else:
         span = (int(stage[0]), int(stage[1]))
-    manifest, not_held = manifest.as_held_by(layout)
-    try:
-        _check_manifest(
-            layout, model=manifest.model, num_layers=manifest.num_layers,
-            components=[(c.role, c.kind, list(c.layers), c.bytes, c.tokens_per_row, c.sharding,
-                         c.kv_heads, c.window, c.ring) for c in manifest.components],
-            stage=span)
-    except ManifestError as err:
-        problems = getattr(err, "problems", ())
-        missing = {p[1] for p in problems if p[0] == "missing"}
-        notes = [(f"{', '.join(f.parts)} may also be held as one {f.role!r} entry per layer"
-                  if len(f.parts) > 1 else f"{f.parts[0]} may also be held as {f.role!r}")
-                 + ", of which this layout has none"
-                 for f in not_held if missing & set(f.parts)]
-        if not notes:
-            raise
-        refusal = ManifestError(f"{err} ({'; '.join(notes)})")
-        refusal.model = getattr(err, "model", manifest.model)
-        refusal.problems = problems
-        refusal.kind = getattr(err, "kind", "manifest")
-        raise refusal from err
+    _check_manifest(layout, model=manifest.model, num_layers=manifest.num_layers,
+                    components=manifest._component_tuples(),
+                    fusions=[(f.role, list(f.parts)) for f in manifest.fusions], stage=span)
+
+
+def _from_core(c: tuple[str, str, list[int], int, int, str, int, int | None, int | None]
+               ) -> ManifestComponent:
+    """A component the core merged (its kind and sharding are the core's names)."""
+    role, kind, layers, size, rows, sharding, kv_heads, window, ring = c
+    return ManifestComponent(role, cast(Literal["page", "state"], kind), tuple(layers), size,
+                             rows, cast(Sharding, sharding), kv_heads, window, ring)
 
 
 _COMPONENT_REQUIRED = ("role", "kind", "layers", "bytes")
@@ -494,17 +418,6 @@ def check_at_start_up(layout: Layout, manifest: ModelManifest, *,
         raise refusal from err
     log.info("kvplan: %s: this worker (%s) holds every component of the manifest of %s",
              engine, where, manifest.model)
-
-
-def _layers_text(layers: Sequence[int]) -> str:
-    """Layer ids as ranges (``0-3, 7``)."""
-    runs: list[list[int]] = []
-    for layer in sorted(set(layers)):
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _span_text(stage: range | tuple[int, int]) -> str:

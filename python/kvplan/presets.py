@@ -40,7 +40,10 @@ Sizes per token per layer (bf16 unless said otherwise):
 * Kimi-Linear-style hybrid MLA: full attention (MLA, 1152 bytes) on every 4th layer, linear
   (KDA) layers with per-request state: conv state 3·32·128 channels × 3 steps × 2 bytes =
   73,728 bytes; recurrent state 32 × 128 × 128 × fp32 = 2,097,152 bytes. 48 layers by default
-  (27 is the other published size: pass ``num_layers=27``).
+  (27 is the other published size: pass ``num_layers=27``). Its layouts hold the conv state as
+  one tensor, as SGLang 0.5.23 and vLLM 0.32 to 0.34 do; its manifest declares the q, k and v
+  conv states (24,576 bytes each) and their fusion into that tensor (``StateSpec.parts``), so a
+  worker holding them as three tensors passes too.
 * Kimi-K3: 93 layers, 24 MLA (1152 bytes per token, the Kimi-Linear latent) and 69 KDA layers,
   each with four state tensors: three short-convolution states (q, k and v: 32 heads × 128
   channels × 3 steps × bf16 = 24,576 bytes each) and the recurrent state (32 × 128 × 128 × fp32
@@ -100,6 +103,27 @@ class StateSpec:
     outer_rows: int = 1
     #: The model's sub-blocks of channels at TP 1, in row order (empty: one sub-block).
     shard_groups: tuple[int, ...] = ()
+    #: The components the slot holds, one per sub-block in row order (empty: it is one
+    #: component). The manifest declares each (its sub-block's share of the bytes) and a
+    #: :class:`kvplan.manifests.Fusion` of them into this entry, so a layout holding this one
+    #: entry and one holding the parts as entries of their own both hold it.
+    parts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parts and (len(self.parts) != len(self.shard_groups) or not self.channels
+                           or sum(self.shard_groups) != self.channels):
+            raise ManifestError(
+                f"state {self.name}: parts {list(self.parts)} need one sub-block each "
+                f"(shard_groups {list(self.shard_groups)} summing to channels {self.channels})")
+
+    def components(self) -> list[tuple[str, int]]:
+        """``(role, bytes per slot at TP 1)`` of each component the manifest declares for it:
+        its parts (each its sub-block's share of the slot), else itself."""
+        if not self.parts:
+            return [(self.name, self.bytes_per_slot)]
+        channels = self.channels or 1  # at least the sub-blocks' sum (__post_init__)
+        return [(part, self.bytes_per_slot * group // channels)
+                for part, group in zip(self.parts, self.shard_groups)]
 
     def item_len(self, tp_size: int) -> int:
         """One rank's slot bytes at ``tp_size``: the whole slot when replicated, else its
@@ -426,7 +450,9 @@ class ModelPreset:
         """Every component of the model, derived from the specs its layouts are built from (so
         the two cannot drift): per KV layer its latent (``kv``, replicated over TP), its K and
         V (sharded by heads) or its components (replicated), split by window where window and
-        full layers differ, and per linear layer its state tensors (split over TP)."""
+        full layers differ, and per linear layer its state tensors (split over TP; a state
+        holding ``parts`` as those parts, with a fusion of them into the state's entry, before
+        the preset's own :attr:`fusions`)."""
         kv = self.kv_layers()
         page: list[tuple[str, int, int, Sharding, int | None, list[int]]] = []
         if self.layer_components():
@@ -452,11 +478,13 @@ class ModelPreset:
                               self.kv_heads if sharding == "heads" else 1, window)
             for (role, size, rows, sharding, window), layers in merged.items()]
         linear = tuple(self.linear_layers())
-        components += [ManifestComponent(spec.name, "state", linear, spec.bytes_per_slot,
+        states = self.state if linear else ()
+        components += [ManifestComponent(role, "state", linear, size,
                                          sharding="replicated" if spec.channels == 0 else "split")
-                       for spec in (self.state if linear else ())]
+                       for spec in states for role, size in spec.components()]
+        fusions = [Fusion(spec.name, spec.parts) for spec in states if spec.parts]
         return ModelManifest(self.name, self.num_layers, tuple(components),
-                             self.fusions if linear else ())
+                             (*fusions, *self.fusions) if linear else ())
 
     def _add_state(self, layout: Layout, layers: Sequence[int], state_slots: int,
                    address: int, tp_size: int = 1) -> Layout:
@@ -537,11 +565,15 @@ _RECURRENT = StateSpec("mamba_temporal", 32 * 128 * 128 * 4, channels=32)
 #: head-sharded over TP on its own, and the recurrent state.
 _GDN = (StateSpec("mamba_conv", 49_152, channels=8192, shard_groups=(2048, 2048, 4096)),
         _RECURRENT)
-#: Kimi-Linear's KDA state as SGLang keeps it: the conv state ``[K - 1, channels]`` (3 rows of
-#: the q, k and v sub-blocks, 4096 bf16 channels each, each sharded over TP on its own), and
-#: the recurrent state.
+#: Kimi-Linear's KDA state as SGLang (0.5.23, ``KimiLinearStateShape``) and vLLM (0.32 to 0.34,
+#: ``kda_state_shape``) keep it: one conv state ``[K - 1, channels]`` (3 rows of the q, k and v
+#: sub-blocks, 4096 bf16 channels each, each sharded over TP on its own), and the recurrent
+#: state. The conv state holds the q, k and v short-convolution states (``parts``): the manifest
+#: declares them as Kimi-K3's are, with this entry as their fusion, so a worker holding them as
+#: three tensors passes too.
 _KDA = (StateSpec("mamba_conv", 73_728, channels=3 * 4096, outer_rows=3,
-                  shard_groups=(4096, 4096, 4096)), _RECURRENT)
+                  shard_groups=(4096, 4096, 4096),
+                  parts=("kda_conv_q", "kda_conv_k", "kda_conv_v")), _RECURRENT)
 #: Kimi-K3's KDA state as a KDA layer with three separate short convolutions keeps it: one
 #: conv state each for q, k and v (``[K - 1, channels]``: 3 rows of 32 heads × 128 bf16
 #: channels) and the recurrent state (fp32), every one sharded over TP by heads.

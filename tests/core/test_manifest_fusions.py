@@ -23,8 +23,10 @@ from kvplan.presets import PRESETS, ModelPreset, StateSpec
 PAGE = 128
 K3 = PRESETS["kimi-k3"]
 #: Kimi-K3 as SGLang holds it: Kimi-Linear's state specs (one ``mamba_conv`` tensor over
-#: q | k | v, 73,728 bytes, and ``mamba_temporal``), the same MLA layers.
+#: q | k | v, 73,728 bytes, and ``mamba_temporal``), the same MLA layers. The conv spec without
+#: its declared parts, so that a test may change its sub-blocks.
 FUSED_CONV, RECURRENT = PRESETS["kimi-linear"].state
+FUSED_CONV = dataclasses.replace(FUSED_CONV, parts=())
 K3_FUSED = dataclasses.replace(K3, state=(FUSED_CONV, RECURRENT))
 
 
@@ -135,3 +137,84 @@ def test_packed_and_without_keep_the_fusions() -> None:
     renamed = m.packed("mamba_temporal", ("kda_recurrent",))
     assert [c.role for c in renamed.components if c.kind == "state"] == \
         ["kda_conv_q", "kda_conv_k", "kda_conv_v", "mamba_temporal"]
+
+
+# ------------------------------------------------------------ Kimi-Linear: one conv or three
+KL = PRESETS["kimi-linear"]
+#: Kimi-Linear as a worker with three short-convolution tensors holds it: Kimi-K3's q, k and v
+#: conv specs (24,576 bytes each at TP 1, 3 rows of 4096 channels), and the recurrent state.
+KL_THREE = dataclasses.replace(KL, state=(*K3.state[:3], RECURRENT))
+
+
+def test_kimi_linear_declares_its_conv_state_as_three_parts_and_their_fusion() -> None:
+    """SGLang 0.5.23 (``KimiLinearStateShape.create``) and vLLM 0.32 to 0.34
+    (``MambaStateShapeCalculator.kda_state_shape``) both keep one ``[K - 1, q | k | v]`` conv
+    tensor: the preset's layouts hold that one, and its manifest declares the three parts and
+    their fusion as Kimi-K3's does."""
+    m = KL.manifest()
+    assert m.fusions == (Fusion("mamba_conv", ("kda_conv_q", "kda_conv_k", "kda_conv_v")),)
+    state = [(c.role, c.bytes, c.sharding) for c in m.components if c.kind == "state"]
+    assert state == [("kda_conv_q", 24_576, "split"), ("kda_conv_k", 24_576, "split"),
+                     ("kda_conv_v", 24_576, "split"), ("mamba_temporal", 2_097_152, "split")]
+    assert [s.bytes_per_slot for s in K3.state[:3]] == [24_576] * 3
+    assert ModelManifest.from_json(m.to_json()) == m
+    assert KL.with_layers(27).manifest().fusions == m.fusions
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kimi_linear_worker_with_three_conv_tensors_holds_its_manifest(tp: int) -> None:
+    """A worker holding q, k and v conv states as three tensors passes the ``kimi-linear``
+    manifest at every rank, as the preset's own one-tensor layout does (it was refused: the
+    manifest named one ``mamba_conv`` component, missing, and the three were unexpected)."""
+    manifest = KL.manifest()
+    for rank in {0, tp - 1}:
+        check_manifest(_layout(KL_THREE, tp_rank=rank, tp_size=tp), manifest)
+        check_manifest(_layout(KL, tp_rank=rank, tp_size=tp), manifest)
+    # Without the fusion the one-tensor layout is the three parts missing, its tensor unexpected.
+    with pytest.raises(ManifestError) as err:
+        check_manifest(_layout(KL), dataclasses.replace(manifest, fusions=()))
+    linear = KL.linear_layers()
+    assert _problems(err) == [("missing", r, linear) for r in
+                              ("kda_conv_q", "kda_conv_k", "kda_conv_v")] + [
+        ("unexpected", "mamba_conv", linear)]
+
+
+def test_kimi_linear_worker_with_two_of_three_conv_tensors_is_refused_naming_the_third() -> None:
+    two = dataclasses.replace(KL, state=(K3.state[0], K3.state[2], RECURRENT))
+    with pytest.raises(ManifestError) as err:
+        check_manifest(_layout(two, tp_size=2), KL.manifest())
+    assert _problems(err) == [("missing", "kda_conv_k", KL.linear_layers())]
+    assert ("kda_conv_q, kda_conv_k, kda_conv_v may also be held as one 'mamba_conv' entry per "
+            "layer, of which this layout has none") in str(err.value)
+    assert err.value.model == KL.name and err.value.kind == "manifest"
+
+
+def test_kimi_linear_worker_holding_the_conv_tensor_and_a_part_is_refused_naming_both() -> None:
+    """The one conv tensor and the q part beside it: the part is unexpected, and the refusal
+    says the layout holds both forms (its bytes would be moved twice, or into the wrong
+    tensor)."""
+    both = dataclasses.replace(KL, state=(*KL.state, K3.state[0]))
+    with pytest.raises(ManifestError) as err:
+        check_manifest(_layout(both), KL.manifest())
+    assert _problems(err) == [("unexpected", "kda_conv_q", KL.linear_layers())]
+    assert ("this layout holds kda_conv_q beside the one 'mamba_conv' entry that holds "
+            "kda_conv_q, kda_conv_k, kda_conv_v: a layout holds either the one entry or its "
+            "parts, never both") in str(err.value)
+
+
+def test_state_parts_need_one_sub_block_each() -> None:
+    with pytest.raises(ManifestError, match=r"parts \['a', 'b'\] need one sub-block each"):
+        StateSpec("conv", 100, channels=10, shard_groups=(10,), parts=("a", "b"))
+
+
+def test_packed_is_the_cores_merge() -> None:
+    """``ModelManifest.packed`` converts what the core merges (the rule a fusion is taken by):
+    components it does not change are the manifest's own objects."""
+    m = K3.manifest()
+    packed = m.packed("mamba_conv", ("kda_conv_q", "kda_conv_k", "kda_conv_v"))
+    assert packed.components[0] is m.components[0]
+    (conv,) = [c for c in packed.components if c.role == "mamba_conv"]
+    assert (conv.bytes, conv.layers, conv.sharding) == (73_728, tuple(K3.linear_layers()),
+                                                        "split")
+    with pytest.raises(ManifestError, match="needs one or more distinct part roles"):
+        m.packed("kv", ("k", "k"))

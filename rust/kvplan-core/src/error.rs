@@ -495,12 +495,19 @@ pub enum PlanError {
     /// A layout that does not hold every component of a model's manifest as declared, or a
     /// manifest that cannot be checked: `problems` names each component, its layers and both
     /// values (module `rules::manifest`).
-    #[error("model {model}: {}", ManifestProblem::join(problems))]
+    #[error(
+        "model {model}: {}{}",
+        ManifestProblem::join(problems),
+        notes_text(notes)
+    )]
     Manifest {
         /// The manifest's model name.
         model: String,
         /// Every problem found, in manifest order.
         problems: Vec<ManifestProblem>,
+        /// What the problems do not say: which fused entry would have held missing parts, which
+        /// parts a layout holds beside their fused entry (empty: nothing to add).
+        notes: Vec<String>,
     },
     /// A block to digest that does not lie inside one of the buffers given for its side.
     #[error(
@@ -734,6 +741,15 @@ impl ManifestProblem {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ")
+    }
+}
+
+/// Notes after a message: ` (a; b)`, or nothing.
+fn notes_text(notes: &[String]) -> String {
+    if notes.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", notes.join("; "))
     }
 }
 

@@ -146,7 +146,9 @@ pub use rules::dcp::DcpContext;
 pub use rules::heads::{
     HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
 };
-pub use rules::manifest::{ManifestComponent, ModelManifest, Sharding, check_manifest};
+pub use rules::manifest::{
+    Fusion, ManifestComponent, ModelManifest, Packed, Sharding, check_manifest,
+};
 pub use rules::pairing::{
     EntryMetadata, LegacyKind, Pairing, PairingMode, legacy_pp_pairs, pair_each, pair_entries,
 };

@@ -4,8 +4,8 @@
 //! size or window, or of another model is refused naming exactly that.
 
 use kvplan_core::{
-    Indexing, Layout, LayoutContext, ManifestComponent, ManifestProblem, ModelManifest, PlanError,
-    Sharding, check_manifest, heads_per_rank_at, layer_ranges,
+    Fusion, Indexing, Layout, LayoutContext, ManifestComponent, ManifestProblem, ModelManifest,
+    Packed, PlanError, Sharding, check_manifest, heads_per_rank_at, layer_ranges,
 };
 
 const LAYERS: i64 = 16;
@@ -45,6 +45,7 @@ fn hybrid_manifest() -> ModelManifest {
         model: "hybrid".into(),
         num_layers: LAYERS as u64,
         components,
+        fusions: Vec::new(),
     }
 }
 
@@ -289,6 +290,7 @@ fn mha_heads_and_windows_are_checked() {
                     })
             })
             .collect(),
+        fusions: Vec::new(),
     };
     let build = |tp: u32, windows: [Option<u64>; 4]| {
         let item = 1024 / u64::from(kv_heads) * u64::from(heads_per_rank_at(kv_heads, tp)) * PAGE;
@@ -372,4 +374,252 @@ fn malformed_manifests_and_layer_ranges() {
     assert_eq!(layer_ranges(&[3, 7, 11, 15, 16]), "3-15 step 4, 16");
     assert_eq!(layer_ranges(&[1, 5]), "1, 5");
     assert_eq!(layer_ranges(&[]), "");
+}
+
+/// The hybrid manifest with its conv states declared as one fused `conv` entry too, and its
+/// recurrent state as `temporal` (one part renamed), as an engine holding two tensors per
+/// linear layer publishes them.
+fn fused_manifest() -> ModelManifest {
+    let mut manifest = hybrid_manifest();
+    manifest.fusions = vec![
+        Fusion {
+            role: "conv".into(),
+            parts: vec!["conv_q".into(), "conv_k".into(), "conv_v".into()],
+        },
+        Fusion {
+            role: "temporal".into(),
+            parts: vec!["recurrent".into()],
+        },
+    ];
+    manifest
+}
+
+/// One rank's layout of the whole model holding the MLA latent and the state tensors `states`
+/// (role, bytes at TP 1) on every linear layer.
+fn with_states(states: &[(&str, u64)], tp: (u32, u32)) -> Layout {
+    let mut layout = hybrid(
+        0..LAYERS,
+        (0, 1),
+        tp,
+        &["conv_q", "conv_k", "conv_v", "recurrent"],
+        None,
+        0,
+    );
+    let linear: Vec<i64> = (0..LAYERS).filter(|&l| !mla_layer(l)).collect();
+    for (k, (name, bytes)) in states.iter().enumerate() {
+        let slot = bytes / u64::from(tp.1);
+        let base = (3 << 32) + (k as u64) * (1 << 30);
+        let ptrs = (0..linear.len() as u64)
+            .map(|i| base + i * (1 << 24))
+            .collect();
+        layout = layout
+            .with_state(
+                name,
+                ptrs,
+                vec![4 * slot; linear.len()],
+                vec![slot; linear.len()],
+                linear.clone(),
+            )
+            .unwrap();
+    }
+    layout
+}
+
+fn linear_layers() -> Vec<i64> {
+    (0..LAYERS).filter(|&l| !mla_layer(l)).collect()
+}
+
+fn notes(result: kvplan_core::Result<()>) -> (Vec<ManifestProblem>, Vec<String>) {
+    match result {
+        Err(PlanError::Manifest {
+            problems, notes, ..
+        }) => (problems, notes),
+        other => panic!("expected a manifest error, got {other:?}"),
+    }
+}
+
+const CONV: u64 = 3 * 24_576;
+
+#[test]
+fn a_fusion_takes_the_fused_form_or_the_parts_at_every_tp() {
+    let manifest = fused_manifest();
+    for tp in [1, 2, 4, 8] {
+        for rank in [0, tp - 1] {
+            // The parts, as the manifest's components name them.
+            let parts = hybrid(0..LAYERS, (0, 1), (rank, tp), &[], None, 2_097_152);
+            check_manifest(&parts, &manifest, None).unwrap();
+            // One conv entry over the three, the recurrent state renamed.
+            let fused = with_states(&[("conv", CONV), ("temporal", 2_097_152)], (rank, tp));
+            check_manifest(&fused, &manifest, None).unwrap();
+            // Each fusion on its own.
+            let conv_only = with_states(&[("conv", CONV), ("recurrent", 2_097_152)], (rank, tp));
+            check_manifest(&conv_only, &manifest, None).unwrap();
+        }
+    }
+    // Without the fusions the fused form is four components missing and two unexpected.
+    let fused = with_states(&[("conv", CONV), ("temporal", 2_097_152)], (0, 1));
+    let found = problems(check_manifest(&fused, &hybrid_manifest(), None));
+    let kinds: Vec<_> = found.iter().map(ManifestProblem::kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            "missing",
+            "missing",
+            "missing",
+            "missing",
+            "unexpected",
+            "unexpected"
+        ]
+    );
+}
+
+#[test]
+fn a_fused_entry_and_a_part_beside_it_are_refused_naming_the_part() {
+    let layout = with_states(
+        &[("conv", CONV), ("conv_q", 24_576), ("recurrent", 2_097_152)],
+        (0, 2),
+    );
+    let (found, notes) = notes(check_manifest(&layout, &fused_manifest(), None));
+    assert_eq!(
+        found,
+        [ManifestProblem::Unexpected {
+            role: "conv_q".into(),
+            indexing: "state",
+            layers: linear_layers(),
+        }]
+    );
+    assert_eq!(
+        notes,
+        [
+            "this layout holds conv_q beside the one 'conv' entry that holds conv_q, conv_k, \
+          conv_v: a layout holds either the one entry or its parts, never both"
+        ]
+    );
+    let err = check_manifest(&layout, &fused_manifest(), None).unwrap_err();
+    assert!(
+        err.to_string().starts_with(
+            "model hybrid: state entries \"conv_q\" on layers 0-2, 4-6, 8-10, 12-14 are not in \
+             the manifest (this layout holds conv_q beside"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn only_some_parts_are_refused_naming_the_missing_ones_and_the_fused_entry() {
+    let layout = with_states(
+        &[
+            ("conv_q", 24_576),
+            ("conv_v", 24_576),
+            ("recurrent", 2_097_152),
+        ],
+        (1, 2),
+    );
+    let (found, notes) = notes(check_manifest(&layout, &fused_manifest(), None));
+    assert_eq!(
+        found,
+        [ManifestProblem::Missing {
+            role: "conv_k".into(),
+            indexing: "state",
+            layers: linear_layers(),
+        }]
+    );
+    assert_eq!(
+        notes,
+        [
+            "conv_q, conv_k, conv_v may also be held as one 'conv' entry per layer, of which this \
+          layout has none"
+        ]
+    );
+}
+
+#[test]
+fn a_missing_fused_or_renamed_entry_is_refused_naming_the_parts() {
+    // The fused conv held, the recurrent state in neither form.
+    let layout = with_states(&[("conv", CONV)], (0, 1));
+    let (found, notes) = notes(check_manifest(&layout, &fused_manifest(), None));
+    assert_eq!(
+        found,
+        [ManifestProblem::Missing {
+            role: "recurrent".into(),
+            indexing: "state",
+            layers: linear_layers(),
+        }]
+    );
+    assert_eq!(
+        notes,
+        ["recurrent may also be held as 'temporal', of which this layout has none"]
+    );
+    // The fused entry of the wrong size: checked as the one fused component.
+    let layout = with_states(&[("conv", 2 * 24_576), ("temporal", 2_097_152)], (0, 2));
+    let found = problems(check_manifest(&layout, &fused_manifest(), None));
+    assert!(
+        matches!(found.as_slice(), [ManifestProblem::ItemSize { role, expected, got, .. }]
+            if role == "conv" && *expected == CONV / 2 && *got == 24_576),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn a_fusion_whose_parts_cannot_merge_is_refused_when_taken_and_malformed_ones_always() {
+    let mut manifest = fused_manifest();
+    manifest.components[1].sharding = Sharding::Replicated; // conv_q
+    let fused = with_states(&[("conv", CONV), ("temporal", 2_097_152)], (0, 1));
+    let err = check_manifest(&fused, &manifest, None).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "cannot pack conv_q, conv_k, conv_v into one 'conv' entry per layer: layers 0-2, \
+             4-6, 8-10, 12-14 the parts differ in sharding (conv_q 'replicated', conv_k \
+             'split', conv_v 'split')"
+        ),
+        "{err}"
+    );
+    // Not taken: the parts are checked as they are (at TP 1 a replicated conv_q holds what a
+    // split one does).
+    check_manifest(&parts_layout(), &manifest, None).unwrap();
+    for parts in [
+        vec![],
+        vec!["a".to_owned(), "a".to_owned()],
+        vec!["conv".to_owned()],
+    ] {
+        let mut bad = fused_manifest();
+        bad.fusions[0].parts = parts;
+        let found = problems(check_manifest(&parts_layout(), &bad, None));
+        assert!(
+            matches!(found.as_slice(), [ManifestProblem::Malformed { what }]
+                if what.contains("needs a role and one or more distinct part roles")),
+            "{found:?}"
+        );
+    }
+}
+
+fn parts_layout() -> Layout {
+    hybrid(0..LAYERS, (0, 1), (0, 1), &[], None, 2_097_152)
+}
+
+#[test]
+fn packed_merges_parts_per_layer_group_and_keeps_the_rest_in_place() {
+    let manifest = fused_manifest();
+    let conv: Vec<String> = ["conv_q", "conv_k", "conv_v"].map(String::from).to_vec();
+    let packed = manifest.pack("conv", &conv).unwrap();
+    assert_eq!(packed[0], Packed::Kept(0));
+    let Packed::Merged(merged) = &packed[1] else {
+        panic!("{packed:?}")
+    };
+    assert_eq!(
+        (merged.role.as_str(), merged.bytes, &merged.layers),
+        ("conv", CONV, &linear_layers())
+    );
+    assert_eq!(packed[2], Packed::Kept(4));
+    assert_eq!(packed.len(), 3);
+    // A manifest without the parts is unchanged; a layer holding some parts is refused.
+    assert_eq!(manifest.packed("kv2", &["x".to_owned()]).unwrap(), manifest);
+    let mut some = manifest.clone();
+    some.components[2].layers.retain(|&l| l != 0);
+    let err = some.packed("conv", &conv).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("layers 0 hold conv_q, conv_v, not one each of conv_q, conv_k, conv_v"),
+        "{err}"
+    );
 }

@@ -79,7 +79,10 @@ pub(crate) fn to_py_err(err: PlanError) -> PyErr {
         {
             let _ = value.setattr("requests", tuple);
         }
-        if let PlanError::Manifest { model, problems } = innermost(&err) {
+        if let PlanError::Manifest {
+            model, problems, ..
+        } = innermost(&err)
+        {
             let _ = value.setattr("model", model);
             let rows: Vec<_> = problems.iter().map(problem_row).collect();
             if let Ok(tuple) = pyo3::types::PyTuple::new(py, rows) {

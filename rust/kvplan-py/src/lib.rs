@@ -88,7 +88,7 @@ mod _core {
     #[pymodule_export]
     use crate::local::copy_local;
     #[pymodule_export]
-    use crate::manifest::check_manifest;
+    use crate::manifest::{check_manifest, pack_manifest};
     #[pymodule_export]
     use crate::mooncake::{PyMooncakeBatch, PyMooncakeNative};
     #[pymodule_export]
