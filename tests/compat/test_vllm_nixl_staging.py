@@ -541,6 +541,216 @@ def test_a_prefill_without_the_held_check_is_read_as_before(
         pair.close()
 
 
+#: A hybrid model's two KV groups (full attention and a sliding window, say): layers 0 and 1
+#: (regions 0-3) in group 0, layer 2 (regions 4 and 5) in group 1, whose request keeps fewer
+#: blocks; group 1 names block ids group 0 names too, which are other blocks (other regions).
+REGION_GROUPS = [0, 0, 0, 0, 1, 1]
+PREFILL_GROUPS = [PREFILL_PAGES, [2, 4]]
+DECODE_GROUPS = [DECODE_PAGES, [5, 1]]
+
+
+def two_groups(connector: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Pair:
+    """A pair whose KV cache holds :data:`REGION_GROUPS`' two groups, ``auto`` advising
+    direct on the decode (vLLM's own read, checked first)."""
+    return Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT,
+                region_groups=REGION_GROUPS, prefill_groups=PREFILL_GROUPS,
+                decode_groups=DECODE_GROUPS)
+
+
+def grouped_bytes(pair: Pair) -> np.ndarray:
+    """The decode's KV memory once a two-group request's bytes landed: in each region, each
+    decode page of the region's group holds the prefill page of that group it pairs with."""
+    want = np.zeros_like(pair.d_mem)
+    p_blocks = pair.p_mem.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+    w_blocks = want.reshape(REGIONS, BLOCKS, BLOCK_BYTES)
+    for region, group in enumerate(REGION_GROUPS):
+        dst_pages = DECODE_GROUPS[group]
+        for src, dst in zip(PREFILL_GROUPS[group][-len(dst_pages):], dst_pages):
+            w_blocks[region, dst] = p_blocks[region, src]
+    return want
+
+
+def asked_holds(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The held checks' opening messages the prefill's listener answers (as it does)."""
+    asked: list[dict[str, Any]] = []
+    real_serve_hold = nixl_staging.serve_hold
+
+    def serve_hold(worker: Any, opening: Any, reply: Any) -> str:
+        asked.append(dict(opening))
+        return real_serve_hold(worker, opening, reply)
+
+    monkeypatch.setattr(nixl_staging, "serve_hold", serve_hold)
+    return asked
+
+
+@pytest.mark.nixl
+def test_a_two_group_read_of_a_held_request_lands_vllms_bytes(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of two KV groups is checked too: the question names the prefill's pages of
+    each group (after vLLM's trim, per group), the prefill finds each group's pages the tail
+    of its blocks of that group, pins the request and acknowledges; vLLM's own read then
+    lands each group's bytes in that group's regions; nothing is said unchecked."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = two_groups(connector, nixl, monkeypatch)
+    asked = asked_holds(monkeypatch)
+    try:
+        with staging_records() as said:
+            (handle,) = pair.read()
+            assert isinstance(handle, nixl_staging.HeldRead)
+            assert pair.poll() == ({"req-d"}, set())
+        assert handle.outcome == "held" and handle.posted is True and handle.verdict is None
+        (opening,) = asked
+        assert opening[nixl_staging.HOLD_KEY] == nixl_staging.HOLD_VERSION == 2
+        assert opening["group_pages"] == [PREFILL_PAGES[-len(DECODE_PAGES):], [2, 4]]
+        assert "src_pages" not in opening
+        assert nixl_staging.send_leases(pair.prefill).pins == {"req-p": 1}
+        np.testing.assert_array_equal(pair.d_mem, grouped_bytes(pair))
+        assert pair.notifications() == [b"req-p:1"]
+        assert not [r for r in said if "unchecked" in r.getMessage()]
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("case, kept", [
+    # the sliding window's blocks of req-p were freed and reused; group 0's are still its own
+    ("one group's pages reused", [PREFILL_PAGES, [3, 4]]),
+    # the same ids, each in the other group: other blocks (a check blind to groups passes it)
+    ("groups swapped", [[2, 4], PREFILL_PAGES]),
+])
+def test_a_stale_two_group_reference_is_refused(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch, case: str,
+        kept: list[list[int]]) -> None:
+    """The prefill holds ``req-p`` but one group's pages the read names are not its blocks of
+    that group any more: the held check is refused ``pages_mismatch`` naming both lists,
+    nothing is read, the verdict names the decode's blocks of both groups, the prefill is
+    neither notified nor left pinned."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = two_groups(connector, nixl, monkeypatch)
+    try:
+        pair.keep(blocks=kept)
+        with staging_records() as said:
+            (handle,) = pair.read()
+            assert isinstance(handle, nixl_staging.HeldRead)
+            assert pair.poll() == ({"req-d"}, {"req-d"})
+            refusal = wait_for(said, "refused 'hold:req-p@decode-0:tp0'")
+        assert handle.outcome == "refused" and handle.handles is None  # vLLM read nothing
+        assert not pair.d_mem.any()
+        verdict = handle.verdict
+        assert verdict.request_id == "req-d"
+        assert verdict.blocks == {0: tuple(sorted(DECODE_PAGES)), 1: (1, 5)}
+        assert verdict.reason.startswith("peer_failed: pages_mismatch: "), verdict.reason
+        assert f"blocks here are {kept!r}" in verdict.reason, verdict.reason
+        assert "request req-p" in refusal
+        lines = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+        assert any(f"group 0: blocks {sorted(DECODE_PAGES)}" in m and
+                   "group 1: blocks [1, 5]" in m for m in lines), lines
+        assert pair.notifications(timeout_s=0.5) == []
+        assert not nixl_staging.send_leases(pair.prefill).pins
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_prefill_with_the_one_group_check_only(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill offering the first held check's form only (an older kvplan): a read of one
+    group is asked in that form (its pages as ``src_pages``) and checked; reads of two groups
+    run unchecked, said once per peer."""
+    load_agents(connector, nixl, monkeypatch)
+    asked = asked_holds(monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
+        assert peer is not None and peer.message is not None
+        peer.message[nixl_staging.HOLD_KEY] = nixl_staging.HOLD_ONE_GROUP
+        (handle,) = pair.read()
+        assert pair.poll() == ({"req-d"}, set())
+        assert isinstance(handle, nixl_staging.HeldRead) and handle.outcome == "held"
+        (opening,) = asked
+        assert opening[nixl_staging.HOLD_KEY] == 1 and "group_pages" not in opening
+        assert opening["src_pages"] == PREFILL_PAGES[-len(DECODE_PAGES):]
+        np.testing.assert_array_equal(pair.d_mem, vllm_bytes(pair))
+    finally:
+        pair.close()
+    asked.clear()
+    pair = two_groups(connector, nixl, monkeypatch)
+    try:
+        peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
+        assert peer is not None and peer.message is not None
+        peer.message[nixl_staging.HOLD_KEY] = nixl_staging.HOLD_ONE_GROUP
+        with staging_records() as said:
+            for request in ("req-d", "req-e"):
+                (handle,) = pair.read(request=request)
+                assert not isinstance(handle, (nixl_staging.HeldRead, nixl_staging.RefusedRead))
+                assert pair.poll() == ({request}, set())
+        assert asked == []
+        np.testing.assert_array_equal(pair.d_mem, grouped_bytes(pair))
+        lines = [r.getMessage() for r in said if "unchecked" in r.getMessage()]
+        assert lines == ["kvplan staging: prefill-0:tp0 answers the held check of one KV "
+                         "group only (an older kvplan), and its reads name several: vLLM's "
+                         "direct reads of it run unchecked"]
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_a_region_mapped_read_is_said_unchecked_once(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's region-mapped read (``block_ids_by_region``: its pages per region, not per KV
+    group) is not checked: ``check_held`` leaves it to vLLM's read, said once per peer."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    tp = nixl.modules["vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"]
+    spec = tp.ReadSpec(remote_rank=0, local_block_ids=[DECODE_PAGES] * REGIONS,
+                       remote_block_ids=[PREFILL_PAGES] * REGIONS, block_ids_by_region=True)
+    started: list[str] = []
+    try:
+        with staging_records() as said:
+            for request in ("req-d", "req-e"):
+                assert nixl_staging.check_held(pair.decode, spec, "prefill-0", request, "req-p",
+                                               lambda: started.append(request)) is None
+        lines = [r.getMessage() for r in said if "unchecked" in r.getMessage()]
+        assert lines == ["kvplan staging: prefill-0:tp0 is read region by region "
+                         "(block_ids_by_region: pages per region, not per KV group): vLLM's "
+                         "direct reads of it run unchecked"]
+        assert started == [] and not pair.decode._recving_transfers
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_vllms_read_failing_to_start_after_the_hold_counts_once(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill acknowledged the held check, then vLLM's own read fails to start (its
+    transfer cannot be made): vLLM's start-up failure path counts the failed transfer and
+    reports the request failed; the held check's handle ends without vLLM's polling counting
+    it a second time, and records no transfer."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+
+    def make_prepped_xfer(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no transfer")
+
+    monkeypatch.setattr(pair.decode.nixl_wrapper, "make_prepped_xfer", make_prepped_xfer,
+                        raising=False)
+    try:
+        (handle,) = pair.read()
+        assert isinstance(handle, nixl_staging.HeldRead)
+        done, failed = pair.poll()
+        assert handle.outcome == "held" and handle.posted is False and handle.handles == []
+        # no handle left, and failed once: vLLM's step reports it failed (its _recv_failures)
+        assert (done, failed) == ({"req-d"}, set())
+        assert "req-d" not in pair.decode._recving_transfers
+        assert pair.decode._recv_failures == {"req-d"}
+        stats = pair.decode.xfer_stats.data
+        assert stats.get("num_failed_transfers") == [1]
+        assert stats.get("bytes_transferred", []) == []
+        assert not pair.d_mem.any()
+    finally:
+        pair.close()
+
+
 @pytest.mark.nixl
 def test_a_failed_round_read_takes_vllms_failed_receive_path(
         nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:

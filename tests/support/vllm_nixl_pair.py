@@ -104,17 +104,27 @@ class Pair:
     KV cache in host memory registered with its own NIXL agent, handshaken. ``geometry`` is
     both sides' KV cache, ``prefill_pages`` / ``decode_pages`` the request's blocks (vLLM's
     ``remote_block_ids`` / ``local_block_ids``), ``staging`` the connector options of a side
-    given no ``*_extra``."""
+    given no ``*_extra``. Several KV groups (a hybrid model's): ``region_groups`` names each
+    region's group (vLLM's ``region_group_ids``, each group's layers in regions of their
+    own), ``prefill_groups`` / ``decode_groups`` the request's blocks per group."""
 
     def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
                  prefill_extra: dict[str, Any] | None = None,
                  decode_extra: dict[str, Any] | None = None, *,
                  geometry: Geometry = TESTS, prefill_pages: Sequence[int] = PREFILL_PAGES,
                  decode_pages: Sequence[int] = DECODE_PAGES,
-                 staging: dict[str, Any] | None = None) -> None:
+                 staging: dict[str, Any] | None = None,
+                 region_groups: Sequence[int] | None = None,
+                 prefill_groups: Sequence[Sequence[int]] | None = None,
+                 decode_groups: Sequence[Sequence[int]] | None = None) -> None:
         staging = READ_STAGING if staging is None else staging
         self.nixl, self.geometry = nixl, geometry
-        self.prefill_pages, self.decode_pages = list(prefill_pages), list(decode_pages)
+        self.prefill_groups = [list(g) for g in prefill_groups or [prefill_pages]]
+        self.decode_groups = [list(g) for g in decode_groups or [decode_pages]]
+        self.prefill_pages, self.decode_pages = self.prefill_groups[0], self.decode_groups[0]
+        self.region_groups = list(region_groups or [0] * geometry.regions)
+        assert len(self.region_groups) == geometry.regions
+        assert len(set(self.region_groups)) == len(self.prefill_groups) == len(self.decode_groups)
         size = geometry.regions * geometry.blocks * geometry.block_bytes()
         self.p_mem = random_bytes(size, 7)
         self.d_mem = np.zeros(size, np.uint8)
@@ -135,56 +145,61 @@ class Pair:
         self.decode._remote_agents = {"prefill-0": {(0, 0): peer.agent}}
         self.keep()
 
-    def keep(self, lease_s: float = 30.0, blocks: list[int] | None = None,
+    def keep(self, lease_s: float = 30.0, blocks: Sequence[Any] | None = None,
              request: str = "req-p") -> None:
         """The prefill finished ``request`` for a decode: what vLLM's scheduler sends its
         worker (the request in the batch, then in ``reqs_to_send`` with its lease's expiry),
-        with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``), run
-        through vLLM's own ``start_load_kv`` of kvplan's worker."""
+        with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``: the
+        pair's prefill blocks, or ``blocks``, one group's or a list per group), run through
+        vLLM's own ``start_load_kv`` of kvplan's worker."""
         meta = self.nixl.metadata.NixlConnectorMetadata()
         meta.reqs_in_batch = {request}
         now = time.perf_counter()
         meta.scheduler_clock = now
         meta.reqs_to_send = {request: now + lease_s}
         scheduler = types.SimpleNamespace()
+        groups = self.prefill_groups if blocks is None else \
+            [list(g) for g in blocks] if blocks and isinstance(blocks[0], list) else [list(blocks)]
         nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
-            True, {"remote_block_ids": [list(self.prefill_pages if blocks is None
-                                              else blocks)]}))
+            True, {"remote_block_ids": groups}))
         nixl_staging.attach_sent_blocks(scheduler, meta)
         self.prefill.start_load_kv(meta)
         assert request in self.prefill._reqs_to_send
 
     def _vllm_state(self, w: Any) -> None:
         """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
-        and its polling use (one KV group, homogeneous TP, block size ratio 1)."""
+        and its polling use (the pair's KV groups, homogeneous TP, block size ratio 1)."""
         g = self.geometry
         regions, blocks = g.regions, g.blocks
+        groups, mapped = self.region_groups, len(set(self.region_groups)) > 1
+        ids = list(range(len(set(groups))))
         info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
                                      remote_physical_blocks_per_logical=1, remote_tp_size=1)
         w.__dict__.update(
             transfer_topo=types.SimpleNamespace(get_engine_info=lambda engine: info,
                                                 block_size_ratio=lambda size: 1,
                                                 handshake_target_ranks=lambda *a: [0]),
-            kv_cache_config=types.SimpleNamespace(transfer_groups=[0], kv_cache_groups=[0]),
+            kv_cache_config=types.SimpleNamespace(transfer_groups=ids, kv_cache_groups=ids),
             _mixed_mem_types=False, device_id=0, num_regions=regions,
             block_stride_per_layer=[g.block_bytes()] * regions,
-            region_num_blocks=[blocks] * regions, region_group_ids=[0] * regions,
-            _uses_region_group_mapping=False, _transfer_layer_group_ids=(),
+            region_num_blocks=[blocks] * regions, region_group_ids=list(groups),
+            _uses_region_group_mapping=mapped, _transfer_layer_group_ids=(),
             _transfer_layer_region_indices=[], region_mem_types=["DRAM"] * regions,
             dst_num_blocks={"prefill-0": blocks, "decode-0": blocks},
-            dst_region_num_blocks={}, dst_region_group_ids={"prefill-0": [0] * regions},
-            dst_uses_region_group_mapping={"prefill-0": False},
+            dst_region_num_blocks={}, dst_region_group_ids={"prefill-0": list(groups)},
+            dst_uses_region_group_mapping={"prefill-0": mapped},
             _recving_transfers=collections.defaultdict(list), _recving_metadata={},
-            _failed_remote_engines=set(),
+            _failed_remote_engines=set(), _recv_failures=set(),
             # what vLLM's pull worker keeps of the requests it holds for decodes
             _reqs_to_send={}, _reqs_to_process=set(), _ready_requests=queue.Queue(),
             pcp_rank=0, pcp_dcp_sharded=False, _replicated_pcp_done_sending=set(),
             consumer_notification_counts_by_req=collections.defaultdict(int),
             expected_consumer_notifications_by_req={}, _lease_extension=20,
-            # vLLM 0.34's region pairs of the prefill (region k reads region k, one group)
+            # vLLM 0.34's region pairs of the prefill (region k reads region k, at its group's
+            # blocks)
             _dst_pairs={"prefill-0": types.SimpleNamespace(
                 remote=list(range(regions)), local=list(range(regions)),
-                group=[0] * regions, remote_ssm_regions=None)})
+                group=list(groups), remote_ssm_regions=None)})
 
     def prep(self) -> tuple[Any, Any]:
         """The decode agent's prepped descriptor lists of both sides' KV blocks, as vLLM's
@@ -218,8 +233,8 @@ class Pair:
         local, remote = self.prep() if prepped is None else prepped
         if forget_prefill:
             agent.remove_remote_agent(self.agent_name)
-        spec = tp.ReadSpec(remote_rank=0, local_block_ids=[list(self.decode_pages)],
-                           remote_block_ids=[list(self.prefill_pages)])
+        spec = tp.ReadSpec(remote_rank=0, local_block_ids=[list(g) for g in self.decode_groups],
+                           remote_block_ids=[list(g) for g in self.prefill_groups])
         kwargs = dict(read_spec=spec, dst_engine_id="prefill-0", request_id=request,
                       remote_request_id=remote_request, local_xfer_side_handle=local,
                       local_dram_handle=None, remote_xfer_side_handle=remote,

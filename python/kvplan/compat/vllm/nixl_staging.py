@@ -29,7 +29,8 @@ needs nothing more from the prefill.
   failed-receive path; the handle's verdict names the blocks not written).
 * :func:`check_held`: the decode's ``_read_blocks`` before vLLM's own read of a prefill it
   negotiated staging with: the prefill's listener is asked whether it still holds the request
-  with those pages (:func:`serve_hold`, the stream's rule), pinning it; a refusal, no answer
+  with those pages, in every KV group the read names (:func:`serve_hold`, the stream's rule),
+  pinning it; a refusal, no answer
   or no listener fails the request (:class:`RefusedRead`, vLLM's failed-receive path) and
   nothing is read.
 * :func:`stop_aborted_reads`: the decode's ``start_load_kv`` stops the staged read of a
@@ -72,10 +73,16 @@ ABORTED_DETAIL = "vLLM finished the request during its staged read"
 PEERS_ATTR = "_kvplan_staging_peers"
 
 #: The key of the prefill's staging message saying its listener answers a held check
-#: (:func:`check_held`), and the version of that message; a prefill whose message lacks it
-#: (an older kvplan) is read directly as before, said once per peer.
+#: (:func:`check_held`), and the newest form of that check it answers; a prefill whose
+#: message lacks it (an older kvplan) is read directly as before, said once per peer. Form 1
+#: names the pages of one KV group (``src_pages``), form 2 the pages of every KV group the
+#: read names (``group_pages``, one list per group, in vLLM's group order); a prefill
+#: answers both. A prefill offering form 1 only is asked in that form for a read of one
+#: group; a read of several groups from it runs unchecked, said once per peer.
 HOLD_KEY = "nixl_hold"
-HOLD_VERSION = 1
+HOLD_VERSION = 2
+#: The first held check's form (one KV group).
+HOLD_ONE_GROUP = 1
 #: The worker attribute holding the peers already said to take no held check.
 UNCHECKED_ATTR = "_kvplan_unchecked_peers"
 
@@ -439,12 +446,15 @@ def _read_names(worker: Any, read_spec: Any, dst_engine_id: str,
 
 
 def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
-                    staged: Any = None, held_pages: list[int] | None = None) -> bytes:
+                    staged: Any = None, held_pages: list[list[int]] | None = None,
+                    hold_form: int = HOLD_VERSION) -> bytes:
     """The decode's opening message on the prefill's listener, one form for both uses: the
     stream, this decode's name, rank and staging message and the prefill's request, then
     either a staged read's layouts and pages (``staged``,
     :func:`kvplan.compat.vllm.staging.open_message`) or a held check's :data:`HOLD_KEY` and
-    the prefill pages vLLM's read names (``held_pages``; it opens no stream)."""
+    the prefill pages vLLM's read names per KV group (``held_pages``; it opens no stream), in
+    the check's form ``hold_form`` (:data:`HOLD_ONE_GROUP`: the one group's pages as
+    ``src_pages``; else every group's as ``group_pages``)."""
     import json
 
     from kvplan.compat.vllm import staging as vstaging
@@ -454,8 +464,10 @@ def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
                               "capabilities": state.capabilities(), "request": request}
     if staged is not None:
         return vstaging.open_message(staged, **header)
-    return json.dumps({**header, "writer": 0, HOLD_KEY: HOLD_VERSION,
-                       "src_pages": list(held_pages or [])},
+    groups = [[int(p) for p in g] for g in held_pages or ()]
+    pages: dict[str, Any] = {"src_pages": [p for g in groups for p in g]} \
+        if hold_form == HOLD_ONE_GROUP else {"group_pages": groups}
+    return json.dumps({**header, "writer": 0, HOLD_KEY: hold_form, **pages},
                       separators=(",", ":")).encode()
 
 
@@ -621,9 +633,14 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
     bounded time passes. ``start`` runs vLLM's own read (its ``_read_blocks`` with the same
     arguments). Nothing here waits for the answer: vLLM's step goes on.
 
-    None: nothing to ask (staging off here, no agreement with that prefill, a prefill whose
-    message offers no held check, said once, or a read of more than one KV group, which the
-    rule does not cover): vLLM's read runs now. True: the question is out and a
+    Every KV group the read names is checked: the question carries the prefill's pages per
+    group and the prefill checks each against vLLM's block ids of that group for the request.
+
+    None: nothing to ask (staging off here, no agreement with that prefill, a full
+    prefix-cache hit, or, said once per peer, a prefill whose message offers no held check,
+    a read of several KV groups from a prefill answering only the one-group form, or a
+    region-mapped read, ``block_ids_by_region``, whose pages are per region, not per group):
+    vLLM's read runs now, unchecked. True: the question is out and a
     :class:`HeldRead` waits in ``_recving_transfers``; vLLM's polling starts vLLM's read once
     the prefill acknowledged. False: the prefill's listener cannot be reached; a
     :class:`RefusedRead` with the verdict naming the read's blocks waits there for vLLM's
@@ -639,20 +656,23 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
         return None  # no kvplan listener negotiated with that prefill: today's read
     names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
     session = names.session
-    if peer.message.get(HOLD_KEY) != HOLD_VERSION:
-        said = worker.__dict__.setdefault(UNCHECKED_ATTR, set())
-        if session not in said:
-            said.add(session)
-            _staging_log.warning(
-                "kvplan staging: %s offers no held check (an older kvplan): vLLM's direct "
-                "reads of it run unchecked", session)
+    offered = peer.message.get(HOLD_KEY)
+    if not isinstance(offered, int) or isinstance(offered, bool) or offered < HOLD_ONE_GROUP:
+        _said_unchecked(worker, session, "offers no held check (an older kvplan)")
         return None
-    if read_spec.block_ids_by_region or \
-            sum(1 for g in read_spec.remote_block_ids if len(g)) != 1 or \
-            not any(len(g) for g in read_spec.local_block_ids):
-        return None  # several groups, or a full prefix-cache hit (vLLM reads nothing)
+    if not any(len(g) for g in read_spec.local_block_ids):
+        return None  # a full prefix-cache hit: vLLM reads nothing
+    if read_spec.block_ids_by_region:
+        _said_unchecked(worker, session, "is read region by region (block_ids_by_region: "
+                        "pages per region, not per KV group)")
+        return None
+    form = min(int(offered), HOLD_VERSION)
     local_ids, remote_ids = names.trimmed()
-    src_pages = [int(p) for g in remote_ids for p in g]
+    src_pages = [[int(p) for p in g] for g in remote_ids]
+    if form == HOLD_ONE_GROUP and sum(1 for g in src_pages if g) != 1:
+        _said_unchecked(worker, session, "answers the held check of one KV group only (an "
+                        "older kvplan), and its reads name several")
+        return None
     stream = f"hold:{names.stream}"
     blocks = {g: tuple(sorted({int(b) for b in ids})) for g, ids in enumerate(local_ids)
               if len(ids)}
@@ -675,7 +695,8 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
         state.router.open(stream, 0, on_message)
         try:
             channel.open(_opening_message(state, worker, stream=stream,
-                                         request=remote_request_id, held_pages=src_pages))
+                                         request=remote_request_id, held_pages=src_pages,
+                                         hold_form=form))
         except Exception as exc:
             state.router.close(stream)
             reason = f"unreachable: asking {session} failed ({type(exc).__name__}: {exc})"
@@ -686,6 +707,16 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
     _said_refused(verdict, remote_request_id)
     worker._recving_transfers[request_id].append(RefusedRead(verdict))
     return False
+
+
+def _said_unchecked(worker: Any, session: str, why: str) -> None:
+    """Say once per prefill rank (``session``) that vLLM's direct reads of it run unchecked,
+    and why."""
+    said = worker.__dict__.setdefault(UNCHECKED_ATTR, set())
+    if (session, why) not in said:
+        said.add((session, why))
+        _staging_log.warning("kvplan staging: %s %s: vLLM's direct reads of it run unchecked",
+                             session, why)
 
 
 def _said_refused(verdict: Any, remote_request_id: str) -> None:
@@ -745,6 +776,11 @@ class HeldRead:
         if self.handles is None:
             self._start()
         assert self.handles is not None
+        if not self.posted and not self.handles:
+            # vLLM's read failed to start: its start-up failure path counted the failed
+            # transfer and reports the request failed; this handle ends without counting it
+            # again (``DONE`` with no telemetry: vLLM records no transfer for it)
+            return "DONE"
         states = [self._agent().check_xfer_state(h) for h in self.handles]
         if any(s not in ("DONE", "PROC") for s in states):
             return "ERR"
@@ -803,11 +839,14 @@ class HeldRead:
                 mine[request].extend(handles)
 
     def telemetry(self) -> Any:
-        """vLLM's read's telemetry (its one NIXL handle's; summed over several)."""
+        """vLLM's read's telemetry (its one NIXL handle's; summed over several); None when
+        vLLM's read failed to start (vLLM records nothing for it)."""
         import types
 
         agent = self._agent()
         found = [agent.get_xfer_telemetry(h) for h in self.handles or ()]
+        if not found and self.posted is False:
+            return None
         if len(found) == 1:
             return found[0]
         return types.SimpleNamespace(
@@ -832,7 +871,9 @@ class HeldRead:
 def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
     """The prefill's answer to a decode's held check (:func:`check_held`), on a thread of its
     own: the request is held as a staged stream holds it (:meth:`SendLeases.hold`, the one
-    rule: vLLM still holds it, and the pages are the tail of vLLM's blocks of it) and stays
+    rule: vLLM still holds it, and the pages of each KV group the check names are the tail of
+    vLLM's blocks of that group of it; a check of the one-group form, an older decode's,
+    names one group's pages) and stays
     pinned for the stream timeout, by which vLLM's notification after the decode's read has
     normally freed it; the decode is answered with an acknowledgement, or refused naming the
     reason (logged once)."""
@@ -843,9 +884,10 @@ def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
     stream = str(opening["stream"])
     peer = str(opening.get("peer", "?"))
     request = opening.get("request")
-    pages = opening.get("src_pages")
-    if not isinstance(request, str) or not request or not isinstance(pages, list) or \
-            not all(isinstance(p, int) and not isinstance(p, bool) for p in pages):
+    grouped = "group_pages" in opening
+    pages = _page_lists(opening.get("group_pages")) if grouped else \
+        _page_lists([opening.get("src_pages")])
+    if not isinstance(request, str) or not request or pages is None:
         _staging_log.error("kvplan staging: cannot check %r for %s: no request or pages",
                            stream, peer)
         _refuse(reply, stream, "bad_message", "the held check names no request and pages")
@@ -858,8 +900,12 @@ def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
     # decode's opening message; the pin itself ends by its deadline (no timer thread)
     def check() -> None:
         try:
-            leases.hold(worker, request, [int(p) for p in pages], stream=stream,
-                        timeout_s=hold_s, pin_s=hold_s)
+            if grouped:
+                leases.hold(worker, request, [], stream=stream, timeout_s=hold_s,
+                            pin_s=hold_s, group_pages=pages)
+            else:
+                leases.hold(worker, request, pages[0], stream=stream, timeout_s=hold_s,
+                            pin_s=hold_s)
         except StagingError as exc:
             _staging_log.error("kvplan staging: refused %r to %s: request %s: %s", stream,
                                peer, request, exc.detail)
@@ -872,6 +918,14 @@ def serve_hold(worker: Any, opening: dict[str, Any], reply: Any) -> str:
 
     threading.Thread(target=check, name=f"kvplan-staging-hold-{stream}", daemon=True).start()
     return stream
+
+
+def _page_lists(value: Any) -> list[list[int]] | None:
+    """A held check's pages as lists of ints (None: not a list of lists of ints)."""
+    if not isinstance(value, list) or not all(isinstance(g, list) for g in value) or \
+            not all(isinstance(p, int) and not isinstance(p, bool) for g in value for p in g):
+        return None
+    return [[int(p) for p in g] for g in value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1095,14 +1149,19 @@ class SendLeases:
 
     # ------------------------------------------------------------------ streams
     def hold(self, worker: Any, request: str, src_pages: list[int], *, stream: str,
-             timeout_s: float, pin_s: float | None = None) -> None:
-        """Pin ``request`` for one stream whose prefill pages are ``src_pages`` (with
-        ``pin_s``, for that many seconds: then the pin ends by itself, :meth:`expire`). Raises
-        :class:`kvplan.staging.StagingError`: ``not_held`` when vLLM no longer holds the
-        request (its lease expired, or it was freed or never finished here), or its block
-        ids are not recorded within ``timeout_s``; ``pages_mismatch`` when ``src_pages`` are
-        not the last pages of vLLM's blocks of it (in kernel blocks: vLLM trims the decode's
-        prefix-cache hit off the front)."""
+             timeout_s: float, pin_s: float | None = None,
+             group_pages: list[list[int]] | None = None) -> None:
+        """Pin ``request`` for one stream whose prefill pages are ``src_pages`` (vLLM's
+        request of one KV group), or with ``group_pages`` the pages of each KV group, in
+        vLLM's group order (with ``pin_s``, for that many seconds: then the pin ends by
+        itself, :meth:`expire`). Raises :class:`kvplan.staging.StagingError`: ``not_held``
+        when vLLM no longer holds the request (its lease expired, or it was freed or never
+        finished here), or its block ids are not recorded within ``timeout_s``;
+        ``pages_mismatch`` when ``src_pages`` are not the last pages of vLLM's blocks of it,
+        or a group's ``group_pages`` not the last of vLLM's blocks of that group (in kernel
+        blocks: vLLM trims the decode's prefix-cache hit off the front), or ``group_pages``
+        names another number of groups than vLLM gave the request. The same block id in two
+        groups is two blocks: each group's pages are checked against that group's alone."""
         from kvplan.staging import StagingError
 
         deadline = time.monotonic() + timeout_s
@@ -1130,13 +1189,20 @@ class SendLeases:
             ratio = int(worker.__dict__.get("_physical_blocks_per_logical_kv_block", 1) or 1)
             kernel = worker._logical_to_kernel_block_ids(groups, ratio) if ratio != 1 \
                 else groups
-            used = [[int(b) for b in g] for g in kernel if len(g)]
-            if len(used) != 1 or len(src_pages) > len(used[0]) or \
-                    used[0][len(used[0]) - len(src_pages):] != list(src_pages):
+            have = [[int(b) for b in g] for g in kernel]
+            if group_pages is None:
+                used = [g for g in have if g]
+                wrong = len(used) != 1 or not _tail_of(list(src_pages), used[0])
+                named: Any = list(src_pages)
+            else:
+                named = [list(g) for g in group_pages]
+                wrong = len(named) != len(have) or \
+                    not all(_tail_of(p, g) for p, g in zip(named, have))
+            if wrong:
                 raise StagingError.make(
                     stream, None, "pages_mismatch",
-                    f"the stream reads prefill pages {list(src_pages)!r:.200} of request "
-                    f"{request!r}, whose blocks here are {[list(g) for g in kernel]!r:.200}")
+                    f"the stream reads prefill pages {named!r:.200} of request "
+                    f"{request!r}, whose blocks here are {have!r:.200}")
             self.pins[request] = self.pins.get(request, 0) + 1
             if pin_s is not None:
                 self.deadlines.setdefault(request, []).append(self.clock() + float(pin_s))
@@ -1194,6 +1260,12 @@ class SendLeases:
             acks.put(encode(FAIL, stream, writer=0, round_index=0,
                             payload=b"cancelled: the prefill worker shut down"))
         join_threads([thread for _, (_, thread) in streams], join_s)
+
+
+def _tail_of(pages: list[int], blocks: list[int]) -> bool:
+    """Whether ``pages`` are the last of ``blocks`` (vLLM's trim of a decode's prefix-cache
+    hit takes blocks off the front)."""
+    return len(pages) <= len(blocks) and blocks[len(blocks) - len(pages):] == pages
 
 
 def send_leases(worker: Any) -> SendLeases:
