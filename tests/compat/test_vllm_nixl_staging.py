@@ -515,6 +515,24 @@ def test_a_direct_read_naming_other_pages_is_refused(
 
 
 @pytest.mark.nixl
+def test_the_held_check_offer_stays_readable_by_a_decode_of_the_one_group_form(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode of the previous kvplan checks a prefill only where its message offers
+    ``nixl_hold`` equal to 1 (the one-group form): a newer prefill keeps offering exactly
+    that, and the per-group form beside it, so a rolling upgrade never turns its reads into
+    unchecked ones; this decode asks the per-group form."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
+    try:
+        peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
+        assert peer is not None and peer.message is not None
+        assert peer.message["nixl_hold"] == 1
+        assert peer.message["nixl_hold_groups"] == 2
+    finally:
+        pair.close()
+
+
+@pytest.mark.nixl
 def test_a_prefill_without_the_held_check_is_read_as_before(
         nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill whose staging message offers no held check (an older kvplan): vLLM's direct
@@ -525,7 +543,8 @@ def test_a_prefill_without_the_held_check_is_read_as_before(
     try:
         peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
         assert peer is not None and peer.message is not None
-        assert peer.message.pop(nixl_staging.HOLD_KEY) == nixl_staging.HOLD_VERSION
+        assert peer.message.pop(nixl_staging.HOLD_KEY) == nixl_staging.HOLD_ONE_GROUP
+        assert peer.message.pop(nixl_staging.HOLD_GROUPS_KEY) == nixl_staging.HOLD_VERSION
         with staging_records() as said:
             for request in ("req-d", "req-e"):
                 (handle,) = pair.read(request=request)
@@ -663,7 +682,8 @@ def test_a_prefill_with_the_one_group_check_only(
     try:
         peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
         assert peer is not None and peer.message is not None
-        peer.message[nixl_staging.HOLD_KEY] = nixl_staging.HOLD_ONE_GROUP
+        assert peer.message[nixl_staging.HOLD_KEY] == nixl_staging.HOLD_ONE_GROUP
+        del peer.message[nixl_staging.HOLD_GROUPS_KEY]
         (handle,) = pair.read()
         assert pair.poll() == ({"req-d"}, set())
         assert isinstance(handle, nixl_staging.HeldRead) and handle.outcome == "held"
@@ -678,7 +698,8 @@ def test_a_prefill_with_the_one_group_check_only(
     try:
         peer = nixl_staging.peer_agreement(pair.decode, "prefill-0", 0)
         assert peer is not None and peer.message is not None
-        peer.message[nixl_staging.HOLD_KEY] = nixl_staging.HOLD_ONE_GROUP
+        assert peer.message[nixl_staging.HOLD_KEY] == nixl_staging.HOLD_ONE_GROUP
+        del peer.message[nixl_staging.HOLD_GROUPS_KEY]
         with staging_records() as said:
             for request in ("req-d", "req-e"):
                 (handle,) = pair.read(request=request)

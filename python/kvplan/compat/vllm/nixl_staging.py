@@ -73,16 +73,21 @@ ABORTED_DETAIL = "vLLM finished the request during its staged read"
 PEERS_ATTR = "_kvplan_staging_peers"
 
 #: The key of the prefill's staging message saying its listener answers a held check
-#: (:func:`check_held`), and the newest form of that check it answers; a prefill whose
-#: message lacks it (an older kvplan) is read directly as before, said once per peer. Form 1
-#: names the pages of one KV group (``src_pages``), form 2 the pages of every KV group the
-#: read names (``group_pages``, one list per group, in vLLM's group order); a prefill
-#: answers both. A prefill offering form 1 only is asked in that form for a read of one
-#: group; a read of several groups from it runs unchecked, said once per peer.
+#: (:func:`check_held`), and the key of a held check's opening message giving its form. A
+#: prefill whose message lacks it (an older kvplan) is read directly as before, said once per
+#: peer. Form 1 (:data:`HOLD_ONE_GROUP`) names the pages of one KV group (``src_pages``), form
+#: 2 (:data:`HOLD_VERSION`) the pages of every KV group the read names (``group_pages``, one
+#: list per group, in vLLM's group order). A prefill advertises form 1 under this key, which
+#: every kvplan decode that knows the held check reads, and form 2 beside it under
+#: :data:`HOLD_GROUPS_KEY`; it answers both. A prefill offering form 1 only is asked in that
+#: form for a read of one group; a read of several groups from it runs unchecked, said once
+#: per peer.
 HOLD_KEY = "nixl_hold"
 HOLD_VERSION = 2
 #: The first held check's form (one KV group).
 HOLD_ONE_GROUP = 1
+#: The key of the prefill's staging message saying its listener also answers form 2.
+HOLD_GROUPS_KEY = "nixl_hold_groups"
 #: The worker attribute holding the peers already said to take no held check.
 UNCHECKED_ATTR = "_kvplan_unchecked_peers"
 
@@ -169,7 +174,8 @@ def advertise_staging(worker: Any) -> bool:
     if state is None or not host_kv(worker):
         return False
     message = state.capabilities()
-    message[HOLD_KEY] = HOLD_VERSION  # this listener answers held checks
+    message[HOLD_KEY] = HOLD_ONE_GROUP  # this listener answers held checks: form 1, which
+    message[HOLD_GROUPS_KEY] = HOLD_VERSION  # every decode knows, and form 2 beside it
     if state.lease_s is not None:  # how long both sides wait for a round
         message[LEASE_KEY] = state.lease_s
     return add_to_agent_metadata(worker, META_KEY, message)
@@ -666,7 +672,8 @@ def check_held(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
         _said_unchecked(worker, session, "is read region by region (block_ids_by_region: "
                         "pages per region, not per KV group)")
         return None
-    form = min(int(offered), HOLD_VERSION)
+    form = HOLD_VERSION if peer.message.get(HOLD_GROUPS_KEY) == HOLD_VERSION or \
+        offered >= HOLD_VERSION else HOLD_ONE_GROUP
     local_ids, remote_ids = names.trimmed()
     src_pages = [[int(p) for p in g] for g in remote_ids]
     if form == HOLD_ONE_GROUP and sum(1 for g in src_pages if g) != 1:
