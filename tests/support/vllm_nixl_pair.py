@@ -54,12 +54,13 @@ def nixl_agent(name: str) -> Any:
 
 def build(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, engine: str, role: str,
           extra: dict[str, Any] | None, *, base: int, agent: Any = None,
-          geometry: Geometry = TESTS) -> Any:
+          geometry: Geometry = TESTS, tp_rank: int = 0, tp_size: int = 1) -> Any:
     """A worker made by ``KvplanNixlConnector``'s constructor (vLLM's part: the worker with
-    its NIXL agent, as vLLM's constructor leaves it)."""
+    its NIXL agent, as vLLM's constructor leaves it), TP rank ``tp_rank`` of ``tp_size``."""
     config = vllm_config(role, heads=geometry.heads)
     config.kv_transfer_config.kv_connector_extra_config.update(extra or {})
-    w = worker(c, nixl, engine, config, base=base, geometry=geometry)
+    w = worker(c, nixl, engine, config, base=base, geometry=geometry, tp_rank=tp_rank,
+               tp_size=tp_size)
     w.__class__ = nixl.NixlPullConnectorWorker  # vLLM's constructor names its own class
     w.__dict__.update(nixl_wrapper=agent if agent is not None else nixl_agent(engine),
                       device_kv_caches={})

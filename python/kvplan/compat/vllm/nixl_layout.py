@@ -7,15 +7,36 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["local_layout", "remote_layout", "worker_layout"]
+__all__ = ["heads_order", "local_layout", "remote_layout", "worker_layout"]
+
+#: vLLM's NIXL KV cache layout names (its ``kv_cache_layout``, sent in the agent metadata) of
+#: per-layer regions, with the memory order of a block they mean: the heads outermost in a
+#: block (``LBHNC``, the older ``HND``), or the tokens (``LBNHC``, ``NHD``). vLLM slices a
+#: block between TP sizes only in the first (a rank's heads are then one contiguous range).
+_ORDERS = {"LBHNC": "HND", "HND": "HND", "LBNHC": "NHD", "NHD": "NHD"}
 
 
-def worker_layout(worker: Any) -> Any:
+def heads_order(name: Any) -> str | None:
+    """The memory order (``HND`` / ``NHD``) of vLLM's NIXL layout ``name``; None for any
+    other (packed cross-layer layouts, or none named)."""
+    return _ORDERS.get(str(getattr(name, "name", name) or "").upper())
+
+
+def _worker_order(worker: Any) -> str | None:
+    """The memory order of the layout this worker's handshake names (the host buffer's with
+    a host buffer, as vLLM sends it)."""
+    d = worker.__dict__
+    name = d.get("host_buffer_kv_cache_layout") if d.get("use_host_buffer") else None
+    return heads_order(name or d.get("kv_cache_layout"))
+
+
+def worker_layout(worker: Any, order: str | None = None) -> Any:
     """The NIXL worker's registered regions as a :class:`kvplan.Layout`
     (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
     block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
     for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
-    and ranks region by region in ways a layout without their coordinates would refuse)."""
+    and ranks region by region in ways a layout without their coordinates would refuse).
+    ``order``: the blocks' memory order (else ``VLLM_KV_CACHE_LAYOUT``'s)."""
     from kvplan.compat.vllm.semantics import regions_layout
 
     d = worker.__dict__
@@ -33,7 +54,8 @@ def worker_layout(worker: Any) -> Any:
     context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
                                    tp_size=int(d.get("world_size", 1) or 1))
     return regions_layout(ptrs, items, None, blocks=blocks, context=context,
-                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
+                          order=order)
 
 
 def _strides_whole(lens: Any, strides: Any) -> bool:
@@ -48,9 +70,9 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     """The prefill rank's KV regions as a :class:`kvplan.Layout`, from the agent metadata its
     handshake served (its regions' bases and block lengths, blocks, block size), the decode's
     model for the heads (:func:`kvplan.compat.vllm.semantics.regions_layout`, as
-    :func:`worker_layout` builds the decode's own); None where kvplan
-    builds none (heads not whole, padded blocks, regions of several block counts or KV
-    groups)."""
+    :func:`worker_layout` builds the decode's own), in the memory order of the layout its
+    metadata names (:func:`heads_order`); None where kvplan builds none (heads not whole,
+    padded blocks, regions of several block counts or KV groups)."""
     from kvplan.compat.vllm.semantics import regions_layout
 
     try:
@@ -72,13 +94,15 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     return regions_layout(ptrs, lens, None, blocks=blocks,
                           context=dict(page_size=page, tp_rank=int(remote_rank),
                                        tp_size=int(remote_tp_size)),
-                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
+                          order=heads_order(getattr(metadata, "kv_cache_layout", None)))
 
 
 def local_layout(worker: Any) -> Any:
-    """This worker's :func:`worker_layout` where its blocks lie back
-    to back (None otherwise: no staging)."""
+    """This worker's :func:`worker_layout` where its blocks lie back to back (None
+    otherwise: no staging), in the memory order of the layout its handshake names
+    (:func:`heads_order`): the side of a staged read this worker plans for itself."""
     d = worker.__dict__
     if not _strides_whole(d.get("block_len_per_layer"), d.get("block_stride_per_layer")):
         return None
-    return worker_layout(worker)
+    return worker_layout(worker, _worker_order(worker))

@@ -42,8 +42,11 @@ needs nothing more from the prefill.
   :func:`kvplan.staging.send_staged` in pull mode on a thread of its own.
 
 Staged reads are taken only where both sides are simple enough to plan here: one KV group,
-host-memory KV caches whose blocks lie back to back, the same block size and TP size, no DCP,
-no Mamba state, no mixed memory types; every other read is vLLM's.
+host-memory KV caches whose blocks lie back to back, the same block size, no DCP, no Mamba
+state, no mixed memory types, and TP sizes that are equal or that vLLM slices heads between
+(:func:`_tp_pair_staged`): then each (request, prefill rank) read vLLM makes is one staged
+stream, its rounds planned by the core from both layouts' TP coordinates; every other read is
+vLLM's.
 """
 
 from __future__ import annotations
@@ -446,9 +449,14 @@ def _read_names(worker: Any, read_spec: Any, dst_engine_id: str,
     """The :class:`_ReadNames` of vLLM's read of ``remote_request_id`` from the prefill
     ``dst_engine_id``'s rank ``read_spec.remote_rank``."""
     d = worker.__dict__
+    stream = f"{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}"
+    engine_info = getattr(d.get("transfer_topo"), "get_engine_info", None)
+    info = engine_info(dst_engine_id) if engine_info is not None else None
+    if int(getattr(info, "remote_tp_size", 0) or 0) > int(d.get("world_size", 1) or 1):
+        # this decode rank reads the request from several prefill ranks: a stream each
+        stream += f"<tp{read_spec.remote_rank}"
     return _ReadNames(worker, read_spec, str(dst_engine_id),
-                     f"{dst_engine_id}:tp{read_spec.remote_rank}",
-                     f"{remote_request_id}@{d.get('engine_id')}:tp{d.get('tp_rank', 0)}")
+                     f"{dst_engine_id}:tp{read_spec.remote_rank}", stream)
 
 
 def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
@@ -481,10 +489,13 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                 remote_request_id: str, expected_consumers: int) -> bool:
     """The decode's ``_read_blocks`` for one request and prefill rank, staged where it can
     be: staging on, the prefill agreed, its KV regions and this worker's have layouts, one KV
-    group, the same TP size, no block-size ratio, DCP or mixed memory, and :func:`kvplan.staging.choose_path`
-    says staged. Then the rounds are read from the prefill's arena through NIXL, scattered
-    into this worker's KV cache, and a :class:`StagedRead` waits in ``_recving_transfers``;
-    True. False: vLLM's own read runs (nothing was sent)."""
+    group, TP sizes :func:`_tp_pair_staged` takes, no block-size ratio, DCP or mixed memory,
+    and :func:`kvplan.staging.choose_path` says staged. Between TP sizes the core plans the
+    head slice the two ranks share (the layouts carry their TP coordinates), and the rounds
+    must move the bytes vLLM's read of this prefill rank moves (else not staged, said once).
+    Then the rounds are read from the prefill's arena through NIXL, scattered into this
+    worker's KV cache, and a :class:`StagedRead` waits in ``_recving_transfers``; True.
+    False: vLLM's own read runs (nothing was sent)."""
     import kvplan
     from kvplan.compat.vllm import staging as vstaging
     from kvplan.staging import (
@@ -508,12 +519,14 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     if d.get("_mixed_mem_types") or d.get("_has_mamba") or len(local_ids) != 1 or \
             not any(len(g) for g in local_ids) or int(d.get("dcp_size", 1) or 1) > 1 or \
             int(getattr(info, "remote_dcp_size", 1) or 1) > 1 or \
-            topo.block_size_ratio(info.remote_block_size) != 1 or \
-            int(getattr(info, "remote_tp_size", 0) or 0) != int(d.get("world_size", 1) or 1):
-        return False  # one group, one block size, one TP size, no DCP: else vLLM's read
+            topo.block_size_ratio(info.remote_block_size) != 1:
+        return False  # one group, one block size, no DCP: else vLLM's read
     layout = local_layout(worker)
     if layout is None:
         return False
+    remote_tp = int(getattr(info, "remote_tp_size", 0) or 0)
+    if not _tp_pair_staged(worker, dst_engine_id, remote_tp, peer.layout, layout):
+        return False  # TP sizes whose head slices vLLM reads otherwise: said once
     # vLLM's own trim of the decode's prefix-cache hit, as its read does
     names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
     local_ids, remote_ids = names.trimmed()
@@ -533,6 +546,18 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     except kvplan.KvPlanError as exc:
         _staging_log.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct "
                              "path", request_id, type(exc).__name__, exc)
+        return False
+    # the bytes vLLM's read of this prefill rank moves: the decode blocks' whole regions
+    # (MLA: whole on every rank), or this rank's share of them where vLLM's own TP mapping
+    # reads this decode rank's blocks from several prefill ranks
+    mapping = (d.get("tp_mappings") or {}).get(dst_engine_id)
+    reads = 1 if d.get("use_mla") else len(getattr(mapping, "all_source_ranks", ()) or (0,))
+    want = len(dst) * sum(int(n) for n in d.get("block_len_per_layer") or ()) // reads
+    planned = sum(int(r.manifest.bytes) for r in rounds)
+    if planned != want:  # the core pairs other heads than vLLM's read: never staged
+        _say_unstaged(worker, dst_engine_id, remote_tp,
+                      f"the staged rounds move {planned} bytes of prefill rank "
+                      f"{read_spec.remote_rank} where vLLM's read moves {want}")
         return False
     session, stream = names.session, names.stream
     channel = state.channel_to(session, peer.message)
@@ -609,6 +634,52 @@ class AbortedRead:
 
         return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0,
                                      descCount=0)
+
+
+#: The worker attribute holding the prefill engines whose TP pair was said unstaged.
+UNSTAGED_TP_ATTR = "_kvplan_unstaged_tp"
+
+
+def _say_unstaged(worker: Any, engine: str, remote_tp: int, why: str) -> None:
+    """Say once per prefill engine that its reads are vLLM's own (INFO: a configuration, not a
+    failure)."""
+    said = worker.__dict__.setdefault(UNSTAGED_TP_ATTR, set())
+    if engine in said:
+        return
+    said.add(engine)
+    _staging_log.info(
+        "kvplan staging: reads of engine %s (TP %d) by this decode (TP %d) are vLLM's own: %s",
+        engine, remote_tp, int(worker.__dict__.get("world_size", 1) or 1), why)
+
+
+def _tp_pair_staged(worker: Any, engine: str, remote_tp: int, remote: Any, local: Any) -> bool:
+    """Whether a read between the prefill's TP size ``remote_tp`` and this decode's may be
+    staged: the same size; or one dividing the other (as vLLM's NIXL connector requires)
+    with MLA (every rank holds the whole latent, read from one prefill rank), or with whole
+    KV heads per rank on both sides in blocks whose heads are outermost (``remote`` and
+    ``local`` ``HND``, the layout vLLM slices heads in: a decode rank's heads are one range
+    of the prefill rank's block, or the prefill rank's one range of the decode's). KV heads
+    fewer than a TP size (vLLM then reads one rank of those that hold a head alike) stay
+    vLLM's. A pair not staged is said once per prefill engine."""
+    local_tp = int(worker.__dict__.get("world_size", 1) or 1)
+    if remote_tp == local_tp:
+        return True
+    if remote_tp < 1 or max(remote_tp, local_tp) % min(remote_tp, local_tp):
+        why = "neither TP size divides the other"
+    elif worker.__dict__.get("use_mla"):
+        return True
+    elif not remote.kv_heads or remote.kv_heads != local.kv_heads:
+        why = f"the KV heads differ ({remote.kv_heads} and {local.kv_heads})"
+    elif remote.kv_heads % max(remote_tp, local_tp):
+        why = (f"{remote.kv_heads} KV heads are not whole per rank at TP "
+               f"{max(remote_tp, local_tp)}")
+    elif remote.memory_order != "HND" or local.memory_order != "HND":
+        why = (f"head slices need blocks with the heads outermost (LBHNC) on both sides, not "
+               f"{remote.memory_order} and {local.memory_order}")
+    else:
+        return True
+    _say_unstaged(worker, engine, remote_tp, why)
+    return False
 
 
 class RefusedRead:

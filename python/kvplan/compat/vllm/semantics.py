@@ -74,12 +74,13 @@ def memory_order() -> str | None:
 
 def regions_layout(ptrs: Sequence[int], items: Sequence[int], ids: Sequence[int] | None, *,
                    blocks: int, context: dict[str, Any], use_mla: bool,
-                   model_config: Any) -> kvplan.Layout | None:
+                   model_config: Any, order: str | None = None) -> kvplan.Layout | None:
     """The layout of a worker's registered KV regions (``ptrs``, each block's bytes
     ``items``, the regions' layer ids where known, ``blocks`` blocks per region) with the
     ``context`` (page size, TP and PP coordinates). For attention other than MLA, the heads of
     ``model_config.get_total_num_kv_heads()`` over the TP size, each head's bytes as one
-    element, in the memory order ``VLLM_KV_CACHE_LAYOUT`` names (NHD by default). None where
+    element, in the memory order ``order`` (``NHD`` / ``HND``) or else the one
+    ``VLLM_KV_CACHE_LAYOUT`` names (NHD by default). None where
     the regions do not hold whole heads alike: a layout without the heads could refuse a TP
     pair vLLM plans, so nothing is checked."""
     if not ptrs or len(items) != len(ptrs):
@@ -98,7 +99,8 @@ def regions_layout(ptrs: Sequence[int], items: Sequence[int], ids: Sequence[int]
                 n == page * per_rank * next(iter(head_bytes)) for n in items):
             return None
         return kvplan.Layout(*args, kv_heads=heads, head_dim=next(iter(head_bytes)),
-                             dtype_size=1, memory_order=memory_order() or "NHD", **context)
+                             dtype_size=1, memory_order=order or memory_order() or "NHD",
+                             **context)
     except (AttributeError, TypeError, ValueError, kvplan.KvPlanError):
         # no heads: a layout without them could refuse a TP pair vLLM plans
         return None
