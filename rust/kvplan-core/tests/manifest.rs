@@ -123,21 +123,32 @@ fn hybrid(
         } else {
             bytes
         } / u64::from(tp.1);
-        let base = (2 << 32) + (k as u64) * (1 << 30);
-        let ptrs = (0..linear.len() as u64)
-            .map(|i| base + i * (1 << 24))
-            .collect();
-        layout = layout
-            .with_state(
-                name,
-                ptrs,
-                vec![4 * slot; linear.len()],
-                vec![slot; linear.len()],
-                linear.clone(),
-            )
-            .unwrap();
+        layout = add_state(
+            layout,
+            name,
+            slot,
+            &linear,
+            (2 << 32) + (k as u64) * (1 << 30),
+        );
     }
     layout
+}
+
+/// `layout` with a state entry `name` of `slot` bytes (4 slots) on each of the `linear` layers,
+/// its tensors from `base` on.
+fn add_state(layout: Layout, name: &str, slot: u64, linear: &[i64], base: u64) -> Layout {
+    let ptrs = (0..linear.len() as u64)
+        .map(|i| base + i * (1 << 24))
+        .collect();
+    layout
+        .with_state(
+            name,
+            ptrs,
+            vec![4 * slot; linear.len()],
+            vec![slot; linear.len()],
+            linear.to_vec(),
+        )
+        .unwrap()
 }
 
 fn stages(pp: u32) -> Vec<std::ops::Range<i64>> {
@@ -408,19 +419,13 @@ fn with_states(states: &[(&str, u64)], tp: (u32, u32)) -> Layout {
     let linear: Vec<i64> = (0..LAYERS).filter(|&l| !mla_layer(l)).collect();
     for (k, (name, bytes)) in states.iter().enumerate() {
         let slot = bytes / u64::from(tp.1);
-        let base = (3 << 32) + (k as u64) * (1 << 30);
-        let ptrs = (0..linear.len() as u64)
-            .map(|i| base + i * (1 << 24))
-            .collect();
-        layout = layout
-            .with_state(
-                name,
-                ptrs,
-                vec![4 * slot; linear.len()],
-                vec![slot; linear.len()],
-                linear.clone(),
-            )
-            .unwrap();
+        layout = add_state(
+            layout,
+            name,
+            slot,
+            &linear,
+            (3 << 32) + (k as u64) * (1 << 30),
+        );
     }
     layout
 }
