@@ -4,6 +4,9 @@ each as a fraction of the wire ceiling, as vLLM's engine pays it.
     .venv/bin/python bench/vllm_nixl_staged.py                 # full set, writes the results file
     .venv/bin/python bench/vllm_nixl_staged.py --quick         # smoke run (tiny case), no file
     .venv/bin/python bench/vllm_nixl_staged.py --cases gqa-4k-f100 --repeats 5
+    .venv/bin/python bench/vllm_nixl_staged.py --tp            # TP 1 -> 2 and 2 -> 1 cases,
+                                                               # vllm-nixl-staged-tp.md
+    .venv/bin/python bench/vllm_nixl_staged.py --quick --tp    # their smoke run, no file
 
 Two workers of ``KvplanNixlConnector`` (a prefill and a decode) are built over vLLM 0.33's real
 ``NixlPullConnectorWorker`` from the wheel, with real NIXL agents (UCX on loopback) in this one
@@ -36,6 +39,15 @@ the prefill's pages: a wrong copy fails the run. What is outside every timer: bu
 workers and agents, the handshake, vLLM's prepped lists, the prefill's ``start_load_kv`` of
 the request, zeroing and checking, and draining the prefill's notifications (vLLM's
 ``_get_new_notifs``).
+
+Between TP sizes that differ (``--tp``; ``TpRig``): every prefill and decode rank is its own
+worker with its own agent and KV cache, both sides in vLLM's block-contiguous ``LBHNC`` layout,
+each decode rank handshaken with the prefill ranks vLLM's ``compute_tp_mapping`` names, vLLM's
+prepped lists per (decode rank, prefill rank) built once as its ``add_remote_agent`` does. The
+timed reads are decode rank 0's: at prefill TP 1 -> decode TP 2 its heads' half of each prefill
+block (vLLM's cost per decode rank; rank 1 reads after it, untimed), at prefill TP 2 -> decode
+TP 1 its reads from both prefill ranks (one ``_read_blocks`` each). The ceiling is each timed
+prefill rank read's bytes as one descriptor.
 """
 
 from __future__ import annotations
@@ -81,6 +93,12 @@ class Case:
     block: int
     fragmentation: float
     mla: bool = False
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def tp(self) -> bool:
+        return (self.prefill_tp, self.decode_tp) != (1, 1)
 
     def geometry(self) -> Any:
         from support.vllm_nixl import Geometry
@@ -119,12 +137,37 @@ CASES = [
     Case("mla-4k-f100", f"{MLA}, 61 layers, block 16, 4K tokens, decode 100 % fragmented", 61,
          4096, 16, 1.0, mla=True),
 ]
+# Prefill and decode TP sizes that differ (vLLM's block-contiguous LBHNC, heads outermost): TP 1
+# -> 2 times decode rank 0's read (its 4 heads of the prefill's blocks: what vLLM pays per rank;
+# rank 1 reads untimed after it, so the prefill gets both ranks' notifications), TP 2 -> 1 the
+# decode's reads from both prefill ranks (4 heads each) for the request.
+P1D2 = "prefill TP 1 -> decode TP 2, decode rank 0's read (4 of 8 heads)"
+P2D1 = "prefill TP 2 -> decode TP 1, the decode's reads from both prefill ranks"
+TP_CASES = [
+    Case("p1d2-gqa-1k-f5", f"{GQA}, 32 layers, block 16, 1K tokens, decode 5 % fragmented; "
+         f"{P1D2}", 32, 1024, 16, 0.05, prefill_tp=1, decode_tp=2),
+    Case("p1d2-gqa-1k-f100", f"{GQA}, 32 layers, block 16, 1K tokens, decode 100 % fragmented; "
+         f"{P1D2}", 32, 1024, 16, 1.0, prefill_tp=1, decode_tp=2),
+    Case("p1d2-gqa-4k-f5", f"{GQA}, 8 of 32 layers, block 16, 4K tokens, decode 5 % fragmented; "
+         f"{P1D2}", 8, 4096, 16, 0.05, prefill_tp=1, decode_tp=2),
+    Case("p1d2-gqa-4k-f100", f"{GQA}, 8 of 32 layers, block 16, 4K tokens, decode 100 % "
+         f"fragmented; {P1D2}", 8, 4096, 16, 1.0, prefill_tp=1, decode_tp=2),
+    Case("p2d1-gqa-1k-f5", f"{GQA}, 32 layers, block 16, 1K tokens, decode 5 % fragmented; "
+         f"{P2D1}", 32, 1024, 16, 0.05, prefill_tp=2, decode_tp=1),
+    Case("p2d1-gqa-1k-f100", f"{GQA}, 32 layers, block 16, 1K tokens, decode 100 % fragmented; "
+         f"{P2D1}", 32, 1024, 16, 1.0, prefill_tp=2, decode_tp=1),
+]
 QUICK = [
     Case("gqa-tiny", f"{GQA}, 4 layers, block 16, 256 tokens, decode 100 % fragmented", 4, 256,
          16, 1.0),
     Case("mla-tiny", f"{MLA}, 4 layers, block 16, 256 tokens, decode 100 % fragmented", 4, 256,
          16, 1.0, mla=True),
+    Case("p1d2-tiny", f"{GQA}, 4 layers, block 16, 256 tokens, decode 100 % fragmented; {P1D2}",
+         4, 256, 16, 1.0, prefill_tp=1, decode_tp=2),
+    Case("p2d1-tiny", f"{GQA}, 4 layers, block 16, 256 tokens, decode 100 % fragmented; {P2D1}",
+         4, 256, 16, 1.0, prefill_tp=2, decode_tp=1),
 ]
+ALL = CASES + TP_CASES + QUICK
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +354,345 @@ class Rig:
                     [(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM"))
 
 
+ENGINE = "prefill-0"
+_TP = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"
+
+
+class TpRig(Rig):
+    """One case between TP sizes that differ: every prefill rank and decode rank a worker of
+    ``KvplanNixlConnector`` (staging on) with its own KV cache in host memory registered with
+    its own NIXL agent, each decode rank handshaken with the prefill ranks vLLM's TP mapping
+    (``compute_tp_mapping``) names for it, both sides naming vLLM's block-contiguous layout
+    (``LBHNC``: heads outermost, so a rank's heads are one range of a block). vLLM's prepped
+    lists per (decode rank, prefill rank) are what its ``add_remote_agent`` builds
+    (``_build_fa_remote``, ``_build_local_splits_from_plan``), once, outside the timer. The
+    timed decode is rank 0: its reads of the request, one ``_read_blocks`` per prefill rank
+    the mapping names (vLLM's ``_read_blocks_for_req`` loop), until vLLM's polling reports it
+    done. The other decode ranks read after, untimed, so each prefill rank gets every
+    consumer's notification."""
+
+    def __init__(self, c: Any, nixl: Any, mp: Any, case: Case, arena_mib: int) -> None:
+        import types
+
+        from support.vllm_nixl_pair import Pair, build, nixl_agent, random_bytes
+
+        self.c, self.nixl, self.case = c, nixl, case
+        g = self.g = case.geometry()
+        self.tpm = nixl.modules[_TP]
+        n = case.pages
+        self.src_pages = np.arange(1, n + 1, dtype=np.int64)
+        self.dst_pages = fragmented_pages(n, case.fragmentation, seed=7, shuffle_runs=True,
+                                          capacity=g.blocks).astype(np.int64)
+        staging = {"kvplan_staging": "always", "kvplan_staging_arena_mib": arena_mib,
+                   "kvplan_staging_buffers": BUFFERS}
+        P, D = case.prefill_tp, case.decode_tp
+        self.p_mem = [random_bytes(g.regions * g.blocks * g.block_bytes(P), 7 + r)
+                      for r in range(P)]
+        self.d_mem = [np.zeros(g.regions * g.blocks * g.block_bytes(D), np.uint8)
+                      for _ in range(D)]
+        info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
+                                     remote_physical_blocks_per_logical=1, remote_tp_size=P)
+
+        def make(engine: str, role: str, rank: int, size: int, mem: np.ndarray) -> Any:
+            w = build(c, nixl, mp, engine, role, staging, base=mem.ctypes.data,
+                      agent=nixl_agent(f"{engine}-tp{rank}"), geometry=g, tp_rank=rank,
+                      tp_size=size)
+            Pair._vllm_state(types.SimpleNamespace(  # type: ignore[arg-type]
+                geometry=g, region_groups=[0] * g.regions), w)
+            w.__dict__.update(
+                kv_cache_layout="LBHNC",
+                block_stride_per_layer=[g.block_bytes(size)] * g.regions,
+                _group_spec_types=(self.tpm.AttentionSpec,), _region_is_mla=[g.mla] * g.regions,
+                _head_sharded_draft_regions=set(), draft_tp_mappings={},
+                _ple_region_index=None, _logical_num_blocks=g.blocks,
+                num_descs=g.regions * g.blocks,
+                transfer_topo=types.SimpleNamespace(
+                    get_engine_info=lambda engine: info, block_size_ratio=lambda s: 1,
+                    handshake_target_ranks=lambda *a: [0], tp_rank=rank, tp_size=size,
+                    is_mla=g.mla, total_num_kv_heads=g.heads,
+                    dcp_consumer_count=lambda r, d: max(1, size // r)))
+            w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
+            return w
+
+        self.prefill = [make(ENGINE, "kv_producer", r, P, m) for r, m in enumerate(self.p_mem)]
+        self.decode = [make("decode-0", "kv_consumer", r, D, m) for r, m in enumerate(self.d_mem)]
+        payloads = [self._serve(w) for w in self.prefill]
+        self.plans = []
+        for d in self.decode:
+            plan = self.tpm.compute_tp_mapping(transfer_topology=d.transfer_topo,
+                                               remote_tp_size=P,
+                                               group_spec_types=d._group_spec_types)
+            self.plans.append(plan)
+            d._remote_agents = {ENGINE: {}}
+            d.tp_mappings = {ENGINE: plan}  # what vLLM's add_remote_agent keeps
+            for r in plan.all_source_ranks:
+                c.served.append(payloads[r])
+                d.transfer_topo.handshake_target_ranks = lambda *a, r=r: [r]
+                agents, _ = d._nixl_handshake("127.0.0.1", 5600, P, ENGINE)
+                d._remote_agents[ENGINE].update(agents)
+        self.sources = [list(p.all_source_ranks) for p in self.plans]
+        self.prepped = [self._prep(d) for d in range(D)]  # vLLM's, once per peer
+        # each (decode rank, prefill rank) read: the heads both hold, as byte ranges of a block
+        hb = g.block * g.head_bytes
+        self.spans: list[list[tuple[int, int, int, int]]] = []  # (r, d offset, p offset, len)
+        for d in range(D):
+            spans = []
+            for r in self.sources[d]:
+                d0, p0 = d * g.heads // D, r * g.heads // P
+                lo, hi = max(d0, p0), min(d0 + g.heads // D, p0 + g.heads // P)
+                assert lo < hi, (d, r)
+                spans.append((r, (lo - d0) * hb, (lo - p0) * hb, (hi - lo) * hb))
+            self.spans.append(spans)
+        self.d_bb, self.p_bb = g.block_bytes(D), g.block_bytes(P)
+        self.d_blocks = [m.reshape(g.regions, g.blocks, self.d_bb) for m in self.d_mem]
+        self.p_blocks = [m.reshape(g.regions, g.blocks, self.p_bb) for m in self.p_mem]
+        # the timed decode's reads: rank 0's, bytes per prefill rank read
+        self.read_bytes = [g.regions * n * length for _, _, _, length in self.spans[0]]
+        self.bytes = sum(self.read_bytes)
+        self.arena_bytes = arena_mib << 20
+        self.seq = 0
+        self.descriptors: dict[str, int] = {}
+        self.rounds = 0
+        self.agent = getattr(self.decode[0].nixl_wrapper, "agent", self.decode[0].nixl_wrapper)
+        self._ceiling_descs()
+
+    def _serve(self, prefill: Any) -> bytes:
+        from support.vllm_nixl import COMPAT_HASH, MSGSPEC
+
+        bw = self.nixl.base_worker
+        meta = bw.NixlAgentMetadata(
+            engine_id=ENGINE, agent_metadata=prefill.nixl_wrapper.get_agent_metadata(),
+            kv_caches_base_addr=prefill.kv_caches_base_addr[ENGINE][prefill.tp_rank],
+            device_id=0, num_blocks=prefill.num_blocks,
+            block_lens=prefill.block_len_per_layer, block_strides=prefill.block_len_per_layer,
+            kv_cache_layout="LBHNC", block_size=prefill.block_size, ssm_sizes=(0, 0),
+            attn_backend_name="FLASH_ATTN", physical_blocks_per_logical_kv_block=1)
+        prefill.__dict__["_served_meta"] = meta
+
+        def register(self: Any, kv_caches: Any) -> None:
+            self.xfer_handshake_metadata = bw.NixlHandshakePayload(
+                compatibility_hash=COMPAT_HASH,
+                agent_metadata_bytes=MSGSPEC.msgpack.encode(meta))
+
+        import pytest
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(self.nixl.NixlPullConnectorWorker, "register_kv_caches", register)
+            prefill.register_kv_caches({})
+        return bytes(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
+
+    def _prep(self, d: int) -> list[tuple[Any, Any]]:
+        """Decode rank ``d``'s prepped (local, remote) lists per prefill rank it reads, as
+        vLLM's ``add_remote_agent`` builds them."""
+        decode, plan, g = self.decode[d], self.plans[d], self.g
+        agent = getattr(decode.nixl_wrapper, "agent", decode.nixl_wrapper)
+        local_all = decode._build_fa_local(decode.kv_caches_base_addr["decode-0"][d], 1)
+        split = self.case.prefill_tp > self.case.decode_tp and not g.mla
+        locals_ = list(decode._build_local_splits_from_plan(
+            plan, local_all, g.regions * g.blocks, 1)) if split else None
+        out = []
+        for i, r in enumerate(plan.all_source_ranks):
+            local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", np.asarray(locals_[i]) if locals_ else local_all,
+                mem_type="DRAM")
+            remote = agent.prep_xfer_dlist(
+                decode._remote_agents[ENGINE][(0, r)],
+                decode._build_fa_remote(plan, self.prefill[r]._served_meta, 1), mem_type="DRAM")
+            out.append((local, remote))
+        return out
+
+    def keep(self, remote: str) -> None:
+        """vLLM's scheduler keeps the request's blocks on every prefill rank (with the block ids
+        kvplan's scheduler side adds), through vLLM's ``start_load_kv``."""
+        import types
+
+        from kvplan.compat.vllm import nixl_staging
+
+        for w in self.prefill:
+            meta = self.nixl.metadata.NixlConnectorMetadata()
+            meta.reqs_in_batch = {remote}
+            now = time.perf_counter()
+            meta.scheduler_clock = now
+            meta.reqs_to_send = {remote: now + 30.0}
+            scheduler = types.SimpleNamespace()
+            nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=remote), (
+                True, {"remote_block_ids": [self.src_pages.tolist()]}))
+            nixl_staging.attach_sent_blocks(scheduler, meta)
+            w.start_load_kv(meta)
+            assert remote in w._reqs_to_send
+
+    def prepare(self, path: str) -> tuple[str, str]:
+        request, remote = self._ids()
+        if path == "ceiling":
+            self.d_mem[0][:self.bytes] = 0
+        else:
+            self.keep(remote)
+            for blocks in self.d_blocks:
+                blocks[:, self.dst_pages] = 0
+        return request, remote
+
+    def read(self, d: int, path: str, request: str, remote: str) -> list[Any]:
+        decode, plan = self.decode[d], self.plans[d]
+        for (local, rhandle), r in zip(self.prepped[d], self.sources[d]):
+            spec = self.tpm.ReadSpec(remote_rank=r, local_block_ids=[self.dst_pages.tolist()],
+                                     remote_block_ids=[self.src_pages.tolist()])
+            kwargs = dict(read_spec=spec, dst_engine_id=ENGINE, request_id=request,
+                          remote_request_id=remote, local_xfer_side_handle=local,
+                          local_dram_handle=None, remote_xfer_side_handle=rhandle,
+                          expected_consumers=plan.local_consumers, awaiting_kvs=True)
+            cls = decode.__class__
+            if path == "vllm":
+                decode.__class__ = self.nixl.NixlPullConnectorWorker
+            try:
+                if decode._read_blocks(**kwargs) is not True:
+                    raise SystemExit(f"{self.case.name} {path}: rank {d}'s read of prefill rank "
+                                     f"{r} was not posted")
+            finally:
+                decode.__class__ = cls
+        handles = list(decode._recving_transfers[request])
+        deadline = time.monotonic() + 120.0
+        while True:
+            done, failed = decode._pop_done_transfers(decode._recving_transfers)
+            if done or failed or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        if failed or done != {request}:
+            raise SystemExit(f"{self.case.name} {path}: decode rank {d}'s read of {request} "
+                             f"failed (done {done}, failed {failed})")
+        return handles
+
+    def run(self, path: str, request: str, remote: str) -> None:
+        if path == "ceiling":
+            self.ceiling()
+            return
+        self.last_handles = self.read(0, path, request, remote)
+
+    def after(self, path: str, remote: str) -> None:
+        if path != "ceiling":  # the other decode ranks' reads, untimed
+            request = f"{remote}-rest"
+            for d in range(1, len(self.decode)):
+                self.read(d, path, request, remote)
+        if not self.pages_ok(path):
+            raise SystemExit(f"{self.case.name} {path}: the decode's bytes differ from the "
+                             f"prefill's pages")
+        if path != "ceiling":
+            self.drain(remote)
+
+    def _ceiling_descs(self) -> None:
+        from kvplan.engines.nixl.descriptors import descriptor_rows
+
+        self.ceiling_descs = []
+        off = 0
+        for (r, _, _, _), size in zip(self.spans[0], self.read_bytes):
+            one = np.array([size], np.uint64)
+            local = self.agent.get_xfer_descs(descriptor_rows(
+                np.array([self.d_mem[0].ctypes.data + off], np.uint64), one, 0), "DRAM")
+            remote = self.agent.get_xfer_descs(descriptor_rows(
+                np.array([self.p_mem[r].ctypes.data], np.uint64), one, 0), "DRAM")
+            self.ceiling_descs.append((local, remote, self.decode[0]._remote_agents[ENGINE][
+                (0, r)], r, off, size))
+            off += size
+
+    def ceiling(self) -> None:
+        """Each prefill rank read of the timed decode as ONE descriptor READ of its bytes, all
+        posted, then polled to DONE."""
+        agent = self.agent
+        handles = [agent.initialize_xfer("READ", local, remote, name, b"")
+                   for local, remote, name, *_ in self.ceiling_descs]
+        try:
+            states = [agent.transfer(h) for h in handles]
+            while any(s != "DONE" for s in states):
+                if "ERR" in states:
+                    raise SystemExit(f"{self.case.name} ceiling: NIXL reported ERR")
+                time.sleep(POLL_S)
+                states = [s if s == "DONE" else agent.check_xfer_state(h)
+                          for h, s in zip(handles, states)]
+        finally:
+            for h in handles:
+                agent.release_xfer_handle(h)
+
+    def drain(self, remote: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for w in self.prefill:
+            while remote in w._reqs_to_send and time.monotonic() < deadline:
+                w._get_new_notifs()
+                if remote in w._reqs_to_send:
+                    time.sleep(0.001)
+            if remote in w._reqs_to_send:
+                raise SystemExit(f"{self.case.name}: prefill rank {w.tp_rank} was not notified "
+                                 f"of {remote}")
+
+    def pages_ok(self, path: str) -> bool:
+        if path == "ceiling":
+            return all(np.array_equal(self.d_mem[0][off:off + size], self.p_mem[r][:size])
+                       for _, _, _, r, off, size in self.ceiling_descs)
+        for d, spans in enumerate(self.spans):
+            got = self.d_blocks[d][:, self.dst_pages]
+            for r, d_off, p_off, length in spans:
+                if not np.array_equal(got[:, :, d_off:d_off + length],
+                                      self.p_blocks[r][:, self.src_pages, p_off:p_off + length]):
+                    return False
+        return True
+
+    def whole_ok(self, path: str) -> bool:
+        if path == "ceiling":
+            want = np.zeros_like(self.d_mem[0])
+            for _, _, _, r, off, size in self.ceiling_descs:
+                want[off:off + size] = self.p_mem[r][:size]
+            return bool(np.array_equal(self.d_mem[0], want))
+        for d, spans in enumerate(self.spans):
+            want = np.zeros_like(self.d_blocks[d])
+            for r, d_off, p_off, length in spans:
+                want[:, self.dst_pages, d_off:d_off + length] = \
+                    self.p_blocks[r][:, self.src_pages, p_off:p_off + length]
+            if not np.array_equal(self.d_blocks[d], want):
+                return False
+        return True
+
+    def checked_run(self, path: str) -> None:
+        from kvplan.compat.vllm.nixl_staging import StagedRead
+
+        for m in self.d_mem:
+            m[:] = 0
+        stats = self.decode[0].xfer_stats.data["num_descriptors"]
+        before = len(stats)
+        request, remote = self.prepare(path)
+        self.run(path, request, remote)
+        timed = len(stats)
+        self.after(path, remote)  # the other ranks' reads, the request's pages checked
+        if not self.whole_ok(path):
+            raise SystemExit(f"{self.case.name} {path}: the decode's KV memory differs from "
+                             f"the expected bytes")
+        if path == "ceiling":
+            self.descriptors[path] = len(self.ceiling_descs)
+        elif path == "vllm":
+            self.descriptors[path] = int(sum(stats[before:timed]))
+        else:
+            handles = self.last_handles
+            if not all(isinstance(h, StagedRead) for h in handles):
+                raise SystemExit(f"{self.case.name}: kvplan's worker did not stage every read")
+            self.rounds = sum(len(h.rounds) for h in handles)
+            self.descriptors[path] = self.rounds
+            self.gather_blocks = sum(len(r.gather) for h in handles for r in h.rounds)
+            self.scatter_blocks = sum(len(r.scatter) for h in handles for r in h.rounds)
+
+    def close(self) -> None:
+        from support.vllm_nixl_pair import close
+
+        for d, lists in zip(self.decode, self.prepped):
+            agent = getattr(d.nixl_wrapper, "agent", d.nixl_wrapper)
+            for local, remote in lists:
+                with contextlib.suppress(Exception):
+                    agent.release_dlist_handle(local)
+                    agent.release_dlist_handle(remote)
+        close(*self.prefill, *self.decode)
+        for w, mem in [*zip(self.prefill, self.p_mem), *zip(self.decode, self.d_mem)]:
+            agent = getattr(w.nixl_wrapper, "agent", w.nixl_wrapper)
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(agent.get_reg_descs(
+                    [(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM"))
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampling and the report
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +720,7 @@ def sample(rig: Rig, repeats: int) -> dict[str, list[float]]:
 def measure(c: Any, nixl: Any, mp: Any, case: Case, repeats: int, arena_mib: int
             ) -> dict[str, Any]:
     t0 = time.monotonic()
-    rig = Rig(c, nixl, mp, case, arena_mib)
+    rig = (TpRig if case.tp else Rig)(c, nixl, mp, case, arena_mib)
     try:
         t1 = time.monotonic()
         for path in PATHS:
@@ -398,16 +780,24 @@ def main(argv: list[str] | None = None) -> int:
                     "(default 5; --quick 1)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/"
-                    "vllm-nixl-staged.md; --quick writes none unless given)")
+                    "vllm-nixl-staged.md, or vllm-nixl-staged-tp.md for the TP cases; --quick "
+                    "writes none unless given)")
+    ap.add_argument("--tp", action="store_true", help="the cases between prefill and decode "
+                    "TP sizes that differ (with --quick: their tiny ones); their results file is "
+                    "bench/results/vllm-nixl-staged-tp.md")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     args = ap.parse_args(argv)
     pool = QUICK if args.quick else CASES
+    if args.tp:
+        pool = [c for c in QUICK if c.tp] if args.quick else TP_CASES
+    elif args.quick:
+        pool = [c for c in QUICK if not c.tp]
     if args.list:
-        for case in CASES + QUICK:
+        for case in ALL:
             print(f"{case.name}: {case.label}")
         return 0
     if args.cases:
-        by_name = {case.name: case for case in CASES + QUICK}
+        by_name = {case.name: case for case in ALL}
         unknown = [n for n in args.cases.split(",") if n not in by_name]
         if unknown:
             ap.error(f"unknown cases {unknown}; known: {sorted(by_name)}")
@@ -430,7 +820,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(repeats=repeats, arena_bytes=arena_mib << 20, rows=[
                 {k: v for k, v in r.items()} for r in rows]), f, indent=1)
-    out = args.out or (None if args.quick else os.path.join(RESULTS_DIR, "vllm-nixl-staged.md"))
+    tp = any(case.tp for case in pool)
+    if tp and not all(case.tp for case in pool) and args.out is None and not args.quick:
+        ap.error("cases with and without TP sizes that differ go to different results files: "
+                 "run them apart or name --out")
+    out = args.out or (None if args.quick else os.path.join(
+        RESULTS_DIR, "vllm-nixl-staged-tp.md" if tp else "vllm-nixl-staged.md"))
     if out is None:
         return 0
     lines = [
@@ -450,6 +845,23 @@ def main(argv: list[str] | None = None) -> int:
         "request's bytes as one NIXL READ descriptor between the same two agents. kvplan "
         f"staged: {arena_mib} MiB arena per side in {BUFFERS} round buffers. Target: staged "
         f">= {TARGET} of the ceiling.", ""]
+    if tp:
+        lines += [
+            "Prefill and decode TP sizes that differ (both sides in vLLM's block-contiguous "
+            "`LBHNC` layout, heads outermost; 8 KV heads in all): prefill TP 1 -> decode TP 2 "
+            "times decode rank 0's read of the request (its 4 heads: half of each prefill "
+            "block), what vLLM pays per decode rank (rank 1 reads after it, untimed, so the "
+            "prefill gets both notifications); prefill TP 2 -> decode TP 1 times the decode's "
+            "reads from both prefill ranks (one `_read_blocks` each, vLLM's loop; each lands "
+            "half of each decode block), until vLLM's polling reports the request done. "
+            "vLLM's descriptor lists for each (decode rank, prefill rank) are the ones its "
+            "`add_remote_agent` builds (`_build_fa_remote`, `_build_local_splits_from_plan`), "
+            "built once outside the timer. MiB: the bytes the timed reads move. The ceiling: "
+            "each timed prefill rank read's bytes as ONE descriptor (so 1 descriptor for TP 1 "
+            "-> 2, 2 posted together for TP 2 -> 1). kvplan staged: one staged stream per "
+            "prefill rank read; its descriptor count is the network reads (rounds) of all of "
+            "them. Byte checks: every decode rank's pages hold exactly its heads' bytes of the "
+            "prefill ranks' pages, every other byte zero.", ""]
     lines += table(rows) + [""]
     lines += ["## Byte checks", ""]
     for row in rows:

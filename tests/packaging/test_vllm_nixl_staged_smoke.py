@@ -52,3 +52,36 @@ def test_quick_run_reports_every_path(tmp_path: Path) -> None:
     assert "| request | MiB | ceiling (GB/s) | vLLM `_read_blocks` | kvplan staged |" in report
     assert "| GQA 8x128 bf16, 4 layers, block 16, 256 tokens" in report
     assert "bytes differ" not in report
+
+
+@pytest.mark.nixl
+def test_quick_tp_run_reports_every_path_per_rank(tmp_path: Path) -> None:
+    """The tiny cases between TP sizes that differ: decode rank 0 of TP 2 reading its 4 of 8
+    heads from prefill TP 1 (half of each prefill block), and decode TP 1 reading both prefill
+    ranks of TP 2 (one read each); every path's bytes checked, the descriptor counts vLLM's
+    (one per block and region per prefill rank read), kvplan's (one per round) and the
+    ceiling's (one per prefill rank read)."""
+    if importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip("NIXL (nixl_cu12) is not installed")
+    out_json = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--tp", "--json", str(out_json)],
+        cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {row["case"]: row for row in json.loads(out_json.read_text("utf-8"))["rows"]}
+    assert set(rows) == {"p1d2-tiny", "p2d1-tiny"}
+    for row in rows.values():
+        assert all(row["bytes_ok"][p] is True for p in ("vllm", "staged", "ceiling"))
+        assert all(len(t) == 1 and t[0] > 0 for t in row["times"].values())
+    # 8 regions x 16 blocks: rank 0's half of each block (2 MiB), one prefill rank read
+    one = rows["p1d2-tiny"]
+    assert one["request_bytes"] == 2 << 20
+    assert one["descriptors"]["vllm"] == 8 * 16 and one["descriptors"]["ceiling"] == 1
+    assert one["descriptors"]["staged"] == one["rounds"] < 8 * 16
+    assert one["scatter_blocks"] == 8 * 16
+    # both prefill ranks' halves of each decode block (4 MiB), two reads
+    two = rows["p2d1-tiny"]
+    assert two["request_bytes"] == 4 << 20
+    assert two["descriptors"]["vllm"] == 2 * 8 * 16 and two["descriptors"]["ceiling"] == 2
+    assert two["descriptors"]["staged"] == two["rounds"] < 2 * 8 * 16
+    assert two["scatter_blocks"] == 2 * 8 * 16
