@@ -49,6 +49,7 @@ from support.vllm_nixl_pair import (  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl_staging  # noqa: E402
+from kvplan.compat.vllm.nixl_staging import serve as staging_serve  # noqa: E402
 from kvplan.compat.vllm.staging import META_KEY, STAGING_ATTR  # noqa: E402
 from kvplan.staging import DirectFallback, NixlRoundReader, StagingAgreement  # noqa: E402
 
@@ -350,13 +351,13 @@ def test_a_direct_read_of_a_held_request_pins_it_and_lands_vllms_bytes(
     load_agents(connector, nixl, monkeypatch)
     pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
     answer = threading.Event()
-    real_serve_hold = nixl_staging.serve_hold
+    real_serve_hold = staging_serve.serve_hold
 
     def serve_hold(worker: Any, opening: Any, reply: Any) -> str:  # the prefill's listener
         assert answer.wait(60)
         return real_serve_hold(worker, opening, reply)
 
-    monkeypatch.setattr(nixl_staging, "serve_hold", serve_hold)
+    monkeypatch.setattr(staging_serve, "serve_hold", serve_hold)
     try:
         (handle,) = pair.read()  # returned while the prefill has not answered
         assert isinstance(handle, nixl_staging.HeldRead)
@@ -388,7 +389,7 @@ def test_a_prefill_that_never_answers_the_held_check_holds_no_step(
     load_agents(connector, nixl, monkeypatch)
     pair = Pair(connector, nixl, monkeypatch, decode_extra=AUTO_DIRECT)
     asked: list[str] = []
-    monkeypatch.setattr(nixl_staging, "serve_hold",
+    monkeypatch.setattr(staging_serve, "serve_hold",
                         lambda worker, opening, reply: asked.append(opening["stream"]) or
                         str(opening["stream"]))
     try:
@@ -592,13 +593,13 @@ def grouped_bytes(pair: Pair) -> np.ndarray:
 def asked_holds(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The held checks' opening messages the prefill's listener answers (as it does)."""
     asked: list[dict[str, Any]] = []
-    real_serve_hold = nixl_staging.serve_hold
+    real_serve_hold = staging_serve.serve_hold
 
     def serve_hold(worker: Any, opening: Any, reply: Any) -> str:
         asked.append(dict(opening))
         return real_serve_hold(worker, opening, reply)
 
-    monkeypatch.setattr(nixl_staging, "serve_hold", serve_hold)
+    monkeypatch.setattr(staging_serve, "serve_hold", serve_hold)
     return asked
 
 
