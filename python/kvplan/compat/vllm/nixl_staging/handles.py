@@ -7,8 +7,10 @@ check, then vLLM's own read); :class:`StagingAgent` answers vLLM's handle calls 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvplan.compat.vllm.nixl_staging.worker import _staging_log, worker_staging
@@ -195,7 +197,9 @@ class HeldRead:
     vLLM's polling of it (``check_xfer_state`` through :class:`StagingAgent`, on vLLM's own
     thread, the one its reads start on) sees ``PROC`` while the answer is pending; on the
     prefill's acknowledgement that poll starts vLLM's own read (:attr:`start`) and from then on
-    this handle answers for that read's NIXL handles (their state, telemetry and release);
+    this handle answers for that read's NIXL handles (their state, telemetry and release),
+    noted as the worker's agent made them (:meth:`StagingAgent.recording`), vLLM's
+    ``_recving_transfers`` left as it was;
     on a refusal, a bad answer, a closed channel or no answer within :attr:`wait_s` it says
     ``ERR`` with a :attr:`verdict` naming every block the read was to write (nothing was
     read), as :class:`RefusedRead` does. :attr:`clock` is the clock of that wait."""
@@ -214,11 +218,18 @@ class HeldRead:
         #: The prefill's answer, as this handle's polling took it: None while pending,
         #: ``"held"``, or ``"refused"``.
         self.outcome: str | None = None
-        #: vLLM's read's NIXL handles once it started (None before).
+        #: vLLM's read's NIXL handles once it started (None before): every handle its
+        #: ``_read_blocks`` made and did not release itself, each released once by
+        #: :meth:`release`.
         self.handles: list[Any] | None = None
+        #: Those of :attr:`handles` whose transfer vLLM posted (or tried to): the ones polled.
+        self.in_flight: list[Any] = []
         #: Whether vLLM's ``_read_blocks`` posted its read (False: vLLM routed the request to
-        #: its failure reporting when posting it).
+        #: its failure reporting when posting it, or it raised).
         self.posted: bool | None = None
+        #: What vLLM's ``_read_blocks`` raised, if it did (its READs in flight are polled to
+        #: their end, then the request takes vLLM's failed-receive path).
+        self.start_error: Exception | None = None
         self.verdict: Any = None
 
     def answered(self, answer: Any) -> None:
@@ -238,13 +249,15 @@ class HeldRead:
             return "PROC"
         if self.handles is None:
             self._start()
-        assert self.handles is not None
-        if not self.posted and not self.handles:
+        if self.start_error is None and not self.posted and not self.in_flight:
             # vLLM's read failed to start: its start-up failure path counted the failed
             # transfer and reports the request failed; this handle ends without counting it
-            # again (``DONE`` with no telemetry: vLLM records no transfer for it)
+            # again (``DONE`` with no telemetry: vLLM records no transfer for it; a handle it
+            # kept is released with this one)
             return "DONE"
-        states = [self._agent().check_xfer_state(h) for h in self.handles]
+        # a READ posted before vLLM's read raised is polled to its end like the others:
+        # vLLM frees the request's blocks only once this handle is no longer PROC
+        states = [self._agent().check_xfer_state(h) for h in self.in_flight]
         if any(s not in ("DONE", "PROC") for s in states):
             return "ERR"
         if "PROC" in states:
@@ -285,21 +298,47 @@ class HeldRead:
             state.router.close(self.stream)
 
     def _start(self) -> None:
-        """vLLM's own read, started on this (vLLM's polling) thread; the NIXL handles it
-        lists for the request are taken here, not left beside this one."""
-        import collections
-
+        """vLLM's own read, started on this (vLLM's polling) thread. The NIXL handles it
+        makes are noted by the worker's agent as they are made (:meth:`StagingAgent.recording`)
+        and become this handle's, even where vLLM's ``_read_blocks`` raised after making them;
+        vLLM's ``_recving_transfers`` stays the same dict throughout, its entry for the request
+        as it was (what vLLM's read listed there is this handle's: polled and released through
+        it, once)."""
         worker = self.worker
-        mine = worker._recving_transfers
-        worker._recving_transfers = collections.defaultdict(list)
-        try:
-            self.posted = bool(self.start())
-        finally:
-            started, worker._recving_transfers = worker._recving_transfers, mine
-        self.handles = list(started.get(self.request) or ())
-        for request, handles in started.items():  # nothing else is expected there
-            if request != self.request:
-                mine[request].extend(handles)
+        agent = worker.nixl_wrapper
+        if not isinstance(agent, StagingAgent):
+            raise TypeError(f"the held read of {self.request!r} starts vLLM's read through "
+                            f"kvplan's StagingAgent, not {type(agent).__name__}")
+        transfers = worker._recving_transfers
+        listed = self.request in transfers  # without adding the key to vLLM's defaultdict
+        error: Exception | None = None
+        with agent.recording() as record:
+            try:
+                self.posted = bool(self.start())
+            except Exception as exc:  # its READs in flight stay polled (state), then ERR
+                self.posted, error = False, exc
+            finally:
+                self.handles, self.in_flight = list(record.made), list(record.posted)
+                _take_back(transfers, self.request, self.handles, listed)
+        if error is not None:
+            self._start_failed(error)
+
+    def _start_failed(self, error: Exception) -> None:
+        """vLLM's ``_read_blocks`` raised after the prefill held the request (its own
+        failure reporting did not run): the request fails with a verdict naming every block
+        the read was to write (a READ it posted may have written some, none is known
+        loaded), once the READs it posted ended."""
+        from kvplan.failures import FailureVerdict
+
+        self.start_error = error
+        self.verdict = FailureVerdict(
+            self.request, self.blocks,
+            f"engine_failed: vLLM's read after the held check raised "
+            f"({type(error).__name__}: {error})")
+        _staging_log.warning(
+            "kvplan staging: %s; vLLM's failed-receive path once its %d READs in flight "
+            "ended (prefill request %s)", self.verdict, len(self.in_flight),
+            self.remote_request, exc_info=error)
 
     def telemetry(self) -> Any:
         """vLLM's read's telemetry (its one NIXL handle's; summed over several); None when
@@ -307,7 +346,7 @@ class HeldRead:
         import types
 
         agent = self._agent()
-        found = [agent.get_xfer_telemetry(h) for h in self.handles or ()]
+        found = [agent.get_xfer_telemetry(h) for h in self.in_flight]
         if not found and self.posted is False:
             return None
         if len(found) == 1:
@@ -324,11 +363,56 @@ class HeldRead:
         handle and tries again."""
         agent = self._agent()
         while self.handles:
-            agent.release_xfer_handle(self.handles[0])
+            handle = self.handles[0]
+            agent.release_xfer_handle(handle)
             self.handles.pop(0)
+            self.in_flight = [h for h in self.in_flight if h is not handle]
         if self.outcome is None:  # released before any answer (vLLM's shutdown)
             self.outcome = "refused"
             self._close()
+
+
+def _take_back(transfers: Any, request: str, handles: list[Any], listed: bool) -> None:
+    """vLLM's ``_recving_transfers`` entry for ``request`` as it was before vLLM's read
+    started: the ``handles`` vLLM's read listed there are the held read's now. Changed in
+    place: vLLM's polling may be iterating that very list (the held read's poll started the
+    read), and what vLLM's read appended lies past the held read's position in it. An entry
+    vLLM's read added (``listed`` False) goes again once empty."""
+    entry = transfers.get(request)
+    if entry is None:
+        return
+    kept = [h for h in entry if not _holds(handles, h)]
+    if len(kept) != len(entry):
+        entry[:] = kept
+    if not listed and not entry:
+        del transfers[request]
+
+
+def _holds(handles: list[Any], handle: Any) -> bool:
+    # by identity: NIXL's handles compare so; a stand-in's may be equal ints
+    return any(h is handle for h in handles)
+
+
+class ReadRecord:
+    """The NIXL transfer handles vLLM's read makes on one thread while a :class:`HeldRead`
+    starts it (:meth:`StagingAgent.recording`): :attr:`made` (less those vLLM released
+    itself during the start) and :attr:`posted`, those of them whose transfer it posted or
+    tried to (a post that raised may still be in flight)."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
+        self.posted: list[Any] = []
+
+    def note_made(self, handle: Any) -> None:
+        self.made.append(handle)
+
+    def note_posted(self, handle: Any) -> None:
+        if _holds(self.made, handle) and not _holds(self.posted, handle):
+            self.posted.append(handle)
+
+    def note_released(self, handle: Any) -> None:
+        self.made = [h for h in self.made if h is not handle]
+        self.posted = [h for h in self.posted if h is not handle]
 
 
 def _said_refused(verdict: Any, remote_request_id: str) -> None:
@@ -342,10 +426,49 @@ class StagingAgent:
     """The decode worker's ``nixl_wrapper`` with staging on: vLLM's NIXL agent, but the
     handle calls vLLM makes while polling (``check_xfer_state``, ``get_xfer_telemetry``,
     ``release_xfer_handle``) answer for a :class:`StagedRead` themselves; everything else
-    (and every NIXL handle) goes to the agent."""
+    (and every NIXL handle) goes to the agent. While a :class:`HeldRead` starts vLLM's read
+    (:meth:`recording`, on that thread) the transfer handles the agent makes, posts and
+    releases for it are noted."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
+        self._thread = threading.local()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[ReadRecord]:
+        """Note, until the block ends, the transfer handles made on this thread
+        (``make_prepped_xfer``, ``initialize_xfer``), the posts (``transfer``) and the
+        releases of them; another thread's (a handshake's, a staged read's) are not."""
+        outer = getattr(self._thread, "record", None)
+        record = self._thread.record = ReadRecord()
+        try:
+            yield record
+        finally:
+            self._thread.record = outer
+
+    def _record(self) -> ReadRecord | None:
+        record: ReadRecord | None = getattr(self._thread, "record", None)
+        return record
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.agent.make_prepped_xfer(*args, **kwargs)
+        record = self._record()
+        if record is not None:
+            record.note_made(handle)
+        return handle
+
+    def initialize_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.agent.initialize_xfer(*args, **kwargs)
+        record = self._record()
+        if record is not None:
+            record.note_made(handle)
+        return handle
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        record = self._record()
+        if record is not None:  # noted first: a post that raises may be in flight
+            record.note_posted(handle)
+        return self.agent.transfer(handle, *args, **kwargs)
 
     def check_xfer_state(self, handle: Any) -> Any:
         if isinstance(handle, (StagedRead, RefusedRead, HeldRead, AbortedRead)):
@@ -362,7 +485,11 @@ class StagingAgent:
             return handle.release()
         if isinstance(handle, (StagedRead, RefusedRead, AbortedRead)):
             return None  # nothing of NIXL's to release: each round's read released its own
-        return self.agent.release_xfer_handle(handle)
+        out = self.agent.release_xfer_handle(handle)
+        record = self._record()
+        if record is not None:  # released by vLLM's read itself: not the held read's
+            record.note_released(handle)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.agent, name)
