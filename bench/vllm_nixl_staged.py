@@ -143,20 +143,27 @@ CASES = [
 # decode's reads from both prefill ranks (4 heads each) for the request.
 P1D2 = "prefill TP 1 -> decode TP 2, decode rank 0's read (4 of 8 heads)"
 P2D1 = "prefill TP 2 -> decode TP 1, the decode's reads from both prefill ranks"
-TP_CASES = [
-    Case("p1d2-gqa-1k-f5", f"{GQA}, 32 layers, block 16, 1K tokens, decode 5 % fragmented; "
-         f"{P1D2}", 32, 1024, 16, 0.05, prefill_tp=1, decode_tp=2),
-    Case("p1d2-gqa-1k-f100", f"{GQA}, 32 layers, block 16, 1K tokens, decode 100 % fragmented; "
-         f"{P1D2}", 32, 1024, 16, 1.0, prefill_tp=1, decode_tp=2),
-    Case("p1d2-gqa-4k-f5", f"{GQA}, 8 of 32 layers, block 16, 4K tokens, decode 5 % fragmented; "
-         f"{P1D2}", 8, 4096, 16, 0.05, prefill_tp=1, decode_tp=2),
-    Case("p1d2-gqa-4k-f100", f"{GQA}, 8 of 32 layers, block 16, 4K tokens, decode 100 % "
-         f"fragmented; {P1D2}", 8, 4096, 16, 1.0, prefill_tp=1, decode_tp=2),
-    Case("p2d1-gqa-1k-f5", f"{GQA}, 32 layers, block 16, 1K tokens, decode 5 % fragmented; "
-         f"{P2D1}", 32, 1024, 16, 0.05, prefill_tp=2, decode_tp=1),
-    Case("p2d1-gqa-1k-f100", f"{GQA}, 32 layers, block 16, 1K tokens, decode 100 % fragmented; "
-         f"{P2D1}", 32, 1024, 16, 1.0, prefill_tp=2, decode_tp=1),
-]
+#: The TP cases, generated from their factors: the direction (name prefix, prefill and decode
+#: TP, what is timed) with the request sizes it runs (prefill TP 2 -> decode TP 1: the 1K
+#: requests only), times the decode's fragmentation. A size is its tokens and the layers kept
+#: (32 layers of 4K tokens are 1 GiB a side before the decode's spare pages: 8 there).
+TP_DIRECTIONS = (("p1d2", 1, 2, P1D2, (1024, 4096)), ("p2d1", 2, 1, P2D1, (1024,)))
+TP_LAYERS = {1024: 32, 4096: 8}
+TP_FRAGMENTATIONS = (0.05, 1.0)
+
+
+def _tp_case(prefix: str, prefill_tp: int, decode_tp: int, what: str, tokens: int,
+             fragmentation: float) -> Case:
+    layers, k, pct = TP_LAYERS[tokens], tokens // 1024, round(fragmentation * 100)
+    kept = "32 layers" if layers == 32 else f"{layers} of 32 layers"
+    return Case(f"{prefix}-gqa-{k}k-f{pct}", f"{GQA}, {kept}, block 16, {k}K tokens, decode "
+                f"{pct} % fragmented; {what}", layers, tokens, 16, fragmentation,
+                prefill_tp=prefill_tp, decode_tp=decode_tp)
+
+
+TP_CASES = [_tp_case(prefix, p, d, what, tokens, f)
+            for prefix, p, d, what, sizes in TP_DIRECTIONS for tokens in sizes
+            for f in TP_FRAGMENTATIONS]
 QUICK = [
     Case("gqa-tiny", f"{GQA}, 4 layers, block 16, 256 tokens, decode 100 % fragmented", 4, 256,
          16, 1.0),
@@ -355,7 +362,6 @@ class Rig:
 
 
 ENGINE = "prefill-0"
-_TP = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"
 
 
 class TpRig(Rig):
@@ -372,13 +378,10 @@ class TpRig(Rig):
     consumer's notification."""
 
     def __init__(self, c: Any, nixl: Any, mp: Any, case: Case, arena_mib: int) -> None:
-        import types
-
-        from support.vllm_nixl_pair import Pair, build, nixl_agent, random_bytes
+        from support.vllm_nixl_pair import TpPair
 
         self.c, self.nixl, self.case = c, nixl, case
         g = self.g = case.geometry()
-        self.tpm = nixl.modules[_TP]
         n = case.pages
         self.src_pages = np.arange(1, n + 1, dtype=np.int64)
         self.dst_pages = fragmented_pages(n, case.fragmentation, seed=7, shuffle_runs=True,
@@ -386,52 +389,14 @@ class TpRig(Rig):
         staging = {"kvplan_staging": "always", "kvplan_staging_arena_mib": arena_mib,
                    "kvplan_staging_buffers": BUFFERS}
         P, D = case.prefill_tp, case.decode_tp
-        self.p_mem = [random_bytes(g.regions * g.blocks * g.block_bytes(P), 7 + r)
-                      for r in range(P)]
-        self.d_mem = [np.zeros(g.regions * g.blocks * g.block_bytes(D), np.uint8)
-                      for _ in range(D)]
-        info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
-                                     remote_physical_blocks_per_logical=1, remote_tp_size=P)
-
-        def make(engine: str, role: str, rank: int, size: int, mem: np.ndarray) -> Any:
-            w = build(c, nixl, mp, engine, role, staging, base=mem.ctypes.data,
-                      agent=nixl_agent(f"{engine}-tp{rank}"), geometry=g, tp_rank=rank,
-                      tp_size=size)
-            Pair._vllm_state(types.SimpleNamespace(  # type: ignore[arg-type]
-                geometry=g, region_groups=[0] * g.regions), w)
-            w.__dict__.update(
-                kv_cache_layout="LBHNC",
-                block_stride_per_layer=[g.block_bytes(size)] * g.regions,
-                _group_spec_types=(self.tpm.AttentionSpec,), _region_is_mla=[g.mla] * g.regions,
-                _head_sharded_draft_regions=set(), draft_tp_mappings={},
-                _ple_region_index=None, _logical_num_blocks=g.blocks,
-                num_descs=g.regions * g.blocks,
-                transfer_topo=types.SimpleNamespace(
-                    get_engine_info=lambda engine: info, block_size_ratio=lambda s: 1,
-                    handshake_target_ranks=lambda *a: [0], tp_rank=rank, tp_size=size,
-                    is_mla=g.mla, total_num_kv_heads=g.heads,
-                    dcp_consumer_count=lambda r, d: max(1, size // r)))
-            w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
-            return w
-
-        self.prefill = [make(ENGINE, "kv_producer", r, P, m) for r, m in enumerate(self.p_mem)]
-        self.decode = [make("decode-0", "kv_consumer", r, D, m) for r, m in enumerate(self.d_mem)]
-        payloads = [self._serve(w) for w in self.prefill]
-        self.plans = []
-        for d in self.decode:
-            plan = self.tpm.compute_tp_mapping(transfer_topology=d.transfer_topo,
-                                               remote_tp_size=P,
-                                               group_spec_types=d._group_spec_types)
-            self.plans.append(plan)
-            d._remote_agents = {ENGINE: {}}
-            d.tp_mappings = {ENGINE: plan}  # what vLLM's add_remote_agent keeps
-            for r in plan.all_source_ranks:
-                c.served.append(payloads[r])
-                d.transfer_topo.handshake_target_ranks = lambda *a, r=r: [r]
-                agents, _ = d._nixl_handshake("127.0.0.1", 5600, P, ENGINE)
-                d._remote_agents[ENGINE].update(agents)
-        self.sources = [list(p.all_source_ranks) for p in self.plans]
-        self.prepped = [self._prep(d) for d in range(D)]  # vLLM's, once per peer
+        # the request is kept per run (prepare), not at set-up
+        self.pair = TpPair(c, nixl, mp, prefill_tp=P, decode_tp=D, geometry=g,
+                           prefill_pages=self.src_pages.tolist(),
+                           decode_pages=self.dst_pages.tolist(), staging=staging, keep=False)
+        self.p_mem, self.d_mem = self.pair.p_mem, self.pair.d_mem
+        self.prefill, self.decode = self.pair.prefill, self.pair.decode
+        self.plans, self.sources = self.pair.plans, self.pair.sources
+        self.prepped = [self.pair.prep(d) for d in range(D)]  # vLLM's, once per peer
         # each (decode rank, prefill rank) read: the heads both hold, as byte ranges of a block
         hb = g.block * g.head_bytes
         self.spans: list[list[tuple[int, int, int, int]]] = []  # (r, d offset, p offset, len)
@@ -456,106 +421,23 @@ class TpRig(Rig):
         self.agent = getattr(self.decode[0].nixl_wrapper, "agent", self.decode[0].nixl_wrapper)
         self._ceiling_descs()
 
-    def _serve(self, prefill: Any) -> bytes:
-        from support.vllm_nixl import COMPAT_HASH, MSGSPEC
-
-        bw = self.nixl.base_worker
-        meta = bw.NixlAgentMetadata(
-            engine_id=ENGINE, agent_metadata=prefill.nixl_wrapper.get_agent_metadata(),
-            kv_caches_base_addr=prefill.kv_caches_base_addr[ENGINE][prefill.tp_rank],
-            device_id=0, num_blocks=prefill.num_blocks,
-            block_lens=prefill.block_len_per_layer, block_strides=prefill.block_len_per_layer,
-            kv_cache_layout="LBHNC", block_size=prefill.block_size, ssm_sizes=(0, 0),
-            attn_backend_name="FLASH_ATTN", physical_blocks_per_logical_kv_block=1)
-        prefill.__dict__["_served_meta"] = meta
-
-        def register(self: Any, kv_caches: Any) -> None:
-            self.xfer_handshake_metadata = bw.NixlHandshakePayload(
-                compatibility_hash=COMPAT_HASH,
-                agent_metadata_bytes=MSGSPEC.msgpack.encode(meta))
-
-        import pytest
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(self.nixl.NixlPullConnectorWorker, "register_kv_caches", register)
-            prefill.register_kv_caches({})
-        return bytes(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
-
-    def _prep(self, d: int) -> list[tuple[Any, Any]]:
-        """Decode rank ``d``'s prepped (local, remote) lists per prefill rank it reads, as
-        vLLM's ``add_remote_agent`` builds them."""
-        decode, plan, g = self.decode[d], self.plans[d], self.g
-        agent = getattr(decode.nixl_wrapper, "agent", decode.nixl_wrapper)
-        local_all = decode._build_fa_local(decode.kv_caches_base_addr["decode-0"][d], 1)
-        split = self.case.prefill_tp > self.case.decode_tp and not g.mla
-        locals_ = list(decode._build_local_splits_from_plan(
-            plan, local_all, g.regions * g.blocks, 1)) if split else None
-        out = []
-        for i, r in enumerate(plan.all_source_ranks):
-            local = agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", np.asarray(locals_[i]) if locals_ else local_all,
-                mem_type="DRAM")
-            remote = agent.prep_xfer_dlist(
-                decode._remote_agents[ENGINE][(0, r)],
-                decode._build_fa_remote(plan, self.prefill[r]._served_meta, 1), mem_type="DRAM")
-            out.append((local, remote))
-        return out
-
-    def keep(self, remote: str) -> None:
-        """vLLM's scheduler keeps the request's blocks on every prefill rank (with the block ids
-        kvplan's scheduler side adds), through vLLM's ``start_load_kv``."""
-        import types
-
-        from kvplan.compat.vllm import nixl_staging
-
-        for w in self.prefill:
-            meta = self.nixl.metadata.NixlConnectorMetadata()
-            meta.reqs_in_batch = {remote}
-            now = time.perf_counter()
-            meta.scheduler_clock = now
-            meta.reqs_to_send = {remote: now + 30.0}
-            scheduler = types.SimpleNamespace()
-            nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=remote), (
-                True, {"remote_block_ids": [self.src_pages.tolist()]}))
-            nixl_staging.attach_sent_blocks(scheduler, meta)
-            w.start_load_kv(meta)
-            assert remote in w._reqs_to_send
-
     def prepare(self, path: str) -> tuple[str, str]:
         request, remote = self._ids()
         if path == "ceiling":
             self.d_mem[0][:self.bytes] = 0
         else:
-            self.keep(remote)
+            self.pair.keep(request=remote)
             for blocks in self.d_blocks:
                 blocks[:, self.dst_pages] = 0
         return request, remote
 
     def read(self, d: int, path: str, request: str, remote: str) -> list[Any]:
-        decode, plan = self.decode[d], self.plans[d]
-        for (local, rhandle), r in zip(self.prepped[d], self.sources[d]):
-            spec = self.tpm.ReadSpec(remote_rank=r, local_block_ids=[self.dst_pages.tolist()],
-                                     remote_block_ids=[self.src_pages.tolist()])
-            kwargs = dict(read_spec=spec, dst_engine_id=ENGINE, request_id=request,
-                          remote_request_id=remote, local_xfer_side_handle=local,
-                          local_dram_handle=None, remote_xfer_side_handle=rhandle,
-                          expected_consumers=plan.local_consumers, awaiting_kvs=True)
-            cls = decode.__class__
-            if path == "vllm":
-                decode.__class__ = self.nixl.NixlPullConnectorWorker
-            try:
-                if decode._read_blocks(**kwargs) is not True:
-                    raise SystemExit(f"{self.case.name} {path}: rank {d}'s read of prefill rank "
-                                     f"{r} was not posted")
-            finally:
-                decode.__class__ = cls
-        handles = list(decode._recving_transfers[request])
-        deadline = time.monotonic() + 120.0
-        while True:
-            done, failed = decode._pop_done_transfers(decode._recving_transfers)
-            if done or failed or time.monotonic() > deadline:
-                break
-            time.sleep(POLL_S)
+        """Decode rank ``d``'s reads of the request (``TpPair.read``: one ``_read_blocks`` per
+        prefill rank the mapping names) with the lists prepared once, then vLLM's polling
+        until it reports the request done."""
+        handles = self.pair.read(d, vllm_only=path == "vllm", request=request,
+                                 remote_request=remote, prepped=self.prepped[d])
+        done, failed = self.pair.poll(d, timeout_s=120.0, interval_s=POLL_S)
         if failed or done != {request}:
             raise SystemExit(f"{self.case.name} {path}: decode rank {d}'s read of {request} "
                              f"failed (done {done}, failed {failed})")
@@ -677,20 +559,7 @@ class TpRig(Rig):
             self.scatter_blocks = sum(len(r.scatter) for h in handles for r in h.rounds)
 
     def close(self) -> None:
-        from support.vllm_nixl_pair import close
-
-        for d, lists in zip(self.decode, self.prepped):
-            agent = getattr(d.nixl_wrapper, "agent", d.nixl_wrapper)
-            for local, remote in lists:
-                with contextlib.suppress(Exception):
-                    agent.release_dlist_handle(local)
-                    agent.release_dlist_handle(remote)
-        close(*self.prefill, *self.decode)
-        for w, mem in [*zip(self.prefill, self.p_mem), *zip(self.decode, self.d_mem)]:
-            agent = getattr(w.nixl_wrapper, "agent", w.nixl_wrapper)
-            with contextlib.suppress(Exception):
-                agent.deregister_memory(agent.get_reg_descs(
-                    [(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM"))
+        self.pair.close()
 
 
 # ----------------------------------------------------------------------------------------------

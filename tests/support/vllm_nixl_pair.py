@@ -4,6 +4,10 @@ real NIXL agent (UCX on loopback), handshaken: what the staged-read tests and th
 benchmark drive, one request at a time, through the decode's ``_read_blocks`` (vLLM's own or
 kvplan's) and vLLM's own ``_pop_done_transfers``.
 
+:class:`TpPair` is the same between prefill and decode TP sizes that differ (every rank its own
+worker, agent and KV cache; each decode rank's reads, one per prefill rank vLLM's TP mapping
+names): what the TP staged-read tests and the benchmark's ``--tp`` cases drive.
+
 The geometry (:class:`support.vllm_nixl.Geometry`) and the request's pages are arguments;
 the defaults are the tests' (3 layers, 8 blocks of 16 tokens, a five-page prefill request the
 decode has the first page of cached).
@@ -12,6 +16,7 @@ decode has the first page of cached).
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import queue
 import time
@@ -21,13 +26,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.vllm_nixl import TESTS, Geometry, handshake, serve, vllm_config, worker
+from support.vllm_nixl import (
+    COMPAT_HASH,
+    MSGSPEC,
+    TESTS,
+    Geometry,
+    handshake,
+    serve,
+    vllm_config,
+    worker,
+)
 
 from kvplan.compat.vllm import nixl_staging
 from kvplan.compat.vllm.staging import STAGING_ATTR
 
-__all__ = ["BLOCK_BYTES", "DECODE_PAGES", "PREFILL_PAGES", "READ_STAGING", "REGIONS",
-           "STAGING", "Pair", "build", "close", "load_agents", "nixl_agent"]
+__all__ = ["BLOCK_BYTES", "DECODE_PAGES", "ENGINE", "PREFILL_PAGES", "READ_STAGING", "REGIONS",
+           "STAGING", "Pair", "TpPair", "build", "close", "load_agents", "nixl_agent"]
 
 STAGING = {"kvplan_staging": "always", "kvplan_staging_arena_mib": 1,
            "kvplan_staging_buffers": 2}
@@ -272,3 +286,216 @@ class Pair:
 
     def close(self) -> None:
         close(self.prefill, self.decode)
+
+
+#: The prefill's engine id in :class:`Pair` and :class:`TpPair`.
+ENGINE = "prefill-0"
+_TP = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping"
+
+
+class TpPair:
+    """A prefill of ``prefill_tp`` ranks and a decode of ``decode_tp`` ranks of
+    ``KvplanNixlConnector`` with staging on (``staging``: the connector options, both sides),
+    every rank its own KV cache in host memory registered with its own NIXL agent, each decode
+    rank handshaken with the prefill ranks vLLM's TP mapping (``compute_tp_mapping``) names for
+    it; both sides name the layout ``layout`` (vLLM's block-contiguous ``LBHNC``: heads
+    outermost, so a rank's heads are one range of a block). ``prefill_pages`` /
+    ``decode_pages`` are the request's blocks (vLLM's ``remote_block_ids`` /
+    ``local_block_ids``); ``heads``: the decode's model names other KV heads. The request is
+    kept on every prefill rank (:meth:`keep`) unless ``keep`` is False."""
+
+    def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, *,
+                 prefill_tp: int, decode_tp: int, geometry: Geometry = TESTS,
+                 layout: str = "LBHNC", heads: int | None = None,
+                 prefill_pages: Sequence[int] = PREFILL_PAGES,
+                 decode_pages: Sequence[int] = DECODE_PAGES,
+                 staging: dict[str, Any] | None = None, keep: bool = True) -> None:
+        self.c, self.nixl, self.g = c, nixl, geometry
+        self.staging = READ_STAGING if staging is None else staging
+        self.prefill_pages, self.decode_pages = list(prefill_pages), list(decode_pages)
+        #: (decode worker, local list, remote list) prepared for vLLM's reads
+        self.prepped: list[tuple[Any, Any, Any]] = []
+        self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
+        self.tp = nixl.modules[_TP]
+        self.p_mem = [random_bytes(self._size(prefill_tp), 7 + r) for r in range(prefill_tp)]
+        self.d_mem = [np.zeros(self._size(decode_tp), np.uint8) for _ in range(decode_tp)]
+        self.prefill = [self._worker(monkeypatch, ENGINE, "kv_producer", r, prefill_tp, m,
+                                     layout) for r, m in enumerate(self.p_mem)]
+        self.decode = [self._worker(monkeypatch, "decode-0", "kv_consumer", r, decode_tp, m,
+                                    layout, heads) for r, m in enumerate(self.d_mem)]
+        self.payloads = [self._serve(w, layout) for w in self.prefill]
+        self.plans = [self._plan(d) for d in self.decode]
+        for d, plan in zip(self.decode, self.plans):
+            d._remote_agents = {ENGINE: {}}
+            d.tp_mappings = {ENGINE: plan}  # what vLLM's add_remote_agent keeps
+            for r in plan.all_source_ranks:
+                c.served.append(self.payloads[r])
+                d.transfer_topo.handshake_target_ranks = lambda *a, r=r: [r]
+                agents, _ = d._nixl_handshake("127.0.0.1", 5600, prefill_tp, ENGINE)
+                d._remote_agents[ENGINE].update(agents)
+        #: the prefill ranks each decode rank reads, as vLLM's TP mapping names them
+        self.sources = [list(p.all_source_ranks) for p in self.plans]
+        if keep:
+            self.keep()
+
+    def _size(self, tp: int) -> int:
+        return self.g.regions * self.g.blocks * self.g.block_bytes(tp)
+
+    def _worker(self, monkeypatch: pytest.MonkeyPatch, engine: str, role: str, rank: int,
+                size: int, mem: np.ndarray, layout: str, heads: int | None = None) -> Any:
+        g = self.g
+        w = build(self.c, self.nixl, monkeypatch, engine, role, self.staging,
+                  base=mem.ctypes.data, agent=nixl_agent(f"{engine}-tp{rank}"), geometry=g,
+                  tp_rank=rank, tp_size=size)
+        Pair._vllm_state(types.SimpleNamespace(  # type: ignore[arg-type]
+            geometry=g, region_groups=[0] * g.regions), w)
+        if heads is not None:  # this side's model names other KV heads
+            w.model_config = types.SimpleNamespace(**dict(
+                vars(w.model_config), get_total_num_kv_heads=lambda: heads))
+        info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
+                                     remote_physical_blocks_per_logical=1,
+                                     remote_tp_size=self.prefill_tp)
+        w.__dict__.update(
+            kv_cache_layout=layout, block_stride_per_layer=[g.block_bytes(size)] * g.regions,
+            _group_spec_types=(self.tp.AttentionSpec,),
+            _region_is_mla=[g.mla] * g.regions, _head_sharded_draft_regions=set(),
+            draft_tp_mappings={}, _ple_region_index=None, _logical_num_blocks=g.blocks,
+            num_descs=g.regions * g.blocks,
+            transfer_topo=types.SimpleNamespace(
+                get_engine_info=lambda engine: info, block_size_ratio=lambda s: 1,
+                handshake_target_ranks=lambda *a: [0], tp_rank=rank, tp_size=size,
+                is_mla=g.mla, total_num_kv_heads=g.heads,
+                # the decode ranks reading one prefill rank (vLLM's local_consumers)
+                dcp_consumer_count=lambda r, d: max(1, size // r)))
+        w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
+        return w
+
+    def _serve(self, prefill: Any, layout: str) -> bytes:
+        """The prefill rank's ``register_kv_caches`` (vLLM's part: the agent metadata it
+        serves, naming its layout), then kvplan's; the handshake payload."""
+        bw = self.nixl.base_worker
+        meta = bw.NixlAgentMetadata(
+            engine_id=ENGINE, agent_metadata=prefill.nixl_wrapper.get_agent_metadata(),
+            kv_caches_base_addr=prefill.kv_caches_base_addr[ENGINE][prefill.tp_rank],
+            device_id=0, num_blocks=prefill.num_blocks,
+            block_lens=prefill.block_len_per_layer, block_strides=prefill.block_len_per_layer,
+            kv_cache_layout=layout, block_size=prefill.block_size, ssm_sizes=(0, 0),
+            attn_backend_name="FLASH_ATTN", physical_blocks_per_logical_kv_block=1)
+        prefill.__dict__["_served_meta"] = meta
+
+        def register(self: Any, kv_caches: Any) -> None:
+            self.xfer_handshake_metadata = bw.NixlHandshakePayload(
+                compatibility_hash=COMPAT_HASH,
+                agent_metadata_bytes=MSGSPEC.msgpack.encode(meta))
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(self.nixl.NixlPullConnectorWorker, "register_kv_caches", register)
+            prefill.register_kv_caches({})
+        return bytes(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
+
+    def _plan(self, decode: Any) -> Any:
+        return self.tp.compute_tp_mapping(transfer_topology=decode.transfer_topo,
+                                          remote_tp_size=self.prefill_tp,
+                                          group_spec_types=decode._group_spec_types)
+
+    def keep(self, request: str = "req-p", lease_s: float = 30.0) -> None:
+        """vLLM's scheduler keeps the request's blocks on every prefill rank for the decode
+        (with the block ids kvplan's scheduler side adds), through vLLM's ``start_load_kv``."""
+        for w in self.prefill:
+            meta = self.nixl.metadata.NixlConnectorMetadata()
+            meta.reqs_in_batch = {request}
+            now = time.perf_counter()
+            meta.scheduler_clock = now
+            meta.reqs_to_send = {request: now + lease_s}
+            scheduler = types.SimpleNamespace()
+            nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
+                True, {"remote_block_ids": [list(self.prefill_pages)]}))
+            nixl_staging.attach_sent_blocks(scheduler, meta)
+            w.start_load_kv(meta)
+            assert request in w._reqs_to_send
+
+    def prep(self, d: int) -> list[tuple[Any, Any]]:
+        """Decode rank ``d``'s prepped (local, remote) descriptor lists per prefill rank it
+        reads, as vLLM's ``add_remote_agent`` builds them (``_build_fa_local``,
+        ``_build_local_splits_from_plan`` where a decode rank reads several prefill ranks'
+        heads, ``_build_fa_remote``); released by :meth:`close`."""
+        decode, plan, g = self.decode[d], self.plans[d], self.g
+        agent = getattr(decode.nixl_wrapper, "agent", decode.nixl_wrapper)
+        local_all = decode._build_fa_local(decode.kv_caches_base_addr["decode-0"][d], 1)
+        split = self.prefill_tp > self.decode_tp and not g.mla
+        locals_ = list(decode._build_local_splits_from_plan(
+            plan, local_all, g.regions * g.blocks, 1)) if split else None
+        out = []
+        for i, r in enumerate(plan.all_source_ranks):
+            local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", np.asarray(locals_[i]) if locals_ is not None else local_all,
+                mem_type="DRAM")
+            remote = agent.prep_xfer_dlist(
+                decode._remote_agents[ENGINE][(0, r)],
+                decode._build_fa_remote(plan, self.prefill[r]._served_meta, 1), mem_type="DRAM")
+            self.prepped.append((decode, local, remote))
+            out.append((local, remote))
+        return out
+
+    def read(self, d: int, *, vllm_only: bool = False, request: str = "req-d",
+             remote_request: str = "req-p", prepped: list[tuple[Any, Any]] | None = None
+             ) -> list[Any]:
+        """Decode rank ``d``'s reads of the request, one ``_read_blocks`` per prefill rank
+        vLLM's TP mapping names (vLLM's ``_read_blocks_for_req`` loop): kvplan's worker's, or
+        with ``vllm_only`` vLLM's own, with the lists ``prepped`` (from :meth:`prep`; else
+        prepared here); its handles."""
+        decode, plan = self.decode[d], self.plans[d]
+        for (local, remote), r in zip(self.prep(d) if prepped is None else prepped,
+                                      plan.all_source_ranks):
+            spec = self.tp.ReadSpec(remote_rank=r, local_block_ids=[list(self.decode_pages)],
+                                    remote_block_ids=[list(self.prefill_pages)])
+            kwargs = dict(read_spec=spec, dst_engine_id=ENGINE, request_id=request,
+                          remote_request_id=remote_request, local_xfer_side_handle=local,
+                          local_dram_handle=None, remote_xfer_side_handle=remote,
+                          expected_consumers=plan.local_consumers, awaiting_kvs=True)
+            cls = decode.__class__
+            if vllm_only:
+                decode.__class__ = self.nixl.NixlPullConnectorWorker
+            try:
+                posted = decode._read_blocks(**kwargs)
+            finally:
+                decode.__class__ = cls
+            assert posted is True, f"decode rank {d}'s read of prefill rank {r} was not posted"
+        return list(decode._recving_transfers[request])
+
+    def poll(self, d: int, timeout_s: float = 30.0, interval_s: float = 0.005
+             ) -> tuple[set[str], set[str]]:
+        """vLLM's own ``_pop_done_transfers`` of decode rank ``d`` until a request is done or
+        failed."""
+        decode = self.decode[d]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, failed = decode._pop_done_transfers(decode._recving_transfers)
+            if done or failed or time.monotonic() > deadline:
+                return done, failed
+            time.sleep(interval_s)
+
+    def notifications(self, r: int, want: int, timeout_s: float = 20.0) -> list[bytes]:
+        """Prefill rank ``r``'s notifications, once ``want`` came (or the time ran out)."""
+        got: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < want and time.monotonic() < deadline:
+            notifs = self.prefill[r].nixl_wrapper.get_new_notifs()
+            got += [n for ns in notifs.values() for n in ns]
+            time.sleep(0.005)
+        return got
+
+    def close(self) -> None:
+        """The prepped lists released, every rank's staging closed and its KV cache
+        deregistered from its agent."""
+        for decode, local, remote in self.prepped:
+            agent = getattr(decode.nixl_wrapper, "agent", decode.nixl_wrapper)
+            agent.release_dlist_handle(local)
+            agent.release_dlist_handle(remote)
+        self.prepped.clear()
+        close(*self.prefill, *self.decode)
+        for w, mem in [*zip(self.prefill, self.p_mem), *zip(self.decode, self.d_mem)]:
+            agent = getattr(w.nixl_wrapper, "agent", w.nixl_wrapper)
+            with contextlib.suppress(Exception):  # an agent already gone holds nothing
+                agent.deregister_memory(agent.get_reg_descs(
+                    [(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM"))

@@ -457,7 +457,8 @@ def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:
     Raises:
         ManifestError: A region name without a layer id, or what ``manifest.roles_layout``
             refuses (a worker kvplan builds no layout of: Mamba state, a PP, DCP or PCP size
-            above 1, heads not whole), naming why; logged at ERROR first.
+            above 1, heads not whole, a KV cache layout kvplan does not describe), naming
+            why; logged at ERROR first.
     """
     from kvplan._core import ManifestError
 
@@ -479,7 +480,8 @@ def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:
     return manifest.roles_layout(
         layout, names, ids, d.get("_layer_specs") or {}, engine,
         "kvplan builds no layout of this NIXL worker (a model with Mamba state, a PP, DCP or "
-        "PCP size above 1, or regions that do not hold whole KV heads alike)")
+        "PCP size above 1, regions that do not hold whole KV heads alike, or a KV cache layout "
+        "vLLM resolved that kvplan does not describe)")
 
 
 def _extract_layer_index() -> Any:

@@ -7,36 +7,30 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["heads_order", "local_layout", "remote_layout", "worker_layout"]
-
-#: vLLM's NIXL KV cache layout names (its ``kv_cache_layout``, sent in the agent metadata) of
-#: per-layer regions, with the memory order of a block they mean: the heads outermost in a
-#: block (``LBHNC``, the older ``HND``), or the tokens (``LBNHC``, ``NHD``). vLLM slices a
-#: block between TP sizes only in the first (a rank's heads are then one contiguous range).
-_ORDERS = {"LBHNC": "HND", "HND": "HND", "LBNHC": "NHD", "NHD": "NHD"}
+__all__ = ["local_layout", "remote_layout", "worker_layout", "worker_order"]
 
 
-def heads_order(name: Any) -> str | None:
-    """The memory order (``HND`` / ``NHD``) of vLLM's NIXL layout ``name``; None for any
-    other (packed cross-layer layouts, or none named)."""
-    return _ORDERS.get(str(getattr(name, "name", name) or "").upper())
+def worker_order(worker: Any) -> str | None:
+    """The memory order of this NIXL worker's blocks
+    (:func:`kvplan.compat.vllm.semantics.memory_order`): that of the layout its handshake
+    names, vLLM's ``kv_cache_layout`` (the layout vLLM resolved for the process) or, with a
+    host buffer, the buffer's (vLLM may lay it out heads-outermost over a token-major device
+    cache), as vLLM sends it; from the worker's ``vllm_config`` where it keeps neither."""
+    from kvplan.compat.vllm.semantics import memory_order
 
-
-def _worker_order(worker: Any) -> str | None:
-    """The memory order of the layout this worker's handshake names (the host buffer's with
-    a host buffer, as vLLM sends it)."""
     d = worker.__dict__
     name = d.get("host_buffer_kv_cache_layout") if d.get("use_host_buffer") else None
-    return heads_order(name or d.get("kv_cache_layout"))
+    return memory_order(d.get("vllm_config"), name or d.get("kv_cache_layout"))
 
 
-def worker_layout(worker: Any, order: str | None = None) -> Any:
+def worker_layout(worker: Any) -> Any:
     """The NIXL worker's registered regions as a :class:`kvplan.Layout`
     (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
     block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
     for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
     and ranks region by region in ways a layout without their coordinates would refuse).
-    ``order``: the blocks' memory order (else ``VLLM_KV_CACHE_LAYOUT``'s)."""
+    The heads in the memory order :func:`worker_order` says: the layout identity, the
+    manifest check and the staged reads all describe the blocks in the one order."""
     from kvplan.compat.vllm.semantics import regions_layout
 
     d = worker.__dict__
@@ -55,7 +49,7 @@ def worker_layout(worker: Any, order: str | None = None) -> Any:
                                    tp_size=int(d.get("world_size", 1) or 1))
     return regions_layout(ptrs, items, None, blocks=blocks, context=context,
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
-                          order=order)
+                          order=worker_order(worker))
 
 
 def _strides_whole(lens: Any, strides: Any) -> bool:
@@ -71,9 +65,11 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     handshake served (its regions' bases and block lengths, blocks, block size), the decode's
     model for the heads (:func:`kvplan.compat.vllm.semantics.regions_layout`, as
     :func:`worker_layout` builds the decode's own), in the memory order of the layout its
-    metadata names (:func:`heads_order`); None where kvplan builds none (heads not whole,
-    padded blocks, regions of several block counts or KV groups)."""
-    from kvplan.compat.vllm.semantics import regions_layout
+    metadata names (:func:`kvplan.compat.vllm.semantics.layout_order`: the peer's own vLLM
+    decided it, nothing of this process says it); None where kvplan builds none (heads not
+    whole, padded blocks, regions of several block counts or KV groups, a layout kvplan does
+    not describe)."""
+    from kvplan.compat.vllm.semantics import layout_order, regions_layout
 
     try:
         ptrs = [int(p) for p in metadata.kv_caches_base_addr]
@@ -95,14 +91,14 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
                           context=dict(page_size=page, tp_rank=int(remote_rank),
                                        tp_size=int(remote_tp_size)),
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
-                          order=heads_order(getattr(metadata, "kv_cache_layout", None)))
+                          order=layout_order(getattr(metadata, "kv_cache_layout", None)))
 
 
 def local_layout(worker: Any) -> Any:
     """This worker's :func:`worker_layout` where its blocks lie back to back (None
     otherwise: no staging), in the memory order of the layout its handshake names
-    (:func:`heads_order`): the side of a staged read this worker plans for itself."""
+    (:func:`worker_order`): the side of a staged read this worker plans for itself."""
     d = worker.__dict__
     if not _strides_whole(d.get("block_len_per_layer"), d.get("block_stride_per_layer")):
         return None
-    return worker_layout(worker, _worker_order(worker))
+    return worker_layout(worker)

@@ -19,9 +19,8 @@ from typing import Any
 import kvplan
 from kvplan.identity import ModelSemantics, declarable_rope, hf_rope, model_name_of
 
-__all__ = ["MOONCAKE_TRANSFER", "NIXL_TRANSFER", "identity_source", "memory_order",
-           "regions_layout",
-           "worker_roles", "worker_semantics"]
+__all__ = ["MOONCAKE_TRANSFER", "NIXL_TRANSFER", "identity_source", "layout_order",
+           "memory_order", "regions_layout", "worker_roles", "worker_semantics"]
 
 #: vLLM's Mooncake connector: the prefill writes into the decode's KV cache.
 MOONCAKE_TRANSFER = "push"
@@ -66,29 +65,77 @@ def worker_roles(vllm_config: Any) -> tuple[str, ...]:
         str(role), ("prefill", "decode"))
 
 
-def memory_order() -> str | None:
-    """The memory order ``VLLM_KV_CACHE_LAYOUT`` names (``NHD`` / ``HND``), else None."""
-    order = os.environ.get("VLLM_KV_CACHE_LAYOUT")
-    return order.upper() if order and order.upper() in ("NHD", "HND") else None
+#: vLLM's KV cache layout names (its ``KVCacheLayout`` members, and the older ``NHD`` / ``HND``
+#: it still takes for them) of per-layer regions, with the memory order of one block they mean:
+#: heads outermost in the block (``LBHNC``) or tokens (``LBNHC``). The other layouts (several
+#: layers in one block, a layer's heads outside its blocks) lay a block out in a way kvplan's
+#: region layouts do not describe.
+_LAYOUT_ORDERS = {"LBHNC": "HND", "HND": "HND", "LBNHC": "NHD", "NHD": "NHD"}
+#: The environment variable vLLM reads for an explicit KV cache layout.
+LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+
+
+def layout_order(name: Any) -> str | None:
+    """The memory order (``HND`` / ``NHD``) of vLLM's KV cache layout ``name`` (a
+    ``KVCacheLayout`` member or its name, as a NIXL handshake names it); None for a layout
+    kvplan's region layouts do not describe, or none named."""
+    return _LAYOUT_ORDERS.get(str(getattr(name, "name", name) or "").upper())
+
+
+def memory_order(vllm_config: Any = None, named: Any = None) -> str | None:
+    """The memory order of the KV blocks vLLM lays out in this process, as vLLM itself decided
+    it: the one derivation behind the layout identities, the manifest checks and the NIXL
+    staging layouts of both kvplan connectors.
+
+    ``named``: the layout name vLLM keeps for these blocks (a NIXL worker's
+    ``kv_cache_layout``, or its host buffer's: what its handshake sends); its order, nothing
+    else read. Else the layout vLLM resolved for the whole model, read as vLLM's workers read
+    it (``vllm_config.cache_config.get_resolved_kv_cache_layout()``, vLLM 0.32 to 0.34): its
+    engine core picks it once, and every worker adopts it before allocating its KV cache, from
+    ``VLLM_KV_CACHE_LAYOUT`` where set, else the connector's required layout (``LBHNC`` for
+    vLLM's NIXL and Mooncake connectors without MLA) where the attention backends take it,
+    else the backends' first choice. So the environment variable alone does not say the
+    order: a worker whose connector asks for ``LBHNC`` runs heads-outermost blocks with the
+    variable unset. Only a config without resolved layouts falls back to the variable, then
+    to ``NHD``.
+
+    None where vLLM's layout is one kvplan's region layouts do not describe, and where vLLM
+    has not resolved it yet (it decides later, from more than the variable): no order kvplan
+    can vouch for."""
+    if named is None:
+        resolved = getattr(getattr(vllm_config, "cache_config", None),
+                           "get_resolved_kv_cache_layout", None)
+        if callable(resolved):
+            try:
+                named = resolved()
+            except ValueError:  # vLLM's "not resolved yet"
+                return None
+        else:
+            named = os.environ.get(LAYOUT_ENV) or "NHD"
+    return layout_order(named)
 
 
 def regions_layout(ptrs: Sequence[int], items: Sequence[int], ids: Sequence[int] | None, *,
                    blocks: int, context: dict[str, Any], use_mla: bool,
-                   model_config: Any, order: str | None = None) -> kvplan.Layout | None:
+                   model_config: Any, order: str | None) -> kvplan.Layout | None:
     """The layout of a worker's registered KV regions (``ptrs``, each block's bytes
     ``items``, the regions' layer ids where known, ``blocks`` blocks per region) with the
     ``context`` (page size, TP and PP coordinates). For attention other than MLA, the heads of
     ``model_config.get_total_num_kv_heads()`` over the TP size, each head's bytes as one
-    element, in the memory order ``order`` (``NHD`` / ``HND``) or else the one
-    ``VLLM_KV_CACHE_LAYOUT`` names (NHD by default). None where
-    the regions do not hold whole heads alike: a layout without the heads could refuse a TP
-    pair vLLM plans, so nothing is checked."""
+    element, in the memory order ``order`` (``NHD`` / ``HND``: :func:`memory_order` of the
+    worker, or :func:`layout_order` of what a peer's handshake names). None where the regions
+    do not hold whole heads alike, or where ``order`` is None (vLLM lays the blocks out in an
+    order kvplan does not describe, or has not decided it yet): a layout without the heads
+    could refuse a TP pair vLLM plans, and one in a guessed order could accept a pair whose
+    orders differ, so nothing is checked."""
     if not ptrs or len(items) != len(ptrs):
         return None
     args = (list(ptrs), [n * max(blocks, 1) for n in items], list(items),
             list(ids) if ids is not None and len(ids) == len(ptrs) else None)
     if use_mla:  # one latent per token, the same on every rank
         return kvplan.Layout(*args, **context)
+    if order is None:
+        return None  # an order kvplan cannot vouch for: no heads, so nothing is checked
     try:
         heads = int(model_config.get_total_num_kv_heads())
         per_rank = kvplan._core.heads_per_rank(heads, context["tp_size"])
@@ -99,7 +146,7 @@ def regions_layout(ptrs: Sequence[int], items: Sequence[int], ids: Sequence[int]
                 n == page * per_rank * next(iter(head_bytes)) for n in items):
             return None
         return kvplan.Layout(*args, kv_heads=heads, head_dim=next(iter(head_bytes)),
-                             dtype_size=1, memory_order=order or memory_order() or "NHD",
+                             dtype_size=1, memory_order=order,
                              **context)
     except (AttributeError, TypeError, ValueError, kvplan.KvPlanError):
         # no heads: a layout without them could refuse a TP pair vLLM plans

@@ -41,7 +41,12 @@ import numpy as np
 
 import kvplan
 from kvplan.failures import FailureVerdict, verdict_for_unscattered_rounds
-from kvplan.compat.vllm.semantics import regions_layout, worker_roles, worker_semantics
+from kvplan.compat.vllm.semantics import (
+    memory_order,
+    regions_layout,
+    worker_roles,
+    worker_semantics,
+)
 from kvplan.identity import IDENTITY_KEY, ModelSemantics, PeerCheck
 from kvplan.staging import (
     AckQueue,
@@ -825,8 +830,10 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
     """The worker's registered KV regions as a :class:`kvplan.Layout`
     (:func:`kvplan.compat.vllm.semantics.regions_layout` of its regions: each one's layer
     index and block bytes; the page size, TP and PP coordinates; the heads where they are
-    whole); None before ``register_kv_caches``, and None where the regions do not hold whole
-    heads (a layout without the heads could refuse a TP pair vLLM plans, so nothing is
+    whole, in the memory order of the KV cache layout vLLM resolved,
+    :func:`kvplan.compat.vllm.semantics.memory_order`); None before ``register_kv_caches``,
+    and None where the regions do not hold whole heads or vLLM's layout is one kvplan does not
+    describe (a layout without the heads could refuse a TP pair vLLM plans, so nothing is
     checked)."""
     d = worker.__dict__
     ptrs = [int(p) for p in d.get("kv_caches_base_addr") or ()]
@@ -840,7 +847,8 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
         tp_size=int(d.get("tp_size", 1) or 1), pp_rank=int(d.get("pp_rank", 0) or 0),
         pp_size=int(d.get("pp_size", 1) or 1))
     return regions_layout(ptrs, items, ids, blocks=blocks, context=context,
-                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"))
+                          use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
+                          order=memory_order(d.get("vllm_config")))
 
 
 def manifest_layout(worker: Any, engine: str) -> tuple[kvplan.Layout, bool]:
@@ -858,8 +866,8 @@ def manifest_layout(worker: Any, engine: str) -> tuple[kvplan.Layout, bool]:
     ids = [int(i) for i in d.get("registered_layer_indices") or ()]
     layout = worker_layout(worker) if names else None
     return roles_layout(layout, names, ids, d.get("_layer_specs") or {}, engine,
-                        "its regions do not hold whole KV heads alike (kvplan builds no layout "
-                        "of it)")
+                        "its regions do not hold whole KV heads alike, or vLLM resolved a KV "
+                        "cache layout kvplan does not describe (kvplan builds no layout of it)")
 
 
 def worker_identity(worker: Any, semantics: ModelSemantics | None = None) -> Any:

@@ -1,0 +1,152 @@
+"""The decode's staged read: vLLM's read of one request and prefill rank as staged rounds.
+
+:func:`staged_read` plans the rounds, opens the stream on the prefill's listener, and reads
+each round out of the prefill's arena through NIXL into the KV cache; vLLM polls its
+:class:`kvplan.compat.vllm.nixl_staging.handles.StagedRead`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplan.compat.vllm.nixl_layout import local_layout
+from kvplan.compat.vllm.nixl_staging.aborts import _take_pending_abort
+from kvplan.compat.vllm.nixl_staging.handles import AbortedRead, StagedRead, _agent
+from kvplan.compat.vllm.nixl_staging.names import LEASE_KEY, _opening_message, _read_names
+from kvplan.compat.vllm.nixl_staging.peers import peer_agreement
+from kvplan.compat.vllm.nixl_staging.tp import _say_unstaged, _tp_pair_staged
+from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, worker_staging
+
+
+def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
+                remote_request_id: str, expected_consumers: int) -> bool:
+    """The decode's ``_read_blocks`` for one request and prefill rank, staged where it can
+    be: staging on, the prefill agreed, its KV regions and this worker's have layouts, one KV
+    group, TP sizes :func:`_tp_pair_staged` takes, no block-size ratio, DCP or mixed memory,
+    and :func:`kvplan.staging.choose_path` says staged. Between TP sizes the core plans the
+    head slice the two ranks share (the layouts carry their TP coordinates), and the rounds
+    must move the bytes vLLM's read of this prefill rank moves (else not staged, said once).
+    Then the rounds are read from the prefill's arena through NIXL, scattered into this
+    worker's KV cache, and a :class:`StagedRead` waits in ``_recving_transfers``; True.
+    False: vLLM's own read runs (nothing was sent)."""
+    import kvplan
+    from kvplan.compat.vllm import staging as vstaging
+    from kvplan.staging import (
+        NixlRoundReader,
+        ReceiveStaged,
+        StagingAgreement,
+        choose_path,
+        local_copy,
+    )
+
+    state = worker_staging(worker)
+    if state is None or not vstaging.host_kv(worker) or read_spec.block_ids_by_region:
+        return False
+    peer = peer_agreement(worker, dst_engine_id, read_spec.remote_rank)
+    if peer is None or not peer.outcome.staged or peer.layout is None or peer.message is None:
+        return False
+    d = worker.__dict__
+    topo = d.get("transfer_topo")
+    info = topo.get_engine_info(dst_engine_id)
+    local_ids, remote_ids = read_spec.local_block_ids, read_spec.remote_block_ids
+    if d.get("_mixed_mem_types") or d.get("_has_mamba") or len(local_ids) != 1 or \
+            not any(len(g) for g in local_ids) or int(d.get("dcp_size", 1) or 1) > 1 or \
+            int(getattr(info, "remote_dcp_size", 1) or 1) > 1 or \
+            topo.block_size_ratio(info.remote_block_size) != 1:
+        return False  # one group, one block size, no DCP: else vLLM's read
+    layout = local_layout(worker)
+    if layout is None:
+        return False
+    remote_tp = int(getattr(info, "remote_tp_size", 0) or 0)
+    if not _tp_pair_staged(worker, dst_engine_id, remote_tp, peer.layout, layout):
+        return False  # TP sizes whose head slices vLLM reads otherwise: said once
+    # vLLM's own trim of the decode's prefix-cache hit, as its read does
+    names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
+    local_ids, remote_ids = names.trimmed()
+    agreement = peer.outcome
+    if not isinstance(agreement, StagingAgreement):
+        return False
+    template: Any = kvplan.Template(peer.layout, layout, kvplan.Pairing.positional())
+    src = kvplan._core.index_array(list(remote_ids[0]))
+    dst = kvplan._core.index_array(list(local_ids[0]))
+    choice = choose_path(template, (src, dst), state.costs, agreement, mode=state.config.mode)
+    if not choice.staged:
+        return False
+    try:
+        rounds = template.plan_rounds(src, dst, src_arena=agreement.src_arena,
+                                      dst_arena=agreement.dst_arena, buffers=agreement.buffers)
+        scatter = local_copy([state.arena.array], kv_buffers(worker))
+    except kvplan.KvPlanError as exc:
+        _staging_log.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct "
+                             "path", request_id, type(exc).__name__, exc)
+        return False
+    # the bytes vLLM's read of this prefill rank moves: the decode blocks' whole regions
+    # (MLA: whole on every rank), or this rank's share of them where vLLM's own TP mapping
+    # reads this decode rank's blocks from several prefill ranks
+    mapping = (d.get("tp_mappings") or {}).get(dst_engine_id)
+    reads = 1 if d.get("use_mla") else len(getattr(mapping, "all_source_ranks", ()) or (0,))
+    want = len(dst) * sum(int(n) for n in d.get("block_len_per_layer") or ()) // reads
+    planned = sum(int(r.manifest.bytes) for r in rounds)
+    if planned != want:  # the core pairs other heads than vLLM's read: never staged
+        _say_unstaged(worker, dst_engine_id, remote_tp,
+                      f"the staged rounds move {planned} bytes of prefill rank "
+                      f"{read_spec.remote_rank} where vLLM's read moves {want}")
+        return False
+    session, stream = names.session, names.stream
+    channel = state.channel_to(session, peer.message)
+    if channel is None:
+        return False
+    notif = f"{remote_request_id}:{expected_consumers}".encode()
+    agent = _agent(worker)
+    remote_agent: Any = peer.agent
+
+    def notify() -> None:  # what NIXL's READ would have sent the prefill when it completed
+        try:
+            agent.send_notif(remote_agent, notif_msg=notif)
+        except Exception as exc:
+            _staging_log.warning("req %s: the notification to the prefill failed (%s): its "
+                                 "blocks are freed when their lease expires", request_id, exc)
+            stats = d.get("xfer_stats")
+            if stats is not None and hasattr(stats, "record_failed_notification"):
+                stats.record_failed_notification()
+
+    if _take_pending_abort(worker, request_id):
+        # vLLM finished the request before its read started: nothing is read, the prefill
+        # is notified as vLLM's read notifies it (it frees the request), vLLM sees it done
+        _staging_log.info("kvplan staging: req %s finished by vLLM before its staged read "
+                          "from %s started: nothing read", request_id, session)
+        notify()
+        worker._recving_transfers[request_id].append(AbortedRead())
+        return True
+    handle: StagedRead | None = None
+
+    def failed(error: Any) -> None:
+        if handle is not None and error.reason != "cancelled":
+            handle.failed(error)
+
+    # the prefill's lease, as its message gives it, unless a timeout was given here; a
+    # prefill that is gone fails the read once its channel closes, not after this
+    patience = state.config.patience(peer.message.get(LEASE_KEY))
+    receiver = ReceiveStaged(
+        stream, rounds, scatter, channel.send, writer=0, timeout_s=patience,
+        on_failed=failed,
+        fetch=NixlRoundReader(agent, remote_agent, timeout_s=patience,
+                              gone=lambda: bool(getattr(channel, "closed", False))))
+    # vLLM's own READ of these blocks: one descriptor per block and region pair
+    handle = StagedRead(request_id, receiver, notify, template, rounds, state, peer=session,
+                        direct_descriptors=int(template.n_pairs) * len(dst))
+    staged = vstaging.StagedRequest(stream, template, (peer.layout, layout), src, dst,
+                                    agreement, choice.why, rounds)
+    state.router.open(stream, 0, receiver.on_message)
+    vstaging.track_stream(channel, stream)
+    try:
+        channel.open(_opening_message(state, worker, stream=stream,
+                                     request=remote_request_id, staged=staged))
+    except Exception as exc:  # nothing was read: vLLM's own read takes the request
+        state.router.close(stream)
+        _staging_log.warning("req %s: opening the staged read failed (%s); not staged",
+                             request_id, exc)
+        return False
+    state.receivers[stream] = receiver
+    state.shares.admit(receiver)  # the grant: the prefill starts gathering
+    worker._recving_transfers[request_id].append(handle)
+    return True
