@@ -19,8 +19,7 @@ from support.vllm_nixl import (  # noqa: E402
     nixl_connector,  # noqa: F401 (the fixture connector)
     nixl_release,  # noqa: F401 (the fixture nixl)
 )
-from support.vllm_nixl_pair import load_agents  # noqa: E402
-from test_vllm_nixl_staging_tp import TpPair  # noqa: E402
+from support.vllm_nixl_pair import TpPair, load_agents  # noqa: E402
 
 from kvplan.compat.vllm import nixl_staging  # noqa: E402
 
