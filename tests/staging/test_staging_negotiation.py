@@ -51,8 +51,9 @@ def test_two_kvplan_peers_agree_alike_on_both_sides() -> None:
     (None, DECODE, {}, "staging is off on this peer"),
     (PREFILL, None, {}, "no kvplan staging capabilities"),
     (PREFILL, b"\xff not json", {}, "malformed"),
-    (PREFILL, {"protocol": 1}, {}, "malformed"),
-    (PREFILL, {"protocol": 1, "kvplan": "0.1.0", "arenas": [{"rank": -1}]}, {}, "malformed"),
+    (PREFILL, {"protocol": PROTOCOL_VERSION}, {}, "malformed"),
+    (PREFILL, {"protocol": PROTOCOL_VERSION, "kvplan": "0.1.0", "arenas": [{"rank": -1}]}, {},
+     "malformed"),
     (PREFILL, caps(arena(), protocol=PROTOCOL_VERSION + 1, version="9.0"), {},
      f"staging protocol {PROTOCOL_VERSION + 1} (kvplan 9.0) on the peer"),
     (PREFILL, DECODE, {}, "the peer has no staging arena for its only arena (arenas of ranks "

@@ -21,9 +21,12 @@ from kvplan._core import KvPlanError
 __all__ = ["MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ArenaInfo", "Capabilities",
            "DirectFallback", "FallbackLog", "Negotiated", "StagingAgreement", "negotiate"]
 
-#: Bumped whenever a message of the round protocol (``kvplan.staging.wire``) or the meaning of
-#: a field here changes; peers of different versions use the direct path.
-PROTOCOL_VERSION = 1
+#: Bumped whenever a message of the round protocol (``kvplan.staging.wire``), the meaning of a
+#: field here or where the core cuts a request's rounds changes (both peers plan the rounds and
+#: the decode checks each arrival against its own plan); peers of different versions use the
+#: direct path. 2: every round but a stream's last fills its round buffer (1 ended a round at
+#: the last block end within it).
+PROTOCOL_VERSION = 2
 
 #: The message's key in a handshake that carries a dict (``Capabilities.to_dict``).
 HANDSHAKE_KEY = "kvplan_staging"

@@ -13,11 +13,12 @@
 mod support;
 
 use kvplan_core::{
-    Arena, MemoryOrder, Plan, PlanError, Request, RoundManifest, RoundsPlanner, Side,
+    Arena, Layout, MemoryOrder, Plan, PlanError, Request, RoundManifest, RoundsPlanner, Side,
     StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions,
 };
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, paged};
 use support::reference::{Arena as Bytes, apply};
-use support::staged_cases::{Case, Drawn, Lcg, Pair, draw, layout};
+use support::staged_cases::{Case, DST_BASE, Drawn, Lcg, Pair, SRC_BASE, draw, layout};
 
 const SRC_ARENA: u64 = 0x4000_0000;
 const DST_ARENA: u64 = 0xC000_0000;
@@ -176,7 +177,11 @@ fn check_rounds(pair: &Pair, buffer_bytes: u64, buffers: u32) -> StagedRounds {
     assert_eq!(rounds.buffer_bytes, buffer_bytes);
     assert_eq!(rounds.bytes, direct.total_bytes);
     assert_eq!(rounds.direct_blocks, direct.lengths.len());
-    assert!(rounds.len() as u64 >= direct.total_bytes.div_ceil(buffer_bytes));
+    assert_eq!(
+        rounds.len() as u64,
+        direct.total_bytes.div_ceil(buffer_bytes),
+        "{case:?}: more rounds than the buffer needs"
+    );
     let mut got = Bytes::zeroed(dst);
     let mut dst_arena = Region {
         base: DST_ARENA,
@@ -611,7 +616,7 @@ fn large_blocks_split_only_where_the_buffer_ends() {
         assert_eq!(rounds.gather.round(k).lengths.len(), overlapping(&g));
         assert_eq!(rounds.scatter.round(k).lengths.len(), overlapping(&s));
     }
-    assert!(rounds.len() as u64 >= rounds.bytes.div_ceil(100));
+    assert_eq!(rounds.len() as u64, rounds.bytes.div_ceil(100));
     assert_eq!(whole.gather.round(0).src_addrs, staged.gather.src_addrs);
     assert_eq!(whole.gather.round(0).dst_addrs, staged.gather.dst_addrs);
     assert_eq!(whole.scatter.round(0).dst_addrs, staged.scatter.dst_addrs);
@@ -687,4 +692,133 @@ fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
         done += 1;
     }
     assert!(same > 0 && differ > 0, "{same} {differ}");
+}
+
+/// One rank's MLA layout for `case` (one latent entry of `HEAD_BYTES` per token per layer, the
+/// same on every rank).
+fn mla_layout(case: &Case, side: Side, tp_rank: u32) -> Layout {
+    let page_size = case.page_size(side);
+    let item = page_size * HEAD_BYTES;
+    let entry_len = item * case.capacity(side);
+    let context = paged(page_size)
+        .model_layers(u64::from(case.layers))
+        .tp(tp_rank, side.pick(case.tp_p, case.tp_d));
+    KvLayout::mla(
+        side.pick(SRC_BASE, DST_BASE),
+        (0..i64::from(case.layers)).collect::<Vec<_>>(),
+        item,
+        entry_len,
+    )
+    .spaced(entry_len + 64)
+    .context(context)
+    .build()
+}
+
+/// Head-sliced pairs: prefill TP 2 → decode TP 1 (each prefill rank fills its heads' half of
+/// every decode page), TP 1 → 2 (each decode rank takes its half of every prefill page), TP
+/// 4 → 1 and 2 → 4, heads outermost and tokens outermost, and MLA between the same sizes (the
+/// latent whole on every rank). Whatever the round buffer (whole head slices, pieces of one,
+/// a slice and a half), the rounds are as few as it allows (`ceil(bytes / buffer)`): a round
+/// never ends a block short of full where that would take another round. Each round stays
+/// within both sides' round buffers, and together they land the direct plan's bytes. With one arena size on both sides (as a drop-in registers them), a round holds the
+/// smaller of the prefill's `size / buffers` and the decode share's `size / (senders ×
+/// buffers)`: the prefill ranks writing one decode rank send at once, each into its own share,
+/// so a TP 2 → 1 round is half the prefill's buffer by that contract, never fewer bytes.
+#[test]
+fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
+    let (mut planned, mut capped_by_share) = (0, 0);
+    for mla in [false, true] {
+        for order in [MemoryOrder::Hnd, MemoryOrder::Nhd] {
+            for (tp_p, tp_d) in [(2, 1), (1, 2), (4, 1), (2, 4)] {
+                let case = Case {
+                    heads: if mla { 1 } else { 8 },
+                    tp_p,
+                    tp_d,
+                    order,
+                    pp_p: 1,
+                    page_sizes: (16, 16),
+                    tokens: 16 * 13,
+                    state: false,
+                    layers: 2,
+                };
+                // The bytes of one page's slice this pair moves: the heads both ranks hold.
+                let shared = if mla { 1 } else { 8 / tp_p.max(tp_d) };
+                let slice = 16 * u64::from(shared) * HEAD_BYTES;
+                for (r_p, r_d) in (0..tp_p).flat_map(|p| (0..tp_d).map(move |d| (p, d))) {
+                    let drawn = Drawn {
+                        case,
+                        r_p,
+                        r_d,
+                        stage: 0,
+                    };
+                    let pair = if mla {
+                        let src = mla_layout(&case, Side::Src, r_p);
+                        let dst = mla_layout(&case, Side::Dst, r_d);
+                        let template =
+                            Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                        Pair {
+                            drawn,
+                            src,
+                            dst,
+                            template,
+                            pages: (case.pages(Side::Src), case.pages(Side::Dst)),
+                        }
+                    } else {
+                        drawn.pair()
+                    };
+                    let request = pair.request();
+                    let bytes = StagedPlanner::new(&pair.template)
+                        .counts(&request)
+                        .unwrap()
+                        .bytes;
+                    if bytes == 0 {
+                        continue; // ranks that share no heads
+                    }
+                    let what = format!("mla={mla} {order:?} TP {tp_p}->{tp_d} r_p={r_p} r_d={r_d}");
+                    let buffers = [
+                        slice,
+                        3 * slice,
+                        8 * slice,
+                        bytes + slice,
+                        slice / 2 + 1,
+                        3 * slice / 2,
+                        5 * slice / 2 + 3,
+                    ];
+                    for buffer_bytes in buffers {
+                        let rounds = check_rounds(&pair, buffer_bytes, 2);
+                        assert_eq!(
+                            rounds.len() as u64,
+                            bytes.div_ceil(buffer_bytes),
+                            "{what} buffer={buffer_bytes}"
+                        );
+                        planned += 1;
+                    }
+                    let size = 64 * slice;
+                    let senders = u64::from((tp_p / tp_d).max(1));
+                    let rounds = RoundsPlanner::new(&pair.template)
+                        .plan(&request, arena(SRC_ARENA, size), arena(DST_ARENA, size), 2)
+                        .unwrap();
+                    assert_eq!(rounds.buffer_bytes, size / (2 * senders), "{what}");
+                    assert_eq!(
+                        rounds.len() as u64,
+                        bytes.div_ceil(rounds.buffer_bytes),
+                        "{what}"
+                    );
+                    for manifest in &rounds.manifests {
+                        assert!(manifest.bytes <= rounds.buffer_bytes, "{what}");
+                    }
+                    assert_eq!(
+                        rounds.manifests.iter().map(|m| m.bytes).sum::<u64>(),
+                        pair.template.plan(&request).unwrap().total_bytes,
+                        "{what}"
+                    );
+                    capped_by_share += usize::from(senders > 1);
+                }
+            }
+        }
+    }
+    assert!(
+        planned > 0 && capped_by_share > 0,
+        "{planned} {capped_by_share}"
+    );
 }

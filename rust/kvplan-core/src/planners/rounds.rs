@@ -21,15 +21,20 @@
 //! [`PlanError::InputChanged`]); the scatter's sources are written from each block's stream
 //! offset as the staged planner emits it, never from its decode staging offsets.
 //!
-//! Where rounds are cut: at most `buffer_bytes` per round, at the last point within the buffer
-//! where a block of the *major* stage ends (the gather or the scatter, whichever has more
-//! blocks); a stream offset inside a block only when no block of it ends in the buffer (a block
-//! larger than the buffer, split at a byte boundary: every stage is a byte copy, so the bytes
-//! land where the direct plan puts them whatever the cut). The major stage is written once in
-//! the output the staged plan is emitted into (only its staging column differs): the scatter
-//! cut while it is emitted, so planning rounds walks it once, the gather rewritten in place
-//! after. Only the minor stage, with at most one block split per cut, is copied out. Templates whose sides hold different representations are
-//! planned by `ConversionTemplate`, not here, so no conversion row ever reaches a round.
+//! Where rounds are cut: a request of `total` bytes always takes the fewest rounds its round
+//! buffer allows, `ceil(total / buffer_bytes)`. First each round is cut at the last point
+//! within the buffer where a block of the *major* stage ends (the gather or the scatter,
+//! whichever has more blocks): the major stage is then written once in the output the staged
+//! plan is emitted into (only its staging column differs; the scatter cut while it is emitted,
+//! so planning rounds walks it once, the gather rewritten in place after), and only the minor
+//! stage, with at most one block split per cut, is copied out. Where those cuts would take more
+//! rounds than the fewest (blocks that do not tile the buffer: a round would end up to a block
+//! short of full, and each round is a network read and its messages), or a block is larger
+//! than the buffer, every round but the last is cut where its buffer ends instead, splitting at
+//! most one block of each stage per cut at a byte boundary: every stage is a byte copy, so the
+//! bytes land where the direct plan puts them whatever the cut. Templates whose sides hold
+//! different representations are planned by `ConversionTemplate`, not here, so no conversion
+//! row ever reaches a round.
 //!
 //! Several senders into one decode arena: the prefill ranks that fill one decode rank's
 //! staging region (the staged plan's writers, [`crate::rules::heads::staging_writer`]) and,
@@ -580,53 +585,21 @@ struct Cuts {
     scatter_splits: usize,
 }
 
-/// Cuts the stream `0..total` into rounds of at most `buffer_bytes`: each round ends at the
-/// last block end of the *major* stage (the one with more blocks) within its buffer, or, when
-/// no block of it ends there (a block larger than the buffer), where the buffer ends. So the
-/// major stage is split only at blocks larger than a round buffer and is rewritten in place;
-/// the minor stage's blocks are split where the cuts fall (at most one block per cut).
+/// Cuts the stream `0..total` into the fewest rounds of at most `buffer_bytes`: every round
+/// but the last fills its buffer, so a cut may fall inside a block of either stage (split in
+/// two there; at most one block of each stage per cut).
 fn cut_rounds(gather: &[u64], scatter: &[u64], total: u64, buffer_bytes: u64) -> Result<Cuts> {
-    let gather_major = gather.len() >= scatter.len();
-    let (major, minor) = if gather_major {
-        (gather, scatter)
-    } else {
-        (scatter, gather)
-    };
     let mut ends = Vec::new();
-    let (mut major_splits, mut minor_splits) = (0usize, 0usize);
-    // Per stage: the next block not yet wholly before the round's start, and where it starts.
-    let (mut i, mut major_at) = (0usize, 0u64);
-    let (mut m, mut minor_at) = (0usize, 0u64);
     let mut start = 0u64;
     while start < total {
-        let limit = start.saturating_add(buffer_bytes).min(total);
-        while i < major.len() && major_at + major[i] <= limit {
-            major_at += major[i];
-            i += 1;
-        }
-        let cut = if major_at > start { major_at } else { limit };
-        if cut < total {
-            major_splits += usize::from(i < major.len() && major_at < cut);
-        }
-        while m < minor.len() && minor_at + minor[m] <= cut {
-            minor_at += minor[m];
-            m += 1;
-        }
-        if cut < total {
-            minor_splits += usize::from(m < minor.len() && minor_at < cut);
-        }
+        let cut = start.saturating_add(buffer_bytes).min(total);
         try_push(&mut ends, cut, "round ends")?;
         start = cut;
     }
-    let (gather_splits, scatter_splits) = if gather_major {
-        (major_splits, minor_splits)
-    } else {
-        (minor_splits, major_splits)
-    };
     Ok(Cuts {
+        gather_splits: splits_of(gather, &ends),
+        scatter_splits: splits_of(scatter, &ends),
         ends,
-        gather_splits,
-        scatter_splits,
     })
 }
 
@@ -942,6 +915,17 @@ fn split_stage(
     Ok(out)
 }
 
+/// Puts a gather's staging column (its destinations) back to each block's stream offset, as
+/// the staged plan wrote it and [`cut_major_in_place`] checked it before rewriting it.
+fn restore_stream_offsets(buf: &mut FlatBuffer, n: usize) {
+    let (column, lengths) = staging_and_lengths(buf, 1, n);
+    let mut at = 0u64;
+    for (staged, &length) in column.iter_mut().zip(lengths) {
+        *staged = at;
+        at = at.wrapping_add(length);
+    }
+}
+
 /// The lengths of a staged buffer's first `n` blocks.
 fn stage_lengths(buf: &FlatBuffer, n: usize) -> &[u64] {
     &buf.data[2 * buf.capacity..2 * buf.capacity + n]
@@ -964,8 +948,9 @@ fn splits_of(lengths: &[u64], cuts: &[u64]) -> usize {
 /// writes every round's network block and manifest. The major stage (more blocks) is cut and
 /// rewritten in one walk: the scatter while the staged planner emitted it ([`ScatterCutter`]),
 /// the gather in place after; the minor stage is split where the cuts fall. When a block of
-/// the major stage is larger than a round buffer, both stages are cut by [`cut_rounds`] and
-/// copied out with their blocks split. The gather is checked block by block
+/// the major stage is larger than a round buffer, or cutting at its block ends takes more
+/// rounds than full buffers would, both stages are cut by [`cut_rounds`] and copied out with
+/// their blocks split. The gather is checked block by block
 /// ([`GatherCheck`]), and both stages must add up to the request's bytes.
 ///
 /// # Errors
@@ -1001,6 +986,19 @@ fn emit_rounds(
     } else {
         scatter_check.checked_to(total);
         Some(cut_scatter)
+    };
+    // Cuts at the major stage's block ends that leave rounds short of full enough to take more
+    // rounds than the buffer needs: cut at full buffers instead (the gather's staging column
+    // put back to the stream offsets it was checked to hold; the scatter's is never read).
+    let fewest = total.div_ceil(geometry.buffer_bytes);
+    let fused = match fused {
+        Some((ends, _)) if ends.len() as u64 > fewest => {
+            if gather_major {
+                restore_stream_offsets(&mut gather_buf, n_gather);
+            }
+            None
+        }
+        fused => fused,
     };
     let (gather, scatter, ends) = if let Some((ends, offsets)) = fused {
         // The minor stage is split where the cuts fall.

@@ -1,0 +1,63 @@
+"""How many rounds a staged read of ``KvplanNixlConnector`` between TP sizes takes: decode TP 1
+reading prefill TP 2, each prefill rank's stream moving its heads' half of every decode block,
+with heads whose half-blocks do not tile a round buffer (6 KV heads: 3 per prefill rank, 3 KiB
+per half-block, 16 KiB round buffers). The rounds are the fewest the buffer allows, and the
+decode's KV cache is byte for byte vLLM's own read of the same request (vLLM's descriptor lists
+for the pair, real NIXL agents on loopback)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+from support.vllm_nixl import (  # noqa: E402
+    Geometry,
+    nixl_connector,  # noqa: F401 (the fixture connector)
+    nixl_release,  # noqa: F401 (the fixture nixl)
+)
+from support.vllm_nixl_pair import TpPair, load_agents  # noqa: E402
+
+from kvplan.compat.vllm import nixl_staging  # noqa: E402
+
+#: 8 layers of 6 KV heads of 64 bytes: each prefill rank of two holds 3 heads, 3 KiB of every
+#: 16-token decode block, so a 16 KiB round buffer holds 5 1/3 half-blocks.
+SIXTHS = Geometry(heads=6, layers=8)
+
+
+@pytest.mark.nixl
+def test_a_tp_2_to_1_staged_read_takes_the_fewest_rounds_its_buffer_allows(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each prefill rank's stream takes ``ceil(bytes / round buffer)`` rounds, every round but
+    its last a full buffer (rounds cut only where half-blocks end would take 13 where 12
+    suffice), and the two streams land vLLM's own bytes."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = TpPair(connector, nixl, monkeypatch, prefill_tp=2, decode_tp=1, geometry=SIXTHS)
+    try:
+        assert [list(p.all_source_ranks) for p in pair.plans] == [[0, 1]]
+        pair.read(0, vllm_only=True)
+        assert pair.poll(0) == ({"req-d"}, set())
+        want = pair.d_mem[0].copy()
+        assert want.any()
+        for r in (0, 1):  # vLLM's read notified each prefill rank once
+            assert len(pair.notifications(r, 1)) == 1
+        pair.d_mem[0][:] = 0
+        handles = pair.read(0)
+        assert len(handles) == 2
+        assert all(isinstance(h, nixl_staging.StagedRead) for h in handles), handles
+        assert pair.poll(0) == ({"req-d"}, set())
+        assert bytes(pair.d_mem[0]) == bytes(want)
+        for h in handles:
+            rounds = h.rounds
+            manifests = [r.manifest for r in rounds]
+            assert sum(m.bytes for m in manifests) == rounds.bytes
+            assert len(rounds) == math.ceil(rounds.bytes / rounds.buffer_bytes)
+            assert all(m.bytes == rounds.buffer_bytes for m in manifests[:-1])
+            # half-blocks of 3 KiB do not tile the buffer
+            assert rounds.buffer_bytes % SIXTHS.block_bytes(2) != 0
+        assert [len(h.rounds) for h in handles] == [12, 12]
+    finally:
+        pair.close()
