@@ -104,6 +104,25 @@ def load_agents(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> None:
                             meta.agent_metadata))
 
 
+def keep_for_decode(nixl: Any, prefill: Any, request: str, groups: list[list[int]],
+                    lease_s: float) -> None:
+    """vLLM's scheduler keeps ``request``'s blocks on ``prefill`` for a decode: the request in
+    the batch, then in ``reqs_to_send`` with its lease's expiry, with the block ids kvplan's
+    scheduler side adds (vLLM's ``remote_block_ids``, a list per KV group), run through vLLM's
+    own ``start_load_kv`` of kvplan's worker."""
+    meta = nixl.metadata.NixlConnectorMetadata()
+    meta.reqs_in_batch = {request}
+    now = time.perf_counter()
+    meta.scheduler_clock = now
+    meta.reqs_to_send = {request: now + lease_s}
+    scheduler = types.SimpleNamespace()
+    nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
+        True, {"remote_block_ids": groups}))
+    nixl_staging.attach_sent_blocks(scheduler, meta)
+    prefill.start_load_kv(meta)
+    assert request in prefill._reqs_to_send
+
+
 def random_bytes(size: int, seed: int) -> np.ndarray:
     """``size`` random bytes, drawn in 64 MiB pieces (no second array of the full size)."""
     out = np.empty(size, np.uint8)
@@ -167,19 +186,9 @@ class Pair:
         with the block ids kvplan's scheduler side adds (vLLM's ``remote_block_ids``: the
         pair's prefill blocks, or ``blocks``, one group's or a list per group), run through
         vLLM's own ``start_load_kv`` of kvplan's worker."""
-        meta = self.nixl.metadata.NixlConnectorMetadata()
-        meta.reqs_in_batch = {request}
-        now = time.perf_counter()
-        meta.scheduler_clock = now
-        meta.reqs_to_send = {request: now + lease_s}
-        scheduler = types.SimpleNamespace()
         groups = self.prefill_groups if blocks is None else \
             [list(g) for g in blocks] if blocks and isinstance(blocks[0], list) else [list(blocks)]
-        nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
-            True, {"remote_block_ids": groups}))
-        nixl_staging.attach_sent_blocks(scheduler, meta)
-        self.prefill.start_load_kv(meta)
-        assert request in self.prefill._reqs_to_send
+        keep_for_decode(self.nixl, self.prefill, request, groups, lease_s)
 
     def _vllm_state(self, w: Any) -> None:
         """What vLLM's ``register_kv_caches`` and ``add_remote_agent`` leave that its read
@@ -402,17 +411,7 @@ class TpPair:
         """vLLM's scheduler keeps the request's blocks on every prefill rank for the decode
         (with the block ids kvplan's scheduler side adds), through vLLM's ``start_load_kv``."""
         for w in self.prefill:
-            meta = self.nixl.metadata.NixlConnectorMetadata()
-            meta.reqs_in_batch = {request}
-            now = time.perf_counter()
-            meta.scheduler_clock = now
-            meta.reqs_to_send = {request: now + lease_s}
-            scheduler = types.SimpleNamespace()
-            nixl_staging.note_finished(scheduler, types.SimpleNamespace(request_id=request), (
-                True, {"remote_block_ids": [list(self.prefill_pages)]}))
-            nixl_staging.attach_sent_blocks(scheduler, meta)
-            w.start_load_kv(meta)
-            assert request in w._reqs_to_send
+            keep_for_decode(self.nixl, w, request, [list(self.prefill_pages)], lease_s)
 
     def prep(self, d: int) -> list[tuple[Any, Any]]:
         """Decode rank ``d``'s prepped (local, remote) descriptor lists per prefill rank it
