@@ -156,6 +156,13 @@ class StagedRead:
                                      descCount=len(rounds))
 
 
+def _no_transfer_telemetry() -> Any:
+    """NIXL telemetry for a handle that moved nothing (vLLM reads it when the handle is done)."""
+    import types
+
+    return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0, descCount=0)
+
+
 class AbortedRead:
     """vLLM's handle of a staged read stopped before it started (vLLM finished the request
     first, :func:`stop_aborted_reads`): ``DONE`` at once, nothing read, no verdict."""
@@ -166,10 +173,7 @@ class AbortedRead:
         return "DONE"
 
     def telemetry(self) -> Any:
-        import types
-
-        return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0,
-                                     descCount=0)
+        return _no_transfer_telemetry()
 
 
 class RefusedRead:
@@ -185,10 +189,7 @@ class RefusedRead:
         return "ERR"
 
     def telemetry(self) -> Any:
-        import types
-
-        return types.SimpleNamespace(xferDuration=0.0, postDuration=0.0, totalBytes=0,
-                                     descCount=0)
+        return _no_transfer_telemetry()
 
 
 class HeldRead:
