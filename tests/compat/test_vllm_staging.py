@@ -1,7 +1,7 @@
 """Staged transfers through kvplan's vLLM Mooncake drop-in, with vLLM's real worker classes
 (the release ``support.vllm_loader`` loads; 0.32 and 0.34 for the tests that meet the code
-where the releases differ, by ``rerun_tests_under_release``) and real Mooncake TCP loopback
-engines in this process.
+where the releases differ, in ``tests/compat/test_other_releases.py``'s child runs) and real
+Mooncake TCP loopback engines in this process.
 
 The prefill is vLLM's ``MooncakeConnectorWorker`` with kvplan installed; its staging state
 (arena registered with the prefill engine) and the decode's (arena registered with the decode

@@ -4,7 +4,7 @@ runs vLLM's own shutdown, then closes its staging state once: the channel listen
 closed, its threads ended) and the arena's registration with the worker's Mooncake engine.
 
 The connector is built by vLLM's real constructor and worker ``__init__`` (the release
-``support.vllm_loader`` loads; 0.32 and 0.34 by ``rerun_under_release``), with the Mooncake
+``support.vllm_loader`` loads; 0.32 and 0.34 in ``tests/compat/test_other_releases.py``'s child runs), with the Mooncake
 engine stand-in of vLLM's own connector tests.
 """
 

