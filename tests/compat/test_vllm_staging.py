@@ -505,7 +505,7 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
     d_staging.tick(now=time.monotonic())
     d_staging.tick(now=time.monotonic() + 3 * d_staging.config.timeout_s)
     assert "req-e@tp0" not in d_staging.receivers and d_staging.stream("req-e@tp0") is receiver
-    assert d_staging.shares.holder(0) is None
+    assert d_staging.shares.holders() == []
     assert np.all(decode.memory == SENTINEL)
     assert server.address == d_staging.capabilities()["channel"]
 

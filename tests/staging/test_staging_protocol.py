@@ -27,7 +27,7 @@ from kvplan.staging import (
     send_staged,
 )
 from kvplan.staging import wire
-from support.staging_rounds import copier, mla_fragmented_case, rounds_for
+from support.staging_rounds import claiming, copier, mla_fragmented_case, rounds_for
 
 ARENA = 64 << 10  # 32 KiB rounds: the 1.4 MB request takes 43 of them
 
@@ -197,7 +197,7 @@ def test_a_tampered_manifest_fails_the_request_once_on_both_sides() -> None:
         s.send(notify=notify)
     _assert_failed_once(s, exc, 3, "peer_failed", "manifest_mismatch")
     assert "manifest_mismatch" in exc.value.detail
-    assert s.shares.holder(0) is None  # the prefill said it stopped: the share is free
+    assert s.shares.holders() == []  # the prefill said it stopped: the share is free
     # a straggler after the failure changes nothing
     s.receiver.on_message(wire.encode(wire.ROUND, "req-1", round_index=4,
                                       n_rounds=len(s.rounds), buffer=0))
@@ -380,7 +380,7 @@ def test_two_streams_of_one_share_take_turns() -> None:
         decode_router.open(name, 0, r.on_message)
         receivers.append(r)
     assert shares.admit(receivers[0]) and not shares.admit(receivers[1])
-    assert shares.holder(0) is receivers[0] and not receivers[1].granted
+    assert shares.holders() == [receivers[0]] and not receivers[1].granted
     wants = [a.direct(), b.direct()]
     errors: list[BaseException] = []
 
@@ -401,7 +401,7 @@ def test_two_streams_of_one_share_take_turns() -> None:
         t.join(30)
     assert errors == []
     assert order.index("a loaded") < order.index("b loaded")
-    assert b.engine.submitted == len(b.rounds) and shares.holder(0) is None
+    assert b.engine.submitted == len(b.rounds) and shares.holders() == []
     np.testing.assert_array_equal(decode_memory[0], wants[0])
     np.testing.assert_array_equal(decode_memory[1], wants[1])
 
@@ -441,23 +441,24 @@ def test_a_failed_stream_keeps_its_share_until_the_prefill_stopped() -> None:
     for ending in ("prefill says stopped", "timeout"):
         shares = ArenaShares()
         told: list[bytes] = []
-        first, second = (ReceiveStaged(name, [object()] * 3, lambda plan: None, told.append,
+        first, second = (ReceiveStaged(name, claiming(3, (0, 100)), lambda plan: None,
+                                       told.append,
                                        timeout_s=10.0, clock=lambda: now[0])
                          for name in ("one", "two"))
         assert shares.admit(first) and not shares.admit(second)
         first.on_message(b"not a message")  # the decode fails the stream itself
         assert first.failed and wire.decode(told[-1]).kind == wire.FAIL
-        assert shares.holder(0) is first and not second.granted
+        assert shares.holders() == [first] and not second.granted
         if ending == "timeout":
             now[0] += 5.0
             first.poll()
-            assert shares.holder(0) is first
+            assert shares.holders() == [first]
             now[0] += 5.5
             first.poll()
         else:
             first.on_message(wire.encode(wire.FAIL, "one", round_index=0, n_rounds=3,
                                          payload=b"peer_failed: stopped"))
-        assert shares.holder(0) is second and second.granted
+        assert shares.holders() == [second] and second.granted
         assert wire.decode(told[-1]).kind == wire.GRANT and wire.decode(told[-1]).request == "two"
         assert first.error is not None and first.error.reason == "bad_message"
 
@@ -489,15 +490,15 @@ def test_a_grant_that_cannot_be_sent_passes_the_share_on_at_once() -> None:
     def broken(data: bytes) -> None:
         raise ConnectionError("prefill gone")
 
-    first = ReceiveStaged("one", [object()], lambda plan: None, broken)
-    second = ReceiveStaged("two", [object()], lambda plan: None, told.append)
-    assert shares.admit(second) and shares.holder(0) is second
+    first = ReceiveStaged("one", claiming(1, (0, 100)), lambda plan: None, broken)
+    second = ReceiveStaged("two", claiming(1, (0, 100)), lambda plan: None, told.append)
+    assert shares.admit(second) and shares.holders() == [second]
     assert not shares.admit(first)
     # the holder's prefill stopped: the share goes to the queued stream, whose grant fails
     second.on_message(wire.encode(wire.FAIL, "two", round_index=0, n_rounds=1,
                                   payload=b"gather_failed: stopped"))
     assert first.failed and first.error is not None and first.error.reason == "peer_gone"
-    assert not first.granted and shares.holder(0) is None
+    assert not first.granted and shares.holders() == []
 
 
 def test_local_copy_runs_a_core_round() -> None:

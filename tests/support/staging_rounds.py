@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import struct
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,13 @@ def reference_rounds(direct: Any, src_arena: tuple[int, int], dst_arena: tuple[i
         manifest = RefManifest(k, n, k % buffers, hi - lo, 1, db_off)
         out.append(RefRound(k, k % buffers, gather, network, scatter, manifest))
     return out
+
+
+def claiming(n: int, *ranges: tuple[int, int]) -> list[Any]:
+    """``n`` stand-in rounds whose manifests land in the decode arena's ``ranges`` (round
+    ``k`` in ``ranges[k % len(ranges)]``): what ``ArenaShares`` reads of a stream's rounds."""
+    return [types.SimpleNamespace(index=k, manifest=types.SimpleNamespace(
+        dst_bytes_range=ranges[k % len(ranges)])) for k in range(n)]
 
 
 def has_plan_rounds() -> bool:
@@ -225,5 +233,5 @@ def tp8_to_tp2_case(pages: int = 10, seed: int = 5) -> tuple[list[Peer], Peer, l
 
 
 __all__ = ["Columns", "RefManifest", "RefRound", "RefRounds", "apply_plan", "copier",
-           "gqa_peer", "has_plan_rounds", "mla_fragmented_case", "mla_peer", "reference_rounds",
+           "claiming", "gqa_peer", "has_plan_rounds", "mla_fragmented_case", "mla_peer", "reference_rounds",
            "rounds_for", "tp8_to_tp2_case", "Peer"]

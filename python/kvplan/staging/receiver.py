@@ -21,7 +21,8 @@ from kvplan.staging.wire import (
     encode,
 )
 
-__all__ = ["ArenaShares", "ReceiveStaged", "manifest_difference"]
+__all__ = ["ArenaShares", "Claim", "ReceiveStaged", "arena_claim", "claims_overlap",
+           "manifest_difference"]
 
 _log = logging.getLogger("kvplan.staging")
 
@@ -52,9 +53,9 @@ def manifest_difference(expected: Any, got: bytes) -> str:
 class ReceiveStaged:
     """One staged request stream arriving at the decode.
 
-    The prefill writes nothing before the stream is granted its share of the decode arena:
-    :meth:`ArenaShares.admit` grants it when no other stream holds that share (or
-    :meth:`grant` where the stream owns its share for good). Feed every message of the stream
+    The prefill writes nothing before the stream is granted the bytes of the decode arena its
+    rounds land in: :meth:`ArenaShares.admit` grants it when no other stream's claim overlaps
+    them (or :meth:`grant` where the stream owns its part of the arena for good). Feed every message of the stream
     to :meth:`on_message` (the :class:`Router` does). Round
     ``k``'s message must come next, name the round count and buffer the decode planned and
     carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
@@ -146,8 +147,8 @@ class ReceiveStaged:
         return m.kind == FAIL and m.request == self.request and m.writer == self.writer
 
     def grant(self) -> None:
-        """Tell the prefill the stream's decode arena share is its own: it may write round 0.
-        A stream that already ended sends nothing."""
+        """Tell the prefill the bytes of the decode arena its rounds land in are its own: it
+        may write round 0. A stream that already ended sends nothing."""
         with self._lock:
             if self.state != "receiving" or self.granted:
                 return
@@ -357,50 +358,111 @@ class ReceiveStaged:
                 raise self.error
 
 
+#: A stream's claim on the decode arena: sorted, disjoint ``[start, end)`` byte ranges.
+Claim = tuple[tuple[int, int], ...]
+
+
+def arena_claim(rounds: Sequence[Any]) -> Claim:
+    """The bytes of the decode arena a stream's rounds land in: the union of their manifests'
+    ``dst_bytes_range``, as sorted, disjoint ``[start, end)`` ranges (none for no rounds).
+
+    The union, not ``[first start, last end)``: a request of fewer rounds than buffers, or a
+    sender whose share lies between another's buffers, leaves bytes of the hull unwritten,
+    and those stay free for another stream."""
+    manifests = getattr(rounds, "manifests", None)
+    if manifests is None:
+        manifests = [r.manifest for r in rounds]
+    spans = sorted((int(a), int(b)) for a, b in (m.dst_bytes_range for m in manifests) if b > a)
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def claims_overlap(x: Claim, y: Claim) -> bool:
+    """Whether two claims share a byte."""
+    i = j = 0
+    while i < len(x) and j < len(y):
+        if x[i][0] < y[j][1] and y[j][0] < x[i][1]:
+            return True
+        if x[i][1] <= y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
 class ArenaShares:
-    """One stream at a time per share of the decode arena (a share is a prefill writer
-    index's part, :attr:`ReceiveStaged.writer`): :meth:`admit` grants a stream its share when
-    free, else queues it; when the holder is loaded or failed, the next queued stream that is
-    still receiving is granted. Two prefill instances with the same writer index (two prefill
-    servers of one TP size) so never write one share at once."""
+    """Streams write the decode arena at once only where their bytes do not overlap.
+
+    A stream's claim (its share of the arena) is the bytes of the decode arena its rounds
+    land in (:func:`arena_claim`: its manifests' ``dst_bytes_range``), whatever writer index
+    the wire names: the prefill ranks of one TP pair each write their own sender's share (each
+    as writer 0 in vLLM's NIXL reads), prefills of other TP sizes cut the arena into other
+    shares, two prefill servers of one TP size have the same ones. :meth:`admit` grants a
+    stream at once when its claim overlaps no granted stream's and no queued stream's, else
+    queues it. When a granted stream ends (loaded, or failed and its prefill stopped writing,
+    see :meth:`ReceiveStaged.poll`) or a queued one ends, the queue is walked in admission
+    order: a stream still receiving is granted when its claim overlaps neither a granted
+    stream's nor that of a stream queued before it and still waiting. So no two granted
+    streams' claims ever overlap, and a stream waits only for streams granted or queued
+    before it (none starves)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holder: dict[int, ReceiveStaged] = {}
-        self._queued: dict[int, list[ReceiveStaged]] = {}
+        #: Granted streams and their claims, in grant order.
+        self._held: dict[ReceiveStaged, Claim] = {}
+        #: Streams waiting for their grant, in admission order.
+        self._queued: list[tuple[ReceiveStaged, Claim]] = []
 
     def admit(self, receiver: ReceiveStaged) -> bool:
-        """Grant ``receiver`` its share now (True) or when the holder ends (False)."""
-        w = receiver.writer
+        """Grant ``receiver`` now (True) or once no earlier stream's claim overlaps its own
+        (False)."""
+        claim = arena_claim(receiver.rounds)
         with self._lock:
-            now = w not in self._holder
+            ahead = list(self._held.values()) + [c for r, c in self._queued
+                                                 if r.state == "receiving"]
+            now = not any(claims_overlap(claim, c) for c in ahead)
             if now:
-                self._holder[w] = receiver
+                self._held[receiver] = claim
             else:
-                self._queued.setdefault(w, []).append(receiver)
+                self._queued.append((receiver, claim))
         receiver._on_finish(lambda: self._release(receiver))
         if now:
             receiver.grant()
         return now
 
-    def holder(self, writer: int) -> ReceiveStaged | None:
+    def holders(self) -> list[ReceiveStaged]:
+        """The granted streams that still hold their claim, in grant order."""
         with self._lock:
-            return self._holder.get(writer)
+            return list(self._held)
+
+    def queued(self) -> list[ReceiveStaged]:
+        """The streams waiting for their grant, in admission order."""
+        with self._lock:
+            return [r for r, _ in self._queued]
 
     def _release(self, receiver: ReceiveStaged) -> None:
-        w = receiver.writer
         with self._lock:
-            queued = self._queued.get(w, [])
-            if receiver in queued:  # ended while waiting: never granted
-                queued.remove(receiver)
-                return
-            if self._holder.get(w) is not receiver:
-                return
-            nxt = next((r for r in queued if r.state == "receiving"), None)
-            self._queued[w] = [r for r in queued if r.state == "receiving" and r is not nxt]
-            if nxt is None:
-                del self._holder[w]
-                return
-            self._holder[w] = nxt
-        # a grant that fails ends nxt, whose own hook passes the share on
-        nxt.grant()
+            if self._held.pop(receiver, None) is None:
+                at = next((i for i, (r, _) in enumerate(self._queued) if r is receiver), None)
+                if at is None:
+                    return
+                del self._queued[at]  # ended while waiting: never granted
+            blocked = list(self._held.values())
+            waiting, grants = [], []
+            for r, claim in self._queued:
+                if r.state != "receiving":
+                    continue  # ended while waiting: its own hook finds it gone
+                if not any(claims_overlap(claim, c) for c in blocked):
+                    self._held[r] = claim
+                    grants.append(r)
+                else:
+                    waiting.append((r, claim))
+                blocked.append(claim)
+            self._queued = waiting
+        for r in grants:  # a grant that fails ends r, whose own hook passes its claim on
+            r.grant()

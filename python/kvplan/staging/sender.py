@@ -292,8 +292,9 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     round ``k-1``'s network write where ``buffers`` > 1); round
     ``k``'s network plan is submitted only after the decode acknowledged scattering round
     ``k - buffers`` out of the same decode buffer (flow control), and round 0 only after the
-    decode granted this stream its share of the decode arena (one stream per share at a time,
-    :class:`kvplan.staging.ArenaShares`); once the write landed,
+    decode granted this stream its share of the decode arena (the bytes its rounds land in,
+    which no other granted stream's overlap: :class:`kvplan.staging.ArenaShares`); once the
+    write landed,
     ``notify`` carries a round message (``kvplan.staging.wire``) with the round's
     ``RoundManifest``. Returns after the decode acknowledged the last round: every byte is in
     the decode's KV memory.
