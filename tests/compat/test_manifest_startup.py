@@ -760,10 +760,11 @@ def test_vllm_mla_and_mha_manifests_do_not_pass_for_each_other(v: Any) -> None:
     connector.connector_worker.shutdown()
 
 
-def test_vllm_worker_with_a_mamba_region_refuses_saying_why(v: Any) -> None:
-    """A Mamba page holds every state of its layer: vLLM does not say the roles, so the
-    check cannot run; with the key set the worker refuses rather than report present
-    components as missing."""
+def test_vllm_mamba_region_of_unknown_dtype_refuses_saying_why(v: Any) -> None:
+    """A Mamba page holds every state of its layer, counted from its spec's shapes and dtypes
+    (tests/compat/test_vllm_manifest_state.py): a dtype without an item size cannot be counted,
+    so with the key set the worker refuses, naming the layer and the dtype, rather than pass
+    or report present components as missing."""
     from kvplan.compat.vllm.manifest import MANIFEST_ATTR, check_worker_manifest
     from kvplan.compat.vllm.staging import manifest_layout
 
@@ -779,7 +780,7 @@ def test_vllm_worker_with_a_mamba_region_refuses_saying_why(v: Any) -> None:
         check_worker_manifest(worker, "KvplanMooncakeConnector", manifest_layout)
     message = str(err.value)
     assert "MambaSpec" in message and "model.layers.1.mixer" in message
-    assert "every state of its layer" in message and "Remove kvplan_manifest" in message
+    assert "dtype None has no item size" in message and "Remove kvplan_manifest" in message
     assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [message]
 
 
@@ -930,7 +931,7 @@ VLLM_RELEASE_TESTS = (
     "test_vllm_mha_worker_missing_a_layer_refuses_naming_it",
     "test_vllm_mha_worker_with_other_heads_refuses_naming_both",
     "test_vllm_sliding_window_layers_keep_their_window",
-    "test_vllm_worker_with_a_mamba_region_refuses_saying_why",
+    "test_vllm_mamba_region_of_unknown_dtype_refuses_saying_why",
     "test_nixl_worker_holding_the_manifest_starts",
 )
 #: What runs again in the child pytest of each other vLLM release (tests/compat/test_other_releases.py

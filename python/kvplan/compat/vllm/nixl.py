@@ -61,7 +61,7 @@ __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_wor
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
            "report_load_failure", "kv_cache_group_count",
            "add_to_agent_metadata", "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
-           "manifest_layout", "worker_identity", "worker_layout"]
+           "manifest_layout", "NO_STATE_LAYOUT", "worker_identity", "worker_layout"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -447,18 +447,18 @@ _HANDSHAKE_NAMES = ("NixlAgentMetadata", "add_remote_agent")
 _HANDSHAKE_RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
 
 
-def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:
+def manifest_layout(worker: Any, engine: str) -> tuple[Any, frozenset[str]]:
     """The NIXL worker's :func:`worker_layout` for its ``kvplan_manifest`` check
     (``manifest.roles_layout``: each region's role and window from its layer's spec, and
-    whether a region packs K and V), its layer ids read from ``region_names`` (the layer each
+    the packed roles it holds), its layer ids read from ``region_names`` (the layer each
     region was registered for; vLLM's NIXL worker records no index) by vLLM's
     ``extract_layer_index``.
 
     Raises:
         ManifestError: A region name without a layer id, or what ``manifest.roles_layout``
-            refuses (a worker kvplan builds no layout of: Mamba state, a PP, DCP or PCP size
-            above 1, heads not whole, a KV cache layout kvplan does not describe), naming
-            why; logged at ERROR first.
+            refuses (a worker kvplan builds no layout of: Mamba state, :data:`NO_STATE_LAYOUT`;
+            a PP, DCP or PCP size above 1, heads not whole, a KV cache layout kvplan does not
+            describe), naming why; logged at ERROR first.
     """
     from kvplan._core import ManifestError
 
@@ -477,11 +477,23 @@ def manifest_layout(worker: Any, engine: str) -> tuple[Any, bool]:
             manifest.logger.error("%s", err)
             raise err from exc
     layout = worker_layout(worker) if names else None
-    return manifest.roles_layout(
-        layout, names, ids, d.get("_layer_specs") or {}, engine,
-        "kvplan builds no layout of this NIXL worker (a model with Mamba state, a PP, DCP or "
-        "PCP size above 1, regions that do not hold whole KV heads alike, or a KV cache layout "
-        "vLLM resolved that kvplan does not describe)")
+    why = ("kvplan builds no layout of this NIXL worker (a PP, DCP or PCP size above 1, "
+           "regions that do not hold whole KV heads alike, or a KV cache layout vLLM resolved "
+           "that kvplan does not describe)")
+    if d.get("_has_mamba"):
+        why = (f"{NO_STATE_LAYOUT}; KvplanMooncakeConnector checks a hybrid model's "
+               f"manifest, its regions being one per layer")
+    return manifest.roles_layout(layout, names, ids, d.get("_layer_specs") or {}, engine, why)
+
+
+#: Why a NIXL worker with Mamba state is not checked against a manifest: its regions are not
+#: one per layer.
+NO_STATE_LAYOUT = (
+    "kvplan builds no layout of a NIXL worker with Mamba state: vLLM's NIXL worker registers "
+    "one region per distinct base address, named after the first layer registered there "
+    "(region_names), and a hybrid model's KV cache tensors are each shared by a layer of "
+    "every KV group (an attention layer and Mamba layers), so a region names one layer of "
+    "several and the others' components would read as missing")
 
 
 def _extract_layer_index() -> Any:

@@ -851,10 +851,11 @@ def worker_layout(worker: Any) -> kvplan.Layout | None:
                           order=memory_order(d.get("vllm_config")))
 
 
-def manifest_layout(worker: Any, engine: str) -> tuple[kvplan.Layout, bool]:
+def manifest_layout(worker: Any, engine: str) -> tuple[kvplan.Layout, frozenset[str]]:
     """The Mooncake worker's :func:`worker_layout` for its ``kvplan_manifest`` check
     (``manifest.roles_layout`` of its registered layer names, indices and specs: each region's
-    role and window, and whether a region packs K and V).
+    role, kind, item and window, and the packed roles it holds: K and V, a Mamba layer's
+    states).
 
     Raises:
         ManifestError: What ``manifest.roles_layout`` refuses, naming why.
