@@ -210,12 +210,15 @@ def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
     return w
 
 
-def serve(c: Any, nixl: Any, prefill: Any, *, kvplan_prefill: bool = True) -> None:
+def serve(c: Any, nixl: Any, prefill: Any, *, kvplan_prefill: bool = True,
+          region_group_ids: list[int] | None = None) -> None:
     """The prefill's ``register_kv_caches`` (vLLM's part: the payload it builds, with its NIXL
-    agent's metadata where it has an agent) and what its handshake listener serves."""
+    agent's metadata where it has an agent, and ``region_group_ids``, its regions' KV groups,
+    where given) and what its handshake listener serves."""
     bw = nixl.base_worker
     agent = prefill.__dict__.get("nixl_wrapper")
-    meta = bw.NixlAgentMetadata(
+    groups = {} if region_group_ids is None else {"region_group_ids": list(region_group_ids)}
+    meta = bw.NixlAgentMetadata(**groups,
         engine_id=prefill.engine_id,
         agent_metadata=b"nixl-agent" if agent is None else agent.get_agent_metadata(),
         kv_caches_base_addr=prefill.kv_caches_base_addr[prefill.engine_id][0],

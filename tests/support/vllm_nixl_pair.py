@@ -139,8 +139,10 @@ class Pair:
     both sides' KV cache, ``prefill_pages`` / ``decode_pages`` the request's blocks (vLLM's
     ``remote_block_ids`` / ``local_block_ids``), ``staging`` the connector options of a side
     given no ``*_extra``. Several KV groups (a hybrid model's): ``region_groups`` names each
-    region's group (vLLM's ``region_group_ids``, each group's layers in regions of their
-    own), ``prefill_groups`` / ``decode_groups`` the request's blocks per group."""
+    region's group (vLLM's ``region_group_ids``: each group's layers in regions of their own,
+    or -1 for a region shared by every group, as vLLM's hybrid allocator shares a tensor
+    between layers of several groups; the prefill's metadata names them too),
+    ``prefill_groups`` / ``decode_groups`` the request's blocks per group."""
 
     def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch,
                  prefill_extra: dict[str, Any] | None = None,
@@ -158,7 +160,8 @@ class Pair:
         self.prefill_pages, self.decode_pages = self.prefill_groups[0], self.decode_groups[0]
         self.region_groups = list(region_groups or [0] * geometry.regions)
         assert len(self.region_groups) == geometry.regions
-        assert len(set(self.region_groups)) == len(self.prefill_groups) == len(self.decode_groups)
+        assert len(self.prefill_groups) == len(self.decode_groups)
+        assert {g for g in self.region_groups if g >= 0} <= set(range(len(self.decode_groups)))
         size = geometry.regions * geometry.blocks * geometry.block_bytes()
         self.p_mem = random_bytes(size, 7)
         self.d_mem = np.zeros(size, np.uint8)
@@ -171,7 +174,7 @@ class Pair:
         for w, mem in ((self.prefill, self.p_mem), (self.decode, self.d_mem)):
             self._vllm_state(w)
             w.nixl_wrapper.register_memory([(mem.ctypes.data, mem.nbytes, 0, "")], "DRAM")
-        serve(c, nixl, self.prefill)
+        serve(c, nixl, self.prefill, region_group_ids=self.region_groups)
         handshake(self.decode, self.prefill)
         peer = nixl_staging.peer_agreement(self.decode, "prefill-0", 0)
         assert peer is not None
@@ -196,7 +199,10 @@ class Pair:
         g = self.geometry
         regions, blocks = g.regions, g.blocks
         groups, mapped = self.region_groups, len(set(self.region_groups)) > 1
-        ids = list(range(len(set(groups))))
+        ids = list(range(len(getattr(self, "decode_groups", None) or [[]])))
+        # vLLM 0.34's pairs: region k with region k at each group it holds layers of (every
+        # group, for a shared region)
+        pairs = [(r, g) for r, own in enumerate(groups) for g in (ids if own < 0 else [own])]
         info = types.SimpleNamespace(remote_block_size=g.block, remote_dcp_size=1,
                                      remote_physical_blocks_per_logical=1, remote_tp_size=1)
         w.__dict__.update(
@@ -222,8 +228,8 @@ class Pair:
             # vLLM 0.34's region pairs of the prefill (region k reads region k, at its group's
             # blocks)
             _dst_pairs={"prefill-0": types.SimpleNamespace(
-                remote=list(range(regions)), local=list(range(regions)),
-                group=list(groups), remote_ssm_regions=None)})
+                remote=[r for r, _ in pairs], local=[r for r, _ in pairs],
+                group=[g for _, g in pairs], remote_ssm_regions=None)})
 
     def prep(self) -> tuple[Any, Any]:
         """The decode agent's prepped descriptor lists of both sides' KV blocks, as vLLM's

@@ -67,8 +67,10 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     :func:`worker_layout` builds the decode's own), in the memory order of the layout its
     metadata names (:func:`kvplan.compat.vllm.semantics.layout_order`: the peer's own vLLM
     decided it, nothing of this process says it); None where kvplan builds none (heads not
-    whole, padded blocks, regions of several block counts or KV groups, a layout kvplan does
-    not describe)."""
+    whole, padded blocks, regions of several block counts, a layout kvplan does not
+    describe). Regions of several KV groups are one layout here; a staged read of several
+    groups puts each group's regions in a pool of their own per request
+    (:class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`)."""
     from kvplan.compat.vllm.semantics import layout_order, regions_layout
 
     try:
@@ -80,10 +82,8 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     except (AttributeError, TypeError, ValueError):
         return None
     counts = set(getattr(metadata, "region_num_blocks", None) or ())
-    groups = set(getattr(metadata, "region_group_ids", None) or ())
-    if not _strides_whole(lens, getattr(metadata, "block_strides", None)) or \
-            len(counts) > 1 or len(groups) > 1:
-        return None  # padded blocks, regions of several sizes or KV groups: direct path
+    if not _strides_whole(lens, getattr(metadata, "block_strides", None)) or len(counts) > 1:
+        return None  # padded blocks or regions of several sizes: direct path
     if counts:
         blocks = int(counts.pop())
     d = worker.__dict__

@@ -479,14 +479,17 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
 
 def open_message(staged: StagedRequest, *, stream: str, peer: str, rank: int,
                  capabilities: dict[str, Any], writer: int = 0,
-                 identity: dict[str, Any] | None = None, request: str | None = None) -> bytes:
+                 identity: dict[str, Any] | None = None, request: str | None = None,
+                 extra: dict[str, Any] | None = None) -> bytes:
     """The prefill's opening message for one stream: its name, rank and staging message (the
     decode negotiates with it as the prefill did with the decode's), the template's two
     layouts and the request's pages, from which the decode plans the same rounds. In pull
     mode the decode opens the stream, and ``request`` names the prefill's request id (the
-    prefill serves only a request it still holds)."""
+    prefill serves only a request it still holds); ``extra``: further keys of the message."""
     src_layout, dst_layout = staged.layouts
-    extra: dict[str, Any] = {} if identity is None else {IDENTITY_KEY: identity}
+    extra = dict(extra or {})
+    if identity is not None:
+        extra[IDENTITY_KEY] = identity
     if request is not None:
         extra["request"] = request
     return json.dumps({"stream": stream, "writer": writer, "peer": peer, "rank": rank,

@@ -41,20 +41,24 @@ needs nothing more from the prefill.
   the same rounds with its own layout as the source and runs
   :func:`kvplan.staging.send_staged` in pull mode on a thread of its own.
 
-Staged reads are taken only where both sides are simple enough to plan here: one KV group,
-host-memory KV caches whose blocks lie back to back, the same block size, no DCP, no Mamba
-state, no mixed memory types, and TP sizes that are equal or that vLLM slices heads between
+Staged reads are taken only where both sides are simple enough to plan here: host-memory KV
+caches whose blocks lie back to back, the same block size, no DCP, no Mamba state, no mixed
+memory types, and TP sizes that are equal or that vLLM slices heads between
 (:func:`_tp_pair_staged`): then each (request, prefill rank) read vLLM makes is one staged
 stream, its rounds planned by the core from both layouts' TP coordinates; every other read is
-vLLM's.
+vLLM's. A read of several KV groups (a hybrid model's) is one stream of one request of every
+group's pages (``groups``: :class:`GroupedRead`), at equal TP sizes, from a prefill whose
+staging message serves it (:data:`GROUPS_KEY`).
 
 The package, one module per job, each importing only modules above it in this list (no import
 circle):
 
 * ``worker``: the worker's staging state (:func:`worker_staging`), its KV regions as buffers
   (:func:`kv_buffers`) and the log every part writes to;
-* ``names``: the staging message's held-check and lease keys (:data:`HOLD_KEY`,
-  :data:`LEASE_KEY`, ...), a read's session and stream and the decode's opening message;
+* ``names``: the staging message's held-check, KV-group and lease keys (:data:`HOLD_KEY`,
+  :data:`GROUPS_KEY`, :data:`LEASE_KEY`, ...), a read's session and stream and the decode's
+  opening message;
+* ``groups``: a read of several KV groups (:func:`region_reads`, :class:`GroupedRead`);
 * ``scheduler``: the scheduler side's :func:`note_finished` and :func:`attach_sent_blocks`,
   and the connector-metadata keys they fill (:data:`SENT_BLOCKS_META`, :data:`ABORTED_META`);
 * ``handles``: the handles vLLM polls (:class:`StagedRead`, :class:`AbortedRead`,
@@ -88,6 +92,8 @@ from kvplan.compat.vllm.nixl_staging.held import check_held
 from kvplan.compat.vllm.nixl_staging.leases import SendLeases, record_sent_blocks, send_leases
 from kvplan.compat.vllm.nixl_staging.lifecycle import close_staging, start_staging
 from kvplan.compat.vllm.nixl_staging.names import (
+    GROUPS_KEY,
+    GROUPS_VERSION,
     HOLD_GROUPS_KEY,
     HOLD_KEY,
     HOLD_ONE_GROUP,
@@ -113,7 +119,8 @@ from kvplan.compat.vllm.nixl_staging.scheduler import (
 from kvplan.compat.vllm.nixl_staging.serve import serve_hold, serve_rounds
 from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, worker_staging
 
-__all__ = ["ABORTED_ATTR", "ABORTED_META", "AbortedRead", "HOLD_GROUPS_KEY", "HOLD_KEY",
+__all__ = ["ABORTED_ATTR", "ABORTED_META", "AbortedRead", "GROUPS_KEY", "GROUPS_VERSION",
+           "HOLD_GROUPS_KEY", "HOLD_KEY",
            "HOLD_ONE_GROUP", "HOLD_VERSION", "HeldRead", "LEASE_KEY", "NixlPeer",
            "PENDING_ABORTS_ATTR", "RefusedRead", "SENT_BLOCKS_ATTR", "SENT_BLOCKS_META",
            "SendLeases", "StagedRead", "StagingAgent", "_staging_log", "advertise_staging",

@@ -29,7 +29,7 @@ class StagedRead:
 
     def __init__(self, request: str, receiver: Any, notify: Any, template: Any,
                  rounds: Any, state: Any, *, peer: str = "?",
-                 direct_descriptors: int | None = None) -> None:
+                 direct_descriptors: int | None = None, regroup: Any = None) -> None:
         self.request, self.receiver, self.template, self.rounds = request, receiver, \
             template, rounds
         self._notify, self._state = notify, state
@@ -38,6 +38,9 @@ class StagedRead:
         #: The descriptors vLLM's own READ of the same blocks would take: one per block and
         #: KV region (None: not known).
         self.direct_descriptors = direct_descriptors
+        #: Files a verdict's pages under vLLM's KV groups where the template's pools are not
+        #: them (a read of several groups: :meth:`GroupedRead.regroup`); None: pool = group.
+        self.regroup = regroup
         self.notified = False
         #: Set once :meth:`abort` stopped the read (vLLM finished the request during it).
         self.aborted = False
@@ -135,6 +138,8 @@ class StagedRead:
                 self.verdict = verdict_for_unscattered_rounds(
                     self.request, self.template, self.rounds, self.receiver.scattered,
                     reason=f"{error.reason}: {error.detail}")
+                if self.regroup is not None:
+                    self.verdict = self.regroup(self.verdict)
             except Exception as exc:  # the request still fails as a whole
                 _staging_log.error("kvplan staging: no failure verdict for %r: %s",
                                    self.request, exc)

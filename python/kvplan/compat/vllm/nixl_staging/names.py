@@ -27,6 +27,14 @@ HOLD_VERSION = 2
 HOLD_ONE_GROUP = 1
 #: The key of the prefill's staging message saying its listener also answers form 2.
 HOLD_GROUPS_KEY = "nixl_hold_groups"
+#: The key of the prefill's staging message saying its listener serves staged reads of several
+#: KV groups (:class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`: an opening message
+#: naming each group's pages and the groups of each region, held per group), and its version. A
+#: decode stages a read of several groups only from a prefill whose message gives this version;
+#: from any other (an older kvplan, whose listener plans and holds one group's pages) such a
+#: read is vLLM's own, said once per peer. Reads of one group open as before.
+GROUPS_KEY = "nixl_staged_groups"
+GROUPS_VERSION = 1
 #: The key of the prefill's staging message giving its KV lease in seconds (vLLM's
 #: ``kv_lease_duration``: how long it keeps a finished request's blocks for a decode it hears
 #: nothing from). Without ``kvplan_staging_timeout_s`` both sides of a staged read wait that
@@ -77,14 +85,16 @@ def _read_names(worker: Any, read_spec: Any, dst_engine_id: str,
 
 def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
                     staged: Any = None, held_pages: list[list[int]] | None = None,
-                    hold_form: int = HOLD_VERSION) -> bytes:
+                    hold_form: int = HOLD_VERSION, grouped: Any = None) -> bytes:
     """The decode's opening message on the prefill's listener, one form for both uses: the
     stream, this decode's name, rank and staging message and the prefill's request, then
     either a staged read's layouts and pages (``staged``,
     :func:`kvplan.compat.vllm.staging.open_message`) or a held check's :data:`HOLD_KEY` and
     the prefill pages vLLM's read names per KV group (``held_pages``; it opens no stream), in
     the check's form ``hold_form`` (:data:`HOLD_ONE_GROUP`: the one group's pages as
-    ``src_pages``; else every group's as ``group_pages``)."""
+    ``src_pages``; else every group's as ``group_pages``). A staged read of several KV groups
+    (``grouped``, a :class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`) adds each
+    group's pages and the groups of each region (:meth:`GroupedRead.message`)."""
     import json
 
     from kvplan.compat.vllm import staging as vstaging
@@ -93,7 +103,8 @@ def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
                               "rank": int(worker.__dict__.get("tp_rank", 0) or 0),
                               "capabilities": state.capabilities(), "request": request}
     if staged is not None:
-        return vstaging.open_message(staged, **header)
+        return vstaging.open_message(staged, **header,
+                                     extra=None if grouped is None else grouped.message())
     groups = [[int(p) for p in g] for g in held_pages or ()]
     pages: dict[str, Any] = {"src_pages": [p for g in groups for p in g]} \
         if hold_form == HOLD_ONE_GROUP else {"group_pages": groups}

@@ -11,7 +11,14 @@ from typing import Any
 from kvplan.compat.vllm.nixl_layout import local_layout
 from kvplan.compat.vllm.nixl_staging.aborts import _take_pending_abort
 from kvplan.compat.vllm.nixl_staging.handles import AbortedRead, StagedRead, _agent
-from kvplan.compat.vllm.nixl_staging.names import LEASE_KEY, _opening_message, _read_names
+from kvplan.compat.vllm.nixl_staging.groups import GroupedRead, region_reads, said_unstaged
+from kvplan.compat.vllm.nixl_staging.names import (
+    GROUPS_KEY,
+    GROUPS_VERSION,
+    LEASE_KEY,
+    _opening_message,
+    _read_names,
+)
 from kvplan.compat.vllm.nixl_staging.peers import peer_agreement
 from kvplan.compat.vllm.nixl_staging.tp import _say_unstaged, _tp_pair_staged
 from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, worker_staging
@@ -20,11 +27,13 @@ from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, wor
 def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str,
                 remote_request_id: str, expected_consumers: int) -> bool:
     """The decode's ``_read_blocks`` for one request and prefill rank, staged where it can
-    be: staging on, the prefill agreed, its KV regions and this worker's have layouts, one KV
-    group, TP sizes :func:`_tp_pair_staged` takes, no block-size ratio, DCP or mixed memory,
-    and :func:`kvplan.staging.choose_path` says staged. Between TP sizes the core plans the
-    head slice the two ranks share (the layouts carry their TP coordinates), and the rounds
-    must move the bytes vLLM's read of this prefill rank moves (else not staged, said once).
+    be: staging on, the prefill agreed, its KV regions and this worker's have layouts, TP
+    sizes :func:`_tp_pair_staged` takes, no block-size ratio, DCP, Mamba state or mixed
+    memory, and :func:`kvplan.staging.choose_path` says staged. A read of several KV groups
+    (a hybrid model's) is one request of every group's pages (:func:`_grouped_read`). Between
+    TP sizes the core plans the head slice the two ranks share (the layouts carry their TP
+    coordinates), and the rounds must move the bytes vLLM's read of this prefill rank moves
+    (else not staged, said once).
     Then the rounds are read from the prefill's arena through NIXL, scattered into this
     worker's KV cache, and a :class:`StagedRead` waits in ``_recving_transfers``; True.
     False: vLLM's own read runs (nothing was sent)."""
@@ -48,11 +57,11 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     topo = d.get("transfer_topo")
     info = topo.get_engine_info(dst_engine_id)
     local_ids, remote_ids = read_spec.local_block_ids, read_spec.remote_block_ids
-    if d.get("_mixed_mem_types") or d.get("_has_mamba") or len(local_ids) != 1 or \
+    if d.get("_mixed_mem_types") or d.get("_has_mamba") or \
             not any(len(g) for g in local_ids) or int(d.get("dcp_size", 1) or 1) > 1 or \
             int(getattr(info, "remote_dcp_size", 1) or 1) > 1 or \
             topo.block_size_ratio(info.remote_block_size) != 1:
-        return False  # one group, one block size, no DCP: else vLLM's read
+        return False  # one block size, no DCP, no Mamba: else vLLM's read
     layout = local_layout(worker)
     if layout is None:
         return False
@@ -65,15 +74,29 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     agreement = peer.outcome
     if not isinstance(agreement, StagingAgreement):
         return False
-    template: Any = kvplan.Template(peer.layout, layout, kvplan.Pairing.positional())
-    src = kvplan._core.index_array(list(remote_ids[0]))
-    dst = kvplan._core.index_array(list(local_ids[0]))
-    choice = choose_path(template, (src, dst), state.costs, agreement, mode=state.config.mode)
+    grouped = _grouped_read(worker, peer, dst_engine_id, names.session, remote_tp,
+                            local_ids, remote_ids) if len(local_ids) != 1 else None
+    if len(local_ids) != 1 and grouped is None:
+        return False  # several KV groups kvplan does not stage: said once, vLLM's read
+    request: Any
+    if grouped is None:
+        src_layout, dst_layout = peer.layout, layout
+        src = kvplan._core.index_array(list(remote_ids[0]))
+        dst = kvplan._core.index_array(list(local_ids[0]))
+        request = (src, dst)
+    else:  # one request of every group's pages, its regions a pool each where they are
+        src_layout, dst_layout = grouped.layout(peer.layout), grouped.layout(layout)
+        request = grouped.request()
+        src, dst = request.src, request.dst
+    template: Any = kvplan.Template(src_layout, dst_layout, kvplan.Pairing.positional())
+    choice = choose_path(template, request, state.costs, agreement, mode=state.config.mode)
     if not choice.staged:
         return False
     try:
-        rounds = template.plan_rounds(src, dst, src_arena=agreement.src_arena,
-                                      dst_arena=agreement.dst_arena, buffers=agreement.buffers)
+        arenas = dict(src_arena=agreement.src_arena, dst_arena=agreement.dst_arena,
+                      buffers=agreement.buffers)
+        rounds = template.plan_rounds(src, dst, **arenas) if grouped is None else \
+            template.plan_rounds(request, **arenas)
         scatter = local_copy([state.arena.array], kv_buffers(worker))
     except kvplan.KvPlanError as exc:
         _staging_log.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct "
@@ -81,10 +104,13 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         return False
     # the bytes vLLM's read of this prefill rank moves: the decode blocks' whole regions
     # (MLA: whole on every rank), or this rank's share of them where vLLM's own TP mapping
-    # reads this decode rank's blocks from several prefill ranks
+    # reads this decode rank's blocks from several prefill ranks; of several KV groups, each
+    # region's block bytes times the blocks of the groups vLLM reads into it
     mapping = (d.get("tp_mappings") or {}).get(dst_engine_id)
     reads = 1 if d.get("use_mla") else len(getattr(mapping, "all_source_ranks", ()) or (0,))
-    want = len(dst) * sum(int(n) for n in d.get("block_len_per_layer") or ()) // reads
+    block_lens = [int(n) for n in d.get("block_len_per_layer") or ()]
+    want = (len(dst) * sum(block_lens) if grouped is None
+            else grouped.read_bytes(block_lens)) // reads
     planned = sum(int(r.manifest.bytes) for r in rounds)
     if planned != want:  # the core pairs other heads than vLLM's read: never staged
         _say_unstaged(worker, dst_engine_id, remote_tp,
@@ -133,14 +159,17 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                               gone=lambda: bool(getattr(channel, "closed", False))))
     # vLLM's own READ of these blocks: one descriptor per block and region pair
     handle = StagedRead(request_id, receiver, notify, template, rounds, state, peer=session,
-                        direct_descriptors=int(template.n_pairs) * len(dst))
-    staged = vstaging.StagedRequest(stream, template, (peer.layout, layout), src, dst,
+                        direct_descriptors=int(template.n_pairs) * len(dst)
+                        if grouped is None else grouped.blocks(),
+                        regroup=None if grouped is None else grouped.regroup)
+    staged = vstaging.StagedRequest(stream, template, (src_layout, dst_layout), src, dst,
                                     agreement, choice.why, rounds)
     state.router.open(stream, 0, receiver.on_message)
     vstaging.track_stream(channel, stream)
     try:
         channel.open(_opening_message(state, worker, stream=stream,
-                                     request=remote_request_id, staged=staged))
+                                     request=remote_request_id, staged=staged,
+                                     grouped=grouped))
     except Exception as exc:  # nothing was read: vLLM's own read takes the request
         state.router.close(stream)
         _staging_log.warning("req %s: opening the staged read failed (%s); not staged",
@@ -150,3 +179,27 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     state.shares.admit(receiver)  # the grant: the prefill starts gathering
     worker._recving_transfers[request_id].append(handle)
     return True
+
+
+def _grouped_read(worker: Any, peer: Any, engine: str, session: str, remote_tp: int,
+                  local_ids: Any, remote_ids: Any) -> GroupedRead | None:
+    """The staged read of several KV groups vLLM's read of ``session`` names (each group's
+    trimmed block lists), or None where it stays vLLM's, said once per prefill rank and
+    reason: a prefill whose staging message does not serve several groups (an older kvplan:
+    its listener would plan and hold one group's pages), TP sizes that differ, or groups and
+    regions :func:`region_reads` and :meth:`GroupedRead.of` do not take."""
+    why: str | None = None
+    grouped: GroupedRead | str = ""
+    if peer.message.get(GROUPS_KEY) != GROUPS_VERSION:
+        why = "the prefill stages one KV group only (an older kvplan)"
+    elif remote_tp != int(worker.__dict__.get("world_size", 1) or 1):
+        why = "the prefill's TP size differs"
+    else:
+        reads = region_reads(worker, engine, len(local_ids))
+        grouped = reads if isinstance(reads, str) else GroupedRead.of(reads, remote_ids,
+                                                                      local_ids)
+        why = grouped if isinstance(grouped, str) else None
+    if why is not None or isinstance(grouped, str):
+        said_unstaged(worker, session, str(why))
+        return None
+    return grouped

@@ -10,6 +10,11 @@ import threading
 from typing import Any
 
 from kvplan.compat.vllm.nixl_layout import local_layout
+from kvplan.compat.vllm.nixl_staging.groups import (
+    GROUP_PAGES_KEY,
+    GroupedRead,
+    check_region_reads,
+)
 from kvplan.compat.vllm.nixl_staging.leases import send_leases
 from kvplan.compat.vllm.nixl_staging.names import HOLD_KEY
 from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, worker_staging
@@ -80,7 +85,10 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
     negotiate with the decode's staging message, plan the same rounds with this worker's own
     layout as the source, and run :func:`kvplan.staging.send_staged` in pull mode on a thread
     of its own: first the request is held (:meth:`SendLeases.hold`: vLLM still holds it, and
-    the stream's prefill pages are vLLM's blocks of it), then each round gathered into this
+    the stream's prefill pages are vLLM's blocks of it; of a read of several KV groups, each
+    group's pages the tail of vLLM's blocks of that group, and the request planned from the
+    groups' pages and the groups read into each region, which must be this prefill's own
+    regions' groups: :class:`GroupedRead`), then each round gathered into this
     worker's arena and announced for the decode to read; it ends after the decode's last
     acknowledgement, and the hold with it. A request it cannot serve (a message it cannot
     plan from, a request vLLM no longer holds, pages that are not the request's) is refused
@@ -115,15 +123,27 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
         if layout is None or not vstaging.host_kv(worker):
             raise StagingError.make(stream, 0, "bad_message",
                                     "this prefill's KV regions take no staged rounds")
-        template: Any = kvplan.Template(layout,
-                                        kvplan.Layout.from_dict(opening["dst_layout"]),
-                                        kvplan.Pairing.positional())
-        src_pages = [int(p) for p in opening["src_pages"]]
-        rounds = template.plan_rounds(np.asarray(src_pages, np.int64),
-                                      np.asarray(opening["dst_pages"], np.int64),
-                                      src_arena=agreement.src_arena,
-                                      dst_arena=agreement.dst_arena,
-                                      buffers=agreement.buffers)
+        dst_layout = kvplan.Layout.from_dict(opening["dst_layout"])
+        arenas = dict(src_arena=agreement.src_arena, dst_arena=agreement.dst_arena,
+                      buffers=agreement.buffers)
+        group_pages: list[list[int]] | None = None
+        if GROUP_PAGES_KEY in opening:  # a read of several KV groups: the decode's request
+            grouped = GroupedRead.from_message(opening)
+            why = grouped if isinstance(grouped, str) else \
+                check_region_reads(worker, grouped.reads, len(grouped.src))
+            if isinstance(grouped, str) or why is not None:
+                raise StagingError.make(stream, 0, "bad_message", str(why))
+            template: Any = kvplan.Template(grouped.layout(layout), dst_layout,
+                                            kvplan.Pairing.positional())
+            rounds = template.plan_rounds(grouped.request(), **arenas)
+            src_pages: list[int] = []
+            group_pages = [list(g) for g in grouped.src]
+        else:
+            template = kvplan.Template(layout, dst_layout, kvplan.Pairing.positional())
+            src_pages = [int(p) for p in opening["src_pages"]]
+            rounds = template.plan_rounds(np.asarray(src_pages, np.int64),
+                                          np.asarray(opening["dst_pages"], np.int64),
+                                          **arenas)
         gather = local_copy(kv_buffers(worker), [state.arena.array])
     except (kvplan.KvPlanError, StagingError, KeyError, TypeError, ValueError) as exc:
         _staging_log.error("kvplan staging: cannot serve %r to %s: %s", stream, peer, exc)
@@ -138,7 +158,7 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
         try:
             try:
                 leases.hold(worker, request, src_pages, stream=stream,
-                            timeout_s=state.config.timeout_s)
+                            timeout_s=state.config.timeout_s, group_pages=group_pages)
             except StagingError as exc:
                 # logged once, naming the request; nothing was gathered
                 _staging_log.error("kvplan staging: refused %r to %s: request %s: %s",
