@@ -236,3 +236,116 @@ def test_a_read_from_an_agent_the_decode_does_not_know_fails_the_request() -> No
     finally:
         s.src_arena.unregister()
         s.dst_arena.unregister()
+
+
+class _Announced:
+    """An ack queue saying when its send first waits for the decode's answer."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from kvplan.staging import AckQueue
+
+        self.queue, self.waiting = AckQueue(), threading.Event()
+
+    def put(self, data: bytes) -> None:
+        self.queue.put(data)
+
+    def get(self, timeout: float) -> bytes:
+        self.waiting.set()
+        return self.queue.get(timeout)
+
+
+def test_two_streams_of_one_prefill_to_one_decode_never_deadlock_on_the_arenas() -> None:
+    """Two requests of one prefill to one decode: their claims on the decode arena overlap,
+    so the decode grants them in the order it opened them (A, then B once A is loaded); the
+    prefill serves one at a time through its arena. When B's send starts first, it must not
+    hold the prefill arena while it waits for its grant: A (granted) would wait for the
+    arena, B for A's end, until the timeout failed them. Both are served, A first, every
+    byte where the direct plan puts it."""
+    import threading
+
+    prefill, decode, template, src, dst = mla_fragmented_case()
+    src_arena, dst_arena = StagingArena(ARENA, 2), StagingArena(ARENA, 2)
+    half = len(src) // 2
+    pages = {"req-a": (src[:half], dst[:half]), "req-b": (src[half:], dst[half:])}
+    prefill_router, decode_router = Router(), Router()
+    shares = ArenaShares()
+    scatter = copier([dst_arena.array], [decode.memory])
+
+    def read(r: Any) -> None:  # the decode's read of a round: prefill arena -> decode arena
+        s, d = Memory.of(src_arena.array), Memory.of(dst_arena.array)
+        for a, b, n in zip(*(np.asarray(c).tolist() for c in
+                             (r.network.src_addrs, r.network.dst_addrs, r.network.lengths))):
+            d.at(b, n)[:] = s.at(a, n)
+
+    rounds, receivers, acks = {}, {}, {}
+    for name, (p, q) in pages.items():
+        rounds[name] = rounds_for(template, p, q, src_arena.region, dst_arena.region, 2)
+        receivers[name] = ReceiveStaged(name, rounds[name], scatter, prefill_router.deliver,
+                                        timeout_s=30.0, fetch=read)
+        acks[name] = _Announced()
+        prefill_router.open(name, 0, acks[name].put)
+        decode_router.open(name, 0, receivers[name].on_message)
+    assert shares.admit(receivers["req-a"]) and not shares.admit(receivers["req-b"])
+    want = Memory(decode.memory.copy(), int(decode.memory.ctypes.data))
+    apply_plan(template.plan(src, dst), Memory.of(prefill.memory), want)
+    reports: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+
+    def send(name: str) -> None:
+        try:
+            reports[name] = send_staged(
+                rounds[name], None, "decode", decode_router.deliver, request=name,
+                acks=acks[name], gather=copier([prefill.memory], [src_arena.array]),
+                buffers=2, timeout_s=2.0, src_lock=src_arena.lock, pull=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors[name] = exc
+
+    b = threading.Thread(target=send, args=("req-b",))
+    b.start()
+    assert acks["req-b"].waiting.wait(30.0)  # B waits for its grant
+    a = threading.Thread(target=send, args=("req-a",))
+    a.start()
+    a.join(60.0)
+    b.join(60.0)
+    assert errors == {}
+    assert set(reports) == {"req-a", "req-b"}
+    assert all(r.loaded for r in receivers.values())
+    np.testing.assert_array_equal(decode.memory, want.data)
+
+
+def test_the_decode_is_loaded_only_once_its_last_acknowledgement_is_out() -> None:
+    """The decode's last acknowledgement goes to the prefill before anything sees the stream
+    loaded: an engine's poll that saw it loaded may end the request, close the channel or
+    shut down, and the prefill's send (holding its arena) still waits for that
+    acknowledgement. Held here in the middle of its send, the stream is not loaded."""
+    import threading
+
+    s = PullSetup(2)
+    n = len(s.rounds)
+    entered, release = threading.Event(), threading.Event()
+    deliver = s.prefill_router.deliver
+
+    def ack(data: bytes) -> None:
+        from kvplan.staging.wire import ACK, decode
+
+        m = decode(data)
+        if m.kind == ACK and m.round == n - 1:
+            entered.set()
+            assert release.wait(30.0)
+        deliver(data)
+
+    s.receiver._ack = ack
+    done: list[Any] = []
+    sender = threading.Thread(target=lambda: done.append(s.send()))
+    sender.start()
+    try:
+        assert entered.wait(30.0)
+        assert s.receiver.poll(block=False) != "loaded" and not s.receiver.loaded
+        assert s.loaded == []
+    finally:
+        release.set()
+        sender.join(30.0)
+    assert s.receiver.poll() == "loaded" and s.loaded == [s.receiver]
+    assert len(done) == 1 and done[0].rounds == n

@@ -38,7 +38,6 @@ from support.vllm_nixl import (
 )
 
 from kvplan.compat.vllm import nixl_staging
-from kvplan.compat.vllm.staging import STAGING_ATTR
 
 __all__ = ["BLOCK_BYTES", "DECODE_PAGES", "ENGINE", "PREFILL_PAGES", "READ_STAGING", "REGIONS",
            "STAGING", "Pair", "TpPair", "build", "close", "load_agents", "nixl_agent"]
@@ -90,10 +89,13 @@ def build(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, engine: str, role:
 
 
 def close(*workers: Any) -> None:
+    """Each worker's staging closed as the connector's ``shutdown`` closes it
+    (``close_staging``: the streams a prefill serves stopped as its shutdown first, then its
+    channels and listener), once."""
+    from kvplan.compat.vllm.nixl_staging.lifecycle import close_staging
+
     for w in workers:
-        state = w.__dict__.get(STAGING_ATTR)
-        if state is not None:
-            state.close()
+        close_staging(w)
 
 
 def load_agents(c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,9 +60,10 @@ class ReceiveStaged:
     ``k``'s message must come next, name the round count and buffer the decode planned and
     carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
     copies the round from the decode arena into the KV memory, and ``ack`` tells the prefill
-    the buffer is free. After the last round's scatter the stream is loaded: ``on_loaded`` is
-    called once. Any failure (a mismatch, an unexpected message, the scatter raising, the
-    prefill's failure message, :meth:`cancel`, no progress for ``timeout_s`` seen by
+    the buffer is free. After the last round's scatter and its acknowledgement (sent before
+    anything sees the stream loaded) the stream is loaded: ``on_loaded`` is called once. Any
+    failure (a mismatch, an unexpected message, the scatter raising, the prefill's failure
+    message, :meth:`cancel`, no progress for ``timeout_s`` seen by
     :meth:`poll` or :meth:`wait`) fails the stream once: ``on_failed(StagingError)`` is called,
     the prefill is told (unless it failed first), later messages are ignored and the request
     is never loaded.
@@ -227,19 +228,26 @@ class ReceiveStaged:
         ack = encode(ACK, self.request, writer=self.writer, round_index=k,
                      n_rounds=self.n_rounds, buffer=m.buffer)
         if self.scattered == self.n_rounds:
+            # the last acknowledgement is out before the stream says it is loaded: the
+            # engine's poll may then end the request, notify the prefill, close the channel
+            # or shut down, and the prefill's send still waits for it (holding its arena)
+            self._send_ack(k, ack)
             self.state = "loaded"
             self._done.notify_all()
             self._finished()
             if self._on_loaded is not None:
                 on_loaded = self._on_loaded
                 self._tail.append(lambda: on_loaded(self))
+            return
         self._tail.insert(0, lambda: self._send_ack(k, ack))
 
     def _send_ack(self, k: int, ack: bytes) -> None:
+        """Send round ``k``'s acknowledgement: the last round's with the lock held (before
+        the stream is loaded), every other one after the lock is released."""
         try:
             self._ack(ack)
         except Exception as exc:
-            if self.state == "loaded":
+            if k == self.n_rounds - 1:
                 # every byte is in place; the prefill's own timeout ends its side
                 _log.warning("kvplan: request %r is loaded but its last ack did not reach the "
                              "prefill: %s", self.request, exc)

@@ -171,20 +171,34 @@ class _Send:
                             f"{type(exc).__name__}: {exc}") from exc
         self.events.append(("notify", index))
 
-    def run(self) -> tuple[int, int]:
+    def run(self, src_lock: Any = None) -> tuple[int, int]:
+        """The rounds (:meth:`_run`), ``src_lock`` held while they run. The decode's grant is
+        awaited before ``src_lock`` is taken: a stream holding the prefill arena never waits on
+        the decode's arena. Else two streams of one prefill to one decode deadlock until the
+        timeout: the decode grants its share (overlapping claims in admission order) to the
+        first one opened, whose send waits for the prefill arena, which the second one holds
+        while it waits for the grant the decode gives it only after the first one ended."""
         try:
-            return self._run()
+            self._check_plan()
+            if self.n and not self.granted:
+                self.wait_ack(-1)
+            if src_lock is None:
+                return self._run()
+            with src_lock:
+                return self._run()
         except StagingError:
             self.tell()  # every write of the stream has ended: the decode may reuse its share
             raise
 
-    def _run(self) -> tuple[int, int]:
-        """The rounds, checked to be in order: pushed (:meth:`_run_pushed`) or pulled
-        (:meth:`_run_pull`); the bytes and network blocks of all of them."""
+    def _check_plan(self) -> None:
         for k, r in enumerate(self.rounds):
             if int(r.index) != k or int(r.buffer) != k % self.buffers:
                 raise self.fail(k, "out_of_order", f"round {k} of the plan has index "
                                 f"{r.index} and buffer {r.buffer} ({self.buffers} buffers)")
+
+    def _run(self) -> tuple[int, int]:
+        """The rounds, granted and checked to be in order: pushed (:meth:`_run_pushed`) or
+        pulled (:meth:`_run_pull`); the bytes and network blocks of all of them."""
         if self.pull:
             self._run_pull()
         else:
@@ -217,15 +231,13 @@ class _Send:
         overlaps). Round ``k`` is gathered into its prefill buffer once the decode
         acknowledged the last earlier round in that buffer, which it read out of the prefill
         buffer and scattered out of its own buffer of the same number before acknowledging
-        it; then it is announced, once the decode granted the stream its arena share (round
-        0 is gathered while the grant is awaited). The next round's gather overlaps the
-        decode's read of this one. Returns after the decode acknowledged the last round."""
+        it; then it is announced (the stream was granted its arena share before the prefill
+        arena was taken, :meth:`run`). The next round's gather overlaps the decode's read of
+        this one. Returns after the decode acknowledged the last round."""
         previous = self._previous()
         for k in range(self.n):
             self.wait_read(k, previous[k])
             self._gather(k)
-            if not self.granted:
-                self.wait_ack(-1)  # the decode's share is this stream's before round 0
             self.events.append(("submit", k))
             self.finish(k, _Ready())
         if self.n:
@@ -248,8 +260,6 @@ class _Send:
 
         def submit(plan: Any) -> tuple[int, NetworkHandle]:
             k = sent[0]
-            if not self.granted:
-                self.wait_ack(-1)  # the decode's share is this stream's before round 0
             try:
                 handle = self.engine.submit_round(plan, self.peer)
             except Exception as exc:
@@ -291,13 +301,12 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     copies the request's bytes into the prefill arena's buffer ``k % buffers`` (overlapping
     round ``k-1``'s network write where ``buffers`` > 1); round
     ``k``'s network plan is submitted only after the decode acknowledged scattering round
-    ``k - buffers`` out of the same decode buffer (flow control), and round 0 only after the
-    decode granted this stream its share of the decode arena (the bytes its rounds land in,
-    which no other granted stream's overlap: :class:`kvplan.staging.ArenaShares`); once the
-    write landed,
-    ``notify`` carries a round message (``kvplan.staging.wire``) with the round's
-    ``RoundManifest``. Returns after the decode acknowledged the last round: every byte is in
-    the decode's KV memory.
+    ``k - buffers`` out of the same decode buffer (flow control), and nothing is gathered
+    before the decode granted this stream its share of the decode arena (the bytes its
+    rounds land in, which no other granted stream's overlap:
+    :class:`kvplan.staging.ArenaShares`); once the write landed, ``notify`` carries a round
+    message (``kvplan.staging.wire``) with the round's ``RoundManifest``. Returns after the
+    decode acknowledged the last round: every byte is in the decode's KV memory.
 
     Args:
         rounds: the request's rounds, planned with both peers' arenas of the agreement.
@@ -315,8 +324,10 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
         timeout_s: seconds to wait for the grant or any one acknowledgement.
         grant: wait for the decode's grant before the first write (``False`` only where this
             stream owns its decode share for good).
-        src_lock: a lock held for the whole send (the prefill arena's
-            :attr:`kvplan.staging.StagingArena.lock`): one request at a time per prefill arena.
+        src_lock: a lock held for the whole send once the decode granted it (the prefill
+            arena's :attr:`kvplan.staging.StagingArena.lock`): one request at a time per
+            prefill arena, and no stream holds it while it waits for the decode's grant (two
+            streams of one prefill to one decode would deadlock until the timeout).
         events: when given, the ``(event, round)`` sequence is appended to it (``gather``,
             ``grant``, ``submit``, ``landed``, ``notify``, ``ack``).
         pull: the decode reads each round out of the prefill arena (an engine whose transfers
@@ -351,13 +362,9 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     send = _Send(rounds, adapted, peer, notify, request, writer, inbox, gather, n_buffers,
                  timeout_s, grant, pull)
     t0 = time.perf_counter()
-    if src_lock is not None:
-        src_lock.acquire()
     try:
-        nbytes, blocks = send.run()
+        nbytes, blocks = send.run(src_lock)
     finally:
-        if src_lock is not None:
-            src_lock.release()
         if isinstance(acks, Router):
             acks.close(request, writer)
         if events is not None:
