@@ -144,7 +144,8 @@ pub use rules::capabilities::{Asked, Feature, Planner, SUPPORT};
 pub use rules::check::{EntryCheck, TemplateOptions, check_pairs, needs_tokens};
 pub use rules::dcp::DcpContext;
 pub use rules::heads::{
-    HeadSlicing, Link, SlicedHeads, TpSplit, heads_text, staging_replicas_write, staging_writer,
+    ArenaSender, HeadSlicing, Link, SlicedHeads, TpSplit, arena_sender, heads_text,
+    staging_replicas_write, staging_writer,
 };
 pub use rules::manifest::{
     Fusion, ManifestComponent, ModelManifest, Packed, Sharding, check_manifest,

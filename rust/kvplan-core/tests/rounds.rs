@@ -16,7 +16,7 @@ use kvplan_core::{
     Arena, Layout, MemoryOrder, Plan, PlanError, Request, RoundManifest, RoundsPlanner, Side,
     StagedPlanner, StagedRounds, StagingRegion, Template, TemplateOptions,
 };
-use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, paged};
+use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged};
 use support::reference::{Arena as Bytes, apply};
 use support::staged_cases::{Case, DST_BASE, Drawn, Lcg, Pair, SRC_BASE, draw, layout};
 
@@ -88,10 +88,15 @@ fn run_rounds(
     let buffers = u64::from(rounds.buffers);
     let (sender, senders) = rounds.sender;
     let share = dst_size / u64::from(senders);
-    assert_eq!(
-        rounds.dst_share,
-        (u64::from(sender) * share, u64::from(sender + 1) * share)
-    );
+    if rounds.dst_share == (0, 0) {
+        // a prefill rank that moves nothing to the decode rank owns no share
+        assert!(rounds.is_empty() && rounds.bytes == 0 && sender == 0);
+    } else {
+        assert_eq!(
+            rounds.dst_share,
+            (u64::from(sender) * share, u64::from(sender + 1) * share)
+        );
+    }
     let mut offset = 0;
     for (k, manifest) in rounds.manifests.iter().enumerate() {
         let back = RoundManifest::from_bytes(&manifest.to_bytes()).unwrap();
@@ -156,11 +161,14 @@ fn check_rounds(pair: &Pair, buffer_bytes: u64, buffers: u32) -> StagedRounds {
     }
     let mut want = Bytes::zeroed(dst);
     apply(src, dst, &direct, &source, &mut want);
-    let senders = if case.tp_p > case.tp_d {
-        case.tp_p / case.tp_d
+    let (position, tp_senders) = if template.head_slicing().is_some() {
+        expected_sender(case.heads, case.tp_p, case.tp_d, r_p, r_d)
     } else {
-        1
-    } * case.pp_p;
+        // no attention geometry: items move whole, from one prefill rank per decode rank
+        let sender = r_d * case.tp_p.max(case.tp_d) / case.tp_d;
+        ((r_p == sender || case.tp_p <= case.tp_d).then_some(0), 1)
+    };
+    let senders = tp_senders * case.pp_p;
     let sizes = (
         buffer_bytes * u64::from(buffers),
         buffer_bytes * u64::from(buffers) * u64::from(senders),
@@ -173,7 +181,13 @@ fn check_rounds(pair: &Pair, buffer_bytes: u64, buffers: u32) -> StagedRounds {
             buffers,
         )
         .unwrap_or_else(|e| panic!("{case:?}: {e}"));
-    assert_eq!(rounds.sender.1, senders, "{case:?}");
+    let want_index = position.map_or(0, |i| i * case.pp_p + stage);
+    assert_eq!(rounds.sender, (want_index, senders), "{case:?} r_p={r_p}");
+    assert_eq!(
+        rounds.dst_share == (0, 0),
+        position.is_none(),
+        "{case:?} r_p={r_p}"
+    );
     assert_eq!(rounds.buffer_bytes, buffer_bytes);
     assert_eq!(rounds.bytes, direct.total_bytes);
     assert_eq!(rounds.direct_blocks, direct.lengths.len());
@@ -194,6 +208,29 @@ fn check_rounds(pair: &Pair, buffer_bytes: u64, buffers: u32) -> StagedRounds {
          buffer={buffer_bytes} buffers={buffers}"
     );
     rounds
+}
+
+/// `(position, count)` of prefill rank `r_p` among the prefill ranks that send decode rank
+/// `r_d` KV heads, with `heads` KV heads over TP `tp_p` → `tp_d` and one elected holder per
+/// replicated head (position `None`: it sends none), written out here from the head split
+/// (rank `r` of TP `tp` holds heads `r / (tp / H)` replicated, else `r·H/tp ..`) rather than
+/// taken from the core.
+fn expected_sender(heads: u32, tp_p: u32, tp_d: u32, r_p: u32, r_d: u32) -> (Option<u32>, u32) {
+    let held = |tp: u32, r: u32| {
+        let per = (heads / tp).max(1);
+        let first = (r / (tp / heads).max(1)) * per;
+        (first, first + per)
+    };
+    let replicas = (tp_p / heads).max(1);
+    let (ds, de) = held(tp_d, r_d);
+    let senders: Vec<u32> = (0..tp_p)
+        .filter(|&r| {
+            let (ps, pe) = held(tp_p, r);
+            ps.max(ds) < pe.min(de) && r % replicas == r_d % replicas
+        })
+        .collect();
+    let position = senders.iter().position(|&r| r == r_p).map(|i| i as u32);
+    (position, senders.len() as u32)
 }
 
 fn examples() -> usize {
@@ -647,12 +684,16 @@ fn round_triples(blocks: &kvplan_core::RoundBlocks) -> Vec<(u64, u64, u64)> {
 /// and scatter under prefill PP 1. Under prefill PP the staged plan puts a stage's bytes in its
 /// decode slots among the other stages' (the decode staging layout) while a rounds plan gives
 /// every sender its own share of the arena, so the network and scatter differ: the two plans
-/// are not one derivation with different buffers. A round keeps no pair ranges either (its
-/// blocks are one range per round).
+/// are not one derivation with different buffers. Nor under PP 1 where the sender's share of
+/// the arena starts elsewhere than the staged plan's writer share: the staged plan keeps one
+/// share per staging writer (SGLang's layout) while rounds share the arena among the prefill
+/// ranks that send (one elected holder of replicated heads: MLA TP 8 → 4's decode rank 1 is
+/// sent by prefill rank 1, the only sender, whose staging writer share is the second). A round
+/// keeps no pair ranges either (its blocks are one range per round).
 #[test]
 fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
     let mut rng = Lcg(0x5EED_0001);
-    let (mut done, mut same, mut differ) = (0, 0, 0);
+    let (mut done, mut same, mut differ, mut elsewhere) = (0, 0, 0, 0);
     while done < examples() {
         let pair = next_pair(&mut rng);
         let (case, template, request) = (pair.drawn.case, &pair.template, pair.request());
@@ -682,16 +723,22 @@ fn one_round_is_the_staged_plan_only_under_prefill_pp_1() {
             round_triples(&rounds.network) == triples(&staged.network),
             round_triples(&rounds.scatter) == triples(&staged.scatter),
         );
-        if case.pp_p == 1 {
+        if case.pp_p == 1 && rounds.dst_share.0 == staged.dst_staging_range.0 {
             assert_eq!(tail, (true, true), "{case:?}");
             same += 1;
+        } else if case.pp_p == 1 {
+            assert_eq!(tail, (false, false), "{case:?}");
+            elsewhere += 1;
         } else {
             assert_eq!(tail, (false, false), "{case:?}");
             differ += 1;
         }
         done += 1;
     }
-    assert!(same > 0 && differ > 0, "{same} {differ}");
+    assert!(
+        same > 0 && differ > 0 && elsewhere > 0,
+        "{same} {differ} {elsewhere}"
+    );
 }
 
 /// One rank's MLA layout for `case` (one latent entry of `HEAD_BYTES` per token per layer, the
@@ -723,7 +770,10 @@ fn mla_layout(case: &Case, side: Side, tp_rank: u32) -> Layout {
 /// within both sides' round buffers, and together they land the direct plan's bytes. With one arena size on both sides (as a drop-in registers them), a round holds the
 /// smaller of the prefill's `size / buffers` and the decode share's `size / (senders ×
 /// buffers)`: the prefill ranks writing one decode rank send at once, each into its own share,
-/// so a TP 2 → 1 round is half the prefill's buffer by that contract, never fewer bytes.
+/// so a TP 2 → 1 round is half the prefill's buffer by that contract, never fewer bytes. The
+/// latent published without heads is whole on every prefill rank and sent by one per decode
+/// rank (`floor(r_d · tp_p / tp_d)`), so its round is the prefill's whole buffer, and another
+/// rank's rounds are refused.
 #[test]
 fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
     let (mut planned, mut capped_by_share) = (0, 0);
@@ -775,6 +825,19 @@ fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
                         continue; // ranks that share no heads
                     }
                     let what = format!("mla={mla} {order:?} TP {tp_p}->{tp_d} r_p={r_p} r_d={r_d}");
+                    if mla && tp_p > tp_d && r_p != r_d * tp_p / tp_d {
+                        // the latent published without heads moves whole, from one prefill
+                        // rank per decode rank: another rank's rounds are refused, naming it
+                        let err = RoundsPlanner::new(&pair.template)
+                            .plan(&request, arena(SRC_ARENA, 64), arena(DST_ARENA, 64), 2)
+                            .unwrap_err();
+                        let sender = format!("sent by one, prefill rank {}", r_d * tp_p / tp_d);
+                        assert!(
+                            matches!(&err, PlanError::Geometry { what } if what.contains(&sender)),
+                            "{what}: {err}"
+                        );
+                        continue;
+                    }
                     let buffers = [
                         slice,
                         3 * slice,
@@ -794,7 +857,8 @@ fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
                         planned += 1;
                     }
                     let size = 64 * slice;
-                    let senders = u64::from((tp_p / tp_d).max(1));
+                    // every prefill rank of the decode rank's heads; the latent's one
+                    let senders = u64::from(if mla { 1 } else { (tp_p / tp_d).max(1) });
                     let rounds = RoundsPlanner::new(&pair.template)
                         .plan(&request, arena(SRC_ARENA, size), arena(DST_ARENA, size), 2)
                         .unwrap();
@@ -821,4 +885,277 @@ fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
         planned > 0 && capped_by_share > 0,
         "{planned} {capped_by_share}"
     );
+}
+
+/// One rank's MLA layout publishing its attention geometry (one latent head, `kv_heads = 1`,
+/// on every rank), with stage `stage`'s layers of `case.pp_p` on the prefill side.
+fn mla_sliced_layout(case: &Case, side: Side, tp_rank: u32, stage: u32) -> Layout {
+    let page_size = case.page_size(side);
+    let item = page_size * HEAD_BYTES;
+    let entry_len = item * case.capacity(side);
+    let pp = side.pick(case.pp_p, 1);
+    let per_stage = case.layers / pp;
+    let context = paged(page_size)
+        .model_layers(u64::from(case.layers))
+        .pp(stage, pp)
+        .tp(tp_rank, side.pick(case.tp_p, case.tp_d))
+        .attention(heads(1, 1, case.order));
+    KvLayout::mla(
+        side.pick(SRC_BASE, DST_BASE),
+        (stage * per_stage..(stage + 1) * per_stage).map(i64::from),
+        item,
+        entry_len,
+    )
+    .spaced(entry_len + 64)
+    .context(context)
+    .build()
+}
+
+/// The decode arena is split among the prefill ranks the template's head slicing actually
+/// sends from, not among every prefill rank of the decode rank's staging region: MLA TP 2 → 1
+/// and 4 → 1 (vLLM's NIXL read: one elected holder of the latent sends, so it owns the whole
+/// arena and takes half, a quarter, of the rounds a writer share would), MLA TP 4 → 2 (decode
+/// rank 1's latent comes from prefill rank 1, not from its staging writers 2 and 3), 2 KV heads
+/// over TP 4 → 1 (ranks 0 and 2 send), 8 heads over TP 2 → 1 (both send, as before), prefill
+/// PP 2 (one share per stage of each sender), and with `replicas_send` every writer (as
+/// before). A rank that sends nothing plans no round, owns no share and is no error. Each
+/// sender's round buffer is its whole share of the arena (`size / (senders × buffers)`), the
+/// rounds as few as that buffer allows, and the senders' shares tile the arena.
+#[test]
+fn decode_arena_shares_follow_the_head_slicing() {
+    // (what, kv heads (0: MLA), TP prefill → decode, prefill PP, replicas_send, decode rank,
+    //  each prefill rank's position among the senders, senders)
+    type Want = (
+        &'static str,
+        u32,
+        (u32, u32),
+        u32,
+        bool,
+        u32,
+        &'static [Option<u32>],
+        u32,
+    );
+    let cases: [Want; 9] = [
+        ("MLA 2->1", 0, (2, 1), 1, false, 0, &[Some(0), None], 1),
+        (
+            "MLA 4->1",
+            0,
+            (4, 1),
+            1,
+            false,
+            0,
+            &[Some(0), None, None, None],
+            1,
+        ),
+        (
+            "MLA 4->2",
+            0,
+            (4, 2),
+            1,
+            false,
+            1,
+            &[None, Some(0), None, None],
+            1,
+        ),
+        (
+            "GQA H=2 4->1",
+            2,
+            (4, 1),
+            1,
+            false,
+            0,
+            &[Some(0), None, Some(1), None],
+            2,
+        ),
+        (
+            "GQA H=8 2->1",
+            8,
+            (2, 1),
+            1,
+            false,
+            0,
+            &[Some(0), Some(1)],
+            2,
+        ),
+        ("MLA 2->1 PP 2", 0, (2, 1), 2, false, 0, &[Some(0), None], 1),
+        (
+            "GQA H=2 4->1 PP 2",
+            2,
+            (4, 1),
+            2,
+            false,
+            0,
+            &[Some(0), None, Some(1), None],
+            2,
+        ),
+        (
+            "MLA 2->1 replicas_send",
+            0,
+            (2, 1),
+            1,
+            true,
+            0,
+            &[Some(0), Some(1)],
+            2,
+        ),
+        (
+            "GQA H=2 4->1 replicas_send",
+            2,
+            (4, 1),
+            1,
+            true,
+            0,
+            &[Some(0), Some(1), Some(2), Some(3)],
+            4,
+        ),
+    ];
+    let buffers = 2u32;
+    for (what, kv_heads, (tp_p, tp_d), pp_p, replicas_send, r_d, want, count) in cases {
+        let case = Case {
+            heads: kv_heads.max(1),
+            tp_p,
+            tp_d,
+            order: MemoryOrder::Hnd,
+            pp_p,
+            page_sizes: (16, 16),
+            tokens: 16 * 12,
+            state: false,
+            layers: 4,
+        };
+        let build = |side: Side, rank: u32, stage: u32| {
+            if kv_heads == 0 {
+                mla_sliced_layout(&case, side, rank, stage)
+            } else {
+                layout(&case, side, rank, stage)
+            }
+        };
+        let options = TemplateOptions {
+            replicas_send,
+            ..TemplateOptions::default()
+        };
+        let dst = build(Side::Dst, r_d, 0);
+        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+        let request = Request::pages(&sp, &dp);
+        let senders = count * pp_p;
+        // Round buffers of 64 bytes per sender share; the prefill's buffers hold more.
+        let dst_size = 64 * u64::from(buffers * senders);
+        let src_size = 1 << 20;
+        let mut shares = Vec::new();
+        for r_p in 0..tp_p {
+            for stage in 0..pp_p {
+                let src = build(Side::Src, r_p, stage);
+                let template = Template::new(&src, &dst, options).unwrap();
+                let direct = template.plan(&request).unwrap();
+                let rounds = RoundsPlanner::new(&template)
+                    .plan(
+                        &request,
+                        arena(SRC_ARENA, src_size),
+                        arena(DST_ARENA, dst_size),
+                        buffers,
+                    )
+                    .unwrap_or_else(|e| panic!("{what} r_p={r_p} stage={stage}: {e}"));
+                let at = format!("{what} r_p={r_p} stage={stage}");
+                assert_eq!(rounds.bytes, direct.total_bytes, "{at}");
+                if let Some(position) = want[r_p as usize] {
+                    let index = position * pp_p + stage;
+                    assert_eq!(rounds.sender, (index, senders), "{at}");
+                    // the whole arena over the senders' buffers
+                    assert_eq!(
+                        rounds.buffer_bytes,
+                        dst_size / u64::from(senders * buffers),
+                        "{at}"
+                    );
+                    assert!(rounds.bytes > 0, "{at}");
+                    assert_eq!(
+                        rounds.len() as u64,
+                        rounds.bytes.div_ceil(rounds.buffer_bytes),
+                        "{at}"
+                    );
+                    let share = dst_size / u64::from(senders);
+                    assert_eq!(
+                        rounds.dst_share,
+                        (u64::from(index) * share, u64::from(index + 1) * share),
+                        "{at}"
+                    );
+                    for m in &rounds.manifests {
+                        let (lo, hi) = m.dst_bytes_range();
+                        assert!(rounds.dst_share.0 <= lo && hi <= rounds.dst_share.1);
+                        assert_eq!(m.sender, (index, senders), "{at}");
+                    }
+                    shares.push(rounds.dst_share);
+                } else {
+                    assert_eq!(direct.total_bytes, 0, "{at}");
+                    assert!(rounds.is_empty(), "{at}");
+                    assert_eq!(rounds.sender, (0, senders), "{at}");
+                    assert_eq!(rounds.dst_share, (0, 0), "{at}");
+                }
+            }
+        }
+        shares.sort_unstable();
+        assert_eq!(shares.len() as u32, senders, "{what}");
+        assert_eq!(shares[0].0, 0, "{what}");
+        assert_eq!(shares.last().unwrap().1, dst_size, "{what}");
+        assert!(shares.windows(2).all(|w| w[0].1 == w[1].0), "{what}");
+    }
+    // The latent published without heads (as vLLM's NIXL connector registers MLA): one prefill
+    // rank per decode rank sends it, floor(r_d · tp_p / tp_d) (vLLM's MLA read), owning the
+    // whole arena; another rank's rounds are refused; with replicas_send every writer sends.
+    for ((tp_p, tp_d), r_d, sender) in [((2, 1), 0, 0), ((4, 1), 0, 0), ((4, 2), 1, 2)] {
+        let case = Case {
+            heads: 1,
+            tp_p,
+            tp_d,
+            order: MemoryOrder::Hnd,
+            pp_p: 1,
+            page_sizes: (16, 16),
+            tokens: 16 * 12,
+            state: false,
+            layers: 4,
+        };
+        let (sp, dp) = (case.pages(Side::Src), case.pages(Side::Dst));
+        let request = Request::pages(&sp, &dp);
+        let dst = mla_layout(&case, Side::Dst, r_d);
+        let dst_size = 64 * u64::from(buffers * tp_p / tp_d);
+        for r_p in 0..tp_p {
+            let src = mla_layout(&case, Side::Src, r_p);
+            for replicas_send in [false, true] {
+                let options = TemplateOptions {
+                    replicas_send,
+                    ..TemplateOptions::default()
+                };
+                let template = Template::new(&src, &dst, options).unwrap();
+                assert!(template.head_slicing().is_none());
+                let at = format!("whole latent {tp_p}->{tp_d} r_p={r_p} {replicas_send}");
+                let planned = RoundsPlanner::new(&template).plan(
+                    &request,
+                    arena(SRC_ARENA, 1 << 20),
+                    arena(DST_ARENA, dst_size),
+                    buffers,
+                );
+                let writers = tp_p / tp_d;
+                if replicas_send && r_p / writers == r_d {
+                    let rounds = planned.unwrap();
+                    assert_eq!(rounds.sender, (r_p % writers, writers), "{at}");
+                    assert_eq!(rounds.buffer_bytes, 64, "{at}");
+                } else if r_p == sender && !replicas_send {
+                    let rounds = planned.unwrap();
+                    assert_eq!(rounds.sender, (0, 1), "{at}");
+                    assert_eq!(rounds.dst_share, (0, dst_size), "{at}");
+                    assert_eq!(rounds.buffer_bytes, dst_size / u64::from(buffers), "{at}");
+                    assert_eq!(
+                        rounds.len() as u64,
+                        rounds.bytes.div_ceil(rounds.buffer_bytes),
+                        "{at}"
+                    );
+                } else if !replicas_send {
+                    let err = planned.unwrap_err();
+                    let named = format!("sent by one, prefill rank {sender}");
+                    assert!(
+                        matches!(&err, PlanError::Geometry { what } if what.contains(&named)),
+                        "{at}: {err}"
+                    );
+                }
+            }
+        }
+    }
 }

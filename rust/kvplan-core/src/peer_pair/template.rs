@@ -66,6 +66,9 @@ pub struct Template {
     /// included, are indexed by the request's pages).
     pub(crate) limits: [IndexLimits; POOLS],
     pub(crate) check_dst_overlap: bool,
+    /// `TemplateOptions::replicas_send`: every writer of a decode rank sends (for the decode
+    /// arena's shares, [`crate::rules::heads::arena_sender`]).
+    pub(crate) replicas_send: bool,
     /// Emission units in block order (group-major, then fragment).
     pub(crate) pieces: Vec<Piece>,
     /// Groups, and what every group and pair of a plan holds.
@@ -307,6 +310,7 @@ impl Template {
             bytes_per_page,
             limits,
             check_dst_overlap: options.check_dst_overlap,
+            replicas_send: options.replicas_send,
             pieces,
             blocks,
             heads,

@@ -36,15 +36,21 @@
 //! different representations are planned by `ConversionTemplate`, not here, so no conversion
 //! row ever reaches a round.
 //!
-//! Several senders into one decode arena: the prefill ranks that fill one decode rank's
-//! staging region (the staged plan's writers, [`crate::rules::heads::staging_writer`]) and,
-//! under prefill PP, every stage, send rounds at the same time. Each *sender* therefore owns
-//! its own share of the decode arena: sender `i = writer × pp_size + pp_rank` of `senders =
-//! writers × pp_size` owns bytes `[i × share, (i + 1) × share)` with `share = size /
-//! senders`, and its buffer `b` is `share / buffers` bytes at `i × share + b × (share /
-//! buffers)`. The prefill arena belongs to one rank: buffer `b` is at `b × (size /
-//! buffers)`. A round holds at most `buffer_bytes = min(prefill size / buffers, decode share /
-//! buffers)` bytes.
+//! Several senders into one decode arena: the prefill TP ranks that move this decode rank's
+//! bytes ([`crate::rules::heads::arena_sender`]: those the template's head slicing sends KV
+//! heads from, one elected holder per replicated head unless the template was built with
+//! `replicas_send`, then each of the staged plan's writers; when the layouts publish no
+//! attention geometry, one prefill rank per decode rank, `floor(r_d · tp_p / tp_d)`, or with
+//! `replicas_send` every writer) and, under prefill PP, every stage, send rounds at the same
+//! time. Each *sender* therefore owns its own share of the decode arena: sender `i = position
+//! × pp_size + pp_rank` of `senders = tp_senders × pp_size` owns bytes `[i × share, (i + 1) ×
+//! share)` with `share = size / senders`, and its buffer `b` is `share / buffers` bytes at `i ×
+//! share + b × (share / buffers)`. A prefill rank that moves nothing to the decode rank owns
+//! no share: its rounds are empty, its sender index 0 and its `dst_share` empty (one that
+//! moves whole items but is not the decode rank's sender is refused, naming the sender). The
+//! prefill
+//! arena belongs to one rank: buffer `b` is at `b × (size / buffers)`. A round holds at most
+//! `buffer_bytes = min(prefill size / buffers, decode share / buffers)` bytes.
 //!
 //! A [`RoundManifest`] per round (a fixed 64-byte wire form) says which round it is of how
 //! many, its stream interval and where its bytes land in the decode arena, so a decode can
@@ -64,7 +70,7 @@ use crate::peer_pair::template::Template;
 use crate::planners::pack::PackBuffer;
 use crate::planners::staged::{ScatterSources, StagedPlanner, StagingRegion};
 use crate::rules::capabilities::Planner;
-use crate::rules::heads::staging_writer;
+use crate::rules::heads::{arena_sender, staging_writer};
 
 /// One side's bounded staging memory: `(addr, size)`, split into round buffers.
 pub type Arena = PackBuffer;
@@ -369,6 +375,8 @@ struct RoundGeometry {
     dst_share: u64,
     buffer_bytes: u64,
     sender: (u32, u32),
+    /// Whether this prefill rank sends the decode rank anything (else it owns no share).
+    owns_share: bool,
     /// `(writer index, writers)` of the staged plan's decode region.
     writer: (u32, u32),
 }
@@ -428,9 +436,11 @@ impl<'t> RoundsPlanner<'t> {
     /// # Errors
     /// [`PlanError::Unsupported`] naming `plan_rounds` for what a staged plan refuses;
     /// [`PlanError::Geometry`] for zero buffers or an arena size that is not a multiple of
-    /// its buffers (times the senders on the decode); [`PlanError::StagingTooSmall`] when a
-    /// round buffer holds no byte; [`PlanError::Overflow`] for an arena whose end overflows;
-    /// as [`StagedPlanner::plan_into`] otherwise.
+    /// its buffers (times the senders on the decode), or for a prefill rank that moves whole
+    /// items (no attention geometry) to a decode rank another prefill rank sends them
+    /// ([`crate::rules::heads::arena_sender`]); [`PlanError::StagingTooSmall`] when a round
+    /// buffer holds no byte; [`PlanError::Overflow`] for an arena whose end overflows; as
+    /// [`StagedPlanner::plan_into`] otherwise.
     pub fn plan_with<S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'_, S, D>,
@@ -462,6 +472,25 @@ impl<'t> RoundsPlanner<'t> {
             return Err(PlanError::InputChanged);
         }
         let total = staged.src_staging_bytes;
+        if total > 0 && !geometry.owns_share {
+            give_back(gather_buf);
+            give_back(scatter_buf);
+            let prefill = PeerRanks::of(&self.template.layouts.0);
+            let decode = PeerRanks::of(&self.template.layouts.1);
+            let tp = u64::from(prefill.tp_size) / u64::from(decode.tp_size.max(1));
+            let sender = u64::from(decode.tp_rank) * tp;
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "plan_rounds: prefill rank {} moves {total} bytes to decode rank {} but is \
+                     not one of its senders: the two layouts publish no attention geometry, so \
+                     pages move as whole items, held alike by every prefill rank of the \
+                     decode rank's group and sent by one, prefill rank {}; plan that rank's \
+                     rounds, or build the template with replicas_send for one arena share \
+                     per writer",
+                    prefill.tp_rank, decode.tp_rank, sender,
+                ),
+            });
+        }
         let mut rounds = emit_rounds(
             (gather_buf, staged.gather.n_blocks),
             (scatter_buf, staged.scatter.n_blocks),
@@ -477,21 +506,35 @@ impl<'t> RoundsPlanner<'t> {
         Ok(rounds)
     }
 
-    /// `(sender index, senders)` of this template's prefill rank into the decode arena.
-    fn senders(&self) -> Result<((u32, u32), (u32, u32))> {
+    /// `(sender index, senders)` of this template's prefill rank into the decode arena (index
+    /// `None`: it moves nothing there), and its `(writer index, writers)` in the staged plan's
+    /// decode region.
+    #[allow(clippy::type_complexity)]
+    fn senders(&self) -> Result<((Option<u32>, u32), (u32, u32))> {
         let prefill = PeerRanks::of(&self.template.layouts.0);
         let decode = PeerRanks::of(&self.template.layouts.1);
-        let (writer, writers) = staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size)?;
+        let writer = staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size)?;
+        let tp = arena_sender(
+            self.template.head_slicing(),
+            self.template.replicas_send,
+            (prefill.tp_size, prefill.tp_rank),
+            (decode.tp_size, decode.tp_rank),
+        )?;
         let pp = prefill.pp_size.max(1);
         let overflow = || PlanError::Overflow {
             what: "decode arena senders",
         };
-        let senders = writers.checked_mul(pp).ok_or_else(overflow)?;
-        let index = writer
-            .checked_mul(pp)
-            .and_then(|w| w.checked_add(prefill.pp_rank.min(pp - 1)))
-            .ok_or_else(overflow)?;
-        Ok(((index, senders), (writer, writers)))
+        let senders = tp.count.checked_mul(pp).ok_or_else(overflow)?;
+        let index = match tp.index {
+            Some(position) => Some(
+                position
+                    .checked_mul(pp)
+                    .and_then(|w| w.checked_add(prefill.pp_rank.min(pp - 1)))
+                    .ok_or_else(overflow)?,
+            ),
+            None => None,
+        };
+        Ok(((index, senders), writer))
     }
 
     /// Checks the arenas and `buffers` and places this sender's round buffers.
@@ -569,9 +612,10 @@ impl<'t> RoundsPlanner<'t> {
             buffers,
             src_buffer,
             dst_buffer,
-            dst_share: u64::from(index) * u64::from(buffers) * dst_buffer,
+            dst_share: u64::from(index.unwrap_or(0)) * u64::from(buffers) * dst_buffer,
             buffer_bytes,
-            sender: (index, senders),
+            sender: (index.unwrap_or(0), senders),
+            owns_share: index.is_some(),
             writer,
         })
     }
@@ -1108,10 +1152,14 @@ fn emit_rounds(
         buffers: geometry.buffers,
         buffer_bytes: geometry.buffer_bytes,
         sender: geometry.sender,
-        dst_share: (
-            geometry.dst_share,
-            geometry.dst_share + u64::from(geometry.buffers) * geometry.dst_buffer,
-        ),
+        dst_share: if geometry.owns_share {
+            (
+                geometry.dst_share,
+                geometry.dst_share + u64::from(geometry.buffers) * geometry.dst_buffer,
+            )
+        } else {
+            (0, 0)
+        },
         ..StagedRounds::default()
     })
 }

@@ -230,6 +230,29 @@ impl TpSplit {
         Ok(out)
     }
 
+    /// The prefill ranks that move KV heads to decode rank `r_d`, in rank order: every prefill
+    /// rank whose [`TpSplit::link`] with it is a [`Link::Send`] (each unreplicated holder of
+    /// its heads, and one elected holder per replicated head), or with `every_holder` whose
+    /// [`TpSplit::link_every_holder`] is (its `tp_p / tp_d` writers when the prefill TP is
+    /// larger). Never empty: every head of a decode rank has a sender.
+    ///
+    /// # Errors
+    /// [`PlanError::Geometry`] for a rank outside its TP size.
+    pub fn kv_senders(&self, r_d: u32, every_holder: bool) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for r_p in 0..self.prefill_tp {
+            let link = if every_holder {
+                self.link_every_holder(r_p, r_d)?
+            } else {
+                self.link(r_p, r_d)?
+            };
+            if matches!(link, Link::Send { .. }) {
+                out.push(r_p);
+            }
+        }
+        Ok(out)
+    }
+
     /// Whether prefill rank `r_p` writes decode rank `r_d`'s copy of a replicated state item:
     /// `r_p == floor(r_d · tp_p / tp_d)`.
     pub(crate) fn sends_replicated_state(&self, r_p: u32, r_d: u32) -> bool {
@@ -271,6 +294,70 @@ pub fn staging_writer(prefill_tp: u32, prefill_rank: u32, decode_tp: u32) -> Res
         (prefill_rank % writers, writers)
     } else {
         (0, 1)
+    })
+}
+
+/// Where one prefill TP rank stands among the prefill TP ranks that send a decode rank bytes
+/// at the same time ([`arena_sender`]): the share of a decode arena each of them owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ArenaSender {
+    /// The prefill rank's position among the senders; `None` when it moves no page bytes to
+    /// the decode rank (a holder of replicated heads that is not elected, or whose heads are
+    /// not the decode rank's): it owns no share.
+    pub index: Option<u32>,
+    /// Prefill TP ranks sending to the decode rank (at least 1).
+    pub count: u32,
+}
+
+/// Which prefill TP ranks send one decode rank page bytes, and where `prefill_rank` stands
+/// among them: the one rule for splitting a decode arena into per-sender shares (staged
+/// rounds), for a template between prefill rank `prefill_rank` of TP `prefill_tp` and decode
+/// rank `decode_rank` of TP `decode_tp` built with `replicas_send` or not.
+///
+/// - With the pair's head slicing (`slicing`: both layouts publish their attention geometry),
+///   the prefill ranks whose KV heads the template moves to the decode rank
+///   ([`TpSplit::kv_senders`]): one elected holder per replicated head (MLA, `kv_heads = 1`,
+///   TP 2 → 1: one sender, not two; 2 KV heads over TP 4 → 1: ranks 0 and 2), with
+///   `replicas_send` every writer ([`staging_writer`]).
+/// - Without it, pages move as whole items. With the prefill TP larger that is data held
+///   alike by every prefill rank of the decode rank's group (the decode's item is one prefill
+///   rank's: MLA's latent as vLLM publishes it), so, as for replicated state
+///   ([`sends_replicated_state`], and vLLM's NIXL connector for MLA), one prefill rank sends
+///   it: `floor(decode_rank · prefill_tp / decode_tp)`; with `replicas_send` every writer.
+///   With the prefill TP not larger, the decode rank's one writer.
+///
+/// State slots never travel in rounds, so the rank that writes a replicated state item is a
+/// sender only when it sends pages.
+///
+/// # Errors
+/// As [`staging_writer`]; [`PlanError::Geometry`] for a rank outside its TP size.
+pub fn arena_sender(
+    slicing: Option<&HeadSlicing>,
+    replicas_send: bool,
+    (prefill_tp, prefill_rank): (u32, u32),
+    (decode_tp, decode_rank): (u32, u32),
+) -> Result<ArenaSender> {
+    let (writer, writers) = staging_writer(prefill_tp, prefill_rank, decode_tp)?;
+    let Some(slicing) = slicing else {
+        if writers == 1 || replicas_send {
+            return Ok(ArenaSender {
+                index: Some(writer),
+                count: writers,
+            });
+        }
+        let sends = sends_replicated_state(prefill_tp, decode_tp, prefill_rank, decode_rank);
+        return Ok(ArenaSender {
+            index: sends.then_some(0),
+            count: 1,
+        });
+    };
+    let senders = slicing.split.kv_senders(slicing.dst_rank, replicas_send)?;
+    let position = senders.iter().position(|&r| r == slicing.src_rank);
+    // `kv_senders` lists at most one entry per prefill rank, fewer than 2^32.
+    let count = u32::try_from(senders.len().max(1)).unwrap_or(u32::MAX);
+    Ok(ArenaSender {
+        index: position.and_then(|i| u32::try_from(i).ok()),
+        count,
     })
 }
 
@@ -728,6 +815,43 @@ mod tests {
                 writers: 4
             }
         );
+    }
+
+    #[test]
+    fn kv_senders_are_the_elected_holders_or_every_writer() {
+        // (kv heads, prefill TP, decode TP, decode rank) -> elected senders, every writer
+        for (h, tp_p, tp_d, r_d, elected, writers) in [
+            (1, 2, 1, 0, vec![0], vec![0, 1]),
+            (1, 4, 1, 0, vec![0], vec![0, 1, 2, 3]),
+            (1, 4, 2, 1, vec![1], vec![2, 3]),
+            (2, 4, 1, 0, vec![0, 2], vec![0, 1, 2, 3]),
+            (8, 2, 1, 0, vec![0, 1], vec![0, 1]),
+            (8, 8, 2, 1, vec![4, 5, 6, 7], vec![4, 5, 6, 7]),
+            (8, 2, 4, 3, vec![1], vec![1]),
+        ] {
+            let split = TpSplit::new(h, tp_p, tp_d).unwrap();
+            assert_eq!(split.kv_senders(r_d, false).unwrap(), elected, "H={h}");
+            assert_eq!(split.kv_senders(r_d, true).unwrap(), writers, "H={h}");
+        }
+        // Without attention geometry (whole items): one sender, floor(r_d · tp_p / tp_d), or
+        // with replicas_send every staging writer.
+        let whole = |r_p, (tp_p, tp_d, r_d), every| {
+            arena_sender(None, every, (tp_p, r_p), (tp_d, r_d)).unwrap()
+        };
+        let one = |index| ArenaSender { index, count: 1 };
+        assert_eq!(whole(0, (2, 1, 0), false), one(Some(0)));
+        assert_eq!(whole(1, (2, 1, 0), false), one(None));
+        assert_eq!(whole(2, (4, 2, 1), false), one(Some(0)));
+        assert_eq!(whole(1, (4, 2, 1), false), one(None));
+        assert_eq!(whole(0, (1, 2, 1), false), one(Some(0)));
+        assert_eq!(
+            whole(3, (4, 1, 0), true),
+            ArenaSender {
+                index: Some(3),
+                count: 4
+            }
+        );
+        assert!(arena_sender(None, false, (3, 0), (2, 0)).is_err());
     }
 
     #[test]
