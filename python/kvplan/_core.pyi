@@ -1005,8 +1005,14 @@ class Template:
 
         ``src_arena`` (prefill memory) and ``dst_arena`` (decode memory) are ``(address,
         size)`` of registered memory, each split into ``buffers`` round buffers (the decode
-        arena first into one share per sender: ``(tp_p // tp_d) * pp_size`` prefill ranks
-        write it when the prefill TP is larger, else ``pp_size``). Round ``k`` gathers into
+        arena first into one share per sender: each prefill rank this template's head slicing
+        sends the decode rank's KV heads from, times ``pp_size``. Those are one elected holder
+        per replicated head (MLA TP 2 -> 1: one rank; 2 KV heads over TP 4 -> 1: ranks 0 and
+        2), or with ``replicas_send`` every one of the ``tp_p // tp_d`` writers. Without
+        attention geometry pages move whole, so with the prefill TP larger one prefill rank
+        sends them, ``r_d * tp_p // tp_d`` (vLLM's MLA read), or with ``replicas_send`` every
+        writer. A prefill rank that sends nothing plans no round and owns no share). Round
+        ``k`` gathers into
         prefill buffer ``k % buffers``, sends it as one block into this sender's decode buffer
         ``k % buffers`` and scatters from there; together the rounds write exactly what
         ``plan`` writes, and no round touches staging memory outside its two buffers.
@@ -1015,7 +1021,9 @@ class Template:
             UnsupportedError: What ``plan_staged`` refuses (naming ``plan_rounds``).
             SizeMismatchError: An arena too small for one byte per round buffer.
             KvPlanError: ``buffers`` is 0, or an arena's size is not a multiple of its
-                buffers (times the senders on the decode), naming the sizes.
+                buffers (times the senders on the decode), naming the sizes; a prefill rank
+                moving whole items (no attention geometry) that is not the decode rank's
+                sender, naming the sender.
             IndexBoundsError, TypeError, MemoryError: As ``plan``.
         """
     @overload
@@ -1246,10 +1254,13 @@ class StagedRounds:
     def staged_network_blocks(self) -> int:
         """Network blocks of the unchunked staged plan (``plan_staged``)."""
     @property
-    def sender(self) -> tuple[int, int]: ...
+    def sender(self) -> tuple[int, int]:
+        """``(sender index, number of senders)`` into the decode arena (index 0 for a prefill
+        rank that sends nothing)."""
     @property
     def dst_share(self) -> tuple[int, int]:
-        """Offsets ``(start, end)`` of the decode arena this sender's share covers."""
+        """Offsets ``(start, end)`` of the decode arena this sender's share covers (``(0, 0)``
+        for a prefill rank that sends nothing)."""
 
 @final
 class ConversionTemplate:

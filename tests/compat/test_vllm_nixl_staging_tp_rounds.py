@@ -4,7 +4,9 @@ with heads whose half-blocks do not tile a round buffer (6 KV heads: 3 per prefi
 per half-block, 16 KiB round buffers). The rounds are the fewest the buffer allows, and the
 decode's KV cache is byte for byte vLLM's own read of the same request (vLLM's descriptor lists
 for the pair, real NIXL agents on loopback). The two prefill ranks' streams, each writer 0 on
-the wire, land in their own senders' halves of the decode arena: both are granted at once."""
+the wire, land in their own senders' halves of the decode arena: both are granted at once. An
+MLA read of the same TP sizes reads one prefill rank only, which then has the whole decode
+arena: 32 KiB round buffers, not 16 KiB."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from support.vllm_nixl import (  # noqa: E402
     nixl_connector,  # noqa: F401 (the fixture connector)
     nixl_release,  # noqa: F401 (the fixture nixl)
 )
-from support.vllm_nixl_pair import TpPair, load_agents  # noqa: E402
+from support.vllm_nixl_pair import DECODE_PAGES, TpPair, load_agents  # noqa: E402
 
 from kvplan.compat.vllm import nixl_staging  # noqa: E402
 from kvplan.compat.vllm.staging import STAGING_ATTR  # noqa: E402
@@ -31,6 +33,11 @@ from kvplan.staging.receiver import arena_claim, claims_overlap  # noqa: E402
 #: 8 layers of 6 KV heads of 64 bytes: each prefill rank of two holds 3 heads, 3 KiB of every
 #: 16-token decode block, so a 16 KiB round buffer holds 5 1/3 half-blocks.
 SIXTHS = Geometry(heads=6, layers=8)
+#: MLA, 8 layers of a 512-byte latent row: 8 KiB of every 16-token block per layer, 256 KiB for
+#: the request's 4 decode blocks.
+LATENT = Geometry(heads=1, mla=True, layers=8, head_bytes=512)
+#: The read staging's round buffer: a 1 MiB arena in 32 buffers.
+ROUND_BUFFER = 32 << 10
 
 
 @pytest.mark.nixl
@@ -111,4 +118,36 @@ def test_a_tp_2_to_1_staged_reads_of_both_prefill_ranks_are_granted_at_once(
         assert all(r.loaded for r in receivers) and shares.holders() == []
     finally:
         gate.set()
+        pair.close()
+
+
+@pytest.mark.nixl
+def test_an_mla_tp_2_to_1_staged_read_has_the_whole_decode_arena(
+        nixl: Any, connector: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM reads an MLA decode's blocks from one prefill rank of two (the latent is whole on
+    each): that rank is the decode rank's only sender, so its rounds use the arena's whole
+    32 KiB round buffers: 8 rounds for the request's 256 KiB, where a share for each prefill
+    rank (staging protocol 2, the other rank sending nothing) gave it 16 KiB and 16 rounds. The
+    decode's KV cache is vLLM's own read's."""
+    load_agents(connector, nixl, monkeypatch)
+    pair = TpPair(connector, nixl, monkeypatch, prefill_tp=2, decode_tp=1, geometry=LATENT)
+    try:
+        assert [list(p.all_source_ranks) for p in pair.plans] == [[0]]
+        pair.read(0, vllm_only=True)
+        assert pair.poll(0) == ({"req-d"}, set())
+        want = pair.d_mem[0].copy()
+        assert want.any()
+        pair.d_mem[0][:] = 0
+        handles = pair.read(0)
+        assert len(handles) == 1 and isinstance(handles[0], nixl_staging.StagedRead), handles
+        assert pair.poll(0) == ({"req-d"}, set())
+        assert bytes(pair.d_mem[0]) == bytes(want)
+        rounds = handles[0].rounds
+        assert rounds.bytes == len(DECODE_PAGES) * LATENT.regions * LATENT.block_bytes() == (
+            256 << 10)
+        assert rounds.sender == (0, 1)
+        assert rounds.buffer_bytes == ROUND_BUFFER
+        assert len(rounds) == 8
+        assert all(r.manifest.bytes == ROUND_BUFFER for r in rounds)
+    finally:
         pair.close()

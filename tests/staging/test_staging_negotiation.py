@@ -56,6 +56,10 @@ def test_two_kvplan_peers_agree_alike_on_both_sides() -> None:
      "malformed"),
     (PREFILL, caps(arena(), protocol=PROTOCOL_VERSION + 1, version="9.0"), {},
      f"staging protocol {PROTOCOL_VERSION + 1} (kvplan 9.0) on the peer"),
+    # a peer of protocol 2 shares the decode arena among every staging writer: it would cut
+    # an elected MLA sender's rounds for half the arena
+    (PREFILL, {"kvplan": "0.1.0", "protocol": 2, "arenas": [arena().to_dict()]}, {},
+     "staging protocol 2 (kvplan 0.1.0) on the peer, 3 (kvplan"),
     (PREFILL, DECODE, {}, "the peer has no staging arena for its only arena (arenas of ranks "
      "[0, 1])"),
     (PREFILL, DECODE, {"remote_rank": 5}, "the peer has no staging arena for rank 5's arena"),

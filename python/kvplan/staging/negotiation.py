@@ -25,8 +25,10 @@ __all__ = ["MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ArenaInfo", "Capabilities",
 #: field here or where the core cuts a request's rounds changes (both peers plan the rounds and
 #: the decode checks each arrival against its own plan); peers of different versions use the
 #: direct path. 2: every round but a stream's last fills its round buffer (1 ended a round at
-#: the last block end within it).
-PROTOCOL_VERSION = 2
+#: the last block end within it). 3: the decode arena is shared among the prefill ranks the
+#: template's head slicing sends from (one elected holder per replicated head, e.g. one for
+#: MLA TP 2 -> 1), not among every staging writer (2 gave that one sender half the arena).
+PROTOCOL_VERSION = 3
 
 #: The message's key in a handshake that carries a dict (``Capabilities.to_dict``).
 HANDSHAKE_KEY = "kvplan_staging"

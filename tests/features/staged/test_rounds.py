@@ -142,7 +142,8 @@ def check_case(case: Case) -> None:
     dp = pages(case.n_tokens, pd, capacity(pd), case.seed + 1)
     tokens = case.n_tokens if ps != pd else None
     template = kvplan.Template(src.layout, dst.layout)
-    senders = case.tp_p // case.tp_d if case.tp_p > case.tp_d else 1
+    # one share per prefill rank sending the decode rank its heads (the elected holders)
+    senders = len(senders_of)
     try:
         staged = template.plan_staged(sp, dp, n_tokens=tokens, src_staging=(1 << 40, BIG),
                                       dst_staging=(1 << 44, BIG))
