@@ -316,10 +316,10 @@ def test_two_streams_of_one_prefill_to_one_decode_never_deadlock_on_the_arenas()
 
 
 def test_the_decode_is_loaded_only_once_its_last_acknowledgement_is_out() -> None:
-    """The decode's last acknowledgement goes to the prefill before anything sees the stream
-    loaded: an engine's poll that saw it loaded may end the request, close the channel or
-    shut down, and the prefill's send (holding its arena) still waits for that
-    acknowledgement. Held here in the middle of its send, the stream is not loaded."""
+    """The decode's last acknowledgement goes to the prefill before its poll or ``on_loaded``
+    says the stream is loaded: an engine that saw it loaded may end the request, close the
+    channel or shut down, and the prefill's send (holding its arena) still waits for that
+    acknowledgement. Held here in the middle of its send, the poll does not say loaded."""
     import threading
 
     s = PullSetup(2)
@@ -342,10 +342,48 @@ def test_the_decode_is_loaded_only_once_its_last_acknowledgement_is_out() -> Non
     sender.start()
     try:
         assert entered.wait(30.0)
-        assert s.receiver.poll(block=False) != "loaded" and not s.receiver.loaded
-        assert s.loaded == []
+        assert s.receiver.poll(block=False) != "loaded"  # what an engine's poll sees
+        assert s.loaded == []  # on_loaded not called
     finally:
         release.set()
         sender.join(30.0)
     assert s.receiver.poll() == "loaded" and s.loaded == [s.receiver]
     assert len(done) == 1 and done[0].rounds == n
+
+
+@pytest.mark.parametrize("how", ["cancelled", "scatter_failed", "engine_failed"])
+def test_a_pulled_stream_that_fails_passes_its_share_on_without_the_prefill(how: str) -> None:
+    """In pull mode only the decode's own reads write its arena, each under the stream's
+    lock: a stream that fails (vLLM's abort, a failed scatter) passes its share of the decode
+    arena to the next stream at once, not once the prefill answers (its serving thread may be
+    waiting for its hold or its arena) or ``timeout_s`` later. A failed read is the
+    exception: the read given up on may still land, so the share waits as before."""
+    s = PullSetup(2)
+    scatter = copier([s.dst_arena.array], [s.decode.memory])
+    told: list[bytes] = []
+
+    def failing(plan: Any) -> None:
+        raise OSError("the KV memory went away")
+
+    def reading(r: Any) -> None:
+        if how == "engine_failed":
+            raise OSError("NIXL reported the read failed")
+
+    first = ReceiveStaged("req-a", s.rounds, failing if how == "scatter_failed" else scatter,
+                          told.append, timeout_s=30.0, fetch=reading)
+    second = ReceiveStaged("req-b", s.rounds, scatter, told.append, timeout_s=30.0,
+                           fetch=reading)
+    shares = ArenaShares()
+    assert shares.admit(first) and not shares.admit(second)
+    if how == "cancelled":
+        first.cancel("vLLM finished the request during its staged read")
+    else:  # round 0 arrives and fails
+        from kvplan.staging.wire import ROUND, encode
+
+        r = s.rounds[0]
+        first.on_message(encode(ROUND, "req-a", writer=0, round_index=0,
+                                n_rounds=len(s.rounds), buffer=int(r.buffer),
+                                payload=r.manifest.to_bytes()))
+    assert first.failed and first.error is not None and first.error.reason == how
+    assert second.granted == (how != "engine_failed")
+    assert shares.holders() == [second if how != "engine_failed" else first]

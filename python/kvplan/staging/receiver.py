@@ -60,8 +60,9 @@ class ReceiveStaged:
     ``k``'s message must come next, name the round count and buffer the decode planned and
     carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
     copies the round from the decode arena into the KV memory, and ``ack`` tells the prefill
-    the buffer is free. After the last round's scatter and its acknowledgement (sent before
-    anything sees the stream loaded) the stream is loaded: ``on_loaded`` is called once. Any
+    the buffer is free. After the last round's scatter the stream is loaded, and its
+    acknowledgement is sent before :meth:`poll`, :meth:`wait` or ``on_loaded`` (called once)
+    says so. Any
     failure (a mismatch, an unexpected message, the scatter raising, the prefill's failure
     message, :meth:`cancel`, no progress for ``timeout_s`` seen by
     :meth:`poll` or :meth:`wait`) fails the stream once: ``on_failed(StagingError)`` is called,
@@ -228,22 +229,24 @@ class ReceiveStaged:
         ack = encode(ACK, self.request, writer=self.writer, round_index=k,
                      n_rounds=self.n_rounds, buffer=m.buffer)
         if self.scattered == self.n_rounds:
-            # the last acknowledgement is out before the stream says it is loaded: the
-            # engine's poll may then end the request, notify the prefill, close the channel
-            # or shut down, and the prefill's send still waits for it (holding its arena)
-            self._send_ack(k, ack)
             self.state = "loaded"
             self._done.notify_all()
             self._finished()
             if self._on_loaded is not None:
                 on_loaded = self._on_loaded
                 self._tail.append(lambda: on_loaded(self))
+            # the last acknowledgement goes out before the lock is released, so before
+            # :meth:`poll` or :meth:`wait` (or ``on_loaded``) says the stream is loaded: the
+            # engine may then end the request, notify the prefill, close the channel or shut
+            # down, and the prefill's send still waits for it (holding its arena)
+            self._send_ack(k, ack)
             return
         self._tail.insert(0, lambda: self._send_ack(k, ack))
 
     def _send_ack(self, k: int, ack: bytes) -> None:
         """Send round ``k``'s acknowledgement: the last round's with the lock held (before
-        the stream is loaded), every other one after the lock is released."""
+        :meth:`poll` can say the stream is loaded), every other one after the lock is
+        released."""
         try:
             self._ack(ack)
         except Exception as exc:
@@ -271,9 +274,12 @@ class ReceiveStaged:
         self.error = err
         self._failed_at = self._clock()
         self._done.notify_all()
-        if reason in ("peer_failed", "timeout") or not self.granted:
+        if reason in ("peer_failed", "timeout") or not self.granted or \
+                (self._fetch is not None and reason != "engine_failed"):
             # the prefill stopped (its failure message comes after its last write ended), or
-            # never wrote, or said nothing for the whole timeout
+            # never wrote, or said nothing for the whole timeout; or pull mode, where only
+            # this side's reads write the decode arena, each under the lock, so none is in
+            # flight now unless one failed (a read given up on may still land)
             self._finished()
         # else the share stays this stream's until the prefill's failure message or the
         # timeout (poll): a write of it may still be landing in the decode arena
