@@ -152,3 +152,110 @@ fn pool_ranges_are_refused_typed_naming_the_pool() {
         "{err}"
     );
 }
+
+/// Byte memory of one plan run: a source byte nothing wrote is a function of its address.
+#[derive(Default)]
+struct Memory(std::collections::HashMap<u64, u8>);
+
+impl Memory {
+    fn byte(&self, addr: u64) -> u8 {
+        self.0
+            .get(&addr)
+            .copied()
+            .unwrap_or_else(|| (addr.wrapping_mul(0x9E37_79B9) >> 11) as u8)
+    }
+
+    fn copy(&mut self, src: &[u64], dst: &[u64], lengths: &[u64]) {
+        for k in 0..lengths.len() {
+            for b in 0..lengths[k] {
+                let v = self.byte(src[k] + b);
+                self.0.insert(dst[k] + b, v);
+            }
+        }
+    }
+
+    fn run(&mut self, plan: &kvplan_core::Plan) {
+        self.copy(&plan.src_addrs, &plan.dst_addrs, &plan.lengths);
+    }
+
+    /// The bytes written at or above `from` (the decode's pages), by address.
+    fn decode(&self, from: u64, below: u64) -> std::collections::BTreeMap<u64, u8> {
+        self.0
+            .iter()
+            .filter(|(a, _)| (from..below).contains(*a))
+            .map(|(&a, &v)| (a, v))
+            .collect()
+    }
+}
+
+#[test]
+fn packed_staged_and_round_plans_of_pool_ranges_land_as_the_direct_plan() {
+    use kvplan_core::{PackBuffer, PackPlanner, RoundsPlanner, StagedPlanner, StagingRegion};
+    let (s, d) = (1u64 << 30, 1u64 << 40);
+    let t = template(&pooled(s), &pooled(d));
+    let (src, dst): (Vec<i64>, Vec<i64>) = ((0..4).collect(), vec![7, 4, 5, 6]);
+    let (psrc, pdst): (Vec<i64>, Vec<i64>) = (vec![3, 1, 2, 9], vec![0, 5, 6, 8]);
+    let staging = |addr| StagingRegion {
+        addr,
+        size: 1 << 20,
+    };
+    let decode = |m: &Memory| m.decode(d, d + (1 << 30));
+    // Pool 1 moving more, fewer, or a later range of tokens than the request's pages.
+    for (n, skip) in [(24, 0), (6, 0), (22, 3), (14, 0)] {
+        let request = Request::tokens(&src, &dst, 14)
+            .with_pool_pages(PoolId(1), Some(&psrc[..]), Some(&pdst[..]))
+            .with_pool_tokens(PoolId(1), n, skip);
+        let what = format!("pool 1 range ({n}, {skip})");
+        let direct = t.plan(&request).unwrap();
+        let mut want = Memory::default();
+        want.run(&direct);
+        let want = decode(&want);
+        assert_eq!(want.len() as u64, direct.total_bytes, "{what}");
+        assert!(direct.total_bytes > 14 * 16, "{what}: pool 1 moves rows");
+
+        let packed = PackPlanner::new(&t)
+            .plan(
+                &request,
+                PackBuffer {
+                    addr: 1 << 50,
+                    size: 1 << 20,
+                },
+            )
+            .unwrap();
+        let mut m = Memory::default();
+        m.run(&packed.gather);
+        m.run(&packed.network);
+        assert_eq!(decode(&m), want, "packed, {what}");
+
+        let staged = StagedPlanner::new(&t)
+            .plan(&request, staging(1 << 50), staging(1 << 52))
+            .unwrap();
+        let mut m = Memory::default();
+        m.run(&staged.gather);
+        m.run(&staged.network);
+        m.run(&staged.scatter);
+        assert_eq!(decode(&m), want, "staged, {what}");
+
+        // Round buffers of 40 bytes: rounds split blocks of either pool.
+        let rounds = RoundsPlanner::new(&t)
+            .plan(&request, staging(1 << 50), staging(1 << 52), 2)
+            .unwrap();
+        assert_eq!(rounds.bytes, direct.total_bytes, "{what}");
+        let small = |addr| StagingRegion { addr, size: 80 };
+        let rounds = RoundsPlanner::new(&t)
+            .plan(&request, small(1 << 50), small(1 << 52), 2)
+            .unwrap();
+        assert_eq!(
+            rounds.len() as u64,
+            direct.total_bytes.div_ceil(40),
+            "{what}"
+        );
+        let mut m = Memory::default();
+        for k in 0..rounds.len() {
+            for stage in [&rounds.gather, &rounds.network, &rounds.scatter] {
+                m.run(&stage.round(k));
+            }
+        }
+        assert_eq!(decode(&m), want, "rounds, {what}");
+    }
+}

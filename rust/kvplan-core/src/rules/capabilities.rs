@@ -199,12 +199,14 @@ pub const SUPPORT: [(Planner, u8); 7] = {
         ),
         (
             Planner::Packed,
-            bits(&[Delta, StateSlot, Window, TokenPlan]),
+            bits(&[Delta, StateSlot, Window, TokenPlan, PoolRange]),
         ),
         (Planner::RowGather, bits(&[TokenPlan])),
-        (Planner::Staged, bits(&[Window, TokenPlan])),
+        // Packed and staged plans are rewritten from the direct plan's blocks, so a pool's
+        // own token range (already in those blocks) needs nothing of their own.
+        (Planner::Staged, bits(&[Window, TokenPlan, PoolRange])),
         // Rounds are cut from the staged plan, so they plan exactly what it plans.
-        (Planner::Rounds, bits(&[Window, TokenPlan])),
+        (Planner::Rounds, bits(&[Window, TokenPlan, PoolRange])),
         (Planner::Descriptors, bits(&[StateSlot])),
     ]
 };
