@@ -42,13 +42,11 @@ def test_the_declaration_lists_every_planner_and_feature_in_order() -> None:
     refused = {p: [f for f, ok in row.items() if not ok] for p, row in table.items()}
     assert refused == {
         "plan": [], "plan_batch": ["ring"],
-        "plan_packed": ["ring", "pool_range", "pages_with_state", "sliced_state"],
+        "plan_packed": ["ring", "pages_with_state", "sliced_state"],
         "plan_row_gather": ["delta", "state_slot", "window", "ring", "pool_range",
                             "pages_with_state", "sliced_state"],
-        "plan_staged": ["delta", "state_slot", "ring", "pool_range", "pages_with_state",
-                        "sliced_state"],
-        "plan_rounds": ["delta", "state_slot", "ring", "pool_range", "pages_with_state",
-                        "sliced_state"],
+        "plan_staged": ["delta", "state_slot", "ring", "pages_with_state", "sliced_state"],
+        "plan_rounds": ["delta", "state_slot", "ring", "pages_with_state", "sliced_state"],
         "descriptor_table": ["delta", "window", "token_plan", "ring", "pool_range",
                              "pages_with_state", "sliced_state"],
     }

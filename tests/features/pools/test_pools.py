@@ -71,10 +71,13 @@ def pooled(draw: st.DrawFn) -> dict[str, object]:
     rows = [draw(st.sampled_from([1, 2, 4, 8])) for _ in range(n_pools)]
     sizes = [tuple(r * draw(st.integers(1, 4)) for _ in range(2)) for r in rows]
     n = draw(st.integers(0, 60))
+    # Per pool, a token range of its own (``pool_tokens``) or none (the request's).
+    ranges = [draw(st.none() | st.integers(0, 60).flatmap(
+        lambda m: st.tuples(st.just(m), st.integers(0, m)))) for _ in range(n_pools)]
     return dict(src=[(s[0], r) for s, r in zip(sizes, rows)],
                 dst=[(s[1], r) for s, r in zip(sizes, rows)],
                 pages=(draw(st.integers(1, 6)), draw(st.integers(1, 6))), n=n,
-                skip=draw(st.integers(0, n)), seed=draw(st.integers(0, 2**16)))
+                skip=draw(st.integers(0, n)), seed=draw(st.integers(0, 2**16)), ranges=ranges)
 
 
 @settings(max_examples=300, deadline=None)
@@ -214,21 +217,25 @@ SRC_STAGING, DST_STAGING = 0x4000_0000, 0x8000_0000
 @given(pooled())
 def test_staged_packed_and_round_plans_of_a_pooled_request_land_as_the_direct_plan(
         case: dict[str, object]) -> None:
-    """The multi-stage planners derive from the direct plan, pools and rows included: each
-    leaves the decode memory exactly as the direct plan does (deltas are not staged)."""
+    """The multi-stage planners derive from the direct plan, pools, rows and each pool's own
+    token range included: each leaves the decode memory exactly as the direct plan does
+    (deltas of the request's pages are not staged; a pool's range may start past 0)."""
     src_pools = cast("list[tuple[int, int]]", case["src"])
     dst_pools = cast("list[tuple[int, int]]", case["dst"])
     page_sizes = cast("tuple[int, int]", case["pages"])
+    ranges = cast("list[tuple[int, int] | None]", case["ranges"])
     n, seed = cast(int, case["n"]), cast(int, case["seed"])
     capacity = 64
     src, src_mem = side(page_sizes[0], src_pools, capacity, seed)
     dst, dst_mem = side(page_sizes[1], dst_pools, capacity, seed + 1)
     rng = np.random.default_rng(seed)
-    lists = {k + 1: (pages(rng, n, a[0], capacity), pages(rng, n, b[0], capacity))
+    own = {k + 1: r for k, r in enumerate(ranges) if r is not None}
+    lists = {k + 1: (pages(rng, own.get(k + 1, (n, 0))[0], a[0], capacity),
+                     pages(rng, own.get(k + 1, (n, 0))[0], b[0], capacity))
              for k, (a, b) in enumerate(zip(src_pools, dst_pools))}
     sp = pages(rng, n, page_sizes[0], capacity)
     dp = pages(rng, n, page_sizes[1], capacity)
-    request = kvplan.Request(sp, dp, pool_pages=lists, n_tokens=n)
+    request = kvplan.Request(sp, dp, pool_pages=lists, n_tokens=n, pool_tokens=own or None)
     template = kvplan.Template(src, dst)
     direct = template.plan(request)
     want = dst_mem.copy()

@@ -11,11 +11,10 @@ each region is read at all of them. :func:`region_reads` says which, per region;
 :class:`GroupedRead` is the read's one :class:`kvplan.Request`:
 
 * one group per region: each group's regions are a pool of their own in both layouts
-  (:meth:`kvplan.Layout.with_pool`) and the request gives each pool its group's pages. The
-  rounds planner plans one token range for every pool, and the groups' block lists differ in
-  length, so each pool's page is one row of ``n_tokens / pages`` tokens (``n_tokens`` the
-  least common multiple of the groups' page counts): every pool's pages cover the range
-  exactly and each page moves whole, page ``i`` to page ``i``, as vLLM's read pairs them;
+  (:meth:`kvplan.Layout.with_pool`) whose page is one token of one row, and the request gives
+  each pool its group's pages and its own token range (``pool_tokens``: as many tokens as the
+  group has blocks), so each page moves whole, page ``i`` to page ``i``, as vLLM's read pairs
+  them;
 * every region at the same groups: one page list, the groups' lists one after the other.
 
 Other reads (a region of some groups only beside regions of one, a group with blocks but no
@@ -23,15 +22,11 @@ region, or with regions but no blocks left after the trims) stay vLLM's read."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 #: vLLM's region group of a region shared by several KV groups.
 SHARED_REGION = -1
-#: The most tokens one request of row pools may span (the groups' page counts' least common
-#: multiple); a read past it stays vLLM's.
-MAX_POOL_TOKENS = 1 << 40
 #: The further pools a layout may keep (the core's pool ids 1 to 7).
 MAX_POOLS = 7
 
@@ -100,14 +95,13 @@ def check_region_reads(worker: Any, reads: Any, n_groups: int) -> str | None:
 class GroupedRead:
     """One staged read of several KV groups: ``reads`` per region (:func:`region_reads`), each
     group's prefill and decode pages (``src``, ``dst``, vLLM's trimmed lists, in vLLM's group
-    order); built by :meth:`of`. ``pools``: per further pool, its group, its regions and its
-    tokens per page (one row); none where every region reads the same groups."""
+    order); built by :meth:`of`. ``pools``: per further pool, its group and its regions; none
+    where every region reads the same groups."""
 
     reads: tuple[tuple[int, ...], ...]
     src: tuple[tuple[int, ...], ...]
     dst: tuple[tuple[int, ...], ...]
-    pools: tuple[tuple[int, tuple[int, ...], int], ...]
-    n_tokens: int
+    pools: tuple[tuple[int, tuple[int, ...]], ...]
 
     @classmethod
     def of(cls, reads: Any, src: Any, dst: Any) -> GroupedRead | str:
@@ -122,10 +116,10 @@ class GroupedRead:
             if len(s) != len(t):
                 return f"KV group {g} reads {len(s)} prefill blocks into {len(t)}"
         if len(set(reads)) == 1:  # every region at the same groups: one page list
-            return cls(reads, src, dst, (), 0)
+            return cls(reads, src, dst, ())
         if any(len(r) != 1 for r in reads):
             return "regions of several KV groups beside regions of one"
-        pools: list[tuple[int, tuple[int, ...], int]] = []
+        pools: list[tuple[int, tuple[int, ...]]] = []
         for g, pages in enumerate(dst):
             regions = tuple(r for r, read in enumerate(reads) if read == (g,))
             if not regions:
@@ -134,26 +128,23 @@ class GroupedRead:
                 continue
             if not pages:
                 return f"KV group {g} has no blocks left to read"
-            pools.append((g, regions, len(pages)))
+            pools.append((g, regions))
         if len(pools) > MAX_POOLS:
             return f"{len(pools)} KV groups of their own regions, more than {MAX_POOLS}"
-        n_tokens = math.lcm(*(n for _, _, n in pools))
-        if n_tokens > MAX_POOL_TOKENS:
-            return f"the groups' block counts span {n_tokens} tokens as rows"
-        return cls(reads, src, dst, tuple((g, r, n_tokens // n) for g, r, n in pools),
-                   n_tokens)
+        return cls(reads, src, dst, tuple(pools))
 
     def layout(self, layout: Any) -> Any:
         """``layout`` (one side's regions, in region order) with each group's regions in a pool
-        of their own whose page is one row (:meth:`kvplan.Layout.with_pool`), in group order;
-        as it is where every region reads the same groups."""
-        for _, regions, tokens in self.pools:
-            layout = layout.with_pool(list(regions), tokens, tokens_per_row=tokens)
+        of their own whose page is one token of one row (:meth:`kvplan.Layout.with_pool`), in
+        group order; as it is where every region reads the same groups."""
+        for _, regions in self.pools:
+            layout = layout.with_pool(list(regions), 1, tokens_per_row=1)
         return layout
 
     def request(self) -> Any:
-        """The read's :class:`kvplan.Request`: each pool its group's pages over the one token
-        range; or the groups' pages one after the other, as one page list."""
+        """The read's :class:`kvplan.Request`: each pool its group's pages and a token range
+        of its own, one token per page; or the groups' pages one after the other, as one page
+        list."""
         import kvplan
 
         index = kvplan._core.index_array
@@ -163,9 +154,10 @@ class GroupedRead:
                                   index([p for g in groups for p in self.dst[g]]))
         empty = index([])
         return kvplan.Request(
-            empty, empty, n_tokens=self.n_tokens,
+            empty, empty, n_tokens=0,
             pool_pages={k + 1: (index(list(self.src[g])), index(list(self.dst[g])))
-                        for k, (g, _, _) in enumerate(self.pools)})
+                        for k, (g, _) in enumerate(self.pools)},
+            pool_tokens={k + 1: (len(self.dst[g]), 0) for k, (g, _) in enumerate(self.pools)})
 
     def regroup(self, verdict: Any) -> Any:
         """``verdict`` (a :class:`kvplan.failures.FailureVerdict` of the read's template, its
