@@ -347,7 +347,8 @@ def test_the_prefill_writes_nothing_before_the_grant() -> None:
     s.decode_router.open("req-9", 0, s.receiver.on_message)
     with pytest.raises(StagingError) as exc:
         send_staged(s.rounds, s.engine, "decode", s.decode_router.deliver, request="req-9",
-                    acks=s.prefill_router, gather=lambda plan: None, timeout_s=0.2)
+                    acks=s.prefill_router, gather=lambda plan: None, timeout_s=0.2,
+                    grant_timeout_s=0.2)
     assert exc.value.reason == "timeout" and "grant of its arena share" in str(exc.value)
     assert s.engine.submitted == 0
     # the decode was told, once

@@ -69,6 +69,16 @@ class ReceiveStaged:
     the prefill is told (unless it failed first), later messages are ignored and the request
     is never loaded.
 
+    Its patience (``timeout_s`` without progress) starts at its grant, not at its creation:
+    a stream queued in :class:`ArenaShares` for its turn never times out for waiting (the
+    prefill writes nothing before the grant, so there is no progress to miss). It still fails
+    at once when cancelled, when its prefill fails it or its channel ends. The wait is bounded
+    all the same: a stream waits only for streams granted or queued before it, each of them
+    fails after ``timeout_s`` without progress once granted (its rounds are finite) and gives
+    its share up when its prefill confirms it stopped or ``timeout_s`` after it failed, so the
+    queue ahead of it drains in bounded time. A stream never admitted counts from its
+    creation.
+
     Args:
         request: the request id the stream is named by.
         rounds: the decode's own plan of the request's rounds (``Template.plan_rounds`` with
@@ -110,6 +120,8 @@ class ReceiveStaged:
         self._failed_at = 0.0
         #: Whether the prefill was told it may write (:meth:`grant`).
         self.granted = False
+        #: Whether it waits in :class:`ArenaShares`' queue for its grant (no timeout then).
+        self.queued = False
         if self.n_rounds == 0:
             self.state = "loaded"
 
@@ -154,8 +166,10 @@ class ReceiveStaged:
         with self._lock:
             if self.state != "receiving" or self.granted:
                 return
-            self.granted = True
-            self._last_progress = self._clock()  # the wait for the share is not the prefill's
+            self.granted, self.queued = True, False
+            # its patience starts now: the wait for the share is not the prefill's
+            self._last_progress = self._clock()
+            self._done.notify_all()  # a :meth:`wait` waiting its turn counts from now
             msg = encode(GRANT, self.request, writer=self.writer, n_rounds=self.n_rounds)
         try:
             self._ack(msg)
@@ -164,6 +178,12 @@ class ReceiveStaged:
                 self.granted = False  # the prefill never heard it: nothing of it can land
             self._fail_now(0, "peer_gone", f"granting the arena share failed: "
                            f"{type(exc).__name__}: {exc}", tell_peer=False)
+
+    def _queue(self) -> None:
+        """:class:`ArenaShares` queued it: no timeout until its grant."""
+        with self._lock:
+            if self.state == "receiving" and not self.granted:
+                self.queued = True
 
     def _on_finish(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the stream is loaded or failed (now, if it already is)."""
@@ -319,14 +339,15 @@ class ReceiveStaged:
 
     def poll(self, *, block: bool = True) -> State:
         """The stream's state, failing it with reason ``timeout`` when no round arrived for
-        ``timeout_s`` (an engine's periodic ``get_finished`` calls this); a failed stream whose
+        ``timeout_s`` since its grant or its last round (never while it is queued for its grant,
+        see the class); a failed stream whose
         prefill never confirmed it stopped gives its arena share up ``timeout_s`` after it
         failed. With ``block`` False it does not wait while a message is being handled (a
         round read and scattered): ``receiving`` then, checked again at the next poll."""
         if not self._lock.acquire(blocking=block):
             return "receiving"
         try:
-            late = self.state == "receiving" and \
+            late = self.state == "receiving" and not self.queued and \
                 self._clock() - self._last_progress > self.timeout_s
             if self.state == "failed" and self._finish_hooks and \
                     self._clock() - self._failed_at > self.timeout_s:
@@ -352,15 +373,20 @@ class ReceiveStaged:
     def wait(self, timeout: float | None = None) -> None:
         """Block until loaded (return) or failed (raise its :class:`StagingError`); fail it
         with reason ``timeout`` when no round arrives for ``timeout_s`` (or ``timeout``, when
-        given)."""
+        given) since its grant or its last round; while it is queued for its grant it waits
+        without a timeout (see the class)."""
         limit = self.timeout_s if timeout is None else timeout
         while True:
             with self._lock:
+                if self.state == "receiving" and self.queued:
+                    self._done.wait()  # its grant or its end notifies
+                    continue
                 if self.state == "receiving":
                     self._done.wait(timeout=max(0.0, self._last_progress + limit
                                                 - self._clock()))
                 state = self.state
-                late = state == "receiving" and self._clock() - self._last_progress >= limit
+                late = state == "receiving" and not self.queued and \
+                    self._clock() - self._last_progress >= limit
             if late:
                 self._fail_now(self.scattered, "timeout", f"no round for {limit:g} s after "
                                f"round {self.scattered - 1} of {self.n_rounds}")
@@ -444,6 +470,7 @@ class ArenaShares:
                 self._held[receiver] = claim
             else:
                 self._queued.append((receiver, claim))
+                receiver._queue()  # its patience waits for its grant
         receiver._on_finish(lambda: self._release(receiver))
         if now:
             receiver.grant()

@@ -55,6 +55,11 @@ class Router:
             for data in early:
                 handler(data)
 
+    def is_open(self, request: str, writer: int) -> bool:
+        """Whether ``(request, writer)``'s messages go to a handler now."""
+        with self._lock:
+            return (request, writer) in self._handlers
+
     def close(self, request: str, writer: int | None = None) -> None:
         """Stop routing the request's stream (every writer's with ``writer=None``); later
         messages for it are dropped."""

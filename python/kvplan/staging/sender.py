@@ -44,8 +44,10 @@ class AckQueue:
     def put(self, data: bytes) -> None:
         self._q.put(bytes(data))
 
-    def get(self, timeout: float) -> bytes:
-        return self._q.get(timeout=max(timeout, 0.0))
+    def get(self, timeout: float | None) -> bytes:
+        """The next answer, waiting at most ``timeout`` seconds (``None``: until one comes);
+        raises ``queue.Empty``."""
+        return self._q.get(timeout=None if timeout is None else max(timeout, 0.0))
 
 
 def _count(plan: Any) -> tuple[int, int]:
@@ -63,11 +65,14 @@ class _Ready:
 class _Send:
     def __init__(self, rounds: Sequence[Any], engine: RoundEngine, peer: str, notify: Notify,
                  request: str, writer: int, acks: AckQueue, gather: Callable[[Any], Any],
-                 buffers: int, timeout_s: float, grant: bool, pull: bool = False) -> None:
+                 buffers: int, timeout_s: float, grant: bool, pull: bool = False,
+                 grant_timeout_s: float | None = None,
+                 peer_alive: Callable[[], bool] | None = None) -> None:
         self.rounds, self.engine, self.peer, self.notify = rounds, engine, peer, notify
         self.pull = pull
         self.request, self.writer, self.acks, self.gather = request, writer, acks, gather
         self.buffers, self.timeout_s = buffers, timeout_s
+        self.grant_timeout_s, self.peer_alive = grant_timeout_s, peer_alive
         self.granted = not grant
         self._first: StagingError | None = None  # the failure the decode is to be told
         self._told_lock = threading.Lock()
@@ -116,18 +121,45 @@ class _Send:
             _log.debug("kvplan: could not tell %s that %r failed: %s", self.peer,
                        self.request, exc)
 
+    def wait_grant(self) -> None:
+        """Block until the decode granted this stream its share of the decode arena. The
+        decode queues a stream whose claim overlaps one granted or queued before it, for as
+        long as those take (each bounded by its own timeout), and never times it out for
+        waiting: so neither does this wait (``timeout_s`` is the patience for progress once
+        granted). It ends on the grant, on the decode's failure message (it cancelled or
+        failed the stream) or on one the engine's channel puts in when the decode's channel
+        closes; with ``peer_alive``, every ``timeout_s`` without an answer it asks whether the
+        decode is still there (``peer_gone`` when not); ``grant_timeout_s``, when given,
+        bounds it all the same."""
+        limit = self.grant_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        while not self.granted:
+            step: float | None = None if self.peer_alive is None else self.timeout_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                step = left if step is None else min(step, left)
+            try:
+                data = self.acks.get(step)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self.fail(0, "timeout", f"no grant of its arena share from "
+                                    f"{self.peer} within {limit:g} s") from None
+                if self.peer_alive is not None and not self.peer_alive():
+                    raise self.fail(0, "peer_gone", f"{self.peer} is gone while this stream "
+                                    "waited for the grant of its arena share") from None
+                continue
+            self._answer(data)
+
     def wait_ack(self, index: int) -> None:
-        """Block until the decode acknowledged scattering round ``index`` (``-1``: until it
-        granted this stream its share of the decode arena)."""
+        """Block until the decode acknowledged scattering round ``index`` (the stream is
+        granted: :meth:`wait_grant`)."""
         deadline = time.monotonic() + self.timeout_s
-        while self.acked < index or not self.granted:
-            what = "grant of its arena share" if not self.granted else \
-                f"acknowledgement of round {index}"
+        while self.acked < index:
             try:
                 data = self.acks.get(deadline - time.monotonic())
             except queue.Empty:
-                raise self.fail(max(index, 0), "timeout", f"no {what} from {self.peer} within "
-                                f"{self.timeout_s:g} s") from None
+                raise self.fail(max(index, 0), "timeout", f"no acknowledgement of round {index} "
+                                f"from {self.peer} within {self.timeout_s:g} s") from None
             self._answer(data)
 
     def _answer(self, data: bytes) -> None:
@@ -181,7 +213,7 @@ class _Send:
         try:
             self._check_plan()
             if self.n and not self.granted:
-                self.wait_ack(-1)
+                self.wait_grant()
             if src_lock is None:
                 return self._run()
             with src_lock:
@@ -292,7 +324,8 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
                 max_blocks_per_batch: int | None = None, grant: bool = True,
                 src_lock: Any = None,
                 events: list[tuple[str, int]] | None = None,
-                pull: bool = False) -> SendReport:
+                pull: bool = False, grant_timeout_s: float | None = None,
+                peer_alive: Callable[[], bool] | None = None) -> SendReport:
     """Send one request's rounds (``Template.plan_rounds``'s ``StagedRounds``) to ``peer``.
 
     Pushed rounds run through :func:`kvplan.exec.pipeline.run_rounds` (gathers, writes and
@@ -321,9 +354,20 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
             the arena).
         writer: this prefill's writer index in the decode arena (hetero TP: one stream each).
         buffers: round buffers of the agreement (default: the rounds' own ``buffers``).
-        timeout_s: seconds to wait for the grant or any one acknowledgement.
+        timeout_s: seconds to wait for any one acknowledgement once granted.
         grant: wait for the decode's grant before the first write (``False`` only where this
-            stream owns its decode share for good).
+            stream owns its decode share for good). The wait has no timeout of its own (the
+            decode queues a stream behind others for as long as they take, each bounded by
+            its timeout, and never times a queued stream out): it ends on the grant or on a
+            failure message, the decode's (it cancelled or failed the stream) or one the
+            engine's channel puts into ``acks`` when the decode's channel closes.
+        grant_timeout_s: a bound on that wait all the same (``None``: none); a send that gives
+            up fails ``timeout`` and tells the decode, whose queued stream then fails
+            ``peer_failed``.
+        peer_alive: for an engine whose channel does not say when the decode's end closed:
+            asked every ``timeout_s`` of that wait without an answer whether the decode is
+            still there (e.g. its listener accepts a connection); False fails the send
+            ``peer_gone``.
         src_lock: a lock held for the whole send once the decode granted it (the prefill
             arena's :attr:`kvplan.staging.StagingArena.lock`): one request at a time per
             prefill arena, and no stream holds it while it waits for the decode's grant (two
@@ -360,7 +404,7 @@ def send_staged(rounds: Sequence[Any], engine: Any, peer: str, notify: Notify, *
     adapted: Any = None if pull else round_engine(engine,
                                                   max_blocks_per_batch=max_blocks_per_batch)
     send = _Send(rounds, adapted, peer, notify, request, writer, inbox, gather, n_buffers,
-                 timeout_s, grant, pull)
+                 timeout_s, grant, pull, grant_timeout_s, peer_alive)
     t0 = time.perf_counter()
     try:
         nbytes, blocks = send.run(src_lock)

@@ -193,6 +193,26 @@ class SglangStaging:
         name itself)."""
         self.send(self.endpoints.get(peer, peer), data)
 
+    def reachable(self, peer: str) -> bool:
+        """Whether ``peer``'s listener still accepts a connection: asked while a send waits
+        for the decode's grant (the decode may queue a stream for as long as the streams ahead
+        of it take, so that wait has no timeout of its own), a decode process gone refuses it
+        and the send fails ``peer_gone``. A peer whose endpoint is not ``host:port`` (an
+        in-process channel) counts as there."""
+        import socket
+
+        from kvplan.staging.channel import ChannelError, parse_address
+
+        try:
+            address = parse_address(self.endpoints.get(peer, peer))
+        except ChannelError:
+            return True
+        try:
+            socket.create_connection(address, timeout=5.0).close()
+        except OSError:
+            return False
+        return True
+
     def registration_frame(self) -> bytes:
         """The frame the decode appends to SGLang's registration message: its capabilities
         and where its listener is. SGLang 0.5.23's prefill reads frames 0 to 19 only, so a
@@ -723,7 +743,8 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
             acks=staging.router, gather=local_copy(host_views(zip(src_ptrs, src_lens)),
                                                    [staging.arena.array]),
             writer=writer, buffers=agreement.buffers, timeout_s=staging.config.timeout_s,
-            src_lock=staging.arena.lock, events=events)
+            src_lock=staging.arena.lock, events=events,
+            peer_alive=lambda: staging.reachable(session))
     except StagingError as exc:
         # the rounds the decode acknowledged scattering are in its pool; the rest may not be
         scattered = sum(1 for event, _ in events if event == "ack")

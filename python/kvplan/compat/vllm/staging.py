@@ -213,13 +213,24 @@ class WorkerStaging:
         return channel
 
     def _channel_closed(self, channel: TcpChannel) -> None:
-        """The channel to a prefill ended (it is gone, or restarted): each stream opened on it
-        and still receiving fails at once (``peer_gone``), not after the staging timeout."""
+        """The channel to a peer ended (it is gone, or restarted): each stream opened on it
+        and still receiving fails at once (``peer_gone``), not after the staging timeout; each
+        of this prefill's sends on it still open (:func:`send_request`, maybe waiting for the
+        decode's grant, which has no timeout of its own) is handed a failure message, as the
+        decode's, and ends."""
+        from kvplan.staging.wire import FAIL, encode
+
         for name in channel.streams:
             receiver = self.receivers.get(name)
-            if receiver is not None and receiver.state == "receiving":
-                receiver.peer_gone(f"the staging channel to the prefill at {channel.address} "
-                                   "closed")
+            if receiver is not None:
+                if receiver.state == "receiving":
+                    receiver.peer_gone(f"the staging channel to the prefill at "
+                                       f"{channel.address} closed")
+            elif self.router.is_open(name, 0):
+                self.router.deliver(encode(
+                    FAIL, name, writer=0, round_index=0,
+                    payload=f"peer_gone: the staging channel to the decode at "
+                            f"{channel.address} closed".encode()[:4096]))
 
     def stream(self, name: str) -> ReceiveStaged | None:
         """The decode's stream of that name, open or recently ended."""
@@ -582,6 +593,9 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     # straggler of the closed stream
     acks = AckQueue()
     staging.router.open(stream, 0, acks.put)
+    # should the channel end before the send does, the send fails at once (it may be waiting
+    # for the decode's grant, which has no timeout of its own)
+    track_stream(channel, stream)
     try:
         try:
             channel.open(open_message(staged, stream=stream, peer=staging.name or session,
