@@ -577,46 +577,6 @@ def test_vllm_without_the_key_checks_nothing(v: Any) -> None:
 HEAD = 128  # head size of the MHA workers below (bf16: 256 B of K and 256 B of V per head)
 
 
-class HostKVCache:
-    """One attention layer's cache as vLLM's ``register_kv_caches`` reads it: pages of
-    ``[tokens, heads, content]`` bf16 cells, a cell's content the head's K then its V (vLLM's
-    NHD layout, block dimension outermost)."""
-
-    def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
-        self.ptr, self.shape, self.ndim = ptr, shape, len(shape)
-
-    def untyped_storage(self) -> Any:
-        from support.vllm_cases import HostStorage
-
-        return HostStorage(self.ptr, self.nbytes)
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self, dim: int | None = None) -> Any:
-        strides, step = [], 1
-        for size in reversed(self.shape):
-            strides.insert(0, step)
-            step *= size
-        return tuple(strides) if dim is None else strides[dim]
-
-    def element_size(self) -> int:
-        return 2
-
-    @property
-    def nbytes(self) -> int:
-        n = 2
-        for size in self.shape:
-            n *= size
-        return n
-
-    def __getitem__(self, index: int) -> HostKVCache:
-        return HostKVCache(self.ptr + index * self.stride(0) * 2, self.shape[1:])
-
-    def is_contiguous(self) -> bool:
-        return True
-
-
 def mha_connector(v: Any, manifest: Any, layers: list[int] | int = V_LAYERS, *,
                   total_heads: int = 4, head: int = HEAD, tp: tuple[int, int] = (0, 1),
                   windows: dict[int, int | None] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -625,7 +585,7 @@ def mha_connector(v: Any, manifest: Any, layers: list[int] | int = V_LAYERS, *,
     layer in ``layers``): a ``FullAttentionSpec`` per layer, a ``SlidingWindowSpec`` for a
     layer ``windows`` gives a window (each spec in its own KV cache group, as vLLM's hybrid
     allocator groups them)."""
-    from support.vllm_cases import vllm_config, worker_dependencies
+    from support.vllm_cases import HostKVCache, vllm_config, worker_dependencies
 
     from kvplan.compat import vllm as compat
 

@@ -106,45 +106,6 @@ def model_states(v: Any, key: str, tp: int, *, ssm_dtype: Any = None
     return shapes, (BF16, ssm_dtype or FP32)
 
 
-class Host:
-    """A registered cache as vLLM's ``register_kv_caches`` reads it: ``shape`` over
-    ``size``-byte elements, row-major, its storage its own."""
-
-    def __init__(self, ptr: int, shape: tuple[int, ...], size: int = 2) -> None:
-        self.ptr, self.shape, self.ndim, self.size = ptr, shape, len(shape), size
-
-    def untyped_storage(self) -> Any:
-        from support.vllm_cases import HostStorage
-
-        return HostStorage(self.ptr, self.nbytes)
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self, dim: int | None = None) -> Any:
-        strides, step = [], 1
-        for n in reversed(self.shape):
-            strides.insert(0, step)
-            step *= n
-        return tuple(strides) if dim is None else strides[dim]
-
-    def element_size(self) -> int:
-        return self.size
-
-    @property
-    def nbytes(self) -> int:
-        n = self.size
-        for dim in self.shape:
-            n *= dim
-        return n
-
-    def __getitem__(self, index: int) -> Host:
-        return Host(self.ptr + index * self.stride(0) * self.size, self.shape[1:], self.size)
-
-    def is_contiguous(self) -> bool:
-        return True
-
-
 def hybrid_worker(v: Any, key: str, *, tp: tuple[int, int] = (0, 1), layers: int = 4,
                   states: bool = True, ssm_dtype: Any = None) -> tuple[Any, dict[str, Any]]:
     """A kvplan Mooncake connector for preset ``key`` on ``layers`` layers (the preset's
@@ -153,7 +114,7 @@ def hybrid_worker(v: Any, key: str, *, tp: tuple[int, int] = (0, 1), layers: int
     layers where ``states`` is False: the state pool never registered). vLLM's hybrid
     allocator's page: the attention block size raised to a multiple of 16 tokens whose page
     holds the state, the state page padded to it."""
-    from support.vllm_cases import vllm_config, worker_dependencies
+    from support.vllm_cases import HostKVCache, vllm_config, worker_dependencies
 
     from kvplan.compat import vllm as compat
 
@@ -187,10 +148,10 @@ def hybrid_worker(v: Any, key: str, *, tp: tuple[int, int] = (0, 1), layers: int
     caches: dict[str, Any] = {}
     for k, name in enumerate(attn_names):
         cells = (BLOCKS, block, 576) if mla else (BLOCKS, block, heads, 2 * 256)
-        caches[name] = Host((1 << 36) * (k + 1), cells)
+        caches[name] = HostKVCache((1 << 36) * (k + 1), cells)
     if states:
         for k, name in enumerate(state_names):  # one raw page per block: every state in it
-            caches[name] = Host((1 << 44) + (1 << 36) * k, (BLOCKS, page), size=1)
+            caches[name] = HostKVCache((1 << 44) + (1 << 36) * k, (BLOCKS, page), size=1)
     return connector, caches
 
 

@@ -12,6 +12,7 @@ import random
 import sys
 import types
 from collections import OrderedDict
+from typing import Any
 
 from support.vllm_loader import VLLM
 
@@ -371,3 +372,42 @@ class HostTensor:
 
     def untyped_storage(self) -> HostStorage:
         return self._storage
+
+
+class HostKVCache:
+    """A registered cache as vLLM's ``register_kv_caches`` reads it: ``shape`` over
+    ``size``-byte elements (bf16 unless told), row-major, its storage its own; indexing drops
+    the outermost dimension as a tensor's does."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], size: int = 2) -> None:
+        self.ptr, self.shape, self.ndim, self.size = ptr, shape, len(shape), size
+
+    def untyped_storage(self) -> HostStorage:
+        return HostStorage(self.ptr, self.nbytes)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self, dim: int | None = None) -> Any:
+        strides, step = [], 1
+        for n in reversed(self.shape):
+            strides.insert(0, step)
+            step *= n
+        return tuple(strides) if dim is None else strides[dim]
+
+    def element_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        n = self.size
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    def __getitem__(self, index: int) -> HostKVCache:
+        return HostKVCache(self.ptr + index * self.stride(0) * self.size, self.shape[1:],
+                           self.size)
+
+    def is_contiguous(self) -> bool:
+        return True

@@ -767,13 +767,13 @@ fn mla_layout(case: &Case, side: Side, tp_rank: u32) -> Layout {
 /// latent whole on every rank). Whatever the round buffer (whole head slices, pieces of one,
 /// a slice and a half), the rounds are as few as it allows (`ceil(bytes / buffer)`): a round
 /// never ends a block short of full where that would take another round. Each round stays
-/// within both sides' round buffers, and together they land the direct plan's bytes. With one arena size on both sides (as a drop-in registers them), a round holds the
-/// smaller of the prefill's `size / buffers` and the decode share's `size / (senders ×
-/// buffers)`: the prefill ranks writing one decode rank send at once, each into its own share,
-/// so a TP 2 → 1 round is half the prefill's buffer by that contract, never fewer bytes. The
-/// latent published without heads is whole on every prefill rank and sent by one per decode
-/// rank (`floor(r_d · tp_p / tp_d)`), so its round is the prefill's whole buffer, and another
-/// rank's rounds are refused.
+/// within both sides' round buffers, and together they land the direct plan's bytes. With one
+/// arena size on both sides (as a drop-in registers them), a round holds the smaller of the
+/// prefill's `size / buffers` and the decode share's `size / (senders × buffers)`: the prefill
+/// ranks writing one decode rank send at once, each into its own share, so a TP 2 → 1 round is
+/// half the prefill's buffer by that contract, never fewer bytes. The latent published without
+/// heads is whole on every prefill rank and sent by one per decode rank (`floor(r_d · tp_p /
+/// tp_d)`), so its round is the prefill's whole buffer, and another rank's rounds are refused.
 #[test]
 fn head_sliced_rounds_are_as_few_as_the_round_buffer_allows() {
     let (mut planned, mut capped_by_share) = (0, 0);
