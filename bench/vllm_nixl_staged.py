@@ -683,8 +683,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(table([row])[2:]), flush=True)
     elapsed = time.monotonic() - started
     uptime1 = sh("uptime")
-    command = "nice -n 10 .venv/bin/python bench/vllm_nixl_staged.py" + (
-        " " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    niceness = os.nice(0)  # the command as it ran: under nice only where it did
+    command = ((f"nice -n {niceness} " if niceness else "") +
+               ".venv/bin/python bench/vllm_nixl_staged.py" + (
+                   " " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(repeats=repeats, arena_bytes=arena_mib << 20, rows=[
@@ -704,8 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         "docstring); the section \"What this shows\" is written by hand after the run.", "",
         "```", command, "```", "",
         f"Run took {elapsed:.0f} s. `uptime` at the start: `{uptime0}`; at the end: "
-        f"`{uptime1}`. The machine is a shared 2-core VM that other sessions kept busy "
-        "during the run: every time here is on a loaded machine.", ""]
+        f"`{uptime1}`. The machine is a shared 2-core VM: the load averages say how busy "
+        "it was (the run's own NIXL agents and copies count in them).", ""]
     lines += describe(load0, kvplan.__version__) + [""]
     lines += [
         f"Each cell: median (min) per request over {repeats} interleaved samples after an "
