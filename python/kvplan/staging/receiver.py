@@ -55,16 +55,15 @@ class ReceiveStaged:
 
     The prefill writes nothing before the stream is granted the bytes of the decode arena its
     rounds land in: :meth:`ArenaShares.admit` grants it when no other stream's claim overlaps
-    them (or :meth:`grant` where the stream owns its part of the arena for good). Feed every message of the stream
-    to :meth:`on_message` (the :class:`Router` does). Round
+    them (or :meth:`grant` where the stream owns its part of the arena for good). Feed every
+    message of the stream to :meth:`on_message` (the :class:`Router` does). Round
     ``k``'s message must come next, name the round count and buffer the decode planned and
     carry the very manifest the decode's own round ``k`` has; then ``scatter(round.scatter)``
     copies the round from the decode arena into the KV memory, and ``ack`` tells the prefill
     the buffer is free. After the last round's scatter the stream is loaded, and its
     acknowledgement is sent before :meth:`poll`, :meth:`wait` or ``on_loaded`` (called once)
-    says so. Any
-    failure (a mismatch, an unexpected message, the scatter raising, the prefill's failure
-    message, :meth:`cancel`, no progress for ``timeout_s`` seen by
+    says so. Any failure (a mismatch, an unexpected message, the scatter raising, the
+    prefill's failure message, :meth:`cancel`, no progress for ``timeout_s`` seen by
     :meth:`poll` or :meth:`wait`) fails the stream once: ``on_failed(StagingError)`` is called,
     the prefill is told (unless it failed first), later messages are ignored and the request
     is never loaded.

@@ -71,10 +71,8 @@ def region_reads(worker: Any, engine: str, n_groups: int
         if not mapped and any(g != SHARED_REGION for g in own) and n_groups > 1:
             return "vLLM reads every KV group into regions of one group"
         reads = tuple(every if g == SHARED_REGION or not mapped else (g,) for g in own)
-    for region, (g, read) in enumerate(zip(own, reads)):
-        if g != SHARED_REGION and read != (g,) or any(not 0 <= x < n_groups for x in read):
-            return f"region {region} of KV group {g} is read at groups {list(read)}"
-    return reads
+    why = _misread_region(own, reads, n_groups, "")
+    return reads if why is None else why
 
 
 def check_region_reads(worker: Any, reads: Any, n_groups: int) -> str | None:
@@ -84,10 +82,17 @@ def check_region_reads(worker: Any, reads: Any, n_groups: int) -> str | None:
     own = _ints(worker.__dict__.get("region_group_ids"))
     if len(reads) != len(own):
         return f"the read names {len(reads)} regions, this prefill has {len(own)}"
+    return _misread_region(own, reads, n_groups, " here")
+
+
+def _misread_region(own: Any, reads: Any, n_groups: int, where: str) -> str | None:
+    """The one rule both sides check: a region of one KV group (``own``, vLLM's region
+    groups) is read at that group alone, a shared one at any groups below ``n_groups``;
+    which region breaks it (``where`` names the side in the message), or None."""
     for region, (g, read) in enumerate(zip(own, reads)):
         if g != SHARED_REGION and tuple(read) != (g,) or \
                 any(not 0 <= x < n_groups for x in read):
-            return f"region {region} of KV group {g} here is read at groups {list(read)}"
+            return f"region {region} of KV group {g}{where} is read at groups {list(read)}"
     return None
 
 
