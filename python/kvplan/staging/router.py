@@ -60,10 +60,16 @@ class Router:
         with self._lock:
             return (request, writer) in self._handlers
 
-    def close(self, request: str, writer: int | None = None) -> None:
+    def close(self, request: str, writer: int | None = None, *,
+              handler: Handler | None = None) -> None:
         """Stop routing the request's stream (every writer's with ``writer=None``); later
-        messages for it are dropped."""
+        messages for it are dropped. With ``handler``, only while that handler still routes
+        it: a stream opened again under the same name since keeps its new handler."""
         with self._lock:
+            if handler is not None and not any(
+                    h == handler for k, h in self._handlers.items()
+                    if k[0] == request and writer in (None, k[1])):
+                return
             for key in [k for k in (*self._handlers, *self._early)
                         if k[0] == request and writer in (None, k[1])]:
                 self._handlers.pop(key, None)

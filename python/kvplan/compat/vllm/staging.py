@@ -252,11 +252,14 @@ class WorkerStaging:
             elif state != "loaded":
                 continue
             self._failed_at.pop(name, None)
-            self.receivers.pop(name, None)
-            self.router.close(name)
             self.finished[name] = receiver
             while len(self.finished) > KEEP_FINISHED:
                 self.finished.popitem(last=False)
+            if self.receivers.get(name) is not receiver:
+                continue  # a new stream of that name was opened since: it stays
+            self.receivers.pop(name, None)
+            # by handler: a read that opens the name again routes it before it is listed
+            self.router.close(name, handler=receiver.on_message)
 
     def close(self, join_s: float = CLOSE_JOIN_S) -> None:
         """Close the channels and the listener (waiting up to ``join_s`` seconds for their
