@@ -318,18 +318,29 @@ class TpPair:
     it; both sides name the layout ``layout`` (vLLM's block-contiguous ``LBHNC``: heads
     outermost, so a rank's heads are one range of a block). ``prefill_pages`` /
     ``decode_pages`` are the request's blocks (vLLM's ``remote_block_ids`` /
-    ``local_block_ids``); ``heads``: the decode's model names other KV heads. The request is
-    kept on every prefill rank (:meth:`keep`) unless ``keep`` is False."""
+    ``local_block_ids``); ``heads``: the decode's model names other KV heads. Several KV groups
+    (a hybrid model's), as in :class:`Pair`: ``region_groups`` names each region's group (on
+    every rank, and in the prefill's metadata), ``prefill_groups`` / ``decode_groups`` the
+    request's blocks per group. The request is kept on every prefill rank (:meth:`keep`)
+    unless ``keep`` is False."""
 
     def __init__(self, c: Any, nixl: Any, monkeypatch: pytest.MonkeyPatch, *,
                  prefill_tp: int, decode_tp: int, geometry: Geometry = TESTS,
                  layout: str = "LBHNC", heads: int | None = None,
                  prefill_pages: Sequence[int] = PREFILL_PAGES,
                  decode_pages: Sequence[int] = DECODE_PAGES,
-                 staging: dict[str, Any] | None = None, keep: bool = True) -> None:
+                 staging: dict[str, Any] | None = None, keep: bool = True,
+                 region_groups: Sequence[int] | None = None,
+                 prefill_groups: Sequence[Sequence[int]] | None = None,
+                 decode_groups: Sequence[Sequence[int]] | None = None) -> None:
         self.c, self.nixl, self.g = c, nixl, geometry
         self.staging = READ_STAGING if staging is None else staging
-        self.prefill_pages, self.decode_pages = list(prefill_pages), list(decode_pages)
+        self.prefill_groups = [list(g) for g in prefill_groups or [prefill_pages]]
+        self.decode_groups = [list(g) for g in decode_groups or [decode_pages]]
+        self.prefill_pages, self.decode_pages = self.prefill_groups[0], self.decode_groups[0]
+        self.region_groups = list(region_groups or [0] * geometry.regions)
+        assert len(self.region_groups) == geometry.regions
+        assert len(self.prefill_groups) == len(self.decode_groups)
         #: (decode worker, local list, remote list) prepared for vLLM's reads
         self.prepped: list[tuple[Any, Any, Any]] = []
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
@@ -365,7 +376,7 @@ class TpPair:
                   base=mem.ctypes.data, agent=nixl_agent(f"{engine}-tp{rank}"), geometry=g,
                   tp_rank=rank, tp_size=size)
         Pair._vllm_state(types.SimpleNamespace(  # type: ignore[arg-type]
-            geometry=g, region_groups=[0] * g.regions), w)
+            geometry=g, region_groups=self.region_groups, decode_groups=self.decode_groups), w)
         if heads is not None:  # this side's model names other KV heads
             w.model_config = types.SimpleNamespace(**dict(
                 vars(w.model_config), get_total_num_kv_heads=lambda: heads))
@@ -374,7 +385,7 @@ class TpPair:
                                      remote_tp_size=self.prefill_tp)
         w.__dict__.update(
             kv_cache_layout=layout, block_stride_per_layer=[g.block_bytes(size)] * g.regions,
-            _group_spec_types=(self.tp.AttentionSpec,),
+            _group_spec_types=(self.tp.AttentionSpec,) * len(self.decode_groups),
             _region_is_mla=[g.mla] * g.regions, _head_sharded_draft_regions=set(),
             draft_tp_mappings={}, _ple_region_index=None, _logical_num_blocks=g.blocks,
             num_descs=g.regions * g.blocks,
@@ -391,8 +402,10 @@ class TpPair:
         """The prefill rank's ``register_kv_caches`` (vLLM's part: the agent metadata it
         serves, naming its layout), then kvplan's; the handshake payload."""
         bw = self.nixl.base_worker
+        groups = {"region_group_ids": list(self.region_groups)} \
+            if len(self.decode_groups) > 1 else {}
         meta = bw.NixlAgentMetadata(
-            engine_id=ENGINE, agent_metadata=prefill.nixl_wrapper.get_agent_metadata(),
+            **groups, engine_id=ENGINE, agent_metadata=prefill.nixl_wrapper.get_agent_metadata(),
             kv_caches_base_addr=prefill.kv_caches_base_addr[ENGINE][prefill.tp_rank],
             device_id=0, num_blocks=prefill.num_blocks,
             block_lens=prefill.block_len_per_layer, block_strides=prefill.block_len_per_layer,
@@ -419,7 +432,8 @@ class TpPair:
         """vLLM's scheduler keeps the request's blocks on every prefill rank for the decode
         (with the block ids kvplan's scheduler side adds), through vLLM's ``start_load_kv``."""
         for w in self.prefill:
-            keep_for_decode(self.nixl, w, request, [list(self.prefill_pages)], lease_s)
+            keep_for_decode(self.nixl, w, request, [list(g) for g in self.prefill_groups],
+                            lease_s)
 
     def prep(self, d: int) -> list[tuple[Any, Any]]:
         """Decode rank ``d``'s prepped (local, remote) descriptor lists per prefill rank it
@@ -454,8 +468,9 @@ class TpPair:
         decode, plan = self.decode[d], self.plans[d]
         for (local, remote), r in zip(self.prep(d) if prepped is None else prepped,
                                       plan.all_source_ranks):
-            spec = self.tp.ReadSpec(remote_rank=r, local_block_ids=[list(self.decode_pages)],
-                                    remote_block_ids=[list(self.prefill_pages)])
+            spec = self.tp.ReadSpec(remote_rank=r,
+                                    local_block_ids=[list(g) for g in self.decode_groups],
+                                    remote_block_ids=[list(g) for g in self.prefill_groups])
             kwargs = dict(read_spec=spec, dst_engine_id=ENGINE, request_id=request,
                           remote_request_id=remote_request, local_xfer_side_handle=local,
                           local_dram_handle=None, remote_xfer_side_handle=remote,
