@@ -876,7 +876,7 @@ def test_a_connection_keeps_only_its_recent_streams_for_its_end() -> None:
     for the connection's life."""
     ended: list[list[str]] = []
     names = (f"req-{i}" for i in range(10**9))
-    staging = types.SimpleNamespace(tick=lambda: None, receivers={},
+    staging = types.SimpleNamespace(tick=lambda: None, open_stream=lambda name: None,
                                     router=types.SimpleNamespace(deliver=lambda data: None))
     server = vstaging.ChannelServer(staging, None, on_open=lambda w, data, reply: next(names),
                                     on_close=ended.append)

@@ -4,8 +4,14 @@ new one, whose messages (the prefill's refusal, say) must still reach it."""
 
 from __future__ import annotations
 
+import json
+import threading
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from kvplan.compat.vllm import staging as vstaging
 from kvplan.compat.vllm.staging import WorkerStaging
 from kvplan.staging import Router
 from kvplan.staging.wire import FAIL, encode
@@ -91,3 +97,97 @@ def test_close_by_handler_leaves_another_handler() -> None:
     assert router.deliver(refusal()) and len(second.got) == 1
     router.close(NAME, handler=second.on_message)
     assert not router.deliver(refusal()) and len(second.got) == 1
+
+
+# ------------------------------------------------------------------ the decode's own opener
+# The tests below open the new stream as the decode does (``WorkerStaging.on_open``, with the
+# planning of its rounds stood in for: what is tested is the listing, not the plan).
+
+class Shares:
+    def admit(self, receiver: Any) -> bool:
+        return True
+
+
+def opening(name: str = NAME) -> bytes:
+    return json.dumps({"stream": name, "writer": 0}).encode()
+
+
+@pytest.fixture
+def decode(monkeypatch: pytest.MonkeyPatch) -> WorkerStaging:
+    monkeypatch.setattr(vstaging, "_decode_rounds", lambda staging, opening, worker: (
+        None, [SimpleNamespace(scatter=())]))
+    monkeypatch.setattr(vstaging, "local_copy", lambda sources, targets: None)
+    monkeypatch.setattr(vstaging, "kv_buffers", lambda worker: [])
+    state = staging()
+    state.config = SimpleNamespace(timeout_s=30.0)  # type: ignore[assignment]
+    state.shares = Shares()  # type: ignore[assignment]
+    state.arena = SimpleNamespace(array=None)  # type: ignore[assignment]
+    return state
+
+
+class RemovedMeanwhile(dict[str, Any]):
+    """The decode's open streams, where ``meanwhile`` runs (once) as the check starts
+    removing the ended stream: what another thread did between the check's look at the
+    name and its removal of it."""
+
+    def __init__(self, meanwhile: Any) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def _removing(self) -> None:
+        meanwhile, self.meanwhile = self.meanwhile, None
+        if meanwhile is not None:
+            meanwhile()
+
+    def pop(self, *args: Any) -> Any:
+        self._removing()
+        return super().pop(*args)
+
+    def __delitem__(self, key: str) -> None:
+        self._removing()
+        super().__delitem__(key)
+
+
+def test_a_stream_opened_as_the_check_removes_the_old_one_stays_listed(
+        decode: WorkerStaging) -> None:
+    """The decode's opener lists the name's new stream in another thread while the check
+    removes the ended stream of that name: the new stream stays listed (polled, found by
+    name), whichever comes first. The opener's thread is given a moment to run inside the
+    window; where the window is closed it waits for the check instead, and the outcome is
+    the same whether or not it got to run."""
+    replies: list[bytes] = []
+    opener = threading.Thread(target=decode.on_open, args=(None, opening(), replies.append))
+
+    def reopened() -> None:
+        opener.start()
+        opener.join(timeout=0.5)
+
+    old = Stream("loaded")
+    decode.receivers = RemovedMeanwhile(reopened)
+    decode.router.open(NAME, 0, old.on_message)
+    decode.receivers[NAME] = old  # type: ignore[assignment]
+    decode.tick(now=0.0)
+    opener.join()
+    new = decode.receivers.get(NAME)
+    assert new is not None and new is not old and new.state == "receiving"
+    assert decode.stream(NAME) is new and decode.finished[NAME] is old
+    assert decode.router.deliver(refusal()) and new.state == "failed" and old.got == []
+
+
+def test_a_stream_opened_again_under_a_failed_name_keeps_its_own_patience(
+        decode: WorkerStaging) -> None:
+    """A failed stream is kept for twice its timeout after the check first saw it failed
+    (its poll may still give its arena share up). A stream opened under that name since
+    counts from its own failure, not the old one's: the check does not end it at once."""
+    old = Stream("failed")
+    decode.router.open(NAME, 0, old.on_message)
+    decode.receivers[NAME] = old  # type: ignore[assignment]
+    decode.tick(now=0.0)  # the old stream failed: kept for now
+    assert decode.receivers[NAME] is old
+    decode.on_open(None, opening(), lambda data: None)
+    new = decode.receivers[NAME]
+    assert decode.router.deliver(refusal()) and new.state == "failed"
+    decode.tick(now=100.0)  # the new one failed now: kept for its own 60 s
+    assert decode.receivers.get(NAME) is new
+    decode.tick(now=161.0)
+    assert NAME not in decode.receivers and decode.finished[NAME] is new

@@ -132,11 +132,18 @@ class WorkerStaging:
     channels: dict[str, Channel] = field(default_factory=dict)
     #: The prefill's channel back, by the peer name its opening message gives (decode side).
     replies: dict[str, Callable[[bytes], object]] = field(default_factory=dict)
-    #: Streams opened on the decode and not yet ended, by stream name.
+    #: Streams opened on the decode and not yet ended, by stream name (listed by
+    #: :meth:`list_stream`; read and changed under :attr:`streams_lock`).
     receivers: dict[str, ReceiveStaged] = field(default_factory=dict)
     #: The most recent ended streams (at most :data:`KEEP_FINISHED`), by stream name.
     finished: OrderedDict[str, ReceiveStaged] = field(default_factory=OrderedDict)
     _failed_at: dict[str, float] = field(default_factory=dict)
+    #: Guards :attr:`receivers`, :attr:`finished` and the failure times: the periodic check,
+    #: the threads opening streams and the channels' ends touch them. Nothing else is taken
+    #: or called while it is held (no poll, no router call, no callback), so it orders after
+    #: every other lock.
+    streams_lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
+                                         compare=False)
     _agreements: OrderedDict[tuple[str, int, bool, str], Negotiated] = field(
         default_factory=OrderedDict)
     #: This worker's layout identity and its verdicts on the peers' (None: none sent, none
@@ -221,7 +228,7 @@ class WorkerStaging:
         from kvplan.staging.wire import FAIL, encode
 
         for name in channel.streams:
-            receiver = self.receivers.get(name)
+            receiver = self.open_stream(name)
             if receiver is not None:
                 if receiver.state == "receiving":
                     receiver.peer_gone(f"the staging channel to the prefill at "
@@ -234,7 +241,21 @@ class WorkerStaging:
 
     def stream(self, name: str) -> ReceiveStaged | None:
         """The decode's stream of that name, open or recently ended."""
-        return self.receivers.get(name) or self.finished.get(name)
+        with self.streams_lock:
+            return self.receivers.get(name) or self.finished.get(name)
+
+    def open_stream(self, name: str) -> ReceiveStaged | None:
+        """The decode's open stream of that name (None: none is listed)."""
+        with self.streams_lock:
+            return self.receivers.get(name)
+
+    def list_stream(self, name: str, receiver: ReceiveStaged) -> None:
+        """List ``receiver`` as the open stream ``name`` (for :meth:`tick` to poll), in place
+        of any stream listed under that name before: a read of a request again. The failure
+        time kept for the name was the stream's before it, never this one's."""
+        with self.streams_lock:
+            self.receivers[name] = receiver
+            self._failed_at.pop(name, None)
 
     def tick(self, now: float | None = None, *, block: bool = True) -> None:
         """The decode's periodic check (:class:`ChannelServer` runs it): each open stream's
@@ -243,21 +264,26 @@ class WorkerStaging:
         streams leave :attr:`receivers` and their router stream is closed. With ``block``
         False a stream busy with a round is passed over until the next check."""
         now = time.monotonic() if now is None else now
-        for name, receiver in list(self.receivers.items()):
-            state = receiver.poll(block=block)
-            if state == "failed":
-                failed_at = self._failed_at.setdefault(name, now)
-                if now - failed_at <= 2 * receiver.timeout_s:
-                    continue  # its poll may still have to give the share up
-            elif state != "loaded":
+        with self.streams_lock:
+            streams = list(self.receivers.items())
+        for name, receiver in streams:
+            state = receiver.poll(block=block)  # unlocked: it may wait for a round's scatter
+            if state not in ("failed", "loaded"):
                 continue
-            self._failed_at.pop(name, None)
-            self.finished[name] = receiver
-            while len(self.finished) > KEEP_FINISHED:
-                self.finished.popitem(last=False)
-            if self.receivers.get(name) is not receiver:
-                continue  # a new stream of that name was opened since: it stays
-            self.receivers.pop(name, None)
+            with self.streams_lock:
+                # the check and the end under one hold: a stream listed again under the name
+                # meanwhile (vLLM reading a request again) is neither ended nor dropped
+                if self.receivers.get(name) is not receiver:
+                    continue
+                if state == "failed":
+                    failed_at = self._failed_at.setdefault(name, now)
+                    if now - failed_at <= 2 * receiver.timeout_s:
+                        continue  # its poll may still have to give the share up
+                self._failed_at.pop(name, None)
+                del self.receivers[name]
+                self.finished[name] = receiver
+                while len(self.finished) > KEEP_FINISHED:
+                    self.finished.popitem(last=False)
             # by handler: a read that opens the name again routes it before it is listed
             self.router.close(name, handler=receiver.on_message)
 
@@ -265,7 +291,9 @@ class WorkerStaging:
         """Close the channels and the listener (waiting up to ``join_s`` seconds for their
         threads to end), cancel the decode's streams still receiving (nothing of them is
         reported loaded) and unregister the arena; a second call does nothing more."""
-        for receiver in list(self.receivers.values()):
+        with self.streams_lock:
+            receivers = list(self.receivers.values())
+        for receiver in receivers:
             if receiver.state == "receiving":
                 receiver.cancel("the worker shut down")
         for channel in list(self.channels.values()):
@@ -334,7 +362,7 @@ class WorkerStaging:
         receiver = ReceiveStaged(
             request, rounds, local_copy([self.arena.array], kv_buffers(worker)), reply,
             writer=writer, timeout_s=self.config.timeout_s, on_failed=failed)
-        self.receivers[request] = receiver
+        self.list_stream(request, receiver)
         self.router.open(request, writer, receiver.on_message)
         self.shares.admit(receiver)
         return request
@@ -733,7 +761,7 @@ class ChannelServer:
         # the prefill is gone: what it had not finished will not arrive
         names = self._opened.pop(conn, [])
         for name in names:
-            receiver = self._staging.receivers.get(name)
+            receiver = self._staging.open_stream(name)
             if receiver is not None and receiver.state == "receiving":
                 receiver.cancel("the prefill's staging channel closed")
         if self._peer_gone is not None and names:

@@ -175,7 +175,7 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         _staging_log.warning("req %s: opening the staged read failed (%s); not staged",
                              request_id, exc)
         return False
-    state.receivers[stream] = receiver
+    state.list_stream(stream, receiver)
     state.shares.admit(receiver)  # the grant: the prefill starts gathering
     worker._recving_transfers[request_id].append(handle)
     return True
