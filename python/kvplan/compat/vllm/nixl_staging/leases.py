@@ -38,6 +38,11 @@ class SendLeases:
         self.lock = threading.Condition()
         #: Request -> vLLM's block ids per KV group (logical), recorded per step.
         self.blocks: dict[str, list[list[int]]] = {}
+        #: Requests vLLM holds for a decode (in its ``_reqs_to_send``) that a :meth:`record`
+        #: found no block ids for. The ids of a request come with the very metadata whose
+        #: ``reqs_to_send`` starts its lease there, the one that record reads: for these they
+        #: never come, and :meth:`hold` refuses them at once.
+        self.unrecorded: set[str] = set()
         #: Request -> streams holding it.
         self.pins: dict[str, int] = {}
         #: Request -> the deadlines (on :attr:`clock`) of its pins that end by time.
@@ -68,6 +73,8 @@ class SendLeases:
                     self.blocks[str(request)] = [[int(b) for b in g] for g in groups]
             for request in [r for r in self.blocks if not self.held(worker, r)]:
                 del self.blocks[request]
+            sending = {str(r) for r in worker.__dict__.get("_reqs_to_send") or {}}
+            self.unrecorded = sending - self.blocks.keys()
             self.expire()
             self.lock.notify_all()
 
@@ -94,7 +101,9 @@ class SendLeases:
         vLLM's group order (with ``pin_s``, for that many seconds: then the pin ends by
         itself, :meth:`expire`). Raises :class:`kvplan.staging.StagingError`: ``not_held``
         when vLLM no longer holds the request (its lease expired, or it was freed or never
-        finished here), or its block ids are not recorded within ``timeout_s``;
+        finished here), or its block ids are not recorded within ``timeout_s`` (at once where
+        they will not come: its lease started with a step that carried none, :attr:`unrecorded`;
+        a request vLLM holds only in a batch not yet finished is waited for);
         ``pages_mismatch`` when ``src_pages`` are not the last pages of vLLM's blocks of it,
         or a group's ``group_pages`` not the last of vLLM's blocks of that group (in kernel
         blocks: vLLM trims the decode's prefix-cache hit off the front), or ``group_pages``
@@ -117,6 +126,12 @@ class SendLeases:
                 groups = self.blocks.get(request)
                 if groups is not None:
                     break
+                if request in self.unrecorded:
+                    raise StagingError.make(
+                        stream, None, "not_held",
+                        f"vLLM holds request {request!r} for a decode, but the step that "
+                        "started its lease here gave no block ids of it (kvplan's scheduler "
+                        "side sent none): they will not come")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StagingError.make(
