@@ -275,11 +275,12 @@ def test_state_block_smaller_than_its_states_refuses_naming_the_layer(v: Any) ->
 
 
 @pytest.mark.usefixtures("dtype_size")
-def test_nixl_worker_with_state_refuses_saying_why(v: Any,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nixl_worker_with_state_whose_region_layers_are_unread_refuses_saying_why(
+        v: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's NIXL worker registers one region per shared KV cache tensor, not one per layer:
-    kvplan builds no layout of it with Mamba state, so with the key set the NIXL worker
-    refuses, saying so and that the Mooncake connector checks a hybrid model."""
+    where kvplan cannot read the layers behind each region (here no ``region_members`` and no
+    registered caches), it builds no layout, and with the key set the NIXL worker refuses,
+    saying so."""
     from kvplan.compat.vllm.manifest import MANIFEST_ATTR, check_worker_manifest
     from kvplan.compat.vllm.nixl import NO_STATE_LAYOUT, manifest_layout
     from kvplan.presets import load_manifest
@@ -302,8 +303,241 @@ def test_nixl_worker_with_state_refuses_saying_why(v: Any,
     with pytest.raises(ManifestError) as err:
         check_worker_manifest(worker, "KvplanNixlConnector", manifest_layout)
     message = str(err.value)
-    assert NO_STATE_LAYOUT in message and "KvplanMooncakeConnector checks" in message
+    assert NO_STATE_LAYOUT in message, message
     assert "Remove kvplan_manifest" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# KvplanNixlConnector: vLLM's NIXL worker registers one region per shared KV cache tensor
+# ---------------------------------------------------------------------------------------------
+#: Qwen3-Next / Kimi-Linear on 8 layers: attention at 3 and 7, state layers elsewhere; vLLM's
+#: hybrid allocator shares each KV cache tensor among one layer of every KV group.
+NIXL_ATTENTION, NIXL_STATES = (3, 7), (0, 1, 2, 4, 5, 6)
+#: Which state layers share each tensor with attention layers 3 and 7 (the KV groups of
+#: vLLM's hybrid allocator, one layer of each per tensor): the usual groups, and groups
+#: that put other layers behind each region.
+SHARED = ((0, 1, 2), (4, 5, 6))
+SHARED_OTHERWISE = ((4, 5, 6), (0, 1, 2))
+
+
+class DeviceKVCache:
+    """A cache on a device, as vLLM's NIXL ``register_kv_caches`` reads it (a
+    :class:`support.vllm_cases.HostKVCache` with a CUDA device)."""
+
+    def __new__(cls, ptr: int, shape: tuple[int, ...], size: int = 2) -> Any:
+        from support.vllm_cases import HostKVCache
+
+        cache = HostKVCache(ptr, shape, size)
+        cache.device = types.SimpleNamespace(type="cuda")  # type: ignore[attr-defined]
+        cache.get_device = lambda: 0  # type: ignore[attr-defined]
+        return cache
+
+
+def nixl_hybrid_worker(v: Any, nixl: Any, c: Any, monkeypatch: pytest.MonkeyPatch,
+                       engine: str, role: str, *, key: str = "qwen3-next",
+                       shared: tuple[tuple[int, ...], ...] = SHARED, ssm_dtype: Any = FP32,
+                       manifest: str | None = None) -> Any:
+    """A ``KvplanNixlConnector`` worker of preset ``key`` on 8 layers after vLLM's own
+    ``register_kv_caches`` (kvplan's part after it: the manifest check where ``manifest`` is
+    set, the identity in the handshake metadata): one KV cache tensor per attention layer,
+    shared with the state layers ``shared`` names for it, the state page padded to the
+    attention page as vLLM's hybrid allocator pads it. The worker's vLLM attributes are those
+    vLLM's ``__init__`` sets for such a model."""
+    from support.vllm_nixl import vllm_config as nixl_config
+    from support.vllm_nixl import worker as nixl_worker
+
+    from kvplan.compat.vllm.manifest import MANIFEST_ATTR
+    from kvplan.presets import load_manifest
+
+    bw, kvi = nixl.base_worker, v.kvi
+    mla = key != "qwen3-next"
+    shapes, dtypes = model_states(v, key, 1, ssm_dtype=ssm_dtype)
+    state = sum(_count(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    per_token = 1152 if mla else 2 * 2 * 256 * 2  # Qwen3-Next: 2 KV heads of 256, bf16
+    block = -(-state // (per_token * 16)) * 16
+    page = block * per_token
+    if mla:
+        attn = kvi.MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=576,
+                                    dtype=BF16)
+    else:
+        attn = kvi.FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=256,
+                                     dtype=BF16)
+    mamba = kvi.MambaSpec(block_size=block, shapes=tuple(shapes), dtypes=dtypes,
+                          page_size_padded=page)
+    attn_names = [f"model.layers.{i}.self_attn.attn" for i in NIXL_ATTENTION]
+    state_of = {i: f"model.layers.{i}.linear_attn" for i in NIXL_STATES}
+    groups = [kvi.KVCacheGroupSpec(attn_names, attn)] + [
+        kvi.KVCacheGroupSpec([state_of[layers[g]] for layers in shared], mamba)
+        for g in range(len(shared[0]))]
+    kv_config = kvi.KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = nixl_config(role, model="Qwen/Qwen3-Next-80B-A3B-Instruct", heads=2)
+    w = nixl_worker(c, nixl, engine, config, base=0)
+    monkeypatch.setattr(bw, "compute_nixl_compatibility_hash", lambda *a, **k: "same-config")
+    monkeypatch.setattr(type(w), "register_local_xfer_handler",
+                        lambda self, block_size: (None, None), raising=False)
+    agent = types.SimpleNamespace(get_reg_descs=lambda ranges, mem: ranges,
+                                  register_memory=lambda descs, backends=None: None,
+                                  get_agent_metadata=lambda: b"nixl-agent")
+    w.__dict__.update(
+        kv_caches_base_addr={engine: {}}, block_len_per_layer=[], block_stride_per_layer=[],
+        region_group_ids=[], region_names=[], region_num_blocks=[], _region_is_mla=[],
+        region_members=[], _layer_specs={**dict.fromkeys(attn_names, attn),
+                                         **dict.fromkeys(state_of.values(), mamba)},
+        _has_mamba=True, use_mla=mla, _has_packed_cache=False, use_host_buffer=False,
+        host_xfer_buffers={}, kv_cache_config=kv_config, block_size=block,
+        _logical_num_blocks=BLOCKS, _mamba_ssm_size=(0, 0), attn_backends=[],
+        backend_name="FLASH_ATTN", transfer_tp_rank=0, transfer_tp_size=1,
+        kv_buffer_device="cuda", nixl_memory_type="VRAM", nixl_backends=["UCX"],
+        nixl_wrapper=agent, _registered_descs=[], dst_num_blocks={}, dst_region_num_blocks={},
+        dst_region_group_ids={}, dst_uses_region_group_mapping={}, dst_region_mem_types={},
+        kv_cache_layout="HND", host_buffer_kv_cache_layout="HND", device_id=0,
+        _head_sharded_draft_kv_heads=None, src_xfer_handles_by_block_size={},
+        _transfer_layer_region_indices=(), _transfer_layer_names=(),
+        _transfer_layer_group_ids=(), _regions_by_layer={}, _packed_member_layouts={},
+        **{MANIFEST_ATTR: load_manifest(manifest) if manifest else None})
+    caches: dict[str, Any] = {}
+    for t, (attention, layers) in enumerate(zip(NIXL_ATTENTION, shared)):
+        ptr = (1 << 40) * (t + 1)  # the tensor's layers all start at its base
+        cells = (BLOCKS, block, 576) if mla else (BLOCKS, block, 2, 2 * 256)
+        caches[f"model.layers.{attention}.self_attn.attn"] = DeviceKVCache(ptr, cells)
+        for layer in layers:  # one raw page per block: every state in it
+            caches[state_of[layer]] = DeviceKVCache(ptr, (BLOCKS, page), size=1)
+    w.register_kv_caches(caches)
+    return w
+
+
+@pytest.fixture
+def layer_index(v: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own ``extract_layer_index``, where kvplan's NIXL connector reads it."""
+    extract = wheel_source(v, os.path.join("model_executor", "models", "utils.py"),
+                           "extract_layer_index")
+    monkeypatch.setattr(sys.modules["vllm.model_executor.models.utils"],
+                        "extract_layer_index", extract, raising=False)
+
+
+@pytest.fixture
+def nixl_pair(v: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM's NIXL workers of the release (``support.vllm_nixl``) and kvplan's connector over
+    them."""
+    from support.vllm_nixl import installed_connector, release_modules
+
+    with release_modules() as nixl, installed_connector(nixl, monkeypatch) as c:
+        yield nixl, c
+
+
+@pytest.mark.usefixtures("dtype_size", "layer_index")
+@pytest.mark.parametrize("key", ["qwen3-next", "kimi-linear"])
+def test_nixl_hybrid_worker_starts_with_the_preset(v: Any, nixl_pair: Any, key: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's NIXL ``register_kv_caches`` registers one region per shared tensor (an
+    attention layer and three state layers behind each); kvplan reads the layers behind each
+    region and checks the preset's manifest on them as the Mooncake connector does (each
+    state page one packed entry of every state component). Before, the worker refused to
+    start (kvplan built no layout of a NIXL worker with Mamba state)."""
+    from kvplan.compat.vllm import nixl_layout
+
+    nixl, c = nixl_pair
+    with records("vllm.kvplan.manifest") as said:
+        w = nixl_hybrid_worker(v, nixl, c, monkeypatch, "prefill-0", "kv_producer", key=key,
+                               manifest=f"{key}:8")
+    assert len(w.region_names) == 2  # vLLM's own registration: one region per tensor
+    members = nixl_layout.region_layers(w)  # vLLM 0.34's region_members; 0.32/0.33 read
+    assert members is not None and [sorted(names) for names in members] == [
+        [f"model.layers.{i}.linear_attn" for i in (0, 1, 2)] + [
+            "model.layers.3.self_attn.attn"],
+        [f"model.layers.{i}.linear_attn" for i in (4, 5, 6)] + [
+            "model.layers.7.self_attn.attn"]]
+    held = [r.getMessage() for r in said if "holds every component" in r.getMessage()]
+    assert len(held) == 1 and PRESETS[key].manifest().model in held[0], held
+
+
+@pytest.mark.usefixtures("dtype_size", "layer_index")
+def test_nixl_hybrid_state_of_another_size_refuses_the_manifest(
+        v: Any, nixl_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next's recurrent state at the model's bf16 against the preset's fp32, on NIXL:
+    the packed state entry is refused naming the components, the layers and both sizes."""
+    nixl, c = nixl_pair
+    with pytest.raises(ManifestError) as err:
+        nixl_hybrid_worker(v, nixl, c, monkeypatch, "prefill-0", "kv_producer",
+                           ssm_dtype=BF16, manifest="qwen3-next:8")
+    assert [p[:5] for p in err.value.problems] == [
+        ("item_size", "mamba_conv+mamba_temporal", list(NIXL_STATES), 49152 + 2097152,
+         49152 + 2097152 // 2)], err.value.problems
+
+
+def hybrid_handshake(v: Any, nixl: Any, c: Any, monkeypatch: pytest.MonkeyPatch,
+                     **decode: Any) -> Any:
+    """A hybrid prefill and decode through vLLM's registration and handshake (``decode``
+    changes the decode's model); the decode's ``_nixl_handshake`` outcome."""
+    from support.vllm_nixl import MSGSPEC, handshake
+
+    prefill = nixl_hybrid_worker(v, nixl, c, monkeypatch, "prefill-0", "kv_producer")
+    c.served.append(MSGSPEC.msgpack.encode(prefill.xfer_handshake_metadata))
+    d = nixl_hybrid_worker(v, nixl, c, monkeypatch, "decode-0", "kv_consumer", **decode)
+    return handshake(d, prefill)
+
+
+@pytest.mark.usefixtures("dtype_size", "layer_index")
+def test_nixl_matching_hybrid_prefill_and_decode_pass(v: Any, nixl_pair: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal hybrid workers: the prefill's identity (an attention ``kv`` page and three
+    ``state`` entries of the spec's state bytes behind each region) is plannable for the
+    decode, and vLLM adds the prefill's agent."""
+    from kvplan.identity import IDENTITY_KEY
+
+    nixl, c = nixl_pair
+    hybrid_handshake(v, nixl, c, monkeypatch)
+    assert len(c.added) == 1
+    sent = getattr(c.added[0], IDENTITY_KEY)
+    assert sent is not None, "the hybrid prefill sent no identity"
+    raw = sent["layout"]
+    assert sorted(zip(raw["layer_ids"], raw["roles"])) == sorted(
+        [(i, "kv") for i in NIXL_ATTENTION] + [(i, "state") for i in NIXL_STATES])
+    assert {n for n, r in zip(raw["item_lens"], raw["roles"]) if r == "state"} == {
+        49152 + 2097152}
+
+
+@pytest.mark.usefixtures("dtype_size", "layer_index")
+def test_nixl_hybrid_state_of_another_size_is_refused_at_the_handshake(
+        v: Any, nixl_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode whose recurrent state is bf16 against the prefill's fp32: the verdict refuses
+    (``head_slicing``: a state neither equal nor in the TP ratio) naming the layer, the role and both sizes, before the prefill's agent
+    is added (vLLM fails the handshake)."""
+    from kvplan import IncompatiblePeerError
+
+    nixl, c = nixl_pair
+    with records("vllm.kvplan.nixl") as said, pytest.raises(IncompatiblePeerError) as err:
+        hybrid_handshake(v, nixl, c, monkeypatch, ssm_dtype=BF16)
+    assert c.added == []
+    assert err.value.refused_by == "head_slicing", err.value.reason
+    reason = err.value.reason
+    assert "layer 0, role state" in reason and str(49152 + 2097152) in reason, reason
+    assert str(49152 + 2097152 // 2) in reason, reason
+    assert [r.getMessage() for r in said if r.levelno == logging.ERROR] == [str(err.value)]
+
+
+@pytest.mark.usefixtures("dtype_size", "layer_index")
+def test_nixl_other_layers_behind_a_region(v: Any, nixl_pair: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode's state layers share the other attention layer's tensor (4-6 with layer 3,
+    0-2 with layer 7). vLLM 0.32 / 0.33 read the prefill's region ``i`` into the decode's
+    region ``i``: refused (``region_layers``) naming region 0 and both sides' layers, before
+    the agent is added. vLLM 0.34 pairs regions by the layers both hold: plannable."""
+    from kvplan import IncompatiblePeerError
+
+    nixl, c = nixl_pair
+    if hasattr(nixl.NixlPullConnectorWorker, "_pair_regions"):  # vLLM 0.34
+        hybrid_handshake(v, nixl, c, monkeypatch, shared=SHARED_OTHERWISE)
+        assert len(c.added) == 1
+        return
+    with pytest.raises(IncompatiblePeerError) as err:
+        hybrid_handshake(v, nixl, c, monkeypatch, shared=SHARED_OTHERWISE)
+    assert c.added == []
+    assert err.value.refused_by == "region_layers"
+    reason = err.value.reason
+    prefill = [(i, "state") for i in (0, 1, 2)] + [(3, "kv")]
+    decode = [(3, "kv")] + [(i, "state") for i in (4, 5, 6)]
+    assert "region 0" in reason and str(prefill) in reason and str(decode) in reason, reason
 
 
 #: The whole file again with vLLM 0.34.0's and 0.32.0 CPU's connector and spec classes.

@@ -42,10 +42,12 @@ layout checked is the one kvplan plans the worker with
 ``KvplanNixlConnector`` ``kvplan.compat.vllm.nixl.worker_layout``, read by
 ``nixl.manifest_layout``), given these roles, kinds, windows and, for NIXL (whose regions
 publish their layer names only), the layer ids vLLM's ``extract_layer_index`` reads from the
-names. A NIXL worker with Mamba state has no such layout (its regions are one per shared KV
-cache tensor, not one per layer: ``kvplan.compat.vllm.nixl.NO_STATE_LAYOUT``), so with the key
-set it refuses, saying so; ``KvplanMooncakeConnector`` registers one region per layer and
-checks a hybrid model's state.
+names. A NIXL worker with Mamba state registers one region per KV cache tensor, which a
+hybrid model shares among a layer of each KV group: its layout has one entry per layer behind
+each region (``kvplan.compat.vllm.nixl_layout.state_layout``), described here as the Mooncake
+worker's regions are (:func:`region_roles`, which the NIXL worker's layout identity uses too);
+where the layers behind its regions cannot be read it has no layout
+(``kvplan.compat.vllm.nixl.NO_STATE_LAYOUT``), and with the key set it refuses, saying so.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from kvplan._core import ManifestError
 from kvplan.manifests import check_at_start_up
 
 __all__ = ["LATENT_SPECS", "MANIFEST_ATTR", "OPTION", "PACKED_SPECS", "STATE_SPECS",
-           "check_worker_manifest", "roles_layout", "state_bytes", "worker_stage"]
+           "check_worker_manifest", "region_roles", "roles_layout", "state_bytes", "worker_stage"]
 
 #: The ``kv_connector_extra_config`` key naming the manifest.
 OPTION = "kvplan_manifest"
@@ -114,21 +116,23 @@ def state_bytes(spec: Any) -> int:
     return total
 
 
-def roles_layout(layout: kvplan.Layout | None, names: Sequence[str], ids: Sequence[int],
-                 specs: Mapping[str, Any], engine: str,
-                 no_layout: str) -> tuple[kvplan.Layout, frozenset[str]]:
+def region_roles(layout: kvplan.Layout | None, names: Sequence[str], ids: Sequence[int],
+                 specs: Mapping[str, Any], no_layout: str
+                 ) -> tuple[kvplan.Layout, frozenset[str]]:
     """``layout`` (one entry per registered region, in the order of ``names``: the regions'
     layer names, ``ids``: their layer ids) with each region's role, kind, item and window as
     its layer's spec in ``specs`` says them, and the packed roles it holds: :data:`PACKED_ROLE`
     where a region packs K and V (the manifest is then checked packed from
     :data:`PACKED_PARTS`), :data:`STATE_ROLE` where a region holds a layer's states (a
-    ``state`` entry of :func:`state_bytes`, the registered block its stride).
+    ``state`` entry of :func:`state_bytes`, the registered block its stride). What both the
+    manifest check (:func:`roles_layout`) and a NIXL worker's layout identity
+    (``kvplan.compat.vllm.nixl.worker_identity``) describe a worker's regions by.
 
     Raises:
-        ManifestError: No layout (``no_layout`` says why), no registered regions, a region
-            whose role vLLM does not say (naming the layer, its spec and why), a Mamba region
-            whose states cannot be counted or do not fit its block (naming the layer, the
-            sizes and why), or several regions on one layer; logged at ERROR first.
+        ValueError: Saying why the regions cannot be described: no layout (``no_layout``), no
+            registered regions, a region whose role vLLM does not say (naming the layer, its
+            spec and why), a Mamba region whose states cannot be counted or do not fit its
+            block (naming the layer, the sizes and why), or several regions on one layer.
     """
     why = ""
     packs: set[str] = set()
@@ -180,12 +184,7 @@ def roles_layout(layout: kvplan.Layout | None, names: Sequence[str], ids: Sequen
                        f"page does not hold them")
                 break
     if why or layout is None:
-        err = ManifestError(
-            f"kvplan: {engine}: cannot check the manifest at start-up: {why}; kvplan checks a "
-            f"manifest on vLLM where every registered region is one layer's MLA latent, its "
-            f"K and V, or its states. Remove {OPTION} to start without the check")
-        logger.error("%s", err)
-        raise err
+        raise ValueError(why or no_layout)
     raw["roles"] = [STATE_ROLE if k in states else PACKED_ROLE for k in range(len(names))]
     raw["kinds"] = ["state" if k in states else "page" for k in range(len(names))]
     raw["item_lens"] = [states.get(k, int(n)) for k, n in enumerate(raw["item_lens"])]
@@ -194,6 +193,27 @@ def roles_layout(layout: kvplan.Layout | None, names: Sequence[str], ids: Sequen
     if any(w is not None for w in windows):
         out = out.with_windows(windows)
     return out, frozenset(packs)
+
+
+def roles_layout(layout: kvplan.Layout | None, names: Sequence[str], ids: Sequence[int],
+                 specs: Mapping[str, Any], engine: str,
+                 no_layout: str) -> tuple[kvplan.Layout, frozenset[str]]:
+    """:func:`region_roles` of the worker's regions, for its manifest check.
+
+    Raises:
+        ManifestError: What :func:`region_roles` cannot describe, saying why and that
+            removing :data:`OPTION` starts the worker without the check; logged at ERROR
+            first.
+    """
+    try:
+        return region_roles(layout, names, ids, specs, no_layout)
+    except ValueError as exc:
+        err = ManifestError(
+            f"kvplan: {engine}: cannot check the manifest at start-up: {exc}; kvplan checks a "
+            f"manifest on vLLM where every registered region is one layer's MLA latent, its "
+            f"K and V, or its states. Remove {OPTION} to start without the check")
+        logger.error("%s", err)
+        raise err from None
 
 
 def _state_parts(manifest: kvplan.ModelManifest) -> tuple[str, ...]:

@@ -51,7 +51,7 @@ import logging
 from typing import Any
 
 from kvplan._core import nixl_desc_ids
-from kvplan.compat.vllm import forms, manifest
+from kvplan.compat.vllm import forms, manifest, nixl_layout
 from kvplan.compat._methods import MethodPatches, require_method
 from kvplan.compat.vllm.load_failures import kv_cache_group_count, report_load_failure
 from kvplan.compat.vllm.nixl_layout import worker_layout
@@ -61,7 +61,8 @@ __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_wor
            "connector_class", "CONNECTOR_NAME", "SUPPORTED_FORMS", "host_form",
            "report_load_failure", "kv_cache_group_count",
            "add_to_agent_metadata", "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
-           "manifest_layout", "NO_STATE_LAYOUT", "worker_identity", "worker_layout"]
+           "manifest_layout", "NO_STATE_LAYOUT", "worker_identity", "worker_layout",
+           "check_region_layers"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -448,52 +449,64 @@ _HANDSHAKE_RELEASES = "vLLM 0.32.0, 0.33.0, 0.34.0"
 
 
 def manifest_layout(worker: Any, engine: str) -> tuple[Any, frozenset[str]]:
-    """The NIXL worker's :func:`worker_layout` for its ``kvplan_manifest`` check
-    (``manifest.roles_layout``: each region's role and window from its layer's spec, and
-    the packed roles it holds), its layer ids read from ``region_names`` (the layer each
-    region was registered for; vLLM's NIXL worker records no index) by vLLM's
-    ``extract_layer_index``.
+    """The NIXL worker's layout for its ``kvplan_manifest`` check (``manifest.roles_layout``:
+    each region's role and window from its layer's spec, and the packed roles it holds), its
+    layer ids read from the layers' names by vLLM's ``extract_layer_index`` (vLLM's NIXL worker
+    records no index): :func:`worker_layout` of its ``region_names`` (the layer each region was
+    registered for), or for a model with Mamba state :func:`nixl_layout.state_layout`, one
+    entry per layer behind each region (the regions are shared by a layer of every KV group).
 
     Raises:
-        ManifestError: A region name without a layer id, or what ``manifest.roles_layout``
-            refuses (a worker kvplan builds no layout of: Mamba state, :data:`NO_STATE_LAYOUT`;
-            a PP, DCP or PCP size above 1, heads not whole, a KV cache layout kvplan does not
-            describe), naming why; logged at ERROR first.
+        ManifestError: A layer name without a layer id, or what ``manifest.roles_layout``
+            refuses (a worker kvplan builds no layout of: a PP, DCP or PCP size above 1, heads
+            not whole, a KV cache layout kvplan does not describe, Mamba state whose regions'
+            layers cannot be read, :data:`NO_STATE_LAYOUT`), naming why; logged at ERROR first.
     """
-    from kvplan._core import ManifestError
-
     d = worker.__dict__
-    names = [str(n) for n in d.get("region_names") or ()]
-    ids: list[int] = []
-    if names:
-        extract = _extract_layer_index()
-        try:
-            ids = [int(extract(n)) for n in names]
-        except (AssertionError, ValueError, TypeError) as exc:
-            err = ManifestError(
-                f"kvplan: {engine}: cannot check the manifest at start-up: vLLM's "
-                f"extract_layer_index reads no layer id from the region names {names!r:.300} "
-                f"({exc}). Remove {manifest.OPTION} to start without the check")
-            manifest.logger.error("%s", err)
-            raise err from exc
-    layout = worker_layout(worker) if names else None
+    specs = d.get("_layer_specs") or {}
     why = ("kvplan builds no layout of this NIXL worker (a PP, DCP or PCP size above 1, "
            "regions that do not hold whole KV heads alike, or a KV cache layout vLLM resolved "
            "that kvplan does not describe)")
     if d.get("_has_mamba"):
-        why = (f"{NO_STATE_LAYOUT}; KvplanMooncakeConnector checks a hybrid model's "
-               f"manifest, its regions being one per layer")
-    return manifest.roles_layout(layout, names, ids, d.get("_layer_specs") or {}, engine, why)
+        members = nixl_layout.region_layers(worker)
+        if members is None:  # the regions' layers unread: refused, saying why
+            names = [str(n) for n in d.get("region_names") or ()]
+            return manifest.roles_layout(None, names, _layer_ids(names, engine), specs,
+                                         engine, NO_STATE_LAYOUT)
+        _layer_ids([n for layers in members for n in layers], engine)  # names each id
+        layout, names, ids = nixl_layout.state_layout(worker, _extract_layer_index())
+        return manifest.roles_layout(layout, names, ids, specs, engine, why)
+    names = [str(n) for n in d.get("region_names") or ()]
+    ids = _layer_ids(names, engine)
+    layout = worker_layout(worker) if names else None
+    return manifest.roles_layout(layout, names, ids, specs, engine, why)
 
 
-#: Why a NIXL worker with Mamba state is not checked against a manifest: its regions are not
-#: one per layer.
+def _layer_ids(names: list[str], engine: str) -> list[int]:
+    from kvplan._core import ManifestError
+
+    if not names:
+        return []
+    extract = _extract_layer_index()
+    try:
+        return [int(extract(n)) for n in names]
+    except (AssertionError, ValueError, TypeError) as exc:
+        err = ManifestError(
+            f"kvplan: {engine}: cannot check the manifest at start-up: vLLM's "
+            f"extract_layer_index reads no layer id from the region names {names!r:.300} "
+            f"({exc}). Remove {manifest.OPTION} to start without the check")
+        manifest.logger.error("%s", err)
+        raise err from exc
+
+
+#: Why a NIXL worker with Mamba state may have no layout: the layers behind its regions could
+#: not be read.
 NO_STATE_LAYOUT = (
-    "kvplan builds no layout of a NIXL worker with Mamba state: vLLM's NIXL worker registers "
-    "one region per distinct base address, named after the first layer registered there "
-    "(region_names), and a hybrid model's KV cache tensors are each shared by a layer of "
-    "every KV group (an attention layer and Mamba layers), so a region names one layer of "
-    "several and the others' components would read as missing")
+    "kvplan builds no layout of this NIXL worker with Mamba state: vLLM's NIXL worker "
+    "registers one region per distinct base address, shared by a layer of every KV group (an "
+    "attention layer and Mamba layers), and kvplan reads the layers behind each region from "
+    "vLLM's region_members or the caches it registered; here a layer lies in no region or "
+    "several, or a region holds none")
 
 
 def _extract_layer_index() -> Any:
@@ -504,11 +517,23 @@ def _extract_layer_index() -> Any:
 
 def worker_identity(worker: Any) -> Any:
     """The NIXL worker's :class:`kvplan.LayoutIdentity` (:func:`worker_layout` with the
-    semantics of its ``vllm_config``, transfer ``pull``); None while it has no layout."""
+    semantics of its ``vllm_config``, transfer ``pull``; for a model with Mamba state its
+    :func:`nixl_layout.state_layout`, one entry per layer behind each region, described by the
+    layers' specs as its manifest check describes them, ``manifest.region_roles``: an
+    attention layer's ``kv`` page, a Mamba layer's ``state`` of its spec's state bytes); None
+    while it has no layout."""
     import kvplan
     from kvplan.compat.vllm.semantics import NIXL_TRANSFER, worker_semantics
 
-    layout = worker_layout(worker)
+    if worker.__dict__.get("_has_mamba"):
+        layout, names, ids = nixl_layout.state_layout(worker, _extract_layer_index())
+        try:
+            layout, _ = manifest.region_roles(layout, names, ids,
+                                              worker.__dict__.get("_layer_specs") or {}, "")
+        except ValueError:
+            return None  # regions kvplan cannot describe: nothing checked, as before
+    else:
+        layout = worker_layout(worker)
     if layout is None:
         return None
     return kvplan.layout_identity(layout, worker_semantics(worker.__dict__.get("vllm_config"),
@@ -547,12 +572,59 @@ def check_remote_identity(worker: Any, metadata: Any) -> Any:
     ``add_remote_agent`` registers it: :class:`kvplan.IncompatiblePeerError` (logged once
     at ERROR) when refused, which fails vLLM's handshake, so every request waiting on it
     takes vLLM's failed-receive path and no block is read; None for a prefill that sent no
-    identity (said once) or while this worker has none."""
+    identity (said once) or while this worker has none. A plannable verdict on two layouts of
+    Mamba state is also refused where vLLM pairs the two sides' regions by index (0.32,
+    0.33: no ``_pair_regions``) and a region holds other layers on the two sides
+    (:func:`check_region_layers`)."""
     from kvplan.identity import IDENTITY_KEY
 
     peer = f"engine {getattr(metadata, 'engine_id', '?')}"
-    return peer_check(worker).check(peer, getattr(metadata, IDENTITY_KEY, None),
-                                    local_role="decode")
+    sent = getattr(metadata, IDENTITY_KEY, None)
+    check = peer_check(worker)
+    verdict = check.check(peer, sent, local_role="decode")
+    if verdict and not hasattr(type(worker), "_pair_regions"):
+        check_region_layers(worker, check.local, sent, peer)
+    return verdict
+
+
+def check_region_layers(worker: Any, local: Any, sent: Any, peer: str) -> None:
+    """Refuse (:class:`kvplan.IncompatiblePeerError`, ``refused_by == "region_layers"``,
+    logged once per peer at ERROR) a prefill whose identity layout of Mamba state holds other
+    layers (or roles) behind a region than this decode's: vLLM 0.32 / 0.33 read the prefill's
+    region ``i`` into the decode's region ``i``, whatever layers share them, so a layer's
+    state would land in another layer's. The error names the first such region and both
+    sides' ``(layer, role)`` lists."""
+    from kvplan._errors import IncompatiblePeerError
+
+    if local is None or not isinstance(sent, dict) or not isinstance(sent.get("layout"), dict):
+        return
+    mine = local.layout.to_dict()
+    theirs = sent["layout"]
+    if manifest.STATE_ROLE not in (mine.get("roles") or ()) or \
+            manifest.STATE_ROLE not in (theirs.get("roles") or ()):
+        return
+    ours, peers = nixl_layout.region_groups(mine), nixl_layout.region_groups(theirs)
+    if ours == peers:
+        return
+    where = next((i for i, (a, b) in enumerate(zip(peers, ours)) if a != b),
+                 min(len(ours), len(peers)))
+    reason = (f"vLLM reads the prefill's KV region {where} into the decode's region {where}, "
+              f"and the prefill's holds (layer, role) "
+              f"{list(peers[where]) if where < len(peers) else 'nothing'} where the decode's "
+              f"holds {list(ours[where]) if where < len(ours) else 'nothing'} "
+              f"({len(peers)} regions against {len(ours)}): a layer's state would land in "
+              f"another's")
+    err = IncompatiblePeerError(
+        f"kvplan refuses transfers with peer {peer}: prefill {sent.get('class_id', '?')} "
+        f"({peer}) -> decode {local.class_id} (here): {reason}")
+    err.peer, err.local_class_id = peer, local.class_id
+    err.peer_class_id, err.local_role = str(sent.get("class_id", "")), "decode"
+    err.refused_by, err.reason = "region_layers", reason
+    said = worker.__dict__.setdefault("_kvplan_region_refusals", set())
+    if peer not in said:
+        said.add(peer)
+        logger.error("%s", err)
+    raise err
 
 
 def identity_handshake(worker_class: type) -> Any:

@@ -5,9 +5,11 @@ staged read it plans for itself) and a prefill rank's as its agent metadata desc
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["local_layout", "remote_layout", "worker_layout", "worker_order"]
+__all__ = ["local_layout", "region_groups", "region_layers", "remote_layout", "state_layout",
+           "worker_layout", "worker_order"]
 
 
 def worker_order(worker: Any) -> str | None:
@@ -50,6 +52,119 @@ def worker_layout(worker: Any) -> Any:
     return regions_layout(ptrs, items, None, blocks=blocks, context=context,
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
                           order=worker_order(worker))
+
+
+def region_layers(worker: Any) -> list[list[str]] | None:
+    """The layers behind each of the NIXL worker's registered regions, in region order: vLLM's
+    own ``region_members`` where its ``register_kv_caches`` recorded them for every region
+    (vLLM 0.34; 0.33 only for push workers without Mamba), else the layers of the caches it
+    registered (its ``host_xfer_buffers`` with a host buffer, else ``device_kv_caches``), each
+    in the region whose first block holds the layer's first byte: vLLM 0.32 / 0.33 register
+    one region per distinct base address (the layer's own view, or the whole row holding it),
+    so the layers of a hybrid model sharing one KV cache tensor (an attention layer and state
+    layers) share its region. Layers without a spec are skipped, as vLLM skips them. None
+    where a layer lies in no region or several, a region holds none, or the worker has not
+    registered its caches."""
+    d = worker.__dict__
+    bases = _region_bases(worker)
+    lens = [int(n) for n in d.get("block_len_per_layer") or ()]
+    if not bases or len(lens) != len(bases):
+        return None
+    members = d.get("region_members")
+    if members and len(members) == len(bases):
+        return [[str(n) for n in names] for names in members]
+    caches = d.get("host_xfer_buffers") if d.get("use_host_buffer") else d.get(
+        "device_kv_caches")
+    specs = d.get("_layer_specs") or {}
+    if not caches:
+        return None
+    out: list[list[str]] = [[] for _ in bases]
+    for name, cache in caches.items():
+        if specs.get(name) is None:
+            continue
+        try:
+            ptr = int(cache.data_ptr())
+        except (AttributeError, TypeError, ValueError):
+            return None
+        holding = [r for r, (base, n) in enumerate(zip(bases, lens)) if 0 <= ptr - base < n]
+        if len(holding) != 1:
+            return None
+        out[holding[0]].append(str(name))
+    if not all(out):
+        return None
+    return [sorted(names, key=_natural) for names in out]
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Layer names in model order (``layers.10`` after ``layers.2``), as vLLM registers them."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part)
+                 for part in re.split(r"(\d+)", name))
+
+
+def _region_bases(worker: Any) -> list[int]:
+    d = worker.__dict__
+    try:
+        return [int(p) for p in d["kv_caches_base_addr"][d["engine_id"]][int(
+            d.get("tp_rank", 0) or 0)]]
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def state_layout(worker: Any, layer_id: Any) -> tuple[Any, list[str], list[int]]:
+    """The NIXL worker of a model with Mamba state as a :class:`kvplan.Layout` of one entry per
+    layer behind each region (:func:`region_layers`), in region order: each at its region's
+    base, of its region's block bytes and stride, the layer's id ``layer_id(name)``, with the
+    block size, TP coordinates and the heads as :func:`worker_layout` builds them; and the
+    entries' layer names and ids. Roles, kinds and a state entry's bytes are then the layers'
+    specs' (``kvplan.compat.vllm.manifest.region_roles``). The layout is None before
+    ``register_kv_caches``, where the layers behind a region cannot be read, and at PP, DCP or
+    PCP sizes above 1 (as :func:`worker_layout`)."""
+    from kvplan.compat.vllm.semantics import regions_layout
+
+    d = worker.__dict__
+    members = region_layers(worker)
+    if members is None or any(int(d.get(size, 1) or 1) != 1
+                              for size in ("pp_size", "dcp_size", "pcp_size")):
+        return None, [], []
+    bases = _region_bases(worker)
+    lens = [int(n) for n in d.get("block_len_per_layer") or ()]
+    strides = [int(n) for n in d.get("block_stride_per_layer") or lens]
+    names = [name for layers in members for name in layers]
+    ids = [int(layer_id(name)) for name in names]
+    ptrs = [bases[r] for r, layers in enumerate(members) for _ in layers]
+    items = [lens[r] for r, layers in enumerate(members) for _ in layers]
+    tp_rank = int(d.get("tp_rank", 0) or 0)
+    blocks = int(d.get("num_blocks", 0) or 0) * int(
+        d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
+    context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
+                                   tp_size=int(d.get("world_size", 1) or 1))
+    layout = regions_layout(ptrs, items, ids, blocks=blocks, context=context,
+                            use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
+                            order=worker_order(worker))
+    if layout is not None and len(strides) == len(lens):
+        raw = layout.to_dict()
+        region_strides = [strides[r] for r, layers in enumerate(members) for _ in layers]
+        raw["strides"] = region_strides
+        raw["data_lens"] = [n * blocks for n in region_strides]
+        layout = type(layout).from_dict(raw)
+    return layout, names, ids
+
+
+def region_groups(raw: Any) -> list[tuple[tuple[int, str], ...]]:
+    """The entries of a :func:`state_layout` (as ``Layout.to_dict()`` gives it: an identity
+    message's ``layout``) region by region: each region's ``(layer id, role)`` pairs, sorted,
+    the entries of one region being the consecutive ones at its base address."""
+    groups: list[tuple[tuple[int, str], ...]] = []
+    last: Any = object()
+    for ptr, layer, role in zip(raw.get("data_ptrs") or (), raw.get("layer_ids") or (),
+                                raw.get("roles") or ()):
+        entry = (int(layer), str(role))
+        if groups and ptr == last:
+            groups[-1] = tuple(sorted(groups[-1] + (entry,)))
+        else:
+            groups.append((entry,))
+        last = ptr
+    return groups
 
 
 def _strides_whole(lens: Any, strides: Any) -> bool:
