@@ -42,8 +42,10 @@ needs nothing more from the prefill.
   :func:`kvplan.staging.send_staged` in pull mode on a thread of its own.
 
 Staged reads are taken only where both sides are simple enough to plan here: host-memory KV
-caches whose blocks lie back to back, the same block size, no DCP, no Mamba state, no mixed
-memory types, and TP sizes that are equal or that vLLM slices heads between
+caches whose blocks lie back to back, the same block size (or, for one KV group in blocks with
+the tokens outermost, the decode's a multiple of the prefill's: each side's layout at its own
+block size, :func:`kvplan.compat.vllm.nixl_staging.read._ratio_pages`), no DCP, no Mamba
+state, no mixed memory types, and TP sizes that are equal or that vLLM slices heads between
 (:func:`_tp_pair_staged`): then each (request, prefill rank) read vLLM makes is one staged
 stream, its rounds planned by the core from both layouts' TP coordinates; every other read is
 vLLM's. A read of several KV groups (a hybrid model's) is one stream of one request of every

@@ -58,11 +58,27 @@ class _ReadNames:
     def trimmed(self) -> tuple[Any, Any]:
         """The decode's and the prefill's block ids per KV group after vLLM's trim of the
         decode's prefix-cache hit, as vLLM's own read trims them."""
+        return self._trim(self.read_spec.local_block_ids, self.read_spec.remote_block_ids)
+
+    def sub_blocks(self, ratio: int) -> tuple[Any, Any]:
+        """Where the decode's blocks hold ``ratio`` times the prefill's tokens (vLLM's block
+        size ratio): the block ids per KV group vLLM's read pairs one to one, the decode's
+        as sub-blocks of the prefill's block size (block ``b``'s are ``b * ratio`` to
+        ``b * ratio + ratio - 1``, in token order), then trimmed as :meth:`trimmed` trims.
+        vLLM 0.34 pairs them before its ``_read_blocks`` (``_pair_blocks_by_last_token``),
+        so the read's ids are paired already; 0.32 and 0.33's ``_read_blocks`` maps them
+        first (``_map_block_ids_for_block_size_ratio``), as here."""
+        local_ids, remote_ids = self.read_spec.local_block_ids, self.read_spec.remote_block_ids
+        if ratio > 1 and not hasattr(self.worker, "_pair_blocks_by_last_token"):
+            local_ids, remote_ids = self.worker._map_block_ids_for_block_size_ratio(
+                local_ids, remote_ids, ratio)
+        return self._trim(local_ids, remote_ids)
+
+    def _trim(self, local_ids: Any, remote_ids: Any) -> tuple[Any, Any]:
         worker = self.worker
         info = worker.__dict__["transfer_topo"].get_engine_info(self.engine)
         local_ids, remote_ids = worker._apply_prefix_caching(
-            decode_block_ids=self.read_spec.local_block_ids,
-            prefill_block_ids=self.read_spec.remote_block_ids,
+            decode_block_ids=local_ids, prefill_block_ids=remote_ids,
             decode_physical_per_logical=worker._physical_blocks_per_logical_kv_block,
             prefill_physical_per_logical=info.remote_physical_blocks_per_logical)
         return local_ids, remote_ids

@@ -28,8 +28,9 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                 remote_request_id: str, expected_consumers: int) -> bool:
     """The decode's ``_read_blocks`` for one request and prefill rank, staged where it can
     be: staging on, the prefill agreed, its KV regions and this worker's have layouts, TP
-    sizes :func:`_tp_pair_staged` takes, no block-size ratio, DCP, Mamba state or mixed
-    memory, and :func:`kvplan.staging.choose_path` says staged. A read of several KV groups
+    sizes :func:`_tp_pair_staged` takes, a block-size ratio :func:`_ratio_pages` takes (the
+    decode's blocks larger, each side's layout at its own block size), no DCP, Mamba state or
+    mixed memory, and :func:`kvplan.staging.choose_path` says staged. A read of several KV groups
     (a hybrid model's) is one request of every group's pages (:func:`_grouped_read`). Between
     TP sizes the core plans the head slice the two ranks share (the layouts carry their TP
     coordinates), and the rounds must move the bytes vLLM's read of this prefill rank moves
@@ -59,9 +60,10 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     local_ids, remote_ids = read_spec.local_block_ids, read_spec.remote_block_ids
     if d.get("_mixed_mem_types") or d.get("_has_mamba") or \
             not any(len(g) for g in local_ids) or int(d.get("dcp_size", 1) or 1) > 1 or \
-            int(getattr(info, "remote_dcp_size", 1) or 1) > 1 or \
-            topo.block_size_ratio(info.remote_block_size) != 1:
-        return False  # one block size, no DCP, no Mamba: else vLLM's read
+            int(getattr(info, "remote_dcp_size", 1) or 1) > 1:
+        return False  # no DCP, no Mamba: else vLLM's read
+    # the decode's block size over the prefill's (vLLM's own: 1, or the decode's larger)
+    ratio = int(topo.block_size_ratio(info.remote_block_size))
     layout = local_layout(worker)
     if layout is None:
         return False
@@ -70,7 +72,13 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         return False  # TP sizes whose head slices vLLM reads otherwise: said once
     # vLLM's own trim of the decode's prefix-cache hit, as its read does
     names = _read_names(worker, read_spec, dst_engine_id, remote_request_id)
-    local_ids, remote_ids = names.trimmed()
+    if ratio == 1:
+        local_ids, remote_ids = names.trimmed()
+    else:
+        pages = _ratio_pages(worker, dst_engine_id, remote_tp, names, ratio, peer.layout, layout)
+        if pages is None:
+            return False  # a ratio whose read kvplan does not stage exactly: said once
+        local_ids, remote_ids = pages
     agreement = peer.outcome
     if not isinstance(agreement, StagingAgreement):
         return False
@@ -103,13 +111,14 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                              "path", request_id, type(exc).__name__, exc)
         return False
     # the bytes vLLM's read of this prefill rank moves: the decode blocks' whole regions
-    # (MLA: whole on every rank), or this rank's share of them where vLLM's own TP mapping
+    # (MLA: whole on every rank; with a block-size ratio, a prefill block's share of them
+    # per prefill block read), or this rank's share of them where vLLM's own TP mapping
     # reads this decode rank's blocks from several prefill ranks; of several KV groups, each
     # region's block bytes times the blocks of the groups vLLM reads into it
     mapping = (d.get("tp_mappings") or {}).get(dst_engine_id)
     reads = 1 if d.get("use_mla") else len(getattr(mapping, "all_source_ranks", ()) or (0,))
     block_lens = [int(n) for n in d.get("block_len_per_layer") or ()]
-    want = (len(dst) * sum(block_lens) if grouped is None
+    want = (len(src) * sum(block_lens) // ratio if grouped is None
             else grouped.read_bytes(block_lens)) // reads
     planned = sum(int(r.manifest.bytes) for r in rounds)
     if planned != want:  # the core pairs other heads than vLLM's read: never staged
@@ -159,7 +168,7 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
                               gone=lambda: bool(getattr(channel, "closed", False))))
     # vLLM's own READ of these blocks: one descriptor per block and region pair
     handle = StagedRead(request_id, receiver, notify, template, rounds, state, peer=session,
-                        direct_descriptors=int(template.n_pairs) * len(dst)
+                        direct_descriptors=int(template.n_pairs) * len(src)
                         if grouped is None else grouped.blocks(),
                         regroup=None if grouped is None else grouped.regroup)
     staged = vstaging.StagedRequest(stream, template, (src_layout, dst_layout), src, dst,
@@ -203,3 +212,38 @@ def _grouped_read(worker: Any, peer: Any, engine: str, session: str, remote_tp: 
         said_unstaged(worker, session, str(why))
         return None
     return grouped
+
+def _ratio_pages(worker: Any, engine: str, remote_tp: int, names: Any, ratio: int,
+                 remote: Any, local: Any) -> tuple[list[list[int]], list[list[int]]] | None:
+    """The pages of a staged read whose decode blocks hold ``ratio`` times the prefill's
+    tokens: the prefill's blocks vLLM's read names (:meth:`_ReadNames.sub_blocks`) and the
+    decode blocks they fill, in token order, each side's layout at its own block size (the
+    core plans the read token by token). vLLM's read copies each prefill block whole into
+    one sub-block of a decode block, in order, so those are the bytes it lands where a block
+    holds its tokens outermost (``NHD``, or MLA's latent rows); with the heads outermost its
+    read lands the prefill blocks' own order, which vLLM reorders after the read. None (said
+    once for the engine, vLLM's read) where the staged read would land other bytes: heads
+    outermost on either side, several KV groups, a prefill whose kernel blocks are smaller
+    than its blocks (vLLM 0.34 may leave off the last of them), or a read that starts within a
+    decode block."""
+    d = worker.__dict__
+    info = d["transfer_topo"].get_engine_info(engine)
+    why: str
+    if len(names.read_spec.local_block_ids) != 1:
+        why = f"a block-size ratio of {ratio} with several KV groups"
+    elif int(getattr(info, "remote_physical_blocks_per_logical", 1) or 1) != 1:
+        why = (f"a block-size ratio of {ratio} with the prefill's kernel blocks smaller than "
+               f"its blocks")
+    elif not d.get("use_mla") and {remote.memory_order, local.memory_order} != {"NHD"}:
+        why = (f"a block-size ratio of {ratio} needs blocks with the tokens outermost (NHD) "
+               f"on both sides, not {remote.memory_order} and {local.memory_order}")
+    else:
+        local_ids, remote_ids = names.sub_blocks(ratio)
+        subs = [int(s) for s in local_ids[0]]
+        # whole decode blocks from their first sub-block, the last one's tail left out
+        if all(s % ratio == 0 if i % ratio == 0 else s == subs[i - 1] + 1
+               for i, s in enumerate(subs)):
+            return [[s // ratio for s in subs[::ratio]]], [[int(b) for b in remote_ids[0]]]
+        why = f"a block-size ratio of {ratio} whose read starts within a decode block"
+    _say_unstaged(worker, engine, remote_tp, why)
+    return None

@@ -83,7 +83,8 @@ def _page_lists(value: Any) -> list[list[int]] | None:
 def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
     """The prefill's answer to a decode's opening message (its listener's ``on_open``):
     negotiate with the decode's staging message, plan the same rounds with this worker's own
-    layout as the source, and run :func:`kvplan.staging.send_staged` in pull mode on a thread
+    layout as the source (at its own block size, which the decode's message must name for it;
+    the decode's may be a multiple of it), and run :func:`kvplan.staging.send_staged` in pull mode on a thread
     of its own: first the request is held (:meth:`SendLeases.hold`: vLLM still holds it, and
     the stream's prefill pages are vLLM's blocks of it; of a read of several KV groups, each
     group's pages the tail of vLLM's blocks of that group, and the request planned from the
@@ -124,6 +125,12 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
             raise StagingError.make(stream, 0, "bad_message",
                                     "this prefill's KV regions take no staged rounds")
         dst_layout = kvplan.Layout.from_dict(opening["dst_layout"])
+        # both sides plan the rounds with this prefill's block size (the decode's may differ)
+        seen = kvplan.Layout.from_dict(opening["src_layout"]).page_size
+        if seen != layout.page_size:
+            raise StagingError.make(
+                stream, 0, "bad_message", f"the decode plans this prefill's blocks as "
+                f"{seen} tokens each; they hold {layout.page_size}")
         arenas = dict(src_arena=agreement.src_arena, dst_arena=agreement.dst_arena,
                       buffers=agreement.buffers)
         group_pages: list[list[int]] | None = None
