@@ -213,6 +213,7 @@ def _grouped_read(worker: Any, peer: Any, engine: str, session: str, remote_tp: 
         return None
     return grouped
 
+
 def _ratio_pages(worker: Any, engine: str, remote_tp: int, names: Any, ratio: int,
                  remote: Any, local: Any) -> tuple[list[list[int]], list[list[int]]] | None:
     """The pages of a staged read whose decode blocks hold ``ratio`` times the prefill's
