@@ -62,7 +62,8 @@ class TransferError(RuntimeError):
     ``layer`` when a layer's ready event failed. ``Transport.submit_batch`` sets ``requests``,
     the indices of the batch's requests whose blocks the failed call held; so does a streamed
     batch's failed call, with ``slices`` (every slice index the call sent, ``None`` for the
-    seal).
+    seal). ``peer_gone`` is set where the peer was seen gone when the failure was raised (its
+    side channel had closed): the failure is the peer's going, not this side's engine.
     """
 
     engine: str | None = None
@@ -80,6 +81,7 @@ class TransferError(RuntimeError):
     layer: int | None = None
     requests: list[int] | None = None
     slices: list[int] | None = None
+    peer_gone: bool = False
 
 
 class ConfigError(KvPlanError):

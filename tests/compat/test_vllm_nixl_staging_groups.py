@@ -39,8 +39,9 @@ from support.vllm_nixl_pair import (  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.compat.vllm import nixl_staging  # noqa: E402
-from kvplan.compat.vllm.nixl_staging import groups as staging_groups  # noqa: E402
-from kvplan.compat.vllm.nixl_staging.groups import GroupedRead, region_reads  # noqa: E402
+from kvplan.compat.vllm import grouped as staging_groups  # noqa: E402
+from kvplan.compat.vllm.grouped import GroupedRead  # noqa: E402
+from kvplan.compat.vllm.nixl_staging.groups import region_reads  # noqa: E402
 
 #: Each group's layers in regions of their own: layers 0 and 1 (regions 0-3) in group 0,
 #: layer 2 (regions 4 and 5) in group 1, the sliding window, whose request keeps fewer blocks

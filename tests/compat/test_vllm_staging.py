@@ -463,8 +463,9 @@ def test_fallback_is_vllms_direct_path(v: Any, patched: Any, engines: Any, decod
 
 def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engines: Any
                                                      ) -> None:
-    """A prefill whose channel closes after the opening message: the decode cancels the
-    stream (never loaded), and its periodic check then retires it and frees the share."""
+    """A prefill whose channel closes after the opening message (it went away without
+    closing its staging): the decode fails the stream ``peer_gone`` (never loaded), saying
+    the prefill went away, and its periodic check then retires it and frees the share."""
 
     p_engine, d_engine = engines
     prefill = Side(v, patched, p_engine, mla=True, tp_rank=0, tp_size=1, total_heads=1,
@@ -496,7 +497,8 @@ def test_prefill_gone_midway_fails_the_decode_stream(v: Any, patched: Any, engin
     channel.close()
     with pytest.raises(Exception) as err:
         receiver.wait(timeout=10.0)
-    assert err.value.reason == "cancelled" and not receiver.loaded
+    assert err.value.reason == "peer_gone" and not receiver.loaded
+    assert "went away (its staging channel closed) after 0 of" in err.value.detail
     # the share is kept timeout_s after the failure (a write may still land), then freed by
     # the decode's periodic check, which retires the stream: the stream's keeping time is
     # shortened to nothing, and the check is run as it runs once 2 x timeout_s have passed

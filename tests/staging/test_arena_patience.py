@@ -297,7 +297,7 @@ def test_vllms_push_channel_ending_ends_the_prefills_open_sends() -> None:
     router.open("r1@tp0", 0, waiting.put)
     router.open("r2@tp0", 0, lambda data: pytest.fail("a closed send was handed a message"))
     router.close("r2@tp0", 0)
-    staging: Any = types.SimpleNamespace(receivers={}, router=router)
+    staging: Any = types.SimpleNamespace(open_stream=lambda name: None, router=router)
     channel: Any = types.SimpleNamespace(streams=["r2@tp0", "r1@tp0"], address="decode:1")
     WorkerStaging._channel_closed(staging, channel)
     m = wire.decode(waiting.get(0.0))

@@ -387,3 +387,79 @@ def test_a_pulled_stream_that_fails_passes_its_share_on_without_the_prefill(how:
     assert first.failed and first.error is not None and first.error.reason == how
     assert second.granted == (how != "engine_failed")
     assert shares.holders() == [second if how != "engine_failed" else first]
+
+
+def test_a_read_failed_by_the_prefills_going_fails_the_stream_peer_gone() -> None:
+    """The read of a pulled round failed because the prefill went away (the reader's error
+    has ``peer_gone`` set: its side channel had closed): the stream fails ``peer_gone``,
+    naming the read's error, not ``engine_failed`` (this side's engine did not fail). The
+    share still waits, as after any failed read: the read given up on may still land."""
+    from kvplan import TransferError
+    from kvplan.staging.wire import ROUND, encode
+
+    s = PullSetup(2)
+    scatter = copier([s.dst_arena.array], [s.decode.memory])
+
+    def reading(r: Any) -> None:
+        err = TransferError("nixl: reading a staged round (3 blocks, 768 bytes) from "
+                            "prefill-0: the prefill's side channel closed during the read")
+        err.peer_gone = True
+        raise err
+
+    first = ReceiveStaged("req-a", s.rounds, scatter, lambda data: None, timeout_s=30.0,
+                          fetch=reading)
+    second = ReceiveStaged("req-b", s.rounds, scatter, lambda data: None, timeout_s=30.0,
+                           fetch=reading)
+    shares = ArenaShares()
+    assert shares.admit(first) and not shares.admit(second)
+    r = s.rounds[0]
+    first.on_message(encode(ROUND, "req-a", writer=0, round_index=0, n_rounds=len(s.rounds),
+                            buffer=int(r.buffer), payload=r.manifest.to_bytes()))
+    assert first.failed and first.error is not None
+    assert first.error.reason == "peer_gone" and first.error.round == 0
+    assert "from prefill-0: the prefill's side channel closed" in first.error.detail
+    assert not second.granted and shares.holders() == [first]
+
+
+class FailingAgent:
+    """A NIXL agent whose one read ends in ``ERR``; the prefill's channel closes meanwhile
+    where ``closing``."""
+
+    def __init__(self, gone: list[bool], closing: bool) -> None:
+        self.gone, self.closing = gone, closing
+
+    def get_xfer_descs(self, rows: Any, mem_type: str) -> Any:
+        return rows
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str) -> str:
+        return "handle"
+
+    def transfer(self, handle: str) -> str:
+        self.gone[0] = self.closing
+        return "ERR"
+
+    def release_xfer_handle(self, handle: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("closing", [True, False])
+def test_a_failed_read_says_whether_the_prefill_went_away(closing: bool) -> None:
+    """NIXL reports a read failed (``ERR``): where the prefill's side channel has closed by
+    then, the error says the prefill went away and has ``peer_gone`` set; else it is the
+    read's own failure."""
+    from types import SimpleNamespace
+
+    from kvplan import TransferError
+    from kvplan.staging import NixlRoundReader
+
+    gone = [False]
+    reader = NixlRoundReader(FailingAgent(gone, closing), "prefill-0",
+                             gone=lambda: gone[0])
+    network = SimpleNamespace(src_addrs=[4096, 8192], dst_addrs=[0, 256],
+                              lengths=[256, 256])
+    with pytest.raises(TransferError) as failed:
+        reader(SimpleNamespace(network=network))
+    assert failed.value.peer_gone == closing and failed.value.session == "prefill-0"
+    assert ("the prefill went away" in str(failed.value)) == closing
+    assert "(2 blocks, 512 bytes) from prefill-0: NIXL reported the read failed (ERR)" in \
+        str(failed.value)

@@ -138,6 +138,8 @@ class NixlRoundReader:
             within ``timeout_s`` (naming the peer, the round's blocks and bytes, and the
             state NIXL gave), or ``gone()`` turned true while it was in progress (the
             prefill's side channel closed: the peer is gone, its read is not waited for).
+            Where the channel had closed by the time the read failed, however it failed, the
+            error says so and has ``peer_gone`` set (the stream then fails ``peer_gone``).
     """
 
     def __init__(self, agent: Any, remote_agent: str, *, mem_type: str = "DRAM",
@@ -151,9 +153,12 @@ class NixlRoundReader:
         self.reads = 0
 
     def _error(self, lengths: np.ndarray, what: str) -> TransferError:
+        gone = self.gone is not None and bool(self.gone())
+        if gone and "side channel closed" not in what:
+            what += "; the prefill's side channel has closed (the prefill went away)"
         err = TransferError(f"nixl: reading a staged round ({lengths.size} blocks, "
                             f"{int(lengths.sum())} bytes) from {self.remote_agent}: {what}")
-        err.engine, err.session = "nixl", self.remote_agent
+        err.engine, err.session, err.peer_gone = "nixl", self.remote_agent, gone
         err.blocks, err.bytes = int(lengths.size), int(lengths.sum())
         return err
 

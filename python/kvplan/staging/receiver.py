@@ -236,7 +236,11 @@ class ReceiveStaged:
             try:
                 self._fetch(r)
             except Exception as exc:
-                self._fail(k, "engine_failed", f"reading round {k}: {type(exc).__name__}: {exc}")
+                # a read failed by the prefill's going (its error says so) fails the stream
+                # peer_gone: the prefill went away, this side's engine did not fail
+                gone = bool(getattr(exc, "peer_gone", False))
+                self._fail(k, "peer_gone" if gone else "engine_failed",
+                           f"reading round {k}: {type(exc).__name__}: {exc}", read_failed=True)
                 return
         try:
             self._scatter(r.scatter)
@@ -283,9 +287,10 @@ class ReceiveStaged:
                 call()
 
     def _fail(self, round_index: int | None, reason: str, detail: str, *,
-              tell_peer: bool = True) -> None:
+              tell_peer: bool = True, read_failed: bool = False) -> None:
         """Fail the stream (the lock is held); the callback and the message to the prefill
-        run after the lock is released."""
+        run after the lock is released. ``read_failed``: a read of this side's (pull mode)
+        failed, and may still land."""
         if self.state != "receiving":
             return
         self.state = "failed"
@@ -294,7 +299,7 @@ class ReceiveStaged:
         self._failed_at = self._clock()
         self._done.notify_all()
         if reason in ("peer_failed", "timeout") or not self.granted or \
-                (self._fetch is not None and reason != "engine_failed"):
+                (self._fetch is not None and not read_failed):
             # the prefill stopped (its failure message comes after its last write ended), or
             # never wrote, or said nothing for the whole timeout; or pull mode, where only
             # this side's reads write the decode arena, each under the lock, so none is in

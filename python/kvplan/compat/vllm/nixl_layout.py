@@ -185,7 +185,7 @@ def remote_layout(worker: Any, metadata: Any, remote_rank: int,
     whole, padded blocks, regions of several block counts, a layout kvplan does not
     describe). Regions of several KV groups are one layout here; a staged read of several
     groups puts each group's regions in a pool of their own per request
-    (:class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`)."""
+    (:class:`kvplan.compat.vllm.grouped.GroupedRead`)."""
     from kvplan.compat.vllm.semantics import layout_order, regions_layout
 
     try:

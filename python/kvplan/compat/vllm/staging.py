@@ -721,7 +721,7 @@ class ChannelServer:
         self._open: Opener = on_open if on_open is not None else staging.on_open
         self._peer_gone = on_close
         #: The streams each peer connection opened, the most recent :data:`KEEP_FINISHED`
-        #: (cancelled, or ended by ``on_close``, if it ends before them).
+        #: (failed ``peer_gone``, or ended by ``on_close``, if it ends before them).
         self._opened: dict[FrameConnection, list[str]] = {}
         self._listener = FrameListener(host, FRAMING, self._on_frame, self._on_close)
         self.address = self._listener.address
@@ -763,7 +763,12 @@ class ChannelServer:
         for name in names:
             receiver = self._staging.open_stream(name)
             if receiver is not None and receiver.state == "receiving":
-                receiver.cancel("the prefill's staging channel closed")
+                # the prefill went away (not an abort here): the stream fails peer_gone and
+                # its verdict names the rounds not scattered
+                receiver.peer_gone(
+                    f"the prefill at {conn.peer} went away (its staging channel closed"
+                    f"{f': {error}' if error is not None else ''}) after "
+                    f"{receiver.scattered} of {receiver.n_rounds} rounds")
         if self._peer_gone is not None and names:
             try:  # the pull-mode prefill: the decode is gone, its streams end now
                 self._peer_gone(names)

@@ -67,7 +67,8 @@ def _sources_key(sources: tuple[Any, ...]) -> tuple[int, ...]:
 class _PeerTemplates:
     """kvplan templates of one peer layout: one per region key (KV group, shared groups)."""
 
-    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "layouts", "error")
+    __slots__ = ("local", "remote", "sources", "sources_key", "groups", "layouts", "rows",
+                 "error")
 
     def __init__(self, worker: Any, agent_meta: Any, local_regions: list[Any],
                  remote_regions: list[Any]) -> None:
@@ -81,6 +82,9 @@ class _PeerTemplates:
         #: Per template, its (local, remote) layouts: a staged request tells the decode the
         #: template it planned with, and the decode plans its own rounds from them.
         self.layouts: list[tuple[kvplan.Layout, kvplan.Layout]] = []
+        #: Per template, its regions' rows (source pointer, extent and stride, destination
+        #: pointer, extent and stride, bytes a block) that its layouts hold, for :meth:`joined`.
+        self.rows: list[list[tuple[int, ...]]] = []
         self.error: kvplan.KvPlanError | None = None
         try:
             self._build(worker, agent_meta, buffers)
@@ -122,14 +126,30 @@ class _PeerTemplates:
                 (src_ptr, src_extent, lr.block_len,
                  dst_ptr, _ADDRESS_SPACE - dst_ptr, rr.block_len, length))
         for (group, shared), rows in by_key.items():
-            cols = list(zip(*rows))
-            src = kvplan.Layout(list(cols[0]), list(cols[1]), list(cols[6]),
-                                strides=list(cols[2]))
-            dst = kvplan.Layout(list(cols[3]), list(cols[4]), list(cols[6]),
-                                strides=list(cols[5]))
+            src, dst = _row_layouts(rows)
             self.groups.append((group, shared, kvplan.Template(
                 src, dst, kvplan.Pairing.positional())))
             self.layouts.append((src, dst))
+            self.rows.append(rows)
+
+    def joined(self, templates: list[int]
+               ) -> tuple[kvplan.Layout, kvplan.Layout, list[tuple[int, ...]], list[int]]:
+        """The regions of ``templates`` (indices of :attr:`groups`) as one source and one
+        destination layout, in that order; the templates read into each of those regions (its
+        place in ``templates``: a staged request of several KV groups gives each template's
+        regions a pool of their own); and each region's bytes a block."""
+        rows = [row for t in templates for row in self.rows[t]]
+        reads: list[tuple[int, ...]] = [(k,) for k, t in enumerate(templates)
+                                        for _ in self.rows[t]]
+        src, dst = _row_layouts(rows)
+        return src, dst, reads, [int(row[6]) for row in rows]
+
+
+def _row_layouts(rows: list[tuple[int, ...]]) -> tuple[kvplan.Layout, kvplan.Layout]:
+    """The source and destination layouts of regions given as :attr:`_PeerTemplates.rows`."""
+    cols = list(zip(*rows))
+    return (kvplan.Layout(list(cols[0]), list(cols[1]), list(cols[6]), strides=list(cols[2])),
+            kvplan.Layout(list(cols[3]), list(cols[4]), list(cols[6]), strides=list(cols[5])))
 
 
 def _templates(self: Any, agent_meta: Any, local_regions: list[Any],

@@ -49,8 +49,8 @@ state, no mixed memory types, and TP sizes that are equal or that vLLM slices he
 (:func:`_tp_pair_staged`): then each (request, prefill rank) read vLLM makes is one staged
 stream, its rounds planned by the core from both layouts' TP coordinates; every other read is
 vLLM's. A read of several KV groups (a hybrid model's) is one stream of one request of every
-group's pages (``groups``: :class:`GroupedRead`), at equal TP sizes, from a prefill whose
-staging message serves it (:data:`GROUPS_KEY`).
+group's pages (:class:`kvplan.compat.vllm.grouped.GroupedRead`), at equal TP sizes, from a
+prefill whose staging message serves it (:data:`GROUPS_KEY`).
 
 The package, one module per job, each importing only modules above it in this list (no import
 circle):
@@ -60,7 +60,8 @@ circle):
 * ``names``: the staging message's held-check, KV-group and lease keys (:data:`HOLD_KEY`,
   :data:`GROUPS_KEY`, :data:`LEASE_KEY`, ...), a read's session and stream and the decode's
   opening message;
-* ``groups``: a read of several KV groups (:func:`region_reads`, :class:`GroupedRead`);
+* ``groups``: the regions' KV groups of a read of several (:func:`region_reads`), and the
+  prefill's check of them;
 * ``scheduler``: the scheduler side's :func:`note_finished` and :func:`attach_sent_blocks`,
   and the connector-metadata keys they fill (:data:`SENT_BLOCKS_META`, :data:`ABORTED_META`);
 * ``handles``: the handles vLLM polls (:class:`StagedRead`, :class:`AbortedRead`,

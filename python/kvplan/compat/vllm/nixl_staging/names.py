@@ -28,8 +28,8 @@ HOLD_ONE_GROUP = 1
 #: The key of the prefill's staging message saying its listener also answers form 2.
 HOLD_GROUPS_KEY = "nixl_hold_groups"
 #: The key of the prefill's staging message saying its listener serves staged reads of several
-#: KV groups (:class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`: an opening message
-#: naming each group's pages and the groups of each region, held per group), and its version. A
+#: KV groups (:class:`kvplan.compat.vllm.grouped.GroupedRead`: an opening message naming
+#: each group's pages and the groups of each region, held per group), and its version. A
 #: decode stages a read of several groups only from a prefill whose message gives this version;
 #: from any other (an older kvplan, whose listener plans and holds one group's pages) such a
 #: read is vLLM's own, said once per peer. Reads of one group open as before.
@@ -109,7 +109,7 @@ def _opening_message(state: Any, worker: Any, *, stream: str, request: str,
     the prefill pages vLLM's read names per KV group (``held_pages``; it opens no stream), in
     the check's form ``hold_form`` (:data:`HOLD_ONE_GROUP`: the one group's pages as
     ``src_pages``; else every group's as ``group_pages``). A staged read of several KV groups
-    (``grouped``, a :class:`kvplan.compat.vllm.nixl_staging.groups.GroupedRead`) adds each
+    (``grouped``, a :class:`kvplan.compat.vllm.grouped.GroupedRead`) adds each
     group's pages and the groups of each region (:meth:`GroupedRead.message`)."""
     import json
 

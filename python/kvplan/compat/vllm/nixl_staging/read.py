@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvplan.compat.vllm.grouped import GroupedRead, said_unstaged
 from kvplan.compat.vllm.nixl_layout import local_layout
 from kvplan.compat.vllm.nixl_staging.aborts import _take_pending_abort
 from kvplan.compat.vllm.nixl_staging.handles import AbortedRead, StagedRead, _agent
-from kvplan.compat.vllm.nixl_staging.groups import GroupedRead, region_reads, said_unstaged
+from kvplan.compat.vllm.nixl_staging.groups import region_reads
 from kvplan.compat.vllm.nixl_staging.names import (
     GROUPS_KEY,
     GROUPS_VERSION,
@@ -209,7 +210,7 @@ def _grouped_read(worker: Any, peer: Any, engine: str, session: str, remote_tp: 
                                                                       local_ids)
         why = grouped if isinstance(grouped, str) else None
     if why is not None or isinstance(grouped, str):
-        said_unstaged(worker, session, str(why))
+        said_unstaged(worker, session, str(why), log=_staging_log)
         return None
     return grouped
 

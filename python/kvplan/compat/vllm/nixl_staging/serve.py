@@ -9,12 +9,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvplan.compat.vllm.grouped import GROUP_PAGES_KEY, GroupedRead
 from kvplan.compat.vllm.nixl_layout import local_layout
-from kvplan.compat.vllm.nixl_staging.groups import (
-    GROUP_PAGES_KEY,
-    GroupedRead,
-    check_region_reads,
-)
+from kvplan.compat.vllm.nixl_staging.groups import check_region_reads
 from kvplan.compat.vllm.nixl_staging.leases import send_leases
 from kvplan.compat.vllm.nixl_staging.names import HOLD_KEY
 from kvplan.compat.vllm.nixl_staging.worker import _staging_log, kv_buffers, worker_staging
