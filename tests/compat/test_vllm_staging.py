@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from support.engine_peers import require_mooncake  # noqa: E402
 from support.vllm_cases import make_worker, run_coroutine, xfer_meta  # noqa: E402
 from support.vllm_loader import load_vllm  # noqa: E402
 
-from kvplan.compat.vllm import metrics  # noqa: E402
+from kvplan.compat.vllm import grouped, metrics  # noqa: E402
 from kvplan.compat.vllm import staging as vstaging  # noqa: E402
 from kvplan.staging import StagingConfig, wire  # noqa: E402
 
@@ -94,10 +95,13 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 class Side:
-    """One worker's KV memory: ``LAYERS`` regions (MHA: K and V each) in one array."""
+    """One worker's KV memory: ``LAYERS`` regions (MHA: K and V each) in one array; with
+    ``groups`` above 1 a hybrid model's, layer ``i`` in KV group ``i % groups`` (group 0 full
+    attention, the others a sliding window), each group's regions read at its own blocks."""
 
     def __init__(self, v: Any, cls: type, engine: Engine, *, mla: bool, tp_rank: int,
-                 tp_size: int, total_heads: int, head_bytes: int, seed: int | None) -> None:
+                 tp_size: int, total_heads: int, head_bytes: int, seed: int | None,
+                 groups: int = 1) -> None:
         heads = max(1, total_heads // tp_size)
         self.kv = 16 * heads * head_bytes
         halves = 1 if mla else 2
@@ -110,19 +114,20 @@ class Side:
         engine.register(self.memory)
         base = int(self.memory.ctypes.data)
         kvi = v.kvi
-        spec = (kvi.MLAAttentionSpec if mla else kvi.FullAttentionSpec)(
-            block_size=16, num_kv_heads=heads, head_size=head_bytes, dtype=None,
-            state_content_bytes=head_bytes)
+        shape = dict(block_size=16, num_kv_heads=heads, head_size=head_bytes, dtype=None,
+                     state_content_bytes=head_bytes)
+        specs = [(kvi.MLAAttentionSpec if mla else kvi.FullAttentionSpec)(**shape)] + [
+            kvi.SlidingWindowSpec(**shape, sliding_window=64) for _ in range(1, groups)]
         names = {i: f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)}
         regions, buffers = [], []
         for r in range(self.n_regions):
             layer = r // halves
             addr = base + r * self.region_bytes
-            regions.append((addr, self.kv, self.kv, names[layer], layer, 0))
+            regions.append((addr, self.kv, self.kv, names[layer], layer, layer % groups))
             buffers.append((addr, self.region_bytes))
         self.worker = make_worker(
             v, cls, tp_rank=tp_rank, tp_size=tp_size, use_mla=mla, total_kv_heads=total_heads,
-            group_specs=[spec], layer_groups={names[i]: 0 for i in range(LAYERS)},
+            group_specs=specs, layer_groups={names[i]: i % groups for i in range(LAYERS)},
             regions=regions, buffers=buffers, num_blocks=NUM_BLOCKS, engine=engine.engine)
         self.worker.__dict__.update(hostname="127.0.0.1", rpc_port=engine.port)
 
@@ -659,7 +664,7 @@ def test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up(
     try:
         assert state.arena.registered and state.arena.size == 2 << 20
         assert state.arena.buffers == 4 and state.config.mode == "always"
-        message = state.capabilities()
+        message = state.push_message()  # capabilities() and GROUPS_KEY
         assert message["arenas"][0]["registered"] is True
         assert message["channel"] == state.server.address
         # the decode's pull request carries the message; other messages are vLLM's bytes
@@ -841,6 +846,169 @@ def test_handshake_hooks_refuse_a_worker_of_another_form(v: Any, patched: Any,
     assert "_encoder" not in side.worker.__dict__  # nothing replaced
 
 
+# --------------------------------------------------------------------------------------------
+# A request over several KV groups (a hybrid model's): one stream of every group's pages
+# --------------------------------------------------------------------------------------------
+
+#: A hybrid request's blocks: a full-attention group and a sliding window's (fewer blocks).
+GROUP_BLOCKS = (60, 12)
+
+
+def hybrid_pair(v: Any, patched: Any, engines: Any, seed: int) -> tuple[Side, Side]:
+    """A prefill (random KV) and a decode (sentinel KV) of a hybrid model with two KV groups
+    (MHA, one head of 256 bytes: 4 KiB a block and region)."""
+    p_engine, d_engine = engines
+    shape: dict[str, Any] = dict(mla=False, tp_rank=0, tp_size=1, total_heads=1,
+                                 head_bytes=256, groups=2)
+    return (Side(v, patched, p_engine, seed=seed, **shape),
+            Side(v, v.MooncakeConnectorWorker, d_engine, seed=None, **shape))
+
+
+def hybrid_ids(seed: int) -> list[tuple[list[int], list[int]]]:
+    """Each group's (prefill, decode) blocks, fragmented."""
+    return [fragmented_ids(n, seed + g) for g, n in enumerate(GROUP_BLOCKS)]
+
+
+def pull_groups(decode: Side, message: dict[str, Any] | None,
+                requests: dict[str, list[tuple[list[int], list[int]]]]) -> tuple[Any, list[Any]]:
+    """vLLM's pull of ``requests`` (each group's prefill and decode blocks) by ``decode``,
+    its metadata carrying the staging ``message``."""
+    meta = xfer_meta(decode.worker, tp_rank=0, tp_size=1, pp_size=1,
+                     req_blocks={r: (f"t-{r}", [remote for _, remote in groups])
+                                 for r, groups in requests.items()})
+    meta.remote_port = decode.worker.rpc_port
+    if message is not None:
+        meta.kvplan_staging = message
+    ready = [(r, types.SimpleNamespace(local_block_ids=[local for local, _ in groups]))
+             for r, groups in requests.items()]
+    return meta, ready
+
+
+def test_a_hybrid_request_lands_staged_byte_exact(v: Any, patched: Any, engines: Any) -> None:
+    """A request over two KV groups (full attention and a sliding window, each group's layers
+    in regions of their own, each group its own blocks) to a decode that takes several groups:
+    one stream whose rounds move every group's pages, the decode planning the same rounds from
+    the opening message and scattering each group's pages into that group's blocks; the
+    decode's KV memory then equals, byte for byte, what vLLM's own direct path writes, and the
+    stream is loaded only once its last round is scattered."""
+    p_engine, d_engine = engines
+    prefill, decode = hybrid_pair(v, patched, engines, seed=21)
+    start(prefill, p_engine)
+    d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)
+    prefill.worker.xfer_stats = stats_for(v)
+    meta, ready = pull_groups(decode, d_staging.push_message(), {"req-h": hybrid_ids(21)})
+    want, direct_blocks = vllm_oracle(v, prefill, decode, meta, ready)
+    assert direct_blocks == sum(GROUP_BLOCKS) * 2  # vLLM's: a block per block and region
+    assert not np.array_equal(want, decode.memory)  # vLLM's path writes every group
+    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and err_msg is None
+    assert len(src) == 0  # the request left the direct columns: staged, not vLLM's
+    receiver = d_staging.stream("req-h@tp0")
+    assert receiver is not None and receiver.loaded
+    assert receiver.n_rounds > 1 and receiver.scattered == receiver.n_rounds
+    np.testing.assert_array_equal(decode.memory, want)
+    assert prefill.worker.xfer_stats.data[metrics.STAGED_ROUNDS_KEY] == [receiver.n_rounds]
+
+
+def test_a_decode_without_several_groups_keeps_the_direct_path(v: Any, patched: Any,
+                                                              engines: Any) -> None:
+    """A decode whose staging message does not take several KV groups (an older kvplan's,
+    ``WorkerStaging.capabilities`` alone): the hybrid request keeps vLLM's direct path, the
+    very columns kvplan plans without staging, said once for the decode however many requests
+    follow; a request of one group to it is staged as before."""
+    p_engine, d_engine = engines
+    prefill, decode = hybrid_pair(v, patched, engines, seed=22)
+    hybrid = {"req-i": hybrid_ids(22)}
+    meta, ready = pull_groups(decode, None, hybrid)
+    plain = kvplan_send(prefill, meta, ready)  # no staging on the prefill: vLLM's path
+    assert plain[3] == [] and len(plain[0]) > 0
+    start(prefill, p_engine)
+    d_staging = start(decode, d_engine)
+    d_staging.serve(decode.worker)
+    older = d_staging.capabilities()
+    assert vstaging.GROUPS_KEY not in older
+    meta, ready = pull_groups(decode, older, hybrid)
+    with said_in_vllms_log() as lines:
+        for _ in range(2):
+            got = kvplan_send(prefill, meta, ready)
+            assert got[3] == []
+            for a, b in zip(got[:3], plain[:3]):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    said = [r.getMessage() for r in lines if "several KV groups" in r.getMessage()]
+    assert said == [f"kvplan staging: transfers of several KV groups to {d_engine.session} are "
+                    f"vLLM's own: the decode takes one KV group a stream only (an older "
+                    f"kvplan)"], [r.getMessage() for r in lines]
+    assert d_staging.stream("req-i@tp0") is None and np.all(decode.memory == SENTINEL)
+    # one group's blocks only (the window's list empty): staged to that decode as before
+    full, _ = hybrid_ids(23)
+    meta, ready = pull_groups(decode, older, {"req-j": [full, ([], [])]})
+    want, _ = vllm_oracle(v, prefill, decode, meta, ready)
+    src, _, _, err_reqs, _ = kvplan_send(prefill, meta, ready)
+    assert err_reqs == [] and len(src) == 0
+    assert d_staging.stream("req-j@tp0").loaded
+    np.testing.assert_array_equal(decode.memory, want)
+
+
+class AlteredOpening(Loopback):
+    """A loopback channel whose opening message is rewritten by ``alter`` on the way."""
+
+    def __init__(self, prefill: vstaging.WorkerStaging, decode: vstaging.WorkerStaging,
+                 decode_worker: Any, alter: Any) -> None:
+        super().__init__(prefill, decode, decode_worker)
+        self.alter = alter
+
+    def open(self, data: bytes) -> None:
+        opening = json.loads(data)
+        self.alter(opening)
+        super().open(json.dumps(opening).encode())
+
+
+def _drop_a_window_page(opening: dict[str, Any]) -> None:
+    opening[grouped.GROUP_PAGES_KEY][1][1].pop()
+
+
+def _read_a_region_at_a_third_group(opening: dict[str, Any]) -> None:
+    opening[grouped.GROUP_REGIONS_KEY][-1] = [2]
+
+
+def _drop_a_region(opening: dict[str, Any]) -> None:
+    opening[grouped.GROUP_REGIONS_KEY].pop()
+
+
+def _without_the_capability(opening: dict[str, Any]) -> None:
+    del opening["capabilities"][vstaging.GROUPS_KEY]
+
+
+@pytest.mark.parametrize("alter,said", [
+    (_drop_a_window_page, f"KV group 1 reads {GROUP_BLOCKS[1]} prefill blocks into "
+                          f"{GROUP_BLOCKS[1] - 1}"),
+    (_read_a_region_at_a_third_group, "region 3 is read at KV groups [2] of 2"),
+    (_drop_a_region, "the message names the KV groups of 3 regions; its layouts have 4 and 4"),
+    (_without_the_capability, "the prefill names several KV groups without staged_groups=1"),
+], ids=["pages", "group", "regions", "capability"])
+def test_a_mismatched_hybrid_opening_is_refused_through_vllms_failure_path(
+        v: Any, patched: Any, engines: Any, alter: Any, said: str) -> None:
+    """An opening message of several KV groups the decode cannot plan alike (a group's pages
+    that do not pair up, a region read at a group the request does not have, fewer regions
+    than its layouts, no capability from the prefill): the decode refuses it before planning
+    or granting anything, the prefill's send fails at once, and the request goes into vLLM's
+    ``err_reqs`` (its failed-receive path); no byte of the decode's KV memory is written."""
+    p_engine, d_engine = engines
+    prefill, decode = hybrid_pair(v, patched, engines, seed=24)
+    p_staging, d_staging = start(prefill, p_engine), start(decode, d_engine)
+    p_staging.channels[d_engine.session] = AlteredOpening(p_staging, d_staging,
+                                                          decode.worker, alter)
+    prefill.worker.xfer_stats = stats_for(v)
+    meta, ready = pull_groups(decode, d_staging.push_message(), {"req-k": hybrid_ids(24)})
+    src, _, _, err_reqs, err_msg = kvplan_send(prefill, meta, ready)
+    assert err_reqs == ["req-k"] and len(src) == 0
+    assert "bad_message" in err_msg and said in err_msg, err_msg
+    assert d_staging.stream("req-k@tp0") is None  # nothing opened, nothing granted
+    assert np.all(decode.memory == SENTINEL)
+    assert prefill.worker.xfer_stats.data["num_failed_transfers"] == [1]
+
+
 #: The tests rerun under vLLM 0.32.0's CPU build and 0.34.0. The seams whose vLLM code
 #: differs between the releases: the transfer plan kvplan's staged path replaces and its
 #: direct path keeps (``_prepare_transfer_regions`` and the peer-layout cache, 0.32;
@@ -859,6 +1027,11 @@ OTHER_RELEASE_TESTS = (
     "test_midway_failure_names_exactly_the_unscattered_blocks",
     # vLLM's own direct path where kvplan does not stage
     "test_fallback_is_vllms_direct_path",
+    # a hybrid request of two KV groups (vLLM's per-group trims and region groups): staged
+    # against vLLM's plan, kept direct to a decode without the capability, refused on mismatch
+    "test_a_hybrid_request_lands_staged_byte_exact",
+    "test_a_decode_without_several_groups_keeps_the_direct_path",
+    "test_a_mismatched_hybrid_opening_is_refused_through_vllms_failure_path",
     # the constructors: staging off is vLLM's worker; on, the arena and the handshake hooks
     "test_connector_with_staging_off_or_absent_is_vllms_worker",
     "test_connector_registers_the_arena_and_hooks_the_handshake_at_start_up",

@@ -8,8 +8,11 @@ and, on the decode, one :class:`kvplan.staging.ArenaShares`.
 
 The prefill's ``_build_transfer_params`` (kvplan's) asks :func:`staged_requests` which of the
 ready requests go staged: those whose decode advertised a staging message
-(``agent_meta.kvplan_staging``) that negotiates to an agreement, whose blocks use one KV group,
-and for which :func:`kvplan.staging.choose_path` says staged. Each of them is sent by
+(``agent_meta.kvplan_staging``) that negotiates to an agreement and for which
+:func:`kvplan.staging.choose_path` says staged. A request over several KV groups (a hybrid
+model's) is one stream of one request of every group's pages
+(:class:`kvplan.compat.vllm.grouped.GroupedRead`), to a decode whose message says it takes
+them (:data:`GROUPS_KEY`); to any other it keeps the direct path, said once per peer. Each of them is sent by
 :func:`send_request` instead of being part of the direct columns; a
 :class:`kvplan.staging.StagingError` puts the request into vLLM's own ``err_reqs`` (the
 decode's failed-receive path for that release). The decode opens the stream from the
@@ -41,6 +44,12 @@ import numpy as np
 
 import kvplan
 from kvplan.failures import FailureVerdict, verdict_for_unscattered_rounds
+from kvplan.compat.vllm.grouped import (
+    GROUP_PAGES_KEY,
+    GROUP_REGIONS_KEY,
+    GroupedRead,
+    said_unstaged,
+)
 from kvplan.compat.vllm.semantics import (
     memory_order,
     regions_layout,
@@ -98,6 +107,16 @@ NEGOTIATION_LOGGER = "vllm.kvplan.staging"
 MAX_OPEN_BYTES = 64 << 20
 #: Seconds :meth:`WorkerStaging.close` waits for the staging threads to end.
 CLOSE_JOIN_S = 5.0
+#: The key of a Mooncake worker's staging message (:meth:`WorkerStaging.push_message`) saying
+#: it takes a stream of several KV groups (an opening message naming each group's pages and
+#: the groups of each region, :class:`kvplan.compat.vllm.grouped.GroupedRead`), and its
+#: version. The prefill stages such a request only to a decode whose message gives it, and the
+#: decode plans one only from a prefill whose opening message gives it; between any other pair
+#: the request keeps the direct path (said once per peer). Requests of one group stage as before.
+GROUPS_KEY = "staged_groups"
+GROUPS_VERSION = 1
+#: What the prefill's line says moves by vLLM's path to a decode without :data:`GROUPS_KEY`.
+UNSTAGED_GROUPS = "transfers of several KV groups to"
 
 
 #: What a listener does with an opening message: ``(worker, data, reply) -> stream name``.
@@ -173,6 +192,11 @@ class WorkerStaging:
         if self.server is not None:
             message["channel"] = self.server.address
         return message
+
+    def push_message(self) -> dict[str, Any]:
+        """The Mooncake connector's staging message (push mode): :meth:`capabilities` and
+        :data:`GROUPS_KEY` (the NIXL connector adds its own keys to :meth:`capabilities`)."""
+        return {**self.capabilities(), GROUPS_KEY: GROUPS_VERSION}
 
     def identity_message(self) -> dict[str, Any] | None:
         """This worker's layout identity as its handshake carries it (None while unknown)."""
@@ -461,6 +485,9 @@ class StagedRequest:
     #: Set for a request to a decode whose layout identity was refused: its send raises
     #: this, so the request takes vLLM's failed-request path and no byte moves.
     refused: kvplan.KvPlanError | None = None
+    #: A request over several KV groups: its groups' pages and the groups of each region of
+    #: ``layouts`` (which hold no pools: both sides add them, :meth:`GroupedRead.layout`).
+    grouped: GroupedRead | None = None
 
     @classmethod
     def refusal(cls, request: str, error: kvplan.KvPlanError) -> StagedRequest:
@@ -494,29 +521,80 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
             staging.channel_to(session, remote) is None:
         return {}
     out = {}
+    arenas: dict[str, Any] = dict(src_arena=outcome.src_arena, dst_arena=outcome.dst_arena,
+                                  buffers=outcome.buffers)
     for request, per_group in ids_by_request.items():
         used = [(g, ids) for g, ids in enumerate(per_group) if ids is not None]
-        if len(used) != 1:  # a request over several KV groups: one stream per group is not
-            continue        # planned here, so it keeps the direct path
-        g, (local, remote_ids) = used[0]
-        template = peer.groups[g][2]
-        src = kvplan._core.index_array(local)
-        dst = kvplan._core.index_array(remote_ids)
-        choice = choose_path(template, (src, dst), staging.costs, outcome,
+        grouped: GroupedRead | None = None
+        if len(used) == 1:
+            g, (local, remote_ids) = used[0]
+            template = peer.groups[g][2]
+            layouts = peer.layouts[g]
+            src = kvplan._core.index_array(local)
+            dst = kvplan._core.index_array(remote_ids)
+            pages: Any = (src, dst)
+        elif used:  # several KV groups (templates): one request of every group's pages
+            joined = _grouped_request(worker, peer, used, remote, session)
+            if joined is None:
+                continue
+            grouped, layouts, block_bytes = joined
+            template = kvplan.Template(grouped.layout(layouts[0]), grouped.layout(layouts[1]),
+                                       kvplan.Pairing.positional())
+            pages = grouped.request()
+            src, dst = pages.src, pages.dst
+        else:
+            continue
+        choice = choose_path(template, pages, staging.costs, outcome,
                              mode=staging.config.mode)
         if not choice.staged:
             continue
         try:  # planned here, before anything is sent: a request kvplan cannot stage stays direct
-            rounds = template.plan_rounds(src, dst, src_arena=outcome.src_arena,
-                                          dst_arena=outcome.dst_arena,
-                                          buffers=outcome.buffers)
+            rounds = template.plan_rounds(src, dst, **arenas) if grouped is None else \
+                template.plan_rounds(pages, **arenas)
         except kvplan.KvPlanError as exc:
             logger.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct path",
                            request, type(exc).__name__, exc)
             continue
-        out[request] = StagedRequest(request, template, peer.layouts[g], src, dst, outcome,
-                                     choice.why, rounds)
+        if grouped is not None and (planned := sum(int(r.manifest.bytes) for r in rounds)) \
+                != (want := grouped.read_bytes(block_bytes)):
+            # the core moves other bytes than vLLM's blocks of each group: never staged
+            _groups_unstaged(worker, session, f"the staged rounds move {planned} bytes "
+                             f"where vLLM's transfer moves {want}")
+            continue
+        out[request] = StagedRequest(request, template, layouts, src, dst, outcome,
+                                     choice.why, rounds, grouped=grouped)
     return out
+
+
+def _grouped_request(worker: Any, peer: Any, used: list[tuple[int, tuple[Any, Any]]],
+                     remote: Any, session: str
+                     ) -> tuple[GroupedRead, tuple[Any, Any], list[int]] | None:
+    """The staged request of several KV groups ``used`` names (per template of ``peer`` that
+    moves blocks, its prefill and decode block ids): its :class:`GroupedRead` (each template's
+    regions read at its own pages), the templates' regions joined as one source and one
+    destination layout, and each region's bytes a block; or None where it keeps the direct
+    path, said once per decode and reason: a decode whose message does not take several KV
+    groups (:data:`GROUPS_KEY`: an older kvplan plans one group a stream), or groups
+    :meth:`GroupedRead.of` does not take."""
+    why: str | None = None
+    if not isinstance(remote, dict) or remote.get(GROUPS_KEY) != GROUPS_VERSION:
+        why = "the decode takes one KV group a stream only (an older kvplan)"
+    else:
+        src_layout, dst_layout, reads, block_bytes = peer.joined([g for g, _ in used])
+        grouped = GroupedRead.of(reads, [ids[0] for _, ids in used],
+                                 [ids[1] for _, ids in used])
+        if not isinstance(grouped, str):
+            return grouped, (src_layout, dst_layout), block_bytes
+        why = grouped
+    _groups_unstaged(worker, session, why)
+    return None
+
+
+def _groups_unstaged(worker: Any, session: str, why: str) -> None:
+    """Say once per decode and reason that a request of several KV groups to it keeps the
+    direct path (:func:`kvplan.compat.vllm.grouped.said_unstaged`, on the negotiation's log)."""
+    said_unstaged(worker, session, why, moves=UNSTAGED_GROUPS,
+                  log=logging.getLogger(NEGOTIATION_LOGGER))
 
 
 def open_message(staged: StagedRequest, *, stream: str, peer: str, rank: int,
@@ -530,6 +608,8 @@ def open_message(staged: StagedRequest, *, stream: str, peer: str, rank: int,
     prefill serves only a request it still holds); ``extra``: further keys of the message."""
     src_layout, dst_layout = staged.layouts
     extra = dict(extra or {})
+    if staged.grouped is not None:
+        extra.update(staged.grouped.message())
     if identity is not None:
         extra[IDENTITY_KEY] = identity
     if request is not None:
@@ -580,9 +660,12 @@ def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any],
     if not host_kv(worker):
         raise kvplan.LayoutError("the decode's KV cache is not host memory: staged rounds "
                                  "scatter only into host memory here")
-    template = kvplan.Template(kvplan.Layout.from_dict(opening["src_layout"]),
-                               kvplan.Layout.from_dict(opening["dst_layout"]),
-                               kvplan.Pairing.positional())
+    src_layout = kvplan.Layout.from_dict(opening["src_layout"])
+    dst_layout = kvplan.Layout.from_dict(opening["dst_layout"])
+    grouped = _opened_groups(opening, src_layout, dst_layout)
+    if grouped is not None:  # each group's regions a pool of their own, as the prefill's
+        src_layout, dst_layout = grouped.layout(src_layout), grouped.layout(dst_layout)
+    template = kvplan.Template(src_layout, dst_layout, kvplan.Pairing.positional())
     src = np.asarray(opening["src_pages"], np.int64)
     dst = np.asarray(opening["dst_pages"], np.int64)
     # the prefill's identity, before its rounds are planned or any is granted: refused, the
@@ -594,9 +677,39 @@ def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any],
         raise StagingError.make(opening["stream"], 0, "bad_message",
                                 f"no staging agreement with {opening['peer']}: "
                                 f"{agreement.reason}", writer=int(opening["writer"]))
-    return template, template.plan_rounds(src, dst, src_arena=agreement.src_arena,
-                                          dst_arena=staging.arena.region,
-                                          buffers=agreement.buffers)
+    arenas: dict[str, Any] = dict(src_arena=agreement.src_arena,
+                                  dst_arena=staging.arena.region, buffers=agreement.buffers)
+    return template, template.plan_rounds(src, dst, **arenas) if grouped is None else \
+        template.plan_rounds(grouped.request(), **arenas)
+
+
+def _opened_groups(opening: dict[str, Any], src_layout: kvplan.Layout,
+                   dst_layout: kvplan.Layout) -> GroupedRead | None:
+    """The request of several KV groups an opening message names (None: one page list, as
+    before), checked before anything is planned: the prefill gives :data:`GROUPS_KEY`, each
+    group's pages pair up and each region is read at groups the message has
+    (:meth:`GroupedRead.from_message`), and the message names the groups of every region of
+    both layouts. Raises
+    :class:`kvplan.staging.StagingError` (``bad_message``) naming what does not hold."""
+    if GROUP_PAGES_KEY not in opening and GROUP_REGIONS_KEY not in opening:
+        return None
+    stream, writer = str(opening["stream"]), int(opening["writer"])
+    capabilities = opening.get("capabilities")
+    why: str | None = None
+    grouped: GroupedRead | str = ""
+    if not isinstance(capabilities, dict) or capabilities.get(GROUPS_KEY) != GROUPS_VERSION:
+        why = (f"the prefill names several KV groups without {GROUPS_KEY}={GROUPS_VERSION} in "
+               f"its staging message")
+    else:
+        grouped = GroupedRead.from_message(opening)
+        if isinstance(grouped, str):
+            why = grouped
+        elif len(grouped.reads) != len(src_layout) or len(grouped.reads) != len(dst_layout):
+            why = (f"the message names the KV groups of {len(grouped.reads)} regions; its "
+                   f"layouts have {len(src_layout)} and {len(dst_layout)}")
+    if why is not None or isinstance(grouped, str):
+        raise StagingError.make(stream, 0, "bad_message", str(why), writer=writer)
+    return grouped
 
 
 def send_request(worker: Any, staged: StagedRequest, session: str, *,
@@ -630,7 +743,7 @@ def send_request(worker: Any, staged: StagedRequest, session: str, *,
     try:
         try:
             channel.open(open_message(staged, stream=stream, peer=staging.name or session,
-                                      rank=staging.rank, capabilities=staging.capabilities(),
+                                      rank=staging.rank, capabilities=staging.push_message(),
                                       identity=staging.identity_message()))
         except Exception as exc:
             raise StagingError.make(stream, 0, "peer_gone",
@@ -871,7 +984,7 @@ def hook_handshake(worker: Any, staging: WorkerStaging, module: Any) -> None:
     # nothing, and its prefills keep the direct path
     worker._encoder = AdvertisingEncoder(
         worker.__dict__["_encoder"], cls, msgspec,
-        lambda: staging.capabilities() if host_kv(worker) else None, staging.identity_message)
+        lambda: staging.push_message() if host_kv(worker) else None, staging.identity_message)
     worker._xfer_meta_decoder = decoder
 
 
