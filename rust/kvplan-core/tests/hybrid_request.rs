@@ -7,11 +7,20 @@
 //! the template has ring-state entries). The combined plan must be their concatenation, byte
 //! for byte, over seeded cases with rings, windows, a further pool and TP head slices; a batch
 //! of combined requests must hold each one's own plan.
+//!
+//! Staged plans and rounds take the same requests (and slot requests, ring rows and TP-sliced
+//! state) from the direct plan's blocks: run on byte memory, their gather, network and scatter
+//! (every round's, through arenas of a few bytes per round buffer up to more than the request)
+//! must write exactly the bytes the direct plan writes, each once, staging inside its regions.
 
 mod support;
 
+use std::collections::HashMap;
+
+use kvplan_core::rules::heads::staging_writer;
 use kvplan_core::{
-    Layout, LayoutContext, MemoryOrder, Plan, PlanError, PoolId, Request, Side, Template,
+    Arena, Layout, LayoutContext, MemoryOrder, PackBuffer, PackPlanner, PeerRanks, Plan, PlanError,
+    PoolId, Request, RoundsPlanner, Side, StagedPlanner, StagingRegion, StateChannels, Template,
     TemplateOptions,
 };
 use support::layouts::{ContextBuilder, HEAD_BYTES, KvLayout, heads, paged, with_slots};
@@ -83,7 +92,259 @@ fn check_combined(t: &Template, pages: &Request<'_>, slot: (i64, i64), case: &st
     let summary = t.prepare(&combined).unwrap();
     assert_eq!(summary.n_blocks, whole.lengths.len(), "{case}");
     assert_eq!(summary.total_bytes, whole.total_bytes, "{case}");
+    // Staged and in rounds (a delta request is planned directly only), with its slot and as
+    // the slot request alone.
+    if pages.skip_tokens == 0 {
+        let seed = whole.total_bytes ^ whole.lengths.len() as u64;
+        let sends = check_staged(t, &combined, seed, case);
+        // A rank that is no arena sender moves no page bytes in rounds, only state.
+        assert!(sends || t.plan(pages).unwrap().total_bytes == 0, "{case}");
+        check_staged(t, &state_request(t, slot, pages.n_tokens), seed, case);
+    }
     whole
+}
+
+// ---------------------------------------------------------------- staged plans, rounds
+
+const SRC_STAGING: u64 = 0x5000_0000_0000;
+const DST_STAGING: u64 = 0x6000_0000_0000;
+
+/// The byte a source address holds: a hash of the address, so a misplaced block shows.
+fn source_byte(addr: u64) -> u8 {
+    (addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+/// Runs `plan`'s blocks from `from` (or the source bytes when `None`) into `to`; every
+/// destination byte must lie in `window` and, when `once`, be written once.
+fn run(
+    plan: (&[u64], &[u64], &[u64]),
+    from: Option<&HashMap<u64, u8>>,
+    to: &mut HashMap<u64, u8>,
+    (window, once): ((u64, u64), bool),
+    what: &str,
+) {
+    let (src, dst, len) = plan;
+    for k in 0..len.len() {
+        let (s, d, l) = (src[k], dst[k], len[k]);
+        assert!(l > 0, "{what}: empty block {k}");
+        assert!(
+            d >= window.0 && d + l <= window.1,
+            "{what}: block {k} [{d:#x}, +{l}) leaves [{:#x}, {:#x})",
+            window.0,
+            window.1
+        );
+        for i in 0..l {
+            let byte = match from {
+                Some(from) => *from
+                    .get(&(s + i))
+                    .unwrap_or_else(|| panic!("{what}: block {k} reads unwritten {:#x}", s + i)),
+                None => source_byte(s + i),
+            };
+            let before = to.insert(d + i, byte);
+            assert!(
+                !once || before.is_none(),
+                "{what}: {:#x} written twice",
+                d + i
+            );
+        }
+    }
+}
+
+fn columns(plan: &Plan) -> (&[u64], &[u64], &[u64]) {
+    (&plan.src_addrs, &plan.dst_addrs, &plan.lengths)
+}
+
+/// Plans `request` directly, staged and in rounds (a round buffer drawn from `seed`), runs each
+/// on byte memory and asserts the decode's bytes are the direct plan's. A staged plan whose
+/// decode region is laid out in slots (several writers) must refuse moving state as a geometry
+/// error, and rounds of a prefill rank that is no arena sender as one; both only then.
+/// Returns whether the rounds were planned (not refused for a rank that is no sender).
+fn check_staged(t: &Template, request: &Request<'_>, seed: u64, case: &str) -> bool {
+    let direct = t.plan(request).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let mut want = HashMap::new();
+    let everywhere = (0, u64::MAX);
+    run(columns(&direct), None, &mut want, (everywhere, true), case);
+
+    let region = |addr| StagingRegion {
+        addr,
+        size: 1 << 30,
+    };
+    let staged = StagedPlanner::new(t).plan(request, region(SRC_STAGING), region(DST_STAGING));
+    match staged {
+        Ok(staged) => {
+            assert_eq!(staged.src_staging_bytes, direct.total_bytes, "{case}");
+            assert_eq!(staged.direct_blocks, direct.lengths.len(), "{case}");
+            for part in [&staged.gather, &staged.scatter] {
+                assert_eq!(part.pair_offsets.len(), direct.pair_offsets.len(), "{case}");
+                assert_eq!(
+                    part.pair_offsets.last(),
+                    Some(&part.lengths.len()),
+                    "{case}"
+                );
+            }
+            let (mut src_staging, mut dst_staging, mut got) =
+                (HashMap::new(), HashMap::new(), HashMap::new());
+            let src_window = (SRC_STAGING, SRC_STAGING + staged.src_staging_bytes);
+            let (lo, hi) = staged.dst_staging_range;
+            let mut dst_window = (DST_STAGING + lo, DST_STAGING + hi);
+            if staged.writer.1 == 1 {
+                // One writer: its share is the region the plan needs.
+                dst_window = (DST_STAGING, DST_STAGING + staged.dst_staging_bytes);
+            }
+            let gather = (src_window, true);
+            run(
+                columns(&staged.gather),
+                None,
+                &mut src_staging,
+                gather,
+                case,
+            );
+            let network = (dst_window, true);
+            run(
+                columns(&staged.network),
+                Some(&src_staging),
+                &mut dst_staging,
+                network,
+                case,
+            );
+            let scatter = (everywhere, true);
+            run(
+                columns(&staged.scatter),
+                Some(&dst_staging),
+                &mut got,
+                scatter,
+                case,
+            );
+            assert!(
+                got == want,
+                "{case}: the staged plan writes other bytes than the direct one"
+            );
+            let counts = StagedPlanner::new(t).counts(request).unwrap();
+            assert_eq!(
+                counts.network_blocks,
+                staged.network.lengths.len(),
+                "{case}"
+            );
+        }
+        Err(PlanError::Geometry { what }) if what.contains("state slots have no slot") => {
+            let (prefill, decode) = (PeerRanks::of(t.layouts().0), PeerRanks::of(t.layouts().1));
+            let (_, writers) =
+                staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size).unwrap();
+            assert!(
+                writers > 1 || prefill.pp_size > 1,
+                "{case}: refused with one writer: {what}"
+            );
+        }
+        Err(other) => panic!("{case}: staged: {other}"),
+    }
+
+    // Rounds: first their senders (any arena), then a round buffer of a few bytes, of about
+    // a tenth of the request, or of more than the request.
+    let whole = |addr| Arena {
+        addr,
+        size: 1 << 32,
+    };
+    let probe = RoundsPlanner::new(t).plan(request, whole(SRC_STAGING), whole(DST_STAGING), 1);
+    let senders = match probe {
+        Ok(rounds) => rounds.sender.1,
+        Err(PlanError::Geometry { what }) if what.contains("senders") => {
+            assert!(direct.total_bytes > 0, "{case}");
+            assert!(what.contains("replicas_send"), "{case}: {what}");
+            return false;
+        }
+        Err(other) => panic!("{case}: rounds: {other}"),
+    };
+    let buffers = 1 + (seed % 2) as u32;
+    let buffer_bytes = match seed % 3 {
+        0 => 1 + seed % 7,
+        1 => direct.total_bytes / 10 + 1,
+        _ => direct.total_bytes + 5,
+    };
+    let src_arena = Arena {
+        addr: SRC_STAGING,
+        size: buffer_bytes * u64::from(buffers),
+    };
+    let dst_arena = Arena {
+        addr: DST_STAGING,
+        size: buffer_bytes * u64::from(buffers) * u64::from(senders),
+    };
+    let rounds = RoundsPlanner::new(t)
+        .plan(request, src_arena, dst_arena, buffers)
+        .unwrap_or_else(|e| panic!("{case}: rounds: {e}"));
+    assert_eq!(rounds.bytes, direct.total_bytes, "{case}");
+    assert_eq!(rounds.buffer_bytes, buffer_bytes, "{case}");
+    assert_eq!(
+        rounds.len() as u64,
+        direct.total_bytes.div_ceil(buffer_bytes),
+        "{case}: the fewest rounds"
+    );
+    let (mut src_buffers, mut dst_buffers, mut got) =
+        (HashMap::new(), HashMap::new(), HashMap::new());
+    let mut offset = 0;
+    for (k, manifest) in rounds.manifests.iter().enumerate() {
+        assert_eq!(manifest.index as usize, k, "{case}");
+        assert_eq!(manifest.n_rounds as usize, rounds.len(), "{case}");
+        assert_eq!(manifest.offset, offset, "{case}");
+        assert_eq!(manifest.total_bytes, direct.total_bytes, "{case}");
+        assert!(
+            manifest.bytes > 0 && manifest.bytes <= buffer_bytes,
+            "{case}"
+        );
+        offset += manifest.bytes;
+        let b = u64::from(manifest.buffer);
+        assert_eq!(b, k as u64 % u64::from(buffers), "{case}");
+        let src_window = (
+            SRC_STAGING + b * buffer_bytes,
+            SRC_STAGING + b * buffer_bytes + manifest.bytes,
+        );
+        let (lo, hi) = manifest.dst_bytes_range();
+        assert!(
+            lo >= rounds.dst_share.0 && hi <= rounds.dst_share.1,
+            "{case}: round {k} leaves its sender's share"
+        );
+        let dst_window = (DST_STAGING + lo, DST_STAGING + hi);
+        let (gather, network, scatter) = (
+            rounds.gather.round(k),
+            rounds.network.round(k),
+            rounds.scatter.round(k),
+        );
+        assert_eq!(network.lengths, [manifest.bytes], "{case}");
+        assert_eq!(network.src_addrs[0], src_window.0, "{case}");
+        assert_eq!(network.dst_addrs[0], dst_window.0, "{case}");
+        run(
+            columns(&gather),
+            None,
+            &mut src_buffers,
+            (src_window, false),
+            case,
+        );
+        run(
+            columns(&network),
+            Some(&src_buffers),
+            &mut dst_buffers,
+            (dst_window, false),
+            case,
+        );
+        for (&s, &l) in scatter.src_addrs.iter().zip(&scatter.lengths) {
+            assert!(
+                s >= dst_window.0 && s + l <= dst_window.1,
+                "{case}: scatter reads outside"
+            );
+        }
+        run(
+            columns(&scatter),
+            Some(&dst_buffers),
+            &mut got,
+            (everywhere, true),
+            case,
+        );
+    }
+    assert_eq!(offset, direct.total_bytes, "{case}");
+    assert!(
+        got == want,
+        "{case}: rounds write other bytes than the direct plan"
+    );
+    true
 }
 
 /// A batch of `requests` (each carrying a slot or not) holds each request's own plan.
@@ -366,6 +627,68 @@ fn a_request_between_tp_sizes_is_its_head_slices_then_its_state_fragments() {
     }
 }
 
+// -------------------------------------------------------------------- TP-sliced state
+
+/// One rank of TP `tp`: two MLA layers and a state entry per layer whose 16 channels (2
+/// bytes each) are split over the TP ranks as two sub-blocks of 8 channels: between different
+/// TP sizes each state pair moves several byte slices of a slot.
+fn sliced_rank(base: u64, tp: u32, rank: u32) -> Layout {
+    let t = u64::from(tp);
+    let pages = KvLayout::mla(base, [0, 1], 64, 64 * 16)
+        .context(paged(4).tp(rank, tp))
+        .build();
+    let channels = StateChannels::new(16 / t, 1, &[8, 8]).unwrap();
+    with_slots(
+        pages,
+        "ssm",
+        vec![base + (1 << 24), base + (1 << 25)],
+        8,
+        32 / t,
+        vec![0, 1],
+    )
+    .with_state_channels(vec![None, None, Some(channels), Some(channels)])
+    .unwrap()
+}
+
+#[test]
+fn tp_sliced_state_is_staged_and_in_rounds_as_planned_directly() {
+    let mut rng = Rng(0x5EED_0006);
+    let (mut sliced, mut refused) = (0, 0);
+    for (tp_p, tp_d) in [(1, 2), (2, 1), (2, 4), (4, 2), (1, 1)] {
+        for r_d in 0..tp_d {
+            for r_p in 0..tp_p {
+                let src = sliced_rank(0x1000_0000, tp_p, r_p);
+                let dst = sliced_rank(0x9000_0000_0000, tp_d, r_d);
+                let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
+                let n_pages = 1 + rng.below(6) as usize;
+                let (sp, dp) = (rng.pages(n_pages, 16), rng.pages(n_pages, 16));
+                let slot = (rng.below(8) as i64, rng.below(8) as i64);
+                let case = format!("sliced TP {tp_p}->{tp_d}, ranks {r_p}->{r_d}");
+                let request = Request::pages(&sp, &dp);
+                let combined = request.with_state_slot(slot.0, slot.1);
+                sliced += usize::from(t.asked_by(&combined).sliced_state_pairs > 0);
+                // A writer that sends state slices but no pages (whole MLA items come from
+                // one rank) is no arena sender unless every writer sends: replicas_send.
+                let every_writer = TemplateOptions {
+                    replicas_send: true,
+                    ..TemplateOptions::default()
+                };
+                let replicas = Template::new(&src, &dst, every_writer).unwrap();
+                for seed in 0..3 {
+                    for r in [combined, Request::slot(slot.0, slot.1)] {
+                        if !check_staged(&t, &r, seed, &case) {
+                            refused += 1;
+                            assert!(check_staged(&replicas, &r, seed, &case), "{case}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(sliced > 0, "some TP pairs slice their state");
+    assert!(refused > 0, "some writers send state slices and no pages");
+}
+
 // ------------------------------------------------------------------------------ batches
 
 #[test]
@@ -501,12 +824,12 @@ fn planners_that_plan_pages_or_a_slot_refuse_both_naming_the_feature() {
     let t = Template::new(&src, &dst, TemplateOptions::default()).unwrap();
     let pages = [0i64, 1];
     let request = Request::pages(&pages, &pages).with_state_slot(1, 2);
-    let staging = kvplan_core::StagingRegion {
+    let pack = PackBuffer {
         addr: 0x7000_0000,
         size: 1 << 20,
     };
-    let err = kvplan_core::StagedPlanner::new(&t)
-        .plan(&request, staging, staging)
+    let err = PackPlanner::new(&t)
+        .plan(&request, pack)
         .map(|_| ())
         .unwrap_err();
     match err {
@@ -515,17 +838,20 @@ fn planners_that_plan_pages_or_a_slot_refuse_both_naming_the_feature() {
             feature,
             why,
         } => {
-            assert_eq!((planner, feature), ("plan_staged", "pages_with_state"));
+            assert_eq!((planner, feature), ("plan_packed", "pages_with_state"));
             assert!(why.contains("state slot (1, 2)"), "{why}");
         }
         other => panic!("{other:?}"),
     }
     // A slot request keeps its own shorthand, and a page request without a slot is unchanged.
-    assert!(t.plan(&Request::slot(1, 2)).is_ok());
-    let staged = kvplan_core::StagedPlanner::new(&t);
     assert!(
-        staged
-            .plan(&Request::pages(&pages, &pages), staging, staging)
+        PackPlanner::new(&t)
+            .plan(&Request::slot(1, 2), pack)
+            .is_ok()
+    );
+    assert!(
+        PackPlanner::new(&t)
+            .plan(&Request::pages(&pages, &pages), pack)
             .is_ok()
     );
 }

@@ -504,21 +504,12 @@ fn bad_arenas_are_typed_errors() {
         ),
         "{refused:?}"
     );
+    // A slot request is no longer refused: its rounds move what its direct plan moves.
     let slot = Request::slot(1, 2);
-    let refused = RoundsPlanner::new(&template)
+    let rounds = RoundsPlanner::new(&template)
         .plan(&slot, arena(SRC_ARENA, 64), arena(DST_ARENA, 256), 2)
-        .unwrap_err();
-    assert!(
-        matches!(
-            refused,
-            PlanError::Unsupported {
-                planner: "plan_rounds",
-                feature: "state_slot",
-                ..
-            }
-        ),
-        "{refused:?}"
-    );
+        .unwrap();
+    assert_eq!(rounds.bytes, template.plan(&slot).unwrap().total_bytes);
 }
 
 /// The wire form is 64 bytes and refuses what no round is.

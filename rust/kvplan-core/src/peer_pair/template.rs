@@ -991,6 +991,30 @@ impl Template {
         offsets
     }
 
+    /// Bytes of every pair's block range of a plan of this shape (the ranges of
+    /// [`Template::pair_offsets`]): [`BlockAccounting::pair_bytes`] of its page (or token)
+    /// pairs, then of its state (and ring) pairs when it has a state tail.
+    ///
+    /// # Errors
+    /// As [`BlockAccounting::pair_bytes`].
+    pub fn pair_bytes(&self, summary: &PlanSummary) -> Result<Vec<u64>> {
+        let Some(tail) = summary.state else {
+            return self.blocks.pair_bytes(summary);
+        };
+        let mut bytes = self.blocks.pair_bytes(&summary.head())?;
+        bytes.extend(self.blocks.pair_bytes(&tail.summary())?);
+        Ok(bytes)
+    }
+
+    /// Pair ranges of a plan of this shape that are page (or token) pairs: the first ones of
+    /// [`Template::pair_offsets`]; a slot request has none, its ranges are all state pairs'.
+    pub fn page_pair_ranges(&self, summary: &PlanSummary) -> usize {
+        match summary.unit {
+            PlanUnit::State(_) => 0,
+            _ => self.blocks.pair_groups().len(),
+        }
+    }
+
     ///
     /// `values` are pages of `pool` on `side`, the first at position `offset` of its list: only
     /// the pairs whose entries that pool indexes can refuse them, and the position reported is

@@ -47,8 +47,9 @@
 //! share)` with `share = size / senders`, and its buffer `b` is `share / buffers` bytes at `i ×
 //! share + b × (share / buffers)`. A prefill rank that moves nothing to the decode rank owns
 //! no share: its rounds are empty, its sender index 0 and its `dst_share` empty (one that
-//! moves whole items but is not the decode rank's sender is refused, naming the sender). The
-//! prefill
+//! moves whole items but is not the decode rank's sender is refused, naming the sender, and so
+//! is one that moves only state slots: a hybrid request's state pairs are more ranges of the
+//! stream, but a share is a KV sender's; `replicas_send` gives every writer one). The prefill
 //! arena belongs to one rank: buffer `b` is at `b × (size / buffers)`. A round holds at most
 //! `buffer_bytes = min(prefill size / buffers, decode share / buffers)` bytes.
 //!
@@ -479,6 +480,18 @@ impl<'t> RoundsPlanner<'t> {
             let decode = PeerRanks::of(&self.template.layouts.1);
             let tp = u64::from(prefill.tp_size) / u64::from(decode.tp_size.max(1));
             let sender = u64::from(decode.tp_rank) * tp;
+            if self.template.head_slicing().is_some() {
+                // With head slicing a rank that sends no KV heads moves only state slots.
+                return Err(PlanError::Geometry {
+                    what: format!(
+                        "plan_rounds: prefill rank {} moves {total} bytes of state to decode \
+                         rank {} but sends it no KV heads, so it is not one of the decode \
+                         arena's senders: build the template with replicas_send for one arena \
+                         share per writer, or plan its state slot with Template::plan",
+                        prefill.tp_rank, decode.tp_rank,
+                    ),
+                });
+            }
             return Err(PlanError::Geometry {
                 what: format!(
                     "plan_rounds: prefill rank {} moves {total} bytes to decode rank {} but is \

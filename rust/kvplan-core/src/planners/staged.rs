@@ -37,8 +37,14 @@
 //! Regions are checked before any output exists: the prefill region must hold the plan's
 //! bytes, the decode region every writer's share (`writers × writer_bytes`), else
 //! [`PlanError::StagingTooSmall`] naming both sizes; no block ever reaches past a region's end.
-//! State slots are not staged (one block per state pair already): plan them as a slot request
-//! of [`Template::plan`].
+//!
+//! State slots are staged as more ranges of the direct plan: a slot request's ranges are its
+//! state (and ring) pairs, and a page request that carries a state slot has them after its
+//! page pairs ([`Template::pair_offsets`]), possibly in other buffers than the pages. With one
+//! writer and prefill PP 1 they are packed back to back like every range. A decode region laid
+//! out in page-entry slots (several writers or prefill PP) has no slot for them, so a request
+//! that moves state bytes there is refused ([`PlanError::Geometry`]); rounds
+//! ([`crate::planners::rounds`]) place bytes by stream offset and take it.
 
 use crate::error::{PlanError, Result};
 use crate::model::layer_groups::PeerRanks;
@@ -296,18 +302,19 @@ impl StagedPlanner<'_> {
     ///
     /// # Errors
     /// As [`StagedPlanner::plan_into`], and what `sources.begin` returns.
-    pub(crate) fn plan_into_with<'o, 'p, S: PageIndex, D: PageIndex, O, P>(
+    pub(crate) fn plan_into_with<'o, 'p, S: PageIndex, D: PageIndex, O, P, Sources>(
         &self,
         request: &Request<'_, S, D>,
         (src_staging, dst_staging): (StagingRegion, StagingRegion),
         make_outputs: impl FnOnce(&PlanSummary) -> Result<(O, P)>,
-        sources: &mut impl ScatterSources,
+        sources: &mut Sources,
     ) -> Result<(O, P, StagedPlan<PlanPart>)>
     where
         O: AsColumns<'o>,
         P: AsColumns<'p>,
+        Sources: ScatterSources,
     {
-        let layout = self.staged_layout(request, src_staging, dst_staging)?;
+        let layout = self.staged_layout(request, (src_staging, dst_staging), Sources::BY_STREAM)?;
         let mut second = None;
         let (mut output, summary) = self.template.plan_into(&layout.request, |shape| {
             if *shape != layout.shape {
@@ -411,7 +418,7 @@ impl StagedPlanner<'_> {
             addr: 0,
             size: u64::MAX,
         };
-        let layout = self.staged_layout(request, whole, whole)?;
+        let layout = self.staged_layout(request, (whole, whole), false)?;
         Ok(StagedCounts {
             direct_blocks: layout.direct_blocks,
             network_blocks: layout.network.lengths.len(),
@@ -421,13 +428,15 @@ impl StagedPlanner<'_> {
 
     /// Validates a staged request and derives everything but its gather and scatter columns
     /// (see [`StagedLayout`]), checking both regions before any output exists.
+    ///
+    /// `by_stream`: the caller places the decode's bytes by stream offset (rounds), so the
+    /// decode region's layout only sizes the network plan and state ranges need no slot.
     fn staged_layout<'a, S: PageIndex, D: PageIndex>(
         &self,
         request: &Request<'a, S, D>,
-        src_staging: StagingRegion,
-        dst_staging: StagingRegion,
+        (src_staging, dst_staging): (StagingRegion, StagingRegion),
+        by_stream: bool,
     ) -> Result<StagedLayout<'a, S, D>> {
-        // Staging slots are laid out per page pair; a state slot is one block per pair already.
         self.template.admit(Planner::Staged, request)?;
         for (region, what) in [
             (src_staging, "prefill staging region end"),
@@ -448,20 +457,28 @@ impl StagedPlanner<'_> {
                 layout: format!("the gather of {} blocks", shape.n_blocks),
             });
         }
-        let summary = shape;
-        let pair_offsets = self.template.blocks.pair_offsets(&summary);
+        // The ranges of the whole plan: its page (or token) pairs, then, for a request that
+        // carries a state slot, its state and ring pairs (a slot request's are all state pairs).
+        let pair_offsets = self.template.pair_offsets(&shape);
         let bounds = PairBounds::of(&pair_offsets, shape.n_blocks);
         let range_bytes = if bounds.by_pair {
-            self.template.blocks.pair_bytes(&summary)?
+            self.template.pair_bytes(&shape)?
         } else {
             vec![shape.total_bytes]
         };
+        let page_ranges = self.template.page_pair_ranges(&shape);
         let (prefill, decode) = (
             PeerRanks::of(&self.template.layouts.0),
             PeerRanks::of(&self.template.layouts.1),
         );
         let writer = staging_writer(prefill.tp_size, prefill.tp_rank, decode.tp_size)?;
-        let placement = self.place_decode(&bounds, &range_bytes, writer, prefill.pp_size)?;
+        let placement = self.place_decode(
+            &bounds,
+            (&range_bytes, page_ranges),
+            writer,
+            prefill.pp_size,
+            by_stream,
+        )?;
         if placement.need > dst_staging.size {
             return Err(PlanError::StagingTooSmall {
                 region: "decode",
@@ -532,13 +549,17 @@ impl StagedPlanner<'_> {
         }
     }
 
-    /// The decode offset of every pair range (see the module documentation).
+    /// The decode offset of every pair range (see the module documentation). The first
+    /// `page_ranges` ranges are page pairs'; the others (state and ring pairs') follow the
+    /// page slots, back to back, when the caller places by stream offset (`by_stream`), and
+    /// are refused otherwise once the region is laid out in slots.
     fn place_decode(
         &self,
         bounds: &PairBounds,
-        range_bytes: &[u64],
+        (range_bytes, page_ranges): (&[u64], usize),
         (writer, writers): (u32, u32),
         prefill_pp_size: u32,
+        by_stream: bool,
     ) -> Result<DecodePlacement> {
         let total = plan_bytes(range_bytes)?;
         if (writers == 1 && prefill_pp_size <= 1) || !bounds.by_pair {
@@ -555,11 +576,24 @@ impl StagedPlanner<'_> {
                 layout: format!("the plan's {total} bytes"),
             });
         }
+        let state_bytes = plan_bytes(range_bytes.get(page_ranges..).unwrap_or_default())?;
+        if state_bytes > 0 && !by_stream {
+            return Err(PlanError::Geometry {
+                what: format!(
+                    "a staged plan lays the decode staging region out in one slot per decode \
+                     page entry when several prefill ranks or PP stages write it ({writers} \
+                     writer(s), prefill PP {prefill_pp_size}), and state slots have no slot \
+                     there; this request moves {state_bytes} bytes of state: plan it with \
+                     plan_rounds (rounds place bytes by stream offset), or plan its state slot \
+                     with Template::plan"
+                ),
+            });
+        }
         let (dst_slots, n_slots) = self.decode_slots();
         // Per moving range its first slot, and the bytes of one slot.
         let mut placed: Vec<Option<u64>> = vec![None; range_bytes.len()];
         let mut slot_bytes: Option<(usize, u64)> = None;
-        for (pair, &bytes) in range_bytes.iter().enumerate() {
+        for (pair, &bytes) in range_bytes.iter().enumerate().take(page_ranges) {
             if bytes == 0 {
                 continue;
             }
@@ -610,14 +644,27 @@ impl StagedPlanner<'_> {
         let start = writer_bytes
             .checked_mul(u64::from(writer))
             .ok_or_else(overflow)?;
-        let need = writer_bytes
+        let slots_need = writer_bytes
             .checked_mul(u64::from(writers))
             .ok_or_else(overflow)?;
         // Slots lie below `n_slots` and a range's slots are consecutive, so every range lies
         // inside this writer's share; two ranges never share a slot (one decode entry per pair).
+        // State ranges (placed only by stream: `state_bytes` is 0 otherwise) follow every
+        // writer's slots, back to back.
+        let need = slots_need.checked_add(state_bytes).ok_or_else(overflow)?;
+        let mut state_at = slots_need;
         let offsets = placed
             .iter()
-            .map(|p| p.map_or(start, |first| start + first * slot))
+            .zip(range_bytes)
+            .enumerate()
+            .map(|(r, (p, &bytes))| match p {
+                Some(first) => start + first * slot,
+                None if r >= page_ranges => {
+                    state_at += bytes;
+                    state_at - bytes
+                }
+                None => start,
+            })
             .collect();
         Ok(DecodePlacement {
             offsets,

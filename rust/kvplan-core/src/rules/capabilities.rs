@@ -203,10 +203,36 @@ pub const SUPPORT: [(Planner, u8); 7] = {
         ),
         (Planner::RowGather, bits(&[TokenPlan])),
         // Packed and staged plans are rewritten from the direct plan's blocks, so a pool's
-        // own token range (already in those blocks) needs nothing of their own.
-        (Planner::Staged, bits(&[Window, TokenPlan, PoolRange])),
+        // own token range (already in those blocks) needs nothing of their own, and neither
+        // do state slots, their TP slices and ring rows: more ranges of blocks after the
+        // pages, gathered, sent and scattered like them. (A staged plan whose decode region
+        // is laid out in page-entry slots, several writers or prefill PP, has no slot for
+        // them and refuses such a request as a geometry error; rounds place by stream offset.)
+        (
+            Planner::Staged,
+            bits(&[
+                StateSlot,
+                Window,
+                TokenPlan,
+                Ring,
+                PoolRange,
+                PagesWithState,
+                SlicedState,
+            ]),
+        ),
         // Rounds are cut from the staged plan, so they plan exactly what it plans.
-        (Planner::Rounds, bits(&[Window, TokenPlan, PoolRange])),
+        (
+            Planner::Rounds,
+            bits(&[
+                StateSlot,
+                Window,
+                TokenPlan,
+                Ring,
+                PoolRange,
+                PagesWithState,
+                SlicedState,
+            ]),
+        ),
         (Planner::Descriptors, bits(&[StateSlot])),
     ]
 };

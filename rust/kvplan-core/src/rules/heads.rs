@@ -326,8 +326,9 @@ pub struct ArenaSender {
 ///   it: `floor(decode_rank · prefill_tp / decode_tp)`; with `replicas_send` every writer.
 ///   With the prefill TP not larger, the decode rank's one writer.
 ///
-/// State slots never travel in rounds, so the rank that writes a replicated state item is a
-/// sender only when it sends pages.
+/// State slots travel in rounds with their request's bytes, but do not make a rank a sender:
+/// a rank that moves state and no KV heads to the decode rank is refused by the rounds planner
+/// unless the template was built with `replicas_send` (every writer then a sender).
 ///
 /// # Errors
 /// As [`staging_writer`]; [`PlanError::Geometry`] for a rank outside its TP size.
