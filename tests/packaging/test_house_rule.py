@@ -94,6 +94,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the compared request's tokens, which the core counts blocks for (n_token_blocks)",
     ("python/kvplan/report.py", "tokens = pages * ps"):
         "the compared request's tokens, which the core counts blocks for (n_token_blocks)",
+    ("python/kvplan/compat/vllm/grouped.py",
+     "pool_tokens={k + 1: (len(self.dst[g]) * page_size, 0)"):
+        "sizes the request: each KV group's pool's token range, every token of the blocks "
+        "vLLM reads whole (its pages times its page's tokens), which the core then plans",
 }
 
 

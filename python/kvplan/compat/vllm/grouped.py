@@ -10,7 +10,9 @@ groups it holds layers of. :class:`GroupedRead` is that transfer as one
 * one group per region: each group's regions are a pool of their own in both layouts
   (:meth:`kvplan.Layout.with_pool`) whose page is one token of one row, and the request gives
   each pool its group's pages and its own token range (``pool_tokens``: as many tokens as the
-  group has blocks), so each page moves whole, page ``i`` to page ``i``, as vLLM pairs them;
+  group has blocks), so each page moves whole, page ``i`` to page ``i``, as vLLM pairs them
+  (between TP sizes a page is a whole block's tokens instead, as the core slices a rank's
+  heads out of whole blocks: :meth:`GroupedRead.pool_page_size`);
 * every region at the same groups: one page list, the groups' lists one after the other.
 
 The NIXL connector's decode names its regions' groups from vLLM's read
@@ -75,18 +77,28 @@ class GroupedRead:
             return f"{len(pools)} KV groups of their own regions, more than {MAX_POOLS}"
         return cls(reads, src, dst, tuple(pools))
 
-    def layout(self, layout: Any) -> Any:
+    @staticmethod
+    def pool_page_size(src: Any, dst: Any) -> int:
+        """The tokens of a pool's page between the layouts ``src`` and ``dst``: one (each page
+        one token of one row) where their TP sizes are equal; where they differ the blocks' own
+        (``dst``'s page size: both sides' blocks hold as many tokens), as the core slices a
+        rank's heads out of whole blocks of tokens. Both sides derive it from the two layouts,
+        so a prefill plans the decode's pools."""
+        return 1 if src.tp_size == dst.tp_size else int(dst.page_size)
+
+    def layout(self, layout: Any, page_size: int = 1) -> Any:
         """``layout`` (one side's regions, in region order) with each group's regions in a pool
-        of their own whose page is one token of one row (:meth:`kvplan.Layout.with_pool`), in
-        group order; as it is where every region reads the same groups."""
+        of their own whose page is ``page_size`` tokens, a row each
+        (:meth:`kvplan.Layout.with_pool`; :meth:`pool_page_size`), in group order; as it is
+        where every region reads the same groups."""
         for _, regions in self.pools:
-            layout = layout.with_pool(list(regions), 1, tokens_per_row=1)
+            layout = layout.with_pool(list(regions), page_size, tokens_per_row=1)
         return layout
 
-    def request(self) -> Any:
+    def request(self, page_size: int = 1) -> Any:
         """The read's :class:`kvplan.Request`: each pool its group's pages and a token range
-        of its own, one token per page; or the groups' pages one after the other, as one page
-        list."""
+        of its own, every token of its pages (``page_size`` per page, as :meth:`layout` gave
+        the pools); or the groups' pages one after the other, as one page list."""
         import kvplan
 
         index = kvplan._core.index_array
@@ -99,7 +111,8 @@ class GroupedRead:
             empty, empty, n_tokens=0,
             pool_pages={k + 1: (index(list(self.src[g])), index(list(self.dst[g])))
                         for k, (g, _) in enumerate(self.pools)},
-            pool_tokens={k + 1: (len(self.dst[g]), 0) for k, (g, _) in enumerate(self.pools)})
+            pool_tokens={k + 1: (len(self.dst[g]) * page_size, 0)
+                         for k, (g, _) in enumerate(self.pools)})
 
     def regroup(self, verdict: Any) -> Any:
         """``verdict`` (a :class:`kvplan.failures.FailureVerdict` of the read's template, its

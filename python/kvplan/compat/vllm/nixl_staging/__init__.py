@@ -49,8 +49,10 @@ state, no mixed memory types, and TP sizes that are equal or that vLLM slices he
 (:func:`_tp_pair_staged`): then each (request, prefill rank) read vLLM makes is one staged
 stream, its rounds planned by the core from both layouts' TP coordinates; every other read is
 vLLM's. A read of several KV groups (a hybrid model's) is one stream of one request of every
-group's pages (:class:`kvplan.compat.vllm.grouped.GroupedRead`), at equal TP sizes, from a
-prefill whose staging message serves it (:data:`GROUPS_KEY`).
+group's pages (:class:`kvplan.compat.vllm.grouped.GroupedRead`), from a prefill whose staging
+message serves it (:data:`GROUPS_KEY`); between differing TP sizes too where it also serves
+:data:`GROUPS_TP_KEY` (the groups' pools then page whole blocks, the core slicing each
+region's heads as vLLM does, whatever group the region holds).
 
 The package, one module per job, each importing only modules above it in this list (no import
 circle):

@@ -35,6 +35,12 @@ HOLD_GROUPS_KEY = "nixl_hold_groups"
 #: read is vLLM's own, said once per peer. Reads of one group open as before.
 GROUPS_KEY = "nixl_staged_groups"
 GROUPS_VERSION = 1
+#: The key of the prefill's staging message saying its listener also serves those reads between
+#: TP sizes that differ (the groups' pools of :meth:`GroupedRead.pool_page_size`), and its
+#: version; from a prefill without it (an older kvplan, which would plan other pools and refuse
+#: the stream) such a read is vLLM's own, said once per peer.
+GROUPS_TP_KEY = "nixl_staged_groups_tp"
+GROUPS_TP_VERSION = 1
 #: The key of the prefill's staging message giving its KV lease in seconds (vLLM's
 #: ``kv_lease_duration``: how long it keeps a finished request's blocks for a decode it hears
 #: nothing from). Without ``kvplan_staging_timeout_s`` both sides of a staged read wait that

@@ -12,6 +12,8 @@ from typing import Any
 from kvplan.compat.vllm.nixl_layout import remote_layout
 from kvplan.compat.vllm.nixl_staging.names import (
     GROUPS_KEY,
+    GROUPS_TP_KEY,
+    GROUPS_TP_VERSION,
     GROUPS_VERSION,
     HOLD_GROUPS_KEY,
     HOLD_KEY,
@@ -75,6 +77,7 @@ def advertise_staging(worker: Any) -> bool:
     message[HOLD_KEY] = HOLD_ONE_GROUP  # this listener answers held checks: form 1, which
     message[HOLD_GROUPS_KEY] = HOLD_VERSION  # every decode knows, and form 2 beside it
     message[GROUPS_KEY] = GROUPS_VERSION  # staged reads of several KV groups
+    message[GROUPS_TP_KEY] = GROUPS_TP_VERSION  # and of them between TP sizes
     if state.lease_s is not None:  # how long both sides wait for a round
         message[LEASE_KEY] = state.lease_s
     return add_to_agent_metadata(worker, META_KEY, message)

@@ -15,6 +15,8 @@ from kvplan.compat.vllm.nixl_staging.handles import AbortedRead, StagedRead, _ag
 from kvplan.compat.vllm.nixl_staging.groups import region_reads
 from kvplan.compat.vllm.nixl_staging.names import (
     GROUPS_KEY,
+    GROUPS_TP_KEY,
+    GROUPS_TP_VERSION,
     GROUPS_VERSION,
     LEASE_KEY,
     _opening_message,
@@ -94,8 +96,9 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         dst = kvplan._core.index_array(list(local_ids[0]))
         request = (src, dst)
     else:  # one request of every group's pages, its regions a pool each where they are
-        src_layout, dst_layout = grouped.layout(peer.layout), grouped.layout(layout)
-        request = grouped.request()
+        page = GroupedRead.pool_page_size(peer.layout, layout)
+        src_layout, dst_layout = grouped.layout(peer.layout, page), grouped.layout(layout, page)
+        request = grouped.request(page)
         src, dst = request.src, request.dst
     template: Any = kvplan.Template(src_layout, dst_layout, kvplan.Pairing.positional())
     choice = choose_path(template, request, state.costs, agreement, mode=state.config.mode)
@@ -108,6 +111,13 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
             template.plan_rounds(request, **arenas)
         scatter = local_copy([state.arena.array], kv_buffers(worker))
     except kvplan.KvPlanError as exc:
+        if grouped is not None and exc.kind == "staging_slots":  # a configuration: said once
+            said_unstaged(worker, names.session, (
+                f"kvplan's staged rounds between prefill TP {remote_tp} and decode TP "
+                f"{int(d.get('world_size', 1) or 1)} give every decode region one slot of the "
+                f"same bytes, and these KV groups read different block counts into theirs"),
+                log=_staging_log)
+            return False
         _staging_log.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct "
                              "path", request_id, type(exc).__name__, exc)
         return False
@@ -196,14 +206,19 @@ def _grouped_read(worker: Any, peer: Any, engine: str, session: str, remote_tp: 
     """The staged read of several KV groups vLLM's read of ``session`` names (each group's
     trimmed block lists), or None where it stays vLLM's, said once per prefill rank and
     reason: a prefill whose staging message does not serve several groups (an older kvplan:
-    its listener would plan and hold one group's pages), TP sizes that differ, or groups and
-    regions :func:`region_reads` and :meth:`GroupedRead.of` do not take."""
+    its listener would plan and hold one group's pages), or not between TP sizes that differ
+    (:data:`GROUPS_TP_KEY`), or groups and regions :func:`region_reads` and
+    :meth:`GroupedRead.of` do not take. Between TP sizes each region is sliced alike whatever
+    group it holds, as vLLM builds its descriptors per region from its TP mapping: the
+    groups' pools page whole blocks (:meth:`GroupedRead.pool_page_size`), the core slicing
+    the heads as for one group."""
     why: str | None = None
     grouped: GroupedRead | str = ""
     if peer.message.get(GROUPS_KEY) != GROUPS_VERSION:
         why = "the prefill stages one KV group only (an older kvplan)"
-    elif remote_tp != int(worker.__dict__.get("world_size", 1) or 1):
-        why = "the prefill's TP size differs"
+    elif remote_tp != int(worker.__dict__.get("world_size", 1) or 1) and \
+            peer.message.get(GROUPS_TP_KEY) != GROUPS_TP_VERSION:
+        why = "the prefill stages them at equal TP sizes only (an older kvplan)"
     else:
         reads = region_reads(worker, engine, len(local_ids))
         grouped = reads if isinstance(reads, str) else GroupedRead.of(reads, remote_ids,

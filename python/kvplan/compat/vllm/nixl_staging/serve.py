@@ -137,9 +137,10 @@ def serve_rounds(worker: Any, data: bytes, reply: Any) -> str:
                 check_region_reads(worker, grouped.reads, len(grouped.src))
             if isinstance(grouped, str) or why is not None:
                 raise StagingError.make(stream, 0, "bad_message", str(why))
-            template: Any = kvplan.Template(grouped.layout(layout), dst_layout,
+            page = GroupedRead.pool_page_size(layout, dst_layout)
+            template: Any = kvplan.Template(grouped.layout(layout, page), dst_layout,
                                             kvplan.Pairing.positional())
-            rounds = template.plan_rounds(grouped.request(), **arenas)
+            rounds = template.plan_rounds(grouped.request(page), **arenas)
             src_pages: list[int] = []
             group_pages = [list(g) for g in grouped.src]
         else:
