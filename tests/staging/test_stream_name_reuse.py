@@ -191,3 +191,32 @@ def test_a_stream_opened_again_under_a_failed_name_keeps_its_own_patience(
     assert decode.receivers.get(NAME) is new
     decode.tick(now=161.0)
     assert NAME not in decode.receivers and decode.finished[NAME] is new
+
+
+def test_a_failed_stream_displaced_by_a_new_one_still_gives_its_share_up(
+        decode: WorkerStaging, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed stream may hold its share of the decode arena until its poll gives it up
+    (``timeout_s`` after it failed: a write of it may still be landing). The name opened
+    again meanwhile lists a new stream in its place, queued behind that share: the check
+    still polls the old stream, which gives the share up, and the new one is granted."""
+    from functools import partial
+
+    from kvplan.staging import ArenaShares, ReceiveStaged
+    from support.staging_rounds import claiming
+
+    clock = [0.0]
+    monkeypatch.setattr(vstaging, "ReceiveStaged", partial(ReceiveStaged, clock=lambda: clock[0]))
+    monkeypatch.setattr(vstaging, "_decode_rounds", lambda staging, opening, worker: (
+        None, claiming(2, (0, 100))))
+    decode.shares = ArenaShares()
+    decode.on_open(None, opening(), lambda data: None)
+    old = decode.receivers[NAME]
+    assert old.granted
+    old.cancel("vLLM aborted the request")  # granted: its share stays a timeout longer
+    decode.on_open(None, opening(), lambda data: None)  # read again
+    new = decode.receivers[NAME]
+    assert new is not old and not new.granted and decode.shares.holders() == [old]
+    clock[0] = 31.0  # the old stream's timeout since its failure
+    decode.tick(now=31.0)
+    assert new.granted and decode.shares.holders() == [new]
+    assert decode.receivers[NAME] is new

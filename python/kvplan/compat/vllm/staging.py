@@ -157,6 +157,10 @@ class WorkerStaging:
     #: The most recent ended streams (at most :data:`KEEP_FINISHED`), by stream name.
     finished: OrderedDict[str, ReceiveStaged] = field(default_factory=OrderedDict)
     _failed_at: dict[str, float] = field(default_factory=dict)
+    #: Failed streams displaced from :attr:`receivers` by a stream listed under their name,
+    #: with the time the check first saw them failed (None: not yet): still polled by
+    #: :meth:`tick`, whose poll gives their arena share up, for twice their timeout.
+    _retiring: list[tuple[ReceiveStaged, float | None]] = field(default_factory=list)
     #: Guards :attr:`receivers`, :attr:`finished` and the failure times: the periodic check,
     #: the threads opening streams and the channels' ends touch them. Nothing else is taken
     #: or called while it is held (no poll, no router call, no callback), so it orders after
@@ -276,8 +280,13 @@ class WorkerStaging:
     def list_stream(self, name: str, receiver: ReceiveStaged) -> None:
         """List ``receiver`` as the open stream ``name`` (for :meth:`tick` to poll), in place
         of any stream listed under that name before: a read of a request again. The failure
-        time kept for the name was the stream's before it, never this one's."""
+        time kept for the name was the stream's before it, never this one's; a failed stream
+        displaced so is still polled (:attr:`_retiring`), else the arena share it may still
+        hold would never be given up (and a stream queued behind it never granted)."""
         with self.streams_lock:
+            before = self.receivers.get(name)
+            if before is not None and before is not receiver and before.state == "failed":
+                self._retiring.append((before, self._failed_at.get(name)))
             self.receivers[name] = receiver
             self._failed_at.pop(name, None)
 
@@ -290,6 +299,15 @@ class WorkerStaging:
         now = time.monotonic() if now is None else now
         with self.streams_lock:
             streams = list(self.receivers.items())
+            retiring, self._retiring = self._retiring, []
+        kept = []
+        for receiver, failed_at in retiring:  # displaced: polled for its share alone
+            receiver.poll(block=block)
+            failed_at = now if failed_at is None else failed_at
+            if now - failed_at <= 2 * receiver.timeout_s:
+                kept.append((receiver, failed_at))
+        with self.streams_lock:
+            self._retiring.extend(kept)
         for name, receiver in streams:
             state = receiver.poll(block=block)  # unlocked: it may wait for a round's scatter
             if state not in ("failed", "loaded"):
