@@ -978,7 +978,9 @@ class Template:
         prefill region, back to back from its start; ``network`` moves them into the decode
         region at this prefill rank's writer offsets (one block per contiguous range); ``scatter``
         copies them from there into the decode's pages. Together they write exactly what
-        ``plan`` writes. State slots are not staged (``plan_state``).
+        ``plan`` writes. A request's state slots (a slot ``Request``, or pages with
+        ``slot=``) are staged as more ranges after its pages when one writer fills the decode
+        region at prefill PP 1 (else a ``KvPlanError``: ``plan_rounds`` takes them).
 
         Raises:
             SizeMismatchError: A staging region is smaller than what the plan places in it

@@ -222,9 +222,9 @@ def test_a_delta_request_to_a_planner_without_deltas_is_unsupported(
     assert "4 tokens" in str(e.value)
 
 
+# plan_staged and plan_rounds take slot requests (staged as more ranges of the direct plan;
+# tests/features/rings/test_hybrid_requests.py); they still refuse delta requests (above).
 @pytest.mark.parametrize(("call", "planner"), [
-    (lambda t, r: t.plan_staged(r, src_staging=(1 << 40, 1 << 20),
-                                dst_staging=(1 << 41, 1 << 20)), "plan_staged"),
     (lambda t, r: t.plan_row_gather(r, pack=(1 << 40, 1 << 20)), "plan_row_gather"),
 ])
 def test_a_slot_request_to_a_page_only_planner_is_unsupported(

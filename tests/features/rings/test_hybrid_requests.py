@@ -185,16 +185,95 @@ def test_bad_slots_on_a_combined_request_are_refused_naming_the_values() -> None
     assert g.value.kind == "geometry"
 
 
+def _run_staged(staged: kvplan.StagedPlan, src_mem: Memory, got: Memory, written: np.ndarray,
+                staging: tuple[np.ndarray, np.ndarray]) -> None:
+    """Runs a staged plan's gather, network and scatter through host staging buffers (only
+    the bytes the plan says it uses)."""
+    src_st = Memory(staging[0][:staged.src_staging_bytes], int(staging[0].ctypes.data))
+    dst_st = Memory(staging[1][:staged.dst_staging_bytes], int(staging[1].ctypes.data))
+    apply_plan(staged.gather, src_mem, src_st, np.zeros(src_st.data.size, dtype=bool))
+    apply_plan(staged.network, src_st, dst_st, np.zeros(dst_st.data.size, dtype=bool))
+    apply_plan(staged.scatter, dst_st, got, written)
+
+
+def _run_rounds(rounds: kvplan.StagedRounds, src_mem: Memory, got: Memory, written: np.ndarray,
+                arenas: tuple[np.ndarray, np.ndarray]) -> None:
+    """Runs every round through its round buffers, each block inside its own buffer."""
+    src_arena, dst_arena = arenas
+    src_at, dst_at = Memory(src_arena, int(src_arena.ctypes.data)), Memory(
+        dst_arena, int(dst_arena.ctypes.data))
+    src_buffer = src_arena.size // rounds.buffers
+    offset = 0
+    for k, one in enumerate(rounds):
+        m = one.manifest
+        assert (m.index, m.n_rounds, m.offset) == (k, len(rounds), offset)
+        assert 0 < m.bytes <= rounds.buffer_bytes
+        offset += m.bytes
+        lo = src_at.base + m.buffer * src_buffer
+        assert int(one.gather.dst_addrs.min()) >= lo
+        assert int((one.gather.dst_addrs + one.gather.lengths).max()) <= lo + m.bytes
+        start, end = m.dst_bytes_range
+        assert rounds.dst_share[0] <= start and end <= rounds.dst_share[1]
+        assert int(one.scatter.src_addrs.min()) >= dst_at.base + start
+        assert int((one.scatter.src_addrs + one.scatter.lengths).max()) <= dst_at.base + end
+        apply_plan(one.gather, src_mem, src_at)
+        apply_plan(one.network, src_at, dst_at)
+        apply_plan(one.scatter, dst_at, got, written)
+    assert offset == rounds.bytes
+
+
+@pytest.mark.parametrize("rings", [(2, 5), (6, 3)])
+def test_staged_plans_and_rounds_move_a_hybrid_request_as_its_direct_plan(
+        rings: tuple[int, int]) -> None:
+    """A request with pages and a state slot (and its slot request alone, ring rows and all)
+    is planned staged and in rounds; run on host memory through staging buffers, each writes
+    the decode's bytes exactly as the direct plan does, every byte once."""
+    r_p, r_d = rings
+    rng = np.random.default_rng(20261207 + r_p)
+    src, src_mem = hybrid_side(r_p, pad=4, seed=r_p * 7 + r_d)
+    dst, dst_mem = hybrid_side(r_d)
+    t = kvplan.Template(src, dst)
+    for n in (1, 5, 12):
+        sp, dp = _pages(rng, n), _pages(rng, n)
+        s, d = int(rng.integers(SLOTS)), int(rng.integers(SLOTS))
+        for request in (kvplan.Request(sp, dp, slot=(s, d)),
+                        kvplan.Request(sp, dp, n_tokens=n, slot=(s, d)),
+                        kvplan.Request(slot=(s, d), n_tokens=n)):
+            direct = t.plan(request)
+            want = dst_mem.copy()
+            apply_plan(direct, src_mem, want, np.zeros(want.data.size, dtype=bool))
+            staging = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+            staged = t.plan_staged(request, src_staging=(int(staging[0].ctypes.data), 4096),
+                                   dst_staging=(int(staging[1].ctypes.data), 4096))
+            assert staged.src_staging_bytes == direct.total_bytes
+            got, written = dst_mem.copy(), np.zeros(dst_mem.data.size, dtype=bool)
+            _run_staged(staged, src_mem, got, written, staging)
+            case = (r_p, r_d, n, s, d, request)
+            assert np.array_equal(got.data, want.data), case
+            # Rounds of a few bytes, of about a third of the request, and one round.
+            for size in (7, direct.total_bytes // 3 + 1, direct.total_bytes + 1):
+                src_arena, dst_arena = np.zeros(2 * size, np.uint8), np.zeros(2 * size, np.uint8)
+                rounds = t.plan_rounds(
+                    request, src_arena=(int(src_arena.ctypes.data), src_arena.size),
+                    dst_arena=(int(dst_arena.ctypes.data), dst_arena.size), buffers=2)
+                assert rounds.bytes == direct.total_bytes
+                assert len(rounds) == -(-direct.total_bytes // size)
+                got, written = dst_mem.copy(), np.zeros(dst_mem.data.size, dtype=bool)
+                _run_rounds(rounds, src_mem, got, written, (src_arena, dst_arena))
+                assert np.array_equal(got.data, want.data), (case, size)
+
+
 def test_planners_that_plan_pages_or_a_slot_refuse_both_by_name() -> None:
     src, _ = hybrid_side(4)
     dst, _ = hybrid_side(4)
     t = kvplan.Template(src, dst)
     a = np.array([0, 1], dtype=np.int64)
     request = kvplan.Request(a, a, slot=(1, 2))
+    # A staged plan takes the request whole; a delta request it still refuses.
+    delta = kvplan.Request(a, a, n_tokens=2, skip_tokens=1, slot=(1, 2))
     with pytest.raises(kvplan.UnsupportedError) as e:
-        t.plan_staged(request, src_staging=(1 << 40, 1 << 20), dst_staging=(1 << 41, 1 << 20))
-    assert (e.value.planner, e.value.feature) == ("plan_staged", "pages_with_state")
-    assert "state slot (1, 2)" in str(e.value)
+        t.plan_staged(delta, src_staging=(1 << 40, 1 << 20), dst_staging=(1 << 41, 1 << 20))
+    assert (e.value.planner, e.value.feature) == ("plan_staged", "delta")
     with pytest.raises(kvplan.UnsupportedError) as p:
         t.plan_packed(request, pack=(1 << 40, 1 << 20))
     assert (p.value.planner, p.value.feature) == ("plan_packed", "pages_with_state")

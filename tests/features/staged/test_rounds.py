@@ -322,16 +322,18 @@ def test_bad_arenas_say_what_is_wrong() -> None:
         template.plan_rounds(kvplan.Request(sp, dp, n_tokens=16, skip_tokens=4),
                              src_arena=(1 << 40, 128), dst_arena=(1 << 44, 512))
     assert (e.value.planner, e.value.feature) == ("plan_rounds", "delta")
-    with pytest.raises(kvplan.UnsupportedError) as e:
-        template.plan_rounds(kvplan.Request(slot=(0, 1)), src_arena=(1 << 40, 128),
-                             dst_arena=(1 << 44, 512))
-    assert (e.value.planner, e.value.feature) == ("plan_rounds", "state_slot")
+    # State slots travel in rounds: a slot request is planned as its direct plan is (on this
+    # template, whose state this prefill rank does not send, no bytes and no round).
+    slot = kvplan.Request(slot=(0, 1))
+    rounds = template.plan_rounds(slot, src_arena=(1 << 40, 128), dst_arena=(1 << 44, 512))
+    assert rounds.bytes == template.plan(slot).total_bytes
+    assert len(rounds) == -(-rounds.bytes // rounds.buffer_bytes)
 
 
 def test_capabilities_declare_plan_rounds_as_plan_staged() -> None:
     from kvplan import capabilities
 
-    for feature in ("delta", "state_slot", "window", "token_plan", "ring"):
+    for feature in capabilities.features():
         assert capabilities.supports("plan_rounds", feature) == capabilities.supports(
             "plan_staged", feature), feature
 
