@@ -140,16 +140,21 @@ def installed_connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     exit."""
     bw = nixl.base_worker
     served: list[bytes] = []
+    # a PP prefill's stages, by PP rank: what its listener serves for (GET_META_MSG, pp, tp)
+    served_stages: dict[int, bytes] = {}
 
     class Socket:
+        asked_pp = 0
+
         def setsockopt(self, *args: Any) -> None:
             pass
 
         def send(self, msg: bytes) -> None:
-            pass
+            self.asked_pp = int(pickle.loads(msg)[1])
 
         def recv_multipart(self) -> list[bytes]:
-            return [served[-1], pickle.dumps(0.0)]
+            return [served_stages.get(self.asked_pp, served[-1] if served else b""),
+                    pickle.dumps(0.0)]
 
     @contextmanager
     def zmq_ctx(*args: Any) -> Iterator[Socket]:
@@ -172,7 +177,7 @@ def installed_connector(nixl: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     cls = vllm_nixl.connector_class()
     try:
         yield types.SimpleNamespace(Worker=cls.Worker, Connector=cls, served=served,
-                                    added=added, bw=bw)
+                                    served_stages=served_stages, added=added, bw=bw)
     finally:
         vllm_nixl.uninstall(cls.Worker)
 
@@ -191,9 +196,12 @@ def vllm_config(role: str, *, model: str = "org/model", revision: str = "abc123"
 
 
 def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
-           tp_rank: int = 0, tp_size: int = 1, geometry: Geometry = TESTS) -> Any:
+           tp_rank: int = 0, tp_size: int = 1, geometry: Geometry = TESTS,
+           layers: list[int] | None = None, pp_size: int = 1) -> Any:
     """A worker as vLLM's ``register_kv_caches`` leaves it (K and V regions per layer; one
-    region per layer for MLA), its regions back to back from ``base``."""
+    region per layer for MLA), its regions back to back from ``base``; with ``layers`` (the
+    global layer ids it holds, as many as the geometry's), each region's ``region_names``
+    entry, the name of the layer vLLM registered it for, and ``pp_size``."""
     w = object.__new__(c.Worker)
     g = geometry
     block = g.block_bytes(tp_size)
@@ -207,6 +215,12 @@ def worker(c: Any, nixl: Any, engine: str, config: Any, *, base: int,
         model_config=config.model_config, compat_hash=COMPAT_HASH, enforce_compat_hash=True,
         use_host_buffer=True, _is_csa_linear=False, xfer_handshake_metadata=None,
         transfer_topo=types.SimpleNamespace(handshake_target_ranks=lambda *a: [0]))
+    w.pp_size = pp_size
+    if layers is not None:
+        assert len(layers) == g.layers, (layers, g.layers)
+        per_layer = g.regions // g.layers
+        w.region_names = [f"model.layers.{layer}.self_attn.attn"
+                          for layer in layers for _ in range(per_layer)]
     return w
 
 

@@ -62,7 +62,7 @@ __all__ = ["install", "uninstall", "installed", "REPLACED_METHODS", "is_nixl_wor
            "report_load_failure", "kv_cache_group_count",
            "add_to_agent_metadata", "advertise_identity", "check_remote_identity", "identity_handshake", "peer_check",
            "manifest_layout", "NO_STATE_LAYOUT", "worker_identity", "worker_layout",
-           "check_region_layers"]
+           "check_region_layers", "check_pull_stage", "stage_check", "pp_rank"]
 
 # A child of vLLM's "vllm" logger: inside a vLLM process its INFO lines go through vLLM's own
 # handler, as the connector's do; elsewhere it is a plain logger.
@@ -515,29 +515,44 @@ def _extract_layer_index() -> Any:
     return importlib.import_module("vllm.model_executor.models.utils").extract_layer_index
 
 
-def worker_identity(worker: Any) -> Any:
+def worker_identity(worker: Any, layer_ids: bool = False) -> Any:
     """The NIXL worker's :class:`kvplan.LayoutIdentity` (:func:`worker_layout` with the
     semantics of its ``vllm_config``, transfer ``pull``; for a model with Mamba state its
     :func:`nixl_layout.state_layout`, one entry per layer behind each region, described by the
     layers' specs as its manifest check describes them, ``manifest.region_roles``: an
     attention layer's ``kv`` page, a Mamba layer's ``state`` of its spec's state bytes); None
-    while it has no layout."""
+    while it has no layout. A PP stage's layout (PP size above 1) holds each region's global
+    layer id and the stage's PP rank (:func:`pp_rank`); with ``layer_ids`` a worker at PP size
+    1 gives its layer ids too (what a PP stage's identity is compared with)."""
     import kvplan
     from kvplan.compat.vllm.semantics import NIXL_TRANSFER, worker_semantics
 
-    if worker.__dict__.get("_has_mamba"):
+    d = worker.__dict__
+    if d.get("_has_mamba"):
         layout, names, ids = nixl_layout.state_layout(worker, _extract_layer_index())
         try:
-            layout, _ = manifest.region_roles(layout, names, ids,
-                                              worker.__dict__.get("_layer_specs") or {}, "")
+            layout, _ = manifest.region_roles(layout, names, ids, d.get("_layer_specs") or {}, "")
         except ValueError:
             return None  # regions kvplan cannot describe: nothing checked, as before
+    elif layer_ids or int(d.get("pp_size", 1) or 1) != 1:
+        layout = worker_layout(worker, _extract_layer_index(), pp_rank(worker))
     else:
         layout = worker_layout(worker)
     if layout is None:
         return None
-    return kvplan.layout_identity(layout, worker_semantics(worker.__dict__.get("vllm_config"),
-                                                           NIXL_TRANSFER))
+    return kvplan.layout_identity(layout, worker_semantics(d.get("vllm_config"), NIXL_TRANSFER))
+
+
+def pp_rank(worker: Any) -> int | None:
+    """The worker's rank in its PP group (vLLM's ``get_pp_group().rank_in_group``; 0 at PP
+    size 1; None where vLLM's group is not set up)."""
+    if int(worker.__dict__.get("pp_size", 1) or 1) == 1:
+        return 0
+    try:
+        state = importlib.import_module("vllm.distributed.parallel_state")
+        return int(state.get_pp_group().rank_in_group)
+    except Exception:  # defensive: no PP group in this process
+        return None
 
 
 def peer_check(worker: Any) -> Any:
@@ -575,16 +590,111 @@ def check_remote_identity(worker: Any, metadata: Any) -> Any:
     identity (said once) or while this worker has none. A plannable verdict on two layouts of
     Mamba state is also refused where vLLM pairs the two sides' regions by index (0.32,
     0.33: no ``_pair_regions``) and a region holds other layers on the two sides
-    (:func:`check_region_layers`)."""
+    (:func:`check_region_layers`). A prefill's PP stage (its identity's PP size above 1) is
+    compared by global layer id with this worker's layout with its layer ids (a stage holding
+    layers this decode lacks is refused by the core, naming the layer), and a plannable one
+    is then refused as vLLM's pull read cannot take it (:func:`check_pull_stage`). A decode
+    that is itself a PP stage (a ``kv_both`` worker; vLLM refuses a ``kv_consumer`` at PP size
+    above 1) checks nothing, as before: vLLM reads its layers' slice of the prefill's regions,
+    which the core's pairing of whole layouts does not describe (said once per peer)."""
     from kvplan.identity import IDENTITY_KEY
 
     peer = f"engine {getattr(metadata, 'engine_id', '?')}"
     sent = getattr(metadata, IDENTITY_KEY, None)
-    check = peer_check(worker)
+    if int(worker.__dict__.get("pp_size", 1) or 1) != 1:
+        said = worker.__dict__.setdefault("_kvplan_stage_refusals", set())
+        if ("decode-stage", peer) not in said:
+            said.add(("decode-stage", peer))
+            logger.info("kvplan: this decode is a PP stage: vLLM reads its layers' slice of "
+                        "%s's regions, a pairing the layout identities do not describe: no "
+                        "compatibility check, transfers as before", peer)
+        return None
+    stage = _sent_pp_size(sent) > 1
+    check = stage_check(worker) if stage else peer_check(worker)
     verdict = check.check(peer, sent, local_role="decode")
+    if verdict and stage:
+        check_pull_stage(worker, check.local, sent, peer)
     if verdict and not hasattr(type(worker), "_pair_regions"):
         check_region_layers(worker, check.local, sent, peer)
     return verdict
+
+
+def _sent_pp_size(sent: Any) -> int:
+    layout = sent.get("layout") if isinstance(sent, dict) else None
+    try:
+        return int(layout.get("pp_size", 1) or 1) if isinstance(layout, dict) else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+#: The worker attribute holding the :class:`kvplan.identity.PeerCheck` of its identity with
+#: layer ids, which a prefill's PP stage is checked against.
+STAGE_CHECK_ATTR = "_kvplan_stage_identity_check"
+
+
+def stage_check(worker: Any) -> Any:
+    """The worker's :class:`kvplan.identity.PeerCheck` for a prefill's PP stage (made once):
+    its identity with each region's global layer id (``worker_identity(worker,
+    layer_ids=True)``), so the core pairs the stage's regions with this worker's by layer id.
+    The identity this worker sends stays :func:`peer_check`'s."""
+    check = worker.__dict__.get(STAGE_CHECK_ATTR)
+    if check is None:
+        from kvplan.identity import PeerCheck
+
+        failed: list[str] = []
+
+        def source() -> Any:  # not identity_source: this identity is no kvplan:layout_info
+            if failed:
+                return None
+            try:
+                return worker_identity(worker, True)
+            except Exception as exc:  # defensive: an engine config of another shape
+                failed.append(f"{type(exc).__name__}: {exc}")
+                logger.warning("kvplan: no layout identity with layer ids for this worker "
+                               "(%s): a prefill's PP stages are not checked", failed[0])
+                return None
+
+        check = PeerCheck(source, logger)
+        worker.__dict__[STAGE_CHECK_ATTR] = check
+    return check
+
+
+def check_pull_stage(worker: Any, local: Any, sent: Any, peer: str) -> None:
+    """Refuse (:class:`kvplan.IncompatiblePeerError`, ``refused_by == "pipeline"``, logged
+    once per peer at ERROR) a prefill's PP stage whose layers the core pairs with this
+    decode's: kvplan's NIXL connector is vLLM's pull mode, whose read does not take a prefill
+    at PP size above 1. vLLM 0.32 / 0.33 register one set of the prefill's regions per TP rank
+    and read its region ``i`` into the decode's region ``i``, so the decode's first layers would
+    take the stage's; vLLM 0.34 pairs regions by layer name and refuses a prefill that does not
+    hold every layer of the decode. The error names the stage's PP rank and size and both
+    sides' layer ids."""
+    from kvplan._errors import IncompatiblePeerError
+
+    if local is None:
+        return
+    theirs = sent["layout"]
+    stage_layers = sorted(set(int(n) for n in theirs.get("layer_ids") or ()))
+    my_layers = sorted(set(int(n) for n in local.layout.to_dict().get("layer_ids") or ()))
+    how = ("pairs regions by layer name and requires the prefill to hold every layer of the "
+           "decode" if hasattr(type(worker), "_pair_regions") else
+           "reads the prefill's KV region i into the decode's region i, from one set of "
+           "regions per prefill TP rank, so the decode's layers "
+           f"{my_layers[:len(stage_layers)]} would take the stage's {stage_layers}")
+    reason = (f"the prefill is PP stage {theirs.get('pp_rank')} of {theirs.get('pp_size')} "
+              f"holding layers {stage_layers}, the decode holds layers {my_layers}: vLLM's "
+              f"NIXL pull read does not take a prefill at PP size above 1 (it {how}); serve "
+              f"the prefill at PP size 1")
+    err = IncompatiblePeerError(
+        f"kvplan refuses transfers with peer {peer}: prefill {sent.get('class_id', '?')} "
+        f"({peer}) -> decode {local.class_id} (here): {reason}")
+    err.peer, err.local_class_id = peer, local.class_id
+    err.peer_class_id, err.local_role = str(sent.get("class_id", "")), "decode"
+    err.refused_by, err.reason = "pipeline", reason
+    said = worker.__dict__.setdefault("_kvplan_stage_refusals", set())
+    if peer not in said:
+        said.add(peer)
+        logger.error("%s", err)
+    raise err
 
 
 def check_region_layers(worker: Any, local: Any, sent: Any, peer: str) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["local_layout", "region_groups", "region_layers", "remote_layout", "state_layout",
-           "worker_layout", "worker_order"]
+__all__ = ["local_layout", "region_groups", "region_layer_ids", "region_layers", "remote_layout",
+           "state_layout", "worker_layout", "worker_order"]
 
 
 def worker_order(worker: Any) -> str | None:
@@ -25,33 +25,57 @@ def worker_order(worker: Any) -> str | None:
     return memory_order(d.get("vllm_config"), name or d.get("kv_cache_layout"))
 
 
-def worker_layout(worker: Any) -> Any:
+def worker_layout(worker: Any, layer_id: Any = None, pp_rank: int | None = None) -> Any:
     """The NIXL worker's registered regions as a :class:`kvplan.Layout`
     (:func:`kvplan.compat.vllm.semantics.regions_layout`: each region's block bytes, the
     block size and TP coordinates, the heads where whole); None before ``register_kv_caches``,
-    for a model with Mamba state, and at PP, DCP or PCP sizes above 1 (vLLM pairs those stages
-    and ranks region by region in ways a layout without their coordinates would refuse).
+    for a model with Mamba state, and at DCP or PCP sizes above 1 (vLLM pairs those ranks
+    region by region in ways a layout without their coordinates would refuse).
+    With ``layer_id`` (vLLM's ``extract_layer_index``), each region's global layer id, read
+    from the layer vLLM registered it for (``region_names``): a PP stage's layout (PP size
+    above 1) has them and the stage's ``pp_rank``, or is None, since without them the stage's
+    regions would be compared with the first layers of a peer's.
     The heads in the memory order :func:`worker_order` says: the layout identity, the
     manifest check and the staged reads all describe the blocks in the one order."""
     from kvplan.compat.vllm.semantics import regions_layout
 
     d = worker.__dict__
     if d.get("_has_mamba") or any(int(d.get(size, 1) or 1) != 1
-                                  for size in ("pp_size", "dcp_size", "pcp_size")):
+                                  for size in ("dcp_size", "pcp_size")):
         return None
+    pp_size = int(d.get("pp_size", 1) or 1)
     tp_rank = int(d.get("tp_rank", 0) or 0)
     try:
         ptrs = [int(p) for p in d["kv_caches_base_addr"][d["engine_id"]][tp_rank]]
     except (KeyError, TypeError):
+        return None
+    ids = region_layer_ids(worker, layer_id) if layer_id is not None else None
+    if pp_size != 1 and (ids is None or len(ids) != len(ptrs) or pp_rank is None):
         return None
     items = [int(n) for n in d.get("block_len_per_layer") or ()]
     blocks = int(d.get("num_blocks", 0) or 0) * int(
         d.get("_physical_blocks_per_logical_kv_block", 1) or 1) or 1
     context: dict[str, Any] = dict(page_size=int(d.get("block_size", 1) or 1), tp_rank=tp_rank,
                                    tp_size=int(d.get("world_size", 1) or 1))
-    return regions_layout(ptrs, items, None, blocks=blocks, context=context,
+    if pp_size != 1:
+        context.update(pp_rank=int(pp_rank or 0), pp_size=pp_size)
+    return regions_layout(ptrs, items, ids, blocks=blocks, context=context,
                           use_mla=bool(d.get("use_mla")), model_config=d.get("model_config"),
                           order=worker_order(worker))
+
+
+def region_layer_ids(worker: Any, layer_id: Any) -> list[int] | None:
+    """Each registered region's global layer id, ``layer_id`` (vLLM's
+    ``extract_layer_index``) of the layer vLLM registered it for (its ``region_names``, one
+    name per region); None where vLLM recorded no name per region or a name has no id."""
+    d = worker.__dict__
+    names = [str(n) for n in d.get("region_names") or ()]
+    if not names or len(names) != len(d.get("block_len_per_layer") or ()):
+        return None
+    try:
+        return [int(layer_id(name)) for name in names]
+    except (AssertionError, ValueError, TypeError):
+        return None
 
 
 def region_layers(worker: Any) -> list[list[str]] | None:
