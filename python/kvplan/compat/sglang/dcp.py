@@ -10,14 +10,15 @@ from typing import Any, cast
 import numpy as np
 
 from kvplan import _core
-from kvplan._core import Layout, Pairing, SizeMismatchError, Template, TransferPlan
+from kvplan._core import SizeMismatchError, Template, TransferPlan
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.metrics import planned
 from kvplan.compat.sglang.registry import MOONCAKE_MANAGER, sglang_method
+from kvplan.compat.sglang.rounds import maybe_send, staging_of
 from kvplan.compat.sglang.seams import mla_slicer, owns_transfer_data
 from kvplan.compat.sglang.submit import send_all, engine_status
-from kvplan.compat.sglang.templates import as_index, kv_args_lens
+from kvplan.compat.sglang.templates import as_index, dcp_template, kv_args_lens
 
 #: SGLang's module holding ``try_pack_dcp_src`` and its gather kernel.
 DCP_PACK_MODULE = "sglang.srt.disaggregation.common.dcp_pack"
@@ -25,9 +26,8 @@ DCP_PACK_MODULE = "sglang.srt.disaggregation.common.dcp_pack"
 
 def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: list[int],
                   dst_ids: list[int] | None, dcp_size: int, dcp_rank: int) -> Template:
-    """Prefill (DCP 1) -> decode DCP rank ``dcp_rank`` of ``dcp_size``, cached per peer and
-    rank. Rows are ``token_lens[i]`` bytes; target pages hold ``page_size`` rows, draft pages
-    (not dealt) ``page_size * dcp_size`` rows, as SGLang addresses them."""
+    """:func:`dcp_template` of the manager's pools to one decode rank's, cached per peer and
+    rank."""
     kv_args = manager.kv_args
     src_ptrs = list(kv_args.kv_data_ptrs)
     src_ids = published_ids(kv_args.kv_layer_ids)
@@ -37,23 +37,9 @@ def _dcp_template(manager: Any, session: str, dst_ptrs: list[int], token_lens: l
               dcp_size, dcp_rank)
 
     def build() -> Template:
-        n_src, n_dst = len(src_ptrs), len(dst_ptrs)
-        src_drafts = [i >= n_src - num_draft for i in range(n_src)]
-        pairs = _core.pair_entries(src_ids, dst_ids, n_src, n_dst, False)
-        dst_drafts = [False] * n_dst
-        dst_items = [0] * n_dst
-        for i, j in pairs.tolist():
-            dst_drafts[j] = src_drafts[i]
-            dst_items[j] = token_lens[i] * page * (dcp_size if src_drafts[i] else 1)
-        for j in range(n_dst):  # unpaired decode entries: never written, sized as a target
-            if dst_items[j] == 0:
-                dst_items[j] = token_lens[0] * page
-        src = Layout(src_ptrs, kv_args_lens(kv_args, src_ptrs),
-                     [w * page for w in token_lens[:n_src]], src_ids, drafts=src_drafts,
-                     page_size=page)
-        dst = Layout(dst_ptrs, unbounded_lens(dst_ptrs), dst_items, dst_ids, drafts=dst_drafts,
-                     page_size=page, dcp_size=dcp_size, dcp_rank=dcp_rank)
-        return Template(src, dst, Pairing.by_layer_id())
+        return dcp_template((src_ptrs, kv_args_lens(kv_args, src_ptrs)),
+                            (dst_ptrs, unbounded_lens(dst_ptrs)), token_lens, page, num_draft,
+                            src_ids, dst_ids, dcp_size, dcp_rank)
 
     return cast(Template, template_cache(manager).get(session, "dcp", inputs, build))
 
@@ -132,6 +118,11 @@ def send_kvcache_dcp(
     network blocks go to ``_transfer_data``; only when kvplan's gather is the kernel's (see
     :func:`_pack_with_sglangs_kernel`).
 
+    With staging in rounds agreed with the decode (``kvplan.compat.sglang.rounds``), the
+    rank's rows go through the two arenas in rounds instead (``rounds.maybe_send``: the open
+    message carries the DCP deal and the token count, the decode plans the same rounds with
+    its own pools), whether or not a pack buffer was given.
+
     SGLang's own method runs for what kvplan does not plan: a pack buffer with draft entries
     (kvplan packs the draft rows after the target rows, SGLang sends them from the pool: the
     layouts differ), a pack buffer too small for the rank's rows (SGLang then sends per
@@ -185,12 +176,20 @@ def send_kvcache_dcp(
             if entry >= len(dst_at) or dst_kv_item_lens[dst_at[entry]] != (
                     token_lens[entry] * page * size):
                 return sglangs()  # head-sliced or invalid draft widths: SGLang decides
-    template = _dcp_template(self, mooncake_session_id, list(dst_kv_ptrs), token_lens, dst_ids,
-                             size, rank)
     # each side's pages in token order: the lists differ in length (tokens are dealt)
     src, dst = as_index(prefill_kv_indices), as_index(dst_kv_indices)
     # The chunk starts a whole number of decode virtual pages after the prefix: drop them.
     dst = np.ascontiguousarray(dst[src_page_offset // size:])
+    if staging_of(self) is not None:
+        staged = maybe_send(self, mooncake_session_id, src, dst_kv_ptrs, dst, kind="dcp",
+                            dst_layer_ids=dst_layer_ids, n_tokens=int(num_kv_tokens),
+                            dcp_geometry=dict(token_lens=token_lens, page_size=page,
+                                              num_draft=num_draft, dcp_size=size,
+                                              dcp_rank=rank))
+        if staged is not None:
+            return staged
+    template = _dcp_template(self, mooncake_session_id, list(dst_kv_ptrs), token_lens, dst_ids,
+                             size, rank)
     if pack_buffer is not None:
         packed = _pack_with_sglangs_kernel(template, src, dst, int(num_kv_tokens), pack_buffer)
         if packed is None:

@@ -17,9 +17,9 @@ The pieces, per manager (``manager._kvplan_staging``, a :class:`SglangStaging`):
   protocol's), carried on a kvplan-owned connection: SGLang's bootstrap socket parses its
   messages by position, so a message it does not know would be misread by a peer without
   kvplan;
-* prefill: :func:`maybe_send` (called by the ``send_kvcache`` and ``send_kvcache_slice``
-  drop-ins) asks ``choose_path``; when staged it sends the decode an open message (the
-  request's page ids and the prefill's geometry, no memory addresses), then
+* prefill: :func:`maybe_send` (called by the ``send_kvcache``, ``send_kvcache_slice`` and
+  ``send_kvcache_dcp`` drop-ins) asks ``choose_path``; when staged it sends the decode an open
+  message (the request's page ids and the prefill's geometry, no memory addresses), then
   ``send_staged`` through the manager's engine. It returns only after the decode acknowledged
   the last round's scatter, so SGLang's Success, sent after the drop-in returns 0, always
   follows the last byte in the decode's pool. A ``StagingError`` is logged with its reason and
@@ -30,7 +30,8 @@ The pieces, per manager (``manager._kvplan_staging``, a :class:`SglangStaging`):
   into its pool (``ReceiveStaged`` admitted by ``ArenaShares``).
 
 Supported geometries: MLA-style pools (one item per page per entry, paired by layer id or
-position) and MHA NHD between TP sizes (head-sliced, SGLang's slot order), prefill PP 1. Any
+position), MHA NHD between TP sizes (head-sliced, SGLang's slot order) and a prefill at DCP 1
+sending one decode DCP rank its dealt tokens (``send_kvcache_dcp``), prefill PP 1. Any
 other request keeps the direct path. The KV pools are reached as host memory; device pools
 need the torch executor's gather and scatter, which this drop-in does not call yet.
 """
@@ -56,7 +57,7 @@ from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.model_config import config_kv_heads, config_rope
-from kvplan.compat.sglang.templates import as_index
+from kvplan.compat.sglang.templates import as_index, dcp_template
 from kvplan.compat.sglang.verdicts import staged_unwritten
 from kvplan.compat.sglang.wrapping import unwrap, wrap
 from kvplan.staging import (
@@ -144,7 +145,35 @@ def _template(geometry: dict[str, Any], prefill: tuple[list[int], list[int]] | N
             prefill_pools=None if prefill is None else (prefill[0], prefill[1]),
             decode_pools=None if decode is None else (decode[0], decode[1]),
             decode_item_len=None if decode is None else int(decode[2][0]), **g)
+    if kind == "dcp":
+        token_lens = [int(n) for n in geometry["token_lens"]]
+        src_pools = prefill if prefill is not None else _standins(len(token_lens))
+        dst_pools = (decode[0], decode[1]) if decode is not None else _standins(
+            int(geometry["n_dst"]))
+        return dcp_template(
+            (list(src_pools[0]), list(src_pools[1])), (list(dst_pools[0]), list(dst_pools[1])),
+            token_lens, int(geometry["page_size"]), int(geometry["num_draft"]),
+            geometry.get("src_ids"), geometry.get("dst_ids"), int(geometry["dcp_size"]),
+            int(geometry["dcp_rank"]), None if decode is None else list(decode[2]))
     raise KvPlanError(f"kvplan staging: unknown request geometry {kind!r}")
+
+
+def _request(src_pages: Any, dst_pages: Any, n_tokens: int | None) -> Any:
+    """The page pair as the template plans it: with the token count where one is given (a
+    DCP chunk: the decode's page list is the rank's share of the tokens)."""
+    if n_tokens is None:
+        return (src_pages, dst_pages)
+    return Request(src_pages, dst_pages, n_tokens=int(n_tokens))
+
+
+def _plan_rounds(template: Template, request: Any, agreement: StagingAgreement) -> Any:
+    """``template.plan_rounds`` of ``request`` (:func:`_request`) through the agreed arenas."""
+    src_arena, dst_arena, buffers = agreement.src_arena, agreement.dst_arena, agreement.buffers
+    if isinstance(request, Request):
+        return template.plan_rounds(request, src_arena=src_arena, dst_arena=dst_arena,
+                                    buffers=buffers)
+    return template.plan_rounds(request[0], request[1], src_arena=src_arena,
+                                dst_arena=dst_arena, buffers=buffers)
 
 
 class SglangStaging:
@@ -289,10 +318,9 @@ class SglangStaging:
                 raise KvPlanError("the decode's KV pools are not host memory of this process "
                                   "(device pools need the torch executor's scatter)")
             template = _template(msg["geometry"], None, (pools, lens, items))
-            rounds = template.plan_rounds(
-                as_index(msg["src_pages"]), as_index(msg["dst_pages"]),
-                src_arena=outcome.src_arena, dst_arena=outcome.dst_arena,
-                buffers=outcome.buffers)
+            rounds = _plan_rounds(template, _request(
+                as_index(msg["src_pages"]), as_index(msg["dst_pages"]), msg.get("n_tokens")),
+                outcome)
             scatter = local_copy([self.arena.array], host_views(zip(pools, lens)))
         except Exception as exc:  # refused here: the prefill is told, its request fails
             _log.error("kvplan: staged request %s refused by the decode: %s: %s", request,
@@ -685,12 +713,16 @@ def _mla_geometry(manager: Any, dst_ptrs: Sequence[int], dst_layer_ids: Any,
 def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs: Sequence[int],
                dst_kv_indices: Any, *, kind: str, dst_layer_ids: Any = None,
                slice_geometry: dict[str, Any] | None = None,
-               dst_item: int | None = None) -> int | None:
+               dst_item: int | None = None, dcp_geometry: dict[str, Any] | None = None,
+               n_tokens: int | None = None) -> int | None:
     """The prefill's staged path for one call, or ``None`` for the direct path (no staging on
     this manager, no agreement with ``session``, a geometry it does not stage, or
-    ``choose_path`` says direct). Returns 0 once the decode scattered every round, -1 when a
-    ``StagingError`` failed the request (logged with its reason; SGLang's transfer worker then
-    fails the request)."""
+    ``choose_path`` says direct). ``kind="dcp"`` (``send_kvcache_dcp``) takes
+    ``dcp_geometry`` (the rows' ``token_lens``, ``page_size``, ``num_draft``, ``dcp_size``,
+    ``dcp_rank``) and the chunk's ``n_tokens``: the open message carries both, so the decode
+    plans the rank's share of the tokens as the prefill does. Returns 0 once the decode
+    scattered every round, -1 when a ``StagingError`` failed the request (logged with its
+    reason; SGLang's transfer worker then fails the request)."""
     staging = staging_of(manager)
     if staging is None:
         return None
@@ -703,6 +735,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     kv = manager.kv_args
     src_ptrs, src_lens = [int(p) for p in kv.kv_data_ptrs], [int(n) for n in kv.kv_data_lens]
     dst_ptrs = [int(p) for p in dst_kv_ptrs]
+    decode_side: tuple[list[int], list[int], list[int]] | None
     if kind == "mla":
         info = getattr(manager, "decode_kv_args_table", {}).get(session)
         dst_items = list(getattr(info, "dst_kv_item_lens", None) or kv.kv_item_lens)
@@ -713,26 +746,32 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     elif kind == "mha_slice" and slice_geometry is not None and dst_item is not None:
         geometry = {"kind": kind, "template": dict(slice_geometry)}
         decode_side = (dst_ptrs, unbounded_lens(dst_ptrs), [int(dst_item)] * len(dst_ptrs))
+    elif kind == "dcp" and dcp_geometry is not None and n_tokens is not None:
+        geometry = {"kind": kind, "src_ids": published_ids(kv.kv_layer_ids),
+                    "dst_ids": published_ids(dst_layer_ids), "n_dst": len(dst_ptrs),
+                    **dcp_geometry}
+        decode_side = None  # the prefill's rows size the decode's pages (stand-ins)
     else:
         return None
     if not staging.host_kv(src_ptrs, src_lens):
         return None
     src_pages, dst_pages = as_index(prefill_kv_indices), as_index(dst_kv_indices)
     template = _template(geometry, (src_ptrs, src_lens), decode_side)
-    choice = choose_path(template, (src_pages, dst_pages), staging.costs, agreement,
+    planned_request = _request(src_pages, dst_pages, n_tokens)
+    choice = choose_path(template, planned_request, staging.costs, agreement,
                          mode=staging.config.mode)
     if not choice.staged:
         staging.last[session] = ("direct", choice.why)
         return None
     request = staging.next_request(session)
-    rounds = template.plan_rounds(src_pages, dst_pages, src_arena=agreement.src_arena,
-                                  dst_arena=agreement.dst_arena, buffers=agreement.buffers)
+    rounds = _plan_rounds(template, planned_request, agreement)
     writer = int(rounds.sender[0])
     open_msg = OPEN_MAGIC + json.dumps({
         "request": request, "writer": writer, "reply": staging.reply_to,
         "rank": staging.rank, "geometry": geometry, **identity_field(staging),
         "caps": Capabilities.local([staging.arena.info(staging.rank)]).to_dict(),
-        "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist()}).encode()
+        "src_pages": src_pages.tolist(), "dst_pages": dst_pages.tolist(),
+        **({} if n_tokens is None else {"n_tokens": int(n_tokens)})}).encode()
     engine = _ManagerRounds(manager)
     events: list[tuple[str, int]] = []
     try:
@@ -767,7 +806,7 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     # by the core's validation (nothing planned)
     if _log.isEnabledFor(logging.INFO):  # the count walks the request: only when it is said
         direct = (choice.advice.direct_blocks if choice.advice is not None else
-                  template.n_blocks_for(Request(src_pages, dst_pages)))
+                  template.n_blocks_for(Request(src_pages, dst_pages, n_tokens=n_tokens)))
         _log.info("kvplan: staged request %s to %s: %d pages in %d rounds, %d network blocks "
                   "(direct plan: %d blocks); why: %s", request, session, len(src_pages),
                   report.rounds, report.network_blocks, direct, choice.why)

@@ -1,6 +1,6 @@
 """SGLang's call -> a cached :class:`kvplan.Template`: pairing by layer id, SGLang's positional
-PP slicing (MHA, MLA, Ascend NPU groups), head-sliced MHA, and Mamba state, each reading only
-what SGLang's method reads; and the page index arrays of a request."""
+PP slicing (MHA, MLA, Ascend NPU groups), head-sliced MHA, the DCP token deal and Mamba state,
+each reading only what SGLang's method reads; and the page index arrays of a request."""
 
 from __future__ import annotations
 
@@ -452,3 +452,34 @@ def _mamba_slice_template(manager: Any, session: str, src_state_data_ptrs: Seque
         return Template(src, dst, Pairing.by_layer_id())
 
     return cast(Template, template_cache(manager).get(session, "mamba-slice", inputs, build))
+
+
+def dcp_template(src: tuple[list[int], list[int]], dst: tuple[list[int], list[int]],
+                 token_lens: list[int], page: int, num_draft: int, src_ids: list[int] | None,
+                 dst_ids: list[int] | None, dcp_size: int, dcp_rank: int,
+                 dst_items: list[int] | None = None) -> Template:
+    """Prefill (DCP 1) pools ``src`` -> decode DCP rank ``dcp_rank`` of ``dcp_size`` pools
+    ``dst`` (each ``(pointers, byte lengths)``). Rows are ``token_lens[i]`` bytes; target pages
+    hold ``page`` rows, draft pages (the last ``num_draft`` prefill entries, not dealt)
+    ``page * dcp_size`` rows, as SGLang addresses them. ``dst_items``: the decode's own page
+    bytes per entry (a decode planning its staged rounds with its pools); by default what the
+    prefill's rows make of them."""
+    src_ptrs, src_lens = src
+    dst_ptrs, dst_lens = dst
+    n_src, n_dst = len(src_ptrs), len(dst_ptrs)
+    src_drafts = [i >= n_src - num_draft for i in range(n_src)]
+    pairs = _core.pair_entries(src_ids, dst_ids, n_src, n_dst, False)
+    dst_drafts = [False] * n_dst
+    items = [0] * n_dst
+    for i, j in pairs.tolist():
+        dst_drafts[j] = src_drafts[i]
+        items[j] = token_lens[i] * page * (dcp_size if src_drafts[i] else 1)
+    for j in range(n_dst):  # unpaired decode entries: never written, sized as a target
+        if items[j] == 0:
+            items[j] = token_lens[0] * page
+    src_layout = Layout(list(src_ptrs), list(src_lens), [w * page for w in token_lens[:n_src]],
+                        src_ids, drafts=src_drafts, page_size=page)
+    dst_layout = Layout(list(dst_ptrs), list(dst_lens),
+                        list(dst_items) if dst_items is not None else items, dst_ids,
+                        drafts=dst_drafts, page_size=page, dcp_size=dcp_size, dcp_rank=dcp_rank)
+    return Template(src_layout, dst_layout, Pairing.by_layer_id())
