@@ -31,7 +31,7 @@ from kvplan.compat.sglang.submit import (
 )
 from kvplan.compat.sglang.verdicts import FailedBlocks
 from kvplan.compat.sglang.templates import (
-    _ids_template,
+    _generic_template,
     _mamba_slice_template,
     _mamba_template,
     _page_arrays,
@@ -128,29 +128,6 @@ def _state_stride_failure(self: Any, session: str, src_data_ptrs: list[int],
     sglang_global("logger").error(mismatch)
     self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=mismatch)
     return -1
-
-
-def _generic_template(self: Any, session: str, src_data_ptrs: list[int],
-                      dst_data_ptrs: list[int], item_lens: list[int],
-                      src_layer_ids: list[int] | None, dst_layer_ids: list[int] | None,
-                      force_flat: bool) -> Template | None:
-    """The cached template ``_send_kvcache_generic`` plans a KV request with, following
-    SGLang's branch (reading what it reads in its order); ``None`` where SGLang's own method
-    runs (a replaced slicer, compressed MLA)."""
-    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
-    src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
-    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
-        if src_ids or dst_ids:
-            return _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
-                                 dst_ids, self.pp_size == 1)
-        slicer = mla_slicer(self)
-        if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
-                self.kv_args, "mla_compression_ratios", None)):
-            return None
-        return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, slicer)
-    if not owns_mha_slicer(self):
-        return None
-    return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
 
 
 def send_kvcache_batch(

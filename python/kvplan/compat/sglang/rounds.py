@@ -31,8 +31,10 @@ The pieces, per manager (``manager._kvplan_staging``, a :class:`SglangStaging`):
 
 Supported geometries: MLA-style pools (one item per page per entry, paired by layer id or
 position), MHA NHD between TP sizes (head-sliced, SGLang's slot order) and a prefill at DCP 1
-sending one decode DCP rank its dealt tokens (``send_kvcache_dcp``), prefill PP 1. Any
-other request keeps the direct path. The KV pools are reached as host memory; device pools
+sending one decode DCP rank its dealt tokens (``send_kvcache_dcp``), prefill PP 1; MLA-style
+pools and MHA slices also from a stage of a prefill PP (:mod:`kvplan.compat.sglang.stages`:
+the open message names the decode entry each of the stage's entries fills). Any other request
+keeps the direct path. The KV pools are reached as host memory; device pools
 need the torch executor's gather and scatter, which this drop-in does not call yet.
 """
 
@@ -57,6 +59,7 @@ from kvplan.identity import (IDENTITY_KEY, ModelSemantics, PeerCheck, declarable
 from kvplan.compat.sglang import metrics
 from kvplan.compat.sglang.layouts import published_ids, unbounded_lens
 from kvplan.compat.sglang.model_config import config_kv_heads, config_rope
+from kvplan.compat.sglang.stages import pp_stage, stage_slot_ids
 from kvplan.compat.sglang.templates import as_index, dcp_template
 from kvplan.compat.sglang.verdicts import staged_unwritten
 from kvplan.compat.sglang.wrapping import unwrap, wrap
@@ -134,13 +137,28 @@ def _template(geometry: dict[str, Any], prefill: tuple[list[int], list[int]] | N
         else:
             dst_ptrs, dst_lens = _standins(n_dst)
             dst_items = [int(n) for n in geometry["dst_items"]]
-        src = Layout(list(src_ptrs), list(src_lens), items, src_ids)
+        stage = geometry.get("stage")
+        by_slot = stage_slot_ids(stage, len(dst_ptrs))
+        if by_slot is not None:  # a prefill PP stage: its entries' decode slots
+            src_ids, dst_ids = by_slot
+        pp_rank, pp_size = (int(stage["pp_rank"]), int(stage["pp_size"])) if stage else (0, 1)
+        src = Layout(list(src_ptrs), list(src_lens), items, src_ids, pp_rank=pp_rank,
+                     pp_size=pp_size)
         dst = Layout(list(dst_ptrs), list(dst_lens), list(dst_items), dst_ids)
-        return Template(src, dst, Pairing.by_layer_id(allow_positional_fallback=True))
+        return Template(src, dst,
+                        Pairing.by_layer_id(allow_positional_fallback=by_slot is None))
     if kind == "mha_slice":
         from kvplan.compat.sglang.staged import staged_template
 
         g = dict(geometry["template"])
+        stage = geometry.get("stage")
+        if stage:  # a prefill PP stage: its slots' decode slots, its share of the arena
+            if decode is None:
+                raise KvPlanError("kvplan staging: a prefill PP stage's head-sliced template "
+                                  "needs the decode's pools")
+            src_ids, dst_ids = stage_slot_ids(stage, len(decode[0])) or ([], [])
+            g.update(prefill_pp_size=int(stage["pp_size"]), prefill_pp_rank=int(stage["pp_rank"]),
+                     prefill_slot_ids=src_ids, decode_slot_ids=dst_ids)
         return staged_template(
             prefill_pools=None if prefill is None else (prefill[0], prefill[1]),
             decode_pools=None if decode is None else (decode[0], decode[1]),
@@ -385,7 +403,12 @@ class SglangStaging:
 
     # ---------------------------------------------------------------- prefill
     def next_request(self, session: str) -> str:
-        return f"{self.manager.kv_args.engine_rank}:{session}:{next(self._ids)}"
+        kv = self.manager.kv_args
+        # the PP stages of one TP rank send to the same decode session: the stage tells them
+        # apart
+        stage = int(getattr(kv, "pp_rank", 0) or 0)
+        rank = f"{kv.engine_rank}.{stage}" if stage else f"{kv.engine_rank}"
+        return f"{rank}:{session}:{next(self._ids)}"
 
 
 class _Written:
@@ -730,7 +753,11 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
     if refused is not None:  # said once when the decode registered; the request fails
         return -1
     agreement = staging.peers.get(session)
-    if not isinstance(agreement, StagingAgreement) or int(manager.pp_size) != 1:
+    if not isinstance(agreement, StagingAgreement):
+        return None
+    stage = pp_stage(manager, session, kind, dst_kv_ptrs, dst_layer_ids, slice_geometry,
+                     dst_item)
+    if stage is None:
         return None
     kv = manager.kv_args
     src_ptrs, src_lens = [int(p) for p in kv.kv_data_ptrs], [int(n) for n in kv.kv_data_lens]
@@ -753,6 +780,8 @@ def maybe_send(manager: Any, session: str, prefill_kv_indices: Any, dst_kv_ptrs:
         decode_side = None  # the prefill's rows size the decode's pages (stand-ins)
     else:
         return None
+    if stage:
+        geometry["stage"] = stage
     if not staging.host_kv(src_ptrs, src_lens):
         return None
     src_pages, dst_pages = as_index(prefill_kv_indices), as_index(dst_kv_indices)

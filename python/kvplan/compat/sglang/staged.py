@@ -53,7 +53,8 @@ def _placeholders(n: int) -> tuple[list[int], list[int]]:
 def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int,
                     decode_rank: int, page_size: int, head_dim: int, dtype_size: int,
                     num_layers: int, decode_slots: int | None = None,
-                    prefill_pp_size: int = 1, prefill_slot_ids: Sequence[int] | None = None,
+                    prefill_pp_size: int = 1, prefill_pp_rank: int = 0,
+                    prefill_slot_ids: Sequence[int] | None = None,
                     decode_slot_ids: Sequence[int] | None = None,
                     prefill_pools: tuple[Sequence[int], Sequence[int]] | None = None,
                     decode_pools: tuple[Sequence[int], Sequence[int]] | None = None,
@@ -66,7 +67,9 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     of ``dtype_size`` bytes, split over each side's TP as SGLang splits them (``max(1, heads //
     tp)`` per rank). Prefill PP 1 pairs slot ``i`` with decode slot ``i`` (``num_layers`` layers
     on both sides); prefill PP > 1 pairs by the slots' layer ids (``prefill_slot_ids``,
-    ``decode_slot_ids``), occurrences in order, as SGLang's ``build_transfer_entry_pairs``.
+    ``decode_slot_ids``), occurrences in order, as SGLang's ``build_transfer_entry_pairs``;
+    ``prefill_pp_rank`` is the stage's rank, which gives it its own share of the decode's arena
+    in staged rounds (the stages write one decode arena at once).
 
     ``prefill_pools`` / ``decode_pools`` are ``(pointers, byte lengths)`` of the slots' pool
     tensors; a side given as None gets placeholder pools, so only the plans that do not touch
@@ -112,7 +115,7 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
                                   else int(page_size) * src_hpr * head_bytes)
     src = Layout(src_ptrs, src_lens, src_items, src_ids,
                  tp_rank=r_p, tp_size=tp_p, heads_per_rank=src_hpr,
-                 pp_size=int(prefill_pp_size), **geometry)
+                 pp_rank=int(prefill_pp_rank), pp_size=int(prefill_pp_size), **geometry)
     dst_item = int(decode_item_len) if decode_item_len is not None else (
         int(page_size) * dst_hpr * head_bytes)
     dst = Layout(dst_ptrs, dst_lens, dst_item, dst_ids, tp_rank=int(decode_rank) % tp_d,

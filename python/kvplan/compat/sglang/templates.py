@@ -16,6 +16,7 @@ from kvplan._core import Layout, Pairing, Template
 from kvplan.compat.sglang.cache import template_cache
 from kvplan.compat.sglang.layouts import published_ids, kv_roles, unbounded_lens
 from kvplan.compat.sglang.registry import ASCEND_MANAGER, sglang_global
+from kvplan.compat.sglang.seams import mla_slicer, owns_mha_slicer
 from kvplan.compat.sglang.settings import setting_decode_kv_layers
 
 
@@ -223,6 +224,29 @@ def _positional_template(manager: Any, session: str, path: str, src_ptrs: list[i
         return _legacy_mla(src_ptrs, dst_ptrs, items, src_lens, known, how)
 
     return cast(Template, template_cache(manager).get(session, path, inputs, build))
+
+
+def _generic_template(self: Any, session: str, src_data_ptrs: list[int],
+                      dst_data_ptrs: list[int], item_lens: list[int],
+                      src_layer_ids: list[int] | None, dst_layer_ids: list[int] | None,
+                      force_flat: bool) -> Template | None:
+    """The cached template ``_send_kvcache_generic`` plans a KV request with, following
+    SGLang's branch (reading what it reads in its order); ``None`` where SGLang's own method
+    runs (a replaced slicer, compressed MLA)."""
+    src_ptrs, dst_ptrs, items = list(src_data_ptrs), list(dst_data_ptrs), list(item_lens)
+    src_ids, dst_ids = published_ids(src_layer_ids), published_ids(dst_layer_ids)
+    if self.is_mla_backend or self.is_hybrid_mla_backend or force_flat or src_ids or dst_ids:
+        if src_ids or dst_ids:
+            return _ids_template(self, session, "kv", src_ptrs, dst_ptrs, items, src_ids,
+                                 dst_ids, self.pp_size == 1)
+        slicer = mla_slicer(self)
+        if slicer is None or (len(src_ptrs) != len(dst_ptrs) and getattr(
+                self.kv_args, "mla_compression_ratios", None)):
+            return None
+        return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, slicer)
+    if not owns_mha_slicer(self):
+        return None
+    return _positional_template(self, session, "kv", src_ptrs, dst_ptrs, items, "mha")
 
 
 def as_index(arr: Any) -> npt.NDArray[Any]:
