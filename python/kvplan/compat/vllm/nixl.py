@@ -668,8 +668,6 @@ def check_pull_stage(worker: Any, local: Any, sent: Any, peer: str) -> None:
     take the stage's; vLLM 0.34 pairs regions by layer name and refuses a prefill that does not
     hold every layer of the decode. The error names the stage's PP rank and size and both
     sides' layer ids."""
-    from kvplan._errors import IncompatiblePeerError
-
     if local is None:
         return
     theirs = sent["layout"]
@@ -684,17 +682,7 @@ def check_pull_stage(worker: Any, local: Any, sent: Any, peer: str) -> None:
               f"holding layers {stage_layers}, the decode holds layers {my_layers}: vLLM's "
               f"NIXL pull read does not take a prefill at PP size above 1 (it {how}); serve "
               f"the prefill at PP size 1")
-    err = IncompatiblePeerError(
-        f"kvplan refuses transfers with peer {peer}: prefill {sent.get('class_id', '?')} "
-        f"({peer}) -> decode {local.class_id} (here): {reason}")
-    err.peer, err.local_class_id = peer, local.class_id
-    err.peer_class_id, err.local_role = str(sent.get("class_id", "")), "decode"
-    err.refused_by, err.reason = "pipeline", reason
-    said = worker.__dict__.setdefault("_kvplan_stage_refusals", set())
-    if peer not in said:
-        said.add(peer)
-        logger.error("%s", err)
-    raise err
+    raise _refusal(worker, local, sent, peer, "pipeline", reason)
 
 
 def check_region_layers(worker: Any, local: Any, sent: Any, peer: str) -> None:
@@ -704,8 +692,6 @@ def check_region_layers(worker: Any, local: Any, sent: Any, peer: str) -> None:
     region ``i`` into the decode's region ``i``, whatever layers share them, so a layer's
     state would land in another layer's. The error names the first such region and both
     sides' ``(layer, role)`` lists."""
-    from kvplan._errors import IncompatiblePeerError
-
     if local is None or not isinstance(sent, dict) or not isinstance(sent.get("layout"), dict):
         return
     mine = local.layout.to_dict()
@@ -724,17 +710,27 @@ def check_region_layers(worker: Any, local: Any, sent: Any, peer: str) -> None:
               f"holds {list(ours[where]) if where < len(ours) else 'nothing'} "
               f"({len(peers)} regions against {len(ours)}): a layer's state would land in "
               f"another's")
+    raise _refusal(worker, local, sent, peer, "region_layers", reason)
+
+
+def _refusal(worker: Any, local: Any, sent: dict[str, Any], peer: str, refused_by: str,
+             reason: str) -> Exception:
+    """The decode's refusal of prefill ``peer`` for ``reason`` (an
+    :class:`kvplan.IncompatiblePeerError` naming both classes), logged at ERROR once per
+    peer and ``refused_by``."""
+    from kvplan._errors import IncompatiblePeerError
+
     err = IncompatiblePeerError(
         f"kvplan refuses transfers with peer {peer}: prefill {sent.get('class_id', '?')} "
         f"({peer}) -> decode {local.class_id} (here): {reason}")
     err.peer, err.local_class_id = peer, local.class_id
     err.peer_class_id, err.local_role = str(sent.get("class_id", "")), "decode"
-    err.refused_by, err.reason = "region_layers", reason
-    said = worker.__dict__.setdefault("_kvplan_region_refusals", set())
-    if peer not in said:
-        said.add(peer)
+    err.refused_by, err.reason = refused_by, reason
+    said = worker.__dict__.setdefault("_kvplan_refusals_said", set())
+    if (peer, refused_by) not in said:
+        said.add((peer, refused_by))
         logger.error("%s", err)
-    raise err
+    return err
 
 
 def identity_handshake(worker_class: type) -> Any:
