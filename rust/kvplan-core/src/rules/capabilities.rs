@@ -171,6 +171,15 @@ pub const SUPPORT: [(Planner, u8); 7] = {
     use Feature::{
         Delta, PagesWithState, PoolRange, Ring, SlicedState, StateSlot, TokenPlan, Window,
     };
+    let staged = bits(&[
+        StateSlot,
+        Window,
+        TokenPlan,
+        Ring,
+        PoolRange,
+        PagesWithState,
+        SlicedState,
+    ]);
     [
         (
             Planner::Plan,
@@ -208,31 +217,9 @@ pub const SUPPORT: [(Planner, u8); 7] = {
         // pages, gathered, sent and scattered like them. (A staged plan whose decode region
         // is laid out in page-entry slots, several writers or prefill PP, has no slot for
         // them and refuses such a request as a geometry error; rounds place by stream offset.)
-        (
-            Planner::Staged,
-            bits(&[
-                StateSlot,
-                Window,
-                TokenPlan,
-                Ring,
-                PoolRange,
-                PagesWithState,
-                SlicedState,
-            ]),
-        ),
+        (Planner::Staged, staged),
         // Rounds are cut from the staged plan, so they plan exactly what it plans.
-        (
-            Planner::Rounds,
-            bits(&[
-                StateSlot,
-                Window,
-                TokenPlan,
-                Ring,
-                PoolRange,
-                PagesWithState,
-                SlicedState,
-            ]),
-        ),
+        (Planner::Rounds, staged),
         (Planner::Descriptors, bits(&[StateSlot])),
     ]
 };
