@@ -225,11 +225,13 @@ def send_kvcache_slice(
             f"[{mooncake_session_id}] slice size ({num_heads * g.head_bytes}) exceeds "
             f"target token slot size ({slot})")
         return -1
-    if staging_of(self) is not None and dst_ids is None \
-            and not published_ids(self.kv_args.kv_layer_ids) and len(items) % 2 == 0:
+    # with layer ids (either side) the open message carries the decode entry each of this
+    # rank's entries fills (the direct template's pairs: ``stages.pp_stage``)
+    if staging_of(self) is not None and len(items) % 2 == 0:
         staged = maybe_send(
             self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-            kind="mha_slice", dst_item=int(dst_kv_item_len), slice_geometry=dict(
+            kind="mha_slice", dst_layer_ids=dst_layer_ids, dst_item=int(dst_kv_item_len),
+            slice_geometry=dict(
                 kv_heads=g.heads, prefill_tp=g.tp_p, prefill_rank=g.r_p, decode_tp=g.tp_d,
                 decode_rank=g.r_d, page_size=g.page, head_dim=g.head_bytes, dtype_size=1,
                 num_layers=len(items) // 2, prefill_item_lens=items))

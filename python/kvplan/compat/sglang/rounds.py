@@ -32,8 +32,9 @@ The pieces, per manager (``manager._kvplan_staging``, a :class:`SglangStaging`):
 Supported geometries: MLA-style pools (one item per page per entry, paired by layer id or
 position), MHA NHD between TP sizes (head-sliced, SGLang's slot order) and a prefill at DCP 1
 sending one decode DCP rank its dealt tokens (``send_kvcache_dcp``), prefill PP 1; MLA-style
-pools and MHA slices also from a stage of a prefill PP (:mod:`kvplan.compat.sglang.stages`:
-the open message names the decode entry each of the stage's entries fills). Any other request
+pools and MHA slices also from a stage of a prefill PP, and MHA slices with published layer
+ids (:mod:`kvplan.compat.sglang.stages`: the open message names the decode entry each of the
+stage's entries fills). Any other request
 keeps the direct path. The KV pools are reached as host memory; device pools
 need the torch executor's gather and scatter, which this drop-in does not call yet.
 """
@@ -152,10 +153,10 @@ def _template(geometry: dict[str, Any], prefill: tuple[list[int], list[int]] | N
 
         g = dict(geometry["template"])
         stage = geometry.get("stage")
-        if stage:  # a prefill PP stage: its slots' decode slots, its share of the arena
+        if stage:  # a prefill PP stage, or layer ids: its slots' decode slots, its share
             if decode is None:
-                raise KvPlanError("kvplan staging: a prefill PP stage's head-sliced template "
-                                  "needs the decode's pools")
+                raise KvPlanError("kvplan staging: a head-sliced template paired by the "
+                                  "prefill's stage needs the decode's pools")
             src_ids, dst_ids = stage_slot_ids(stage, len(decode[0])) or ([], [])
             g.update(prefill_pp_size=int(stage["pp_size"]), prefill_pp_rank=int(stage["pp_rank"]),
                      prefill_slot_ids=src_ids, decode_slot_ids=dst_ids)

@@ -65,9 +65,10 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     Both sides are MHA pools in SGLang's staging slot order (every K layer, then every V
     layer), NHD, ``page_size`` tokens per page, ``kv_heads`` KV heads of ``head_dim`` elements
     of ``dtype_size`` bytes, split over each side's TP as SGLang splits them (``max(1, heads //
-    tp)`` per rank). Prefill PP 1 pairs slot ``i`` with decode slot ``i`` (``num_layers`` layers
-    on both sides); prefill PP > 1 pairs by the slots' layer ids (``prefill_slot_ids``,
-    ``decode_slot_ids``), occurrences in order, as SGLang's ``build_transfer_entry_pairs``;
+    tp)`` per rank). Prefill PP 1 without slot ids pairs slot ``i`` with decode slot ``i``
+    (``num_layers`` layers on both sides); prefill PP > 1, or both sides' slot ids given, pairs
+    by the slots' layer ids (``prefill_slot_ids``, ``decode_slot_ids``), occurrences in order,
+    as SGLang's ``build_transfer_entry_pairs``;
     ``prefill_pp_rank`` is the stage's rank, which gives it its own share of the decode's arena
     in staged rounds (the stages write one decode arena at once).
 
@@ -99,7 +100,8 @@ def staged_template(*, kv_heads: int, prefill_tp: int, prefill_rank: int, decode
     src_hpr, dst_hpr = _core.heads_per_rank(heads, tp_p), _core.heads_per_rank(heads, tp_d)
     head_bytes = int(head_dim) * int(dtype_size)
     n_src = 2 * int(num_layers)
-    by_id = int(prefill_pp_size) > 1
+    by_id = int(prefill_pp_size) > 1 or (prefill_slot_ids is not None
+                                         and decode_slot_ids is not None)
     src_ids = list(prefill_slot_ids) if by_id and prefill_slot_ids is not None else None
     dst_ids = list(decode_slot_ids) if by_id and decode_slot_ids is not None else None
     n_dst = len(dst_ids) if dst_ids is not None else int(decode_slots or n_src)
