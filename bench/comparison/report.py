@@ -42,6 +42,8 @@ OTHER_RECORDS = [
     "- [vllm-dropin.md](vllm-dropin.md): vLLM's `_build_transfer_params` vs the patched method per request (`bench/vllm_dropin.py`).",
     "- [vllm-nixl-request.md](vllm-nixl-request.md): vLLM's NIXL per-request functions vs kvplan descriptors on real agents (`bench/vllm_nixl_request.py`).",
     "- [model-results.md](model-results.md): the core before and after the one-piece address model, alternating builds in one run (commands inside).",
+    "- [build-ab.md](build-ab.md): the core before and after the fourth house pass, two builds "
+    "interleaved in one process (`bench/build_ab.py`).",
     "- [streaming-results.md](streaming-results.md): layer-wise streaming over Mooncake TCP and "
     "NIXL, transfer tail against the loopback bandwidth of the same run, and per-slice slicing "
     "and submitter cost (`bench/streaming.py`).",
