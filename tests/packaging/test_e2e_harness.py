@@ -263,16 +263,19 @@ def test_the_wheel_build_holds_dev_builds_lock(tmp_path: Path,
 def test_a_hung_server_leaves_its_stacks(tmp_path: Path) -> None:
     if harness.py_spy() is None:
         pytest.skip("no py-spy on PATH or in a cached e2e venv")
+    # "up" is printed from inside hang_here, so once it is in the log the stack holds the
+    # frame; the wait for it is bounded only by the child's own sleep (a loaded machine can
+    # take seconds to start Python).
     server = harness.Server("sleeper", [sys.executable, "-c",
-                                        "import time\ndef hang_here():\n    time.sleep(60)\n"
-                                        "print('up', flush=True)\nhang_here()"],
+                                        "import time\ndef hang_here():\n"
+                                        "    print('up', flush=True)\n    time.sleep(600)\n"
+                                        "hang_here()"],
                             0, {}, tmp_path).start()
     try:
-        deadline = 50
-        while "up" not in server.log_since(0) and deadline:
-            import time
+        import time
+        while "up" not in server.log_since(0):
+            assert server.proc.poll() is None, server.log_since(0)
             time.sleep(0.1)
-            deadline -= 1
         note = harness.dump_stacks(server, "test")
     finally:
         server.stop(grace_s=5)
