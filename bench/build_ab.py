@@ -41,7 +41,8 @@ import numpy as np  # noqa: E402
 from harness.machine import lscpu  # noqa: E402  (also: tests/ on sys.path)
 from harness.timing import interleaved  # noqa: E402
 
-from comparison.scenarios import Built, build, scenario  # noqa: E402
+from comparison.scenarios import build, scenario  # noqa: E402
+from comparison.sides import kvplan_template  # noqa: E402
 
 DIRECT = ("dsv3-p1-32k-f100", "dsv3-p1-32k-f5", "dsv3-p64-32k-f5", "qwen3-p1-32k-f100",
           "hybrid-pp2s1-p1-32k-f100", "dsv3-single-61")
@@ -62,30 +63,6 @@ def load_build(path: str, package: str = "kvplan_baseline") -> types.ModuleType:
     return module
 
 
-def template_of(core: types.ModuleType, b: Built) -> Any:
-    """The scenario's template built through ``core``'s own classes."""
-    sc = b.sc
-    ctx = dict(page_size=sc.page_size)
-    if sc.kind == "mla":
-        src = core.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens, **ctx)
-        dst = core.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens, **ctx)
-        fallback = sc.pp_size == 1
-    elif sc.kind == "mha":
-        h, hd = len(b.src_ptrs) // 2, len(b.dst_ptrs) // 2
-        src = core.Layout.mha(b.src_ptrs[:h], b.src_ptrs[h:], b.src_lens[:h], b.src_lens[h:],
-                              b.item_lens[:h], b.item_lens[h:], **ctx)
-        dst = core.Layout.mha(b.dst_ptrs[:hd], b.dst_ptrs[hd:], b.dst_lens[:hd],
-                              b.dst_lens[hd:], b.dst_item_lens[:hd], b.dst_item_lens[hd:], **ctx)
-        fallback = sc.pp_size == 1
-    else:
-        src = core.Layout.hybrid_linear(sc.src_ids, b.src_ptrs, b.src_lens, b.item_lens,
-                                        mla=False, pp_rank=sc.pp_rank, pp_size=sc.pp_size, **ctx)
-        dst = core.Layout.hybrid_linear(sc.dst_ids, b.dst_ptrs, b.dst_lens, b.dst_item_lens,
-                                        mla=False, **ctx)
-        fallback = False
-    return core.Template(src, dst, core.Pairing.by_layer_id(allow_positional_fallback=fallback))
-
-
 def columns(plan: Any) -> np.ndarray:
     return np.stack([np.asarray(plan.src_addrs), np.asarray(plan.dst_addrs),
                      np.asarray(plan.lengths)])
@@ -99,7 +76,7 @@ def workloads(cores: dict[str, types.ModuleType], quick: bool
         b = build(scenario(key) if not quick or key == "dsv3-single-61" else _quick(key))
         calls = {}
         for name, core in cores.items():
-            t = template_of(core, b)
+            t = kvplan_template(core, b)
             calls[name] = (lambda t=t, b=b: t.plan(b.src_pages, b.dst_pages))
         _same(key, {n: columns(c()) for n, c in calls.items()})
         out[f"plan {key}"] = calls
@@ -109,7 +86,7 @@ def workloads(cores: dict[str, types.ModuleType], quick: bool
              for i in range(0, 8 * step, step)]
     calls = {}
     for name, core in cores.items():
-        t = template_of(core, b)
+        t = kvplan_template(core, b)
         calls[name] = (lambda t=t: t.plan_batch(batch))
     _same("batch", {n: columns(c()) for n, c in calls.items()})
     out["plan_batch dsv3-p1-4k-f100 as 8 requests"] = calls
@@ -117,7 +94,7 @@ def workloads(cores: dict[str, types.ModuleType], quick: bool
     staging = dict(src_staging=(1 << 50, bytes_needed), dst_staging=(1 << 51, bytes_needed))
     calls = {}
     for name, core in cores.items():
-        t = template_of(core, b)
+        t = kvplan_template(core, b)
         calls[name] = (lambda t=t: t.plan_staged(b.src_pages, b.dst_pages, **staging))
     _same("staged", {n: np.concatenate([columns(c().gather), columns(c().network),
                                          columns(c().scatter)], axis=1)

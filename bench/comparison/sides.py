@@ -3,6 +3,8 @@ the check that their blocks are identical."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from support import sglang_loader
 
@@ -45,32 +47,35 @@ class SGLangSide:
         self.m_hand.engine.calls.clear()
 
 
+def kvplan_template(core: Any, b: Built) -> Any:
+    """The scenario's template built through ``core``'s classes (``kvplan``, or another build's
+    ``_core`` module: ``bench/build_ab.py``)."""
+    sc = b.sc
+    ctx = dict(page_size=sc.page_size)
+    if sc.kind == "mla":
+        src = core.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens, **ctx)
+        dst = core.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens, **ctx)
+        fallback = sc.pp_size == 1
+    elif sc.kind == "mha":
+        h, hd = len(b.src_ptrs) // 2, len(b.dst_ptrs) // 2
+        src = core.Layout.mha(b.src_ptrs[:h], b.src_ptrs[h:], b.src_lens[:h], b.src_lens[h:],
+                              b.item_lens[:h], b.item_lens[h:], **ctx)
+        dst = core.Layout.mha(b.dst_ptrs[:hd], b.dst_ptrs[hd:], b.dst_lens[:hd],
+                              b.dst_lens[hd:], b.dst_item_lens[:hd], b.dst_item_lens[hd:], **ctx)
+        fallback = sc.pp_size == 1
+    else:
+        src = core.Layout.hybrid_linear(sc.src_ids, b.src_ptrs, b.src_lens, b.item_lens,
+                                        mla=False, pp_rank=sc.pp_rank, pp_size=sc.pp_size, **ctx)
+        dst = core.Layout.hybrid_linear(sc.dst_ids, b.dst_ptrs, b.dst_lens, b.dst_item_lens,
+                                        mla=False, **ctx)
+        fallback = False
+    return core.Template(src, dst, core.Pairing.by_layer_id(allow_positional_fallback=fallback))
+
+
 class KvplanSide:
     def __init__(self, b: Built):
-        sc = b.sc
         self.b = b
-        ctx = dict(page_size=sc.page_size)
-        if sc.kind == "mla":
-            src = kvplan.Layout.mla(b.src_ptrs, b.src_lens, b.item_lens, **ctx)
-            dst = kvplan.Layout.mla(b.dst_ptrs, b.dst_lens, b.dst_item_lens, **ctx)
-            fallback = sc.pp_size == 1
-        elif sc.kind == "mha":
-            h, hd = len(b.src_ptrs) // 2, len(b.dst_ptrs) // 2
-            src = kvplan.Layout.mha(b.src_ptrs[:h], b.src_ptrs[h:], b.src_lens[:h], b.src_lens[h:],
-                                    b.item_lens[:h], b.item_lens[h:], **ctx)
-            dst = kvplan.Layout.mha(b.dst_ptrs[:hd], b.dst_ptrs[hd:], b.dst_lens[:hd],
-                                    b.dst_lens[hd:], b.dst_item_lens[:hd], b.dst_item_lens[hd:],
-                                    **ctx)
-            fallback = sc.pp_size == 1
-        else:
-            src = kvplan.Layout.hybrid_linear(sc.src_ids, b.src_ptrs, b.src_lens, b.item_lens,
-                                              mla=False, pp_rank=sc.pp_rank, pp_size=sc.pp_size,
-                                              **ctx)
-            dst = kvplan.Layout.hybrid_linear(sc.dst_ids, b.dst_ptrs, b.dst_lens,
-                                              b.dst_item_lens, mla=False, **ctx)
-            fallback = False
-        self.template = kvplan.Template(
-            src, dst, kvplan.Pairing.by_layer_id(allow_positional_fallback=fallback))
+        self.template = kvplan_template(kvplan, b)
         self.s, self.d = b.src_pages, b.dst_pages
         first = self.template.plan(self.s, self.d)
         self.n_blocks = int(first.n_blocks)

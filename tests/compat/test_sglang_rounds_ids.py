@@ -22,12 +22,16 @@ from support.sglang_rounds import (
     Engine,
     Net,
     Peer,
+    assert_disjoint_shares,
     attach_staging,
+    concurrently,
+    head_sliced_stages_expected,
+    opened_streams,
     register_decode,
+    scattered_pages,
     sglang_installed,  # noqa: F401 (the fixture sg)
+    sglangs_own,
 )
-from test_sglang_rounds_pp import _assert_disjoint_shares, _concurrently, _opened, _pages, \
-    _sglangs_own
 
 HEADS, TP_P, TP_D, PAGE, HEAD_BYTES, CAP, PAGES, LAYERS = 4, 2, 1, 4, 64, 96, 40, 4
 SRC_ITEM, DST_ITEM = PAGE * (HEADS // TP_P) * HEAD_BYTES, PAGE * HEADS * HEAD_BYTES
@@ -75,34 +79,26 @@ def test_tp2_mha_slices_with_layer_ids_stage_as_sglangs_own_path(
     try:
         net = Net([dec, *pres])
         d = attach_staging(_decode(sg, dec, decode_ids), dec, net)
-        opened = _opened(d)
+        opened = opened_streams(d)
         mgrs = [_prefill(sg, pre, pp, s, r) for (s, r), pre in zip(ranks, pres)]
         staging = [attach_staging(m, pre, net) for m, pre in zip(mgrs, pres)]
         for p in staging:
             assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
-        src, dst = _pages(5 + pp, CAP, PAGES)
-        assert _concurrently([_sender(m, dec, src, dst, decode_ids) for m in mgrs]) == [0] * len(mgrs)
+        src, dst = scattered_pages(5 + pp, CAP, PAGES)
+        assert concurrently([_sender(m, dec, src, dst, decode_ids) for m in mgrs]) == [0] * len(mgrs)
         for p in staging:
             kind, report = p.last[dec.session]
             assert kind == "staged", (kind, report)
         assert len(opened) == len(ranks) and all(r.loaded for r in opened)
-        _assert_disjoint_shares(opened)
+        assert_disjoint_shares(opened)
         staged = dec.memory.copy()
-        # oracle: decode K entry l (V entry LAYERS + l), heads of rank r, from the K (V)
-        # entry l - s * per_stage of stage s = l // per_stage, TP rank r; NHD items
-        got = staged.reshape(2, LAYERS, CAP, PAGE, HEADS, HEAD_BYTES)
-        want = np.zeros_like(got)
-        per = HEADS // TP_P
-        for (s, r), pre in zip(ranks, pres):
-            have = pre.memory.reshape(2, per_stage, CAP, PAGE, per, HEAD_BYTES)
-            layers = slice(s * per_stage, (s + 1) * per_stage)
-            want[:, layers, dst.astype(np.int64), :, r * per:(r + 1) * per] = \
-                have[:, :, src.astype(np.int64)]
-        np.testing.assert_array_equal(got, want)
+        want = head_sliced_stages_expected((2, LAYERS, CAP, PAGE, HEADS, HEAD_BYTES), ranks,
+                                           pres, src, dst, per_stage)
+        np.testing.assert_array_equal(staged.reshape(want.shape), want)
         for mgr in mgrs:
             rounds.detach(mgr)
         dec.memory[:] = 0
-        assert _sglangs_own(sg, [_sender(m, dec, src, dst, decode_ids) for m in mgrs]) == [0] * len(mgrs)
+        assert sglangs_own(sg, [_sender(m, dec, src, dst, decode_ids) for m in mgrs]) == [0] * len(mgrs)
         np.testing.assert_array_equal(dec.memory, staged)
     finally:
         for p in (dec, *pres):
@@ -121,7 +117,7 @@ def test_a_decode_missing_a_layer_refuses_on_sglangs_failure_path(sg: Any) -> No
         mgr = _prefill(sg, pre, 1, 0, 0)
         p = attach_staging(mgr, pre, net)
         register_decode(p, d, dec.session)
-        src, dst = _pages(9, CAP, PAGES)
+        src, dst = scattered_pages(9, CAP, PAGES)
         before = dec.memory.copy()
         assert _sender(mgr, dec, src, dst, DECODE_IDS)() == -1
         kind, err = p.last[dec.session]

@@ -9,17 +9,13 @@ at once. What lands is compared byte for byte with SGLang's own direct path (its
 
 from __future__ import annotations
 
-import threading
 import types
 from typing import Any
 
 import numpy as np
 
-from kvplan.compat import sglang as compat
 from kvplan.compat.sglang import rounds
-from kvplan.presets import fragmented_pages
 from kvplan.staging import StagingAgreement
-from kvplan.staging.receiver import arena_claim, claims_overlap
 from support.sglang_loader import InlineExecutor
 from support.sglang_models import load_loader
 from support.sglang_rounds import (
@@ -28,67 +24,19 @@ from support.sglang_rounds import (
     Engine,
     Net,
     Peer,
+    assert_disjoint_shares,
     attach_staging,
+    concurrently,
+    head_sliced_stages_expected,
+    opened_streams,
     register_decode,
+    scattered_pages,
     sglang_installed,  # noqa: F401 (the fixture sg)
+    sglangs_own,
 )
 
 PP, STAGE_LAYERS = 2, 2
 LAYERS = PP * STAGE_LAYERS
-
-
-def _pages(seed: int, cap: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    src = np.random.default_rng(seed).permutation(cap)[:n].astype(np.int32)
-    dst = fragmented_pages(n, 1.0, seed=seed, shuffle_runs=True, capacity=cap).astype(np.int32)
-    return src, dst
-
-
-def _opened(decode: Any) -> list[Any]:
-    """Every decode stream the open messages start (a spy on the decode's ``_open``)."""
-    opened: list[Any] = []
-    real_open = decode._open
-
-    def spy(body: bytes) -> None:
-        known = set(decode.receivers)
-        real_open(body)
-        opened.extend(r for k, r in list(decode.receivers.items()) if k not in known)
-
-    decode._open = spy
-    return opened
-
-
-def _concurrently(sends: list[Any]) -> list[int]:
-    """Every send on its own thread, all started together (as SGLang's PP stages run)."""
-    codes: list[int] = [-99] * len(sends)
-    start = threading.Barrier(len(sends))
-
-    def run(i: int) -> None:
-        start.wait()
-        codes[i] = int(sends[i]())
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sends))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return codes
-
-
-def _sglangs_own(sg: Any, sends: list[Any]) -> list[int]:
-    """The sends through SGLang's own methods (kvplan uninstalled from the class), one by
-    one; kvplan is installed again after."""
-    compat.uninstall(sg.MooncakeKVManager)
-    try:
-        return [int(send()) for send in sends]
-    finally:
-        compat.install(sg.MooncakeKVManager)
-
-
-def _assert_disjoint_shares(streams: list[Any]) -> None:
-    claims = [arena_claim(r.rounds) for r in streams]
-    for a in range(len(claims)):
-        for b in range(a + 1, len(claims)):
-            assert not claims_overlap(claims[a], claims[b]), (a, b, claims[a], claims[b])
 
 
 # ------------------------------------------------------------------------------- MLA
@@ -123,23 +71,23 @@ def test_pp2_mla_stages_land_as_sglangs_own_path_each_in_its_own_share(sg: Any) 
     try:
         net = Net([dec, *(pre for pre, _, _ in stages)])
         d = attach_staging(_mla_decode(sg, dec), dec, net)
-        opened = _opened(d)
+        opened = opened_streams(d)
         staging = [attach_staging(mgr, pre, net) for pre, mgr, _ in stages]
         for p in staging:
             assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
-        src, dst = _pages(11, CAP, 300)
+        src, dst = scattered_pages(11, CAP, 300)
 
         def sender(mgr: Any) -> Any:
             return lambda: mgr.send_kvcache(dec.session, src, dec.ptrs, dst, InlineExecutor(),
                                             dst_layer_ids=[])
 
-        assert _concurrently([sender(mgr) for _, mgr, _ in stages]) == [0] * PP
+        assert concurrently([sender(mgr) for _, mgr, _ in stages]) == [0] * PP
         for p in staging:
             kind, report = p.last[dec.session]
             assert kind == "staged" and report.rounds >= 2, (kind, report)
         assert len(opened) == PP and all(r.loaded for r in opened)
         assert sorted(r.writer for r in opened) == list(range(PP))  # one share per stage
-        _assert_disjoint_shares(opened)
+        assert_disjoint_shares(opened)
         staged = dec.memory.copy()
         # oracle: decode entry stage * STAGE_LAYERS + k holds the stage's entry k
         want = np.zeros_like(staged).reshape(LAYERS, CAP, ITEM)
@@ -152,7 +100,7 @@ def test_pp2_mla_stages_land_as_sglangs_own_path_each_in_its_own_share(sg: Any) 
         for _, mgr, _ in stages:
             rounds.detach(mgr)
         dec.memory[:] = 0
-        assert _sglangs_own(sg, [sender(mgr) for _, mgr, _ in stages]) == [0] * PP
+        assert sglangs_own(sg, [sender(mgr) for _, mgr, _ in stages]) == [0] * PP
         np.testing.assert_array_equal(dec.memory, staged)
     finally:
         for p in (dec, *(pre for pre, _, _ in stages)):
@@ -171,7 +119,7 @@ def test_stage_layers_the_decode_does_not_hold_are_refused_on_sglangs_failure_pa
         d = attach_staging(_mla_decode(sg, dec, entries=STAGE_LAYERS), dec, net)
         p = attach_staging(mgr, pre, net)
         register_decode(p, d, dec.session)
-        src, dst = _pages(12, CAP, 300)
+        src, dst = scattered_pages(12, CAP, 300)
         before = dec.memory.copy()
         assert mgr.send_kvcache(dec.session, src, dec.ptrs, dst, InlineExecutor(),
                                 dst_layer_ids=[]) == -1
@@ -212,7 +160,7 @@ def test_pp2_tp2_mha_slices_land_as_sglangs_own_path_each_writer_its_own_share(
         net = Net([dec, *pres])
         d = attach_staging(loader.manager_object(sg, sg.MooncakeKVManager, kv_args=dkv,
                                                  attn_tp_size=TP_D), dec, net)
-        opened = _opened(d)
+        opened = opened_streams(d)
         mgrs, staging = [], []
         for (s, r), pre in zip(ranks, pres):
             kv = types.SimpleNamespace(
@@ -228,32 +176,24 @@ def test_pp2_tp2_mha_slices_land_as_sglangs_own_path_each_writer_its_own_share(
             assert isinstance(register_decode(p, d, dec.session), StagingAgreement)
             mgrs.append(mgr)
             staging.append(p)
-        src, dst = _pages(3, MHA_CAP, PAGES)
+        src, dst = scattered_pages(3, MHA_CAP, PAGES)
 
         def sender(mgr: Any) -> Any:
             return lambda: mgr.send_kvcache_slice(dec.session, src, dec.ptrs, dst, 0, TP_D, di,
                                                   InlineExecutor(), [])
 
-        assert _concurrently([sender(m) for m in mgrs]) == [0] * len(mgrs)
+        assert concurrently([sender(m) for m in mgrs]) == [0] * len(mgrs)
         assert all(p.last[dec.session][0] == "staged" for p in staging)
         assert len(opened) == len(ranks) and all(r.loaded for r in opened)
-        _assert_disjoint_shares(opened)
+        assert_disjoint_shares(opened)
         staged = dec.memory.copy()
-        # oracle: decode K slot l (V slot LAYERS + l), heads of rank r, from stage l // 2's
-        # K (V) slot l % 2 of TP rank r, NHD items
-        got = staged.reshape(2, LAYERS, MHA_CAP, PAGE, HEADS, HEAD_BYTES)
-        want = np.zeros_like(got)
-        per = HEADS // TP_P
-        for (s, r), pre in zip(ranks, pres):
-            have = pre.memory.reshape(2, STAGE_LAYERS, MHA_CAP, PAGE, per, HEAD_BYTES)
-            layers = slice(s * STAGE_LAYERS, (s + 1) * STAGE_LAYERS)
-            want[:, layers, dst.astype(np.int64), :, r * per:(r + 1) * per] = \
-                have[:, :, src.astype(np.int64)]
-        np.testing.assert_array_equal(got, want)
+        want = head_sliced_stages_expected((2, LAYERS, MHA_CAP, PAGE, HEADS, HEAD_BYTES), ranks,
+                                           pres, src, dst, STAGE_LAYERS)
+        np.testing.assert_array_equal(staged.reshape(want.shape), want)
         for mgr in mgrs:
             rounds.detach(mgr)
         dec.memory[:] = 0
-        assert _sglangs_own(sg, [sender(m) for m in mgrs]) == [0] * len(mgrs)
+        assert sglangs_own(sg, [sender(m) for m in mgrs]) == [0] * len(mgrs)
         np.testing.assert_array_equal(dec.memory, staged)
     finally:
         for p in (dec, *pres):

@@ -21,6 +21,7 @@ from kvplan.compat.sglang import rounds
 from kvplan.engines import MooncakeTransport
 from kvplan.presets import fragmented_pages
 from kvplan.staging import StagingConfig
+from kvplan.staging.receiver import arena_claim, claims_overlap
 from support.sglang_loader import InlineExecutor
 from support.sglang_models import load_loader, load_sglang_or_fail
 
@@ -170,3 +171,79 @@ def mla_expected(pre: Peer, dec_before: np.ndarray, src: np.ndarray, dst: np.nda
 def send_mla(mgr: Any, dec: Peer, src: np.ndarray, dst: np.ndarray) -> int:
     return int(mgr.send_kvcache(dec.session, src, dec.ptrs, dst, InlineExecutor(),
                                 dst_layer_ids=list(range(LAYERS))))
+
+
+# -------------------------------------------- several senders into one decode (PP, TP, ids)
+def scattered_pages(seed: int, cap: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` prefill pages drawn from ``cap`` and as many fully fragmented decode pages."""
+    src = np.random.default_rng(seed).permutation(cap)[:n].astype(np.int32)
+    dst = fragmented_pages(n, 1.0, seed=seed, shuffle_runs=True, capacity=cap).astype(np.int32)
+    return src, dst
+
+
+def opened_streams(decode: Any) -> list[Any]:
+    """Every decode stream the open messages start (a spy on the decode's ``_open``)."""
+    opened: list[Any] = []
+    real_open = decode._open
+
+    def spy(body: bytes) -> None:
+        known = set(decode.receivers)
+        real_open(body)
+        opened.extend(r for k, r in list(decode.receivers.items()) if k not in known)
+
+    decode._open = spy
+    return opened
+
+
+def concurrently(sends: list[Any]) -> list[int]:
+    """Every send on its own thread, all started together (as SGLang's PP stages run)."""
+    codes: list[int] = [-99] * len(sends)
+    start = threading.Barrier(len(sends))
+
+    def run(i: int) -> None:
+        start.wait()
+        codes[i] = int(sends[i]())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sends))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return codes
+
+
+def sglangs_own(sg: Any, sends: list[Any]) -> list[int]:
+    """The sends through SGLang's own methods (kvplan uninstalled from the class), one by
+    one; kvplan is installed again after."""
+    compat.uninstall(sg.MooncakeKVManager)
+    try:
+        return [int(send()) for send in sends]
+    finally:
+        compat.install(sg.MooncakeKVManager)
+
+
+def assert_disjoint_shares(streams: list[Any]) -> None:
+    """No two streams' decode arena claims overlap."""
+    claims = [arena_claim(r.rounds) for r in streams]
+    for a in range(len(claims)):
+        for b in range(a + 1, len(claims)):
+            assert not claims_overlap(claims[a], claims[b]), (a, b, claims[a], claims[b])
+
+
+def head_sliced_stages_expected(staged_shape: tuple[int, ...], senders: list[tuple[int, int]],
+                                prefills: list[Any], src: np.ndarray, dst: np.ndarray,
+                                stage_layers: int) -> np.ndarray:
+    """The decode pool an MHA head-sliced transfer from every (PP stage, TP rank) in
+    ``senders`` leaves, from the layout alone: decode K entry l (V entry ``layers + l``),
+    heads of rank r, from the K (V) entry ``l - s * stage_layers`` of stage
+    ``s = l // stage_layers``, TP rank r; NHD items. ``staged_shape`` is the decode pool as
+    ``(2, layers, cap, page, heads, head_bytes)``."""
+    _, _, cap, page, heads, head_bytes = staged_shape
+    want = np.zeros(staged_shape, dtype=prefills[0].memory.dtype)
+    per = heads // (max(r for _, r in senders) + 1)
+    for (s, r), pre in zip(senders, prefills):
+        have = pre.memory.reshape(2, stage_layers, cap, page, per, head_bytes)
+        layers = slice(s * stage_layers, (s + 1) * stage_layers)
+        want[:, layers, dst.astype(np.int64), :, r * per:(r + 1) * per] = \
+            have[:, :, src.astype(np.int64)]
+    return want
