@@ -550,7 +550,7 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
             layouts = peer.layouts[g]
             src = kvplan._core.index_array(local)
             dst = kvplan._core.index_array(remote_ids)
-            pages: Any = (src, dst)
+            pages: Any = kvplan.Request(src, dst)
         elif used:  # several KV groups (templates): one request of every group's pages
             joined = _grouped_request(worker, peer, used, remote, session)
             if joined is None:
@@ -567,8 +567,7 @@ def staged_requests(worker: Any, agent_meta: Any, peer: Any,
         if not choice.staged:
             continue
         try:  # planned here, before anything is sent: a request kvplan cannot stage stays direct
-            rounds = template.plan_rounds(src, dst, **arenas) if grouped is None else \
-                template.plan_rounds(pages, **arenas)
+            rounds = template.plan_rounds(pages, **arenas)
         except kvplan.KvPlanError as exc:
             logger.warning("req %s: kvplan could not plan staged rounds (%s: %s); direct path",
                            request, type(exc).__name__, exc)
@@ -697,8 +696,8 @@ def _decode_rounds(staging: WorkerStaging, opening: dict[str, Any],
                                 f"{agreement.reason}", writer=int(opening["writer"]))
     arenas: dict[str, Any] = dict(src_arena=agreement.src_arena,
                                   dst_arena=staging.arena.region, buffers=agreement.buffers)
-    return template, template.plan_rounds(src, dst, **arenas) if grouped is None else \
-        template.plan_rounds(grouped.request(), **arenas)
+    request = kvplan.Request(src, dst) if grouped is None else grouped.request()
+    return template, template.plan_rounds(request, **arenas)
 
 
 def _opened_groups(opening: dict[str, Any], src_layout: kvplan.Layout,

@@ -94,7 +94,7 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
         src_layout, dst_layout = peer.layout, layout
         src = kvplan._core.index_array(list(remote_ids[0]))
         dst = kvplan._core.index_array(list(local_ids[0]))
-        request = (src, dst)
+        request = kvplan.Request(src, dst)
     else:  # one request of every group's pages, its regions a pool each where they are
         page = GroupedRead.pool_page_size(peer.layout, layout)
         src_layout, dst_layout = grouped.layout(peer.layout, page), grouped.layout(layout, page)
@@ -107,8 +107,7 @@ def staged_read(worker: Any, read_spec: Any, dst_engine_id: str, request_id: str
     try:
         arenas = dict(src_arena=agreement.src_arena, dst_arena=agreement.dst_arena,
                       buffers=agreement.buffers)
-        rounds = template.plan_rounds(src, dst, **arenas) if grouped is None else \
-            template.plan_rounds(request, **arenas)
+        rounds = template.plan_rounds(request, **arenas)
         scatter = local_copy([state.arena.array], kv_buffers(worker))
     except kvplan.KvPlanError as exc:
         if grouped is not None and exc.kind == "staging_slots":  # a configuration: said once
